@@ -1,0 +1,23 @@
+#ifdef MT_WITH_CUDA
+#include "core/cuda_resources.h"
+
+#include "core/cuda_check.h"
+
+namespace mt {
+
+CudaStreamResources::CudaStreamResources(Device d) : device(d) {
+  MT_CUDA_CHECK(cudaSetDevice(d.index));
+  MT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  MT_CUBLAS_CHECK(cublasLtCreate(&lt));
+  MT_CUDA_CHECK(cudaMalloc(&workspace, kWorkspaceBytes));
+  MT_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, d.index));
+}
+
+CudaStreamResources::~CudaStreamResources() {
+  if (workspace) cudaFree(workspace);
+  if (lt) cublasLtDestroy(lt);
+  if (stream) cudaStreamDestroy(stream);
+}
+
+}  // namespace mt
+#endif

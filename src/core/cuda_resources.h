@@ -1,0 +1,27 @@
+// Per-stream CUDA resources (only with the CUDA backend): the stream, a cuBLASLt handle and a
+// 32 MiB workspace, created together and destroyed together (RAII).
+#pragma once
+#ifdef MT_WITH_CUDA
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include "core/device.h"
+
+namespace mt {
+
+struct CudaStreamResources {
+  explicit CudaStreamResources(Device device);
+  ~CudaStreamResources();
+  CudaStreamResources(const CudaStreamResources&) = delete;
+  CudaStreamResources& operator=(const CudaStreamResources&) = delete;
+
+  static constexpr size_t kWorkspaceBytes = 32u << 20;
+  Device device;
+  cudaStream_t stream = nullptr;
+  cublasLtHandle_t lt = nullptr;
+  void* workspace = nullptr;
+  int num_sms = 0;
+};
+
+}  // namespace mt
+#endif

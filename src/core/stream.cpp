@@ -1,0 +1,124 @@
+#include "core/stream.h"
+
+#include <chrono>
+#include <cstring>
+
+#include "core/buffer.h"
+#ifdef MT_WITH_CUDA
+#include "core/cuda_check.h"
+#include "core/cuda_resources.h"
+#endif
+
+namespace mt {
+
+Stream::Stream(Device device) : device_(device) {
+  if (device.is_cuda()) {
+#ifdef MT_WITH_CUDA
+    set_current_device(device);
+    cuda_ = std::make_unique<CudaStreamResources>(device);
+#else
+    MT_FAIL("device {} requested but this binary was built without CUDA", device.str());
+#endif
+  }
+}
+
+Stream::~Stream() = default;
+Stream::Stream(Stream&&) noexcept = default;
+Stream& Stream::operator=(Stream&&) noexcept = default;
+
+void* Stream::cuda_stream() const {
+#ifdef MT_WITH_CUDA
+  return cuda_ ? static_cast<void*>(cuda_->stream) : nullptr;
+#else
+  return nullptr;
+#endif
+}
+
+void Stream::synchronize() const {
+#ifdef MT_WITH_CUDA
+  if (cuda_) MT_CUDA_CHECK(cudaStreamSynchronize(cuda_->stream));
+#endif
+}
+
+void copy_bytes(void* dst, Device dst_dev, const void* src, Device src_dev, size_t n, const Stream& stream) {
+  if (n == 0) return;
+  if (dst_dev.is_cpu() && src_dev.is_cpu()) {
+    std::memcpy(dst, src, n);
+    return;
+  }
+#ifdef MT_WITH_CUDA
+  MT_CHECK(stream.is_cpu() == false, "copy between {} and {} needs a CUDA stream", dst_dev.str(), src_dev.str());
+  MT_CUDA_CHECK(cudaMemcpyAsync(dst, src, n, cudaMemcpyDefault, static_cast<cudaStream_t>(stream.cuda_stream())));
+#else
+  MT_FAIL("copy to {} from {} needs CUDA, this binary was built without it", dst_dev.str(), src_dev.str());
+#endif
+}
+
+void copy(const Tensor& dst, const Tensor& src, const Stream& stream) {
+  MT_CHECK(dst.dtype() == src.dtype(), "copy dtype mismatch {} <- {}", dst.str(), src.str());
+  MT_CHECK(dst.numel() == src.numel(), "copy numel mismatch {} <- {}", dst.str(), src.str());
+  MT_CHECK(dst.is_contiguous() && src.is_contiguous(), "copy needs contiguous tensors");
+  copy_bytes(dst.data(), dst.device(), src.data(), src.device(), dst.nbytes(), stream);
+}
+
+void memset_tensor(const Tensor& t, int byte, const Stream& stream) {
+  MT_CHECK(t.is_contiguous(), "memset needs a contiguous tensor {}", t.str());
+  if (t.nbytes() == 0) return;
+  if (t.device().is_cpu()) {
+    std::memset(t.data(), byte, t.nbytes());
+    return;
+  }
+#ifdef MT_WITH_CUDA
+  MT_CUDA_CHECK(cudaMemsetAsync(t.data(), byte, t.nbytes(), static_cast<cudaStream_t>(stream.cuda_stream())));
+#endif
+}
+
+Event::Event(Device device) : device_(device) {
+#ifdef MT_WITH_CUDA
+  if (device.is_cuda()) {
+    cudaEvent_t e;
+    MT_CUDA_CHECK(cudaEventCreate(&e));
+    event_ = e;
+  }
+#endif
+}
+
+Event::~Event() {
+#ifdef MT_WITH_CUDA
+  if (event_) cudaEventDestroy(static_cast<cudaEvent_t>(event_));
+#endif
+}
+
+void Event::record(const Stream& stream) {
+  if (device_.is_cpu()) {
+    host_ms_ = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
+    return;
+  }
+#ifdef MT_WITH_CUDA
+  MT_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(event_), static_cast<cudaStream_t>(stream.cuda_stream())));
+#endif
+}
+
+void Event::wait(const Stream& stream) const {
+#ifdef MT_WITH_CUDA
+  if (event_)
+    MT_CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream.cuda_stream()), static_cast<cudaEvent_t>(event_)));
+#endif
+}
+
+void Event::synchronize() const {
+#ifdef MT_WITH_CUDA
+  if (event_) MT_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(event_)));
+#endif
+}
+
+float Event::elapsed_ms_since(const Event& start) const {
+  if (device_.is_cpu()) return static_cast<float>(host_ms_ - start.host_ms_);
+  float ms = 0.f;
+#ifdef MT_WITH_CUDA
+  MT_CUDA_CHECK(cudaEventElapsedTime(&ms, static_cast<cudaEvent_t>(start.event_), static_cast<cudaEvent_t>(event_)));
+#endif
+  return ms;
+}
+
+}  // namespace mt

@@ -1,0 +1,65 @@
+// Streams and events. A CPU stream runs work inline (every op has completed when it returns);
+// a CUDA stream wraps cudaStream_t plus the per-stream cuBLASLt handle and workspace that the
+// matmul op uses. Every launcher and collective takes an explicit Stream.
+#pragma once
+#include <memory>
+
+#include "core/device.h"
+#include "core/tensor.h"
+
+namespace mt {
+
+struct CudaStreamResources;  // defined in core/stream.cpp (cudaStream_t, cublasLt handle, workspace)
+
+class Stream {
+ public:
+  /// Creates a new stream on `device` (CUDA: a non-blocking stream with its own cuBLASLt handle).
+  explicit Stream(Device device = Device::cpu());
+  ~Stream();
+  Stream(Stream&&) noexcept;
+  Stream& operator=(Stream&&) noexcept;
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+
+  Device device() const { return device_; }
+  bool is_cpu() const { return device_.is_cpu(); }
+  /// cudaStream_t as void* (nullptr for CPU).
+  void* cuda_stream() const;
+  CudaStreamResources* cuda() const { return cuda_.get(); }
+  /// Blocks the host until all work queued on the stream has finished.
+  void synchronize() const;
+
+ private:
+  Device device_;
+  std::unique_ptr<CudaStreamResources> cuda_;
+};
+
+/// Copies src into dst (same numel and dtype, both contiguous; any device pair), ordered on
+/// `stream`. Host<->device copies with pageable memory may block.
+void copy(const Tensor& dst, const Tensor& src, const Stream& stream);
+/// Raw byte copy between devices, ordered on `stream`.
+void copy_bytes(void* dst, Device dst_dev, const void* src, Device src_dev, size_t n, const Stream& stream);
+/// Fills the bytes of `t` with `byte` (memset), ordered on `stream`.
+void memset_tensor(const Tensor& t, int byte, const Stream& stream);
+
+/// Host-side timing event (cudaEvent on CUDA, steady clock on CPU).
+class Event {
+ public:
+  explicit Event(Device device);
+  ~Event();
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+  void record(const Stream& stream);
+  /// Makes `stream` wait for this event (no host block).
+  void wait(const Stream& stream) const;
+  void synchronize() const;
+  /// Milliseconds from `start` to this event; both must have completed (call synchronize()).
+  float elapsed_ms_since(const Event& start) const;
+
+ private:
+  Device device_;
+  void* event_ = nullptr;
+  double host_ms_ = 0.0;
+};
+
+}  // namespace mt

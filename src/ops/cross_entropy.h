@@ -1,0 +1,42 @@
+// Softmax cross-entropy over logits of the LM head, split into pieces so that the
+// vocab-parallel version (Megatron's _VocabParallelCrossEntropy) reuses them with three
+// all-reduces of m values each (MAX of the row max, SUM of the exp-sum, SUM of the target
+// logit) and never communicates m·V values. All statistics and the loss in fp32.
+//
+// Single rank:  stats -> loss -> backward_inplace.
+// Vocab-parallel: stats -> allreduce(MAX, row_max') -> rescale_sumexp(local max -> global max)
+//                 -> allreduce(SUM, sumexp), allreduce(SUM, target_logit) -> loss -> backward.
+#pragma once
+#include "core/stream.h"
+#include "core/tensor.h"
+
+namespace mt {
+
+/// Per row r of logits [m, V_local] (act dtype):
+///   row_max[r] = max_j logits[r, j];  row_sumexp[r] = sum_j exp(logits[r, j] - row_max[r]);
+///   target_logit[r] = logits[r, targets[r] - vocab_start] if the target is in this rank's
+///   range [vocab_start, vocab_start + V_local), else 0.
+/// targets: int32 [m]; outputs fp32 [m].
+void cross_entropy_stats(const Tensor& row_max, const Tensor& row_sumexp, const Tensor& target_logit,
+                         const Tensor& logits, const Tensor& targets, int64_t vocab_start, const Stream& stream);
+
+/// sumexp[r] *= exp(local_max[r] - global_max[r]) (vocab-parallel only).
+void cross_entropy_rescale_sumexp(const Tensor& row_sumexp, const Tensor& local_max, const Tensor& global_max,
+                                  const Stream& stream);
+
+/// losses[r] = (log(row_sumexp[r]) + row_max[r] - target_logit[r]) * (loss_mask ? loss_mask[r] : 1)
+/// (fp32 [m]); loss_mask fp32 [m] or empty.
+void cross_entropy_loss(const Tensor& losses, const Tensor& row_max, const Tensor& row_sumexp,
+                        const Tensor& target_logit, const Tensor& loss_mask, const Stream& stream);
+
+/// In place: logits[r, j] <- (softmax(logits)[r, j] - [j == target_r - vocab_start]) * grad_scale
+/// * (loss_mask ? loss_mask[r] : 1), i.e. d(grad_scale * sum_r losses[r]) / d logits. Uses the
+/// (global) row_max and row_sumexp. Overwrites the logits with their gradient (act dtype).
+void cross_entropy_backward_inplace(const Tensor& logits, const Tensor& targets, const Tensor& row_max,
+                                    const Tensor& row_sumexp, const Tensor& loss_mask, int64_t vocab_start,
+                                    float grad_scale, const Stream& stream);
+
+/// out[0] += alpha * sum(x) over fp32 x [n]; deterministic order. out: fp32 [1].
+void sum_accumulate(const Tensor& out, const Tensor& x, float alpha, const Stream& stream);
+
+}  // namespace mt

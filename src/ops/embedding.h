@@ -1,0 +1,26 @@
+// Token + learned absolute position embedding (GPT-2; Megatron LanguageModelEmbedding).
+// Vocab-parallel ready (Megatron VocabParallelEmbedding): this rank holds rows
+// [vocab_start, vocab_start + V_local) of the word table; ids outside that range contribute 0.
+// With TP > 1 the caller passes wpe on one TP rank only and all-reduces the output.
+#pragma once
+#include "core/stream.h"
+#include "core/tensor.h"
+
+namespace mt {
+
+/// out[t, :] = (vocab_start <= ids[t] < vocab_start+V_local ? wte[ids[t]-vocab_start, :] : 0)
+///           + (wpe given ? wpe[pos(t), :] : 0)
+/// where t = (i_s, i_b) indexes [s, b] and pos(t) = positions[t] if `positions` is given, else i_s.
+/// Shapes: out [s, b, h] (act dtype), ids int32 [s, b], wte [V_local, h], wpe [P, h] (same dtype
+/// as out, may be empty), positions int32 [s, b] or empty. Errors: mt::Error on shape/dtype
+/// mismatch. An id outside [0, vocab_size) is the data loader's job to reject (not checked here).
+void embedding_forward(const Tensor& out, const Tensor& ids, const Tensor& wte, const Tensor& wpe,
+                       const Tensor& positions, int64_t vocab_start, const Stream& stream);
+
+/// Weight gradients, accumulated (+=) into fp32 main grads:
+/// dwte[ids[t]-vocab_start, :] += dout[t, :] for in-range ids; dwpe[pos(t), :] += dout[t, :].
+/// dwte fp32 [V_local, h]; dwpe fp32 [P, h] or empty; dout [s, b, h] (act dtype).
+void embedding_backward(const Tensor& dwte, const Tensor& dwpe, const Tensor& dout, const Tensor& ids,
+                        const Tensor& positions, int64_t vocab_start, const Stream& stream);
+
+}  // namespace mt

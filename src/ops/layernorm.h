@@ -1,0 +1,22 @@
+// LayerNorm over the last dimension (Ba et al. 2016; Megatron's FusedLayerNorm semantics).
+// Statistics in fp32.
+#pragma once
+#include "core/stream.h"
+#include "core/tensor.h"
+
+namespace mt {
+
+/// y = (x - mean) * rstd * weight + bias, rows of length h.
+/// x, y: [n, h] (act dtype; any leading shape flattened to n rows); weight, bias: [h] (param
+/// dtype = act dtype); mean, rstd: fp32 [n], written for backward. rstd = 1/sqrt(var + eps),
+/// var the biased variance.
+void layernorm_forward(const Tensor& y, const Tensor& mean, const Tensor& rstd, const Tensor& x,
+                       const Tensor& weight, const Tensor& bias, float eps, const Stream& stream);
+
+/// dx = d/dx (overwrite, or += when accumulate_dx; act dtype [n, h]);
+/// dweight += sum_n dy * xhat, dbias += sum_n dy (fp32 [h] main grads).
+void layernorm_backward(const Tensor& dx, const Tensor& dweight, const Tensor& dbias, const Tensor& dy,
+                        const Tensor& x, const Tensor& weight, const Tensor& mean, const Tensor& rstd,
+                        bool accumulate_dx, const Stream& stream);
+
+}  // namespace mt

@@ -1,0 +1,77 @@
+// Optimizer-step ops that keep the whole step on the device (no host sync, DESIGN.md
+// principle 5): gradient norm, found-inf, clipping coefficient, AdamW, and Megatron's
+// DynamicGradScaler update, all reading and writing one small device-resident struct.
+//
+// Order inside a training step (after the backward of the last micro-batch):
+//   grad_sumsq_accumulate(...) for every gradient chunk   [+ all-reduce grad_sumsq over MP later]
+//   optimizer_prepare(...)            -> grad_norm, found_inf, clip_coeff, step += !found_inf
+//   adamw_step(...) for every run of parameters           -> no-op when found_inf
+//   loss_scaler_update(...)          -> new scale, skipped count; resets grad_sumsq
+#pragma once
+#include <cstdint>
+
+#include "core/stream.h"
+#include "core/tensor.h"
+
+namespace mt {
+
+/// Device-resident scalars of the optimizer and the loss scaler. Plain data: lives in a
+/// Buffer of sizeof(OptimizerScalars) bytes on the training device; the host reads it with a
+/// copy at log intervals only.
+struct OptimizerScalars {
+  float grad_sumsq = 0.f;      ///< sum of squares of the unscaled gradients (this step)
+  float grad_norm = 0.f;       ///< sqrt(grad_sumsq), valid after optimizer_prepare
+  float clip_coeff = 1.f;      ///< min(1, clip_grad / (grad_norm + 1e-6)) or 1
+  float loss_scale = 1.f;      ///< current loss scale
+  int32_t found_inf = 0;       ///< this step had a non-finite gradient (step skipped)
+  int32_t step = 0;            ///< AdamW step count: number of applied (non-skipped) steps
+  int32_t growth_tracker = 0;  ///< clean steps since the last scale change (DynamicGradScaler)
+  int32_t hysteresis_tracker = 2;
+  int32_t skipped_iters = 0;   ///< cumulative number of skipped steps
+  int32_t pad_ = 0;
+};
+
+struct LossScalerConfig {
+  bool dynamic = false;          ///< --fp16 without --loss-scale
+  float initial_scale = 1.f;     ///< --initial-loss-scale (2^32 default for fp16) or --loss-scale
+  float min_scale = 1.f;         ///< --min-loss-scale
+  float growth_factor = 2.f;
+  float backoff_factor = 0.5f;
+  int32_t growth_interval = 1000;  ///< --loss-scale-window
+  int32_t hysteresis = 2;          ///< --hysteresis
+};
+
+struct AdamWHyper {
+  float lr = 0.f;
+  float beta1 = 0.9f;
+  float beta2 = 0.999f;
+  float eps = 1e-8f;
+  float weight_decay = 0.f;  ///< decoupled (Loshchilov & Hutter 2019): p -= lr * wd * p
+};
+
+/// Host-side initial value of the struct for a scaler configuration.
+OptimizerScalars initial_optimizer_scalars(const LossScalerConfig& cfg);
+
+/// scalars->grad_sumsq += sum_i (grads[i] / loss_scale)^2. grads: fp32 [n]. Deterministic.
+/// `scalars` is a uint8 tensor of sizeof(OptimizerScalars) bytes on the grads' device.
+void grad_sumsq_accumulate(const Tensor& scalars, const Tensor& grads, const Stream& stream);
+
+/// grad_norm = sqrt(grad_sumsq); found_inf = !isfinite(grad_sumsq); clip_coeff =
+/// (clip_grad > 0 ? min(1, clip_grad / (grad_norm + 1e-6)) : 1); step += !found_inf.
+void optimizer_prepare(const Tensor& scalars, float clip_grad, const Stream& stream);
+
+/// AdamW (Loshchilov & Hutter 2019, as torch.optim.AdamW / Megatron's FusedAdam with
+/// adam_w_mode): with g = grad / loss_scale * clip_coeff and t = step,
+///   m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2;
+///   p = p - lr * ( (m / (1-b1^t)) / (sqrt(v / (1-b2^t)) + eps) + wd * p )
+/// Skipped entirely (nothing written) when found_inf. main, grad, exp_avg, exp_avg_sq: fp32
+/// [n]; model_param: bf16/fp16 [n] copy written as round(p), or empty (fp32 training, where
+/// the main parameters are the model parameters).
+void adamw_step(const Tensor& main_param, const Tensor& grad, const Tensor& exp_avg, const Tensor& exp_avg_sq,
+                const Tensor& model_param, const AdamWHyper& hyper, const Tensor& scalars, const Stream& stream);
+
+/// Megatron's DynamicGradScaler.update(found_inf) when cfg.dynamic; always: skipped_iters +=
+/// found_inf, grad_sumsq = 0 (ready for the next step).
+void loss_scaler_update(const Tensor& scalars, const LossScalerConfig& cfg, const Stream& stream);
+
+}  // namespace mt

@@ -1,0 +1,179 @@
+#include "testing/testing.h"
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+
+#include "ops/elementwise.h"
+
+namespace mt::testing {
+
+OwnedTensor::OwnedTensor(DType dtype, Device device, const std::vector<int64_t>& shape) {
+  Tensor probe(nullptr, dtype, device, shape);
+  buffer = Buffer(device, std::max<size_t>(probe.nbytes(), 4));
+  t = Tensor(buffer.data(), dtype, device, shape);
+}
+
+uint64_t test_seed() {
+  static uint64_t seed = [] {
+    uint64_t s;
+    if (const char* e = std::getenv("MT_TEST_SEED")) {
+      s = std::strtoull(e, nullptr, 10);
+    } else {
+      std::random_device rd;
+      s = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+    }
+    std::fprintf(stderr, "[mt::testing] MT_TEST_SEED=%llu\n", static_cast<unsigned long long>(s));
+    return s;
+  }();
+  return seed;
+}
+
+std::mt19937_64& test_rng() {
+  static std::mt19937_64 rng(test_seed());
+  return rng;
+}
+
+std::vector<float> randn(int64_t n, float stddev) {
+  std::normal_distribution<float> d(0.f, stddev);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(test_rng());
+  return v;
+}
+
+std::vector<float> randu(int64_t n, float lo, float hi) {
+  std::uniform_real_distribution<float> d(lo, hi);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(test_rng());
+  return v;
+}
+
+std::vector<int32_t> randint(int64_t n, int32_t lo, int32_t hi) {
+  std::uniform_int_distribution<int32_t> d(lo, hi - 1);
+  std::vector<int32_t> v(n);
+  for (auto& x : v) x = d(test_rng());
+  return v;
+}
+
+namespace {
+std::vector<uint8_t> encode(const std::vector<float>& host, DType dtype) {
+  std::vector<uint8_t> bytes(host.size() * dtype_size(dtype));
+  for (size_t i = 0; i < host.size(); ++i) {
+    if (dtype == DType::kF32) {
+      std::memcpy(&bytes[i * 4], &host[i], 4);
+    } else if (dtype == DType::kBF16) {
+      uint16_t b = f32_to_bf16_bits(host[i]);
+      std::memcpy(&bytes[i * 2], &b, 2);
+    } else if (dtype == DType::kF16) {
+      uint16_t b = f32_to_f16_bits(host[i]);
+      std::memcpy(&bytes[i * 2], &b, 2);
+    } else {
+      MT_FAIL("encode: unsupported dtype {}", dtype_name(dtype));
+    }
+  }
+  return bytes;
+}
+}  // namespace
+
+void upload(const Tensor& t, const std::vector<float>& host, const Stream& stream) {
+  MT_CHECK(static_cast<int64_t>(host.size()) == t.numel(), "upload size {} vs {}", host.size(), t.str());
+  auto bytes = encode(host, t.dtype());
+  copy_bytes(t.data(), t.device(), bytes.data(), Device::cpu(), bytes.size(), stream);
+  stream.synchronize();
+}
+
+OwnedTensor make_tensor(const std::vector<float>& host, DType dtype, Device device, const std::vector<int64_t>& shape,
+                        const Stream& stream) {
+  OwnedTensor o(dtype, device, shape);
+  upload(o.t, host, stream);
+  return o;
+}
+
+OwnedTensor make_int_tensor(const std::vector<int32_t>& host, Device device, const std::vector<int64_t>& shape,
+                            const Stream& stream) {
+  OwnedTensor o(DType::kI32, device, shape);
+  MT_CHECK(static_cast<int64_t>(host.size()) == o.t.numel(), "int tensor size mismatch");
+  copy_bytes(o.t.data(), device, host.data(), Device::cpu(), host.size() * 4, stream);
+  stream.synchronize();
+  return o;
+}
+
+std::vector<float> to_host(const Tensor& t, const Stream& stream) {
+  std::vector<uint8_t> bytes(t.nbytes());
+  copy_bytes(bytes.data(), Device::cpu(), t.data(), t.device(), bytes.size(), stream);
+  stream.synchronize();
+  std::vector<float> out(t.numel());
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    switch (t.dtype()) {
+      case DType::kF32: std::memcpy(&out[i], &bytes[i * 4], 4); break;
+      case DType::kBF16: {
+        uint16_t b;
+        std::memcpy(&b, &bytes[i * 2], 2);
+        out[i] = bf16_bits_to_f32(b);
+        break;
+      }
+      case DType::kF16: {
+        uint16_t b;
+        std::memcpy(&b, &bytes[i * 2], 2);
+        out[i] = f16_bits_to_f32(b);
+        break;
+      }
+      case DType::kI32: {
+        int32_t v;
+        std::memcpy(&v, &bytes[i * 4], 4);
+        out[i] = static_cast<float>(v);
+        break;
+      }
+      default: MT_FAIL("to_host: unsupported dtype {}", dtype_name(t.dtype()));
+    }
+  }
+  return out;
+}
+
+void poison(const Tensor& t, const Stream& stream) {
+  if (t.empty()) return;
+  std::vector<float> nan(t.numel(), std::nanf(""));
+  upload(t, nan, stream);
+}
+
+double rel_err(const std::vector<float>& a, const std::vector<float>& b) {
+  MT_CHECK(a.size() == b.size(), "rel_err size {} vs {}", a.size(), b.size());
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    double d = static_cast<double>(a[i]) - b[i];
+    num += d * d;
+    den += static_cast<double>(b[i]) * b[i];
+  }
+  if (std::isnan(num)) return INFINITY;
+  return std::sqrt(num) / std::max(std::sqrt(den), 1e-30);
+}
+
+double rel_err(const std::vector<float>& a, const std::vector<double>& b) {
+  MT_CHECK(a.size() == b.size(), "rel_err size {} vs {}", a.size(), b.size());
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    double d = static_cast<double>(a[i]) - b[i];
+    num += d * d;
+    den += b[i] * b[i];
+  }
+  if (std::isnan(num)) return INFINITY;
+  return std::sqrt(num) / std::max(std::sqrt(den), 1e-30);
+}
+
+bool all_finite(const std::vector<float>& a) {
+  for (float x : a)
+    if (!std::isfinite(x)) return false;
+  return true;
+}
+
+double finite_diff(const std::function<double()>& f, std::vector<double>& x, size_t i, double eps) {
+  double orig = x[i];
+  x[i] = orig + eps;
+  double fp = f();
+  x[i] = orig - eps;
+  double fm = f();
+  x[i] = orig;
+  return (fp - fm) / (2 * eps);
+}
+
+}  // namespace mt::testing

@@ -1,0 +1,62 @@
+// Test helpers: owned tensors filled with fresh random data, host round trips in any dtype,
+// relative errors, poisoning, and central finite differences in float64.
+#pragma once
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <functional>
+#include <random>
+#include <vector>
+
+#include "core/buffer.h"
+#include "core/stream.h"
+#include "core/tensor.h"
+
+namespace mt::testing {
+
+/// A tensor that owns its memory.
+struct OwnedTensor {
+  Buffer buffer;
+  Tensor t;
+  OwnedTensor() = default;
+  OwnedTensor(DType dtype, Device device, const std::vector<int64_t>& shape);
+  operator const Tensor&() const { return t; }
+  const Tensor* operator->() const { return &t; }
+};
+
+/// Seed for this test run: fresh each run (std::random_device), or MT_TEST_SEED if set.
+/// Logged by the first call so that a failure can be reproduced.
+uint64_t test_seed();
+std::mt19937_64& test_rng();
+
+std::vector<float> randn(int64_t n, float stddev = 1.f);
+std::vector<float> randu(int64_t n, float lo, float hi);
+std::vector<int32_t> randint(int64_t n, int32_t lo, int32_t hi);  ///< in [lo, hi)
+
+/// Host floats -> new tensor of `dtype` on `device` (rounded through the dtype).
+OwnedTensor make_tensor(const std::vector<float>& host, DType dtype, Device device, const std::vector<int64_t>& shape,
+                        const Stream& stream);
+OwnedTensor make_int_tensor(const std::vector<int32_t>& host, Device device, const std::vector<int64_t>& shape,
+                            const Stream& stream);
+/// Tensor (any float dtype, any device) -> host floats; synchronizes the stream.
+std::vector<float> to_host(const Tensor& t, const Stream& stream);
+/// Overwrites host data into an existing tensor (rounding to its dtype).
+void upload(const Tensor& t, const std::vector<float>& host, const Stream& stream);
+/// Fills a float tensor with NaN (outputs are poisoned before each call under test).
+void poison(const Tensor& t, const Stream& stream);
+
+/// ||a - b|| / max(||b||, tiny), in double.
+double rel_err(const std::vector<float>& a, const std::vector<float>& b);
+double rel_err(const std::vector<float>& a, const std::vector<double>& b);
+bool all_finite(const std::vector<float>& a);
+
+/// Central finite difference of f with respect to x[i] (x modified and restored), float64.
+double finite_diff(const std::function<double()>& f, std::vector<double>& x, size_t i, double eps = 1e-5);
+
+/// Skips the current test unless a CUDA device is available.
+#define MT_REQUIRE_CUDA()                                                \
+  do {                                                                   \
+    if (!::mt::cuda_available()) GTEST_SKIP() << "no CUDA device";       \
+  } while (0)
+
+}  // namespace mt::testing
