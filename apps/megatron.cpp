@@ -1,1 +1,44 @@
-int main() { return 0; }
+// The `megatron` binary: one executable, Megatron-LM's flag names.
+//   megatron pretrain ...         pretrain a GPT (train/trainer.h)
+//   megatron preprocess-data ...  text/jsonl -> Megatron indexed dataset (data/preprocess.h)
+//   megatron generate ...         sample text from a checkpoint (train/generate.h)
+#include <CLI/CLI.hpp>
+#include <cstdio>
+
+#include "core/check.h"
+#include "data/preprocess_cli.h"
+#include "train/arguments.h"
+#include "train/generate.h"
+#include "train/trainer.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"megatron.cpp: Megatron-style GPT pretraining in C++/CUDA"};
+  app.require_subcommand(1);
+  app.set_help_all_flag("--help-all", "Help for every subcommand");
+
+  mt::PretrainArgs pretrain_args;
+  CLI::App* pretrain = app.add_subcommand("pretrain", "Pretrain a GPT model");
+  mt::add_pretrain_options(*pretrain, pretrain_args);
+
+  mt::GenerateArgs generate_args;
+  CLI::App* generate = app.add_subcommand("generate", "Sample text from a checkpoint");
+  mt::add_generate_options(*generate, generate_args);
+
+  mt::add_preprocess_data_command(app);
+
+  int rc = 0;
+  try {
+    app.parse(argc, argv);
+    if (pretrain->parsed()) rc = mt::run_pretrain(pretrain_args);
+    if (generate->parsed()) rc = mt::run_generate(generate_args);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  } catch (const mt::Error& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
+  return rc;
+}

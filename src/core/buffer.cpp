@@ -115,3 +115,17 @@ Tensor Arena::alloc(DType dtype, const std::vector<int64_t>& shape, const char* 
 }
 
 }  // namespace mt
+
+namespace mt {
+size_t device_memory_in_use(Device device) {
+#ifdef MT_WITH_CUDA
+  if (device.is_cuda()) {
+    size_t free_b = 0, total_b = 0;
+    set_current_device(device);
+    MT_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+    return total_b - free_b;
+  }
+#endif
+  return 0;
+}
+}  // namespace mt

@@ -65,3 +65,9 @@ class Arena {
 size_t device_bytes_allocated(Device device);
 
 }  // namespace mt
+
+namespace mt {
+/// Bytes in use on a CUDA device by all processes and contexts (cudaMemGetInfo: total - free);
+/// 0 for the CPU.
+size_t device_memory_in_use(Device device);
+}  // namespace mt

@@ -26,7 +26,9 @@ MT_HD uint32_t philox_mulhilo(uint32_t a, uint32_t b, uint32_t* hi) {
 /// {0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8} (Random123 kat_vectors).
 MT_HD Philox4 philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0, uint32_t k1) {
   constexpr uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u, kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;
+#if defined(__CUDACC__)
 #pragma unroll
+#endif
   for (int r = 0; r < 10; ++r) {
     uint32_t hi0, hi1;
     uint32_t lo0 = philox_mulhilo(kM0, c0, &hi0);

@@ -7,6 +7,10 @@
 #ifdef MT_WITH_CUDA
 #include "core/cuda_check.h"
 #include "core/cuda_resources.h"
+#else
+namespace mt {
+struct CudaStreamResources {};  // no CUDA backend: never instantiated
+}  // namespace mt
 #endif
 
 namespace mt {

@@ -1,0 +1,100 @@
+#!/usr/bin/env python3
+"""PyTorch reference for bench/: the same GPT-2 architecture as megatron.cpp (pre-LN, learned
+positions, tied embedding, biases, GELU-tanh MLP, vocab padded to 50304), bf16 autocast, fused
+AdamW, SDPA flash attention, optional torch.compile. Trains on random tokens and prints
+ms/step and tokens/s (median over the timed steps), for side-by-side runs with
+`megatron pretrain` in one device session.
+
+usage: python3 bench/pytorch_gpt2.py --micro-batch-size 16 --steps 30 [--compile] [--layers 12 --hidden 768 --heads 12]
+"""
+import argparse
+import math
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Block(nn.Module):
+    def __init__(self, h, n):
+        super().__init__()
+        self.n = n
+        self.ln1 = nn.LayerNorm(h)
+        self.qkv = nn.Linear(h, 3 * h)
+        self.proj = nn.Linear(h, h)
+        self.ln2 = nn.LayerNorm(h)
+        self.fc1 = nn.Linear(h, 4 * h)
+        self.fc2 = nn.Linear(4 * h, h)
+
+    def forward(self, x):
+        b, s, h = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, s, self.n, 3, h // self.n).permute(3, 0, 2, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, s, h))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x)), approximate="tanh"))
+
+
+class GPT(nn.Module):
+    def __init__(self, layers, h, n, seq, vocab):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, h)
+        self.wpe = nn.Embedding(seq, h)
+        self.blocks = nn.ModuleList([Block(h, n) for _ in range(layers)])
+        self.lnf = nn.LayerNorm(h)
+        for p in self.parameters():
+            if p.dim() == 2:
+                nn.init.normal_(p, std=0.02)
+
+    def forward(self, idx, targets):
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for blk in self.blocks:
+            x = blk(x)
+        logits = self.lnf(x) @ self.wte.weight.t()
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--micro-batch-size", type=int, default=16)
+    ap.add_argument("--seq-length", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--hidden", type=int, default=768)
+    ap.add_argument("--heads", type=int, default=12)
+    ap.add_argument("--vocab", type=int, default=50304)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--compile", action="store_true")
+    a = ap.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = True
+    dev = "cuda"
+    model = GPT(a.layers, a.hidden, a.heads, a.seq_length, a.vocab).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
+    step_fn = model
+    if a.compile:
+        step_fn = torch.compile(model)
+    B, S = a.micro_batch_size, a.seq_length
+    times = []
+    for i in range(a.warmup + a.steps):
+        x = torch.randint(0, 50257, (B, S), device=dev)
+        y = torch.randint(0, 50257, (B, S), device=dev)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = step_fn(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        if i >= a.warmup:
+            times.append(time.perf_counter() - t0)
+    times.sort()
+    med = times[len(times) // 2]
+    print(f"pytorch gpt2 layers={a.layers} hidden={a.hidden} mb={B} seq={S} compile={a.compile}: "
+          f"{med*1e3:.1f} ms/step, {B*S/med:.0f} tok/s, peak mem {torch.cuda.max_memory_allocated()/2**30:.1f} GiB")
+
+
+if __name__ == "__main__":
+    main()

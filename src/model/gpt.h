@@ -1,0 +1,97 @@
+// GPT model with the GPT-2 architecture (Radford et al. 2019; Megatron-Core GPTModel with
+// --transformer-impl local): pre-LayerNorm decoder layers, learned absolute position
+// embeddings, tied input/output word embedding, biases everywhere, GELU MLP.
+// Explicit forward and backward (DESIGN.md principle 1): activations live in an arena planned
+// once for (config, micro-batch, dtype); nothing is allocated per step.
+//
+// Shapes (Megatron's [s, b, h] order): s = seq_length, b = micro-batch, h = hidden,
+// n = heads, d = h / n, f = ffn hidden, V = padded vocabulary.
+#pragma once
+#include <memory>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "core/buffer.h"
+#include "model/config.h"
+#include "model/params.h"
+#include "ops/attention.h"
+
+namespace mt {
+
+/// One micro-batch on the model's device. tokens, labels: int32 [s, b]; loss_mask: fp32 [s, b]
+/// or empty (all ones).
+struct MicroBatch {
+  Tensor tokens, labels, loss_mask;
+};
+
+/// Where in training a forward/backward runs; keys the dropout masks (DESIGN.md principle 4).
+struct DropoutContext {
+  uint64_t seed = 0;
+  uint64_t iteration = 0;
+  uint32_t microbatch = 0;
+  bool training = true;  ///< false: no dropout (evaluation, generation)
+};
+
+class GptModel {
+ public:
+  /// Builds parameters (uninitialised: call params().initialize(seed) or load a checkpoint)
+  /// and plans activations for `micro_batch` sequences of config.seq_length tokens.
+  /// dtype: activations and model parameters (fp32 on CPU; fp32/bf16/fp16 on CUDA).
+  /// Errors: mt::Error for invalid configurations (GptConfig::validate) and out-of-memory.
+  GptModel(const GptConfig& config, int64_t micro_batch, DType dtype, Device device, ProcessGroups groups);
+  ~GptModel();
+
+  /// Megatron-Core parameter names and shapes of the model (weights [out, in]).
+  static std::vector<ParamSpec> param_specs(const GptConfig& config);
+
+  const GptConfig& config() const { return config_; }
+  ParamStore& params() { return *params_; }
+  const ParamStore& params() const { return *params_; }
+  int64_t micro_batch() const { return b_; }
+  int64_t padded_vocab() const { return V_; }
+  DType dtype() const { return dtype_; }
+  Device device() const { return device_; }
+  size_t activation_bytes() const { return arena_bytes_; }
+
+  /// Forward of one micro-batch. Computes per-token losses and accumulates
+  /// loss_accum[0] += loss_weight * sum(losses) (fp32 [1] on the device). With compute_loss =
+  /// false only the logits are produced (generation).
+  void forward(const MicroBatch& mb, const DropoutContext& dc, const Tensor& loss_accum, float loss_weight,
+               const Stream& stream, bool compute_loss = true);
+  /// Backward of the micro-batch whose forward ran last: accumulates (+=) into the fp32 main
+  /// gradients the gradient of  grad_scale * loss_scale[0] * sum(loss_mask * losses),
+  /// loss_scale being a device fp32 [1] tensor (the dynamic loss scale) or empty (1).
+  void backward(const MicroBatch& mb, const DropoutContext& dc, float grad_scale, const Tensor& loss_scale,
+                const Stream& stream);
+  /// Logits of the last forward: [s·b, V] (row = i_s·b + i_b), activation dtype.
+  Tensor logits() const { return logits_; }
+
+ private:
+  struct LayerActs;
+  struct Workspace;
+  void plan(Arena& arena);
+  void layer_forward(int64_t l, const Tensor& x, LayerActs& a, const DropoutContext& dc, const Stream& stream);
+  void layer_backward(int64_t l, const Tensor& x, LayerActs& a, const Tensor& d_resid, const DropoutContext& dc,
+                      const Stream& stream);
+  AttentionConfig attention_config(int64_t layer, const DropoutContext& dc) const;
+
+  GptConfig config_;
+  int64_t b_, s_, h_, n_, d_, f_, V_;
+  DType dtype_;
+  Device device_;
+  ProcessGroups groups_;
+  std::unique_ptr<ParamStore> params_;
+  Arena arena_;
+  size_t arena_bytes_ = 0;
+  std::vector<LayerActs> layers_;
+  std::unique_ptr<Workspace> ws_;
+  Tensor logits_;
+};
+
+/// Dropout stream ids (the Philox key half of a dropout site): (layer + 1) * 8 + site.
+enum DropoutSite : uint32_t { kSiteAttentionProbs = 0, kSiteAttentionOut = 1, kSiteMlpOut = 2, kSiteEmbedding = 3 };
+inline uint32_t dropout_stream_id(int64_t layer, DropoutSite site) {
+  return static_cast<uint32_t>((layer + 1) * 8 + site);
+}
+
+}  // namespace mt

@@ -1,0 +1,87 @@
+// Parameters and gradients in contiguous buffers (DESIGN.md principle 1; Megatron's
+// ParamAndGradBuffer): one flat model-dtype parameter buffer, one flat fp32 main-parameter
+// buffer (the same memory when the model dtype is fp32) and one flat fp32 gradient buffer.
+// Each parameter starts at a multiple of kAlign elements so kernels may vectorise.
+#pragma once
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "core/buffer.h"
+#include "core/stream.h"
+#include "ops/init.h"
+
+namespace mt {
+
+enum class InitKind : uint8_t { kNormal, kZeros, kOnes };
+
+/// One parameter tensor (this rank's shard). name uses Megatron-Core's module names, e.g.
+/// "decoder.layers.3.self_attention.linear_qkv.weight".
+struct ParamSpec {
+  std::string name;
+  std::vector<int64_t> shape;         ///< local shape
+  InitKind init = InitKind::kNormal;
+  float init_std = 0.02f;
+  bool weight_decay = true;           ///< Megatron: no decay for biases and 1-D (norm) params
+  std::vector<int64_t> global_shape;  ///< empty = shape (no sharding)
+  ShardOffset shard{};
+};
+
+struct ParamInfo : ParamSpec {
+  int64_t offset = 0;  ///< element offset in the flat buffers
+  int64_t numel = 0;
+};
+
+class ParamStore {
+ public:
+  static constexpr int64_t kAlign = 64;
+
+  /// Lays out and allocates (uninitialised) buffers on `device`. model_dtype: fp32, bf16 or fp16.
+  ParamStore(std::vector<ParamSpec> specs, DType model_dtype, Device device);
+
+  size_t size() const { return infos_.size(); }
+  const ParamInfo& info(size_t i) const { return infos_[i]; }
+  const std::vector<ParamInfo>& infos() const { return infos_; }
+  /// Index of a parameter by name; throws mt::Error naming it when absent.
+  size_t index(const std::string& name) const;
+  DType model_dtype() const { return model_dtype_; }
+  Device device() const { return device_; }
+  bool has_separate_main() const { return model_dtype_ != DType::kF32; }
+
+  Tensor param(size_t i) const;  ///< model dtype, local shape
+  Tensor main(size_t i) const;   ///< fp32 main parameter (== param when fp32)
+  Tensor grad(size_t i) const;   ///< fp32 main gradient
+  Tensor param(const std::string& n) const { return param(index(n)); }
+  Tensor grad(const std::string& n) const { return grad(index(n)); }
+  Tensor params_flat() const;    ///< model dtype [total]
+  Tensor main_flat() const;      ///< fp32 [total]
+  Tensor grads_flat() const;     ///< fp32 [total]
+  int64_t total_elements() const { return total_; }
+  int64_t num_parameters() const;  ///< sum of numel (no alignment padding)
+
+  /// Initialises main parameters (layout-invariant Philox init, see ops/init.h) and copies
+  /// them into the model-dtype parameters; zeroes the padding and the gradients.
+  void initialize(uint64_t seed, const Stream& stream);
+  /// Casts main -> model parameters (after loading main parameters).
+  void sync_model_from_main(const Stream& stream);
+  void zero_grads(const Stream& stream);
+
+  /// Maximal runs [first, last] of consecutive parameters with equal weight_decay, as flat
+  /// element ranges [begin, end) (AdamW is applied per run).
+  struct Run {
+    int64_t begin, end;
+    bool weight_decay;
+  };
+  const std::vector<Run>& runs() const { return runs_; }
+
+ private:
+  std::vector<ParamInfo> infos_;
+  std::unordered_map<std::string, size_t> by_name_;
+  std::vector<Run> runs_;
+  DType model_dtype_;
+  Device device_;
+  int64_t total_ = 0;
+  Buffer params_, main_, grads_;
+};
+
+}  // namespace mt

@@ -1,0 +1,129 @@
+#include "train/arguments.h"
+
+#include <CLI/CLI.hpp>
+
+namespace mt {
+
+LrScheduleConfig PretrainArgs::lr_schedule() const {
+  LrScheduleConfig c;
+  c.max_lr = lr;
+  c.min_lr = min_lr;
+  c.warmup_steps = lr_warmup_iters;
+  c.decay_steps = lr_decay_iters > 0 ? lr_decay_iters : train_iters;
+  c.decay_style = lr_decay_style;
+  return c;
+}
+
+void add_pretrain_options(CLI::App& app, PretrainArgs& a) {
+  auto& m = a.model;
+  app.add_option("--num-layers", m.num_layers, "Number of transformer layers")->capture_default_str();
+  app.add_option("--hidden-size", m.hidden_size, "Transformer hidden size")->capture_default_str();
+  app.add_option("--num-attention-heads", m.num_attention_heads, "Number of attention heads")->capture_default_str();
+  app.add_option("--ffn-hidden-size", m.ffn_hidden_size, "MLP hidden size (default 4 * hidden)");
+  app.add_option("--seq-length", m.seq_length, "Sequence length")->capture_default_str();
+  app.add_option("--max-position-embeddings", m.max_position_embeddings,
+                 "Position embedding table size (default seq-length)");
+  app.add_option("--make-vocab-size-divisible-by", m.make_vocab_size_divisible_by,
+                 "Pad the vocabulary to a multiple of this (times TP)")->capture_default_str();
+  app.add_option("--init-method-std", m.init_method_std, "Std of the normal weight init")->capture_default_str();
+  app.add_option("--hidden-dropout", m.hidden_dropout, "Dropout on hidden states")->capture_default_str();
+  app.add_option("--attention-dropout", m.attention_dropout, "Dropout on attention probabilities")
+      ->capture_default_str();
+  app.add_option("--layernorm-epsilon", m.layernorm_epsilon, "LayerNorm epsilon")->capture_default_str();
+
+  app.add_option("--micro-batch-size", a.micro_batch_size, "Sequences per micro-batch")->capture_default_str();
+  app.add_option("--global-batch-size", a.global_batch_size,
+                 "Sequences per iteration (gradient accumulation over micro-batches)");
+  app.add_option("--train-iters", a.train_iters, "Training iterations")->required();
+  app.add_option("--lr", a.lr, "Peak learning rate")->required();
+  app.add_option("--min-lr", a.min_lr, "Minimum learning rate")->capture_default_str();
+  app.add_option("--lr-warmup-iters", a.lr_warmup_iters, "Linear warm-up iterations")->capture_default_str();
+  app.add_option("--lr-decay-style", a.lr_decay_style, "constant, linear, cosine or inverse-square-root")
+      ->capture_default_str();
+  app.add_option("--lr-decay-iters", a.lr_decay_iters, "Decay iterations (default train-iters)");
+  app.add_option("--weight-decay", a.optim.weight_decay, "AdamW weight decay")->capture_default_str();
+  app.add_option("--clip-grad", a.optim.clip_grad, "Global gradient-norm clipping (0 = off)")->capture_default_str();
+  app.add_option("--adam-beta1", a.optim.beta1, "AdamW beta1")->capture_default_str();
+  app.add_option("--adam-beta2", a.optim.beta2, "AdamW beta2")->capture_default_str();
+  app.add_option("--adam-eps", a.optim.eps, "AdamW epsilon")->capture_default_str();
+  app.add_option("--seed", a.seed, "Random seed (init, dropout, data order)")->capture_default_str();
+
+  app.add_flag("--bf16", a.bf16, "bf16 parameters and activations, fp32 main parameters and gradients");
+  app.add_flag("--fp16", a.fp16, "fp16 parameters and activations with dynamic loss scaling");
+  app.add_option("--loss-scale", a.loss_scale, "Static loss scale (fp16); default dynamic");
+  app.add_option("--initial-loss-scale", a.initial_loss_scale, "Initial dynamic loss scale")->capture_default_str();
+  app.add_option("--min-loss-scale", a.min_loss_scale, "Minimum dynamic loss scale")->capture_default_str();
+  app.add_option("--loss-scale-window", a.loss_scale_window, "Clean steps before the scale grows")
+      ->capture_default_str();
+  app.add_option("--hysteresis", a.hysteresis, "Overflowed steps tolerated before the scale backs off")
+      ->capture_default_str();
+
+  app.add_option("--log-interval", a.log_interval, "Iterations between log lines")->capture_default_str();
+  app.add_option("--eval-interval", a.eval_interval, "Iterations between evaluations")->capture_default_str();
+  app.add_option("--eval-iters", a.eval_iters, "Iterations (global batches) per evaluation")->capture_default_str();
+
+  app.add_option("--data-path", a.data_path, "Indexed dataset prefix (<prefix>.bin/.idx)")->required();
+  app.add_option("--split", a.split, "Train/validation/test split weights, e.g. 969,30,1")->capture_default_str();
+  app.add_option("--vocab-file", a.vocab_file, "GPT-2 vocab.json / encoder.json")->required();
+  app.add_option("--merge-file", a.merge_file, "GPT-2 merges.txt / vocab.bpe")->required();
+  app.add_option("--tokenizer-type", a.tokenizer_type, "Tokenizer (GPT2BPETokenizer)")->capture_default_str();
+
+  app.add_option("--save", a.save, "Checkpoint directory to save to");
+  app.add_option("--load", a.load, "Checkpoint directory to resume from");
+  app.add_option("--save-interval", a.save_interval, "Iterations between checkpoints");
+  app.add_option("--exit-interval", a.exit_interval, "Exit (after saving a checkpoint) when iteration % N == 0");
+
+  app.add_option("--device", a.device, "cpu, cuda, cuda:N or auto")->capture_default_str();
+  app.add_flag("!--no-progress", a.progress, "No progress line on a terminal");
+}
+
+void validate_pretrain_args(PretrainArgs& a) {
+  MT_REQUIRE(!(a.bf16 && a.fp16), "--bf16 and --fp16 are mutually exclusive");
+  MT_REQUIRE(a.micro_batch_size > 0, "--micro-batch-size must be positive, got {}", a.micro_batch_size);
+  if (a.global_batch_size == 0) a.global_batch_size = a.micro_batch_size;
+  MT_REQUIRE(a.global_batch_size > 0, "--global-batch-size must be positive, got {}", a.global_batch_size);
+  MT_REQUIRE(a.global_batch_size % a.micro_batch_size == 0,
+             "--global-batch-size {} is not divisible by --micro-batch-size {} (times data-parallel size 1)",
+             a.global_batch_size, a.micro_batch_size);
+  MT_REQUIRE(a.train_iters > 0, "--train-iters must be positive, got {}", a.train_iters);
+  MT_REQUIRE(a.lr >= 0, "--lr must be >= 0, got {}", a.lr);
+  MT_REQUIRE(a.log_interval > 0, "--log-interval must be positive, got {}", a.log_interval);
+  MT_REQUIRE(a.eval_interval > 0, "--eval-interval must be positive, got {}", a.eval_interval);
+  MT_REQUIRE(a.eval_iters >= 0, "--eval-iters must be >= 0, got {}", a.eval_iters);
+  MT_REQUIRE(a.save_interval >= 0, "--save-interval must be >= 0, got {}", a.save_interval);
+  MT_REQUIRE(a.exit_interval >= 0, "--exit-interval must be >= 0, got {}", a.exit_interval);
+  MT_REQUIRE(a.save_interval == 0 || !a.save.empty(), "--save-interval {} given without --save", a.save_interval);
+  MT_REQUIRE(a.tokenizer_type == "GPT2BPETokenizer", "--tokenizer-type '{}' is not supported here, expected "
+             "GPT2BPETokenizer", a.tokenizer_type);
+  MT_REQUIRE(a.loss_scale >= 0, "--loss-scale must be >= 0, got {}", a.loss_scale);
+  MT_REQUIRE(a.min_loss_scale > 0, "--min-loss-scale must be positive, got {}", a.min_loss_scale);
+  MT_REQUIRE(a.initial_loss_scale >= a.min_loss_scale, "--initial-loss-scale {} is below --min-loss-scale {}",
+             a.initial_loss_scale, a.min_loss_scale);
+  MT_REQUIRE(a.loss_scale_window > 0, "--loss-scale-window must be positive, got {}", a.loss_scale_window);
+  MT_REQUIRE(a.hysteresis > 0, "--hysteresis must be positive, got {}", a.hysteresis);
+  auto& sc = a.optim.scaler;
+  sc.dynamic = a.fp16 && a.loss_scale == 0;
+  sc.initial_scale = a.fp16 ? (a.loss_scale > 0 ? a.loss_scale : a.initial_loss_scale) : 1.f;
+  sc.min_scale = a.min_loss_scale;
+  sc.growth_interval = a.loss_scale_window;
+  sc.hysteresis = a.hysteresis;
+  a.model.validate(1);
+  (void)learning_rate(a.lr_schedule(), 0);  // validates the schedule
+}
+
+void add_generate_options(CLI::App& app, GenerateArgs& a) {
+  app.add_option("--load", a.load, "Checkpoint directory")->required();
+  app.add_option("--vocab-file", a.vocab_file, "GPT-2 vocab.json / encoder.json")->required();
+  app.add_option("--merge-file", a.merge_file, "GPT-2 merges.txt / vocab.bpe")->required();
+  app.add_option("--prompt", a.prompt, "Text to continue")->capture_default_str();
+  app.add_option("--out-seq-length", a.out_seq_length, "Tokens to generate")->capture_default_str();
+  app.add_option("--temperature", a.temperature, "Sampling temperature")->capture_default_str();
+  app.add_option("--top-k", a.top_k, "Sample from the k most likely tokens (0 = off)")->capture_default_str();
+  app.add_option("--top-p", a.top_p, "Nucleus sampling probability mass (0 = off)")->capture_default_str();
+  app.add_flag("--greedy", a.greedy, "Greedy decoding (argmax)");
+  app.add_option("--seed", a.seed, "Sampling seed")->capture_default_str();
+  app.add_option("--device", a.device, "cpu, cuda, cuda:N or auto")->capture_default_str();
+  app.add_option("--num-samples", a.num_samples, "Number of samples")->capture_default_str();
+}
+
+}  // namespace mt

@@ -1,0 +1,83 @@
+// Command-line arguments of `megatron pretrain` and `megatron generate`, named as Megatron-LM
+// names them (megatron/training/arguments.py), with Megatron's defaults. Validated once, in
+// one place (validate_pretrain_args), with messages that print every offending value.
+#pragma once
+#include <cstdint>
+#include <string>
+
+#include "model/config.h"
+#include "optim/lr_schedule.h"
+#include "optim/optimizer.h"
+
+namespace CLI {
+class App;
+}
+
+namespace mt {
+
+struct PretrainArgs {
+  GptConfig model;
+  // batch / schedule
+  int64_t micro_batch_size = 1;    ///< --micro-batch-size
+  int64_t global_batch_size = 0;   ///< --global-batch-size (0 = micro-batch-size * data-parallel size)
+  int64_t train_iters = 0;         ///< --train-iters
+  double lr = -1;                  ///< --lr (required)
+  double min_lr = 0;               ///< --min-lr
+  int64_t lr_warmup_iters = 0;     ///< --lr-warmup-iters
+  std::string lr_decay_style = "linear";  ///< --lr-decay-style
+  int64_t lr_decay_iters = 0;      ///< --lr-decay-iters (0 = train-iters)
+  OptimizerConfig optim;           ///< --weight-decay --clip-grad --adam-beta1 --adam-beta2 --adam-eps, scaler
+  uint64_t seed = 1234;            ///< --seed
+  // precision
+  bool bf16 = false;               ///< --bf16
+  bool fp16 = false;               ///< --fp16
+  float loss_scale = 0;            ///< --loss-scale (static; 0 = dynamic for fp16)
+  float initial_loss_scale = 4294967296.f;  ///< --initial-loss-scale (2^32)
+  float min_loss_scale = 1.f;      ///< --min-loss-scale
+  int loss_scale_window = 1000;    ///< --loss-scale-window
+  int hysteresis = 2;              ///< --hysteresis
+  // logging / eval
+  int64_t log_interval = 100;      ///< --log-interval
+  int64_t eval_interval = 1000;    ///< --eval-interval
+  int64_t eval_iters = 100;        ///< --eval-iters
+  // data
+  std::string data_path;           ///< --data-path (one prefix of an indexed dataset)
+  std::string split = "969, 30, 1";  ///< --split
+  std::string vocab_file, merge_file;  ///< --vocab-file --merge-file (GPT-2 BPE)
+  std::string tokenizer_type = "GPT2BPETokenizer";  ///< --tokenizer-type
+  // checkpointing
+  std::string save, load;          ///< --save --load
+  int64_t save_interval = 0;       ///< --save-interval (0 = only at the end when --save is given)
+  int64_t exit_interval = 0;       ///< --exit-interval: stop (after saving) when iteration % N == 0
+  // ours
+  std::string device = "auto";     ///< --device cpu|cuda|cuda:N|auto (auto = cuda when available)
+  bool progress = true;            ///< --no-progress disables the terminal progress line
+
+  DType dtype() const { return bf16 ? DType::kBF16 : (fp16 ? DType::kF16 : DType::kF32); }
+  int64_t num_microbatches() const { return global_batch_size / micro_batch_size; }
+  LrScheduleConfig lr_schedule() const;
+};
+
+/// Registers the pretrain flags on `app`, writing into `args`.
+void add_pretrain_options(CLI::App& app, PretrainArgs& args);
+/// Fills defaults that depend on other flags and validates everything; throws mt::Error with a
+/// message naming the flag and value. Needs the vocabulary size already set in args.model.
+void validate_pretrain_args(PretrainArgs& args);
+
+struct GenerateArgs {
+  std::string load;                 ///< --load (checkpoint directory, required)
+  std::string vocab_file, merge_file;
+  std::string prompt = "";          ///< --prompt
+  int64_t out_seq_length = 64;      ///< --out-seq-length: tokens to generate
+  float temperature = 1.0f;         ///< --temperature
+  int64_t top_k = 0;                ///< --top-k (0 = off)
+  float top_p = 0.f;                ///< --top-p (0 = off)
+  bool greedy = false;              ///< --greedy
+  uint64_t seed = 1234;             ///< --seed
+  std::string device = "auto";
+  int64_t num_samples = 1;          ///< --num-samples
+};
+
+void add_generate_options(CLI::App& app, GenerateArgs& args);
+
+}  // namespace mt

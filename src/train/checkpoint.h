@@ -1,0 +1,48 @@
+// Checkpoints in Megatron's directory convention (<save>/iter_0000100/, with
+// <save>/latest_checkpointed_iteration.txt written last) holding our own sharded format
+// (DESIGN.md "Formats"): metadata.json lists every tensor's name, dtype, global shape and each
+// rank's shard (file, byte offset, local shape, global offsets); one binary file per rank
+// (rank_00000.bin) holds the raw little-endian shards. An iteration directory is written under
+// a temporary name and renamed, so an interrupted save never leaves a partial checkpoint.
+//
+// Saved: fp32 main parameters ("model/<name>"), AdamW moments ("optim/exp_avg/<name>",
+// "optim/exp_avg_sq/<name>"), the optimizer/loss-scaler scalars, iteration, consumed samples
+// (data position) and the seed (the RNG is counter-based, so iteration + seed is its position).
+#pragma once
+#include <optional>
+#include <string>
+
+#include "model/config.h"
+#include "model/params.h"
+#include "optim/optimizer.h"
+
+namespace mt {
+
+struct CheckpointState {
+  int64_t iteration = 0;
+  int64_t consumed_train_samples = 0;
+  uint64_t seed = 0;
+  GptConfig model;
+  OptimizerScalars scalars{};
+};
+
+/// Writes <dir>/iter_%07d/ and updates the tracker file. Errors: mt::Error naming the path when
+/// the directory cannot be created or written.
+void save_checkpoint(const std::string& dir, const CheckpointState& state, const ParamStore& params,
+                     const AdamWOptimizer* optimizer, const Stream& stream);
+
+/// Iteration named by <dir>/latest_checkpointed_iteration.txt, or nullopt when the file is
+/// absent. Errors on an unreadable or malformed tracker.
+std::optional<int64_t> latest_checkpoint_iteration(const std::string& dir);
+
+/// Reads metadata of the latest checkpoint in `dir` (model config, iteration, ...). Errors when
+/// there is none ("--load points at nothing") or the metadata is corrupt.
+CheckpointState read_checkpoint_state(const std::string& dir);
+
+/// Loads parameters (and, when optimizer != nullptr, moments and scalars) of the latest
+/// checkpoint into `params` (whose layout must match: names and shapes are checked, a mismatch
+/// names the tensor and both shapes). Returns the checkpoint's state.
+CheckpointState load_checkpoint(const std::string& dir, ParamStore& params, AdamWOptimizer* optimizer,
+                                const Stream& stream);
+
+}  // namespace mt

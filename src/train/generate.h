@@ -1,0 +1,21 @@
+// `megatron generate`: sample text from a checkpoint (greedy, temperature, top-k, top-p).
+// Recomputes the full (causal) forward for every new token; no KV cache yet.
+#pragma once
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "train/arguments.h"
+
+namespace mt {
+
+/// Picks the next token from fp32 logits over the (unpadded) vocabulary. greedy: argmax;
+/// otherwise softmax(logits / temperature) restricted to the top_k most likely tokens (0 = all)
+/// and then to the smallest set whose probability mass reaches top_p (0 = off), renormalised.
+/// Errors: temperature <= 0 without greedy, top_p outside [0, 1], top_k < 0.
+int32_t sample_token(const std::vector<float>& logits, bool greedy, float temperature, int64_t top_k, float top_p,
+                     std::mt19937_64& rng);
+
+int run_generate(const GenerateArgs& args);
+
+}  // namespace mt

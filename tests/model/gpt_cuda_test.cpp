@@ -1,0 +1,74 @@
+// Whole model, CUDA against CPU: same weights, same batch; loss and every gradient.
+#include <gtest/gtest.h>
+
+#include "model/gpt.h"
+#include "ops/elementwise.h"
+#include "testing/testing.h"
+
+namespace mt {
+namespace {
+
+using testing::OwnedTensor;
+
+void compare(DType dtype, float dropout, double tol) {
+  GptConfig c;
+  c.num_layers = 2;
+  c.hidden_size = 64;
+  c.num_attention_heads = 4;
+  c.seq_length = 32;
+  c.vocab_size = 500;
+  c.make_vocab_size_divisible_by = 64;
+  c.hidden_dropout = dropout;
+  c.attention_dropout = dropout;
+  const int64_t b = 3;
+  Stream cs(Device::cpu()), gs(Device::cuda(0));
+  GptModel cpu(c, b, DType::kF32, Device::cpu(), ProcessGroups::single());
+  GptModel gpu(c, b, dtype, Device::cuda(0), ProcessGroups::single());
+  cpu.params().initialize(testing::test_seed(), cs);
+  // Same weights: the GPU model's fp32 main params are the CPU's (rounded through the dtype so
+  // both sides compute with identical weights).
+  std::vector<float> w = testing::to_host(cpu.params().main_flat(), cs);
+  for (auto& x : w) x = round_through(dtype, x);
+  testing::upload(cpu.params().main_flat(), w, cs);
+  testing::upload(gpu.params().main_flat(), w, gs);
+  gpu.params().sync_model_from_main(gs);
+  auto tok = testing::randint(c.seq_length * b, 0, 500), lab = testing::randint(c.seq_length * b, 0, 500);
+  OwnedTensor ct = testing::make_int_tensor(tok, Device::cpu(), {c.seq_length, b}, cs);
+  OwnedTensor cl = testing::make_int_tensor(lab, Device::cpu(), {c.seq_length, b}, cs);
+  OwnedTensor gt = testing::make_int_tensor(tok, Device::cuda(0), {c.seq_length, b}, gs);
+  OwnedTensor gl = testing::make_int_tensor(lab, Device::cuda(0), {c.seq_length, b}, gs);
+  OwnedTensor closs(DType::kF32, Device::cpu(), {1}), gloss(DType::kF32, Device::cuda(0), {1});
+  fill(closs, 0.f, cs);
+  fill(gloss, 0.f, gs);
+  const DropoutContext dc{7, 11, 2, true};
+  const float wgt = 1.0f / (c.seq_length * b);
+  cpu.params().zero_grads(cs);
+  gpu.params().zero_grads(gs);
+  cpu.forward({ct.t, cl.t, Tensor()}, dc, closs, wgt, cs);
+  gpu.forward({gt.t, gl.t, Tensor()}, dc, gloss, wgt, gs);
+  cpu.backward({ct.t, cl.t, Tensor()}, dc, wgt, Tensor(), cs);
+  gpu.backward({gt.t, gl.t, Tensor()}, dc, wgt, Tensor(), gs);
+  const double lc = testing::to_host(closs, cs)[0], lg = testing::to_host(gloss, gs)[0];
+  EXPECT_NEAR(lg, lc, tol * std::fabs(lc)) << "loss";
+  for (size_t i = 0; i < cpu.params().size(); ++i) {
+    auto a = testing::to_host(gpu.params().grad(i), gs);
+    auto r = testing::to_host(cpu.params().grad(i), cs);
+    EXPECT_LT(testing::rel_err(a, r), tol) << cpu.params().info(i).name;
+  }
+}
+
+TEST(GptCuda, Fp32MatchesCpu) {
+  MT_REQUIRE_CUDA();
+  compare(DType::kF32, 0.f, 1e-5);
+}
+TEST(GptCuda, Fp32WithDropoutMatchesCpu) {
+  MT_REQUIRE_CUDA();
+  compare(DType::kF32, 0.1f, 1e-5);
+}
+TEST(GptCuda, Bf16MatchesCpu) {
+  MT_REQUIRE_CUDA();
+  compare(DType::kBF16, 0.1f, 2e-2);
+}
+
+}  // namespace
+}  // namespace mt

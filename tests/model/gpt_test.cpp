@@ -1,0 +1,148 @@
+// Whole-model tests on CPU: gradient check of the explicit backward on a tiny GPT (directional
+// central differences per parameter tensor), determinism, and configuration errors.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "model/gpt.h"
+#include "ops/elementwise.h"
+#include "testing/testing.h"
+
+namespace mt {
+namespace {
+
+using testing::OwnedTensor;
+
+GptConfig tiny_config(float dropout) {
+  GptConfig c;
+  c.num_layers = 2;
+  c.hidden_size = 8;
+  c.num_attention_heads = 2;
+  c.seq_length = 5;
+  c.max_position_embeddings = 7;
+  c.vocab_size = 37;
+  c.make_vocab_size_divisible_by = 8;  // padded to 40
+  c.hidden_dropout = dropout;
+  c.attention_dropout = dropout;
+  c.init_method_std = 0.3f;  // large enough that every path matters
+  return c;
+}
+
+struct Harness {
+  Stream stream{Device::cpu()};
+  GptModel model;
+  OwnedTensor tokens, labels, loss;
+  Harness(const GptConfig& c, int64_t b)
+      : model(c, b, DType::kF32, Device::cpu(), ProcessGroups::single()),
+        tokens(testing::make_int_tensor(testing::randint(c.seq_length * b, 0, static_cast<int32_t>(c.vocab_size)),
+                                        Device::cpu(), {c.seq_length, b}, stream)),
+        labels(testing::make_int_tensor(testing::randint(c.seq_length * b, 0, static_cast<int32_t>(c.vocab_size)),
+                                        Device::cpu(), {c.seq_length, b}, stream)),
+        loss(DType::kF32, Device::cpu(), {1}) {
+    model.params().initialize(testing::test_seed(), stream);
+  }
+  MicroBatch mb() const { return {tokens.t, labels.t, Tensor()}; }
+  double loss_value(const DropoutContext& dc) {
+    fill(loss, 0.f, stream);
+    const auto& c = model.config();
+    model.forward(mb(), dc, loss, 1.0f / (c.seq_length * model.micro_batch()), stream);
+    return testing::to_host(loss, stream)[0];
+  }
+};
+
+void gradient_check(float dropout) {
+  const GptConfig c = tiny_config(dropout);
+  Harness h(c, 2);
+  const DropoutContext dc{99, 3, 1, true};
+  const float w = 1.0f / (c.seq_length * 2);
+  h.model.params().zero_grads(h.stream);
+  h.loss_value(dc);
+  h.model.backward(h.mb(), dc, w, Tensor(), h.stream);
+  ParamStore& P = h.model.params();
+  // Directional derivative along a random direction u restricted to each tensor:
+  // (L(p + eps u) - L(p - eps u)) / 2 eps  vs  <grad, u>.
+  for (size_t i = 0; i < P.size(); ++i) {
+    const auto& info = P.info(i);
+    std::vector<float> g = testing::to_host(P.grad(i), h.stream);
+    std::vector<float> p0 = testing::to_host(P.main(i), h.stream);
+    std::vector<float> u = testing::randn(info.numel);
+    double analytic = 0, unorm = 0;
+    for (int64_t k = 0; k < info.numel; ++k) {
+      analytic += static_cast<double>(g[k]) * u[k];
+      unorm += static_cast<double>(u[k]) * u[k];
+    }
+    const double eps = 1e-2 / std::sqrt(unorm / info.numel);
+    auto shifted = [&](double sgn) {
+      std::vector<float> p(p0);
+      for (int64_t k = 0; k < info.numel; ++k) p[k] = static_cast<float>(p0[k] + sgn * eps * u[k]);
+      testing::upload(P.main(i), p, h.stream);
+      return h.loss_value(dc);
+    };
+    const double numeric = (shifted(+1) - shifted(-1)) / (2 * eps);
+    testing::upload(P.main(i), p0, h.stream);
+    // fp32 forward with eps = 1e-2: truncation O(eps^2) and rounding ~1e-7/eps; a wrong gradient
+    // is off by O(1).
+    EXPECT_NEAR(analytic, numeric, 2e-3 * std::max(1.0, std::fabs(numeric))) << info.name;
+  }
+}
+
+TEST(Gpt, GradientCheckNoDropout) { gradient_check(0.f); }
+TEST(Gpt, GradientCheckWithDropout) { gradient_check(0.2f); }
+
+TEST(Gpt, DeterministicAndDropoutKeyed) {
+  const GptConfig c = tiny_config(0.2f);
+  Harness h(c, 3);
+  const double a = h.loss_value({1, 5, 0, true});
+  EXPECT_EQ(a, h.loss_value({1, 5, 0, true}));    // same key: bitwise the same
+  EXPECT_NE(a, h.loss_value({1, 6, 0, true}));    // another iteration: another mask
+  EXPECT_NE(a, h.loss_value({1, 5, 0, false}));   // evaluation: no dropout
+  // Initial loss of a random model is close to log(V).
+  EXPECT_NEAR(h.loss_value({1, 5, 0, false}), std::log(40.0), 1.5);
+}
+
+TEST(Gpt, ParameterCountAndNames) {
+  GptConfig c;  // GPT-2 124M
+  c.vocab_size = 50257;
+  EXPECT_EQ(c.padded_vocab_size(), 50304);
+  EXPECT_EQ(c.num_parameters(), 124475904);  // 124M with the padded vocabulary, tied embedding
+  auto specs = GptModel::param_specs(c);
+  int64_t n = 0;
+  for (auto& s : specs) {
+    int64_t k = 1;
+    for (auto d : s.shape) k *= d;
+    n += k;
+    if (s.name.find(".bias") != std::string::npos || s.shape.size() == 1) EXPECT_FALSE(s.weight_decay) << s.name;
+  }
+  EXPECT_EQ(n, c.num_parameters());
+  EXPECT_EQ(specs[2].name, "decoder.layers.0.self_attention.linear_qkv.weight");
+}
+
+TEST(Gpt, ConfigErrors) {
+  GptConfig c = tiny_config(0);
+  c.num_attention_heads = 3;
+  EXPECT_THROW(c.validate(), Error);
+  c = tiny_config(0);
+  c.seq_length = 8;  // > max positions 7
+  try {
+    c.validate();
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--seq-length 8 exceeds --max-position-embeddings 7"), std::string::npos);
+  }
+  c = tiny_config(0);
+  c.hidden_dropout = 1.0f;
+  EXPECT_THROW(c.validate(), Error);
+  EXPECT_THROW(GptModel(tiny_config(0), 1, DType::kBF16, Device::cpu(), ProcessGroups::single()), Error);
+}
+
+TEST(Gpt, FlopsFormula) {
+  GptConfig c;
+  c.vocab_size = 50257;
+  // 72·B·s·L·h²·(1 + s/(6h) + V/(12·L·h)) for f = 4h (Megatron training.py).
+  const double B = 16, s = 1024, L = 12, h = 768, V = 50304;
+  const double expect = 72 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h));
+  EXPECT_NEAR(c.flops_per_iteration(16) / expect, 1.0, 1e-12);
+}
+
+}  // namespace
+}  // namespace mt

@@ -1,0 +1,209 @@
+// End-to-end tests of the `megatron` binary on CPU: preprocess-data -> pretrain -> resume ->
+// generate on a tiny corpus with a tiny byte-level BPE vocabulary written by the test, and one
+// test per documented input error (non-zero exit and a message naming the problem).
+#include <gtest/gtest.h>
+
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <regex>
+#include <sstream>
+
+#include "data/indexed_dataset.h"
+
+namespace fs = std::filesystem;
+
+namespace {
+
+struct RunResult {
+  int rc;
+  std::string out;  // stdout + stderr
+};
+
+RunResult run(const std::string& args) {
+  const char* bin = std::getenv("MT_MEGATRON_BIN");
+  std::string cmd = std::string(bin ? bin : "megatron") + " " + args + " 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  std::string out;
+  std::array<char, 4096> buf;
+  size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) out.append(buf.data(), n);
+  int status = pclose(p);
+  return {WEXITSTATUS(status), out};
+}
+
+std::string utf8(uint32_t cp) {
+  std::string s;
+  if (cp < 0x80) {
+    s += static_cast<char>(cp);
+  } else if (cp < 0x800) {
+    s += static_cast<char>(0xC0 | (cp >> 6));
+    s += static_cast<char>(0x80 | (cp & 0x3F));
+  } else {
+    s += static_cast<char>(0xE0 | (cp >> 12));
+    s += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+    s += static_cast<char>(0x80 | (cp & 0x3F));
+  }
+  return s;
+}
+
+// A GPT-2-format byte-level BPE vocabulary: 256 byte tokens, two merges, <|endoftext|> last.
+void write_tiny_tokenizer(const fs::path& dir) {
+  std::vector<int> bs;
+  for (int b = 33; b <= 126; ++b) bs.push_back(b);
+  for (int b = 161; b <= 172; ++b) bs.push_back(b);
+  for (int b = 174; b <= 255; ++b) bs.push_back(b);
+  std::vector<uint32_t> cs(bs.begin(), bs.end());
+  int extra = 0;
+  for (int b = 0; b < 256; ++b) {
+    if (std::find(bs.begin(), bs.end(), b) == bs.end()) {
+      bs.push_back(b);
+      cs.push_back(256 + extra++);
+    }
+  }
+  nlohmann::json vocab;
+  for (size_t i = 0; i < bs.size(); ++i) vocab[utf8(cs[i])] = static_cast<int>(i);
+  vocab["th"] = 256;
+  vocab["the"] = 257;
+  vocab["<|endoftext|>"] = 258;
+  std::ofstream(dir / "vocab.json") << vocab.dump();
+  std::ofstream(dir / "merges.txt") << "#version: 0.2\nt h\nth e\n";
+}
+
+class CliTest : public ::testing::Test {
+ protected:
+  static fs::path dir;
+  static std::string tok;  // tokenizer flags
+  static std::string data;
+  static void SetUpTestSuite() {
+    dir = fs::temp_directory_path() / ("mt_cli_test_" + std::to_string(getpid()));
+    fs::remove_all(dir);
+    fs::create_directories(dir / "corpus");
+    write_tiny_tokenizer(dir);
+    const char* words[] = {"the", "whale", "sea", "ship", "captain", "the", "harpoon", "white", "deep", "sailor"};
+    uint32_t x = 12345;
+    for (int d = 0; d < 24; ++d) {
+      std::ofstream f(dir / "corpus" / fmt_doc(d));
+      for (int w = 0; w < 80; ++w) {
+        x = x * 1103515245u + 12345u;
+        f << words[(x >> 16) % 10] << ((w % 12 == 11) ? ".\n" : " ");
+      }
+    }
+    tok = "--vocab-file " + (dir / "vocab.json").string() + " --merge-file " + (dir / "merges.txt").string();
+    RunResult r = run("preprocess-data --input " + (dir / "corpus").string() + " --output-prefix " +
+                      (dir / "tiny").string() + " --append-eod " + tok);
+    ASSERT_EQ(r.rc, 0) << r.out;
+    data = (dir / "tiny_text_document").string();
+    ASSERT_TRUE(fs::exists(data + ".bin") && fs::exists(data + ".idx")) << r.out;
+  }
+  static void TearDownTestSuite() { fs::remove_all(dir); }
+  static std::string fmt_doc(int d) { return "doc" + std::to_string(100 + d) + ".txt"; }
+
+  static std::string train_flags(const std::string& extra) {
+    return "pretrain --num-layers 2 --hidden-size 16 --num-attention-heads 2 --seq-length 16 "
+           "--max-position-embeddings 16 --micro-batch-size 2 --global-batch-size 4 --lr 1e-2 --min-lr 1e-3 "
+           "--lr-decay-style cosine --lr-warmup-iters 2 --lr-decay-iters 6 --log-interval 1 --eval-interval 3 "
+           "--eval-iters 1 --split 90,10,0 --device cpu --no-progress --data-path " +
+           data + " " + tok + " " + extra;
+  }
+};
+fs::path CliTest::dir;
+std::string CliTest::tok;
+std::string CliTest::data;
+
+std::vector<std::string> loss_lines(const std::string& out) {
+  std::vector<std::string> v;
+  std::regex re("iteration +([0-9]+)/ *[0-9]+ .*lm loss: ([0-9.E+-]+)");
+  for (std::sregex_iterator it(out.begin(), out.end(), re), end; it != end; ++it)
+    v.push_back((*it)[1].str() + ":" + (*it)[2].str());
+  return v;
+}
+
+std::string read_bytes(const fs::path& p) {
+  std::ifstream f(p, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), {});
+}
+
+TEST_F(CliTest, TrainsAndResumesBitwise) {
+  const fs::path a = dir / "ckpt_a", b = dir / "ckpt_b";
+  RunResult full = run(train_flags("--train-iters 6 --save " + a.string() + " --save-interval 3"));
+  ASSERT_EQ(full.rc, 0) << full.out;
+  auto full_losses = loss_lines(full.out);
+  ASSERT_EQ(full_losses.size(), 6u) << full.out;
+  EXPECT_NE(full.out.find("validation loss at iteration 3"), std::string::npos) << full.out;
+  EXPECT_NE(full.out.find("number of skipped iterations:   0"), std::string::npos);
+
+  RunResult first = run(train_flags("--train-iters 6 --exit-interval 3 --save " + b.string()));
+  ASSERT_EQ(first.rc, 0) << first.out;
+  EXPECT_NE(first.out.find("exiting program at iteration 3"), std::string::npos) << first.out;
+  RunResult second = run(train_flags("--train-iters 6 --save " + b.string() + " --load " + b.string()));
+  ASSERT_EQ(second.rc, 0) << second.out;
+  auto l1 = loss_lines(first.out), l2 = loss_lines(second.out);
+  l1.insert(l1.end(), l2.begin(), l2.end());
+  EXPECT_EQ(l1, full_losses) << first.out << second.out;
+  // Parameters, moments and scaler state at iteration 6 are bitwise identical.
+  const std::string fa = read_bytes(a / "iter_0000006" / "rank_00000.bin");
+  const std::string fb = read_bytes(b / "iter_0000006" / "rank_00000.bin");
+  ASSERT_FALSE(fa.empty());
+  EXPECT_TRUE(fa == fb) << "resumed run diverged from the uninterrupted run";
+  EXPECT_EQ(read_bytes(a / "latest_checkpointed_iteration.txt"), "6\n");
+
+  RunResult gen = run("generate --load " + a.string() + " " + tok +
+                      " --prompt \"the whale\" --out-seq-length 8 --top-k 5 --device cpu");
+  ASSERT_EQ(gen.rc, 0) << gen.out;
+  EXPECT_NE(gen.out.find("the whale"), std::string::npos) << gen.out;
+}
+
+TEST_F(CliTest, BadInputErrors) {
+  struct Case {
+    std::string args, expect;
+  };
+  const fs::path bad = dir / "bad";
+  fs::create_directories(bad);
+  // Corrupt copies of the dataset.
+  fs::copy_file(data + ".bin", bad / "magic.bin");
+  {
+    std::string idx = read_bytes(data + ".idx");
+    idx[0] = 'X';
+    std::ofstream(bad / "magic.idx", std::ios::binary) << idx;
+    std::string bin = read_bytes(data + ".bin");
+    std::ofstream(bad / "trunc.bin", std::ios::binary) << bin.substr(0, bin.size() / 2);
+    std::ofstream(bad / "trunc.idx", std::ios::binary) << read_bytes(data + ".idx");
+    std::ofstream(bad / "shortidx.idx", std::ios::binary) << idx.substr(0, 20);
+    fs::copy_file(data + ".bin", bad / "shortidx.bin");
+  }
+  {  // token ids beyond the 259-token vocabulary
+    mt::data::IndexedDatasetBuilder builder((bad / "bigids").string(), mt::data::IndexDType::kInt32);
+    std::vector<int32_t> doc(200, 7);
+    doc[150] = 5000;
+    builder.add_document(doc);
+    builder.finalize();
+  }
+  std::ofstream(bad / "a_file") << "x";
+  const std::vector<Case> cases = {
+      {train_flags("--train-iters 2 --data-path " + (bad / "nothing").string()), "nothing"},
+      {train_flags("--train-iters 2 --data-path " + (bad / "magic").string()), "magic"},
+      {train_flags("--train-iters 2 --data-path " + (bad / "trunc").string()), "trunc"},
+      {train_flags("--train-iters 2 --data-path " + (bad / "shortidx").string()), "shortidx"},
+      {train_flags("--train-iters 2 --data-path " + (bad / "bigids").string()), "5000"},
+      {train_flags("--train-iters 2 --seq-length 32"), "--seq-length 32 exceeds --max-position-embeddings 16"},
+      {train_flags("--train-iters 2 --num-attention-heads 3"), "not divisible by --num-attention-heads 3"},
+      {train_flags("--train-iters 2 --global-batch-size 5"), "--global-batch-size 5 is not divisible"},
+      {train_flags("--train-iters 2 --no-such-flag 3"), "no-such-flag"},
+      {train_flags("--train-iters 2 --save " + (bad / "a_file" / "sub").string()), "a_file"},
+      {train_flags("--train-iters 2 --load " + (bad / "empty_dir").string()), "empty_dir"},
+      {train_flags("--train-iters 2 --bf16"), "bf16"},
+      {train_flags("--train-iters 2 --lr-decay-style triangle"), "triangle"},
+      {"generate --load " + (bad / "nothing").string() + " " + tok, "nothing"},
+  };
+  for (const auto& c : cases) {
+    RunResult r = run(c.args);
+    EXPECT_NE(r.rc, 0) << c.args << "\n" << r.out;
+    EXPECT_NE(r.out.find(c.expect), std::string::npos) << "expected '" << c.expect << "' in:\n" << r.out;
+    EXPECT_EQ(r.out.find("terminate called"), std::string::npos) << r.out;
+  }
+}
+
+}  // namespace
