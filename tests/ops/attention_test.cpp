@@ -129,7 +129,9 @@ void check_forward(Dims z, float p, int64_t head_offset = 0, int64_t total_heads
                   total_heads);
   EXPECT_LT(rel_err(to_host(out, st), ref.out), 1e-5) << what;
   EXPECT_LT(rel_err(to_host(buf.probs, st), ref.probs), 1e-5) << what;
-  if (p > 0) EXPECT_LT(rel_err(to_host(buf.scratch, st), ref.dropped), 1e-5) << what;
+  if (p > 0) {
+    EXPECT_LT(rel_err(to_host(buf.scratch, st), ref.dropped), 1e-5) << what;
+  }
   // q, k, v are the head-major copies of qkv.
   auto hq = to_host(buf.q, st), hk = to_host(buf.k, st), hv = to_host(buf.v, st);
   for (int64_t b = 0; b < z.b; ++b)
@@ -212,9 +214,9 @@ void check_backward_fd(Dims z, float p) {
   };
   std::vector<double> fd(nqkv);
   for (int64_t i = 0; i < nqkv; ++i) fd[i] = testing::finite_diff(loss, x, i, 1e-6);
-  // float64 central differences are accurate to ~1e-9 here; the bound covers the fp32 rounding of
-  // the implementation under test.
-  EXPECT_LT(rel_err(got, fd), 1e-4) << "s=" << z.s << " b=" << z.b << " n=" << z.n << " d=" << z.d << " p=" << p;
+  // float64 central differences (eps 1e-6) are accurate to ~1e-9 here, so the error is the fp32
+  // rounding of the implementation under test (observed ~1e-7).
+  EXPECT_LT(rel_err(got, fd), 1e-5) << "s=" << z.s << " b=" << z.b << " n=" << z.n << " d=" << z.d << " p=" << p;
 }
 
 TEST(Attention, BackwardFiniteDifferences) {

@@ -159,7 +159,9 @@ void check_linear_forward(DType t, LinearCase c, double tol) {
   const std::string what = fmt::format("{} m={}x{} n={} k={} bias={} gelu={}", dtype_name(t), c.b0, c.b1, c.n, c.k,
                                        c.bias, c.gelu);
   EXPECT_LT(rel_err(to_host(gy, gpu()), to_host(cy, cpu())), tol) << what;
-  if (c.gelu) EXPECT_LT(rel_err(to_host(gpre, gpu()), to_host(cpre, cpu())), tol) << what;
+  if (c.gelu) {
+    EXPECT_LT(rel_err(to_host(gpre, gpu()), to_host(cpre, cpu())), tol) << what;
+  }
 }
 
 TEST(LinearCuda, ForwardBias) {
@@ -208,7 +210,9 @@ void check_linear_backward(DType t, int64_t b0, int64_t b1, int64_t n, int64_t k
   linear_backward(with_dx ? gdx.t : Tensor(), gdw, with_db ? gdb.t : Tensor(), gdy, gx, gw, gpu());
   const std::string what = fmt::format("{} m={}x{} n={} k={} dx={} dbias={}", dtype_name(t), b0, b1, n, k, with_dx,
                                        with_db);
-  if (with_dx) EXPECT_LT(rel_err(to_host(gdx, gpu()), to_host(cdx, cpu())), tol_act) << what;
+  if (with_dx) {
+    EXPECT_LT(rel_err(to_host(gdx, gpu()), to_host(cdx, cpu())), tol_act) << what;
+  }
   EXPECT_LT(rel_err(to_host(gdw, gpu()), to_host(cdw, cpu())), tol_main) << what;
   if (with_db) {
     EXPECT_LT(rel_err(to_host(gdb, gpu()), to_host(cdb, cpu())), tol_main) << what;
