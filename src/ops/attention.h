@@ -24,23 +24,38 @@ struct AttentionConfig {
   int64_t total_heads = 0;  ///< global head count (0 = heads)
 };
 
-/// Saved activations and scratch, planned by the caller from the static arena.
-/// q, k, v: [b, n, s, d] (act dtype); probs: [b, n, s, s] (act dtype, softmax output before
-/// dropout, saved for backward); scratch: [b, n, s, s] (act dtype; used for the dropped
-/// probabilities when dropout_p > 0 and as dS in backward); dq, dk, dv: [b, n, s, d] (backward
-/// scratch).
+/// Saved activations and temporaries, planned by the caller from the static arena. All in the act
+/// dtype of qkv and contiguous; only the element count is checked, so e.g. [b·n, s, d] is fine.
+///   q, k, v: [b, n, s, d]  saved: written by forward, read by backward.
+///   probs:   [b, n, s, s]  saved: softmax output before dropout (0 where j > i).
+///   scratch: [b, n, s, s]  temporary, need not survive from forward to backward (may be shared
+///            between layers). Forward, only when dropout_p > 0: the dropped probabilities.
+///            Backward (always required): the dropped probabilities (recomputed from probs and
+///            the dropout key), then dP, then dS.
+///   dq, dk, dv: [b, n, s, d]  temporaries, required by forward (dq) and backward (all).
+///            Forward: dq holds the context [b, n, s, d] before it is permuted into out (CUDA).
+///            Backward: dq first holds dout permuted to [b, n, s, d] (CUDA), then dQ; dk and dv
+///            hold dK and dV before they are interleaved into dqkv.
 struct AttentionBuffers {
   Tensor q, k, v, probs, scratch;
   Tensor dq, dk, dv;
 };
 
-/// out[s, b, n·d] = softmax(scale · q k^T + causal mask) v, per (b, head).
-/// Dropout (if p > 0) on the probabilities; the mask of element (b, head, i, j) is keyed by the
-/// global flat index ((b·total_heads + head_offset + head)·s + i)·s + j.
+/// out[s, b, n·d] = softmax(scale · q k^T + causal mask) v, per (b, head); qkv [s, b, n, 3, d] or
+/// [s, b, 3·n·d], out [s, b, n·d] or [s, b, n, d]; fp32 (CPU, CUDA), bf16/fp16 (CUDA). Causal:
+/// key j > query i is masked. Softmax in fp32. Dropout (if p > 0) on the probabilities: element
+/// (b, head, i, j) has the global flat index g = ((b·total_heads + head_offset + head)·s + i)·s + j
+/// and is kept iff dropout_bits4(key.seed, key.stream_id, key.iteration, key.microbatch, g >> 2)
+/// .v[g & 3] >= dropout_threshold(p) (core/rng.h); kept values are scaled by 1/(1-p). The mask
+/// thus does not depend on how heads are split over ranks.
+/// Errors: mt::Error for inconsistent shapes/dtypes/devices, p outside [0, 1), head_offset + n >
+/// total_heads, a missing buffer (scratch only needed when p > 0).
 void attention_forward(const Tensor& out, const Tensor& qkv, const AttentionBuffers& buf, const AttentionConfig& cfg,
                        const Stream& stream);
 
-/// dqkv[s, b, n, 3, d] (overwrite) from dout[s, b, n·d] and the saved buffers.
+/// dqkv[s, b, n, 3, d] (overwrite) from dout[s, b, n·d] and the saved buffers (q, k, v, probs
+/// from the forward with the same cfg); the dropout mask is recomputed from the key.
+/// Errors: as attention_forward; every buffer is required.
 void attention_backward(const Tensor& dqkv, const Tensor& dout, const AttentionBuffers& buf,
                         const AttentionConfig& cfg, const Stream& stream);
 

@@ -10,21 +10,32 @@ namespace mt {
 /// Batched strided product, row-major: for each batch i,
 ///   C_i = alpha * op(A_i) · op(B_i) + beta * C_i
 /// A: [batch, m, k] (or [batch, k, m] when trans_a), B: [batch, k, n] (or [batch, n, k] when
-/// trans_b), C: [batch, m, n]; batch may be omitted (2-D tensors). A and B share a dtype
-/// (fp32/bf16/fp16); C is that dtype or fp32 (fp32 accumulation always).
+/// trans_b), C: [batch, m, n]; batch may be omitted (all three 2-D). A and B share a dtype
+/// (fp32/bf16/fp16); C is that dtype or fp32 (fp32 accumulation always; no TF32). beta = 0
+/// overwrites C without reading it; k = 0 gives C = beta * C. All contiguous, same device; C must
+/// not alias A or B. CPU: fp32 only (OpenBLAS sgemm per batch). Errors: mt::Error for mismatched
+/// ranks/shapes/batches/dtypes/devices (and non-fp32 on CPU).
 void matmul(const Tensor& c, const Tensor& a, const Tensor& b, bool trans_a, bool trans_b, float alpha, float beta,
             const Stream& stream);
 
-/// Linear layer forward: y[m, n] = x[m, k] · w[n, k]^T (+ bias[n]).
-/// With `pre_gelu` given ([m, n], same dtype as y): pre_gelu = x·w^T + bias and y = gelu(pre_gelu)
-/// (cuBLASLt GELU_AUX epilogue on CUDA). x, w, bias, y share the act dtype. Any leading dims of
-/// x / y are flattened into m.
+/// Linear layer forward (Megatron ColumnParallelLinear/RowParallelLinear's local GEMM):
+/// y[m, n] = x[m, k] · w[n, k]^T (+ bias[n]); bias may be empty.
+/// With `pre_gelu` given ([m, n], same shape and dtype as y, not aliasing y): pre_gelu = x·w^T +
+/// bias and y = gelu(pre_gelu), GELU in its tanh form (ops/gelu.h). x, w, bias, y share the act
+/// dtype. Any leading dims of x / y are flattened into m. CUDA: cuBLASLt BIAS epilogue, and the
+/// GELU_AUX(_BIAS) epilogue for bf16/fp16 when n % 8 == 0 (cuBLASLt's aux leading-dimension
+/// rule) and y/pre_gelu are 16-byte aligned; otherwise (and always for fp32, to match the CPU to
+/// 1e-5) GEMM (+ bias epilogue) followed by a GELU kernel. Errors: mt::Error on shape/dtype/device
+/// mismatch.
 void linear_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& pre_gelu,
                     const Stream& stream);
 
-/// Linear layer backward. dx[m, k] = dy · w (overwrite; skipped when dx is empty);
-/// dw[n, k] += dy^T · x (fp32 main grad, accumulate); dbias[n] += sum_m dy (fp32, skipped when
-/// empty). dy, x, w in the act dtype.
+/// Linear layer backward. dx[m, k] = dy · w (overwrite; skipped when dx is empty; same shape as x);
+/// dw[n, k] += dy^T · x (fp32 main grad, accumulate; skipped when empty); dbias[n] += sum_m dy
+/// (fp32, accumulate, skipped when empty). dy [..., n], x [..., k], w [n, k] in the act dtype.
+/// CUDA: dw via a beta = 1 GEMM with fp32 C; dbias by a deterministic column-sum kernel
+/// (cuBLASLt's BGRADB epilogue overwrites, so it cannot accumulate). Errors: mt::Error on
+/// shape/dtype/device mismatch, dw/dbias not fp32.
 void linear_backward(const Tensor& dx, const Tensor& dw, const Tensor& dbias, const Tensor& dy, const Tensor& x,
                      const Tensor& w, const Stream& stream);
 

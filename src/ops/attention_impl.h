@@ -1,0 +1,72 @@
+// Backend entry points of ops/attention.h and the dropout-mask helpers shared by the CPU and CUDA
+// implementations (so that both draw bit-identical masks). Arguments were validated by
+// ops/attention.cpp; the CPU backend additionally requires fp32.
+#pragma once
+#include "core/rng.h"
+#include "ops/attention.h"
+
+namespace mt {
+namespace cpu {
+void attention_forward(const Tensor& out, const Tensor& qkv, const AttentionBuffers& buf, const AttentionConfig& cfg,
+                       const Stream& stream);
+void attention_backward(const Tensor& dqkv, const Tensor& dout, const AttentionBuffers& buf,
+                        const AttentionConfig& cfg, const Stream& stream);
+}  // namespace cpu
+namespace cuda {
+void attention_forward(const Tensor& out, const Tensor& qkv, const AttentionBuffers& buf, const AttentionConfig& cfg,
+                       const Stream& stream);
+void attention_backward(const Tensor& dqkv, const Tensor& dout, const AttentionBuffers& buf,
+                        const AttentionConfig& cfg, const Stream& stream);
+}  // namespace cuda
+
+/// The attention-probability dropout of one call, resolved once on the host (trivially
+/// copyable, passed by value to kernels).
+struct AttnDropout {
+  uint64_t seed = 0;
+  uint64_t iteration = 0;
+  uint32_t microbatch = 0;
+  uint32_t stream_id = 0;
+  uint32_t threshold = 0;  ///< dropout_threshold(p): keep iff draw >= threshold
+  float inv_keep = 1.f;    ///< 1 / (1 - p)
+  bool enabled = false;    ///< p > 0
+  int64_t heads = 0;       ///< n (local)
+  int64_t total_heads = 0;
+  int64_t head_offset = 0;
+  int64_t seq = 0;
+
+  /// Global flat index of element (bn = b·heads + head, i, j = 0): the mask key of
+  /// ops/attention.h, ((b·total_heads + head_offset + head)·s + i)·s.
+  MT_HD uint64_t row_start(int64_t bn, int64_t i) const {
+    const int64_t b = bn / heads, h = bn - b * heads;
+    return static_cast<uint64_t>(((b * total_heads + head_offset + h) * seq + i) * seq);
+  }
+  /// Four consecutive draws for global elements 4·group .. 4·group + 3.
+  MT_HD Philox4 bits4(uint64_t group) const {
+    return dropout_bits4(seed, stream_id, iteration, microbatch, group);
+  }
+  /// Keep decision of global element g.
+  MT_HD bool keep(uint64_t g) const {
+    const Philox4 r = bits4(g >> 2);
+    const uint32_t e = static_cast<uint32_t>(g & 3u);
+    const uint32_t v = e == 0 ? r.v[0] : e == 1 ? r.v[1] : e == 2 ? r.v[2] : r.v[3];
+    return v >= threshold;
+  }
+};
+
+inline AttnDropout make_attn_dropout(const AttentionConfig& cfg) {
+  AttnDropout d;
+  d.seed = cfg.dropout_key.seed;
+  d.iteration = cfg.dropout_key.iteration;
+  d.microbatch = cfg.dropout_key.microbatch;
+  d.stream_id = cfg.dropout_key.stream_id;
+  d.enabled = cfg.dropout_p > 0.f;
+  d.threshold = d.enabled ? dropout_threshold(cfg.dropout_p) : 0u;
+  d.inv_keep = d.enabled ? 1.f / (1.f - cfg.dropout_p) : 1.f;
+  d.heads = cfg.heads;
+  d.total_heads = cfg.total_heads > 0 ? cfg.total_heads : cfg.heads;
+  d.head_offset = cfg.head_offset;
+  d.seq = cfg.seq;
+  return d;
+}
+
+}  // namespace mt

@@ -1,0 +1,283 @@
+// CUDA causal self-attention (ops/attention.h), Megatron's "local" DotProductAttention:
+// permute kernels between [s, b, n, (3,) d] and [b, n, s, d], strided-batched cuBLASLt GEMMs for
+// the score and context products, and fused causal softmax (+ dropout) kernels with fp32 math,
+// one warp per row. Buffer use (see AttentionBuffers):
+//   forward:  q,k,v <- qkv; probs <- scale·q k^T, then softmax in place; scratch <- dropped
+//             probs (p > 0); dq <- context [b, n, s, d]; out <- context permuted.
+//   backward: dq <- dout permuted; scratch <- dropped probs (p > 0, recomputed); dv <- P_drop^T dO;
+//             scratch <- dO V^T (= dP_drop), then dS in place; dq <- scale·dS K;
+//             dk <- scale·dS^T Q; dqkv <- interleave(dq, dk, dv).
+// fmt 9 turns its constexpr support off under nvcc, which breaks its C++20 consteval format
+// checks; the host compiler (g++ >= 10) supports it, so turn it back on for this TU (belongs in
+// CMakeLists.txt as a CUDA compile definition; see the ops-mm report).
+#ifndef FMT_USE_CONSTEXPR
+#define FMT_USE_CONSTEXPR 1
+#endif
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+#include <type_traits>
+
+#include "core/cuda_check.h"
+#include "ops/attention_impl.h"
+#include "ops/cuda/cublaslt_gemm.h"
+
+namespace mt::cuda {
+namespace {
+
+__device__ __forceinline__ float to_f(float x) { return x; }
+__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
+template <typename T>
+__device__ __forceinline__ T from_f(float x);
+template <>
+__device__ __forceinline__ float from_f<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <>
+__device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
+
+template <typename F>
+void dispatch_float(DType t, F&& f) {
+  switch (t) {
+    case DType::kF32: f(static_cast<float*>(nullptr)); break;
+    case DType::kBF16: f(static_cast<__nv_bfloat16*>(nullptr)); break;
+    case DType::kF16: f(static_cast<__half*>(nullptr)); break;
+    default: MT_FAIL("attention: unsupported dtype {}", dtype_name(t));
+  }
+}
+
+cudaStream_t cu(const Stream& s) { return static_cast<cudaStream_t>(s.cuda_stream()); }
+
+constexpr int kThreads = 256;
+constexpr int kWarpsPerBlock = kThreads / 32;
+
+unsigned grid_for(int64_t n) {
+  int64_t g = (n + kThreads - 1) / kThreads;
+  return static_cast<unsigned>(g < (int64_t{1} << 30) ? g : (int64_t{1} << 30));  // grid-stride loops cover the rest
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Permutes. "sb" side: [s, b, n, w, d] with component c; "bn" side: [b, n, s, d].
+// ---------------------------------------------------------------------------------------------
+
+/// dst_c[b, n, s, d] = src[s, b, n, w, c, d] for c < w (w = 3: q, k, v; w = 1: one tensor).
+template <typename T>
+__global__ void sb_to_bn_kernel(T* dst0, T* dst1, T* dst2, const T* src, int64_t S, int64_t B, int64_t N, int64_t D,
+                                int w) {
+  const int64_t total = B * N * S * D;
+  for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < total;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t e = idx % D;
+    int64_t r = idx / D;
+    const int64_t i = r % S;
+    r /= S;
+    const int64_t h = r % N;
+    const int64_t b = r / N;
+    const int64_t base = (((i * B + b) * N + h) * w) * D + e;
+    dst0[idx] = src[base];
+    if (w == 3) {
+      dst1[idx] = src[base + D];
+      dst2[idx] = src[base + 2 * D];
+    }
+  }
+}
+
+/// dst[s, b, n, w, c, d] = src_c[b, n, s, d] for c < w.
+template <typename T>
+__global__ void bn_to_sb_kernel(T* dst, const T* src0, const T* src1, const T* src2, int64_t S, int64_t B, int64_t N,
+                                int64_t D, int w) {
+  const int64_t total = S * B * N * D;
+  for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < total;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    // idx enumerates [s, b, n, d]; read side [b, n, s, d]
+    const int64_t e = idx % D;
+    int64_t r = idx / D;
+    const int64_t h = r % N;
+    r /= N;
+    const int64_t b = r % B;
+    const int64_t i = r / B;
+    const int64_t src_idx = ((b * N + h) * S + i) * D + e;
+    const int64_t base = (((i * B + b) * N + h) * w) * D + e;
+    dst[base] = src0[src_idx];
+    if (w == 3) {
+      dst[base + D] = src1[src_idx];
+      dst[base + 2 * D] = src2[src_idx];
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Row kernels: one warp per row (b·n·s rows of length s). Row r = (bn, i) has i + 1 unmasked
+// entries. Dropout draws come in groups of four consecutive global elements (one Philox call),
+// so the writing passes iterate over the groups that overlap the row, one group per lane.
+// ---------------------------------------------------------------------------------------------
+
+/// Calls f(j, keep) for every column j of the row (global elements g0 .. g0 + s - 1), with the
+/// dropout keep decision (always true when dropout is off). Lanes take 4 consecutive columns.
+template <typename F>
+__device__ __forceinline__ void for_row_groups(const AttnDropout& drop, uint64_t g0, int64_t s, int lane, F&& f) {
+  const uint64_t first = g0 >> 2, last = (g0 + static_cast<uint64_t>(s) - 1) >> 2;
+  for (uint64_t grp = first + lane; grp <= last; grp += 32) {
+    Philox4 r{{0u, 0u, 0u, 0u}};
+    if (drop.enabled) r = drop.bits4(grp);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const uint64_t g = grp * 4 + e;
+      if (g < g0 || g >= g0 + static_cast<uint64_t>(s)) continue;
+      const bool keep = !drop.enabled || r.v[e] >= drop.threshold;
+      f(static_cast<int64_t>(g - g0), keep);
+    }
+  }
+}
+
+/// probs[row] = softmax over j <= i of probs[row] (scores, already scaled), 0 for j > i;
+/// dropped[row] = mask · probs / (1 - p) when dropout is enabled.
+template <typename T>
+__global__ void causal_softmax_kernel(T* probs, T* dropped, int64_t rows, int64_t s, AttnDropout drop) {
+  const int lane = threadIdx.x & 31;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
+  if (row >= rows) return;
+  const int64_t bn = row / s, i = row - bn * s;
+  T* p = probs + row * s;
+  const int64_t len = i + 1;
+  float mx = -INFINITY;
+  for (int64_t j = lane; j < len; j += 32) mx = fmaxf(mx, to_f(p[j]));
+  mx = warp_max(mx);
+  float sum = 0.f;
+  for (int64_t j = lane; j < len; j += 32) sum += expf(to_f(p[j]) - mx);
+  sum = warp_sum(sum);
+  const float inv = 1.f / sum;
+  // Each lane reads and writes only its own columns below, so the in-place update is safe.
+  T* dr = dropped ? dropped + row * s : nullptr;
+  const uint64_t g0 = drop.enabled ? drop.row_start(bn, i) : static_cast<uint64_t>(row * s);
+  for_row_groups(drop, g0, s, lane, [&](int64_t j, bool keep) {
+    const float v = j < len ? expf(to_f(p[j]) - mx) * inv : 0.f;
+    p[j] = from_f<T>(v);
+    if (dr) dr[j] = from_f<T>(keep ? v * drop.inv_keep : 0.f);
+  });
+}
+
+/// dropped[row] = mask · probs[row] / (1 - p) (backward recompute of the dropped probabilities).
+template <typename T>
+__global__ void dropout_probs_kernel(T* dropped, const T* probs, int64_t rows, int64_t s, AttnDropout drop) {
+  const int lane = threadIdx.x & 31;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
+  if (row >= rows) return;
+  const int64_t bn = row / s, i = row - bn * s;
+  const T* p = probs + row * s;
+  T* dr = dropped + row * s;
+  for_row_groups(drop, drop.row_start(bn, i), s, lane, [&](int64_t j, bool keep) {
+    dr[j] = from_f<T>(j <= i && keep ? to_f(p[j]) * drop.inv_keep : 0.f);
+  });
+}
+
+/// In place on grad: dP = mask · dP_drop / (1 - p); dS = P (dP - sum_j dP P), 0 for j > i.
+template <typename T>
+__global__ void causal_softmax_backward_kernel(T* grad, const T* probs, int64_t rows, int64_t s, AttnDropout drop) {
+  const int lane = threadIdx.x & 31;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
+  if (row >= rows) return;
+  const int64_t bn = row / s, i = row - bn * s;
+  T* g = grad + row * s;
+  const T* p = probs + row * s;
+  const uint64_t g0 = drop.enabled ? drop.row_start(bn, i) : static_cast<uint64_t>(row * s);
+  float dot = 0.f;
+  for_row_groups(drop, g0, s, lane, [&](int64_t j, bool keep) {
+    if (j <= i && keep) dot += to_f(g[j]) * drop.inv_keep * to_f(p[j]);
+  });
+  dot = warp_sum(dot);
+  // Same lane-to-column assignment as above, so every lane reads its columns before writing them.
+  for_row_groups(drop, g0, s, lane, [&](int64_t j, bool keep) {
+    const float dp = keep ? to_f(g[j]) * drop.inv_keep : 0.f;
+    g[j] = from_f<T>(j <= i ? to_f(p[j]) * (dp - dot) : 0.f);
+  });
+}
+
+unsigned row_grid(int64_t rows) { return static_cast<unsigned>((rows + kWarpsPerBlock - 1) / kWarpsPerBlock); }
+
+/// Batched contiguous GEMM over the b·n (batch, head) pairs.
+void bgemm(int64_t batch, int64_t m, int64_t n, int64_t k, bool ta, bool tb, DType t, const void* a, const void* b,
+           void* c, float alpha, const Stream& stream) {
+  gemm(contiguous_gemm(batch, m, n, k, ta, tb, t, t, a, b, c, alpha, 0.f), stream);
+}
+
+}  // namespace
+
+void attention_forward(const Tensor& out, const Tensor& qkv, const AttentionBuffers& buf, const AttentionConfig& cfg,
+                       const Stream& stream) {
+  const int64_t s = cfg.seq, B = cfg.batch, n = cfg.heads, d = cfg.head_dim, bn = B * n, rows = bn * s;
+  const DType act = qkv.dtype();
+  const AttnDropout drop = make_attn_dropout(cfg);
+  MT_CHECK(rows / kWarpsPerBlock < (int64_t{1} << 31), "attention: {} rows exceed the grid limit", rows);
+  dispatch_float(act, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const int64_t nd = bn * s * d;
+    sb_to_bn_kernel<T><<<grid_for(nd), kThreads, 0, cu(stream)>>>(buf.q.data_as<T>(), buf.k.data_as<T>(),
+                                                                    buf.v.data_as<T>(), qkv.data_as<T>(), s, B, n, d, 3);
+    MT_CUDA_CHECK_LAUNCH();
+    // scores[bn, s, s] = scale · q k^T, into probs
+    bgemm(bn, s, s, d, false, true, act, buf.q.data(), buf.k.data(), buf.probs.data(), cfg.softmax_scale, stream);
+    T* dropped = drop.enabled ? buf.scratch.data_as<T>() : nullptr;
+    causal_softmax_kernel<T><<<row_grid(rows), kThreads, 0, cu(stream)>>>(buf.probs.data_as<T>(), dropped, rows, s,
+                                                                           drop);
+    MT_CUDA_CHECK_LAUNCH();
+    // context[bn, s, d] = P_drop v, into dq; then out[s, b, n, d]
+    const void* pd = drop.enabled ? buf.scratch.data() : buf.probs.data();
+    bgemm(bn, s, d, s, false, false, act, pd, buf.v.data(), buf.dq.data(), 1.f, stream);
+    bn_to_sb_kernel<T><<<grid_for(nd), kThreads, 0, cu(stream)>>>(out.data_as<T>(), buf.dq.data_as<T>(), nullptr,
+                                                                    nullptr, s, B, n, d, 1);
+    MT_CUDA_CHECK_LAUNCH();
+  });
+}
+
+void attention_backward(const Tensor& dqkv, const Tensor& dout, const AttentionBuffers& buf,
+                        const AttentionConfig& cfg, const Stream& stream) {
+  const int64_t s = cfg.seq, B = cfg.batch, n = cfg.heads, d = cfg.head_dim, bn = B * n, rows = bn * s;
+  const DType act = dout.dtype();
+  const AttnDropout drop = make_attn_dropout(cfg);
+  MT_CHECK(rows / kWarpsPerBlock < (int64_t{1} << 31), "attention: {} rows exceed the grid limit", rows);
+  dispatch_float(act, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const int64_t nd = bn * s * d;
+    // dO[bn, s, d] into dq
+    sb_to_bn_kernel<T><<<grid_for(nd), kThreads, 0, cu(stream)>>>(buf.dq.data_as<T>(), nullptr, nullptr,
+                                                                    dout.data_as<T>(), s, B, n, d, 1);
+    MT_CUDA_CHECK_LAUNCH();
+    const void* pd = buf.probs.data();
+    if (drop.enabled) {
+      dropout_probs_kernel<T><<<row_grid(rows), kThreads, 0, cu(stream)>>>(buf.scratch.data_as<T>(),
+                                                                            buf.probs.data_as<T>(), rows, s, drop);
+      MT_CUDA_CHECK_LAUNCH();
+      pd = buf.scratch.data();
+    }
+    // dV = P_drop^T dO
+    bgemm(bn, s, d, s, true, false, act, pd, buf.dq.data(), buf.dv.data(), 1.f, stream);
+    // dP_drop = dO V^T into scratch (the dropped probabilities are no longer needed)
+    bgemm(bn, s, s, d, false, true, act, buf.dq.data(), buf.v.data(), buf.scratch.data(), 1.f, stream);
+    causal_softmax_backward_kernel<T><<<row_grid(rows), kThreads, 0, cu(stream)>>>(
+        buf.scratch.data_as<T>(), buf.probs.data_as<T>(), rows, s, drop);
+    MT_CUDA_CHECK_LAUNCH();
+    // dQ = scale dS K, dK = scale dS^T Q
+    bgemm(bn, s, d, s, false, false, act, buf.scratch.data(), buf.k.data(), buf.dq.data(), cfg.softmax_scale, stream);
+    bgemm(bn, s, d, s, true, false, act, buf.scratch.data(), buf.q.data(), buf.dk.data(), cfg.softmax_scale, stream);
+    bn_to_sb_kernel<T><<<grid_for(nd), kThreads, 0, cu(stream)>>>(dqkv.data_as<T>(), buf.dq.data_as<T>(),
+                                                                    buf.dk.data_as<T>(), buf.dv.data_as<T>(), s, B, n,
+                                                                    d, 3);
+    MT_CUDA_CHECK_LAUNCH();
+  });
+}
+
+}  // namespace mt::cuda

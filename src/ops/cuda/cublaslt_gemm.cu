@@ -1,0 +1,283 @@
+// cuBLASLt GEMM wrapper with a per-problem plan cache (see cublaslt_gemm.h).
+// fmt 9 turns its constexpr support off under nvcc, which breaks its C++20 consteval format
+// checks; the host compiler (g++ >= 10) supports it, so turn it back on for this TU (belongs in
+// CMakeLists.txt as a CUDA compile definition; see the ops-mm report).
+#ifndef FMT_USE_CONSTEXPR
+#define FMT_USE_CONSTEXPR 1
+#endif
+#include "ops/cuda/cublaslt_gemm.h"
+
+#include <array>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+
+#include "core/cuda_check.h"
+#include "core/cuda_resources.h"
+
+namespace mt::cuda {
+namespace {
+
+cudaDataType_t lt_type(DType t) {
+  switch (t) {
+    case DType::kF32: return CUDA_R_32F;
+    case DType::kBF16: return CUDA_R_16BF;
+    case DType::kF16: return CUDA_R_16F;
+    default: MT_FAIL("gemm: unsupported dtype {}", dtype_name(t));
+  }
+}
+
+/// Largest power of two <= 256 dividing the pointer and (for batched problems) the batch stride
+/// in bytes: what cuBLASLt may assume about every matrix of the batch.
+uint32_t alignment_of(const void* p, int64_t stride_elems, DType t, int64_t batch) {
+  uint64_t v = reinterpret_cast<uintptr_t>(p);
+  if (batch > 1) v |= static_cast<uint64_t>(stride_elems) * dtype_size(t);
+  uint32_t a = 256;
+  while (a > 1 && v % a != 0) a >>= 1;
+  return a;
+}
+
+constexpr int kKeyLen = 26;
+struct GemmKey {
+  std::array<int64_t, kKeyLen> v{};
+  bool operator==(const GemmKey&) const = default;
+};
+struct GemmKeyHash {
+  size_t operator()(const GemmKey& k) const {
+    uint64_t h = 0x9E3779B97F4A7C15ull;
+    for (int64_t x : k.v) {
+      h ^= static_cast<uint64_t>(x) + 0x9E3779B97F4A7C15ull + (h << 6) + (h >> 2);
+    }
+    return static_cast<size_t>(h);
+  }
+};
+
+struct Alignments {
+  uint32_t a, b, c, bias, aux;
+};
+
+GemmKey make_key(const GemmDesc& g, cublasLtHandle_t lt, int device, const Alignments& al) {
+  GemmKey k;
+  k.v = {reinterpret_cast<int64_t>(lt), device, g.m, g.n, g.k, g.batch, g.trans_a, g.trans_b,
+         static_cast<int64_t>(g.ab_type), static_cast<int64_t>(g.c_type), g.lda, g.ldb, g.ldc,
+         g.batch > 1 ? g.stride_a : 0, g.batch > 1 ? g.stride_b : 0, g.batch > 1 ? g.stride_c : 0,
+         static_cast<int64_t>(g.epilogue), g.bias != nullptr, g.aux != nullptr, g.ld_aux, al.a, al.b, al.c, al.bias,
+         al.aux, 0};
+  return k;
+}
+
+/// Descriptors, layouts and the chosen algorithm of one problem (RAII).
+struct GemmPlan {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t la = nullptr, lb = nullptr, lc = nullptr;  // cuBLASLt's A (= our B), B (= our A), C = D
+  cublasLtMatmulAlgo_t algo{};
+  bool found = false;
+  cublasStatus_t heuristic_status = CUBLAS_STATUS_SUCCESS;
+
+  GemmPlan() = default;
+  GemmPlan(const GemmPlan&) = delete;
+  GemmPlan& operator=(const GemmPlan&) = delete;
+  ~GemmPlan() {
+    if (lc) cublasLtMatrixLayoutDestroy(lc);
+    if (lb) cublasLtMatrixLayoutDestroy(lb);
+    if (la) cublasLtMatrixLayoutDestroy(la);
+    if (op) cublasLtMatmulDescDestroy(op);
+  }
+};
+
+struct PreferenceGuard {
+  cublasLtMatmulPreference_t p = nullptr;
+  ~PreferenceGuard() {
+    if (p) cublasLtMatmulPreferenceDestroy(p);
+  }
+};
+
+cublasLtMatrixLayout_t make_layout(DType t, int64_t rows, int64_t cols, int64_t ld, int64_t batch, int64_t stride) {
+  cublasLtMatrixLayout_t l = nullptr;
+  MT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&l, lt_type(t), static_cast<uint64_t>(rows), static_cast<uint64_t>(cols),
+                                             ld));
+  if (batch > 1) {
+    int32_t count = static_cast<int32_t>(batch);
+    MT_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof(count)));
+    MT_CUBLAS_CHECK(
+        cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof(stride)));
+  }
+  return l;
+}
+
+void set_pointers(const GemmPlan& plan, const GemmDesc& g) {
+  if (g.bias) {
+    const void* bias = g.bias;
+    MT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+  }
+  if (g.epilogue == GemmEpilogue::kGeluAux) {
+    void* aux = g.aux;
+    MT_CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof(aux)));
+  }
+}
+
+std::unique_ptr<GemmPlan> make_plan(const GemmDesc& g, cublasLtHandle_t lt, const Alignments& al) {
+  auto plan = std::make_unique<GemmPlan>();
+  MT_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan->op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: cuBLASLt's A is our B.
+  int32_t ta = g.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+  int32_t tb = g.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+  MT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
+  MT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
+  uint32_t epi = CUBLASLT_EPILOGUE_DEFAULT;
+  if (g.epilogue == GemmEpilogue::kBias) epi = CUBLASLT_EPILOGUE_BIAS;
+  if (g.epilogue == GemmEpilogue::kGeluAux) epi = g.bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX;
+  MT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)));
+  if (g.epilogue == GemmEpilogue::kGeluAux) {
+    int64_t ld_aux = g.ld_aux;
+    MT_CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ld_aux, sizeof(ld_aux)));
+  }
+  set_pointers(*plan, g);  // the heuristic reads the pointers' alignment
+
+  plan->la = make_layout(g.ab_type, g.trans_b ? g.k : g.n, g.trans_b ? g.n : g.k, g.ldb, g.batch, g.stride_b);
+  plan->lb = make_layout(g.ab_type, g.trans_a ? g.m : g.k, g.trans_a ? g.k : g.m, g.lda, g.batch, g.stride_a);
+  plan->lc = make_layout(g.c_type, g.n, g.m, g.ldc, g.batch, g.stride_c);
+
+  PreferenceGuard pref;
+  MT_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref.p));
+  uint64_t ws = CudaStreamResources::kWorkspaceBytes;
+  MT_CUBLAS_CHECK(
+      cublasLtMatmulPreferenceSetAttribute(pref.p, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
+  uint32_t align_a = al.b, align_b = al.a, align_c = al.c;  // swapped operands
+  MT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a,
+                                                       sizeof(align_a)));
+  MT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b,
+                                                       sizeof(align_b)));
+  MT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_c,
+                                                       sizeof(align_c)));
+  MT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_c,
+                                                       sizeof(align_c)));
+
+  auto query = [&]() {
+    cublasLtMatmulHeuristicResult_t res{};
+    int returned = 0;
+    cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(lt, plan->op, plan->la, plan->lb, plan->lc, plan->lc, pref.p, 1,
+                                                       &res, &returned);
+    plan->heuristic_status = st;
+    if (st == CUBLAS_STATUS_SUCCESS && returned > 0 && res.state == CUBLAS_STATUS_SUCCESS) {
+      plan->algo = res.algo;
+      plan->found = true;
+    }
+  };
+  if (g.c_type != DType::kF32) {
+    // 16-bit outputs: split-K partial sums must be reduced in fp32 (the compute type), not in
+    // the output type, to honour "fp32 accumulation". Falls back to any scheme if none exists.
+    uint32_t mask = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+    MT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref.p, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &mask,
+                                                         sizeof(mask)));
+    query();
+    if (!plan->found) {
+      mask = CUBLASLT_REDUCTION_SCHEME_MASK;
+      MT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref.p, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &mask,
+                                                           sizeof(mask)));
+      query();
+    }
+  } else {
+    query();
+  }
+  return plan;
+}
+
+std::string describe(const GemmDesc& g) {
+  return fmt::format(
+      "gemm m={} n={} k={} batch={} trans_a={} trans_b={} ab={} c={} lda={} ldb={} ldc={} strides=({}, {}, {}) "
+      "epilogue={} bias={} ld_aux={}",
+      g.m, g.n, g.k, g.batch, g.trans_a, g.trans_b, dtype_name(g.ab_type), dtype_name(g.c_type), g.lda, g.ldb, g.ldc,
+      g.stride_a, g.stride_b, g.stride_c, static_cast<int>(g.epilogue), g.bias != nullptr, g.ld_aux);
+}
+
+std::mutex& cache_mutex() {
+  static std::mutex m;
+  return m;
+}
+std::unordered_map<GemmKey, std::unique_ptr<GemmPlan>, GemmKeyHash>& cache() {
+  static std::unordered_map<GemmKey, std::unique_ptr<GemmPlan>, GemmKeyHash> c;
+  return c;
+}
+
+void validate(const GemmDesc& g) {
+  MT_CHECK(g.m > 0 && g.n > 0 && g.k > 0 && g.batch > 0, "{}: sizes must be positive", describe(g));
+  MT_CHECK(g.c_type == g.ab_type || g.c_type == DType::kF32, "{}: c must be the a/b dtype or fp32", describe(g));
+  MT_CHECK(g.lda >= (g.trans_a ? g.m : g.k) && g.ldb >= (g.trans_b ? g.k : g.n) && g.ldc >= g.n,
+           "{}: leading dimensions too small", describe(g));
+  MT_CHECK(g.m <= INT32_MAX && g.n <= INT32_MAX && g.k <= INT32_MAX && g.batch <= INT32_MAX, "{}: sizes exceed int32",
+           describe(g));
+  if (g.epilogue == GemmEpilogue::kBias) MT_CHECK(g.bias != nullptr, "{}: bias epilogue without bias", describe(g));
+  if (g.epilogue == GemmEpilogue::kGeluAux) {
+    MT_CHECK(g.aux != nullptr && g.ld_aux >= g.n && g.ld_aux % 8 == 0,
+             "{}: GELU_AUX needs an aux matrix with ld_aux >= n and ld_aux % 8 == 0", describe(g));
+  }
+}
+
+/// Looks up (or builds) the plan and enqueues the GEMM; false when no algorithm exists, with the
+/// heuristic's status in *status.
+bool run_gemm(const GemmDesc& g, const Stream& stream, int* status) {
+  validate(g);
+  CudaStreamResources* res = stream.cuda();
+  MT_CHECK(res != nullptr, "{}: needs a CUDA stream, got {}", describe(g), stream.device().str());
+  Alignments al{alignment_of(g.a, g.stride_a, g.ab_type, g.batch), alignment_of(g.b, g.stride_b, g.ab_type, g.batch),
+                alignment_of(g.c, g.stride_c, g.c_type, g.batch), g.bias ? alignment_of(g.bias, 0, g.c_type, 1) : 0u,
+                g.aux ? alignment_of(g.aux, 0, g.c_type, 1) : 0u};
+  GemmKey key = make_key(g, res->lt, res->device.index, al);
+  std::lock_guard<std::mutex> lock(cache_mutex());
+  auto& c = cache();
+  auto it = c.find(key);
+  if (it == c.end()) it = c.emplace(key, make_plan(g, res->lt, al)).first;
+  const GemmPlan& plan = *it->second;
+  *status = static_cast<int>(plan.heuristic_status);
+  if (!plan.found) return false;
+  set_pointers(plan, g);
+  // The lock also covers the enqueue, since the cached descriptor carries this call's pointers.
+  MT_CUBLAS_CHECK(cublasLtMatmul(res->lt, plan.op, &g.alpha, g.b, plan.la, g.a, plan.lb, &g.beta, g.c, plan.lc, g.c,
+                                 plan.lc, &plan.algo, res->workspace, CudaStreamResources::kWorkspaceBytes,
+                                 res->stream));
+  return true;
+}
+
+}  // namespace
+
+bool try_gemm(const GemmDesc& g, const Stream& stream) {
+  int status = 0;
+  return run_gemm(g, stream, &status);
+}
+
+void gemm(const GemmDesc& g, const Stream& stream) {
+  int status = 0;
+  if (run_gemm(g, stream, &status)) return;
+  MT_FAIL("cuBLASLt has no algorithm for {} (heuristic status {})", describe(g), status);
+}
+
+GemmDesc contiguous_gemm(int64_t batch, int64_t m, int64_t n, int64_t k, bool trans_a, bool trans_b, DType ab_type,
+                         DType c_type, const void* a, const void* b, void* c, float alpha, float beta) {
+  GemmDesc g;
+  g.m = m;
+  g.n = n;
+  g.k = k;
+  g.batch = batch;
+  g.trans_a = trans_a;
+  g.trans_b = trans_b;
+  g.ab_type = ab_type;
+  g.c_type = c_type;
+  g.a = a;
+  g.lda = trans_a ? m : k;
+  g.stride_a = m * k;
+  g.b = b;
+  g.ldb = trans_b ? k : n;
+  g.stride_b = k * n;
+  g.c = c;
+  g.ldc = n;
+  g.stride_c = m * n;
+  g.alpha = alpha;
+  g.beta = beta;
+  return g;
+}
+
+}  // namespace mt::cuda

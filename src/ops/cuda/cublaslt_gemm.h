@@ -1,0 +1,57 @@
+// Shared cuBLASLt GEMM wrapper for the CUDA ops (matmul, linear, attention). Only included by
+// .cu files. Row-major problems are mapped onto column-major cuBLASLt by swapping the operands
+// (C^T = op(B)^T op(A)^T). Matmul descriptors, matrix layouts and the heuristic's algorithm are
+// cached per problem key (shape, dtypes, transposes, epilogue, batch, strides, leading dims,
+// pointer alignment, cublasLt handle); the cache is process-wide and guarded by a mutex.
+// Compute type CUBLAS_COMPUTE_32F (no TF32, so fp32 GEMMs match the CPU to ~1e-6), scale type
+// fp32; split-K reductions are restricted to the compute type for 16-bit outputs.
+#pragma once
+#include <cstdint>
+
+#include "core/dtype.h"
+#include "core/stream.h"
+
+namespace mt::cuda {
+
+enum class GemmEpilogue : uint8_t {
+  kNone,      ///< D = alpha op(A) op(B) + beta C
+  kBias,      ///< ... + bias[n] broadcast over rows (CUBLASLT_EPILOGUE_BIAS)
+  kGeluAux,   ///< aux = alpha op(A) op(B) (+ bias[n] if given); D = gelu(aux) (GELU_AUX[_BIAS])
+};
+
+/// One row-major (optionally strided-batched) GEMM: for each batch i,
+///   C_i[m, n] = alpha · op(A_i) · op(B_i) + beta · C_i   (then the epilogue)
+/// A_i is [m, k] (or [k, m] when trans_a) with row stride lda, batch stride stride_a (elements);
+/// likewise B_i [k, n] / [n, k] and C_i [m, n] with ldc, stride_c. A and B share ab_type
+/// (fp32/bf16/fp16); C is c_type (ab_type or fp32). bias: [n] of c_type. aux: row-major [m, ld_aux]
+/// of c_type, ld_aux % 8 == 0 (cuBLASLt's requirement for the GELU input matrix). C may not alias
+/// A or B. Requires m, n, k >= 1.
+struct GemmDesc {
+  int64_t m = 0, n = 0, k = 0, batch = 1;
+  bool trans_a = false, trans_b = false;
+  DType ab_type = DType::kF32, c_type = DType::kF32;
+  const void* a = nullptr;
+  int64_t lda = 0, stride_a = 0;
+  const void* b = nullptr;
+  int64_t ldb = 0, stride_b = 0;
+  void* c = nullptr;
+  int64_t ldc = 0, stride_c = 0;
+  float alpha = 1.f, beta = 0.f;
+  GemmEpilogue epilogue = GemmEpilogue::kNone;
+  const void* bias = nullptr;
+  void* aux = nullptr;
+  int64_t ld_aux = 0;
+};
+
+/// Enqueues the GEMM on `stream`. Returns false (enqueueing nothing) when cuBLASLt offers no
+/// algorithm for this problem (possible with epilogues and odd alignments); throws mt::Error on
+/// any other cuBLASLt failure.
+bool try_gemm(const GemmDesc& g, const Stream& stream);
+/// As try_gemm, but throws mt::Error (with the problem's description) when no algorithm exists.
+void gemm(const GemmDesc& g, const Stream& stream);
+
+/// Convenience: contiguous row-major batched GEMM (lda/ldb/ldc and strides from the shapes).
+GemmDesc contiguous_gemm(int64_t batch, int64_t m, int64_t n, int64_t k, bool trans_a, bool trans_b, DType ab_type,
+                         DType c_type, const void* a, const void* b, void* c, float alpha, float beta);
+
+}  // namespace mt::cuda

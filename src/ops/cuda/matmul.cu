@@ -1,0 +1,207 @@
+// CUDA matrix products: cuBLASLt GEMMs (ops/cuda/cublaslt_gemm.h) with BIAS / GELU_AUX(_BIAS)
+// epilogues, plus small kernels for the fallbacks (bias add, GELU), beta-scaling when k = 0, and
+// the deterministic fp32 column sum for dbias (+=).
+// fmt 9 turns its constexpr support off under nvcc, which breaks its C++20 consteval format
+// checks; the host compiler (g++ >= 10) supports it, so turn it back on for this TU (belongs in
+// CMakeLists.txt as a CUDA compile definition; see the ops-mm report).
+#ifndef FMT_USE_CONSTEXPR
+#define FMT_USE_CONSTEXPR 1
+#endif
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <type_traits>
+
+#include "core/cuda_check.h"
+#include "ops/cuda/cublaslt_gemm.h"
+#include "ops/matmul_impl.h"
+
+namespace mt::cuda {
+namespace {
+
+__device__ __forceinline__ float to_f(float x) { return x; }
+__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
+template <typename T>
+__device__ __forceinline__ T from_f(float x);
+template <>
+__device__ __forceinline__ float from_f<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <>
+__device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
+
+/// Calls f(T*) with T the storage type of the float dtype t.
+template <typename F>
+void dispatch_float(DType t, F&& f) {
+  switch (t) {
+    case DType::kF32: f(static_cast<float*>(nullptr)); break;
+    case DType::kBF16: f(static_cast<__nv_bfloat16*>(nullptr)); break;
+    case DType::kF16: f(static_cast<__half*>(nullptr)); break;
+    default: MT_FAIL("unsupported dtype {}", dtype_name(t));
+  }
+}
+
+cudaStream_t cu(const Stream& s) { return static_cast<cudaStream_t>(s.cuda_stream()); }
+
+unsigned grid_for(int64_t n, int block) {
+  int64_t g = (n + block - 1) / block;
+  return static_cast<unsigned>(g < 65535 * 32 ? g : 65535 * 32);  // grid-stride loops cover the rest
+}
+
+/// x[i] = beta * x[i] (beta == 0 writes exact zeros, ignoring NaN/Inf in x).
+template <typename T>
+__global__ void scale_kernel(T* x, int64_t n, float beta) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    x[i] = from_f<T>(beta == 0.f ? 0.f : beta * to_f(x[i]));
+  }
+}
+
+/// v = pre[i, j] + bias[j]; pre[i, j] = v when bias is given; y[i, j] = gelu(v) when y is given.
+template <typename T>
+__global__ void bias_act_kernel(T* pre, T* y, const T* bias, int64_t m, int64_t n) {
+  const int64_t total = m * n;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    float v = to_f(pre[i]);
+    if (bias) {
+      v += to_f(bias[i % n]);
+      pre[i] = from_f<T>(v);
+    }
+    if (y) y[i] = from_f<T>(linear_gelu(v));
+  }
+}
+
+/// out[j] += sum_i x[i, j], fp32 accumulation, deterministic (one block per 32 columns).
+constexpr int kColTile = 32, kColRows = 16;
+template <typename T>
+__global__ void column_sum_add_kernel(float* out, const T* x, int64_t rows, int64_t cols) {
+  __shared__ float part[kColRows][kColTile + 1];
+  const int64_t col = static_cast<int64_t>(blockIdx.x) * kColTile + threadIdx.x;
+  float acc = 0.f;
+  if (col < cols) {
+    for (int64_t r = threadIdx.y; r < rows; r += kColRows) acc += to_f(x[r * cols + col]);
+  }
+  part[threadIdx.y][threadIdx.x] = acc;
+  __syncthreads();
+  if (threadIdx.y == 0 && col < cols) {
+    float s = 0.f;
+#pragma unroll
+    for (int i = 0; i < kColRows; ++i) s += part[i][threadIdx.x];
+    out[col] += s;
+  }
+}
+
+void scale_tensor(const Tensor& t, float beta, const Stream& stream) {
+  if (beta == 1.f || t.numel() == 0) return;
+  dispatch_float(t.dtype(), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    scale_kernel<T><<<grid_for(t.numel(), 256), 256, 0, cu(stream)>>>(t.data_as<T>(), t.numel(), beta);
+    MT_CUDA_CHECK_LAUNCH();
+  });
+}
+
+/// pre (+)= bias and/or y = gelu(pre), see bias_act_kernel.
+void bias_act(const Tensor& pre, const Tensor* y, const Tensor& bias, int64_t m, int64_t n, const Stream& stream) {
+  if (m * n == 0) return;
+  dispatch_float(pre.dtype(), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    bias_act_kernel<T><<<grid_for(m * n, 256), 256, 0, cu(stream)>>>(
+        pre.data_as<T>(), y ? y->data_as<T>() : nullptr, bias.empty() ? nullptr : bias.data_as<T>(), m, n);
+    MT_CUDA_CHECK_LAUNCH();
+  });
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+}  // namespace
+
+void matmul(const Tensor& c, const Tensor& a, const Tensor& b, bool trans_a, bool trans_b, float alpha, float beta,
+            const Stream& stream) {
+  const int r = a.ndim();
+  const int64_t batch = r == 3 ? a.size(0) : 1;
+  const int64_t m = c.size(r - 2), n = c.size(r - 1);
+  const int64_t k = trans_a ? a.size(r - 2) : a.size(r - 1);
+  if (batch == 0 || m == 0 || n == 0) return;
+  if (k == 0) {
+    scale_tensor(c, beta, stream);
+    return;
+  }
+  gemm(contiguous_gemm(batch, m, n, k, trans_a, trans_b, a.dtype(), c.dtype(), a.data(), b.data(), c.data(), alpha,
+                       beta),
+       stream);
+}
+
+void linear_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& pre_gelu,
+                    const Stream& stream) {
+  const int64_t n = w.size(0), k = w.size(1);
+  int64_t m = 1;
+  for (int d = 0; d + 1 < y.ndim(); ++d) m *= y.size(d);
+  if (m == 0 || n == 0) return;
+  const bool gelu = !pre_gelu.empty();
+  const DType act = y.dtype();
+  if (k == 0) {  // no product: out = bias (or 0), then GELU
+    const Tensor& out = gelu ? pre_gelu : y;
+    MT_CUDA_CHECK(cudaMemsetAsync(out.data(), 0, out.nbytes(), cu(stream)));
+    if (!bias.empty() || gelu) bias_act(out, gelu ? &y : nullptr, bias, m, n, stream);
+    return;
+  }
+  GemmDesc g = contiguous_gemm(1, m, n, k, false, true, act, act, x.data(), w.data(), y.data(), 1.f, 0.f);
+  if (gelu && act != DType::kF32 && n % 8 == 0 && aligned16(pre_gelu.data()) && aligned16(y.data())) {
+    // Fused: aux = x·w^T + bias (pre-activation), D = gelu(aux). fp32 takes the fallback below
+    // so that it matches the CPU reference's precise tanh to 1e-5.
+    GemmDesc f = g;
+    f.epilogue = GemmEpilogue::kGeluAux;
+    f.bias = bias.empty() ? nullptr : bias.data();
+    f.aux = pre_gelu.data();
+    f.ld_aux = n;
+    if (try_gemm(f, stream)) return;
+  }
+  // GEMM (+ bias epilogue) into pre_gelu (GELU) or y, then the remaining element-wise work.
+  const Tensor& out = gelu ? pre_gelu : y;
+  g.c = out.data();
+  bool bias_done = false;
+  if (!bias.empty()) {
+    GemmDesc f = g;
+    f.epilogue = GemmEpilogue::kBias;
+    f.bias = bias.data();
+    bias_done = try_gemm(f, stream);
+  }
+  if (!bias_done) gemm(g, stream);
+  const Tensor no_bias;
+  if (gelu || (!bias.empty() && !bias_done)) bias_act(out, gelu ? &y : nullptr, bias_done ? no_bias : bias, m, n, stream);
+}
+
+void linear_backward(const Tensor& dx, const Tensor& dw, const Tensor& dbias, const Tensor& dy, const Tensor& x,
+                     const Tensor& w, const Stream& stream) {
+  const int64_t n = w.size(0), k = w.size(1);
+  int64_t m = 1;
+  for (int d = 0; d + 1 < x.ndim(); ++d) m *= x.size(d);
+  const DType act = dy.dtype();
+  // dx[m, k] = dy[m, n] · w[n, k]  (overwrite)
+  if (!dx.empty() && m > 0 && k > 0) {
+    if (n == 0) {
+      MT_CUDA_CHECK(cudaMemsetAsync(dx.data(), 0, dx.nbytes(), cu(stream)));
+    } else {
+      gemm(contiguous_gemm(1, m, k, n, false, false, act, act, dy.data(), w.data(), dx.data(), 1.f, 0.f), stream);
+    }
+  }
+  if (m == 0 || n == 0) return;  // nothing to accumulate
+  // dw[n, k] += dy^T[n, m] · x[m, k]  (fp32 main grad, beta = 1)
+  if (!dw.empty() && k > 0) {
+    gemm(contiguous_gemm(1, n, k, m, true, false, act, DType::kF32, dy.data(), x.data(), dw.data(), 1.f, 1.f), stream);
+  }
+  // dbias[n] += sum_m dy  (own kernel: cuBLASLt's BGRADB epilogue overwrites instead of accumulating)
+  if (!dbias.empty()) {
+    dispatch_float(act, [&](auto* tag) {
+      using T = std::remove_pointer_t<decltype(tag)>;
+      dim3 block(kColTile, kColRows);
+      dim3 grid(static_cast<unsigned>((n + kColTile - 1) / kColTile));
+      column_sum_add_kernel<T><<<grid, block, 0, cu(stream)>>>(dbias.data_as<float>(), dy.data_as<T>(), m, n);
+      MT_CUDA_CHECK_LAUNCH();
+    });
+  }
+}
+
+}  // namespace mt::cuda

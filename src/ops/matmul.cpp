@@ -1,0 +1,108 @@
+// Argument validation and backend dispatch for ops/matmul.h.
+#include "ops/matmul.h"
+
+#include "ops/dispatch.h"
+#include "ops/matmul_impl.h"
+
+namespace mt {
+namespace {
+
+bool is_float_dtype(DType t) { return t == DType::kF32 || t == DType::kBF16 || t == DType::kF16; }
+
+void check_stream(const Stream& stream, const Tensor& t, const char* op) {
+  MT_CHECK(stream.device() == t.device(), "{}: stream on {} but tensors on {}", op, stream.device().str(),
+           t.device().str());
+}
+
+/// Rows of a [..., cols] tensor (all leading dims flattened).
+int64_t flat_rows(const Tensor& t, int64_t cols, const char* op, const char* name) {
+  MT_CHECK(t.ndim() >= 1 && t.size(-1) == cols, "{}: {} has shape {}, expected last dim {}", op, name, t.shape_str(),
+           cols);
+  MT_CHECK(t.is_contiguous(), "{}: {} ({}) must be contiguous", op, name, t.str());
+  int64_t rows = 1;
+  for (int d = 0; d + 1 < t.ndim(); ++d) rows *= t.size(d);
+  return rows;
+}
+
+}  // namespace
+
+void matmul(const Tensor& c, const Tensor& a, const Tensor& b, bool trans_a, bool trans_b, float alpha, float beta,
+            const Stream& stream) {
+  MT_CHECK(a.ndim() == b.ndim() && a.ndim() == c.ndim() && (a.ndim() == 2 || a.ndim() == 3),
+           "matmul: a {}, b {}, c {} must all be 2-D or all 3-D", a.str(), b.str(), c.str());
+  MT_CHECK(a.dtype() == b.dtype() && is_float_dtype(a.dtype()), "matmul: a {} and b {} need one float dtype", a.str(),
+           b.str());
+  MT_CHECK(c.dtype() == a.dtype() || c.dtype() == DType::kF32, "matmul: c {} must be {} or fp32", c.str(),
+           dtype_name(a.dtype()));
+  MT_CHECK(a.is_contiguous() && b.is_contiguous() && c.is_contiguous(), "matmul: a {}, b {}, c {} must be contiguous",
+           a.str(), b.str(), c.str());
+  check_same_device({&c, &a, &b});
+  check_stream(stream, c, "matmul");
+  const int r = a.ndim();
+  if (r == 3) {
+    MT_CHECK(a.size(0) == b.size(0) && a.size(0) == c.size(0), "matmul: batch sizes differ: a {}, b {}, c {}",
+             a.shape_str(), b.shape_str(), c.shape_str());
+  }
+  const int64_t m = trans_a ? a.size(r - 1) : a.size(r - 2);
+  const int64_t ka = trans_a ? a.size(r - 2) : a.size(r - 1);
+  const int64_t kb = trans_b ? b.size(r - 1) : b.size(r - 2);
+  const int64_t n = trans_b ? b.size(r - 2) : b.size(r - 1);
+  MT_CHECK(ka == kb, "matmul: inner dims differ: op(a) {} (trans_a={}) has k={}, op(b) {} (trans_b={}) has k={}",
+           a.shape_str(), trans_a, ka, b.shape_str(), trans_b, kb);
+  MT_CHECK(c.size(r - 2) == m && c.size(r - 1) == n, "matmul: c {} expected [{}, {}] (a {}, b {}, trans {} {})",
+           c.shape_str(), m, n, a.shape_str(), b.shape_str(), trans_a, trans_b);
+  MT_DISPATCH(c.device(), matmul, c, a, b, trans_a, trans_b, alpha, beta, stream);
+}
+
+void linear_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& pre_gelu,
+                    const Stream& stream) {
+  MT_CHECK(w.ndim() == 2 && w.is_contiguous(), "linear_forward: w {} must be a contiguous [n, k]", w.str());
+  const int64_t n = w.size(0), k = w.size(1);
+  MT_CHECK(is_float_dtype(w.dtype()), "linear_forward: w {} needs a float dtype", w.str());
+  MT_CHECK(x.dtype() == w.dtype() && y.dtype() == w.dtype(), "linear_forward: x {}, w {}, y {} need one dtype",
+           x.str(), w.str(), y.str());
+  const int64_t m = flat_rows(x, k, "linear_forward", "x");
+  const int64_t my = flat_rows(y, n, "linear_forward", "y");
+  MT_CHECK(m == my, "linear_forward: x {} has {} rows but y {} has {}", x.shape_str(), m, y.shape_str(), my);
+  if (!bias.empty()) {
+    MT_CHECK(bias.ndim() == 1 && bias.size(0) == n && bias.dtype() == w.dtype() && bias.is_contiguous(),
+             "linear_forward: bias {} expected {}[{}]", bias.str(), dtype_name(w.dtype()), n);
+  }
+  if (!pre_gelu.empty()) {
+    MT_CHECK(pre_gelu.shape() == y.shape() && pre_gelu.dtype() == y.dtype() && pre_gelu.is_contiguous(),
+             "linear_forward: pre_gelu {} must match y {}", pre_gelu.str(), y.str());
+    MT_CHECK(pre_gelu.data() != y.data(), "linear_forward: pre_gelu must not alias y");
+  }
+  check_same_device({&y, &x, &w, &bias, &pre_gelu});
+  check_stream(stream, y, "linear_forward");
+  MT_DISPATCH(y.device(), linear_forward, y, x, w, bias, pre_gelu, stream);
+}
+
+void linear_backward(const Tensor& dx, const Tensor& dw, const Tensor& dbias, const Tensor& dy, const Tensor& x,
+                     const Tensor& w, const Stream& stream) {
+  MT_CHECK(w.ndim() == 2 && w.is_contiguous(), "linear_backward: w {} must be a contiguous [n, k]", w.str());
+  const int64_t n = w.size(0), k = w.size(1);
+  MT_CHECK(is_float_dtype(w.dtype()), "linear_backward: w {} needs a float dtype", w.str());
+  MT_CHECK(x.dtype() == w.dtype() && dy.dtype() == w.dtype(), "linear_backward: dy {}, x {}, w {} need one dtype",
+           dy.str(), x.str(), w.str());
+  const int64_t m = flat_rows(x, k, "linear_backward", "x");
+  const int64_t my = flat_rows(dy, n, "linear_backward", "dy");
+  MT_CHECK(m == my, "linear_backward: x {} has {} rows but dy {} has {}", x.shape_str(), m, dy.shape_str(), my);
+  if (!dx.empty()) {
+    MT_CHECK(dx.shape() == x.shape() && dx.dtype() == x.dtype() && dx.is_contiguous(),
+             "linear_backward: dx {} must match x {}", dx.str(), x.str());
+  }
+  if (!dw.empty()) {
+    MT_CHECK(dw.dtype() == DType::kF32 && dw.ndim() == 2 && dw.size(0) == n && dw.size(1) == k && dw.is_contiguous(),
+             "linear_backward: dw {} expected fp32[{}, {}] (fp32 main grad)", dw.str(), n, k);
+  }
+  if (!dbias.empty()) {
+    MT_CHECK(dbias.dtype() == DType::kF32 && dbias.ndim() == 1 && dbias.size(0) == n && dbias.is_contiguous(),
+             "linear_backward: dbias {} expected fp32[{}]", dbias.str(), n);
+  }
+  check_same_device({&dx, &dw, &dbias, &dy, &x, &w});
+  check_stream(stream, dy, "linear_backward");
+  MT_DISPATCH(dy.device(), linear_backward, dx, dw, dbias, dy, x, w, stream);
+}
+
+}  // namespace mt
