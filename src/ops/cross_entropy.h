@@ -6,6 +6,12 @@
 // Single rank:  stats -> loss -> backward_inplace.
 // Vocab-parallel: stats -> allreduce(MAX, row_max') -> rescale_sumexp(local max -> global max)
 //                 -> allreduce(SUM, sumexp), allreduce(SUM, target_logit) -> loss -> backward.
+//
+// Backends: CPU (fp32, bf16, fp16 logits; reference) and CUDA (one block per row, fp32 math,
+// 16-byte vector loads when the rows allow). Errors: mt::Error on a shape, dtype, device or
+// stream mismatch (messages print the tensors), V = 0 or vocab_start < 0. Targets are not
+// range-checked (that would need a host sync): a target outside [vocab_start, vocab_start + V)
+// simply contributes no target logit and no one-hot term on this rank.
 #pragma once
 #include "core/stream.h"
 #include "core/tensor.h"
@@ -36,7 +42,8 @@ void cross_entropy_backward_inplace(const Tensor& logits, const Tensor& targets,
                                     const Tensor& row_sumexp, const Tensor& loss_mask, int64_t vocab_start,
                                     float grad_scale, const Stream& stream);
 
-/// out[0] += alpha * sum(x) over fp32 x [n]; deterministic order. out: fp32 [1].
+/// out[0] += alpha * sum(x) over fp32 x [n]; deterministic order (CUDA: one block, fixed
+/// reduction tree, no float atomics; CPU: fixed chunks summed in double). out: fp32 [1].
 void sum_accumulate(const Tensor& out, const Tensor& x, float alpha, const Stream& stream);
 
 }  // namespace mt

@@ -15,6 +15,9 @@
 
 namespace mt {
 
+/// Number of blocks (and fp32 partial sums) of the CUDA grad_sumsq_accumulate reduction.
+inline constexpr int kGradSumsqBlocks = 512;
+
 /// Device-resident scalars of the optimizer and the loss scaler. Plain data: lives in a
 /// Buffer of sizeof(OptimizerScalars) bytes on the training device; the host reads it with a
 /// copy at log intervals only.
@@ -29,6 +32,10 @@ struct OptimizerScalars {
   int32_t hysteresis_tracker = 2;
   int32_t skipped_iters = 0;   ///< cumulative number of skipped steps
   int32_t pad_ = 0;
+  /// Scratch of the CUDA grad_sumsq_accumulate: one partial sum per block of its fixed grid,
+  /// then added to grad_sumsq in a fixed order (deterministic, and no allocation in the op).
+  /// Meaningless outside that op; the CPU backend does not touch it.
+  float sumsq_partials[kGradSumsqBlocks] = {};
 };
 
 struct LossScalerConfig {
@@ -52,16 +59,22 @@ struct AdamWHyper {
 /// Host-side initial value of the struct for a scaler configuration.
 OptimizerScalars initial_optimizer_scalars(const LossScalerConfig& cfg);
 
-/// scalars->grad_sumsq += sum_i (grads[i] / loss_scale)^2. grads: fp32 [n]. Deterministic.
-/// `scalars` is a uint8 tensor of sizeof(OptimizerScalars) bytes on the grads' device.
+/// scalars->grad_sumsq += sum_i (grads[i] * (1 / loss_scale))^2. grads: fp32 [n]. Deterministic
+/// (CUDA: fixed grid of kGradSumsqBlocks blocks, partials in the struct, fixed-order final sum;
+/// so calls on one scalars tensor must be ordered on one stream). `scalars` is a uint8 tensor
+/// of sizeof(OptimizerScalars) bytes on the grads' device. Errors (all ops here): mt::Error on
+/// a wrong scalars size/dtype, a dtype/shape/device mismatch or a stream on another device.
 void grad_sumsq_accumulate(const Tensor& scalars, const Tensor& grads, const Stream& stream);
 
-/// grad_norm = sqrt(grad_sumsq); found_inf = !isfinite(grad_sumsq); clip_coeff =
+/// grad_norm = sqrt(grad_sumsq) (+inf or a canonical NaN when not finite, so that CPU and CUDA
+/// give identical bits); found_inf = !isfinite(grad_sumsq); clip_coeff =
 /// (clip_grad > 0 ? min(1, clip_grad / (grad_norm + 1e-6)) : 1); step += !found_inf.
 void optimizer_prepare(const Tensor& scalars, float clip_grad, const Stream& stream);
 
 /// AdamW (Loshchilov & Hutter 2019, as torch.optim.AdamW / Megatron's FusedAdam with
-/// adam_w_mode): with g = grad / loss_scale * clip_coeff and t = step,
+/// adam_w_mode): with g = grad * (1 / loss_scale) * clip_coeff and t = step (>= 1: call
+/// optimizer_prepare first; the CPU backend checks it), bias corrections 1 - b^t computed in
+/// double and rounded to fp32 (as apex's multi_tensor_adam),
 ///   m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2;
 ///   p = p - lr * ( (m / (1-b1^t)) / (sqrt(v / (1-b2^t)) + eps) + wd * p )
 /// Skipped entirely (nothing written) when found_inf. main, grad, exp_avg, exp_avg_sq: fp32
@@ -70,8 +83,14 @@ void optimizer_prepare(const Tensor& scalars, float clip_grad, const Stream& str
 void adamw_step(const Tensor& main_param, const Tensor& grad, const Tensor& exp_avg, const Tensor& exp_avg_sq,
                 const Tensor& model_param, const AdamWHyper& hyper, const Tensor& scalars, const Stream& stream);
 
-/// Megatron's DynamicGradScaler.update(found_inf) when cfg.dynamic; always: skipped_iters +=
-/// found_inf, grad_sumsq = 0 (ready for the next step).
+/// Megatron's DynamicGradScaler.update(found_inf) (megatron/core/optimizer/grad_scaler.py) when
+/// cfg.dynamic:
+///   found_inf: growth_tracker = 0; hysteresis_tracker -= 1;
+///              if hysteresis_tracker <= 0: loss_scale = max(loss_scale * backoff, min_scale)
+///   else:      growth_tracker += 1; if growth_tracker == growth_interval:
+///              growth_tracker = 0; hysteresis_tracker = hysteresis; loss_scale *= growth
+/// (overflows accumulate in hysteresis_tracker across clean steps until the next growth).
+/// Always: skipped_iters += found_inf, grad_sumsq = 0 (ready for the next step).
 void loss_scaler_update(const Tensor& scalars, const LossScalerConfig& cfg, const Stream& stream);
 
 }  // namespace mt

@@ -1,0 +1,69 @@
+// CPU reference of ops/optimizer.h: reads and writes the OptimizerScalars struct in place.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "ops/optimizer_impl.h"
+
+namespace mt::cpu {
+namespace {
+
+OptimizerScalars& scalars_of(const Tensor& t) { return *static_cast<OptimizerScalars*>(t.data()); }
+
+}  // namespace
+
+void grad_sumsq_accumulate(const Tensor& scalars, const Tensor& grads, const Stream&) {
+  OptimizerScalars& s = scalars_of(scalars);
+  const float inv = 1.f / s.loss_scale;
+  const float* g = grads.data_as<float>();
+  const int64_t n = grads.numel();
+  // Fixed chunks summed in parallel, chunk sums added in index order: the result does not
+  // depend on the number of threads.
+  constexpr int64_t kChunk = 8192;
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
+  std::vector<double> part(static_cast<size_t>(chunks));
+#pragma omp parallel for schedule(static)
+  for (int64_t c = 0; c < chunks; ++c) {
+    double acc = 0;
+    const int64_t end = std::min(n, (c + 1) * kChunk);
+    for (int64_t i = c * kChunk; i < end; ++i) {
+      const double a = static_cast<double>(g[i] * inv);
+      acc += a * a;
+    }
+    part[c] = acc;
+  }
+  double total = 0;
+  for (double p : part) total += p;
+  s.grad_sumsq += static_cast<float>(total);
+}
+
+void optimizer_prepare(const Tensor& scalars, float clip_grad, const Stream&) {
+  detail::optimizer_prepare_state(scalars_of(scalars), clip_grad);
+}
+
+void adamw_step(const Tensor& main_param, const Tensor& grad, const Tensor& exp_avg, const Tensor& exp_avg_sq,
+                const Tensor& model_param, const AdamWHyper& hyper, const Tensor& scalars, const Stream&) {
+  const OptimizerScalars& s = scalars_of(scalars);
+  if (s.found_inf) return;
+  MT_CHECK(s.step >= 1, "adamw_step: step={} (call optimizer_prepare before adamw_step)", s.step);
+  const detail::AdamWCoeffs c = detail::adamw_coeffs(hyper, s);
+  const int64_t n = main_param.numel();
+  float* p = main_param.data_as<float>();
+  const float* g = grad.data_as<float>();
+  float* m = exp_avg.data_as<float>();
+  float* v = exp_avg_sq.data_as<float>();
+  const DType md = model_param.empty() ? DType::kF32 : model_param.dtype();
+  uint16_t* mp = model_param.empty() ? nullptr : model_param.data_as<uint16_t>();
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    detail::adamw_element(p[i], g[i], m[i], v[i], hyper, c);
+    if (mp) mp[i] = md == DType::kBF16 ? f32_to_bf16_bits(p[i]) : f32_to_f16_bits(p[i]);
+  }
+}
+
+void loss_scaler_update(const Tensor& scalars, const LossScalerConfig& cfg, const Stream&) {
+  detail::loss_scaler_update_state(scalars_of(scalars), cfg);
+}
+
+}  // namespace mt::cpu

@@ -1,0 +1,104 @@
+// Argument validation and backend dispatch for ops/cross_entropy.h.
+#include "ops/cross_entropy.h"
+
+#include "ops/cross_entropy_impl.h"
+#include "ops/dispatch.h"
+
+namespace mt {
+namespace {
+
+bool is_float_act(DType t) { return t == DType::kF32 || t == DType::kBF16 || t == DType::kF16; }
+
+void check_stream(const Tensor& t, const Stream& stream, const char* fn) {
+  MT_CHECK(stream.device() == t.device(), "{}: stream on {} but tensors on {}", fn, stream.device().str(),
+           t.device().str());
+}
+
+/// An fp32 [m] statistics vector.
+void check_row_vec(const Tensor& t, int64_t m, const char* name) { check_tensor(t, DType::kF32, {m}, name); }
+
+void check_mask(const Tensor& loss_mask, int64_t m) {
+  if (!loss_mask.empty()) check_tensor(loss_mask, DType::kF32, {m}, "loss_mask");
+}
+
+/// logits [m, V] (fp32/bf16/fp16, contiguous, V > 0) and targets int32 [m]; returns m.
+int64_t check_logits_targets(const Tensor& logits, const Tensor& targets, int64_t vocab_start) {
+  MT_CHECK(logits.ndim() == 2, "logits: expected [m, V], got {}", logits.str());
+  MT_CHECK(is_float_act(logits.dtype()), "logits: dtype {} not fp32/bf16/fp16", dtype_name(logits.dtype()));
+  MT_CHECK(logits.is_contiguous(), "logits {} must be contiguous", logits.str());
+  MT_CHECK(logits.size(1) > 0, "logits: empty vocabulary dimension in {}", logits.str());
+  const int64_t m = logits.size(0);
+  check_tensor(targets, DType::kI32, {m}, "targets");
+  MT_CHECK(vocab_start >= 0, "vocab_start={} must be >= 0", vocab_start);
+  MT_CHECK(vocab_start + logits.size(1) <= INT32_MAX, "vocab_start={} + V={} exceeds the int32 target range",
+           vocab_start, logits.size(1));
+  return m;
+}
+
+}  // namespace
+
+void cross_entropy_stats(const Tensor& row_max, const Tensor& row_sumexp, const Tensor& target_logit,
+                         const Tensor& logits, const Tensor& targets, int64_t vocab_start, const Stream& stream) {
+  const int64_t m = check_logits_targets(logits, targets, vocab_start);
+  check_row_vec(row_max, m, "row_max");
+  check_row_vec(row_sumexp, m, "row_sumexp");
+  check_row_vec(target_logit, m, "target_logit");
+  check_same_device({&row_max, &row_sumexp, &target_logit, &logits, &targets});
+  check_stream(logits, stream, "cross_entropy_stats");
+  if (m == 0) return;
+  MT_DISPATCH(logits.device(), cross_entropy_stats, row_max, row_sumexp, target_logit, logits, targets, vocab_start,
+              stream);
+}
+
+void cross_entropy_rescale_sumexp(const Tensor& row_sumexp, const Tensor& local_max, const Tensor& global_max,
+                                  const Stream& stream) {
+  MT_CHECK(row_sumexp.ndim() == 1, "row_sumexp: expected [m], got {}", row_sumexp.str());
+  const int64_t m = row_sumexp.size(0);
+  check_row_vec(row_sumexp, m, "row_sumexp");
+  check_row_vec(local_max, m, "local_max");
+  check_row_vec(global_max, m, "global_max");
+  check_same_device({&row_sumexp, &local_max, &global_max});
+  check_stream(row_sumexp, stream, "cross_entropy_rescale_sumexp");
+  if (m == 0) return;
+  MT_DISPATCH(row_sumexp.device(), cross_entropy_rescale_sumexp, row_sumexp, local_max, global_max, stream);
+}
+
+void cross_entropy_loss(const Tensor& losses, const Tensor& row_max, const Tensor& row_sumexp,
+                        const Tensor& target_logit, const Tensor& loss_mask, const Stream& stream) {
+  MT_CHECK(losses.ndim() == 1, "losses: expected [m], got {}", losses.str());
+  const int64_t m = losses.size(0);
+  check_row_vec(losses, m, "losses");
+  check_row_vec(row_max, m, "row_max");
+  check_row_vec(row_sumexp, m, "row_sumexp");
+  check_row_vec(target_logit, m, "target_logit");
+  check_mask(loss_mask, m);
+  check_same_device({&losses, &row_max, &row_sumexp, &target_logit, &loss_mask});
+  check_stream(losses, stream, "cross_entropy_loss");
+  if (m == 0) return;
+  MT_DISPATCH(losses.device(), cross_entropy_loss, losses, row_max, row_sumexp, target_logit, loss_mask, stream);
+}
+
+void cross_entropy_backward_inplace(const Tensor& logits, const Tensor& targets, const Tensor& row_max,
+                                    const Tensor& row_sumexp, const Tensor& loss_mask, int64_t vocab_start,
+                                    float grad_scale, const Stream& stream) {
+  const int64_t m = check_logits_targets(logits, targets, vocab_start);
+  check_row_vec(row_max, m, "row_max");
+  check_row_vec(row_sumexp, m, "row_sumexp");
+  check_mask(loss_mask, m);
+  check_same_device({&logits, &targets, &row_max, &row_sumexp, &loss_mask});
+  check_stream(logits, stream, "cross_entropy_backward_inplace");
+  if (m == 0) return;
+  MT_DISPATCH(logits.device(), cross_entropy_backward_inplace, logits, targets, row_max, row_sumexp, loss_mask,
+              vocab_start, grad_scale, stream);
+}
+
+void sum_accumulate(const Tensor& out, const Tensor& x, float alpha, const Stream& stream) {
+  check_tensor(out, DType::kF32, {1}, "out");
+  check_tensor(x, DType::kF32, {-1}, "x");
+  check_same_device({&out, &x});
+  check_stream(out, stream, "sum_accumulate");
+  if (x.numel() == 0) return;
+  MT_DISPATCH(out.device(), sum_accumulate, out, x, alpha, stream);
+}
+
+}  // namespace mt

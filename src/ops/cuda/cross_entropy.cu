@@ -1,0 +1,298 @@
+// CUDA kernels of ops/cross_entropy.h. One block per row of logits [m, V]; fp32 math; 16-byte
+// vector loads/stores when the row stride and base pointer allow it. The statistics kernel
+// computes the row max and the exp-sum in one pass (online softmax: Milakov & Gimelshein 2018,
+// "Online normalizer calculation for softmax").
+// fmt 9 disables constexpr under __NVCC__, which breaks its C++20 (consteval) format-string
+// checks used by MT_CHECK / MT_CUDA_CHECK. TODO(lead): move into the build
+// (-DFMT_USE_CONSTEXPR=1 for CUDA sources) and drop it here.
+#ifndef FMT_USE_CONSTEXPR
+#define FMT_USE_CONSTEXPR 1
+#endif
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "core/cuda_check.h"
+#include "ops/cross_entropy_impl.h"
+
+namespace mt::cuda {
+namespace {
+
+constexpr int kRowThreads = 512;   // threads per row block
+constexpr int kSumThreads = 1024;  // the single block of sum_accumulate
+constexpr int kVecBytes = 16;
+
+cudaStream_t cu(const Stream& s) { return static_cast<cudaStream_t>(s.cuda_stream()); }
+
+__device__ __forceinline__ float to_f(float x) { return x; }
+__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
+template <typename T>
+__device__ __forceinline__ T from_f(float x);
+template <>
+__device__ __forceinline__ float from_f<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <>
+__device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
+
+/// Merges the online-softmax state (m, s) with (om, os): same max, rescaled sums.
+__device__ __forceinline__ void merge_ms(float& m, float& s, float om, float os) {
+  const float nm = fmaxf(m, om);
+  if (nm == -INFINITY) return;  // both empty
+  s = s * expf(m - nm) + os * expf(om - nm);
+  m = nm;
+}
+
+/// Block-wide online-softmax reduction; the result is valid in thread 0. Fixed order.
+__device__ void block_reduce_ms(float& m, float& s) {
+  __shared__ float sm[32], ss[32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int o = 16; o > 0; o >>= 1) merge_ms(m, s, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, s, o));
+  if (lane == 0) {
+    sm[warp] = m;
+    ss[warp] = s;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    const int nw = (blockDim.x + 31) >> 5;
+    m = lane < nw ? sm[lane] : -INFINITY;
+    s = lane < nw ? ss[lane] : 0.f;
+    for (int o = 16; o > 0; o >>= 1)
+      merge_ms(m, s, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, s, o));
+  }
+}
+
+/// Block-wide sum (fixed order); the result is valid in thread 0.
+__device__ float block_reduce_sum(float v) {
+  __shared__ float sh[32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  if (lane == 0) sh[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    const int nw = (blockDim.x + 31) >> 5;
+    v = lane < nw ? sh[lane] : 0.f;
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  }
+  return v;
+}
+
+/// Adds element x to the online-softmax state.
+__device__ __forceinline__ void online_add(float& m, float& s, float x) {
+  if (x > m) {
+    s = s * expf(m - x) + 1.f;
+    m = x;
+  } else {
+    s += expf(x - m);
+  }
+}
+
+/// True when rows of `v` elements of T starting at p can be read as 16-byte vectors.
+template <typename T>
+bool can_vectorize(const void* p, int64_t v) {
+  constexpr int64_t kN = kVecBytes / sizeof(T);
+  return reinterpret_cast<uintptr_t>(p) % kVecBytes == 0 && v % kN == 0;
+}
+
+template <typename T, bool kVec>
+__global__ void __launch_bounds__(kRowThreads)
+    stats_kernel(float* __restrict__ row_max, float* __restrict__ row_sumexp, float* __restrict__ target_logit,
+                 const T* __restrict__ logits, const int32_t* __restrict__ targets, int64_t v, int64_t vocab_start) {
+  const int64_t r = blockIdx.x;
+  const T* row = logits + r * v;
+  float m = -INFINITY, s = 0.f;
+  if constexpr (kVec) {
+    constexpr int kN = kVecBytes / sizeof(T);
+    const uint4* row4 = reinterpret_cast<const uint4*>(row);
+    const int64_t nv = v / kN;
+    for (int64_t i = threadIdx.x; i < nv; i += blockDim.x) {
+      const uint4 raw = row4[i];
+      const T* e = reinterpret_cast<const T*>(&raw);
+      float x[kN];
+      float lm = -INFINITY;
+#pragma unroll
+      for (int k = 0; k < kN; ++k) {
+        x[k] = to_f(e[k]);
+        lm = fmaxf(lm, x[k]);
+      }
+      if (lm > m) {
+        s *= expf(m - lm);
+        m = lm;
+      }
+#pragma unroll
+      for (int k = 0; k < kN; ++k) s += expf(x[k] - m);
+    }
+  } else {
+    for (int64_t i = threadIdx.x; i < v; i += blockDim.x) online_add(m, s, to_f(row[i]));
+  }
+  block_reduce_ms(m, s);
+  if (threadIdx.x == 0) {
+    const int64_t t = static_cast<int64_t>(targets[r]) - vocab_start;
+    row_max[r] = m;
+    row_sumexp[r] = s;
+    target_logit[r] = (t >= 0 && t < v) ? to_f(row[t]) : 0.f;
+  }
+}
+
+template <typename T, bool kVec>
+__global__ void __launch_bounds__(kRowThreads)
+    backward_kernel(T* __restrict__ logits, const int32_t* __restrict__ targets, const float* __restrict__ row_max,
+                    const float* __restrict__ row_sumexp, const float* __restrict__ mask, int64_t v,
+                    int64_t vocab_start, float grad_scale) {
+  const int64_t r = blockIdx.x;
+  T* row = logits + r * v;
+  const float mx = row_max[r];
+  const float inv = 1.f / row_sumexp[r];
+  const float scale = mask ? grad_scale * mask[r] : grad_scale;
+  const int64_t t = static_cast<int64_t>(targets[r]) - vocab_start;
+  if constexpr (kVec) {
+    constexpr int kN = kVecBytes / sizeof(T);
+    uint4* row4 = reinterpret_cast<uint4*>(row);
+    const int64_t nv = v / kN;
+    for (int64_t i = threadIdx.x; i < nv; i += blockDim.x) {
+      uint4 raw = row4[i];
+      T* e = reinterpret_cast<T*>(&raw);
+#pragma unroll
+      for (int k = 0; k < kN; ++k) {
+        const int64_t j = i * kN + k;
+        const float p = expf(to_f(e[k]) - mx) * inv;
+        e[k] = from_f<T>((p - (j == t ? 1.f : 0.f)) * scale);
+      }
+      row4[i] = raw;
+    }
+  } else {
+    for (int64_t j = threadIdx.x; j < v; j += blockDim.x) {
+      const float p = expf(to_f(row[j]) - mx) * inv;
+      row[j] = from_f<T>((p - (j == t ? 1.f : 0.f)) * scale);
+    }
+  }
+}
+
+__global__ void rescale_kernel(float* __restrict__ se, const float* __restrict__ lm, const float* __restrict__ gm,
+                               int64_t m) {
+  for (int64_t r = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; r < m; r += int64_t(gridDim.x) * blockDim.x)
+    se[r] *= expf(lm[r] - gm[r]);
+}
+
+__global__ void loss_kernel(float* __restrict__ out, const float* __restrict__ mx, const float* __restrict__ se,
+                            const float* __restrict__ tl, const float* __restrict__ mask, int64_t m) {
+  for (int64_t r = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; r < m; r += int64_t(gridDim.x) * blockDim.x) {
+    const float l = logf(se[r]) + mx[r] - tl[r];
+    out[r] = mask ? l * mask[r] : l;
+  }
+}
+
+/// One block, fixed thread->element assignment and fixed reduction tree: deterministic.
+__global__ void __launch_bounds__(kSumThreads) sum_kernel(float* out, const float* __restrict__ x, int64_t n,
+                                                          float alpha) {
+  float s = 0.f;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) s += x[i];
+  s = block_reduce_sum(s);
+  if (threadIdx.x == 0) out[0] += alpha * s;
+}
+
+unsigned elementwise_blocks(int64_t m) {
+  return static_cast<unsigned>(std::min<int64_t>((m + 255) / 256, 4096));
+}
+
+template <typename T>
+void launch_stats(const Tensor& row_max, const Tensor& row_sumexp, const Tensor& target_logit, const Tensor& logits,
+                  const Tensor& targets, int64_t vocab_start, const Stream& stream) {
+  const int64_t m = logits.size(0), v = logits.size(1);
+  const dim3 grid(static_cast<unsigned>(m));
+  auto args = [&](auto kernel) {
+    kernel<<<grid, kRowThreads, 0, cu(stream)>>>(row_max.data_as<float>(), row_sumexp.data_as<float>(),
+                                                 target_logit.data_as<float>(), logits.data_as<T>(),
+                                                 targets.data_as<int32_t>(), v, vocab_start);
+  };
+  if (can_vectorize<T>(logits.data(), v)) {
+    args(stats_kernel<T, true>);
+  } else {
+    args(stats_kernel<T, false>);
+  }
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+template <typename T>
+void launch_backward(const Tensor& logits, const Tensor& targets, const Tensor& row_max, const Tensor& row_sumexp,
+                     const Tensor& loss_mask, int64_t vocab_start, float grad_scale, const Stream& stream) {
+  const int64_t m = logits.size(0), v = logits.size(1);
+  const dim3 grid(static_cast<unsigned>(m));
+  const float* mask = loss_mask.empty() ? nullptr : loss_mask.data_as<float>();
+  auto args = [&](auto kernel) {
+    kernel<<<grid, kRowThreads, 0, cu(stream)>>>(logits.data_as<T>(), targets.data_as<int32_t>(),
+                                                 row_max.data_as<float>(), row_sumexp.data_as<float>(), mask, v,
+                                                 vocab_start, grad_scale);
+  };
+  if (can_vectorize<T>(logits.data(), v)) {
+    args(backward_kernel<T, true>);
+  } else {
+    args(backward_kernel<T, false>);
+  }
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+void check_rows(int64_t m) {
+  MT_CHECK(m <= int64_t{INT32_MAX}, "cross_entropy: {} rows exceed the CUDA grid limit", m);
+}
+
+}  // namespace
+
+void cross_entropy_stats(const Tensor& row_max, const Tensor& row_sumexp, const Tensor& target_logit,
+                         const Tensor& logits, const Tensor& targets, int64_t vocab_start, const Stream& stream) {
+  check_rows(logits.size(0));
+  switch (logits.dtype()) {
+    case DType::kF32: launch_stats<float>(row_max, row_sumexp, target_logit, logits, targets, vocab_start, stream); break;
+    case DType::kBF16:
+      launch_stats<__nv_bfloat16>(row_max, row_sumexp, target_logit, logits, targets, vocab_start, stream);
+      break;
+    case DType::kF16: launch_stats<__half>(row_max, row_sumexp, target_logit, logits, targets, vocab_start, stream); break;
+    default: MT_FAIL("cross_entropy_stats: unsupported logits dtype {}", dtype_name(logits.dtype()));
+  }
+}
+
+void cross_entropy_rescale_sumexp(const Tensor& row_sumexp, const Tensor& local_max, const Tensor& global_max,
+                                  const Stream& stream) {
+  const int64_t m = row_sumexp.numel();
+  rescale_kernel<<<elementwise_blocks(m), 256, 0, cu(stream)>>>(row_sumexp.data_as<float>(), local_max.data_as<float>(),
+                                                               global_max.data_as<float>(), m);
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+void cross_entropy_loss(const Tensor& losses, const Tensor& row_max, const Tensor& row_sumexp,
+                        const Tensor& target_logit, const Tensor& loss_mask, const Stream& stream) {
+  const int64_t m = losses.numel();
+  loss_kernel<<<elementwise_blocks(m), 256, 0, cu(stream)>>>(
+      losses.data_as<float>(), row_max.data_as<float>(), row_sumexp.data_as<float>(), target_logit.data_as<float>(),
+      loss_mask.empty() ? nullptr : loss_mask.data_as<float>(), m);
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+void cross_entropy_backward_inplace(const Tensor& logits, const Tensor& targets, const Tensor& row_max,
+                                    const Tensor& row_sumexp, const Tensor& loss_mask, int64_t vocab_start,
+                                    float grad_scale, const Stream& stream) {
+  check_rows(logits.size(0));
+  switch (logits.dtype()) {
+    case DType::kF32:
+      launch_backward<float>(logits, targets, row_max, row_sumexp, loss_mask, vocab_start, grad_scale, stream);
+      break;
+    case DType::kBF16:
+      launch_backward<__nv_bfloat16>(logits, targets, row_max, row_sumexp, loss_mask, vocab_start, grad_scale, stream);
+      break;
+    case DType::kF16:
+      launch_backward<__half>(logits, targets, row_max, row_sumexp, loss_mask, vocab_start, grad_scale, stream);
+      break;
+    default: MT_FAIL("cross_entropy_backward_inplace: unsupported logits dtype {}", dtype_name(logits.dtype()));
+  }
+}
+
+void sum_accumulate(const Tensor& out, const Tensor& x, float alpha, const Stream& stream) {
+  sum_kernel<<<1, kSumThreads, 0, cu(stream)>>>(out.data_as<float>(), x.data_as<float>(), x.numel(), alpha);
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace mt::cuda

@@ -1,0 +1,90 @@
+// Argument validation and backend dispatch for ops/optimizer.h.
+#include "ops/optimizer.h"
+
+#include "ops/dispatch.h"
+#include "ops/optimizer_impl.h"
+
+namespace mt {
+namespace {
+
+void check_scalars(const Tensor& scalars, const Stream& stream, const char* fn) {
+  MT_CHECK(scalars.dtype() == DType::kU8 && scalars.ndim() == 1 &&
+               scalars.numel() == static_cast<int64_t>(sizeof(OptimizerScalars)) && scalars.is_contiguous(),
+           "{}: scalars must be a contiguous uint8 [{}] tensor (sizeof(OptimizerScalars)), got {}", fn,
+           sizeof(OptimizerScalars), scalars.str());
+  MT_CHECK(reinterpret_cast<uintptr_t>(scalars.data()) % alignof(OptimizerScalars) == 0,
+           "{}: scalars pointer {} not aligned to {} bytes", fn, scalars.data(), alignof(OptimizerScalars));
+  MT_CHECK(stream.device() == scalars.device(), "{}: stream on {} but scalars on {}", fn, stream.device().str(),
+           scalars.device().str());
+}
+
+}  // namespace
+
+OptimizerScalars initial_optimizer_scalars(const LossScalerConfig& cfg) {
+  MT_CHECK(cfg.initial_scale > 0.f, "initial loss scale {} must be > 0", cfg.initial_scale);
+  OptimizerScalars s{};
+  s.grad_sumsq = 0.f;
+  s.grad_norm = 0.f;
+  s.clip_coeff = 1.f;
+  s.loss_scale = cfg.initial_scale;
+  s.found_inf = 0;
+  s.step = 0;
+  s.growth_tracker = 0;
+  s.hysteresis_tracker = cfg.hysteresis;
+  s.skipped_iters = 0;
+  s.pad_ = 0;
+  return s;
+}
+
+void grad_sumsq_accumulate(const Tensor& scalars, const Tensor& grads, const Stream& stream) {
+  check_scalars(scalars, stream, "grad_sumsq_accumulate");
+  check_tensor(grads, DType::kF32, {-1}, "grads");
+  check_same_device({&scalars, &grads});
+  if (grads.numel() == 0) return;
+  MT_DISPATCH(scalars.device(), grad_sumsq_accumulate, scalars, grads, stream);
+}
+
+void optimizer_prepare(const Tensor& scalars, float clip_grad, const Stream& stream) {
+  check_scalars(scalars, stream, "optimizer_prepare");
+  MT_CHECK(clip_grad >= 0.f, "clip_grad={} must be >= 0 (0 disables clipping)", clip_grad);
+  MT_DISPATCH(scalars.device(), optimizer_prepare, scalars, clip_grad, stream);
+}
+
+void adamw_step(const Tensor& main_param, const Tensor& grad, const Tensor& exp_avg, const Tensor& exp_avg_sq,
+                const Tensor& model_param, const AdamWHyper& hyper, const Tensor& scalars, const Stream& stream) {
+  check_scalars(scalars, stream, "adamw_step");
+  check_tensor(main_param, DType::kF32, {-1}, "main_param");
+  const int64_t n = main_param.numel();
+  check_tensor(grad, DType::kF32, {n}, "grad");
+  check_tensor(exp_avg, DType::kF32, {n}, "exp_avg");
+  check_tensor(exp_avg_sq, DType::kF32, {n}, "exp_avg_sq");
+  if (!model_param.empty()) {
+    MT_CHECK(model_param.dtype() == DType::kBF16 || model_param.dtype() == DType::kF16,
+             "model_param: dtype {} must be bf16 or fp16 (leave it empty for fp32 training)",
+             dtype_name(model_param.dtype()));
+    check_tensor(model_param, model_param.dtype(), {n}, "model_param");
+  }
+  check_same_device({&scalars, &main_param, &grad, &exp_avg, &exp_avg_sq, &model_param});
+  MT_CHECK(hyper.beta1 >= 0.f && hyper.beta1 < 1.f, "adamw: beta1={} not in [0, 1)", hyper.beta1);
+  MT_CHECK(hyper.beta2 >= 0.f && hyper.beta2 < 1.f, "adamw: beta2={} not in [0, 1)", hyper.beta2);
+  MT_CHECK(hyper.eps > 0.f, "adamw: eps={} must be > 0", hyper.eps);
+  MT_CHECK(hyper.lr >= 0.f && hyper.weight_decay >= 0.f, "adamw: lr={} and weight_decay={} must be >= 0", hyper.lr,
+           hyper.weight_decay);
+  if (n == 0) return;
+  MT_DISPATCH(scalars.device(), adamw_step, main_param, grad, exp_avg, exp_avg_sq, model_param, hyper, scalars,
+              stream);
+}
+
+void loss_scaler_update(const Tensor& scalars, const LossScalerConfig& cfg, const Stream& stream) {
+  check_scalars(scalars, stream, "loss_scaler_update");
+  if (cfg.dynamic) {
+    MT_CHECK(cfg.min_scale > 0.f && cfg.growth_factor > 1.f && cfg.backoff_factor > 0.f && cfg.backoff_factor < 1.f,
+             "loss scaler: min_scale={} growth_factor={} backoff_factor={} (need > 0, > 1, in (0, 1))",
+             cfg.min_scale, cfg.growth_factor, cfg.backoff_factor);
+    MT_CHECK(cfg.growth_interval > 0 && cfg.hysteresis > 0, "loss scaler: growth_interval={} and hysteresis={} must be > 0",
+             cfg.growth_interval, cfg.hysteresis);
+  }
+  MT_DISPATCH(scalars.device(), loss_scaler_update, scalars, cfg, stream);
+}
+
+}  // namespace mt

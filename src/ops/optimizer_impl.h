@@ -1,0 +1,98 @@
+// Backend implementations of ops/optimizer.h (arguments validated by ops/optimizer.cpp), plus
+// the scalar state updates shared by both backends (host/device inline functions), so that the
+// CPU and CUDA results of optimizer_prepare and loss_scaler_update are bitwise identical.
+#pragma once
+#include <cmath>
+#include <cstdint>
+
+#include "core/dtype.h"  // MT_HD
+#include "core/stream.h"
+#include "core/tensor.h"
+#include "ops/optimizer.h"
+
+namespace mt {
+namespace detail {
+
+MT_HD bool is_finite_f32(float x) {
+#ifdef __CUDA_ARCH__
+  return isfinite(x);
+#else
+  return std::isfinite(x);
+#endif
+}
+
+/// optimizer_prepare on the struct (see ops/optimizer.h).
+MT_HD void optimizer_prepare_state(OptimizerScalars& s, float clip_grad) {
+  const bool finite = is_finite_f32(s.grad_sumsq);
+  // Non-finite: +inf or one canonical NaN (NaN payloads differ between host and device sqrt).
+  s.grad_norm = finite ? sqrtf(s.grad_sumsq) : (s.grad_sumsq > 0.f ? INFINITY : NAN);
+  s.found_inf = finite ? 0 : 1;
+  s.clip_coeff = clip_grad > 0.f ? fminf(1.f, clip_grad / (s.grad_norm + 1e-6f)) : 1.f;
+  s.step += s.found_inf ? 0 : 1;
+}
+
+/// loss_scaler_update on the struct: Megatron's DynamicGradScaler.update (see ops/optimizer.h).
+MT_HD void loss_scaler_update_state(OptimizerScalars& s, const LossScalerConfig& cfg) {
+  if (cfg.dynamic) {
+    if (s.found_inf) {
+      s.growth_tracker = 0;
+      s.hysteresis_tracker -= 1;
+      if (s.hysteresis_tracker <= 0) s.loss_scale = fmaxf(s.loss_scale * cfg.backoff_factor, cfg.min_scale);
+    } else {
+      s.growth_tracker += 1;
+      if (s.growth_tracker == cfg.growth_interval) {
+        s.growth_tracker = 0;
+        s.hysteresis_tracker = cfg.hysteresis;
+        s.loss_scale = s.loss_scale * cfg.growth_factor;
+      }
+    }
+  }
+  s.skipped_iters += s.found_inf ? 1 : 0;
+  s.grad_sumsq = 0.f;
+}
+
+/// Per-step AdamW coefficients derived from the hyper-parameters and the scalars.
+struct AdamWCoeffs {
+  float inv_scale;  ///< 1 / loss_scale; g = grad * inv_scale * clip
+  float clip;       ///< clip_coeff
+  float bc1, bc2;  ///< 1 - beta^t, computed in double, rounded to fp32
+};
+
+MT_HD AdamWCoeffs adamw_coeffs(const AdamWHyper& h, const OptimizerScalars& s) {
+  AdamWCoeffs c;
+  c.inv_scale = 1.f / s.loss_scale;
+  c.clip = s.clip_coeff;
+  c.bc1 = static_cast<float>(1.0 - pow(static_cast<double>(h.beta1), static_cast<double>(s.step)));
+  c.bc2 = static_cast<float>(1.0 - pow(static_cast<double>(h.beta2), static_cast<double>(s.step)));
+  return c;
+}
+
+/// One AdamW element update (decoupled weight decay, adam_w_mode of apex's FusedAdam).
+MT_HD void adamw_element(float& p, float grad, float& m, float& v, const AdamWHyper& h, const AdamWCoeffs& c) {
+  const float g = grad * c.inv_scale * c.clip;
+  m = h.beta1 * m + (1.f - h.beta1) * g;
+  v = h.beta2 * v + (1.f - h.beta2) * g * g;
+  const float denom = sqrtf(v / c.bc2) + h.eps;
+  const float update = (m / c.bc1) / denom + h.weight_decay * p;
+  p = p - h.lr * update;
+}
+
+}  // namespace detail
+
+namespace cpu {
+void grad_sumsq_accumulate(const Tensor& scalars, const Tensor& grads, const Stream& stream);
+void optimizer_prepare(const Tensor& scalars, float clip_grad, const Stream& stream);
+void adamw_step(const Tensor& main_param, const Tensor& grad, const Tensor& exp_avg, const Tensor& exp_avg_sq,
+                const Tensor& model_param, const AdamWHyper& hyper, const Tensor& scalars, const Stream& stream);
+void loss_scaler_update(const Tensor& scalars, const LossScalerConfig& cfg, const Stream& stream);
+}  // namespace cpu
+
+namespace cuda {
+void grad_sumsq_accumulate(const Tensor& scalars, const Tensor& grads, const Stream& stream);
+void optimizer_prepare(const Tensor& scalars, float clip_grad, const Stream& stream);
+void adamw_step(const Tensor& main_param, const Tensor& grad, const Tensor& exp_avg, const Tensor& exp_avg_sq,
+                const Tensor& model_param, const AdamWHyper& hyper, const Tensor& scalars, const Stream& stream);
+void loss_scaler_update(const Tensor& scalars, const LossScalerConfig& cfg, const Stream& stream);
+}  // namespace cuda
+
+}  // namespace mt

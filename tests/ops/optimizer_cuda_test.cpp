@@ -1,0 +1,240 @@
+// CUDA vs CPU tests of ops/optimizer.h: the gradient sum of squares (fp32 1e-5, deterministic
+// bitwise, found-inf on inf/nan), optimizer_prepare + loss_scaler_update bitwise identical to
+// the CPU on a random overflow sequence, and AdamW (fp32 1e-5; the bf16/fp16 model copy equal
+// to the rounded main parameter; a skipped step writes nothing).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "ops/optimizer.h"
+#include "testing/testing.h"
+
+namespace mt {
+namespace {
+
+using testing::make_tensor;
+using testing::OwnedTensor;
+using testing::rel_err;
+using testing::to_host;
+
+const Device kCpu = Device::cpu();
+const Device kGpu = Device::cuda();
+
+struct ScalarsTensor {
+  Buffer buffer;
+  Tensor t;
+  explicit ScalarsTensor(Device d) : buffer(d, sizeof(OptimizerScalars)) {
+    t = Tensor(buffer.data(), DType::kU8, d, {static_cast<int64_t>(sizeof(OptimizerScalars))});
+  }
+  OptimizerScalars read(const Stream& s) const {
+    OptimizerScalars o;
+    copy_bytes(&o, kCpu, t.data(), t.device(), sizeof(o), s);
+    s.synchronize();
+    return o;
+  }
+  void write(const OptimizerScalars& o, const Stream& s) const {
+    copy_bytes(t.data(), t.device(), &o, kCpu, sizeof(o), s);
+    s.synchronize();
+  }
+};
+
+LossScalerConfig static_scaler(float scale) {
+  LossScalerConfig c;
+  c.initial_scale = scale;
+  return c;
+}
+
+/// grad_sumsq after accumulating `chunks` (host values) on `dev` with the given loss scale.
+float sumsq_on(Device dev, const std::vector<std::vector<float>>& chunks, float loss_scale, int offset = 0) {
+  Stream s(dev);
+  ScalarsTensor sc(dev);
+  sc.write(initial_optimizer_scalars(static_scaler(loss_scale)), s);
+  std::vector<OwnedTensor> bufs;
+  for (const auto& c : chunks) {
+    // Optionally place the chunk at an element offset (unaligned for the vector path).
+    std::vector<float> padded(offset, 0.f);
+    padded.insert(padded.end(), c.begin(), c.end());
+    bufs.push_back(make_tensor(padded, DType::kF32, dev, {static_cast<int64_t>(padded.size())}, s));
+    grad_sumsq_accumulate(sc.t, bufs.back().t.flat_range(offset, static_cast<int64_t>(c.size())), s);
+  }
+  return sc.read(s).grad_sumsq;
+}
+
+TEST(OptimizerCuda, GradSumsqMatchesCpuAndIsDeterministic) {
+  MT_REQUIRE_CUDA();
+  const float scale = 1024.f;
+  for (int64_t n : {1, 1000, 4097, (1 << 20) + 3}) {
+    for (int offset : {0, 1}) {
+      SCOPED_TRACE(::testing::Message() << "n=" << n << " offset=" << offset);
+      std::vector<std::vector<float>> chunks = {testing::randn(n, scale), testing::randn(n / 3 + 1, 0.1f * scale)};
+      const float cpu = sumsq_on(kCpu, chunks, scale, offset);
+      const float gpu1 = sumsq_on(kGpu, chunks, scale, offset);
+      const float gpu2 = sumsq_on(kGpu, chunks, scale, offset);
+      EXPECT_EQ(gpu1, gpu2);
+      EXPECT_LT(std::fabs(gpu1 - cpu), 1e-5 * cpu);
+    }
+  }
+}
+
+TEST(OptimizerCuda, NonFiniteGradientsSetFoundInf) {
+  MT_REQUIRE_CUDA();
+  Stream s(kGpu);
+  for (float bad : {INFINITY, -INFINITY, NAN}) {
+    for (int64_t where : {0, 5000, 99999}) {
+      ScalarsTensor sc(kGpu);
+      sc.write(initial_optimizer_scalars(static_scaler(1.f)), s);
+      auto g = testing::randn(100000);
+      g[where] = bad;
+      auto gt = make_tensor(g, DType::kF32, kGpu, {100000}, s);
+      grad_sumsq_accumulate(sc.t, gt, s);
+      optimizer_prepare(sc.t, 1.f, s);
+      const OptimizerScalars o = sc.read(s);
+      EXPECT_EQ(o.found_inf, 1) << bad << " at " << where;
+      EXPECT_EQ(o.step, 0);
+      loss_scaler_update(sc.t, static_scaler(1.f), s);
+      EXPECT_EQ(sc.read(s).skipped_iters, 1);
+      EXPECT_EQ(sc.read(s).grad_sumsq, 0.f);
+    }
+  }
+}
+
+TEST(OptimizerCuda, ScalerStateMachineBitwiseEqualToCpu) {
+  MT_REQUIRE_CUDA();
+  LossScalerConfig cfg;
+  cfg.dynamic = true;
+  cfg.initial_scale = 4294967296.f;
+  cfg.min_scale = 1.f;
+  cfg.growth_interval = 4;
+  cfg.hysteresis = 3;
+  Stream cs(kCpu), gs(kGpu);
+  ScalarsTensor c(kCpu), g(kGpu);
+  c.write(initial_optimizer_scalars(cfg), cs);
+  g.write(initial_optimizer_scalars(cfg), gs);
+  auto u = testing::randu(400, 0.f, 1.f);
+  auto sumsq = testing::randu(400, 0.01f, 100.f);
+  for (int i = 0; i < 400; ++i) {
+    // Phases with mostly overflows (scale falls to the clamp) and mostly clean steps (growth).
+    const float p_inf = (i / 100) % 2 == 0 ? 0.7f : 0.15f;
+    const float value = u[i] < p_inf ? (u[i] < p_inf / 2 ? INFINITY : NAN) : sumsq[i];
+    const float clip = (i % 3 == 0) ? 0.f : 1.f;
+    for (auto [sc, s] : {std::pair{&c, &cs}, std::pair{&g, &gs}}) {
+      OptimizerScalars o = sc->read(*s);
+      o.grad_sumsq = value;
+      sc->write(o, *s);
+      optimizer_prepare(sc->t, clip, *s);
+      loss_scaler_update(sc->t, cfg, *s);
+    }
+    const OptimizerScalars a = c.read(cs), b = g.read(gs);
+    ASSERT_EQ(std::memcmp(&a, &b, sizeof(a)), 0)
+        << "step " << i << ": cpu scale " << a.loss_scale << " gpu " << b.loss_scale << ", norm " << a.grad_norm
+        << " vs " << b.grad_norm << ", clip " << a.clip_coeff << " vs " << b.clip_coeff << ", skipped "
+        << a.skipped_iters << " vs " << b.skipped_iters;
+  }
+  const OptimizerScalars a = c.read(cs);
+  EXPECT_GT(a.skipped_iters, 0);
+  EXPECT_GT(a.step, 0);
+}
+
+std::vector<uint8_t> device_bytes(const Tensor& t, const Stream& s) {
+  if (t.empty()) return {};
+  std::vector<uint8_t> b(t.nbytes());
+  copy_bytes(b.data(), kCpu, t.data(), t.device(), b.size(), s);
+  s.synchronize();
+  return b;
+}
+
+struct AdamState {
+  OwnedTensor p, m, v, grad, model;
+  Tensor model_view;
+  ScalarsTensor sc;
+  AdamState(Device d, DType model_dtype, const std::vector<float>& p0, const std::vector<float>& m0,
+            const std::vector<float>& v0, const LossScalerConfig& cfg, const Stream& s)
+      : sc(d) {
+    const int64_t n = static_cast<int64_t>(p0.size());
+    p = make_tensor(p0, DType::kF32, d, {n}, s);
+    m = make_tensor(m0, DType::kF32, d, {n}, s);
+    v = make_tensor(v0, DType::kF32, d, {n}, s);
+    grad = OwnedTensor(DType::kF32, d, {n});
+    if (model_dtype != DType::kF32) {
+      model = OwnedTensor(model_dtype, d, {n});
+      testing::poison(model, s);
+      model_view = model.t;
+    }
+    sc.write(initial_optimizer_scalars(cfg), s);
+  }
+  void step(const std::vector<float>& g, const AdamWHyper& h, float clip, const LossScalerConfig& cfg,
+            const Stream& s) {
+    testing::upload(grad, g, s);
+    grad_sumsq_accumulate(sc.t, grad, s);
+    optimizer_prepare(sc.t, clip, s);
+    adamw_step(p, grad, m, v, model_view, h, sc.t, s);
+    loss_scaler_update(sc.t, cfg, s);
+  }
+};
+
+TEST(OptimizerCuda, AdamWMatchesCpu) {
+  MT_REQUIRE_CUDA();
+  const int64_t n = 100003;
+  const float loss_scale = 32.f;
+  const LossScalerConfig cfg = static_scaler(loss_scale);
+  for (DType md : {DType::kF32, DType::kBF16, DType::kF16}) {
+    SCOPED_TRACE(dtype_name(md));
+    Stream cs(kCpu), gs(kGpu);
+    auto p0 = testing::randn(n);
+    auto m0 = testing::randn(n, 0.01f);
+    auto v0 = testing::randu(n, 1e-5f, 1e-3f);
+    AdamState cpu(kCpu, md, p0, m0, v0, cfg, cs);
+    AdamState gpu(kGpu, md, p0, m0, v0, cfg, gs);
+    for (int k = 1; k <= 4; ++k) {
+      AdamWHyper h;
+      h.lr = 2e-3f;
+      h.beta1 = 0.9f;
+      h.beta2 = 0.95f;
+      h.weight_decay = 0.1f;
+      auto g = testing::randn(n, 0.01f * loss_scale);  // unscaled norm ~3 > clip 1
+      const bool overflow = (k == 3);
+      if (overflow) g[n / 2] = NAN;
+      const auto before = std::vector<std::vector<uint8_t>>{device_bytes(gpu.p, gs), device_bytes(gpu.m, gs),
+                                                            device_bytes(gpu.v, gs), device_bytes(gpu.model_view, gs)};
+      cpu.step(g, h, 1.f, cfg, cs);
+      gpu.step(g, h, 1.f, cfg, gs);
+      const OptimizerScalars sg = gpu.sc.read(gs), sc = cpu.sc.read(cs);
+      EXPECT_EQ(sg.found_inf, overflow ? 1 : 0);
+      EXPECT_EQ(sg.step, sc.step);
+      EXPECT_EQ(sg.skipped_iters, sc.skipped_iters);
+      if (overflow) {
+        EXPECT_EQ(device_bytes(gpu.p, gs), before[0]);
+        EXPECT_EQ(device_bytes(gpu.m, gs), before[1]);
+        EXPECT_EQ(device_bytes(gpu.v, gs), before[2]);
+        EXPECT_EQ(device_bytes(gpu.model_view, gs), before[3]);
+        continue;
+      }
+      EXPECT_LT(std::fabs(sg.grad_norm - sc.grad_norm), 1e-5 * sc.grad_norm);
+      EXPECT_LT(rel_err(to_host(gpu.p, gs), to_host(cpu.p, cs)), 1e-5) << "step " << k;
+      EXPECT_LT(rel_err(to_host(gpu.m, gs), to_host(cpu.m, cs)), 1e-5) << "step " << k;
+      EXPECT_LT(rel_err(to_host(gpu.v, gs), to_host(cpu.v, cs)), 1e-5) << "step " << k;
+      if (md != DType::kF32) {
+        auto pm = to_host(gpu.p, gs);
+        auto mm = to_host(gpu.model, gs);
+        for (int64_t i = 0; i < n; ++i) ASSERT_EQ(mm[i], round_through(md, pm[i])) << "i=" << i;
+        EXPECT_LT(rel_err(mm, to_host(cpu.model, cs)), md == DType::kBF16 ? 2e-2 : 2e-3);
+      }
+    }
+  }
+}
+
+TEST(OptimizerCuda, RejectsMixedDevices) {
+  MT_REQUIRE_CUDA();
+  Stream gs(kGpu);
+  ScalarsTensor sc(kGpu);
+  sc.write(initial_optimizer_scalars(static_scaler(1.f)), gs);
+  OwnedTensor g_cpu(DType::kF32, kCpu, {8});
+  EXPECT_THROW(grad_sumsq_accumulate(sc.t, g_cpu, gs), Error);
+  Stream cs(kCpu);
+  EXPECT_THROW(optimizer_prepare(sc.t, 1.f, cs), Error);  // CPU stream for device scalars
+}
+
+}  // namespace
+}  // namespace mt
