@@ -50,7 +50,7 @@ class Tensor {
   void* data_ = nullptr;
   DType dtype_ = DType::kF32;
   Device device_{};
-  int ndim_ = 0;
+  int ndim_ = 1;  // a default Tensor is 1-D with 0 elements (empty)
   std::array<int64_t, kMaxDims> shape_{};
   std::array<int64_t, kMaxDims> strides_{};
 };

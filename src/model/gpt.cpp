@@ -27,7 +27,7 @@ struct GptModel::Workspace {
   Tensor emb_out;                       // embedding output = layer 0 input [s, b, h]
   Tensor qkv;                           // [s, b, 3h]
   Tensor tmp_h;                         // linear outputs before bias-dropout-add [s, b, h]
-  Tensor attn_scratch, dq, dk, dv, dout_perm;
+  Tensor attn_scratch, dq, dk, dv;
   Tensor d_resid, d_h, d_ln, d_ctx;     // [s, b, h]
   Tensor d_qkv;                         // [s, b, 3h]
   Tensor d_fc1;                         // [s, b, f]
@@ -125,7 +125,6 @@ void GptModel::plan(Arena& a) {
   w.dq = a.alloc(t, {b_, n_, s_, d_}, "dq");
   w.dk = a.alloc(t, {b_, n_, s_, d_}, "dk");
   w.dv = a.alloc(t, {b_, n_, s_, d_}, "dv");
-  w.dout_perm = a.alloc(t, {b_, n_, s_, d_}, "dout_perm");
   w.d_resid = a.alloc(t, {s_, b_, h_}, "d_resid");
   w.d_h = a.alloc(t, {s_, b_, h_}, "d_h");
   w.d_ln = a.alloc(t, {s_, b_, h_}, "d_ln");
@@ -145,7 +144,6 @@ void GptModel::plan(Arena& a) {
     L.attn.dq = w.dq;
     L.attn.dk = w.dk;
     L.attn.dv = w.dv;
-    L.attn.dout_perm = w.dout_perm;
   }
 }
 

@@ -80,8 +80,12 @@ void cross_entropy_loss(const Tensor& losses, const Tensor& row_max, const Tenso
 
 void cross_entropy_backward_inplace(const Tensor& logits, const Tensor& targets, const Tensor& row_max,
                                     const Tensor& row_sumexp, const Tensor& loss_mask, int64_t vocab_start,
-                                    float grad_scale, const Stream& stream) {
+                                    float grad_scale, const Tensor& device_scale, const Stream& stream) {
   const int64_t m = check_logits_targets(logits, targets, vocab_start);
+  if (!device_scale.empty()) {
+    check_tensor(device_scale, DType::kF32, {1}, "device_scale");
+    check_same_device({&logits, &device_scale});
+  }
   check_row_vec(row_max, m, "row_max");
   check_row_vec(row_sumexp, m, "row_sumexp");
   check_mask(loss_mask, m);
@@ -89,7 +93,7 @@ void cross_entropy_backward_inplace(const Tensor& logits, const Tensor& targets,
   check_stream(logits, stream, "cross_entropy_backward_inplace");
   if (m == 0) return;
   MT_DISPATCH(logits.device(), cross_entropy_backward_inplace, logits, targets, row_max, row_sumexp, loss_mask,
-              vocab_start, grad_scale, stream);
+              vocab_start, grad_scale, device_scale, stream);
 }
 
 void sum_accumulate(const Tensor& out, const Tensor& x, float alpha, const Stream& stream) {

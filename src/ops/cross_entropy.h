@@ -38,9 +38,11 @@ void cross_entropy_loss(const Tensor& losses, const Tensor& row_max, const Tenso
 /// In place: logits[r, j] <- (softmax(logits)[r, j] - [j == target_r - vocab_start]) * grad_scale
 /// * (loss_mask ? loss_mask[r] : 1), i.e. d(grad_scale * sum_r losses[r]) / d logits. Uses the
 /// (global) row_max and row_sumexp. Overwrites the logits with their gradient (act dtype).
+/// device_scale: fp32 [1] on the logits' device (the dynamic loss scale, read by the kernel so no
+/// host sync is needed) multiplying grad_scale, or empty (1).
 void cross_entropy_backward_inplace(const Tensor& logits, const Tensor& targets, const Tensor& row_max,
                                     const Tensor& row_sumexp, const Tensor& loss_mask, int64_t vocab_start,
-                                    float grad_scale, const Stream& stream);
+                                    float grad_scale, const Tensor& device_scale, const Stream& stream);
 
 /// out[0] += alpha * sum(x) over fp32 x [n]; deterministic order (CUDA: one block, fixed
 /// reduction tree, no float atomics; CPU: fixed chunks summed in double). out: fp32 [1].

@@ -15,7 +15,7 @@ void cross_entropy_loss(const Tensor& losses, const Tensor& row_max, const Tenso
                         const Tensor& target_logit, const Tensor& loss_mask, const Stream& stream);
 void cross_entropy_backward_inplace(const Tensor& logits, const Tensor& targets, const Tensor& row_max,
                                     const Tensor& row_sumexp, const Tensor& loss_mask, int64_t vocab_start,
-                                    float grad_scale, const Stream& stream);
+                                    float grad_scale, const Tensor& device_scale, const Stream& stream);
 void sum_accumulate(const Tensor& out, const Tensor& x, float alpha, const Stream& stream);
 }  // namespace mt::cpu
 
@@ -28,6 +28,6 @@ void cross_entropy_loss(const Tensor& losses, const Tensor& row_max, const Tenso
                         const Tensor& target_logit, const Tensor& loss_mask, const Stream& stream);
 void cross_entropy_backward_inplace(const Tensor& logits, const Tensor& targets, const Tensor& row_max,
                                     const Tensor& row_sumexp, const Tensor& loss_mask, int64_t vocab_start,
-                                    float grad_scale, const Stream& stream);
+                                    float grad_scale, const Tensor& device_scale, const Stream& stream);
 void sum_accumulate(const Tensor& out, const Tensor& x, float alpha, const Stream& stream);
 }  // namespace mt::cuda

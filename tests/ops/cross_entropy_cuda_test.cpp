@@ -37,7 +37,8 @@ CeResult run(Device device, DType dtype, const std::vector<float>& x, const std:
   for (const Tensor* o : {&mx.t, &se.t, &tl.t, &loss.t}) poison(*o, s);
   cross_entropy_stats(mx, se, tl, logits, targets, vocab_start, s);
   cross_entropy_loss(loss, mx, se, tl, mask_t, s);
-  cross_entropy_backward_inplace(logits, targets, mx, se, mask_t, vocab_start, grad_scale, s);
+  auto dev_scale = make_tensor({4.f}, DType::kF32, device, {1}, s);  // device-side loss scale factor
+  cross_entropy_backward_inplace(logits, targets, mx, se, mask_t, vocab_start, grad_scale / 4, dev_scale, s);
   return {to_host(mx, s), to_host(se, s), to_host(tl, s), to_host(loss, s), to_host(logits, s)};
 }
 
@@ -99,7 +100,7 @@ TEST(CrossEntropyCuda, UnalignedRowsUseScalarPath) {
   cross_entropy_stats(mx, se, tl, logits, targets, 0, s);
   EXPECT_EQ(to_host(mx, s), cpu.row_max);
   EXPECT_LT(rel_err(to_host(se, s), cpu.row_sumexp), 1e-5);
-  cross_entropy_backward_inplace(logits, targets, mx, se, Tensor(), 0, 1.f, s);
+  cross_entropy_backward_inplace(logits, targets, mx, se, Tensor(), 0, 1.f, Tensor(), s);
   const CeResult cpu_nomask = [&] {
     std::vector<float> ones(m, 1.f);
     return run(Device::cpu(), DType::kF32, xs, t, ones, m, v, 0, 1.f);

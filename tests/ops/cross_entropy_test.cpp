@@ -90,7 +90,10 @@ CeOutputs run_cpu(const std::vector<float>& x, const std::vector<int32_t>& t, co
   for (const Tensor* o : {&mx.t, &se.t, &tl.t, &loss.t}) poison(*o, s);
   cross_entropy_stats(mx, se, tl, logits, targets, vocab_start, s);
   cross_entropy_loss(loss, mx, se, tl, mask_view, s);
-  cross_entropy_backward_inplace(logits, targets, mx, se, mask_view, vocab_start, grad_scale, s);
+  // Half of the scale from the host argument, the other factor from a device scalar (as the
+  // dynamic loss scale is passed); a power of two, so the product is exact.
+  auto dev_scale = make_tensor({4.f}, DType::kF32, kCpu, {1}, s);
+  cross_entropy_backward_inplace(logits, targets, mx, se, mask_view, vocab_start, grad_scale / 4, dev_scale, s);
   return {to_host(mx, s), to_host(se, s), to_host(tl, s), to_host(loss, s), to_host(logits, s)};
 }
 
@@ -227,7 +230,7 @@ TEST(CrossEntropyCpu, VocabParallelCompositionEqualsUnsplit) {
     poison(loss, s);
     cross_entropy_loss(loss, gmax_t, gsum_t, gtl_t, mask_t, s);
     EXPECT_LT(rel_err(to_host(loss, s), full.losses), 1e-6) << "shard " << k;
-    cross_entropy_backward_inplace(logits[k], targets, gmax_t, gsum_t, mask_t, bounds[k], grad_scale, s);
+    cross_entropy_backward_inplace(logits[k], targets, gmax_t, gsum_t, mask_t, bounds[k], grad_scale, Tensor(), s);
     auto g = to_host(logits[k], s);
     const int64_t a = bounds[k], w = bounds[k + 1] - bounds[k];
     for (int64_t r = 0; r < m; ++r)
@@ -255,7 +258,7 @@ TEST(CrossEntropyCpu, HalfPrecisionLogits) {
     EXPECT_EQ(to_host(mx, s), ref.row_max);
     EXPECT_EQ(to_host(tl, s), ref.target_logit);
     EXPECT_LT(rel_err(to_host(se, s), ref.row_sumexp), 1e-6);
-    cross_entropy_backward_inplace(logits, targets, mx, se, Tensor(), 0, 0.5f, s);
+    cross_entropy_backward_inplace(logits, targets, mx, se, Tensor(), 0, 0.5f, Tensor(), s);
     EXPECT_LT(rel_err(to_host(logits, s), ref.grads), dt == DType::kBF16 ? 1e-2 : 2e-3) << dtype_name(dt);
   }
 }
@@ -300,8 +303,8 @@ TEST(CrossEntropyCpu, RejectsBadArguments) {
   EXPECT_THROW(cross_entropy_rescale_sumexp(se, short_vec, mx, s), Error);
   EXPECT_THROW(cross_entropy_loss(tl, mx, se, tl, short_vec, s), Error);
   EXPECT_THROW(cross_entropy_loss(short_vec, mx, se, tl, Tensor(), s), Error);
-  EXPECT_THROW(cross_entropy_backward_inplace(logits, targets, mx, short_vec, Tensor(), 0, 1.f, s), Error);
-  EXPECT_THROW(cross_entropy_backward_inplace(logits, targets, mx, se, i32_stats, 0, 1.f, s), Error);
+  EXPECT_THROW(cross_entropy_backward_inplace(logits, targets, mx, short_vec, Tensor(), 0, 1.f, Tensor(), s), Error);
+  EXPECT_THROW(cross_entropy_backward_inplace(logits, targets, mx, se, i32_stats, 0, 1.f, Tensor(), s), Error);
   EXPECT_THROW(sum_accumulate(out2, mx, 1.f, s), Error);
   EXPECT_THROW(sum_accumulate(mx.t.slice0(0, 1), i32_stats, 1.f, s), Error);
 }

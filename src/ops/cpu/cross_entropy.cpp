@@ -109,7 +109,8 @@ void cross_entropy_loss(const Tensor& losses, const Tensor& row_max, const Tenso
 
 void cross_entropy_backward_inplace(const Tensor& logits, const Tensor& targets, const Tensor& row_max,
                                     const Tensor& row_sumexp, const Tensor& loss_mask, int64_t vocab_start,
-                                    float grad_scale, const Stream&) {
+                                    float grad_scale, const Tensor& device_scale, const Stream&) {
+  if (!device_scale.empty()) grad_scale *= device_scale.data_as<float>()[0];
   const int64_t m = logits.size(0), v = logits.size(1);
   const int32_t* tg = targets.data_as<int32_t>();
   const float* mxp = row_max.data_as<float>();

@@ -1,18 +1,3 @@
-// CUDA causal self-attention (ops/attention.h), Megatron's "local" DotProductAttention:
-// permute kernels between [s, b, n, (3,) d] and [b, n, s, d], strided-batched cuBLASLt GEMMs for
-// the score and context products, and fused causal softmax (+ dropout) kernels with fp32 math,
-// one warp per row. Buffer use (see AttentionBuffers):
-//   forward:  q,k,v <- qkv; probs <- scale·q k^T, then softmax in place; scratch <- dropped
-//             probs (p > 0); dq <- context [b, n, s, d]; out <- context permuted.
-//   backward: dq <- dout permuted; scratch <- dropped probs (p > 0, recomputed); dv <- P_drop^T dO;
-//             scratch <- dO V^T (= dP_drop), then dS in place; dq <- scale·dS K;
-//             dk <- scale·dS^T Q; dqkv <- interleave(dq, dk, dv).
-// fmt 9 turns its constexpr support off under nvcc, which breaks its C++20 consteval format
-// checks; the host compiler (g++ >= 10) supports it, so turn it back on for this TU (belongs in
-// CMakeLists.txt as a CUDA compile definition; see the ops-mm report).
-#ifndef FMT_USE_CONSTEXPR
-#define FMT_USE_CONSTEXPR 1
-#endif
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 

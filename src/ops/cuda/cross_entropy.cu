@@ -1,13 +1,3 @@
-// CUDA kernels of ops/cross_entropy.h. One block per row of logits [m, V]; fp32 math; 16-byte
-// vector loads/stores when the row stride and base pointer allow it. The statistics kernel
-// computes the row max and the exp-sum in one pass (online softmax: Milakov & Gimelshein 2018,
-// "Online normalizer calculation for softmax").
-// fmt 9 disables constexpr under __NVCC__, which breaks its C++20 (consteval) format-string
-// checks used by MT_CHECK / MT_CUDA_CHECK. TODO(lead): move into the build
-// (-DFMT_USE_CONSTEXPR=1 for CUDA sources) and drop it here.
-#ifndef FMT_USE_CONSTEXPR
-#define FMT_USE_CONSTEXPR 1
-#endif
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -142,7 +132,8 @@ template <typename T, bool kVec>
 __global__ void __launch_bounds__(kRowThreads)
     backward_kernel(T* __restrict__ logits, const int32_t* __restrict__ targets, const float* __restrict__ row_max,
                     const float* __restrict__ row_sumexp, const float* __restrict__ mask, int64_t v,
-                    int64_t vocab_start, float grad_scale) {
+                    int64_t vocab_start, float grad_scale, const float* __restrict__ device_scale) {
+  if (device_scale) grad_scale *= *device_scale;
   const int64_t r = blockIdx.x;
   T* row = logits + r * v;
   const float mx = row_max[r];
@@ -219,14 +210,16 @@ void launch_stats(const Tensor& row_max, const Tensor& row_sumexp, const Tensor&
 
 template <typename T>
 void launch_backward(const Tensor& logits, const Tensor& targets, const Tensor& row_max, const Tensor& row_sumexp,
-                     const Tensor& loss_mask, int64_t vocab_start, float grad_scale, const Stream& stream) {
+                     const Tensor& loss_mask, int64_t vocab_start, float grad_scale, const Tensor& device_scale,
+                     const Stream& stream) {
   const int64_t m = logits.size(0), v = logits.size(1);
   const dim3 grid(static_cast<unsigned>(m));
   const float* mask = loss_mask.empty() ? nullptr : loss_mask.data_as<float>();
   auto args = [&](auto kernel) {
     kernel<<<grid, kRowThreads, 0, cu(stream)>>>(logits.data_as<T>(), targets.data_as<int32_t>(),
                                                  row_max.data_as<float>(), row_sumexp.data_as<float>(), mask, v,
-                                                 vocab_start, grad_scale);
+                                                 vocab_start, grad_scale,
+                                                 device_scale.empty() ? nullptr : device_scale.data_as<float>());
   };
   if (can_vectorize<T>(logits.data(), v)) {
     args(backward_kernel<T, true>);
@@ -274,17 +267,17 @@ void cross_entropy_loss(const Tensor& losses, const Tensor& row_max, const Tenso
 
 void cross_entropy_backward_inplace(const Tensor& logits, const Tensor& targets, const Tensor& row_max,
                                     const Tensor& row_sumexp, const Tensor& loss_mask, int64_t vocab_start,
-                                    float grad_scale, const Stream& stream) {
+                                    float grad_scale, const Tensor& device_scale, const Stream& stream) {
   check_rows(logits.size(0));
   switch (logits.dtype()) {
     case DType::kF32:
-      launch_backward<float>(logits, targets, row_max, row_sumexp, loss_mask, vocab_start, grad_scale, stream);
+      launch_backward<float>(logits, targets, row_max, row_sumexp, loss_mask, vocab_start, grad_scale, device_scale, stream);
       break;
     case DType::kBF16:
-      launch_backward<__nv_bfloat16>(logits, targets, row_max, row_sumexp, loss_mask, vocab_start, grad_scale, stream);
+      launch_backward<__nv_bfloat16>(logits, targets, row_max, row_sumexp, loss_mask, vocab_start, grad_scale, device_scale, stream);
       break;
     case DType::kF16:
-      launch_backward<__half>(logits, targets, row_max, row_sumexp, loss_mask, vocab_start, grad_scale, stream);
+      launch_backward<__half>(logits, targets, row_max, row_sumexp, loss_mask, vocab_start, grad_scale, device_scale, stream);
       break;
     default: MT_FAIL("cross_entropy_backward_inplace: unsupported logits dtype {}", dtype_name(logits.dtype()));
   }

@@ -1,10 +1,3 @@
-// cuBLASLt GEMM wrapper with a per-problem plan cache (see cublaslt_gemm.h).
-// fmt 9 turns its constexpr support off under nvcc, which breaks its C++20 consteval format
-// checks; the host compiler (g++ >= 10) supports it, so turn it back on for this TU (belongs in
-// CMakeLists.txt as a CUDA compile definition; see the ops-mm report).
-#ifndef FMT_USE_CONSTEXPR
-#define FMT_USE_CONSTEXPR 1
-#endif
 #include "ops/cuda/cublaslt_gemm.h"
 
 #include <array>

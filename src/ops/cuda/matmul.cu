@@ -1,12 +1,3 @@
-// CUDA matrix products: cuBLASLt GEMMs (ops/cuda/cublaslt_gemm.h) with BIAS / GELU_AUX(_BIAS)
-// epilogues, plus small kernels for the fallbacks (bias add, GELU), beta-scaling when k = 0, and
-// the deterministic fp32 column sum for dbias (+=).
-// fmt 9 turns its constexpr support off under nvcc, which breaks its C++20 consteval format
-// checks; the host compiler (g++ >= 10) supports it, so turn it back on for this TU (belongs in
-// CMakeLists.txt as a CUDA compile definition; see the ops-mm report).
-#ifndef FMT_USE_CONSTEXPR
-#define FMT_USE_CONSTEXPR 1
-#endif
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 

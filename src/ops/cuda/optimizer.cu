@@ -1,13 +1,3 @@
-// CUDA kernels of ops/optimizer.h. Everything reads the OptimizerScalars struct from device
-// memory, so a step needs no host synchronisation. The gradient sum of squares is a
-// deterministic two-level reduction over a fixed grid of kGradSumsqBlocks blocks whose
-// partials live in the struct (no allocation in the op).
-// fmt 9 disables constexpr under __NVCC__, which breaks its C++20 (consteval) format-string
-// checks used by MT_CHECK / MT_CUDA_CHECK. TODO(lead): move into the build
-// (-DFMT_USE_CONSTEXPR=1 for CUDA sources) and drop it here.
-#ifndef FMT_USE_CONSTEXPR
-#define FMT_USE_CONSTEXPR 1
-#endif
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
