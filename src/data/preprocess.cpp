@@ -133,7 +133,7 @@ class Progress {
 
  private:
   int64_t interval_;
-  int64_t next_report_ = 0;
+  int64_t next_report_ = interval_;
   std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
 };
 
