@@ -328,6 +328,23 @@ void IndexedDatasetBuilder::add_document(std::span<const int32_t> tokens) {
   end_document();
 }
 
+void IndexedDatasetBuilder::add_document(std::span<const int32_t> tokens, std::span<const int32_t> lengths) {
+  int64_t total = 0;
+  for (int32_t l : lengths) {
+    MT_REQUIRE(l >= 0, "indexed dataset builder '{}': negative sequence length {}", prefix_, l);
+    total += l;
+  }
+  MT_REQUIRE(total == static_cast<int64_t>(tokens.size()),
+             "indexed dataset builder '{}': sequence lengths sum to {} but the document has {} tokens", prefix_, total,
+             tokens.size());
+  size_t pos = 0;
+  for (int32_t l : lengths) {
+    add_item(tokens.subspan(pos, static_cast<size_t>(l)));
+    pos += static_cast<size_t>(l);
+  }
+  end_document();
+}
+
 void IndexedDatasetBuilder::finalize() {
   MT_REQUIRE(!finalized_ && bin_file_ != nullptr, "indexed dataset builder '{}': finalize called twice", prefix_);
   MT_REQUIRE(document_indices_.back() == static_cast<int64_t>(lengths_.size()),

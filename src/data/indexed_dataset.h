@@ -123,6 +123,9 @@ class IndexedDatasetBuilder {
   /// One document = one sequence (as preprocess_data writes). An empty `tokens` adds no sequence and
   /// an empty document (a repeated document index), as Megatron does for empty texts.
   void add_document(std::span<const int32_t> tokens);
+  /// Megatron's add_document(tokens, lengths): the sequences of the given lengths (summing to
+  /// tokens.size()), then end_document(). Error: lengths that do not sum to tokens.size() or are < 0.
+  void add_document(std::span<const int32_t> tokens, std::span<const int32_t> lengths);
 
   /// Writes the .idx and moves both files into place. Errors: I/O failures, naming the file;
   /// items added after the last end_document() (an unterminated document).

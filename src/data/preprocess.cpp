@@ -60,18 +60,31 @@ struct Doc {
   const std::string* file = nullptr;
   int64_t line = 0;  // 0 for .txt documents
   bool is_text = false;
-  std::vector<std::vector<int32_t>> tokens;  // per key
+  std::vector<std::vector<int32_t>> tokens;   // per key: the document's tokens
+  std::vector<std::vector<int32_t>> lengths;  // per key: its sequence lengths (one per non-empty text)
   std::exception_ptr error;
 };
 
 void tokenize_doc(Doc& doc, const Gpt2Tokenizer& tok, const std::vector<std::string>& keys, bool append_eod) {
   doc.tokens.assign(keys.size(), {});
-  auto encode_one = [&](std::string_view text, std::vector<int32_t>* out) {
-    tok.encode_append(text, out);
-    if (append_eod && !out->empty()) out->push_back(tok.eod());
+  doc.lengths.assign(keys.size(), {});
+  // As Megatron's Encoder.encode: each non-empty text (a string, or each string of a list) is one
+  // sequence; EOD is appended to the last sequence of a non-empty document.
+  auto add_text = [&](size_t k, std::string_view text) {
+    const size_t before = doc.tokens[k].size();
+    tok.encode_append(text, &doc.tokens[k]);
+    const size_t n = doc.tokens[k].size() - before;
+    if (n > 0) doc.lengths[k].push_back(static_cast<int32_t>(n));
+  };
+  auto finish = [&](size_t k) {
+    if (append_eod && !doc.tokens[k].empty()) {
+      doc.tokens[k].push_back(tok.eod());
+      doc.lengths[k].back() += 1;
+    }
   };
   if (doc.is_text) {
-    encode_one(doc.raw, &doc.tokens[0]);  // keys == {"text"} (checked up front)
+    add_text(0, doc.raw);  // keys == {"text"} (checked up front)
+    finish(0);
     return;
   }
   nlohmann::json j;
@@ -85,9 +98,18 @@ void tokenize_doc(Doc& doc, const Gpt2Tokenizer& tok, const std::vector<std::str
   for (size_t k = 0; k < keys.size(); ++k) {
     auto it = j.find(keys[k]);
     MT_REQUIRE(it != j.end(), "preprocess-data: {}:{}: key '{}' not found", *doc.file, doc.line, keys[k]);
-    MT_REQUIRE(it->is_string(), "preprocess-data: {}:{}: key '{}' is a {}, expected a string", *doc.file, doc.line,
-               keys[k], it->type_name());
-    encode_one(it->get_ref<const std::string&>(), &doc.tokens[k]);
+    if (it->is_array()) {
+      for (const auto& s : *it) {
+        MT_REQUIRE(s.is_string(), "preprocess-data: {}:{}: key '{}' is a list with a {} element, expected strings",
+                   *doc.file, doc.line, keys[k], s.type_name());
+        add_text(k, s.get_ref<const std::string&>());
+      }
+    } else {
+      MT_REQUIRE(it->is_string(), "preprocess-data: {}:{}: key '{}' is a {}, expected a string or a list of strings",
+                 *doc.file, doc.line, keys[k], it->type_name());
+      add_text(k, it->get_ref<const std::string&>());
+    }
+    finish(k);
   }
 }
 
@@ -183,7 +205,7 @@ PreprocessStats preprocess_data(const PreprocessConfig& cfg) {
     tokenize_batch(batch, tok, keys, cfg.append_eod, cfg.workers);
     for (Doc& d : batch) {
       for (size_t k = 0; k < keys.size(); ++k) {
-        builders[k]->add_document(d.tokens[k]);
+        builders[k]->add_document(d.tokens[k], d.lengths[k]);
         stats.tokens += static_cast<int64_t>(d.tokens[k].size());
       }
       ++stats.documents;

@@ -5,7 +5,8 @@
 //   *.txt file   one document (the whole file, bytes as they are), output key "text";
 //   directory    all its *.txt files sorted by name, each one document;
 //   other file   JSON lines (.jsonl/.json): one JSON object per line; blank lines are skipped; for each
-//                key in json_keys, the string value becomes one document of output `key`.
+//                key in json_keys, the string value becomes one document of output `key` (a list of
+//                strings, as Megatron accepts, is one document with one sequence per non-empty string).
 // Outputs: {output_prefix}_{key}_document.bin/.idx for each key (Megatron's naming), all inputs
 // concatenated in order. Token dtype: uint16 if the vocabulary has < 65,500 tokens, else int32.
 // With append_eod, the tokenizer's end-of-document id follows every non-empty document (an empty
@@ -39,8 +40,9 @@ struct PreprocessStats {
 /// Runs the conversion. Errors (mt::Error): empty input list or output prefix, no json keys, an
 /// unsupported tokenizer type, a missing input (or a directory without *.txt files), .txt inputs
 /// mixed with JSON-lines inputs while json_keys != {"text"}, a JSON-lines line that is not valid JSON
-/// or not an object (naming file and line), a missing key or a non-string value (naming file, line and
-/// key), tokenizer file errors, I/O errors. On error no output files are left behind for the run.
+/// or not an object (naming file and line), a missing key or a value that is neither a string nor a
+/// list of strings (naming file, line and key), tokenizer file errors, I/O errors. Outputs are renamed
+/// into place only when the whole run succeeded; a failed run leaves no partial or temporary files.
 PreprocessStats preprocess_data(const PreprocessConfig& config);
 
 }  // namespace mt::data

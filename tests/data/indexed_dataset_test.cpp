@@ -149,6 +149,25 @@ TEST(IndexedDatasetBuilder, WritesTheSpecBytes) {
   EXPECT_EQ(std::distance(std::filesystem::directory_iterator(dir.path()), std::filesystem::directory_iterator()), 2);
 }
 
+TEST(IndexedDatasetBuilder, DocumentWithSequenceLengths) {
+  TempDir dir;
+  Fixture f;
+  const std::string prefix = dir.file("lens");
+  {
+    IndexedDatasetBuilder b(prefix, IndexDType::kUInt16);
+    std::vector<int32_t> doc0 = f.seqs[0];
+    doc0.insert(doc0.end(), f.seqs[1].begin(), f.seqs[1].end());
+    b.add_document(doc0, std::vector<int32_t>{3, 2});
+    b.add_document({}, {});
+    b.add_document({}, std::vector<int32_t>{0});
+    b.add_document(f.seqs[3], std::vector<int32_t>{1});
+    expect_error([&] { b.add_document(f.seqs[0], std::vector<int32_t>{1, 1}); }, {"sum to 2", "3 tokens"});
+    b.finalize();
+  }
+  EXPECT_EQ(read_file(prefix + ".idx"), idx_bytes(spec_for(f, 8, 2)));
+  EXPECT_EQ(read_file(prefix + ".bin"), bin_u16(f));
+}
+
 TEST(IndexedDatasetBuilder, Int32BytesAndEmptyDataset) {
   TempDir dir;
   {

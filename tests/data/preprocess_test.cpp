@@ -95,6 +95,25 @@ TEST(Preprocess, JsonLinesTwoKeysAppendEod) {
   EXPECT_EQ(st.tokens, IndexedDataset(st.output_prefixes[0]).num_tokens() + IndexedDataset(st.output_prefixes[1]).num_tokens());
 }
 
+TEST(Preprocess, ListValuesAreSequencesOfOneDocument) {
+  Env env;
+  write_file(env.dir.file("in.jsonl"),
+             "{\"text\": [\"hello\", \"\", \" world\"]}\n{\"text\": []}\n{\"text\": [\"\"]}\n{\"text\": \"wo\"}\n");
+  auto cfg = env.config({env.dir.file("in.jsonl")}, "list");
+  cfg.append_eod = true;
+  preprocess_data(cfg);
+  IndexedDataset ds(env.dir.file("list_text_document"));
+  auto world = env.tok.encode(" world");
+  world.push_back(env.tok.eod());
+  auto wo = env.tok.encode("wo");
+  wo.push_back(env.tok.eod());
+  EXPECT_EQ(all_sequences(ds), (std::vector<std::vector<int32_t>>{env.tok.encode("hello"), world, wo}));
+  EXPECT_EQ(ds.document_indices(), (std::vector<int64_t>{0, 2, 2, 2, 3}));
+  write_file(env.dir.file("bad.jsonl"), "{\"text\": [\"a\", 3]}\n");
+  cfg.inputs = {env.dir.file("bad.jsonl")};
+  expect_error([&] { preprocess_data(cfg); }, {"bad.jsonl:1", "list with a number element"});
+}
+
 TEST(Preprocess, WorkersGiveIdenticalOutput) {
   Env env;
   auto& rng = mt::testing::test_rng();
