@@ -24,7 +24,7 @@ int main(int argc, char** argv) {
   CLI::App* generate = app.add_subcommand("generate", "Sample text from a checkpoint");
   mt::add_generate_options(*generate, generate_args);
 
-  mt::add_preprocess_data_command(app);
+  mt::data::add_preprocess_data_command(app);
 
   int rc = 0;
   try {
