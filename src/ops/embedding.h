@@ -12,14 +12,20 @@ namespace mt {
 ///           + (wpe given ? wpe[pos(t), :] : 0)
 /// where t = (i_s, i_b) indexes [s, b] and pos(t) = positions[t] if `positions` is given, else i_s.
 /// Shapes: out [s, b, h] (act dtype), ids int32 [s, b], wte [V_local, h], wpe [P, h] (same dtype
-/// as out, may be empty), positions int32 [s, b] or empty. Errors: mt::Error on shape/dtype
-/// mismatch. An id outside [0, vocab_size) is the data loader's job to reject (not checked here).
+/// as out, may be empty), positions int32 [s, b] or empty. Act dtype: fp32 on CPU; fp32, bf16
+/// or fp16 on CUDA. Errors: mt::Error on shape/dtype/device mismatch, vocab_start < 0, or a
+/// position table with P < s when `positions` is empty. An id outside [0, vocab_size) is the
+/// data loader's job to reject (not checked here; it simply contributes 0). An explicit position
+/// outside [0, P) throws on CPU and is skipped (contributes 0) on CUDA.
 void embedding_forward(const Tensor& out, const Tensor& ids, const Tensor& wte, const Tensor& wpe,
                        const Tensor& positions, int64_t vocab_start, const Stream& stream);
 
 /// Weight gradients, accumulated (+=) into fp32 main grads:
 /// dwte[ids[t]-vocab_start, :] += dout[t, :] for in-range ids; dwpe[pos(t), :] += dout[t, :].
 /// dwte fp32 [V_local, h]; dwpe fp32 [P, h] or empty; dout [s, b, h] (act dtype).
+/// CPU: deterministic. CUDA: dwte (and dwpe with explicit positions) use fp32 atomicAdd, so the
+/// summation order of repeated ids varies from run to run (bitwise); dwpe with the default
+/// positions is summed over b in a fixed order (deterministic).
 void embedding_backward(const Tensor& dwte, const Tensor& dwpe, const Tensor& dout, const Tensor& ids,
                         const Tensor& positions, int64_t vocab_start, const Stream& stream);
 

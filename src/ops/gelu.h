@@ -6,7 +6,8 @@
 
 namespace mt {
 
-/// y = gelu(x); x, y same shape and dtype (contiguous; y may alias x).
+/// y = gelu(x); x, y same shape and dtype (contiguous; y may alias x). fp32 on CPU; fp32, bf16
+/// or fp16 on CUDA. Errors: mt::Error on shape/dtype/device mismatch.
 void gelu_forward(const Tensor& y, const Tensor& x, const Stream& stream);
 /// dx = dy * gelu'(x) (overwrite; dx may alias dy).
 void gelu_backward(const Tensor& dx, const Tensor& dy, const Tensor& x, const Stream& stream);

@@ -8,13 +8,17 @@ namespace mt {
 
 /// y = (x - mean) * rstd * weight + bias, rows of length h.
 /// x, y: [n, h] (act dtype; any leading shape flattened to n rows); weight, bias: [h] (param
-/// dtype = act dtype); mean, rstd: fp32 [n], written for backward. rstd = 1/sqrt(var + eps),
-/// var the biased variance.
+/// dtype = act dtype); mean, rstd: fp32 [n] (any shape with n elements), written for backward.
+/// rstd = 1/sqrt(var + eps), var the biased variance (two-pass: mean, then centred sum).
+/// Act dtype: fp32 on CPU; fp32, bf16 or fp16 on CUDA (fp32 math). Errors: mt::Error on
+/// shape/dtype/device mismatch or eps < 0.
 void layernorm_forward(const Tensor& y, const Tensor& mean, const Tensor& rstd, const Tensor& x,
                        const Tensor& weight, const Tensor& bias, float eps, const Stream& stream);
 
 /// dx = d/dx (overwrite, or += when accumulate_dx; act dtype [n, h]);
-/// dweight += sum_n dy * xhat, dbias += sum_n dy (fp32 [h] main grads).
+/// dweight += sum_n dy * xhat, dbias += sum_n dy (fp32 [h] main grads). dx may alias dy.
+/// CPU: deterministic. CUDA: dweight/dbias are reduced per block and added with fp32 atomicAdd
+/// (no scratch memory; the order of the per-block additions varies run to run, bitwise).
 void layernorm_backward(const Tensor& dx, const Tensor& dweight, const Tensor& dbias, const Tensor& dy,
                         const Tensor& x, const Tensor& weight, const Tensor& mean, const Tensor& rstd,
                         bool accumulate_dx, const Stream& stream);

@@ -1,0 +1,135 @@
+// Argument validation and backend dispatch for ops/elementwise.h.
+#include "ops/elementwise.h"
+
+#include "ops/dispatch.h"
+#include "ops/elementwise_impl.h"
+
+namespace mt {
+namespace {
+
+bool is_float(DType t) { return t == DType::kF32 || t == DType::kBF16 || t == DType::kF16; }
+
+void check_float(const Tensor& t, const char* fn, const char* name) {
+  MT_CHECK(is_float(t.dtype()), "{}: {} must be fp32/bf16/fp16, got {}", fn, name, t.str());
+  MT_CHECK(t.is_contiguous(), "{}: {} must be contiguous, got {}", fn, name, t.str());
+}
+
+void check_stream(const Stream& stream, const Tensor& t, const char* fn) {
+  MT_CHECK(stream.device().type == t.device().type, "{}: stream on {} but tensor {}", fn, stream.device().str(),
+           t.str());
+}
+
+void check_same_shape(const Tensor& a, const Tensor& b, const char* fn, const char* na, const char* nb) {
+  MT_CHECK(a.shape() == b.shape(), "{}: {} {} and {} {} must have the same shape", fn, na, a.str(), nb, b.str());
+}
+
+/// Dropout ops: fp32 only on CPU (the reference backend), fp32/bf16/fp16 on CUDA.
+void check_act(const Tensor& t, const char* fn, const char* name) {
+  check_float(t, fn, name);
+  MT_CHECK(!t.device().is_cpu() || t.dtype() == DType::kF32, "{}: {} on CPU must be fp32, got {}", fn, name,
+           t.str());
+}
+
+void check_dropout_args(float p, int64_t global_offset, const char* fn) {
+  MT_CHECK(p >= 0.f && p < 1.f, "{}: dropout probability p={} must be in [0, 1)", fn, p);
+  MT_CHECK(global_offset >= 0, "{}: global_offset={} must be >= 0", fn, global_offset);
+}
+
+/// Validates bias [h] against x [..., h]; returns h (1 when bias is empty: then no row structure).
+int64_t check_bias(const Tensor& bias, const Tensor& x, DType dtype, const char* fn, const char* name) {
+  if (bias.empty()) return 1;
+  MT_CHECK(x.ndim() >= 1, "{}: x {} must have a last dimension when {} is given", fn, x.str(), name);
+  int64_t h = x.size(-1);
+  check_tensor(bias, dtype, {h}, name);
+  return h;
+}
+
+}  // namespace
+
+void cast(const Tensor& dst, const Tensor& src, const Stream& stream) {
+  check_float(dst, "cast", "dst");
+  check_float(src, "cast", "src");
+  MT_CHECK(dst.numel() == src.numel(), "cast: dst {} and src {} must have the same number of elements", dst.str(),
+           src.str());
+  check_same_device({&dst, &src});
+  check_stream(stream, dst, "cast");
+  MT_DISPATCH(dst.device(), cast, dst, src, stream);
+}
+
+void add(const Tensor& y, const Tensor& a, const Tensor& b, const Stream& stream) {
+  check_float(y, "add", "y");
+  check_float(a, "add", "a");
+  check_float(b, "add", "b");
+  check_same_shape(y, a, "add", "y", "a");
+  check_same_shape(y, b, "add", "y", "b");
+  MT_CHECK(y.dtype() == a.dtype() && y.dtype() == b.dtype(), "add: dtypes differ: y {} a {} b {}", y.str(), a.str(),
+           b.str());
+  check_same_device({&y, &a, &b});
+  check_stream(stream, y, "add");
+  MT_DISPATCH(y.device(), add, y, a, b, stream);
+}
+
+void scale_inplace(const Tensor& x, float alpha, const Stream& stream) {
+  check_float(x, "scale_inplace", "x");
+  check_stream(stream, x, "scale_inplace");
+  MT_DISPATCH(x.device(), scale_inplace, x, alpha, stream);
+}
+
+void fill(const Tensor& x, float value, const Stream& stream) {
+  MT_CHECK(is_float(x.dtype()) || x.dtype() == DType::kI32, "fill: x must be fp32/bf16/fp16/int32, got {}",
+           x.str());
+  MT_CHECK(x.is_contiguous(), "fill: x must be contiguous, got {}", x.str());
+  if (x.dtype() == DType::kI32) {
+    MT_CHECK(value >= -2147483648.f && value < 2147483648.f &&
+                 value == static_cast<float>(static_cast<int32_t>(value)),
+             "fill: value {} is not an int32 for int32 tensor {}", value, x.str());
+  }
+  check_stream(stream, x, "fill");
+  MT_DISPATCH(x.device(), fill, x, value, stream);
+}
+
+void bias_dropout_add_forward(const Tensor& out, const Tensor& x, const Tensor& bias, const Tensor& residual,
+                              float p, const DropoutKey& key, int64_t global_offset, const Stream& stream) {
+  const char* fn = "bias_dropout_add_forward";
+  check_act(out, fn, "out");
+  check_act(x, fn, "x");
+  check_act(residual, fn, "residual");
+  check_same_shape(out, x, fn, "out", "x");
+  check_same_shape(out, residual, fn, "out", "residual");
+  MT_CHECK(out.dtype() == x.dtype() && out.dtype() == residual.dtype(), "{}: dtypes differ: out {} x {} residual {}",
+           fn, out.str(), x.str(), residual.str());
+  check_bias(bias, x, x.dtype(), fn, "bias");
+  check_dropout_args(p, global_offset, fn);
+  check_same_device({&out, &x, &bias, &residual});
+  check_stream(stream, out, fn);
+  MT_DISPATCH(out.device(), bias_dropout_add_forward, out, x, bias, residual, p, key, global_offset, stream);
+}
+
+void bias_dropout_add_backward(const Tensor& dx, const Tensor& dbias, const Tensor& dout, float p,
+                               const DropoutKey& key, int64_t global_offset, const Stream& stream) {
+  const char* fn = "bias_dropout_add_backward";
+  check_act(dx, fn, "dx");
+  check_act(dout, fn, "dout");
+  check_same_shape(dx, dout, fn, "dx", "dout");
+  MT_CHECK(dx.dtype() == dout.dtype(), "{}: dtypes differ: dx {} dout {}", fn, dx.str(), dout.str());
+  check_bias(dbias, dout, DType::kF32, fn, "dbias");
+  check_dropout_args(p, global_offset, fn);
+  check_same_device({&dx, &dbias, &dout});
+  check_stream(stream, dx, fn);
+  MT_DISPATCH(dx.device(), bias_dropout_add_backward, dx, dbias, dout, p, key, global_offset, stream);
+}
+
+void dropout_forward(const Tensor& y, const Tensor& x, float p, const DropoutKey& key, int64_t global_offset,
+                     const Stream& stream) {
+  const char* fn = "dropout_forward";
+  check_act(y, fn, "y");
+  check_act(x, fn, "x");
+  check_same_shape(y, x, fn, "y", "x");
+  MT_CHECK(y.dtype() == x.dtype(), "{}: dtypes differ: y {} x {}", fn, y.str(), x.str());
+  check_dropout_args(p, global_offset, fn);
+  check_same_device({&y, &x});
+  check_stream(stream, y, fn);
+  MT_DISPATCH(y.device(), dropout_forward, y, x, p, key, global_offset, stream);
+}
+
+}  // namespace mt

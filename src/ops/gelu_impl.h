@@ -1,0 +1,36 @@
+// Backend entry points of ops/gelu.h (arguments validated by ops/gelu.cpp) and the scalar GELU
+// formulas, shared verbatim by the CPU and CUDA code so both compute the same fp32 expression.
+#pragma once
+#include <cmath>
+
+#include "core/dtype.h"  // MT_HD
+#include "ops/gelu.h"
+
+namespace mt {
+namespace gelu_math {
+inline constexpr float kSqrt2OverPi = 0.7978845608028654f;
+inline constexpr float kCoeff = 0.044715f;
+
+/// gelu(x) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), fp32.
+MT_HD float gelu(float x) {
+  const float u = kSqrt2OverPi * x * (1.0f + kCoeff * x * x);
+  return 0.5f * x * (1.0f + tanhf(u));
+}
+/// gelu'(x) = 0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2), t = tanh(u).
+MT_HD float gelu_grad(float x) {
+  const float u = kSqrt2OverPi * x * (1.0f + kCoeff * x * x);
+  const float t = tanhf(u);
+  return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * (kSqrt2OverPi * (1.0f + 3.0f * kCoeff * x * x));
+}
+}  // namespace gelu_math
+
+namespace cpu {
+void gelu_forward(const Tensor& y, const Tensor& x, const Stream& stream);
+void gelu_backward(const Tensor& dx, const Tensor& dy, const Tensor& x, const Stream& stream);
+}  // namespace cpu
+
+namespace cuda {
+void gelu_forward(const Tensor& y, const Tensor& x, const Stream& stream);
+void gelu_backward(const Tensor& dx, const Tensor& dy, const Tensor& x, const Stream& stream);
+}  // namespace cuda
+}  // namespace mt

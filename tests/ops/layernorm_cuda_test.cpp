@@ -1,0 +1,127 @@
+// CUDA LayerNorm against the CPU reference on the same (dtype-rounded) inputs: activations fp32
+// rel. 1e-5, bf16/fp16 rel. 2e-2; fp32 statistics and fp32 main grads rel. 1e-5 in every dtype
+// (same inputs, only the summation order differs).
+#include <gtest/gtest.h>
+
+#include "ops/layernorm.h"
+#include "testing/testing.h"
+
+namespace mt {
+namespace {
+
+using testing::OwnedTensor;
+const Device kCpu = Device::cpu();
+constexpr float kEps = 1e-5f;
+
+std::vector<float> rounded(std::vector<float> v, DType t) {
+  for (auto& x : v) x = round_through(t, x);
+  return v;
+}
+double tol(DType t) { return t == DType::kF32 ? 1e-5 : 2e-2; }
+
+TEST(LayerNormCuda, ForwardBackwardMatchCpu) {
+  MT_REQUIRE_CUDA();
+  const Device gpu = Device::cuda(0);
+  Stream gs(gpu), cs;
+  // h = 768 and 8192 (vectorised), 100 (vectorised for fp32 only), 7 and 3 (scalar);
+  // n = 10000 is more rows than one pass of the capped grid. (h = 1 and 2 are left out: there
+  // the exact dx is 0 or ~eps, and a relative comparison of rounding noise is meaningless.)
+  const std::vector<std::pair<int64_t, int64_t>> sizes = {{37, 768}, {13, 100}, {5, 7}, {4, 8192}, {10000, 40},
+                                                          {6, 3}};
+  for (DType t : {DType::kF32, DType::kBF16, DType::kF16}) {
+    for (auto [n, h] : sizes) {
+      for (bool accumulate : {false, true}) {
+        const std::string what = fmt::format("{} n={} h={} acc={}", dtype_name(t), n, h, accumulate);
+        auto xv = testing::randn(n * h, 2.f);
+        for (auto& v : xv) v += 3.f;
+        auto wv = testing::randn(h, 0.1f), bv = testing::randn(h, 0.1f);
+        for (auto& v : wv) v += 1.f;
+        const auto dyv = testing::randn(n * h), dx0 = testing::randn(n * h);
+        const auto dw0 = testing::randn(h), db0 = testing::randn(h);
+
+        // CPU reference (fp32) on rounded inputs.
+        auto xc = testing::make_tensor(rounded(xv, t), DType::kF32, kCpu, {n, h}, cs);
+        auto wc = testing::make_tensor(rounded(wv, t), DType::kF32, kCpu, {h}, cs);
+        auto bc = testing::make_tensor(rounded(bv, t), DType::kF32, kCpu, {h}, cs);
+        auto dyc = testing::make_tensor(rounded(dyv, t), DType::kF32, kCpu, {n, h}, cs);
+        auto dxc = testing::make_tensor(rounded(dx0, t), DType::kF32, kCpu, {n, h}, cs);
+        auto dwc = testing::make_tensor(dw0, DType::kF32, kCpu, {h}, cs);
+        auto dbc = testing::make_tensor(db0, DType::kF32, kCpu, {h}, cs);
+        OwnedTensor yc(DType::kF32, kCpu, {n, h}), mc(DType::kF32, kCpu, {n}), rc(DType::kF32, kCpu, {n});
+        layernorm_forward(yc, mc, rc, xc, wc, bc, kEps, cs);
+        layernorm_backward(dxc, dwc, dbc, dyc, xc, wc, mc, rc, accumulate, cs);
+        const auto mean_ref = testing::to_host(mc, cs), rstd_ref = testing::to_host(rc, cs);
+
+        // GPU.
+        auto xg = testing::make_tensor(xv, t, gpu, {n, h}, gs);
+        auto wg = testing::make_tensor(wv, t, gpu, {h}, gs);
+        auto bg = testing::make_tensor(bv, t, gpu, {h}, gs);
+        auto dyg = testing::make_tensor(dyv, t, gpu, {n, h}, gs);
+        auto dxg = testing::make_tensor(dx0, t, gpu, {n, h}, gs);
+        if (!accumulate) testing::poison(dxg, gs);
+        auto dwg = testing::make_tensor(dw0, DType::kF32, gpu, {h}, gs);
+        auto dbg = testing::make_tensor(db0, DType::kF32, gpu, {h}, gs);
+        OwnedTensor yg(t, gpu, {n, h}), mg(DType::kF32, gpu, {n}), rg(DType::kF32, gpu, {n});
+        for (auto* o : {&yg, &mg, &rg}) testing::poison(*o, gs);
+        layernorm_forward(yg, mg, rg, xg, wg, bg, kEps, gs);
+        EXPECT_LT(testing::rel_err(testing::to_host(yg, gs), testing::to_host(yc, cs)), tol(t)) << what;
+        EXPECT_LT(testing::rel_err(testing::to_host(mg, gs), mean_ref), 1e-5) << what;
+        EXPECT_LT(testing::rel_err(testing::to_host(rg, gs), rstd_ref), 1e-5) << what;
+
+        // Backward from the CPU statistics (identical inputs on both sides).
+        testing::upload(mg, mean_ref, gs);
+        testing::upload(rg, rstd_ref, gs);
+        layernorm_backward(dxg, dwg, dbg, dyg, xg, wg, mg, rg, accumulate, gs);
+        const auto dx = testing::to_host(dxg, gs);
+        ASSERT_TRUE(testing::all_finite(dx)) << what;
+        EXPECT_LT(testing::rel_err(dx, testing::to_host(dxc, cs)), tol(t)) << what;
+        // fp32 main grads: summation order only; 1e-4 for the 10000-row reduction.
+        const double gtol = n > 1000 ? 1e-4 : 1e-5;
+        EXPECT_LT(testing::rel_err(testing::to_host(dwg, gs), testing::to_host(dwc, cs)), gtol) << what;
+        EXPECT_LT(testing::rel_err(testing::to_host(dbg, gs), testing::to_host(dbc, cs)), gtol) << what;
+
+        if (!accumulate) {
+          // dx aliasing dy: the dweight/dbias kernel reads dy before dx overwrites it.
+          auto dwg2 = testing::make_tensor(dw0, DType::kF32, gpu, {h}, gs);
+          auto dbg2 = testing::make_tensor(db0, DType::kF32, gpu, {h}, gs);
+          layernorm_backward(dyg, dwg2, dbg2, dyg, xg, wg, mg, rg, false, gs);
+          EXPECT_EQ(testing::to_host(dyg, gs), dx) << what;  // dx kernel is deterministic
+          EXPECT_LT(testing::rel_err(testing::to_host(dwg2, gs), testing::to_host(dwc, cs)), gtol) << what;
+          EXPECT_LT(testing::rel_err(testing::to_host(dbg2, gs), testing::to_host(dbc, cs)), gtol) << what;
+        }
+      }
+    }
+  }
+}
+
+TEST(LayerNormCuda, UnalignedRowsUseScalarPath) {
+  // x/y views starting one element into their buffers: not 16-byte aligned.
+  MT_REQUIRE_CUDA();
+  const Device gpu = Device::cuda(0);
+  Stream gs(gpu), cs;
+  const int64_t n = 9, h = 768;
+  for (DType t : {DType::kF32, DType::kBF16}) {
+    auto xv = testing::randn(n * h + 1);
+    auto wv = testing::randn(h), bv = testing::randn(h);
+    auto xc = testing::make_tensor(rounded(std::vector<float>(xv.begin() + 1, xv.end()), t), DType::kF32, kCpu,
+                                   {n, h}, cs);
+    auto wc = testing::make_tensor(rounded(wv, t), DType::kF32, kCpu, {h}, cs);
+    auto bc = testing::make_tensor(rounded(bv, t), DType::kF32, kCpu, {h}, cs);
+    OwnedTensor yc(DType::kF32, kCpu, {n, h}), mc(DType::kF32, kCpu, {n}), rc(DType::kF32, kCpu, {n});
+    layernorm_forward(yc, mc, rc, xc, wc, bc, kEps, cs);
+
+    auto xbuf = testing::make_tensor(xv, t, gpu, {n * h + 1}, gs);
+    auto wg = testing::make_tensor(wv, t, gpu, {h}, gs);
+    auto bg = testing::make_tensor(bv, t, gpu, {h}, gs);
+    OwnedTensor ybuf(t, gpu, {n * h + 1}), mg(DType::kF32, gpu, {n}), rg(DType::kF32, gpu, {n});
+    testing::poison(ybuf, gs);
+    const Tensor x = xbuf.t.flat_range(1, n * h).view({n, h});
+    const Tensor y = ybuf.t.flat_range(1, n * h).view({n, h});
+    layernorm_forward(y, mg, rg, x, wg, bg, kEps, gs);
+    EXPECT_LT(testing::rel_err(testing::to_host(y, gs), testing::to_host(yc, cs)), tol(t)) << dtype_name(t);
+    EXPECT_LT(testing::rel_err(testing::to_host(rg, gs), testing::to_host(rc, cs)), 1e-5) << dtype_name(t);
+  }
+}
+
+}  // namespace
+}  // namespace mt
