@@ -21,7 +21,12 @@ Buffer::Buffer(Device device, size_t bytes, HostMemory host) : bytes_(bytes), de
   if (device.is_cpu()) {
     if (host == HostMemory::kPinned) {
 #ifdef MT_WITH_CUDA
-      MT_CUDA_CHECK(cudaMallocHost(&data_, bytes));
+      // Without a usable driver (CPU-only machines) fall back to pageable memory.
+      if (cudaMallocHost(&data_, bytes) != cudaSuccess) {
+        cudaGetLastError();
+        data_ = nullptr;
+        host_ = HostMemory::kPageable;
+      }
 #else
       host_ = HostMemory::kPageable;
 #endif

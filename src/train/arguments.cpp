@@ -15,6 +15,8 @@ LrScheduleConfig PretrainArgs::lr_schedule() const {
 }
 
 void add_pretrain_options(CLI::App& app, PretrainArgs& a) {
+  // Like argparse (Megatron): a flag given twice takes the last value.
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   auto& m = a.model;
   app.add_option("--num-layers", m.num_layers, "Number of transformer layers")->capture_default_str();
   app.add_option("--hidden-size", m.hidden_size, "Transformer hidden size")->capture_default_str();
@@ -112,6 +114,7 @@ void validate_pretrain_args(PretrainArgs& a) {
 }
 
 void add_generate_options(CLI::App& app, GenerateArgs& a) {
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   app.add_option("--load", a.load, "Checkpoint directory")->required();
   app.add_option("--vocab-file", a.vocab_file, "GPT-2 vocab.json / encoder.json")->required();
   app.add_option("--merge-file", a.merge_file, "GPT-2 merges.txt / vocab.bpe")->required();

@@ -24,7 +24,7 @@ GptConfig tiny_config(float dropout) {
   c.make_vocab_size_divisible_by = 8;  // padded to 40
   c.hidden_dropout = dropout;
   c.attention_dropout = dropout;
-  c.init_method_std = 0.3f;  // large enough that every path matters
+  c.init_method_std = 0.15f;  // large enough that every path matters
   return c;
 }
 
@@ -52,37 +52,51 @@ struct Harness {
 
 void gradient_check(float dropout) {
   const GptConfig c = tiny_config(dropout);
-  Harness h(c, 2);
+  Harness h_(c, 2);
   const DropoutContext dc{99, 3, 1, true};
   const float w = 1.0f / (c.seq_length * 2);
-  h.model.params().zero_grads(h.stream);
-  h.loss_value(dc);
-  h.model.backward(h.mb(), dc, w, Tensor(), h.stream);
-  ParamStore& P = h.model.params();
+  h_.model.params().zero_grads(h_.stream);
+  h_.loss_value(dc);
+  h_.model.backward(h_.mb(), dc, w, Tensor(), h_.stream);
+  ParamStore& P = h_.model.params();
   // Directional derivative along a random direction u restricted to each tensor:
   // (L(p + eps u) - L(p - eps u)) / 2 eps  vs  <grad, u>.
   for (size_t i = 0; i < P.size(); ++i) {
     const auto& info = P.info(i);
-    std::vector<float> g = testing::to_host(P.grad(i), h.stream);
-    std::vector<float> p0 = testing::to_host(P.main(i), h.stream);
+    std::vector<float> g = testing::to_host(P.grad(i), h_.stream);
+    std::vector<float> p0 = testing::to_host(P.main(i), h_.stream);
     std::vector<float> u = testing::randn(info.numel);
     double analytic = 0, unorm = 0;
     for (int64_t k = 0; k < info.numel; ++k) {
       analytic += static_cast<double>(g[k]) * u[k];
       unorm += static_cast<double>(u[k]) * u[k];
     }
-    const double eps = 1e-2 / std::sqrt(unorm / info.numel);
-    auto shifted = [&](double sgn) {
+    const double rms = std::sqrt(unorm / info.numel);
+    auto shifted = [&](double step) {
       std::vector<float> p(p0);
-      for (int64_t k = 0; k < info.numel; ++k) p[k] = static_cast<float>(p0[k] + sgn * eps * u[k]);
-      testing::upload(P.main(i), p, h.stream);
-      return h.loss_value(dc);
+      for (int64_t k = 0; k < info.numel; ++k) p[k] = static_cast<float>(p0[k] + step * u[k]);
+      testing::upload(P.main(i), p, h_.stream);
+      return h_.loss_value(dc);
     };
-    const double numeric = (shifted(+1) - shifted(-1)) / (2 * eps);
-    testing::upload(P.main(i), p0, h.stream);
-    // fp32 forward with eps = 1e-2: truncation O(eps^2) and rounding ~1e-7/eps; a wrong gradient
-    // is off by O(1).
-    EXPECT_NEAR(analytic, numeric, 2e-3 * std::max(1.0, std::fabs(numeric))) << info.name;
+    auto central = [&](double step) { return (shifted(+step) - shifted(-step)) / (2 * step); };
+    // Richardson extrapolation of two central differences (truncation O(h^4)) at a few step
+    // sizes: large steps keep fp32 rounding of the loss small (~|L|·1e-6 / h), small steps stay
+    // inside the region where this tiny, strongly non-linear model is smooth (at some seeds a
+    // LayerNorm over h = 8 features has near-zero variance and the loss bends sharply at
+    // 1e-2). A correct gradient agrees at one of them to ~1e-4; a wrong one is off by O(1) at all.
+    double best = INFINITY, best_numeric = 0;
+    for (double h : {1e-2, 3e-3, 1e-3}) {
+      const double step = h / rms;
+      const double numeric = (4 * central(step / 2) - central(step)) / 3;
+      const double err = std::fabs(analytic - numeric) / std::max(1.0, std::fabs(numeric));
+      if (err < best) {
+        best = err;
+        best_numeric = numeric;
+      }
+      if (best < 1e-4) break;
+    }
+    testing::upload(P.main(i), p0, h_.stream);
+    EXPECT_LT(best, 1e-3) << info.name << ": analytic " << analytic << " vs numeric " << best_numeric;
   }
 }
 

@@ -1,13 +1,3 @@
-// CUDA kernels of ops/elementwise.h: templated on the element type (float, __nv_bfloat16,
-// __half), fp32 math. Dropout masks are bit-identical to the CPU reference: element with global
-// index g is kept iff dropout_bits4(seed, stream_id, iteration, microbatch, g >> 2).v[g & 3] >=
-// dropout_threshold(p).
-// fmt 9 disables constexpr under __NVCC__, which breaks its C++20 (consteval) format-string
-// checks used by MT_CHECK / MT_CUDA_CHECK. TODO(lead): move into the build
-// (-DFMT_USE_CONSTEXPR=1 for CUDA sources) and drop it here.
-#ifndef FMT_USE_CONSTEXPR
-#define FMT_USE_CONSTEXPR 1
-#endif
 #include <cstring>
 
 #include "core/rng.h"

@@ -1,17 +1,3 @@
-// CUDA kernels of ops/embedding.h, templated on the element type (float, __nv_bfloat16, __half).
-//  forward:  grid-stride over (token, 128-bit chunk of h) when h and the pointers allow, else
-//            over (token, element); fp32 add of the two rows.
-//  backward: dwte[id - vocab_start, :] += dout[t, :] with fp32 atomicAdd (the summation order of
-//            repeated ids is not deterministic: bitwise run-to-run differences are possible).
-//            dwpe with the default positions (pos = i_s): one thread per (i_s, column) sums dout
-//            over b in order (deterministic, no atomics). dwpe with explicit positions: atomicAdd.
-//  An explicit position outside [0, P) is skipped here (the CPU reference throws instead).
-// fmt 9 disables constexpr under __NVCC__, which breaks its C++20 (consteval) format-string
-// checks used by MT_CHECK / MT_CUDA_CHECK. TODO(lead): move into the build
-// (-DFMT_USE_CONSTEXPR=1 for CUDA sources) and drop it here.
-#ifndef FMT_USE_CONSTEXPR
-#define FMT_USE_CONSTEXPR 1
-#endif
 #include "ops/elementwise_impl.h"
 #include "ops/embedding_impl.h"
 

@@ -1,11 +1,3 @@
-// CUDA kernels of ops/gelu.h: element-wise, 128-bit vectorised when aligned, fp32 math (the
-// same scalar formulas as the CPU reference, ops/gelu_impl.h).
-// fmt 9 disables constexpr under __NVCC__, which breaks its C++20 (consteval) format-string
-// checks used by MT_CHECK / MT_CUDA_CHECK. TODO(lead): move into the build
-// (-DFMT_USE_CONSTEXPR=1 for CUDA sources) and drop it here.
-#ifndef FMT_USE_CONSTEXPR
-#define FMT_USE_CONSTEXPR 1
-#endif
 #include "ops/elementwise_impl.h"
 #include "ops/gelu_impl.h"
 

@@ -1,20 +1,3 @@
-// CUDA kernels of ops/layernorm.h, templated on the element type (float, __nv_bfloat16, __half);
-// fp32 statistics and math.
-//  forward:  one warp per row (grid-stride over rows), two-pass statistics (mean, then the
-//            centred variance) re-reading the row from L1/L2, 128-bit loads when h and the
-//            pointers allow it. Any h >= 1 (tested 7, 100, 768, 8192).
-//  backward: (1) dweight/dbias: blocks of 32 columns x 8 row lanes accumulate fp32 partial sums
-//            over a strip of rows, reduce them in shared memory and add them to the fp32 grads
-//            with one atomicAdd per column and block. No scratch memory is needed, but the order
-//            in which blocks add is not deterministic (bitwise run-to-run differences possible);
-//            a deterministic variant would take a [blocks, 2, h] scratch tensor.
-//            (2) dx: one warp per row. (1) runs before (2), so dx may alias dy.
-// fmt 9 disables constexpr under __NVCC__, which breaks its C++20 (consteval) format-string
-// checks used by MT_CHECK / MT_CUDA_CHECK. TODO(lead): move into the build
-// (-DFMT_USE_CONSTEXPR=1 for CUDA sources) and drop it here.
-#ifndef FMT_USE_CONSTEXPR
-#define FMT_USE_CONSTEXPR 1
-#endif
 #include "ops/elementwise_impl.h"
 #include "ops/layernorm_impl.h"
 
