@@ -12,7 +12,7 @@ bin=build/megatron
 data=${MT_DATA_DIR:-data}
 bash tools/fetch_demo_data.sh "$data"
 if [ ! -f "$data/demo_text_document.idx" ]; then
-  $bin preprocess-data --input "$data/sotu" "$data/moby-dick/data.txt" --output-prefix "$data/demo" \
+  $bin preprocess-data --input "$data/moby-dick/data.txt" "$data/sotu" --output-prefix "$data/demo" \
     --vocab-file "$data/gpt2/encoder.json" --merge-file "$data/gpt2/vocab.bpe" --append-eod --workers "$(nproc)"
 fi
 if nvidia-smi >/dev/null 2>&1; then
