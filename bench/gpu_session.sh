@@ -31,6 +31,10 @@ for step in "$@"; do
       mb=${step#mb}
       $bin pretrain "${common[@]}" --micro-batch-size $mb --global-batch-size $mb --train-iters 60 --lr-warmup-iters 5 \
         --log-interval 20 --eval-interval 1000 --eval-iters 0 2>&1 | tee "$OUT/$step.log" | grep -E "iteration +(40|60)/|memory" ;;
+    fp16)
+      fp16=("${common[@]/--bf16/--fp16}")
+      $bin pretrain "${fp16[@]}" --micro-batch-size 16 --global-batch-size 16 --train-iters 40 --lr-warmup-iters 5 \
+        --log-interval 10 --eval-interval 40 --eval-iters 2 --loss-scale-window 10 2>&1 | tee "$OUT/fp16.log" | grep -E "iteration|validation" ;;
     torch)
       for mb in 16 32; do python3 bench/pytorch_gpt2.py --micro-batch-size $mb --steps 20 --compile 2>&1 | tail -1 | tee -a "$OUT/torch.log"; done ;;
   esac
