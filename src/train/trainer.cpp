@@ -259,6 +259,9 @@ int run_pretrain(PretrainArgs args) {
   int64_t iters_since_log = 0;
   const double flops_iter = cfg.flops_per_iteration(args.global_batch_size);
 
+  // Validation before the first iteration of a fresh run gives the starting point of the curve.
+  if (!resume && data.valid) evaluate(0);
+  t_last = std::chrono::steady_clock::now();
   while (iteration < args.train_iters) {
     const float lr = static_cast<float>(learning_rate(sched, iteration));
     stager.stage(train_sampler, consumed, stream);

@@ -58,9 +58,10 @@ TEST(GeluCuda, ForwardAndBackwardMatchCpu) {
         EXPECT_LT(testing::rel_err(dx, dx_ref), tol(t)) << dtype_name(t) << " n=" << n;
       }
       std::vector<double> atol_y(n, 1e-6), atol_dx(n);
-      // + 1e-9: for x << 0, gelu'(x) ~ 1e-9 comes out of a cancellation where CPU and CUDA differ
-      // in the last bits (seen: 2.4621e-09 vs 2.4573e-09 on an H200).
-      for (int64_t i = 0; i < n; ++i) atol_dx[i] = 1e-5 * std::fabs(dyr[i]) + 1e-9;
+      // Per element, an absolute allowance of 1e-4·|dy|: for x << 0, gelu'(x) comes out of the
+      // cancellation in 1 + tanh(u), where CPU and CUDA tanhf differ by a few ulp of 1 (seen on an
+      // H200: 2.3e-8 off at |dy| = 6.5e-4). The aggregate check above stays at 1e-5.
+      for (int64_t i = 0; i < n; ++i) atol_dx[i] = 1e-4 * std::fabs(dyr[i]);
       expect_close(y, y_ref, tol(t), atol_y, "y");
       expect_close(dx, dx_ref, tol(t), atol_dx, "dx");
 
