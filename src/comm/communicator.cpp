@@ -13,12 +13,39 @@ void SingleRankCommunicator::reduce_scatter(const Tensor& out, const Tensor& in,
   if (out.data() != in.data()) copy(out, in, stream);
 }
 
+void SingleRankCommunicator::all_to_all(const Tensor& out, const Tensor& in, const Stream& stream) {
+  MT_CHECK(out.numel() == in.numel(), "{}: all_to_all out {} vs in {}", name_, out.str(), in.str());
+  if (out.data() != in.data()) copy(out, in, stream);
+}
+
+void SingleRankCommunicator::send(const Tensor&, int peer, const Stream&) {
+  MT_FAIL("{}: send to rank {} in a group of one rank", name_, peer);
+}
+
+void SingleRankCommunicator::recv(const Tensor&, int peer, const Stream&) {
+  MT_FAIL("{}: recv from rank {} in a group of one rank", name_, peer);
+}
+
+std::shared_ptr<Communicator> SingleRankCommunicator::split(int color, int, const std::string& name) {
+  if (color < 0) return nullptr;
+  return std::make_shared<SingleRankCommunicator>(name);
+}
+
 ProcessGroups ProcessGroups::single() {
   ProcessGroups g;
-  g.world = std::make_shared<SingleRankCommunicator>("world");
-  g.tp = std::make_shared<SingleRankCommunicator>("tp");
-  g.dp = std::make_shared<SingleRankCommunicator>("dp");
-  g.pp = std::make_shared<SingleRankCommunicator>("pp");
+  auto one = [](const char* n) { return std::make_shared<SingleRankCommunicator>(n); };
+  g.world = one("world");
+  g.tp = one("tp");
+  g.cp = one("cp");
+  g.dp = one("dp");
+  g.pp = one("pp");
+  g.tp_cp = one("tp-cp");
+  g.dp_cp = one("dp-cp");
+  g.mp = one("mp");
+  g.ep = one("ep");
+  g.etp = one("etp");
+  g.edp = one("edp");
+  g.embedding = one("embedding");
   return g;
 }
 

@@ -1,7 +1,10 @@
 // Communicator: the collective interface every parallel layer talks to (DESIGN.md
-// "Contracts"; PyTorch c10d's Backend role). Stream-ordered; errors throw mt::Error naming the
-// rank and the group. Backends: single-rank (size-1 groups that do nothing; this file), NCCL and
-// MPI (distributed-runtime issue).
+// "Contracts"; PyTorch c10d's Backend role). Stream-ordered: on CUDA a collective is enqueued on
+// the given stream and the call returns without waiting; on CPU it has completed on return.
+// Errors throw mt::Error naming the rank and the group. A peer that dies makes the others fail
+// within the timeout (--distributed-timeout-minutes) instead of hanging.
+// Backends: single-rank (size-1 groups that do nothing; this file), in-process threads
+// (comm/thread_comm.h, tests), MPI (CPU tensors) and NCCL (CUDA tensors) in comm/mpi, comm/nccl.
 #pragma once
 #include <memory>
 #include <string>
@@ -18,17 +21,34 @@ class Communicator {
   virtual ~Communicator() = default;
   virtual int rank() const = 0;
   virtual int size() const = 0;
-  virtual const std::string& name() const = 0;  ///< group name, e.g. "tp", "dp"
+  /// Group name for messages, e.g. "tp", "dp", "world".
+  virtual const std::string& name() const = 0;
 
-  /// In place: t = op over ranks of t.
+  /// In place: t = op over ranks of t. fp32/bf16/fp16/int32 tensors.
   virtual void all_reduce(const Tensor& t, ReduceOp op, const Stream& stream) = 0;
   /// out = concatenation over ranks (rank order) of `in`; out.numel() == size() * in.numel().
+  /// `in` may alias the rank's slice of `out` (in-place all-gather).
   virtual void all_gather(const Tensor& out, const Tensor& in, const Stream& stream) = 0;
-  /// out = rank's chunk of (op over ranks of in); in.numel() == size() * out.numel().
+  /// out = this rank's chunk (rank order) of (op over ranks of in); in.numel() == size() *
+  /// out.numel(). `out` may alias the rank's chunk of `in`.
   virtual void reduce_scatter(const Tensor& out, const Tensor& in, ReduceOp op, const Stream& stream) = 0;
   /// t = root's t.
   virtual void broadcast(const Tensor& t, int root, const Stream& stream) = 0;
+  /// Equal splits: chunk j of `in` goes to rank j, chunk i of `out` comes from rank i.
+  virtual void all_to_all(const Tensor& out, const Tensor& in, const Stream& stream) = 0;
+  /// Point-to-point (pipeline parallelism). Between group_start() and group_end() sends and
+  /// receives are batched and cannot deadlock against each other (NCCL group semantics; MPI:
+  /// non-blocking operations completed at group_end).
+  virtual void send(const Tensor& t, int peer, const Stream& stream) = 0;
+  virtual void recv(const Tensor& t, int peer, const Stream& stream) = 0;
+  virtual void group_start() = 0;
+  virtual void group_end() = 0;
+  /// Host barrier over the group (waits for the group's streams' queued work to be issued,
+  /// not necessarily finished).
   virtual void barrier() = 0;
+  /// Collective over this group: ranks passing the same color form a new group, ordered by
+  /// key (then by rank). color < 0: this rank joins no group and gets nullptr.
+  virtual std::shared_ptr<Communicator> split(int color, int key, const std::string& name) = 0;
 };
 
 /// A group of one rank: reductions and broadcasts are no-ops, gathers/scatters are copies.
@@ -42,16 +62,22 @@ class SingleRankCommunicator final : public Communicator {
   void all_gather(const Tensor& out, const Tensor& in, const Stream& stream) override;
   void reduce_scatter(const Tensor& out, const Tensor& in, ReduceOp, const Stream& stream) override;
   void broadcast(const Tensor&, int, const Stream&) override {}
+  void all_to_all(const Tensor& out, const Tensor& in, const Stream& stream) override;
+  void send(const Tensor&, int peer, const Stream&) override;
+  void recv(const Tensor&, int peer, const Stream&) override;
+  void group_start() override {}
+  void group_end() override {}
   void barrier() override {}
+  std::shared_ptr<Communicator> split(int color, int key, const std::string& name) override;
 
  private:
   std::string name_;
 };
 
-/// The process groups a model and trainer are handed (never globals; DESIGN.md principle 2).
-/// All are size-1 in single-device training.
+/// The process groups a model and trainer are handed (never globals; DESIGN.md principle 2),
+/// as Megatron-Core's parallel_state names them. All size-1 in single-device training.
 struct ProcessGroups {
-  std::shared_ptr<Communicator> world, tp, dp, pp;
+  std::shared_ptr<Communicator> world, tp, cp, dp, pp, tp_cp, dp_cp, mp, ep, etp, edp, embedding;
   static ProcessGroups single();
 };
 
