@@ -11,63 +11,104 @@
 
 namespace mt {
 
+// Shapes below: s_l = local sequence (s / tp with sequence parallelism, else s); n_l, f_l, V_l
+// = heads, ffn and vocabulary on this TP rank.
+//
 // Saved activations of one decoder layer (what its backward reads).
 struct GptModel::LayerActs {
-  Tensor ln1_out, ln1_mean, ln1_rstd;  // [s, b, h], fp32 [s·b] x2
-  Tensor ctx;                          // attention context [s, b, h]
-  Tensor resid1;                       // x + attention branch [s, b, h]
-  Tensor ln2_out, ln2_mean, ln2_rstd;  // [s, b, h], fp32 [s·b] x2
-  Tensor fc1_pre, fc1_out;             // [s, b, f] before / after GELU
-  Tensor out;                          // layer output [s, b, h]
+  Tensor ln1_out, ln1_mean, ln1_rstd;  // [s_l, b, h], fp32 [s_l·b] x2
+  Tensor ln1_full;                     // [s, b, h]: ln1_out all-gathered (== ln1_out without SP)
+  Tensor ctx;                          // attention context [s, b, n_l·d]
+  Tensor resid1;                       // x + attention branch [s_l, b, h]
+  Tensor ln2_out, ln2_mean, ln2_rstd;  // [s_l, b, h], fp32 [s_l·b] x2
+  Tensor ln2_full;                     // [s, b, h]
+  Tensor fc1_pre, fc1_out;             // [s, b, f_l] before / after GELU
+  Tensor out;                          // layer output [s_l, b, h]
   AttentionBuffers attn;               // q, k, v, probs saved; scratch, dq, dk, dv shared
 };
 
 // Scratch shared by all layers and the head.
 struct GptModel::Workspace {
-  Tensor emb_out;                       // embedding output = layer 0 input [s, b, h]
-  Tensor qkv;                           // [s, b, 3h]
-  Tensor tmp_h;                         // linear outputs before bias-dropout-add [s, b, h]
+  Tensor emb_full;                      // word + position embedding [s, b, h] (partial over TP)
+  Tensor emb_out;                       // layer 0 input [s_l, b, h]
+  Tensor qkv;                           // [s, b, 3·n_l·d]
+  Tensor tmp_full;                      // row-parallel outputs before the TP reduction [s, b, h]
+  Tensor tmp_h;                         // after the reduction [s_l, b, h] (== tmp_full without SP)
   Tensor attn_scratch, dq, dk, dv;
-  Tensor d_resid, d_h, d_ln, d_ctx;     // [s, b, h]
-  Tensor d_qkv;                         // [s, b, 3h]
-  Tensor d_fc1;                         // [s, b, f]
-  Tensor lnf_out, lnf_mean, lnf_rstd;   // final norm
-  Tensor ce_max, ce_sumexp, ce_target, losses;  // fp32 [s·b]
+  Tensor d_resid, d_h;                  // [s_l, b, h]
+  Tensor d_h_full;                      // [s, b, h] (== d_h without SP)
+  Tensor d_ln_full;                     // [s, b, h]
+  Tensor d_ln;                          // [s_l, b, h] (== d_ln_full without SP)
+  Tensor d_ctx;                         // [s, b, n_l·d]
+  Tensor d_qkv;                         // [s, b, 3·n_l·d]
+  Tensor d_fc1;                         // [s, b, f_l]
+  Tensor lnf_out, lnf_mean, lnf_rstd;   // final norm [s_l, b, h]
+  Tensor lnf_full;                      // [s, b, h]
+  Tensor ce_max, ce_local_max, ce_sumexp, ce_target, losses;  // fp32 [s·b]
 };
 
 namespace {
 std::string layer_prefix(int64_t l) { return fmt::format("decoder.layers.{}.", l); }
+
+ParamSpec column_parallel(std::string name, int64_t rows, int64_t cols, float std, int tp, int r, bool wd) {
+  ParamSpec p{std::move(name), {rows / tp, cols}, InitKind::kNormal, std, wd};
+  p.global_shape = {rows, cols};
+  p.shard = {r * (rows / tp), 0, cols};
+  p.tensor_parallel = tp > 1;
+  return p;
+}
+ParamSpec row_parallel(std::string name, int64_t rows, int64_t cols, float std, int tp, int r) {
+  ParamSpec p{std::move(name), {rows, cols / tp}, InitKind::kNormal, std, true};
+  p.global_shape = {rows, cols};
+  p.shard = {0, r * (cols / tp), cols};
+  p.tensor_parallel = tp > 1;
+  return p;
+}
+ParamSpec column_bias(std::string name, int64_t n, int tp, int r) {
+  ParamSpec p{std::move(name), {n / tp}, InitKind::kZeros, 0.f, false};
+  p.global_shape = {n};
+  p.shard = {0, r * (n / tp), n};
+  p.tensor_parallel = tp > 1;
+  return p;
+}
+ParamSpec replicated(std::string name, int64_t n, InitKind init) {
+  ParamSpec p{std::move(name), {n}, init, 0.f, false};
+  p.sequence_parallel_grad = true;
+  return p;
+}
 }  // namespace
 
-std::vector<ParamSpec> GptModel::param_specs(const GptConfig& c) {
-  const int64_t h = c.hidden_size, f = c.ffn(), V = c.padded_vocab_size(), P = c.max_positions();
+std::vector<ParamSpec> GptModel::param_specs(const GptConfig& c, int tp, int r) {
+  const int64_t h = c.hidden_size, f = c.ffn(), V = c.padded_vocab_size(tp), P = c.max_positions();
   const float std = c.init_method_std;
   const float out_std = std / std::sqrt(2.0f * static_cast<float>(c.num_layers));
   std::vector<ParamSpec> s;
-  // Order: per module weights first, then biases/norms, so AdamW sees few weight-decay runs.
-  s.push_back({"embedding.word_embeddings.weight", {V, h}, InitKind::kNormal, std, true});
+  // Order: per layer TP-split weights, TP-split biases, then replicated parameters, so AdamW and
+  // the gradient norm see few runs.
+  s.push_back(column_parallel("embedding.word_embeddings.weight", V, h, std, tp, r, true));
   s.push_back({"embedding.position_embeddings.weight", {P, h}, InitKind::kNormal, std, true});
   for (int64_t l = 0; l < c.num_layers; ++l) {
     const std::string p = layer_prefix(l);
-    s.push_back({p + "self_attention.linear_qkv.weight", {3 * h, h}, InitKind::kNormal, std, true});
-    s.push_back({p + "self_attention.linear_proj.weight", {h, h}, InitKind::kNormal, out_std, true});
-    s.push_back({p + "mlp.linear_fc1.weight", {f, h}, InitKind::kNormal, std, true});
-    s.push_back({p + "mlp.linear_fc2.weight", {h, f}, InitKind::kNormal, out_std, true});
-    s.push_back({p + "input_layernorm.weight", {h}, InitKind::kOnes, 0.f, false});
-    s.push_back({p + "input_layernorm.bias", {h}, InitKind::kZeros, 0.f, false});
-    s.push_back({p + "self_attention.linear_qkv.bias", {3 * h}, InitKind::kZeros, 0.f, false});
-    s.push_back({p + "self_attention.linear_proj.bias", {h}, InitKind::kZeros, 0.f, false});
-    s.push_back({p + "pre_mlp_layernorm.weight", {h}, InitKind::kOnes, 0.f, false});
-    s.push_back({p + "pre_mlp_layernorm.bias", {h}, InitKind::kZeros, 0.f, false});
-    s.push_back({p + "mlp.linear_fc1.bias", {f}, InitKind::kZeros, 0.f, false});
-    s.push_back({p + "mlp.linear_fc2.bias", {h}, InitKind::kZeros, 0.f, false});
+    s.push_back(column_parallel(p + "self_attention.linear_qkv.weight", 3 * h, h, std, tp, r, true));
+    s.push_back(row_parallel(p + "self_attention.linear_proj.weight", h, h, out_std, tp, r));
+    s.push_back(column_parallel(p + "mlp.linear_fc1.weight", f, h, std, tp, r, true));
+    s.push_back(row_parallel(p + "mlp.linear_fc2.weight", h, f, out_std, tp, r));
+    s.push_back(column_bias(p + "self_attention.linear_qkv.bias", 3 * h, tp, r));
+    s.push_back(column_bias(p + "mlp.linear_fc1.bias", f, tp, r));
+    s.push_back(replicated(p + "input_layernorm.weight", h, InitKind::kOnes));
+    s.push_back(replicated(p + "input_layernorm.bias", h, InitKind::kZeros));
+    s.push_back(replicated(p + "self_attention.linear_proj.bias", h, InitKind::kZeros));
+    s.push_back(replicated(p + "pre_mlp_layernorm.weight", h, InitKind::kOnes));
+    s.push_back(replicated(p + "pre_mlp_layernorm.bias", h, InitKind::kZeros));
+    s.push_back(replicated(p + "mlp.linear_fc2.bias", h, InitKind::kZeros));
   }
-  s.push_back({"decoder.final_layernorm.weight", {h}, InitKind::kOnes, 0.f, false});
-  s.push_back({"decoder.final_layernorm.bias", {h}, InitKind::kZeros, 0.f, false});
+  s.push_back(replicated("decoder.final_layernorm.weight", h, InitKind::kOnes));
+  s.push_back(replicated("decoder.final_layernorm.bias", h, InitKind::kZeros));
   return s;
 }
 
-GptModel::GptModel(const GptConfig& config, int64_t micro_batch, DType dtype, Device device, ProcessGroups groups)
+GptModel::GptModel(const GptConfig& config, int64_t micro_batch, DType dtype, Device device, ProcessGroups groups,
+                   bool sequence_parallel, int64_t pad_multiple)
     : config_(config),
       b_(micro_batch),
       s_(config.seq_length),
@@ -75,16 +116,25 @@ GptModel::GptModel(const GptConfig& config, int64_t micro_batch, DType dtype, De
       n_(config.num_attention_heads),
       d_(config.head_dim()),
       f_(config.ffn()),
-      V_(config.padded_vocab_size()),
       dtype_(dtype),
       device_(device),
       groups_(std::move(groups)),
       arena_(Arena::planning(device)) {
-  config_.validate(1);
+  tp_ = groups_.tp->size();
+  tp_rank_ = groups_.tp->rank();
+  sp_ = sequence_parallel && tp_ > 1;
+  config_.validate(tp_);
+  V_ = config_.padded_vocab_size(tp_);
+  MT_REQUIRE(!sp_ || s_ % tp_ == 0, "--sequence-parallel needs --seq-length {} divisible by tensor parallel size {}",
+             s_, tp_);
+  sl_ = sp_ ? s_ / tp_ : s_;
+  nl_ = n_ / tp_;
+  fl_ = f_ / tp_;
+  Vl_ = V_ / tp_;
   MT_REQUIRE(micro_batch > 0, "--micro-batch-size must be positive, got {}", micro_batch);
   MT_REQUIRE(device.is_cuda() || dtype == DType::kF32, "{} training needs --device cuda (the CPU backend is fp32)",
              dtype_name(dtype));
-  params_ = std::make_unique<ParamStore>(param_specs(config_), dtype, device);
+  params_ = std::make_unique<ParamStore>(param_specs(config_, tp_, tp_rank_), dtype, device, pad_multiple);
   ws_ = std::make_unique<Workspace>();
   layers_.resize(static_cast<size_t>(config_.num_layers));
   plan(arena_);
@@ -99,46 +149,58 @@ void GptModel::plan(Arena& a) {
   a.reset();
   const DType t = dtype_;
   const DType f32 = DType::kF32;
-  const int64_t T = s_ * b_;
+  const int64_t T = s_ * b_, Tl = sl_ * b_;
   auto& w = *ws_;
-  w.emb_out = a.alloc(t, {s_, b_, h_}, "emb_out");
+  // Without sequence parallelism the "full" and local tensors are the same memory.
+  auto local_or_full = [&](const Tensor& full, const char* what) {
+    return sp_ ? a.alloc(t, {sl_, b_, h_}, what) : full;
+  };
+  w.emb_full = a.alloc(t, {s_, b_, h_}, "emb_full");
+  w.emb_out = local_or_full(w.emb_full, "emb_out");
   for (auto& L : layers_) {
-    L.ln1_out = a.alloc(t, {s_, b_, h_}, "ln1_out");
-    L.ln1_mean = a.alloc(f32, {T}, "ln1_mean");
-    L.ln1_rstd = a.alloc(f32, {T}, "ln1_rstd");
-    L.ctx = a.alloc(t, {s_, b_, h_}, "ctx");
-    L.resid1 = a.alloc(t, {s_, b_, h_}, "resid1");
-    L.ln2_out = a.alloc(t, {s_, b_, h_}, "ln2_out");
-    L.ln2_mean = a.alloc(f32, {T}, "ln2_mean");
-    L.ln2_rstd = a.alloc(f32, {T}, "ln2_rstd");
-    L.fc1_pre = a.alloc(t, {s_, b_, f_}, "fc1_pre");
-    L.fc1_out = a.alloc(t, {s_, b_, f_}, "fc1_out");
-    L.out = a.alloc(t, {s_, b_, h_}, "out");
-    L.attn.q = a.alloc(t, {b_, n_, s_, d_}, "q");
-    L.attn.k = a.alloc(t, {b_, n_, s_, d_}, "k");
-    L.attn.v = a.alloc(t, {b_, n_, s_, d_}, "v");
-    L.attn.probs = a.alloc(t, {b_, n_, s_, s_}, "probs");
+    L.ln1_full = a.alloc(t, {s_, b_, h_}, "ln1_full");
+    L.ln1_out = local_or_full(L.ln1_full, "ln1_out");
+    L.ln1_mean = a.alloc(f32, {Tl}, "ln1_mean");
+    L.ln1_rstd = a.alloc(f32, {Tl}, "ln1_rstd");
+    L.ctx = a.alloc(t, {s_, b_, nl_ * d_}, "ctx");
+    L.resid1 = a.alloc(t, {sl_, b_, h_}, "resid1");
+    L.ln2_full = a.alloc(t, {s_, b_, h_}, "ln2_full");
+    L.ln2_out = local_or_full(L.ln2_full, "ln2_out");
+    L.ln2_mean = a.alloc(f32, {Tl}, "ln2_mean");
+    L.ln2_rstd = a.alloc(f32, {Tl}, "ln2_rstd");
+    L.fc1_pre = a.alloc(t, {s_, b_, fl_}, "fc1_pre");
+    L.fc1_out = a.alloc(t, {s_, b_, fl_}, "fc1_out");
+    L.out = a.alloc(t, {sl_, b_, h_}, "out");
+    L.attn.q = a.alloc(t, {b_, nl_, s_, d_}, "q");
+    L.attn.k = a.alloc(t, {b_, nl_, s_, d_}, "k");
+    L.attn.v = a.alloc(t, {b_, nl_, s_, d_}, "v");
+    L.attn.probs = a.alloc(t, {b_, nl_, s_, s_}, "probs");
   }
-  w.qkv = a.alloc(t, {s_, b_, 3 * h_}, "qkv");
-  w.tmp_h = a.alloc(t, {s_, b_, h_}, "tmp_h");
-  w.attn_scratch = a.alloc(t, {b_, n_, s_, s_}, "attn_scratch");
-  w.dq = a.alloc(t, {b_, n_, s_, d_}, "dq");
-  w.dk = a.alloc(t, {b_, n_, s_, d_}, "dk");
-  w.dv = a.alloc(t, {b_, n_, s_, d_}, "dv");
-  w.d_resid = a.alloc(t, {s_, b_, h_}, "d_resid");
-  w.d_h = a.alloc(t, {s_, b_, h_}, "d_h");
-  w.d_ln = a.alloc(t, {s_, b_, h_}, "d_ln");
-  w.d_ctx = a.alloc(t, {s_, b_, h_}, "d_ctx");
-  w.d_qkv = a.alloc(t, {s_, b_, 3 * h_}, "d_qkv");
-  w.d_fc1 = a.alloc(t, {s_, b_, f_}, "d_fc1");
-  w.lnf_out = a.alloc(t, {s_, b_, h_}, "lnf_out");
-  w.lnf_mean = a.alloc(f32, {T}, "lnf_mean");
-  w.lnf_rstd = a.alloc(f32, {T}, "lnf_rstd");
+  w.qkv = a.alloc(t, {s_, b_, 3 * nl_ * d_}, "qkv");
+  w.tmp_full = a.alloc(t, {s_, b_, h_}, "tmp_full");
+  w.tmp_h = local_or_full(w.tmp_full, "tmp_h");
+  w.attn_scratch = a.alloc(t, {b_, nl_, s_, s_}, "attn_scratch");
+  w.dq = a.alloc(t, {b_, nl_, s_, d_}, "dq");
+  w.dk = a.alloc(t, {b_, nl_, s_, d_}, "dk");
+  w.dv = a.alloc(t, {b_, nl_, s_, d_}, "dv");
+  w.d_resid = a.alloc(t, {sl_, b_, h_}, "d_resid");
+  w.d_h_full = a.alloc(t, {s_, b_, h_}, "d_h_full");
+  w.d_h = local_or_full(w.d_h_full, "d_h");
+  w.d_ln_full = a.alloc(t, {s_, b_, h_}, "d_ln_full");
+  w.d_ln = local_or_full(w.d_ln_full, "d_ln");
+  w.d_ctx = a.alloc(t, {s_, b_, nl_ * d_}, "d_ctx");
+  w.d_qkv = a.alloc(t, {s_, b_, 3 * nl_ * d_}, "d_qkv");
+  w.d_fc1 = a.alloc(t, {s_, b_, fl_}, "d_fc1");
+  w.lnf_full = a.alloc(t, {s_, b_, h_}, "lnf_full");
+  w.lnf_out = local_or_full(w.lnf_full, "lnf_out");
+  w.lnf_mean = a.alloc(f32, {Tl}, "lnf_mean");
+  w.lnf_rstd = a.alloc(f32, {Tl}, "lnf_rstd");
   w.ce_max = a.alloc(f32, {T}, "ce_max");
+  w.ce_local_max = a.alloc(f32, {T}, "ce_local_max");
   w.ce_sumexp = a.alloc(f32, {T}, "ce_sumexp");
   w.ce_target = a.alloc(f32, {T}, "ce_target");
   w.losses = a.alloc(f32, {T}, "losses");
-  logits_ = a.alloc(t, {T, V_}, "logits");
+  logits_ = a.alloc(t, {T, Vl_}, "logits");
   for (auto& L : layers_) {
     L.attn.scratch = w.attn_scratch;
     L.attn.dq = w.dq;
@@ -151,12 +213,12 @@ AttentionConfig GptModel::attention_config(int64_t layer, const DropoutContext& 
   AttentionConfig c;
   c.seq = s_;
   c.batch = b_;
-  c.heads = n_;
+  c.heads = nl_;
   c.head_dim = d_;
   c.softmax_scale = 1.0f / std::sqrt(static_cast<float>(d_));
   c.dropout_p = dc.training ? config_.attention_dropout : 0.f;
   c.dropout_key = {dc.seed, dc.iteration, dc.microbatch, dropout_stream_id(layer, kSiteAttentionProbs)};
-  c.head_offset = 0;
+  c.head_offset = tp_rank_ * nl_;
   c.total_heads = n_;
   return c;
 }
@@ -168,34 +230,54 @@ DropoutKey key_for(const DropoutContext& dc, int64_t layer, DropoutSite site) {
 Tensor rows(const Tensor& t) { return t.view({t.numel() / t.size(-1), t.size(-1)}); }
 }  // namespace
 
+// The conjugate TP operators (Megatron tensor_parallel/mappings.py). Without sequence
+// parallelism: f = identity forward / all-reduce backward, g = all-reduce forward / identity
+// backward. With it: all-gather along s before a TP region, reduce-scatter after it.
+namespace {
+void gather_to_tp_region(Communicator& tp, bool sp, const Tensor& full, const Tensor& local, const Stream& st) {
+  if (sp) tp.all_gather(full, local, st);  // else full and local are the same memory
+}
+void reduce_from_tp_region(Communicator& tp, bool sp, const Tensor& local, const Tensor& full, const Stream& st) {
+  if (sp) {
+    tp.reduce_scatter(local, full, ReduceOp::kSum, st);
+  } else {
+    tp.all_reduce(full, ReduceOp::kSum, st);
+  }
+}
+}  // namespace
+
 void GptModel::layer_forward(int64_t l, const Tensor& x, LayerActs& a, const DropoutContext& dc,
                              const Stream& st) {
   const ParamStore& P = *params_;
   const std::string p = layer_prefix(l);
   const float pd = dc.training ? config_.hidden_dropout : 0.f;
+  const int64_t drop_off = sp_ ? tp_rank_ * sl_ * b_ * h_ : 0;  // global index of this shard
+  Communicator& tp = *groups_.tp;
   auto& w = *ws_;
   // --- self-attention block ---
   layernorm_forward(rows(a.ln1_out), a.ln1_mean, a.ln1_rstd, rows(x), P.param(p + "input_layernorm.weight"),
                     P.param(p + "input_layernorm.bias"), config_.layernorm_epsilon, st);
-  // ColumnParallelLinear (f = copy_to_tensor_model_parallel_region: identity forward).
-  linear_forward(rows(w.qkv), rows(a.ln1_out), P.param(p + "self_attention.linear_qkv.weight"),
+  gather_to_tp_region(tp, sp_, a.ln1_full, a.ln1_out, st);
+  // ColumnParallelLinear.
+  linear_forward(rows(w.qkv), rows(a.ln1_full), P.param(p + "self_attention.linear_qkv.weight"),
                  P.param(p + "self_attention.linear_qkv.bias"), Tensor(), st);
   attention_forward(a.ctx, w.qkv, a.attn, attention_config(l, dc), st);
-  // RowParallelLinear with skip_bias_add: bias added once after g (reduce_from_tp_region).
-  linear_forward(rows(w.tmp_h), rows(a.ctx), P.param(p + "self_attention.linear_proj.weight"), Tensor(), Tensor(),
+  // RowParallelLinear with skip_bias_add: the bias is added once, after the reduction.
+  linear_forward(rows(w.tmp_full), rows(a.ctx), P.param(p + "self_attention.linear_proj.weight"), Tensor(), Tensor(),
                  st);
-  groups_.tp->all_reduce(w.tmp_h, ReduceOp::kSum, st);
+  reduce_from_tp_region(tp, sp_, w.tmp_h, w.tmp_full, st);
   bias_dropout_add_forward(rows(a.resid1), rows(w.tmp_h), P.param(p + "self_attention.linear_proj.bias"), rows(x),
-                           pd, key_for(dc, l, kSiteAttentionOut), 0, st);
+                           pd, key_for(dc, l, kSiteAttentionOut), drop_off, st);
   // --- MLP block ---
   layernorm_forward(rows(a.ln2_out), a.ln2_mean, a.ln2_rstd, rows(a.resid1), P.param(p + "pre_mlp_layernorm.weight"),
                     P.param(p + "pre_mlp_layernorm.bias"), config_.layernorm_epsilon, st);
-  linear_forward(rows(a.fc1_out), rows(a.ln2_out), P.param(p + "mlp.linear_fc1.weight"),
+  gather_to_tp_region(tp, sp_, a.ln2_full, a.ln2_out, st);
+  linear_forward(rows(a.fc1_out), rows(a.ln2_full), P.param(p + "mlp.linear_fc1.weight"),
                  P.param(p + "mlp.linear_fc1.bias"), rows(a.fc1_pre), st);
-  linear_forward(rows(w.tmp_h), rows(a.fc1_out), P.param(p + "mlp.linear_fc2.weight"), Tensor(), Tensor(), st);
-  groups_.tp->all_reduce(w.tmp_h, ReduceOp::kSum, st);
+  linear_forward(rows(w.tmp_full), rows(a.fc1_out), P.param(p + "mlp.linear_fc2.weight"), Tensor(), Tensor(), st);
+  reduce_from_tp_region(tp, sp_, w.tmp_h, w.tmp_full, st);
   bias_dropout_add_forward(rows(a.out), rows(w.tmp_h), P.param(p + "mlp.linear_fc2.bias"), rows(a.resid1), pd,
-                           key_for(dc, l, kSiteMlpOut), 0, st);
+                           key_for(dc, l, kSiteMlpOut), drop_off, st);
 }
 
 void GptModel::layer_backward(int64_t l, const Tensor& x, LayerActs& a, const Tensor& d_resid,
@@ -205,29 +287,33 @@ void GptModel::layer_backward(int64_t l, const Tensor& x, LayerActs& a, const Te
   const ParamStore& P = *params_;
   const std::string p = layer_prefix(l);
   const float pd = dc.training ? config_.hidden_dropout : 0.f;
+  const int64_t drop_off = sp_ ? tp_rank_ * sl_ * b_ * h_ : 0;
+  Communicator& tp = *groups_.tp;
   auto& w = *ws_;
   // --- MLP block: out = resid1 + dropout(fc2(gelu(fc1(ln2(resid1)))) + b2) ---
   bias_dropout_add_backward(rows(w.d_h), P.grad(p + "mlp.linear_fc2.bias"), rows(d_resid), pd,
-                            key_for(dc, l, kSiteMlpOut), 0, st);
-  linear_backward(rows(w.d_fc1), P.grad(p + "mlp.linear_fc2.weight"), Tensor(), rows(w.d_h), rows(a.fc1_out),
+                            key_for(dc, l, kSiteMlpOut), drop_off, st);
+  gather_to_tp_region(tp, sp_, w.d_h_full, w.d_h, st);  // backward of the reduce-scatter
+  linear_backward(rows(w.d_fc1), P.grad(p + "mlp.linear_fc2.weight"), Tensor(), rows(w.d_h_full), rows(a.fc1_out),
                   P.param(p + "mlp.linear_fc2.weight"), st);
   gelu_backward(w.d_fc1, w.d_fc1, a.fc1_pre, st);
-  linear_backward(rows(w.d_ln), P.grad(p + "mlp.linear_fc1.weight"), P.grad(p + "mlp.linear_fc1.bias"),
-                  rows(w.d_fc1), rows(a.ln2_out), P.param(p + "mlp.linear_fc1.weight"), st);
-  groups_.tp->all_reduce(w.d_ln, ReduceOp::kSum, st);  // f backward
+  linear_backward(rows(w.d_ln_full), P.grad(p + "mlp.linear_fc1.weight"), P.grad(p + "mlp.linear_fc1.bias"),
+                  rows(w.d_fc1), rows(a.ln2_full), P.param(p + "mlp.linear_fc1.weight"), st);
+  reduce_from_tp_region(tp, sp_, w.d_ln, w.d_ln_full, st);  // backward of f / the all-gather
   layernorm_backward(rows(d_resid), P.grad(p + "pre_mlp_layernorm.weight"), P.grad(p + "pre_mlp_layernorm.bias"),
                      rows(w.d_ln), rows(a.resid1), P.param(p + "pre_mlp_layernorm.weight"), a.ln2_mean, a.ln2_rstd,
                      /*accumulate_dx=*/true, st);
   // --- attention block: resid1 = x + dropout(proj(attn(qkv(ln1(x)))) + bp) ---
   bias_dropout_add_backward(rows(w.d_h), P.grad(p + "self_attention.linear_proj.bias"), rows(d_resid), pd,
-                            key_for(dc, l, kSiteAttentionOut), 0, st);
-  linear_backward(rows(w.d_ctx), P.grad(p + "self_attention.linear_proj.weight"), Tensor(), rows(w.d_h), rows(a.ctx),
-                  P.param(p + "self_attention.linear_proj.weight"), st);
+                            key_for(dc, l, kSiteAttentionOut), drop_off, st);
+  gather_to_tp_region(tp, sp_, w.d_h_full, w.d_h, st);
+  linear_backward(rows(w.d_ctx), P.grad(p + "self_attention.linear_proj.weight"), Tensor(), rows(w.d_h_full),
+                  rows(a.ctx), P.param(p + "self_attention.linear_proj.weight"), st);
   attention_backward(w.d_qkv, w.d_ctx, a.attn, attention_config(l, dc), st);
-  linear_backward(rows(w.d_ln), P.grad(p + "self_attention.linear_qkv.weight"),
-                  P.grad(p + "self_attention.linear_qkv.bias"), rows(w.d_qkv), rows(a.ln1_out),
+  linear_backward(rows(w.d_ln_full), P.grad(p + "self_attention.linear_qkv.weight"),
+                  P.grad(p + "self_attention.linear_qkv.bias"), rows(w.d_qkv), rows(a.ln1_full),
                   P.param(p + "self_attention.linear_qkv.weight"), st);
-  groups_.tp->all_reduce(w.d_ln, ReduceOp::kSum, st);
+  reduce_from_tp_region(tp, sp_, w.d_ln, w.d_ln_full, st);
   layernorm_backward(rows(d_resid), P.grad(p + "input_layernorm.weight"), P.grad(p + "input_layernorm.bias"),
                      rows(w.d_ln), rows(x), P.param(p + "input_layernorm.weight"), a.ln1_mean, a.ln1_rstd,
                      /*accumulate_dx=*/true, st);
@@ -237,11 +323,18 @@ void GptModel::forward(const MicroBatch& mb, const DropoutContext& dc, const Ten
                        const Stream& st, bool compute_loss) {
   check_tensor(mb.tokens, DType::kI32, {s_, b_}, "tokens");
   const ParamStore& P = *params_;
+  Communicator& tp = *groups_.tp;
   auto& w = *ws_;
+  const int64_t vocab_start = tp_rank_ * Vl_;
   const Tensor wte = P.param("embedding.word_embeddings.weight");
-  embedding_forward(w.emb_out, mb.tokens, wte, P.param("embedding.position_embeddings.weight"), Tensor(), 0, st);
+  // VocabParallelEmbedding: rows outside this rank's vocabulary shard are zero; the position
+  // embedding is added on TP rank 0 only, so the reduction over TP adds it once.
+  embedding_forward(w.emb_full, mb.tokens, wte, tp_rank_ == 0 ? P.param("embedding.position_embeddings.weight") : Tensor(),
+                    Tensor(), vocab_start, st);
+  reduce_from_tp_region(tp, sp_, w.emb_out, w.emb_full, st);
   if (dc.training && config_.hidden_dropout > 0.f)
-    dropout_forward(w.emb_out, w.emb_out, config_.hidden_dropout, key_for(dc, -1, kSiteEmbedding), 0, st);
+    dropout_forward(w.emb_out, w.emb_out, config_.hidden_dropout, key_for(dc, -1, kSiteEmbedding),
+                    sp_ ? tp_rank_ * sl_ * b_ * h_ : 0, st);
   Tensor x = w.emb_out;
   for (int64_t l = 0; l < config_.num_layers; ++l) {
     layer_forward(l, x, layers_[l], dc, st);
@@ -249,13 +342,24 @@ void GptModel::forward(const MicroBatch& mb, const DropoutContext& dc, const Ten
   }
   layernorm_forward(rows(w.lnf_out), w.lnf_mean, w.lnf_rstd, rows(x), P.param("decoder.final_layernorm.weight"),
                     P.param("decoder.final_layernorm.bias"), config_.layernorm_epsilon, st);
-  // Output layer tied to the word embedding: logits = lnf_out · wte^T.
-  linear_forward(logits_, rows(w.lnf_out), wte, Tensor(), Tensor(), st);
+  gather_to_tp_region(tp, sp_, w.lnf_full, w.lnf_out, st);
+  // Output layer tied to the word embedding (column-parallel over the vocabulary).
+  linear_forward(logits_, rows(w.lnf_full), wte, Tensor(), Tensor(), st);
   if (!compute_loss) return;
   check_tensor(mb.labels, DType::kI32, {s_, b_}, "labels");
   const Tensor labels = mb.labels.view({s_ * b_});
   const Tensor mask = mb.loss_mask.empty() ? Tensor() : mb.loss_mask.view({s_ * b_});
-  cross_entropy_stats(w.ce_max, w.ce_sumexp, w.ce_target, logits_, labels, 0, st);
+  if (tp_ == 1) {
+    cross_entropy_stats(w.ce_max, w.ce_sumexp, w.ce_target, logits_, labels, 0, st);
+  } else {
+    // Vocab-parallel cross entropy: three all-reduces of s·b values, never of s·b·V.
+    cross_entropy_stats(w.ce_local_max, w.ce_sumexp, w.ce_target, logits_, labels, vocab_start, st);
+    copy(w.ce_max, w.ce_local_max, st);
+    tp.all_reduce(w.ce_max, ReduceOp::kMax, st);
+    cross_entropy_rescale_sumexp(w.ce_sumexp, w.ce_local_max, w.ce_max, st);
+    tp.all_reduce(w.ce_sumexp, ReduceOp::kSum, st);
+    tp.all_reduce(w.ce_target, ReduceOp::kSum, st);
+  }
   cross_entropy_loss(w.losses, w.ce_max, w.ce_sumexp, w.ce_target, mask, st);
   sum_accumulate(loss_accum, w.losses, loss_weight, st);
 }
@@ -263,14 +367,18 @@ void GptModel::forward(const MicroBatch& mb, const DropoutContext& dc, const Ten
 void GptModel::backward(const MicroBatch& mb, const DropoutContext& dc, float grad_scale, const Tensor& loss_scale,
                         const Stream& st) {
   ParamStore& P = *params_;
+  Communicator& tp = *groups_.tp;
   auto& w = *ws_;
+  const int64_t vocab_start = tp_rank_ * Vl_;
   const Tensor labels = mb.labels.view({s_ * b_});
   const Tensor mask = mb.loss_mask.empty() ? Tensor() : mb.loss_mask.view({s_ * b_});
-  cross_entropy_backward_inplace(logits_, labels, w.ce_max, w.ce_sumexp, mask, 0, grad_scale, loss_scale, st);
+  cross_entropy_backward_inplace(logits_, labels, w.ce_max, w.ce_sumexp, mask, vocab_start, grad_scale, loss_scale,
+                                 st);
   const Tensor dlogits = logits_;
   const Tensor wte = P.param("embedding.word_embeddings.weight");
   const Tensor dwte = P.grad("embedding.word_embeddings.weight");
-  linear_backward(rows(w.d_ln), dwte, Tensor(), dlogits, rows(w.lnf_out), wte, st);
+  linear_backward(rows(w.d_ln_full), dwte, Tensor(), dlogits, rows(w.lnf_full), wte, st);
+  reduce_from_tp_region(tp, sp_, w.d_ln, w.d_ln_full, st);
   const Tensor x_last = layers_.back().out;
   layernorm_backward(rows(w.d_resid), P.grad("decoder.final_layernorm.weight"), P.grad("decoder.final_layernorm.bias"),
                      rows(w.d_ln), rows(x_last), P.param("decoder.final_layernorm.weight"), w.lnf_mean, w.lnf_rstd,
@@ -280,8 +388,21 @@ void GptModel::backward(const MicroBatch& mb, const DropoutContext& dc, float gr
     layer_backward(l, x, layers_[l], w.d_resid, dc, st);
   }
   if (dc.training && config_.hidden_dropout > 0.f)
-    dropout_forward(w.d_resid, w.d_resid, config_.hidden_dropout, key_for(dc, -1, kSiteEmbedding), 0, st);
-  embedding_backward(dwte, P.grad("embedding.position_embeddings.weight"), w.d_resid, mb.tokens, Tensor(), 0, st);
+    dropout_forward(w.d_resid, w.d_resid, config_.hidden_dropout, key_for(dc, -1, kSiteEmbedding),
+                    sp_ ? tp_rank_ * sl_ * b_ * h_ : 0, st);
+  // Backward of the embedding's reduction: the gradient is replicated (or all-gathered with SP,
+  // into emb_full, which the forward no longer needs).
+  const Tensor d_emb = sp_ ? w.emb_full : w.d_resid;
+  gather_to_tp_region(tp, sp_, d_emb, w.d_resid, st);
+  // Every TP rank computes the (replicated) position-embedding gradient in full.
+  embedding_backward(dwte, P.grad("embedding.position_embeddings.weight"), d_emb, mb.tokens, Tensor(), vocab_start,
+                     st);
+}
+
+void GptModel::allreduce_sequence_parallel_grads(const Stream& st) {
+  if (!sp_) return;
+  for (size_t i = 0; i < params_->size(); ++i)
+    if (params_->info(i).sequence_parallel_grad) groups_.tp->all_reduce(params_->grad(i), ReduceOp::kSum, st);
 }
 
 }  // namespace mt

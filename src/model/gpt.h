@@ -38,11 +38,23 @@ class GptModel {
   /// and plans activations for `micro_batch` sequences of config.seq_length tokens.
   /// dtype: activations and model parameters (fp32 on CPU; fp32/bf16/fp16 on CUDA).
   /// Errors: mt::Error for invalid configurations (GptConfig::validate) and out-of-memory.
-  GptModel(const GptConfig& config, int64_t micro_batch, DType dtype, Device device, ProcessGroups groups);
+  /// Tensor parallelism (Shoeybi et al. 2019, §3) over groups.tp: attention split by heads
+  /// (QKV column-parallel, output projection row-parallel), MLP column then row, vocab-parallel
+  /// embedding and cross entropy. sequence_parallel (Korthikanti et al. 2022): activations
+  /// outside the TP regions sharded along s, all-gather / reduce-scatter instead of all-reduce.
+  /// pad_multiple: the flat parameter buffer is padded to a multiple of it (data-parallel size).
+  GptModel(const GptConfig& config, int64_t micro_batch, DType dtype, Device device, ProcessGroups groups,
+           bool sequence_parallel = false, int64_t pad_multiple = 1);
   ~GptModel();
 
-  /// Megatron-Core parameter names and shapes of the model (weights [out, in]).
-  static std::vector<ParamSpec> param_specs(const GptConfig& config);
+  /// Megatron-Core parameter names, local shapes and shards of TP rank `tp_rank` of `tp`
+  /// (weights [out, in]; the vocabulary padded for tp).
+  static std::vector<ParamSpec> param_specs(const GptConfig& config, int tp = 1, int tp_rank = 0);
+  /// After backward with sequence parallelism: all-reduce over TP the gradients that each rank
+  /// computed from its sequence shard only (Megatron's sequence-parallel grad all-reduce).
+  void allreduce_sequence_parallel_grads(const Stream& stream);
+  const ProcessGroups& groups() const { return groups_; }
+  bool sequence_parallel() const { return sp_; }
 
   const GptConfig& config() const { return config_; }
   ParamStore& params() { return *params_; }
@@ -63,7 +75,8 @@ class GptModel {
   /// loss_scale being a device fp32 [1] tensor (the dynamic loss scale) or empty (1).
   void backward(const MicroBatch& mb, const DropoutContext& dc, float grad_scale, const Tensor& loss_scale,
                 const Stream& stream);
-  /// Logits of the last forward: [s·b, V] (row = i_s·b + i_b), activation dtype.
+  /// Logits of the last forward: [s·b, V/tp] (row = i_s·b + i_b; this rank's vocabulary
+  /// shard), activation dtype.
   Tensor logits() const { return logits_; }
 
  private:
@@ -77,6 +90,10 @@ class GptModel {
 
   GptConfig config_;
   int64_t b_, s_, h_, n_, d_, f_, V_;
+  int tp_, tp_rank_;
+  bool sp_;
+  int64_t sl_;           // local sequence length: s / tp with sequence parallelism, else s
+  int64_t nl_, fl_, Vl_;  // local heads, ffn, vocabulary
   DType dtype_;
   Device device_;
   ProcessGroups groups_;

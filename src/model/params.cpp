@@ -5,7 +5,7 @@
 
 namespace mt {
 
-ParamStore::ParamStore(std::vector<ParamSpec> specs, DType model_dtype, Device device)
+ParamStore::ParamStore(std::vector<ParamSpec> specs, DType model_dtype, Device device, int64_t pad_multiple)
     : model_dtype_(model_dtype), device_(device) {
   MT_CHECK(model_dtype == DType::kF32 || model_dtype == DType::kBF16 || model_dtype == DType::kF16,
            "parameter dtype must be fp32, bf16 or fp16, got {}", dtype_name(model_dtype));
@@ -14,6 +14,12 @@ ParamStore::ParamStore(std::vector<ParamSpec> specs, DType model_dtype, Device d
     ParamInfo info;
     static_cast<ParamSpec&>(info) = std::move(s);
     if (info.global_shape.empty()) info.global_shape = info.shape;
+    if (info.shard.global_cols == 0) {  // unsharded: columns of the global tensor as a 2-D matrix
+      const int64_t rows = info.global_shape.size() >= 2 ? info.global_shape[0] : 1;
+      int64_t gnumel = 1;
+      for (auto d : info.global_shape) gnumel *= d;
+      info.shard.global_cols = rows > 0 ? gnumel / rows : 0;
+    }
     info.numel = 1;
     for (auto d : info.shape) info.numel *= d;
     info.offset = off;
@@ -21,14 +27,16 @@ ParamStore::ParamStore(std::vector<ParamSpec> specs, DType model_dtype, Device d
     MT_CHECK(by_name_.emplace(info.name, infos_.size()).second, "duplicate parameter name {}", info.name);
     infos_.push_back(std::move(info));
   }
-  total_ = off;
+  const int64_t q = kAlign * std::max<int64_t>(pad_multiple, 1);
+  total_ = (off + q - 1) / q * q;
   for (size_t i = 0; i < infos_.size(); ++i) {
     const auto& p = infos_[i];
     int64_t end = (i + 1 < infos_.size()) ? infos_[i + 1].offset : total_;
-    if (!runs_.empty() && runs_.back().weight_decay == p.weight_decay) {
+    if (!runs_.empty() && runs_.back().weight_decay == p.weight_decay &&
+        runs_.back().tensor_parallel == p.tensor_parallel) {
       runs_.back().end = end;
     } else {
-      runs_.push_back({p.offset, end, p.weight_decay});
+      runs_.push_back({p.offset, end, p.weight_decay, p.tensor_parallel});
     }
   }
   main_ = Buffer(device, static_cast<size_t>(total_) * 4);
@@ -80,17 +88,7 @@ void ParamStore::initialize(uint64_t seed, const Stream& stream) {
     switch (p.init) {
       case InitKind::kZeros: fill(m, 0.f, stream); break;
       case InitKind::kOnes: fill(m, 1.f, stream); break;
-      case InitKind::kNormal: {
-        ShardOffset shard = p.shard;
-        if (shard.global_cols == 0) {
-          int64_t rows = p.global_shape.size() >= 2 ? p.global_shape[0] : 1;
-          int64_t gnumel = 1;
-          for (auto d : p.global_shape) gnumel *= d;
-          shard.global_cols = gnumel / rows;
-        }
-        init_normal(m, p.init_std, seed, tensor_stream_id(p.name), shard, stream);
-        break;
-      }
+      case InitKind::kNormal: init_normal(m, p.init_std, seed, tensor_stream_id(p.name), p.shard, stream); break;
     }
   }
   sync_model_from_main(stream);

@@ -25,6 +25,13 @@ struct ParamSpec {
   bool weight_decay = true;           ///< Megatron: no decay for biases and 1-D (norm) params
   std::vector<int64_t> global_shape;  ///< empty = shape (no sharding)
   ShardOffset shard{};
+  /// Split over the tensor-parallel group (column/row/vocab-parallel). Otherwise replicated on
+  /// every TP rank: counted once in the gradient norm, and with sequence parallelism its
+  /// gradient is a partial sum to be all-reduced over TP (sequence_parallel_grad).
+  bool tensor_parallel = false;
+  /// Replicated parameter whose gradient, under sequence parallelism, each TP rank computes from
+  /// its own sequence shard only (norms, biases added after a row-parallel layer).
+  bool sequence_parallel_grad = false;
 };
 
 struct ParamInfo : ParamSpec {
@@ -37,7 +44,9 @@ class ParamStore {
   static constexpr int64_t kAlign = 64;
 
   /// Lays out and allocates (uninitialised) buffers on `device`. model_dtype: fp32, bf16 or fp16.
-  ParamStore(std::vector<ParamSpec> specs, DType model_dtype, Device device);
+  /// The flat length is padded to a multiple of kAlign * pad_multiple (the data-parallel size,
+  /// so the distributed optimizer can shard it evenly).
+  ParamStore(std::vector<ParamSpec> specs, DType model_dtype, Device device, int64_t pad_multiple = 1);
 
   size_t size() const { return infos_.size(); }
   const ParamInfo& info(size_t i) const { return infos_[i]; }
@@ -66,11 +75,12 @@ class ParamStore {
   void sync_model_from_main(const Stream& stream);
   void zero_grads(const Stream& stream);
 
-  /// Maximal runs [first, last] of consecutive parameters with equal weight_decay, as flat
-  /// element ranges [begin, end) (AdamW is applied per run).
+  /// Maximal runs of consecutive parameters with equal (weight_decay, tensor_parallel), as
+  /// flat element ranges [begin, end) (AdamW and the gradient norm work per run).
   struct Run {
     int64_t begin, end;
     bool weight_decay;
+    bool tensor_parallel;
   };
   const std::vector<Run>& runs() const { return runs_; }
 

@@ -5,8 +5,9 @@
 
 namespace mt {
 
-AdamWOptimizer::AdamWOptimizer(ParamStore& params, const OptimizerConfig& config, const Stream& stream)
-    : params_(params), config_(config) {
+AdamWOptimizer::AdamWOptimizer(ParamStore& params, const OptimizerConfig& config, const Stream& stream,
+                               OptimizerGroups groups)
+    : params_(params), config_(config), groups_(std::move(groups)) {
   MT_REQUIRE(config.beta1 >= 0 && config.beta1 < 1, "--adam-beta1 must be in [0, 1), got {}", config.beta1);
   MT_REQUIRE(config.beta2 >= 0 && config.beta2 < 1, "--adam-beta2 must be in [0, 1), got {}", config.beta2);
   MT_REQUIRE(config.eps > 0, "--adam-eps must be positive, got {}", config.eps);
@@ -44,7 +45,21 @@ Tensor AdamWOptimizer::loss_scale_tensor() const {
 
 void AdamWOptimizer::step(float lr, const Stream& stream) {
   const Tensor sc = scalars();
-  grad_sumsq_accumulate(sc, params_.grads_flat(), stream);
+  if (groups_.dp && groups_.dp->size() > 1) groups_.dp->all_reduce(params_.grads_flat(), ReduceOp::kSum, stream);
+  // Global norm: TP-split parameters on every rank, replicated ones on TP rank 0 only.
+  if (groups_.tp_rank == 0) {
+    grad_sumsq_accumulate(sc, params_.grads_flat(), stream);
+  } else {
+    for (const auto& run : params_.runs()) {
+      if (run.tensor_parallel)
+        grad_sumsq_accumulate(sc, params_.grads_flat().flat_range(run.begin, run.end - run.begin), stream);
+    }
+  }
+  if (groups_.mp && groups_.mp->size() > 1) {
+    const Tensor sumsq(static_cast<char*>(scalars_.data()) + offsetof(OptimizerScalars, grad_sumsq), DType::kF32,
+                       scalars_.device(), {1});
+    groups_.mp->all_reduce(sumsq, ReduceOp::kSum, stream);
+  }
   optimizer_prepare(sc, config_.clip_grad, stream);
   const Tensor main = params_.main_flat(), grads = params_.grads_flat();
   const Tensor model = params_.has_separate_main() ? params_.params_flat() : Tensor();

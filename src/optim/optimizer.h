@@ -3,6 +3,7 @@
 // The whole step is stream-ordered with no host sync; its results (grad norm, found_inf,
 // loss scale, skipped count) stay in a device struct read at log intervals.
 #pragma once
+#include "comm/communicator.h"
 #include "core/buffer.h"
 #include "model/params.h"
 #include "ops/optimizer.h"
@@ -18,11 +19,22 @@ struct OptimizerConfig {
   LossScalerConfig scaler{};
 };
 
+/// The groups the optimizer reduces over. dp: gradients are summed over it before the step
+/// (each rank's loss gradient already carries 1/dp). mp: the gradient norm's sum of squares is
+/// summed over it (tensor · pipeline parallel); parameters replicated over TP count on TP rank 0
+/// only (tp_rank).
+struct OptimizerGroups {
+  std::shared_ptr<Communicator> dp, mp;
+  int tp_rank = 0;
+};
+
 class AdamWOptimizer {
  public:
-  AdamWOptimizer(ParamStore& params, const OptimizerConfig& config, const Stream& stream);
+  AdamWOptimizer(ParamStore& params, const OptimizerConfig& config, const Stream& stream,
+                 OptimizerGroups groups = {});
 
-  /// One optimizer step at learning rate `lr` on the gradients accumulated in params.
+  /// One optimizer step at learning rate `lr` on the gradients accumulated in params: reduce
+  /// gradients over DP, global norm (over MP), clip, AdamW, loss-scaler update.
   void step(float lr, const Stream& stream);
   /// Device fp32 [1] view of the current loss scale (multiplies the loss gradient).
   Tensor loss_scale_tensor() const;
@@ -38,6 +50,7 @@ class AdamWOptimizer {
  private:
   ParamStore& params_;
   OptimizerConfig config_;
+  OptimizerGroups groups_;
   Buffer exp_avg_, exp_avg_sq_, scalars_;
   Buffer host_scalars_;  // pinned
 };

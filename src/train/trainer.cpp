@@ -16,6 +16,7 @@
 #include "model/gpt.h"
 #include "ops/elementwise.h"
 #include "train/checkpoint.h"
+#include "train/train_step.h"
 
 namespace mt {
 
@@ -265,15 +266,10 @@ int run_pretrain(PretrainArgs args) {
   while (iteration < args.train_iters) {
     const float lr = static_cast<float>(learning_rate(sched, iteration));
     stager.stage(train_sampler, consumed, stream);
-    model.params().zero_grads(stream);
-    const Tensor loss_slot = losses.flat_range(iters_since_log, 1);
-    for (int64_t m = 0; m < M; ++m) {
-      DropoutContext dc{args.seed, static_cast<uint64_t>(iteration), static_cast<uint32_t>(m), true};
-      MicroBatch mb = stager.micro_batch(m);
-      model.forward(mb, dc, loss_slot, loss_weight, stream);
-      model.backward(mb, dc, loss_weight, optimizer.loss_scale_tensor(), stream);
-    }
-    optimizer.step(lr, stream);
+    std::vector<MicroBatch> mbs;
+    for (int64_t m = 0; m < M; ++m) mbs.push_back(stager.micro_batch(m));
+    train_step(model, optimizer, mbs, {args.seed, iteration, lr, loss_weight}, losses.flat_range(iters_since_log, 1),
+               stream);
     ++iteration;
     ++iters_since_log;
     consumed += args.global_batch_size;
