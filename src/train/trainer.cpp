@@ -43,21 +43,27 @@ std::string timestamp() {
 }
 
 // Host-side staging of one iteration's batch: tokens and labels of every micro-batch in the
-// model's [s, b] layout, copied to the device once per iteration from pinned memory.
+// model's [s, b] layout, copied to the device once per iteration from pinned memory. Two host
+// buffers alternate, so filling the next batch only waits for the copy issued two iterations
+// earlier (long done); the device buffer is reused in stream order.
 class BatchStager {
  public:
   BatchStager(int64_t num_micro, int64_t micro, int64_t seq, Device device)
-      : M_(num_micro), b_(micro), s_(seq), device_(device),
-        host_(Device::cpu(), bytes(), HostMemory::kPinned),
-        dev_(device, bytes()),
-        samples_(static_cast<size_t>(num_micro * micro * (seq + 1))),
-        copied_(device) {}
+      : M_(num_micro), b_(micro), s_(seq), device_(device), dev_(device, bytes()),
+        samples_(static_cast<size_t>(num_micro * micro * (seq + 1))) {
+    for (int i = 0; i < 2; ++i) {
+      host_[i] = Buffer(Device::cpu(), bytes(), HostMemory::kPinned);
+      copied_[i] = std::make_unique<Event>(device);
+    }
+  }
 
-  // Loads samples [consumed, consumed + M·b) of `ds` and starts the host-to-device copy.
+  // Loads samples [consumed, consumed + M·b) of the sampler and starts the host-to-device copy.
   void stage(data::GptSampler& sampler, int64_t consumed, const Stream& stream) {
-    if (started_) copied_.synchronize();  // previous copy out of the pinned buffer is done
+    const int k = next_;
+    next_ ^= 1;
+    if (used_[k]) copied_[k]->synchronize();  // the copy that last read this host buffer is done
     sampler.get_batch(consumed, M_ * b_, samples_.data());
-    int32_t* h = static_cast<int32_t*>(host_.data());
+    int32_t* h = static_cast<int32_t*>(host_[k].data());
     for (int64_t m = 0; m < M_; ++m) {
       int32_t* tok = h + (m * 2) * s_ * b_;
       int32_t* lab = tok + s_ * b_;
@@ -69,9 +75,9 @@ class BatchStager {
         }
       }
     }
-    copy_bytes(dev_.data(), device_, host_.data(), Device::cpu(), bytes(), stream);
-    copied_.record(stream);
-    started_ = true;
+    copy_bytes(dev_.data(), device_, host_[k].data(), Device::cpu(), bytes(), stream);
+    copied_[k]->record(stream);
+    used_[k] = true;
   }
 
   MicroBatch micro_batch(int64_t m) const {
@@ -83,10 +89,12 @@ class BatchStager {
   size_t bytes() const { return static_cast<size_t>(M_ * 2 * s_ * b_) * 4; }
   int64_t M_, b_, s_;
   Device device_;
-  Buffer host_, dev_;
+  Buffer host_[2];
+  Buffer dev_;
   std::vector<int32_t> samples_;
-  Event copied_;
-  bool started_ = false;
+  std::unique_ptr<Event> copied_[2];
+  bool used_[2] = {false, false};
+  int next_ = 0;
 };
 
 struct Datasets {
