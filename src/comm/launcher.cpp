@@ -1,0 +1,175 @@
+#include "comm/launcher.h"
+
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <climits>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+
+#include "comm/tcp_store.h"
+#include "core/check.h"
+
+namespace mt {
+
+namespace {
+
+std::string self_exe() {
+  char buf[PATH_MAX];
+  ssize_t n = ::readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  MT_REQUIRE(n > 0, "launcher: cannot resolve /proc/self/exe: {}", std::strerror(errno));
+  return std::string(buf, static_cast<size_t>(n));
+}
+
+int status_code(int st) {
+  if (WIFEXITED(st)) return WEXITSTATUS(st);
+  if (WIFSIGNALED(st)) return 128 + WTERMSIG(st);
+  return 1;
+}
+
+std::string status_str(int st) {
+  if (WIFSIGNALED(st)) return fmt::format("was killed by signal {} ({})", WTERMSIG(st), strsignal(WTERMSIG(st)));
+  return fmt::format("exited with status {}", WEXITSTATUS(st));
+}
+
+/// fork + exec of `cmd` with extra environment variables; the child dies with its parent. The
+/// argument and environment arrays are built before fork (the child only calls exec).
+pid_t spawn(const std::string& exe, const std::vector<std::string>& cmd,
+            const std::vector<std::pair<std::string, std::string>>& env) {
+  std::vector<std::string> env_strings;
+  for (char** e = environ; *e != nullptr; ++e) {
+    const std::string kv = *e;
+    const std::string key = kv.substr(0, kv.find('='));
+    bool overridden = false;
+    for (const auto& [k, v] : env) overridden = overridden || k == key;
+    if (!overridden) env_strings.push_back(kv);
+  }
+  for (const auto& [k, v] : env) env_strings.push_back(k + "=" + v);
+  std::vector<char*> envp, av;
+  for (auto& s : env_strings) envp.push_back(s.data());
+  envp.push_back(nullptr);
+  for (const auto& a : cmd) av.push_back(const_cast<char*>(a.c_str()));
+  av.push_back(nullptr);
+  std::fflush(stdout);
+  std::fflush(stderr);
+  const pid_t parent = ::getpid();
+  pid_t pid = ::fork();
+  MT_REQUIRE(pid >= 0, "launcher: fork() failed: {}", std::strerror(errno));
+  if (pid == 0) {
+    ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+    if (::getppid() != parent) ::_exit(1);  // the launcher already died
+    ::execvpe(exe.c_str(), av.data(), envp.data());
+    static const char kMsg[] = "[megatron launcher] exec failed\n";
+    [[maybe_unused]] ssize_t w = ::write(2, kMsg, sizeof(kMsg) - 1);
+    ::_exit(127);
+  }
+  return pid;
+}
+
+int wait_pid(pid_t pid) {
+  int st = 0;
+  while (::waitpid(pid, &st, 0) < 0) {
+    if (errno != EINTR) return 1;
+  }
+  return st;
+}
+
+int launch_fork(int nproc, const std::string& exe, const std::vector<std::string>& args) {
+  const int port = find_free_port();
+  std::vector<std::string> cmd{exe};
+  cmd.insert(cmd.end(), args.begin(), args.end());
+  std::vector<pid_t> pids(nproc, -1);
+  for (int r = 0; r < nproc; ++r) {
+    pids[r] = spawn(exe, cmd,
+                    {{"RANK", std::to_string(r)},
+                     {"WORLD_SIZE", std::to_string(nproc)},
+                     {"LOCAL_RANK", std::to_string(r)},
+                     {"LOCAL_WORLD_SIZE", std::to_string(nproc)},
+                     {"MASTER_ADDR", "127.0.0.1"},
+                     {"MASTER_PORT", std::to_string(port)}});
+  }
+  int remaining = nproc;
+  int result = 0;
+  bool failed = false;
+  std::chrono::steady_clock::time_point kill_deadline;
+  while (remaining > 0) {
+    bool reaped = false;
+    for (int r = 0; r < nproc; ++r) {
+      if (pids[r] < 0) continue;
+      int st = 0;
+      pid_t w = ::waitpid(pids[r], &st, WNOHANG);
+      if (w == 0 || (w < 0 && errno == EINTR)) continue;
+      pids[r] = -1;
+      --remaining;
+      reaped = true;
+      const bool ok = w > 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0;
+      if (!ok && !failed) {
+        failed = true;
+        result = w > 0 ? status_code(st) : 1;
+        std::fprintf(stderr, "[megatron launcher] rank %d (of %d) %s; stopping the other ranks\n", r, nproc,
+                     w > 0 ? status_str(st).c_str() : "was lost");
+        std::fflush(stderr);
+        for (pid_t p : pids) {
+          if (p > 0) ::kill(p, SIGTERM);
+        }
+        kill_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+      }
+    }
+    if (failed && std::chrono::steady_clock::now() > kill_deadline) {
+      for (pid_t p : pids) {
+        if (p > 0) ::kill(p, SIGKILL);
+      }
+    }
+    if (!reaped && remaining > 0) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return result;
+}
+
+}  // namespace
+
+std::vector<std::string> strip_nproc_flag(int argc, char** argv) {
+  std::vector<std::string> out;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a == "--nproc-per-node") {
+      ++i;  // skip its value
+      continue;
+    }
+    if (a.rfind("--nproc-per-node=", 0) == 0) continue;
+    out.push_back(std::move(a));
+  }
+  return out;
+}
+
+std::vector<std::string> mpiexec_command(int nproc, const std::string& exe, const std::vector<std::string>& args) {
+  std::vector<std::string> cmd{"mpiexec", "-np", std::to_string(nproc), "--oversubscribe", "--bind-to", "none"};
+  if (::getuid() == 0) cmd.push_back("--allow-run-as-root");
+  cmd.push_back(exe);
+  cmd.insert(cmd.end(), args.begin(), args.end());
+  return cmd;
+}
+
+int launch_local(int nproc, int argc, char** argv, Device device) {
+  MT_REQUIRE(nproc >= 1, "--nproc-per-node must be >= 1, got {}", nproc);
+  const std::string exe = self_exe();
+  const std::vector<std::string> args = strip_nproc_flag(argc, argv);
+  if (device.is_cuda()) return launch_fork(nproc, exe, args);
+  const std::vector<std::string> cmd = mpiexec_command(nproc, exe, args);
+  pid_t pid = spawn(cmd[0], cmd, {});
+  const int st = wait_pid(pid);
+  const int code = status_code(st);
+  if (code == 127) {
+    std::fprintf(stderr, "[megatron launcher] could not run mpiexec (is OpenMPI installed and on PATH?)\n");
+  } else if (code != 0) {
+    std::fprintf(stderr, "[megatron launcher] mpiexec %s\n", status_str(st).c_str());
+  }
+  return code;
+}
+
+}  // namespace mt

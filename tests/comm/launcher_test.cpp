@@ -1,0 +1,275 @@
+// The local launcher (fork/exec with torchrun's variables, or mpiexec for CPU runs) and failure
+// handling across processes: a rank that exits or hangs must end the job with an error that
+// names it, within a bounded time. The ranks are this test executable itself: with
+// MT_COMM_TEST_HELPER set, a static initializer runs the helper role and exits before main.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <regex>
+#include <sstream>
+#include <thread>
+
+#include "comm/bootstrap.h"
+#include "comm/launcher.h"
+#include "comm/tcp_store.h"
+#include "core/stream.h"
+#ifdef MT_WITH_MPI
+#include "comm/mpi/mpi_communicator.h"
+#endif
+
+namespace mt {
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// Helper roles (child processes)
+// ---------------------------------------------------------------------------------------------
+
+std::vector<std::string> own_args() {
+  std::ifstream f("/proc/self/cmdline", std::ios::binary);
+  std::string all((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  std::vector<std::string> args;
+  std::string cur;
+  for (char c : all) {
+    if (c == '\0') {
+      args.push_back(cur);
+      cur.clear();
+    } else {
+      cur.push_back(c);
+    }
+  }
+  if (!args.empty()) args.erase(args.begin());  // argv[0]
+  return args;
+}
+
+int helper_main(const std::string& mode) {
+  const LaunchEnv env = read_launch_env();
+  const int rank = env.rank;
+  if (mode == "env") {
+    std::ofstream f(std::string(std::getenv("MT_COMM_TEST_DIR")) + "/rank" + std::to_string(rank) + ".txt");
+    f << launcher_name(env.launcher) << ' ' << env.rank << ' ' << env.world_size << ' ' << env.local_rank << ' '
+      << (env.master_addr.empty() ? "-" : env.master_addr) << ' ' << env.master_port << '\n';
+    for (const auto& a : own_args()) f << a << '\n';
+    return 0;
+  }
+  if (mode == "fail") {
+    if (rank == std::atoi(std::getenv("MT_COMM_TEST_FAIL_RANK"))) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      return 7;
+    }
+    std::this_thread::sleep_for(std::chrono::seconds(60));  // must be stopped by the launcher
+    return 0;
+  }
+  if (mode == "store") {
+    TcpStore store(env.master_addr, env.master_port, env.world_size, rank == 0, 30.0);
+    store.set("r" + std::to_string(rank), std::to_string(rank * rank));
+    store.barrier(rank);
+    for (int r = 0; r < env.world_size; ++r) {
+      if (store.get("r" + std::to_string(r)) != std::to_string(r * r)) return 5;
+    }
+    store.barrier(rank);
+    return 0;
+  }
+#ifdef MT_WITH_MPI
+  if (mode == "mpi_dead" || mode == "mpi_stuck") {
+    const bool dead = mode == "mpi_dead";
+    auto world = MpiCommunicator::world(dead ? 60.0 : 2.0);
+    world->barrier();
+    if (world->rank() == 1) {
+      if (dead) std::_Exit(3);  // dies before the all_reduce
+      std::this_thread::sleep_for(std::chrono::seconds(60));  // stuck outside the collective
+      return 0;
+    }
+    float x = 1.f;
+    Stream cpu(Device::cpu());
+    try {
+      world->all_reduce(Tensor(&x, DType::kF32, Device::cpu(), {1}), ReduceOp::kSum, cpu);
+    } catch (const Error& e) {
+      std::fprintf(stderr, "helper rank %d: %s\n", world->rank(), e.what());
+      return 1;
+    }
+    return 0;
+  }
+#endif
+  std::fprintf(stderr, "unknown helper mode %s\n", mode.c_str());
+  return 99;
+}
+
+const int kHelperDone = [] {
+  const char* mode = std::getenv("MT_COMM_TEST_HELPER");
+  if (mode == nullptr) return 0;
+  int code = 1;
+  try {
+    code = helper_main(mode);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "helper: %s\n", e.what());
+  }
+  std::fflush(stdout);
+  std::fflush(stderr);
+  std::exit(code);  // runs MPI_Finalize when MPI was used (skipped after a timeout)
+}();
+
+// ---------------------------------------------------------------------------------------------
+// Tests (parent)
+// ---------------------------------------------------------------------------------------------
+
+using Clock = std::chrono::steady_clock;
+double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+/// Sets the helper's environment for one test and clears it afterwards.
+struct HelperEnv {
+  std::filesystem::path dir;
+  explicit HelperEnv(const char* mode, int fail_rank = -1) {
+    dir = std::filesystem::temp_directory_path() /
+          ("mt_launcher_test_" + std::to_string(::getpid()) + "_" + std::to_string(counter()++));
+    std::filesystem::create_directories(dir);
+    setenv("MT_COMM_TEST_HELPER", mode, 1);
+    setenv("MT_COMM_TEST_DIR", dir.c_str(), 1);
+    setenv("MT_COMM_TEST_FAIL_RANK", std::to_string(fail_rank).c_str(), 1);
+  }
+  ~HelperEnv() {
+    unsetenv("MT_COMM_TEST_HELPER");
+    unsetenv("MT_COMM_TEST_DIR");
+    unsetenv("MT_COMM_TEST_FAIL_RANK");
+    std::filesystem::remove_all(dir);
+  }
+  static int& counter() {
+    static int c = 0;
+    return c;
+  }
+  std::vector<std::string> lines(int rank) const {
+    std::ifstream f(dir / ("rank" + std::to_string(rank) + ".txt"));
+    std::vector<std::string> out;
+    for (std::string l; std::getline(f, l);) out.push_back(l);
+    return out;
+  }
+};
+
+/// launch_local with a fixed argument list; returns (status, captured stdout + stderr).
+std::pair<int, std::string> launch(int nproc, Device device, std::vector<std::string> args) {
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  ::testing::internal::CaptureStdout();
+  ::testing::internal::CaptureStderr();
+  int rc = launch_local(nproc, static_cast<int>(args.size()), argv.data(), device);
+  std::string out = ::testing::internal::GetCapturedStdout();
+  out += ::testing::internal::GetCapturedStderr();
+  return {rc, out};
+}
+
+bool have_mpiexec() { return std::system("command -v mpiexec > /dev/null 2>&1") == 0; }
+
+TEST(Launcher, StripNprocFlag) {
+  std::vector<std::string> a{"megatron", "pretrain", "--nproc-per-node", "4", "--x", "1", "--nproc-per-node=2", "y"};
+  std::vector<char*> argv;
+  for (auto& s : a) argv.push_back(s.data());
+  EXPECT_EQ(strip_nproc_flag(static_cast<int>(argv.size()), argv.data()),
+            (std::vector<std::string>{"pretrain", "--x", "1", "y"}));
+  auto cmd = mpiexec_command(3, "/bin/exe", {"a", "b"});
+  ASSERT_GE(cmd.size(), 6u);
+  EXPECT_EQ(cmd[0], "mpiexec");
+  EXPECT_EQ(cmd[1], "-np");
+  EXPECT_EQ(cmd[2], "3");
+  EXPECT_NE(std::find(cmd.begin(), cmd.end(), "--oversubscribe"), cmd.end());
+  EXPECT_EQ(cmd[cmd.size() - 3], "/bin/exe");
+  EXPECT_EQ(cmd.back(), "b");
+  EXPECT_THROW(launch_local(0, 1, argv.data(), Device::cpu()), Error);
+}
+
+TEST(Launcher, ForkPathSetsTorchrunEnvironment) {
+  HelperEnv h("env");
+  auto [rc, out] = launch(3, Device::cuda(0), {"megatron", "pretrain", "--nproc-per-node", "3", "--foo=1", "bar"});
+  ASSERT_EQ(rc, 0) << out;
+  std::string port;
+  for (int r = 0; r < 3; ++r) {
+    auto l = h.lines(r);
+    ASSERT_EQ(l.size(), 4u) << "rank " << r;
+    std::istringstream s(l[0]);
+    std::string launcher, addr, p;
+    int rank, world, local;
+    s >> launcher >> rank >> world >> local >> addr >> p;
+    EXPECT_EQ(launcher, "torchrun");
+    EXPECT_EQ(rank, r);
+    EXPECT_EQ(world, 3);
+    EXPECT_EQ(local, r);
+    EXPECT_EQ(addr, "127.0.0.1");
+    EXPECT_GT(std::stoi(p), 0);
+    if (r == 0) port = p;
+    EXPECT_EQ(p, port);
+    EXPECT_EQ(std::vector<std::string>(l.begin() + 1, l.end()), (std::vector<std::string>{"pretrain", "--foo=1", "bar"}));
+  }
+}
+
+TEST(Launcher, ForkPathStopsTheOthersAndNamesTheFailedRank) {
+  HelperEnv h("fail", 1);
+  const auto t0 = Clock::now();
+  auto [rc, out] = launch(3, Device::cuda(0), {"megatron", "--nproc-per-node=3"});
+  EXPECT_EQ(rc, 7) << out;
+  EXPECT_LT(since(t0), 15.0) << "the sleeping ranks were not stopped";
+  EXPECT_NE(out.find("rank 1 (of 3) exited with status 7"), std::string::npos) << out;
+}
+
+TEST(Launcher, ForkPathRanksMeetInTheTcpStore) {
+  HelperEnv h("store");
+  auto [rc, out] = launch(3, Device::cuda(0), {"megatron"});
+  EXPECT_EQ(rc, 0) << out;
+}
+
+TEST(Launcher, MpiexecPathSetsOpenMpiEnvironment) {
+  if (!have_mpiexec()) GTEST_SKIP() << "no mpiexec";
+  HelperEnv h("env");
+  auto [rc, out] = launch(2, Device::cpu(), {"megatron", "--nproc-per-node", "2", "train"});
+  ASSERT_EQ(rc, 0) << out;
+  for (int r = 0; r < 2; ++r) {
+    auto l = h.lines(r);
+    ASSERT_EQ(l.size(), 2u) << "rank " << r << "\n" << out;
+    EXPECT_EQ(l[0].substr(0, l[0].find(' ', 7)), "mpirun " + std::to_string(r)) << l[0];
+    EXPECT_NE(l[0].find(" 2 " + std::to_string(r) + " "), std::string::npos) << l[0];
+    EXPECT_EQ(l[1], "train");
+  }
+}
+
+TEST(Launcher, MpiexecPathPropagatesTheFailure) {
+  if (!have_mpiexec()) GTEST_SKIP() << "no mpiexec";
+  HelperEnv h("fail", 1);
+  const auto t0 = Clock::now();
+  auto [rc, out] = launch(2, Device::cpu(), {"megatron"});
+  EXPECT_EQ(rc, 7) << out;
+  EXPECT_LT(since(t0), 20.0);
+  EXPECT_TRUE(std::regex_search(out, std::regex(R"(Process name: \[\[[0-9]+,[0-9]+\],1\])"))) << out;
+}
+
+#ifdef MT_WITH_MPI
+// A peer that exits before an all_reduce: mpiexec ends the job and names rank 1.
+TEST(MpiFailure, DeadPeerEndsTheJobNamingIt) {
+  if (!have_mpiexec()) GTEST_SKIP() << "no mpiexec";
+  HelperEnv h("mpi_dead");
+  const auto t0 = Clock::now();
+  auto [rc, out] = launch(2, Device::cpu(), {"megatron"});
+  EXPECT_NE(rc, 0) << out;
+  EXPECT_LT(since(t0), 30.0);
+  EXPECT_TRUE(std::regex_search(out, std::regex(R"(Process name: \[\[[0-9]+,[0-9]+\],1\])"))) << out;
+  EXPECT_NE(out.find("Exit code:    3"), std::string::npos) << out;
+}
+
+// A peer that is alive but never joins: the all_reduce times out (2 s) with an error naming the
+// operation, the group and the rank; the job ends with a non-zero status.
+TEST(MpiFailure, StuckPeerTimesOut) {
+  if (!have_mpiexec()) GTEST_SKIP() << "no mpiexec";
+  HelperEnv h("mpi_stuck");
+  const auto t0 = Clock::now();
+  auto [rc, out] = launch(2, Device::cpu(), {"megatron"});
+  EXPECT_NE(rc, 0) << out;
+  EXPECT_GE(since(t0), 2.0);
+  EXPECT_LT(since(t0), 30.0);
+  EXPECT_NE(out.find("MPI all_reduce on group 'world' (rank 0 of 2) did not complete within 2.0 s"), std::string::npos)
+      << out;
+}
+#endif
+
+}  // namespace
+}  // namespace mt
