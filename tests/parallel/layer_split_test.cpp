@@ -4,6 +4,7 @@
 // many layouts, tiling properties, the virtual-pipeline flag conversion, and every error.
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <functional>
 #include <string>
 #include <vector>
@@ -216,6 +217,7 @@ TEST(LayerSplit, MatchesMegatronFormulasAndTiles) {
               }
               ASSERT_EQ(next, L);
             }
+  std::printf("checked %d layouts\n", valid);
   EXPECT_GT(valid, 300);
 }
 

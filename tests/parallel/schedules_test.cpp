@@ -530,6 +530,7 @@ TEST(Schedules, SimulatedManyConfigurations) {
             ++configs;
             if (::testing::Test::HasFatalFailure()) return;
           }
+  std::printf("simulated %d configurations\n", configs);
   EXPECT_GT(configs, 300);
 }
 
@@ -614,6 +615,9 @@ TEST(Schedules, Errors) {
   expect_error([] { get_schedule_table(0, 2, 2); }, "must be >= 1");
   expect_error([] { convert_schedule_table_to_order(5, 2, get_schedule_table(2, 2, 2)); }, "num_warmup 5 outside [0, 4]");
   expect_error([] { bubble_fraction(0, 0, 1); }, "out of range");
+  ScheduleConfig zero = cfg(2, 0, 4);
+  zero.backward_cost = 0;
+  expect_error([&] { build_schedule(zero); }, "construction costs must be >= 1: forward 1, backward 0");
   // Layout mismatches are caught before any communication.
   PipelineLayout layout;
   layout.num_layers = 32;

@@ -189,50 +189,57 @@ struct RankState {
   int pending_in = 0, pending_grad = 0, pending_send = 0, live = 0;
 };
 
-}  // namespace
-
-PipelineSchedule build_schedule(const ScheduleConfig& c) {
-  validate_schedule_config(c);
-  MT_REQUIRE(c.forward_cost >= 1 && c.backward_cost >= 1,
-             "schedule construction costs must be >= 1: forward {}, backward {}", c.forward_cost, c.backward_cost);
-  const int P = c.pp, V = c.num_chunks(), m = c.num_microbatches, S = P * V;
-  PipelineSchedule out;
-  out.config = c;
-  out.kind = schedule_kind(c);
-  out.ranks.resize(P);
-  auto idx = [V](int mb, int ch) { return static_cast<size_t>(mb) * V + ch; };
-
-  std::vector<RankState> st(P);
-  for (int r = 0; r < P; ++r) {
-    RankSchedule& rs = out.ranks[r];
-    rs.pp_rank = r;
-    rs.num_warmup = num_warmup_microbatches(c, r);
-    RankState& x = st[r];
-    x.order = compute_order(c, r);
-    x.have_input.assign(static_cast<size_t>(m) * V, 0);
-    x.have_grad.assign(static_cast<size_t>(m) * V, 0);
-    x.fwd_done.assign(static_cast<size_t>(m) * V, 0);
-    x.first_fwd.assign(V, -1);
-    x.last_bwd.assign(V, -1);
-    for (const ComputeStep& s : x.order) {
-      if (s.forward && x.first_fwd[s.chunk] < 0) x.first_fwd[s.chunk] = s.microbatch;
-      if (!s.forward) x.last_bwd[s.chunk] = s.microbatch;
+// The timed construction of build_schedule (see schedules.h).
+class ScheduleBuilder {
+ public:
+  explicit ScheduleBuilder(const ScheduleConfig& c)
+      : c_(c), P_(c.pp), V_(c.num_chunks()), S_(c.pp * c.num_chunks()), st_(c.pp), batch_(c.pp) {
+    out_.config = c;
+    out_.kind = schedule_kind(c);
+    out_.ranks.resize(P_);
+    const size_t n = static_cast<size_t>(c.num_microbatches) * V_;
+    for (int r = 0; r < P_; ++r) {
+      out_.ranks[r].pp_rank = r;
+      out_.ranks[r].num_warmup = num_warmup_microbatches(c, r);
+      RankState& x = st_[r];
+      x.order = compute_order(c, r);
+      x.have_input.assign(n, 0);
+      x.have_grad.assign(n, 0);
+      x.fwd_done.assign(n, 0);
+      x.first_fwd.assign(V_, -1);
+      x.last_bwd.assign(V_, -1);
+      for (const ComputeStep& s : x.order) {
+        if (s.forward && x.first_fwd[s.chunk] < 0) x.first_fwd[s.chunk] = s.microbatch;
+        if (!s.forward) x.last_bwd[s.chunk] = s.microbatch;
+      }
     }
   }
 
-  std::vector<Message> queue;  // produced, not yet exchanged; in production order
-  std::vector<std::vector<BatchEntry>> batch(P);
-  int64_t round = 0, seq = 0;
-  for (;; ++round) {
-    bool progress = false;
-    // 1. Communication: exchange every produced message whose two ends are between computes
-    //    now. Messages of one sender are ready in production order, so FIFO order per rank pair
-    //    is kept.
-    for (auto& b : batch) b.clear();
+  PipelineSchedule run() {
+    for (int64_t round = 0;; ++round) {
+      const bool exchanged = exchange(round);
+      bool started = false;
+      for (int r = 0; r < P_; ++r) started = try_start(r, round) || started;
+      if (finished()) break;
+      bool waiting = false;  // something will change by itself in a later round
+      for (const RankState& x : st_) waiting |= x.busy_until > round;
+      for (const Message& msg : queue_) waiting |= msg.ready > round;
+      if (!exchanged && !started && !waiting) fail(round);
+    }
+    for (const RankState& x : st_) out_.construction_time = std::max(out_.construction_time, x.busy_until);
+    return std::move(out_);
+  }
+
+ private:
+  size_t idx(int mb, int chunk) const { return static_cast<size_t>(mb) * V_ + chunk; }
+
+  // Phase 1 of a round: exchange every produced message whose two ends are between computes.
+  // Messages of one sender become ready in production order, so FIFO order per rank pair holds.
+  bool exchange(int64_t round) {
+    for (auto& b : batch_) b.clear();
     std::vector<Message> keep;
-    for (const Message& msg : queue) {
-      const bool go = msg.ready <= round && st[msg.src_rank].busy_until <= round && st[msg.dst_rank].busy_until <= round;
-      if (!go) {
+    for (const Message& msg : queue_) {
+      if (msg.ready > round || st_[msg.src_rank].busy_until > round || st_[msg.dst_rank].busy_until > round) {
         keep.push_back(msg);
         continue;
       }
@@ -244,102 +251,112 @@ PipelineSchedule build_schedule(const ScheduleConfig& c) {
       send.peer = msg.dst_rank;
       recv.chunk = msg.dst_chunk;
       recv.peer = msg.src_rank;
-      batch[msg.src_rank].push_back({send, msg.seq});
-      batch[msg.dst_rank].push_back({recv, msg.seq});
-      RankState& dst = st[msg.dst_rank];
+      batch_[msg.src_rank].push_back({send, msg.seq});
+      batch_[msg.dst_rank].push_back({recv, msg.seq});
+      RankState& dst = st_[msg.dst_rank];
       (msg.forward ? dst.have_input : dst.have_grad)[idx(msg.microbatch, msg.dst_chunk)] = 1;
       ++(msg.forward ? dst.pending_in : dst.pending_grad);
-      --st[msg.src_rank].pending_send;
+      --st_[msg.src_rank].pending_send;
     }
-    queue.swap(keep);
-    for (int r = 0; r < P; ++r) {
-      if (batch[r].empty()) continue;
-      progress = true;
-      RankSchedule& rs = out.ranks[r];
-      std::stable_sort(batch[r].begin(), batch[r].end(), batch_order);
-      for (BatchEntry& e : batch[r]) {
+    queue_.swap(keep);
+    bool any = false;
+    for (int r = 0; r < P_; ++r) {
+      if (batch_[r].empty()) continue;
+      any = true;
+      RankSchedule& rs = out_.ranks[r];
+      std::stable_sort(batch_[r].begin(), batch_[r].end(), batch_order);
+      for (BatchEntry& e : batch_[r]) {
         e.action.batch = rs.num_batches;
         rs.actions.push_back(e.action);
       }
       ++rs.num_batches;
-      rs.max_pending_recv_forward = std::max(rs.max_pending_recv_forward, st[r].pending_in);
-      rs.max_pending_recv_backward = std::max(rs.max_pending_recv_backward, st[r].pending_grad);
+      rs.max_pending_recv_forward = std::max(rs.max_pending_recv_forward, st_[r].pending_in);
+      rs.max_pending_recv_backward = std::max(rs.max_pending_recv_backward, st_[r].pending_grad);
     }
-
-    // 2. Compute: a rank between computes starts its next step if its input is there.
-    bool done = queue.empty();
-    for (int r = 0; r < P; ++r) {
-      RankState& x = st[r];
-      if (x.busy_until > round) {
-        done = false;
-        continue;
-      }
-      if (x.pos == x.order.size()) continue;
-      done = false;
-      const ComputeStep& s = x.order[x.pos];
-      const int stage = s.chunk * P + r;
-      const size_t k = idx(s.microbatch, s.chunk);
-      RankSchedule& rs = out.ranks[r];
-      Action a;
-      a.microbatch = s.microbatch;
-      a.chunk = s.chunk;
-      if (s.forward) {
-        if (stage > 0 && !x.have_input[k]) continue;
-        if (stage > 0) --x.pending_in;
-        x.fwd_done[k] = 1;
-        a.kind = ActionKind::kForward;
-        a.first_in_chunk = x.first_fwd[s.chunk] == s.microbatch;
-        rs.actions.push_back(a);
-        if (!c.forward_only) rs.max_live_activations = std::max(rs.max_live_activations, ++x.live);
-        x.busy_until = round + c.forward_cost;
-        if (stage < S - 1) {
-          queue.push_back({true, s.microbatch, r, s.chunk, (r + 1) % P, r == P - 1 ? s.chunk + 1 : s.chunk,
-                           x.busy_until, seq++});
-          rs.max_pending_send = std::max(rs.max_pending_send, ++x.pending_send);
-        }
-      } else {
-        MT_CHECK(x.fwd_done[k], "backward ({}, c{}) before its forward on rank {}", s.microbatch, s.chunk, r);
-        if (stage < S - 1 && !x.have_grad[k]) continue;
-        if (stage < S - 1) --x.pending_grad;
-        --x.live;
-        a.kind = ActionKind::kBackward;
-        a.last_in_chunk = x.last_bwd[s.chunk] == s.microbatch;
-        rs.actions.push_back(a);
-        if (a.last_in_chunk) {
-          Action g;
-          g.kind = ActionKind::kGradSync;
-          g.chunk = s.chunk;
-          rs.actions.push_back(g);
-        }
-        x.busy_until = round + c.backward_cost;
-        if (stage > 0) {
-          queue.push_back({false, s.microbatch, r, s.chunk, (r + P - 1) % P, r == 0 ? s.chunk - 1 : s.chunk,
-                           x.busy_until, seq++});
-          rs.max_pending_send = std::max(rs.max_pending_send, ++x.pending_send);
-        }
-      }
-      ++x.pos;
-      progress = true;
-    }
-    if (done) break;
-    bool busy = false;
-    for (const RankState& x : st) busy |= x.busy_until > round;
-    for (const Message& msg : queue) busy |= msg.ready > round;
-    if (!progress && !busy) {
-      std::string where;
-      for (int r = 0; r < P; ++r) {
-        if (st[r].pos == st[r].order.size()) continue;
-        const ComputeStep& s = st[r].order[st[r].pos];
-        where += fmt::format(" rank {} waits at {}({},c{});", r, s.forward ? "F" : "B", s.microbatch, s.chunk);
-      }
-      MT_FAIL("pipeline schedule construction stalled in round {} (pp {}, vpp {}, m {}, group {}):{}", round, P, c.vpp,
-              m, c.group_size(), where);
-    }
+    return any;
   }
-  int64_t end = 0;
-  for (const RankState& x : st) end = std::max(end, x.busy_until);
-  out.construction_time = end;
-  return out;
+
+  // Phase 2: rank r, if between computes, starts its next step when its input is there.
+  bool try_start(int r, int64_t round) {
+    RankState& x = st_[r];
+    if (x.busy_until > round || x.pos == x.order.size()) return false;
+    const ComputeStep& s = x.order[x.pos];
+    const int stage = s.chunk * P_ + r;
+    const size_t k = idx(s.microbatch, s.chunk);
+    RankSchedule& rs = out_.ranks[r];
+    Action a;
+    a.microbatch = s.microbatch;
+    a.chunk = s.chunk;
+    if (s.forward) {
+      if (stage > 0 && !x.have_input[k]) return false;
+      if (stage > 0) --x.pending_in;
+      x.fwd_done[k] = 1;
+      a.kind = ActionKind::kForward;
+      a.first_in_chunk = x.first_fwd[s.chunk] == s.microbatch;
+      rs.actions.push_back(a);
+      if (!c_.forward_only) rs.max_live_activations = std::max(rs.max_live_activations, ++x.live);
+      x.busy_until = round + c_.forward_cost;
+      if (stage < S_ - 1) produce(r, true, s, (r + 1) % P_, r == P_ - 1 ? s.chunk + 1 : s.chunk);
+    } else {
+      MT_CHECK(x.fwd_done[k], "backward ({}, c{}) before its forward on rank {}", s.microbatch, s.chunk, r);
+      if (stage < S_ - 1 && !x.have_grad[k]) return false;
+      if (stage < S_ - 1) --x.pending_grad;
+      --x.live;
+      a.kind = ActionKind::kBackward;
+      a.last_in_chunk = x.last_bwd[s.chunk] == s.microbatch;
+      rs.actions.push_back(a);
+      if (a.last_in_chunk) {
+        Action g;
+        g.kind = ActionKind::kGradSync;
+        g.chunk = s.chunk;
+        rs.actions.push_back(g);
+      }
+      x.busy_until = round + c_.backward_cost;
+      if (stage > 0) produce(r, false, s, (r + P_ - 1) % P_, r == 0 ? s.chunk - 1 : s.chunk);
+    }
+    ++x.pos;
+    return true;
+  }
+
+  void produce(int r, bool forward, const ComputeStep& s, int dst_rank, int dst_chunk) {
+    queue_.push_back({forward, s.microbatch, r, s.chunk, dst_rank, dst_chunk, st_[r].busy_until, seq_++});
+    out_.ranks[r].max_pending_send = std::max(out_.ranks[r].max_pending_send, ++st_[r].pending_send);
+  }
+
+  bool finished() const {
+    if (!queue_.empty()) return false;
+    for (const RankState& x : st_)
+      if (x.pos < x.order.size()) return false;
+    return true;
+  }
+
+  [[noreturn]] void fail(int64_t round) const {
+    std::string where;
+    for (int r = 0; r < P_; ++r) {
+      if (st_[r].pos == st_[r].order.size()) continue;
+      const ComputeStep& s = st_[r].order[st_[r].pos];
+      where += fmt::format(" rank {} waits at {}({},c{});", r, s.forward ? "F" : "B", s.microbatch, s.chunk);
+    }
+    MT_FAIL("pipeline schedule construction stalled in round {} (pp {}, vpp {}, m {}, group {}):{}", round, P_, c_.vpp,
+            c_.num_microbatches, c_.group_size(), where);
+  }
+
+  const ScheduleConfig c_;
+  const int P_, V_, S_;
+  PipelineSchedule out_;
+  std::vector<RankState> st_;
+  std::vector<Message> queue_;  // produced, not yet exchanged; in production order
+  std::vector<std::vector<BatchEntry>> batch_;
+  int64_t seq_ = 0;
+};
+
+}  // namespace
+
+PipelineSchedule build_schedule(const ScheduleConfig& c) {
+  validate_schedule_config(c);
+  MT_REQUIRE(c.forward_cost >= 1 && c.backward_cost >= 1,
+             "schedule construction costs must be >= 1: forward {}, backward {}", c.forward_cost, c.backward_cost);
+  return ScheduleBuilder(c).run();
 }
 
 std::vector<Action> rank_actions(const ScheduleConfig& c, int pp_rank) {
