@@ -88,8 +88,9 @@ std::vector<int64_t> stage_layer_counts(const PipelineLayout& p) {
     if (p.account_for_embedding) --counts[0];
     if (p.account_for_loss) --counts[S - 1];
     // Every stage has >= 1 slot (slots divisible by pp·V), so this cannot fail; kept as an invariant.
-    MT_CHECK(counts[0] >= 0 && counts[S - 1] >= 0, "negative layer count: first {} last {} (num_layers {}, pp {}, vpp {})",
-             counts[0], counts[S - 1], p.num_layers, p.pp, p.vpp);
+    MT_CHECK(counts[0] >= 0 && counts[S - 1] >= 0,
+             "negative layer count: first {} last {} (num_layers {}, pp {}, vpp {})", counts[0], counts[S - 1],
+             p.num_layers, p.pp, p.vpp);
   }
   return counts;
 }

@@ -159,10 +159,10 @@ struct RankSchedule {
   std::vector<Action> actions;
   int num_warmup = 0;                 ///< num_warmup_microbatches(cfg, pp_rank)
   int num_batches = 0;                ///< p2p batches in `actions`
-  int max_live_activations = 0;       ///< max (mb, chunk) forwarded but not yet backwarded
+  int max_live_activations = 0;       ///< max (mb, chunk) forwarded, not yet backwarded (0 forward-only)
   int max_pending_recv_forward = 0;   ///< max received inputs not yet consumed (receive buffers)
   int max_pending_recv_backward = 0;  ///< max received output gradients not yet consumed
-  int max_pending_send = 0;           ///< max produced tensors not yet sent (kept by the sender)
+  int max_pending_send = 0;           ///< max produced tensors not yet sent (batched mode: kept by the sender)
 };
 
 struct PipelineSchedule {
@@ -179,9 +179,9 @@ struct PipelineSchedule {
 /// rank's exchanges of that round form one batch — then every rank between computes starts its
 /// next step if its input has arrived. Consequences: each batch pairs only with batches of the
 /// same round (deadlock-free, any real durations); when the real forward:backward ratio matches
-/// the costs, ranks meet at their batches without waiting, so batched execution also reaches the
-/// dependency bound (tests). Validates cfg; throws mt::Error if the construction stalls (cannot
-/// happen for valid configs).
+/// 1:1 or 1:2 costs, ranks meet at their batches without waiting, so batched execution reaches
+/// the dependency bound (within 7% for 1:3; tests, docs/parallelism.md). Validates cfg; throws
+/// mt::Error if the construction stalls (cannot happen for valid configs).
 PipelineSchedule build_schedule(const ScheduleConfig& cfg);
 /// build_schedule(cfg).ranks[pp_rank].actions.
 std::vector<Action> rank_actions(const ScheduleConfig& cfg, int pp_rank);
