@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -12,6 +13,8 @@
 #include "data_test_util.h"
 
 namespace mt::data::testing {
+
+inline bool is_regular_file_path(const std::string& p) { return std::filesystem::is_regular_file(p); }
 
 inline std::string source_dir() {
   if (const char* s = std::getenv("MT_SOURCE_DIR"); s != nullptr && *s != '\0') return s;
