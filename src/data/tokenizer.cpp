@@ -21,7 +21,8 @@ NullTokenizer::NullTokenizer(int64_t vocab_size, int32_t eod) : vocab_size_(voca
 }
 
 void NullTokenizer::encode_append(std::string_view text, std::vector<int32_t>* out) const {
-  // Python: [int(x) for x in text.split(' ')]; int() accepts surrounding whitespace and a sign.
+  // Python: [int(x) for x in text.split(' ')]. An empty text gives no ids (Megatron would raise).
+  if (text.empty()) return;
   size_t pos = 0;
   while (pos <= text.size()) {
     size_t sp = text.find(' ', pos);
