@@ -28,9 +28,12 @@
 #include <string_view>
 #include <vector>
 
+#include "data/tokenizer.h"
+
 namespace mt::data {
 
-class Gpt2Tokenizer {
+/// Megatron's GPT2BPETokenizer (implements Tokenizer; copies share state).
+class Gpt2Tokenizer final : public Tokenizer {
  public:
   /// Loads vocab.json/encoder.json and merges.txt/vocab.bpe.
   /// Errors (mt::Error, naming the file): missing or unreadable file; malformed JSON or a vocabulary
@@ -45,22 +48,23 @@ class Gpt2Tokenizer {
                                     const std::string& merges_name = "<merges>");
 
   /// Token ids of `text` (any bytes; UTF-8 expected).
-  std::vector<int32_t> encode(std::string_view text) const;
+  std::vector<int32_t> encode(std::string_view text) const override;
   /// Appends the token ids of `text` to *out.
-  void encode_append(std::string_view text, std::vector<int32_t>* out) const;
+  void encode_append(std::string_view text, std::vector<int32_t>* out) const override;
 
   /// Concatenated bytes of the tokens. Error: an id outside [0, vocab_size) (named with the size).
   std::string decode(const std::vector<int32_t>& ids) const;
-  std::string decode(std::span<const int32_t> ids) const;
+  std::string decode(std::span<const int32_t> ids) const override;
   /// Bytes of one token. Same error.
   std::string decode_token(int32_t id) const;
   /// Id of a token given by its raw bytes (e.g. "Hello", " world"), or -1 if not in the vocabulary.
   int32_t token_to_id(std::string_view token_bytes) const;
 
   /// Id of "<|endoftext|>" (50256 for GPT-2). Error if the vocabulary has no such token.
-  int32_t eod() const;
+  int32_t eod() const override;
   /// Number of entries in the vocabulary (50257 for GPT-2); ids are 0..vocab_size()-1.
-  int64_t vocab_size() const;
+  int64_t vocab_size() const override;
+  std::string name() const override { return "GPT2BPETokenizer"; }
   /// Number of merges (50000 for GPT-2).
   int64_t num_merges() const;
 

@@ -3,6 +3,7 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <cctype>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -17,6 +18,7 @@
 #include "data/file_util.h"
 #include "data/gpt2_tokenizer.h"
 #include "data/indexed_dataset.h"
+#include "data/tokenizer.h"
 
 namespace mt::data {
 namespace {
@@ -65,16 +67,24 @@ struct Doc {
   std::exception_ptr error;
 };
 
-void tokenize_doc(Doc& doc, const Gpt2Tokenizer& tok, const std::vector<std::string>& keys, bool append_eod) {
+void tokenize_doc(Doc& doc, const Tokenizer& tok, const std::vector<std::string>& keys, bool append_eod,
+                  bool split_sentences) {
   doc.tokens.assign(keys.size(), {});
   doc.lengths.assign(keys.size(), {});
   // As Megatron's Encoder.encode: each non-empty text (a string, or each string of a list) is one
   // sequence; EOD is appended to the last sequence of a non-empty document.
-  auto add_text = [&](size_t k, std::string_view text) {
+  auto add_one = [&](size_t k, std::string_view text) {
     const size_t before = doc.tokens[k].size();
     tok.encode_append(text, &doc.tokens[k]);
     const size_t n = doc.tokens[k].size() - before;
     if (n > 0) doc.lengths[k].push_back(static_cast<int32_t>(n));
+  };
+  auto add_text = [&](size_t k, std::string_view text) {
+    if (!split_sentences) {
+      add_one(k, text);
+      return;
+    }
+    for (std::string_view sentence : split_into_sentences(text)) add_one(k, sentence);
   };
   auto finish = [&](size_t k) {
     if (append_eod && !doc.tokens[k].empty()) {
@@ -113,13 +123,13 @@ void tokenize_doc(Doc& doc, const Gpt2Tokenizer& tok, const std::vector<std::str
   }
 }
 
-void tokenize_batch(std::vector<Doc>& batch, const Gpt2Tokenizer& tok, const std::vector<std::string>& keys,
-                    bool append_eod, int workers) {
+void tokenize_batch(std::vector<Doc>& batch, const Tokenizer& tok, const std::vector<std::string>& keys,
+                    bool append_eod, bool split_sentences, int workers) {
   std::atomic<size_t> next{0};
   auto work = [&] {
     for (size_t i; (i = next.fetch_add(1)) < batch.size();) {
       try {
-        tokenize_doc(batch[i], tok, keys, append_eod);
+        tokenize_doc(batch[i], tok, keys, append_eod, split_sentences);
       } catch (...) {
         batch[i].error = std::current_exception();
       }
@@ -161,12 +171,74 @@ class Progress {
 
 }  // namespace
 
+std::vector<std::string_view> split_into_sentences(std::string_view text) {
+  std::vector<std::string_view> out;
+  auto is_space = [](char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v'; };
+  auto is_closer = [](char c) { return c == '"' || c == '\'' || c == ')' || c == ']' || c == '}'; };
+  size_t i = 0;
+  const size_t n = text.size();
+  while (i < n && is_space(text[i])) ++i;
+  size_t start = i;
+  while (i < n) {
+    const char c = text[i];
+    if (c == '.' || c == '!' || c == '?') {
+      size_t e = i + 1;
+      while (e < n && (text[e] == '.' || text[e] == '!' || text[e] == '?')) ++e;
+      while (e < n && is_closer(text[e])) ++e;
+      size_t w = e;
+      while (w < n && is_space(text[w])) ++w;
+      // A boundary: terminal punctuation, whitespace, then an upper-case ASCII letter, a digit, an
+      // opening quote/bracket or a non-ASCII byte; not after a single-letter abbreviation ("J. Smith").
+      const bool single_letter = i >= 1 && std::isalpha(static_cast<unsigned char>(text[i - 1])) &&
+                                 (i < 2 || is_space(text[i - 2])) && c == '.';
+      if (w > e && w < n && !single_letter &&
+          (std::isupper(static_cast<unsigned char>(text[w])) || std::isdigit(static_cast<unsigned char>(text[w])) ||
+           text[w] == '"' || text[w] == '\'' || text[w] == '(' || text[w] == '[' ||
+           static_cast<unsigned char>(text[w]) >= 0x80)) {
+        out.push_back(text.substr(start, e - start));
+        start = i = w;
+        continue;
+      }
+      i = e;
+      continue;
+    }
+    ++i;
+  }
+  size_t end = n;
+  while (end > start && is_space(text[end - 1])) --end;
+  if (end > start) out.push_back(text.substr(start, end - start));
+  return out;
+}
+
+void merge_datasets(const std::vector<std::string>& input_prefixes, const std::string& output_prefix) {
+  MT_REQUIRE(!input_prefixes.empty(), "merge-datasets: no input prefixes");
+  std::vector<std::unique_ptr<IndexedDataset>> inputs;
+  for (const std::string& p : input_prefixes) {
+    inputs.push_back(std::make_unique<IndexedDataset>(p));
+    MT_REQUIRE(inputs.back()->dtype() == inputs.front()->dtype(),
+               "merge-datasets: '{}' has dtype {}, '{}' has {} (all inputs must have the same dtype)", p,
+               index_dtype_name(inputs.back()->dtype()), input_prefixes.front(), index_dtype_name(inputs.front()->dtype()));
+  }
+  IndexedDatasetBuilder out(output_prefix, inputs.front()->dtype());
+  std::vector<int32_t> buf;
+  for (const auto& in : inputs) {
+    const auto& di = in->document_indices();
+    for (size_t d = 0; d + 1 < di.size(); ++d) {
+      for (int64_t s = di[d]; s < di[d + 1]; ++s) {
+        buf.resize(static_cast<size_t>(in->sequence_length(s)));
+        in->read(s, 0, static_cast<int64_t>(buf.size()), buf.data());
+        out.add_item(buf);
+      }
+      out.end_document();
+    }
+  }
+  out.finalize();
+}
+
 PreprocessStats preprocess_data(const PreprocessConfig& cfg) {
   MT_REQUIRE(!cfg.inputs.empty(), "preprocess-data: no --input given");
   MT_REQUIRE(!cfg.output_prefix.empty(), "preprocess-data: no --output-prefix given");
   MT_REQUIRE(!cfg.json_keys.empty(), "preprocess-data: --json-keys is empty");
-  MT_REQUIRE(cfg.tokenizer_type == "GPT2BPETokenizer",
-             "preprocess-data: unsupported --tokenizer-type '{}' (supported: GPT2BPETokenizer)", cfg.tokenizer_type);
   MT_REQUIRE(cfg.workers >= 1, "preprocess-data: --workers must be >= 1, got {}", cfg.workers);
   for (size_t a = 0; a < cfg.json_keys.size(); ++a) {
     for (size_t b = a + 1; b < cfg.json_keys.size(); ++b) {
@@ -174,8 +246,6 @@ PreprocessStats preprocess_data(const PreprocessConfig& cfg) {
                  cfg.json_keys[a]);
     }
   }
-  MT_REQUIRE(!cfg.vocab_file.empty() && !cfg.merge_file.empty(),
-             "preprocess-data: GPT2BPETokenizer needs --vocab-file and --merge-file");
 
   const std::vector<Input> inputs = expand_inputs(cfg.inputs);
   const bool any_text = std::any_of(inputs.begin(), inputs.end(), [](const Input& i) { return i.is_text; });
@@ -186,14 +256,17 @@ PreprocessStats preprocess_data(const PreprocessConfig& cfg) {
              "--json-keys is not just 'text' (got {} keys, first '{}')",
              keys.size(), keys[0]);
 
-  const Gpt2Tokenizer tok = Gpt2Tokenizer::from_files(cfg.vocab_file, cfg.merge_file);
-  if (cfg.append_eod) (void)tok.eod();  // fails early if the vocabulary has no <|endoftext|>
+  const std::unique_ptr<Tokenizer> tok_ptr =
+      make_tokenizer(cfg.tokenizer_type, cfg.vocab_file, cfg.merge_file, cfg.tokenizer_model, cfg.vocab_size);
+  const Tokenizer& tok = *tok_ptr;
+  if (cfg.append_eod) (void)tok.eod();  // fails early if the tokenizer has no end-of-document token
   const IndexDType dtype = index_dtype_for_vocab(tok.vocab_size());
 
   PreprocessStats stats;
   std::vector<std::unique_ptr<IndexedDatasetBuilder>> builders;
   for (const std::string& key : keys) {
-    stats.output_prefixes.push_back(fmt::format("{}_{}_document", cfg.output_prefix, key));
+    stats.output_prefixes.push_back(
+        fmt::format("{}_{}_{}", cfg.output_prefix, key, cfg.split_sentences ? "sentence" : "document"));
     builders.push_back(std::make_unique<IndexedDatasetBuilder>(stats.output_prefixes.back(), dtype));
   }
 
@@ -202,7 +275,7 @@ PreprocessStats preprocess_data(const PreprocessConfig& cfg) {
   size_t batch_bytes = 0;
   auto flush = [&] {
     if (batch.empty()) return;
-    tokenize_batch(batch, tok, keys, cfg.append_eod, cfg.workers);
+    tokenize_batch(batch, tok, keys, cfg.append_eod, cfg.split_sentences, cfg.workers);
     for (Doc& d : batch) {
       for (size_t k = 0; k < keys.size(); ++k) {
         builders[k]->add_document(d.tokens[k], d.lengths[k]);

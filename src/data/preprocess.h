@@ -14,6 +14,7 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace mt::data {
@@ -25,7 +26,11 @@ struct PreprocessConfig {
   bool append_eod = false;              ///< --append-eod
   std::string vocab_file, merge_file;   ///< --vocab-file, --merge-file
   int workers = 1;                      ///< --workers: tokenizer threads (output order is input order)
-  std::string tokenizer_type = "GPT2BPETokenizer";  ///< --tokenizer-type (only GPT2BPETokenizer)
+  std::string tokenizer_type = "GPT2BPETokenizer";  ///< --tokenizer-type (any of make_tokenizer's)
+  std::string tokenizer_model;          ///< --tokenizer-model (HuggingFaceTokenizer, SentencePieceTokenizer)
+  int64_t vocab_size = 0;               ///< --vocab-size (NullTokenizer)
+  bool split_sentences = false;         ///< --split-sentences: one sequence per sentence (split_into_sentences),
+                                        ///< outputs named {prefix}_{key}_sentence.bin/.idx as Megatron's
   int64_t log_interval = 1000;          ///< --log-interval: documents between progress lines (stderr)
 };
 
@@ -44,5 +49,17 @@ struct PreprocessStats {
 /// list of strings (naming file, line and key), tokenizer file errors, I/O errors. Outputs are renamed
 /// into place only when the whole run succeeded; a failed run leaves no partial or temporary files.
 PreprocessStats preprocess_data(const PreprocessConfig& config);
+
+/// --split-sentences: a rule-based sentence splitter (NOT NLTK punkt, which Megatron uses; results
+/// differ on abbreviations and unusual punctuation). A boundary is terminal punctuation [.!?]+, then
+/// closing quotes/brackets, then whitespace, then an upper-case ASCII letter, a digit, an opening
+/// quote/bracket or a non-ASCII character; "X." after a single letter is not a boundary. Sentences
+/// are views into `text` without the whitespace between them (as punkt's span_tokenize).
+std::vector<std::string_view> split_into_sentences(std::string_view text);
+
+/// Megatron's tools/merge_datasets.py: concatenates the indexed datasets `input_prefixes` (same
+/// dtype) into `output_prefix`, keeping their sequences and document boundaries in order.
+/// Errors: no inputs, a dtype mismatch (naming both), the IndexedDataset errors.
+void merge_datasets(const std::vector<std::string>& input_prefixes, const std::string& output_prefix);
 
 }  // namespace mt::data

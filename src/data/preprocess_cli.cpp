@@ -23,11 +23,15 @@ void add_preprocess_data_command(CLI::App& app) {
       ->expected(1, -1)
       ->capture_default_str();
   sub->add_flag("--append-eod", cfg->append_eod, "Append the end-of-document token to each non-empty document");
-  sub->add_option("--tokenizer-type", cfg->tokenizer_type, "Tokenizer type")
-      ->check(CLI::IsMember({"GPT2BPETokenizer"}))
+  sub->add_option("--tokenizer-type", cfg->tokenizer_type,
+                  "GPT2BPETokenizer, HuggingFaceTokenizer, NullTokenizer (SentencePieceTokenizer when built with it)")
       ->capture_default_str();
-  sub->add_option("--vocab-file", cfg->vocab_file, "GPT-2 vocabulary (vocab.json / encoder.json)")->required();
-  sub->add_option("--merge-file", cfg->merge_file, "GPT-2 merges (merges.txt / vocab.bpe)")->required();
+  sub->add_option("--vocab-file", cfg->vocab_file, "GPT-2 vocabulary (vocab.json / encoder.json)");
+  sub->add_option("--merge-file", cfg->merge_file, "GPT-2 merges (merges.txt / vocab.bpe)");
+  sub->add_option("--tokenizer-model", cfg->tokenizer_model, "tokenizer.json (or its directory) / SentencePiece model");
+  sub->add_option("--vocab-size", cfg->vocab_size, "NullTokenizer vocabulary size");
+  sub->add_flag("--split-sentences", cfg->split_sentences,
+                "One sequence per sentence (rule-based splitter; Megatron uses NLTK punkt)");
   sub->add_option("--workers", cfg->workers, "Tokenizer threads")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
@@ -35,6 +39,16 @@ void add_preprocess_data_command(CLI::App& app) {
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   sub->callback([cfg] { preprocess_data(*cfg); });
+}
+
+void add_merge_datasets_command(CLI::App& app) {
+  auto inputs = std::make_shared<std::vector<std::string>>();
+  auto output = std::make_shared<std::string>();
+  CLI::App* sub = app.add_subcommand("merge-datasets",
+                                     "Concatenate indexed datasets (.bin/.idx) into one (Megatron's merge_datasets.py)");
+  sub->add_option("--input", *inputs, "Input prefixes, in order")->required()->expected(1, -1);
+  sub->add_option("--output-prefix", *output, "Output prefix")->required();
+  sub->callback([inputs, output] { merge_datasets(*inputs, *output); });
 }
 
 }  // namespace mt::data
