@@ -25,6 +25,7 @@ int main(int argc, char** argv) {
   mt::add_generate_options(*generate, generate_args);
 
   mt::data::add_preprocess_data_command(app);
+  mt::data::add_merge_datasets_command(app);
 
   int rc = 0;
   try {
