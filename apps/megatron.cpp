@@ -5,6 +5,8 @@
 #include <CLI/CLI.hpp>
 #include <cstdio>
 
+#include "comm/bootstrap.h"
+#include "comm/launcher.h"
 #include "core/check.h"
 #include "data/preprocess_cli.h"
 #include "train/arguments.h"
@@ -30,6 +32,11 @@ int main(int argc, char** argv) {
   int rc = 0;
   try {
     app.parse(argc, argv);
+    if (pretrain->parsed() && pretrain_args.nproc_per_node > 1 &&
+        mt::read_launch_env().launcher == mt::LaunchEnv::kNone) {
+      // Our local launcher: start N ranks of this same command on this machine.
+      return mt::launch_local(pretrain_args.nproc_per_node, argc, argv, mt::resolve_device(pretrain_args.device));
+    }
     if (pretrain->parsed()) rc = mt::run_pretrain(pretrain_args);
     if (generate->parsed()) rc = mt::run_generate(generate_args);
   } catch (const CLI::ParseError& e) {

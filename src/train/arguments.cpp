@@ -75,6 +75,13 @@ void add_pretrain_options(CLI::App& app, PretrainArgs& a) {
   app.add_option("--save-interval", a.save_interval, "Iterations between checkpoints");
   app.add_option("--exit-interval", a.exit_interval, "Exit (after saving a checkpoint) when iteration % N == 0");
 
+  app.add_option("--tensor-model-parallel-size", a.tensor_model_parallel_size, "Tensor-parallel size")
+      ->capture_default_str();
+  app.add_flag("--sequence-parallel", a.sequence_parallel, "Sequence parallelism in the TP group");
+  app.add_option("--distributed-timeout-minutes", a.distributed_timeout_minutes,
+                 "A collective that does not finish in this time is an error")->capture_default_str();
+  app.add_option("--nproc-per-node", a.nproc_per_node, "Start N ranks on this machine (local launcher)")
+      ->capture_default_str();
   app.add_option("--device", a.device, "cpu, cuda, cuda:N or auto")->capture_default_str();
   app.add_flag("!--no-progress", a.progress, "No progress line on a terminal");
 }
@@ -82,11 +89,13 @@ void add_pretrain_options(CLI::App& app, PretrainArgs& a) {
 void validate_pretrain_args(PretrainArgs& a) {
   MT_REQUIRE(!(a.bf16 && a.fp16), "--bf16 and --fp16 are mutually exclusive");
   MT_REQUIRE(a.micro_batch_size > 0, "--micro-batch-size must be positive, got {}", a.micro_batch_size);
-  if (a.global_batch_size == 0) a.global_batch_size = a.micro_batch_size;
+  if (a.global_batch_size == 0) a.global_batch_size = a.micro_batch_size * a.data_parallel_size;
   MT_REQUIRE(a.global_batch_size > 0, "--global-batch-size must be positive, got {}", a.global_batch_size);
-  MT_REQUIRE(a.global_batch_size % a.micro_batch_size == 0,
-             "--global-batch-size {} is not divisible by --micro-batch-size {} (times data-parallel size 1)",
-             a.global_batch_size, a.micro_batch_size);
+  MT_REQUIRE(a.global_batch_size % (a.micro_batch_size * a.data_parallel_size) == 0,
+             "--global-batch-size {} is not divisible by --micro-batch-size {} times data-parallel size {}",
+             a.global_batch_size, a.micro_batch_size, a.data_parallel_size);
+  MT_REQUIRE(a.distributed_timeout_minutes > 0, "--distributed-timeout-minutes must be positive, got {}",
+             a.distributed_timeout_minutes);
   MT_REQUIRE(a.train_iters > 0, "--train-iters must be positive, got {}", a.train_iters);
   MT_REQUIRE(a.lr >= 0, "--lr must be >= 0, got {}", a.lr);
   MT_REQUIRE(a.log_interval > 0, "--log-interval must be positive, got {}", a.log_interval);
@@ -109,7 +118,7 @@ void validate_pretrain_args(PretrainArgs& a) {
   sc.min_scale = a.min_loss_scale;
   sc.growth_interval = a.loss_scale_window;
   sc.hysteresis = a.hysteresis;
-  a.model.validate(1);
+  a.model.validate(a.tensor_model_parallel_size);
   (void)learning_rate(a.lr_schedule(), 0);  // validates the schedule
 }
 

@@ -49,12 +49,19 @@ struct PretrainArgs {
   std::string save, load;          ///< --save --load
   int64_t save_interval = 0;       ///< --save-interval (0 = only at the end when --save is given)
   int64_t exit_interval = 0;       ///< --exit-interval: stop (after saving) when iteration % N == 0
+  // distributed
+  int tensor_model_parallel_size = 1;      ///< --tensor-model-parallel-size
+  bool sequence_parallel = false;          ///< --sequence-parallel
+  double distributed_timeout_minutes = 10;  ///< --distributed-timeout-minutes
+  int nproc_per_node = 1;                  ///< --nproc-per-node (ours; the local launcher)
+  int data_parallel_size = 1;              ///< derived: world / tensor-model-parallel-size
   // ours
   std::string device = "auto";     ///< --device cpu|cuda|cuda:N|auto (auto = cuda when available)
   bool progress = true;            ///< --no-progress disables the terminal progress line
 
   DType dtype() const { return bf16 ? DType::kBF16 : (fp16 ? DType::kF16 : DType::kF32); }
-  int64_t num_microbatches() const { return global_batch_size / micro_batch_size; }
+  /// Micro-batches per data-parallel rank per iteration.
+  int64_t num_microbatches() const { return global_batch_size / (micro_batch_size * data_parallel_size); }
   LrScheduleConfig lr_schedule() const;
 };
 

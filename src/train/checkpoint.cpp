@@ -1,7 +1,9 @@
 #include "train/checkpoint.h"
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <fmt/ranges.h>
 
 #include <nlohmann/json.hpp>
@@ -15,7 +17,6 @@ namespace {
 
 std::string iter_dir_name(int64_t it) { return fmt::format("iter_{:07d}", it); }
 const char* kTracker = "latest_checkpointed_iteration.txt";
-const char* kRankFile = "rank_00000.bin";
 
 json config_to_json(const GptConfig& c) {
   return json{{"num_layers", c.num_layers},
@@ -53,7 +54,7 @@ GptConfig config_from_json(const json& j) {
 json scalars_to_json(const OptimizerScalars& s) {
   return json{{"loss_scale", s.loss_scale},         {"step", s.step},
               {"growth_tracker", s.growth_tracker}, {"hysteresis_tracker", s.hysteresis_tracker},
-              {"skipped_iters", s.skipped_iters},   {"grad_norm", s.grad_norm}};
+              {"skipped_iters", s.skipped_iters},   {"grad_norm", std::isfinite(s.grad_norm) ? s.grad_norm : -1.f}};
 }
 
 OptimizerScalars scalars_from_json(const json& j) {
@@ -88,21 +89,23 @@ struct TensorRef {
   std::string name;
   Tensor t;  // fp32, on device
   std::vector<int64_t> global_shape;
+  ShardOffset shard;
 };
 
 std::vector<TensorRef> checkpoint_tensors(const ParamStore& params, const AdamWOptimizer* opt) {
   std::vector<TensorRef> out;
   for (size_t i = 0; i < params.size(); ++i) {
     const auto& info = params.info(i);
-    out.push_back({"model/" + info.name, params.main(i), info.global_shape});
+    out.push_back({"model/" + info.name, params.main(i), info.global_shape, info.shard});
   }
   if (opt) {
     for (size_t i = 0; i < params.size(); ++i) {
       const auto& info = params.info(i);
       out.push_back({"optim/exp_avg/" + info.name, opt->exp_avg().flat_range(info.offset, info.numel).view(info.shape),
-                     info.global_shape});
+                     info.global_shape, info.shard});
       out.push_back({"optim/exp_avg_sq/" + info.name,
-                     opt->exp_avg_sq().flat_range(info.offset, info.numel).view(info.shape), info.global_shape});
+                     opt->exp_avg_sq().flat_range(info.offset, info.numel).view(info.shape), info.global_shape,
+                     info.shard});
     }
   }
   return out;
@@ -110,65 +113,113 @@ std::vector<TensorRef> checkpoint_tensors(const ParamStore& params, const AdamWO
 
 }  // namespace
 
+namespace {
+std::string rank_file(int tp_rank) { return fmt::format("rank_{:05d}.bin", tp_rank); }
+
+// Shard entries of one TP rank's file, in write order, with byte offsets.
+struct ShardEntry {
+  std::string name;
+  std::vector<int64_t> global_shape, shape, global_offset;
+  uint64_t offset_bytes;
+};
+std::vector<ShardEntry> shard_entries(const std::vector<ParamSpec>& specs, bool with_optimizer) {
+  // Same order as checkpoint_tensors(): every model tensor, then per parameter its two moments.
+  std::vector<ShardEntry> out;
+  uint64_t off = 0;
+  auto add = [&](const std::string& prefix, const ParamSpec& sp) {
+    std::vector<int64_t> gshape = sp.global_shape.empty() ? sp.shape : sp.global_shape;
+    std::vector<int64_t> goff = sp.shape.size() >= 2 ? std::vector<int64_t>{sp.shard.row_offset, sp.shard.col_offset}
+                                                     : std::vector<int64_t>{sp.shard.col_offset};
+    int64_t numel = 1;
+    for (auto d : sp.shape) numel *= d;
+    out.push_back({prefix + sp.name, gshape, sp.shape, goff, off});
+    off += static_cast<uint64_t>(numel) * 4;
+  };
+  for (const auto& sp : specs) add("model/", sp);
+  if (with_optimizer) {
+    for (const auto& sp : specs) {
+      add("optim/exp_avg/", sp);
+      add("optim/exp_avg_sq/", sp);
+    }
+  }
+  return out;
+}
+}  // namespace
+
 void save_checkpoint(const std::string& dir, const CheckpointState& state, const ParamStore& params,
-                     const AdamWOptimizer* optimizer, const Stream& stream) {
-  std::error_code ec;
-  fs::create_directories(dir, ec);
-  MT_REQUIRE(!ec && fs::is_directory(dir), "--save directory '{}' cannot be created: {}", dir, ec.message());
+                     const AdamWOptimizer* optimizer, const CheckpointWriter& w, const Stream& stream) {
+  const bool rank0 = w.world->rank() == 0;
   const fs::path final_dir = fs::path(dir) / iter_dir_name(state.iteration);
   const fs::path tmp_dir = fs::path(dir) / (iter_dir_name(state.iteration) + ".tmp");
-  fs::remove_all(tmp_dir, ec);
-  fs::create_directories(tmp_dir, ec);
-  MT_REQUIRE(!ec, "cannot create checkpoint directory '{}': {}", tmp_dir.string(), ec.message());
-
-  json tensors = json::array();
-  {
-    const fs::path bin = tmp_dir / kRankFile;
+  std::error_code ec;
+  if (rank0) {
+    fs::create_directories(dir, ec);
+    MT_REQUIRE(!ec && fs::is_directory(dir), "--save directory '{}' cannot be created: {}", dir, ec.message());
+    fs::remove_all(tmp_dir, ec);
+    fs::create_directories(tmp_dir, ec);
+    MT_REQUIRE(!ec, "cannot create checkpoint directory '{}': {}", tmp_dir.string(), ec.message());
+  }
+  w.world->barrier();
+  if (w.dp_rank == 0) {  // data-parallel replicas hold identical state; one of them writes
+    const fs::path bin = tmp_dir / rank_file(w.tp_rank);
     std::ofstream f(bin, std::ios::binary | std::ios::trunc);
     MT_REQUIRE(f.good(), "cannot write checkpoint file '{}'", bin.string());
     std::vector<char> host;
-    uint64_t offset = 0;
     for (const auto& ref : checkpoint_tensors(params, optimizer)) {
       host.resize(ref.t.nbytes());
       copy_bytes(host.data(), Device::cpu(), ref.t.data(), ref.t.device(), host.size(), stream);
       stream.synchronize();
       f.write(host.data(), static_cast<std::streamsize>(host.size()));
-      std::vector<int64_t> zeros(ref.global_shape.size(), 0);
-      tensors.push_back({{"name", ref.name},
-                         {"dtype", "fp32"},
-                         {"global_shape", ref.global_shape},
-                         {"shards", json::array({json{{"rank", 0},
-                                                      {"file", kRankFile},
-                                                      {"offset_bytes", offset},
-                                                      {"shape", ref.t.shape()},
-                                                      {"global_offset", zeros}}})}});
-      offset += host.size();
     }
     f.flush();
     MT_REQUIRE(f.good(), "error writing checkpoint file '{}' (disk full?)", bin.string());
   }
-  json meta{{"format", "megatron.cpp-checkpoint"},
-            {"version", 1},
-            {"iteration", state.iteration},
-            {"consumed_train_samples", state.consumed_train_samples},
-            {"seed", state.seed},
-            {"world_size", 1},
-            {"model", config_to_json(state.model)},
-            {"scalars", scalars_to_json(state.scalars)},
-            {"has_optimizer", optimizer != nullptr},
-            {"tensors", tensors}};
-  write_file_atomic(tmp_dir / "metadata.json", meta.dump(1));
-  // Replace any previous checkpoint of the same iteration only after the new one is complete.
-  if (fs::exists(final_dir)) {
-    const fs::path old = fs::path(dir) / (iter_dir_name(state.iteration) + ".old");
-    fs::remove_all(old, ec);
-    fs::rename(final_dir, old);
-    fs::rename(tmp_dir, final_dir);
-    fs::remove_all(old, ec);
-  } else {
-    fs::rename(tmp_dir, final_dir);
+  w.world->barrier();
+  if (rank0) {
+    std::map<std::string, json> by_name;
+    std::vector<std::string> order;
+    for (int r = 0; r < w.tp; ++r) {
+      for (const auto& e : shard_entries(w.specs_of(r), optimizer != nullptr)) {
+        auto [it, fresh] = by_name.try_emplace(e.name);
+        if (fresh) {
+          order.push_back(e.name);
+          it->second = {{"name", e.name}, {"dtype", "fp32"}, {"global_shape", e.global_shape}, {"shards", json::array()}};
+        }
+        // A replicated tensor is stored by every TP rank; keep the copy of TP rank 0.
+        if (!fresh && e.shape == e.global_shape) continue;
+        it->second["shards"].push_back({{"rank", r},
+                                        {"file", rank_file(r)},
+                                        {"offset_bytes", e.offset_bytes},
+                                        {"shape", e.shape},
+                                        {"global_offset", e.global_offset}});
+      }
+    }
+    json tensors = json::array();
+    for (const auto& n : order) tensors.push_back(by_name[n]);
+    json meta{{"format", "megatron.cpp-checkpoint"},
+              {"version", 1},
+              {"iteration", state.iteration},
+              {"consumed_train_samples", state.consumed_train_samples},
+              {"seed", state.seed},
+              {"tensor_model_parallel_size", w.tp},
+              {"model", config_to_json(state.model)},
+              {"scalars", scalars_to_json(state.scalars)},
+              {"has_optimizer", optimizer != nullptr},
+              {"tensors", tensors}};
+    write_file_atomic(tmp_dir / "metadata.json", meta.dump(1));
+    // Replace any previous checkpoint of the same iteration only after the new one is complete.
+    if (fs::exists(final_dir)) {
+      const fs::path old = fs::path(dir) / (iter_dir_name(state.iteration) + ".old");
+      fs::remove_all(old, ec);
+      fs::rename(final_dir, old);
+      fs::rename(tmp_dir, final_dir);
+      fs::remove_all(old, ec);
+    } else {
+      fs::rename(tmp_dir, final_dir);
+    }
+    write_file_atomic(fs::path(dir) / kTracker, std::to_string(state.iteration) + "\n");
   }
-  write_file_atomic(fs::path(dir) / kTracker, std::to_string(state.iteration) + "\n");
+  w.world->barrier();
 }
 
 std::optional<int64_t> latest_checkpoint_iteration(const std::string& dir) {
@@ -239,11 +290,8 @@ CheckpointState load_checkpoint(const std::string& dir, ParamStore& params, Adam
                iter_path.string());
     std::unordered_map<std::string, const json*> by_name;
     for (const auto& t : meta.at("tensors")) by_name[t.at("name").get<std::string>()] = &t;
-    const fs::path bin = iter_path / kRankFile;
-    std::ifstream f(bin, std::ios::binary);
-    MT_REQUIRE(f.good(), "checkpoint data file '{}' is missing", bin.string());
-    const uint64_t file_size = fs::file_size(bin);
-    std::vector<char> host;
+    std::map<std::string, std::ifstream> files;
+    std::vector<float> host;
     for (const auto& ref : checkpoint_tensors(params, optimizer)) {
       auto it = by_name.find(ref.name);
       MT_REQUIRE(it != by_name.end(), "checkpoint '{}' has no tensor '{}'", iter_path.string(), ref.name);
@@ -251,15 +299,43 @@ CheckpointState load_checkpoint(const std::string& dir, ParamStore& params, Adam
       auto gshape = t.at("global_shape").get<std::vector<int64_t>>();
       MT_REQUIRE(gshape == ref.global_shape, "tensor '{}' has shape [{}] in the checkpoint but [{}] in the model",
                  ref.name, fmt::join(gshape, ", "), fmt::join(ref.global_shape, ", "));
-      const json& shard = t.at("shards").at(0);
-      const uint64_t off = shard.at("offset_bytes").get<uint64_t>();
-      MT_REQUIRE(off + ref.t.nbytes() <= file_size, "checkpoint file '{}' is truncated ({} bytes, tensor '{}' needs "
-                 "bytes [{}, {}))", bin.string(), file_size, ref.name, off, off + ref.t.nbytes());
-      host.resize(ref.t.nbytes());
-      f.seekg(static_cast<std::streamoff>(off));
-      f.read(host.data(), static_cast<std::streamsize>(host.size()));
-      MT_REQUIRE(f.good(), "error reading '{}' from '{}'", ref.name, bin.string());
-      copy_bytes(ref.t.data(), ref.t.device(), host.data(), Device::cpu(), host.size(), stream);
+      // This rank's box in global coordinates, as [rows, cols] (1-D tensors are one row).
+      const bool two_d = ref.global_shape.size() >= 2;
+      const int64_t lrows = two_d ? ref.t.size(0) : 1, lcols = ref.t.numel() / std::max<int64_t>(lrows, 1);
+      const int64_t r0 = two_d ? ref.shard.row_offset : 0, c0 = ref.shard.col_offset;
+      host.assign(static_cast<size_t>(ref.t.numel()), 0.f);
+      int64_t filled = 0;
+      for (const auto& shard : t.at("shards")) {
+        auto sshape = shard.at("shape").get<std::vector<int64_t>>();
+        auto soff = shard.at("global_offset").get<std::vector<int64_t>>();
+        const int64_t srows = two_d ? sshape[0] : 1;
+        int64_t snumel = 1;
+        for (auto d : sshape) snumel *= d;
+        const int64_t scols = snumel / std::max<int64_t>(srows, 1);
+        const int64_t sr0 = two_d ? soff[0] : 0, sc0 = two_d ? soff[1] : soff[0];
+        const int64_t rb = std::max(r0, sr0), re = std::min(r0 + lrows, sr0 + srows);
+        const int64_t cb = std::max(c0, sc0), ce = std::min(c0 + lcols, sc0 + scols);
+        if (rb >= re || cb >= ce) continue;
+        const std::string file = shard.at("file").get<std::string>();
+        auto& f = files[file];
+        if (!f.is_open()) {
+          f.open(iter_path / file, std::ios::binary);
+          MT_REQUIRE(f.good(), "checkpoint data file '{}' is missing", (iter_path / file).string());
+        }
+        const uint64_t base = shard.at("offset_bytes").get<uint64_t>();
+        for (int64_t r = rb; r < re; ++r) {
+          const uint64_t off = base + static_cast<uint64_t>(((r - sr0) * scols + (cb - sc0)) * 4);
+          f.seekg(static_cast<std::streamoff>(off));
+          f.read(reinterpret_cast<char*>(host.data() + (r - r0) * lcols + (cb - c0)),
+                 static_cast<std::streamsize>((ce - cb) * 4));
+          MT_REQUIRE(f.good(), "checkpoint file '{}' is truncated: tensor '{}' needs bytes at {}",
+                     (iter_path / file).string(), ref.name, off);
+        }
+        filled += (re - rb) * (ce - cb);
+      }
+      MT_REQUIRE(filled == ref.t.numel(), "checkpoint '{}' does not cover tensor '{}' (got {} of {} elements)",
+                 iter_path.string(), ref.name, filled, ref.t.numel());
+      copy_bytes(ref.t.data(), ref.t.device(), host.data(), Device::cpu(), host.size() * 4, stream);
       stream.synchronize();
     }
   } catch (const nlohmann::json::exception& e) {

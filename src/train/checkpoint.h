@@ -9,8 +9,12 @@
 // "optim/exp_avg_sq/<name>"), the optimizer/loss-scaler scalars, iteration, consumed samples
 // (data position) and the seed (the RNG is counter-based, so iteration + seed is its position).
 #pragma once
+#include <functional>
+#include <memory>
 #include <optional>
 #include <string>
+
+#include "comm/communicator.h"
 
 #include "model/config.h"
 #include "model/params.h"
@@ -26,10 +30,20 @@ struct CheckpointState {
   OptimizerScalars scalars{};
 };
 
+/// Who writes what: with tensor parallelism each TP rank of data-parallel rank 0 writes its own
+/// shards to rank_<tp rank>.bin; world rank 0 writes metadata.json, describing the shards of
+/// every TP rank (specs_of(r) = the parameter specs of TP rank r), renames the directory and
+/// updates the tracker. Collective over `world` (a size-1 group when training on one device).
+struct CheckpointWriter {
+  std::shared_ptr<Communicator> world;
+  int tp = 1, tp_rank = 0, dp_rank = 0;
+  std::function<std::vector<ParamSpec>(int tp_rank)> specs_of;
+};
+
 /// Writes <dir>/iter_%07d/ and updates the tracker file. Errors: mt::Error naming the path when
 /// the directory cannot be created or written.
 void save_checkpoint(const std::string& dir, const CheckpointState& state, const ParamStore& params,
-                     const AdamWOptimizer* optimizer, const Stream& stream);
+                     const AdamWOptimizer* optimizer, const CheckpointWriter& writer, const Stream& stream);
 
 /// Iteration named by <dir>/latest_checkpointed_iteration.txt, or nullopt when the file is
 /// absent. Errors on an unreadable or malformed tracker.
@@ -40,8 +54,9 @@ std::optional<int64_t> latest_checkpoint_iteration(const std::string& dir);
 CheckpointState read_checkpoint_state(const std::string& dir);
 
 /// Loads parameters (and, when optimizer != nullptr, moments and scalars) of the latest
-/// checkpoint into `params` (whose layout must match: names and shapes are checked, a mismatch
-/// names the tensor and both shapes). Returns the checkpoint's state.
+/// checkpoint into `params`, whatever tensor-parallel layout wrote it: each local shard is
+/// assembled from the intersecting saved shards (global shapes are checked, a mismatch names
+/// the tensor and both shapes; a region no saved shard covers is an error). Returns the state.
 CheckpointState load_checkpoint(const std::string& dir, ParamStore& params, AdamWOptimizer* optimizer,
                                 const Stream& stream);
 

@@ -9,7 +9,9 @@
 #include <memory>
 #include <optional>
 
+#include "comm/bootstrap.h"
 #include "core/logging.h"
+#include "parallel/process_groups.h"
 #include "data/gpt2_tokenizer.h"
 #include "data/gpt_window_dataset.h"
 #include "data/indexed_dataset.h"
@@ -161,8 +163,16 @@ class ProgressLine {
 }  // namespace
 
 int run_pretrain(PretrainArgs args) {
-  const Device device = resolve_device(args.device);
+  const LaunchEnv env = read_launch_env();
+  Device device = resolve_device(args.device);
+  if (device.is_cuda() && env.world_size > 1) device = local_device(DeviceType::kCUDA, env);  // GPU = LOCAL_RANK
   set_current_device(device);
+  const std::shared_ptr<Communicator> world = init_world(device, env, args.distributed_timeout_minutes);
+  if (world->rank() != 0) set_log_level(LogLevel::kWarn);  // rank 0 logs
+  ParallelConfig pc;
+  pc.tp = args.tensor_model_parallel_size;
+  validate_and_derive(pc, world->size());
+  args.data_parallel_size = pc.dp;
   MT_REQUIRE(device.is_cuda() || args.dtype() == DType::kF32,
              "--{} needs a CUDA device; the CPU backend trains in fp32", args.bf16 ? "bf16" : "fp16");
 
@@ -180,7 +190,7 @@ int run_pretrain(PretrainArgs args) {
   }
   validate_pretrain_args(args);
   if (resume) check_resume_config(resume->model, args.model);
-  if (!args.save.empty()) {  // fail early on an unwritable --save, before any training
+  if (!args.save.empty() && world->rank() == 0) {  // fail early on an unwritable --save
     std::error_code ec;
     std::filesystem::create_directories(args.save, ec);
     const auto probe = std::filesystem::path(args.save) / ".write_test";
@@ -193,14 +203,17 @@ int run_pretrain(PretrainArgs args) {
 
   Datasets data = build_datasets(args);
   Stream stream(device);
-  GptModel model(args.model, args.micro_batch_size, args.dtype(), device, ProcessGroups::single());
+  const ProcessGroups groups = build_process_groups(world, pc);
+  if (world->size() > 1) log_info("{}", layout_table(pc));
+  const int dp_rank = groups.dp->rank();
+  GptModel model(args.model, args.micro_batch_size, args.dtype(), device, groups, args.sequence_parallel, pc.dp);
   const auto& cfg = model.config();
   log_info("> model: GPT {} layers, hidden {}, heads {}, ffn {}, seq {}, vocab {} (padded {}), {:.2f}M parameters, "
            "{} on {}; activations {:.1f} MiB",
            cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.ffn(), cfg.seq_length, cfg.vocab_size,
            model.padded_vocab(), model.params().num_parameters() / 1e6, dtype_name(args.dtype()), device.str(),
            model.activation_bytes() / 1048576.0);
-  AdamWOptimizer optimizer(model.params(), args.optim, stream);
+  AdamWOptimizer optimizer(model.params(), args.optim, stream, {groups.dp, groups.mp, groups.tp->rank()});
 
   int64_t iteration = 0, consumed = 0;
   if (resume) {
@@ -216,7 +229,9 @@ int run_pretrain(PretrainArgs args) {
 
   const int64_t M = args.num_microbatches();
   const int64_t tokens_per_micro = cfg.seq_length * args.micro_batch_size;
-  const float loss_weight = 1.0f / static_cast<float>(tokens_per_micro * M);
+  // Each rank's share of the global mean loss: summed over DP it is the mean over all tokens.
+  const float loss_weight = 1.0f / static_cast<float>(tokens_per_micro * M * pc.dp);
+  const int64_t dp_sample_offset = dp_rank * M * args.micro_batch_size;  // this rank's slice of a batch
   const LrScheduleConfig sched = args.lr_schedule();
 
   // Per-iteration losses of the current log interval live on the device; read at log time.
@@ -232,22 +247,24 @@ int run_pretrain(PretrainArgs args) {
 
   auto save = [&](int64_t it) {
     CheckpointState st{it, consumed, args.seed, cfg, optimizer.read_scalars_sync(stream)};
-    save_checkpoint(args.save, st, model.params(), &optimizer, stream);
+    CheckpointWriter writer{world, pc.tp, groups.tp->rank(), dp_rank,
+                            [&](int r) { return GptModel::param_specs(cfg, pc.tp, r); }};
+    save_checkpoint(args.save, st, model.params(), &optimizer, writer, stream);
     log_info("  successfully saved checkpoint at iteration {:7d} to {}", it, args.save);
   };
 
   auto evaluate = [&](int64_t it) -> std::optional<EvalResult> {
     if (!data.valid) return std::nullopt;
     fill(eval_loss, 0.f, stream);
-    const int64_t per_iter = M * args.micro_batch_size;
     for (int64_t e = 0; e < args.eval_iters; ++e) {
-      stager.stage(*valid_sampler, e * per_iter, stream);
+      stager.stage(*valid_sampler, e * args.global_batch_size + dp_sample_offset, stream);
       for (int64_t m = 0; m < M; ++m) {
         DropoutContext dc{args.seed, static_cast<uint64_t>(it), static_cast<uint32_t>(m), false};
         model.forward(stager.micro_batch(m), dc, eval_loss, loss_weight / static_cast<float>(args.eval_iters),
                       stream);
       }
     }
+    groups.dp->all_reduce(eval_loss, ReduceOp::kSum, stream);
     float host = 0;
     copy_bytes(&host, Device::cpu(), eval_loss.data(), device, 4, stream);
     stream.synchronize();
@@ -273,11 +290,12 @@ int run_pretrain(PretrainArgs args) {
   t_last = std::chrono::steady_clock::now();
   while (iteration < args.train_iters) {
     const float lr = static_cast<float>(learning_rate(sched, iteration));
-    stager.stage(train_sampler, consumed, stream);
+    stager.stage(train_sampler, consumed + dp_sample_offset, stream);
     std::vector<MicroBatch> mbs;
     for (int64_t m = 0; m < M; ++m) mbs.push_back(stager.micro_batch(m));
-    train_step(model, optimizer, mbs, {args.seed, iteration, lr, loss_weight}, losses.flat_range(iters_since_log, 1),
-               stream);
+    train_step(model, optimizer, mbs,
+               {args.seed, iteration, lr, loss_weight, static_cast<uint32_t>(dp_rank * M)},
+               losses.flat_range(iters_since_log, 1), stream);
     ++iteration;
     ++iters_since_log;
     consumed += args.global_batch_size;
@@ -285,6 +303,7 @@ int run_pretrain(PretrainArgs args) {
 
     if (iteration % args.log_interval == 0 || iteration == args.train_iters) {
       std::vector<float> host(static_cast<size_t>(iters_since_log));
+      groups.dp->all_reduce(losses, ReduceOp::kSum, stream);
       copy_bytes(host.data(), Device::cpu(), losses.data(), device, host.size() * 4, stream);
       const OptimizerScalars sc = optimizer.read_scalars_sync(stream);  // synchronizes
       const auto now = std::chrono::steady_clock::now();
@@ -300,7 +319,7 @@ int run_pretrain(PretrainArgs args) {
         }
       }
       const double tokens_per_s = args.global_batch_size * cfg.seq_length / (ms / 1e3);
-      const double tflops = flops_iter / (ms / 1e3) / 1e12;
+      const double tflops = flops_iter / (ms / 1e3) / 1e12 / world->size();  // per GPU
       progress.clear();
       std::string line = fmt::format(
           " [{}] iteration {:8d}/{:8d} | consumed samples: {:12d} | elapsed time per iteration (ms): {:.1f} | "

@@ -1,0 +1,134 @@
+// `megatron pretrain` under several parallel layouts on CPU (ranks started by our local launcher,
+// which runs mpiexec for CPU): the losses of every iteration equal the single-rank run, and a
+// checkpoint written under TP 2 resumes under TP 1 (and vice versa) on the same loss curve.
+#include <gtest/gtest.h>
+
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <regex>
+
+namespace fs = std::filesystem;
+
+namespace {
+
+struct RunResult {
+  int rc;
+  std::string out;
+};
+
+RunResult run(const std::string& args) {
+  const char* bin = std::getenv("MT_MEGATRON_BIN");
+  std::string cmd = std::string(bin ? bin : "megatron") + " " + args + " 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  std::string out;
+  std::array<char, 4096> buf;
+  size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) out.append(buf.data(), n);
+  return {WEXITSTATUS(pclose(p)), out};
+}
+
+std::map<int, double> losses(const std::string& out) {
+  std::map<int, double> v;
+  std::regex re("iteration +([0-9]+)/ *[0-9]+ .*lm loss: ([0-9.E+-]+)");
+  for (std::sregex_iterator it(out.begin(), out.end(), re), end; it != end; ++it)
+    v[std::stoi((*it)[1].str())] = std::stod((*it)[2].str());
+  return v;
+}
+
+std::string data_dir() {
+  const char* d = std::getenv("MT_DATA_DIR");
+  if (d) return d;
+  const char* s = std::getenv("MT_SOURCE_DIR");
+  return std::string(s ? s : ".") + "/data";
+}
+
+class TrainerLayouts : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    data_ = data_dir();
+    if (!fs::exists(data_ + "/gpt2/encoder.json") || !fs::exists(data_ + "/moby-dick/data.txt"))
+      GTEST_SKIP() << "demo data missing: run tools/fetch_demo_data.sh " << data_;
+    dir_ = fs::temp_directory_path() / ("mt_layouts_" + std::to_string(getpid()));
+    fs::create_directories(dir_);
+    tok_ = "--vocab-file " + data_ + "/gpt2/encoder.json --merge-file " + data_ + "/gpt2/vocab.bpe";
+    if (!fs::exists(dir_ / "moby_text_document.idx")) {
+      RunResult r = run("preprocess-data --input " + data_ + "/moby-dick/data.txt --output-prefix " +
+                        (dir_ / "moby").string() + " --append-eod " + tok_);
+      ASSERT_EQ(r.rc, 0) << r.out;
+    }
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  std::string flags(const std::string& extra) const {
+    // Dropout on: the masks must not depend on the layout either. Vocabulary padded to a multiple
+    // of 64 x TP: 50304 for TP 1 and 2 alike (Megatron pads per TP size; a different padding is a
+    // different model).
+    return "pretrain --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
+           "--max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 8 --lr 3e-3 --min-lr 3e-4 "
+           "--lr-decay-style cosine --lr-warmup-iters 1 --lr-decay-iters 6 --log-interval 1 --eval-iters 0 "
+           "--adam-eps 1e-5 --device cpu --no-progress --make-vocab-size-divisible-by 64 "
+           "--data-path " + (dir_ / "moby_text_document").string() + " " + tok_ + " " + extra;
+  }
+  void expect_same(const std::map<int, double>& a, const std::map<int, double>& b, const std::string& what) {
+    ASSERT_EQ(a.size(), b.size()) << what;
+    for (const auto& [it, l] : b) EXPECT_NEAR(a.at(it), l, 2e-5 * l) << what << " iteration " << it;
+  }
+  std::string data_, tok_;
+  fs::path dir_;
+};
+
+TEST_F(TrainerLayouts, ParallelLayoutsMatchOneRank) {
+  RunResult ref = run(flags("--train-iters 4"));
+  ASSERT_EQ(ref.rc, 0) << ref.out;
+  const auto ref_losses = losses(ref.out);
+  ASSERT_EQ(ref_losses.size(), 4u) << ref.out;
+  for (const std::string layout : {"--nproc-per-node 2 --tensor-model-parallel-size 2",
+                                   "--nproc-per-node 2 --tensor-model-parallel-size 2 --sequence-parallel",
+                                   "--nproc-per-node 2", "--nproc-per-node 4 --tensor-model-parallel-size 2"}) {
+    RunResult r = run(flags("--train-iters 4 " + layout));
+    ASSERT_EQ(r.rc, 0) << layout << "\n" << r.out;
+    EXPECT_NE(r.out.find("parallel layout"), std::string::npos) << r.out;
+    expect_same(losses(r.out), ref_losses, layout);
+  }
+}
+
+TEST_F(TrainerLayouts, CheckpointReshardsAcrossTensorParallelSizes) {
+  RunResult full = run(flags("--train-iters 6"));
+  ASSERT_EQ(full.rc, 0) << full.out;
+  const auto full_losses = losses(full.out);
+  // Save under TP 2, resume under TP 1.
+  const std::string ck = (dir_ / "ck_tp2").string();
+  RunResult a = run(flags("--train-iters 6 --exit-interval 3 --save " + ck +
+                          " --nproc-per-node 2 --tensor-model-parallel-size 2"));
+  ASSERT_EQ(a.rc, 0) << a.out;
+  RunResult b = run(flags("--train-iters 6 --load " + ck + " --save " + ck));
+  ASSERT_EQ(b.rc, 0) << b.out;
+  auto l = losses(a.out);
+  for (auto [k, v] : losses(b.out)) l[k] = v;
+  expect_same(l, full_losses, "tp2 -> tp1");
+  // And back: save under TP 1, resume under TP 2 with sequence parallelism.
+  const std::string ck1 = (dir_ / "ck_tp1").string();
+  RunResult c = run(flags("--train-iters 6 --exit-interval 3 --save " + ck1));
+  ASSERT_EQ(c.rc, 0) << c.out;
+  RunResult d = run(flags("--train-iters 6 --load " + ck1 + " --save " + ck1 +
+                          " --nproc-per-node 2 --tensor-model-parallel-size 2 --sequence-parallel"));
+  ASSERT_EQ(d.rc, 0) << d.out;
+  l = losses(c.out);
+  for (auto [k, v] : losses(d.out)) l[k] = v;
+  expect_same(l, full_losses, "tp1 -> tp2 sp");
+}
+
+TEST_F(TrainerLayouts, BadLayoutErrors) {
+  RunResult r = run(flags("--train-iters 2 --nproc-per-node 2 --tensor-model-parallel-size 3"));
+  EXPECT_NE(r.rc, 0);
+  EXPECT_NE(r.out.find("world size 2 is not divisible by tp (3)"), std::string::npos) << r.out;
+  r = run(flags("--train-iters 2 --nproc-per-node 2 --tensor-model-parallel-size 2 --num-attention-heads 3 "
+                "--hidden-size 33"));
+  EXPECT_NE(r.rc, 0);
+  EXPECT_NE(r.out.find("not divisible by tensor parallel size 2"), std::string::npos) << r.out;
+  r = run(flags("--train-iters 2 --nproc-per-node 2 --global-batch-size 6 --micro-batch-size 4"));
+  EXPECT_NE(r.rc, 0);
+  EXPECT_NE(r.out.find("data-parallel size 2"), std::string::npos) << r.out;
+}
+
+}  // namespace
