@@ -58,6 +58,26 @@ void check_buffers(const AttentionBuffers& buf, DType act, const AttentionConfig
   }
 }
 
+/// cfg.doc_start (optional): contiguous int32 [b, s] on the device of `like`; on the CPU also
+/// 0 <= doc_start[b, i] <= i (on CUDA the values are trusted: checking them would need a copy).
+void check_doc_start(const AttentionConfig& c, const Tensor& like, const char* op) {
+  const Tensor& t = c.doc_start;
+  if (t.empty()) return;
+  MT_CHECK(t.dtype() == DType::kI32 && t.is_contiguous() && t.ndim() == 2 && t.size(0) == c.batch &&
+               t.size(1) == c.seq,
+           "{}: doc_start is {}, expected a contiguous int32 [b={}, s={}]", op, t.str(), c.batch, c.seq);
+  MT_CHECK(t.device() == like.device(), "{}: doc_start on {} but tensors on {}", op, t.device().str(),
+           like.device().str());
+  if (!t.device().is_cpu()) return;
+  const int32_t* ds = t.data_as<int32_t>();
+  for (int64_t b = 0; b < c.batch; ++b) {
+    for (int64_t i = 0; i < c.seq; ++i) {
+      const int32_t v = ds[b * c.seq + i];
+      MT_CHECK(v >= 0 && v <= i, "{}: doc_start[{}, {}] = {} must be in [0, {}]", op, b, i, v, i);
+    }
+  }
+}
+
 void check_devices(const Tensor& a, const Tensor& b, const AttentionBuffers& buf, const Stream& stream,
                    const char* op) {
   check_same_device({&a, &b, &buf.q, &buf.k, &buf.v, &buf.probs, &buf.scratch, &buf.dq, &buf.dk, &buf.dv});
@@ -82,6 +102,7 @@ void attention_forward(const Tensor& out, const Tensor& qkv, const AttentionBuff
   check_sb_tensor(out, act, cfg, 1, op, "out");
   check_buffers(buf, act, cfg, false, op);
   check_devices(out, qkv, buf, stream, op);
+  check_doc_start(cfg, qkv, op);
   MT_DISPATCH(out.device(), attention_forward, out, qkv, buf, cfg, stream);
 }
 
@@ -95,6 +116,7 @@ void attention_backward(const Tensor& dqkv, const Tensor& dout, const AttentionB
   check_sb_tensor(dout, act, cfg, 1, op, "dout");
   check_buffers(buf, act, cfg, true, op);
   check_devices(dqkv, dout, buf, stream, op);
+  check_doc_start(cfg, dout, op);
   MT_DISPATCH(dout.device(), attention_backward, dqkv, dout, buf, cfg, stream);
 }
 

@@ -2,6 +2,13 @@
 // with the "local" implementation): batched GEMMs plus a fused scale/mask/softmax(/dropout)
 // kernel on CUDA. Flash attention replaces this in a later issue.
 //
+// Optional document-aware causal mask (Megatron --reset-attention-mask, the attention_mask of
+// get_ltor_masks_and_position_ids; computed here as data::get_ltor_masks_and_position_ids's
+// doc_start, data/masks.h): query i of sample b attends to keys j with doc_start[b, i] <= j <= i
+// (block-diagonal causal); without doc_start to all j <= i (plain causal).
+// Example: tokens A B C EOD D E F EOD G H (the EOD belongs to the document it ends) give
+// doc_start = 0 0 0 0 4 4 4 4 8 8: D (position 4) sees only itself, E sees D and E, G sees G.
+//
 // The fused QKV projection output uses Megatron's per-head interleaved layout, so that a
 // column-parallel split over heads keeps each head's q, k, v together:
 //   qkv: [s, b, n, 3, d]  (i.e. [s, b, 3h] with h = n·d, per head: q then k then v)
@@ -22,12 +29,19 @@ struct AttentionConfig {
   DropoutKey dropout_key{};
   int64_t head_offset = 0;  ///< global index of this rank's first head (TP), for layout-invariant dropout
   int64_t total_heads = 0;  ///< global head count (0 = heads)
+  /// Optional document mask: int32 [b, s], contiguous, on the device of qkv; empty = plain causal.
+  /// doc_start[b, i] is the first key position query i may attend to (0 <= doc_start[b, i] <= i).
+  /// Values are checked on the CPU backend; on CUDA they are trusted (only shape/dtype/device are
+  /// validated: reading them would need a device->host copy), out-of-range values give garbage.
+  /// A view only: the caller keeps the memory alive for the forward and the backward.
+  Tensor doc_start;
 };
 
 /// Saved activations and temporaries, planned by the caller from the static arena. All in the act
 /// dtype of qkv and contiguous; only the element count is checked, so e.g. [b·n, s, d] is fine.
 ///   q, k, v: [b, n, s, d]  saved: written by forward, read by backward.
-///   probs:   [b, n, s, s]  saved: softmax output before dropout (0 where j > i).
+///   probs:   [b, n, s, s]  saved: softmax output before dropout (exactly 0 where masked: j > i or
+///            j < doc_start[b, i]).
 ///   scratch: [b, n, s, s]  temporary, need not survive from forward to backward (may be shared
 ///            between layers). Forward, only when dropout_p > 0: the dropped probabilities.
 ///            Backward (always required): the dropped probabilities (recomputed from probs and
@@ -43,13 +57,16 @@ struct AttentionBuffers {
 
 /// out[s, b, n·d] = softmax(scale · q k^T + causal mask) v, per (b, head); qkv [s, b, n, 3, d] or
 /// [s, b, 3·n·d], out [s, b, n·d] or [s, b, n, d]; fp32 (CPU, CUDA), bf16/fp16 (CUDA). Causal:
-/// key j > query i is masked. Softmax in fp32. Dropout (if p > 0) on the probabilities: element
+/// key j > query i is masked, and with cfg.doc_start also j < doc_start[b, i] (masked
+/// probabilities are exactly 0, in the forward and in the backward's gradients). Softmax in fp32. Dropout (if p > 0) on the probabilities: element
 /// (b, head, i, j) has the global flat index g = ((b·total_heads + head_offset + head)·s + i)·s + j
 /// and is kept iff dropout_bits4(key.seed, key.stream_id, key.iteration, key.microbatch, g >> 2)
 /// .v[g & 3] >= dropout_threshold(p) (core/rng.h); kept values are scaled by 1/(1-p). The mask
 /// thus does not depend on how heads are split over ranks.
+/// The dropout draws do not depend on doc_start (masked elements simply stay 0).
 /// Errors: mt::Error for inconsistent shapes/dtypes/devices, p outside [0, 1), head_offset + n >
-/// total_heads, a missing buffer (scratch only needed when p > 0).
+/// total_heads, a missing buffer (scratch only needed when p > 0), doc_start not a contiguous int32
+/// [b, s] on the device of qkv, and (CPU only) a doc_start[b, i] outside [0, i].
 void attention_forward(const Tensor& out, const Tensor& qkv, const AttentionBuffers& buf, const AttentionConfig& cfg,
                        const Stream& stream);
 

@@ -1,9 +1,11 @@
 // CUDA tests of ops/attention.h against the CPU backend on the same (dtype-rounded) random
 // inputs: forward (out, probs, dropped probabilities) and backward (dqkv), with and without
-// dropout, fp32 (rel. err < 1e-5) and bf16/fp16 (< 2e-2). The dropout masks must be
-// bit-identical on both backends (checked element by element on the dropped probabilities).
+// dropout, with and without a document mask (doc_start), fp32 (rel. err < 1e-5) and bf16/fp16
+// (< 2e-2). The dropout masks must be bit-identical on both backends (checked element by element
+// on the dropped probabilities); masked probabilities must be exactly zero.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "ops/attention.h"
@@ -55,7 +57,31 @@ struct Bufs {
   }
 };
 
-void check_attention(Dims z, float p, DType t, double tol, int64_t head_offset = 0, int64_t total_heads = 0) {
+/// Random document starts doc_start [b, s] (ops/attention.h): in every sample but the last (which,
+/// for b > 1, is one document) each position starts a document with probability 1/8, plus a
+/// document of length 1 in the middle and one at the last position. Needs s >= 4.
+std::vector<int32_t> random_doc_start(int64_t s, int64_t b) {
+  std::vector<int32_t> ds(b * s, 0);
+  auto& rng = testing::test_rng();
+  for (int64_t bi = 0; bi < b; ++bi) {
+    if (b > 1 && bi == b - 1) continue;
+    std::vector<bool> starts(s, false);
+    starts[0] = true;
+    for (int64_t j = 1; j < s; ++j) starts[j] = rng() % 8 == 0;
+    const int64_t a = 1 + static_cast<int64_t>(rng() % static_cast<uint64_t>(s - 3));  // in [1, s - 3]
+    starts[a] = starts[a + 1] = true;
+    starts[s - 1] = true;
+    int32_t cur = 0;
+    for (int64_t j = 0; j < s; ++j) {
+      if (starts[j]) cur = static_cast<int32_t>(j);
+      ds[bi * s + j] = cur;
+    }
+  }
+  return ds;
+}
+
+void check_attention(Dims z, float p, DType t, double tol, int64_t head_offset = 0, int64_t total_heads = 0,
+                     bool docs = false) {
   AttentionConfig cfg;
   cfg.seq = z.s;
   cfg.batch = z.b;
@@ -66,8 +92,19 @@ void check_attention(Dims z, float p, DType t, double tol, int64_t head_offset =
   cfg.dropout_key = DropoutKey{testing::test_seed(), 1234, 7, 42};
   cfg.head_offset = head_offset;
   cfg.total_heads = total_heads;
-  const std::string what = fmt::format("{} s={} b={} n={} d={} p={} head_offset={} total_heads={}", dtype_name(t), z.s,
-                                       z.b, z.n, z.d, p, head_offset, total_heads);
+  const std::string what = fmt::format("{} s={} b={} n={} d={} p={} head_offset={} total_heads={} docs={}",
+                                       dtype_name(t), z.s, z.b, z.n, z.d, p, head_offset, total_heads, docs);
+  // doc_start: the same values on both devices (each backend reads its own copy); all zeros
+  // (= no restriction beyond causal) when docs is false, so that j0 below is valid either way.
+  const std::vector<int32_t> hdoc = docs ? random_doc_start(z.s, z.b) : std::vector<int32_t>(z.b * z.s, 0);
+  OwnedTensor cdoc, gdoc;
+  AttentionConfig ccfg = cfg, gcfg = cfg;
+  if (docs) {
+    cdoc = testing::make_int_tensor(hdoc, Device::cpu(), {z.b, z.s}, cpu());
+    gdoc = testing::make_int_tensor(hdoc, Device::cuda(0), {z.b, z.s}, gpu());
+    ccfg.doc_start = cdoc.t;
+    gcfg.doc_start = gdoc.t;
+  }
   const std::vector<int64_t> sqkv{z.s, z.b, z.n, 3, z.d}, sout{z.s, z.b, z.n * z.d};
   auto hqkv = rounded(randn(z.s * z.b * z.n * 3 * z.d), t);
   auto hg = rounded(randn(z.s * z.b * z.n * z.d), t);
@@ -77,9 +114,9 @@ void check_attention(Dims z, float p, DType t, double tol, int64_t head_offset =
   auto cdout = make_tensor(hg, DType::kF32, Device::cpu(), sout, cpu());
   OwnedTensor cout_(DType::kF32, Device::cpu(), sout), cdqkv(DType::kF32, Device::cpu(), sqkv);
   Bufs cb(z, DType::kF32, Device::cpu());
-  attention_forward(cout_, cqkv, cb.view(), cfg, cpu());
+  attention_forward(cout_, cqkv, cb.view(), ccfg, cpu());
   auto c_dropped = to_host(cb.scratch, cpu());
-  attention_backward(cdqkv, cdout, cb.view(), cfg, cpu());
+  attention_backward(cdqkv, cdout, cb.view(), ccfg, cpu());
 
   // CUDA.
   auto gqkv = make_tensor(hqkv, t, Device::cuda(0), sqkv, gpu());
@@ -88,21 +125,30 @@ void check_attention(Dims z, float p, DType t, double tol, int64_t head_offset =
   Bufs gb(z, t, Device::cuda(0));
   gb.poison_all(gpu());
   poison(gout, gpu());
-  attention_forward(gout, gqkv, gb.view(), cfg, gpu());
+  attention_forward(gout, gqkv, gb.view(), gcfg, gpu());
   EXPECT_LT(rel_err(to_host(gout, gpu()), to_host(cout_, cpu())), tol) << what;
   auto g_probs = to_host(gb.probs, gpu()), c_probs = to_host(cb.probs, cpu());
   EXPECT_LT(rel_err(g_probs, c_probs), tol) << what;
   EXPECT_EQ(to_host(gb.q, gpu()), to_host(cb.q, cpu())) << what;  // pure permutes: exact
   EXPECT_EQ(to_host(gb.v, gpu()), to_host(cb.v, cpu())) << what;
+  // Masked probabilities (j < doc_start[b, i] or j > i) are exactly zero on the GPU.
+  int64_t nonzero_masked = 0;
+  for (int64_t r = 0; r < z.b * z.n * z.s; ++r) {
+    const int64_t i = r % z.s, j0 = hdoc[(r / (z.n * z.s)) * z.s + i];
+    for (int64_t j = 0; j < z.s; ++j)
+      if (j < j0 || j > i) nonzero_masked += g_probs[r * z.s + j] != 0.f;
+  }
+  EXPECT_EQ(nonzero_masked, 0) << what;
   if (p > 0) {
     auto g_dropped = to_host(gb.scratch, gpu());
     EXPECT_LT(rel_err(g_dropped, c_dropped), tol) << what;
     // Bit-identical masks: an element is dropped on the GPU iff it is dropped on the CPU
     // (probabilities are far from underflow for these inputs, so 0 <=> dropped or masked).
-    int64_t mismatches = 0, dropped = 0, unmasked = 0;
+    int64_t mismatches = 0, dropped = 0, unmasked = 0, dropped_masked = 0;
     for (int64_t r = 0; r < z.b * z.n * z.s; ++r) {
-      const int64_t i = r % z.s;
-      for (int64_t j = 0; j <= i; ++j) {
+      const int64_t i = r % z.s, j0 = hdoc[(r / (z.n * z.s)) * z.s + i];
+      for (int64_t j = 0; j < j0; ++j) dropped_masked += g_dropped[r * z.s + j] != 0.f;
+      for (int64_t j = j0; j <= i; ++j) {
         const int64_t e = r * z.s + j;
         ASSERT_GT(c_probs[e], 0.f) << what;
         mismatches += (g_dropped[e] == 0.f) != (c_dropped[e] == 0.f);
@@ -111,12 +157,15 @@ void check_attention(Dims z, float p, DType t, double tol, int64_t head_offset =
       }
     }
     EXPECT_EQ(mismatches, 0) << what;
-    EXPECT_NEAR(static_cast<double>(dropped) / unmasked, p, 0.05) << what;
+    EXPECT_EQ(dropped_masked, 0) << what;
+    // Binomial: 5 standard deviations, at least 0.05 (document masks leave few draws per row).
+    const double sd = std::sqrt(static_cast<double>(p) * (1.0 - p) / static_cast<double>(unmasked));
+    EXPECT_NEAR(static_cast<double>(dropped) / unmasked, p, std::max(0.05, 5.0 * sd)) << what << " draws " << unmasked;
   }
 
   // Backward: everything but the saved q, k, v, probs is poisoned first.
   for (const OwnedTensor* o : {&gb.scratch, &gb.dq, &gb.dk, &gb.dv, &gdqkv}) poison(*o, gpu());
-  attention_backward(gdqkv, gdout, gb.view(), cfg, gpu());
+  attention_backward(gdqkv, gdout, gb.view(), gcfg, gpu());
   auto g_dqkv = to_host(gdqkv, gpu()), c_dqkv = to_host(cdqkv, cpu());
   EXPECT_LT(rel_err(g_dqkv, c_dqkv), tol) << what;
   // Per component (q, k, v), so that a small one cannot hide behind the others.
@@ -140,6 +189,104 @@ TEST(AttentionCuda, Fp32) {
     check_attention(z, 0.1f, DType::kF32, 1e-5);
   }
   check_attention({33, 2, 3, 8}, 0.3f, DType::kF32, 1e-5, 2, 7);  // heads 2..4 of 7
+}
+
+TEST(AttentionCuda, DocumentMaskFp32) {
+  MT_REQUIRE_CUDA();
+  for (const Dims& z : kSizes) {
+    check_attention(z, 0.f, DType::kF32, 1e-5, 0, 0, true);
+    check_attention(z, 0.1f, DType::kF32, 1e-5, 0, 0, true);
+  }
+  check_attention({33, 3, 3, 8}, 0.3f, DType::kF32, 1e-5, 2, 7, true);  // heads 2..4 of 7
+}
+
+TEST(AttentionCuda, DocumentMaskBf16) {
+  MT_REQUIRE_CUDA();
+  for (const Dims& z : kSizes) {
+    check_attention(z, 0.f, DType::kBF16, 2e-2, 0, 0, true);
+    check_attention(z, 0.1f, DType::kBF16, 2e-2, 0, 0, true);
+  }
+}
+
+TEST(AttentionCuda, DocumentMaskFp16) {
+  MT_REQUIRE_CUDA();
+  check_attention({37, 2, 2, 24}, 0.2f, DType::kF16, 2e-2, 0, 0, true);
+}
+
+/// On the GPU too, an all-zero doc_start (one document per sample) is plain causal, bit for bit.
+TEST(AttentionCuda, DocumentMaskOneDocumentIsCausalBitwise) {
+  MT_REQUIRE_CUDA();
+  const Dims z{45, 2, 3, 16};
+  for (DType t : {DType::kF32, DType::kBF16}) {
+    AttentionConfig cfg;
+    cfg.seq = z.s;
+    cfg.batch = z.b;
+    cfg.heads = z.n;
+    cfg.head_dim = z.d;
+    cfg.softmax_scale = 1.f / std::sqrt(static_cast<float>(z.d));
+    cfg.dropout_p = 0.2f;
+    cfg.dropout_key = DropoutKey{testing::test_seed(), 99, 1, 3};
+    const std::vector<int64_t> sqkv{z.s, z.b, z.n, 3, z.d}, sout{z.s, z.b, z.n * z.d};
+    auto qkv = make_tensor(randn(z.s * z.b * z.n * 3 * z.d), t, Device::cuda(0), sqkv, gpu());
+    auto dout = make_tensor(randn(z.s * z.b * z.n * z.d), t, Device::cuda(0), sout, gpu());
+    auto zeros = testing::make_int_tensor(std::vector<int32_t>(z.b * z.s, 0), Device::cuda(0), {z.b, z.s}, gpu());
+    std::vector<std::vector<float>> res[2];
+    for (int with_doc = 0; with_doc < 2; ++with_doc) {
+      AttentionConfig c = cfg;
+      if (with_doc) c.doc_start = zeros.t;
+      OwnedTensor out(t, Device::cuda(0), sout), dqkv(t, Device::cuda(0), sqkv);
+      Bufs b(z, t, Device::cuda(0));
+      b.poison_all(gpu());
+      poison(out, gpu());
+      poison(dqkv, gpu());
+      attention_forward(out, qkv, b.view(), c, gpu());
+      res[with_doc].push_back(to_host(out, gpu()));
+      res[with_doc].push_back(to_host(b.probs, gpu()));
+      res[with_doc].push_back(to_host(b.scratch, gpu()));
+      attention_backward(dqkv, dout, b.view(), c, gpu());
+      res[with_doc].push_back(to_host(dqkv, gpu()));
+    }
+    for (size_t k = 0; k < res[0].size(); ++k) EXPECT_EQ(res[1][k], res[0][k]) << dtype_name(t) << " output " << k;
+  }
+}
+
+/// On CUDA only the shape, dtype and device of doc_start are validated (values are trusted).
+TEST(AttentionCuda, DocumentMaskErrors) {
+  MT_REQUIRE_CUDA();
+  const Dims z{6, 2, 2, 4};
+  AttentionConfig cfg;
+  cfg.seq = z.s;
+  cfg.batch = z.b;
+  cfg.heads = z.n;
+  cfg.head_dim = z.d;
+  cfg.softmax_scale = 0.5f;
+  const DType t = DType::kF32;
+  auto qkv = make_tensor(randn(z.s * z.b * z.n * 3 * z.d), t, Device::cuda(0), {z.s, z.b, z.n, 3, z.d}, gpu());
+  OwnedTensor out(t, Device::cuda(0), {z.s, z.b, z.n * z.d}), dqkv(t, Device::cuda(0), {z.s, z.b, z.n, 3, z.d});
+  Bufs b(z, t, Device::cuda(0));
+  const std::vector<int32_t> good{0, 0, 2, 2, 2, 5, 0, 1, 1, 3, 3, 3};
+  auto fwd = [&](const Tensor& doc) {
+    AttentionConfig c = cfg;
+    c.doc_start = doc;
+    attention_forward(out, qkv, b.view(), c, gpu());
+    gpu().synchronize();
+  };
+  auto bwd = [&](const Tensor& doc) {
+    AttentionConfig c = cfg;
+    c.doc_start = doc;
+    attention_backward(dqkv, out, b.view(), c, gpu());
+    gpu().synchronize();
+  };
+  auto ok = testing::make_int_tensor(good, Device::cuda(0), {z.b, z.s}, gpu());
+  EXPECT_NO_THROW(fwd(ok));
+  EXPECT_NO_THROW(bwd(ok));
+  EXPECT_THROW(fwd(testing::make_int_tensor(good, Device::cuda(0), {z.s, z.b}, gpu())), Error);
+  EXPECT_THROW(bwd(testing::make_int_tensor(good, Device::cuda(0), {z.s, z.b}, gpu())), Error);
+  EXPECT_THROW(fwd(testing::make_int_tensor(good, Device::cuda(0), {z.b * z.s}, gpu())), Error);
+  EXPECT_THROW(fwd(make_tensor(std::vector<float>(z.b * z.s, 0.f), DType::kF32, Device::cuda(0), {z.b, z.s}, gpu())),
+               Error);
+  EXPECT_THROW(fwd(testing::make_int_tensor(good, Device::cpu(), {z.b, z.s}, cpu())), Error);  // wrong device
+  EXPECT_THROW(bwd(testing::make_int_tensor(good, Device::cpu(), {z.b, z.s}, cpu())), Error);
 }
 
 TEST(AttentionCuda, Bf16) {

@@ -105,9 +105,12 @@ __global__ void bn_to_sb_kernel(T* dst, const T* src0, const T* src1, const T* s
 }
 
 // ---------------------------------------------------------------------------------------------
-// Row kernels: one warp per row (b·n·s rows of length s). Row r = (bn, i) has i + 1 unmasked
-// entries. Dropout draws come in groups of four consecutive global elements (one Philox call),
-// so the writing passes iterate over the groups that overlap the row, one group per lane.
+// Row kernels: one warp per row (b·n·s rows of length s). Row r = (bn, i) has the unmasked
+// entries j0 .. i, j0 = doc_start[b, i] (b = bn / heads) or 0 without a document mask (doc_start
+// == nullptr: plain causal, one predicate per row and no extra load). doc_start values are
+// trusted (ops/attention.h). Dropout draws come in groups of four consecutive global elements
+// (one Philox call), so the writing passes iterate over the groups that overlap the row, one
+// group per lane.
 // ---------------------------------------------------------------------------------------------
 
 /// Calls f(j, keep) for every column j of the row (global elements g0 .. g0 + s - 1), with the
@@ -128,28 +131,35 @@ __device__ __forceinline__ void for_row_groups(const AttnDropout& drop, uint64_t
   }
 }
 
-/// probs[row] = softmax over j <= i of probs[row] (scores, already scaled), 0 for j > i;
+/// First unmasked key of row (bn, i).
+__device__ __forceinline__ int64_t first_key(const int32_t* doc_start, int64_t bn, int64_t i, int64_t heads,
+                                             int64_t s) {
+  return doc_start ? static_cast<int64_t>(doc_start[(bn / heads) * s + i]) : 0;
+}
+
+/// probs[row] = softmax over j0 <= j <= i of probs[row] (scores, already scaled), 0 elsewhere;
 /// dropped[row] = mask · probs / (1 - p) when dropout is enabled.
 template <typename T>
-__global__ void causal_softmax_kernel(T* probs, T* dropped, int64_t rows, int64_t s, AttnDropout drop) {
+__global__ void causal_softmax_kernel(T* probs, T* dropped, const int32_t* doc_start, int64_t rows, int64_t s,
+                                      AttnDropout drop) {
   const int lane = threadIdx.x & 31;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
   if (row >= rows) return;
   const int64_t bn = row / s, i = row - bn * s;
   T* p = probs + row * s;
-  const int64_t len = i + 1;
+  const int64_t j0 = first_key(doc_start, bn, i, drop.heads, s), len = i + 1;
   float mx = -INFINITY;
-  for (int64_t j = lane; j < len; j += 32) mx = fmaxf(mx, to_f(p[j]));
+  for (int64_t j = j0 + lane; j < len; j += 32) mx = fmaxf(mx, to_f(p[j]));
   mx = warp_max(mx);
   float sum = 0.f;
-  for (int64_t j = lane; j < len; j += 32) sum += expf(to_f(p[j]) - mx);
+  for (int64_t j = j0 + lane; j < len; j += 32) sum += expf(to_f(p[j]) - mx);
   sum = warp_sum(sum);
   const float inv = 1.f / sum;
   // Each lane reads and writes only its own columns below, so the in-place update is safe.
   T* dr = dropped ? dropped + row * s : nullptr;
   const uint64_t g0 = drop.enabled ? drop.row_start(bn, i) : static_cast<uint64_t>(row * s);
   for_row_groups(drop, g0, s, lane, [&](int64_t j, bool keep) {
-    const float v = j < len ? expf(to_f(p[j]) - mx) * inv : 0.f;
+    const float v = j >= j0 && j < len ? expf(to_f(p[j]) - mx) * inv : 0.f;
     p[j] = from_f<T>(v);
     if (dr) dr[j] = from_f<T>(keep ? v * drop.inv_keep : 0.f);
   });
@@ -157,38 +167,47 @@ __global__ void causal_softmax_kernel(T* probs, T* dropped, int64_t rows, int64_
 
 /// dropped[row] = mask · probs[row] / (1 - p) (backward recompute of the dropped probabilities).
 template <typename T>
-__global__ void dropout_probs_kernel(T* dropped, const T* probs, int64_t rows, int64_t s, AttnDropout drop) {
+__global__ void dropout_probs_kernel(T* dropped, const T* probs, const int32_t* doc_start, int64_t rows, int64_t s,
+                                     AttnDropout drop) {
   const int lane = threadIdx.x & 31;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
   if (row >= rows) return;
   const int64_t bn = row / s, i = row - bn * s;
+  const int64_t j0 = first_key(doc_start, bn, i, drop.heads, s);
   const T* p = probs + row * s;
   T* dr = dropped + row * s;
   for_row_groups(drop, drop.row_start(bn, i), s, lane, [&](int64_t j, bool keep) {
-    dr[j] = from_f<T>(j <= i && keep ? to_f(p[j]) * drop.inv_keep : 0.f);
+    dr[j] = from_f<T>(j >= j0 && j <= i && keep ? to_f(p[j]) * drop.inv_keep : 0.f);
   });
 }
 
-/// In place on grad: dP = mask · dP_drop / (1 - p); dS = P (dP - sum_j dP P), 0 for j > i.
+/// In place on grad: dP = mask · dP_drop / (1 - p); dS = P (dP - sum_j dP P), 0 outside j0 .. i.
 template <typename T>
-__global__ void causal_softmax_backward_kernel(T* grad, const T* probs, int64_t rows, int64_t s, AttnDropout drop) {
+__global__ void causal_softmax_backward_kernel(T* grad, const T* probs, const int32_t* doc_start, int64_t rows,
+                                               int64_t s, AttnDropout drop) {
   const int lane = threadIdx.x & 31;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
   if (row >= rows) return;
   const int64_t bn = row / s, i = row - bn * s;
+  const int64_t j0 = first_key(doc_start, bn, i, drop.heads, s);
   T* g = grad + row * s;
   const T* p = probs + row * s;
   const uint64_t g0 = drop.enabled ? drop.row_start(bn, i) : static_cast<uint64_t>(row * s);
   float dot = 0.f;
   for_row_groups(drop, g0, s, lane, [&](int64_t j, bool keep) {
-    if (j <= i && keep) dot += to_f(g[j]) * drop.inv_keep * to_f(p[j]);
+    if (j >= j0 && j <= i && keep) dot += to_f(g[j]) * drop.inv_keep * to_f(p[j]);
   });
   dot = warp_sum(dot);
   // Same lane-to-column assignment as above, so every lane reads its columns before writing them.
   for_row_groups(drop, g0, s, lane, [&](int64_t j, bool keep) {
     const float dp = keep ? to_f(g[j]) * drop.inv_keep : 0.f;
-    g[j] = from_f<T>(j <= i ? to_f(p[j]) * (dp - dot) : 0.f);
+    g[j] = from_f<T>(j >= j0 && j <= i ? to_f(p[j]) * (dp - dot) : 0.f);
   });
+}
+
+/// cfg.doc_start as a device pointer, or nullptr for plain causal.
+const int32_t* doc_start_ptr(const AttentionConfig& cfg) {
+  return cfg.doc_start.empty() ? nullptr : cfg.doc_start.data_as<int32_t>();
 }
 
 unsigned row_grid(int64_t rows) { return static_cast<unsigned>((rows + kWarpsPerBlock - 1) / kWarpsPerBlock); }
@@ -216,8 +235,8 @@ void attention_forward(const Tensor& out, const Tensor& qkv, const AttentionBuff
     // scores[bn, s, s] = scale · q k^T, into probs
     bgemm(bn, s, s, d, false, true, act, buf.q.data(), buf.k.data(), buf.probs.data(), cfg.softmax_scale, stream);
     T* dropped = drop.enabled ? buf.scratch.data_as<T>() : nullptr;
-    causal_softmax_kernel<T><<<row_grid(rows), kThreads, 0, cu(stream)>>>(buf.probs.data_as<T>(), dropped, rows, s,
-                                                                           drop);
+    causal_softmax_kernel<T><<<row_grid(rows), kThreads, 0, cu(stream)>>>(buf.probs.data_as<T>(), dropped,
+                                                                           doc_start_ptr(cfg), rows, s, drop);
     MT_CUDA_CHECK_LAUNCH();
     // context[bn, s, d] = P_drop v, into dq; then out[s, b, n, d]
     const void* pd = drop.enabled ? buf.scratch.data() : buf.probs.data();
@@ -243,8 +262,8 @@ void attention_backward(const Tensor& dqkv, const Tensor& dout, const AttentionB
     MT_CUDA_CHECK_LAUNCH();
     const void* pd = buf.probs.data();
     if (drop.enabled) {
-      dropout_probs_kernel<T><<<row_grid(rows), kThreads, 0, cu(stream)>>>(buf.scratch.data_as<T>(),
-                                                                            buf.probs.data_as<T>(), rows, s, drop);
+      dropout_probs_kernel<T><<<row_grid(rows), kThreads, 0, cu(stream)>>>(
+          buf.scratch.data_as<T>(), buf.probs.data_as<T>(), doc_start_ptr(cfg), rows, s, drop);
       MT_CUDA_CHECK_LAUNCH();
       pd = buf.scratch.data();
     }
@@ -253,7 +272,7 @@ void attention_backward(const Tensor& dqkv, const Tensor& dout, const AttentionB
     // dP_drop = dO V^T into scratch (the dropped probabilities are no longer needed)
     bgemm(bn, s, s, d, false, true, act, buf.dq.data(), buf.v.data(), buf.scratch.data(), 1.f, stream);
     causal_softmax_backward_kernel<T><<<row_grid(rows), kThreads, 0, cu(stream)>>>(
-        buf.scratch.data_as<T>(), buf.probs.data_as<T>(), rows, s, drop);
+        buf.scratch.data_as<T>(), buf.probs.data_as<T>(), doc_start_ptr(cfg), rows, s, drop);
     MT_CUDA_CHECK_LAUNCH();
     // dQ = scale dS K, dK = scale dS^T Q
     bgemm(bn, s, d, s, false, false, act, buf.scratch.data(), buf.k.data(), buf.dq.data(), cfg.softmax_scale, stream);
