@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Multi-GPU device session: build, CUDA tests, NCCL tests, collective bandwidth, GPT-2 124M
+# data-parallel scaling, tensor-parallel bf16 runs. Logs under $OUT. Usage: bench/gpu_dist_session.sh NGPU [steps...]
+set -uo pipefail
+OUT=${OUT:-out}; mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+N=$1; shift
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
+t0=$(date +%s)
+cmake --preset default > "$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }
+cmake --build build -j "$(nproc)" > "$OUT/build.log" 2>&1 || { grep -E "error" -A5 "$OUT/build.log" | head -60; exit 1; }
+echo "build: $(( $(date +%s) - t0 )) s"
+bin=build/megatron; data=data
+gpt2=(--num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 1024 --max-position-embeddings 1024
+      --lr 6e-4 --min-lr 6e-5 --lr-decay-style cosine --lr-warmup-iters 5 --weight-decay 0.1 --hidden-dropout 0
+      --attention-dropout 0 --bf16 --device cuda --no-progress --data-path $data/demo_text_document --split 98,2,0
+      --vocab-file $data/gpt2/encoder.json --merge-file $data/gpt2/vocab.bpe --eval-iters 0 --log-interval 10)
+for step in "$@"; do
+  case $step in
+    tests)
+      (cd build && ctest -L cuda --output-on-failure -j 1 --timeout 300 2>&1) | tee "$OUT/ctest_cuda.log" | grep -E "tests passed|\*\*\*|FAILED  \]" ;;
+    nccl)
+      mpiexec --allow-run-as-root -np $N build/nccl_cuda_dist_test 2>&1 | tee "$OUT/nccl_test.log" | grep -E "PASSED|FAILED|Failure" | sort | uniq -c
+      timeout 300 build/nccl_failure_cuda_test 2>&1 | tee "$OUT/nccl_failure.log" | grep -E "PASSED|FAILED|Failure" ;;
+    bench)
+      mpiexec --allow-run-as-root -np $N build/comm_bench --max-mib 512 --iters 20 2>&1 | tee "$OUT/comm_bench.log" | grep -E "MiB|op|512" | tail -12 ;;
+    dp)
+      for n in 1 2 4; do
+        [ $n -le $N ] || continue
+        $bin pretrain "${gpt2[@]}" --micro-batch-size 16 --global-batch-size $((16*n)) --train-iters 40 --nproc-per-node $n 2>&1 \
+          | tee "$OUT/dp$n.log" | grep -E "iteration +40/" | sed "s/^/dp$n: /" | cut -c1-260
+      done ;;
+    tp)
+      for t in 1 2; do
+        $bin pretrain "${gpt2[@]}" --micro-batch-size 8 --global-batch-size 8 --train-iters 30 --nproc-per-node $t \
+          --tensor-model-parallel-size $t --make-vocab-size-divisible-by 64 --log-interval 5 2>&1 | tee "$OUT/tp$t.log" \
+          | grep -E "iteration +(5|30)/" | sed "s/^/tp$t: /" | cut -c1-300
+      done
+      $bin pretrain "${gpt2[@]}" --micro-batch-size 8 --global-batch-size 8 --train-iters 30 --nproc-per-node 2 \
+          --tensor-model-parallel-size 2 --sequence-parallel --make-vocab-size-divisible-by 64 --log-interval 5 2>&1 \
+          | tee "$OUT/tp2sp.log" | grep -E "iteration +(5|30)/" | sed "s/^/tp2sp: /" | cut -c1-300 ;;
+    big)
+      big=(--num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 1024 --max-position-embeddings 1024
+           --lr 2e-4 --lr-warmup-iters 2 --bf16 --device cuda --no-progress --data-path $data/demo_text_document
+           --vocab-file $data/gpt2/encoder.json --merge-file $data/gpt2/vocab.bpe --eval-iters 0 --log-interval 10
+           --hidden-dropout 0 --attention-dropout 0 --train-iters 20)
+      for t in 2 4; do
+        [ $t -le $N ] || continue
+        $bin pretrain "${big[@]}" --micro-batch-size 8 --global-batch-size $((8*N/t)) --nproc-per-node $N \
+          --tensor-model-parallel-size $t --sequence-parallel 2>&1 | tee "$OUT/big_tp$t.log" | grep -E "iteration +20/|memory|error" | sed "s/^/1.3B tp$t: /" | cut -c1-300
+      done ;;
+  esac
+done
+echo "total: $(( $(date +%s) - t0 )) s"
