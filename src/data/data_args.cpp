@@ -52,7 +52,8 @@ class Builder {
     const auto n = static_cast<double>(seqs->num_sequences());
     GptSplits out;
     for (int i = 0; i < 3; ++i) {
-      if (!split[i]) continue;
+      // A validation/test split nobody asks samples of (e.g. --eval-iters 0) is not built.
+      if (!split[i] || (i > 0 && sizes[i] == 0)) continue;
       const auto round_half_even = [](double x) { return static_cast<int64_t>(std::nearbyint(x)); };
       const int64_t b = round_half_even(split[i]->first * n), e = round_half_even(split[i]->second * n);
       out[i] = std::make_shared<GptDataset>(seqs, b, e, sizes[i], static_cast<Split>(i), config_);
@@ -83,7 +84,7 @@ class Builder {
       mids.push_back(build_splits(blend.prefixes[d], split, weights ? buffers[d] : std::array<int64_t, 3>{-1, -1, -1}));
     }
     for (int i = 0; i < 3; ++i) {
-      if (!split[i]) continue;
+      if (!split[i] || (i > 0 && sizes[i] == 0)) continue;
       std::vector<std::shared_ptr<const SampleSource>> ds;
       std::vector<std::string> desc;
       for (auto& m : mids) {

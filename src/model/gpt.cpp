@@ -220,6 +220,7 @@ AttentionConfig GptModel::attention_config(int64_t layer, const DropoutContext& 
   c.dropout_key = {dc.seed, dc.iteration, dc.microbatch, dropout_stream_id(layer, kSiteAttentionProbs)};
   c.head_offset = tp_rank_ * nl_;
   c.total_heads = n_;
+  c.doc_start = doc_start_;
   return c;
 }
 
@@ -330,7 +331,8 @@ void GptModel::forward(const MicroBatch& mb, const DropoutContext& dc, const Ten
   // VocabParallelEmbedding: rows outside this rank's vocabulary shard are zero; the position
   // embedding is added on TP rank 0 only, so the reduction over TP adds it once.
   embedding_forward(w.emb_full, mb.tokens, wte, tp_rank_ == 0 ? P.param("embedding.position_embeddings.weight") : Tensor(),
-                    Tensor(), vocab_start, st);
+                    mb.position_ids, vocab_start, st);
+  doc_start_ = mb.doc_start;
   reduce_from_tp_region(tp, sp_, w.emb_out, w.emb_full, st);
   if (dc.training && config_.hidden_dropout > 0.f)
     dropout_forward(w.emb_out, w.emb_out, config_.hidden_dropout, key_for(dc, -1, kSiteEmbedding),
@@ -395,8 +397,8 @@ void GptModel::backward(const MicroBatch& mb, const DropoutContext& dc, float gr
   const Tensor d_emb = sp_ ? w.emb_full : w.d_resid;
   gather_to_tp_region(tp, sp_, d_emb, w.d_resid, st);
   // Every TP rank computes the (replicated) position-embedding gradient in full.
-  embedding_backward(dwte, P.grad("embedding.position_embeddings.weight"), d_emb, mb.tokens, Tensor(), vocab_start,
-                     st);
+  embedding_backward(dwte, P.grad("embedding.position_embeddings.weight"), d_emb, mb.tokens, mb.position_ids,
+                     vocab_start, st);
 }
 
 void GptModel::allreduce_sequence_parallel_grads(const Stream& st) {

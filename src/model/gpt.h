@@ -19,9 +19,15 @@
 namespace mt {
 
 /// One micro-batch on the model's device. tokens, labels: int32 [s, b]; loss_mask: fp32 [s, b]
-/// or empty (all ones).
+/// or empty (all ones); position_ids: int32 [s, b] or empty (0..s-1, --reset-position-ids fills
+/// it); doc_start: int32 [b, s] or empty (plain causal; --reset-attention-mask: query i attends
+/// to keys doc_start[b, i] .. i). loss_weight: weight of one unmasked token's loss in the
+/// iteration's loss (1 / (unmasked tokens of the micro-batch · micro-batches · DP), Megatron's
+/// per-micro-batch mean averaged over micro-batches and DP ranks).
 struct MicroBatch {
   Tensor tokens, labels, loss_mask;
+  Tensor position_ids, doc_start;
+  float loss_weight = 1.f;
 };
 
 /// Where in training a forward/backward runs; keys the dropout masks (DESIGN.md principle 4).
@@ -103,6 +109,7 @@ class GptModel {
   std::vector<LayerActs> layers_;
   std::unique_ptr<Workspace> ws_;
   Tensor logits_;
+  Tensor doc_start_;  // of the micro-batch whose forward ran last (backward uses the same)
 };
 
 /// Dropout stream ids (the Philox key half of a dropout site): (layer + 1) * 8 + site.

@@ -64,11 +64,7 @@ void add_pretrain_options(CLI::App& app, PretrainArgs& a) {
   app.add_option("--eval-interval", a.eval_interval, "Iterations between evaluations")->capture_default_str();
   app.add_option("--eval-iters", a.eval_iters, "Iterations (global batches) per evaluation")->capture_default_str();
 
-  app.add_option("--data-path", a.data_path, "Indexed dataset prefix (<prefix>.bin/.idx)")->required();
-  app.add_option("--split", a.split, "Train/validation/test split weights, e.g. 969,30,1")->capture_default_str();
-  app.add_option("--vocab-file", a.vocab_file, "GPT-2 vocab.json / encoder.json")->required();
-  app.add_option("--merge-file", a.merge_file, "GPT-2 merges.txt / vocab.bpe")->required();
-  app.add_option("--tokenizer-type", a.tokenizer_type, "Tokenizer (GPT2BPETokenizer)")->capture_default_str();
+  data::add_data_options(app, a.data);
 
   app.add_option("--save", a.save, "Checkpoint directory to save to");
   app.add_option("--load", a.load, "Checkpoint directory to resume from");
@@ -104,8 +100,8 @@ void validate_pretrain_args(PretrainArgs& a) {
   MT_REQUIRE(a.save_interval >= 0, "--save-interval must be >= 0, got {}", a.save_interval);
   MT_REQUIRE(a.exit_interval >= 0, "--exit-interval must be >= 0, got {}", a.exit_interval);
   MT_REQUIRE(a.save_interval == 0 || !a.save.empty(), "--save-interval {} given without --save", a.save_interval);
-  MT_REQUIRE(a.tokenizer_type == "GPT2BPETokenizer", "--tokenizer-type '{}' is not supported here, expected "
-             "GPT2BPETokenizer", a.tokenizer_type);
+  MT_REQUIRE(a.data.mock_data || !a.data.data_path.empty() || !a.data.train_data_path.empty(),
+             "no training data: give --data-path (or --train-data-path), or --mock-data");
   MT_REQUIRE(a.loss_scale >= 0, "--loss-scale must be >= 0, got {}", a.loss_scale);
   MT_REQUIRE(a.min_loss_scale > 0, "--min-loss-scale must be positive, got {}", a.min_loss_scale);
   MT_REQUIRE(a.initial_loss_scale >= a.min_loss_scale, "--initial-loss-scale {} is below --min-loss-scale {}",

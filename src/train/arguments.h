@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <string>
 
+#include "data/data_args.h"
 #include "model/config.h"
 #include "optim/lr_schedule.h"
 #include "optim/optimizer.h"
@@ -40,11 +41,8 @@ struct PretrainArgs {
   int64_t log_interval = 100;      ///< --log-interval
   int64_t eval_interval = 1000;    ///< --eval-interval
   int64_t eval_iters = 100;        ///< --eval-iters
-  // data
-  std::string data_path;           ///< --data-path (one prefix of an indexed dataset)
-  std::string split = "969, 30, 1";  ///< --split
-  std::string vocab_file, merge_file;  ///< --vocab-file --merge-file (GPT-2 BPE)
-  std::string tokenizer_type = "GPT2BPETokenizer";  ///< --tokenizer-type
+  // data: --data-path (blends), --split, --mock-data, tokenizers, document masks (docs/data.md)
+  data::DataArgs data;
   // checkpointing
   std::string save, load;          ///< --save --load
   int64_t save_interval = 0;       ///< --save-interval (0 = only at the end when --save is given)

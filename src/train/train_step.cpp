@@ -6,9 +6,11 @@ void train_step(GptModel& model, AdamWOptimizer& optimizer, const std::vector<Mi
                 const StepOptions& opt, const Tensor& loss_slot, const Stream& stream) {
   model.params().zero_grads(stream);
   for (size_t m = 0; m < micro_batches.size(); ++m) {
-    DropoutContext dc{opt.seed, static_cast<uint64_t>(opt.iteration), opt.microbatch_offset + static_cast<uint32_t>(m), true};
-    model.forward(micro_batches[m], dc, loss_slot, opt.loss_weight, stream);
-    model.backward(micro_batches[m], dc, opt.loss_weight, optimizer.loss_scale_tensor(), stream);
+    const uint32_t global_mb = static_cast<uint32_t>(m * opt.dp_size + opt.dp_rank);
+    DropoutContext dc{opt.seed, static_cast<uint64_t>(opt.iteration), global_mb, true};
+    const float w = micro_batches[m].loss_weight;
+    model.forward(micro_batches[m], dc, loss_slot, w, stream);
+    model.backward(micro_batches[m], dc, w, optimizer.loss_scale_tensor(), stream);
   }
   model.allreduce_sequence_parallel_grads(stream);
   optimizer.step(opt.lr, stream);

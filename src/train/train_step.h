@@ -13,17 +13,15 @@ struct StepOptions {
   uint64_t seed = 0;
   int64_t iteration = 0;
   float lr = 0;
-  /// Weight of one token's loss: 1 / (tokens per micro-batch · micro-batches · DP size), so the
-  /// logged loss is the mean over this rank's tokens times 1/DP and the DP sum of gradients is
-  /// the gradient of the global mean loss.
-  float loss_weight = 1;
-  /// Global index of this rank's first micro-batch (data-parallel rank · micro-batches): keys
-  /// the dropout masks, so they do not depend on the data-parallel layout.
-  uint32_t microbatch_offset = 0;
+  /// Micro-batch m of data-parallel rank d is global micro-batch m·dp_size + d (Megatron's
+  /// sampler interleaves DP ranks within each micro-batch step); the global index keys the
+  /// dropout masks, so they do not depend on the data-parallel layout.
+  int dp_rank = 0, dp_size = 1;
 };
 
-/// Runs one iteration on this rank's micro-batches. loss_slot: fp32 [1] on the device that
-/// accumulates this rank's weighted loss (sum over ranks of DP = the global mean loss).
+/// Runs one iteration on this rank's micro-batches (each carrying its loss weight, see
+/// MicroBatch). loss_slot: fp32 [1] on the device that accumulates this rank's weighted loss
+/// (sum over ranks of DP = the iteration's loss).
 void train_step(GptModel& model, AdamWOptimizer& optimizer, const std::vector<MicroBatch>& micro_batches,
                 const StepOptions& opt, const Tensor& loss_slot, const Stream& stream);
 

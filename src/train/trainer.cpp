@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <future>
 #include <cmath>
 #include <ctime>
 #include <filesystem>
@@ -12,9 +13,8 @@
 #include "comm/bootstrap.h"
 #include "core/logging.h"
 #include "parallel/process_groups.h"
-#include "data/gpt2_tokenizer.h"
-#include "data/gpt_window_dataset.h"
-#include "data/indexed_dataset.h"
+#include "data/data_args.h"
+#include "data/masks.h"
 #include "model/gpt.h"
 #include "ops/elementwise.h"
 #include "train/checkpoint.h"
@@ -44,87 +44,127 @@ std::string timestamp() {
   return buf;
 }
 
-// Host-side staging of one iteration's batch: tokens and labels of every micro-batch in the
-// model's [s, b] layout, copied to the device once per iteration from pinned memory. Two host
-// buffers alternate, so filling the next batch only waits for the copy issued two iterations
-// earlier (long done); the device buffer is reused in stream order.
+// Host-side staging of one iteration's batch. A loader thread fetches the samples of the next
+// iteration and builds Megatron's ltor tensors (get_ltor_masks_and_position_ids) into one of two
+// pinned host buffers while the device runs the current one; stage() then issues one
+// host-to-device copy. Per micro-batch the device buffer holds, each s·b values of 4 bytes:
+// tokens [s, b], labels [s, b], loss_mask fp32 [s, b], position_ids [s, b], doc_start [b, s].
+// Data-parallel rank d of DP takes, of micro-batch step m, the samples
+// [first + (m·DP + d)·b, first + (m·DP + d + 1)·b) (Megatron's MegatronPretrainingSampler).
 class BatchStager {
  public:
-  BatchStager(int64_t num_micro, int64_t micro, int64_t seq, Device device)
-      : M_(num_micro), b_(micro), s_(seq), device_(device), dev_(device, bytes()),
-        samples_(static_cast<size_t>(num_micro * micro * (seq + 1))) {
+  struct Options {
+    int64_t num_micro, micro, seq, dp, dp_rank, vocab;
+    data::LtorOptions ltor;
+    bool positions, doc_start;  // pass position_ids / doc_start to the model
+  };
+  BatchStager(const Options& o, Device device) : o_(o), device_(device), dev_(device, bytes()) {
     for (int i = 0; i < 2; ++i) {
       host_[i] = Buffer(Device::cpu(), bytes(), HostMemory::kPinned);
       copied_[i] = std::make_unique<Event>(device);
     }
   }
+  ~BatchStager() {
+    if (pending_.valid()) pending_.wait();
+  }
 
-  // Loads samples [consumed, consumed + M·b) of the sampler and starts the host-to-device copy.
-  void stage(data::GptSampler& sampler, int64_t consumed, const Stream& stream) {
-    const int k = next_;
-    next_ ^= 1;
-    if (used_[k]) copied_[k]->synchronize();  // the copy that last read this host buffer is done
-    sampler.get_batch(consumed, M_ * b_, samples_.data());
-    int32_t* h = static_cast<int32_t*>(host_[k].data());
-    for (int64_t m = 0; m < M_; ++m) {
-      int32_t* tok = h + (m * 2) * s_ * b_;
-      int32_t* lab = tok + s_ * b_;
-      for (int64_t ib = 0; ib < b_; ++ib) {
-        const int32_t* smp = samples_.data() + (m * b_ + ib) * (s_ + 1);
-        for (int64_t is = 0; is < s_; ++is) {
-          tok[is * b_ + ib] = smp[is];
-          lab[is * b_ + ib] = smp[is + 1];
-        }
-      }
+  // Copies the batch whose first global sample is `first` to the device (prepared by the loader
+  // thread when prefetch() asked for it, else now) and prefetches `next_first` (-1: nothing).
+  void stage(const data::SampleSource& src, int64_t first, int64_t next_first, const Stream& stream) {
+    int k;
+    if (pending_.valid() && pending_first_ == first && pending_src_ == &src) {
+      k = pending_.get();  // rethrows a data error of the loader thread
+    } else {
+      if (pending_.valid()) pending_.get();
+      k = last_ < 0 ? 0 : last_ ^ 1;
+      wait_free(k);
+      fill(src, first, k);
     }
     copy_bytes(dev_.data(), device_, host_[k].data(), Device::cpu(), bytes(), stream);
     copied_[k]->record(stream);
     used_[k] = true;
+    last_ = k;
+    if (next_first >= 0) {
+      const int nk = k ^ 1;
+      pending_first_ = next_first;
+      pending_src_ = &src;
+      pending_ = std::async(std::launch::async, [this, &src, next_first, nk] {
+        wait_free(nk);  // the copy that last read this buffer (issued one stage ago) is done
+        fill(src, next_first, nk);
+        return nk;
+      });
+    }
   }
 
   MicroBatch micro_batch(int64_t m) const {
-    int32_t* d = static_cast<int32_t*>(dev_.data()) + (m * 2) * s_ * b_;
-    return {Tensor(d, DType::kI32, device_, {s_, b_}), Tensor(d + s_ * b_, DType::kI32, device_, {s_, b_}), Tensor()};
+    const int64_t sb = o_.seq * o_.micro;
+    char* d = static_cast<char*>(dev_.data()) + m * 5 * sb * 4;
+    auto t = [&](int i, DType dt, std::vector<int64_t> shape) { return Tensor(d + i * sb * 4, dt, device_, shape); };
+    MicroBatch mb;
+    mb.tokens = t(0, DType::kI32, {o_.seq, o_.micro});
+    mb.labels = t(1, DType::kI32, {o_.seq, o_.micro});
+    mb.loss_mask = t(2, DType::kF32, {o_.seq, o_.micro});
+    if (o_.positions) mb.position_ids = t(3, DType::kI32, {o_.seq, o_.micro});
+    if (o_.doc_start) mb.doc_start = t(4, DType::kI32, {o_.micro, o_.seq});
+    mb.loss_weight = weights_[last_][static_cast<size_t>(m)];
+    return mb;
   }
 
  private:
-  size_t bytes() const { return static_cast<size_t>(M_ * 2 * s_ * b_) * 4; }
-  int64_t M_, b_, s_;
+  size_t bytes() const { return static_cast<size_t>(o_.num_micro * 5 * o_.seq * o_.micro) * 4; }
+  void wait_free(int k) {
+    if (used_[k]) copied_[k]->synchronize();
+  }
+  void fill(const data::SampleSource& src, int64_t first, int k) {
+    const int64_t S = o_.seq, B = o_.micro, sb = S * B;
+    std::vector<int32_t> samples(static_cast<size_t>(B * (S + 1)));
+    std::vector<int32_t> tok(sb), lab(sb), pos(sb);
+    std::vector<float> mask(sb);
+    weights_[k].assign(static_cast<size_t>(o_.num_micro), 0.f);
+    char* h = static_cast<char*>(host_[k].data());
+    for (int64_t m = 0; m < o_.num_micro; ++m) {
+      const int64_t base = first + (m * o_.dp + o_.dp_rank) * B;
+      for (int64_t ib = 0; ib < B; ++ib) {
+        const int64_t i = (base + ib) % src.size();
+        int32_t* smp = samples.data() + ib * (S + 1);
+        src.get(i, smp);
+        for (int64_t t = 0; t <= S; ++t)
+          MT_REQUIRE(smp[t] >= 0 && smp[t] < o_.vocab, "token id {} at position {} of sample {} of {} is outside the "
+                     "vocabulary of {} tokens", smp[t], t, i, src.name(), o_.vocab);
+      }
+      int32_t* dtok = reinterpret_cast<int32_t*>(h + (m * 5 + 0) * sb * 4);
+      int32_t* dlab = reinterpret_cast<int32_t*>(h + (m * 5 + 1) * sb * 4);
+      float* dmask = reinterpret_cast<float*>(h + (m * 5 + 2) * sb * 4);
+      int32_t* dpos = reinterpret_cast<int32_t*>(h + (m * 5 + 3) * sb * 4);
+      int32_t* ddoc = reinterpret_cast<int32_t*>(h + (m * 5 + 4) * sb * 4);
+      data::prepare_ltor_batch(samples.data(), B, S, o_.ltor, tok.data(), lab.data(), mask.data(), pos.data(), ddoc);
+      double unmasked = 0;
+      for (int64_t ib = 0; ib < B; ++ib) {
+        for (int64_t is = 0; is < S; ++is) {  // [b, s] -> the model's [s, b]
+          dtok[is * B + ib] = tok[ib * S + is];
+          dlab[is * B + ib] = lab[ib * S + is];
+          dmask[is * B + ib] = mask[ib * S + is];
+          dpos[is * B + ib] = pos[ib * S + is];
+          unmasked += mask[ib * S + is];
+        }
+      }
+      weights_[k][static_cast<size_t>(m)] =
+          unmasked > 0 ? static_cast<float>(1.0 / (unmasked * static_cast<double>(o_.num_micro * o_.dp))) : 0.f;
+    }
+  }
+
+  Options o_;
   Device device_;
   Buffer host_[2];
   Buffer dev_;
-  std::vector<int32_t> samples_;
   std::unique_ptr<Event> copied_[2];
+  std::vector<float> weights_[2];
   bool used_[2] = {false, false};
-  int next_ = 0;
+  int last_ = -1;
+  std::future<int> pending_;
+  int64_t pending_first_ = -1;
+  const data::SampleSource* pending_src_ = nullptr;
 };
-
-struct Datasets {
-  std::shared_ptr<const data::IndexedDataset> indexed;
-  std::unique_ptr<data::GptWindowDataset> train, valid;
-};
-
-Datasets build_datasets(const PretrainArgs& args) {
-  Datasets d;
-  d.indexed = std::make_shared<data::IndexedDataset>(args.data_path);
-  const auto ranges = data::split_document_ranges(data::parse_split(args.split), d.indexed->num_documents());
-  const int64_t seq = args.model.seq_length;
-  d.train = std::make_unique<data::GptWindowDataset>(d.indexed, ranges[0].first, ranges[0].second, seq, "train");
-  d.train->check_token_range(args.model.vocab_size);
-  if (ranges[1].second > ranges[1].first && args.eval_iters > 0) {
-    try {
-      d.valid = std::make_unique<data::GptWindowDataset>(d.indexed, ranges[1].first, ranges[1].second, seq, "valid");
-      d.valid->check_token_range(args.model.vocab_size);
-    } catch (const Error& e) {
-      log_warn("no validation set: {}", e.what());
-      d.valid.reset();
-    }
-  }
-  log_info("> datasets: {} documents; train docs [{}, {}) = {} samples; valid docs [{}, {}) = {} samples",
-           d.indexed->num_documents(), ranges[0].first, ranges[0].second, d.train->num_samples(), ranges[1].first,
-           ranges[1].second, d.valid ? d.valid->num_samples() : 0);
-  return d;
-}
 
 void check_resume_config(const GptConfig& ck, const GptConfig& m) {
   auto same = [](const char* flag, int64_t a, int64_t b) {
@@ -176,8 +216,8 @@ int run_pretrain(PretrainArgs args) {
   MT_REQUIRE(device.is_cuda() || args.dtype() == DType::kF32,
              "--{} needs a CUDA device; the CPU backend trains in fp32", args.bf16 ? "bf16" : "fp16");
 
-  data::Gpt2Tokenizer tokenizer = data::Gpt2Tokenizer::from_files(args.vocab_file, args.merge_file);
-  args.model.vocab_size = tokenizer.vocab_size();
+  const std::unique_ptr<data::Tokenizer> tokenizer = data::build_tokenizer(args.data);
+  args.model.vocab_size = tokenizer->vocab_size();
 
   std::optional<CheckpointState> resume;
   if (!args.load.empty()) {
@@ -201,7 +241,20 @@ int run_pretrain(PretrainArgs args) {
     std::filesystem::remove(probe, ec);
   }
 
-  Datasets data = build_datasets(args);
+  // Megatron's GPTDataset / BlendedDataset / MockGPTDataset with the sample counts Megatron asks
+  // for. With --data-cache-path, rank 0 builds the index files and the other ranks then read them.
+  const auto counts = data::train_valid_test_num_samples(args.train_iters, args.global_batch_size, args.eval_interval,
+                                                         args.eval_iters);
+  data::DataSplits data;
+  for (int pass = 0; pass < 2; ++pass) {
+    if ((pass == 0) == (world->rank() == 0))
+      data = data::build_gpt_datasets(args.data, args.model.seq_length, args.seed, counts[0], counts[1], counts[2],
+                                      *tokenizer);
+    if (pass == 0) world->barrier();
+  }
+  MT_REQUIRE(data.train && data.train->size() > 0, "the training split is empty");
+  log_info("> datasets: train {}; valid {}", data.train->name(), data.valid ? data.valid->name() : "none");
+  if (data.valid && data.valid->size() == 0) data.valid.reset();
   Stream stream(device);
   const ProcessGroups groups = build_process_groups(world, pc);
   if (world->size() > 1) log_info("{}", layout_table(pc));
@@ -228,10 +281,6 @@ int run_pretrain(PretrainArgs args) {
   }
 
   const int64_t M = args.num_microbatches();
-  const int64_t tokens_per_micro = cfg.seq_length * args.micro_batch_size;
-  // Each rank's share of the global mean loss: summed over DP it is the mean over all tokens.
-  const float loss_weight = 1.0f / static_cast<float>(tokens_per_micro * M * pc.dp);
-  const int64_t dp_sample_offset = dp_rank * M * args.micro_batch_size;  // this rank's slice of a batch
   const LrScheduleConfig sched = args.lr_schedule();
 
   // Per-iteration losses of the current log interval live on the device; read at log time.
@@ -240,10 +289,14 @@ int run_pretrain(PretrainArgs args) {
   fill(losses, 0.f, stream);
   Buffer eval_loss_dev(device, 4);
   Tensor eval_loss = eval_loss_dev.as(DType::kF32, {1});
-  BatchStager stager(M, args.micro_batch_size, cfg.seq_length, device);
-  data::GptSampler train_sampler(*data.train, args.seed, /*shuffle=*/true);
-  std::unique_ptr<data::GptSampler> valid_sampler;
-  if (data.valid) valid_sampler = std::make_unique<data::GptSampler>(*data.valid, args.seed, /*shuffle=*/false);
+  data::LtorOptions ltor;
+  ltor.eod = tokenizer->eod();
+  ltor.reset_position_ids = args.data.reset_position_ids;
+  ltor.reset_attention_mask = args.data.reset_attention_mask;
+  ltor.eod_mask_loss = args.data.eod_mask_loss;
+  BatchStager stager({M, args.micro_batch_size, cfg.seq_length, pc.dp, dp_rank, cfg.vocab_size, ltor,
+                      args.data.reset_position_ids, args.data.reset_attention_mask},
+                     device);
 
   auto save = [&](int64_t it) {
     CheckpointState st{it, consumed, args.seed, cfg, optimizer.read_scalars_sync(stream)};
@@ -257,10 +310,11 @@ int run_pretrain(PretrainArgs args) {
     if (!data.valid) return std::nullopt;
     fill(eval_loss, 0.f, stream);
     for (int64_t e = 0; e < args.eval_iters; ++e) {
-      stager.stage(*valid_sampler, e * args.global_batch_size + dp_sample_offset, stream);
+      stager.stage(*data.valid, e * args.global_batch_size, -1, stream);
       for (int64_t m = 0; m < M; ++m) {
         DropoutContext dc{args.seed, static_cast<uint64_t>(it), static_cast<uint32_t>(m), false};
-        model.forward(stager.micro_batch(m), dc, eval_loss, loss_weight / static_cast<float>(args.eval_iters),
+        const MicroBatch mb = stager.micro_batch(m);
+        model.forward(mb, dc, eval_loss, mb.loss_weight / static_cast<float>(args.eval_iters),
                       stream);
       }
     }
@@ -290,11 +344,12 @@ int run_pretrain(PretrainArgs args) {
   t_last = std::chrono::steady_clock::now();
   while (iteration < args.train_iters) {
     const float lr = static_cast<float>(learning_rate(sched, iteration));
-    stager.stage(train_sampler, consumed + dp_sample_offset, stream);
+    stager.stage(*data.train, consumed,
+                 iteration + 1 < args.train_iters ? consumed + args.global_batch_size : -1, stream);
     std::vector<MicroBatch> mbs;
     for (int64_t m = 0; m < M; ++m) mbs.push_back(stager.micro_batch(m));
     train_step(model, optimizer, mbs,
-               {args.seed, iteration, lr, loss_weight, static_cast<uint32_t>(dp_rank * M)},
+               {args.seed, iteration, lr, dp_rank, static_cast<int>(pc.dp)},
                losses.flat_range(iters_since_log, 1), stream);
     ++iteration;
     ++iters_since_log;

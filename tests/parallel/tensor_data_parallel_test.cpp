@@ -77,8 +77,8 @@ Result run_layout(int tp, int dp, bool sp, const std::vector<int32_t>& tokens, c
     std::vector<OwnedTensor> tok, lab;
     std::vector<MicroBatch> mbs;
     for (int64_t m = 0; m < M; ++m) {
-      // Global micro-batch d·M + m, stored [s, b].
-      const int64_t gm = d * M + m;
+      // Global micro-batch m·DP + d (Megatron's sampler order), stored [s, b].
+      const int64_t gm = m * dp + d;
       std::vector<int32_t> t(S * mb), l(S * mb);
       for (int64_t i = 0; i < S * mb; ++i) {
         t[i] = tokens[gm * S * mb + i];
@@ -87,12 +87,16 @@ Result run_layout(int tp, int dp, bool sp, const std::vector<int32_t>& tokens, c
       tok.push_back(testing::make_int_tensor(t, Device::cpu(), {S, mb}, st));
       lab.push_back(testing::make_int_tensor(l, Device::cpu(), {S, mb}, st));
     }
-    for (int64_t m = 0; m < M; ++m) mbs.push_back({tok[m].t, lab[m].t, Tensor()});
     OwnedTensor loss(DType::kF32, Device::cpu(), {1});
     const float w = 1.0f / static_cast<float>(S * mb * M * dp);
+    for (int64_t m = 0; m < M; ++m) {
+      MicroBatch b{tok[m].t, lab[m].t, Tensor()};
+      b.loss_weight = w;
+      mbs.push_back(b);
+    }
     for (int it = 0; it < kIters; ++it) {
       fill(loss, 0.f, st);
-      train_step(model, opt, mbs, {77, it, 1e-2f, w, static_cast<uint32_t>(d * M)}, loss, st);
+      train_step(model, opt, mbs, {77, it, 1e-2f, d, dp}, loss, st);
       const float l = loss.t.data_as<float>()[0];
       std::lock_guard<std::mutex> lock(mu);
       if (g.tp->rank() == 0) out.losses[it] += l;  // sum over DP ranks = global mean

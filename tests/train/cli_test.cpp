@@ -101,12 +101,12 @@ class CliTest : public ::testing::Test {
   static void TearDownTestSuite() { fs::remove_all(dir); }
   static std::string fmt_doc(int d) { return "doc" + std::to_string(100 + d) + ".txt"; }
 
-  static std::string train_flags(const std::string& extra) {
+  static std::string train_flags(const std::string& extra, const std::string& data_path = "") {
     return "pretrain --num-layers 2 --hidden-size 16 --num-attention-heads 2 --seq-length 16 "
            "--max-position-embeddings 16 --micro-batch-size 2 --global-batch-size 4 --lr 1e-2 --min-lr 1e-3 "
            "--lr-decay-style cosine --lr-warmup-iters 2 --lr-decay-iters 6 --log-interval 1 --eval-interval 3 "
            "--eval-iters 1 --split 90,10,0 --device cpu --no-progress --data-path " +
-           data + " " + tok + " " + extra;
+           (data_path.empty() ? data : data_path) + " " + tok + " " + extra;
   }
 };
 fs::path CliTest::dir;
@@ -176,18 +176,20 @@ TEST_F(CliTest, BadInputErrors) {
   }
   {  // token ids beyond the 259-token vocabulary
     mt::data::IndexedDatasetBuilder builder((bad / "bigids").string(), mt::data::IndexDType::kInt32);
-    std::vector<int32_t> doc(200, 7);
-    doc[150] = 5000;
-    builder.add_document(doc);
+    for (int d = 0; d < 20; ++d) {  // every 10th id is bad, so every 17-token sample holds one
+      std::vector<int32_t> doc(200, 7);
+      for (size_t t = 5; t < doc.size(); t += 10) doc[t] = 5000;
+      builder.add_document(doc);
+    }
     builder.finalize();
   }
   std::ofstream(bad / "a_file") << "x";
   const std::vector<Case> cases = {
-      {train_flags("--train-iters 2 --data-path " + (bad / "nothing").string()), "nothing"},
-      {train_flags("--train-iters 2 --data-path " + (bad / "magic").string()), "magic"},
-      {train_flags("--train-iters 2 --data-path " + (bad / "trunc").string()), "trunc"},
-      {train_flags("--train-iters 2 --data-path " + (bad / "shortidx").string()), "shortidx"},
-      {train_flags("--train-iters 2 --data-path " + (bad / "bigids").string()), "5000"},
+      {train_flags("--train-iters 2", (bad / "nothing").string()), "nothing"},
+      {train_flags("--train-iters 2", (bad / "magic").string()), "magic"},
+      {train_flags("--train-iters 2", (bad / "trunc").string()), "trunc"},
+      {train_flags("--train-iters 2", (bad / "shortidx").string()), "shortidx"},
+      {train_flags("--train-iters 2", (bad / "bigids").string()), "5000"},
       {train_flags("--train-iters 2 --seq-length 32"), "--seq-length 32 exceeds --max-position-embeddings 16"},
       {train_flags("--train-iters 2 --num-attention-heads 3"), "not divisible by --num-attention-heads 3"},
       {train_flags("--train-iters 2 --global-batch-size 5"), "--global-batch-size 5 is not divisible"},

@@ -5,35 +5,15 @@
 #include <type_traits>
 
 #include "core/cuda_check.h"
+#include "ops/cuda/common.cuh"
 #include "ops/attention_impl.h"
 #include "ops/cuda/cublaslt_gemm.h"
 
 namespace mt::cuda {
 namespace {
 
-__device__ __forceinline__ float to_f(float x) { return x; }
-__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
-template <typename T>
-__device__ __forceinline__ T from_f(float x);
-template <>
-__device__ __forceinline__ float from_f<float>(float x) { return x; }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
-template <>
-__device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
 
-template <typename F>
-void dispatch_float(DType t, F&& f) {
-  switch (t) {
-    case DType::kF32: f(static_cast<float*>(nullptr)); break;
-    case DType::kBF16: f(static_cast<__nv_bfloat16*>(nullptr)); break;
-    case DType::kF16: f(static_cast<__half*>(nullptr)); break;
-    default: MT_FAIL("attention: unsupported dtype {}", dtype_name(t));
-  }
-}
 
-cudaStream_t cu(const Stream& s) { return static_cast<cudaStream_t>(s.cuda_stream()); }
 
 constexpr int kThreads = 256;
 constexpr int kWarpsPerBlock = kThreads / 32;
@@ -226,7 +206,7 @@ void attention_forward(const Tensor& out, const Tensor& qkv, const AttentionBuff
   const DType act = qkv.dtype();
   const AttnDropout drop = make_attn_dropout(cfg);
   MT_CHECK(rows / kWarpsPerBlock < (int64_t{1} << 31), "attention: {} rows exceed the grid limit", rows);
-  dispatch_float(act, [&](auto* tag) {
+  dispatch_float(act, "attention", [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const int64_t nd = bn * s * d;
     sb_to_bn_kernel<T><<<grid_for(nd), kThreads, 0, cu(stream)>>>(buf.q.data_as<T>(), buf.k.data_as<T>(),
@@ -253,7 +233,7 @@ void attention_backward(const Tensor& dqkv, const Tensor& dout, const AttentionB
   const DType act = dout.dtype();
   const AttnDropout drop = make_attn_dropout(cfg);
   MT_CHECK(rows / kWarpsPerBlock < (int64_t{1} << 31), "attention: {} rows exceed the grid limit", rows);
-  dispatch_float(act, [&](auto* tag) {
+  dispatch_float(act, "attention", [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const int64_t nd = bn * s * d;
     // dO[bn, s, d] into dq

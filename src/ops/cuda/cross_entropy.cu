@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "core/cuda_check.h"
+#include "ops/cuda/common.cuh"
 #include "ops/cross_entropy_impl.h"
 
 namespace mt::cuda {
@@ -15,19 +16,7 @@ constexpr int kRowThreads = 512;   // threads per row block
 constexpr int kSumThreads = 1024;  // the single block of sum_accumulate
 constexpr int kVecBytes = 16;
 
-cudaStream_t cu(const Stream& s) { return static_cast<cudaStream_t>(s.cuda_stream()); }
 
-__device__ __forceinline__ float to_f(float x) { return x; }
-__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
-template <typename T>
-__device__ __forceinline__ T from_f(float x);
-template <>
-__device__ __forceinline__ float from_f<float>(float x) { return x; }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
-template <>
-__device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
 
 /// Merges the online-softmax state (m, s) with (om, os): same max, rescaled sums.
 __device__ __forceinline__ void merge_ms(float& m, float& s, float om, float os) {

@@ -4,41 +4,16 @@
 #include <type_traits>
 
 #include "core/cuda_check.h"
+#include "ops/cuda/common.cuh"
 #include "ops/cuda/cublaslt_gemm.h"
 #include "ops/matmul_impl.h"
 
 namespace mt::cuda {
 namespace {
 
-__device__ __forceinline__ float to_f(float x) { return x; }
-__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
-template <typename T>
-__device__ __forceinline__ T from_f(float x);
-template <>
-__device__ __forceinline__ float from_f<float>(float x) { return x; }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
-template <>
-__device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
 
-/// Calls f(T*) with T the storage type of the float dtype t.
-template <typename F>
-void dispatch_float(DType t, F&& f) {
-  switch (t) {
-    case DType::kF32: f(static_cast<float*>(nullptr)); break;
-    case DType::kBF16: f(static_cast<__nv_bfloat16*>(nullptr)); break;
-    case DType::kF16: f(static_cast<__half*>(nullptr)); break;
-    default: MT_FAIL("unsupported dtype {}", dtype_name(t));
-  }
-}
 
-cudaStream_t cu(const Stream& s) { return static_cast<cudaStream_t>(s.cuda_stream()); }
 
-unsigned grid_for(int64_t n, int block) {
-  int64_t g = (n + block - 1) / block;
-  return static_cast<unsigned>(g < 65535 * 32 ? g : 65535 * 32);  // grid-stride loops cover the rest
-}
 
 /// x[i] = beta * x[i] (beta == 0 writes exact zeros, ignoring NaN/Inf in x).
 template <typename T>
@@ -86,7 +61,7 @@ __global__ void column_sum_add_kernel(float* out, const T* x, int64_t rows, int6
 
 void scale_tensor(const Tensor& t, float beta, const Stream& stream) {
   if (beta == 1.f || t.numel() == 0) return;
-  dispatch_float(t.dtype(), [&](auto* tag) {
+  dispatch_float(t.dtype(), "matmul", [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     scale_kernel<T><<<grid_for(t.numel(), 256), 256, 0, cu(stream)>>>(t.data_as<T>(), t.numel(), beta);
     MT_CUDA_CHECK_LAUNCH();
@@ -96,7 +71,7 @@ void scale_tensor(const Tensor& t, float beta, const Stream& stream) {
 /// pre (+)= bias and/or y = gelu(pre), see bias_act_kernel.
 void bias_act(const Tensor& pre, const Tensor* y, const Tensor& bias, int64_t m, int64_t n, const Stream& stream) {
   if (m * n == 0) return;
-  dispatch_float(pre.dtype(), [&](auto* tag) {
+  dispatch_float(pre.dtype(), "matmul", [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     bias_act_kernel<T><<<grid_for(m * n, 256), 256, 0, cu(stream)>>>(
         pre.data_as<T>(), y ? y->data_as<T>() : nullptr, bias.empty() ? nullptr : bias.data_as<T>(), m, n);
@@ -185,7 +160,7 @@ void linear_backward(const Tensor& dx, const Tensor& dw, const Tensor& dbias, co
   }
   // dbias[n] += sum_m dy  (own kernel: cuBLASLt's BGRADB epilogue overwrites instead of accumulating)
   if (!dbias.empty()) {
-    dispatch_float(act, [&](auto* tag) {
+    dispatch_float(act, "matmul", [&](auto* tag) {
       using T = std::remove_pointer_t<decltype(tag)>;
       dim3 block(kColTile, kColRows);
       dim3 grid(static_cast<unsigned>((n + kColTile - 1) / kColTile));

@@ -1,0 +1,46 @@
+// Helpers shared by the CUDA op implementations (nvcc only): element conversions with fp32 math,
+// dtype dispatch to the storage type, the raw stream, grid sizing for grid-stride loops.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "core/check.h"
+#include "core/dtype.h"
+#include "core/stream.h"
+
+namespace mt::cuda {
+
+__device__ __forceinline__ float to_f(float x) { return x; }
+__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
+template <typename T>
+__device__ __forceinline__ T from_f(float x);
+template <>
+__device__ __forceinline__ float from_f<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <>
+__device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
+
+/// Calls f(T*) (a null pointer of the storage type) for the float dtype t: float, __nv_bfloat16
+/// or __half. Errors: mt::Error naming `what` and the dtype for other dtypes.
+template <typename F>
+void dispatch_float(DType t, const char* what, F&& f) {
+  switch (t) {
+    case DType::kF32: f(static_cast<float*>(nullptr)); break;
+    case DType::kBF16: f(static_cast<__nv_bfloat16*>(nullptr)); break;
+    case DType::kF16: f(static_cast<__half*>(nullptr)); break;
+    default: MT_FAIL("{}: unsupported dtype {}", what, dtype_name(t));
+  }
+}
+
+inline cudaStream_t cu(const Stream& s) { return static_cast<cudaStream_t>(s.cuda_stream()); }
+
+/// Blocks for a grid-stride loop over n elements (capped; the loop covers the rest).
+inline unsigned grid_for(int64_t n, int block) {
+  const int64_t g = (n + block - 1) / block;
+  return static_cast<unsigned>(g < 65535 * 32 ? g : 65535 * 32);
+}
+
+}  // namespace mt::cuda
