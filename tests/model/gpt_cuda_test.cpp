@@ -10,7 +10,7 @@ namespace {
 
 using testing::OwnedTensor;
 
-void compare(DType dtype, float dropout, double tol) {
+void compare(DType dtype, float dropout, double tol, bool documents = false) {
   GptConfig c;
   c.num_layers = 2;
   c.hidden_size = 64;
@@ -37,6 +37,29 @@ void compare(DType dtype, float dropout, double tol) {
   OwnedTensor cl = testing::make_int_tensor(lab, Device::cpu(), {c.seq_length, b}, cs);
   OwnedTensor gt = testing::make_int_tensor(tok, Device::cuda(0), {c.seq_length, b}, gs);
   OwnedTensor gl = testing::make_int_tensor(lab, Device::cuda(0), {c.seq_length, b}, gs);
+  // Optional documents: position ids restart and attention stays inside a document after
+  // position 9, and the loss of position 0 is masked.
+  std::vector<int32_t> pos(c.seq_length * b), ds(b * c.seq_length);
+  std::vector<float> mask(c.seq_length * b, 1.f);
+  for (int64_t j = 0; j < b; ++j) {
+    for (int64_t i = 0; i < c.seq_length; ++i) {
+      const int64_t start = i < 10 ? 0 : 10;
+      pos[i * b + j] = static_cast<int32_t>(i - start);
+      ds[j * c.seq_length + i] = static_cast<int32_t>(start);
+    }
+    mask[j] = 0.f;
+  }
+  OwnedTensor cp = testing::make_int_tensor(pos, Device::cpu(), {c.seq_length, b}, cs);
+  OwnedTensor gp = testing::make_int_tensor(pos, Device::cuda(0), {c.seq_length, b}, gs);
+  OwnedTensor cd = testing::make_int_tensor(ds, Device::cpu(), {b, c.seq_length}, cs);
+  OwnedTensor gd = testing::make_int_tensor(ds, Device::cuda(0), {b, c.seq_length}, gs);
+  OwnedTensor cm = testing::make_tensor(mask, DType::kF32, Device::cpu(), {c.seq_length, b}, cs);
+  OwnedTensor gm = testing::make_tensor(mask, DType::kF32, Device::cuda(0), {c.seq_length, b}, gs);
+  MicroBatch cmb{ct.t, cl.t, Tensor()}, gmb{gt.t, gl.t, Tensor()};
+  if (documents) {
+    cmb = {ct.t, cl.t, cm.t, cp.t, cd.t};
+    gmb = {gt.t, gl.t, gm.t, gp.t, gd.t};
+  }
   OwnedTensor closs(DType::kF32, Device::cpu(), {1}), gloss(DType::kF32, Device::cuda(0), {1});
   fill(closs, 0.f, cs);
   fill(gloss, 0.f, gs);
@@ -44,10 +67,10 @@ void compare(DType dtype, float dropout, double tol) {
   const float wgt = 1.0f / (c.seq_length * b);
   cpu.params().zero_grads(cs);
   gpu.params().zero_grads(gs);
-  cpu.forward({ct.t, cl.t, Tensor()}, dc, closs, wgt, cs);
-  gpu.forward({gt.t, gl.t, Tensor()}, dc, gloss, wgt, gs);
-  cpu.backward({ct.t, cl.t, Tensor()}, dc, wgt, Tensor(), cs);
-  gpu.backward({gt.t, gl.t, Tensor()}, dc, wgt, Tensor(), gs);
+  cpu.forward(cmb, dc, closs, wgt, cs);
+  gpu.forward(gmb, dc, gloss, wgt, gs);
+  cpu.backward(cmb, dc, wgt, Tensor(), cs);
+  gpu.backward(gmb, dc, wgt, Tensor(), gs);
   const double lc = testing::to_host(closs, cs)[0], lg = testing::to_host(gloss, gs)[0];
   EXPECT_NEAR(lg, lc, tol * std::fabs(lc)) << "loss";
   for (size_t i = 0; i < cpu.params().size(); ++i) {
@@ -64,6 +87,10 @@ TEST(GptCuda, Fp32MatchesCpu) {
 TEST(GptCuda, Fp32WithDropoutMatchesCpu) {
   MT_REQUIRE_CUDA();
   compare(DType::kF32, 0.1f, 1e-5);
+}
+TEST(GptCuda, Fp32WithDocumentsMatchesCpu) {
+  MT_REQUIRE_CUDA();
+  compare(DType::kF32, 0.1f, 1e-5, /*documents=*/true);
 }
 TEST(GptCuda, Bf16MatchesCpu) {
   MT_REQUIRE_CUDA();

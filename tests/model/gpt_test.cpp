@@ -32,6 +32,7 @@ struct Harness {
   Stream stream{Device::cpu()};
   GptModel model;
   OwnedTensor tokens, labels, loss;
+  OwnedTensor positions, doc_start, loss_mask;  // set by with_documents()
   Harness(const GptConfig& c, int64_t b)
       : model(c, b, DType::kF32, Device::cpu(), ProcessGroups::single()),
         tokens(testing::make_int_tensor(testing::randint(c.seq_length * b, 0, static_cast<int32_t>(c.vocab_size)),
@@ -41,7 +42,30 @@ struct Harness {
         loss(DType::kF32, Device::cpu(), {1}) {
     model.params().initialize(testing::test_seed(), stream);
   }
-  MicroBatch mb() const { return {tokens.t, labels.t, Tensor()}; }
+  MicroBatch mb() const {
+    MicroBatch m{tokens.t, labels.t, loss_mask.t};
+    m.position_ids = positions.t;
+    m.doc_start = doc_start.t;
+    return m;
+  }
+  // Two documents per sample (boundary after position 1 of 5): position ids restart, attention
+  // stays inside a document, and the loss of the first position is masked.
+  void with_documents() {
+    const int64_t S = model.config().seq_length, B = model.micro_batch();
+    std::vector<int32_t> pos(S * B), ds(B * S);
+    std::vector<float> mask(S * B, 1.f);
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t i = 0; i < S; ++i) {
+        const int64_t start = i < 2 ? 0 : 2;
+        pos[i * B + b] = static_cast<int32_t>(i - start);
+        ds[b * S + i] = static_cast<int32_t>(start);
+      }
+      mask[0 * B + b] = 0.f;
+    }
+    positions = testing::make_int_tensor(pos, Device::cpu(), {S, B}, stream);
+    doc_start = testing::make_int_tensor(ds, Device::cpu(), {B, S}, stream);
+    loss_mask = testing::make_tensor(mask, DType::kF32, Device::cpu(), {S, B}, stream);
+  }
   double loss_value(const DropoutContext& dc) {
     fill(loss, 0.f, stream);
     const auto& c = model.config();
@@ -50,9 +74,10 @@ struct Harness {
   }
 };
 
-void gradient_check(float dropout) {
+void gradient_check(float dropout, bool documents = false) {
   const GptConfig c = tiny_config(dropout);
   Harness h_(c, 2);
+  if (documents) h_.with_documents();
   const DropoutContext dc{99, 3, 1, true};
   const float w = 1.0f / (c.seq_length * 2);
   h_.model.params().zero_grads(h_.stream);
@@ -102,6 +127,7 @@ void gradient_check(float dropout) {
 
 TEST(Gpt, GradientCheckNoDropout) { gradient_check(0.f); }
 TEST(Gpt, GradientCheckWithDropout) { gradient_check(0.2f); }
+TEST(Gpt, GradientCheckWithDocumentsAndLossMask) { gradient_check(0.2f, /*documents=*/true); }
 
 TEST(Gpt, DeterministicAndDropoutKeyed) {
   const GptConfig c = tiny_config(0.2f);

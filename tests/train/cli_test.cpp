@@ -156,6 +156,21 @@ TEST_F(CliTest, TrainsAndResumesBitwise) {
   EXPECT_NE(gen.out.find("the whale"), std::string::npos) << gen.out;
 }
 
+TEST_F(CliTest, DocumentMasksAndMockData) {
+  RunResult r = run(train_flags("--train-iters 3 --reset-position-ids --reset-attention-mask --eod-mask-loss"));
+  ASSERT_EQ(r.rc, 0) << r.out;
+  ASSERT_EQ(loss_lines(r.out).size(), 3u) << r.out;
+  EXPECT_EQ(r.out.find("NAN"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("grad norm: nan"), std::string::npos) << r.out;
+  // Megatron's MockGPTDataset: no files at all.
+  RunResult m = run("pretrain --num-layers 1 --hidden-size 16 --num-attention-heads 2 --seq-length 16 "
+                    "--micro-batch-size 2 --lr 1e-3 --train-iters 2 --log-interval 1 --eval-iters 1 --device cpu "
+                    "--no-progress --mock-data " + tok);
+  ASSERT_EQ(m.rc, 0) << m.out;
+  EXPECT_NE(m.out.find("<mock>"), std::string::npos) << m.out;
+  EXPECT_EQ(loss_lines(m.out).size(), 2u) << m.out;
+}
+
 TEST_F(CliTest, BadInputErrors) {
   struct Case {
     std::string args, expect;
