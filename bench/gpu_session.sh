@@ -31,6 +31,10 @@ for step in "$@"; do
       mb=${step#mb}
       $bin pretrain "${common[@]}" --micro-batch-size $mb --global-batch-size $mb --train-iters 60 --lr-warmup-iters 5 \
         --log-interval 20 --eval-interval 1000 --eval-iters 0 2>&1 | tee "$OUT/$step.log" | grep -E "iteration +(40|60)/|memory" ;;
+    masks)
+      $bin pretrain "${common[@]}" --micro-batch-size 16 --global-batch-size 16 --train-iters 30 --lr-warmup-iters 5 \
+        --log-interval 10 --eval-interval 30 --eval-iters 2 --reset-position-ids --reset-attention-mask --eod-mask-loss \
+        2>&1 | tee "$OUT/masks.log" | grep -E "iteration +30/|validation loss at iteration 30" ;;
     fp16)
       fp16=("${common[@]/--bf16/--fp16}")
       $bin pretrain "${fp16[@]}" --micro-batch-size 16 --global-batch-size 16 --train-iters 40 --lr-warmup-iters 5 \
