@@ -35,6 +35,22 @@ void dispatch_float(DType t, const char* what, F&& f) {
   }
 }
 
+/// Block-wide sum in a fixed order (deterministic); the result is valid in thread 0. Every
+/// thread of the block must call it; at most 1024 threads.
+__device__ __forceinline__ float block_reduce_sum(float v) {
+  __shared__ float sh[32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  if (lane == 0) sh[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    const int nw = (blockDim.x + 31) >> 5;
+    v = lane < nw ? sh[lane] : 0.f;
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  }
+  return v;
+}
+
 inline cudaStream_t cu(const Stream& s) { return static_cast<cudaStream_t>(s.cuda_stream()); }
 
 /// Blocks for a grid-stride loop over n elements (capped; the loop covers the rest).

@@ -45,20 +45,6 @@ __device__ void block_reduce_ms(float& m, float& s) {
   }
 }
 
-/// Block-wide sum (fixed order); the result is valid in thread 0.
-__device__ float block_reduce_sum(float v) {
-  __shared__ float sh[32];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  if (lane == 0) sh[warp] = v;
-  __syncthreads();
-  if (warp == 0) {
-    const int nw = (blockDim.x + 31) >> 5;
-    v = lane < nw ? sh[lane] : 0.f;
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  }
-  return v;
-}
 
 /// Adds element x to the online-softmax state.
 __device__ __forceinline__ void online_add(float& m, float& s, float x) {

@@ -7,6 +7,7 @@
 #include <type_traits>
 
 #include "core/cuda_check.h"
+#include "ops/cuda/common.cuh"
 #include "ops/optimizer_impl.h"
 
 namespace mt::cuda {
@@ -16,23 +17,8 @@ constexpr int kSumsqThreads = 256;
 constexpr int kAdamThreads = 256;
 static_assert(kGradSumsqBlocks % 32 == 0 && kGradSumsqBlocks <= 1024, "final reduction runs in one block");
 
-cudaStream_t cu(const Stream& s) { return static_cast<cudaStream_t>(s.cuda_stream()); }
 OptimizerScalars* scalars_ptr(const Tensor& t) { return static_cast<OptimizerScalars*>(t.data()); }
 
-/// Block-wide sum in a fixed order; the result is valid in thread 0.
-__device__ float block_reduce_sum(float v) {
-  __shared__ float sh[32];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  if (lane == 0) sh[warp] = v;
-  __syncthreads();
-  if (warp == 0) {
-    const int nw = (blockDim.x + 31) >> 5;
-    v = lane < nw ? sh[lane] : 0.f;
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  }
-  return v;
-}
 
 /// Level 1: block b writes the sum over its fixed grid-stride share of (g * (1/loss_scale))^2.
 template <bool kVec>
