@@ -26,6 +26,11 @@ struct OptimizerConfig {
 struct OptimizerGroups {
   std::shared_ptr<Communicator> dp, mp;
   int tp_rank = 0;
+  /// --use-distributed-optimizer (ZeRO-1, Rajbhandari et al. 2020 §5; Megatron's
+  /// DistributedOptimizer): data-parallel rank d owns elements [d·N/DP, (d+1)·N/DP) of the flat
+  /// buffers. Gradients are reduce-scattered instead of all-reduced, AdamW moments exist only for
+  /// the owned shard (optimizer memory / DP), and the updated parameters are all-gathered.
+  bool distributed = false;
 };
 
 class AdamWOptimizer {
@@ -43,8 +48,18 @@ class AdamWOptimizer {
   /// Copies the scalars to the host and waits: call at log intervals only.
   OptimizerScalars read_scalars_sync(const Stream& stream) const;
   void write_scalars(const OptimizerScalars& s, const Stream& stream);
-  Tensor exp_avg() const { return exp_avg_.as(DType::kF32, {params_.total_elements()}); }
-  Tensor exp_avg_sq() const { return exp_avg_sq_.as(DType::kF32, {params_.total_elements()}); }
+  /// AdamW moments of the owned elements: the whole flat buffer, or [shard_begin(),
+  /// shard_begin() + shard_size()) with the distributed optimizer.
+  Tensor exp_avg() const { return exp_avg_.as(DType::kF32, {shard_n_}); }
+  Tensor exp_avg_sq() const { return exp_avg_sq_.as(DType::kF32, {shard_n_}); }
+  int64_t shard_begin() const { return shard_lo_; }
+  int64_t shard_size() const { return shard_n_; }
+  bool distributed() const { return shard_n_ != params_.total_elements(); }
+  /// Checkpoint support: full-length moments. gather: all-gathers the shards into m, v (fp32
+  /// [total] on the device; a copy without the distributed optimizer). scatter: takes this
+  /// rank's shard of full-length m, v. Both outside a training step.
+  void gather_moments(const Tensor& m, const Tensor& v, const Stream& stream) const;
+  void scatter_moments(const Tensor& m, const Tensor& v, const Stream& stream);
   const OptimizerConfig& config() const { return config_; }
 
  private:
@@ -52,6 +67,7 @@ class AdamWOptimizer {
   OptimizerConfig config_;
   OptimizerGroups groups_;
   Buffer exp_avg_, exp_avg_sq_, scalars_;
+  int64_t shard_lo_ = 0, shard_n_ = 0;
   Buffer host_scalars_;  // pinned
 };
 

@@ -74,6 +74,8 @@ void add_pretrain_options(CLI::App& app, PretrainArgs& a) {
   app.add_option("--tensor-model-parallel-size", a.tensor_model_parallel_size, "Tensor-parallel size")
       ->capture_default_str();
   app.add_flag("--sequence-parallel", a.sequence_parallel, "Sequence parallelism in the TP group");
+  app.add_flag("--use-distributed-optimizer", a.use_distributed_optimizer,
+               "Shard the optimizer state over data-parallel ranks (ZeRO-1)");
   app.add_option("--distributed-timeout-minutes", a.distributed_timeout_minutes,
                  "A collective that does not finish in this time is an error")->capture_default_str();
   app.add_option("--nproc-per-node", a.nproc_per_node, "Start N ranks on this machine (local launcher)")

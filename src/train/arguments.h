@@ -50,6 +50,7 @@ struct PretrainArgs {
   // distributed
   int tensor_model_parallel_size = 1;      ///< --tensor-model-parallel-size
   bool sequence_parallel = false;          ///< --sequence-parallel
+  bool use_distributed_optimizer = false;  ///< --use-distributed-optimizer
   double distributed_timeout_minutes = 10;  ///< --distributed-timeout-minutes
   int nproc_per_node = 1;                  ///< --nproc-per-node (ours; the local launcher)
   int data_parallel_size = 1;              ///< derived: world / tensor-model-parallel-size

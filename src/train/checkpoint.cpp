@@ -92,20 +92,41 @@ struct TensorRef {
   ShardOffset shard;
 };
 
-std::vector<TensorRef> checkpoint_tensors(const ParamStore& params, const AdamWOptimizer* opt) {
+// Full-length AdamW moments for a checkpoint: the optimizer's own buffers, or (distributed
+// optimizer) temporary device buffers holding the gathered shards.
+struct FullMoments {
+  Buffer m_buf, v_buf;
+  Tensor m, v;
+};
+FullMoments full_moments(const ParamStore& params, const AdamWOptimizer* opt) {
+  FullMoments f;
+  if (!opt) return f;
+  if (!opt->distributed()) {
+    f.m = opt->exp_avg();
+    f.v = opt->exp_avg_sq();
+    return f;
+  }
+  const size_t bytes = static_cast<size_t>(params.total_elements()) * 4;
+  f.m_buf = Buffer(params.device(), bytes);
+  f.v_buf = Buffer(params.device(), bytes);
+  f.m = f.m_buf.as(DType::kF32, {params.total_elements()});
+  f.v = f.v_buf.as(DType::kF32, {params.total_elements()});
+  return f;
+}
+
+std::vector<TensorRef> checkpoint_tensors(const ParamStore& params, const FullMoments* mom) {
   std::vector<TensorRef> out;
   for (size_t i = 0; i < params.size(); ++i) {
     const auto& info = params.info(i);
     out.push_back({"model/" + info.name, params.main(i), info.global_shape, info.shard});
   }
-  if (opt) {
+  if (mom) {
     for (size_t i = 0; i < params.size(); ++i) {
       const auto& info = params.info(i);
-      out.push_back({"optim/exp_avg/" + info.name, opt->exp_avg().flat_range(info.offset, info.numel).view(info.shape),
+      out.push_back({"optim/exp_avg/" + info.name, mom->m.flat_range(info.offset, info.numel).view(info.shape),
                      info.global_shape, info.shard});
-      out.push_back({"optim/exp_avg_sq/" + info.name,
-                     opt->exp_avg_sq().flat_range(info.offset, info.numel).view(info.shape), info.global_shape,
-                     info.shard});
+      out.push_back({"optim/exp_avg_sq/" + info.name, mom->v.flat_range(info.offset, info.numel).view(info.shape),
+                     info.global_shape, info.shard});
     }
   }
   return out;
@@ -160,12 +181,14 @@ void save_checkpoint(const std::string& dir, const CheckpointState& state, const
     MT_REQUIRE(!ec, "cannot create checkpoint directory '{}': {}", tmp_dir.string(), ec.message());
   }
   w.world->barrier();
+  FullMoments mom = full_moments(params, optimizer);
+  if (optimizer && optimizer->distributed()) optimizer->gather_moments(mom.m, mom.v, stream);  // all DP ranks
   if (w.dp_rank == 0) {  // data-parallel replicas hold identical state; one of them writes
     const fs::path bin = tmp_dir / rank_file(w.tp_rank);
     std::ofstream f(bin, std::ios::binary | std::ios::trunc);
     MT_REQUIRE(f.good(), "cannot write checkpoint file '{}'", bin.string());
     std::vector<char> host;
-    for (const auto& ref : checkpoint_tensors(params, optimizer)) {
+    for (const auto& ref : checkpoint_tensors(params, optimizer ? &mom : nullptr)) {
       host.resize(ref.t.nbytes());
       copy_bytes(host.data(), Device::cpu(), ref.t.data(), ref.t.device(), host.size(), stream);
       stream.synchronize();
@@ -282,6 +305,7 @@ CheckpointState read_checkpoint_state(const std::string& dir) {
 CheckpointState load_checkpoint(const std::string& dir, ParamStore& params, AdamWOptimizer* optimizer,
                                 const Stream& stream) {
   fs::path iter_path;
+  FullMoments mom;
   json meta = read_metadata(dir, &iter_path);
   CheckpointState state;
   try {
@@ -292,7 +316,8 @@ CheckpointState load_checkpoint(const std::string& dir, ParamStore& params, Adam
     for (const auto& t : meta.at("tensors")) by_name[t.at("name").get<std::string>()] = &t;
     std::map<std::string, std::ifstream> files;
     std::vector<float> host;
-    for (const auto& ref : checkpoint_tensors(params, optimizer)) {
+    mom = full_moments(params, optimizer);
+    for (const auto& ref : checkpoint_tensors(params, optimizer ? &mom : nullptr)) {
       auto it = by_name.find(ref.name);
       MT_REQUIRE(it != by_name.end(), "checkpoint '{}' has no tensor '{}'", iter_path.string(), ref.name);
       const json& t = *it->second;
@@ -342,6 +367,7 @@ CheckpointState load_checkpoint(const std::string& dir, ParamStore& params, Adam
     MT_FAIL("checkpoint metadata in '{}' is incomplete: {}", iter_path.string(), e.what());
   }
   params.sync_model_from_main(stream);
+  if (optimizer && optimizer->distributed()) optimizer->scatter_moments(mom.m, mom.v, stream);
   if (optimizer) optimizer->write_scalars(state.scalars, stream);
   stream.synchronize();
   return state;

@@ -266,7 +266,8 @@ int run_pretrain(PretrainArgs args) {
            cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.ffn(), cfg.seq_length, cfg.vocab_size,
            model.padded_vocab(), model.params().num_parameters() / 1e6, dtype_name(args.dtype()), device.str(),
            model.activation_bytes() / 1048576.0);
-  AdamWOptimizer optimizer(model.params(), args.optim, stream, {groups.dp, groups.mp, groups.tp->rank()});
+  AdamWOptimizer optimizer(model.params(), args.optim, stream,
+                           {groups.dp, groups.mp, groups.tp->rank(), args.use_distributed_optimizer});
 
   int64_t iteration = 0, consumed = 0;
   if (resume) {

@@ -84,7 +84,10 @@ TEST_F(TrainerLayouts, ParallelLayoutsMatchOneRank) {
   ASSERT_EQ(ref_losses.size(), 4u) << ref.out;
   for (const std::string layout : {"--nproc-per-node 2 --tensor-model-parallel-size 2",
                                    "--nproc-per-node 2 --tensor-model-parallel-size 2 --sequence-parallel",
-                                   "--nproc-per-node 2", "--nproc-per-node 4 --tensor-model-parallel-size 2"}) {
+                                   "--nproc-per-node 2", "--nproc-per-node 2 --use-distributed-optimizer",
+                                   "--nproc-per-node 4 --tensor-model-parallel-size 2",
+                                   "--nproc-per-node 4 --tensor-model-parallel-size 2 --sequence-parallel "
+                                   "--use-distributed-optimizer"}) {
     RunResult r = run(flags("--train-iters 4 " + layout));
     ASSERT_EQ(r.rc, 0) << layout << "\n" << r.out;
     EXPECT_NE(r.out.find("parallel layout"), std::string::npos) << r.out;
@@ -116,6 +119,17 @@ TEST_F(TrainerLayouts, CheckpointReshardsAcrossTensorParallelSizes) {
   l = losses(c.out);
   for (auto [k, v] : losses(d.out)) l[k] = v;
   expect_same(l, full_losses, "tp1 -> tp2 sp");
+  // Distributed optimizer: moments sharded over DP 2 are gathered into the checkpoint and resume on
+  // one rank.
+  const std::string ckz = (dir_ / "ck_zero").string();
+  RunResult e = run(flags("--train-iters 6 --exit-interval 3 --save " + ckz +
+                          " --nproc-per-node 2 --use-distributed-optimizer"));
+  ASSERT_EQ(e.rc, 0) << e.out;
+  RunResult f = run(flags("--train-iters 6 --load " + ckz + " --save " + ckz));
+  ASSERT_EQ(f.rc, 0) << f.out;
+  l = losses(e.out);
+  for (auto [k, v] : losses(f.out)) l[k] = v;
+  expect_same(l, full_losses, "dp2 distributed optimizer -> 1 rank");
 }
 
 TEST_F(TrainerLayouts, BadLayoutErrors) {
