@@ -9,6 +9,7 @@
 #include <cmath>
 
 #include "ops/attention.h"
+#include "ops/attention_test_util.h"
 #include "testing/testing.h"
 
 namespace mt {
@@ -34,51 +35,14 @@ std::vector<float> rounded(std::vector<float> v, DType t) {
   return v;
 }
 
-struct Dims {
-  int64_t s, b, n, d;
-};
+using Dims = testing::AttnDims;
+using Bufs = testing::AttnBufs;
 
-struct Bufs {
-  OwnedTensor q, k, v, probs, scratch, dq, dk, dv;
-  Bufs(Dims z, DType t, Device dev) {
-    const std::vector<int64_t> nd{z.b, z.n, z.s, z.d}, ns{z.b, z.n, z.s, z.s};
-    q = OwnedTensor(t, dev, nd);
-    k = OwnedTensor(t, dev, nd);
-    v = OwnedTensor(t, dev, nd);
-    dq = OwnedTensor(t, dev, nd);
-    dk = OwnedTensor(t, dev, nd);
-    dv = OwnedTensor(t, dev, nd);
-    probs = OwnedTensor(t, dev, ns);
-    scratch = OwnedTensor(t, dev, ns);
-  }
-  AttentionBuffers view() const { return {q.t, k.t, v.t, probs.t, scratch.t, dq.t, dk.t, dv.t}; }
-  void poison_all(const Stream& st) const {
-    for (const OwnedTensor* o : {&q, &k, &v, &probs, &scratch, &dq, &dk, &dv}) poison(*o, st);
-  }
-};
 
 /// Random document starts doc_start [b, s] (ops/attention.h): in every sample but the last (which,
 /// for b > 1, is one document) each position starts a document with probability 1/8, plus a
 /// document of length 1 in the middle and one at the last position. Needs s >= 4.
-std::vector<int32_t> random_doc_start(int64_t s, int64_t b) {
-  std::vector<int32_t> ds(b * s, 0);
-  auto& rng = testing::test_rng();
-  for (int64_t bi = 0; bi < b; ++bi) {
-    if (b > 1 && bi == b - 1) continue;
-    std::vector<bool> starts(s, false);
-    starts[0] = true;
-    for (int64_t j = 1; j < s; ++j) starts[j] = rng() % 8 == 0;
-    const int64_t a = 1 + static_cast<int64_t>(rng() % static_cast<uint64_t>(s - 3));  // in [1, s - 3]
-    starts[a] = starts[a + 1] = true;
-    starts[s - 1] = true;
-    int32_t cur = 0;
-    for (int64_t j = 0; j < s; ++j) {
-      if (starts[j]) cur = static_cast<int32_t>(j);
-      ds[bi * s + j] = cur;
-    }
-  }
-  return ds;
-}
+std::vector<int32_t> random_doc_start(int64_t s, int64_t b) { return testing::random_doc_start(s, b, 8); }
 
 void check_attention(Dims z, float p, DType t, double tol, int64_t head_offset = 0, int64_t total_heads = 0,
                      bool docs = false) {

@@ -9,6 +9,7 @@
 #include "core/rng.h"
 #include "data/masks.h"
 #include "ops/attention.h"
+#include "ops/attention_test_util.h"
 #include "testing/testing.h"
 
 namespace mt {
@@ -26,9 +27,8 @@ const Stream& cpu_stream() {
   return s;
 }
 
-struct Dims {
-  int64_t s, b, n, d;
-};
+using Dims = testing::AttnDims;
+using Bufs = testing::AttnBufs;
 
 AttentionConfig make_cfg(Dims z, float p, uint64_t seed) {
   AttentionConfig c;
@@ -42,25 +42,6 @@ AttentionConfig make_cfg(Dims z, float p, uint64_t seed) {
   return c;
 }
 
-/// The buffers of one call, owned.
-struct Bufs {
-  OwnedTensor q, k, v, probs, scratch, dq, dk, dv;
-  Bufs(Dims z, DType t, Device dev) {
-    const std::vector<int64_t> nd{z.b, z.n, z.s, z.d}, ns{z.b, z.n, z.s, z.s};
-    q = OwnedTensor(t, dev, nd);
-    k = OwnedTensor(t, dev, nd);
-    v = OwnedTensor(t, dev, nd);
-    dq = OwnedTensor(t, dev, nd);
-    dk = OwnedTensor(t, dev, nd);
-    dv = OwnedTensor(t, dev, nd);
-    probs = OwnedTensor(t, dev, ns);
-    scratch = OwnedTensor(t, dev, ns);
-  }
-  AttentionBuffers view() const { return {q.t, k.t, v.t, probs.t, scratch.t, dq.t, dk.t, dv.t}; }
-  void poison_all(const Stream& st) const {
-    for (const OwnedTensor* o : {&q, &k, &v, &probs, &scratch, &dq, &dk, &dv}) poison(*o, st);
-  }
-};
 
 /// The header's mask, written out independently of the implementation.
 bool ref_keep(const AttentionConfig& c, uint64_t g) {
@@ -77,25 +58,7 @@ struct RefFwd {
 /// for b > 1, is one document = plain causal) each position starts a new document with
 /// probability 1/4, plus a document of length 1 in the middle and one at the last position.
 /// Needs s >= 4.
-std::vector<int32_t> random_doc_start(int64_t s, int64_t b) {
-  std::vector<int32_t> ds(b * s, 0);
-  auto& rng = testing::test_rng();
-  for (int64_t bi = 0; bi < b; ++bi) {
-    if (b > 1 && bi == b - 1) continue;  // one document
-    std::vector<bool> starts(s, false);
-    starts[0] = true;
-    for (int64_t j = 1; j < s; ++j) starts[j] = rng() % 4 == 0;
-    const int64_t a = 1 + static_cast<int64_t>(rng() % static_cast<uint64_t>(s - 3));  // in [1, s - 3]
-    starts[a] = starts[a + 1] = true;  // document {a} of length 1
-    starts[s - 1] = true;              // document {s - 1} of length 1
-    int32_t cur = 0;
-    for (int64_t j = 0; j < s; ++j) {
-      if (starts[j]) cur = static_cast<int32_t>(j);
-      ds[bi * s + j] = cur;
-    }
-  }
-  return ds;
-}
+std::vector<int32_t> random_doc_start(int64_t s, int64_t b) { return testing::random_doc_start(s, b, 4); }
 
 /// float64 naive attention: qkv [s, b, n, 3, d] -> out [s, b, n, d], probs/dropped [b, n, s, s].
 /// doc: doc_start [b, s] or empty (plain causal); query i of sample b sees keys doc[b, i] .. i.

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "ops/optimizer.h"
+#include "ops/optimizer_test_util.h"
 #include "testing/testing.h"
 
 namespace mt {
@@ -16,35 +17,13 @@ namespace {
 
 using testing::make_tensor;
 using testing::OwnedTensor;
+using testing::ScalarsTensor;
+using testing::static_scaler;
 using testing::rel_err;
 using testing::to_host;
 
 const Device kCpu = Device::cpu();
 const Device kGpu = Device::cuda();
-
-struct ScalarsTensor {
-  Buffer buffer;
-  Tensor t;
-  explicit ScalarsTensor(Device d) : buffer(d, sizeof(OptimizerScalars)) {
-    t = Tensor(buffer.data(), DType::kU8, d, {static_cast<int64_t>(sizeof(OptimizerScalars))});
-  }
-  OptimizerScalars read(const Stream& s) const {
-    OptimizerScalars o;
-    copy_bytes(&o, kCpu, t.data(), t.device(), sizeof(o), s);
-    s.synchronize();
-    return o;
-  }
-  void write(const OptimizerScalars& o, const Stream& s) const {
-    copy_bytes(t.data(), t.device(), &o, kCpu, sizeof(o), s);
-    s.synchronize();
-  }
-};
-
-LossScalerConfig static_scaler(float scale) {
-  LossScalerConfig c;
-  c.initial_scale = scale;
-  return c;
-}
 
 /// grad_sumsq after accumulating `chunks` (host values) on `dev` with the given loss scale.
 float sumsq_on(Device dev, const std::vector<std::vector<float>>& chunks, float loss_scale, int offset = 0) {
