@@ -7,37 +7,11 @@
 #include <vector>
 
 #include "core/dtype.h"
+#include "ops/cpu/dtype_codec.h"
 #include "ops/cross_entropy_impl.h"
 
 namespace mt::cpu {
 namespace {
-
-struct F32Io {
-  using T = float;
-  static float ld(T x) { return x; }
-  static T st(float f) { return f; }
-};
-struct BF16Io {
-  using T = uint16_t;
-  static float ld(T x) { return bf16_bits_to_f32(x); }
-  static T st(float f) { return f32_to_bf16_bits(f); }
-};
-struct F16Io {
-  using T = uint16_t;
-  static float ld(T x) { return f16_bits_to_f32(x); }
-  static T st(float f) { return f32_to_f16_bits(f); }
-};
-
-/// Calls f(Io{}) with the I/O traits of an fp32/bf16/fp16 dtype.
-template <typename F>
-void with_io(DType t, F&& f) {
-  switch (t) {
-    case DType::kF32: f(F32Io{}); return;
-    case DType::kBF16: f(BF16Io{}); return;
-    case DType::kF16: f(F16Io{}); return;
-    default: MT_FAIL("cross_entropy: unsupported logits dtype {}", dtype_name(t));
-  }
-}
 
 /// Fixed-order sum of x[0, n) in double: fixed chunks summed in parallel, chunk sums added in
 /// index order, so the result does not depend on the number of threads.
@@ -66,20 +40,20 @@ void cross_entropy_stats(const Tensor& row_max, const Tensor& row_sumexp, const 
   float* se_out = row_sumexp.data_as<float>();
   float* tl_out = target_logit.data_as<float>();
   const int32_t* tg = targets.data_as<int32_t>();
-  with_io(logits.dtype(), [&](auto io) {
+  dispatch_codec(logits.dtype(), "cross_entropy logits", [&](auto io) {
     using Io = decltype(io);
-    const auto* x = logits.data_as<typename Io::T>();
+    const auto* x = logits.data_as<typename Io::storage>();
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < m; ++r) {
       const auto* row = x + r * v;
       float mx = -INFINITY;
-      for (int64_t j = 0; j < v; ++j) mx = std::max(mx, Io::ld(row[j]));
+      for (int64_t j = 0; j < v; ++j) mx = std::max(mx, Io::load(row[j]));
       double se = 0;
-      for (int64_t j = 0; j < v; ++j) se += std::exp(Io::ld(row[j]) - mx);
+      for (int64_t j = 0; j < v; ++j) se += std::exp(Io::load(row[j]) - mx);
       const int64_t t = static_cast<int64_t>(tg[r]) - vocab_start;
       mx_out[r] = mx;
       se_out[r] = static_cast<float>(se);
-      tl_out[r] = (t >= 0 && t < v) ? Io::ld(row[t]) : 0.f;
+      tl_out[r] = (t >= 0 && t < v) ? Io::load(row[t]) : 0.f;
     }
   });
 }
@@ -116,9 +90,9 @@ void cross_entropy_backward_inplace(const Tensor& logits, const Tensor& targets,
   const float* mxp = row_max.data_as<float>();
   const float* sep = row_sumexp.data_as<float>();
   const float* mask = loss_mask.empty() ? nullptr : loss_mask.data_as<float>();
-  with_io(logits.dtype(), [&](auto io) {
+  dispatch_codec(logits.dtype(), "cross_entropy logits", [&](auto io) {
     using Io = decltype(io);
-    auto* x = logits.data_as<typename Io::T>();
+    auto* x = logits.data_as<typename Io::storage>();
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < m; ++r) {
       auto* row = x + r * v;
@@ -127,8 +101,8 @@ void cross_entropy_backward_inplace(const Tensor& logits, const Tensor& targets,
       const float scale = mask ? grad_scale * mask[r] : grad_scale;
       const int64_t t = static_cast<int64_t>(tg[r]) - vocab_start;
       for (int64_t j = 0; j < v; ++j) {
-        const float p = std::exp(Io::ld(row[j]) - mx) * inv;
-        row[j] = Io::st((p - (j == t ? 1.f : 0.f)) * scale);
+        const float p = std::exp(Io::load(row[j]) - mx) * inv;
+        row[j] = Io::store((p - (j == t ? 1.f : 0.f)) * scale);
       }
     }
   });

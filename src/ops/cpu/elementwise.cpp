@@ -4,37 +4,11 @@
 #include <cstring>
 
 #include "core/rng.h"
+#include "ops/cpu/dtype_codec.h"
 #include "ops/elementwise_impl.h"
 
 namespace mt::cpu {
 namespace {
-
-// Host storage codecs: storage type + load/store through fp32.
-struct F32Codec {
-  using storage = float;
-  static float load(float v) { return v; }
-  static float store(float f) { return f; }
-};
-struct BF16Codec {
-  using storage = uint16_t;
-  static float load(uint16_t v) { return bf16_bits_to_f32(v); }
-  static uint16_t store(float f) { return f32_to_bf16_bits(f); }
-};
-struct F16Codec {
-  using storage = uint16_t;
-  static float load(uint16_t v) { return f16_bits_to_f32(v); }
-  static uint16_t store(float f) { return f32_to_f16_bits(f); }
-};
-
-template <typename F>
-void dispatch_codec(DType t, const char* what, F&& f) {
-  switch (t) {
-    case DType::kF32: f(F32Codec{}); break;
-    case DType::kBF16: f(BF16Codec{}); break;
-    case DType::kF16: f(F16Codec{}); break;
-    default: MT_FAIL("{}: unsupported dtype {}", what, dtype_name(t));
-  }
-}
 
 /// Shared core of the dropout ops. For every local flat index l < n (global g = offset + l):
 ///   v = x[l] (+ bias[l % h]);  v = keep(g) ? v * scale : 0;  (+ residual[l]);  out[l] = v.
