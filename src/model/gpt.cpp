@@ -135,6 +135,7 @@ GptModel::GptModel(const GptConfig& config, int64_t micro_batch, DType dtype, De
   MT_REQUIRE(device.is_cuda() || dtype == DType::kF32, "{} training needs --device cuda (the CPU backend is fp32)",
              dtype_name(dtype));
   params_ = std::make_unique<ParamStore>(param_specs(config_, tp_, tp_rank_), dtype, device, pad_multiple);
+  if (sp_) sp_grad_ranges_ = params_->ranges([](const ParamInfo& p) { return p.sequence_parallel_grad; });
   ws_ = std::make_unique<Workspace>();
   layers_.resize(static_cast<size_t>(config_.num_layers));
   plan(arena_);
@@ -402,9 +403,9 @@ void GptModel::backward(const MicroBatch& mb, const DropoutContext& dc, float gr
 }
 
 void GptModel::allreduce_sequence_parallel_grads(const Stream& st) {
-  if (!sp_) return;
-  for (size_t i = 0; i < params_->size(); ++i)
-    if (params_->info(i).sequence_parallel_grad) groups_.tp->all_reduce(params_->grad(i), ReduceOp::kSum, st);
+  // One all-reduce per run of consecutive such parameters (per layer), not per tensor.
+  for (const auto& r : sp_grad_ranges_)
+    groups_.tp->all_reduce(params_->grads_flat().flat_range(r.begin, r.end - r.begin), ReduceOp::kSum, st);
 }
 
 }  // namespace mt

@@ -110,6 +110,7 @@ class GptModel {
   std::unique_ptr<Workspace> ws_;
   Tensor logits_;
   Tensor doc_start_;  // of the micro-batch whose forward ran last (backward uses the same)
+  std::vector<ParamStore::Range> sp_grad_ranges_;  // gradients all-reduced over TP with SP
 };
 
 /// Dropout stream ids (the Philox key half of a dropout site): (layer + 1) * 8 + site.

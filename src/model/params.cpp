@@ -29,16 +29,6 @@ ParamStore::ParamStore(std::vector<ParamSpec> specs, DType model_dtype, Device d
   }
   const int64_t q = kAlign * std::max<int64_t>(pad_multiple, 1);
   total_ = (off + q - 1) / q * q;
-  for (size_t i = 0; i < infos_.size(); ++i) {
-    const auto& p = infos_[i];
-    int64_t end = (i + 1 < infos_.size()) ? infos_[i + 1].offset : total_;
-    if (!runs_.empty() && runs_.back().weight_decay == p.weight_decay &&
-        runs_.back().tensor_parallel == p.tensor_parallel) {
-      runs_.back().end = end;
-    } else {
-      runs_.push_back({p.offset, end, p.weight_decay, p.tensor_parallel});
-    }
-  }
   main_ = Buffer(device, static_cast<size_t>(total_) * 4);
   if (model_dtype != DType::kF32) params_ = Buffer(device, static_cast<size_t>(total_) * dtype_size(model_dtype));
   grads_ = Buffer(device, static_cast<size_t>(total_) * 4);

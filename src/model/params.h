@@ -75,19 +75,31 @@ class ParamStore {
   void sync_model_from_main(const Stream& stream);
   void zero_grads(const Stream& stream);
 
-  /// Maximal runs of consecutive parameters with equal (weight_decay, tensor_parallel), as
-  /// flat element ranges [begin, end) (AdamW and the gradient norm work per run).
-  struct Run {
+  /// Flat element ranges [begin, end) covering the parameters for which pred(info) holds,
+  /// consecutive parameters merged into one range (the alignment padding between them, whose
+  /// gradients stay zero, included), so an op or collective runs once per range instead of once
+  /// per tensor. Computed once by the caller, outside the training step.
+  struct Range {
     int64_t begin, end;
-    bool weight_decay;
-    bool tensor_parallel;
   };
-  const std::vector<Run>& runs() const { return runs_; }
+  template <typename Pred>
+  std::vector<Range> ranges(Pred pred) const {
+    std::vector<Range> out;
+    for (size_t i = 0; i < infos_.size(); ++i) {
+      if (!pred(infos_[i])) continue;
+      const int64_t b = infos_[i].offset, e = i + 1 < infos_.size() ? infos_[i + 1].offset : total_;
+      if (!out.empty() && out.back().end == b) {
+        out.back().end = e;
+      } else {
+        out.push_back({b, e});
+      }
+    }
+    return out;
+  }
 
  private:
   std::vector<ParamInfo> infos_;
   std::unordered_map<std::string, size_t> by_name_;
-  std::vector<Run> runs_;
   DType model_dtype_;
   Device device_;
   int64_t total_ = 0;

@@ -22,6 +22,10 @@ AdamWOptimizer::AdamWOptimizer(ParamStore& params, const OptimizerConfig& config
     shard_n_ = total / dp;
     shard_lo_ = groups_.dp->rank() * shard_n_;
   }
+  const int tp_rank = groups_.tp_rank;
+  norm_ranges_ = params.ranges([tp_rank](const ParamInfo& p) { return p.tensor_parallel || tp_rank == 0; });
+  decay_ranges_ = params.ranges([](const ParamInfo& p) { return p.weight_decay; });
+  no_decay_ranges_ = params.ranges([](const ParamInfo& p) { return !p.weight_decay; });
   exp_avg_ = Buffer(params.device(), static_cast<size_t>(shard_n_) * 4);
   exp_avg_sq_ = Buffer(params.device(), static_cast<size_t>(shard_n_) * 4);
   scalars_ = Buffer(params.device(), sizeof(OptimizerScalars));
@@ -65,10 +69,9 @@ void AdamWOptimizer::step(float lr, const Stream& stream) {
   }
   // Global norm over the owned elements: TP-split parameters on every rank, replicated ones on
   // TP rank 0 only; then summed over the DP shards (distributed optimizer) and over MP.
-  for (const auto& run : params_.runs()) {
-    const int64_t b = std::max(run.begin, lo), e = std::min(run.end, hi);
-    if (b < e && (run.tensor_parallel || groups_.tp_rank == 0))
-      grad_sumsq_accumulate(sc, grads.flat_range(b, e - b), stream);
+  for (const auto& r : norm_ranges_) {
+    const int64_t b = std::max(r.begin, lo), e = std::min(r.end, hi);
+    if (b < e) grad_sumsq_accumulate(sc, grads.flat_range(b, e - b), stream);
   }
   const Tensor sumsq(static_cast<char*>(scalars_.data()) + offsetof(OptimizerScalars, grad_sumsq), DType::kF32,
                      scalars_.device(), {1});
@@ -77,13 +80,16 @@ void AdamWOptimizer::step(float lr, const Stream& stream) {
   optimizer_prepare(sc, config_.clip_grad, stream);
   const Tensor main = params_.main_flat();
   const Tensor model = params_.has_separate_main() ? params_.params_flat() : Tensor();
-  for (const auto& run : params_.runs()) {
-    const int64_t b = std::max(run.begin, lo), e = std::min(run.end, hi);
-    if (b >= e) continue;
-    const int64_t n = e - b;
-    AdamWHyper hp{lr, config_.beta1, config_.beta2, config_.eps, run.weight_decay ? config_.weight_decay : 0.f};
-    adamw_step(main.flat_range(b, n), grads.flat_range(b, n), exp_avg().flat_range(b - lo, n),
-               exp_avg_sq().flat_range(b - lo, n), model.empty() ? Tensor() : model.flat_range(b, n), hp, sc, stream);
+  for (const bool decay : {true, false}) {
+    const AdamWHyper hp{lr, config_.beta1, config_.beta2, config_.eps, decay ? config_.weight_decay : 0.f};
+    for (const auto& r : decay ? decay_ranges_ : no_decay_ranges_) {
+      const int64_t b = std::max(r.begin, lo), e = std::min(r.end, hi);
+      if (b >= e) continue;
+      const int64_t n = e - b;
+      adamw_step(main.flat_range(b, n), grads.flat_range(b, n), exp_avg().flat_range(b - lo, n),
+                 exp_avg_sq().flat_range(b - lo, n), model.empty() ? Tensor() : model.flat_range(b, n), hp, sc,
+                 stream);
+    }
   }
   loss_scaler_update(sc, config_.scaler, stream);
   if (zero) {

@@ -68,6 +68,8 @@ class AdamWOptimizer {
   OptimizerGroups groups_;
   Buffer exp_avg_, exp_avg_sq_, scalars_;
   int64_t shard_lo_ = 0, shard_n_ = 0;
+  // Flat ranges planned once: counted in the gradient norm on this rank; with / without decay.
+  std::vector<ParamStore::Range> norm_ranges_, decay_ranges_, no_decay_ranges_;
   Buffer host_scalars_;  // pinned
 };
 
