@@ -136,6 +136,20 @@ GptModel::GptModel(const GptConfig& config, int64_t micro_batch, DType dtype, De
              dtype_name(dtype));
   params_ = std::make_unique<ParamStore>(param_specs(config_, tp_, tp_rank_), dtype, device, pad_multiple);
   if (sp_) sp_grad_ranges_ = params_->ranges([](const ParamInfo& p) { return p.sequence_parallel_grad; });
+  // Parameter indices resolved once, so the step does no name lookups.
+  const ParamStore& P = *params_;
+  gix_ = {P.index("embedding.word_embeddings.weight"), P.index("embedding.position_embeddings.weight"),
+          P.index("decoder.final_layernorm.weight"), P.index("decoder.final_layernorm.bias")};
+  for (int64_t l = 0; l < config_.num_layers; ++l) {
+    const std::string p = layer_prefix(l);
+    auto at = [&](const char* n) { return P.index(p + n); };
+    layer_params_.push_back({at("input_layernorm.weight"), at("input_layernorm.bias"),
+                             at("self_attention.linear_qkv.weight"), at("self_attention.linear_qkv.bias"),
+                             at("self_attention.linear_proj.weight"), at("self_attention.linear_proj.bias"),
+                             at("pre_mlp_layernorm.weight"), at("pre_mlp_layernorm.bias"),
+                             at("mlp.linear_fc1.weight"), at("mlp.linear_fc1.bias"), at("mlp.linear_fc2.weight"),
+                             at("mlp.linear_fc2.bias")});
+  }
   ws_ = std::make_unique<Workspace>();
   layers_.resize(static_cast<size_t>(config_.num_layers));
   plan(arena_);
@@ -251,34 +265,34 @@ void reduce_from_tp_region(Communicator& tp, bool sp, const Tensor& local, const
 void GptModel::layer_forward(int64_t l, const Tensor& x, LayerActs& a, const DropoutContext& dc,
                              const Stream& st) {
   const ParamStore& P = *params_;
-  const std::string p = layer_prefix(l);
+  const LayerParamIndex& ix = layer_params_[static_cast<size_t>(l)];
   const float pd = dc.training ? config_.hidden_dropout : 0.f;
   const int64_t drop_off = sp_ ? tp_rank_ * sl_ * b_ * h_ : 0;  // global index of this shard
   Communicator& tp = *groups_.tp;
   auto& w = *ws_;
   // --- self-attention block ---
-  layernorm_forward(rows(a.ln1_out), a.ln1_mean, a.ln1_rstd, rows(x), P.param(p + "input_layernorm.weight"),
-                    P.param(p + "input_layernorm.bias"), config_.layernorm_epsilon, st);
+  layernorm_forward(rows(a.ln1_out), a.ln1_mean, a.ln1_rstd, rows(x), P.param(ix.ln1_w),
+                    P.param(ix.ln1_b), config_.layernorm_epsilon, st);
   gather_to_tp_region(tp, sp_, a.ln1_full, a.ln1_out, st);
   // ColumnParallelLinear.
-  linear_forward(rows(w.qkv), rows(a.ln1_full), P.param(p + "self_attention.linear_qkv.weight"),
-                 P.param(p + "self_attention.linear_qkv.bias"), Tensor(), st);
+  linear_forward(rows(w.qkv), rows(a.ln1_full), P.param(ix.qkv_w),
+                 P.param(ix.qkv_b), Tensor(), st);
   attention_forward(a.ctx, w.qkv, a.attn, attention_config(l, dc), st);
   // RowParallelLinear with skip_bias_add: the bias is added once, after the reduction.
-  linear_forward(rows(w.tmp_full), rows(a.ctx), P.param(p + "self_attention.linear_proj.weight"), Tensor(), Tensor(),
+  linear_forward(rows(w.tmp_full), rows(a.ctx), P.param(ix.proj_w), Tensor(), Tensor(),
                  st);
   reduce_from_tp_region(tp, sp_, w.tmp_h, w.tmp_full, st);
-  bias_dropout_add_forward(rows(a.resid1), rows(w.tmp_h), P.param(p + "self_attention.linear_proj.bias"), rows(x),
+  bias_dropout_add_forward(rows(a.resid1), rows(w.tmp_h), P.param(ix.proj_b), rows(x),
                            pd, key_for(dc, l, kSiteAttentionOut), drop_off, st);
   // --- MLP block ---
-  layernorm_forward(rows(a.ln2_out), a.ln2_mean, a.ln2_rstd, rows(a.resid1), P.param(p + "pre_mlp_layernorm.weight"),
-                    P.param(p + "pre_mlp_layernorm.bias"), config_.layernorm_epsilon, st);
+  layernorm_forward(rows(a.ln2_out), a.ln2_mean, a.ln2_rstd, rows(a.resid1), P.param(ix.ln2_w),
+                    P.param(ix.ln2_b), config_.layernorm_epsilon, st);
   gather_to_tp_region(tp, sp_, a.ln2_full, a.ln2_out, st);
-  linear_forward(rows(a.fc1_out), rows(a.ln2_full), P.param(p + "mlp.linear_fc1.weight"),
-                 P.param(p + "mlp.linear_fc1.bias"), rows(a.fc1_pre), st);
-  linear_forward(rows(w.tmp_full), rows(a.fc1_out), P.param(p + "mlp.linear_fc2.weight"), Tensor(), Tensor(), st);
+  linear_forward(rows(a.fc1_out), rows(a.ln2_full), P.param(ix.fc1_w),
+                 P.param(ix.fc1_b), rows(a.fc1_pre), st);
+  linear_forward(rows(w.tmp_full), rows(a.fc1_out), P.param(ix.fc2_w), Tensor(), Tensor(), st);
   reduce_from_tp_region(tp, sp_, w.tmp_h, w.tmp_full, st);
-  bias_dropout_add_forward(rows(a.out), rows(w.tmp_h), P.param(p + "mlp.linear_fc2.bias"), rows(a.resid1), pd,
+  bias_dropout_add_forward(rows(a.out), rows(w.tmp_h), P.param(ix.fc2_b), rows(a.resid1), pd,
                            key_for(dc, l, kSiteMlpOut), drop_off, st);
 }
 
@@ -287,37 +301,37 @@ void GptModel::layer_backward(int64_t l, const Tensor& x, LayerActs& a, const Te
   // On entry d_resid = dL/d(out); on exit d_resid = dL/dx. Activation grads overwrite except
   // the residual stream, into which the LayerNorm backward accumulates.
   const ParamStore& P = *params_;
-  const std::string p = layer_prefix(l);
+  const LayerParamIndex& ix = layer_params_[static_cast<size_t>(l)];
   const float pd = dc.training ? config_.hidden_dropout : 0.f;
   const int64_t drop_off = sp_ ? tp_rank_ * sl_ * b_ * h_ : 0;
   Communicator& tp = *groups_.tp;
   auto& w = *ws_;
   // --- MLP block: out = resid1 + dropout(fc2(gelu(fc1(ln2(resid1)))) + b2) ---
-  bias_dropout_add_backward(rows(w.d_h), P.grad(p + "mlp.linear_fc2.bias"), rows(d_resid), pd,
+  bias_dropout_add_backward(rows(w.d_h), P.grad(ix.fc2_b), rows(d_resid), pd,
                             key_for(dc, l, kSiteMlpOut), drop_off, st);
   gather_to_tp_region(tp, sp_, w.d_h_full, w.d_h, st);  // backward of the reduce-scatter
-  linear_backward(rows(w.d_fc1), P.grad(p + "mlp.linear_fc2.weight"), Tensor(), rows(w.d_h_full), rows(a.fc1_out),
-                  P.param(p + "mlp.linear_fc2.weight"), st);
+  linear_backward(rows(w.d_fc1), P.grad(ix.fc2_w), Tensor(), rows(w.d_h_full), rows(a.fc1_out),
+                  P.param(ix.fc2_w), st);
   gelu_backward(w.d_fc1, w.d_fc1, a.fc1_pre, st);
-  linear_backward(rows(w.d_ln_full), P.grad(p + "mlp.linear_fc1.weight"), P.grad(p + "mlp.linear_fc1.bias"),
-                  rows(w.d_fc1), rows(a.ln2_full), P.param(p + "mlp.linear_fc1.weight"), st);
+  linear_backward(rows(w.d_ln_full), P.grad(ix.fc1_w), P.grad(ix.fc1_b),
+                  rows(w.d_fc1), rows(a.ln2_full), P.param(ix.fc1_w), st);
   reduce_from_tp_region(tp, sp_, w.d_ln, w.d_ln_full, st);  // backward of f / the all-gather
-  layernorm_backward(rows(d_resid), P.grad(p + "pre_mlp_layernorm.weight"), P.grad(p + "pre_mlp_layernorm.bias"),
-                     rows(w.d_ln), rows(a.resid1), P.param(p + "pre_mlp_layernorm.weight"), a.ln2_mean, a.ln2_rstd,
+  layernorm_backward(rows(d_resid), P.grad(ix.ln2_w), P.grad(ix.ln2_b),
+                     rows(w.d_ln), rows(a.resid1), P.param(ix.ln2_w), a.ln2_mean, a.ln2_rstd,
                      /*accumulate_dx=*/true, st);
   // --- attention block: resid1 = x + dropout(proj(attn(qkv(ln1(x)))) + bp) ---
-  bias_dropout_add_backward(rows(w.d_h), P.grad(p + "self_attention.linear_proj.bias"), rows(d_resid), pd,
+  bias_dropout_add_backward(rows(w.d_h), P.grad(ix.proj_b), rows(d_resid), pd,
                             key_for(dc, l, kSiteAttentionOut), drop_off, st);
   gather_to_tp_region(tp, sp_, w.d_h_full, w.d_h, st);
-  linear_backward(rows(w.d_ctx), P.grad(p + "self_attention.linear_proj.weight"), Tensor(), rows(w.d_h_full),
-                  rows(a.ctx), P.param(p + "self_attention.linear_proj.weight"), st);
+  linear_backward(rows(w.d_ctx), P.grad(ix.proj_w), Tensor(), rows(w.d_h_full),
+                  rows(a.ctx), P.param(ix.proj_w), st);
   attention_backward(w.d_qkv, w.d_ctx, a.attn, attention_config(l, dc), st);
-  linear_backward(rows(w.d_ln_full), P.grad(p + "self_attention.linear_qkv.weight"),
-                  P.grad(p + "self_attention.linear_qkv.bias"), rows(w.d_qkv), rows(a.ln1_full),
-                  P.param(p + "self_attention.linear_qkv.weight"), st);
+  linear_backward(rows(w.d_ln_full), P.grad(ix.qkv_w),
+                  P.grad(ix.qkv_b), rows(w.d_qkv), rows(a.ln1_full),
+                  P.param(ix.qkv_w), st);
   reduce_from_tp_region(tp, sp_, w.d_ln, w.d_ln_full, st);
-  layernorm_backward(rows(d_resid), P.grad(p + "input_layernorm.weight"), P.grad(p + "input_layernorm.bias"),
-                     rows(w.d_ln), rows(x), P.param(p + "input_layernorm.weight"), a.ln1_mean, a.ln1_rstd,
+  layernorm_backward(rows(d_resid), P.grad(ix.ln1_w), P.grad(ix.ln1_b),
+                     rows(w.d_ln), rows(x), P.param(ix.ln1_w), a.ln1_mean, a.ln1_rstd,
                      /*accumulate_dx=*/true, st);
 }
 
@@ -328,10 +342,10 @@ void GptModel::forward(const MicroBatch& mb, const DropoutContext& dc, const Ten
   Communicator& tp = *groups_.tp;
   auto& w = *ws_;
   const int64_t vocab_start = tp_rank_ * Vl_;
-  const Tensor wte = P.param("embedding.word_embeddings.weight");
+  const Tensor wte = P.param(gix_.wte);
   // VocabParallelEmbedding: rows outside this rank's vocabulary shard are zero; the position
   // embedding is added on TP rank 0 only, so the reduction over TP adds it once.
-  embedding_forward(w.emb_full, mb.tokens, wte, tp_rank_ == 0 ? P.param("embedding.position_embeddings.weight") : Tensor(),
+  embedding_forward(w.emb_full, mb.tokens, wte, tp_rank_ == 0 ? P.param(gix_.wpe) : Tensor(),
                     mb.position_ids, vocab_start, st);
   doc_start_ = mb.doc_start;
   reduce_from_tp_region(tp, sp_, w.emb_out, w.emb_full, st);
@@ -343,8 +357,8 @@ void GptModel::forward(const MicroBatch& mb, const DropoutContext& dc, const Ten
     layer_forward(l, x, layers_[l], dc, st);
     x = layers_[l].out;
   }
-  layernorm_forward(rows(w.lnf_out), w.lnf_mean, w.lnf_rstd, rows(x), P.param("decoder.final_layernorm.weight"),
-                    P.param("decoder.final_layernorm.bias"), config_.layernorm_epsilon, st);
+  layernorm_forward(rows(w.lnf_out), w.lnf_mean, w.lnf_rstd, rows(x), P.param(gix_.lnf_w),
+                    P.param(gix_.lnf_b), config_.layernorm_epsilon, st);
   gather_to_tp_region(tp, sp_, w.lnf_full, w.lnf_out, st);
   // Output layer tied to the word embedding (column-parallel over the vocabulary).
   linear_forward(logits_, rows(w.lnf_full), wte, Tensor(), Tensor(), st);
@@ -378,13 +392,13 @@ void GptModel::backward(const MicroBatch& mb, const DropoutContext& dc, float gr
   cross_entropy_backward_inplace(logits_, labels, w.ce_max, w.ce_sumexp, mask, vocab_start, grad_scale, loss_scale,
                                  st);
   const Tensor dlogits = logits_;
-  const Tensor wte = P.param("embedding.word_embeddings.weight");
-  const Tensor dwte = P.grad("embedding.word_embeddings.weight");
+  const Tensor wte = P.param(gix_.wte);
+  const Tensor dwte = P.grad(gix_.wte);
   linear_backward(rows(w.d_ln_full), dwte, Tensor(), dlogits, rows(w.lnf_full), wte, st);
   reduce_from_tp_region(tp, sp_, w.d_ln, w.d_ln_full, st);
   const Tensor x_last = layers_.back().out;
-  layernorm_backward(rows(w.d_resid), P.grad("decoder.final_layernorm.weight"), P.grad("decoder.final_layernorm.bias"),
-                     rows(w.d_ln), rows(x_last), P.param("decoder.final_layernorm.weight"), w.lnf_mean, w.lnf_rstd,
+  layernorm_backward(rows(w.d_resid), P.grad(gix_.lnf_w), P.grad(gix_.lnf_b),
+                     rows(w.d_ln), rows(x_last), P.param(gix_.lnf_w), w.lnf_mean, w.lnf_rstd,
                      /*accumulate_dx=*/false, st);
   for (int64_t l = config_.num_layers - 1; l >= 0; --l) {
     const Tensor x = l == 0 ? w.emb_out : layers_[l - 1].out;
@@ -398,7 +412,7 @@ void GptModel::backward(const MicroBatch& mb, const DropoutContext& dc, float gr
   const Tensor d_emb = sp_ ? w.emb_full : w.d_resid;
   gather_to_tp_region(tp, sp_, d_emb, w.d_resid, st);
   // Every TP rank computes the (replicated) position-embedding gradient in full.
-  embedding_backward(dwte, P.grad("embedding.position_embeddings.weight"), d_emb, mb.tokens, mb.position_ids,
+  embedding_backward(dwte, P.grad(gix_.wpe), d_emb, mb.tokens, mb.position_ids,
                      vocab_start, st);
 }
 

@@ -111,6 +111,14 @@ class GptModel {
   Tensor logits_;
   Tensor doc_start_;  // of the micro-batch whose forward ran last (backward uses the same)
   std::vector<ParamStore::Range> sp_grad_ranges_;  // gradients all-reduced over TP with SP
+  struct LayerParamIndex {
+    size_t ln1_w, ln1_b, qkv_w, qkv_b, proj_w, proj_b, ln2_w, ln2_b, fc1_w, fc1_b, fc2_w, fc2_b;
+  };
+  struct GlobalParamIndex {
+    size_t wte, wpe, lnf_w, lnf_b;
+  };
+  std::vector<LayerParamIndex> layer_params_;
+  GlobalParamIndex gix_{};
 };
 
 /// Dropout stream ids (the Philox key half of a dropout site): (layer + 1) * 8 + site.
