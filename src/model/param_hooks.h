@@ -1,0 +1,35 @@
+// Points in a training step where the data-parallel machinery may act on parameter ranges
+// (Megatron's DistributedDataParallel forward pre-hooks and backward grad-ready hooks, made
+// explicit calls). The model calls them; src/optim/grad_sync.h implements them.
+//
+// Indices are ParamStore parameter indices; [first, end) is a run of consecutive parameters.
+// Parameters of one decoder layer are consecutive in the ParamStore (GptModel::param_specs).
+//
+// Contract (what the model guarantees):
+//  * params_needed(first, end): called before the first kernel of the step that reads these
+//    model parameters is enqueued on `stream`, once per step per range (the first forward of
+//    the model chunk in the step), in forward layer order. An implementation that all-gathers
+//    parameters asynchronously (--overlap-param-gather) makes `stream` wait for them here.
+//  * grads_ready(first, end): called during the LAST backward of the step of the chunk that
+//    owns these parameters, after every kernel accumulating into their fp32 main gradients has
+//    been enqueued on `stream` (and after the sequence-parallel TP all-reduce of replicated
+//    parameters, so the gradients are complete for this rank). Each parameter is reported exactly
+//    once per step, except the tied word embedding when the embedding group has more than one
+//    rank (pipeline parallelism): it is reported by the step executor after the embedding-group
+//    all-reduce. An implementation that reduces gradients asynchronously (--overlap-grad-reduce)
+//    records an event on `stream` and starts the reduction of every bucket now complete.
+#pragma once
+#include <cstddef>
+
+#include "core/stream.h"
+
+namespace mt {
+
+class ParamGradHooks {
+ public:
+  virtual ~ParamGradHooks() = default;
+  virtual void params_needed(size_t first, size_t end, const Stream& stream) = 0;
+  virtual void grads_ready(size_t first, size_t end, const Stream& stream) = 0;
+};
+
+}  // namespace mt
