@@ -27,10 +27,28 @@ struct GptModel::LayerActs {
   AttentionBuffers attn;               // q, k, v, probs saved; scratch, dq, dk, dv shared
 };
 
-// Scratch shared by all layers and the head.
+// Saved activations of the final norm, LM head and loss (the loss chunk), per slot.
+struct GptModel::HeadActs {
+  Tensor lnf_out, lnf_mean, lnf_rstd;   // final norm [s_l, b, h], fp32 [s_l·b] x2
+  Tensor lnf_full;                      // [s, b, h]
+  Tensor ce_max, ce_sumexp;             // fp32 [s·b]
+  Tensor logits;                        // [s·b, V_l]; overwritten in place by its gradient
+};
+
+// One model chunk: its layer range, parameter indices and per-slot activations.
+struct GptModel::ChunkState {
+  pipeline::LayerRange range;
+  std::vector<LayerParamIndex> params;        // per local layer
+  std::vector<Tensor> input;                  // per slot: chunk input [s_l, b, h]
+  std::vector<std::vector<LayerActs>> acts;   // [slot][local layer]
+  std::vector<HeadActs> head;                 // per slot (loss chunk only)
+  std::vector<ParamStore::Range> sp_ranges;   // per local layer: replicated params (SP all-reduce)
+  std::vector<ParamStore::Range> head_sp_ranges;  // final norm
+};
+
+// Scratch shared by all chunks, layers and the head.
 struct GptModel::Workspace {
   Tensor emb_full;                      // word + position embedding [s, b, h] (partial over TP)
-  Tensor emb_out;                       // layer 0 input [s_l, b, h]
   Tensor qkv;                           // [s, b, 3·n_l·d]
   Tensor tmp_full;                      // row-parallel outputs before the TP reduction [s, b, h]
   Tensor tmp_h;                         // after the reduction [s_l, b, h] (== tmp_full without SP)
@@ -42,9 +60,7 @@ struct GptModel::Workspace {
   Tensor d_ctx;                         // [s, b, n_l·d]
   Tensor d_qkv;                         // [s, b, 3·n_l·d]
   Tensor d_fc1;                         // [s, b, f_l]
-  Tensor lnf_out, lnf_mean, lnf_rstd;   // final norm [s_l, b, h]
-  Tensor lnf_full;                      // [s, b, h]
-  Tensor ce_max, ce_local_max, ce_sumexp, ce_target, losses;  // fp32 [s·b]
+  Tensor ce_local_max, ce_target, losses;  // fp32 [s·b]
 };
 
 namespace {
@@ -78,16 +94,36 @@ ParamSpec replicated(std::string name, int64_t n, InitKind init) {
 }
 }  // namespace
 
-std::vector<ParamSpec> GptModel::param_specs(const GptConfig& c, int tp, int r) {
+namespace {
+std::vector<pipeline::LayerRange> whole_model(const GptConfig& c) {
+  pipeline::LayerRange r;
+  r.begin = 0;
+  r.end = c.num_layers;
+  r.has_embedding = r.has_loss = true;
+  return {r};
+}
+}  // namespace
+
+std::vector<ParamSpec> GptModel::param_specs(const GptConfig& c, int tp, int r,
+                                             const std::vector<pipeline::LayerRange>& chunk_ranges) {
+  const std::vector<pipeline::LayerRange> chunks = chunk_ranges.empty() ? whole_model(c) : chunk_ranges;
   const int64_t h = c.hidden_size, f = c.ffn(), V = c.padded_vocab_size(tp), P = c.max_positions();
   const float std = c.init_method_std;
   const float out_std = std / std::sqrt(2.0f * static_cast<float>(c.num_layers));
+  bool has_embedding = false, has_loss = false;
+  for (const auto& ch : chunks) {
+    has_embedding |= ch.has_embedding;
+    has_loss |= ch.has_loss;
+  }
   std::vector<ParamSpec> s;
   // Order: per layer TP-split weights, TP-split biases, then replicated parameters, so AdamW and
   // the gradient norm see few runs.
-  s.push_back(column_parallel("embedding.word_embeddings.weight", V, h, std, tp, r, true));
-  s.push_back({"embedding.position_embeddings.weight", {P, h}, InitKind::kNormal, std, true});
-  for (int64_t l = 0; l < c.num_layers; ++l) {
+  if (has_embedding) {
+    s.push_back(column_parallel("embedding.word_embeddings.weight", V, h, std, tp, r, true));
+    s.push_back({"embedding.position_embeddings.weight", {P, h}, InitKind::kNormal, std, true});
+  }
+  for (const auto& ch : chunks)
+  for (int64_t l = ch.begin; l < ch.end; ++l) {
     const std::string p = layer_prefix(l);
     s.push_back(column_parallel(p + "self_attention.linear_qkv.weight", 3 * h, h, std, tp, r, true));
     s.push_back(row_parallel(p + "self_attention.linear_proj.weight", h, h, out_std, tp, r));
@@ -102,13 +138,19 @@ std::vector<ParamSpec> GptModel::param_specs(const GptConfig& c, int tp, int r) 
     s.push_back(replicated(p + "pre_mlp_layernorm.bias", h, InitKind::kZeros));
     s.push_back(replicated(p + "mlp.linear_fc2.bias", h, InitKind::kZeros));
   }
-  s.push_back(replicated("decoder.final_layernorm.weight", h, InitKind::kOnes));
-  s.push_back(replicated("decoder.final_layernorm.bias", h, InitKind::kZeros));
+  if (has_loss) {
+    s.push_back(replicated("decoder.final_layernorm.weight", h, InitKind::kOnes));
+    s.push_back(replicated("decoder.final_layernorm.bias", h, InitKind::kZeros));
+    if (!has_embedding) {  // the last pipeline stage's copy of the tied output embedding
+      s.push_back(column_parallel("embedding.word_embeddings.weight", V, h, std, tp, r, true));
+      s.back().shared_embedding_copy = true;
+    }
+  }
   return s;
 }
 
 GptModel::GptModel(const GptConfig& config, int64_t micro_batch, DType dtype, Device device, ProcessGroups groups,
-                   bool sequence_parallel, int64_t pad_multiple)
+                   bool sequence_parallel, int64_t pad_multiple, std::vector<ModelChunk> chunks)
     : config_(config),
       b_(micro_batch),
       s_(config.seq_length),
@@ -134,24 +176,60 @@ GptModel::GptModel(const GptConfig& config, int64_t micro_batch, DType dtype, De
   MT_REQUIRE(micro_batch > 0, "--micro-batch-size must be positive, got {}", micro_batch);
   MT_REQUIRE(device.is_cuda() || dtype == DType::kF32, "{} training needs --device cuda (the CPU backend is fp32)",
              dtype_name(dtype));
-  params_ = std::make_unique<ParamStore>(param_specs(config_, tp_, tp_rank_), dtype, device, pad_multiple);
-  if (sp_) sp_grad_ranges_ = params_->ranges([](const ParamInfo& p) { return p.sequence_parallel_grad; });
+  if (chunks.empty()) chunks.push_back({whole_model(config_)[0], 1});
+  std::vector<pipeline::LayerRange> ranges;
+  int64_t prev_end = 0;
+  for (size_t c = 0; c < chunks.size(); ++c) {
+    const auto& r = chunks[c].layers;
+    MT_REQUIRE(r.begin >= 0 && r.begin <= r.end && r.end <= config_.num_layers && (c == 0 || r.begin >= prev_end),
+               "model chunk {} holds layers [{}, {}): expected increasing, non-overlapping ranges within [0, {})", c,
+               r.begin, r.end, config_.num_layers);
+    MT_REQUIRE(chunks[c].slots >= 1, "model chunk {} needs at least one activation slot, got {}", c, chunks[c].slots);
+    prev_end = r.end;
+    ranges.push_back(r);
+  }
+  chunk_specs_ = chunks;
+  params_ = std::make_unique<ParamStore>(param_specs(config_, tp_, tp_rank_, ranges), dtype, device, pad_multiple);
   // Parameter indices resolved once, so the step does no name lookups.
   const ParamStore& P = *params_;
-  gix_ = {P.index("embedding.word_embeddings.weight"), P.index("embedding.position_embeddings.weight"),
-          P.index("decoder.final_layernorm.weight"), P.index("decoder.final_layernorm.bias")};
-  for (int64_t l = 0; l < config_.num_layers; ++l) {
-    const std::string p = layer_prefix(l);
-    auto at = [&](const char* n) { return P.index(p + n); };
-    layer_params_.push_back({at("input_layernorm.weight"), at("input_layernorm.bias"),
-                             at("self_attention.linear_qkv.weight"), at("self_attention.linear_qkv.bias"),
-                             at("self_attention.linear_proj.weight"), at("self_attention.linear_proj.bias"),
-                             at("pre_mlp_layernorm.weight"), at("pre_mlp_layernorm.bias"),
-                             at("mlp.linear_fc1.weight"), at("mlp.linear_fc1.bias"), at("mlp.linear_fc2.weight"),
-                             at("mlp.linear_fc2.bias")});
+  constexpr size_t kNone = SIZE_MAX;
+  auto find = [&](const std::string& n) {
+    for (size_t i = 0; i < P.size(); ++i)
+      if (P.info(i).name == n) return i;
+    return kNone;
+  };
+  gix_ = {find("embedding.word_embeddings.weight"), find("embedding.position_embeddings.weight"),
+          find("decoder.final_layernorm.weight"), find("decoder.final_layernorm.bias")};
+  auto sp_range = [&](size_t first, size_t end) {
+    // The replicated parameters of [first, end) whose gradients are partial sums under SP.
+    std::vector<ParamStore::Range> rs = P.ranges([&](const ParamInfo& p) {
+      const size_t i = static_cast<size_t>(&p - P.infos().data());
+      return i >= first && i < end && p.sequence_parallel_grad;
+    });
+    MT_CHECK(rs.size() <= 1, "replicated parameters of one layer are expected to be consecutive");
+    return rs.empty() ? ParamStore::Range{0, 0} : rs[0];
+  };
+  chunks_.resize(chunks.size());
+  for (size_t c = 0; c < chunks.size(); ++c) {
+    ChunkState& ch = chunks_[c];
+    ch.range = chunks[c].layers;
+    for (int64_t l = ch.range.begin; l < ch.range.end; ++l) {
+      const std::string p = layer_prefix(l);
+      auto at = [&](const char* n) { return P.index(p + n); };
+      LayerParamIndex ix{at("input_layernorm.weight"), at("input_layernorm.bias"),
+                         at("self_attention.linear_qkv.weight"), at("self_attention.linear_qkv.bias"),
+                         at("self_attention.linear_proj.weight"), at("self_attention.linear_proj.bias"),
+                         at("pre_mlp_layernorm.weight"), at("pre_mlp_layernorm.bias"),
+                         at("mlp.linear_fc1.weight"), at("mlp.linear_fc1.bias"), at("mlp.linear_fc2.weight"),
+                         at("mlp.linear_fc2.bias"), 0, 0};
+      ix.first = ix.qkv_w;
+      ix.end = ix.fc2_b + 1;
+      ch.params.push_back(ix);
+      ch.sp_ranges.push_back(sp_range(ix.first, ix.end));
+    }
+    if (ch.range.has_loss) ch.head_sp_ranges.push_back(sp_range(gix_.lnf_w, gix_.lnf_b + 1));
   }
   ws_ = std::make_unique<Workspace>();
-  layers_.resize(static_cast<size_t>(config_.num_layers));
   plan(arena_);
   arena_bytes_ = arena_.peak();
   arena_.materialize();
@@ -170,27 +248,50 @@ void GptModel::plan(Arena& a) {
   auto local_or_full = [&](const Tensor& full, const char* what) {
     return sp_ ? a.alloc(t, {sl_, b_, h_}, what) : full;
   };
-  w.emb_full = a.alloc(t, {s_, b_, h_}, "emb_full");
-  w.emb_out = local_or_full(w.emb_full, "emb_out");
-  for (auto& L : layers_) {
-    L.ln1_full = a.alloc(t, {s_, b_, h_}, "ln1_full");
-    L.ln1_out = local_or_full(L.ln1_full, "ln1_out");
-    L.ln1_mean = a.alloc(f32, {Tl}, "ln1_mean");
-    L.ln1_rstd = a.alloc(f32, {Tl}, "ln1_rstd");
-    L.ctx = a.alloc(t, {s_, b_, nl_ * d_}, "ctx");
-    L.resid1 = a.alloc(t, {sl_, b_, h_}, "resid1");
-    L.ln2_full = a.alloc(t, {s_, b_, h_}, "ln2_full");
-    L.ln2_out = local_or_full(L.ln2_full, "ln2_out");
-    L.ln2_mean = a.alloc(f32, {Tl}, "ln2_mean");
-    L.ln2_rstd = a.alloc(f32, {Tl}, "ln2_rstd");
-    L.fc1_pre = a.alloc(t, {s_, b_, fl_}, "fc1_pre");
-    L.fc1_out = a.alloc(t, {s_, b_, fl_}, "fc1_out");
-    L.out = a.alloc(t, {sl_, b_, h_}, "out");
-    L.attn.q = a.alloc(t, {b_, nl_, s_, d_}, "q");
-    L.attn.k = a.alloc(t, {b_, nl_, s_, d_}, "k");
-    L.attn.v = a.alloc(t, {b_, nl_, s_, d_}, "v");
-    L.attn.probs = a.alloc(t, {b_, nl_, s_, s_}, "probs");
+  bool any_embedding = false;
+  for (size_t c = 0; c < chunks_.size(); ++c) {
+    ChunkState& ch = chunks_[c];
+    const int slots = chunk_specs_[c].slots;
+    const int64_t nlayers = ch.range.size();
+    any_embedding |= ch.range.has_embedding;
+    ch.input.assign(static_cast<size_t>(slots), Tensor());
+    ch.acts.assign(static_cast<size_t>(slots), std::vector<LayerActs>(static_cast<size_t>(nlayers)));
+    ch.head.assign(ch.range.has_loss ? static_cast<size_t>(slots) : 0, HeadActs());
+    for (int sl = 0; sl < slots; ++sl) {
+      ch.input[sl] = a.alloc(t, {sl_, b_, h_}, "chunk_input");
+      for (auto& L : ch.acts[sl]) {
+        L.ln1_full = a.alloc(t, {s_, b_, h_}, "ln1_full");
+        L.ln1_out = local_or_full(L.ln1_full, "ln1_out");
+        L.ln1_mean = a.alloc(f32, {Tl}, "ln1_mean");
+        L.ln1_rstd = a.alloc(f32, {Tl}, "ln1_rstd");
+        L.ctx = a.alloc(t, {s_, b_, nl_ * d_}, "ctx");
+        L.resid1 = a.alloc(t, {sl_, b_, h_}, "resid1");
+        L.ln2_full = a.alloc(t, {s_, b_, h_}, "ln2_full");
+        L.ln2_out = local_or_full(L.ln2_full, "ln2_out");
+        L.ln2_mean = a.alloc(f32, {Tl}, "ln2_mean");
+        L.ln2_rstd = a.alloc(f32, {Tl}, "ln2_rstd");
+        L.fc1_pre = a.alloc(t, {s_, b_, fl_}, "fc1_pre");
+        L.fc1_out = a.alloc(t, {s_, b_, fl_}, "fc1_out");
+        L.out = a.alloc(t, {sl_, b_, h_}, "out");
+        L.attn.q = a.alloc(t, {b_, nl_, s_, d_}, "q");
+        L.attn.k = a.alloc(t, {b_, nl_, s_, d_}, "k");
+        L.attn.v = a.alloc(t, {b_, nl_, s_, d_}, "v");
+        L.attn.probs = a.alloc(t, {b_, nl_, s_, s_}, "probs");
+      }
+      if (ch.range.has_loss) {
+        HeadActs& H = ch.head[sl];
+        H.lnf_full = a.alloc(t, {s_, b_, h_}, "lnf_full");
+        H.lnf_out = local_or_full(H.lnf_full, "lnf_out");
+        H.lnf_mean = a.alloc(f32, {Tl}, "lnf_mean");
+        H.lnf_rstd = a.alloc(f32, {Tl}, "lnf_rstd");
+        H.ce_max = a.alloc(f32, {T}, "ce_max");
+        H.ce_sumexp = a.alloc(f32, {T}, "ce_sumexp");
+        H.logits = a.alloc(t, {T, Vl_}, "logits");
+      }
+    }
   }
+  // The embedding's [s, b, h] partial sum with SP (also the all-gather target of its gradient).
+  w.emb_full = any_embedding && sp_ ? a.alloc(t, {s_, b_, h_}, "emb_full") : Tensor();
   w.qkv = a.alloc(t, {s_, b_, 3 * nl_ * d_}, "qkv");
   w.tmp_full = a.alloc(t, {s_, b_, h_}, "tmp_full");
   w.tmp_h = local_or_full(w.tmp_full, "tmp_h");
@@ -206,22 +307,42 @@ void GptModel::plan(Arena& a) {
   w.d_ctx = a.alloc(t, {s_, b_, nl_ * d_}, "d_ctx");
   w.d_qkv = a.alloc(t, {s_, b_, 3 * nl_ * d_}, "d_qkv");
   w.d_fc1 = a.alloc(t, {s_, b_, fl_}, "d_fc1");
-  w.lnf_full = a.alloc(t, {s_, b_, h_}, "lnf_full");
-  w.lnf_out = local_or_full(w.lnf_full, "lnf_out");
-  w.lnf_mean = a.alloc(f32, {Tl}, "lnf_mean");
-  w.lnf_rstd = a.alloc(f32, {Tl}, "lnf_rstd");
-  w.ce_max = a.alloc(f32, {T}, "ce_max");
   w.ce_local_max = a.alloc(f32, {T}, "ce_local_max");
-  w.ce_sumexp = a.alloc(f32, {T}, "ce_sumexp");
   w.ce_target = a.alloc(f32, {T}, "ce_target");
   w.losses = a.alloc(f32, {T}, "losses");
-  logits_ = a.alloc(t, {T, Vl_}, "logits");
-  for (auto& L : layers_) {
-    L.attn.scratch = w.attn_scratch;
-    L.attn.dq = w.dq;
-    L.attn.dk = w.dk;
-    L.attn.dv = w.dv;
-  }
+  for (auto& ch : chunks_)
+    for (auto& slot : ch.acts)
+      for (auto& L : slot) {
+        L.attn.scratch = w.attn_scratch;
+        L.attn.dq = w.dq;
+        L.attn.dk = w.dk;
+        L.attn.dv = w.dv;
+      }
+}
+
+const ModelChunk& GptModel::chunk(int c) const {
+  MT_REQUIRE(c >= 0 && c < num_chunks(), "model chunk {} requested; this rank has {}", c, num_chunks());
+  return chunk_specs_[static_cast<size_t>(c)];
+}
+
+Tensor GptModel::chunk_input(int c, int slot) const {
+  MT_REQUIRE(slot >= 0 && slot < chunk(c).slots, "activation slot {} of model chunk {} requested; it has {}", slot,
+             c, chunk(c).slots);
+  return chunks_[static_cast<size_t>(c)].input[static_cast<size_t>(slot)];
+}
+
+Tensor GptModel::logits() const {
+  for (const auto& ch : chunks_)
+    if (ch.range.has_loss) return ch.head[0].logits;
+  return Tensor();
+}
+
+bool GptModel::embedding_shared_across_stages() const {
+  return groups_.embedding && groups_.embedding->size() > 1;
+}
+
+void GptModel::grads_final(size_t first, size_t end, const Stream& st) {
+  if (hooks_ != nullptr && first < end) hooks_->grads_ready(first, end, st);
 }
 
 AttentionConfig GptModel::attention_config(int64_t layer, const DropoutContext& dc) const {
@@ -262,10 +383,9 @@ void reduce_from_tp_region(Communicator& tp, bool sp, const Tensor& local, const
 }
 }  // namespace
 
-void GptModel::layer_forward(int64_t l, const Tensor& x, LayerActs& a, const DropoutContext& dc,
-                             const Stream& st) {
+void GptModel::layer_forward(int64_t l, const LayerParamIndex& ix, const Tensor& x, LayerActs& a,
+                             const DropoutContext& dc, const Stream& st) {
   const ParamStore& P = *params_;
-  const LayerParamIndex& ix = layer_params_[static_cast<size_t>(l)];
   const float pd = dc.training ? config_.hidden_dropout : 0.f;
   const int64_t drop_off = sp_ ? tp_rank_ * sl_ * b_ * h_ : 0;  // global index of this shard
   Communicator& tp = *groups_.tp;
@@ -296,12 +416,11 @@ void GptModel::layer_forward(int64_t l, const Tensor& x, LayerActs& a, const Dro
                            key_for(dc, l, kSiteMlpOut), drop_off, st);
 }
 
-void GptModel::layer_backward(int64_t l, const Tensor& x, LayerActs& a, const Tensor& d_resid,
-                              const DropoutContext& dc, const Stream& st) {
+void GptModel::layer_backward(int64_t l, const LayerParamIndex& ix, const Tensor& x, LayerActs& a,
+                              const Tensor& d_resid, const DropoutContext& dc, const Stream& st) {
   // On entry d_resid = dL/d(out); on exit d_resid = dL/dx. Activation grads overwrite except
   // the residual stream, into which the LayerNorm backward accumulates.
   const ParamStore& P = *params_;
-  const LayerParamIndex& ix = layer_params_[static_cast<size_t>(l)];
   const float pd = dc.training ? config_.hidden_dropout : 0.f;
   const int64_t drop_off = sp_ ? tp_rank_ * sl_ * b_ * h_ : 0;
   Communicator& tp = *groups_.tp;
@@ -337,89 +456,157 @@ void GptModel::layer_backward(int64_t l, const Tensor& x, LayerActs& a, const Te
 
 void GptModel::forward(const MicroBatch& mb, const DropoutContext& dc, const Tensor& loss_accum, float loss_weight,
                        const Stream& st, bool compute_loss) {
+  MT_REQUIRE(num_chunks() == 1 && chunks_[0].range.has_embedding && chunks_[0].range.has_loss,
+             "GptModel::forward needs the whole model on this rank (use forward_chunk with pipeline parallelism)");
+  ChunkState& ch = chunks_[0];
+  doc_start_ = mb.doc_start;
+  Tensor x = ch.input[0];
+  embedding_forward_into(x, mb, dc, st);
+  for (int64_t i = 0; i < ch.range.size(); ++i) {
+    layer_forward(ch.range.begin + i, ch.params[i], x, ch.acts[0][i], dc, st);
+    x = ch.acts[0][i].out;
+  }
+  head_forward(ch, 0, x, mb, loss_accum, loss_weight, compute_loss, st);
+}
+
+void GptModel::embedding_forward_into(const Tensor& out, const MicroBatch& mb, const DropoutContext& dc,
+                                      const Stream& st) {
   check_tensor(mb.tokens, DType::kI32, {s_, b_}, "tokens");
+  const ParamStore& P = *params_;
+  auto& w = *ws_;
+  // VocabParallelEmbedding: rows outside this rank's vocabulary shard are zero; the position
+  // embedding is added on TP rank 0 only, so the reduction over TP adds it once.
+  const Tensor full = sp_ ? w.emb_full : out;  // without SP, out is [s, b, h] already
+  embedding_forward(full, mb.tokens, P.param(gix_.wte), tp_rank_ == 0 ? P.param(gix_.wpe) : Tensor(),
+                    mb.position_ids, tp_rank_ * Vl_, st);
+  reduce_from_tp_region(*groups_.tp, sp_, out, full, st);
+  if (dc.training && config_.hidden_dropout > 0.f)
+    dropout_forward(out, out, config_.hidden_dropout, key_for(dc, -1, kSiteEmbedding),
+                    sp_ ? tp_rank_ * sl_ * b_ * h_ : 0, st);
+}
+
+Tensor GptModel::head_forward(ChunkState& ch, int slot, const Tensor& x, const MicroBatch& mb,
+                              const Tensor& loss_accum, float loss_weight, bool compute_loss, const Stream& st) {
   const ParamStore& P = *params_;
   Communicator& tp = *groups_.tp;
   auto& w = *ws_;
+  HeadActs& H = ch.head[static_cast<size_t>(slot)];
   const int64_t vocab_start = tp_rank_ * Vl_;
-  const Tensor wte = P.param(gix_.wte);
-  // VocabParallelEmbedding: rows outside this rank's vocabulary shard are zero; the position
-  // embedding is added on TP rank 0 only, so the reduction over TP adds it once.
-  embedding_forward(w.emb_full, mb.tokens, wte, tp_rank_ == 0 ? P.param(gix_.wpe) : Tensor(),
-                    mb.position_ids, vocab_start, st);
-  doc_start_ = mb.doc_start;
-  reduce_from_tp_region(tp, sp_, w.emb_out, w.emb_full, st);
-  if (dc.training && config_.hidden_dropout > 0.f)
-    dropout_forward(w.emb_out, w.emb_out, config_.hidden_dropout, key_for(dc, -1, kSiteEmbedding),
-                    sp_ ? tp_rank_ * sl_ * b_ * h_ : 0, st);
-  Tensor x = w.emb_out;
-  for (int64_t l = 0; l < config_.num_layers; ++l) {
-    layer_forward(l, x, layers_[l], dc, st);
-    x = layers_[l].out;
-  }
-  layernorm_forward(rows(w.lnf_out), w.lnf_mean, w.lnf_rstd, rows(x), P.param(gix_.lnf_w),
-                    P.param(gix_.lnf_b), config_.layernorm_epsilon, st);
-  gather_to_tp_region(tp, sp_, w.lnf_full, w.lnf_out, st);
+  layernorm_forward(rows(H.lnf_out), H.lnf_mean, H.lnf_rstd, rows(x), P.param(gix_.lnf_w), P.param(gix_.lnf_b),
+                    config_.layernorm_epsilon, st);
+  gather_to_tp_region(tp, sp_, H.lnf_full, H.lnf_out, st);
   // Output layer tied to the word embedding (column-parallel over the vocabulary).
-  linear_forward(logits_, rows(w.lnf_full), wte, Tensor(), Tensor(), st);
-  if (!compute_loss) return;
+  linear_forward(H.logits, rows(H.lnf_full), P.param(gix_.wte), Tensor(), Tensor(), st);
+  if (!compute_loss) return Tensor();
   check_tensor(mb.labels, DType::kI32, {s_, b_}, "labels");
   const Tensor labels = mb.labels.view({s_ * b_});
   const Tensor mask = mb.loss_mask.empty() ? Tensor() : mb.loss_mask.view({s_ * b_});
   if (tp_ == 1) {
-    cross_entropy_stats(w.ce_max, w.ce_sumexp, w.ce_target, logits_, labels, 0, st);
+    cross_entropy_stats(H.ce_max, H.ce_sumexp, w.ce_target, H.logits, labels, 0, st);
   } else {
     // Vocab-parallel cross entropy: three all-reduces of s·b values, never of s·b·V.
-    cross_entropy_stats(w.ce_local_max, w.ce_sumexp, w.ce_target, logits_, labels, vocab_start, st);
-    copy(w.ce_max, w.ce_local_max, st);
-    tp.all_reduce(w.ce_max, ReduceOp::kMax, st);
-    cross_entropy_rescale_sumexp(w.ce_sumexp, w.ce_local_max, w.ce_max, st);
-    tp.all_reduce(w.ce_sumexp, ReduceOp::kSum, st);
+    cross_entropy_stats(w.ce_local_max, H.ce_sumexp, w.ce_target, H.logits, labels, vocab_start, st);
+    copy(H.ce_max, w.ce_local_max, st);
+    tp.all_reduce(H.ce_max, ReduceOp::kMax, st);
+    cross_entropy_rescale_sumexp(H.ce_sumexp, w.ce_local_max, H.ce_max, st);
+    tp.all_reduce(H.ce_sumexp, ReduceOp::kSum, st);
     tp.all_reduce(w.ce_target, ReduceOp::kSum, st);
   }
-  cross_entropy_loss(w.losses, w.ce_max, w.ce_sumexp, w.ce_target, mask, st);
+  cross_entropy_loss(w.losses, H.ce_max, H.ce_sumexp, w.ce_target, mask, st);
   sum_accumulate(loss_accum, w.losses, loss_weight, st);
+  return Tensor();
+}
+
+Tensor GptModel::forward_chunk(int c, int slot, const MicroBatch& mb, const DropoutContext& dc,
+                               const Tensor& loss_accum, float loss_weight, const Stream& st, bool first_forward) {
+  const Tensor in = chunk_input(c, slot);
+  ChunkState& ch = chunks_[static_cast<size_t>(c)];
+  doc_start_ = mb.doc_start;
+  auto needed = [&](size_t first, size_t end) {
+    if (first_forward && hooks_ != nullptr && first < end) hooks_->params_needed(first, end, st);
+  };
+  if (ch.range.has_embedding) {
+    needed(gix_.wte, gix_.wte + 1);
+    needed(gix_.wpe, gix_.wpe + 1);
+    embedding_forward_into(in, mb, dc, st);
+  }
+  Tensor x = in;
+  for (int64_t i = 0; i < ch.range.size(); ++i) {
+    needed(ch.params[i].first, ch.params[i].end);
+    layer_forward(ch.range.begin + i, ch.params[i], x, ch.acts[slot][i], dc, st);
+    x = ch.acts[slot][i].out;
+  }
+  if (!ch.range.has_loss) return x;
+  needed(gix_.lnf_w, gix_.lnf_b + 1);
+  if (!ch.range.has_embedding) needed(gix_.wte, gix_.wte + 1);
+  return head_forward(ch, slot, x, mb, loss_accum, loss_weight, /*compute_loss=*/true, st);
 }
 
 void GptModel::backward(const MicroBatch& mb, const DropoutContext& dc, float grad_scale, const Tensor& loss_scale,
-                        const Stream& st) {
+                        const Stream& st, bool last_backward) {
+  MT_REQUIRE(num_chunks() == 1 && chunks_[0].range.has_embedding && chunks_[0].range.has_loss,
+             "GptModel::backward needs the whole model on this rank (use backward_chunk with pipeline parallelism)");
+  backward_chunk(0, 0, mb, dc, Tensor(), grad_scale, loss_scale, st, last_backward);
+}
+
+void GptModel::backward_chunk(int c, int slot, const MicroBatch& mb, const DropoutContext& dc, const Tensor& grad,
+                              float grad_scale, const Tensor& loss_scale, const Stream& st, bool last_backward) {
+  const Tensor in = chunk_input(c, slot);
+  ChunkState& ch = chunks_[static_cast<size_t>(c)];
   ParamStore& P = *params_;
   Communicator& tp = *groups_.tp;
   auto& w = *ws_;
   const int64_t vocab_start = tp_rank_ * Vl_;
-  const Tensor labels = mb.labels.view({s_ * b_});
-  const Tensor mask = mb.loss_mask.empty() ? Tensor() : mb.loss_mask.view({s_ * b_});
-  cross_entropy_backward_inplace(logits_, labels, w.ce_max, w.ce_sumexp, mask, vocab_start, grad_scale, loss_scale,
-                                 st);
-  const Tensor dlogits = logits_;
-  const Tensor wte = P.param(gix_.wte);
-  const Tensor dwte = P.grad(gix_.wte);
-  linear_backward(rows(w.d_ln_full), dwte, Tensor(), dlogits, rows(w.lnf_full), wte, st);
-  reduce_from_tp_region(tp, sp_, w.d_ln, w.d_ln_full, st);
-  const Tensor x_last = layers_.back().out;
-  layernorm_backward(rows(w.d_resid), P.grad(gix_.lnf_w), P.grad(gix_.lnf_b),
-                     rows(w.d_ln), rows(x_last), P.param(gix_.lnf_w), w.lnf_mean, w.lnf_rstd,
-                     /*accumulate_dx=*/false, st);
-  for (int64_t l = config_.num_layers - 1; l >= 0; --l) {
-    const Tensor x = l == 0 ? w.emb_out : layers_[l - 1].out;
-    layer_backward(l, x, layers_[l], w.d_resid, dc, st);
+  const Tensor g = grad.empty() ? w.d_resid : grad;  // running dL/d(residual stream)
+  if (!grad.empty()) check_tensor(grad, dtype_, {sl_, b_, h_}, "pipeline gradient buffer");
+  doc_start_ = mb.doc_start;
+  // SP all-reduce of replicated parameters' partial gradients (Megatron's
+  // _allreduce_layernorm_grads), once their last contribution of the step is in.
+  auto finalize = [&](const ParamStore::Range& r) {
+    if (last_backward && sp_ && r.end > r.begin)
+      tp.all_reduce(P.grads_flat().flat_range(r.begin, r.end - r.begin), ReduceOp::kSum, st);
+  };
+  const int64_t nlayers = ch.range.size();
+  auto layer_input = [&](int64_t i) { return i == 0 ? in : ch.acts[slot][i - 1].out; };
+  if (ch.range.has_loss) {
+    HeadActs& H = ch.head[static_cast<size_t>(slot)];
+    const Tensor labels = mb.labels.view({s_ * b_});
+    const Tensor mask = mb.loss_mask.empty() ? Tensor() : mb.loss_mask.view({s_ * b_});
+    cross_entropy_backward_inplace(H.logits, labels, H.ce_max, H.ce_sumexp, mask, vocab_start, grad_scale, loss_scale,
+                                   st);
+    const Tensor wte = P.param(gix_.wte);
+    linear_backward(rows(w.d_ln_full), P.grad(gix_.wte), Tensor(), H.logits, rows(H.lnf_full), wte, st);
+    reduce_from_tp_region(tp, sp_, w.d_ln, w.d_ln_full, st);
+    layernorm_backward(rows(g), P.grad(gix_.lnf_w), P.grad(gix_.lnf_b), rows(w.d_ln), rows(layer_input(nlayers)),
+                       P.param(gix_.lnf_w), H.lnf_mean, H.lnf_rstd, /*accumulate_dx=*/false, st);
+    if (last_backward) {
+      finalize(ch.head_sp_ranges[0]);
+      grads_final(gix_.lnf_w, gix_.lnf_b + 1, st);
+      // The last stage's embedding copy: final here unless the embedding group reduces it first.
+      if (!ch.range.has_embedding && !embedding_shared_across_stages()) grads_final(gix_.wte, gix_.wte + 1, st);
+    }
   }
+  for (int64_t i = nlayers - 1; i >= 0; --i) {
+    layer_backward(ch.range.begin + i, ch.params[i], layer_input(i), ch.acts[slot][i], g, dc, st);
+    if (last_backward) {
+      finalize(ch.sp_ranges[i]);
+      grads_final(ch.params[i].first, ch.params[i].end, st);
+    }
+  }
+  if (!ch.range.has_embedding) return;
   if (dc.training && config_.hidden_dropout > 0.f)
-    dropout_forward(w.d_resid, w.d_resid, config_.hidden_dropout, key_for(dc, -1, kSiteEmbedding),
-                    sp_ ? tp_rank_ * sl_ * b_ * h_ : 0, st);
+    dropout_forward(g, g, config_.hidden_dropout, key_for(dc, -1, kSiteEmbedding), sp_ ? tp_rank_ * sl_ * b_ * h_ : 0,
+                    st);
   // Backward of the embedding's reduction: the gradient is replicated (or all-gathered with SP,
   // into emb_full, which the forward no longer needs).
-  const Tensor d_emb = sp_ ? w.emb_full : w.d_resid;
-  gather_to_tp_region(tp, sp_, d_emb, w.d_resid, st);
+  const Tensor d_emb = sp_ ? w.emb_full : g;
+  gather_to_tp_region(tp, sp_, d_emb, g, st);
   // Every TP rank computes the (replicated) position-embedding gradient in full.
-  embedding_backward(dwte, P.grad(gix_.wpe), d_emb, mb.tokens, mb.position_ids,
-                     vocab_start, st);
-}
-
-void GptModel::allreduce_sequence_parallel_grads(const Stream& st) {
-  // One all-reduce per run of consecutive such parameters (per layer), not per tensor.
-  for (const auto& r : sp_grad_ranges_)
-    groups_.tp->all_reduce(params_->grads_flat().flat_range(r.begin, r.end - r.begin), ReduceOp::kSum, st);
+  embedding_backward(P.grad(gix_.wte), P.grad(gix_.wpe), d_emb, mb.tokens, mb.position_ids, vocab_start, st);
+  if (last_backward) {
+    grads_final(gix_.wpe, gix_.wpe + 1, st);
+    if (!embedding_shared_across_stages()) grads_final(gix_.wte, gix_.wte + 1, st);
+  }
 }
 
 }  // namespace mt

@@ -13,8 +13,10 @@
 #include "comm/communicator.h"
 #include "core/buffer.h"
 #include "model/config.h"
+#include "model/param_hooks.h"
 #include "model/params.h"
 #include "ops/attention.h"
+#include "parallel/pipeline/layer_split.h"
 
 namespace mt {
 
@@ -38,6 +40,17 @@ struct DropoutContext {
   bool training = true;  ///< false: no dropout (evaluation, generation)
 };
 
+/// One model chunk of this rank (pipeline parallelism, Megatron's model[vp_stage]): the layers
+/// [layers.begin, layers.end) in global numbering, whether it holds the embedding (pipeline stage
+/// 0, Megatron pre_process) and/or the final norm + LM head + loss (the last stage,
+/// post_process), and how many micro-batches' activations it keeps alive at once (slots: the
+/// schedule's peak of forwarded-not-yet-backwarded micro-batches of this chunk plus received
+/// inputs waiting; train/pipeline.h computes it).
+struct ModelChunk {
+  pipeline::LayerRange layers;
+  int slots = 1;
+};
+
 class GptModel {
  public:
   /// Builds parameters (uninitialised: call params().initialize(seed) or load a checkpoint)
@@ -49,16 +62,21 @@ class GptModel {
   /// embedding and cross entropy. sequence_parallel (Korthikanti et al. 2022): activations
   /// outside the TP regions sharded along s, all-gather / reduce-scatter instead of all-reduce.
   /// pad_multiple: the flat parameter buffer is padded to a multiple of it (data-parallel size).
+  /// chunks: this rank's model chunks (pipeline parallelism); empty = the whole model as one
+  /// chunk with one activation slot. Errors: mt::Error for an invalid configuration
+  /// (GptConfig::validate), chunks that overlap or lie outside [0, num_layers), slots < 1.
   GptModel(const GptConfig& config, int64_t micro_batch, DType dtype, Device device, ProcessGroups groups,
-           bool sequence_parallel = false, int64_t pad_multiple = 1);
+           bool sequence_parallel = false, int64_t pad_multiple = 1, std::vector<ModelChunk> chunks = {});
   ~GptModel();
 
-  /// Megatron-Core parameter names, local shapes and shards of TP rank `tp_rank` of `tp`
-  /// (weights [out, in]; the vocabulary padded for tp).
-  static std::vector<ParamSpec> param_specs(const GptConfig& config, int tp = 1, int tp_rank = 0);
-  /// After backward with sequence parallelism: all-reduce over TP the gradients that each rank
-  /// computed from its sequence shard only (Megatron's sequence-parallel grad all-reduce).
-  void allreduce_sequence_parallel_grads(const Stream& stream);
+  /// Megatron-Core parameter names (global layer numbers), local shapes and shards of TP rank
+  /// `tp_rank` of `tp` (weights [out, in]; the vocabulary padded for tp) for the given chunks
+  /// (empty = whole model). A rank with the loss but not the embedding (the last pipeline stage)
+  /// holds a copy of the word embedding under the same name, flagged shared_embedding_copy (its
+  /// gradient is all-reduced over the embedding group; layout-invariant init makes the copies
+  /// start equal).
+  static std::vector<ParamSpec> param_specs(const GptConfig& config, int tp = 1, int tp_rank = 0,
+                                            const std::vector<pipeline::LayerRange>& chunks = {});
   const ProcessGroups& groups() const { return groups_; }
   bool sequence_parallel() const { return sp_; }
 
@@ -71,6 +89,7 @@ class GptModel {
   Device device() const { return device_; }
   size_t activation_bytes() const { return arena_bytes_; }
 
+  /// Whole model on one pipeline stage (one chunk with embedding and loss), slot 0.
   /// Forward of one micro-batch. Computes per-token losses and accumulates
   /// loss_accum[0] += loss_weight * sum(losses) (fp32 [1] on the device). With compute_loss =
   /// false only the logits are produced (generation).
@@ -79,20 +98,67 @@ class GptModel {
   /// Backward of the micro-batch whose forward ran last: accumulates (+=) into the fp32 main
   /// gradients the gradient of  grad_scale * loss_scale[0] * sum(loss_mask * losses),
   /// loss_scale being a device fp32 [1] tensor (the dynamic loss scale) or empty (1).
+  /// last_backward: see backward_chunk.
   void backward(const MicroBatch& mb, const DropoutContext& dc, float grad_scale, const Tensor& loss_scale,
-                const Stream& stream);
-  /// Logits of the last forward: [s·b, V/tp] (row = i_s·b + i_b; this rank's vocabulary
-  /// shard), activation dtype.
-  Tensor logits() const { return logits_; }
+                const Stream& stream, bool last_backward = true);
+  /// Logits of the last forward of the loss chunk's slot 0: [s·b, V/tp] (row = i_s·b + i_b;
+  /// this rank's vocabulary shard), activation dtype.
+  Tensor logits() const;
+
+  // --- Model chunks (pipeline parallelism; train/pipeline.h drives them) ---
+  int num_chunks() const { return static_cast<int>(chunk_specs_.size()); }
+  const ModelChunk& chunk(int c) const;
+  /// Input activation [s_l, b, h] (activation dtype) of chunk c's slot: the receive buffer of
+  /// a chunk without the embedding (the previous stage's output lands here and stays until the
+  /// backward of that slot); written by the embedding otherwise.
+  Tensor chunk_input(int c, int slot) const;
+  /// Forward of micro-batch mb through chunk c, saving activations in `slot` (its input must be
+  /// in chunk_input(c, slot) unless the chunk has the embedding). Returns the chunk's output
+  /// [s_l, b, h] (valid until the slot is reused; empty for the loss chunk, which instead
+  /// accumulates its loss as forward() does). first_forward: the chunk's first forward of the
+  /// step (params_needed hooks are called).
+  Tensor forward_chunk(int c, int slot, const MicroBatch& mb, const DropoutContext& dc, const Tensor& loss_accum,
+                       float loss_weight, const Stream& stream, bool first_forward = false);
+  /// Backward of micro-batch mb through chunk c from `slot`. grad [s_l, b, h] (activation
+  /// dtype): on entry dL/d(output) (ignored by the loss chunk), on exit dL/d(input) (unspecified
+  /// for the embedding chunk); empty = internal scratch (chunks with both embedding and loss).
+  /// Gradients accumulate (+=) into the fp32 main gradients (scaled as in backward()).
+  /// last_backward: the chunk's last backward of the step — after each layer (and the head and
+  /// embedding) the sequence-parallel TP all-reduce of its replicated parameters runs and
+  /// hooks()->grads_ready is called (param_hooks.h).
+  void backward_chunk(int c, int slot, const MicroBatch& mb, const DropoutContext& dc, const Tensor& grad,
+                      float grad_scale, const Tensor& loss_scale, const Stream& stream, bool last_backward);
+  /// Hooks called by forward_chunk / backward_chunk (not owned; nullptr = none).
+  void set_hooks(ParamGradHooks* hooks) { hooks_ = hooks; }
+  /// Index of the word embedding (or its copy on the last stage) in params(); SIZE_MAX if this
+  /// rank holds neither.
+  size_t word_embedding_index() const { return gix_.wte; }
+  /// Activation shape of one stage boundary: [s_l, b, h].
+  std::vector<int64_t> boundary_shape() const { return {sl_, b_, h_}; }
 
  private:
   struct LayerActs;
+  struct HeadActs;
+  struct ChunkState;
   struct Workspace;
+  struct LayerParamIndex {
+    size_t ln1_w, ln1_b, qkv_w, qkv_b, proj_w, proj_b, ln2_w, ln2_b, fc1_w, fc1_b, fc2_w, fc2_b;
+    size_t first, end;  // the layer's parameters are [first, end) in the ParamStore
+  };
+  struct GlobalParamIndex {
+    size_t wte, wpe, lnf_w, lnf_b;  // SIZE_MAX when this rank does not hold it
+  };
   void plan(Arena& arena);
-  void layer_forward(int64_t l, const Tensor& x, LayerActs& a, const DropoutContext& dc, const Stream& stream);
-  void layer_backward(int64_t l, const Tensor& x, LayerActs& a, const Tensor& d_resid, const DropoutContext& dc,
-                      const Stream& stream);
+  void layer_forward(int64_t l, const LayerParamIndex& ix, const Tensor& x, LayerActs& a, const DropoutContext& dc,
+                     const Stream& stream);
+  void layer_backward(int64_t l, const LayerParamIndex& ix, const Tensor& x, LayerActs& a, const Tensor& d_resid,
+                      const DropoutContext& dc, const Stream& stream);
+  void grads_final(size_t first, size_t end, const Stream& stream);
+  bool embedding_shared_across_stages() const;
   AttentionConfig attention_config(int64_t layer, const DropoutContext& dc) const;
+  void embedding_forward_into(const Tensor& out, const MicroBatch& mb, const DropoutContext& dc, const Stream& st);
+  Tensor head_forward(ChunkState& ch, int slot, const Tensor& x, const MicroBatch& mb, const Tensor& loss_accum,
+                      float loss_weight, bool compute_loss, const Stream& st);
 
   GptConfig config_;
   int64_t b_, s_, h_, n_, d_, f_, V_;
@@ -106,18 +172,11 @@ class GptModel {
   std::unique_ptr<ParamStore> params_;
   Arena arena_;
   size_t arena_bytes_ = 0;
-  std::vector<LayerActs> layers_;
+  std::vector<ModelChunk> chunk_specs_;
+  std::vector<ChunkState> chunks_;
   std::unique_ptr<Workspace> ws_;
-  Tensor logits_;
-  Tensor doc_start_;  // of the micro-batch whose forward ran last (backward uses the same)
-  std::vector<ParamStore::Range> sp_grad_ranges_;  // gradients all-reduced over TP with SP
-  struct LayerParamIndex {
-    size_t ln1_w, ln1_b, qkv_w, qkv_b, proj_w, proj_b, ln2_w, ln2_b, fc1_w, fc1_b, fc2_w, fc2_b;
-  };
-  struct GlobalParamIndex {
-    size_t wte, wpe, lnf_w, lnf_b;
-  };
-  std::vector<LayerParamIndex> layer_params_;
+  Tensor doc_start_;  // of the micro-batch running now (attention_config reads it)
+  ParamGradHooks* hooks_ = nullptr;
   GlobalParamIndex gix_{};
 };
 

@@ -32,6 +32,10 @@ struct ParamSpec {
   /// Replicated parameter whose gradient, under sequence parallelism, each TP rank computes from
   /// its own sequence shard only (norms, biases added after a row-parallel layer).
   bool sequence_parallel_grad = false;
+  /// Duplicates a parameter of another pipeline stage (the tied output word embedding on the last
+  /// stage): excluded from the gradient norm (counted on the first stage) and from checkpoints
+  /// (filled from the parameter of the same name on load).
+  bool shared_embedding_copy = false;
 };
 
 struct ParamInfo : ParamSpec {

@@ -10,9 +10,8 @@ void train_step(GptModel& model, AdamWOptimizer& optimizer, const std::vector<Mi
     DropoutContext dc{opt.seed, static_cast<uint64_t>(opt.iteration), global_mb, true};
     const float w = micro_batches[m].loss_weight;
     model.forward(micro_batches[m], dc, loss_slot, w, stream);
-    model.backward(micro_batches[m], dc, w, optimizer.loss_scale_tensor(), stream);
+    model.backward(micro_batches[m], dc, w, optimizer.loss_scale_tensor(), stream, m + 1 == micro_batches.size());
   }
-  model.allreduce_sequence_parallel_grads(stream);
   optimizer.step(opt.lr, stream);
 }
 
