@@ -39,9 +39,8 @@ struct GptModel::HeadActs {
 struct GptModel::ChunkState {
   pipeline::LayerRange range;
   std::vector<LayerParamIndex> params;        // per local layer
-  std::vector<Tensor> input;                  // per slot: chunk input [s_l, b, h]
-  std::vector<std::vector<LayerActs>> acts;   // [slot][local layer]
-  std::vector<HeadActs> head;                 // per slot (loss chunk only)
+  std::vector<Tensor> input;                  // input buffers [s_l, b, h]
+  std::vector<HeadActs> head;                 // per head slot (loss chunk only)
   std::vector<ParamStore::Range> sp_ranges;   // per local layer: replicated params (SP all-reduce)
   std::vector<ParamStore::Range> head_sp_ranges;  // final norm
 };
@@ -150,7 +149,7 @@ std::vector<ParamSpec> GptModel::param_specs(const GptConfig& c, int tp, int r,
 }
 
 GptModel::GptModel(const GptConfig& config, int64_t micro_batch, DType dtype, Device device, ProcessGroups groups,
-                   bool sequence_parallel, int64_t pad_multiple, std::vector<ModelChunk> chunks)
+                   bool sequence_parallel, int64_t pad_multiple, ModelLayout layout)
     : config_(config),
       b_(micro_batch),
       s_(config.seq_length),
@@ -176,7 +175,11 @@ GptModel::GptModel(const GptConfig& config, int64_t micro_batch, DType dtype, De
   MT_REQUIRE(micro_batch > 0, "--micro-batch-size must be positive, got {}", micro_batch);
   MT_REQUIRE(device.is_cuda() || dtype == DType::kF32, "{} training needs --device cuda (the CPU backend is fp32)",
              dtype_name(dtype));
-  if (chunks.empty()) chunks.push_back({whole_model(config_)[0], 1});
+  std::vector<ModelChunk>& chunks = layout.chunks;
+  if (chunks.empty()) chunks.push_back({whole_model(config_)[0], 1, 1});
+  MT_REQUIRE(layout.activation_slots >= 1, "the model needs at least one activation slot, got {}",
+             layout.activation_slots);
+  activation_slots_ = layout.activation_slots;
   std::vector<pipeline::LayerRange> ranges;
   int64_t prev_end = 0;
   for (size_t c = 0; c < chunks.size(); ++c) {
@@ -184,7 +187,9 @@ GptModel::GptModel(const GptConfig& config, int64_t micro_batch, DType dtype, De
     MT_REQUIRE(r.begin >= 0 && r.begin <= r.end && r.end <= config_.num_layers && (c == 0 || r.begin >= prev_end),
                "model chunk {} holds layers [{}, {}): expected increasing, non-overlapping ranges within [0, {})", c,
                r.begin, r.end, config_.num_layers);
-    MT_REQUIRE(chunks[c].slots >= 1, "model chunk {} needs at least one activation slot, got {}", c, chunks[c].slots);
+    MT_REQUIRE(chunks[c].inputs >= 1 && chunks[c].loss_slots >= 1,
+               "model chunk {} needs at least one input buffer and loss slot, got {} and {}", c, chunks[c].inputs,
+               chunks[c].loss_slots);
     prev_end = r.end;
     ranges.push_back(r);
   }
@@ -249,45 +254,44 @@ void GptModel::plan(Arena& a) {
     return sp_ ? a.alloc(t, {sl_, b_, h_}, what) : full;
   };
   bool any_embedding = false;
+  int64_t max_layers = 0;
   for (size_t c = 0; c < chunks_.size(); ++c) {
     ChunkState& ch = chunks_[c];
-    const int slots = chunk_specs_[c].slots;
-    const int64_t nlayers = ch.range.size();
     any_embedding |= ch.range.has_embedding;
-    ch.input.assign(static_cast<size_t>(slots), Tensor());
-    ch.acts.assign(static_cast<size_t>(slots), std::vector<LayerActs>(static_cast<size_t>(nlayers)));
-    ch.head.assign(ch.range.has_loss ? static_cast<size_t>(slots) : 0, HeadActs());
-    for (int sl = 0; sl < slots; ++sl) {
-      ch.input[sl] = a.alloc(t, {sl_, b_, h_}, "chunk_input");
-      for (auto& L : ch.acts[sl]) {
-        L.ln1_full = a.alloc(t, {s_, b_, h_}, "ln1_full");
-        L.ln1_out = local_or_full(L.ln1_full, "ln1_out");
-        L.ln1_mean = a.alloc(f32, {Tl}, "ln1_mean");
-        L.ln1_rstd = a.alloc(f32, {Tl}, "ln1_rstd");
-        L.ctx = a.alloc(t, {s_, b_, nl_ * d_}, "ctx");
-        L.resid1 = a.alloc(t, {sl_, b_, h_}, "resid1");
-        L.ln2_full = a.alloc(t, {s_, b_, h_}, "ln2_full");
-        L.ln2_out = local_or_full(L.ln2_full, "ln2_out");
-        L.ln2_mean = a.alloc(f32, {Tl}, "ln2_mean");
-        L.ln2_rstd = a.alloc(f32, {Tl}, "ln2_rstd");
-        L.fc1_pre = a.alloc(t, {s_, b_, fl_}, "fc1_pre");
-        L.fc1_out = a.alloc(t, {s_, b_, fl_}, "fc1_out");
-        L.out = a.alloc(t, {sl_, b_, h_}, "out");
-        L.attn.q = a.alloc(t, {b_, nl_, s_, d_}, "q");
-        L.attn.k = a.alloc(t, {b_, nl_, s_, d_}, "k");
-        L.attn.v = a.alloc(t, {b_, nl_, s_, d_}, "v");
-        L.attn.probs = a.alloc(t, {b_, nl_, s_, s_}, "probs");
-      }
-      if (ch.range.has_loss) {
-        HeadActs& H = ch.head[sl];
-        H.lnf_full = a.alloc(t, {s_, b_, h_}, "lnf_full");
-        H.lnf_out = local_or_full(H.lnf_full, "lnf_out");
-        H.lnf_mean = a.alloc(f32, {Tl}, "lnf_mean");
-        H.lnf_rstd = a.alloc(f32, {Tl}, "lnf_rstd");
-        H.ce_max = a.alloc(f32, {T}, "ce_max");
-        H.ce_sumexp = a.alloc(f32, {T}, "ce_sumexp");
-        H.logits = a.alloc(t, {T, Vl_}, "logits");
-      }
+    max_layers = std::max(max_layers, ch.range.size());
+    ch.input.assign(static_cast<size_t>(chunk_specs_[c].inputs), Tensor());
+    for (auto& in : ch.input) in = a.alloc(t, {sl_, b_, h_}, "chunk_input");
+    ch.head.assign(ch.range.has_loss ? static_cast<size_t>(chunk_specs_[c].loss_slots) : 0, HeadActs());
+    for (HeadActs& H : ch.head) {
+      H.lnf_full = a.alloc(t, {s_, b_, h_}, "lnf_full");
+      H.lnf_out = local_or_full(H.lnf_full, "lnf_out");
+      H.lnf_mean = a.alloc(f32, {Tl}, "lnf_mean");
+      H.lnf_rstd = a.alloc(f32, {Tl}, "lnf_rstd");
+      H.ce_max = a.alloc(f32, {T}, "ce_max");
+      H.ce_sumexp = a.alloc(f32, {T}, "ce_sumexp");
+      H.logits = a.alloc(t, {T, Vl_}, "logits");
+    }
+  }
+  acts_.assign(static_cast<size_t>(activation_slots_), std::vector<LayerActs>(static_cast<size_t>(max_layers)));
+  for (auto& slot : acts_) {
+    for (auto& L : slot) {
+      L.ln1_full = a.alloc(t, {s_, b_, h_}, "ln1_full");
+      L.ln1_out = local_or_full(L.ln1_full, "ln1_out");
+      L.ln1_mean = a.alloc(f32, {Tl}, "ln1_mean");
+      L.ln1_rstd = a.alloc(f32, {Tl}, "ln1_rstd");
+      L.ctx = a.alloc(t, {s_, b_, nl_ * d_}, "ctx");
+      L.resid1 = a.alloc(t, {sl_, b_, h_}, "resid1");
+      L.ln2_full = a.alloc(t, {s_, b_, h_}, "ln2_full");
+      L.ln2_out = local_or_full(L.ln2_full, "ln2_out");
+      L.ln2_mean = a.alloc(f32, {Tl}, "ln2_mean");
+      L.ln2_rstd = a.alloc(f32, {Tl}, "ln2_rstd");
+      L.fc1_pre = a.alloc(t, {s_, b_, fl_}, "fc1_pre");
+      L.fc1_out = a.alloc(t, {s_, b_, fl_}, "fc1_out");
+      L.out = a.alloc(t, {sl_, b_, h_}, "out");
+      L.attn.q = a.alloc(t, {b_, nl_, s_, d_}, "q");
+      L.attn.k = a.alloc(t, {b_, nl_, s_, d_}, "k");
+      L.attn.v = a.alloc(t, {b_, nl_, s_, d_}, "v");
+      L.attn.probs = a.alloc(t, {b_, nl_, s_, s_}, "probs");
     }
   }
   // The embedding's [s, b, h] partial sum with SP (also the all-gather target of its gradient).
@@ -310,14 +314,13 @@ void GptModel::plan(Arena& a) {
   w.ce_local_max = a.alloc(f32, {T}, "ce_local_max");
   w.ce_target = a.alloc(f32, {T}, "ce_target");
   w.losses = a.alloc(f32, {T}, "losses");
-  for (auto& ch : chunks_)
-    for (auto& slot : ch.acts)
-      for (auto& L : slot) {
-        L.attn.scratch = w.attn_scratch;
-        L.attn.dq = w.dq;
-        L.attn.dk = w.dk;
-        L.attn.dv = w.dv;
-      }
+  for (auto& slot : acts_)
+    for (auto& L : slot) {
+      L.attn.scratch = w.attn_scratch;
+      L.attn.dq = w.dq;
+      L.attn.dk = w.dk;
+      L.attn.dv = w.dv;
+    }
 }
 
 const ModelChunk& GptModel::chunk(int c) const {
@@ -325,10 +328,20 @@ const ModelChunk& GptModel::chunk(int c) const {
   return chunk_specs_[static_cast<size_t>(c)];
 }
 
-Tensor GptModel::chunk_input(int c, int slot) const {
-  MT_REQUIRE(slot >= 0 && slot < chunk(c).slots, "activation slot {} of model chunk {} requested; it has {}", slot,
-             c, chunk(c).slots);
-  return chunks_[static_cast<size_t>(c)].input[static_cast<size_t>(slot)];
+Tensor GptModel::chunk_input(int c, int input) const {
+  MT_REQUIRE(input >= 0 && input < chunk(c).inputs, "input buffer {} of model chunk {} requested; it has {}", input,
+             c, chunk(c).inputs);
+  return chunks_[static_cast<size_t>(c)].input[static_cast<size_t>(input)];
+}
+
+Tensor GptModel::chunk_output(int c, const ChunkBuffers& buf) const {
+  const Tensor in = chunk_input(c, buf.input);
+  MT_REQUIRE(buf.slot >= 0 && buf.slot < activation_slots_, "activation slot {} requested; the model has {}",
+             buf.slot, activation_slots_);
+  const ChunkState& ch = chunks_[static_cast<size_t>(c)];
+  MT_REQUIRE(!ch.range.has_loss || (buf.head >= 0 && buf.head < chunk(c).loss_slots),
+             "loss slot {} of model chunk {} requested; it has {}", buf.head, c, chunk(c).loss_slots);
+  return ch.range.size() == 0 ? in : acts_[static_cast<size_t>(buf.slot)][static_cast<size_t>(ch.range.size() - 1)].out;
 }
 
 Tensor GptModel::logits() const {
@@ -463,8 +476,8 @@ void GptModel::forward(const MicroBatch& mb, const DropoutContext& dc, const Ten
   Tensor x = ch.input[0];
   embedding_forward_into(x, mb, dc, st);
   for (int64_t i = 0; i < ch.range.size(); ++i) {
-    layer_forward(ch.range.begin + i, ch.params[i], x, ch.acts[0][i], dc, st);
-    x = ch.acts[0][i].out;
+    layer_forward(ch.range.begin + i, ch.params[i], x, acts_[0][i], dc, st);
+    x = acts_[0][i].out;
   }
   head_forward(ch, 0, x, mb, loss_accum, loss_weight, compute_loss, st);
 }
@@ -485,12 +498,12 @@ void GptModel::embedding_forward_into(const Tensor& out, const MicroBatch& mb, c
                     sp_ ? tp_rank_ * sl_ * b_ * h_ : 0, st);
 }
 
-Tensor GptModel::head_forward(ChunkState& ch, int slot, const Tensor& x, const MicroBatch& mb,
+Tensor GptModel::head_forward(ChunkState& ch, int head, const Tensor& x, const MicroBatch& mb,
                               const Tensor& loss_accum, float loss_weight, bool compute_loss, const Stream& st) {
   const ParamStore& P = *params_;
   Communicator& tp = *groups_.tp;
   auto& w = *ws_;
-  HeadActs& H = ch.head[static_cast<size_t>(slot)];
+  HeadActs& H = ch.head[static_cast<size_t>(head)];
   const int64_t vocab_start = tp_rank_ * Vl_;
   layernorm_forward(rows(H.lnf_out), H.lnf_mean, H.lnf_rstd, rows(x), P.param(gix_.lnf_w), P.param(gix_.lnf_b),
                     config_.layernorm_epsilon, st);
@@ -517,9 +530,11 @@ Tensor GptModel::head_forward(ChunkState& ch, int slot, const Tensor& x, const M
   return Tensor();
 }
 
-Tensor GptModel::forward_chunk(int c, int slot, const MicroBatch& mb, const DropoutContext& dc,
+Tensor GptModel::forward_chunk(int c, const ChunkBuffers& buf, const MicroBatch& mb, const DropoutContext& dc,
                                const Tensor& loss_accum, float loss_weight, const Stream& st, bool first_forward) {
-  const Tensor in = chunk_input(c, slot);
+  chunk_output(c, buf);  // validates the buffer indices
+  const Tensor in = chunk_input(c, buf.input);
+  std::vector<LayerActs>& acts = acts_[static_cast<size_t>(buf.slot)];
   ChunkState& ch = chunks_[static_cast<size_t>(c)];
   doc_start_ = mb.doc_start;
   auto needed = [&](size_t first, size_t end) {
@@ -533,25 +548,28 @@ Tensor GptModel::forward_chunk(int c, int slot, const MicroBatch& mb, const Drop
   Tensor x = in;
   for (int64_t i = 0; i < ch.range.size(); ++i) {
     needed(ch.params[i].first, ch.params[i].end);
-    layer_forward(ch.range.begin + i, ch.params[i], x, ch.acts[slot][i], dc, st);
-    x = ch.acts[slot][i].out;
+    layer_forward(ch.range.begin + i, ch.params[i], x, acts[i], dc, st);
+    x = acts[i].out;
   }
   if (!ch.range.has_loss) return x;
   needed(gix_.lnf_w, gix_.lnf_b + 1);
   if (!ch.range.has_embedding) needed(gix_.wte, gix_.wte + 1);
-  return head_forward(ch, slot, x, mb, loss_accum, loss_weight, /*compute_loss=*/true, st);
+  return head_forward(ch, buf.head, x, mb, loss_accum, loss_weight, /*compute_loss=*/true, st);
 }
 
 void GptModel::backward(const MicroBatch& mb, const DropoutContext& dc, float grad_scale, const Tensor& loss_scale,
                         const Stream& st, bool last_backward) {
   MT_REQUIRE(num_chunks() == 1 && chunks_[0].range.has_embedding && chunks_[0].range.has_loss,
              "GptModel::backward needs the whole model on this rank (use backward_chunk with pipeline parallelism)");
-  backward_chunk(0, 0, mb, dc, Tensor(), grad_scale, loss_scale, st, last_backward);
+  backward_chunk(0, ChunkBuffers{}, mb, dc, Tensor(), grad_scale, loss_scale, st, last_backward);
 }
 
-void GptModel::backward_chunk(int c, int slot, const MicroBatch& mb, const DropoutContext& dc, const Tensor& grad,
-                              float grad_scale, const Tensor& loss_scale, const Stream& st, bool last_backward) {
-  const Tensor in = chunk_input(c, slot);
+void GptModel::backward_chunk(int c, const ChunkBuffers& buf, const MicroBatch& mb, const DropoutContext& dc,
+                              const Tensor& grad, float grad_scale, const Tensor& loss_scale, const Stream& st,
+                              bool last_backward) {
+  chunk_output(c, buf);  // validates the buffer indices
+  const Tensor in = chunk_input(c, buf.input);
+  std::vector<LayerActs>& acts = acts_[static_cast<size_t>(buf.slot)];
   ChunkState& ch = chunks_[static_cast<size_t>(c)];
   ParamStore& P = *params_;
   Communicator& tp = *groups_.tp;
@@ -567,9 +585,9 @@ void GptModel::backward_chunk(int c, int slot, const MicroBatch& mb, const Dropo
       tp.all_reduce(P.grads_flat().flat_range(r.begin, r.end - r.begin), ReduceOp::kSum, st);
   };
   const int64_t nlayers = ch.range.size();
-  auto layer_input = [&](int64_t i) { return i == 0 ? in : ch.acts[slot][i - 1].out; };
+  auto layer_input = [&](int64_t i) { return i == 0 ? in : acts[i - 1].out; };
   if (ch.range.has_loss) {
-    HeadActs& H = ch.head[static_cast<size_t>(slot)];
+    HeadActs& H = ch.head[static_cast<size_t>(buf.head)];
     const Tensor labels = mb.labels.view({s_ * b_});
     const Tensor mask = mb.loss_mask.empty() ? Tensor() : mb.loss_mask.view({s_ * b_});
     cross_entropy_backward_inplace(H.logits, labels, H.ce_max, H.ce_sumexp, mask, vocab_start, grad_scale, loss_scale,
@@ -587,7 +605,7 @@ void GptModel::backward_chunk(int c, int slot, const MicroBatch& mb, const Dropo
     }
   }
   for (int64_t i = nlayers - 1; i >= 0; --i) {
-    layer_backward(ch.range.begin + i, ch.params[i], layer_input(i), ch.acts[slot][i], g, dc, st);
+    layer_backward(ch.range.begin + i, ch.params[i], layer_input(i), acts[i], g, dc, st);
     if (last_backward) {
       finalize(ch.sp_ranges[i]);
       grads_final(ch.params[i].first, ch.params[i].end, st);

@@ -43,12 +43,25 @@ struct DropoutContext {
 /// One model chunk of this rank (pipeline parallelism, Megatron's model[vp_stage]): the layers
 /// [layers.begin, layers.end) in global numbering, whether it holds the embedding (pipeline stage
 /// 0, Megatron pre_process) and/or the final norm + LM head + loss (the last stage,
-/// post_process), and how many micro-batches' activations it keeps alive at once (slots: the
-/// schedule's peak of forwarded-not-yet-backwarded micro-batches of this chunk plus received
-/// inputs waiting; train/pipeline.h computes it).
+/// post_process), and its buffer counts (train/pipeline.h computes them from the schedule).
 struct ModelChunk {
   pipeline::LayerRange layers;
-  int slots = 1;
+  int inputs = 1;      ///< input buffers [s_l, b, h]: inputs held, including received ones not yet forwarded
+  int loss_slots = 1;  ///< loss chunk: saved head activations (final norm, logits) of forwarded micro-batches
+};
+/// This rank's chunks and its activation slots. A slot holds the saved activations of one
+/// forward of any chunk (sized for the chunk with the most layers), so the slots alive at once
+/// are the schedule's forwarded-not-yet-backwarded micro-batches over all chunks (Megatron's
+/// bound), not a per-chunk sum. Empty chunks = the whole model as one chunk.
+struct ModelLayout {
+  std::vector<ModelChunk> chunks;
+  int activation_slots = 1;
+};
+/// Which buffers one forward/backward of a chunk uses (ModelChunk / ModelLayout).
+struct ChunkBuffers {
+  int slot = 0;   ///< activation slot
+  int input = 0;  ///< the chunk's input buffer
+  int head = 0;   ///< the loss chunk's head slot
 };
 
 class GptModel {
@@ -62,11 +75,11 @@ class GptModel {
   /// embedding and cross entropy. sequence_parallel (Korthikanti et al. 2022): activations
   /// outside the TP regions sharded along s, all-gather / reduce-scatter instead of all-reduce.
   /// pad_multiple: the flat parameter buffer is padded to a multiple of it (data-parallel size).
-  /// chunks: this rank's model chunks (pipeline parallelism); empty = the whole model as one
-  /// chunk with one activation slot. Errors: mt::Error for an invalid configuration
-  /// (GptConfig::validate), chunks that overlap or lie outside [0, num_layers), slots < 1.
+  /// layout: this rank's model chunks and buffers (pipeline parallelism); empty = the whole
+  /// model as one chunk with one of each buffer. Errors: mt::Error for an invalid configuration
+  /// (GptConfig::validate), chunks that overlap or lie outside [0, num_layers), counts < 1.
   GptModel(const GptConfig& config, int64_t micro_batch, DType dtype, Device device, ProcessGroups groups,
-           bool sequence_parallel = false, int64_t pad_multiple = 1, std::vector<ModelChunk> chunks = {});
+           bool sequence_parallel = false, int64_t pad_multiple = 1, ModelLayout layout = {});
   ~GptModel();
 
   /// Megatron-Core parameter names (global layer numbers), local shapes and shards of TP rank
@@ -108,25 +121,33 @@ class GptModel {
   // --- Model chunks (pipeline parallelism; train/pipeline.h drives them) ---
   int num_chunks() const { return static_cast<int>(chunk_specs_.size()); }
   const ModelChunk& chunk(int c) const;
-  /// Input activation [s_l, b, h] (activation dtype) of chunk c's slot: the receive buffer of
-  /// a chunk without the embedding (the previous stage's output lands here and stays until the
-  /// backward of that slot); written by the embedding otherwise.
-  Tensor chunk_input(int c, int slot) const;
-  /// Forward of micro-batch mb through chunk c, saving activations in `slot` (its input must be
-  /// in chunk_input(c, slot) unless the chunk has the embedding). Returns the chunk's output
+  int activation_slots() const { return activation_slots_; }
+  /// Input buffer `input` [s_l, b, h] (activation dtype) of chunk c: the receive buffer of a
+  /// chunk without the embedding (the previous stage's output lands here and stays until the
+  /// backward that reads it); written by the embedding otherwise.
+  Tensor chunk_input(int c, int input) const;
+  /// Output activation [s_l, b, h] of chunk c after forward_chunk(c, slot, input, ...) (the last
+  /// layer's output in the slot; the input for a chunk without layers). What the next stage
+  /// receives.
+  Tensor chunk_output(int c, const ChunkBuffers& buf) const;
+  /// Hooks set with set_hooks (nullptr = none).
+  ParamGradHooks* hooks() const { return hooks_; }
+  /// Forward of micro-batch mb through chunk c, saving activations in buf.slot (and buf.head for
+  /// the loss chunk); its input must be in chunk_input(c, buf.input) unless the chunk has the
+  /// embedding, which writes it there. Returns the chunk's output
   /// [s_l, b, h] (valid until the slot is reused; empty for the loss chunk, which instead
   /// accumulates its loss as forward() does). first_forward: the chunk's first forward of the
   /// step (params_needed hooks are called).
-  Tensor forward_chunk(int c, int slot, const MicroBatch& mb, const DropoutContext& dc, const Tensor& loss_accum,
+  Tensor forward_chunk(int c, const ChunkBuffers& buf, const MicroBatch& mb, const DropoutContext& dc, const Tensor& loss_accum,
                        float loss_weight, const Stream& stream, bool first_forward = false);
-  /// Backward of micro-batch mb through chunk c from `slot`. grad [s_l, b, h] (activation
+  /// Backward of micro-batch mb through chunk c from the buffers its forward used. grad [s_l, b, h] (activation
   /// dtype): on entry dL/d(output) (ignored by the loss chunk), on exit dL/d(input) (unspecified
   /// for the embedding chunk); empty = internal scratch (chunks with both embedding and loss).
   /// Gradients accumulate (+=) into the fp32 main gradients (scaled as in backward()).
   /// last_backward: the chunk's last backward of the step — after each layer (and the head and
   /// embedding) the sequence-parallel TP all-reduce of its replicated parameters runs and
   /// hooks()->grads_ready is called (param_hooks.h).
-  void backward_chunk(int c, int slot, const MicroBatch& mb, const DropoutContext& dc, const Tensor& grad,
+  void backward_chunk(int c, const ChunkBuffers& buf, const MicroBatch& mb, const DropoutContext& dc, const Tensor& grad,
                       float grad_scale, const Tensor& loss_scale, const Stream& stream, bool last_backward);
   /// Hooks called by forward_chunk / backward_chunk (not owned; nullptr = none).
   void set_hooks(ParamGradHooks* hooks) { hooks_ = hooks; }
@@ -157,7 +178,7 @@ class GptModel {
   bool embedding_shared_across_stages() const;
   AttentionConfig attention_config(int64_t layer, const DropoutContext& dc) const;
   void embedding_forward_into(const Tensor& out, const MicroBatch& mb, const DropoutContext& dc, const Stream& st);
-  Tensor head_forward(ChunkState& ch, int slot, const Tensor& x, const MicroBatch& mb, const Tensor& loss_accum,
+  Tensor head_forward(ChunkState& ch, int head, const Tensor& x, const MicroBatch& mb, const Tensor& loss_accum,
                       float loss_weight, bool compute_loss, const Stream& st);
 
   GptConfig config_;
@@ -173,7 +194,9 @@ class GptModel {
   Arena arena_;
   size_t arena_bytes_ = 0;
   std::vector<ModelChunk> chunk_specs_;
+  int activation_slots_ = 1;
   std::vector<ChunkState> chunks_;
+  std::vector<std::vector<LayerActs>> acts_;  // [slot][local layer of the chunk using it]
   std::unique_ptr<Workspace> ws_;
   Tensor doc_start_;  // of the micro-batch running now (attention_config reads it)
   ParamGradHooks* hooks_ = nullptr;

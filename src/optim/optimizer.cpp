@@ -23,7 +23,8 @@ AdamWOptimizer::AdamWOptimizer(ParamStore& params, const OptimizerConfig& config
     shard_lo_ = groups_.dp->rank() * shard_n_;
   }
   const int tp_rank = groups_.tp_rank;
-  norm_ranges_ = params.ranges([tp_rank](const ParamInfo& p) { return p.tensor_parallel || tp_rank == 0; });
+  norm_ranges_ = params.ranges(
+      [tp_rank](const ParamInfo& p) { return !p.shared_embedding_copy && (p.tensor_parallel || tp_rank == 0); });
   decay_ranges_ = params.ranges([](const ParamInfo& p) { return p.weight_decay; });
   no_decay_ranges_ = params.ranges([](const ParamInfo& p) { return !p.weight_decay; });
   exp_avg_ = Buffer(params.device(), static_cast<size_t>(shard_n_) * 4);

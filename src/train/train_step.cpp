@@ -2,17 +2,32 @@
 
 namespace mt {
 
+void allreduce_embedding_grads(GptModel& model, const Stream& stream) {
+  const size_t wte = model.word_embedding_index();
+  const auto& emb = model.groups().embedding;
+  if (wte == SIZE_MAX || !emb || emb->size() <= 1) return;
+  emb->all_reduce(model.params().grad(wte), ReduceOp::kSum, stream);
+  if (model.hooks() != nullptr) model.hooks()->grads_ready(wte, wte + 1, stream);
+}
+
+void train_step(GptModel& model, PipelineExecutor& executor, const PipelinePlan& plan, AdamWOptimizer& optimizer,
+                const std::vector<MicroBatch>& micro_batches, const StepOptions& opt, const Tensor& loss_slot,
+                const Stream& stream) {
+  model.params().zero_grads(stream);
+  executor.run(plan, micro_batches, {opt.seed, opt.iteration, opt.dp_rank, opt.dp_size, true}, loss_slot, 1.f,
+               optimizer.loss_scale_tensor(), stream);
+  allreduce_embedding_grads(model, stream);
+  optimizer.step(opt.lr, stream);
+}
+
 void train_step(GptModel& model, AdamWOptimizer& optimizer, const std::vector<MicroBatch>& micro_batches,
                 const StepOptions& opt, const Tensor& loss_slot, const Stream& stream) {
-  model.params().zero_grads(stream);
-  for (size_t m = 0; m < micro_batches.size(); ++m) {
-    const uint32_t global_mb = static_cast<uint32_t>(m * opt.dp_size + opt.dp_rank);
-    DropoutContext dc{opt.seed, static_cast<uint64_t>(opt.iteration), global_mb, true};
-    const float w = micro_batches[m].loss_weight;
-    model.forward(micro_batches[m], dc, loss_slot, w, stream);
-    model.backward(micro_batches[m], dc, w, optimizer.loss_scale_tensor(), stream, m + 1 == micro_batches.size());
-  }
-  optimizer.step(opt.lr, stream);
+  pipeline::ScheduleConfig cfg;
+  cfg.num_microbatches = static_cast<int>(micro_batches.size());
+  std::vector<pipeline::LayerRange> chunks{model.chunk(0).layers};
+  const PipelinePlan plan = plan_pipeline(cfg, 0, chunks);
+  PipelineExecutor executor(model, std::make_shared<SingleRankCommunicator>("pp"), {&plan});
+  train_step(model, executor, plan, optimizer, micro_batches, opt, loss_slot, stream);
 }
 
 }  // namespace mt

@@ -1,11 +1,13 @@
 // One training iteration, shared by `megatron pretrain` and the parallel-equivalence tests:
-// zero the gradients, forward and backward of every micro-batch (gradient accumulation), the
-// sequence-parallel gradient reduction, then the optimizer step (which reduces over DP).
+// zero the gradients, run the pipeline schedule (forward and backward of every micro-batch; with
+// pp = 1 simply one after the other), reduce the tied embedding's gradient over the embedding
+// group (first and last pipeline stage), then the optimizer step (which reduces over DP).
 #pragma once
 #include <vector>
 
 #include "model/gpt.h"
 #include "optim/optimizer.h"
+#include "train/pipeline.h"
 
 namespace mt {
 
@@ -20,9 +22,21 @@ struct StepOptions {
 };
 
 /// Runs one iteration on this rank's micro-batches (each carrying its loss weight, see
-/// MicroBatch). loss_slot: fp32 [1] on the device that accumulates this rank's weighted loss
-/// (sum over ranks of DP = the iteration's loss).
+/// MicroBatch) with `plan` (plan_pipeline for plan.config.num_microbatches == micro_batches.size()).
+/// loss_slot: fp32 [1] on the device that accumulates this rank's weighted loss (non-zero on the
+/// last pipeline stage only; the sum over DP and PP ranks is the iteration's loss).
+void train_step(GptModel& model, PipelineExecutor& executor, const PipelinePlan& plan, AdamWOptimizer& optimizer,
+                const std::vector<MicroBatch>& micro_batches, const StepOptions& opt, const Tensor& loss_slot,
+                const Stream& stream);
+
+/// The same without pipeline parallelism (the whole model on this rank; schedule and buffers
+/// planned per call).
 void train_step(GptModel& model, AdamWOptimizer& optimizer, const std::vector<MicroBatch>& micro_batches,
                 const StepOptions& opt, const Tensor& loss_slot, const Stream& stream);
+
+/// After the schedule: all-reduce the word-embedding gradient over the embedding group when it
+/// spans pipeline stages (Megatron's _allreduce_word_embedding_grads), then report it to the
+/// model's grads_ready hook. No-op on ranks without the embedding or with a one-rank group.
+void allreduce_embedding_grads(GptModel& model, const Stream& stream);
 
 }  // namespace mt

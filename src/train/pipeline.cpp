@@ -1,0 +1,224 @@
+#include "train/pipeline.h"
+
+#include <algorithm>
+#include <map>
+
+namespace mt {
+
+using pipeline::Action;
+using pipeline::ActionKind;
+
+namespace {
+// A pool of interchangeable buffers: lowest free index first, grows on demand; `peak` is the
+// number of buffers the replay needed.
+struct Pool {
+  std::vector<int> free;
+  int peak = 0;
+  int take() {
+    if (free.empty()) return peak++;
+    auto it = std::min_element(free.begin(), free.end());
+    const int k = *it;
+    free.erase(it);
+    return k;
+  }
+  void give(int k) { free.push_back(k); }
+};
+}  // namespace
+
+PipelinePlan plan_pipeline(const pipeline::ScheduleConfig& cfg, int pp_rank,
+                           const std::vector<pipeline::LayerRange>& chunks) {
+  PipelinePlan p;
+  p.config = cfg;
+  p.pp_rank = pp_rank;
+  MT_REQUIRE(static_cast<int>(chunks.size()) == cfg.num_chunks(),
+             "pipeline rank {} holds {} model chunks but the schedule expects {}", pp_rank, chunks.size(),
+             cfg.num_chunks());
+  p.actions = pipeline::rank_actions(cfg, pp_rank);
+  const size_t n = p.actions.size();
+  p.buffers.assign(n, ChunkBuffers{-1, -1, -1});
+  p.grad_buffer.assign(n, -1);
+  // Buffer kinds: 0 activation slots (shared by the rank's chunks), 1 input buffers (per chunk),
+  // 2 gradient buffers (shared), 3 head slots (per chunk; the loss chunk's). Keyed by
+  // (micro-batch, chunk) while alive.
+  enum { kSlot = 0, kInput = 1, kGrad = 2, kHead = 3 };
+  Pool slots, grads;
+  std::vector<Pool> inputs(chunks.size()), heads(chunks.size());
+  std::map<std::pair<int, int>, int> alive[4];
+  struct Deferred {
+    int kind, chunk, index;
+  };
+  std::vector<Deferred> deferred;  // released when the current p2p batch has completed
+  auto pool = [&](int kind, int chunk) -> Pool& {
+    if (kind == kSlot) return slots;
+    if (kind == kGrad) return grads;
+    return (kind == kInput ? inputs : heads)[static_cast<size_t>(chunk)];
+  };
+  auto get = [&](int kind, const Action& a) {
+    const auto key = std::make_pair(a.microbatch, a.chunk);
+    auto it = alive[kind].find(key);
+    if (it != alive[kind].end()) return it->second;
+    const int k = pool(kind, a.chunk).take();
+    alive[kind][key] = k;
+    return k;
+  };
+  auto release = [&](int kind, const Action& a, bool later) {
+    const auto key = std::make_pair(a.microbatch, a.chunk);
+    const int k = alive[kind].at(key);
+    alive[kind].erase(key);
+    if (later) {
+      deferred.push_back({kind, a.chunk, k});
+    } else {
+      pool(kind, a.chunk).give(k);
+    }
+  };
+  for (size_t i = 0; i < n; ++i) {
+    const Action& a = p.actions[i];
+    const pipeline::LayerRange* ch = a.microbatch >= 0 ? &chunks[static_cast<size_t>(a.chunk)] : nullptr;
+    ChunkBuffers& buf = p.buffers[i];
+    // The forward's buffers (all already taken by its forward, except a received input's).
+    auto forward_buffers = [&] {
+      buf.input = get(kInput, a);
+      buf.slot = get(kSlot, a);
+      if (ch->has_loss) buf.head = get(kHead, a);
+    };
+    auto release_forward_buffers = [&](bool later) {
+      release(kSlot, a, later);
+      release(kInput, a, later);
+      if (ch->has_loss) release(kHead, a, later);
+    };
+    switch (a.kind) {
+      case ActionKind::kRecvForward:
+        buf.input = get(kInput, a);
+        break;
+      case ActionKind::kForward:
+        forward_buffers();
+        if (cfg.forward_only && ch->has_loss) release_forward_buffers(false);  // no send, no backward
+        break;
+      case ActionKind::kSendForward:
+        forward_buffers();
+        if (cfg.forward_only) release_forward_buffers(true);  // once the send has completed
+        break;
+      case ActionKind::kRecvBackward:
+        p.grad_buffer[i] = get(kGrad, a);
+        break;
+      case ActionKind::kBackward:
+        forward_buffers();
+        release_forward_buffers(false);
+        // The loss chunk produces the gradient it sends; stages 0 and pp·V−1 on one rank need none.
+        if (!(ch->has_loss && ch->has_embedding)) {
+          p.grad_buffer[i] = get(kGrad, a);
+          if (ch->has_embedding) release(kGrad, a, false);  // nothing to send
+        }
+        break;
+      case ActionKind::kSendBackward:
+        p.grad_buffer[i] = get(kGrad, a);
+        release(kGrad, a, true);
+        break;
+      case ActionKind::kGradSync:
+        break;
+    }
+    const bool batch_ends = pipeline::is_p2p(a.kind) && (i + 1 == n || !pipeline::is_p2p(p.actions[i + 1].kind) ||
+                                                         p.actions[i + 1].batch != a.batch);
+    if (batch_ends) {
+      for (const auto& d : deferred) pool(d.kind, d.chunk).give(d.index);
+      deferred.clear();
+    }
+  }
+  MT_CHECK(alive[kSlot].empty() && alive[kInput].empty() && alive[kGrad].empty() && alive[kHead].empty(),
+           "pipeline plan of rank {} leaves buffers alive", pp_rank);
+  p.activation_slots = std::max(slots.peak, 1);
+  for (size_t c = 0; c < chunks.size(); ++c) {
+    p.inputs_per_chunk.push_back(std::max(inputs[c].peak, 1));
+    p.loss_slots_per_chunk.push_back(std::max(heads[c].peak, 1));
+  }
+  p.grad_buffers = grads.peak;
+  return p;
+}
+
+ModelLayout model_layout(const std::vector<pipeline::LayerRange>& chunks,
+                         const std::vector<const PipelinePlan*>& plans) {
+  ModelLayout out;
+  for (size_t c = 0; c < chunks.size(); ++c) {
+    ModelChunk mc{chunks[c], 1, 1};
+    for (const PipelinePlan* p : plans) {
+      mc.inputs = std::max(mc.inputs, p->inputs_per_chunk.at(c));
+      mc.loss_slots = std::max(mc.loss_slots, p->loss_slots_per_chunk.at(c));
+    }
+    out.chunks.push_back(mc);
+  }
+  for (const PipelinePlan* p : plans) out.activation_slots = std::max(out.activation_slots, p->activation_slots);
+  return out;
+}
+
+PipelineExecutor::PipelineExecutor(GptModel& model, std::shared_ptr<Communicator> pp,
+                                   const std::vector<const PipelinePlan*>& plans)
+    : model_(model), pp_(std::move(pp)) {
+  int n = 0;
+  for (const PipelinePlan* p : plans) {
+    n = std::max(n, p->grad_buffers);
+    MT_CHECK(p->activation_slots <= model.activation_slots(),
+             "the model has {} activation slots; the pipeline plan needs {}", model.activation_slots(),
+             p->activation_slots);
+    for (size_t c = 0; c < p->inputs_per_chunk.size(); ++c) {
+      const ModelChunk& mc = model.chunk(static_cast<int>(c));
+      MT_CHECK(p->inputs_per_chunk[c] <= mc.inputs && p->loss_slots_per_chunk[c] <= mc.loss_slots,
+               "model chunk {} has {} input buffers and {} loss slots; the pipeline plan needs {} and {}", c,
+               mc.inputs, mc.loss_slots, p->inputs_per_chunk[c], p->loss_slots_per_chunk[c]);
+    }
+  }
+  const std::vector<int64_t> shape = model.boundary_shape();
+  const int64_t numel = shape[0] * shape[1] * shape[2];
+  const size_t bytes = static_cast<size_t>(numel) * dtype_size(model.dtype());
+  if (n > 0) grad_pool_ = Buffer(model.device(), bytes * static_cast<size_t>(n));
+  for (int k = 0; k < n; ++k)
+    grads_.emplace_back(static_cast<char*>(grad_pool_.data()) + bytes * static_cast<size_t>(k), model.dtype(),
+                        model.device(), shape);
+}
+
+void PipelineExecutor::run(const PipelinePlan& plan, const std::vector<MicroBatch>& micro_batches,
+                           const RunContext& ctx, const Tensor& loss_accum, float loss_weight_scale,
+                           const Tensor& loss_scale, const Stream& st) {
+  MT_REQUIRE(static_cast<int>(micro_batches.size()) == plan.config.num_microbatches,
+             "pipeline step got {} micro-batches; the schedule is for {}", micro_batches.size(),
+             plan.config.num_microbatches);
+  const auto& acts = plan.actions;
+  const size_t n = acts.size();
+  auto grad = [&](size_t i) { return plan.grad_buffer[i] < 0 ? Tensor() : grads_[plan.grad_buffer[i]]; };
+  for (size_t i = 0; i < n;) {
+    const Action& a = acts[i];
+    if (pipeline::is_p2p(a.kind)) {
+      // One batch: all of its sends and receives issued together (Megatron's batched p2p).
+      pp_->group_start();
+      size_t j = i;
+      for (; j < n && pipeline::is_p2p(acts[j].kind) && acts[j].batch == a.batch; ++j) {
+        const Action& b = acts[j];
+        switch (b.kind) {
+          case ActionKind::kSendForward: pp_->send(model_.chunk_output(b.chunk, plan.buffers[j]), b.peer, st); break;
+          case ActionKind::kRecvForward: pp_->recv(model_.chunk_input(b.chunk, plan.buffers[j].input), b.peer, st); break;
+          case ActionKind::kSendBackward: pp_->send(grad(j), b.peer, st); break;
+          case ActionKind::kRecvBackward: pp_->recv(grad(j), b.peer, st); break;
+          default: break;
+        }
+      }
+      pp_->group_end();
+      i = j;
+      continue;
+    }
+    if (a.kind == ActionKind::kForward || a.kind == ActionKind::kBackward) {
+      const MicroBatch& mb = micro_batches[static_cast<size_t>(a.microbatch)];
+      // Global micro-batch index (Megatron's sampler interleaves DP ranks) keys the dropout.
+      const DropoutContext dc{ctx.seed, static_cast<uint64_t>(ctx.iteration),
+                              static_cast<uint32_t>(a.microbatch * ctx.dp_size + ctx.dp_rank), ctx.training};
+      if (a.kind == ActionKind::kForward) {
+        model_.forward_chunk(a.chunk, plan.buffers[i], mb, dc, loss_accum, loss_weight_scale * mb.loss_weight, st,
+                             a.first_in_chunk);
+      } else {
+        model_.backward_chunk(a.chunk, plan.buffers[i], mb, dc, grad(i), mb.loss_weight, loss_scale, st,
+                              a.last_in_chunk);
+      }
+    }
+    ++i;
+  }
+}
+
+}  // namespace mt

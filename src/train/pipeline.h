@@ -1,0 +1,81 @@
+// The pipeline executor: runs one rank's schedule (parallel/pipeline/schedules.h, batched p2p
+// mode) over its model chunks — forwards, backwards and the point-to-point transfers of stage
+// activations and their gradients (Megatron-Core pipeline_parallel/schedules.py and
+// p2p_communication.py). With pp = 1 the schedule is "no pipelining" (forward and backward of
+// each micro-batch in turn), so every layout runs through this one executor.
+//
+// Buffers. The input of a (micro-batch, chunk) lives in one of the chunk's input buffers from the
+// moment it arrives (receive, or the embedding on stage 0) until its backward; the activations
+// saved by its forward live in one of the rank's activation slots (shared by its chunks) from the
+// forward until the backward (in forward-only runs both until the output has been sent). Gradients travelling backwards live in a
+// pool of [s_l, b, h] buffers from their receive (or their production by the loss chunk) until
+// they have been consumed by the backward and the chunk's input gradient, written into the same
+// buffer, has been sent. plan_pipeline() assigns slots and buffers by replaying the action list
+// once, so nothing is allocated during a step; the peaks are the schedule's real memory bounds
+// (1F1B: at most pp − rank micro-batches of activations on rank `rank`).
+#pragma once
+#include <memory>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "model/gpt.h"
+#include "parallel/pipeline/schedules.h"
+
+namespace mt {
+
+/// One rank's schedule with its buffer assignment.
+struct PipelinePlan {
+  pipeline::ScheduleConfig config;
+  int pp_rank = 0;
+  std::vector<pipeline::Action> actions;
+  /// Per action, -1 where not used: the buffers of (microbatch, chunk) (kForward, kBackward,
+  /// kSendForward; kRecvForward: input only); gradient buffer (kRecvBackward, kBackward,
+  /// kSendBackward).
+  std::vector<ChunkBuffers> buffers;
+  std::vector<int> grad_buffer;
+  int activation_slots = 1;               ///< peak forwarded-not-yet-backwarded (micro-batch, chunk)s
+  std::vector<int> inputs_per_chunk;      ///< peak input buffers (incl. received, not yet forwarded)
+  std::vector<int> loss_slots_per_chunk;  ///< peak head slots (loss chunk)
+  int grad_buffers = 0;              ///< peak gradient buffers
+};
+
+/// Builds the schedule of `pp_rank` (validating cfg and, through the chunk list, the layer
+/// layout) and assigns buffers. chunks: this rank's layer ranges (pipeline::layers_of).
+/// Errors: mt::Error from validate_schedule_config (e.g. interleaving with micro-batches not a
+/// multiple of pp), naming the values, before any communication.
+PipelinePlan plan_pipeline(const pipeline::ScheduleConfig& cfg, int pp_rank,
+                           const std::vector<pipeline::LayerRange>& chunks);
+
+/// The model chunks and buffer counts this rank needs to run every given plan.
+ModelLayout model_layout(const std::vector<pipeline::LayerRange>& chunks, const std::vector<const PipelinePlan*>& plans);
+
+/// Where in training a run happens (keys dropout; see StepOptions in train_step.h).
+struct RunContext {
+  uint64_t seed = 0;
+  int64_t iteration = 0;
+  int dp_rank = 0, dp_size = 1;
+  bool training = true;
+};
+
+class PipelineExecutor {
+ public:
+  /// model: this rank's chunks, built with model_chunks(...) for every plan it will run.
+  /// pp: the pipeline group (peers of the plans' p2p actions are ranks in it).
+  PipelineExecutor(GptModel& model, std::shared_ptr<Communicator> pp, const std::vector<const PipelinePlan*>& plans);
+
+  /// Runs plan.actions over micro_batches (this rank's, plan.config.num_microbatches of them).
+  /// The loss chunk accumulates loss_accum[0] += loss_weight_scale · mb.loss_weight · sum(loss)
+  /// per micro-batch. Training (plan not forward-only): backwards accumulate into the fp32 main
+  /// gradients, scaled by the device loss scale `loss_scale` (fp32 [1] or empty = 1); the last
+  /// backward of each chunk runs its sequence-parallel reductions and grads_ready hooks.
+  void run(const PipelinePlan& plan, const std::vector<MicroBatch>& micro_batches, const RunContext& ctx,
+           const Tensor& loss_accum, float loss_weight_scale, const Tensor& loss_scale, const Stream& stream);
+
+ private:
+  GptModel& model_;
+  std::shared_ptr<Communicator> pp_;
+  Buffer grad_pool_;
+  std::vector<Tensor> grads_;
+};
+
+}  // namespace mt
