@@ -74,6 +74,22 @@ void add_pretrain_options(CLI::App& app, PretrainArgs& a) {
   app.add_option("--tensor-model-parallel-size", a.tensor_model_parallel_size, "Tensor-parallel size")
       ->capture_default_str();
   app.add_flag("--sequence-parallel", a.sequence_parallel, "Sequence parallelism in the TP group");
+  app.add_option("--pipeline-model-parallel-size", a.pipeline_model_parallel_size, "Pipeline-parallel size")
+      ->capture_default_str();
+  app.add_option("--num-layers-per-virtual-pipeline-stage", a.num_layers_per_virtual_pipeline_stage,
+                 "Layers per virtual pipeline stage (interleaved 1F1B)");
+  app.add_option("--num-virtual-stages-per-pipeline-rank", a.num_virtual_stages_per_pipeline_rank,
+                 "Model chunks per pipeline rank (interleaved 1F1B)");
+  app.add_option("--decoder-first-pipeline-num-layers", a.decoder_first_pipeline_num_layers,
+                 "Layers of the first pipeline stage (the rest split evenly)");
+  app.add_option("--decoder-last-pipeline-num-layers", a.decoder_last_pipeline_num_layers,
+                 "Layers of the last pipeline stage (the rest split evenly)");
+  app.add_flag("--account-for-embedding-in-pipeline-split", a.account_for_embedding_in_pipeline_split,
+               "Count the embedding as one layer when splitting layers over stages");
+  app.add_flag("--account-for-loss-in-pipeline-split", a.account_for_loss_in_pipeline_split,
+               "Count the loss as one layer when splitting layers over stages");
+  app.add_option("--microbatch-group-size-per-virtual-pipeline-stage", a.microbatch_group_size_per_vp_stage,
+                 "Micro-batches run through each model chunk in turn (interleaved; default pp)");
   app.add_flag("--use-distributed-optimizer", a.use_distributed_optimizer,
                "Shard the optimizer state over data-parallel ranks (ZeRO-1)");
   app.add_option("--distributed-timeout-minutes", a.distributed_timeout_minutes,

@@ -50,10 +50,18 @@ struct PretrainArgs {
   // distributed
   int tensor_model_parallel_size = 1;      ///< --tensor-model-parallel-size
   bool sequence_parallel = false;          ///< --sequence-parallel
+  int pipeline_model_parallel_size = 1;    ///< --pipeline-model-parallel-size
+  int64_t num_layers_per_virtual_pipeline_stage = 0;  ///< --num-layers-per-virtual-pipeline-stage (0 = unset)
+  int num_virtual_stages_per_pipeline_rank = 0;       ///< --num-virtual-stages-per-pipeline-rank (0 = unset)
+  int64_t decoder_first_pipeline_num_layers = -1;     ///< --decoder-first-pipeline-num-layers (-1 = even split)
+  int64_t decoder_last_pipeline_num_layers = -1;      ///< --decoder-last-pipeline-num-layers (-1 = even split)
+  bool account_for_embedding_in_pipeline_split = false;  ///< --account-for-embedding-in-pipeline-split
+  bool account_for_loss_in_pipeline_split = false;       ///< --account-for-loss-in-pipeline-split
+  int microbatch_group_size_per_vp_stage = 0;  ///< --microbatch-group-size-per-virtual-pipeline-stage (0 = pp)
   bool use_distributed_optimizer = false;  ///< --use-distributed-optimizer
   double distributed_timeout_minutes = 10;  ///< --distributed-timeout-minutes
   int nproc_per_node = 1;                  ///< --nproc-per-node (ours; the local launcher)
-  int data_parallel_size = 1;              ///< derived: world / tensor-model-parallel-size
+  int data_parallel_size = 1;              ///< derived: world / (tensor · pipeline parallel size)
   // ours
   std::string device = "auto";     ///< --device cpu|cuda|cuda:N|auto (auto = cuda when available)
   bool progress = true;            ///< --no-progress disables the terminal progress line

@@ -114,15 +114,19 @@ FullMoments full_moments(const ParamStore& params, const AdamWOptimizer* opt) {
   return f;
 }
 
-std::vector<TensorRef> checkpoint_tensors(const ParamStore& params, const FullMoments* mom) {
+// Tensors of this rank in file order. for_write: without the shared embedding copy (the reader
+// fills it from the tensor of the same name).
+std::vector<TensorRef> checkpoint_tensors(const ParamStore& params, const FullMoments* mom, bool for_write) {
   std::vector<TensorRef> out;
   for (size_t i = 0; i < params.size(); ++i) {
     const auto& info = params.info(i);
+    if (for_write && info.shared_embedding_copy) continue;
     out.push_back({"model/" + info.name, params.main(i), info.global_shape, info.shard});
   }
   if (mom) {
     for (size_t i = 0; i < params.size(); ++i) {
       const auto& info = params.info(i);
+      if (for_write && info.shared_embedding_copy) continue;
       out.push_back({"optim/exp_avg/" + info.name, mom->m.flat_range(info.offset, info.numel).view(info.shape),
                      info.global_shape, info.shard});
       out.push_back({"optim/exp_avg_sq/" + info.name, mom->v.flat_range(info.offset, info.numel).view(info.shape),
@@ -156,9 +160,11 @@ std::vector<ShardEntry> shard_entries(const std::vector<ParamSpec>& specs, bool 
     out.push_back({prefix + sp.name, gshape, sp.shape, goff, off});
     off += static_cast<uint64_t>(numel) * 4;
   };
-  for (const auto& sp : specs) add("model/", sp);
+  for (const auto& sp : specs)
+    if (!sp.shared_embedding_copy) add("model/", sp);
   if (with_optimizer) {
     for (const auto& sp : specs) {
+      if (sp.shared_embedding_copy) continue;
       add("optim/exp_avg/", sp);
       add("optim/exp_avg_sq/", sp);
     }
@@ -184,11 +190,11 @@ void save_checkpoint(const std::string& dir, const CheckpointState& state, const
   FullMoments mom = full_moments(params, optimizer);
   if (optimizer && optimizer->distributed()) optimizer->gather_moments(mom.m, mom.v, stream);  // all DP ranks
   if (w.dp_rank == 0) {  // data-parallel replicas hold identical state; one of them writes
-    const fs::path bin = tmp_dir / rank_file(w.tp_rank);
+    const fs::path bin = tmp_dir / rank_file(w.pp_rank * w.tp + w.tp_rank);
     std::ofstream f(bin, std::ios::binary | std::ios::trunc);
     MT_REQUIRE(f.good(), "cannot write checkpoint file '{}'", bin.string());
     std::vector<char> host;
-    for (const auto& ref : checkpoint_tensors(params, optimizer ? &mom : nullptr)) {
+    for (const auto& ref : checkpoint_tensors(params, optimizer ? &mom : nullptr, /*for_write=*/true)) {
       host.resize(ref.t.nbytes());
       copy_bytes(host.data(), Device::cpu(), ref.t.data(), ref.t.device(), host.size(), stream);
       stream.synchronize();
@@ -201,8 +207,8 @@ void save_checkpoint(const std::string& dir, const CheckpointState& state, const
   if (rank0) {
     std::map<std::string, json> by_name;
     std::vector<std::string> order;
-    for (int r = 0; r < w.tp; ++r) {
-      for (const auto& e : shard_entries(w.specs_of(r), optimizer != nullptr)) {
+    for (int r = 0; r < w.tp * w.pp; ++r) {
+      for (const auto& e : shard_entries(w.specs_of(r % w.tp, r / w.tp), optimizer != nullptr)) {
         auto [it, fresh] = by_name.try_emplace(e.name);
         if (fresh) {
           order.push_back(e.name);
@@ -225,6 +231,7 @@ void save_checkpoint(const std::string& dir, const CheckpointState& state, const
               {"consumed_train_samples", state.consumed_train_samples},
               {"seed", state.seed},
               {"tensor_model_parallel_size", w.tp},
+              {"pipeline_model_parallel_size", w.pp},
               {"model", config_to_json(state.model)},
               {"scalars", scalars_to_json(state.scalars)},
               {"has_optimizer", optimizer != nullptr},
@@ -317,7 +324,7 @@ CheckpointState load_checkpoint(const std::string& dir, ParamStore& params, Adam
     std::map<std::string, std::ifstream> files;
     std::vector<float> host;
     mom = full_moments(params, optimizer);
-    for (const auto& ref : checkpoint_tensors(params, optimizer ? &mom : nullptr)) {
+    for (const auto& ref : checkpoint_tensors(params, optimizer ? &mom : nullptr, /*for_write=*/false)) {
       auto it = by_name.find(ref.name);
       MT_REQUIRE(it != by_name.end(), "checkpoint '{}' has no tensor '{}'", iter_path.string(), ref.name);
       const json& t = *it->second;

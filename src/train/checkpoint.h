@@ -30,14 +30,17 @@ struct CheckpointState {
   OptimizerScalars scalars{};
 };
 
-/// Who writes what: with tensor parallelism each TP rank of data-parallel rank 0 writes its own
-/// shards to rank_<tp rank>.bin; world rank 0 writes metadata.json, describing the shards of
-/// every TP rank (specs_of(r) = the parameter specs of TP rank r), renames the directory and
-/// updates the tracker. Collective over `world` (a size-1 group when training on one device).
+/// Who writes what: each model-parallel rank (TP rank t of pipeline stage p) of data-parallel
+/// rank 0 writes its own shards to rank_<p·tp + t>.bin (the last stage's copy of the tied
+/// embedding is not written: the first stage's is the parameter); world rank 0 writes
+/// metadata.json, describing the shards of every model-parallel rank (specs_of(t, p) = the
+/// parameter specs of TP rank t on pipeline rank p), renames the directory and updates the
+/// tracker. Collective over `world` (a size-1 group when training on one device).
 struct CheckpointWriter {
   std::shared_ptr<Communicator> world;
   int tp = 1, tp_rank = 0, dp_rank = 0;
-  std::function<std::vector<ParamSpec>(int tp_rank)> specs_of;
+  std::function<std::vector<ParamSpec>(int tp_rank, int pp_rank)> specs_of;
+  int pp = 1, pp_rank = 0;
 };
 
 /// Writes <dir>/iter_%07d/ and updates the tracker file. Errors: mt::Error naming the path when
@@ -54,7 +57,7 @@ std::optional<int64_t> latest_checkpoint_iteration(const std::string& dir);
 CheckpointState read_checkpoint_state(const std::string& dir);
 
 /// Loads parameters (and, when optimizer != nullptr, moments and scalars) of the latest
-/// checkpoint into `params`, whatever tensor-parallel layout wrote it: each local shard is
+/// checkpoint into `params`, whatever tensor/pipeline-parallel layout wrote it: each local shard is
 /// assembled from the intersecting saved shards (global shapes are checked, a mismatch names
 /// the tensor and both shapes; a region no saved shard covers is an error). Returns the state.
 CheckpointState load_checkpoint(const std::string& dir, ParamStore& params, AdamWOptimizer* optimizer,

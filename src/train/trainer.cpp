@@ -17,7 +17,10 @@
 #include "data/masks.h"
 #include "model/gpt.h"
 #include "ops/elementwise.h"
+#include "parallel/pipeline/layer_split.h"
+#include "parallel/pipeline/schedules.h"
 #include "train/checkpoint.h"
+#include "train/pipeline.h"
 #include "train/train_step.h"
 
 namespace mt {
@@ -211,7 +214,20 @@ int run_pretrain(PretrainArgs args) {
   if (world->rank() != 0) set_log_level(LogLevel::kWarn);  // rank 0 logs
   ParallelConfig pc;
   pc.tp = args.tensor_model_parallel_size;
+  pc.pp = args.pipeline_model_parallel_size;
+  pipeline::PipelineLayout layout;
+  layout.num_layers = args.model.num_layers;
+  layout.pp = pc.pp;
+  layout.first_stage_layers = args.decoder_first_pipeline_num_layers;
+  layout.last_stage_layers = args.decoder_last_pipeline_num_layers;
+  layout.account_for_embedding = args.account_for_embedding_in_pipeline_split;
+  layout.account_for_loss = args.account_for_loss_in_pipeline_split;
+  MT_REQUIRE(pc.pp >= 1, "--pipeline-model-parallel-size must be >= 1, got {}", pc.pp);
+  layout.vpp = pipeline::resolve_virtual_pipeline_size(layout, args.num_layers_per_virtual_pipeline_stage,
+                                                       args.num_virtual_stages_per_pipeline_rank);
+  pc.vpp = layout.vpp;
   validate_and_derive(pc, world->size());
+  pipeline::validate_pipeline_layout(layout);
   args.data_parallel_size = pc.dp;
   MT_REQUIRE(device.is_cuda() || args.dtype() == DType::kF32,
              "--{} needs a CUDA device; the CPU backend trains in fp32", args.bf16 ? "bf16" : "fp16");
@@ -229,6 +245,13 @@ int run_pretrain(PretrainArgs args) {
     }
   }
   validate_pretrain_args(args);
+  const int64_t M = args.num_microbatches();
+  pipeline::ScheduleConfig sched_cfg;
+  sched_cfg.pp = pc.pp;
+  sched_cfg.vpp = pc.vpp;
+  sched_cfg.num_microbatches = static_cast<int>(M);
+  sched_cfg.microbatch_group_size = args.microbatch_group_size_per_vp_stage;
+  pipeline::validate_schedule_config(sched_cfg);  // a mismatched layout fails before any collective
   if (resume) check_resume_config(resume->model, args.model);
   if (!args.save.empty() && world->rank() == 0) {  // fail early on an unwritable --save
     std::error_code ec;
@@ -259,13 +282,31 @@ int run_pretrain(PretrainArgs args) {
   const ProcessGroups groups = build_process_groups(world, pc);
   if (world->size() > 1) log_info("{}", layout_table(pc));
   const int dp_rank = groups.dp->rank();
-  GptModel model(args.model, args.micro_batch_size, args.dtype(), device, groups, args.sequence_parallel, pc.dp);
+  const int pp_rank = groups.pp->rank();
+  // The pipeline schedule of this rank (no pipelining when pp == 1) for training and for
+  // evaluation (forward only), and the model chunks and buffers they need.
+  const std::vector<pipeline::LayerRange> chunks = pipeline::layers_of(pp_rank, layout);
+  const PipelinePlan train_plan = plan_pipeline(sched_cfg, pp_rank, chunks);
+  sched_cfg.forward_only = true;
+  const PipelinePlan eval_plan = plan_pipeline(sched_cfg, pp_rank, chunks);
+  GptModel model(args.model, args.micro_batch_size, args.dtype(), device, groups, args.sequence_parallel, pc.dp,
+                 model_layout(chunks, {&train_plan, &eval_plan}));
+  PipelineExecutor executor(model, groups.pp, {&train_plan, &eval_plan});
   const auto& cfg = model.config();
   log_info("> model: GPT {} layers, hidden {}, heads {}, ffn {}, seq {}, vocab {} (padded {}), {:.2f}M parameters, "
            "{} on {}; activations {:.1f} MiB",
            cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.ffn(), cfg.seq_length, cfg.vocab_size,
            model.padded_vocab(), model.params().num_parameters() / 1e6, dtype_name(args.dtype()), device.str(),
            model.activation_bytes() / 1048576.0);
+  if (pc.pp > 1) {
+    std::string stages;
+    for (const auto& r : chunks) stages += fmt::format(" [{}, {})", r.begin, r.end);
+    log_info("> pipeline: {} stages{}, {} schedule, {} micro-batches; rank 0 holds layers{}, {} activation slots "
+             "(theoretical bubble {:.1f}%)",
+             pc.pp * pc.num_chunks(), pc.vpp > 1 ? fmt::format(" ({} per rank)", pc.vpp) : "",
+             pc.vpp > 1 ? "interleaved 1F1B" : "1F1B", M, stages, train_plan.activation_slots,
+             100.0 * pipeline::bubble_fraction(pc.pp, pc.vpp, static_cast<int>(M)));
+  }
   AdamWOptimizer optimizer(model.params(), args.optim, stream,
                            {groups.dp, groups.mp, groups.tp->rank(), args.use_distributed_optimizer});
 
@@ -281,7 +322,6 @@ int run_pretrain(PretrainArgs args) {
     model.params().initialize(args.seed, stream);
   }
 
-  const int64_t M = args.num_microbatches();
   const LrScheduleConfig sched = args.lr_schedule();
 
   // Per-iteration losses of the current log interval live on the device; read at log time.
@@ -302,7 +342,10 @@ int run_pretrain(PretrainArgs args) {
   auto save = [&](int64_t it) {
     CheckpointState st{it, consumed, args.seed, cfg, optimizer.read_scalars_sync(stream)};
     CheckpointWriter writer{world, pc.tp, groups.tp->rank(), dp_rank,
-                            [&](int r) { return GptModel::param_specs(cfg, pc.tp, r); }};
+                            [&](int t, int p) {
+                              return GptModel::param_specs(cfg, pc.tp, t, pipeline::layers_of(p, layout));
+                            },
+                            pc.pp, pp_rank};
     save_checkpoint(args.save, st, model.params(), &optimizer, writer, stream);
     log_info("  successfully saved checkpoint at iteration {:7d} to {}", it, args.save);
   };
@@ -312,14 +355,14 @@ int run_pretrain(PretrainArgs args) {
     fill(eval_loss, 0.f, stream);
     for (int64_t e = 0; e < args.eval_iters; ++e) {
       stager.stage(*data.valid, e * args.global_batch_size, -1, stream);
-      for (int64_t m = 0; m < M; ++m) {
-        DropoutContext dc{args.seed, static_cast<uint64_t>(it), static_cast<uint32_t>(m), false};
-        const MicroBatch mb = stager.micro_batch(m);
-        model.forward(mb, dc, eval_loss, mb.loss_weight / static_cast<float>(args.eval_iters),
-                      stream);
-      }
+      std::vector<MicroBatch> mbs;
+      for (int64_t m = 0; m < M; ++m) mbs.push_back(stager.micro_batch(m));
+      executor.run(eval_plan, mbs, {args.seed, it, dp_rank, static_cast<int>(pc.dp), false}, eval_loss,
+                   1.f / static_cast<float>(args.eval_iters), Tensor(), stream);
     }
+    // The loss lives on the last pipeline stage; sum over DP, then over PP (other stages add 0).
     groups.dp->all_reduce(eval_loss, ReduceOp::kSum, stream);
+    groups.pp->all_reduce(eval_loss, ReduceOp::kSum, stream);
     float host = 0;
     copy_bytes(&host, Device::cpu(), eval_loss.data(), device, 4, stream);
     stream.synchronize();
@@ -349,8 +392,7 @@ int run_pretrain(PretrainArgs args) {
                  iteration + 1 < args.train_iters ? consumed + args.global_batch_size : -1, stream);
     std::vector<MicroBatch> mbs;
     for (int64_t m = 0; m < M; ++m) mbs.push_back(stager.micro_batch(m));
-    train_step(model, optimizer, mbs,
-               {args.seed, iteration, lr, dp_rank, static_cast<int>(pc.dp)},
+    train_step(model, executor, train_plan, optimizer, mbs, {args.seed, iteration, lr, dp_rank, static_cast<int>(pc.dp)},
                losses.flat_range(iters_since_log, 1), stream);
     ++iteration;
     ++iters_since_log;
@@ -360,6 +402,7 @@ int run_pretrain(PretrainArgs args) {
     if (iteration % args.log_interval == 0 || iteration == args.train_iters) {
       std::vector<float> host(static_cast<size_t>(iters_since_log));
       groups.dp->all_reduce(losses, ReduceOp::kSum, stream);
+      groups.pp->all_reduce(losses, ReduceOp::kSum, stream);  // only the last stage has a loss
       copy_bytes(host.data(), Device::cpu(), losses.data(), device, host.size() * 4, stream);
       const OptimizerScalars sc = optimizer.read_scalars_sync(stream);  // synchronizes
       const auto now = std::chrono::steady_clock::now();

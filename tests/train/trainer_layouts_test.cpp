@@ -1,6 +1,7 @@
 // `megatron pretrain` under several parallel layouts on CPU (ranks started by our local launcher,
-// which runs mpiexec for CPU): the losses of every iteration equal the single-rank run, and a
-// checkpoint written under TP 2 resumes under TP 1 (and vice versa) on the same loss curve.
+// which runs mpiexec for CPU): the losses of every iteration (and the validation losses) equal
+// the single-rank run, and a checkpoint written under TP 2 or PP 2 resumes under TP 1 / PP 1 (and
+// vice versa) on the same loss curve.
 #include <gtest/gtest.h>
 
 #include <array>
@@ -36,6 +37,14 @@ std::map<int, double> losses(const std::string& out) {
   return v;
 }
 
+std::map<int, double> val_losses(const std::string& out) {
+  std::map<int, double> v;
+  std::regex re("validation loss at iteration ([0-9]+) \\| lm loss value: ([0-9.E+-]+)");
+  for (std::sregex_iterator it(out.begin(), out.end(), re), end; it != end; ++it)
+    v[std::stoi((*it)[1].str())] = std::stod((*it)[2].str());
+  return v;
+}
+
 std::string data_dir() {
   const char* d = std::getenv("MT_DATA_DIR");
   if (d) return d;
@@ -63,11 +72,13 @@ class TrainerLayouts : public ::testing::Test {
     // Dropout on: the masks must not depend on the layout either. Vocabulary padded to a multiple
     // of 64 x TP: 50304 for TP 1 and 2 alike (Megatron pads per TP size; a different padding is a
     // different model).
-    return "pretrain --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
+    return "pretrain --num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
            "--max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 8 --lr 3e-3 --min-lr 3e-4 "
-           "--lr-decay-style cosine --lr-warmup-iters 1 --lr-decay-iters 6 --log-interval 1 --eval-iters 0 "
+           "--lr-decay-style cosine --lr-warmup-iters 1 --lr-decay-iters 6 --log-interval 1 --eval-iters 1 "
+           "--eval-interval 2 "
            "--adam-eps 1e-5 --device cpu --no-progress --make-vocab-size-divisible-by 64 "
-           "--data-path " + (dir_ / "moby_text_document").string() + " " + tok_ + " " + extra;
+           "--train-data-path " + (dir_ / "moby_text_document").string() + " --valid-data-path " +
+           (dir_ / "moby_text_document").string() + " " + tok_ + " " + extra;
   }
   void expect_same(const std::map<int, double>& a, const std::map<int, double>& b, const std::string& what) {
     ASSERT_EQ(a.size(), b.size()) << what;
@@ -81,17 +92,28 @@ TEST_F(TrainerLayouts, ParallelLayoutsMatchOneRank) {
   RunResult ref = run(flags("--train-iters 4"));
   ASSERT_EQ(ref.rc, 0) << ref.out;
   const auto ref_losses = losses(ref.out);
+  const auto ref_val = val_losses(ref.out);
   ASSERT_EQ(ref_losses.size(), 4u) << ref.out;
+  ASSERT_EQ(ref_val.size(), 3u) << ref.out;  // iterations 0, 2, 4
   for (const std::string layout : {"--nproc-per-node 2 --tensor-model-parallel-size 2",
                                    "--nproc-per-node 2 --tensor-model-parallel-size 2 --sequence-parallel",
                                    "--nproc-per-node 2", "--nproc-per-node 2 --use-distributed-optimizer",
                                    "--nproc-per-node 4 --tensor-model-parallel-size 2",
                                    "--nproc-per-node 4 --tensor-model-parallel-size 2 --sequence-parallel "
-                                   "--use-distributed-optimizer"}) {
+                                   "--use-distributed-optimizer",
+                                   "--nproc-per-node 2 --pipeline-model-parallel-size 2",
+                                   "--nproc-per-node 2 --pipeline-model-parallel-size 2 "
+                                   "--num-layers-per-virtual-pipeline-stage 1",
+                                   "--nproc-per-node 2 --pipeline-model-parallel-size 2 "
+                                   "--decoder-first-pipeline-num-layers 1",
+                                   "--nproc-per-node 4 --pipeline-model-parallel-size 4",
+                                   "--nproc-per-node 4 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 "
+                                   "--sequence-parallel --use-distributed-optimizer"}) {
     RunResult r = run(flags("--train-iters 4 " + layout));
     ASSERT_EQ(r.rc, 0) << layout << "\n" << r.out;
     EXPECT_NE(r.out.find("parallel layout"), std::string::npos) << r.out;
     expect_same(losses(r.out), ref_losses, layout);
+    expect_same(val_losses(r.out), ref_val, layout + " (validation)");
   }
 }
 
@@ -113,7 +135,7 @@ TEST_F(TrainerLayouts, CheckpointReshardsAcrossTensorParallelSizes) {
   const std::string ck1 = (dir_ / "ck_tp1").string();
   RunResult c = run(flags("--train-iters 6 --exit-interval 3 --save " + ck1));
   ASSERT_EQ(c.rc, 0) << c.out;
-  RunResult d = run(flags("--train-iters 6 --load " + ck1 + " --save " + ck1 +
+  RunResult d = run(flags("--train-iters 6 --load " + ck1 + " --save " + (dir_ / "ck_tp2sp").string() +
                           " --nproc-per-node 2 --tensor-model-parallel-size 2 --sequence-parallel"));
   ASSERT_EQ(d.rc, 0) << d.out;
   l = losses(c.out);
@@ -130,6 +152,24 @@ TEST_F(TrainerLayouts, CheckpointReshardsAcrossTensorParallelSizes) {
   l = losses(e.out);
   for (auto [k, v] : losses(f.out)) l[k] = v;
   expect_same(l, full_losses, "dp2 distributed optimizer -> 1 rank");
+  // Pipeline parallelism: save under PP 2 (the last stage's embedding copy is not written), resume
+  // on one rank; save on one rank, resume under PP 2 with two virtual stages per rank.
+  const std::string ckp = (dir_ / "ck_pp2").string();
+  RunResult g = run(flags("--train-iters 6 --exit-interval 3 --save " + ckp +
+                          " --nproc-per-node 2 --pipeline-model-parallel-size 2"));
+  ASSERT_EQ(g.rc, 0) << g.out;
+  RunResult h = run(flags("--train-iters 6 --load " + ckp + " --save " + ckp));
+  ASSERT_EQ(h.rc, 0) << h.out;
+  l = losses(g.out);
+  for (auto [k, v] : losses(h.out)) l[k] = v;
+  expect_same(l, full_losses, "pp2 -> 1 rank");
+  RunResult i = run(flags("--train-iters 6 --load " + ck1 + " --save " + (dir_ / "ck_vpp").string() +
+                          " --nproc-per-node 2 --pipeline-model-parallel-size 2 "
+                          "--num-layers-per-virtual-pipeline-stage 1"));
+  ASSERT_EQ(i.rc, 0) << i.out;
+  l = losses(c.out);
+  for (auto [k, v] : losses(i.out)) l[k] = v;
+  expect_same(l, full_losses, "1 rank -> pp2 vpp2");
 }
 
 TEST_F(TrainerLayouts, BadLayoutErrors) {
@@ -143,6 +183,13 @@ TEST_F(TrainerLayouts, BadLayoutErrors) {
   r = run(flags("--train-iters 2 --nproc-per-node 2 --global-batch-size 6 --micro-batch-size 4"));
   EXPECT_NE(r.rc, 0);
   EXPECT_NE(r.out.find("data-parallel size 2"), std::string::npos) << r.out;
+  r = run(flags("--train-iters 2 --nproc-per-node 2 --pipeline-model-parallel-size 2 --num-layers 3"));
+  EXPECT_NE(r.rc, 0);
+  EXPECT_NE(r.out.find("num_layers (3) = 3 is not divisible by pp (2)"), std::string::npos) << r.out;
+  r = run(flags("--train-iters 2 --nproc-per-node 2 --pipeline-model-parallel-size 2 "
+                "--num-layers-per-virtual-pipeline-stage 1 --global-batch-size 6"));
+  EXPECT_NE(r.rc, 0);
+  EXPECT_NE(r.out.find("number of micro-batches (3)"), std::string::npos) << r.out;
 }
 
 }  // namespace
