@@ -50,6 +50,28 @@ for step in "$@"; do
         $bin pretrain "${big[@]}" --micro-batch-size 8 --global-batch-size $((8*N/t)) --nproc-per-node $N \
           --tensor-model-parallel-size $t --sequence-parallel 2>&1 | tee "$OUT/big_tp$t.log" | grep -E "iteration +20/|memory|error" | sed "s/^/1.3B tp$t: /" | cut -c1-300
       done ;;
+    ppbench)
+      # Pipeline bubble, ~7B layer shape (h 4096, 32 heads, s 2048), 32 layers over N stages.
+      mpiexec --allow-run-as-root -np $N build/pipeline_bench --pp $N --num-layers 32 --hidden-size 4096 \
+        --num-attention-heads 32 --seq-length 2048 --microbatches 4,8,16 --vpp 1,2 --iters 3 2>&1 \
+        | tee "$OUT/pipeline_bench.log" | grep -E "^pp|error" ;;
+    7b)
+      # ~7B GPT (32 layers, h 4096, 32 heads, seq 2048, GPT-2 vocabulary): TP, PP and combinations.
+      b7=(--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --seq-length 2048 --max-position-embeddings 2048
+          --lr 1e-4 --lr-warmup-iters 2 --bf16 --device cuda --no-progress --data-path $data/demo_text_document
+          --vocab-file $data/gpt2/encoder.json --merge-file $data/gpt2/vocab.bpe --eval-iters 0 --log-interval 5
+          --hidden-dropout 0 --attention-dropout 0 --train-iters 10 --micro-batch-size 1 --global-batch-size 16
+          --nproc-per-node $N --use-distributed-optimizer)
+      for lay in "--tensor-model-parallel-size 4 --sequence-parallel" \
+                 "--tensor-model-parallel-size 2 --sequence-parallel" \
+                 "--pipeline-model-parallel-size 4" \
+                 "--pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 4" \
+                 "--tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2" \
+                 "--pipeline-model-parallel-size 2"; do
+        name=$(echo "$lay" | sed 's/--tensor-model-parallel-size /tp/; s/--pipeline-model-parallel-size /pp/; s/--num-layers-per-virtual-pipeline-stage /lpv/; s/--sequence-parallel/sp/g; s/ //g')
+        $bin pretrain "${b7[@]}" $lay 2>&1 | tee "$OUT/7b_$name.log" | grep -E "iteration +10/|memory per rank|pipeline:|error|out of memory" \
+          | sed "s/^/7B $name: /" | cut -c1-420
+      done ;;
   esac
 done
 echo "total: $(( $(date +%s) - t0 )) s"
