@@ -226,6 +226,11 @@ struct DpCase {
   int64_t bucket_size;  // 0 = one bucket
 };
 
+void PrintTo(const DpCase& c, std::ostream* os) {
+  *os << "dp " << c.dp << (c.overlap ? " overlap" : " sync") << (c.distributed ? " distopt" : " allreduce")
+      << " bucket_size " << c.bucket_size;
+}
+
 class DataParallel : public ::testing::TestWithParam<DpCase> {};
 
 TEST_P(DataParallel, MatchesSingleRankOnSummedGradients) {
