@@ -31,10 +31,9 @@
 // inside the optimizer step. On CPU (inline streams, no-op events) both paths run the same
 // collectives in the same order, so results are bitwise identical with overlap on and off.
 //
-// The DP communicator is used on the communication stream between the first launched bucket and
-// finish_grad_sync and between start_param_sync and the last params_needed / finish: do not
-// issue other collectives on the same DP communicator from another stream in those windows
-// (NCCL requires one order of operations per communicator).
+// With overlap the DP communicator is used from two streams (the communication stream and the
+// caller's); NCCL serialises a communicator's operations in issue order, which is the same on
+// every rank as long as all ranks run the same step code.
 #pragma once
 #include <memory>
 #include <vector>
