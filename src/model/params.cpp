@@ -125,7 +125,14 @@ int64_t ParamStore::num_parameters() const {
 
 void ParamStore::shard_main(const std::vector<Range>& owned, const Stream& stream) {
   if (!has_separate_main()) return;
-  MT_REQUIRE(!main_sharded_, "ParamStore::shard_main called twice");
+  if (main_sharded_) {  // a second optimizer over the same store: only with the same ownership
+    const bool same = owned.size() == main_ranges_.size() &&
+                      std::equal(owned.begin(), owned.end(), main_ranges_.begin(),
+                                 [](const Range& a, const Range& b) { return a.begin == b.begin && a.end == b.end; });
+    MT_REQUIRE(same, "ParamStore::shard_main: the main parameters are already sharded over {} other ranges",
+               main_ranges_.size());
+    return;
+  }
   int64_t n = 0, prev = 0;
   for (const auto& r : owned) {
     MT_REQUIRE(r.begin >= prev && r.begin <= r.end && r.end <= total_,

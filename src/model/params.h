@@ -128,8 +128,8 @@ class ParamStore {
   /// current values into a compact buffer [sum of range lengths] (owned ranges concatenated in
   /// order) and freeing the full one. Afterwards main()/main_flat() are errors; use main_shard(),
   /// initialize(), set_main_from_full() and the optimizer's gather. No-op without a separate main
-  /// copy. Outside a training step. Errors: ranges unsorted, overlapping or out of [0, total), or
-  /// called twice.
+  /// copy; a repeated call with the same ranges does nothing. Outside a training step. Errors:
+  /// ranges unsorted, overlapping or out of [0, total), or already sharded over other ranges.
   void shard_main(const std::vector<Range>& owned, const Stream& stream);
   bool main_sharded() const { return main_sharded_; }
   /// fp32 [owned elements]: the compact main shard (requires main_sharded()).

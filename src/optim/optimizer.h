@@ -76,8 +76,8 @@ class AdamWOptimizer {
   bool distributed() const { return sync_->distributed(); }
   GradSync& grad_sync() const { return *sync_; }
   /// fp32 elements of optimizer state stored on this rank: both moments plus the main
-  /// parameters held beyond the model parameters (ParamStore::main_storage_elements): 2·N for
-  /// an fp32 model, 3·N for bf16/fp16 (N = total elements), N/DP-based with the distributed
+  /// parameters held beyond the model parameters (ParamStore::main_storage_elements). With N =
+  /// total elements: 2·N (fp32 model) or 3·N (bf16/fp16), divided by DP with the distributed
   /// optimizer (12 bytes per parameter / DP).
   int64_t state_elements() const { return 2 * owned_n_ + params_.main_storage_elements(); }
   /// Checkpoint support, outside a training step. gather_*: full-length fp32 [total] tensors on
