@@ -149,7 +149,7 @@ std::vector<ParamSpec> GptModel::param_specs(const GptConfig& c, int tp, int r,
 }
 
 GptModel::GptModel(const GptConfig& config, int64_t micro_batch, DType dtype, Device device, ProcessGroups groups,
-                   bool sequence_parallel, int64_t pad_multiple, ModelLayout layout)
+                   bool sequence_parallel, ParamLayout param_layout, ModelLayout layout)
     : config_(config),
       b_(micro_batch),
       s_(config.seq_length),
@@ -194,7 +194,7 @@ GptModel::GptModel(const GptConfig& config, int64_t micro_batch, DType dtype, De
     ranges.push_back(r);
   }
   chunk_specs_ = chunks;
-  params_ = std::make_unique<ParamStore>(param_specs(config_, tp_, tp_rank_, ranges), dtype, device, pad_multiple);
+  params_ = std::make_unique<ParamStore>(param_specs(config_, tp_, tp_rank_, ranges), dtype, device, param_layout);
   // Parameter indices resolved once, so the step does no name lookups.
   const ParamStore& P = *params_;
   constexpr size_t kNone = SIZE_MAX;

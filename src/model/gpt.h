@@ -74,12 +74,13 @@ class GptModel {
   /// (QKV column-parallel, output projection row-parallel), MLP column then row, vocab-parallel
   /// embedding and cross entropy. sequence_parallel (Korthikanti et al. 2022): activations
   /// outside the TP regions sharded along s, all-gather / reduce-scatter instead of all-reduce.
-  /// pad_multiple: the flat parameter buffer is padded to a multiple of it (data-parallel size).
+  /// param_layout: data-parallel size and gradient bucket size of the flat buffers (params.h;
+  /// an integer converts to one bucket padded for that data-parallel size).
   /// layout: this rank's model chunks and buffers (pipeline parallelism); empty = the whole
   /// model as one chunk with one of each buffer. Errors: mt::Error for an invalid configuration
   /// (GptConfig::validate), chunks that overlap or lie outside [0, num_layers), counts < 1.
   GptModel(const GptConfig& config, int64_t micro_batch, DType dtype, Device device, ProcessGroups groups,
-           bool sequence_parallel = false, int64_t pad_multiple = 1, ModelLayout layout = {});
+           bool sequence_parallel = false, ParamLayout param_layout = {}, ModelLayout layout = {});
   ~GptModel();
 
   /// Megatron-Core parameter names (global layer numbers), local shapes and shards of TP rank

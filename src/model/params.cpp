@@ -5,11 +5,22 @@
 
 namespace mt {
 
-ParamStore::ParamStore(std::vector<ParamSpec> specs, DType model_dtype, Device device, int64_t pad_multiple)
-    : model_dtype_(model_dtype), device_(device) {
+namespace {
+int64_t round_up(int64_t x, int64_t q) { return (x + q - 1) / q * q; }
+}  // namespace
+
+int64_t default_ddp_bucket_size(int64_t data_parallel_size) {
+  return std::max<int64_t>(40000000, 1000000 * data_parallel_size);
+}
+
+ParamStore::ParamStore(std::vector<ParamSpec> specs, DType model_dtype, Device device, const ParamLayout& layout)
+    : model_dtype_(model_dtype), device_(device), layout_(layout) {
   MT_CHECK(model_dtype == DType::kF32 || model_dtype == DType::kBF16 || model_dtype == DType::kF16,
            "parameter dtype must be fp32, bf16 or fp16, got {}", dtype_name(model_dtype));
-  int64_t off = 0;
+  MT_REQUIRE(layout.data_parallel_size >= 1, "ParamLayout: data_parallel_size must be >= 1, got {}",
+             layout.data_parallel_size);
+  MT_REQUIRE(layout.bucket_size >= 0, "ParamLayout: bucket_size (--ddp-bucket-size) must be >= 0, got {}",
+             layout.bucket_size);
   for (auto& s : specs) {
     ParamInfo info;
     static_cast<ParamSpec&>(info) = std::move(s);
@@ -22,13 +33,48 @@ ParamStore::ParamStore(std::vector<ParamSpec> specs, DType model_dtype, Device d
     }
     info.numel = 1;
     for (auto d : info.shape) info.numel *= d;
-    info.offset = off;
-    off += (info.numel + kAlign - 1) / kAlign * kAlign;
     MT_CHECK(by_name_.emplace(info.name, infos_.size()).second, "duplicate parameter name {}", info.name);
     infos_.push_back(std::move(info));
   }
-  const int64_t q = kAlign * std::max<int64_t>(pad_multiple, 1);
-  total_ = (off + q - 1) / q * q;
+  // Buckets, walking the parameters backwards (Megatron's _ParamAndGradBuffer): [param_begin,
+  // param_end) ranges in reduction order. Sizes count the kAlign-aligned lengths.
+  const int64_t bs = layout.bucket_size;
+  auto aligned = [](const ParamInfo& p) { return round_up(p.numel, kAlign); };
+  const size_t n = infos_.size();
+  size_t end = n;  // the open bucket holds parameters [i, end)
+  int64_t open_elems = 0;
+  for (size_t i = n; i-- > 0;) {
+    const ParamInfo& p = infos_[i];
+    const bool own = p.shared_embedding_copy || (bs > 0 && aligned(p) >= bs);
+    if (own && end > i + 1) {  // close the open bucket before a parameter that needs its own
+      buckets_.push_back({i + 1, end, 0, 0});
+      end = i + 1;
+      open_elems = 0;
+    }
+    open_elems += aligned(p);
+    if (own || (bs > 0 && open_elems >= bs)) {
+      buckets_.push_back({i, end, 0, 0});
+      end = i;
+      open_elems = 0;
+    }
+  }
+  if (end > 0) buckets_.push_back({0, end, 0, 0});
+  // Lay out forward: the last bucket starts at offset 0; each bucket padded to kAlign · DP.
+  const int64_t q = kAlign * layout.data_parallel_size;
+  bucket_of_.assign(n, 0);
+  int64_t off = 0;
+  for (size_t b = buckets_.size(); b-- > 0;) {
+    ParamBucket& bk = buckets_[b];
+    bk.begin = off;
+    for (size_t i = bk.param_begin; i < bk.param_end; ++i) {
+      infos_[i].offset = off;
+      off += aligned(infos_[i]);
+      bucket_of_[i] = b;
+    }
+    off = round_up(off, q);
+    bk.end = off;
+  }
+  total_ = off;
   main_ = Buffer(device, static_cast<size_t>(total_) * 4);
   if (model_dtype != DType::kF32) params_ = Buffer(device, static_cast<size_t>(total_) * dtype_size(model_dtype));
   grads_ = Buffer(device, static_cast<size_t>(total_) * 4);
@@ -49,6 +95,10 @@ Tensor ParamStore::param(size_t i) const {
 
 Tensor ParamStore::main(size_t i) const {
   const auto& p = infos_.at(i);
+  MT_REQUIRE(!main_sharded_,
+             "the fp32 main parameters are sharded by the distributed optimizer: parameter '{}' has no whole main "
+             "copy on this rank",
+             p.name);
   return Tensor(static_cast<float*>(main_.data()) + p.offset, DType::kF32, device_, p.shape);
 }
 
@@ -58,10 +108,13 @@ Tensor ParamStore::grad(size_t i) const {
 }
 
 Tensor ParamStore::params_flat() const {
-  if (!has_separate_main()) return main_flat();
+  if (!has_separate_main()) return Tensor(main_.data(), DType::kF32, device_, {total_});
   return Tensor(params_.data(), model_dtype_, device_, {total_});
 }
-Tensor ParamStore::main_flat() const { return Tensor(main_.data(), DType::kF32, device_, {total_}); }
+Tensor ParamStore::main_flat() const {
+  MT_REQUIRE(!main_sharded_, "the fp32 main parameters are sharded by the distributed optimizer (no whole copy)");
+  return Tensor(main_.data(), DType::kF32, device_, {total_});
+}
 Tensor ParamStore::grads_flat() const { return Tensor(grads_.data(), DType::kF32, device_, {total_}); }
 
 int64_t ParamStore::num_parameters() const {
@@ -70,22 +123,107 @@ int64_t ParamStore::num_parameters() const {
   return n;
 }
 
+void ParamStore::shard_main(const std::vector<Range>& owned, const Stream& stream) {
+  if (!has_separate_main()) return;
+  if (main_sharded_) {  // a second optimizer over the same store: only with the same ownership
+    const bool same = owned.size() == main_ranges_.size() &&
+                      std::equal(owned.begin(), owned.end(), main_ranges_.begin(),
+                                 [](const Range& a, const Range& b) { return a.begin == b.begin && a.end == b.end; });
+    MT_REQUIRE(same, "ParamStore::shard_main: the main parameters are already sharded over {} other ranges",
+               main_ranges_.size());
+    return;
+  }
+  int64_t n = 0, prev = 0;
+  for (const auto& r : owned) {
+    MT_REQUIRE(r.begin >= prev && r.begin <= r.end && r.end <= total_,
+               "shard_main: owned range [{}, {}) is unsorted, overlapping or outside [0, {})", r.begin, r.end, total_);
+    prev = r.end;
+    n += r.end - r.begin;
+  }
+  Buffer shard(device_, static_cast<size_t>(n) * 4);
+  const Tensor full = main_flat(), compact = shard.as(DType::kF32, {n});
+  int64_t c = 0;
+  for (const auto& r : owned) {
+    copy(compact.flat_range(c, r.end - r.begin), full.flat_range(r.begin, r.end - r.begin), stream);
+    c += r.end - r.begin;
+  }
+  stream.synchronize();  // the full buffer is freed next
+  main_ = std::move(shard);
+  main_ranges_ = owned;
+  main_shard_n_ = n;
+  main_sharded_ = true;
+}
+
+Tensor ParamStore::main_shard() const {
+  MT_REQUIRE(main_sharded_, "ParamStore::main_shard: the main parameters are not sharded");
+  return Tensor(main_.data(), DType::kF32, device_, {main_shard_n_});
+}
+
+int64_t ParamStore::main_storage_elements() const {
+  if (!has_separate_main()) return 0;
+  return main_sharded_ ? main_shard_n_ : total_;
+}
+
+void ParamStore::set_main_from_full(const Tensor& full, const Stream& stream) {
+  MT_REQUIRE(full.dtype() == DType::kF32 && full.numel() == total_ && full.device() == device_,
+             "set_main_from_full: expected fp32 [{}] on {}, got {}", total_, device_.str(), full.str());
+  if (!main_sharded_) {
+    copy(main_flat(), full, stream);
+    sync_model_from_main(stream);
+    return;
+  }
+  cast(params_flat(), full, stream);
+  const Tensor compact = main_shard();
+  int64_t c = 0;
+  for (const auto& r : main_ranges_) {
+    copy(compact.flat_range(c, r.end - r.begin), full.flat_range(r.begin, r.end - r.begin), stream);
+    c += r.end - r.begin;
+  }
+}
+
 void ParamStore::initialize(uint64_t seed, const Stream& stream) {
-  fill(main_flat(), 0.f, stream);  // alignment padding stays zero
-  for (size_t i = 0; i < infos_.size(); ++i) {
-    const auto& p = infos_[i];
-    Tensor m = main(i);
+  auto init_one = [&](const ParamInfo& p, const Tensor& m) {
     switch (p.init) {
       case InitKind::kZeros: fill(m, 0.f, stream); break;
       case InitKind::kOnes: fill(m, 1.f, stream); break;
       case InitKind::kNormal: init_normal(m, p.init_std, seed, tensor_stream_id(p.name), p.shard, stream); break;
     }
+  };
+  if (!main_sharded_) {
+    fill(main_flat(), 0.f, stream);  // alignment padding stays zero
+    for (size_t i = 0; i < infos_.size(); ++i) init_one(infos_[i], main(i));
+    sync_model_from_main(stream);
+    zero_grads(stream);
+    return;
   }
-  sync_model_from_main(stream);
+  // Sharded: draw each parameter into a scratch buffer, round it into the model parameters and
+  // keep the owned elements (main_ranges_ are sorted; walk them alongside the parameters).
+  int64_t max_numel = 0;
+  for (const auto& p : infos_) max_numel = std::max(max_numel, p.numel);
+  Buffer scratch(device_, static_cast<size_t>(std::max<int64_t>(max_numel, 1)) * 4);
+  fill(params_flat(), 0.f, stream);
+  fill(main_shard(), 0.f, stream);
+  const Tensor compact = main_shard();
+  for (size_t i = 0; i < infos_.size(); ++i) {
+    const auto& p = infos_[i];
+    const Tensor m = scratch.as(DType::kF32, p.shape);
+    init_one(p, m);
+    cast(param(i), m, stream);
+    int64_t c = 0;
+    for (const auto& r : main_ranges_) {
+      const int64_t b = std::max(r.begin, p.offset), e = std::min(r.end, p.offset + p.numel);
+      if (b < e) copy(compact.flat_range(c + (b - r.begin), e - b), m.flat_range(b - p.offset, e - b), stream);
+      c += r.end - r.begin;
+    }
+  }
   zero_grads(stream);
+  stream.synchronize();  // before the scratch buffer is freed
 }
 
 void ParamStore::sync_model_from_main(const Stream& stream) {
+  MT_REQUIRE(!main_sharded_,
+             "sync_model_from_main: the fp32 main parameters are sharded by the distributed optimizer; use "
+             "set_main_from_full or the optimizer's parameter all-gather");
   if (has_separate_main()) cast(params_flat(), main_flat(), stream);
 }
 

@@ -1,8 +1,12 @@
 // Parameters and gradients in contiguous buffers (DESIGN.md principle 1; Megatron's
-// ParamAndGradBuffer): one flat model-dtype parameter buffer, one flat fp32 main-parameter
-// buffer (the same memory when the model dtype is fp32) and one flat fp32 gradient buffer.
-// Each parameter starts at a multiple of kAlign elements so kernels may vectorise.
+// ParamAndGradBuffer, megatron/core/distributed/param_and_grad_buffer.py): one flat model-dtype
+// parameter buffer, one flat fp32 main-parameter buffer (the same memory when the model dtype is
+// fp32; only this rank's owned elements once the distributed optimizer shards it, see
+// shard_main) and one flat fp32 gradient buffer. Each parameter starts at a multiple of kAlign
+// elements so kernels may vectorise. The buffers are divided into data-parallel buckets
+// (ParamLayout, ParamBucket): contiguous ranges reduced as one collective each.
 #pragma once
+#include <algorithm>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -43,14 +47,55 @@ struct ParamInfo : ParamSpec {
   int64_t numel = 0;
 };
 
+/// Megatron's --ddp-bucket-size default: max(40,000,000, 1,000,000 · data-parallel size)
+/// elements (larger buckets for large DP keep NCCL ring chunks bandwidth-bound).
+int64_t default_ddp_bucket_size(int64_t data_parallel_size);
+
+/// How the flat buffers are divided into data-parallel buckets (Megatron's ParamAndGradBuffer
+/// bucketing). Buckets are formed walking the parameters in REVERSE order (the backward produces
+/// the last parameters' gradients first): a bucket is closed once it holds >= bucket_size
+/// elements (Megatron's rule); a parameter of >= bucket_size elements, and a
+/// shared_embedding_copy parameter (reported late, after the embedding-group all-reduce), get a
+/// bucket of their own. Each bucket is padded to a multiple of kAlign · data_parallel_size
+/// elements, so that every data-parallel rank owns an equal, kAlign-aligned 1/DP slice of it
+/// (Megatron pads to lcm(128, DP)).
+struct ParamLayout {
+  /// Implicit from the data-parallel size (one bucket), as the old pad_multiple argument.
+  ParamLayout(int64_t data_parallel_size_ = 1, int64_t bucket_size_ = 0)
+      : data_parallel_size(data_parallel_size_), bucket_size(bucket_size_) {}
+  int64_t data_parallel_size = 1;  ///< >= 1
+  /// Elements per bucket (Megatron's --ddp-bucket-size after DistributedDataParallel's
+  /// defaulting: default_ddp_bucket_size() with --overlap-grad-reduce, else one bucket).
+  /// 0 = one bucket (so does any value >= the buffer length).
+  int64_t bucket_size = 0;
+};
+
+/// One data-parallel bucket: parameters [param_begin, param_end) (ParamStore indices,
+/// consecutive), flat elements [begin, end) of the buffers (the parameters plus alignment and
+/// bucket padding; end - begin is a multiple of kAlign · data_parallel_size).
+struct ParamBucket {
+  size_t param_begin = 0, param_end = 0;
+  int64_t begin = 0, end = 0;
+  int64_t numel() const { return end - begin; }
+};
+
 class ParamStore {
  public:
   static constexpr int64_t kAlign = 64;
+  /// A flat element range [begin, end) of the buffers.
+  struct Range {
+    int64_t begin, end;
+  };
 
   /// Lays out and allocates (uninitialised) buffers on `device`. model_dtype: fp32, bf16 or fp16.
-  /// The flat length is padded to a multiple of kAlign * pad_multiple (the data-parallel size,
-  /// so the distributed optimizer can shard it evenly).
-  ParamStore(std::vector<ParamSpec> specs, DType model_dtype, Device device, int64_t pad_multiple = 1);
+  /// The parameters are laid out in order (offsets ascending), grouped into the buckets of
+  /// `layout`. Errors: mt::Error for an unknown dtype, a duplicate name, data_parallel_size < 1
+  /// or bucket_size < 0.
+  ParamStore(std::vector<ParamSpec> specs, DType model_dtype, Device device, const ParamLayout& layout);
+  /// One bucket, padded to a multiple of kAlign · pad_multiple (the data-parallel size, so the
+  /// distributed optimizer can shard it evenly): ParamLayout{pad_multiple, 0}.
+  ParamStore(std::vector<ParamSpec> specs, DType model_dtype, Device device, int64_t pad_multiple = 1)
+      : ParamStore(std::move(specs), model_dtype, device, ParamLayout{std::max<int64_t>(pad_multiple, 1), 0}) {}
 
   size_t size() const { return infos_.size(); }
   const ParamInfo& info(size_t i) const { return infos_[i]; }
@@ -62,20 +107,53 @@ class ParamStore {
   bool has_separate_main() const { return model_dtype_ != DType::kF32; }
 
   Tensor param(size_t i) const;  ///< model dtype, local shape
-  Tensor main(size_t i) const;   ///< fp32 main parameter (== param when fp32)
+  Tensor main(size_t i) const;   ///< fp32 main parameter (== param when fp32); error when sharded
   Tensor grad(size_t i) const;   ///< fp32 main gradient
   Tensor param(const std::string& n) const { return param(index(n)); }
   Tensor grad(const std::string& n) const { return grad(index(n)); }
   Tensor params_flat() const;    ///< model dtype [total]
-  Tensor main_flat() const;      ///< fp32 [total]
+  Tensor main_flat() const;      ///< fp32 [total]; error when the main parameters are sharded
   Tensor grads_flat() const;     ///< fp32 [total]
   int64_t total_elements() const { return total_; }
   int64_t num_parameters() const;  ///< sum of numel (no alignment padding)
+  const ParamLayout& layout() const { return layout_; }
+  /// Buckets in reduction order: bucket 0 holds the LAST parameters (highest offsets), the last
+  /// bucket starts at offset 0. Together they cover [0, total) without gaps.
+  const std::vector<ParamBucket>& buckets() const { return buckets_; }
+  /// Index into buckets() of the bucket holding parameter i.
+  size_t bucket_of(size_t i) const { return bucket_of_.at(i); }
+
+  // --- Sharded fp32 main parameters (distributed optimizer, Megatron's DistributedOptimizer
+  // keeping fp32 main copies of its shard only). Only when has_separate_main(): with an fp32
+  // model the main parameters are the model parameters and nothing is sharded. ---
+
+  /// Keeps only the fp32 main elements in `owned` (sorted, disjoint flat ranges), copying their
+  /// current values into a compact buffer [sum of range lengths] (owned ranges concatenated in
+  /// order) and freeing the full one. Afterwards main()/main_flat() are errors; use main_shard(),
+  /// initialize(), set_main_from_full() and the optimizer's gather. No-op without a separate main
+  /// copy; a repeated call with the same ranges does nothing. Outside a training step. Errors:
+  /// ranges unsorted, overlapping or out of [0, total), or already sharded over other ranges.
+  void shard_main(const std::vector<Range>& owned, const Stream& stream);
+  bool main_sharded() const { return main_sharded_; }
+  /// fp32 [owned elements]: the compact main shard (requires main_sharded()).
+  Tensor main_shard() const;
+  /// The owned ranges given to shard_main (empty when not sharded).
+  const std::vector<Range>& main_shard_ranges() const { return main_ranges_; }
+  /// fp32 main-parameter elements this store holds beyond the model parameters: 0 for an fp32
+  /// model, total_elements() for a whole fp32 copy, the owned count once sharded.
+  int64_t main_storage_elements() const;
+  /// Sets the fp32 main parameters from a full-length fp32 [total] tensor on this device (a
+  /// loaded checkpoint): the model parameters become its rounding, the main copy (whole, or the
+  /// owned elements when sharded) its values. Outside a training step.
+  void set_main_from_full(const Tensor& full, const Stream& stream);
 
   /// Initialises main parameters (layout-invariant Philox init, see ops/init.h) and copies
-  /// them into the model-dtype parameters; zeroes the padding and the gradients.
+  /// them into the model-dtype parameters; zeroes the padding and the gradients. With sharded
+  /// main parameters each parameter is drawn into a scratch buffer (one parameter at a time),
+  /// rounded into the model parameters and its owned elements kept.
   void initialize(uint64_t seed, const Stream& stream);
-  /// Casts main -> model parameters (after loading main parameters).
+  /// Casts main -> model parameters (after loading main parameters). Error when sharded (the
+  /// non-owned model elements would need a data-parallel all-gather; use set_main_from_full).
   void sync_model_from_main(const Stream& stream);
   void zero_grads(const Stream& stream);
 
@@ -83,9 +161,6 @@ class ParamStore {
   /// consecutive parameters merged into one range (the alignment padding between them, whose
   /// gradients stay zero, included), so an op or collective runs once per range instead of once
   /// per tensor. Computed once by the caller, outside the training step.
-  struct Range {
-    int64_t begin, end;
-  };
   template <typename Pred>
   std::vector<Range> ranges(Pred pred) const {
     std::vector<Range> out;
@@ -106,8 +181,14 @@ class ParamStore {
   std::unordered_map<std::string, size_t> by_name_;
   DType model_dtype_;
   Device device_;
+  ParamLayout layout_;
   int64_t total_ = 0;
+  std::vector<ParamBucket> buckets_;
+  std::vector<size_t> bucket_of_;
   Buffer params_, main_, grads_;
+  bool main_sharded_ = false;
+  std::vector<Range> main_ranges_;
+  int64_t main_shard_n_ = 0;
 };
 
 }  // namespace mt

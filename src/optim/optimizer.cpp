@@ -9,27 +9,58 @@ namespace mt {
 AdamWOptimizer::AdamWOptimizer(ParamStore& params, const OptimizerConfig& config, const Stream& stream,
                                OptimizerGroups groups)
     : params_(params), config_(config), groups_(std::move(groups)) {
+  DdpConfig ddp;
+  ddp.use_distributed_optimizer = groups_.distributed;
+  own_sync_ = std::make_unique<GradSync>(params, groups_.dp, ddp);
+  sync_ = own_sync_.get();
+  init(stream);
+}
+
+AdamWOptimizer::AdamWOptimizer(GradSync& sync, const OptimizerConfig& config, const Stream& stream,
+                               OptimizerGroups groups)
+    : params_(sync.params()), config_(config), groups_(std::move(groups)), sync_(&sync) {
+  MT_REQUIRE(!groups_.dp || groups_.dp == sync.dp(),
+             "AdamWOptimizer: OptimizerGroups::dp (group '{}') is not the GradSync's data-parallel group ('{}')",
+             groups_.dp->name(), sync.dp()->name());
+  MT_REQUIRE(!groups_.distributed || sync.config().use_distributed_optimizer,
+             "AdamWOptimizer: OptimizerGroups::distributed is set but the GradSync was built without "
+             "use_distributed_optimizer");
+  init(stream);
+}
+
+std::vector<AdamWOptimizer::Piece> AdamWOptimizer::owned_pieces(const std::vector<ParamStore::Range>& ranges) const {
+  // Intersections of `ranges` (ascending) with the owned ranges (ascending), in ascending order.
+  std::vector<Piece> out;
+  int64_t state = 0;
+  for (const auto& o : sync_->owned_ranges()) {
+    for (const auto& r : ranges) {
+      const int64_t b = std::max(r.begin, o.begin), e = std::min(r.end, o.end);
+      if (b < e) out.push_back({b, e - b, state + (b - o.begin)});
+    }
+    state += o.end - o.begin;
+  }
+  return out;
+}
+
+void AdamWOptimizer::init(const Stream& stream) {
+  const OptimizerConfig& config = config_;
   MT_REQUIRE(config.beta1 >= 0 && config.beta1 < 1, "--adam-beta1 must be in [0, 1), got {}", config.beta1);
   MT_REQUIRE(config.beta2 >= 0 && config.beta2 < 1, "--adam-beta2 must be in [0, 1), got {}", config.beta2);
   MT_REQUIRE(config.eps > 0, "--adam-eps must be positive, got {}", config.eps);
   MT_REQUIRE(config.weight_decay >= 0, "--weight-decay must be >= 0, got {}", config.weight_decay);
   MT_REQUIRE(config.clip_grad >= 0, "--clip-grad must be >= 0, got {}", config.clip_grad);
-  const int64_t total = params.total_elements();
-  shard_n_ = total;
-  if (groups_.distributed && groups_.dp && groups_.dp->size() > 1) {
-    const int dp = groups_.dp->size();
-    MT_CHECK(total % dp == 0, "flat parameter buffer of {} elements is not padded to data-parallel size {}", total, dp);
-    shard_n_ = total / dp;
-    shard_lo_ = groups_.dp->rank() * shard_n_;
-  }
+  owned_n_ = sync_->owned_elements();
+  if (sync_->distributed()) params_.shard_main(sync_->owned_ranges(), stream);  // no-op for fp32 models
+  // Gradient norm: TP-split parameters on every TP rank, replicated ones on TP rank 0 only; a
+  // shared_embedding_copy is counted where the original lives (the first pipeline stage).
   const int tp_rank = groups_.tp_rank;
-  norm_ranges_ = params.ranges(
-      [tp_rank](const ParamInfo& p) { return !p.shared_embedding_copy && (p.tensor_parallel || tp_rank == 0); });
-  decay_ranges_ = params.ranges([](const ParamInfo& p) { return p.weight_decay; });
-  no_decay_ranges_ = params.ranges([](const ParamInfo& p) { return !p.weight_decay; });
-  exp_avg_ = Buffer(params.device(), static_cast<size_t>(shard_n_) * 4);
-  exp_avg_sq_ = Buffer(params.device(), static_cast<size_t>(shard_n_) * 4);
-  scalars_ = Buffer(params.device(), sizeof(OptimizerScalars));
+  norm_pieces_ = owned_pieces(params_.ranges(
+      [tp_rank](const ParamInfo& p) { return !p.shared_embedding_copy && (p.tensor_parallel || tp_rank == 0); }));
+  decay_pieces_ = owned_pieces(params_.ranges([](const ParamInfo& p) { return p.weight_decay; }));
+  no_decay_pieces_ = owned_pieces(params_.ranges([](const ParamInfo& p) { return !p.weight_decay; }));
+  exp_avg_ = Buffer(params_.device(), static_cast<size_t>(owned_n_) * 4);
+  exp_avg_sq_ = Buffer(params_.device(), static_cast<size_t>(owned_n_) * 4);
+  scalars_ = Buffer(params_.device(), sizeof(OptimizerScalars));
   host_scalars_ = Buffer(Device::cpu(), sizeof(OptimizerScalars), HostMemory::kPinned);
   memset_tensor(exp_avg(), 0, stream);
   memset_tensor(exp_avg_sq(), 0, stream);
@@ -57,68 +88,71 @@ Tensor AdamWOptimizer::loss_scale_tensor() const {
 }
 
 void AdamWOptimizer::step(float lr, const Stream& stream) {
+  sync_->finish_grad_sync(stream);  // no-op when the step already called it
   const Tensor sc = scalars();
   const Tensor grads = params_.grads_flat();
-  const bool zero = distributed();
-  const int64_t lo = shard_lo_, hi = shard_lo_ + shard_n_;
-  if (groups_.dp && groups_.dp->size() > 1) {
-    if (zero) {
-      groups_.dp->reduce_scatter(grads.flat_range(lo, shard_n_), grads, ReduceOp::kSum, stream);
-    } else {
-      groups_.dp->all_reduce(grads, ReduceOp::kSum, stream);
-    }
-  }
-  // Global norm over the owned elements: TP-split parameters on every rank, replicated ones on
-  // TP rank 0 only; then summed over the DP shards (distributed optimizer) and over MP.
-  for (const auto& r : norm_ranges_) {
-    const int64_t b = std::max(r.begin, lo), e = std::min(r.end, hi);
-    if (b < e) grad_sumsq_accumulate(sc, grads.flat_range(b, e - b), stream);
-  }
+  for (const auto& p : norm_pieces_) grad_sumsq_accumulate(sc, grads.flat_range(p.begin, p.n), stream);
   const Tensor sumsq(static_cast<char*>(scalars_.data()) + offsetof(OptimizerScalars, grad_sumsq), DType::kF32,
                      scalars_.device(), {1});
-  if (zero) groups_.dp->all_reduce(sumsq, ReduceOp::kSum, stream);
+  if (sync_->distributed()) sync_->dp()->all_reduce(sumsq, ReduceOp::kSum, stream);
   if (groups_.mp && groups_.mp->size() > 1) groups_.mp->all_reduce(sumsq, ReduceOp::kSum, stream);
   optimizer_prepare(sc, config_.clip_grad, stream);
-  const Tensor main = params_.main_flat();
+  // fp32 main parameters: the compact shard (sharded, state index), or the whole flat buffer
+  // (flat index; == the model parameters for an fp32 model).
+  const bool sharded = params_.main_sharded();
+  const Tensor main = sharded ? params_.main_shard() : params_.main_flat();
   const Tensor model = params_.has_separate_main() ? params_.params_flat() : Tensor();
   for (const bool decay : {true, false}) {
     const AdamWHyper hp{lr, config_.beta1, config_.beta2, config_.eps, decay ? config_.weight_decay : 0.f};
-    for (const auto& r : decay ? decay_ranges_ : no_decay_ranges_) {
-      const int64_t b = std::max(r.begin, lo), e = std::min(r.end, hi);
-      if (b >= e) continue;
-      const int64_t n = e - b;
-      adamw_step(main.flat_range(b, n), grads.flat_range(b, n), exp_avg().flat_range(b - lo, n),
-                 exp_avg_sq().flat_range(b - lo, n), model.empty() ? Tensor() : model.flat_range(b, n), hp, sc,
-                 stream);
+    for (const auto& p : decay ? decay_pieces_ : no_decay_pieces_) {
+      adamw_step(main.flat_range(sharded ? p.state : p.begin, p.n), grads.flat_range(p.begin, p.n),
+                 exp_avg().flat_range(p.state, p.n), exp_avg_sq().flat_range(p.state, p.n),
+                 model.empty() ? Tensor() : model.flat_range(p.begin, p.n), hp, sc, stream);
     }
   }
   loss_scaler_update(sc, config_.scaler, stream);
-  if (zero) {
-    // Every rank needs the whole updated model: all-gather the owned shards (in place).
-    const Tensor full = params_.params_flat();
-    groups_.dp->all_gather(full, full.flat_range(lo, shard_n_), stream);
-    if (params_.has_separate_main()) {  // keep the fp32 main copy whole as well (checkpoints)
-      const Tensor m = params_.main_flat();
-      groups_.dp->all_gather(m, m.flat_range(lo, shard_n_), stream);
-    }
+  sync_->start_param_sync(stream);
+}
+
+void AdamWOptimizer::gather_compact(const Tensor& full, const Tensor& compact, const Stream& stream) const {
+  MT_REQUIRE(full.dtype() == DType::kF32 && full.numel() == params_.total_elements(),
+             "optimizer gather: expected fp32 [{}], got {}", params_.total_elements(), full.str());
+  sync_->finish_param_sync(stream);  // no collective of ours may be in flight on the comm stream
+  int64_t state = 0;
+  for (const auto& o : sync_->owned_ranges()) {
+    copy(full.flat_range(o.begin, o.end - o.begin), compact.flat_range(state, o.end - o.begin), stream);
+    state += o.end - o.begin;
+  }
+  if (!sync_->distributed()) return;
+  const auto& bks = params_.buckets();
+  for (size_t b = 0; b < bks.size(); ++b) {
+    const ParamStore::Range r = sync_->owned_range(b);
+    sync_->dp()->all_gather(full.flat_range(bks[b].begin, bks[b].numel()), full.flat_range(r.begin, r.end - r.begin),
+                            stream);
   }
 }
 
 void AdamWOptimizer::gather_moments(const Tensor& m, const Tensor& v, const Stream& stream) const {
-  if (!distributed()) {
-    copy(m, exp_avg(), stream);
-    copy(v, exp_avg_sq(), stream);
+  gather_compact(m, exp_avg(), stream);
+  gather_compact(v, exp_avg_sq(), stream);
+}
+
+void AdamWOptimizer::gather_main(const Tensor& full, const Stream& stream) const {
+  if (params_.main_sharded()) {
+    gather_compact(full, params_.main_shard(), stream);
     return;
   }
-  copy(m.flat_range(shard_lo_, shard_n_), exp_avg(), stream);
-  copy(v.flat_range(shard_lo_, shard_n_), exp_avg_sq(), stream);
-  groups_.dp->all_gather(m, m.flat_range(shard_lo_, shard_n_), stream);
-  groups_.dp->all_gather(v, v.flat_range(shard_lo_, shard_n_), stream);
+  sync_->finish_param_sync(stream);  // fp32 model: the main parameters are the gathered ones
+  copy(full, params_.main_flat(), stream);
 }
 
 void AdamWOptimizer::scatter_moments(const Tensor& m, const Tensor& v, const Stream& stream) {
-  copy(exp_avg(), m.flat_range(shard_lo_, shard_n_), stream);
-  copy(exp_avg_sq(), v.flat_range(shard_lo_, shard_n_), stream);
+  int64_t state = 0;
+  for (const auto& o : sync_->owned_ranges()) {
+    copy(exp_avg().flat_range(state, o.end - o.begin), m.flat_range(o.begin, o.end - o.begin), stream);
+    copy(exp_avg_sq().flat_range(state, o.end - o.begin), v.flat_range(o.begin, o.end - o.begin), stream);
+    state += o.end - o.begin;
+  }
 }
 
 }  // namespace mt

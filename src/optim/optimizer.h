@@ -1,5 +1,6 @@
 // AdamW over the flat fp32 main parameters with fp32 moments, global-norm clipping and the
-// loss scaler, all on the device (Megatron's MixedPrecisionOptimizer / FP32Optimizer roles).
+// loss scaler, all on the device (Megatron's MixedPrecisionOptimizer / FP32Optimizer /
+// DistributedOptimizer roles); data-parallel reduction through GradSync (optim/grad_sync.h).
 // The whole step is stream-ordered with no host sync; its results (grad norm, found_inf,
 // loss scale, skipped count) stay in a device struct read at log intervals.
 #pragma once
@@ -7,6 +8,7 @@
 #include "core/buffer.h"
 #include "model/params.h"
 #include "ops/optimizer.h"
+#include "optim/grad_sync.h"
 
 namespace mt {
 
@@ -27,19 +29,36 @@ struct OptimizerGroups {
   std::shared_ptr<Communicator> dp, mp;
   int tp_rank = 0;
   /// --use-distributed-optimizer (ZeRO-1, Rajbhandari et al. 2020 §5; Megatron's
-  /// DistributedOptimizer): data-parallel rank d owns elements [d·N/DP, (d+1)·N/DP) of the flat
-  /// buffers. Gradients are reduce-scattered instead of all-reduced, AdamW moments exist only for
-  /// the owned shard (optimizer memory / DP), and the updated parameters are all-gathered.
+  /// DistributedOptimizer): data-parallel rank d owns the d-th 1/DP slice of every gradient
+  /// bucket (GradSync::owned_ranges). Gradients are reduce-scattered instead of all-reduced,
+  /// AdamW moments and the fp32 main parameters (bf16/fp16 models) exist only for the owned
+  /// elements (optimizer memory / DP), and the updated parameters are all-gathered.
   bool distributed = false;
 };
 
+/// AdamW on the elements this rank owns (GradSync::owned_ranges: the whole flat buffer, or with
+/// the distributed optimizer one slice per bucket; Megatron's DistributedOptimizer over
+/// megatron/core/optimizer/distrib_optimizer.py). Optimizer state is stored compactly: the
+/// owned ranges concatenated in ascending order ("state index").
 class AdamWOptimizer {
  public:
+  /// Compatible form: owns a GradSync(params, groups.dp, {use_distributed_optimizer =
+  /// groups.distributed}) without overlap (every bucket reduced inside step()). With the
+  /// distributed optimizer and a bf16/fp16 model the fp32 main parameters are sharded
+  /// (ParamStore::shard_main). Errors: mt::Error for a hyper-parameter out of range (naming the
+  /// flag) and GradSync's errors.
   AdamWOptimizer(ParamStore& params, const OptimizerConfig& config, const Stream& stream,
                  OptimizerGroups groups = {});
+  /// With an external GradSync (not owned; must outlive the optimizer; the model's hooks call
+  /// it). groups.mp and groups.tp_rank are used; groups.dp and groups.distributed must be unset
+  /// or agree with `sync` (error otherwise).
+  AdamWOptimizer(GradSync& sync, const OptimizerConfig& config, const Stream& stream, OptimizerGroups groups = {});
 
-  /// One optimizer step at learning rate `lr` on the gradients accumulated in params: reduce
-  /// gradients over DP, global norm (over MP), clip, AdamW, loss-scaler update.
+  /// One optimizer step at learning rate `lr` on the gradients accumulated in params:
+  /// GradSync::finish_grad_sync (reduces over DP whatever was not reduced yet), global norm over
+  /// the owned elements (summed over DP when sharded, then over MP), clip, AdamW on the owned
+  /// elements, loss-scaler update, then GradSync::start_param_sync (all-gather of the updated
+  /// parameters with the distributed optimizer; asynchronous with --overlap-param-gather).
   void step(float lr, const Stream& stream);
   /// Device fp32 [1] view of the current loss scale (multiplies the loss gradient).
   Tensor loss_scale_tensor() const;
@@ -48,28 +67,47 @@ class AdamWOptimizer {
   /// Copies the scalars to the host and waits: call at log intervals only.
   OptimizerScalars read_scalars_sync(const Stream& stream) const;
   void write_scalars(const OptimizerScalars& s, const Stream& stream);
-  /// AdamW moments of the owned elements: the whole flat buffer, or [shard_begin(),
-  /// shard_begin() + shard_size()) with the distributed optimizer.
-  Tensor exp_avg() const { return exp_avg_.as(DType::kF32, {shard_n_}); }
-  Tensor exp_avg_sq() const { return exp_avg_sq_.as(DType::kF32, {shard_n_}); }
-  int64_t shard_begin() const { return shard_lo_; }
-  int64_t shard_size() const { return shard_n_; }
-  bool distributed() const { return shard_n_ != params_.total_elements(); }
-  /// Checkpoint support: full-length moments. gather: all-gathers the shards into m, v (fp32
-  /// [total] on the device; a copy without the distributed optimizer). scatter: takes this
-  /// rank's shard of full-length m, v. Both outside a training step.
+  /// AdamW moments of the owned elements: fp32 [owned_elements()], owned ranges concatenated.
+  Tensor exp_avg() const { return exp_avg_.as(DType::kF32, {owned_n_}); }
+  Tensor exp_avg_sq() const { return exp_avg_sq_.as(DType::kF32, {owned_n_}); }
+  /// Owned flat ranges, ascending (GradSync::owned_ranges).
+  const std::vector<ParamStore::Range>& owned_ranges() const { return sync_->owned_ranges(); }
+  int64_t owned_elements() const { return owned_n_; }
+  bool distributed() const { return sync_->distributed(); }
+  GradSync& grad_sync() const { return *sync_; }
+  /// fp32 elements of optimizer state stored on this rank: both moments plus the main
+  /// parameters held beyond the model parameters (ParamStore::main_storage_elements). With N =
+  /// total elements: 2·N (fp32 model) or 3·N (bf16/fp16), divided by DP with the distributed
+  /// optimizer (12 bytes per parameter / DP).
+  int64_t state_elements() const { return 2 * owned_n_ + params_.main_storage_elements(); }
+  /// Checkpoint support, outside a training step. gather_*: full-length fp32 [total] tensors on
+  /// the device (copies, or all-gathered over DP per bucket with the distributed optimizer;
+  /// collective). gather_main: the fp32 main parameters (waits for parameter all-gathers in
+  /// flight). scatter_moments: takes this rank's owned elements of full-length m, v.
   void gather_moments(const Tensor& m, const Tensor& v, const Stream& stream) const;
+  void gather_main(const Tensor& full, const Stream& stream) const;
   void scatter_moments(const Tensor& m, const Tensor& v, const Stream& stream);
   const OptimizerConfig& config() const { return config_; }
 
  private:
+  void init(const Stream& stream);
+  // Copies compact owned state into the owned ranges of `full` and all-gathers every bucket.
+  void gather_compact(const Tensor& full, const Tensor& compact, const Stream& stream) const;
+  // An owned run of elements: flat [begin, begin + n), state index `state`.
+  struct Piece {
+    int64_t begin, n, state;
+  };
+  std::vector<Piece> owned_pieces(const std::vector<ParamStore::Range>& ranges) const;
+
   ParamStore& params_;
   OptimizerConfig config_;
   OptimizerGroups groups_;
+  std::unique_ptr<GradSync> own_sync_;
+  GradSync* sync_ = nullptr;
   Buffer exp_avg_, exp_avg_sq_, scalars_;
-  int64_t shard_lo_ = 0, shard_n_ = 0;
-  // Flat ranges planned once: counted in the gradient norm on this rank; with / without decay.
-  std::vector<ParamStore::Range> norm_ranges_, decay_ranges_, no_decay_ranges_;
+  int64_t owned_n_ = 0;
+  // Planned once: owned pieces counted in the gradient norm on this rank; with / without decay.
+  std::vector<Piece> norm_pieces_, decay_pieces_, no_decay_pieces_;
   Buffer host_scalars_;  // pinned
 };
 

@@ -2,6 +2,8 @@
 
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
+
 namespace mt {
 
 LrScheduleConfig PretrainArgs::lr_schedule() const {
@@ -12,6 +14,21 @@ LrScheduleConfig PretrainArgs::lr_schedule() const {
   c.decay_steps = lr_decay_iters > 0 ? lr_decay_iters : train_iters;
   c.decay_style = lr_decay_style;
   return c;
+}
+
+DdpConfig PretrainArgs::ddp_config() const {
+  DdpConfig c;
+  c.overlap_grad_reduce = overlap_grad_reduce;
+  c.overlap_param_gather = overlap_param_gather;
+  c.use_distributed_optimizer = use_distributed_optimizer;
+  return c;
+}
+
+ParamLayout PretrainArgs::param_layout() const {
+  ParamLayout l;
+  l.data_parallel_size = std::max(data_parallel_size, 1);
+  l.bucket_size = overlap_grad_reduce ? ddp_bucket_size.value_or(default_ddp_bucket_size(l.data_parallel_size)) : 0;
+  return l;
 }
 
 void add_pretrain_options(CLI::App& app, PretrainArgs& a) {
@@ -92,6 +109,15 @@ void add_pretrain_options(CLI::App& app, PretrainArgs& a) {
                  "Micro-batches run through each model chunk in turn (interleaved; default pp)");
   app.add_flag("--use-distributed-optimizer", a.use_distributed_optimizer,
                "Shard the optimizer state over data-parallel ranks (ZeRO-1)");
+  app.add_flag("--overlap-grad-reduce", a.overlap_grad_reduce,
+               "Reduce gradients in buckets, each as soon as the backward has produced it (overlapped)");
+  app.add_flag("--overlap-param-gather", a.overlap_param_gather,
+               "All-gather updated parameters asynchronously, waited for by the next forward (needs "
+               "--use-distributed-optimizer and --overlap-grad-reduce)");
+  app.add_option_function<int64_t>(
+      "--ddp-bucket-size", [&a](const int64_t& v) { a.ddp_bucket_size = v; },
+      "Elements per gradient bucket with --overlap-grad-reduce (default max(40M, 1M x data-parallel size); 0 = one "
+      "bucket)");
   app.add_option("--distributed-timeout-minutes", a.distributed_timeout_minutes,
                  "A collective that does not finish in this time is an error")->capture_default_str();
   app.add_option("--nproc-per-node", a.nproc_per_node, "Start N ranks on this machine (local launcher)")
@@ -110,6 +136,13 @@ void validate_pretrain_args(PretrainArgs& a) {
              a.global_batch_size, a.micro_batch_size, a.data_parallel_size);
   MT_REQUIRE(a.distributed_timeout_minutes > 0, "--distributed-timeout-minutes must be positive, got {}",
              a.distributed_timeout_minutes);
+  MT_REQUIRE(!a.overlap_param_gather || a.use_distributed_optimizer,
+             "--overlap-param-gather requires --use-distributed-optimizer (Megatron: only supported with the "
+             "distributed optimizer)");
+  MT_REQUIRE(!a.overlap_param_gather || a.overlap_grad_reduce,
+             "--overlap-param-gather requires --overlap-grad-reduce");
+  MT_REQUIRE(!a.ddp_bucket_size || *a.ddp_bucket_size >= 0, "--ddp-bucket-size must be >= 0 elements, got {}",
+             a.ddp_bucket_size.value_or(0));
   MT_REQUIRE(a.train_iters > 0, "--train-iters must be positive, got {}", a.train_iters);
   MT_REQUIRE(a.lr >= 0, "--lr must be >= 0, got {}", a.lr);
   MT_REQUIRE(a.log_interval > 0, "--log-interval must be positive, got {}", a.log_interval);

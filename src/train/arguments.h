@@ -3,6 +3,7 @@
 // one place (validate_pretrain_args), with messages that print every offending value.
 #pragma once
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "data/data_args.h"
@@ -59,6 +60,11 @@ struct PretrainArgs {
   bool account_for_loss_in_pipeline_split = false;       ///< --account-for-loss-in-pipeline-split
   int microbatch_group_size_per_vp_stage = 0;  ///< --microbatch-group-size-per-virtual-pipeline-stage (0 = pp)
   bool use_distributed_optimizer = false;  ///< --use-distributed-optimizer
+  bool overlap_grad_reduce = false;        ///< --overlap-grad-reduce (bucketed, overlapped with backward)
+  bool overlap_param_gather = false;       ///< --overlap-param-gather (needs the two flags above)
+  /// --ddp-bucket-size in elements; unset = Megatron's max(40M, 1M · DP). Only used with
+  /// --overlap-grad-reduce (without it there is one bucket, as in Megatron).
+  std::optional<int64_t> ddp_bucket_size;
   double distributed_timeout_minutes = 10;  ///< --distributed-timeout-minutes
   int nproc_per_node = 1;                  ///< --nproc-per-node (ours; the local launcher)
   int data_parallel_size = 1;              ///< derived: world / (tensor · pipeline parallel size)
@@ -70,6 +76,14 @@ struct PretrainArgs {
   /// Micro-batches per data-parallel rank per iteration.
   int64_t num_microbatches() const { return global_batch_size / (micro_batch_size * data_parallel_size); }
   LrScheduleConfig lr_schedule() const;
+  /// GradSync options from --overlap-grad-reduce, --overlap-param-gather,
+  /// --use-distributed-optimizer.
+  DdpConfig ddp_config() const;
+  /// Bucket layout of the ParamStore (model/params.h) for data_parallel_size and
+  /// --ddp-bucket-size after Megatron's defaulting (DistributedDataParallel.__init__): the
+  /// bucket size is --ddp-bucket-size or max(40M, 1M · DP) with --overlap-grad-reduce, and one
+  /// bucket (0) without it.
+  ParamLayout param_layout() const;
 };
 
 /// Registers the pretrain flags on `app`, writing into `args`.

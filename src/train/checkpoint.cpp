@@ -92,45 +92,61 @@ struct TensorRef {
   ShardOffset shard;
 };
 
-// Full-length AdamW moments for a checkpoint: the optimizer's own buffers, or (distributed
-// optimizer) temporary device buffers holding the gathered shards.
-struct FullMoments {
-  Buffer m_buf, v_buf;
-  Tensor m, v;
+// Full-length fp32 state for a checkpoint: main parameters and AdamW moments, as views of the
+// live buffers where they are whole, or as temporary device buffers holding the gathered shards
+// (distributed optimizer) at save time / the values to scatter at load time.
+struct FullState {
+  Buffer main_buf, m_buf, v_buf;
+  Tensor main, m, v;  // fp32 [total]; m, v empty without an optimizer
 };
-FullMoments full_moments(const ParamStore& params, const AdamWOptimizer* opt) {
-  FullMoments f;
+
+Tensor temp_full(Buffer& buf, const ParamStore& params) {
+  buf = Buffer(params.device(), static_cast<size_t>(params.total_elements()) * 4);
+  return buf.as(DType::kF32, {params.total_elements()});
+}
+
+// Views of the live buffers, or zeroed temporaries where the state is sharded.
+FullState full_state(const ParamStore& params, const AdamWOptimizer* opt, const Stream& stream) {
+  FullState f;
+  if (params.main_sharded()) {
+    f.main = temp_full(f.main_buf, params);
+    memset_tensor(f.main, 0, stream);
+  } else {
+    f.main = params.main_flat();
+  }
   if (!opt) return f;
-  if (!opt->distributed()) {
+  if (!opt->distributed()) {  // one owned range [0, total): state index == flat index
     f.m = opt->exp_avg();
     f.v = opt->exp_avg_sq();
     return f;
   }
-  const size_t bytes = static_cast<size_t>(params.total_elements()) * 4;
-  f.m_buf = Buffer(params.device(), bytes);
-  f.v_buf = Buffer(params.device(), bytes);
-  f.m = f.m_buf.as(DType::kF32, {params.total_elements()});
-  f.v = f.v_buf.as(DType::kF32, {params.total_elements()});
+  f.m = temp_full(f.m_buf, params);
+  f.v = temp_full(f.v_buf, params);
+  memset_tensor(f.m, 0, stream);
+  memset_tensor(f.v, 0, stream);
   return f;
 }
 
-// Tensors of this rank in file order. for_write: without the shared embedding copy (the reader
-// fills it from the tensor of the same name).
-std::vector<TensorRef> checkpoint_tensors(const ParamStore& params, const FullMoments* mom, bool for_write) {
+// Checkpoint tensors in file order. writing: parameters flagged shared_embedding_copy are left
+// out (the original on another pipeline stage is saved under the same name); when loading they
+// are filled from that tensor.
+std::vector<TensorRef> checkpoint_tensors(const ParamStore& params, const FullState& st, bool with_optimizer,
+                                          bool writing) {
   std::vector<TensorRef> out;
+  auto view = [&](const Tensor& full, const ParamInfo& info) {
+    return full.flat_range(info.offset, info.numel).view(info.shape);
+  };
   for (size_t i = 0; i < params.size(); ++i) {
     const auto& info = params.info(i);
-    if (for_write && info.shared_embedding_copy) continue;
-    out.push_back({"model/" + info.name, params.main(i), info.global_shape, info.shard});
+    if (writing && info.shared_embedding_copy) continue;
+    out.push_back({"model/" + info.name, view(st.main, info), info.global_shape, info.shard});
   }
-  if (mom) {
+  if (with_optimizer) {
     for (size_t i = 0; i < params.size(); ++i) {
       const auto& info = params.info(i);
-      if (for_write && info.shared_embedding_copy) continue;
-      out.push_back({"optim/exp_avg/" + info.name, mom->m.flat_range(info.offset, info.numel).view(info.shape),
-                     info.global_shape, info.shard});
-      out.push_back({"optim/exp_avg_sq/" + info.name, mom->v.flat_range(info.offset, info.numel).view(info.shape),
-                     info.global_shape, info.shard});
+      if (writing && info.shared_embedding_copy) continue;
+      out.push_back({"optim/exp_avg/" + info.name, view(st.m, info), info.global_shape, info.shard});
+      out.push_back({"optim/exp_avg_sq/" + info.name, view(st.v, info), info.global_shape, info.shard});
     }
   }
   return out;
@@ -148,7 +164,8 @@ struct ShardEntry {
   uint64_t offset_bytes;
 };
 std::vector<ShardEntry> shard_entries(const std::vector<ParamSpec>& specs, bool with_optimizer) {
-  // Same order as checkpoint_tensors(): every model tensor, then per parameter its two moments.
+  // Same order as checkpoint_tensors(writing): every model tensor, then per parameter its two
+  // moments, shared_embedding_copy parameters left out.
   std::vector<ShardEntry> out;
   uint64_t off = 0;
   auto add = [&](const std::string& prefix, const ParamSpec& sp) {
@@ -187,14 +204,20 @@ void save_checkpoint(const std::string& dir, const CheckpointState& state, const
     MT_REQUIRE(!ec, "cannot create checkpoint directory '{}': {}", tmp_dir.string(), ec.message());
   }
   w.world->barrier();
-  FullMoments mom = full_moments(params, optimizer);
-  if (optimizer && optimizer->distributed()) optimizer->gather_moments(mom.m, mom.v, stream);  // all DP ranks
+  // Whole fp32 main parameters and moments; sharded ones are all-gathered (all DP ranks take part).
+  if (optimizer) optimizer->grad_sync().finish_param_sync(stream);
+  FullState full = full_state(params, optimizer, stream);
+  if (params.main_sharded()) {
+    MT_REQUIRE(optimizer != nullptr, "save_checkpoint: the main parameters are sharded, the optimizer is needed");
+    optimizer->gather_main(full.main, stream);
+  }
+  if (optimizer && optimizer->distributed()) optimizer->gather_moments(full.m, full.v, stream);
   if (w.dp_rank == 0) {  // data-parallel replicas hold identical state; one of them writes
     const fs::path bin = tmp_dir / rank_file(w.pp_rank * w.tp + w.tp_rank);
     std::ofstream f(bin, std::ios::binary | std::ios::trunc);
     MT_REQUIRE(f.good(), "cannot write checkpoint file '{}'", bin.string());
     std::vector<char> host;
-    for (const auto& ref : checkpoint_tensors(params, optimizer ? &mom : nullptr, /*for_write=*/true)) {
+    for (const auto& ref : checkpoint_tensors(params, full, optimizer != nullptr, /*writing=*/true)) {
       host.resize(ref.t.nbytes());
       copy_bytes(host.data(), Device::cpu(), ref.t.data(), ref.t.device(), host.size(), stream);
       stream.synchronize();
@@ -312,7 +335,7 @@ CheckpointState read_checkpoint_state(const std::string& dir) {
 CheckpointState load_checkpoint(const std::string& dir, ParamStore& params, AdamWOptimizer* optimizer,
                                 const Stream& stream) {
   fs::path iter_path;
-  FullMoments mom;
+  FullState full;
   json meta = read_metadata(dir, &iter_path);
   CheckpointState state;
   try {
@@ -323,8 +346,14 @@ CheckpointState load_checkpoint(const std::string& dir, ParamStore& params, Adam
     for (const auto& t : meta.at("tensors")) by_name[t.at("name").get<std::string>()] = &t;
     std::map<std::string, std::ifstream> files;
     std::vector<float> host;
-    mom = full_moments(params, optimizer);
-    for (const auto& ref : checkpoint_tensors(params, optimizer ? &mom : nullptr, /*for_write=*/false)) {
+    if (optimizer) optimizer->grad_sync().finish_param_sync(stream);  // nothing may still write the parameters
+    full = full_state(params, optimizer, stream);
+    if (!params.main_sharded()) memset_tensor(full.main, 0, stream);  // padding (the loop fills the rest)
+    if (optimizer && !optimizer->distributed()) {
+      memset_tensor(full.m, 0, stream);
+      memset_tensor(full.v, 0, stream);
+    }
+    for (const auto& ref : checkpoint_tensors(params, full, optimizer != nullptr, /*writing=*/false)) {
       auto it = by_name.find(ref.name);
       MT_REQUIRE(it != by_name.end(), "checkpoint '{}' has no tensor '{}'", iter_path.string(), ref.name);
       const json& t = *it->second;
@@ -373,8 +402,12 @@ CheckpointState load_checkpoint(const std::string& dir, ParamStore& params, Adam
   } catch (const nlohmann::json::exception& e) {
     MT_FAIL("checkpoint metadata in '{}' is incomplete: {}", iter_path.string(), e.what());
   }
-  params.sync_model_from_main(stream);
-  if (optimizer && optimizer->distributed()) optimizer->scatter_moments(mom.m, mom.v, stream);
+  if (params.main_sharded()) {
+    params.set_main_from_full(full.main, stream);  // model parameters whole, main copy the owned elements
+  } else {
+    params.sync_model_from_main(stream);
+  }
+  if (optimizer && optimizer->distributed()) optimizer->scatter_moments(full.m, full.v, stream);
   if (optimizer) optimizer->write_scalars(state.scalars, stream);
   stream.synchronize();
   return state;

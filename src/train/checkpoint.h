@@ -8,6 +8,11 @@
 // Saved: fp32 main parameters ("model/<name>"), AdamW moments ("optim/exp_avg/<name>",
 // "optim/exp_avg_sq/<name>"), the optimizer/loss-scaler scalars, iteration, consumed samples
 // (data position) and the seed (the RNG is counter-based, so iteration + seed is its position).
+// State sharded by the distributed optimizer (moments, and the fp32 main parameters of a
+// bf16/fp16 model) is all-gathered over DP into temporary full-length device buffers at save
+// time and scattered back at load time, so the files do not depend on DP or on
+// --use-distributed-optimizer. Parameters flagged shared_embedding_copy are not written; on
+// load they are filled from the saved parameter of the same name.
 #pragma once
 #include <functional>
 #include <memory>
@@ -43,8 +48,9 @@ struct CheckpointWriter {
   int pp = 1, pp_rank = 0;
 };
 
-/// Writes <dir>/iter_%07d/ and updates the tracker file. Errors: mt::Error naming the path when
-/// the directory cannot be created or written.
+/// Writes <dir>/iter_%07d/ and updates the tracker file. Collective over the data-parallel group
+/// as well when the optimizer is sharded (every DP rank must call it). Errors: mt::Error naming
+/// the path when the directory cannot be created or written.
 void save_checkpoint(const std::string& dir, const CheckpointState& state, const ParamStore& params,
                      const AdamWOptimizer* optimizer, const CheckpointWriter& writer, const Stream& stream);
 

@@ -13,11 +13,11 @@ void allreduce_embedding_grads(GptModel& model, const Stream& stream) {
 void train_step(GptModel& model, PipelineExecutor& executor, const PipelinePlan& plan, AdamWOptimizer& optimizer,
                 const std::vector<MicroBatch>& micro_batches, const StepOptions& opt, const Tensor& loss_slot,
                 const Stream& stream) {
-  model.params().zero_grads(stream);
+  optimizer.grad_sync().zero_grad_buffer(stream);  // zero gradients, new bucket state
   executor.run(plan, micro_batches, {opt.seed, opt.iteration, opt.dp_rank, opt.dp_size, true}, loss_slot, 1.f,
                optimizer.loss_scale_tensor(), stream);
   allreduce_embedding_grads(model, stream);
-  optimizer.step(opt.lr, stream);
+  optimizer.step(opt.lr, stream);  // finish_grad_sync, norm, AdamW, parameter all-gather
 }
 
 void train_step(GptModel& model, AdamWOptimizer& optimizer, const std::vector<MicroBatch>& micro_batches,

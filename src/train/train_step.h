@@ -1,7 +1,10 @@
 // One training iteration, shared by `megatron pretrain` and the parallel-equivalence tests:
-// zero the gradients, run the pipeline schedule (forward and backward of every micro-batch; with
-// pp = 1 simply one after the other), reduce the tied embedding's gradient over the embedding
-// group (first and last pipeline stage), then the optimizer step (which reduces over DP).
+// zero the gradients (GradSync::zero_grad_buffer), run the pipeline schedule (forward and
+// backward of every micro-batch; with pp = 1 simply one after the other; the model's last
+// backward of each chunk reports finished gradients to its hooks, which may start their
+// data-parallel reduction), reduce the tied embedding's gradient over the embedding group (first
+// and last pipeline stage) and report it, then the optimizer step (which finishes the DP
+// reduction and, with the distributed optimizer, all-gathers the updated parameters).
 #pragma once
 #include <vector>
 

@@ -19,6 +19,7 @@
 #include "ops/elementwise.h"
 #include "parallel/pipeline/layer_split.h"
 #include "parallel/pipeline/schedules.h"
+#include "optim/grad_sync.h"
 #include "train/checkpoint.h"
 #include "train/pipeline.h"
 #include "train/train_step.h"
@@ -289,8 +290,8 @@ int run_pretrain(PretrainArgs args) {
   const PipelinePlan train_plan = plan_pipeline(sched_cfg, pp_rank, chunks);
   sched_cfg.forward_only = true;
   const PipelinePlan eval_plan = plan_pipeline(sched_cfg, pp_rank, chunks);
-  GptModel model(args.model, args.micro_batch_size, args.dtype(), device, groups, args.sequence_parallel, pc.dp,
-                 model_layout(chunks, {&train_plan, &eval_plan}));
+  GptModel model(args.model, args.micro_batch_size, args.dtype(), device, groups, args.sequence_parallel,
+                 args.param_layout(), model_layout(chunks, {&train_plan, &eval_plan}));
   PipelineExecutor executor(model, groups.pp, {&train_plan, &eval_plan});
   const auto& cfg = model.config();
   log_info("> model: GPT {} layers, hidden {}, heads {}, ffn {}, seq {}, vocab {} (padded {}), {:.2f}M parameters, "
@@ -307,8 +308,15 @@ int run_pretrain(PretrainArgs args) {
              pc.vpp > 1 ? "interleaved 1F1B" : "1F1B", M, stages, train_plan.activation_slots,
              100.0 * pipeline::bubble_fraction(pc.pp, pc.vpp, static_cast<int>(M)));
   }
-  AdamWOptimizer optimizer(model.params(), args.optim, stream,
-                           {groups.dp, groups.mp, groups.tp->rank(), args.use_distributed_optimizer});
+  // Data-parallel gradient buckets (reduced as the backward finishes them with
+  // --overlap-grad-reduce) and the optimizer over this rank's owned elements.
+  GradSync grad_sync(model.params(), groups.dp, args.ddp_config());
+  AdamWOptimizer optimizer(grad_sync, args.optim, stream, {nullptr, groups.mp, groups.tp->rank()});
+  model.set_hooks(&grad_sync);
+  if (model.params().buckets().size() > 1)
+    log_info("> data-parallel gradient buckets: {} (--ddp-bucket-size {}), overlap grad reduce {}, param gather {}",
+             model.params().buckets().size(), model.params().layout().bucket_size, args.overlap_grad_reduce,
+             args.overlap_param_gather);
 
   int64_t iteration = 0, consumed = 0;
   if (resume) {
@@ -352,6 +360,7 @@ int run_pretrain(PretrainArgs args) {
 
   auto evaluate = [&](int64_t it) -> std::optional<EvalResult> {
     if (!data.valid) return std::nullopt;
+    grad_sync.finish_param_sync(stream);  // the last step's parameter all-gather is complete
     fill(eval_loss, 0.f, stream);
     for (int64_t e = 0; e < args.eval_iters; ++e) {
       stager.stage(*data.valid, e * args.global_batch_size, -1, stream);

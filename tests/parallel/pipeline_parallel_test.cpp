@@ -13,10 +13,12 @@
 
 #include "comm/thread_comm.h"
 #include "model/gpt.h"
+#include "optim/grad_sync.h"
 #include "ops/elementwise.h"
 #include "parallel/parallel_config.h"
 #include "parallel/process_groups.h"
 #include "testing/testing.h"
+#include "shard_gather.h"
 #include "train/pipeline.h"
 #include "train/train_step.h"
 
@@ -24,6 +26,7 @@ namespace mt {
 namespace {
 
 using testing::OwnedTensor;
+using testing::place;
 
 constexpr int kIters = 3;
 
@@ -47,6 +50,7 @@ struct Layout {
   int64_t first = -1, last = -1;  // --decoder-first/last-pipeline-num-layers
   int group_size = 0;             // --microbatch-group-size-per-virtual-pipeline-stage
   bool sp = false, zero = false;
+  bool overlap = false;  // --overlap-grad-reduce (+ --overlap-param-gather with zero), small buckets
   std::string name() const {
     std::string s = fmt::format("tp{}_pp{}_dp{}_vpp{}_m{}", tp, pp, dp, vpp, micro_total);
     if (first >= 0) s += fmt::format("_first{}", first);
@@ -54,6 +58,7 @@ struct Layout {
     if (group_size > 0) s += fmt::format("_g{}", group_size);
     if (sp) s += "_sp";
     if (zero) s += "_distopt";
+    if (overlap) s += "_overlap";
     return s;
   }
 };
@@ -65,17 +70,18 @@ struct Result {
   std::vector<int> slots;                                 // per pipeline rank: activation slots
 };
 
-void place(std::vector<float>& global, const ParamInfo& info, const std::vector<float>& local, int64_t lo = 0,
-           int64_t hi = INT64_MAX) {
-  const int64_t rows = info.shape.size() == 2 ? info.shape[0] : 1;
-  const int64_t cols = info.numel / rows;
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c) {
-      const int64_t flat = info.offset + r * cols + c;
-      if (flat < lo || flat >= hi) continue;
-      global[(info.shard.row_offset + r) * info.shard.global_cols + info.shard.col_offset + c] = local[r * cols + c];
-    }
-}
+
+// Forwards to GradSync, counting grads_ready reports per parameter (the ParamGradHooks contract).
+struct CountingHooks final : ParamGradHooks {
+  CountingHooks(GradSync& s, size_t n) : sync(s), counts(n, 0) {}
+  void params_needed(size_t first, size_t end, const Stream& st) override { sync.params_needed(first, end, st); }
+  void grads_ready(size_t first, size_t end, const Stream& st) override {
+    for (size_t i = first; i < end; ++i) ++counts[i];
+    sync.grads_ready(first, end, st);
+  }
+  GradSync& sync;
+  std::vector<int> counts;
+};
 
 Result run_layout(const Layout& L, const std::vector<int32_t>& tokens, const std::vector<int32_t>& labels,
                   int64_t mb) {
@@ -109,14 +115,21 @@ Result run_layout(const Layout& L, const std::vector<int32_t>& tokens, const std
     sc.microbatch_group_size = L.group_size;
     const PipelinePlan plan = plan_pipeline(sc, pp_rank, ranges);
     Stream st(Device::cpu());
-    GptModel model(c, mb, DType::kF32, Device::cpu(), g, L.sp, L.dp, model_layout(ranges, {&plan}));
+    // With overlap: buckets of ~2 layers, reductions started by the model's grads_ready reports
+    // (the tied embedding's after the embedding-group all-reduce).
+    const ParamLayout pl(L.dp, L.overlap ? 2000 : 0);
+    GptModel model(c, mb, DType::kF32, Device::cpu(), g, L.sp, pl, model_layout(ranges, {&plan}));
     PipelineExecutor executor(model, g.pp, {&plan});
-    model.params().initialize(1234, st);
+    GradSync sync(model.params(), g.dp, DdpConfig{L.overlap, L.overlap && L.zero, L.zero});
     OptimizerConfig oc;
     oc.weight_decay = 0.1f;
     oc.clip_grad = 0.05f;  // active: the step depends on the global norm over all stages
     oc.eps = 1e-3f;        // see tensor_data_parallel_test.cpp
-    AdamWOptimizer opt(model.params(), oc, st, {g.dp, g.mp, g.tp->rank(), L.zero});
+    AdamWOptimizer opt(sync, oc, st, {nullptr, g.mp, g.tp->rank()});
+    CountingHooks reports(sync, model.params().size());
+    model.set_hooks(&reports);
+    model.params().initialize(1234, st);
+    if (L.overlap && pp_rank == 0) EXPECT_GT(model.params().buckets().size(), 2u);
     const int d = g.dp->rank();
     std::vector<OwnedTensor> tok, lab;
     std::vector<MicroBatch> mbs;
@@ -139,6 +152,10 @@ Result run_layout(const Layout& L, const std::vector<int32_t>& tokens, const std
     for (int it = 0; it < kIters; ++it) {
       fill(loss, 0.f, st);
       train_step(model, executor, plan, opt, mbs, {77, it, 1e-2f, d, L.dp}, loss, st);
+      // The model (and the embedding-group step) reported every parameter exactly once.
+      for (size_t i = 0; i < reports.counts.size(); ++i)
+        EXPECT_EQ(reports.counts[i], 1) << model.params().info(i).name << " iteration " << it;
+      std::fill(reports.counts.begin(), reports.counts.end(), 0);
       const float l = loss.t.data_as<float>()[0];
       std::lock_guard<std::mutex> lock(mu);
       if (g.tp->rank() == 0) out.losses[it] += l;  // only the last stage has a loss; sum over DP
@@ -149,7 +166,8 @@ Result run_layout(const Layout& L, const std::vector<int32_t>& tokens, const std
     }
     if (d != 0 && !L.zero) return;
     const ParamStore& P = model.params();
-    const int64_t lo = L.zero ? opt.shard_begin() : 0, hi = L.zero ? lo + opt.shard_size() : INT64_MAX;
+    sync.finish_param_sync(st);
+    const std::vector<ParamStore::Range>* owned = L.zero ? &opt.owned_ranges() : nullptr;
     std::lock_guard<std::mutex> lock(mu);
     for (size_t i = 0; i < P.size(); ++i) {
       const auto& info = P.info(i);
@@ -165,7 +183,7 @@ Result run_layout(const Layout& L, const std::vector<int32_t>& tokens, const std
       auto& gp = out.params[info.name];
       gg.resize(gnumel, NAN);
       gp.resize(gnumel, NAN);
-      place(gg, info, testing::to_host(P.grad(i), st), lo, hi);
+      place(gg, info, testing::to_host(P.grad(i), st), owned);
       if (d == 0) place(gp, info, testing::to_host(P.main(i), st));
     }
   });
@@ -245,6 +263,16 @@ std::vector<Layout> layouts() {
   v.push_back(t);
   t.vpp = 2;
   v.push_back(t);
+  t.overlap = true;
+  v.push_back(t);
+  t.vpp = 0;
+  t.zero = false;
+  v.push_back(t);
+  Layout o;  // PP 4 with overlapped bucket reduction
+  o.pp = 4;
+  o.micro_total = 8;
+  o.overlap = true;
+  v.push_back(o);
   return v;
 }
 

@@ -4,18 +4,21 @@
 // last iteration and parameters after it, gathered from the shards, against the single-rank run.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <map>
 
 #include "comm/thread_comm.h"
 #include "model/gpt.h"
 #include "ops/elementwise.h"
 #include "testing/testing.h"
+#include "shard_gather.h"
 #include "train/train_step.h"
 
 namespace mt {
 namespace {
 
 using testing::OwnedTensor;
+using testing::place;
 
 constexpr int kIters = 3;
 
@@ -38,21 +41,6 @@ struct Result {
   std::map<std::string, std::vector<float>> grads;     // global (gathered) tensors
   std::map<std::string, std::vector<float>> params;
 };
-
-// Places a rank's shard into the global tensor (2-D [R, C] or 1-D as one row).
-// Places a rank's shard into the global tensor (2-D [R, C] or 1-D as one row); only the local
-// elements whose flat-buffer position lies in [lo, hi) (the distributed optimizer's owned range).
-void place(std::vector<float>& global, const ParamInfo& info, const std::vector<float>& local, int64_t lo = 0,
-           int64_t hi = INT64_MAX) {
-  const int64_t rows = info.shape.size() == 2 ? info.shape[0] : 1;
-  const int64_t cols = info.numel / rows;
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c) {
-      const int64_t flat = info.offset + r * cols + c;
-      if (flat < lo || flat >= hi) continue;
-      global[(info.shard.row_offset + r) * info.shard.global_cols + info.shard.col_offset + c] = local[r * cols + c];
-    }
-}
 
 Result run_layout(int tp, int dp, bool sp, const std::vector<int32_t>& tokens, const std::vector<int32_t>& labels,
                   int64_t mb, int64_t num_micro_total, bool zero = false) {
@@ -117,7 +105,7 @@ Result run_layout(int tp, int dp, bool sp, const std::vector<int32_t>& tokens, c
     // distributed optimizer each DP rank's owned range, otherwise DP rank 0's whole buffer.
     if (d != 0 && !zero) return;
     const ParamStore& P = model.params();
-    const int64_t lo = zero ? opt.shard_begin() : 0, hi = zero ? lo + opt.shard_size() : INT64_MAX;
+    const std::vector<ParamStore::Range>* owned = zero ? &opt.owned_ranges() : nullptr;
     std::lock_guard<std::mutex> lock(mu);
     for (size_t i = 0; i < P.size(); ++i) {
       const auto& info = P.info(i);
@@ -127,7 +115,7 @@ Result run_layout(int tp, int dp, bool sp, const std::vector<int32_t>& tokens, c
       auto& gp = out.params[info.name];
       gg.resize(gnumel, NAN);
       gp.resize(gnumel, NAN);
-      place(gg, info, testing::to_host(P.grad(i), st), lo, hi);
+      place(gg, info, testing::to_host(P.grad(i), st), owned);
       if (d == 0) place(gp, info, testing::to_host(P.main(i), st));
     }
   });

@@ -108,7 +108,11 @@ TEST_F(TrainerLayouts, ParallelLayoutsMatchOneRank) {
                                    "--decoder-first-pipeline-num-layers 1",
                                    "--nproc-per-node 4 --pipeline-model-parallel-size 4",
                                    "--nproc-per-node 4 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 "
-                                   "--sequence-parallel --use-distributed-optimizer"}) {
+                                   "--sequence-parallel --use-distributed-optimizer",
+                                   "--nproc-per-node 2 --use-distributed-optimizer --overlap-grad-reduce "
+                                   "--overlap-param-gather --ddp-bucket-size 20000",
+                                   "--nproc-per-node 4 --pipeline-model-parallel-size 2 --overlap-grad-reduce "
+                                   "--ddp-bucket-size 20000"}) {
     RunResult r = run(flags("--train-iters 4 " + layout));
     ASSERT_EQ(r.rc, 0) << layout << "\n" << r.out;
     EXPECT_NE(r.out.find("parallel layout"), std::string::npos) << r.out;

@@ -1,0 +1,198 @@
+#include "optim/grad_sync.h"
+
+#include <algorithm>
+
+namespace mt {
+
+GradSync::GradSync(ParamStore& params, std::shared_ptr<Communicator> dp, const DdpConfig& config)
+    : params_(params),
+      dp_(dp ? std::move(dp) : std::make_shared<SingleRankCommunicator>("dp")),
+      config_(config),
+      comm_(params.device()),
+      compute_ready_(params.device()),
+      comm_done_(params.device()) {
+  MT_REQUIRE(!config.overlap_param_gather || config.use_distributed_optimizer,
+             "--overlap-param-gather requires --use-distributed-optimizer");
+  const int n_dp = dp_->size();
+  // With overlap the bucket collectives run on this object's communication stream while the
+  // caller keeps using its DP communicator on its own stream (loss logging, evaluation). One NCCL
+  // communicator must not be used from two streams concurrently, so take a communicator of our
+  // own (a collective split over the DP group).
+  if ((config.overlap_grad_reduce || config.overlap_param_gather) && n_dp > 1)
+    dp_ = dp_->split(0, dp_->rank(), dp_->name() + "-buckets");
+  distributed_ = config.use_distributed_optimizer && n_dp > 1;
+  const auto& bks = params.buckets();
+  if (distributed_) {
+    const int64_t q = ParamStore::kAlign * n_dp;
+    for (size_t b = 0; b < bks.size(); ++b)
+      MT_REQUIRE(bks[b].numel() % q == 0,
+                 "bucket {} (elements [{}, {}), {} of them) is not a multiple of kAlign * DP = {} * {}: the ParamStore "
+                 "was laid out for data-parallel size {} but the data-parallel group has {} ranks",
+                 b, bks[b].begin, bks[b].end, bks[b].numel(), ParamStore::kAlign, n_dp,
+                 params.layout().data_parallel_size, n_dp);
+  }
+  for (size_t b = bks.size(); b-- > 0;) {  // ascending offsets
+    const ParamStore::Range r = owned_range(b);
+    if (r.end > r.begin) owned_.push_back(r);
+    owned_elements_ += r.end - r.begin;
+  }
+  for (size_t b = 0; b < bks.size(); ++b) gathered_.push_back(std::make_unique<Event>(params.device()));
+  ready_.assign(params.size(), 0);
+  waiting_.assign(bks.size(), 0);
+  launched_.assign(bks.size(), 0);
+  gather_pending_.assign(bks.size(), 0);
+  reset_grad_state();
+}
+
+GradSync::~GradSync() {
+  try {
+    comm_.synchronize();  // no collective may still write into the buffers
+  } catch (...) {
+  }
+}
+
+ParamStore::Range GradSync::owned_range(size_t bucket) const {
+  const ParamBucket& bk = params_.buckets().at(bucket);
+  if (!distributed_) return {bk.begin, bk.end};
+  const int64_t n = bk.numel() / dp_->size();
+  return {bk.begin + dp_->rank() * n, bk.begin + (dp_->rank() + 1) * n};
+}
+
+void GradSync::reset_grad_state() {
+  const auto& bks = params_.buckets();
+  std::fill(ready_.begin(), ready_.end(), 0);
+  for (size_t b = 0; b < bks.size(); ++b) waiting_[b] = bks[b].param_end - bks[b].param_begin;
+  std::fill(launched_.begin(), launched_.end(), 0);
+  comm_used_ = false;
+  finished_ = false;
+}
+
+size_t GradSync::grad_reductions_launched() const {
+  return static_cast<size_t>(std::count(launched_.begin(), launched_.end(), 1));
+}
+
+std::pair<size_t, size_t> GradSync::bucket_span(size_t first, size_t end) const {
+  return {params_.bucket_of(end - 1), params_.bucket_of(first)};
+}
+
+void GradSync::launch_grad_reduce(size_t b, const Stream& stream) {
+  const ParamBucket& bk = params_.buckets()[b];
+  const Tensor g = params_.grads_flat().flat_range(bk.begin, bk.numel());
+  if (distributed_) {
+    const ParamStore::Range r = owned_range(b);
+    dp_->reduce_scatter(g.flat_range(r.begin - bk.begin, r.end - r.begin), g, ReduceOp::kSum, stream);
+  } else if (dp_->size() > 1) {
+    dp_->all_reduce(g, ReduceOp::kSum, stream);
+  }
+  launched_[b] = 1;
+}
+
+void GradSync::launch_param_gather(size_t b, const Stream& stream) {
+  const ParamBucket& bk = params_.buckets()[b];
+  const Tensor p = params_.params_flat().flat_range(bk.begin, bk.numel());
+  const ParamStore::Range r = owned_range(b);
+  dp_->all_gather(p, p.flat_range(r.begin - bk.begin, r.end - r.begin), stream);
+}
+
+void GradSync::zero_grad_buffer(const Stream& stream) {
+  if (comm_used_ && !finished_) {  // an abandoned step: its reductions still write the gradients
+    comm_done_.record(comm_);
+    comm_done_.wait(stream);
+  }
+  params_.zero_grads(stream);
+  reset_grad_state();
+}
+
+void GradSync::grads_ready(size_t first, size_t end, const Stream& stream) {
+  MT_REQUIRE(first <= end && end <= params_.size(), "grads_ready: parameter range [{}, {}) outside [0, {})", first,
+             end, params_.size());
+  MT_REQUIRE(!finished_,
+             "grads_ready({}, {}) after finish_grad_sync in the same step: the gradients were already reduced "
+             "(call zero_grad_buffer or run the optimizer step first)",
+             first, end);
+  if (first == end) return;
+  for (size_t i = first; i < end; ++i) {
+    MT_REQUIRE(!ready_[i], "grads_ready: parameter {} ('{}') reported twice in one step", i, params_.info(i).name);
+    ready_[i] = 1;
+    --waiting_[params_.bucket_of(i)];
+  }
+  if (!config_.overlap_grad_reduce) return;
+  const auto [lo, hi] = bucket_span(first, end);
+  bool recorded = false;
+  for (size_t b = lo; b <= hi; ++b) {
+    if (waiting_[b] != 0 || launched_[b]) continue;
+    if (!recorded) {  // the bucket's gradients are complete once the compute stream gets here
+      compute_ready_.record(stream);
+      compute_ready_.wait(comm_);
+      recorded = true;
+    }
+    launch_grad_reduce(b, comm_);
+    comm_used_ = true;
+  }
+}
+
+void GradSync::finish_grad_sync(const Stream& stream) {
+  if (finished_) return;
+  finish_param_sync(stream);
+  const size_t nb = params_.buckets().size();
+  if (config_.overlap_grad_reduce) {
+    bool recorded = false;
+    for (size_t b = 0; b < nb; ++b) {
+      if (launched_[b]) continue;
+      if (!recorded) {
+        compute_ready_.record(stream);
+        compute_ready_.wait(comm_);
+        recorded = true;
+      }
+      launch_grad_reduce(b, comm_);
+      comm_used_ = true;
+    }
+    if (comm_used_) {
+      comm_done_.record(comm_);
+      comm_done_.wait(stream);
+    }
+  } else {
+    for (size_t b = 0; b < nb; ++b)
+      if (!launched_[b]) launch_grad_reduce(b, stream);
+  }
+  finished_ = true;
+}
+
+void GradSync::start_param_sync(const Stream& stream) {
+  reset_grad_state();  // the step's gradients have been consumed
+  if (!distributed_) return;
+  const size_t nb = params_.buckets().size();
+  if (config_.overlap_param_gather) {
+    compute_ready_.record(stream);  // the optimizer's updates of the owned slices
+    compute_ready_.wait(comm_);
+    for (size_t b = nb; b-- > 0;) {  // forward order: the last bucket holds the first parameters
+      launch_param_gather(b, comm_);
+      gathered_[b]->record(comm_);
+      gather_pending_[b] = 1;
+    }
+  } else {
+    for (size_t b = nb; b-- > 0;) launch_param_gather(b, stream);
+  }
+}
+
+void GradSync::params_needed(size_t first, size_t end, const Stream& stream) {
+  MT_REQUIRE(first <= end && end <= params_.size(), "params_needed: parameter range [{}, {}) outside [0, {})", first,
+             end, params_.size());
+  if (first == end) return;
+  const auto [lo, hi] = bucket_span(first, end);
+  for (size_t b = lo; b <= hi; ++b) {
+    if (!gather_pending_[b]) continue;
+    gathered_[b]->wait(stream);
+    gather_pending_[b] = 0;
+  }
+}
+
+void GradSync::finish_param_sync(const Stream& stream) {
+  for (size_t b = 0; b < gather_pending_.size(); ++b) {
+    if (!gather_pending_[b]) continue;
+    gathered_[b]->wait(stream);
+    gather_pending_[b] = 0;
+  }
+}
+
+}  // namespace mt

@@ -1,0 +1,137 @@
+// Data-parallel gradient reduction and parameter all-gather by buckets: Megatron-Core's
+// DistributedDataParallel with its bucket groups (megatron/core/distributed/
+// distributed_data_parallel.py, param_and_grad_buffer.py) and the shard ownership of the
+// distributed optimizer (megatron/core/optimizer/distrib_optimizer.py), driven by the explicit
+// hooks of model/param_hooks.h instead of autograd hooks.
+//
+// Buckets are the ParamStore's (ParamLayout / ParamBucket in model/params.h): contiguous flat
+// ranges of the fp32 gradient buffer in reverse parameter order, each padded to kAlign · DP.
+// Per step (docs/distributed.md "Gradient buckets"):
+//
+//   zero_grad_buffer(s)                 start of the step: zero gradients, reset bucket state
+//   params_needed(first, end, s)        model, before the first forward kernel of a layer
+//   grads_ready(first, end, s)          model, after the last backward of a layer's parameters
+//   finish_grad_sync(s)                 before the optimizer step (AdamWOptimizer::step calls it)
+//   start_param_sync(s)                 end of the optimizer step (AdamWOptimizer::step calls it)
+//
+// Reduction: the summed gradient over DP (each rank's loss gradient already carries 1/DP), as
+// an all-reduce of the bucket, or with the distributed optimizer a reduce-scatter after which
+// rank d holds the sum of slice d of EVERY bucket ([begin + d·n/DP, begin + (d+1)·n/DP) for a
+// bucket of n elements): the elements it owns and updates. Parameter all-gather (distributed
+// optimizer): after the step, each bucket's owned slice of the model-dtype parameters is
+// gathered into the whole bucket on every rank.
+//
+// Streams: with --overlap-grad-reduce a bucket's reduction is launched as soon as all its
+// parameters are reported, on a communication stream owned by this object, after an event
+// recorded on the compute stream; finish_grad_sync launches what is left and makes the compute
+// stream wait. Without it nothing is launched before finish_grad_sync, which reduces every
+// bucket on the compute stream. With --overlap-param-gather the all-gathers run on the
+// communication stream in forward bucket order and params_needed makes the compute stream wait
+// for the buckets covering the requested parameters; without it they run on the compute stream
+// inside the optimizer step. On CPU (inline streams, no-op events) both paths run the same
+// collectives in the same order, so results are bitwise identical with overlap on and off.
+//
+// With overlap the bucket collectives use a communicator of their own (split from the DP group
+// at construction), because the caller keeps using the DP communicator on its own stream and one
+// NCCL communicator must not be used from two streams at once.
+#pragma once
+#include <memory>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "core/stream.h"
+#include "model/param_hooks.h"
+#include "model/params.h"
+
+namespace mt {
+
+/// Megatron's DistributedDataParallelConfig (the fields implemented here). The bucket size is
+/// part of the ParamStore's layout (ParamLayout::bucket_size, --ddp-bucket-size).
+struct DdpConfig {
+  bool overlap_grad_reduce = false;        ///< --overlap-grad-reduce
+  bool overlap_param_gather = false;       ///< --overlap-param-gather (needs use_distributed_optimizer)
+  bool use_distributed_optimizer = false;  ///< --use-distributed-optimizer
+};
+
+class GradSync final : public ParamGradHooks {
+ public:
+  /// params: the store whose buckets are reduced (not owned; must outlive this). dp: the
+  /// data-parallel group (nullptr = a single rank). Errors (mt::Error): overlap_param_gather
+  /// without use_distributed_optimizer; with the distributed optimizer and DP > 1, a bucket
+  /// whose length is not a multiple of kAlign · DP (the ParamStore was laid out for another
+  /// data-parallel size: ParamLayout::data_parallel_size).
+  GradSync(ParamStore& params, std::shared_ptr<Communicator> dp, const DdpConfig& config);
+  ~GradSync() override;
+  GradSync(const GradSync&) = delete;
+  GradSync& operator=(const GradSync&) = delete;
+
+  const DdpConfig& config() const { return config_; }
+  ParamStore& params() const { return params_; }
+  const std::shared_ptr<Communicator>& dp() const { return dp_; }
+  /// Gradients reduce-scattered and parameters sharded: use_distributed_optimizer and DP > 1.
+  bool distributed() const { return distributed_; }
+  const std::vector<ParamBucket>& buckets() const { return params_.buckets(); }
+  /// Flat ranges whose optimizer state this rank owns, ascending: [0, total) without the
+  /// distributed optimizer, else this rank's slice of each bucket.
+  const std::vector<ParamStore::Range>& owned_ranges() const { return owned_; }
+  /// This rank's slice of bucket b (the whole bucket without the distributed optimizer).
+  ParamStore::Range owned_range(size_t bucket) const;
+  /// Sum of the owned ranges' lengths (total / DP with the distributed optimizer).
+  int64_t owned_elements() const { return owned_elements_; }
+
+  /// Start of a step (Megatron's DistributedDataParallel.zero_grad_buffer): zeroes the fp32
+  /// gradients on `stream` and resets the per-step bucket state. Reductions of an abandoned
+  /// step still in flight are waited for first.
+  void zero_grad_buffer(const Stream& stream);
+  /// ParamGradHooks: marks parameters [first, end) ready; with overlap_grad_reduce launches the
+  /// reduction of every bucket now complete (in bucket order). Errors: a range outside
+  /// [0, params.size()), a parameter reported twice in one step, or a call after
+  /// finish_grad_sync in the same step (the gradients were already reduced).
+  void grads_ready(size_t first, size_t end, const Stream& stream) override;
+  /// Launches the reduction of every bucket not launched yet (all of them without overlap, on
+  /// `stream`), then makes `stream` wait for all of them; also waits for parameter all-gathers
+  /// still in flight (the optimizer step writes the parameters next). The gradients are reduced
+  /// after it (with the distributed optimizer: in the owned ranges only). Once per step; later
+  /// calls in the same step do nothing, and no bucket is ever reduced twice in a step.
+  void finish_grad_sync(const Stream& stream);
+  /// After the optimizer updated the owned parameters on `stream`: with the distributed
+  /// optimizer, all-gathers each bucket's model-dtype parameters from the owned slices, in
+  /// forward bucket order (on the communication stream with overlap_param_gather, else on
+  /// `stream`). Also ends the step's gradient phase (the next grads_ready starts a new step).
+  void start_param_sync(const Stream& stream);
+  /// ParamGradHooks: makes `stream` wait for the all-gathers of the buckets holding parameters
+  /// [first, end) (nothing to wait for without overlap_param_gather). Errors: a range outside
+  /// [0, params.size()).
+  void params_needed(size_t first, size_t end, const Stream& stream) override;
+  /// Makes `stream` wait for every parameter all-gather still in flight (checkpointing,
+  /// evaluation without params_needed, the next optimizer step).
+  void finish_param_sync(const Stream& stream);
+  /// Number of bucket reductions launched in the current step (tests, logging).
+  size_t grad_reductions_launched() const;
+
+ private:
+  void launch_grad_reduce(size_t b, const Stream& stream);
+  void launch_param_gather(size_t b, const Stream& stream);
+  void reset_grad_state();
+  // Bucket indices covering parameters [first, end) (non-empty range): [lo, hi] ascending.
+  std::pair<size_t, size_t> bucket_span(size_t first, size_t end) const;
+
+  ParamStore& params_;
+  std::shared_ptr<Communicator> dp_;
+  DdpConfig config_;
+  bool distributed_ = false;
+  std::vector<ParamStore::Range> owned_;
+  int64_t owned_elements_ = 0;
+  Stream comm_;                 // communication stream (overlap); inline on CPU
+  Event compute_ready_, comm_done_;
+  std::vector<std::unique_ptr<Event>> gathered_;  // per bucket, recorded on comm_ after its all-gather
+  // Per-step state.
+  std::vector<uint8_t> ready_;        // per parameter: reported by grads_ready
+  std::vector<size_t> waiting_;       // per bucket: parameters not reported yet
+  std::vector<uint8_t> launched_;     // per bucket: reduction launched
+  std::vector<uint8_t> gather_pending_;  // per bucket: all-gather on comm_ not yet waited for
+  bool comm_used_ = false;            // a reduction of this step runs on comm_
+  bool finished_ = false;             // finish_grad_sync ran this step
+};
+
+}  // namespace mt

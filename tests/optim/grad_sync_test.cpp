@@ -1,0 +1,506 @@
+// Data-parallel gradient buckets (ParamStore layout), GradSync (bucketed / overlapped
+// reduction, ZeRO-1 ownership, parameter all-gather) and AdamW over owned ranges, on CPU with
+// ranks as threads (DESIGN.md: N ranks == 1 rank). The reference is one rank stepping on the
+// summed gradients; with the same operation order (no distributed optimizer) results must be
+// bitwise identical, otherwise the norm is summed in another order and they agree to 1e-6.
+#include <gtest/gtest.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <mutex>
+
+#include "comm/thread_comm.h"
+#include "ops/elementwise.h"
+#include "optim/ddp_test_util.h"
+#include "optim/grad_sync.h"
+#include "optim/optimizer.h"
+#include "train/arguments.h"
+
+namespace mt {
+namespace {
+
+using ddp_test::Model;
+using ddp_test::Pattern;
+using testing::OwnedTensor;
+
+constexpr int kSteps = 3;
+constexpr float kLr = 1e-2f;
+
+template <typename F>
+void expect_error(F&& f, const std::string& needle) {
+  try {
+    f();
+    ADD_FAILURE() << "expected an mt::Error containing '" << needle << "'";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
+
+std::vector<ParamSpec> sized(const std::vector<int64_t>& numels) {
+  std::vector<ParamSpec> s;
+  for (size_t i = 0; i < numels.size(); ++i) {
+    ParamSpec p;
+    p.name = "p" + std::to_string(i);
+    p.shape = {numels[i]};
+    s.push_back(p);
+  }
+  return s;
+}
+
+std::vector<std::pair<size_t, size_t>> param_ranges(const ParamStore& P) {
+  std::vector<std::pair<size_t, size_t>> out;
+  for (const auto& b : P.buckets()) out.push_back({b.param_begin, b.param_end});
+  return out;
+}
+
+// Invariants of every bucket plan: buckets in reverse parameter order, contiguous, covering the
+// buffer; boundaries at parameter boundaries; each bucket a multiple of kAlign·DP with less than
+// that of padding; parameters kAlign-aligned, disjoint, inside their bucket.
+void check_plan(const ParamStore& P, int64_t dp) {
+  const auto& bk = P.buckets();
+  const int64_t q = ParamStore::kAlign * dp;
+  ASSERT_FALSE(bk.empty());
+  EXPECT_EQ(bk.front().param_end, P.size());
+  EXPECT_EQ(bk.back().param_begin, 0u);
+  EXPECT_EQ(bk.back().begin, 0);
+  EXPECT_EQ(bk.front().end, P.total_elements());
+  for (size_t b = 0; b < bk.size(); ++b) {
+    EXPECT_LT(bk[b].param_begin, bk[b].param_end) << "empty bucket " << b;
+    EXPECT_EQ(bk[b].numel() % q, 0) << "bucket " << b << " of " << bk[b].numel();
+    if (b + 1 < bk.size()) {
+      EXPECT_EQ(bk[b].begin, bk[b + 1].end) << b;
+      EXPECT_EQ(bk[b].param_begin, bk[b + 1].param_end) << b;
+    }
+    const ParamInfo& last = P.info(bk[b].param_end - 1);
+    const int64_t used = (last.offset + last.numel + ParamStore::kAlign - 1) / ParamStore::kAlign * ParamStore::kAlign;
+    EXPECT_LT(bk[b].end - used, q) << "bucket " << b << " over-padded";
+    EXPECT_EQ(P.info(bk[b].param_begin).offset, bk[b].begin) << b;
+    for (size_t i = bk[b].param_begin; i < bk[b].param_end; ++i) {
+      const ParamInfo& p = P.info(i);
+      EXPECT_EQ(P.bucket_of(i), b);
+      EXPECT_EQ(p.offset % ParamStore::kAlign, 0) << p.name;
+      EXPECT_GE(p.offset, bk[b].begin);
+      EXPECT_LE(p.offset + p.numel, bk[b].end);
+      if (i + 1 < P.size()) EXPECT_LE(p.offset + p.numel, P.info(i + 1).offset) << p.name;
+    }
+  }
+}
+
+TEST(BucketPlan, ReverseOrderBoundariesAndPadding) {
+  // Aligned sizes 128, 64, 320, 64, 5056, 128, 128; buckets close once >= 200 elements, a
+  // parameter of >= 200 elements gets its own bucket.
+  ParamStore P(sized({100, 64, 300, 1, 5000, 70, 70}), DType::kF32, Device::cpu(), ParamLayout{3, 200});
+  check_plan(P, 3);
+  using V = std::vector<std::pair<size_t, size_t>>;
+  EXPECT_EQ(param_ranges(P), (V{{5, 7}, {4, 5}, {3, 4}, {2, 3}, {0, 2}}));
+  // The first bucket in memory holds p0, p1: 192 elements padded to 192 (multiple of 192).
+  EXPECT_EQ(P.buckets().back().numel(), 192);
+  EXPECT_EQ(P.info(4).offset, P.buckets()[1].begin);
+}
+
+TEST(BucketPlan, OneBucket) {
+  const std::vector<int64_t> sizes{100, 64, 300, 1, 5000, 70, 70};
+  for (int64_t bs : {int64_t{0}, int64_t{1} << 40}) {
+    ParamStore P(sized(sizes), DType::kF32, Device::cpu(), ParamLayout{3, bs});
+    check_plan(P, 3);
+    ASSERT_EQ(P.buckets().size(), 1u) << bs;
+    EXPECT_EQ(P.total_elements(), 5952);  // 5888 aligned elements, padded to a multiple of 192
+  }
+  // The pad_multiple constructor is the one-bucket layout.
+  ParamStore a(sized(sizes), DType::kF32, Device::cpu(), 4), b(sized(sizes), DType::kF32, Device::cpu(),
+                                                                ParamLayout{4, 0});
+  ASSERT_EQ(a.buckets().size(), 1u);
+  EXPECT_EQ(a.total_elements(), b.total_elements());
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a.info(i).offset, b.info(i).offset);
+}
+
+TEST(BucketPlan, ManyBucketsAndLargeParameter) {
+  // 3 x 64 then a parameter of 1000 (>= bucket size 100: alone, even though the open bucket
+  // holds p3 only), then 64: buckets {p3} {p2} {p0, p1} ... walked from the end.
+  ParamStore P(sized({10, 10, 1000, 10}), DType::kF32, Device::cpu(), ParamLayout{2, 100});
+  check_plan(P, 2);
+  using V = std::vector<std::pair<size_t, size_t>>;
+  EXPECT_EQ(param_ranges(P), (V{{3, 4}, {2, 3}, {0, 2}}));
+  // Every parameter its own bucket when the size is 1; many buckets of a GPT-like model.
+  ParamStore Q(sized({10, 20, 30, 40}), DType::kF32, Device::cpu(), ParamLayout{4, 1});
+  check_plan(Q, 4);
+  EXPECT_EQ(Q.buckets().size(), 4u);
+  const Model m = ddp_test::gpt_like(4);
+  ParamStore G(m.specs, DType::kF32, Device::cpu(), ParamLayout{4, 700});
+  check_plan(G, 4);
+  EXPECT_GE(G.buckets().size(), 6u);
+}
+
+TEST(BucketPlan, SharedEmbeddingCopyGetsItsOwnBucket) {
+  const Model m = ddp_test::gpt_like(2, 1, 0, /*shared_copy=*/true);
+  ParamStore P(m.specs, DType::kF32, Device::cpu(), ParamLayout{2, 0});
+  check_plan(P, 2);
+  using V = std::vector<std::pair<size_t, size_t>>;
+  EXPECT_EQ(param_ranges(P), (V{{P.size() - 1, P.size()}, {0, P.size() - 1}}));
+}
+
+TEST(BucketPlan, Errors) {
+  expect_error([] { ParamStore P(sized({4}), DType::kF32, Device::cpu(), ParamLayout{0, 0}); },
+               "data_parallel_size must be >= 1, got 0");
+  expect_error([] { ParamStore P(sized({4}), DType::kF32, Device::cpu(), ParamLayout{1, -3}); },
+               "must be >= 0, got -3");
+  ParamStore P(sized({4}), DType::kF32, Device::cpu());
+  DdpConfig c;
+  c.overlap_param_gather = true;
+  expect_error([&] { GradSync s(P, nullptr, c); }, "--overlap-param-gather requires --use-distributed-optimizer");
+  // A store laid out for DP 1 (one bucket of 64) cannot be sharded over 2 ranks.
+  run_thread_ranks(2, [&](int, std::shared_ptr<Communicator> w) {
+    ParamStore Q(sized({4}), DType::kF32, Device::cpu());
+    DdpConfig d;
+    d.use_distributed_optimizer = true;
+    expect_error([&] { GradSync s(Q, w, d); }, "laid out for data-parallel size 1 but the data-parallel group has 2");
+  });
+}
+
+TEST(GradSync, ProtocolErrorsAndIdempotentFinish) {
+  const Model m = ddp_test::gpt_like(2);
+  Stream st;
+  ParamStore P(m.specs, DType::kF32, Device::cpu(), ParamLayout{1, 700});
+  P.initialize(1, st);
+  DdpConfig c;
+  c.overlap_grad_reduce = true;
+  GradSync s(P, nullptr, c);
+  const size_t n = P.size();
+  s.grads_ready(n - 1, n, st);
+  expect_error([&] { s.grads_ready(n - 2, n, st); }, "reported twice in one step");
+  expect_error([&] { s.grads_ready(0, n + 1, st); }, "outside [0, ");
+  expect_error([&] { s.params_needed(2, 1, st); }, "outside [0, ");
+  s.finish_grad_sync(st);
+  EXPECT_EQ(s.grad_reductions_launched(), P.buckets().size());
+  s.finish_grad_sync(st);  // a second call in the step does nothing
+  expect_error([&] { s.grads_ready(0, 1, st); }, "after finish_grad_sync");
+  s.zero_grad_buffer(st);
+  EXPECT_EQ(s.grad_reductions_launched(), 0u);
+  s.grads_ready(0, 1, st);  // a new step
+}
+
+// --- N ranks == 1 rank -------------------------------------------------------------------
+
+struct Reference {
+  std::vector<std::vector<float>> grads;  // per step: the summed gradients, flat [total]
+  std::vector<float> params, main, m, v;  // after kSteps; params as floats of the model dtype
+  OptimizerScalars scalars{};
+};
+
+OptimizerConfig opt_config() {
+  OptimizerConfig oc;
+  oc.weight_decay = 0.1f;
+  oc.clip_grad = 1.0f;  // the gradient norm is ~50: clipping is active
+  oc.eps = 1e-3f;       // updates proportional to gradients (see tensor_data_parallel_test)
+  return oc;
+}
+
+// One rank, the gradients of `dp` ranks summed, the same layout (so the same offsets).
+Reference reference(const Model& m, const ParamLayout& layout, int dp, DType dtype = DType::kF32) {
+  Stream st;
+  ParamStore P(m.specs, dtype, Device::cpu(), layout);
+  P.initialize(99, st);
+  AdamWOptimizer opt(P, opt_config(), st);
+  Reference r;
+  for (int step = 0; step < kSteps; ++step) {
+    P.zero_grads(st);
+    for (size_t i = 0; i < P.size(); ++i) testing::upload(P.grad(i), ddp_test::local_grad(P, i, step, -1, dp), st);
+    r.grads.push_back(testing::to_host(P.grads_flat(), st));
+    opt.step(kLr, st);
+  }
+  r.params = testing::to_host(P.params_flat(), st);
+  r.main = testing::to_host(P.main_flat(), st);
+  r.m = testing::to_host(opt.exp_avg(), st);
+  r.v = testing::to_host(opt.exp_avg_sq(), st);
+  r.scalars = opt.read_scalars_sync(st);
+  return r;
+}
+
+bool owned(const std::vector<ParamStore::Range>& rs, int64_t e) {
+  return std::any_of(rs.begin(), rs.end(), [e](const ParamStore::Range& r) { return e >= r.begin && e < r.end; });
+}
+
+struct DpCase {
+  int dp;
+  bool overlap, distributed;
+  int64_t bucket_size;  // 0 = one bucket
+};
+
+void PrintTo(const DpCase& c, std::ostream* os) {
+  *os << "dp " << c.dp << (c.overlap ? " overlap" : " sync") << (c.distributed ? " distopt" : " allreduce")
+      << " bucket_size " << c.bucket_size;
+}
+
+class DataParallel : public ::testing::TestWithParam<DpCase> {};
+
+TEST_P(DataParallel, MatchesSingleRankOnSummedGradients) {
+  const DpCase c = GetParam();
+  const Model m = ddp_test::gpt_like(4);
+  const ParamLayout layout{c.dp, c.bucket_size};
+  const Reference ref = reference(m, layout, c.dp);
+  ASSERT_LT(ref.scalars.clip_coeff, 0.5f) << "clipping must be active";
+  run_thread_ranks(c.dp, [&](int rank, std::shared_ptr<Communicator> world) {
+    Stream st;
+    auto dp = std::make_shared<ddp_test::CountingCommunicator>(world);
+    ParamStore P(m.specs, DType::kF32, Device::cpu(), layout);
+    P.initialize(99, st);
+    DdpConfig dc;
+    dc.overlap_grad_reduce = c.overlap;
+    dc.use_distributed_optimizer = c.distributed;
+    dc.overlap_param_gather = c.distributed && c.overlap;
+    GradSync sync(P, dp, dc);
+    AdamWOptimizer opt(sync, opt_config(), st, {});
+    const size_t nb = P.buckets().size();
+    const int64_t total = P.total_elements();
+    // Ownership: one slice of every bucket, total/DP elements; optimizer state accordingly.
+    if (c.distributed) {
+      ASSERT_EQ(sync.owned_ranges().size(), nb);
+      for (size_t b = 0; b < nb; ++b) {
+        const auto r = sync.owned_range(b);
+        EXPECT_EQ(r.end - r.begin, P.buckets()[b].numel() / c.dp);
+        EXPECT_EQ(r.begin, P.buckets()[b].begin + rank * (r.end - r.begin));
+      }
+      EXPECT_EQ(sync.owned_elements() * c.dp, total);
+    } else {
+      EXPECT_EQ(sync.owned_elements(), total);
+    }
+    EXPECT_EQ(opt.state_elements(), 2 * sync.owned_elements());  // fp32: main == model params
+    const Pattern patterns[kSteps] = {Pattern::kInOrder, Pattern::kLateNever, Pattern::kNone};
+    for (int step = 0; step < kSteps; ++step) {
+      sync.zero_grad_buffer(st);
+      // Forward: wait for the parameters layer by layer, except the final layer (never asked
+      // for: the next finish must still wait for its all-gather).
+      for (size_t k = 0; k + 1 < m.layers.size(); ++k) sync.params_needed(m.layers[k].first, m.layers[k].end, st);
+      dp->reductions = dp->gathers = 0;
+      const auto never = ddp_test::backward(m, P, sync, patterns[step], step, rank, st);
+      // Buckets launched before finish: those complete, with overlap only.
+      size_t complete = 0;
+      for (size_t b = 0; b < nb; ++b) {
+        const auto& bk = P.buckets()[b];
+        bool all = true;
+        for (size_t i : never) all = all && !(i >= bk.param_begin && i < bk.param_end);
+        complete += all;
+      }
+      EXPECT_EQ(sync.grad_reductions_launched(), c.overlap ? complete : 0u) << "step " << step;
+      sync.finish_grad_sync(st);
+      sync.finish_grad_sync(st);
+      EXPECT_EQ(sync.grad_reductions_launched(), nb);
+      EXPECT_EQ(dp->reductions, static_cast<int>(nb)) << "each bucket reduced exactly once, step " << step;
+      // Reduced gradients: bitwise the summed ones, in the owned ranges.
+      const std::vector<float> g = testing::to_host(P.grads_flat(), st);
+      int64_t bad = 0;
+      for (int64_t e = 0; e < total; ++e)
+        if (owned(sync.owned_ranges(), e) && g[e] != ref.grads[step][e]) ++bad;
+      EXPECT_EQ(bad, 0) << "reduced gradient elements differing from the sum, step " << step;
+      dp->gathers = 0;
+      opt.step(kLr, st);
+      EXPECT_EQ(dp->gathers, c.distributed ? static_cast<int>(nb) : 0);
+    }
+    sync.finish_param_sync(st);
+    const std::vector<float> p = testing::to_host(P.params_flat(), st);
+    OwnedTensor mm(DType::kF32, Device::cpu(), {total}), vv(DType::kF32, Device::cpu(), {total});
+    opt.gather_moments(mm, vv, st);
+    const std::vector<float> m_full = testing::to_host(mm.t, st), v_full = testing::to_host(vv.t, st);
+    const OptimizerScalars sc = opt.read_scalars_sync(st);
+    EXPECT_EQ(sc.step, kSteps);
+    if (!c.distributed) {  // same operations in the same order: bitwise
+      EXPECT_EQ(p, ref.params);
+      EXPECT_EQ(m_full, ref.m);
+      EXPECT_EQ(v_full, ref.v);
+      EXPECT_EQ(sc.grad_norm, ref.scalars.grad_norm);
+    } else {  // the squared norm summed over DP shards: another order
+      EXPECT_LT(testing::rel_err(p, ref.params), 1e-6);
+      EXPECT_LT(testing::rel_err(m_full, ref.m), 1e-6);
+      EXPECT_LT(testing::rel_err(v_full, ref.v), 1e-6);
+      EXPECT_NEAR(sc.grad_norm, ref.scalars.grad_norm, 1e-6 * ref.scalars.grad_norm);
+      // The compact moments are exactly the owned elements of the gathered ones.
+      const std::vector<float> m_own = testing::to_host(opt.exp_avg(), st);
+      int64_t s = 0;
+      for (const auto& r : sync.owned_ranges())
+        for (int64_t e = r.begin; e < r.end; ++e) ASSERT_EQ(m_own[s++], m_full[e]);
+    }
+  });
+}
+
+std::vector<DpCase> dp_cases() {
+  std::vector<DpCase> v;
+  for (int dp : {2, 4})
+    for (bool overlap : {false, true})
+      for (bool dist : {false, true})
+        for (int64_t bs : {int64_t{0}, int64_t{700}}) v.push_back({dp, overlap, dist, bs});
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, DataParallel, ::testing::ValuesIn(dp_cases()), [](const auto& info) {
+  const DpCase& c = info.param;
+  return fmt::format("dp{}_{}_{}_{}", c.dp, c.overlap ? "overlap" : "sync", c.distributed ? "distopt" : "allreduce",
+                     c.bucket_size ? "buckets" : "onebucket");
+});
+
+// Overlap on and off give bitwise identical parameters (the same collectives in the same order).
+TEST(DataParallel, OverlapOnOffBitwise) {
+  const Model m = ddp_test::gpt_like(4);
+  std::vector<float> out[2];
+  for (int overlap = 0; overlap < 2; ++overlap) {
+    std::mutex mu;
+    run_thread_ranks(2, [&](int rank, std::shared_ptr<Communicator> w) {
+      Stream st;
+      ParamStore P(m.specs, DType::kF32, Device::cpu(), ParamLayout{2, 500});
+      P.initialize(5, st);
+      DdpConfig dc;
+      dc.overlap_grad_reduce = overlap;
+      dc.overlap_param_gather = overlap;
+      dc.use_distributed_optimizer = true;
+      GradSync sync(P, w, dc);
+      AdamWOptimizer opt(sync, opt_config(), st);
+      for (int step = 0; step < kSteps; ++step) {
+        sync.zero_grad_buffer(st);
+        ddp_test::backward(m, P, sync, Pattern::kInOrder, step, rank, st);
+        opt.step(kLr, st);
+      }
+      sync.finish_param_sync(st);
+      std::lock_guard<std::mutex> lock(mu);
+      if (rank == 1) out[overlap] = testing::to_host(P.params_flat(), st);
+    });
+  }
+  ASSERT_FALSE(out[0].empty());
+  EXPECT_EQ(out[0], out[1]);
+}
+
+// bf16 model parameters: the fp32 main parameters are sharded (only the owned elements stored),
+// the bf16 parameters are whole on every rank and equal the rounding of the gathered main ones.
+TEST(DataParallel, ShardedMainParamsBf16) {
+  const Model m = ddp_test::gpt_like(4);
+  const int dp = 2;
+  const ParamLayout layout{dp, 700};
+  const Reference ref = reference(m, layout, dp, DType::kBF16);
+  run_thread_ranks(dp, [&](int rank, std::shared_ptr<Communicator> w) {
+    Stream st;
+    ParamStore P(m.specs, DType::kBF16, Device::cpu(), layout);
+    DdpConfig dc;
+    dc.overlap_grad_reduce = true;
+    dc.overlap_param_gather = true;
+    dc.use_distributed_optimizer = true;
+    GradSync sync(P, w, dc);
+    AdamWOptimizer opt(sync, opt_config(), st);  // before initialize, as the trainer does
+    P.initialize(99, st);
+    const int64_t total = P.total_elements();
+    ASSERT_TRUE(P.main_sharded());
+    EXPECT_EQ(P.main_storage_elements() * dp, total);
+    EXPECT_EQ(opt.state_elements() * dp, 3 * total);  // 12 bytes per element / DP
+    expect_error([&] { (void)P.main(0); }, "sharded");
+    for (int step = 0; step < kSteps; ++step) {
+      sync.zero_grad_buffer(st);
+      ddp_test::backward(m, P, sync, step == 1 ? Pattern::kLateNever : Pattern::kInOrder, step, rank, st);
+      opt.step(kLr, st);
+    }
+    OwnedTensor full(DType::kF32, Device::cpu(), {total});
+    opt.gather_main(full, st);
+    const std::vector<float> main = testing::to_host(full.t, st);
+    EXPECT_LT(testing::rel_err(main, ref.main), 1e-6);
+    OwnedTensor rounded(DType::kBF16, Device::cpu(), {total});
+    cast(rounded.t, full.t, st);
+    EXPECT_EQ(testing::to_host(P.params_flat(), st), testing::to_host(rounded.t, st));
+  });
+}
+
+// Tensor x data parallelism (TP 2 x DP 2, distributed optimizer, overlapped buckets): every rank's
+// parameter shards after three clipped steps equal the matching slices of one rank's run.
+TEST(DataParallel, TensorParallelTimesDataParallel) {
+  const int tp = 2, dp = 2;
+  const Model global = ddp_test::gpt_like(3);
+  const Reference ref = reference(global, ParamLayout{1, 0}, dp);
+  ParamStore G(global.specs, DType::kF32, Device::cpu(), ParamLayout{1, 0});
+  ASSERT_LT(ref.scalars.clip_coeff, 0.5f);
+  run_thread_ranks(tp * dp, [&](int rank, std::shared_ptr<Communicator> world) {
+    auto tpg = world->split(rank / tp, rank, "tp");
+    auto dpg = world->split(rank % tp, rank, "dp");
+    const int t = tpg->rank(), d = dpg->rank();
+    const Model m = ddp_test::gpt_like(3, tp, t);
+    Stream st;
+    ParamStore P(m.specs, DType::kF32, Device::cpu(), ParamLayout{dp, 600});
+    P.initialize(99, st);
+    DdpConfig dc;
+    dc.overlap_grad_reduce = true;
+    dc.overlap_param_gather = true;
+    dc.use_distributed_optimizer = true;
+    GradSync sync(P, dpg, dc);
+    AdamWOptimizer opt(sync, opt_config(), st, {nullptr, tpg, t, false});
+    for (int step = 0; step < kSteps; ++step) {
+      sync.zero_grad_buffer(st);
+      ddp_test::backward(m, P, sync, Pattern::kInOrder, step, d, st);
+      opt.step(kLr, st);
+    }
+    sync.finish_param_sync(st);
+    std::vector<float> mine, theirs;
+    for (size_t i = 0; i < P.size(); ++i) {
+      const ParamInfo& p = P.info(i);
+      const std::vector<float> local = testing::to_host(P.param(i), st);
+      const ParamInfo& g = G.info(G.index(p.name));
+      for (int64_t e = 0; e < p.numel; ++e) {
+        mine.push_back(local[e]);
+        theirs.push_back(ref.params[g.offset + ddp_test::global_index(p, e)]);
+      }
+    }
+    EXPECT_LT(testing::rel_err(mine, theirs), 1e-6) << "tp " << t << " dp " << d;
+    EXPECT_NEAR(opt.read_scalars_sync(st).grad_norm, ref.scalars.grad_norm, 1e-6 * ref.scalars.grad_norm);
+  });
+}
+
+// A parameter flagged shared_embedding_copy (the tied output embedding on the last pipeline
+// stage) is left out of the gradient norm: the norm equals that of the model without it.
+TEST(DataParallel, SharedEmbeddingCopyExcludedFromNorm) {
+  Stream st;
+  auto run = [&](bool with_copy, bool flag) {
+    Model m = ddp_test::gpt_like(2, 1, 0, with_copy);
+    if (with_copy) m.specs.back().shared_embedding_copy = flag;
+    ParamStore P(m.specs, DType::kF32, Device::cpu(), ParamLayout{1, 0});
+    P.initialize(3, st);
+    AdamWOptimizer opt(P, opt_config(), st);
+    for (size_t i = 0; i < P.size(); ++i) testing::upload(P.grad(i), ddp_test::local_grad(P, i, 0, 0), st);
+    opt.step(kLr, st);
+    return opt.read_scalars_sync(st).grad_norm;
+  };
+  const float without = run(false, false), flagged = run(true, true), counted = run(true, false);
+  EXPECT_NEAR(flagged, without, 1e-6 * without);
+  EXPECT_GT(counted, without * 1.01f);  // the copy's gradient would have counted
+}
+
+// --- Flags --------------------------------------------------------------------------------
+
+PretrainArgs parse(const std::string& line, int dp = 1) {
+  CLI::App app;
+  PretrainArgs a;
+  add_pretrain_options(app, a);
+  app.parse("--train-iters 2 --lr 1e-3 --mock-data " + line, false);
+  a.model.vocab_size = 64;
+  a.data_parallel_size = dp;
+  validate_pretrain_args(a);
+  return a;
+}
+
+TEST(DdpFlags, DefaultsAndValidation) {
+  PretrainArgs a = parse("");
+  EXPECT_FALSE(a.overlap_grad_reduce || a.overlap_param_gather || a.ddp_bucket_size);
+  EXPECT_EQ(a.param_layout().bucket_size, 0);  // no overlap: one bucket (Megatron)
+  a = parse("--overlap-grad-reduce", 2);
+  EXPECT_EQ(a.param_layout().bucket_size, 40000000);
+  EXPECT_EQ(a.param_layout().data_parallel_size, 2);
+  a = parse("--overlap-grad-reduce", 64);
+  EXPECT_EQ(a.param_layout().bucket_size, 64000000);
+  a = parse("--overlap-grad-reduce --ddp-bucket-size 1000");
+  EXPECT_EQ(a.param_layout().bucket_size, 1000);
+  a = parse("--ddp-bucket-size 1000");
+  EXPECT_EQ(a.param_layout().bucket_size, 0);
+  a = parse("--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather");
+  const DdpConfig dc = a.ddp_config();
+  EXPECT_TRUE(dc.overlap_grad_reduce && dc.overlap_param_gather && dc.use_distributed_optimizer);
+  expect_error([] { parse("--overlap-param-gather --overlap-grad-reduce"); },
+               "--overlap-param-gather requires --use-distributed-optimizer");
+  expect_error([] { parse("--overlap-param-gather --use-distributed-optimizer"); },
+               "--overlap-param-gather requires --overlap-grad-reduce");
+  expect_error([] { parse("--overlap-grad-reduce --ddp-bucket-size=-5"); }, "--ddp-bucket-size must be >= 0");
+}
+
+}  // namespace
+}  // namespace mt
