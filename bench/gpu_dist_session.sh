@@ -19,7 +19,7 @@ gpt2=(--num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 10
 for step in "$@"; do
   case $step in
     tests)
-      (cd build && ctest -L cuda -E nccl_failure --output-on-failure -j 1 --timeout 120 2>&1) | tee "$OUT/ctest_cuda.log" | grep -E "tests passed|\*\*\*|FAILED  \]" ;;
+      (cd build && ctest -L cuda -E nccl_failure -V -j 1 --timeout 180 2>&1) | tee "$OUT/ctest_cuda.log" | grep -E "tests passed|\*\*\*|FAILED  \]|^[0-9]+: \[(tp|dp)|Failure" ;;
     nccl)
       mpiexec --allow-run-as-root -np $N build/nccl_cuda_dist_test 2>&1 | tee "$OUT/nccl_test.log" | grep -E "PASSED|FAILED|Failure" | sort | uniq -c
       timeout 60 build/nccl_failure_cuda_test 2>&1 | tee "$OUT/nccl_failure.log" | grep -E "PASSED|FAILED|Failure" ;;
@@ -28,9 +28,15 @@ for step in "$@"; do
     dp)
       for n in 1 2 4; do
         [ $n -le $N ] || continue
-        $bin pretrain "${gpt2[@]}" --micro-batch-size 16 --global-batch-size $((16*n)) --train-iters 40 --nproc-per-node $n 2>&1 \
-          | tee "$OUT/dp$n.log" | grep -E "iteration +40/" | sed "s/^/dp$n: /" | cut -c1-260
+        for ov in "" "--overlap-grad-reduce"; do
+          [ $n -gt 1 ] || [ -z "$ov" ] || continue
+          tag=dp$n${ov:+_overlap}
+          $bin pretrain "${gpt2[@]}" --micro-batch-size 16 --global-batch-size $((16*n)) --train-iters 40 --nproc-per-node $n $ov 2>&1 \
+            | tee "$OUT/$tag.log" | grep -E "iteration +40/" | sed "s/^/$tag: /" | cut -c1-260
+        done
       done ;;
+    np2)
+      mpiexec --allow-run-as-root -np 2 build/parallel_layouts_cuda_dist_test 2>&1 | tee "$OUT/layouts_np2.log" | grep -E "^\[|PASSED|FAILED|Failure" | head -40 ;;
     tp)
       for t in 1 2; do
         $bin pretrain "${gpt2[@]}" --micro-batch-size 8 --global-batch-size 8 --train-iters 30 --nproc-per-node $t \
