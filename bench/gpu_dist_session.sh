@@ -35,6 +35,17 @@ for step in "$@"; do
             | tee "$OUT/$tag.log" | grep -E "iteration +40/" | sed "s/^/$tag: /" | cut -c1-260
         done
       done ;;
+    dpx)
+      # Overlap experiments at DP 4: smaller buckets; fewer NCCL channels (less SM contention).
+      for v in "--ddp-bucket-size 10000000|" "--ddp-bucket-size 40000000|NCCL_MAX_NCHANNELS=8" "|NCCL_MAX_NCHANNELS=8"; do
+        flags=${v%%|*}; envs=${v#*|}
+        ov=--overlap-grad-reduce; [ -n "$flags" ] || ov=""
+        env $envs $bin pretrain "${gpt2[@]}" --micro-batch-size 16 --global-batch-size 64 --train-iters 40 --nproc-per-node 4 $ov $flags 2>&1 \
+          | tee "$OUT/dpx.log" | grep -E "iteration +40/" | sed "s/^/dp4 [$flags $envs]: /" | cut -c1-200
+      done ;;
+    layouts)
+      mpiexec --allow-run-as-root -np 2 build/grad_sync_np2_cuda_dist_test 2>&1 | tee "$OUT/grad_sync_np2.log" | grep -E "^\[|PASSED|FAILED|Failure" | head -20
+      mpiexec --allow-run-as-root -np 4 build/parallel_layouts_cuda_dist_test 2>&1 | tee "$OUT/layouts_np4.log" | grep -E "^\[|PASSED|FAILED|Failure|Expected|actual" | head -60 ;;
     np2)
       mpiexec --allow-run-as-root -np 2 build/parallel_layouts_cuda_dist_test 2>&1 | tee "$OUT/layouts_np2.log" | grep -E "^\[|PASSED|FAILED|Failure" | head -40 ;;
     tp)

@@ -68,7 +68,10 @@ Out run(const Model& m, std::shared_ptr<Communicator> dp, int rank, int ranks, D
   P.initialize(99, st);
   const std::vector<OwnedTensor> grads = step_grads(P, rank, ranks, st);
   std::vector<OwnedTensor> snaps;
-  for (int s = 0; s < kSteps; ++s) snaps.emplace_back(dtype, dev, std::vector<int64_t>{P.total_elements()});
+  for (int s = 0; s < kSteps; ++s) {
+    snaps.emplace_back(dtype, dev, std::vector<int64_t>{P.total_elements()});
+    memset_tensor(snaps.back().t, 0, st);  // the padding between layers is never copied into
+  }
   st.synchronize();
   for (int s = 0; s < kSteps; ++s) {
     sync.zero_grad_buffer(st);

@@ -6,10 +6,13 @@
 // matching slices of the reference.
 //
 // Tolerance: bf16 activations round to 2^-8 relative and the layouts sum in a different order
-// (TP: partial sums over the hidden dimension; PP: none, the same kernels run per layer; DP: the
-// fp32 gradient all-reduce), so gradients agree to ~1e-2 relative (the op-level bf16 bound is
-// 2e-2) and the loss to ~2e-3; a missing reduction, a wrong shard or a wrong p2p transfer is off by
-// O(1). Weight matrices are compared per tensor; biases and norm parameters (sums over tokens with
+// (TP: partial sums over the hidden dimension reduced in bf16; PP: none, the same kernels run per
+// layer; DP: the fp32 gradient all-reduce), so a layout's gradients differ from one GPU's by bf16
+// rounding noise, which grows with depth (measured on 4×H200: TP 2 and 4 up to 2.8e-2 per weight
+// matrix with 4 layers and dropout). The bound is therefore measured, not guessed: the one-GPU
+// bf16 run is also compared with a one-GPU fp32 run, and a layout may differ from the bf16 run by
+// at most max(2e-2, 2 × that bf16-vs-fp32 difference) per tensor; the loss within 2e-3. A missing
+// reduction, a wrong shard or a wrong p2p transfer is off by O(1). Weight matrices are compared per tensor; biases and norm parameters (sums over tokens with
 // cancellation; the key bias has an exactly-zero gradient) only within the vector of all of this
 // rank's gradients / parameters. With the distributed optimizer only the parameters are compared
 // (a rank's gradients are reduced in its owned ranges only).
@@ -17,6 +20,7 @@
 #include <gtest/gtest.h>
 #include <mpi.h>
 
+#include <algorithm>
 #include <map>
 
 #include "comm/bootstrap.h"
@@ -67,7 +71,7 @@ struct RunResult {
   std::vector<std::vector<float>> grads, params;  // local shards (params in the model dtype)
 };
 
-RunResult train(const std::shared_ptr<Communicator>& world, const Layout& L, Device dev,
+RunResult train(const std::shared_ptr<Communicator>& world, const Layout& L, DType dtype, Device dev,
                 const std::vector<int32_t>& tokens, const std::vector<int32_t>& labels, int64_t mb,
                 int64_t num_micro_total) {
   const GptConfig c = config();
@@ -91,7 +95,7 @@ RunResult train(const std::shared_ptr<Communicator>& world, const Layout& L, Dev
   sc.num_microbatches = M;
   const PipelinePlan plan = plan_pipeline(sc, g.pp->rank(), chunks);
   Stream st(dev);
-  GptModel model(c, mb, DType::kBF16, dev, g, L.sp, ParamLayout(dp, L.overlap ? 30000 : 0),
+  GptModel model(c, mb, dtype, dev, g, L.sp, ParamLayout(dp, L.overlap ? 30000 : 0),
                  model_layout(chunks, {&plan}));
   PipelineExecutor exec(model, g.pp, {&plan});
   GradSync sync(model.params(), g.dp, DdpConfig{L.overlap, L.overlap && L.zero, L.zero});
@@ -160,8 +164,19 @@ TEST(ParallelLayoutsNccl, Bf16LayoutsMatchOneGpu) {
   std::vector<int32_t> labels = testing::randint(num_micro * mb * c.seq_length, 0, 250);
   MPI_Bcast(tokens.data(), static_cast<int>(tokens.size()), MPI_INT32_T, 0, MPI_COMM_WORLD);
   MPI_Bcast(labels.data(), static_cast<int>(labels.size()), MPI_INT32_T, 0, MPI_COMM_WORLD);
-  const RunResult ref = train(std::make_shared<SingleRankCommunicator>("one"), Layout{}, dev, tokens, labels, mb,
-                              num_micro);
+  const auto one = std::make_shared<SingleRankCommunicator>("one");
+  const RunResult ref = train(one, Layout{}, DType::kBF16, dev, tokens, labels, mb, num_micro);
+  const RunResult ref32 = train(one, Layout{}, DType::kF32, dev, tokens, labels, mb, num_micro);
+  // bf16 rounding noise per tensor and overall (one GPU, bf16 against fp32).
+  std::vector<double> noise(ref.infos.size());
+  std::vector<float> all16, all32;
+  for (size_t j = 0; j < ref.infos.size(); ++j) {
+    noise[j] = testing::rel_err(ref.grads[j], ref32.grads[j]);
+    all16.insert(all16.end(), ref.grads[j].begin(), ref.grads[j].end());
+    all32.insert(all32.end(), ref32.grads[j].begin(), ref32.grads[j].end());
+  }
+  const double noise_all = testing::rel_err(all16, all32);
+  if (world->rank() == 0) std::printf("[bf16 vs fp32, one GPU] all gradients rel err %.2e\n", noise_all);
   std::map<std::string, size_t> ref_index;
   for (size_t i = 0; i < ref.infos.size(); ++i) ref_index[ref.infos[i].name] = i;
   std::vector<Layout> layouts;
@@ -173,7 +188,7 @@ TEST(ParallelLayoutsNccl, Bf16LayoutsMatchOneGpu) {
                {1, 1, 0, false, true, true}};
   }
   for (const Layout& L : layouts) {
-    const RunResult par = train(world, L, dev, tokens, labels, mb, num_micro);
+    const RunResult par = train(world, L, DType::kBF16, dev, tokens, labels, mb, num_micro);
     const std::string name = L.name();
     for (int it = 0; it < kIters; ++it)
       EXPECT_NEAR(par.losses[it], ref.losses[it], 2e-3 * ref.losses[it]) << name << " iteration " << it;
@@ -188,13 +203,15 @@ TEST(ParallelLayoutsNccl, Bf16LayoutsMatchOneGpu) {
       all_par_p.insert(all_par_p.end(), par.params[i].begin(), par.params[i].end());
       all_ref_p.insert(all_ref_p.end(), rp.begin(), rp.end());
       if (info.shape.size() != 2) continue;
-      if (!L.zero) EXPECT_LT(testing::rel_err(par.grads[i], rg), 2e-2) << name << " grad " << info.name;
+      if (!L.zero)
+        EXPECT_LT(testing::rel_err(par.grads[i], rg), std::max(2e-2, 2 * noise[j]))
+            << name << " grad " << info.name << " (bf16 noise " << noise[j] << ")";
       EXPECT_LT(testing::rel_err(par.params[i], rp), 2e-2) << name << " param " << info.name;
     }
     const double eg = testing::rel_err(all_par_g, all_ref_g), ep = testing::rel_err(all_par_p, all_ref_p);
     std::printf("[%s] rank %d: all gradients rel err %.2e, all parameters %.2e, loss %.6f vs %.6f\n", name.c_str(),
                 world->rank(), eg, ep, par.losses.back(), ref.losses.back());
-    if (!L.zero) EXPECT_LT(eg, 2e-2) << name;
+    if (!L.zero) EXPECT_LT(eg, std::max(2e-2, 2 * noise_all)) << name << " (bf16 noise " << noise_all << ")";
     EXPECT_LT(ep, 1e-2) << name;
   }
 }
