@@ -191,7 +191,7 @@ OptimizerConfig opt_config() {
   OptimizerConfig oc;
   oc.weight_decay = 0.1f;
   oc.clip_grad = 1.0f;  // the gradient norm is ~50: clipping is active
-  oc.eps = 1e-3f;       // updates proportional to gradients (see tensor_data_parallel_test)
+  oc.eps = 1e-3f;       // updates proportional to gradients (see tests/parallel/parallel_layouts_test.cpp)
   return oc;
 }
 
