@@ -144,9 +144,12 @@ void NcclCommunicator::all_reduce(const Tensor& t, ReduceOp op, const Stream& st
   require_device(t, "all_reduce");
   cudaStream_t s = stream_of(stream, "all_reduce");
   if (size_ == 1 || t.numel() == 0) return;
-  check(ncclAllReduce(t.data(), t.data(), static_cast<size_t>(t.numel()), nccl_type(t.dtype()), nccl_op(op), comm_,
+  {
+    HostCallGuard guard("ncclAllReduce", &desc_, timeout_s_);
+    check(ncclAllReduce(t.data(), t.data(), static_cast<size_t>(t.numel()), nccl_type(t.dtype()), nccl_op(op), comm_,
                       s),
         "ncclAllReduce");
+  }
   enqueued(s, "all_reduce");
 }
 
@@ -156,8 +159,11 @@ void NcclCommunicator::all_gather(const Tensor& out, const Tensor& in, const Str
   require_device(in, "all_gather");
   cudaStream_t s = stream_of(stream, "all_gather");
   if (in.numel() == 0) return;
-  check(ncclAllGather(in.data(), out.data(), static_cast<size_t>(in.numel()), nccl_type(in.dtype()), comm_, s),
+  {
+    HostCallGuard guard("ncclAllGather", &desc_, timeout_s_);
+    check(ncclAllGather(in.data(), out.data(), static_cast<size_t>(in.numel()), nccl_type(in.dtype()), comm_, s),
         "ncclAllGather");
+  }
   enqueued(s, "all_gather");
 }
 
@@ -167,9 +173,12 @@ void NcclCommunicator::reduce_scatter(const Tensor& out, const Tensor& in, Reduc
   require_device(in, "reduce_scatter");
   cudaStream_t s = stream_of(stream, "reduce_scatter");
   if (out.numel() == 0) return;
-  check(ncclReduceScatter(in.data(), out.data(), static_cast<size_t>(out.numel()), nccl_type(in.dtype()),
+  {
+    HostCallGuard guard("ncclReduceScatter", &desc_, timeout_s_);
+    check(ncclReduceScatter(in.data(), out.data(), static_cast<size_t>(out.numel()), nccl_type(in.dtype()),
                           nccl_op(op), comm_, s),
         "ncclReduceScatter");
+  }
   enqueued(s, "reduce_scatter");
 }
 
@@ -178,8 +187,11 @@ void NcclCommunicator::broadcast(const Tensor& t, int root, const Stream& stream
   require_device(t, "broadcast");
   cudaStream_t s = stream_of(stream, "broadcast");
   if (size_ == 1 || t.numel() == 0) return;
-  check(ncclBroadcast(t.data(), t.data(), static_cast<size_t>(t.numel()), nccl_type(t.dtype()), root, comm_, s),
+  {
+    HostCallGuard guard("ncclBroadcast", &desc_, timeout_s_);
+    check(ncclBroadcast(t.data(), t.data(), static_cast<size_t>(t.numel()), nccl_type(t.dtype()), root, comm_, s),
         "ncclBroadcast");
+  }
   enqueued(s, "broadcast");
 }
 
@@ -200,7 +212,11 @@ void NcclCommunicator::all_to_all(const Tensor& out, const Tensor& in, const Str
     r = ncclSend(src + p * chunk_bytes, chunk, dt, p, comm_, s);
     if (r == ncclSuccess) r = ncclRecv(dst + p * chunk_bytes, chunk, dt, p, comm_, s);
   }
-  ncclResult_t r_end = ncclGroupEnd();
+  ncclResult_t r_end;
+  {
+    HostCallGuard guard("ncclGroupEnd (all_to_all)", &desc_, timeout_s_);
+    r_end = ncclGroupEnd();
+  }
   check(r, "ncclSend/ncclRecv (all_to_all)");
   check(r_end, "ncclGroupEnd (all_to_all)");
   enqueued(s, "all_to_all");
@@ -210,7 +226,10 @@ void NcclCommunicator::send(const Tensor& t, int peer, const Stream& stream) {
   comm_detail::check_p2p(*this, t, peer, "send");
   require_device(t, "send");
   cudaStream_t s = stream_of(stream, "send");
-  check(ncclSend(t.data(), static_cast<size_t>(t.numel()), nccl_type(t.dtype()), peer, comm_, s), "ncclSend");
+  {
+    HostCallGuard guard("ncclSend", &desc_, timeout_s_);
+    check(ncclSend(t.data(), static_cast<size_t>(t.numel()), nccl_type(t.dtype()), peer, comm_, s), "ncclSend");
+  }
   enqueued(s, "send");
 }
 
@@ -218,7 +237,10 @@ void NcclCommunicator::recv(const Tensor& t, int peer, const Stream& stream) {
   comm_detail::check_p2p(*this, t, peer, "recv");
   require_device(t, "recv");
   cudaStream_t s = stream_of(stream, "recv");
-  check(ncclRecv(t.data(), static_cast<size_t>(t.numel()), nccl_type(t.dtype()), peer, comm_, s), "ncclRecv");
+  {
+    HostCallGuard guard("ncclRecv", &desc_, timeout_s_);
+    check(ncclRecv(t.data(), static_cast<size_t>(t.numel()), nccl_type(t.dtype()), peer, comm_, s), "ncclRecv");
+  }
   enqueued(s, "recv");
 }
 
@@ -230,7 +252,11 @@ void NcclCommunicator::group_start() {
 void NcclCommunicator::group_end() {
   MT_REQUIRE(t_group_depth > 0, "group_end on {} without a matching group_start", desc_);
   --t_group_depth;
-  ncclResult_t r = ncclGroupEnd();
+  ncclResult_t r;
+  {
+    HostCallGuard guard("ncclGroupEnd", &desc_, timeout_s_);
+    r = ncclGroupEnd();
+  }
   if (t_group_depth == 0) {
     std::vector<PendingOp> pending;
     pending.swap(t_pending);
@@ -245,8 +271,11 @@ void NcclCommunicator::barrier() {
   MT_REQUIRE(t_group_depth == 0, "barrier on {} inside group_start/group_end", desc_);
   if (size_ == 1) return;
   set_current_device(device_);
-  check(ncclAllReduce(barrier_buf_, barrier_buf_, 1, ncclInt32, ncclSum, comm_, barrier_stream_),
+  {
+    HostCallGuard guard("ncclAllReduce", &desc_, timeout_s_);
+    check(ncclAllReduce(barrier_buf_, barrier_buf_, 1, ncclInt32, ncclSum, comm_, barrier_stream_),
         "ncclAllReduce (barrier)");
+  }
   Watchdog::instance().enqueued(comm_, barrier_stream_, "barrier");
   MT_CUDA_CHECK(cudaStreamSynchronize(barrier_stream_));
 }

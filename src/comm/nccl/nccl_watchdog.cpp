@@ -35,9 +35,11 @@ struct Watchdog::State {
     Clock::time_point enqueued;
   };
   struct HostCall {
-    std::string what;
+    std::string what;  // or, when desc is set, "NCCL <op> on <*desc>"
     double timeout_s;
     Clock::time_point start;
+    const char* op = nullptr;
+    const std::string* desc = nullptr;
   };
 
   std::mutex mu;
@@ -146,6 +148,17 @@ uint64_t Watchdog::host_begin(const std::string& what, double timeout_s) {
   return id;
 }
 
+uint64_t Watchdog::host_begin(const char* op, const std::string* desc, double timeout_s) {
+  if (timeout_s <= 0) return 0;
+  State* s = state();
+  std::lock_guard<std::mutex> lk(s->mu);
+  const uint64_t id = s->next_id++;
+  s->host_calls[id] = {std::string(), timeout_s, Clock::now(), op, desc};
+  s->update_period(timeout_s);
+  if (!s->thread.joinable()) s->thread = std::thread([s] { s->loop(); });
+  return id;
+}
+
 void Watchdog::host_end(uint64_t id) {
   if (id == 0) return;
   State* s = state();
@@ -168,9 +181,10 @@ void Watchdog::State::loop() {
     for (const auto& [id, hc] : host_calls) {
       const double t = seconds_since(hc.start);
       if (t > hc.timeout_s) {
+        const std::string what = hc.desc ? fmt::format("NCCL {} on {}", hc.op, *hc.desc) : hc.what;
         die(lk, fmt::format("{} did not return within {:.1f} s (--distributed-timeout-minutes={:.3g}): a peer rank "
                             "has died, is stuck, or was never started",
-                            hc.what, hc.timeout_s, hc.timeout_s / 60.0));
+                            what, hc.timeout_s, hc.timeout_s / 60.0));
       }
     }
     for (const auto& [comm, info] : comms) {

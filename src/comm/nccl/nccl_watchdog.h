@@ -34,6 +34,12 @@ class Watchdog {
   void enqueued(ncclComm_t comm, cudaStream_t stream, const char* op);
   /// A blocking host call that must return within timeout_s (<= 0: not watched).
   uint64_t host_begin(const std::string& what, double timeout_s);
+  /// The same, described lazily as "NCCL <op> on <*desc>" (no formatting unless it times out;
+  /// `desc` must outlive the call). Used around every NCCL call that can block on a peer: since
+  /// NCCL 2.22 a communicator connects to its peers at its first collective of each kind
+  /// (NCCL_RUNTIME_CONNECT), inside the host call, so a peer that never joins blocks the host
+  /// there before anything is enqueued for the event watch.
+  uint64_t host_begin(const char* op, const std::string* desc, double timeout_s);
   void host_end(uint64_t id);
 
   ~Watchdog();
@@ -49,6 +55,8 @@ class Watchdog {
 class HostCallGuard {
  public:
   HostCallGuard(const std::string& what, double timeout_s) : id_(Watchdog::instance().host_begin(what, timeout_s)) {}
+  HostCallGuard(const char* op, const std::string* desc, double timeout_s)
+      : id_(Watchdog::instance().host_begin(op, desc, timeout_s)) {}
   ~HostCallGuard() { Watchdog::instance().host_end(id_); }
   HostCallGuard(const HostCallGuard&) = delete;
   HostCallGuard& operator=(const HostCallGuard&) = delete;
