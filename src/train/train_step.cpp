@@ -20,14 +20,4 @@ void train_step(GptModel& model, PipelineExecutor& executor, const PipelinePlan&
   optimizer.step(opt.lr, stream);  // finish_grad_sync, norm, AdamW, parameter all-gather
 }
 
-void train_step(GptModel& model, AdamWOptimizer& optimizer, const std::vector<MicroBatch>& micro_batches,
-                const StepOptions& opt, const Tensor& loss_slot, const Stream& stream) {
-  pipeline::ScheduleConfig cfg;
-  cfg.num_microbatches = static_cast<int>(micro_batches.size());
-  std::vector<pipeline::LayerRange> chunks{model.chunk(0).layers};
-  const PipelinePlan plan = plan_pipeline(cfg, 0, chunks);
-  PipelineExecutor executor(model, std::make_shared<SingleRankCommunicator>("pp"), {&plan});
-  train_step(model, executor, plan, optimizer, micro_batches, opt, loss_slot, stream);
-}
-
 }  // namespace mt

@@ -32,11 +32,6 @@ void train_step(GptModel& model, PipelineExecutor& executor, const PipelinePlan&
                 const std::vector<MicroBatch>& micro_batches, const StepOptions& opt, const Tensor& loss_slot,
                 const Stream& stream);
 
-/// The same without pipeline parallelism (the whole model on this rank; schedule and buffers
-/// planned per call).
-void train_step(GptModel& model, AdamWOptimizer& optimizer, const std::vector<MicroBatch>& micro_batches,
-                const StepOptions& opt, const Tensor& loss_slot, const Stream& stream);
-
 /// After the schedule: all-reduce the word-embedding gradient over the embedding group when it
 /// spans pipeline stages (Megatron's _allreduce_word_embedding_grads), then report it to the
 /// model's grads_ready hook. No-op on ranks without the embedding or with a one-rank group.
