@@ -26,38 +26,29 @@ namespace {
 using namespace mt;
 
 // Records a CUDA event before and after each collective of more than one element.
-class TimedCommunicator final : public Communicator {
+class TimedCommunicator final : public ForwardingCommunicator {
  public:
   struct Op {
     std::string what;
     std::unique_ptr<Event> begin, end;
   };
   TimedCommunicator(std::shared_ptr<Communicator> inner, std::shared_ptr<std::vector<Op>> log)
-      : inner_(std::move(inner)), log_(std::move(log)) {}
-  int rank() const override { return inner_->rank(); }
-  int size() const override { return inner_->size(); }
-  const std::string& name() const override { return inner_->name(); }
+      : ForwardingCommunicator(std::move(inner)), log_(std::move(log)) {}
   void all_reduce(const Tensor& t, ReduceOp op, const Stream& s) override {
-    timed(fmt::format("all_reduce {:.0f} MB", t.nbytes() / 1e6), t.numel(), s, [&] { inner_->all_reduce(t, op, s); });
+    timed(fmt::format("all_reduce {:.0f} MB", t.nbytes() / 1e6), t.numel(), s, [&] { inner().all_reduce(t, op, s); });
   }
   void all_gather(const Tensor& out, const Tensor& in, const Stream& s) override {
     timed(fmt::format("all_gather {:.0f} MB", out.nbytes() / 1e6), out.numel(), s,
-          [&] { inner_->all_gather(out, in, s); });
+          [&] { inner().all_gather(out, in, s); });
   }
   void reduce_scatter(const Tensor& out, const Tensor& in, ReduceOp op, const Stream& s) override {
     timed(fmt::format("reduce_scatter {:.0f} MB", in.nbytes() / 1e6), in.numel(), s,
-          [&] { inner_->reduce_scatter(out, in, op, s); });
+          [&] { inner().reduce_scatter(out, in, op, s); });
   }
-  void broadcast(const Tensor& t, int root, const Stream& s) override { inner_->broadcast(t, root, s); }
-  void all_to_all(const Tensor& out, const Tensor& in, const Stream& s) override { inner_->all_to_all(out, in, s); }
-  void send(const Tensor& t, int peer, const Stream& s) override { inner_->send(t, peer, s); }
-  void recv(const Tensor& t, int peer, const Stream& s) override { inner_->recv(t, peer, s); }
-  void group_start() override { inner_->group_start(); }
-  void group_end() override { inner_->group_end(); }
-  void barrier() override { inner_->barrier(); }
-  std::shared_ptr<Communicator> split(int color, int key, const std::string& name) override {
-    auto c = inner_->split(color, key, name);
-    return c ? std::make_shared<TimedCommunicator>(std::move(c), log_) : nullptr;
+
+ protected:
+  std::shared_ptr<Communicator> wrap(std::shared_ptr<Communicator> split) override {
+    return std::make_shared<TimedCommunicator>(std::move(split), log_);
   }
 
  private:
@@ -70,7 +61,6 @@ class TimedCommunicator final : public Communicator {
     op.end->record(s);
     log_->push_back(std::move(op));
   }
-  std::shared_ptr<Communicator> inner_;
   std::shared_ptr<std::vector<Op>> log_;
 };
 

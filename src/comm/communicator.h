@@ -74,6 +74,42 @@ class SingleRankCommunicator final : public Communicator {
   std::string name_;
 };
 
+/// Base of communicator decorators (instrumentation in tests and benchmarks: counting, timing):
+/// every call goes to `inner`; a subclass overrides what it observes. split() splits `inner`
+/// and passes the result through wrap(), so communicators split from a decorated one (e.g. the
+/// one GradSync takes for overlapped reductions) are decorated too.
+class ForwardingCommunicator : public Communicator {
+ public:
+  explicit ForwardingCommunicator(std::shared_ptr<Communicator> inner) : inner_(std::move(inner)) {}
+  int rank() const override { return inner_->rank(); }
+  int size() const override { return inner_->size(); }
+  const std::string& name() const override { return inner_->name(); }
+  void all_reduce(const Tensor& t, ReduceOp op, const Stream& s) override { inner_->all_reduce(t, op, s); }
+  void all_gather(const Tensor& out, const Tensor& in, const Stream& s) override { inner_->all_gather(out, in, s); }
+  void reduce_scatter(const Tensor& out, const Tensor& in, ReduceOp op, const Stream& s) override {
+    inner_->reduce_scatter(out, in, op, s);
+  }
+  void broadcast(const Tensor& t, int root, const Stream& s) override { inner_->broadcast(t, root, s); }
+  void all_to_all(const Tensor& out, const Tensor& in, const Stream& s) override { inner_->all_to_all(out, in, s); }
+  void send(const Tensor& t, int peer, const Stream& s) override { inner_->send(t, peer, s); }
+  void recv(const Tensor& t, int peer, const Stream& s) override { inner_->recv(t, peer, s); }
+  void group_start() override { inner_->group_start(); }
+  void group_end() override { inner_->group_end(); }
+  void barrier() override { inner_->barrier(); }
+  std::shared_ptr<Communicator> split(int color, int key, const std::string& name) override {
+    auto c = inner_->split(color, key, name);
+    return c ? wrap(std::move(c)) : nullptr;
+  }
+
+ protected:
+  /// The decorator of a communicator split from this one.
+  virtual std::shared_ptr<Communicator> wrap(std::shared_ptr<Communicator> split) = 0;
+  Communicator& inner() const { return *inner_; }
+
+ private:
+  std::shared_ptr<Communicator> inner_;
+};
+
 /// The process groups a model and trainer are handed (never globals; DESIGN.md principle 2),
 /// as Megatron-Core's parallel_state names them. All size-1 in single-device training.
 struct ProcessGroups {

@@ -197,14 +197,8 @@ GptModel::GptModel(const GptConfig& config, int64_t micro_batch, DType dtype, De
   params_ = std::make_unique<ParamStore>(param_specs(config_, tp_, tp_rank_, ranges), dtype, device, param_layout);
   // Parameter indices resolved once, so the step does no name lookups.
   const ParamStore& P = *params_;
-  constexpr size_t kNone = SIZE_MAX;
-  auto find = [&](const std::string& n) {
-    for (size_t i = 0; i < P.size(); ++i)
-      if (P.info(i).name == n) return i;
-    return kNone;
-  };
-  gix_ = {find("embedding.word_embeddings.weight"), find("embedding.position_embeddings.weight"),
-          find("decoder.final_layernorm.weight"), find("decoder.final_layernorm.bias")};
+  gix_ = {P.find("embedding.word_embeddings.weight"), P.find("embedding.position_embeddings.weight"),
+          P.find("decoder.final_layernorm.weight"), P.find("decoder.final_layernorm.bias")};
   auto sp_range = [&](size_t first, size_t end) {
     // The replicated parameters of [first, end) whose gradients are partial sums under SP.
     std::vector<ParamStore::Range> rs = P.ranges([&](const ParamInfo& p) {
@@ -334,14 +328,19 @@ Tensor GptModel::chunk_input(int c, int input) const {
   return chunks_[static_cast<size_t>(c)].input[static_cast<size_t>(input)];
 }
 
-Tensor GptModel::chunk_output(int c, const ChunkBuffers& buf) const {
-  const Tensor in = chunk_input(c, buf.input);
+void GptModel::check_buffers(int c, const ChunkBuffers& buf) const {
+  chunk_input(c, buf.input);  // checks c and the input buffer
   MT_REQUIRE(buf.slot >= 0 && buf.slot < activation_slots_, "activation slot {} requested; the model has {}",
              buf.slot, activation_slots_);
-  const ChunkState& ch = chunks_[static_cast<size_t>(c)];
-  MT_REQUIRE(!ch.range.has_loss || (buf.head >= 0 && buf.head < chunk(c).loss_slots),
+  MT_REQUIRE(!chunks_[static_cast<size_t>(c)].range.has_loss || (buf.head >= 0 && buf.head < chunk(c).loss_slots),
              "loss slot {} of model chunk {} requested; it has {}", buf.head, c, chunk(c).loss_slots);
-  return ch.range.size() == 0 ? in : acts_[static_cast<size_t>(buf.slot)][static_cast<size_t>(ch.range.size() - 1)].out;
+}
+
+Tensor GptModel::chunk_output(int c, const ChunkBuffers& buf) const {
+  check_buffers(c, buf);
+  const ChunkState& ch = chunks_[static_cast<size_t>(c)];
+  if (ch.range.size() == 0) return ch.input[static_cast<size_t>(buf.input)];
+  return acts_[static_cast<size_t>(buf.slot)][static_cast<size_t>(ch.range.size() - 1)].out;
 }
 
 Tensor GptModel::logits() const {
@@ -532,7 +531,7 @@ Tensor GptModel::head_forward(ChunkState& ch, int head, const Tensor& x, const M
 
 Tensor GptModel::forward_chunk(int c, const ChunkBuffers& buf, const MicroBatch& mb, const DropoutContext& dc,
                                const Tensor& loss_accum, float loss_weight, const Stream& st, bool first_forward) {
-  chunk_output(c, buf);  // validates the buffer indices
+  check_buffers(c, buf);
   const Tensor in = chunk_input(c, buf.input);
   std::vector<LayerActs>& acts = acts_[static_cast<size_t>(buf.slot)];
   ChunkState& ch = chunks_[static_cast<size_t>(c)];
@@ -567,7 +566,7 @@ void GptModel::backward(const MicroBatch& mb, const DropoutContext& dc, float gr
 void GptModel::backward_chunk(int c, const ChunkBuffers& buf, const MicroBatch& mb, const DropoutContext& dc,
                               const Tensor& grad, float grad_scale, const Tensor& loss_scale, const Stream& st,
                               bool last_backward) {
-  chunk_output(c, buf);  // validates the buffer indices
+  check_buffers(c, buf);
   const Tensor in = chunk_input(c, buf.input);
   std::vector<LayerActs>& acts = acts_[static_cast<size_t>(buf.slot)];
   ChunkState& ch = chunks_[static_cast<size_t>(c)];

@@ -152,7 +152,7 @@ class GptModel {
                       float grad_scale, const Tensor& loss_scale, const Stream& stream, bool last_backward);
   /// Hooks called by forward_chunk / backward_chunk (not owned; nullptr = none).
   void set_hooks(ParamGradHooks* hooks) { hooks_ = hooks; }
-  /// Index of the word embedding (or its copy on the last stage) in params(); SIZE_MAX if this
+  /// Index of the word embedding (or its copy on the last stage) in params(); ParamStore::kNoParam if this
   /// rank holds neither.
   size_t word_embedding_index() const { return gix_.wte; }
   /// Activation shape of one stage boundary: [s_l, b, h].
@@ -168,7 +168,7 @@ class GptModel {
     size_t first, end;  // the layer's parameters are [first, end) in the ParamStore
   };
   struct GlobalParamIndex {
-    size_t wte, wpe, lnf_w, lnf_b;  // SIZE_MAX when this rank does not hold it
+    size_t wte, wpe, lnf_w, lnf_b;  // ParamStore::kNoParam when this rank does not hold it
   };
   void plan(Arena& arena);
   void layer_forward(int64_t l, const LayerParamIndex& ix, const Tensor& x, LayerActs& a, const DropoutContext& dc,
@@ -177,6 +177,7 @@ class GptModel {
                       const DropoutContext& dc, const Stream& stream);
   void grads_final(size_t first, size_t end, const Stream& stream);
   bool embedding_shared_across_stages() const;
+  void check_buffers(int c, const ChunkBuffers& buf) const;  // errors naming an index out of range
   AttentionConfig attention_config(int64_t layer, const DropoutContext& dc) const;
   void embedding_forward_into(const Tensor& out, const MicroBatch& mb, const DropoutContext& dc, const Stream& st);
   Tensor head_forward(ChunkState& ch, int head, const Tensor& x, const MicroBatch& mb, const Tensor& loss_accum,

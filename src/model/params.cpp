@@ -81,9 +81,14 @@ ParamStore::ParamStore(std::vector<ParamSpec> specs, DType model_dtype, Device d
 }
 
 size_t ParamStore::index(const std::string& name) const {
+  const size_t i = find(name);
+  MT_REQUIRE(i != kNoParam, "no parameter named '{}'", name);
+  return i;
+}
+
+size_t ParamStore::find(const std::string& name) const {
   auto it = by_name_.find(name);
-  MT_REQUIRE(it != by_name_.end(), "no parameter named '{}'", name);
-  return it->second;
+  return it == by_name_.end() ? kNoParam : it->second;
 }
 
 Tensor ParamStore::param(size_t i) const {

@@ -102,6 +102,9 @@ class ParamStore {
   const std::vector<ParamInfo>& infos() const { return infos_; }
   /// Index of a parameter by name; throws mt::Error naming it when absent.
   size_t index(const std::string& name) const;
+  /// Index of a parameter by name, or kNoParam when this store does not hold it.
+  static constexpr size_t kNoParam = SIZE_MAX;
+  size_t find(const std::string& name) const;
   DType model_dtype() const { return model_dtype_; }
   Device device() const { return device_; }
   bool has_separate_main() const { return model_dtype_ != DType::kF32; }

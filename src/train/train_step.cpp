@@ -5,7 +5,7 @@ namespace mt {
 void allreduce_embedding_grads(GptModel& model, const Stream& stream) {
   const size_t wte = model.word_embedding_index();
   const auto& emb = model.groups().embedding;
-  if (wte == SIZE_MAX || !emb || emb->size() <= 1) return;
+  if (wte == ParamStore::kNoParam || !emb || emb->size() <= 1) return;
   emb->all_reduce(model.params().grad(wte), ReduceOp::kSum, stream);
   if (model.hooks() != nullptr) model.hooks()->grads_ready(wte, wte + 1, stream);
 }

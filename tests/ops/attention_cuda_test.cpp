@@ -15,6 +15,9 @@
 namespace mt {
 namespace {
 
+using testing::cpu_stream;
+using testing::cuda_stream;
+using testing::rounded;
 using testing::make_tensor;
 using testing::OwnedTensor;
 using testing::poison;
@@ -22,22 +25,8 @@ using testing::randn;
 using testing::rel_err;
 using testing::to_host;
 
-const Stream& cpu() {
-  static Stream s(Device::cpu());
-  return s;
-}
-const Stream& gpu() {
-  static Stream s(Device::cuda(0));
-  return s;
-}
-std::vector<float> rounded(std::vector<float> v, DType t) {
-  for (auto& x : v) x = round_through(t, x);
-  return v;
-}
-
 using Dims = testing::AttnDims;
 using Bufs = testing::AttnBufs;
-
 
 /// Random document starts doc_start [b, s] (ops/attention.h): in every sample but the last (which,
 /// for b > 1, is one document) each position starts a document with probability 1/8, plus a
@@ -64,8 +53,8 @@ void check_attention(Dims z, float p, DType t, double tol, int64_t head_offset =
   OwnedTensor cdoc, gdoc;
   AttentionConfig ccfg = cfg, gcfg = cfg;
   if (docs) {
-    cdoc = testing::make_int_tensor(hdoc, Device::cpu(), {z.b, z.s}, cpu());
-    gdoc = testing::make_int_tensor(hdoc, Device::cuda(0), {z.b, z.s}, gpu());
+    cdoc = testing::make_int_tensor(hdoc, Device::cpu(), {z.b, z.s}, cpu_stream());
+    gdoc = testing::make_int_tensor(hdoc, Device::cuda(0), {z.b, z.s}, cuda_stream());
     ccfg.doc_start = cdoc.t;
     gcfg.doc_start = gdoc.t;
   }
@@ -74,27 +63,27 @@ void check_attention(Dims z, float p, DType t, double tol, int64_t head_offset =
   auto hg = rounded(randn(z.s * z.b * z.n * z.d), t);
 
   // CPU reference (fp32 on the rounded values).
-  auto cqkv = make_tensor(hqkv, DType::kF32, Device::cpu(), sqkv, cpu());
-  auto cdout = make_tensor(hg, DType::kF32, Device::cpu(), sout, cpu());
+  auto cqkv = make_tensor(hqkv, DType::kF32, Device::cpu(), sqkv, cpu_stream());
+  auto cdout = make_tensor(hg, DType::kF32, Device::cpu(), sout, cpu_stream());
   OwnedTensor cout_(DType::kF32, Device::cpu(), sout), cdqkv(DType::kF32, Device::cpu(), sqkv);
   Bufs cb(z, DType::kF32, Device::cpu());
-  attention_forward(cout_, cqkv, cb.view(), ccfg, cpu());
-  auto c_dropped = to_host(cb.scratch, cpu());
-  attention_backward(cdqkv, cdout, cb.view(), ccfg, cpu());
+  attention_forward(cout_, cqkv, cb.view(), ccfg, cpu_stream());
+  auto c_dropped = to_host(cb.scratch, cpu_stream());
+  attention_backward(cdqkv, cdout, cb.view(), ccfg, cpu_stream());
 
   // CUDA.
-  auto gqkv = make_tensor(hqkv, t, Device::cuda(0), sqkv, gpu());
-  auto gdout = make_tensor(hg, t, Device::cuda(0), sout, gpu());
+  auto gqkv = make_tensor(hqkv, t, Device::cuda(0), sqkv, cuda_stream());
+  auto gdout = make_tensor(hg, t, Device::cuda(0), sout, cuda_stream());
   OwnedTensor gout(t, Device::cuda(0), sout), gdqkv(t, Device::cuda(0), sqkv);
   Bufs gb(z, t, Device::cuda(0));
-  gb.poison_all(gpu());
-  poison(gout, gpu());
-  attention_forward(gout, gqkv, gb.view(), gcfg, gpu());
-  EXPECT_LT(rel_err(to_host(gout, gpu()), to_host(cout_, cpu())), tol) << what;
-  auto g_probs = to_host(gb.probs, gpu()), c_probs = to_host(cb.probs, cpu());
+  gb.poison_all(cuda_stream());
+  poison(gout, cuda_stream());
+  attention_forward(gout, gqkv, gb.view(), gcfg, cuda_stream());
+  EXPECT_LT(rel_err(to_host(gout, cuda_stream()), to_host(cout_, cpu_stream())), tol) << what;
+  auto g_probs = to_host(gb.probs, cuda_stream()), c_probs = to_host(cb.probs, cpu_stream());
   EXPECT_LT(rel_err(g_probs, c_probs), tol) << what;
-  EXPECT_EQ(to_host(gb.q, gpu()), to_host(cb.q, cpu())) << what;  // pure permutes: exact
-  EXPECT_EQ(to_host(gb.v, gpu()), to_host(cb.v, cpu())) << what;
+  EXPECT_EQ(to_host(gb.q, cuda_stream()), to_host(cb.q, cpu_stream())) << what;  // pure permutes: exact
+  EXPECT_EQ(to_host(gb.v, cuda_stream()), to_host(cb.v, cpu_stream())) << what;
   // Masked probabilities (j < doc_start[b, i] or j > i) are exactly zero on the GPU.
   int64_t nonzero_masked = 0;
   for (int64_t r = 0; r < z.b * z.n * z.s; ++r) {
@@ -104,7 +93,7 @@ void check_attention(Dims z, float p, DType t, double tol, int64_t head_offset =
   }
   EXPECT_EQ(nonzero_masked, 0) << what;
   if (p > 0) {
-    auto g_dropped = to_host(gb.scratch, gpu());
+    auto g_dropped = to_host(gb.scratch, cuda_stream());
     EXPECT_LT(rel_err(g_dropped, c_dropped), tol) << what;
     // Bit-identical masks: an element is dropped on the GPU iff it is dropped on the CPU
     // (probabilities are far from underflow for these inputs, so 0 <=> dropped or masked).
@@ -128,9 +117,9 @@ void check_attention(Dims z, float p, DType t, double tol, int64_t head_offset =
   }
 
   // Backward: everything but the saved q, k, v, probs is poisoned first.
-  for (const OwnedTensor* o : {&gb.scratch, &gb.dq, &gb.dk, &gb.dv, &gdqkv}) poison(*o, gpu());
-  attention_backward(gdqkv, gdout, gb.view(), gcfg, gpu());
-  auto g_dqkv = to_host(gdqkv, gpu()), c_dqkv = to_host(cdqkv, cpu());
+  for (const OwnedTensor* o : {&gb.scratch, &gb.dq, &gb.dk, &gb.dv, &gdqkv}) poison(*o, cuda_stream());
+  attention_backward(gdqkv, gdout, gb.view(), gcfg, cuda_stream());
+  auto g_dqkv = to_host(gdqkv, cuda_stream()), c_dqkv = to_host(cdqkv, cpu_stream());
   EXPECT_LT(rel_err(g_dqkv, c_dqkv), tol) << what;
   // Per component (q, k, v), so that a small one cannot hide behind the others.
   for (int64_t w = 0; w < 3; ++w) {
@@ -191,24 +180,24 @@ TEST(AttentionCuda, DocumentMaskOneDocumentIsCausalBitwise) {
     cfg.dropout_p = 0.2f;
     cfg.dropout_key = DropoutKey{testing::test_seed(), 99, 1, 3};
     const std::vector<int64_t> sqkv{z.s, z.b, z.n, 3, z.d}, sout{z.s, z.b, z.n * z.d};
-    auto qkv = make_tensor(randn(z.s * z.b * z.n * 3 * z.d), t, Device::cuda(0), sqkv, gpu());
-    auto dout = make_tensor(randn(z.s * z.b * z.n * z.d), t, Device::cuda(0), sout, gpu());
-    auto zeros = testing::make_int_tensor(std::vector<int32_t>(z.b * z.s, 0), Device::cuda(0), {z.b, z.s}, gpu());
+    auto qkv = make_tensor(randn(z.s * z.b * z.n * 3 * z.d), t, Device::cuda(0), sqkv, cuda_stream());
+    auto dout = make_tensor(randn(z.s * z.b * z.n * z.d), t, Device::cuda(0), sout, cuda_stream());
+    auto zeros = testing::make_int_tensor(std::vector<int32_t>(z.b * z.s, 0), Device::cuda(0), {z.b, z.s}, cuda_stream());
     std::vector<std::vector<float>> res[2];
     for (int with_doc = 0; with_doc < 2; ++with_doc) {
       AttentionConfig c = cfg;
       if (with_doc) c.doc_start = zeros.t;
       OwnedTensor out(t, Device::cuda(0), sout), dqkv(t, Device::cuda(0), sqkv);
       Bufs b(z, t, Device::cuda(0));
-      b.poison_all(gpu());
-      poison(out, gpu());
-      poison(dqkv, gpu());
-      attention_forward(out, qkv, b.view(), c, gpu());
-      res[with_doc].push_back(to_host(out, gpu()));
-      res[with_doc].push_back(to_host(b.probs, gpu()));
-      res[with_doc].push_back(to_host(b.scratch, gpu()));
-      attention_backward(dqkv, dout, b.view(), c, gpu());
-      res[with_doc].push_back(to_host(dqkv, gpu()));
+      b.poison_all(cuda_stream());
+      poison(out, cuda_stream());
+      poison(dqkv, cuda_stream());
+      attention_forward(out, qkv, b.view(), c, cuda_stream());
+      res[with_doc].push_back(to_host(out, cuda_stream()));
+      res[with_doc].push_back(to_host(b.probs, cuda_stream()));
+      res[with_doc].push_back(to_host(b.scratch, cuda_stream()));
+      attention_backward(dqkv, dout, b.view(), c, cuda_stream());
+      res[with_doc].push_back(to_host(dqkv, cuda_stream()));
     }
     for (size_t k = 0; k < res[0].size(); ++k) EXPECT_EQ(res[1][k], res[0][k]) << dtype_name(t) << " output " << k;
   }
@@ -225,32 +214,32 @@ TEST(AttentionCuda, DocumentMaskErrors) {
   cfg.head_dim = z.d;
   cfg.softmax_scale = 0.5f;
   const DType t = DType::kF32;
-  auto qkv = make_tensor(randn(z.s * z.b * z.n * 3 * z.d), t, Device::cuda(0), {z.s, z.b, z.n, 3, z.d}, gpu());
+  auto qkv = make_tensor(randn(z.s * z.b * z.n * 3 * z.d), t, Device::cuda(0), {z.s, z.b, z.n, 3, z.d}, cuda_stream());
   OwnedTensor out(t, Device::cuda(0), {z.s, z.b, z.n * z.d}), dqkv(t, Device::cuda(0), {z.s, z.b, z.n, 3, z.d});
   Bufs b(z, t, Device::cuda(0));
   const std::vector<int32_t> good{0, 0, 2, 2, 2, 5, 0, 1, 1, 3, 3, 3};
   auto fwd = [&](const Tensor& doc) {
     AttentionConfig c = cfg;
     c.doc_start = doc;
-    attention_forward(out, qkv, b.view(), c, gpu());
-    gpu().synchronize();
+    attention_forward(out, qkv, b.view(), c, cuda_stream());
+    cuda_stream().synchronize();
   };
   auto bwd = [&](const Tensor& doc) {
     AttentionConfig c = cfg;
     c.doc_start = doc;
-    attention_backward(dqkv, out, b.view(), c, gpu());
-    gpu().synchronize();
+    attention_backward(dqkv, out, b.view(), c, cuda_stream());
+    cuda_stream().synchronize();
   };
-  auto ok = testing::make_int_tensor(good, Device::cuda(0), {z.b, z.s}, gpu());
+  auto ok = testing::make_int_tensor(good, Device::cuda(0), {z.b, z.s}, cuda_stream());
   EXPECT_NO_THROW(fwd(ok));
   EXPECT_NO_THROW(bwd(ok));
-  EXPECT_THROW(fwd(testing::make_int_tensor(good, Device::cuda(0), {z.s, z.b}, gpu())), Error);
-  EXPECT_THROW(bwd(testing::make_int_tensor(good, Device::cuda(0), {z.s, z.b}, gpu())), Error);
-  EXPECT_THROW(fwd(testing::make_int_tensor(good, Device::cuda(0), {z.b * z.s}, gpu())), Error);
-  EXPECT_THROW(fwd(make_tensor(std::vector<float>(z.b * z.s, 0.f), DType::kF32, Device::cuda(0), {z.b, z.s}, gpu())),
+  EXPECT_THROW(fwd(testing::make_int_tensor(good, Device::cuda(0), {z.s, z.b}, cuda_stream())), Error);
+  EXPECT_THROW(bwd(testing::make_int_tensor(good, Device::cuda(0), {z.s, z.b}, cuda_stream())), Error);
+  EXPECT_THROW(fwd(testing::make_int_tensor(good, Device::cuda(0), {z.b * z.s}, cuda_stream())), Error);
+  EXPECT_THROW(fwd(make_tensor(std::vector<float>(z.b * z.s, 0.f), DType::kF32, Device::cuda(0), {z.b, z.s}, cuda_stream())),
                Error);
-  EXPECT_THROW(fwd(testing::make_int_tensor(good, Device::cpu(), {z.b, z.s}, cpu())), Error);  // wrong device
-  EXPECT_THROW(bwd(testing::make_int_tensor(good, Device::cpu(), {z.b, z.s}, cpu())), Error);
+  EXPECT_THROW(fwd(testing::make_int_tensor(good, Device::cpu(), {z.b, z.s}, cpu_stream())), Error);  // wrong device
+  EXPECT_THROW(bwd(testing::make_int_tensor(good, Device::cpu(), {z.b, z.s}, cpu_stream())), Error);
 }
 
 TEST(AttentionCuda, Bf16) {

@@ -15,17 +15,13 @@
 namespace mt {
 namespace {
 
+using testing::cpu_stream;
 using testing::make_tensor;
 using testing::OwnedTensor;
 using testing::poison;
 using testing::randn;
 using testing::rel_err;
 using testing::to_host;
-
-const Stream& cpu_stream() {
-  static Stream s(Device::cpu());
-  return s;
-}
 
 using Dims = testing::AttnDims;
 using Bufs = testing::AttnBufs;
@@ -41,7 +37,6 @@ AttentionConfig make_cfg(Dims z, float p, uint64_t seed) {
   c.dropout_key = DropoutKey{seed, 17, 3, 5};
   return c;
 }
-
 
 /// The header's mask, written out independently of the implementation.
 bool ref_keep(const AttentionConfig& c, uint64_t g) {

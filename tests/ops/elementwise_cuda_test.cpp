@@ -13,14 +13,11 @@
 namespace mt {
 namespace {
 
+using testing::rounded;
 using testing::OwnedTensor;
 const Device kCpu = Device::cpu();
 const DType kFloatTypes[] = {DType::kF32, DType::kBF16, DType::kF16};
 
-std::vector<float> rounded(std::vector<float> v, DType t) {
-  for (auto& x : v) x = round_through(t, x);
-  return v;
-}
 double tol(DType t) { return t == DType::kF32 ? 1e-5 : 2e-2; }
 
 DropoutKey random_key() {

@@ -10,13 +10,10 @@
 namespace mt {
 namespace {
 
+using testing::rounded;
 using testing::OwnedTensor;
 const Device kCpu = Device::cpu();
 
-std::vector<float> rounded(std::vector<float> v, DType t) {
-  for (auto& x : v) x = round_through(t, x);
-  return v;
-}
 double tol(DType t) { return t == DType::kF32 ? 1e-5 : 2e-2; }
 
 struct Case {

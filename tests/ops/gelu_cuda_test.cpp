@@ -10,12 +10,9 @@
 namespace mt {
 namespace {
 
+using testing::rounded;
 using testing::OwnedTensor;
 
-std::vector<float> rounded(std::vector<float> v, DType t) {
-  for (auto& x : v) x = round_through(t, x);
-  return v;
-}
 double tol(DType t) { return t == DType::kF32 ? 1e-5 : 2e-2; }
 
 /// Element-wise |got - ref| <= rtol |ref| + atol_i. The absolute part covers the cancellation in

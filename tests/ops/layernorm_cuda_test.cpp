@@ -9,14 +9,11 @@
 namespace mt {
 namespace {
 
+using testing::rounded;
 using testing::OwnedTensor;
 const Device kCpu = Device::cpu();
 constexpr float kEps = 1e-5f;
 
-std::vector<float> rounded(std::vector<float> v, DType t) {
-  for (auto& x : v) x = round_through(t, x);
-  return v;
-}
 double tol(DType t) { return t == DType::kF32 ? 1e-5 : 2e-2; }
 
 TEST(LayerNormCuda, ForwardBackwardMatchCpu) {

@@ -10,6 +10,9 @@
 namespace mt {
 namespace {
 
+using testing::cpu_stream;
+using testing::cuda_stream;
+using testing::rounded;
 using testing::make_tensor;
 using testing::OwnedTensor;
 using testing::poison;
@@ -17,18 +20,6 @@ using testing::randn;
 using testing::rel_err;
 using testing::to_host;
 
-const Stream& cpu() {
-  static Stream s(Device::cpu());
-  return s;
-}
-const Stream& gpu() {
-  static Stream s(Device::cuda(0));
-  return s;
-}
-std::vector<float> rounded(std::vector<float> v, DType t) {
-  for (auto& x : v) x = round_through(t, x);
-  return v;
-}
 std::vector<int64_t> with_batch(int64_t batch, std::vector<int64_t> s) {
   if (batch > 0) s.insert(s.begin(), batch);
   return s;
@@ -44,7 +35,7 @@ struct OffsetTensor {
     for (auto d : shape) n *= d;
     storage = OwnedTensor(dtype, Device::cuda(0), {n + offset});
     t = storage.t.flat_range(offset, n).view(shape);
-    testing::upload(t, host, gpu());
+    testing::upload(t, host, cuda_stream());
   }
 };
 
@@ -63,14 +54,14 @@ double matmul_err(DType ab, DType ct, MatmulCase c, int64_t offset = 0) {
   auto sa = with_batch(c.batch, c.ta ? std::vector<int64_t>{c.k, c.m} : std::vector<int64_t>{c.m, c.k});
   auto sb = with_batch(c.batch, c.tb ? std::vector<int64_t>{c.n, c.k} : std::vector<int64_t>{c.k, c.n});
   auto sc = with_batch(c.batch, {c.m, c.n});
-  auto ca = make_tensor(ha, DType::kF32, Device::cpu(), sa, cpu());
-  auto cb = make_tensor(hb, DType::kF32, Device::cpu(), sb, cpu());
-  auto cc = make_tensor(hc, DType::kF32, Device::cpu(), sc, cpu());
-  matmul(cc, ca, cb, c.ta, c.tb, c.alpha, c.beta, cpu());
+  auto ca = make_tensor(ha, DType::kF32, Device::cpu(), sa, cpu_stream());
+  auto cb = make_tensor(hb, DType::kF32, Device::cpu(), sb, cpu_stream());
+  auto cc = make_tensor(hc, DType::kF32, Device::cpu(), sc, cpu_stream());
+  matmul(cc, ca, cb, c.ta, c.tb, c.alpha, c.beta, cpu_stream());
   OffsetTensor ga(ha, ab, sa, offset), gb(hb, ab, sb, offset), gc(hc, ct, sc, offset);
-  if (c.beta == 0.f) poison(gc.t, gpu());
-  matmul(gc.t, ga.t, gb.t, c.ta, c.tb, c.alpha, c.beta, gpu());
-  return rel_err(to_host(gc.t, gpu()), to_host(cc, cpu()));
+  if (c.beta == 0.f) poison(gc.t, cuda_stream());
+  matmul(gc.t, ga.t, gb.t, c.ta, c.tb, c.alpha, c.beta, cuda_stream());
+  return rel_err(to_host(gc.t, cuda_stream()), to_host(cc, cpu_stream()));
 }
 
 std::string describe(DType ab, DType ct, MatmulCase c) {
@@ -143,24 +134,24 @@ void check_linear_forward(DType t, LinearCase c, double tol) {
   const int64_t m = c.b0 * c.b1;
   auto hx = rounded(randn(m * c.k), t), hw = rounded(randn(c.n * c.k, 0.2f), t), hb = rounded(randn(c.n), t);
   const std::vector<int64_t> sx{c.b0, c.b1, c.k}, sy{c.b0, c.b1, c.n}, sw{c.n, c.k};
-  auto cx = make_tensor(hx, DType::kF32, Device::cpu(), sx, cpu());
-  auto cw = make_tensor(hw, DType::kF32, Device::cpu(), sw, cpu());
-  auto cb = make_tensor(hb, DType::kF32, Device::cpu(), {c.n}, cpu());
+  auto cx = make_tensor(hx, DType::kF32, Device::cpu(), sx, cpu_stream());
+  auto cw = make_tensor(hw, DType::kF32, Device::cpu(), sw, cpu_stream());
+  auto cb = make_tensor(hb, DType::kF32, Device::cpu(), {c.n}, cpu_stream());
   OwnedTensor cy(DType::kF32, Device::cpu(), sy), cpre(DType::kF32, Device::cpu(), sy);
-  linear_forward(cy, cx, cw, c.bias ? cb.t : Tensor(), c.gelu ? cpre.t : Tensor(), cpu());
+  linear_forward(cy, cx, cw, c.bias ? cb.t : Tensor(), c.gelu ? cpre.t : Tensor(), cpu_stream());
 
-  auto gx = make_tensor(hx, t, Device::cuda(0), sx, gpu());
-  auto gw = make_tensor(hw, t, Device::cuda(0), sw, gpu());
-  auto gb = make_tensor(hb, t, Device::cuda(0), {c.n}, gpu());
+  auto gx = make_tensor(hx, t, Device::cuda(0), sx, cuda_stream());
+  auto gw = make_tensor(hw, t, Device::cuda(0), sw, cuda_stream());
+  auto gb = make_tensor(hb, t, Device::cuda(0), {c.n}, cuda_stream());
   OwnedTensor gy(t, Device::cuda(0), sy), gpre(t, Device::cuda(0), sy);
-  poison(gy, gpu());
-  poison(gpre, gpu());
-  linear_forward(gy, gx, gw, c.bias ? gb.t : Tensor(), c.gelu ? gpre.t : Tensor(), gpu());
+  poison(gy, cuda_stream());
+  poison(gpre, cuda_stream());
+  linear_forward(gy, gx, gw, c.bias ? gb.t : Tensor(), c.gelu ? gpre.t : Tensor(), cuda_stream());
   const std::string what = fmt::format("{} m={}x{} n={} k={} bias={} gelu={}", dtype_name(t), c.b0, c.b1, c.n, c.k,
                                        c.bias, c.gelu);
-  EXPECT_LT(rel_err(to_host(gy, gpu()), to_host(cy, cpu())), tol) << what;
+  EXPECT_LT(rel_err(to_host(gy, cuda_stream()), to_host(cy, cpu_stream())), tol) << what;
   if (c.gelu) {
-    EXPECT_LT(rel_err(to_host(gpre, gpu()), to_host(cpre, cpu())), tol) << what;
+    EXPECT_LT(rel_err(to_host(gpre, cuda_stream()), to_host(cpre, cpu_stream())), tol) << what;
   }
 }
 
@@ -192,32 +183,32 @@ void check_linear_backward(DType t, int64_t b0, int64_t b1, int64_t n, int64_t k
   auto hx = rounded(randn(m * k), t), hw = rounded(randn(n * k), t), hdy = rounded(randn(m * n), t);
   auto hdw0 = randn(n * k), hdb0 = randn(n);
   const std::vector<int64_t> sx{b0, b1, k}, sy{b0, b1, n}, sw{n, k};
-  auto cx = make_tensor(hx, DType::kF32, Device::cpu(), sx, cpu());
-  auto cw = make_tensor(hw, DType::kF32, Device::cpu(), sw, cpu());
-  auto cdy = make_tensor(hdy, DType::kF32, Device::cpu(), sy, cpu());
+  auto cx = make_tensor(hx, DType::kF32, Device::cpu(), sx, cpu_stream());
+  auto cw = make_tensor(hw, DType::kF32, Device::cpu(), sw, cpu_stream());
+  auto cdy = make_tensor(hdy, DType::kF32, Device::cpu(), sy, cpu_stream());
   OwnedTensor cdx(DType::kF32, Device::cpu(), sx);
-  auto cdw = make_tensor(hdw0, DType::kF32, Device::cpu(), sw, cpu());
-  auto cdb = make_tensor(hdb0, DType::kF32, Device::cpu(), {n}, cpu());
-  linear_backward(cdx, cdw, cdb, cdy, cx, cw, cpu());
+  auto cdw = make_tensor(hdw0, DType::kF32, Device::cpu(), sw, cpu_stream());
+  auto cdb = make_tensor(hdb0, DType::kF32, Device::cpu(), {n}, cpu_stream());
+  linear_backward(cdx, cdw, cdb, cdy, cx, cw, cpu_stream());
 
-  auto gx = make_tensor(hx, t, Device::cuda(0), sx, gpu());
-  auto gw = make_tensor(hw, t, Device::cuda(0), sw, gpu());
-  auto gdy = make_tensor(hdy, t, Device::cuda(0), sy, gpu());
+  auto gx = make_tensor(hx, t, Device::cuda(0), sx, cuda_stream());
+  auto gw = make_tensor(hw, t, Device::cuda(0), sw, cuda_stream());
+  auto gdy = make_tensor(hdy, t, Device::cuda(0), sy, cuda_stream());
   OwnedTensor gdx(t, Device::cuda(0), sx);
-  auto gdw = make_tensor(hdw0, DType::kF32, Device::cuda(0), sw, gpu());
-  auto gdb = make_tensor(hdb0, DType::kF32, Device::cuda(0), {n}, gpu());
-  poison(gdx, gpu());
-  linear_backward(with_dx ? gdx.t : Tensor(), gdw, with_db ? gdb.t : Tensor(), gdy, gx, gw, gpu());
+  auto gdw = make_tensor(hdw0, DType::kF32, Device::cuda(0), sw, cuda_stream());
+  auto gdb = make_tensor(hdb0, DType::kF32, Device::cuda(0), {n}, cuda_stream());
+  poison(gdx, cuda_stream());
+  linear_backward(with_dx ? gdx.t : Tensor(), gdw, with_db ? gdb.t : Tensor(), gdy, gx, gw, cuda_stream());
   const std::string what = fmt::format("{} m={}x{} n={} k={} dx={} dbias={}", dtype_name(t), b0, b1, n, k, with_dx,
                                        with_db);
   if (with_dx) {
-    EXPECT_LT(rel_err(to_host(gdx, gpu()), to_host(cdx, cpu())), tol_act) << what;
+    EXPECT_LT(rel_err(to_host(gdx, cuda_stream()), to_host(cdx, cpu_stream())), tol_act) << what;
   }
-  EXPECT_LT(rel_err(to_host(gdw, gpu()), to_host(cdw, cpu())), tol_main) << what;
+  EXPECT_LT(rel_err(to_host(gdw, cuda_stream()), to_host(cdw, cpu_stream())), tol_main) << what;
   if (with_db) {
-    EXPECT_LT(rel_err(to_host(gdb, gpu()), to_host(cdb, cpu())), tol_main) << what;
+    EXPECT_LT(rel_err(to_host(gdb, cuda_stream()), to_host(cdb, cpu_stream())), tol_main) << what;
   } else {
-    EXPECT_EQ(to_host(gdb, gpu()), hdb0) << what;
+    EXPECT_EQ(to_host(gdb, cuda_stream()), hdb0) << what;
   }
 }
 
@@ -239,9 +230,9 @@ TEST(LinearCuda, Errors) {
   OwnedTensor x(DType::kBF16, Device::cuda(0), {4, 3}), w(DType::kBF16, Device::cuda(0), {5, 3}),
       y(DType::kBF16, Device::cuda(0), {4, 5});
   OwnedTensor dw_bf16(DType::kBF16, Device::cuda(0), {5, 3}), x_cpu(DType::kBF16, Device::cpu(), {4, 3});
-  EXPECT_THROW(linear_forward(y, x_cpu, w, Tensor(), Tensor(), gpu()), Error);  // mixed devices
-  EXPECT_THROW(linear_forward(y, x, w, Tensor(), Tensor(), cpu()), Error);      // CPU stream, GPU tensors
-  EXPECT_THROW(linear_backward(Tensor(), dw_bf16, Tensor(), y, x, w, gpu()), Error);  // dw must be fp32
+  EXPECT_THROW(linear_forward(y, x_cpu, w, Tensor(), Tensor(), cuda_stream()), Error);  // mixed devices
+  EXPECT_THROW(linear_forward(y, x, w, Tensor(), Tensor(), cpu_stream()), Error);      // CPU stream, GPU tensors
+  EXPECT_THROW(linear_backward(Tensor(), dw_bf16, Tensor(), y, x, w, cuda_stream()), Error);  // dw must be fp32
 }
 
 }  // namespace

@@ -11,17 +11,13 @@
 namespace mt {
 namespace {
 
+using testing::cpu_stream;
 using testing::make_tensor;
 using testing::OwnedTensor;
 using testing::poison;
 using testing::randn;
 using testing::rel_err;
 using testing::to_host;
-
-const Stream& cpu_stream() {
-  static Stream s(Device::cpu());
-  return s;
-}
 
 /// C = alpha op(A) op(B) + beta C0, float64, row-major, batched.
 std::vector<double> ref_matmul(const std::vector<float>& a, const std::vector<float>& b, const std::vector<float>& c0,

@@ -162,40 +162,30 @@ inline std::vector<size_t> backward(const Model& m, const ParamStore& P, ParamGr
 /// Forwards to another communicator and counts the bucket collectives (more than one element)
 /// it sees: reductions (all_reduce / reduce_scatter) and all-gathers. Communicators split from it
 /// (GradSync takes its own with overlap) count into the same counters.
-class CountingCommunicator final : public Communicator {
+class CountingCommunicator final : public ForwardingCommunicator {
  public:
   explicit CountingCommunicator(std::shared_ptr<Communicator> inner, CountingCommunicator* root = nullptr)
-      : inner_(std::move(inner)), root_(root ? root : this) {}
-  int rank() const override { return inner_->rank(); }
-  int size() const override { return inner_->size(); }
-  const std::string& name() const override { return inner_->name(); }
+      : ForwardingCommunicator(std::move(inner)), root_(root ? root : this) {}
   void all_reduce(const Tensor& t, ReduceOp op, const Stream& s) override {
     if (t.numel() > 1) ++root_->reductions;
-    inner_->all_reduce(t, op, s);
+    inner().all_reduce(t, op, s);
   }
   void all_gather(const Tensor& out, const Tensor& in, const Stream& s) override {
     if (out.numel() > 1) ++root_->gathers;
-    inner_->all_gather(out, in, s);
+    inner().all_gather(out, in, s);
   }
   void reduce_scatter(const Tensor& out, const Tensor& in, ReduceOp op, const Stream& s) override {
     if (in.numel() > 1) ++root_->reductions;
-    inner_->reduce_scatter(out, in, op, s);
-  }
-  void broadcast(const Tensor& t, int root, const Stream& s) override { inner_->broadcast(t, root, s); }
-  void all_to_all(const Tensor& out, const Tensor& in, const Stream& s) override { inner_->all_to_all(out, in, s); }
-  void send(const Tensor& t, int peer, const Stream& s) override { inner_->send(t, peer, s); }
-  void recv(const Tensor& t, int peer, const Stream& s) override { inner_->recv(t, peer, s); }
-  void group_start() override { inner_->group_start(); }
-  void group_end() override { inner_->group_end(); }
-  void barrier() override { inner_->barrier(); }
-  std::shared_ptr<Communicator> split(int color, int key, const std::string& name) override {
-    auto c = inner_->split(color, key, name);
-    return c ? std::make_shared<CountingCommunicator>(std::move(c), root_) : nullptr;
+    inner().reduce_scatter(out, in, op, s);
   }
   int reductions = 0, gathers = 0;
 
+ protected:
+  std::shared_ptr<Communicator> wrap(std::shared_ptr<Communicator> split) override {
+    return std::make_shared<CountingCommunicator>(std::move(split), root_);
+  }
+
  private:
-  std::shared_ptr<Communicator> inner_;
   CountingCommunicator* root_;
 };
 

@@ -98,6 +98,21 @@ OwnedTensor make_int_tensor(const std::vector<int32_t>& host, Device device, con
   return o;
 }
 
+std::vector<float> rounded(std::vector<float> v, DType t) {
+  for (auto& x : v) x = round_through(t, x);
+  return v;
+}
+
+const Stream& cpu_stream() {
+  static Stream s(Device::cpu());
+  return s;
+}
+
+const Stream& cuda_stream() {
+  static Stream s(Device::cuda(0));
+  return s;
+}
+
 std::vector<float> to_host(const Tensor& t, const Stream& stream) {
   std::vector<uint8_t> bytes(t.nbytes());
   copy_bytes(bytes.data(), Device::cpu(), t.data(), t.device(), bytes.size(), stream);

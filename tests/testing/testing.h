@@ -40,6 +40,11 @@ OwnedTensor make_int_tensor(const std::vector<int32_t>& host, Device device, con
                             const Stream& stream);
 /// Tensor (any float dtype, any device) -> host floats; synchronizes the stream.
 std::vector<float> to_host(const Tensor& t, const Stream& stream);
+/// v with every element rounded through dtype t (the values a tensor of t holds).
+std::vector<float> rounded(std::vector<float> v, DType t);
+/// Process-wide streams for tests: one on the CPU, one on cuda:0 (created on first use).
+const Stream& cpu_stream();
+const Stream& cuda_stream();
 /// Overwrites host data into an existing tensor (rounding to its dtype).
 void upload(const Tensor& t, const std::vector<float>& host, const Stream& stream);
 /// Fills a float tensor with NaN (outputs are poisoned before each call under test).
