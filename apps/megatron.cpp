@@ -4,6 +4,7 @@
 //   megatron generate ...         sample text from a checkpoint (train/generate.h)
 #include <CLI/CLI.hpp>
 #include <cstdio>
+#include <cstdlib>
 
 #include "comm/bootstrap.h"
 #include "comm/launcher.h"
@@ -14,6 +15,10 @@
 #include "train/trainer.h"
 
 int main(int argc, char** argv) {
+  // More hardware work queues than CUDA's default 8, so that a stream stopped at a copy-engine
+  // collective's flag wait (--ddp-copy-engine, comm/nccl/peer_copy.h) does not hold back work of
+  // other streams that would share its queue. Must be set before the first CUDA call.
+  setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
   CLI::App app{"megatron.cpp: Megatron-style GPT pretraining in C++/CUDA"};
   app.require_subcommand(1);
   app.set_help_all_flag("--help-all", "Help for every subcommand");

@@ -6,6 +6,9 @@
 //               input; all_to_all: the input (= output)
 //   algbw     = size / time;  busbw = algbw * 2(n-1)/n (all_reduce), algbw * (n-1)/n (others)
 //   time      = mean over --iters iterations (after warm-up), max over ranks.
+// A second table compares the data-parallel gradient path's collectives, copy-engine transfers
+// (comm/nccl/peer_copy.h, --ddp-copy-engine) against NCCL on the same buffers: the fp32
+// reduce-scatter of the gradients and the bf16 all-gather of the parameters (in place).
 // Run one process per GPU:
 //   mpiexec --allow-run-as-root -np 2 build/comm_bench
 //   torchrun --standalone --nproc-per-node 2 --no-python build/comm_bench
@@ -21,6 +24,7 @@
 
 #include "comm/bootstrap.h"
 #include "comm/nccl/nccl_communicator.h"
+#include "comm/nccl/peer_copy.h"
 #include "core/buffer.h"
 #include "core/cuda_check.h"
 #include "core/stream.h"
@@ -148,6 +152,44 @@ int bench_main(int argc, char** argv) {
         std::printf("%-15s %7zu MiB | %10.1f %7.1f GB/s %7.1f GB/s | %10.1f %7.1f GB/s %7.1f GB/s | %6.3f\n",
                     op.name, size >> 20, t_ours, alg_ours, alg_ours * op.bus_factor, t_raw, alg_raw,
                     alg_raw * op.bus_factor, (alg_ours * op.bus_factor) / (alg_raw * op.bus_factor));
+        std::fflush(stdout);
+      }
+    }
+  }
+
+  // Gradient path: copy engine ("ours") against NCCL ("raw"), in place on one buffer each.
+  MT_CUDA_CHECK(cudaMemset(in_buf.data(), 0, max_bytes));
+  std::string why;
+  auto ce = PeerCopyGroup::create(std::dynamic_pointer_cast<NcclCommunicator>(world),
+                                  {{in_buf.data(), max_bytes}, {out_buf.data(), max_bytes}}, size_t{4} << 20, &why);
+  if (!ce) {
+    if (me == 0) std::printf("copy-engine collectives unavailable: %s\n", why.c_str());
+    return 0;
+  }
+  const Op grad_ops[] = {
+      {"rs_f32_ce/nccl", double(n - 1) / n,
+       [&](size_t size, bool ours) {
+         const size_t m = size / 4 / n;
+         if (ours) ce->reduce_scatter_sum_f32(0, 0, m, stream);
+         else BENCH_NCCL(ncclReduceScatter(in, in + me * m * 4, m, ncclFloat32, ncclSum, raw, cs));
+       }},
+      {"ag_bf16_ce/nccl", double(n - 1) / n,
+       [&](size_t size, bool ours) {
+         const size_t chunk = size / n;
+         if (ours) ce->all_gather(1, 0, chunk, stream);
+         else BENCH_NCCL(ncclAllGather(out + me * chunk, out, chunk / kEl, ncclBfloat16, raw, cs));
+       }},
+  };
+  if (me == 0) std::printf("gradient path: copy engine (ours) vs NCCL (raw), in place\n");
+  for (const Op& op : grad_ops) {
+    for (size_t size = size_t(1) << 20; size <= max_bytes; size *= 2) {
+      if (size % (static_cast<size_t>(n) * 256) != 0) continue;
+      const double t_raw = time_us(op, size, false), t_ours = time_us(op, size, true);
+      if (me == 0) {
+        const double alg_ours = size / (t_ours * 1e-6) / 1e9, alg_raw = size / (t_raw * 1e-6) / 1e9;
+        std::printf("%-15s %7zu MiB | %10.1f %7.1f GB/s %7.1f GB/s | %10.1f %7.1f GB/s %7.1f GB/s | %6.3f\n",
+                    op.name, size >> 20, t_ours, alg_ours, alg_ours * op.bus_factor, t_raw, alg_raw,
+                    alg_raw * op.bus_factor, t_raw / t_ours);
         std::fflush(stdout);
       }
     }

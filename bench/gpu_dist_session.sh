@@ -43,6 +43,38 @@ for step in "$@"; do
         env $envs $bin pretrain "${gpt2[@]}" --micro-batch-size 16 --global-batch-size 64 --train-iters 40 --nproc-per-node 4 $ov $flags 2>&1 \
           | tee "$OUT/dpx.log" | grep -E "iteration +40/" | sed "s/^/dp4 [$flags $envs]: /" | cut -c1-200
       done ;;
+    dpce)
+      # DP scaling with NCCL vs copy-engine collectives (--ddp-copy-engine). ms/iter = mean of the
+      # log lines at iterations 30..80 (10-iteration windows), 1-GPU baseline run before and after.
+      msit() { grep -E "iteration +([3-8]0)/" "$1" | sed -E 's/.*per iteration \(ms\): ([0-9.]+).*/\1/' | awk '{s+=$1;n++} END {if(n) printf "%.2f", s/n; else print "NA"}'; }
+      for mb in ${DPCE_MB:-32 16}; do
+        for v in "1|" "4|" "4|--use-distributed-optimizer" "4|--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather" \
+                 "4|--ddp-copy-engine" "4|--ddp-copy-engine --overlap-grad-reduce" "4|--ddp-copy-engine --use-distributed-optimizer" \
+                 "4|--ddp-copy-engine --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather" \
+                 "4|--ddp-copy-engine --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --ddp-bucket-size 10000000" "1|"; do
+          n=${v%%|*}; flags=${v#*|}
+          [ $n -le $N ] || continue
+          tag=dpce_mb${mb}_n$n$(echo "$flags" | sed 's/--//g; s/ /_/g')
+          $bin pretrain "${gpt2[@]}" --micro-batch-size $mb --global-batch-size $((mb*n)) --train-iters 80 --nproc-per-node $n $flags \
+            > "$OUT/run.log" 2>&1
+          echo "mb$mb n$n [$flags]: $(msit "$OUT/run.log") ms/iter; $(grep -E "data-parallel collectives|rror" "$OUT/run.log" | head -2 | cut -c1-200)"
+          cat "$OUT/run.log" >> "$OUT/dpce_all.log"
+        done
+      done ;;
+    dprep)
+      # Repeated, interleaved: the one-GPU baseline and the best DP layouts, DPREP_REPS rounds.
+      msit() { grep -E "iteration +([3-8]0)/" "$1" | sed -E 's/.*per iteration \(ms\): ([0-9.]+).*/\1/' | awk '{s+=$1;n++} END {if(n) printf "%.2f", s/n; else print "NA"}'; }
+      for mb in ${DPCE_MB:-32 16}; do
+        for rep in $(seq ${DPREP_REPS:-3}); do
+          for v in "1|" "4|--use-distributed-optimizer" "4|--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --ddp-bucket-size 10000000" \
+                   "4|--ddp-copy-engine --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --ddp-bucket-size 10000000"; do
+            n=${v%%|*}; flags=${v#*|}
+            $bin pretrain "${gpt2[@]}" --micro-batch-size $mb --global-batch-size $((mb*n)) --train-iters 80 --nproc-per-node $n $flags \
+              > "$OUT/run.log" 2>&1
+            echo "rep$rep mb$mb n$n [$flags]: $(msit "$OUT/run.log") ms/iter"
+          done
+        done
+      done ;;
     layouts)
       mpiexec --allow-run-as-root -np 2 build/grad_sync_np2_cuda_dist_test 2>&1 | tee "$OUT/grad_sync_np2.log" | grep -E "^\[|PASSED|FAILED|Failure" | head -20
       mpiexec --allow-run-as-root -np 4 build/parallel_layouts_cuda_dist_test 2>&1 | tee "$OUT/layouts_np4.log" | grep -E "^\[|PASSED|FAILED|Failure|Expected|actual" | head -60 ;;

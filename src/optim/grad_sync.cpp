@@ -2,6 +2,10 @@
 
 #include <algorithm>
 
+#ifdef MT_WITH_NCCL
+#include "comm/nccl/peer_copy.h"
+#endif
+
 namespace mt {
 
 GradSync::GradSync(ParamStore& params, std::shared_ptr<Communicator> dp, const DdpConfig& config)
@@ -36,12 +40,49 @@ GradSync::GradSync(ParamStore& params, std::shared_ptr<Communicator> dp, const D
     if (r.end > r.begin) owned_.push_back(r);
     owned_elements_ += r.end - r.begin;
   }
+  setup_copy_engine();
   for (size_t b = 0; b < bks.size(); ++b) gathered_.push_back(std::make_unique<Event>(params.device()));
   ready_.assign(params.size(), 0);
   waiting_.assign(bks.size(), 0);
   launched_.assign(bks.size(), 0);
   gather_pending_.assign(bks.size(), 0);
   reset_grad_state();
+}
+
+void GradSync::setup_copy_engine() {
+  if (!config_.copy_engine) {
+    why_not_copy_engine_ = "not requested (--ddp-copy-engine)";
+    return;
+  }
+  if (dp_->size() < 2) {
+    why_not_copy_engine_ = "a data-parallel group of one rank";
+    return;
+  }
+  const auto& bks = params_.buckets();
+  const int64_t q = ParamStore::kAlign * dp_->size();
+  for (const ParamBucket& bk : bks) {
+    if (bk.numel() % q != 0) {
+      why_not_copy_engine_ = fmt::format("bucket [{}, {}) is not a multiple of {} elements", bk.begin, bk.end, q);
+      return;
+    }
+  }
+#ifdef MT_WITH_NCCL
+  auto nccl = std::dynamic_pointer_cast<NcclCommunicator>(dp_);
+  if (!nccl) {
+    why_not_copy_engine_ = "the data-parallel group is not an NCCL group";
+    return;
+  }
+  // Staging: two generations of one slot per rank, each at most 4M fp32 values (16 MiB), which
+  // is enough to keep the copies streaming; longer bucket slices are reduced in pieces.
+  int64_t max_chunk = 1;
+  for (const ParamBucket& bk : bks) max_chunk = std::max(max_chunk, bk.numel() / dp_->size());
+  const size_t stage = static_cast<size_t>(std::min<int64_t>(max_chunk, int64_t{4} << 20));
+  const Tensor g = params_.grads_flat(), p = params_.params_flat();
+  std::vector<PeerCopyGroup::Region> regions = {{g.data(), g.nbytes()}, {p.data(), p.nbytes()}};
+  peer_copy_ = PeerCopyGroup::create(nccl, regions, stage, &why_not_copy_engine_);
+#else
+  why_not_copy_engine_ = "built without NCCL";
+#endif
 }
 
 GradSync::~GradSync() {
@@ -78,6 +119,15 @@ std::pair<size_t, size_t> GradSync::bucket_span(size_t first, size_t end) const 
 void GradSync::launch_grad_reduce(size_t b, const Stream& stream) {
   const ParamBucket& bk = params_.buckets()[b];
   const Tensor g = params_.grads_flat().flat_range(bk.begin, bk.numel());
+#ifdef MT_WITH_NCCL
+  if (peer_copy_) {
+    const size_t m = static_cast<size_t>(bk.numel() / dp_->size());
+    peer_copy_->reduce_scatter_sum_f32(0, static_cast<size_t>(bk.begin), m, stream);
+    if (!distributed_) peer_copy_->all_gather(0, static_cast<size_t>(bk.begin) * 4, m * 4, stream);
+    launched_[b] = 1;
+    return;
+  }
+#endif
   if (distributed_) {
     const ParamStore::Range r = owned_range(b);
     dp_->reduce_scatter(g.flat_range(r.begin - bk.begin, r.end - r.begin), g, ReduceOp::kSum, stream);
@@ -91,6 +141,13 @@ void GradSync::launch_param_gather(size_t b, const Stream& stream) {
   const ParamBucket& bk = params_.buckets()[b];
   const Tensor p = params_.params_flat().flat_range(bk.begin, bk.numel());
   const ParamStore::Range r = owned_range(b);
+#ifdef MT_WITH_NCCL
+  if (peer_copy_) {
+    const size_t es = dtype_size(p.dtype());
+    peer_copy_->all_gather(1, static_cast<size_t>(bk.begin) * es, static_cast<size_t>(r.end - r.begin) * es, stream);
+    return;
+  }
+#endif
   dp_->all_gather(p, p.flat_range(r.begin - bk.begin, r.end - r.begin), stream);
 }
 

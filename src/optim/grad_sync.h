@@ -34,8 +34,19 @@
 // With overlap the bucket collectives use a communicator of their own (split from the DP group
 // at construction), because the caller keeps using the DP communicator on its own stream and one
 // NCCL communicator must not be used from two streams at once.
+//
+// Copy-engine collectives (DdpConfig::copy_engine, --ddp-copy-engine): when the DP group is an
+// NCCL group whose GPUs are all on one host with peer access, the bucket reductions are
+// reduce-scatters by copy-engine transfers plus one summation kernel (comm/nccl/peer_copy.h),
+// followed (without the distributed optimizer) by a copy-engine all-gather of the reduced fp32
+// slices, and the parameter all-gathers are copy-engine all-gathers: no NCCL kernel competes with
+// the backward's GEMMs for SMs. The sum is taken in rank order (deterministic; not NCCL's ring
+// order, so results differ from the NCCL path in the last bits). Where the group does not qualify
+// (CPU, one rank, several hosts, no peer access) the NCCL path is used; copy_engine_active() says
+// which one runs.
 #pragma once
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "comm/communicator.h"
@@ -45,12 +56,17 @@
 
 namespace mt {
 
+class PeerCopyGroup;  // comm/nccl/peer_copy.h (CUDA + NCCL builds)
+
 /// Megatron's DistributedDataParallelConfig (the fields implemented here). The bucket size is
 /// part of the ParamStore's layout (ParamLayout::bucket_size, --ddp-bucket-size).
 struct DdpConfig {
   bool overlap_grad_reduce = false;        ///< --overlap-grad-reduce
   bool overlap_param_gather = false;       ///< --overlap-param-gather (needs use_distributed_optimizer)
   bool use_distributed_optimizer = false;  ///< --use-distributed-optimizer
+  /// --ddp-copy-engine: bucket collectives by copy-engine transfers between the GPUs of one host
+  /// where the DP group allows it (see above), else NCCL.
+  bool copy_engine = false;
 };
 
 class GradSync final : public ParamGradHooks {
@@ -106,6 +122,10 @@ class GradSync final : public ParamGradHooks {
   /// Makes `stream` wait for every parameter all-gather still in flight (checkpointing,
   /// evaluation without params_needed, the next optimizer step).
   void finish_param_sync(const Stream& stream);
+  /// Whether the bucket collectives run as copy-engine transfers (DdpConfig::copy_engine and a
+  /// DP group that qualifies); why_not_copy_engine() says why not otherwise.
+  bool copy_engine_active() const { return peer_copy_ != nullptr; }
+  const std::string& why_not_copy_engine() const { return why_not_copy_engine_; }
   /// Number of bucket reductions launched in the current step (tests, logging).
   size_t grad_reductions_launched() const;
 
@@ -113,12 +133,15 @@ class GradSync final : public ParamGradHooks {
   void launch_grad_reduce(size_t b, const Stream& stream);
   void launch_param_gather(size_t b, const Stream& stream);
   void reset_grad_state();
+  void setup_copy_engine();
   // Bucket indices covering parameters [first, end) (non-empty range): [lo, hi] ascending.
   std::pair<size_t, size_t> bucket_span(size_t first, size_t end) const;
 
   ParamStore& params_;
   std::shared_ptr<Communicator> dp_;
   DdpConfig config_;
+  std::unique_ptr<PeerCopyGroup> peer_copy_;  // copy-engine collectives (null: NCCL / CPU path)
+  std::string why_not_copy_engine_;
   bool distributed_ = false;
   std::vector<ParamStore::Range> owned_;
   int64_t owned_elements_ = 0;

@@ -20,6 +20,7 @@ DdpConfig PretrainArgs::ddp_config() const {
   DdpConfig c;
   c.overlap_grad_reduce = overlap_grad_reduce;
   c.overlap_param_gather = overlap_param_gather;
+  c.copy_engine = ddp_copy_engine;
   c.use_distributed_optimizer = use_distributed_optimizer;
   return c;
 }
@@ -114,6 +115,9 @@ void add_pretrain_options(CLI::App& app, PretrainArgs& a) {
   app.add_flag("--overlap-param-gather", a.overlap_param_gather,
                "All-gather updated parameters asynchronously, waited for by the next forward (needs "
                "--use-distributed-optimizer and --overlap-grad-reduce)");
+  app.add_flag("--ddp-copy-engine", a.ddp_copy_engine,
+               "Data-parallel bucket collectives as copy-engine transfers between the GPUs of one host (no SMs "
+               "taken from the compute; falls back to NCCL where the group does not allow it)");
   app.add_option_function<int64_t>(
       "--ddp-bucket-size", [&a](const int64_t& v) { a.ddp_bucket_size = v; },
       "Elements per gradient bucket with --overlap-grad-reduce (default max(40M, 1M x data-parallel size); 0 = one "

@@ -62,6 +62,7 @@ struct PretrainArgs {
   bool use_distributed_optimizer = false;  ///< --use-distributed-optimizer
   bool overlap_grad_reduce = false;        ///< --overlap-grad-reduce (bucketed, overlapped with backward)
   bool overlap_param_gather = false;       ///< --overlap-param-gather (needs the two flags above)
+  bool ddp_copy_engine = false;            ///< --ddp-copy-engine (DdpConfig::copy_engine)
   /// --ddp-bucket-size in elements; unset = Megatron's max(40M, 1M · DP). Only used with
   /// --overlap-grad-reduce (without it there is one bucket, as in Megatron).
   std::optional<int64_t> ddp_bucket_size;

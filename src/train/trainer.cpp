@@ -313,6 +313,11 @@ int run_pretrain(PretrainArgs args) {
   GradSync grad_sync(model.params(), groups.dp, args.ddp_config());
   AdamWOptimizer optimizer(grad_sync, args.optim, stream, {nullptr, groups.mp, groups.tp->rank()});
   model.set_hooks(&grad_sync);
+  if (args.ddp_copy_engine && groups.dp->size() > 1)
+    log_info("> data-parallel collectives: {}", grad_sync.copy_engine_active()
+                                                   ? std::string("copy engine (--ddp-copy-engine)")
+                                                   : "NCCL (copy engine unavailable: " +
+                                                         grad_sync.why_not_copy_engine() + ")");
   if (model.params().buckets().size() > 1)
     log_info("> data-parallel gradient buckets: {} (--ddp-bucket-size {}), overlap grad reduce {}, param gather {}",
              model.params().buckets().size(), model.params().layout().bucket_size, args.overlap_grad_reduce,

@@ -6,6 +6,8 @@
 // match one GPU stepping on the summed gradients (rel 1e-6). The backward is asynchronous: its
 // gradient accumulations are device adds enqueued on the compute stream right before each
 // grads_ready, so a missing event wait shows up as a race (likely, not certainly).
+// The copy-engine collectives (--ddp-copy-engine) give the same bits as NCCL, with and without
+// overlap: with two ranks the rank-order sum x_0 + x_1 equals NCCL's (addition commutes).
 #include <gtest/gtest.h>
 #include <cuda_runtime.h>
 #include <mpi.h>
@@ -38,6 +40,8 @@ OptimizerConfig opt_config() {
 struct Out {
   std::vector<float> params, main;  // params as floats of the model dtype
   std::vector<std::vector<float>> snapshots;  // per step: the parameters the forward read
+  bool copy_engine = false;                   // GradSync ran the copy-engine path
+  std::string why_not;
 };
 
 // This rank's gradients of every step, laid out like P (flat [total], padding zero), on the
@@ -56,13 +60,14 @@ std::vector<OwnedTensor> step_grads(const ParamStore& P, int rank, int ranks, co
 }
 
 Out run(const Model& m, std::shared_ptr<Communicator> dp, int rank, int ranks, DType dtype, bool distributed,
-        bool overlap, Device dev) {
+        bool overlap, Device dev, bool copy_engine = false) {
   Stream st(dev);
   ParamStore P(m.specs, dtype, dev, ParamLayout{2, 700});
   DdpConfig dc;
   dc.overlap_grad_reduce = overlap;
   dc.use_distributed_optimizer = distributed;
   dc.overlap_param_gather = overlap && distributed;
+  dc.copy_engine = copy_engine;
   GradSync sync(P, dp, dc);
   AdamWOptimizer opt(sync, opt_config(), st);
   P.initialize(99, st);
@@ -96,6 +101,8 @@ Out run(const Model& m, std::shared_ptr<Communicator> dp, int rank, int ranks, D
   }
   sync.finish_param_sync(st);
   Out o;
+  o.copy_engine = sync.copy_engine_active();
+  o.why_not = sync.why_not_copy_engine();
   o.params = testing::to_host(P.params_flat(), st);
   OwnedTensor full(DType::kF32, dev, {P.total_elements()});
   opt.gather_main(full, st);
@@ -128,6 +135,14 @@ TEST(GradSyncNccl, OverlapMatchesNoOverlapBitwise) {
       EXPECT_EQ(on.params, off.params) << what;
       EXPECT_EQ(on.main, off.main) << what;
       for (int s = 0; s < kSteps; ++s) EXPECT_EQ(on.snapshots[s], off.snapshots[s]) << what << " step " << s;
+      for (bool ov : {false, true}) {
+        const Out ce = run(m, world, world->rank(), 2, dt, dist, ov, dev, /*copy_engine=*/true);
+        EXPECT_TRUE(ce.copy_engine) << what << ": copy engine not used: " << ce.why_not;
+        EXPECT_EQ(ce.params, off.params) << what << " copy engine, overlap " << ov;
+        EXPECT_EQ(ce.main, off.main) << what << " copy engine, overlap " << ov;
+        for (int s = 0; s < kSteps; ++s)
+          EXPECT_EQ(ce.snapshots[s], off.snapshots[s]) << what << " copy engine, overlap " << ov << " step " << s;
+      }
       const Out ref = run(m, std::make_shared<SingleRankCommunicator>("dp"), -1, 2, dt, false, false, dev);
       EXPECT_LT(testing::rel_err(on.main, ref.main), 1e-6) << what;
       std::printf("[%s] rank %d: main params rel err vs one GPU %.2e\n", what.c_str(), world->rank(),

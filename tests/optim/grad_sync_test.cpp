@@ -338,10 +338,13 @@ INSTANTIATE_TEST_SUITE_P(Cases, DataParallel, ::testing::ValuesIn(dp_cases()), [
 });
 
 // Overlap on and off give bitwise identical parameters (the same collectives in the same order).
+// Asking for the copy-engine collectives on CPU ranks falls back to the communicator (the
+// collectives need CUDA peer memory), says why, and changes nothing.
 TEST(DataParallel, OverlapOnOffBitwise) {
   const Model m = ddp_test::gpt_like(4);
-  std::vector<float> out[2];
-  for (int overlap = 0; overlap < 2; ++overlap) {
+  std::vector<float> out[3];
+  for (int variant = 0; variant < 3; ++variant) {
+    const int overlap = variant >= 1;
     std::mutex mu;
     run_thread_ranks(2, [&](int rank, std::shared_ptr<Communicator> w) {
       Stream st;
@@ -351,7 +354,11 @@ TEST(DataParallel, OverlapOnOffBitwise) {
       dc.overlap_grad_reduce = overlap;
       dc.overlap_param_gather = overlap;
       dc.use_distributed_optimizer = true;
+      dc.copy_engine = variant == 2;
       GradSync sync(P, w, dc);
+      EXPECT_FALSE(sync.copy_engine_active());
+      EXPECT_NE(sync.why_not_copy_engine().find(variant == 2 ? "NCCL" : "not requested"), std::string::npos)
+          << sync.why_not_copy_engine();
       AdamWOptimizer opt(sync, opt_config(), st);
       for (int step = 0; step < kSteps; ++step) {
         sync.zero_grad_buffer(st);
@@ -360,11 +367,12 @@ TEST(DataParallel, OverlapOnOffBitwise) {
       }
       sync.finish_param_sync(st);
       std::lock_guard<std::mutex> lock(mu);
-      if (rank == 1) out[overlap] = testing::to_host(P.params_flat(), st);
+      if (rank == 1) out[variant] = testing::to_host(P.params_flat(), st);
     });
   }
   ASSERT_FALSE(out[0].empty());
   EXPECT_EQ(out[0], out[1]);
+  EXPECT_EQ(out[0], out[2]);
 }
 
 // bf16 model parameters: the fp32 main parameters are sharded (only the owned elements stored),
@@ -495,6 +503,8 @@ TEST(DdpFlags, DefaultsAndValidation) {
   a = parse("--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather");
   const DdpConfig dc = a.ddp_config();
   EXPECT_TRUE(dc.overlap_grad_reduce && dc.overlap_param_gather && dc.use_distributed_optimizer);
+  EXPECT_FALSE(dc.copy_engine);
+  EXPECT_TRUE(parse("--ddp-copy-engine").ddp_config().copy_engine);
   expect_error([] { parse("--overlap-param-gather --overlap-grad-reduce"); },
                "--overlap-param-gather requires --use-distributed-optimizer");
   expect_error([] { parse("--overlap-param-gather --use-distributed-optimizer"); },

@@ -11,7 +11,11 @@
 // rounding noise, which grows with depth (measured on 4×H200: TP 2 and 4 up to 2.8e-2 per weight
 // matrix with 4 layers and dropout). The bound is therefore measured, not guessed: the one-GPU
 // bf16 run is also compared with a one-GPU fp32 run, and a layout may differ from the bf16 run by
-// at most max(2e-2, 2 × that bf16-vs-fp32 difference) per tensor; the loss within 2e-3. A missing
+// at most max(2e-2, 3 × that bf16-vs-fp32 difference) per tensor; the loss within 2e-3. Two bf16
+// runs with independent rounding already differ by about √2 × the noise, and TP rounds each
+// rank's partial sums to bf16 before reducing them: TP4 + SP measured 2.1–2.3 × the noise on
+// 4×H200 (2026-11-21, e.g. 2.41e-2 over all gradients against a noise of 1.05e-2), which a 2 ×
+// bound failed on depending on the test seed. A missing
 // reduction, a wrong shard or a wrong p2p transfer is off by O(1). Weight matrices are compared per tensor; biases and norm parameters (sums over tokens with
 // cancellation; the key bias has an exactly-zero gradient) only within the vector of all of this
 // rank's gradients / parameters. With the distributed optimizer only the parameters are compared
@@ -204,14 +208,14 @@ TEST(ParallelLayoutsNccl, Bf16LayoutsMatchOneGpu) {
       all_ref_p.insert(all_ref_p.end(), rp.begin(), rp.end());
       if (info.shape.size() != 2) continue;
       if (!L.zero)
-        EXPECT_LT(testing::rel_err(par.grads[i], rg), std::max(2e-2, 2 * noise[j]))
+        EXPECT_LT(testing::rel_err(par.grads[i], rg), std::max(2e-2, 3 * noise[j]))
             << name << " grad " << info.name << " (bf16 noise " << noise[j] << ")";
       EXPECT_LT(testing::rel_err(par.params[i], rp), 2e-2) << name << " param " << info.name;
     }
     const double eg = testing::rel_err(all_par_g, all_ref_g), ep = testing::rel_err(all_par_p, all_ref_p);
     std::printf("[%s] rank %d: all gradients rel err %.2e, all parameters %.2e, loss %.6f vs %.6f\n", name.c_str(),
                 world->rank(), eg, ep, par.losses.back(), ref.losses.back());
-    if (!L.zero) EXPECT_LT(eg, std::max(2e-2, 2 * noise_all)) << name << " (bf16 noise " << noise_all << ")";
+    if (!L.zero) EXPECT_LT(eg, std::max(2e-2, 3 * noise_all)) << name << " (bf16 noise " << noise_all << ")";
     EXPECT_LT(ep, 1e-2) << name;
   }
 }

@@ -1,0 +1,334 @@
+#include "comm/nccl/peer_copy.h"
+
+#include <cuda.h>
+#include <unistd.h>
+
+#include <cstring>
+
+#include "comm/nccl/nccl_watchdog.h"
+#include "core/buffer.h"
+#include "core/cuda_check.h"
+
+namespace mt {
+
+namespace {
+
+using WaitValue32 = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+using WriteValue32 = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+
+// The stream memory operations are driver API; take them through the runtime's entry-point query
+// so that no binary links libcuda (the CPU-only machines have none).
+struct StreamMemOps {
+  WaitValue32 wait = nullptr;
+  WriteValue32 write = nullptr;
+  static const StreamMemOps& get() {
+    static const StreamMemOps ops = [] {
+      StreamMemOps o;
+      cudaDriverEntryPointQueryResult q1 = cudaDriverEntryPointSuccess, q2 = cudaDriverEntryPointSuccess;
+      MT_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuStreamWaitValue32", reinterpret_cast<void**>(&o.wait), 12000,
+                                                     cudaEnableDefault, &q1));
+      MT_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuStreamWriteValue32", reinterpret_cast<void**>(&o.write),
+                                                     12000, cudaEnableDefault, &q2));
+      MT_REQUIRE(q1 == cudaDriverEntryPointSuccess && q2 == cudaDriverEntryPointSuccess && o.wait && o.write,
+                 "the CUDA driver has no cuStreamWaitValue32 / cuStreamWriteValue32");
+      return o;
+    }();
+    return ops;
+  }
+};
+
+void check_cu(CUresult r, const char* what) {
+  MT_REQUIRE(r == CUDA_SUCCESS, "CUDA driver error {} in {}", static_cast<int>(r), what);
+}
+
+void wait_flag(cudaStream_t s, const uint32_t* flag, uint32_t value) {
+  check_cu(StreamMemOps::get().wait(reinterpret_cast<CUstream>(s), reinterpret_cast<CUdeviceptr>(flag), value,
+                                    CU_STREAM_WAIT_VALUE_GEQ),
+           "cuStreamWaitValue32");
+}
+
+// The write is preceded by a memory fence (no CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER), so a peer
+// that sees the flag also sees the copies enqueued before it on this stream.
+void write_flag(cudaStream_t s, uint32_t* flag, uint32_t value) {
+  check_cu(StreamMemOps::get().write(reinterpret_cast<CUstream>(s), reinterpret_cast<CUdeviceptr>(flag), value,
+                                     CU_STREAM_WRITE_VALUE_DEFAULT),
+           "cuStreamWriteValue32");
+}
+
+// Every rank's `bytes` bytes, in rank order, through the NCCL communicator (host data; collective).
+std::vector<char> host_all_gather(NcclCommunicator& comm, const void* mine, size_t bytes) {
+  const Device dev = comm.device();
+  const int n = comm.size();
+  Buffer buf(dev, bytes * n);
+  Stream s(dev);
+  copy_bytes(static_cast<char*>(buf.data()) + bytes * comm.rank(), dev, mine, Device::cpu(), bytes, s);
+  const Tensor all(buf.data(), DType::kU8, dev, {static_cast<int64_t>(bytes * n)});
+  comm.all_gather(all, all.flat_range(static_cast<int64_t>(bytes * comm.rank()), static_cast<int64_t>(bytes)), s);
+  std::vector<char> out(bytes * n);
+  copy_bytes(out.data(), Device::cpu(), buf.data(), dev, bytes * n, s);
+  s.synchronize();
+  return out;
+}
+
+// Whether every rank passes ok (an all-gather of one byte each; collective).
+bool all_ok(NcclCommunicator& comm, bool ok) {
+  const char mine = ok ? 1 : 0;
+  const std::vector<char> all = host_all_gather(comm, &mine, 1);
+  for (char c : all)
+    if (!c) return false;
+  return true;
+}
+
+}  // namespace
+
+std::unique_ptr<PeerCopyGroup> PeerCopyGroup::create(const std::shared_ptr<NcclCommunicator>& comm,
+                                                     const std::vector<Region>& regions, size_t stage_elems,
+                                                     std::string* why_not) {
+  auto refuse = [&](std::string why) -> std::unique_ptr<PeerCopyGroup> {
+    if (why_not) *why_not = std::move(why);
+    return nullptr;
+  };
+  MT_REQUIRE(comm != nullptr, "PeerCopyGroup::create: no communicator");
+  const int n = comm->size();
+  if (n < 2) return refuse("a group of one rank");
+  if (n > kMaxRanks) return refuse(fmt::format("{} ranks (at most {} supported)", n, kMaxRanks));
+  MT_REQUIRE(stage_elems >= 1, "PeerCopyGroup::create: stage_elems must be >= 1");
+  set_current_device(comm->device());
+
+  // Same host and the same registered sizes everywhere.
+  struct Header {
+    char host[64];
+    uint64_t region_count;
+    uint64_t stage_elems;
+  } mine{};
+  gethostname(mine.host, sizeof(mine.host) - 1);
+  mine.region_count = regions.size();
+  mine.stage_elems = stage_elems;
+  const std::vector<char> headers = host_all_gather(*comm, &mine, sizeof(Header));
+  for (int r = 0; r < n; ++r) {
+    Header h;
+    std::memcpy(&h, headers.data() + r * sizeof(Header), sizeof(Header));
+    if (std::strncmp(h.host, mine.host, sizeof(h.host)) != 0)
+      return refuse(fmt::format("rank {} runs on host '{}', rank {} on '{}'", comm->rank(), mine.host, r, h.host));
+    MT_REQUIRE(h.region_count == mine.region_count && h.stage_elems == mine.stage_elems,
+               "PeerCopyGroup on {}: rank {} registers {} regions with {} staging elements, rank {} {} with {}",
+               comm->name(), comm->rank(), mine.region_count, mine.stage_elems, r, h.region_count, h.stage_elems);
+  }
+  std::vector<uint64_t> sizes;
+  for (const Region& rg : regions) {
+    MT_REQUIRE(rg.base != nullptr && rg.bytes > 0, "PeerCopyGroup::create: an empty region");
+    sizes.push_back(rg.bytes);
+  }
+  if (!sizes.empty()) {
+    const std::vector<char> all = host_all_gather(*comm, sizes.data(), sizes.size() * sizeof(uint64_t));
+    MT_REQUIRE(std::memcmp(all.data(), all.data() + comm->rank() * sizes.size() * 8, sizes.size() * 8) == 0 &&
+                   std::memcmp(all.data(), sizes.data(), sizes.size() * 8) == 0,
+               "PeerCopyGroup on {}: the registered regions differ in size between ranks", comm->name());
+    for (int r = 0; r < n; ++r)
+      MT_REQUIRE(std::memcmp(all.data() + r * sizes.size() * 8, sizes.data(), sizes.size() * 8) == 0,
+                 "PeerCopyGroup on {}: rank {} registers regions of other sizes than rank {}", comm->name(), r,
+                 comm->rank());
+  }
+
+  std::unique_ptr<PeerCopyGroup> g(new PeerCopyGroup());
+  g->watch_ = comm;
+  g->rank_ = comm->rank();
+  g->size_ = n;
+  g->device_ = comm->device().index;
+  g->stage_elems_ = stage_elems;
+  g->regions_ = regions;
+  MT_CUDA_CHECK(cudaMalloc(&g->own_flags_, sizeof(Flags)));
+  MT_CUDA_CHECK(cudaMemset(g->own_flags_, 0, sizeof(Flags)));
+  MT_CUDA_CHECK(cudaMalloc(&g->own_staging_, 2 * n * stage_elems * sizeof(float)));
+  MT_CUDA_CHECK(cudaDeviceSynchronize());
+
+  // Export: flags, staging, then the regions.
+  std::vector<void*> exported = {g->own_flags_, g->own_staging_};
+  for (const Region& rg : regions) exported.push_back(rg.base);
+  std::vector<cudaIpcMemHandle_t> handles(exported.size());
+  bool ok = true;
+  std::string why;
+  for (size_t k = 0; k < exported.size() && ok; ++k) {
+    if (cudaIpcGetMemHandle(&handles[k], exported[k]) != cudaSuccess) {
+      why = fmt::format("cudaIpcGetMemHandle refused: {}", cudaGetErrorString(cudaGetLastError()));
+      ok = false;
+    }
+  }
+  if (!all_ok(*comm, ok)) return refuse(why.empty() ? "a peer could not export its memory" : why);
+  const std::vector<char> all =
+      host_all_gather(*comm, handles.data(), handles.size() * sizeof(cudaIpcMemHandle_t));
+
+  // Map every peer's memory (peer access over NVLink; refused without it).
+  g->peer_base_.assign(regions.size(), {});
+  for (int r = 0; r < n && ok; ++r) {
+    for (size_t k = 0; k < exported.size(); ++k) {
+      void* p = exported[k];
+      if (r != g->rank_) {
+        cudaIpcMemHandle_t h;
+        std::memcpy(&h, all.data() + (r * exported.size() + k) * sizeof(cudaIpcMemHandle_t), sizeof(h));
+        if (cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess) != cudaSuccess) {
+          why = fmt::format("cudaIpcOpenMemHandle of rank {}'s memory refused: {}", r,
+                            cudaGetErrorString(cudaGetLastError()));
+          ok = false;
+          break;
+        }
+        g->opened_.push_back(p);
+      }
+      if (k == 0) g->flags_[r] = static_cast<Flags*>(p);
+      else if (k == 1) g->staging_[r] = static_cast<float*>(p);
+      else g->peer_base_[k - 2][r] = p;
+    }
+  }
+  if (!all_ok(*comm, ok)) return refuse(why.empty() ? "a peer could not map this rank's memory" : why);
+  if (ok) {
+    try {
+      StreamMemOps::get();
+    } catch (const Error& e) {
+      why = e.what();
+      ok = false;
+    }
+  }
+  if (!all_ok(*comm, ok)) return refuse(why.empty() ? "a peer has no stream memory operations" : why);
+
+  for (int r = 0; r < n; ++r) {
+    MT_CUDA_CHECK(cudaStreamCreateWithFlags(&g->peer_streams_[r], cudaStreamNonBlocking));
+    MT_CUDA_CHECK(cudaEventCreateWithFlags(&g->join_ev_[r], cudaEventDisableTiming));
+  }
+  MT_CUDA_CHECK(cudaEventCreateWithFlags(&g->fork_ev_, cudaEventDisableTiming));
+  return g;
+}
+
+PeerCopyGroup::~PeerCopyGroup() {
+  cudaSetDevice(device_);
+  for (cudaStream_t s : peer_streams_)
+    if (s) cudaStreamSynchronize(s);
+  cudaDeviceSynchronize();
+  // Every write INTO this rank's memory has landed once the acknowledgements of our last
+  // reduce-scatter piece are here (data and gather flags were waited for by our own streams).
+  // A peer that never sends them (it failed mid-step) leaves our flags and staging mapped on its
+  // side: then they are not freed, rather than freed under a pending write.
+  bool quiet = true;
+  if (own_flags_ && rs_seq_ > 0) {
+    quiet = false;
+    Flags f{};
+    for (int tries = 0; tries < 20000 && !quiet; ++tries) {  // <= ~10 s
+      if (cudaMemcpy(&f, own_flags_, sizeof(f), cudaMemcpyDeviceToHost) != cudaSuccess) break;
+      quiet = true;
+      for (int j = 0; j < size_; ++j)
+        if (j != rank_ && static_cast<int32_t>(f.ack[j] - rs_seq_) < 0) quiet = false;
+      if (!quiet) usleep(500);
+    }
+  }
+  for (void* p : opened_) cudaIpcCloseMemHandle(p);
+  for (cudaStream_t s : peer_streams_)
+    if (s) cudaStreamDestroy(s);
+  for (cudaEvent_t e : join_ev_)
+    if (e) cudaEventDestroy(e);
+  if (fork_ev_) cudaEventDestroy(fork_ev_);
+  if (quiet) {
+    if (own_staging_) cudaFree(own_staging_);
+    if (own_flags_) cudaFree(own_flags_);
+  }
+  cudaGetLastError();
+}
+
+void PeerCopyGroup::fork(cudaStream_t s) {
+  MT_CUDA_CHECK(cudaEventRecord(fork_ev_, s));
+  for (int r = 0; r < size_; ++r)
+    if (r != rank_) MT_CUDA_CHECK(cudaStreamWaitEvent(peer_streams_[r], fork_ev_, 0));
+}
+
+void PeerCopyGroup::join(cudaStream_t s) {
+  for (int r = 0; r < size_; ++r) {
+    if (r == rank_) continue;
+    MT_CUDA_CHECK(cudaEventRecord(join_ev_[r], peer_streams_[r]));
+    MT_CUDA_CHECK(cudaStreamWaitEvent(s, join_ev_[r], 0));
+  }
+}
+
+void PeerCopyGroup::check_stream(cudaStream_t s, const char* op) const {
+  cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+  MT_CUDA_CHECK(cudaStreamIsCapturing(s, &cs));
+  MT_REQUIRE(cs == cudaStreamCaptureStatusNone,
+             "PeerCopyGroup::{} on a stream being captured into a CUDA graph: the flag values are sequence "
+             "numbers counted on the host, so a replayed graph would wait for values already seen",
+             op);
+}
+
+void PeerCopyGroup::check_range(int region, size_t offset_bytes, size_t bytes, const char* op) const {
+  MT_REQUIRE(region >= 0 && static_cast<size_t>(region) < regions_.size(), "PeerCopyGroup::{}: no region {}", op,
+             region);
+  MT_REQUIRE(offset_bytes + bytes <= regions_[region].bytes,
+             "PeerCopyGroup::{}: bytes [{}, {}) outside region {} of {} bytes", op, offset_bytes,
+             offset_bytes + bytes, region, regions_[region].bytes);
+}
+
+void PeerCopyGroup::reduce_scatter_sum_f32(int region, size_t offset, size_t m, const Stream& stream) {
+  check_range(region, offset * sizeof(float), size_ * m * sizeof(float), "reduce_scatter_sum_f32");
+  if (m == 0) return;
+  set_current_device(Device::cuda(device_));
+  cudaStream_t s = static_cast<cudaStream_t>(stream.cuda_stream());
+  check_stream(s, "reduce_scatter_sum_f32");
+  // One fork for all pieces: the copies of piece p+1 run while `s` sums piece p.
+  fork(s);
+  for (size_t p0 = 0; p0 < m; p0 += stage_elems_)
+    reduce_scatter_piece(region, offset, m, p0, std::min(stage_elems_, m - p0), s);
+  join(s);
+  nccl_detail::Watchdog::instance().enqueued(watch_->raw(), s, "copy-engine reduce-scatter");
+}
+
+void PeerCopyGroup::reduce_scatter_piece(int region, size_t offset, size_t m, size_t p0, size_t len,
+                                         cudaStream_t s) {
+  const uint32_t seq = ++rs_seq_;
+  const size_t gen = seq % 2;
+  const size_t bytes = len * sizeof(float);
+  float* mine = static_cast<float*>(peer_base_[region][rank_]);
+  for (int j = 0; j < size_; ++j) {
+    if (j == rank_) continue;
+    cudaStream_t ps = peer_streams_[j];
+    // Rank j consumed the piece that used this generation before (operation seq - 2).
+    if (seq > 2) wait_flag(ps, &flags_[rank_]->ack[j], seq - 2);
+    float* dst = staging_[j] + (gen * size_ + rank_) * stage_elems_;
+    const float* src = mine + offset + j * m + p0;
+    MT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, ps));
+    write_flag(ps, &flags_[j]->data[rank_], seq);
+  }
+  std::array<const float*, kMaxRanks> src{};
+  for (int i = 0; i < size_; ++i) {
+    if (i == rank_) {
+      src[i] = mine + offset + rank_ * m + p0;
+    } else {
+      wait_flag(s, &flags_[rank_]->data[i], seq);
+      src[i] = staging_[rank_] + (gen * size_ + i) * stage_elems_;
+    }
+  }
+  float* out = mine + offset + rank_ * m + p0;
+  launch_sum_ranks_f32(out, src, size_, len, s);
+  for (int i = 0; i < size_; ++i)
+    if (i != rank_) write_flag(s, &flags_[i]->ack[rank_], seq);
+}
+
+void PeerCopyGroup::all_gather(int region, size_t offset, size_t chunk_bytes, const Stream& stream) {
+  check_range(region, offset, size_ * chunk_bytes, "all_gather");
+  if (chunk_bytes == 0) return;
+  set_current_device(Device::cuda(device_));
+  cudaStream_t s = static_cast<cudaStream_t>(stream.cuda_stream());
+  check_stream(s, "all_gather");
+  const uint32_t seq = ++ag_seq_;
+  const size_t at = offset + rank_ * chunk_bytes;
+  const char* src = static_cast<const char*>(peer_base_[region][rank_]) + at;
+  fork(s);
+  for (int j = 0; j < size_; ++j) {
+    if (j == rank_) continue;
+    cudaStream_t ps = peer_streams_[j];
+    MT_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(peer_base_[region][j]) + at, src, chunk_bytes,
+                                  cudaMemcpyDeviceToDevice, ps));
+    write_flag(ps, &flags_[j]->gather[rank_], seq);
+  }
+  for (int i = 0; i < size_; ++i)
+    if (i != rank_) wait_flag(s, &flags_[rank_]->gather[i], seq);
+  join(s);
+  nccl_detail::Watchdog::instance().enqueued(watch_->raw(), s, "copy-engine all-gather");
+}
+
+}  // namespace mt
