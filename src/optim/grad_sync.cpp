@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "ops/elementwise.h"
+
 #ifdef MT_WITH_NCCL
 #include "comm/nccl/peer_copy.h"
 #endif
@@ -40,6 +42,11 @@ GradSync::GradSync(ParamStore& params, std::shared_ptr<Communicator> dp, const D
     if (r.end > r.begin) owned_.push_back(r);
     owned_elements_ += r.end - r.begin;
   }
+  if (config.grad_reduce_in_bf16 && n_dp > 1) {
+    int64_t largest = 0;
+    for (const ParamBucket& bk : bks) largest = std::max(largest, bk.numel());
+    bf16_comm_ = Buffer(params.device(), static_cast<size_t>(largest) * 2);
+  }
   setup_copy_engine();
   for (size_t b = 0; b < bks.size(); ++b) gathered_.push_back(std::make_unique<Event>(params.device()));
   ready_.assign(params.size(), 0);
@@ -52,6 +59,10 @@ GradSync::GradSync(ParamStore& params, std::shared_ptr<Communicator> dp, const D
 void GradSync::setup_copy_engine() {
   if (!config_.copy_engine) {
     why_not_copy_engine_ = "not requested (--ddp-copy-engine)";
+    return;
+  }
+  if (config_.grad_reduce_in_bf16) {
+    why_not_copy_engine_ = "--grad-reduce-in-bf16 (the copy-engine reduce-scatter sums fp32 only)";
     return;
   }
   if (dp_->size() < 2) {
@@ -119,6 +130,21 @@ std::pair<size_t, size_t> GradSync::bucket_span(size_t first, size_t end) const 
 void GradSync::launch_grad_reduce(size_t b, const Stream& stream) {
   const ParamBucket& bk = params_.buckets()[b];
   const Tensor g = params_.grads_flat().flat_range(bk.begin, bk.numel());
+  if (bf16_comm_.data()) {  // --grad-reduce-in-bf16 with DP > 1
+    const Tensor c = bf16_comm_.as(DType::kBF16, {bk.numel()});
+    cast(c, g, stream);
+    if (distributed_) {
+      const ParamStore::Range r = owned_range(b);
+      const Tensor owned = c.flat_range(r.begin - bk.begin, r.end - r.begin);
+      dp_->reduce_scatter(owned, c, ReduceOp::kSum, stream);
+      cast(g.flat_range(r.begin - bk.begin, r.end - r.begin), owned, stream);
+    } else {
+      dp_->all_reduce(c, ReduceOp::kSum, stream);
+      cast(g, c, stream);
+    }
+    launched_[b] = 1;
+    return;
+  }
 #ifdef MT_WITH_NCCL
   if (peer_copy_) {
     const size_t m = static_cast<size_t>(bk.numel() / dp_->size());

@@ -35,6 +35,13 @@
 // at construction), because the caller keeps using the DP communicator on its own stream and one
 // NCCL communicator must not be used from two streams at once.
 //
+// --grad-reduce-in-bf16 (DdpConfig::grad_reduce_in_bf16): each bucket's fp32 gradients are
+// rounded to bf16 into a communication buffer (one, as large as the largest bucket; the bucket
+// collectives are serialised on one stream), reduced in bf16 (half the traffic), and the reduced
+// values (the owned slice with the distributed optimizer) are widened back into the fp32
+// gradient buffer. Unlike Megatron, whose flag also makes the gradient buffer bf16, gradients are
+// still accumulated over micro-batches in fp32: only the reduction is in bf16.
+//
 // Copy-engine collectives (DdpConfig::copy_engine, --ddp-copy-engine): when the DP group is an
 // NCCL group whose GPUs are all on one host with peer access, the bucket reductions are
 // reduce-scatters by copy-engine transfers plus one summation kernel (comm/nccl/peer_copy.h),
@@ -50,6 +57,7 @@
 #include <vector>
 
 #include "comm/communicator.h"
+#include "core/buffer.h"
 #include "core/stream.h"
 #include "model/param_hooks.h"
 #include "model/params.h"
@@ -67,6 +75,8 @@ struct DdpConfig {
   /// --ddp-copy-engine: bucket collectives by copy-engine transfers between the GPUs of one host
   /// where the DP group allows it (see above), else NCCL.
   bool copy_engine = false;
+  /// --grad-reduce-in-bf16: the gradient reduction in bf16 (see above).
+  bool grad_reduce_in_bf16 = false;
 };
 
 class GradSync final : public ParamGradHooks {
@@ -141,6 +151,7 @@ class GradSync final : public ParamGradHooks {
   std::shared_ptr<Communicator> dp_;
   DdpConfig config_;
   std::unique_ptr<PeerCopyGroup> peer_copy_;  // copy-engine collectives (null: NCCL / CPU path)
+  Buffer bf16_comm_;                          // --grad-reduce-in-bf16: largest bucket, bf16
   std::string why_not_copy_engine_;
   bool distributed_ = false;
   std::vector<ParamStore::Range> owned_;

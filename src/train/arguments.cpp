@@ -21,6 +21,7 @@ DdpConfig PretrainArgs::ddp_config() const {
   c.overlap_grad_reduce = overlap_grad_reduce;
   c.overlap_param_gather = overlap_param_gather;
   c.copy_engine = ddp_copy_engine;
+  c.grad_reduce_in_bf16 = grad_reduce_in_bf16;
   c.use_distributed_optimizer = use_distributed_optimizer;
   return c;
 }
@@ -115,6 +116,8 @@ void add_pretrain_options(CLI::App& app, PretrainArgs& a) {
   app.add_flag("--overlap-param-gather", a.overlap_param_gather,
                "All-gather updated parameters asynchronously, waited for by the next forward (needs "
                "--use-distributed-optimizer and --overlap-grad-reduce)");
+  app.add_flag("--grad-reduce-in-bf16", a.grad_reduce_in_bf16,
+               "Reduce gradients over data-parallel ranks in bfloat16 (half the traffic; accumulation stays fp32)");
   app.add_flag("--ddp-copy-engine", a.ddp_copy_engine,
                "Data-parallel bucket collectives as copy-engine transfers between the GPUs of one host (no SMs "
                "taken from the compute; falls back to NCCL where the group does not allow it)");

@@ -63,6 +63,7 @@ struct PretrainArgs {
   bool overlap_grad_reduce = false;        ///< --overlap-grad-reduce (bucketed, overlapped with backward)
   bool overlap_param_gather = false;       ///< --overlap-param-gather (needs the two flags above)
   bool ddp_copy_engine = false;            ///< --ddp-copy-engine (DdpConfig::copy_engine)
+  bool grad_reduce_in_bf16 = false;        ///< --grad-reduce-in-bf16 (DdpConfig::grad_reduce_in_bf16)
   /// --ddp-bucket-size in elements; unset = Megatron's max(40M, 1M · DP). Only used with
   /// --overlap-grad-reduce (without it there is one bucket, as in Megatron).
   std::optional<int64_t> ddp_bucket_size;

@@ -316,8 +316,10 @@ int run_pretrain(PretrainArgs args) {
   if (args.ddp_copy_engine && groups.dp->size() > 1)
     log_info("> data-parallel collectives: {}", grad_sync.copy_engine_active()
                                                    ? std::string("copy engine (--ddp-copy-engine)")
-                                                   : "NCCL (copy engine unavailable: " +
+                                                   : "the DP communicator's (copy engine unavailable: " +
                                                          grad_sync.why_not_copy_engine() + ")");
+  if (args.grad_reduce_in_bf16 && groups.dp->size() > 1)
+    log_info("> data-parallel gradient reduction in bf16 (--grad-reduce-in-bf16)");
   if (model.params().buckets().size() > 1)
     log_info("> data-parallel gradient buckets: {} (--ddp-bucket-size {}), overlap grad reduce {}, param gather {}",
              model.params().buckets().size(), model.params().layout().bucket_size, args.overlap_grad_reduce,
