@@ -135,27 +135,31 @@ int bench_main(int argc, char** argv) {
     std::printf("%-15s %10s | %10s %9s %9s | %10s %9s %9s | %6s\n", "op", "size", "ours us", "algbw", "busbw",
                 "raw us", "algbw", "busbw", "ours/raw");
   }
-  for (const Op& op : ops) {
-    for (size_t size = size_t(1) << 20; size <= max_bytes; size *= 2) {
-      if (size % (static_cast<size_t>(n) * kEl) != 0) continue;
-      // Alternate the order so that neither path always runs first.
-      double t_raw, t_ours;
-      if ((size >> 20) % 2 == 0) {
-        t_raw = time_us(op, size, false);
-        t_ours = time_us(op, size, true);
-      } else {
-        t_ours = time_us(op, size, true);
-        t_raw = time_us(op, size, false);
-      }
-      if (me == 0) {
-        const double alg_ours = size / (t_ours * 1e-6) / 1e9, alg_raw = size / (t_raw * 1e-6) / 1e9;
-        std::printf("%-15s %7zu MiB | %10.1f %7.1f GB/s %7.1f GB/s | %10.1f %7.1f GB/s %7.1f GB/s | %6.3f\n",
-                    op.name, size >> 20, t_ours, alg_ours, alg_ours * op.bus_factor, t_raw, alg_raw,
-                    alg_raw * op.bus_factor, (alg_ours * op.bus_factor) / (alg_raw * op.bus_factor));
-        std::fflush(stdout);
+  // One table row per (op, size); sizes from 1 MiB doubling to max_bytes, multiples of `multiple`.
+  // alternate: swap which path runs first every other size, so that neither always goes first.
+  auto table = [&](const auto& table_ops, size_t multiple, bool alternate) {
+    for (const Op& op : table_ops) {
+      for (size_t size = size_t(1) << 20; size <= max_bytes; size *= 2) {
+        if (size % multiple != 0) continue;
+        double t_raw, t_ours;
+        if (!alternate || (size >> 20) % 2 == 0) {
+          t_raw = time_us(op, size, false);
+          t_ours = time_us(op, size, true);
+        } else {
+          t_ours = time_us(op, size, true);
+          t_raw = time_us(op, size, false);
+        }
+        if (me == 0) {
+          const double alg_ours = size / (t_ours * 1e-6) / 1e9, alg_raw = size / (t_raw * 1e-6) / 1e9;
+          std::printf("%-15s %7zu MiB | %10.1f %7.1f GB/s %7.1f GB/s | %10.1f %7.1f GB/s %7.1f GB/s | %6.3f\n",
+                      op.name, size >> 20, t_ours, alg_ours, alg_ours * op.bus_factor, t_raw, alg_raw,
+                      alg_raw * op.bus_factor, t_raw / t_ours);
+          std::fflush(stdout);
+        }
       }
     }
-  }
+  };
+  table(ops, static_cast<size_t>(n) * kEl, true);
 
   // Gradient path: copy engine ("ours") against NCCL ("raw"), in place on one buffer each.
   MT_CUDA_CHECK(cudaMemset(in_buf.data(), 0, max_bytes));
@@ -181,19 +185,7 @@ int bench_main(int argc, char** argv) {
        }},
   };
   if (me == 0) std::printf("gradient path: copy engine (ours) vs NCCL (raw), in place\n");
-  for (const Op& op : grad_ops) {
-    for (size_t size = size_t(1) << 20; size <= max_bytes; size *= 2) {
-      if (size % (static_cast<size_t>(n) * 256) != 0) continue;
-      const double t_raw = time_us(op, size, false), t_ours = time_us(op, size, true);
-      if (me == 0) {
-        const double alg_ours = size / (t_ours * 1e-6) / 1e9, alg_raw = size / (t_raw * 1e-6) / 1e9;
-        std::printf("%-15s %7zu MiB | %10.1f %7.1f GB/s %7.1f GB/s | %10.1f %7.1f GB/s %7.1f GB/s | %6.3f\n",
-                    op.name, size >> 20, t_ours, alg_ours, alg_ours * op.bus_factor, t_raw, alg_raw,
-                    alg_raw * op.bus_factor, t_raw / t_ours);
-        std::fflush(stdout);
-      }
-    }
-  }
+  table(grad_ops, static_cast<size_t>(n) * 256, false);
   return 0;
 }
 

@@ -10,6 +10,16 @@
 
 namespace mt {
 
+namespace {
+
+int64_t largest_bucket(const std::vector<ParamBucket>& bks) {
+  int64_t n = 0;
+  for (const ParamBucket& bk : bks) n = std::max(n, bk.numel());
+  return n;
+}
+
+}  // namespace
+
 GradSync::GradSync(ParamStore& params, std::shared_ptr<Communicator> dp, const DdpConfig& config)
     : params_(params),
       dp_(dp ? std::move(dp) : std::make_shared<SingleRankCommunicator>("dp")),
@@ -29,24 +39,19 @@ GradSync::GradSync(ParamStore& params, std::shared_ptr<Communicator> dp, const D
   distributed_ = config.use_distributed_optimizer && n_dp > 1;
   const auto& bks = params.buckets();
   if (distributed_) {
-    const int64_t q = ParamStore::kAlign * n_dp;
-    for (size_t b = 0; b < bks.size(); ++b)
-      MT_REQUIRE(bks[b].numel() % q == 0,
-                 "bucket {} (elements [{}, {}), {} of them) is not a multiple of kAlign * DP = {} * {}: the ParamStore "
-                 "was laid out for data-parallel size {} but the data-parallel group has {} ranks",
-                 b, bks[b].begin, bks[b].end, bks[b].numel(), ParamStore::kAlign, n_dp,
-                 params.layout().data_parallel_size, n_dp);
+    if (const ParamBucket* bk = unshardable_bucket())
+      MT_FAIL("bucket {} (elements [{}, {}), {} of them) is not a multiple of kAlign * DP = {} * {}: the ParamStore "
+              "was laid out for data-parallel size {} but the data-parallel group has {} ranks",
+              bk - bks.data(), bk->begin, bk->end, bk->numel(), ParamStore::kAlign, n_dp,
+              params.layout().data_parallel_size, n_dp);
   }
   for (size_t b = bks.size(); b-- > 0;) {  // ascending offsets
     const ParamStore::Range r = owned_range(b);
     if (r.end > r.begin) owned_.push_back(r);
     owned_elements_ += r.end - r.begin;
   }
-  if (config.grad_reduce_in_bf16 && n_dp > 1) {
-    int64_t largest = 0;
-    for (const ParamBucket& bk : bks) largest = std::max(largest, bk.numel());
-    bf16_comm_ = Buffer(params.device(), static_cast<size_t>(largest) * 2);
-  }
+  if (config.grad_reduce_in_bf16 && n_dp > 1)
+    bf16_comm_ = Buffer(params.device(), static_cast<size_t>(largest_bucket(bks)) * 2);
   setup_copy_engine();
   for (size_t b = 0; b < bks.size(); ++b) gathered_.push_back(std::make_unique<Event>(params.device()));
   ready_.assign(params.size(), 0);
@@ -69,13 +74,10 @@ void GradSync::setup_copy_engine() {
     why_not_copy_engine_ = "a data-parallel group of one rank";
     return;
   }
-  const auto& bks = params_.buckets();
-  const int64_t q = ParamStore::kAlign * dp_->size();
-  for (const ParamBucket& bk : bks) {
-    if (bk.numel() % q != 0) {
-      why_not_copy_engine_ = fmt::format("bucket [{}, {}) is not a multiple of {} elements", bk.begin, bk.end, q);
-      return;
-    }
+  if (const ParamBucket* bk = unshardable_bucket()) {
+    why_not_copy_engine_ = fmt::format("bucket [{}, {}) is not a multiple of {} elements", bk->begin, bk->end,
+                                       ParamStore::kAlign * dp_->size());
+    return;
   }
 #ifdef MT_WITH_NCCL
   auto nccl = std::dynamic_pointer_cast<NcclCommunicator>(dp_);
@@ -85,8 +87,7 @@ void GradSync::setup_copy_engine() {
   }
   // Staging: two generations of one slot per rank, each at most 4M fp32 values (16 MiB), which
   // is enough to keep the copies streaming; longer bucket slices are reduced in pieces.
-  int64_t max_chunk = 1;
-  for (const ParamBucket& bk : bks) max_chunk = std::max(max_chunk, bk.numel() / dp_->size());
+  const int64_t max_chunk = std::max<int64_t>(1, largest_bucket(params_.buckets()) / dp_->size());
   const size_t stage = static_cast<size_t>(std::min<int64_t>(max_chunk, int64_t{4} << 20));
   const Tensor g = params_.grads_flat(), p = params_.params_flat();
   std::vector<PeerCopyGroup::Region> regions = {{g.data(), g.nbytes()}, {p.data(), p.nbytes()}};
@@ -94,6 +95,13 @@ void GradSync::setup_copy_engine() {
 #else
   why_not_copy_engine_ = "built without NCCL";
 #endif
+}
+
+const ParamBucket* GradSync::unshardable_bucket() const {
+  const int64_t q = ParamStore::kAlign * dp_->size();
+  for (const ParamBucket& bk : params_.buckets())
+    if (bk.numel() % q != 0) return &bk;
+  return nullptr;
 }
 
 GradSync::~GradSync() {
@@ -128,39 +136,32 @@ std::pair<size_t, size_t> GradSync::bucket_span(size_t first, size_t end) const 
 }
 
 void GradSync::launch_grad_reduce(size_t b, const Stream& stream) {
+  launched_[b] = 1;
+  if (dp_->size() < 2) return;
   const ParamBucket& bk = params_.buckets()[b];
   const Tensor g = params_.grads_flat().flat_range(bk.begin, bk.numel());
-  if (bf16_comm_.data()) {  // --grad-reduce-in-bf16 with DP > 1
-    const Tensor c = bf16_comm_.as(DType::kBF16, {bk.numel()});
-    cast(c, g, stream);
-    if (distributed_) {
-      const ParamStore::Range r = owned_range(b);
-      const Tensor owned = c.flat_range(r.begin - bk.begin, r.end - r.begin);
-      dp_->reduce_scatter(owned, c, ReduceOp::kSum, stream);
-      cast(g.flat_range(r.begin - bk.begin, r.end - r.begin), owned, stream);
-    } else {
-      dp_->all_reduce(c, ReduceOp::kSum, stream);
-      cast(g, c, stream);
-    }
-    launched_[b] = 1;
-    return;
-  }
 #ifdef MT_WITH_NCCL
   if (peer_copy_) {
     const size_t m = static_cast<size_t>(bk.numel() / dp_->size());
     peer_copy_->reduce_scatter_sum_f32(0, static_cast<size_t>(bk.begin), m, stream);
     if (!distributed_) peer_copy_->all_gather(0, static_cast<size_t>(bk.begin) * 4, m * 4, stream);
-    launched_[b] = 1;
     return;
   }
 #endif
+  // What is reduced: the fp32 gradients in place, or (--grad-reduce-in-bf16) their bf16 rounding
+  // in the communication buffer, widened back afterwards.
+  const bool bf16 = bf16_comm_.data() != nullptr;
+  const Tensor c = bf16 ? bf16_comm_.as(DType::kBF16, {bk.numel()}) : g;
+  if (bf16) cast(c, g, stream);
   if (distributed_) {
     const ParamStore::Range r = owned_range(b);
-    dp_->reduce_scatter(g.flat_range(r.begin - bk.begin, r.end - r.begin), g, ReduceOp::kSum, stream);
-  } else if (dp_->size() > 1) {
-    dp_->all_reduce(g, ReduceOp::kSum, stream);
+    const Tensor owned = c.flat_range(r.begin - bk.begin, r.end - r.begin);
+    dp_->reduce_scatter(owned, c, ReduceOp::kSum, stream);
+    if (bf16) cast(g.flat_range(r.begin - bk.begin, r.end - r.begin), owned, stream);
+  } else {
+    dp_->all_reduce(c, ReduceOp::kSum, stream);
+    if (bf16) cast(g, c, stream);
   }
-  launched_[b] = 1;
 }
 
 void GradSync::launch_param_gather(size_t b, const Stream& stream) {

@@ -144,6 +144,9 @@ class GradSync final : public ParamGradHooks {
   void launch_param_gather(size_t b, const Stream& stream);
   void reset_grad_state();
   void setup_copy_engine();
+  // The first bucket whose length is not a multiple of kAlign · DP (cannot be split into equal
+  // aligned slices), or nullptr.
+  const ParamBucket* unshardable_bucket() const;
   // Bucket indices covering parameters [first, end) (non-empty range): [lo, hi] ascending.
   std::pair<size_t, size_t> bucket_span(size_t first, size_t end) const;
 

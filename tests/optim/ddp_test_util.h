@@ -12,9 +12,21 @@
 #include "comm/communicator.h"
 #include "model/params.h"
 #include "optim/grad_sync.h"
+#include "optim/optimizer.h"
 #include "testing/testing.h"
 
 namespace mt::ddp_test {
+
+/// The AdamW settings of the data-parallel tests: weight decay, clipping active (gradient norms
+/// ~50), and eps 1e-3 so that updates are proportional to gradients (see
+/// tests/parallel/parallel_layouts_test.cpp).
+inline OptimizerConfig opt_config() {
+  OptimizerConfig oc;
+  oc.weight_decay = 0.1f;
+  oc.clip_grad = 1.0f;
+  oc.eps = 1e-3f;
+  return oc;
+}
 
 /// Parameter ranges [first, end) of one "layer" (param_hooks.h: a layer's params are consecutive).
 struct LayerRange {

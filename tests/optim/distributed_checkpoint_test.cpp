@@ -26,6 +26,7 @@ namespace {
 
 namespace fs = std::filesystem;
 using ddp_test::Model;
+using ddp_test::opt_config;
 using ddp_test::Pattern;
 using testing::OwnedTensor;
 
@@ -34,14 +35,6 @@ struct State {
   TensorMap main, param, m, v;  // per parameter name; param = model dtype as floats
   int32_t step = 0;
 };
-
-OptimizerConfig opt_config() {
-  OptimizerConfig oc;
-  oc.weight_decay = 0.1f;
-  oc.clip_grad = 1.0f;
-  oc.eps = 1e-3f;
-  return oc;
-}
 
 fs::path temp_dir(const std::string& tag) {
   const fs::path d = fs::temp_directory_path() /

@@ -25,17 +25,10 @@ namespace mt {
 namespace {
 
 using ddp_test::Model;
+using ddp_test::opt_config;
 using testing::OwnedTensor;
 
 constexpr int kSteps = 4;
-
-OptimizerConfig opt_config() {
-  OptimizerConfig oc;
-  oc.weight_decay = 0.1f;
-  oc.clip_grad = 1.0f;
-  oc.eps = 1e-3f;
-  return oc;
-}
 
 struct Out {
   std::vector<float> params, main;  // params as floats of the model dtype

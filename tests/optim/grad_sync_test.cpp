@@ -20,6 +20,7 @@ namespace mt {
 namespace {
 
 using ddp_test::Model;
+using ddp_test::opt_config;
 using ddp_test::Pattern;
 using testing::OwnedTensor;
 
@@ -186,14 +187,6 @@ struct Reference {
   std::vector<float> params, main, m, v;  // after kSteps; params as floats of the model dtype
   OptimizerScalars scalars{};
 };
-
-OptimizerConfig opt_config() {
-  OptimizerConfig oc;
-  oc.weight_decay = 0.1f;
-  oc.clip_grad = 1.0f;  // the gradient norm is ~50: clipping is active
-  oc.eps = 1e-3f;       // updates proportional to gradients (see tests/parallel/parallel_layouts_test.cpp)
-  return oc;
-}
 
 // One rank, the gradients of `dp` ranks summed, the same layout (so the same offsets).
 Reference reference(const Model& m, const ParamLayout& layout, int dp, DType dtype = DType::kF32) {

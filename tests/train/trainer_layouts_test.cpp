@@ -80,6 +80,20 @@ class TrainerLayouts : public ::testing::Test {
            "--train-data-path " + (dir_ / "moby_text_document").string() + " --valid-data-path " +
            (dir_ / "moby_text_document").string() + " " + tok_ + " " + extra;
   }
+  // Iterations 1-3 under `layout`, saving into checkpoint `ck` (the run's output in *first).
+  void save_half(const std::string& ck, const std::string& layout, RunResult* first) {
+    *first = run(flags("--train-iters 6 --exit-interval 3 --save " + ck + " " + layout));
+    ASSERT_EQ(first->rc, 0) << first->out;
+  }
+  // Iterations 4-6 resumed from checkpoint `ck` with `more` (layout, --save), merged with the
+  // first half's losses into *curve.
+  void resume(const RunResult& first, const std::string& ck, const std::string& more,
+              std::map<int, double>* curve) {
+    RunResult r = run(flags("--train-iters 6 --load " + ck + " " + more));
+    ASSERT_EQ(r.rc, 0) << r.out;
+    *curve = losses(first.out);
+    for (auto [k, v] : losses(r.out)) (*curve)[k] = v;
+  }
   void expect_same(const std::map<int, double>& a, const std::map<int, double>& b, const std::string& what) {
     ASSERT_EQ(a.size(), b.size()) << what;
     for (const auto& [it, l] : b) EXPECT_NEAR(a.at(it), l, 2e-5 * l) << what << " iteration " << it;
@@ -147,54 +161,39 @@ TEST_F(TrainerLayouts, CheckpointReshardsAcrossTensorParallelSizes) {
   RunResult full = run(flags("--train-iters 6"));
   ASSERT_EQ(full.rc, 0) << full.out;
   const auto full_losses = losses(full.out);
+  RunResult first;
+  std::map<int, double> l;
   // Save under TP 2, resume under TP 1.
   const std::string ck = (dir_ / "ck_tp2").string();
-  RunResult a = run(flags("--train-iters 6 --exit-interval 3 --save " + ck +
-                          " --nproc-per-node 2 --tensor-model-parallel-size 2"));
-  ASSERT_EQ(a.rc, 0) << a.out;
-  RunResult b = run(flags("--train-iters 6 --load " + ck + " --save " + ck));
-  ASSERT_EQ(b.rc, 0) << b.out;
-  auto l = losses(a.out);
-  for (auto [k, v] : losses(b.out)) l[k] = v;
+  ASSERT_NO_FATAL_FAILURE(save_half(ck, "--nproc-per-node 2 --tensor-model-parallel-size 2", &first));
+  ASSERT_NO_FATAL_FAILURE(resume(first, ck, "--save " + ck, &l));
   expect_same(l, full_losses, "tp2 -> tp1");
   // And back: save under TP 1, resume under TP 2 with sequence parallelism.
   const std::string ck1 = (dir_ / "ck_tp1").string();
-  RunResult c = run(flags("--train-iters 6 --exit-interval 3 --save " + ck1));
-  ASSERT_EQ(c.rc, 0) << c.out;
-  RunResult d = run(flags("--train-iters 6 --load " + ck1 + " --save " + (dir_ / "ck_tp2sp").string() +
-                          " --nproc-per-node 2 --tensor-model-parallel-size 2 --sequence-parallel"));
-  ASSERT_EQ(d.rc, 0) << d.out;
-  l = losses(c.out);
-  for (auto [k, v] : losses(d.out)) l[k] = v;
+  RunResult one_rank;
+  ASSERT_NO_FATAL_FAILURE(save_half(ck1, "", &one_rank));
+  ASSERT_NO_FATAL_FAILURE(resume(one_rank, ck1,
+                                 "--save " + (dir_ / "ck_tp2sp").string() +
+                                     " --nproc-per-node 2 --tensor-model-parallel-size 2 --sequence-parallel",
+                                 &l));
   expect_same(l, full_losses, "tp1 -> tp2 sp");
   // Distributed optimizer: moments sharded over DP 2 are gathered into the checkpoint and resume on
   // one rank.
   const std::string ckz = (dir_ / "ck_zero").string();
-  RunResult e = run(flags("--train-iters 6 --exit-interval 3 --save " + ckz +
-                          " --nproc-per-node 2 --use-distributed-optimizer"));
-  ASSERT_EQ(e.rc, 0) << e.out;
-  RunResult f = run(flags("--train-iters 6 --load " + ckz + " --save " + ckz));
-  ASSERT_EQ(f.rc, 0) << f.out;
-  l = losses(e.out);
-  for (auto [k, v] : losses(f.out)) l[k] = v;
+  ASSERT_NO_FATAL_FAILURE(save_half(ckz, "--nproc-per-node 2 --use-distributed-optimizer", &first));
+  ASSERT_NO_FATAL_FAILURE(resume(first, ckz, "--save " + ckz, &l));
   expect_same(l, full_losses, "dp2 distributed optimizer -> 1 rank");
   // Pipeline parallelism: save under PP 2 (the last stage's embedding copy is not written), resume
   // on one rank; save on one rank, resume under PP 2 with two virtual stages per rank.
   const std::string ckp = (dir_ / "ck_pp2").string();
-  RunResult g = run(flags("--train-iters 6 --exit-interval 3 --save " + ckp +
-                          " --nproc-per-node 2 --pipeline-model-parallel-size 2"));
-  ASSERT_EQ(g.rc, 0) << g.out;
-  RunResult h = run(flags("--train-iters 6 --load " + ckp + " --save " + ckp));
-  ASSERT_EQ(h.rc, 0) << h.out;
-  l = losses(g.out);
-  for (auto [k, v] : losses(h.out)) l[k] = v;
+  ASSERT_NO_FATAL_FAILURE(save_half(ckp, "--nproc-per-node 2 --pipeline-model-parallel-size 2", &first));
+  ASSERT_NO_FATAL_FAILURE(resume(first, ckp, "--save " + ckp, &l));
   expect_same(l, full_losses, "pp2 -> 1 rank");
-  RunResult i = run(flags("--train-iters 6 --load " + ck1 + " --save " + (dir_ / "ck_vpp").string() +
-                          " --nproc-per-node 2 --pipeline-model-parallel-size 2 "
-                          "--num-layers-per-virtual-pipeline-stage 1"));
-  ASSERT_EQ(i.rc, 0) << i.out;
-  l = losses(c.out);
-  for (auto [k, v] : losses(i.out)) l[k] = v;
+  ASSERT_NO_FATAL_FAILURE(resume(one_rank, ck1,
+                                 "--save " + (dir_ / "ck_vpp").string() +
+                                     " --nproc-per-node 2 --pipeline-model-parallel-size 2 "
+                                     "--num-layers-per-virtual-pipeline-stage 1",
+                                 &l));
   expect_same(l, full_losses, "1 rank -> pp2 vpp2");
 }
 
