@@ -4,6 +4,7 @@
 // all-gather must reproduce every rank's chunk bitwise. A small staging slot forces pieces and
 // the reuse of both staging generations (acknowledgement waits), several operations run back to
 // back without host synchronisation, and the untouched parts of the region must stay untouched.
+// A second group moves chunks of several MiB with each copy split over 3 streams per peer.
 #include <gtest/gtest.h>
 #include <cuda_runtime.h>
 #include <mpi.h>
@@ -45,40 +46,34 @@ Fixture setup() {
   return f;
 }
 
-TEST(PeerCopy, ReduceScatterAndAllGatherMatchHostBitwise) {
-  MT_REQUIRE_CUDA();
-  const LaunchEnv env = read_launch_env();
-  if (env.world_size < 2 || env.launcher != LaunchEnv::kMpirun) GTEST_SKIP() << "run under mpiexec -np 2 or 4";
-  int gpus = 0;
-  cudaGetDeviceCount(&gpus);
-  if (gpus < env.world_size) GTEST_SKIP() << "needs " << env.world_size << " GPUs, found " << gpus;
-  Fixture f = setup();
-  ASSERT_TRUE(f.comm) << "the world communicator is not NCCL";
-  const int n = f.comm->size(), me = f.comm->rank();
+struct Op {
+  int region;
+  size_t offset, m;  // elements; chunk m per rank
+};
 
+// Runs `ops` (3 rounds of reduce-scatters without host synchronisation), then an all-gather of
+// `ops[gather_op]`'s fp32 range and a byte all-gather at an odd offset, and checks everything
+// bitwise. stage_elems / copies: the group's staging slot and copies per peer.
+void check_group(const Fixture& f, size_t stage_elems, int copies, const std::vector<Op>& ops, size_t gather_op) {
+  const int n = f.comm->size(), me = f.comm->rank();
+  SCOPED_TRACE(::testing::Message() << "stage " << stage_elems << ", copies per peer " << copies);
   constexpr size_t kRegion = size_t{1} << 22;  // floats per region
   Buffer a(f.dev, kRegion * 4), b(f.dev, kRegion * 4);
   std::string why;
-  // 1000-element staging slots: the larger chunks below go in several pieces.
-  auto g = PeerCopyGroup::create(f.comm, {{a.data(), a.bytes()}, {b.data(), b.bytes()}}, 1000, &why);
+  auto g = PeerCopyGroup::create(f.comm, {{a.data(), a.bytes()}, {b.data(), b.bytes()}}, stage_elems, &why, copies);
   ASSERT_TRUE(g) << "copy-engine group refused: " << why;
   EXPECT_EQ(g->size(), n);
   EXPECT_EQ(g->rank(), me);
+  EXPECT_EQ(g->copies_per_peer(), copies);
   Stream st(f.dev);
+  for (const Op& op : ops) ASSERT_LE(op.offset + op.m * n, kRegion);
 
-  // Operations: (region, element offset, chunk m). Several per region before any host sync.
-  struct Op {
-    int region;
-    size_t offset, m;
-  };
-  const std::vector<Op> ops = {{0, 0, 64}, {0, 4096, 3000}, {1, 128, 1000}, {0, 4096 + 3000 * static_cast<size_t>(n) + 64, 2500},
-                               {1, 200000, 7777}, {0, 300000, 1}};
   std::vector<std::vector<float>> host(2, std::vector<float>(kRegion));
   for (int rg = 0; rg < 2; ++rg)
     for (size_t k = 0; k < kRegion; ++k) host[rg][k] = value(100 + rg, me, k);
   for (int rg = 0; rg < 2; ++rg)
     copy_bytes((rg ? b : a).data(), f.dev, host[rg].data(), Device::cpu(), kRegion * 4, st);
-  // The ranges of later operations hold operation-specific values.
+  // The ranges of the operations hold operation-specific values.
   for (size_t o = 0; o < ops.size(); ++o) {
     std::vector<float> v(ops[o].m * n);
     for (size_t k = 0; k < v.size(); ++k) v[k] = value(static_cast<int>(o), me, k);
@@ -94,8 +89,8 @@ TEST(PeerCopy, ReduceScatterAndAllGatherMatchHostBitwise) {
   }
   std::vector<float> got[2] = {testing::to_host(a.as(DType::kF32, {static_cast<int64_t>(kRegion)}), st),
                                testing::to_host(b.as(DType::kF32, {static_cast<int64_t>(kRegion)}), st)};
-  // Expected: after 3 rounds the owned chunk of op o is S_o(k) summed 3 times over, i.e. round 1
-  // gives S = Σ_r x_r (rank order), round 2 gives S + Σ_{r≠me} x_r ... computed the same way.
+  // Expected: each round replaces the owned chunk by the rank-order sum of the peers' (unchanged)
+  // copies of that chunk and the current owned values.
   std::vector<std::vector<float>> expect = host;
   for (int round = 0; round < 3; ++round) {
     for (size_t o = 0; o < ops.size(); ++o) {
@@ -104,7 +99,6 @@ TEST(PeerCopy, ReduceScatterAndAllGatherMatchHostBitwise) {
         const size_t at = op.offset + me * op.m + k;
         float acc = 0.f;
         for (int r = 0; r < n; ++r) {
-          // Peer r's copy of chunk `me` never changes (only its own chunk is reduced in place).
           const float x = r == me ? expect[op.region][at] : value(static_cast<int>(o), r, me * op.m + k);
           acc = r == 0 ? x : acc + x;
         }
@@ -121,20 +115,22 @@ TEST(PeerCopy, ReduceScatterAndAllGatherMatchHostBitwise) {
     EXPECT_EQ(bad, 0u) << "rank " << me << " region " << rg;
   }
 
-  // All-gather (bytes) of bf16-sized chunks at odd offsets, then of a whole fp32 range.
+  // All-gather of one reduced fp32 range, then bytes at an odd offset of region 1.
+  const Op& ga = ops[gather_op];
+  ASSERT_EQ(ga.region, 0);
   std::vector<char> before(kRegion * 4);
   std::memcpy(before.data(), got[1].data(), before.size());
-  const size_t off = 1000002, chunk = 4098;  // bytes
+  const size_t chunk = 3 * 1048576 / 2 + 2, off = 4 * kRegion - chunk * n - 1;  // bytes: > 1 MiB, odd offset
+  g->all_gather(0, 4 * ga.offset, 4 * ga.m, st);
   g->all_gather(1, off, chunk, st);
-  g->all_gather(0, 4 * 4096, 4 * 3000, st);
   const std::vector<float> g0 = testing::to_host(a.as(DType::kF32, {static_cast<int64_t>(kRegion)}), st);
   const std::vector<float> g1 = testing::to_host(b.as(DType::kF32, {static_cast<int64_t>(kRegion)}), st);
-  // Every rank's chunk as that rank had it: chunk r of op 1 on rank r is its reduced sum, which
-  // every rank can recompute: gather each rank's own chunk over MPI for the comparison.
-  std::vector<float> mine_chunk(g0.begin() + 4096 + me * 3000, g0.begin() + 4096 + (me + 1) * 3000);
-  std::vector<float> all_chunks(3000 * n);
-  MPI_Allgather(mine_chunk.data(), 3000, MPI_FLOAT, all_chunks.data(), 3000, MPI_FLOAT, MPI_COMM_WORLD);
-  EXPECT_EQ(0, std::memcmp(g0.data() + 4096, all_chunks.data(), all_chunks.size() * 4)) << "rank " << me;
+  // Every rank's own chunk, gathered over MPI for the comparison.
+  std::vector<float> mine_chunk(g0.begin() + ga.offset + me * ga.m, g0.begin() + ga.offset + (me + 1) * ga.m);
+  std::vector<float> all_chunks(ga.m * n);
+  MPI_Allgather(mine_chunk.data(), static_cast<int>(ga.m), MPI_FLOAT, all_chunks.data(), static_cast<int>(ga.m),
+                MPI_FLOAT, MPI_COMM_WORLD);
+  EXPECT_EQ(0, std::memcmp(g0.data() + ga.offset, all_chunks.data(), all_chunks.size() * 4)) << "rank " << me;
   std::vector<char> bytes_mine(before.begin() + off + me * chunk, before.begin() + off + (me + 1) * chunk);
   std::vector<char> bytes_all(chunk * n);
   MPI_Allgather(bytes_mine.data(), static_cast<int>(chunk), MPI_BYTE, bytes_all.data(), static_cast<int>(chunk),
@@ -150,6 +146,25 @@ TEST(PeerCopy, ReduceScatterAndAllGatherMatchHostBitwise) {
   EXPECT_THROW(g->all_gather(2, 0, 4, st), Error);
   st.synchronize();
   f.comm->barrier();
+}
+
+TEST(PeerCopy, ReduceScatterAndAllGatherMatchHostBitwise) {
+  MT_REQUIRE_CUDA();
+  const LaunchEnv env = read_launch_env();
+  if (env.world_size < 2 || env.launcher != LaunchEnv::kMpirun) GTEST_SKIP() << "run under mpiexec -np 2 or 4";
+  int gpus = 0;
+  cudaGetDeviceCount(&gpus);
+  if (gpus < env.world_size) GTEST_SKIP() << "needs " << env.world_size << " GPUs, found " << gpus;
+  Fixture f = setup();
+  ASSERT_TRUE(f.comm) << "the world communicator is not NCCL";
+  const size_t n = static_cast<size_t>(f.comm->size());
+  // Small chunks through a 1000-element staging slot: pieces and both generations reused.
+  check_group(f, 1000, 1,
+              {{0, 0, 64}, {0, 4096, 3000}, {1, 128, 1000}, {0, 4096 + 3000 * n + 64, 2500}, {1, 200000, 7777},
+               {0, 300000, 1}},
+              1);
+  // Chunks of several MiB through 1M-element slots, each copy split over 3 streams.
+  check_group(f, size_t{1} << 20, 3, {{0, 64, 700000}, {1, 0, 900001}, {0, 64 + 700000 * n, 1500}}, 0);
 }
 
 }  // namespace
