@@ -66,10 +66,6 @@ void GradSync::setup_copy_engine() {
     why_not_copy_engine_ = "not requested (--ddp-copy-engine)";
     return;
   }
-  if (config_.grad_reduce_in_bf16) {
-    why_not_copy_engine_ = "--grad-reduce-in-bf16 (the copy-engine reduce-scatter sums fp32 only)";
-    return;
-  }
   if (dp_->size() < 2) {
     why_not_copy_engine_ = "a data-parallel group of one rank";
     return;
@@ -91,6 +87,7 @@ void GradSync::setup_copy_engine() {
   const size_t stage = static_cast<size_t>(std::min<int64_t>(max_chunk, int64_t{4} << 20));
   const Tensor g = params_.grads_flat(), p = params_.params_flat();
   std::vector<PeerCopyGroup::Region> regions = {{g.data(), g.nbytes()}, {p.data(), p.nbytes()}};
+  if (bf16_comm_.data()) regions.push_back({bf16_comm_.data(), bf16_comm_.bytes()});  // region 2
   peer_copy_ = PeerCopyGroup::create(nccl, regions, stage, &why_not_copy_engine_);
 #else
   why_not_copy_engine_ = "built without NCCL";
@@ -140,28 +137,29 @@ void GradSync::launch_grad_reduce(size_t b, const Stream& stream) {
   if (dp_->size() < 2) return;
   const ParamBucket& bk = params_.buckets()[b];
   const Tensor g = params_.grads_flat().flat_range(bk.begin, bk.numel());
-#ifdef MT_WITH_NCCL
-  if (peer_copy_) {
-    const size_t m = static_cast<size_t>(bk.numel() / dp_->size());
-    peer_copy_->reduce_scatter_sum_f32(0, static_cast<size_t>(bk.begin), m, stream);
-    if (!distributed_) peer_copy_->all_gather(0, static_cast<size_t>(bk.begin) * 4, m * 4, stream);
-    return;
-  }
-#endif
   // What is reduced: the fp32 gradients in place, or (--grad-reduce-in-bf16) their bf16 rounding
   // in the communication buffer, widened back afterwards.
   const bool bf16 = bf16_comm_.data() != nullptr;
   const Tensor c = bf16 ? bf16_comm_.as(DType::kBF16, {bk.numel()}) : g;
   if (bf16) cast(c, g, stream);
-  if (distributed_) {
-    const ParamStore::Range r = owned_range(b);
-    const Tensor owned = c.flat_range(r.begin - bk.begin, r.end - r.begin);
-    dp_->reduce_scatter(owned, c, ReduceOp::kSum, stream);
-    if (bf16) cast(g.flat_range(r.begin - bk.begin, r.end - r.begin), owned, stream);
-  } else {
-    dp_->all_reduce(c, ReduceOp::kSum, stream);
-    if (bf16) cast(g, c, stream);
+  const ParamStore::Range r = owned_range(b);  // the whole bucket without the distributed optimizer
+  const Tensor owned = c.flat_range(r.begin - bk.begin, r.end - r.begin);
+  bool copy_engine = false;
+#ifdef MT_WITH_NCCL
+  if (peer_copy_) {  // region 0: the fp32 gradients; region 2: the bf16 buffer, bucket at offset 0
+    copy_engine = true;
+    const int region = bf16 ? 2 : 0;
+    const size_t offset = bf16 ? 0 : static_cast<size_t>(bk.begin), es = dtype_size(c.dtype());
+    const size_t m = static_cast<size_t>(bk.numel() / dp_->size());
+    peer_copy_->reduce_scatter_sum(region, offset, m, c.dtype(), stream);
+    if (!distributed_) peer_copy_->all_gather(region, offset * es, m * es, stream);
   }
+#endif
+  if (!copy_engine) {
+    if (distributed_) dp_->reduce_scatter(owned, c, ReduceOp::kSum, stream);
+    else dp_->all_reduce(c, ReduceOp::kSum, stream);
+  }
+  if (bf16) cast(g.flat_range(r.begin - bk.begin, r.end - r.begin), owned, stream);
 }
 
 void GradSync::launch_param_gather(size_t b, const Stream& stream) {

@@ -40,7 +40,9 @@
 // collectives are serialised on one stream), reduced in bf16 (half the traffic), and the reduced
 // values (the owned slice with the distributed optimizer) are widened back into the fp32
 // gradient buffer. Unlike Megatron, whose flag also makes the gradient buffer bf16, gradients are
-// still accumulated over micro-batches in fp32: only the reduction is in bf16.
+// still accumulated over micro-batches in fp32: only the reduction is in bf16. With the copy
+// engine the bf16 buffer is a registered region and the rank-order sum is taken in fp32 and
+// rounded once.
 //
 // Copy-engine collectives (DdpConfig::copy_engine, --ddp-copy-engine): when the DP group is an
 // NCCL group whose GPUs are all on one host with peer access, the bucket reductions are

@@ -4,7 +4,8 @@
 // all-gather must reproduce every rank's chunk bitwise. A small staging slot forces pieces and
 // the reuse of both staging generations (acknowledgement waits), several operations run back to
 // back without host synchronisation, and the untouched parts of the region must stay untouched.
-// A second group moves chunks of several MiB with each copy split over 3 streams per peer.
+// A second group moves chunks of several MiB with each copy split over 3 streams per peer; bf16
+// reduce-scatters must equal bf16(rank-order fp32 sums) bitwise.
 #include <gtest/gtest.h>
 #include <cuda_runtime.h>
 #include <mpi.h>
@@ -148,6 +149,50 @@ void check_group(const Fixture& f, size_t stage_elems, int copies, const std::ve
   f.comm->barrier();
 }
 
+// bf16 reduce-scatter: the owned chunk becomes bf16(Σ_r float(x_r)) summed in rank order.
+void check_bf16(const Fixture& f, size_t stage_elems, int copies) {
+  const int n = f.comm->size(), me = f.comm->rank();
+  SCOPED_TRACE(::testing::Message() << "bf16, stage " << stage_elems << ", copies per peer " << copies);
+  constexpr size_t kElems = size_t{1} << 23;
+  Buffer a(f.dev, kElems * 2);
+  std::string why;
+  auto g = PeerCopyGroup::create(f.comm, {{a.data(), a.bytes()}}, stage_elems, &why, copies);
+  ASSERT_TRUE(g) << why;
+  Stream st(f.dev);
+  const std::vector<Op> ops = {{0, 8, 5000}, {0, 8 + 5000 * static_cast<size_t>(n), 1500001}};
+  auto x = [&](int r, size_t k) { return f32_to_bf16_bits(value(7, r, k)); };
+  std::vector<uint16_t> host(kElems);
+  for (size_t k = 0; k < kElems; ++k) host[k] = x(me, k);
+  copy_bytes(a.data(), f.dev, host.data(), Device::cpu(), kElems * 2, st);
+  st.synchronize();
+  f.comm->barrier();
+  for (int round = 0; round < 2; ++round)
+    for (const Op& op : ops) g->reduce_scatter_sum(0, op.offset, op.m, DType::kBF16, st);
+  std::vector<uint16_t> got(kElems);
+  copy_bytes(got.data(), Device::cpu(), a.data(), f.dev, kElems * 2, st);
+  st.synchronize();
+  std::vector<uint16_t> expect = host;
+  for (int round = 0; round < 2; ++round) {
+    for (const Op& op : ops) {
+      for (size_t k = 0; k < op.m; ++k) {
+        const size_t at = op.offset + me * op.m + k;
+        float acc = 0.f;
+        for (int r = 0; r < n; ++r) {
+          const float v = bf16_bits_to_f32(r == me ? expect[at] : x(r, at));
+          acc = r == 0 ? v : acc + v;
+        }
+        expect[at] = f32_to_bf16_bits(acc);
+      }
+    }
+  }
+  size_t bad = 0;
+  for (size_t k = 0; k < kElems; ++k)
+    if (got[k] != expect[k] && bad++ < 5)
+      ADD_FAILURE() << "rank " << me << " element " << k << ": got " << got[k] << ", expected " << expect[k];
+  EXPECT_EQ(bad, 0u);
+  f.comm->barrier();
+}
+
 TEST(PeerCopy, ReduceScatterAndAllGatherMatchHostBitwise) {
   MT_REQUIRE_CUDA();
   const LaunchEnv env = read_launch_env();
@@ -165,6 +210,9 @@ TEST(PeerCopy, ReduceScatterAndAllGatherMatchHostBitwise) {
               1);
   // Chunks of several MiB through 1M-element slots, each copy split over 3 streams.
   check_group(f, size_t{1} << 20, 3, {{0, 64, 700000}, {1, 0, 900001}, {0, 64 + 700000 * n, 1500}}, 0);
+  // bf16: pieces of 2 x 1000 elements, then whole chunks split over 2 streams.
+  check_bf16(f, 1000, 1);
+  check_bf16(f, size_t{1} << 20, 2);
 }
 
 }  // namespace

@@ -7,7 +7,8 @@
 // gradient accumulations are device adds enqueued on the compute stream right before each
 // grads_ready, so a missing event wait shows up as a race (likely, not certainly).
 // The copy-engine collectives (--ddp-copy-engine) give the same bits as NCCL, with and without
-// overlap: with two ranks the rank-order sum x_0 + x_1 equals NCCL's (addition commutes).
+// overlap: with two ranks the rank-order sum x_0 + x_1 equals NCCL's (addition commutes), also
+// with --grad-reduce-in-bf16.
 #include <gtest/gtest.h>
 #include <cuda_runtime.h>
 #include <mpi.h>
@@ -53,7 +54,7 @@ std::vector<OwnedTensor> step_grads(const ParamStore& P, int rank, int ranks, co
 }
 
 Out run(const Model& m, std::shared_ptr<Communicator> dp, int rank, int ranks, DType dtype, bool distributed,
-        bool overlap, Device dev, bool copy_engine = false) {
+        bool overlap, Device dev, bool copy_engine = false, bool bf16_reduce = false) {
   Stream st(dev);
   ParamStore P(m.specs, dtype, dev, ParamLayout{2, 700});
   DdpConfig dc;
@@ -61,6 +62,7 @@ Out run(const Model& m, std::shared_ptr<Communicator> dp, int rank, int ranks, D
   dc.use_distributed_optimizer = distributed;
   dc.overlap_param_gather = overlap && distributed;
   dc.copy_engine = copy_engine;
+  dc.grad_reduce_in_bf16 = bf16_reduce;
   GradSync sync(P, dp, dc);
   AdamWOptimizer opt(sync, opt_config(), st);
   P.initialize(99, st);
@@ -136,7 +138,17 @@ TEST(GradSyncNccl, OverlapMatchesNoOverlapBitwise) {
         for (int s = 0; s < kSteps; ++s)
           EXPECT_EQ(ce.snapshots[s], off.snapshots[s]) << what << " copy engine, overlap " << ov << " step " << s;
       }
+      // --grad-reduce-in-bf16: NCCL's bf16 sum of two values is bf16(float(a) + float(b)), as the
+      // copy engine's rank-order sum.
+      const Out nb = run(m, world, world->rank(), 2, dt, dist, false, dev, false, /*bf16_reduce=*/true);
+      for (bool ov : {false, true}) {
+        const Out cb = run(m, world, world->rank(), 2, dt, dist, ov, dev, true, /*bf16_reduce=*/true);
+        EXPECT_TRUE(cb.copy_engine) << what << ": copy engine not used with bf16 reduction: " << cb.why_not;
+        EXPECT_EQ(cb.params, nb.params) << what << " bf16 reduction, copy engine, overlap " << ov;
+        EXPECT_EQ(cb.main, nb.main) << what << " bf16 reduction, copy engine, overlap " << ov;
+      }
       const Out ref = run(m, std::make_shared<SingleRankCommunicator>("dp"), -1, 2, dt, false, false, dev);
+      EXPECT_LT(testing::rel_err(nb.main, ref.main), 1e-2) << what << " bf16 reduction";
       EXPECT_LT(testing::rel_err(on.main, ref.main), 1e-6) << what;
       std::printf("[%s] rank %d: main params rel err vs one GPU %.2e\n", what.c_str(), world->rank(),
                   testing::rel_err(on.main, ref.main));

@@ -387,7 +387,7 @@ TEST(DataParallel, GradReduceInBf16) {
         dc.overlap_grad_reduce = overlap;
         dc.use_distributed_optimizer = dist;
         dc.grad_reduce_in_bf16 = true;
-        dc.copy_engine = true;  // refused in favour of the bf16 reduction, with the reason
+        dc.copy_engine = true;  // CPU ranks: falls back to the communicator, with the reason
         GradSync sync(P, world, dc);
         EXPECT_FALSE(sync.copy_engine_active());
         for (int step = 0; step < 2; ++step) {

@@ -300,45 +300,50 @@ void PeerCopyGroup::check_range(int region, size_t offset_bytes, size_t bytes, c
              offset_bytes + bytes, region, regions_[region].bytes);
 }
 
-void PeerCopyGroup::reduce_scatter_sum_f32(int region, size_t offset, size_t m, const Stream& stream) {
-  check_range(region, offset * sizeof(float), size_ * m * sizeof(float), "reduce_scatter_sum_f32");
+void PeerCopyGroup::reduce_scatter_sum(int region, size_t offset, size_t m, DType dtype, const Stream& stream) {
+  MT_REQUIRE(dtype == DType::kF32 || dtype == DType::kBF16,
+             "PeerCopyGroup::reduce_scatter_sum: fp32 or bf16 only, got {}", dtype_name(dtype));
+  const size_t es = dtype_size(dtype);
+  check_range(region, offset * es, size_ * m * es, "reduce_scatter_sum");
   if (m == 0) return;
   set_current_device(Device::cuda(device_));
   cudaStream_t s = static_cast<cudaStream_t>(stream.cuda_stream());
-  check_stream(s, "reduce_scatter_sum_f32");
+  check_stream(s, "reduce_scatter_sum");
+  // A staging slot holds stage_elems_ fp32 values: 2x as many bf16 ones.
+  const size_t piece = stage_elems_ * sizeof(float) / es;
   // One fork for all pieces: the copies of piece p+1 run while `s` sums piece p.
   fork(s);
-  for (size_t p0 = 0; p0 < m; p0 += stage_elems_)
-    reduce_scatter_piece(region, offset, m, p0, std::min(stage_elems_, m - p0), s);
+  for (size_t p0 = 0; p0 < m; p0 += piece) reduce_scatter_piece(region, offset, m, p0, std::min(piece, m - p0), dtype, s);
   join(s);
   nccl_detail::Watchdog::instance().enqueued(watch_->raw(), s, "copy-engine reduce-scatter");
 }
 
-void PeerCopyGroup::reduce_scatter_piece(int region, size_t offset, size_t m, size_t p0, size_t len,
+void PeerCopyGroup::reduce_scatter_piece(int region, size_t offset, size_t m, size_t p0, size_t len, DType dtype,
                                          cudaStream_t s) {
   const uint32_t seq = ++rs_seq_;
   const size_t gen = seq % 2;
-  const size_t bytes = len * sizeof(float);
-  float* mine = static_cast<float*>(peer_base_[region][rank_]);
+  const size_t es = dtype_size(dtype);
+  const size_t slot = stage_elems_ * sizeof(float);  // bytes per staging slot
+  char* mine = static_cast<char*>(peer_base_[region][rank_]);
+  auto stage = [&](int owner, int sender) {
+    return reinterpret_cast<char*>(staging_[owner]) + (gen * size_ + sender) * slot;
+  };
   for (int j = 0; j < size_; ++j) {
     if (j == rank_) continue;
-    cudaStream_t ps = peer_streams_[j];
     // Rank j consumed the piece that used this generation before (operation seq - 2).
-    if (seq > 2) wait_flag(ps, &flags_[rank_]->ack[j], seq - 2);
-    push(j, staging_[j] + (gen * size_ + rank_) * stage_elems_, mine + offset + j * m + p0, bytes,
-         &flags_[j]->data[rank_], seq);
+    if (seq > 2) wait_flag(peer_streams_[j], &flags_[rank_]->ack[j], seq - 2);
+    push(j, stage(j, rank_), mine + (offset + j * m + p0) * es, len * es, &flags_[j]->data[rank_], seq);
   }
-  std::array<const float*, kMaxRanks> src{};
+  std::array<const void*, kMaxRanks> src{};
   for (int i = 0; i < size_; ++i) {
     if (i == rank_) {
-      src[i] = mine + offset + rank_ * m + p0;
+      src[i] = mine + (offset + rank_ * m + p0) * es;
     } else {
       wait_flag(s, &flags_[rank_]->data[i], seq);
-      src[i] = staging_[rank_] + (gen * size_ + i) * stage_elems_;
+      src[i] = stage(rank_, i);
     }
   }
-  float* out = mine + offset + rank_ * m + p0;
-  launch_sum_ranks_f32(out, src, size_, len, s);
+  launch_sum_ranks(mine + (offset + rank_ * m + p0) * es, src, size_, len, dtype, s);
   for (int i = 0; i < size_; ++i)
     if (i != rank_) write_flag(s, &flags_[i]->ack[rank_], seq);
 }

@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "comm/nccl/nccl_communicator.h"
+#include "core/dtype.h"
 #include "core/stream.h"
 
 namespace mt {
@@ -78,7 +79,13 @@ class PeerCopyGroup {
   /// were (they are read by the copies). Ordered on `stream` (returns without waiting).
   /// Errors: a range outside the region; a stream being captured into a CUDA graph (the flags
   /// carry host-counted sequence numbers, which a replay would repeat).
-  void reduce_scatter_sum_f32(int region, size_t offset, size_t m, const Stream& stream);
+  void reduce_scatter_sum_f32(int region, size_t offset, size_t m, const Stream& stream) {
+    reduce_scatter_sum(region, offset, m, DType::kF32, stream);
+  }
+  /// The same for fp32 or bf16 elements (offset and m counted in elements of `dtype`). bf16 sums
+  /// are accumulated in fp32 in rank order and rounded once (round to nearest even). Errors: as
+  /// above; another dtype.
+  void reduce_scatter_sum(int region, size_t offset, size_t m, DType dtype, const Stream& stream);
   /// In place in region `region`: for the N·chunk_bytes bytes starting at byte `offset`, every
   /// rank's chunk [offset + r·chunk_bytes, ...) is copied into the same place on every rank.
   /// Ordered on `stream`. Errors: a range outside the region; a capturing stream.
@@ -97,7 +104,7 @@ class PeerCopyGroup {
   void join(cudaStream_t s);
   void check_stream(cudaStream_t s, const char* op) const;
   void check_range(int region, size_t offset_bytes, size_t bytes, const char* op) const;
-  void reduce_scatter_piece(int region, size_t offset, size_t m, size_t p0, size_t len, cudaStream_t s);
+  void reduce_scatter_piece(int region, size_t offset, size_t m, size_t p0, size_t len, DType dtype, cudaStream_t s);
   // On peer j's stream(s): copy `bytes` from src (here) to dst (mapped peer memory), then write
   // `value` into the peer's `flag` once every part has landed.
   void push(int j, void* dst, const void* src, size_t bytes, uint32_t* flag, uint32_t value);
@@ -109,7 +116,7 @@ class PeerCopyGroup {
   // peer_base_[region][r]: region's base as mapped here (own rank: the local pointer).
   std::vector<std::array<void*, kMaxRanks>> peer_base_;
   std::array<Flags*, kMaxRanks> flags_{};    // flags_[r]: rank r's flags, mapped here
-  std::array<float*, kMaxRanks> staging_{};  // staging_[r]: rank r's staging, mapped here
+  std::array<float*, kMaxRanks> staging_{};  // staging_[r]: rank r's staging, mapped here (slots of stage_elems_ fp32)
   void* own_flags_ = nullptr;                // cudaMalloc'd here (Flags)
   void* own_staging_ = nullptr;              // cudaMalloc'd here (2 · N · stage_elems fp32)
   std::vector<void*> opened_;                // IPC mappings to close
@@ -125,9 +132,10 @@ class PeerCopyGroup {
   uint32_t rs_seq_ = 0, ag_seq_ = 0;  // operations issued so far (the flags' values)
 };
 
-/// out[k] = Σ_{r < n} src[r][k] for k < count, summed in r order (fp32); out may alias a src.
-/// Launched on `stream` (ops-style launcher of peer_copy.cu).
-void launch_sum_ranks_f32(float* out, const std::array<const float*, PeerCopyGroup::kMaxRanks>& src, int n,
-                          size_t count, cudaStream_t stream);
+/// out[k] = Σ_{r < n} src[r][k] for k < count, summed in r order in fp32 and stored as `dtype`
+/// (fp32 or bf16, round to nearest even); out may alias a src. Launched on `stream`
+/// (peer_copy.cu).
+void launch_sum_ranks(void* out, const std::array<const void*, PeerCopyGroup::kMaxRanks>& src, int n, size_t count,
+                      DType dtype, cudaStream_t stream);
 
 }  // namespace mt
