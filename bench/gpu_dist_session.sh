@@ -69,7 +69,8 @@ for step in "$@"; do
           for v in "1|" "4|--use-distributed-optimizer" "4|--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --ddp-bucket-size 10000000" \
                    "4|--ddp-copy-engine --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --ddp-bucket-size 10000000" \
                    "4|--use-distributed-optimizer --grad-reduce-in-bf16" \
-                   "4|--use-distributed-optimizer --grad-reduce-in-bf16 --overlap-grad-reduce --overlap-param-gather --ddp-bucket-size 10000000"; do
+                   "4|--use-distributed-optimizer --grad-reduce-in-bf16 --overlap-grad-reduce --overlap-param-gather --ddp-bucket-size 10000000" \
+                   "4|--ddp-copy-engine --use-distributed-optimizer --grad-reduce-in-bf16 --overlap-grad-reduce --overlap-param-gather --ddp-bucket-size 10000000"; do
             n=${v%%|*}; flags=${v#*|}
             $bin pretrain "${gpt2[@]}" --micro-batch-size $mb --global-batch-size $((mb*n)) --train-iters 80 --nproc-per-node $n $flags \
               > "$OUT/run.log" 2>&1
