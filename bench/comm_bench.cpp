@@ -161,37 +161,32 @@ int bench_main(int argc, char** argv) {
   };
   table(ops, static_cast<size_t>(n) * kEl, true);
 
-  // Gradient path: copy engine ("ours", 1, 2 and 4 copies per peer) against NCCL ("raw"), in
-  // place on one buffer each.
+  // Gradient path: copy engine ("ours") against NCCL ("raw"), in place on one buffer each.
   MT_CUDA_CHECK(cudaMemset(in_buf.data(), 0, max_bytes));
   if (me == 0) std::printf("gradient path: copy engine (ours) vs NCCL (raw), in place\n");
-  for (int copies : {1, 2, 4}) {
-    std::string why;
-    auto ce = PeerCopyGroup::create(std::dynamic_pointer_cast<NcclCommunicator>(world),
-                                    {{in_buf.data(), max_bytes}, {out_buf.data(), max_bytes}}, size_t{4} << 20, &why,
-                                    copies);
-    if (!ce) {
-      if (me == 0) std::printf("copy-engine collectives unavailable: %s\n", why.c_str());
-      return 0;
-    }
-    const std::string rs_name = fmt::format("rs_f32_ce{}/nccl", copies), ag_name = fmt::format("ag_bf16_ce{}/nccl", copies);
-    const Op grad_ops[] = {
-        {rs_name.c_str(), double(n - 1) / n,
-         [&](size_t size, bool ours) {
-           const size_t m = size / 4 / n;
-           if (ours) ce->reduce_scatter_sum_f32(0, 0, m, stream);
-           else BENCH_NCCL(ncclReduceScatter(in, in + me * m * 4, m, ncclFloat32, ncclSum, raw, cs));
-         }},
-        {ag_name.c_str(), double(n - 1) / n,
-         [&](size_t size, bool ours) {
-           const size_t chunk = size / n;
-           if (ours) ce->all_gather(1, 0, chunk, stream);
-           else BENCH_NCCL(ncclAllGather(out + me * chunk, out, chunk / kEl, ncclBfloat16, raw, cs));
-         }},
-    };
-    table(grad_ops, static_cast<size_t>(n) * 256, false);
-    stream.synchronize();  // the group is destroyed next: nothing of it may still run
+  std::string why;
+  auto ce = PeerCopyGroup::create(std::dynamic_pointer_cast<NcclCommunicator>(world),
+                                  {{in_buf.data(), max_bytes}, {out_buf.data(), max_bytes}}, size_t{4} << 20, &why);
+  if (!ce) {
+    if (me == 0) std::printf("copy-engine collectives unavailable: %s\n", why.c_str());
+    return 0;
   }
+  const Op grad_ops[] = {
+      {"rs_f32_ce/nccl", double(n - 1) / n,
+       [&](size_t size, bool ours) {
+         const size_t m = size / 4 / n;
+         if (ours) ce->reduce_scatter_sum_f32(0, 0, m, stream);
+         else BENCH_NCCL(ncclReduceScatter(in, in + me * m * 4, m, ncclFloat32, ncclSum, raw, cs));
+       }},
+      {"ag_bf16_ce/nccl", double(n - 1) / n,
+       [&](size_t size, bool ours) {
+         const size_t chunk = size / n;
+         if (ours) ce->all_gather(1, 0, chunk, stream);
+         else BENCH_NCCL(ncclAllGather(out + me * chunk, out, chunk / kEl, ncclBfloat16, raw, cs));
+       }},
+  };
+  table(grad_ops, static_cast<size_t>(n) * 256, false);
+  stream.synchronize();  // the group is destroyed next: nothing of it may still run
   return 0;
 }
 

@@ -1,17 +1,24 @@
 #!/usr/bin/env bash
 # Multi-GPU device session: build, CUDA tests, NCCL tests, collective bandwidth, GPT-2 124M
 # data-parallel scaling, tensor-parallel bf16 runs. Logs under $OUT. Usage: bench/gpu_dist_session.sh NGPU [steps...]
+# MT_BUILD_DIR=dir: use the binaries (and CTestTestfile.cmake) already in dir instead of building
+# here; a CUDA build made on a Debian 12 development machine runs on the GPU machines.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 N=$1; shift
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
-t0=$(date +%s)
-cmake --preset default > "$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }
-cmake --build build -j "$(nproc)" > "$OUT/build.log" 2>&1 || { grep -E "error" -A5 "$OUT/build.log" | head -60; exit 1; }
-echo "build: $(( $(date +%s) - t0 )) s"
-bin=build/megatron; data=data
+B=${MT_BUILD_DIR:-build}
+if [ -z "${MT_BUILD_DIR:-}" ]; then
+  t0=$(date +%s)
+  cmake --preset default > "$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }
+  cmake --build build -j "$(nproc)" > "$OUT/build.log" 2>&1 || { grep -E "error" -A5 "$OUT/build.log" | head -60; exit 1; }
+  echo "build: $(( $(date +%s) - t0 )) s"
+fi
+bin=$B/megatron; data=data
+# ms/iter of a run: the mean of its 10-iteration log windows at iterations 30..80.
+msit() { grep -E "iteration +([3-8]0)/" "$1" | sed -E 's/.*per iteration \(ms\): ([0-9.]+).*/\1/' | awk '{s+=$1;n++} END {if(n) printf "%.2f", s/n; else print "NA"}'; }
 gpt2=(--num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 1024 --max-position-embeddings 1024
       --lr 6e-4 --min-lr 6e-5 --lr-decay-style cosine --lr-warmup-iters 5 --weight-decay 0.1 --hidden-dropout 0
       --attention-dropout 0 --bf16 --device cuda --no-progress --data-path $data/demo_text_document --split 98,2,0
@@ -19,12 +26,12 @@ gpt2=(--num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 10
 for step in "$@"; do
   case $step in
     tests)
-      (cd build && ctest -L cuda -V -j 1 --timeout 180 2>&1) | tee "$OUT/ctest_cuda.log" | grep -E "tests passed|\*\*\*|FAILED  \]|^[0-9]+: \[(tp|dp)|Failure" ;;
+      (cd "$B" && ctest -L cuda -V -j 1 --timeout 180 2>&1) | tee "$OUT/ctest_cuda.log" | grep -E "tests passed|\*\*\*|FAILED  \]|^[0-9]+: \[(tp|dp)|Failure" ;;
     nccl)
-      mpiexec --allow-run-as-root -np $N build/nccl_cuda_dist_test 2>&1 | tee "$OUT/nccl_test.log" | grep -E "PASSED|FAILED|Failure" | sort | uniq -c
-      timeout 120 build/nccl_failure_cuda_test 2>&1 | tee "$OUT/nccl_failure.log" | grep -E "PASSED|FAILED|Failure" ;;
+      mpiexec --allow-run-as-root -np $N $B/nccl_cuda_dist_test 2>&1 | tee "$OUT/nccl_test.log" | grep -E "PASSED|FAILED|Failure" | sort | uniq -c
+      timeout 120 $B/nccl_failure_cuda_test 2>&1 | tee "$OUT/nccl_failure.log" | grep -E "PASSED|FAILED|Failure" ;;
     bench)
-      mpiexec --allow-run-as-root -np $N build/comm_bench --max-mib 512 --iters 20 2>&1 | tee "$OUT/comm_bench.log" | grep -E "MiB|op|512" | tail -12 ;;
+      mpiexec --allow-run-as-root -np $N $B/comm_bench --max-mib 512 --iters 20 2>&1 | tee "$OUT/comm_bench.log" | grep -E "op|512|gradient|unavailable" ;;
     dp)
       for n in 1 2 4; do
         [ $n -le $N ] || continue
@@ -46,7 +53,6 @@ for step in "$@"; do
     dpce)
       # DP scaling with NCCL vs copy-engine collectives (--ddp-copy-engine). ms/iter = mean of the
       # log lines at iterations 30..80 (10-iteration windows), 1-GPU baseline run before and after.
-      msit() { grep -E "iteration +([3-8]0)/" "$1" | sed -E 's/.*per iteration \(ms\): ([0-9.]+).*/\1/' | awk '{s+=$1;n++} END {if(n) printf "%.2f", s/n; else print "NA"}'; }
       for mb in ${DPCE_MB:-32 16}; do
         for v in "1|" "4|" "4|--use-distributed-optimizer" "4|--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather" \
                  "4|--ddp-copy-engine" "4|--ddp-copy-engine --overlap-grad-reduce" "4|--ddp-copy-engine --use-distributed-optimizer" \
@@ -63,26 +69,33 @@ for step in "$@"; do
       done ;;
     dprep)
       # Repeated, interleaved: the one-GPU baseline and the best DP layouts, DPREP_REPS rounds.
-      msit() { grep -E "iteration +([3-8]0)/" "$1" | sed -E 's/.*per iteration \(ms\): ([0-9.]+).*/\1/' | awk '{s+=$1;n++} END {if(n) printf "%.2f", s/n; else print "NA"}'; }
+      # DPREP_V overrides the variants: entries "N|flags" separated by ';'.
+      ov="--overlap-grad-reduce --overlap-param-gather --ddp-bucket-size 10000000"
+      IFS=';' read -r -a variants <<< "${DPREP_V:-1|;4|--use-distributed-optimizer;4|--use-distributed-optimizer $ov;4|--ddp-copy-engine --use-distributed-optimizer $ov;4|--use-distributed-optimizer --grad-reduce-in-bf16;4|--use-distributed-optimizer --grad-reduce-in-bf16 $ov;4|--ddp-copy-engine --use-distributed-optimizer --grad-reduce-in-bf16 $ov}"
       for mb in ${DPCE_MB:-32 16}; do
         for rep in $(seq ${DPREP_REPS:-3}); do
-          for v in "1|" "4|--use-distributed-optimizer" "4|--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --ddp-bucket-size 10000000" \
-                   "4|--ddp-copy-engine --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --ddp-bucket-size 10000000" \
-                   "4|--use-distributed-optimizer --grad-reduce-in-bf16" \
-                   "4|--use-distributed-optimizer --grad-reduce-in-bf16 --overlap-grad-reduce --overlap-param-gather --ddp-bucket-size 10000000" \
-                   "4|--ddp-copy-engine --use-distributed-optimizer --grad-reduce-in-bf16 --overlap-grad-reduce --overlap-param-gather --ddp-bucket-size 10000000"; do
+          for v in "${variants[@]}"; do
             n=${v%%|*}; flags=${v#*|}
             $bin pretrain "${gpt2[@]}" --micro-batch-size $mb --global-batch-size $((mb*n)) --train-iters 80 --nproc-per-node $n $flags \
               > "$OUT/run.log" 2>&1
-            echo "rep$rep mb$mb n$n [$flags]: $(msit "$OUT/run.log") ms/iter"
+            echo "rep$rep mb$mb n$n [$flags]: $(msit "$OUT/run.log") ms/iter $(grep -E "rror" "$OUT/run.log" | head -1 | cut -c1-200)"
+            cat "$OUT/run.log" >> "$OUT/dprep_all.log"
           done
         done
       done ;;
+    solo4)
+      # The slowest-GPU ceiling: N independent one-GPU runs at once (micro-batch 32), ms/iter each.
+      nvidia-smi --query-gpu=index,clocks.sm,clocks.max.sm,power.draw,power.limit,temperature.gpu --format=csv,noheader
+      for g in $(seq 0 $((N-1))); do
+        CUDA_VISIBLE_DEVICES=$g $bin pretrain "${gpt2[@]}" --micro-batch-size 32 --global-batch-size 32 --train-iters 80 > "$OUT/solo$g.log" 2>&1 &
+      done
+      wait
+      for g in $(seq 0 $((N-1))); do echo "solo GPU $g: $(msit "$OUT/solo$g.log") ms/iter"; done ;;
     layouts)
-      mpiexec --allow-run-as-root -np 2 build/grad_sync_np2_cuda_dist_test 2>&1 | tee "$OUT/grad_sync_np2.log" | grep -E "^\[|PASSED|FAILED|Failure" | head -20
-      mpiexec --allow-run-as-root -np 4 build/parallel_layouts_cuda_dist_test 2>&1 | tee "$OUT/layouts_np4.log" | grep -E "^\[|PASSED|FAILED|Failure|Expected|actual" | head -60 ;;
+      mpiexec --allow-run-as-root -np 2 $B/grad_sync_np2_cuda_dist_test 2>&1 | tee "$OUT/grad_sync_np2.log" | grep -E "^\[|PASSED|FAILED|Failure" | head -20
+      mpiexec --allow-run-as-root -np 4 $B/parallel_layouts_cuda_dist_test 2>&1 | tee "$OUT/layouts_np4.log" | grep -E "^\[|PASSED|FAILED|Failure|Expected|actual" | head -60 ;;
     np2)
-      mpiexec --allow-run-as-root -np 2 build/parallel_layouts_cuda_dist_test 2>&1 | tee "$OUT/layouts_np2.log" | grep -E "^\[|PASSED|FAILED|Failure" | head -40 ;;
+      mpiexec --allow-run-as-root -np 2 $B/parallel_layouts_cuda_dist_test 2>&1 | tee "$OUT/layouts_np2.log" | grep -E "^\[|PASSED|FAILED|Failure" | head -40 ;;
     tp)
       for t in 1 2; do
         $bin pretrain "${gpt2[@]}" --micro-batch-size 8 --global-batch-size 8 --train-iters 30 --nproc-per-node $t \
@@ -104,7 +117,7 @@ for step in "$@"; do
       done ;;
     ppbench)
       # Pipeline bubble, ~7B layer shape (h 4096, 32 heads, s 2048), 32 layers over N stages.
-      mpiexec --allow-run-as-root -np $N build/pipeline_bench --pp $N --num-layers 32 --hidden-size 4096 \
+      mpiexec --allow-run-as-root -np $N $B/pipeline_bench --pp $N --num-layers 32 --hidden-size 4096 \
         --num-attention-heads 32 --seq-length 2048 --microbatches 4,8,16 --vpp 1,2 --iters 3 2>&1 \
         | tee "$OUT/pipeline_bench.log" | grep -E "^pp|error" ;;
     7b)

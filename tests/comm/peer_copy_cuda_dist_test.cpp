@@ -54,18 +54,17 @@ struct Op {
 
 // Runs `ops` (3 rounds of reduce-scatters without host synchronisation), then an all-gather of
 // `ops[gather_op]`'s fp32 range and a byte all-gather at an odd offset, and checks everything
-// bitwise. stage_elems / copies: the group's staging slot and copies per peer.
-void check_group(const Fixture& f, size_t stage_elems, int copies, const std::vector<Op>& ops, size_t gather_op) {
+// bitwise. stage_elems: the group's staging slot.
+void check_group(const Fixture& f, size_t stage_elems, const std::vector<Op>& ops, size_t gather_op) {
   const int n = f.comm->size(), me = f.comm->rank();
-  SCOPED_TRACE(::testing::Message() << "stage " << stage_elems << ", copies per peer " << copies);
+  SCOPED_TRACE(::testing::Message() << "stage " << stage_elems);
   constexpr size_t kRegion = size_t{1} << 22;  // floats per region
   Buffer a(f.dev, kRegion * 4), b(f.dev, kRegion * 4);
   std::string why;
-  auto g = PeerCopyGroup::create(f.comm, {{a.data(), a.bytes()}, {b.data(), b.bytes()}}, stage_elems, &why, copies);
+  auto g = PeerCopyGroup::create(f.comm, {{a.data(), a.bytes()}, {b.data(), b.bytes()}}, stage_elems, &why);
   ASSERT_TRUE(g) << "copy-engine group refused: " << why;
   EXPECT_EQ(g->size(), n);
   EXPECT_EQ(g->rank(), me);
-  EXPECT_EQ(g->copies_per_peer(), copies);
   Stream st(f.dev);
   for (const Op& op : ops) ASSERT_LE(op.offset + op.m * n, kRegion);
 
@@ -150,13 +149,13 @@ void check_group(const Fixture& f, size_t stage_elems, int copies, const std::ve
 }
 
 // bf16 reduce-scatter: the owned chunk becomes bf16(Σ_r float(x_r)) summed in rank order.
-void check_bf16(const Fixture& f, size_t stage_elems, int copies) {
+void check_bf16(const Fixture& f, size_t stage_elems) {
   const int n = f.comm->size(), me = f.comm->rank();
-  SCOPED_TRACE(::testing::Message() << "bf16, stage " << stage_elems << ", copies per peer " << copies);
+  SCOPED_TRACE(::testing::Message() << "bf16, stage " << stage_elems);
   constexpr size_t kElems = size_t{1} << 23;
   Buffer a(f.dev, kElems * 2);
   std::string why;
-  auto g = PeerCopyGroup::create(f.comm, {{a.data(), a.bytes()}}, stage_elems, &why, copies);
+  auto g = PeerCopyGroup::create(f.comm, {{a.data(), a.bytes()}}, stage_elems, &why);
   ASSERT_TRUE(g) << why;
   Stream st(f.dev);
   const std::vector<Op> ops = {{0, 8, 5000}, {0, 8 + 5000 * static_cast<size_t>(n), 1500001}};
@@ -204,15 +203,15 @@ TEST(PeerCopy, ReduceScatterAndAllGatherMatchHostBitwise) {
   ASSERT_TRUE(f.comm) << "the world communicator is not NCCL";
   const size_t n = static_cast<size_t>(f.comm->size());
   // Small chunks through a 1000-element staging slot: pieces and both generations reused.
-  check_group(f, 1000, 1,
+  check_group(f, 1000,
               {{0, 0, 64}, {0, 4096, 3000}, {1, 128, 1000}, {0, 4096 + 3000 * n + 64, 2500}, {1, 200000, 7777},
                {0, 300000, 1}},
               1);
-  // Chunks of several MiB through 1M-element slots, each copy split over 3 streams.
-  check_group(f, size_t{1} << 20, 3, {{0, 64, 700000}, {1, 0, 900001}, {0, 64 + 700000 * n, 1500}}, 0);
-  // bf16: pieces of 2 x 1000 elements, then whole chunks split over 2 streams.
-  check_bf16(f, 1000, 1);
-  check_bf16(f, size_t{1} << 20, 2);
+  // Chunks of several MiB through 1M-element slots.
+  check_group(f, size_t{1} << 20, {{0, 64, 700000}, {1, 0, 900001}, {0, 64 + 700000 * n, 1500}}, 0);
+  // bf16: pieces of 2 x 1000 elements, then whole chunks.
+  check_bf16(f, 1000);
+  check_bf16(f, size_t{1} << 20);
 }
 
 }  // namespace

@@ -83,7 +83,7 @@ bool all_ok(NcclCommunicator& comm, bool ok) {
 
 std::unique_ptr<PeerCopyGroup> PeerCopyGroup::create(const std::shared_ptr<NcclCommunicator>& comm,
                                                      const std::vector<Region>& regions, size_t stage_elems,
-                                                     std::string* why_not, int copies_per_peer) {
+                                                     std::string* why_not) {
   auto refuse = [&](std::string why) -> std::unique_ptr<PeerCopyGroup> {
     if (why_not) *why_not = std::move(why);
     return nullptr;
@@ -93,8 +93,6 @@ std::unique_ptr<PeerCopyGroup> PeerCopyGroup::create(const std::shared_ptr<NcclC
   if (n < 2) return refuse("a group of one rank");
   if (n > kMaxRanks) return refuse(fmt::format("{} ranks (at most {} supported)", n, kMaxRanks));
   MT_REQUIRE(stage_elems >= 1, "PeerCopyGroup::create: stage_elems must be >= 1");
-  MT_REQUIRE(copies_per_peer >= 1 && copies_per_peer <= 8, "PeerCopyGroup::create: copies_per_peer {} not in [1, 8]",
-             copies_per_peer);
   set_current_device(comm->device());
 
   // Same host and the same registered sizes everywhere.
@@ -194,20 +192,6 @@ std::unique_ptr<PeerCopyGroup> PeerCopyGroup::create(const std::shared_ptr<NcclC
     MT_CUDA_CHECK(cudaEventCreateWithFlags(&g->join_ev_[r], cudaEventDisableTiming));
   }
   MT_CUDA_CHECK(cudaEventCreateWithFlags(&g->fork_ev_, cudaEventDisableTiming));
-  g->copies_ = copies_per_peer;
-  if (copies_per_peer > 1) {
-    for (int r = 0; r < n; ++r) {
-      MT_CUDA_CHECK(cudaEventCreateWithFlags(&g->part_fork_ev_[r], cudaEventDisableTiming));
-      for (int c = 1; c < copies_per_peer; ++c) {
-        cudaStream_t ps = nullptr;
-        cudaEvent_t ev = nullptr;
-        MT_CUDA_CHECK(cudaStreamCreateWithFlags(&ps, cudaStreamNonBlocking));
-        MT_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
-        g->part_streams_.push_back(ps);
-        g->part_done_ev_.push_back(ev);
-      }
-    }
-  }
   return g;
 }
 
@@ -233,12 +217,8 @@ PeerCopyGroup::~PeerCopyGroup() {
   for (void* p : opened_) cudaIpcCloseMemHandle(p);
   for (cudaStream_t s : peer_streams_)
     if (s) cudaStreamDestroy(s);
-  for (cudaStream_t s : part_streams_) cudaStreamDestroy(s);
   for (cudaEvent_t e : join_ev_)
     if (e) cudaEventDestroy(e);
-  for (cudaEvent_t e : part_fork_ev_)
-    if (e) cudaEventDestroy(e);
-  for (cudaEvent_t e : part_done_ev_) cudaEventDestroy(e);
   if (fork_ev_) cudaEventDestroy(fork_ev_);
   if (quiet) {
     if (own_staging_) cudaFree(own_staging_);
@@ -262,25 +242,8 @@ void PeerCopyGroup::join(cudaStream_t s) {
 }
 
 void PeerCopyGroup::push(int j, void* dst, const void* src, size_t bytes, uint32_t* flag, uint32_t value) {
-  cudaStream_t s0 = peer_streams_[j];
-  constexpr size_t kMinPart = size_t{1} << 20;
-  const size_t parts = std::max<size_t>(1, std::min<size_t>(copies_, bytes / kMinPart));
-  const size_t part = (bytes / parts + 255) / 256 * 256;  // 256-byte aligned parts
-  if (parts > 1) MT_CUDA_CHECK(cudaEventRecord(part_fork_ev_[j], s0));
-  for (size_t c = 0; c < parts; ++c) {
-    const size_t b0 = c * part, b1 = std::min(bytes, b0 + part);
-    if (b0 >= b1) break;
-    cudaStream_t ps = c == 0 ? s0 : part_streams_[j * (copies_ - 1) + c - 1];
-    if (c > 0) MT_CUDA_CHECK(cudaStreamWaitEvent(ps, part_fork_ev_[j], 0));
-    MT_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(dst) + b0, static_cast<const char*>(src) + b0, b1 - b0,
-                                  cudaMemcpyDeviceToDevice, ps));
-    if (c > 0) {
-      cudaEvent_t done = part_done_ev_[j * (copies_ - 1) + c - 1];
-      MT_CUDA_CHECK(cudaEventRecord(done, ps));
-      MT_CUDA_CHECK(cudaStreamWaitEvent(s0, done, 0));
-    }
-  }
-  write_flag(s0, flag, value);
+  MT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, peer_streams_[j]));
+  write_flag(peer_streams_[j], flag, value);
 }
 
 void PeerCopyGroup::check_stream(cudaStream_t s, const char* op) const {

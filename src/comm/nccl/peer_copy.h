@@ -58,12 +58,10 @@ class PeerCopyGroup {
   /// peer whose memory cannot be mapped (no peer access, IPC refused); the reason is in
   /// *why_not when given. The decision is agreed over the group, so either every rank gets a
   /// group or none does. Errors (mt::Error): regions that differ in count or size between ranks,
-  /// CUDA errors other than IPC refusals; copies_per_peer outside [1, 8].
-  /// copies_per_peer: each transfer to a peer is split into this many copies on as many streams
-  /// (parts of at least 1 MiB), so that several copy engines can serve one peer.
+  /// CUDA errors other than IPC refusals.
   static std::unique_ptr<PeerCopyGroup> create(const std::shared_ptr<NcclCommunicator>& comm,
                                                const std::vector<Region>& regions, size_t stage_elems,
-                                               std::string* why_not = nullptr, int copies_per_peer = 1);
+                                               std::string* why_not = nullptr);
   ~PeerCopyGroup();
   PeerCopyGroup(const PeerCopyGroup&) = delete;
   PeerCopyGroup& operator=(const PeerCopyGroup&) = delete;
@@ -71,7 +69,6 @@ class PeerCopyGroup {
   int rank() const { return rank_; }
   int size() const { return size_; }
   size_t stage_elems() const { return stage_elems_; }
-  int copies_per_peer() const { return copies_; }
 
   /// In place in fp32 region `region`: for the N·m elements starting at element `offset`,
   /// this rank's chunk [offset + rank·m, offset + (rank+1)·m) becomes the sum over ranks of that
@@ -105,8 +102,8 @@ class PeerCopyGroup {
   void check_stream(cudaStream_t s, const char* op) const;
   void check_range(int region, size_t offset_bytes, size_t bytes, const char* op) const;
   void reduce_scatter_piece(int region, size_t offset, size_t m, size_t p0, size_t len, DType dtype, cudaStream_t s);
-  // On peer j's stream(s): copy `bytes` from src (here) to dst (mapped peer memory), then write
-  // `value` into the peer's `flag` once every part has landed.
+  // On peer j's stream: copy `bytes` from src (here) to dst (mapped peer memory), then write
+  // `value` into the peer's `flag` (fenced after the copy).
   void push(int j, void* dst, const void* src, size_t bytes, uint32_t* flag, uint32_t value);
 
   std::shared_ptr<NcclCommunicator> watch_;
@@ -123,12 +120,6 @@ class PeerCopyGroup {
   std::array<cudaStream_t, kMaxRanks> peer_streams_{};
   cudaEvent_t fork_ev_ = nullptr;
   std::array<cudaEvent_t, kMaxRanks> join_ev_{};
-  int copies_ = 1;
-  // copies_per_peer > 1: extra streams of peer r at [r · (copies - 1) + c - 1], c = 1..copies-1,
-  // forked from peer_streams_[r] by part_fork_ev_[r] and joined back by the part_done_ev_.
-  std::vector<cudaStream_t> part_streams_;
-  std::array<cudaEvent_t, kMaxRanks> part_fork_ev_{};
-  std::vector<cudaEvent_t> part_done_ev_;
   uint32_t rs_seq_ = 0, ag_seq_ = 0;  // operations issued so far (the flags' values)
 };
 
