@@ -69,19 +69,33 @@ for step in "$@"; do
       done ;;
     dprep)
       # Repeated, interleaved: the one-GPU baseline and the best DP layouts, DPREP_REPS rounds.
-      # DPREP_V overrides the variants: entries "N|flags" separated by ';'.
+      # DPREP_V overrides the variants: entries "N|flags" or "N|flags|VAR=value ..." separated by ';'.
       ov="--overlap-grad-reduce --overlap-param-gather --ddp-bucket-size 10000000"
       IFS=';' read -r -a variants <<< "${DPREP_V:-1|;4|--use-distributed-optimizer;4|--use-distributed-optimizer $ov;4|--ddp-copy-engine --use-distributed-optimizer $ov;4|--use-distributed-optimizer --grad-reduce-in-bf16;4|--use-distributed-optimizer --grad-reduce-in-bf16 $ov;4|--ddp-copy-engine --use-distributed-optimizer --grad-reduce-in-bf16 $ov}"
       for mb in ${DPCE_MB:-32 16}; do
         for rep in $(seq ${DPREP_REPS:-3}); do
           for v in "${variants[@]}"; do
-            n=${v%%|*}; flags=${v#*|}
-            $bin pretrain "${gpt2[@]}" --micro-batch-size $mb --global-batch-size $((mb*n)) --train-iters 80 --nproc-per-node $n $flags \
+            IFS='|' read -r n flags envs <<< "$v"
+            env $envs $bin pretrain "${gpt2[@]}" --micro-batch-size $mb --global-batch-size $((mb*n)) --train-iters 80 --nproc-per-node $n $flags \
               > "$OUT/run.log" 2>&1
-            echo "rep$rep mb$mb n$n [$flags]: $(msit "$OUT/run.log") ms/iter $(grep -E "rror" "$OUT/run.log" | head -1 | cut -c1-200)"
+            echo "rep$rep mb$mb n$n [$flags] $envs: $(msit "$OUT/run.log") ms/iter $(grep -E "rror" "$OUT/run.log" | head -1 | cut -c1-200)"
             cat "$OUT/run.log" >> "$OUT/dprep_all.log"
           done
         done
+      done ;;
+    timers)
+      # Where a DP step's time goes: --timing-log-level 1 per rank (--timing-log-option all) for the
+      # variants of DPREP_V (same syntax as dprep, plus an optional third field of environment
+      # assignments: "N|flags|VAR=1"), micro-batch 32, report of iterations 41..80.
+      ov="--overlap-grad-reduce --overlap-param-gather --ddp-bucket-size 10000000"
+      IFS=';' read -r -a variants <<< "${DPREP_V:-1|;4|--use-distributed-optimizer;4|--ddp-copy-engine --use-distributed-optimizer $ov}"
+      for v in "${variants[@]}"; do
+        IFS='|' read -r n flags envs <<< "$v"
+        env $envs $bin pretrain "${gpt2[@]}" --micro-batch-size 32 --global-batch-size $((32*n)) --train-iters 80 --nproc-per-node $n $flags \
+          --log-interval 40 --timing-log-level 1 --timing-log-option all > "$OUT/run.log" 2>&1
+        echo "== n$n [$flags] $envs: $(grep -E "iteration +80/" "$OUT/run.log" | sed -E 's/.*per iteration \(ms\): ([0-9.]+).*/\1/') ms/iter"
+        awk '/iteration +80\//{f=1;next} f&&/^ \[|^---/{exit} f' "$OUT/run.log" | awk '/:$/{printf "\n%s", $1; next} /rank/{printf " %s", $3} END{print ""}'
+        echo; cat "$OUT/run.log" >> "$OUT/timers_all.log"
       done ;;
     solo4)
       # The slowest-GPU ceiling: N independent one-GPU runs at once (micro-batch 32), ms/iter each.

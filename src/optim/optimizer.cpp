@@ -87,16 +87,20 @@ Tensor AdamWOptimizer::loss_scale_tensor() const {
   return Tensor(p, DType::kF32, scalars_.device(), {1});
 }
 
-void AdamWOptimizer::step(float lr, const Stream& stream) {
+void AdamWOptimizer::step(float lr, const Stream& stream, Timers* timers) {
   sync_->finish_grad_sync(stream);  // no-op when the step already called it
+  ScopedTimer whole(timers, Timers::kOptimizer, stream);
   const Tensor sc = scalars();
   const Tensor grads = params_.grads_flat();
+  if (timers) timers->start(Timers::kOptimizerClipMainGrad, stream);
   for (const auto& p : norm_pieces_) grad_sumsq_accumulate(sc, grads.flat_range(p.begin, p.n), stream);
   const Tensor sumsq(static_cast<char*>(scalars_.data()) + offsetof(OptimizerScalars, grad_sumsq), DType::kF32,
                      scalars_.device(), {1});
   if (sync_->distributed()) sync_->dp()->all_reduce(sumsq, ReduceOp::kSum, stream);
   if (groups_.mp && groups_.mp->size() > 1) groups_.mp->all_reduce(sumsq, ReduceOp::kSum, stream);
   optimizer_prepare(sc, config_.clip_grad, stream);
+  if (timers) timers->stop(Timers::kOptimizerClipMainGrad, stream);
+  if (timers) timers->start(Timers::kOptimizerInnerStep, stream);
   // fp32 main parameters: the compact shard (sharded, state index), or the whole flat buffer
   // (flat index; == the model parameters for an fp32 model).
   const bool sharded = params_.main_sharded();
@@ -110,7 +114,9 @@ void AdamWOptimizer::step(float lr, const Stream& stream) {
                  model.empty() ? Tensor() : model.flat_range(p.begin, p.n), hp, sc, stream);
     }
   }
+  if (timers) timers->stop(Timers::kOptimizerInnerStep, stream);
   loss_scaler_update(sc, config_.scaler, stream);
+  ScopedTimer gather(timers, Timers::kParamsAllGather, stream);
   sync_->start_param_sync(stream);
 }
 

@@ -6,6 +6,7 @@
 #pragma once
 #include "comm/communicator.h"
 #include "core/buffer.h"
+#include "core/timers.h"
 #include "model/params.h"
 #include "ops/optimizer.h"
 #include "optim/grad_sync.h"
@@ -59,7 +60,9 @@ class AdamWOptimizer {
   /// the owned elements (summed over DP when sharded, then over MP), clip, AdamW on the owned
   /// elements, loss-scaler update, then GradSync::start_param_sync (all-gather of the updated
   /// parameters with the distributed optimizer; asynchronous with --overlap-param-gather).
-  void step(float lr, const Stream& stream);
+  /// timers (optional): the optimizer, optimizer-clip-main-grad, optimizer-inner-step and
+  /// params-all-gather timers (core/timers.h) are recorded around those phases.
+  void step(float lr, const Stream& stream, Timers* timers = nullptr);
   /// Device fp32 [1] view of the current loss scale (multiplies the loss gradient).
   Tensor loss_scale_tensor() const;
   /// Device struct as a uint8 tensor.

@@ -4,6 +4,8 @@
 
 #include <algorithm>
 
+#include "train/timing_log.h"
+
 namespace mt {
 
 LrScheduleConfig PretrainArgs::lr_schedule() const {
@@ -82,6 +84,12 @@ void add_pretrain_options(CLI::App& app, PretrainArgs& a) {
   app.add_option("--log-interval", a.log_interval, "Iterations between log lines")->capture_default_str();
   app.add_option("--eval-interval", a.eval_interval, "Iterations between evaluations")->capture_default_str();
   app.add_option("--eval-iters", a.eval_iters, "Iterations (global batches) per evaluation")->capture_default_str();
+  app.add_option("--timing-log-level", a.timing_log_level,
+                 "Training timers in the log: 0 off, 1 forward-backward, gradient sync and optimizer phases")
+      ->capture_default_str();
+  app.add_option("--timing-log-option", a.timing_log_option,
+                 "Timer values across ranks: max, minmax or all (one per rank)")
+      ->capture_default_str();
 
   data::add_data_options(app, a.data);
 
@@ -155,6 +163,8 @@ void validate_pretrain_args(PretrainArgs& a) {
   MT_REQUIRE(a.log_interval > 0, "--log-interval must be positive, got {}", a.log_interval);
   MT_REQUIRE(a.eval_interval > 0, "--eval-interval must be positive, got {}", a.eval_interval);
   MT_REQUIRE(a.eval_iters >= 0, "--eval-iters must be >= 0, got {}", a.eval_iters);
+  Timers::check_level(a.timing_log_level);
+  parse_timing_log_option(a.timing_log_option);
   MT_REQUIRE(a.save_interval >= 0, "--save-interval must be >= 0, got {}", a.save_interval);
   MT_REQUIRE(a.exit_interval >= 0, "--exit-interval must be >= 0, got {}", a.exit_interval);
   MT_REQUIRE(a.save_interval == 0 || !a.save.empty(), "--save-interval {} given without --save", a.save_interval);

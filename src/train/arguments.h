@@ -42,6 +42,8 @@ struct PretrainArgs {
   int64_t log_interval = 100;      ///< --log-interval
   int64_t eval_interval = 1000;    ///< --eval-interval
   int64_t eval_iters = 100;        ///< --eval-iters
+  int timing_log_level = 0;        ///< --timing-log-level (0 off, 1: core/timers.h)
+  std::string timing_log_option = "minmax";  ///< --timing-log-option: max, minmax, all
   // data: --data-path (blends), --split, --mock-data, tokenizers, document masks (docs/data.md)
   data::DataArgs data;
   // checkpointing

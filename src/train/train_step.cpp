@@ -14,10 +14,20 @@ void train_step(GptModel& model, PipelineExecutor& executor, const PipelinePlan&
                 const std::vector<MicroBatch>& micro_batches, const StepOptions& opt, const Tensor& loss_slot,
                 const Stream& stream) {
   optimizer.grad_sync().zero_grad_buffer(stream);  // zero gradients, new bucket state
-  executor.run(plan, micro_batches, {opt.seed, opt.iteration, opt.dp_rank, opt.dp_size, true}, loss_slot, 1.f,
-               optimizer.loss_scale_tensor(), stream);
-  allreduce_embedding_grads(model, stream);
-  optimizer.step(opt.lr, stream);  // finish_grad_sync, norm, AdamW, parameter all-gather
+  {
+    ScopedTimer t(opt.timers, Timers::kForwardBackward, stream);
+    executor.run(plan, micro_batches, {opt.seed, opt.iteration, opt.dp_rank, opt.dp_size, true}, loss_slot, 1.f,
+                 optimizer.loss_scale_tensor(), stream);
+  }
+  {
+    ScopedTimer t(opt.timers, Timers::kEmbeddingGradsAllReduce, stream);
+    allreduce_embedding_grads(model, stream);
+  }
+  {
+    ScopedTimer t(opt.timers, Timers::kAllGradsSync, stream);
+    optimizer.grad_sync().finish_grad_sync(stream);
+  }
+  optimizer.step(opt.lr, stream, opt.timers);  // norm, AdamW, parameter all-gather
 }
 
 }  // namespace mt

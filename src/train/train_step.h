@@ -4,7 +4,9 @@
 // backward of each chunk reports finished gradients to its hooks, which may start their
 // data-parallel reduction), reduce the tied embedding's gradient over the embedding group (first
 // and last pipeline stage) and report it, then the optimizer step (which finishes the DP
-// reduction and, with the distributed optimizer, all-gathers the updated parameters).
+// reduction and, with the distributed optimizer, all-gathers the updated parameters). The DP
+// reduction is finished (GradSync::finish_grad_sync) before the optimizer step so that the
+// all-grads-sync timer measures it.
 #pragma once
 #include <vector>
 
@@ -22,6 +24,8 @@ struct StepOptions {
   /// sampler interleaves DP ranks within each micro-batch step); the global index keys the
   /// dropout masks, so they do not depend on the data-parallel layout.
   int dp_rank = 0, dp_size = 1;
+  /// Megatron's level-1 training timers (core/timers.h), or null.
+  Timers* timers = nullptr;
 };
 
 /// Runs one iteration on this rank's micro-batches (each carrying its loss weight, see

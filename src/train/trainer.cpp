@@ -22,6 +22,7 @@
 #include "optim/grad_sync.h"
 #include "train/checkpoint.h"
 #include "train/pipeline.h"
+#include "train/timing_log.h"
 #include "train/train_step.h"
 
 namespace mt {
@@ -343,6 +344,8 @@ int run_pretrain(PretrainArgs args) {
   Buffer losses_dev(device, static_cast<size_t>(args.log_interval) * 4);
   Tensor losses = losses_dev.as(DType::kF32, {args.log_interval});
   fill(losses, 0.f, stream);
+  Timers timers(args.timing_log_level, device);  // --timing-log-level, reported at log intervals
+  const TimingLogOption timing_option = parse_timing_log_option(args.timing_log_option);
   Buffer eval_loss_dev(device, 4);
   Tensor eval_loss = eval_loss_dev.as(DType::kF32, {1});
   data::LtorOptions ltor;
@@ -408,7 +411,7 @@ int run_pretrain(PretrainArgs args) {
                  iteration + 1 < args.train_iters ? consumed + args.global_batch_size : -1, stream);
     std::vector<MicroBatch> mbs;
     for (int64_t m = 0; m < M; ++m) mbs.push_back(stager.micro_batch(m));
-    train_step(model, executor, train_plan, optimizer, mbs, {args.seed, iteration, lr, dp_rank, static_cast<int>(pc.dp)},
+    train_step(model, executor, train_plan, optimizer, mbs, {args.seed, iteration, lr, dp_rank, static_cast<int>(pc.dp), &timers},
                losses.flat_range(iters_since_log, 1), stream);
     ++iteration;
     ++iters_since_log;
@@ -444,6 +447,8 @@ int run_pretrain(PretrainArgs args) {
           timestamp(), iteration, args.train_iters, consumed, ms, tflops, tokens_per_s, lr, args.global_batch_size,
           n_ok ? loss_sum / n_ok : NAN, sc.loss_scale, sc.grad_norm, sc.skipped_iters - last_skipped, n_nan);
       log_info("{}", line);
+      const std::string timing = timing_report(timers, timing_option, *world, stream, iters_since_log);
+      if (!timing.empty()) log_info("{}", timing);
       last_skipped = sc.skipped_iters;
       iters_since_log = 0;
       fill(losses, 0.f, stream);

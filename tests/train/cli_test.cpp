@@ -165,10 +165,14 @@ TEST_F(CliTest, DocumentMasksAndMockData) {
   // Megatron's MockGPTDataset: no files at all.
   RunResult m = run("pretrain --num-layers 1 --hidden-size 16 --num-attention-heads 2 --seq-length 16 "
                     "--micro-batch-size 2 --lr 1e-3 --train-iters 2 --log-interval 1 --eval-iters 1 --device cpu "
-                    "--no-progress --mock-data " + tok);
+                    "--no-progress --mock-data --timing-log-level 1 " + tok);
   ASSERT_EQ(m.rc, 0) << m.out;
   EXPECT_NE(m.out.find("<mock>"), std::string::npos) << m.out;
   EXPECT_EQ(loss_lines(m.out).size(), 2u) << m.out;
+  // --timing-log-level 1: Megatron's timer report after each log line (default option minmax).
+  for (const char* t : {"(min, max) time across ranks (ms):", "forward-backward ....", "all-grads-sync ....",
+                        "optimizer-inner-step ....", "optimizer ...."})
+    EXPECT_NE(m.out.find(t), std::string::npos) << t << " missing in\n" << m.out;
 }
 
 TEST_F(CliTest, BadInputErrors) {
@@ -213,6 +217,8 @@ TEST_F(CliTest, BadInputErrors) {
       {train_flags("--train-iters 2 --load " + (bad / "empty_dir").string()), "empty_dir"},
       {train_flags("--train-iters 2 --bf16"), "bf16"},
       {train_flags("--train-iters 2 --lr-decay-style triangle"), "triangle"},
+      {train_flags("--train-iters 2 --timing-log-level 2"), "--timing-log-level 2"},
+      {train_flags("--train-iters 2 --timing-log-option median"), "median"},
       {"generate --load " + (bad / "nothing").string() + " " + tok, "nothing"},
   };
   for (const auto& c : cases) {

@@ -1,0 +1,68 @@
+#include "train/timing_log.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "core/buffer.h"
+#include "core/check.h"
+
+namespace mt {
+
+TimingLogOption parse_timing_log_option(const std::string& s) {
+  if (s == "max") return TimingLogOption::kMax;
+  if (s == "minmax") return TimingLogOption::kMinMax;
+  if (s == "all") return TimingLogOption::kAll;
+  MT_FAIL("--timing-log-option '{}': expected one of max, minmax, all", s);
+}
+
+std::string timing_report(Timers& timers, TimingLogOption option, Communicator& world, const Stream& stream,
+                          int64_t iterations) {
+  if (!timers.active()) return {};
+  constexpr size_t kPer = 2 * Timers::kCount;  // per rank: [ms per iteration, intervals] per timer
+  const auto mine = timers.take(stream, iterations);
+  const int n = world.size(), me = world.rank();
+  std::vector<float> host(static_cast<size_t>(n) * kPer, 0.f);
+  std::copy(mine.begin(), mine.end(), host.begin() + static_cast<ptrdiff_t>(me * kPer));
+  if (n > 1) {
+    Buffer dev(stream.device(), host.size() * 4);
+    const Tensor all = dev.as(DType::kF32, {static_cast<int64_t>(host.size())});
+    const Tensor part = all.flat_range(static_cast<int64_t>(me * kPer), static_cast<int64_t>(kPer));
+    copy_bytes(part.data(), stream.device(), mine.data(), Device::cpu(), kPer * 4, stream);
+    world.all_gather(all, part, stream);
+    copy_bytes(host.data(), Device::cpu(), all.data(), stream.device(), host.size() * 4, stream);
+    stream.synchronize();
+  }
+  std::string out;
+  for (size_t t = 0; t < Timers::kCount; ++t) {
+    float lo = host[2 * t], hi = host[2 * t], count = 0;
+    for (int r = 0; r < n; ++r) {
+      const float v = host[r * kPer + 2 * t];
+      lo = std::min(lo, v);
+      hi = std::max(hi, v);
+      count += host[r * kPer + 2 * t + 1];
+    }
+    if (count == 0) continue;  // this timer ran on no rank
+    const std::string name = Timers::name(static_cast<Timers::Name>(t));
+    const std::string dots(name.size() < 48 ? 48 - name.size() : 1, '.');
+    switch (option) {
+      case TimingLogOption::kMax:
+        out += fmt::format("\n    {} {}: {:.2f}", name, dots, hi);
+        break;
+      case TimingLogOption::kMinMax:
+        out += fmt::format("\n    {} {}: ({:.2f}, {:.2f})", name, dots, lo, hi);
+        break;
+      case TimingLogOption::kAll:
+        out += fmt::format("\n  {}:", name);
+        for (int r = 0; r < n; ++r) out += fmt::format("\n     rank {:2d}: {:.2f}", r, host[r * kPer + 2 * t]);
+        break;
+    }
+  }
+  if (out.empty()) return {};
+  static constexpr const char* kHeader[] = {"(max) time across ranks (ms):", "(min, max) time across ranks (ms):",
+                                            "times across ranks (ms):"};
+  return kHeader[static_cast<int>(option)] + out;
+}
+
+}  // namespace mt
