@@ -132,7 +132,7 @@ std::pair<size_t, size_t> GradSync::bucket_span(size_t first, size_t end) const 
   return {params_.bucket_of(end - 1), params_.bucket_of(first)};
 }
 
-void GradSync::launch_grad_reduce(size_t b, const Stream& stream) {
+void GradSync::launch_grad_reduce(size_t b, const Stream& stream, bool exposed) {
   launched_[b] = 1;
   if (dp_->size() < 2) return;
   const ParamBucket& bk = params_.buckets()[b];
@@ -146,13 +146,14 @@ void GradSync::launch_grad_reduce(size_t b, const Stream& stream) {
   const Tensor owned = c.flat_range(r.begin - bk.begin, r.end - r.begin);
   bool copy_engine = false;
 #ifdef MT_WITH_NCCL
-  if (peer_copy_) {  // region 0: the fp32 gradients; region 2: the bf16 buffer, bucket at offset 0
+  if (peer_copy_ && !exposed) {  // region 0: fp32 gradients; region 2: bf16 buffer, bucket at 0
     copy_engine = true;
     const int region = bf16 ? 2 : 0;
     const size_t offset = bf16 ? 0 : static_cast<size_t>(bk.begin), es = dtype_size(c.dtype());
     const size_t m = static_cast<size_t>(bk.numel() / dp_->size());
     peer_copy_->reduce_scatter_sum(region, offset, m, c.dtype(), stream);
     if (!distributed_) peer_copy_->all_gather(region, offset * es, m * es, stream);
+    ++copy_engine_collectives_;
   }
 #endif
   if (!copy_engine) {
@@ -162,14 +163,15 @@ void GradSync::launch_grad_reduce(size_t b, const Stream& stream) {
   if (bf16) cast(g.flat_range(r.begin - bk.begin, r.end - r.begin), owned, stream);
 }
 
-void GradSync::launch_param_gather(size_t b, const Stream& stream) {
+void GradSync::launch_param_gather(size_t b, const Stream& stream, bool exposed) {
   const ParamBucket& bk = params_.buckets()[b];
   const Tensor p = params_.params_flat().flat_range(bk.begin, bk.numel());
   const ParamStore::Range r = owned_range(b);
 #ifdef MT_WITH_NCCL
-  if (peer_copy_) {
+  if (peer_copy_ && !exposed) {
     const size_t es = dtype_size(p.dtype());
     peer_copy_->all_gather(1, static_cast<size_t>(bk.begin) * es, static_cast<size_t>(r.end - r.begin) * es, stream);
+    ++copy_engine_collectives_;
     return;
   }
 #endif
@@ -208,7 +210,8 @@ void GradSync::grads_ready(size_t first, size_t end, const Stream& stream) {
       compute_ready_.wait(comm_);
       recorded = true;
     }
-    launch_grad_reduce(b, comm_);
+    // The bucket that completes the backward's reductions is on the critical path.
+    launch_grad_reduce(b, comm_, grad_reductions_launched() + 1 == launched_.size());
     comm_used_ = true;
   }
 }
@@ -226,7 +229,7 @@ void GradSync::finish_grad_sync(const Stream& stream) {
         compute_ready_.wait(comm_);
         recorded = true;
       }
-      launch_grad_reduce(b, comm_);
+      launch_grad_reduce(b, comm_, true);
       comm_used_ = true;
     }
     if (comm_used_) {
@@ -235,7 +238,7 @@ void GradSync::finish_grad_sync(const Stream& stream) {
     }
   } else {
     for (size_t b = 0; b < nb; ++b)
-      if (!launched_[b]) launch_grad_reduce(b, stream);
+      if (!launched_[b]) launch_grad_reduce(b, stream, true);
   }
   finished_ = true;
 }
@@ -248,12 +251,12 @@ void GradSync::start_param_sync(const Stream& stream) {
     compute_ready_.record(stream);  // the optimizer's updates of the owned slices
     compute_ready_.wait(comm_);
     for (size_t b = nb; b-- > 0;) {  // forward order: the last bucket holds the first parameters
-      launch_param_gather(b, comm_);
+      launch_param_gather(b, comm_, b + 1 == nb);  // the forward waits for the first bucket at once
       gathered_[b]->record(comm_);
       gather_pending_[b] = 1;
     }
   } else {
-    for (size_t b = nb; b-- > 0;) launch_param_gather(b, stream);
+    for (size_t b = nb; b-- > 0;) launch_param_gather(b, stream, true);
   }
 }
 

@@ -50,9 +50,13 @@
 // followed (without the distributed optimizer) by a copy-engine all-gather of the reduced fp32
 // slices, and the parameter all-gathers are copy-engine all-gathers: no NCCL kernel competes with
 // the backward's GEMMs for SMs. The sum is taken in rank order (deterministic; not NCCL's ring
-// order, so results differ from the NCCL path in the last bits). Where the group does not qualify
-// (CPU, one rank, several hosts, no peer access) the NCCL path is used; copy_engine_active() says
-// which one runs.
+// order, so results differ from the NCCL path in the last bits). Only collectives that overlap
+// compute use the copy engine: the ones nothing runs beside — every collective without overlap,
+// the reduction of the bucket that completes the backward (the tied word embedding's), the
+// all-gather of the first bucket of the forward — stay on NCCL, whose bandwidth is higher
+// (fp32 reduce-scatter 317 vs 212 GB/s bus bandwidth on 4 H200, docs/benchmarks.md). Where the
+// group does not qualify (CPU, one rank, several hosts, no peer access) the NCCL path is used;
+// copy_engine_active() says whether the group exists.
 #pragma once
 #include <memory>
 #include <string>
@@ -138,12 +142,17 @@ class GradSync final : public ParamGradHooks {
   /// DP group that qualifies); why_not_copy_engine() says why not otherwise.
   bool copy_engine_active() const { return peer_copy_ != nullptr; }
   const std::string& why_not_copy_engine() const { return why_not_copy_engine_; }
+  /// Bucket collectives (reduce-scatters and all-gathers) run by the copy engine since
+  /// construction (tests: which collectives took which path).
+  size_t copy_engine_collectives() const { return copy_engine_collectives_; }
   /// Number of bucket reductions launched in the current step (tests, logging).
   size_t grad_reductions_launched() const;
 
  private:
-  void launch_grad_reduce(size_t b, const Stream& stream);
-  void launch_param_gather(size_t b, const Stream& stream);
+  // exposed: nothing computes beside this collective (see "Copy-engine collectives" above), so
+  // NCCL, which has the higher bandwidth, runs it even when the copy engine is active.
+  void launch_grad_reduce(size_t b, const Stream& stream, bool exposed);
+  void launch_param_gather(size_t b, const Stream& stream, bool exposed);
   void reset_grad_state();
   void setup_copy_engine();
   // The first bucket whose length is not a multiple of kAlign · DP (cannot be split into equal
@@ -158,6 +167,7 @@ class GradSync final : public ParamGradHooks {
   std::unique_ptr<PeerCopyGroup> peer_copy_;  // copy-engine collectives (null: NCCL / CPU path)
   Buffer bf16_comm_;                          // --grad-reduce-in-bf16: largest bucket, bf16
   std::string why_not_copy_engine_;
+  size_t copy_engine_collectives_ = 0;
   bool distributed_ = false;
   std::vector<ParamStore::Range> owned_;
   int64_t owned_elements_ = 0;

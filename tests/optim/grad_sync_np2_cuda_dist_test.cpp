@@ -34,7 +34,9 @@ constexpr int kSteps = 4;
 struct Out {
   std::vector<float> params, main;  // params as floats of the model dtype
   std::vector<std::vector<float>> snapshots;  // per step: the parameters the forward read
-  bool copy_engine = false;                   // GradSync ran the copy-engine path
+  bool copy_engine = false;                   // GradSync set up the copy-engine group
+  size_t ce_collectives = 0;                  // collectives it ran by copy engine
+  size_t buckets = 0;
   std::string why_not;
 };
 
@@ -98,6 +100,8 @@ Out run(const Model& m, std::shared_ptr<Communicator> dp, int rank, int ranks, D
   Out o;
   o.copy_engine = sync.copy_engine_active();
   o.why_not = sync.why_not_copy_engine();
+  o.ce_collectives = sync.copy_engine_collectives();
+  o.buckets = P.buckets().size();
   o.params = testing::to_host(P.params_flat(), st);
   OwnedTensor full(DType::kF32, dev, {P.total_elements()});
   opt.gather_main(full, st);
@@ -133,6 +137,11 @@ TEST(GradSyncNccl, OverlapMatchesNoOverlapBitwise) {
       for (bool ov : {false, true}) {
         const Out ce = run(m, world, world->rank(), 2, dt, dist, ov, dev, /*copy_engine=*/true);
         EXPECT_TRUE(ce.copy_engine) << what << ": copy engine not used: " << ce.why_not;
+        // Without overlap every collective is exposed and runs on NCCL; with overlap all but the
+        // last reduction of each step (and its first parameter all-gather) use the copy engine.
+        const size_t per_step = (ce.buckets - 1) * (dist ? 2 : 1);
+        EXPECT_EQ(ce.ce_collectives, ov ? kSteps * per_step : 0) << what << " overlap " << ov << ", "
+                                                                 << ce.buckets << " buckets";
         EXPECT_EQ(ce.params, off.params) << what << " copy engine, overlap " << ov;
         EXPECT_EQ(ce.main, off.main) << what << " copy engine, overlap " << ov;
         for (int s = 0; s < kSteps; ++s)
