@@ -429,7 +429,8 @@ void GptModel::layer_forward(int64_t l, const LayerParamIndex& ix, const Tensor&
 }
 
 void GptModel::layer_backward(int64_t l, const LayerParamIndex& ix, const Tensor& x, LayerActs& a,
-                              const Tensor& d_resid, const DropoutContext& dc, const Stream& st) {
+                              const Tensor& d_resid, const DropoutContext& dc, const Stream& st,
+                              std::vector<DeferredWgrad>* deferred) {
   // On entry d_resid = dL/d(out); on exit d_resid = dL/dx. Activation grads overwrite except
   // the residual stream, into which the LayerNorm backward accumulates.
   const ParamStore& P = *params_;
@@ -437,6 +438,13 @@ void GptModel::layer_backward(int64_t l, const LayerParamIndex& ix, const Tensor
   const int64_t drop_off = sp_ ? tp_rank_ * sl_ * b_ * h_ : 0;
   Communicator& tp = *groups_.tp;
   auto& w = *ws_;
+  // dgrad now; the weight gradient now or (deferred) at the end of the backward.
+  auto linear_bwd = [&](const Tensor& dx, const Tensor& dw, const Tensor& db, const Tensor& dy, const Tensor& in,
+                        const Tensor& weight) {
+    if (!deferred) return linear_backward(dx, dw, db, dy, in, weight, st);
+    linear_backward(dx, Tensor(), Tensor(), dy, in, weight, st);
+    deferred->push_back({dw, db, dy, in, weight});
+  };
   // --- MLP block: out = resid1 + dropout(fc2(gelu(fc1(ln2(resid1)))) + b2) ---
   bias_dropout_add_backward(rows(w.d_h), P.grad(ix.fc2_b), rows(d_resid), pd,
                             key_for(dc, l, kSiteMlpOut), drop_off, st);
@@ -444,8 +452,8 @@ void GptModel::layer_backward(int64_t l, const LayerParamIndex& ix, const Tensor
   linear_backward(rows(w.d_fc1), P.grad(ix.fc2_w), Tensor(), rows(w.d_h_full), rows(a.fc1_out),
                   P.param(ix.fc2_w), st);
   gelu_backward(w.d_fc1, w.d_fc1, a.fc1_pre, st);
-  linear_backward(rows(w.d_ln_full), P.grad(ix.fc1_w), P.grad(ix.fc1_b),
-                  rows(w.d_fc1), rows(a.ln2_full), P.param(ix.fc1_w), st);
+  linear_bwd(rows(w.d_ln_full), P.grad(ix.fc1_w), P.grad(ix.fc1_b), rows(w.d_fc1), rows(a.ln2_full),
+             P.param(ix.fc1_w));
   reduce_from_tp_region(tp, sp_, w.d_ln, w.d_ln_full, st);  // backward of f / the all-gather
   layernorm_backward(rows(d_resid), P.grad(ix.ln2_w), P.grad(ix.ln2_b),
                      rows(w.d_ln), rows(a.resid1), P.param(ix.ln2_w), a.ln2_mean, a.ln2_rstd,
@@ -454,12 +462,10 @@ void GptModel::layer_backward(int64_t l, const LayerParamIndex& ix, const Tensor
   bias_dropout_add_backward(rows(w.d_h), P.grad(ix.proj_b), rows(d_resid), pd,
                             key_for(dc, l, kSiteAttentionOut), drop_off, st);
   gather_to_tp_region(tp, sp_, w.d_h_full, w.d_h, st);
-  linear_backward(rows(w.d_ctx), P.grad(ix.proj_w), Tensor(), rows(w.d_h_full),
-                  rows(a.ctx), P.param(ix.proj_w), st);
+  linear_bwd(rows(w.d_ctx), P.grad(ix.proj_w), Tensor(), rows(w.d_h_full), rows(a.ctx), P.param(ix.proj_w));
   attention_backward(w.d_qkv, w.d_ctx, a.attn, attention_config(l, dc), st);
-  linear_backward(rows(w.d_ln_full), P.grad(ix.qkv_w),
-                  P.grad(ix.qkv_b), rows(w.d_qkv), rows(a.ln1_full),
-                  P.param(ix.qkv_w), st);
+  linear_bwd(rows(w.d_ln_full), P.grad(ix.qkv_w), P.grad(ix.qkv_b), rows(w.d_qkv), rows(a.ln1_full),
+             P.param(ix.qkv_w));
   reduce_from_tp_region(tp, sp_, w.d_ln, w.d_ln_full, st);
   layernorm_backward(rows(d_resid), P.grad(ix.ln1_w), P.grad(ix.ln1_b),
                      rows(w.d_ln), rows(x), P.param(ix.ln1_w), a.ln1_mean, a.ln1_rstd,
@@ -603,12 +609,21 @@ void GptModel::backward_chunk(int c, const ChunkBuffers& buf, const MicroBatch& 
       if (!ch.range.has_embedding && !embedding_shared_across_stages()) grads_final(gix_.wte, gix_.wte + 1, st);
     }
   }
+  // The chunk's last backward with the embedding: the first layer's weight gradients wait until
+  // the embedding backward has made the word embedding's gradient final, so that its reduction
+  // (the largest bucket, the last one to complete otherwise) runs beside them instead of after
+  // the backward. Same operations on the same buffers, only later: bitwise identical gradients.
+  std::vector<DeferredWgrad> deferred;
+  const bool defer_first = last_backward && ch.range.has_embedding && nlayers > 0;
+  auto finish_layer = [&](int64_t i) {
+    if (!last_backward) return;
+    finalize(ch.sp_ranges[i]);
+    grads_final(ch.params[i].first, ch.params[i].end, st);
+  };
   for (int64_t i = nlayers - 1; i >= 0; --i) {
-    layer_backward(ch.range.begin + i, ch.params[i], layer_input(i), acts[i], g, dc, st);
-    if (last_backward) {
-      finalize(ch.sp_ranges[i]);
-      grads_final(ch.params[i].first, ch.params[i].end, st);
-    }
+    const bool defer = defer_first && i == 0;
+    layer_backward(ch.range.begin + i, ch.params[i], layer_input(i), acts[i], g, dc, st, defer ? &deferred : nullptr);
+    if (!defer) finish_layer(i);
   }
   if (!ch.range.has_embedding) return;
   if (dc.training && config_.hidden_dropout > 0.f)
@@ -624,6 +639,9 @@ void GptModel::backward_chunk(int c, const ChunkBuffers& buf, const MicroBatch& 
     grads_final(gix_.wpe, gix_.wpe + 1, st);
     if (!embedding_shared_across_stages()) grads_final(gix_.wte, gix_.wte + 1, st);
   }
+  if (!defer_first) return;
+  for (const DeferredWgrad& d : deferred) linear_backward(Tensor(), d.dw, d.dbias, d.dy, d.x, d.w, st);
+  finish_layer(0);
 }
 
 }  // namespace mt

@@ -173,8 +173,16 @@ class GptModel {
   void plan(Arena& arena);
   void layer_forward(int64_t l, const LayerParamIndex& ix, const Tensor& x, LayerActs& a, const DropoutContext& dc,
                      const Stream& stream);
+  // A weight-gradient GEMM (and its bias gradient) held back by layer_backward: the arguments
+  // of linear_backward without dx.
+  struct DeferredWgrad {
+    Tensor dw, dbias, dy, x, w;
+  };
+  /// deferred: when given, the weight gradients of fc1, proj and qkv (whose inputs stay intact
+  /// until the end of the backward) are appended there instead of computed; fc2's is computed
+  /// (its output gradient buffer is reused by the attention block).
   void layer_backward(int64_t l, const LayerParamIndex& ix, const Tensor& x, LayerActs& a, const Tensor& d_resid,
-                      const DropoutContext& dc, const Stream& stream);
+                      const DropoutContext& dc, const Stream& stream, std::vector<DeferredWgrad>* deferred = nullptr);
   void grads_final(size_t first, size_t end, const Stream& stream);
   bool embedding_shared_across_stages() const;
   void check_buffers(int c, const ChunkBuffers& buf) const;  // errors naming an index out of range

@@ -2,7 +2,9 @@
 // central differences per parameter tensor), determinism, and configuration errors.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <numeric>
 
 #include "model/gpt.h"
 #include "ops/elementwise.h"
@@ -128,6 +130,42 @@ void gradient_check(float dropout, bool documents = false) {
 TEST(Gpt, GradientCheckNoDropout) { gradient_check(0.f); }
 TEST(Gpt, GradientCheckWithDropout) { gradient_check(0.2f); }
 TEST(Gpt, GradientCheckWithDocumentsAndLossMask) { gradient_check(0.2f, /*documents=*/true); }
+
+// The last backward reports every parameter once, and the word embedding before the first
+// layer: layer 0's weight gradients are computed after the embedding backward, so that the
+// embedding's (large) gradient reduction can start first (GptModel::backward_chunk).
+TEST(Gpt, GradsReadyOrderEmbeddingBeforeFirstLayer) {
+  struct Recorder final : ParamGradHooks {
+    std::vector<size_t> order;
+    void params_needed(size_t, size_t, const Stream&) override {}
+    void grads_ready(size_t first, size_t end, const Stream&) override {
+      for (size_t i = first; i < end; ++i) order.push_back(i);
+    }
+  } rec;
+  const GptConfig c = tiny_config(0.f);
+  Harness h(c, 2);
+  h.model.set_hooks(&rec);
+  const DropoutContext dc{1, 0, 0, true};
+  h.model.params().zero_grads(h.stream);
+  h.loss_value(dc);
+  h.model.backward(h.mb(), dc, 1.f, Tensor(), h.stream);
+  const ParamStore& P = h.model.params();
+  std::vector<size_t> sorted = rec.order;
+  std::sort(sorted.begin(), sorted.end());
+  std::vector<size_t> all(P.size());
+  std::iota(all.begin(), all.end(), size_t{0});
+  EXPECT_EQ(sorted, all);  // each parameter exactly once
+  auto pos = [&](const std::string& name) {
+    for (size_t k = 0; k < rec.order.size(); ++k)
+      if (P.info(rec.order[k]).name == name) return k;
+    ADD_FAILURE() << name << " not reported";
+    return size_t{0};
+  };
+  const size_t wte = pos("embedding.word_embeddings.weight");
+  EXPECT_LT(wte, pos("decoder.layers.0.self_attention.linear_qkv.weight"));
+  EXPECT_LT(wte, pos("decoder.layers.0.mlp.linear_fc1.weight"));
+  EXPECT_GT(wte, pos("decoder.layers.1.self_attention.linear_qkv.weight"));
+}
 
 TEST(Gpt, DeterministicAndDropoutKeyed) {
   const GptConfig c = tiny_config(0.2f);
