@@ -10,8 +10,8 @@ N=$1; shift
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
 B=${MT_BUILD_DIR:-build}
+t0=$(date +%s)
 if [ -z "${MT_BUILD_DIR:-}" ]; then
-  t0=$(date +%s)
   cmake --preset default > "$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }
   cmake --build build -j "$(nproc)" > "$OUT/build.log" 2>&1 || { grep -E "error" -A5 "$OUT/build.log" | head -60; exit 1; }
   echo "build: $(( $(date +%s) - t0 )) s"
