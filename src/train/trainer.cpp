@@ -369,7 +369,7 @@ int run_pretrain(PretrainArgs args) {
   };
 
   auto evaluate = [&](int64_t it) -> std::optional<EvalResult> {
-    if (!data.valid) return std::nullopt;
+    if (!data.valid || args.eval_iters == 0) return std::nullopt;  // Megatron: no validation
     grad_sync.finish_param_sync(stream);  // the last step's parameter all-gather is complete
     fill(eval_loss, 0.f, stream);
     for (int64_t e = 0; e < args.eval_iters; ++e) {

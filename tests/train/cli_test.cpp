@@ -164,11 +164,12 @@ TEST_F(CliTest, DocumentMasksAndMockData) {
   EXPECT_EQ(r.out.find("grad norm: nan"), std::string::npos) << r.out;
   // Megatron's MockGPTDataset: no files at all.
   RunResult m = run("pretrain --num-layers 1 --hidden-size 16 --num-attention-heads 2 --seq-length 16 "
-                    "--micro-batch-size 2 --lr 1e-3 --train-iters 2 --log-interval 1 --eval-iters 1 --device cpu "
+                    "--micro-batch-size 2 --lr 1e-3 --train-iters 2 --log-interval 1 --eval-iters 0 --device cpu "
                     "--no-progress --mock-data --timing-log-level 1 " + tok);
   ASSERT_EQ(m.rc, 0) << m.out;
   EXPECT_NE(m.out.find("<mock>"), std::string::npos) << m.out;
   EXPECT_EQ(loss_lines(m.out).size(), 2u) << m.out;
+  EXPECT_EQ(m.out.find("validation loss"), std::string::npos) << "--eval-iters 0 still validated:\n" << m.out;
   // --timing-log-level 1: Megatron's timer report after each log line (default option minmax).
   for (const char* t : {"(min, max) time across ranks (ms):", "forward-backward ....", "all-grads-sync ....",
                         "optimizer-inner-step ....", "optimizer ...."})
