@@ -92,29 +92,31 @@ void AdamWOptimizer::step(float lr, const Stream& stream, Timers* timers) {
   ScopedTimer whole(timers, Timers::kOptimizer, stream);
   const Tensor sc = scalars();
   const Tensor grads = params_.grads_flat();
-  if (timers) timers->start(Timers::kOptimizerClipMainGrad, stream);
-  for (const auto& p : norm_pieces_) grad_sumsq_accumulate(sc, grads.flat_range(p.begin, p.n), stream);
-  const Tensor sumsq(static_cast<char*>(scalars_.data()) + offsetof(OptimizerScalars, grad_sumsq), DType::kF32,
-                     scalars_.device(), {1});
-  if (sync_->distributed()) sync_->dp()->all_reduce(sumsq, ReduceOp::kSum, stream);
-  if (groups_.mp && groups_.mp->size() > 1) groups_.mp->all_reduce(sumsq, ReduceOp::kSum, stream);
-  optimizer_prepare(sc, config_.clip_grad, stream);
-  if (timers) timers->stop(Timers::kOptimizerClipMainGrad, stream);
-  if (timers) timers->start(Timers::kOptimizerInnerStep, stream);
-  // fp32 main parameters: the compact shard (sharded, state index), or the whole flat buffer
-  // (flat index; == the model parameters for an fp32 model).
-  const bool sharded = params_.main_sharded();
-  const Tensor main = sharded ? params_.main_shard() : params_.main_flat();
-  const Tensor model = params_.has_separate_main() ? params_.params_flat() : Tensor();
-  for (const bool decay : {true, false}) {
-    const AdamWHyper hp{lr, config_.beta1, config_.beta2, config_.eps, decay ? config_.weight_decay : 0.f};
-    for (const auto& p : decay ? decay_pieces_ : no_decay_pieces_) {
-      adamw_step(main.flat_range(sharded ? p.state : p.begin, p.n), grads.flat_range(p.begin, p.n),
-                 exp_avg().flat_range(p.state, p.n), exp_avg_sq().flat_range(p.state, p.n),
-                 model.empty() ? Tensor() : model.flat_range(p.begin, p.n), hp, sc, stream);
+  {
+    ScopedTimer clip(timers, Timers::kOptimizerClipMainGrad, stream);
+    for (const auto& p : norm_pieces_) grad_sumsq_accumulate(sc, grads.flat_range(p.begin, p.n), stream);
+    const Tensor sumsq(static_cast<char*>(scalars_.data()) + offsetof(OptimizerScalars, grad_sumsq), DType::kF32,
+                       scalars_.device(), {1});
+    if (sync_->distributed()) sync_->dp()->all_reduce(sumsq, ReduceOp::kSum, stream);
+    if (groups_.mp && groups_.mp->size() > 1) groups_.mp->all_reduce(sumsq, ReduceOp::kSum, stream);
+    optimizer_prepare(sc, config_.clip_grad, stream);
+  }
+  {
+    ScopedTimer inner(timers, Timers::kOptimizerInnerStep, stream);
+    // fp32 main parameters: the compact shard (sharded, state index), or the whole flat buffer
+    // (flat index; == the model parameters for an fp32 model).
+    const bool sharded = params_.main_sharded();
+    const Tensor main = sharded ? params_.main_shard() : params_.main_flat();
+    const Tensor model = params_.has_separate_main() ? params_.params_flat() : Tensor();
+    for (const bool decay : {true, false}) {
+      const AdamWHyper hp{lr, config_.beta1, config_.beta2, config_.eps, decay ? config_.weight_decay : 0.f};
+      for (const auto& p : decay ? decay_pieces_ : no_decay_pieces_) {
+        adamw_step(main.flat_range(sharded ? p.state : p.begin, p.n), grads.flat_range(p.begin, p.n),
+                   exp_avg().flat_range(p.state, p.n), exp_avg_sq().flat_range(p.state, p.n),
+                   model.empty() ? Tensor() : model.flat_range(p.begin, p.n), hp, sc, stream);
+      }
     }
   }
-  if (timers) timers->stop(Timers::kOptimizerInnerStep, stream);
   loss_scaler_update(sc, config_.scaler, stream);
   ScopedTimer gather(timers, Timers::kParamsAllGather, stream);
   sync_->start_param_sync(stream);
