@@ -613,7 +613,7 @@ void GptModel::backward_chunk(int c, const ChunkBuffers& buf, const MicroBatch& 
   // the embedding backward has made the word embedding's gradient final, so that its reduction
   // (the largest bucket, the last one to complete otherwise) runs beside them instead of after
   // the backward. Same operations on the same buffers, only later: bitwise identical gradients.
-  std::vector<DeferredWgrad> deferred;
+  deferred_.clear();
   const bool defer_first = last_backward && ch.range.has_embedding && nlayers > 0;
   auto finish_layer = [&](int64_t i) {
     if (!last_backward) return;
@@ -622,7 +622,7 @@ void GptModel::backward_chunk(int c, const ChunkBuffers& buf, const MicroBatch& 
   };
   for (int64_t i = nlayers - 1; i >= 0; --i) {
     const bool defer = defer_first && i == 0;
-    layer_backward(ch.range.begin + i, ch.params[i], layer_input(i), acts[i], g, dc, st, defer ? &deferred : nullptr);
+    layer_backward(ch.range.begin + i, ch.params[i], layer_input(i), acts[i], g, dc, st, defer ? &deferred_ : nullptr);
     if (!defer) finish_layer(i);
   }
   if (!ch.range.has_embedding) return;
@@ -640,7 +640,7 @@ void GptModel::backward_chunk(int c, const ChunkBuffers& buf, const MicroBatch& 
     if (!embedding_shared_across_stages()) grads_final(gix_.wte, gix_.wte + 1, st);
   }
   if (!defer_first) return;
-  for (const DeferredWgrad& d : deferred) linear_backward(Tensor(), d.dw, d.dbias, d.dy, d.x, d.w, st);
+  for (const DeferredWgrad& d : deferred_) linear_backward(Tensor(), d.dw, d.dbias, d.dy, d.x, d.w, st);
   finish_layer(0);
 }
 

@@ -210,6 +210,7 @@ class GptModel {
   std::unique_ptr<Workspace> ws_;
   Tensor doc_start_;  // of the micro-batch running now (attention_config reads it)
   ParamGradHooks* hooks_ = nullptr;
+  std::vector<DeferredWgrad> deferred_;  // backward_chunk's held-back GEMMs (kept: no per-step allocation)
   GlobalParamIndex gix_{};
 };
 

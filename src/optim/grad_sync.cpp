@@ -120,13 +120,12 @@ void GradSync::reset_grad_state() {
   std::fill(ready_.begin(), ready_.end(), 0);
   for (size_t b = 0; b < bks.size(); ++b) waiting_[b] = bks[b].param_end - bks[b].param_begin;
   std::fill(launched_.begin(), launched_.end(), 0);
+  n_launched_ = 0;
   comm_used_ = false;
   finished_ = false;
 }
 
-size_t GradSync::grad_reductions_launched() const {
-  return static_cast<size_t>(std::count(launched_.begin(), launched_.end(), 1));
-}
+size_t GradSync::grad_reductions_launched() const { return n_launched_; }
 
 std::pair<size_t, size_t> GradSync::bucket_span(size_t first, size_t end) const {
   return {params_.bucket_of(end - 1), params_.bucket_of(first)};
@@ -134,6 +133,7 @@ std::pair<size_t, size_t> GradSync::bucket_span(size_t first, size_t end) const 
 
 void GradSync::launch_grad_reduce(size_t b, const Stream& stream, bool exposed) {
   launched_[b] = 1;
+  ++n_launched_;
   if (dp_->size() < 2) return;
   const ParamBucket& bk = params_.buckets()[b];
   const Tensor g = params_.grads_flat().flat_range(bk.begin, bk.numel());

@@ -178,6 +178,7 @@ class GradSync final : public ParamGradHooks {
   std::vector<uint8_t> ready_;        // per parameter: reported by grads_ready
   std::vector<size_t> waiting_;       // per bucket: parameters not reported yet
   std::vector<uint8_t> launched_;     // per bucket: reduction launched
+  size_t n_launched_ = 0;             // buckets with launched_ set
   std::vector<uint8_t> gather_pending_;  // per bucket: all-gather on comm_ not yet waited for
   bool comm_used_ = false;            // a reduction of this step runs on comm_
   bool finished_ = false;             // finish_grad_sync ran this step

@@ -316,7 +316,8 @@ int run_pretrain(PretrainArgs args) {
   model.set_hooks(&grad_sync);
   if (args.ddp_copy_engine && groups.dp->size() > 1)
     log_info("> data-parallel collectives: {}", grad_sync.copy_engine_active()
-                                                   ? std::string("copy engine (--ddp-copy-engine)")
+                                                   ? std::string("copy engine for the collectives that overlap "
+                                                                 "compute, NCCL for the others (--ddp-copy-engine)")
                                                    : "the DP communicator's (copy engine unavailable: " +
                                                          grad_sync.why_not_copy_engine() + ")");
   if (args.grad_reduce_in_bf16 && groups.dp->size() > 1)
