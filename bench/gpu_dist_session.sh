@@ -83,6 +83,22 @@ for step in "$@"; do
           done
         done
       done ;;
+    gbs)
+      # Strong scaling at a fixed global batch (GBS, default 512 sequences = 0.5M tokens, llm.c's
+      # GPT-2 124M batch): micro-batch 32, so 16 / 8 / 4 micro-batches per step on 1 / 2 / 4 GPUs.
+      # 24 iterations, ms/iter = mean of the 4-iteration log windows at 12..24. DPREP_REPS rounds.
+      gbs=${GBS:-512}; ov="--overlap-grad-reduce --overlap-param-gather --ddp-bucket-size 10000000"
+      IFS=';' read -r -a variants <<< "${DPREP_V:-1|;2|--use-distributed-optimizer;4|--use-distributed-optimizer;4|--ddp-copy-engine --use-distributed-optimizer $ov}"
+      for rep in $(seq ${DPREP_REPS:-2}); do
+        for v in "${variants[@]}"; do
+          IFS='|' read -r n flags envs <<< "$v"
+          env $envs $bin pretrain "${gpt2[@]}" --micro-batch-size 32 --global-batch-size $gbs --train-iters 24 --log-interval 4 \
+            --nproc-per-node $n $flags > "$OUT/run.log" 2>&1
+          ms=$(grep -E "iteration +(12|16|20|24)/" "$OUT/run.log" | sed -E 's/.*per iteration \(ms\): ([0-9.]+).*/\1/' | awk '{s+=$1;n++} END {if(n) printf "%.1f", s/n; else print "NA"}')
+          echo "rep$rep gbs$gbs n$n [$flags] $envs: $ms ms/iter $(grep -E "rror" "$OUT/run.log" | head -1 | cut -c1-200)"
+          cat "$OUT/run.log" >> "$OUT/gbs_all.log"
+        done
+      done ;;
     timers)
       # Where a DP step's time goes: --timing-log-level 1 per rank (--timing-log-option all) for the
       # variants of DPREP_V (same syntax as dprep, plus an optional third field of environment
@@ -98,13 +114,48 @@ for step in "$@"; do
         echo; cat "$OUT/run.log" >> "$OUT/timers_all.log"
       done ;;
     solo4)
-      # The slowest-GPU ceiling: N independent one-GPU runs at once (micro-batch 32), ms/iter each.
-      nvidia-smi --query-gpu=index,clocks.sm,clocks.max.sm,power.draw,power.limit,temperature.gpu --format=csv,noheader
+      # The slowest-GPU ceiling: one-GPU runs (micro-batch 32) on each GPU in turn, then N of them at
+      # once; ms/iter each, with the SM clock, power and throttle reasons sampled by nvidia-smi.
+      nvidia-smi --query-gpu=index,clocks.max.sm,power.limit,temperature.gpu --format=csv,noheader
+      R=clocks_event_reasons.active; nvidia-smi --query-gpu=$R --format=csv > /dev/null 2>&1 || R=clocks_throttle_reasons.active
+      smi() { nvidia-smi --query-gpu=index,clocks.sm,power.draw,temperature.gpu,$R --format=csv,noheader,nounits -lms 500 > "$OUT/smi_$1.csv" 2>&1 & smipid=$!; }
+      smisum() { kill $smipid 2>/dev/null; wait $smipid 2>/dev/null
+        awk -F', *' '$3+0>300 {n[$1]++; c[$1]+=$2; p[$1]+=$3; t[$1]=$4; r[$1]=$5} END {for (g in n) printf "  GPU %s: SM %.0f MHz, %.0f W, %s C, reasons %s (%d busy samples)\n", g, c[g]/n[g], p[g]/n[g], t[g], r[g], n[g]}' "$OUT/smi_$1.csv" | sort; }
+      for g in $(seq 0 $((N-1))); do
+        smi seq$g
+        CUDA_VISIBLE_DEVICES=$g $bin pretrain "${gpt2[@]}" --micro-batch-size 32 --global-batch-size 32 --train-iters 80 > "$OUT/seq$g.log" 2>&1
+        echo "GPU $g alone: $(msit "$OUT/seq$g.log") ms/iter"; smisum seq$g | grep "GPU $g:"
+      done
+      smi all
       for g in $(seq 0 $((N-1))); do
         CUDA_VISIBLE_DEVICES=$g $bin pretrain "${gpt2[@]}" --micro-batch-size 32 --global-batch-size 32 --train-iters 80 > "$OUT/solo$g.log" 2>&1 &
       done
+      wait $(jobs -p | grep -v "^$smipid$")
+      for g in $(seq 0 $((N-1))); do echo "GPU $g, $N at once: $(msit "$OUT/solo$g.log") ms/iter"; done
+      smisum all ;;
+    jitter)
+      # Step-to-step spread: --log-interval 1 runs (80 iterations; per-iteration ms in the logs):
+      # each GPU alone in turn, N at once, and the DP variants of DPREP_V (default NCCL, no overlap).
+      for g in $(seq 0 $((N-1))); do
+        CUDA_VISIBLE_DEVICES=$g $bin pretrain "${gpt2[@]}" --micro-batch-size 32 --global-batch-size 32 --train-iters 80 \
+          --log-interval 1 > "$OUT/jit_seq$g.log" 2>&1
+      done
+      for g in $(seq 0 $((N-1))); do
+        CUDA_VISIBLE_DEVICES=$g $bin pretrain "${gpt2[@]}" --micro-batch-size 32 --global-batch-size 32 --train-iters 80 \
+          --log-interval 1 > "$OUT/jit_all$g.log" 2>&1 &
+      done
       wait
-      for g in $(seq 0 $((N-1))); do echo "solo GPU $g: $(msit "$OUT/solo$g.log") ms/iter"; done ;;
+      i=0; IFS=';' read -r -a variants <<< "${DPREP_V:-$N|--use-distributed-optimizer}"
+      for v in "${variants[@]}"; do
+        IFS='|' read -r n flags envs <<< "$v"
+        env $envs $bin pretrain "${gpt2[@]}" --micro-batch-size 32 --global-batch-size $((32*n)) --train-iters 80 --nproc-per-node $n $flags \
+          --log-interval 1 > "$OUT/jit_dp$i.log" 2>&1
+        echo "jit_dp$i: n$n [$flags] $envs"; i=$((i+1))
+      done
+      for f in "$OUT"/jit_*.log; do
+        grep -E "iteration +[0-9]+/" "$f" | sed -E 's/.*iteration +([0-9]+)\/.*per iteration \(ms\): ([0-9.]+).*/\1 \2/' \
+          | awk -v f="$(basename "$f")" '$1>20 {s+=$2; q+=$2*$2; n++} END {m=s/n; printf "%s: mean %.2f sd %.2f ms (n %d)\n", f, m, sqrt(q/n-m*m), n}'
+      done ;;
     layouts)
       mpiexec --allow-run-as-root -np 2 $B/grad_sync_np2_cuda_dist_test 2>&1 | tee "$OUT/grad_sync_np2.log" | grep -E "^\[|PASSED|FAILED|Failure" | head -20
       mpiexec --allow-run-as-root -np 4 $B/parallel_layouts_cuda_dist_test 2>&1 | tee "$OUT/layouts_np4.log" | grep -E "^\[|PASSED|FAILED|Failure|Expected|actual" | head -60 ;;
