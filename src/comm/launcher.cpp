@@ -1,10 +1,12 @@
 #include "comm/launcher.h"
 
+#include <sched.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <climits>
@@ -147,6 +149,21 @@ std::vector<std::string> strip_nproc_flag(int argc, char** argv) {
   return out;
 }
 
+std::vector<std::pair<std::string, std::string>> cpu_rank_omp_environment(int nproc, int cores,
+                                                                         const char* omp_num_threads,
+                                                                         const char* omp_wait_policy) {
+  MT_REQUIRE(nproc >= 1 && cores >= 1, "cpu_rank_omp_environment: nproc {} and cores {} must be >= 1", nproc, cores);
+  std::vector<std::pair<std::string, std::string>> env;
+  long threads = std::max(1, cores / nproc);
+  if (omp_num_threads == nullptr) {
+    env.emplace_back("OMP_NUM_THREADS", std::to_string(threads));
+  } else {
+    threads = std::max(1L, std::strtol(omp_num_threads, nullptr, 10));  // "4,2" (nested levels): 4
+  }
+  if (omp_wait_policy == nullptr && nproc * threads > cores) env.emplace_back("OMP_WAIT_POLICY", "passive");
+  return env;
+}
+
 std::vector<std::string> mpiexec_command(int nproc, const std::string& exe, const std::vector<std::string>& args) {
   std::vector<std::string> cmd{"mpiexec", "-np", std::to_string(nproc), "--oversubscribe", "--bind-to", "none"};
   if (::getuid() == 0) cmd.push_back("--allow-run-as-root");
@@ -161,7 +178,18 @@ int launch_local(int nproc, int argc, char** argv, Device device) {
   const std::vector<std::string> args = strip_nproc_flag(argc, argv);
   if (device.is_cuda()) return launch_fork(nproc, exe, args);
   const std::vector<std::string> cmd = mpiexec_command(nproc, exe, args);
-  pid_t pid = spawn(cmd[0], cmd, {});
+  cpu_set_t cpus;
+  const int cores = ::sched_getaffinity(0, sizeof(cpus), &cpus) == 0
+                        ? CPU_COUNT(&cpus)
+                        : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  const auto omp = cpu_rank_omp_environment(nproc, cores, std::getenv("OMP_NUM_THREADS"), std::getenv("OMP_WAIT_POLICY"));
+  if (!omp.empty()) {
+    std::string set;
+    for (const auto& [k, v] : omp) set += fmt::format(" {}={}", k, v);
+    std::fprintf(stderr, "[megatron launcher] %d ranks on %d cores:%s (set them to override)\n", nproc, cores,
+                 set.c_str());
+  }
+  pid_t pid = spawn(cmd[0], cmd, omp);
   const int st = wait_pid(pid);
   const int code = status_code(st);
   if (code == 127) {

@@ -4,11 +4,15 @@
 // MT_COMM_TEST_HELPER set, a static initializer runs the helper role and exits before main.
 #include <gtest/gtest.h>
 
+#include <sched.h>
+
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <regex>
 #include <sstream>
 #include <thread>
@@ -51,7 +55,9 @@ int helper_main(const std::string& mode) {
   if (mode == "env") {
     std::ofstream f(std::string(std::getenv("MT_COMM_TEST_DIR")) + "/rank" + std::to_string(rank) + ".txt");
     f << launcher_name(env.launcher) << ' ' << env.rank << ' ' << env.world_size << ' ' << env.local_rank << ' '
-      << (env.master_addr.empty() ? "-" : env.master_addr) << ' ' << env.master_port << '\n';
+      << (env.master_addr.empty() ? "-" : env.master_addr) << ' ' << env.master_port;
+    for (const char* v : {"OMP_NUM_THREADS", "OMP_WAIT_POLICY"}) f << ' ' << (std::getenv(v) ? std::getenv(v) : "-");
+    f << '\n';
     for (const auto& a : own_args()) f << a << '\n';
     return 0;
   }
@@ -180,6 +186,24 @@ TEST(Launcher, StripNprocFlag) {
   EXPECT_THROW(launch_local(0, 1, argv.data(), Device::cpu()), Error);
 }
 
+TEST(Launcher, CpuRankOmpEnvironment) {
+  using Env = std::vector<std::pair<std::string, std::string>>;
+  // Unset: a share of the cores each; passive waits only when the ranks' threads exceed the cores.
+  EXPECT_EQ(cpu_rank_omp_environment(2, 8, nullptr, nullptr), (Env{{"OMP_NUM_THREADS", "4"}}));
+  EXPECT_EQ(cpu_rank_omp_environment(3, 8, nullptr, nullptr), (Env{{"OMP_NUM_THREADS", "2"}}));
+  EXPECT_EQ(cpu_rank_omp_environment(4, 2, nullptr, nullptr),
+            (Env{{"OMP_NUM_THREADS", "1"}, {"OMP_WAIT_POLICY", "passive"}}));
+  // The user's values are kept, and the user's thread count decides the wait policy.
+  EXPECT_EQ(cpu_rank_omp_environment(2, 2, "2", nullptr), (Env{{"OMP_WAIT_POLICY", "passive"}}));
+  EXPECT_EQ(cpu_rank_omp_environment(2, 4, "2", nullptr), Env{});
+  EXPECT_EQ(cpu_rank_omp_environment(2, 4, "3,2", nullptr), (Env{{"OMP_WAIT_POLICY", "passive"}}));
+  EXPECT_EQ(cpu_rank_omp_environment(4, 2, "3", "active"), Env{});
+  EXPECT_EQ(cpu_rank_omp_environment(4, 2, nullptr, "active"), (Env{{"OMP_NUM_THREADS", "1"}}));
+  EXPECT_EQ(cpu_rank_omp_environment(2, 2, "abc", nullptr), Env{});  // counts as 1 thread
+  EXPECT_THROW(cpu_rank_omp_environment(0, 2, nullptr, nullptr), Error);
+  EXPECT_THROW(cpu_rank_omp_environment(2, 0, nullptr, nullptr), Error);
+}
+
 TEST(Launcher, ForkPathSetsTorchrunEnvironment) {
   HelperEnv h("env");
   auto [rc, out] = launch(3, Device::cuda(0), {"megatron", "pretrain", "--nproc-per-node", "3", "--foo=1", "bar"});
@@ -219,17 +243,60 @@ TEST(Launcher, ForkPathRanksMeetInTheTcpStore) {
   EXPECT_EQ(rc, 0) << out;
 }
 
+/// Unsets an environment variable for a scope and restores it afterwards.
+struct UnsetEnv {
+  std::string name;
+  std::optional<std::string> saved;
+  explicit UnsetEnv(std::string n) : name(std::move(n)) {
+    if (const char* v = std::getenv(name.c_str())) saved = v;
+    unsetenv(name.c_str());
+  }
+  ~UnsetEnv() {
+    if (saved) setenv(name.c_str(), saved->c_str(), 1);
+  }
+};
+
 TEST(Launcher, MpiexecPathSetsOpenMpiEnvironment) {
   if (!have_mpiexec()) GTEST_SKIP() << "no mpiexec";
   HelperEnv h("env");
+  UnsetEnv omp_threads("OMP_NUM_THREADS"), omp_wait("OMP_WAIT_POLICY");
   auto [rc, out] = launch(2, Device::cpu(), {"megatron", "--nproc-per-node", "2", "train"});
   ASSERT_EQ(rc, 0) << out;
+  // The ranks get cpu_rank_omp_environment's settings for this machine, and the launcher says so.
+  cpu_set_t cpus;
+  ASSERT_EQ(sched_getaffinity(0, sizeof(cpus), &cpus), 0);
+  const int cores = CPU_COUNT(&cpus);
+  const std::string threads = std::to_string(std::max(1, cores / 2));
+  const std::string wait = 2 * std::max(1, cores / 2) > cores ? "passive" : "-";
+  EXPECT_NE(out.find("[megatron launcher] 2 ranks on " + std::to_string(cores) + " cores: OMP_NUM_THREADS=" + threads),
+            std::string::npos)
+      << out;
   for (int r = 0; r < 2; ++r) {
     auto l = h.lines(r);
     ASSERT_EQ(l.size(), 2u) << "rank " << r << "\n" << out;
     EXPECT_EQ(l[0].substr(0, l[0].find(' ', 7)), "mpirun " + std::to_string(r)) << l[0];
     EXPECT_NE(l[0].find(" 2 " + std::to_string(r) + " "), std::string::npos) << l[0];
+    EXPECT_TRUE(l[0].ends_with(" " + threads + " " + wait)) << l[0];
     EXPECT_EQ(l[1], "train");
+  }
+}
+
+TEST(Launcher, MpiexecPathPassiveWaitsWhenOversubscribed) {
+  if (!have_mpiexec()) GTEST_SKIP() << "no mpiexec";
+  HelperEnv h("env");
+  UnsetEnv omp_threads("OMP_NUM_THREADS"), omp_wait("OMP_WAIT_POLICY");
+  cpu_set_t cpus;
+  ASSERT_EQ(sched_getaffinity(0, sizeof(cpus), &cpus), 0);
+  const int n = CPU_COUNT(&cpus) + 1;  // more ranks than cores
+  if (n > 16) GTEST_SKIP() << "too many cores to oversubscribe cheaply";
+  setenv("OMP_NUM_THREADS", "1", 1);  // the user's value is kept
+  auto [rc, out] = launch(n, Device::cpu(), {"megatron", "train"});
+  unsetenv("OMP_NUM_THREADS");
+  ASSERT_EQ(rc, 0) << out;
+  for (int r = 0; r < n; ++r) {
+    auto l = h.lines(r);
+    ASSERT_FALSE(l.empty()) << "rank " << r << "\n" << out;
+    EXPECT_TRUE(l[0].ends_with(" 1 passive")) << l[0];
   }
 }
 
