@@ -17,8 +17,21 @@ if [ -z "${MT_BUILD_DIR:-}" ]; then
   echo "build: $(( $(date +%s) - t0 )) s"
 fi
 bin=$B/megatron; data=data
-# ms/iter of a run: the mean of its 10-iteration log windows at iterations 30..80.
-msit() { grep -E "iteration +([3-8]0)/" "$1" | sed -E 's/.*per iteration \(ms\): ([0-9.]+).*/\1/' | awk '{s+=$1;n++} END {if(n) printf "%.2f", s/n; else print "NA"}'; }
+# ms/iter of a run: the mean of its log windows ending at the iterations matching $2 (default
+# 30..80 by tens).
+msit() { grep -E "iteration +(${2:-[3-8]0})/" "$1" | sed -E 's/.*per iteration \(ms\): ([0-9.]+).*/\1/' | awk '{s+=$1;n++} END {if(n) printf "%.2f", s/n; else print "NA"}'; }
+# runv VARIANT MB GBS LOG [args...]: one run of a DPREP_V-style variant "N|flags|VAR=value ..."
+# (sets n, flags, envs) with micro-batch MB and global batch GBS (0: MB·N), output in
+# $OUT/run.log, also appended to $OUT/LOG. errs: the run's first error line.
+runv() {
+  local v=$1 mb=$2 gb=$3 log=$4; shift 4
+  IFS='|' read -r n flags envs <<< "$v"
+  [ "$gb" != 0 ] || gb=$((mb*n))
+  env $envs $bin pretrain "${gpt2[@]}" --micro-batch-size $mb --global-batch-size $gb --nproc-per-node $n $flags "$@" \
+    > "$OUT/run.log" 2>&1
+  cat "$OUT/run.log" >> "$OUT/$log"
+}
+errs() { grep -E "rror" "$OUT/run.log" | head -1 | cut -c1-200; }
 gpt2=(--num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 1024 --max-position-embeddings 1024
       --lr 6e-4 --min-lr 6e-5 --lr-decay-style cosine --lr-warmup-iters 5 --weight-decay 0.1 --hidden-dropout 0
       --attention-dropout 0 --bf16 --device cuda --no-progress --data-path $data/demo_text_document --split 98,2,0
@@ -75,11 +88,8 @@ for step in "$@"; do
       for mb in ${DPCE_MB:-32 16}; do
         for rep in $(seq ${DPREP_REPS:-3}); do
           for v in "${variants[@]}"; do
-            IFS='|' read -r n flags envs <<< "$v"
-            env $envs $bin pretrain "${gpt2[@]}" --micro-batch-size $mb --global-batch-size $((mb*n)) --train-iters 80 --nproc-per-node $n $flags \
-              > "$OUT/run.log" 2>&1
-            echo "rep$rep mb$mb n$n [$flags] $envs: $(msit "$OUT/run.log") ms/iter $(grep -E "rror" "$OUT/run.log" | head -1 | cut -c1-200)"
-            cat "$OUT/run.log" >> "$OUT/dprep_all.log"
+            runv "$v" $mb 0 dprep_all.log --train-iters 80
+            echo "rep$rep mb$mb n$n [$flags] $envs: $(msit "$OUT/run.log") ms/iter $(errs)"
           done
         done
       done ;;
@@ -91,12 +101,8 @@ for step in "$@"; do
       IFS=';' read -r -a variants <<< "${DPREP_V:-1|;2|--use-distributed-optimizer;4|--use-distributed-optimizer;4|--ddp-copy-engine --use-distributed-optimizer $ov}"
       for rep in $(seq ${DPREP_REPS:-2}); do
         for v in "${variants[@]}"; do
-          IFS='|' read -r n flags envs <<< "$v"
-          env $envs $bin pretrain "${gpt2[@]}" --micro-batch-size 32 --global-batch-size $gbs --train-iters 24 --log-interval 4 \
-            --nproc-per-node $n $flags > "$OUT/run.log" 2>&1
-          ms=$(grep -E "iteration +(12|16|20|24)/" "$OUT/run.log" | sed -E 's/.*per iteration \(ms\): ([0-9.]+).*/\1/' | awk '{s+=$1;n++} END {if(n) printf "%.1f", s/n; else print "NA"}')
-          echo "rep$rep gbs$gbs n$n [$flags] $envs: $ms ms/iter $(grep -E "rror" "$OUT/run.log" | head -1 | cut -c1-200)"
-          cat "$OUT/run.log" >> "$OUT/gbs_all.log"
+          runv "$v" 32 $gbs gbs_all.log --train-iters 24 --log-interval 4
+          echo "rep$rep gbs$gbs n$n [$flags] $envs: $(msit "$OUT/run.log" "12|16|20|24") ms/iter $(errs)"
         done
       done ;;
     timers)
@@ -106,12 +112,10 @@ for step in "$@"; do
       ov="--overlap-grad-reduce --overlap-param-gather --ddp-bucket-size 10000000"
       IFS=';' read -r -a variants <<< "${DPREP_V:-1|;4|--use-distributed-optimizer;4|--ddp-copy-engine --use-distributed-optimizer $ov}"
       for v in "${variants[@]}"; do
-        IFS='|' read -r n flags envs <<< "$v"
-        env $envs $bin pretrain "${gpt2[@]}" --micro-batch-size 32 --global-batch-size $((32*n)) --train-iters 80 --nproc-per-node $n $flags \
-          --log-interval 40 --timing-log-level 1 --timing-log-option all > "$OUT/run.log" 2>&1
+        runv "$v" 32 0 timers_all.log --train-iters 80 --log-interval 40 --timing-log-level 1 --timing-log-option all
         echo "== n$n [$flags] $envs: $(grep -E "iteration +80/" "$OUT/run.log" | sed -E 's/.*per iteration \(ms\): ([0-9.]+).*/\1/') ms/iter"
         awk '/iteration +80\//{f=1;next} f&&/^ \[|^---/{exit} f' "$OUT/run.log" | awk '/:$/{printf "\n%s", $1; next} /rank/{printf " %s", $3} END{print ""}'
-        echo; cat "$OUT/run.log" >> "$OUT/timers_all.log"
+        echo
       done ;;
     solo4)
       # The slowest-GPU ceiling: one-GPU runs (micro-batch 32) on each GPU in turn, then N of them at
@@ -147,9 +151,7 @@ for step in "$@"; do
       wait
       i=0; IFS=';' read -r -a variants <<< "${DPREP_V:-$N|--use-distributed-optimizer}"
       for v in "${variants[@]}"; do
-        IFS='|' read -r n flags envs <<< "$v"
-        env $envs $bin pretrain "${gpt2[@]}" --micro-batch-size 32 --global-batch-size $((32*n)) --train-iters 80 --nproc-per-node $n $flags \
-          --log-interval 1 > "$OUT/jit_dp$i.log" 2>&1
+        runv "$v" 32 0 jit_dp$i.log --train-iters 80 --log-interval 1
         echo "jit_dp$i: n$n [$flags] $envs"; i=$((i+1))
       done
       for f in "$OUT"/jit_*.log; do

@@ -149,6 +149,12 @@ std::vector<std::string> strip_nproc_flag(int argc, char** argv) {
   return out;
 }
 
+int usable_cpu_cores() {
+  cpu_set_t cpus;
+  if (::sched_getaffinity(0, sizeof(cpus), &cpus) == 0) return std::max(1, CPU_COUNT(&cpus));
+  return std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+}
+
 std::vector<std::pair<std::string, std::string>> cpu_rank_omp_environment(int nproc, int cores,
                                                                          const char* omp_num_threads,
                                                                          const char* omp_wait_policy) {
@@ -178,10 +184,7 @@ int launch_local(int nproc, int argc, char** argv, Device device) {
   const std::vector<std::string> args = strip_nproc_flag(argc, argv);
   if (device.is_cuda()) return launch_fork(nproc, exe, args);
   const std::vector<std::string> cmd = mpiexec_command(nproc, exe, args);
-  cpu_set_t cpus;
-  const int cores = ::sched_getaffinity(0, sizeof(cpus), &cpus) == 0
-                        ? CPU_COUNT(&cpus)
-                        : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  const int cores = usable_cpu_cores();
   const auto omp = cpu_rank_omp_environment(nproc, cores, std::getenv("OMP_NUM_THREADS"), std::getenv("OMP_WAIT_POLICY"));
   if (!omp.empty()) {
     std::string set;

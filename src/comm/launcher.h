@@ -23,6 +23,10 @@ namespace mt {
 /// Errors: mt::Error when nproc < 1 or a process cannot be started.
 int launch_local(int nproc, int argc, char** argv, Device device);
 
+/// The CPU cores this process may run on (its affinity mask; hardware_concurrency() if that cannot
+/// be read), at least 1.
+int usable_cpu_cores();
+
 /// The OpenMP variables the CPU path sets for its ranks, which share this machine's `cores`
 /// cores (torchrun likewise sets OMP_NUM_THREADS=1 per rank). Only unset variables are set
 /// (`omp_num_threads`, `omp_wait_policy`: their current values, nullptr = unset):

@@ -4,8 +4,6 @@
 // MT_COMM_TEST_HELPER set, a static initializer runs the helper role and exits before main.
 #include <gtest/gtest.h>
 
-#include <sched.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -263,9 +261,7 @@ TEST(Launcher, MpiexecPathSetsOpenMpiEnvironment) {
   auto [rc, out] = launch(2, Device::cpu(), {"megatron", "--nproc-per-node", "2", "train"});
   ASSERT_EQ(rc, 0) << out;
   // The ranks get cpu_rank_omp_environment's settings for this machine, and the launcher says so.
-  cpu_set_t cpus;
-  ASSERT_EQ(sched_getaffinity(0, sizeof(cpus), &cpus), 0);
-  const int cores = CPU_COUNT(&cpus);
+  const int cores = usable_cpu_cores();
   const std::string threads = std::to_string(std::max(1, cores / 2));
   const std::string wait = 2 * std::max(1, cores / 2) > cores ? "passive" : "-";
   EXPECT_NE(out.find("[megatron launcher] 2 ranks on " + std::to_string(cores) + " cores: OMP_NUM_THREADS=" + threads),
@@ -285,9 +281,7 @@ TEST(Launcher, MpiexecPathPassiveWaitsWhenOversubscribed) {
   if (!have_mpiexec()) GTEST_SKIP() << "no mpiexec";
   HelperEnv h("env");
   UnsetEnv omp_threads("OMP_NUM_THREADS"), omp_wait("OMP_WAIT_POLICY");
-  cpu_set_t cpus;
-  ASSERT_EQ(sched_getaffinity(0, sizeof(cpus), &cpus), 0);
-  const int n = CPU_COUNT(&cpus) + 1;  // more ranks than cores
+  const int n = usable_cpu_cores() + 1;  // more ranks than cores
   if (n > 16) GTEST_SKIP() << "too many cores to oversubscribe cheaply";
   setenv("OMP_NUM_THREADS", "1", 1);  // the user's value is kept
   auto [rc, out] = launch(n, Device::cpu(), {"megatron", "train"});
