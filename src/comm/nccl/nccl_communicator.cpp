@@ -4,6 +4,7 @@
 #include <cstring>
 #include <mutex>
 #include <set>
+#include <utility>
 #include <vector>
 
 #include "comm/comm_util.h"
@@ -58,6 +59,17 @@ thread_local int t_group_depth = 0;
 thread_local std::vector<PendingOp> t_pending;
 
 }  // namespace
+
+template <class Call>
+ncclResult_t NcclCommunicator::guarded(const char* op, Call&& call) const {
+  HostCallGuard guard(op, &desc_, timeout_s_);
+  return call();
+}
+
+template <class Call>
+void NcclCommunicator::checked(const char* op, Call&& call) const {
+  check(guarded(op, std::forward<Call>(call)), op);
+}
 
 NcclCommunicator::UniqueId NcclCommunicator::make_unique_id() {
   static_assert(sizeof(ncclUniqueId) == sizeof(UniqueId), "NCCL_UNIQUE_ID_BYTES changed");
@@ -144,12 +156,10 @@ void NcclCommunicator::all_reduce(const Tensor& t, ReduceOp op, const Stream& st
   require_device(t, "all_reduce");
   cudaStream_t s = stream_of(stream, "all_reduce");
   if (size_ == 1 || t.numel() == 0) return;
-  {
-    HostCallGuard guard("ncclAllReduce", &desc_, timeout_s_);
-    check(ncclAllReduce(t.data(), t.data(), static_cast<size_t>(t.numel()), nccl_type(t.dtype()), nccl_op(op), comm_,
-                      s),
-        "ncclAllReduce");
-  }
+  checked("ncclAllReduce", [&] {
+    return ncclAllReduce(t.data(), t.data(), static_cast<size_t>(t.numel()), nccl_type(t.dtype()), nccl_op(op), comm_,
+                         s);
+  });
   enqueued(s, "all_reduce");
 }
 
@@ -159,11 +169,9 @@ void NcclCommunicator::all_gather(const Tensor& out, const Tensor& in, const Str
   require_device(in, "all_gather");
   cudaStream_t s = stream_of(stream, "all_gather");
   if (in.numel() == 0) return;
-  {
-    HostCallGuard guard("ncclAllGather", &desc_, timeout_s_);
-    check(ncclAllGather(in.data(), out.data(), static_cast<size_t>(in.numel()), nccl_type(in.dtype()), comm_, s),
-        "ncclAllGather");
-  }
+  checked("ncclAllGather", [&] {
+    return ncclAllGather(in.data(), out.data(), static_cast<size_t>(in.numel()), nccl_type(in.dtype()), comm_, s);
+  });
   enqueued(s, "all_gather");
 }
 
@@ -173,12 +181,10 @@ void NcclCommunicator::reduce_scatter(const Tensor& out, const Tensor& in, Reduc
   require_device(in, "reduce_scatter");
   cudaStream_t s = stream_of(stream, "reduce_scatter");
   if (out.numel() == 0) return;
-  {
-    HostCallGuard guard("ncclReduceScatter", &desc_, timeout_s_);
-    check(ncclReduceScatter(in.data(), out.data(), static_cast<size_t>(out.numel()), nccl_type(in.dtype()),
-                          nccl_op(op), comm_, s),
-        "ncclReduceScatter");
-  }
+  checked("ncclReduceScatter", [&] {
+    return ncclReduceScatter(in.data(), out.data(), static_cast<size_t>(out.numel()), nccl_type(in.dtype()),
+                             nccl_op(op), comm_, s);
+  });
   enqueued(s, "reduce_scatter");
 }
 
@@ -187,11 +193,9 @@ void NcclCommunicator::broadcast(const Tensor& t, int root, const Stream& stream
   require_device(t, "broadcast");
   cudaStream_t s = stream_of(stream, "broadcast");
   if (size_ == 1 || t.numel() == 0) return;
-  {
-    HostCallGuard guard("ncclBroadcast", &desc_, timeout_s_);
-    check(ncclBroadcast(t.data(), t.data(), static_cast<size_t>(t.numel()), nccl_type(t.dtype()), root, comm_, s),
-        "ncclBroadcast");
-  }
+  checked("ncclBroadcast", [&] {
+    return ncclBroadcast(t.data(), t.data(), static_cast<size_t>(t.numel()), nccl_type(t.dtype()), root, comm_, s);
+  });
   enqueued(s, "broadcast");
 }
 
@@ -212,11 +216,7 @@ void NcclCommunicator::all_to_all(const Tensor& out, const Tensor& in, const Str
     r = ncclSend(src + p * chunk_bytes, chunk, dt, p, comm_, s);
     if (r == ncclSuccess) r = ncclRecv(dst + p * chunk_bytes, chunk, dt, p, comm_, s);
   }
-  ncclResult_t r_end;
-  {
-    HostCallGuard guard("ncclGroupEnd (all_to_all)", &desc_, timeout_s_);
-    r_end = ncclGroupEnd();
-  }
+  const ncclResult_t r_end = guarded("ncclGroupEnd (all_to_all)", [] { return ncclGroupEnd(); });
   check(r, "ncclSend/ncclRecv (all_to_all)");
   check(r_end, "ncclGroupEnd (all_to_all)");
   enqueued(s, "all_to_all");
@@ -226,10 +226,8 @@ void NcclCommunicator::send(const Tensor& t, int peer, const Stream& stream) {
   comm_detail::check_p2p(*this, t, peer, "send");
   require_device(t, "send");
   cudaStream_t s = stream_of(stream, "send");
-  {
-    HostCallGuard guard("ncclSend", &desc_, timeout_s_);
-    check(ncclSend(t.data(), static_cast<size_t>(t.numel()), nccl_type(t.dtype()), peer, comm_, s), "ncclSend");
-  }
+  checked("ncclSend",
+          [&] { return ncclSend(t.data(), static_cast<size_t>(t.numel()), nccl_type(t.dtype()), peer, comm_, s); });
   enqueued(s, "send");
 }
 
@@ -237,10 +235,8 @@ void NcclCommunicator::recv(const Tensor& t, int peer, const Stream& stream) {
   comm_detail::check_p2p(*this, t, peer, "recv");
   require_device(t, "recv");
   cudaStream_t s = stream_of(stream, "recv");
-  {
-    HostCallGuard guard("ncclRecv", &desc_, timeout_s_);
-    check(ncclRecv(t.data(), static_cast<size_t>(t.numel()), nccl_type(t.dtype()), peer, comm_, s), "ncclRecv");
-  }
+  checked("ncclRecv",
+          [&] { return ncclRecv(t.data(), static_cast<size_t>(t.numel()), nccl_type(t.dtype()), peer, comm_, s); });
   enqueued(s, "recv");
 }
 
@@ -252,11 +248,7 @@ void NcclCommunicator::group_start() {
 void NcclCommunicator::group_end() {
   MT_REQUIRE(t_group_depth > 0, "group_end on {} without a matching group_start", desc_);
   --t_group_depth;
-  ncclResult_t r;
-  {
-    HostCallGuard guard("ncclGroupEnd", &desc_, timeout_s_);
-    r = ncclGroupEnd();
-  }
+  const ncclResult_t r = guarded("ncclGroupEnd", [] { return ncclGroupEnd(); });
   if (t_group_depth == 0) {
     std::vector<PendingOp> pending;
     pending.swap(t_pending);
@@ -271,11 +263,8 @@ void NcclCommunicator::barrier() {
   MT_REQUIRE(t_group_depth == 0, "barrier on {} inside group_start/group_end", desc_);
   if (size_ == 1) return;
   set_current_device(device_);
-  {
-    HostCallGuard guard("ncclAllReduce", &desc_, timeout_s_);
-    check(ncclAllReduce(barrier_buf_, barrier_buf_, 1, ncclInt32, ncclSum, comm_, barrier_stream_),
-        "ncclAllReduce (barrier)");
-  }
+  checked("ncclAllReduce (barrier)",
+          [&] { return ncclAllReduce(barrier_buf_, barrier_buf_, 1, ncclInt32, ncclSum, comm_, barrier_stream_); });
   Watchdog::instance().enqueued(comm_, barrier_stream_, "barrier");
   MT_CUDA_CHECK(cudaStreamSynchronize(barrier_stream_));
 }

@@ -57,6 +57,14 @@ class NcclCommunicator final : public Communicator {
   NcclCommunicator(ncclComm_t comm, Device device, std::string name, double timeout_s);  // from split
   void init_common();
   void check(ncclResult_t r, const char* call) const;
+  /// Runs `call`, an NCCL call that can block on the host (connecting to peers, a full proxy
+  /// queue), under a nccl_detail::HostCallGuard: the watchdog turns a block longer than the
+  /// timeout into an error naming `op` and this group. guarded returns the call's result;
+  /// checked also check()s it. Defined in the .cpp, the only user.
+  template <class Call>
+  ncclResult_t guarded(const char* op, Call&& call) const;
+  template <class Call>
+  void checked(const char* op, Call&& call) const;
   cudaStream_t stream_of(const Stream& s, const char* op) const;
   void require_device(const Tensor& t, const char* op) const;
   /// Hands the operation to the watchdog (deferred to the outermost group_end inside a group).
