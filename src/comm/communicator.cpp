@@ -1,5 +1,9 @@
 #include "comm/communicator.h"
 
+#include <cstring>
+
+#include "core/buffer.h"
+
 namespace mt {
 
 void SingleRankCommunicator::all_gather(const Tensor& out, const Tensor& in, const Stream& stream) {
@@ -47,6 +51,24 @@ ProcessGroups ProcessGroups::single() {
   g.edp = one("edp");
   g.embedding = one("embedding");
   return g;
+}
+
+std::vector<char> all_gather_host(Communicator& comm, const void* mine, size_t bytes, const Stream& stream) {
+  const int n = comm.size(), me = comm.rank();
+  std::vector<char> out(bytes * static_cast<size_t>(n));
+  if (n == 1 || bytes == 0) {
+    if (bytes) std::memcpy(out.data(), mine, bytes);
+    return out;
+  }
+  const Device dev = stream.device();
+  Buffer buf(dev, out.size());
+  const Tensor all = buf.as(DType::kU8, {static_cast<int64_t>(out.size())});
+  const Tensor part = all.flat_range(static_cast<int64_t>(bytes) * me, static_cast<int64_t>(bytes));
+  copy_bytes(part.data(), dev, mine, Device::cpu(), bytes, stream);
+  comm.all_gather(all, part, stream);
+  copy_bytes(out.data(), Device::cpu(), all.data(), dev, out.size(), stream);
+  stream.synchronize();
+  return out;
 }
 
 }  // namespace mt

@@ -8,6 +8,7 @@
 #pragma once
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "core/stream.h"
 #include "core/tensor.h"
@@ -109,6 +110,12 @@ class ForwardingCommunicator : public Communicator {
  private:
   std::shared_ptr<Communicator> inner_;
 };
+
+/// Every rank's `bytes` bytes of host data `mine`, in rank order (size · bytes bytes): an
+/// all-gather through a temporary buffer on stream.device(), then a host wait for `stream`.
+/// Collective over `comm`; for setup and logging, not the training step (it allocates and
+/// synchronizes). A group of one rank returns a copy of `mine`.
+std::vector<char> all_gather_host(Communicator& comm, const void* mine, size_t bytes, const Stream& stream);
 
 /// The process groups a model and trainer are handed (never globals; DESIGN.md principle 2),
 /// as Megatron-Core's parallel_state names them. All size-1 in single-device training.

@@ -3,9 +3,9 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
-#include "core/buffer.h"
 #include "core/check.h"
 
 namespace mt {
@@ -22,18 +22,10 @@ std::string timing_report(Timers& timers, TimingLogOption option, Communicator& 
   if (!timers.active()) return {};
   constexpr size_t kPer = 2 * Timers::kCount;  // per rank: [ms per iteration, intervals] per timer
   const auto mine = timers.take(stream, iterations);
-  const int n = world.size(), me = world.rank();
-  std::vector<float> host(static_cast<size_t>(n) * kPer, 0.f);
-  std::copy(mine.begin(), mine.end(), host.begin() + static_cast<ptrdiff_t>(me * kPer));
-  if (n > 1) {
-    Buffer dev(stream.device(), host.size() * 4);
-    const Tensor all = dev.as(DType::kF32, {static_cast<int64_t>(host.size())});
-    const Tensor part = all.flat_range(static_cast<int64_t>(me * kPer), static_cast<int64_t>(kPer));
-    copy_bytes(part.data(), stream.device(), mine.data(), Device::cpu(), kPer * 4, stream);
-    world.all_gather(all, part, stream);
-    copy_bytes(host.data(), Device::cpu(), all.data(), stream.device(), host.size() * 4, stream);
-    stream.synchronize();
-  }
+  const int n = world.size();
+  const std::vector<char> gathered = all_gather_host(world, mine.data(), sizeof(mine), stream);
+  std::vector<float> host(static_cast<size_t>(n) * kPer);
+  std::memcpy(host.data(), gathered.data(), gathered.size());
   std::string out;
   for (size_t t = 0; t < Timers::kCount; ++t) {
     float lo = host[2 * t], hi = host[2 * t], count = 0;

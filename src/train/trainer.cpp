@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstring>
 #include <future>
 #include <cmath>
 #include <ctime>
@@ -482,14 +483,11 @@ int run_pretrain(PretrainArgs args) {
              device_bytes_allocated(device) / 1048576.0, device_memory_in_use(device) / 1048576.0, device.str());
     if (world->size() > 1) {  // per rank (pipeline stages differ), gathered to rank 0
       const int n = world->size();
-      std::vector<float> host(static_cast<size_t>(2 * n), 0.f);
-      host[2 * world->rank()] = static_cast<float>(device_bytes_allocated(device) / 1048576.0);
-      host[2 * world->rank() + 1] = static_cast<float>(device_memory_in_use(device) / 1048576.0);
-      Buffer dev(device, host.size() * 4);
-      copy_bytes(dev.data(), device, host.data(), Device::cpu(), host.size() * 4, stream);
-      world->all_reduce(dev.as(DType::kF32, {2 * n}), ReduceOp::kSum, stream);
-      copy_bytes(host.data(), Device::cpu(), dev.data(), device, host.size() * 4, stream);
-      stream.synchronize();
+      const float mine[2] = {static_cast<float>(device_bytes_allocated(device) / 1048576.0),
+                             static_cast<float>(device_memory_in_use(device) / 1048576.0)};
+      const std::vector<char> gathered = all_gather_host(*world, mine, sizeof(mine), stream);
+      std::vector<float> host(static_cast<size_t>(2 * n));
+      std::memcpy(host.data(), gathered.data(), gathered.size());
       std::string per_rank;
       for (int r = 0; r < n; ++r)
         per_rank += fmt::format(" r{}: {:.0f}/{:.0f}", r, host[2 * r], host[2 * r + 1]);

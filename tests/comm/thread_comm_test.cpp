@@ -1,5 +1,5 @@
 // The in-process thread communicator the parallel-equivalence tests run on: collectives, split,
-// batched send/recv in both directions, and a failing rank ending the others.
+// batched send/recv in both directions, a failing rank ending the others, and all_gather_host.
 #include <gtest/gtest.h>
 
 #include "comm/thread_comm.h"
@@ -45,6 +45,27 @@ TEST(ThreadComm, CollectivesAndSplit) {
                                   w->all_reduce(t, ReduceOp::kSum, st);
                                 }),
                Error);
+}
+
+// all_gather_host: every rank's host bytes in rank order (an odd size: no alignment assumed), and
+// a group of one rank returns its own bytes.
+TEST(ThreadComm, AllGatherHost) {
+  run_thread_ranks(3, [](int rank, std::shared_ptr<Communicator> w) {
+    Stream st;
+    const char mine[3] = {static_cast<char>('a' + rank), static_cast<char>(rank), 'z'};
+    const std::vector<char> all = all_gather_host(*w, mine, sizeof(mine), st);
+    ASSERT_EQ(all.size(), 9u);
+    for (int r = 0; r < 3; ++r) {
+      EXPECT_EQ(all[3 * r], 'a' + r);
+      EXPECT_EQ(all[3 * r + 1], r);
+      EXPECT_EQ(all[3 * r + 2], 'z');
+    }
+  });
+  SingleRankCommunicator one;
+  const int v = 42;
+  const std::vector<char> self = all_gather_host(one, &v, sizeof(v), Stream());
+  ASSERT_EQ(self.size(), sizeof(v));
+  EXPECT_EQ(*reinterpret_cast<const int*>(self.data()), 42);
 }
 
 }  // namespace

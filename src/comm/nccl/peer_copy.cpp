@@ -55,25 +55,10 @@ void write_flag(cudaStream_t s, uint32_t* flag, uint32_t value) {
            "cuStreamWriteValue32");
 }
 
-// Every rank's `bytes` bytes, in rank order, through the NCCL communicator (host data; collective).
-std::vector<char> host_all_gather(NcclCommunicator& comm, const void* mine, size_t bytes) {
-  const Device dev = comm.device();
-  const int n = comm.size();
-  Buffer buf(dev, bytes * n);
-  Stream s(dev);
-  copy_bytes(static_cast<char*>(buf.data()) + bytes * comm.rank(), dev, mine, Device::cpu(), bytes, s);
-  const Tensor all(buf.data(), DType::kU8, dev, {static_cast<int64_t>(bytes * n)});
-  comm.all_gather(all, all.flat_range(static_cast<int64_t>(bytes * comm.rank()), static_cast<int64_t>(bytes)), s);
-  std::vector<char> out(bytes * n);
-  copy_bytes(out.data(), Device::cpu(), buf.data(), dev, bytes * n, s);
-  s.synchronize();
-  return out;
-}
-
 // Whether every rank passes ok (an all-gather of one byte each; collective).
-bool all_ok(NcclCommunicator& comm, bool ok) {
+bool all_ok(NcclCommunicator& comm, bool ok, const Stream& stream) {
   const char mine = ok ? 1 : 0;
-  const std::vector<char> all = host_all_gather(comm, &mine, 1);
+  const std::vector<char> all = all_gather_host(comm, &mine, 1, stream);
   for (char c : all)
     if (!c) return false;
   return true;
@@ -94,6 +79,7 @@ std::unique_ptr<PeerCopyGroup> PeerCopyGroup::create(const std::shared_ptr<NcclC
   if (n > kMaxRanks) return refuse(fmt::format("{} ranks (at most {} supported)", n, kMaxRanks));
   MT_REQUIRE(stage_elems >= 1, "PeerCopyGroup::create: stage_elems must be >= 1");
   set_current_device(comm->device());
+  Stream setup(comm->device());  // the host all-gathers of the setup
 
   // Same host and the same registered sizes everywhere.
   struct Header {
@@ -104,7 +90,7 @@ std::unique_ptr<PeerCopyGroup> PeerCopyGroup::create(const std::shared_ptr<NcclC
   gethostname(mine.host, sizeof(mine.host) - 1);
   mine.region_count = regions.size();
   mine.stage_elems = stage_elems;
-  const std::vector<char> headers = host_all_gather(*comm, &mine, sizeof(Header));
+  const std::vector<char> headers = all_gather_host(*comm, &mine, sizeof(Header), setup);
   for (int r = 0; r < n; ++r) {
     Header h;
     std::memcpy(&h, headers.data() + r * sizeof(Header), sizeof(Header));
@@ -120,7 +106,7 @@ std::unique_ptr<PeerCopyGroup> PeerCopyGroup::create(const std::shared_ptr<NcclC
     sizes.push_back(rg.bytes);
   }
   if (!sizes.empty()) {
-    const std::vector<char> all = host_all_gather(*comm, sizes.data(), sizes.size() * sizeof(uint64_t));
+    const std::vector<char> all = all_gather_host(*comm, sizes.data(), sizes.size() * sizeof(uint64_t), setup);
     for (int r = 0; r < n; ++r)
       MT_REQUIRE(std::memcmp(all.data() + r * sizes.size() * 8, sizes.data(), sizes.size() * 8) == 0,
                  "PeerCopyGroup on {}: rank {} registers regions of other sizes than rank {}", comm->name(), r,
@@ -151,9 +137,9 @@ std::unique_ptr<PeerCopyGroup> PeerCopyGroup::create(const std::shared_ptr<NcclC
       ok = false;
     }
   }
-  if (!all_ok(*comm, ok)) return refuse(why.empty() ? "a peer could not export its memory" : why);
+  if (!all_ok(*comm, ok, setup)) return refuse(why.empty() ? "a peer could not export its memory" : why);
   const std::vector<char> all =
-      host_all_gather(*comm, handles.data(), handles.size() * sizeof(cudaIpcMemHandle_t));
+      all_gather_host(*comm, handles.data(), handles.size() * sizeof(cudaIpcMemHandle_t), setup);
 
   // Map every peer's memory (peer access over NVLink; refused without it).
   g->peer_base_.assign(regions.size(), {});
@@ -176,7 +162,7 @@ std::unique_ptr<PeerCopyGroup> PeerCopyGroup::create(const std::shared_ptr<NcclC
       else g->peer_base_[k - 2][r] = p;
     }
   }
-  if (!all_ok(*comm, ok)) return refuse(why.empty() ? "a peer could not map this rank's memory" : why);
+  if (!all_ok(*comm, ok, setup)) return refuse(why.empty() ? "a peer could not map this rank's memory" : why);
   if (ok) {
     try {
       StreamMemOps::get();
@@ -185,7 +171,7 @@ std::unique_ptr<PeerCopyGroup> PeerCopyGroup::create(const std::shared_ptr<NcclC
       ok = false;
     }
   }
-  if (!all_ok(*comm, ok)) return refuse(why.empty() ? "a peer has no stream memory operations" : why);
+  if (!all_ok(*comm, ok, setup)) return refuse(why.empty() ? "a peer has no stream memory operations" : why);
 
   for (int r = 0; r < n; ++r) {
     MT_CUDA_CHECK(cudaStreamCreateWithFlags(&g->peer_streams_[r], cudaStreamNonBlocking));
