@@ -6,6 +6,12 @@
 
 #ifdef MT_WITH_NCCL
 #include "comm/nccl/peer_copy.h"
+#else
+namespace mt {
+// Without NCCL there are no copy-engine collectives: peer_copy_ stays null, but its deleter
+// needs a complete type.
+class PeerCopyGroup {};
+}  // namespace mt
 #endif
 
 namespace mt {
