@@ -67,6 +67,17 @@ Tensor Tensor::slice0(int64_t begin, int64_t end) const {
   return Tensor(p, dtype_, device_, s);
 }
 
+Tensor Tensor::slice(int dim, int64_t begin, int64_t end) const {
+  if (dim < 0) dim += ndim_;
+  MT_CHECK(dim >= 0 && dim < ndim_, "slice: dim {} out of range for {}", dim, str());
+  MT_CHECK(0 <= begin && begin <= end && end <= shape_[dim], "slice [{}, {}) of dim {} out of range for {}", begin,
+           end, dim, str());
+  Tensor t = *this;
+  t.shape_[dim] = end - begin;
+  t.data_ = static_cast<char*>(data_) + begin * strides_[dim] * static_cast<int64_t>(dtype_size(dtype_));
+  return t;
+}
+
 Tensor Tensor::flat_range(int64_t begin, int64_t n) const {
   MT_CHECK(is_contiguous(), "flat_range of non-contiguous {}", str());
   MT_CHECK(begin >= 0 && n >= 0 && begin + n <= numel(), "flat range [{}, +{}) out of {}", begin, n, numel());

@@ -41,6 +41,9 @@ class Tensor {
   Tensor view(const std::vector<int64_t>& shape) const;
   /// Rows [begin, end) along dim 0 (requires contiguous).
   Tensor slice0(int64_t begin, int64_t end) const;
+  /// Elements [begin, end) along dimension `dim` (negative counts from the end): a view with the
+  /// same strides, non-contiguous in general (e.g. the query heads of a fused QKV output).
+  Tensor slice(int dim, int64_t begin, int64_t end) const;
   /// Flat elements [begin, begin+n) as a 1-D view (requires contiguous).
   Tensor flat_range(int64_t begin, int64_t n) const;
   std::string shape_str() const;

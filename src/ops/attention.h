@@ -9,20 +9,25 @@
 // Example: tokens A B C EOD D E F EOD G H (the EOD belongs to the document it ends) give
 // doc_start = 0 0 0 0 4 4 4 4 8 8: D (position 4) sees only itself, E sees D and E, G sees G.
 //
-// The fused QKV projection output uses Megatron's per-head interleaved layout, so that a
-// column-parallel split over heads keeps each head's q, k, v together:
-//   qkv: [s, b, n, 3, d]  (i.e. [s, b, 3h] with h = n·d, per head: q then k then v)
+// The fused QKV projection output uses Megatron-Core's per-query-group layout, so that a
+// column-parallel split over query groups keeps each group's heads together:
+//   qkv: [s, b, g, qpg + 2, d]  (per (position, sample, group): the qpg = n/g query heads, then the
+//        key head, then the value head; query head h uses key/value group h / qpg)
+// Multi-head attention is g = n ([s, b, n, 3, d]: per head q, k, v); grouped-query attention
+// (Ainslie et al. 2023) 1 < g < n; multi-query attention g = 1.
 #pragma once
 #include "core/rng.h"
 #include "core/stream.h"
 #include "core/tensor.h"
+#include "ops/dispatch.h"
 
 namespace mt {
 
 struct AttentionConfig {
   int64_t seq = 0;          ///< s
   int64_t batch = 0;        ///< b
-  int64_t heads = 0;        ///< n, heads on this rank
+  int64_t heads = 0;        ///< n, query heads on this rank
+  int64_t groups = 0;       ///< g, key/value heads (query groups) on this rank, dividing n; 0 = n
   int64_t head_dim = 0;     ///< d
   float softmax_scale = 0;  ///< usually 1/sqrt(d)
   float dropout_p = 0;      ///< attention dropout on the probabilities
@@ -39,14 +44,16 @@ struct AttentionConfig {
 
 /// Saved activations and temporaries, planned by the caller from the static arena. All in the act
 /// dtype of qkv and contiguous; only the element count is checked, so e.g. [b·n, s, d] is fine.
-///   q, k, v: [b, n, s, d]  saved: written by forward, read by backward.
+///   q: [b, n, s, d] (= [b, g, qpg, s, d]), k, v: [b, g, s, d]  saved: written by forward, read by
+///            backward.
 ///   probs:   [b, n, s, s]  saved: softmax output before dropout (exactly 0 where masked: j > i or
 ///            j < doc_start[b, i]).
 ///   scratch: [b, n, s, s]  temporary, need not survive from forward to backward (may be shared
 ///            between layers). Forward, only when dropout_p > 0: the dropped probabilities.
 ///            Backward (always required): the dropped probabilities (recomputed from probs and
 ///            the dropout key), then dP, then dS.
-///   dq, dk, dv: [b, n, s, d]  temporaries, required by forward (dq) and backward (all).
+///   dq: [b, n, s, d], dk, dv: [b, g, s, d]  temporaries, required by forward (dq) and backward
+///            (all).
 ///            Forward: dq holds the context [b, n, s, d] before it is permuted into out (CUDA).
 ///            Backward: dq first holds dout permuted to [b, n, s, d] (CUDA), then dQ; dk and dv
 ///            hold dK and dV before they are interleaved into dqkv.
@@ -55,8 +62,8 @@ struct AttentionBuffers {
   Tensor dq, dk, dv;
 };
 
-/// out[s, b, n·d] = softmax(scale · q k^T + causal mask) v, per (b, head); qkv [s, b, n, 3, d] or
-/// [s, b, 3·n·d], out [s, b, n·d] or [s, b, n, d]; fp32 (CPU, CUDA), bf16/fp16 (CUDA). Causal:
+/// out[s, b, n·d] = softmax(scale · q k^T + causal mask) v, per (b, head); qkv [s, b, g, qpg+2, d]
+/// or [s, b, (n + 2g)·d], out [s, b, n·d] or [s, b, n, d]; fp32 (CPU, CUDA), bf16/fp16 (CUDA). Causal:
 /// key j > query i is masked, and with cfg.doc_start also j < doc_start[b, i] (masked
 /// probabilities are exactly 0, in the forward and in the backward's gradients). Softmax in fp32. Dropout (if p > 0) on the probabilities: element
 /// (b, head, i, j) has the global flat index g = ((b·total_heads + head_offset + head)·s + i)·s + j
@@ -70,10 +77,14 @@ struct AttentionBuffers {
 void attention_forward(const Tensor& out, const Tensor& qkv, const AttentionBuffers& buf, const AttentionConfig& cfg,
                        const Stream& stream);
 
-/// dqkv[s, b, n, 3, d] (overwrite) from dout[s, b, n·d] and the saved buffers (q, k, v, probs
-/// from the forward with the same cfg); the dropout mask is recomputed from the key.
+/// dqkv[s, b, g, qpg+2, d] (overwrite) from dout[s, b, n·d] and the saved buffers (q, k, v, probs
+/// from the forward with the same cfg); the dropout mask is recomputed from the key. The key and
+/// value gradients of a group sum over its qpg query heads.
 /// Errors: as attention_forward; every buffer is required.
 void attention_backward(const Tensor& dqkv, const Tensor& dout, const AttentionBuffers& buf,
                         const AttentionConfig& cfg, const Stream& stream);
+
+MT_OP_BACKENDS(attention_forward)
+MT_OP_BACKENDS(attention_backward)
 
 }  // namespace mt

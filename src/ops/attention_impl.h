@@ -1,17 +1,10 @@
-// Backend entry points of ops/attention.h and the dropout-mask helpers shared by the CPU and CUDA
-// implementations (so that both draw bit-identical masks). Arguments were validated by
-// ops/attention.cpp; the CPU backend additionally requires fp32.
+// The attention-probability dropout mask shared by the CPU and CUDA attention implementations (so
+// that both draw bit-identical masks; ops/attention.h defines the mask).
 #pragma once
 #include "core/rng.h"
 #include "ops/attention.h"
 
 namespace mt {
-namespace cpu {
-void attention_forward(const Tensor& out, const Tensor& qkv, const AttentionBuffers& buf, const AttentionConfig& cfg,
-                       const Stream& stream);
-void attention_backward(const Tensor& dqkv, const Tensor& dout, const AttentionBuffers& buf,
-                        const AttentionConfig& cfg, const Stream& stream);
-}  // namespace cpu
 namespace cuda {
 void attention_forward(const Tensor& out, const Tensor& qkv, const AttentionBuffers& buf, const AttentionConfig& cfg,
                        const Stream& stream);

@@ -15,16 +15,24 @@
 #pragma once
 #include "core/stream.h"
 #include "core/tensor.h"
+#include "ops/dispatch.h"
 
 namespace mt {
 
-/// Per row r of logits [m, V_local] (act dtype):
+/// Vocabulary padding: only the first `valid_cols` columns of this rank's logits are real tokens
+/// (valid_cols = clamp(vocab_size - vocab_start, 0, V_local); -1 = all V_local). The padded
+/// columns take no probability mass: they are left out of the max and the exp-sum, and their
+/// gradient is 0 (docs/architecture.md, "Vocabulary padding"). A rank whose columns are all padding
+/// has row_max = -inf and row_sumexp = 0.
+///
+/// Per row r of logits [m, V_local] (act dtype), over the valid columns j:
 ///   row_max[r] = max_j logits[r, j];  row_sumexp[r] = sum_j exp(logits[r, j] - row_max[r]);
 ///   target_logit[r] = logits[r, targets[r] - vocab_start] if the target is in this rank's
-///   range [vocab_start, vocab_start + V_local), else 0.
-/// targets: int32 [m]; outputs fp32 [m].
+///   range [vocab_start, vocab_start + valid_cols), else 0.
+/// targets: int32 [m]; outputs fp32 [m]. Errors also for valid_cols outside [-1, V_local].
 void cross_entropy_stats(const Tensor& row_max, const Tensor& row_sumexp, const Tensor& target_logit,
-                         const Tensor& logits, const Tensor& targets, int64_t vocab_start, const Stream& stream);
+                         const Tensor& logits, const Tensor& targets, int64_t vocab_start, int64_t valid_cols,
+                         const Stream& stream);
 
 /// sumexp[r] *= exp(local_max[r] - global_max[r]) (vocab-parallel only).
 void cross_entropy_rescale_sumexp(const Tensor& row_sumexp, const Tensor& local_max, const Tensor& global_max,
@@ -36,16 +44,24 @@ void cross_entropy_loss(const Tensor& losses, const Tensor& row_max, const Tenso
                         const Tensor& target_logit, const Tensor& loss_mask, const Stream& stream);
 
 /// In place: logits[r, j] <- (softmax(logits)[r, j] - [j == target_r - vocab_start]) * grad_scale
-/// * (loss_mask ? loss_mask[r] : 1), i.e. d(grad_scale * sum_r losses[r]) / d logits. Uses the
-/// (global) row_max and row_sumexp. Overwrites the logits with their gradient (act dtype).
+/// * (loss_mask ? loss_mask[r] : 1), i.e. d(grad_scale * sum_r losses[r]) / d logits, for the
+/// valid columns; 0 for the padded ones. Uses the (global) row_max and row_sumexp. Overwrites the
+/// logits with their gradient (act dtype).
 /// device_scale: fp32 [1] on the logits' device (the dynamic loss scale, read by the kernel so no
 /// host sync is needed) multiplying grad_scale, or empty (1).
 void cross_entropy_backward_inplace(const Tensor& logits, const Tensor& targets, const Tensor& row_max,
                                     const Tensor& row_sumexp, const Tensor& loss_mask, int64_t vocab_start,
-                                    float grad_scale, const Tensor& device_scale, const Stream& stream);
+                                    int64_t valid_cols, float grad_scale, const Tensor& device_scale,
+                                    const Stream& stream);
 
 /// out[0] += alpha * sum(x) over fp32 x [n]; deterministic order (CUDA: one block, fixed
 /// reduction tree, no float atomics; CPU: fixed chunks summed in double). out: fp32 [1].
 void sum_accumulate(const Tensor& out, const Tensor& x, float alpha, const Stream& stream);
+
+MT_OP_BACKENDS(cross_entropy_stats)
+MT_OP_BACKENDS(cross_entropy_rescale_sumexp)
+MT_OP_BACKENDS(cross_entropy_loss)
+MT_OP_BACKENDS(cross_entropy_backward_inplace)
+MT_OP_BACKENDS(sum_accumulate)
 
 }  // namespace mt

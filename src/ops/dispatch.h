@@ -1,5 +1,8 @@
-// Backend dispatch: ops/<op>.cpp validates arguments once, then calls cpu::<fn> or cuda::<fn>
-// (declared in ops/<op>_impl.h, defined in ops/cpu/<op>.cpp and ops/cuda/<op>.cu).
+// Backend dispatch (docs/architecture.md, "Ops"). An op is declared once, in its public header
+// ops/<op>.h, with its documentation; MT_OP_BACKENDS(fn) then declares the CPU and CUDA entry
+// points mt::cpu::fn and mt::cuda::fn with exactly the same type (defined in ops/cpu/<op>.cpp and
+// ops/cuda/<op>.cu). ops/<op>.cpp validates the arguments once (ops/op_checks.h) and calls
+// MT_DISPATCH(device, fn, args...), which picks the backend from the tensors' device.
 #pragma once
 #include <string_view>
 
@@ -11,6 +14,16 @@ namespace mt {
   MT_FAIL("{} called on a CUDA tensor but this binary was built without CUDA", fn);
 }
 }  // namespace mt
+
+/// Inside namespace mt, after the declaration of op `fn` (not overloaded): declares
+/// mt::cpu::fn and mt::cuda::fn with the type of mt::fn.
+#define MT_OP_BACKENDS(fn)     \
+  namespace cpu {              \
+  decltype(::mt::fn) fn;       \
+  }                            \
+  namespace cuda {             \
+  decltype(::mt::fn) fn;       \
+  }
 
 #ifdef MT_WITH_CUDA
 #define MT_DISPATCH(dev, fn, ...) ((dev).is_cpu() ? ::mt::cpu::fn(__VA_ARGS__) : ::mt::cuda::fn(__VA_ARGS__))

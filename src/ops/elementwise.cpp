@@ -2,32 +2,18 @@
 #include "ops/elementwise.h"
 
 #include "ops/dispatch.h"
-#include "ops/elementwise_impl.h"
+#include "ops/op_checks.h"
 
 namespace mt {
 namespace {
 
-bool is_float(DType t) { return t == DType::kF32 || t == DType::kBF16 || t == DType::kF16; }
-
-void check_float(const Tensor& t, const char* fn, const char* name) {
-  MT_CHECK(is_float(t.dtype()), "{}: {} must be fp32/bf16/fp16, got {}", fn, name, t.str());
-  MT_CHECK(t.is_contiguous(), "{}: {} must be contiguous, got {}", fn, name, t.str());
-}
-
-void check_stream(const Stream& stream, const Tensor& t, const char* fn) {
-  MT_CHECK(stream.device().type == t.device().type, "{}: stream on {} but tensor {}", fn, stream.device().str(),
-           t.str());
-}
+using op_checks::check_act;
+using op_checks::check_float;
+using op_checks::check_stream;
+using op_checks::is_float;
 
 void check_same_shape(const Tensor& a, const Tensor& b, const char* fn, const char* na, const char* nb) {
   MT_CHECK(a.shape() == b.shape(), "{}: {} {} and {} {} must have the same shape", fn, na, a.str(), nb, b.str());
-}
-
-/// Dropout ops: fp32 only on CPU (the reference backend), fp32/bf16/fp16 on CUDA.
-void check_act(const Tensor& t, const char* fn, const char* name) {
-  check_float(t, fn, name);
-  MT_CHECK(!t.device().is_cpu() || t.dtype() == DType::kF32, "{}: {} on CPU must be fp32, got {}", fn, name,
-           t.str());
 }
 
 void check_dropout_args(float p, int64_t global_offset, const char* fn) {

@@ -4,6 +4,7 @@
 #include "core/rng.h"
 #include "core/stream.h"
 #include "core/tensor.h"
+#include "ops/dispatch.h"
 
 namespace mt {
 
@@ -37,5 +38,13 @@ void bias_dropout_add_backward(const Tensor& dx, const Tensor& dbias, const Tens
 /// y = dropout(x) (y may alias x); backward: dx = dropout(dy) with the same key.
 void dropout_forward(const Tensor& y, const Tensor& x, float p, const DropoutKey& key, int64_t global_offset,
                      const Stream& stream);
+
+MT_OP_BACKENDS(cast)
+MT_OP_BACKENDS(add)
+MT_OP_BACKENDS(scale_inplace)
+MT_OP_BACKENDS(fill)
+MT_OP_BACKENDS(bias_dropout_add_forward)
+MT_OP_BACKENDS(bias_dropout_add_backward)
+MT_OP_BACKENDS(dropout_forward)
 
 }  // namespace mt

@@ -2,17 +2,12 @@
 #include "ops/embedding.h"
 
 #include "ops/dispatch.h"
-#include "ops/embedding_impl.h"
+#include "ops/op_checks.h"
 
 namespace mt {
 namespace {
 
-void check_act(const Tensor& t, const char* fn, const char* name) {
-  const DType d = t.dtype();
-  MT_CHECK(d == DType::kF32 || d == DType::kBF16 || d == DType::kF16, "{}: {} must be fp32/bf16/fp16, got {}", fn,
-           name, t.str());
-  MT_CHECK(!t.device().is_cpu() || d == DType::kF32, "{}: {} on CPU must be fp32, got {}", fn, name, t.str());
-}
+using op_checks::check_act;
 
 /// ids int32 [s, b]; positions int32 [s, b] or empty; returns {s, b}.
 std::pair<int64_t, int64_t> check_ids(const Tensor& ids, const Tensor& positions, const char* fn) {

@@ -5,6 +5,7 @@
 #pragma once
 #include "core/stream.h"
 #include "core/tensor.h"
+#include "ops/dispatch.h"
 
 namespace mt {
 
@@ -28,5 +29,8 @@ void embedding_forward(const Tensor& out, const Tensor& ids, const Tensor& wte, 
 /// positions is summed over b in a fixed order (deterministic).
 void embedding_backward(const Tensor& dwte, const Tensor& dwpe, const Tensor& dout, const Tensor& ids,
                         const Tensor& positions, int64_t vocab_start, const Stream& stream);
+
+MT_OP_BACKENDS(embedding_forward)
+MT_OP_BACKENDS(embedding_backward)
 
 }  // namespace mt

@@ -2,23 +2,14 @@
 #include "ops/gelu.h"
 
 #include "ops/dispatch.h"
-#include "ops/gelu_impl.h"
+#include "ops/op_checks.h"
+#include "ops/gelu_math.h"
 
 namespace mt {
 namespace {
 
-void check_act(const Tensor& t, const char* fn, const char* name) {
-  const DType d = t.dtype();
-  MT_CHECK(d == DType::kF32 || d == DType::kBF16 || d == DType::kF16, "{}: {} must be fp32/bf16/fp16, got {}", fn,
-           name, t.str());
-  MT_CHECK(!t.device().is_cpu() || d == DType::kF32, "{}: {} on CPU must be fp32, got {}", fn, name, t.str());
-  MT_CHECK(t.is_contiguous(), "{}: {} must be contiguous, got {}", fn, name, t.str());
-}
-
-void check_like(const Tensor& t, const Tensor& ref, const char* fn, const char* name, const char* ref_name) {
-  MT_CHECK(t.shape() == ref.shape() && t.dtype() == ref.dtype(), "{}: {} {} must match {} {} (shape and dtype)", fn,
-           name, t.str(), ref_name, ref.str());
-}
+using op_checks::check_act;
+using op_checks::check_like;
 
 }  // namespace
 

@@ -3,6 +3,7 @@
 #pragma once
 #include "core/stream.h"
 #include "core/tensor.h"
+#include "ops/dispatch.h"
 
 namespace mt {
 
@@ -11,5 +12,8 @@ namespace mt {
 void gelu_forward(const Tensor& y, const Tensor& x, const Stream& stream);
 /// dx = dy * gelu'(x) (overwrite; dx may alias dy).
 void gelu_backward(const Tensor& dx, const Tensor& dy, const Tensor& x, const Stream& stream);
+
+MT_OP_BACKENDS(gelu_forward)
+MT_OP_BACKENDS(gelu_backward)
 
 }  // namespace mt

@@ -2,30 +2,14 @@
 #include "ops/layernorm.h"
 
 #include "ops/dispatch.h"
-#include "ops/layernorm_impl.h"
+#include "ops/op_checks.h"
 
 namespace mt {
 namespace {
 
-void check_act(const Tensor& t, const char* fn, const char* name) {
-  const DType d = t.dtype();
-  MT_CHECK(d == DType::kF32 || d == DType::kBF16 || d == DType::kF16, "{}: {} must be fp32/bf16/fp16, got {}", fn,
-           name, t.str());
-  MT_CHECK(!t.device().is_cpu() || d == DType::kF32, "{}: {} on CPU must be fp32, got {}", fn, name, t.str());
-  MT_CHECK(t.is_contiguous(), "{}: {} must be contiguous, got {}", fn, name, t.str());
-}
-
-/// x: [..., h] with h >= 1; returns {n, h}.
-std::pair<int64_t, int64_t> rows_of(const Tensor& x, const char* fn) {
-  MT_CHECK(x.ndim() >= 1 && x.size(-1) >= 1, "{}: x {} needs a non-empty last dimension", fn, x.str());
-  const int64_t h = x.size(-1);
-  return {x.numel() / h, h};
-}
-
-void check_stats(const Tensor& t, int64_t n, const char* fn, const char* name) {
-  MT_CHECK(t.dtype() == DType::kF32 && t.numel() == n && t.is_contiguous(),
-           "{}: {} must be a contiguous fp32 tensor of n={} rows, got {}", fn, name, n, t.str());
-}
+using op_checks::check_act;
+using op_checks::check_stats;
+using op_checks::rows_of;
 
 }  // namespace
 

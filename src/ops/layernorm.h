@@ -3,6 +3,7 @@
 #pragma once
 #include "core/stream.h"
 #include "core/tensor.h"
+#include "ops/dispatch.h"
 
 namespace mt {
 
@@ -22,5 +23,8 @@ void layernorm_forward(const Tensor& y, const Tensor& mean, const Tensor& rstd, 
 void layernorm_backward(const Tensor& dx, const Tensor& dweight, const Tensor& dbias, const Tensor& dy,
                         const Tensor& x, const Tensor& weight, const Tensor& mean, const Tensor& rstd,
                         bool accumulate_dx, const Stream& stream);
+
+MT_OP_BACKENDS(layernorm_forward)
+MT_OP_BACKENDS(layernorm_backward)
 
 }  // namespace mt

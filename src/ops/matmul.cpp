@@ -2,17 +2,10 @@
 #include "ops/matmul.h"
 
 #include "ops/dispatch.h"
-#include "ops/matmul_impl.h"
+#include "ops/op_checks.h"
 
 namespace mt {
 namespace {
-
-bool is_float_dtype(DType t) { return t == DType::kF32 || t == DType::kBF16 || t == DType::kF16; }
-
-void check_stream(const Stream& stream, const Tensor& t, const char* op) {
-  MT_CHECK(stream.device() == t.device(), "{}: stream on {} but tensors on {}", op, stream.device().str(),
-           t.device().str());
-}
 
 /// Rows of a [..., cols] tensor (all leading dims flattened).
 int64_t flat_rows(const Tensor& t, int64_t cols, const char* op, const char* name) {
@@ -30,14 +23,14 @@ void matmul(const Tensor& c, const Tensor& a, const Tensor& b, bool trans_a, boo
             const Stream& stream) {
   MT_CHECK(a.ndim() == b.ndim() && a.ndim() == c.ndim() && (a.ndim() == 2 || a.ndim() == 3),
            "matmul: a {}, b {}, c {} must all be 2-D or all 3-D", a.str(), b.str(), c.str());
-  MT_CHECK(a.dtype() == b.dtype() && is_float_dtype(a.dtype()), "matmul: a {} and b {} need one float dtype", a.str(),
+  MT_CHECK(a.dtype() == b.dtype() && op_checks::is_float(a.dtype()), "matmul: a {} and b {} need one float dtype", a.str(),
            b.str());
   MT_CHECK(c.dtype() == a.dtype() || c.dtype() == DType::kF32, "matmul: c {} must be {} or fp32", c.str(),
            dtype_name(a.dtype()));
   MT_CHECK(a.is_contiguous() && b.is_contiguous() && c.is_contiguous(), "matmul: a {}, b {}, c {} must be contiguous",
            a.str(), b.str(), c.str());
   check_same_device({&c, &a, &b});
-  check_stream(stream, c, "matmul");
+  op_checks::check_stream(stream, c, "matmul");
   const int r = a.ndim();
   if (r == 3) {
     MT_CHECK(a.size(0) == b.size(0) && a.size(0) == c.size(0), "matmul: batch sizes differ: a {}, b {}, c {}",
@@ -58,7 +51,7 @@ void linear_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Ten
                     const Stream& stream) {
   MT_CHECK(w.ndim() == 2 && w.is_contiguous(), "linear_forward: w {} must be a contiguous [n, k]", w.str());
   const int64_t n = w.size(0), k = w.size(1);
-  MT_CHECK(is_float_dtype(w.dtype()), "linear_forward: w {} needs a float dtype", w.str());
+  MT_CHECK(op_checks::is_float(w.dtype()), "linear_forward: w {} needs a float dtype", w.str());
   MT_CHECK(x.dtype() == w.dtype() && y.dtype() == w.dtype(), "linear_forward: x {}, w {}, y {} need one dtype",
            x.str(), w.str(), y.str());
   const int64_t m = flat_rows(x, k, "linear_forward", "x");
@@ -74,7 +67,7 @@ void linear_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Ten
     MT_CHECK(pre_gelu.data() != y.data(), "linear_forward: pre_gelu must not alias y");
   }
   check_same_device({&y, &x, &w, &bias, &pre_gelu});
-  check_stream(stream, y, "linear_forward");
+  op_checks::check_stream(stream, y, "linear_forward");
   MT_DISPATCH(y.device(), linear_forward, y, x, w, bias, pre_gelu, stream);
 }
 
@@ -82,7 +75,7 @@ void linear_backward(const Tensor& dx, const Tensor& dw, const Tensor& dbias, co
                      const Tensor& w, const Stream& stream) {
   MT_CHECK(w.ndim() == 2 && w.is_contiguous(), "linear_backward: w {} must be a contiguous [n, k]", w.str());
   const int64_t n = w.size(0), k = w.size(1);
-  MT_CHECK(is_float_dtype(w.dtype()), "linear_backward: w {} needs a float dtype", w.str());
+  MT_CHECK(op_checks::is_float(w.dtype()), "linear_backward: w {} needs a float dtype", w.str());
   MT_CHECK(x.dtype() == w.dtype() && dy.dtype() == w.dtype(), "linear_backward: dy {}, x {}, w {} need one dtype",
            dy.str(), x.str(), w.str());
   const int64_t m = flat_rows(x, k, "linear_backward", "x");
@@ -101,7 +94,7 @@ void linear_backward(const Tensor& dx, const Tensor& dw, const Tensor& dbias, co
              "linear_backward: dbias {} expected fp32[{}]", dbias.str(), n);
   }
   check_same_device({&dx, &dw, &dbias, &dy, &x, &w});
-  check_stream(stream, dy, "linear_backward");
+  op_checks::check_stream(stream, dy, "linear_backward");
   MT_DISPATCH(dy.device(), linear_backward, dx, dw, dbias, dy, x, w, stream);
 }
 

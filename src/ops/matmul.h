@@ -4,6 +4,7 @@
 #pragma once
 #include "core/stream.h"
 #include "core/tensor.h"
+#include "ops/dispatch.h"
 
 namespace mt {
 
@@ -38,5 +39,9 @@ void linear_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Ten
 /// shape/dtype/device mismatch, dw/dbias not fp32.
 void linear_backward(const Tensor& dx, const Tensor& dw, const Tensor& dbias, const Tensor& dy, const Tensor& x,
                      const Tensor& w, const Stream& stream);
+
+MT_OP_BACKENDS(matmul)
+MT_OP_BACKENDS(linear_forward)
+MT_OP_BACKENDS(linear_backward)
 
 }  // namespace mt

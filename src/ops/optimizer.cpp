@@ -2,7 +2,7 @@
 #include "ops/optimizer.h"
 
 #include "ops/dispatch.h"
-#include "ops/optimizer_impl.h"
+#include "ops/optimizer_math.h"
 
 namespace mt {
 namespace {

@@ -1,4 +1,4 @@
-// Optimizer-step ops that keep the whole step on the device (no host sync, DESIGN.md
+// Optimizer-step ops that keep the whole step on the device (no host sync, docs/architecture.md
 // principle 5): gradient norm, found-inf, clipping coefficient, AdamW, and Megatron's
 // DynamicGradScaler update, all reading and writing one small device-resident struct.
 //
@@ -12,6 +12,7 @@
 
 #include "core/stream.h"
 #include "core/tensor.h"
+#include "ops/dispatch.h"
 
 namespace mt {
 
@@ -92,5 +93,10 @@ void adamw_step(const Tensor& main_param, const Tensor& grad, const Tensor& exp_
 /// (overflows accumulate in hysteresis_tracker across clean steps until the next growth).
 /// Always: skipped_iters += found_inf, grad_sumsq = 0 (ready for the next step).
 void loss_scaler_update(const Tensor& scalars, const LossScalerConfig& cfg, const Stream& stream);
+
+MT_OP_BACKENDS(grad_sumsq_accumulate)
+MT_OP_BACKENDS(optimizer_prepare)
+MT_OP_BACKENDS(adamw_step)
+MT_OP_BACKENDS(loss_scaler_update)
 
 }  // namespace mt

@@ -39,6 +39,7 @@ void check_attention(Dims z, float p, DType t, double tol, int64_t head_offset =
   cfg.seq = z.s;
   cfg.batch = z.b;
   cfg.heads = z.n;
+  cfg.groups = z.g;
   cfg.head_dim = z.d;
   cfg.softmax_scale = 1.f / std::sqrt(static_cast<float>(z.d));
   cfg.dropout_p = p;
@@ -58,8 +59,8 @@ void check_attention(Dims z, float p, DType t, double tol, int64_t head_offset =
     ccfg.doc_start = cdoc.t;
     gcfg.doc_start = gdoc.t;
   }
-  const std::vector<int64_t> sqkv{z.s, z.b, z.n, 3, z.d}, sout{z.s, z.b, z.n * z.d};
-  auto hqkv = rounded(randn(z.s * z.b * z.n * 3 * z.d), t);
+  const std::vector<int64_t> sqkv = z.qkv_shape(), sout{z.s, z.b, z.n * z.d};
+  auto hqkv = rounded(randn(z.qkv_numel()), t);
   auto hg = rounded(randn(z.s * z.b * z.n * z.d), t);
 
   // CPU reference (fp32 on the rounded values).
@@ -121,13 +122,17 @@ void check_attention(Dims z, float p, DType t, double tol, int64_t head_offset =
   attention_backward(gdqkv, gdout, gb.view(), gcfg, cuda_stream());
   auto g_dqkv = to_host(gdqkv, cuda_stream()), c_dqkv = to_host(cdqkv, cpu_stream());
   EXPECT_LT(rel_err(g_dqkv, c_dqkv), tol) << what;
-  // Per component (q, k, v), so that a small one cannot hide behind the others.
+  // Per component (queries, key, value), so that a small one cannot hide behind the others.
+  const int64_t W = z.n / z.groups() + 2;
   for (int64_t w = 0; w < 3; ++w) {
     std::vector<float> gw, cw;
-    for (int64_t r = 0; r < z.s * z.b * z.n; ++r)
-      for (int64_t e = 0; e < z.d; ++e) {
-        gw.push_back(g_dqkv[(r * 3 + w) * z.d + e]);
-        cw.push_back(c_dqkv[(r * 3 + w) * z.d + e]);
+    for (int64_t r = 0; r < z.s * z.b * z.groups(); ++r)
+      for (int64_t c = 0; c < W; ++c) {
+        if ((w == 0 && c >= W - 2) || (w == 1 && c != W - 2) || (w == 2 && c != W - 1)) continue;
+        for (int64_t e = 0; e < z.d; ++e) {
+          gw.push_back(g_dqkv[(r * W + c) * z.d + e]);
+          cw.push_back(c_dqkv[(r * W + c) * z.d + e]);
+        }
       }
     EXPECT_LT(rel_err(gw, cw), tol) << what << " component " << "qkv"[w];
   }
@@ -142,6 +147,16 @@ TEST(AttentionCuda, Fp32) {
     check_attention(z, 0.1f, DType::kF32, 1e-5);
   }
   check_attention({33, 2, 3, 8}, 0.3f, DType::kF32, 1e-5, 2, 7);  // heads 2..4 of 7
+}
+
+// Grouped-query and multi-query attention.
+TEST(AttentionCuda, GroupedQuery) {
+  MT_REQUIRE_CUDA();
+  for (const Dims& z : {Dims{64, 2, 4, 16, 2}, Dims{37, 1, 6, 24, 1}, Dims{128, 2, 8, 64, 2}}) {
+    check_attention(z, 0.f, DType::kF32, 1e-5);
+    check_attention(z, 0.1f, DType::kF32, 1e-5, 0, 0, true);
+    check_attention(z, 0.1f, DType::kBF16, 2e-2, 0, 0, true);
+  }
 }
 
 TEST(AttentionCuda, DocumentMaskFp32) {

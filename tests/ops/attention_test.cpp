@@ -31,6 +31,7 @@ AttentionConfig make_cfg(Dims z, float p, uint64_t seed) {
   c.seq = z.s;
   c.batch = z.b;
   c.heads = z.n;
+  c.groups = z.g;
   c.head_dim = z.d;
   c.softmax_scale = 1.f / std::sqrt(static_cast<float>(z.d));
   c.dropout_p = p;
@@ -55,14 +56,20 @@ struct RefFwd {
 /// Needs s >= 4.
 std::vector<int32_t> random_doc_start(int64_t s, int64_t b) { return testing::random_doc_start(s, b, 4); }
 
-/// float64 naive attention: qkv [s, b, n, 3, d] -> out [s, b, n, d], probs/dropped [b, n, s, s].
+/// float64 naive attention: qkv [s, b, g, qpg + 2, d] -> out [s, b, n, d], probs/dropped [b, n, s, s];
+/// query head h reads component h % qpg of group h / qpg, key and value components qpg, qpg + 1.
 /// doc: doc_start [b, s] or empty (plain causal); query i of sample b sees keys doc[b, i] .. i.
 RefFwd ref_forward(const std::vector<double>& qkv, const AttentionConfig& c, const std::vector<int32_t>& doc = {}) {
   const int64_t s = c.seq, B = c.batch, n = c.heads, d = c.head_dim;
   const int64_t total = c.total_heads > 0 ? c.total_heads : n;
   RefFwd r{std::vector<double>(s * B * n * d, 0.0), std::vector<double>(B * n * s * s, 0.0),
            std::vector<double>(B * n * s * s, 0.0)};
-  auto at = [&](int64_t i, int64_t b, int64_t h, int64_t w, int64_t e) { return qkv[(((i * B + b) * n + h) * 3 + w) * d + e]; };
+  const int64_t g = c.groups > 0 ? c.groups : n, qpg = n / g;
+  // w: 0 query, 1 key, 2 value of query head h.
+  auto at = [&](int64_t i, int64_t b, int64_t h, int64_t w, int64_t e) {
+    const int64_t comp = w == 0 ? h % qpg : qpg + w - 1;
+    return qkv[(((i * B + b) * g + h / qpg) * (qpg + 2) + comp) * d + e];
+  };
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t h = 0; h < n; ++h) {
       for (int64_t i = 0; i < s; ++i) {
@@ -108,8 +115,8 @@ void check_forward(Dims z, float p, int64_t head_offset = 0, int64_t total_heads
     doc = testing::make_int_tensor(hdoc, Device::cpu(), {z.b, z.s}, st);
     cfg.doc_start = doc.t;
   }
-  auto hqkv = randn(z.s * z.b * z.n * 3 * z.d);
-  auto qkv = make_tensor(hqkv, DType::kF32, Device::cpu(), {z.s, z.b, z.n, 3, z.d}, st);
+  auto hqkv = randn(z.qkv_numel());
+  auto qkv = make_tensor(hqkv, DType::kF32, Device::cpu(), z.qkv_shape(), st);
   OwnedTensor out(DType::kF32, Device::cpu(), {z.s, z.b, z.n * z.d});
   Bufs buf(z, DType::kF32, Device::cpu());
   buf.poison_all(st);
@@ -117,8 +124,8 @@ void check_forward(Dims z, float p, int64_t head_offset = 0, int64_t total_heads
   attention_forward(out, qkv, buf.view(), cfg, st);
   auto ref = ref_forward(to_double(hqkv), cfg, hdoc);
   const std::string what =
-      fmt::format("s={} b={} n={} d={} p={} head_offset={} total_heads={} docs={}", z.s, z.b, z.n, z.d, p,
-                  head_offset, total_heads, docs);
+      fmt::format("s={} b={} n={} g={} d={} p={} head_offset={} total_heads={} docs={}", z.s, z.b, z.n, z.groups(),
+                  z.d, p, head_offset, total_heads, docs);
   EXPECT_LT(rel_err(to_host(out, st), ref.out), 1e-5) << what;
   EXPECT_LT(rel_err(to_host(buf.probs, st), ref.probs), 1e-5) << what;
   if (p > 0) {
@@ -129,16 +136,18 @@ void check_forward(Dims z, float p, int64_t head_offset = 0, int64_t total_heads
   for (size_t e = 0; e < hp.size(); ++e) {
     if (ref.probs[e] == 0.0) ASSERT_EQ(hp[e], 0.f) << what << " element " << e;
   }
-  // q, k, v are the head-major copies of qkv.
+  // q [b, n, s, d], k, v [b, g, s, d] are the head-major copies of qkv [s, b, g, qpg + 2, d].
   auto hq = to_host(buf.q, st), hk = to_host(buf.k, st), hv = to_host(buf.v, st);
+  const int64_t G = z.groups(), qpg = z.n / G;
   for (int64_t b = 0; b < z.b; ++b)
-    for (int64_t h = 0; h < z.n; ++h)
+    for (int64_t gi = 0; gi < G; ++gi)
       for (int64_t i = 0; i < z.s; ++i)
         for (int64_t e = 0; e < z.d; ++e) {
-          const int64_t src = (((i * z.b + b) * z.n + h) * 3) * z.d + e, dst = ((b * z.n + h) * z.s + i) * z.d + e;
-          ASSERT_EQ(hq[dst], hqkv[src]);
-          ASSERT_EQ(hk[dst], hqkv[src + z.d]);
-          ASSERT_EQ(hv[dst], hqkv[src + 2 * z.d]);
+          const int64_t src = (((i * z.b + b) * G + gi) * (qpg + 2)) * z.d + e;
+          for (int64_t c = 0; c < qpg; ++c)
+            ASSERT_EQ(hq[((b * z.n + gi * qpg + c) * z.s + i) * z.d + e], hqkv[src + c * z.d]);
+          ASSERT_EQ(hk[((b * G + gi) * z.s + i) * z.d + e], hqkv[src + qpg * z.d]);
+          ASSERT_EQ(hv[((b * G + gi) * z.s + i) * z.d + e], hqkv[src + (qpg + 1) * z.d]);
         }
 }
 
@@ -149,6 +158,16 @@ TEST(Attention, ForwardMatchesReference) {
     check_forward({33, 2, 1, 5}, p);
   }
   check_forward({9, 2, 3, 4}, 0.5f, 1, 5);  // heads 1..3 of 5 (a tensor-parallel shard)
+}
+
+// Grouped-query (g < n) and multi-query (g = 1) attention.
+TEST(Attention, GroupedQueryForwardMatchesReference) {
+  for (float p : {0.f, 0.25f}) {
+    check_forward({7, 2, 4, 4, 2}, p);
+    check_forward({9, 1, 6, 3, 1}, p);
+    check_forward({12, 2, 6, 5, 3}, p, 0, 0, true);
+  }
+  check_forward({9, 2, 4, 4, 2}, 0.5f, 4, 8);  // heads 4..7 of 8, groups 2..3 of 4
 }
 
 TEST(Attention, DocumentMaskForwardMatchesReference) {
@@ -201,12 +220,12 @@ void check_backward_fd(Dims z, float p, bool docs = false) {
     doc = testing::make_int_tensor(hdoc, Device::cpu(), {z.b, z.s}, st);
     cfg.doc_start = doc.t;
   }
-  const int64_t nqkv = z.s * z.b * z.n * 3 * z.d, nout = z.s * z.b * z.n * z.d;
+  const int64_t nqkv = z.qkv_numel(), nout = z.s * z.b * z.n * z.d;
   auto hqkv = randn(nqkv), hg = randn(nout);
-  auto qkv = make_tensor(hqkv, DType::kF32, Device::cpu(), {z.s, z.b, z.n, 3, z.d}, st);
+  auto qkv = make_tensor(hqkv, DType::kF32, Device::cpu(), z.qkv_shape(), st);
   auto dout = make_tensor(hg, DType::kF32, Device::cpu(), {z.s, z.b, z.n * z.d}, st);
   OwnedTensor out(DType::kF32, Device::cpu(), {z.s, z.b, z.n * z.d});
-  OwnedTensor dqkv(DType::kF32, Device::cpu(), {z.s, z.b, z.n, 3, z.d});
+  OwnedTensor dqkv(DType::kF32, Device::cpu(), z.qkv_shape());
   Bufs buf(z, DType::kF32, Device::cpu());
   attention_forward(out, qkv, buf.view(), cfg, st);
   poison(buf.scratch, st);  // backward must not depend on the forward's scratch
@@ -228,8 +247,14 @@ void check_backward_fd(Dims z, float p, bool docs = false) {
   for (int64_t i = 0; i < nqkv; ++i) fd[i] = testing::finite_diff(loss, x, i, 1e-6);
   // float64 central differences (eps 1e-6) are accurate to ~1e-9 here, so the error is the fp32
   // rounding of the implementation under test (observed ~1e-7).
-  EXPECT_LT(rel_err(got, fd), 1e-5) << "s=" << z.s << " b=" << z.b << " n=" << z.n << " d=" << z.d << " p=" << p
-                                    << " docs=" << docs;
+  EXPECT_LT(rel_err(got, fd), 1e-5) << "s=" << z.s << " b=" << z.b << " n=" << z.n << " g=" << z.groups()
+                                    << " d=" << z.d << " p=" << p << " docs=" << docs;
+}
+
+TEST(Attention, GroupedQueryBackwardFiniteDifferences) {
+  check_backward_fd({5, 2, 4, 3, 2}, 0.f);
+  check_backward_fd({5, 2, 4, 3, 2}, 0.4f);
+  check_backward_fd({6, 1, 3, 2, 1}, 0.2f, true);
 }
 
 TEST(Attention, BackwardFiniteDifferences) {

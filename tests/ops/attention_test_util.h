@@ -7,21 +7,27 @@
 
 namespace mt::testing {
 
+/// s, b, n query heads, d, and g key/value heads (query groups; 0 = n, multi-head attention).
 struct AttnDims {
   int64_t s, b, n, d;
+  int64_t g = 0;
+  int64_t groups() const { return g > 0 ? g : n; }
+  /// The fused QKV shape [s, b, g, n/g + 2, d] and its element count.
+  std::vector<int64_t> qkv_shape() const { return {s, b, groups(), n / groups() + 2, d}; }
+  int64_t qkv_numel() const { return s * b * groups() * (n / groups() + 2) * d; }
 };
 
 /// The buffers of one attention call (ops/attention.h AttentionBuffers), owned.
 struct AttnBufs {
   OwnedTensor q, k, v, probs, scratch, dq, dk, dv;
   AttnBufs(AttnDims z, DType t, Device dev) {
-    const std::vector<int64_t> nd{z.b, z.n, z.s, z.d}, ns{z.b, z.n, z.s, z.s};
+    const std::vector<int64_t> nd{z.b, z.n, z.s, z.d}, gd{z.b, z.groups(), z.s, z.d}, ns{z.b, z.n, z.s, z.s};
     q = OwnedTensor(t, dev, nd);
-    k = OwnedTensor(t, dev, nd);
-    v = OwnedTensor(t, dev, nd);
+    k = OwnedTensor(t, dev, gd);
+    v = OwnedTensor(t, dev, gd);
     dq = OwnedTensor(t, dev, nd);
-    dk = OwnedTensor(t, dev, nd);
-    dv = OwnedTensor(t, dev, nd);
+    dk = OwnedTensor(t, dev, gd);
+    dv = OwnedTensor(t, dev, gd);
     probs = OwnedTensor(t, dev, ns);
     scratch = OwnedTensor(t, dev, ns);
   }

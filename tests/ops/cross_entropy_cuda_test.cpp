@@ -35,10 +35,10 @@ CeResult run(Device device, DType dtype, const std::vector<float>& x, const std:
   OwnedTensor mx(DType::kF32, device, {m}), se(DType::kF32, device, {m}), tl(DType::kF32, device, {m}),
       loss(DType::kF32, device, {m});
   for (const Tensor* o : {&mx.t, &se.t, &tl.t, &loss.t}) poison(*o, s);
-  cross_entropy_stats(mx, se, tl, logits, targets, vocab_start, s);
+  cross_entropy_stats(mx, se, tl, logits, targets, vocab_start, -1, s);
   cross_entropy_loss(loss, mx, se, tl, mask_t, s);
   auto dev_scale = make_tensor({4.f}, DType::kF32, device, {1}, s);  // device-side loss scale factor
-  cross_entropy_backward_inplace(logits, targets, mx, se, mask_t, vocab_start, grad_scale / 4, dev_scale, s);
+  cross_entropy_backward_inplace(logits, targets, mx, se, mask_t, vocab_start, -1, grad_scale / 4, dev_scale, s);
   return {to_host(mx, s), to_host(se, s), to_host(tl, s), to_host(loss, s), to_host(logits, s)};
 }
 
@@ -97,10 +97,10 @@ TEST(CrossEntropyCuda, UnalignedRowsUseScalarPath) {
   OwnedTensor mx(DType::kF32, Device::cuda(), {m}), se(DType::kF32, Device::cuda(), {m}),
       tl(DType::kF32, Device::cuda(), {m});
   for (const Tensor* o : {&mx.t, &se.t, &tl.t}) poison(*o, s);
-  cross_entropy_stats(mx, se, tl, logits, targets, 0, s);
+  cross_entropy_stats(mx, se, tl, logits, targets, 0, -1, s);
   EXPECT_EQ(to_host(mx, s), cpu.row_max);
   EXPECT_LT(rel_err(to_host(se, s), cpu.row_sumexp), 1e-5);
-  cross_entropy_backward_inplace(logits, targets, mx, se, Tensor(), 0, 1.f, Tensor(), s);
+  cross_entropy_backward_inplace(logits, targets, mx, se, Tensor(), 0, -1, 1.f, Tensor(), s);
   const CeResult cpu_nomask = [&] {
     std::vector<float> ones(m, 1.f);
     return run(Device::cpu(), DType::kF32, xs, t, ones, m, v, 0, 1.f);
@@ -179,10 +179,10 @@ TEST(CrossEntropyCuda, RejectsMixedDevices) {
   auto targets = make_int_tensor(testing::randint(m, 0, 8), Device::cuda(), {m}, gs);
   OwnedTensor mx(DType::kF32, Device::cuda(), {m}), se(DType::kF32, Device::cuda(), {m}),
       tl_cpu(DType::kF32, Device::cpu(), {m});
-  EXPECT_THROW(cross_entropy_stats(mx, se, tl_cpu, logits, targets, 0, gs), Error);
+  EXPECT_THROW(cross_entropy_stats(mx, se, tl_cpu, logits, targets, 0, -1, gs), Error);
   Stream cs(Device::cpu());
   OwnedTensor tl(DType::kF32, Device::cuda(), {m});
-  EXPECT_THROW(cross_entropy_stats(mx, se, tl, logits, targets, 0, cs), Error);  // CPU stream
+  EXPECT_THROW(cross_entropy_stats(mx, se, tl, logits, targets, 0, -1, cs), Error);  // CPU stream
 }
 
 }  // namespace

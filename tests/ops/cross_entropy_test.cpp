@@ -88,12 +88,12 @@ CeOutputs run_cpu(const std::vector<float>& x, const std::vector<int32_t>& t, co
     mask_view = mask_t.t;
   }
   for (const Tensor* o : {&mx.t, &se.t, &tl.t, &loss.t}) poison(*o, s);
-  cross_entropy_stats(mx, se, tl, logits, targets, vocab_start, s);
+  cross_entropy_stats(mx, se, tl, logits, targets, vocab_start, -1, s);
   cross_entropy_loss(loss, mx, se, tl, mask_view, s);
   // Half of the scale from the host argument, the other factor from a device scalar (as the
   // dynamic loss scale is passed); a power of two, so the product is exact.
   auto dev_scale = make_tensor({4.f}, DType::kF32, kCpu, {1}, s);
-  cross_entropy_backward_inplace(logits, targets, mx, se, mask_view, vocab_start, grad_scale / 4, dev_scale, s);
+  cross_entropy_backward_inplace(logits, targets, mx, se, mask_view, vocab_start, -1, grad_scale / 4, dev_scale, s);
   return {to_host(mx, s), to_host(se, s), to_host(tl, s), to_host(loss, s), to_host(logits, s)};
 }
 
@@ -199,7 +199,7 @@ TEST(CrossEntropyCpu, VocabParallelCompositionEqualsUnsplit) {
     sumexp[k] = OwnedTensor(DType::kF32, kCpu, {m});
     tlog[k] = OwnedTensor(DType::kF32, kCpu, {m});
     for (const Tensor* o : {&lmax[k].t, &sumexp[k].t, &tlog[k].t}) poison(*o, s);
-    cross_entropy_stats(lmax[k], sumexp[k], tlog[k], logits[k], targets, a, s);
+    cross_entropy_stats(lmax[k], sumexp[k], tlog[k], logits[k], targets, a, -1, s);
     auto lm = to_host(lmax[k], s);
     auto tl = to_host(tlog[k], s);
     for (int64_t r = 0; r < m; ++r) {
@@ -230,7 +230,7 @@ TEST(CrossEntropyCpu, VocabParallelCompositionEqualsUnsplit) {
     poison(loss, s);
     cross_entropy_loss(loss, gmax_t, gsum_t, gtl_t, mask_t, s);
     EXPECT_LT(rel_err(to_host(loss, s), full.losses), 1e-6) << "shard " << k;
-    cross_entropy_backward_inplace(logits[k], targets, gmax_t, gsum_t, mask_t, bounds[k], grad_scale, Tensor(), s);
+    cross_entropy_backward_inplace(logits[k], targets, gmax_t, gsum_t, mask_t, bounds[k], -1, grad_scale, Tensor(), s);
     auto g = to_host(logits[k], s);
     const int64_t a = bounds[k], w = bounds[k + 1] - bounds[k];
     for (int64_t r = 0; r < m; ++r)
@@ -254,11 +254,11 @@ TEST(CrossEntropyCpu, HalfPrecisionLogits) {
     auto targets = make_int_tensor(t, kCpu, {m}, s);
     OwnedTensor mx(DType::kF32, kCpu, {m}), se(DType::kF32, kCpu, {m}), tl(DType::kF32, kCpu, {m});
     for (const Tensor* o : {&mx.t, &se.t, &tl.t}) poison(*o, s);
-    cross_entropy_stats(mx, se, tl, logits, targets, 0, s);
+    cross_entropy_stats(mx, se, tl, logits, targets, 0, -1, s);
     EXPECT_EQ(to_host(mx, s), ref.row_max);
     EXPECT_EQ(to_host(tl, s), ref.target_logit);
     EXPECT_LT(rel_err(to_host(se, s), ref.row_sumexp), 1e-6);
-    cross_entropy_backward_inplace(logits, targets, mx, se, Tensor(), 0, 0.5f, Tensor(), s);
+    cross_entropy_backward_inplace(logits, targets, mx, se, Tensor(), 0, -1, 0.5f, Tensor(), s);
     EXPECT_LT(rel_err(to_host(logits, s), ref.grads), dt == DType::kBF16 ? 1e-2 : 2e-3) << dtype_name(dt);
   }
 }
@@ -293,18 +293,18 @@ TEST(CrossEntropyCpu, RejectsBadArguments) {
   OwnedTensor short_vec(DType::kF32, kCpu, {m - 1}), ftargets(DType::kF32, kCpu, {m});
   OwnedTensor i32_stats(DType::kI32, kCpu, {m}), flat(DType::kF32, kCpu, {m * v});
   OwnedTensor empty_vocab(DType::kF32, kCpu, {m, 0}), out2(DType::kF32, kCpu, {2});
-  EXPECT_THROW(cross_entropy_stats(short_vec, se, tl, logits, targets, 0, s), Error);
-  EXPECT_THROW(cross_entropy_stats(mx, se, tl, logits, ftargets, 0, s), Error);
-  EXPECT_THROW(cross_entropy_stats(mx, i32_stats, tl, logits, targets, 0, s), Error);
-  EXPECT_THROW(cross_entropy_stats(mx, se, tl, flat, targets, 0, s), Error);
-  EXPECT_THROW(cross_entropy_stats(mx, se, tl, empty_vocab, targets, 0, s), Error);
-  EXPECT_THROW(cross_entropy_stats(mx, se, tl, logits, targets, -1, s), Error);
-  EXPECT_THROW(cross_entropy_stats(mx, se, tl, targets, targets, 0, s), Error);
+  EXPECT_THROW(cross_entropy_stats(short_vec, se, tl, logits, targets, 0, -1, s), Error);
+  EXPECT_THROW(cross_entropy_stats(mx, se, tl, logits, ftargets, 0, -1, s), Error);
+  EXPECT_THROW(cross_entropy_stats(mx, i32_stats, tl, logits, targets, 0, -1, s), Error);
+  EXPECT_THROW(cross_entropy_stats(mx, se, tl, flat, targets, 0, -1, s), Error);
+  EXPECT_THROW(cross_entropy_stats(mx, se, tl, empty_vocab, targets, 0, -1, s), Error);
+  EXPECT_THROW(cross_entropy_stats(mx, se, tl, logits, targets, -1, -1, s), Error);
+  EXPECT_THROW(cross_entropy_stats(mx, se, tl, targets, targets, 0, -1, s), Error);
   EXPECT_THROW(cross_entropy_rescale_sumexp(se, short_vec, mx, s), Error);
   EXPECT_THROW(cross_entropy_loss(tl, mx, se, tl, short_vec, s), Error);
   EXPECT_THROW(cross_entropy_loss(short_vec, mx, se, tl, Tensor(), s), Error);
-  EXPECT_THROW(cross_entropy_backward_inplace(logits, targets, mx, short_vec, Tensor(), 0, 1.f, Tensor(), s), Error);
-  EXPECT_THROW(cross_entropy_backward_inplace(logits, targets, mx, se, i32_stats, 0, 1.f, Tensor(), s), Error);
+  EXPECT_THROW(cross_entropy_backward_inplace(logits, targets, mx, short_vec, Tensor(), 0, -1, 1.f, Tensor(), s), Error);
+  EXPECT_THROW(cross_entropy_backward_inplace(logits, targets, mx, se, i32_stats, 0, -1, 1.f, Tensor(), s), Error);
   EXPECT_THROW(sum_accumulate(out2, mx, 1.f, s), Error);
   EXPECT_THROW(sum_accumulate(mx.t.slice0(0, 1), i32_stats, 1.f, s), Error);
 }

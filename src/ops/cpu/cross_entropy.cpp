@@ -8,7 +8,7 @@
 
 #include "core/dtype.h"
 #include "ops/cpu/dtype_codec.h"
-#include "ops/cross_entropy_impl.h"
+#include "ops/cross_entropy.h"
 
 namespace mt::cpu {
 namespace {
@@ -34,8 +34,9 @@ double deterministic_sum(const float* x, int64_t n) {
 }  // namespace
 
 void cross_entropy_stats(const Tensor& row_max, const Tensor& row_sumexp, const Tensor& target_logit,
-                         const Tensor& logits, const Tensor& targets, int64_t vocab_start, const Stream&) {
-  const int64_t m = logits.size(0), v = logits.size(1);
+                         const Tensor& logits, const Tensor& targets, int64_t vocab_start, int64_t valid_cols,
+                         const Stream&) {
+  const int64_t m = logits.size(0), v = logits.size(1), nv = valid_cols;
   float* mx_out = row_max.data_as<float>();
   float* se_out = row_sumexp.data_as<float>();
   float* tl_out = target_logit.data_as<float>();
@@ -47,13 +48,13 @@ void cross_entropy_stats(const Tensor& row_max, const Tensor& row_sumexp, const 
     for (int64_t r = 0; r < m; ++r) {
       const auto* row = x + r * v;
       float mx = -INFINITY;
-      for (int64_t j = 0; j < v; ++j) mx = std::max(mx, Io::load(row[j]));
+      for (int64_t j = 0; j < nv; ++j) mx = std::max(mx, Io::load(row[j]));
       double se = 0;
-      for (int64_t j = 0; j < v; ++j) se += std::exp(Io::load(row[j]) - mx);
+      for (int64_t j = 0; j < nv; ++j) se += std::exp(Io::load(row[j]) - mx);
       const int64_t t = static_cast<int64_t>(tg[r]) - vocab_start;
       mx_out[r] = mx;
       se_out[r] = static_cast<float>(se);
-      tl_out[r] = (t >= 0 && t < v) ? Io::load(row[t]) : 0.f;
+      tl_out[r] = (t >= 0 && t < nv) ? Io::load(row[t]) : 0.f;
     }
   });
 }
@@ -64,7 +65,7 @@ void cross_entropy_rescale_sumexp(const Tensor& row_sumexp, const Tensor& local_
   float* se = row_sumexp.data_as<float>();
   const float* lm = local_max.data_as<float>();
   const float* gm = global_max.data_as<float>();
-  for (int64_t r = 0; r < m; ++r) se[r] *= std::exp(lm[r] - gm[r]);
+  for (int64_t r = 0; r < m; ++r) se[r] = se[r] == 0.f ? 0.f : se[r] * std::exp(lm[r] - gm[r]);
 }
 
 void cross_entropy_loss(const Tensor& losses, const Tensor& row_max, const Tensor& row_sumexp,
@@ -83,7 +84,7 @@ void cross_entropy_loss(const Tensor& losses, const Tensor& row_max, const Tenso
 
 void cross_entropy_backward_inplace(const Tensor& logits, const Tensor& targets, const Tensor& row_max,
                                     const Tensor& row_sumexp, const Tensor& loss_mask, int64_t vocab_start,
-                                    float grad_scale, const Tensor& device_scale, const Stream&) {
+                                    int64_t valid_cols, float grad_scale, const Tensor& device_scale, const Stream&) {
   if (!device_scale.empty()) grad_scale *= device_scale.data_as<float>()[0];
   const int64_t m = logits.size(0), v = logits.size(1);
   const int32_t* tg = targets.data_as<int32_t>();
@@ -100,10 +101,11 @@ void cross_entropy_backward_inplace(const Tensor& logits, const Tensor& targets,
       const float inv = 1.f / sep[r];
       const float scale = mask ? grad_scale * mask[r] : grad_scale;
       const int64_t t = static_cast<int64_t>(tg[r]) - vocab_start;
-      for (int64_t j = 0; j < v; ++j) {
+      for (int64_t j = 0; j < valid_cols; ++j) {
         const float p = std::exp(Io::load(row[j]) - mx) * inv;
         row[j] = Io::store((p - (j == t ? 1.f : 0.f)) * scale);
       }
+      for (int64_t j = valid_cols; j < v; ++j) row[j] = Io::store(0.f);
     }
   });
 }

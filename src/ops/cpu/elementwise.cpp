@@ -5,7 +5,7 @@
 
 #include "core/rng.h"
 #include "ops/cpu/dtype_codec.h"
-#include "ops/elementwise_impl.h"
+#include "ops/elementwise.h"
 
 namespace mt::cpu {
 namespace {

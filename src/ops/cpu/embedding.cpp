@@ -1,7 +1,7 @@
 // CPU reference of ops/embedding.h (fp32).
 #include <algorithm>
 
-#include "ops/embedding_impl.h"
+#include "ops/embedding.h"
 
 namespace mt::cpu {
 namespace {

@@ -1,5 +1,6 @@
 // CPU reference of ops/gelu.h (fp32).
-#include "ops/gelu_impl.h"
+#include "ops/gelu_math.h"
+#include "ops/gelu.h"
 
 namespace mt::cpu {
 

@@ -2,7 +2,7 @@
 #include <algorithm>
 #include <cmath>
 
-#include "ops/layernorm_impl.h"
+#include "ops/layernorm.h"
 
 namespace mt::cpu {
 

@@ -3,7 +3,8 @@
 
 #include <cmath>
 
-#include "ops/matmul_impl.h"
+#include "ops/matmul.h"
+#include "ops/gelu_math.h"
 
 namespace mt::cpu {
 namespace {

@@ -4,7 +4,8 @@
 #include <cstdint>
 #include <vector>
 
-#include "ops/optimizer_impl.h"
+#include "ops/optimizer_math.h"
+#include "ops/optimizer.h"
 
 namespace mt::cpu {
 namespace {

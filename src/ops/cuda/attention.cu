@@ -6,6 +6,7 @@
 
 #include "core/cuda_check.h"
 #include "ops/cuda/common.cuh"
+#include "ops/attention.h"
 #include "ops/attention_impl.h"
 #include "ops/cuda/cublaslt_gemm.h"
 
@@ -35,13 +36,54 @@ __device__ __forceinline__ float warp_sum(float v) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Permutes. "sb" side: [s, b, n, w, d] with component c; "bn" side: [b, n, s, d].
+// Permutes between the fused QKV layout [s, b, g, w = qpg + 2, d] and the per-head layouts
+// q [b, g, qpg, s, d] (= [b, n, s, d]), k, v [b, g, s, d]; and between [b, n, s, d] and the
+// output layout [s, b, n, d].
 // ---------------------------------------------------------------------------------------------
 
-/// dst_c[b, n, s, d] = src[s, b, n, w, c, d] for c < w (w = 3: q, k, v; w = 1: one tensor).
+/// Splits qkv into q, k, v (write-coalesced: the index runs over the destination rows).
 template <typename T>
-__global__ void sb_to_bn_kernel(T* dst0, T* dst1, T* dst2, const T* src, int64_t S, int64_t B, int64_t N, int64_t D,
-                                int w) {
+__global__ void split_qkv_kernel(T* q, T* k, T* v, const T* qkv, int64_t S, int64_t B, int64_t G, int64_t W,
+                                 int64_t D) {
+  const int64_t total = B * G * W * S * D;
+  for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < total;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t e = idx % D;
+    int64_t r = idx / D;
+    const int64_t i = r % S;
+    r /= S;
+    const int64_t c = r % W;  // component: query heads 0..W-3, key W-2, value W-1
+    const int64_t bg = r / W, b = bg / G, g = bg - b * G;
+    const T x = qkv[(((i * B + b) * G + g) * W + c) * D + e];
+    if (c < W - 2) {
+      q[((bg * (W - 2) + c) * S + i) * D + e] = x;
+    } else {
+      (c == W - 2 ? k : v)[(bg * S + i) * D + e] = x;
+    }
+  }
+}
+
+/// The inverse: dqkv [s, b, g, w, d] from dq [b, n, s, d], dk, dv [b, g, s, d].
+template <typename T>
+__global__ void merge_qkv_kernel(T* dqkv, const T* dq, const T* dk, const T* dv, int64_t S, int64_t B, int64_t G,
+                                 int64_t W, int64_t D) {
+  const int64_t total = S * B * G * W * D;
+  for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < total;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t e = idx % D;
+    int64_t r = idx / D;
+    const int64_t c = r % W;
+    r /= W;
+    const int64_t g = r % G;
+    r /= G;
+    const int64_t b = r % B, i = r / B, bg = b * G + g;
+    dqkv[idx] = c < W - 2 ? dq[((bg * (W - 2) + c) * S + i) * D + e] : (c == W - 2 ? dk : dv)[(bg * S + i) * D + e];
+  }
+}
+
+/// dst[b, n, s, d] = src[s, b, n, d].
+template <typename T>
+__global__ void sb_to_bn_kernel(T* dst, const T* src, int64_t S, int64_t B, int64_t N, int64_t D) {
   const int64_t total = B * N * S * D;
   for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < total;
        idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -49,38 +91,23 @@ __global__ void sb_to_bn_kernel(T* dst0, T* dst1, T* dst2, const T* src, int64_t
     int64_t r = idx / D;
     const int64_t i = r % S;
     r /= S;
-    const int64_t h = r % N;
-    const int64_t b = r / N;
-    const int64_t base = (((i * B + b) * N + h) * w) * D + e;
-    dst0[idx] = src[base];
-    if (w == 3) {
-      dst1[idx] = src[base + D];
-      dst2[idx] = src[base + 2 * D];
-    }
+    const int64_t h = r % N, b = r / N;
+    dst[idx] = src[((i * B + b) * N + h) * D + e];
   }
 }
 
-/// dst[s, b, n, w, c, d] = src_c[b, n, s, d] for c < w.
+/// dst[s, b, n, d] = src[b, n, s, d].
 template <typename T>
-__global__ void bn_to_sb_kernel(T* dst, const T* src0, const T* src1, const T* src2, int64_t S, int64_t B, int64_t N,
-                                int64_t D, int w) {
+__global__ void bn_to_sb_kernel(T* dst, const T* src, int64_t S, int64_t B, int64_t N, int64_t D) {
   const int64_t total = S * B * N * D;
   for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < total;
        idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    // idx enumerates [s, b, n, d]; read side [b, n, s, d]
     const int64_t e = idx % D;
     int64_t r = idx / D;
     const int64_t h = r % N;
     r /= N;
-    const int64_t b = r % B;
-    const int64_t i = r / B;
-    const int64_t src_idx = ((b * N + h) * S + i) * D + e;
-    const int64_t base = (((i * B + b) * N + h) * w) * D + e;
-    dst[base] = src0[src_idx];
-    if (w == 3) {
-      dst[base + D] = src1[src_idx];
-      dst[base + 2 * D] = src2[src_idx];
-    }
+    const int64_t b = r % B, i = r / B;
+    dst[idx] = src[((b * N + h) * S + i) * D + e];
   }
 }
 
@@ -203,26 +230,28 @@ void bgemm(int64_t batch, int64_t m, int64_t n, int64_t k, bool ta, bool tb, DTy
 void attention_forward(const Tensor& out, const Tensor& qkv, const AttentionBuffers& buf, const AttentionConfig& cfg,
                        const Stream& stream) {
   const int64_t s = cfg.seq, B = cfg.batch, n = cfg.heads, d = cfg.head_dim, bn = B * n, rows = bn * s;
+  const int64_t g = cfg.groups > 0 ? cfg.groups : n, qpg = n / g, bg = B * g;
   const DType act = qkv.dtype();
   const AttnDropout drop = make_attn_dropout(cfg);
   MT_CHECK(rows / kWarpsPerBlock < (int64_t{1} << 31), "attention: {} rows exceed the grid limit", rows);
   dispatch_float(act, "attention", [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    const int64_t nd = bn * s * d;
-    sb_to_bn_kernel<T><<<grid_for(nd), kThreads, 0, cu(stream)>>>(buf.q.data_as<T>(), buf.k.data_as<T>(),
-                                                                    buf.v.data_as<T>(), qkv.data_as<T>(), s, B, n, d, 3);
+    const int64_t nd = bn * s * d, all = bg * (qpg + 2) * s * d;
+    split_qkv_kernel<T><<<grid_for(all), kThreads, 0, cu(stream)>>>(buf.q.data_as<T>(), buf.k.data_as<T>(),
+                                                                     buf.v.data_as<T>(), qkv.data_as<T>(), s, B, g,
+                                                                     qpg + 2, d);
     MT_CUDA_CHECK_LAUNCH();
-    // scores[bn, s, s] = scale · q k^T, into probs
-    bgemm(bn, s, s, d, false, true, act, buf.q.data(), buf.k.data(), buf.probs.data(), cfg.softmax_scale, stream);
+    // scores[b, g, qpg·s, s] = scale · q k^T, into probs ([b, n, s, s])
+    bgemm(bg, qpg * s, s, d, false, true, act, buf.q.data(), buf.k.data(), buf.probs.data(), cfg.softmax_scale,
+          stream);
     T* dropped = drop.enabled ? buf.scratch.data_as<T>() : nullptr;
     causal_softmax_kernel<T><<<row_grid(rows), kThreads, 0, cu(stream)>>>(buf.probs.data_as<T>(), dropped,
                                                                            doc_start_ptr(cfg), rows, s, drop);
     MT_CUDA_CHECK_LAUNCH();
-    // context[bn, s, d] = P_drop v, into dq; then out[s, b, n, d]
+    // context[b, g, qpg·s, d] = P_drop v, into dq; then out[s, b, n, d]
     const void* pd = drop.enabled ? buf.scratch.data() : buf.probs.data();
-    bgemm(bn, s, d, s, false, false, act, pd, buf.v.data(), buf.dq.data(), 1.f, stream);
-    bn_to_sb_kernel<T><<<grid_for(nd), kThreads, 0, cu(stream)>>>(out.data_as<T>(), buf.dq.data_as<T>(), nullptr,
-                                                                    nullptr, s, B, n, d, 1);
+    bgemm(bg, qpg * s, d, s, false, false, act, pd, buf.v.data(), buf.dq.data(), 1.f, stream);
+    bn_to_sb_kernel<T><<<grid_for(nd), kThreads, 0, cu(stream)>>>(out.data_as<T>(), buf.dq.data_as<T>(), s, B, n, d);
     MT_CUDA_CHECK_LAUNCH();
   });
 }
@@ -230,15 +259,15 @@ void attention_forward(const Tensor& out, const Tensor& qkv, const AttentionBuff
 void attention_backward(const Tensor& dqkv, const Tensor& dout, const AttentionBuffers& buf,
                         const AttentionConfig& cfg, const Stream& stream) {
   const int64_t s = cfg.seq, B = cfg.batch, n = cfg.heads, d = cfg.head_dim, bn = B * n, rows = bn * s;
+  const int64_t g = cfg.groups > 0 ? cfg.groups : n, qpg = n / g, bg = B * g;
   const DType act = dout.dtype();
   const AttnDropout drop = make_attn_dropout(cfg);
   MT_CHECK(rows / kWarpsPerBlock < (int64_t{1} << 31), "attention: {} rows exceed the grid limit", rows);
   dispatch_float(act, "attention", [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    const int64_t nd = bn * s * d;
-    // dO[bn, s, d] into dq
-    sb_to_bn_kernel<T><<<grid_for(nd), kThreads, 0, cu(stream)>>>(buf.dq.data_as<T>(), nullptr, nullptr,
-                                                                    dout.data_as<T>(), s, B, n, d, 1);
+    const int64_t nd = bn * s * d, all = bg * (qpg + 2) * s * d;
+    // dO[b, n, s, d] into dq
+    sb_to_bn_kernel<T><<<grid_for(nd), kThreads, 0, cu(stream)>>>(buf.dq.data_as<T>(), dout.data_as<T>(), s, B, n, d);
     MT_CUDA_CHECK_LAUNCH();
     const void* pd = buf.probs.data();
     if (drop.enabled) {
@@ -247,19 +276,21 @@ void attention_backward(const Tensor& dqkv, const Tensor& dout, const AttentionB
       MT_CUDA_CHECK_LAUNCH();
       pd = buf.scratch.data();
     }
-    // dV = P_drop^T dO
-    bgemm(bn, s, d, s, true, false, act, pd, buf.dq.data(), buf.dv.data(), 1.f, stream);
+    // dV[b, g, s, d] = P_drop^T dO (summed over the group's query heads)
+    bgemm(bg, s, d, qpg * s, true, false, act, pd, buf.dq.data(), buf.dv.data(), 1.f, stream);
     // dP_drop = dO V^T into scratch (the dropped probabilities are no longer needed)
-    bgemm(bn, s, s, d, false, true, act, buf.dq.data(), buf.v.data(), buf.scratch.data(), 1.f, stream);
+    bgemm(bg, qpg * s, s, d, false, true, act, buf.dq.data(), buf.v.data(), buf.scratch.data(), 1.f, stream);
     causal_softmax_backward_kernel<T><<<row_grid(rows), kThreads, 0, cu(stream)>>>(
         buf.scratch.data_as<T>(), buf.probs.data_as<T>(), doc_start_ptr(cfg), rows, s, drop);
     MT_CUDA_CHECK_LAUNCH();
-    // dQ = scale dS K, dK = scale dS^T Q
-    bgemm(bn, s, d, s, false, false, act, buf.scratch.data(), buf.k.data(), buf.dq.data(), cfg.softmax_scale, stream);
-    bgemm(bn, s, d, s, true, false, act, buf.scratch.data(), buf.q.data(), buf.dk.data(), cfg.softmax_scale, stream);
-    bn_to_sb_kernel<T><<<grid_for(nd), kThreads, 0, cu(stream)>>>(dqkv.data_as<T>(), buf.dq.data_as<T>(),
-                                                                    buf.dk.data_as<T>(), buf.dv.data_as<T>(), s, B, n,
-                                                                    d, 3);
+    // dQ = scale dS K, dK = scale dS^T Q (summed over the group's query heads)
+    bgemm(bg, qpg * s, d, s, false, false, act, buf.scratch.data(), buf.k.data(), buf.dq.data(), cfg.softmax_scale,
+          stream);
+    bgemm(bg, s, d, qpg * s, true, false, act, buf.scratch.data(), buf.q.data(), buf.dk.data(), cfg.softmax_scale,
+          stream);
+    merge_qkv_kernel<T><<<grid_for(all), kThreads, 0, cu(stream)>>>(dqkv.data_as<T>(), buf.dq.data_as<T>(),
+                                                                     buf.dk.data_as<T>(), buf.dv.data_as<T>(), s, B, g,
+                                                                     qpg + 2, d);
     MT_CUDA_CHECK_LAUNCH();
   });
 }

@@ -4,10 +4,11 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "core/cuda_check.h"
 #include "ops/cuda/common.cuh"
-#include "ops/cross_entropy_impl.h"
+#include "ops/cross_entropy.h"
 
 namespace mt::cuda {
 namespace {
@@ -66,14 +67,16 @@ bool can_vectorize(const void* p, int64_t v) {
 template <typename T, bool kVec>
 __global__ void __launch_bounds__(kRowThreads)
     stats_kernel(float* __restrict__ row_max, float* __restrict__ row_sumexp, float* __restrict__ target_logit,
-                 const T* __restrict__ logits, const int32_t* __restrict__ targets, int64_t v, int64_t vocab_start) {
+                 const T* __restrict__ logits, const int32_t* __restrict__ targets, int64_t v, int64_t vocab_start,
+                 int64_t valid) {
+  // Only the first `valid` columns are vocabulary (the rest is padding).
   const int64_t r = blockIdx.x;
   const T* row = logits + r * v;
   float m = -INFINITY, s = 0.f;
   if constexpr (kVec) {
     constexpr int kN = kVecBytes / sizeof(T);
     const uint4* row4 = reinterpret_cast<const uint4*>(row);
-    const int64_t nv = v / kN;
+    const int64_t nv = valid / kN;
     for (int64_t i = threadIdx.x; i < nv; i += blockDim.x) {
       const uint4 raw = row4[i];
       const T* e = reinterpret_cast<const T*>(&raw);
@@ -91,15 +94,16 @@ __global__ void __launch_bounds__(kRowThreads)
 #pragma unroll
       for (int k = 0; k < kN; ++k) s += expf(x[k] - m);
     }
+    for (int64_t i = nv * kN + threadIdx.x; i < valid; i += blockDim.x) online_add(m, s, to_f(row[i]));  // tail
   } else {
-    for (int64_t i = threadIdx.x; i < v; i += blockDim.x) online_add(m, s, to_f(row[i]));
+    for (int64_t i = threadIdx.x; i < valid; i += blockDim.x) online_add(m, s, to_f(row[i]));
   }
   block_reduce_ms(m, s);
   if (threadIdx.x == 0) {
     const int64_t t = static_cast<int64_t>(targets[r]) - vocab_start;
     row_max[r] = m;
     row_sumexp[r] = s;
-    target_logit[r] = (t >= 0 && t < v) ? to_f(row[t]) : 0.f;
+    target_logit[r] = (t >= 0 && t < valid) ? to_f(row[t]) : 0.f;
   }
 }
 
@@ -107,7 +111,7 @@ template <typename T, bool kVec>
 __global__ void __launch_bounds__(kRowThreads)
     backward_kernel(T* __restrict__ logits, const int32_t* __restrict__ targets, const float* __restrict__ row_max,
                     const float* __restrict__ row_sumexp, const float* __restrict__ mask, int64_t v,
-                    int64_t vocab_start, float grad_scale, const float* __restrict__ device_scale) {
+                    int64_t vocab_start, int64_t valid, float grad_scale, const float* __restrict__ device_scale) {
   if (device_scale) grad_scale *= *device_scale;
   const int64_t r = blockIdx.x;
   T* row = logits + r * v;
@@ -126,14 +130,14 @@ __global__ void __launch_bounds__(kRowThreads)
       for (int k = 0; k < kN; ++k) {
         const int64_t j = i * kN + k;
         const float p = expf(to_f(e[k]) - mx) * inv;
-        e[k] = from_f<T>((p - (j == t ? 1.f : 0.f)) * scale);
+        e[k] = from_f<T>(j < valid ? (p - (j == t ? 1.f : 0.f)) * scale : 0.f);
       }
       row4[i] = raw;
     }
   } else {
     for (int64_t j = threadIdx.x; j < v; j += blockDim.x) {
       const float p = expf(to_f(row[j]) - mx) * inv;
-      row[j] = from_f<T>((p - (j == t ? 1.f : 0.f)) * scale);
+      row[j] = from_f<T>(j < valid ? (p - (j == t ? 1.f : 0.f)) * scale : 0.f);
     }
   }
 }
@@ -141,7 +145,7 @@ __global__ void __launch_bounds__(kRowThreads)
 __global__ void rescale_kernel(float* __restrict__ se, const float* __restrict__ lm, const float* __restrict__ gm,
                                int64_t m) {
   for (int64_t r = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; r < m; r += int64_t(gridDim.x) * blockDim.x)
-    se[r] *= expf(lm[r] - gm[r]);
+    se[r] = se[r] == 0.f ? 0.f : se[r] * expf(lm[r] - gm[r]);  // a shard of padding only: 0
 }
 
 __global__ void loss_kernel(float* __restrict__ out, const float* __restrict__ mx, const float* __restrict__ se,
@@ -167,13 +171,13 @@ unsigned elementwise_blocks(int64_t m) {
 
 template <typename T>
 void launch_stats(const Tensor& row_max, const Tensor& row_sumexp, const Tensor& target_logit, const Tensor& logits,
-                  const Tensor& targets, int64_t vocab_start, const Stream& stream) {
+                  const Tensor& targets, int64_t vocab_start, int64_t valid, const Stream& stream) {
   const int64_t m = logits.size(0), v = logits.size(1);
   const dim3 grid(static_cast<unsigned>(m));
   auto args = [&](auto kernel) {
     kernel<<<grid, kRowThreads, 0, cu(stream)>>>(row_max.data_as<float>(), row_sumexp.data_as<float>(),
                                                  target_logit.data_as<float>(), logits.data_as<T>(),
-                                                 targets.data_as<int32_t>(), v, vocab_start);
+                                                 targets.data_as<int32_t>(), v, vocab_start, valid);
   };
   if (can_vectorize<T>(logits.data(), v)) {
     args(stats_kernel<T, true>);
@@ -185,15 +189,15 @@ void launch_stats(const Tensor& row_max, const Tensor& row_sumexp, const Tensor&
 
 template <typename T>
 void launch_backward(const Tensor& logits, const Tensor& targets, const Tensor& row_max, const Tensor& row_sumexp,
-                     const Tensor& loss_mask, int64_t vocab_start, float grad_scale, const Tensor& device_scale,
-                     const Stream& stream) {
+                     const Tensor& loss_mask, int64_t vocab_start, int64_t valid, float grad_scale,
+                     const Tensor& device_scale, const Stream& stream) {
   const int64_t m = logits.size(0), v = logits.size(1);
   const dim3 grid(static_cast<unsigned>(m));
   const float* mask = loss_mask.empty() ? nullptr : loss_mask.data_as<float>();
   auto args = [&](auto kernel) {
     kernel<<<grid, kRowThreads, 0, cu(stream)>>>(logits.data_as<T>(), targets.data_as<int32_t>(),
                                                  row_max.data_as<float>(), row_sumexp.data_as<float>(), mask, v,
-                                                 vocab_start, grad_scale,
+                                                 vocab_start, valid, grad_scale,
                                                  device_scale.empty() ? nullptr : device_scale.data_as<float>());
   };
   if (can_vectorize<T>(logits.data(), v)) {
@@ -211,16 +215,13 @@ void check_rows(int64_t m) {
 }  // namespace
 
 void cross_entropy_stats(const Tensor& row_max, const Tensor& row_sumexp, const Tensor& target_logit,
-                         const Tensor& logits, const Tensor& targets, int64_t vocab_start, const Stream& stream) {
+                         const Tensor& logits, const Tensor& targets, int64_t vocab_start, int64_t valid_cols,
+                         const Stream& stream) {
   check_rows(logits.size(0));
-  switch (logits.dtype()) {
-    case DType::kF32: launch_stats<float>(row_max, row_sumexp, target_logit, logits, targets, vocab_start, stream); break;
-    case DType::kBF16:
-      launch_stats<__nv_bfloat16>(row_max, row_sumexp, target_logit, logits, targets, vocab_start, stream);
-      break;
-    case DType::kF16: launch_stats<__half>(row_max, row_sumexp, target_logit, logits, targets, vocab_start, stream); break;
-    default: MT_FAIL("cross_entropy_stats: unsupported logits dtype {}", dtype_name(logits.dtype()));
-  }
+  dispatch_float(logits.dtype(), "cross_entropy_stats logits", [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    launch_stats<T>(row_max, row_sumexp, target_logit, logits, targets, vocab_start, valid_cols, stream);
+  });
 }
 
 void cross_entropy_rescale_sumexp(const Tensor& row_sumexp, const Tensor& local_max, const Tensor& global_max,
@@ -242,20 +243,14 @@ void cross_entropy_loss(const Tensor& losses, const Tensor& row_max, const Tenso
 
 void cross_entropy_backward_inplace(const Tensor& logits, const Tensor& targets, const Tensor& row_max,
                                     const Tensor& row_sumexp, const Tensor& loss_mask, int64_t vocab_start,
-                                    float grad_scale, const Tensor& device_scale, const Stream& stream) {
+                                    int64_t valid_cols, float grad_scale, const Tensor& device_scale,
+                                    const Stream& stream) {
   check_rows(logits.size(0));
-  switch (logits.dtype()) {
-    case DType::kF32:
-      launch_backward<float>(logits, targets, row_max, row_sumexp, loss_mask, vocab_start, grad_scale, device_scale, stream);
-      break;
-    case DType::kBF16:
-      launch_backward<__nv_bfloat16>(logits, targets, row_max, row_sumexp, loss_mask, vocab_start, grad_scale, device_scale, stream);
-      break;
-    case DType::kF16:
-      launch_backward<__half>(logits, targets, row_max, row_sumexp, loss_mask, vocab_start, grad_scale, device_scale, stream);
-      break;
-    default: MT_FAIL("cross_entropy_backward_inplace: unsupported logits dtype {}", dtype_name(logits.dtype()));
-  }
+  dispatch_float(logits.dtype(), "cross_entropy_backward_inplace logits", [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    launch_backward<T>(logits, targets, row_max, row_sumexp, loss_mask, vocab_start, valid_cols, grad_scale,
+                       device_scale, stream);
+  });
 }
 
 void sum_accumulate(const Tensor& out, const Tensor& x, float alpha, const Stream& stream) {

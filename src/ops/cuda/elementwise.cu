@@ -1,7 +1,8 @@
 #include <cstring>
 
 #include "core/rng.h"
-#include "ops/elementwise_impl.h"
+#include "ops/cuda/elementwise_common.cuh"
+#include "ops/elementwise.h"
 
 namespace mt::cuda {
 namespace {

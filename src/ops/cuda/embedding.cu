@@ -1,5 +1,5 @@
-#include "ops/elementwise_impl.h"
-#include "ops/embedding_impl.h"
+#include "ops/cuda/elementwise_common.cuh"
+#include "ops/embedding.h"
 
 namespace mt::cuda {
 namespace {

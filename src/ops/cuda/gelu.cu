@@ -1,5 +1,6 @@
-#include "ops/elementwise_impl.h"
-#include "ops/gelu_impl.h"
+#include "ops/cuda/elementwise_common.cuh"
+#include "ops/gelu_math.h"
+#include "ops/gelu.h"
 
 namespace mt::cuda {
 namespace {

@@ -1,5 +1,5 @@
-#include "ops/elementwise_impl.h"
-#include "ops/layernorm_impl.h"
+#include "ops/cuda/elementwise_common.cuh"
+#include "ops/layernorm.h"
 
 namespace mt::cuda {
 namespace {

@@ -6,7 +6,8 @@
 #include "core/cuda_check.h"
 #include "ops/cuda/common.cuh"
 #include "ops/cuda/cublaslt_gemm.h"
-#include "ops/matmul_impl.h"
+#include "ops/matmul.h"
+#include "ops/gelu_math.h"
 
 namespace mt::cuda {
 namespace {

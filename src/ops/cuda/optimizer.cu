@@ -8,7 +8,8 @@
 
 #include "core/cuda_check.h"
 #include "ops/cuda/common.cuh"
-#include "ops/optimizer_impl.h"
+#include "ops/optimizer_math.h"
+#include "ops/optimizer.h"
 
 namespace mt::cuda {
 namespace {

@@ -1,40 +1,6 @@
-// Backend entry points of ops/elementwise.h (same names and arguments on both sides; arguments
-// already validated by ops/elementwise.cpp), plus small device helpers shared by the CUDA kernels
-// of elementwise, gelu, layernorm and embedding (only visible to nvcc).
+// Device helpers shared by the CUDA kernels of elementwise, gelu, layernorm and embedding
+// (vectorised loads, element-wise maps, grid sizing; nvcc only).
 #pragma once
-#include "ops/elementwise.h"
-
-namespace mt::cpu {
-void cast(const Tensor& dst, const Tensor& src, const Stream& stream);
-void add(const Tensor& y, const Tensor& a, const Tensor& b, const Stream& stream);
-void scale_inplace(const Tensor& x, float alpha, const Stream& stream);
-void fill(const Tensor& x, float value, const Stream& stream);
-void bias_dropout_add_forward(const Tensor& out, const Tensor& x, const Tensor& bias, const Tensor& residual,
-                              float p, const DropoutKey& key, int64_t global_offset, const Stream& stream);
-void bias_dropout_add_backward(const Tensor& dx, const Tensor& dbias, const Tensor& dout, float p,
-                               const DropoutKey& key, int64_t global_offset, const Stream& stream);
-void dropout_forward(const Tensor& y, const Tensor& x, float p, const DropoutKey& key, int64_t global_offset,
-                     const Stream& stream);
-}  // namespace mt::cpu
-
-namespace mt::cuda {
-void cast(const Tensor& dst, const Tensor& src, const Stream& stream);
-void add(const Tensor& y, const Tensor& a, const Tensor& b, const Stream& stream);
-void scale_inplace(const Tensor& x, float alpha, const Stream& stream);
-void fill(const Tensor& x, float value, const Stream& stream);
-void bias_dropout_add_forward(const Tensor& out, const Tensor& x, const Tensor& bias, const Tensor& residual,
-                              float p, const DropoutKey& key, int64_t global_offset, const Stream& stream);
-void bias_dropout_add_backward(const Tensor& dx, const Tensor& dbias, const Tensor& dout, float p,
-                               const DropoutKey& key, int64_t global_offset, const Stream& stream);
-void dropout_forward(const Tensor& y, const Tensor& x, float p, const DropoutKey& key, int64_t global_offset,
-                     const Stream& stream);
-}  // namespace mt::cuda
-
-#if defined(__CUDACC__)
-// ---------------------------------------------------------------------------------------------
-// Device helpers for the kernels in ops/cuda/{elementwise,gelu,layernorm,embedding}.cu.
-// (Candidates for a shared ops/cuda/common.cuh.)
-// ---------------------------------------------------------------------------------------------
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -43,6 +9,8 @@ void dropout_forward(const Tensor& y, const Tensor& x, float p, const DropoutKey
 #include <cstdint>
 
 #include "core/cuda_check.h"
+#include "core/dtype.h"
+#include "core/stream.h"
 #include "core/cuda_resources.h"
 
 namespace mt::cuda::ew {
@@ -166,4 +134,3 @@ void launch_binary_map(T* y, const T* a, const T* b, int64_t n, Op op, const Str
 }
 
 }  // namespace mt::cuda::ew
-#endif  // __CUDACC__

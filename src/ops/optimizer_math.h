@@ -1,6 +1,6 @@
-// Backend implementations of ops/optimizer.h (arguments validated by ops/optimizer.cpp), plus
-// the scalar state updates shared by both backends (host/device inline functions), so that the
-// CPU and CUDA results of optimizer_prepare and loss_scaler_update are bitwise identical.
+// The scalar state updates of ops/optimizer.h shared by both backends (host/device inline
+// functions), so that the CPU and CUDA results of optimizer_prepare, loss_scaler_update and
+// adamw_step are bitwise identical.
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -79,20 +79,6 @@ MT_HD void adamw_element(float& p, float grad, float& m, float& v, const AdamWHy
 
 }  // namespace detail
 
-namespace cpu {
-void grad_sumsq_accumulate(const Tensor& scalars, const Tensor& grads, const Stream& stream);
-void optimizer_prepare(const Tensor& scalars, float clip_grad, const Stream& stream);
-void adamw_step(const Tensor& main_param, const Tensor& grad, const Tensor& exp_avg, const Tensor& exp_avg_sq,
-                const Tensor& model_param, const AdamWHyper& hyper, const Tensor& scalars, const Stream& stream);
-void loss_scaler_update(const Tensor& scalars, const LossScalerConfig& cfg, const Stream& stream);
-}  // namespace cpu
 
-namespace cuda {
-void grad_sumsq_accumulate(const Tensor& scalars, const Tensor& grads, const Stream& stream);
-void optimizer_prepare(const Tensor& scalars, float clip_grad, const Stream& stream);
-void adamw_step(const Tensor& main_param, const Tensor& grad, const Tensor& exp_avg, const Tensor& exp_avg_sq,
-                const Tensor& model_param, const AdamWHyper& hyper, const Tensor& scalars, const Stream& stream);
-void loss_scaler_update(const Tensor& scalars, const LossScalerConfig& cfg, const Stream& stream);
-}  // namespace cuda
 
 }  // namespace mt

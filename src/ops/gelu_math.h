@@ -1,10 +1,9 @@
-// Backend entry points of ops/gelu.h (arguments validated by ops/gelu.cpp) and the scalar GELU
-// formulas, shared verbatim by the CPU and CUDA code so both compute the same fp32 expression.
+// The scalar GELU formulas (tanh approximation), shared verbatim by the CPU and CUDA code so both
+// compute the same fp32 expressions.
 #pragma once
 #include <cmath>
 
 #include "core/dtype.h"  // MT_HD
-#include "ops/gelu.h"
 
 namespace mt {
 namespace gelu_math {
@@ -24,13 +23,12 @@ MT_HD float gelu_grad(float x) {
 }
 }  // namespace gelu_math
 
-namespace cpu {
-void gelu_forward(const Tensor& y, const Tensor& x, const Stream& stream);
-void gelu_backward(const Tensor& dx, const Tensor& dy, const Tensor& x, const Stream& stream);
-}  // namespace cpu
+/// GELU, tanh approximation, as in ops/gelu.h (shared by the linear+GELU fallbacks of both
+/// backends so that they agree with the cuBLASLt GELU epilogue's definition).
+MT_HD float linear_gelu(float x) {
+  constexpr float kC = 0.7978845608028654f;  // sqrt(2/pi)
+  return 0.5f * x * (1.f + tanhf(kC * (x + 0.044715f * x * x * x)));
+}
 
-namespace cuda {
-void gelu_forward(const Tensor& y, const Tensor& x, const Stream& stream);
-void gelu_backward(const Tensor& dx, const Tensor& dy, const Tensor& x, const Stream& stream);
-}  // namespace cuda
+
 }  // namespace mt

@@ -1,0 +1,52 @@
+// Argument checks shared by the ops' validation layers (ops/<op>.cpp). Each throws mt::Error with
+// a message naming the op (`fn`), the argument and the offending tensor (dtype, shape, device).
+#pragma once
+#include <utility>
+
+#include "core/check.h"
+#include "core/stream.h"
+#include "core/tensor.h"
+
+namespace mt::op_checks {
+
+inline bool is_float(DType t) { return t == DType::kF32 || t == DType::kBF16 || t == DType::kF16; }
+
+/// A contiguous fp32/bf16/fp16 tensor.
+inline void check_float(const Tensor& t, const char* fn, const char* name) {
+  MT_CHECK(is_float(t.dtype()), "{}: {} must be fp32/bf16/fp16, got {}", fn, name, t.str());
+  MT_CHECK(t.is_contiguous(), "{}: {} must be contiguous, got {}", fn, name, t.str());
+}
+
+/// An activation: contiguous fp32/bf16/fp16, and fp32 on the CPU (the reference backend).
+inline void check_act(const Tensor& t, const char* fn, const char* name) {
+  check_float(t, fn, name);
+  MT_CHECK(!t.device().is_cpu() || t.dtype() == DType::kF32, "{}: {} on CPU must be fp32, got {}", fn, name,
+           t.str());
+}
+
+/// The stream runs on the tensor's device (type and index).
+inline void check_stream(const Stream& stream, const Tensor& t, const char* fn) {
+  MT_CHECK(stream.device() == t.device(), "{}: stream on {} but tensors on {}", fn, stream.device().str(),
+           t.device().str());
+}
+
+/// Same shape and dtype as `ref`.
+inline void check_like(const Tensor& t, const Tensor& ref, const char* fn, const char* name, const char* ref_name) {
+  MT_CHECK(t.shape() == ref.shape() && t.dtype() == ref.dtype(), "{}: {} {} must match {} {} (shape and dtype)", fn,
+           name, t.str(), ref_name, ref.str());
+}
+
+/// x: [..., h] with h >= 1, viewed as rows; returns {rows, h}.
+inline std::pair<int64_t, int64_t> rows_of(const Tensor& x, const char* fn) {
+  MT_CHECK(x.ndim() >= 1 && x.size(-1) >= 1, "{}: x {} needs a non-empty last dimension", fn, x.str());
+  const int64_t h = x.size(-1);
+  return {x.numel() / h, h};
+}
+
+/// A contiguous fp32 vector of n elements (any shape), e.g. per-row norm statistics.
+inline void check_stats(const Tensor& t, int64_t n, const char* fn, const char* name) {
+  MT_CHECK(t.dtype() == DType::kF32 && t.numel() == n && t.is_contiguous(),
+           "{}: {} must be a contiguous fp32 tensor of {} elements, got {}", fn, name, n, t.str());
+}
+
+}  // namespace mt::op_checks
