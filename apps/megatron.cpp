@@ -2,6 +2,7 @@
 //   megatron pretrain ...         pretrain a GPT (train/trainer.h)
 //   megatron preprocess-data ...  text/jsonl -> Megatron indexed dataset (data/preprocess.h)
 //   megatron generate ...         sample text from a checkpoint (train/generate.h)
+//   megatron import-hf / export-hf  Hugging Face checkpoints in and out (train/hf_commands.h)
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <cstdlib>
@@ -12,6 +13,7 @@
 #include "data/preprocess_cli.h"
 #include "train/arguments.h"
 #include "train/generate.h"
+#include "train/hf_commands.h"
 #include "train/trainer.h"
 
 int main(int argc, char** argv) {
@@ -31,6 +33,13 @@ int main(int argc, char** argv) {
   CLI::App* generate = app.add_subcommand("generate", "Sample text from a checkpoint");
   mt::add_generate_options(*generate, generate_args);
 
+  mt::ImportHfArgs import_args;
+  CLI::App* import_hf = app.add_subcommand("import-hf", "Hugging Face model directory -> megatron.cpp checkpoint");
+  mt::add_import_hf_options(*import_hf, import_args);
+  mt::ExportHfArgs export_args;
+  CLI::App* export_hf = app.add_subcommand("export-hf", "megatron.cpp checkpoint -> Hugging Face model directory");
+  mt::add_export_hf_options(*export_hf, export_args);
+
   mt::data::add_preprocess_data_command(app);
   mt::data::add_merge_datasets_command(app);
 
@@ -44,6 +53,8 @@ int main(int argc, char** argv) {
     }
     if (pretrain->parsed()) rc = mt::run_pretrain(pretrain_args);
     if (generate->parsed()) rc = mt::run_generate(generate_args);
+    if (import_hf->parsed()) rc = mt::run_import_hf(import_args);
+    if (export_hf->parsed()) rc = mt::run_export_hf(export_args);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   } catch (const mt::Error& e) {

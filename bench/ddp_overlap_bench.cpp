@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "comm/bootstrap.h"
+#include "model/gpt_model.h"
 #include "core/device.h"
 #include "ops/elementwise.h"
 #include "optim/grad_sync.h"
@@ -69,7 +70,7 @@ int bench_main() {
   const Device device = local_device(DeviceType::kCUDA, env);
   set_current_device(device);
   auto world = init_world(device, env, 10.0);
-  GptConfig c;
+  TransformerConfig c;
   c.num_layers = 12;
   c.hidden_size = 768;
   c.num_attention_heads = 12;
@@ -89,7 +90,7 @@ int bench_main() {
     const auto chunks = pipeline::layers_of(0, pipeline::PipelineLayout{c.num_layers});
     const PipelinePlan plan = plan_pipeline(sc, 0, chunks);
     Stream st(device);
-    GptModel model(c, mb, DType::kBF16, device, g, false, ParamLayout(pc.dp, overlap ? 40000000 : 0),
+    GPTModel model(c, mb, DType::kBF16, device, g, false, ParamLayout(pc.dp, overlap ? 40000000 : 0),
                    model_layout(chunks, {&plan}));
     PipelineExecutor exec(model, g.pp, {&plan});
     GradSync sync(model.params(), g.dp, DdpConfig{overlap, false, false});

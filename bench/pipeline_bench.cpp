@@ -17,6 +17,7 @@
 #include <fmt/format.h>
 
 #include "comm/bootstrap.h"
+#include "model/gpt_model.h"
 #include "core/device.h"
 #include "ops/elementwise.h"
 #include "parallel/parallel_config.h"
@@ -39,7 +40,7 @@ double median(std::vector<double> v) {
 
 int bench_main(int argc, char** argv) {
   int tp = 1, pp = 0, iters = 5;
-  GptConfig c;
+  TransformerConfig c;
   c.num_layers = 32;
   c.hidden_size = 4096;
   c.num_attention_heads = 32;
@@ -99,7 +100,7 @@ int bench_main(int argc, char** argv) {
       sc.num_microbatches = m;
       const PipelinePlan plan = plan_pipeline(sc, r, chunks);
       Stream st(device);
-      GptModel model(c, mb, dtype, device, g, tp > 1, 1, model_layout(chunks, {&plan}));
+      GPTModel model(c, mb, dtype, device, g, tp > 1, 1, model_layout(chunks, {&plan}));
       PipelineExecutor exec(model, g.pp, {&plan});
       model.params().initialize(1234, st);
       const int64_t S = c.seq_length;

@@ -1,4 +1,4 @@
-// Communicator: the collective interface every parallel layer talks to (DESIGN.md
+// Communicator: the collective interface every parallel layer talks to (docs/architecture.md
 // "Contracts"; PyTorch c10d's Backend role). Stream-ordered: on CUDA a collective is enqueued on
 // the given stream and the call returns without waiting; on CPU it has completed on return.
 // Errors throw mt::Error naming the rank and the group. A peer that dies makes the others fail
@@ -117,7 +117,7 @@ class ForwardingCommunicator : public Communicator {
 /// synchronizes). A group of one rank returns a copy of `mine`.
 std::vector<char> all_gather_host(Communicator& comm, const void* mine, size_t bytes, const Stream& stream);
 
-/// The process groups a model and trainer are handed (never globals; DESIGN.md principle 2),
+/// The process groups a model and trainer are handed (never globals; docs/architecture.md principle 2),
 /// as Megatron-Core's parallel_state names them. All size-1 in single-device training.
 struct ProcessGroups {
   std::shared_ptr<Communicator> world, tp, cp, dp, pp, tp_cp, dp_cp, mp, ep, etp, edp, embedding;

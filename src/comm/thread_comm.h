@@ -1,5 +1,5 @@
 // In-process communicator: N ranks as N threads sharing one address space (CPU tensors only).
-// For tests of every parallel layout without processes or MPI (DESIGN.md: "ranks tested as
+// For tests of every parallel layout without processes or MPI (docs/architecture.md: "ranks tested as
 // several processes or threads"). Reductions sum in rank order, so results are deterministic.
 #pragma once
 #include <functional>

@@ -1,5 +1,5 @@
 // Philox4x32-10 counter-based RNG (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3",
-// SC'11), usable on host and device with bit-identical output. Layout invariance (DESIGN.md
+// SC'11), usable on host and device with bit-identical output. Layout invariance (docs/architecture.md
 // principle 4): every random number is a pure function of (key, counter), where key = (seed,
 // stream id) and the counter carries the global element index and, for dropout, the iteration
 // and micro-batch. Nothing is stateful, so recompute and any sharding reproduce the same bits.

@@ -3,7 +3,7 @@
 // explicit calls). The model calls them; src/optim/grad_sync.h implements them.
 //
 // Indices are ParamStore parameter indices; [first, end) is a run of consecutive parameters.
-// Parameters of one decoder layer are consecutive in the ParamStore (GptModel::param_specs).
+// Parameters of one decoder layer are consecutive in the ParamStore (GPTModel::param_specs).
 //
 // Contract (what the model guarantees):
 //  * params_needed(first, end): called before the first kernel of the step that reads these

@@ -1,5 +1,7 @@
 #include "model/params.h"
 
+#include <fmt/ranges.h>
+
 #include "core/rng.h"
 #include "ops/elementwise.h"
 
@@ -25,14 +27,12 @@ ParamStore::ParamStore(std::vector<ParamSpec> specs, DType model_dtype, Device d
     ParamInfo info;
     static_cast<ParamSpec&>(info) = std::move(s);
     if (info.global_shape.empty()) info.global_shape = info.shape;
-    if (info.shard.global_cols == 0) {  // unsharded: columns of the global tensor as a 2-D matrix
-      const int64_t rows = info.global_shape.size() >= 2 ? info.global_shape[0] : 1;
-      int64_t gnumel = 1;
-      for (auto d : info.global_shape) gnumel *= d;
-      info.shard.global_cols = rows > 0 ? gnumel / rows : 0;
-    }
+    if (info.shard_shape.empty()) info.shard_shape = info.shape;
+    info.box = ShardBox::make(info.global_shape, info.shard_offset, info.shard_shape);
     info.numel = 1;
     for (auto d : info.shape) info.numel *= d;
+    MT_CHECK(info.box.numel() == info.numel, "parameter {}: local shape [{}] and shard box [{}] differ in size",
+             info.name, fmt::join(info.shape, ", "), fmt::join(info.shard_shape, ", "));
     MT_CHECK(by_name_.emplace(info.name, infos_.size()).second, "duplicate parameter name {}", info.name);
     infos_.push_back(std::move(info));
   }
@@ -191,7 +191,13 @@ void ParamStore::initialize(uint64_t seed, const Stream& stream) {
     switch (p.init) {
       case InitKind::kZeros: fill(m, 0.f, stream); break;
       case InitKind::kOnes: fill(m, 1.f, stream); break;
-      case InitKind::kNormal: init_normal(m, p.init_std, seed, tensor_stream_id(p.name), p.shard, stream); break;
+      case InitKind::kNormal: init_normal(m, p.init_std, seed, tensor_stream_id(p.name), p.box, stream); break;
+    }
+    // Vocabulary padding rows start (and, taking no probability mass and no gradient, stay) zero.
+    if (p.vocab_rows > 0 && p.box.ndim >= 1) {
+      const int64_t rows = p.box.shape[0], row_len = rows > 0 ? p.numel / rows : 0;
+      const int64_t first_pad = std::clamp<int64_t>(p.vocab_rows - p.box.offset[0], 0, rows);
+      if (first_pad < rows) fill(m.flat_range(first_pad * row_len, (rows - first_pad) * row_len), 0.f, stream);
     }
   };
   if (!main_sharded_) {

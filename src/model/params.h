@@ -1,4 +1,4 @@
-// Parameters and gradients in contiguous buffers (DESIGN.md principle 1; Megatron's
+// Parameters and gradients in contiguous buffers (docs/architecture.md principle 1; Megatron's
 // ParamAndGradBuffer, megatron/core/distributed/param_and_grad_buffer.py): one flat model-dtype
 // parameter buffer, one flat fp32 main-parameter buffer (the same memory when the model dtype is
 // fp32; only this rank's owned elements once the distributed optimizer shards it, see
@@ -19,23 +19,43 @@ namespace mt {
 
 enum class InitKind : uint8_t { kNormal, kZeros, kOnes };
 
+/// When the gradient of a parameter replicated over the tensor-parallel group is a partial sum
+/// that the model all-reduces over TP after the step's last backward (Megatron's
+/// finalize_model_grads, _allreduce_non_tensor_model_parallel_grads).
+enum class TpGradSum : uint8_t {
+  kNone,              ///< complete on every TP rank
+  kSequenceParallel,  ///< partial under sequence parallelism only: each TP rank sees its own sequence
+                      ///< shard (norm weights, biases added after a row-parallel layer)
+  kAlways,            ///< partial whenever TP > 1: each TP rank sees its own heads (q/k layernorm)
+};
+
 /// One parameter tensor (this rank's shard). name uses Megatron-Core's module names, e.g.
 /// "decoder.layers.3.self_attention.linear_qkv.weight".
 struct ParamSpec {
   std::string name;
-  std::vector<int64_t> shape;         ///< local shape
+  std::vector<int64_t> shape;         ///< local shape, as the layer uses it
   InitKind init = InitKind::kNormal;
   float init_std = 0.02f;
   bool weight_decay = true;           ///< Megatron: no decay for biases and 1-D (norm) params
-  std::vector<int64_t> global_shape;  ///< empty = shape (no sharding)
-  ShardOffset shard{};
-  /// Split over the tensor-parallel group (column/row/vocab-parallel). Otherwise replicated on
-  /// every TP rank: counted once in the gradient norm, and with sequence parallelism its
-  /// gradient is a partial sum to be all-reduced over TP (sequence_parallel_grad).
+  /// The unsharded tensor and this rank's box in it (ops/init.h ShardBox): global_shape empty =
+  /// shape (not sharded); shard_offset empty = zeros; shard_shape empty = shape. The box may have
+  /// a different rank than `shape` (its elements are stored in the box's row-major order).
+  std::vector<int64_t> global_shape;
+  std::vector<int64_t> shard_offset;
+  std::vector<int64_t> shard_shape;
+  /// The dimension of global_shape the layer splits over the tensor-parallel group (0: column- or
+  /// vocab-parallel rows, 1: row-parallel columns of a matrix), -1 = replicated. Declared whatever
+  /// the TP size.
+  int tp_split_dim = -1;
+  /// Split over the tensor-parallel group (tp_split_dim >= 0 and TP > 1). Otherwise replicated on
+  /// every TP rank: counted once in the gradient norm.
   bool tensor_parallel = false;
-  /// Replicated parameter whose gradient, under sequence parallelism, each TP rank computes from
-  /// its own sequence shard only (norms, biases added after a row-parallel layer).
-  bool sequence_parallel_grad = false;
+  /// Replicated parameter whose gradient is a partial sum over TP (see TpGradSum).
+  TpGradSum tp_grad_sum = TpGradSum::kNone;
+  /// > 0 when dimension 0 of global_shape is the padded vocabulary (word embedding, output
+  /// layer): rows >= vocab_rows are padding, which checkpoints do not store, so that a checkpoint
+  /// loads under any padding (any TP size or --make-vocab-size-divisible-by).
+  int64_t vocab_rows = 0;
   /// Duplicates a parameter of another pipeline stage (the tied output word embedding on the last
   /// stage): excluded from the gradient norm (counted on the first stage) and from checkpoints
   /// (filled from the parameter of the same name on load).
@@ -45,6 +65,7 @@ struct ParamSpec {
 struct ParamInfo : ParamSpec {
   int64_t offset = 0;  ///< element offset in the flat buffers
   int64_t numel = 0;
+  ShardBox box;        ///< where the shard sits in the global tensor (from the spec)
 };
 
 /// Megatron's --ddp-bucket-size default: max(40,000,000, 1,000,000 · data-parallel size)

@@ -52,7 +52,7 @@
 // the backward's GEMMs for SMs. The sum is taken in rank order (deterministic; not NCCL's ring
 // order, so results differ from the NCCL path in the last bits). Only collectives that overlap
 // compute use the copy engine: the ones nothing runs beside — every collective without overlap,
-// the reduction of the bucket that completes the backward (layer 0's with GptModel), the
+// the reduction of the bucket that completes the backward (layer 0's with GPTModel), the
 // all-gather of the first bucket of the forward — stay on NCCL, whose bandwidth is higher
 // (fp32 reduce-scatter 317 vs 212 GB/s bus bandwidth on 4 H200, docs/benchmarks.md). Where the
 // group does not qualify (CPU, one rank, several hosts, no peer access) the NCCL path is used;

@@ -52,7 +52,32 @@ void add_pretrain_options(CLI::App& app, PretrainArgs& a) {
   app.add_option("--hidden-dropout", m.hidden_dropout, "Dropout on hidden states")->capture_default_str();
   app.add_option("--attention-dropout", m.attention_dropout, "Dropout on attention probabilities")
       ->capture_default_str();
-  app.add_option("--layernorm-epsilon", m.layernorm_epsilon, "LayerNorm epsilon")->capture_default_str();
+  app.add_option("--norm-epsilon,--layernorm-epsilon", m.norm_epsilon, "Epsilon of LayerNorm / RMSNorm")
+      ->capture_default_str();
+  app.add_option_function<std::string>(
+         "--normalization", [&m](const std::string& v) { m.normalization = parse_normalization(v); },
+         "LayerNorm or RMSNorm")
+      ->default_str("LayerNorm");
+  app.add_flag("--swiglu", m.gated_linear_unit,
+               "Gated SiLU MLP (SwiGLU); --ffn-hidden-size defaults to int(8h/3 / 64) * 64");
+  app.add_option_function<std::string>(
+         "--position-embedding-type",
+         [&m](const std::string& v) { m.position_embedding_type = parse_position_embedding_type(v); },
+         "learned_absolute, rope or none")
+      ->default_str("learned_absolute");
+  app.add_option("--rotary-base", m.rotary_base, "RoPE base (theta)")->capture_default_str();
+  app.add_option("--rotary-percent", m.rotary_percent, "Fraction of each head's channels RoPE rotates")
+      ->capture_default_str();
+  app.add_flag("--rotary-interleaved", m.rotary_interleaved,
+               "RoPE on interleaved channel pairs (2i, 2i+1) instead of Llama's rotate-half halves");
+  app.add_flag("--group-query-attention", a.group_query_attention, "Grouped-query attention (--num-query-groups)");
+  app.add_option("--num-query-groups", m.num_query_groups, "Key/value heads with --group-query-attention");
+  app.add_option("--kv-channels", m.kv_channels, "Head dimension (default hidden-size / num-attention-heads)");
+  app.add_flag("--untie-embeddings-and-output-weights", m.untie_embeddings_and_output_weights,
+               "Separate output layer weights instead of the word embedding's");
+  app.add_flag("!--disable-bias-linear", m.add_bias_linear, "No biases in the linear layers");
+  app.add_flag("--add-qkv-bias", m.add_qkv_bias, "Bias on the QKV projection (with --disable-bias-linear, Qwen 2)");
+  app.add_flag("--qk-layernorm", m.qk_layernorm, "Normalise each query and key head (Qwen 3)");
 
   app.add_option("--micro-batch-size", a.micro_batch_size, "Sequences per micro-batch")->capture_default_str();
   app.add_option("--global-batch-size", a.global_batch_size,
@@ -95,6 +120,12 @@ void add_pretrain_options(CLI::App& app, PretrainArgs& a) {
 
   app.add_option("--save", a.save, "Checkpoint directory to save to");
   app.add_option("--load", a.load, "Checkpoint directory to resume from");
+  app.add_flag("--finetune", a.finetune,
+               "Load the model weights only (no optimizer state, iteration and data position reset to 0), e.g. a "
+               "checkpoint written by import-hf");
+  app.add_flag("--no-load-optim", a.no_load_optim, "Do not load the optimizer state of the checkpoint");
+  app.add_flag("--use-checkpoint-args", a.use_checkpoint_args,
+               "Take the model architecture (layers, sizes, norm, positions, MLP, biases) from the --load checkpoint");
   app.add_option("--save-interval", a.save_interval, "Iterations between checkpoints");
   app.add_option("--exit-interval", a.exit_interval, "Exit (after saving a checkpoint) when iteration % N == 0");
 
@@ -143,6 +174,11 @@ void add_pretrain_options(CLI::App& app, PretrainArgs& a) {
 
 void validate_pretrain_args(PretrainArgs& a) {
   MT_REQUIRE(!(a.bf16 && a.fp16), "--bf16 and --fp16 are mutually exclusive");
+  // Megatron: --num-query-groups only takes effect with --group-query-attention.
+  MT_REQUIRE(a.group_query_attention || a.model.num_query_groups == 0,
+             "--num-query-groups {} given without --group-query-attention", a.model.num_query_groups);
+  MT_REQUIRE(!a.group_query_attention || a.model.num_query_groups > 0,
+             "--group-query-attention needs --num-query-groups (a positive number of key/value heads)");
   MT_REQUIRE(a.micro_batch_size > 0, "--micro-batch-size must be positive, got {}", a.micro_batch_size);
   if (a.global_batch_size == 0) a.global_batch_size = a.micro_batch_size * a.data_parallel_size;
   MT_REQUIRE(a.global_batch_size > 0, "--global-batch-size must be positive, got {}", a.global_batch_size);
@@ -189,8 +225,12 @@ void validate_pretrain_args(PretrainArgs& a) {
 void add_generate_options(CLI::App& app, GenerateArgs& a) {
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   app.add_option("--load", a.load, "Checkpoint directory")->required();
-  app.add_option("--vocab-file", a.vocab_file, "GPT-2 vocab.json / encoder.json")->required();
-  app.add_option("--merge-file", a.merge_file, "GPT-2 merges.txt / vocab.bpe")->required();
+  app.add_option("--vocab-file", a.vocab_file, "GPT-2 vocab.json / encoder.json");
+  app.add_option("--merge-file", a.merge_file, "GPT-2 merges.txt / vocab.bpe");
+  app.add_option("--tokenizer-type", a.tokenizer_type, "Tokenizer of --tokenizer-model")->capture_default_str();
+  app.add_option("--tokenizer-model", a.tokenizer_model,
+                 "tokenizer.json (HuggingFaceTokenizer) or SentencePiece model; default: the files import-hf "
+                 "stored beside the checkpoint");
   app.add_option("--prompt", a.prompt, "Text to continue")->capture_default_str();
   app.add_option("--out-seq-length", a.out_seq_length, "Tokens to generate")->capture_default_str();
   app.add_option("--temperature", a.temperature, "Sampling temperature")->capture_default_str();

@@ -7,7 +7,7 @@
 #include <string>
 
 #include "data/data_args.h"
-#include "model/config.h"
+#include "model/transformer_config.h"
 #include "optim/lr_schedule.h"
 #include "optim/optimizer.h"
 
@@ -18,7 +18,8 @@ class App;
 namespace mt {
 
 struct PretrainArgs {
-  GptConfig model;
+  TransformerConfig model;
+  bool group_query_attention = false;  ///< --group-query-attention (enables --num-query-groups)
   // batch / schedule
   int64_t micro_batch_size = 1;    ///< --micro-batch-size
   int64_t global_batch_size = 0;   ///< --global-batch-size (0 = micro-batch-size * data-parallel size)
@@ -48,6 +49,9 @@ struct PretrainArgs {
   data::DataArgs data;
   // checkpointing
   std::string save, load;          ///< --save --load
+  bool finetune = false;           ///< --finetune: load weights only, start at iteration 0
+  bool no_load_optim = false;      ///< --no-load-optim: load weights and the iteration, not the optimizer
+  bool use_checkpoint_args = false;  ///< --use-checkpoint-args: model architecture from the checkpoint
   int64_t save_interval = 0;       ///< --save-interval (0 = only at the end when --save is given)
   int64_t exit_interval = 0;       ///< --exit-interval: stop (after saving) when iteration % N == 0
   // distributed
@@ -98,7 +102,9 @@ void validate_pretrain_args(PretrainArgs& args);
 
 struct GenerateArgs {
   std::string load;                 ///< --load (checkpoint directory, required)
-  std::string vocab_file, merge_file;
+  std::string vocab_file, merge_file;  ///< --vocab-file --merge-file (GPT-2 BPE)
+  std::string tokenizer_type = "HuggingFaceTokenizer";  ///< --tokenizer-type (with --tokenizer-model)
+  std::string tokenizer_model;      ///< --tokenizer-model
   std::string prompt = "";          ///< --prompt
   int64_t out_seq_length = 64;      ///< --out-seq-length: tokens to generate
   float temperature = 1.0f;         ///< --temperature

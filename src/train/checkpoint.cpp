@@ -1,5 +1,6 @@
 #include "train/checkpoint.h"
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -18,34 +19,60 @@ namespace {
 std::string iter_dir_name(int64_t it) { return fmt::format("iter_{:07d}", it); }
 const char* kTracker = "latest_checkpointed_iteration.txt";
 
-json config_to_json(const GptConfig& c) {
+json config_to_json(const TransformerConfig& c) {
   return json{{"num_layers", c.num_layers},
               {"hidden_size", c.hidden_size},
               {"num_attention_heads", c.num_attention_heads},
+              {"num_query_groups", c.query_groups()},
+              {"kv_channels", c.head_dim()},
               {"ffn_hidden_size", c.ffn()},
               {"seq_length", c.seq_length},
               {"max_position_embeddings", c.max_positions()},
               {"vocab_size", c.vocab_size},
               {"make_vocab_size_divisible_by", c.make_vocab_size_divisible_by},
               {"padded_vocab_size", c.padded_vocab_size()},
+              {"normalization", normalization_name(c.normalization)},
+              {"norm_epsilon", c.norm_epsilon},
+              {"swiglu", c.gated_linear_unit},
+              {"position_embedding_type", position_embedding_type_name(c.position_embedding_type)},
+              {"rotary_base", c.rotary_base},
+              {"rotary_percent", c.rotary_percent},
+              {"rotary_interleaved", c.rotary_interleaved},
+              {"add_bias_linear", c.add_bias_linear},
+              {"add_qkv_bias", c.add_qkv_bias},
+              {"qk_layernorm", c.qk_layernorm},
+              {"untie_embeddings_and_output_weights", c.untie_embeddings_and_output_weights},
               {"init_method_std", c.init_method_std},
-              {"layernorm_epsilon", c.layernorm_epsilon},
               {"hidden_dropout", c.hidden_dropout},
               {"attention_dropout", c.attention_dropout}};
 }
 
-GptConfig config_from_json(const json& j) {
-  GptConfig c;
+// Fields added after the first checkpoint version default to the GPT-2 architecture.
+TransformerConfig config_from_json(const json& j) {
+  TransformerConfig c;
   c.num_layers = j.at("num_layers").get<int64_t>();
   c.hidden_size = j.at("hidden_size").get<int64_t>();
   c.num_attention_heads = j.at("num_attention_heads").get<int64_t>();
+  c.num_query_groups = j.value("num_query_groups", int64_t{0});
+  c.kv_channels = j.value("kv_channels", int64_t{0});
   c.ffn_hidden_size = j.at("ffn_hidden_size").get<int64_t>();
   c.seq_length = j.at("seq_length").get<int64_t>();
   c.max_position_embeddings = j.at("max_position_embeddings").get<int64_t>();
   c.vocab_size = j.at("vocab_size").get<int64_t>();
   c.make_vocab_size_divisible_by = j.at("make_vocab_size_divisible_by").get<int64_t>();
+  c.normalization = parse_normalization(j.value("normalization", std::string("LayerNorm")));
+  c.norm_epsilon = j.contains("norm_epsilon") ? j.at("norm_epsilon").get<float>() : j.at("layernorm_epsilon").get<float>();
+  c.gated_linear_unit = j.value("swiglu", false);
+  c.position_embedding_type =
+      parse_position_embedding_type(j.value("position_embedding_type", std::string("learned_absolute")));
+  c.rotary_base = j.value("rotary_base", 10000.f);
+  c.rotary_percent = j.value("rotary_percent", 1.f);
+  c.rotary_interleaved = j.value("rotary_interleaved", false);
+  c.add_bias_linear = j.value("add_bias_linear", true);
+  c.add_qkv_bias = j.value("add_qkv_bias", false);
+  c.qk_layernorm = j.value("qk_layernorm", false);
+  c.untie_embeddings_and_output_weights = j.value("untie_embeddings_and_output_weights", false);
   c.init_method_std = j.at("init_method_std").get<float>();
-  c.layernorm_epsilon = j.at("layernorm_epsilon").get<float>();
   c.hidden_dropout = j.at("hidden_dropout").get<float>();
   c.attention_dropout = j.at("attention_dropout").get<float>();
   return c;
@@ -89,8 +116,32 @@ struct TensorRef {
   std::string name;
   Tensor t;  // fp32, on device
   std::vector<int64_t> global_shape;
-  ShardOffset shard;
+  ShardBox box;  // where t sits in the global tensor
+  int64_t vocab_rows = 0;  // ParamSpec::vocab_rows: rows >= it are padding (not stored)
 };
+
+/// What a checkpoint stores of a parameter: its global shape and this shard's box without the
+/// vocabulary padding (ParamSpec::vocab_rows), and the number of leading local elements that
+/// box covers (its rows are a prefix of the shard's rows).
+struct StoredBox {
+  std::vector<int64_t> global_shape, offset, shape;
+  int64_t numel = 0;
+};
+StoredBox stored_box(const std::vector<int64_t>& global_shape, const ShardBox& box, int64_t vocab_rows) {
+  StoredBox s;
+  s.global_shape = global_shape;
+  for (int d = 0; d < box.ndim; ++d) {
+    s.offset.push_back(box.offset[d]);
+    s.shape.push_back(box.shape[d]);
+  }
+  if (vocab_rows > 0 && !s.shape.empty()) {
+    s.global_shape[0] = vocab_rows;
+    s.shape[0] = std::clamp<int64_t>(vocab_rows - s.offset[0], 0, s.shape[0]);
+  }
+  s.numel = 1;
+  for (int64_t d : s.shape) s.numel *= d;
+  return s;
+}
 
 // Full-length fp32 state for a checkpoint: main parameters and AdamW moments, as views of the
 // live buffers where they are whole, or as temporary device buffers holding the gathered shards
@@ -139,14 +190,14 @@ std::vector<TensorRef> checkpoint_tensors(const ParamStore& params, const FullSt
   for (size_t i = 0; i < params.size(); ++i) {
     const auto& info = params.info(i);
     if (writing && info.shared_embedding_copy) continue;
-    out.push_back({"model/" + info.name, view(st.main, info), info.global_shape, info.shard});
+    out.push_back({"model/" + info.name, view(st.main, info), info.global_shape, info.box, info.vocab_rows});
   }
   if (with_optimizer) {
     for (size_t i = 0; i < params.size(); ++i) {
       const auto& info = params.info(i);
       if (writing && info.shared_embedding_copy) continue;
-      out.push_back({"optim/exp_avg/" + info.name, view(st.m, info), info.global_shape, info.shard});
-      out.push_back({"optim/exp_avg_sq/" + info.name, view(st.v, info), info.global_shape, info.shard});
+      out.push_back({"optim/exp_avg/" + info.name, view(st.m, info), info.global_shape, info.box, info.vocab_rows});
+      out.push_back({"optim/exp_avg_sq/" + info.name, view(st.v, info), info.global_shape, info.box, info.vocab_rows});
     }
   }
   return out;
@@ -169,13 +220,13 @@ std::vector<ShardEntry> shard_entries(const std::vector<ParamSpec>& specs, bool 
   std::vector<ShardEntry> out;
   uint64_t off = 0;
   auto add = [&](const std::string& prefix, const ParamSpec& sp) {
-    std::vector<int64_t> gshape = sp.global_shape.empty() ? sp.shape : sp.global_shape;
-    std::vector<int64_t> goff = sp.shape.size() >= 2 ? std::vector<int64_t>{sp.shard.row_offset, sp.shard.col_offset}
-                                                     : std::vector<int64_t>{sp.shard.col_offset};
-    int64_t numel = 1;
-    for (auto d : sp.shape) numel *= d;
-    out.push_back({prefix + sp.name, gshape, sp.shape, goff, off});
-    off += static_cast<uint64_t>(numel) * 4;
+    const std::vector<int64_t> gshape = sp.global_shape.empty() ? sp.shape : sp.global_shape;
+    const StoredBox b = stored_box(
+        gshape, ShardBox::make(gshape, sp.shard_offset, sp.shard_shape.empty() ? sp.shape : sp.shard_shape),
+        sp.vocab_rows);
+    if (b.numel == 0) return;  // a shard made only of vocabulary padding
+    out.push_back({prefix + sp.name, b.global_shape, b.shape, b.offset, off});
+    off += static_cast<uint64_t>(b.numel) * 4;
   };
   for (const auto& sp : specs)
     if (!sp.shared_embedding_copy) add("model/", sp);
@@ -218,7 +269,8 @@ void save_checkpoint(const std::string& dir, const CheckpointState& state, const
     MT_REQUIRE(f.good(), "cannot write checkpoint file '{}'", bin.string());
     std::vector<char> host;
     for (const auto& ref : checkpoint_tensors(params, full, optimizer != nullptr, /*writing=*/true)) {
-      host.resize(ref.t.nbytes());
+      // Only the rows that are not vocabulary padding (a prefix of the shard).
+      host.resize(static_cast<size_t>(stored_box(ref.global_shape, ref.box, ref.vocab_rows).numel) * 4);
       copy_bytes(host.data(), Device::cpu(), ref.t.data(), ref.t.device(), host.size(), stream);
       stream.synchronize();
       f.write(host.data(), static_cast<std::streamsize>(host.size()));
@@ -314,6 +366,7 @@ json read_metadata(const std::string& dir, fs::path* iter_path) {
 
 CheckpointState state_from_meta(const json& meta) {
   CheckpointState s;
+  s.has_optimizer = meta.value("has_optimizer", true);
   s.iteration = meta.at("iteration").get<int64_t>();
   s.consumed_train_samples = meta.at("consumed_train_samples").get<int64_t>();
   s.seed = meta.at("seed").get<uint64_t>();
@@ -340,7 +393,9 @@ CheckpointState load_checkpoint(const std::string& dir, ParamStore& params, Adam
   CheckpointState state;
   try {
     state = state_from_meta(meta);
-    MT_REQUIRE(!optimizer || meta.at("has_optimizer").get<bool>(), "checkpoint '{}' has no optimizer state",
+    MT_REQUIRE(!optimizer || meta.at("has_optimizer").get<bool>(),
+               "checkpoint '{}' has no optimizer state (e.g. written by import-hf): load its weights with --finetune "
+               "or --no-load-optim",
                iter_path.string());
     std::unordered_map<std::string, const json*> by_name;
     for (const auto& t : meta.at("tensors")) by_name[t.at("name").get<std::string>()] = &t;
@@ -358,25 +413,36 @@ CheckpointState load_checkpoint(const std::string& dir, ParamStore& params, Adam
       MT_REQUIRE(it != by_name.end(), "checkpoint '{}' has no tensor '{}'", iter_path.string(), ref.name);
       const json& t = *it->second;
       auto gshape = t.at("global_shape").get<std::vector<int64_t>>();
-      MT_REQUIRE(gshape == ref.global_shape, "tensor '{}' has shape [{}] in the checkpoint but [{}] in the model",
-                 ref.name, fmt::join(gshape, ", "), fmt::join(ref.global_shape, ", "));
-      // This rank's box in global coordinates, as [rows, cols] (1-D tensors are one row).
-      const bool two_d = ref.global_shape.size() >= 2;
-      const int64_t lrows = two_d ? ref.t.size(0) : 1, lcols = ref.t.numel() / std::max<int64_t>(lrows, 1);
-      const int64_t r0 = two_d ? ref.shard.row_offset : 0, c0 = ref.shard.col_offset;
+      const StoredBox want = stored_box(ref.global_shape, ref.box, ref.vocab_rows);
+      // A vocabulary tensor may have been stored with more rows (older checkpoints stored the
+      // padding): its first vocab_rows rows are the real ones.
+      const bool same = gshape == want.global_shape ||
+                        (ref.vocab_rows > 0 && gshape.size() == want.global_shape.size() &&
+                         gshape[0] >= want.global_shape[0] &&
+                         std::equal(gshape.begin() + 1, gshape.end(), want.global_shape.begin() + 1));
+      MT_REQUIRE(same, "tensor '{}' has shape [{}] in the checkpoint but [{}] in the model", ref.name,
+                 fmt::join(gshape, ", "), fmt::join(want.global_shape, ", "));
+      // This rank's box and each saved shard's box in global coordinates; their intersection is
+      // copied run by run along the last dimension.
+      const ShardBox& mine = ref.box;
+      const int nd = mine.ndim;
       host.assign(static_cast<size_t>(ref.t.numel()), 0.f);
       int64_t filled = 0;
       for (const auto& shard : t.at("shards")) {
-        auto sshape = shard.at("shape").get<std::vector<int64_t>>();
-        auto soff = shard.at("global_offset").get<std::vector<int64_t>>();
-        const int64_t srows = two_d ? sshape[0] : 1;
-        int64_t snumel = 1;
-        for (auto d : sshape) snumel *= d;
-        const int64_t scols = snumel / std::max<int64_t>(srows, 1);
-        const int64_t sr0 = two_d ? soff[0] : 0, sc0 = two_d ? soff[1] : soff[0];
-        const int64_t rb = std::max(r0, sr0), re = std::min(r0 + lrows, sr0 + srows);
-        const int64_t cb = std::max(c0, sc0), ce = std::min(c0 + lcols, sc0 + scols);
-        if (rb >= re || cb >= ce) continue;
+        const auto sshape = shard.at("shape").get<std::vector<int64_t>>();
+        const auto soff = shard.at("global_offset").get<std::vector<int64_t>>();
+        MT_REQUIRE(static_cast<int>(sshape.size()) == nd && static_cast<int>(soff.size()) == nd,
+                   "checkpoint '{}': a shard of tensor '{}' has rank {} (offset rank {}) but the tensor has rank {}",
+                   iter_path.string(), ref.name, sshape.size(), soff.size(), nd);
+        std::vector<int64_t> lo(nd), hi(nd);
+        bool empty = nd == 0;
+        for (int d = 0; d < nd; ++d) {
+          lo[d] = std::max(mine.offset[d], soff[d]);
+          hi[d] = std::min(mine.offset[d] + mine.shape[d], soff[d] + sshape[d]);
+          if (d == 0 && ref.vocab_rows > 0) hi[d] = std::min(hi[d], ref.vocab_rows);  // padding stays 0
+          empty |= lo[d] >= hi[d];
+        }
+        if (empty) continue;
         const std::string file = shard.at("file").get<std::string>();
         auto& f = files[file];
         if (!f.is_open()) {
@@ -384,18 +450,30 @@ CheckpointState load_checkpoint(const std::string& dir, ParamStore& params, Adam
           MT_REQUIRE(f.good(), "checkpoint data file '{}' is missing", (iter_path / file).string());
         }
         const uint64_t base = shard.at("offset_bytes").get<uint64_t>();
-        for (int64_t r = rb; r < re; ++r) {
-          const uint64_t off = base + static_cast<uint64_t>(((r - sr0) * scols + (cb - sc0)) * 4);
+        const int64_t run = hi[nd - 1] - lo[nd - 1];
+        std::vector<int64_t> idx(lo);  // global index of the run's first element
+        while (true) {
+          int64_t src = 0, dst = 0;
+          for (int d = 0; d < nd; ++d) {
+            src = src * sshape[d] + (idx[d] - soff[d]);
+            dst = dst * mine.shape[d] + (idx[d] - mine.offset[d]);
+          }
+          const uint64_t off = base + static_cast<uint64_t>(src) * 4;
           f.seekg(static_cast<std::streamoff>(off));
-          f.read(reinterpret_cast<char*>(host.data() + (r - r0) * lcols + (cb - c0)),
-                 static_cast<std::streamsize>((ce - cb) * 4));
+          f.read(reinterpret_cast<char*>(host.data() + dst), static_cast<std::streamsize>(run * 4));
           MT_REQUIRE(f.good(), "checkpoint file '{}' is truncated: tensor '{}' needs bytes at {}",
                      (iter_path / file).string(), ref.name, off);
+          filled += run;
+          int d = nd - 2;  // next run: odometer over the leading dimensions
+          for (; d >= 0; --d) {
+            if (++idx[d] < hi[d]) break;
+            idx[d] = lo[d];
+          }
+          if (d < 0) break;
         }
-        filled += (re - rb) * (ce - cb);
       }
-      MT_REQUIRE(filled == ref.t.numel(), "checkpoint '{}' does not cover tensor '{}' (got {} of {} elements)",
-                 iter_path.string(), ref.name, filled, ref.t.numel());
+      MT_REQUIRE(filled == want.numel, "checkpoint '{}' does not cover tensor '{}' (got {} of {} elements)",
+                 iter_path.string(), ref.name, filled, want.numel);
       copy_bytes(ref.t.data(), ref.t.device(), host.data(), Device::cpu(), host.size() * 4, stream);
       stream.synchronize();
     }

@@ -1,6 +1,6 @@
 // Checkpoints in Megatron's directory convention (<save>/iter_0000100/, with
 // <save>/latest_checkpointed_iteration.txt written last) holding our own sharded format
-// (DESIGN.md "Formats"): metadata.json lists every tensor's name, dtype, global shape and each
+// (docs/checkpoints.md): metadata.json lists every tensor's name, dtype, global shape and each
 // rank's shard (file, byte offset, local shape, global offsets); one binary file per rank
 // (rank_00000.bin) holds the raw little-endian shards. An iteration directory is written under
 // a temporary name and renamed, so an interrupted save never leaves a partial checkpoint.
@@ -21,17 +21,18 @@
 
 #include "comm/communicator.h"
 
-#include "model/config.h"
+#include "model/transformer_config.h"
 #include "model/params.h"
 #include "optim/optimizer.h"
 
 namespace mt {
 
 struct CheckpointState {
+  bool has_optimizer = false;  ///< optimizer moments and scalars were saved (not by import-hf)
   int64_t iteration = 0;
   int64_t consumed_train_samples = 0;
   uint64_t seed = 0;
-  GptConfig model;
+  TransformerConfig model;
   OptimizerScalars scalars{};
 };
 

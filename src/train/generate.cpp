@@ -5,8 +5,11 @@
 #include <numeric>
 
 #include "core/logging.h"
-#include "data/gpt2_tokenizer.h"
-#include "model/gpt.h"
+#include <filesystem>
+
+#include "data/tokenizer.h"
+#include "train/hf_commands.h"
+#include "model/gpt_model.h"
 #include "train/checkpoint.h"
 #include "train/trainer.h"
 
@@ -46,18 +49,55 @@ int32_t sample_token(const std::vector<float>& logits, bool greedy, float temper
   return idx[dist(rng)];
 }
 
+std::vector<float> vocab_logits(const float* row, int64_t padded_vocab, int64_t vocab_size) {
+  MT_REQUIRE(vocab_size >= 1 && vocab_size <= padded_vocab, "vocabulary of {} tokens outside the {} logits",
+             vocab_size, padded_vocab);
+  return std::vector<float>(row, row + vocab_size);
+}
+
+namespace {
+/// --vocab-file/--merge-file (GPT-2 BPE), --tokenizer-type/--tokenizer-model, or the tokenizer files
+/// import-hf stored beside the checkpoint.
+std::unique_ptr<data::Tokenizer> generation_tokenizer(const GenerateArgs& a) {
+  namespace fs = std::filesystem;
+  if (!a.vocab_file.empty() || !a.merge_file.empty())
+    return data::make_tokenizer("GPT2BPETokenizer", a.vocab_file, a.merge_file, "", 0);
+  if (!a.tokenizer_model.empty()) return data::make_tokenizer(a.tokenizer_type, "", "", a.tokenizer_model, 0);
+  const fs::path assets = hf_assets_dir(a.load);
+  if (fs::is_regular_file(assets / "tokenizer.json"))
+    return data::make_tokenizer("HuggingFaceTokenizer", "", "", (assets / "tokenizer.json").string(), 0);
+  if (fs::is_regular_file(assets / "vocab.json") && fs::is_regular_file(assets / "merges.txt"))
+    return data::make_tokenizer("GPT2BPETokenizer", (assets / "vocab.json").string(),
+                                (assets / "merges.txt").string(), "", 0);
+  MT_FAIL("no tokenizer: give --vocab-file and --merge-file, or --tokenizer-type and --tokenizer-model (the "
+          "checkpoint '{}' has no Hugging Face tokenizer files in {})",
+          a.load, assets.string());
+}
+}  // namespace
+
 int run_generate(const GenerateArgs& args) {
   const Device device = resolve_device(args.device);
   set_current_device(device);
   MT_REQUIRE(args.out_seq_length > 0, "--out-seq-length must be positive, got {}", args.out_seq_length);
-  data::Gpt2Tokenizer tok = data::Gpt2Tokenizer::from_files(args.vocab_file, args.merge_file);
+  const std::unique_ptr<data::Tokenizer> tok_ptr = generation_tokenizer(args);
+  const data::Tokenizer& tok = *tok_ptr;
   CheckpointState st = read_checkpoint_state(args.load);
-  MT_REQUIRE(st.model.vocab_size == tok.vocab_size(), "checkpoint vocabulary {} differs from the tokenizer's {}",
+  // A model may have more embedding rows than its tokenizer has tokens (Hugging Face models).
+  MT_REQUIRE(st.model.vocab_size >= tok.vocab_size(), "checkpoint vocabulary {} is smaller than the tokenizer's {}",
              st.model.vocab_size, tok.vocab_size());
+  int32_t eod = -1;
+  try {
+    eod = tok.eod();
+  } catch (const Error&) {  // a tokenizer without an end-of-document token: stop at the length only
+  }
+  // The context the model is planned for: the prompt and the new tokens, at most the trained length.
+  const int64_t prompt_tokens = std::max<int64_t>(static_cast<int64_t>(tok.encode(args.prompt).size()), 1);
+  TransformerConfig cfg = st.model;
+  cfg.seq_length = std::min(cfg.seq_length, prompt_tokens + args.out_seq_length);
   Stream stream(device);
-  GptModel model(st.model, 1, DType::kF32, device, ProcessGroups::single());
+  GPTModel model(cfg, 1, DType::kF32, device, ProcessGroups::single());
   load_checkpoint(args.load, model.params(), nullptr, stream);
-  const int64_t S = st.model.seq_length, V = st.model.vocab_size, Vp = model.padded_vocab();
+  const int64_t S = cfg.seq_length, V = cfg.vocab_size, Vp = model.padded_vocab();
 
   Buffer tok_host(Device::cpu(), static_cast<size_t>(S) * 4);
   Buffer tok_dev(device, static_cast<size_t>(S) * 4);
@@ -66,14 +106,14 @@ int run_generate(const GenerateArgs& args) {
   std::vector<float> row(static_cast<size_t>(Vp));
   for (int64_t sample = 0; sample < args.num_samples; ++sample) {
     std::vector<int32_t> ids = tok.encode(args.prompt);
-    if (ids.empty()) ids.push_back(tok.eod());
+    if (ids.empty()) ids.push_back(eod >= 0 ? eod : 0);
     const size_t prompt_len = ids.size();
     for (int64_t t = 0; t < args.out_seq_length; ++t) {
       // Causal attention: positions < len see only the (last S) tokens; the rest is padding.
       const size_t start = ids.size() > static_cast<size_t>(S) ? ids.size() - S : 0;
       const int64_t len = static_cast<int64_t>(ids.size() - start);
       int32_t* h = static_cast<int32_t*>(tok_host.data());
-      for (int64_t i = 0; i < S; ++i) h[i] = i < len ? ids[start + i] : tok.eod();
+      for (int64_t i = 0; i < S; ++i) h[i] = i < len ? ids[start + i] : (eod >= 0 ? eod : 0);
       copy_bytes(tok_dev.data(), device, h, Device::cpu(), static_cast<size_t>(S) * 4, stream);
       model.forward({tokens, Tensor(), Tensor()}, DropoutContext{0, 0, 0, false}, Tensor(), 0.f, stream,
                     /*compute_loss=*/false);
@@ -81,9 +121,9 @@ int run_generate(const GenerateArgs& args) {
       copy_bytes(row.data(), Device::cpu(), static_cast<float*>(logits.data()) + (len - 1) * Vp, device,
                  static_cast<size_t>(Vp) * 4, stream);
       stream.synchronize();
-      std::vector<float> lv(row.begin(), row.begin() + V);
+      const std::vector<float> lv = vocab_logits(row.data(), Vp, V);
       int32_t next = sample_token(lv, args.greedy, args.temperature, args.top_k, args.top_p, rng);
-      if (next == tok.eod()) break;
+      if (next == eod) break;
       ids.push_back(next);
     }
     std::vector<int32_t> gen(ids.begin() + static_cast<std::ptrdiff_t>(prompt_len), ids.end());

@@ -16,6 +16,11 @@ namespace mt {
 int32_t sample_token(const std::vector<float>& logits, bool greedy, float temperature, int64_t top_k, float top_p,
                      std::mt19937_64& rng);
 
+/// The logits of the real vocabulary: the first vocab_size of a row of padded_vocab logits (the
+/// padded entries take no probability mass and are never sampled). Errors: vocab_size outside
+/// [1, padded_vocab].
+std::vector<float> vocab_logits(const float* row, int64_t padded_vocab, int64_t vocab_size);
+
 int run_generate(const GenerateArgs& args);
 
 }  // namespace mt

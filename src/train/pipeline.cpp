@@ -150,7 +150,7 @@ ModelLayout model_layout(const std::vector<pipeline::LayerRange>& chunks,
   return out;
 }
 
-PipelineExecutor::PipelineExecutor(GptModel& model, std::shared_ptr<Communicator> pp,
+PipelineExecutor::PipelineExecutor(LanguageModel& model, std::shared_ptr<Communicator> pp,
                                    const std::vector<const PipelinePlan*>& plans)
     : model_(model), pp_(std::move(pp)) {
   int n = 0;

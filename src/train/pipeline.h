@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "comm/communicator.h"
-#include "model/gpt.h"
+#include "model/language_model.h"
 #include "parallel/pipeline/schedules.h"
 
 namespace mt {
@@ -61,7 +61,7 @@ class PipelineExecutor {
  public:
   /// model: this rank's chunks, built with model_chunks(...) for every plan it will run.
   /// pp: the pipeline group (peers of the plans' p2p actions are ranks in it).
-  PipelineExecutor(GptModel& model, std::shared_ptr<Communicator> pp, const std::vector<const PipelinePlan*>& plans);
+  PipelineExecutor(LanguageModel& model, std::shared_ptr<Communicator> pp, const std::vector<const PipelinePlan*>& plans);
 
   /// Runs plan.actions over micro_batches (this rank's, plan.config.num_microbatches of them).
   /// The loss chunk accumulates loss_accum[0] += loss_weight_scale · mb.loss_weight · sum(loss)
@@ -72,7 +72,7 @@ class PipelineExecutor {
            const Tensor& loss_accum, float loss_weight_scale, const Tensor& loss_scale, const Stream& stream);
 
  private:
-  GptModel& model_;
+  LanguageModel& model_;
   std::shared_ptr<Communicator> pp_;
   Buffer grad_pool_;
   std::vector<Tensor> grads_;

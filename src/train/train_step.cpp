@@ -2,7 +2,7 @@
 
 namespace mt {
 
-void allreduce_embedding_grads(GptModel& model, const Stream& stream) {
+void allreduce_embedding_grads(LanguageModel& model, const Stream& stream) {
   const size_t wte = model.word_embedding_index();
   const auto& emb = model.groups().embedding;
   if (wte == ParamStore::kNoParam || !emb || emb->size() <= 1) return;
@@ -10,7 +10,7 @@ void allreduce_embedding_grads(GptModel& model, const Stream& stream) {
   if (model.hooks() != nullptr) model.hooks()->grads_ready(wte, wte + 1, stream);
 }
 
-void train_step(GptModel& model, PipelineExecutor& executor, const PipelinePlan& plan, AdamWOptimizer& optimizer,
+void train_step(LanguageModel& model, PipelineExecutor& executor, const PipelinePlan& plan, AdamWOptimizer& optimizer,
                 const std::vector<MicroBatch>& micro_batches, const StepOptions& opt, const Tensor& loss_slot,
                 const Stream& stream) {
   optimizer.grad_sync().zero_grad_buffer(stream);  // zero gradients, new bucket state

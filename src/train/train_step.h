@@ -10,7 +10,7 @@
 #pragma once
 #include <vector>
 
-#include "model/gpt.h"
+#include "model/language_model.h"
 #include "optim/optimizer.h"
 #include "train/pipeline.h"
 
@@ -32,13 +32,13 @@ struct StepOptions {
 /// MicroBatch) with `plan` (plan_pipeline for plan.config.num_microbatches == micro_batches.size()).
 /// loss_slot: fp32 [1] on the device that accumulates this rank's weighted loss (non-zero on the
 /// last pipeline stage only; the sum over DP and PP ranks is the iteration's loss).
-void train_step(GptModel& model, PipelineExecutor& executor, const PipelinePlan& plan, AdamWOptimizer& optimizer,
+void train_step(LanguageModel& model, PipelineExecutor& executor, const PipelinePlan& plan, AdamWOptimizer& optimizer,
                 const std::vector<MicroBatch>& micro_batches, const StepOptions& opt, const Tensor& loss_slot,
                 const Stream& stream);
 
 /// After the schedule: all-reduce the word-embedding gradient over the embedding group when it
 /// spans pipeline stages (Megatron's _allreduce_word_embedding_grads), then report it to the
 /// model's grads_ready hook. No-op on ranks without the embedding or with a one-rank group.
-void allreduce_embedding_grads(GptModel& model, const Stream& stream);
+void allreduce_embedding_grads(LanguageModel& model, const Stream& stream);
 
 }  // namespace mt

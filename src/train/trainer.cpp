@@ -16,7 +16,7 @@
 #include "parallel/process_groups.h"
 #include "data/data_args.h"
 #include "data/masks.h"
-#include "model/gpt.h"
+#include "model/gpt_model.h"
 #include "ops/elementwise.h"
 #include "parallel/pipeline/layer_split.h"
 #include "parallel/pipeline/schedules.h"
@@ -172,7 +172,7 @@ class BatchStager {
   const data::SampleSource* pending_src_ = nullptr;
 };
 
-void check_resume_config(const GptConfig& ck, const GptConfig& m) {
+void check_resume_config(const TransformerConfig& ck, const TransformerConfig& m) {
   auto same = [](const char* flag, int64_t a, int64_t b) {
     MT_REQUIRE(a == b, "checkpoint has {} {} but the command line asks for {}", flag, a, b);
   };
@@ -181,7 +181,22 @@ void check_resume_config(const GptConfig& ck, const GptConfig& m) {
   same("--num-attention-heads", ck.num_attention_heads, m.num_attention_heads);
   same("--ffn-hidden-size", ck.ffn(), m.ffn());
   same("--max-position-embeddings", ck.max_positions(), m.max_positions());
-  same("padded vocabulary size", ck.padded_vocab_size(), m.padded_vocab_size());
+  same("vocabulary size", ck.vocab_size, m.vocab_size);
+  same("--num-query-groups", ck.query_groups(), m.query_groups());
+  same("--kv-channels", ck.head_dim(), m.head_dim());
+  auto same_flag = [](const char* what, const std::string& a, const std::string& b) {
+    MT_REQUIRE(a == b, "checkpoint has {} {} but the command line asks for {}", what, a, b);
+  };
+  same_flag("--normalization", normalization_name(ck.normalization), normalization_name(m.normalization));
+  same_flag("--position-embedding-type", position_embedding_type_name(ck.position_embedding_type),
+            position_embedding_type_name(m.position_embedding_type));
+  auto yes = [](bool b) { return std::string(b ? "on" : "off"); };
+  same_flag("--swiglu", yes(ck.gated_linear_unit), yes(m.gated_linear_unit));
+  same_flag("bias in linear layers (--disable-bias-linear)", yes(ck.add_bias_linear), yes(m.add_bias_linear));
+  same_flag("--add-qkv-bias", yes(ck.add_qkv_bias), yes(m.add_qkv_bias));
+  same_flag("--qk-layernorm", yes(ck.qk_layernorm), yes(m.qk_layernorm));
+  same_flag("--untie-embeddings-and-output-weights", yes(ck.untie_embeddings_and_output_weights),
+            yes(m.untie_embeddings_and_output_weights));
 }
 
 class ProgressLine {
@@ -247,6 +262,22 @@ int run_pretrain(PretrainArgs args) {
       resume = read_checkpoint_state(args.load);
     }
   }
+  if (resume) {
+    // A model may have more embedding rows than its tokenizer has tokens (Hugging Face models).
+    MT_REQUIRE(resume->model.vocab_size >= args.model.vocab_size,
+               "checkpoint '{}' has a vocabulary of {} tokens but the tokenizer has {}", args.load,
+               resume->model.vocab_size, args.model.vocab_size);
+    args.model.vocab_size = resume->model.vocab_size;
+    if (args.use_checkpoint_args) {
+      TransformerConfig m = resume->model;
+      m.seq_length = args.model.seq_length;  // training choices stay the command line's
+      m.hidden_dropout = args.model.hidden_dropout;
+      m.attention_dropout = args.model.attention_dropout;
+      m.init_method_std = args.model.init_method_std;
+      m.make_vocab_size_divisible_by = args.model.make_vocab_size_divisible_by;
+      args.model = m;
+    }
+  }
   validate_pretrain_args(args);
   const int64_t M = args.num_microbatches();
   pipeline::ScheduleConfig sched_cfg;
@@ -292,14 +323,13 @@ int run_pretrain(PretrainArgs args) {
   const PipelinePlan train_plan = plan_pipeline(sched_cfg, pp_rank, chunks);
   sched_cfg.forward_only = true;
   const PipelinePlan eval_plan = plan_pipeline(sched_cfg, pp_rank, chunks);
-  GptModel model(args.model, args.micro_batch_size, args.dtype(), device, groups, args.sequence_parallel,
+  GPTModel model(args.model, args.micro_batch_size, args.dtype(), device, groups, args.sequence_parallel,
                  args.param_layout(), model_layout(chunks, {&train_plan, &eval_plan}));
   PipelineExecutor executor(model, groups.pp, {&train_plan, &eval_plan});
   const auto& cfg = model.config();
-  log_info("> model: GPT {} layers, hidden {}, heads {}, ffn {}, seq {}, vocab {} (padded {}), {:.2f}M parameters, "
-           "{} on {}; activations {:.1f} MiB",
-           cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.ffn(), cfg.seq_length, cfg.vocab_size,
-           model.padded_vocab(), model.params().num_parameters() / 1e6, dtype_name(args.dtype()), device.str(),
+  log_info("> model: GPT {}, seq {}, vocab {} (padded {}), {:.2f}M parameters, {} on {}; activations {:.1f} MiB",
+           cfg.summary(), cfg.seq_length, cfg.vocab_size, model.padded_vocab(),
+           model.params().num_parameters() / 1e6, dtype_name(args.dtype()), device.str(),
            model.activation_bytes() / 1048576.0);
   if (pc.pp > 1) {
     std::string stages;
@@ -330,12 +360,22 @@ int run_pretrain(PretrainArgs args) {
 
   int64_t iteration = 0, consumed = 0;
   if (resume) {
-    CheckpointState st = load_checkpoint(args.load, model.params(), &optimizer, stream);
-    iteration = st.iteration;
-    consumed = st.consumed_train_samples;
-    MT_REQUIRE(st.seed == args.seed, "checkpoint was trained with --seed {} but --seed {} was given", st.seed,
-               args.seed);
-    log_info("> loaded checkpoint from {} at iteration {} ({} samples consumed)", args.load, iteration, consumed);
+    const bool weights_only = args.finetune || args.no_load_optim;
+    MT_REQUIRE(weights_only || resume->has_optimizer,
+               "checkpoint '{}' holds no optimizer state (written by import-hf?): add --finetune (weights only, "
+               "iteration 0) or --no-load-optim",
+               args.load);
+    CheckpointState st = load_checkpoint(args.load, model.params(), weights_only ? nullptr : &optimizer, stream);
+    if (args.finetune) {
+      log_info("> loaded the weights of {} (iteration {}) for finetuning: starting at iteration 0", args.load,
+               st.iteration);
+    } else {
+      iteration = st.iteration;
+      consumed = st.consumed_train_samples;
+      MT_REQUIRE(st.seed == args.seed, "checkpoint was trained with --seed {} but --seed {} was given", st.seed,
+                 args.seed);
+      log_info("> loaded checkpoint from {} at iteration {} ({} samples consumed)", args.load, iteration, consumed);
+    }
   } else {
     model.params().initialize(args.seed, stream);
   }
@@ -360,10 +400,10 @@ int run_pretrain(PretrainArgs args) {
                      device);
 
   auto save = [&](int64_t it) {
-    CheckpointState st{it, consumed, args.seed, cfg, optimizer.read_scalars_sync(stream)};
+    CheckpointState st{true, it, consumed, args.seed, cfg, optimizer.read_scalars_sync(stream)};
     CheckpointWriter writer{world, pc.tp, groups.tp->rank(), dp_rank,
                             [&](int t, int p) {
-                              return GptModel::param_specs(cfg, pc.tp, t, pipeline::layers_of(p, layout));
+                              return GPTModel::param_specs(cfg, pc.tp, t, pipeline::layers_of(p, layout));
                             },
                             pc.pp, pp_rank};
     save_checkpoint(args.save, st, model.params(), &optimizer, writer, stream);
@@ -405,7 +445,7 @@ int run_pretrain(PretrainArgs args) {
   const double flops_iter = cfg.flops_per_iteration(args.global_batch_size);
 
   // Validation before the first iteration of a fresh run gives the starting point of the curve.
-  if (!resume && data.valid) evaluate(0);
+  if ((!resume || args.finetune) && data.valid) evaluate(0);
   t_last = std::chrono::steady_clock::now();
   while (iteration < args.train_iters) {
     const float lr = static_cast<float>(learning_rate(sched, iteration));

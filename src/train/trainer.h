@@ -3,7 +3,7 @@
 // iterations of gradient accumulation over micro-batches, an optimizer step, Megatron-format
 // log lines every --log-interval, evaluation every --eval-interval, checkpoints every
 // --save-interval. No host synchronisation inside an iteration except at log, eval and save
-// points (DESIGN.md principle 5).
+// points (docs/architecture.md principle 5).
 #pragma once
 #include "train/arguments.h"
 

@@ -1,4 +1,4 @@
-// Megatron indexed dataset: files written byte by byte from the format spec (DESIGN.md "Formats")
+// Megatron indexed dataset: files written byte by byte from the format spec (docs/data.md)
 // are read back; the builder's output is compared byte for byte with the spec; every documented
 // corruption raises mt::Error naming the file.
 #include <gtest/gtest.h>

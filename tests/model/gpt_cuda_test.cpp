@@ -1,7 +1,7 @@
 // Whole model, CUDA against CPU: same weights, same batch; loss and every gradient.
 #include <gtest/gtest.h>
 
-#include "model/gpt.h"
+#include "model/gpt_model.h"
 #include "ops/elementwise.h"
 #include "testing/testing.h"
 
@@ -11,7 +11,7 @@ namespace {
 using testing::OwnedTensor;
 
 void compare(DType dtype, float dropout, double tol, bool documents = false) {
-  GptConfig c;
+  TransformerConfig c;
   c.num_layers = 2;
   c.hidden_size = 64;
   c.num_attention_heads = 4;
@@ -22,8 +22,8 @@ void compare(DType dtype, float dropout, double tol, bool documents = false) {
   c.attention_dropout = dropout;
   const int64_t b = 3;
   Stream cs(Device::cpu()), gs(Device::cuda(0));
-  GptModel cpu(c, b, DType::kF32, Device::cpu(), ProcessGroups::single());
-  GptModel gpu(c, b, dtype, Device::cuda(0), ProcessGroups::single());
+  GPTModel cpu(c, b, DType::kF32, Device::cpu(), ProcessGroups::single());
+  GPTModel gpu(c, b, dtype, Device::cuda(0), ProcessGroups::single());
   cpu.params().initialize(testing::test_seed(), cs);
   // Same weights: the GPU model's fp32 main params are the CPU's (rounded through the dtype so
   // both sides compute with identical weights).

@@ -4,9 +4,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <numeric>
 
-#include "model/gpt.h"
+#include "model/gpt_model.h"
 #include "ops/elementwise.h"
 #include "testing/testing.h"
 
@@ -15,8 +16,8 @@ namespace {
 
 using testing::OwnedTensor;
 
-GptConfig tiny_config(float dropout) {
-  GptConfig c;
+TransformerConfig tiny_config(float dropout) {
+  TransformerConfig c;
   c.num_layers = 2;
   c.hidden_size = 8;
   c.num_attention_heads = 2;
@@ -30,12 +31,31 @@ GptConfig tiny_config(float dropout) {
   return c;
 }
 
+/// Llama style: grouped-query attention (4 heads, 2 groups), RoPE on half the channels, SwiGLU,
+/// RMSNorm, untied output layer, no biases. qwen3: plus QKV bias and QK-norm.
+TransformerConfig tiny_llama_config(float dropout, bool qwen3 = false) {
+  TransformerConfig c = tiny_config(dropout);
+  c.hidden_size = 16;
+  c.num_attention_heads = 4;
+  c.num_query_groups = 2;
+  c.ffn_hidden_size = 12;
+  c.gated_linear_unit = true;
+  c.normalization = Normalization::kRMSNorm;
+  c.position_embedding_type = PositionEmbeddingType::kRope;
+  c.rotary_percent = 0.5f;
+  c.untie_embeddings_and_output_weights = true;
+  c.add_bias_linear = false;
+  c.add_qkv_bias = qwen3;
+  c.qk_layernorm = qwen3;
+  return c;
+}
+
 struct Harness {
   Stream stream{Device::cpu()};
-  GptModel model;
+  GPTModel model;
   OwnedTensor tokens, labels, loss;
   OwnedTensor positions, doc_start, loss_mask;  // set by with_documents()
-  Harness(const GptConfig& c, int64_t b)
+  Harness(const TransformerConfig& c, int64_t b)
       : model(c, b, DType::kF32, Device::cpu(), ProcessGroups::single()),
         tokens(testing::make_int_tensor(testing::randint(c.seq_length * b, 0, static_cast<int32_t>(c.vocab_size)),
                                         Device::cpu(), {c.seq_length, b}, stream)),
@@ -76,8 +96,7 @@ struct Harness {
   }
 };
 
-void gradient_check(float dropout, bool documents = false) {
-  const GptConfig c = tiny_config(dropout);
+void gradient_check(const TransformerConfig& c, bool documents = false) {
   Harness h_(c, 2);
   if (documents) h_.with_documents();
   const DropoutContext dc{99, 3, 1, true};
@@ -127,13 +146,18 @@ void gradient_check(float dropout, bool documents = false) {
   }
 }
 
-TEST(Gpt, GradientCheckNoDropout) { gradient_check(0.f); }
-TEST(Gpt, GradientCheckWithDropout) { gradient_check(0.2f); }
-TEST(Gpt, GradientCheckWithDocumentsAndLossMask) { gradient_check(0.2f, /*documents=*/true); }
+TEST(Gpt, GradientCheckNoDropout) { gradient_check(tiny_config(0.f)); }
+TEST(Gpt, GradientCheckWithDropout) { gradient_check(tiny_config(0.2f)); }
+TEST(Gpt, GradientCheckWithDocumentsAndLossMask) { gradient_check(tiny_config(0.2f), /*documents=*/true); }
+TEST(Gpt, LlamaGradientCheck) { gradient_check(tiny_llama_config(0.f)); }
+TEST(Gpt, LlamaGradientCheckWithDropoutAndDocuments) {
+  gradient_check(tiny_llama_config(0.2f), /*documents=*/true);  // RoPE follows the reset position ids
+}
+TEST(Gpt, Qwen3GradientCheck) { gradient_check(tiny_llama_config(0.2f, /*qwen3=*/true), /*documents=*/true); }
 
 // The last backward reports every parameter once, and the word embedding before the first
 // layer: layer 0's weight gradients are computed after the embedding backward, so that the
-// embedding's (large) gradient reduction can start first (GptModel::backward_chunk).
+// embedding's (large) gradient reduction can start first (GPTModel::backward_chunk).
 TEST(Gpt, GradsReadyOrderEmbeddingBeforeFirstLayer) {
   struct Recorder final : ParamGradHooks {
     std::vector<size_t> order;
@@ -142,7 +166,7 @@ TEST(Gpt, GradsReadyOrderEmbeddingBeforeFirstLayer) {
       for (size_t i = first; i < end; ++i) order.push_back(i);
     }
   } rec;
-  const GptConfig c = tiny_config(0.f);
+  const TransformerConfig c = tiny_config(0.f);
   Harness h(c, 2);
   h.model.set_hooks(&rec);
   const DropoutContext dc{1, 0, 0, true};
@@ -168,7 +192,7 @@ TEST(Gpt, GradsReadyOrderEmbeddingBeforeFirstLayer) {
 }
 
 TEST(Gpt, DeterministicAndDropoutKeyed) {
-  const GptConfig c = tiny_config(0.2f);
+  const TransformerConfig c = tiny_config(0.2f);
   Harness h(c, 3);
   const double a = h.loss_value({1, 5, 0, true});
   EXPECT_EQ(a, h.loss_value({1, 5, 0, true}));    // same key: bitwise the same
@@ -179,11 +203,11 @@ TEST(Gpt, DeterministicAndDropoutKeyed) {
 }
 
 TEST(Gpt, ParameterCountAndNames) {
-  GptConfig c;  // GPT-2 124M
+  TransformerConfig c;  // GPT-2 124M
   c.vocab_size = 50257;
   EXPECT_EQ(c.padded_vocab_size(), 50304);
   EXPECT_EQ(c.num_parameters(), 124475904);  // 124M with the padded vocabulary, tied embedding
-  auto specs = GptModel::param_specs(c);
+  auto specs = GPTModel::param_specs(c);
   int64_t n = 0;
   for (auto& s : specs) {
     int64_t k = 1;
@@ -196,7 +220,7 @@ TEST(Gpt, ParameterCountAndNames) {
 }
 
 TEST(Gpt, ConfigErrors) {
-  GptConfig c = tiny_config(0);
+  TransformerConfig c = tiny_config(0);
   c.num_attention_heads = 3;
   EXPECT_THROW(c.validate(), Error);
   c = tiny_config(0);
@@ -210,16 +234,114 @@ TEST(Gpt, ConfigErrors) {
   c = tiny_config(0);
   c.hidden_dropout = 1.0f;
   EXPECT_THROW(c.validate(), Error);
-  EXPECT_THROW(GptModel(tiny_config(0), 1, DType::kBF16, Device::cpu(), ProcessGroups::single()), Error);
+  EXPECT_THROW(GPTModel(tiny_config(0), 1, DType::kBF16, Device::cpu(), ProcessGroups::single()), Error);
 }
 
 TEST(Gpt, FlopsFormula) {
-  GptConfig c;
+  TransformerConfig c;
   c.vocab_size = 50257;
   // 72·B·s·L·h²·(1 + s/(6h) + V/(12·L·h)) for f = 4h (Megatron training.py).
   const double B = 16, s = 1024, L = 12, h = 768, V = 50304;
   const double expect = 72 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h));
   EXPECT_NEAR(c.flops_per_iteration(16) / expect, 1.0, 1e-12);
+}
+
+// Megatron's initialisation (Shoeybi et al. 2019, §3 / Megatron-Core init_method_normal and
+// scaled_init_method_normal): weights N(0, sigma), the output projections of attention
+// (linear_proj) and MLP (linear_fc2) N(0, sigma / sqrt(2 L)), norm weights 1, biases 0; for every
+// layer kind of the GPT-2 and Llama / Qwen architectures.
+TEST(Gpt, InitialisationStatistics) {
+  for (bool llama : {false, true}) {
+    TransformerConfig c = llama ? tiny_llama_config(0.f, /*qwen3=*/true) : tiny_config(0.f);
+    c.num_layers = 3;
+    c.hidden_size = 64;
+    c.num_attention_heads = 4;
+    c.ffn_hidden_size = llama ? 96 : 0;
+    c.vocab_size = 1000;
+    c.init_method_std = 0.02f;
+    Stream st(Device::cpu());
+    GPTModel model(c, 1, DType::kF32, Device::cpu(), ProcessGroups::single());
+    model.params().initialize(testing::test_seed(), st);
+    const double sigma = c.init_method_std, scaled = sigma / std::sqrt(2.0 * c.num_layers);
+    const ParamStore& P = model.params();
+    int normal = 0, scaled_count = 0, ones = 0, zeros = 0;
+    for (size_t i = 0; i < P.size(); ++i) {
+      const ParamInfo& p = P.info(i);
+      const std::vector<float> v = testing::to_host(P.main(i), st);
+      double mean = 0, sq = 0;
+      for (float x : v) mean += x;
+      mean /= static_cast<double>(v.size());
+      for (float x : v) sq += (x - mean) * (x - mean);
+      const double sd = std::sqrt(sq / static_cast<double>(v.size()));
+      const bool is_norm = p.name.find("layernorm.weight") != std::string::npos;
+      const bool is_bias = p.name.size() > 5 && p.name.compare(p.name.size() - 5, 5, ".bias") == 0;
+      if (is_norm) {
+        EXPECT_EQ(v, std::vector<float>(v.size(), 1.f)) << p.name;
+        ++ones;
+      } else if (is_bias) {
+        EXPECT_EQ(v, std::vector<float>(v.size(), 0.f)) << p.name;
+        ++zeros;
+      } else {
+        const bool out_proj = p.name.find("linear_proj.weight") != std::string::npos ||
+                              p.name.find("linear_fc2.weight") != std::string::npos;
+        const double want = out_proj ? scaled : sigma;
+        // The sample standard deviation of n normals is within ~1/sqrt(2n) relative (n >= 4096).
+        EXPECT_NEAR(sd / want, 1.0, 6.0 / std::sqrt(2.0 * static_cast<double>(v.size()))) << p.name;
+        EXPECT_NEAR(mean, 0.0, 6.0 * want / std::sqrt(static_cast<double>(v.size()))) << p.name;
+        (out_proj ? scaled_count : normal)++;
+      }
+    }
+    EXPECT_EQ(scaled_count, 2 * c.num_layers) << "llama " << llama;
+    // qkv, fc1 per layer, the word embedding, and the position embedding or the output layer.
+    EXPECT_EQ(normal, 2 * c.num_layers + 2) << "llama " << llama;
+    EXPECT_EQ(ones, llama ? 4 * c.num_layers + 1 : 2 * c.num_layers + 1) << "llama " << llama;
+    EXPECT_EQ(zeros, llama ? c.num_layers : 2 * c.num_layers + 1 + 4 * c.num_layers) << "llama " << llama;
+  }
+}
+
+// Megatron-Core's parameter names and shapes for a Llama / Qwen 3 style layer, and the parameter
+// count of the configuration.
+TEST(Gpt, LlamaParameterNamesAndCount) {
+  const TransformerConfig c = tiny_llama_config(0.f, /*qwen3=*/true);
+  const auto specs = GPTModel::param_specs(c);
+  int64_t n = 0;
+  std::map<std::string, std::vector<int64_t>> shapes;
+  for (const auto& s : specs) {
+    int64_t k = 1;
+    for (auto d : s.shape) k *= d;
+    n += k;
+    shapes[s.name] = s.global_shape.empty() ? s.shape : s.global_shape;
+  }
+  EXPECT_EQ(n, c.num_parameters());
+  const int64_t h = 16, d = 4, qkv = (4 + 2 * 2) * d;
+  EXPECT_EQ(shapes.at("decoder.layers.1.self_attention.linear_qkv.weight"), (std::vector<int64_t>{qkv, h}));
+  EXPECT_EQ(shapes.at("decoder.layers.1.self_attention.linear_qkv.bias"), (std::vector<int64_t>{qkv}));
+  EXPECT_EQ(shapes.at("decoder.layers.1.self_attention.q_layernorm.weight"), (std::vector<int64_t>{d}));
+  EXPECT_EQ(shapes.at("decoder.layers.1.self_attention.k_layernorm.weight"), (std::vector<int64_t>{d}));
+  EXPECT_EQ(shapes.at("decoder.layers.1.self_attention.linear_proj.weight"), (std::vector<int64_t>{h, 4 * d}));
+  EXPECT_EQ(shapes.at("decoder.layers.1.mlp.linear_fc1.weight"), (std::vector<int64_t>{2, 12, h}));  // [gate; up]
+  EXPECT_EQ(shapes.at("decoder.layers.1.mlp.linear_fc2.weight"), (std::vector<int64_t>{h, 12}));
+  EXPECT_EQ(shapes.at("output_layer.weight"), (std::vector<int64_t>{40, h}));
+  EXPECT_EQ(shapes.count("embedding.position_embeddings.weight"), 0u);
+  EXPECT_EQ(shapes.count("decoder.layers.1.mlp.linear_fc1.bias"), 0u);
+  EXPECT_EQ(shapes.count("decoder.layers.1.input_layernorm.bias"), 0u);  // RMSNorm: weight only
+}
+
+// Megatron's --ffn-hidden-size default with --swiglu and its FLOP count for GQA and SwiGLU.
+TEST(Gpt, LlamaDefaultsAndFlops) {
+  TransformerConfig c;
+  c.hidden_size = 2048;
+  c.gated_linear_unit = true;
+  EXPECT_EQ(c.ffn(), 5440);  // int(4 * 2048 * 2 / 3 / 64) * 64
+  c.num_layers = 16;
+  c.num_attention_heads = 32;
+  c.num_query_groups = 8;
+  c.ffn_hidden_size = 8192;
+  c.seq_length = 2048;
+  c.vocab_size = 50257;
+  const double B = 8, s = 2048, L = 16, h = 2048, V = 50304;
+  const double expect = 12 * B * s * L * h * h * ((1 + 8.0 / 32 + s / h) * 1.0 + (8192 / h) * 1.5 + V / (2 * L * h));
+  EXPECT_NEAR(c.flops_per_iteration(8) / expect, 1.0, 1e-12);
 }
 
 }  // namespace

@@ -56,7 +56,8 @@ inline Model gpt_like(int num_layers, int tp = 1, int tp_rank = 0, bool shared_c
     p.tensor_parallel = split && tp > 1;
     if (p.tensor_parallel) {  // split the rows (column-parallel / vocab-parallel); 1-D: one row
       p.shape[0] = gshape[0] / tp;
-      (gshape.size() >= 2 ? p.shard.row_offset : p.shard.col_offset) = tp_rank * p.shape[0];
+      p.shard_offset.assign(gshape.size(), 0);
+      p.shard_offset[0] = tp_rank * p.shape[0];
     }
     m.specs.push_back(p);
   };
@@ -96,12 +97,8 @@ inline float grad_value(int step, int rank, const std::string& name, int64_t g) 
   return static_cast<float>(static_cast<double>(x >> 40) / static_cast<double>(1ULL << 24) * 2.0 - 1.0);
 }
 
-/// Global flat index of local element e of a parameter (rows split by its shard offset).
-inline int64_t global_index(const ParamInfo& p, int64_t e) {
-  const int64_t rows = p.shape.size() >= 2 ? p.shape[0] : 1;
-  const int64_t cols = p.numel / rows;
-  return (p.shard.row_offset + e / cols) * p.shard.global_cols + p.shard.col_offset + e % cols;
-}
+/// Global flat index of local element e of a parameter (its shard box).
+inline int64_t global_index(const ParamInfo& p, int64_t e) { return p.box.global_index(e); }
 
 /// Local gradient of parameter i of `P` for (step, rank); the sum over `ranks` ranks (fp32,
 /// in rank order, as the thread communicator reduces) when ranks > 0 and rank < 0.

@@ -1,6 +1,6 @@
 // Data-parallel gradient buckets (ParamStore layout), GradSync (bucketed / overlapped
 // reduction, ZeRO-1 ownership, parameter all-gather) and AdamW over owned ranges, on CPU with
-// ranks as threads (DESIGN.md: N ranks == 1 rank). The reference is one rank stepping on the
+// ranks as threads (docs/architecture.md: N ranks == 1 rank). The reference is one rank stepping on the
 // summed gradients; with the same operation order (no distributed optimizer) results must be
 // bitwise identical, otherwise the norm is summed in another order and they agree to 1e-6.
 #include <gtest/gtest.h>

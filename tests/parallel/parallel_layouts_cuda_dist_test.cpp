@@ -28,7 +28,7 @@
 #include <map>
 
 #include "comm/bootstrap.h"
-#include "model/gpt.h"
+#include "model/gpt_model.h"
 #include "ops/elementwise.h"
 #include "optim/grad_sync.h"
 #include "parallel/process_groups.h"
@@ -43,8 +43,8 @@ using testing::OwnedTensor;
 
 constexpr int kIters = 2;
 
-GptConfig config() {
-  GptConfig c;
+TransformerConfig config() {
+  TransformerConfig c;
   c.num_layers = 4;
   c.hidden_size = 64;
   c.num_attention_heads = 4;
@@ -78,7 +78,7 @@ struct RunResult {
 RunResult train(const std::shared_ptr<Communicator>& world, const Layout& L, DType dtype, Device dev,
                 const std::vector<int32_t>& tokens, const std::vector<int32_t>& labels, int64_t mb,
                 int64_t num_micro_total) {
-  const GptConfig c = config();
+  const TransformerConfig c = config();
   const int64_t S = c.seq_length;
   ParallelConfig pc;
   pc.tp = L.tp;
@@ -99,7 +99,7 @@ RunResult train(const std::shared_ptr<Communicator>& world, const Layout& L, DTy
   sc.num_microbatches = M;
   const PipelinePlan plan = plan_pipeline(sc, g.pp->rank(), chunks);
   Stream st(dev);
-  GptModel model(c, mb, dtype, dev, g, L.sp, ParamLayout(dp, L.overlap ? 30000 : 0),
+  GPTModel model(c, mb, dtype, dev, g, L.sp, ParamLayout(dp, L.overlap ? 30000 : 0),
                  model_layout(chunks, {&plan}));
   PipelineExecutor exec(model, g.pp, {&plan});
   GradSync sync(model.params(), g.dp, DdpConfig{L.overlap, L.overlap && L.zero, L.zero});
@@ -143,11 +143,8 @@ RunResult train(const std::shared_ptr<Communicator>& world, const Layout& L, DTy
 
 // The slice of a full (reference) tensor that a shard covers.
 std::vector<float> slice(const std::vector<float>& full, const ParamInfo& shard) {
-  const int64_t rows = shard.shape.size() == 2 ? shard.shape[0] : 1, cols = shard.numel / rows;
   std::vector<float> out(static_cast<size_t>(shard.numel));
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c)
-      out[r * cols + c] = full[(shard.shard.row_offset + r) * shard.shard.global_cols + shard.shard.col_offset + c];
+  for (int64_t e = 0; e < shard.numel; ++e) out[e] = full[shard.box.global_index(e)];
   return out;
 }
 
@@ -162,7 +159,7 @@ TEST(ParallelLayoutsNccl, Bf16LayoutsMatchOneGpu) {
   const Device dev = local_device(DeviceType::kCUDA, env);
   set_current_device(dev);
   auto world = init_world(dev, env, 5.0);
-  const GptConfig c = config();
+  const TransformerConfig c = config();
   const int64_t mb = 2, num_micro = 8;
   std::vector<int32_t> tokens = testing::randint(num_micro * mb * c.seq_length, 0, 250);
   std::vector<int32_t> labels = testing::randint(num_micro * mb * c.seq_length, 0, 250);

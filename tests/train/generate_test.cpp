@@ -45,6 +45,21 @@ TEST(SampleToken, TemperatureSharpensAndFlattens) {
   EXPECT_NEAR(hot[0] / 4000.0, 0.525, 0.03);     // p = 1 / (1 + e^-0.1)
 }
 
+// The vocabulary padding is never sampled, however large its logits are.
+TEST(SampleToken, PaddedVocabularyIsNeverSampled) {
+  std::vector<float> padded{0.5f, 1.f, 0.f, 100.f, 200.f};  // 3 real tokens, 2 padded entries
+  const std::vector<float> real = vocab_logits(padded.data(), 5, 3);
+  ASSERT_EQ(real.size(), 3u);
+  std::mt19937_64 rng(7);
+  for (int i = 0; i < 2000; ++i) {
+    const int32_t t = sample_token(real, i % 2 == 0, 2.f, 0, 0.f, rng);
+    ASSERT_GE(t, 0);
+    ASSERT_LT(t, 3);
+  }
+  EXPECT_EQ(sample_token(real, true, 1.f, 0, 0.f, rng), 1);
+  EXPECT_THROW(vocab_logits(padded.data(), 5, 6), Error);
+}
+
 TEST(SampleToken, BadArguments) {
   std::mt19937_64 rng(1);
   EXPECT_THROW(sample_token({1.f}, false, 0.f, 0, 0.f, rng), Error);

@@ -70,8 +70,7 @@ class TrainerLayouts : public ::testing::Test {
   void TearDown() override { fs::remove_all(dir_); }
   std::string flags(const std::string& extra) const {
     // Dropout on: the masks must not depend on the layout either. Vocabulary padded to a multiple
-    // of 64 x TP: 50304 for TP 1 and 2 alike (Megatron pads per TP size; a different padding is a
-    // different model).
+    // of 64 x TP: 50304 for TP 1 and 2 alike (DefaultVocabPadding... checks different paddings).
     return "pretrain --num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
            "--max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 8 --lr 3e-3 --min-lr 3e-4 "
            "--lr-decay-style cosine --lr-warmup-iters 1 --lr-decay-iters 6 --log-interval 1 --eval-iters 1 "
@@ -195,6 +194,39 @@ TEST_F(TrainerLayouts, CheckpointReshardsAcrossTensorParallelSizes) {
                                      "--num-layers-per-virtual-pipeline-stage 1",
                                  &l));
   expect_same(l, full_losses, "1 rank -> pp2 vpp2");
+}
+
+// Megatron's default --make-vocab-size-divisible-by 128 pads the vocabulary per TP size (50304 at
+// TP 1, 50432 at TP 2, 50688 at TP 4). The padded entries take no probability mass (issue 21), so
+// every TP size trains the same model, and a checkpoint moves between the paddings.
+TEST_F(TrainerLayouts, DefaultVocabPaddingEveryTensorParallelSize) {
+  const std::string pad = " --make-vocab-size-divisible-by 128";
+  RunResult full = run(flags("--train-iters 6" + pad));
+  ASSERT_EQ(full.rc, 0) << full.out;
+  EXPECT_NE(full.out.find("padded 50304"), std::string::npos) << full.out;
+  const auto full_losses = losses(full.out);
+  for (const std::string layout : {"--nproc-per-node 2 --tensor-model-parallel-size 2",
+                                   "--nproc-per-node 4 --tensor-model-parallel-size 4 --sequence-parallel"}) {
+    RunResult r = run(flags("--train-iters 6 " + layout + pad));
+    ASSERT_EQ(r.rc, 0) << layout << "\n" << r.out;
+    EXPECT_NE(r.out.find(layout.find("size 2") != std::string::npos ? "padded 50432" : "padded 50688"),
+              std::string::npos)
+        << r.out;
+    expect_same(losses(r.out), full_losses, layout);
+  }
+  // TP 1 (50304 rows) -> TP 2 (50432) and TP 4 (50688); TP 4 -> TP 1.
+  RunResult first;
+  std::map<int, double> l;
+  const std::string ck1 = (dir_ / "ck_pad_tp1").string();
+  ASSERT_NO_FATAL_FAILURE(save_half(ck1, pad, &first));
+  ASSERT_NO_FATAL_FAILURE(resume(first, ck1, "--nproc-per-node 2 --tensor-model-parallel-size 2" + pad, &l));
+  expect_same(l, full_losses, "tp1 -> tp2, default padding");
+  ASSERT_NO_FATAL_FAILURE(resume(first, ck1, "--nproc-per-node 4 --tensor-model-parallel-size 4" + pad, &l));
+  expect_same(l, full_losses, "tp1 -> tp4, default padding");
+  const std::string ck4 = (dir_ / "ck_pad_tp4").string();
+  ASSERT_NO_FATAL_FAILURE(save_half(ck4, "--nproc-per-node 4 --tensor-model-parallel-size 4" + pad, &first));
+  ASSERT_NO_FATAL_FAILURE(resume(first, ck4, pad, &l));
+  expect_same(l, full_losses, "tp4 -> tp1, default padding");
 }
 
 TEST_F(TrainerLayouts, BadLayoutErrors) {

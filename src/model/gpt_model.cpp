@@ -1,0 +1,308 @@
+#include "model/gpt_model.h"
+
+#include "model/layers/embedding.h"
+#include "model/layers/output_head.h"
+#include "model/layers/transformer_layer.h"
+#include "model/specs.h"
+
+namespace mt {
+
+namespace {
+std::vector<pipeline::LayerRange> whole_model(const TransformerConfig& c) {
+  pipeline::LayerRange r;
+  r.begin = 0;
+  r.end = c.num_layers;
+  r.has_embedding = r.has_loss = true;
+  return {r};
+}
+}  // namespace
+
+// The modules of one rank, declared in ParamStore order: the embedding (if a chunk has it), the
+// layers of every chunk in order, the head (if a chunk has the loss). Holds the config and TP
+// region the modules refer to, so it never moves.
+struct GPTModel::Parts {
+  Parts(const TransformerConfig& config, TensorParallelRegion tp_region, const std::vector<pipeline::LayerRange>& ranges)
+      : cfg(config), tp(std::move(tp_region)) {
+    bool has_embedding = false, has_loss = false;
+    for (const auto& r : ranges) {
+      has_embedding |= r.has_embedding;
+      has_loss |= r.has_loss;
+    }
+    if (has_embedding) embedding = std::make_unique<LanguageModelEmbedding>(cfg, tp, registry);
+    const std::vector<LayerSpec> specs = get_gpt_decoder_layer_specs(cfg);
+    for (const auto& r : ranges)
+      for (int64_t l = r.begin; l < r.end; ++l)
+        layers.push_back(std::make_unique<TransformerLayer>(cfg, specs[static_cast<size_t>(l)], l, tp, registry));
+    if (has_loss)
+      head = std::make_unique<LanguageModelHead>(cfg, tp, registry,
+                                                 embedding && cfg.tied_output() ? &embedding->word_embeddings() : nullptr);
+  }
+  Parts(const Parts&) = delete;
+  Parts& operator=(const Parts&) = delete;
+
+  TransformerConfig cfg;
+  TensorParallelRegion tp;
+  ParamRegistry registry;
+  std::unique_ptr<LanguageModelEmbedding> embedding;
+  std::vector<std::unique_ptr<TransformerLayer>> layers;
+  std::unique_ptr<LanguageModelHead> head;
+};
+
+// One model chunk: its layer range, its modules and its input buffers.
+struct GPTModel::ChunkState {
+  pipeline::LayerRange range;
+  LanguageModelEmbedding* embedding = nullptr;
+  std::vector<TransformerLayer*> layers;
+  LanguageModelHead* head = nullptr;
+  std::vector<Tensor> input;  // input buffers [s_l, b, h]
+};
+
+std::vector<ParamSpec> GPTModel::param_specs(const TransformerConfig& c, int tp, int tp_rank,
+                                             const std::vector<pipeline::LayerRange>& chunks) {
+  const Parts parts(c, TensorParallelRegion::layout_only(tp, tp_rank), chunks.empty() ? whole_model(c) : chunks);
+  return parts.registry.specs();
+}
+
+GPTModel::GPTModel(const TransformerConfig& config, int64_t micro_batch, DType dtype, Device device,
+                   ProcessGroups groups, bool sequence_parallel, ParamLayout param_layout, ModelLayout layout)
+    : config_(config),
+      micro_batch_(micro_batch),
+      dtype_(dtype),
+      device_(device),
+      groups_(std::move(groups)),
+      tp_(groups_.tp, sequence_parallel) {
+  config_.validate(tp_.size());
+  (void)tp_.local_seq(config_.seq_length);  // errors when SP cannot split the sequence
+  MT_REQUIRE(micro_batch > 0, "--micro-batch-size must be positive, got {}", micro_batch);
+  MT_REQUIRE(device.is_cuda() || dtype == DType::kF32, "{} training needs --device cuda (the CPU backend is fp32)",
+             dtype_name(dtype));
+  std::vector<ModelChunk>& chunks = layout.chunks;
+  if (chunks.empty()) chunks.push_back({whole_model(config_)[0], 1, 1});
+  MT_REQUIRE(layout.activation_slots >= 1, "the model needs at least one activation slot, got {}",
+             layout.activation_slots);
+  activation_slots_ = layout.activation_slots;
+  std::vector<pipeline::LayerRange> ranges;
+  int64_t prev_end = 0;
+  for (size_t c = 0; c < chunks.size(); ++c) {
+    const auto& r = chunks[c].layers;
+    MT_REQUIRE(r.begin >= 0 && r.begin <= r.end && r.end <= config_.num_layers && (c == 0 || r.begin >= prev_end),
+               "model chunk {} holds layers [{}, {}): expected increasing, non-overlapping ranges within [0, {})", c,
+               r.begin, r.end, config_.num_layers);
+    MT_REQUIRE(chunks[c].inputs >= 1 && chunks[c].loss_slots >= 1,
+               "model chunk {} needs at least one input buffer and loss slot, got {} and {}", c, chunks[c].inputs,
+               chunks[c].loss_slots);
+    prev_end = r.end;
+    ranges.push_back(r);
+  }
+  chunk_specs_ = chunks;
+  parts_ = std::make_unique<Parts>(config_, tp_, ranges);
+  params_ = std::make_unique<ParamStore>(parts_->registry.specs(), dtype, device, param_layout);
+  parts_->registry.bind(*params_);
+  if (config_.tied_output()) {
+    word_embedding_index_ = parts_->embedding ? parts_->embedding->word_embeddings().index
+                                              : (parts_->head ? parts_->head->output_weight().index
+                                                              : ParamStore::kNoParam);
+  }
+  // Per registry group: the replicated parameters whose gradients are partial sums over TP.
+  const ParamStore& P = *params_;
+  for (size_t g = 0; g < parts_->registry.num_groups(); ++g) {
+    const auto [first, end] = parts_->registry.group_range(g);
+    tp_partial_.push_back(P.ranges([&, first = first, end = end](const ParamInfo& p) {
+      const size_t i = static_cast<size_t>(&p - P.infos().data());
+      const bool partial = (p.tp_grad_sum == TpGradSum::kAlways && tp_.size() > 1) ||
+                           (p.tp_grad_sum == TpGradSum::kSequenceParallel && tp_.sequence_parallel());
+      return i >= first && i < end && partial;
+    }));
+  }
+  chunks_.resize(chunks.size());
+  size_t next_layer = 0;
+  for (size_t c = 0; c < chunks.size(); ++c) {
+    ChunkState& ch = chunks_[c];
+    ch.range = chunks[c].layers;
+    if (ch.range.has_embedding) ch.embedding = parts_->embedding.get();
+    for (int64_t l = ch.range.begin; l < ch.range.end; ++l) ch.layers.push_back(parts_->layers[next_layer++].get());
+    if (ch.range.has_loss) ch.head = parts_->head.get();
+  }
+  planner_ = std::make_unique<BufferPlanner>(device, dtype);
+  planner_->begin_pass();
+  plan(*planner_);
+  planner_->materialize();
+  planner_->begin_pass();
+  plan(*planner_);
+}
+
+GPTModel::~GPTModel() = default;
+
+void GPTModel::plan(BufferPlanner& p) {
+  using Family = BufferPlanner::Family;
+  const int64_t s = config_.seq_length, b = micro_batch_, sl = tp_.local_seq(s), h = config_.hidden_size;
+  for (size_t c = 0; c < chunks_.size(); ++c) {
+    ChunkState& ch = chunks_[c];
+    ch.input.assign(static_cast<size_t>(chunk_specs_[c].inputs), Tensor());
+    for (auto& in : ch.input) in = p.persistent(dtype_, {sl, b, h}, "chunk input");
+  }
+  // Activation slots: every chunk's layers fill a slot from its start (a slot holds one forward
+  // of one chunk at a time).
+  for (int slot = 0; slot < activation_slots_; ++slot) {
+    for (ChunkState& ch : chunks_) {
+      p.open_area(Family::kActivations, slot);
+      for (TransformerLayer* layer : ch.layers) layer->plan(p, s, b);
+      p.close_area();
+    }
+  }
+  for (size_t c = 0; c < chunks_.size(); ++c) {
+    if (!chunks_[c].head) continue;
+    for (int k = 0; k < chunk_specs_[c].loss_slots; ++k) {
+      p.open_area(Family::kHead, k);
+      chunks_[c].head->plan(p, s, b);
+      p.close_area();
+    }
+  }
+  if (parts_->embedding) parts_->embedding->plan(p, s, b);
+  residual_grad_ = p.scratch("model.residual_grad", dtype_, {sl, b, h});
+}
+
+size_t GPTModel::activation_bytes() const { return planner_->bytes(); }
+
+const ModelChunk& GPTModel::chunk(int c) const {
+  MT_REQUIRE(c >= 0 && c < num_chunks(), "model chunk {} requested; this rank has {}", c, num_chunks());
+  return chunk_specs_[static_cast<size_t>(c)];
+}
+
+std::vector<int64_t> GPTModel::boundary_shape() const {
+  return {tp_.local_seq(config_.seq_length), micro_batch_, config_.hidden_size};
+}
+
+Tensor GPTModel::chunk_input(int c, int input) const {
+  MT_REQUIRE(input >= 0 && input < chunk(c).inputs, "input buffer {} of model chunk {} requested; it has {}", input,
+             c, chunk(c).inputs);
+  return chunks_[static_cast<size_t>(c)].input[static_cast<size_t>(input)];
+}
+
+void GPTModel::check_buffers(int c, const ChunkBuffers& buf) const {
+  chunk_input(c, buf.input);  // checks c and the input buffer
+  MT_REQUIRE(buf.slot >= 0 && buf.slot < activation_slots_, "activation slot {} requested; the model has {}",
+             buf.slot, activation_slots_);
+  MT_REQUIRE(!chunks_[static_cast<size_t>(c)].head || (buf.head >= 0 && buf.head < chunk(c).loss_slots),
+             "loss slot {} of model chunk {} requested; it has {}", buf.head, c, chunk(c).loss_slots);
+}
+
+Tensor GPTModel::chunk_output(int c, const ChunkBuffers& buf) const {
+  check_buffers(c, buf);
+  const ChunkState& ch = chunks_[static_cast<size_t>(c)];
+  if (ch.layers.empty()) return ch.input[static_cast<size_t>(buf.input)];
+  return ch.layers.back()->output(buf.slot);
+}
+
+Tensor GPTModel::logits(int head) const {
+  return parts_->head ? parts_->head->logits(head) : Tensor();
+}
+
+bool GPTModel::embedding_shared_across_stages() const {
+  return config_.tied_output() && groups_.embedding && groups_.embedding->size() > 1;
+}
+
+void GPTModel::grads_final(size_t first, size_t end, const Stream& st) {
+  if (hooks_ != nullptr && first < end) hooks_->grads_ready(first, end, st);
+}
+
+void GPTModel::finish_group(size_t group, const Stream& st) {
+  for (const ParamStore::Range& r : tp_partial_[group])
+    tp_.all_reduce_grads(params_->grads_flat().flat_range(r.begin, r.end - r.begin), st);
+  auto [first, end] = parts_->registry.group_range(group);
+  // The last stage's copy of a tied embedding is reported by the step executor after the
+  // embedding-group all-reduce (train/train_step.h) when that group spans stages.
+  if (embedding_shared_across_stages()) {
+    for (size_t i = first; i < end; ++i) {
+      if (!params_->info(i).shared_embedding_copy) continue;
+      grads_final(first, i, st);
+      first = i + 1;
+    }
+  }
+  grads_final(first, end, st);
+}
+
+void GPTModel::forward(const MicroBatch& mb, const DropoutContext& dc, const Tensor& loss_accum, float loss_weight,
+                       const Stream& st, bool compute_loss) {
+  MT_REQUIRE(num_chunks() == 1 && chunks_[0].embedding && chunks_[0].head,
+             "GPTModel::forward needs the whole model on this rank (use forward_chunk with pipeline parallelism)");
+  forward_chunk(0, ChunkBuffers{}, mb, dc, loss_accum, loss_weight, st, /*first_forward=*/false, compute_loss);
+}
+
+void GPTModel::backward(const MicroBatch& mb, const DropoutContext& dc, float grad_scale, const Tensor& loss_scale,
+                        const Stream& st, bool last_backward) {
+  MT_REQUIRE(num_chunks() == 1 && chunks_[0].embedding && chunks_[0].head,
+             "GPTModel::backward needs the whole model on this rank (use backward_chunk with pipeline parallelism)");
+  backward_chunk(0, ChunkBuffers{}, mb, dc, Tensor(), grad_scale, loss_scale, st, last_backward);
+}
+
+Tensor GPTModel::forward_chunk(int c, const ChunkBuffers& buf, const MicroBatch& mb, const DropoutContext& dc,
+                               const Tensor& loss_accum, float loss_weight, const Stream& st, bool first_forward,
+                               bool compute_loss) {
+  check_buffers(c, buf);
+  ChunkState& ch = chunks_[static_cast<size_t>(c)];
+  const Tensor in = ch.input[static_cast<size_t>(buf.input)];
+  const StepContext ctx{mb, dc, buf.slot, st};
+  auto needed = [&](size_t group) {
+    const auto [first, end] = parts_->registry.group_range(group);
+    if (first_forward && hooks_ != nullptr && first < end) hooks_->params_needed(first, end, st);
+  };
+  if (ch.embedding) {
+    needed(ch.embedding->param_group());
+    ch.embedding->forward(in, ctx);
+  }
+  Tensor x = in;
+  for (TransformerLayer* layer : ch.layers) {
+    needed(layer->param_group());
+    x = layer->forward(x, ctx);
+  }
+  if (!ch.head) return x;
+  needed(ch.head->param_group());
+  ch.head->forward(x, loss_accum, loss_weight, compute_loss, StepContext{mb, dc, buf.head, st});
+  return Tensor();
+}
+
+void GPTModel::backward_chunk(int c, const ChunkBuffers& buf, const MicroBatch& mb, const DropoutContext& dc,
+                              const Tensor& grad, float grad_scale, const Tensor& loss_scale, const Stream& st,
+                              bool last_backward) {
+  check_buffers(c, buf);
+  ChunkState& ch = chunks_[static_cast<size_t>(c)];
+  const Tensor in = ch.input[static_cast<size_t>(buf.input)];
+  const Tensor g = grad.empty() ? residual_grad_ : grad;  // running dL/d(residual stream)
+  if (!grad.empty()) check_tensor(grad, dtype_, {boundary_shape()[0], micro_batch_, config_.hidden_size},
+                                  "pipeline gradient buffer");
+  const StepContext ctx{mb, dc, buf.slot, st};
+  const size_t nlayers = ch.layers.size();
+  auto layer_input = [&](size_t i) { return i == 0 ? in : ch.layers[i - 1]->output(buf.slot); };
+  if (ch.head) {
+    ch.head->backward(g, layer_input(nlayers), grad_scale, loss_scale, StepContext{mb, dc, buf.head, st});
+    if (last_backward) finish_group(ch.head->param_group(), st);
+  }
+  // The chunk's last backward with the embedding: the first layer's weight gradients wait until
+  // the embedding backward has made the word embedding's gradient final, so that its reduction
+  // (the largest bucket, the last one to complete otherwise) runs beside them instead of after
+  // the backward. Same operations on the same buffers, only later: bitwise identical gradients.
+  deferred_.clear();
+  const bool defer_first = last_backward && ch.embedding && nlayers > 0;
+  for (size_t i = nlayers; i-- > 0;) {
+    const bool defer = defer_first && i == 0;
+    ch.layers[i]->backward(layer_input(i), g, ctx, defer ? &deferred_ : nullptr);
+    if (last_backward && !defer) finish_group(ch.layers[i]->param_group(), st);
+  }
+  if (!ch.embedding) return;
+  ch.embedding->backward(g, ctx);
+  if (last_backward) {
+    // Report the position embedding first, then the word embedding unless the step executor does
+    // (a tied embedding shared with the last stage).
+    const auto [first, end] = parts_->registry.group_range(ch.embedding->param_group());
+    const size_t word = ch.embedding->word_embeddings().index;
+    for (size_t i = first; i < end; ++i)
+      if (i != word) grads_final(i, i + 1, st);
+    if (!embedding_shared_across_stages()) grads_final(word, word + 1, st);
+  }
+  if (!defer_first) return;
+  deferred_.run(st);
+  finish_group(ch.layers[0]->param_group(), st);
+}
+
+}  // namespace mt

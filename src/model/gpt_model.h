@@ -1,0 +1,113 @@
+// GPTModel (Megatron-Core models/gpt/gpt_model.py): a decoder-only language model composed of
+// declared parts (docs/architecture.md principle 7): LanguageModelEmbedding on the first
+// pipeline stage, TransformerLayers built from the layer specs of the TransformerConfig
+// (model/specs.h), and the LanguageModelHead (final norm, output layer, vocab-parallel cross
+// entropy) on the last stage. One class covers GPT-2 and the Llama / Qwen family; the parameter
+// list, the activation plan, gradient buckets and checkpoints all come from the parts'
+// declarations.
+//
+// Tensor parallelism (Shoeybi et al. 2019, §3) over groups.tp: attention split by query groups,
+// MLP column then row, vocab-parallel embedding and cross entropy; sequence_parallel (Korthikanti
+// et al. 2022): activations outside the TP regions sharded along s (parallel/mappings.h).
+// Pipeline parallelism: this rank's chunks (ModelLayout) with their buffers.
+#pragma once
+#include <memory>
+#include <vector>
+
+#include "model/language_model.h"
+#include "parallel/mappings.h"
+
+namespace mt {
+
+class LanguageModelEmbedding;
+class LanguageModelHead;
+class TransformerLayer;
+
+class GPTModel final : public LanguageModel {
+ public:
+  /// Builds parameters (uninitialised: call params().initialize(seed) or load a checkpoint) and
+  /// plans activations for `micro_batch` sequences of config.seq_length tokens.
+  /// dtype: activations and model parameters (fp32 on CPU; fp32/bf16/fp16 on CUDA).
+  /// param_layout: data-parallel size and gradient bucket size of the flat buffers (params.h).
+  /// layout: this rank's model chunks and buffers; empty = the whole model as one chunk with one
+  /// of each buffer. Errors: mt::Error for an invalid configuration (TransformerConfig::validate),
+  /// chunks that overlap or lie outside [0, num_layers), counts < 1, a non-fp32 dtype on the CPU,
+  /// and out-of-memory.
+  GPTModel(const TransformerConfig& config, int64_t micro_batch, DType dtype, Device device, ProcessGroups groups,
+           bool sequence_parallel = false, ParamLayout param_layout = {}, ModelLayout layout = {});
+  ~GPTModel() override;
+  GPTModel(const GPTModel&) = delete;
+  GPTModel& operator=(const GPTModel&) = delete;
+
+  /// The parameter specs of TP rank `tp_rank` of `tp` for the given chunks (empty = whole model),
+  /// in ParamStore order, with Megatron-Core's names (global layer numbers), local shapes and
+  /// shard boxes. A rank with the loss but not the embedding of a tied model holds a copy of the
+  /// word embedding under the same name, flagged shared_embedding_copy.
+  static std::vector<ParamSpec> param_specs(const TransformerConfig& config, int tp = 1, int tp_rank = 0,
+                                            const std::vector<pipeline::LayerRange>& chunks = {});
+
+  // LanguageModel
+  const TransformerConfig& config() const override { return config_; }
+  ParamStore& params() override { return *params_; }
+  const ParamStore& params() const override { return *params_; }
+  const ProcessGroups& groups() const override { return groups_; }
+  int64_t micro_batch() const override { return micro_batch_; }
+  DType dtype() const override { return dtype_; }
+  Device device() const override { return device_; }
+  int64_t padded_vocab() const override { return config_.padded_vocab_size(tp_.size()); }
+  size_t activation_bytes() const override;
+  int num_chunks() const override { return static_cast<int>(chunk_specs_.size()); }
+  const ModelChunk& chunk(int c) const override;
+  int activation_slots() const override { return activation_slots_; }
+  std::vector<int64_t> boundary_shape() const override;
+  Tensor chunk_input(int c, int input) const override;
+  Tensor chunk_output(int c, const ChunkBuffers& buf) const override;
+  Tensor forward_chunk(int c, const ChunkBuffers& buf, const MicroBatch& mb, const DropoutContext& dc,
+                       const Tensor& loss_accum, float loss_weight, const Stream& stream, bool first_forward = false,
+                       bool compute_loss = true) override;
+  void backward_chunk(int c, const ChunkBuffers& buf, const MicroBatch& mb, const DropoutContext& dc,
+                      const Tensor& grad, float grad_scale, const Tensor& loss_scale, const Stream& stream,
+                      bool last_backward) override;
+  Tensor logits(int head = 0) const override;
+  ParamGradHooks* hooks() const override { return hooks_; }
+  void set_hooks(ParamGradHooks* hooks) override { hooks_ = hooks; }
+  size_t word_embedding_index() const override { return word_embedding_index_; }
+
+  bool sequence_parallel() const { return tp_.sequence_parallel(); }
+  /// Whole model on this rank (one chunk with embedding and loss), slot 0: forward of one
+  /// micro-batch (see forward_chunk).
+  void forward(const MicroBatch& mb, const DropoutContext& dc, const Tensor& loss_accum, float loss_weight,
+               const Stream& stream, bool compute_loss = true);
+  /// Backward of the micro-batch whose forward ran last (see backward_chunk).
+  void backward(const MicroBatch& mb, const DropoutContext& dc, float grad_scale, const Tensor& loss_scale,
+                const Stream& stream, bool last_backward = true);
+
+ private:
+  struct Parts;  // the modules and their registry
+  struct ChunkState;
+  void plan(BufferPlanner& planner);
+  void check_buffers(int c, const ChunkBuffers& buf) const;  // errors naming an index out of range
+  bool embedding_shared_across_stages() const;
+  void grads_final(size_t first, size_t end, const Stream& stream);
+  void finish_group(size_t group, const Stream& stream);  // TP all-reduce of partial grads + grads_ready
+
+  TransformerConfig config_;
+  int64_t micro_batch_;
+  DType dtype_;
+  Device device_;
+  ProcessGroups groups_;
+  TensorParallelRegion tp_;
+  std::unique_ptr<Parts> parts_;
+  std::unique_ptr<ParamStore> params_;
+  std::unique_ptr<BufferPlanner> planner_;
+  std::vector<ModelChunk> chunk_specs_;
+  std::vector<ChunkState> chunks_;
+  int activation_slots_ = 1;
+  Tensor residual_grad_;  // [s_l, b, h]: the running dL/d(residual stream) when no grad is given
+  ParamGradHooks* hooks_ = nullptr;
+  WgradDeferral deferred_;
+  size_t word_embedding_index_ = ParamStore::kNoParam;
+  std::vector<std::vector<ParamStore::Range>> tp_partial_;  // per registry group: grads to all-reduce over TP
+};
+
+}  // namespace mt

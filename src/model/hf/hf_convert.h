@@ -1,0 +1,71 @@
+// Hugging Face interchange (docs/huggingface.md): config.json <-> TransformerConfig and the
+// per-layer weight mapping between a transformers checkpoint and Megatron-Core's parameter names
+// and layouts, for GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM.
+//
+// Layout conversions (facts from transformers' modeling files and Megatron-Core's checkpoint
+// converters):
+//   * QKV: transformers keeps q_proj [n·d, h], k_proj [g·d, h], v_proj [g·d, h] (GPT-2: one
+//     Conv1D c_attn [h, 3h] holding q | k | v columns); Megatron-Core's linear_qkv is
+//     [(n + 2g)·d, h] in per-query-group order: for each group its n/g query heads, then its key
+//     head, then its value head.
+//   * GPT-2's Conv1D weights are [in, out]: transposed to Megatron's [out, in].
+//   * SwiGLU: gate_proj and up_proj [f, h] stack into linear_fc1 [2, f, h] (gate first).
+//   * RoPE: transformers' Llama/Qwen rotate halves of each head (rotate_half), which is Megatron's
+//     non-interleaved RoPE on the same weight order: no permutation.
+//   * Vocabulary: padded with zero rows on import (the padding is inert), dropped on export.
+#pragma once
+#include <map>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "model/hf/safetensors.h"
+#include "model/transformer_config.h"
+
+namespace mt::hf {
+
+enum class HfArchitecture { kGpt2, kLlama, kQwen2, kQwen3 };
+
+/// "GPT2LMHeadModel", "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM".
+const char* architecture_name(HfArchitecture a);
+/// Errors: mt::Error naming the value and the supported architectures.
+HfArchitecture parse_architecture(const std::string& name);
+
+struct HfModel {
+  HfArchitecture arch = HfArchitecture::kGpt2;
+  TransformerConfig config;
+  nlohmann::json config_json;  ///< the config.json read (or written)
+};
+
+/// Reads <dir>/config.json into a TransformerConfig. seq_length: the model's --seq-length (0 =
+/// min(max_position_embeddings, 4096)). Errors (mt::Error naming the file and the field): a missing
+/// or unreadable file, invalid JSON, an unknown architecture, a missing or ill-typed field, and
+/// features megatron.cpp does not implement (RoPE scaling, sliding windows, biases only on some
+/// projections, non-tanh GELU for GPT-2, ...).
+HfModel read_hf_config(const std::string& dir, int64_t seq_length = 0, int64_t make_vocab_size_divisible_by = 128);
+
+/// The architecture that represents `config`: GPT-2 (LayerNorm, learned positions, biases,
+/// GELU, tied), Llama (RMSNorm, RoPE, SwiGLU, no biases), Qwen 2 (Llama + QKV bias), Qwen 3
+/// (Llama + QK-norm). Errors: a configuration none of them represents, naming the mismatch.
+HfArchitecture infer_architecture(const TransformerConfig& config);
+/// Checks that `arch` can represent `config`; errors name the first field that differs.
+void check_representable(HfArchitecture arch, const TransformerConfig& config);
+
+/// config.json for `arch` and `config`. Fields of `base` (a config.json read at import: token
+/// ids, generation defaults, torch_dtype) are kept unless they describe the architecture.
+nlohmann::json make_hf_config(HfArchitecture arch, const TransformerConfig& config, const nlohmann::json& base,
+                              DType dtype);
+
+/// Global (unsharded) fp32 tensors under Megatron-Core's names, in the global shapes of
+/// GPTModel::param_specs at TP 1 (vocabulary tensors with their padding rows).
+using GlobalTensors = std::map<std::string, std::vector<float>>;
+
+/// Maps a transformers checkpoint onto GlobalTensors. Errors: a tensor missing (naming it and the
+/// directory) or with a shape that disagrees with config.json (naming both shapes).
+GlobalTensors hf_to_megatron(const HfModel& model, const SafetensorsCheckpoint& ckpt);
+/// The inverse: the transformers tensors of `model` in `dtype` (fp32, bf16 or fp16). Errors: a
+/// missing Megatron tensor.
+std::vector<TensorToWrite> megatron_to_hf(const HfModel& model, const GlobalTensors& tensors, DType dtype);
+
+}  // namespace mt::hf

@@ -1,0 +1,103 @@
+// The model interface the pipeline executor, the trainer, checkpoints and generation work against
+// (docs/architecture.md "Modules"): one rank's model chunks (pipeline stages, Megatron's
+// model[vp_stage]) with explicit forward and backward per chunk, their activation buffers, and the
+// parameter store. GPTModel (model/gpt_model.h) implements it for every decoder-only architecture
+// its TransformerConfig describes.
+#pragma once
+#include <vector>
+
+#include "comm/communicator.h"
+#include "model/module.h"
+#include "model/param_hooks.h"
+#include "model/params.h"
+#include "model/transformer_config.h"
+#include "parallel/pipeline/layer_split.h"
+
+namespace mt {
+
+/// One model chunk of this rank: the layers [layers.begin, layers.end) in global numbering,
+/// whether it holds the embedding (pipeline stage 0, Megatron pre_process) and/or the final norm +
+/// LM head + loss (the last stage, post_process), and its buffer counts (train/pipeline.h computes
+/// them from the schedule).
+struct ModelChunk {
+  pipeline::LayerRange layers;
+  int inputs = 1;      ///< input buffers [s_l, b, h]: inputs held, including received ones not yet forwarded
+  int loss_slots = 1;  ///< loss chunk: saved head activations (final norm, logits) of forwarded micro-batches
+};
+/// This rank's chunks and its activation slots. A slot holds the saved activations of one
+/// forward of any chunk (sized for the chunk that needs the most), so the slots alive at once are
+/// the schedule's forwarded-not-yet-backwarded micro-batches over all chunks (Megatron's bound),
+/// not a per-chunk sum. Empty chunks = the whole model as one chunk.
+struct ModelLayout {
+  std::vector<ModelChunk> chunks;
+  int activation_slots = 1;
+};
+/// Which buffers one forward/backward of a chunk uses (ModelChunk / ModelLayout).
+struct ChunkBuffers {
+  int slot = 0;   ///< activation slot
+  int input = 0;  ///< the chunk's input buffer
+  int head = 0;   ///< the loss chunk's head slot
+};
+
+class LanguageModel {
+ public:
+  virtual ~LanguageModel() = default;
+
+  virtual const TransformerConfig& config() const = 0;
+  virtual ParamStore& params() = 0;
+  virtual const ParamStore& params() const = 0;
+  virtual const ProcessGroups& groups() const = 0;
+  virtual int64_t micro_batch() const = 0;
+  virtual DType dtype() const = 0;
+  virtual Device device() const = 0;
+  /// Vocabulary padded for this model's tensor-parallel size.
+  virtual int64_t padded_vocab() const = 0;
+  /// Bytes of the planned activation and workspace memory.
+  virtual size_t activation_bytes() const = 0;
+
+  // --- model chunks (pipeline parallelism; train/pipeline.h drives them) ---
+  virtual int num_chunks() const = 0;
+  virtual const ModelChunk& chunk(int c) const = 0;
+  virtual int activation_slots() const = 0;
+  /// Activation shape of one stage boundary: [s_l, b, h].
+  virtual std::vector<int64_t> boundary_shape() const = 0;
+  /// Input buffer `input` [s_l, b, h] of chunk c: the receive buffer of a chunk without the
+  /// embedding (the previous stage's output lands here and stays until the backward that reads
+  /// it); written by the embedding otherwise.
+  virtual Tensor chunk_input(int c, int input) const = 0;
+  /// Output [s_l, b, h] of chunk c after forward_chunk with these buffers (what the next stage
+  /// receives).
+  virtual Tensor chunk_output(int c, const ChunkBuffers& buf) const = 0;
+  /// Forward of micro-batch mb through chunk c, saving activations in buf.slot (and buf.head for
+  /// the loss chunk); its input must be in chunk_input(c, buf.input) unless the chunk has the
+  /// embedding, which writes it there. Returns the chunk's output [s_l, b, h] (valid until the slot
+  /// is reused; empty for the loss chunk, which instead accumulates loss_accum[0] +=
+  /// loss_weight · Σ losses). first_forward: the chunk's first forward of the step (params_needed
+  /// hooks are called). compute_loss = false: the loss chunk only produces logits (generation).
+  virtual Tensor forward_chunk(int c, const ChunkBuffers& buf, const MicroBatch& mb, const DropoutContext& dc,
+                               const Tensor& loss_accum, float loss_weight, const Stream& stream,
+                               bool first_forward = false, bool compute_loss = true) = 0;
+  /// Backward of micro-batch mb through chunk c from the buffers its forward used. grad
+  /// [s_l, b, h] (activation dtype): on entry dL/d(output) (ignored by the loss chunk), on exit
+  /// dL/d(input) (unspecified for the embedding chunk); empty = internal scratch (chunks with both
+  /// embedding and loss). Weight gradients accumulate (+=) into the fp32 main gradients, of
+  /// grad_scale · loss_scale[0] · Σ loss_mask · losses (loss_scale: fp32 [1] or empty = 1).
+  /// last_backward: the chunk's last backward of the step: after each layer (and the head and the
+  /// embedding) the TP all-reduce of partial replicated gradients runs and
+  /// hooks()->grads_ready is called (param_hooks.h).
+  virtual void backward_chunk(int c, const ChunkBuffers& buf, const MicroBatch& mb, const DropoutContext& dc,
+                              const Tensor& grad, float grad_scale, const Tensor& loss_scale, const Stream& stream,
+                              bool last_backward) = 0;
+  /// Logits [s·b, V/tp] of the loss chunk's head slot `head` after its forward (row = i_s·b +
+  /// i_b; this rank's vocabulary shard); empty without a loss chunk.
+  virtual Tensor logits(int head = 0) const = 0;
+
+  // --- data-parallel hooks and the tied embedding ---
+  virtual ParamGradHooks* hooks() const = 0;
+  virtual void set_hooks(ParamGradHooks* hooks) = 0;
+  /// Index in params() of the word embedding (or the last stage's copy of it) when the output
+  /// layer is tied to it; ParamStore::kNoParam when untied or this rank holds neither.
+  virtual size_t word_embedding_index() const = 0;
+};
+
+}  // namespace mt

@@ -1,0 +1,175 @@
+#include "model/layers/attention.h"
+
+#include <cmath>
+
+#include "ops/rope.h"
+
+namespace mt {
+
+// ---------------------------------------------------------------------------------------------
+// DotProductAttention
+// ---------------------------------------------------------------------------------------------
+
+DotProductAttention::DotProductAttention(const TransformerConfig& c, int64_t layer, const TensorParallelRegion& tp)
+    : config_(c),
+      layer_(layer),
+      heads_(c.num_attention_heads / tp.size()),
+      groups_(c.query_groups() / tp.size()),
+      head_offset_(tp.rank() * (c.num_attention_heads / tp.size())) {}
+
+void DotProductAttention::plan(BufferPlanner& p, int64_t s, int64_t b) {
+  const DType t = p.act_dtype();
+  const int64_t d = config_.head_dim();
+  const size_t a = static_cast<size_t>(p.area());
+  if (saved_.size() <= a) saved_.resize(a + 1);
+  AttentionBuffers& buf = saved_[a];
+  buf.q = p.saved(t, {b, heads_, s, d}, "q");
+  buf.k = p.saved(t, {b, groups_, s, d}, "k");
+  buf.v = p.saved(t, {b, groups_, s, d}, "v");
+  buf.probs = p.saved(t, {b, heads_, s, s}, "attention probabilities");
+  buf.scratch = p.scratch("core_attention.scratch", t, {b, heads_, s, s});
+  buf.dq = p.scratch("core_attention.dq", t, {b, heads_, s, d});
+  buf.dk = p.scratch("core_attention.dk", t, {b, groups_, s, d});
+  buf.dv = p.scratch("core_attention.dv", t, {b, groups_, s, d});
+}
+
+AttentionConfig DotProductAttention::attention_config(const StepContext& ctx, int64_t s, int64_t b) const {
+  AttentionConfig c;
+  c.seq = s;
+  c.batch = b;
+  c.heads = heads_;
+  c.groups = groups_;
+  c.head_dim = config_.head_dim();
+  c.softmax_scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+  c.dropout_p = ctx.dropout.training ? config_.attention_dropout : 0.f;
+  c.dropout_key = dropout_key(ctx.dropout, layer_, kSiteAttentionProbs);
+  c.head_offset = head_offset_;
+  c.total_heads = config_.num_attention_heads;
+  c.doc_start = ctx.batch.doc_start;
+  return c;
+}
+
+void DotProductAttention::forward(const Tensor& context, const Tensor& qkv, const StepContext& ctx) {
+  attention_forward(context, qkv, saved_.at(static_cast<size_t>(ctx.slot)),
+                    attention_config(ctx, qkv.size(0), qkv.size(1)), ctx.stream);
+}
+
+void DotProductAttention::backward(const Tensor& dqkv, const Tensor& dcontext, const StepContext& ctx) {
+  attention_backward(dqkv, dcontext, saved_.at(static_cast<size_t>(ctx.slot)),
+                     attention_config(ctx, dqkv.size(0), dqkv.size(1)), ctx.stream);
+}
+
+// ---------------------------------------------------------------------------------------------
+// SelfAttention
+// ---------------------------------------------------------------------------------------------
+
+namespace {
+std::string attention_prefix(int64_t layer) { return fmt::format("decoder.layers.{}.self_attention", layer); }
+
+ColumnParallelLinear::Options qkv_options(const TransformerConfig& c, int64_t layer) {
+  ColumnParallelLinear::Options o;
+  o.prefix = attention_prefix(layer) + ".linear_qkv";
+  o.in = c.hidden_size;
+  o.out = (c.num_attention_heads + 2 * c.query_groups()) * c.head_dim();
+  o.bias = c.qkv_bias();
+  o.init_std = c.init_method_std;
+  return o;
+}
+
+RowParallelLinear::Options proj_options(const TransformerConfig& c, int64_t layer) {
+  RowParallelLinear::Options o;
+  o.prefix = attention_prefix(layer) + ".linear_proj";
+  o.in = c.num_attention_heads * c.head_dim();
+  o.out = c.hidden_size;
+  o.bias = c.add_bias_linear;
+  // Megatron's scaled_init_method_normal: output projections at sigma / sqrt(2 L).
+  o.init_std = c.init_method_std / std::sqrt(2.0f * static_cast<float>(c.num_layers));
+  return o;
+}
+
+std::unique_ptr<CoreAttention> make_core_attention(const TransformerConfig& c, const LayerSpec& spec, int64_t layer,
+                                                   const TensorParallelRegion& tp) {
+  switch (spec.core_attention) {
+    case CoreAttentionKind::kDotProduct: return std::make_unique<DotProductAttention>(c, layer, tp);
+  }
+  MT_FAIL("unknown core attention kind {}", static_cast<int>(spec.core_attention));
+}
+}  // namespace
+
+SelfAttention::SelfAttention(const TransformerConfig& c, const LayerSpec& spec, int64_t layer,
+                             const TensorParallelRegion& tp, ParamRegistry& reg)
+    : config_(c),
+      tp_(tp),
+      queries_per_group_(c.num_attention_heads / c.query_groups()),
+      local_groups_(c.query_groups() / tp.size()),
+      head_dim_(c.head_dim()),
+      rope_(c.position_embedding_type == PositionEmbeddingType::kRope),
+      linear_qkv_(qkv_options(c, layer), tp, reg),
+      core_attention_(make_core_attention(c, spec, layer, tp)),
+      linear_proj_(proj_options(c, layer), tp, reg) {
+  if (spec.qk_layernorm) {
+    // Every TP rank normalises its own heads with the shared weights: partial gradients.
+    q_layernorm_ = std::make_unique<Norm>(c, attention_prefix(layer) + ".q_layernorm", head_dim_, TpGradSum::kAlways, reg);
+    k_layernorm_ = std::make_unique<Norm>(c, attention_prefix(layer) + ".k_layernorm", head_dim_, TpGradSum::kAlways, reg);
+  }
+}
+
+Tensor SelfAttention::heads(const Tensor& qkv, bool keys) const {
+  const Tensor t = qkv.view({qkv.numel() / ((queries_per_group_ + 2) * head_dim_), queries_per_group_ + 2, head_dim_});
+  return keys ? t.slice(1, queries_per_group_, queries_per_group_ + 1) : t.slice(1, 0, queries_per_group_);
+}
+
+void SelfAttention::plan(BufferPlanner& p, int64_t s, int64_t b) {
+  const DType t = p.act_dtype();
+  const std::vector<int64_t> shape{s, b, local_groups_, queries_per_group_ + 2, head_dim_};
+  linear_qkv_.plan(p, s, b);
+  qkv_ = p.scratch("self_attention.qkv", t, shape);
+  dqkv_ = p.scratch("self_attention.dqkv", t, shape);
+  if (q_layernorm_) {
+    const size_t a = static_cast<size_t>(p.area());
+    if (qkv_raw_.size() <= a) qkv_raw_.resize(a + 1);
+    qkv_raw_[a] = p.saved(t, shape, "qkv before q/k layernorm");
+    q_layernorm_->plan(p, s * b * local_groups_ * queries_per_group_);
+    k_layernorm_->plan(p, s * b * local_groups_);
+  }
+  core_attention_->plan(p, s, b);
+  linear_proj_.plan(p, s, b);
+}
+
+namespace {
+RopeConfig rope_config(const TransformerConfig& c, int64_t qpg) {
+  RopeConfig r;
+  r.queries_per_group = qpg;
+  r.rotary_dim = c.rotary_dim();
+  r.base = c.rotary_base;
+  r.interleaved = c.rotary_interleaved;
+  return r;
+}
+}  // namespace
+
+Tensor SelfAttention::forward(const StepContext& ctx) {
+  const Tensor raw = q_layernorm_ ? qkv_raw_.at(static_cast<size_t>(ctx.slot)) : qkv_;
+  linear_qkv_.forward(raw, ctx);
+  if (q_layernorm_) {
+    copy(qkv_, raw, ctx.stream);  // the value heads; the norms overwrite queries and keys
+    q_layernorm_->forward(heads(qkv_, false), heads(raw, false), ctx);
+    k_layernorm_->forward(heads(qkv_, true), heads(raw, true), ctx);
+  }
+  if (rope_) rope_forward(qkv_, ctx.batch.position_ids, rope_config(config_, queries_per_group_), ctx.stream);
+  core_attention_->forward(linear_proj_.input(ctx.slot), qkv_, ctx);
+  return linear_proj_.forward(ctx);
+}
+
+Tensor SelfAttention::backward(const Tensor& dy, const StepContext& ctx, WgradDeferral* defer) {
+  const Tensor dcontext = linear_proj_.backward(dy, ctx, defer);
+  core_attention_->backward(dqkv_, dcontext, ctx);
+  if (rope_) rope_backward(dqkv_, ctx.batch.position_ids, rope_config(config_, queries_per_group_), ctx.stream);
+  if (q_layernorm_) {
+    const Tensor raw = qkv_raw_.at(static_cast<size_t>(ctx.slot));
+    q_layernorm_->backward(heads(dqkv_, false), heads(dqkv_, false), heads(raw, false), false, ctx);
+    k_layernorm_->backward(heads(dqkv_, true), heads(dqkv_, true), heads(raw, true), false, ctx);
+  }
+  return linear_qkv_.backward(dqkv_, ctx, defer);
+}
+
+}  // namespace mt

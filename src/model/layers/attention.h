@@ -1,0 +1,83 @@
+// Self-attention block (Megatron-Core transformer/attention.py SelfAttention;
+// Vaswani et al. 2017, Shoeybi et al. 2019 §3): linear_qkv (ColumnParallelLinear, split by query
+// groups) -> optional q_layernorm / k_layernorm (per head) -> rotary position embedding -> core
+// attention -> linear_proj (RowParallelLinear). Shapes on one TP rank: n_l = n/tp query heads,
+// g_l = g/tp key/value heads, d head dim, s sequence, s_l = s/tp with sequence parallelism.
+// The fused QKV output is Megatron-Core's per-query-group layout [s, b, g_l, n/g + 2, d].
+#pragma once
+#include <memory>
+#include <vector>
+
+#include "model/layers/linear.h"
+#include "model/layers/norm.h"
+#include "model/specs.h"
+#include "model/transformer_config.h"
+#include "ops/attention.h"
+
+namespace mt {
+
+/// The core attention submodule: context = softmax(scale · q kᵀ + causal/document mask) v with
+/// attention dropout, from the fused QKV tensor. Implementations: DotProductAttention.
+class CoreAttention {
+ public:
+  virtual ~CoreAttention() = default;
+  /// Plans saved tensors (open area) and scratch for micro-batch b.
+  virtual void plan(BufferPlanner& planner, int64_t s, int64_t b) = 0;
+  /// context [s, b, n_l·d] from qkv [s, b, g_l, qpg + 2, d].
+  virtual void forward(const Tensor& context, const Tensor& qkv, const StepContext& ctx) = 0;
+  /// dqkv (overwrite) from dcontext, using what the forward saved.
+  virtual void backward(const Tensor& dqkv, const Tensor& dcontext, const StepContext& ctx) = 0;
+};
+
+/// Megatron's DotProductAttention ("local"): ops/attention.h, which saves q, k, v and the
+/// probabilities [b, n_l, s, s].
+class DotProductAttention final : public CoreAttention {
+ public:
+  DotProductAttention(const TransformerConfig& config, int64_t layer, const TensorParallelRegion& tp);
+  void plan(BufferPlanner& planner, int64_t s, int64_t b) override;
+  void forward(const Tensor& context, const Tensor& qkv, const StepContext& ctx) override;
+  void backward(const Tensor& dqkv, const Tensor& dcontext, const StepContext& ctx) override;
+
+ private:
+  AttentionConfig attention_config(const StepContext& ctx, int64_t s, int64_t b) const;
+  const TransformerConfig& config_;
+  int64_t layer_;
+  int64_t heads_, groups_, head_offset_;
+  std::vector<AttentionBuffers> saved_;  // per area; scratch, dq, dk, dv shared
+};
+
+class SelfAttention {
+ public:
+  /// prefix: "decoder.layers.<layer>.self_attention".
+  SelfAttention(const TransformerConfig& config, const LayerSpec& spec, int64_t layer, const TensorParallelRegion& tp,
+                ParamRegistry& registry);
+  SelfAttention(const SelfAttention&) = delete;
+  SelfAttention& operator=(const SelfAttention&) = delete;
+
+  void plan(BufferPlanner& planner, int64_t s, int64_t b);
+  /// Where the input layernorm writes the block's input [s_l, b, h] for `area`.
+  Tensor input(int area) const { return linear_qkv_.input(area); }
+  /// Returns the block's output [s_l, b, h] before the output bias (a scratch view).
+  Tensor forward(const StepContext& ctx);
+  /// From dy [s_l, b, h]: returns dL/d(input) [s_l, b, h] (a scratch view). With `defer`, the
+  /// weight gradients of linear_proj and linear_qkv are held back there.
+  Tensor backward(const Tensor& dy, const StepContext& ctx, WgradDeferral* defer);
+  /// linear_proj's bias (added by the layer's bias-dropout-add), unbound without biases.
+  const ParamRef& output_bias() const { return linear_proj_.bias(); }
+
+ private:
+  /// The query (or key) heads of a QKV tensor [s, b, g_l, qpg + 2, d] as rows [s·b·g_l, count, d].
+  Tensor heads(const Tensor& qkv, bool keys) const;
+  const TransformerConfig& config_;
+  const TensorParallelRegion& tp_;
+  int64_t queries_per_group_, local_groups_, head_dim_;
+  bool rope_;
+  ColumnParallelLinear linear_qkv_;
+  std::unique_ptr<Norm> q_layernorm_, k_layernorm_;
+  std::unique_ptr<CoreAttention> core_attention_;
+  RowParallelLinear linear_proj_;
+  std::vector<Tensor> qkv_raw_;  // qk-layernorm: the projection's output per area (norm inputs)
+  Tensor qkv_, dqkv_;            // scratch [s, b, g_l, qpg + 2, d]
+};
+
+}  // namespace mt

@@ -1,0 +1,111 @@
+#include "model/layers/linear.h"
+
+#include "model/layers/parallel_params.h"
+#include "ops/matmul.h"
+
+namespace mt {
+
+namespace {
+std::string last_component(const std::string& prefix) {
+  const size_t dot = prefix.rfind('.');
+  return dot == std::string::npos ? prefix : prefix.substr(dot + 1);
+}
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// ColumnParallelLinear
+// ---------------------------------------------------------------------------------------------
+
+ColumnParallelLinear::ColumnParallelLinear(const Options& o, const TensorParallelRegion& tp, ParamRegistry& reg)
+    : tp_(tp), in_(o.in), out_(o.out), parts_(o.parts), weight_ptr_(o.shared_weight ? o.shared_weight : &weight_) {
+  if (!o.shared_weight) {
+    ParamSpec w = column_parallel_weight(o.prefix + ".weight", out_, in_, o.init_std, tp.size(), tp.rank(), parts_);
+    w.shared_embedding_copy = o.shared_embedding_copy;
+    w.vocab_rows = o.vocab_rows;
+    reg.declare(std::move(w), &weight_);
+  }
+  if (o.bias) reg.declare(column_parallel_bias(o.prefix + ".bias", out_, tp.size(), tp.rank(), parts_), &bias_);
+}
+
+void ColumnParallelLinear::plan(BufferPlanner& p, int64_t s, int64_t b) {
+  const DType t = p.act_dtype();
+  const size_t a = static_cast<size_t>(p.area());
+  if (saved_.size() <= a) saved_.resize(a + 1);
+  saved_[a] = p.saved(t, {s, b, in_}, "column-parallel input");
+  const int64_t sl = tp_.local_seq(s);
+  input_local_ = tp_.sequence_parallel() ? p.scratch("column_parallel.input_local", t, {sl, b, in_}) : Tensor();
+  dx_full_ = p.scratch("column_parallel.dx", t, {s, b, in_});
+  dx_local_ = tp_.sequence_parallel() ? p.scratch("column_parallel.dx_local", t, {sl, b, in_}) : dx_full_;
+}
+
+Tensor ColumnParallelLinear::input(int area) const {
+  return tp_.sequence_parallel() ? input_local_ : saved_.at(static_cast<size_t>(area));
+}
+
+void ColumnParallelLinear::forward(const Tensor& y, const StepContext& ctx, const Tensor& pre_gelu) {
+  const Tensor& x = saved_.at(static_cast<size_t>(ctx.slot));
+  tp_.enter_forward(x, input_local_, ctx.stream);
+  const int64_t n = local_out();
+  linear_forward(y.view({y.numel() / n, n}), rows(x), weight().value(), value_or_empty(bias_),
+                 pre_gelu.empty() ? Tensor() : pre_gelu.view({pre_gelu.numel() / n, n}), ctx.stream);
+}
+
+Tensor ColumnParallelLinear::backward(const Tensor& dy, const StepContext& ctx, WgradDeferral* defer) {
+  const Tensor& x = saved_.at(static_cast<size_t>(ctx.slot));
+  const Tensor dw = weight().grad(), db = grad_or_empty(bias_);
+  const Tensor dy2 = dy.view({dy.numel() / local_out(), local_out()});
+  if (defer) {
+    linear_backward(rows(dx_full_), Tensor(), Tensor(), dy2, rows(x), weight().value(), ctx.stream);
+    defer->add(dw, db, dy2, rows(x), weight().value());
+  } else {
+    linear_backward(rows(dx_full_), dw, db, dy2, rows(x), weight().value(), ctx.stream);
+  }
+  tp_.enter_backward(dx_local_, dx_full_, ctx.stream);
+  return dx_local_;
+}
+
+// ---------------------------------------------------------------------------------------------
+// RowParallelLinear
+// ---------------------------------------------------------------------------------------------
+
+RowParallelLinear::RowParallelLinear(const Options& o, const TensorParallelRegion& tp, ParamRegistry& reg)
+    : tp_(tp), in_(o.in), out_(o.out), role_(last_component(o.prefix)) {
+  reg.declare(row_parallel_weight(o.prefix + ".weight", out_, in_, o.init_std, tp.size(), tp.rank()), &weight_);
+  if (o.bias)
+    reg.declare(replicated_param(o.prefix + ".bias", {out_}, InitKind::kZeros, 0.f, TpGradSum::kSequenceParallel),
+                &bias_);
+}
+
+void RowParallelLinear::plan(BufferPlanner& p, int64_t s, int64_t b) {
+  const DType t = p.act_dtype();
+  const size_t a = static_cast<size_t>(p.area());
+  if (saved_.size() <= a) saved_.resize(a + 1);
+  const int64_t in_l = in_ / tp_.size(), sl = tp_.local_seq(s);
+  saved_[a] = p.saved(t, {s, b, in_l}, "row-parallel input");
+  out_full_ = p.scratch("row_parallel.out", t, {s, b, out_});
+  out_local_ = tp_.sequence_parallel() ? p.scratch("row_parallel.out_local", t, {sl, b, out_}) : out_full_;
+  dy_full_ = tp_.sequence_parallel() ? p.scratch("row_parallel.dy", t, {s, b, out_}) : Tensor();
+  dx_ = p.scratch(role_ + ".dx", t, {s, b, in_l});
+}
+
+Tensor RowParallelLinear::forward(const StepContext& ctx) {
+  const Tensor& x = saved_.at(static_cast<size_t>(ctx.slot));
+  linear_forward(rows(out_full_), rows(x), weight_.value(), Tensor(), Tensor(), ctx.stream);
+  tp_.exit_forward(out_local_, out_full_, ctx.stream);
+  return out_local_;
+}
+
+Tensor RowParallelLinear::backward(const Tensor& dy, const StepContext& ctx, WgradDeferral* defer) {
+  const Tensor& x = saved_.at(static_cast<size_t>(ctx.slot));
+  const Tensor dy_full = tp_.sequence_parallel() ? dy_full_ : dy;
+  tp_.exit_backward(dy_full, dy, ctx.stream);
+  if (defer) {
+    linear_backward(rows(dx_), Tensor(), Tensor(), rows(dy_full), rows(x), weight_.value(), ctx.stream);
+    defer->add(weight_.grad(), Tensor(), rows(dy_full), rows(x), weight_.value());
+  } else {
+    linear_backward(rows(dx_), weight_.grad(), Tensor(), rows(dy_full), rows(x), weight_.value(), ctx.stream);
+  }
+  return dx_;
+}
+
+}  // namespace mt

@@ -1,0 +1,115 @@
+// Tensor-parallel linear layers (Megatron-Core tensor_parallel/layers.py; Shoeybi et al. 2019 §3).
+// Shapes: s sequence, s_l = s/tp with sequence parallelism (else s), b micro-batch.
+//
+// ColumnParallelLinear: y = x Wᵀ (+ b), W [parts·out, in] split by output rows over TP (each of the
+// `parts` stacked blocks split, for the gated SwiGLU fc1). Its input enters the TP region here
+// (TensorParallelRegion::enter_*): the producer writes x [s_l, b, in] into input(area); forward
+// gathers it into the saved [s, b, in] it multiplies (the same memory without SP).
+//
+// RowParallelLinear: y = x Wᵀ, W [out, in] split by input columns; its input [s, b, in/tp] is
+// inside the TP region (written by the producer into input(area) and saved for the weight
+// gradient); the partial products leave the region here (all-reduce, or reduce-scatter with SP).
+// Its bias [out] is replicated and NOT added here (Megatron's skip_bias_add): the caller fuses it
+// into bias-dropout-add.
+//
+// Scratch is shared by role across layers (docs/architecture.md): the gathered output-gradient
+// of every RowParallelLinear and the input-gradient of every ColumnParallelLinear share one
+// buffer each, a RowParallelLinear's input-gradient is shared per role (prefix's last
+// component, e.g. "linear_proj").
+#pragma once
+#include <string>
+#include <vector>
+
+#include "model/module.h"
+#include "parallel/mappings.h"
+
+namespace mt {
+
+class ColumnParallelLinear {
+ public:
+  struct Options {
+    std::string prefix;      ///< e.g. "decoder.layers.0.self_attention.linear_qkv"
+    int64_t in = 0, out = 0;  ///< global sizes of one block
+    int64_t parts = 1;        ///< stacked blocks split separately (2 for a gated fc1)
+    bool bias = true;
+    float init_std = 0.02f;
+    /// Use this weight instead of declaring one (the output layer tied to the word embedding).
+    const ParamRef* shared_weight = nullptr;
+    /// Declare the weight flagged shared_embedding_copy (the last pipeline stage's copy of a tied
+    /// word embedding; model/params.h).
+    bool shared_embedding_copy = false;
+    /// > 0: the output rows are the padded vocabulary, of which this many are real (ParamSpec).
+    int64_t vocab_rows = 0;
+  };
+  ColumnParallelLinear(const Options& o, const TensorParallelRegion& tp, ParamRegistry& registry);
+  ColumnParallelLinear(const ColumnParallelLinear&) = delete;
+  ColumnParallelLinear& operator=(const ColumnParallelLinear&) = delete;
+
+  /// Plans the saved gathered input [s, b, in] in the open area and the shared scratch.
+  void plan(BufferPlanner& planner, int64_t s, int64_t b);
+  /// Where the producer writes this layer's input [s_l, b, in] for `area`.
+  Tensor input(int area) const;
+  /// The gathered input [s, b, in] of `area` (valid after forward).
+  Tensor input_full(int area) const { return saved_.at(static_cast<size_t>(area)); }
+  /// y [s, b, parts·out/tp] = x Wᵀ (+ b); with pre_gelu given (same shape), the GELU epilogue:
+  /// pre_gelu = x Wᵀ + b, y = gelu(pre_gelu) (ops/matmul.h).
+  void forward(const Tensor& y, const StepContext& ctx, const Tensor& pre_gelu = Tensor());
+  /// From dy [s, b, parts·out/tp]: returns dL/dx [s_l, b, in] (a scratch view, valid until the next
+  /// ColumnParallelLinear backward); dW (+= dyᵀ x) and db (+= Σ dy) now, or appended to `defer`.
+  Tensor backward(const Tensor& dy, const StepContext& ctx, WgradDeferral* defer = nullptr);
+  const ParamRef& weight() const { return *weight_ptr_; }
+  const ParamRef& bias() const { return bias_; }
+  int64_t local_out() const { return parts_ * out_ / tp_.size(); }
+
+ private:
+  const TensorParallelRegion& tp_;
+  int64_t in_, out_, parts_;
+  ParamRef weight_, bias_;
+  const ParamRef* weight_ptr_;
+  std::vector<Tensor> saved_;  // per area: the gathered input [s, b, in]
+  Tensor input_local_;         // SP: [s_l, b, in] scratch the producer writes
+  Tensor dx_full_, dx_local_;  // [s, b, in], [s_l, b, in] (same memory without SP)
+};
+
+class RowParallelLinear {
+ public:
+  struct Options {
+    std::string prefix;       ///< e.g. "decoder.layers.0.self_attention.linear_proj"
+    int64_t in = 0, out = 0;  ///< global sizes
+    bool bias = true;         ///< declare the (replicated, skip-add) bias
+    float init_std = 0.02f;
+  };
+  RowParallelLinear(const Options& o, const TensorParallelRegion& tp, ParamRegistry& registry);
+  RowParallelLinear(const RowParallelLinear&) = delete;
+  RowParallelLinear& operator=(const RowParallelLinear&) = delete;
+
+  /// Plans the saved input [s, b, in/tp] in the open area and the shared scratch.
+  void plan(BufferPlanner& planner, int64_t s, int64_t b);
+  /// Where the producer writes this layer's input [s, b, in/tp] for `area` (saved).
+  Tensor input(int area) const { return saved_.at(static_cast<size_t>(area)); }
+  /// Returns y [s_l, b, out] = reduce over TP of x Wᵀ, without the bias (a scratch view, valid
+  /// until the next RowParallelLinear forward).
+  Tensor forward(const StepContext& ctx);
+  /// From dy [s_l, b, out]: returns dL/dx [s, b, in/tp] (a scratch view of this role); dW += dyᵀ x
+  /// now or appended to `defer` (then dy's gathered copy must stay intact until it runs).
+  Tensor backward(const Tensor& dy, const StepContext& ctx, WgradDeferral* defer = nullptr);
+  const ParamRef& weight() const { return weight_; }
+  /// The bias [out] (unbound when the layer has none).
+  const ParamRef& bias() const { return bias_; }
+
+ private:
+  const TensorParallelRegion& tp_;
+  int64_t in_, out_;
+  std::string role_;
+  ParamRef weight_, bias_;
+  std::vector<Tensor> saved_;   // per area: input [s, b, in/tp]
+  Tensor out_full_, out_local_;  // [s, b, out], [s_l, b, out] (same memory without SP)
+  Tensor dy_full_;               // SP: the gathered output gradient [s, b, out]
+  Tensor dx_;                    // [s, b, in/tp]
+};
+
+/// A bias to add, or an empty tensor when the parameter is not declared.
+inline Tensor value_or_empty(const ParamRef& p) { return p.bound() ? p.value() : Tensor(); }
+inline Tensor grad_or_empty(const ParamRef& p) { return p.bound() ? p.grad() : Tensor(); }
+
+}  // namespace mt

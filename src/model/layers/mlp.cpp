@@ -1,0 +1,74 @@
+#include "model/layers/mlp.h"
+
+#include <cmath>
+
+#include "ops/gelu.h"
+#include "ops/swiglu.h"
+
+namespace mt {
+
+namespace {
+std::string mlp_prefix(int64_t layer) { return fmt::format("decoder.layers.{}.mlp", layer); }
+
+ColumnParallelLinear::Options fc1_options(const TransformerConfig& c, int64_t layer) {
+  ColumnParallelLinear::Options o;
+  o.prefix = mlp_prefix(layer) + ".linear_fc1";
+  o.in = c.hidden_size;
+  o.out = c.ffn();
+  o.parts = c.gated_linear_unit ? 2 : 1;
+  o.bias = c.add_bias_linear;
+  o.init_std = c.init_method_std;
+  return o;
+}
+
+RowParallelLinear::Options fc2_options(const TransformerConfig& c, int64_t layer) {
+  RowParallelLinear::Options o;
+  o.prefix = mlp_prefix(layer) + ".linear_fc2";
+  o.in = c.ffn();
+  o.out = c.hidden_size;
+  o.bias = c.add_bias_linear;
+  o.init_std = c.init_method_std / std::sqrt(2.0f * static_cast<float>(c.num_layers));
+  return o;
+}
+}  // namespace
+
+MLP::MLP(const TransformerConfig& c, int64_t layer, const TensorParallelRegion& tp, ParamRegistry& reg)
+    : gated_(c.gated_linear_unit),
+      local_ffn_(c.ffn() / tp.size()),
+      linear_fc1_(fc1_options(c, layer), tp, reg),
+      linear_fc2_(fc2_options(c, layer), tp, reg) {}
+
+void MLP::plan(BufferPlanner& p, int64_t s, int64_t b) {
+  const DType t = p.act_dtype();
+  linear_fc1_.plan(p, s, b);
+  const size_t a = static_cast<size_t>(p.area());
+  if (pre_.size() <= a) pre_.resize(a + 1);
+  pre_[a] = p.saved(t, {s, b, (gated_ ? 2 : 1) * local_ffn_}, "fc1 output before the activation");
+  linear_fc2_.plan(p, s, b);
+  d_pre_ = gated_ ? p.scratch("mlp.d_pre", t, {s, b, 2 * local_ffn_}) : Tensor();
+}
+
+Tensor MLP::forward(const StepContext& ctx) {
+  const Tensor& pre = pre_.at(static_cast<size_t>(ctx.slot));
+  const Tensor act = linear_fc2_.input(ctx.slot);
+  if (gated_) {
+    linear_fc1_.forward(pre, ctx);
+    swiglu_forward(act, pre, ctx.stream);
+  } else {
+    linear_fc1_.forward(act, ctx, /*pre_gelu=*/pre);  // GELU in the GEMM epilogue
+  }
+  return linear_fc2_.forward(ctx);
+}
+
+Tensor MLP::backward(const Tensor& dy, const StepContext& ctx, WgradDeferral* defer) {
+  const Tensor& pre = pre_.at(static_cast<size_t>(ctx.slot));
+  const Tensor d_act = linear_fc2_.backward(dy, ctx);
+  if (gated_) {
+    swiglu_backward(d_pre_, d_act, pre, ctx.stream);
+    return linear_fc1_.backward(d_pre_, ctx, defer);
+  }
+  gelu_backward(d_act, d_act, pre, ctx.stream);
+  return linear_fc1_.backward(d_act, ctx, defer);
+}
+
+}  // namespace mt

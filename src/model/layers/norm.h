@@ -1,0 +1,40 @@
+// Normalisation submodule (Megatron-Core's FusedLayerNorm / RMSNorm as chosen by
+// TransformerConfig::normalization; Ba et al. 2016, Zhang & Sennrich 2019) over the last dimension
+// h. Parameters: <prefix>.weight [h] (ones) and, for LayerNorm, <prefix>.bias [h] (zeros), both
+// replicated over tensor parallelism. Saved: the fp32 row statistics (mean, rstd) per activation
+// area. Rows may be a strided view (the q/k heads of the fused QKV output) where the op allows it.
+#pragma once
+#include <string>
+#include <vector>
+
+#include "model/module.h"
+#include "model/transformer_config.h"
+
+namespace mt {
+
+class Norm {
+ public:
+  /// grad_sum: how the replicated parameters' gradients combine over TP (model/params.h).
+  Norm(const TransformerConfig& config, std::string prefix, int64_t h, TpGradSum grad_sum, ParamRegistry& registry);
+  Norm(const Norm&) = delete;
+  Norm& operator=(const Norm&) = delete;
+
+  /// Plans the statistics of `rows` rows in the open area.
+  void plan(BufferPlanner& planner, int64_t rows);
+  /// y = norm(x): x, y [rows, h] (act dtype; y may alias x where the op allows).
+  void forward(const Tensor& y, const Tensor& x, const StepContext& ctx);
+  /// dx = d/dx (overwrite, or += with accumulate_dx) from dy and the forward's input x; weight
+  /// (and bias) gradients accumulate.
+  void backward(const Tensor& dx, const Tensor& dy, const Tensor& x, bool accumulate_dx, const StepContext& ctx);
+
+ private:
+  struct Saved {
+    Tensor mean, rstd;  // fp32 [rows]; mean only for LayerNorm
+  };
+  Normalization kind_;
+  float eps_;
+  ParamRef weight_, bias_;
+  std::vector<Saved> saved_;  // per area
+};
+
+}  // namespace mt

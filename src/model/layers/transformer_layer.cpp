@@ -1,0 +1,78 @@
+#include "model/layers/transformer_layer.h"
+
+#include "ops/elementwise.h"
+
+namespace mt {
+
+TransformerLayer::TransformerLayer(const TransformerConfig& c, const LayerSpec& spec, int64_t layer,
+                                   const TensorParallelRegion& tp, ParamRegistry& reg)
+    : config_(c), tp_(tp), layer_(layer) {
+  reg.begin_group(/*sort_by_sharding=*/true);
+  group_ = reg.num_groups() - 1;
+  const std::string p = fmt::format("decoder.layers.{}.", layer);
+  const int64_t h = c.hidden_size;
+  input_layernorm_ = std::make_unique<Norm>(c, p + "input_layernorm", h, TpGradSum::kSequenceParallel, reg);
+  self_attention_ = std::make_unique<SelfAttention>(c, spec, layer, tp, reg);
+  pre_mlp_layernorm_ = std::make_unique<Norm>(c, p + "pre_mlp_layernorm", h, TpGradSum::kSequenceParallel, reg);
+  MT_CHECK(spec.mlp == MlpKind::kDense, "layer {}: MLP kind {} is not implemented", layer, static_cast<int>(spec.mlp));
+  mlp_ = std::make_unique<MLP>(c, layer, tp, reg);
+}
+
+void TransformerLayer::plan(BufferPlanner& p, int64_t s, int64_t b) {
+  const DType t = p.act_dtype();
+  seq_local_ = tp_.local_seq(s);
+  batch_ = b;
+  const int64_t h = config_.hidden_size, rows = seq_local_ * b;
+  input_layernorm_->plan(p, rows);
+  self_attention_->plan(p, s, b);
+  pre_mlp_layernorm_->plan(p, rows);
+  mlp_->plan(p, s, b);
+  const size_t a = static_cast<size_t>(p.area());
+  if (saved_.size() <= a) saved_.resize(a + 1);
+  saved_[a].resid1 = p.saved(t, {seq_local_, b, h}, "resid1");
+  saved_[a].out = p.saved(t, {seq_local_, b, h}, "layer output");
+  branch_grad_ = p.scratch("layer.branch_grad", t, {seq_local_, b, h});
+}
+
+namespace {
+/// Global index of this rank's first element of an [s_l, b, h] tensor (the dropout mask key does
+/// not depend on the sequence-parallel split).
+int64_t shard_offset(const TensorParallelRegion& tp, int64_t sl, int64_t b, int64_t h) {
+  return tp.sequence_parallel() ? tp.rank() * sl * b * h : 0;
+}
+}  // namespace
+
+Tensor TransformerLayer::forward(const Tensor& x, const StepContext& ctx) {
+  const Saved& s = saved_.at(static_cast<size_t>(ctx.slot));
+  const float pd = ctx.dropout.training ? config_.hidden_dropout : 0.f;
+  const int64_t off = shard_offset(tp_, seq_local_, batch_, config_.hidden_size);
+  input_layernorm_->forward(rows(self_attention_->input(ctx.slot)), rows(x), ctx);
+  const Tensor attn = self_attention_->forward(ctx);
+  bias_dropout_add_forward(rows(s.resid1), rows(attn), value_or_empty(self_attention_->output_bias()), rows(x), pd,
+                           dropout_key(ctx.dropout, layer_, kSiteAttentionOut), off, ctx.stream);
+  pre_mlp_layernorm_->forward(rows(mlp_->input(ctx.slot)), rows(s.resid1), ctx);
+  const Tensor mlp = mlp_->forward(ctx);
+  bias_dropout_add_forward(rows(s.out), rows(mlp), value_or_empty(mlp_->output_bias()), rows(s.resid1), pd,
+                           dropout_key(ctx.dropout, layer_, kSiteMlpOut), off, ctx.stream);
+  return s.out;
+}
+
+void TransformerLayer::backward(const Tensor& x, const Tensor& d_resid, const StepContext& ctx, WgradDeferral* defer) {
+  // Activation gradients overwrite except the residual stream, into which the norms' backward
+  // accumulates.
+  const Saved& s = saved_.at(static_cast<size_t>(ctx.slot));
+  const float pd = ctx.dropout.training ? config_.hidden_dropout : 0.f;
+  const int64_t off = shard_offset(tp_, seq_local_, batch_, config_.hidden_size);
+  // --- MLP block: out = resid1 + dropout(mlp(ln2(resid1)) + b_fc2) ---
+  bias_dropout_add_backward(rows(branch_grad_), grad_or_empty(mlp_->output_bias()), rows(d_resid), pd,
+                            dropout_key(ctx.dropout, layer_, kSiteMlpOut), off, ctx.stream);
+  Tensor d_ln = mlp_->backward(branch_grad_, ctx, defer);
+  pre_mlp_layernorm_->backward(rows(d_resid), rows(d_ln), rows(s.resid1), /*accumulate_dx=*/true, ctx);
+  // --- attention block: resid1 = x + dropout(attention(ln1(x)) + b_proj) ---
+  bias_dropout_add_backward(rows(branch_grad_), grad_or_empty(self_attention_->output_bias()), rows(d_resid), pd,
+                            dropout_key(ctx.dropout, layer_, kSiteAttentionOut), off, ctx.stream);
+  d_ln = self_attention_->backward(branch_grad_, ctx, defer);
+  input_layernorm_->backward(rows(d_resid), rows(d_ln), rows(x), /*accumulate_dx=*/true, ctx);
+}
+
+}  // namespace mt

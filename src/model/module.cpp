@@ -1,0 +1,180 @@
+#include "model/module.h"
+
+#include <algorithm>
+#include <set>
+
+#include "ops/matmul.h"
+
+namespace mt {
+
+// ---------------------------------------------------------------------------------------------
+// ParamRegistry
+// ---------------------------------------------------------------------------------------------
+
+void ParamRegistry::begin_group(bool sort_by_sharding) { groups_.push_back({{}, sort_by_sharding}); }
+
+void ParamRegistry::declare(ParamSpec spec, ParamRef* ref) {
+  MT_CHECK(!groups_.empty(), "ParamRegistry::declare({}) before begin_group", spec.name);
+  for (const Group& g : groups_)
+    for (const Entry& e : g.entries) MT_CHECK(e.spec.name != spec.name, "parameter {} declared twice", spec.name);
+  groups_.back().entries.push_back({std::move(spec), ref});
+}
+
+std::vector<ParamRegistry::Group> ParamRegistry::ordered() const {
+  std::vector<Group> out = groups_;
+  for (Group& g : out) {
+    if (!g.sort) continue;
+    auto category = [](const ParamSpec& p) {
+      if (p.tp_split_dim >= 0 && p.shape.size() >= 2) return 0;
+      if (p.tp_split_dim >= 0) return 1;
+      return 2;
+    };
+    std::stable_sort(g.entries.begin(), g.entries.end(),
+                     [&](const Entry& a, const Entry& b) { return category(a.spec) < category(b.spec); });
+  }
+  return out;
+}
+
+std::vector<ParamSpec> ParamRegistry::specs() const {
+  std::vector<ParamSpec> out;
+  for (const Group& g : ordered())
+    for (const Entry& e : g.entries) out.push_back(e.spec);
+  return out;
+}
+
+std::pair<size_t, size_t> ParamRegistry::group_range(size_t k) const {
+  MT_CHECK(k < groups_.size(), "parameter group {} of {}", k, groups_.size());
+  size_t first = 0;
+  for (size_t i = 0; i < k; ++i) first += groups_[i].entries.size();
+  return {first, first + groups_[k].entries.size()};
+}
+
+void ParamRegistry::bind(const ParamStore& store) {
+  for (const Group& g : ordered())
+    for (const Entry& e : g.entries) {
+      if (e.ref == nullptr) continue;
+      e.ref->index = store.index(e.spec.name);
+      e.ref->store = &store;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// BufferPlanner
+// ---------------------------------------------------------------------------------------------
+
+BufferPlanner::BufferPlanner(Device device, DType act) : device_(device), act_(act) {}
+
+void BufferPlanner::begin_pass() {
+  area_open_ = false;
+  cursor_ = 0;
+  persistent_cursor_ = 0;
+}
+
+void BufferPlanner::open_area(Family family, int index) {
+  MT_CHECK(index >= 0, "buffer area index {} must be >= 0", index);
+  FamilyState& f = families_[static_cast<int>(family)];
+  if (placing_) {
+    MT_CHECK(index < f.count, "buffer area {} of a family with {} regions opened while placing", index, f.count);
+  } else {
+    f.count = std::max(f.count, index + 1);
+  }
+  area_open_ = true;
+  open_family_ = family;
+  open_index_ = index;
+  cursor_ = 0;
+}
+
+void BufferPlanner::close_area() { area_open_ = false; }
+
+int BufferPlanner::area() const {
+  MT_CHECK(area_open_, "BufferPlanner::area() outside an open area");
+  return open_index_;
+}
+
+Tensor BufferPlanner::at(size_t offset, DType dtype, const std::vector<int64_t>& shape) const {
+  if (!placing_) return Tensor(nullptr, dtype, device_, shape);
+  return Tensor(static_cast<char*>(buffer_.data()) + offset, dtype, device_, shape);
+}
+
+namespace {
+size_t nbytes(DType dtype, const std::vector<int64_t>& shape) {
+  size_t n = dtype_size(dtype);
+  for (int64_t d : shape) n *= static_cast<size_t>(d);
+  return n;
+}
+}  // namespace
+
+Tensor BufferPlanner::saved(DType dtype, const std::vector<int64_t>& shape, const char* what) {
+  MT_CHECK(area_open_, "saved tensor '{}' requested outside an activation area", what);
+  FamilyState& f = families_[static_cast<int>(open_family_)];
+  const size_t off = cursor_;
+  cursor_ += aligned(nbytes(dtype, shape));
+  if (!placing_) {
+    f.region = std::max(f.region, cursor_);
+    return at(0, dtype, shape);
+  }
+  MT_CHECK(cursor_ <= f.region, "saved tensor '{}' exceeds its planned region ({} > {} bytes)", what, cursor_,
+           f.region);
+  return at(f.base + static_cast<size_t>(open_index_) * f.region + off, dtype, shape);
+}
+
+Tensor BufferPlanner::scratch(const std::string& key, DType dtype, const std::vector<int64_t>& shape) {
+  const size_t n = aligned(nbytes(dtype, shape));
+  if (!placing_) {
+    size_t& s = scratch_size_[key];
+    s = std::max(s, n);
+    return at(0, dtype, shape);
+  }
+  auto it = scratch_offset_.find(key);
+  MT_CHECK(it != scratch_offset_.end() && n <= scratch_size_.at(key), "scratch '{}' was not planned at this size",
+           key);
+  return at(it->second, dtype, shape);
+}
+
+Tensor BufferPlanner::persistent(DType dtype, const std::vector<int64_t>& shape, const char* what) {
+  const size_t n = aligned(nbytes(dtype, shape));
+  const size_t off = persistent_cursor_;
+  persistent_cursor_ += n;
+  if (!placing_) {
+    persistent_ = std::max(persistent_, persistent_cursor_);
+    return at(0, dtype, shape);
+  }
+  MT_CHECK(persistent_cursor_ <= persistent_, "persistent tensor '{}' exceeds the planned size", what);
+  return at(off, dtype, shape);
+}
+
+void BufferPlanner::materialize() {
+  MT_CHECK(!placing_, "BufferPlanner::materialize called twice");
+  size_t off = persistent_;
+  for (FamilyState& f : families_) {
+    f.base = off;
+    off += f.region * static_cast<size_t>(f.count);
+  }
+  for (const auto& [key, size] : scratch_size_) {
+    scratch_offset_[key] = off;
+    off += size;
+  }
+  total_ = off;
+  buffer_ = Buffer(device_, std::max<size_t>(total_, 1));
+  placing_ = true;
+}
+
+size_t BufferPlanner::area_bytes(Family f) const { return families_[static_cast<int>(f)].region; }
+int BufferPlanner::area_count(Family f) const { return families_[static_cast<int>(f)].count; }
+
+size_t BufferPlanner::scratch_bytes() const {
+  size_t n = 0;
+  for (const auto& [key, size] : scratch_size_) n += size;
+  return n;
+}
+
+// ---------------------------------------------------------------------------------------------
+// WgradDeferral
+// ---------------------------------------------------------------------------------------------
+
+void WgradDeferral::run(const Stream& stream) {
+  for (const Item& d : list_) linear_backward(Tensor(), d.dw, d.dbias, d.dy, d.x, d.w, stream);
+  list_.clear();
+}
+
+}  // namespace mt

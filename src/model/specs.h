@@ -1,0 +1,40 @@
+// Layer specs (Megatron-Core's ModuleSpec / TransformerLayerSubmodules, resolved statically): which
+// module fills each slot of a transformer layer. A layer is always
+//   input_layernorm -> self_attention -> self_attn_bda (bias-dropout-add)
+//   -> pre_mlp_layernorm -> mlp -> mlp_bda,
+// with the norms of TransformerConfig::normalization. The spec chooses the submodules that vary:
+// the core attention implementation, whether queries and keys are normalised, and what fills the
+// MLP slot. get_gpt_layer_local_spec mirrors Megatron's function of the same name
+// (megatron/core/models/gpt/gpt_layer_specs.py) for the modules megatron.cpp implements.
+#pragma once
+#include <vector>
+
+#include "model/transformer_config.h"
+
+namespace mt {
+
+/// The core attention of the self-attention block (Megatron's core_attention submodule).
+enum class CoreAttentionKind : uint8_t {
+  kDotProduct,  ///< DotProductAttention, "local": batched GEMMs + fused masked softmax (saves [b, n, s, s])
+};
+
+/// What fills the MLP slot.
+enum class MlpKind : uint8_t {
+  kDense,  ///< MLP: linear_fc1 -> GELU or SwiGLU -> linear_fc2
+};
+
+struct LayerSpec {
+  CoreAttentionKind core_attention = CoreAttentionKind::kDotProduct;
+  bool qk_layernorm = false;  ///< q_layernorm / k_layernorm submodules present
+  MlpKind mlp = MlpKind::kDense;
+};
+
+/// Megatron's get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm): the local (non-Transformer
+/// Engine) modules.
+LayerSpec get_gpt_layer_local_spec(const TransformerConfig& config);
+
+/// The spec of each decoder layer 0 .. num_layers-1 (all the same until layers differ, e.g. MoE
+/// layer patterns).
+std::vector<LayerSpec> get_gpt_decoder_layer_specs(const TransformerConfig& config);
+
+}  // namespace mt

@@ -1,0 +1,87 @@
+// Model configuration: Megatron-Core's TransformerConfig (megatron/core/transformer/
+// transformer_config.py) for the decoder-only language models megatron.cpp builds, with
+// Megatron-LM's field and flag names. One struct describes GPT-2 (the defaults: LayerNorm, learned
+// absolute positions, biases, GELU MLP, tied embeddings) and the Llama / Qwen / Mistral family
+// (RMSNorm, RoPE, SwiGLU, grouped-query attention, no biases, untied output layer, QK-norm).
+// Validated once (validate), with messages that print every offending value. docs/architecture.md
+// describes how the layer specs (model/specs.h) turn it into modules.
+#pragma once
+#include <cstdint>
+#include <string>
+
+#include "core/dtype.h"
+
+namespace mt {
+
+/// --normalization
+enum class Normalization : uint8_t { kLayerNorm, kRMSNorm };
+/// --position-embedding-type
+enum class PositionEmbeddingType : uint8_t { kLearnedAbsolute, kRope, kNone };
+
+const char* normalization_name(Normalization n);
+const char* position_embedding_type_name(PositionEmbeddingType p);
+/// Parses Megatron's spellings ("LayerNorm", "RMSNorm"; "learned_absolute", "rope", "none").
+/// Errors: mt::Error naming the value and the accepted ones.
+Normalization parse_normalization(const std::string& s);
+PositionEmbeddingType parse_position_embedding_type(const std::string& s);
+
+struct TransformerConfig {
+  // --- sizes ---
+  int64_t num_layers = 12;              ///< --num-layers (L)
+  int64_t hidden_size = 768;            ///< --hidden-size (h)
+  int64_t num_attention_heads = 12;     ///< --num-attention-heads (n)
+  /// --num-query-groups (g, with --group-query-attention): key/value heads; 0 = n (multi-head).
+  int64_t num_query_groups = 0;
+  int64_t kv_channels = 0;              ///< --kv-channels (d, the head dim); 0 = h / n
+  /// --ffn-hidden-size (f); 0 = Megatron's default: 4h, or with --swiglu int(8h/3 / 64)·64.
+  int64_t ffn_hidden_size = 0;
+  int64_t seq_length = 1024;            ///< --seq-length (s)
+  int64_t max_position_embeddings = 0;  ///< --max-position-embeddings; 0 = seq_length
+  int64_t vocab_size = 50257;           ///< tokenizer vocabulary (before padding)
+  int64_t make_vocab_size_divisible_by = 128;  ///< --make-vocab-size-divisible-by
+  // --- architecture ---
+  Normalization normalization = Normalization::kLayerNorm;  ///< --normalization
+  float norm_epsilon = 1e-5f;           ///< --norm-epsilon (alias --layernorm-epsilon)
+  /// --swiglu: gated linear unit with SiLU (Shazeer 2020): fc1 produces 2f (gate, up), f goes on.
+  bool gated_linear_unit = false;
+  PositionEmbeddingType position_embedding_type = PositionEmbeddingType::kLearnedAbsolute;
+  float rotary_base = 10000.f;          ///< --rotary-base
+  float rotary_percent = 1.0f;          ///< --rotary-percent: fraction of each head's channels rotated
+  bool rotary_interleaved = false;      ///< --rotary-interleaved (default: Llama's rotate-half pairs)
+  bool add_bias_linear = true;          ///< false with --disable-bias-linear
+  bool add_qkv_bias = false;            ///< --add-qkv-bias: bias on the QKV projection only (Qwen 2)
+  bool qk_layernorm = false;            ///< --qk-layernorm: per-head norm of queries and keys (Qwen 3)
+  bool untie_embeddings_and_output_weights = false;  ///< --untie-embeddings-and-output-weights
+  // --- initialisation and regularisation ---
+  float init_method_std = 0.02f;        ///< --init-method-std
+  float hidden_dropout = 0.1f;          ///< --hidden-dropout
+  float attention_dropout = 0.1f;       ///< --attention-dropout
+
+  // --- derived (Megatron's defaulting) ---
+  int64_t ffn() const;
+  int64_t head_dim() const { return kv_channels > 0 ? kv_channels : hidden_size / num_attention_heads; }
+  int64_t query_groups() const { return num_query_groups > 0 ? num_query_groups : num_attention_heads; }
+  int64_t max_positions() const { return max_position_embeddings > 0 ? max_position_embeddings : seq_length; }
+  /// Channels of each head that RoPE rotates: head_dim · rotary_percent, rounded down to even.
+  int64_t rotary_dim() const;
+  bool qkv_bias() const { return add_bias_linear || add_qkv_bias; }
+  bool tied_output() const { return !untie_embeddings_and_output_weights; }
+  /// Vocabulary padded to a multiple of make_vocab_size_divisible_by * tp (Megatron's
+  /// _vocab_size_with_padding).
+  int64_t padded_vocab_size(int tp = 1) const;
+  /// Throws mt::Error naming the offending values: non-positive sizes, heads not dividing the
+  /// hidden size (without --kv-channels), query groups not dividing heads, a sequence longer than
+  /// the position table, dropout outside [0, 1), a rotary fraction outside (0, 1], tp not dividing
+  /// heads, query groups or ffn.
+  void validate(int tp = 1) const;
+  /// Parameters of the model (a tied embedding counted once), with padded vocabulary.
+  int64_t num_parameters(int tp = 1) const;
+  /// Megatron's num_floating_point_operations (megatron/training/training.py, transformer_flops
+  /// without MoE) for one iteration of `global_batch` sequences, forward + backward, no recompute:
+  /// 12·B·s·L·h²·((1 + g/n + s/h)·(n·d/h) + (f/h)·(3/2 if SwiGLU) + V/(2·L·h)).
+  double flops_per_iteration(int64_t global_batch) const;
+  /// One line naming the architecture ("GPT: 12 layers, hidden 768, ...").
+  std::string summary() const;
+};
+
+}  // namespace mt

@@ -1,0 +1,150 @@
+#include "train/hf_commands.h"
+
+#include <CLI/CLI.hpp>
+
+#include <filesystem>
+#include <fstream>
+
+#include "comm/communicator.h"
+#include "core/logging.h"
+#include "model/gpt_model.h"
+#include "model/hf/hf_convert.h"
+#include "optim/optimizer.h"
+#include "train/checkpoint.h"
+
+namespace mt {
+
+namespace fs = std::filesystem;
+
+std::string hf_assets_dir(const std::string& checkpoint_dir) { return (fs::path(checkpoint_dir) / "hf").string(); }
+
+void add_import_hf_options(CLI::App& app, ImportHfArgs& a) {
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  app.add_option("--hf-dir", a.hf_dir, "Hugging Face model directory (config.json, *.safetensors)")->required();
+  app.add_option("--save", a.save, "Checkpoint directory to write")->required();
+  app.add_option("--seq-length", a.seq_length, "Sequence length of the checkpoint's model (default "
+                                               "min(max_position_embeddings, 4096))");
+  app.add_option("--make-vocab-size-divisible-by", a.make_vocab_size_divisible_by,
+                 "Pad the vocabulary to a multiple of this (times TP)")->capture_default_str();
+}
+
+void add_export_hf_options(CLI::App& app, ExportHfArgs& a) {
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  app.add_option("--load", a.load, "Checkpoint directory (the latest iteration is exported)")->required();
+  app.add_option("--hf-dir", a.hf_dir, "Output directory")->required();
+  app.add_option("--hf-architecture", a.architecture,
+                 "GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM (default: the imported "
+                 "one, else inferred from the model)");
+  app.add_option("--hf-dtype", a.dtype, "fp32, bf16 or fp16")->capture_default_str();
+  app.add_option("--max-shard-size", a.max_shard_bytes, "Bytes per safetensors file (0 = one file)");
+}
+
+namespace {
+
+// Tokenizer and generation files carried through import and export (config.json is rewritten).
+const char* const kAssetFiles[] = {"tokenizer.json",   "tokenizer_config.json", "special_tokens_map.json",
+                                   "vocab.json",       "merges.txt",            "tokenizer.model",
+                                   "generation_config.json", "added_tokens.json"};
+
+void copy_assets(const fs::path& from, const fs::path& to) {
+  for (const char* f : kAssetFiles) {
+    if (!fs::is_regular_file(from / f)) continue;
+    std::error_code ec;
+    fs::copy_file(from / f, to / f, fs::copy_options::overwrite_existing, ec);
+    MT_REQUIRE(!ec, "cannot copy '{}' to '{}': {}", (from / f).string(), (to / f).string(), ec.message());
+  }
+}
+
+void write_text(const fs::path& path, const std::string& text) {
+  std::ofstream f(path, std::ios::trunc);
+  MT_REQUIRE(f.good(), "cannot write '{}'", path.string());
+  f << text;
+  f.flush();
+  MT_REQUIRE(f.good(), "error writing '{}' (disk full?)", path.string());
+}
+
+DType parse_hf_dtype(const std::string& s) {
+  if (s == "fp32") return DType::kF32;
+  if (s == "bf16") return DType::kBF16;
+  if (s == "fp16") return DType::kF16;
+  MT_FAIL("--hf-dtype '{}' is not supported: expected fp32, bf16 or fp16", s);
+}
+
+CheckpointWriter single_rank_writer(const TransformerConfig& c) {
+  CheckpointWriter w;
+  w.world = std::make_shared<SingleRankCommunicator>("world");
+  w.specs_of = [c](int, int) { return GPTModel::param_specs(c); };
+  return w;
+}
+
+}  // namespace
+
+int run_import_hf(const ImportHfArgs& a) {
+  const hf::HfModel m = hf::read_hf_config(a.hf_dir, a.seq_length, a.make_vocab_size_divisible_by);
+  const hf::SafetensorsCheckpoint ck = hf::SafetensorsCheckpoint::open(a.hf_dir);
+  log_info("> importing {} from {}: {}, vocab {} (padded {})", hf::architecture_name(m.arch), a.hf_dir,
+           m.config.summary(), m.config.vocab_size, m.config.padded_vocab_size());
+  const hf::GlobalTensors t = hf::hf_to_megatron(m, ck);
+  Stream stream(Device::cpu());
+  ParamStore params(GPTModel::param_specs(m.config), DType::kF32, Device::cpu());
+  memset_tensor(params.main_flat(), 0, stream);
+  for (size_t i = 0; i < params.size(); ++i) {
+    const ParamInfo& p = params.info(i);
+    auto it = t.find(p.name);
+    MT_CHECK(it != t.end(), "the {} mapping produced no tensor for parameter {}", hf::architecture_name(m.arch),
+             p.name);
+    MT_CHECK(static_cast<int64_t>(it->second.size()) == p.numel, "parameter {}: {} values mapped, {} expected",
+             p.name, it->second.size(), p.numel);
+    copy_bytes(params.main(i).data(), Device::cpu(), it->second.data(), Device::cpu(), it->second.size() * 4, stream);
+  }
+  CheckpointState st{false, 0, 0, 0, m.config, initial_optimizer_scalars(LossScalerConfig{})};
+  save_checkpoint(a.save, st, params, nullptr, single_rank_writer(m.config), stream);
+  const fs::path assets = hf_assets_dir(a.save);
+  fs::create_directories(assets);
+  write_text(assets / "config.json", m.config_json.dump(2) + "\n");
+  copy_assets(a.hf_dir, assets);
+  log_info("> wrote {} ({:.2f}M parameters; tokenizer files in {})", a.save, params.num_parameters() / 1e6,
+           assets.string());
+  return 0;
+}
+
+int run_export_hf(const ExportHfArgs& a) {
+  const DType dtype = parse_hf_dtype(a.dtype);
+  const CheckpointState st = read_checkpoint_state(a.load);
+  hf::HfModel m;
+  m.config = st.model;
+  const fs::path assets = hf_assets_dir(a.load);
+  if (fs::is_regular_file(assets / "config.json")) {
+    std::ifstream f(assets / "config.json");
+    m.config_json = nlohmann::json::parse(f, nullptr, /*allow_exceptions=*/false);
+  }
+  if (!a.architecture.empty()) {
+    m.arch = hf::parse_architecture(a.architecture);
+  } else if (m.config_json.is_object() && m.config_json.contains("architectures") &&
+             m.config_json["architectures"].is_array() && !m.config_json["architectures"].empty()) {
+    m.arch = hf::parse_architecture(m.config_json["architectures"][0].get<std::string>());
+  } else {
+    m.arch = hf::infer_architecture(m.config);
+  }
+  hf::check_representable(m.arch, m.config);
+  // The whole model on one CPU rank, whatever layout wrote the checkpoint.
+  Stream stream(Device::cpu());
+  ParamStore params(GPTModel::param_specs(m.config), DType::kF32, Device::cpu());
+  load_checkpoint(a.load, params, nullptr, stream);
+  hf::GlobalTensors t;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const Tensor v = params.main(i);
+    const float* p = v.data_as<float>();
+    t[params.info(i).name].assign(p, p + v.numel());
+  }
+  const std::vector<hf::TensorToWrite> out = hf::megatron_to_hf(m, t, dtype);
+  fs::create_directories(a.hf_dir);
+  hf::write_safetensors_checkpoint(a.hf_dir, out, static_cast<uint64_t>(a.max_shard_bytes));
+  write_text(fs::path(a.hf_dir) / "config.json",
+             hf::make_hf_config(m.arch, m.config, m.config_json, dtype).dump(2) + "\n");
+  copy_assets(assets, a.hf_dir);
+  log_info("> exported {} (iteration {}) as {} to {}", a.load, st.iteration, hf::architecture_name(m.arch), a.hf_dir);
+  return 0;
+}
+
+}  // namespace mt
