@@ -40,6 +40,10 @@ int main(int argc, char** argv) {
   CLI::App* export_hf = app.add_subcommand("export-hf", "megatron.cpp checkpoint -> Hugging Face model directory");
   mt::add_export_hf_options(*export_hf, export_args);
 
+  mt::LogitsArgs logits_args;
+  CLI::App* logits = app.add_subcommand("logits", "Write a checkpoint's fp32 logits for given token ids");
+  mt::add_logits_options(*logits, logits_args);
+
   mt::data::add_preprocess_data_command(app);
   mt::data::add_merge_datasets_command(app);
 
@@ -54,6 +58,7 @@ int main(int argc, char** argv) {
     if (pretrain->parsed()) rc = mt::run_pretrain(pretrain_args);
     if (generate->parsed()) rc = mt::run_generate(generate_args);
     if (import_hf->parsed()) rc = mt::run_import_hf(import_args);
+    if (logits->parsed()) rc = mt::run_logits(logits_args);
     if (export_hf->parsed()) rc = mt::run_export_hf(export_args);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);

@@ -1,11 +1,15 @@
 #!/usr/bin/env python3
-"""PyTorch reference for bench/: the same GPT-2 architecture as megatron.cpp (pre-LN, learned
-positions, tied embedding, biases, GELU-tanh MLP, vocab padded to 50304), bf16 autocast, fused
+"""PyTorch reference for bench/: the same architectures as megatron.cpp, bf16 autocast, fused
 AdamW, SDPA flash attention, optional torch.compile. Trains on random tokens and prints
 ms/step and tokens/s (median over the timed steps), for side-by-side runs with
 `megatron pretrain` in one device session.
+  --arch gpt2 (default): pre-LN, learned positions, tied embedding, biases, GELU-tanh MLP,
+      vocab padded to 50304.
+  --arch llama: RMSNorm, RoPE (rotate-half), SwiGLU (--ffn), grouped-query attention
+      (--kv-heads), untied output layer, no biases.
 
 usage: python3 bench/pytorch_gpt2.py --micro-batch-size 16 --steps 30 [--compile] [--layers 12 --hidden 768 --heads 12]
+       python3 bench/pytorch_gpt2.py --arch llama --layers 16 --hidden 2048 --heads 32 --kv-heads 8 --ffn 8192 ...
 """
 import argparse
 import math
@@ -55,6 +59,59 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
 
 
+class LlamaBlock(nn.Module):
+    def __init__(self, h, n, g, f):
+        super().__init__()
+        self.n, self.g, self.d = n, g, h // n
+        self.ln1 = nn.RMSNorm(h, eps=1e-5)
+        self.qkv = nn.Linear(h, (n + 2 * g) * self.d, bias=False)
+        self.proj = nn.Linear(n * self.d, h, bias=False)
+        self.ln2 = nn.RMSNorm(h, eps=1e-5)
+        self.fc1 = nn.Linear(h, 2 * f, bias=False)
+        self.fc2 = nn.Linear(f, h, bias=False)
+
+    def forward(self, x, cos, sin):
+        b, s, h = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split([self.n * self.d, self.g * self.d, self.g * self.d], dim=-1)
+        q = q.view(b, s, self.n, self.d).transpose(1, 2)
+        k = k.view(b, s, self.g, self.d).transpose(1, 2)
+        v = v.view(b, s, self.g, self.d).transpose(1, 2)
+
+        def rot(t):
+            t1, t2 = t.chunk(2, dim=-1)
+            return t * cos + torch.cat((-t2, t1), dim=-1) * sin
+
+        a = F.scaled_dot_product_attention(rot(q), rot(k), v, is_causal=True, enable_gqa=self.g != self.n)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, s, self.n * self.d))
+        gate, up = self.fc1(self.ln2(x)).chunk(2, dim=-1)
+        return x + self.fc2(F.silu(gate) * up)
+
+
+class Llama(nn.Module):
+    def __init__(self, layers, h, n, g, f, seq, vocab, theta=10000.0):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, h)
+        self.blocks = nn.ModuleList([LlamaBlock(h, n, g, f) for _ in range(layers)])
+        self.lnf = nn.RMSNorm(h, eps=1e-5)
+        self.out = nn.Linear(h, vocab, bias=False)
+        d = h // n
+        inv = 1.0 / (theta ** (torch.arange(0, d, 2).float() / d))
+        ang = torch.outer(torch.arange(seq).float(), inv)
+        emb = torch.cat((ang, ang), dim=-1)
+        self.register_buffer("cos", emb.cos()[None, None], persistent=False)
+        self.register_buffer("sin", emb.sin()[None, None], persistent=False)
+        for p in self.parameters():
+            if p.dim() == 2:
+                nn.init.normal_(p, std=0.02)
+
+    def forward(self, idx, targets):
+        x = self.wte(idx)
+        for blk in self.blocks:
+            x = blk(x, self.cos, self.sin)
+        logits = self.out(self.lnf(x))
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--micro-batch-size", type=int, default=16)
@@ -63,13 +120,20 @@ def main():
     ap.add_argument("--hidden", type=int, default=768)
     ap.add_argument("--heads", type=int, default=12)
     ap.add_argument("--vocab", type=int, default=50304)
+    ap.add_argument("--arch", choices=["gpt2", "llama"], default="gpt2")
+    ap.add_argument("--kv-heads", type=int, default=0, help="llama: key/value heads (0 = heads)")
+    ap.add_argument("--ffn", type=int, default=0, help="llama: SwiGLU hidden size (0 = 4h)")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--compile", action="store_true")
     a = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     dev = "cuda"
-    model = GPT(a.layers, a.hidden, a.heads, a.seq_length, a.vocab).to(dev)
+    if a.arch == "llama":
+        model = Llama(a.layers, a.hidden, a.heads, a.kv_heads or a.heads, a.ffn or 4 * a.hidden, a.seq_length,
+                      a.vocab).to(dev)
+    else:
+        model = GPT(a.layers, a.hidden, a.heads, a.seq_length, a.vocab).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
     step_fn = model
     if a.compile:
@@ -92,7 +156,7 @@ def main():
             times.append(time.perf_counter() - t0)
     times.sort()
     med = times[len(times) // 2]
-    print(f"pytorch gpt2 layers={a.layers} hidden={a.hidden} mb={B} seq={S} compile={a.compile}: "
+    print(f"pytorch {a.arch} layers={a.layers} hidden={a.hidden} mb={B} seq={S} compile={a.compile}: "
           f"{med*1e3:.1f} ms/step, {B*S/med:.0f} tok/s, peak mem {torch.cuda.max_memory_allocated()/2**30:.1f} GiB")
 
 

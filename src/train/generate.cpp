@@ -1,5 +1,7 @@
 #include "train/generate.h"
 
+#include <CLI/CLI.hpp>
+
 #include <algorithm>
 #include <cmath>
 #include <numeric>
@@ -58,8 +60,9 @@ std::vector<float> vocab_logits(const float* row, int64_t padded_vocab, int64_t 
 namespace {
 /// --vocab-file/--merge-file (GPT-2 BPE), --tokenizer-type/--tokenizer-model, or the tokenizer files
 /// import-hf stored beside the checkpoint.
-std::unique_ptr<data::Tokenizer> generation_tokenizer(const GenerateArgs& a) {
+std::unique_ptr<data::Tokenizer> generation_tokenizer(const GenerateArgs& a, int64_t checkpoint_vocab) {
   namespace fs = std::filesystem;
+  if (a.tokenizer_type == "NullTokenizer") return data::make_tokenizer("NullTokenizer", "", "", "", checkpoint_vocab);
   if (!a.vocab_file.empty() || !a.merge_file.empty())
     return data::make_tokenizer("GPT2BPETokenizer", a.vocab_file, a.merge_file, "", 0);
   if (!a.tokenizer_model.empty()) return data::make_tokenizer(a.tokenizer_type, "", "", a.tokenizer_model, 0);
@@ -79,9 +82,9 @@ int run_generate(const GenerateArgs& args) {
   const Device device = resolve_device(args.device);
   set_current_device(device);
   MT_REQUIRE(args.out_seq_length > 0, "--out-seq-length must be positive, got {}", args.out_seq_length);
-  const std::unique_ptr<data::Tokenizer> tok_ptr = generation_tokenizer(args);
-  const data::Tokenizer& tok = *tok_ptr;
   CheckpointState st = read_checkpoint_state(args.load);
+  const std::unique_ptr<data::Tokenizer> tok_ptr = generation_tokenizer(args, st.model.vocab_size);
+  const data::Tokenizer& tok = *tok_ptr;
   // A model may have more embedding rows than its tokenizer has tokens (Hugging Face models).
   MT_REQUIRE(st.model.vocab_size >= tok.vocab_size(), "checkpoint vocabulary {} is smaller than the tokenizer's {}",
              st.model.vocab_size, tok.vocab_size());
@@ -115,8 +118,9 @@ int run_generate(const GenerateArgs& args) {
       int32_t* h = static_cast<int32_t*>(tok_host.data());
       for (int64_t i = 0; i < S; ++i) h[i] = i < len ? ids[start + i] : (eod >= 0 ? eod : 0);
       copy_bytes(tok_dev.data(), device, h, Device::cpu(), static_cast<size_t>(S) * 4, stream);
-      model.forward({tokens, Tensor(), Tensor()}, DropoutContext{0, 0, 0, false}, Tensor(), 0.f, stream,
-                    /*compute_loss=*/false);
+      MicroBatch mb;
+      mb.tokens = tokens;
+      model.forward(mb, DropoutContext{0, 0, 0, false}, Tensor(), 0.f, stream, /*compute_loss=*/false);
       const Tensor logits = model.logits();  // [S, Vp], fp32
       copy_bytes(row.data(), Device::cpu(), static_cast<float*>(logits.data()) + (len - 1) * Vp, device,
                  static_cast<size_t>(Vp) * 4, stream);
@@ -131,6 +135,69 @@ int run_generate(const GenerateArgs& args) {
                  tok.decode(gen).c_str());
     std::fflush(stdout);
   }
+  return 0;
+}
+
+}  // namespace mt
+
+namespace mt {
+
+void add_logits_options(CLI::App& app, LogitsArgs& a) {
+  app.add_option("--load", a.load, "Checkpoint directory")->required();
+  app.add_option("--token-ids", a.token_ids, "Token ids, separated by spaces or commas")->required();
+  app.add_option("--output", a.output, "Output file: fp32 [tokens, vocabulary], little-endian")->required();
+  app.add_option("--device", a.device, "cpu, cuda, cuda:N or auto")->capture_default_str();
+}
+
+int run_logits(const LogitsArgs& a) {
+  std::vector<int32_t> ids;
+  std::string cur;
+  for (char ch : a.token_ids + " ") {
+    if (ch == ' ' || ch == ',') {
+      if (cur.empty()) continue;
+      size_t pos = 0;
+      long long v = 0;
+      try {
+        v = std::stoll(cur, &pos);
+      } catch (const std::exception&) {
+        pos = 0;
+      }
+      MT_REQUIRE(pos == cur.size(), "--token-ids: '{}' is not an integer", cur);
+      ids.push_back(static_cast<int32_t>(v));
+      cur.clear();
+    } else {
+      cur += ch;
+    }
+  }
+  MT_REQUIRE(!ids.empty(), "--token-ids is empty");
+  const Device device = resolve_device(a.device);
+  set_current_device(device);
+  const CheckpointState st = read_checkpoint_state(a.load);
+  TransformerConfig cfg = st.model;
+  const int64_t T = static_cast<int64_t>(ids.size());
+  for (int32_t id : ids)
+    MT_REQUIRE(id >= 0 && id < cfg.vocab_size, "--token-ids: {} is outside the vocabulary of {} tokens", id,
+               cfg.vocab_size);
+  MT_REQUIRE(cfg.position_embedding_type != PositionEmbeddingType::kLearnedAbsolute || T <= cfg.max_positions(),
+             "{} tokens exceed the {} learned positions", T, cfg.max_positions());
+  cfg.seq_length = T;
+  Stream stream(device);
+  GPTModel model(cfg, 1, DType::kF32, device, ProcessGroups::single());
+  load_checkpoint(a.load, model.params(), nullptr, stream);
+  Buffer tok(device, static_cast<size_t>(T) * 4);
+  copy_bytes(tok.data(), device, ids.data(), Device::cpu(), static_cast<size_t>(T) * 4, stream);
+  MicroBatch mb;
+  mb.tokens = tok.as(DType::kI32, {T, 1});
+  model.forward(mb, DropoutContext{0, 0, 0, false}, Tensor(), 0.f, stream, /*compute_loss=*/false);
+  const int64_t Vp = model.padded_vocab(), V = cfg.vocab_size;
+  std::vector<float> all(static_cast<size_t>(T * Vp));
+  copy_bytes(all.data(), Device::cpu(), model.logits().data(), device, all.size() * 4, stream);
+  stream.synchronize();
+  std::FILE* f = std::fopen(a.output.c_str(), "wb");
+  MT_REQUIRE(f != nullptr, "cannot write '{}'", a.output);
+  for (int64_t t = 0; t < T; ++t) std::fwrite(all.data() + t * Vp, 4, static_cast<size_t>(V), f);
+  const bool ok = std::fclose(f) == 0;
+  MT_REQUIRE(ok, "error writing '{}'", a.output);
   return 0;
 }
 

@@ -23,4 +23,16 @@ std::vector<float> vocab_logits(const float* row, int64_t padded_vocab, int64_t 
 
 int run_generate(const GenerateArgs& args);
 
+/// `megatron logits`: the model's fp32 logits for one sequence of token ids (for checks against
+/// other implementations, e.g. tools/hf_check.py). Writes [T, vocab_size] little-endian fp32 (no
+/// vocabulary padding) to `output`.
+struct LogitsArgs {
+  std::string load;      ///< --load
+  std::string token_ids; ///< --token-ids "1 2 3" (spaces or commas)
+  std::string output;    ///< --output
+  std::string device = "auto";
+};
+void add_logits_options(CLI::App& app, LogitsArgs& args);
+int run_logits(const LogitsArgs& args);
+
 }  // namespace mt

@@ -230,6 +230,25 @@ int run_pretrain(PretrainArgs args) {
   set_current_device(device);
   const std::shared_ptr<Communicator> world = init_world(device, env, args.distributed_timeout_minutes);
   if (world->rank() != 0) set_log_level(LogLevel::kWarn);  // rank 0 logs
+  std::optional<CheckpointState> resume;
+  if (!args.load.empty()) {
+    const bool autoresume = args.load == args.save;
+    if (autoresume && !latest_checkpoint_iteration(args.load).has_value()) {
+      log_info("> no checkpoint in {} yet (--load == --save): starting from scratch", args.load);
+    } else {
+      resume = read_checkpoint_state(args.load);
+    }
+  }
+  if (resume && args.use_checkpoint_args) {  // the architecture of the checkpoint (Megatron's --use-checkpoint-args)
+    TransformerConfig m = resume->model;
+    m.seq_length = args.model.seq_length;  // training choices stay the command line's
+    m.hidden_dropout = args.model.hidden_dropout;
+    m.attention_dropout = args.model.attention_dropout;
+    m.init_method_std = args.model.init_method_std;
+    m.make_vocab_size_divisible_by = args.model.make_vocab_size_divisible_by;
+    args.model = m;
+    args.group_query_attention = m.num_query_groups > 0;
+  }
   ParallelConfig pc;
   pc.tp = args.tensor_model_parallel_size;
   pc.pp = args.pipeline_model_parallel_size;
@@ -253,30 +272,12 @@ int run_pretrain(PretrainArgs args) {
   const std::unique_ptr<data::Tokenizer> tokenizer = data::build_tokenizer(args.data);
   args.model.vocab_size = tokenizer->vocab_size();
 
-  std::optional<CheckpointState> resume;
-  if (!args.load.empty()) {
-    const bool autoresume = args.load == args.save;
-    if (autoresume && !latest_checkpoint_iteration(args.load).has_value()) {
-      log_info("> no checkpoint in {} yet (--load == --save): starting from scratch", args.load);
-    } else {
-      resume = read_checkpoint_state(args.load);
-    }
-  }
   if (resume) {
     // A model may have more embedding rows than its tokenizer has tokens (Hugging Face models).
     MT_REQUIRE(resume->model.vocab_size >= args.model.vocab_size,
                "checkpoint '{}' has a vocabulary of {} tokens but the tokenizer has {}", args.load,
                resume->model.vocab_size, args.model.vocab_size);
     args.model.vocab_size = resume->model.vocab_size;
-    if (args.use_checkpoint_args) {
-      TransformerConfig m = resume->model;
-      m.seq_length = args.model.seq_length;  // training choices stay the command line's
-      m.hidden_dropout = args.model.hidden_dropout;
-      m.attention_dropout = args.model.attention_dropout;
-      m.init_method_std = args.model.init_method_std;
-      m.make_vocab_size_divisible_by = args.model.make_vocab_size_divisible_by;
-      args.model = m;
-    }
   }
   validate_pretrain_args(args);
   const int64_t M = args.num_microbatches();

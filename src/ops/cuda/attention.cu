@@ -16,6 +16,14 @@ namespace {
 
 
 
+/// A V-element vector of T moved as one load/store (16 bytes when V = 16 / sizeof(T)).
+template <typename T, int V>
+struct ew_vec {
+  struct alignas(sizeof(T) * V) type {
+    T v[V];
+  };
+};
+
 constexpr int kThreads = 256;
 constexpr int kWarpsPerBlock = kThreads / 32;
 
@@ -38,77 +46,98 @@ __device__ __forceinline__ float warp_sum(float v) {
 // ---------------------------------------------------------------------------------------------
 // Permutes between the fused QKV layout [s, b, g, w = qpg + 2, d] and the per-head layouts
 // q [b, g, qpg, s, d] (= [b, n, s, d]), k, v [b, g, s, d]; and between [b, n, s, d] and the
-// output layout [s, b, n, d].
+// output layout [s, b, n, d]. Each moves whole rows of d elements: one thread per V-element
+// vector of a row (V = 16 bytes when d and the pointers allow, else 1), the row's coordinates
+// computed with 32-bit divisions once per vector (64-bit division per element was the cost).
 // ---------------------------------------------------------------------------------------------
 
-/// Splits qkv into q, k, v (write-coalesced: the index runs over the destination rows).
-template <typename T>
-__global__ void split_qkv_kernel(T* q, T* k, T* v, const T* qkv, int64_t S, int64_t B, int64_t G, int64_t W,
-                                 int64_t D) {
-  const int64_t total = B * G * W * S * D;
-  for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < total;
-       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t e = idx % D;
-    int64_t r = idx / D;
-    const int64_t i = r % S;
-    r /= S;
-    const int64_t c = r % W;  // component: query heads 0..W-3, key W-2, value W-1
-    const int64_t bg = r / W, b = bg / G, g = bg - b * G;
-    const T x = qkv[(((i * B + b) * G + g) * W + c) * D + e];
-    if (c < W - 2) {
-      q[((bg * (W - 2) + c) * S + i) * D + e] = x;
+/// Rows and row geometry of one permute; rows < 2^31 (checked by the launcher).
+struct RowPermute {
+  uint32_t S, B, G, W;  // W: components per group (qpg + 2) for the QKV permutes; heads N for sb<->bn
+  uint32_t vpr;         // vectors per row (d / V)
+};
+
+template <typename T, int V>
+using VecOf = ew_vec<T, V>;
+
+/// dst row index -> src row index for each permute; `kind` selects which.
+enum class PermuteKind { kSplitQkv, kMergeQkv, kSbToBn, kBnToSb };
+
+template <typename T, int V, PermuteKind kKind>
+__global__ void permute_rows_kernel(T* d0, T* d1, T* d2, const T* s0, const T* s1, const T* s2, RowPermute p,
+                                    uint32_t rows) {
+  using Vec = typename VecOf<T, V>::type;
+  const uint64_t total = static_cast<uint64_t>(rows) * p.vpr;
+  for (uint64_t idx = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; idx < total;
+       idx += static_cast<uint64_t>(gridDim.x) * blockDim.x) {
+    const uint32_t row = static_cast<uint32_t>(idx / p.vpr), lane = static_cast<uint32_t>(idx % p.vpr);
+    const T* src;
+    T* dst;
+    if constexpr (kKind == PermuteKind::kSplitQkv) {
+      // row enumerates [b, g, c, i] (destination order): q rows for c < W - 2, then k, v.
+      uint32_t r = row;
+      const uint32_t i = r % p.S;
+      r /= p.S;
+      const uint32_t c = r % p.W, bg = r / p.W, b = bg / p.G, g = bg % p.G;
+      src = s0 + (((static_cast<uint64_t>(i) * p.B + b) * p.G + g) * p.W + c) * p.vpr * V;
+      if (c < p.W - 2) {
+        dst = d0 + ((static_cast<uint64_t>(bg) * (p.W - 2) + c) * p.S + i) * p.vpr * V;
+      } else {
+        dst = (c == p.W - 2 ? d1 : d2) + (static_cast<uint64_t>(bg) * p.S + i) * p.vpr * V;
+      }
+    } else if constexpr (kKind == PermuteKind::kMergeQkv) {
+      // row enumerates [s, b, g, c] (destination order of dqkv).
+      uint32_t r = row;
+      const uint32_t c = r % p.W;
+      r /= p.W;
+      const uint32_t g = r % p.G;
+      r /= p.G;
+      const uint32_t b = r % p.B, i = r / p.B, bg = b * p.G + g;
+      dst = d0 + static_cast<uint64_t>(row) * p.vpr * V;
+      if (c < p.W - 2) {
+        src = s0 + ((static_cast<uint64_t>(bg) * (p.W - 2) + c) * p.S + i) * p.vpr * V;
+      } else {
+        src = (c == p.W - 2 ? s1 : s2) + (static_cast<uint64_t>(bg) * p.S + i) * p.vpr * V;
+      }
+    } else if constexpr (kKind == PermuteKind::kSbToBn) {
+      // dst [b, n, s] rows from src [s, b, n] rows (N in p.W).
+      uint32_t r = row;
+      const uint32_t i = r % p.S;
+      r /= p.S;
+      const uint32_t h = r % p.W, b = r / p.W;
+      dst = d0 + static_cast<uint64_t>(row) * p.vpr * V;
+      src = s0 + ((static_cast<uint64_t>(i) * p.B + b) * p.W + h) * p.vpr * V;
     } else {
-      (c == W - 2 ? k : v)[(bg * S + i) * D + e] = x;
+      // dst [s, b, n] rows from src [b, n, s] rows.
+      uint32_t r = row;
+      const uint32_t h = r % p.W;
+      r /= p.W;
+      const uint32_t b = r % p.B, i = r / p.B;
+      dst = d0 + static_cast<uint64_t>(row) * p.vpr * V;
+      src = s0 + ((static_cast<uint64_t>(b) * p.W + h) * p.S + i) * p.vpr * V;
     }
+    reinterpret_cast<Vec*>(dst)[lane] = reinterpret_cast<const Vec*>(src)[lane];
   }
 }
 
-/// The inverse: dqkv [s, b, g, w, d] from dq [b, n, s, d], dk, dv [b, g, s, d].
-template <typename T>
-__global__ void merge_qkv_kernel(T* dqkv, const T* dq, const T* dk, const T* dv, int64_t S, int64_t B, int64_t G,
-                                 int64_t W, int64_t D) {
-  const int64_t total = S * B * G * W * D;
-  for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < total;
-       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t e = idx % D;
-    int64_t r = idx / D;
-    const int64_t c = r % W;
-    r /= W;
-    const int64_t g = r % G;
-    r /= G;
-    const int64_t b = r % B, i = r / B, bg = b * G + g;
-    dqkv[idx] = c < W - 2 ? dq[((bg * (W - 2) + c) * S + i) * D + e] : (c == W - 2 ? dk : dv)[(bg * S + i) * D + e];
+template <typename T, PermuteKind kKind>
+void launch_permute(T* d0, T* d1, T* d2, const T* s0, const T* s1, const T* s2, int64_t S, int64_t B, int64_t G,
+                    int64_t W, int64_t D, int64_t rows, const Stream& stream) {
+  MT_CHECK(rows < (int64_t{1} << 31) && S < (int64_t{1} << 31), "attention permute: {} rows exceed 2^31", rows);
+  constexpr int kV = static_cast<int>(16 / sizeof(T));
+  auto aligned = [](const void* p) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  const bool vec = D % kV == 0 && aligned(d0) && aligned(d1) && aligned(d2) && aligned(s0) && aligned(s1) && aligned(s2);
+  RowPermute p{static_cast<uint32_t>(S), static_cast<uint32_t>(B), static_cast<uint32_t>(G), static_cast<uint32_t>(W),
+               static_cast<uint32_t>(vec ? D / kV : D)};
+  const int64_t work = rows * p.vpr;
+  if (vec) {
+    permute_rows_kernel<T, kV, kKind><<<grid_for(work), kThreads, 0, cu(stream)>>>(d0, d1, d2, s0, s1, s2, p,
+                                                                                   static_cast<uint32_t>(rows));
+  } else {
+    permute_rows_kernel<T, 1, kKind><<<grid_for(work), kThreads, 0, cu(stream)>>>(d0, d1, d2, s0, s1, s2, p,
+                                                                                  static_cast<uint32_t>(rows));
   }
-}
-
-/// dst[b, n, s, d] = src[s, b, n, d].
-template <typename T>
-__global__ void sb_to_bn_kernel(T* dst, const T* src, int64_t S, int64_t B, int64_t N, int64_t D) {
-  const int64_t total = B * N * S * D;
-  for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < total;
-       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t e = idx % D;
-    int64_t r = idx / D;
-    const int64_t i = r % S;
-    r /= S;
-    const int64_t h = r % N, b = r / N;
-    dst[idx] = src[((i * B + b) * N + h) * D + e];
-  }
-}
-
-/// dst[s, b, n, d] = src[b, n, s, d].
-template <typename T>
-__global__ void bn_to_sb_kernel(T* dst, const T* src, int64_t S, int64_t B, int64_t N, int64_t D) {
-  const int64_t total = S * B * N * D;
-  for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < total;
-       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t e = idx % D;
-    int64_t r = idx / D;
-    const int64_t h = r % N;
-    r /= N;
-    const int64_t b = r % B, i = r / B;
-    dst[idx] = src[((b * N + h) * S + i) * D + e];
-  }
+  MT_CUDA_CHECK_LAUNCH();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -237,10 +266,8 @@ void attention_forward(const Tensor& out, const Tensor& qkv, const AttentionBuff
   dispatch_float(act, "attention", [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const int64_t nd = bn * s * d, all = bg * (qpg + 2) * s * d;
-    split_qkv_kernel<T><<<grid_for(all), kThreads, 0, cu(stream)>>>(buf.q.data_as<T>(), buf.k.data_as<T>(),
-                                                                     buf.v.data_as<T>(), qkv.data_as<T>(), s, B, g,
-                                                                     qpg + 2, d);
-    MT_CUDA_CHECK_LAUNCH();
+    launch_permute<T, PermuteKind::kSplitQkv>(buf.q.data_as<T>(), buf.k.data_as<T>(), buf.v.data_as<T>(),
+                                              qkv.data_as<T>(), nullptr, nullptr, s, B, g, qpg + 2, d, all / d, stream);
     // scores[b, g, qpg·s, s] = scale · q k^T, into probs ([b, n, s, s])
     bgemm(bg, qpg * s, s, d, false, true, act, buf.q.data(), buf.k.data(), buf.probs.data(), cfg.softmax_scale,
           stream);
@@ -251,8 +278,8 @@ void attention_forward(const Tensor& out, const Tensor& qkv, const AttentionBuff
     // context[b, g, qpg·s, d] = P_drop v, into dq; then out[s, b, n, d]
     const void* pd = drop.enabled ? buf.scratch.data() : buf.probs.data();
     bgemm(bg, qpg * s, d, s, false, false, act, pd, buf.v.data(), buf.dq.data(), 1.f, stream);
-    bn_to_sb_kernel<T><<<grid_for(nd), kThreads, 0, cu(stream)>>>(out.data_as<T>(), buf.dq.data_as<T>(), s, B, n, d);
-    MT_CUDA_CHECK_LAUNCH();
+    launch_permute<T, PermuteKind::kBnToSb>(out.data_as<T>(), nullptr, nullptr, buf.dq.data_as<T>(), nullptr, nullptr,
+                                            s, B, 1, n, d, nd / d, stream);
   });
 }
 
@@ -267,8 +294,8 @@ void attention_backward(const Tensor& dqkv, const Tensor& dout, const AttentionB
     using T = std::remove_pointer_t<decltype(tag)>;
     const int64_t nd = bn * s * d, all = bg * (qpg + 2) * s * d;
     // dO[b, n, s, d] into dq
-    sb_to_bn_kernel<T><<<grid_for(nd), kThreads, 0, cu(stream)>>>(buf.dq.data_as<T>(), dout.data_as<T>(), s, B, n, d);
-    MT_CUDA_CHECK_LAUNCH();
+    launch_permute<T, PermuteKind::kSbToBn>(buf.dq.data_as<T>(), nullptr, nullptr, dout.data_as<T>(), nullptr, nullptr,
+                                            s, B, 1, n, d, nd / d, stream);
     const void* pd = buf.probs.data();
     if (drop.enabled) {
       dropout_probs_kernel<T><<<row_grid(rows), kThreads, 0, cu(stream)>>>(
@@ -288,10 +315,9 @@ void attention_backward(const Tensor& dqkv, const Tensor& dout, const AttentionB
           stream);
     bgemm(bg, s, d, qpg * s, true, false, act, buf.scratch.data(), buf.q.data(), buf.dk.data(), cfg.softmax_scale,
           stream);
-    merge_qkv_kernel<T><<<grid_for(all), kThreads, 0, cu(stream)>>>(dqkv.data_as<T>(), buf.dq.data_as<T>(),
-                                                                     buf.dk.data_as<T>(), buf.dv.data_as<T>(), s, B, g,
-                                                                     qpg + 2, d);
-    MT_CUDA_CHECK_LAUNCH();
+    launch_permute<T, PermuteKind::kMergeQkv>(dqkv.data_as<T>(), nullptr, nullptr, buf.dq.data_as<T>(),
+                                              buf.dk.data_as<T>(), buf.dv.data_as<T>(), s, B, g, qpg + 2, d, all / d,
+                                              stream);
   });
 }
 
