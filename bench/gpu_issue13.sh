@@ -50,6 +50,27 @@ for step in "$@"; do
         --data-path $data/demo_text_document --split 98,2,0 --vocab-file $data/gpt2/encoder.json \
         --merge-file $data/gpt2/vocab.bpe --seed 1234 --log-interval 20 --eval-interval 40 --eval-iters 4 \
         2>&1 | tee "$OUT/llama1b.log" | grep -E "model:|iteration +(20|40|60|80|100|120)/|validation loss|memory" ;;
+    flash)
+      # GPT-2 124M at micro-batch 16 and 32 with the flash attention (auto) and the local one; the
+      # Llama-style 1.2B and a GPT 1.3B (24 layers, h 2048, 16 heads) with flash.
+      for mb in 16 32; do
+        for backend in flash local; do
+          timeout 120 build/megatron pretrain "${common[@]}" --micro-batch-size $mb --global-batch-size $mb             --train-iters 60 --lr-warmup-iters 5 --log-interval 20 --eval-interval 1000 --eval-iters 0             --attention-backend $backend > "$OUT/gpt2_${backend}_mb$mb.log" 2>&1
+          echo "gpt2 mb$mb $backend: $(grep -E 'iteration +60/' "$OUT/gpt2_${backend}_mb$mb.log" | grep -oE 'elapsed time per iteration \(ms\): [0-9.]+|TFLOP/s/GPU\): [0-9.]+|tokens per second: [0-9]+' | tr '\n' ' ') $(grep -oE 'device memory: [0-9.]+ MiB' "$OUT/gpt2_${backend}_mb$mb.log") $(grep -oE 'error.*' "$OUT/gpt2_${backend}_mb$mb.log" | head -1)"
+        done
+      done
+      timeout 150 build/megatron pretrain --num-layers 16 --hidden-size 2048 --num-attention-heads 32 \
+        --group-query-attention --num-query-groups 8 --swiglu --ffn-hidden-size 8192 --normalization RMSNorm \
+        --position-embedding-type rope --untie-embeddings-and-output-weights --disable-bias-linear \
+        --seq-length 1024 --max-position-embeddings 1024 --micro-batch-size 4 --global-batch-size 16 \
+        --train-iters 40 --lr 3e-4 --min-lr 3e-5 --lr-warmup-iters 20 --lr-decay-style cosine \
+        --weight-decay 0.1 --clip-grad 1.0 --hidden-dropout 0 --attention-dropout 0 --bf16 --device cuda --no-progress \
+        --data-path $data/demo_text_document --split 98,2,0 --vocab-file $data/gpt2/encoder.json \
+        --merge-file $data/gpt2/vocab.bpe --seed 1234 --log-interval 20 --eval-interval 1000 --eval-iters 0 \
+        2>&1 | tee "$OUT/llama1b_flash.log" | grep -E "model:|iteration +40/|memory"
+      timeout 150 build/megatron pretrain "${common[@]/--num-layers 12/--num-layers 24}" --num-layers 24 --hidden-size 2048 \
+        --num-attention-heads 16 --micro-batch-size 8 --global-batch-size 8 --train-iters 30 --lr-warmup-iters 5 \
+        --log-interval 10 --eval-interval 1000 --eval-iters 0 2>&1 | tee "$OUT/gpt1p3b_flash.log" | grep -E "model:|iteration +30/|memory" ;;
     torch)
       timeout 200 python3 bench/pytorch_gpt2.py --arch llama --layers 16 --hidden 2048 --heads 32 --kv-heads 8 \
         --ffn 8192 --micro-batch-size 4 --seq-length 1024 --steps 10 --warmup 5 --compile 2>&1 | tail -1 | tee -a "$OUT/torch.log"

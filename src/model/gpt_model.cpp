@@ -21,7 +21,9 @@ std::vector<pipeline::LayerRange> whole_model(const TransformerConfig& c) {
 // layers of every chunk in order, the head (if a chunk has the loss). Holds the config and TP
 // region the modules refer to, so it never moves.
 struct GPTModel::Parts {
-  Parts(const TransformerConfig& config, TensorParallelRegion tp_region, const std::vector<pipeline::LayerRange>& ranges)
+  /// fast_flash: FlashAttention's fast kernels apply (resolves --attention-backend auto).
+  Parts(const TransformerConfig& config, TensorParallelRegion tp_region, const std::vector<pipeline::LayerRange>& ranges,
+        bool fast_flash)
       : cfg(config), tp(std::move(tp_region)) {
     bool has_embedding = false, has_loss = false;
     for (const auto& r : ranges) {
@@ -29,7 +31,7 @@ struct GPTModel::Parts {
       has_loss |= r.has_loss;
     }
     if (has_embedding) embedding = std::make_unique<LanguageModelEmbedding>(cfg, tp, registry);
-    const std::vector<LayerSpec> specs = get_gpt_decoder_layer_specs(cfg);
+    const std::vector<LayerSpec> specs = get_gpt_decoder_layer_specs(cfg, fast_flash);
     for (const auto& r : ranges)
       for (int64_t l = r.begin; l < r.end; ++l)
         layers.push_back(std::make_unique<TransformerLayer>(cfg, specs[static_cast<size_t>(l)], l, tp, registry));
@@ -59,7 +61,8 @@ struct GPTModel::ChunkState {
 
 std::vector<ParamSpec> GPTModel::param_specs(const TransformerConfig& c, int tp, int tp_rank,
                                              const std::vector<pipeline::LayerRange>& chunks) {
-  const Parts parts(c, TensorParallelRegion::layout_only(tp, tp_rank), chunks.empty() ? whole_model(c) : chunks);
+  const Parts parts(c, TensorParallelRegion::layout_only(tp, tp_rank), chunks.empty() ? whole_model(c) : chunks,
+                    /*fast_flash=*/false);  // the core attention has no parameters
   return parts.registry.specs();
 }
 
@@ -95,7 +98,10 @@ GPTModel::GPTModel(const TransformerConfig& config, int64_t micro_batch, DType d
     ranges.push_back(r);
   }
   chunk_specs_ = chunks;
-  parts_ = std::make_unique<Parts>(config_, tp_, ranges);
+  const bool fast_flash = device.is_cuda() && (dtype == DType::kBF16 || dtype == DType::kF16) &&
+                          (config_.head_dim() == 64 || config_.head_dim() == 128);
+  parts_ = std::make_unique<Parts>(config_, tp_, ranges, fast_flash);
+  flash_ = get_gpt_layer_local_spec(config_, fast_flash).core_attention == CoreAttentionKind::kFlash;
   params_ = std::make_unique<ParamStore>(parts_->registry.specs(), dtype, device, param_layout);
   parts_->registry.bind(*params_);
   if (config_.tied_output()) {

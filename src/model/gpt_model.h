@@ -74,6 +74,8 @@ class GPTModel final : public LanguageModel {
   size_t word_embedding_index() const override { return word_embedding_index_; }
 
   bool sequence_parallel() const { return tp_.sequence_parallel(); }
+  /// The core attention the layers use: "flash" or "local" (--attention-backend resolved).
+  const char* attention_backend() const { return flash_ ? "flash" : "local"; }
   /// Whole model on this rank (one chunk with embedding and loss), slot 0: forward of one
   /// micro-batch (see forward_chunk).
   void forward(const MicroBatch& mb, const DropoutContext& dc, const Tensor& loss_accum, float loss_weight,
@@ -105,6 +107,7 @@ class GPTModel final : public LanguageModel {
   int activation_slots_ = 1;
   Tensor residual_grad_;  // [s_l, b, h]: the running dL/d(residual stream) when no grad is given
   ParamGradHooks* hooks_ = nullptr;
+  bool flash_ = false;
   WgradDeferral deferred_;
   size_t word_embedding_index_ = ParamStore::kNoParam;
   std::vector<std::vector<ParamStore::Range>> tp_partial_;  // per registry group: grads to all-reduce over TP

@@ -2,16 +2,18 @@
 
 namespace mt {
 
-LayerSpec get_gpt_layer_local_spec(const TransformerConfig& c) {
+LayerSpec get_gpt_layer_local_spec(const TransformerConfig& c, bool fast_flash) {
   LayerSpec s;
-  s.core_attention = CoreAttentionKind::kDotProduct;
+  const bool flash = c.attention_backend == AttentionBackend::kFlash ||
+                     (c.attention_backend == AttentionBackend::kAuto && fast_flash);
+  s.core_attention = flash ? CoreAttentionKind::kFlash : CoreAttentionKind::kDotProduct;
   s.qk_layernorm = c.qk_layernorm;
   s.mlp = MlpKind::kDense;
   return s;
 }
 
-std::vector<LayerSpec> get_gpt_decoder_layer_specs(const TransformerConfig& c) {
-  return std::vector<LayerSpec>(static_cast<size_t>(c.num_layers), get_gpt_layer_local_spec(c));
+std::vector<LayerSpec> get_gpt_decoder_layer_specs(const TransformerConfig& c, bool fast_flash) {
+  return std::vector<LayerSpec>(static_cast<size_t>(c.num_layers), get_gpt_layer_local_spec(c, fast_flash));
 }
 
 }  // namespace mt

@@ -16,6 +16,7 @@ namespace mt {
 /// The core attention of the self-attention block (Megatron's core_attention submodule).
 enum class CoreAttentionKind : uint8_t {
   kDotProduct,  ///< DotProductAttention, "local": batched GEMMs + fused masked softmax (saves [b, n, s, s])
+  kFlash,       ///< FlashAttention: ops/flash_attention.h (saves the QKV input and the softmax LSE)
 };
 
 /// What fills the MLP slot.
@@ -30,11 +31,12 @@ struct LayerSpec {
 };
 
 /// Megatron's get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm): the local (non-Transformer
-/// Engine) modules.
-LayerSpec get_gpt_layer_local_spec(const TransformerConfig& config);
+/// Engine) modules, with the core attention of config.attention_backend; kAuto resolves to flash
+/// when `fast_flash` (the model runs on CUDA in bf16/fp16 with head dim 64 or 128), else local.
+LayerSpec get_gpt_layer_local_spec(const TransformerConfig& config, bool fast_flash = false);
 
 /// The spec of each decoder layer 0 .. num_layers-1 (all the same until layers differ, e.g. MoE
 /// layer patterns).
-std::vector<LayerSpec> get_gpt_decoder_layer_specs(const TransformerConfig& config);
+std::vector<LayerSpec> get_gpt_decoder_layer_specs(const TransformerConfig& config, bool fast_flash = false);
 
 }  // namespace mt

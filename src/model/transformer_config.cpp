@@ -17,6 +17,17 @@ const char* position_embedding_type_name(PositionEmbeddingType p) {
   return "?";
 }
 
+const char* attention_backend_name(AttentionBackend a) {
+  return a == AttentionBackend::kFlash ? "flash" : a == AttentionBackend::kLocal ? "local" : "auto";
+}
+
+AttentionBackend parse_attention_backend(const std::string& s) {
+  if (s == "auto") return AttentionBackend::kAuto;
+  if (s == "flash" || s == "fused") return AttentionBackend::kFlash;
+  if (s == "local" || s == "unfused") return AttentionBackend::kLocal;
+  MT_FAIL("--attention-backend '{}' is not supported: expected auto, flash (fused) or local (unfused)", s);
+}
+
 Normalization parse_normalization(const std::string& s) {
   if (s == "LayerNorm") return Normalization::kLayerNorm;
   if (s == "RMSNorm") return Normalization::kRMSNorm;
@@ -80,6 +91,9 @@ void TransformerConfig::validate(int tp) const {
                rotary_percent, head_dim());
     MT_REQUIRE(rotary_base > 0, "--rotary-base must be positive, got {}", rotary_base);
   }
+  MT_REQUIRE(!qk_layernorm || normalization == Normalization::kRMSNorm,
+             "--qk-layernorm is implemented with --normalization RMSNorm only (got {})",
+             normalization_name(normalization));
   MT_REQUIRE(tp >= 1, "tensor parallel size must be >= 1, got {}", tp);
   MT_REQUIRE(num_attention_heads % tp == 0, "--num-attention-heads {} is not divisible by tensor parallel size {}",
              num_attention_heads, tp);

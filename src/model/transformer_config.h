@@ -17,9 +17,16 @@ namespace mt {
 enum class Normalization : uint8_t { kLayerNorm, kRMSNorm };
 /// --position-embedding-type
 enum class PositionEmbeddingType : uint8_t { kLearnedAbsolute, kRope, kNone };
+/// --attention-backend (Megatron's AttnBackend): kFlash = FlashAttention-2 kernels (ops/flash_attention.h;
+/// Megatron's flash/fused), kLocal = the unfused DotProductAttention (Megatron's local/unfused),
+/// kAuto = flash where its fast kernels apply (CUDA, bf16/fp16, head dim 64 or 128), else local.
+enum class AttentionBackend : uint8_t { kAuto, kFlash, kLocal };
 
 const char* normalization_name(Normalization n);
 const char* position_embedding_type_name(PositionEmbeddingType p);
+const char* attention_backend_name(AttentionBackend a);
+/// "auto", "flash" (or Megatron's "fused"), "local" (or "unfused").
+AttentionBackend parse_attention_backend(const std::string& s);
 /// Parses Megatron's spellings ("LayerNorm", "RMSNorm"; "learned_absolute", "rope", "none").
 /// Errors: mt::Error naming the value and the accepted ones.
 Normalization parse_normalization(const std::string& s);
@@ -52,6 +59,7 @@ struct TransformerConfig {
   bool add_qkv_bias = false;            ///< --add-qkv-bias: bias on the QKV projection only (Qwen 2)
   bool qk_layernorm = false;            ///< --qk-layernorm: per-head norm of queries and keys (Qwen 3)
   bool untie_embeddings_and_output_weights = false;  ///< --untie-embeddings-and-output-weights
+  AttentionBackend attention_backend = AttentionBackend::kAuto;  ///< --attention-backend
   // --- initialisation and regularisation ---
   float init_method_std = 0.02f;        ///< --init-method-std
   float hidden_dropout = 0.1f;          ///< --hidden-dropout

@@ -78,6 +78,10 @@ void add_pretrain_options(CLI::App& app, PretrainArgs& a) {
   app.add_flag("!--disable-bias-linear", m.add_bias_linear, "No biases in the linear layers");
   app.add_flag("--add-qkv-bias", m.add_qkv_bias, "Bias on the QKV projection (with --disable-bias-linear, Qwen 2)");
   app.add_flag("--qk-layernorm", m.qk_layernorm, "Normalise each query and key head (Qwen 3)");
+  app.add_option_function<std::string>(
+         "--attention-backend", [&m](const std::string& v) { m.attention_backend = parse_attention_backend(v); },
+         "auto (flash on CUDA bf16/fp16 with head dim 64 or 128, else local), flash (fused) or local (unfused)")
+      ->default_str("auto");
 
   app.add_option("--micro-batch-size", a.micro_batch_size, "Sequences per micro-batch")->capture_default_str();
   app.add_option("--global-batch-size", a.global_batch_size,

@@ -328,8 +328,9 @@ int run_pretrain(PretrainArgs args) {
                  args.param_layout(), model_layout(chunks, {&train_plan, &eval_plan}));
   PipelineExecutor executor(model, groups.pp, {&train_plan, &eval_plan});
   const auto& cfg = model.config();
-  log_info("> model: GPT {}, seq {}, vocab {} (padded {}), {:.2f}M parameters, {} on {}; activations {:.1f} MiB",
-           cfg.summary(), cfg.seq_length, cfg.vocab_size, model.padded_vocab(),
+  log_info("> model: GPT {}, {} attention, seq {}, vocab {} (padded {}), {:.2f}M parameters, {} on {}; activations "
+           "{:.1f} MiB",
+           cfg.summary(), model.attention_backend(), cfg.seq_length, cfg.vocab_size, model.padded_vocab(),
            model.params().num_parameters() / 1e6, dtype_name(args.dtype()), device.str(),
            model.activation_bytes() / 1048576.0);
   if (pc.pp > 1) {

@@ -10,11 +10,22 @@ namespace {
 
 using testing::OwnedTensor;
 
-void compare(DType dtype, float dropout, double tol, bool documents = false) {
+/// llama: the Llama-style layer (GQA 4/2, RoPE, SwiGLU, RMSNorm, untied, no bias); flash: the GPU
+/// model uses FlashAttention (head dim 64: the tensor-core kernels for bf16), the CPU one the
+/// local attention.
+void compare(DType dtype, float dropout, double tol, bool documents = false, bool llama = false, bool flash = false) {
   TransformerConfig c;
   c.num_layers = 2;
-  c.hidden_size = 64;
+  c.hidden_size = flash ? 256 : 64;
   c.num_attention_heads = 4;
+  if (llama) {
+    c.num_query_groups = 2;
+    c.gated_linear_unit = true;
+    c.normalization = Normalization::kRMSNorm;
+    c.position_embedding_type = PositionEmbeddingType::kRope;
+    c.untie_embeddings_and_output_weights = true;
+    c.add_bias_linear = false;
+  }
   c.seq_length = 32;
   c.vocab_size = 500;
   c.make_vocab_size_divisible_by = 64;
@@ -22,8 +33,12 @@ void compare(DType dtype, float dropout, double tol, bool documents = false) {
   c.attention_dropout = dropout;
   const int64_t b = 3;
   Stream cs(Device::cpu()), gs(Device::cuda(0));
-  GPTModel cpu(c, b, DType::kF32, Device::cpu(), ProcessGroups::single());
-  GPTModel gpu(c, b, dtype, Device::cuda(0), ProcessGroups::single());
+  TransformerConfig cc = c, gc = c;
+  cc.attention_backend = AttentionBackend::kLocal;
+  gc.attention_backend = flash ? AttentionBackend::kFlash : AttentionBackend::kLocal;
+  GPTModel cpu(cc, b, DType::kF32, Device::cpu(), ProcessGroups::single());
+  GPTModel gpu(gc, b, dtype, Device::cuda(0), ProcessGroups::single());
+  ASSERT_STREQ(gpu.attention_backend(), flash ? "flash" : "local");
   cpu.params().initialize(testing::test_seed(), cs);
   // Same weights: the GPU model's fp32 main params are the CPU's (rounded through the dtype so
   // both sides compute with identical weights).
@@ -95,6 +110,17 @@ TEST(GptCuda, Fp32WithDocumentsMatchesCpu) {
 TEST(GptCuda, Bf16MatchesCpu) {
   MT_REQUIRE_CUDA();
   compare(DType::kBF16, 0.1f, 2e-2);
+}
+TEST(GptCuda, LlamaMatchesCpu) {
+  MT_REQUIRE_CUDA();
+  compare(DType::kF32, 0.1f, 1e-5, /*documents=*/true, /*llama=*/true);
+  compare(DType::kBF16, 0.1f, 2e-2, /*documents=*/true, /*llama=*/true);
+}
+TEST(GptCuda, FlashAttentionMatchesCpu) {
+  MT_REQUIRE_CUDA();
+  compare(DType::kF32, 0.1f, 1e-5, /*documents=*/true, /*llama=*/false, /*flash=*/true);
+  compare(DType::kBF16, 0.1f, 2e-2, /*documents=*/true, /*llama=*/false, /*flash=*/true);
+  compare(DType::kBF16, 0.1f, 2e-2, /*documents=*/true, /*llama=*/true, /*flash=*/true);
 }
 
 }  // namespace

@@ -153,6 +153,46 @@ TEST(Gpt, LlamaGradientCheck) { gradient_check(tiny_llama_config(0.f)); }
 TEST(Gpt, LlamaGradientCheckWithDropoutAndDocuments) {
   gradient_check(tiny_llama_config(0.2f), /*documents=*/true);  // RoPE follows the reset position ids
 }
+TEST(Gpt, FlashAttentionGradientCheck) {
+  TransformerConfig c = tiny_llama_config(0.2f);
+  c.attention_backend = AttentionBackend::kFlash;  // the CPU reference of ops/flash_attention.h
+  gradient_check(c, /*documents=*/true);
+  c = tiny_config(0.2f);
+  c.attention_backend = AttentionBackend::kFlash;
+  gradient_check(c);
+}
+
+// The two core attentions compute the same model: losses and every gradient agree (fp32), with
+// dropout (the same keyed mask), documents and GQA.
+TEST(Gpt, FlashAndLocalAttentionAgree) {
+  for (bool llama : {false, true}) {
+    TransformerConfig c = llama ? tiny_llama_config(0.2f) : tiny_config(0.2f);
+    std::vector<std::vector<float>> grads[2];
+    double loss[2];
+    std::vector<int32_t> tokens, labels;
+    for (int k = 0; k < 2; ++k) {
+      c.attention_backend = k == 0 ? AttentionBackend::kLocal : AttentionBackend::kFlash;
+      Harness h(c, 2);
+      h.with_documents();
+      if (k == 0) {  // the same batch for both
+        tokens.assign(h.tokens.t.data_as<int32_t>(), h.tokens.t.data_as<int32_t>() + h.tokens.t.numel());
+        labels.assign(h.labels.t.data_as<int32_t>(), h.labels.t.data_as<int32_t>() + h.labels.t.numel());
+      } else {
+        std::copy(tokens.begin(), tokens.end(), h.tokens.t.data_as<int32_t>());
+        std::copy(labels.begin(), labels.end(), h.labels.t.data_as<int32_t>());
+      }
+      const DropoutContext dc{7, 2, 1, true};
+      h.model.params().zero_grads(h.stream);
+      loss[k] = h.loss_value(dc);
+      h.model.backward(h.mb(), dc, 1.f, Tensor(), h.stream);
+      for (size_t i = 0; i < h.model.params().size(); ++i)
+        grads[k].push_back(testing::to_host(h.model.params().grad(i), h.stream));
+    }
+    EXPECT_NEAR(loss[1], loss[0], 1e-6 * std::fabs(loss[0])) << "llama " << llama;
+    for (size_t i = 0; i < grads[0].size(); ++i) EXPECT_LT(testing::rel_err(grads[1][i], grads[0][i]), 1e-5) << i;
+  }
+}
+
 TEST(Gpt, Qwen3GradientCheck) { gradient_check(tiny_llama_config(0.2f, /*qwen3=*/true), /*documents=*/true); }
 
 // The last backward reports every parameter once, and the word embedding before the first
@@ -234,6 +274,28 @@ TEST(Gpt, ConfigErrors) {
   c = tiny_config(0);
   c.hidden_dropout = 1.0f;
   EXPECT_THROW(c.validate(), Error);
+  // Llama-family options.
+  auto expect_message = [](const TransformerConfig& bad, int tp, const std::string& what) {
+    try {
+      bad.validate(tp);
+      ADD_FAILURE() << "no error; expected '" << what << "'";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+  };
+  c = tiny_llama_config(0);
+  c.num_query_groups = 3;
+  expect_message(c, 1, "--num-attention-heads 4 is not divisible by --num-query-groups 3");
+  c = tiny_llama_config(0);
+  expect_message(c, 4, "--num-query-groups 2 is not divisible by tensor parallel size 4");
+  c = tiny_llama_config(0);
+  c.rotary_percent = 1.5f;
+  expect_message(c, 1, "--rotary-percent must be in (0, 1], got 1.5");
+  c = tiny_llama_config(0, /*qwen3=*/true);
+  c.normalization = Normalization::kLayerNorm;
+  expect_message(c, 1, "--qk-layernorm is implemented with --normalization RMSNorm only");
+  EXPECT_THROW(parse_normalization("BatchNorm"), Error);
+  EXPECT_THROW(parse_position_embedding_type("alibi"), Error);
   EXPECT_THROW(GPTModel(tiny_config(0), 1, DType::kBF16, Device::cpu(), ProcessGroups::single()), Error);
 }
 

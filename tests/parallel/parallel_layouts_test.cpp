@@ -71,6 +71,7 @@ struct Layout {
   /// Vocabulary 67 padded to a multiple of 8·TP (72, 80, 96 at TP 1, 2, 4): the padding differs
   /// between the layouts, and must not change the losses or the real rows' gradients.
   bool odd_vocab = false;
+  bool flash = false;  ///< --attention-backend flash (the CPU reference of the flash kernels)
   int tp = 1, pp = 1, dp = 1, vpp = 0;
   int micro_total = 1;  // micro-batches per iteration over all DP ranks
   int64_t first = -1, last = -1;  // --decoder-first/last-pipeline-num-layers
@@ -80,7 +81,8 @@ struct Layout {
   std::string name() const {
     std::string s = fmt::format("{}{}tp{}_pp{}_dp{}_vpp{}_m{}",
                                 arch == Arch::kGpt ? "" : arch == Arch::kLlama ? "llama_" : "qwen_",
-                                odd_vocab ? "vocab67_" : "", tp, pp, dp, vpp, micro_total);
+                                std::string(odd_vocab ? "vocab67_" : "") + (flash ? "flash_" : ""), tp, pp, dp, vpp,
+                                micro_total);
     if (first >= 0) s += fmt::format("_first{}", first);
     if (last >= 0) s += fmt::format("_last{}", last);
     if (group_size > 0) s += fmt::format("_g{}", group_size);
@@ -116,6 +118,7 @@ Result run_layout(const Layout& L, const std::vector<int32_t>& tokens, const std
                   int64_t mb) {
   TransformerConfig c = config(L.arch);
   if (L.odd_vocab) c.vocab_size = 67;
+  if (L.flash) c.attention_backend = AttentionBackend::kFlash;
   const int64_t S = c.seq_length;
   const int world_size = L.tp * L.pp * L.dp;
   const int M = L.micro_total / L.dp;
@@ -244,6 +247,7 @@ TEST_P(ParallelLayouts, MatchesSingleRank) {
   Layout one;
   one.arch = L.arch;
   one.odd_vocab = L.odd_vocab;
+  one.flash = L.flash;
   one.micro_total = L.micro_total;
   const Result ref = run_layout(one, tokens, labels, mb);
   const Result par = run_layout(L, tokens, labels, mb);
@@ -342,6 +346,20 @@ std::vector<Layout> layouts() {
     p.pp = pp;
     p.micro_total = 2 * pp;
     v.push_back(p);
+  }
+  // Flash attention (its dropout keyed like the local one's) under TP + SP and PP.
+  for (Arch arch : {Arch::kGpt, Arch::kLlama}) {
+    for (const auto& [tp, pp, dp] : {std::tuple{2, 1, 1}, std::tuple{2, 2, 2}}) {
+      Layout f;
+      f.flash = true;
+      f.arch = arch;
+      f.tp = tp;
+      f.pp = pp;
+      f.dp = dp;
+      f.sp = tp > 1;
+      f.micro_total = 2 * pp * dp;
+      v.push_back(f);
+    }
   }
   // Llama and Qwen 3 style models under every kind of parallelism.
   for (Arch arch : {Arch::kLlama, Arch::kQwen}) {

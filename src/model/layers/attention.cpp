@@ -1,5 +1,6 @@
 #include "model/layers/attention.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "ops/rope.h"
@@ -54,9 +55,62 @@ void DotProductAttention::forward(const Tensor& context, const Tensor& qkv, cons
                     attention_config(ctx, qkv.size(0), qkv.size(1)), ctx.stream);
 }
 
-void DotProductAttention::backward(const Tensor& dqkv, const Tensor& dcontext, const StepContext& ctx) {
+void DotProductAttention::backward(const Tensor& dqkv, const Tensor& dcontext, const Tensor&, const Tensor&,
+                                   const StepContext& ctx) {
   attention_backward(dqkv, dcontext, saved_.at(static_cast<size_t>(ctx.slot)),
                      attention_config(ctx, dqkv.size(0), dqkv.size(1)), ctx.stream);
+}
+
+// ---------------------------------------------------------------------------------------------
+// FlashAttention
+// ---------------------------------------------------------------------------------------------
+
+FlashAttention::FlashAttention(const TransformerConfig& c, int64_t layer, const TensorParallelRegion& tp)
+    : config_(c),
+      layer_(layer),
+      heads_(c.num_attention_heads / tp.size()),
+      groups_(c.query_groups() / tp.size()),
+      head_offset_(tp.rank() * (c.num_attention_heads / tp.size())) {}
+
+FlashAttentionConfig FlashAttention::flash_config(const StepContext& ctx, int64_t s, int64_t b) const {
+  FlashAttentionConfig c;
+  c.seq = s;
+  c.batch = b;
+  c.groups = groups_;
+  c.queries_per_group = heads_ / groups_;
+  c.head_dim = config_.head_dim();
+  c.softmax_scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+  c.dropout_p = ctx.dropout.training ? config_.attention_dropout : 0.f;
+  c.dropout_key = dropout_key(ctx.dropout, layer_, kSiteAttentionProbs);
+  c.head_offset = head_offset_;
+  c.total_heads = config_.num_attention_heads;
+  c.doc_start = ctx.batch.doc_start;
+  return c;
+}
+
+void FlashAttention::plan(BufferPlanner& p, int64_t s, int64_t b) {
+  const size_t a = static_cast<size_t>(p.area());
+  if (lse_.size() <= a) lse_.resize(a + 1);
+  lse_[a] = p.saved(DType::kF32, {b, heads_, s}, "attention softmax lse");
+  FlashAttentionConfig c;
+  c.seq = s;
+  c.batch = b;
+  c.groups = groups_;
+  c.queries_per_group = heads_ / groups_;
+  c.head_dim = config_.head_dim();
+  const int64_t bytes = static_cast<int64_t>(flash_attention_workspace_bytes(c));
+  workspace_ = p.scratch("core_attention.flash_workspace", DType::kU8, {std::max<int64_t>(bytes, 1)});
+}
+
+void FlashAttention::forward(const Tensor& context, const Tensor& qkv, const StepContext& ctx) {
+  flash_attention_forward(context, lse_.at(static_cast<size_t>(ctx.slot)), qkv,
+                          flash_config(ctx, qkv.size(0), qkv.size(1)), ctx.stream);
+}
+
+void FlashAttention::backward(const Tensor& dqkv, const Tensor& dcontext, const Tensor& context, const Tensor& qkv,
+                              const StepContext& ctx) {
+  flash_attention_backward(dqkv, dcontext, context, lse_.at(static_cast<size_t>(ctx.slot)), qkv, workspace_,
+                           flash_config(ctx, qkv.size(0), qkv.size(1)), ctx.stream);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -91,6 +145,7 @@ std::unique_ptr<CoreAttention> make_core_attention(const TransformerConfig& c, c
                                                    const TensorParallelRegion& tp) {
   switch (spec.core_attention) {
     case CoreAttentionKind::kDotProduct: return std::make_unique<DotProductAttention>(c, layer, tp);
+    case CoreAttentionKind::kFlash: return std::make_unique<FlashAttention>(c, layer, tp);
   }
   MT_FAIL("unknown core attention kind {}", static_cast<int>(spec.core_attention));
 }
@@ -125,6 +180,11 @@ void SelfAttention::plan(BufferPlanner& p, int64_t s, int64_t b) {
   linear_qkv_.plan(p, s, b);
   qkv_ = p.scratch("self_attention.qkv", t, shape);
   dqkv_ = p.scratch("self_attention.dqkv", t, shape);
+  if (core_attention_->reads_inputs_in_backward()) {
+    const size_t a = static_cast<size_t>(p.area());
+    if (qkv_saved_.size() <= a) qkv_saved_.resize(a + 1);
+    qkv_saved_[a] = p.saved(t, shape, "qkv (attention input)");
+  }
   if (q_layernorm_) {
     const size_t a = static_cast<size_t>(p.area());
     if (qkv_raw_.size() <= a) qkv_raw_.resize(a + 1);
@@ -147,22 +207,27 @@ RopeConfig rope_config(const TransformerConfig& c, int64_t qpg) {
 }
 }  // namespace
 
+Tensor SelfAttention::qkv(int area) const {
+  return qkv_saved_.empty() ? qkv_ : qkv_saved_.at(static_cast<size_t>(area));
+}
+
 Tensor SelfAttention::forward(const StepContext& ctx) {
-  const Tensor raw = q_layernorm_ ? qkv_raw_.at(static_cast<size_t>(ctx.slot)) : qkv_;
+  const Tensor qkv_in = qkv(ctx.slot);
+  const Tensor raw = q_layernorm_ ? qkv_raw_.at(static_cast<size_t>(ctx.slot)) : qkv_in;
   linear_qkv_.forward(raw, ctx);
   if (q_layernorm_) {
-    copy(qkv_, raw, ctx.stream);  // the value heads; the norms overwrite queries and keys
-    q_layernorm_->forward(heads(qkv_, false), heads(raw, false), ctx);
-    k_layernorm_->forward(heads(qkv_, true), heads(raw, true), ctx);
+    copy(qkv_in, raw, ctx.stream);  // the value heads; the norms overwrite queries and keys
+    q_layernorm_->forward(heads(qkv_in, false), heads(raw, false), ctx);
+    k_layernorm_->forward(heads(qkv_in, true), heads(raw, true), ctx);
   }
-  if (rope_) rope_forward(qkv_, ctx.batch.position_ids, rope_config(config_, queries_per_group_), ctx.stream);
-  core_attention_->forward(linear_proj_.input(ctx.slot), qkv_, ctx);
+  if (rope_) rope_forward(qkv_in, ctx.batch.position_ids, rope_config(config_, queries_per_group_), ctx.stream);
+  core_attention_->forward(linear_proj_.input(ctx.slot), qkv_in, ctx);
   return linear_proj_.forward(ctx);
 }
 
 Tensor SelfAttention::backward(const Tensor& dy, const StepContext& ctx, WgradDeferral* defer) {
   const Tensor dcontext = linear_proj_.backward(dy, ctx, defer);
-  core_attention_->backward(dqkv_, dcontext, ctx);
+  core_attention_->backward(dqkv_, dcontext, linear_proj_.input(ctx.slot), qkv(ctx.slot), ctx);
   if (rope_) rope_backward(dqkv_, ctx.batch.position_ids, rope_config(config_, queries_per_group_), ctx.stream);
   if (q_layernorm_) {
     const Tensor raw = qkv_raw_.at(static_cast<size_t>(ctx.slot));

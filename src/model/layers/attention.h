@@ -13,20 +13,27 @@
 #include "model/specs.h"
 #include "model/transformer_config.h"
 #include "ops/attention.h"
+#include "ops/flash_attention.h"
 
 namespace mt {
 
 /// The core attention submodule: context = softmax(scale · q kᵀ + causal/document mask) v with
-/// attention dropout, from the fused QKV tensor. Implementations: DotProductAttention.
+/// attention dropout, from the fused QKV tensor. Implementations: DotProductAttention,
+/// FlashAttention.
 class CoreAttention {
  public:
   virtual ~CoreAttention() = default;
   /// Plans saved tensors (open area) and scratch for micro-batch b.
   virtual void plan(BufferPlanner& planner, int64_t s, int64_t b) = 0;
+  /// Whether backward reads the forward's qkv and context (then the caller keeps them intact from
+  /// the forward to the backward: saved, not scratch).
+  virtual bool reads_inputs_in_backward() const = 0;
   /// context [s, b, n_l·d] from qkv [s, b, g_l, qpg + 2, d].
   virtual void forward(const Tensor& context, const Tensor& qkv, const StepContext& ctx) = 0;
-  /// dqkv (overwrite) from dcontext, using what the forward saved.
-  virtual void backward(const Tensor& dqkv, const Tensor& dcontext, const StepContext& ctx) = 0;
+  /// dqkv (overwrite) from dcontext, using what the forward saved and (when
+  /// reads_inputs_in_backward()) the forward's context and qkv.
+  virtual void backward(const Tensor& dqkv, const Tensor& dcontext, const Tensor& context, const Tensor& qkv,
+                        const StepContext& ctx) = 0;
 };
 
 /// Megatron's DotProductAttention ("local"): ops/attention.h, which saves q, k, v and the
@@ -35,8 +42,10 @@ class DotProductAttention final : public CoreAttention {
  public:
   DotProductAttention(const TransformerConfig& config, int64_t layer, const TensorParallelRegion& tp);
   void plan(BufferPlanner& planner, int64_t s, int64_t b) override;
+  bool reads_inputs_in_backward() const override { return false; }
   void forward(const Tensor& context, const Tensor& qkv, const StepContext& ctx) override;
-  void backward(const Tensor& dqkv, const Tensor& dcontext, const StepContext& ctx) override;
+  void backward(const Tensor& dqkv, const Tensor& dcontext, const Tensor& context, const Tensor& qkv,
+                const StepContext& ctx) override;
 
  private:
   AttentionConfig attention_config(const StepContext& ctx, int64_t s, int64_t b) const;
@@ -44,6 +53,27 @@ class DotProductAttention final : public CoreAttention {
   int64_t layer_;
   int64_t heads_, groups_, head_offset_;
   std::vector<AttentionBuffers> saved_;  // per area; scratch, dq, dk, dv shared
+};
+
+/// FlashAttention-2 (ops/flash_attention.h; Megatron's flash / fused backends): the [s, s]
+/// probabilities never reach memory. Saves the softmax log-sum-exp [b, n_l, s] (fp32); its backward
+/// reads the forward's qkv and context, which the caller keeps.
+class FlashAttention final : public CoreAttention {
+ public:
+  FlashAttention(const TransformerConfig& config, int64_t layer, const TensorParallelRegion& tp);
+  void plan(BufferPlanner& planner, int64_t s, int64_t b) override;
+  bool reads_inputs_in_backward() const override { return true; }
+  void forward(const Tensor& context, const Tensor& qkv, const StepContext& ctx) override;
+  void backward(const Tensor& dqkv, const Tensor& dcontext, const Tensor& context, const Tensor& qkv,
+                const StepContext& ctx) override;
+
+ private:
+  FlashAttentionConfig flash_config(const StepContext& ctx, int64_t s, int64_t b) const;
+  const TransformerConfig& config_;
+  int64_t layer_;
+  int64_t heads_, groups_, head_offset_;
+  std::vector<Tensor> lse_;  // per area: fp32 [b, n_l, s]
+  Tensor workspace_;         // scratch for the backward
 };
 
 class SelfAttention {
@@ -76,7 +106,11 @@ class SelfAttention {
   std::unique_ptr<Norm> q_layernorm_, k_layernorm_;
   std::unique_ptr<CoreAttention> core_attention_;
   RowParallelLinear linear_proj_;
+  /// The QKV tensor the core attention reads in `area`: scratch, or saved per area when the core
+  /// attention's backward reads it.
+  Tensor qkv(int area) const;
   std::vector<Tensor> qkv_raw_;  // qk-layernorm: the projection's output per area (norm inputs)
+  std::vector<Tensor> qkv_saved_;  // per area when the core attention reads its input in backward
   Tensor qkv_, dqkv_;            // scratch [s, b, g_l, qpg + 2, d]
 };
 
