@@ -74,7 +74,11 @@ for step in "$@"; do
     torch)
       timeout 200 python3 bench/pytorch_gpt2.py --arch llama --layers 16 --hidden 2048 --heads 32 --kv-heads 8 \
         --ffn 8192 --micro-batch-size 4 --seq-length 1024 --steps 10 --warmup 5 --compile 2>&1 | tail -1 | tee -a "$OUT/torch.log"
-      timeout 150 python3 bench/pytorch_gpt2.py --micro-batch-size 16 --steps 20 --compile 2>&1 | tail -1 | tee -a "$OUT/torch.log" ;;
+      for mb in 16 32; do
+        timeout 150 python3 bench/pytorch_gpt2.py --micro-batch-size $mb --steps 20 --compile 2>&1 | tail -1 | tee -a "$OUT/torch.log"
+      done
+      timeout 200 python3 bench/pytorch_gpt2.py --layers 24 --hidden 2048 --heads 16 --micro-batch-size 8 --steps 10 \
+        --warmup 5 --compile 2>&1 | tail -1 | tee -a "$OUT/torch.log" ;;
   esac
 done
 echo "total: $(( $(date +%s) - t0 )) s"
