@@ -9,10 +9,10 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0
 t0=$(date +%s)
 data=data
-common=(--num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 1024 --max-position-embeddings 1024
-        --lr 6e-4 --min-lr 6e-5 --lr-decay-style cosine --weight-decay 0.1 --clip-grad 1.0 --hidden-dropout 0
+train=(--seq-length 1024 --max-position-embeddings 1024 --lr 6e-4 --min-lr 6e-5 --lr-decay-style cosine --weight-decay 0.1 --clip-grad 1.0 --hidden-dropout 0
         --attention-dropout 0 --bf16 --device cuda --no-progress --data-path $data/demo_text_document --split 98,2,0
         --vocab-file $data/gpt2/encoder.json --merge-file $data/gpt2/vocab.bpe --seed 1234)
+common=(--num-layers 12 --hidden-size 768 --num-attention-heads 12 "${train[@]}")
 for step in "$@"; do
   case $step in
     build)
@@ -68,7 +68,7 @@ for step in "$@"; do
         --data-path $data/demo_text_document --split 98,2,0 --vocab-file $data/gpt2/encoder.json \
         --merge-file $data/gpt2/vocab.bpe --seed 1234 --log-interval 20 --eval-interval 1000 --eval-iters 0 \
         2>&1 | tee "$OUT/llama1b_flash.log" | grep -E "model:|iteration +40/|memory"
-      timeout 150 build/megatron pretrain "${common[@]/--num-layers 12/--num-layers 24}" --num-layers 24 --hidden-size 2048 \
+      timeout 150 build/megatron pretrain "${train[@]}" --num-layers 24 --hidden-size 2048 \
         --num-attention-heads 16 --micro-batch-size 8 --global-batch-size 8 --train-iters 30 --lr-warmup-iters 5 \
         --log-interval 10 --eval-interval 1000 --eval-iters 0 2>&1 | tee "$OUT/gpt1p3b_flash.log" | grep -E "model:|iteration +30/|memory" ;;
     torch)
