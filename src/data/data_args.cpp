@@ -18,14 +18,14 @@ constexpr const char* kLegacyDefaultSplit = "969, 30, 1";
 // A unique_ptr face for a shared dataset.
 class SharedSource final : public SampleSource {
  public:
-  explicit SharedSource(std::shared_ptr<const SampleSource> s) : s_(std::move(s)) {}
-  int64_t size() const override { return s_->size(); }
-  int64_t sample_tokens() const override { return s_->sample_tokens(); }
-  void get(int64_t i, int32_t* out) const override { s_->get(i, out); }
-  std::string name() const override { return s_->name(); }
+  explicit SharedSource(std::shared_ptr<const SampleSource> s) : source_(std::move(s)) {}
+  int64_t size() const override { return source_->size(); }
+  int64_t sample_tokens() const override { return source_->sample_tokens(); }
+  void get(int64_t i, int32_t* out) const override { source_->get(i, out); }
+  std::string name() const override { return source_->name(); }
 
  private:
-  std::shared_ptr<const SampleSource> s_;
+  std::shared_ptr<const SampleSource> source_;
 };
 
 std::unique_ptr<SampleSource> wrap(std::shared_ptr<const SampleSource> s) {

@@ -193,21 +193,21 @@ struct RankState {
 class ScheduleBuilder {
  public:
   explicit ScheduleBuilder(const ScheduleConfig& c)
-      : c_(c), P_(c.pp), V_(c.num_chunks()), S_(c.pp * c.num_chunks()), st_(c.pp), batch_(c.pp) {
+      : config_(c), pp_size_(c.pp), num_chunks_(c.num_chunks()), num_stages_(c.pp * c.num_chunks()), rank_state_(c.pp), batch_(c.pp) {
     out_.config = c;
     out_.kind = schedule_kind(c);
-    out_.ranks.resize(P_);
-    const size_t n = static_cast<size_t>(c.num_microbatches) * V_;
-    for (int r = 0; r < P_; ++r) {
+    out_.ranks.resize(pp_size_);
+    const size_t n = static_cast<size_t>(c.num_microbatches) * num_chunks_;
+    for (int r = 0; r < pp_size_; ++r) {
       out_.ranks[r].pp_rank = r;
       out_.ranks[r].num_warmup = num_warmup_microbatches(c, r);
-      RankState& x = st_[r];
+      RankState& x = rank_state_[r];
       x.order = compute_order(c, r);
       x.have_input.assign(n, 0);
       x.have_grad.assign(n, 0);
       x.fwd_done.assign(n, 0);
-      x.first_fwd.assign(V_, -1);
-      x.last_bwd.assign(V_, -1);
+      x.first_fwd.assign(num_chunks_, -1);
+      x.last_bwd.assign(num_chunks_, -1);
       for (const ComputeStep& s : x.order) {
         if (s.forward && x.first_fwd[s.chunk] < 0) x.first_fwd[s.chunk] = s.microbatch;
         if (!s.forward) x.last_bwd[s.chunk] = s.microbatch;
@@ -219,19 +219,19 @@ class ScheduleBuilder {
     for (int64_t round = 0;; ++round) {
       const bool exchanged = exchange(round);
       bool started = false;
-      for (int r = 0; r < P_; ++r) started = try_start(r, round) || started;
+      for (int r = 0; r < pp_size_; ++r) started = try_start(r, round) || started;
       if (finished()) break;
       bool waiting = false;  // something will change by itself in a later round
-      for (const RankState& x : st_) waiting |= x.busy_until > round;
+      for (const RankState& x : rank_state_) waiting |= x.busy_until > round;
       for (const Message& msg : queue_) waiting |= msg.ready > round;
       if (!exchanged && !started && !waiting) fail(round);
     }
-    for (const RankState& x : st_) out_.construction_time = std::max(out_.construction_time, x.busy_until);
+    for (const RankState& x : rank_state_) out_.construction_time = std::max(out_.construction_time, x.busy_until);
     return std::move(out_);
   }
 
  private:
-  size_t idx(int mb, int chunk) const { return static_cast<size_t>(mb) * V_ + chunk; }
+  size_t idx(int mb, int chunk) const { return static_cast<size_t>(mb) * num_chunks_ + chunk; }
 
   // Phase 1 of a round: exchange every produced message whose two ends are between computes.
   // Messages of one sender become ready in production order, so FIFO order per rank pair holds.
@@ -239,7 +239,7 @@ class ScheduleBuilder {
     for (auto& b : batch_) b.clear();
     std::vector<Message> keep;
     for (const Message& msg : queue_) {
-      if (msg.ready > round || st_[msg.src_rank].busy_until > round || st_[msg.dst_rank].busy_until > round) {
+      if (msg.ready > round || rank_state_[msg.src_rank].busy_until > round || rank_state_[msg.dst_rank].busy_until > round) {
         keep.push_back(msg);
         continue;
       }
@@ -253,14 +253,14 @@ class ScheduleBuilder {
       recv.peer = msg.src_rank;
       batch_[msg.src_rank].push_back({send, msg.seq});
       batch_[msg.dst_rank].push_back({recv, msg.seq});
-      RankState& dst = st_[msg.dst_rank];
+      RankState& dst = rank_state_[msg.dst_rank];
       (msg.forward ? dst.have_input : dst.have_grad)[idx(msg.microbatch, msg.dst_chunk)] = 1;
       ++(msg.forward ? dst.pending_in : dst.pending_grad);
-      --st_[msg.src_rank].pending_send;
+      --rank_state_[msg.src_rank].pending_send;
     }
     queue_.swap(keep);
     bool any = false;
-    for (int r = 0; r < P_; ++r) {
+    for (int r = 0; r < pp_size_; ++r) {
       if (batch_[r].empty()) continue;
       any = true;
       RankSchedule& rs = out_.ranks[r];
@@ -270,18 +270,18 @@ class ScheduleBuilder {
         rs.actions.push_back(e.action);
       }
       ++rs.num_batches;
-      rs.max_pending_recv_forward = std::max(rs.max_pending_recv_forward, st_[r].pending_in);
-      rs.max_pending_recv_backward = std::max(rs.max_pending_recv_backward, st_[r].pending_grad);
+      rs.max_pending_recv_forward = std::max(rs.max_pending_recv_forward, rank_state_[r].pending_in);
+      rs.max_pending_recv_backward = std::max(rs.max_pending_recv_backward, rank_state_[r].pending_grad);
     }
     return any;
   }
 
   // Phase 2: rank r, if between computes, starts its next step when its input is there.
   bool try_start(int r, int64_t round) {
-    RankState& x = st_[r];
+    RankState& x = rank_state_[r];
     if (x.busy_until > round || x.pos == x.order.size()) return false;
     const ComputeStep& s = x.order[x.pos];
-    const int stage = s.chunk * P_ + r;
+    const int stage = s.chunk * pp_size_ + r;
     const size_t k = idx(s.microbatch, s.chunk);
     RankSchedule& rs = out_.ranks[r];
     Action a;
@@ -294,13 +294,13 @@ class ScheduleBuilder {
       a.kind = ActionKind::kForward;
       a.first_in_chunk = x.first_fwd[s.chunk] == s.microbatch;
       rs.actions.push_back(a);
-      if (!c_.forward_only) rs.max_live_activations = std::max(rs.max_live_activations, ++x.live);
-      x.busy_until = round + c_.forward_cost;
-      if (stage < S_ - 1) produce(r, true, s, (r + 1) % P_, r == P_ - 1 ? s.chunk + 1 : s.chunk);
+      if (!config_.forward_only) rs.max_live_activations = std::max(rs.max_live_activations, ++x.live);
+      x.busy_until = round + config_.forward_cost;
+      if (stage < num_stages_ - 1) produce(r, true, s, (r + 1) % pp_size_, r == pp_size_ - 1 ? s.chunk + 1 : s.chunk);
     } else {
       MT_CHECK(x.fwd_done[k], "backward ({}, c{}) before its forward on rank {}", s.microbatch, s.chunk, r);
-      if (stage < S_ - 1 && !x.have_grad[k]) return false;
-      if (stage < S_ - 1) --x.pending_grad;
+      if (stage < num_stages_ - 1 && !x.have_grad[k]) return false;
+      if (stage < num_stages_ - 1) --x.pending_grad;
       --x.live;
       a.kind = ActionKind::kBackward;
       a.last_in_chunk = x.last_bwd[s.chunk] == s.microbatch;
@@ -311,40 +311,40 @@ class ScheduleBuilder {
         g.chunk = s.chunk;
         rs.actions.push_back(g);
       }
-      x.busy_until = round + c_.backward_cost;
-      if (stage > 0) produce(r, false, s, (r + P_ - 1) % P_, r == 0 ? s.chunk - 1 : s.chunk);
+      x.busy_until = round + config_.backward_cost;
+      if (stage > 0) produce(r, false, s, (r + pp_size_ - 1) % pp_size_, r == 0 ? s.chunk - 1 : s.chunk);
     }
     ++x.pos;
     return true;
   }
 
   void produce(int r, bool forward, const ComputeStep& s, int dst_rank, int dst_chunk) {
-    queue_.push_back({forward, s.microbatch, r, s.chunk, dst_rank, dst_chunk, st_[r].busy_until, seq_++});
-    out_.ranks[r].max_pending_send = std::max(out_.ranks[r].max_pending_send, ++st_[r].pending_send);
+    queue_.push_back({forward, s.microbatch, r, s.chunk, dst_rank, dst_chunk, rank_state_[r].busy_until, seq_++});
+    out_.ranks[r].max_pending_send = std::max(out_.ranks[r].max_pending_send, ++rank_state_[r].pending_send);
   }
 
   bool finished() const {
     if (!queue_.empty()) return false;
-    for (const RankState& x : st_)
+    for (const RankState& x : rank_state_)
       if (x.pos < x.order.size()) return false;
     return true;
   }
 
   [[noreturn]] void fail(int64_t round) const {
     std::string where;
-    for (int r = 0; r < P_; ++r) {
-      if (st_[r].pos == st_[r].order.size()) continue;
-      const ComputeStep& s = st_[r].order[st_[r].pos];
+    for (int r = 0; r < pp_size_; ++r) {
+      if (rank_state_[r].pos == rank_state_[r].order.size()) continue;
+      const ComputeStep& s = rank_state_[r].order[rank_state_[r].pos];
       where += fmt::format(" rank {} waits at {}({},c{});", r, s.forward ? "F" : "B", s.microbatch, s.chunk);
     }
-    MT_FAIL("pipeline schedule construction stalled in round {} (pp {}, vpp {}, m {}, group {}):{}", round, P_, c_.vpp,
-            c_.num_microbatches, c_.group_size(), where);
+    MT_FAIL("pipeline schedule construction stalled in round {} (pp {}, vpp {}, m {}, group {}):{}", round, pp_size_, config_.vpp,
+            config_.num_microbatches, config_.group_size(), where);
   }
 
-  const ScheduleConfig c_;
-  const int P_, V_, S_;
+  const ScheduleConfig config_;
+  const int pp_size_, num_chunks_, num_stages_;
   PipelineSchedule out_;
-  std::vector<RankState> st_;
+  std::vector<RankState> rank_state_;
   std::vector<Message> queue_;  // produced, not yet exchanged; in production order
   std::vector<std::vector<BatchEntry>> batch_;
   int64_t seq_ = 0;
