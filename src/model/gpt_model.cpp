@@ -59,6 +59,22 @@ struct GPTModel::ChunkState {
   std::vector<Tensor> input;  // input buffers [s_l, b, h]
 };
 
+std::vector<double> GPTModel::moe_loss_stats() const {
+  std::vector<double> out(static_cast<size_t>(2 * config_.num_layers), 0.0);
+  for (const auto& l : parts_->layers) {
+    if (const MoELayer* m = l->moe()) {
+      out[static_cast<size_t>(2 * l->number())] += m->stats()[0];
+      out[static_cast<size_t>(2 * l->number() + 1)] += m->stats()[1];
+    }
+  }
+  return out;
+}
+
+void GPTModel::reset_moe_stats() {
+  for (const auto& l : parts_->layers)
+    if (MoELayer* m = l->moe()) m->reset_stats();
+}
+
 std::vector<ParamSpec> GPTModel::param_specs(const TransformerConfig& c, int tp, int tp_rank,
                                              const std::vector<pipeline::LayerRange>& chunks) {
   const Parts parts(c, TensorParallelRegion::layout_only(tp, tp_rank), chunks.empty() ? whole_model(c) : chunks,
@@ -79,6 +95,12 @@ GPTModel::GPTModel(const TransformerConfig& config, int64_t micro_batch, DType d
   MT_REQUIRE(micro_batch > 0, "--micro-batch-size must be positive, got {}", micro_batch);
   MT_REQUIRE(device.is_cuda() || dtype == DType::kF32, "{} training needs --device cuda (the CPU backend is fp32)",
              dtype_name(dtype));
+  if (config_.num_moe_experts > 0) {
+    MT_REQUIRE(tp_.size() == 1 || tp_.sequence_parallel(),
+               "MoE with tensor parallel size {} needs --sequence-parallel (as Megatron requires)", tp_.size());
+    MT_REQUIRE(device.is_cpu(), "MoE layers run on the CPU only so far (their CUDA kernels are not written yet); "
+               "got --device {}", device.str());
+  }
   std::vector<ModelChunk>& chunks = layout.chunks;
   if (chunks.empty()) chunks.push_back({whole_model(config_)[0], 1, 1});
   MT_REQUIRE(layout.activation_slots >= 1, "the model needs at least one activation slot, got {}",
@@ -277,7 +299,7 @@ void GPTModel::backward_chunk(int c, const ChunkBuffers& buf, const MicroBatch& 
   const Tensor g = grad.empty() ? residual_grad_ : grad;  // running dL/d(residual stream)
   if (!grad.empty()) check_tensor(grad, dtype_, {boundary_shape()[0], micro_batch_, config_.hidden_size},
                                   "pipeline gradient buffer");
-  const StepContext ctx{mb, dc, buf.slot, st};
+  const StepContext ctx{mb, dc, buf.slot, st, loss_scale};
   const size_t nlayers = ch.layers.size();
   auto layer_input = [&](size_t i) { return i == 0 ? in : ch.layers[i - 1]->output(buf.slot); };
   if (ch.head) {

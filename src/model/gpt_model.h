@@ -72,6 +72,8 @@ class GPTModel final : public LanguageModel {
   ParamGradHooks* hooks() const override { return hooks_; }
   void set_hooks(ParamGradHooks* hooks) override { hooks_ = hooks; }
   size_t word_embedding_index() const override { return word_embedding_index_; }
+  std::vector<double> moe_loss_stats() const override;
+  void reset_moe_stats() override;
 
   bool sequence_parallel() const { return tp_.sequence_parallel(); }
   /// The core attention the layers use: "flash" or "local" (--attention-backend resolved).

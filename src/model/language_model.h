@@ -98,6 +98,15 @@ class LanguageModel {
   /// Index in params() of the word embedding (or the last stage's copy of it) when the output
   /// layer is tied to it; ParamStore::kNoParam when untied or this rank holds neither.
   virtual size_t word_embedding_index() const = 0;
+
+  // --- mixture of experts ---
+  /// The auxiliary losses of this rank's MoE layers accumulated by the forwards since
+  /// reset_moe_stats(), each weighted by its micro-batch's aux_loss_weight: [2·num_layers]
+  /// (load-balancing loss, z-loss) per global layer, zeros for dense layers and layers of other
+  /// ranks. Summed over every rank of the world this is the step's mean per layer (Megatron's
+  /// load_balancing_loss / z_loss before the average over layers).
+  virtual std::vector<double> moe_loss_stats() const = 0;
+  virtual void reset_moe_stats() = 0;
 };
 
 }  // namespace mt

@@ -27,10 +27,14 @@ namespace mt {
 /// to keys doc_start[b, i] .. i). loss_weight: weight of one unmasked token's loss in the
 /// iteration's loss (1 / (unmasked tokens of the micro-batch · micro-batches · DP), Megatron's
 /// per-micro-batch mean averaged over micro-batches and DP ranks).
+/// aux_loss_weight: weight of the micro-batch's auxiliary losses (MoE load balancing, z-loss) in
+/// the iteration's loss: 1 / (micro-batches · DP), Megatron's MoEAuxLossAutoScaler scale
+/// (1 / num_microbatches) with the data-parallel gradient averaging.
 struct MicroBatch {
   Tensor tokens, labels, loss_mask;
   Tensor position_ids, doc_start;
   float loss_weight = 1.f;
+  float aux_loss_weight = 1.f;
 };
 
 /// Where in training a forward/backward runs; keys the dropout masks (docs/architecture.md principle 4).
@@ -53,6 +57,7 @@ struct StepContext {
   const DropoutContext& dropout;
   int slot;  ///< the area (activation slot or head slot) holding the module's saved tensors
   const Stream& stream;
+  Tensor loss_scale = Tensor();  ///< backward: fp32 [1] loss scale (mixed precision) or empty = 1
 };
 
 /// A declared parameter: its index in the model's ParamStore once bound (ParamRegistry::bind).

@@ -13,7 +13,10 @@ LayerSpec get_gpt_layer_local_spec(const TransformerConfig& c, bool fast_flash) 
 }
 
 std::vector<LayerSpec> get_gpt_decoder_layer_specs(const TransformerConfig& c, bool fast_flash) {
-  return std::vector<LayerSpec>(static_cast<size_t>(c.num_layers), get_gpt_layer_local_spec(c, fast_flash));
+  std::vector<LayerSpec> specs(static_cast<size_t>(c.num_layers), get_gpt_layer_local_spec(c, fast_flash));
+  for (int64_t l = 0; l < c.num_layers; ++l)
+    if (c.is_moe_layer(l)) specs[static_cast<size_t>(l)].mlp = MlpKind::kMoE;
+  return specs;
 }
 
 }  // namespace mt

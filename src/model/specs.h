@@ -22,6 +22,7 @@ enum class CoreAttentionKind : uint8_t {
 /// What fills the MLP slot.
 enum class MlpKind : uint8_t {
   kDense,  ///< MLP: linear_fc1 -> GELU or SwiGLU -> linear_fc2
+  kMoE,    ///< MoELayer (model/layers/moe.h): router, token dispatcher, experts, shared experts
 };
 
 struct LayerSpec {
@@ -35,8 +36,9 @@ struct LayerSpec {
 /// when `fast_flash` (the model runs on CUDA in bf16/fp16 with head dim 64 or 128), else local.
 LayerSpec get_gpt_layer_local_spec(const TransformerConfig& config, bool fast_flash = false);
 
-/// The spec of each decoder layer 0 .. num_layers-1 (all the same until layers differ, e.g. MoE
-/// layer patterns).
+/// The spec of each decoder layer 0 .. num_layers-1: the local spec, with the MoE block in the
+/// MLP slot of the layers TransformerConfig::is_moe_layer names (--num-experts, --moe-layer-freq;
+/// Megatron's get_gpt_decoder_block_spec).
 std::vector<LayerSpec> get_gpt_decoder_layer_specs(const TransformerConfig& config, bool fast_flash = false);
 
 }  // namespace mt

@@ -2,6 +2,9 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <cctype>
+
 #include "core/check.h"
 
 namespace mt {
@@ -39,6 +42,135 @@ PositionEmbeddingType parse_position_embedding_type(const std::string& s) {
   if (s == "rope") return PositionEmbeddingType::kRope;
   if (s == "none") return PositionEmbeddingType::kNone;
   MT_FAIL("--position-embedding-type '{}' is not supported: expected learned_absolute, rope or none", s);
+}
+
+MoeScoreFunction parse_moe_score_function(const std::string& s) {
+  if (s == "softmax") return MoeScoreFunction::kSoftmax;
+  if (s == "sigmoid") return MoeScoreFunction::kSigmoid;
+  MT_FAIL("--moe-router-score-function '{}' is not supported: expected softmax or sigmoid", s);
+}
+
+MoeLoadBalancing parse_moe_load_balancing(const std::string& s) {
+  if (s == "aux_loss") return MoeLoadBalancing::kAuxLoss;
+  if (s == "none") return MoeLoadBalancing::kNone;
+  if (s == "seq_aux_loss" || s == "global_aux_loss" || s == "sinkhorn")
+    MT_FAIL("--moe-router-load-balancing-type {} is not implemented yet: use aux_loss or none", s);
+  MT_FAIL("--moe-router-load-balancing-type '{}' is not supported: expected aux_loss or none", s);
+}
+
+MoeDispatcher parse_moe_dispatcher(const std::string& s) {
+  if (s == "allgather") return MoeDispatcher::kAllGather;
+  if (s == "alltoall") return MoeDispatcher::kAllToAll;
+  MT_FAIL("--moe-token-dispatcher-type '{}' is not supported: expected allgather or alltoall", s);
+}
+
+namespace {
+// A tiny parser for Megatron's --moe-layer-freq list expressions: sum of terms, a term is a
+// bracketed list of integers optionally repeated with *n, the whole optionally in parentheses.
+class LayerFreqParser {
+ public:
+  explicit LayerFreqParser(const std::string& t) : t_(t) {}
+  std::vector<int64_t> parse() {
+    std::vector<int64_t> out = sum();
+    skip();
+    if (i_ != t_.size()) fail();
+    return out;
+  }
+
+ private:
+  [[noreturn]] void fail() const {
+    MT_FAIL("--moe-layer-freq '{}' does not parse at position {}: expected an integer or a list expression "
+            "such as [1,0,1,0] or ([0]+[1]*23)",
+            t_, i_);
+  }
+  void skip() {
+    while (i_ < t_.size() && std::isspace(static_cast<unsigned char>(t_[i_]))) ++i_;
+  }
+  bool eat(char c) {
+    skip();
+    if (i_ < t_.size() && t_[i_] == c) {
+      ++i_;
+      return true;
+    }
+    return false;
+  }
+  int64_t number() {
+    skip();
+    const size_t b = i_;
+    while (i_ < t_.size() && std::isdigit(static_cast<unsigned char>(t_[i_]))) ++i_;
+    if (b == i_ || i_ - b > 9) fail();
+    return std::stoll(t_.substr(b, i_ - b));
+  }
+  std::vector<int64_t> sum() {
+    std::vector<int64_t> out = term();
+    while (eat('+')) {
+      const std::vector<int64_t> more = term();
+      out.insert(out.end(), more.begin(), more.end());
+    }
+    return out;
+  }
+  std::vector<int64_t> term() {
+    std::vector<int64_t> base;
+    if (eat('(')) {
+      base = sum();
+      if (!eat(')')) fail();
+    } else if (eat('[')) {
+      if (!eat(']')) {
+        do base.push_back(number());
+        while (eat(','));
+        if (!eat(']')) fail();
+      }
+    } else {
+      fail();
+    }
+    if (eat('*')) {
+      const int64_t n = number();
+      if (n > 100000) fail();
+      std::vector<int64_t> rep;
+      for (int64_t r = 0; r < n; ++r) rep.insert(rep.end(), base.begin(), base.end());
+      return rep;
+    }
+    return base;
+  }
+  const std::string& t_;
+  size_t i_ = 0;
+};
+}  // namespace
+
+std::vector<uint8_t> parse_moe_layer_freq(const std::string& text, int64_t num_layers) {
+  std::string t = text;
+  t.erase(std::remove_if(t.begin(), t.end(), [](unsigned char c) { return std::isspace(c); }), t.end());
+  MT_REQUIRE(!t.empty(), "--moe-layer-freq is empty: expected an integer or a list expression");
+  std::vector<uint8_t> out;
+  if (std::all_of(t.begin(), t.end(), [](unsigned char c) { return std::isdigit(c); })) {
+    MT_REQUIRE(t.size() <= 9, "--moe-layer-freq {} is too large", t);
+    const int64_t k = std::stoll(t);
+    MT_REQUIRE(k >= 1, "--moe-layer-freq must be >= 1, got {}", k);
+    for (int64_t i = 0; i < num_layers; ++i) out.push_back(i % k == 0 ? 1 : 0);
+    return out;
+  }
+  const std::vector<int64_t> v = LayerFreqParser(t).parse();
+  MT_REQUIRE(static_cast<int64_t>(v.size()) == num_layers,
+             "--moe-layer-freq {} gives {} entries but --num-layers is {}", text, v.size(), num_layers);
+  for (size_t i = 0; i < v.size(); ++i) {
+    MT_REQUIRE(v[i] == 0 || v[i] == 1, "--moe-layer-freq {}: entry {} is {}, expected 0 (dense) or 1 (MoE)", text, i,
+               v[i]);
+    out.push_back(static_cast<uint8_t>(v[i]));
+  }
+  return out;
+}
+
+bool TransformerConfig::is_moe_layer(int64_t layer) const {
+  if (num_moe_experts <= 0) return false;
+  if (moe_layer_pattern.empty()) return true;
+  return layer >= 0 && layer < static_cast<int64_t>(moe_layer_pattern.size()) &&
+         moe_layer_pattern[static_cast<size_t>(layer)] != 0;
+}
+
+int64_t TransformerConfig::num_moe_layers() const {
+  int64_t n = 0;
+  for (int64_t l = 0; l < num_layers; ++l) n += is_moe_layer(l) ? 1 : 0;
+  return n;
 }
 
 int64_t TransformerConfig::ffn() const {
@@ -100,6 +232,41 @@ void TransformerConfig::validate(int tp) const {
   MT_REQUIRE(query_groups() % tp == 0, "--num-query-groups {} is not divisible by tensor parallel size {}",
              query_groups(), tp);
   MT_REQUIRE(ffn() % tp == 0, "--ffn-hidden-size {} is not divisible by tensor parallel size {}", ffn(), tp);
+  if (num_moe_experts == 0) return;
+  const int64_t E = num_moe_experts, k = moe_router_topk;
+  MT_REQUIRE(E > 0, "--num-experts must be positive, got {}", E);
+  MT_REQUIRE(k >= 1 && k <= E, "--moe-router-topk {} must be in [1, --num-experts {}]", k, E);
+  MT_REQUIRE(moe_ffn_hidden_size >= 0, "--moe-ffn-hidden-size must be positive, got {}", moe_ffn_hidden_size);
+  MT_REQUIRE(moe_shared_expert_intermediate_size >= 0, "--moe-shared-expert-intermediate-size must be positive, got {}",
+             moe_shared_expert_intermediate_size);
+  MT_REQUIRE(moe_layer_pattern.empty() || static_cast<int64_t>(moe_layer_pattern.size()) == num_layers,
+             "--moe-layer-freq gives {} layers but --num-layers is {}", moe_layer_pattern.size(), num_layers);
+  MT_REQUIRE(moe_router_num_groups >= 0 && moe_router_group_topk >= 0,
+             "--moe-router-num-groups {} and --moe-router-group-topk {} must be >= 0", moe_router_num_groups,
+             moe_router_group_topk);
+  MT_REQUIRE((moe_router_num_groups > 0) == (moe_router_group_topk > 0),
+             "--moe-router-group-topk {} needs --moe-router-num-groups (got {}) and the other way round",
+             moe_router_group_topk, moe_router_num_groups);
+  if (moe_router_num_groups > 0) {
+    const int64_t G = moe_router_num_groups, gk = moe_router_group_topk;
+    MT_REQUIRE(E % G == 0, "--num-experts {} is not divisible by --moe-router-num-groups {}", E, G);
+    MT_REQUIRE(gk <= G, "--moe-router-group-topk {} exceeds --moe-router-num-groups {}", gk, G);
+    MT_REQUIRE(k % gk == 0 && k / gk <= E / G,
+               "--moe-router-topk {} must be a multiple of --moe-router-group-topk {} with at most {} experts per "
+               "group (the {} experts of each of {} groups)",
+               k, gk, E / G, E / G, G);
+  }
+  MT_REQUIRE(moe_router_topk_scaling_factor > 0, "--moe-router-topk-scaling-factor must be positive, got {}",
+             moe_router_topk_scaling_factor);
+  MT_REQUIRE(moe_aux_loss_coeff >= 0, "--moe-aux-loss-coeff must be >= 0, got {}", moe_aux_loss_coeff);
+  MT_REQUIRE(moe_z_loss_coeff >= 0, "--moe-z-loss-coeff must be >= 0, got {}", moe_z_loss_coeff);
+  MT_REQUIRE(!moe_router_pre_softmax || moe_router_score_function == MoeScoreFunction::kSoftmax,
+             "--moe-router-pre-softmax applies to --moe-router-score-function softmax only");
+  MT_REQUIRE(!add_bias_linear,
+             "MoE experts with biases are not supported: pass --disable-bias-linear (Mixtral, Qwen MoE and "
+             "DeepSeek models have none)");
+  MT_REQUIRE(moe_token_dispatcher_type == MoeDispatcher::kAllGather,
+             "--moe-token-dispatcher-type alltoall is not implemented yet: use allgather (same results)");
 }
 
 int64_t TransformerConfig::num_parameters(int tp) const {
@@ -111,8 +278,13 @@ int64_t TransformerConfig::num_parameters(int tp) const {
   per_layer += qkv_out * h + (qkv_bias() ? qkv_out : 0);                // linear_qkv
   per_layer += qk_layernorm ? 2 * norm * d : 0;                        // q/k layernorm
   per_layer += h * n * d + bias * h;                                   // linear_proj
-  per_layer += (gated_linear_unit ? 2 : 1) * f * (h + bias) + f * h + bias * h;  // linear_fc1, linear_fc2
-  int64_t total = V * h + num_layers * per_layer + norm * h;
+  const int64_t glu = gated_linear_unit ? 2 : 1;
+  const int64_t dense_mlp = glu * f * (h + bias) + f * h + bias * h;  // linear_fc1, linear_fc2
+  const int64_t moe_mlp = num_moe_experts * h                                      // router
+                          + num_moe_experts * (glu * moe_ffn() * h + moe_ffn() * h)  // experts (no bias)
+                          + glu * moe_shared_expert_intermediate_size * h + moe_shared_expert_intermediate_size * h;
+  const int64_t L_moe = num_moe_layers();
+  int64_t total = V * h + num_layers * per_layer + (num_layers - L_moe) * dense_mlp + L_moe * moe_mlp + norm * h;
   if (position_embedding_type == PositionEmbeddingType::kLearnedAbsolute) total += max_positions() * h;
   if (untie_embeddings_and_output_weights) total += V * h;
   return total;
@@ -125,7 +297,11 @@ double TransformerConfig::flops_per_iteration(int64_t global_batch) const {
   const double n = static_cast<double>(num_attention_heads), g = static_cast<double>(query_groups());
   const double qproj = n * static_cast<double>(head_dim()) / h;
   const double glu = gated_linear_unit ? 1.5 : 1.0;
-  return 12.0 * B * s * L * h * h * ((1.0 + g / n + s / h) * qproj + (f / h) * glu + V / (2.0 * L * h));
+  const double L_moe = static_cast<double>(num_moe_layers());
+  const double F = f * (L - L_moe) + (static_cast<double>(moe_ffn()) * static_cast<double>(moe_router_topk) +
+                                      static_cast<double>(moe_shared_expert_intermediate_size)) *
+                                         L_moe;
+  return 12.0 * B * s * L * h * h * ((1.0 + g / n + s / h) * qproj + F * glu / (L * h) + V / (2.0 * L * h));
 }
 
 std::string TransformerConfig::summary() const {
@@ -137,6 +313,12 @@ std::string TransformerConfig::summary() const {
   if (!add_bias_linear) s += add_qkv_bias ? ", QKV bias only" : ", no bias";
   if (qk_layernorm) s += ", QK-norm";
   if (untie_embeddings_and_output_weights) s += ", untied output layer";
+  if (num_moe_experts > 0) {
+    s += fmt::format(", MoE in {} of {} layers: {} experts, top-{} {} router, expert ffn {}", num_moe_layers(),
+                     num_layers, num_moe_experts, moe_router_topk,
+                     moe_router_score_function == MoeScoreFunction::kSigmoid ? "sigmoid" : "softmax", moe_ffn());
+    if (moe_shared_expert_intermediate_size > 0) s += fmt::format(", shared expert {}", moe_shared_expert_intermediate_size);
+  }
   return s;
 }
 

@@ -8,6 +8,7 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "core/dtype.h"
 
@@ -22,6 +23,13 @@ enum class PositionEmbeddingType : uint8_t { kLearnedAbsolute, kRope, kNone };
 /// kAuto = flash where its fast kernels apply (CUDA, bf16/fp16, head dim 64 or 128), else local.
 enum class AttentionBackend : uint8_t { kAuto, kFlash, kLocal };
 
+/// --moe-router-score-function
+enum class MoeScoreFunction : uint8_t { kSoftmax, kSigmoid };
+/// --moe-router-load-balancing-type (the auxiliary losses of Megatron-Core's TopKRouter)
+enum class MoeLoadBalancing : uint8_t { kAuxLoss, kNone };
+/// --moe-token-dispatcher-type
+enum class MoeDispatcher : uint8_t { kAllGather, kAllToAll };
+
 const char* normalization_name(Normalization n);
 const char* position_embedding_type_name(PositionEmbeddingType p);
 const char* attention_backend_name(AttentionBackend a);
@@ -31,6 +39,16 @@ AttentionBackend parse_attention_backend(const std::string& s);
 /// Errors: mt::Error naming the value and the accepted ones.
 Normalization parse_normalization(const std::string& s);
 PositionEmbeddingType parse_position_embedding_type(const std::string& s);
+/// "softmax" / "sigmoid"; "aux_loss" / "none"; "allgather" / "alltoall". Errors: mt::Error naming
+/// the value and the accepted ones (seq_aux_loss and global_aux_loss are named as not implemented).
+MoeScoreFunction parse_moe_score_function(const std::string& s);
+MoeLoadBalancing parse_moe_load_balancing(const std::string& s);
+MoeDispatcher parse_moe_dispatcher(const std::string& s);
+/// --moe-layer-freq: an integer k (every k-th layer, starting with layer 0, is an MoE layer) or a
+/// Python list expression as Megatron accepts it: "[1,0,1,0]", "([0]+[1]*23)", "[0]*3+[1]*9".
+/// Returns one 0/1 entry per layer. Errors: mt::Error naming the text when it does not parse, an
+/// entry is not 0 or 1, k < 1, or the list length differs from num_layers.
+std::vector<uint8_t> parse_moe_layer_freq(const std::string& text, int64_t num_layers);
 
 struct TransformerConfig {
   // --- sizes ---
@@ -65,6 +83,23 @@ struct TransformerConfig {
   float hidden_dropout = 0.1f;          ///< --hidden-dropout
   float attention_dropout = 0.1f;       ///< --attention-dropout
 
+  // --- mixture of experts (Megatron-Core transformer/moe; docs/moe.md) ---
+  int64_t num_moe_experts = 0;          ///< --num-experts (E); 0 = dense model
+  /// --moe-layer-freq resolved: one 0/1 entry per layer (1 = MoE); empty = every layer when E > 0.
+  std::vector<uint8_t> moe_layer_pattern;
+  int64_t moe_ffn_hidden_size = 0;      ///< --moe-ffn-hidden-size; 0 = ffn()
+  int64_t moe_shared_expert_intermediate_size = 0;  ///< --moe-shared-expert-intermediate-size; 0 = none
+  int64_t moe_router_topk = 2;          ///< --moe-router-topk (k)
+  MoeScoreFunction moe_router_score_function = MoeScoreFunction::kSoftmax;  ///< --moe-router-score-function
+  bool moe_router_pre_softmax = false;  ///< --moe-router-pre-softmax: softmax over all E before top-k
+  float moe_router_topk_scaling_factor = 1.f;  ///< --moe-router-topk-scaling-factor (0 = unset = 1)
+  int64_t moe_router_num_groups = 0;    ///< --moe-router-num-groups (device-limited routing); 0 = off
+  int64_t moe_router_group_topk = 0;    ///< --moe-router-group-topk
+  MoeLoadBalancing moe_router_load_balancing_type = MoeLoadBalancing::kAuxLoss;
+  float moe_aux_loss_coeff = 0.f;       ///< --moe-aux-loss-coeff
+  float moe_z_loss_coeff = 0.f;         ///< --moe-z-loss-coeff (0 = off)
+  MoeDispatcher moe_token_dispatcher_type = MoeDispatcher::kAllGather;  ///< --moe-token-dispatcher-type
+
   // --- derived (Megatron's defaulting) ---
   int64_t ffn() const;
   int64_t head_dim() const { return kv_channels > 0 ? kv_channels : hidden_size / num_attention_heads; }
@@ -74,19 +109,28 @@ struct TransformerConfig {
   int64_t rotary_dim() const;
   bool qkv_bias() const { return add_bias_linear || add_qkv_bias; }
   bool tied_output() const { return !untie_embeddings_and_output_weights; }
+  /// Whether layer `layer` (0-based, global) has an MoE block in its MLP slot.
+  bool is_moe_layer(int64_t layer) const;
+  int64_t num_moe_layers() const;
+  int64_t moe_ffn() const { return moe_ffn_hidden_size > 0 ? moe_ffn_hidden_size : ffn(); }
   /// Vocabulary padded to a multiple of make_vocab_size_divisible_by * tp (Megatron's
   /// _vocab_size_with_padding).
   int64_t padded_vocab_size(int tp = 1) const;
   /// Throws mt::Error naming the offending values: non-positive sizes, heads not dividing the
   /// hidden size (without --kv-channels), query groups not dividing heads, a sequence longer than
   /// the position table, dropout outside [0, 1), a rotary fraction outside (0, 1], tp not dividing
-  /// heads, query groups or ffn.
+  /// heads, query groups or ffn; for MoE: top-k outside [1, E], groups not dividing E or not
+  /// covering top-k, a group top-k without groups, negative loss coefficients, a layer pattern of
+  /// the wrong length, biases on experts (use --disable-bias-linear), the alltoall dispatcher
+  /// (not implemented yet: use allgather).
   void validate(int tp = 1) const;
   /// Parameters of the model (a tied embedding counted once), with padded vocabulary.
   int64_t num_parameters(int tp = 1) const;
-  /// Megatron's num_floating_point_operations (megatron/training/training.py, transformer_flops
-  /// without MoE) for one iteration of `global_batch` sequences, forward + backward, no recompute:
-  /// 12·B·s·L·h²·((1 + g/n + s/h)·(n·d/h) + (f/h)·(3/2 if SwiGLU) + V/(2·L·h)).
+  /// Megatron's num_floating_point_operations (megatron/training/training.py, transformer_flops)
+  /// for one iteration of `global_batch` sequences, forward + backward, no recompute:
+  /// 12·B·s·L·h²·((1 + g/n + s/h)·(n·d/h) + F·(3/2 if SwiGLU)/(L·h) + V/(2·L·h)), where
+  /// F = f·L_dense + (f_moe·k + f_shared)·L_moe counts the active expert parameters of MoE layers
+  /// (the router GEMM is not counted, as in Megatron).
   double flops_per_iteration(int64_t global_batch) const;
   /// One line naming the architecture ("GPT: 12 layers, hidden 768, ...").
   std::string summary() const;

@@ -50,6 +50,26 @@ TransformerConfig tiny_llama_config(float dropout, bool qwen3 = false) {
   return c;
 }
 
+/// Mixtral / DeepSeek style MoE on the Llama layer: 4 experts, the first layer dense
+/// (--moe-layer-freq [0,1]), load-balancing loss and z-loss large enough to matter.
+TransformerConfig tiny_moe_config(bool sigmoid_router) {
+  TransformerConfig c = tiny_llama_config(0.f);
+  c.num_moe_experts = 4;
+  c.moe_layer_pattern = {0, 1};
+  c.moe_ffn_hidden_size = 6;
+  c.moe_router_topk = 2;
+  c.moe_aux_loss_coeff = 0.3f;
+  c.moe_z_loss_coeff = 0.05f;
+  if (sigmoid_router) {
+    c.moe_router_score_function = MoeScoreFunction::kSigmoid;
+    c.moe_router_num_groups = 2;
+    c.moe_router_group_topk = 1;
+    c.moe_router_topk_scaling_factor = 2.f;
+    c.moe_shared_expert_intermediate_size = 8;
+  }
+  return c;
+}
+
 struct Harness {
   Stream stream{Device::cpu()};
   GPTModel model;
@@ -88,11 +108,16 @@ struct Harness {
     doc_start = testing::make_int_tensor(ds, Device::cpu(), {B, S}, stream);
     loss_mask = testing::make_tensor(mask, DType::kF32, Device::cpu(), {S, B}, stream);
   }
+  // The objective whose gradient backward computes: the LM loss plus the MoE auxiliary losses
+  // (weighted by MicroBatch::aux_loss_weight = 1 here).
   double loss_value(const DropoutContext& dc) {
     fill(loss, 0.f, stream);
     const auto& c = model.config();
+    model.reset_moe_stats();
     model.forward(mb(), dc, loss, 1.0f / (c.seq_length * model.micro_batch()), stream);
-    return testing::to_host(loss, stream)[0];
+    double aux = 0;
+    for (double v : model.moe_loss_stats()) aux += v;
+    return testing::to_host(loss, stream)[0] + aux;
   }
 };
 
@@ -191,6 +216,17 @@ TEST(Gpt, FlashAndLocalAttentionAgree) {
     EXPECT_NEAR(loss[1], loss[0], 1e-6 * std::fabs(loss[0])) << "llama " << llama;
     for (size_t i = 0; i < grads[0].size(); ++i) EXPECT_LT(testing::rel_err(grads[1][i], grads[0][i]), 1e-5) << i;
   }
+}
+
+TEST(Gpt, MoEGradientCheck) { gradient_check(tiny_moe_config(false), /*documents=*/true); }
+TEST(Gpt, MoEGradientCheckSigmoidGroupLimitedSharedExpert) { gradient_check(tiny_moe_config(true)); }
+TEST(Gpt, MoEGeluExpertsGradientCheck) {
+  TransformerConfig c = tiny_moe_config(false);
+  c.gated_linear_unit = false;
+  c.moe_layer_pattern.clear();  // every layer
+  c.moe_router_pre_softmax = true;
+  c.moe_router_topk = 1;
+  gradient_check(c);
 }
 
 TEST(Gpt, Qwen3GradientCheck) { gradient_check(tiny_llama_config(0.2f, /*qwen3=*/true), /*documents=*/true); }

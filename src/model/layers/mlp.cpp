@@ -10,21 +10,21 @@ namespace mt {
 namespace {
 std::string mlp_prefix(int64_t layer) { return fmt::format("decoder.layers.{}.mlp", layer); }
 
-ColumnParallelLinear::Options fc1_options(const TransformerConfig& c, int64_t layer) {
+ColumnParallelLinear::Options fc1_options(const TransformerConfig& c, const std::string& prefix, int64_t ffn) {
   ColumnParallelLinear::Options o;
-  o.prefix = mlp_prefix(layer) + ".linear_fc1";
+  o.prefix = prefix + ".linear_fc1";
   o.in = c.hidden_size;
-  o.out = c.ffn();
+  o.out = ffn;
   o.parts = c.gated_linear_unit ? 2 : 1;
   o.bias = c.add_bias_linear;
   o.init_std = c.init_method_std;
   return o;
 }
 
-RowParallelLinear::Options fc2_options(const TransformerConfig& c, int64_t layer) {
+RowParallelLinear::Options fc2_options(const TransformerConfig& c, const std::string& prefix, int64_t ffn) {
   RowParallelLinear::Options o;
-  o.prefix = mlp_prefix(layer) + ".linear_fc2";
-  o.in = c.ffn();
+  o.prefix = prefix + ".linear_fc2";
+  o.in = ffn;
   o.out = c.hidden_size;
   o.bias = c.add_bias_linear;
   o.init_std = c.init_method_std / std::sqrt(2.0f * static_cast<float>(c.num_layers));
@@ -33,10 +33,14 @@ RowParallelLinear::Options fc2_options(const TransformerConfig& c, int64_t layer
 }  // namespace
 
 MLP::MLP(const TransformerConfig& c, int64_t layer, const TensorParallelRegion& tp, ParamRegistry& reg)
+    : MLP(c, mlp_prefix(layer), c.ffn(), tp, reg) {}
+
+MLP::MLP(const TransformerConfig& c, const std::string& prefix, int64_t ffn, const TensorParallelRegion& tp,
+         ParamRegistry& reg)
     : gated_(c.gated_linear_unit),
-      local_ffn_(c.ffn() / tp.size()),
-      linear_fc1_(fc1_options(c, layer), tp, reg),
-      linear_fc2_(fc2_options(c, layer), tp, reg) {}
+      local_ffn_(ffn / tp.size()),
+      linear_fc1_(fc1_options(c, prefix, ffn), tp, reg),
+      linear_fc2_(fc2_options(c, prefix, ffn), tp, reg) {}
 
 void MLP::plan(BufferPlanner& p, int64_t s, int64_t b) {
   const DType t = p.act_dtype();

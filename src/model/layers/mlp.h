@@ -11,23 +11,41 @@
 
 namespace mt {
 
-class MLP {
+/// What fills the MLP slot of a TransformerLayer (model/specs.h MlpKind): the dense MLP or the
+/// MoE layer (model/layers/moe.h). Input and output are the layer's [s_l, b, h] activations.
+class MlpSlot {
  public:
-  /// prefix: "decoder.layers.<layer>.mlp".
+  virtual ~MlpSlot() = default;
+  virtual void plan(BufferPlanner& planner, int64_t s, int64_t b) = 0;
+  /// Where the pre-MLP layernorm writes the block's input [s_l, b, h] for `area`.
+  virtual Tensor input(int area) const = 0;
+  /// Returns the block's output [s_l, b, h] before its output bias (a scratch view).
+  virtual Tensor forward(const StepContext& ctx) = 0;
+  /// From dy [s_l, b, h]: returns dL/d(input) [s_l, b, h] (a scratch view). With `defer`, weight
+  /// gradients whose inputs stay intact may be held back there.
+  virtual Tensor backward(const Tensor& dy, const StepContext& ctx, WgradDeferral* defer) = 0;
+  /// The output bias fused into bias-dropout-add (unbound when there is none).
+  virtual const ParamRef& output_bias() const = 0;
+};
+
+class MLP final : public MlpSlot {
+ public:
+  /// The layer's MLP: prefix "decoder.layers.<layer>.mlp", ffn = config.ffn().
   MLP(const TransformerConfig& config, int64_t layer, const TensorParallelRegion& tp, ParamRegistry& registry);
+  /// An MLP of another role (the MoE layer's shared experts: "<...>.mlp.shared_experts", ffn =
+  /// --moe-shared-expert-intermediate-size), with biases as config.add_bias_linear.
+  MLP(const TransformerConfig& config, const std::string& prefix, int64_t ffn, const TensorParallelRegion& tp,
+      ParamRegistry& registry);
   MLP(const MLP&) = delete;
   MLP& operator=(const MLP&) = delete;
 
-  void plan(BufferPlanner& planner, int64_t s, int64_t b);
-  /// Where the pre-MLP layernorm writes the block's input [s_l, b, h] for `area`.
-  Tensor input(int area) const { return linear_fc1_.input(area); }
-  /// Returns the block's output [s_l, b, h] before linear_fc2's bias (a scratch view).
-  Tensor forward(const StepContext& ctx);
-  /// From dy [s_l, b, h]: returns dL/d(input) [s_l, b, h] (a scratch view). With `defer`,
-  /// linear_fc1's weight gradient is held back there (linear_fc2's is computed at once: its
-  /// gathered output gradient is shared with the attention block's linear_proj).
-  Tensor backward(const Tensor& dy, const StepContext& ctx, WgradDeferral* defer);
-  const ParamRef& output_bias() const { return linear_fc2_.bias(); }
+  void plan(BufferPlanner& planner, int64_t s, int64_t b) override;
+  Tensor input(int area) const override { return linear_fc1_.input(area); }
+  Tensor forward(const StepContext& ctx) override;
+  /// linear_fc1's weight gradient may be deferred (linear_fc2's is computed at once: its gathered
+  /// output gradient is shared with the attention block's linear_proj).
+  Tensor backward(const Tensor& dy, const StepContext& ctx, WgradDeferral* defer) override;
+  const ParamRef& output_bias() const override { return linear_fc2_.bias(); }
 
  private:
   bool gated_;

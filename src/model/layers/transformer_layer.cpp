@@ -14,8 +14,11 @@ TransformerLayer::TransformerLayer(const TransformerConfig& c, const LayerSpec& 
   input_layernorm_ = std::make_unique<Norm>(c, p + "input_layernorm", h, TpGradSum::kSequenceParallel, reg);
   self_attention_ = std::make_unique<SelfAttention>(c, spec, layer, tp, reg);
   pre_mlp_layernorm_ = std::make_unique<Norm>(c, p + "pre_mlp_layernorm", h, TpGradSum::kSequenceParallel, reg);
-  MT_CHECK(spec.mlp == MlpKind::kDense, "layer {}: MLP kind {} is not implemented", layer, static_cast<int>(spec.mlp));
-  mlp_ = std::make_unique<MLP>(c, layer, tp, reg);
+  if (spec.mlp == MlpKind::kMoE) {
+    mlp_ = std::make_unique<MoELayer>(c, layer, tp, reg);
+  } else {
+    mlp_ = std::make_unique<MLP>(c, layer, tp, reg);
+  }
 }
 
 void TransformerLayer::plan(BufferPlanner& p, int64_t s, int64_t b) {

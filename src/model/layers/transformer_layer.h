@@ -10,6 +10,7 @@
 
 #include "model/layers/attention.h"
 #include "model/layers/mlp.h"
+#include "model/layers/moe.h"
 #include "model/layers/norm.h"
 
 namespace mt {
@@ -35,6 +36,8 @@ class TransformerLayer {
   /// Weight gradients accumulate; with `defer`, those of linear_fc1, linear_proj and linear_qkv are
   /// held back there (their inputs stay intact until the end of the backward).
   void backward(const Tensor& x, const Tensor& d_resid, const StepContext& ctx, WgradDeferral* defer = nullptr);
+  /// The MoE block of this layer, or nullptr for a dense MLP.
+  MoELayer* moe() const { return dynamic_cast<MoELayer*>(mlp_.get()); }
 
  private:
   struct Saved {
@@ -47,7 +50,7 @@ class TransformerLayer {
   std::unique_ptr<Norm> input_layernorm_;
   std::unique_ptr<SelfAttention> self_attention_;
   std::unique_ptr<Norm> pre_mlp_layernorm_;
-  std::unique_ptr<MLP> mlp_;
+  std::unique_ptr<MlpSlot> mlp_;  // MLP or MoELayer (LayerSpec::mlp)
   std::vector<Saved> saved_;
   Tensor branch_grad_;  // scratch [s_l, b, h]: dL/d(branch output) from bias-dropout-add
   int64_t seq_local_ = 0, batch_ = 0;

@@ -1,0 +1,245 @@
+#include "model/layers/moe.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "model/layers/parallel_params.h"
+#include "ops/elementwise.h"
+#include "ops/gelu.h"
+#include "ops/matmul.h"
+#include "ops/swiglu.h"
+
+namespace mt {
+
+MoeRouterOptions moe_router_options(const TransformerConfig& c) {
+  MoeRouterOptions o;
+  o.topk = c.moe_router_topk;
+  o.sigmoid = c.moe_router_score_function == MoeScoreFunction::kSigmoid;
+  o.pre_softmax = c.moe_router_pre_softmax;
+  o.scaling_factor = c.moe_router_topk_scaling_factor;
+  o.num_groups = c.moe_router_num_groups;
+  o.group_topk = c.moe_router_group_topk;
+  return o;
+}
+
+MoELayer::MoELayer(const TransformerConfig& c, int64_t layer, const TensorParallelRegion& tp, ParamRegistry& reg)
+    : config_(c),
+      tp_(tp),
+      layer_(layer),
+      num_experts_(c.num_moe_experts),
+      topk_(c.moe_router_topk),
+      num_local_(c.num_moe_experts),  // EP = 1
+      first_expert_(0),
+      local_ffn_(c.moe_ffn() / tp.size()),
+      gated_(c.gated_linear_unit),
+      router_(moe_router_options(c)) {
+  MT_REQUIRE(c.moe_ffn() % tp.size() == 0, "--moe-ffn-hidden-size {} is not divisible by expert tensor parallel size {}",
+             c.moe_ffn(), tp.size());
+  const std::string p = fmt::format("decoder.layers.{}.mlp.", layer);
+  const int64_t h = c.hidden_size;
+  reg.declare(replicated_param(p + "router.weight", {num_experts_, h}, InitKind::kNormal, c.init_method_std,
+                               TpGradSum::kSequenceParallel),
+              &router_weight_);
+  experts_.resize(static_cast<size_t>(num_local_));
+  const float out_std = c.init_method_std / std::sqrt(2.0f * static_cast<float>(c.num_layers));
+  for (int64_t i = 0; i < num_local_; ++i) {
+    const std::string e = fmt::format("{}experts.local_experts.{}.", p, first_expert_ + i);
+    reg.declare(column_parallel_weight(e + "linear_fc1.weight", c.moe_ffn(), h, c.init_method_std, tp.size(),
+                                       tp.rank(), gated_ ? 2 : 1),
+                &experts_[static_cast<size_t>(i)].fc1);
+    reg.declare(row_parallel_weight(e + "linear_fc2.weight", h, c.moe_ffn(), out_std, tp.size(), tp.rank()),
+                &experts_[static_cast<size_t>(i)].fc2);
+  }
+  if (c.moe_shared_expert_intermediate_size > 0)
+    shared_ = std::make_unique<MLP>(c, p + "shared_experts", c.moe_shared_expert_intermediate_size, tp, reg);
+}
+
+void MoELayer::plan(BufferPlanner& p, int64_t s, int64_t b) {
+  const DType t = p.act_dtype();
+  const int64_t h = config_.hidden_size, E = num_experts_, k = topk_;
+  const int64_t sl = tp_.local_seq(s);
+  tokens_ = sl * b;
+  gathered_ = tokens_ * tp_.size();
+  max_rows_ = gathered_ * std::min(k, num_local_);
+  const int64_t parts = gated_ ? 2 : 1;
+  const size_t a = static_cast<size_t>(p.area());
+  if (saved_.size() <= a) saved_.resize(a + 1);
+  Saved& sv = saved_[a];
+  sv.x = p.saved(t, {sl, b, h}, "MoE input");
+  sv.logits = p.saved(DType::kF32, {tokens_, E}, "router logits");
+  sv.top_all = p.saved(DType::kI32, {gathered_, k}, "routing (gathered)");
+  sv.probs_all = p.saved(DType::kF32, {gathered_, k}, "routing probs (gathered)");
+  sv.row_index = p.saved(DType::kI32, {max_rows_}, "expert row index");
+  sv.counts = p.saved(DType::kI32, {num_local_}, "tokens per local expert");
+  sv.tokens_per_expert = p.saved(DType::kF32, {E}, "tokens per expert (TP group)");
+  sv.xp = p.saved(t, {max_rows_, h}, "expert inputs");
+  sv.pre = p.saved(t, {max_rows_, parts * local_ffn_}, "expert fc1 outputs");
+  sv.act = p.saved(t, {max_rows_, local_ffn_}, "expert activations");
+  sv.out = p.saved(t, {max_rows_, h}, "expert outputs");
+  if (shared_) shared_->plan(p, s, b);
+  x_all_ = p.scratch("moe.x_all", t, {gathered_, h});
+  y_all_ = p.scratch("moe.y_all", t, {gathered_, h});
+  y_ = p.scratch("moe.y", t, {sl, b, h});
+  dy_all_ = p.scratch("moe.dy_all", t, {gathered_, h});
+  d_out_ = p.scratch("moe.d_out", t, {max_rows_, h});
+  d_act_ = p.scratch("moe.d_act", t, {max_rows_, local_ffn_});
+  d_pre_ = p.scratch("moe.d_pre", t, {max_rows_, parts * local_ffn_});
+  d_xp_ = p.scratch("moe.d_xp", t, {max_rows_, h});
+  dx_all_ = p.scratch("moe.dx_all", t, {gathered_, h});
+  dx_ = p.scratch("moe.dx", t, {sl, b, h});
+  d_probs_all_ = p.scratch("moe.d_probs_all", DType::kF32, {gathered_, k});
+  d_probs_ = p.scratch("moe.d_probs", DType::kF32, {tokens_, k});
+  d_logits_ = p.scratch("moe.d_logits", DType::kF32, {tokens_, E});
+  scores_aux_ = p.scratch("moe.scores_aux", DType::kF32, {tokens_, E});
+  coef_ = p.scratch("moe.coef", DType::kF32, {E});
+}
+
+Tensor MoELayer::gather(const Tensor& all, const Tensor& local, const Stream& st) const {
+  if (tp_.size() == 1) return local;
+  tp_.group().all_gather(all, local, st);
+  return all;
+}
+
+void MoELayer::scatter_sum(const Tensor& local, const Tensor& all, const Stream& st) const {
+  if (tp_.size() == 1) {
+    if (local.data() != all.data()) copy(local, all, st);
+    return;
+  }
+  tp_.group().reduce_scatter(local, all, ReduceOp::kSum, st);
+}
+
+namespace {
+// The rows [begin, begin + n) of a [R, c] buffer.
+Tensor row_range(const Tensor& t, int64_t begin, int64_t n) {
+  return t.view({t.numel() / t.size(-1), t.size(-1)}).slice0(begin, begin + n);
+}
+}  // namespace
+
+Tensor MoELayer::forward(const StepContext& ctx) {
+  Saved& sv = saved_.at(static_cast<size_t>(ctx.slot));
+  const Stream& st = ctx.stream;
+  const int64_t h = config_.hidden_size, k = topk_, T = tokens_;
+  const int G = tp_.size(), r = tp_.rank();
+  const Tensor x = rows(sv.x);
+  // --- router (local tokens) ---
+  matmul(sv.logits, x, router_weight_.value(), false, true, 1.f, 0.f, st);
+  const bool aux = config_.moe_router_load_balancing_type == MoeLoadBalancing::kAuxLoss && config_.moe_aux_loss_coeff > 0;
+  const Tensor top_local = G == 1 ? sv.top_all : sv.top_all.slice0(r * T, (r + 1) * T);
+  const Tensor probs_local = G == 1 ? sv.probs_all : sv.probs_all.slice0(r * T, (r + 1) * T);
+  moe_topk_routing(probs_local, top_local, aux ? scores_aux_ : Tensor(), sv.logits, Tensor(), router_, st);
+  // --- auxiliary losses (values for the log; gradients in backward) ---
+  if (ctx.dropout.training) {
+    const double w = ctx.batch.aux_loss_weight;
+    moe_tokens_per_expert(sv.tokens_per_expert, top_local, st);
+    tp_.all_reduce_grads(sv.tokens_per_expert, st);  // sum over the TP group (no-op on one rank)
+    if (aux) {
+      const double N = static_cast<double>(T) * G, E = static_cast<double>(num_experts_);
+      const float* c = sv.tokens_per_expert.data_as<float>();
+      const float* s = scores_aux_.data_as<float>();
+      double loss = 0;
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t e = 0; e < num_experts_; ++e) loss += static_cast<double>(s[t * num_experts_ + e]) * c[e];
+      stats_[0] += w * config_.moe_aux_loss_coeff * E / (static_cast<double>(k) * N * N) * loss;
+    }
+    if (config_.moe_z_loss_coeff > 0)
+      stats_[1] += w * config_.moe_z_loss_coeff / G / static_cast<double>(T) * moe_z_loss(sv.logits, Tensor(), 0.f, st);
+  }
+  // --- dispatch: all-gather tokens, selection and probs over the dispatch group ---
+  const Tensor x_all = gather(x_all_, x, st);
+  if (G > 1) {
+    tp_.group().all_gather(sv.top_all, top_local, st);
+    tp_.group().all_gather(sv.probs_all, probs_local, st);
+  }
+  sv.rows = moe_routing_map(sv.row_index, sv.counts, sv.top_all, first_expert_, num_local_, st);
+  const int64_t R = sv.rows;
+  // --- experts ---
+  moe_permute(row_range(sv.xp, 0, R), x_all, sv.row_index, k, st);
+  const int32_t* counts = sv.counts.data_as<int32_t>();
+  int64_t off = 0;
+  for (int64_t e = 0; e < num_local_; ++e) {
+    const int64_t n = counts[e];
+    if (n > 0) {
+      const Expert& ex = experts_[static_cast<size_t>(e)];
+      const Tensor xe = row_range(sv.xp, off, n), pre = row_range(sv.pre, off, n), act = row_range(sv.act, off, n);
+      if (gated_) {
+        linear_forward(pre, xe, ex.fc1.value(), Tensor(), Tensor(), st);
+        swiglu_forward(act, pre, st);
+      } else {
+        linear_forward(act, xe, ex.fc1.value(), Tensor(), pre, st);  // GELU epilogue
+      }
+      linear_forward(row_range(sv.out, off, n), act, ex.fc2.value(), Tensor(), Tensor(), st);
+    }
+    off += n;
+  }
+  // --- combine: weighted sum per token, reduce-scatter back to the local tokens ---
+  const Tensor y_all = G == 1 ? rows(y_) : y_all_;
+  moe_unpermute(y_all, row_range(sv.out, 0, R), sv.probs_all, sv.row_index, st);
+  scatter_sum(rows(y_), y_all, st);
+  if (shared_) {
+    copy(shared_->input(ctx.slot), sv.x, st);
+    const Tensor ys = shared_->forward(ctx);
+    add(y_, y_, ys, st);
+  }
+  return y_;
+}
+
+Tensor MoELayer::backward(const Tensor& dy, const StepContext& ctx, WgradDeferral* defer) {
+  Saved& sv = saved_.at(static_cast<size_t>(ctx.slot));
+  const Stream& st = ctx.stream;
+  const int64_t k = topk_, T = tokens_, R = sv.rows;
+  const int G = tp_.size();
+  const Tensor x = rows(sv.x);
+  // --- combine backward: all-gather dy; row gradients and d probs ---
+  const Tensor dy_all = gather(dy_all_, rows(dy), st);
+  moe_unpermute_backward(row_range(d_out_, 0, R), d_probs_all_, dy_all, row_range(sv.out, 0, R), sv.probs_all,
+                         sv.row_index, st);
+  // --- experts backward ---
+  const int32_t* counts = sv.counts.data_as<int32_t>();
+  int64_t off = 0;
+  for (int64_t e = 0; e < num_local_; ++e) {
+    const int64_t n = counts[e];
+    if (n > 0) {
+      const Expert& ex = experts_[static_cast<size_t>(e)];
+      const Tensor xe = row_range(sv.xp, off, n), pre = row_range(sv.pre, off, n), act = row_range(sv.act, off, n);
+      const Tensor dact = row_range(d_act_, off, n), dpre = row_range(d_pre_, off, n);
+      linear_backward(dact, ex.fc2.grad(), Tensor(), row_range(d_out_, off, n), act, ex.fc2.value(), st);
+      if (gated_) {
+        swiglu_backward(dpre, dact, pre, st);
+      } else {
+        gelu_backward(dpre, dact, pre, st);
+      }
+      linear_backward(row_range(d_xp_, off, n), ex.fc1.grad(), Tensor(), dpre, xe, ex.fc1.value(), st);
+    }
+    off += n;
+  }
+  // --- dispatch backward: token gradients and d probs back to their ranks ---
+  const Tensor dx = rows(dx_);
+  const Tensor dx_all = G == 1 ? dx : dx_all_;
+  moe_permute_backward(dx_all, row_range(d_xp_, 0, R), sv.row_index, k, st);
+  scatter_sum(dx, dx_all, st);
+  const Tensor d_probs = G == 1 ? d_probs_all_ : d_probs_;
+  if (G > 1) tp_.group().reduce_scatter(d_probs_, d_probs_all_, ReduceOp::kSum, st);
+  // --- router backward: probs path, load-balancing loss, z-loss ---
+  const Tensor top_local = G == 1 ? sv.top_all : sv.top_all.slice0(tp_.rank() * T, (tp_.rank() + 1) * T);
+  moe_topk_routing_backward(d_logits_, d_probs, sv.logits, top_local, router_, st);
+  float scale = ctx.batch.aux_loss_weight;
+  if (!ctx.loss_scale.empty()) scale *= ctx.loss_scale.data_as<float>()[0];  // CPU only so far
+  const bool aux = config_.moe_router_load_balancing_type == MoeLoadBalancing::kAuxLoss && config_.moe_aux_loss_coeff > 0;
+  if (aux) {
+    const double N = static_cast<double>(T) * G, E = static_cast<double>(num_experts_);
+    const double c = scale * config_.moe_aux_loss_coeff * E / (static_cast<double>(k) * N * N);
+    const float* tpe = sv.tokens_per_expert.data_as<float>();
+    float* cf = coef_.data_as<float>();
+    for (int64_t e = 0; e < num_experts_; ++e) cf[e] = static_cast<float>(c * tpe[e]);
+    moe_aux_scores_backward(d_logits_, sv.logits, coef_, router_.sigmoid, st);
+  }
+  if (config_.moe_z_loss_coeff > 0)
+    moe_z_loss(sv.logits, d_logits_, scale * config_.moe_z_loss_coeff / G / static_cast<float>(T), st);
+  // dx += d_logits W_r (fp32 on the CPU), dW_r += d_logitsᵀ x
+  linear_backward(Tensor(), router_weight_.grad(), Tensor(), d_logits_, x, router_weight_.value(), st);
+  matmul(dx, d_logits_, router_weight_.value(), false, false, 1.f, 1.f, st);
+  if (shared_) add(dx_, dx_, shared_->backward(dy, ctx, defer), st);
+  return dx_;
+}
+
+}  // namespace mt

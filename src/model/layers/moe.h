@@ -1,0 +1,104 @@
+// Mixture-of-experts block in the MLP slot (Megatron-Core transformer/moe/moe_layer.py MoELayer with
+// TopKRouter, MoEAllGatherTokenDispatcher and SequentialMLP experts; Shazeer et al. 2017, Fedus et
+// al. 2021 for the load-balancing loss, Zoph et al. 2022 for the z-loss; docs/moe.md).
+//
+// Forward of the T_l = s_l·b tokens of this rank (x [s_l, b, h], sequence-parallel shard when TP > 1):
+//   router:      logits [T_l, E] = x W_rᵀ (fp32), top-k selection and probs (ops/moe.h)
+//   dispatch:    all-gather x, the selection and probs over the dispatch group G (the expert
+//                tensor × expert model parallel group; the TP group while EP = 1), N = |G|·T_l tokens
+//   experts:     the rows routed to each local expert, ordered by expert then token, through
+//                linear_fc1 -> GELU or SwiGLU -> linear_fc2 of that expert (its ETP shard)
+//   combine:     y_G[t] = Σ over t's rows of prob · expert output, then reduce-scatter over G
+//                (sums the experts of the other EP ranks and the ETP partial products)
+//   shared experts (optional): a dense MLP on x (Megatron's SharedExpertMLP), added to y.
+// Backward mirrors it: all-gather dy, unpermute backward (row gradients and d probs), the experts'
+// backward, permute backward, reduce-scatter of dx and of d probs over G, then the router backward
+// with the load-balancing loss and the z-loss added to the logits' gradient.
+//
+// Auxiliary losses (Megatron's TopKRouter): with --moe-router-load-balancing-type aux_loss the
+// switch loss coeff·E/(k·N²)·Σ_e P_e·c_e (P_e: this rank's sum of the softmax (or normalised
+// sigmoid) scores of expert e, c_e: tokens routed to e summed over the TP group, N = s·b); with
+// --moe-z-loss-coeff the z-loss (coeff/tp)·mean_t logsumexp(logits_t)². Each rank's losses are
+// its share, summing over TP to the micro-batch's loss; their gradients are weighted by
+// MicroBatch::aux_loss_weight (1/(micro-batches·DP), Megatron's MoEAuxLossAutoScaler scale with
+// data-parallel averaging) times the loss scale. Their values (weighted the same way) are added
+// to a per-layer statistics tensor for the log (MoELayer::stats).
+//
+// Buffers: planned for the worst case of the dropless routing, R_max = N·min(k, E_local) expert
+// rows per micro-batch (exactly N·k when every expert is local).
+#pragma once
+#include <memory>
+#include <vector>
+
+#include "model/layers/mlp.h"
+#include "ops/moe.h"
+
+namespace mt {
+
+/// Megatron-Core's TopKRouter options from the config.
+MoeRouterOptions moe_router_options(const TransformerConfig& config);
+
+class MoELayer final : public MlpSlot {
+ public:
+  /// prefix "decoder.layers.<layer>.mlp". Declares the router weight [E, h] (replicated; the
+  /// gradient is a partial sum over TP under sequence parallelism), for each local expert i
+  /// (global index ep_rank·E/ep + i) "experts.local_experts.<global>.linear_fc1.weight" [(2)f_e/etp,
+  /// h] and ".linear_fc2.weight" [h, f_e/etp] sharded over the expert TP group like the dense
+  /// MLP's (init σ and σ/√(2L)), and the shared experts' MLP. Only EP = 1 with ETP = TP is built so
+  /// far: the dispatch group is the TP group, and TP > 1 needs sequence parallelism (checked by
+  /// GPTModel: Megatron's requirement for MoE). Errors: mt::Error when --moe-ffn-hidden-size is not
+  /// divisible by TP.
+  MoELayer(const TransformerConfig& config, int64_t layer, const TensorParallelRegion& tp, ParamRegistry& registry);
+  MoELayer(const MoELayer&) = delete;
+  MoELayer& operator=(const MoELayer&) = delete;
+
+  void plan(BufferPlanner& planner, int64_t s, int64_t b) override;
+  Tensor input(int area) const override { return saved_.at(static_cast<size_t>(area)).x; }
+  Tensor forward(const StepContext& ctx) override;
+  Tensor backward(const Tensor& dy, const StepContext& ctx, WgradDeferral* defer) override;
+  const ParamRef& output_bias() const override { return no_bias_; }
+
+  /// fp32 [2] on the host side of the model's device: (load-balancing loss, z-loss) accumulated
+  /// over this step's forwards, each weighted by the micro-batch's aux_loss_weight (so the sum over
+  /// the ranks of the world is the step's mean over micro-batches and data-parallel ranks).
+  /// Zeroed by reset_stats().
+  const std::vector<double>& stats() const { return stats_; }
+  void reset_stats() { stats_.assign(2, 0.0); }
+  int64_t layer() const { return layer_; }
+
+ private:
+  struct Expert {
+    ParamRef fc1, fc2;  // [(2)f_l, h], [h, f_l]
+  };
+  struct Saved {
+    Tensor x;                // [s_l, b, h]: the block's input (router input)
+    Tensor logits;           // fp32 [T_l, E]
+    Tensor top_all;          // int32 [N, k]: the gathered selection
+    Tensor probs_all;        // fp32 [N, k]: the gathered probs
+    Tensor row_index;        // int32 [R_max]
+    Tensor counts;           // int32 [E_l]
+    Tensor tokens_per_expert;  // fp32 [E]: over the TP group (load-balancing loss)
+    Tensor xp, pre, act, out;  // [R_max, h], [R_max, (2)f_l], [R_max, f_l], [R_max, h]
+    int64_t rows = 0;        // R of the forward that filled this area
+  };
+  Tensor gather(const Tensor& all, const Tensor& local, const Stream& stream) const;
+  void scatter_sum(const Tensor& local, const Tensor& all, const Stream& stream) const;
+
+  const TransformerConfig& config_;
+  const TensorParallelRegion& tp_;
+  int64_t layer_;
+  int64_t num_experts_, topk_, num_local_, first_expert_, local_ffn_;
+  bool gated_;
+  MoeRouterOptions router_;
+  ParamRef router_weight_, no_bias_;
+  std::vector<Expert> experts_;
+  std::unique_ptr<MLP> shared_;
+  std::vector<Saved> saved_;  // per area
+  int64_t tokens_ = 0, gathered_ = 0, max_rows_ = 0;  // T_l, N, R_max
+  // scratch
+  Tensor x_all_, y_all_, y_, dy_all_, d_out_, d_act_, d_pre_, d_xp_, dx_all_, dx_, d_probs_all_, d_probs_, d_logits_,
+      scores_aux_, coef_;
+  std::vector<double> stats_ = {0.0, 0.0};
+};
+
+}  // namespace mt

@@ -1,0 +1,315 @@
+// CPU reference of ops/moe.h (fp32 routing math, act-dtype fp32 rows).
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+#include "core/check.h"
+#include "ops/moe.h"
+
+namespace mt::cpu {
+namespace {
+
+constexpr float kEps = 1e-20f;  // Megatron's denominator guard for the sigmoid normalisation
+
+float sigmoidf(float x) { return 1.f / (1.f + std::exp(-x)); }
+
+void softmax_row(const float* x, float* y, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < n; ++i) m = std::max(m, x[i]);
+  double s = 0;
+  for (int64_t i = 0; i < n; ++i) s += std::exp(static_cast<double>(x[i] - m));
+  for (int64_t i = 0; i < n; ++i) y[i] = static_cast<float>(std::exp(static_cast<double>(x[i] - m)) / s);
+}
+
+// Indices of the k largest of v (descending; ties: lower index first) among `allowed`.
+void topk_indices(const std::vector<float>& v, int64_t k, std::vector<int64_t>& out) {
+  std::vector<int64_t> idx(v.size());
+  std::iota(idx.begin(), idx.end(), 0);
+  std::stable_sort(idx.begin(), idx.end(), [&](int64_t a, int64_t b) { return v[static_cast<size_t>(a)] > v[static_cast<size_t>(b)]; });
+  out.assign(idx.begin(), idx.begin() + k);
+}
+
+// Selection of one token: the experts chosen from `scores` (group-limited when configured).
+void select(const std::vector<float>& scores, const MoeRouterOptions& o, std::vector<int64_t>& top) {
+  const int64_t E = static_cast<int64_t>(scores.size());
+  if (o.num_groups <= 0) {
+    topk_indices(scores, o.topk, top);
+    return;
+  }
+  const int64_t G = o.num_groups, per = E / G, kg = o.topk / o.group_topk;
+  std::vector<float> group_score(static_cast<size_t>(G));
+  std::vector<int64_t> best;
+  for (int64_t g = 0; g < G; ++g) {
+    std::vector<float> part(scores.begin() + g * per, scores.begin() + (g + 1) * per);
+    topk_indices(part, kg, best);
+    double s = 0;
+    for (int64_t i : best) s += part[static_cast<size_t>(i)];
+    group_score[static_cast<size_t>(g)] = static_cast<float>(s);
+  }
+  std::vector<int64_t> groups;
+  topk_indices(group_score, o.group_topk, groups);
+  std::vector<float> masked(static_cast<size_t>(E), -std::numeric_limits<float>::infinity());
+  for (int64_t g : groups)
+    for (int64_t e = g * per; e < (g + 1) * per; ++e) masked[static_cast<size_t>(e)] = scores[static_cast<size_t>(e)];
+  topk_indices(masked, o.topk, top);
+}
+
+}  // namespace
+
+void moe_topk_routing(const Tensor& probs, const Tensor& top, const Tensor& scores_for_aux, const Tensor& logits,
+                      const Tensor& expert_bias, const MoeRouterOptions& o, const Stream&) {
+  const int64_t T = logits.size(0), E = logits.size(1), k = o.topk;
+  const float* L = logits.data_as<float>();
+  const float* bias = !expert_bias.empty() ? expert_bias.data_as<float>() : nullptr;
+  float* P = probs.data_as<float>();
+  int32_t* I = top.data_as<int32_t>();
+  float* A = !scores_for_aux.empty() ? scores_for_aux.data_as<float>() : nullptr;
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < T; ++t) {
+    const float* l = L + t * E;
+    std::vector<float> s(static_cast<size_t>(E)), sel(static_cast<size_t>(E));
+    std::vector<int64_t> chosen;
+    if (!o.sigmoid) {
+      if (o.pre_softmax) {
+        softmax_row(l, s.data(), E);
+        select(s, o, chosen);
+        for (int64_t j = 0; j < k; ++j) P[t * k + j] = s[static_cast<size_t>(chosen[static_cast<size_t>(j)])];
+      } else {
+        std::copy(l, l + E, sel.begin());
+        select(sel, o, chosen);
+        std::vector<float> v(static_cast<size_t>(k));
+        for (int64_t j = 0; j < k; ++j) v[static_cast<size_t>(j)] = l[chosen[static_cast<size_t>(j)]];
+        softmax_row(v.data(), P + t * k, k);
+      }
+      if (A) softmax_row(l, A + t * E, E);
+    } else {
+      for (int64_t e = 0; e < E; ++e) {
+        s[static_cast<size_t>(e)] = sigmoidf(l[e]);
+        sel[static_cast<size_t>(e)] = s[static_cast<size_t>(e)] + (bias ? bias[e] : 0.f);
+      }
+      select(sel, o, chosen);
+      double sum = 0;
+      for (int64_t j = 0; j < k; ++j) sum += s[static_cast<size_t>(chosen[static_cast<size_t>(j)])];
+      for (int64_t j = 0; j < k; ++j) {
+        const float v = s[static_cast<size_t>(chosen[static_cast<size_t>(j)])];
+        P[t * k + j] = k > 1 ? static_cast<float>(v / (sum + kEps)) : v;
+      }
+      if (A) {
+        double all = 0;
+        for (int64_t e = 0; e < E; ++e) all += s[static_cast<size_t>(e)];
+        for (int64_t e = 0; e < E; ++e) A[t * E + e] = static_cast<float>(s[static_cast<size_t>(e)] / (all + kEps));
+      }
+    }
+    for (int64_t j = 0; j < k; ++j) {
+      P[t * k + j] *= o.scaling_factor;
+      I[t * k + j] = static_cast<int32_t>(chosen[static_cast<size_t>(j)]);
+    }
+  }
+}
+
+void moe_topk_routing_backward(const Tensor& d_logits, const Tensor& d_probs, const Tensor& logits, const Tensor& top,
+                               const MoeRouterOptions& o, const Stream&) {
+  const int64_t T = logits.size(0), E = logits.size(1), k = o.topk;
+  const float* L = logits.data_as<float>();
+  const float* dP = d_probs.data_as<float>();
+  const int32_t* I = top.data_as<int32_t>();
+  float* dL = d_logits.data_as<float>();
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < T; ++t) {
+    const float* l = L + t * E;
+    float* dl = dL + t * E;
+    std::fill(dl, dl + E, 0.f);
+    std::vector<double> g(static_cast<size_t>(k));
+    for (int64_t j = 0; j < k; ++j) g[static_cast<size_t>(j)] = static_cast<double>(dP[t * k + j]) * o.scaling_factor;
+    const int32_t* sel = I + t * k;
+    if (!o.sigmoid && !o.pre_softmax) {
+      // probs = softmax(l[sel]): d l[sel_j] = p_j (g_j - Σ_i p_i g_i)
+      std::vector<float> v(static_cast<size_t>(k)), p(static_cast<size_t>(k));
+      for (int64_t j = 0; j < k; ++j) v[static_cast<size_t>(j)] = l[sel[j]];
+      softmax_row(v.data(), p.data(), k);
+      double dot = 0;
+      for (int64_t j = 0; j < k; ++j) dot += p[static_cast<size_t>(j)] * g[static_cast<size_t>(j)];
+      for (int64_t j = 0; j < k; ++j)
+        dl[sel[j]] += static_cast<float>(p[static_cast<size_t>(j)] * (g[static_cast<size_t>(j)] - dot));
+    } else if (!o.sigmoid) {
+      // probs_j = s[sel_j], s = softmax(l): d l = s ⊙ (G - <s, G>), G scattered from g
+      std::vector<float> s(static_cast<size_t>(E));
+      softmax_row(l, s.data(), E);
+      std::vector<double> G(static_cast<size_t>(E), 0.0);
+      for (int64_t j = 0; j < k; ++j) G[static_cast<size_t>(sel[j])] += g[static_cast<size_t>(j)];
+      double dot = 0;
+      for (int64_t e = 0; e < E; ++e) dot += s[static_cast<size_t>(e)] * G[static_cast<size_t>(e)];
+      for (int64_t e = 0; e < E; ++e)
+        dl[e] = static_cast<float>(s[static_cast<size_t>(e)] * (G[static_cast<size_t>(e)] - dot));
+    } else {
+      // probs_j = σ_j / (S + eps) (k > 1) or σ_j; dσ_j = g_j / S' - Σ_i g_i σ_i / S'²
+      std::vector<double> sg(static_cast<size_t>(k));
+      double S = 0;
+      for (int64_t j = 0; j < k; ++j) {
+        sg[static_cast<size_t>(j)] = sigmoidf(l[sel[j]]);
+        S += sg[static_cast<size_t>(j)];
+      }
+      const double Sp = S + kEps;
+      double dot = 0;
+      for (int64_t j = 0; j < k; ++j) dot += g[static_cast<size_t>(j)] * sg[static_cast<size_t>(j)];
+      for (int64_t j = 0; j < k; ++j) {
+        const double ds = k > 1 ? g[static_cast<size_t>(j)] / Sp - dot / (Sp * Sp) : g[static_cast<size_t>(j)];
+        const double sj = sg[static_cast<size_t>(j)];
+        dl[sel[j]] += static_cast<float>(ds * sj * (1.0 - sj));
+      }
+    }
+  }
+}
+
+void moe_aux_scores_backward(const Tensor& d_logits, const Tensor& logits, const Tensor& coef, bool sigmoid,
+                             const Stream&) {
+  const int64_t T = logits.size(0), E = logits.size(1);
+  const float* L = logits.data_as<float>();
+  const float* c = coef.data_as<float>();
+  float* dL = d_logits.data_as<float>();
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < T; ++t) {
+    const float* l = L + t * E;
+    float* dl = dL + t * E;
+    if (!sigmoid) {
+      std::vector<float> s(static_cast<size_t>(E));
+      softmax_row(l, s.data(), E);
+      double dot = 0;
+      for (int64_t e = 0; e < E; ++e) dot += static_cast<double>(s[static_cast<size_t>(e)]) * c[e];
+      for (int64_t e = 0; e < E; ++e) dl[e] += static_cast<float>(s[static_cast<size_t>(e)] * (c[e] - dot));
+    } else {
+      std::vector<double> s(static_cast<size_t>(E));
+      double S = 0, dot = 0;
+      for (int64_t e = 0; e < E; ++e) {
+        s[static_cast<size_t>(e)] = sigmoidf(l[e]);
+        S += s[static_cast<size_t>(e)];
+        dot += s[static_cast<size_t>(e)] * c[e];
+      }
+      const double Sp = S + kEps;
+      for (int64_t e = 0; e < E; ++e) {
+        const double se = s[static_cast<size_t>(e)];
+        dl[e] += static_cast<float>((c[e] / Sp - dot / (Sp * Sp)) * se * (1.0 - se));
+      }
+    }
+  }
+}
+
+double moe_z_loss(const Tensor& logits, const Tensor& d_logits, float scale, const Stream&) {
+  const int64_t T = logits.size(0), E = logits.size(1);
+  const float* L = logits.data_as<float>();
+  float* dL = !d_logits.empty() ? d_logits.data_as<float>() : nullptr;
+  double total = 0;
+#pragma omp parallel for schedule(static) reduction(+ : total)
+  for (int64_t t = 0; t < T; ++t) {
+    const float* l = L + t * E;
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t e = 0; e < E; ++e) m = std::max(m, l[e]);
+    double s = 0;
+    for (int64_t e = 0; e < E; ++e) s += std::exp(static_cast<double>(l[e] - m));
+    const double lse = m + std::log(s);
+    total += lse * lse;
+    if (dL) {
+      for (int64_t e = 0; e < E; ++e)
+        dL[t * E + e] += static_cast<float>(scale * 2.0 * lse * std::exp(static_cast<double>(l[e]) - lse));
+    }
+  }
+  return total;
+}
+
+void moe_tokens_per_expert(const Tensor& counts, const Tensor& top, const Stream&) {
+  const int64_t E = counts.numel(), n = top.numel();
+  const int32_t* I = top.data_as<int32_t>();
+  float* c = counts.data_as<float>();
+  std::fill(c, c + E, 0.f);
+  for (int64_t i = 0; i < n; ++i) c[I[i]] += 1.f;
+}
+
+int64_t moe_routing_map(const Tensor& row_index, const Tensor& counts, const Tensor& top, int64_t first_expert,
+                        int64_t num_local, const Stream&) {
+  const int64_t n = top.numel();
+  const int32_t* I = top.data_as<int32_t>();
+  int32_t* rows = row_index.data_as<int32_t>();
+  int32_t* cnt = counts.data_as<int32_t>();
+  std::fill(cnt, cnt + num_local, 0);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t e = I[i] - first_expert;
+    if (e >= 0 && e < num_local) ++cnt[e];
+  }
+  std::vector<int64_t> next(static_cast<size_t>(num_local), 0);
+  for (int64_t e = 1; e < num_local; ++e) next[static_cast<size_t>(e)] = next[static_cast<size_t>(e - 1)] + cnt[e - 1];
+  const int64_t R = num_local > 0 ? next.back() + cnt[num_local - 1] : 0;
+  MT_CHECK(R <= row_index.numel(), "moe_routing_map: {} rows exceed the planned {}", R, row_index.numel());
+  for (int64_t i = 0; i < n; ++i) {  // flat slot order = token, then slot: stable within an expert
+    const int64_t e = I[i] - first_expert;
+    if (e >= 0 && e < num_local) rows[next[static_cast<size_t>(e)]++] = static_cast<int32_t>(i);
+  }
+  return R;
+}
+
+void moe_permute(const Tensor& rows, const Tensor& x, const Tensor& row_index, int64_t topk, const Stream&) {
+  const int64_t R = rows.size(0), h = rows.size(1);
+  const float* X = x.data_as<float>();
+  const int32_t* idx = row_index.data_as<int32_t>();
+  float* Y = rows.data_as<float>();
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < R; ++r) std::copy(X + (idx[r] / topk) * h, X + (idx[r] / topk + 1) * h, Y + r * h);
+}
+
+void moe_permute_backward(const Tensor& dx, const Tensor& d_rows, const Tensor& row_index, int64_t topk,
+                          const Stream&) {
+  const int64_t R = d_rows.size(0), h = d_rows.size(1);
+  const float* D = d_rows.data_as<float>();
+  const int32_t* idx = row_index.data_as<int32_t>();
+  float* X = dx.data_as<float>();
+  std::fill(X, X + dx.numel(), 0.f);
+  for (int64_t r = 0; r < R; ++r) {  // sequential: rows of one token may come from several experts
+    float* xt = X + (idx[r] / topk) * h;
+    const float* dr = D + r * h;
+    for (int64_t c = 0; c < h; ++c) xt[c] += dr[c];
+  }
+}
+
+void moe_unpermute(const Tensor& y, const Tensor& rows, const Tensor& probs, const Tensor& row_index,
+                   const Stream&) {
+  const int64_t R = rows.size(0), h = rows.size(1), k = probs.size(1);
+  const float* Rw = rows.data_as<float>();
+  const float* P = probs.data_as<float>();
+  const int32_t* idx = row_index.data_as<int32_t>();
+  float* Y = y.data_as<float>();
+  std::fill(Y, Y + y.numel(), 0.f);
+  for (int64_t r = 0; r < R; ++r) {
+    float* yt = Y + (idx[r] / k) * h;
+    const float p = P[idx[r]];
+    const float* rr = Rw + r * h;
+    for (int64_t c = 0; c < h; ++c) yt[c] += p * rr[c];
+  }
+}
+
+void moe_unpermute_backward(const Tensor& d_rows, const Tensor& d_probs, const Tensor& dy, const Tensor& rows,
+                            const Tensor& probs, const Tensor& row_index, const Stream&) {
+  const int64_t R = rows.size(0), h = rows.size(1), k = probs.size(1);
+  const float* Rw = rows.data_as<float>();
+  const float* P = probs.data_as<float>();
+  const float* DY = dy.data_as<float>();
+  const int32_t* idx = row_index.data_as<int32_t>();
+  float* DR = d_rows.data_as<float>();
+  float* DP = d_probs.data_as<float>();
+  std::fill(DP, DP + d_probs.numel(), 0.f);
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < R; ++r) {
+    const float* g = DY + (idx[r] / k) * h;
+    const float* rr = Rw + r * h;
+    float* dr = DR + r * h;
+    const float p = P[idx[r]];
+    double dot = 0;
+    for (int64_t c = 0; c < h; ++c) {
+      dr[c] = p * g[c];
+      dot += static_cast<double>(g[c]) * rr[c];
+    }
+    DP[idx[r]] = static_cast<float>(dot);  // each flat slot has at most one row
+  }
+}
+
+}  // namespace mt::cpu

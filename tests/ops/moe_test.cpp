@@ -1,0 +1,346 @@
+// MoE routing and permutation ops (ops/moe.h) on the CPU against a float64 reference written
+// here from Megatron-Core's definitions (topk_routing_with_score_function, group_limited_topk,
+// the aux-loss scores, z_loss_func), and their backward against central finite differences of it.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+
+#include "ops/moe.h"
+#include "testing/testing.h"
+
+namespace mt {
+namespace {
+
+using testing::OwnedTensor;
+const Device kCpu = Device::cpu();
+
+std::vector<int> topk_ref(const std::vector<double>& v, int64_t k) {
+  std::vector<int> idx(v.size());
+  std::iota(idx.begin(), idx.end(), 0);
+  std::stable_sort(idx.begin(), idx.end(), [&](int a, int b) { return v[a] > v[b]; });
+  idx.resize(static_cast<size_t>(k));
+  return idx;
+}
+
+std::vector<double> softmax_ref(const std::vector<double>& x) {
+  const double m = *std::max_element(x.begin(), x.end());
+  double s = 0;
+  for (double v : x) s += std::exp(v - m);
+  std::vector<double> y;
+  for (double v : x) y.push_back(std::exp(v - m) / s);
+  return y;
+}
+
+double sigmoid_ref(double x) { return 1.0 / (1.0 + std::exp(-x)); }
+
+// Selection of one token (group-limited when configured).
+std::vector<int> select_ref(const std::vector<double>& s, const MoeRouterOptions& o) {
+  if (o.num_groups == 0) return topk_ref(s, o.topk);
+  const int64_t E = static_cast<int64_t>(s.size()), per = E / o.num_groups;
+  std::vector<double> gs;
+  for (int64_t g = 0; g < o.num_groups; ++g) {
+    std::vector<double> part(s.begin() + g * per, s.begin() + (g + 1) * per);
+    double sum = 0;
+    for (int i : topk_ref(part, o.topk / o.group_topk)) sum += part[static_cast<size_t>(i)];
+    gs.push_back(sum);
+  }
+  std::vector<double> masked(s.size(), -std::numeric_limits<double>::infinity());
+  for (int g : topk_ref(gs, o.group_topk))
+    for (int64_t e = g * per; e < (g + 1) * per; ++e) masked[static_cast<size_t>(e)] = s[static_cast<size_t>(e)];
+  return topk_ref(masked, o.topk);
+}
+
+// probs of one token for a given selection `sel` (if empty: selects), per Megatron's definitions.
+std::vector<double> probs_ref(const std::vector<double>& l, const std::vector<double>& bias, const MoeRouterOptions& o,
+                              std::vector<int>& sel) {
+  std::vector<double> p;
+  if (!o.sigmoid) {
+    if (o.pre_softmax) {
+      const auto s = softmax_ref(l);
+      if (sel.empty()) sel = select_ref(s, o);
+      for (int e : sel) p.push_back(s[static_cast<size_t>(e)]);
+    } else {
+      if (sel.empty()) sel = select_ref(l, o);
+      std::vector<double> v;
+      for (int e : sel) v.push_back(l[static_cast<size_t>(e)]);
+      p = softmax_ref(v);
+    }
+  } else {
+    std::vector<double> s, r;
+    for (size_t e = 0; e < l.size(); ++e) {
+      s.push_back(sigmoid_ref(l[e]));
+      r.push_back(s.back() + (bias.empty() ? 0.0 : bias[e]));
+    }
+    if (sel.empty()) sel = select_ref(r, o);
+    double sum = 0;
+    for (int e : sel) sum += s[static_cast<size_t>(e)];
+    for (int e : sel) p.push_back(o.topk > 1 ? s[static_cast<size_t>(e)] / (sum + 1e-20) : s[static_cast<size_t>(e)]);
+  }
+  for (double& v : p) v *= o.scaling_factor;
+  return p;
+}
+
+std::vector<double> aux_scores_ref(const std::vector<double>& l, bool sigmoid) {
+  if (!sigmoid) return softmax_ref(l);
+  std::vector<double> s;
+  double sum = 0;
+  for (double v : l) {
+    s.push_back(sigmoid_ref(v));
+    sum += s.back();
+  }
+  for (double& v : s) v /= sum + 1e-20;
+  return s;
+}
+
+struct Case {
+  const char* name;
+  MoeRouterOptions o;
+  bool bias;
+};
+
+std::vector<Case> cases() {
+  std::vector<Case> c;
+  MoeRouterOptions o;
+  o.topk = 2;
+  c.push_back({"softmax top-2", o, false});
+  o.pre_softmax = true;
+  c.push_back({"pre-softmax top-2", o, false});
+  o.pre_softmax = false;
+  o.topk = 1;
+  c.push_back({"softmax top-1", o, false});
+  o.topk = 3;
+  o.scaling_factor = 2.5f;
+  c.push_back({"softmax top-3 scaled", o, false});
+  MoeRouterOptions s;
+  s.sigmoid = true;
+  s.topk = 2;
+  c.push_back({"sigmoid top-2", s, false});
+  c.push_back({"sigmoid top-2 with expert bias", s, true});
+  s.topk = 1;
+  c.push_back({"sigmoid top-1", s, false});
+  s.topk = 4;
+  s.num_groups = 4;
+  s.group_topk = 2;
+  s.scaling_factor = 2.5f;
+  c.push_back({"sigmoid group-limited (DeepSeek-V3 style)", s, true});
+  MoeRouterOptions g;
+  g.topk = 2;
+  g.num_groups = 2;
+  g.group_topk = 1;
+  c.push_back({"softmax group-limited", g, false});
+  return c;
+}
+
+TEST(MoeRouting, ForwardMatchesFloat64Reference) {
+  const Stream& st = testing::cpu_stream();
+  const int64_t T = 37, E = 8;
+  for (const Case& cs : cases()) {
+    const MoeRouterOptions& o = cs.o;
+    const auto lv = testing::randn(T * E, 1.5f);
+    const auto bv = testing::randn(E, 0.3f);
+    auto logits = testing::make_tensor(lv, DType::kF32, kCpu, {T, E}, st);
+    auto bias = testing::make_tensor(bv, DType::kF32, kCpu, {E}, st);
+    OwnedTensor probs(DType::kF32, kCpu, {T, o.topk}), top(DType::kI32, kCpu, {T, o.topk}),
+        aux(DType::kF32, kCpu, {T, E});
+    testing::poison(probs, st);
+    moe_topk_routing(probs, top, aux, logits, cs.bias ? bias.t : Tensor(), o, st);
+    const auto pv = testing::to_host(probs, st), av = testing::to_host(aux, st);
+    const int32_t* iv = top.t.data_as<int32_t>();
+    for (int64_t t = 0; t < T; ++t) {
+      std::vector<double> l(lv.begin() + t * E, lv.begin() + (t + 1) * E), b;
+      if (cs.bias) b.assign(bv.begin(), bv.end());
+      std::vector<int> sel;
+      const auto p = probs_ref(l, b, o, sel);
+      const auto a = aux_scores_ref(l, o.sigmoid);
+      for (int64_t j = 0; j < o.topk; ++j) {
+        ASSERT_EQ(iv[t * o.topk + j], sel[static_cast<size_t>(j)]) << cs.name << " token " << t << " slot " << j;
+        EXPECT_NEAR(pv[t * o.topk + j], p[static_cast<size_t>(j)], 1e-6 * std::max(1.0, std::fabs(p[static_cast<size_t>(j)])))
+            << cs.name;
+      }
+      for (int64_t e = 0; e < E; ++e) EXPECT_NEAR(av[t * E + e], a[static_cast<size_t>(e)], 1e-6) << cs.name;
+    }
+    // Group-limited routing only ever picks experts of group_topk groups.
+    if (o.num_groups > 0) {
+      const int64_t per = E / o.num_groups;
+      for (int64_t t = 0; t < T; ++t) {
+        std::vector<int> groups;
+        for (int64_t j = 0; j < o.topk; ++j) groups.push_back(iv[t * o.topk + j] / static_cast<int>(per));
+        std::sort(groups.begin(), groups.end());
+        groups.erase(std::unique(groups.begin(), groups.end()), groups.end());
+        EXPECT_LE(static_cast<int64_t>(groups.size()), o.group_topk) << cs.name;
+      }
+    }
+  }
+}
+
+TEST(MoeRouting, BackwardMatchesFiniteDifferences) {
+  const Stream& st = testing::cpu_stream();
+  const int64_t T = 9, E = 8;
+  for (const Case& cs : cases()) {
+    const MoeRouterOptions& o = cs.o;
+    const auto lv = testing::randn(T * E, 1.5f);
+    const auto bv = testing::randn(E, 0.3f);
+    const auto gv = testing::randn(T * o.topk);
+    auto logits = testing::make_tensor(lv, DType::kF32, kCpu, {T, E}, st);
+    auto bias = testing::make_tensor(bv, DType::kF32, kCpu, {E}, st);
+    auto dprobs = testing::make_tensor(gv, DType::kF32, kCpu, {T, o.topk}, st);
+    OwnedTensor probs(DType::kF32, kCpu, {T, o.topk}), top(DType::kI32, kCpu, {T, o.topk}),
+        dlog(DType::kF32, kCpu, {T, E});
+    moe_topk_routing(probs, top, Tensor(), logits, cs.bias ? bias.t : Tensor(), o, st);
+    testing::poison(dlog, st);
+    moe_topk_routing_backward(dlog, dprobs, logits, top, o, st);
+    const auto dv = testing::to_host(dlog, st);
+    const int32_t* iv = top.t.data_as<int32_t>();
+    // f(logits of token t) = Σ_j g_j probs_j with the selection fixed (the gradient of the op).
+    for (int64_t t = 0; t < T; ++t) {
+      std::vector<double> x(lv.begin() + t * E, lv.begin() + (t + 1) * E), b;
+      if (cs.bias) b.assign(bv.begin(), bv.end());
+      std::vector<int> fixed(iv + t * o.topk, iv + (t + 1) * o.topk);
+      auto f = [&] {
+        std::vector<int> sel = fixed;
+        const auto p = probs_ref(x, b, o, sel);
+        double s = 0;
+        for (int64_t j = 0; j < o.topk; ++j) s += gv[t * o.topk + j] * p[static_cast<size_t>(j)];
+        return s;
+      };
+      for (int64_t e = 0; e < E; ++e) {
+        const double num = testing::finite_diff(f, x, static_cast<size_t>(e), 1e-6);
+        EXPECT_NEAR(dv[t * E + e], num, 1e-5 * std::max(1.0, std::fabs(num))) << cs.name << " t " << t << " e " << e;
+      }
+    }
+  }
+}
+
+TEST(MoeRouting, AuxScoresBackwardAndZLossMatchFiniteDifferences) {
+  const Stream& st = testing::cpu_stream();
+  const int64_t T = 7, E = 6;
+  for (bool sigmoid : {false, true}) {
+    const auto lv = testing::randn(T * E, 2.f);
+    const auto cv = testing::randn(E);
+    auto logits = testing::make_tensor(lv, DType::kF32, kCpu, {T, E}, st);
+    auto coef = testing::make_tensor(cv, DType::kF32, kCpu, {E}, st);
+    const auto base = testing::randn(T * E);
+    auto dlog = testing::make_tensor(base, DType::kF32, kCpu, {T, E}, st);
+    moe_aux_scores_backward(dlog, logits, coef, sigmoid, st);
+    const float zscale = 0.37f;
+    const double z = moe_z_loss(logits, dlog, zscale, st);  // accumulates on top
+    const auto dv = testing::to_host(dlog, st);
+    double zref = 0;
+    for (int64_t t = 0; t < T; ++t) {
+      std::vector<double> x(lv.begin() + t * E, lv.begin() + (t + 1) * E);
+      auto f = [&] {
+        const auto s = aux_scores_ref(x, sigmoid);
+        double v = 0, m = *std::max_element(x.begin(), x.end()), sum = 0;
+        for (int64_t e = 0; e < E; ++e) v += cv[static_cast<size_t>(e)] * s[static_cast<size_t>(e)];
+        for (double a : x) sum += std::exp(a - m);
+        const double lse = m + std::log(sum);
+        return v + zscale * lse * lse;
+      };
+      {
+        double m = *std::max_element(x.begin(), x.end()), sum = 0;
+        for (double a : x) sum += std::exp(a - m);
+        zref += (m + std::log(sum)) * (m + std::log(sum));
+      }
+      for (int64_t e = 0; e < E; ++e) {
+        const double num = testing::finite_diff(f, x, static_cast<size_t>(e), 1e-6);
+        EXPECT_NEAR(dv[t * E + e] - base[t * E + e], num, 1e-5 * std::max(1.0, std::fabs(num))) << sigmoid;
+      }
+    }
+    EXPECT_NEAR(z, zref, 1e-6 * zref);  // the differences l - max are taken in fp32
+  }
+}
+
+TEST(MoePermute, RoutingMapPermuteUnpermuteAndBackward) {
+  const Stream& st = testing::cpu_stream();
+  const int64_t N = 23, E = 8, k = 2, h = 5;
+  // A selection with distinct experts per token.
+  std::vector<int32_t> top(N * k);
+  for (int64_t t = 0; t < N; ++t) {
+    const auto r = testing::randint(2, 0, static_cast<int32_t>(E));
+    top[t * k] = r[0];
+    top[t * k + 1] = (r[0] + 1 + r[1] % (E - 1)) % E;
+  }
+  auto topt = testing::make_int_tensor(top, kCpu, {N, k}, st);
+  for (int64_t first : {0, 3}) {
+    const int64_t nl = first == 0 ? E : 4;  // all experts, or experts 3..6
+    OwnedTensor rows_index(DType::kI32, kCpu, {N * k}), counts(DType::kI32, kCpu, {nl});
+    const int64_t R = moe_routing_map(rows_index, counts, topt, first, nl, st);
+    const int32_t* ri = rows_index.t.data_as<int32_t>();
+    const int32_t* ct = counts.t.data_as<int32_t>();
+    // Expected: for each local expert in order, the flat slots choosing it, ascending.
+    std::vector<int32_t> want;
+    for (int64_t e = first; e < first + nl; ++e) {
+      int32_t c = 0;
+      for (int64_t i = 0; i < N * k; ++i)
+        if (top[i] == e) {
+          want.push_back(static_cast<int32_t>(i));
+          ++c;
+        }
+      EXPECT_EQ(ct[e - first], c);
+    }
+    ASSERT_EQ(R, static_cast<int64_t>(want.size()));
+    for (int64_t r = 0; r < R; ++r) EXPECT_EQ(ri[r], want[static_cast<size_t>(r)]);
+
+    const auto xv = testing::randn(N * h), pv = testing::randn(N * k), ov = testing::randn(R * h),
+               dyv = testing::randn(N * h);
+    auto x = testing::make_tensor(xv, DType::kF32, kCpu, {N, h}, st);
+    auto probs = testing::make_tensor(pv, DType::kF32, kCpu, {N, k}, st);
+    auto out = testing::make_tensor(ov, DType::kF32, kCpu, {R, h}, st);
+    auto dy = testing::make_tensor(dyv, DType::kF32, kCpu, {N, h}, st);
+    OwnedTensor xp(DType::kF32, kCpu, {R, h}), y(DType::kF32, kCpu, {N, h}), drows(DType::kF32, kCpu, {R, h}),
+        dprobs(DType::kF32, kCpu, {N, k}), dx(DType::kF32, kCpu, {N, h});
+    moe_permute(xp, x, rows_index, k, st);
+    moe_unpermute(y, out, probs, rows_index, st);
+    moe_unpermute_backward(drows, dprobs, dy, out, probs, rows_index, st);
+    moe_permute_backward(dx, drows, rows_index, k, st);
+    const auto xpv = testing::to_host(xp, st), yv = testing::to_host(y, st), drv = testing::to_host(drows, st),
+               dpv = testing::to_host(dprobs, st), dxv = testing::to_host(dx, st);
+    std::vector<double> yref(N * h, 0.0), dpref(N * k, 0.0), dxref(N * h, 0.0);
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t i = want[static_cast<size_t>(r)], t = i / k;
+      for (int64_t c = 0; c < h; ++c) {
+        EXPECT_EQ(xpv[r * h + c], xv[t * h + c]);
+        yref[t * h + c] += static_cast<double>(pv[i]) * ov[r * h + c];
+        const double drow = static_cast<double>(pv[i]) * dyv[t * h + c];
+        EXPECT_NEAR(drv[r * h + c], drow, 1e-6 * std::max(1.0, std::fabs(drow)));
+        dpref[i] += static_cast<double>(dyv[t * h + c]) * ov[r * h + c];
+        dxref[t * h + c] += drow;
+      }
+    }
+    EXPECT_LT(testing::rel_err(yv, yref), 1e-6);
+    EXPECT_LT(testing::rel_err(dpv, dpref), 1e-6);
+    EXPECT_LT(testing::rel_err(dxv, dxref), 1e-6);
+    // Slots routed to other ranks' experts get no probability gradient.
+    for (int64_t i = 0; i < N * k; ++i)
+      if (top[i] < first || top[i] >= first + nl) EXPECT_EQ(dpv[i], 0.f);
+
+    OwnedTensor tpe(DType::kF32, kCpu, {E});
+    moe_tokens_per_expert(tpe, topt, st);
+    const auto tv = testing::to_host(tpe, st);
+    for (int64_t e = 0; e < E; ++e) EXPECT_EQ(tv[e], std::count(top.begin(), top.end(), static_cast<int32_t>(e)));
+  }
+}
+
+TEST(MoeRouting, Errors) {
+  const Stream& st = testing::cpu_stream();
+  OwnedTensor logits(DType::kF32, kCpu, {4, 6}), probs(DType::kF32, kCpu, {4, 7}), top(DType::kI32, kCpu, {4, 7});
+  MoeRouterOptions o;
+  o.topk = 7;
+  EXPECT_THROW(moe_topk_routing(probs, top, Tensor(), logits, Tensor(), o, st), Error);  // top-k > E
+  OwnedTensor p2(DType::kF32, kCpu, {4, 2}), t2(DType::kI32, kCpu, {4, 2});
+  o.topk = 2;
+  o.num_groups = 4;  // does not divide 6
+  o.group_topk = 1;
+  EXPECT_THROW(moe_topk_routing(p2, t2, Tensor(), logits, Tensor(), o, st), Error);
+  o.num_groups = 0;
+  OwnedTensor bias(DType::kF32, kCpu, {6});
+  EXPECT_THROW(moe_topk_routing(p2, t2, Tensor(), logits, bias, o, st), Error);  // bias needs sigmoid
+  OwnedTensor wrong(DType::kF32, kCpu, {4, 3});
+  EXPECT_THROW(moe_topk_routing(wrong, t2, Tensor(), logits, Tensor(), o, st), Error);
+}
+
+}  // namespace
+}  // namespace mt
