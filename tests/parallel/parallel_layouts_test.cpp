@@ -33,7 +33,10 @@ constexpr int kIters = 3;
 
 /// The model families under test: GPT-2 style, Llama style (GQA with query groups < heads, RoPE,
 /// SwiGLU, RMSNorm, untied output layer, no biases) and Qwen 3 style (Llama + QK-norm + QKV bias).
-enum class Arch { kGpt, kLlama, kQwen };
+/// kMoe: the Llama style with MoE layers in layers 1, 3, 5, 7 (4 experts, top-2, load-balancing
+/// and z-losses); kMoeSigmoid: MoE in every layer with a DeepSeek-style router (sigmoid scores,
+/// group-limited top-k, scaling) and a shared expert.
+enum class Arch { kGpt, kLlama, kQwen, kMoe, kMoeSigmoid };
 
 TransformerConfig config(Arch arch = Arch::kGpt) {
   TransformerConfig c;
@@ -58,6 +61,22 @@ TransformerConfig config(Arch arch = Arch::kGpt) {
     c.untie_embeddings_and_output_weights = true;
     c.add_bias_linear = false;
   }
+  if (arch == Arch::kMoe || arch == Arch::kMoeSigmoid) {
+    c.num_moe_experts = 4;
+    c.moe_ffn_hidden_size = 24;
+    c.moe_router_topk = 2;
+    c.moe_aux_loss_coeff = 0.1f;
+    c.moe_z_loss_coeff = 0.01f;
+    if (arch == Arch::kMoe) {
+      c.moe_layer_pattern = parse_moe_layer_freq("[0,1]*4", c.num_layers);
+    } else {
+      c.moe_router_score_function = MoeScoreFunction::kSigmoid;
+      c.moe_router_num_groups = 2;
+      c.moe_router_group_topk = 1;
+      c.moe_router_topk_scaling_factor = 2.f;
+      c.moe_shared_expert_intermediate_size = 16;
+    }
+  }
   if (arch == Arch::kQwen) {
     c.add_qkv_bias = true;
     c.qk_layernorm = true;
@@ -80,7 +99,11 @@ struct Layout {
   bool overlap = false;  // --overlap-grad-reduce (+ --overlap-param-gather with zero), small buckets
   std::string name() const {
     std::string s = fmt::format("{}{}tp{}_pp{}_dp{}_vpp{}_m{}",
-                                arch == Arch::kGpt ? "" : arch == Arch::kLlama ? "llama_" : "qwen_",
+                                arch == Arch::kGpt     ? ""
+                                : arch == Arch::kLlama ? "llama_"
+                                : arch == Arch::kQwen  ? "qwen_"
+                                : arch == Arch::kMoe   ? "moe_"
+                                                       : "moe_sigmoid_",
                                 std::string(odd_vocab ? "vocab67_" : "") + (flash ? "flash_" : ""), tp, pp, dp, vpp,
                                 micro_total);
     if (first >= 0) s += fmt::format("_first{}", first);
@@ -184,6 +207,7 @@ Result run_layout(const Layout& L, const std::vector<int32_t>& tokens, const std
     for (int m = 0; m < M; ++m) {
       MicroBatch b{tok[m].t, lab[m].t, Tensor()};
       b.loss_weight = 1.0f / static_cast<float>(S * mb * M * L.dp);
+      b.aux_loss_weight = 1.0f / static_cast<float>(M * L.dp);
       mbs.push_back(b);
     }
     for (int it = 0; it < kIters; ++it) {
@@ -366,6 +390,27 @@ std::vector<Layout> layouts() {
     for (const auto& [tp, pp, dp, vpp, sp, zero, overlap] :
          {std::tuple{2, 1, 1, 0, false, false, false}, std::tuple{4, 1, 1, 0, true, false, false},
           std::tuple{2, 1, 1, 0, true, false, false}, std::tuple{1, 1, 2, 0, false, true, false},
+          std::tuple{1, 2, 1, 0, false, false, false}, std::tuple{1, 2, 1, 2, false, false, false},
+          std::tuple{2, 2, 2, 0, true, true, false}, std::tuple{2, 2, 2, 2, true, true, true}}) {
+      Layout a;
+      a.arch = arch;
+      a.tp = tp;
+      a.pp = pp;
+      a.dp = dp;
+      a.vpp = vpp;
+      a.sp = sp;
+      a.zero = zero;
+      a.overlap = overlap;
+      a.micro_total = 2 * pp * dp;
+      v.push_back(a);
+    }
+  }
+  // MoE (expert parallelism 1: experts split like the dense MLP over TP, tokens all-gathered over
+  // the TP group) under every kind of parallelism.
+  for (Arch arch : {Arch::kMoe, Arch::kMoeSigmoid}) {
+    for (const auto& [tp, pp, dp, vpp, sp, zero, overlap] :
+         {std::tuple{2, 1, 1, 0, true, false, false}, std::tuple{4, 1, 1, 0, true, false, false},
+          std::tuple{1, 1, 2, 0, false, false, false}, std::tuple{1, 1, 2, 0, false, true, false},
           std::tuple{1, 2, 1, 0, false, false, false}, std::tuple{1, 2, 1, 2, false, false, false},
           std::tuple{2, 2, 2, 0, true, true, false}, std::tuple{2, 2, 2, 2, true, true, true}}) {
       Layout a;
