@@ -83,6 +83,50 @@ void add_pretrain_options(CLI::App& app, PretrainArgs& a) {
          "auto (flash on CUDA bf16/fp16 with head dim 64 or 128, else local), flash (fused) or local (unfused)")
       ->default_str("auto");
 
+  // Mixture of experts (Megatron-Core transformer/moe; docs/moe.md).
+  app.add_option("--num-experts", m.num_moe_experts, "Experts per MoE layer (0 = dense model)");
+  app.add_option("--moe-layer-freq", a.moe_layer_freq,
+                 "MoE layer pattern: k (every k-th layer from layer 0) or a list such as ([0]+[1]*23)")
+      ->capture_default_str();
+  app.add_option("--moe-ffn-hidden-size", m.moe_ffn_hidden_size, "Hidden size of each expert (default ffn-hidden-size)");
+  app.add_option("--moe-shared-expert-intermediate-size", m.moe_shared_expert_intermediate_size,
+                 "Hidden size of the shared experts (0 = none)");
+  app.add_option("--moe-router-topk", m.moe_router_topk, "Experts per token")->capture_default_str();
+  app.add_option_function<std::string>(
+         "--moe-router-score-function",
+         [&m](const std::string& v) { m.moe_router_score_function = parse_moe_score_function(v); },
+         "softmax or sigmoid")
+      ->default_str("softmax");
+  app.add_flag("--moe-router-pre-softmax", m.moe_router_pre_softmax, "Softmax over all experts before the top-k");
+  app.add_option("--moe-router-topk-scaling-factor", m.moe_router_topk_scaling_factor,
+                 "Scale of the routing probabilities")->capture_default_str();
+  app.add_option("--moe-router-num-groups", m.moe_router_num_groups, "Expert groups of device-limited routing");
+  app.add_option("--moe-router-group-topk", m.moe_router_group_topk, "Groups each token may route to");
+  app.add_option_function<std::string>(
+         "--moe-router-dtype",
+         [](const std::string& v) {
+           MT_REQUIRE(v == "fp32" || v == "fp64", "--moe-router-dtype '{}' is not supported: expected fp32 or fp64", v);
+           MT_REQUIRE(v == "fp32", "--moe-router-dtype fp64 is not implemented: the routing math runs in fp32");
+         },
+         "Routing math precision (fp32)");
+  app.add_option_function<std::string>(
+         "--moe-router-load-balancing-type",
+         [&m](const std::string& v) { m.moe_router_load_balancing_type = parse_moe_load_balancing(v); },
+         "aux_loss or none")
+      ->default_str("aux_loss");
+  app.add_option("--moe-aux-loss-coeff", m.moe_aux_loss_coeff, "Load-balancing loss coefficient")
+      ->capture_default_str();
+  app.add_option("--moe-z-loss-coeff", m.moe_z_loss_coeff, "Router z-loss coefficient (0 = off)");
+  app.add_option_function<std::string>(
+         "--moe-token-dispatcher-type",
+         [&m](const std::string& v) { m.moe_token_dispatcher_type = parse_moe_dispatcher(v); }, "allgather or alltoall")
+      ->default_str("allgather");
+  app.add_flag("--moe-per-layer-logging", a.moe_per_layer_logging, "Log the auxiliary losses of every MoE layer");
+  app.add_option("--expert-model-parallel-size", a.expert_model_parallel_size, "Expert-parallel size")
+      ->capture_default_str();
+  app.add_option("--expert-tensor-parallel-size", a.expert_tensor_parallel_size,
+                 "Tensor-parallel size of the experts (default = tensor-model-parallel-size)");
+
   app.add_option("--micro-batch-size", a.micro_batch_size, "Sequences per micro-batch")->capture_default_str();
   app.add_option("--global-batch-size", a.global_batch_size,
                  "Sequences per iteration (gradient accumulation over micro-batches)");
@@ -183,6 +227,22 @@ void validate_pretrain_args(PretrainArgs& a) {
              "--num-query-groups {} given without --group-query-attention", a.model.num_query_groups);
   MT_REQUIRE(!a.group_query_attention || a.model.num_query_groups > 0,
              "--group-query-attention needs --num-query-groups (a positive number of key/value heads)");
+  if (a.model.num_moe_experts > 0) {
+    a.model.moe_layer_pattern = parse_moe_layer_freq(a.moe_layer_freq, a.model.num_layers);
+    MT_REQUIRE(a.expert_model_parallel_size >= 1, "--expert-model-parallel-size must be >= 1, got {}",
+               a.expert_model_parallel_size);
+    MT_REQUIRE(a.expert_model_parallel_size == 1,
+               "--expert-model-parallel-size {}: expert parallelism is not implemented yet (the experts are split "
+               "over the tensor-parallel group; use --expert-model-parallel-size 1)",
+               a.expert_model_parallel_size);
+    MT_REQUIRE(a.expert_tensor_parallel_size == 0 || a.expert_tensor_parallel_size == a.tensor_model_parallel_size,
+               "--expert-tensor-parallel-size {} differs from --tensor-model-parallel-size {}: MoE parallel folding "
+               "is not implemented yet",
+               a.expert_tensor_parallel_size, a.tensor_model_parallel_size);
+  } else {
+    MT_REQUIRE(a.expert_model_parallel_size == 1, "--expert-model-parallel-size {} needs --num-experts",
+               a.expert_model_parallel_size);
+  }
   MT_REQUIRE(a.micro_batch_size > 0, "--micro-batch-size must be positive, got {}", a.micro_batch_size);
   if (a.global_batch_size == 0) a.global_batch_size = a.micro_batch_size * a.data_parallel_size;
   MT_REQUIRE(a.global_batch_size > 0, "--global-batch-size must be positive, got {}", a.global_batch_size);

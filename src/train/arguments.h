@@ -20,6 +20,11 @@ namespace mt {
 struct PretrainArgs {
   TransformerConfig model;
   bool group_query_attention = false;  ///< --group-query-attention (enables --num-query-groups)
+  // mixture of experts (docs/moe.md); the model's fields are in `model`
+  std::string moe_layer_freq = "1";    ///< --moe-layer-freq (resolved into model.moe_layer_pattern)
+  int expert_model_parallel_size = 1;  ///< --expert-model-parallel-size (1 only so far)
+  int expert_tensor_parallel_size = 0; ///< --expert-tensor-parallel-size (0 = TP; only TP so far)
+  bool moe_per_layer_logging = false;  ///< --moe-per-layer-logging
   // batch / schedule
   int64_t micro_batch_size = 1;    ///< --micro-batch-size
   int64_t global_batch_size = 0;   ///< --global-batch-size (0 = micro-batch-size * data-parallel size)

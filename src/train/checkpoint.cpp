@@ -19,8 +19,46 @@ namespace {
 std::string iter_dir_name(int64_t it) { return fmt::format("iter_{:07d}", it); }
 const char* kTracker = "latest_checkpointed_iteration.txt";
 
+json moe_config_to_json(const TransformerConfig& c) {
+  std::vector<int> pattern;
+  for (int64_t l = 0; l < c.num_layers; ++l) pattern.push_back(c.is_moe_layer(l) ? 1 : 0);
+  return json{{"num_experts", c.num_moe_experts},
+              {"moe_layer_pattern", pattern},
+              {"moe_ffn_hidden_size", c.moe_ffn()},
+              {"moe_shared_expert_intermediate_size", c.moe_shared_expert_intermediate_size},
+              {"moe_router_topk", c.moe_router_topk},
+              {"moe_router_score_function",
+               c.moe_router_score_function == MoeScoreFunction::kSigmoid ? "sigmoid" : "softmax"},
+              {"moe_router_pre_softmax", c.moe_router_pre_softmax},
+              {"moe_router_topk_scaling_factor", c.moe_router_topk_scaling_factor},
+              {"moe_router_num_groups", c.moe_router_num_groups},
+              {"moe_router_group_topk", c.moe_router_group_topk},
+              {"moe_router_load_balancing_type",
+               c.moe_router_load_balancing_type == MoeLoadBalancing::kAuxLoss ? "aux_loss" : "none"},
+              {"moe_aux_loss_coeff", c.moe_aux_loss_coeff},
+              {"moe_z_loss_coeff", c.moe_z_loss_coeff}};
+}
+
+void moe_config_from_json(const json& j, TransformerConfig& c) {
+  c.num_moe_experts = j.at("num_experts").get<int64_t>();
+  c.moe_layer_pattern.clear();
+  for (int v : j.at("moe_layer_pattern").get<std::vector<int>>()) c.moe_layer_pattern.push_back(v ? 1 : 0);
+  c.moe_ffn_hidden_size = j.at("moe_ffn_hidden_size").get<int64_t>();
+  c.moe_shared_expert_intermediate_size = j.value("moe_shared_expert_intermediate_size", int64_t{0});
+  c.moe_router_topk = j.at("moe_router_topk").get<int64_t>();
+  c.moe_router_score_function = parse_moe_score_function(j.value("moe_router_score_function", std::string("softmax")));
+  c.moe_router_pre_softmax = j.value("moe_router_pre_softmax", false);
+  c.moe_router_topk_scaling_factor = j.value("moe_router_topk_scaling_factor", 1.f);
+  c.moe_router_num_groups = j.value("moe_router_num_groups", int64_t{0});
+  c.moe_router_group_topk = j.value("moe_router_group_topk", int64_t{0});
+  c.moe_router_load_balancing_type =
+      parse_moe_load_balancing(j.value("moe_router_load_balancing_type", std::string("aux_loss")));
+  c.moe_aux_loss_coeff = j.value("moe_aux_loss_coeff", 0.f);
+  c.moe_z_loss_coeff = j.value("moe_z_loss_coeff", 0.f);
+}
+
 json config_to_json(const TransformerConfig& c) {
-  return json{{"num_layers", c.num_layers},
+  json j = json{{"num_layers", c.num_layers},
               {"hidden_size", c.hidden_size},
               {"num_attention_heads", c.num_attention_heads},
               {"num_query_groups", c.query_groups()},
@@ -45,6 +83,8 @@ json config_to_json(const TransformerConfig& c) {
               {"init_method_std", c.init_method_std},
               {"hidden_dropout", c.hidden_dropout},
               {"attention_dropout", c.attention_dropout}};
+  if (c.num_moe_experts > 0) j["moe"] = moe_config_to_json(c);
+  return j;
 }
 
 // Fields added after the first checkpoint version default to the GPT-2 architecture.
@@ -75,6 +115,7 @@ TransformerConfig config_from_json(const json& j) {
   c.init_method_std = j.at("init_method_std").get<float>();
   c.hidden_dropout = j.at("hidden_dropout").get<float>();
   c.attention_dropout = j.at("attention_dropout").get<float>();
+  if (j.contains("moe")) moe_config_from_json(j.at("moe"), c);
   return c;
 }
 

@@ -57,6 +57,42 @@ std::string timestamp() {
 // tokens [s, b], labels [s, b], loss_mask fp32 [s, b], position_ids [s, b], doc_start [b, s].
 // Data-parallel rank d of DP takes, of micro-batch step m, the samples
 // [first + (m·DP + d)·b, first + (m·DP + d + 1)·b) (Megatron's MegatronPretrainingSampler).
+// The MoE part of the log line (Megatron's track_moe_metrics): the load-balancing loss and the
+// z-loss averaged over the MoE layers and the iterations since the last log line (each the mean
+// over micro-batches and data-parallel ranks, summed over TP), and per layer with
+// --moe-per-layer-logging. Collective over the world; resets the model's statistics.
+std::string moe_log(LanguageModel& model, Communicator& world, int64_t iters, bool per_layer, const Stream& stream) {
+  const TransformerConfig& cfg = model.config();
+  std::vector<double> v = model.moe_loss_stats();
+  model.reset_moe_stats();
+  std::vector<float> host(v.begin(), v.end());
+  Buffer buf(model.device(), host.size() * 4);
+  copy_bytes(buf.data(), model.device(), host.data(), Device::cpu(), host.size() * 4, stream);
+  world.all_reduce(buf.as(DType::kF32, {static_cast<int64_t>(host.size())}), ReduceOp::kSum, stream);
+  copy_bytes(host.data(), Device::cpu(), buf.data(), model.device(), host.size() * 4, stream);
+  stream.synchronize();
+  const bool aux = cfg.moe_router_load_balancing_type == MoeLoadBalancing::kAuxLoss && cfg.moe_aux_loss_coeff > 0;
+  const bool z = cfg.moe_z_loss_coeff > 0;
+  double lb = 0, zl = 0;
+  std::string layers;
+  const double n = static_cast<double>(std::max<int64_t>(iters, 1));
+  for (int64_t l = 0; l < cfg.num_layers; ++l) {
+    if (!cfg.is_moe_layer(l)) continue;
+    const double a = host[static_cast<size_t>(2 * l)] / n, b = host[static_cast<size_t>(2 * l + 1)] / n;
+    lb += a;
+    zl += b;
+    if (per_layer) {
+      if (aux) layers += fmt::format(" load_balancing_loss layer {}: {:.6E} |", l, a);
+      if (z) layers += fmt::format(" z_loss layer {}: {:.6E} |", l, b);
+    }
+  }
+  const double L = static_cast<double>(std::max<int64_t>(cfg.num_moe_layers(), 1));
+  std::string out;
+  if (aux) out += fmt::format(" load_balancing_loss: {:.6E} |", lb / L);
+  if (z) out += fmt::format(" z_loss: {:.6E} |", zl / L);
+  return out + layers;
+}
+
 class BatchStager {
  public:
   struct Options {
@@ -113,6 +149,7 @@ class BatchStager {
     if (o_.positions) mb.position_ids = t(3, DType::kI32, {o_.seq, o_.micro});
     if (o_.doc_start) mb.doc_start = t(4, DType::kI32, {o_.micro, o_.seq});
     mb.loss_weight = weights_[last_][static_cast<size_t>(m)];
+    mb.aux_loss_weight = 1.f / static_cast<float>(o_.num_micro * o_.dp);
     return mb;
   }
 
@@ -490,6 +527,7 @@ int run_pretrain(PretrainArgs args) {
           "number of skipped iterations: {:3d} | number of nan iterations: {:3d} |",
           timestamp(), iteration, args.train_iters, consumed, ms, tflops, tokens_per_s, lr, args.global_batch_size,
           n_ok ? loss_sum / n_ok : NAN, sc.loss_scale, sc.grad_norm, sc.skipped_iters - last_skipped, n_nan);
+      if (cfg.num_moe_experts > 0) line += moe_log(model, *world, iters_since_log, args.moe_per_layer_logging, stream);
       log_info("{}", line);
       const std::string timing = timing_report(timers, timing_option, *world, stream, iters_since_log);
       if (!timing.empty()) log_info("{}", timing);

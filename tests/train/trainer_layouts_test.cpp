@@ -229,6 +229,56 @@ TEST_F(TrainerLayouts, DefaultVocabPaddingEveryTensorParallelSize) {
   expect_same(l, full_losses, "tp4 -> tp1, default padding");
 }
 
+// A Mixtral-style MoE (8 experts, top-2, MoE in every other layer, load-balancing and z-loss)
+// through the binary: its log line, layouts equal to one rank, and a checkpoint resharded from
+// TP 2 to one rank; configuration errors before any communication.
+TEST_F(TrainerLayouts, MixtureOfExperts) {
+  const std::string moe =
+      " --swiglu --ffn-hidden-size 64 --normalization RMSNorm --position-embedding-type rope --disable-bias-linear "
+      "--num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 32 --moe-layer-freq [0,1]*2 "
+      "--moe-aux-loss-coeff 1e-2 --moe-z-loss-coeff 1e-3";
+  RunResult full = run(flags("--train-iters 6" + moe));
+  ASSERT_EQ(full.rc, 0) << full.out;
+  EXPECT_NE(full.out.find("MoE in 2 of 4 layers: 8 experts, top-2 softmax router"), std::string::npos) << full.out;
+  EXPECT_NE(full.out.find("load_balancing_loss: "), std::string::npos) << full.out;
+  EXPECT_NE(full.out.find("z_loss: "), std::string::npos) << full.out;
+  const auto full_losses = losses(full.out);
+  ASSERT_EQ(full_losses.size(), 6u) << full.out;
+  for (const std::string layout : {"--nproc-per-node 2 --tensor-model-parallel-size 2 --sequence-parallel",
+                                   "--nproc-per-node 2 --use-distributed-optimizer",
+                                   "--nproc-per-node 2 --pipeline-model-parallel-size 2"}) {
+    RunResult r = run(flags("--train-iters 6 " + layout + moe));
+    ASSERT_EQ(r.rc, 0) << layout << "\n" << r.out;
+    expect_same(losses(r.out), full_losses, layout + " (MoE)");
+  }
+  RunResult first;
+  std::map<int, double> l;
+  const std::string ck = (dir_ / "ck_moe").string();
+  ASSERT_NO_FATAL_FAILURE(
+      save_half(ck, "--nproc-per-node 2 --tensor-model-parallel-size 2 --sequence-parallel" + moe, &first));
+  ASSERT_NO_FATAL_FAILURE(resume(first, ck, moe, &l));
+  expect_same(l, full_losses, "MoE tp2 sp -> 1 rank");
+  RunResult pl = run(flags("--train-iters 2 --moe-per-layer-logging" + moe));
+  ASSERT_EQ(pl.rc, 0) << pl.out;
+  EXPECT_NE(pl.out.find("load_balancing_loss layer 1: "), std::string::npos) << pl.out;
+  EXPECT_NE(pl.out.find("z_loss layer 3: "), std::string::npos) << pl.out;
+  EXPECT_EQ(pl.out.find("load_balancing_loss layer 0: "), std::string::npos) << pl.out;  // dense layer
+  for (const auto& [extra, message] : std::vector<std::pair<std::string, std::string>>{
+           {" --moe-router-topk 9", "--moe-router-topk 9 must be in [1, --num-experts 8]"},
+           {" --nproc-per-node 2 --tensor-model-parallel-size 2", "needs --sequence-parallel"},
+           {" --moe-router-num-groups 3 --moe-router-group-topk 1", "--num-experts 8 is not divisible by "
+                                                                     "--moe-router-num-groups 3"},
+           {" --moe-router-group-topk 2", "needs --moe-router-num-groups"},
+           {" --moe-layer-freq [1,0,1]", "gives 3 entries but --num-layers is 4"},
+           {" --moe-layer-freq [1,0,2,0]", "entry 2 is 2"},
+           {" --moe-router-score-function tanh", "--moe-router-score-function 'tanh' is not supported"},
+           {" --nproc-per-node 2 --expert-model-parallel-size 2", "expert parallelism is not implemented yet"}}) {
+    RunResult r = run(flags("--train-iters 2" + moe + extra));
+    EXPECT_NE(r.rc, 0) << extra;
+    EXPECT_NE(r.out.find(message), std::string::npos) << extra << "\n" << r.out;
+  }
+}
+
 TEST_F(TrainerLayouts, BadLayoutErrors) {
   RunResult r = run(flags("--train-iters 2 --nproc-per-node 2 --tensor-model-parallel-size 3"));
   EXPECT_NE(r.rc, 0);
