@@ -49,6 +49,8 @@ ProcessGroups ProcessGroups::single() {
   g.ep = one("ep");
   g.etp = one("etp");
   g.edp = one("edp");
+  g.etp_ep = one("etp-ep");
+  g.etp_ep_pp = one("etp-ep-pp");
   g.embedding = one("embedding");
   return g;
 }

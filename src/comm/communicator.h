@@ -121,6 +121,9 @@ std::vector<char> all_gather_host(Communicator& comm, const void* mine, size_t b
 /// as Megatron-Core's parallel_state names them. All size-1 in single-device training.
 struct ProcessGroups {
   std::shared_ptr<Communicator> world, tp, cp, dp, pp, tp_cp, dp_cp, mp, ep, etp, edp, embedding;
+  /// MoE: expert tensor × expert model parallel (the token dispatch group) and that × pipeline
+  /// (the expert gradient norm), from the expert grid.
+  std::shared_ptr<Communicator> etp_ep, etp_ep_pp;
   static ProcessGroups single();
 };
 

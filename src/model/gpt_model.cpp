@@ -22,9 +22,9 @@ std::vector<pipeline::LayerRange> whole_model(const TransformerConfig& c) {
 // region the modules refer to, so it never moves.
 struct GPTModel::Parts {
   /// fast_flash: FlashAttention's fast kernels apply (resolves --attention-backend auto).
-  Parts(const TransformerConfig& config, TensorParallelRegion tp_region, const std::vector<pipeline::LayerRange>& ranges,
-        bool fast_flash)
-      : cfg(config), tp(std::move(tp_region)) {
+  Parts(const TransformerConfig& config, TensorParallelRegion tp_region, ExpertParallel expert_parallel,
+        const std::vector<pipeline::LayerRange>& ranges, bool fast_flash)
+      : cfg(config), tp(std::move(tp_region)), ep(std::move(expert_parallel)) {
     bool has_embedding = false, has_loss = false;
     for (const auto& r : ranges) {
       has_embedding |= r.has_embedding;
@@ -34,7 +34,7 @@ struct GPTModel::Parts {
     const std::vector<LayerSpec> specs = get_gpt_decoder_layer_specs(cfg, fast_flash);
     for (const auto& r : ranges)
       for (int64_t l = r.begin; l < r.end; ++l)
-        layers.push_back(std::make_unique<TransformerLayer>(cfg, specs[static_cast<size_t>(l)], l, tp, registry));
+        layers.push_back(std::make_unique<TransformerLayer>(cfg, specs[static_cast<size_t>(l)], l, tp, ep, registry));
     if (has_loss)
       head = std::make_unique<LanguageModelHead>(cfg, tp, registry,
                                                  embedding && cfg.tied_output() ? &embedding->word_embeddings() : nullptr);
@@ -44,6 +44,7 @@ struct GPTModel::Parts {
 
   TransformerConfig cfg;
   TensorParallelRegion tp;
+  ExpertParallel ep;
   ParamRegistry registry;
   std::unique_ptr<LanguageModelEmbedding> embedding;
   std::vector<std::unique_ptr<TransformerLayer>> layers;
@@ -76,8 +77,9 @@ void GPTModel::reset_moe_stats() {
 }
 
 std::vector<ParamSpec> GPTModel::param_specs(const TransformerConfig& c, int tp, int tp_rank,
-                                             const std::vector<pipeline::LayerRange>& chunks) {
-  const Parts parts(c, TensorParallelRegion::layout_only(tp, tp_rank), chunks.empty() ? whole_model(c) : chunks,
+                                             const std::vector<pipeline::LayerRange>& chunks, int ep, int ep_rank) {
+  const ExpertParallel expert{ep, ep_rank, tp, tp_rank, nullptr};  // expert TP = TP
+  const Parts parts(c, TensorParallelRegion::layout_only(tp, tp_rank), expert, chunks.empty() ? whole_model(c) : chunks,
                     /*fast_flash=*/false);  // the core attention has no parameters
   return parts.registry.specs();
 }
@@ -122,7 +124,12 @@ GPTModel::GPTModel(const TransformerConfig& config, int64_t micro_batch, DType d
   chunk_specs_ = chunks;
   const bool fast_flash = device.is_cuda() && (dtype == DType::kBF16 || dtype == DType::kF16) &&
                           (config_.head_dim() == 64 || config_.head_dim() == 128);
-  parts_ = std::make_unique<Parts>(config_, tp_, ranges, fast_flash);
+  ExpertParallel expert{1, 0, tp_.size(), tp_.rank(), groups_.tp};
+  if (groups_.etp_ep) {
+    expert = ExpertParallel{groups_.ep->size(), groups_.ep->rank(), groups_.etp->size(), groups_.etp->rank(),
+                            groups_.etp_ep};
+  }
+  parts_ = std::make_unique<Parts>(config_, tp_, expert, ranges, fast_flash);
   flash_ = get_gpt_layer_local_spec(config_, fast_flash).core_attention == CoreAttentionKind::kFlash;
   params_ = std::make_unique<ParamStore>(parts_->registry.specs(), dtype, device, param_layout);
   parts_->registry.bind(*params_);

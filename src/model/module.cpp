@@ -25,6 +25,7 @@ std::vector<ParamRegistry::Group> ParamRegistry::ordered() const {
   for (Group& g : out) {
     if (!g.sort) continue;
     auto category = [](const ParamSpec& p) {
+      if (p.expert) return 3;  // MoE experts last: a contiguous run in buckets of their own
       if (p.tp_split_dim >= 0 && p.shape.size() >= 2) return 0;
       if (p.tp_split_dim >= 0) return 1;
       return 2;

@@ -72,8 +72,9 @@ struct ParamRef {
 /// Collects the parameter declarations of a model's modules in order, grouped (a layer, the
 /// embedding, the head); within a group declared with sort_by_sharding, the order is stable-sorted
 /// so that tensor-parallel matrices come first, then tensor-parallel vectors, then replicated
-/// parameters (few contiguous runs for the optimizer, and one range of replicated parameters per
-/// layer for the sequence-parallel gradient all-reduce). ParamStore indices follow that order.
+/// parameters, then expert parameters (few contiguous runs for the optimizer, one range of
+/// replicated parameters per layer for the sequence-parallel gradient all-reduce, and the MoE
+/// experts in gradient buckets of their own). ParamStore indices follow that order.
 class ParamRegistry {
  public:
   /// Starts a group; parameters declared until the next begin_group belong to it.

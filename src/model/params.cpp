@@ -43,24 +43,22 @@ ParamStore::ParamStore(std::vector<ParamSpec> specs, DType model_dtype, Device d
   const size_t n = infos_.size();
   size_t end = n;  // the open bucket holds parameters [i, end)
   int64_t open_elems = 0;
+  auto close = [&](size_t begin) {
+    buckets_.push_back({begin, end, 0, 0, infos_[begin].expert});
+    end = begin;
+    open_elems = 0;
+  };
   for (size_t i = n; i-- > 0;) {
     const ParamInfo& p = infos_[i];
+    // close the open bucket before a parameter that needs its own, or of the other domain
     const bool own = p.shared_embedding_copy || (bs > 0 && aligned(p) >= bs);
-    if (own && end > i + 1) {  // close the open bucket before a parameter that needs its own
-      buckets_.push_back({i + 1, end, 0, 0});
-      end = i + 1;
-      open_elems = 0;
-    }
+    if (end > i + 1 && (own || p.expert != infos_[i + 1].expert)) close(i + 1);
     open_elems += aligned(p);
-    if (own || (bs > 0 && open_elems >= bs)) {
-      buckets_.push_back({i, end, 0, 0});
-      end = i;
-      open_elems = 0;
-    }
+    if (own || (bs > 0 && open_elems >= bs)) close(i);
   }
-  if (end > 0) buckets_.push_back({0, end, 0, 0});
-  // Lay out forward: the last bucket starts at offset 0; each bucket padded to kAlign · DP.
-  const int64_t q = kAlign * layout.data_parallel_size;
+  if (end > 0) close(0);
+  // Lay out forward: the last bucket starts at offset 0; each bucket padded to kAlign · DP
+  // (kAlign · EDP for expert buckets).
   bucket_of_.assign(n, 0);
   int64_t off = 0;
   for (size_t b = buckets_.size(); b-- > 0;) {
@@ -71,7 +69,7 @@ ParamStore::ParamStore(std::vector<ParamSpec> specs, DType model_dtype, Device d
       off += aligned(infos_[i]);
       bucket_of_[i] = b;
     }
-    off = round_up(off, q);
+    off = round_up(off, kAlign * (bk.expert ? layout.edp() : layout.data_parallel_size));
     bk.end = off;
   }
   total_ = off;

@@ -60,6 +60,12 @@ struct ParamSpec {
   /// stage): excluded from the gradient norm (counted on the first stage) and from checkpoints
   /// (filled from the parameter of the same name on load).
   bool shared_embedding_copy = false;
+  /// A MoE expert's parameter (Megatron's allreduce = False): split over expert parallelism
+  /// (different experts on different EP ranks) and the expert tensor-parallel group, replicated
+  /// over the expert-data-parallel group, whose reduction (GradSync) and distributed-optimizer
+  /// sharding it follows; it lives in buckets of expert parameters only. tensor_parallel then means
+  /// split over the expert tensor-parallel group.
+  bool expert = false;
 };
 
 struct ParamInfo : ParamSpec {
@@ -77,7 +83,7 @@ int64_t default_ddp_bucket_size(int64_t data_parallel_size);
 /// the last parameters' gradients first): a bucket is closed once it holds >= bucket_size
 /// elements (Megatron's rule); a parameter of >= bucket_size elements, and a
 /// shared_embedding_copy parameter (reported late, after the embedding-group all-reduce), get a
-/// bucket of their own. Each bucket is padded to a multiple of kAlign · data_parallel_size
+/// bucket of their own; expert and non-expert parameters never share a bucket. Each bucket is padded to a multiple of kAlign · data_parallel_size
 /// elements, so that every data-parallel rank owns an equal, kAlign-aligned 1/DP slice of it
 /// (Megatron pads to lcm(128, DP)).
 struct ParamLayout {
@@ -89,6 +95,10 @@ struct ParamLayout {
   /// defaulting: default_ddp_bucket_size() with --overlap-grad-reduce, else one bucket).
   /// 0 = one bucket (so does any value >= the buffer length).
   int64_t bucket_size = 0;
+  /// Expert-data-parallel size: expert buckets are padded to a multiple of kAlign · this (0 = the
+  /// data-parallel size).
+  int64_t expert_data_parallel_size = 0;
+  int64_t edp() const { return expert_data_parallel_size > 0 ? expert_data_parallel_size : data_parallel_size; }
 };
 
 /// One data-parallel bucket: parameters [param_begin, param_end) (ParamStore indices,
@@ -97,6 +107,7 @@ struct ParamLayout {
 struct ParamBucket {
   size_t param_begin = 0, param_end = 0;
   int64_t begin = 0, end = 0;
+  bool expert = false;  ///< holds expert parameters only (else none); padded to kAlign · EDP
   int64_t numel() const { return end - begin; }
 };
 

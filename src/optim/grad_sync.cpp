@@ -26,9 +26,11 @@ int64_t largest_bucket(const std::vector<ParamBucket>& bks) {
 
 }  // namespace
 
-GradSync::GradSync(ParamStore& params, std::shared_ptr<Communicator> dp, const DdpConfig& config)
+GradSync::GradSync(ParamStore& params, std::shared_ptr<Communicator> dp, const DdpConfig& config,
+                   std::shared_ptr<Communicator> edp)
     : params_(params),
       dp_(dp ? std::move(dp) : std::make_shared<SingleRankCommunicator>("dp")),
+      edp_(edp ? std::move(edp) : dp_),
       config_(config),
       comm_(params.device()),
       compute_ready_(params.device()),
@@ -40,23 +42,30 @@ GradSync::GradSync(ParamStore& params, std::shared_ptr<Communicator> dp, const D
   // caller keeps using its DP communicator on its own stream (loss logging, evaluation). One NCCL
   // communicator must not be used from two streams concurrently, so take a communicator of our
   // own (a collective split over the DP group).
+  const bool same = edp_ == dp_;
+  const int n_edp = edp_->size();
   if ((config.overlap_grad_reduce || config.overlap_param_gather) && n_dp > 1)
     dp_ = dp_->split(0, dp_->rank(), dp_->name() + "-buckets");
-  distributed_ = config.use_distributed_optimizer && n_dp > 1;
+  if (same) {
+    edp_ = dp_;
+  } else if ((config.overlap_grad_reduce || config.overlap_param_gather) && n_edp > 1) {
+    edp_ = edp_->split(0, edp_->rank(), edp_->name() + "-buckets");
+  }
+  distributed_ = config.use_distributed_optimizer && (n_dp > 1 || n_edp > 1);
   const auto& bks = params.buckets();
   if (distributed_) {
     if (const ParamBucket* bk = unshardable_bucket())
-      MT_FAIL("bucket {} (elements [{}, {}), {} of them) is not a multiple of kAlign * DP = {} * {}: the ParamStore "
-              "was laid out for data-parallel size {} but the data-parallel group has {} ranks",
-              bk - bks.data(), bk->begin, bk->end, bk->numel(), ParamStore::kAlign, n_dp,
-              params.layout().data_parallel_size, n_dp);
+      MT_FAIL("bucket {} (elements [{}, {}), {} of them) is not a multiple of kAlign * {} = {} * {}: the ParamStore "
+              "was laid out for data-parallel size {} (expert {}) but the group has {} ranks",
+              bk - bks.data(), bk->begin, bk->end, bk->numel(), bk->expert ? "EDP" : "DP", ParamStore::kAlign,
+              group(*bk).size(), params.layout().data_parallel_size, params.layout().edp(), group(*bk).size());
   }
   for (size_t b = bks.size(); b-- > 0;) {  // ascending offsets
     const ParamStore::Range r = owned_range(b);
     if (r.end > r.begin) owned_.push_back(r);
     owned_elements_ += r.end - r.begin;
   }
-  if (config.grad_reduce_in_bf16 && n_dp > 1)
+  if (config.grad_reduce_in_bf16 && (n_dp > 1 || n_edp > 1))
     bf16_comm_ = Buffer(params.device(), static_cast<size_t>(largest_bucket(bks)) * 2);
   setup_copy_engine();
   for (size_t b = 0; b < bks.size(); ++b) gathered_.push_back(std::make_unique<Event>(params.device()));
@@ -101,9 +110,8 @@ void GradSync::setup_copy_engine() {
 }
 
 const ParamBucket* GradSync::unshardable_bucket() const {
-  const int64_t q = ParamStore::kAlign * dp_->size();
   for (const ParamBucket& bk : params_.buckets())
-    if (bk.numel() % q != 0) return &bk;
+    if (bk.numel() % (ParamStore::kAlign * group(bk).size()) != 0) return &bk;
   return nullptr;
 }
 
@@ -116,9 +124,10 @@ GradSync::~GradSync() {
 
 ParamStore::Range GradSync::owned_range(size_t bucket) const {
   const ParamBucket& bk = params_.buckets().at(bucket);
-  if (!distributed_) return {bk.begin, bk.end};
-  const int64_t n = bk.numel() / dp_->size();
-  return {bk.begin + dp_->rank() * n, bk.begin + (dp_->rank() + 1) * n};
+  const Communicator& g = group(bk);
+  if (!distributed_ || g.size() < 2) return {bk.begin, bk.end};
+  const int64_t n = bk.numel() / g.size();
+  return {bk.begin + g.rank() * n, bk.begin + (g.rank() + 1) * n};
 }
 
 void GradSync::reset_grad_state() {
@@ -140,8 +149,9 @@ std::pair<size_t, size_t> GradSync::bucket_span(size_t first, size_t end) const 
 void GradSync::launch_grad_reduce(size_t b, const Stream& stream, bool exposed) {
   launched_[b] = 1;
   ++n_launched_;
-  if (dp_->size() < 2) return;
   const ParamBucket& bk = params_.buckets()[b];
+  Communicator& grp = group(bk);
+  if (grp.size() < 2) return;
   const Tensor g = params_.grads_flat().flat_range(bk.begin, bk.numel());
   // What is reduced: the fp32 gradients in place, or (--grad-reduce-in-bf16) their bf16 rounding
   // in the communication buffer, widened back afterwards.
@@ -152,7 +162,7 @@ void GradSync::launch_grad_reduce(size_t b, const Stream& stream, bool exposed) 
   const Tensor owned = c.flat_range(r.begin - bk.begin, r.end - r.begin);
   bool copy_engine = false;
 #ifdef MT_WITH_NCCL
-  if (peer_copy_ && !exposed) {  // region 0: fp32 gradients; region 2: bf16 buffer, bucket at 0
+  if (peer_copy_ && !exposed && !bk.expert) {  // region 0: fp32 gradients; region 2: bf16 buffer, bucket at 0
     copy_engine = true;
     const int region = bf16 ? 2 : 0;
     const size_t offset = bf16 ? 0 : static_cast<size_t>(bk.begin), es = dtype_size(c.dtype());
@@ -163,25 +173,27 @@ void GradSync::launch_grad_reduce(size_t b, const Stream& stream, bool exposed) 
   }
 #endif
   if (!copy_engine) {
-    if (distributed_) dp_->reduce_scatter(owned, c, ReduceOp::kSum, stream);
-    else dp_->all_reduce(c, ReduceOp::kSum, stream);
+    if (distributed_) grp.reduce_scatter(owned, c, ReduceOp::kSum, stream);
+    else grp.all_reduce(c, ReduceOp::kSum, stream);
   }
   if (bf16) cast(g.flat_range(r.begin - bk.begin, r.end - r.begin), owned, stream);
 }
 
 void GradSync::launch_param_gather(size_t b, const Stream& stream, bool exposed) {
   const ParamBucket& bk = params_.buckets()[b];
+  Communicator& grp = group(bk);
+  if (grp.size() < 2) return;
   const Tensor p = params_.params_flat().flat_range(bk.begin, bk.numel());
   const ParamStore::Range r = owned_range(b);
 #ifdef MT_WITH_NCCL
-  if (peer_copy_ && !exposed) {
+  if (peer_copy_ && !exposed && !bk.expert) {
     const size_t es = dtype_size(p.dtype());
     peer_copy_->all_gather(1, static_cast<size_t>(bk.begin) * es, static_cast<size_t>(r.end - r.begin) * es, stream);
     ++copy_engine_collectives_;
     return;
   }
 #endif
-  dp_->all_gather(p, p.flat_range(r.begin - bk.begin, r.end - r.begin), stream);
+  grp.all_gather(p, p.flat_range(r.begin - bk.begin, r.end - r.begin), stream);
 }
 
 void GradSync::zero_grad_buffer(const Stream& stream) {

@@ -92,7 +92,10 @@ class GradSync final : public ParamGradHooks {
   /// without use_distributed_optimizer; with the distributed optimizer and DP > 1, a bucket
   /// whose length is not a multiple of kAlign · DP (the ParamStore was laid out for another
   /// data-parallel size: ParamLayout::data_parallel_size).
-  GradSync(ParamStore& params, std::shared_ptr<Communicator> dp, const DdpConfig& config);
+  /// edp: the expert-data-parallel group, over which the buckets of expert parameters
+  /// (ParamBucket::expert) are reduced and sharded (nullptr = dp; MoE parallel folding).
+  GradSync(ParamStore& params, std::shared_ptr<Communicator> dp, const DdpConfig& config,
+           std::shared_ptr<Communicator> edp = nullptr);
   ~GradSync() override;
   GradSync(const GradSync&) = delete;
   GradSync& operator=(const GradSync&) = delete;
@@ -100,7 +103,12 @@ class GradSync final : public ParamGradHooks {
   const DdpConfig& config() const { return config_; }
   ParamStore& params() const { return params_; }
   const std::shared_ptr<Communicator>& dp() const { return dp_; }
-  /// Gradients reduce-scattered and parameters sharded: use_distributed_optimizer and DP > 1.
+  /// The expert-data-parallel group (== dp() when none was given).
+  const std::shared_ptr<Communicator>& edp() const { return edp_; }
+  /// The group bucket `bk` is reduced over: edp() for expert buckets, else dp().
+  Communicator& group(const ParamBucket& bk) const { return bk.expert ? *edp_ : *dp_; }
+  /// Gradients reduce-scattered and parameters sharded: use_distributed_optimizer and DP > 1 (or
+  /// EDP > 1); a bucket whose group has one rank stays whole.
   bool distributed() const { return distributed_; }
   const std::vector<ParamBucket>& buckets() const { return params_.buckets(); }
   /// Flat ranges whose optimizer state this rank owns, ascending: [0, total) without the
@@ -162,7 +170,7 @@ class GradSync final : public ParamGradHooks {
   std::pair<size_t, size_t> bucket_span(size_t first, size_t end) const;
 
   ParamStore& params_;
-  std::shared_ptr<Communicator> dp_;
+  std::shared_ptr<Communicator> dp_, edp_;
   DdpConfig config_;
   std::unique_ptr<PeerCopyGroup> peer_copy_;  // copy-engine collectives (null: NCCL / CPU path)
   Buffer bf16_comm_;                          // --grad-reduce-in-bf16: largest bucket, bf16

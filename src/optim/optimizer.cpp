@@ -1,5 +1,7 @@
 #include "optim/optimizer.h"
 
+#include "ops/elementwise.h"
+
 #include <cstddef>
 #include <algorithm>
 #include <cstring>
@@ -54,8 +56,15 @@ void AdamWOptimizer::init(const Stream& stream) {
   // Gradient norm: TP-split parameters on every TP rank, replicated ones on TP rank 0 only; a
   // shared_embedding_copy is counted where the original lives (the first pipeline stage).
   const int tp_rank = groups_.tp_rank;
-  norm_pieces_ = owned_pieces(params_.ranges(
-      [tp_rank](const ParamInfo& p) { return !p.shared_embedding_copy && (p.tensor_parallel || tp_rank == 0); }));
+  norm_pieces_ = owned_pieces(params_.ranges([tp_rank](const ParamInfo& p) {
+    return !p.expert && !p.shared_embedding_copy && (p.tensor_parallel || tp_rank == 0);
+  }));
+  // Expert parameters: distinct on every expert-model-parallel rank, replicated over EDP.
+  expert_norm_pieces_ = owned_pieces(params_.ranges([](const ParamInfo& p) { return p.expert; }));
+  if (!expert_norm_pieces_.empty()) {
+    expert_scalars_ = Buffer(params_.device(), sizeof(OptimizerScalars));
+    memset_tensor(expert_scalars_.as(DType::kU8, {static_cast<int64_t>(sizeof(OptimizerScalars))}), 0, stream);
+  }
   decay_pieces_ = owned_pieces(params_.ranges([](const ParamInfo& p) { return p.weight_decay; }));
   no_decay_pieces_ = owned_pieces(params_.ranges([](const ParamInfo& p) { return !p.weight_decay; }));
   exp_avg_ = Buffer(params_.device(), static_cast<size_t>(owned_n_) * 4);
@@ -99,6 +108,17 @@ void AdamWOptimizer::step(float lr, const Stream& stream, Timers* timers) {
                        scalars_.device(), {1});
     if (sync_->distributed()) sync_->dp()->all_reduce(sumsq, ReduceOp::kSum, stream);
     if (groups_.mp && groups_.mp->size() > 1) groups_.mp->all_reduce(sumsq, ReduceOp::kSum, stream);
+    if (!expert_norm_pieces_.empty()) {
+      const Tensor esc = expert_scalars_.as(DType::kU8, {static_cast<int64_t>(sizeof(OptimizerScalars))});
+      const Tensor esumsq(static_cast<char*>(expert_scalars_.data()) + offsetof(OptimizerScalars, grad_sumsq),
+                          DType::kF32, expert_scalars_.device(), {1});
+      for (const auto& p : expert_norm_pieces_) grad_sumsq_accumulate(esc, grads.flat_range(p.begin, p.n), stream);
+      if (sync_->distributed()) sync_->edp()->all_reduce(esumsq, ReduceOp::kSum, stream);
+      if (groups_.expert_mp && groups_.expert_mp->size() > 1)
+        groups_.expert_mp->all_reduce(esumsq, ReduceOp::kSum, stream);
+      add(sumsq, sumsq, esumsq, stream);
+      fill(esumsq, 0.f, stream);
+    }
     optimizer_prepare(sc, config_.clip_grad, stream);
   }
   {
@@ -134,9 +154,10 @@ void AdamWOptimizer::gather_compact(const Tensor& full, const Tensor& compact, c
   if (!sync_->distributed()) return;
   const auto& bks = params_.buckets();
   for (size_t b = 0; b < bks.size(); ++b) {
+    Communicator& g = sync_->group(bks[b]);
+    if (g.size() < 2) continue;
     const ParamStore::Range r = sync_->owned_range(b);
-    sync_->dp()->all_gather(full.flat_range(bks[b].begin, bks[b].numel()), full.flat_range(r.begin, r.end - r.begin),
-                            stream);
+    g.all_gather(full.flat_range(bks[b].begin, bks[b].numel()), full.flat_range(r.begin, r.end - r.begin), stream);
   }
 }
 

@@ -35,6 +35,11 @@ struct OptimizerGroups {
   /// AdamW moments and the fp32 main parameters (bf16/fp16 models) exist only for the owned
   /// elements (optimizer memory / DP), and the updated parameters are all-gathered.
   bool distributed = false;
+  /// The expert tensor × expert model × pipeline parallel group (MoE; Megatron's
+  /// expert_tensor_model_pipeline_parallel_group): the expert parameters' sum of squares (owned
+  /// elements, summed over EDP first when sharded) is summed over it and added to the dense one.
+  /// nullptr = a single rank.
+  std::shared_ptr<Communicator> expert_mp;
 };
 
 /// AdamW on the elements this rank owns (GradSync::owned_ranges: the whole flat buffer, or with
@@ -110,7 +115,8 @@ class AdamWOptimizer {
   Buffer exp_avg_, exp_avg_sq_, scalars_;
   int64_t owned_n_ = 0;
   // Planned once: owned pieces counted in the gradient norm on this rank; with / without decay.
-  std::vector<Piece> norm_pieces_, decay_pieces_, no_decay_pieces_;
+  std::vector<Piece> norm_pieces_, expert_norm_pieces_, decay_pieces_, no_decay_pieces_;
+  Buffer expert_scalars_;  // OptimizerScalars whose grad_sumsq accumulates the expert pieces
   Buffer host_scalars_;  // pinned
 };
 

@@ -47,6 +47,8 @@ ProcessGroups build_process_groups(const std::shared_ptr<Communicator>& world, c
   g.ep = split_kind(*world, pg, GroupKind::kEp, "ep");
   g.etp = split_kind(*world, pg, GroupKind::kEtp, "etp");
   g.edp = split_kind(*world, pg, GroupKind::kEdp, "edp");
+  g.etp_ep = split_kind(*world, pg, GroupKind::kEtpEp, "etp-ep");
+  g.etp_ep_pp = split_kind(*world, pg, GroupKind::kEtpEpPp, "etp-ep-pp");
   g.embedding = split_kind(*world, pg, GroupKind::kEmbedding, "embedding");
   return g;
 }

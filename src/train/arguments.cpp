@@ -31,6 +31,7 @@ DdpConfig PretrainArgs::ddp_config() const {
 ParamLayout PretrainArgs::param_layout() const {
   ParamLayout l;
   l.data_parallel_size = std::max(data_parallel_size, 1);
+  l.expert_data_parallel_size = std::max(expert_data_parallel_size, 1);
   l.bucket_size = overlap_grad_reduce ? ddp_bucket_size.value_or(default_ddp_bucket_size(l.data_parallel_size)) : 0;
   return l;
 }
@@ -231,14 +232,8 @@ void validate_pretrain_args(PretrainArgs& a) {
     a.model.moe_layer_pattern = parse_moe_layer_freq(a.moe_layer_freq, a.model.num_layers);
     MT_REQUIRE(a.expert_model_parallel_size >= 1, "--expert-model-parallel-size must be >= 1, got {}",
                a.expert_model_parallel_size);
-    MT_REQUIRE(a.expert_model_parallel_size == 1,
-               "--expert-model-parallel-size {}: expert parallelism is not implemented yet (the experts are split "
-               "over the tensor-parallel group; use --expert-model-parallel-size 1)",
-               a.expert_model_parallel_size);
-    MT_REQUIRE(a.expert_tensor_parallel_size == 0 || a.expert_tensor_parallel_size == a.tensor_model_parallel_size,
-               "--expert-tensor-parallel-size {} differs from --tensor-model-parallel-size {}: MoE parallel folding "
-               "is not implemented yet",
-               a.expert_tensor_parallel_size, a.tensor_model_parallel_size);
+    MT_REQUIRE(a.expert_tensor_parallel_size >= 0, "--expert-tensor-parallel-size must be >= 1, got {}",
+               a.expert_tensor_parallel_size);
   } else {
     MT_REQUIRE(a.expert_model_parallel_size == 1, "--expert-model-parallel-size {} needs --num-experts",
                a.expert_model_parallel_size);

@@ -289,6 +289,8 @@ int run_pretrain(PretrainArgs args) {
   ParallelConfig pc;
   pc.tp = args.tensor_model_parallel_size;
   pc.pp = args.pipeline_model_parallel_size;
+  pc.ep = args.expert_model_parallel_size;
+  pc.etp = args.expert_tensor_parallel_size;
   pipeline::PipelineLayout layout;
   layout.num_layers = args.model.num_layers;
   layout.pp = pc.pp;
@@ -303,6 +305,15 @@ int run_pretrain(PretrainArgs args) {
   validate_and_derive(pc, world->size());
   pipeline::validate_pipeline_layout(layout);
   args.data_parallel_size = pc.dp;
+  args.expert_data_parallel_size = pc.edp;
+  MT_REQUIRE(pc.ep == 1 || (args.save.empty() && args.load.empty()),
+             "--expert-model-parallel-size {}: checkpoints (--save / --load) with expert parallelism are not "
+             "implemented yet",
+             pc.ep);
+  MT_REQUIRE(pc.etp == pc.tp || (args.save.empty() && args.load.empty()),
+             "--expert-tensor-parallel-size {} differs from --tensor-model-parallel-size {}: checkpoints (--save / "
+             "--load) with MoE parallel folding are not implemented yet",
+             pc.etp, pc.tp);
   MT_REQUIRE(device.is_cuda() || args.dtype() == DType::kF32,
              "--{} needs a CUDA device; the CPU backend trains in fp32", args.bf16 ? "bf16" : "fp16");
 
@@ -381,8 +392,9 @@ int run_pretrain(PretrainArgs args) {
   }
   // Data-parallel gradient buckets (reduced as the backward finishes them with
   // --overlap-grad-reduce) and the optimizer over this rank's owned elements.
-  GradSync grad_sync(model.params(), groups.dp, args.ddp_config());
-  AdamWOptimizer optimizer(grad_sync, args.optim, stream, {nullptr, groups.mp, groups.tp->rank()});
+  GradSync grad_sync(model.params(), groups.dp, args.ddp_config(), groups.edp);
+  AdamWOptimizer optimizer(grad_sync, args.optim, stream,
+                           {nullptr, groups.mp, groups.tp->rank(), false, groups.etp_ep_pp});
   model.set_hooks(&grad_sync);
   if (args.ddp_copy_engine && groups.dp->size() > 1)
     log_info("> data-parallel collectives: {}", grad_sync.copy_engine_active()

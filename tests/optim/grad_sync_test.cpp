@@ -154,7 +154,7 @@ TEST(BucketPlan, Errors) {
     ParamStore Q(sized({4}), DType::kF32, Device::cpu());
     DdpConfig d;
     d.use_distributed_optimizer = true;
-    expect_error([&] { GradSync s(Q, w, d); }, "laid out for data-parallel size 1 but the data-parallel group has 2");
+    expect_error([&] { GradSync s(Q, w, d); }, "laid out for data-parallel size 1 (expert 1) but the group has 2 ranks");
   });
 }
 

@@ -92,6 +92,7 @@ struct Layout {
   bool odd_vocab = false;
   bool flash = false;  ///< --attention-backend flash (the CPU reference of the flash kernels)
   int tp = 1, pp = 1, dp = 1, vpp = 0;
+  int ep = 1, etp = 0;  // MoE: expert model / tensor parallel sizes (etp 0 = tp)
   int micro_total = 1;  // micro-batches per iteration over all DP ranks
   int64_t first = -1, last = -1;  // --decoder-first/last-pipeline-num-layers
   int group_size = 0;             // --microbatch-group-size-per-virtual-pipeline-stage
@@ -109,6 +110,8 @@ struct Layout {
     if (first >= 0) s += fmt::format("_first{}", first);
     if (last >= 0) s += fmt::format("_last{}", last);
     if (group_size > 0) s += fmt::format("_g{}", group_size);
+    if (ep > 1) s += fmt::format("_ep{}", ep);
+    if (etp > 0) s += fmt::format("_etp{}", etp);
     if (sp) s += "_sp";
     if (zero) s += "_distopt";
     if (overlap) s += "_overlap";
@@ -154,6 +157,8 @@ Result run_layout(const Layout& L, const std::vector<int32_t>& tokens, const std
     pc.tp = L.tp;
     pc.pp = L.pp;
     pc.vpp = L.vpp;
+    pc.ep = L.ep;
+    pc.etp = L.etp;
     validate_and_derive(pc, world_size);
     const ProcessGroups g = build_process_groups(world, pc);
     pipeline::PipelineLayout layout;
@@ -173,10 +178,11 @@ Result run_layout(const Layout& L, const std::vector<int32_t>& tokens, const std
     Stream st(Device::cpu());
     // With overlap: buckets of ~2 layers, reductions started by the model's grads_ready reports
     // (the tied embedding's after the embedding-group all-reduce).
-    const ParamLayout pl(L.dp, L.overlap ? 2000 : 0);
+    ParamLayout pl(L.dp, L.overlap ? 2000 : 0);
+    pl.expert_data_parallel_size = pc.edp;
     GPTModel model(c, mb, DType::kF32, Device::cpu(), g, L.sp, pl, model_layout(ranges, {&plan}));
     PipelineExecutor executor(model, g.pp, {&plan});
-    GradSync sync(model.params(), g.dp, DdpConfig{L.overlap, L.overlap && L.zero, L.zero});
+    GradSync sync(model.params(), g.dp, DdpConfig{L.overlap, L.overlap && L.zero, L.zero}, g.edp);
     OptimizerConfig oc;
     oc.weight_decay = 0.1f;
     oc.clip_grad = 0.05f;  // active: the step depends on the global norm over all stages
@@ -185,7 +191,7 @@ Result run_layout(const Layout& L, const std::vector<int32_t>& tokens, const std
     // fp32 value is pure rounding noise); eps 1e-3 keeps updates proportional to the gradients,
     // so parameters compare at the gradients' precision.
     oc.eps = 1e-3f;
-    AdamWOptimizer opt(sync, oc, st, {nullptr, g.mp, g.tp->rank()});
+    AdamWOptimizer opt(sync, oc, st, {nullptr, g.mp, g.tp->rank(), false, g.etp_ep_pp});
     CountingHooks reports(sync, model.params().size());
     model.set_hooks(&reports);
     model.params().initialize(1234, st);
@@ -225,7 +231,8 @@ Result run_layout(const Layout& L, const std::vector<int32_t>& tokens, const std
       std::lock_guard<std::mutex> lock(mu);
       if (g.tp->rank() == 0 && d == 0) out.slots[static_cast<size_t>(pp_rank)] = plan.activation_slots;
     }
-    if (d != 0 && !L.zero) return;
+    // Every rank reports (data-parallel replicas write identical values; with expert parallelism
+    // the DP ranks hold different experts).
     const ParamStore& P = model.params();
     sync.finish_param_sync(st);
     const std::vector<ParamStore::Range>* owned = L.zero ? &opt.owned_ranges() : nullptr;
@@ -246,7 +253,7 @@ Result run_layout(const Layout& L, const std::vector<int32_t>& tokens, const std
       gg.resize(gnumel, NAN);
       gp.resize(gnumel, NAN);
       place(gg, info, testing::to_host(P.grad(i), st), owned);
-      if (d == 0) place(gp, info, testing::to_host(P.main(i), st));
+      place(gp, info, testing::to_host(P.main(i), st));
     }
   });
   return out;
@@ -398,6 +405,29 @@ std::vector<Layout> layouts() {
       a.pp = pp;
       a.dp = dp;
       a.vpp = vpp;
+      a.sp = sp;
+      a.zero = zero;
+      a.overlap = overlap;
+      a.micro_total = 2 * pp * dp;
+      v.push_back(a);
+    }
+  }
+  // MoE with expert parallelism (experts split over EP ranks, tokens all-gathered over the expert
+  // tensor x expert model parallel group, expert gradients reduced over the expert-data-parallel
+  // group) and MoE parallel folding (expert TP != TP).
+  for (Arch arch : {Arch::kMoe, Arch::kMoeSigmoid}) {
+    for (const auto& [tp, pp, dp, ep, etp, sp, zero, overlap] :
+         {std::tuple{1, 1, 2, 2, 0, false, false, false}, std::tuple{1, 1, 4, 4, 0, false, false, false},
+          std::tuple{1, 1, 4, 2, 0, false, true, false}, std::tuple{2, 1, 2, 2, 1, true, false, false},
+          std::tuple{2, 1, 2, 4, 1, true, true, false}, std::tuple{2, 1, 1, 1, 1, true, false, false},
+          std::tuple{2, 2, 2, 2, 2, true, true, true}, std::tuple{1, 2, 2, 2, 0, false, true, true}}) {
+      Layout a;
+      a.arch = arch;
+      a.tp = tp;
+      a.pp = pp;
+      a.dp = dp;
+      a.ep = ep;
+      a.etp = etp;
       a.sp = sp;
       a.zero = zero;
       a.overlap = overlap;

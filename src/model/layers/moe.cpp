@@ -22,19 +22,26 @@ MoeRouterOptions moe_router_options(const TransformerConfig& c) {
   return o;
 }
 
-MoELayer::MoELayer(const TransformerConfig& c, int64_t layer, const TensorParallelRegion& tp, ParamRegistry& reg)
+MoELayer::MoELayer(const TransformerConfig& c, int64_t layer, const TensorParallelRegion& tp,
+                   const ExpertParallel& ep, ParamRegistry& reg)
     : config_(c),
       tp_(tp),
+      ep_(ep),
       layer_(layer),
       num_experts_(c.num_moe_experts),
       topk_(c.moe_router_topk),
-      num_local_(c.num_moe_experts),  // EP = 1
-      first_expert_(0),
-      local_ffn_(c.moe_ffn() / tp.size()),
+      num_local_(c.num_moe_experts / std::max(ep.ep_size, 1)),
+      first_expert_(static_cast<int64_t>(ep.ep_rank) * (c.num_moe_experts / std::max(ep.ep_size, 1))),
+      local_ffn_(c.moe_ffn() / std::max(ep.etp_size, 1)),
       gated_(c.gated_linear_unit),
       router_(moe_router_options(c)) {
-  MT_REQUIRE(c.moe_ffn() % tp.size() == 0, "--moe-ffn-hidden-size {} is not divisible by expert tensor parallel size {}",
-             c.moe_ffn(), tp.size());
+  MT_REQUIRE(ep.ep_size >= 1 && c.num_moe_experts % ep.ep_size == 0,
+             "--num-experts {} is not divisible by expert model parallel size {}", c.num_moe_experts, ep.ep_size);
+  MT_REQUIRE(ep.etp_size >= 1 && c.moe_ffn() % ep.etp_size == 0,
+             "--moe-ffn-hidden-size {} is not divisible by expert tensor parallel size {}", c.moe_ffn(), ep.etp_size);
+  MT_REQUIRE(!ep.dispatch || ep.dispatch->size() == ep.ep_size * ep.etp_size,
+             "MoE dispatch group has {} ranks, expected expert tensor {} x expert model {}", ep.dispatch->size(),
+             ep.etp_size, ep.ep_size);
   const std::string p = fmt::format("decoder.layers.{}.mlp.", layer);
   const int64_t h = c.hidden_size;
   reg.declare(replicated_param(p + "router.weight", {num_experts_, h}, InitKind::kNormal, c.init_method_std,
@@ -44,11 +51,12 @@ MoELayer::MoELayer(const TransformerConfig& c, int64_t layer, const TensorParall
   const float out_std = c.init_method_std / std::sqrt(2.0f * static_cast<float>(c.num_layers));
   for (int64_t i = 0; i < num_local_; ++i) {
     const std::string e = fmt::format("{}experts.local_experts.{}.", p, first_expert_ + i);
-    reg.declare(column_parallel_weight(e + "linear_fc1.weight", c.moe_ffn(), h, c.init_method_std, tp.size(),
-                                       tp.rank(), gated_ ? 2 : 1),
-                &experts_[static_cast<size_t>(i)].fc1);
-    reg.declare(row_parallel_weight(e + "linear_fc2.weight", h, c.moe_ffn(), out_std, tp.size(), tp.rank()),
-                &experts_[static_cast<size_t>(i)].fc2);
+    ParamSpec fc1 = column_parallel_weight(e + "linear_fc1.weight", c.moe_ffn(), h, c.init_method_std, ep.etp_size,
+                                           ep.etp_rank, gated_ ? 2 : 1);
+    ParamSpec fc2 = row_parallel_weight(e + "linear_fc2.weight", h, c.moe_ffn(), out_std, ep.etp_size, ep.etp_rank);
+    fc1.expert = fc2.expert = true;
+    reg.declare(std::move(fc1), &experts_[static_cast<size_t>(i)].fc1);
+    reg.declare(std::move(fc2), &experts_[static_cast<size_t>(i)].fc2);
   }
   if (c.moe_shared_expert_intermediate_size > 0)
     shared_ = std::make_unique<MLP>(c, p + "shared_experts", c.moe_shared_expert_intermediate_size, tp, reg);
@@ -59,7 +67,7 @@ void MoELayer::plan(BufferPlanner& p, int64_t s, int64_t b) {
   const int64_t h = config_.hidden_size, E = num_experts_, k = topk_;
   const int64_t sl = tp_.local_seq(s);
   tokens_ = sl * b;
-  gathered_ = tokens_ * tp_.size();
+  gathered_ = tokens_ * dispatch_size();
   max_rows_ = gathered_ * std::min(k, num_local_);
   const int64_t parts = gated_ ? 2 : 1;
   const size_t a = static_cast<size_t>(p.area());
@@ -95,17 +103,17 @@ void MoELayer::plan(BufferPlanner& p, int64_t s, int64_t b) {
 }
 
 Tensor MoELayer::gather(const Tensor& all, const Tensor& local, const Stream& st) const {
-  if (tp_.size() == 1) return local;
-  tp_.group().all_gather(all, local, st);
+  if (dispatch_size() == 1) return local;
+  dispatch().all_gather(all, local, st);
   return all;
 }
 
 void MoELayer::scatter_sum(const Tensor& local, const Tensor& all, const Stream& st) const {
-  if (tp_.size() == 1) {
+  if (dispatch_size() == 1) {
     if (local.data() != all.data()) copy(local, all, st);
     return;
   }
-  tp_.group().reduce_scatter(local, all, ReduceOp::kSum, st);
+  dispatch().reduce_scatter(local, all, ReduceOp::kSum, st);
 }
 
 namespace {
@@ -119,7 +127,7 @@ Tensor MoELayer::forward(const StepContext& ctx) {
   Saved& sv = saved_.at(static_cast<size_t>(ctx.slot));
   const Stream& st = ctx.stream;
   const int64_t h = config_.hidden_size, k = topk_, T = tokens_;
-  const int G = tp_.size(), r = tp_.rank();
+  const int G = dispatch_size(), r = dispatch_rank();
   const Tensor x = rows(sv.x);
   // --- router (local tokens) ---
   matmul(sv.logits, x, router_weight_.value(), false, true, 1.f, 0.f, st);
@@ -133,7 +141,7 @@ Tensor MoELayer::forward(const StepContext& ctx) {
     moe_tokens_per_expert(sv.tokens_per_expert, top_local, st);
     tp_.all_reduce_grads(sv.tokens_per_expert, st);  // sum over the TP group (no-op on one rank)
     if (aux) {
-      const double N = static_cast<double>(T) * G, E = static_cast<double>(num_experts_);
+      const double N = static_cast<double>(T) * tp_.size(), E = static_cast<double>(num_experts_);
       const float* c = sv.tokens_per_expert.data_as<float>();
       const float* s = scores_aux_.data_as<float>();
       double loss = 0;
@@ -142,13 +150,14 @@ Tensor MoELayer::forward(const StepContext& ctx) {
       stats_[0] += w * config_.moe_aux_loss_coeff * E / (static_cast<double>(k) * N * N) * loss;
     }
     if (config_.moe_z_loss_coeff > 0)
-      stats_[1] += w * config_.moe_z_loss_coeff / G / static_cast<double>(T) * moe_z_loss(sv.logits, Tensor(), 0.f, st);
+      stats_[1] += w * config_.moe_z_loss_coeff / tp_.size() / static_cast<double>(T) *
+                   moe_z_loss(sv.logits, Tensor(), 0.f, st);
   }
   // --- dispatch: all-gather tokens, selection and probs over the dispatch group ---
   const Tensor x_all = gather(x_all_, x, st);
   if (G > 1) {
-    tp_.group().all_gather(sv.top_all, top_local, st);
-    tp_.group().all_gather(sv.probs_all, probs_local, st);
+    dispatch().all_gather(sv.top_all, top_local, st);
+    dispatch().all_gather(sv.probs_all, probs_local, st);
   }
   sv.rows = moe_routing_map(sv.row_index, sv.counts, sv.top_all, first_expert_, num_local_, st);
   const int64_t R = sv.rows;
@@ -187,7 +196,7 @@ Tensor MoELayer::backward(const Tensor& dy, const StepContext& ctx, WgradDeferra
   Saved& sv = saved_.at(static_cast<size_t>(ctx.slot));
   const Stream& st = ctx.stream;
   const int64_t k = topk_, T = tokens_, R = sv.rows;
-  const int G = tp_.size();
+  const int G = dispatch_size(), r = dispatch_rank();
   const Tensor x = rows(sv.x);
   // --- combine backward: all-gather dy; row gradients and d probs ---
   const Tensor dy_all = gather(dy_all_, rows(dy), st);
@@ -218,15 +227,15 @@ Tensor MoELayer::backward(const Tensor& dy, const StepContext& ctx, WgradDeferra
   moe_permute_backward(dx_all, row_range(d_xp_, 0, R), sv.row_index, k, st);
   scatter_sum(dx, dx_all, st);
   const Tensor d_probs = G == 1 ? d_probs_all_ : d_probs_;
-  if (G > 1) tp_.group().reduce_scatter(d_probs_, d_probs_all_, ReduceOp::kSum, st);
+  if (G > 1) dispatch().reduce_scatter(d_probs_, d_probs_all_, ReduceOp::kSum, st);
   // --- router backward: probs path, load-balancing loss, z-loss ---
-  const Tensor top_local = G == 1 ? sv.top_all : sv.top_all.slice0(tp_.rank() * T, (tp_.rank() + 1) * T);
+  const Tensor top_local = G == 1 ? sv.top_all : sv.top_all.slice0(r * T, (r + 1) * T);
   moe_topk_routing_backward(d_logits_, d_probs, sv.logits, top_local, router_, st);
   float scale = ctx.batch.aux_loss_weight;
   if (!ctx.loss_scale.empty()) scale *= ctx.loss_scale.data_as<float>()[0];  // CPU only so far
   const bool aux = config_.moe_router_load_balancing_type == MoeLoadBalancing::kAuxLoss && config_.moe_aux_loss_coeff > 0;
   if (aux) {
-    const double N = static_cast<double>(T) * G, E = static_cast<double>(num_experts_);
+    const double N = static_cast<double>(T) * tp_.size(), E = static_cast<double>(num_experts_);
     const double c = scale * config_.moe_aux_loss_coeff * E / (static_cast<double>(k) * N * N);
     const float* tpe = sv.tokens_per_expert.data_as<float>();
     float* cf = coef_.data_as<float>();
@@ -234,7 +243,7 @@ Tensor MoELayer::backward(const Tensor& dy, const StepContext& ctx, WgradDeferra
     moe_aux_scores_backward(d_logits_, sv.logits, coef_, router_.sigmoid, st);
   }
   if (config_.moe_z_loss_coeff > 0)
-    moe_z_loss(sv.logits, d_logits_, scale * config_.moe_z_loss_coeff / G / static_cast<float>(T), st);
+    moe_z_loss(sv.logits, d_logits_, scale * config_.moe_z_loss_coeff / tp_.size() / static_cast<float>(T), st);
   // dx += d_logits W_r (fp32 on the CPU), dW_r += d_logitsᵀ x
   linear_backward(Tensor(), router_weight_.grad(), Tensor(), d_logits_, x, router_weight_.value(), st);
   matmul(dx, d_logits_, router_weight_.value(), false, false, 1.f, 1.f, st);

@@ -38,17 +38,29 @@ namespace mt {
 /// Megatron-Core's TopKRouter options from the config.
 MoeRouterOptions moe_router_options(const TransformerConfig& config);
 
+/// This rank's place in the expert grid (MoE parallel folding, arXiv:2504.14960): expert
+/// parallelism splits the experts (EP rank r holds experts [r·E/ep, (r+1)·E/ep)), expert tensor
+/// parallelism splits each expert's MLP like the dense one. `dispatch` is the expert tensor ×
+/// expert model parallel group (Megatron's expert_tensor_and_model_parallel_group, etp·ep ranks)
+/// over which tokens are all-gathered and outputs reduce-scattered; nullptr for a layout-only
+/// model (parameter specs).
+struct ExpertParallel {
+  int ep_size = 1, ep_rank = 0, etp_size = 1, etp_rank = 0;
+  std::shared_ptr<Communicator> dispatch;
+};
+
 class MoELayer final : public MlpSlot {
  public:
   /// prefix "decoder.layers.<layer>.mlp". Declares the router weight [E, h] (replicated; the
   /// gradient is a partial sum over TP under sequence parallelism), for each local expert i
   /// (global index ep_rank·E/ep + i) "experts.local_experts.<global>.linear_fc1.weight" [(2)f_e/etp,
   /// h] and ".linear_fc2.weight" [h, f_e/etp] sharded over the expert TP group like the dense
-  /// MLP's (init σ and σ/√(2L)), and the shared experts' MLP. Only EP = 1 with ETP = TP is built so
-  /// far: the dispatch group is the TP group, and TP > 1 needs sequence parallelism (checked by
-  /// GPTModel: Megatron's requirement for MoE). Errors: mt::Error when --moe-ffn-hidden-size is not
-  /// divisible by TP.
-  MoELayer(const TransformerConfig& config, int64_t layer, const TensorParallelRegion& tp, ParamRegistry& registry);
+  /// MLP's (init σ and σ/√(2L)) and flagged expert (reduced over EDP), and the shared experts'
+  /// MLP. TP > 1 needs sequence parallelism (checked by GPTModel: Megatron's requirement for MoE),
+  /// so that every rank of the dispatch group holds distinct tokens. Errors: mt::Error when
+  /// --num-experts is not divisible by EP or --moe-ffn-hidden-size by ETP.
+  MoELayer(const TransformerConfig& config, int64_t layer, const TensorParallelRegion& tp, const ExpertParallel& ep,
+           ParamRegistry& registry);
   MoELayer(const MoELayer&) = delete;
   MoELayer& operator=(const MoELayer&) = delete;
 
@@ -82,10 +94,14 @@ class MoELayer final : public MlpSlot {
     int64_t rows = 0;        // R of the forward that filled this area
   };
   Tensor gather(const Tensor& all, const Tensor& local, const Stream& stream) const;
+  Communicator& dispatch() const { return *ep_.dispatch; }
+  int dispatch_size() const { return ep_.dispatch ? ep_.dispatch->size() : 1; }
+  int dispatch_rank() const { return ep_.dispatch ? ep_.dispatch->rank() : 0; }
   void scatter_sum(const Tensor& local, const Tensor& all, const Stream& stream) const;
 
   const TransformerConfig& config_;
   const TensorParallelRegion& tp_;
+  ExpertParallel ep_;
   int64_t layer_;
   int64_t num_experts_, topk_, num_local_, first_expert_, local_ffn_;
   bool gated_;

@@ -5,7 +5,7 @@
 namespace mt {
 
 TransformerLayer::TransformerLayer(const TransformerConfig& c, const LayerSpec& spec, int64_t layer,
-                                   const TensorParallelRegion& tp, ParamRegistry& reg)
+                                   const TensorParallelRegion& tp, const ExpertParallel& ep, ParamRegistry& reg)
     : config_(c), tp_(tp), layer_(layer) {
   reg.begin_group(/*sort_by_sharding=*/true);
   group_ = reg.num_groups() - 1;
@@ -15,7 +15,7 @@ TransformerLayer::TransformerLayer(const TransformerConfig& c, const LayerSpec& 
   self_attention_ = std::make_unique<SelfAttention>(c, spec, layer, tp, reg);
   pre_mlp_layernorm_ = std::make_unique<Norm>(c, p + "pre_mlp_layernorm", h, TpGradSum::kSequenceParallel, reg);
   if (spec.mlp == MlpKind::kMoE) {
-    mlp_ = std::make_unique<MoELayer>(c, layer, tp, reg);
+    mlp_ = std::make_unique<MoELayer>(c, layer, tp, ep, reg);
   } else {
     mlp_ = std::make_unique<MLP>(c, layer, tp, reg);
   }

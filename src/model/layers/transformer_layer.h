@@ -19,8 +19,9 @@ class TransformerLayer {
  public:
   /// layer: global layer number (0-based; parameter names decoder.layers.<layer>.*). Declares its
   /// parameters as one registry group sorted by sharding.
+  /// ep: the expert-parallel layout for an MoE layer (model/layers/moe.h).
   TransformerLayer(const TransformerConfig& config, const LayerSpec& spec, int64_t layer,
-                   const TensorParallelRegion& tp, ParamRegistry& registry);
+                   const TensorParallelRegion& tp, const ExpertParallel& ep, ParamRegistry& registry);
   TransformerLayer(const TransformerLayer&) = delete;
   TransformerLayer& operator=(const TransformerLayer&) = delete;
 
