@@ -118,7 +118,7 @@ __global__ void dq_kernel(T* dqkv, const T* dout, const T* out, const float* lse
 // One thread per key row (j, b, grp): dK, dV += Σ over the group's query rows.
 template <typename T>
 __global__ void dkv_kernel(T* dkv, const T* dout, const T* out, const float* lse, const T* qkv, const T* kv, Dims x) {
-  const int64_t n = x.g * x.qpg, rows = x.sk * x.B * x.g;
+  const int64_t rows = x.sk * x.B * x.g;
   for (int64_t r = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; r < rows; r += int64_t(gridDim.x) * blockDim.x) {
     const int64_t grp = r % x.g, b = (r / x.g) % x.B, j = r / (x.g * x.B);
     const T* k = kv + x.koff(j, b, grp);
