@@ -23,7 +23,7 @@ std::vector<pipeline::LayerRange> whole_model(const TransformerConfig& c) {
 struct GPTModel::Parts {
   /// fast_flash: FlashAttention's fast kernels apply (resolves --attention-backend auto).
   Parts(const TransformerConfig& config, TensorParallelRegion tp_region, ExpertParallel expert_parallel,
-        const std::vector<pipeline::LayerRange>& ranges, bool fast_flash)
+        const std::vector<pipeline::LayerRange>& ranges, bool fast_flash, const ContextParallelRegion* cp = nullptr)
       : cfg(config), tp(std::move(tp_region)), ep(std::move(expert_parallel)) {
     bool has_embedding = false, has_loss = false;
     for (const auto& r : ranges) {
@@ -31,7 +31,8 @@ struct GPTModel::Parts {
       has_loss |= r.has_loss;
     }
     if (has_embedding) embedding = std::make_unique<LanguageModelEmbedding>(cfg, tp, registry);
-    const std::vector<LayerSpec> specs = get_gpt_decoder_layer_specs(cfg, fast_flash);
+    std::vector<LayerSpec> specs = get_gpt_decoder_layer_specs(cfg, fast_flash);
+    for (LayerSpec& spec : specs) spec.context_parallel = cp;
     for (const auto& r : ranges)
       for (int64_t l = r.begin; l < r.end; ++l)
         layers.push_back(std::make_unique<TransformerLayer>(cfg, specs[static_cast<size_t>(l)], l, tp, ep, registry));
@@ -84,6 +85,20 @@ std::vector<ParamSpec> GPTModel::param_specs(const TransformerConfig& c, int tp,
   return parts.registry.specs();
 }
 
+ContextParallelOptions GPTModel::validate_context_parallel(const TransformerConfig& c, int cp, int tp) {
+  ContextParallelOptions o;
+  o.size = cp;
+  o.comm_type = parse_cp_comm_type(c.cp_comm_type);
+  o.hierarchical_sizes = c.hierarchical_context_parallel_sizes;
+  mt::validate_context_parallel(o, c.seq_length, c.num_attention_heads, c.query_groups(), tp);
+  if (cp > 1)
+    MT_REQUIRE(c.attention_dropout == 0.f && c.hidden_dropout == 0.f,
+               "--context-parallel-size {} needs --attention-dropout 0 and --hidden-dropout 0 (got {} and {}): "
+               "dropout masks under context parallelism are not implemented",
+               cp, c.attention_dropout, c.hidden_dropout);
+  return o;
+}
+
 GPTModel::GPTModel(const TransformerConfig& config, int64_t micro_batch, DType dtype, Device device,
                    ProcessGroups groups, bool sequence_parallel, ParamLayout param_layout, ModelLayout layout)
     : config_(config),
@@ -93,13 +108,21 @@ GPTModel::GPTModel(const TransformerConfig& config, int64_t micro_batch, DType d
       groups_(std::move(groups)),
       tp_(groups_.tp, sequence_parallel) {
   config_.validate(tp_.size());
-  (void)tp_.local_seq(config_.seq_length);  // errors when SP cannot split the sequence
+  if (groups_.cp && groups_.cp->size() > 1) {
+    const ContextParallelOptions cpo = validate_context_parallel(config_, groups_.cp->size(), tp_.size());
+    cp_ = std::make_unique<ContextParallelRegion>(groups_.cp, cpo, config_.seq_length, device);
+  }
+  (void)tp_.local_seq(local_seq_length());  // errors when SP cannot split the sequence
   MT_REQUIRE(micro_batch > 0, "--micro-batch-size must be positive, got {}", micro_batch);
   MT_REQUIRE(device.is_cuda() || dtype == DType::kF32, "{} training needs --device cuda (the CPU backend is fp32)",
              dtype_name(dtype));
   if (config_.num_moe_experts > 0) {
     MT_REQUIRE(tp_.size() == 1 || tp_.sequence_parallel(),
                "MoE with tensor parallel size {} needs --sequence-parallel (as Megatron requires)", tp_.size());
+    MT_REQUIRE(!groups_.cp || groups_.cp->size() == 1,
+               "MoE with context parallel size {} is not implemented yet (the load-balancing loss would need the "
+               "token counts of the tp-cp group)",
+               groups_.cp ? groups_.cp->size() : 1);
     MT_REQUIRE(device.is_cpu(), "MoE layers run on the CPU only so far (their CUDA kernels are not written yet); "
                "got --device {}", device.str());
   }
@@ -129,7 +152,7 @@ GPTModel::GPTModel(const TransformerConfig& config, int64_t micro_batch, DType d
     expert = ExpertParallel{groups_.ep->size(), groups_.ep->rank(), groups_.etp->size(), groups_.etp->rank(),
                             groups_.etp_ep};
   }
-  parts_ = std::make_unique<Parts>(config_, tp_, expert, ranges, fast_flash);
+  parts_ = std::make_unique<Parts>(config_, tp_, expert, ranges, fast_flash, cp_.get());
   flash_ = get_gpt_layer_local_spec(config_, fast_flash).core_attention == CoreAttentionKind::kFlash;
   params_ = std::make_unique<ParamStore>(parts_->registry.specs(), dtype, device, param_layout);
   parts_->registry.bind(*params_);
@@ -170,7 +193,7 @@ GPTModel::~GPTModel() = default;
 
 void GPTModel::plan(BufferPlanner& p) {
   using Family = BufferPlanner::Family;
-  const int64_t s = config_.seq_length, b = micro_batch_, sl = tp_.local_seq(s), h = config_.hidden_size;
+  const int64_t s = local_seq_length(), b = micro_batch_, sl = tp_.local_seq(s), h = config_.hidden_size;
   for (size_t c = 0; c < chunks_.size(); ++c) {
     ChunkState& ch = chunks_[c];
     ch.input.assign(static_cast<size_t>(chunk_specs_[c].inputs), Tensor());
@@ -205,7 +228,7 @@ const ModelChunk& GPTModel::chunk(int c) const {
 }
 
 std::vector<int64_t> GPTModel::boundary_shape() const {
-  return {tp_.local_seq(config_.seq_length), micro_batch_, config_.hidden_size};
+  return {tp_.local_seq(local_seq_length()), micro_batch_, config_.hidden_size};
 }
 
 Tensor GPTModel::chunk_input(int c, int input) const {
@@ -275,6 +298,11 @@ Tensor GPTModel::forward_chunk(int c, const ChunkBuffers& buf, const MicroBatch&
                                const Tensor& loss_accum, float loss_weight, const Stream& st, bool first_forward,
                                bool compute_loss) {
   check_buffers(c, buf);
+  MT_REQUIRE(!cp_ || ((mb.tokens.empty() || mb.tokens.size(0) == local_seq_length()) && !mb.position_ids.empty()),
+             "context parallelism ({} ranks) needs micro-batches of this rank's {} tokens with their global "
+             "position_ids (parallel/context_parallel.h), got tokens {} and {}",
+             context_parallel_size(), local_seq_length(), mb.tokens.empty() ? "none" : mb.tokens.shape_str(),
+             mb.position_ids.empty() ? "no position_ids" : "position_ids");
   ChunkState& ch = chunks_[static_cast<size_t>(c)];
   const Tensor in = ch.input[static_cast<size_t>(buf.input)];
   const StepContext ctx{mb, dc, buf.slot, st};

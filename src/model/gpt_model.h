@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "model/language_model.h"
+#include "parallel/context_parallel.h"
 #include "parallel/mappings.h"
 
 namespace mt {
@@ -48,6 +49,13 @@ class GPTModel final : public LanguageModel {
                                             const std::vector<pipeline::LayerRange>& chunks = {}, int ep = 1,
                                             int ep_rank = 0);
 
+  /// The context-parallel checks of a CP size > 1 (none for 1), before any communication:
+  /// validate_context_parallel (parallel/context_parallel.h) with config.cp_comm_type and
+  /// hierarchical_context_parallel_sizes, and dropout 0 (--attention-dropout, --hidden-dropout:
+  /// dropout masks under CP are not implemented). Returns the options. Errors: mt::Error naming
+  /// the values.
+  static ContextParallelOptions validate_context_parallel(const TransformerConfig& config, int cp, int tp);
+
   // LanguageModel
   const TransformerConfig& config() const override { return config_; }
   ParamStore& params() override { return *params_; }
@@ -78,6 +86,11 @@ class GPTModel final : public LanguageModel {
   void reset_moe_stats() override;
 
   bool sequence_parallel() const { return tp_.sequence_parallel(); }
+  /// Context-parallel size (the CP group of `groups`) and the tokens of a sequence on this rank:
+  /// seq_length / cp (parallel/context_parallel.h). Micro-batches then carry this rank's tokens
+  /// ([s/cp, b]) and, always, their global position_ids.
+  int context_parallel_size() const { return cp_ ? cp_->size() : 1; }
+  int64_t local_seq_length() const { return config_.seq_length / context_parallel_size(); }
   /// The core attention the layers use: "flash" or "local" (--attention-backend resolved).
   const char* attention_backend() const { return flash_ ? "flash" : "local"; }
   /// Whole model on this rank (one chunk with embedding and loss), slot 0: forward of one
@@ -103,6 +116,7 @@ class GPTModel final : public LanguageModel {
   Device device_;
   ProcessGroups groups_;
   TensorParallelRegion tp_;
+  std::unique_ptr<ContextParallelRegion> cp_;  // CP > 1 only
   std::unique_ptr<Parts> parts_;
   std::unique_ptr<ParamStore> params_;
   std::unique_ptr<BufferPlanner> planner_;

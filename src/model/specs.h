@@ -13,6 +13,8 @@
 
 namespace mt {
 
+class ContextParallelRegion;
+
 /// The core attention of the self-attention block (Megatron's core_attention submodule).
 enum class CoreAttentionKind : uint8_t {
   kDotProduct,  ///< DotProductAttention, "local": batched GEMMs + fused masked softmax (saves [b, n, s, s])
@@ -29,6 +31,10 @@ struct LayerSpec {
   CoreAttentionKind core_attention = CoreAttentionKind::kDotProduct;
   bool qk_layernorm = false;  ///< q_layernorm / k_layernorm submodules present
   MlpKind mlp = MlpKind::kDense;
+  /// Set by the model when --context-parallel-size > 1: the core attention is then
+  /// ContextParallelAttention (model/layers/cp_attention.h) over this region, whatever
+  /// core_attention says (TransformerEngine's CP attention in Megatron-Core).
+  const ContextParallelRegion* context_parallel = nullptr;
 };
 
 /// Megatron's get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm): the local (non-Transformer

@@ -78,6 +78,9 @@ struct TransformerConfig {
   bool qk_layernorm = false;            ///< --qk-layernorm: per-head norm of queries and keys (Qwen 3)
   bool untie_embeddings_and_output_weights = false;  ///< --untie-embeddings-and-output-weights
   AttentionBackend attention_backend = AttentionBackend::kAuto;  ///< --attention-backend
+  // --- context parallelism (used when the CP group has more than one rank) ---
+  std::string cp_comm_type = "p2p";  ///< --cp-comm-type: p2p, allgather, a2a, a2a+p2p
+  std::vector<int> hierarchical_context_parallel_sizes;  ///< --hierarchical-context-parallel-sizes
   // --- initialisation and regularisation ---
   float init_method_std = 0.02f;        ///< --init-method-std
   float hidden_dropout = 0.1f;          ///< --hidden-dropout

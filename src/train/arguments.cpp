@@ -181,6 +181,14 @@ void add_pretrain_options(CLI::App& app, PretrainArgs& a) {
   app.add_option("--tensor-model-parallel-size", a.tensor_model_parallel_size, "Tensor-parallel size")
       ->capture_default_str();
   app.add_flag("--sequence-parallel", a.sequence_parallel, "Sequence parallelism in the TP group");
+  app.add_option("--context-parallel-size", a.context_parallel_size,
+                 "Context-parallel size: each rank holds seq-length / N tokens of every sequence (docs/parallelism.md)")
+      ->capture_default_str();
+  app.add_option("--cp-comm-type", a.model.cp_comm_type, "Context-parallel attention: p2p, allgather, a2a, a2a+p2p")
+      ->capture_default_str();
+  app.add_option("--hierarchical-context-parallel-sizes", a.model.hierarchical_context_parallel_sizes,
+                 "a2a+p2p: the a2a and p2p sizes (their product = --context-parallel-size)")
+      ->expected(2);
   app.add_option("--pipeline-model-parallel-size", a.pipeline_model_parallel_size, "Pipeline-parallel size")
       ->capture_default_str();
   app.add_option("--num-layers-per-virtual-pipeline-stage", a.num_layers_per_virtual_pipeline_stage,

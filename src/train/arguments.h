@@ -63,6 +63,7 @@ struct PretrainArgs {
   // distributed
   int tensor_model_parallel_size = 1;      ///< --tensor-model-parallel-size
   bool sequence_parallel = false;          ///< --sequence-parallel
+  int context_parallel_size = 1;           ///< --context-parallel-size (--cp-comm-type etc. in model)
   int pipeline_model_parallel_size = 1;    ///< --pipeline-model-parallel-size
   int64_t num_layers_per_virtual_pipeline_stage = 0;  ///< --num-layers-per-virtual-pipeline-stage (0 = unset)
   int num_virtual_stages_per_pipeline_rank = 0;       ///< --num-virtual-stages-per-pipeline-rank (0 = unset)

@@ -13,6 +13,7 @@
 
 #include "comm/bootstrap.h"
 #include "core/logging.h"
+#include "parallel/context_parallel.h"
 #include "parallel/process_groups.h"
 #include "data/data_args.h"
 #include "data/masks.h"
@@ -96,8 +97,9 @@ std::string moe_log(LanguageModel& model, Communicator& world, int64_t iters, bo
 class BatchStager {
  public:
   struct Options {
-    int64_t num_micro, micro, seq, dp, dp_rank, vocab;
+    int64_t num_micro, micro, seq, dp, dp_rank, vocab;  // seq: the whole sequence
     data::LtorOptions ltor;
+    int cp, cp_rank;  // context parallelism: this rank stages its seq / cp tokens
     bool positions, doc_start;  // pass position_ids / doc_start to the model
   };
   BatchStager(const Options& o, Device device) : o_(o), device_(device), dev_(device, bytes()) {
@@ -139,30 +141,30 @@ class BatchStager {
   }
 
   MicroBatch micro_batch(int64_t m) const {
-    const int64_t sb = o_.seq * o_.micro;
+    const int64_t sl = o_.seq / o_.cp, sb = sl * o_.micro;
     char* d = static_cast<char*>(dev_.data()) + m * 5 * sb * 4;
     auto t = [&](int i, DType dt, std::vector<int64_t> shape) { return Tensor(d + i * sb * 4, dt, device_, shape); };
     MicroBatch mb;
-    mb.tokens = t(0, DType::kI32, {o_.seq, o_.micro});
-    mb.labels = t(1, DType::kI32, {o_.seq, o_.micro});
-    mb.loss_mask = t(2, DType::kF32, {o_.seq, o_.micro});
-    if (o_.positions) mb.position_ids = t(3, DType::kI32, {o_.seq, o_.micro});
-    if (o_.doc_start) mb.doc_start = t(4, DType::kI32, {o_.micro, o_.seq});
+    mb.tokens = t(0, DType::kI32, {sl, o_.micro});
+    mb.labels = t(1, DType::kI32, {sl, o_.micro});
+    mb.loss_mask = t(2, DType::kF32, {sl, o_.micro});
+    if (o_.positions || o_.cp > 1) mb.position_ids = t(3, DType::kI32, {sl, o_.micro});
+    if (o_.doc_start) mb.doc_start = t(4, DType::kI32, {o_.micro, sl});
     mb.loss_weight = weights_[last_][static_cast<size_t>(m)];
     mb.aux_loss_weight = 1.f / static_cast<float>(o_.num_micro * o_.dp);
     return mb;
   }
 
  private:
-  size_t bytes() const { return static_cast<size_t>(o_.num_micro * 5 * o_.seq * o_.micro) * 4; }
+  size_t bytes() const { return static_cast<size_t>(o_.num_micro * 5 * (o_.seq / o_.cp) * o_.micro) * 4; }
   void wait_free(int k) {
     if (used_[k]) copied_[k]->synchronize();
   }
   void fill(const data::SampleSource& src, int64_t first, int k) {
-    const int64_t S = o_.seq, B = o_.micro, sb = S * B;
+    const int64_t S = o_.seq, B = o_.micro, sb = S * B, lsb = sb / o_.cp;
     std::vector<int32_t> samples(static_cast<size_t>(B * (S + 1)));
-    std::vector<int32_t> tok(sb), lab(sb), pos(sb);
-    std::vector<float> mask(sb);
+    std::vector<int32_t> tok(sb), lab(sb), pos(sb), doc(sb), tok_sb(sb), lab_sb(sb), pos_sb(sb);
+    std::vector<float> mask(sb), mask_sb(sb);
     weights_[k].assign(static_cast<size_t>(o_.num_micro), 0.f);
     char* h = static_cast<char*>(host_[k].data());
     for (int64_t m = 0; m < o_.num_micro; ++m) {
@@ -175,22 +177,29 @@ class BatchStager {
           MT_REQUIRE(smp[t] >= 0 && smp[t] < o_.vocab, "token id {} at position {} of sample {} of {} is outside the "
                      "vocabulary of {} tokens", smp[t], t, i, src.name(), o_.vocab);
       }
-      int32_t* dtok = reinterpret_cast<int32_t*>(h + (m * 5 + 0) * sb * 4);
-      int32_t* dlab = reinterpret_cast<int32_t*>(h + (m * 5 + 1) * sb * 4);
-      float* dmask = reinterpret_cast<float*>(h + (m * 5 + 2) * sb * 4);
-      int32_t* dpos = reinterpret_cast<int32_t*>(h + (m * 5 + 3) * sb * 4);
-      int32_t* ddoc = reinterpret_cast<int32_t*>(h + (m * 5 + 4) * sb * 4);
-      data::prepare_ltor_batch(samples.data(), B, S, o_.ltor, tok.data(), lab.data(), mask.data(), pos.data(), ddoc);
-      double unmasked = 0;
+      int32_t* dtok = reinterpret_cast<int32_t*>(h + (m * 5 + 0) * lsb * 4);
+      int32_t* dlab = reinterpret_cast<int32_t*>(h + (m * 5 + 1) * lsb * 4);
+      float* dmask = reinterpret_cast<float*>(h + (m * 5 + 2) * lsb * 4);
+      int32_t* dpos = reinterpret_cast<int32_t*>(h + (m * 5 + 3) * lsb * 4);
+      int32_t* ddoc = reinterpret_cast<int32_t*>(h + (m * 5 + 4) * lsb * 4);
+      data::prepare_ltor_batch(samples.data(), B, S, o_.ltor, tok.data(), lab.data(), mask.data(), pos.data(),
+                               doc.data());
+      double unmasked = 0;  // over the whole sequences: the loss weight is the one of a single rank
       for (int64_t ib = 0; ib < B; ++ib) {
         for (int64_t is = 0; is < S; ++is) {  // [b, s] -> the model's [s, b]
-          dtok[is * B + ib] = tok[ib * S + is];
-          dlab[is * B + ib] = lab[ib * S + is];
-          dmask[is * B + ib] = mask[ib * S + is];
-          dpos[is * B + ib] = pos[ib * S + is];
+          tok_sb[is * B + ib] = tok[ib * S + is];
+          lab_sb[is * B + ib] = lab[ib * S + is];
+          mask_sb[is * B + ib] = mask[ib * S + is];
+          pos_sb[is * B + ib] = o_.positions ? pos[ib * S + is] : static_cast<int32_t>(is);
           unmasked += mask[ib * S + is];
         }
       }
+      // This CP rank's tokens (Megatron's get_batch_on_this_cp_rank; the identity for cp = 1).
+      cp_shard_rows(dtok, tok_sb.data(), S, B, o_.cp, o_.cp_rank);
+      cp_shard_rows(dlab, lab_sb.data(), S, B, o_.cp, o_.cp_rank);
+      cp_shard_rows(dmask, mask_sb.data(), S, B, o_.cp, o_.cp_rank);
+      cp_shard_rows(dpos, pos_sb.data(), S, B, o_.cp, o_.cp_rank);
+      cp_shard_columns(ddoc, doc.data(), B, S, o_.cp, o_.cp_rank);
       weights_[k][static_cast<size_t>(m)] =
           unmasked > 0 ? static_cast<float>(1.0 / (unmasked * static_cast<double>(o_.num_micro * o_.dp))) : 0.f;
     }
@@ -291,6 +300,7 @@ int run_pretrain(PretrainArgs args) {
   pc.pp = args.pipeline_model_parallel_size;
   pc.ep = args.expert_model_parallel_size;
   pc.etp = args.expert_tensor_parallel_size;
+  pc.cp = args.context_parallel_size;
   pipeline::PipelineLayout layout;
   layout.num_layers = args.model.num_layers;
   layout.pp = pc.pp;
@@ -328,6 +338,7 @@ int run_pretrain(PretrainArgs args) {
     args.model.vocab_size = resume->model.vocab_size;
   }
   validate_pretrain_args(args);
+  GPTModel::validate_context_parallel(args.model, pc.cp, pc.tp);  // before any communication
   const int64_t M = args.num_microbatches();
   pipeline::ScheduleConfig sched_cfg;
   sched_cfg.pp = pc.pp;
@@ -372,8 +383,11 @@ int run_pretrain(PretrainArgs args) {
   const PipelinePlan train_plan = plan_pipeline(sched_cfg, pp_rank, chunks);
   sched_cfg.forward_only = true;
   const PipelinePlan eval_plan = plan_pipeline(sched_cfg, pp_rank, chunks);
+  // Parameter gradients are reduced (and the distributed optimizer sharded) over dp-cp (Megatron).
+  ParamLayout param_layout = args.param_layout();
+  param_layout.data_parallel_size = groups.dp_cp->size();
   GPTModel model(args.model, args.micro_batch_size, args.dtype(), device, groups, args.sequence_parallel,
-                 args.param_layout(), model_layout(chunks, {&train_plan, &eval_plan}));
+                 param_layout, model_layout(chunks, {&train_plan, &eval_plan}));
   PipelineExecutor executor(model, groups.pp, {&train_plan, &eval_plan});
   const auto& cfg = model.config();
   log_info("> model: GPT {}, {} attention, seq {}, vocab {} (padded {}), {:.2f}M parameters, {} on {}; activations "
@@ -381,6 +395,15 @@ int run_pretrain(PretrainArgs args) {
            cfg.summary(), model.attention_backend(), cfg.seq_length, cfg.vocab_size, model.padded_vocab(),
            model.params().num_parameters() / 1e6, dtype_name(args.dtype()), device.str(),
            model.activation_bytes() / 1048576.0);
+  if (pc.cp > 1)
+    log_info("> context parallel: {} ranks, --cp-comm-type {}{}, {} of {} tokens per rank (chunks r and 2·{}-1-r "
+             "of {}); activations {:.1f} MiB per rank",
+             pc.cp, cfg.cp_comm_type,
+             cfg.hierarchical_context_parallel_sizes.empty()
+                 ? std::string()
+                 : fmt::format(" (a2a {} x p2p {})", cfg.hierarchical_context_parallel_sizes[0],
+                               cfg.hierarchical_context_parallel_sizes[1]),
+             model.local_seq_length(), cfg.seq_length, pc.cp, 2 * pc.cp, model.activation_bytes() / 1048576.0);
   if (pc.pp > 1) {
     std::string stages;
     for (const auto& r : chunks) stages += fmt::format(" [{}, {})", r.begin, r.end);
@@ -392,7 +415,7 @@ int run_pretrain(PretrainArgs args) {
   }
   // Data-parallel gradient buckets (reduced as the backward finishes them with
   // --overlap-grad-reduce) and the optimizer over this rank's owned elements.
-  GradSync grad_sync(model.params(), groups.dp, args.ddp_config(), groups.edp);
+  GradSync grad_sync(model.params(), groups.dp_cp, args.ddp_config(), groups.edp);
   AdamWOptimizer optimizer(grad_sync, args.optim, stream,
                            {nullptr, groups.mp, groups.tp->rank(), false, groups.etp_ep_pp});
   model.set_hooks(&grad_sync);
@@ -446,13 +469,13 @@ int run_pretrain(PretrainArgs args) {
   ltor.reset_position_ids = args.data.reset_position_ids;
   ltor.reset_attention_mask = args.data.reset_attention_mask;
   ltor.eod_mask_loss = args.data.eod_mask_loss;
-  BatchStager stager({M, args.micro_batch_size, cfg.seq_length, pc.dp, dp_rank, cfg.vocab_size, ltor,
-                      args.data.reset_position_ids, args.data.reset_attention_mask},
+  BatchStager stager({M, args.micro_batch_size, cfg.seq_length, pc.dp, dp_rank, cfg.vocab_size, ltor, pc.cp,
+                      groups.cp->rank(), args.data.reset_position_ids, args.data.reset_attention_mask},
                      device);
 
   auto save = [&](int64_t it) {
     CheckpointState st{true, it, consumed, args.seed, cfg, optimizer.read_scalars_sync(stream)};
-    CheckpointWriter writer{world, pc.tp, groups.tp->rank(), dp_rank,
+    CheckpointWriter writer{world, pc.tp, groups.tp->rank(), groups.dp_cp->rank(),
                             [&](int t, int p) {
                               return GPTModel::param_specs(cfg, pc.tp, t, pipeline::layers_of(p, layout));
                             },
@@ -472,8 +495,8 @@ int run_pretrain(PretrainArgs args) {
       executor.run(eval_plan, mbs, {args.seed, it, dp_rank, static_cast<int>(pc.dp), false}, eval_loss,
                    1.f / static_cast<float>(args.eval_iters), Tensor(), stream);
     }
-    // The loss lives on the last pipeline stage; sum over DP, then over PP (other stages add 0).
-    groups.dp->all_reduce(eval_loss, ReduceOp::kSum, stream);
+    // The loss lives on the last pipeline stage; sum over DP and CP, then over PP (other stages add 0).
+    groups.dp_cp->all_reduce(eval_loss, ReduceOp::kSum, stream);
     groups.pp->all_reduce(eval_loss, ReduceOp::kSum, stream);
     float host = 0;
     copy_bytes(&host, Device::cpu(), eval_loss.data(), device, 4, stream);
@@ -513,7 +536,7 @@ int run_pretrain(PretrainArgs args) {
 
     if (iteration % args.log_interval == 0 || iteration == args.train_iters) {
       std::vector<float> host(static_cast<size_t>(iters_since_log));
-      groups.dp->all_reduce(losses, ReduceOp::kSum, stream);
+      groups.dp_cp->all_reduce(losses, ReduceOp::kSum, stream);
       groups.pp->all_reduce(losses, ReduceOp::kSum, stream);  // only the last stage has a loss
       copy_bytes(host.data(), Device::cpu(), losses.data(), device, host.size() * 4, stream);
       const OptimizerScalars sc = optimizer.read_scalars_sync(stream);  // synchronizes

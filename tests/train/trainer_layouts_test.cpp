@@ -134,6 +134,50 @@ TEST_F(TrainerLayouts, ParallelLayoutsMatchOneRank) {
   }
 }
 
+// Context parallelism (--context-parallel-size; dropout off, which CP requires) with document masks
+// and reset position ids: every CP layout gives the one-rank losses (the trainer shards each
+// sequence into the load-balanced chunks of parallel/context_parallel.h); a checkpoint written
+// under CP 2 resumes on one rank on the same curve; bad CP flags fail with a clear message.
+TEST_F(TrainerLayouts, ContextParallelMatchesOneRank) {
+  const std::string cp_flags = " --hidden-dropout 0 --attention-dropout 0 --reset-attention-mask --reset-position-ids ";
+  RunResult ref = run(flags("--train-iters 4" + cp_flags));
+  ASSERT_EQ(ref.rc, 0) << ref.out;
+  const auto ref_losses = losses(ref.out);
+  const auto ref_val = val_losses(ref.out);
+  for (const std::string layout :
+       {"--nproc-per-node 2 --context-parallel-size 2", "--nproc-per-node 2 --context-parallel-size 2 --cp-comm-type a2a",
+        "--nproc-per-node 4 --context-parallel-size 2 --use-distributed-optimizer",
+        "--nproc-per-node 4 --context-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel "
+        "--cp-comm-type allgather",
+        "--nproc-per-node 4 --context-parallel-size 4 --cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 2 2"}) {
+    RunResult r = run(flags("--train-iters 4" + cp_flags + layout));
+    ASSERT_EQ(r.rc, 0) << layout << "\n" << r.out;
+    EXPECT_NE(r.out.find("context parallel:"), std::string::npos) << r.out;
+    expect_same(losses(r.out), ref_losses, layout);
+    expect_same(val_losses(r.out), ref_val, layout + " (validation)");
+  }
+  RunResult first, one_rank;
+  const std::string ck = (dir_ / "ck_cp2").string();
+  ASSERT_NO_FATAL_FAILURE(save_half(ck, cp_flags + "--nproc-per-node 2 --context-parallel-size 2", &first));
+  std::map<int, double> l;
+  ASSERT_NO_FATAL_FAILURE(resume(first, ck, cp_flags, &l));
+  RunResult full = run(flags("--train-iters 6" + cp_flags));
+  ASSERT_EQ(full.rc, 0) << full.out;
+  expect_same(l, losses(full.out), "CP 2 checkpoint resumed on one rank");
+  for (const auto& [bad, msg] : std::vector<std::pair<std::string, std::string>>{
+           {"--nproc-per-node 2 --context-parallel-size 2 --seq-length 30 --max-position-embeddings 32",
+            "--seq-length 30 must be divisible by 2 x --context-parallel-size = 4"},
+           {"--nproc-per-node 4 --context-parallel-size 4 --cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 2 "
+            "4", "2 x 4 = 8 must equal --context-parallel-size 4"},
+           {"--nproc-per-node 2 --context-parallel-size 2 --cp-comm-type a2a --num-attention-heads 3 --hidden-size 48",
+            "must be divisible by 2"},
+           {"--nproc-per-node 2 --context-parallel-size 2 --hidden-dropout 0.1", "--hidden-dropout 0"}}) {
+    RunResult r = run(flags("--train-iters 1 --attention-dropout 0 " + bad));
+    EXPECT_NE(r.rc, 0) << bad;
+    EXPECT_NE(r.out.find(msg), std::string::npos) << bad << "\n" << r.out;
+  }
+}
+
 // --grad-reduce-in-bf16 under mpiexec (MPI sums bf16 in fp32 and rounds once): the losses stay
 // within 1e-4 of the one-rank run (bf16 rounding of the gradients, which Adam mostly normalises
 // away); --ddp-copy-engine on CPU falls back with its reason.

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "model/layers/cp_attention.h"
 #include "ops/rope.h"
 
 namespace mt {
@@ -143,6 +144,7 @@ RowParallelLinear::Options proj_options(const TransformerConfig& c, int64_t laye
 
 std::unique_ptr<CoreAttention> make_core_attention(const TransformerConfig& c, const LayerSpec& spec, int64_t layer,
                                                    const TensorParallelRegion& tp) {
+  if (spec.context_parallel != nullptr) return std::make_unique<ContextParallelAttention>(c, tp, *spec.context_parallel);
   switch (spec.core_attention) {
     case CoreAttentionKind::kDotProduct: return std::make_unique<DotProductAttention>(c, layer, tp);
     case CoreAttentionKind::kFlash: return std::make_unique<FlashAttention>(c, layer, tp);

@@ -1,0 +1,217 @@
+#include "model/layers/cp_attention.h"
+
+#include <cmath>
+#include <utility>
+
+#include "ops/elementwise.h"
+
+namespace mt {
+
+ContextParallelAttention::ContextParallelAttention(const TransformerConfig& c, const TensorParallelRegion& tp,
+                                                   const ContextParallelRegion& cp)
+    : config_(c),
+      cp_(cp),
+      qpg_(c.num_attention_heads / c.query_groups()),
+      d_(c.head_dim()),
+      a2a_(cp.a2a_size()),
+      p2p_(cp.p2p_size()),
+      outer_(cp.p2p_group().rank()) {
+  const int64_t groups_local = c.query_groups() / tp.size();
+  MT_REQUIRE(groups_local % a2a_ == 0, "--cp-comm-type {}: {} query groups per TP rank do not split over {} ranks",
+             cp_comm_type_name(cp.comm_type()), groups_local, a2a_);
+  groups_a_ = groups_local / a2a_;
+  heads_a_ = groups_a_ * qpg_;
+}
+
+void ContextParallelAttention::plan(BufferPlanner& p, int64_t s, int64_t b) {
+  const DType t = p.act_dtype();
+  sl_ = s;
+  b_ = b;
+  const int64_t sa = a2a_ * s, w = qpg_ + 2;
+  const size_t a = static_cast<size_t>(p.area());
+  if (saved_.size() <= a) saved_.resize(a + 1);
+  Saved& sv = saved_[a];
+  sv.qkv = p.saved(t, {sa, b, groups_a_, w, d_}, "cp attention qkv");
+  sv.lse = p.saved(DType::kF32, {sa, b, heads_a_}, "cp attention softmax lse");
+  if (a2a_ > 1) {
+    sv.out = p.saved(t, {sa, b, heads_a_, d_}, "cp attention output (a2a layout)");
+    sv.doc = p.saved(DType::kI32, {b, sa}, "cp attention document starts");
+    a2a_send_ = p.scratch("cp_attention.a2a_send", t, {s * b * a2a_ * groups_a_ * w * d_});
+    a2a_recv_ = p.scratch("cp_attention.a2a_recv", t, {s * b * a2a_ * groups_a_ * w * d_});
+    dqkv_a_ = p.scratch("cp_attention.dqkv", t, {sa, b, groups_a_, w, d_});
+    dout_a_ = p.scratch("cp_attention.dout", t, {sa, b, heads_a_, d_});
+    doc_gather_ = p.scratch("cp_attention.doc_gather", DType::kI32, {a2a_, b, s});
+  }
+  const bool all = cp_.comm_type() == CpCommType::kAllGather;
+  for (int k = 0; k < 2; ++k) {
+    const int64_t rows = all && k == 1 ? cp_.seq_length() : sa;
+    kv_[k] = p.scratch(fmt::format("cp_attention.kv{}", k), t, {rows, b, groups_a_, 2, d_});
+    dkv_[k] = p.scratch(fmt::format("cp_attention.dkv{}", k), t, {rows, b, groups_a_, 2, d_});
+  }
+}
+
+ContextAttentionConfig ContextParallelAttention::op_config(const Tensor& q_pos, const Tensor& k_pos,
+                                                           const Tensor& doc) const {
+  ContextAttentionConfig c;
+  c.batch = b_;
+  c.groups = groups_a_;
+  c.queries_per_group = qpg_;
+  c.head_dim = d_;
+  c.softmax_scale = 1.0f / std::sqrt(static_cast<float>(d_));
+  c.q_pos = q_pos;
+  c.k_pos = k_pos;
+  c.doc_start = doc;
+  return c;
+}
+
+// The queries of this rank (its a2a group's tokens) and the keys of ring step i (source src).
+// Pure p2p (A = 1) skips the masked halves of the load-balanced layout: with local chunks r and
+// 2N−1−r and the source's chunks src and 2N−1−src, a source before r is visible through its first
+// chunk only (to both local chunks), a source after r only to the second local chunk (all of it).
+void ContextParallelAttention::block_forward(int i, int src, const Saved& sv, const Tensor& out, const Tensor& kv,
+                                             const Tensor& doc, bool merge, const Stream& st) const {
+  const int first = outer_ * a2a_;
+  const Tensor q_pos = cp_.positions(first, a2a_);
+  if (cp_.comm_type() == CpCommType::kAllGather) {
+    context_attention_forward(out, sv.lse, sv.qkv, kv, op_config(q_pos, cp_.positions(0, cp_.size()), doc), merge, st);
+    return;
+  }
+  const Tensor k_pos = cp_.positions(src * a2a_, a2a_);
+  const int64_t c = sl_ / 2;
+  if (a2a_ == 1 && i > 0 && src < outer_) {
+    context_attention_forward(out, sv.lse, sv.qkv, kv.slice0(0, c), op_config(q_pos, k_pos.flat_range(0, c), doc),
+                              merge, st);
+  } else if (a2a_ == 1 && i > 0) {
+    context_attention_forward(out.slice0(c, 2 * c), sv.lse.slice0(c, 2 * c), sv.qkv.slice0(c, 2 * c), kv,
+                              op_config(q_pos.flat_range(c, c), k_pos, doc.empty() ? doc : doc.slice(1, c, 2 * c)),
+                              merge, st);
+  } else {
+    context_attention_forward(out, sv.lse, sv.qkv, kv, op_config(q_pos, k_pos, doc), merge, st);
+  }
+}
+
+void ContextParallelAttention::block_backward(int i, int src, const Saved& sv, const Tensor& out, const Tensor& dout,
+                                              const Tensor& dq, const Tensor& kv, const Tensor& dkv, const Tensor& doc,
+                                              const Stream& st) const {
+  const int first = outer_ * a2a_;
+  const Tensor q_pos = cp_.positions(first, a2a_);
+  if (cp_.comm_type() == CpCommType::kAllGather) {
+    context_attention_backward(dq, dkv, dout, out, sv.lse, sv.qkv, kv,
+                               op_config(q_pos, cp_.positions(0, cp_.size()), doc), st);
+    return;
+  }
+  const Tensor k_pos = cp_.positions(src * a2a_, a2a_);
+  const int64_t c = sl_ / 2;
+  if (a2a_ == 1 && i > 0 && src < outer_) {
+    context_attention_backward(dq, dkv.slice0(0, c), dout, out, sv.lse, sv.qkv, kv.slice0(0, c),
+                               op_config(q_pos, k_pos.flat_range(0, c), doc), st);
+  } else if (a2a_ == 1 && i > 0) {
+    auto h = [&](const Tensor& t) { return t.slice0(c, 2 * c); };
+    context_attention_backward(h(dq), dkv, h(dout), h(out), h(sv.lse), h(sv.qkv), kv,
+                               op_config(q_pos.flat_range(c, c), k_pos, doc.empty() ? doc : doc.slice(1, c, 2 * c)),
+                               st);
+  } else {
+    context_attention_backward(dq, dkv, dout, out, sv.lse, sv.qkv, kv, op_config(q_pos, k_pos, doc), st);
+  }
+}
+
+void ContextParallelAttention::exchange(const Tensor& send, const Tensor& recv, const Stream& st) const {
+  Communicator& ring = cp_.p2p_group();
+  const int n = ring.size(), r = ring.rank();
+  ring.group_start();
+  ring.send(send, (r + 1) % n, st);
+  ring.recv(recv, (r + n - 1) % n, st);
+  ring.group_end();
+}
+
+void ContextParallelAttention::forward(const Tensor& context, const Tensor& qkv, const StepContext& ctx) {
+  const Saved& sv = saved_.at(static_cast<size_t>(ctx.slot));
+  const Stream& st = ctx.stream;
+  const Tensor& doc_local = ctx.batch.doc_start;  // [b, s_l] global document starts, or empty
+  Tensor doc = doc_local, out = context.view({sl_, b_, heads_a_ * a2a_, d_});
+  if (a2a_ == 1) {
+    copy(sv.qkv, qkv, st);
+  } else {
+    // [s_l·b, A, g_a·w·d] -> [A, s_l·b, g_a·w·d]: part j (query groups j·g_a ..) goes to a2a rank j.
+    Communicator& a2a = cp_.a2a_group();
+    const Tensor send = a2a_send_.flat_range(0, qkv.numel());
+    transpose_blocks(send, qkv, sl_ * b_, a2a_, st);
+    a2a.all_to_all(sv.qkv, send, st);  // [A (source rank), s_l·b, ...] = the group's tokens, rank-major
+    if (!doc_local.empty()) {
+      a2a.all_gather(doc_gather_, doc_local, st);           // [A, b, s_l]
+      transpose_blocks(sv.doc, doc_gather_, a2a_, b_, st);  // [b, A·s_l]
+      doc = sv.doc;
+    }
+    out = sv.out;
+  }
+  if (cp_.comm_type() == CpCommType::kAllGather) {
+    kv_pack(kv_[0], sv.qkv, qpg_, st);
+    cp_.group().all_gather(kv_[1], kv_[0], st);
+    block_forward(0, 0, sv, out, kv_[1], doc, false, st);
+  } else {
+    Tensor cur = kv_[0], nxt = kv_[1];
+    kv_pack(cur, sv.qkv, qpg_, st);
+    for (int i = 0; i < p2p_; ++i) {
+      const int src = (outer_ - i + p2p_) % p2p_;
+      if (i + 1 < p2p_) exchange(cur, nxt, st);
+      block_forward(i, src, sv, out, cur, doc, i > 0, st);
+      std::swap(cur, nxt);
+    }
+  }
+  if (a2a_ > 1) {
+    // out [A·s_l, b, n_a, d]: rows of a2a rank j go back to j; head part i arrives from rank i.
+    const Tensor recv = a2a_recv_.flat_range(0, sv.out.numel());
+    cp_.a2a_group().all_to_all(recv, sv.out, st);
+    transpose_blocks(context, recv, a2a_, sl_ * b_, st);  // [A, s_l·b, n_a·d] -> [s_l·b, A, n_a·d]
+  }
+}
+
+void ContextParallelAttention::backward(const Tensor& dqkv, const Tensor& dcontext, const Tensor& context,
+                                        const Tensor&, const StepContext& ctx) {
+  const Saved& sv = saved_.at(static_cast<size_t>(ctx.slot));
+  const Stream& st = ctx.stream;
+  const int64_t n_local = heads_a_ * a2a_;
+  Tensor doc = ctx.batch.doc_start, out = context.view({sl_, b_, n_local, d_}),
+         dout = dcontext.view({sl_, b_, n_local, d_}), dq = dqkv;
+  if (a2a_ > 1) {
+    const Tensor send = a2a_send_.flat_range(0, dcontext.numel());
+    transpose_blocks(send, dcontext, sl_ * b_, a2a_, st);
+    cp_.a2a_group().all_to_all(dout_a_, send, st);
+    out = sv.out;
+    dout = dout_a_;
+    dq = dqkv_a_;
+    if (!doc.empty()) doc = sv.doc;
+  }
+  fill(dq, 0.f, st);
+  if (cp_.comm_type() == CpCommType::kAllGather) {
+    kv_pack(kv_[0], sv.qkv, qpg_, st);
+    cp_.group().all_gather(kv_[1], kv_[0], st);
+    fill(dkv_[1], 0.f, st);
+    block_backward(0, 0, sv, out, dout, dq, kv_[1], dkv_[1], doc, st);
+    cp_.group().reduce_scatter(dkv_[0], dkv_[1], ReduceOp::kSum, st);
+    kv_unpack(dq, dkv_[0], qpg_, st);
+  } else {
+    Tensor cur = kv_[0], nxt = kv_[1], dcur = dkv_[0], dnxt = dkv_[1];
+    kv_pack(cur, sv.qkv, qpg_, st);
+    fill(dcur, 0.f, st);
+    for (int i = 0; i < p2p_; ++i) {
+      const int src = (outer_ - i + p2p_) % p2p_;
+      if (i + 1 < p2p_) exchange(cur, nxt, st);
+      block_backward(i, src, sv, out, dout, dq, cur, dcur, doc, st);
+      // dK/dV of block src go on with it; after the last step each block's gradient is home.
+      if (p2p_ > 1) {
+        exchange(dcur, dnxt, st);
+        std::swap(dcur, dnxt);
+      }
+      std::swap(cur, nxt);
+    }
+    kv_unpack(dq, dcur, qpg_, st);
+  }
+  if (a2a_ > 1) {
+    const Tensor recv = a2a_recv_.flat_range(0, dqkv_a_.numel());
+    cp_.a2a_group().all_to_all(recv, dqkv_a_, st);
+    transpose_blocks(dqkv, recv, a2a_, sl_ * b_, st);
+  }
+}
+
+}  // namespace mt

@@ -1,0 +1,65 @@
+// Core attention under context parallelism (Megatron-Core with TransformerEngine's
+// context-parallel DotProductAttention; --cp-comm-type). The layer's tokens are this CP rank's
+// load-balanced share of every sequence (parallel/context_parallel.h); queries, keys and values
+// come from those tokens, and keys/values of the other ranks arrive over the CP group:
+//   p2p        ring over the CP group: N steps; at step i this rank attends to the K/V block of CP
+//              rank (r − i) mod N and passes its block on; partial outputs merged by their LSE.
+//              Causal skipping (load balance): for a block of an earlier rank only its first chunk
+//              is visible (all of it, to both local chunks); for a later rank only the second
+//              local chunk sees it (all of it): half a block each. Backward: the same ring, dK/dV
+//              travel with their block and arrive back at the owner after N steps.
+//   allgather  K/V all-gathered (rank order), one attention call; dK/dV reduce-scattered.
+//   a2a        Ulysses (Jacobs et al. 2023): all-to-all from [s/N, b, g_l] to [s, b, g_l/N] query
+//              groups (qkv), full-sequence attention over the local heads, all-to-all back.
+//   a2a+p2p    a2a inside groups of A consecutive CP ranks, then the p2p ring (without causal
+//              skipping) across the P groups, between ranks holding the same heads (N = A·P).
+// Masks use the global positions of the tokens (and the document starts of --reset-attention-mask),
+// so every layout computes the attention of one rank (tests/parallel/context_parallel_test.cpp).
+// Attention dropout is not supported under CP (the model rejects it).
+#pragma once
+#include <vector>
+
+#include "model/layers/attention.h"
+#include "ops/context_attention.h"
+#include "parallel/context_parallel.h"
+
+namespace mt {
+
+class ContextParallelAttention final : public CoreAttention {
+ public:
+  /// The same heads and groups as the other core attentions (split over TP); cp: the CP region
+  /// (kept by reference; outlives the module).
+  ContextParallelAttention(const TransformerConfig& config, const TensorParallelRegion& tp,
+                           const ContextParallelRegion& cp);
+  /// s: the local sequence s/N.
+  void plan(BufferPlanner& planner, int64_t s, int64_t b) override;
+  bool reads_inputs_in_backward() const override { return false; }  // saves its own copies
+  void forward(const Tensor& context, const Tensor& qkv, const StepContext& ctx) override;
+  void backward(const Tensor& dqkv, const Tensor& dcontext, const Tensor& context, const Tensor& qkv,
+                const StepContext& ctx) override;
+
+ private:
+  struct Saved {
+    Tensor qkv;   // [A·s_l, b, g_a, qpg + 2, d]: the attention's input (after the a2a)
+    Tensor out;   // [A·s_l, b, n_a, d] (a2a levels only; otherwise the caller's context)
+    Tensor lse;   // fp32 [A·s_l, b, n_a]
+    Tensor doc;   // int32 [b, A·s_l] (a2a levels only): the document starts of the queries
+  };
+  ContextAttentionConfig op_config(const Tensor& q_pos, const Tensor& k_pos, const Tensor& doc) const;
+  /// One block of the ring (or the whole all-gathered K/V): step i, source p2p rank src.
+  void block_forward(int i, int src, const Saved& sv, const Tensor& out, const Tensor& kv, const Tensor& doc,
+                     bool merge, const Stream& st) const;
+  void block_backward(int i, int src, const Saved& sv, const Tensor& out, const Tensor& dout, const Tensor& dq,
+                      const Tensor& kv, const Tensor& dkv, const Tensor& doc, const Stream& st) const;
+  void exchange(const Tensor& send, const Tensor& recv, const Stream& st) const;  // ring step
+
+  const TransformerConfig& config_;
+  const ContextParallelRegion& cp_;
+  int64_t qpg_, groups_a_, heads_a_, d_, sl_ = 0, b_ = 0;
+  int a2a_, p2p_, outer_;  // level sizes and this rank's index in the ring
+  std::vector<Saved> saved_;
+  Tensor kv_[2], dkv_[2];   // scratch [A·s_l, b, g_a, 2, d] (allgather: [s, b, g_l, 2, d])
+  Tensor a2a_send_, a2a_recv_, dqkv_a_, dout_a_, doc_gather_;  // a2a scratch
+};
+
+}  // namespace mt

@@ -1,0 +1,75 @@
+// Blockwise attention for context parallelism (Liu et al. 2023, "Ring Attention", arXiv:2310.01889;
+// Megatron-Core / TransformerEngine's context-parallel attention, transformer_engine/pytorch/
+// attention.py AttnFuncWithCPAndKVP2P): the queries of one sequence shard against one block of
+// keys/values, with the mask given by the tokens' *global* positions, and the partial results of
+// several blocks merged through their softmax log-sum-exp (LSE). The ring (--cp-comm-type p2p),
+// all-gather, all-to-all and hierarchical layouts of model/layers/cp_attention.h are built from
+// these few ops.
+//
+// Layouts (Megatron-Core's per-query-group QKV, see ops/attention.h):
+//   qkv: [sq, b, g, qpg + 2, d]  only the query heads are read (the key/value heads are ignored)
+//   kv:  [sk, b, g, 2, d]        per (key row, sample, group): the key head, then the value head
+//   out: [sq, b, n, d]           act dtype, n = g·qpg; query head h uses group h / qpg
+//   lse: [sq, b, n]              fp32, natural log of Σ_visible exp(scale · q·k)
+// Visibility of key j to query i of sample b (positions are global token indices in the full
+// sequence, int32): k_pos[j] <= q_pos[i] (causal) and, with doc_start, k_pos[j] >= doc_start[b, i]
+// (--reset-attention-mask; doc_start holds global positions). Softmax in fp32. No dropout (the
+// caller rejects attention dropout under context parallelism).
+#pragma once
+#include "core/stream.h"
+#include "core/tensor.h"
+#include "ops/dispatch.h"
+
+namespace mt {
+
+struct ContextAttentionConfig {
+  int64_t batch = 0;              ///< b
+  int64_t groups = 0;             ///< g, key/value heads in qkv and kv
+  int64_t queries_per_group = 1;  ///< qpg
+  int64_t head_dim = 0;           ///< d
+  float softmax_scale = 0;        ///< > 0, usually 1/sqrt(d)
+  Tensor q_pos;                   ///< int32 [sq], contiguous, on the device of qkv
+  Tensor k_pos;                   ///< int32 [sk], contiguous
+  /// int32 [b, sq] (a view whose rows may be strided: stride(1) == 1, stride(0) >= sq) or empty.
+  /// Values are trusted (not read on the host on CUDA).
+  Tensor doc_start;
+  int64_t heads() const { return groups * queries_per_group; }
+};
+
+/// Attention of the query heads of qkv [sq, b, g, qpg+2, d] against kv [sk, b, g, 2, d].
+/// merge = false: out [sq, b, n, d] and lse [sq, b, n] are overwritten with this block's result
+/// (rows with no visible key: out 0, lse −inf). merge = true: (out, lse) already hold the result of
+/// other key blocks and are replaced by the attention over the union:
+/// lse' = log(e^lse + e^lse_blk), out' = out·e^(lse−lse') + out_blk·e^(lse_blk−lse').
+/// Errors (mt::Error): shapes, dtypes (act fp32 on CPU; fp32/bf16/fp16 on CUDA; lse fp32;
+/// positions int32), devices, a non-positive scale.
+void context_attention_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, const Tensor& kv,
+                               const ContextAttentionConfig& cfg, bool merge, const Stream& stream);
+
+/// Backward of the attention of the same queries against one key block, given the *final* out and
+/// lse (over all blocks) and dout [sq, b, n, d]: P = exp(scale·q·k − lse), D_i = Σ dout_i·out_i,
+/// dS = P ∘ (dout·vᵀ − D). Accumulates (+=): dQ into the query heads of dqkv [sq, b, g, qpg+2, d]
+/// (its key/value heads are untouched) and dK, dV into dkv [sk, b, g, 2, d] (summed over the qpg
+/// query heads of a group). Errors: as the forward.
+void context_attention_backward(const Tensor& dqkv, const Tensor& dkv, const Tensor& dout, const Tensor& out,
+                                const Tensor& lse, const Tensor& qkv, const Tensor& kv,
+                                const ContextAttentionConfig& cfg, const Stream& stream);
+
+/// kv [r, 2, d] (overwrite) <- the key and value heads (indices qpg, qpg+1) of qkv [r, qpg+2, d];
+/// any leading shape with r rows. Errors: shape/dtype/device mismatch.
+void kv_pack(const Tensor& kv, const Tensor& qkv, int64_t queries_per_group, const Stream& stream);
+/// The key and value heads of dqkv [r, qpg+2, d] (overwrite) <- dkv [r, 2, d]; query heads untouched.
+void kv_unpack(const Tensor& dqkv, const Tensor& dkv, int64_t queries_per_group, const Stream& stream);
+
+/// y [b, a, c] (overwrite) <- x viewed as [a, b, c] (c = numel / (a·b)): swaps the two leading
+/// blocks, for the all-to-all of the Ulysses layout. Any dtype (moved by element size); x and y
+/// contiguous, same numel, dtype and device, not aliased. Errors: a·b not dividing numel.
+void transpose_blocks(const Tensor& y, const Tensor& x, int64_t a, int64_t b, const Stream& stream);
+
+MT_OP_BACKENDS(context_attention_forward)
+MT_OP_BACKENDS(context_attention_backward)
+MT_OP_BACKENDS(kv_pack)
+MT_OP_BACKENDS(kv_unpack)
+MT_OP_BACKENDS(transpose_blocks)
+
+}  // namespace mt

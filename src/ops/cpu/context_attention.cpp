@@ -1,0 +1,182 @@
+// CPU reference of ops/context_attention.h: per query row, a max pass and an exp-sum pass over the
+// visible keys in fp32 (no storage of the scores); the backward recomputes the probabilities from
+// the final LSE (FlashAttention-2's backward). OpenMP over (sample, group): the key/value rows a
+// group's queries update belong to that (sample, group) only.
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "ops/context_attention.h"
+
+namespace mt::cpu {
+namespace {
+
+constexpr int64_t kMaxHeadDim = 1024;  // checked by ops/context_attention.cpp
+
+struct Idx {
+  int64_t B, g, w, n, d;
+  int64_t q(int64_t i, int64_t b, int64_t grp, int64_t qi) const { return (((i * B + b) * g + grp) * w + qi) * d; }
+  int64_t k(int64_t j, int64_t b, int64_t grp) const { return (((j * B + b) * g + grp) * 2 + 0) * d; }
+  int64_t v(int64_t j, int64_t b, int64_t grp) const { return (((j * B + b) * g + grp) * 2 + 1) * d; }
+  int64_t o(int64_t i, int64_t b, int64_t h) const { return ((i * B + b) * n + h) * d; }
+  int64_t l(int64_t i, int64_t b, int64_t h) const { return (i * B + b) * n + h; }
+};
+
+float dot(const float* a, const float* b, int64_t d) {
+  float s = 0.f;
+  for (int64_t e = 0; e < d; ++e) s += a[e] * b[e];
+  return s;
+}
+
+struct Visible {
+  const int32_t* kp;
+  int32_t qp, lo;
+  bool operator()(int64_t j) const { return kp[j] <= qp && kp[j] >= lo; }
+};
+
+Visible visible(const ContextAttentionConfig& c, int64_t i, int64_t b) {
+  const int32_t* ds = c.doc_start.empty() ? nullptr : c.doc_start.data_as<int32_t>();
+  return {c.k_pos.data_as<int32_t>(), c.q_pos.data_as<int32_t>()[i],
+          ds ? ds[b * c.doc_start.stride(0) + i] : std::numeric_limits<int32_t>::min()};
+}
+
+}  // namespace
+
+void context_attention_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, const Tensor& kv,
+                               const ContextAttentionConfig& c, bool merge, const Stream&) {
+  const int64_t sq = qkv.size(0), sk = kv.size(0), B = c.batch, g = c.groups, qpg = c.queries_per_group,
+                d = c.head_dim;
+  const Idx x{B, g, qpg + 2, c.heads(), d};
+  const float* Q = qkv.data_as<float>();
+  const float* KV = kv.data_as<float>();
+  float* O = out.data_as<float>();
+  float* L = lse.data_as<float>();
+  const float scale = c.softmax_scale, ninf = -std::numeric_limits<float>::infinity();
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t grp = 0; grp < g; ++grp) {
+      for (int64_t i = 0; i < sq; ++i) {
+        const Visible vis = visible(c, i, b);
+        for (int64_t qi = 0; qi < qpg; ++qi) {
+          const int64_t h = grp * qpg + qi;
+          const float* q = Q + x.q(i, b, grp, qi);
+          float* o = O + x.o(i, b, h);
+          float& l = L[x.l(i, b, h)];
+          float m = ninf;
+          for (int64_t j = 0; j < sk; ++j)
+            if (vis(j)) m = std::max(m, scale * dot(q, KV + x.k(j, b, grp), d));
+          if (m == ninf) {  // no visible key in this block
+            if (!merge) {
+              std::memset(o, 0, static_cast<size_t>(d) * sizeof(float));
+              l = ninf;
+            }
+            continue;
+          }
+          float acc[kMaxHeadDim];
+          const int64_t dd = d;
+          for (int64_t e = 0; e < dd; ++e) acc[e] = 0.f;
+          float sum = 0.f;
+          for (int64_t j = 0; j < sk; ++j) {
+            if (!vis(j)) continue;
+            const float p = std::exp(scale * dot(q, KV + x.k(j, b, grp), d) - m);
+            sum += p;
+            const float* v = KV + x.v(j, b, grp);
+            for (int64_t e = 0; e < dd; ++e) acc[e] += p * v[e];
+          }
+          const float lb = m + std::log(sum);
+          if (!merge || l == ninf) {
+            for (int64_t e = 0; e < dd; ++e) o[e] = acc[e] / sum;
+            l = lb;
+          } else {
+            const float ln = std::max(l, lb) + std::log1p(std::exp(-std::fabs(l - lb)));
+            const float wo = std::exp(l - ln), wb = std::exp(lb - ln) / sum;
+            for (int64_t e = 0; e < dd; ++e) o[e] = o[e] * wo + acc[e] * wb;
+            l = ln;
+          }
+        }
+      }
+    }
+  }
+}
+
+void context_attention_backward(const Tensor& dqkv, const Tensor& dkv, const Tensor& dout, const Tensor& out,
+                                const Tensor& lse, const Tensor& qkv, const Tensor& kv,
+                                const ContextAttentionConfig& c, const Stream&) {
+  const int64_t sq = qkv.size(0), sk = kv.size(0), B = c.batch, g = c.groups, qpg = c.queries_per_group,
+                d = c.head_dim;
+  const Idx x{B, g, qpg + 2, c.heads(), d};
+  const float* Q = qkv.data_as<float>();
+  const float* KV = kv.data_as<float>();
+  const float* O = out.data_as<float>();
+  const float* dO = dout.data_as<float>();
+  const float* L = lse.data_as<float>();
+  float* dQ = dqkv.data_as<float>();
+  float* dKV = dkv.data_as<float>();
+  const float scale = c.softmax_scale;
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t grp = 0; grp < g; ++grp) {
+      for (int64_t i = 0; i < sq; ++i) {
+        const Visible vis = visible(c, i, b);
+        for (int64_t qi = 0; qi < qpg; ++qi) {
+          const int64_t h = grp * qpg + qi;
+          const float l = L[x.l(i, b, h)];
+          if (!std::isfinite(l)) continue;
+          const float* q = Q + x.q(i, b, grp, qi);
+          const float* go = dO + x.o(i, b, h);
+          const float D = dot(go, O + x.o(i, b, h), d);
+          float* dq = dQ + x.q(i, b, grp, qi);
+          for (int64_t j = 0; j < sk; ++j) {
+            if (!vis(j)) continue;
+            const float* k = KV + x.k(j, b, grp);
+            const float* v = KV + x.v(j, b, grp);
+            const float p = std::exp(scale * dot(q, k, d) - l);
+            const float ds = p * (dot(go, v, d) - D) * scale;
+            float* dk = dKV + x.k(j, b, grp);
+            float* dv = dKV + x.v(j, b, grp);
+            for (int64_t e = 0; e < d; ++e) {
+              dv[e] += p * go[e];
+              dq[e] += ds * k[e];
+              dk[e] += ds * q[e];
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+namespace {
+/// Copies the key/value pair of every row between [R, w, dim] (heads at index qpg, qpg + 1) and
+/// [R, 2, dim], by element size.
+void move_kv(char* t, const char* s, int64_t R, int64_t w, int64_t qpg, size_t head, bool pack) {
+  for (int64_t i = 0; i < R; ++i) {
+    char* wide = const_cast<char*>(pack ? s : t) + static_cast<size_t>(i * w + qpg) * head;
+    char* narrow = (pack ? t : const_cast<char*>(s)) + static_cast<size_t>(i * 2) * head;
+    if (pack) std::memcpy(narrow, wide, 2 * head);
+    else std::memcpy(wide, narrow, 2 * head);
+  }
+}
+}  // namespace
+
+void kv_pack(const Tensor& kv, const Tensor& qkv, int64_t qpg, const Stream&) {
+  const int64_t dim = qkv.size(-1), R = qkv.numel() / ((qpg + 2) * dim);
+  move_kv(static_cast<char*>(kv.data()), static_cast<const char*>(qkv.data()), R, qpg + 2, qpg,
+          static_cast<size_t>(dim) * dtype_size(qkv.dtype()), true);
+}
+
+void kv_unpack(const Tensor& dqkv, const Tensor& dkv, int64_t qpg, const Stream&) {
+  const int64_t dim = dqkv.size(-1), R = dqkv.numel() / ((qpg + 2) * dim);
+  move_kv(static_cast<char*>(dqkv.data()), static_cast<const char*>(dkv.data()), R, qpg + 2, qpg,
+          static_cast<size_t>(dim) * dtype_size(dqkv.dtype()), false);
+}
+
+void transpose_blocks(const Tensor& y, const Tensor& x, int64_t a, int64_t b, const Stream&) {
+  const size_t c = static_cast<size_t>(x.numel() / (a * b)) * dtype_size(x.dtype());
+  const char* s = static_cast<const char*>(x.data());
+  char* t = static_cast<char*>(y.data());
+  for (int64_t i = 0; i < a; ++i)
+    for (int64_t j = 0; j < b; ++j) std::memcpy(t + (j * a + i) * c, s + (i * b + j) * c, c);
+}
+
+}  // namespace mt::cpu

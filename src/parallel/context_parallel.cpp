@@ -1,0 +1,130 @@
+#include "parallel/context_parallel.h"
+
+#include <fmt/ranges.h>
+
+#include "core/check.h"
+#include "core/stream.h"
+
+namespace mt {
+
+CpCommType parse_cp_comm_type(const std::string& s) {
+  if (s == "p2p") return CpCommType::kP2P;
+  if (s == "allgather" || s == "all_gather") return CpCommType::kAllGather;
+  if (s == "a2a") return CpCommType::kA2A;
+  if (s == "a2a+p2p") return CpCommType::kA2AP2P;
+  MT_FAIL("--cp-comm-type '{}' is not one of p2p, allgather, a2a, a2a+p2p", s);
+}
+
+const char* cp_comm_type_name(CpCommType t) {
+  switch (t) {
+    case CpCommType::kP2P: return "p2p";
+    case CpCommType::kAllGather: return "allgather";
+    case CpCommType::kA2A: return "a2a";
+    case CpCommType::kA2AP2P: return "a2a+p2p";
+  }
+  return "?";
+}
+
+std::pair<int, int> ContextParallelOptions::levels() const {
+  switch (comm_type) {
+    case CpCommType::kA2A: return {size, 1};
+    case CpCommType::kA2AP2P:
+      return hierarchical_sizes.size() == 2 ? std::pair{hierarchical_sizes[0], hierarchical_sizes[1]}
+                                            : std::pair{1, size};
+    default: return {1, size};
+  }
+}
+
+void validate_context_parallel(const ContextParallelOptions& o, int64_t seq, int64_t heads, int64_t groups, int tp) {
+  MT_REQUIRE(o.size >= 1, "--context-parallel-size must be >= 1, got {}", o.size);
+  MT_REQUIRE(tp >= 1, "--tensor-model-parallel-size must be >= 1, got {}", tp);
+  if (o.size > 1)
+    MT_REQUIRE(seq % (2 * o.size) == 0,
+               "--seq-length {} must be divisible by 2 x --context-parallel-size = {} (each CP rank holds 2 of {} "
+               "load-balanced chunks)",
+               seq, 2 * o.size, 2 * o.size);
+  const bool hier = o.comm_type == CpCommType::kA2AP2P;
+  MT_REQUIRE(o.hierarchical_sizes.empty() || hier,
+             "--hierarchical-context-parallel-sizes {} needs --cp-comm-type a2a+p2p, got {}",
+             fmt::join(o.hierarchical_sizes, " "), cp_comm_type_name(o.comm_type));
+  if (hier) {
+    const auto& h = o.hierarchical_sizes;
+    MT_REQUIRE(h.size() == 2 && h[0] >= 1 && h[1] >= 1,
+               "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes with two positive sizes "
+               "(a2a, p2p), got [{}]",
+               fmt::join(h, " "));
+    MT_REQUIRE(h[0] * h[1] == o.size,
+               "--hierarchical-context-parallel-sizes {} x {} = {} must equal --context-parallel-size {}", h[0], h[1],
+               h[0] * h[1], o.size);
+  }
+  const int a2a = o.levels().first;
+  if (a2a > 1) {
+    const int64_t g = groups > 0 ? groups : heads;
+    MT_REQUIRE(heads % tp == 0 && (heads / tp) % a2a == 0 && g % tp == 0 && (g / tp) % a2a == 0,
+               "--cp-comm-type {} exchanges attention heads over {} ranks: --num-attention-heads {} and "
+               "--num-query-groups {} per tensor-parallel rank (tp={}) must be divisible by {}",
+               cp_comm_type_name(o.comm_type), a2a, heads, g, tp, a2a);
+  }
+}
+
+int64_t cp_global_position(int64_t seq, int cp, int rank, int64_t t) {
+  MT_REQUIRE(cp >= 1 && seq % (2 * cp) == 0, "sequence length {} is not divisible by 2 x context-parallel size {}",
+             seq, cp);
+  const int64_t c = seq / (2 * cp);
+  MT_REQUIRE(rank >= 0 && rank < cp && t >= 0 && t < 2 * c, "CP rank {} of {} / local token {} of {} out of range",
+             rank, cp, t, 2 * c);
+  const int64_t chunk = t < c ? rank : 2 * cp - 1 - rank;
+  return chunk * c + t % c;
+}
+
+std::vector<int32_t> cp_positions(int64_t seq, int cp, int rank) {
+  std::vector<int32_t> p(static_cast<size_t>(seq / cp));
+  for (size_t t = 0; t < p.size(); ++t)
+    p[t] = static_cast<int32_t>(cp_global_position(seq, cp, rank, static_cast<int64_t>(t)));
+  return p;
+}
+
+void cp_shard_columns(int32_t* local, const int32_t* full, int64_t batch, int64_t seq, int cp, int rank) {
+  const std::vector<int32_t> pos = cp_positions(seq, cp, rank);
+  const int64_t sl = static_cast<int64_t>(pos.size());
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t t = 0; t < sl; ++t) local[b * sl + t] = full[b * seq + pos[static_cast<size_t>(t)]];
+}
+
+ContextParallelRegion::ContextParallelRegion(std::shared_ptr<Communicator> cp, const ContextParallelOptions& opts,
+                                             int64_t seq, Device device)
+    : cp_(std::move(cp)), opts_(opts), size_(cp_->size()), rank_(cp_->rank()), seq_(seq), device_(device) {
+  MT_REQUIRE(opts.size == size_, "--context-parallel-size {} but the CP group has {} ranks", opts.size, size_);
+  const auto [a, p] = opts_.levels();
+  if (a == size_) {
+    a2a_ = cp_;
+  } else if (a == 1) {
+    a2a_ = std::make_shared<SingleRankCommunicator>("cp-a2a(none)");
+  } else {
+    a2a_ = cp_->split(rank_ / a, rank_ % a, "cp-a2a");
+  }
+  if (p == size_) {
+    p2p_ = cp_;
+  } else if (p == 1) {
+    p2p_ = std::make_shared<SingleRankCommunicator>("cp-p2p(none)");
+  } else {
+    p2p_ = cp_->split(rank_ % a, rank_ / a, "cp-p2p");
+  }
+  std::vector<int32_t> all;
+  for (int r = 0; r < size_; ++r) {
+    const auto pr = cp_positions(seq, size_, r);
+    all.insert(all.end(), pr.begin(), pr.end());
+  }
+  positions_ = Buffer(device, all.size() * sizeof(int32_t));
+  Stream st(device);
+  copy_bytes(positions_.data(), device, all.data(), Device::cpu(), all.size() * sizeof(int32_t), st);
+  st.synchronize();
+}
+
+Tensor ContextParallelRegion::positions(int first, int count) const {
+  MT_CHECK(first >= 0 && count >= 1 && first + count <= size_, "positions of CP ranks [{}, {}) of {}", first,
+           first + count, size_);
+  return positions_.as(DType::kI32, {seq_}).flat_range(first * local_seq(), count * local_seq());
+}
+
+}  // namespace mt

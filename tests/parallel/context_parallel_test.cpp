@@ -1,0 +1,456 @@
+// Context parallelism (parallel/context_parallel.h, model/layers/cp_attention.h): the load-balanced
+// chunk assignment and the per-rank position ids against hand-worked examples; the flag checks
+// (errors before any communication); and N ranks == 1 rank (ranks as threads, CPU, fp32): CP 2 and
+// 4 x --cp-comm-type {p2p, allgather, a2a, a2a+p2p} x {GPT (MHA, learned positions), Llama style
+// (GQA, RoPE)} x {causal, document masks with reset position ids}, and CP with TP + SP, PP (+VPP),
+// DP (+ the distributed optimizer over dp-cp). Three training iterations each; the losses of every
+// iteration, the gradients of the last one and the parameters after it equal the single-rank run
+// (rel. 1e-5).
+#include <gtest/gtest.h>
+
+#include <map>
+#include <mutex>
+
+#include "comm/thread_comm.h"
+#include "model/gpt_model.h"
+#include "ops/context_attention.h"
+#include "ops/elementwise.h"
+#include "optim/grad_sync.h"
+#include "parallel/context_parallel.h"
+#include "parallel/parallel_config.h"
+#include "parallel/process_groups.h"
+#include "shard_gather.h"
+#include "testing/testing.h"
+#include "train/pipeline.h"
+#include "train/train_step.h"
+
+namespace mt {
+namespace {
+
+using testing::OwnedTensor;
+using testing::place;
+
+// ---------------------------------------------------------------------------------------------
+// Layout: hand-worked examples (docs/parallelism.md "Context parallelism").
+// ---------------------------------------------------------------------------------------------
+
+TEST(ContextParallelLayout, ChunkAssignmentHandWorked) {
+  // s = 16, CP 2: chunks of 4; rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2.
+  EXPECT_EQ(cp_positions(16, 2, 0), (std::vector<int32_t>{0, 1, 2, 3, 12, 13, 14, 15}));
+  EXPECT_EQ(cp_positions(16, 2, 1), (std::vector<int32_t>{4, 5, 6, 7, 8, 9, 10, 11}));
+  // s = 16, CP 4: chunks of 2; rank r holds chunks r and 7 - r.
+  EXPECT_EQ(cp_positions(16, 4, 0), (std::vector<int32_t>{0, 1, 14, 15}));
+  EXPECT_EQ(cp_positions(16, 4, 1), (std::vector<int32_t>{2, 3, 12, 13}));
+  EXPECT_EQ(cp_positions(16, 4, 2), (std::vector<int32_t>{4, 5, 10, 11}));
+  EXPECT_EQ(cp_positions(16, 4, 3), (std::vector<int32_t>{6, 7, 8, 9}));
+  EXPECT_EQ(cp_global_position(8, 1, 0, 5), 5);  // CP 1: the identity
+  EXPECT_THROW(cp_global_position(12, 4, 0, 0), Error);  // 12 not divisible by 8
+  EXPECT_THROW(cp_global_position(16, 2, 2, 0), Error);  // rank out of range
+}
+
+TEST(ContextParallelLayout, ShardsTokensPositionsAndDocumentStarts) {
+  // [s = 8, b = 2] tokens t = 10·i + b; CP 2 rank 1 holds positions 2, 3, 4, 5.
+  std::vector<int32_t> full(16), local(8);
+  for (int i = 0; i < 8; ++i)
+    for (int b = 0; b < 2; ++b) full[i * 2 + b] = 10 * i + b;
+  cp_shard_rows(local.data(), full.data(), 8, 2, 2, 1);
+  EXPECT_EQ(local, (std::vector<int32_t>{20, 21, 30, 31, 40, 41, 50, 51}));
+  // Position ids reset at a document starting at 3 (--reset-position-ids): 0 1 2 0 1 2 3 4.
+  const std::vector<int32_t> pos = {0, 1, 2, 0, 1, 2, 3, 4};
+  std::vector<int32_t> pos_local(4);
+  cp_shard_rows(pos_local.data(), pos.data(), 8, 1, 2, 0);  // rank 0: positions 0, 1, 6, 7
+  EXPECT_EQ(pos_local, (std::vector<int32_t>{0, 1, 3, 4}));
+  // doc_start [b = 1, s = 8] = 0 0 0 3 3 3 3 3 (global positions), rank 0 keeps columns 0, 1, 6, 7.
+  const std::vector<int32_t> doc = {0, 0, 0, 3, 3, 3, 3, 3};
+  std::vector<int32_t> doc_local(4);
+  cp_shard_columns(doc_local.data(), doc.data(), 1, 8, 2, 0);
+  EXPECT_EQ(doc_local, (std::vector<int32_t>{0, 0, 3, 3}));
+}
+
+TEST(ContextParallelLayout, BadInputClearErrors) {
+  ContextParallelOptions o;
+  o.size = 4;
+  auto msg = [](const std::function<void()>& f) {
+    try {
+      f();
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  // Sequence length not divisible by 2·CP.
+  EXPECT_NE(msg([&] { validate_context_parallel(o, 12, 8, 8, 1); }).find("--seq-length 12"), std::string::npos);
+  validate_context_parallel(o, 16, 8, 8, 1);  // fine
+  // a2a with heads (per TP rank) not divisible by CP.
+  o.comm_type = CpCommType::kA2A;
+  EXPECT_NE(msg([&] { validate_context_parallel(o, 16, 6, 6, 1); }).find("--num-attention-heads 6"), std::string::npos);
+  EXPECT_THROW(validate_context_parallel(o, 16, 8, 8, 4), Error);  // 2 heads per TP rank, CP 4
+  EXPECT_THROW(validate_context_parallel(o, 16, 8, 2, 1), Error);  // 2 query groups, CP 4
+  validate_context_parallel(o, 16, 8, 4, 1);
+  // Hierarchical sizes that do not multiply to CP, missing, or without a2a+p2p.
+  o.comm_type = CpCommType::kA2AP2P;
+  o.hierarchical_sizes = {2, 3};
+  EXPECT_NE(msg([&] { validate_context_parallel(o, 16, 8, 8, 1); }).find("2 x 3 = 6"), std::string::npos);
+  o.hierarchical_sizes = {};
+  EXPECT_THROW(validate_context_parallel(o, 16, 8, 8, 1), Error);
+  o.hierarchical_sizes = {2, 2};
+  validate_context_parallel(o, 16, 8, 8, 1);
+  EXPECT_THROW(validate_context_parallel(o, 16, 8, 2, 2), Error);  // 1 group per TP rank, a2a level 2
+  o.comm_type = CpCommType::kP2P;
+  EXPECT_THROW(validate_context_parallel(o, 16, 8, 8, 1), Error);
+  EXPECT_THROW(parse_cp_comm_type("ring"), Error);
+  EXPECT_EQ(parse_cp_comm_type("a2a+p2p"), CpCommType::kA2AP2P);
+  EXPECT_EQ(parse_cp_comm_type("allgather"), CpCommType::kAllGather);
+}
+
+TEST(ContextParallelLayout, ModelRejectsBadConfigBeforeCommunication) {
+  // Every rank throws in the GPTModel constructor (validation precedes the group split).
+  for (const auto& [seq, type, dropout] : {std::tuple{10, "p2p", 0.f}, std::tuple{16, "p2p", 0.1f},
+                                            std::tuple{16, "ring", 0.f}}) {
+    int errors = 0;
+    std::mutex mu;
+    run_thread_ranks(2, [&](int, std::shared_ptr<Communicator> world) {
+      ParallelConfig pc;
+      pc.cp = 2;
+      validate_and_derive(pc, 2);
+      const ProcessGroups g = build_process_groups(world, pc);
+      TransformerConfig c;
+      c.num_layers = 1;
+      c.hidden_size = 16;
+      c.num_attention_heads = 4;
+      c.seq_length = seq;
+      c.vocab_size = 32;
+      c.hidden_dropout = c.attention_dropout = dropout;
+      c.cp_comm_type = type;
+      try {
+        GPTModel m(c, 1, DType::kF32, Device::cpu(), g);
+      } catch (const Error&) {
+        std::lock_guard<std::mutex> lock(mu);
+        ++errors;
+      }
+    });
+    EXPECT_EQ(errors, 2) << seq << " " << type << " " << dropout;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The blockwise op: merging two key blocks by their LSE equals one call over all keys.
+// ---------------------------------------------------------------------------------------------
+
+TEST(ContextAttentionOp, MergedBlocksEqualOneCall) {
+  const int64_t sq = 5, sk = 7, b = 2, g = 2, qpg = 2, d = 4, n = g * qpg;
+  const Stream& st = testing::cpu_stream();
+  OwnedTensor qkv = testing::make_tensor(testing::randn(sq * b * g * (qpg + 2) * d), DType::kF32, Device::cpu(),
+                                         {sq, b, g, qpg + 2, d}, st);
+  OwnedTensor kv = testing::make_tensor(testing::randn(sk * b * g * 2 * d), DType::kF32, Device::cpu(),
+                                        {sk, b, g, 2, d}, st);
+  OwnedTensor qp = testing::make_int_tensor({3, 4, 8, 9, 10}, Device::cpu(), {sq}, st);
+  OwnedTensor kp = testing::make_int_tensor({0, 1, 2, 3, 4, 9, 10}, Device::cpu(), {sk}, st);
+  OwnedTensor doc = testing::make_int_tensor({0, 0, 0, 9, 9, 1, 4, 4, 4, 4}, Device::cpu(), {b, sq}, st);
+  ContextAttentionConfig c;
+  c.batch = b;
+  c.groups = g;
+  c.queries_per_group = qpg;
+  c.head_dim = d;
+  c.softmax_scale = 0.5f;
+  c.q_pos = qp.t;
+  c.k_pos = kp.t;
+  c.doc_start = doc.t;
+  OwnedTensor out(DType::kF32, Device::cpu(), {sq, b, n, d}), lse(DType::kF32, Device::cpu(), {sq, b, n});
+  OwnedTensor out2(DType::kF32, Device::cpu(), {sq, b, n, d}), lse2(DType::kF32, Device::cpu(), {sq, b, n});
+  testing::poison(out.t, st);
+  testing::poison(out2.t, st);
+  context_attention_forward(out.t, lse.t, qkv.t, kv.t, c, false, st);
+  // Keys [0, 3) then [3, 7).
+  ContextAttentionConfig c1 = c, c2 = c;
+  c1.k_pos = kp.t.flat_range(0, 3);
+  c2.k_pos = kp.t.flat_range(3, 4);
+  context_attention_forward(out2.t, lse2.t, qkv.t, kv.t.slice0(0, 3), c1, false, st);
+  context_attention_forward(out2.t, lse2.t, qkv.t, kv.t.slice0(3, 7), c2, true, st);
+  EXPECT_LT(testing::rel_err(testing::to_host(out2.t, st), testing::to_host(out.t, st)), 1e-6);
+  EXPECT_LT(testing::rel_err(testing::to_host(lse2.t, st), testing::to_host(lse.t, st)), 1e-6);
+  // A float64 reference of one query row: sample 1, query 2 (position 8, doc start 4), head 3.
+  const auto hq = testing::to_host(qkv.t, st), hkv = testing::to_host(kv.t, st), ho = testing::to_host(out.t, st);
+  const int64_t i = 2, bi = 1, h = 3, grp = h / qpg, qi = h % qpg;
+  const std::vector<int> kpos = {0, 1, 2, 3, 4, 9, 10};
+  std::vector<double> w(sk, 0.0);
+  double mx = -1e30, sum = 0;
+  for (int64_t j = 0; j < sk; ++j) {
+    if (kpos[j] > 8 || kpos[j] < 4) continue;
+    double s = 0;
+    for (int64_t e = 0; e < d; ++e)
+      s += hq[(((i * b + bi) * g + grp) * (qpg + 2) + qi) * d + e] * hkv[(((j * b + bi) * g + grp) * 2) * d + e];
+    w[j] = 0.5 * s;
+    mx = std::max(mx, w[j]);
+  }
+  for (int64_t j = 0; j < sk; ++j) w[j] = (kpos[j] > 8 || kpos[j] < 4) ? 0 : std::exp(w[j] - mx), sum += w[j];
+  for (int64_t e = 0; e < d; ++e) {
+    double o = 0;
+    for (int64_t j = 0; j < sk; ++j) o += w[j] / sum * hkv[(((j * b + bi) * g + grp) * 2 + 1) * d + e];
+    EXPECT_NEAR(ho[((i * b + bi) * n + h) * d + e], o, 1e-5);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// N ranks == 1 rank.
+// ---------------------------------------------------------------------------------------------
+
+constexpr int kIters = 3;
+constexpr int64_t kSeq = 16;
+
+enum class Arch { kGpt, kLlama };
+
+TransformerConfig config(Arch arch) {
+  TransformerConfig c;
+  c.num_layers = 4;
+  c.hidden_size = 16;
+  c.num_attention_heads = 4;
+  c.seq_length = kSeq;
+  c.vocab_size = 61;
+  c.make_vocab_size_divisible_by = 8;
+  c.hidden_dropout = 0.f;
+  c.attention_dropout = 0.f;
+  c.init_method_std = 0.1f;
+  if (arch == Arch::kLlama) {
+    c.hidden_size = 32;
+    c.num_attention_heads = 8;
+    c.num_query_groups = 4;
+    c.ffn_hidden_size = 48;
+    c.gated_linear_unit = true;
+    c.normalization = Normalization::kRMSNorm;
+    c.position_embedding_type = PositionEmbeddingType::kRope;
+    c.rotary_percent = 0.5f;
+    c.untie_embeddings_and_output_weights = true;
+    c.add_bias_linear = false;
+  }
+  return c;
+}
+
+struct Layout {
+  Arch arch = Arch::kGpt;
+  int cp = 1;
+  std::string type = "p2p";
+  std::vector<int> hier;
+  bool docs = false;  // --reset-attention-mask + --reset-position-ids
+  int tp = 1, pp = 1, dp = 1, vpp = 0;
+  bool sp = false, zero = false;
+  std::string name() const {
+    std::string t = type == "a2a+p2p" ? fmt::format("a2a{}p2p{}", hier[0], hier[1]) : type;
+    std::string s = fmt::format("{}cp{}_{}{}_tp{}_pp{}_dp{}", arch == Arch::kGpt ? "gpt_" : "llama_", cp, t,
+                                docs ? "_docs" : "", tp, pp, dp);
+    if (vpp > 0) s += fmt::format("_vpp{}", vpp);
+    if (sp) s += "_sp";
+    if (zero) s += "_distopt";
+    return s;
+  }
+};
+
+struct Data {
+  int64_t mb = 2;
+  int micro_total = 0;
+  std::vector<int32_t> tokens, labels, positions;  // per global micro-batch: [S, mb]
+  std::vector<int32_t> doc;                         // per global micro-batch: [mb, S]
+};
+
+struct Result {
+  std::vector<double> losses;
+  std::map<std::string, std::vector<float>> grads, params;
+};
+
+Result run_layout(const Layout& L, const Data& D) {
+  TransformerConfig c = config(L.arch);
+  c.cp_comm_type = L.type;
+  c.hierarchical_context_parallel_sizes = L.hier;
+  const int64_t S = kSeq, mb = D.mb, sl = S / L.cp;
+  const int world_size = L.tp * L.cp * L.pp * L.dp;
+  const int M = D.micro_total / L.dp;
+  Result out;
+  out.losses.assign(kIters, 0.0);
+  std::mutex mu;
+  run_thread_ranks(world_size, [&](int, std::shared_ptr<Communicator> world) {
+    ParallelConfig pc;
+    pc.tp = L.tp;
+    pc.cp = L.cp;
+    pc.pp = L.pp;
+    pc.vpp = L.vpp;
+    validate_and_derive(pc, world_size);
+    const ProcessGroups g = build_process_groups(world, pc);
+    pipeline::PipelineLayout layout;
+    layout.num_layers = c.num_layers;
+    layout.pp = L.pp;
+    layout.vpp = L.vpp;
+    const int pp_rank = g.pp->rank();
+    const auto ranges = pipeline::layers_of(pp_rank, layout);
+    pipeline::ScheduleConfig sc;
+    sc.pp = L.pp;
+    sc.vpp = L.vpp;
+    sc.num_microbatches = M;
+    const PipelinePlan plan = plan_pipeline(sc, pp_rank, ranges);
+    Stream st(Device::cpu());
+    const int dpcp = g.dp_cp->size();
+    GPTModel model(c, mb, DType::kF32, Device::cpu(), g, L.sp, ParamLayout(dpcp, 0), model_layout(ranges, {&plan}));
+    EXPECT_EQ(model.local_seq_length(), sl);
+    PipelineExecutor executor(model, g.pp, {&plan});
+    // Gradients reduced over dp-cp (Megatron), the distributed optimizer sharded over dp-cp.
+    GradSync sync(model.params(), g.dp_cp, DdpConfig{false, false, L.zero});
+    OptimizerConfig oc;
+    oc.weight_decay = 0.1f;
+    oc.clip_grad = 0.05f;
+    oc.eps = 1e-3f;
+    AdamWOptimizer opt(sync, oc, st, {nullptr, g.mp, g.tp->rank()});
+    model.set_hooks(&sync);
+    model.params().initialize(1234, st);
+    const int d = g.dp->rank(), cpr = g.cp->rank();
+    std::vector<OwnedTensor> own;
+    std::vector<MicroBatch> mbs;
+    for (int m = 0; m < M; ++m) {
+      const int64_t gm = static_cast<int64_t>(m) * L.dp + d;
+      std::vector<int32_t> t(sl * mb), l(sl * mb), p(sl * mb), ds(mb * sl);
+      cp_shard_rows(t.data(), D.tokens.data() + gm * S * mb, S, mb, L.cp, cpr);
+      cp_shard_rows(l.data(), D.labels.data() + gm * S * mb, S, mb, L.cp, cpr);
+      cp_shard_rows(p.data(), D.positions.data() + gm * S * mb, S, mb, L.cp, cpr);
+      cp_shard_columns(ds.data(), D.doc.data() + gm * S * mb, mb, S, L.cp, cpr);
+      own.push_back(testing::make_int_tensor(t, Device::cpu(), {sl, mb}, st));
+      own.push_back(testing::make_int_tensor(l, Device::cpu(), {sl, mb}, st));
+      own.push_back(testing::make_int_tensor(p, Device::cpu(), {sl, mb}, st));
+      own.push_back(testing::make_int_tensor(ds, Device::cpu(), {mb, sl}, st));
+    }
+    for (int m = 0; m < M; ++m) {
+      MicroBatch b{own[4 * m].t, own[4 * m + 1].t, Tensor()};
+      b.position_ids = own[4 * m + 2].t;
+      if (L.docs) b.doc_start = own[4 * m + 3].t;
+      b.loss_weight = 1.0f / static_cast<float>(S * mb * M * L.dp);  // unmasked tokens of the whole sequence
+      mbs.push_back(b);
+    }
+    OwnedTensor loss(DType::kF32, Device::cpu(), {1});
+    for (int it = 0; it < kIters; ++it) {
+      fill(loss, 0.f, st);
+      train_step(model, executor, plan, opt, mbs, {77, it, 1e-2f, d, L.dp}, loss, st);
+      std::lock_guard<std::mutex> lock(mu);
+      if (g.tp->rank() == 0) out.losses[it] += loss.t.data_as<float>()[0];  // sum over CP, DP (last stage)
+    }
+    if ((d != 0 || cpr != 0) && !L.zero) return;
+    const ParamStore& P = model.params();
+    sync.finish_param_sync(st);
+    const std::vector<ParamStore::Range>* owned = L.zero ? &opt.owned_ranges() : nullptr;
+    std::lock_guard<std::mutex> lock(mu);
+    for (size_t i = 0; i < P.size(); ++i) {
+      const auto& info = P.info(i);
+      if (info.shared_embedding_copy) continue;
+      int64_t gnumel = 1;
+      for (auto x : info.global_shape) gnumel *= x;
+      auto& gg = out.grads[info.name];
+      auto& gp = out.params[info.name];
+      gg.resize(gnumel, NAN);
+      gp.resize(gnumel, NAN);
+      place(gg, info, testing::to_host(P.grad(i), st), owned);
+      if (d == 0 && cpr == 0) place(gp, info, testing::to_host(P.main(i), st));
+    }
+  });
+  return out;
+}
+
+Data make_data(int micro_total) {
+  Data D;
+  D.micro_total = micro_total;
+  const int64_t S = kSeq, mb = D.mb;
+  D.tokens = testing::randint(micro_total * mb * S, 0, 61);
+  D.labels = testing::randint(micro_total * mb * S, 0, 61);
+  D.positions.resize(D.tokens.size());
+  D.doc.resize(D.tokens.size());
+  for (int m = 0; m < micro_total; ++m)
+    for (int64_t b = 0; b < mb; ++b) {
+      // Documents of random lengths 1..7 (some cross the CP chunk boundaries).
+      int32_t start = 0;
+      auto len = testing::randint(S, 1, 8);
+      int32_t next = len[0];
+      for (int64_t i = 0, k = 1; i < S; ++i) {
+        if (i == next) {
+          start = next;
+          next += len[k++];
+        }
+        D.doc[(m * mb + b) * S + i] = start;
+      }
+    }
+  return D;
+}
+
+class ContextParallelLayouts : public ::testing::TestWithParam<Layout> {};
+
+TEST_P(ContextParallelLayouts, MatchesSingleRank) {
+  const Layout L = GetParam();
+  Data D = make_data(2 * L.pp * L.dp);
+  const int64_t S = kSeq, mb = D.mb;
+  for (int m = 0; m < D.micro_total; ++m)
+    for (int64_t i = 0; i < S; ++i)
+      for (int64_t b = 0; b < mb; ++b)  // reset position ids with documents, else 0..S-1
+        D.positions[(m * S + i) * mb + b] =
+            static_cast<int32_t>(L.docs ? i - D.doc[(m * mb + b) * S + i] : i);
+  Layout one;
+  one.arch = L.arch;
+  one.docs = L.docs;
+  const Result ref = run_layout(one, D);
+  const Result par = run_layout(L, D);
+  for (int it = 0; it < kIters; ++it) EXPECT_NEAR(par.losses[it], ref.losses[it], 1e-5 * ref.losses[it]) << it;
+  ASSERT_EQ(par.grads.size(), ref.grads.size());
+  for (const auto& [name, gref] : ref.grads) {
+    ASSERT_TRUE(par.grads.count(name)) << name << " missing";
+    ASSERT_TRUE(testing::all_finite(par.grads.at(name))) << name << " not fully gathered";
+    EXPECT_LT(testing::rel_err(par.grads.at(name), gref), 1e-5) << "grad " << name;
+    EXPECT_LT(testing::rel_err(par.params.at(name), ref.params.at(name)), 1e-5) << "param " << name;
+  }
+}
+
+std::vector<Layout> layouts() {
+  std::vector<Layout> v;
+  auto add = [&](Arch arch, int cp, const char* type, std::vector<int> hier, bool docs) {
+    Layout L;
+    L.arch = arch;
+    L.cp = cp;
+    L.type = type;
+    L.hier = std::move(hier);
+    L.docs = docs;
+    v.push_back(L);
+    return &v.back();
+  };
+  // Every comm type at CP 2 and 4, causal and with documents, GPT (MHA) and Llama style (GQA, RoPE).
+  for (Arch arch : {Arch::kGpt, Arch::kLlama})
+    for (bool docs : {false, true}) {
+      for (int cp : {2, 4})
+        for (const char* type : {"p2p", "allgather", "a2a"}) add(arch, cp, type, {}, docs);
+      add(arch, 4, "a2a+p2p", {2, 2}, docs);
+    }
+  // With tensor (+ sequence) parallelism, pipeline (+ interleaving) and data parallelism.
+  Layout* l = add(Arch::kLlama, 2, "p2p", {}, true);
+  l->tp = 2;
+  l->sp = true;
+  l = add(Arch::kLlama, 2, "a2a", {}, false);
+  l->tp = 2;
+  l = add(Arch::kGpt, 2, "allgather", {}, true);
+  l->tp = 2;
+  l->sp = true;
+  l = add(Arch::kGpt, 2, "p2p", {}, true);
+  l->pp = 2;
+  l = add(Arch::kLlama, 2, "p2p", {}, false);
+  l->pp = 2;
+  l->vpp = 2;
+  l = add(Arch::kGpt, 2, "p2p", {}, false);
+  l->dp = 2;
+  l->zero = true;
+  l = add(Arch::kLlama, 2, "a2a", {}, true);
+  l->dp = 2;
+  l = add(Arch::kLlama, 2, "p2p", {}, true);  // TP2 · CP2 · PP2 = 8 ranks
+  l->tp = 2;
+  l->sp = true;
+  l->pp = 2;
+  l = add(Arch::kGpt, 4, "a2a+p2p", {2, 2}, true);
+  l->dp = 2;
+  l->zero = true;
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, ContextParallelLayouts, ::testing::ValuesIn(layouts()),
+                         [](const auto& info) { return info.param.name(); });
+
+}  // namespace
+}  // namespace mt
