@@ -27,10 +27,16 @@ namespace mt {
 /// to keys doc_start[b, i] .. i). loss_weight: weight of one unmasked token's loss in the
 /// iteration's loss (1 / (unmasked tokens of the micro-batch · micro-batches · DP), Megatron's
 /// per-micro-batch mean averaged over micro-batches and DP ranks).
+class InferenceContext;  // model/inference_context.h
+
 struct MicroBatch {
   Tensor tokens, labels, loss_mask;
   Tensor position_ids, doc_start;
   float loss_weight = 1.f;
+  /// Inference (generation) only: the key/value cache the self-attention layers append to and
+  /// attend over, and the position of the first token (model/inference_context.h); nullptr in
+  /// training and plain evaluation.
+  const InferenceContext* inference = nullptr;
 };
 
 /// Where in training a forward/backward runs; keys the dropout masks (docs/architecture.md principle 4).
