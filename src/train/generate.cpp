@@ -192,10 +192,12 @@ int run_generate(const GenerateArgs& args) {
     decode_s += r.decode_seconds;
     for (size_t i = 0; i < part.size() && print; ++i) {
       const auto& t = r.tokens[i];
-      std::vector<int32_t> new_ids(t.begin() + r.prompt_lengths[i], t.end());
-      if (!new_ids.empty() && new_ids.back() == eod) new_ids.pop_back();
-      std::fprintf(stdout, "----- sample %lld -----\n%s%s\n", static_cast<long long>(first + static_cast<int64_t>(i)),
-                   texts[static_cast<size_t>(first) + i].c_str(), tok.decode(new_ids).c_str());
+      // The prompt and its continuation, detokenized together (as Megatron's server returns them).
+      std::vector<int32_t> ids(t.begin(), t.end());
+      if (static_cast<int64_t>(ids.size()) > r.prompt_lengths[i] && ids.back() == eod) ids.pop_back();
+      std::fprintf(stdout, "----- sample %lld -----\n%s\n", static_cast<long long>(first + static_cast<int64_t>(i)),
+                   texts[static_cast<size_t>(first) + i].empty() ? tok.decode(std::vector<int32_t>(ids.begin() + r.prompt_lengths[i], ids.end())).c_str()
+                                                                 : tok.decode(ids).c_str());
     }
     std::fflush(stdout);
   }
