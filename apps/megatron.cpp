@@ -2,6 +2,8 @@
 //   megatron pretrain ...         pretrain a GPT (train/trainer.h)
 //   megatron preprocess-data ...  text/jsonl -> Megatron indexed dataset (data/preprocess.h)
 //   megatron generate ...         sample text from a checkpoint (train/generate.h)
+//   megatron serve ...            text-generation HTTP server (train/serve.h; with cpp-httplib)
+//   megatron evaluate ...         validation loss, WIKITEXT103 perplexity, LAMBADA (train/evaluate.h)
 //   megatron import-hf / export-hf  Hugging Face checkpoints in and out (train/hf_commands.h)
 #include <CLI/CLI.hpp>
 #include <cstdio>
@@ -12,8 +14,12 @@
 #include "core/check.h"
 #include "data/preprocess_cli.h"
 #include "train/arguments.h"
+#include "train/evaluate.h"
 #include "train/generate.h"
 #include "train/hf_commands.h"
+#ifdef MT_WITH_HTTPLIB
+#include "train/serve.h"
+#endif
 #include "train/trainer.h"
 
 int main(int argc, char** argv) {
@@ -32,6 +38,17 @@ int main(int argc, char** argv) {
   mt::GenerateArgs generate_args;
   CLI::App* generate = app.add_subcommand("generate", "Sample text from a checkpoint");
   mt::add_generate_options(*generate, generate_args);
+
+  mt::EvaluateArgs evaluate_args;
+  CLI::App* evaluate =
+      app.add_subcommand("evaluate", "Zero-shot evaluation: validation loss, WIKITEXT103 perplexity, LAMBADA accuracy");
+  mt::add_evaluate_options(*evaluate, evaluate_args);
+
+#ifdef MT_WITH_HTTPLIB
+  mt::ServeArgs serve_args;
+  CLI::App* serve = app.add_subcommand("serve", "Text-generation server: Megatron's PUT /api and POST /v1/completions");
+  mt::add_serve_options(*serve, serve_args);
+#endif
 
   mt::ImportHfArgs import_args;
   CLI::App* import_hf = app.add_subcommand("import-hf", "Hugging Face model directory -> megatron.cpp checkpoint");
@@ -55,6 +72,16 @@ int main(int argc, char** argv) {
       // Our local launcher: start N ranks of this same command on this machine.
       return mt::launch_local(pretrain_args.nproc_per_node, argc, argv, mt::resolve_device(pretrain_args.device));
     }
+    if (generate->parsed() && generate_args.nproc_per_node > 1 &&
+        mt::read_launch_env().launcher == mt::LaunchEnv::kNone)
+      return mt::launch_local(generate_args.nproc_per_node, argc, argv, mt::resolve_device(generate_args.device));
+    if (evaluate->parsed() && evaluate_args.nproc_per_node > 1 &&
+        mt::read_launch_env().launcher == mt::LaunchEnv::kNone)
+      return mt::launch_local(evaluate_args.nproc_per_node, argc, argv, mt::resolve_device(evaluate_args.device));
+    if (evaluate->parsed()) rc = mt::run_evaluate(evaluate_args);
+#ifdef MT_WITH_HTTPLIB
+    if (serve->parsed()) rc = mt::run_serve(serve_args);
+#endif
     if (pretrain->parsed()) rc = mt::run_pretrain(pretrain_args);
     if (generate->parsed()) rc = mt::run_generate(generate_args);
     if (import_hf->parsed()) rc = mt::run_import_hf(import_args);

@@ -3,7 +3,7 @@
 # packages already present. The CUDA toolkit is optional and auto-detected in /usr/local/cuda.
 set -euo pipefail
 pkgs=(build-essential cmake libopenblas-dev libcli11-dev nlohmann-json3-dev libfmt-dev libgtest-dev
-      libopenmpi-dev openmpi-bin pkg-config libsentencepiece-dev)
+      libopenmpi-dev openmpi-bin pkg-config libsentencepiece-dev libcpp-httplib-dev)
 command -v npm >/dev/null 2>&1 || pkgs+=(npm)
 missing=()
 for p in "${pkgs[@]}"; do

@@ -101,6 +101,24 @@ ContextParallelOptions GPTModel::validate_context_parallel(const TransformerConf
 
 GPTModel::GPTModel(const TransformerConfig& config, int64_t micro_batch, DType dtype, Device device,
                    ProcessGroups groups, bool sequence_parallel, ParamLayout param_layout, ModelLayout layout)
+    : GPTModel(config, micro_batch, dtype, device, std::move(groups), sequence_parallel, param_layout,
+               std::move(layout), nullptr) {}
+
+std::unique_ptr<GPTModel> GPTModel::planned_for(int64_t seq_length, int64_t micro_batch) const {
+  TransformerConfig c = config_;
+  c.seq_length = seq_length;
+  ModelLayout layout;
+  for (ModelChunk ch : chunk_specs_) {
+    ch.inputs = ch.loss_slots = 1;
+    layout.chunks.push_back(ch);
+  }
+  return std::unique_ptr<GPTModel>(new GPTModel(c, micro_batch, dtype_, device_, groups_, /*sequence_parallel=*/false,
+                                                params_->layout(), std::move(layout), params_));
+}
+
+GPTModel::GPTModel(const TransformerConfig& config, int64_t micro_batch, DType dtype, Device device,
+                   ProcessGroups groups, bool sequence_parallel, ParamLayout param_layout, ModelLayout layout,
+                   std::shared_ptr<ParamStore> shared)
     : config_(config),
       micro_batch_(micro_batch),
       dtype_(dtype),
@@ -154,7 +172,8 @@ GPTModel::GPTModel(const TransformerConfig& config, int64_t micro_batch, DType d
   }
   parts_ = std::make_unique<Parts>(config_, tp_, expert, ranges, fast_flash, cp_.get());
   flash_ = get_gpt_layer_local_spec(config_, fast_flash).core_attention == CoreAttentionKind::kFlash;
-  params_ = std::make_unique<ParamStore>(parts_->registry.specs(), dtype, device, param_layout);
+  params_ = shared ? std::move(shared)
+                   : std::make_shared<ParamStore>(parts_->registry.specs(), dtype, device, param_layout);
   parts_->registry.bind(*params_);
   if (config_.tied_output()) {
     word_embedding_index_ = parts_->embedding ? parts_->embedding->word_embeddings().index

@@ -37,6 +37,12 @@ class GPTModel final : public LanguageModel {
   GPTModel(const TransformerConfig& config, int64_t micro_batch, DType dtype, Device device, ProcessGroups groups,
            bool sequence_parallel = false, ParamLayout param_layout = {}, ModelLayout layout = {});
   ~GPTModel() override;
+  /// A model with the same chunks and the same parameters as this one (shared, not copied: it
+  /// reads this model's ParamStore, which must outlive it), planned for `micro_batch` sequences of
+  /// `seq_length` tokens, one activation slot, without sequence parallelism. For inference: a
+  /// prefill model (prompt length) and a decode model (1 token) beside the training-shaped one
+  /// (train/inference.h). Errors: as the constructor (e.g. seq_length beyond the learned positions).
+  std::unique_ptr<GPTModel> planned_for(int64_t seq_length, int64_t micro_batch) const;
   GPTModel(const GPTModel&) = delete;
   GPTModel& operator=(const GPTModel&) = delete;
 
@@ -103,6 +109,8 @@ class GPTModel final : public LanguageModel {
 
  private:
   struct Parts;  // the modules and their registry
+  GPTModel(const TransformerConfig& config, int64_t micro_batch, DType dtype, Device device, ProcessGroups groups,
+           bool sequence_parallel, ParamLayout param_layout, ModelLayout layout, std::shared_ptr<ParamStore> shared);
   struct ChunkState;
   void plan(BufferPlanner& planner);
   void check_buffers(int c, const ChunkBuffers& buf) const;  // errors naming an index out of range
@@ -118,7 +126,7 @@ class GPTModel final : public LanguageModel {
   TensorParallelRegion tp_;
   std::unique_ptr<ContextParallelRegion> cp_;  // CP > 1 only
   std::unique_ptr<Parts> parts_;
-  std::unique_ptr<ParamStore> params_;
+  std::shared_ptr<ParamStore> params_;  // shared with the models planned_for() makes
   std::unique_ptr<BufferPlanner> planner_;
   std::vector<ModelChunk> chunk_specs_;
   std::vector<ChunkState> chunks_;

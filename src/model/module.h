@@ -21,6 +21,8 @@
 
 namespace mt {
 
+class InferenceContext;  // model/inference_context.h
+
 /// One micro-batch on the model's device. tokens, labels: int32 [s, b]; loss_mask: fp32 [s, b]
 /// or empty (all ones); position_ids: int32 [s, b] or empty (0..s-1, --reset-position-ids fills
 /// it); doc_start: int32 [b, s] or empty (plain causal; --reset-attention-mask: query i attends
@@ -35,6 +37,10 @@ struct MicroBatch {
   Tensor position_ids, doc_start;
   float loss_weight = 1.f;
   float aux_loss_weight = 1.f;
+  /// Inference (generation) only: the key/value cache the self-attention layers append to and
+  /// attend over, and the position of the first token (model/inference_context.h); nullptr in
+  /// training and plain evaluation.
+  const InferenceContext* inference = nullptr;
 };
 
 /// Where in training a forward/backward runs; keys the dropout masks (docs/architecture.md principle 4).

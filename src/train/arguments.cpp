@@ -298,8 +298,25 @@ void add_generate_options(CLI::App& app, GenerateArgs& a) {
   app.add_option("--tokenizer-model", a.tokenizer_model,
                  "tokenizer.json (HuggingFaceTokenizer) or SentencePiece model; default: the files import-hf "
                  "stored beside the checkpoint");
-  app.add_option("--prompt", a.prompt, "Text to continue")->capture_default_str();
-  app.add_option("--out-seq-length", a.out_seq_length, "Tokens to generate")->capture_default_str();
+  app.add_option("--prompt", a.prompts, "Text to continue (repeat for a batch of prompts)")
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
+  app.add_option("--prompt-file", a.prompt_file, "File with one prompt per line (added to --prompt)");
+  app.add_option("--out-seq-length,--max-new-tokens", a.out_seq_length, "Tokens to generate per prompt")
+      ->capture_default_str();
+  app.add_option("--micro-batch-size", a.micro_batch_size, "Prompts generated together (0 = all)")
+      ->capture_default_str();
+  app.add_option("--seq-length", a.seq_length,
+                 "Context length: prompt + generated tokens (0 = the checkpoint's --seq-length)")
+      ->capture_default_str();
+  app.add_flag("--no-kv-cache", a.no_kv_cache, "Recompute the whole prefix for every token (reference path)");
+  app.add_option("--tensor-model-parallel-size", a.tensor_model_parallel_size, "Tensor-parallel size")
+      ->capture_default_str();
+  app.add_option("--pipeline-model-parallel-size", a.pipeline_model_parallel_size, "Pipeline-parallel size")
+      ->capture_default_str();
+  app.add_option("--nproc-per-node", a.nproc_per_node, "Start N ranks on this machine (local launcher)")
+      ->capture_default_str();
+  app.add_flag("--bf16", a.bf16, "bf16 weights and activations (CUDA)");
+  app.add_flag("--fp16", a.fp16, "fp16 weights and activations (CUDA)");
   app.add_option("--temperature", a.temperature, "Sampling temperature")->capture_default_str();
   app.add_option("--top-k", a.top_k, "Sample from the k most likely tokens (0 = off)")->capture_default_str();
   app.add_option("--top-p", a.top_p, "Nucleus sampling probability mass (0 = off)")->capture_default_str();

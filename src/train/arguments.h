@@ -112,8 +112,16 @@ struct GenerateArgs {
   std::string vocab_file, merge_file;  ///< --vocab-file --merge-file (GPT-2 BPE)
   std::string tokenizer_type = "HuggingFaceTokenizer";  ///< --tokenizer-type (with --tokenizer-model)
   std::string tokenizer_model;      ///< --tokenizer-model
-  std::string prompt = "";          ///< --prompt
-  int64_t out_seq_length = 64;      ///< --out-seq-length: tokens to generate
+  std::vector<std::string> prompts;  ///< --prompt (repeatable: one batch row each)
+  std::string prompt_file;          ///< --prompt-file: one prompt per line
+  int64_t out_seq_length = 64;      ///< --out-seq-length / --max-new-tokens: tokens to generate
+  int64_t micro_batch_size = 0;     ///< --micro-batch-size: prompts per batch (0 = all)
+  int64_t seq_length = 0;           ///< --seq-length: context (prompt + new tokens); 0 = the checkpoint's
+  bool no_kv_cache = false;         ///< --no-kv-cache: recompute the prefix for every token (reference)
+  int tensor_model_parallel_size = 1;    ///< --tensor-model-parallel-size
+  int pipeline_model_parallel_size = 1;  ///< --pipeline-model-parallel-size
+  int nproc_per_node = 1;           ///< --nproc-per-node (local launcher)
+  bool bf16 = false, fp16 = false;  ///< --bf16 / --fp16 (CUDA)
   float temperature = 1.0f;         ///< --temperature
   int64_t top_k = 0;                ///< --top-k (0 = off)
   float top_p = 0.f;                ///< --top-p (0 = off)

@@ -14,6 +14,11 @@
 #include "model/gpt_model.h"
 #include "train/checkpoint.h"
 #include "train/trainer.h"
+#include "train/inference.h"
+#include "comm/bootstrap.h"
+#include "parallel/parallel_config.h"
+#include "parallel/process_groups.h"
+#include <fstream>
 
 namespace mt {
 
@@ -61,12 +66,32 @@ namespace {
 /// --vocab-file/--merge-file (GPT-2 BPE), --tokenizer-type/--tokenizer-model, or the tokenizer files
 /// import-hf stored beside the checkpoint.
 std::unique_ptr<data::Tokenizer> generation_tokenizer(const GenerateArgs& a, int64_t checkpoint_vocab) {
+  return inference_tokenizer(a.load, a.vocab_file, a.merge_file, a.tokenizer_type, a.tokenizer_model,
+                             checkpoint_vocab);
+}
+
+std::vector<std::string> read_prompts(const GenerateArgs& a) {
+  std::vector<std::string> prompts = a.prompts;
+  if (!a.prompt_file.empty()) {
+    std::ifstream f(a.prompt_file);
+    MT_REQUIRE(f.good(), "--prompt-file '{}' cannot be read", a.prompt_file);
+    for (std::string line; std::getline(f, line);)
+      if (!line.empty()) prompts.push_back(line);
+  }
+  if (prompts.empty()) prompts.push_back("");
+  return prompts;
+}
+}  // namespace
+
+std::unique_ptr<data::Tokenizer> inference_tokenizer(const std::string& load, const std::string& vocab_file,
+                                                     const std::string& merge_file, const std::string& tokenizer_type,
+                                                     const std::string& tokenizer_model, int64_t checkpoint_vocab) {
   namespace fs = std::filesystem;
-  if (a.tokenizer_type == "NullTokenizer") return data::make_tokenizer("NullTokenizer", "", "", "", checkpoint_vocab);
-  if (!a.vocab_file.empty() || !a.merge_file.empty())
-    return data::make_tokenizer("GPT2BPETokenizer", a.vocab_file, a.merge_file, "", 0);
-  if (!a.tokenizer_model.empty()) return data::make_tokenizer(a.tokenizer_type, "", "", a.tokenizer_model, 0);
-  const fs::path assets = hf_assets_dir(a.load);
+  if (tokenizer_type == "NullTokenizer") return data::make_tokenizer("NullTokenizer", "", "", "", checkpoint_vocab);
+  if (!vocab_file.empty() || !merge_file.empty())
+    return data::make_tokenizer("GPT2BPETokenizer", vocab_file, merge_file, "", 0);
+  if (!tokenizer_model.empty()) return data::make_tokenizer(tokenizer_type, "", "", tokenizer_model, 0);
+  const fs::path assets = hf_assets_dir(load);
   if (fs::is_regular_file(assets / "tokenizer.json"))
     return data::make_tokenizer("HuggingFaceTokenizer", "", "", (assets / "tokenizer.json").string(), 0);
   if (fs::is_regular_file(assets / "vocab.json") && fs::is_regular_file(assets / "merges.txt"))
@@ -74,67 +99,112 @@ std::unique_ptr<data::Tokenizer> generation_tokenizer(const GenerateArgs& a, int
                                 (assets / "merges.txt").string(), "", 0);
   MT_FAIL("no tokenizer: give --vocab-file and --merge-file, or --tokenizer-type and --tokenizer-model (the "
           "checkpoint '{}' has no Hugging Face tokenizer files in {})",
-          a.load, assets.string());
+          load, assets.string());
 }
-}  // namespace
+
+InferenceModel load_inference_model(const InferenceModelOptions& o) {
+  InferenceModel r;
+  const LaunchEnv env = read_launch_env();
+  r.device = resolve_device(o.device);
+  if (r.device.is_cuda() && env.world_size > 1) r.device = local_device(DeviceType::kCUDA, env);
+  set_current_device(r.device);
+  MT_REQUIRE(!(o.bf16 && o.fp16), "--bf16 and --fp16 exclude each other");
+  const DType dt = o.bf16 ? DType::kBF16 : (o.fp16 ? DType::kF16 : DType::kF32);
+  MT_REQUIRE(r.device.is_cuda() || dt == DType::kF32, "--{} needs a CUDA device; the CPU backend runs in fp32",
+             o.bf16 ? "bf16" : "fp16");
+  MT_REQUIRE(o.tp >= 1 && o.pp >= 1, "--tensor-model-parallel-size {} and --pipeline-model-parallel-size {} must be "
+             ">= 1", o.tp, o.pp);
+  r.world = init_world(r.device, env, 10.0);
+  if (r.world->rank() != 0) set_log_level(LogLevel::kWarn);
+  r.state = read_checkpoint_state(o.load);
+  TransformerConfig cfg = r.state.model;
+  if (o.seq_length > 0) cfg.seq_length = o.seq_length;
+  MT_REQUIRE(cfg.seq_length >= 2, "--seq-length must be >= 2, got {}", cfg.seq_length);
+  ParallelConfig pc;
+  pc.tp = o.tp;
+  pc.pp = o.pp;
+  validate_and_derive(pc, r.world->size());
+  MT_REQUIRE(pc.dp == 1, "{} ranks for tensor-parallel {} x pipeline-parallel {}: inference uses tp x pp ranks exactly",
+             r.world->size(), o.tp, o.pp);
+  r.groups = build_process_groups(r.world, pc);
+  pipeline::PipelineLayout layout;
+  layout.num_layers = cfg.num_layers;
+  layout.pp = o.pp;
+  pipeline::validate_pipeline_layout(layout);
+  ModelLayout ml;
+  for (const auto& range : pipeline::layers_of(r.groups.pp->rank(), layout)) ml.chunks.push_back({range, 1, 1});
+  r.stream = std::make_unique<Stream>(r.device);
+  r.model = std::make_unique<GPTModel>(cfg, o.micro_batch, dt, r.device, r.groups, false, ParamLayout{}, ml);
+  load_checkpoint(o.load, r.model->params(), nullptr, *r.stream);
+  r.config = cfg;
+  return r;
+}
 
 int run_generate(const GenerateArgs& args) {
-  const Device device = resolve_device(args.device);
-  set_current_device(device);
   MT_REQUIRE(args.out_seq_length > 0, "--out-seq-length must be positive, got {}", args.out_seq_length);
-  CheckpointState st = read_checkpoint_state(args.load);
-  const std::unique_ptr<data::Tokenizer> tok_ptr = generation_tokenizer(args, st.model.vocab_size);
+  MT_REQUIRE(args.num_samples >= 1, "--num-samples must be >= 1, got {}", args.num_samples);
+  MT_REQUIRE(args.micro_batch_size >= 0, "--micro-batch-size must be >= 0, got {}", args.micro_batch_size);
+  InferenceModelOptions o;
+  o.load = args.load;
+  o.device = args.device;
+  o.tp = args.tensor_model_parallel_size;
+  o.pp = args.pipeline_model_parallel_size;
+  o.bf16 = args.bf16;
+  o.fp16 = args.fp16;
+  o.seq_length = args.seq_length;
+  InferenceModel im = load_inference_model(o);
+  const std::unique_ptr<data::Tokenizer> tok_ptr = generation_tokenizer(args, im.state.model.vocab_size);
   const data::Tokenizer& tok = *tok_ptr;
   // A model may have more embedding rows than its tokenizer has tokens (Hugging Face models).
-  MT_REQUIRE(st.model.vocab_size >= tok.vocab_size(), "checkpoint vocabulary {} is smaller than the tokenizer's {}",
-             st.model.vocab_size, tok.vocab_size());
+  MT_REQUIRE(im.state.model.vocab_size >= tok.vocab_size(), "checkpoint vocabulary {} is smaller than the tokenizer's {}",
+             im.state.model.vocab_size, tok.vocab_size());
   int32_t eod = -1;
   try {
     eod = tok.eod();
   } catch (const Error&) {  // a tokenizer without an end-of-document token: stop at the length only
   }
-  // The context the model is planned for: the prompt and the new tokens, at most the trained length.
-  const int64_t prompt_tokens = std::max<int64_t>(static_cast<int64_t>(tok.encode(args.prompt).size()), 1);
-  TransformerConfig cfg = st.model;
-  cfg.seq_length = std::min(cfg.seq_length, prompt_tokens + args.out_seq_length);
-  Stream stream(device);
-  GPTModel model(cfg, 1, DType::kF32, device, ProcessGroups::single());
-  load_checkpoint(args.load, model.params(), nullptr, stream);
-  const int64_t S = cfg.seq_length, V = cfg.vocab_size, Vp = model.padded_vocab();
-
-  Buffer tok_host(Device::cpu(), static_cast<size_t>(S) * 4);
-  Buffer tok_dev(device, static_cast<size_t>(S) * 4);
-  Tensor tokens = tok_dev.as(DType::kI32, {S, 1});
-  std::mt19937_64 rng(args.seed);
-  std::vector<float> row(static_cast<size_t>(Vp));
-  for (int64_t sample = 0; sample < args.num_samples; ++sample) {
-    std::vector<int32_t> ids = tok.encode(args.prompt);
+  std::vector<std::string> texts;
+  for (const std::string& p : read_prompts(args))
+    for (int64_t k = 0; k < args.num_samples; ++k) texts.push_back(p);
+  std::vector<std::vector<int32_t>> prompts;
+  for (const auto& t : texts) {
+    std::vector<int32_t> ids = tok.encode(t);
     if (ids.empty()) ids.push_back(eod >= 0 ? eod : 0);
-    const size_t prompt_len = ids.size();
-    for (int64_t t = 0; t < args.out_seq_length; ++t) {
-      // Causal attention: positions < len see only the (last S) tokens; the rest is padding.
-      const size_t start = ids.size() > static_cast<size_t>(S) ? ids.size() - S : 0;
-      const int64_t len = static_cast<int64_t>(ids.size() - start);
-      int32_t* h = static_cast<int32_t*>(tok_host.data());
-      for (int64_t i = 0; i < S; ++i) h[i] = i < len ? ids[start + i] : (eod >= 0 ? eod : 0);
-      copy_bytes(tok_dev.data(), device, h, Device::cpu(), static_cast<size_t>(S) * 4, stream);
-      MicroBatch mb;
-      mb.tokens = tokens;
-      model.forward(mb, DropoutContext{0, 0, 0, false}, Tensor(), 0.f, stream, /*compute_loss=*/false);
-      const Tensor logits = model.logits();  // [S, Vp], fp32
-      copy_bytes(row.data(), Device::cpu(), static_cast<float*>(logits.data()) + (len - 1) * Vp, device,
-                 static_cast<size_t>(Vp) * 4, stream);
-      stream.synchronize();
-      const std::vector<float> lv = vocab_logits(row.data(), Vp, V);
-      int32_t next = sample_token(lv, args.greedy, args.temperature, args.top_k, args.top_p, rng);
-      if (next == eod) break;
-      ids.push_back(next);
+    prompts.push_back(std::move(ids));
+  }
+  const int64_t n = static_cast<int64_t>(prompts.size());
+  const int64_t batch = args.micro_batch_size > 0 ? std::min(args.micro_batch_size, n) : n;
+  TextGenerator gen(*im.model, batch, im.config.seq_length, *im.stream);
+  GenerationOptions go;
+  go.max_new_tokens = args.out_seq_length;
+  go.sampling = {args.greedy, args.temperature, args.top_k, args.top_p, args.seed};
+  go.eod = eod;
+  go.use_cache = !args.no_kv_cache;
+  const bool print = im.world->rank() == 0;
+  int64_t total_new = 0;
+  double total_s = 0, decode_s = 0;
+  for (int64_t first = 0; first < n; first += batch) {
+    const std::vector<std::vector<int32_t>> part(prompts.begin() + first, prompts.begin() + std::min(n, first + batch));
+    go.sampling.seed = args.seed + static_cast<uint64_t>(first);
+    const GenerationResult r = gen.generate(part, go);
+    total_new += r.generated_tokens;
+    total_s += r.prefill_seconds + r.decode_seconds;
+    decode_s += r.decode_seconds;
+    for (size_t i = 0; i < part.size() && print; ++i) {
+      const auto& t = r.tokens[i];
+      // The prompt and its continuation, detokenized together (as Megatron's server returns them).
+      std::vector<int32_t> ids(t.begin(), t.end());
+      if (static_cast<int64_t>(ids.size()) > r.prompt_lengths[i] && ids.back() == eod) ids.pop_back();
+      std::fprintf(stdout, "----- sample %lld -----\n%s\n", static_cast<long long>(first + static_cast<int64_t>(i)),
+                   texts[static_cast<size_t>(first) + i].empty() ? tok.decode(std::vector<int32_t>(ids.begin() + r.prompt_lengths[i], ids.end())).c_str()
+                                                                 : tok.decode(ids).c_str());
     }
-    std::vector<int32_t> gen(ids.begin() + static_cast<std::ptrdiff_t>(prompt_len), ids.end());
-    std::fprintf(stdout, "----- sample %lld -----\n%s%s\n", static_cast<long long>(sample), args.prompt.c_str(),
-                 tok.decode(gen).c_str());
     std::fflush(stdout);
   }
+  if (print)
+    std::fprintf(stderr, "generated %lld tokens in %.3f s: %.1f tokens/s (batch %lld, %s)\n",
+                 static_cast<long long>(total_new), total_s, total_s > 0 ? total_new / total_s : 0.0,
+                 static_cast<long long>(batch), args.no_kv_cache ? "no KV cache" : "KV cache");
   return 0;
 }
 

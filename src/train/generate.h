@@ -1,11 +1,15 @@
 // `megatron generate`: sample text from a checkpoint (greedy, temperature, top-k, top-p).
-// Recomputes the full (causal) forward for every new token; no KV cache yet.
+// Batched, with a key/value cache under any TP x PP layout (train/inference.h).
 #pragma once
 #include <cstdint>
 #include <random>
 #include <vector>
 
+#include "comm/communicator.h"
+#include "data/tokenizer.h"
+#include "model/gpt_model.h"
 #include "train/arguments.h"
+#include "train/checkpoint.h"
 
 namespace mt {
 
@@ -22,6 +26,37 @@ int32_t sample_token(const std::vector<float>& logits, bool greedy, float temper
 std::vector<float> vocab_logits(const float* row, int64_t padded_vocab, int64_t vocab_size);
 
 int run_generate(const GenerateArgs& args);
+
+/// A checkpoint loaded for inference (generate, evaluate, serve) under a TP x PP layout, with
+/// the world communicator of the launcher (torchrun / mpirun / Slurm / --nproc-per-node) and the
+/// process groups. The model is planned for micro_batch sequences of config.seq_length tokens.
+struct InferenceModelOptions {
+  std::string load;
+  std::string device = "auto";
+  int tp = 1, pp = 1;
+  bool bf16 = false, fp16 = false;
+  int64_t seq_length = 0;  ///< 0: the checkpoint's
+  int64_t micro_batch = 1;
+};
+struct InferenceModel {
+  Device device;
+  std::shared_ptr<Communicator> world;
+  ProcessGroups groups;
+  CheckpointState state;
+  TransformerConfig config;  ///< the checkpoint's, with the seq_length used
+  std::unique_ptr<Stream> stream;
+  std::unique_ptr<GPTModel> model;
+};
+/// Errors: mt::Error for a missing/corrupt checkpoint, a layout that does not match the ranks
+/// (tp·pp must equal the world size), the model's constraints (heads divisible by tp, ...).
+InferenceModel load_inference_model(const InferenceModelOptions& options);
+
+/// The tokenizer for inference: --vocab-file/--merge-file (GPT-2 BPE), --tokenizer-type +
+/// --tokenizer-model, NullTokenizer (checkpoint_vocab ids), or the Hugging Face tokenizer files
+/// import-hf stored beside the checkpoint. Errors: mt::Error when none is found.
+std::unique_ptr<data::Tokenizer> inference_tokenizer(const std::string& load, const std::string& vocab_file,
+                                                     const std::string& merge_file, const std::string& tokenizer_type,
+                                                     const std::string& tokenizer_model, int64_t checkpoint_vocab);
 
 /// `megatron logits`: the model's fp32 logits for one sequence of token ids (for checks against
 /// other implementations, e.g. tools/hf_check.py). Writes [T, vocab_size] little-endian fp32 (no

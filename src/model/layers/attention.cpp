@@ -4,6 +4,8 @@
 #include <cmath>
 
 #include "model/layers/cp_attention.h"
+#include "model/inference_context.h"
+#include "ops/kv_cache_attention.h"
 #include "ops/rope.h"
 
 namespace mt {
@@ -157,6 +159,7 @@ SelfAttention::SelfAttention(const TransformerConfig& c, const LayerSpec& spec, 
                              const TensorParallelRegion& tp, ParamRegistry& reg)
     : config_(c),
       tp_(tp),
+      layer_(layer),
       queries_per_group_(c.num_attention_heads / c.query_groups()),
       local_groups_(c.query_groups() / tp.size()),
       head_dim_(c.head_dim()),
@@ -223,7 +226,16 @@ Tensor SelfAttention::forward(const StepContext& ctx) {
     k_layernorm_->forward(heads(qkv_in, true), heads(raw, true), ctx);
   }
   if (rope_) rope_forward(qkv_in, ctx.batch.position_ids, rope_config(config_, queries_per_group_), ctx.stream);
-  core_attention_->forward(linear_proj_.input(ctx.slot), qkv_in, ctx);
+  if (const InferenceContext* inf = ctx.batch.inference) {
+    const KvCache::Layer& kv = inf->cache().layer(layer_);
+    KvCacheAttentionConfig kc;
+    kc.offset = inf->sequence_len_offset;
+    kc.softmax_scale = 1.0f / std::sqrt(static_cast<float>(head_dim_));
+    kv_cache_attention_forward(linear_proj_.input(ctx.slot), qkv_in, kv.key.slice(0, 0, qkv_in.size(1)),
+                               kv.value.slice(0, 0, qkv_in.size(1)), kc, ctx.stream);
+  } else {
+    core_attention_->forward(linear_proj_.input(ctx.slot), qkv_in, ctx);
+  }
   return linear_proj_.forward(ctx);
 }
 

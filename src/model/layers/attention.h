@@ -87,7 +87,10 @@ class SelfAttention {
   void plan(BufferPlanner& planner, int64_t s, int64_t b);
   /// Where the input layernorm writes the block's input [s_l, b, h] for `area`.
   Tensor input(int area) const { return linear_qkv_.input(area); }
-  /// Returns the block's output [s_l, b, h] before the output bias (a scratch view).
+  /// Returns the block's output [s_l, b, h] before the output bias (a scratch view). With
+  /// ctx.batch.inference (generation) the core attention is replaced by the key/value-cache
+  /// attention (ops/kv_cache_attention.h): the new keys/values are appended to this layer's cache
+  /// at the context's offset and the queries attend over the cache (no dropout, no backward).
   Tensor forward(const StepContext& ctx);
   /// From dy [s_l, b, h]: returns dL/d(input) [s_l, b, h] (a scratch view). With `defer`, the
   /// weight gradients of linear_proj and linear_qkv are held back there.
@@ -100,6 +103,7 @@ class SelfAttention {
   Tensor heads(const Tensor& qkv, bool keys) const;
   const TransformerConfig& config_;
   const TensorParallelRegion& tp_;
+  int64_t layer_;
   int64_t queries_per_group_, local_groups_, head_dim_;
   bool rope_;
   ColumnParallelLinear linear_qkv_;

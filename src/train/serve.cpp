@@ -1,0 +1,275 @@
+#include "train/serve.h"
+
+#include <httplib.h>
+
+#include <atomic>
+#include <chrono>
+#include <fstream>
+#include <mutex>
+
+#include "core/logging.h"
+#include "train/generate.h"
+#include "train/inference.h"
+
+namespace mt {
+
+namespace {
+
+/// A client error: HTTP 400 with this message.
+struct BadRequest : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+template <typename T>
+T field(const nlohmann::json& j, const char* key, T fallback) {
+  if (!j.contains(key) || j[key].is_null()) return fallback;
+  try {
+    return j[key].get<T>();
+  } catch (const std::exception&) {
+    throw BadRequest(fmt::format("'{}' has the wrong type: {}", key, j[key].dump()));
+  }
+}
+
+std::vector<std::string> prompt_list(const nlohmann::json& v, const char* key) {
+  std::vector<std::string> out;
+  if (v.is_string()) return {v.get<std::string>()};
+  if (!v.is_array()) throw BadRequest(fmt::format("'{}' must be a string or a list of strings", key));
+  for (const auto& p : v) {
+    if (!p.is_string()) throw BadRequest(fmt::format("'{}' must contain strings only", key));
+    out.push_back(p.get<std::string>());
+  }
+  return out;
+}
+
+class Server {
+ public:
+  Server(const ServeArgs& a, InferenceModel im, std::unique_ptr<data::Tokenizer> tok)
+      : args_(a), im_(std::move(im)), tok_(std::move(tok)),
+        gen_(*im_.model, a.micro_batch_size, im_.config.seq_length, *im_.stream) {
+    try {
+      eod_ = tok_->eod();
+    } catch (const Error&) {
+    }
+  }
+
+  struct Output {
+    std::vector<std::vector<int32_t>> tokens;  // prompt + new
+    std::vector<int64_t> prompt_tokens;
+  };
+
+  /// Runs one request's prompts (queued behind other requests).
+  Output generate(const std::vector<std::string>& prompts, int64_t new_tokens, const SamplingOptions& s) {
+    if (prompts.empty()) throw BadRequest("prompts is empty");
+    if (static_cast<int64_t>(prompts.size()) > args_.max_prompts)
+      throw BadRequest(fmt::format("{} prompts; the maximum is {}", prompts.size(), args_.max_prompts));
+    if (new_tokens < 0) throw BadRequest(fmt::format("tokens_to_generate must be >= 0, got {}", new_tokens));
+    std::vector<std::vector<int32_t>> ids;
+    for (const auto& p : prompts) {
+      std::vector<int32_t> t;
+      try {
+        t = tok_->encode(p);
+      } catch (const Error& e) {
+        throw BadRequest(fmt::format("the prompt cannot be tokenized: {}", e.what()));
+      }
+      if (t.empty()) t.push_back(eod_ >= 0 ? eod_ : 0);
+      if (static_cast<int64_t>(t.size()) >= gen_.max_sequence_length())
+        throw BadRequest(fmt::format("a prompt of {} tokens does not fit the context of {} tokens (at most {} prompt "
+                                     "tokens)", t.size(), gen_.max_sequence_length(),
+                                     gen_.max_sequence_length() - 1));
+      ids.push_back(std::move(t));
+    }
+    GenerationOptions o;
+    o.max_new_tokens = new_tokens;
+    o.sampling = s;
+    o.eod = eod_;
+    Output out;
+    std::lock_guard<std::mutex> lock(mu_);  // one generation at a time: requests queue here
+    const int64_t B = gen_.max_batch();
+    for (size_t first = 0; first < ids.size(); first += static_cast<size_t>(B)) {
+      const std::vector<std::vector<int32_t>> part(ids.begin() + static_cast<std::ptrdiff_t>(first),
+                                                   ids.begin() + static_cast<std::ptrdiff_t>(std::min(ids.size(), first + B)));
+      o.sampling.seed = s.seed + first;
+      GenerationResult r;
+      try {
+        r = gen_.generate(part, o);
+      } catch (const Error& e) {
+        throw BadRequest(e.what());
+      }
+      for (size_t i = 0; i < part.size(); ++i) {
+        out.tokens.push_back(r.tokens[i]);
+        out.prompt_tokens.push_back(r.prompt_lengths[i]);
+      }
+    }
+    return out;
+  }
+
+  SamplingOptions sampling(double temperature, int64_t top_k, double top_p, uint64_t seed) {
+    if (!(temperature >= 0 && temperature <= 100))
+      throw BadRequest(fmt::format("temperature must be in [0, 100], got {}", temperature));
+    if (top_k < 0 || top_k > 1000) throw BadRequest(fmt::format("top_k must be in [0, 1000], got {}", top_k));
+    if (!(top_p >= 0 && top_p <= 1)) throw BadRequest(fmt::format("top_p must be in [0, 1], got {}", top_p));
+    if (top_k > 0 && top_p > 0) throw BadRequest("cannot set both top_k and top_p");
+    SamplingOptions s;
+    s.greedy = temperature == 0 || top_k == 1;
+    s.temperature = static_cast<float>(temperature == 0 ? 1.0 : temperature);
+    s.top_k = top_k;
+    s.top_p = static_cast<float>(top_p);
+    s.seed = seed;
+    return s;
+  }
+
+  HttpReply megatron_api(const nlohmann::json& j) {
+    if (!j.is_object()) throw BadRequest("the request must be a JSON object");
+    if (!j.contains("prompts")) throw BadRequest("prompts argument required");
+    const std::vector<std::string> prompts = prompt_list(j["prompts"], "prompts");
+    if (field<bool>(j, "logprobs", false)) throw BadRequest("logprobs are not supported by this server");
+    const SamplingOptions s = sampling(field<double>(j, "temperature", 1.0), field<int64_t>(j, "top_k", 0),
+                                       field<double>(j, "top_p", 0.0), field<uint64_t>(j, "random_seed", next_seed()));
+    const Output o = generate(prompts, field<int64_t>(j, "tokens_to_generate", 64), s);
+    nlohmann::json text = nlohmann::json::array(), segments = nlohmann::json::array();
+    for (const auto& t : o.tokens) {
+      text.push_back(tok_->decode(t));
+      nlohmann::json seg = nlohmann::json::array();
+      for (int32_t id : t) seg.push_back(tok_->decode(std::vector<int32_t>{id}));
+      segments.push_back(seg);
+    }
+    return {200, {{"text", text}, {"segments", segments}, {"logprobs", nullptr}}};
+  }
+
+  HttpReply completions(const nlohmann::json& j) {
+    if (!j.is_object()) throw BadRequest("the request must be a JSON object");
+    if (!j.contains("prompt")) throw BadRequest("'prompt' is required");
+    const std::vector<std::string> prompts = prompt_list(j["prompt"], "prompt");
+    const int64_t max_tokens = field<int64_t>(j, "max_tokens", 16);
+    double top_p = field<double>(j, "top_p", 1.0);
+    if (top_p == 1.0) top_p = 0.0;  // OpenAI's 1 = no nucleus cut
+    const SamplingOptions s = sampling(field<double>(j, "temperature", 1.0), field<int64_t>(j, "top_k", 0), top_p,
+                                       field<uint64_t>(j, "seed", next_seed()));
+    const Output o = generate(prompts, max_tokens, s);
+    nlohmann::json choices = nlohmann::json::array();
+    int64_t prompt_total = 0, new_total = 0;
+    for (size_t i = 0; i < o.tokens.size(); ++i) {
+      std::vector<int32_t> gen(o.tokens[i].begin() + o.prompt_tokens[i], o.tokens[i].end());
+      const bool stopped = !gen.empty() && gen.back() == eod_;
+      prompt_total += o.prompt_tokens[i];
+      new_total += static_cast<int64_t>(gen.size());
+      if (stopped) gen.pop_back();
+      choices.push_back({{"text", tok_->decode(gen)}, {"index", i}, {"logprobs", nullptr},
+                         {"finish_reason", stopped ? "stop" : "length"}});
+    }
+    const auto now = std::chrono::system_clock::now().time_since_epoch();
+    return {200,
+            {{"id", fmt::format("cmpl-{}", ++request_id_)},
+             {"object", "text_completion"},
+             {"created", std::chrono::duration_cast<std::chrono::seconds>(now).count()},
+             {"model", field<std::string>(j, "model", args_.load)},
+             {"choices", choices},
+             {"usage", {{"prompt_tokens", prompt_total}, {"completion_tokens", new_total},
+                        {"total_tokens", prompt_total + new_total}}}}};
+  }
+
+  uint64_t next_seed() { return 1234 + request_id_.load(); }
+
+ private:
+  const ServeArgs& args_;
+  InferenceModel im_;
+  std::unique_ptr<data::Tokenizer> tok_;
+  TextGenerator gen_;
+  int32_t eod_ = -1;
+  std::mutex mu_;
+  std::atomic<uint64_t> request_id_{0};
+};
+
+void reply(httplib::Response& res, const HttpReply& r) {
+  res.status = r.status;
+  res.set_content(r.body.dump(), "application/json");
+}
+
+/// Parses the body and runs a handler; every failure becomes a JSON error reply.
+void handle(const httplib::Request& req, httplib::Response& res, const std::function<HttpReply(const nlohmann::json&)>& fn) {
+  try {
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(req.body);
+    } catch (const std::exception& e) {
+      throw BadRequest(fmt::format("the body is not valid JSON: {}", e.what()));
+    }
+    reply(res, fn(j));
+  } catch (const BadRequest& e) {
+    reply(res, {400, {{"error", e.what()}}});
+  } catch (const std::exception& e) {
+    reply(res, {500, {{"error", e.what()}}});
+  }
+}
+
+}  // namespace
+
+void add_serve_options(CLI::App& app, ServeArgs& a) {
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  app.add_option("--load", a.load, "Checkpoint directory")->required();
+  app.add_option("--vocab-file", a.vocab_file, "GPT-2 vocab.json");
+  app.add_option("--merge-file", a.merge_file, "GPT-2 merges.txt");
+  app.add_option("--tokenizer-type", a.tokenizer_type, "Tokenizer of --tokenizer-model")->capture_default_str();
+  app.add_option("--tokenizer-model", a.tokenizer_model, "tokenizer.json or SentencePiece model");
+  app.add_option("--host", a.host, "Address to listen on")->capture_default_str();
+  app.add_option("--port", a.port, "Port (0 = any free port)")->capture_default_str()->check(CLI::Range(0, 65535));
+  app.add_option("--port-file", a.port_file, "Write the bound port to this file once listening");
+  app.add_option("--micro-batch-size", a.micro_batch_size, "Prompts generated together")->capture_default_str();
+  app.add_option("--seq-length", a.seq_length, "Context: prompt + generated tokens (0 = the checkpoint's)")
+      ->capture_default_str();
+  app.add_option("--max-prompts", a.max_prompts, "Prompts per request at most")->capture_default_str();
+  app.add_option("--max-request-bytes", a.max_request_bytes, "Largest request body accepted")->capture_default_str();
+  app.add_option("--device", a.device, "cpu, cuda, cuda:N or auto")->capture_default_str();
+  app.add_flag("--bf16", a.bf16, "bf16 (CUDA)");
+  app.add_flag("--fp16", a.fp16, "fp16 (CUDA)");
+}
+
+int run_serve(const ServeArgs& a) {
+  MT_REQUIRE(a.micro_batch_size >= 1, "--micro-batch-size must be >= 1, got {}", a.micro_batch_size);
+  MT_REQUIRE(a.max_prompts >= 1, "--max-prompts must be >= 1, got {}", a.max_prompts);
+  InferenceModelOptions o;
+  o.load = a.load;
+  o.device = a.device;
+  o.bf16 = a.bf16;
+  o.fp16 = a.fp16;
+  o.seq_length = a.seq_length;
+  InferenceModel im = load_inference_model(o);
+  MT_REQUIRE(im.world->size() == 1, "megatron serve runs on one rank; {} were started", im.world->size());
+  std::unique_ptr<data::Tokenizer> tok = inference_tokenizer(a.load, a.vocab_file, a.merge_file, a.tokenizer_type,
+                                                             a.tokenizer_model, im.state.model.vocab_size);
+  Server server(a, std::move(im), std::move(tok));
+  httplib::Server http;
+  http.set_payload_max_length(a.max_request_bytes);
+  http.Put("/api", [&](const httplib::Request& q, httplib::Response& r) {
+    handle(q, r, [&](const nlohmann::json& j) { return server.megatron_api(j); });
+  });
+  http.Post("/v1/completions", [&](const httplib::Request& q, httplib::Response& r) {
+    handle(q, r, [&](const nlohmann::json& j) { return server.completions(j); });
+  });
+  // Bodies over --max-request-bytes: httplib answers 413; make it a 400 with a message.
+  http.set_error_handler([&](const httplib::Request&, httplib::Response& r) {
+    if (r.status == 413) {
+      reply(r, {400, {{"error", fmt::format("the request is larger than --max-request-bytes {}", a.max_request_bytes)}}});
+    } else if (r.body.empty()) {
+      r.set_content(nlohmann::json{{"error", fmt::format("HTTP {}", r.status)}}.dump(), "application/json");
+    }
+  });
+  int port = a.port;
+  if (port == 0) {
+    port = http.bind_to_any_port(a.host);
+    MT_REQUIRE(port > 0, "cannot listen on {}", a.host);
+  } else {
+    MT_REQUIRE(http.bind_to_port(a.host, port), "cannot listen on {}:{} (in use?)", a.host, port);
+  }
+  if (!a.port_file.empty()) {
+    std::ofstream f(a.port_file + ".tmp");
+    f << port << "\n";
+    f.close();
+    std::rename((a.port_file + ".tmp").c_str(), a.port_file.c_str());
+  }
+  log_info("> serving {} on http://{}:{} (PUT /api, POST /v1/completions)", a.load, a.host, port);
+  MT_REQUIRE(http.listen_after_bind(), "the server on {}:{} stopped with an error", a.host, port);
+  return 0;
+}
+
+}  // namespace mt

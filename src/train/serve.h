@@ -1,0 +1,44 @@
+// `megatron serve`: a text-generation server over HTTP (cpp-httplib), on one rank:
+//   * PUT /api — Megatron-LM's text-generation server (megatron/inference/text_generation_server.py):
+//     {"prompts": [...], "tokens_to_generate": 64, "temperature": 1.0, "top_k": 0, "top_p": 0.0,
+//      "random_seed": ..., "stop_on_eod": ...} -> {"text": [prompt + continuation, ...],
+//      "segments": [[token strings], ...], "logprobs": null};
+//   * POST /v1/completions — OpenAI-compatible: {"prompt": str | [str], "max_tokens": 16,
+//     "temperature": 1.0 (0 = greedy), "top_p": 1.0, "top_k"?: 0, "seed"?} -> {"id", "object":
+//     "text_completion", "created", "model", "choices": [{"text", "index", "logprobs": null,
+//     "finish_reason": "stop" | "length"}], "usage": {...}}.
+// Requests are queued (one generation at a time; a request's prompts form batches of
+// --micro-batch-size). A bad request gets HTTP 400 and {"error": message}; nothing a client sends
+// stops the server.
+#pragma once
+#include <functional>
+#include <string>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+namespace mt {
+
+struct ServeArgs {
+  std::string load;
+  std::string vocab_file, merge_file, tokenizer_type = "HuggingFaceTokenizer", tokenizer_model;
+  std::string host = "127.0.0.1";  ///< --host
+  int port = 5000;                 ///< --port (Megatron's default); 0 = any free port
+  std::string port_file;           ///< --port-file: write the bound port there once listening
+  int64_t micro_batch_size = 4;    ///< --micro-batch-size: prompts generated together
+  int64_t seq_length = 0;          ///< --seq-length (0 = the checkpoint's)
+  int64_t max_prompts = 128;       ///< --max-prompts per request (Megatron: 128)
+  size_t max_request_bytes = 1 << 20;  ///< --max-request-bytes
+  std::string device = "auto";
+  bool bf16 = false, fp16 = false;
+};
+void add_serve_options(CLI::App& app, ServeArgs& args);
+int run_serve(const ServeArgs& args);
+
+/// An HTTP status and JSON body (for the handlers and their tests).
+struct HttpReply {
+  int status = 200;
+  nlohmann::json body;
+};
+
+}  // namespace mt
