@@ -112,6 +112,10 @@ void AdamWOptimizer::step(float lr, const Stream& stream, Timers* timers) {
       const Tensor esc = expert_scalars_.as(DType::kU8, {static_cast<int64_t>(sizeof(OptimizerScalars))});
       const Tensor esumsq(static_cast<char*>(expert_scalars_.data()) + offsetof(OptimizerScalars, grad_sumsq),
                           DType::kF32, expert_scalars_.device(), {1});
+      // The accumulation unscales by the loss scale of its scalars: the current one.
+      copy(Tensor(static_cast<char*>(expert_scalars_.data()) + offsetof(OptimizerScalars, loss_scale), DType::kF32,
+                  expert_scalars_.device(), {1}),
+           loss_scale_tensor(), stream);
       for (const auto& p : expert_norm_pieces_) grad_sumsq_accumulate(esc, grads.flat_range(p.begin, p.n), stream);
       if (sync_->distributed()) sync_->edp()->all_reduce(esumsq, ReduceOp::kSum, stream);
       if (groups_.expert_mp && groups_.expert_mp->size() > 1)

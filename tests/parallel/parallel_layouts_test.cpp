@@ -227,6 +227,9 @@ Result run_layout(const Layout& L, const std::vector<int32_t>& tokens, const std
       std::lock_guard<std::mutex> lock(mu);
       if (g.tp->rank() == 0) out.losses[it] += l;  // only the last stage has a loss; sum over DP
     }
+    // Every step was applied (a non-finite gradient norm would skip all of them in every layout
+    // alike, which the comparisons below could not see).
+    EXPECT_EQ(opt.read_scalars_sync(st).skipped_iters, 0) << L.name();
     {
       std::lock_guard<std::mutex> lock(mu);
       if (g.tp->rank() == 0 && d == 0) out.slots[static_cast<size_t>(pp_rank)] = plan.activation_slots;

@@ -288,6 +288,9 @@ TEST_F(TrainerLayouts, MixtureOfExperts) {
   EXPECT_NE(full.out.find("z_loss: "), std::string::npos) << full.out;
   const auto full_losses = losses(full.out);
   ASSERT_EQ(full_losses.size(), 6u) << full.out;
+  EXPECT_EQ(full.out.find("grad norm: inf"), std::string::npos) << full.out;
+  EXPECT_EQ(full.out.find("grad norm: nan"), std::string::npos) << full.out;
+  EXPECT_EQ(full.out.find("number of skipped iterations:   1"), std::string::npos) << full.out;
   for (const std::string layout : {"--nproc-per-node 2 --tensor-model-parallel-size 2 --sequence-parallel",
                                    "--nproc-per-node 2 --use-distributed-optimizer",
                                    "--nproc-per-node 2 --pipeline-model-parallel-size 2",
