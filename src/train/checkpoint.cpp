@@ -860,7 +860,11 @@ CheckpointState load_checkpoint(const std::string& dir, ParamStore& params, Adam
         const std::string file = shard.at("file").get<std::string>();
         auto& f = files[file];
         if (!f.is_open()) {
-          verify_file(iter_path, meta, file, /*crc=*/true);  // size and CRC-32C before any byte is used
+          try {
+            verify_file(iter_path, meta, file, /*crc=*/true);  // size and CRC-32C before any byte is used
+          } catch (const Error& e) {
+            MT_FAIL("{}{}", e.what(), kFallbackHint);
+          }
           f.open(iter_path / file, std::ios::binary);
           MT_REQUIRE(f.good(), "checkpoint data file '{}' is missing", (iter_path / file).string());
         }
