@@ -4,6 +4,7 @@
 
 #include <algorithm>
 
+#include "core/cli_validators.h"
 #include "train/timing_log.h"
 
 namespace mt {
@@ -42,7 +43,8 @@ void add_pretrain_options(CLI::App& app, PretrainArgs& a) {
   app.add_option("--num-layers", m.num_layers, "Number of transformer layers")->capture_default_str();
   app.add_option("--hidden-size", m.hidden_size, "Transformer hidden size")->capture_default_str();
   app.add_option("--num-attention-heads", m.num_attention_heads, "Number of attention heads")->capture_default_str();
-  app.add_option("--ffn-hidden-size", m.ffn_hidden_size, "MLP hidden size (default 4 * hidden)");
+  app.add_option("--ffn-hidden-size", m.ffn_hidden_size, "MLP hidden size (default 4 * hidden)")
+      ->check(positive_integer());
   app.add_option("--seq-length", m.seq_length, "Sequence length")->capture_default_str();
   app.add_option("--max-position-embeddings", m.max_position_embeddings,
                  "Position embedding table size (default seq-length)");
@@ -198,6 +200,7 @@ void add_pretrain_options(CLI::App& app, PretrainArgs& a) {
   app.add_option("--distributed-timeout-minutes", a.distributed_timeout_minutes,
                  "A collective that does not finish in this time is an error")->capture_default_str();
   app.add_option("--nproc-per-node", a.nproc_per_node, "Start N ranks on this machine (local launcher)")
+      ->check(positive_integer())
       ->capture_default_str();
   app.add_option("--device", a.device, "cpu, cuda, cuda:N or auto")->capture_default_str();
   app.add_flag("!--no-progress", a.progress, "No progress line on a terminal");
@@ -274,7 +277,7 @@ void add_generate_options(CLI::App& app, GenerateArgs& a) {
   app.add_flag("--greedy", a.greedy, "Greedy decoding (argmax)");
   app.add_option("--seed", a.seed, "Sampling seed")->capture_default_str();
   app.add_option("--device", a.device, "cpu, cuda, cuda:N or auto")->capture_default_str();
-  app.add_option("--num-samples", a.num_samples, "Number of samples")->capture_default_str();
+  app.add_option("--num-samples", a.num_samples, "Number of samples")->check(positive_integer())->capture_default_str();
 }
 
 }  // namespace mt

@@ -20,6 +20,9 @@ namespace mt {
 int32_t sample_token(const std::vector<float>& logits, bool greedy, float temperature, int64_t top_k, float top_p,
                      std::mt19937_64& rng) {
   MT_REQUIRE(!logits.empty(), "sample_token: empty logits");
+  const auto bad = std::find_if(logits.begin(), logits.end(), [](float v) { return !std::isfinite(v); });
+  MT_REQUIRE(bad == logits.end(), "the model produced a non-finite logit ({} for token {}): the checkpoint holds "
+             "NaN/Inf weights (a diverged run?)", *bad, bad - logits.begin());
   if (greedy) return static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
   MT_REQUIRE(temperature > 0, "--temperature must be positive, got {}", temperature);
   MT_REQUIRE(top_k >= 0, "--top-k must be >= 0, got {}", top_k);
@@ -96,6 +99,8 @@ int run_generate(const GenerateArgs& args) {
   // The context the model is planned for: the prompt and the new tokens, at most the trained length.
   const int64_t prompt_tokens = std::max<int64_t>(static_cast<int64_t>(tok.encode(args.prompt).size()), 1);
   TransformerConfig cfg = st.model;
+  MT_REQUIRE(prompt_tokens <= cfg.seq_length, "the prompt has {} tokens but the model's context (--seq-length of "
+             "the checkpoint) is {} tokens: shorten the prompt", prompt_tokens, cfg.seq_length);
   cfg.seq_length = std::min(cfg.seq_length, prompt_tokens + args.out_seq_length);
   Stream stream(device);
   GPTModel model(cfg, 1, DType::kF32, device, ProcessGroups::single());

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <csignal>
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstring>
@@ -31,6 +32,11 @@
 #include "train/train_step.h"
 
 namespace mt {
+
+namespace {
+std::atomic<bool> g_training_started{false};
+}
+bool training_started() { return g_training_started.load(); }
 
 Device resolve_device(const std::string& flag) {
   if (flag == "auto") return cuda_available() ? Device::cuda(0) : Device::cpu();
@@ -505,6 +511,7 @@ int run_pretrain(PretrainArgs args) {
   // Validation before the first iteration of a fresh run gives the starting point of the curve.
   if ((!resume || args.finetune) && data.valid) evaluate(0);
   t_last = std::chrono::steady_clock::now();
+  g_training_started.store(true);
   while (iteration < args.train_iters) {
     const float lr = static_cast<float>(learning_rate(sched, iteration));
     stager.stage(*data.train, consumed,

@@ -391,4 +391,50 @@ TEST_F(Durability, TensorBoardAndMetricsFile) {
   EXPECT_EQ(valid, 3);
 }
 
+// Faults a new user met (issue 20 part 5): each a clear message and the right exit status.
+TEST_F(Durability, NewUserFaults) {
+  RunResult v = run("--version");
+  EXPECT_EQ(v.rc, 0);
+  EXPECT_TRUE(contains(v.out, "megatron.cpp ")) << v.out;
+  RunResult sub = run("pretrian --lr 1");
+  EXPECT_NE(sub.rc, 0);
+  EXPECT_TRUE(contains(sub.out, "unknown subcommand 'pretrian'") && contains(sub.out, "pretrain, generate")) << sub.out;
+  struct Case {
+    std::string args, expect;
+  };
+  const std::vector<Case> cases = {
+      {"preprocess-data --input x --output-prefix y --workers 0", "--workers: must be a positive integer (>= 1), got '0'"},
+      {train("--train-iters 2 --ffn-hidden-size 0"), "--ffn-hidden-size: must be a positive integer (>= 1), got '0'"},
+      {train("--train-iters 2 --nproc-per-node 0"), "--nproc-per-node: must be a positive integer (>= 1), got '0'"},
+      {train("--train-iters 2 --nproc-per-node -1"), "--nproc-per-node: must be a positive integer (>= 1), got '-1'"},
+      {"generate --load x --num-samples 0", "--num-samples: must be a positive integer (>= 1), got '0'"},
+      {train("--train-iters 2 --tensorboard-log-interval 0"), "--tensorboard-log-interval must be positive"},
+      {train("--train-iters 2 --async-save"), "--async-save given without --save"},
+  };
+  for (const auto& c : cases) {
+    RunResult r = run(c.args);
+    EXPECT_NE(r.rc, 0) << c.args;
+    EXPECT_TRUE(contains(r.out, c.expect)) << "expected '" << c.expect << "' in:\n" << r.out;
+    EXPECT_LT(r.out.size(), 400u) << "message too long:\n" << r.out;
+  }
+  // A prompt longer than the model's context is an error, not silently cut.
+  const fs::path ck = dir / "ck_gen";
+  ASSERT_EQ(run(train("--train-iters 1 --save " + ck.string())).rc, 0);
+  RunResult g = run("generate --load " + ck.string() + " " + tok + " --device cpu --prompt \"" + std::string(40, 'x') + "\"");
+  EXPECT_NE(g.rc, 0);
+  EXPECT_TRUE(contains(g.out, "the prompt has 40 tokens but the model's context")) << g.out;
+  // The default --split 969,30,1 on a small corpus: the empty test split is a warning, training runs.
+  fs::create_directories(dir / "corpus40");
+  for (int d = 0; d < 40; ++d)
+    std::ofstream(dir / "corpus40" / ("d" + std::to_string(100 + d) + ".txt")) << "the whale and the sea, the ship.\n";
+  ASSERT_EQ(run("preprocess-data --input " + (dir / "corpus40").string() + " --output-prefix " + (dir / "c40").string() +
+                " --append-eod " + tok).rc, 0);
+  std::string flags = train("--train-iters 2");
+  flags = std::regex_replace(flags, std::regex("--split 90,10,0 "), "");
+  flags = std::regex_replace(flags, std::regex("--data-path [^ ]+"), "--data-path " + (dir / "c40_text_document").string());
+  RunResult sp = run(flags);
+  EXPECT_EQ(sp.rc, 0) << sp.out;
+  EXPECT_TRUE(contains(sp.out, "the test split of") && contains(sp.out, "only a warning")) << sp.out;
+}
+
 }  // namespace
