@@ -329,8 +329,9 @@ struct CheckpointSaveJob {
   json meta;                       // rank 0
   std::vector<std::string> files;  // rank 0: every rank's file
   double timeout_s = 600;
-  // Async: this rank's shard bytes (snapshot); empty for a synchronous save.
-  std::vector<char> snapshot;
+  // Async: this rank's shard bytes (the saver's snapshot buffer); null for a synchronous save.
+  const char* snapshot = nullptr;
+  size_t snapshot_bytes = 0;
 };
 
 namespace {
@@ -391,7 +392,7 @@ void run_save_job(CheckpointSaveJob& job, const std::function<void(OutFile&)>& s
         if (stream_fn) {
           stream_fn(f);
         } else {
-          f.write(job.snapshot.data(), job.snapshot.size());
+          f.write(job.snapshot, job.snapshot_bytes);
         }
         f.close_synced();
         write_marker(job.tmp_dir, job.file, {{"ok", true}, {"bytes", f.bytes()}, {"crc32c", crc_hex(f.crc())}});
@@ -564,25 +565,30 @@ void AsyncCheckpointSaver::save(const std::string& dir, const CheckpointState& s
     const auto refs = checkpoint_tensors(params, full, with_optim, /*writing=*/true);
     size_t total = 0;
     for (const auto& ref : refs) total += static_cast<size_t>(stored_box(ref.global_shape, ref.box, ref.vocab_rows).numel) * 4;
-    job->snapshot.swap(spare_);
-    job->snapshot.resize(total);
+    // Pinned host memory when the state is on a GPU (a fast device-to-host copy), kept for the next save.
+    if (snapshot_.bytes() < total)
+      snapshot_ = Buffer(Device::cpu(), total, params.device().is_cuda() ? HostMemory::kPinned : HostMemory::kPageable);
+    char* dst = static_cast<char*>(snapshot_.data());
     size_t off = 0;
     for (const auto& ref : refs) {  // the same bytes in the same order as for_each_shard_bytes
       const size_t n = static_cast<size_t>(stored_box(ref.global_shape, ref.box, ref.vocab_rows).numel) * 4;
       if (n == 0) continue;
-      copy_bytes(job->snapshot.data() + off, Device::cpu(), ref.t.data(), ref.t.device(), n, stream);
+      copy_bytes(dst + off, Device::cpu(), ref.t.data(), ref.t.device(), n, stream);
       off += n;
     }
     stream.synchronize();
+    job->snapshot = dst;
+    job->snapshot_bytes = total;
   }
   iteration_ = state.iteration;
   thread_ = std::thread([this, job] {
+    const auto t0 = std::chrono::steady_clock::now();
     try {
       run_save_job(*job, nullptr);
+      last_write_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     } catch (...) {
       error_ = std::current_exception();
     }
-    job->snapshot.swap(spare_);  // keep the host memory for the next snapshot
   });
 }
 
@@ -593,6 +599,14 @@ void AsyncCheckpointSaver::wait() {
     error_ = nullptr;
     std::rethrow_exception(e);
   }
+}
+
+uint64_t checkpoint_bytes(const std::string& dir, int64_t iteration) {
+  uint64_t total = 0;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(fs::path(dir) / iter_dir_name(iteration), ec))
+    if (e.is_regular_file(ec)) total += e.file_size(ec);
+  return total;
 }
 
 std::vector<std::string> clean_interrupted_saves(const std::string& dir) {

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "comm/communicator.h"
+#include "core/buffer.h"
 
 #include "model/transformer_config.h"
 #include "model/params.h"
@@ -95,11 +96,14 @@ class AsyncCheckpointSaver {
   /// Waits for the save in flight (local: this rank's file, and on rank 0 the publication).
   void wait();
   bool in_flight() const { return thread_.joinable(); }
+  /// Seconds the background part of the last completed save took (write, fsync, publication).
+  double last_write_seconds() const { return last_write_seconds_; }
 
  private:
+  double last_write_seconds_ = 0;
   std::thread thread_;
   std::exception_ptr error_;
-  std::vector<char> spare_;  // host memory of the previous snapshot, reused
+  Buffer snapshot_;  // host copy of this rank's shards (pinned for a GPU), reused from one save to the next
   int64_t iteration_ = -1;
 };
 
@@ -108,6 +112,9 @@ class AsyncCheckpointSaver {
 /// iter_XXXXXXX (a replacement interrupted between its renames) is renamed back. Call on the
 /// rank that saves (rank 0) before training, with no save in flight.
 std::vector<std::string> clean_interrupted_saves(const std::string& dir);
+
+/// Bytes of the files of <dir>/iter_%07d/ (0 when absent), for throughput logs.
+uint64_t checkpoint_bytes(const std::string& dir, int64_t iteration);
 
 /// Iteration named by <dir>/latest_checkpointed_iteration.txt, or nullopt when the file is
 /// absent. Errors on an unreadable or malformed tracker.

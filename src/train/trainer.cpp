@@ -15,6 +15,7 @@
 #include <optional>
 
 #include "comm/bootstrap.h"
+#include "core/host_memory.h"
 #include "core/logging.h"
 #include "parallel/process_groups.h"
 #include "data/data_args.h"
@@ -311,6 +312,17 @@ int run_pretrain(PretrainArgs args) {
       log_info("> removed what an interrupted checkpoint save left in {}: {}", args.save, name);
   }
 
+  {  // An absurd batch is an error before the datasets are built: the batch buffers alone (two pinned
+     // host copies and one device copy, 20 bytes per token) must fit in the memory there is.
+    const double batch_bytes = 3.0 * 20.0 * static_cast<double>(M) * static_cast<double>(args.micro_batch_size) *
+                               static_cast<double>(args.model.seq_length);
+    const uint64_t avail = available_host_memory_bytes();
+    MT_REQUIRE(avail == 0 || batch_bytes < 0.8 * static_cast<double>(avail),
+               "--micro-batch-size {} x --seq-length {} ({} micro-batches per iteration) needs {:.3g} GiB for the "
+               "batch buffers alone, more than the {:.1f} GiB of memory available",
+               args.micro_batch_size, args.model.seq_length, M, batch_bytes / 1073741824.0,
+               static_cast<double>(avail) / 1073741824.0);
+  }
   // Megatron's GPTDataset / BlendedDataset / MockGPTDataset with the sample counts Megatron asks
   // for. With --data-cache-path, rank 0 builds the index files and the other ranks then read them.
   const auto counts = data::train_valid_test_num_samples(args.train_iters, args.global_batch_size, args.eval_interval,
@@ -379,8 +391,13 @@ int run_pretrain(PretrainArgs args) {
                "checkpoint '{}' holds no optimizer state (written by import-hf?): add --finetune (weights only, "
                "iteration 0) or --no-load-optim",
                args.load);
+    const auto t_load = std::chrono::steady_clock::now();
     CheckpointState st = load_checkpoint(args.load, model.params(), weights_only ? nullptr : &optimizer, stream,
                                          {false, resume->iteration});
+    const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count();
+    const double load_gb = static_cast<double>(checkpoint_bytes(args.load, st.iteration)) / 1e9;
+    log_info("> checkpoint read and verified: {:.3f} GB in {:.2f} s ({:.2f} GB/s; this rank's share of the files)",
+             load_gb, load_s, load_gb / std::max(load_s, 1e-9));
     if (args.finetune) {
       log_info("> loaded the weights of {} (iteration {}) for finetuning: starting at iteration 0", args.load,
                st.iteration);
@@ -438,12 +455,18 @@ int run_pretrain(PretrainArgs args) {
                               return GPTModel::param_specs(cfg, pc.tp, t, pipeline::layers_of(p, layout));
                             },
                             pc.pp, pp_rank, !args.no_save_optim, args.distributed_timeout_minutes * 60};
+    const auto t0 = std::chrono::steady_clock::now();
+    auto seconds = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); };
     if (args.async_save) {
+      const bool previous = async_saver.in_flight();
       async_saver.save(args.save, st, model.params(), &optimizer, writer, stream);
-      log_info("  checkpoint at iteration {:7d}: snapshot taken, being written to {} (--async-save)", it, args.save);
+      log_info("  checkpoint at iteration {:7d}: snapshot taken in {:.2f} s{}, being written to {} (--async-save)", it,
+               seconds(), previous ? " (incl. waiting for the previous save)" : "", args.save);
     } else {
       save_checkpoint(args.save, st, model.params(), &optimizer, writer, stream);
-      log_info("  successfully saved checkpoint at iteration {:7d} to {}", it, args.save);
+      const double s = seconds(), gb = static_cast<double>(checkpoint_bytes(args.save, it)) / 1e9;
+      log_info("  successfully saved checkpoint at iteration {:7d} to {} ({:.3f} GB in {:.2f} s: {:.2f} GB/s)", it,
+               args.save, gb, s, gb / std::max(s, 1e-9));
     }
   };
   // --check-for-nan-in-loss-and-grad: the iterations since the last log line (their losses and
@@ -637,7 +660,10 @@ int run_pretrain(PretrainArgs args) {
   }
   if (async_saver.in_flight()) {
     async_saver.wait();  // the last checkpoint is complete (and published by rank 0) before exit
-    log_info("  successfully saved checkpoint at iteration {:7d} to {} (--async-save)", iteration, args.save);
+    const double gb = static_cast<double>(checkpoint_bytes(args.save, iteration)) / 1e9;
+    log_info("  successfully saved checkpoint at iteration {:7d} to {} (--async-save; {:.3f} GB written in the "
+             "background in {:.2f} s: {:.2f} GB/s)", iteration, args.save, gb, async_saver.last_write_seconds(),
+             gb / std::max(async_saver.last_write_seconds(), 1e-9));
   }
   world->barrier();
   if (metrics) metrics->flush();

@@ -417,6 +417,17 @@ TEST_F(Durability, NewUserFaults) {
     EXPECT_TRUE(contains(r.out, c.expect)) << "expected '" << c.expect << "' in:\n" << r.out;
     EXPECT_LT(r.out.size(), 400u) << "message too long:\n" << r.out;
   }
+  // Absurd sizes stop at once, before any index is built, naming the values and the memory.
+  for (const auto& [args, expect] : std::vector<std::pair<std::string, std::string>>{
+           {train("--train-iters 2 --micro-batch-size 99999999999 --global-batch-size 99999999999"),
+            "--micro-batch-size 99999999999 x --seq-length 16"},
+           {train("--train-iters 100000000000"), "samples of --seq-length 16 would take"}}) {
+    const auto t0 = std::chrono::steady_clock::now();
+    RunResult r = run(args);
+    EXPECT_NE(r.rc, 0);
+    EXPECT_TRUE(contains(r.out, expect) && contains(r.out, "GiB of memory available")) << r.out;
+    EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 20.0);
+  }
   // A prompt longer than the model's context is an error, not silently cut.
   const fs::path ck = dir / "ck_gen";
   ASSERT_EQ(run(train("--train-iters 1 --save " + ck.string())).rc, 0);
