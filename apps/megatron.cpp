@@ -84,7 +84,7 @@ int main(int argc, char** argv) {
     // is the same on every rank: rank 0 prints it, the others only exit non-zero.
     const mt::LaunchEnv env = mt::read_launch_env();
     if (env.world_size > 1 && env.rank != 0 && !mt::training_started()) return 1;
-    if (env.world_size > 1) std::fprintf(stderr, "error (rank %d): %s\n", env.rank, e.what());
+    if (env.world_size > 1 && mt::training_started()) std::fprintf(stderr, "error (rank %d): %s\n", env.rank, e.what());
     else std::fprintf(stderr, "error: %s\n", e.what());
     return 1;
   } catch (const std::exception& e) {

@@ -197,7 +197,7 @@ int launch_local(int nproc, int argc, char** argv, Device device) {
   const int code = status_code(st);
   if (code == 127) {
     std::fprintf(stderr, "[megatron launcher] could not run mpiexec (is OpenMPI installed and on PATH?)\n");
-  } else if (code != 0) {
+  } else if (code != 0 && code != 1) {  // 1: a rank reported its error itself
     std::fprintf(stderr, "[megatron launcher] mpiexec %s\n", status_str(st).c_str());
   }
   return code;

@@ -417,6 +417,17 @@ TEST_F(Durability, NewUserFaults) {
     EXPECT_TRUE(contains(r.out, c.expect)) << "expected '" << c.expect << "' in:\n" << r.out;
     EXPECT_LT(r.out.size(), 400u) << "message too long:\n" << r.out;
   }
+  {  // Under several ranks a bad input is reported once (rank 0), not once per rank.
+    RunResult r = run(train("--train-iters 2 --nproc-per-node 2 --seq-length 32"));
+    EXPECT_NE(r.rc, 0);
+    if (!contains(r.out, "could not run mpiexec")) {
+      const std::string msg = "--seq-length 32 exceeds --max-position-embeddings 16";
+      const size_t first = r.out.find(msg);
+      EXPECT_NE(first, std::string::npos) << r.out;
+      EXPECT_EQ(r.out.find(msg, first + 1), std::string::npos) << "printed more than once:\n" << r.out;
+      EXPECT_TRUE(contains(r.out, "error: ")) << r.out;
+    }
+  }
   // Absurd sizes stop at once, before any index is built, naming the values and the memory.
   for (const auto& [args, expect] : std::vector<std::pair<std::string, std::string>>{
            {train("--train-iters 2 --micro-batch-size 99999999999 --global-batch-size 99999999999"),
