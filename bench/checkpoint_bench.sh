@@ -2,14 +2,16 @@
 # Checkpoint speed on one GPU (issue 20 part 4): save and load GB/s for GPT-2 124M and a 1.3B GPT
 # (24 layers, hidden 2048, 16 heads), and the step slowdown of --async-save for GPT-2 124M
 # (target < 2%). Mock data with the NullTokenizer (no data files needed), bf16.
-# Usage: bench/checkpoint_bench.sh [build] [saveload] [async]   (default: all three)
+# Also `tensorboard`: a short GPT-2 run with --tensorboard-dir read back by the real tensorboard
+# package (tools/check_tensorboard.py; falls back to its builtin reader when the package is absent).
+# Usage: bench/checkpoint_bench.sh [build] [saveload] [async] [tensorboard]   (default: all four)
 # Needs the megatron binary in build/ (the build step makes it). Results: $OUT/checkpoint_bench.txt
 # and the logs in $OUT; checkpoints go to ${CKPT_DIR:-/tmp/mt_ckpt_bench} (removed at the end).
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 CK=${CKPT_DIR:-/tmp/mt_ckpt_bench}
 bin=build/megatron
-steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(build saveload async)
+steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(build saveload async tensorboard)
 res="$OUT/checkpoint_bench.txt"
 common=(--seq-length 1024 --max-position-embeddings 1024 --lr 6e-4 --min-lr 6e-5 --lr-decay-style cosine
         --lr-decay-iters 100000 --hidden-dropout 0 --attention-dropout 0 --bf16 --device cuda --no-progress
@@ -68,6 +70,17 @@ for step in "${steps[@]}"; do
       saveload gpt2_124m "${gpt2[@]}"
       saveload gpt_1.3b "${gpt13[@]}" ;;
     async) mkdir -p "$CK"; async ;;
+    tensorboard)
+      rm -rf "$OUT/tb"
+      $bin pretrain "${gpt2[@]}" "${common[@]}" --train-iters 20 --log-interval 5 --eval-interval 10 --eval-iters 2 \
+        --tensorboard-dir "$OUT/tb" --log-timers-to-tensorboard --log-memory-to-tensorboard \
+        --log-validation-ppl-to-tensorboard --timing-log-level 1 --metrics-file "$OUT/metrics.jsonl" > "$OUT/tb_run.log" 2>&1 \
+        || { tail -5 "$OUT/tb_run.log"; exit 1; }
+      reader=(); python3 -c "import tensorboard" 2>/dev/null || reader=(--reader builtin)
+      python3 tools/check_tensorboard.py "$OUT/tb" "${reader[@]}" --require-tag "lm loss=20" --require-tag learning-rate \
+        --require-tag grad-norm=4 --require-tag loss-scale --require-tag throughput --require-tag iteration-time \
+        --require-tag mem-allocated-bytes --require-tag mem-reserved-bytes --require-tag "lm loss validation=3" \
+        --require-tag "lm loss validation ppl=3" --require-tag forward-backward-time 2>&1 | tee -a "$res" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done

@@ -397,7 +397,6 @@ void run_save_job(CheckpointSaveJob& job, const std::function<void(OutFile&)>& s
         f.close_synced();
         write_marker(job.tmp_dir, job.file, {{"ok", true}, {"bytes", f.bytes()}, {"crc32c", crc_hex(f.crc())}});
       } catch (const std::exception& e) {
-        std::error_code ec;
         if (!job.rank0) write_marker(job.tmp_dir, job.file, {{"ok", false}, {"error", e.what()}});
         throw;
       }
@@ -580,7 +579,6 @@ void AsyncCheckpointSaver::save(const std::string& dir, const CheckpointState& s
     job->snapshot = dst;
     job->snapshot_bytes = total;
   }
-  iteration_ = state.iteration;
   thread_ = std::thread([this, job] {
     const auto t0 = std::chrono::steady_clock::now();
     try {

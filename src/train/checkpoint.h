@@ -104,7 +104,6 @@ class AsyncCheckpointSaver {
   std::thread thread_;
   std::exception_ptr error_;
   Buffer snapshot_;  // host copy of this rank's shards (pinned for a GPU), reused from one save to the next
-  int64_t iteration_ = -1;
 };
 
 /// Removes what interrupted saves left in `dir` (iter_XXXXXXX.tmp directories; an
