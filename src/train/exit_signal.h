@@ -5,15 +5,16 @@
 
 namespace mt {
 
-/// Installs the handlers for SIGTERM and SIGINT (sigaction; async-signal-safe: the handler
-/// only stores the signal number). The previous handlers are restored by the destructor.
+/// Installs the handlers for SIGTERM, SIGINT and SIGUSR1 (sigaction; async-signal-safe: the
+/// handler only stores the signal number). SIGUSR1 is how the local launcher passes a SIGTERM or
+/// SIGINT through mpiexec (comm/launcher.h). The previous handlers are restored by the destructor.
 class ExitSignalHandler {
  public:
   ExitSignalHandler();
   ~ExitSignalHandler();
   ExitSignalHandler(const ExitSignalHandler&) = delete;
   ExitSignalHandler& operator=(const ExitSignalHandler&) = delete;
-  /// The signal received since installation (SIGTERM or SIGINT), or 0.
+  /// The signal received since installation (SIGTERM, SIGINT or SIGUSR1), or 0.
   static int received();
 };
 

@@ -639,7 +639,8 @@ int run_pretrain(PretrainArgs args) {
       }
       if (mine[0] != 0) {
         exiting = true;
-        exit_reason = fmt::format("received signal {} (--exit-signal-handler)", mine[0] == SIGTERM ? "SIGTERM" : "SIGINT");
+        exit_reason = fmt::format("received signal {} (--exit-signal-handler)",
+                                  mine[0] == SIGTERM ? "SIGTERM" : mine[0] == SIGINT ? "SIGINT" : "SIGUSR1");
       } else if (mine[1] != 0) {
         exiting = true;
         exit_reason = fmt::format("--exit-duration-in-mins {} reached", args.exit_duration_in_mins);

@@ -302,6 +302,21 @@ TEST_F(Durability, SignalHandlerSavesAndExitsZero) {
   std::smatch m;
   ASSERT_TRUE(std::regex_search(out, m, std::regex("exiting program at iteration ([0-9]+) \\(received signal SIGTERM"))) << out;
   EXPECT_EQ(read_bytes(ck / "latest_checkpointed_iteration.txt"), m[1].str() + "\n");
+  // Under the local launcher (--nproc-per-node 2, CPU ranks under mpiexec) SIGTERM to the launcher
+  // reaches the ranks: they save together and exit 0.
+  if (std::system("command -v mpiexec > /dev/null 2>&1") == 0) {
+    const fs::path ck3 = dir / "ck_signal_ranks";
+    Child l = spawn(train("--train-iters 100000 --nproc-per-node 2 --exit-signal-handler --save " + ck3.string()),
+                    dir / "signal_ranks.log");
+    for (int i = 0; i < 3000 && !contains(l.output(), "iteration        2/"); ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    kill(l.pid, SIGTERM);
+    EXPECT_EQ(l.wait(), 0) << l.output();
+    std::smatch m2;
+    const std::string out2 = l.output();
+    ASSERT_TRUE(std::regex_search(out2, m2, std::regex("exiting program at iteration ([0-9]+) \\(received signal"))) << out2;
+    EXPECT_EQ(read_bytes(ck3 / "latest_checkpointed_iteration.txt"), m2[1].str() + "\n");
+  }
   // --exit-duration-in-mins: a tiny budget stops after the first iteration, with a checkpoint.
   const fs::path ck2 = dir / "ck_duration";
   RunResult d = run(train("--train-iters 100000 --exit-duration-in-mins 0.00001 --save " + ck2.string()));
