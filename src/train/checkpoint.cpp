@@ -881,7 +881,15 @@ CheckpointState load_checkpoint(const std::string& dir, ParamStore& params, Adam
           MT_REQUIRE(f.good(), "checkpoint data file '{}' is missing", (iter_path / file).string());
         }
         const uint64_t base = shard.at("offset_bytes").get<uint64_t>();
-        const int64_t run = hi[nd - 1] - lo[nd - 1];
+        // Trailing dimensions that both boxes span completely are contiguous in both: one read
+        // covers them (a whole shard when the layouts match), instead of one per row.
+        int k = nd - 1;
+        int64_t inner = 1;
+        auto full = [&](int d) {
+          return lo[d] == soff[d] && lo[d] == mine.offset[d] && hi[d] - lo[d] == sshape[d] && sshape[d] == mine.shape[d];
+        };
+        while (k > 0 && full(k)) inner *= sshape[k--];
+        const int64_t run = (hi[k] - lo[k]) * inner;
         std::vector<int64_t> idx(lo);  // global index of the run's first element
         while (true) {
           int64_t src = 0, dst = 0;
@@ -895,7 +903,7 @@ CheckpointState load_checkpoint(const std::string& dir, ParamStore& params, Adam
           MT_REQUIRE(f.good(), "checkpoint file '{}' is truncated: tensor '{}' needs bytes at {}",
                      (iter_path / file).string(), ref.name, off);
           filled += run;
-          int d = nd - 2;  // next run: odometer over the leading dimensions
+          int d = k - 1;  // next run: odometer over the leading dimensions
           for (; d >= 0; --d) {
             if (++idx[d] < hi[d]) break;
             idx[d] = lo[d];
