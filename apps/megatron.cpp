@@ -6,6 +6,7 @@
 //   megatron evaluate ...         validation loss, WIKITEXT103 perplexity, LAMBADA (train/evaluate.h)
 //   megatron import-hf / export-hf  Hugging Face checkpoints in and out (train/hf_commands.h)
 #include <CLI/CLI.hpp>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 
@@ -29,6 +30,7 @@ int main(int argc, char** argv) {
   setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
   CLI::App app{"megatron.cpp: Megatron-style GPT pretraining in C++/CUDA"};
   app.require_subcommand(1);
+  app.set_version_flag("--version", std::string("megatron.cpp ") + MT_VERSION_STRING);
   app.set_help_all_flag("--help-all", "Help for every subcommand");
 
   mt::PretrainArgs pretrain_args;
@@ -64,6 +66,21 @@ int main(int argc, char** argv) {
   mt::data::add_preprocess_data_command(app);
   mt::data::add_merge_datasets_command(app);
 
+  // A first argument that is no option and no subcommand: name it (CLI11 would only say that a
+  // subcommand is required).
+  std::string names;
+  bool known = false;
+  for (const CLI::App* sub : app.get_subcommands([](const CLI::App*) { return true; })) {
+    names += (names.empty() ? "" : ", ") + sub->get_name();
+    known |= argc > 1 && sub->get_name() == argv[1];
+  }
+  if (argc > 1 && argv[1][0] != '-' && !known) {
+    std::fprintf(stderr, "error: unknown subcommand '%s'; expected one of: %s\n", argv[1], names.c_str());
+    return 1;
+  }
+  // Writes past a file-size limit fail with EFBIG (reported with the file's name) instead of
+  // killing the process.
+  std::signal(SIGXFSZ, SIG_IGN);
   int rc = 0;
   try {
     app.parse(argc, argv);
@@ -90,7 +107,12 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   } catch (const mt::Error& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
+    // Under several ranks, an error found before training started (arguments, data, checkpoint)
+    // is the same on every rank: rank 0 prints it, the others only exit non-zero.
+    const mt::LaunchEnv env = mt::read_launch_env();
+    if (env.world_size > 1 && env.rank != 0 && !mt::training_started()) return 1;
+    if (env.world_size > 1 && mt::training_started()) std::fprintf(stderr, "error (rank %d): %s\n", env.rank, e.what());
+    else std::fprintf(stderr, "error: %s\n", e.what());
     return 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "error: %s\n", e.what());

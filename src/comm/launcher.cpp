@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <atomic>
 #include <chrono>
 #include <climits>
 #include <cstdio>
@@ -74,15 +75,40 @@ pid_t spawn(const std::string& exe, const std::vector<std::string>& cmd,
   return pid;
 }
 
+// SIGTERM / SIGINT received by the launcher, forwarded to the ranks (so that `kill <launcher>`
+// reaches ranks running with --exit-signal-handler, which then save and exit 0).
+std::atomic<int> g_launcher_signal{0};
+extern "C" void launcher_on_signal(int sig) { g_launcher_signal.store(sig); }
+
+// Installs the forwarding handlers for its lifetime (no SA_RESTART: waitpid returns EINTR).
+struct ForwardSignals {
+  struct sigaction old_term {}, old_int {};
+  ForwardSignals() {
+    struct sigaction sa {};
+    sa.sa_handler = launcher_on_signal;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGTERM, &sa, &old_term);
+    sigaction(SIGINT, &sa, &old_int);
+  }
+  ~ForwardSignals() {
+    sigaction(SIGTERM, &old_term, nullptr);
+    sigaction(SIGINT, &old_int, nullptr);
+  }
+};
+
+// Waits for `pid` (mpiexec), passing SIGTERM / SIGINT received meanwhile on as SIGUSR1: mpiexec
+// forwards SIGUSR1 to the ranks (OpenMPI), whereas it answers SIGTERM by killing them.
 int wait_pid(pid_t pid) {
   int st = 0;
   while (::waitpid(pid, &st, 0) < 0) {
     if (errno != EINTR) return 1;
+    if (g_launcher_signal.exchange(0) != 0) ::kill(pid, SIGUSR1);
   }
   return st;
 }
 
 int launch_fork(int nproc, const std::string& exe, const std::vector<std::string>& args) {
+  ForwardSignals forward;
   const int port = find_free_port();
   std::vector<std::string> cmd{exe};
   cmd.insert(cmd.end(), args.begin(), args.end());
@@ -101,6 +127,11 @@ int launch_fork(int nproc, const std::string& exe, const std::vector<std::string
   bool failed = false;
   std::chrono::steady_clock::time_point kill_deadline;
   while (remaining > 0) {
+    if (const int sig = g_launcher_signal.exchange(0); sig != 0) {
+      for (pid_t p : pids) {
+        if (p > 0) ::kill(p, sig);
+      }
+    }
     bool reaped = false;
     for (int r = 0; r < nproc; ++r) {
       if (pids[r] < 0) continue;
@@ -192,12 +223,13 @@ int launch_local(int nproc, int argc, char** argv, Device device) {
     std::fprintf(stderr, "[megatron launcher] %d ranks on %d cores:%s (set them to override)\n", nproc, cores,
                  set.c_str());
   }
+  ForwardSignals forward;  // mpiexec passes SIGTERM / SIGINT on to the ranks
   pid_t pid = spawn(cmd[0], cmd, omp);
   const int st = wait_pid(pid);
   const int code = status_code(st);
   if (code == 127) {
     std::fprintf(stderr, "[megatron launcher] could not run mpiexec (is OpenMPI installed and on PATH?)\n");
-  } else if (code != 0) {
+  } else if (code != 0 && code != 1) {  // 1: a rank reported its error itself
     std::fprintf(stderr, "[megatron launcher] mpiexec %s\n", status_str(st).c_str());
   }
   return code;

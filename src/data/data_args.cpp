@@ -1,10 +1,12 @@
 #include "data/data_args.h"
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <map>
 #include <optional>
 
 #include "core/check.h"
+#include "core/logging.h"
 #include "data/blended_dataset.h"
 #include "data/gpt_dataset.h"
 #include "data/gpt_window_dataset.h"
@@ -56,6 +58,11 @@ class Builder {
       if (!split[i] || (i > 0 && sizes[i] == 0)) continue;
       const auto round_half_even = [](double x) { return static_cast<int64_t>(std::nearbyint(x)); };
       const int64_t b = round_half_even(split[i]->first * n), e = round_half_even(split[i]->second * n);
+      if (i == 2 && e <= b) {  // `pretrain` never evaluates the test split: an empty one is not an error
+        log_warn("> the test split of {} is empty (--split {} of {} sequences); no test evaluation is run, so "
+                 "this is only a warning", prefix, config_.split_string, seqs->num_sequences());
+        continue;
+      }
       out[i] = std::make_shared<GptDataset>(seqs, b, e, sizes[i], static_cast<Split>(i), config_);
     }
     return out;
@@ -87,6 +94,8 @@ class Builder {
       if (!split[i] || (i > 0 && sizes[i] == 0)) continue;
       std::vector<std::shared_ptr<const SampleSource>> ds;
       std::vector<std::string> desc;
+      if (i == 2 && std::any_of(mids.begin(), mids.end(), [](const GptSplits& m) { return m[2] == nullptr; }))
+        continue;  // an empty test split (warned about above)
       for (auto& m : mids) {
         ds.push_back(m[i]);
         desc.push_back(m[i]->description());

@@ -1,9 +1,15 @@
 #include "data/gpt_dataset.h"
 
+#include <algorithm>
+
+#include <chrono>
+
 #include <cmath>
 #include <nlohmann/json.hpp>
 
 #include "core/check.h"
+#include "core/logging.h"
+#include "core/host_memory.h"
 
 namespace mt::data {
 
@@ -177,11 +183,36 @@ GptDataset::GptDataset(std::shared_ptr<const TokenSequences> sequences, int64_t 
   d["num_tokens_in_range"] = tokens;
   d["lengths_fnv1a64"] = fmt::format("{:016x}", fnv1a64(lengths.data() + begin, (end - begin) * sizeof(int32_t)));
   description_ = d.dump(4);
+  // Before any index is built: what it will take (Megatron's sizes: document index int32 per
+  // document per epoch, sample index 2 x int64 and shuffle index int64 per sample) against the
+  // memory there is. An absurd --train-iters / --global-batch-size is an error here, not minutes
+  // of work and then std::bad_alloc.
+  const double x = config.add_extra_token ? 1 : 0;
+  const double samples = num_samples_ < 0 ? static_cast<double>(tokens) / static_cast<double>(config.seq_length)
+                                          : static_cast<double>(num_samples_);
+  const double epochs = std::max(1.0, std::ceil((samples * static_cast<double>(config.seq_length) + x) /
+                                                static_cast<double>(tokens)));
+  const double index_bytes = static_cast<double>(end - begin) * epochs * 4 + samples * 24;
+  const uint64_t avail = available_host_memory_bytes();
+  MT_REQUIRE(avail == 0 || index_bytes < 0.8 * static_cast<double>(avail),
+             "GPTDataset: the {} split of '{}' has {} tokens; {:.0f} samples of --seq-length {} would take {:.3g} "
+             "epochs over it and an index of {:.3g} GiB, more than the {:.1f} GiB of memory available (lower "
+             "--train-iters or --global-batch-size, or add data)",
+             split_enum_name(split), path, tokens, samples, config.seq_length, epochs, index_bytes / 1073741824.0,
+             static_cast<double>(avail) / 1073741824.0);
+  const bool long_build = index_bytes > 256.0 * 1048576.0;
   IndexArrays arrays = load_or_build_index_arrays(
       config.cache, description_, fmt::format("GPTDataset-{}", split_enum_name(split)),
       [&] {
+        const auto t0 = std::chrono::steady_clock::now();
+        if (long_build)
+          log_info("> building the {} index of {}: {:.0f} samples over {:.0f} epochs ({:.2f} GiB); this takes a "
+                   "while...", split_enum_name(split), path, samples, epochs, index_bytes / 1073741824.0);
         GptIndices g = build_gpt_indices(lengths, begin, end, num_samples_, config.seq_length, config.seed,
                                          config.add_extra_token, config.drop_last_partial_sequence);
+        if (long_build)
+          log_info("> built the {} index of {} in {:.1f} s", split_enum_name(split), path,
+                   std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
         IndexArrays a;
         a.i32.push_back(std::move(g.document_index));
         a.i64.push_back(std::move(g.sample_index));

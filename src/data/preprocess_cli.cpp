@@ -1,5 +1,7 @@
 #include "data/preprocess_cli.h"
 
+#include "core/cli_validators.h"
+
 #include <CLI/CLI.hpp>
 #include <memory>
 
@@ -33,10 +35,10 @@ void add_preprocess_data_command(CLI::App& app) {
   sub->add_flag("--split-sentences", cfg->split_sentences,
                 "One sequence per sentence (rule-based splitter; Megatron uses NLTK punkt)");
   sub->add_option("--workers", cfg->workers, "Tokenizer threads")
-      ->check(CLI::PositiveNumber)
+      ->check(positive_integer())
       ->capture_default_str();
   sub->add_option("--log-interval", cfg->log_interval, "Documents between progress lines on stderr")
-      ->check(CLI::PositiveNumber)
+      ->check(positive_integer())
       ->capture_default_str();
   sub->callback([cfg] { preprocess_data(*cfg); });
 }

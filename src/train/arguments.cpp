@@ -4,6 +4,7 @@
 
 #include <algorithm>
 
+#include "core/cli_validators.h"
 #include "train/timing_log.h"
 
 namespace mt {
@@ -43,7 +44,8 @@ void add_pretrain_options(CLI::App& app, PretrainArgs& a) {
   app.add_option("--num-layers", m.num_layers, "Number of transformer layers")->capture_default_str();
   app.add_option("--hidden-size", m.hidden_size, "Transformer hidden size")->capture_default_str();
   app.add_option("--num-attention-heads", m.num_attention_heads, "Number of attention heads")->capture_default_str();
-  app.add_option("--ffn-hidden-size", m.ffn_hidden_size, "MLP hidden size (default 4 * hidden)");
+  app.add_option("--ffn-hidden-size", m.ffn_hidden_size, "MLP hidden size (default 4 * hidden)")
+      ->check(positive_integer());
   app.add_option("--seq-length", m.seq_length, "Sequence length")->capture_default_str();
   app.add_option("--max-position-embeddings", m.max_position_embeddings,
                  "Position embedding table size (default seq-length)");
@@ -177,6 +179,33 @@ void add_pretrain_options(CLI::App& app, PretrainArgs& a) {
                "Take the model architecture (layers, sizes, norm, positions, MLP, biases) from the --load checkpoint");
   app.add_option("--save-interval", a.save_interval, "Iterations between checkpoints");
   app.add_option("--exit-interval", a.exit_interval, "Exit (after saving a checkpoint) when iteration % N == 0");
+  app.add_option("--exit-duration-in-mins", a.exit_duration_in_mins,
+                 "Exit (after saving a checkpoint) once training has run this many minutes");
+  app.add_flag("--exit-signal-handler", a.exit_signal_handler,
+               "On SIGTERM or SIGINT finish the current iteration, save a checkpoint and exit with status 0");
+  app.add_flag("--async-save", a.async_save,
+               "Write checkpoints from a background thread: training continues after a host snapshot");
+  app.add_flag("--no-save-optim", a.no_save_optim, "Save checkpoints without the optimizer state");
+  app.add_flag("--no-load-rng", a.no_load_rng,
+               "Do not take the random state (the seed) from the checkpoint: --seed may differ from it");
+  app.add_flag("--fallback-to-previous-checkpoint", a.fallback_to_previous_checkpoint,
+               "If the latest checkpoint of --load is incomplete or corrupt, load the newest earlier one that "
+               "verifies (warning) instead of stopping with an error");
+  app.add_flag("--check-for-nan-in-loss-and-grad,!--no-check-for-nan-in-loss-and-grad",
+               a.check_for_nan_in_loss_and_grad,
+               "Stop with an error naming the iteration when the loss or the gradient norm is NaN/Inf (default on)");
+  app.add_option("--tensorboard-dir", a.tensorboard_dir, "Write TensorBoard event files to this directory");
+  app.add_option("--tensorboard-log-interval", a.tensorboard_log_interval,
+                 "Iterations between TensorBoard points")->capture_default_str();
+  app.add_flag("--log-timers-to-tensorboard", a.log_timers_to_tensorboard,
+               "Iteration time, throughput and the --timing-log-level timers to TensorBoard");
+  app.add_flag("--log-memory-to-tensorboard", a.log_memory_to_tensorboard, "Device memory to TensorBoard");
+  app.add_flag("--log-validation-ppl-to-tensorboard", a.log_validation_ppl_to_tensorboard,
+               "Validation perplexity to TensorBoard");
+  app.add_flag("!--no-log-loss-scale-to-tensorboard", a.log_loss_scale_to_tensorboard,
+               "No loss scale in TensorBoard");
+  app.add_option("--metrics-file", a.metrics_file,
+                 "Append one JSON object per log interval and per evaluation to this file (JSON lines)");
 
   app.add_option("--tensor-model-parallel-size", a.tensor_model_parallel_size, "Tensor-parallel size")
       ->capture_default_str();
@@ -224,6 +253,7 @@ void add_pretrain_options(CLI::App& app, PretrainArgs& a) {
   app.add_option("--distributed-timeout-minutes", a.distributed_timeout_minutes,
                  "A collective that does not finish in this time is an error")->capture_default_str();
   app.add_option("--nproc-per-node", a.nproc_per_node, "Start N ranks on this machine (local launcher)")
+      ->check(positive_integer())
       ->capture_default_str();
   app.add_option("--device", a.device, "cpu, cuda, cuda:N or auto")->capture_default_str();
   app.add_flag("!--no-progress", a.progress, "No progress line on a terminal");
@@ -271,6 +301,10 @@ void validate_pretrain_args(PretrainArgs& a) {
   MT_REQUIRE(a.save_interval >= 0, "--save-interval must be >= 0, got {}", a.save_interval);
   MT_REQUIRE(a.exit_interval >= 0, "--exit-interval must be >= 0, got {}", a.exit_interval);
   MT_REQUIRE(a.save_interval == 0 || !a.save.empty(), "--save-interval {} given without --save", a.save_interval);
+  MT_REQUIRE(a.exit_duration_in_mins >= 0, "--exit-duration-in-mins must be >= 0, got {}", a.exit_duration_in_mins);
+  MT_REQUIRE(!a.async_save || !a.save.empty(), "--async-save given without --save");
+  MT_REQUIRE(a.tensorboard_log_interval > 0, "--tensorboard-log-interval must be positive, got {}",
+             a.tensorboard_log_interval);
   MT_REQUIRE(a.data.mock_data || !a.data.data_path.empty() || !a.data.train_data_path.empty(),
              "no training data: give --data-path (or --train-data-path), or --mock-data");
   MT_REQUIRE(a.loss_scale >= 0, "--loss-scale must be >= 0, got {}", a.loss_scale);
@@ -323,7 +357,7 @@ void add_generate_options(CLI::App& app, GenerateArgs& a) {
   app.add_flag("--greedy", a.greedy, "Greedy decoding (argmax)");
   app.add_option("--seed", a.seed, "Sampling seed")->capture_default_str();
   app.add_option("--device", a.device, "cpu, cuda, cuda:N or auto")->capture_default_str();
-  app.add_option("--num-samples", a.num_samples, "Number of samples")->capture_default_str();
+  app.add_option("--num-samples", a.num_samples, "Number of samples")->check(positive_integer())->capture_default_str();
 }
 
 }  // namespace mt

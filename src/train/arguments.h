@@ -60,6 +60,21 @@ struct PretrainArgs {
   bool use_checkpoint_args = false;  ///< --use-checkpoint-args: model architecture from the checkpoint
   int64_t save_interval = 0;       ///< --save-interval (0 = only at the end when --save is given)
   int64_t exit_interval = 0;       ///< --exit-interval: stop (after saving) when iteration % N == 0
+  double exit_duration_in_mins = 0;  ///< --exit-duration-in-mins: save and stop after this wall time (0 = off)
+  bool exit_signal_handler = false;  ///< --exit-signal-handler: SIGTERM/SIGINT finish the step, save, exit 0
+  bool async_save = false;         ///< --async-save: checkpoints written by a background thread
+  bool no_save_optim = false;      ///< --no-save-optim: checkpoints without optimizer state
+  bool no_load_rng = false;        ///< --no-load-rng: the checkpoint's seed is not imposed (a new --seed is allowed)
+  bool fallback_to_previous_checkpoint = false;  ///< --fallback-to-previous-checkpoint (LoadOptions)
+  bool check_for_nan_in_loss_and_grad = true;    ///< --check-for-nan-in-loss-and-grad (default on)
+  // observability
+  std::string tensorboard_dir;               ///< --tensorboard-dir (rank 0 writes event files)
+  int64_t tensorboard_log_interval = 1;      ///< --tensorboard-log-interval
+  bool log_timers_to_tensorboard = false;    ///< --log-timers-to-tensorboard
+  bool log_memory_to_tensorboard = false;    ///< --log-memory-to-tensorboard
+  bool log_validation_ppl_to_tensorboard = false;  ///< --log-validation-ppl-to-tensorboard
+  bool log_loss_scale_to_tensorboard = true;       ///< --no-log-loss-scale-to-tensorboard turns it off
+  std::string metrics_file;                  ///< --metrics-file: JSON lines, one per log interval / evaluation
   // distributed
   int tensor_model_parallel_size = 1;      ///< --tensor-model-parallel-size
   bool sequence_parallel = false;          ///< --sequence-parallel

@@ -1,13 +1,25 @@
 #include "train/checkpoint.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <chrono>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <regex>
+#include <set>
+#include <thread>
 #include <fmt/ranges.h>
 
 #include <nlohmann/json.hpp>
+
+#include "core/crc32c.h"
+#include "core/logging.h"
 
 namespace mt {
 
@@ -139,20 +151,6 @@ OptimizerScalars scalars_from_json(const json& j) {
   return s;
 }
 
-// Writes `text` to `path` through a temporary file and a rename.
-void write_file_atomic(const fs::path& path, const std::string& text) {
-  fs::path tmp = path;
-  tmp += ".tmp";
-  {
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    MT_REQUIRE(f.good(), "cannot write checkpoint file '{}'", tmp.string());
-    f << text;
-    f.flush();
-    MT_REQUIRE(f.good(), "error writing checkpoint file '{}'", tmp.string());
-  }
-  fs::rename(tmp, path);
-}
-
 struct TensorRef {
   std::string name;
   Tensor t;  // fp32, on device
@@ -282,49 +280,230 @@ std::vector<ShardEntry> shard_entries(const std::vector<ParamSpec>& specs, bool 
 }
 }  // namespace
 
-void save_checkpoint(const std::string& dir, const CheckpointState& state, const ParamStore& params,
-                     const AdamWOptimizer* optimizer, const CheckpointWriter& w, const Stream& stream) {
-  const bool rank0 = w.world->rank() == 0;
-  const fs::path final_dir = fs::path(dir) / iter_dir_name(state.iteration);
-  const fs::path tmp_dir = fs::path(dir) / (iter_dir_name(state.iteration) + ".tmp");
-  std::error_code ec;
-  if (rank0) {
-    fs::create_directories(dir, ec);
-    MT_REQUIRE(!ec && fs::is_directory(dir), "--save directory '{}' cannot be created: {}", dir, ec.message());
-    fs::remove_all(tmp_dir, ec);
-    fs::create_directories(tmp_dir, ec);
-    MT_REQUIRE(!ec, "cannot create checkpoint directory '{}': {}", tmp_dir.string(), ec.message());
+namespace {
+
+// A file written with POSIX calls so that every failure (ENOSPC, EFBIG, EIO) is reported with
+// the path and the system's reason, and the data can be fsync'ed before the rename that
+// publishes it. The CRC-32C and size of everything written are kept for the metadata.
+class OutFile {
+ public:
+  explicit OutFile(const fs::path& path) : path_(path) {
+    fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    MT_REQUIRE(fd_ >= 0, "cannot create checkpoint file '{}': {}", path.string(), std::strerror(errno));
   }
-  w.world->barrier();
+  ~OutFile() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  OutFile(const OutFile&) = delete;
+  OutFile& operator=(const OutFile&) = delete;
+  void write(const void* data, size_t n) {
+    crc_ = crc32c_extend(crc_, data, n);
+    bytes_ += n;
+    const char* p = static_cast<const char*>(data);
+    while (n > 0) {
+      const ssize_t w = ::write(fd_, p, std::min<size_t>(n, size_t{1} << 30));
+      if (w < 0 && errno == EINTR) continue;
+      MT_REQUIRE(w > 0, "error writing checkpoint file '{}' after {} bytes: {}", path_.string(), bytes_ - n,
+                 w < 0 ? std::strerror(errno) : "no progress");
+      p += w;
+      n -= static_cast<size_t>(w);
+    }
+  }
+  /// fsync, then close; errors name the file.
+  void close_synced() {
+    MT_REQUIRE(::fsync(fd_) == 0, "error writing checkpoint file '{}' (fsync): {}", path_.string(),
+               std::strerror(errno));
+    const int fd = fd_;
+    fd_ = -1;
+    MT_REQUIRE(::close(fd) == 0, "error writing checkpoint file '{}' (close): {}", path_.string(),
+               std::strerror(errno));
+  }
+  uint32_t crc() const { return crc_; }
+  uint64_t bytes() const { return bytes_; }
+
+ private:
+  fs::path path_;
+  int fd_ = -1;
+  uint32_t crc_ = 0;
+  uint64_t bytes_ = 0;
+};
+
+void fsync_dir(const fs::path& dir) {
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return;  // best effort: some file systems do not allow it
+  ::fsync(fd);
+  ::close(fd);
+}
+
+// Writes `text` to `path` through a temporary file, fsync and a rename.
+void write_file_durable(const fs::path& path, const std::string& text) {
+  fs::path tmp = path;
+  tmp += ".tmp";
+  {
+    OutFile f(tmp);
+    f.write(text.data(), text.size());
+    f.close_synced();
+  }
+  std::error_code ec;
+  fs::rename(tmp, path, ec);
+  MT_REQUIRE(!ec, "cannot rename '{}' to '{}': {}", tmp.string(), path.string(), ec.message());
+}
+
+std::string crc_hex(uint32_t c) { return fmt::format("{:08x}", c); }
+
+// "<file>.done": what one rank reports to the finalizing rank 0 once its file is complete (or
+// that it failed, with the reason), written atomically into the temporary directory.
+fs::path marker_path(const fs::path& tmp_dir, const std::string& file) { return tmp_dir / (file + ".done"); }
+void write_marker(const fs::path& tmp_dir, const std::string& file, const json& j) {
+  write_file_durable(marker_path(tmp_dir, file), j.dump());
+}
+
+}  // namespace
+
+/// Everything a save needs after the snapshot: paths, this rank's file, and (rank 0) the
+/// metadata without the file checksums, which arrive in the markers.
+struct CheckpointSaveJob {
+  fs::path dir, tmp_dir, final_dir;
+  int64_t iteration = 0;
+  bool rank0 = false, writes_file = false;
+  std::string file;                // this rank's rank_XXXXX.bin (writes_file)
+  json meta;                       // rank 0
+  std::vector<std::string> files;  // rank 0: every rank's file
+  double timeout_s = 600;
+  // Async: this rank's shard bytes (the saver's snapshot buffer); null for a synchronous save.
+  const char* snapshot = nullptr;
+  size_t snapshot_bytes = 0;
+};
+
+namespace {
+
+// Rank 0: waits for every rank's marker, writes metadata.json with the file sizes and
+// checksums, publishes the directory (rename) and then the tracker. On any failure the
+// temporary directory is removed and the error rethrown.
+void finalize_save(CheckpointSaveJob& job) {
+  json files = json::object();
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(job.timeout_s);
+  for (const auto& f : job.files) {
+    const fs::path m = marker_path(job.tmp_dir, f);
+    while (!fs::exists(m)) {
+      MT_REQUIRE(std::chrono::steady_clock::now() < deadline,
+                 "checkpoint save at iteration {}: no rank reported '{}' complete within {} s "
+                 "(--distributed-timeout-minutes)", job.iteration, (job.tmp_dir / f).string(), job.timeout_s);
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    std::ifstream in(m);
+    json j;
+    try {
+      j = json::parse(in);
+    } catch (const std::exception& e) {
+      MT_FAIL("checkpoint save: marker '{}' is unreadable: {}", m.string(), e.what());
+    }
+    MT_REQUIRE(j.value("ok", false), "checkpoint save at iteration {} failed on another rank: {}", job.iteration,
+               j.value("error", std::string("unknown error")));
+    files[f] = {{"bytes", j.at("bytes")}, {"crc32c", j.at("crc32c")}};
+  }
+  for (const auto& f : job.files) fs::remove(marker_path(job.tmp_dir, f));
+  job.meta["files"] = files;
+  write_file_durable(job.tmp_dir / "metadata.json", job.meta.dump(1));
+  fsync_dir(job.tmp_dir);
+  std::error_code ec;
+  // Replace any previous checkpoint of the same iteration only after the new one is complete.
+  if (fs::exists(job.final_dir)) {
+    const fs::path old = job.dir / (job.final_dir.filename().string() + ".old");
+    fs::remove_all(old, ec);
+    fs::rename(job.final_dir, old);
+    fs::rename(job.tmp_dir, job.final_dir);
+    fs::remove_all(old, ec);
+  } else {
+    fs::rename(job.tmp_dir, job.final_dir);
+  }
+  fsync_dir(job.dir);
+  write_file_durable(job.dir / kTracker, std::to_string(job.iteration) + "\n");
+  fsync_dir(job.dir);
+}
+
+// This rank's part of a save: write its file (from the snapshot, or streamed by `stream_fn`),
+// its marker, and on rank 0 finalize. Never throws on a non-zero rank without first writing a
+// failure marker, so that rank 0 stops waiting; rank 0 removes the temporary directory on failure.
+void run_save_job(CheckpointSaveJob& job, const std::function<void(OutFile&)>& stream_fn) {
+  try {
+    if (job.writes_file) {
+      try {
+        OutFile f(job.tmp_dir / job.file);
+        if (stream_fn) {
+          stream_fn(f);
+        } else {
+          f.write(job.snapshot, job.snapshot_bytes);
+        }
+        f.close_synced();
+        write_marker(job.tmp_dir, job.file, {{"ok", true}, {"bytes", f.bytes()}, {"crc32c", crc_hex(f.crc())}});
+      } catch (const std::exception& e) {
+        if (!job.rank0) write_marker(job.tmp_dir, job.file, {{"ok", false}, {"error", e.what()}});
+        throw;
+      }
+    }
+    if (job.rank0) finalize_save(job);
+  } catch (...) {
+    if (job.rank0) {
+      std::error_code ec;
+      fs::remove_all(job.tmp_dir, ec);  // a failed save leaves nothing behind
+    }
+    throw;
+  }
+}
+
+// Starts a save (collective over the world): rank 0 prepares the temporary directory, every
+// rank gathers the whole fp32 state (collective over DP when sharded) and returns the job plus
+// the state to write.
+CheckpointSaveJob prepare_save(const std::string& dir, const CheckpointState& state, const ParamStore& params,
+                               const AdamWOptimizer* optimizer, const CheckpointWriter& w, const Stream& stream,
+                               FullState& full) {
+  CheckpointSaveJob job;
+  job.rank0 = w.world->rank() == 0;
+  job.dir = dir;
+  job.iteration = state.iteration;
+  job.final_dir = job.dir / iter_dir_name(state.iteration);
+  job.tmp_dir = job.dir / (iter_dir_name(state.iteration) + ".tmp");
+  job.timeout_s = w.timeout_s;
+  job.writes_file = w.dp_rank == 0;  // data-parallel replicas hold identical state; one of them writes
+  job.file = rank_file(w.pp_rank * w.tp + w.tp_rank);
+  int ok = 1;
+  std::string why;
+  if (job.rank0) {
+    std::error_code ec;
+    fs::create_directories(dir, ec);
+    if (ec || !fs::is_directory(dir)) {
+      ok = 0;
+      why = fmt::format("--save directory '{}' cannot be created: {}", dir, ec.message());
+    } else {
+      fs::remove_all(job.tmp_dir, ec);
+      fs::create_directories(job.tmp_dir, ec);
+      if (ec) {
+        ok = 0;
+        why = fmt::format("cannot create checkpoint directory '{}': {}", job.tmp_dir.string(), ec.message());
+      }
+    }
+  }
+  // Every rank learns whether rank 0 could prepare the directory (no rank is left waiting).
+  const std::vector<char> oks = all_gather_host(*w.world, &ok, sizeof(ok), stream);
+  int ok0 = 0;
+  std::memcpy(&ok0, oks.data(), sizeof(ok0));
+  MT_REQUIRE(ok0 == 1, "{}", job.rank0 ? why : std::string("checkpoint save failed on rank 0 (see its error)"));
+  const bool with_optim = optimizer != nullptr && w.save_optim;
   // Whole fp32 main parameters and moments; sharded ones are all-gathered (all DP ranks take part).
   if (optimizer) optimizer->grad_sync().finish_param_sync(stream);
-  FullState full = full_state(params, optimizer, stream);
+  full = full_state(params, with_optim ? optimizer : nullptr, stream);
   if (params.main_sharded()) {
     MT_REQUIRE(optimizer != nullptr, "save_checkpoint: the main parameters are sharded, the optimizer is needed");
     optimizer->gather_main(full.main, stream);
   }
-  if (optimizer && optimizer->distributed()) optimizer->gather_moments(full.m, full.v, stream);
-  if (w.dp_rank == 0) {  // data-parallel replicas hold identical state; one of them writes
-    const fs::path bin = tmp_dir / rank_file(w.pp_rank * w.tp + w.tp_rank);
-    std::ofstream f(bin, std::ios::binary | std::ios::trunc);
-    MT_REQUIRE(f.good(), "cannot write checkpoint file '{}'", bin.string());
-    std::vector<char> host;
-    for (const auto& ref : checkpoint_tensors(params, full, optimizer != nullptr, /*writing=*/true)) {
-      // Only the rows that are not vocabulary padding (a prefix of the shard).
-      host.resize(static_cast<size_t>(stored_box(ref.global_shape, ref.box, ref.vocab_rows).numel) * 4);
-      copy_bytes(host.data(), Device::cpu(), ref.t.data(), ref.t.device(), host.size(), stream);
-      stream.synchronize();
-      f.write(host.data(), static_cast<std::streamsize>(host.size()));
-    }
-    f.flush();
-    MT_REQUIRE(f.good(), "error writing checkpoint file '{}' (disk full?)", bin.string());
-  }
-  w.world->barrier();
-  if (rank0) {
+  if (with_optim && optimizer->distributed()) optimizer->gather_moments(full.m, full.v, stream);
+  if (job.rank0) {
     std::map<std::string, json> by_name;
     std::vector<std::string> order;
     for (int r = 0; r < w.tp * w.pp; ++r) {
-      for (const auto& e : shard_entries(w.specs_of(r % w.tp, r / w.tp), optimizer != nullptr)) {
+      job.files.push_back(rank_file(r));
+      for (const auto& e : shard_entries(w.specs_of(r % w.tp, r / w.tp), with_optim)) {
         auto [it, fresh] = by_name.try_emplace(e.name);
         if (fresh) {
           order.push_back(e.name);
@@ -341,31 +520,155 @@ void save_checkpoint(const std::string& dir, const CheckpointState& state, const
     }
     json tensors = json::array();
     for (const auto& n : order) tensors.push_back(by_name[n]);
-    json meta{{"format", "megatron.cpp-checkpoint"},
-              {"version", 1},
-              {"iteration", state.iteration},
-              {"consumed_train_samples", state.consumed_train_samples},
-              {"seed", state.seed},
-              {"tensor_model_parallel_size", w.tp},
-              {"pipeline_model_parallel_size", w.pp},
-              {"model", config_to_json(state.model)},
-              {"scalars", scalars_to_json(state.scalars)},
-              {"has_optimizer", optimizer != nullptr},
-              {"tensors", tensors}};
-    write_file_atomic(tmp_dir / "metadata.json", meta.dump(1));
-    // Replace any previous checkpoint of the same iteration only after the new one is complete.
-    if (fs::exists(final_dir)) {
-      const fs::path old = fs::path(dir) / (iter_dir_name(state.iteration) + ".old");
-      fs::remove_all(old, ec);
-      fs::rename(final_dir, old);
-      fs::rename(tmp_dir, final_dir);
-      fs::remove_all(old, ec);
-    } else {
-      fs::rename(tmp_dir, final_dir);
-    }
-    write_file_atomic(fs::path(dir) / kTracker, std::to_string(state.iteration) + "\n");
+    job.meta = json{{"format", "megatron.cpp-checkpoint"},
+                    {"version", 2},
+                    {"iteration", state.iteration},
+                    {"consumed_train_samples", state.consumed_train_samples},
+                    {"seed", state.seed},
+                    {"tensor_model_parallel_size", w.tp},
+                    {"pipeline_model_parallel_size", w.pp},
+                    {"model", config_to_json(state.model)},
+                    {"scalars", scalars_to_json(state.scalars)},
+                    {"has_optimizer", with_optim},
+                    {"tensors", tensors}};
   }
-  w.world->barrier();
+  return job;
+}
+
+// Calls fn(host bytes, n) for this rank's shards in file order (rows of vocabulary padding left out).
+void for_each_shard_bytes(const ParamStore& params, const FullState& full, bool with_optim, const Stream& stream,
+                          const std::function<void(const char*, size_t)>& fn) {
+  std::vector<char> host;
+  for (const auto& ref : checkpoint_tensors(params, full, with_optim, /*writing=*/true)) {
+    host.resize(static_cast<size_t>(stored_box(ref.global_shape, ref.box, ref.vocab_rows).numel) * 4);
+    if (host.empty()) continue;
+    copy_bytes(host.data(), Device::cpu(), ref.t.data(), ref.t.device(), host.size(), stream);
+    stream.synchronize();
+    fn(host.data(), host.size());
+  }
+}
+
+// After every rank ran its job: all ranks learn whether the save succeeded everywhere.
+void agree_on_save(const CheckpointWriter& w, bool ok, const std::string& why, int64_t iteration,
+                   const Stream& stream) {
+  const int mine = ok ? 1 : 0;
+  const std::vector<char> all = all_gather_host(*w.world, &mine, sizeof(mine), stream);
+  if (!ok) MT_FAIL("{}", why);
+  for (int r = 0; r < w.world->size(); ++r) {
+    int v = 0;
+    std::memcpy(&v, all.data() + r * sizeof(int), sizeof(int));
+    MT_REQUIRE(v == 1, "checkpoint save at iteration {} failed on rank {} (see its error)", iteration, r);
+  }
+}
+
+}  // namespace
+
+void save_checkpoint(const std::string& dir, const CheckpointState& state, const ParamStore& params,
+                     const AdamWOptimizer* optimizer, const CheckpointWriter& w, const Stream& stream) {
+  FullState full;
+  CheckpointSaveJob job = prepare_save(dir, state, params, optimizer, w, stream, full);
+  const bool with_optim = optimizer != nullptr && w.save_optim;
+  bool ok = true;
+  std::string why;
+  try {
+    run_save_job(job, [&](OutFile& f) {
+      for_each_shard_bytes(params, full, with_optim, stream, [&](const char* p, size_t n) { f.write(p, n); });
+    });
+  } catch (const std::exception& e) {
+    ok = false;
+    why = e.what();
+  }
+  agree_on_save(w, ok, why, state.iteration, stream);
+}
+
+AsyncCheckpointSaver::AsyncCheckpointSaver() = default;
+
+AsyncCheckpointSaver::~AsyncCheckpointSaver() {
+  if (thread_.joinable()) thread_.join();
+  if (error_) {
+    try {
+      std::rethrow_exception(error_);
+    } catch (const std::exception& e) {
+      log_warn("asynchronous checkpoint save failed: {}", e.what());
+    }
+  }
+}
+
+void AsyncCheckpointSaver::save(const std::string& dir, const CheckpointState& state, const ParamStore& params,
+                                const AdamWOptimizer* optimizer, const CheckpointWriter& writer,
+                                const Stream& stream) {
+  wait();  // one save in flight at a time (and its error surfaces here)
+  FullState full;
+  auto job = std::make_shared<CheckpointSaveJob>(prepare_save(dir, state, params, optimizer, writer, stream, full));
+  if (job->writes_file) {
+    const bool with_optim = optimizer != nullptr && writer.save_optim;
+    const auto refs = checkpoint_tensors(params, full, with_optim, /*writing=*/true);
+    size_t total = 0;
+    for (const auto& ref : refs) total += static_cast<size_t>(stored_box(ref.global_shape, ref.box, ref.vocab_rows).numel) * 4;
+    // Pinned host memory when the state is on a GPU (a fast device-to-host copy), kept for the next save.
+    if (snapshot_.bytes() < total)
+      snapshot_ = Buffer(Device::cpu(), total, params.device().is_cuda() ? HostMemory::kPinned : HostMemory::kPageable);
+    char* dst = static_cast<char*>(snapshot_.data());
+    size_t off = 0;
+    for (const auto& ref : refs) {  // the same bytes in the same order as for_each_shard_bytes
+      const size_t n = static_cast<size_t>(stored_box(ref.global_shape, ref.box, ref.vocab_rows).numel) * 4;
+      if (n == 0) continue;
+      copy_bytes(dst + off, Device::cpu(), ref.t.data(), ref.t.device(), n, stream);
+      off += n;
+    }
+    stream.synchronize();
+    job->snapshot = dst;
+    job->snapshot_bytes = total;
+  }
+  thread_ = std::thread([this, job] {
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+      run_save_job(*job, nullptr);
+      last_write_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    } catch (...) {
+      error_ = std::current_exception();
+    }
+  });
+}
+
+void AsyncCheckpointSaver::wait() {
+  if (thread_.joinable()) thread_.join();
+  if (error_) {
+    std::exception_ptr e = error_;
+    error_ = nullptr;
+    std::rethrow_exception(e);
+  }
+}
+
+uint64_t checkpoint_bytes(const std::string& dir, int64_t iteration) {
+  uint64_t total = 0;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(fs::path(dir) / iter_dir_name(iteration), ec))
+    if (e.is_regular_file(ec)) total += e.file_size(ec);
+  return total;
+}
+
+std::vector<std::string> clean_interrupted_saves(const std::string& dir) {
+  std::vector<std::string> out;
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) return out;
+  static const std::regex kLeftover(R"(iter_\d{7,}\.(tmp|old))");
+  std::vector<fs::path> found;
+  for (const auto& entry : fs::directory_iterator(dir, ec))
+    if (entry.is_directory() && std::regex_match(entry.path().filename().string(), kLeftover))
+      found.push_back(entry.path());
+  for (const auto& p : found) {
+    const std::string name = p.filename().string();
+    const fs::path complete = p.parent_path() / name.substr(0, name.size() - 4);
+    if (name.ends_with(".old") && !fs::exists(complete)) {
+      fs::rename(p, complete, ec);
+      out.push_back(name + " (renamed back to " + complete.filename().string() + ")");
+      continue;
+    }
+    fs::remove_all(p, ec);
+    out.push_back(name);
+  }
+  return out;
 }
 
 std::optional<int64_t> latest_checkpoint_iteration(const std::string& dir) {
@@ -386,12 +689,20 @@ std::optional<int64_t> latest_checkpoint_iteration(const std::string& dir) {
 }
 
 namespace {
-json read_metadata(const std::string& dir, fs::path* iter_path) {
-  MT_REQUIRE(fs::is_directory(dir), "--load directory '{}' does not exist", dir);
-  auto it = latest_checkpoint_iteration(dir);
-  MT_REQUIRE(it.has_value(), "--load directory '{}' holds no checkpoint ({} missing)", dir, kTracker);
-  *iter_path = fs::path(dir) / iter_dir_name(*it);
-  const fs::path meta_path = *iter_path / "metadata.json";
+
+const char* kFallbackHint = " (--fallback-to-previous-checkpoint loads the newest earlier checkpoint that verifies)";
+
+// The directory of iteration `it`: iter_XXXXXXX, or the iter_XXXXXXX.old that a replacement of
+// the same iteration interrupted between its two renames left behind.
+fs::path iteration_path(const std::string& dir, int64_t it) {
+  const fs::path p = fs::path(dir) / iter_dir_name(it);
+  const fs::path old = fs::path(dir) / (iter_dir_name(it) + ".old");
+  return !fs::exists(p) && fs::is_directory(old) ? old : p;
+}
+
+json read_metadata_at(const fs::path& iter_path) {
+  const fs::path meta_path = iter_path / "metadata.json";
+  MT_REQUIRE(fs::is_directory(iter_path), "checkpoint directory '{}' is missing", iter_path.string());
   std::ifstream f(meta_path);
   MT_REQUIRE(f.good(), "checkpoint metadata '{}' is missing", meta_path.string());
   json meta;
@@ -400,9 +711,124 @@ json read_metadata(const std::string& dir, fs::path* iter_path) {
   } catch (const std::exception& e) {
     MT_FAIL("checkpoint metadata '{}' is not valid JSON: {}", meta_path.string(), e.what());
   }
-  MT_REQUIRE(meta.value("format", "") == "megatron.cpp-checkpoint", "'{}' is not a megatron.cpp checkpoint",
-             meta_path.string());
+  MT_REQUIRE(meta.is_object() && meta.value("format", "") == "megatron.cpp-checkpoint",
+             "'{}' is not a megatron.cpp checkpoint", meta_path.string());
   return meta;
+}
+
+// Size check (cheap) of one data file against metadata "files"; with `crc` also its CRC-32C
+// (reads the whole file). Checkpoints of format version 1 carry no checksums: nothing to check.
+void verify_file(const fs::path& iter_path, const json& meta, const std::string& file, bool crc) {
+  const fs::path path = iter_path / file;
+  MT_REQUIRE(fs::exists(path), "checkpoint data file '{}' is missing", path.string());
+  if (!meta.contains("files")) return;
+  const json& files = meta.at("files");
+  MT_REQUIRE(files.contains(file), "checkpoint data file '{}' is not listed in {}", path.string(),
+             (iter_path / "metadata.json").string());
+  const uint64_t want = files.at(file).at("bytes").get<uint64_t>();
+  std::error_code ec;
+  const uint64_t have = fs::file_size(path, ec);
+  MT_REQUIRE(!ec, "cannot read checkpoint data file '{}': {}", path.string(), ec.message());
+  MT_REQUIRE(have == want, "checkpoint data file '{}' is {}: {} bytes, metadata.json records {}", path.string(),
+             have < want ? "truncated" : "too long", have, want);
+  if (!crc) return;
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  MT_REQUIRE(fd >= 0, "cannot read checkpoint data file '{}': {}", path.string(), std::strerror(errno));
+  std::vector<char> buf(size_t{16} << 20);
+  uint32_t c = 0;
+  uint64_t total = 0;
+  while (true) {
+    const ssize_t n = ::read(fd, buf.data(), buf.size());
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const int err = errno;
+      ::close(fd);
+      MT_REQUIRE(n == 0, "error reading checkpoint data file '{}': {}", path.string(), std::strerror(err));
+      break;
+    }
+    c = crc32c_extend(c, buf.data(), static_cast<size_t>(n));
+    total += static_cast<uint64_t>(n);
+  }
+  const std::string want_crc = files.at(file).at("crc32c").get<std::string>();
+  MT_REQUIRE(total == want && crc_hex(c) == want_crc,
+             "checkpoint data file '{}' is corrupt: its CRC-32C is {} but metadata.json records {}", path.string(),
+             crc_hex(c), want_crc);
+}
+
+// Every data file the metadata names (in "files", or in the tensors' shards for version 1).
+std::vector<std::string> data_files(const json& meta) {
+  std::vector<std::string> out;
+  if (meta.contains("files")) {
+    for (const auto& [name, _] : meta.at("files").items()) out.push_back(name);
+    return out;
+  }
+  std::set<std::string> seen;
+  for (const auto& t : meta.at("tensors"))
+    for (const auto& sh : t.at("shards")) seen.insert(sh.at("file").get<std::string>());
+  return {seen.begin(), seen.end()};
+}
+
+// Metadata of the checkpoint to load and its directory. Without a fallback: the tracker's
+// iteration, whose files must all be present with their recorded sizes (checksums are verified
+// as the files are read). With `fallback`: the newest iteration directory, at most the tracker's,
+// whose every file verifies completely (size and CRC-32C); skipped ones are named in warnings.
+json resolve_checkpoint(const std::string& dir, const LoadOptions& opt, fs::path* iter_path) {
+  MT_REQUIRE(fs::is_directory(dir), "--load directory '{}' does not exist", dir);
+  std::optional<int64_t> tracked;
+  std::string tracker_error;
+  if (opt.iteration) {
+    tracked = opt.iteration;
+  } else {
+    try {
+      tracked = latest_checkpoint_iteration(dir);
+    } catch (const Error& e) {
+      if (!opt.fallback_to_previous) throw;
+      tracker_error = e.what();
+    }
+  }
+  auto check = [&](int64_t it, bool crc) {
+    *iter_path = iteration_path(dir, it);
+    json meta = read_metadata_at(*iter_path);
+    try {
+      MT_REQUIRE(meta.at("iteration").get<int64_t>() == it, "'{}' holds iteration {}",
+                 (*iter_path / "metadata.json").string(), meta.at("iteration").get<int64_t>());
+      for (const auto& f : data_files(meta)) verify_file(*iter_path, meta, f, crc);
+    } catch (const json::exception& e) {
+      MT_FAIL("checkpoint metadata '{}' is incomplete: {}", (*iter_path / "metadata.json").string(), e.what());
+    }
+    return meta;
+  };
+  if (!opt.fallback_to_previous) {
+    MT_REQUIRE(tracked.has_value(), "--load directory '{}' holds no checkpoint ({} missing)", dir, kTracker);
+    try {
+      return check(*tracked, false);
+    } catch (const Error& e) {
+      MT_FAIL("{}{}", e.what(), kFallbackHint);
+    }
+  }
+  std::vector<int64_t> candidates;
+  static const std::regex kIterDir(R"(iter_(\d{7,})(\.old)?)");
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    std::smatch m;
+    const std::string name = entry.path().filename().string();
+    if (!entry.is_directory() || !std::regex_match(name, m, kIterDir)) continue;
+    const int64_t it = std::stoll(m[1].str());
+    if (!tracked || it <= *tracked) candidates.push_back(it);
+  }
+  std::sort(candidates.begin(), candidates.end(), std::greater<>());
+  candidates.erase(std::unique(candidates.begin(), candidates.end()), candidates.end());
+  if (!tracker_error.empty()) log_warn("{}: trying the iteration directories in '{}'", tracker_error, dir);
+  for (int64_t it : candidates) {
+    try {
+      json meta = check(it, true);
+      if (tracked && it != *tracked) log_warn("> falling back to the checkpoint of iteration {} in {}", it, dir);
+      return meta;
+    } catch (const Error& e) {
+      log_warn("checkpoint of iteration {} is unusable: {}", it, e.what());
+    }
+  }
+  MT_FAIL("--load directory '{}' holds no complete checkpoint{}", dir,
+          tracked ? fmt::format(" at or before iteration {}", *tracked) : std::string());
 }
 
 CheckpointState state_from_meta(const json& meta) {
@@ -417,20 +843,20 @@ CheckpointState state_from_meta(const json& meta) {
 }
 }  // namespace
 
-CheckpointState read_checkpoint_state(const std::string& dir) {
+CheckpointState read_checkpoint_state(const std::string& dir, const LoadOptions& opt) {
   fs::path iter_path;
   try {
-    return state_from_meta(read_metadata(dir, &iter_path));
+    return state_from_meta(resolve_checkpoint(dir, opt, &iter_path));
   } catch (const json::exception& e) {
     MT_FAIL("checkpoint metadata in '{}' is incomplete: {}", iter_path.string(), e.what());
   }
 }
 
 CheckpointState load_checkpoint(const std::string& dir, ParamStore& params, AdamWOptimizer* optimizer,
-                                const Stream& stream) {
+                                const Stream& stream, const LoadOptions& opt) {
   fs::path iter_path;
   FullState full;
-  json meta = read_metadata(dir, &iter_path);
+  json meta = resolve_checkpoint(dir, opt, &iter_path);
   CheckpointState state;
   try {
     state = state_from_meta(meta);
@@ -487,11 +913,24 @@ CheckpointState load_checkpoint(const std::string& dir, ParamStore& params, Adam
         const std::string file = shard.at("file").get<std::string>();
         auto& f = files[file];
         if (!f.is_open()) {
+          try {
+            verify_file(iter_path, meta, file, /*crc=*/true);  // size and CRC-32C before any byte is used
+          } catch (const Error& e) {
+            MT_FAIL("{}{}", e.what(), kFallbackHint);
+          }
           f.open(iter_path / file, std::ios::binary);
           MT_REQUIRE(f.good(), "checkpoint data file '{}' is missing", (iter_path / file).string());
         }
         const uint64_t base = shard.at("offset_bytes").get<uint64_t>();
-        const int64_t run = hi[nd - 1] - lo[nd - 1];
+        // Trailing dimensions that both boxes span completely are contiguous in both: one read
+        // covers them (a whole shard when the layouts match), instead of one per row.
+        int k = nd - 1;
+        int64_t inner = 1;
+        auto full = [&](int d) {
+          return lo[d] == soff[d] && lo[d] == mine.offset[d] && hi[d] - lo[d] == sshape[d] && sshape[d] == mine.shape[d];
+        };
+        while (k > 0 && full(k)) inner *= sshape[k--];
+        const int64_t run = (hi[k] - lo[k]) * inner;
         std::vector<int64_t> idx(lo);  // global index of the run's first element
         while (true) {
           int64_t src = 0, dst = 0;
@@ -505,7 +944,7 @@ CheckpointState load_checkpoint(const std::string& dir, ParamStore& params, Adam
           MT_REQUIRE(f.good(), "checkpoint file '{}' is truncated: tensor '{}' needs bytes at {}",
                      (iter_path / file).string(), ref.name, off);
           filled += run;
-          int d = nd - 2;  // next run: odometer over the leading dimensions
+          int d = k - 1;  // next run: odometer over the leading dimensions
           for (; d >= 0; --d) {
             if (++idx[d] < hi[d]) break;
             idx[d] = lo[d];

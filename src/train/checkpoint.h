@@ -14,12 +14,16 @@
 // --use-distributed-optimizer. Parameters flagged shared_embedding_copy are not written; on
 // load they are filled from the saved parameter of the same name.
 #pragma once
+#include <exception>
 #include <functional>
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "comm/communicator.h"
+#include "core/buffer.h"
 
 #include "model/transformer_config.h"
 #include "model/params.h"
@@ -47,27 +51,87 @@ struct CheckpointWriter {
   int tp = 1, tp_rank = 0, dp_rank = 0;
   std::function<std::vector<ParamSpec>(int tp_rank, int pp_rank)> specs_of;
   int pp = 1, pp_rank = 0;
+  bool save_optim = true;    ///< false: --no-save-optim (parameters only; has_optimizer = false)
+  double timeout_s = 600;    ///< rank 0 waits this long for the other ranks' files (--distributed-timeout-minutes)
 };
 
-/// Writes <dir>/iter_%07d/ and updates the tracker file. Collective over the data-parallel group
-/// as well when the optimizer is sharded (every DP rank must call it). Errors: mt::Error naming
-/// the path when the directory cannot be created or written.
+/// Which checkpoint of a --load directory to read.
+struct LoadOptions {
+  /// --fallback-to-previous-checkpoint: when the tracker's iteration is incomplete or corrupt,
+  /// load the newest earlier iteration directory whose files all verify (size and CRC-32C;
+  /// this reads every file once more), with a warning naming what was skipped.
+  bool fallback_to_previous = false;
+  /// Load this iteration instead of the tracker's (e.g. the one read_checkpoint_state chose).
+  std::optional<int64_t> iteration;
+};
+
+/// Writes <dir>/iter_%07d/ and updates the tracker file. Collective over `writer.world` (every
+/// rank must call it). Each writing rank fills rank_XXXXX.bin in <dir>/iter_%07d.tmp/, fsyncs
+/// it and reports its size and CRC-32C; rank 0 then writes metadata.json (with those checksums
+/// under "files"), renames the directory, and updates the tracker last (all through fsync'ed
+/// temporary files and renames). Errors (on every rank): mt::Error naming the path and the
+/// system's reason (e.g. "No space left on device") when a directory or file cannot be created
+/// or written; the temporary directory is then removed and earlier checkpoints are untouched.
 void save_checkpoint(const std::string& dir, const CheckpointState& state, const ParamStore& params,
                      const AdamWOptimizer* optimizer, const CheckpointWriter& writer, const Stream& stream);
+
+struct CheckpointSaveJob;
+
+/// --async-save: save() takes the snapshot at the step boundary (the collective part of
+/// save_checkpoint: temporary directory, DP gathers, and a device-to-host copy of this rank's
+/// shards into host memory kept from one save to the next) and returns; a background thread
+/// writes the file, and on rank 0 waits for the other ranks' files and publishes the checkpoint
+/// exactly as save_checkpoint does (same bytes, same metadata). One save is in flight at a
+/// time: save() and wait() first wait for the previous one. Errors of the background write are
+/// rethrown by the next save() or wait(); the destructor waits and only logs them.
+class AsyncCheckpointSaver {
+ public:
+  AsyncCheckpointSaver();
+  ~AsyncCheckpointSaver();
+  AsyncCheckpointSaver(const AsyncCheckpointSaver&) = delete;
+  AsyncCheckpointSaver& operator=(const AsyncCheckpointSaver&) = delete;
+  /// Collective over writer.world, like save_checkpoint.
+  void save(const std::string& dir, const CheckpointState& state, const ParamStore& params,
+            const AdamWOptimizer* optimizer, const CheckpointWriter& writer, const Stream& stream);
+  /// Waits for the save in flight (local: this rank's file, and on rank 0 the publication).
+  void wait();
+  bool in_flight() const { return thread_.joinable(); }
+  /// Seconds the background part of the last completed save took (write, fsync, publication).
+  double last_write_seconds() const { return last_write_seconds_; }
+
+ private:
+  double last_write_seconds_ = 0;
+  std::thread thread_;
+  std::exception_ptr error_;
+  Buffer snapshot_;  // host copy of this rank's shards (pinned for a GPU), reused from one save to the next
+};
+
+/// Removes what interrupted saves left in `dir` (iter_XXXXXXX.tmp directories; an
+/// iter_XXXXXXX.old beside a complete iter_XXXXXXX) and returns their names. An .old without its
+/// iter_XXXXXXX (a replacement interrupted between its renames) is renamed back. Call on the
+/// rank that saves (rank 0) before training, with no save in flight.
+std::vector<std::string> clean_interrupted_saves(const std::string& dir);
+
+/// Bytes of the files of <dir>/iter_%07d/ (0 when absent), for throughput logs.
+uint64_t checkpoint_bytes(const std::string& dir, int64_t iteration);
 
 /// Iteration named by <dir>/latest_checkpointed_iteration.txt, or nullopt when the file is
 /// absent. Errors on an unreadable or malformed tracker.
 std::optional<int64_t> latest_checkpoint_iteration(const std::string& dir);
 
-/// Reads metadata of the latest checkpoint in `dir` (model config, iteration, ...). Errors when
-/// there is none ("--load points at nothing") or the metadata is corrupt.
-CheckpointState read_checkpoint_state(const std::string& dir);
+/// Reads metadata of the latest checkpoint in `dir` (model config, iteration, ...) and checks
+/// that its data files are all present with the sizes metadata.json records. Errors when there
+/// is none ("--load points at nothing"), the metadata is corrupt, or a data file is missing or
+/// truncated (naming the file). With opt.fallback_to_previous: see LoadOptions.
+CheckpointState read_checkpoint_state(const std::string& dir, const LoadOptions& opt = {});
 
 /// Loads parameters (and, when optimizer != nullptr, moments and scalars) of the latest
 /// checkpoint into `params`, whatever tensor/pipeline-parallel layout wrote it: each local shard is
 /// assembled from the intersecting saved shards (global shapes are checked, a mismatch names
 /// the tensor and both shapes; a region no saved shard covers is an error). Returns the state.
+/// Every data file is verified (size and CRC-32C recorded in metadata.json) before its first
+/// byte is used: a missing, truncated or corrupt file is an mt::Error naming it.
 CheckpointState load_checkpoint(const std::string& dir, ParamStore& params, AdamWOptimizer* optimizer,
-                                const Stream& stream);
+                                const Stream& stream, const LoadOptions& opt = {});
 
 }  // namespace mt

@@ -25,6 +25,9 @@ namespace mt {
 int32_t sample_token(const std::vector<float>& logits, bool greedy, float temperature, int64_t top_k, float top_p,
                      std::mt19937_64& rng) {
   MT_REQUIRE(!logits.empty(), "sample_token: empty logits");
+  const auto bad = std::find_if(logits.begin(), logits.end(), [](float v) { return !std::isfinite(v); });
+  MT_REQUIRE(bad == logits.end(), "the model produced a non-finite logit ({} for token {}): the checkpoint holds "
+             "NaN/Inf weights (a diverged run?)", *bad, bad - logits.begin());
   if (greedy) return static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
   MT_REQUIRE(temperature > 0, "--temperature must be positive, got {}", temperature);
   MT_REQUIRE(top_k >= 0, "--top-k must be >= 0, got {}", top_k);

@@ -15,6 +15,7 @@
 #include <iterator>
 
 #include "core/check.h"
+#include "core/crc32c.h"
 #include "core/logging.h"
 
 namespace mt {
@@ -22,7 +23,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-constexpr uint32_t kCrc32cPolyReflected = 0x82F63B78u;
 constexpr uint32_t kCrcMaskDelta = 0xa282ead8u;
 constexpr const char* kFileVersion = "brain.Event:2";
 constexpr size_t kRecordHeaderBytes = 12;  // uint64 length + uint32 masked crc of it
@@ -34,16 +34,6 @@ constexpr uint32_t kEventWallTime = 1, kEventStep = 2, kEventFileVersion = 3, kE
 constexpr uint32_t kSummaryValue = 1;
 constexpr uint32_t kValueTag = 1, kValueSimpleValue = 2;
 
-constexpr std::array<uint32_t, 256> make_crc32c_table() {
-  std::array<uint32_t, 256> t{};
-  for (uint32_t i = 0; i < 256; ++i) {
-    uint32_t c = i;
-    for (int k = 0; k < 8; ++k) c = (c & 1u) ? (c >> 1) ^ kCrc32cPolyReflected : c >> 1;
-    t[i] = c;
-  }
-  return t;
-}
-constexpr std::array<uint32_t, 256> kCrc32cTable = make_crc32c_table();
 
 // ---- encoding ----------------------------------------------------------------------------
 
@@ -234,13 +224,6 @@ uint64_t load_le64(const uint8_t* b) {
 }
 
 }  // namespace
-
-uint32_t crc32c(const void* data, size_t n) {
-  const auto* p = static_cast<const uint8_t*>(data);
-  uint32_t c = 0xFFFFFFFFu;
-  for (size_t i = 0; i < n; ++i) c = kCrc32cTable[(c ^ p[i]) & 0xffu] ^ (c >> 8);
-  return c ^ 0xFFFFFFFFu;
-}
 
 uint32_t masked_crc32c(const void* data, size_t n) {
   const uint32_t c = crc32c(data, n);

@@ -31,11 +31,9 @@
 #include <string>
 #include <vector>
 
-namespace mt {
+#include "core/crc32c.h"  // crc32c()
 
-/// CRC-32C (Castagnoli; reflected polynomial 0x82F63B78, initial value and final xor
-/// 0xFFFFFFFF) of `n` bytes at `data`. crc32c("123456789", 9) = 0xE3069283. Exposed for tests.
-uint32_t crc32c(const void* data, size_t n);
+namespace mt {
 
 /// TFRecord's masked CRC: ((c >> 15) | (c << 17)) + 0xa282ead8 with c = crc32c(data, n)
 /// (tensorflow/core/lib/hash/crc32c.h Mask).

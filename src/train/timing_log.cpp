@@ -18,7 +18,7 @@ TimingLogOption parse_timing_log_option(const std::string& s) {
 }
 
 std::string timing_report(Timers& timers, TimingLogOption option, Communicator& world, const Stream& stream,
-                          int64_t iterations) {
+                          int64_t iterations, std::vector<std::pair<std::string, float>>* max_ms) {
   if (!timers.active()) return {};
   constexpr size_t kPer = 2 * Timers::kCount;  // per rank: [ms per iteration, intervals] per timer
   const auto mine = timers.take(stream, iterations);
@@ -37,6 +37,7 @@ std::string timing_report(Timers& timers, TimingLogOption option, Communicator& 
     }
     if (count == 0) continue;  // this timer ran on no rank
     const std::string name = Timers::name(static_cast<Timers::Name>(t));
+    if (max_ms != nullptr) max_ms->emplace_back(name, hi);
     const std::string dots(name.size() < 48 ? 48 - name.size() : 1, '.');
     switch (option) {
       case TimingLogOption::kMax:

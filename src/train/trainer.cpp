@@ -2,7 +2,10 @@
 
 #include <unistd.h>
 
+#include <csignal>
+#include <atomic>
 #include <chrono>
+#include <cstddef>
 #include <cstring>
 #include <future>
 #include <cmath>
@@ -12,6 +15,7 @@
 #include <optional>
 
 #include "comm/bootstrap.h"
+#include "core/host_memory.h"
 #include "core/logging.h"
 #include "parallel/context_parallel.h"
 #include "parallel/process_groups.h"
@@ -23,11 +27,18 @@
 #include "parallel/pipeline/schedules.h"
 #include "optim/grad_sync.h"
 #include "train/checkpoint.h"
+#include "train/exit_signal.h"
+#include "train/metrics_log.h"
 #include "train/pipeline.h"
 #include "train/timing_log.h"
 #include "train/train_step.h"
 
 namespace mt {
+
+namespace {
+std::atomic<bool> g_training_started{false};
+}
+bool training_started() { return g_training_started.load(); }
 
 Device resolve_device(const std::string& flag) {
   if (flag == "auto") return cuda_available() ? Device::cuda(0) : Device::cpu();
@@ -282,7 +293,7 @@ int run_pretrain(PretrainArgs args) {
     if (autoresume && !latest_checkpoint_iteration(args.load).has_value()) {
       log_info("> no checkpoint in {} yet (--load == --save): starting from scratch", args.load);
     } else {
-      resume = read_checkpoint_state(args.load);
+      resume = read_checkpoint_state(args.load, {args.fallback_to_previous_checkpoint, std::nullopt});
     }
   }
   if (resume && args.use_checkpoint_args) {  // the architecture of the checkpoint (Megatron's --use-checkpoint-args)
@@ -356,8 +367,21 @@ int run_pretrain(PretrainArgs args) {
                ec ? ": " + ec.message() : std::string());
     std::fclose(f);
     std::filesystem::remove(probe, ec);
+    for (const auto& name : clean_interrupted_saves(args.save))
+      log_info("> removed what an interrupted checkpoint save left in {}: {}", args.save, name);
   }
 
+  {  // An absurd batch is an error before the datasets are built: the batch buffers alone (two pinned
+     // host copies and one device copy, 20 bytes per token) must fit in the memory there is.
+    const double batch_bytes = 3.0 * 20.0 * static_cast<double>(M) * static_cast<double>(args.micro_batch_size) *
+                               static_cast<double>(args.model.seq_length);
+    const uint64_t avail = available_host_memory_bytes();
+    MT_REQUIRE(avail == 0 || batch_bytes < 0.8 * static_cast<double>(avail),
+               "--micro-batch-size {} x --seq-length {} ({} micro-batches per iteration) needs {:.3g} GiB for the "
+               "batch buffers alone, more than the {:.1f} GiB of memory available",
+               args.micro_batch_size, args.model.seq_length, M, batch_bytes / 1073741824.0,
+               static_cast<double>(avail) / 1073741824.0);
+  }
   // Megatron's GPTDataset / BlendedDataset / MockGPTDataset with the sample counts Megatron asks
   // for. With --data-cache-path, rank 0 builds the index files and the other ranks then read them.
   const auto counts = data::train_valid_test_num_samples(args.train_iters, args.global_batch_size, args.eval_interval,
@@ -439,15 +463,23 @@ int run_pretrain(PretrainArgs args) {
                "checkpoint '{}' holds no optimizer state (written by import-hf?): add --finetune (weights only, "
                "iteration 0) or --no-load-optim",
                args.load);
-    CheckpointState st = load_checkpoint(args.load, model.params(), weights_only ? nullptr : &optimizer, stream);
+    const auto t_load = std::chrono::steady_clock::now();
+    CheckpointState st = load_checkpoint(args.load, model.params(), weights_only ? nullptr : &optimizer, stream,
+                                         {false, resume->iteration});
+    const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count();
+    const double load_gb = static_cast<double>(checkpoint_bytes(args.load, st.iteration)) / 1e9;
+    log_info("> checkpoint read and verified: {:.3f} GB in {:.2f} s ({:.2f} GB/s; this rank's share of the files)",
+             load_gb, load_s, load_gb / std::max(load_s, 1e-9));
     if (args.finetune) {
       log_info("> loaded the weights of {} (iteration {}) for finetuning: starting at iteration 0", args.load,
                st.iteration);
     } else {
       iteration = st.iteration;
       consumed = st.consumed_train_samples;
-      MT_REQUIRE(st.seed == args.seed, "checkpoint was trained with --seed {} but --seed {} was given", st.seed,
-                 args.seed);
+      MT_REQUIRE(st.seed == args.seed || args.no_load_rng,
+                 "checkpoint was trained with --seed {} but --seed {} was given (add --no-load-rng to continue with "
+                 "the new seed)", st.seed, args.seed);
+      if (st.seed != args.seed) log_info("> --no-load-rng: continuing with --seed {} (checkpoint: {})", args.seed, st.seed);
       log_info("> loaded checkpoint from {} at iteration {} ({} samples consumed)", args.load, iteration, consumed);
     }
   } else {
@@ -460,6 +492,20 @@ int run_pretrain(PretrainArgs args) {
   Buffer losses_dev(device, static_cast<size_t>(args.log_interval) * 4);
   Tensor losses = losses_dev.as(DType::kF32, {args.log_interval});
   fill(losses, 0.f, stream);
+  // Per-iteration found_inf of the optimizer (non-finite gradient), for --check-for-nan-in-loss-and-grad.
+  Buffer found_inf_dev(device, static_cast<size_t>(args.log_interval) * 4);
+  Tensor found_inf = found_inf_dev.as(DType::kI32, {args.log_interval});
+  fill(found_inf, 0.f, stream);
+  const bool dynamic_scaling = args.optim.scaler.dynamic;  // fp16: overflowed steps are skipped, not errors
+  std::optional<MetricsLog> metrics;
+  if (world->rank() == 0 && (!args.tensorboard_dir.empty() || !args.metrics_file.empty()))
+    metrics.emplace(MetricsLogOptions{args.tensorboard_dir, args.tensorboard_log_interval,
+                                      args.log_timers_to_tensorboard, args.log_memory_to_tensorboard,
+                                      args.log_validation_ppl_to_tensorboard, args.log_loss_scale_to_tensorboard,
+                                      args.metrics_file});
+  std::optional<ExitSignalHandler> signal_handler;
+  if (args.exit_signal_handler) signal_handler.emplace();
+  const auto train_start = std::chrono::steady_clock::now();
   Timers timers(args.timing_log_level, device);  // --timing-log-level, reported at log intervals
   const TimingLogOption timing_option = parse_timing_log_option(args.timing_log_option);
   Buffer eval_loss_dev(device, 4);
@@ -473,15 +519,53 @@ int run_pretrain(PretrainArgs args) {
                       groups.cp->rank(), args.data.reset_position_ids, args.data.reset_attention_mask},
                      device);
 
+  AsyncCheckpointSaver async_saver;
   auto save = [&](int64_t it) {
-    CheckpointState st{true, it, consumed, args.seed, cfg, optimizer.read_scalars_sync(stream)};
+    CheckpointState st{!args.no_save_optim, it, consumed, args.seed, cfg, optimizer.read_scalars_sync(stream)};
     CheckpointWriter writer{world, pc.tp, groups.tp->rank(), groups.dp_cp->rank(),
                             [&](int t, int p) {
                               return GPTModel::param_specs(cfg, pc.tp, t, pipeline::layers_of(p, layout));
                             },
-                            pc.pp, pp_rank};
-    save_checkpoint(args.save, st, model.params(), &optimizer, writer, stream);
-    log_info("  successfully saved checkpoint at iteration {:7d} to {}", it, args.save);
+                            pc.pp, pp_rank, !args.no_save_optim, args.distributed_timeout_minutes * 60};
+    const auto t0 = std::chrono::steady_clock::now();
+    auto seconds = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); };
+    if (args.async_save) {
+      const bool previous = async_saver.in_flight();
+      async_saver.save(args.save, st, model.params(), &optimizer, writer, stream);
+      log_info("  checkpoint at iteration {:7d}: snapshot taken in {:.2f} s{}, being written to {} (--async-save)", it,
+               seconds(), previous ? " (incl. waiting for the previous save)" : "", args.save);
+    } else {
+      save_checkpoint(args.save, st, model.params(), &optimizer, writer, stream);
+      const double s = seconds(), gb = static_cast<double>(checkpoint_bytes(args.save, it)) / 1e9;
+      log_info("  successfully saved checkpoint at iteration {:7d} to {} ({:.3f} GB in {:.2f} s: {:.2f} GB/s)", it,
+               args.save, gb, s, gb / std::max(s, 1e-9));
+    }
+  };
+  // --check-for-nan-in-loss-and-grad: the iterations since the last log line (their losses and
+  // found_inf still on the device) are checked on every rank; all ranks stop together.
+  auto check_nan = [&](int64_t it_now, int64_t n) {
+    if (!args.check_for_nan_in_loss_and_grad || n == 0) return;
+    std::vector<float> l(static_cast<size_t>(n));
+    std::vector<int32_t> inf(static_cast<size_t>(n));
+    copy_bytes(l.data(), Device::cpu(), losses.data(), device, l.size() * 4, stream);
+    copy_bytes(inf.data(), Device::cpu(), found_inf.data(), device, inf.size() * 4, stream);
+    stream.synchronize();
+    int64_t bad[2] = {-1, 0};  // first bad iteration, what (1 loss, 2 gradient)
+    for (int64_t i = 0; i < n && bad[0] < 0; ++i) {
+      if (!std::isfinite(l[i])) bad[0] = it_now - n + 1 + i, bad[1] = 1;
+      else if (inf[i] != 0 && !dynamic_scaling) bad[0] = it_now - n + 1 + i, bad[1] = 2;
+    }
+    const std::vector<char> all = all_gather_host(*world, bad, sizeof(bad), stream);
+    for (int r = 0; r < world->size(); ++r) {
+      int64_t b[2];
+      std::memcpy(b, all.data() + r * sizeof(bad), sizeof(bad));
+      if (b[0] >= 0 && (bad[0] < 0 || b[0] < bad[0])) bad[0] = b[0], bad[1] = b[1];
+    }
+    MT_REQUIRE(bad[0] < 0,
+               "iteration {}: the {} is NaN or Inf; stopping before anything more is saved "
+               "(--check-for-nan-in-loss-and-grad; learning rate there {:.3E}: is --lr {} too high?). "
+               "--no-check-for-nan-in-loss-and-grad skips such iterations instead",
+               bad[0], bad[1] == 1 ? "loss" : "gradient norm", learning_rate(sched, bad[0] - 1), args.lr);
   };
 
   auto evaluate = [&](int64_t it) -> std::optional<EvalResult> {
@@ -502,6 +586,7 @@ int run_pretrain(PretrainArgs args) {
     copy_bytes(&host, Device::cpu(), eval_loss.data(), device, 4, stream);
     stream.synchronize();
     EvalResult r{host, std::exp(std::min<double>(host, 20.0))};
+    if (metrics) metrics->validation(it, consumed, r.loss, r.ppl);
     std::string line = fmt::format(" validation loss at iteration {} | lm loss value: {:.6E} | lm loss PPL: {:.6E} | ",
                                    it, r.loss, r.ppl);
     std::string bar(line.size(), '-');
@@ -521,6 +606,7 @@ int run_pretrain(PretrainArgs args) {
   // Validation before the first iteration of a fresh run gives the starting point of the curve.
   if ((!resume || args.finetune) && data.valid) evaluate(0);
   t_last = std::chrono::steady_clock::now();
+  g_training_started.store(true);
   while (iteration < args.train_iters) {
     const float lr = static_cast<float>(learning_rate(sched, iteration));
     stager.stage(*data.train, consumed,
@@ -529,12 +615,16 @@ int run_pretrain(PretrainArgs args) {
     for (int64_t m = 0; m < M; ++m) mbs.push_back(stager.micro_batch(m));
     train_step(model, executor, train_plan, optimizer, mbs, {args.seed, iteration, lr, dp_rank, static_cast<int>(pc.dp), &timers},
                losses.flat_range(iters_since_log, 1), stream);
+    copy_bytes(found_inf.flat_range(iters_since_log, 1).data(), device,
+               static_cast<const char*>(optimizer.scalars().data()) + offsetof(OptimizerScalars, found_inf), device, 4,
+               stream);
     ++iteration;
     ++iters_since_log;
     consumed += args.global_batch_size;
     progress.update(iteration, args.train_iters);
 
     if (iteration % args.log_interval == 0 || iteration == args.train_iters) {
+      check_nan(iteration, iters_since_log);
       std::vector<float> host(static_cast<size_t>(iters_since_log));
       groups.dp_cp->all_reduce(losses, ReduceOp::kSum, stream);
       groups.pp->all_reduce(losses, ReduceOp::kSum, stream);  // only the last stage has a loss
@@ -564,11 +654,38 @@ int run_pretrain(PretrainArgs args) {
           n_ok ? loss_sum / n_ok : NAN, sc.loss_scale, sc.grad_norm, sc.skipped_iters - last_skipped, n_nan);
       if (cfg.num_moe_experts > 0) line += moe_log(model, *world, iters_since_log, args.moe_per_layer_logging, stream);
       log_info("{}", line);
-      const std::string timing = timing_report(timers, timing_option, *world, stream, iters_since_log);
+      std::vector<std::pair<std::string, float>> timer_max;
+      const std::string timing = timing_report(timers, timing_option, *world, stream, iters_since_log, &timer_max);
       if (!timing.empty()) log_info("{}", timing);
+      if (metrics) {
+        for (int64_t i = 0; i < iters_since_log; ++i) {
+          const int64_t k = iteration - iters_since_log + 1 + i;
+          metrics->iteration_loss(k, consumed - (iteration - k) * args.global_batch_size, host[i],
+                                  learning_rate(sched, k - 1), args.global_batch_size);
+        }
+        TrainLogPoint p;
+        p.iteration = iteration;
+        p.consumed_samples = consumed;
+        p.lm_loss = n_ok ? loss_sum / n_ok : NAN;
+        p.learning_rate = lr;
+        p.batch_size = args.global_batch_size;
+        p.grad_norm = sc.grad_norm;
+        p.loss_scale = sc.loss_scale;
+        p.world_size = world->size();
+        p.iteration_time_s = ms / 1e3;
+        p.tflops_per_gpu = tflops;
+        p.tokens_per_s = tokens_per_s;
+        p.skipped_iterations = sc.skipped_iters - last_skipped;
+        p.nan_iterations = n_nan;
+        p.mem_allocated_bytes = static_cast<double>(device_bytes_allocated(device));
+        if (device.is_cuda()) p.mem_reserved_bytes = static_cast<double>(device_memory_in_use(device));
+        p.timers_max_ms = timer_max;
+        metrics->train_point(p);
+      }
       last_skipped = sc.skipped_iters;
       iters_since_log = 0;
       fill(losses, 0.f, stream);
+      fill(found_inf, 0.f, stream);
       t_last = std::chrono::steady_clock::now();
     }
     bool timing_reset = false;
@@ -577,19 +694,53 @@ int run_pretrain(PretrainArgs args) {
       evaluate(iteration);
       timing_reset = true;
     }
-    const bool exiting = args.exit_interval > 0 && iteration % args.exit_interval == 0;
+    bool exiting = args.exit_interval > 0 && iteration % args.exit_interval == 0;
+    std::string exit_reason = exiting ? fmt::format("--exit-interval {}", args.exit_interval) : "";
+    if (signal_handler || args.exit_duration_in_mins > 0) {  // Megatron: every iteration, agreed by all ranks
+      const double minutes =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - train_start).count() / 60.0;
+      int32_t mine[2] = {signal_handler ? ExitSignalHandler::received() : 0,
+                         args.exit_duration_in_mins > 0 && minutes > args.exit_duration_in_mins ? 1 : 0};
+      if (world->size() > 1) {
+        const std::vector<char> all = all_gather_host(*world, mine, sizeof(mine), stream);
+        for (int r = 0; r < world->size(); ++r) {
+          int32_t v[2];
+          std::memcpy(v, all.data() + r * sizeof(mine), sizeof(mine));
+          mine[0] = std::max(mine[0], v[0]);
+          mine[1] = std::max(mine[1], v[1]);
+        }
+      }
+      if (mine[0] != 0) {
+        exiting = true;
+        exit_reason = fmt::format("received signal {} (--exit-signal-handler)",
+                                  mine[0] == SIGTERM ? "SIGTERM" : mine[0] == SIGINT ? "SIGINT" : "SIGUSR1");
+      } else if (mine[1] != 0) {
+        exiting = true;
+        exit_reason = fmt::format("--exit-duration-in-mins {} reached", args.exit_duration_in_mins);
+      }
+    }
     if (!args.save.empty() && ((args.save_interval > 0 && iteration % args.save_interval == 0) ||
                                iteration == args.train_iters || exiting)) {
       progress.clear();
+      check_nan(iteration, iters_since_log);  // never save what a NaN produced
       save(iteration);
       timing_reset = true;
     }
     if (timing_reset) t_last = std::chrono::steady_clock::now();
     if (exiting && iteration < args.train_iters) {
-      log_info("exiting program at iteration {} (--exit-interval {})", iteration, args.exit_interval);
+      log_info("exiting program at iteration {} ({})", iteration, exit_reason);
       break;
     }
   }
+  if (async_saver.in_flight()) {
+    async_saver.wait();  // the last checkpoint is complete (and published by rank 0) before exit
+    const double gb = static_cast<double>(checkpoint_bytes(args.save, iteration)) / 1e9;
+    log_info("  successfully saved checkpoint at iteration {:7d} to {} (--async-save; {:.3f} GB written in the "
+             "background in {:.2f} s: {:.2f} GB/s)", iteration, args.save, gb, async_saver.last_write_seconds(),
+             gb / std::max(async_saver.last_write_seconds(), 1e-9));
+  }
+  world->barrier();
+  if (metrics) metrics->flush();
   progress.clear();
   stream.synchronize();
   if (device.is_cuda()) {

@@ -13,6 +13,10 @@ namespace mt {
 /// data or checkpoints (the caller prints them and exits non-zero).
 int run_pretrain(PretrainArgs args);
 
+/// True once run_pretrain has entered its training loop in this process (errors before that
+/// point are the same on every rank; apps/megatron.cpp prints them on rank 0 only).
+bool training_started();
+
 /// Resolves --device (auto = cuda:0 when available, else cpu).
 Device resolve_device(const std::string& flag);
 

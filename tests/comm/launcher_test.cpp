@@ -4,6 +4,10 @@
 // MT_COMM_TEST_HELPER set, a static initializer runs the helper role and exits before main.
 #include <gtest/gtest.h>
 
+#include <csignal>
+
+#include <atomic>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -66,6 +70,15 @@ int helper_main(const std::string& mode) {
     }
     std::this_thread::sleep_for(std::chrono::seconds(60));  // must be stopped by the launcher
     return 0;
+  }
+  if (mode == "term") {  // waits for the SIGTERM the launcher forwards, then reports it and exits 0
+    static std::atomic<int> got{0};
+    std::signal(SIGTERM, [](int sig) { got.store(sig); });
+    std::ofstream(std::string(std::getenv("MT_COMM_TEST_DIR")) + "/ready" + std::to_string(rank)) << "1";
+    for (int i = 0; i < 3000 && got.load() == 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    std::ofstream(std::string(std::getenv("MT_COMM_TEST_DIR")) + "/rank" + std::to_string(rank) + ".txt")
+        << "signal " << got.load() << "\n";
+    return got.load() == SIGTERM ? 0 : 4;
   }
   if (mode == "store") {
     TcpStore store(env.master_addr, env.master_port, env.world_size, rank == 0, 30.0);
@@ -233,6 +246,20 @@ TEST(Launcher, ForkPathStopsTheOthersAndNamesTheFailedRank) {
   EXPECT_EQ(rc, 7) << out;
   EXPECT_LT(since(t0), 15.0) << "the sleeping ranks were not stopped";
   EXPECT_NE(out.find("rank 1 (of 3) exited with status 7"), std::string::npos) << out;
+}
+
+// --exit-signal-handler under the launcher: `kill <launcher>` must reach every rank.
+TEST(Launcher, ForkPathForwardsSigterm) {
+  HelperEnv h("term");
+  std::pair<int, std::string> result;
+  std::thread t([&] { result = launch(2, Device::cuda(0), {"megatron"}); });
+  for (int i = 0; i < 1000 && !(std::filesystem::exists(h.dir / "ready0") && std::filesystem::exists(h.dir / "ready1"));
+       ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  ::kill(::getpid(), SIGTERM);  // the launcher (this process) receives it
+  t.join();
+  EXPECT_EQ(result.first, 0) << result.second;
+  for (int r = 0; r < 2; ++r) EXPECT_EQ(h.lines(r), (std::vector<std::string>{"signal 15"})) << "rank " << r;
 }
 
 TEST(Launcher, ForkPathRanksMeetInTheTcpStore) {

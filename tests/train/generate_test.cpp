@@ -1,6 +1,7 @@
 // Sampling rules of `megatron generate` (train/generate.h): greedy, temperature, top-k, top-p.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <map>
 
 #include "train/generate.h"
@@ -58,6 +59,22 @@ TEST(SampleToken, PaddedVocabularyIsNeverSampled) {
   }
   EXPECT_EQ(sample_token(real, true, 1.f, 0, 0.f, rng), 1);
   EXPECT_THROW(vocab_logits(padded.data(), 5, 6), Error);
+}
+
+TEST(SampleToken, RefusesNonFiniteLogits) {
+  std::mt19937_64 rng(1);
+  for (float bad : {std::nanf(""), INFINITY, -INFINITY}) {
+    std::vector<float> l = {0.5f, 1.f, bad, 0.f};
+    for (bool greedy : {true, false}) {
+      try {
+        mt::sample_token(l, greedy, 1.f, 0, 0.f, rng);
+        ADD_FAILURE() << "accepted " << bad;
+      } catch (const mt::Error& e) {
+        EXPECT_NE(std::string(e.what()).find("non-finite logit"), std::string::npos) << e.what();
+        EXPECT_NE(std::string(e.what()).find("token 2"), std::string::npos) << e.what();
+      }
+    }
+  }
 }
 
 TEST(SampleToken, BadArguments) {

@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# Checkpoint speed on one GPU (issue 20 part 4): save and load GB/s for GPT-2 124M and a 1.3B GPT
+# (24 layers, hidden 2048, 16 heads), and the step slowdown of --async-save for GPT-2 124M
+# (target < 2%). Mock data with the NullTokenizer (no data files needed), bf16.
+# Also `tensorboard`: a short GPT-2 run with --tensorboard-dir read back by the real tensorboard
+# package (tools/check_tensorboard.py; falls back to its builtin reader when the package is absent).
+# Usage: bench/checkpoint_bench.sh [build] [saveload] [async] [tensorboard]   (default: all four)
+# Needs the megatron binary in build/ (the build step makes it). Results: $OUT/checkpoint_bench.txt
+# and the logs in $OUT; checkpoints go to ${CKPT_DIR:-/tmp/mt_ckpt_bench} (removed at the end).
+set -uo pipefail
+OUT=${OUT:-out}; mkdir -p "$OUT"
+CK=${CKPT_DIR:-/tmp/mt_ckpt_bench}
+bin=build/megatron
+steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(build saveload async tensorboard)
+res="$OUT/checkpoint_bench.txt"
+common=(--seq-length 1024 --max-position-embeddings 1024 --lr 6e-4 --min-lr 6e-5 --lr-decay-style cosine
+        --lr-decay-iters 100000 --hidden-dropout 0 --attention-dropout 0 --bf16 --device cuda --no-progress
+        --mock-data --tokenizer-type NullTokenizer --vocab-size 50257 --eval-iters 0 --seed 1234)
+gpt2=(--num-layers 12 --hidden-size 768 --num-attention-heads 12 --micro-batch-size 16 --global-batch-size 16)
+gpt13=(--num-layers 24 --hidden-size 2048 --num-attention-heads 16 --micro-batch-size 4 --global-batch-size 4)
+
+saveload() {  # name, model flags...: train 10 iterations, save at 10 (synchronous), then load it
+  local name=$1; shift
+  rm -rf "$CK/$name"
+  $bin pretrain "$@" "${common[@]}" --train-iters 10 --log-interval 10 --save "$CK/$name" > "$OUT/ckpt_${name}_save.log" 2>&1 \
+    || { tail -5 "$OUT/ckpt_${name}_save.log"; return 1; }
+  sync
+  $bin pretrain "$@" "${common[@]}" --train-iters 11 --log-interval 1 --load "$CK/$name" > "$OUT/ckpt_${name}_load.log" 2>&1 \
+    || { tail -5 "$OUT/ckpt_${name}_load.log"; return 1; }
+  echo "$name save: $(grep -o 'successfully saved checkpoint.*' "$OUT/ckpt_${name}_save.log" | tail -1)" | tee -a "$res"
+  echo "$name load (page cache warm): $(grep -o 'checkpoint read and verified.*' "$OUT/ckpt_${name}_load.log")" | tee -a "$res"
+  # Cold load, when the page cache can be dropped (root).
+  if sync && echo 3 > /proc/sys/vm/drop_caches 2>/dev/null; then
+    $bin pretrain "$@" "${common[@]}" --train-iters 11 --log-interval 1 --load "$CK/$name" > "$OUT/ckpt_${name}_coldload.log" 2>&1
+    echo "$name load (page cache dropped): $(grep -o 'checkpoint read and verified.*' "$OUT/ckpt_${name}_coldload.log")" | tee -a "$res"
+  fi
+  rm -rf "$CK/$name"
+}
+
+mean_ms() {  # mean "elapsed time per iteration (ms)" of the log lines after the first (warm-up)
+  grep -o 'elapsed time per iteration (ms): [0-9.]*' "$1" | awk 'NR > 1 { s += $NF; n++ } END { if (n) printf "%.2f", s / n; else print "nan" }'
+}
+
+async() {  # GPT-2 124M, 300 iterations: no checkpoints vs a checkpoint every 50 (sync, async)
+  local it=300 every=50
+  for mode in none sync async; do
+    rm -rf "$CK/async_$mode"
+    local extra=()
+    [ $mode != none ] && extra=(--save "$CK/async_$mode" --save-interval $every)
+    [ $mode = async ] && extra+=(--async-save)
+    local t0=$(date +%s.%N)
+    $bin pretrain "${gpt2[@]}" "${common[@]}" --train-iters $it --log-interval 10 "${extra[@]}" > "$OUT/ckpt_async_$mode.log" 2>&1 \
+      || { tail -5 "$OUT/ckpt_async_$mode.log"; return 1; }
+    local t1=$(date +%s.%N)
+    local snap=$(grep -o 'snapshot taken in [0-9.]* s' "$OUT/ckpt_async_$mode.log" | awk '{ s += $4 } END { printf "%.2f", s }')
+    local saves=$(grep -o 'saved checkpoint.*in [0-9.]* s' "$OUT/ckpt_async_$mode.log" | grep -v background | awk '{ s += $(NF-2) } END { printf "%.2f", s }')
+    echo "GPT-2 124M $mode: $it iterations, mean ms/iteration $(mean_ms "$OUT/ckpt_async_$mode.log") (log lines; excludes the blocking save/snapshot time), blocking snapshot total ${snap:-0} s, blocking sync saves total ${saves:-0} s, process wall $(echo "$t1 - $t0" | bc) s" | tee -a "$res"
+    rm -rf "$CK/async_$mode"
+  done
+  echo "slowdown of --async-save = (async wall - none wall) / none wall, and per iteration (async ms + snapshot s / $it) / none ms - 1" | tee -a "$res"
+}
+
+for step in "${steps[@]}"; do
+  case $step in
+    build)
+      cmake --preset default > "$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }
+      cmake --build build -j 12 --target megatron > "$OUT/build.log" 2>&1 || { grep -E "error" -A5 "$OUT/build.log" | head -40; exit 1; } ;;
+    saveload)
+      mkdir -p "$CK"; df -h "$CK" | tee -a "$res"
+      saveload gpt2_124m "${gpt2[@]}"
+      saveload gpt_1.3b "${gpt13[@]}" ;;
+    async) mkdir -p "$CK"; async ;;
+    tensorboard)
+      rm -rf "$OUT/tb"
+      $bin pretrain "${gpt2[@]}" "${common[@]}" --train-iters 20 --log-interval 5 --eval-interval 10 --eval-iters 2 \
+        --tensorboard-dir "$OUT/tb" --log-timers-to-tensorboard --log-memory-to-tensorboard \
+        --log-validation-ppl-to-tensorboard --timing-log-level 1 --metrics-file "$OUT/metrics.jsonl" > "$OUT/tb_run.log" 2>&1 \
+        || { tail -5 "$OUT/tb_run.log"; exit 1; }
+      reader=(); python3 -c "import tensorboard" 2>/dev/null || reader=(--reader builtin)
+      python3 tools/check_tensorboard.py "$OUT/tb" "${reader[@]}" --require-tag "lm loss=20" --require-tag learning-rate \
+        --require-tag grad-norm=4 --require-tag loss-scale --require-tag throughput --require-tag iteration-time \
+        --require-tag mem-allocated-bytes --require-tag mem-reserved-bytes --require-tag "lm loss validation=3" \
+        --require-tag "lm loss validation ppl=3" --require-tag forward-backward-time 2>&1 | tee -a "$res" ;;
+    *) echo "unknown step $step"; exit 2 ;;
+  esac
+done
+rm -rf "$CK"

@@ -1,0 +1,481 @@
+// Checkpoint durability and run checks of `megatron pretrain` on CPU, end to end through the
+// binary (MT_MEGATRON_BIN): per-shard checksums (flipped byte, truncated and missing shard named),
+// --fallback-to-previous-checkpoint, a failed save (file-size limit = disk full) leaving nothing
+// behind, --async-save writing the same bytes as a synchronous save, SIGKILL at random points
+// during saves (the latest checkpoint always loads and training resumes bitwise),
+// --exit-signal-handler, --exit-duration-in-mins, --no-save-optim, --no-load-rng,
+// --check-for-nan-in-loss-and-grad, and the TensorBoard / --metrics-file outputs.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <regex>
+#include <thread>
+
+#include "train/tensorboard.h"
+
+namespace fs = std::filesystem;
+
+namespace {
+
+std::string read_bytes(const fs::path& p) {
+  std::ifstream f(p, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), {});
+}
+
+// A child process running the binary with stdout+stderr in a file.
+struct Child {
+  pid_t pid = -1;
+  fs::path log;
+  std::string output() const { return read_bytes(log); }
+  // Waits; returns the exit status, or 128 + signal.
+  int wait() {
+    int st = 0;
+    waitpid(pid, &st, 0);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+  }
+  // Non-blocking: true when it has exited (status in *rc).
+  bool exited(int* rc) {
+    int st = 0;
+    if (waitpid(pid, &st, WNOHANG) != pid) return false;
+    *rc = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+    return true;
+  }
+};
+
+Child spawn(const std::string& args, const fs::path& log, rlim_t fsize_limit = RLIM_INFINITY) {
+  const char* bin = std::getenv("MT_MEGATRON_BIN");
+  const std::string cmd = "exec " + std::string(bin ? bin : "megatron") + " " + args;
+  Child c;
+  c.log = log;
+  c.pid = fork();
+  if (c.pid == 0) {
+    const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    dup2(fd, 1);
+    dup2(fd, 2);
+    if (fsize_limit != RLIM_INFINITY) {  // "disk full": writes past the limit fail with EFBIG
+      signal(SIGXFSZ, SIG_IGN);
+      rlimit rl{fsize_limit, fsize_limit};
+      setrlimit(RLIMIT_FSIZE, &rl);
+    }
+    execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  return c;
+}
+
+struct RunResult {
+  int rc;
+  std::string out;
+};
+
+class Durability : public ::testing::Test {
+ protected:
+  static fs::path dir;
+  static std::string tok, data;
+  static int runs;
+
+  static RunResult run(const std::string& args, rlim_t fsize_limit = RLIM_INFINITY) {
+    Child c = spawn(args, dir / ("run" + std::to_string(runs++) + ".log"), fsize_limit);
+    const int rc = c.wait();
+    return {rc, c.output()};
+  }
+
+  static void SetUpTestSuite() {
+    dir = fs::temp_directory_path() / ("mt_durability_test_" + std::to_string(getpid()));
+    fs::remove_all(dir);
+    fs::create_directories(dir / "corpus");
+    // A GPT-2-format byte-level vocabulary of 256 byte tokens + <|endoftext|>.
+    nlohmann::json vocab;
+    std::vector<int> bs;
+    for (int b = 33; b <= 126; ++b) bs.push_back(b);
+    for (int b = 161; b <= 172; ++b) bs.push_back(b);
+    for (int b = 174; b <= 255; ++b) bs.push_back(b);
+    std::vector<uint32_t> cs(bs.begin(), bs.end());
+    int extra = 0;
+    for (int b = 0; b < 256; ++b)
+      if (std::find(bs.begin(), bs.end(), b) == bs.end()) bs.push_back(b), cs.push_back(256 + extra++);
+    auto utf8 = [](uint32_t cp) {
+      std::string s;
+      if (cp < 0x80) {
+        s += static_cast<char>(cp);
+      } else {
+        s += static_cast<char>(0xC0 | (cp >> 6));
+        s += static_cast<char>(0x80 | (cp & 0x3F));
+      }
+      return s;
+    };
+    for (size_t i = 0; i < bs.size(); ++i) vocab[utf8(cs[i])] = static_cast<int>(i);
+    vocab["<|endoftext|>"] = 256;
+    std::ofstream(dir / "vocab.json") << vocab.dump();
+    std::ofstream(dir / "merges.txt") << "#version: 0.2\n";
+    const char* words[] = {"the", "whale", "sea", "ship", "captain", "harpoon", "white", "deep", "sailor", "oil"};
+    uint32_t x = 99;
+    for (int d = 0; d < 16; ++d) {
+      std::ofstream f(dir / "corpus" / ("doc" + std::to_string(100 + d) + ".txt"));
+      for (int w = 0; w < 120; ++w) {
+        x = x * 1103515245u + 12345u;
+        f << words[(x >> 16) % 10] << ((w % 12 == 11) ? ".\n" : " ");
+      }
+    }
+    tok = "--vocab-file " + (dir / "vocab.json").string() + " --merge-file " + (dir / "merges.txt").string();
+    RunResult r = run("preprocess-data --input " + (dir / "corpus").string() + " --output-prefix " +
+                      (dir / "tiny").string() + " --append-eod " + tok);
+    ASSERT_EQ(r.rc, 0) << r.out;
+    data = (dir / "tiny_text_document").string();
+  }
+  static void TearDownTestSuite() { fs::remove_all(dir); }
+
+  static std::string train(const std::string& extra, int hidden = 32) {
+    return "pretrain --num-layers 2 --hidden-size " + std::to_string(hidden) +
+           " --num-attention-heads 2 --seq-length 16 --max-position-embeddings 16 --micro-batch-size 2 "
+           "--global-batch-size 4 --lr 1e-2 --min-lr 1e-3 --lr-decay-style cosine --lr-warmup-iters 2 --lr-decay-iters 40 "
+           "--log-interval 1 --eval-interval 1000 --eval-iters 1 --split 90,10,0 --device cpu --no-progress "
+           "--data-path " + data + " " + tok + " " + extra;
+  }
+};
+fs::path Durability::dir;
+std::string Durability::tok, Durability::data;
+int Durability::runs = 0;
+
+std::vector<std::string> loss_lines(const std::string& out) {
+  std::vector<std::string> v;
+  std::regex re("iteration +([0-9]+)/ *[0-9]+ .*lm loss: ([0-9.E+-]+)");
+  for (std::sregex_iterator it(out.begin(), out.end(), re), end; it != end; ++it)
+    v.push_back((*it)[1].str() + ":" + (*it)[2].str());
+  return v;
+}
+
+bool contains(const std::string& s, const std::string& what) { return s.find(what) != std::string::npos; }
+
+TEST_F(Durability, CorruptTruncatedOrMissingShardIsNamed) {
+  const fs::path ck = dir / "ck_corrupt";
+  RunResult r = run(train("--train-iters 4 --save-interval 2 --save " + ck.string()));
+  ASSERT_EQ(r.rc, 0) << r.out;
+  const fs::path shard = ck / "iter_0000004" / "rank_00000.bin";
+  const std::string good = read_bytes(shard);
+  ASSERT_GT(good.size(), 1000u);
+  const std::string resume = train("--train-iters 6 --load " + ck.string());
+  {  // one flipped byte anywhere (here: a random one) is detected
+    std::string bad = good;
+    std::mt19937 rng(std::random_device{}());
+    const size_t at = rng() % bad.size();
+    bad[at] = static_cast<char>(bad[at] ^ (1 << (rng() % 8)));
+    std::ofstream(shard, std::ios::binary | std::ios::trunc) << bad;
+    RunResult l = run(resume);
+    EXPECT_NE(l.rc, 0) << l.out;
+    EXPECT_TRUE(contains(l.out, shard.string()) && contains(l.out, "is corrupt")) << "byte " << at << "\n" << l.out;
+    EXPECT_TRUE(contains(l.out, "--fallback-to-previous-checkpoint")) << l.out;
+    // Asked for: the previous complete checkpoint (iteration 2) is loaded instead, with a warning.
+    RunResult f = run(train("--train-iters 6 --fallback-to-previous-checkpoint --load " + ck.string()));
+    EXPECT_EQ(f.rc, 0) << f.out;
+    EXPECT_TRUE(contains(f.out, "falling back to the checkpoint of iteration 2")) << f.out;
+    EXPECT_TRUE(contains(f.out, "at iteration 2 (")) << f.out;
+  }
+  std::ofstream(shard, std::ios::binary | std::ios::trunc) << good.substr(0, good.size() - 4);
+  RunResult t = run(resume);
+  EXPECT_NE(t.rc, 0);
+  EXPECT_TRUE(contains(t.out, shard.string()) && contains(t.out, "truncated")) << t.out;
+  fs::remove(shard);
+  RunResult m = run(resume);
+  EXPECT_NE(m.rc, 0);
+  EXPECT_TRUE(contains(m.out, shard.string()) && contains(m.out, "missing")) << m.out;
+  // Restored, it loads again.
+  std::ofstream(shard, std::ios::binary | std::ios::trunc) << good;
+  RunResult ok = run(resume);
+  EXPECT_EQ(ok.rc, 0) << ok.out;
+  EXPECT_TRUE(contains(ok.out, "loaded checkpoint from " + ck.string() + " at iteration 4")) << ok.out;
+}
+
+TEST_F(Durability, FailedSaveLeavesNothingBehind) {
+  const fs::path ck = dir / "ck_full";
+  RunResult a = run(train("--train-iters 2 --save " + ck.string()));
+  ASSERT_EQ(a.rc, 0) << a.out;
+  const std::string before = read_bytes(ck / "iter_0000002" / "rank_00000.bin");
+  // "Disk full": files may not grow beyond 20 kB, the shard needs more.
+  RunResult b = run(train("--train-iters 4 --save " + ck.string() + " --load " + ck.string()), 20000);
+  EXPECT_NE(b.rc, 0) << b.out;
+  EXPECT_TRUE(contains(b.out, "error writing checkpoint file") && contains(b.out, "iter_0000004.tmp")) << b.out;
+  EXPECT_FALSE(fs::exists(ck / "iter_0000004.tmp")) << b.out;
+  EXPECT_FALSE(fs::exists(ck / "iter_0000004"));
+  EXPECT_EQ(read_bytes(ck / "latest_checkpointed_iteration.txt"), "2\n");
+  EXPECT_EQ(read_bytes(ck / "iter_0000002" / "rank_00000.bin"), before);
+  // What an interrupted save leaves is removed by the next run.
+  fs::create_directories(ck / "iter_0000009.tmp");
+  RunResult c = run(train("--train-iters 4 --save " + ck.string() + " --load " + ck.string()));
+  EXPECT_EQ(c.rc, 0) << c.out;
+  EXPECT_FALSE(fs::exists(ck / "iter_0000009.tmp"));
+  EXPECT_TRUE(contains(c.out, "iter_0000009.tmp")) << c.out;
+}
+
+TEST_F(Durability, AsyncSaveWritesTheSameBytes) {
+  const fs::path s = dir / "ck_sync", a = dir / "ck_async";
+  RunResult rs = run(train("--train-iters 4 --save-interval 1 --save " + s.string()));
+  RunResult ra = run(train("--train-iters 4 --save-interval 1 --async-save --save " + a.string()));
+  ASSERT_EQ(rs.rc, 0) << rs.out;
+  ASSERT_EQ(ra.rc, 0) << ra.out;
+  EXPECT_TRUE(contains(ra.out, "(--async-save)")) << ra.out;
+  EXPECT_EQ(loss_lines(rs.out), loss_lines(ra.out));
+  for (int it = 1; it <= 4; ++it) {
+    char name[32];
+    std::snprintf(name, sizeof(name), "iter_%07d", it);
+    for (const char* f : {"metadata.json", "rank_00000.bin"}) {
+      const std::string x = read_bytes(s / name / f), y = read_bytes(a / name / f);
+      ASSERT_FALSE(x.empty()) << name << "/" << f;
+      EXPECT_TRUE(x == y) << name << "/" << f << " differs between synchronous and --async-save";
+    }
+  }
+  EXPECT_EQ(read_bytes(a / "latest_checkpointed_iteration.txt"), "4\n");
+}
+
+// SIGKILL at random moments of a run that saves every iteration (sync or async, alternating),
+// then restart from the same directory; repeated. Every restart must load the latest
+// checkpoint, and the final checkpoint must equal an uninterrupted run's bit for bit.
+TEST_F(Durability, SigkillDuringSavesAlwaysResumesBitwise) {
+  const int kIters = 30;
+  const fs::path ref = dir / "ck_ref", ck = dir / "ck_kill";
+  const std::string common = "--train-iters " + std::to_string(kIters) + " --save-interval 1 ";
+  const auto t0 = std::chrono::steady_clock::now();
+  RunResult r = run(train(common + "--save " + ref.string(), 64));
+  ASSERT_EQ(r.rc, 0) << r.out;
+  // Kill moments spread over the length of an uninterrupted run on this machine (however loaded).
+  const int64_t run_ms = std::max<int64_t>(
+      50, std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0).count());
+  std::mt19937 rng(std::random_device{}());
+  int kills = 0, attempts = 0, finished = 0;
+  while (attempts < 80 && kills < 20) {
+    ++attempts;
+    const bool async = attempts % 2 == 0;
+    Child c = spawn(train(common + (async ? "--async-save " : "") + "--save " + ck.string() + " --load " + ck.string(), 64),
+                    dir / "kill.log");
+    const auto delay = std::chrono::milliseconds(run_ms / 20 + static_cast<int64_t>(rng() % static_cast<uint32_t>(run_ms * 8 / 10)));
+    const auto until = std::chrono::steady_clock::now() + delay;
+    int rc = -1;
+    bool done = false;
+    while (std::chrono::steady_clock::now() < until && !(done = c.exited(&rc)))
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    if (!done) {
+      kill(c.pid, SIGKILL);
+      rc = c.wait();
+      ++kills;
+    }
+    const std::string out = c.output();
+    if (rc != 128 + SIGKILL) {
+      ASSERT_EQ(rc, 0) << "attempt " << attempts << " failed on its own:\n" << out;
+      ++finished;
+      // Start over from scratch to get more kills.
+      EXPECT_TRUE(read_bytes(ck / "iter_0000030" / "rank_00000.bin") == read_bytes(ref / "iter_0000030" / "rank_00000.bin"))
+          << "final checkpoint differs from the uninterrupted run after " << kills << " kills";
+      fs::remove_all(ck);
+    }
+    // Whatever was killed: the tracker names a checkpoint that verifies (the next start loads it).
+    if (fs::exists(ck / "latest_checkpointed_iteration.txt")) {
+      RunResult v = run(train("--train-iters " + std::to_string(kIters) + " --exit-interval 1 --load " + ck.string(), 64));
+      EXPECT_EQ(v.rc, 0) << "latest checkpoint does not load after kill " << kills << ":\n" << v.out;
+      EXPECT_TRUE(contains(v.out, "loaded checkpoint from")) << v.out;
+    }
+  }
+  EXPECT_GE(kills, 10) << "too few kills landed during the runs";
+  // Finish the interrupted run and compare with the uninterrupted one.
+  RunResult last = run(train(common + "--save " + ck.string() + " --load " + ck.string(), 64));
+  ASSERT_EQ(last.rc, 0) << last.out;
+  EXPECT_TRUE(read_bytes(ck / "iter_0000030" / "rank_00000.bin") == read_bytes(ref / "iter_0000030" / "rank_00000.bin"))
+      << "resumed after " << kills << " kills, the final checkpoint differs from the uninterrupted run";
+  std::printf("%d kills, %d runs finished on their own\n", kills, finished);
+}
+
+TEST_F(Durability, SignalHandlerSavesAndExitsZero) {
+  const fs::path ck = dir / "ck_signal";
+  Child c = spawn(train("--train-iters 100000 --exit-signal-handler --save " + ck.string()), dir / "signal.log");
+  // Wait until it trains, then SIGTERM.
+  for (int i = 0; i < 3000 && !contains(c.output(), "iteration        2/"); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  kill(c.pid, SIGTERM);
+  const int rc = c.wait();
+  const std::string out = c.output();
+  EXPECT_EQ(rc, 0) << out;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(out, m, std::regex("exiting program at iteration ([0-9]+) \\(received signal SIGTERM"))) << out;
+  EXPECT_EQ(read_bytes(ck / "latest_checkpointed_iteration.txt"), m[1].str() + "\n");
+  // Under the local launcher (--nproc-per-node 2, CPU ranks under mpiexec) SIGTERM to the launcher
+  // reaches the ranks: they save together and exit 0.
+  if (std::system("command -v mpiexec > /dev/null 2>&1") == 0) {
+    const fs::path ck3 = dir / "ck_signal_ranks";
+    Child l = spawn(train("--train-iters 100000 --nproc-per-node 2 --exit-signal-handler --save " + ck3.string()),
+                    dir / "signal_ranks.log");
+    for (int i = 0; i < 3000 && !contains(l.output(), "iteration        2/"); ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    kill(l.pid, SIGTERM);
+    EXPECT_EQ(l.wait(), 0) << l.output();
+    std::smatch m2;
+    const std::string out2 = l.output();
+    ASSERT_TRUE(std::regex_search(out2, m2, std::regex("exiting program at iteration ([0-9]+) \\(received signal"))) << out2;
+    EXPECT_EQ(read_bytes(ck3 / "latest_checkpointed_iteration.txt"), m2[1].str() + "\n");
+  }
+  // --exit-duration-in-mins: a tiny budget stops after the first iteration, with a checkpoint.
+  const fs::path ck2 = dir / "ck_duration";
+  RunResult d = run(train("--train-iters 100000 --exit-duration-in-mins 0.00001 --save " + ck2.string()));
+  EXPECT_EQ(d.rc, 0) << d.out;
+  EXPECT_TRUE(contains(d.out, "exiting program at iteration 1 (--exit-duration-in-mins")) << d.out;
+  EXPECT_EQ(read_bytes(ck2 / "latest_checkpointed_iteration.txt"), "1\n");
+}
+
+TEST_F(Durability, NoSaveOptimAndNoLoadRng) {
+  const fs::path ck = dir / "ck_noopt";
+  RunResult a = run(train("--train-iters 2 --no-save-optim --save " + ck.string()));
+  ASSERT_EQ(a.rc, 0) << a.out;
+  const auto meta = nlohmann::json::parse(read_bytes(ck / "iter_0000002" / "metadata.json"));
+  EXPECT_FALSE(meta.at("has_optimizer").get<bool>());
+  for (const auto& t : meta.at("tensors")) EXPECT_EQ(t.at("name").get<std::string>().rfind("optim/", 0), std::string::npos);
+  RunResult b = run(train("--train-iters 4 --load " + ck.string()));
+  EXPECT_NE(b.rc, 0);
+  EXPECT_TRUE(contains(b.out, "no optimizer state")) << b.out;
+  RunResult c = run(train("--train-iters 4 --no-load-optim --load " + ck.string()));
+  EXPECT_EQ(c.rc, 0) << c.out;
+  // --no-load-rng: a new --seed is accepted on resume (refused without it).
+  RunResult d = run(train("--train-iters 4 --no-load-optim --seed 7 --load " + ck.string()));
+  EXPECT_NE(d.rc, 0);
+  EXPECT_TRUE(contains(d.out, "--no-load-rng")) << d.out;
+  RunResult e = run(train("--train-iters 4 --no-load-optim --no-load-rng --seed 7 --load " + ck.string()));
+  EXPECT_EQ(e.rc, 0) << e.out;
+}
+
+TEST_F(Durability, NanLossStopsWithTheIteration) {
+  const fs::path ck = dir / "ck_nan";
+  RunResult r = run(train("--train-iters 20 --lr 1e10 --save-interval 1 --save " + ck.string()));
+  EXPECT_NE(r.rc, 0) << r.out;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(r.out, m, std::regex("iteration ([0-9]+): the (loss|gradient norm) is NaN or Inf"))) << r.out;
+  const int bad = std::stoi(m[1].str());
+  // No checkpoint at or after the bad iteration.
+  for (int it = bad; it <= 20; ++it) {
+    char name[32];
+    std::snprintf(name, sizeof(name), "iter_%07d", it);
+    EXPECT_FALSE(fs::exists(ck / name)) << name << "\n" << r.out;
+  }
+  // Switched off: Megatron's old behaviour (skipped iterations, exit 0).
+  RunResult off = run(train("--train-iters 6 --lr 1e10 --no-check-for-nan-in-loss-and-grad"));
+  EXPECT_EQ(off.rc, 0) << off.out;
+}
+
+TEST_F(Durability, TensorBoardAndMetricsFile) {
+  const fs::path tb = dir / "tb", mf = dir / "metrics.jsonl";
+  RunResult r = run(train("--train-iters 4 --log-interval 2 --eval-interval 2 --tensorboard-dir " + tb.string() +
+                          " --log-timers-to-tensorboard --log-memory-to-tensorboard --log-validation-ppl-to-tensorboard "
+                          "--timing-log-level 1 --metrics-file " + mf.string()));
+  ASSERT_EQ(r.rc, 0) << r.out;
+  std::vector<fs::path> files;
+  for (const auto& e : fs::directory_iterator(tb)) files.push_back(e.path());
+  ASSERT_EQ(files.size(), 1u);
+  std::map<std::string, std::map<int64_t, float>> got;
+  for (const auto& s : mt::read_tensorboard_scalars(files[0].string())) got[s.tag][s.step] = s.value;
+  for (const char* tag : {"lm loss", "lm loss vs samples", "learning-rate", "learning-rate vs samples", "batch-size",
+                          "grad-norm", "loss-scale", "world-size", "iteration-time", "throughput", "forward-backward-time",
+                          "optimizer-time", "mem-allocated-bytes", "lm loss validation", "lm loss validation vs samples",
+                          "lm loss validation ppl"})
+    EXPECT_TRUE(got.count(tag)) << "missing tag '" << tag << "'";
+  EXPECT_EQ(got["lm loss"].size(), 4u);  // every iteration (--tensorboard-log-interval 1)
+  EXPECT_EQ(got["lm loss vs samples"].count(16), 1u);  // 4 iterations x global batch 4
+  EXPECT_EQ(got["grad-norm"].size(), 2u);  // at the log iterations 2 and 4
+  // The validation losses of the log are the TensorBoard values.
+  std::regex re("validation loss at iteration ([0-9]+) \\| lm loss value: ([0-9.E+-]+)");
+  int n = 0;
+  for (std::sregex_iterator it(r.out.begin(), r.out.end(), re), end; it != end; ++it, ++n)
+    EXPECT_NEAR(got["lm loss validation"][std::stoll((*it)[1].str())], std::stod((*it)[2].str()), 1e-5);
+  EXPECT_EQ(n, 3);  // iterations 0, 2, 4
+  // JSON lines: 2 train points, 3 validations, each a JSON object.
+  std::ifstream f(mf);
+  std::string line;
+  int train = 0, valid = 0;
+  while (std::getline(f, line)) {
+    const auto j = nlohmann::json::parse(line);
+    if (j.at("type") == "train") {
+      ++train;
+      EXPECT_TRUE(j.at("lm_loss").is_number() && j.at("grad_norm").is_number() && j.contains("tokens_per_second")) << line;
+    } else {
+      ++valid;
+      EXPECT_EQ(j.at("type"), "validation");
+    }
+  }
+  EXPECT_EQ(train, 2);
+  EXPECT_EQ(valid, 3);
+}
+
+// Faults a new user met (issue 20 part 5): each a clear message and the right exit status.
+TEST_F(Durability, NewUserFaults) {
+  RunResult v = run("--version");
+  EXPECT_EQ(v.rc, 0);
+  EXPECT_TRUE(contains(v.out, "megatron.cpp ")) << v.out;
+  RunResult sub = run("pretrian --lr 1");
+  EXPECT_NE(sub.rc, 0);
+  EXPECT_TRUE(contains(sub.out, "unknown subcommand 'pretrian'") && contains(sub.out, "pretrain, generate")) << sub.out;
+  struct Case {
+    std::string args, expect;
+  };
+  const std::vector<Case> cases = {
+      {"preprocess-data --input x --output-prefix y --workers 0", "--workers: must be a positive integer (>= 1), got '0'"},
+      {train("--train-iters 2 --ffn-hidden-size 0"), "--ffn-hidden-size: must be a positive integer (>= 1), got '0'"},
+      {train("--train-iters 2 --nproc-per-node 0"), "--nproc-per-node: must be a positive integer (>= 1), got '0'"},
+      {train("--train-iters 2 --nproc-per-node -1"), "--nproc-per-node: must be a positive integer (>= 1), got '-1'"},
+      {"generate --load x --num-samples 0", "--num-samples: must be a positive integer (>= 1), got '0'"},
+      {train("--train-iters 2 --tensorboard-log-interval 0"), "--tensorboard-log-interval must be positive"},
+      {train("--train-iters 2 --async-save"), "--async-save given without --save"},
+  };
+  for (const auto& c : cases) {
+    RunResult r = run(c.args);
+    EXPECT_NE(r.rc, 0) << c.args;
+    EXPECT_TRUE(contains(r.out, c.expect)) << "expected '" << c.expect << "' in:\n" << r.out;
+    EXPECT_LT(r.out.size(), 400u) << "message too long:\n" << r.out;
+  }
+  {  // Under several ranks a bad input is reported once (rank 0), not once per rank.
+    RunResult r = run(train("--train-iters 2 --nproc-per-node 2 --seq-length 32"));
+    EXPECT_NE(r.rc, 0);
+    if (!contains(r.out, "could not run mpiexec")) {
+      const std::string msg = "--seq-length 32 exceeds --max-position-embeddings 16";
+      const size_t first = r.out.find(msg);
+      EXPECT_NE(first, std::string::npos) << r.out;
+      EXPECT_EQ(r.out.find(msg, first + 1), std::string::npos) << "printed more than once:\n" << r.out;
+      EXPECT_TRUE(contains(r.out, "error: ")) << r.out;
+    }
+  }
+  // Absurd sizes stop at once, before any index is built, naming the values and the memory.
+  for (const auto& [args, expect] : std::vector<std::pair<std::string, std::string>>{
+           {train("--train-iters 2 --micro-batch-size 99999999999 --global-batch-size 99999999999"),
+            "--micro-batch-size 99999999999 x --seq-length 16"},
+           {train("--train-iters 100000000000"), "samples of --seq-length 16 would take"}}) {
+    const auto t0 = std::chrono::steady_clock::now();
+    RunResult r = run(args);
+    EXPECT_NE(r.rc, 0);
+    EXPECT_TRUE(contains(r.out, expect) && contains(r.out, "GiB of memory available")) << r.out;
+    EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 20.0);
+  }
+  // A prompt longer than the model's context is an error, not silently cut.
+  const fs::path ck = dir / "ck_gen";
+  ASSERT_EQ(run(train("--train-iters 1 --save " + ck.string())).rc, 0);
+  RunResult g = run("generate --load " + ck.string() + " " + tok + " --device cpu --prompt \"" + std::string(40, 'x') + "\"");
+  EXPECT_NE(g.rc, 0);
+  EXPECT_TRUE(contains(g.out, "prompt 0 has 40 tokens but the context holds")) << g.out;
+  // The default --split 969,30,1 on a small corpus: the empty test split is a warning, training runs.
+  fs::create_directories(dir / "corpus40");
+  for (int d = 0; d < 40; ++d)
+    std::ofstream(dir / "corpus40" / ("d" + std::to_string(100 + d) + ".txt")) << "the whale and the sea, the ship.\n";
+  ASSERT_EQ(run("preprocess-data --input " + (dir / "corpus40").string() + " --output-prefix " + (dir / "c40").string() +
+                " --append-eod " + tok).rc, 0);
+  std::string flags = train("--train-iters 2");
+  flags = std::regex_replace(flags, std::regex("--split 90,10,0 "), "");
+  flags = std::regex_replace(flags, std::regex("--data-path [^ ]+"), "--data-path " + (dir / "c40_text_document").string());
+  RunResult sp = run(flags);
+  EXPECT_EQ(sp.rc, 0) << sp.out;
+  EXPECT_TRUE(contains(sp.out, "the test split of") && contains(sp.out, "only a warning")) << sp.out;
+}
+
+}  // namespace
