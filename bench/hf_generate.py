@@ -30,8 +30,15 @@ def main():
         return
     dt = getattr(torch, a.dtype)
     model = GPT2LMHeadModel.from_pretrained(a.model, torch_dtype=dt).cuda().eval()
+    # Token ids from the GPT-2 BPE files through the tokenizers library (GPT2TokenizerFast built from
+    # vocab/merges files returned no ids with transformers 5.17).
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    bpe = Tokenizer(models.BPE.from_file(a.vocab, a.merges))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    prompt_ids = bpe.encode(a.prompt).ids
+    assert prompt_ids, "the prompt encoded to no tokens"
     for b in a.batch:
-        ids = tok([a.prompt] * b, return_tensors="pt").input_ids.cuda()
+        ids = torch.tensor([prompt_ids] * b, dtype=torch.long).cuda()
         kw = dict(max_new_tokens=a.new_tokens, min_new_tokens=a.new_tokens, do_sample=False, use_cache=True,
                   pad_token_id=tok.eos_token_id)
         with torch.no_grad():
