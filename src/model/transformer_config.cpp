@@ -64,6 +64,12 @@ MoeDispatcher parse_moe_dispatcher(const std::string& s) {
   MT_FAIL("--moe-token-dispatcher-type '{}' is not supported: expected allgather or alltoall", s);
 }
 
+const char* moe_score_function_name(MoeScoreFunction f) {
+  return f == MoeScoreFunction::kSigmoid ? "sigmoid" : "softmax";
+}
+
+const char* moe_load_balancing_name(MoeLoadBalancing b) { return b == MoeLoadBalancing::kAuxLoss ? "aux_loss" : "none"; }
+
 namespace {
 // A tiny parser for Megatron's --moe-layer-freq list expressions: sum of terms, a term is a
 // bracketed list of integers optionally repeated with *n, the whole optionally in parentheses.
@@ -316,7 +322,7 @@ std::string TransformerConfig::summary() const {
   if (num_moe_experts > 0) {
     s += fmt::format(", MoE in {} of {} layers: {} experts, top-{} {} router, expert ffn {}", num_moe_layers(),
                      num_layers, num_moe_experts, moe_router_topk,
-                     moe_router_score_function == MoeScoreFunction::kSigmoid ? "sigmoid" : "softmax", moe_ffn());
+                     moe_score_function_name(moe_router_score_function), moe_ffn());
     if (moe_shared_expert_intermediate_size > 0) s += fmt::format(", shared expert {}", moe_shared_expert_intermediate_size);
   }
   return s;

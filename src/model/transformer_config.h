@@ -44,6 +44,9 @@ PositionEmbeddingType parse_position_embedding_type(const std::string& s);
 MoeScoreFunction parse_moe_score_function(const std::string& s);
 MoeLoadBalancing parse_moe_load_balancing(const std::string& s);
 MoeDispatcher parse_moe_dispatcher(const std::string& s);
+/// Megatron's spellings, as the parse functions accept them.
+const char* moe_score_function_name(MoeScoreFunction f);
+const char* moe_load_balancing_name(MoeLoadBalancing b);
 /// --moe-layer-freq: an integer k (every k-th layer, starting with layer 0, is an MoE layer) or a
 /// Python list expression as Megatron accepts it: "[1,0,1,0]", "([0]+[1]*23)", "[0]*3+[1]*9".
 /// Returns one 0/1 entry per layer. Errors: mt::Error naming the text when it does not parse, an

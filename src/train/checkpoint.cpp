@@ -39,14 +39,12 @@ json moe_config_to_json(const TransformerConfig& c) {
               {"moe_ffn_hidden_size", c.moe_ffn()},
               {"moe_shared_expert_intermediate_size", c.moe_shared_expert_intermediate_size},
               {"moe_router_topk", c.moe_router_topk},
-              {"moe_router_score_function",
-               c.moe_router_score_function == MoeScoreFunction::kSigmoid ? "sigmoid" : "softmax"},
+              {"moe_router_score_function", moe_score_function_name(c.moe_router_score_function)},
               {"moe_router_pre_softmax", c.moe_router_pre_softmax},
               {"moe_router_topk_scaling_factor", c.moe_router_topk_scaling_factor},
               {"moe_router_num_groups", c.moe_router_num_groups},
               {"moe_router_group_topk", c.moe_router_group_topk},
-              {"moe_router_load_balancing_type",
-               c.moe_router_load_balancing_type == MoeLoadBalancing::kAuxLoss ? "aux_loss" : "none"},
+              {"moe_router_load_balancing_type", moe_load_balancing_name(c.moe_router_load_balancing_type)},
               {"moe_aux_loss_coeff", c.moe_aux_loss_coeff},
               {"moe_z_loss_coeff", c.moe_z_loss_coeff}};
 }

@@ -75,14 +75,16 @@ std::string timestamp() {
 // --moe-per-layer-logging. Collective over the world; resets the model's statistics.
 std::string moe_log(LanguageModel& model, Communicator& world, int64_t iters, bool per_layer, const Stream& stream) {
   const TransformerConfig& cfg = model.config();
-  std::vector<double> v = model.moe_loss_stats();
+  const std::vector<double> mine = model.moe_loss_stats();
   model.reset_moe_stats();
-  std::vector<float> host(v.begin(), v.end());
-  Buffer buf(model.device(), host.size() * 4);
-  copy_bytes(buf.data(), model.device(), host.data(), Device::cpu(), host.size() * 4, stream);
-  world.all_reduce(buf.as(DType::kF32, {static_cast<int64_t>(host.size())}), ReduceOp::kSum, stream);
-  copy_bytes(host.data(), Device::cpu(), buf.data(), model.device(), host.size() * 4, stream);
-  stream.synchronize();
+  const size_t bytes = mine.size() * sizeof(float);
+  const std::vector<float> local(mine.begin(), mine.end());
+  const std::vector<char> all = all_gather_host(world, local.data(), bytes, stream);
+  std::vector<float> host(mine.size(), 0.f);  // summed over the ranks in rank order
+  for (int r = 0; r < world.size(); ++r) {
+    const float* row = reinterpret_cast<const float*>(all.data() + static_cast<size_t>(r) * bytes);
+    for (size_t i = 0; i < host.size(); ++i) host[i] += row[i];
+  }
   const bool aux = cfg.moe_router_load_balancing_type == MoeLoadBalancing::kAuxLoss && cfg.moe_aux_loss_coeff > 0;
   const bool z = cfg.moe_z_loss_coeff > 0;
   double lb = 0, zl = 0;

@@ -396,24 +396,30 @@ std::vector<Layout> layouts() {
     }
   }
   // Llama and Qwen 3 style models under every kind of parallelism.
+  // One layout of a model family, two micro-batches per pipeline stage and DP rank.
+  auto add = [&v](Arch arch, int tp, int pp, int dp, int vpp, bool sp, bool zero, bool overlap, int ep = 1,
+                  int etp = 0) {
+    Layout a;
+    a.arch = arch;
+    a.tp = tp;
+    a.pp = pp;
+    a.dp = dp;
+    a.vpp = vpp;
+    a.ep = ep;
+    a.etp = etp;
+    a.sp = sp;
+    a.zero = zero;
+    a.overlap = overlap;
+    a.micro_total = 2 * pp * dp;
+    v.push_back(a);
+  };
   for (Arch arch : {Arch::kLlama, Arch::kQwen}) {
     for (const auto& [tp, pp, dp, vpp, sp, zero, overlap] :
          {std::tuple{2, 1, 1, 0, false, false, false}, std::tuple{4, 1, 1, 0, true, false, false},
           std::tuple{2, 1, 1, 0, true, false, false}, std::tuple{1, 1, 2, 0, false, true, false},
           std::tuple{1, 2, 1, 0, false, false, false}, std::tuple{1, 2, 1, 2, false, false, false},
-          std::tuple{2, 2, 2, 0, true, true, false}, std::tuple{2, 2, 2, 2, true, true, true}}) {
-      Layout a;
-      a.arch = arch;
-      a.tp = tp;
-      a.pp = pp;
-      a.dp = dp;
-      a.vpp = vpp;
-      a.sp = sp;
-      a.zero = zero;
-      a.overlap = overlap;
-      a.micro_total = 2 * pp * dp;
-      v.push_back(a);
-    }
+          std::tuple{2, 2, 2, 0, true, true, false}, std::tuple{2, 2, 2, 2, true, true, true}})
+      add(arch, tp, pp, dp, vpp, sp, zero, overlap);
   }
   // MoE with expert parallelism (experts split over EP ranks, tokens all-gathered over the expert
   // tensor x expert model parallel group, expert gradients reduced over the expert-data-parallel
@@ -423,20 +429,8 @@ std::vector<Layout> layouts() {
          {std::tuple{1, 1, 2, 2, 0, false, false, false}, std::tuple{1, 1, 4, 4, 0, false, false, false},
           std::tuple{1, 1, 4, 2, 0, false, true, false}, std::tuple{2, 1, 2, 2, 1, true, false, false},
           std::tuple{2, 1, 2, 4, 1, true, true, false}, std::tuple{2, 1, 1, 1, 1, true, false, false},
-          std::tuple{2, 2, 2, 2, 2, true, true, true}, std::tuple{1, 2, 2, 2, 0, false, true, true}}) {
-      Layout a;
-      a.arch = arch;
-      a.tp = tp;
-      a.pp = pp;
-      a.dp = dp;
-      a.ep = ep;
-      a.etp = etp;
-      a.sp = sp;
-      a.zero = zero;
-      a.overlap = overlap;
-      a.micro_total = 2 * pp * dp;
-      v.push_back(a);
-    }
+          std::tuple{2, 2, 2, 2, 2, true, true, true}, std::tuple{1, 2, 2, 2, 0, false, true, true}})
+      add(arch, tp, pp, dp, /*vpp=*/0, sp, zero, overlap, ep, etp);
   }
   // MoE (expert parallelism 1: experts split like the dense MLP over TP, tokens all-gathered over
   // the TP group) under every kind of parallelism.
@@ -445,19 +439,8 @@ std::vector<Layout> layouts() {
          {std::tuple{2, 1, 1, 0, true, false, false}, std::tuple{4, 1, 1, 0, true, false, false},
           std::tuple{1, 1, 2, 0, false, false, false}, std::tuple{1, 1, 2, 0, false, true, false},
           std::tuple{1, 2, 1, 0, false, false, false}, std::tuple{1, 2, 1, 2, false, false, false},
-          std::tuple{2, 2, 2, 0, true, true, false}, std::tuple{2, 2, 2, 2, true, true, true}}) {
-      Layout a;
-      a.arch = arch;
-      a.tp = tp;
-      a.pp = pp;
-      a.dp = dp;
-      a.vpp = vpp;
-      a.sp = sp;
-      a.zero = zero;
-      a.overlap = overlap;
-      a.micro_total = 2 * pp * dp;
-      v.push_back(a);
-    }
+          std::tuple{2, 2, 2, 0, true, true, false}, std::tuple{2, 2, 2, 2, true, true, true}})
+      add(arch, tp, pp, dp, vpp, sp, zero, overlap);
   }
   return v;
 }

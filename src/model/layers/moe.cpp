@@ -119,7 +119,7 @@ void MoELayer::scatter_sum(const Tensor& local, const Tensor& all, const Stream&
 namespace {
 // The rows [begin, begin + n) of a [R, c] buffer.
 Tensor row_range(const Tensor& t, int64_t begin, int64_t n) {
-  return t.view({t.numel() / t.size(-1), t.size(-1)}).slice0(begin, begin + n);
+  return rows(t).slice0(begin, begin + n);
 }
 }  // namespace
 
@@ -139,7 +139,7 @@ Tensor MoELayer::forward(const StepContext& ctx) {
   if (ctx.dropout.training) {
     const double w = ctx.batch.aux_loss_weight;
     moe_tokens_per_expert(sv.tokens_per_expert, top_local, st);
-    tp_.all_reduce_grads(sv.tokens_per_expert, st);  // sum over the TP group (no-op on one rank)
+    if (tp_.size() > 1) tp_.group().all_reduce(sv.tokens_per_expert, ReduceOp::kSum, st);  // over the TP group
     if (aux) {
       const double N = static_cast<double>(T) * tp_.size(), E = static_cast<double>(num_experts_);
       const float* c = sv.tokens_per_expert.data_as<float>();
