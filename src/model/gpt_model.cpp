@@ -61,12 +61,13 @@ struct GPTModel::ChunkState {
   std::vector<Tensor> input;  // input buffers [s_l, b, h]
 };
 
-std::vector<double> GPTModel::moe_loss_stats() const {
-  std::vector<double> out(static_cast<size_t>(2 * config_.num_layers), 0.0);
+std::vector<double> GPTModel::moe_loss_stats(const Stream& stream) const {
+  const size_t per = static_cast<size_t>(2 + config_.num_moe_experts);
+  std::vector<double> out(per * static_cast<size_t>(config_.num_layers), 0.0);
   for (const auto& l : parts_->layers) {
     if (const MoELayer* m = l->moe()) {
-      out[static_cast<size_t>(2 * l->number())] += m->stats()[0];
-      out[static_cast<size_t>(2 * l->number() + 1)] += m->stats()[1];
+      const std::vector<double> v = m->stats(stream);
+      for (size_t i = 0; i < per; ++i) out[per * static_cast<size_t>(l->number()) + i] += v[i];
     }
   }
   return out;

@@ -88,7 +88,7 @@ class GPTModel final : public LanguageModel {
   ParamGradHooks* hooks() const override { return hooks_; }
   void set_hooks(ParamGradHooks* hooks) override { hooks_ = hooks; }
   size_t word_embedding_index() const override { return word_embedding_index_; }
-  std::vector<double> moe_loss_stats() const override;
+  std::vector<double> moe_loss_stats(const Stream& stream) const override;
   void reset_moe_stats() override;
 
   bool sequence_parallel() const { return tp_.sequence_parallel(); }

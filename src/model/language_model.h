@@ -100,12 +100,14 @@ class LanguageModel {
   virtual size_t word_embedding_index() const = 0;
 
   // --- mixture of experts ---
-  /// The auxiliary losses of this rank's MoE layers accumulated by the forwards since
-  /// reset_moe_stats(), each weighted by its micro-batch's aux_loss_weight: [2·num_layers]
-  /// (load-balancing loss, z-loss) per global layer, zeros for dense layers and layers of other
-  /// ranks. Summed over every rank of the world this is the step's mean per layer (Megatron's
-  /// load_balancing_loss / z_loss before the average over layers).
-  virtual std::vector<double> moe_loss_stats() const = 0;
+  /// The MoE statistics of this rank's MoE layers accumulated by the training forwards since
+  /// reset_moe_stats(), copied from the device (synchronises `stream`): per global layer l the
+  /// 2 + num_moe_experts values at [l·(2 + E), (l + 1)·(2 + E)) — load-balancing loss, z-loss (each
+  /// weighted by its micro-batch's aux_loss_weight), then tokens routed per expert counted over the
+  /// TP group — zeros for dense layers and layers of other ranks. Summed over every rank of the
+  /// world the losses are the step's mean per layer (Megatron's load_balancing_loss / z_loss before
+  /// the average over layers) and the counts TP times the tokens routed.
+  virtual std::vector<double> moe_loss_stats(const Stream& stream) const = 0;
   virtual void reset_moe_stats() = 0;
 };
 

@@ -1,7 +1,10 @@
-// Argument validation for ops/moe.h; CPU backend only so far.
+// Argument validation for ops/moe.h, then the backend of the tensors' device.
 #include "ops/moe.h"
 
+#include <string>
+
 #include "core/check.h"
+#include "ops/op_checks.h"
 
 namespace mt {
 namespace {
@@ -13,8 +16,18 @@ void check_2d(const Tensor& t, DType dt, int64_t rows, int64_t cols, const char*
            rows < 0 ? "*" : std::to_string(rows), cols < 0 ? "*" : std::to_string(cols), t.str());
 }
 
-void check_cpu(const Tensor& t, const char* fn) {
-  MT_CHECK(t.device().is_cpu(), "{}: the MoE kernels run on the CPU only so far (got {})", fn, t.str());
+// Every non-empty tensor on `ref`'s device, and the stream there too.
+void check_devices(const Stream& stream, const Tensor& ref, std::initializer_list<const Tensor*> others,
+                   const char* fn) {
+  op_checks::check_stream(stream, ref, fn);
+  for (const Tensor* t : others)
+    MT_CHECK(t->empty() || t->device() == ref.device(), "{}: tensor {} is not on {} like the others", fn, t->str(),
+             ref.device().str());
+}
+
+void check_scalar(const Tensor& t, const char* fn, const char* name) {
+  MT_CHECK(t.dtype() == DType::kF32 && t.numel() == 1 && t.is_contiguous(), "{}: {} must be an fp32 [1] tensor, got {}",
+           fn, name, t.str());
 }
 
 void check_options(const MoeRouterOptions& o, int64_t E, const char* fn) {
@@ -43,8 +56,8 @@ void moe_topk_routing(const Tensor& probs, const Tensor& top, const Tensor& scor
     MT_CHECK(expert_bias.dtype() == DType::kF32 && expert_bias.numel() == E, "{}: expert_bias must be fp32 [{}], got {}",
              fn, E, expert_bias.str());
   }
-  check_cpu(logits, fn);
-  cpu::moe_topk_routing(probs, top, scores_for_aux, logits, expert_bias, o, stream);
+  check_devices(stream, logits, {&probs, &top, &scores_for_aux, &expert_bias}, fn);
+  MT_DISPATCH(logits.device(), moe_topk_routing, probs, top, scores_for_aux, logits, expert_bias, o, stream);
 }
 
 void moe_topk_routing_backward(const Tensor& d_logits, const Tensor& d_probs, const Tensor& logits, const Tensor& top,
@@ -56,27 +69,46 @@ void moe_topk_routing_backward(const Tensor& d_logits, const Tensor& d_probs, co
   check_2d(d_logits, DType::kF32, T, E, fn, "d_logits");
   check_2d(d_probs, DType::kF32, T, o.topk, fn, "d_probs");
   check_2d(top, DType::kI32, T, o.topk, fn, "top");
-  check_cpu(logits, fn);
-  cpu::moe_topk_routing_backward(d_logits, d_probs, logits, top, o, stream);
+  check_devices(stream, logits, {&d_logits, &d_probs, &top}, fn);
+  MT_DISPATCH(logits.device(), moe_topk_routing_backward, d_logits, d_probs, logits, top, o, stream);
 }
 
-void moe_aux_scores_backward(const Tensor& d_logits, const Tensor& logits, const Tensor& coef, bool sigmoid,
-                             const Stream& stream) {
+void moe_aux_loss(const Tensor& loss, const Tensor& scores, const Tensor& tokens_per_expert, float scale,
+                  const Stream& stream) {
+  const char* fn = "moe_aux_loss";
+  check_scalar(loss, fn, "loss");
+  check_2d(scores, DType::kF32, -1, -1, fn, "scores");
+  MT_CHECK(tokens_per_expert.dtype() == DType::kF32 && tokens_per_expert.numel() == scores.size(1) &&
+               tokens_per_expert.is_contiguous(),
+           "{}: tokens_per_expert must be fp32 [{}], got {}", fn, scores.size(1), tokens_per_expert.str());
+  check_devices(stream, scores, {&loss, &tokens_per_expert}, fn);
+  MT_DISPATCH(scores.device(), moe_aux_loss, loss, scores, tokens_per_expert, scale, stream);
+}
+
+void moe_aux_scores_backward(const Tensor& d_logits, const Tensor& logits, const Tensor& tokens_per_expert,
+                             float scale, const Tensor& loss_scale, bool sigmoid, const Stream& stream) {
   const char* fn = "moe_aux_scores_backward";
   check_2d(logits, DType::kF32, -1, -1, fn, "logits");
   check_2d(d_logits, DType::kF32, logits.size(0), logits.size(1), fn, "d_logits");
-  MT_CHECK(coef.dtype() == DType::kF32 && coef.numel() == logits.size(1), "{}: coef must be fp32 [{}], got {}", fn,
-           logits.size(1), coef.str());
-  check_cpu(logits, fn);
-  cpu::moe_aux_scores_backward(d_logits, logits, coef, sigmoid, stream);
+  MT_CHECK(tokens_per_expert.dtype() == DType::kF32 && tokens_per_expert.numel() == logits.size(1) &&
+               tokens_per_expert.is_contiguous(),
+           "{}: tokens_per_expert must be fp32 [{}], got {}", fn, logits.size(1), tokens_per_expert.str());
+  if (!loss_scale.empty()) check_scalar(loss_scale, fn, "loss_scale");
+  check_devices(stream, logits, {&d_logits, &tokens_per_expert, &loss_scale}, fn);
+  MT_DISPATCH(logits.device(), moe_aux_scores_backward, d_logits, logits, tokens_per_expert, scale, loss_scale, sigmoid,
+              stream);
 }
 
-double moe_z_loss(const Tensor& logits, const Tensor& d_logits, float scale, const Stream& stream) {
+void moe_z_loss(const Tensor& loss, const Tensor& d_logits, const Tensor& logits, float scale,
+                const Tensor& loss_scale, const Stream& stream) {
   const char* fn = "moe_z_loss";
   check_2d(logits, DType::kF32, -1, -1, fn, "logits");
+  MT_CHECK(!loss.empty() || !d_logits.empty(), "{}: neither loss nor d_logits given", fn);
+  if (!loss.empty()) check_scalar(loss, fn, "loss");
   if (!d_logits.empty()) check_2d(d_logits, DType::kF32, logits.size(0), logits.size(1), fn, "d_logits");
-  check_cpu(logits, fn);
-  return cpu::moe_z_loss(logits, d_logits, scale, stream);
+  if (!loss_scale.empty()) check_scalar(loss_scale, fn, "loss_scale");
+  check_devices(stream, logits, {&loss, &d_logits, &loss_scale}, fn);
+  MT_DISPATCH(logits.device(), moe_z_loss, loss, d_logits, logits, scale, loss_scale, stream);
 }
 
 void moe_tokens_per_expert(const Tensor& counts, const Tensor& top, const Stream& stream) {
@@ -84,64 +116,87 @@ void moe_tokens_per_expert(const Tensor& counts, const Tensor& top, const Stream
   MT_CHECK(counts.dtype() == DType::kF32 && counts.is_contiguous(), "{}: counts must be contiguous fp32, got {}", fn,
            counts.str());
   MT_CHECK(top.dtype() == DType::kI32 && top.is_contiguous(), "{}: top must be contiguous int32, got {}", fn, top.str());
-  check_cpu(top, fn);
-  cpu::moe_tokens_per_expert(counts, top, stream);
+  check_devices(stream, top, {&counts}, fn);
+  MT_DISPATCH(top.device(), moe_tokens_per_expert, counts, top, stream);
 }
 
-int64_t moe_routing_map(const Tensor& row_index, const Tensor& counts, const Tensor& top, int64_t first_expert,
-                        int64_t num_local, const Stream& stream) {
+std::vector<int64_t> moe_routing_map(const Tensor& row_index, const Tensor& slot_row, const Tensor& counts,
+                                     const Tensor& top, int64_t first_expert, int64_t num_local,
+                                     const Stream& stream) {
   const char* fn = "moe_routing_map";
   MT_CHECK(top.dtype() == DType::kI32 && top.is_contiguous(), "{}: top must be contiguous int32, got {}", fn, top.str());
   MT_CHECK(row_index.dtype() == DType::kI32 && row_index.is_contiguous(), "{}: row_index must be contiguous int32, got {}",
            fn, row_index.str());
-  MT_CHECK(counts.dtype() == DType::kI32 && counts.numel() == num_local, "{}: counts must be int32 [{}], got {}", fn,
-           num_local, counts.str());
+  MT_CHECK(slot_row.dtype() == DType::kI32 && slot_row.is_contiguous() && slot_row.numel() == top.numel(),
+           "{}: slot_row must be contiguous int32 with {} entries, got {}", fn, top.numel(), slot_row.str());
+  MT_CHECK(counts.dtype() == DType::kI32 && counts.numel() == num_local && counts.is_contiguous(),
+           "{}: counts must be int32 [{}], got {}", fn, num_local, counts.str());
   MT_CHECK(first_expert >= 0 && num_local >= 1, "{}: local experts [{}, {}) are empty or negative", fn, first_expert,
            first_expert + num_local);
-  check_cpu(top, fn);
-  return cpu::moe_routing_map(row_index, counts, top, first_expert, num_local, stream);
+  check_devices(stream, top, {&row_index, &slot_row, &counts}, fn);
+  if (top.device().is_cpu()) return cpu::moe_routing_map(row_index, slot_row, counts, top, first_expert, num_local, stream);
+#ifdef MT_WITH_CUDA
+  return cuda::moe_routing_map(row_index, slot_row, counts, top, first_expert, num_local, stream);
+#else
+  no_cuda_backend(fn);
+#endif
 }
 
 namespace {
-void check_rows(const Tensor& rows, const Tensor& x, const Tensor& row_index, const char* fn, const char* rname,
-                const char* xname) {
+// rows [R, h] and x [N, h] of one activation dtype; `index` int32 with at least `need` entries.
+void check_rows(const Tensor& rows, const Tensor& x, const Tensor& index, int64_t need, const char* fn,
+                const char* rname, const char* xname, const char* iname, const Stream& stream) {
+  op_checks::check_act(x, fn, xname);
   MT_CHECK(rows.ndim() == 2 && x.ndim() == 2 && rows.size(1) == x.size(1) && rows.dtype() == x.dtype() &&
-               rows.is_contiguous() && x.is_contiguous(),
+               rows.is_contiguous(),
            "{}: {} {} and {} {} must be contiguous [*, h] tensors of one dtype", fn, rname, rows.str(), xname, x.str());
-  MT_CHECK(row_index.dtype() == DType::kI32 && row_index.numel() >= rows.size(0),
-           "{}: row_index {} must be int32 with at least {} entries", fn, row_index.str(), rows.size(0));
-  check_cpu(x, fn);
+  MT_CHECK(index.dtype() == DType::kI32 && index.is_contiguous() && index.numel() >= need,
+           "{}: {} {} must be contiguous int32 with at least {} entries", fn, iname, index.str(), need);
+  check_devices(stream, x, {&rows, &index}, fn);
+}
+void check_topk(int64_t topk, const Tensor& slot_row, int64_t n, const char* fn) {
+  MT_CHECK(topk >= 1 && slot_row.numel() == n * topk, "{}: slot_row {} must hold {} x top-k {} entries", fn,
+           slot_row.str(), n, topk);
 }
 }  // namespace
 
 void moe_permute(const Tensor& rows, const Tensor& x, const Tensor& row_index, int64_t topk, const Stream& stream) {
-  check_rows(rows, x, row_index, "moe_permute", "rows", "x");
-  cpu::moe_permute(rows, x, row_index, topk, stream);
+  check_rows(rows, x, row_index, rows.size(0), "moe_permute", "rows", "x", "row_index", stream);
+  MT_CHECK(topk >= 1, "moe_permute: top-k {} must be >= 1", topk);
+  MT_DISPATCH(x.device(), moe_permute, rows, x, row_index, topk, stream);
 }
 
-void moe_permute_backward(const Tensor& dx, const Tensor& d_rows, const Tensor& row_index, int64_t topk,
+void moe_permute_backward(const Tensor& dx, const Tensor& d_rows, const Tensor& slot_row, int64_t topk,
                           const Stream& stream) {
-  check_rows(d_rows, dx, row_index, "moe_permute_backward", "d_rows", "dx");
-  cpu::moe_permute_backward(dx, d_rows, row_index, topk, stream);
+  const char* fn = "moe_permute_backward";
+  check_rows(d_rows, dx, slot_row, 0, fn, "d_rows", "dx", "slot_row", stream);
+  check_topk(topk, slot_row, dx.size(0), fn);
+  MT_DISPATCH(dx.device(), moe_permute_backward, dx, d_rows, slot_row, topk, stream);
 }
 
-void moe_unpermute(const Tensor& y, const Tensor& rows, const Tensor& probs, const Tensor& row_index,
+void moe_unpermute(const Tensor& y, const Tensor& rows, const Tensor& probs, const Tensor& slot_row,
                    const Stream& stream) {
   const char* fn = "moe_unpermute";
-  check_rows(rows, y, row_index, fn, "rows", "y");
+  check_rows(rows, y, slot_row, 0, fn, "rows", "y", "slot_row", stream);
   check_2d(probs, DType::kF32, y.size(0), -1, fn, "probs");
-  cpu::moe_unpermute(y, rows, probs, row_index, stream);
+  check_topk(probs.size(1), slot_row, y.size(0), fn);
+  check_devices(stream, y, {&probs}, fn);
+  MT_DISPATCH(y.device(), moe_unpermute, y, rows, probs, slot_row, stream);
 }
 
 void moe_unpermute_backward(const Tensor& d_rows, const Tensor& d_probs, const Tensor& dy, const Tensor& rows,
-                            const Tensor& probs, const Tensor& row_index, const Stream& stream) {
+                            const Tensor& probs, const Tensor& row_index, const Tensor& slot_row,
+                            const Stream& stream) {
   const char* fn = "moe_unpermute_backward";
-  check_rows(rows, dy, row_index, fn, "rows", "dy");
-  MT_CHECK(d_rows.shape() == rows.shape() && d_rows.dtype() == rows.dtype(), "{}: d_rows {} must match rows {}", fn,
-           d_rows.str(), rows.str());
+  check_rows(rows, dy, row_index, rows.size(0), fn, "rows", "dy", "row_index", stream);
+  op_checks::check_like(d_rows, rows, fn, "d_rows", "rows");
   check_2d(probs, DType::kF32, dy.size(0), -1, fn, "probs");
   check_2d(d_probs, DType::kF32, dy.size(0), probs.size(1), fn, "d_probs");
-  cpu::moe_unpermute_backward(d_rows, d_probs, dy, rows, probs, row_index, stream);
+  check_topk(probs.size(1), slot_row, dy.size(0), fn);
+  MT_CHECK(slot_row.dtype() == DType::kI32 && slot_row.is_contiguous(), "{}: slot_row must be contiguous int32, got {}",
+           fn, slot_row.str());
+  check_devices(stream, dy, {&d_rows, &probs, &d_probs, &slot_row}, fn);
+  MT_DISPATCH(dy.device(), moe_unpermute_backward, d_rows, d_probs, dy, rows, probs, row_index, slot_row, stream);
 }
 
 }  // namespace mt

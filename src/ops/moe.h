@@ -1,13 +1,16 @@
 // Mixture-of-experts routing and token permutation (Megatron-Core transformer/moe/router.py
 // TopKRouter, moe_utils.py topk_routing_with_score_function, group_limited_topk,
 // switch_load_balancing_loss_func, z_loss_func, permute / unpermute). T tokens, E experts, top-k.
-// All routing math in fp32 (Megatron's --moe-router-dtype fp32). CPU reference backend; the CUDA
-// kernels are not written yet (a CUDA tensor is an mt::Error naming the op).
+// All routing math in fp32 (Megatron's --moe-router-dtype fp32). CPU reference backend
+// (ops/cpu/moe.cpp) and CUDA kernels (ops/cuda/moe.cu) that match it; every sum is taken in a fixed
+// order, so both are deterministic.
 #pragma once
 #include <cstdint>
+#include <vector>
 
 #include "core/stream.h"
 #include "core/tensor.h"
+#include "ops/dispatch.h"
 
 namespace mt {
 
@@ -42,55 +45,70 @@ void moe_topk_routing(const Tensor& probs, const Tensor& top, const Tensor& scor
 void moe_topk_routing_backward(const Tensor& d_logits, const Tensor& d_probs, const Tensor& logits, const Tensor& top,
                                const MoeRouterOptions& options, const Stream& stream);
 
-/// Adds the gradient of Σ_t Σ_e coef[e] · scores_for_aux[t, e] to d_logits [T, E] (fp32,
-/// accumulate): the load-balancing loss enters through its per-expert coefficient (for Megatron's
-/// switch loss, coef[e] = weight · coeff · E · tokens_per_expert[e] / (k · N²)).
-/// logits [T, E], coef [E], both fp32.
-void moe_aux_scores_backward(const Tensor& d_logits, const Tensor& logits, const Tensor& coef,
-                             bool sigmoid, const Stream& stream);
+/// Switch load-balancing loss (Megatron's switch_load_balancing_loss_func without its constant):
+/// loss[0] += scale · Σ_t Σ_e scores[t, e] · tokens_per_expert[e]. loss fp32 [1] on the device
+/// (accumulates, no host synchronisation); scores fp32 [T, E] (moe_topk_routing's scores_for_aux);
+/// tokens_per_expert fp32 [E]. The caller folds coeff · E / (k · N²) and the micro-batch weight
+/// into scale.
+void moe_aux_loss(const Tensor& loss, const Tensor& scores, const Tensor& tokens_per_expert, float scale,
+                  const Stream& stream);
 
-/// Router z-loss (ST-MoE, Zoph et al. 2022; Megatron's z_loss_func without the coefficient):
-/// returns Σ_t logsumexp(logits[t])² (host double; the caller scales it) and, when d_logits is
-/// given, adds scale · ∂/∂logits of that sum to it (fp32 [T, E], accumulate).
-double moe_z_loss(const Tensor& logits, const Tensor& d_logits, float scale, const Stream& stream);
+/// Adds the gradient of scale · loss_scale[0] · Σ_t Σ_e scores[t, e] · tokens_per_expert[e] to
+/// d_logits [T, E] (fp32, accumulate), scores = softmax(logits) or the per-token normalised
+/// sigmoid scores (moe_topk_routing's scores_for_aux). logits fp32 [T, E]; tokens_per_expert fp32
+/// [E]; loss_scale fp32 [1] on the device or empty (= 1), read on the device.
+void moe_aux_scores_backward(const Tensor& d_logits, const Tensor& logits, const Tensor& tokens_per_expert,
+                             float scale, const Tensor& loss_scale, bool sigmoid, const Stream& stream);
+
+/// Router z-loss (ST-MoE, Zoph et al. 2022; Megatron's z_loss_func without the coefficient) of
+/// logits fp32 [T, E]: when loss (fp32 [1]) is given, loss[0] += scale · Σ_t logsumexp(logits[t])²;
+/// when d_logits (fp32 [T, E]) is given, d_logits += scale · loss_scale[0] · ∂/∂logits of that sum
+/// (loss_scale fp32 [1] or empty = 1). Either may be empty; nothing is read on the host.
+void moe_z_loss(const Tensor& loss, const Tensor& d_logits, const Tensor& logits, float scale,
+                const Tensor& loss_scale, const Stream& stream);
 
 /// Tokens per expert: counts[e] (fp32 [E], overwritten) = number of (token, slot) with top == e.
 void moe_tokens_per_expert(const Tensor& counts, const Tensor& top, const Stream& stream);
 
-/// The permutation of the local experts' tokens: rows ordered by local expert, then token, then
-/// slot (Megatron's permute with a routing map). top: int32 [N, k] (the gathered routing);
-/// local experts are [first_expert, first_expert + num_local). Writes row_index int32 [≥ R]
-/// (row r holds flat slot t·k + j) and counts int32 [num_local]; returns R (host: the row count
-/// decides the expert GEMM shapes).
-int64_t moe_routing_map(const Tensor& row_index, const Tensor& counts, const Tensor& top, int64_t first_expert,
-                        int64_t num_local, const Stream& stream);
+/// The permutation of the local experts' tokens: rows ordered by local expert, then flat slot
+/// i = t·k + j (Megatron's permute with a routing map). top: int32 [N, k] (the gathered
+/// routing); local experts are [first_expert, first_expert + num_local). Writes
+/// row_index int32 [≥ R] (row r holds flat slot row_index[r]), slot_row int32 [N·k] (its inverse:
+/// the row of slot i, or -1 when expert top[i] is not local) and counts int32 [num_local] on the
+/// device, and returns the counts on the host (one device-to-host copy and stream
+/// synchronisation on CUDA: the counts decide the expert GEMM shapes). Errors: mt::Error when
+/// R = Σ counts exceeds row_index.
+std::vector<int64_t> moe_routing_map(const Tensor& row_index, const Tensor& slot_row, const Tensor& counts,
+                                     const Tensor& top, int64_t first_expert, int64_t num_local,
+                                     const Stream& stream);
 
 /// rows[r] = x[row_index[r] / k] for r < R (rows [R, h], x [N, h], act dtype).
 void moe_permute(const Tensor& rows, const Tensor& x, const Tensor& row_index, int64_t topk, const Stream& stream);
-/// dx[t] = Σ_{r: row_index[r] / k = t} d_rows[r] (dx [N, h] overwritten).
-void moe_permute_backward(const Tensor& dx, const Tensor& d_rows, const Tensor& row_index, int64_t topk,
+/// dx[t] = Σ_{j < k, slot_row[t·k + j] ≥ 0} d_rows[slot_row[t·k + j]], summed in j order
+/// (dx [N, h] overwritten; deterministic).
+void moe_permute_backward(const Tensor& dx, const Tensor& d_rows, const Tensor& slot_row, int64_t topk,
                           const Stream& stream);
-/// y[t] = Σ_{r: row_index[r] / k = t} probs[row_index[r]] · rows[r] (y [N, h] overwritten; probs
-/// fp32 [N, k] read flat).
-void moe_unpermute(const Tensor& y, const Tensor& rows, const Tensor& probs, const Tensor& row_index,
+/// y[t] = Σ_{j < k, slot_row[t·k + j] ≥ 0} probs[t, j] · rows[slot_row[t·k + j]], summed in j order
+/// (y [N, h] overwritten, act dtype, fp32 accumulation; probs fp32 [N, k]).
+void moe_unpermute(const Tensor& y, const Tensor& rows, const Tensor& probs, const Tensor& slot_row,
                    const Stream& stream);
-/// d_rows[r] = probs[i] · dy[t] and d_probs[i] = <dy[t], rows[r]> for i = row_index[r], t = i / k;
-/// d_probs [N, k] fp32 is overwritten (0 where no local row).
+/// d_rows[r] = probs[i] · dy[i / k] for i = row_index[r] (r < R = d_rows rows), and
+/// d_probs[i] = <dy[i / k], rows[slot_row[i]]> (fp32 accumulation), 0 where slot_row[i] < 0;
+/// d_probs [N, k] fp32 overwritten.
 void moe_unpermute_backward(const Tensor& d_rows, const Tensor& d_probs, const Tensor& dy, const Tensor& rows,
-                            const Tensor& probs, const Tensor& row_index, const Stream& stream);
+                            const Tensor& probs, const Tensor& row_index, const Tensor& slot_row,
+                            const Stream& stream);
 
-/// CPU entry points (ops/cpu/moe.cpp); the CUDA ones come with the MoE kernels.
-namespace cpu {
-decltype(::mt::moe_topk_routing) moe_topk_routing;
-decltype(::mt::moe_topk_routing_backward) moe_topk_routing_backward;
-decltype(::mt::moe_aux_scores_backward) moe_aux_scores_backward;
-decltype(::mt::moe_z_loss) moe_z_loss;
-decltype(::mt::moe_tokens_per_expert) moe_tokens_per_expert;
-decltype(::mt::moe_routing_map) moe_routing_map;
-decltype(::mt::moe_permute) moe_permute;
-decltype(::mt::moe_permute_backward) moe_permute_backward;
-decltype(::mt::moe_unpermute) moe_unpermute;
-decltype(::mt::moe_unpermute_backward) moe_unpermute_backward;
-}  // namespace cpu
+MT_OP_BACKENDS(moe_topk_routing)
+MT_OP_BACKENDS(moe_topk_routing_backward)
+MT_OP_BACKENDS(moe_aux_loss)
+MT_OP_BACKENDS(moe_aux_scores_backward)
+MT_OP_BACKENDS(moe_z_loss)
+MT_OP_BACKENDS(moe_tokens_per_expert)
+MT_OP_BACKENDS(moe_routing_map)
+MT_OP_BACKENDS(moe_permute)
+MT_OP_BACKENDS(moe_permute_backward)
+MT_OP_BACKENDS(moe_unpermute)
+MT_OP_BACKENDS(moe_unpermute_backward)
 
 }  // namespace mt

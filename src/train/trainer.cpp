@@ -11,6 +11,7 @@
 #include <cmath>
 #include <ctime>
 #include <filesystem>
+#include <limits>
 #include <memory>
 #include <optional>
 
@@ -71,39 +72,60 @@ std::string timestamp() {
 // [first + (m·DP + d)·b, first + (m·DP + d + 1)·b) (Megatron's MegatronPretrainingSampler).
 // The MoE part of the log line (Megatron's track_moe_metrics): the load-balancing loss and the
 // z-loss averaged over the MoE layers and the iterations since the last log line (each the mean
-// over micro-batches and data-parallel ranks, summed over TP), and per layer with
-// --moe-per-layer-logging. Collective over the world; resets the model's statistics.
-std::string moe_log(LanguageModel& model, Communicator& world, int64_t iters, bool per_layer, const Stream& stream) {
+// over micro-batches and data-parallel ranks, summed over TP), the tokens routed per expert and
+// iteration (min / max / mean over the experts of every MoE layer) and the worst layer's
+// imbalance (max / mean over its experts), and per layer with --moe-per-layer-logging.
+// Collective over the world; resets the model's statistics.
+std::string moe_log(LanguageModel& model, Communicator& world, int64_t iters, bool per_layer, int tp,
+                    const Stream& stream) {
   const TransformerConfig& cfg = model.config();
-  const std::vector<double> mine = model.moe_loss_stats();
+  const std::vector<double> mine = model.moe_loss_stats(stream);
   model.reset_moe_stats();
   const size_t bytes = mine.size() * sizeof(float);
   const std::vector<float> local(mine.begin(), mine.end());
   const std::vector<char> all = all_gather_host(world, local.data(), bytes, stream);
-  std::vector<float> host(mine.size(), 0.f);  // summed over the ranks in rank order
+  std::vector<double> host(mine.size(), 0.0);  // summed over the ranks in rank order
   for (int r = 0; r < world.size(); ++r) {
     const float* row = reinterpret_cast<const float*>(all.data() + static_cast<size_t>(r) * bytes);
     for (size_t i = 0; i < host.size(); ++i) host[i] += row[i];
   }
   const bool aux = cfg.moe_router_load_balancing_type == MoeLoadBalancing::kAuxLoss && cfg.moe_aux_loss_coeff > 0;
   const bool z = cfg.moe_z_loss_coeff > 0;
-  double lb = 0, zl = 0;
+  const int64_t E = cfg.num_moe_experts;
+  const size_t per = static_cast<size_t>(2 + E);
+  double lb = 0, zl = 0, lo = std::numeric_limits<double>::infinity(), hi = 0, sum = 0, worst = 0;
   std::string layers;
   const double n = static_cast<double>(std::max<int64_t>(iters, 1));
   for (int64_t l = 0; l < cfg.num_layers; ++l) {
     if (!cfg.is_moe_layer(l)) continue;
-    const double a = host[static_cast<size_t>(2 * l)] / n, b = host[static_cast<size_t>(2 * l + 1)] / n;
+    const double* v = host.data() + per * static_cast<size_t>(l);
+    const double a = v[0] / n, b = v[1] / n;
     lb += a;
     zl += b;
+    double lmax = 0, lsum = 0;
+    for (int64_t e = 0; e < E; ++e) {
+      const double c = v[2 + e] / tp / n;  // tokens per iteration
+      lo = std::min(lo, c);
+      lmax = std::max(lmax, c);
+      lsum += c;
+    }
+    hi = std::max(hi, lmax);
+    sum += lsum;
+    const double imbalance = lsum > 0 ? lmax * static_cast<double>(E) / lsum : 0.0;
+    worst = std::max(worst, imbalance);
     if (per_layer) {
       if (aux) layers += fmt::format(" load_balancing_loss layer {}: {:.6E} |", l, a);
       if (z) layers += fmt::format(" z_loss layer {}: {:.6E} |", l, b);
+      layers += fmt::format(" expert imbalance layer {}: {:.3f} |", l, imbalance);
     }
   }
   const double L = static_cast<double>(std::max<int64_t>(cfg.num_moe_layers(), 1));
   std::string out;
   if (aux) out += fmt::format(" load_balancing_loss: {:.6E} |", lb / L);
   if (z) out += fmt::format(" z_loss: {:.6E} |", zl / L);
+  if (sum > 0)
+    out += fmt::format(" tokens per expert min/max/mean: {:.0f}/{:.0f}/{:.1f} | expert imbalance: {:.3f} |", lo, hi,
+                       sum / (L * static_cast<double>(E)), worst);
   return out + layers;
 }
 
@@ -654,7 +676,8 @@ int run_pretrain(PretrainArgs args) {
           "number of skipped iterations: {:3d} | number of nan iterations: {:3d} |",
           timestamp(), iteration, args.train_iters, consumed, ms, tflops, tokens_per_s, lr, args.global_batch_size,
           n_ok ? loss_sum / n_ok : NAN, sc.loss_scale, sc.grad_norm, sc.skipped_iters - last_skipped, n_nan);
-      if (cfg.num_moe_experts > 0) line += moe_log(model, *world, iters_since_log, args.moe_per_layer_logging, stream);
+      if (cfg.num_moe_experts > 0) line += moe_log(model, *world, iters_since_log, args.moe_per_layer_logging,
+                                                 args.tensor_model_parallel_size, stream);
       log_info("{}", line);
       std::vector<std::pair<std::string, float>> timer_max;
       const std::string timing = timing_report(timers, timing_option, *world, stream, iters_since_log, &timer_max);

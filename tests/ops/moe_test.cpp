@@ -221,12 +221,30 @@ TEST(MoeRouting, AuxScoresBackwardAndZLossMatchFiniteDifferences) {
     const auto lv = testing::randn(T * E, 2.f);
     const auto cv = testing::randn(E);
     auto logits = testing::make_tensor(lv, DType::kF32, kCpu, {T, E}, st);
-    auto coef = testing::make_tensor(cv, DType::kF32, kCpu, {E}, st);
+    // coef[e] = scale · loss_scale · tokens_per_expert[e] = cv[e]
+    const float scale = 0.5f, ls = 4.f;
+    std::vector<float> tv(cv.size());
+    for (size_t e = 0; e < cv.size(); ++e) tv[e] = cv[e] / (scale * ls);
+    auto tpe = testing::make_tensor(tv, DType::kF32, kCpu, {E}, st);
+    auto loss_scale = testing::make_tensor({ls}, DType::kF32, kCpu, {1}, st);
     const auto base = testing::randn(T * E);
     auto dlog = testing::make_tensor(base, DType::kF32, kCpu, {T, E}, st);
-    moe_aux_scores_backward(dlog, logits, coef, sigmoid, st);
+    moe_aux_scores_backward(dlog, logits, tpe, scale, loss_scale, sigmoid, st);
     const float zscale = 0.37f;
-    const double z = moe_z_loss(logits, dlog, zscale, st);  // accumulates on top
+    // the gradient accumulates on top (scaled by the loss scale); the value separately
+    moe_z_loss(Tensor(), dlog, logits, zscale / ls, loss_scale, st);
+    auto zacc = testing::make_tensor({1.f}, DType::kF32, kCpu, {1}, st);
+    moe_z_loss(zacc, Tensor(), logits, 2.f, Tensor(), st);
+    const double z = (testing::to_host(zacc, st)[0] - 1.0) / 2.0;
+    // the load-balancing loss value: 3 · Σ_t Σ_e scores · tokens_per_expert
+    OwnedTensor scores(DType::kF32, kCpu, {T, E}), probs(DType::kF32, kCpu, {T, 1}), top(DType::kI32, kCpu, {T, 1});
+    MoeRouterOptions o;
+    o.topk = 1;
+    o.sigmoid = sigmoid;
+    moe_topk_routing(probs, top, scores, logits, Tensor(), o, st);
+    auto aacc = testing::make_tensor({0.f}, DType::kF32, kCpu, {1}, st);
+    moe_aux_loss(aacc, scores, tpe, 3.f, st);
+    double aref = 0;
     const auto dv = testing::to_host(dlog, st);
     double zref = 0;
     for (int64_t t = 0; t < T; ++t) {
@@ -243,13 +261,16 @@ TEST(MoeRouting, AuxScoresBackwardAndZLossMatchFiniteDifferences) {
         double m = *std::max_element(x.begin(), x.end()), sum = 0;
         for (double a : x) sum += std::exp(a - m);
         zref += (m + std::log(sum)) * (m + std::log(sum));
+        const auto s = aux_scores_ref(x, sigmoid);
+        for (int64_t e = 0; e < E; ++e) aref += 3.0 * s[static_cast<size_t>(e)] * tv[static_cast<size_t>(e)];
       }
       for (int64_t e = 0; e < E; ++e) {
         const double num = testing::finite_diff(f, x, static_cast<size_t>(e), 1e-6);
         EXPECT_NEAR(dv[t * E + e] - base[t * E + e], num, 1e-5 * std::max(1.0, std::fabs(num))) << sigmoid;
       }
     }
-    EXPECT_NEAR(z, zref, 1e-6 * zref);  // the differences l - max are taken in fp32
+    EXPECT_NEAR(z, zref, 1e-5 * zref);  // the differences l - max are taken in fp32; the sum is stored in fp32
+    EXPECT_NEAR(testing::to_host(aacc, st)[0], aref, 1e-5 * std::fabs(aref)) << sigmoid;
   }
 }
 
@@ -266,9 +287,12 @@ TEST(MoePermute, RoutingMapPermuteUnpermuteAndBackward) {
   auto topt = testing::make_int_tensor(top, kCpu, {N, k}, st);
   for (int64_t first : {0, 3}) {
     const int64_t nl = first == 0 ? E : 4;  // all experts, or experts 3..6
-    OwnedTensor rows_index(DType::kI32, kCpu, {N * k}), counts(DType::kI32, kCpu, {nl});
-    const int64_t R = moe_routing_map(rows_index, counts, topt, first, nl, st);
+    OwnedTensor rows_index(DType::kI32, kCpu, {N * k}), slot_row(DType::kI32, kCpu, {N * k}),
+        counts(DType::kI32, kCpu, {nl});
+    const std::vector<int64_t> host_counts = moe_routing_map(rows_index, slot_row, counts, topt, first, nl, st);
+    const int64_t R = std::accumulate(host_counts.begin(), host_counts.end(), int64_t{0});
     const int32_t* ri = rows_index.t.data_as<int32_t>();
+    const int32_t* sr = slot_row.t.data_as<int32_t>();
     const int32_t* ct = counts.t.data_as<int32_t>();
     // Expected: for each local expert in order, the flat slots choosing it, ascending.
     std::vector<int32_t> want;
@@ -280,9 +304,14 @@ TEST(MoePermute, RoutingMapPermuteUnpermuteAndBackward) {
           ++c;
         }
       EXPECT_EQ(ct[e - first], c);
+      EXPECT_EQ(host_counts[static_cast<size_t>(e - first)], c);
     }
     ASSERT_EQ(R, static_cast<int64_t>(want.size()));
     for (int64_t r = 0; r < R; ++r) EXPECT_EQ(ri[r], want[static_cast<size_t>(r)]);
+    for (int64_t i = 0; i < N * k; ++i) {  // the inverse map: slot -> row, -1 for other ranks' experts
+      const auto it = std::find(want.begin(), want.end(), static_cast<int32_t>(i));
+      EXPECT_EQ(sr[i], it == want.end() ? -1 : static_cast<int32_t>(it - want.begin())) << i;
+    }
 
     const auto xv = testing::randn(N * h), pv = testing::randn(N * k), ov = testing::randn(R * h),
                dyv = testing::randn(N * h);
@@ -293,9 +322,9 @@ TEST(MoePermute, RoutingMapPermuteUnpermuteAndBackward) {
     OwnedTensor xp(DType::kF32, kCpu, {R, h}), y(DType::kF32, kCpu, {N, h}), drows(DType::kF32, kCpu, {R, h}),
         dprobs(DType::kF32, kCpu, {N, k}), dx(DType::kF32, kCpu, {N, h});
     moe_permute(xp, x, rows_index, k, st);
-    moe_unpermute(y, out, probs, rows_index, st);
-    moe_unpermute_backward(drows, dprobs, dy, out, probs, rows_index, st);
-    moe_permute_backward(dx, drows, rows_index, k, st);
+    moe_unpermute(y, out, probs, slot_row, st);
+    moe_unpermute_backward(drows, dprobs, dy, out, probs, rows_index, slot_row, st);
+    moe_permute_backward(dx, drows, slot_row, k, st);
     const auto xpv = testing::to_host(xp, st), yv = testing::to_host(y, st), drv = testing::to_host(drows, st),
                dpv = testing::to_host(dprobs, st), dxv = testing::to_host(dx, st);
     std::vector<double> yref(N * h, 0.0), dpref(N * k, 0.0), dxref(N * h, 0.0);

@@ -286,6 +286,10 @@ TEST_F(TrainerLayouts, MixtureOfExperts) {
   EXPECT_NE(full.out.find("MoE in 2 of 4 layers: 8 experts, top-2 softmax router"), std::string::npos) << full.out;
   EXPECT_NE(full.out.find("load_balancing_loss: "), std::string::npos) << full.out;
   EXPECT_NE(full.out.find("z_loss: "), std::string::npos) << full.out;
+  // 8 sequences x 32 tokens x top-2 over 8 experts: 64 routed tokens per expert and iteration on average
+  const std::string mean_load = "/64.0 | expert imbalance: ";
+  EXPECT_NE(full.out.find("tokens per expert min/max/mean: "), std::string::npos) << full.out;
+  EXPECT_NE(full.out.find(mean_load), std::string::npos) << full.out;
   const auto full_losses = losses(full.out);
   ASSERT_EQ(full_losses.size(), 6u) << full.out;
   EXPECT_EQ(full.out.find("grad norm: inf"), std::string::npos) << full.out;
@@ -301,6 +305,7 @@ TEST_F(TrainerLayouts, MixtureOfExperts) {
     RunResult r = run(flags("--train-iters 6 " + layout + moe));
     ASSERT_EQ(r.rc, 0) << layout << "\n" << r.out;
     expect_same(losses(r.out), full_losses, layout + " (MoE)");
+    EXPECT_NE(r.out.find(mean_load), std::string::npos) << layout << "\n" << r.out;
   }
   RunResult first;
   std::map<int, double> l;
@@ -314,6 +319,7 @@ TEST_F(TrainerLayouts, MixtureOfExperts) {
   EXPECT_NE(pl.out.find("load_balancing_loss layer 1: "), std::string::npos) << pl.out;
   EXPECT_NE(pl.out.find("z_loss layer 3: "), std::string::npos) << pl.out;
   EXPECT_EQ(pl.out.find("load_balancing_loss layer 0: "), std::string::npos) << pl.out;  // dense layer
+  EXPECT_NE(pl.out.find("expert imbalance layer 3: "), std::string::npos) << pl.out;
   for (const auto& [extra, message] : std::vector<std::pair<std::string, std::string>>{
            {" --moe-router-topk 9", "--moe-router-topk 9 must be in [1, --num-experts 8]"},
            {" --nproc-per-node 2 --tensor-model-parallel-size 2", "needs --sequence-parallel"},

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <numeric>
 
 #include "model/layers/parallel_params.h"
 #include "ops/elementwise.h"
@@ -78,6 +79,7 @@ void MoELayer::plan(BufferPlanner& p, int64_t s, int64_t b) {
   sv.top_all = p.saved(DType::kI32, {gathered_, k}, "routing (gathered)");
   sv.probs_all = p.saved(DType::kF32, {gathered_, k}, "routing probs (gathered)");
   sv.row_index = p.saved(DType::kI32, {max_rows_}, "expert row index");
+  sv.slot_row = p.saved(DType::kI32, {gathered_ * k}, "row of each routed slot");
   sv.counts = p.saved(DType::kI32, {num_local_}, "tokens per local expert");
   sv.tokens_per_expert = p.saved(DType::kF32, {E}, "tokens per expert (TP group)");
   sv.xp = p.saved(t, {max_rows_, h}, "expert inputs");
@@ -98,8 +100,22 @@ void MoELayer::plan(BufferPlanner& p, int64_t s, int64_t b) {
   d_probs_all_ = p.scratch("moe.d_probs_all", DType::kF32, {gathered_, k});
   d_probs_ = p.scratch("moe.d_probs", DType::kF32, {tokens_, k});
   d_logits_ = p.scratch("moe.d_logits", DType::kF32, {tokens_, E});
+  if (t != DType::kF32) d_logits_act_ = p.scratch("moe.d_logits_act", t, {tokens_, E});
   scores_aux_ = p.scratch("moe.scores_aux", DType::kF32, {tokens_, E});
-  coef_ = p.scratch("moe.coef", DType::kF32, {E});
+  if (stats_buffer_.bytes() == 0) {
+    stats_buffer_ = Buffer(p.device(), static_cast<size_t>(2 + E) * sizeof(float));
+    stats_ = stats_buffer_.as(DType::kF32, {2 + E});
+  }
+}
+
+std::vector<double> MoELayer::stats(const Stream& stream) const {
+  std::vector<double> out(static_cast<size_t>(2 + num_experts_), 0.0);
+  if (!stats_zeroed_) return out;
+  std::vector<float> host(out.size());
+  copy_bytes(host.data(), Device::cpu(), stats_.data(), stats_.device(), host.size() * sizeof(float), stream);
+  stream.synchronize();
+  std::copy(host.begin(), host.end(), out.begin());
+  return out;
 }
 
 Tensor MoELayer::gather(const Tensor& all, const Tensor& local, const Stream& st) const {
@@ -123,35 +139,46 @@ Tensor row_range(const Tensor& t, int64_t begin, int64_t n) {
 }
 }  // namespace
 
+bool MoELayer::aux_loss_on() const {
+  return config_.moe_router_load_balancing_type == MoeLoadBalancing::kAuxLoss && config_.moe_aux_loss_coeff > 0;
+}
+
+float MoELayer::aux_scale(double weight) const {
+  // Megatron's switch loss coeff·E/(k·N²)·Σ_e P_e·c_e with N the tokens of the TP group
+  const double N = static_cast<double>(tokens_) * tp_.size();
+  return static_cast<float>(weight * config_.moe_aux_loss_coeff * static_cast<double>(num_experts_) /
+                            (static_cast<double>(topk_) * N * N));
+}
+
+float MoELayer::z_scale(double weight) const {
+  // coeff · mean over the TP group's tokens, this rank's share
+  return static_cast<float>(weight * config_.moe_z_loss_coeff / tp_.size() / static_cast<double>(tokens_));
+}
+
 Tensor MoELayer::forward(const StepContext& ctx) {
   Saved& sv = saved_.at(static_cast<size_t>(ctx.slot));
   const Stream& st = ctx.stream;
-  const int64_t h = config_.hidden_size, k = topk_, T = tokens_;
+  const int64_t k = topk_, T = tokens_;
   const int G = dispatch_size(), r = dispatch_rank();
   const Tensor x = rows(sv.x);
   // --- router (local tokens) ---
   matmul(sv.logits, x, router_weight_.value(), false, true, 1.f, 0.f, st);
-  const bool aux = config_.moe_router_load_balancing_type == MoeLoadBalancing::kAuxLoss && config_.moe_aux_loss_coeff > 0;
   const Tensor top_local = G == 1 ? sv.top_all : sv.top_all.slice0(r * T, (r + 1) * T);
   const Tensor probs_local = G == 1 ? sv.probs_all : sv.probs_all.slice0(r * T, (r + 1) * T);
-  moe_topk_routing(probs_local, top_local, aux ? scores_aux_ : Tensor(), sv.logits, Tensor(), router_, st);
-  // --- auxiliary losses (values for the log; gradients in backward) ---
+  moe_topk_routing(probs_local, top_local, aux_loss_on() ? scores_aux_ : Tensor(), sv.logits, Tensor(), router_, st);
+  // --- auxiliary losses (values for the log; gradients in backward), on the device ---
   if (ctx.dropout.training) {
+    if (!stats_zeroed_) {
+      fill(stats_, 0.f, st);
+      stats_zeroed_ = true;
+    }
     const double w = ctx.batch.aux_loss_weight;
     moe_tokens_per_expert(sv.tokens_per_expert, top_local, st);
     if (tp_.size() > 1) tp_.group().all_reduce(sv.tokens_per_expert, ReduceOp::kSum, st);  // over the TP group
-    if (aux) {
-      const double N = static_cast<double>(T) * tp_.size(), E = static_cast<double>(num_experts_);
-      const float* c = sv.tokens_per_expert.data_as<float>();
-      const float* s = scores_aux_.data_as<float>();
-      double loss = 0;
-      for (int64_t t = 0; t < T; ++t)
-        for (int64_t e = 0; e < num_experts_; ++e) loss += static_cast<double>(s[t * num_experts_ + e]) * c[e];
-      stats_[0] += w * config_.moe_aux_loss_coeff * E / (static_cast<double>(k) * N * N) * loss;
-    }
-    if (config_.moe_z_loss_coeff > 0)
-      stats_[1] += w * config_.moe_z_loss_coeff / tp_.size() / static_cast<double>(T) *
-                   moe_z_loss(sv.logits, Tensor(), 0.f, st);
+    if (aux_loss_on()) moe_aux_loss(stats_.slice0(0, 1), scores_aux_, sv.tokens_per_expert, aux_scale(w), st);
+    if (config_.moe_z_loss_coeff > 0) moe_z_loss(stats_.slice0(1, 2), Tensor(), sv.logits, z_scale(w), Tensor(), st);
+    const Tensor counted = stats_.slice0(2, 2 + num_experts_);
+    add(counted, counted, sv.tokens_per_expert, st);
   }
   // --- dispatch: all-gather tokens, selection and probs over the dispatch group ---
   const Tensor x_all = gather(x_all_, x, st);
@@ -159,14 +186,13 @@ Tensor MoELayer::forward(const StepContext& ctx) {
     dispatch().all_gather(sv.top_all, top_local, st);
     dispatch().all_gather(sv.probs_all, probs_local, st);
   }
-  sv.rows = moe_routing_map(sv.row_index, sv.counts, sv.top_all, first_expert_, num_local_, st);
-  const int64_t R = sv.rows;
+  sv.counts_host = moe_routing_map(sv.row_index, sv.slot_row, sv.counts, sv.top_all, first_expert_, num_local_, st);
+  const int64_t R = std::accumulate(sv.counts_host.begin(), sv.counts_host.end(), int64_t{0});
   // --- experts ---
   moe_permute(row_range(sv.xp, 0, R), x_all, sv.row_index, k, st);
-  const int32_t* counts = sv.counts.data_as<int32_t>();
   int64_t off = 0;
   for (int64_t e = 0; e < num_local_; ++e) {
-    const int64_t n = counts[e];
+    const int64_t n = sv.counts_host[static_cast<size_t>(e)];
     if (n > 0) {
       const Expert& ex = experts_[static_cast<size_t>(e)];
       const Tensor xe = row_range(sv.xp, off, n), pre = row_range(sv.pre, off, n), act = row_range(sv.act, off, n);
@@ -182,7 +208,7 @@ Tensor MoELayer::forward(const StepContext& ctx) {
   }
   // --- combine: weighted sum per token, reduce-scatter back to the local tokens ---
   const Tensor y_all = G == 1 ? rows(y_) : y_all_;
-  moe_unpermute(y_all, row_range(sv.out, 0, R), sv.probs_all, sv.row_index, st);
+  moe_unpermute(y_all, row_range(sv.out, 0, R), sv.probs_all, sv.slot_row, st);
   scatter_sum(rows(y_), y_all, st);
   if (shared_) {
     copy(shared_->input(ctx.slot), sv.x, st);
@@ -195,18 +221,18 @@ Tensor MoELayer::forward(const StepContext& ctx) {
 Tensor MoELayer::backward(const Tensor& dy, const StepContext& ctx, WgradDeferral* defer) {
   Saved& sv = saved_.at(static_cast<size_t>(ctx.slot));
   const Stream& st = ctx.stream;
-  const int64_t k = topk_, T = tokens_, R = sv.rows;
+  const int64_t k = topk_, T = tokens_;
+  const int64_t R = std::accumulate(sv.counts_host.begin(), sv.counts_host.end(), int64_t{0});
   const int G = dispatch_size(), r = dispatch_rank();
   const Tensor x = rows(sv.x);
   // --- combine backward: all-gather dy; row gradients and d probs ---
   const Tensor dy_all = gather(dy_all_, rows(dy), st);
   moe_unpermute_backward(row_range(d_out_, 0, R), d_probs_all_, dy_all, row_range(sv.out, 0, R), sv.probs_all,
-                         sv.row_index, st);
+                         sv.row_index, sv.slot_row, st);
   // --- experts backward ---
-  const int32_t* counts = sv.counts.data_as<int32_t>();
   int64_t off = 0;
   for (int64_t e = 0; e < num_local_; ++e) {
-    const int64_t n = counts[e];
+    const int64_t n = sv.counts_host[static_cast<size_t>(e)];
     if (n > 0) {
       const Expert& ex = experts_[static_cast<size_t>(e)];
       const Tensor xe = row_range(sv.xp, off, n), pre = row_range(sv.pre, off, n), act = row_range(sv.act, off, n);
@@ -224,29 +250,22 @@ Tensor MoELayer::backward(const Tensor& dy, const StepContext& ctx, WgradDeferra
   // --- dispatch backward: token gradients and d probs back to their ranks ---
   const Tensor dx = rows(dx_);
   const Tensor dx_all = G == 1 ? dx : dx_all_;
-  moe_permute_backward(dx_all, row_range(d_xp_, 0, R), sv.row_index, k, st);
+  moe_permute_backward(dx_all, row_range(d_xp_, 0, R), sv.slot_row, k, st);
   scatter_sum(dx, dx_all, st);
   const Tensor d_probs = G == 1 ? d_probs_all_ : d_probs_;
   if (G > 1) dispatch().reduce_scatter(d_probs_, d_probs_all_, ReduceOp::kSum, st);
   // --- router backward: probs path, load-balancing loss, z-loss ---
   const Tensor top_local = G == 1 ? sv.top_all : sv.top_all.slice0(r * T, (r + 1) * T);
   moe_topk_routing_backward(d_logits_, d_probs, sv.logits, top_local, router_, st);
-  float scale = ctx.batch.aux_loss_weight;
-  if (!ctx.loss_scale.empty()) scale *= ctx.loss_scale.data_as<float>()[0];  // CPU only so far
-  const bool aux = config_.moe_router_load_balancing_type == MoeLoadBalancing::kAuxLoss && config_.moe_aux_loss_coeff > 0;
-  if (aux) {
-    const double N = static_cast<double>(T) * tp_.size(), E = static_cast<double>(num_experts_);
-    const double c = scale * config_.moe_aux_loss_coeff * E / (static_cast<double>(k) * N * N);
-    const float* tpe = sv.tokens_per_expert.data_as<float>();
-    float* cf = coef_.data_as<float>();
-    for (int64_t e = 0; e < num_experts_; ++e) cf[e] = static_cast<float>(c * tpe[e]);
-    moe_aux_scores_backward(d_logits_, sv.logits, coef_, router_.sigmoid, st);
-  }
-  if (config_.moe_z_loss_coeff > 0)
-    moe_z_loss(sv.logits, d_logits_, scale * config_.moe_z_loss_coeff / tp_.size() / static_cast<float>(T), st);
-  // dx += d_logits W_r (fp32 on the CPU), dW_r += d_logitsᵀ x
-  linear_backward(Tensor(), router_weight_.grad(), Tensor(), d_logits_, x, router_weight_.value(), st);
-  matmul(dx, d_logits_, router_weight_.value(), false, false, 1.f, 1.f, st);
+  const double w = ctx.batch.aux_loss_weight;
+  if (aux_loss_on()) moe_aux_scores_backward(d_logits_, sv.logits, sv.tokens_per_expert, aux_scale(w), ctx.loss_scale,
+                                   router_.sigmoid, st);
+  if (config_.moe_z_loss_coeff > 0) moe_z_loss(Tensor(), d_logits_, sv.logits, z_scale(w), ctx.loss_scale, st);
+  // dW_r += d_logitsᵀ x, dx += d_logits W_r (in the activation dtype)
+  const Tensor d_logits = d_logits_act_.empty() ? d_logits_ : d_logits_act_;
+  if (!d_logits_act_.empty()) cast(d_logits_act_, d_logits_, st);
+  linear_backward(Tensor(), router_weight_.grad(), Tensor(), d_logits, x, router_weight_.value(), st);
+  matmul(dx, d_logits, router_weight_.value(), false, false, 1.f, 1.f, st);
   if (shared_) add(dx_, dx_, shared_->backward(dy, ctx, defer), st);
   return dx_;
 }

@@ -30,6 +30,7 @@
 #include <memory>
 #include <vector>
 
+#include "core/buffer.h"
 #include "model/layers/mlp.h"
 #include "ops/moe.h"
 
@@ -70,12 +71,14 @@ class MoELayer final : public MlpSlot {
   Tensor backward(const Tensor& dy, const StepContext& ctx, WgradDeferral* defer) override;
   const ParamRef& output_bias() const override { return no_bias_; }
 
-  /// fp32 [2] on the host side of the model's device: (load-balancing loss, z-loss) accumulated
-  /// over this step's forwards, each weighted by the micro-batch's aux_loss_weight (so the sum over
-  /// the ranks of the world is the step's mean over micro-batches and data-parallel ranks).
-  /// Zeroed by reset_stats().
-  const std::vector<double>& stats() const { return stats_; }
-  void reset_stats() { stats_.assign(2, 0.0); }
+  /// The statistics accumulated on the device since the last reset_stats(), copied to the host
+  /// (synchronises `stream`): [0] load-balancing loss, [1] z-loss, each weighted by the micro-batch's
+  /// aux_loss_weight (so the sum over the ranks of the world is the mean over micro-batches and
+  /// data-parallel ranks), then [2 + e] the tokens routed to expert e summed over the training
+  /// forwards (counted over the TP group: the sum over the world is TP times the total). Zeros
+  /// before the first forward.
+  std::vector<double> stats(const Stream& stream) const;
+  void reset_stats() { stats_zeroed_ = false; }
   int64_t layer() const { return layer_; }
 
  private:
@@ -88,11 +91,15 @@ class MoELayer final : public MlpSlot {
     Tensor top_all;          // int32 [N, k]: the gathered selection
     Tensor probs_all;        // fp32 [N, k]: the gathered probs
     Tensor row_index;        // int32 [R_max]
+    Tensor slot_row;         // int32 [N·k]: the row of each flat slot, -1 if not local
     Tensor counts;           // int32 [E_l]
     Tensor tokens_per_expert;  // fp32 [E]: over the TP group (load-balancing loss)
     Tensor xp, pre, act, out;  // [R_max, h], [R_max, (2)f_l], [R_max, f_l], [R_max, h]
-    int64_t rows = 0;        // R of the forward that filled this area
+    std::vector<int64_t> counts_host;  // the forward's rows per local expert (R = their sum)
   };
+  bool aux_loss_on() const;
+  float aux_scale(double weight) const;  // of the load-balancing loss, for a micro-batch weight
+  float z_scale(double weight) const;
   Tensor gather(const Tensor& all, const Tensor& local, const Stream& stream) const;
   Communicator& dispatch() const { return *ep_.dispatch; }
   int dispatch_size() const { return ep_.dispatch ? ep_.dispatch->size() : 1; }
@@ -113,8 +120,10 @@ class MoELayer final : public MlpSlot {
   int64_t tokens_ = 0, gathered_ = 0, max_rows_ = 0;  // T_l, N, R_max
   // scratch
   Tensor x_all_, y_all_, y_, dy_all_, d_out_, d_act_, d_pre_, d_xp_, dx_all_, dx_, d_probs_all_, d_probs_, d_logits_,
-      scores_aux_, coef_;
-  std::vector<double> stats_ = {0.0, 0.0};
+      d_logits_act_, scores_aux_;
+  Buffer stats_buffer_;  // fp32 [2 + E] on the model's device (see stats())
+  Tensor stats_;
+  bool stats_zeroed_ = false;
 };
 
 }  // namespace mt

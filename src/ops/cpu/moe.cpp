@@ -163,11 +163,30 @@ void moe_topk_routing_backward(const Tensor& d_logits, const Tensor& d_probs, co
   }
 }
 
-void moe_aux_scores_backward(const Tensor& d_logits, const Tensor& logits, const Tensor& coef, bool sigmoid,
-                             const Stream&) {
+void moe_aux_loss(const Tensor& loss, const Tensor& scores, const Tensor& tokens_per_expert, float scale,
+                  const Stream&) {
+  const int64_t T = scores.size(0), E = scores.size(1);
+  const float* S = scores.data_as<float>();
+  const float* c = tokens_per_expert.data_as<float>();
+  double total = 0;
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t e = 0; e < E; ++e) total += static_cast<double>(S[t * E + e]) * c[e];
+  loss.data_as<float>()[0] += static_cast<float>(scale * total);
+}
+
+namespace {
+float scale_of(const Tensor& loss_scale) { return loss_scale.empty() ? 1.f : loss_scale.data_as<float>()[0]; }
+}  // namespace
+
+void moe_aux_scores_backward(const Tensor& d_logits, const Tensor& logits, const Tensor& tokens_per_expert,
+                             float scale, const Tensor& loss_scale, bool sigmoid, const Stream&) {
   const int64_t T = logits.size(0), E = logits.size(1);
   const float* L = logits.data_as<float>();
-  const float* c = coef.data_as<float>();
+  const float* tpe = tokens_per_expert.data_as<float>();
+  const float cs = scale * scale_of(loss_scale);
+  std::vector<float> coef(static_cast<size_t>(E));
+  for (int64_t e = 0; e < E; ++e) coef[static_cast<size_t>(e)] = cs * tpe[e];
+  const float* c = coef.data();
   float* dL = d_logits.data_as<float>();
 #pragma omp parallel for schedule(static)
   for (int64_t t = 0; t < T; ++t) {
@@ -196,10 +215,12 @@ void moe_aux_scores_backward(const Tensor& d_logits, const Tensor& logits, const
   }
 }
 
-double moe_z_loss(const Tensor& logits, const Tensor& d_logits, float scale, const Stream&) {
+void moe_z_loss(const Tensor& loss, const Tensor& d_logits, const Tensor& logits, float scale,
+                const Tensor& loss_scale, const Stream&) {
   const int64_t T = logits.size(0), E = logits.size(1);
   const float* L = logits.data_as<float>();
   float* dL = !d_logits.empty() ? d_logits.data_as<float>() : nullptr;
+  const double gs = static_cast<double>(scale) * scale_of(loss_scale);
   double total = 0;
 #pragma omp parallel for schedule(static) reduction(+ : total)
   for (int64_t t = 0; t < T; ++t) {
@@ -212,10 +233,10 @@ double moe_z_loss(const Tensor& logits, const Tensor& d_logits, float scale, con
     total += lse * lse;
     if (dL) {
       for (int64_t e = 0; e < E; ++e)
-        dL[t * E + e] += static_cast<float>(scale * 2.0 * lse * std::exp(static_cast<double>(l[e]) - lse));
+        dL[t * E + e] += static_cast<float>(gs * 2.0 * lse * std::exp(static_cast<double>(l[e]) - lse));
     }
   }
-  return total;
+  if (!loss.empty()) loss.data_as<float>()[0] += static_cast<float>(scale * total);
 }
 
 void moe_tokens_per_expert(const Tensor& counts, const Tensor& top, const Stream&) {
@@ -226,11 +247,12 @@ void moe_tokens_per_expert(const Tensor& counts, const Tensor& top, const Stream
   for (int64_t i = 0; i < n; ++i) c[I[i]] += 1.f;
 }
 
-int64_t moe_routing_map(const Tensor& row_index, const Tensor& counts, const Tensor& top, int64_t first_expert,
-                        int64_t num_local, const Stream&) {
+std::vector<int64_t> moe_routing_map(const Tensor& row_index, const Tensor& slot_row, const Tensor& counts,
+                                     const Tensor& top, int64_t first_expert, int64_t num_local, const Stream&) {
   const int64_t n = top.numel();
   const int32_t* I = top.data_as<int32_t>();
   int32_t* rows = row_index.data_as<int32_t>();
+  int32_t* inv = slot_row.data_as<int32_t>();
   int32_t* cnt = counts.data_as<int32_t>();
   std::fill(cnt, cnt + num_local, 0);
   for (int64_t i = 0; i < n; ++i) {
@@ -239,13 +261,18 @@ int64_t moe_routing_map(const Tensor& row_index, const Tensor& counts, const Ten
   }
   std::vector<int64_t> next(static_cast<size_t>(num_local), 0);
   for (int64_t e = 1; e < num_local; ++e) next[static_cast<size_t>(e)] = next[static_cast<size_t>(e - 1)] + cnt[e - 1];
-  const int64_t R = num_local > 0 ? next.back() + cnt[num_local - 1] : 0;
+  const int64_t R = next.back() + cnt[num_local - 1];
   MT_CHECK(R <= row_index.numel(), "moe_routing_map: {} rows exceed the planned {}", R, row_index.numel());
   for (int64_t i = 0; i < n; ++i) {  // flat slot order = token, then slot: stable within an expert
     const int64_t e = I[i] - first_expert;
-    if (e >= 0 && e < num_local) rows[next[static_cast<size_t>(e)]++] = static_cast<int32_t>(i);
+    inv[i] = -1;
+    if (e >= 0 && e < num_local) {
+      const int64_t r = next[static_cast<size_t>(e)]++;
+      rows[r] = static_cast<int32_t>(i);
+      inv[i] = static_cast<int32_t>(r);
+    }
   }
-  return R;
+  return std::vector<int64_t>(cnt, cnt + num_local);
 }
 
 void moe_permute(const Tensor& rows, const Tensor& x, const Tensor& row_index, int64_t topk, const Stream&) {
@@ -257,58 +284,75 @@ void moe_permute(const Tensor& rows, const Tensor& x, const Tensor& row_index, i
   for (int64_t r = 0; r < R; ++r) std::copy(X + (idx[r] / topk) * h, X + (idx[r] / topk + 1) * h, Y + r * h);
 }
 
-void moe_permute_backward(const Tensor& dx, const Tensor& d_rows, const Tensor& row_index, int64_t topk,
+void moe_permute_backward(const Tensor& dx, const Tensor& d_rows, const Tensor& slot_row, int64_t topk,
                           const Stream&) {
-  const int64_t R = d_rows.size(0), h = d_rows.size(1);
+  const int64_t N = dx.size(0), h = dx.size(1);
   const float* D = d_rows.data_as<float>();
-  const int32_t* idx = row_index.data_as<int32_t>();
+  const int32_t* inv = slot_row.data_as<int32_t>();
   float* X = dx.data_as<float>();
-  std::fill(X, X + dx.numel(), 0.f);
-  for (int64_t r = 0; r < R; ++r) {  // sequential: rows of one token may come from several experts
-    float* xt = X + (idx[r] / topk) * h;
-    const float* dr = D + r * h;
-    for (int64_t c = 0; c < h; ++c) xt[c] += dr[c];
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < N; ++t) {
+    float* xt = X + t * h;
+    std::fill(xt, xt + h, 0.f);
+    for (int64_t j = 0; j < topk; ++j) {
+      const int32_t r = inv[t * topk + j];
+      if (r < 0) continue;
+      const float* dr = D + static_cast<int64_t>(r) * h;
+      for (int64_t c = 0; c < h; ++c) xt[c] += dr[c];
+    }
   }
 }
 
-void moe_unpermute(const Tensor& y, const Tensor& rows, const Tensor& probs, const Tensor& row_index,
+void moe_unpermute(const Tensor& y, const Tensor& rows, const Tensor& probs, const Tensor& slot_row,
                    const Stream&) {
-  const int64_t R = rows.size(0), h = rows.size(1), k = probs.size(1);
+  const int64_t N = y.size(0), h = y.size(1), k = probs.size(1);
   const float* Rw = rows.data_as<float>();
   const float* P = probs.data_as<float>();
-  const int32_t* idx = row_index.data_as<int32_t>();
+  const int32_t* inv = slot_row.data_as<int32_t>();
   float* Y = y.data_as<float>();
-  std::fill(Y, Y + y.numel(), 0.f);
-  for (int64_t r = 0; r < R; ++r) {
-    float* yt = Y + (idx[r] / k) * h;
-    const float p = P[idx[r]];
-    const float* rr = Rw + r * h;
-    for (int64_t c = 0; c < h; ++c) yt[c] += p * rr[c];
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < N; ++t) {
+    float* yt = Y + t * h;
+    std::fill(yt, yt + h, 0.f);
+    for (int64_t j = 0; j < k; ++j) {
+      const int32_t r = inv[t * k + j];
+      if (r < 0) continue;
+      const float p = P[t * k + j];
+      const float* rr = Rw + static_cast<int64_t>(r) * h;
+      for (int64_t c = 0; c < h; ++c) yt[c] += p * rr[c];
+    }
   }
 }
 
 void moe_unpermute_backward(const Tensor& d_rows, const Tensor& d_probs, const Tensor& dy, const Tensor& rows,
-                            const Tensor& probs, const Tensor& row_index, const Stream&) {
-  const int64_t R = rows.size(0), h = rows.size(1), k = probs.size(1);
+                            const Tensor& probs, const Tensor& row_index, const Tensor& slot_row, const Stream&) {
+  const int64_t R = rows.size(0), h = rows.size(1), k = probs.size(1), n = d_probs.numel();
   const float* Rw = rows.data_as<float>();
   const float* P = probs.data_as<float>();
   const float* DY = dy.data_as<float>();
   const int32_t* idx = row_index.data_as<int32_t>();
+  const int32_t* inv = slot_row.data_as<int32_t>();
   float* DR = d_rows.data_as<float>();
   float* DP = d_probs.data_as<float>();
-  std::fill(DP, DP + d_probs.numel(), 0.f);
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < R; ++r) {
     const float* g = DY + (idx[r] / k) * h;
-    const float* rr = Rw + r * h;
-    float* dr = DR + r * h;
     const float p = P[idx[r]];
-    double dot = 0;
-    for (int64_t c = 0; c < h; ++c) {
-      dr[c] = p * g[c];
-      dot += static_cast<double>(g[c]) * rr[c];
+    float* dr = DR + r * h;
+    for (int64_t c = 0; c < h; ++c) dr[c] = p * g[c];
+  }
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    const int32_t r = inv[i];
+    if (r < 0) {
+      DP[i] = 0.f;
+      continue;
     }
-    DP[idx[r]] = static_cast<float>(dot);  // each flat slot has at most one row
+    const float* g = DY + (i / k) * h;
+    const float* rr = Rw + static_cast<int64_t>(r) * h;
+    double dot = 0;
+    for (int64_t c = 0; c < h; ++c) dot += static_cast<double>(g[c]) * rr[c];
+    DP[i] = static_cast<float>(dot);
   }
 }
 
