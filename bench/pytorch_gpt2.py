@@ -7,6 +7,10 @@ ms/step and tokens/s (median over the timed steps), for side-by-side runs with
       vocab padded to 50304.
   --arch llama: RMSNorm, RoPE (rotate-half), SwiGLU (--ffn), grouped-query attention
       (--kv-heads), untied output layer, no biases.
+  --experts E (llama only): every MLP is a mixture of experts as Megatron-Core's MoELayer with
+      --topk (softmax over the selected logits), SwiGLU experts of --moe-ffn, the switch
+      load-balancing loss (--aux-loss-coeff); the experts run as two grouped GEMMs
+      (torch._grouped_mm over the expert-sorted tokens) when torch has it, else a loop over experts.
 
 usage: python3 bench/pytorch_gpt2.py --micro-batch-size 16 --steps 30 [--compile] [--layers 12 --hidden 768 --heads 12]
        python3 bench/pytorch_gpt2.py --arch llama --layers 16 --hidden 2048 --heads 32 --kv-heads 8 --ffn 8192 ...
@@ -59,16 +63,63 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
 
 
+GROUPED_MM = hasattr(torch, "_grouped_mm")
+
+
+class MoE(nn.Module):
+    """Megatron-Core MoELayer (TopKRouter softmax after top-k, dropless) with SwiGLU experts."""
+
+    def __init__(self, h, experts, topk, f, aux_coeff):
+        super().__init__()
+        self.e, self.k, self.f, self.aux_coeff = experts, topk, f, aux_coeff
+        self.router = nn.Linear(h, experts, bias=False)
+        self.w1 = nn.Parameter(torch.empty(experts, 2 * f, h))
+        self.w2 = nn.Parameter(torch.empty(experts, h, f))
+        self.aux = None
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        T = x.shape[0]
+        logits = self.router(x).float()
+        topv, topi = logits.topk(self.k, dim=-1)
+        probs = topv.softmax(dim=-1)
+        flat = topi.flatten()
+        counts = torch.bincount(flat, minlength=self.e)
+        scores = logits.softmax(dim=-1)
+        self.aux = self.aux_coeff * self.e / (self.k * T * T) * (scores.sum(0) * counts.float()).sum()
+        order = flat.argsort(stable=True)
+        token = order // self.k
+        xs = x[token]
+        if GROUPED_MM:
+            offs = counts.cumsum(0).to(torch.int32)
+            h1 = torch._grouped_mm(xs, self.w1.to(xs.dtype).transpose(-2, -1), offs=offs)
+            gate, up = h1.chunk(2, dim=-1)
+            out = torch._grouped_mm(F.silu(gate) * up, self.w2.to(xs.dtype).transpose(-2, -1), offs=offs)
+        else:
+            outs, start = [], 0
+            for e, n in enumerate(counts.tolist()):
+                gate, up = (xs[start:start + n] @ self.w1[e].t()).chunk(2, dim=-1)
+                outs.append((F.silu(gate) * up) @ self.w2[e].t())
+                start += n
+            out = torch.cat(outs)
+        w = probs.flatten()[order].unsqueeze(-1).to(out.dtype)
+        y = torch.zeros_like(x).index_add_(0, token, (out * w).to(x.dtype))
+        return y.view(shape)
+
+
 class LlamaBlock(nn.Module):
-    def __init__(self, h, n, g, f):
+    def __init__(self, h, n, g, f, moe=None):
         super().__init__()
         self.n, self.g, self.d = n, g, h // n
         self.ln1 = nn.RMSNorm(h, eps=1e-5)
         self.qkv = nn.Linear(h, (n + 2 * g) * self.d, bias=False)
         self.proj = nn.Linear(n * self.d, h, bias=False)
         self.ln2 = nn.RMSNorm(h, eps=1e-5)
-        self.fc1 = nn.Linear(h, 2 * f, bias=False)
-        self.fc2 = nn.Linear(f, h, bias=False)
+        self.moe = moe
+        if moe is None:
+            self.fc1 = nn.Linear(h, 2 * f, bias=False)
+            self.fc2 = nn.Linear(f, h, bias=False)
 
     def forward(self, x, cos, sin):
         b, s, h = x.shape
@@ -83,15 +134,17 @@ class LlamaBlock(nn.Module):
 
         a = F.scaled_dot_product_attention(rot(q), rot(k), v, is_causal=True, enable_gqa=self.g != self.n)
         x = x + self.proj(a.transpose(1, 2).reshape(b, s, self.n * self.d))
+        if self.moe is not None:
+            return x + self.moe(self.ln2(x))
         gate, up = self.fc1(self.ln2(x)).chunk(2, dim=-1)
         return x + self.fc2(F.silu(gate) * up)
 
 
 class Llama(nn.Module):
-    def __init__(self, layers, h, n, g, f, seq, vocab, theta=10000.0):
+    def __init__(self, layers, h, n, g, f, seq, vocab, theta=10000.0, moe=None):
         super().__init__()
         self.wte = nn.Embedding(vocab, h)
-        self.blocks = nn.ModuleList([LlamaBlock(h, n, g, f) for _ in range(layers)])
+        self.blocks = nn.ModuleList([LlamaBlock(h, n, g, f, MoE(h, *moe) if moe else None) for _ in range(layers)])
         self.lnf = nn.RMSNorm(h, eps=1e-5)
         self.out = nn.Linear(h, vocab, bias=False)
         d = h // n
@@ -101,7 +154,7 @@ class Llama(nn.Module):
         self.register_buffer("cos", emb.cos()[None, None], persistent=False)
         self.register_buffer("sin", emb.sin()[None, None], persistent=False)
         for p in self.parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:
                 nn.init.normal_(p, std=0.02)
 
     def forward(self, idx, targets):
@@ -109,7 +162,11 @@ class Llama(nn.Module):
         for blk in self.blocks:
             x = blk(x, self.cos, self.sin)
         logits = self.out(self.lnf(x))
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
+        loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
+        for blk in self.blocks:
+            if blk.moe is not None:
+                loss = loss + blk.moe.aux
+        return loss
 
 
 def main():
@@ -123,6 +180,10 @@ def main():
     ap.add_argument("--arch", choices=["gpt2", "llama"], default="gpt2")
     ap.add_argument("--kv-heads", type=int, default=0, help="llama: key/value heads (0 = heads)")
     ap.add_argument("--ffn", type=int, default=0, help="llama: SwiGLU hidden size (0 = 4h)")
+    ap.add_argument("--experts", type=int, default=0, help="llama: experts per MoE layer (0 = dense)")
+    ap.add_argument("--topk", type=int, default=2)
+    ap.add_argument("--moe-ffn", type=int, default=0, help="expert SwiGLU hidden size (0 = --ffn)")
+    ap.add_argument("--aux-loss-coeff", type=float, default=1e-2)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--compile", action="store_true")
@@ -130,8 +191,9 @@ def main():
     torch.backends.cuda.matmul.allow_tf32 = True
     dev = "cuda"
     if a.arch == "llama":
+        moe = (a.experts, a.topk, a.moe_ffn or a.ffn or 4 * a.hidden, a.aux_loss_coeff) if a.experts else None
         model = Llama(a.layers, a.hidden, a.heads, a.kv_heads or a.heads, a.ffn or 4 * a.hidden, a.seq_length,
-                      a.vocab).to(dev)
+                      a.vocab, moe=moe).to(dev)
     else:
         model = GPT(a.layers, a.hidden, a.heads, a.seq_length, a.vocab).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
@@ -156,7 +218,8 @@ def main():
             times.append(time.perf_counter() - t0)
     times.sort()
     med = times[len(times) // 2]
-    print(f"pytorch {a.arch} layers={a.layers} hidden={a.hidden} mb={B} seq={S} compile={a.compile}: "
+    moe = f" experts={a.experts} topk={a.topk} grouped_mm={GROUPED_MM}" if a.experts else ""
+    print(f"pytorch {a.arch} layers={a.layers} hidden={a.hidden}{moe} mb={B} seq={S} compile={a.compile}: "
           f"{med*1e3:.1f} ms/step, {B*S/med:.0f} tok/s, peak mem {torch.cuda.max_memory_allocated()/2**30:.1f} GiB")
 
 

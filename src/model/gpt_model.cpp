@@ -73,6 +73,13 @@ std::vector<double> GPTModel::moe_loss_stats(const Stream& stream) const {
   return out;
 }
 
+void GPTModel::update_expert_bias(const Stream& stream) {
+  if (!config_.moe_router_enable_expert_bias) return;
+  Communicator* dp = groups_.dp_cp ? groups_.dp_cp.get() : groups_.dp.get();
+  for (const auto& l : parts_->layers)
+    if (MoELayer* m = l->moe()) m->update_expert_bias(dp, stream);
+}
+
 void GPTModel::reset_moe_stats() {
   for (const auto& l : parts_->layers)
     if (MoELayer* m = l->moe()) m->reset_stats();

@@ -90,6 +90,7 @@ class GPTModel final : public LanguageModel {
   size_t word_embedding_index() const override { return word_embedding_index_; }
   std::vector<double> moe_loss_stats(const Stream& stream) const override;
   void reset_moe_stats() override;
+  void update_expert_bias(const Stream& stream) override;
 
   bool sequence_parallel() const { return tp_.sequence_parallel(); }
   /// Context-parallel size (the CP group of `groups`) and the tokens of a sequence on this rank:

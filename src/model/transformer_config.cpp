@@ -52,10 +52,11 @@ MoeScoreFunction parse_moe_score_function(const std::string& s) {
 
 MoeLoadBalancing parse_moe_load_balancing(const std::string& s) {
   if (s == "aux_loss") return MoeLoadBalancing::kAuxLoss;
+  if (s == "seq_aux_loss") return MoeLoadBalancing::kSeqAuxLoss;
   if (s == "none") return MoeLoadBalancing::kNone;
-  if (s == "seq_aux_loss" || s == "global_aux_loss" || s == "sinkhorn")
-    MT_FAIL("--moe-router-load-balancing-type {} is not implemented yet: use aux_loss or none", s);
-  MT_FAIL("--moe-router-load-balancing-type '{}' is not supported: expected aux_loss or none", s);
+  if (s == "global_aux_loss" || s == "sinkhorn")
+    MT_FAIL("--moe-router-load-balancing-type {} is not implemented yet: use aux_loss, seq_aux_loss or none", s);
+  MT_FAIL("--moe-router-load-balancing-type '{}' is not supported: expected aux_loss, seq_aux_loss or none", s);
 }
 
 MoeDispatcher parse_moe_dispatcher(const std::string& s) {
@@ -68,7 +69,9 @@ const char* moe_score_function_name(MoeScoreFunction f) {
   return f == MoeScoreFunction::kSigmoid ? "sigmoid" : "softmax";
 }
 
-const char* moe_load_balancing_name(MoeLoadBalancing b) { return b == MoeLoadBalancing::kAuxLoss ? "aux_loss" : "none"; }
+const char* moe_load_balancing_name(MoeLoadBalancing b) {
+  return b == MoeLoadBalancing::kAuxLoss ? "aux_loss" : b == MoeLoadBalancing::kSeqAuxLoss ? "seq_aux_loss" : "none";
+}
 
 namespace {
 // A tiny parser for Megatron's --moe-layer-freq list expressions: sum of terms, a term is a
@@ -266,6 +269,11 @@ void TransformerConfig::validate(int tp) const {
              moe_router_topk_scaling_factor);
   MT_REQUIRE(moe_aux_loss_coeff >= 0, "--moe-aux-loss-coeff must be >= 0, got {}", moe_aux_loss_coeff);
   MT_REQUIRE(moe_z_loss_coeff >= 0, "--moe-z-loss-coeff must be >= 0, got {}", moe_z_loss_coeff);
+  MT_REQUIRE(!moe_router_enable_expert_bias || moe_router_score_function == MoeScoreFunction::kSigmoid,
+             "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid (as Megatron: the bias "
+             "shifts the sigmoid scores for the selection only)");
+  MT_REQUIRE(moe_router_bias_update_rate >= 0, "--moe-router-bias-update-rate must be >= 0, got {}",
+             moe_router_bias_update_rate);
   MT_REQUIRE(!moe_router_pre_softmax || moe_router_score_function == MoeScoreFunction::kSoftmax,
              "--moe-router-pre-softmax applies to --moe-router-score-function softmax only");
   MT_REQUIRE(!add_bias_linear,

@@ -26,7 +26,7 @@ enum class AttentionBackend : uint8_t { kAuto, kFlash, kLocal };
 /// --moe-router-score-function
 enum class MoeScoreFunction : uint8_t { kSoftmax, kSigmoid };
 /// --moe-router-load-balancing-type (the auxiliary losses of Megatron-Core's TopKRouter)
-enum class MoeLoadBalancing : uint8_t { kAuxLoss, kNone };
+enum class MoeLoadBalancing : uint8_t { kAuxLoss, kSeqAuxLoss, kNone };
 /// --moe-token-dispatcher-type
 enum class MoeDispatcher : uint8_t { kAllGather, kAllToAll };
 
@@ -40,7 +40,7 @@ AttentionBackend parse_attention_backend(const std::string& s);
 Normalization parse_normalization(const std::string& s);
 PositionEmbeddingType parse_position_embedding_type(const std::string& s);
 /// "softmax" / "sigmoid"; "aux_loss" / "none"; "allgather" / "alltoall". Errors: mt::Error naming
-/// the value and the accepted ones (seq_aux_loss and global_aux_loss are named as not implemented).
+/// the value and the accepted ones (global_aux_loss and sinkhorn are named as not implemented).
 MoeScoreFunction parse_moe_score_function(const std::string& s);
 MoeLoadBalancing parse_moe_load_balancing(const std::string& s);
 MoeDispatcher parse_moe_dispatcher(const std::string& s);
@@ -104,6 +104,15 @@ struct TransformerConfig {
   MoeLoadBalancing moe_router_load_balancing_type = MoeLoadBalancing::kAuxLoss;
   float moe_aux_loss_coeff = 0.f;       ///< --moe-aux-loss-coeff
   float moe_z_loss_coeff = 0.f;         ///< --moe-z-loss-coeff (0 = off)
+  /// --moe-router-enable-expert-bias: aux-loss-free balancing (DeepSeek-V3), a per-expert bias
+  /// added to the sigmoid scores for the selection only, updated once per step by
+  /// --moe-router-bias-update-rate · sign(mean load − load) from the step's global token counts.
+  bool moe_router_enable_expert_bias = false;
+  float moe_router_bias_update_rate = 1e-3f;  ///< --moe-router-bias-update-rate
+  /// --moe-router-force-load-balancing (benchmarks): the router's logits are replaced by random
+  /// normal values (keyed by seed, iteration, micro-batch, layer and global token), the gradient
+  /// passes straight through to the router weight.
+  bool moe_router_force_load_balancing = false;
   MoeDispatcher moe_token_dispatcher_type = MoeDispatcher::kAllGather;  ///< --moe-token-dispatcher-type
 
   // --- derived (Megatron's defaulting) ---

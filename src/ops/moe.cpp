@@ -30,6 +30,14 @@ void check_scalar(const Tensor& t, const char* fn, const char* name) {
            fn, name, t.str());
 }
 
+// tokens_per_expert: fp32 [G, E] or [E], G dividing the T tokens.
+void check_groups(const Tensor& t, int64_t T, int64_t E, const char* fn) {
+  const bool shape = (t.ndim() == 1 && t.size(0) == E) || (t.ndim() == 2 && t.size(1) == E && t.size(0) >= 1);
+  MT_CHECK(t.dtype() == DType::kF32 && t.is_contiguous() && shape && T % (t.numel() / E) == 0,
+           "{}: tokens_per_expert must be a contiguous fp32 [G, {}] or [{}] tensor with G dividing {} tokens, got {}", fn,
+           E, E, T, t.str());
+}
+
 void check_options(const MoeRouterOptions& o, int64_t E, const char* fn) {
   MT_CHECK(o.topk >= 1 && o.topk <= E, "{}: top-k {} must be in [1, {}]", fn, o.topk, E);
   if (o.num_groups > 0) {
@@ -78,9 +86,7 @@ void moe_aux_loss(const Tensor& loss, const Tensor& scores, const Tensor& tokens
   const char* fn = "moe_aux_loss";
   check_scalar(loss, fn, "loss");
   check_2d(scores, DType::kF32, -1, -1, fn, "scores");
-  MT_CHECK(tokens_per_expert.dtype() == DType::kF32 && tokens_per_expert.numel() == scores.size(1) &&
-               tokens_per_expert.is_contiguous(),
-           "{}: tokens_per_expert must be fp32 [{}], got {}", fn, scores.size(1), tokens_per_expert.str());
+  check_groups(tokens_per_expert, scores.size(0), scores.size(1), fn);
   check_devices(stream, scores, {&loss, &tokens_per_expert}, fn);
   MT_DISPATCH(scores.device(), moe_aux_loss, loss, scores, tokens_per_expert, scale, stream);
 }
@@ -90,9 +96,7 @@ void moe_aux_scores_backward(const Tensor& d_logits, const Tensor& logits, const
   const char* fn = "moe_aux_scores_backward";
   check_2d(logits, DType::kF32, -1, -1, fn, "logits");
   check_2d(d_logits, DType::kF32, logits.size(0), logits.size(1), fn, "d_logits");
-  MT_CHECK(tokens_per_expert.dtype() == DType::kF32 && tokens_per_expert.numel() == logits.size(1) &&
-               tokens_per_expert.is_contiguous(),
-           "{}: tokens_per_expert must be fp32 [{}], got {}", fn, logits.size(1), tokens_per_expert.str());
+  check_groups(tokens_per_expert, logits.size(0), logits.size(1), fn);
   if (!loss_scale.empty()) check_scalar(loss_scale, fn, "loss_scale");
   check_devices(stream, logits, {&d_logits, &tokens_per_expert, &loss_scale}, fn);
   MT_DISPATCH(logits.device(), moe_aux_scores_backward, d_logits, logits, tokens_per_expert, scale, loss_scale, sigmoid,
@@ -113,11 +117,24 @@ void moe_z_loss(const Tensor& loss, const Tensor& d_logits, const Tensor& logits
 
 void moe_tokens_per_expert(const Tensor& counts, const Tensor& top, const Stream& stream) {
   const char* fn = "moe_tokens_per_expert";
-  MT_CHECK(counts.dtype() == DType::kF32 && counts.is_contiguous(), "{}: counts must be contiguous fp32, got {}", fn,
-           counts.str());
-  MT_CHECK(top.dtype() == DType::kI32 && top.is_contiguous(), "{}: top must be contiguous int32, got {}", fn, top.str());
+  MT_CHECK(counts.dtype() == DType::kF32 && counts.is_contiguous() && counts.ndim() >= 1 && counts.ndim() <= 2,
+           "{}: counts must be a contiguous fp32 [G, E] or [E] tensor, got {}", fn, counts.str());
+  MT_CHECK(top.dtype() == DType::kI32 && top.is_contiguous() && top.ndim() == 2 &&
+               top.size(0) % (counts.numel() / counts.size(-1)) == 0,
+           "{}: top must be a contiguous int32 [T, k] tensor with T a multiple of the {} groups of counts {}, got {}", fn,
+           counts.numel() / counts.size(-1), counts.str(), top.str());
   check_devices(stream, top, {&counts}, fn);
   MT_DISPATCH(top.device(), moe_tokens_per_expert, counts, top, stream);
+}
+
+void moe_expert_bias_update(const Tensor& expert_bias, const Tensor& tokens_per_expert, float rate,
+                            const Stream& stream) {
+  const char* fn = "moe_expert_bias_update";
+  MT_CHECK(expert_bias.dtype() == DType::kF32 && expert_bias.ndim() == 1 && expert_bias.is_contiguous(),
+           "{}: expert_bias must be a contiguous fp32 [E] tensor, got {}", fn, expert_bias.str());
+  op_checks::check_like(tokens_per_expert, expert_bias, fn, "tokens_per_expert", "expert_bias");
+  check_devices(stream, expert_bias, {&tokens_per_expert}, fn);
+  MT_DISPATCH(expert_bias.device(), moe_expert_bias_update, expert_bias, tokens_per_expert, rate, stream);
 }
 
 std::vector<int64_t> moe_routing_map(const Tensor& row_index, const Tensor& slot_row, const Tensor& counts,

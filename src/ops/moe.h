@@ -45,18 +45,21 @@ void moe_topk_routing(const Tensor& probs, const Tensor& top, const Tensor& scor
 void moe_topk_routing_backward(const Tensor& d_logits, const Tensor& d_probs, const Tensor& logits, const Tensor& top,
                                const MoeRouterOptions& options, const Stream& stream);
 
-/// Switch load-balancing loss (Megatron's switch_load_balancing_loss_func without its constant):
-/// loss[0] += scale · Σ_t Σ_e scores[t, e] · tokens_per_expert[e]. loss fp32 [1] on the device
-/// (accumulates, no host synchronisation); scores fp32 [T, E] (moe_topk_routing's scores_for_aux);
-/// tokens_per_expert fp32 [E]. The caller folds coeff · E / (k · N²) and the micro-batch weight
-/// into scale.
+/// Load-balancing loss (Megatron's switch_load_balancing_loss_func and, with G > 1,
+/// sequence_load_balancing_loss_func, without their constants): loss[0] += scale · Σ_t Σ_e
+/// scores[t, e] · tokens_per_expert[t mod G, e]. loss fp32 [1] on the device (accumulates, no host
+/// synchronisation); scores fp32 [T, E] (moe_topk_routing's scores_for_aux); tokens_per_expert
+/// fp32 [G, E] or [E] (G = 1): G = 1 counts over all tokens (switch loss), G = b the counts of each
+/// sequence of a [s, b] token layout (token t = i·b + j belongs to sequence j). The caller folds
+/// coeff · E / (k · N²) (or coeff · E / (b · k · s²)) and the micro-batch weight into scale.
 void moe_aux_loss(const Tensor& loss, const Tensor& scores, const Tensor& tokens_per_expert, float scale,
                   const Stream& stream);
 
-/// Adds the gradient of scale · loss_scale[0] · Σ_t Σ_e scores[t, e] · tokens_per_expert[e] to
-/// d_logits [T, E] (fp32, accumulate), scores = softmax(logits) or the per-token normalised
+/// Adds the gradient of scale · loss_scale[0] · Σ_t Σ_e scores[t, e] · tokens_per_expert[t mod G, e]
+/// to d_logits [T, E] (fp32, accumulate), scores = softmax(logits) or the per-token normalised
 /// sigmoid scores (moe_topk_routing's scores_for_aux). logits fp32 [T, E]; tokens_per_expert fp32
-/// [E]; loss_scale fp32 [1] on the device or empty (= 1), read on the device.
+/// [G, E] or [E] as in moe_aux_loss; loss_scale fp32 [1] on the device or empty (= 1), read on the
+/// device.
 void moe_aux_scores_backward(const Tensor& d_logits, const Tensor& logits, const Tensor& tokens_per_expert,
                              float scale, const Tensor& loss_scale, bool sigmoid, const Stream& stream);
 
@@ -67,8 +70,15 @@ void moe_aux_scores_backward(const Tensor& d_logits, const Tensor& logits, const
 void moe_z_loss(const Tensor& loss, const Tensor& d_logits, const Tensor& logits, float scale,
                 const Tensor& loss_scale, const Stream& stream);
 
-/// Tokens per expert: counts[e] (fp32 [E], overwritten) = number of (token, slot) with top == e.
+/// Tokens per expert: counts[g, e] (fp32 [G, E] or [E] for G = 1, overwritten) = the number of
+/// (token t, slot) with t mod G = g and top[t, slot] = e; top int32 [T, k], every entry in [0, E).
 void moe_tokens_per_expert(const Tensor& counts, const Tensor& top, const Stream& stream);
+
+/// Aux-loss-free load balancing (DeepSeek-V3 §2.1.2; Megatron's get_updated_expert_bias):
+/// expert_bias[e] += rate · sign(mean_e' tokens_per_expert[e'] − tokens_per_expert[e]) (sign(0) = 0),
+/// both fp32 [E] on the device; the caller passes the step's global token counts.
+void moe_expert_bias_update(const Tensor& expert_bias, const Tensor& tokens_per_expert, float rate,
+                            const Stream& stream);
 
 /// The permutation of the local experts' tokens: rows ordered by local expert, then flat slot
 /// i = t·k + j (Megatron's permute with a routing map). top: int32 [N, k] (the gathered
@@ -105,6 +115,7 @@ MT_OP_BACKENDS(moe_aux_loss)
 MT_OP_BACKENDS(moe_aux_scores_backward)
 MT_OP_BACKENDS(moe_z_loss)
 MT_OP_BACKENDS(moe_tokens_per_expert)
+MT_OP_BACKENDS(moe_expert_bias_update)
 MT_OP_BACKENDS(moe_routing_map)
 MT_OP_BACKENDS(moe_permute)
 MT_OP_BACKENDS(moe_permute_backward)

@@ -115,11 +115,17 @@ void add_pretrain_options(CLI::App& app, PretrainArgs& a) {
   app.add_option_function<std::string>(
          "--moe-router-load-balancing-type",
          [&m](const std::string& v) { m.moe_router_load_balancing_type = parse_moe_load_balancing(v); },
-         "aux_loss or none")
+         "aux_loss, seq_aux_loss or none")
       ->default_str("aux_loss");
   app.add_option("--moe-aux-loss-coeff", m.moe_aux_loss_coeff, "Load-balancing loss coefficient")
       ->capture_default_str();
   app.add_option("--moe-z-loss-coeff", m.moe_z_loss_coeff, "Router z-loss coefficient (0 = off)");
+  app.add_flag("--moe-router-enable-expert-bias", m.moe_router_enable_expert_bias,
+               "Aux-loss-free load balancing: a per-expert selection bias updated once per step (sigmoid router)");
+  app.add_option("--moe-router-bias-update-rate", m.moe_router_bias_update_rate, "Expert bias update per step")
+      ->capture_default_str();
+  app.add_flag("--moe-router-force-load-balancing", m.moe_router_force_load_balancing,
+               "Benchmarks: random router logits (balanced load), gradients straight through");
   app.add_option_function<std::string>(
          "--moe-token-dispatcher-type",
          [&m](const std::string& v) { m.moe_token_dispatcher_type = parse_moe_dispatcher(v); }, "allgather or alltoall")

@@ -27,6 +27,7 @@ void train_step(LanguageModel& model, PipelineExecutor& executor, const Pipeline
     ScopedTimer t(opt.timers, Timers::kAllGradsSync, stream);
     optimizer.grad_sync().finish_grad_sync(stream);
   }
+  model.update_expert_bias(stream);  // aux-loss-free MoE balancing (Megatron's finalize_model_grads)
   optimizer.step(opt.lr, stream, opt.timers);  // norm, AdamW, parameter all-gather
 }
 

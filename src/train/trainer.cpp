@@ -89,7 +89,7 @@ std::string moe_log(LanguageModel& model, Communicator& world, int64_t iters, bo
     const float* row = reinterpret_cast<const float*>(all.data() + static_cast<size_t>(r) * bytes);
     for (size_t i = 0; i < host.size(); ++i) host[i] += row[i];
   }
-  const bool aux = cfg.moe_router_load_balancing_type == MoeLoadBalancing::kAuxLoss && cfg.moe_aux_loss_coeff > 0;
+  const bool aux = cfg.moe_router_load_balancing_type != MoeLoadBalancing::kNone && cfg.moe_aux_loss_coeff > 0;
   const bool z = cfg.moe_z_loss_coeff > 0;
   const int64_t E = cfg.num_moe_experts;
   const size_t per = static_cast<size_t>(2 + E);
@@ -359,6 +359,8 @@ int run_pretrain(PretrainArgs args) {
              "--expert-tensor-parallel-size {} differs from --tensor-model-parallel-size {}: checkpoints (--save / "
              "--load) with MoE parallel folding are not implemented yet",
              pc.etp, pc.tp);
+  MT_REQUIRE(!args.model.moe_router_enable_expert_bias || (args.save.empty() && args.load.empty()),
+             "--moe-router-enable-expert-bias: checkpoints (--save / --load) do not store the expert bias yet");
   MT_REQUIRE(device.is_cuda() || args.dtype() == DType::kF32,
              "--{} needs a CUDA device; the CPU backend trains in fp32", args.bf16 ? "bf16" : "fp16");
 

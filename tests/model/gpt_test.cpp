@@ -66,6 +66,7 @@ TransformerConfig tiny_moe_config(bool sigmoid_router) {
     c.moe_router_group_topk = 1;
     c.moe_router_topk_scaling_factor = 2.f;
     c.moe_shared_expert_intermediate_size = 8;
+    c.moe_router_load_balancing_type = MoeLoadBalancing::kSeqAuxLoss;  // per-sequence loss (micro-batch 2)
   }
   return c;
 }

@@ -8,6 +8,7 @@
 #include <limits>
 #include <numeric>
 
+#include "ops/elementwise.h"
 #include "ops/moe.h"
 #include "testing/testing.h"
 
@@ -351,6 +352,71 @@ TEST(MoePermute, RoutingMapPermuteUnpermuteAndBackward) {
     const auto tv = testing::to_host(tpe, st);
     for (int64_t e = 0; e < E; ++e) EXPECT_EQ(tv[e], std::count(top.begin(), top.end(), static_cast<int32_t>(e)));
   }
+}
+
+// Per-sequence counts (seq_aux_loss): token t of a [s, b] layout counts in row t mod b; the loss
+// and its gradient read each token's own row. Expert bias update: sign of (mean load - load).
+TEST(MoeRouting, SequenceGroupedCountsLossAndExpertBiasUpdate) {
+  const Stream& st = testing::cpu_stream();
+  const int64_t T = 12, E = 5, k = 2, G = 3;
+  std::vector<int32_t> top(T * k);
+  for (int64_t t = 0; t < T; ++t) {
+    top[t * k] = static_cast<int32_t>(t % E);
+    top[t * k + 1] = static_cast<int32_t>((t * 3 + 1) % E == t % E ? (t + 1) % E : (t * 3 + 1) % E);
+  }
+  auto topt = testing::make_int_tensor(top, kCpu, {T, k}, st);
+  OwnedTensor counts(DType::kF32, kCpu, {G, E});
+  moe_tokens_per_expert(counts, topt, st);
+  const auto cv = testing::to_host(counts, st);
+  std::vector<double> want(G * E, 0.0);
+  for (int64_t i = 0; i < T * k; ++i) want[((i / k) % G) * E + top[i]] += 1;
+  for (int64_t i = 0; i < G * E; ++i) EXPECT_EQ(cv[i], want[i]) << i;
+
+  const auto lv = testing::randn(T * E, 1.5f);
+  auto logits = testing::make_tensor(lv, DType::kF32, kCpu, {T, E}, st);
+  for (bool sigmoid : {false, true}) {
+    OwnedTensor scores(DType::kF32, kCpu, {T, E}), probs(DType::kF32, kCpu, {T, k}), tp(DType::kI32, kCpu, {T, k});
+    MoeRouterOptions o;
+    o.sigmoid = sigmoid;
+    moe_topk_routing(probs, tp, scores, logits, Tensor(), o, st);
+    auto acc = testing::make_tensor({0.f}, DType::kF32, kCpu, {1}, st);
+    moe_aux_loss(acc, scores, counts, 0.5f, st);
+    const auto sv = testing::to_host(scores, st);
+    double ref = 0;
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t e = 0; e < E; ++e) ref += 0.5 * sv[t * E + e] * want[(t % G) * E + e];
+    EXPECT_NEAR(testing::to_host(acc, st)[0], ref, 1e-5 * ref);
+    // gradient against finite differences of the same objective
+    OwnedTensor dlog(DType::kF32, kCpu, {T, E});
+    fill(dlog, 0.f, st);
+    moe_aux_scores_backward(dlog, logits, counts, 0.5f, Tensor(), sigmoid, st);
+    const auto dv = testing::to_host(dlog, st);
+    for (int64_t t = 0; t < T; t += 5) {
+      std::vector<double> x(lv.begin() + t * E, lv.begin() + (t + 1) * E);
+      auto f = [&] {
+        const auto s = aux_scores_ref(x, sigmoid);
+        double v = 0;
+        for (int64_t e = 0; e < E; ++e) v += 0.5 * s[static_cast<size_t>(e)] * want[(t % G) * E + e];
+        return v;
+      };
+      for (int64_t e = 0; e < E; ++e) {
+        const double num = testing::finite_diff(f, x, static_cast<size_t>(e), 1e-6);
+        EXPECT_NEAR(dv[t * E + e], num, 1e-5 * std::max(1.0, std::fabs(num))) << sigmoid << " " << t << " " << e;
+      }
+    }
+  }
+
+  // mean load 4: experts above it move down by the rate, below it up, equal stays
+  auto bias = testing::make_tensor({0.f, 0.1f, -0.2f, 0.f, 1.f}, DType::kF32, kCpu, {E}, st);
+  auto load = testing::make_tensor({4.f, 9.f, 0.f, 3.f, 4.f}, DType::kF32, kCpu, {E}, st);
+  moe_expert_bias_update(bias, load, 0.01f, st);
+  const auto bv = testing::to_host(bias, st);
+  const std::vector<float> bw = {0.f, 0.1f - 0.01f, -0.2f + 0.01f, 0.01f, 1.f};
+  for (int64_t e = 0; e < E; ++e) EXPECT_FLOAT_EQ(bv[e], bw[e]) << e;
+  OwnedTensor wrong(DType::kF32, kCpu, {E + 1});
+  EXPECT_THROW(moe_expert_bias_update(bias, wrong, 0.01f, st), Error);
+  OwnedTensor odd(DType::kF32, kCpu, {5, E});  // 5 groups do not divide 12 tokens
+  EXPECT_THROW(moe_tokens_per_expert(odd, topt, st), Error);
 }
 
 TEST(MoeRouting, Errors) {

@@ -35,8 +35,11 @@ constexpr int kIters = 3;
 /// SwiGLU, RMSNorm, untied output layer, no biases) and Qwen 3 style (Llama + QK-norm + QKV bias).
 /// kMoe: the Llama style with MoE layers in layers 1, 3, 5, 7 (4 experts, top-2, load-balancing
 /// and z-losses); kMoeSigmoid: MoE in every layer with a DeepSeek-style router (sigmoid scores,
-/// group-limited top-k, scaling) and a shared expert.
-enum class Arch { kGpt, kLlama, kQwen, kMoe, kMoeSigmoid };
+/// group-limited top-k, scaling, the sequence-level load-balancing loss, the aux-loss-free expert
+/// bias with a large update rate so that the selection changes between iterations) and a shared
+/// expert; kMoeForced: kMoe with --moe-router-force-load-balancing (random logits keyed by the
+/// global token).
+enum class Arch { kGpt, kLlama, kQwen, kMoe, kMoeSigmoid, kMoeForced };
 
 TransformerConfig config(Arch arch = Arch::kGpt) {
   TransformerConfig c;
@@ -61,15 +64,19 @@ TransformerConfig config(Arch arch = Arch::kGpt) {
     c.untie_embeddings_and_output_weights = true;
     c.add_bias_linear = false;
   }
-  if (arch == Arch::kMoe || arch == Arch::kMoeSigmoid) {
+  if (arch == Arch::kMoe || arch == Arch::kMoeSigmoid || arch == Arch::kMoeForced) {
     c.num_moe_experts = 4;
     c.moe_ffn_hidden_size = 24;
     c.moe_router_topk = 2;
     c.moe_aux_loss_coeff = 0.1f;
     c.moe_z_loss_coeff = 0.01f;
-    if (arch == Arch::kMoe) {
+    if (arch != Arch::kMoeSigmoid) {
       c.moe_layer_pattern = parse_moe_layer_freq("[0,1]*4", c.num_layers);
+      c.moe_router_force_load_balancing = arch == Arch::kMoeForced;
     } else {
+      c.moe_router_load_balancing_type = MoeLoadBalancing::kSeqAuxLoss;
+      c.moe_router_enable_expert_bias = true;
+      c.moe_router_bias_update_rate = 0.05f;
       c.moe_router_score_function = MoeScoreFunction::kSigmoid;
       c.moe_router_num_groups = 2;
       c.moe_router_group_topk = 1;
@@ -104,6 +111,7 @@ struct Layout {
                                 : arch == Arch::kLlama ? "llama_"
                                 : arch == Arch::kQwen  ? "qwen_"
                                 : arch == Arch::kMoe   ? "moe_"
+                                : arch == Arch::kMoeForced ? "moe_forced_"
                                                        : "moe_sigmoid_",
                                 std::string(odd_vocab ? "vocab67_" : "") + (flash ? "flash_" : ""), tp, pp, dp, vpp,
                                 micro_total);
@@ -432,6 +440,9 @@ std::vector<Layout> layouts() {
           std::tuple{2, 2, 2, 2, 2, true, true, true}, std::tuple{1, 2, 2, 2, 0, false, true, true}})
       add(arch, tp, pp, dp, /*vpp=*/0, sp, zero, overlap, ep, etp);
   }
+  // Random router logits keyed by the global token: the same selection under TP + SP, DP and EP.
+  add(Arch::kMoeForced, 2, 1, 2, 0, true, false, false);
+  add(Arch::kMoeForced, 1, 1, 2, 0, false, false, false, 2, 0);
   // MoE (expert parallelism 1: experts split like the dense MLP over TP, tokens all-gathered over
   // the TP group) under every kind of parallelism.
   for (Arch arch : {Arch::kMoe, Arch::kMoeSigmoid}) {

@@ -7,6 +7,7 @@
 #include "model/layers/parallel_params.h"
 #include "ops/elementwise.h"
 #include "ops/gelu.h"
+#include "ops/init.h"
 #include "ops/matmul.h"
 #include "ops/swiglu.h"
 
@@ -81,7 +82,9 @@ void MoELayer::plan(BufferPlanner& p, int64_t s, int64_t b) {
   sv.row_index = p.saved(DType::kI32, {max_rows_}, "expert row index");
   sv.slot_row = p.saved(DType::kI32, {gathered_ * k}, "row of each routed slot");
   sv.counts = p.saved(DType::kI32, {num_local_}, "tokens per local expert");
-  sv.tokens_per_expert = p.saved(DType::kF32, {E}, "tokens per expert (TP group)");
+  const bool seq = config_.moe_router_load_balancing_type == MoeLoadBalancing::kSeqAuxLoss;
+  batch_ = b;
+  sv.tokens_per_expert = p.saved(DType::kF32, {seq ? b : 1, E}, "tokens per expert (TP group)");
   sv.xp = p.saved(t, {max_rows_, h}, "expert inputs");
   sv.pre = p.saved(t, {max_rows_, parts * local_ffn_}, "expert fc1 outputs");
   sv.act = p.saved(t, {max_rows_, local_ffn_}, "expert activations");
@@ -102,10 +105,24 @@ void MoELayer::plan(BufferPlanner& p, int64_t s, int64_t b) {
   d_logits_ = p.scratch("moe.d_logits", DType::kF32, {tokens_, E});
   if (t != DType::kF32) d_logits_act_ = p.scratch("moe.d_logits_act", t, {tokens_, E});
   scores_aux_ = p.scratch("moe.scores_aux", DType::kF32, {tokens_, E});
+  counts_total_ = p.scratch("moe.counts_total", DType::kF32, {E});
   if (stats_buffer_.bytes() == 0) {
     stats_buffer_ = Buffer(p.device(), static_cast<size_t>(2 + E) * sizeof(float));
     stats_ = stats_buffer_.as(DType::kF32, {2 + E});
   }
+  if (config_.moe_router_enable_expert_bias && bias_buffer_.bytes() == 0) {
+    bias_buffer_ = Buffer(p.device(), static_cast<size_t>(2 * E) * sizeof(float));
+    const Tensor both = bias_buffer_.as(DType::kF32, {2 * E});
+    expert_bias_ = both.slice0(0, E);
+    bias_counts_ = both.slice0(E, 2 * E);
+  }
+}
+
+void MoELayer::update_expert_bias(Communicator* dp, const Stream& stream) {
+  if (expert_bias_.empty() || !bias_zeroed_) return;  // no option, or no training forward yet
+  if (dp && dp->size() > 1) dp->all_reduce(bias_counts_, ReduceOp::kSum, stream);
+  moe_expert_bias_update(expert_bias_, bias_counts_, config_.moe_router_bias_update_rate, stream);
+  fill(bias_counts_, 0.f, stream);
 }
 
 std::vector<double> MoELayer::stats(const Stream& stream) const {
@@ -140,14 +157,30 @@ Tensor row_range(const Tensor& t, int64_t begin, int64_t n) {
 }  // namespace
 
 bool MoELayer::aux_loss_on() const {
-  return config_.moe_router_load_balancing_type == MoeLoadBalancing::kAuxLoss && config_.moe_aux_loss_coeff > 0;
+  return config_.moe_router_load_balancing_type != MoeLoadBalancing::kNone && config_.moe_aux_loss_coeff > 0;
 }
 
 float MoELayer::aux_scale(double weight) const {
+  const double E = static_cast<double>(num_experts_), k = static_cast<double>(topk_);
+  if (config_.moe_router_load_balancing_type == MoeLoadBalancing::kSeqAuxLoss) {
+    // Megatron's sequence_load_balancing_loss_func: coeff · mean_b Σ_e (c_be·E/(s·k)) · (P_be/s), s the
+    // whole sequence (this rank holds s/TP tokens of each sequence)
+    const double B = static_cast<double>(batch_), s = static_cast<double>(tokens_) * tp_.size() / B;
+    return static_cast<float>(weight * config_.moe_aux_loss_coeff * E / (B * k * s * s));
+  }
   // Megatron's switch loss coeff·E/(k·N²)·Σ_e P_e·c_e with N the tokens of the TP group
   const double N = static_cast<double>(tokens_) * tp_.size();
-  return static_cast<float>(weight * config_.moe_aux_loss_coeff * static_cast<double>(num_experts_) /
-                            (static_cast<double>(topk_) * N * N));
+  return static_cast<float>(weight * config_.moe_aux_loss_coeff * E / (k * N * N));
+}
+
+void MoELayer::random_logits(const Tensor& logits, const StepContext& ctx) const {
+  // Global token index of local token t: tp_rank·T + t (the sequence-parallel shard of the [s, b]
+  // layout is contiguous); keyed by seed, iteration, global micro-batch and layer.
+  const DropoutContext& dc = ctx.dropout;
+  const uint64_t key = dc.seed * 0x9E3779B97F4A7C15ull ^ (dc.iteration << 20) ^ dc.microbatch;
+  const int64_t T = tokens_, E = num_experts_;
+  const ShardBox box = ShardBox::make({T * tp_.size(), E}, {T * tp_.rank(), 0}, {T, E});
+  init_normal(logits, 1.f, key, static_cast<uint32_t>(0x4D6F4500 + layer_), box, ctx.stream);
 }
 
 float MoELayer::z_scale(double weight) const {
@@ -163,9 +196,14 @@ Tensor MoELayer::forward(const StepContext& ctx) {
   const Tensor x = rows(sv.x);
   // --- router (local tokens) ---
   matmul(sv.logits, x, router_weight_.value(), false, true, 1.f, 0.f, st);
+  if (config_.moe_router_force_load_balancing) random_logits(sv.logits, ctx);
+  if (!expert_bias_.empty() && !bias_zeroed_) {
+    fill(bias_buffer_.as(DType::kF32, {2 * num_experts_}), 0.f, st);
+    bias_zeroed_ = true;
+  }
   const Tensor top_local = G == 1 ? sv.top_all : sv.top_all.slice0(r * T, (r + 1) * T);
   const Tensor probs_local = G == 1 ? sv.probs_all : sv.probs_all.slice0(r * T, (r + 1) * T);
-  moe_topk_routing(probs_local, top_local, aux_loss_on() ? scores_aux_ : Tensor(), sv.logits, Tensor(), router_, st);
+  moe_topk_routing(probs_local, top_local, aux_loss_on() ? scores_aux_ : Tensor(), sv.logits, expert_bias_, router_, st);
   // --- auxiliary losses (values for the log; gradients in backward), on the device ---
   if (ctx.dropout.training) {
     if (!stats_zeroed_) {
@@ -177,8 +215,15 @@ Tensor MoELayer::forward(const StepContext& ctx) {
     if (tp_.size() > 1) tp_.group().all_reduce(sv.tokens_per_expert, ReduceOp::kSum, st);  // over the TP group
     if (aux_loss_on()) moe_aux_loss(stats_.slice0(0, 1), scores_aux_, sv.tokens_per_expert, aux_scale(w), st);
     if (config_.moe_z_loss_coeff > 0) moe_z_loss(stats_.slice0(1, 2), Tensor(), sv.logits, z_scale(w), Tensor(), st);
+    Tensor total = sv.tokens_per_expert.view({num_experts_ * sv.tokens_per_expert.size(0)});
+    if (sv.tokens_per_expert.size(0) > 1) {  // per-sequence counts: the totals separately
+      moe_tokens_per_expert(counts_total_, top_local, st);
+      if (tp_.size() > 1) tp_.group().all_reduce(counts_total_, ReduceOp::kSum, st);
+      total = counts_total_;
+    }
     const Tensor counted = stats_.slice0(2, 2 + num_experts_);
-    add(counted, counted, sv.tokens_per_expert, st);
+    add(counted, counted, total, st);
+    if (!expert_bias_.empty()) add(bias_counts_, bias_counts_, total, st);
   }
   // --- dispatch: all-gather tokens, selection and probs over the dispatch group ---
   const Tensor x_all = gather(x_all_, x, st);

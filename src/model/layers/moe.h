@@ -79,6 +79,15 @@ class MoELayer final : public MlpSlot {
   /// before the first forward.
   std::vector<double> stats(const Stream& stream) const;
   void reset_stats() { stats_zeroed_ = false; }
+
+  /// Aux-loss-free balancing (--moe-router-enable-expert-bias), once per step after the last
+  /// backward (Megatron's finalize_model_grads): sums the step's token counts of the training
+  /// forwards over `dp` (the data-parallel group; nullptr = 1 rank; the counts are already summed
+  /// over TP), moves the expert bias by moe_expert_bias_update and restarts the counts. No-op
+  /// without the option. Collective over dp.
+  void update_expert_bias(Communicator* dp, const Stream& stream);
+  /// fp32 [E] on the model's device (zeros until updated); empty without the option.
+  Tensor expert_bias() const { return expert_bias_; }
   int64_t layer() const { return layer_; }
 
  private:
@@ -93,11 +102,12 @@ class MoELayer final : public MlpSlot {
     Tensor row_index;        // int32 [R_max]
     Tensor slot_row;         // int32 [N·k]: the row of each flat slot, -1 if not local
     Tensor counts;           // int32 [E_l]
-    Tensor tokens_per_expert;  // fp32 [E]: over the TP group (load-balancing loss)
+    Tensor tokens_per_expert;  // fp32 [G, E]: over the TP group (G = b for seq_aux_loss, else 1)
     Tensor xp, pre, act, out;  // [R_max, h], [R_max, (2)f_l], [R_max, f_l], [R_max, h]
     std::vector<int64_t> counts_host;  // the forward's rows per local expert (R = their sum)
   };
   bool aux_loss_on() const;
+  void random_logits(const Tensor& logits, const StepContext& ctx) const;  // --moe-router-force-load-balancing
   float aux_scale(double weight) const;  // of the load-balancing loss, for a micro-batch weight
   float z_scale(double weight) const;
   Tensor gather(const Tensor& all, const Tensor& local, const Stream& stream) const;
@@ -124,6 +134,10 @@ class MoELayer final : public MlpSlot {
   Buffer stats_buffer_;  // fp32 [2 + E] on the model's device (see stats())
   Tensor stats_;
   bool stats_zeroed_ = false;
+  Buffer bias_buffer_;     // fp32 [2, E]: the expert bias, then the step's token counts
+  Tensor expert_bias_, bias_counts_, counts_total_;
+  bool bias_zeroed_ = false;
+  int64_t batch_ = 1;      // b of the planned [s_l, b] token layout
 };
 
 }  // namespace mt

@@ -165,12 +165,14 @@ void moe_topk_routing_backward(const Tensor& d_logits, const Tensor& d_probs, co
 
 void moe_aux_loss(const Tensor& loss, const Tensor& scores, const Tensor& tokens_per_expert, float scale,
                   const Stream&) {
-  const int64_t T = scores.size(0), E = scores.size(1);
+  const int64_t T = scores.size(0), E = scores.size(1), G = tokens_per_expert.numel() / E;
   const float* S = scores.data_as<float>();
-  const float* c = tokens_per_expert.data_as<float>();
+  const float* C = tokens_per_expert.data_as<float>();
   double total = 0;
-  for (int64_t t = 0; t < T; ++t)
+  for (int64_t t = 0; t < T; ++t) {
+    const float* c = C + (t % G) * E;
     for (int64_t e = 0; e < E; ++e) total += static_cast<double>(S[t * E + e]) * c[e];
+  }
   loss.data_as<float>()[0] += static_cast<float>(scale * total);
 }
 
@@ -180,16 +182,16 @@ float scale_of(const Tensor& loss_scale) { return loss_scale.empty() ? 1.f : los
 
 void moe_aux_scores_backward(const Tensor& d_logits, const Tensor& logits, const Tensor& tokens_per_expert,
                              float scale, const Tensor& loss_scale, bool sigmoid, const Stream&) {
-  const int64_t T = logits.size(0), E = logits.size(1);
+  const int64_t T = logits.size(0), E = logits.size(1), G = tokens_per_expert.numel() / E;
   const float* L = logits.data_as<float>();
   const float* tpe = tokens_per_expert.data_as<float>();
   const float cs = scale * scale_of(loss_scale);
-  std::vector<float> coef(static_cast<size_t>(E));
-  for (int64_t e = 0; e < E; ++e) coef[static_cast<size_t>(e)] = cs * tpe[e];
-  const float* c = coef.data();
+  std::vector<float> coef(static_cast<size_t>(G * E));
+  for (int64_t i = 0; i < G * E; ++i) coef[static_cast<size_t>(i)] = cs * tpe[i];
   float* dL = d_logits.data_as<float>();
 #pragma omp parallel for schedule(static)
   for (int64_t t = 0; t < T; ++t) {
+    const float* c = coef.data() + (t % G) * E;
     const float* l = L + t * E;
     float* dl = dL + t * E;
     if (!sigmoid) {
@@ -240,11 +242,24 @@ void moe_z_loss(const Tensor& loss, const Tensor& d_logits, const Tensor& logits
 }
 
 void moe_tokens_per_expert(const Tensor& counts, const Tensor& top, const Stream&) {
-  const int64_t E = counts.numel(), n = top.numel();
+  const int64_t n = top.numel(), k = top.size(-1), E = counts.size(-1), G = counts.numel() / E;
   const int32_t* I = top.data_as<int32_t>();
   float* c = counts.data_as<float>();
-  std::fill(c, c + E, 0.f);
-  for (int64_t i = 0; i < n; ++i) c[I[i]] += 1.f;
+  std::fill(c, c + counts.numel(), 0.f);
+  for (int64_t i = 0; i < n; ++i) c[((i / k) % G) * E + I[i]] += 1.f;
+}
+
+void moe_expert_bias_update(const Tensor& expert_bias, const Tensor& tokens_per_expert, float rate, const Stream&) {
+  const int64_t E = expert_bias.numel();
+  const float* c = tokens_per_expert.data_as<float>();
+  float* b = expert_bias.data_as<float>();
+  double sum = 0;  // in expert order, as the CUDA kernel
+  for (int64_t e = 0; e < E; ++e) sum += c[e];
+  const float mean = static_cast<float>(sum / static_cast<double>(E));
+  for (int64_t e = 0; e < E; ++e) {
+    const float d = mean - c[e];
+    b[e] += rate * static_cast<float>((d > 0.f) - (d < 0.f));
+  }
 }
 
 std::vector<int64_t> moe_routing_map(const Tensor& row_index, const Tensor& slot_row, const Tensor& counts,
