@@ -332,6 +332,12 @@ std::string TransformerConfig::summary() const {
                      num_layers, num_moe_experts, moe_router_topk,
                      moe_score_function_name(moe_router_score_function), moe_ffn());
     if (moe_shared_expert_intermediate_size > 0) s += fmt::format(", shared expert {}", moe_shared_expert_intermediate_size);
+    if (moe_router_num_groups > 0)
+      s += fmt::format(", {} of {} expert groups", moe_router_group_topk, moe_router_num_groups);
+    if (moe_router_enable_expert_bias) s += fmt::format(", expert bias (rate {})", moe_router_bias_update_rate);
+    if (moe_router_load_balancing_type != MoeLoadBalancing::kNone && moe_aux_loss_coeff > 0)
+      s += fmt::format(", {} {}", moe_load_balancing_name(moe_router_load_balancing_type), moe_aux_loss_coeff);
+    if (moe_router_force_load_balancing) s += ", forced balance (random logits)";
   }
   return s;
 }
