@@ -70,10 +70,9 @@ DType parse_hf_dtype(const std::string& s) {
   MT_FAIL("--hf-dtype '{}' is not supported: expected fp32, bf16 or fp16", s);
 }
 
-CheckpointWriter single_rank_writer(const TransformerConfig& c) {
+CheckpointWriter single_rank_writer() {
   CheckpointWriter w;
   w.world = std::make_shared<SingleRankCommunicator>("world");
-  w.specs_of = [c](int, int) { return GPTModel::param_specs(c); };
   return w;
 }
 
@@ -98,7 +97,7 @@ int run_import_hf(const ImportHfArgs& a) {
     copy_bytes(params.main(i).data(), Device::cpu(), it->second.data(), Device::cpu(), it->second.size() * 4, stream);
   }
   CheckpointState st{false, 0, 0, 0, m.config, initial_optimizer_scalars(LossScalerConfig{})};
-  save_checkpoint(a.save, st, params, nullptr, single_rank_writer(m.config), stream);
+  save_checkpoint(a.save, st, params, nullptr, single_rank_writer(), stream);
   const fs::path assets = hf_assets_dir(a.save);
   fs::create_directories(assets);
   write_text(assets / "config.json", m.config_json.dump(2) + "\n");
