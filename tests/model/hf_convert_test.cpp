@@ -220,6 +220,15 @@ TEST(HfConvert, Qwen3MoeLayerPatternAndRouterNormalisation) {
   EXPECT_EQ(out.at("norm_topk_prob"), false);
   EXPECT_EQ(out.at("moe_intermediate_size"), kFe);
   EXPECT_EQ(out.at("num_experts"), kE);
+  // transformers 5 writes Qwen 3 MoE's num_experts as num_local_experts; read and written back so.
+  j.erase("num_experts");
+  j["num_local_experts"] = kE;
+  std::ofstream(fx.dir / "config.json") << j.dump();
+  const hf::HfModel v5 = hf::read_hf_config(fx.dir.string(), 0, 8);
+  EXPECT_EQ(v5.config.num_moe_experts, kE);
+  out = hf::make_hf_config(HfArchitecture::kQwen3Moe, v5.config, v5.config_json, DType::kF32);
+  EXPECT_EQ(out.at("num_local_experts"), kE);
+  EXPECT_FALSE(out.contains("num_experts"));
   // ... and a pattern they cannot give is written as decoder_sparse_step 1 + the dense layers.
   TransformerConfig c = m.config;
   c.moe_layer_pattern = {1, 1, 0, 1, 0, 1};

@@ -134,7 +134,9 @@ void moe_config(const Fields& f, HfArchitecture arch, TransformerConfig& c) {
                f.get<float>("router_jitter_noise"));
     return;
   }
-  c.num_moe_experts = f.get<int64_t>("num_experts");
+  // The released configs say num_experts; transformers 5 writes num_local_experts (its alias).
+  c.num_moe_experts = f.get<int64_t>(f.has("num_experts") || !f.has("num_local_experts") ? "num_experts"
+                                                                                        : "num_local_experts");
   c.moe_ffn_hidden_size = f.get<int64_t>("moe_intermediate_size");
   // transformers' Qwen3MoeConfig defaults norm_topk_prob to false (the released models set true).
   c.moe_router_pre_softmax = !f.get_or<bool>("norm_topk_prob", false);
@@ -294,7 +296,9 @@ void moe_hf_config(HfArchitecture arch, const TransformerConfig& c, const json& 
     if (!j.contains("sliding_window")) j["sliding_window"] = nullptr;
     return;
   }
-  j["num_experts"] = c.num_moe_experts;
+  // The imported config's name for the number of experts (transformers 5 writes num_local_experts).
+  const bool v5 = base.is_object() && base.contains("num_local_experts") && !base.contains("num_experts");
+  j[v5 ? "num_local_experts" : "num_experts"] = c.num_moe_experts;
   j["moe_intermediate_size"] = c.moe_ffn();
   j["norm_topk_prob"] = !c.moe_router_pre_softmax;
   std::vector<uint8_t> want(static_cast<size_t>(c.num_layers));
