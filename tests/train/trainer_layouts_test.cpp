@@ -340,8 +340,8 @@ TEST_F(TrainerLayouts, MixtureOfExperts) {
 // Checkpoints of the MoE model move between expert layouts (docs/moe.md "Checkpoints"): each
 // rank writes only the experts it owns (expert-data-parallel rank 0 of its expert TP / EP
 // coordinates), and a run resumed under another EP / ETP / TP / PP / DP size, with or without the
-// distributed optimizer (which shards the expert state over the expert-data-parallel group),
-// continues on the uninterrupted one-rank loss curve. A checkpoint of another MoE shape is a clear
+// distributed optimizer (which shards the expert state over the expert-data-parallel group), saved
+// synchronously or with --async-save, continues on the uninterrupted one-rank loss curve. A checkpoint of another MoE shape is a clear
 // error.
 TEST_F(TrainerLayouts, MixtureOfExpertsCheckpointsReshard) {
   const std::string moe =
@@ -365,7 +365,8 @@ TEST_F(TrainerLayouts, MixtureOfExpertsCheckpointsReshard) {
        "--nproc-per-node 4" + tp2 + " --expert-model-parallel-size 2 --use-distributed-optimizer",
        "--nproc-per-node 4" + tp2 + " --expert-model-parallel-size 2 --expert-tensor-parallel-size 1 "
        "--use-distributed-optimizer"},
-      {"pp2ep2_to_dp2", "--nproc-per-node 4 --pipeline-model-parallel-size 2 --expert-model-parallel-size 2",
+      {"pp2ep2_async_to_dp2",
+       "--nproc-per-node 4 --pipeline-model-parallel-size 2 --expert-model-parallel-size 2 --async-save",
        "--nproc-per-node 2 --use-distributed-optimizer"}};
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
