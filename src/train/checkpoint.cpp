@@ -14,6 +14,7 @@
 #include <regex>
 #include <set>
 #include <thread>
+#include <unordered_map>
 #include <fmt/ranges.h>
 
 #include <nlohmann/json.hpp>
@@ -155,6 +156,7 @@ struct TensorRef {
   std::vector<int64_t> global_shape;
   ShardBox box;  // where t sits in the global tensor
   int64_t vocab_rows = 0;  // ParamSpec::vocab_rows: rows >= it are padding (not stored)
+  bool expert = false;     // ParamSpec::expert: written by expert-data-parallel rank 0
 };
 
 /// What a checkpoint stores of a parameter: its global shape and this shard's box without the
@@ -227,14 +229,16 @@ std::vector<TensorRef> checkpoint_tensors(const ParamStore& params, const FullSt
   for (size_t i = 0; i < params.size(); ++i) {
     const auto& info = params.info(i);
     if (writing && info.shared_embedding_copy) continue;
-    out.push_back({"model/" + info.name, view(st.main, info), info.global_shape, info.box, info.vocab_rows});
+    out.push_back({"model/" + info.name, view(st.main, info), info.global_shape, info.box, info.vocab_rows, info.expert});
   }
   if (with_optimizer) {
     for (size_t i = 0; i < params.size(); ++i) {
       const auto& info = params.info(i);
       if (writing && info.shared_embedding_copy) continue;
-      out.push_back({"optim/exp_avg/" + info.name, view(st.m, info), info.global_shape, info.box, info.vocab_rows});
-      out.push_back({"optim/exp_avg_sq/" + info.name, view(st.v, info), info.global_shape, info.box, info.vocab_rows});
+      out.push_back({"optim/exp_avg/" + info.name, view(st.m, info), info.global_shape, info.box, info.vocab_rows,
+                     info.expert});
+      out.push_back({"optim/exp_avg_sq/" + info.name, view(st.v, info), info.global_shape, info.box, info.vocab_rows,
+                     info.expert});
     }
   }
   return out;
@@ -243,36 +247,28 @@ std::vector<TensorRef> checkpoint_tensors(const ParamStore& params, const FullSt
 }  // namespace
 
 namespace {
-std::string rank_file(int tp_rank) { return fmt::format("rank_{:05d}.bin", tp_rank); }
+std::string rank_file(int world_rank) { return fmt::format("rank_{:05d}.bin", world_rank); }
 
-// Shard entries of one TP rank's file, in write order, with byte offsets.
-struct ShardEntry {
-  std::string name;
-  std::vector<int64_t> global_shape, shape, global_offset;
-  uint64_t offset_bytes;
-};
-std::vector<ShardEntry> shard_entries(const std::vector<ParamSpec>& specs, bool with_optimizer) {
-  // Same order as checkpoint_tensors(writing): every model tensor, then per parameter its two
-  // moments, shared_embedding_copy parameters left out.
-  std::vector<ShardEntry> out;
+// What this rank writes, in file order: the non-expert tensors when it is data-parallel rank 0,
+// the expert tensors when it is expert-data-parallel rank 0 (CheckpointWriter).
+std::vector<TensorRef> file_tensors(const ParamStore& params, const FullState& st, bool with_optimizer,
+                                    const CheckpointWriter& w) {
+  std::vector<TensorRef> out;
+  for (auto& ref : checkpoint_tensors(params, st, with_optimizer, /*writing=*/true))
+    if (ref.expert ? w.edp_rank == 0 : w.dp_rank == 0) out.push_back(std::move(ref));
+  return out;
+}
+
+// The shard entries of this rank's file (its report to rank 0 for metadata.json), with byte offsets.
+json shard_entries(const std::vector<TensorRef>& refs) {
+  json out = json::array();
   uint64_t off = 0;
-  auto add = [&](const std::string& prefix, const ParamSpec& sp) {
-    const std::vector<int64_t> gshape = sp.global_shape.empty() ? sp.shape : sp.global_shape;
-    const StoredBox b = stored_box(
-        gshape, ShardBox::make(gshape, sp.shard_offset, sp.shard_shape.empty() ? sp.shape : sp.shard_shape),
-        sp.vocab_rows);
-    if (b.numel == 0) return;  // a shard made only of vocabulary padding
-    out.push_back({prefix + sp.name, b.global_shape, b.shape, b.offset, off});
+  for (const auto& ref : refs) {
+    const StoredBox b = stored_box(ref.global_shape, ref.box, ref.vocab_rows);
+    if (b.numel == 0) continue;  // a shard made only of vocabulary padding
+    out.push_back({{"name", ref.name}, {"global_shape", b.global_shape}, {"shape", b.shape},
+                   {"global_offset", b.offset}, {"offset_bytes", off}});
     off += static_cast<uint64_t>(b.numel) * 4;
-  };
-  for (const auto& sp : specs)
-    if (!sp.shared_embedding_copy) add("model/", sp);
-  if (with_optimizer) {
-    for (const auto& sp : specs) {
-      if (sp.shared_embedding_copy) continue;
-      add("optim/exp_avg/", sp);
-      add("optim/exp_avg_sq/", sp);
-    }
   }
   return out;
 }
@@ -364,9 +360,11 @@ struct CheckpointSaveJob {
   fs::path dir, tmp_dir, final_dir;
   int64_t iteration = 0;
   bool rank0 = false, writes_file = false;
+  int world_rank = 0;
   std::string file;                // this rank's rank_XXXXX.bin (writes_file)
-  json meta;                       // rank 0
-  std::vector<std::string> files;  // rank 0: every rank's file
+  json entries;                    // its shards (shard_entries), reported to rank 0 in the marker
+  json meta;                       // rank 0: metadata.json without "tensors" and "files"
+  std::vector<std::string> files;  // rank 0: every writing rank's file, in world-rank order
   double timeout_s = 600;
   // Async: this rank's shard bytes (the saver's snapshot buffer); null for a synchronous save.
   const char* snapshot = nullptr;
@@ -375,11 +373,45 @@ struct CheckpointSaveJob {
 
 namespace {
 
-// Rank 0: waits for every rank's marker, writes metadata.json with the file sizes and
-// checksums, publishes the directory (rename) and then the tracker. On any failure the
-// temporary directory is removed and the error rethrown.
+// Rank 0: the "tensors" of metadata.json from the writing ranks' reports (in world-rank order):
+// every tensor once with its global shape and the shards that hold it. A box stored by several
+// ranks (a tensor replicated over TP, e.g. a norm weight or the router) is listed once, from the
+// first rank that reports it.
+json merge_tensor_reports(const std::vector<std::pair<std::string, json>>& reports) {
+  json tensors = json::array();
+  std::unordered_map<std::string, size_t> index;
+  for (const auto& [file, report] : reports) {
+    const int rank = report.at("rank").get<int>();
+    for (const json& e : report.at("tensors")) {
+      const std::string name = e.at("name").get<std::string>();
+      auto [it, fresh] = index.try_emplace(name, tensors.size());
+      if (fresh)
+        tensors.push_back({{"name", name}, {"dtype", "fp32"}, {"global_shape", e.at("global_shape")},
+                           {"shards", json::array()}});
+      json& t = tensors[it->second];
+      MT_REQUIRE(t.at("global_shape") == e.at("global_shape"),
+                 "checkpoint save: ranks disagree on the global shape of '{}' ({} in {}, {} before)", name,
+                 e.at("global_shape").dump(), file, t.at("global_shape").dump());
+      bool stored = false;
+      for (const json& sh : t.at("shards"))
+        stored |= sh.at("global_offset") == e.at("global_offset") && sh.at("shape") == e.at("shape");
+      if (stored) continue;
+      t["shards"].push_back({{"rank", rank},
+                             {"file", file},
+                             {"offset_bytes", e.at("offset_bytes")},
+                             {"shape", e.at("shape")},
+                             {"global_offset", e.at("global_offset")}});
+    }
+  }
+  return tensors;
+}
+
+// Rank 0: waits for every rank's marker, writes metadata.json with the tensors they report and
+// the file sizes and checksums, publishes the directory (rename) and then the tracker. On any
+// failure the temporary directory is removed and the error rethrown.
 void finalize_save(CheckpointSaveJob& job) {
   json files = json::object();
+  std::vector<std::pair<std::string, json>> reports;
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(job.timeout_s);
   for (const auto& f : job.files) {
     const fs::path m = marker_path(job.tmp_dir, f);
@@ -399,8 +431,10 @@ void finalize_save(CheckpointSaveJob& job) {
     MT_REQUIRE(j.value("ok", false), "checkpoint save at iteration {} failed on another rank: {}", job.iteration,
                j.value("error", std::string("unknown error")));
     files[f] = {{"bytes", j.at("bytes")}, {"crc32c", j.at("crc32c")}};
+    reports.emplace_back(f, std::move(j));
   }
   for (const auto& f : job.files) fs::remove(marker_path(job.tmp_dir, f));
+  job.meta["tensors"] = merge_tensor_reports(reports);
   job.meta["files"] = files;
   write_file_durable(job.tmp_dir / "metadata.json", job.meta.dump(1));
   fsync_dir(job.tmp_dir);
@@ -434,7 +468,9 @@ void run_save_job(CheckpointSaveJob& job, const std::function<void(OutFile&)>& s
           f.write(job.snapshot, job.snapshot_bytes);
         }
         f.close_synced();
-        write_marker(job.tmp_dir, job.file, {{"ok", true}, {"bytes", f.bytes()}, {"crc32c", crc_hex(f.crc())}});
+        write_marker(job.tmp_dir, job.file,
+                     {{"ok", true}, {"bytes", f.bytes()}, {"crc32c", crc_hex(f.crc())}, {"rank", job.world_rank},
+                      {"tensors", job.entries}});
       } catch (const std::exception& e) {
         if (!job.rank0) write_marker(job.tmp_dir, job.file, {{"ok", false}, {"error", e.what()}});
         throw;
@@ -450,22 +486,22 @@ void run_save_job(CheckpointSaveJob& job, const std::function<void(OutFile&)>& s
   }
 }
 
-// Starts a save (collective over the world): rank 0 prepares the temporary directory, every
-// rank gathers the whole fp32 state (collective over DP when sharded) and returns the job plus
-// the state to write.
+// Starts a save (collective over the world): rank 0 prepares the temporary directory and learns
+// which ranks write a file, every rank gathers the whole fp32 state (collective over DP / EDP when
+// sharded) and returns the job plus, in *refs, the tensors of its file (empty when it writes none).
 CheckpointSaveJob prepare_save(const std::string& dir, const CheckpointState& state, const ParamStore& params,
                                const AdamWOptimizer* optimizer, const CheckpointWriter& w, const Stream& stream,
-                               FullState& full) {
+                               FullState& full, std::vector<TensorRef>* refs) {
   CheckpointSaveJob job;
-  job.rank0 = w.world->rank() == 0;
+  job.world_rank = w.world->rank();
+  job.rank0 = job.world_rank == 0;
   job.dir = dir;
   job.iteration = state.iteration;
   job.final_dir = job.dir / iter_dir_name(state.iteration);
   job.tmp_dir = job.dir / (iter_dir_name(state.iteration) + ".tmp");
   job.timeout_s = w.timeout_s;
-  job.writes_file = w.dp_rank == 0;  // data-parallel replicas hold identical state; one of them writes
-  job.file = rank_file(w.pp_rank * w.tp + w.tp_rank);
-  int ok = 1;
+  job.file = rank_file(job.world_rank);
+  int32_t ok = 1;
   std::string why;
   if (job.rank0) {
     std::error_code ec;
@@ -482,42 +518,31 @@ CheckpointSaveJob prepare_save(const std::string& dir, const CheckpointState& st
       }
     }
   }
-  // Every rank learns whether rank 0 could prepare the directory (no rank is left waiting).
-  const std::vector<char> oks = all_gather_host(*w.world, &ok, sizeof(ok), stream);
-  int ok0 = 0;
-  std::memcpy(&ok0, oks.data(), sizeof(ok0));
-  MT_REQUIRE(ok0 == 1, "{}", job.rank0 ? why : std::string("checkpoint save failed on rank 0 (see its error)"));
   const bool with_optim = optimizer != nullptr && w.save_optim;
-  // Whole fp32 main parameters and moments; sharded ones are all-gathered (all DP ranks take part).
+  // Whole fp32 main parameters and moments (views, or temporaries filled below when sharded).
   if (optimizer) optimizer->grad_sync().finish_param_sync(stream);
   full = full_state(params, with_optim ? optimizer : nullptr, stream);
+  *refs = file_tensors(params, full, with_optim, w);
+  job.entries = shard_entries(*refs);
+  job.writes_file = !job.entries.empty();
+  // Every rank learns whether rank 0 could prepare the directory (no rank is left waiting), and
+  // rank 0 which ranks write a file.
+  const int32_t mine[2] = {ok, job.writes_file ? 1 : 0};
+  const std::vector<char> all = all_gather_host(*w.world, mine, sizeof(mine), stream);
+  int32_t flags[2] = {0, 0};
+  std::memcpy(flags, all.data(), sizeof(flags));
+  MT_REQUIRE(flags[0] == 1, "{}", job.rank0 ? why : std::string("checkpoint save failed on rank 0 (see its error)"));
+  // Sharded state is all-gathered (every DP / EDP rank takes part).
   if (params.main_sharded()) {
     MT_REQUIRE(optimizer != nullptr, "save_checkpoint: the main parameters are sharded, the optimizer is needed");
     optimizer->gather_main(full.main, stream);
   }
   if (with_optim && optimizer->distributed()) optimizer->gather_moments(full.m, full.v, stream);
   if (job.rank0) {
-    std::map<std::string, json> by_name;
-    std::vector<std::string> order;
-    for (int r = 0; r < w.tp * w.pp; ++r) {
-      job.files.push_back(rank_file(r));
-      for (const auto& e : shard_entries(w.specs_of(r % w.tp, r / w.tp), with_optim)) {
-        auto [it, fresh] = by_name.try_emplace(e.name);
-        if (fresh) {
-          order.push_back(e.name);
-          it->second = {{"name", e.name}, {"dtype", "fp32"}, {"global_shape", e.global_shape}, {"shards", json::array()}};
-        }
-        // A replicated tensor is stored by every TP rank; keep the copy of TP rank 0.
-        if (!fresh && e.shape == e.global_shape) continue;
-        it->second["shards"].push_back({{"rank", r},
-                                        {"file", rank_file(r)},
-                                        {"offset_bytes", e.offset_bytes},
-                                        {"shape", e.shape},
-                                        {"global_offset", e.global_offset}});
-      }
+    for (int r = 0; r < w.world->size(); ++r) {
+      std::memcpy(flags, all.data() + r * sizeof(mine), sizeof(flags));
+      if (flags[1] == 1) job.files.push_back(rank_file(r));
     }
-    json tensors = json::array();
-    for (const auto& n : order) tensors.push_back(by_name[n]);
     job.meta = json{{"format", "megatron.cpp-checkpoint"},
                     {"version", 2},
                     {"iteration", state.iteration},
@@ -525,19 +550,21 @@ CheckpointSaveJob prepare_save(const std::string& dir, const CheckpointState& st
                     {"seed", state.seed},
                     {"tensor_model_parallel_size", w.tp},
                     {"pipeline_model_parallel_size", w.pp},
+                    {"data_parallel_size", w.dp},
+                    {"expert_model_parallel_size", w.ep},
+                    {"expert_tensor_parallel_size", w.etp},
                     {"model", config_to_json(state.model)},
                     {"scalars", scalars_to_json(state.scalars)},
-                    {"has_optimizer", with_optim},
-                    {"tensors", tensors}};
+                    {"has_optimizer", with_optim}};
   }
   return job;
 }
 
-// Calls fn(host bytes, n) for this rank's shards in file order (rows of vocabulary padding left out).
-void for_each_shard_bytes(const ParamStore& params, const FullState& full, bool with_optim, const Stream& stream,
+// Calls fn(host bytes, n) for the shards of `refs` in file order (rows of vocabulary padding left out).
+void for_each_shard_bytes(const std::vector<TensorRef>& refs, const Stream& stream,
                           const std::function<void(const char*, size_t)>& fn) {
   std::vector<char> host;
-  for (const auto& ref : checkpoint_tensors(params, full, with_optim, /*writing=*/true)) {
+  for (const auto& ref : refs) {
     host.resize(static_cast<size_t>(stored_box(ref.global_shape, ref.box, ref.vocab_rows).numel) * 4);
     if (host.empty()) continue;
     copy_bytes(host.data(), Device::cpu(), ref.t.data(), ref.t.device(), host.size(), stream);
@@ -564,13 +591,13 @@ void agree_on_save(const CheckpointWriter& w, bool ok, const std::string& why, i
 void save_checkpoint(const std::string& dir, const CheckpointState& state, const ParamStore& params,
                      const AdamWOptimizer* optimizer, const CheckpointWriter& w, const Stream& stream) {
   FullState full;
-  CheckpointSaveJob job = prepare_save(dir, state, params, optimizer, w, stream, full);
-  const bool with_optim = optimizer != nullptr && w.save_optim;
+  std::vector<TensorRef> refs;
+  CheckpointSaveJob job = prepare_save(dir, state, params, optimizer, w, stream, full, &refs);
   bool ok = true;
   std::string why;
   try {
     run_save_job(job, [&](OutFile& f) {
-      for_each_shard_bytes(params, full, with_optim, stream, [&](const char* p, size_t n) { f.write(p, n); });
+      for_each_shard_bytes(refs, stream, [&](const char* p, size_t n) { f.write(p, n); });
     });
   } catch (const std::exception& e) {
     ok = false;
@@ -597,10 +624,10 @@ void AsyncCheckpointSaver::save(const std::string& dir, const CheckpointState& s
                                 const Stream& stream) {
   wait();  // one save in flight at a time (and its error surfaces here)
   FullState full;
-  auto job = std::make_shared<CheckpointSaveJob>(prepare_save(dir, state, params, optimizer, writer, stream, full));
+  std::vector<TensorRef> refs;
+  auto job =
+      std::make_shared<CheckpointSaveJob>(prepare_save(dir, state, params, optimizer, writer, stream, full, &refs));
   if (job->writes_file) {
-    const bool with_optim = optimizer != nullptr && writer.save_optim;
-    const auto refs = checkpoint_tensors(params, full, with_optim, /*writing=*/true);
     size_t total = 0;
     for (const auto& ref : refs) total += static_cast<size_t>(stored_box(ref.global_shape, ref.box, ref.vocab_rows).numel) * 4;
     // Pinned host memory when the state is on a GPU (a fast device-to-host copy), kept for the next save.

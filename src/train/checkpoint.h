@@ -40,19 +40,24 @@ struct CheckpointState {
   OptimizerScalars scalars{};
 };
 
-/// Who writes what: each model-parallel rank (TP rank t of pipeline stage p) of data-parallel
-/// rank 0 writes its own shards to rank_<p·tp + t>.bin (the last stage's copy of the tied
-/// embedding is not written: the first stage's is the parameter); world rank 0 writes
-/// metadata.json, describing the shards of every model-parallel rank (specs_of(t, p) = the
-/// parameter specs of TP rank t on pipeline rank p), renames the directory and updates the
+/// Who writes what. The non-expert parameters are replicated over the data-parallel (× context-
+/// parallel) group, whose rank 0 writes them: one copy per TP rank and pipeline stage (the last
+/// stage's copy of the tied embedding is not written: the first stage's is the parameter). The
+/// expert parameters (ParamSpec::expert, named by their global expert index) are replicated over
+/// the expert-data-parallel group, whose rank 0 writes them: one copy per expert TP rank, EP rank
+/// and stage. A rank that writes anything writes rank_<world rank>.bin and reports, with the
+/// file's size and CRC-32C, the shards it holds (name, global shape, box, byte offset); world
+/// rank 0 assembles metadata.json from these reports, renames the directory and updates the
 /// tracker. Collective over `world` (a size-1 group when training on one device).
 struct CheckpointWriter {
   std::shared_ptr<Communicator> world;
-  int tp = 1, tp_rank = 0, dp_rank = 0;
-  std::function<std::vector<ParamSpec>(int tp_rank, int pp_rank)> specs_of;
-  int pp = 1, pp_rank = 0;
+  int dp_rank = 0;   ///< rank in the data-parallel (× CP) group: 0 writes the non-expert parameters
+  int edp_rank = 0;  ///< rank in the expert-data-parallel group: 0 writes the expert parameters
   bool save_optim = true;    ///< false: --no-save-optim (parameters only; has_optimizer = false)
   double timeout_s = 600;    ///< rank 0 waits this long for the other ranks' files (--distributed-timeout-minutes)
+  /// The layout that wrote the checkpoint, recorded in metadata.json (informational: loading
+  /// assembles every tensor by name and global coordinates whatever layout wrote it).
+  int tp = 1, pp = 1, dp = 1, ep = 1, etp = 1;
 };
 
 /// Which checkpoint of a --load directory to read.
@@ -126,7 +131,9 @@ std::optional<int64_t> latest_checkpoint_iteration(const std::string& dir);
 CheckpointState read_checkpoint_state(const std::string& dir, const LoadOptions& opt = {});
 
 /// Loads parameters (and, when optimizer != nullptr, moments and scalars) of the latest
-/// checkpoint into `params`, whatever tensor/pipeline-parallel layout wrote it: each local shard is
+/// checkpoint into `params`, whatever tensor/pipeline/data/expert-parallel layout wrote it (expert
+/// parameters are named by their global expert index, so each EP rank reads its own experts, and
+/// their expert-TP shards are cut like any TP shard): each local shard is
 /// assembled from the intersecting saved shards (global shapes are checked, a mismatch names
 /// the tensor and both shapes; a region no saved shard covers is an error). Returns the state.
 /// Every data file is verified (size and CRC-32C recorded in metadata.json) before its first

@@ -33,8 +33,8 @@ void add_export_hf_options(CLI::App& app, ExportHfArgs& a) {
   app.add_option("--load", a.load, "Checkpoint directory (the latest iteration is exported)")->required();
   app.add_option("--hf-dir", a.hf_dir, "Output directory")->required();
   app.add_option("--hf-architecture", a.architecture,
-                 "GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM (default: the imported "
-                 "one, else inferred from the model)");
+                 "GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM or "
+                 "Qwen3MoeForCausalLM (default: the imported one, else inferred from the model)");
   app.add_option("--hf-dtype", a.dtype, "fp32, bf16 or fp16")->capture_default_str();
   app.add_option("--max-shard-size", a.max_shard_bytes, "Bytes per safetensors file (0 = one file)");
 }
@@ -70,10 +70,9 @@ DType parse_hf_dtype(const std::string& s) {
   MT_FAIL("--hf-dtype '{}' is not supported: expected fp32, bf16 or fp16", s);
 }
 
-CheckpointWriter single_rank_writer(const TransformerConfig& c) {
+CheckpointWriter single_rank_writer() {
   CheckpointWriter w;
   w.world = std::make_shared<SingleRankCommunicator>("world");
-  w.specs_of = [c](int, int) { return GPTModel::param_specs(c); };
   return w;
 }
 
@@ -98,7 +97,7 @@ int run_import_hf(const ImportHfArgs& a) {
     copy_bytes(params.main(i).data(), Device::cpu(), it->second.data(), Device::cpu(), it->second.size() * 4, stream);
   }
   CheckpointState st{false, 0, 0, 0, m.config, initial_optimizer_scalars(LossScalerConfig{})};
-  save_checkpoint(a.save, st, params, nullptr, single_rank_writer(m.config), stream);
+  save_checkpoint(a.save, st, params, nullptr, single_rank_writer(), stream);
   const fs::path assets = hf_assets_dir(a.save);
   fs::create_directories(assets);
   write_text(assets / "config.json", m.config_json.dump(2) + "\n");

@@ -278,6 +278,18 @@ void check_resume_config(const TransformerConfig& ck, const TransformerConfig& m
   same_flag("--qk-layernorm", yes(ck.qk_layernorm), yes(m.qk_layernorm));
   same_flag("--untie-embeddings-and-output-weights", yes(ck.untie_embeddings_and_output_weights),
             yes(m.untie_embeddings_and_output_weights));
+  // Mixture of experts: the experts and where they sit (the router and expert shapes follow).
+  same("--num-experts", ck.num_moe_experts, m.num_moe_experts);
+  if (ck.num_moe_experts == 0) return;
+  auto pattern = [](const TransformerConfig& c) {
+    std::string p = "[";
+    for (int64_t l = 0; l < c.num_layers; ++l) p += fmt::format("{}{}", l ? "," : "", c.is_moe_layer(l) ? 1 : 0);
+    return p + "]";
+  };
+  same_flag("--moe-layer-freq", pattern(ck), pattern(m));
+  same("--moe-ffn-hidden-size", ck.moe_ffn(), m.moe_ffn());
+  same("--moe-shared-expert-intermediate-size", ck.moe_shared_expert_intermediate_size,
+       m.moe_shared_expert_intermediate_size);
 }
 
 class ProgressLine {
@@ -351,14 +363,6 @@ int run_pretrain(PretrainArgs args) {
   pipeline::validate_pipeline_layout(layout);
   args.data_parallel_size = pc.dp;
   args.expert_data_parallel_size = pc.edp;
-  MT_REQUIRE(pc.ep == 1 || (args.save.empty() && args.load.empty()),
-             "--expert-model-parallel-size {}: checkpoints (--save / --load) with expert parallelism are not "
-             "implemented yet",
-             pc.ep);
-  MT_REQUIRE(pc.etp == pc.tp || (args.save.empty() && args.load.empty()),
-             "--expert-tensor-parallel-size {} differs from --tensor-model-parallel-size {}: checkpoints (--save / "
-             "--load) with MoE parallel folding are not implemented yet",
-             pc.etp, pc.tp);
   MT_REQUIRE(!args.model.moe_router_enable_expert_bias || (args.save.empty() && args.load.empty()),
              "--moe-router-enable-expert-bias: checkpoints (--save / --load) do not store the expert bias yet");
   MT_REQUIRE(device.is_cuda() || args.dtype() == DType::kF32,
@@ -548,11 +552,16 @@ int run_pretrain(PretrainArgs args) {
   AsyncCheckpointSaver async_saver;
   auto save = [&](int64_t it) {
     CheckpointState st{!args.no_save_optim, it, consumed, args.seed, cfg, optimizer.read_scalars_sync(stream)};
-    CheckpointWriter writer{world, pc.tp, groups.tp->rank(), groups.dp_cp->rank(),
-                            [&](int t, int p) {
-                              return GPTModel::param_specs(cfg, pc.tp, t, pipeline::layers_of(p, layout));
-                            },
-                            pc.pp, pp_rank, !args.no_save_optim, args.distributed_timeout_minutes * 60};
+    const CheckpointWriter writer{.world = world,
+                                  .dp_rank = groups.dp_cp->rank(),
+                                  .edp_rank = groups.edp->rank(),
+                                  .save_optim = !args.no_save_optim,
+                                  .timeout_s = args.distributed_timeout_minutes * 60,
+                                  .tp = pc.tp,
+                                  .pp = pc.pp,
+                                  .dp = pc.dp,
+                                  .ep = pc.ep,
+                                  .etp = pc.etp};
     const auto t0 = std::chrono::steady_clock::now();
     auto seconds = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); };
     if (args.async_save) {

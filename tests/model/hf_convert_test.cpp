@@ -7,6 +7,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 
 #include <nlohmann/json.hpp>
@@ -25,8 +26,16 @@ using json = nlohmann::json;
 using hf::HfArchitecture;
 
 // Tiny sizes: hidden 16, 4 heads of 4 (2 key/value groups for Llama/Qwen), ffn 24, 2 layers,
-// vocabulary 37, 12 positions.
+// vocabulary 37, 12 positions; MoE: 4 experts, top-2, Mixtral's experts of ffn 24, Qwen 3 MoE's of
+// 8 with layer 0 dense (mlp_only_layers [0]).
 constexpr int64_t kH = 16, kN = 4, kG = 2, kD = 4, kF = 24, kL = 2, kV = 37, kP = 12;
+constexpr int64_t kE = 4, kK = 2, kFe = 8;
+
+bool moe(HfArchitecture a) { return a == HfArchitecture::kMixtral || a == HfArchitecture::kQwen3Moe; }
+// Whether layer l of the fixture is a MoE layer.
+bool moe_layer(HfArchitecture a, int64_t l) { return a == HfArchitecture::kMixtral || (a == HfArchitecture::kQwen3Moe && l != 0); }
+// The experts' hidden size of the fixture.
+int64_t expert_ffn(HfArchitecture a) { return a == HfArchitecture::kMixtral ? kF : kFe; }
 
 struct Fixture {
   fs::path dir;
@@ -50,7 +59,31 @@ json config_json(HfArchitecture a) {
             {"num_attention_heads", kN}, {"num_key_value_heads", kG}, {"head_dim", kD}, {"intermediate_size", kF},
             {"max_position_embeddings", kP}, {"rms_norm_eps", 1e-6}, {"rope_theta", 500000.0},
             {"vocab_size", kV}, {"hidden_act", "silu"}, {"tie_word_embeddings", a == HfArchitecture::kQwen2}};
+  if (a == HfArchitecture::kMixtral) {
+    j.update({{"model_type", "mixtral"}, {"num_local_experts", kE}, {"num_experts_per_tok", kK},
+              {"router_aux_loss_coef", 0.02}, {"output_router_logits", false}, {"sliding_window", nullptr},
+              {"router_jitter_noise", 0.0}});
+  } else if (a == HfArchitecture::kQwen3Moe) {
+    j.update({{"model_type", "qwen3_moe"}, {"num_experts", kE}, {"num_experts_per_tok", kK},
+              {"moe_intermediate_size", kFe}, {"norm_topk_prob", true}, {"decoder_sparse_step", 1},
+              {"mlp_only_layers", {0}}, {"router_aux_loss_coef", 0.001}, {"output_router_logits", false},
+              {"attention_bias", false}, {"use_sliding_window", false}});
+  }
   return j;
+}
+
+/// The MoE tensors of layer l (transformers' Hub names: per expert).
+void add_moe_layer(HfArchitecture a, int64_t l, const std::function<void(const std::string&, std::vector<int64_t>)>& add) {
+  const bool mixtral = a == HfArchitecture::kMixtral;
+  const std::string p = fmt::format("model.layers.{}.{}", l, mixtral ? "block_sparse_moe." : "mlp.");
+  const int64_t f = expert_ffn(a);
+  add(p + "gate.weight", {kE, kH});
+  for (int64_t e = 0; e < kE; ++e) {
+    const std::string x = fmt::format("{}experts.{}.", p, e);
+    add(x + (mixtral ? "w1" : "gate_proj") + ".weight", {f, kH});
+    add(x + (mixtral ? "w3" : "up_proj") + ".weight", {f, kH});
+    add(x + (mixtral ? "w2" : "down_proj") + ".weight", {kH, f});
+  }
 }
 
 /// Writes config.json and model.safetensors (random values) for architecture `a`.
@@ -97,12 +130,16 @@ Fixture make_fixture(HfArchitecture a, const std::string& name, DType dtype = DT
         add(s + "self_attn.k_proj.bias", {kG * kD});
         add(s + "self_attn.v_proj.bias", {kG * kD});
       }
-      if (a == HfArchitecture::kQwen3) {
+      if (a == HfArchitecture::kQwen3 || a == HfArchitecture::kQwen3Moe) {
         add(s + "self_attn.q_norm.weight", {kD});
         add(s + "self_attn.k_norm.weight", {kD});
       }
       add(s + "self_attn.o_proj.weight", {kH, kN * kD});
       add(s + "post_attention_layernorm.weight", {kH});
+      if (moe_layer(a, l)) {
+        add_moe_layer(a, l, add);
+        continue;
+      }
       add(s + "mlp.gate_proj.weight", {kF, kH});
       add(s + "mlp.up_proj.weight", {kF, kH});
       add(s + "mlp.down_proj.weight", {kH, kF});
@@ -118,8 +155,8 @@ Fixture make_fixture(HfArchitecture a, const std::string& name, DType dtype = DT
   return fx;
 }
 
-const HfArchitecture kAll[] = {HfArchitecture::kGpt2, HfArchitecture::kLlama, HfArchitecture::kQwen2,
-                               HfArchitecture::kQwen3};
+const HfArchitecture kAll[] = {HfArchitecture::kGpt2,  HfArchitecture::kLlama,   HfArchitecture::kQwen2,
+                               HfArchitecture::kQwen3, HfArchitecture::kMixtral, HfArchitecture::kQwen3Moe};
 
 TEST(HfConvert, ConfigMapsToTransformerConfig) {
   for (HfArchitecture a : kAll) {
@@ -142,12 +179,75 @@ TEST(HfConvert, ConfigMapsToTransformerConfig) {
     EXPECT_EQ(c.gated_linear_unit, !gpt2);
     EXPECT_EQ(c.add_bias_linear, gpt2);
     EXPECT_EQ(c.add_qkv_bias, a == HfArchitecture::kQwen2);
-    EXPECT_EQ(c.qk_layernorm, a == HfArchitecture::kQwen3);
+    EXPECT_EQ(c.qk_layernorm, a == HfArchitecture::kQwen3 || a == HfArchitecture::kQwen3Moe);
     EXPECT_EQ(c.tied_output(), gpt2 || a == HfArchitecture::kQwen2);
     if (!gpt2) EXPECT_EQ(c.rotary_base, 500000.f);
     EXPECT_EQ(hf::infer_architecture(c), a == HfArchitecture::kQwen2 ? HfArchitecture::kQwen2 : a);
+    EXPECT_EQ(c.num_moe_experts, moe(a) ? kE : 0);
+    if (moe(a)) {
+      EXPECT_EQ(c.moe_router_topk, kK);
+      EXPECT_EQ(c.moe_ffn(), expert_ffn(a));
+      EXPECT_EQ(c.moe_router_score_function, MoeScoreFunction::kSoftmax);
+      EXPECT_FALSE(c.moe_router_pre_softmax);  // renormalised top-k = softmax over the selected logits
+      EXPECT_EQ(c.moe_shared_expert_intermediate_size, 0);
+      for (int64_t l = 0; l < kL; ++l) EXPECT_EQ(c.is_moe_layer(l), moe_layer(a, l)) << "layer " << l;
+      EXPECT_FLOAT_EQ(c.moe_aux_loss_coeff, a == HfArchitecture::kMixtral ? 0.02f : 0.001f);
+    }
     fs::remove_all(fx.dir);
   }
+}
+
+// Qwen 3 MoE's layer pattern and router normalisation from config.json: layer l is MoE unless in
+// mlp_only_layers, when (l + 1) % decoder_sparse_step == 0 (transformers' Qwen3MoeDecoderLayer);
+// norm_topk_prob false (transformers' default) = --moe-router-pre-softmax. Exported back, the
+// fields describe the same model.
+TEST(HfConvert, Qwen3MoeLayerPatternAndRouterNormalisation) {
+  const Fixture fx = make_fixture(HfArchitecture::kQwen3Moe, "qmoe");
+  json j = config_json(HfArchitecture::kQwen3Moe);
+  j["num_hidden_layers"] = 6;
+  j["decoder_sparse_step"] = 2;
+  j["mlp_only_layers"] = {3};
+  j.erase("norm_topk_prob");
+  std::ofstream(fx.dir / "config.json") << j.dump();
+  const hf::HfModel m = hf::read_hf_config(fx.dir.string(), 0, 8);
+  const std::vector<bool> want = {false, true, false, false, false, true};
+  for (int64_t l = 0; l < 6; ++l) EXPECT_EQ(m.config.is_moe_layer(l), want[static_cast<size_t>(l)]) << "layer " << l;
+  EXPECT_TRUE(m.config.moe_router_pre_softmax);
+  // Exported: the imported decoder_sparse_step / mlp_only_layers are kept (they give the pattern)...
+  json out = hf::make_hf_config(HfArchitecture::kQwen3Moe, m.config, m.config_json, DType::kF32);
+  EXPECT_EQ(out.at("decoder_sparse_step"), 2);
+  EXPECT_EQ(out.at("mlp_only_layers"), json({3}));
+  EXPECT_EQ(out.at("norm_topk_prob"), false);
+  EXPECT_EQ(out.at("moe_intermediate_size"), kFe);
+  EXPECT_EQ(out.at("num_experts"), kE);
+  // transformers 5 writes Qwen 3 MoE's num_experts as num_local_experts; read and written back so.
+  j.erase("num_experts");
+  j["num_local_experts"] = kE;
+  std::ofstream(fx.dir / "config.json") << j.dump();
+  const hf::HfModel v5 = hf::read_hf_config(fx.dir.string(), 0, 8);
+  EXPECT_EQ(v5.config.num_moe_experts, kE);
+  out = hf::make_hf_config(HfArchitecture::kQwen3Moe, v5.config, v5.config_json, DType::kF32);
+  EXPECT_EQ(out.at("num_local_experts"), kE);
+  EXPECT_FALSE(out.contains("num_experts"));
+  // ... and a pattern they cannot give is written as decoder_sparse_step 1 + the dense layers.
+  TransformerConfig c = m.config;
+  c.moe_layer_pattern = {1, 1, 0, 1, 0, 1};
+  out = hf::make_hf_config(HfArchitecture::kQwen3Moe, c, m.config_json, DType::kF32);
+  EXPECT_EQ(out.at("decoder_sparse_step"), 1);
+  EXPECT_EQ(out.at("mlp_only_layers"), json({2, 4}));
+  // A Megatron MoE config without an imported one: Mixtral's fields from scratch.
+  TransformerConfig x = m.config;
+  x.qk_layernorm = false;
+  x.moe_layer_pattern.clear();
+  x.moe_router_pre_softmax = false;
+  EXPECT_EQ(hf::infer_architecture(x), HfArchitecture::kMixtral);
+  out = hf::make_hf_config(HfArchitecture::kMixtral, x, json(), DType::kBF16);
+  EXPECT_EQ(out.at("model_type"), "mixtral");
+  EXPECT_EQ(out.at("num_local_experts"), kE);
+  EXPECT_EQ(out.at("num_experts_per_tok"), kK);
+  EXPECT_EQ(out.at("intermediate_size"), kFe);
+  EXPECT_TRUE(out.at("sliding_window").is_null());
+  fs::remove_all(fx.dir);
 }
 
 // The per-layer mapping, element by element, against the layouts of model/hf/hf_convert.h.
@@ -195,12 +295,33 @@ TEST(HfConvert, WeightMappingLayouts) {
           ASSERT_EQ(qkv[((g * (qpg + 2) + qpg) * kD) * kH + e], hfw.at(s + "k_proj.weight")[g * kD * kH + e]);
           ASSERT_EQ(qkv[((g * (qpg + 2) + qpg + 1) * kD) * kH + e], hfw.at(s + "v_proj.weight")[g * kD * kH + e]);
         }
-      // linear_fc1 [2, f, h] = [gate; up].
-      const auto& fc1 = t.at(o + "mlp.linear_fc1.weight");
-      const auto& gate = hfw.at("model.layers.1.mlp.gate_proj.weight");
-      const auto& up = hfw.at("model.layers.1.mlp.up_proj.weight");
-      EXPECT_EQ(std::vector<float>(fc1.begin(), fc1.begin() + kF * kH), gate);
-      EXPECT_EQ(std::vector<float>(fc1.begin() + kF * kH, fc1.end()), up);
+      if (moe_layer(a, 1)) {
+        // Router = gate [E, h]; expert e: linear_fc1 [2, f, h] = [w1 | gate_proj; w3 | up_proj],
+        // linear_fc2 = w2 | down_proj.
+        const bool mixtral = a == HfArchitecture::kMixtral;
+        const std::string p = mixtral ? "model.layers.1.block_sparse_moe." : "model.layers.1.mlp.";
+        const int64_t f = expert_ffn(a);
+        EXPECT_EQ(t.at(o + "mlp.router.weight"), hfw.at(p + "gate.weight"));
+        for (int64_t e = 0; e < kE; ++e) {
+          const std::string x = fmt::format("{}experts.{}.", p, e);
+          const std::string me = fmt::format("{}mlp.experts.local_experts.{}.", o, e);
+          const auto& fc1 = t.at(me + "linear_fc1.weight");
+          ASSERT_EQ(static_cast<int64_t>(fc1.size()), 2 * f * kH);
+          EXPECT_EQ(std::vector<float>(fc1.begin(), fc1.begin() + f * kH), hfw.at(x + (mixtral ? "w1" : "gate_proj") + ".weight"));
+          EXPECT_EQ(std::vector<float>(fc1.begin() + f * kH, fc1.end()), hfw.at(x + (mixtral ? "w3" : "up_proj") + ".weight"));
+          EXPECT_EQ(t.at(me + "linear_fc2.weight"), hfw.at(x + (mixtral ? "w2" : "down_proj") + ".weight"));
+        }
+        EXPECT_FALSE(t.count(o + "mlp.linear_fc1.weight"));
+      } else {
+        // linear_fc1 [2, f, h] = [gate; up].
+        const auto& fc1 = t.at(o + "mlp.linear_fc1.weight");
+        const auto& gate = hfw.at("model.layers.1.mlp.gate_proj.weight");
+        const auto& up = hfw.at("model.layers.1.mlp.up_proj.weight");
+        EXPECT_EQ(std::vector<float>(fc1.begin(), fc1.begin() + kF * kH), gate);
+        EXPECT_EQ(std::vector<float>(fc1.begin() + kF * kH, fc1.end()), up);
+      }
+      if (a == HfArchitecture::kQwen3Moe)  // its dense layer 0
+        EXPECT_EQ(t.at("decoder.layers.0.mlp.linear_fc2.weight"), hfw.at("model.layers.0.mlp.down_proj.weight"));
       EXPECT_EQ(t.at(o + "self_attention.linear_proj.weight"), hfw.at(s + "o_proj.weight"));
       if (a == HfArchitecture::kQwen2) {
         const auto& b = t.at(o + "self_attention.linear_qkv.bias");
@@ -208,7 +329,7 @@ TEST(HfConvert, WeightMappingLayouts) {
           for (int64_t e = 0; e < kD; ++e)
             ASSERT_EQ(b[(g * (qpg + 2) + qpg) * kD + e], hfw.at(s + "k_proj.bias")[g * kD + e]);
       }
-      if (a == HfArchitecture::kQwen3)
+      if (a == HfArchitecture::kQwen3 || a == HfArchitecture::kQwen3Moe)
         EXPECT_EQ(t.at(o + "self_attention.q_layernorm.weight"), hfw.at(s + "q_norm.weight"));
       if (m.config.untie_embeddings_and_output_weights) {
         const auto& out = t.at("output_layer.weight");
@@ -257,6 +378,9 @@ TEST(HfConvert, ImportExportRoundTripIsBitwise) {
       EXPECT_EQ(back.arch, a);
       EXPECT_EQ(back.config.summary(), st.model.summary());
       if (a == HfArchitecture::kGpt2) EXPECT_EQ(back.config_json.at("bos_token_id"), 5);  // kept from the import
+      const json in = config_json(a);  // every field of config.json comes back unchanged
+      for (const auto& [k, v] : in.items()) EXPECT_EQ(back.config_json.at(k), v) << k;
+      for (int64_t l = 0; l < kL; ++l) EXPECT_EQ(back.config.is_moe_layer(l), moe_layer(a, l)) << "layer " << l;
       for (const auto& d : {fx.dir, ck, out}) fs::remove_all(d);
     }
   }
@@ -288,6 +412,85 @@ TEST(HfConvert, ImportedCheckpointLoadsAsModel) {
         const bool padding = info.vocab_rows > 0 && g / kH >= kV;
         ASSERT_EQ(local[e], padding ? 0.f : full[g]) << info.name << " rank " << rank << " element " << e;
       }
+    }
+  }
+  fs::remove_all(fx.dir);
+  fs::remove_all(ck);
+}
+
+// transformers 5 holds a layer's experts fused (model.layers.l.mlp.experts.gate_up_proj
+// [E, 2f, h] with the gate rows first, experts.down_proj [E, h, f], router mlp.gate.weight); such
+// a checkpoint imports to the same tensors as the per-expert Hub names.
+TEST(HfConvert, FusedExpertTensorsOfTransformers5Import) {
+  for (HfArchitecture a : {HfArchitecture::kMixtral, HfArchitecture::kQwen3Moe}) {
+    SCOPED_TRACE(hf::architecture_name(a));
+    const Fixture fx = make_fixture(a, "fused");
+    const hf::HfModel m = hf::read_hf_config(fx.dir.string(), 0, 8);
+    const hf::GlobalTensors want = hf::hf_to_megatron(m, hf::SafetensorsCheckpoint::open(fx.dir.string()));
+    const bool mixtral = a == HfArchitecture::kMixtral;
+    const int64_t f = expert_ffn(a);
+    std::vector<hf::TensorToWrite> w;
+    for (const auto& [n, v] : fx.tensors)
+      if (n.find(".experts.") == std::string::npos && n.find(".gate.weight") == std::string::npos)
+        w.push_back({n, DType::kF32, fx.shapes.at(n), v});
+    for (int64_t l = 0; l < kL; ++l) {
+      if (!moe_layer(a, l)) continue;
+      const std::string hub = fmt::format("model.layers.{}.{}", l, mixtral ? "block_sparse_moe." : "mlp.");
+      const std::string v5 = fmt::format("model.layers.{}.mlp.", l);
+      std::vector<float> gate_up, down;
+      for (int64_t e = 0; e < kE; ++e) {
+        const std::string x = fmt::format("{}experts.{}.", hub, e);
+        for (const char* part : {mixtral ? "w1" : "gate_proj", mixtral ? "w3" : "up_proj"}) {
+          const auto& v = fx.tensors.at(x + part + ".weight");
+          gate_up.insert(gate_up.end(), v.begin(), v.end());
+        }
+        const auto& d = fx.tensors.at(x + (mixtral ? "w2" : "down_proj") + ".weight");
+        down.insert(down.end(), d.begin(), d.end());
+      }
+      w.push_back({v5 + "gate.weight", DType::kF32, {kE, kH}, fx.tensors.at(hub + "gate.weight")});
+      w.push_back({v5 + "experts.gate_up_proj", DType::kF32, {kE, 2 * f, kH}, gate_up});
+      w.push_back({v5 + "experts.down_proj", DType::kF32, {kE, kH, f}, down});
+    }
+    hf::write_safetensors(fx.dir / "model.safetensors", w);
+    EXPECT_EQ(hf::hf_to_megatron(m, hf::SafetensorsCheckpoint::open(fx.dir.string())), want);
+    fs::remove_all(fx.dir);
+  }
+}
+
+// An imported MoE checkpoint loads under expert parallelism: each EP rank reads its own experts
+// (global expert indices in the names), cut into expert-TP shards.
+TEST(HfConvert, ImportedMoeCheckpointLoadsUnderExpertParallelism) {
+  const Fixture fx = make_fixture(HfArchitecture::kQwen3Moe, "moe_load");
+  const fs::path ck = temp_dir("moe_load_ck");
+  ImportHfArgs ia;
+  ia.hf_dir = fx.dir.string();
+  ia.save = ck.string();
+  ia.make_vocab_size_divisible_by = 8;
+  ASSERT_EQ(run_import_hf(ia), 0);
+  const CheckpointState st = read_checkpoint_state(ck.string());
+  const hf::GlobalTensors t =
+      hf::hf_to_megatron(hf::read_hf_config(fx.dir.string(), 0, 8), hf::SafetensorsCheckpoint::open(fx.dir.string()));
+  Stream s(Device::cpu());
+  for (int ep_rank = 0; ep_rank < 2; ++ep_rank) {
+    for (int tp_rank = 0; tp_rank < 2; ++tp_rank) {
+      ParamStore p(GPTModel::param_specs(st.model, 2, tp_rank, {}, 2, ep_rank), DType::kF32, Device::cpu());
+      load_checkpoint(ck.string(), p, nullptr, s);
+      int experts = 0;
+      for (size_t i = 0; i < p.size(); ++i) {
+        const ParamInfo& info = p.info(i);
+        experts += info.expert ? 1 : 0;
+        const std::vector<float> local = testing::to_host(p.main(i), s);
+        const auto& full = t.at(info.name);
+        for (int64_t e = 0; e < info.numel; ++e) {
+          const int64_t g = info.box.global_index(e);
+          const bool padding = info.vocab_rows > 0 && g / kH >= kV;
+          ASSERT_EQ(local[e], padding ? 0.f : full[g]) << info.name << " ep " << ep_rank << " tp " << tp_rank;
+        }
+      }
+      EXPECT_EQ(experts, 2 * (kE / 2));  // fc1 and fc2 of the kE / 2 experts of this EP rank (one MoE layer)
+      EXPECT_EQ(p.find(fmt::format("decoder.layers.1.mlp.experts.local_experts.{}.linear_fc1.weight", 2 * ep_rank)) !=
+                    ParamStore::kNoParam,
+                true);
     }
   }
   fs::remove_all(fx.dir);
@@ -350,6 +553,69 @@ void expect_error(const std::function<void()>& f, const std::string& what) {
   }
 }
 
+TEST(HfConvert, MoeBadInputErrors) {
+  Fixture fx = make_fixture(HfArchitecture::kMixtral, "moe_bad");
+  const std::string dir = fx.dir.string();
+  auto import = [&](HfArchitecture a, const std::function<void(json&)>& edit) {
+    return [&, a, edit] {
+      json j = config_json(a);
+      edit(j);
+      std::ofstream(fx.dir / "config.json") << j.dump();
+      ImportHfArgs ia;
+      ia.hf_dir = dir;
+      ia.save = (fx.dir / "ck").string();
+      run_import_hf(ia);
+    };
+  };
+  using A = HfArchitecture;
+  expect_error(import(A::kMixtral, [](json& j) { j["architectures"] = {"Qwen2MoeForCausalLM"}; }),
+               "its shared expert is scaled by a sigmoid gate");
+  expect_error(import(A::kMixtral, [](json& j) { j["router_jitter_noise"] = 0.01; }), "router_jitter_noise 0.01");
+  expect_error(import(A::kMixtral, [](json& j) { j["sliding_window"] = 4; }), "sliding_window 4");
+  expect_error(import(A::kMixtral, [](json& j) { j.erase("num_local_experts"); }), "field 'num_local_experts' is missing");
+  expect_error(import(A::kMixtral, [](json& j) { j["num_experts_per_tok"] = 5; }), "--moe-router-topk 5 must be in [1, --num-experts 4]");
+  expect_error(import(A::kMixtral, [](json& j) { j["num_local_experts"] = 3; }),
+               "has shape [4, 16] but config.json implies [3, 16]");
+  expect_error(import(A::kQwen3Moe, [](json& j) { j["shared_expert_intermediate_size"] = 8; }),
+               "shared experts (shared_expert_intermediate_size) are not supported");
+  // A missing expert tensor.
+  {
+    std::vector<hf::TensorToWrite> w;
+    for (const auto& [n, v] : fx.tensors)
+      if (n != "model.layers.1.block_sparse_moe.experts.3.w3.weight") w.push_back({n, DType::kF32, fx.shapes[n], v});
+    hf::write_safetensors(fx.dir / "model.safetensors", w);
+  }
+  expect_error(import(A::kMixtral, [](json&) {}), "has no tensor 'model.layers.1.block_sparse_moe.experts.3.w3.weight'");
+  // Exports the architectures cannot represent.
+  Fixture q = make_fixture(HfArchitecture::kQwen3Moe, "moe_bad2");
+  ImportHfArgs ia;
+  ia.hf_dir = q.dir.string();
+  ia.save = (q.dir / "ck").string();
+  ASSERT_EQ(run_import_hf(ia), 0);
+  ExportHfArgs ea;
+  ea.load = ia.save;
+  ea.hf_dir = (q.dir / "out").string();
+  ea.architecture = "Qwen3ForCausalLM";
+  expect_error([&] { run_export_hf(ea); }, "cannot be exported as Qwen3ForCausalLM: it has mixture-of-experts layers");
+  ea.architecture = "MixtralForCausalLM";
+  expect_error([&] { run_export_hf(ea); }, "cannot be exported as MixtralForCausalLM: QK-norm exactly for");
+  const TransformerConfig c = read_checkpoint_state(ia.save).model;
+  TransformerConfig x = c;
+  x.qk_layernorm = false;
+  expect_error([&] { hf::check_representable(HfArchitecture::kMixtral, x); }, "every layer must be a MoE layer");
+  x.moe_layer_pattern.clear();
+  x.moe_router_pre_softmax = true;
+  expect_error([&] { hf::check_representable(HfArchitecture::kMixtral, x); }, "renormalises the top-k");
+  x = c;
+  x.moe_shared_expert_intermediate_size = 16;
+  expect_error([&] { hf::check_representable(HfArchitecture::kQwen3Moe, x); }, "no shared experts");
+  x = c;
+  x.moe_router_score_function = MoeScoreFunction::kSigmoid;
+  expect_error([&] { hf::check_representable(HfArchitecture::kQwen3Moe, x); }, "a softmax router is required");
+  fs::remove_all(fx.dir);
+  fs::remove_all(q.dir);
+}
+
 TEST(HfConvert, BadInputErrors) {
   Fixture fx = make_fixture(HfArchitecture::kLlama, "bad");
   const std::string dir = fx.dir.string();
@@ -364,8 +630,8 @@ TEST(HfConvert, BadInputErrors) {
     ia.save = (fx.dir / "ck").string();
     run_import_hf(ia);
   };
-  rewrite_config([](json& j) { j["architectures"] = {"MixtralForCausalLM"}; });
-  expect_error(import, "unsupported Hugging Face architecture 'MixtralForCausalLM'");
+  rewrite_config([](json& j) { j["architectures"] = {"DeepseekV3ForCausalLM"}; });
+  expect_error(import, "unsupported Hugging Face architecture 'DeepseekV3ForCausalLM'");
   rewrite_config([](json& j) { j.erase("hidden_size"); });
   expect_error(import, "field 'hidden_size' is missing");
   rewrite_config([](json& j) { j["rope_scaling"] = {{"rope_type", "llama3"}, {"factor", 8.0}}; });

@@ -121,7 +121,7 @@ State run(const Model& model, const Run& r, int first_step, int steps, const fs:
       cs.iteration = first_step + steps;
       cs.seed = 7;
       cs.scalars = opt.read_scalars_sync(st);
-      CheckpointWriter w{world, 1, 0, rank, [&](int, int) { return model.specs; }};
+      const CheckpointWriter w{.world = world, .dp_rank = rank, .edp_rank = rank};
       save_checkpoint(save.string(), cs, P, &opt, w, st);
     }
     State s = capture(P, opt, st);
@@ -188,9 +188,7 @@ TEST(DistributedCheckpoint, SharedEmbeddingCopySkippedOnSaveFilledOnLoad) {
   ASSERT_EQ(last.specs.back().name, emb);
   const fs::path a = temp_dir("emb_a"), b = temp_dir("emb_b");
   Stream st;
-  auto writer = [](const Model& m) {
-    return CheckpointWriter{std::make_shared<SingleRankCommunicator>(), 1, 0, 0, [m](int, int) { return m.specs; }};
-  };
+  auto writer = [](const Model&) { return CheckpointWriter{.world = std::make_shared<SingleRankCommunicator>()}; };
   ParamStore S(first.specs, DType::kF32, Device::cpu(), ParamLayout{1, 0});
   S.initialize(11, st);
   AdamWOptimizer so(S, opt_config(), st);

@@ -7,7 +7,11 @@
 #include <array>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
+#include <map>
 #include <regex>
+
+#include <nlohmann/json.hpp>
 
 namespace fs = std::filesystem;
 
@@ -90,6 +94,8 @@ class TrainerLayouts : public ::testing::Test {
               std::map<int, double>* curve) {
     RunResult r = run(flags("--train-iters 6 --load " + ck + " " + more));
     ASSERT_EQ(r.rc, 0) << r.out;
+    ASSERT_NE(r.out.find("> loaded checkpoint from " + ck + " at iteration 3"), std::string::npos) << r.out;
+    ASSERT_EQ(losses(r.out).count(1), 0u) << r.out;  // resumed, not restarted
     *curve = losses(first.out);
     for (auto [k, v] : losses(r.out)) (*curve)[k] = v;
   }
@@ -330,10 +336,74 @@ TEST_F(TrainerLayouts, MixtureOfExperts) {
            {" --moe-layer-freq [1,0,2,0]", "entry 2 is 2"},
            {" --moe-router-score-function tanh", "--moe-router-score-function 'tanh' is not supported"},
            {" --nproc-per-node 3 --expert-model-parallel-size 3 --global-batch-size 6",
-            "--num-experts 8 is not divisible by expert model parallel size 3"},
-           {" --nproc-per-node 2 --expert-model-parallel-size 2 --save " + (dir_ / "ck_ep").string(),
-            "checkpoints (--save / --load) with expert parallelism are not implemented yet"}}) {
+            "--num-experts 8 is not divisible by expert model parallel size 3"}}) {
     RunResult r = run(flags("--train-iters 2" + moe + extra));
+    EXPECT_NE(r.rc, 0) << extra;
+    EXPECT_NE(r.out.find(message), std::string::npos) << extra << "\n" << r.out;
+  }
+}
+
+// Checkpoints of the MoE model move between expert layouts (docs/moe.md "Checkpoints"): each
+// rank writes only the experts it owns (expert-data-parallel rank 0 of its expert TP / EP
+// coordinates), and a run resumed under another EP / ETP / TP / PP / DP size, with or without the
+// distributed optimizer (which shards the expert state over the expert-data-parallel group), saved
+// synchronously or with --async-save, continues on the uninterrupted one-rank loss curve. A checkpoint of another MoE shape is a clear
+// error.
+TEST_F(TrainerLayouts, MixtureOfExpertsCheckpointsReshard) {
+  const std::string moe =
+      " --swiglu --ffn-hidden-size 64 --normalization RMSNorm --position-embedding-type rope --disable-bias-linear "
+      "--num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 32 --moe-layer-freq [0,1]*2 "
+      "--moe-aux-loss-coeff 1e-2 --moe-z-loss-coeff 1e-3";
+  RunResult full = run(flags("--train-iters 6" + moe));
+  ASSERT_EQ(full.rc, 0) << full.out;
+  const auto full_losses = losses(full.out);
+  ASSERT_EQ(full_losses.size(), 6u) << full.out;
+  const std::string tp2 = " --tensor-model-parallel-size 2 --sequence-parallel";
+  struct Case {
+    std::string name, save, resume;
+  };
+  const std::vector<Case> cases = {
+      {"ep2", "--nproc-per-node 2 --expert-model-parallel-size 2", ""},
+      {"ep1_to_ep4", "", "--nproc-per-node 4 --expert-model-parallel-size 4 --use-distributed-optimizer"},
+      {"etp1_to_etp2", "--nproc-per-node 2" + tp2 + " --expert-tensor-parallel-size 1 --use-distributed-optimizer",
+       "--nproc-per-node 2" + tp2},
+      {"ep2etp2_to_ep2etp1",
+       "--nproc-per-node 4" + tp2 + " --expert-model-parallel-size 2 --use-distributed-optimizer",
+       "--nproc-per-node 4" + tp2 + " --expert-model-parallel-size 2 --expert-tensor-parallel-size 1 "
+       "--use-distributed-optimizer"},
+      {"pp2ep2_async_to_dp2",
+       "--nproc-per-node 4 --pipeline-model-parallel-size 2 --expert-model-parallel-size 2 --async-save",
+       "--nproc-per-node 2 --use-distributed-optimizer"}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    RunResult first;
+    std::map<int, double> l;
+    const std::string ck = (dir_ / ("ck_moe_" + c.name)).string();
+    ASSERT_NO_FATAL_FAILURE(save_half(ck, c.save + moe, &first));
+    ASSERT_NO_FATAL_FAILURE(resume(first, ck, c.resume + moe, &l));
+    expect_same(l, full_losses, "MoE checkpoint " + c.name + ": [" + c.save + "] -> [" + c.resume + "]");
+  }
+  // Under EP 2 the two ranks each wrote their own 4 experts (and DP rank 0 the dense tensors).
+  const std::string ck = (dir_ / "ck_moe_ep2").string();
+  std::ifstream meta(ck + "/iter_0000003/metadata.json");
+  const nlohmann::json m = nlohmann::json::parse(meta);
+  EXPECT_EQ(m.at("expert_model_parallel_size"), 2);
+  std::map<std::string, std::string> file_of;
+  for (const auto& t : m.at("tensors")) {
+    ASSERT_EQ(t.at("shards").size(), 1u) << t.dump();
+    file_of[t.at("name").get<std::string>()] = t.at("shards")[0].at("file").get<std::string>();
+  }
+  const std::string e = "decoder.layers.1.mlp.experts.local_experts.";
+  EXPECT_EQ(file_of.at("model/" + e + "3.linear_fc1.weight"), "rank_00000.bin");
+  EXPECT_EQ(file_of.at("model/" + e + "4.linear_fc1.weight"), "rank_00001.bin");
+  EXPECT_EQ(file_of.at("optim/exp_avg/" + e + "7.linear_fc2.weight"), "rank_00001.bin");
+  EXPECT_EQ(file_of.at("model/decoder.layers.1.mlp.router.weight"), "rank_00000.bin");
+  // Another MoE shape: a clear error before training.
+  for (const auto& [extra, message] : std::vector<std::pair<std::string, std::string>>{
+           {" --num-experts 4", "checkpoint has --num-experts 8 but the command line asks for 4"},
+           {" --moe-ffn-hidden-size 16", "checkpoint has --moe-ffn-hidden-size 32 but the command line asks for 16"},
+           {" --moe-layer-freq 1", "checkpoint has --moe-layer-freq [0,1,0,1] but the command line asks for [1,1,1,1]"}}) {
+    RunResult r = run(flags("--train-iters 6 --load " + ck + moe + extra));
     EXPECT_NE(r.rc, 0) << extra;
     EXPECT_NE(r.out.find(message), std::string::npos) << extra << "\n" << r.out;
   }

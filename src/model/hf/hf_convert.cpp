@@ -19,17 +19,26 @@ const char* architecture_name(HfArchitecture a) {
     case HfArchitecture::kLlama: return "LlamaForCausalLM";
     case HfArchitecture::kQwen2: return "Qwen2ForCausalLM";
     case HfArchitecture::kQwen3: return "Qwen3ForCausalLM";
+    case HfArchitecture::kMixtral: return "MixtralForCausalLM";
+    case HfArchitecture::kQwen3Moe: return "Qwen3MoeForCausalLM";
   }
   return "?";
 }
 
 HfArchitecture parse_architecture(const std::string& name) {
-  for (HfArchitecture a : {HfArchitecture::kGpt2, HfArchitecture::kLlama, HfArchitecture::kQwen2, HfArchitecture::kQwen3})
+  for (HfArchitecture a : {HfArchitecture::kGpt2, HfArchitecture::kLlama, HfArchitecture::kQwen2, HfArchitecture::kQwen3,
+                           HfArchitecture::kMixtral, HfArchitecture::kQwen3Moe})
     if (name == architecture_name(a)) return a;
-  MT_FAIL("unsupported Hugging Face architecture '{}': expected GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM "
-          "or Qwen3ForCausalLM",
+  MT_REQUIRE(name != "Qwen2MoeForCausalLM",
+             "unsupported Hugging Face architecture 'Qwen2MoeForCausalLM': its shared expert is scaled by a sigmoid gate "
+             "(shared_expert_gate), which megatron.cpp's shared experts (--moe-shared-expert-intermediate-size) do not "
+             "have");
+  MT_FAIL("unsupported Hugging Face architecture '{}': expected GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM, "
+          "Qwen3ForCausalLM, MixtralForCausalLM or Qwen3MoeForCausalLM",
           name);
 }
+
+bool is_moe(HfArchitecture a) { return a == HfArchitecture::kMixtral || a == HfArchitecture::kQwen3Moe; }
 
 namespace {
 
@@ -92,6 +101,51 @@ void gpt2_config(const Fields& f, TransformerConfig& c) {
   c.init_method_std = f.get_or<float>("initializer_range", 0.02f);
 }
 
+/// Qwen 3 MoE's layer pattern: layer l is MoE unless listed in mlp_only_layers, when (l + 1) is a
+/// multiple of decoder_sparse_step (transformers' Qwen3MoeDecoderLayer).
+std::vector<uint8_t> qwen3_moe_pattern(int64_t num_layers, int64_t sparse_step, const std::vector<int64_t>& mlp_only) {
+  std::vector<uint8_t> p(static_cast<size_t>(num_layers), 0);
+  for (int64_t l = 0; l < num_layers; ++l)
+    p[static_cast<size_t>(l)] =
+        std::find(mlp_only.begin(), mlp_only.end(), l) == mlp_only.end() && sparse_step > 0 && (l + 1) % sparse_step == 0;
+  return p;
+}
+
+/// The MoE fields of Mixtral and Qwen 3 MoE (facts from transformers' modeling_mixtral.py and
+/// modeling_qwen3_moe.py): the router is a bias-free linear [E, h]; its softmax over all experts,
+/// top-k, and (Mixtral always, Qwen 3 MoE with norm_topk_prob) renormalisation over the selection
+/// equal Megatron's softmax over the selected logits; without renormalisation it is Megatron's
+/// --moe-router-pre-softmax. Experts are SwiGLU MLPs without biases.
+void moe_config(const Fields& f, HfArchitecture arch, TransformerConfig& c) {
+  c.moe_router_score_function = MoeScoreFunction::kSoftmax;
+  c.moe_router_topk = f.get<int64_t>("num_experts_per_tok");
+  c.moe_aux_loss_coeff = f.get_or<float>("router_aux_loss_coef", 0.f);
+  c.moe_router_load_balancing_type = MoeLoadBalancing::kAuxLoss;
+  MT_REQUIRE(f.get_or<int64_t>("shared_expert_intermediate_size", 0) == 0,
+             "{}: shared experts (shared_expert_intermediate_size) are not supported for {}", f.file,
+             architecture_name(arch));
+  if (arch == HfArchitecture::kMixtral) {
+    c.num_moe_experts = f.get<int64_t>("num_local_experts");
+    c.moe_ffn_hidden_size = c.ffn_hidden_size;  // intermediate_size is the experts' size; every layer is MoE
+    c.moe_layer_pattern.clear();
+    c.moe_router_pre_softmax = false;
+    MT_REQUIRE(f.get_or<float>("router_jitter_noise", 0.f) == 0.f,
+               "{}: router_jitter_noise {} is not supported (megatron.cpp's router has no input jitter)", f.file,
+               f.get<float>("router_jitter_noise"));
+    return;
+  }
+  // The released configs say num_experts; transformers 5 writes num_local_experts (its alias).
+  c.num_moe_experts = f.get<int64_t>(f.has("num_experts") || !f.has("num_local_experts") ? "num_experts"
+                                                                                        : "num_local_experts");
+  c.moe_ffn_hidden_size = f.get<int64_t>("moe_intermediate_size");
+  // transformers' Qwen3MoeConfig defaults norm_topk_prob to false (the released models set true).
+  c.moe_router_pre_softmax = !f.get_or<bool>("norm_topk_prob", false);
+  const int64_t step = f.get_or<int64_t>("decoder_sparse_step", 1);
+  MT_REQUIRE(step >= 1, "{}: decoder_sparse_step must be >= 1, got {}", f.file, step);
+  const auto mlp_only = f.get_or<std::vector<int64_t>>("mlp_only_layers", {});
+  c.moe_layer_pattern = qwen3_moe_pattern(c.num_layers, step, mlp_only);
+}
+
 void llama_like_config(const Fields& f, HfArchitecture arch, TransformerConfig& c) {
   c.hidden_size = f.get<int64_t>("hidden_size");
   c.num_layers = f.get<int64_t>("num_hidden_layers");
@@ -115,12 +169,19 @@ void llama_like_config(const Fields& f, HfArchitecture arch, TransformerConfig& 
   MT_REQUIRE(!attention_bias, "{}: attention_bias (biases on q/k/v and o_proj) is not supported; Qwen 2's q/k/v "
              "biases are", f.file);
   c.add_qkv_bias = arch == HfArchitecture::kQwen2;
-  c.qk_layernorm = arch == HfArchitecture::kQwen3;
+  c.qk_layernorm = arch == HfArchitecture::kQwen3 || arch == HfArchitecture::kQwen3Moe;
   MT_REQUIRE(!f.get_or<bool>("use_sliding_window", false), "{}: use_sliding_window is not supported", f.file);
+  if (arch == HfArchitecture::kMixtral && f.has("sliding_window")) {  // Mistral's window: inert if it spans every position
+    const int64_t w = f.get<int64_t>("sliding_window");
+    MT_REQUIRE(w >= c.max_position_embeddings,
+               "{}: sliding_window {} (shorter than max_position_embeddings {}) is not supported", f.file, w,
+               c.max_position_embeddings);
+  }
   c.untie_embeddings_and_output_weights = !f.get_or<bool>("tie_word_embeddings", false);
   c.hidden_dropout = 0.f;
   c.attention_dropout = f.get_or<float>("attention_dropout", 0.f);
   c.init_method_std = f.get_or<float>("initializer_range", 0.02f);
+  if (is_moe(arch)) moe_config(f, arch, c);
 }
 
 }  // namespace
@@ -161,6 +222,8 @@ HfModel read_hf_config(const std::string& dir, int64_t seq_length, int64_t make_
 void check_representable(HfArchitecture arch, const TransformerConfig& c) {
   const char* name = architecture_name(arch);
   auto need = [&](bool ok, const char* what) { MT_REQUIRE(ok, "the model cannot be exported as {}: {}", name, what); };
+  if (!is_moe(arch)) need(c.num_moe_experts == 0, "it has mixture-of-experts layers (MixtralForCausalLM or "
+                                                  "Qwen3MoeForCausalLM can hold them)");
   if (arch == HfArchitecture::kGpt2) {
     need(c.normalization == Normalization::kLayerNorm, "GPT-2 uses LayerNorm");
     need(c.position_embedding_type == PositionEmbeddingType::kLearnedAbsolute, "GPT-2 uses learned positions");
@@ -178,15 +241,85 @@ void check_representable(HfArchitecture arch, const TransformerConfig& c) {
   need(c.gated_linear_unit, "a SwiGLU MLP is required");
   need(!c.add_bias_linear, "no biases on the projections");
   need(c.add_qkv_bias == (arch == HfArchitecture::kQwen2), "a QKV bias exactly for Qwen2ForCausalLM");
-  need(c.qk_layernorm == (arch == HfArchitecture::kQwen3), "QK-norm exactly for Qwen3ForCausalLM");
+  need(c.qk_layernorm == (arch == HfArchitecture::kQwen3 || arch == HfArchitecture::kQwen3Moe),
+       "QK-norm exactly for Qwen3ForCausalLM and Qwen3MoeForCausalLM");
+  if (!is_moe(arch)) return;
+  need(c.num_moe_experts > 0, "mixture-of-experts layers are required (--num-experts)");
+  need(c.moe_shared_expert_intermediate_size == 0, "no shared experts (--moe-shared-expert-intermediate-size)");
+  need(c.moe_router_score_function == MoeScoreFunction::kSoftmax, "a softmax router is required");
+  need(c.moe_router_topk_scaling_factor == 1.f, "no --moe-router-topk-scaling-factor");
+  need(c.moe_router_num_groups == 0, "no group-limited routing (--moe-router-num-groups)");
+  if (arch == HfArchitecture::kMixtral) {
+    need(c.num_moe_layers() == c.num_layers, "every layer must be a MoE layer (--moe-layer-freq 1)");
+    need(!c.moe_router_pre_softmax, "Mixtral renormalises the top-k probabilities (no --moe-router-pre-softmax)");
+  }
 }
 
 HfArchitecture infer_architecture(const TransformerConfig& c) {
+  if (c.num_moe_experts > 0) return c.qk_layernorm ? HfArchitecture::kQwen3Moe : HfArchitecture::kMixtral;
   if (c.position_embedding_type == PositionEmbeddingType::kLearnedAbsolute) return HfArchitecture::kGpt2;
   if (c.qk_layernorm) return HfArchitecture::kQwen3;
   if (c.add_qkv_bias && !c.add_bias_linear) return HfArchitecture::kQwen2;
   return HfArchitecture::kLlama;
 }
+
+namespace {
+
+/// A float field of config.json as the shortest decimal that reads back as the same float (1e-06,
+/// not 9.999999974752427e-07): a float read at import is written back as it was.
+json decimal(float v) { return std::stod(fmt::format("{}", v)); }
+
+const char* model_type(HfArchitecture a) {
+  switch (a) {
+    case HfArchitecture::kGpt2: return "gpt2";
+    case HfArchitecture::kLlama: return "llama";
+    case HfArchitecture::kQwen2: return "qwen2";
+    case HfArchitecture::kQwen3: return "qwen3";
+    case HfArchitecture::kMixtral: return "mixtral";
+    case HfArchitecture::kQwen3Moe: return "qwen3_moe";
+  }
+  return "?";
+}
+
+// The MoE fields of a Mixtral / Qwen 3 MoE config.json `j`. The training-only router fields
+// (router_aux_loss_coef, output_router_logits) of `j` (from the imported config) are kept, and so
+// are the imported config's (`base`) decoder_sparse_step / mlp_only_layers when they give this
+// model's layer pattern.
+void moe_hf_config(HfArchitecture arch, const TransformerConfig& c, const json& base, json& j) {
+  j["num_experts_per_tok"] = c.moe_router_topk;
+  if (!j.contains("router_aux_loss_coef")) j["router_aux_loss_coef"] = decimal(c.moe_aux_loss_coeff);
+  if (!j.contains("output_router_logits")) j["output_router_logits"] = false;
+  if (arch == HfArchitecture::kMixtral) {
+    j["num_local_experts"] = c.num_moe_experts;
+    j["intermediate_size"] = c.moe_ffn();
+    j["router_jitter_noise"] = 0.0;
+    if (!j.contains("sliding_window")) j["sliding_window"] = nullptr;
+    return;
+  }
+  // The imported config's name for the number of experts (transformers 5 writes num_local_experts).
+  const bool v5 = base.is_object() && base.contains("num_local_experts") && !base.contains("num_experts");
+  j[v5 ? "num_local_experts" : "num_experts"] = c.num_moe_experts;
+  j["moe_intermediate_size"] = c.moe_ffn();
+  j["norm_topk_prob"] = !c.moe_router_pre_softmax;
+  std::vector<uint8_t> want(static_cast<size_t>(c.num_layers));
+  std::vector<int64_t> dense;
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    want[static_cast<size_t>(l)] = c.is_moe_layer(l) ? 1 : 0;
+    if (!c.is_moe_layer(l)) dense.push_back(l);
+  }
+  bool same = false;
+  try {
+    same = base.is_object() && base.contains("decoder_sparse_step") && base.contains("mlp_only_layers") &&
+           qwen3_moe_pattern(c.num_layers, base.at("decoder_sparse_step").get<int64_t>(),
+                             base.at("mlp_only_layers").get<std::vector<int64_t>>()) == want;
+  } catch (const json::exception&) {
+    same = false;
+  }
+  j["decoder_sparse_step"] = same ? base.at("decoder_sparse_step") : json(1);
+  j["mlp_only_layers"] = same ? base.at("mlp_only_layers") : json(dense);
+}
+
+}  // namespace
 
 json make_hf_config(HfArchitecture arch, const TransformerConfig& c, const json& base, DType dtype) {
   check_representable(arch, c);
@@ -194,43 +327,51 @@ json make_hf_config(HfArchitecture arch, const TransformerConfig& c, const json&
   // Drop fields of another architecture a base config may carry.
   for (const char* k : {"n_embd", "n_layer", "n_head", "n_positions", "n_ctx", "n_inner", "hidden_size",
                         "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-                        "intermediate_size", "rope_theta", "rope_parameters", "rope_scaling"})
+                        "intermediate_size", "rope_theta", "rope_parameters", "rope_scaling", "num_local_experts",
+                        "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                        "decoder_sparse_step", "mlp_only_layers", "shared_expert_intermediate_size",
+                        "router_jitter_noise"})
     j.erase(k);
+  if (!is_moe(arch))
+    for (const char* k : {"router_aux_loss_coef", "output_router_logits", "sliding_window"}) j.erase(k);
   j["architectures"] = {architecture_name(arch)};
+  j["model_type"] = model_type(arch);
   j["vocab_size"] = c.vocab_size;
   j["max_position_embeddings"] = c.max_positions();
   j["torch_dtype"] = dtype == DType::kBF16 ? "bfloat16" : dtype == DType::kF16 ? "float16" : "float32";
   if (arch == HfArchitecture::kGpt2) {
     j.erase("max_position_embeddings");
-    j["model_type"] = "gpt2";
     j["n_embd"] = c.hidden_size;
     j["n_layer"] = c.num_layers;
     j["n_head"] = c.num_attention_heads;
     j["n_positions"] = c.max_positions();
     j["n_inner"] = c.ffn();
-    j["layer_norm_epsilon"] = c.norm_epsilon;
+    j["layer_norm_epsilon"] = decimal(c.norm_epsilon);
     j["activation_function"] = "gelu_new";
     j["tie_word_embeddings"] = true;
-    if (!j.contains("initializer_range")) j["initializer_range"] = c.init_method_std;
+    if (!j.contains("initializer_range")) j["initializer_range"] = decimal(c.init_method_std);
     return j;
   }
-  j["model_type"] = arch == HfArchitecture::kLlama ? "llama" : arch == HfArchitecture::kQwen2 ? "qwen2" : "qwen3";
   j["hidden_size"] = c.hidden_size;
   j["num_hidden_layers"] = c.num_layers;
   j["num_attention_heads"] = c.num_attention_heads;
   j["num_key_value_heads"] = c.query_groups();
   j["head_dim"] = c.head_dim();
   j["intermediate_size"] = c.ffn();
-  j["rms_norm_eps"] = c.norm_epsilon;
+  j["rms_norm_eps"] = decimal(c.norm_epsilon);
   j["hidden_act"] = "silu";
-  j["rope_theta"] = c.rotary_base;
-  j["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", c.rotary_base}};
-  if (c.rotary_percent != 1.f) j["partial_rotary_factor"] = c.rotary_percent;
-  j["attention_bias"] = false;
-  j["mlp_bias"] = false;
+  j["rope_theta"] = decimal(c.rotary_base);
+  j["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", decimal(c.rotary_base)}};
+  if (c.rotary_percent != 1.f) j["partial_rotary_factor"] = decimal(c.rotary_percent);
+  if (arch != HfArchitecture::kMixtral) {
+    j["attention_bias"] = false;
+    if (arch != HfArchitecture::kQwen3Moe) j["mlp_bias"] = false;
+  }
   j["tie_word_embeddings"] = c.tied_output();
-  if (arch != HfArchitecture::kLlama) j["use_sliding_window"] = false;
-  if (!j.contains("initializer_range")) j["initializer_range"] = c.init_method_std;
+  if (arch == HfArchitecture::kQwen2 || arch == HfArchitecture::kQwen3 || arch == HfArchitecture::kQwen3Moe)
+    j["use_sliding_window"] = false;
+  if (!j.contains("initializer_range")) j["initializer_range"] = decimal(c.init_method_std);
+  if (is_moe(arch)) moe_hf_config(arch, c, base, j);
   return j;
 }
 
@@ -302,6 +443,72 @@ std::string gpt2_prefix(const SafetensorsCheckpoint& ck) {
   return ck.has("transformer.wte.weight") ? "transformer." : "";
 }
 
+// --- mixture of experts ---------------------------------------------------------------------
+//
+// Per layer l (transformers' on-disk "Hub" names; Mixtral's module is block_sparse_moe, Qwen 3
+// MoE's mlp):
+//   router       <prefix>.gate.weight [E, h]             -> mlp.router.weight [E, h]
+//   expert e     <prefix>.experts.e.{w1|gate_proj}.weight [f, h] and {w3|up_proj} [f, h]
+//                                                         -> mlp.experts.local_experts.e.linear_fc1.weight [2, f, h]
+//                <prefix>.experts.e.{w2|down_proj}.weight [h, f]
+//                                                         -> mlp.experts.local_experts.e.linear_fc2.weight [h, f]
+// transformers 5 models hold the experts fused (experts.gate_up_proj [E, 2f, h], gate rows first;
+// experts.down_proj [E, h, f]) under model.layers.l.mlp, and save_pretrained writes the per-expert
+// Hub names above; both are read, the Hub names are written.
+
+struct MoeNames {
+  std::string prefix, gate, up, down;  // prefix ends with '.'
+};
+MoeNames moe_names(HfArchitecture a, int64_t l) {
+  if (a == HfArchitecture::kMixtral) return {fmt::format("model.layers.{}.block_sparse_moe.", l), "w1", "w3", "w2"};
+  return {fmt::format("model.layers.{}.mlp.", l), "gate_proj", "up_proj", "down_proj"};
+}
+
+void moe_to_megatron(const HfModel& m, const SafetensorsCheckpoint& ck, int64_t l, GlobalTensors& t) {
+  const TransformerConfig& c = m.config;
+  const int64_t h = c.hidden_size, f = c.moe_ffn(), E = c.num_moe_experts;
+  const MoeNames n = moe_names(m.arch, l);
+  const std::string o = layer(l) + "mlp.";
+  auto expert = [&](int64_t e) { return fmt::format("{}experts.local_experts.{}.", o, e); };
+  const std::string fused = fmt::format("model.layers.{}.mlp.", l);  // transformers 5's module names
+  if (ck.has(fused + "experts.gate_up_proj")) {
+    t[o + "router.weight"] = read(ck, fused + "gate.weight", {E, h});
+    const std::vector<float> gu = read(ck, fused + "experts.gate_up_proj", {E, 2 * f, h});
+    const std::vector<float> dn = read(ck, fused + "experts.down_proj", {E, h, f});
+    for (int64_t e = 0; e < E; ++e) {
+      t[expert(e) + "linear_fc1.weight"].assign(gu.begin() + e * 2 * f * h, gu.begin() + (e + 1) * 2 * f * h);
+      t[expert(e) + "linear_fc2.weight"].assign(dn.begin() + e * h * f, dn.begin() + (e + 1) * h * f);
+    }
+    return;
+  }
+  t[o + "router.weight"] = read(ck, n.prefix + "gate.weight", {E, h});
+  for (int64_t e = 0; e < E; ++e) {
+    const std::string s = fmt::format("{}experts.{}.", n.prefix, e);
+    std::vector<float> fc1 = read(ck, s + n.gate + ".weight", {f, h});
+    const std::vector<float> up = read(ck, s + n.up + ".weight", {f, h});
+    fc1.insert(fc1.end(), up.begin(), up.end());  // [gate; up] = [2, f, h]
+    t[expert(e) + "linear_fc1.weight"] = std::move(fc1);
+    t[expert(e) + "linear_fc2.weight"] = read(ck, s + n.down + ".weight", {h, f});
+  }
+}
+
+template <typename Get, typename Put>
+void moe_to_hf_impl(const HfModel& m, int64_t l, const Get& get, const Put& put) {
+  const TransformerConfig& c = m.config;
+  const int64_t h = c.hidden_size, f = c.moe_ffn(), E = c.num_moe_experts;
+  const MoeNames n = moe_names(m.arch, l);
+  const std::string o = layer(l) + "mlp.";
+  put(n.prefix + "gate.weight", {E, h}, get(o + "router.weight"));
+  for (int64_t e = 0; e < E; ++e) {
+    const std::string s = fmt::format("{}experts.{}.", n.prefix, e);
+    const std::string x = fmt::format("{}experts.local_experts.{}.", o, e);
+    const auto& fc1 = get(x + "linear_fc1.weight");
+    put(s + n.gate + ".weight", {f, h}, std::vector<float>(fc1.begin(), fc1.begin() + f * h));
+    put(s + n.up + ".weight", {f, h}, std::vector<float>(fc1.begin() + f * h, fc1.end()));
+    put(s + n.down + ".weight", {h, f}, get(x + "linear_fc2.weight"));
+  }
+}
+
 }  // namespace
 
 GlobalTensors hf_to_megatron(const HfModel& m, const SafetensorsCheckpoint& ck) {
@@ -355,6 +562,10 @@ GlobalTensors hf_to_megatron(const HfModel& m, const SafetensorsCheckpoint& ck) 
     }
     t[o + "self_attention.linear_proj.weight"] = read(ck, s + "self_attn.o_proj.weight", {h, n * d});
     t[o + "pre_mlp_layernorm.weight"] = read(ck, s + "post_attention_layernorm.weight", {h});
+    if (c.is_moe_layer(l)) {
+      moe_to_megatron(m, ck, l, t);
+      continue;
+    }
     std::vector<float> fc1 = read(ck, s + "mlp.gate_proj.weight", {f, h});
     const std::vector<float> up = read(ck, s + "mlp.up_proj.weight", {f, h});
     fc1.insert(fc1.end(), up.begin(), up.end());  // [gate; up] = [2, f, h]
@@ -437,6 +648,10 @@ std::vector<TensorToWrite> megatron_to_hf(const HfModel& m, const GlobalTensors&
     }
     put(s + "self_attn.o_proj.weight", {h, n * d}, get(o + "self_attention.linear_proj.weight"));
     put(s + "post_attention_layernorm.weight", {h}, get(o + "pre_mlp_layernorm.weight"));
+    if (c.is_moe_layer(l)) {
+      moe_to_hf_impl(m, l, get, put);
+      continue;
+    }
     const auto& fc1 = get(o + "mlp.linear_fc1.weight");
     put(s + "mlp.gate_proj.weight", {f, h}, std::vector<float>(fc1.begin(), fc1.begin() + f * h));
     put(s + "mlp.up_proj.weight", {f, h}, std::vector<float>(fc1.begin() + f * h, fc1.end()));

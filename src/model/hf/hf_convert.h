@@ -1,6 +1,7 @@
 // Hugging Face interchange (docs/huggingface.md): config.json <-> TransformerConfig and the
 // per-layer weight mapping between a transformers checkpoint and Megatron-Core's parameter names
-// and layouts, for GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM.
+// and layouts, for GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM and the
+// mixture-of-experts MixtralForCausalLM and Qwen3MoeForCausalLM.
 //
 // Layout conversions (facts from transformers' modeling files and Megatron-Core's checkpoint
 // converters):
@@ -13,6 +14,13 @@
 //   * RoPE: transformers' Llama/Qwen rotate halves of each head (rotate_half), which is Megatron's
 //     non-interleaved RoPE on the same weight order: no permutation.
 //   * Vocabulary: padded with zero rows on import (the padding is inert), dropped on export.
+//   * MoE (Mixtral's block_sparse_moe, Qwen 3 MoE's mlp): gate [E, h] is the router; each expert's
+//     w1 / gate_proj and w3 / up_proj stack into its linear_fc1 [2, f, h], w2 / down_proj is its
+//     linear_fc2 (transformers 5's fused experts.gate_up_proj [E, 2f, h] / experts.down_proj
+//     [E, h, f] are read too). Router: softmax over all experts, top-k, renormalised (Mixtral;
+//     Qwen 3 MoE with norm_topk_prob) = Megatron's softmax over the selected logits; not
+//     renormalised (norm_topk_prob false) = --moe-router-pre-softmax. Qwen 3 MoE's dense layers
+//     (mlp_only_layers, decoder_sparse_step) become --moe-layer-freq's pattern.
 #pragma once
 #include <map>
 #include <string>
@@ -25,12 +33,16 @@
 
 namespace mt::hf {
 
-enum class HfArchitecture { kGpt2, kLlama, kQwen2, kQwen3 };
+enum class HfArchitecture { kGpt2, kLlama, kQwen2, kQwen3, kMixtral, kQwen3Moe };
 
-/// "GPT2LMHeadModel", "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM".
+/// "GPT2LMHeadModel", "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+/// "MixtralForCausalLM", "Qwen3MoeForCausalLM".
 const char* architecture_name(HfArchitecture a);
-/// Errors: mt::Error naming the value and the supported architectures.
+/// Errors: mt::Error naming the value and the supported architectures (Qwen2MoeForCausalLM:
+/// naming its gated shared expert, which is not implemented).
 HfArchitecture parse_architecture(const std::string& name);
+/// Mixtral or Qwen 3 MoE.
+bool is_moe(HfArchitecture a);
 
 struct HfModel {
   HfArchitecture arch = HfArchitecture::kGpt2;
@@ -42,12 +54,13 @@ struct HfModel {
 /// min(max_position_embeddings, 4096)). Errors (mt::Error naming the file and the field): a missing
 /// or unreadable file, invalid JSON, an unknown architecture, a missing or ill-typed field, and
 /// features megatron.cpp does not implement (RoPE scaling, sliding windows, biases only on some
-/// projections, non-tanh GELU for GPT-2, ...).
+/// projections, non-tanh GELU for GPT-2, router jitter, shared experts, ...).
 HfModel read_hf_config(const std::string& dir, int64_t seq_length = 0, int64_t make_vocab_size_divisible_by = 128);
 
 /// The architecture that represents `config`: GPT-2 (LayerNorm, learned positions, biases,
 /// GELU, tied), Llama (RMSNorm, RoPE, SwiGLU, no biases), Qwen 2 (Llama + QKV bias), Qwen 3
-/// (Llama + QK-norm). Errors: a configuration none of them represents, naming the mismatch.
+/// (Llama + QK-norm); with experts Qwen 3 MoE (QK-norm) or Mixtral. Errors: a configuration none
+/// of them represents, naming the mismatch.
 HfArchitecture infer_architecture(const TransformerConfig& config);
 /// Checks that `arch` can represent `config`; errors name the first field that differs.
 void check_representable(HfArchitecture arch, const TransformerConfig& config);
