@@ -80,6 +80,15 @@ void GPTModel::update_expert_bias(const Stream& stream) {
     if (MoELayer* m = l->moe()) m->update_expert_bias(dp, stream);
 }
 
+std::vector<std::pair<std::string, Tensor>> GPTModel::persistent_state(const Stream& stream) {
+  std::vector<std::pair<std::string, Tensor>> out;
+  for (const auto& l : parts_->layers)
+    if (MoELayer* m = l->moe())
+      if (Tensor b = m->expert_bias(stream); !b.empty())
+        out.emplace_back(fmt::format("decoder.layers.{}.mlp.router.expert_bias", l->number()), b);
+  return out;
+}
+
 void GPTModel::reset_moe_stats() {
   for (const auto& l : parts_->layers)
     if (MoELayer* m = l->moe()) m->reset_stats();

@@ -91,6 +91,7 @@ class GPTModel final : public LanguageModel {
   std::vector<double> moe_loss_stats(const Stream& stream) const override;
   void reset_moe_stats() override;
   void update_expert_bias(const Stream& stream) override;
+  std::vector<std::pair<std::string, Tensor>> persistent_state(const Stream& stream) override;
 
   bool sequence_parallel() const { return tp_.sequence_parallel(); }
   /// Context-parallel size (the CP group of `groups`) and the tokens of a sequence on this rank:

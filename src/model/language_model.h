@@ -112,6 +112,11 @@ class LanguageModel {
   /// Once per training step after the last backward: the aux-loss-free expert bias update of every
   /// MoE layer (MoELayer::update_expert_bias over the data × context parallel group). Collective.
   virtual void update_expert_bias(const Stream& stream) = 0;
+  /// Model state that is not a parameter but belongs in checkpoints (Megatron's persistent
+  /// buffers): for each MoE layer of this rank with --moe-router-enable-expert-bias,
+  /// ("decoder.layers.<L>.mlp.router.expert_bias", fp32 [E] on the device), replicated over
+  /// TP, DP and EP. The tensors may be written in place (checkpoint load). Ordered on `stream`.
+  virtual std::vector<std::pair<std::string, Tensor>> persistent_state(const Stream& stream) = 0;
 };
 
 }  // namespace mt

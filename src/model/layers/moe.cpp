@@ -118,6 +118,14 @@ void MoELayer::plan(BufferPlanner& p, int64_t s, int64_t b) {
   }
 }
 
+Tensor MoELayer::expert_bias(const Stream& stream) {
+  if (!expert_bias_.empty() && !bias_zeroed_) {
+    fill(bias_buffer_.as(DType::kF32, {2 * num_experts_}), 0.f, stream);
+    bias_zeroed_ = true;
+  }
+  return expert_bias_;
+}
+
 void MoELayer::update_expert_bias(Communicator* dp, const Stream& stream) {
   if (expert_bias_.empty() || !bias_zeroed_) return;  // no option, or no training forward yet
   if (dp && dp->size() > 1) dp->all_reduce(bias_counts_, ReduceOp::kSum, stream);
@@ -197,10 +205,7 @@ Tensor MoELayer::forward(const StepContext& ctx) {
   // --- router (local tokens) ---
   matmul(sv.logits, x, router_weight_.value(), false, true, 1.f, 0.f, st);
   if (config_.moe_router_force_load_balancing) random_logits(sv.logits, ctx);
-  if (!expert_bias_.empty() && !bias_zeroed_) {
-    fill(bias_buffer_.as(DType::kF32, {2 * num_experts_}), 0.f, st);
-    bias_zeroed_ = true;
-  }
+  expert_bias(st);  // zero-initialised on first use
   const Tensor top_local = G == 1 ? sv.top_all : sv.top_all.slice0(r * T, (r + 1) * T);
   const Tensor probs_local = G == 1 ? sv.probs_all : sv.probs_all.slice0(r * T, (r + 1) * T);
   moe_topk_routing(probs_local, top_local, aux_loss_on() ? scores_aux_ : Tensor(), sv.logits, expert_bias_, router_, st);

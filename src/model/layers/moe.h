@@ -86,8 +86,9 @@ class MoELayer final : public MlpSlot {
   /// over TP), moves the expert bias by moe_expert_bias_update and restarts the counts. No-op
   /// without the option. Collective over dp.
   void update_expert_bias(Communicator* dp, const Stream& stream);
-  /// fp32 [E] on the model's device (zeros until updated); empty without the option.
-  Tensor expert_bias() const { return expert_bias_; }
+  /// The expert bias, fp32 [E] on the model's device, zero-initialised on first use (ordered on
+  /// `stream`); empty without the option. Writable: a checkpoint load overwrites it in place.
+  Tensor expert_bias(const Stream& stream);
   int64_t layer() const { return layer_; }
 
  private:
