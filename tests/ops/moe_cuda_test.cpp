@@ -1,0 +1,534 @@
+// CUDA MoE ops (ops/cuda/moe.cu) against the CPU reference (ops/cpu/moe.cpp), each backend called
+// directly (mt::cpu::op, mt::cuda::op) on the same random inputs. Routing: the selected experts
+// identical (including exact ties, which go to the lower expert index), probs / scores / gradients
+// to 1e-6; loss values and their gradients to 1e-5 with a device loss scale, for one token group
+// and for G per-sequence groups; token counts and the expert-bias update identical; routing map
+// identical (device maps, device and host counts) for local expert ranges inside E and for the
+// multi-block scan path (N·k = 2^17 and more); permute / unpermute forward and backward in fp32 to
+// 1e-6 and in bf16 / fp16 against the CPU fp32 result on the same rounded inputs. Every CUDA op runs
+// twice and must give bitwise identical outputs (determinism). Outputs are poisoned before each
+// call.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "ops/moe.h"
+#include "testing/testing.h"
+
+namespace mt {
+namespace {
+
+using testing::make_int_tensor;
+using testing::make_tensor;
+using testing::OwnedTensor;
+using testing::poison;
+using testing::rel_err;
+using testing::to_host;
+
+const Device kCpu = Device::cpu();
+
+std::vector<int32_t> ints(const Tensor& t, const Stream& s) {
+  std::vector<int32_t> out(static_cast<size_t>(t.numel()));
+  copy_bytes(out.data(), kCpu, t.data(), t.device(), out.size() * 4, s);
+  s.synchronize();
+  return out;
+}
+
+void fill_ints(const Tensor& t, int32_t v, const Stream& s) {
+  std::vector<int32_t> h(static_cast<size_t>(t.numel()), v);
+  copy_bytes(t.data(), t.device(), h.data(), kCpu, h.size() * 4, s);
+  s.synchronize();
+}
+
+/// Bitwise equality of two host vectors (NaNs included).
+template <typename T>
+bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+}
+
+/// Distinct experts per token (as the router produces): top [N, k] over E experts.
+std::vector<int32_t> random_top(int64_t N, int64_t k, int64_t E) {
+  std::vector<int32_t> top(static_cast<size_t>(N * k)), perm(static_cast<size_t>(E));
+  for (int64_t t = 0; t < N; ++t) {
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), testing::test_rng());
+    std::copy(perm.begin(), perm.begin() + k, top.begin() + t * k);
+  }
+  return top;
+}
+
+// ---- routing -------------------------------------------------------------------------------------
+
+struct RouteCase {
+  int64_t E, k;
+  bool sigmoid, pre_softmax, bias;
+  int64_t groups, group_topk;
+  float scaling;
+  bool ties;  ///< logits on a coarse grid: many exact ties
+  std::string str() const {
+    return fmt::format("E={} k={} {}{}{} groups={}/{} scaling={} ties={}", E, k, sigmoid ? "sigmoid" : "softmax",
+                       pre_softmax ? " pre" : "", bias ? " bias" : "", groups, group_topk, scaling, ties);
+  }
+};
+
+struct RouteOut {
+  std::vector<float> probs, aux, d_logits;
+  std::vector<int32_t> top;
+};
+
+RouteOut run_routing(Device dev, const RouteCase& c, const MoeRouterOptions& o, const std::vector<float>& logits,
+                     const std::vector<float>& bias, const std::vector<float>& d_probs, int64_t T) {
+  Stream s(dev);
+  auto l = make_tensor(logits, DType::kF32, dev, {T, c.E}, s);
+  OwnedTensor b;
+  if (c.bias) b = make_tensor(bias, DType::kF32, dev, {c.E}, s);
+  auto dp = make_tensor(d_probs, DType::kF32, dev, {T, c.k}, s);
+  OwnedTensor probs(DType::kF32, dev, {T, c.k}), top(DType::kI32, dev, {T, c.k}), aux(DType::kF32, dev, {T, c.E}),
+      dl(DType::kF32, dev, {T, c.E});
+  poison(probs, s);
+  poison(aux, s);
+  poison(dl, s);
+  fill_ints(top, -7, s);
+  const Tensor bias_t = c.bias ? b.t : Tensor();
+  if (dev.is_cpu()) {
+    cpu::moe_topk_routing(probs, top, aux, l, bias_t, o, s);
+    cpu::moe_topk_routing_backward(dl, dp, l, top, o, s);
+  } else {
+    cuda::moe_topk_routing(probs, top, aux, l, bias_t, o, s);
+    cuda::moe_topk_routing_backward(dl, dp, l, top, o, s);
+  }
+  return {to_host(probs, s), to_host(aux, s), to_host(dl, s), ints(top, s)};
+}
+
+TEST(MoeCuda, TopkRoutingMatchesCpu) {
+  MT_REQUIRE_CUDA();
+  const RouteCase cases[] = {
+      {64, 8, false, false, false, 0, 0, 1.f, false},  // softmax after top-k
+      {8, 2, false, false, false, 0, 0, 1.f, false},
+      {8, 1, false, false, false, 0, 0, 1.f, false},   // k = 1
+      {64, 8, false, true, false, 0, 0, 1.f, false},   // pre-softmax
+      {8, 2, false, true, false, 0, 0, 2.5f, false},
+      {64, 8, true, false, false, 0, 0, 1.f, false},   // sigmoid
+      {64, 8, true, false, true, 0, 0, 2.5f, false},   // sigmoid + expert bias, scaling
+      {8, 1, true, false, true, 0, 0, 1.f, false},     // sigmoid k = 1: not normalised
+      {8, 2, true, false, true, 0, 0, 1.f, false},
+      {64, 8, true, false, true, 8, 4, 2.5f, false},   // group-limited (DeepSeek-V3 style)
+      {256, 8, true, false, true, 8, 4, 2.5f, false},  // DeepSeek-V3's shape
+      {64, 6, false, true, false, 4, 2, 1.f, false},   // group-limited pre-softmax
+      {64, 8, false, false, false, 16, 4, 1.f, false}, // group-limited softmax on logits
+      {64, 8, false, false, false, 0, 0, 1.f, true},   // exact ties
+      {64, 8, false, true, false, 0, 0, 1.f, true},
+      {64, 8, true, false, true, 8, 4, 1.f, true},
+      {40, 6, false, true, false, 0, 0, 1.f, false},   // E not a multiple of 32
+      {300, 3, true, false, false, 0, 0, 1.f, false},
+      {64, 40, false, false, false, 0, 0, 1.f, false}, // k > 32
+      {8, 8, true, false, true, 0, 0, 1.f, false},     // k = E
+      {2048, 4, false, true, false, 0, 0, 1.f, false}, // large E: fewer warps per block
+  };
+  const int64_t T = 517;
+  for (const RouteCase& c : cases) {
+    SCOPED_TRACE(c.str());
+    MoeRouterOptions o;
+    o.topk = c.k;
+    o.sigmoid = c.sigmoid;
+    o.pre_softmax = c.pre_softmax;
+    o.scaling_factor = c.scaling;
+    o.num_groups = c.groups;
+    o.group_topk = c.group_topk;
+    auto logits = testing::randn(T * c.E, 2.f);
+    if (c.ties)
+      for (auto& v : logits) v = std::round(v * 2.f) / 2.f;  // a few distinct values per row
+    auto bias = testing::randn(c.E, 0.1f);
+    if (c.ties)
+      for (auto& v : bias) v = 0.f;
+    const auto d_probs = testing::randn(T * c.k);
+    const RouteOut ref = run_routing(kCpu, c, o, logits, bias, d_probs, T);
+    const RouteOut got = run_routing(Device::cuda(), c, o, logits, bias, d_probs, T);
+    const RouteOut again = run_routing(Device::cuda(), c, o, logits, bias, d_probs, T);
+    EXPECT_EQ(got.top, ref.top);
+    EXPECT_LT(rel_err(got.probs, ref.probs), 1e-6);
+    EXPECT_LT(rel_err(got.aux, ref.aux), 1e-6);
+    EXPECT_LT(rel_err(got.d_logits, ref.d_logits), 1e-6);
+    EXPECT_TRUE(testing::all_finite(got.d_logits));
+    EXPECT_TRUE(same_bits(got.probs, again.probs) && same_bits(got.top, again.top) &&
+                same_bits(got.aux, again.aux) && same_bits(got.d_logits, again.d_logits));
+  }
+}
+
+// ---- losses --------------------------------------------------------------------------------------
+
+TEST(MoeCuda, AuxLossAndZLossMatchCpu) {
+  MT_REQUIRE_CUDA();
+  for (int64_t T : {1, 333, 20000, 336}) {
+    for (int64_t E : {8, 64, 100}) {
+      for (bool sigmoid : {false, true}) {
+        for (bool with_scale : {false, true}) {
+          // G = 4 token groups (the per-sequence counts of sequence_load_balancing_loss_func) when T allows.
+          const int64_t G = T % 4 == 0 ? 4 : 1;
+          SCOPED_TRACE(fmt::format("T={} E={} G={} sigmoid={} loss_scale={}", T, E, G, sigmoid, with_scale));
+          const auto logits = testing::randn(T * E, 2.f);
+          auto scores = testing::randu(T * E, 0.f, 1.f);
+          auto tpe = testing::randu(G * E, 0.f, 50.f);
+          for (auto& v : tpe) v = std::round(v);
+          const auto loss0 = testing::randu(2, 0.5f, 1.5f);
+          const auto dl0 = testing::randn(T * E);
+          const float scale = 0.37f / static_cast<float>(T), ls = 1024.f;
+          struct Out {
+            std::vector<float> aux_loss, z_loss, d_aux, d_z, d_both, z_both;
+          };
+          auto run = [&](Device dev) {
+            Stream s(dev);
+            auto l = make_tensor(logits, DType::kF32, dev, {T, E}, s);
+            auto sc = make_tensor(scores, DType::kF32, dev, {T, E}, s);
+            auto c = make_tensor(tpe, DType::kF32, dev, G == 1 ? std::vector<int64_t>{E} : std::vector<int64_t>{G, E}, s);
+            auto lsc = make_tensor({ls}, DType::kF32, dev, {1}, s);
+            const Tensor lst = with_scale ? lsc.t : Tensor();
+            auto la = make_tensor({loss0[0]}, DType::kF32, dev, {1}, s);
+            auto lz = make_tensor({loss0[1]}, DType::kF32, dev, {1}, s);
+            auto lz2 = make_tensor({loss0[1]}, DType::kF32, dev, {1}, s);
+            auto da = make_tensor(dl0, DType::kF32, dev, {T, E}, s);
+            auto dz = make_tensor(dl0, DType::kF32, dev, {T, E}, s);
+            auto db = make_tensor(dl0, DType::kF32, dev, {T, E}, s);
+            if (dev.is_cpu()) {
+              cpu::moe_aux_loss(la, sc, c, scale, s);
+              cpu::moe_aux_scores_backward(da, l, c, scale, lst, sigmoid, s);
+              cpu::moe_z_loss(lz, Tensor(), l, scale, lst, s);
+              cpu::moe_z_loss(Tensor(), dz, l, scale, lst, s);
+              cpu::moe_z_loss(lz2, db, l, scale, lst, s);
+            } else {
+              cuda::moe_aux_loss(la, sc, c, scale, s);
+              cuda::moe_aux_scores_backward(da, l, c, scale, lst, sigmoid, s);
+              cuda::moe_z_loss(lz, Tensor(), l, scale, lst, s);
+              cuda::moe_z_loss(Tensor(), dz, l, scale, lst, s);
+              cuda::moe_z_loss(lz2, db, l, scale, lst, s);
+            }
+            return Out{to_host(la, s), to_host(lz, s), to_host(da, s), to_host(dz, s), to_host(db, s),
+                       to_host(lz2, s)};
+          };
+          const Out ref = run(kCpu), got = run(Device::cuda()), again = run(Device::cuda());
+          EXPECT_LT(rel_err(got.aux_loss, ref.aux_loss), 1e-5);
+          EXPECT_LT(rel_err(got.z_loss, ref.z_loss), 1e-5);
+          EXPECT_LT(rel_err(got.z_both, ref.z_both), 1e-5);
+          // The gradients accumulate into random d_logits (the increments alone: the next test).
+          EXPECT_LT(rel_err(got.d_aux, ref.d_aux), 1e-5);
+          EXPECT_LT(rel_err(got.d_z, ref.d_z), 1e-5);
+          EXPECT_TRUE(same_bits(got.d_z, got.d_both));
+          EXPECT_TRUE(same_bits(got.aux_loss, again.aux_loss) && same_bits(got.z_loss, again.z_loss) &&
+                      same_bits(got.d_aux, again.d_aux) && same_bits(got.d_z, again.d_z) &&
+                      same_bits(got.z_both, again.z_both));
+        }
+      }
+    }
+  }
+}
+
+TEST(MoeCuda, AuxLossGradientIncrementsMatchCpu) {
+  // The increments alone (d_logits starting at 0), at the 1e-5 of the op contract.
+  MT_REQUIRE_CUDA();
+  const int64_t T = 1000, E = 64;
+  for (bool sigmoid : {false, true}) {
+    SCOPED_TRACE(sigmoid ? "sigmoid" : "softmax");
+    const auto logits = testing::randn(T * E, 2.f);
+    auto tpe = testing::randu(E, 0.f, 200.f);
+    std::vector<std::vector<float>> out;
+    for (Device dev : {kCpu, Device::cuda()}) {
+      Stream s(dev);
+      auto l = make_tensor(logits, DType::kF32, dev, {T, E}, s);
+      auto c = make_tensor(tpe, DType::kF32, dev, {E}, s);
+      auto lsc = make_tensor({8.f}, DType::kF32, dev, {1}, s);
+      auto da = make_tensor(std::vector<float>(T * E, 0.f), DType::kF32, dev, {T, E}, s);
+      auto dz = make_tensor(std::vector<float>(T * E, 0.f), DType::kF32, dev, {T, E}, s);
+      if (dev.is_cpu()) {
+        cpu::moe_aux_scores_backward(da, l, c, 1e-3f, lsc, sigmoid, s);
+        cpu::moe_z_loss(Tensor(), dz, l, 1e-3f, lsc, s);
+      } else {
+        cuda::moe_aux_scores_backward(da, l, c, 1e-3f, lsc, sigmoid, s);
+        cuda::moe_z_loss(Tensor(), dz, l, 1e-3f, lsc, s);
+      }
+      out.push_back(to_host(da, s));
+      out.push_back(to_host(dz, s));
+    }
+    EXPECT_LT(rel_err(out[2], out[0]), 1e-5);
+    EXPECT_LT(rel_err(out[3], out[1]), 1e-5);
+  }
+}
+
+TEST(MoeCuda, TokensPerExpertMatchesCpu) {
+  MT_REQUIRE_CUDA();
+  struct Case {
+    int64_t E, G;
+  };
+  for (const Case& c : {Case{8, 1}, Case{64, 1}, Case{256, 1}, Case{20000, 1}, Case{64, 4}, Case{256, 12}}) {
+    const int64_t N = 3000, k = std::min<int64_t>(8, c.E);
+    const auto top = random_top(N, k, c.E);
+    const std::vector<int64_t> shape = c.G == 1 ? std::vector<int64_t>{c.E} : std::vector<int64_t>{c.G, c.E};
+    std::vector<std::vector<float>> out;
+    for (Device dev : {kCpu, Device::cuda(), Device::cuda()}) {
+      Stream s(dev);
+      auto t = make_int_tensor(top, dev, {N, k}, s);
+      OwnedTensor counts(DType::kF32, dev, shape);
+      poison(counts, s);
+      if (dev.is_cpu()) {
+        cpu::moe_tokens_per_expert(counts, t, s);
+      } else {
+        cuda::moe_tokens_per_expert(counts, t, s);
+      }
+      out.push_back(to_host(counts, s));
+    }
+    EXPECT_EQ(out[1], out[0]) << "E=" << c.E << " G=" << c.G;
+    EXPECT_TRUE(same_bits(out[1], out[2])) << "E=" << c.E << " G=" << c.G;
+  }
+}
+
+TEST(MoeCuda, ExpertBiasUpdateMatchesCpu) {
+  MT_REQUIRE_CUDA();
+  for (int64_t E : {8, 64, 256, 1000}) {
+    auto tpe = testing::randu(E, 0.f, 100.f);
+    for (auto& v : tpe) v = std::round(v);
+    // Some experts exactly at the mean: sign 0, the bias stays.
+    const float mean = std::accumulate(tpe.begin(), tpe.end(), 0.0) / static_cast<double>(E);
+    if (mean == std::round(mean)) tpe[1] = mean;
+    const auto bias = testing::randn(E, 0.1f);
+    std::vector<std::vector<float>> out;
+    for (Device dev : {kCpu, Device::cuda(), Device::cuda()}) {
+      Stream s(dev);
+      auto b = make_tensor(bias, DType::kF32, dev, {E}, s);
+      auto c = make_tensor(tpe, DType::kF32, dev, {E}, s);
+      if (dev.is_cpu()) {
+        cpu::moe_expert_bias_update(b, c, 1e-3f, s);
+      } else {
+        cuda::moe_expert_bias_update(b, c, 1e-3f, s);
+      }
+      out.push_back(to_host(b, s));
+    }
+    EXPECT_TRUE(same_bits(out[1], out[0])) << "E=" << E;  // the same float operations
+    EXPECT_TRUE(same_bits(out[1], out[2])) << "E=" << E;
+  }
+}
+
+// ---- routing map ---------------------------------------------------------------------------------
+
+struct MapOut {
+  std::vector<int64_t> host;
+  std::vector<int32_t> row_index, slot_row, counts;
+};
+
+MapOut run_map(Device dev, const std::vector<int32_t>& top, int64_t N, int64_t k, int64_t first, int64_t L,
+               int64_t cap) {
+  Stream s(dev);
+  auto t = make_int_tensor(top, dev, {N, k}, s);
+  OwnedTensor ri(DType::kI32, dev, {cap}), sr(DType::kI32, dev, {N * k}), c(DType::kI32, dev, {L});
+  fill_ints(ri, -5, s);
+  fill_ints(sr, -5, s);
+  fill_ints(c, -5, s);
+  MapOut o;
+  o.host = dev.is_cpu() ? cpu::moe_routing_map(ri, sr, c, t, first, L, s) : cuda::moe_routing_map(ri, sr, c, t, first, L, s);
+  o.row_index = ints(ri, s);
+  o.slot_row = ints(sr, s);
+  o.counts = ints(c, s);
+  return o;
+}
+
+TEST(MoeCuda, RoutingMapMatchesCpu) {
+  MT_REQUIRE_CUDA();
+  struct Case {
+    int64_t N, k, E, first, L;
+  };
+  const Case cases[] = {
+      {1000, 2, 8, 0, 8},         // all experts local
+      {1000, 2, 8, 2, 3},         // a local range inside E
+      {5, 2, 64, 0, 64},          // fewer slots than local experts (single fused block)
+      {2048, 2, 16, 4, 4},        // exactly one chunk
+      {2049, 2, 16, 4, 4},        // one slot more: the multi-block path
+      {16384, 8, 64, 16, 16},     // N·k = 2^17: the scan path
+      {16384, 8, 256, 0, 256},    // 2^17 slots over 256 local experts
+      {32768, 4, 64, 63, 1},      // one local expert
+      {40000, 6, 384, 100, 300},  // ragged sizes
+      {3000, 2, 4000, 0, 4000},   // local experts beyond the default shared memory
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(fmt::format("N={} k={} E={} local=[{}, {})", c.N, c.k, c.E, c.first, c.first + c.L));
+    const auto top = random_top(c.N, c.k, c.E);
+    const int64_t cap = c.N * c.k;
+    const MapOut ref = run_map(kCpu, top, c.N, c.k, c.first, c.L, cap);
+    const MapOut got = run_map(Device::cuda(), top, c.N, c.k, c.first, c.L, cap);
+    const MapOut again = run_map(Device::cuda(), top, c.N, c.k, c.first, c.L, cap);
+    const int64_t R = std::accumulate(ref.host.begin(), ref.host.end(), int64_t{0});
+    EXPECT_EQ(got.host, ref.host);
+    EXPECT_EQ(got.counts, ref.counts);
+    EXPECT_EQ(got.slot_row, ref.slot_row);
+    EXPECT_TRUE(std::equal(got.row_index.begin(), got.row_index.begin() + R, ref.row_index.begin()));
+    EXPECT_TRUE(same_bits(got.row_index, again.row_index) && same_bits(got.slot_row, again.slot_row) &&
+                same_bits(got.counts, again.counts));
+  }
+}
+
+TEST(MoeCuda, RoutingMapRejectsTooFewRows) {
+  MT_REQUIRE_CUDA();
+  const int64_t N = 5000, k = 2, E = 8;
+  const auto top = random_top(N, k, E);
+  for (Device dev : {kCpu, Device::cuda()}) {
+    EXPECT_THROW(run_map(dev, top, N, k, 0, E, N * k - 1), Error) << dev.str();
+    EXPECT_NO_THROW(run_map(dev, top, N, k, 0, E, N * k)) << dev.str();
+  }
+}
+
+// ---- permutation ---------------------------------------------------------------------------------
+
+struct PermOut {
+  std::vector<float> rows, dx, y, d_rows, d_probs;
+};
+
+/// permute, unpermute (rows = expert outputs), unpermute_backward, permute_backward with maps from
+/// the CPU routing map; activations of `dt` (the CPU reference: fp32 on the same rounded values).
+PermOut run_perm(Device dev, DType dt, const std::vector<int32_t>& row_index, const std::vector<int32_t>& slot_row,
+                 int64_t R, int64_t N, int64_t k, int64_t h, const std::vector<float>& x,
+                 const std::vector<float>& out, const std::vector<float>& probs, const std::vector<float>& dy,
+                 const std::vector<float>& d_rows_in, int64_t offset) {
+  Stream s(dev);
+  auto ri = make_int_tensor(row_index, dev, {static_cast<int64_t>(row_index.size())}, s);
+  auto sr = make_int_tensor(slot_row, dev, {N * k}, s);
+  auto p = make_tensor(probs, DType::kF32, dev, {N, k}, s);
+  // Activations as views at `offset` elements into their buffers (offset 1: not 16-byte aligned).
+  std::vector<OwnedTensor> keep;
+  auto act = [&](const std::vector<float>& v, int64_t rows) {
+    std::vector<float> buf(static_cast<size_t>(offset), 0.f);
+    buf.insert(buf.end(), v.begin(), v.end());
+    if (buf.empty()) buf.push_back(0.f);
+    keep.push_back(make_tensor(buf, dt, dev, {static_cast<int64_t>(buf.size())}, s));
+    return keep.back().t.flat_range(offset, rows * h).view({rows, h});
+  };
+  auto blank = [&](int64_t rows) {
+    keep.emplace_back(dt, dev, std::vector<int64_t>{rows * h + offset + 1});
+    poison(keep.back(), s);
+    return keep.back().t.flat_range(offset, rows * h).view({rows, h});
+  };
+  const Tensor xt = act(x, N), ot = act(out, R), dyt = act(dy, N), drin = act(d_rows_in, R);
+  const Tensor rows = blank(R), y = blank(N), d_rows = blank(R), dx = blank(N);
+  OwnedTensor dp(DType::kF32, dev, {N, k});
+  poison(dp, s);
+  if (dev.is_cpu()) {
+    cpu::moe_permute(rows, xt, ri, k, s);
+    cpu::moe_unpermute(y, ot, p, sr, s);
+    cpu::moe_unpermute_backward(d_rows, dp, dyt, ot, p, ri, sr, s);
+    cpu::moe_permute_backward(dx, drin, sr, k, s);
+  } else {
+    cuda::moe_permute(rows, xt, ri, k, s);
+    cuda::moe_unpermute(y, ot, p, sr, s);
+    cuda::moe_unpermute_backward(d_rows, dp, dyt, ot, p, ri, sr, s);
+    cuda::moe_permute_backward(dx, drin, sr, k, s);
+  }
+  return {to_host(rows, s), to_host(dx, s), to_host(y, s), to_host(d_rows, s), to_host(dp, s)};
+}
+
+TEST(MoeCuda, PermuteUnpermuteMatchCpu) {
+  MT_REQUIRE_CUDA();
+  const int64_t N = 300, k = 4, E = 16, first = 4, L = 8;
+  const auto top = random_top(N, k, E);
+  const MapOut map = run_map(kCpu, top, N, k, first, L, N * k);
+  const int64_t R = std::accumulate(map.host.begin(), map.host.end(), int64_t{0});
+  ASSERT_GT(R, 0);
+  ASSERT_LT(R, N * k);  // some slots belong to other experts
+  for (DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
+    for (int64_t h : {64, 1000, 1001, 4096}) {
+      for (int64_t offset : {0, 1}) {
+        SCOPED_TRACE(fmt::format("{} h={} offset={}", dtype_name(dt), h, offset));
+        const auto x = testing::rounded(testing::randn(N * h), dt);
+        const auto out = testing::rounded(testing::randn(R * h), dt);
+        const auto dy = testing::rounded(testing::randn(N * h), dt);
+        const auto d_rows_in = testing::rounded(testing::randn(R * h), dt);
+        const auto probs = testing::randu(N * k, 0.05f, 1.f);
+        const PermOut ref = run_perm(kCpu, DType::kF32, map.row_index, map.slot_row, R, N, k, h, x, out, probs, dy,
+                                     d_rows_in, offset);
+        const PermOut got = run_perm(Device::cuda(), dt, map.row_index, map.slot_row, R, N, k, h, x, out, probs, dy,
+                                     d_rows_in, offset);
+        const PermOut again = run_perm(Device::cuda(), dt, map.row_index, map.slot_row, R, N, k, h, x, out, probs,
+                                       dy, d_rows_in, offset);
+        EXPECT_EQ(got.rows, ref.rows);  // a copy: exact in every dtype
+        const double tol = dt == DType::kF32 ? 1e-6 : (dt == DType::kBF16 ? 1e-2 : 2e-3);
+        EXPECT_LT(rel_err(got.dx, ref.dx), tol);
+        EXPECT_LT(rel_err(got.y, ref.y), tol);
+        EXPECT_LT(rel_err(got.d_rows, ref.d_rows), tol);
+        // d_probs is fp32 from the same (rounded) inputs in every dtype.
+        EXPECT_LT(rel_err(got.d_probs, ref.d_probs), 1e-5);
+        EXPECT_TRUE(testing::all_finite(got.dx) && testing::all_finite(got.y) && testing::all_finite(got.d_rows) &&
+                    testing::all_finite(got.d_probs));
+        EXPECT_TRUE(same_bits(got.rows, again.rows) && same_bits(got.dx, again.dx) && same_bits(got.y, again.y) &&
+                    same_bits(got.d_rows, again.d_rows) && same_bits(got.d_probs, again.d_probs));
+      }
+    }
+  }
+}
+
+TEST(MoeCuda, EndToEndFromRoutingMatchesCpu) {
+  // The ops chained as the MoE layer uses them: routing on the device, counts, map, permute,
+  // unpermute; the maps and outputs identical to the CPU's from the same logits.
+  MT_REQUIRE_CUDA();
+  const int64_t T = 4096, E = 64, k = 8, h = 256, first = 16, L = 32;
+  MoeRouterOptions o;
+  o.topk = k;
+  o.sigmoid = true;
+  o.num_groups = 8;
+  o.group_topk = 4;
+  o.scaling_factor = 2.5f;
+  const auto logits = testing::randn(T * E, 2.f);
+  const auto bias = testing::randn(E, 0.1f);
+  const auto x = testing::randn(T * h);
+  struct Out {
+    std::vector<int32_t> top, row_index, slot_row;
+    std::vector<int64_t> counts;
+    std::vector<float> tpe, rows, y;
+  };
+  auto run = [&](Device dev) {
+    Stream s(dev);
+    auto l = make_tensor(logits, DType::kF32, dev, {T, E}, s);
+    auto b = make_tensor(bias, DType::kF32, dev, {E}, s);
+    auto xt = make_tensor(x, DType::kF32, dev, {T, h}, s);
+    OwnedTensor probs(DType::kF32, dev, {T, k}), top(DType::kI32, dev, {T, k}), tpe(DType::kF32, dev, {E}),
+        ri(DType::kI32, dev, {T * k}), sr(DType::kI32, dev, {T * k}), c(DType::kI32, dev, {L});
+    Out r;
+    if (dev.is_cpu()) {
+      cpu::moe_topk_routing(probs, top, Tensor(), l, b, o, s);
+      cpu::moe_tokens_per_expert(tpe, top, s);
+      r.counts = cpu::moe_routing_map(ri, sr, c, top, first, L, s);
+    } else {
+      cuda::moe_topk_routing(probs, top, Tensor(), l, b, o, s);
+      cuda::moe_tokens_per_expert(tpe, top, s);
+      r.counts = cuda::moe_routing_map(ri, sr, c, top, first, L, s);
+    }
+    const int64_t R = std::accumulate(r.counts.begin(), r.counts.end(), int64_t{0});
+    OwnedTensor rows(DType::kF32, dev, {R, h}), y(DType::kF32, dev, {T, h});
+    poison(y, s);
+    if (dev.is_cpu()) {
+      cpu::moe_permute(rows, xt, ri, k, s);
+      cpu::moe_unpermute(y, rows, probs, sr, s);
+    } else {
+      cuda::moe_permute(rows, xt, ri, k, s);
+      cuda::moe_unpermute(y, rows, probs, sr, s);
+    }
+    r.top = ints(top, s);
+    r.row_index = ints(ri, s);
+    r.row_index.resize(static_cast<size_t>(R));
+    r.slot_row = ints(sr, s);
+    r.tpe = to_host(tpe, s);
+    r.rows = to_host(rows, s);
+    r.y = to_host(y, s);
+    return r;
+  };
+  const Out ref = run(kCpu), got = run(Device::cuda());
+  EXPECT_EQ(got.top, ref.top);
+  EXPECT_EQ(got.tpe, ref.tpe);
+  EXPECT_EQ(got.counts, ref.counts);
+  EXPECT_EQ(got.row_index, ref.row_index);
+  EXPECT_EQ(got.slot_row, ref.slot_row);
+  EXPECT_EQ(got.rows, ref.rows);
+  EXPECT_LT(rel_err(got.y, ref.y), 1e-6);
+}
+
+}  // namespace
+}  // namespace mt
