@@ -158,8 +158,6 @@ GPTModel::GPTModel(const TransformerConfig& config, int64_t micro_batch, DType d
                "MoE with context parallel size {} is not implemented yet (the load-balancing loss would need the "
                "token counts of the tp-cp group)",
                groups_.cp ? groups_.cp->size() : 1);
-    MT_REQUIRE(device.is_cpu(), "MoE layers run on the CPU only so far (their CUDA kernels are not written yet); "
-               "got --device {}", device.str());
   }
   std::vector<ModelChunk>& chunks = layout.chunks;
   if (chunks.empty()) chunks.push_back({whole_model(config_)[0], 1, 1});

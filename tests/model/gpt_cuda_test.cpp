@@ -1,6 +1,8 @@
 // Whole model, CUDA against CPU: same weights, same batch; loss and every gradient.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include "model/gpt_model.h"
 #include "ops/elementwise.h"
 #include "testing/testing.h"
@@ -10,10 +12,19 @@ namespace {
 
 using testing::OwnedTensor;
 
+enum class Moe { kNone, kMixtral, kDeepSeek };
+
 /// llama: the Llama-style layer (GQA 4/2, RoPE, SwiGLU, RMSNorm, untied, no bias); flash: the GPU
 /// model uses FlashAttention (head dim 64: the tensor-core kernels for bf16), the CPU one the
-/// local attention.
-void compare(DType dtype, float dropout, double tol, bool documents = false, bool llama = false, bool flash = false) {
+/// local attention. moe (Llama-style layer): kMixtral, 8 experts top-2 in the second layer with
+/// the load-balancing and z-losses; kDeepSeek, MoE in both layers with a sigmoid router, 4 groups
+/// of which 2, a shared expert, the sequence-level loss and the expert bias (moved by one update
+/// with a large rate before the compared step, so that it changes the selection). The MoE
+/// statistics (loss values, token counts) are compared too. grad_tol: the gradients' tolerance
+/// (default tol).
+void compare(DType dtype, float dropout, double tol, bool documents = false, bool llama = false, bool flash = false,
+             Moe moe = Moe::kNone, double grad_tol = 0) {
+  if (grad_tol == 0) grad_tol = tol;
   TransformerConfig c;
   c.num_layers = 2;
   c.hidden_size = flash ? 256 : 64;
@@ -25,6 +36,24 @@ void compare(DType dtype, float dropout, double tol, bool documents = false, boo
     c.position_embedding_type = PositionEmbeddingType::kRope;
     c.untie_embeddings_and_output_weights = true;
     c.add_bias_linear = false;
+  }
+  if (moe != Moe::kNone) {
+    c.num_moe_experts = 8;
+    c.moe_ffn_hidden_size = 48;
+    c.moe_router_topk = 2;
+    c.moe_aux_loss_coeff = 0.1f;
+    c.moe_z_loss_coeff = 0.01f;
+    if (moe == Moe::kMixtral) {
+      c.moe_layer_pattern = {0, 1};
+    } else {
+      c.moe_router_score_function = MoeScoreFunction::kSigmoid;
+      c.moe_router_num_groups = 4;
+      c.moe_router_group_topk = 2;
+      c.moe_shared_expert_intermediate_size = 32;
+      c.moe_router_load_balancing_type = MoeLoadBalancing::kSeqAuxLoss;
+      c.moe_router_enable_expert_bias = true;
+      c.moe_router_bias_update_rate = 0.05f;
+    }
   }
   c.seq_length = 32;
   c.vocab_size = 500;
@@ -80,6 +109,23 @@ void compare(DType dtype, float dropout, double tol, bool documents = false, boo
   fill(gloss, 0.f, gs);
   const DropoutContext dc{7, 11, 2, true};
   const float wgt = 1.0f / (c.seq_length * b);
+  if (moe == Moe::kDeepSeek) {  // one training forward and bias update on each side first
+    cpu.forward(cmb, dc, closs, wgt, cs);
+    gpu.forward(gmb, dc, gloss, wgt, gs);
+    cpu.update_expert_bias(cs);
+    gpu.update_expert_bias(gs);
+    const auto cb = cpu.persistent_state(cs), gb = gpu.persistent_state(gs);
+    ASSERT_EQ(cb.size(), 2u);
+    for (size_t i = 0; i < cb.size(); ++i) {
+      EXPECT_EQ(testing::to_host(gb[i].second, gs), testing::to_host(cb[i].second, cs)) << cb[i].first;
+      const auto v = testing::to_host(cb[i].second, cs);
+      EXPECT_TRUE(std::any_of(v.begin(), v.end(), [](float x) { return x != 0.f; })) << "the bias moved";
+    }
+    fill(closs, 0.f, cs);
+    fill(gloss, 0.f, gs);
+  }
+  cpu.reset_moe_stats();
+  gpu.reset_moe_stats();
   cpu.params().zero_grads(cs);
   gpu.params().zero_grads(gs);
   cpu.forward(cmb, dc, closs, wgt, cs);
@@ -91,7 +137,18 @@ void compare(DType dtype, float dropout, double tol, bool documents = false, boo
   for (size_t i = 0; i < cpu.params().size(); ++i) {
     auto a = testing::to_host(gpu.params().grad(i), gs);
     auto r = testing::to_host(cpu.params().grad(i), cs);
-    EXPECT_LT(testing::rel_err(a, r), tol) << cpu.params().info(i).name;
+    EXPECT_LT(testing::rel_err(a, r), grad_tol) << cpu.params().info(i).name;
+  }
+  if (moe != Moe::kNone) {
+    const auto sc = cpu.moe_loss_stats(cs), sg = gpu.moe_loss_stats(gs);
+    ASSERT_EQ(sc.size(), sg.size());
+    const size_t per = static_cast<size_t>(2 + c.num_moe_experts);
+    double routed = 0;
+    for (size_t i = 0; i < sc.size(); ++i) {
+      if (i % per >= 2) routed += sc[i];
+      if (dtype == DType::kF32) EXPECT_NEAR(sg[i], sc[i], tol * std::max(1.0, std::fabs(sc[i]))) << "MoE statistic " << i;
+    }
+    EXPECT_EQ(routed, static_cast<double>(c.seq_length * b * c.moe_router_topk * c.num_moe_layers()));
   }
 }
 
@@ -116,6 +173,16 @@ TEST(GptCuda, LlamaMatchesCpu) {
   compare(DType::kF32, 0.1f, 1e-5, /*documents=*/true, /*llama=*/true);
   compare(DType::kBF16, 0.1f, 2e-2, /*documents=*/true, /*llama=*/true);
 }
+// Mixture of experts (ops/cuda/moe.cu and the layer on the GPU): fp32 to 1e-5 (the selection is
+// identical), bf16 with the loss to 2e-2 and gradients to 5e-2 (a near tie may select
+// differently in bf16).
+TEST(GptCuda, MixtureOfExpertsMatchesCpu) {
+  MT_REQUIRE_CUDA();
+  compare(DType::kF32, 0.1f, 1e-5, /*documents=*/true, /*llama=*/true, false, Moe::kMixtral);
+  compare(DType::kF32, 0.f, 1e-5, /*documents=*/false, /*llama=*/true, false, Moe::kDeepSeek);
+  compare(DType::kBF16, 0.f, 2e-2, /*documents=*/false, /*llama=*/true, false, Moe::kMixtral, 5e-2);
+}
+
 TEST(GptCuda, FlashAttentionMatchesCpu) {
   MT_REQUIRE_CUDA();
   compare(DType::kF32, 0.1f, 1e-5, /*documents=*/true, /*llama=*/false, /*flash=*/true);
