@@ -91,7 +91,8 @@ class MoE(nn.Module):
         order = flat.argsort(stable=True)
         token = order // self.k
         xs = x[token]
-        if GROUPED_MM:
+        if GROUPED_MM:  # bf16 operands (the norm's output is fp32 under autocast)
+            xs = xs.to(torch.bfloat16)
             offs = counts.cumsum(0).to(torch.int32)
             h1 = torch._grouped_mm(xs, self.w1.to(xs.dtype).transpose(-2, -1), offs=offs)
             gate, up = h1.chunk(2, dim=-1)
