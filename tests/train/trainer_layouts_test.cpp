@@ -439,8 +439,10 @@ TEST_F(TrainerLayouts, MixtureOfExpertsCheckpointsReshard) {
 // DeepSeek-style aux-loss-free balancing (sigmoid router, --moe-router-enable-expert-bias): the
 // expert bias is model state, stored whole as "state/decoder.layers.<L>.mlp.router.expert_bias"
 // by one rank per pipeline stage, so a run resumed under another layout continues on the
-// uninterrupted curve, and its final expert bias equals the uninterrupted run's (the bias barely
-// moves the loss of this small model in 6 steps, but a bias not restored restarts from zeros).
+// uninterrupted curve, and its final expert bias (saved at iteration 6) equals the uninterrupted
+// run's. The bias comparison is what catches a bias that is not restored: it moves the loss of
+// this barely trained model by less than the tolerance, but restarts from zeros. Rate 0.01: at
+// 0.05 the bias overshoots and oscillates back to exactly 0 after an even number of steps.
 TEST_F(TrainerLayouts, MixtureOfExpertsExpertBiasCheckpoints) {
   const std::string moe =
       " --swiglu --ffn-hidden-size 64 --normalization RMSNorm --position-embedding-type rope --disable-bias-linear "
