@@ -244,18 +244,36 @@ std::vector<TensorRef> checkpoint_tensors(const ParamStore& params, const FullSt
   return out;
 }
 
+// The extra state (CheckpointExtra) as checkpoint tensors "state/<name>": whole, unsharded
+// views of the caller's tensors (so a snapshot or a load reads / writes them in place).
+std::vector<TensorRef> extra_tensors(const CheckpointExtra& extra, const char* fn) {
+  std::vector<TensorRef> out;
+  for (const auto& [name, t] : extra) {
+    MT_REQUIRE(t.dtype() == DType::kF32 && t.is_contiguous(),
+               "{}: extra state '{}' must be a contiguous fp32 tensor, got {} {}{}", fn, name, dtype_name(t.dtype()),
+               t.shape_str(), t.is_contiguous() ? "" : " (not contiguous)");
+    const std::vector<int64_t> shape = t.shape();
+    out.push_back({"state/" + name, t, shape, ShardBox::whole(shape)});
+  }
+  return out;
+}
+
 }  // namespace
 
 namespace {
 std::string rank_file(int world_rank) { return fmt::format("rank_{:05d}.bin", world_rank); }
 
 // What this rank writes, in file order: the non-expert tensors when it is data-parallel rank 0,
-// the expert tensors when it is expert-data-parallel rank 0 (CheckpointWriter).
+// the expert tensors when it is expert-data-parallel rank 0, and the extra state when it is
+// data-parallel and tensor-parallel rank 0: one writer per pipeline stage (CheckpointWriter).
 std::vector<TensorRef> file_tensors(const ParamStore& params, const FullState& st, bool with_optimizer,
-                                    const CheckpointWriter& w) {
+                                    const CheckpointWriter& w, const CheckpointExtra& extra) {
   std::vector<TensorRef> out;
   for (auto& ref : checkpoint_tensors(params, st, with_optimizer, /*writing=*/true))
     if (ref.expert ? w.edp_rank == 0 : w.dp_rank == 0) out.push_back(std::move(ref));
+  std::vector<TensorRef> state = extra_tensors(extra, "save_checkpoint");  // checked on every rank
+  if (w.dp_rank == 0 && w.tp_rank == 0)
+    for (auto& ref : state) out.push_back(std::move(ref));
   return out;
 }
 
@@ -491,7 +509,7 @@ void run_save_job(CheckpointSaveJob& job, const std::function<void(OutFile&)>& s
 // sharded) and returns the job plus, in *refs, the tensors of its file (empty when it writes none).
 CheckpointSaveJob prepare_save(const std::string& dir, const CheckpointState& state, const ParamStore& params,
                                const AdamWOptimizer* optimizer, const CheckpointWriter& w, const Stream& stream,
-                               FullState& full, std::vector<TensorRef>* refs) {
+                               const CheckpointExtra& extra, FullState& full, std::vector<TensorRef>* refs) {
   CheckpointSaveJob job;
   job.world_rank = w.world->rank();
   job.rank0 = job.world_rank == 0;
@@ -522,7 +540,7 @@ CheckpointSaveJob prepare_save(const std::string& dir, const CheckpointState& st
   // Whole fp32 main parameters and moments (views, or temporaries filled below when sharded).
   if (optimizer) optimizer->grad_sync().finish_param_sync(stream);
   full = full_state(params, with_optim ? optimizer : nullptr, stream);
-  *refs = file_tensors(params, full, with_optim, w);
+  *refs = file_tensors(params, full, with_optim, w, extra);
   job.entries = shard_entries(*refs);
   job.writes_file = !job.entries.empty();
   // Every rank learns whether rank 0 could prepare the directory (no rank is left waiting), and
@@ -589,10 +607,11 @@ void agree_on_save(const CheckpointWriter& w, bool ok, const std::string& why, i
 }  // namespace
 
 void save_checkpoint(const std::string& dir, const CheckpointState& state, const ParamStore& params,
-                     const AdamWOptimizer* optimizer, const CheckpointWriter& w, const Stream& stream) {
+                     const AdamWOptimizer* optimizer, const CheckpointWriter& w, const Stream& stream,
+                     const CheckpointExtra& extra) {
   FullState full;
   std::vector<TensorRef> refs;
-  CheckpointSaveJob job = prepare_save(dir, state, params, optimizer, w, stream, full, &refs);
+  CheckpointSaveJob job = prepare_save(dir, state, params, optimizer, w, stream, extra, full, &refs);
   bool ok = true;
   std::string why;
   try {
@@ -621,12 +640,12 @@ AsyncCheckpointSaver::~AsyncCheckpointSaver() {
 
 void AsyncCheckpointSaver::save(const std::string& dir, const CheckpointState& state, const ParamStore& params,
                                 const AdamWOptimizer* optimizer, const CheckpointWriter& writer,
-                                const Stream& stream) {
+                                const Stream& stream, const CheckpointExtra& extra) {
   wait();  // one save in flight at a time (and its error surfaces here)
   FullState full;
   std::vector<TensorRef> refs;
-  auto job =
-      std::make_shared<CheckpointSaveJob>(prepare_save(dir, state, params, optimizer, writer, stream, full, &refs));
+  auto job = std::make_shared<CheckpointSaveJob>(
+      prepare_save(dir, state, params, optimizer, writer, stream, extra, full, &refs));
   if (job->writes_file) {
     size_t total = 0;
     for (const auto& ref : refs) total += static_cast<size_t>(stored_box(ref.global_shape, ref.box, ref.vocab_rows).numel) * 4;
@@ -878,7 +897,8 @@ CheckpointState read_checkpoint_state(const std::string& dir, const LoadOptions&
 }
 
 CheckpointState load_checkpoint(const std::string& dir, ParamStore& params, AdamWOptimizer* optimizer,
-                                const Stream& stream, const LoadOptions& opt) {
+                                const Stream& stream, const LoadOptions& opt, const CheckpointExtra& extra) {
+  std::vector<TensorRef> state_refs = extra_tensors(extra, "load_checkpoint");
   fs::path iter_path;
   FullState full;
   json meta = resolve_checkpoint(dir, opt, &iter_path);
@@ -900,8 +920,18 @@ CheckpointState load_checkpoint(const std::string& dir, ParamStore& params, Adam
       memset_tensor(full.m, 0, stream);
       memset_tensor(full.v, 0, stream);
     }
-    for (const auto& ref : checkpoint_tensors(params, full, optimizer != nullptr, /*writing=*/false)) {
+    // The parameters (and moments), then the extra state, read in place into the caller's tensors.
+    std::vector<TensorRef> refs = checkpoint_tensors(params, full, optimizer != nullptr, /*writing=*/false);
+    const size_t num_required = refs.size();
+    for (auto& ref : state_refs) refs.push_back(std::move(ref));
+    std::vector<std::string> missing_state;
+    for (size_t i = 0; i < refs.size(); ++i) {
+      const TensorRef& ref = refs[i];
       auto it = by_name.find(ref.name);
+      if (it == by_name.end() && i >= num_required) {  // an older checkpoint: keep the current value
+        missing_state.push_back(ref.name);
+        continue;
+      }
       MT_REQUIRE(it != by_name.end(), "checkpoint '{}' has no tensor '{}'", iter_path.string(), ref.name);
       const json& t = *it->second;
       auto gshape = t.at("global_shape").get<std::vector<int64_t>>();
@@ -982,6 +1012,10 @@ CheckpointState load_checkpoint(const std::string& dir, ParamStore& params, Adam
       copy_bytes(ref.t.data(), ref.t.device(), host.data(), Device::cpu(), host.size() * 4, stream);
       stream.synchronize();
     }
+    if (!missing_state.empty())
+      log_warn("checkpoint '{}' holds no {} (saved before this state was stored, or by a model without it): "
+               "keeping the current values",
+               iter_path.string(), fmt::join(missing_state, ", "));
   } catch (const nlohmann::json::exception& e) {
     MT_FAIL("checkpoint metadata in '{}' is incomplete: {}", iter_path.string(), e.what());
   }

@@ -12,7 +12,8 @@
 // bf16/fp16 model) is all-gathered over DP into temporary full-length device buffers at save
 // time and scattered back at load time, so the files do not depend on DP or on
 // --use-distributed-optimizer. Parameters flagged shared_embedding_copy are not written; on
-// load they are filled from the saved parameter of the same name.
+// load they are filled from the saved parameter of the same name. Model state that is not a
+// parameter (CheckpointExtra, e.g. the MoE expert bias) is stored whole as "state/<name>".
 #pragma once
 #include <exception>
 #include <functional>
@@ -20,6 +21,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "comm/communicator.h"
@@ -30,6 +32,14 @@
 #include "optim/optimizer.h"
 
 namespace mt {
+
+/// Named model state that is not a parameter, saved and restored beside the parameters
+/// (LanguageModel::persistent_state: Megatron's persistent buffers, e.g.
+/// ("decoder.layers.3.mlp.router.expert_bias", fp32 [E])). Each tensor is fp32, contiguous, of
+/// 1 to 4 dimensions, on the model's device, and holds the whole (unsharded) value, identical on every
+/// rank of a pipeline stage (replicated over TP, CP, DP and EP). Names are unique within a
+/// checkpoint (include the global layer number); stored as "state/<name>".
+using CheckpointExtra = std::vector<std::pair<std::string, Tensor>>;
 
 struct CheckpointState {
   bool has_optimizer = false;  ///< optimizer moments and scalars were saved (not by import-hf)
@@ -48,10 +58,13 @@ struct CheckpointState {
 /// and stage. A rank that writes anything writes rank_<world rank>.bin and reports, with the
 /// file's size and CRC-32C, the shards it holds (name, global shape, box, byte offset); world
 /// rank 0 assembles metadata.json from these reports, renames the directory and updates the
-/// tracker. Collective over `world` (a size-1 group when training on one device).
+/// tracker. Collective over `world` (a size-1 group when training on one device). The extra
+/// state (CheckpointExtra) is written whole by one rank per pipeline stage: data-parallel rank 0
+/// with tensor-parallel rank 0.
 struct CheckpointWriter {
   std::shared_ptr<Communicator> world;
   int dp_rank = 0;   ///< rank in the data-parallel (× CP) group: 0 writes the non-expert parameters
+  int tp_rank = 0;   ///< rank in the tensor-parallel group: 0 (with dp_rank 0) writes the extra state
   int edp_rank = 0;  ///< rank in the expert-data-parallel group: 0 writes the expert parameters
   bool save_optim = true;    ///< false: --no-save-optim (parameters only; has_optimizer = false)
   double timeout_s = 600;    ///< rank 0 waits this long for the other ranks' files (--distributed-timeout-minutes)
@@ -77,14 +90,18 @@ struct LoadOptions {
 /// temporary files and renames). Errors (on every rank): mt::Error naming the path and the
 /// system's reason (e.g. "No space left on device") when a directory or file cannot be created
 /// or written; the temporary directory is then removed and earlier checkpoints are untouched.
+/// `extra`: this rank's model state beyond the parameters (CheckpointExtra; pass the same list on
+/// every rank of a stage), written as "state/<name>" by the writer of CheckpointWriter. Errors: a
+/// tensor that is not fp32 or not contiguous (mt::Error naming it).
 void save_checkpoint(const std::string& dir, const CheckpointState& state, const ParamStore& params,
-                     const AdamWOptimizer* optimizer, const CheckpointWriter& writer, const Stream& stream);
+                     const AdamWOptimizer* optimizer, const CheckpointWriter& writer, const Stream& stream,
+                     const CheckpointExtra& extra = {});
 
 struct CheckpointSaveJob;
 
 /// --async-save: save() takes the snapshot at the step boundary (the collective part of
 /// save_checkpoint: temporary directory, DP gathers, and a device-to-host copy of this rank's
-/// shards into host memory kept from one save to the next) and returns; a background thread
+/// shards, `extra` included, into host memory kept from one save to the next) and returns; a background thread
 /// writes the file, and on rank 0 waits for the other ranks' files and publishes the checkpoint
 /// exactly as save_checkpoint does (same bytes, same metadata). One save is in flight at a
 /// time: save() and wait() first wait for the previous one. Errors of the background write are
@@ -95,9 +112,10 @@ class AsyncCheckpointSaver {
   ~AsyncCheckpointSaver();
   AsyncCheckpointSaver(const AsyncCheckpointSaver&) = delete;
   AsyncCheckpointSaver& operator=(const AsyncCheckpointSaver&) = delete;
-  /// Collective over writer.world, like save_checkpoint.
+  /// Collective over writer.world, like save_checkpoint (same `extra`).
   void save(const std::string& dir, const CheckpointState& state, const ParamStore& params,
-            const AdamWOptimizer* optimizer, const CheckpointWriter& writer, const Stream& stream);
+            const AdamWOptimizer* optimizer, const CheckpointWriter& writer, const Stream& stream,
+            const CheckpointExtra& extra = {});
   /// Waits for the save in flight (local: this rank's file, and on rank 0 the publication).
   void wait();
   bool in_flight() const { return thread_.joinable(); }
@@ -138,7 +156,12 @@ CheckpointState read_checkpoint_state(const std::string& dir, const LoadOptions&
 /// the tensor and both shapes; a region no saved shard covers is an error). Returns the state.
 /// Every data file is verified (size and CRC-32C recorded in metadata.json) before its first
 /// byte is used: a missing, truncated or corrupt file is an mt::Error naming it.
+/// `extra` (CheckpointExtra): each tensor is overwritten in place with the saved "state/<name>"
+/// (also for a weights-only load). One the checkpoint does not hold (written before this state
+/// was stored, or without the option that creates it) keeps its current value, with one warning
+/// naming every missing tensor; a saved global shape other than the tensor's is an mt::Error
+/// naming the tensor and both shapes; a tensor that is not fp32 or not contiguous is an error.
 CheckpointState load_checkpoint(const std::string& dir, ParamStore& params, AdamWOptimizer* optimizer,
-                                const Stream& stream, const LoadOptions& opt = {});
+                                const Stream& stream, const LoadOptions& opt = {}, const CheckpointExtra& extra = {});
 
 }  // namespace mt

@@ -363,8 +363,6 @@ int run_pretrain(PretrainArgs args) {
   pipeline::validate_pipeline_layout(layout);
   args.data_parallel_size = pc.dp;
   args.expert_data_parallel_size = pc.edp;
-  MT_REQUIRE(!args.model.moe_router_enable_expert_bias || (args.save.empty() && args.load.empty()),
-             "--moe-router-enable-expert-bias: checkpoints (--save / --load) do not store the expert bias yet");
   MT_REQUIRE(device.is_cuda() || args.dtype() == DType::kF32,
              "--{} needs a CUDA device; the CPU backend trains in fp32", args.bf16 ? "bf16" : "fp16");
 
@@ -494,8 +492,9 @@ int run_pretrain(PretrainArgs args) {
                "iteration 0) or --no-load-optim",
                args.load);
     const auto t_load = std::chrono::steady_clock::now();
+    // The expert bias (persistent_state) is model state: loaded for --finetune / --no-load-optim too.
     CheckpointState st = load_checkpoint(args.load, model.params(), weights_only ? nullptr : &optimizer, stream,
-                                         {false, resume->iteration});
+                                         {false, resume->iteration}, model.persistent_state(stream));
     const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count();
     const double load_gb = static_cast<double>(checkpoint_bytes(args.load, st.iteration)) / 1e9;
     log_info("> checkpoint read and verified: {:.3f} GB in {:.2f} s ({:.2f} GB/s; this rank's share of the files)",
@@ -554,6 +553,7 @@ int run_pretrain(PretrainArgs args) {
     CheckpointState st{!args.no_save_optim, it, consumed, args.seed, cfg, optimizer.read_scalars_sync(stream)};
     const CheckpointWriter writer{.world = world,
                                   .dp_rank = groups.dp_cp->rank(),
+                                  .tp_rank = groups.tp->rank(),
                                   .edp_rank = groups.edp->rank(),
                                   .save_optim = !args.no_save_optim,
                                   .timeout_s = args.distributed_timeout_minutes * 60,
@@ -566,11 +566,11 @@ int run_pretrain(PretrainArgs args) {
     auto seconds = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); };
     if (args.async_save) {
       const bool previous = async_saver.in_flight();
-      async_saver.save(args.save, st, model.params(), &optimizer, writer, stream);
+      async_saver.save(args.save, st, model.params(), &optimizer, writer, stream, model.persistent_state(stream));
       log_info("  checkpoint at iteration {:7d}: snapshot taken in {:.2f} s{}, being written to {} (--async-save)", it,
                seconds(), previous ? " (incl. waiting for the previous save)" : "", args.save);
     } else {
-      save_checkpoint(args.save, st, model.params(), &optimizer, writer, stream);
+      save_checkpoint(args.save, st, model.params(), &optimizer, writer, stream, model.persistent_state(stream));
       const double s = seconds(), gb = static_cast<double>(checkpoint_bytes(args.save, it)) / 1e9;
       log_info("  successfully saved checkpoint at iteration {:7d} to {} ({:.3f} GB in {:.2f} s: {:.2f} GB/s)", it,
                args.save, gb, s, gb / std::max(s, 1e-9));
