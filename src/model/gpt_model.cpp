@@ -80,7 +80,7 @@ void GPTModel::update_expert_bias(const Stream& stream) {
     if (MoELayer* m = l->moe()) m->update_expert_bias(dp, stream);
 }
 
-std::vector<std::pair<std::string, Tensor>> GPTModel::persistent_state(const Stream& stream) {
+std::vector<std::pair<std::string, Tensor>> GPTModel::persistent_state(const Stream& stream) const {
   std::vector<std::pair<std::string, Tensor>> out;
   for (const auto& l : parts_->layers)
     if (MoELayer* m = l->moe())
@@ -121,7 +121,7 @@ GPTModel::GPTModel(const TransformerConfig& config, int64_t micro_batch, DType d
     : GPTModel(config, micro_batch, dtype, device, std::move(groups), sequence_parallel, param_layout,
                std::move(layout), nullptr) {}
 
-std::unique_ptr<GPTModel> GPTModel::planned_for(int64_t seq_length, int64_t micro_batch) const {
+std::unique_ptr<GPTModel> GPTModel::planned_for(int64_t seq_length, int64_t micro_batch, const Stream& stream) const {
   TransformerConfig c = config_;
   c.seq_length = seq_length;
   ModelLayout layout;
@@ -129,8 +129,11 @@ std::unique_ptr<GPTModel> GPTModel::planned_for(int64_t seq_length, int64_t micr
     ch.inputs = ch.loss_slots = 1;
     layout.chunks.push_back(ch);
   }
-  return std::unique_ptr<GPTModel>(new GPTModel(c, micro_batch, dtype_, device_, groups_, /*sequence_parallel=*/false,
-                                                params_->layout(), std::move(layout), params_));
+  std::unique_ptr<GPTModel> m(new GPTModel(c, micro_batch, dtype_, device_, groups_, /*sequence_parallel=*/false,
+                                           params_->layout(), std::move(layout), params_));
+  const auto src = persistent_state(stream), dst = m->persistent_state(stream);  // the expert biases
+  for (size_t i = 0; i < src.size(); ++i) copy(dst.at(i).second, src[i].second, stream);
+  return m;
 }
 
 GPTModel::GPTModel(const TransformerConfig& config, int64_t micro_batch, DType dtype, Device device,

@@ -41,8 +41,9 @@ class GPTModel final : public LanguageModel {
   /// reads this model's ParamStore, which must outlive it), planned for `micro_batch` sequences of
   /// `seq_length` tokens, one activation slot, without sequence parallelism. For inference: a
   /// prefill model (prompt length) and a decode model (1 token) beside the training-shaped one
-  /// (train/inference.h). Errors: as the constructor (e.g. seq_length beyond the learned positions).
-  std::unique_ptr<GPTModel> planned_for(int64_t seq_length, int64_t micro_batch) const;
+  /// (train/inference.h). The persistent state (MoE expert biases) is copied on `stream`.
+  /// Errors: as the constructor (e.g. seq_length beyond the learned positions).
+  std::unique_ptr<GPTModel> planned_for(int64_t seq_length, int64_t micro_batch, const Stream& stream) const;
   GPTModel(const GPTModel&) = delete;
   GPTModel& operator=(const GPTModel&) = delete;
 
@@ -91,7 +92,7 @@ class GPTModel final : public LanguageModel {
   std::vector<double> moe_loss_stats(const Stream& stream) const override;
   void reset_moe_stats() override;
   void update_expert_bias(const Stream& stream) override;
-  std::vector<std::pair<std::string, Tensor>> persistent_state(const Stream& stream) override;
+  std::vector<std::pair<std::string, Tensor>> persistent_state(const Stream& stream) const override;
 
   bool sequence_parallel() const { return tp_.sequence_parallel(); }
   /// Context-parallel size (the CP group of `groups`) and the tokens of a sequence on this rank:

@@ -116,7 +116,7 @@ class LanguageModel {
   /// buffers): for each MoE layer of this rank with --moe-router-enable-expert-bias,
   /// ("decoder.layers.<L>.mlp.router.expert_bias", fp32 [E] on the device), replicated over
   /// TP, DP and EP. The tensors may be written in place (checkpoint load). Ordered on `stream`.
-  virtual std::vector<std::pair<std::string, Tensor>> persistent_state(const Stream& stream) = 0;
+  virtual std::vector<std::pair<std::string, Tensor>> persistent_state(const Stream& stream) const = 0;
 };
 
 }  // namespace mt

@@ -138,7 +138,7 @@ InferenceModel load_inference_model(const InferenceModelOptions& o) {
   for (const auto& range : pipeline::layers_of(r.groups.pp->rank(), layout)) ml.chunks.push_back({range, 1, 1});
   r.stream = std::make_unique<Stream>(r.device);
   r.model = std::make_unique<GPTModel>(cfg, o.micro_batch, dt, r.device, r.groups, false, ParamLayout{}, ml);
-  load_checkpoint(o.load, r.model->params(), nullptr, *r.stream);
+  load_checkpoint(o.load, r.model->params(), nullptr, *r.stream, {}, r.model->persistent_state(*r.stream));
   r.config = cfg;
   return r;
 }
@@ -256,7 +256,7 @@ int run_logits(const LogitsArgs& a) {
   cfg.seq_length = T;
   Stream stream(device);
   GPTModel model(cfg, 1, DType::kF32, device, ProcessGroups::single());
-  load_checkpoint(a.load, model.params(), nullptr, stream);
+  load_checkpoint(a.load, model.params(), nullptr, stream, {}, model.persistent_state(stream));
   Buffer tok(device, static_cast<size_t>(T) * 4);
   copy_bytes(tok.data(), device, ids.data(), Device::cpu(), static_cast<size_t>(T) * 4, stream);
   MicroBatch mb;

@@ -105,13 +105,13 @@ TextGenerator::TextGenerator(GPTModel& model, int64_t max_batch, int64_t max_seq
   tokens_dev_ = Buffer(dev, static_cast<size_t>(max_seq_ * max_batch_) * 4);
   positions_dev_ = Buffer(dev, static_cast<size_t>(max_batch_) * 4);
   bcast_dev_ = Buffer(dev, static_cast<size_t>(max_batch_) * 4);
-  decode_ = model.planned_for(1, max_batch_);
+  decode_ = model.planned_for(1, max_batch_, stream_);
 }
 
 GPTModel& TextGenerator::planned(std::unique_ptr<GPTModel>& slot, int64_t seq) {
   if (!slot || slot->config().seq_length != seq) {
     slot.reset();  // free the previous plan first
-    slot = model_.planned_for(seq, max_batch_);
+    slot = model_.planned_for(seq, max_batch_, stream_);
   }
   return *slot;
 }
