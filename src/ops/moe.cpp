@@ -216,4 +216,49 @@ void moe_unpermute_backward(const Tensor& d_rows, const Tensor& d_probs, const T
   MT_DISPATCH(dy.device(), moe_unpermute_backward, d_rows, d_probs, dy, rows, probs, row_index, slot_row, stream);
 }
 
+void moe_sort_chunks(const Tensor& out, const Tensor& in, const std::vector<int64_t>& split_sizes,
+                     const std::vector<int64_t>& order, const Stream& stream) {
+  const char* fn = "moe_sort_chunks";
+  MT_CHECK(in.ndim() == 2 && out.ndim() == 2 && in.is_contiguous() && out.is_contiguous() &&
+               in.dtype() == out.dtype() && in.size(0) == out.size(0) && in.size(1) == out.size(1),
+           "{}: out {} and in {} must be contiguous [R, h] tensors of one dtype and shape", fn, out.str(), in.str());
+  MT_CHECK(in.dtype() == DType::kF32 || in.dtype() == DType::kBF16 || in.dtype() == DType::kF16,
+           "{}: dtype {} is not a float dtype", fn, dtype_name(in.dtype()));
+  MT_CHECK(split_sizes.size() == order.size(), "{}: {} split sizes but {} order entries", fn, split_sizes.size(),
+           order.size());
+  int64_t total = 0;
+  for (int64_t n : split_sizes) {
+    MT_CHECK(n >= 0, "{}: negative chunk size {}", fn, n);
+    total += n;
+  }
+  MT_CHECK(total == in.size(0), "{}: the chunk sizes sum to {} rows but in {} has {}", fn, total, in.str(),
+           in.size(0));
+  std::vector<char> seen(order.size(), 0);
+  for (int64_t c : order) {
+    MT_CHECK(c >= 0 && c < static_cast<int64_t>(order.size()) && !seen[static_cast<size_t>(c)],
+             "{}: order is not a permutation of 0..{} (entry {})", fn, static_cast<int64_t>(order.size()) - 1, c);
+    seen[static_cast<size_t>(c)] = 1;
+  }
+  MT_CHECK(in.nbytes() == 0 || (static_cast<const char*>(out.data()) + out.nbytes() <= in.data() ||
+                                static_cast<const char*>(in.data()) + in.nbytes() <= out.data()),
+           "{}: out {} overlaps in {}", fn, out.str(), in.str());
+  check_devices(stream, in, {&out}, fn);
+  MT_DISPATCH(in.device(), moe_sort_chunks, out, in, split_sizes, order, stream);
+}
+
+std::pair<std::vector<int64_t>, std::vector<int64_t>> moe_sort_chunks_inverse(const std::vector<int64_t>& split_sizes,
+                                                                              const std::vector<int64_t>& order) {
+  MT_CHECK(split_sizes.size() == order.size(), "moe_sort_chunks_inverse: {} split sizes but {} order entries",
+           split_sizes.size(), order.size());
+  const size_t C = order.size();
+  std::vector<int64_t> sizes(C), inverse(C);
+  for (size_t i = 0; i < C; ++i) {
+    const auto c = static_cast<size_t>(order[i]);
+    MT_CHECK(c < C, "moe_sort_chunks_inverse: order entry {} out of range [0, {})", order[i], C);
+    sizes[i] = split_sizes[c];
+    inverse[c] = static_cast<int64_t>(i);
+  }
+  return {std::move(sizes), std::move(inverse)};
+}
+
 }  // namespace mt

@@ -6,6 +6,7 @@
 // order, so both are deterministic.
 #pragma once
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "core/stream.h"
@@ -109,6 +110,22 @@ void moe_unpermute_backward(const Tensor& d_rows, const Tensor& d_probs, const T
                             const Tensor& probs, const Tensor& row_index, const Tensor& slot_row,
                             const Stream& stream);
 
+/// Regroups chunks of rows (Megatron's sort_chunks_by_idxs; the all-to-all dispatcher's
+/// "permutation 2" from [source rank][local expert] to [local expert][source rank] order and back):
+/// `in` [R, h] is the sequence of chunks c = 0..C-1 of split_sizes[c] rows (Σ = R), and
+/// out [R, h] = concat(chunk order[0], chunk order[1], ..., chunk order[C-1]). split_sizes and
+/// order are host values (the dispatcher knows the chunk sizes on the host; nothing is read from
+/// the device); order is a permutation of 0..C-1; zero-size chunks are allowed. The backward is
+/// the same op with the inverse permutation (moe_sort_chunks_inverse). Rows are copied exactly
+/// (act dtype, or fp32). Errors: mt::Error on shapes/dtypes, Σ split_sizes != R, negative sizes,
+/// an order that is not a permutation, out overlapping in.
+void moe_sort_chunks(const Tensor& out, const Tensor& in, const std::vector<int64_t>& split_sizes,
+                     const std::vector<int64_t>& order, const Stream& stream);
+/// The split sizes and order that undo moe_sort_chunks(split_sizes, order): the sizes in output
+/// order (split_sizes[order[i]]) and the inverse permutation.
+std::pair<std::vector<int64_t>, std::vector<int64_t>> moe_sort_chunks_inverse(const std::vector<int64_t>& split_sizes,
+                                                                              const std::vector<int64_t>& order);
+
 MT_OP_BACKENDS(moe_topk_routing)
 MT_OP_BACKENDS(moe_topk_routing_backward)
 MT_OP_BACKENDS(moe_aux_loss)
@@ -121,5 +138,6 @@ MT_OP_BACKENDS(moe_permute)
 MT_OP_BACKENDS(moe_permute_backward)
 MT_OP_BACKENDS(moe_unpermute)
 MT_OP_BACKENDS(moe_unpermute_backward)
+MT_OP_BACKENDS(moe_sort_chunks)
 
 }  // namespace mt

@@ -419,6 +419,54 @@ TEST(MoeRouting, SequenceGroupedCountsLossAndExpertBiasUpdate) {
   EXPECT_THROW(moe_tokens_per_expert(odd, topt, st), Error);
 }
 
+// Chunks of rows regrouped by a permutation (Megatron's sort_chunks_by_idxs), against a float64
+// reference; the inverse sizes/order restore the input; zero-size chunks; fp32 and bf16.
+TEST(MoeSortChunks, MatchesReferenceAndInverts) {
+  const Stream& st = testing::cpu_stream();
+  const int64_t h = 7;
+  // [source 3][local expert 4] chunks with some empty ones, sorted to [local expert][source].
+  const int64_t S = 3, El = 4, C = S * El;
+  std::vector<int64_t> sizes(C);
+  const auto r = testing::randint(C, 0, 4);
+  for (int64_t c = 0; c < C; ++c) sizes[c] = c % 5 == 2 ? 0 : r[c];
+  std::vector<int64_t> order;
+  for (int64_t e = 0; e < El; ++e)
+    for (int64_t src = 0; src < S; ++src) order.push_back(src * El + e);
+  const int64_t R = std::accumulate(sizes.begin(), sizes.end(), int64_t{0});
+  ASSERT_GT(R, 0);
+  for (DType dt : {DType::kF32, DType::kBF16}) {
+    const auto xv = testing::rounded(testing::randn(R * h), dt);
+    auto x = testing::make_tensor(xv, dt, kCpu, {R, h}, st);
+    OwnedTensor y(dt, kCpu, {R, h}), back(dt, kCpu, {R, h});
+    testing::poison(y, st);
+    testing::poison(back, st);
+    moe_sort_chunks(y, x, sizes, order, st);
+    // Reference in float64: chunk starts, then the chunks in `order`.
+    std::vector<int64_t> start(C, 0);
+    for (int64_t c = 1; c < C; ++c) start[c] = start[c - 1] + sizes[c - 1];
+    std::vector<double> want;
+    for (int64_t c : order)
+      for (int64_t i = start[c] * h; i < (start[c] + sizes[c]) * h; ++i) want.push_back(xv[i]);
+    const auto yv = testing::to_host(y, st);
+    ASSERT_EQ(yv.size(), want.size());
+    for (size_t i = 0; i < want.size(); ++i) ASSERT_EQ(static_cast<double>(yv[i]), want[i]) << i;
+    const auto [isizes, iorder] = moe_sort_chunks_inverse(sizes, order);
+    moe_sort_chunks(back, y, isizes, iorder, st);
+    EXPECT_EQ(testing::to_host(back, st), xv);
+  }
+  // A single chunk and all-empty chunks.
+  OwnedTensor a(DType::kF32, kCpu, {0, h}), b(DType::kF32, kCpu, {0, h});
+  moe_sort_chunks(b, a, {0, 0}, {1, 0}, st);
+  // Errors: sizes not summing to R, not a permutation, negative size, shape mismatch, aliasing.
+  OwnedTensor p(DType::kF32, kCpu, {5, h}), q(DType::kF32, kCpu, {5, h}), w(DType::kF32, kCpu, {5, h + 1});
+  EXPECT_THROW(moe_sort_chunks(q, p, {2, 2}, {1, 0}, st), Error);
+  EXPECT_THROW(moe_sort_chunks(q, p, {2, 3}, {1, 1}, st), Error);
+  EXPECT_THROW(moe_sort_chunks(q, p, {6, -1}, {1, 0}, st), Error);
+  EXPECT_THROW(moe_sort_chunks(q, p, {2, 3}, {0}, st), Error);
+  EXPECT_THROW(moe_sort_chunks(w, p, {2, 3}, {1, 0}, st), Error);
+  EXPECT_THROW(moe_sort_chunks(p, p, {2, 3}, {1, 0}, st), Error);
+}
+
 TEST(MoeRouting, Errors) {
   const Stream& st = testing::cpu_stream();
   OwnedTensor logits(DType::kF32, kCpu, {4, 6}), probs(DType::kF32, kCpu, {4, 7}), top(DType::kI32, kCpu, {4, 7});
