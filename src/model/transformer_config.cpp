@@ -279,8 +279,6 @@ void TransformerConfig::validate(int tp) const {
   MT_REQUIRE(!add_bias_linear,
              "MoE experts with biases are not supported: pass --disable-bias-linear (Mixtral, Qwen MoE and "
              "DeepSeek models have none)");
-  MT_REQUIRE(moe_token_dispatcher_type == MoeDispatcher::kAllGather,
-             "--moe-token-dispatcher-type alltoall is not implemented yet: use allgather (same results)");
 }
 
 int64_t TransformerConfig::num_parameters(int tp) const {
@@ -338,6 +336,7 @@ std::string TransformerConfig::summary() const {
     if (moe_router_load_balancing_type != MoeLoadBalancing::kNone && moe_aux_loss_coeff > 0)
       s += fmt::format(", {} {}", moe_load_balancing_name(moe_router_load_balancing_type), moe_aux_loss_coeff);
     if (moe_router_force_load_balancing) s += ", forced balance (random logits)";
+    if (moe_token_dispatcher_type == MoeDispatcher::kAllToAll) s += ", alltoall token dispatcher";
   }
   return s;
 }

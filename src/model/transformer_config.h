@@ -136,8 +136,7 @@ struct TransformerConfig {
   /// the position table, dropout outside [0, 1), a rotary fraction outside (0, 1], tp not dividing
   /// heads, query groups or ffn; for MoE: top-k outside [1, E], groups not dividing E or not
   /// covering top-k, a group top-k without groups, negative loss coefficients, a layer pattern of
-  /// the wrong length, biases on experts (use --disable-bias-linear), the alltoall dispatcher
-  /// (not implemented yet: use allgather).
+  /// the wrong length, biases on experts (use --disable-bias-linear).
   void validate(int tp = 1) const;
   /// Parameters of the model (a tied embedding counted once), with padded vocabulary.
   int64_t num_parameters(int tp = 1) const;

@@ -2,7 +2,8 @@
 // tensor parallelism (TP 2, 4; with and without sequence parallelism) x data parallelism (with
 // and without the distributed optimizer); pipeline parallelism PP in {2, 4} x VPP in {1, 2} x
 // micro-batches in {PP, 2·PP, 3·PP}, uneven first/last stages, a micro-batch group size; combined
-// TP·PP·DP layouts; overlapped bucket reduction and parameter all-gather. For each: three training iterations with
+// TP·PP·DP layouts; overlapped bucket reduction and parameter all-gather; MoE with expert
+// parallelism and both token dispatchers. For each: three training iterations with
 // dropout, weight decay and clipping; the losses of every iteration, the gradients of the last
 // iteration and the parameters after it, gathered from every stage and shard, equal the
 // single-rank run (rel. 1e-5). Also: the buffer plans' memory bounds, and errors for mismatched
@@ -105,6 +106,7 @@ struct Layout {
   int group_size = 0;             // --microbatch-group-size-per-virtual-pipeline-stage
   bool sp = false, zero = false;
   bool overlap = false;  // --overlap-grad-reduce (+ --overlap-param-gather with zero), small buckets
+  bool a2a = false;      // MoE: --moe-token-dispatcher-type alltoall (the reference is allgather)
   std::string name() const {
     std::string s = fmt::format("{}{}tp{}_pp{}_dp{}_vpp{}_m{}",
                                 arch == Arch::kGpt     ? ""
@@ -123,6 +125,7 @@ struct Layout {
     if (sp) s += "_sp";
     if (zero) s += "_distopt";
     if (overlap) s += "_overlap";
+    if (a2a) s += "_a2a";
     return s;
   }
 };
@@ -153,6 +156,7 @@ Result run_layout(const Layout& L, const std::vector<int32_t>& tokens, const std
   TransformerConfig c = config(L.arch);
   if (L.odd_vocab) c.vocab_size = 67;
   if (L.flash) c.attention_backend = AttentionBackend::kFlash;
+  if (L.a2a) c.moe_token_dispatcher_type = MoeDispatcher::kAllToAll;
   const int64_t S = c.seq_length;
   const int world_size = L.tp * L.pp * L.dp;
   const int M = L.micro_total / L.dp;
@@ -406,7 +410,7 @@ std::vector<Layout> layouts() {
   // Llama and Qwen 3 style models under every kind of parallelism.
   // One layout of a model family, two micro-batches per pipeline stage and DP rank.
   auto add = [&v](Arch arch, int tp, int pp, int dp, int vpp, bool sp, bool zero, bool overlap, int ep = 1,
-                  int etp = 0) {
+                  int etp = 0, bool a2a = false) {
     Layout a;
     a.arch = arch;
     a.tp = tp;
@@ -418,6 +422,7 @@ std::vector<Layout> layouts() {
     a.sp = sp;
     a.zero = zero;
     a.overlap = overlap;
+    a.a2a = a2a;
     a.micro_total = 2 * pp * dp;
     v.push_back(a);
   };
@@ -453,6 +458,26 @@ std::vector<Layout> layouts() {
           std::tuple{2, 2, 2, 0, true, true, false}, std::tuple{2, 2, 2, 2, true, true, true}})
       add(arch, tp, pp, dp, vpp, sp, zero, overlap);
   }
+  // MoE with the alltoall token dispatcher (each rank routes its own tokens; all_to_allv over EP,
+  // all-gather / reduce-scatter of unequal sizes over ETP, chunks regrouped by local expert)
+  // against the single-rank allgather run: EP 2 (two local experts: regrouping) and 4 (one),
+  // EP x TP + SP x DP, expert TP 2 with and without EP, EP with PP and VPP, with and without the
+  // distributed optimizer.
+  for (const auto& [arch, tp, pp, dp, vpp, ep, etp, sp, zero, overlap] :
+       {std::tuple{Arch::kMoe, 1, 1, 2, 0, 2, 0, false, false, false},
+        std::tuple{Arch::kMoe, 1, 1, 4, 0, 4, 0, false, false, false},
+        std::tuple{Arch::kMoe, 1, 1, 4, 0, 2, 0, false, true, false},
+        std::tuple{Arch::kMoe, 2, 1, 2, 0, 2, 1, true, false, false},
+        std::tuple{Arch::kMoe, 2, 1, 2, 0, 4, 1, true, true, false},
+        std::tuple{Arch::kMoe, 2, 1, 2, 0, 2, 2, true, false, false},
+        std::tuple{Arch::kMoe, 2, 1, 1, 0, 1, 0, true, false, false},
+        std::tuple{Arch::kMoe, 2, 2, 2, 0, 2, 2, true, true, true},
+        std::tuple{Arch::kMoe, 1, 2, 2, 0, 2, 0, false, false, false},
+        std::tuple{Arch::kMoe, 1, 2, 2, 2, 2, 0, false, true, true},
+        std::tuple{Arch::kMoeSigmoid, 1, 1, 4, 0, 4, 0, false, false, false},
+        std::tuple{Arch::kMoeSigmoid, 2, 1, 2, 0, 2, 1, true, true, false},
+        std::tuple{Arch::kMoeSigmoid, 2, 2, 2, 0, 2, 2, true, true, true}})
+    add(arch, tp, pp, dp, vpp, sp, zero, overlap, ep, etp, /*a2a=*/true);
   return v;
 }
 
