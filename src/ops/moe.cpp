@@ -1,6 +1,7 @@
 // Argument validation for ops/moe.h, then the backend of the tensors' device.
 #include "ops/moe.h"
 
+#include <cmath>
 #include <string>
 
 #include "core/check.h"
@@ -214,6 +215,29 @@ void moe_unpermute_backward(const Tensor& d_rows, const Tensor& d_probs, const T
            fn, slot_row.str());
   check_devices(stream, dy, {&d_rows, &probs, &d_probs, &slot_row}, fn);
   MT_DISPATCH(dy.device(), moe_unpermute_backward, d_rows, d_probs, dy, rows, probs, row_index, slot_row, stream);
+}
+
+int64_t moe_expert_capacity(int64_t tokens, int64_t topk, int64_t num_experts, double factor) {
+  MT_CHECK(factor > 0 && std::isfinite(factor), "moe_expert_capacity: capacity factor must be positive, got {}", factor);
+  MT_CHECK(tokens >= 1 && topk >= 1 && num_experts >= 1, "moe_expert_capacity: tokens {}, top-k {}, experts {}", tokens,
+           topk, num_experts);
+  return static_cast<int64_t>(
+      std::ceil(static_cast<double>(tokens * topk) / static_cast<double>(num_experts) * factor));
+}
+
+void moe_capacity_drop(const Tensor& kept, const Tensor& kept_counts, const Tensor& top, const Tensor& probs,
+                       int64_t capacity, bool by_probs, const Stream& stream) {
+  const char* fn = "moe_capacity_drop";
+  check_2d(top, DType::kI32, -1, -1, fn, "top");
+  check_2d(kept, DType::kI32, top.size(0), top.size(1), fn, "kept");
+  check_2d(probs, DType::kF32, top.size(0), top.size(1), fn, "probs");
+  MT_CHECK(kept_counts.dtype() == DType::kF32 && kept_counts.ndim() == 1 && kept_counts.is_contiguous() &&
+               kept_counts.numel() >= 1,
+           "{}: kept_counts must be a contiguous fp32 [E] tensor, got {}", fn, kept_counts.str());
+  MT_CHECK(capacity >= 0, "{}: capacity {} must be >= 0", fn, capacity);
+  MT_CHECK(kept.data() != top.data(), "{}: kept must not alias top", fn);
+  check_devices(stream, top, {&kept, &probs, &kept_counts}, fn);
+  MT_DISPATCH(top.device(), moe_capacity_drop, kept, kept_counts, top, probs, capacity, by_probs, stream);
 }
 
 void moe_sort_chunks(const Tensor& out, const Tensor& in, const std::vector<int64_t>& split_sizes,

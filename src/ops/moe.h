@@ -110,6 +110,22 @@ void moe_unpermute_backward(const Tensor& d_rows, const Tensor& d_probs, const T
                             const Tensor& probs, const Tensor& row_index, const Tensor& slot_row,
                             const Stream& stream);
 
+/// Megatron's get_capacity for token dropping with num_tokens = tokens·topk:
+/// ceil(tokens·topk / num_experts · factor) in double precision. Errors: mt::Error when factor is
+/// not positive or a size is < 1.
+int64_t moe_expert_capacity(int64_t tokens, int64_t topk, int64_t num_experts, double factor);
+
+/// Token dropping at an expert capacity (Megatron's apply_router_token_dropping, without padding):
+/// of the slots of top int32 [T, k] routed to expert e, at most `capacity` are kept — by_probs
+/// (--moe-token-drop-policy probs): those of the highest probs (fp32 [T, k]; ties: the earlier
+/// slot), else (position): those of the earliest tokens — and the others dropped:
+/// kept[t, j] = top[t, j], or -1 for a dropped slot (the dispatchers skip it: its output and its
+/// probability's gradient are zero). kept_counts fp32 [E] (overwritten): the kept slots of each
+/// expert. A token selects an expert at most once. kept int32 [T, k] must not alias top.
+/// Errors: mt::Error on shapes/dtypes or capacity < 0.
+void moe_capacity_drop(const Tensor& kept, const Tensor& kept_counts, const Tensor& top, const Tensor& probs,
+                       int64_t capacity, bool by_probs, const Stream& stream);
+
 /// Regroups chunks of rows (Megatron's sort_chunks_by_idxs; the all-to-all dispatcher's
 /// "permutation 2" from [source rank][local expert] to [local expert][source rank] order and back):
 /// `in` [R, h] is the sequence of chunks c = 0..C-1 of split_sizes[c] rows (Σ = R), and
@@ -139,5 +155,6 @@ MT_OP_BACKENDS(moe_permute_backward)
 MT_OP_BACKENDS(moe_unpermute)
 MT_OP_BACKENDS(moe_unpermute_backward)
 MT_OP_BACKENDS(moe_sort_chunks)
+MT_OP_BACKENDS(moe_capacity_drop)
 
 }  // namespace mt

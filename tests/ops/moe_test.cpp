@@ -467,6 +467,55 @@ TEST(MoeSortChunks, MatchesReferenceAndInverts) {
   EXPECT_THROW(moe_sort_chunks(p, p, {2, 3}, {1, 0}, st), Error);
 }
 
+// Expert capacity (Megatron's get_capacity with num_tokens = T·k) and token dropping against a
+// reference written here: per expert, the routed slots ranked by prob (ties: earlier slot) or by
+// position, the first `capacity` kept; kept counts; capacity 0 drops everything.
+TEST(MoeCapacity, DropMatchesReference) {
+  EXPECT_EQ(moe_expert_capacity(16, 2, 4, 1.0), 8);
+  EXPECT_EQ(moe_expert_capacity(16, 2, 4, 0.5), 4);
+  EXPECT_EQ(moe_expert_capacity(10, 2, 8, 1.0), 3);    // ceil(2.5)
+  EXPECT_EQ(moe_expert_capacity(12, 1, 5, 1.25), 3);   // ceil(3.0)
+  EXPECT_THROW(moe_expert_capacity(16, 2, 4, 0.0), Error);
+  EXPECT_THROW(moe_expert_capacity(16, 2, 4, -1.0), Error);
+  const Stream& st = testing::cpu_stream();
+  const int64_t T = 29, E = 5, k = 2;
+  std::vector<int32_t> top(T * k);
+  for (int64_t t = 0; t < T; ++t) {
+    const auto r = testing::randint(2, 0, static_cast<int32_t>(E));
+    top[t * k] = r[0];
+    top[t * k + 1] = (r[0] + 1 + r[1] % (E - 1)) % E;
+  }
+  auto pv = testing::randu(T * k, 0.f, 1.f);
+  pv[3] = pv[7] = pv[11] = 0.5f;  // ties
+  auto topt = testing::make_int_tensor(top, kCpu, {T, k}, st);
+  auto probs = testing::make_tensor(pv, DType::kF32, kCpu, {T, k}, st);
+  for (bool by_probs : {true, false}) {
+    for (int64_t cap : {int64_t{0}, int64_t{3}, int64_t{6}, int64_t{T}}) {
+      OwnedTensor kept(DType::kI32, kCpu, {T, k}), counts(DType::kF32, kCpu, {E});
+      moe_capacity_drop(kept, counts, topt, probs, cap, by_probs, st);
+      std::vector<int32_t> want(T * k, -1);
+      for (int64_t e = 0; e < E; ++e) {
+        std::vector<int64_t> slots;
+        for (int64_t i = 0; i < T * k; ++i)
+          if (top[i] == e) slots.push_back(i);
+        if (by_probs)
+          std::sort(slots.begin(), slots.end(), [&](int64_t a, int64_t b) {
+            return static_cast<double>(pv[a]) > pv[b] || (pv[a] == pv[b] && a < b);
+          });
+        const int64_t keep = std::min<int64_t>(cap, static_cast<int64_t>(slots.size()));
+        for (int64_t r = 0; r < keep; ++r) want[slots[r]] = static_cast<int32_t>(e);
+        EXPECT_EQ(counts.t.data_as<float>()[e], static_cast<float>(keep)) << e;
+      }
+      const int32_t* kv = kept.t.data_as<int32_t>();
+      EXPECT_EQ(std::vector<int32_t>(kv, kv + T * k), want) << "by_probs " << by_probs << " capacity " << cap;
+    }
+  }
+  OwnedTensor kept(DType::kI32, kCpu, {T, k}), counts(DType::kF32, kCpu, {E}), wrong(DType::kI32, kCpu, {T, k + 1});
+  EXPECT_THROW(moe_capacity_drop(kept, counts, topt, probs, -1, true, st), Error);
+  EXPECT_THROW(moe_capacity_drop(wrong, counts, topt, probs, 3, true, st), Error);
+  EXPECT_THROW(moe_capacity_drop(topt, counts, topt, probs, 3, true, st), Error);  // in place
+}
+
 TEST(MoeRouting, Errors) {
   const Stream& st = testing::cpu_stream();
   OwnedTensor logits(DType::kF32, kCpu, {4, 6}), probs(DType::kF32, kCpu, {4, 7}), top(DType::kI32, kCpu, {4, 7});

@@ -10,6 +10,8 @@
 // layouts before any communication.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <map>
 #include <mutex>
 
@@ -107,6 +109,10 @@ struct Layout {
   bool sp = false, zero = false;
   bool overlap = false;  // --overlap-grad-reduce (+ --overlap-param-gather with zero), small buckets
   bool a2a = false;      // MoE: --moe-token-dispatcher-type alltoall (the reference is allgather)
+  // MoE token dropping (the reference drops alike: its micro-batches have the ranks' token count)
+  double capacity = 0;       // --moe-expert-capacity-factor (0 = dropless)
+  bool drop_position = false;  // --moe-token-drop-policy position (else probs)
+  bool pad = false;          // --moe-pad-expert-input-to-capacity
   std::string name() const {
     std::string s = fmt::format("{}{}tp{}_pp{}_dp{}_vpp{}_m{}",
                                 arch == Arch::kGpt     ? ""
@@ -126,6 +132,8 @@ struct Layout {
     if (zero) s += "_distopt";
     if (overlap) s += "_overlap";
     if (a2a) s += "_a2a";
+    if (capacity > 0) s += fmt::format("_cap{}{}{}", static_cast<int>(capacity * 100), drop_position ? "_pos" : "",
+                                       pad ? "_pad" : "");
     return s;
   }
 };
@@ -157,6 +165,12 @@ Result run_layout(const Layout& L, const std::vector<int32_t>& tokens, const std
   if (L.odd_vocab) c.vocab_size = 67;
   if (L.flash) c.attention_backend = AttentionBackend::kFlash;
   if (L.a2a) c.moe_token_dispatcher_type = MoeDispatcher::kAllToAll;
+  if (L.capacity > 0) {
+    c.moe_expert_capacity_set = true;
+    c.moe_expert_capacity_factor = L.capacity;
+    c.moe_token_drop_policy = L.drop_position ? MoeTokenDropPolicy::kPosition : MoeTokenDropPolicy::kProbs;
+    c.moe_pad_expert_input_to_capacity = L.pad;
+  }
   const int64_t S = c.seq_length;
   const int world_size = L.tp * L.pp * L.dp;
   const int M = L.micro_total / L.dp;
@@ -295,7 +309,17 @@ TEST_P(ParallelLayouts, MatchesSingleRank) {
   one.odd_vocab = L.odd_vocab;
   one.flash = L.flash;
   one.micro_total = L.micro_total;
+  one.capacity = L.capacity;
+  one.drop_position = L.drop_position;
+  one.pad = L.pad;
   const Result ref = run_layout(one, tokens, labels, mb);
+  if (L.capacity > 0 && L.capacity < 1) {  // fewer slots kept than routed: the losses must change
+    one.capacity = 0;
+    const Result dropless = run_layout(one, tokens, labels, mb);
+    double diff = 0;
+    for (int it = 0; it < kIters; ++it) diff = std::max(diff, std::fabs(dropless.losses[it] - ref.losses[it]));
+    EXPECT_GT(diff, 1e-5 * ref.losses[0]) << "the capacity dropped nothing";
+  }
   const Result par = run_layout(L, tokens, labels, mb);
   for (int it = 0; it < kIters; ++it) EXPECT_NEAR(par.losses[it], ref.losses[it], 1e-5 * ref.losses[it]) << it;
   ASSERT_EQ(par.grads.size(), ref.grads.size());
@@ -478,6 +502,16 @@ std::vector<Layout> layouts() {
         std::tuple{Arch::kMoeSigmoid, 2, 1, 2, 0, 2, 1, true, true, false},
         std::tuple{Arch::kMoeSigmoid, 2, 2, 2, 0, 2, 2, true, true, true}})
     add(arch, tp, pp, dp, vpp, sp, zero, overlap, ep, etp, /*a2a=*/true);
+  // Token dropping at an expert capacity (both policies, padding, both dispatchers).
+  for (const auto& [arch, pp, dp, ep, a2a, zero, capacity, position, pad] :
+       {std::tuple{Arch::kMoe, 1, 2, 2, true, false, 0.5, false, false},
+        std::tuple{Arch::kMoe, 1, 4, 4, false, false, 0.75, true, true},
+        std::tuple{Arch::kMoeSigmoid, 2, 2, 2, true, true, 1.0, true, false}}) {
+    add(arch, 1, pp, dp, 0, false, zero, false, ep, 0, a2a);
+    v.back().capacity = capacity;
+    v.back().drop_position = position;
+    v.back().pad = pad;
+  }
   return v;
 }
 

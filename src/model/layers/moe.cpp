@@ -78,6 +78,11 @@ void MoELayer::plan(BufferPlanner& p, int64_t s, int64_t b) {
   const bool seq = config_.moe_router_load_balancing_type == MoeLoadBalancing::kSeqAuxLoss;
   batch_ = b;
   sv.tokens_per_expert = p.saved(DType::kF32, {seq ? b : 1, E}, "tokens per expert (TP group)");
+  if (drops()) {
+    capacity_ = moe_expert_capacity(tokens_, k, E, config_.moe_expert_capacity_factor);
+    sv.top_routed = p.saved(DType::kI32, {tokens_, k}, "routing before the capacity drop");
+    kept_counts_ = p.scratch("moe.kept_counts", DType::kF32, {E});
+  }
   sv.xp = p.saved(t, {max_rows_, h}, "expert inputs");
   sv.pre = p.saved(t, {max_rows_, parts * local_ffn_}, "expert fc1 outputs");
   sv.act = p.saved(t, {max_rows_, local_ffn_}, "expert activations");
@@ -170,6 +175,10 @@ float MoELayer::z_scale(double weight) const {
   return static_cast<float>(weight * config_.moe_z_loss_coeff / tp_.size() / static_cast<double>(tokens_));
 }
 
+Tensor MoELayer::router_top(int slot) const {
+  return drops() ? saved_.at(static_cast<size_t>(slot)).top_routed : dispatcher_->top(slot);
+}
+
 Tensor MoELayer::forward(const StepContext& ctx) {
   Saved& sv = saved_.at(static_cast<size_t>(ctx.slot));
   const Stream& st = ctx.stream;
@@ -178,8 +187,11 @@ Tensor MoELayer::forward(const StepContext& ctx) {
   matmul(sv.logits, x, router_weight_.value(), false, true, 1.f, 0.f, st);
   if (config_.moe_router_force_load_balancing) random_logits(sv.logits, ctx);
   expert_bias(st);  // zero-initialised on first use
-  const Tensor top = dispatcher_->top(ctx.slot), probs = dispatcher_->probs(ctx.slot);
+  const Tensor top = router_top(ctx.slot), probs = dispatcher_->probs(ctx.slot);
   moe_topk_routing(probs, top, aux_loss_on() ? scores_aux_ : Tensor(), sv.logits, expert_bias_, router_, st);
+  if (drops())  // the slots beyond each expert's capacity get expert -1 in the dispatcher's selection
+    moe_capacity_drop(dispatcher_->top(ctx.slot), kept_counts_, top, probs, capacity_,
+                      config_.moe_token_drop_policy == MoeTokenDropPolicy::kProbs, st);
   // --- auxiliary losses (values for the log; gradients in backward), on the device ---
   if (ctx.dropout.training) {
     if (!stats_zeroed_) {
@@ -196,6 +208,10 @@ Tensor MoELayer::forward(const StepContext& ctx) {
       moe_tokens_per_expert(counts_total_, top, st);
       if (tp_.size() > 1) tp_.group().all_reduce(counts_total_, ReduceOp::kSum, st);
       total = counts_total_;
+    }
+    if (drops()) {  // the kept slots (Megatron's expert-bias counts are taken after the drop)
+      if (tp_.size() > 1) tp_.group().all_reduce(kept_counts_, ReduceOp::kSum, st);
+      total = kept_counts_;
     }
     const Tensor counted = stats_.slice0(2, 2 + num_experts_);
     add(counted, counted, total, st);
@@ -260,7 +276,7 @@ Tensor MoELayer::backward(const Tensor& dy, const StepContext& ctx, WgradDeferra
   const Tensor dx = rows(dx_);
   dispatcher_->dispatch_backward(dx, row_range(d_xp_, 0, R), ctx.slot, st);
   // --- router backward: probs path, load-balancing loss, z-loss ---
-  moe_topk_routing_backward(d_logits_, d_probs_, sv.logits, dispatcher_->top(ctx.slot), router_, st);
+  moe_topk_routing_backward(d_logits_, d_probs_, sv.logits, router_top(ctx.slot), router_, st);
   const double w = ctx.batch.aux_loss_weight;
   if (aux_loss_on()) moe_aux_scores_backward(d_logits_, sv.logits, sv.tokens_per_expert, aux_scale(w), ctx.loss_scale,
                                    router_.sigmoid, st);

@@ -17,6 +17,13 @@
 // backward, the dispatch backward (token gradients), then the router backward with the
 // load-balancing loss and the z-loss added to the logits' gradient.
 //
+// Token dropping (--moe-expert-capacity-factor, Megatron's apply_router_token_dropping): after the
+// router each rank keeps at most ceil(T_l·k/E · factor) of its slots per expert (moe_capacity_drop)
+// and dispatches only those; a dropped slot adds nothing to its token's output and its probability
+// gets no gradient. The load-balancing losses count the routed slots (before the drop, as
+// Megatron's compute_routing_scores_for_aux_loss); the logged token counts and the expert-bias
+// counts count the kept ones.
+//
 // Auxiliary losses (Megatron's TopKRouter): with --moe-router-load-balancing-type aux_loss the
 // switch loss coeff·E/(k·N²)·Σ_e P_e·c_e (P_e: this rank's sum of the softmax (or normalised
 // sigmoid) scores of expert e, c_e: tokens routed to e summed over the TP group, N = s·b); with
@@ -92,6 +99,7 @@ class MoELayer final : public MlpSlot {
     Tensor x;                  // [s_l, b, h]: the block's input (router input)
     Tensor logits;             // fp32 [T_l, E]
     Tensor tokens_per_expert;  // fp32 [G, E]: over the TP group (G = b for seq_aux_loss, else 1)
+    Tensor top_routed;         // int32 [T_l, k]: the router's selection before a capacity drop
     Tensor xp, pre, act, out;  // [R_max, h], [R_max, (2)f_l], [R_max, f_l], [R_max, h]
     std::vector<int64_t> counts_host;  // the forward's rows per local expert (R = their sum)
   };
@@ -99,6 +107,9 @@ class MoELayer final : public MlpSlot {
   void random_logits(const Tensor& logits, const StepContext& ctx) const;  // --moe-router-force-load-balancing
   float aux_scale(double weight) const;  // of the load-balancing loss, for a micro-batch weight
   float z_scale(double weight) const;
+  bool drops() const { return config_.moe_expert_capacity_set; }
+  // The router's selection of area `slot` (before a capacity drop; the dispatcher gets the kept slots).
+  Tensor router_top(int slot) const;
 
   const TransformerConfig& config_;
   const TensorParallelRegion& tp_;
@@ -113,8 +124,9 @@ class MoELayer final : public MlpSlot {
   std::unique_ptr<MoeTokenDispatcher> dispatcher_;
   std::vector<Saved> saved_;  // per area
   int64_t tokens_ = 0, max_rows_ = 0;  // T_l, R_max
+  int64_t capacity_ = 0;               // per expert with --moe-expert-capacity-factor
   // scratch
-  Tensor y_, d_out_, d_act_, d_pre_, d_xp_, dx_, d_probs_, d_logits_, d_logits_act_, scores_aux_;
+  Tensor y_, d_out_, d_act_, d_pre_, d_xp_, dx_, d_probs_, d_logits_, d_logits_act_, scores_aux_, kept_counts_;
   Buffer stats_buffer_;  // fp32 [2 + E] on the model's device (see stats())
   Tensor stats_;
   bool stats_zeroed_ = false;
