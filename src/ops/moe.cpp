@@ -3,8 +3,10 @@
 
 #include <cmath>
 #include <string>
+#include <vector>
 
 #include "core/check.h"
+#include "core/stream.h"
 #include "ops/op_checks.h"
 
 namespace mt {
@@ -237,7 +239,10 @@ void moe_capacity_drop(const Tensor& kept, const Tensor& kept_counts, const Tens
   MT_CHECK(capacity >= 0, "{}: capacity {} must be >= 0", fn, capacity);
   MT_CHECK(kept.data() != top.data(), "{}: kept must not alias top", fn);
   check_devices(stream, top, {&kept, &probs, &kept_counts}, fn);
-  MT_DISPATCH(top.device(), moe_capacity_drop, kept, kept_counts, top, probs, capacity, by_probs, stream);
+  // No CUDA kernel yet: a clear error rather than a host read of device memory.
+  MT_CHECK(top.device().is_cpu(), "{}: token dropping (--moe-expert-capacity-factor) has no CUDA kernel yet; got {}",
+           fn, top.str());
+  cpu::moe_capacity_drop(kept, kept_counts, top, probs, capacity, by_probs, stream);
 }
 
 void moe_sort_chunks(const Tensor& out, const Tensor& in, const std::vector<int64_t>& split_sizes,
@@ -267,7 +272,21 @@ void moe_sort_chunks(const Tensor& out, const Tensor& in, const std::vector<int6
                                 static_cast<const char*>(in.data()) + in.nbytes() <= out.data()),
            "{}: out {} overlaps in {}", fn, out.str(), in.str());
   check_devices(stream, in, {&out}, fn);
-  MT_DISPATCH(in.device(), moe_sort_chunks, out, in, split_sizes, order, stream);
+  // One stream-ordered copy per non-empty chunk, on any device (CUDA: device-to-device
+  // cudaMemcpyAsync; a fused kernel would save the C launches).
+  const size_t row_bytes = static_cast<size_t>(in.size(1)) * dtype_size(in.dtype());
+  std::vector<int64_t> start(split_sizes.size(), 0);  // first row of each input chunk
+  for (size_t c = 1; c < split_sizes.size(); ++c) start[c] = start[c - 1] + split_sizes[c - 1];
+  const char* src = static_cast<const char*>(in.data());
+  char* dst = static_cast<char*>(out.data());
+  size_t at = 0;  // output row
+  for (int64_t c : order) {
+    const auto n = static_cast<size_t>(split_sizes[static_cast<size_t>(c)]);
+    if (n == 0) continue;
+    copy_bytes(dst + at * row_bytes, out.device(), src + static_cast<size_t>(start[static_cast<size_t>(c)]) * row_bytes,
+               in.device(), n * row_bytes, stream);
+    at += n;
+  }
 }
 
 std::pair<std::vector<int64_t>, std::vector<int64_t>> moe_sort_chunks_inverse(const std::vector<int64_t>& split_sizes,

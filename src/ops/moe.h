@@ -122,7 +122,7 @@ int64_t moe_expert_capacity(int64_t tokens, int64_t topk, int64_t num_experts, d
 /// kept[t, j] = top[t, j], or -1 for a dropped slot (the dispatchers skip it: its output and its
 /// probability's gradient are zero). kept_counts fp32 [E] (overwritten): the kept slots of each
 /// expert. A token selects an expert at most once. kept int32 [T, k] must not alias top.
-/// Errors: mt::Error on shapes/dtypes or capacity < 0.
+/// Errors: mt::Error on shapes/dtypes, capacity < 0, or CUDA tensors (no kernel yet).
 void moe_capacity_drop(const Tensor& kept, const Tensor& kept_counts, const Tensor& top, const Tensor& probs,
                        int64_t capacity, bool by_probs, const Stream& stream);
 
@@ -133,7 +133,8 @@ void moe_capacity_drop(const Tensor& kept, const Tensor& kept_counts, const Tens
 /// order are host values (the dispatcher knows the chunk sizes on the host; nothing is read from
 /// the device); order is a permutation of 0..C-1; zero-size chunks are allowed. The backward is
 /// the same op with the inverse permutation (moe_sort_chunks_inverse). Rows are copied exactly
-/// (act dtype, or fp32). Errors: mt::Error on shapes/dtypes, Σ split_sizes != R, negative sizes,
+/// (act dtype, or fp32), one stream-ordered copy per non-empty chunk on either device (no kernel
+/// of its own). Errors: mt::Error on shapes/dtypes, Σ split_sizes != R, negative sizes,
 /// an order that is not a permutation, out overlapping in.
 void moe_sort_chunks(const Tensor& out, const Tensor& in, const std::vector<int64_t>& split_sizes,
                      const std::vector<int64_t>& order, const Stream& stream);
@@ -154,7 +155,6 @@ MT_OP_BACKENDS(moe_permute)
 MT_OP_BACKENDS(moe_permute_backward)
 MT_OP_BACKENDS(moe_unpermute)
 MT_OP_BACKENDS(moe_unpermute_backward)
-MT_OP_BACKENDS(moe_sort_chunks)
-MT_OP_BACKENDS(moe_capacity_drop)
+MT_OP_BACKENDS(moe_capacity_drop)  // CPU only so far: CUDA tensors are an error
 
 }  // namespace mt

@@ -1,7 +1,6 @@
 // CPU reference of ops/moe.h (fp32 routing math, act-dtype fp32 rows).
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <limits>
 #include <numeric>
 #include <vector>
@@ -369,25 +368,6 @@ void moe_unpermute_backward(const Tensor& d_rows, const Tensor& d_probs, const T
     double dot = 0;
     for (int64_t c = 0; c < h; ++c) dot += static_cast<double>(g[c]) * rr[c];
     DP[i] = static_cast<float>(dot);
-  }
-}
-
-void moe_sort_chunks(const Tensor& out, const Tensor& in, const std::vector<int64_t>& split_sizes,
-                     const std::vector<int64_t>& order, const Stream&) {
-  const int64_t C = static_cast<int64_t>(order.size());
-  const size_t row_bytes = static_cast<size_t>(in.size(1)) * dtype_size(in.dtype());
-  std::vector<int64_t> src(static_cast<size_t>(C), 0), dst(static_cast<size_t>(C), 0);  // first row of each chunk
-  for (int64_t c = 1; c < C; ++c) src[static_cast<size_t>(c)] = src[static_cast<size_t>(c - 1)] + split_sizes[static_cast<size_t>(c - 1)];
-  for (int64_t i = 1; i < C; ++i)
-    dst[static_cast<size_t>(i)] = dst[static_cast<size_t>(i - 1)] + split_sizes[static_cast<size_t>(order[static_cast<size_t>(i - 1)])];
-  const char* I = static_cast<const char*>(in.data());
-  char* O = static_cast<char*>(out.data());
-#pragma omp parallel for schedule(dynamic)
-  for (int64_t i = 0; i < C; ++i) {
-    const auto c = static_cast<size_t>(order[static_cast<size_t>(i)]);
-    if (split_sizes[c] == 0) continue;
-    std::memcpy(O + static_cast<size_t>(dst[static_cast<size_t>(i)]) * row_bytes, I + static_cast<size_t>(src[c]) * row_bytes,
-                static_cast<size_t>(split_sizes[c]) * row_bytes);
   }
 }
 
