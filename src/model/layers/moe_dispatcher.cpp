@@ -169,26 +169,9 @@ class AllToAllDispatcher final : public MoeTokenDispatcher {
     moe_permute(row_range(send_, 0, S), x, sv.row_index, s_.topk, st);
     sv.plan = exchange_counts(mine, st);
     const Plan& pl = sv.plan;
-    const int64_t R = pl.rows();
-    MT_CHECK(R <= xp.size(0), "MoE alltoall dispatch: {} expert rows exceed the planned {}", R, xp.size(0));
-    // EP all-to-all, then the ETP all-gather of unequal sizes, then permutation 2.
-    Tensor cur = row_range(send_, 0, S);
-    if (P_ > 1) {
-      const Tensor dst = row_range(Q_ > 1 ? ep_rows_ : stage_or(xp), 0, pl.ep_rows());
-      ep_exchange(dst, pl.recv_rows, cur, pl.send_rows, st);
-      cur = dst;
-    }
-    if (Q_ > 1) {
-      const Tensor dst = row_range(stage_or(xp), 0, R);
-      etp_gather(dst, cur, pl, st);
-      cur = dst;
-    }
-    const Tensor out = row_range(xp, 0, R);
-    if (s_.num_local > 1) {
-      moe_sort_chunks(out, cur, pl.chunk_sizes, pl.order, st);
-    } else if (cur.data() != out.data()) {
-      copy(out, cur, st);
-    }
+    MT_CHECK(pl.rows() <= xp.size(0), "MoE alltoall dispatch: {} expert rows exceed the planned {}", pl.rows(),
+             xp.size(0));
+    to_experts(xp, row_range(send_, 0, S), pl, st);
     return pl.local_counts;
   }
 
@@ -196,9 +179,7 @@ class AllToAllDispatcher final : public MoeTokenDispatcher {
     const Saved& sv = saved_.at(static_cast<size_t>(slot));
     const Plan& pl = sv.plan;
     const Tensor back = row_range(sv.back, 0, pl.slots());
-    // The reverse of dispatch: permutation 2 undone, ETP reduce-scatter, EP all-to-all back.
-    const Tensor cur = unsort_and_return(back, out, pl, st);
-    if (cur.data() != back.data()) copy(back, cur, st);
+    from_experts(back, out, pl, st);  // permutation 2 undone, ETP reduce-scatter, EP all-to-all back
     // Permutation 1 undone, weighted by this rank's probs.
     moe_unpermute(y, back, sv.probs, sv.slot_row, st);
   }
@@ -208,34 +189,16 @@ class AllToAllDispatcher final : public MoeTokenDispatcher {
     (void)out;  // the probs' gradient uses the rows returned to this rank (sv.back)
     const Saved& sv = saved_.at(static_cast<size_t>(slot));
     const Plan& pl = sv.plan;
-    const int64_t S = pl.slots(), R = pl.rows();
+    const int64_t S = pl.slots();
     const Tensor d_send = row_range(send_, 0, S);
     moe_unpermute_backward(d_send, d_probs, dy, row_range(sv.back, 0, S), sv.probs, sv.row_index, sv.slot_row, st);
-    // The gradient rows travel like the tokens in dispatch.
-    Tensor cur = d_send;
-    if (P_ > 1) {
-      const Tensor dst = row_range(Q_ > 1 ? ep_rows_ : stage_or(d_out), 0, pl.ep_rows());
-      ep_exchange(dst, pl.recv_rows, cur, pl.send_rows, st);
-      cur = dst;
-    }
-    if (Q_ > 1) {
-      const Tensor dst = row_range(stage_or(d_out), 0, R);
-      etp_gather(dst, cur, pl, st);
-      cur = dst;
-    }
-    const Tensor dst = row_range(d_out, 0, R);
-    if (s_.num_local > 1) {
-      moe_sort_chunks(dst, cur, pl.chunk_sizes, pl.order, st);
-    } else if (cur.data() != dst.data()) {
-      copy(dst, cur, st);
-    }
+    to_experts(d_out, d_send, pl, st);  // the gradient rows travel like the tokens
   }
 
   void dispatch_backward(const Tensor& dx, const Tensor& d_xp, int slot, const Stream& st) override {
     const Saved& sv = saved_.at(static_cast<size_t>(slot));
     const Tensor d_send = row_range(send_, 0, sv.plan.slots());
-    const Tensor cur = unsort_and_return(d_send, d_xp, sv.plan, st);
-    if (cur.data() != d_send.data()) copy(d_send, cur, st);
+    from_experts(d_send, d_xp, sv.plan, st);  // the input gradients return like the outputs
     moe_permute_backward(dx, d_send, sv.slot_row, s_.topk, st);
   }
 
@@ -349,11 +312,33 @@ class AllToAllDispatcher final : public MoeTokenDispatcher {
     copy(out, row_range(chunks, 0, n), st);
     for (int64_t i = 1; i < Q_; ++i) add(out, out, row_range(chunks, i * n, n), st);
   }
-  // The reverse path of dispatch for expert-side rows `rows` [R, h] (outputs, or input gradients):
-  // permutation 2 undone, ETP reduce-scatter, EP all-to-all back. Returns the slots' rows in this
-  // rank's expert-sorted slot order: `dst` itself, or (no communication, one local expert) a view
-  // the caller copies from.
-  Tensor unsort_and_return(const Tensor& dst, const Tensor& rows_in, const Plan& pl, const Stream& st) const {
+  // Source side -> expert side, for rows [S, h] in this rank's expert-sorted slot order (tokens,
+  // or the gradients of the outputs): EP all-to-all, ETP all-gather, permutation 2 into rows
+  // [0, R) of dst, ordered by local expert.
+  void to_experts(const Tensor& dst, const Tensor& rows_in, const Plan& pl, const Stream& st) const {
+    const int64_t R = pl.rows();
+    Tensor cur = rows_in;
+    if (P_ > 1) {
+      const Tensor next = row_range(Q_ > 1 ? ep_rows_ : stage_or(dst), 0, pl.ep_rows());
+      ep_exchange(next, pl.recv_rows, cur, pl.send_rows, st);
+      cur = next;
+    }
+    if (Q_ > 1) {
+      const Tensor next = row_range(stage_or(dst), 0, R);
+      etp_gather(next, cur, pl, st);
+      cur = next;
+    }
+    const Tensor out = row_range(dst, 0, R);
+    if (s_.num_local > 1) {
+      moe_sort_chunks(out, cur, pl.chunk_sizes, pl.order, st);
+    } else if (cur.data() != out.data()) {
+      copy(out, cur, st);
+    }
+  }
+  // Expert side -> source side, the exact reverse, for expert-side rows [R, h] (outputs, or input
+  // gradients): permutation 2 undone, ETP reduce-scatter, EP all-to-all back into dst [S, h], in
+  // this rank's expert-sorted slot order.
+  void from_experts(const Tensor& dst, const Tensor& rows_in, const Plan& pl, const Stream& st) const {
     const int64_t R = pl.rows();
     Tensor cur = row_range(rows_in, 0, R);
     if (s_.num_local > 1) {
@@ -371,7 +356,7 @@ class AllToAllDispatcher final : public MoeTokenDispatcher {
       ep_exchange(dst, pl.send_rows, cur, pl.recv_rows, st);
       cur = dst;
     }
-    return cur;
+    if (cur.data() != dst.data()) copy(dst, cur, st);
   }
 
   ExpertParallel ep_;
