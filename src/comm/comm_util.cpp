@@ -1,5 +1,6 @@
 #include "comm/comm_util.h"
 
+#include <algorithm>
 #include <cstdint>
 
 namespace mt::comm_detail {
@@ -92,6 +93,56 @@ void check_all_to_all(const Communicator& c, const Tensor& out, const Tensor& in
              describe(c), in.numel(), in.str(), c.size());
   MT_REQUIRE(!overlaps(out, in), "all_to_all on {}: out {} overlaps in {} (in-place all_to_all is not supported)",
              describe(c), out.str(), in.str());
+}
+
+namespace {
+
+// One side of all_to_allv: lengths, signs, ranges; returns the resolved offsets.
+std::vector<int64_t> check_splits(const Communicator& c, const AllToAllvSplits& sp, const Tensor& t,
+                                  const char* side) {
+  const size_t P = static_cast<size_t>(c.size());
+  MT_REQUIRE(sp.counts.size() == P, "all_to_allv on {}: {} counts has {} entries, expected one per rank ({})",
+             describe(c), side, sp.counts.size(), P);
+  MT_REQUIRE(sp.offsets.empty() || sp.offsets.size() == P,
+             "all_to_allv on {}: {} offsets has {} entries, expected none (packed) or one per rank ({})", describe(c),
+             side, sp.offsets.size(), P);
+  std::vector<int64_t> off = sp.resolved_offsets();
+  for (size_t r = 0; r < P; ++r) {
+    MT_REQUIRE(sp.counts[r] >= 0 && off[r] >= 0,
+               "all_to_allv on {}: {} piece of rank {} has count {} at offset {} (must be >= 0)", describe(c), side, r,
+               sp.counts[r], off[r]);
+    MT_REQUIRE(sp.counts[r] == 0 || off[r] + sp.counts[r] <= t.numel(),
+               "all_to_allv on {}: {} piece of rank {} [{}, +{}) exceeds the {} elements of {}", describe(c), side, r,
+               off[r], sp.counts[r], t.numel(), t.str());
+  }
+  return off;
+}
+
+}  // namespace
+
+std::pair<std::vector<int64_t>, std::vector<int64_t>> check_all_to_allv(const Communicator& c, const Tensor& out,
+                                                                        const AllToAllvSplits& recv, const Tensor& in,
+                                                                        const AllToAllvSplits& send) {
+  check_contiguous(c, out, "all_to_allv", "out");
+  check_contiguous(c, in, "all_to_allv", "in");
+  MT_REQUIRE(out.dtype() == in.dtype(), "all_to_allv on {}: dtype of out {} != in {}", describe(c), out.str(),
+             in.str());
+  std::vector<int64_t> roff = check_splits(c, recv, out, "receive");
+  std::vector<int64_t> soff = check_splits(c, send, in, "send");
+  // Receive pieces pairwise disjoint: sort the non-empty ones by offset.
+  std::vector<std::pair<int64_t, size_t>> pieces;
+  for (size_t r = 0; r < roff.size(); ++r)
+    if (recv.counts[r] > 0) pieces.push_back({roff[r], r});
+  std::sort(pieces.begin(), pieces.end());
+  for (size_t i = 1; i < pieces.size(); ++i) {
+    const size_t a = pieces[i - 1].second, b = pieces[i].second;
+    MT_REQUIRE(roff[a] + recv.counts[a] <= roff[b],
+               "all_to_allv on {}: the receive pieces of ranks {} [{}, +{}) and {} [{}, +{}) overlap", describe(c), a,
+               roff[a], recv.counts[a], b, roff[b], recv.counts[b]);
+  }
+  MT_REQUIRE(!overlaps(out, in), "all_to_allv on {}: out {} overlaps in {} (in-place all_to_allv is not supported)",
+             describe(c), out.str(), in.str());
+  return {std::move(roff), std::move(soff)};
 }
 
 void check_p2p(const Communicator& c, const Tensor& t, int peer, const char* op) {

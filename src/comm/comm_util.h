@@ -2,6 +2,8 @@
 // and the rank ("group 'tp' (rank 1 of 4)"), the tensors and the sizes involved.
 #pragma once
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "comm/communicator.h"
 
@@ -26,6 +28,12 @@ bool check_reduce_scatter(const Communicator& c, const Tensor& out, const Tensor
 void check_broadcast(const Communicator& c, const Tensor& t, int root);
 /// all_to_all: same dtype and numel, numel divisible by size, no overlap (not in place).
 void check_all_to_all(const Communicator& c, const Tensor& out, const Tensor& in);
+/// all_to_allv: same dtype, both contiguous, counts (and offsets when given) with one entry per
+/// rank, non-negative, every piece inside its tensor, receive pieces pairwise disjoint, in and out
+/// disjoint. Returns the resolved offsets (recv, send).
+std::pair<std::vector<int64_t>, std::vector<int64_t>> check_all_to_allv(const Communicator& c, const Tensor& out,
+                                                                        const AllToAllvSplits& recv, const Tensor& in,
+                                                                        const AllToAllvSplits& send);
 /// send/recv: contiguous, 0 <= peer < size, peer != rank.
 void check_p2p(const Communicator& c, const Tensor& t, int peer, const char* op);
 

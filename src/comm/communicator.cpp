@@ -2,6 +2,7 @@
 
 #include <cstring>
 
+#include "comm/comm_util.h"
 #include "core/buffer.h"
 
 namespace mt {
@@ -20,6 +21,27 @@ void SingleRankCommunicator::reduce_scatter(const Tensor& out, const Tensor& in,
 void SingleRankCommunicator::all_to_all(const Tensor& out, const Tensor& in, const Stream& stream) {
   MT_CHECK(out.numel() == in.numel(), "{}: all_to_all out {} vs in {}", name_, out.str(), in.str());
   if (out.data() != in.data()) copy(out, in, stream);
+}
+
+std::vector<int64_t> AllToAllvSplits::resolved_offsets() const {
+  if (!offsets.empty()) return offsets;
+  std::vector<int64_t> off(counts.size(), 0);
+  for (size_t r = 1; r < counts.size(); ++r) off[r] = off[r - 1] + counts[r - 1];
+  return off;
+}
+
+int64_t AllToAllvSplits::total() const {
+  int64_t n = 0;
+  for (int64_t c : counts) n += c;
+  return n;
+}
+
+void SingleRankCommunicator::all_to_allv(const Tensor& out, const AllToAllvSplits& recv, const Tensor& in,
+                                         const AllToAllvSplits& send, const Stream& stream) {
+  const auto [roff, soff] = comm_detail::check_all_to_allv(*this, out, recv, in, send);
+  MT_REQUIRE(recv.counts[0] == send.counts[0], "all_to_allv on {}: sends {} elements to itself but receives {}",
+             comm_detail::describe(*this), send.counts[0], recv.counts[0]);
+  if (send.counts[0] > 0) copy(out.flat_range(roff[0], recv.counts[0]), in.flat_range(soff[0], send.counts[0]), stream);
 }
 
 void SingleRankCommunicator::send(const Tensor&, int peer, const Stream&) {

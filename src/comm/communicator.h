@@ -6,6 +6,7 @@
 // Backends: single-rank (size-1 groups that do nothing; this file), in-process threads
 // (comm/thread_comm.h, tests), MPI (CPU tensors) and NCCL (CUDA tensors) in comm/mpi, comm/nccl.
 #pragma once
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -16,6 +17,16 @@
 namespace mt {
 
 enum class ReduceOp { kSum, kMax, kMin };
+
+/// The per-rank pieces of one side of Communicator::all_to_allv: counts[r] elements at element
+/// offset offsets[r] (rank r of the group). offsets empty = packed (exclusive prefix sums).
+struct AllToAllvSplits {
+  std::vector<int64_t> counts;
+  std::vector<int64_t> offsets;
+  /// offsets, or the packed offsets when none are given.
+  std::vector<int64_t> resolved_offsets() const;
+  int64_t total() const;  ///< sum of counts
+};
 
 class Communicator {
  public:
@@ -37,6 +48,21 @@ class Communicator {
   virtual void broadcast(const Tensor& t, int root, const Stream& stream) = 0;
   /// Equal splits: chunk j of `in` goes to rank j, chunk i of `out` comes from rank i.
   virtual void all_to_all(const Tensor& out, const Tensor& in, const Stream& stream) = 0;
+  /// Variable splits (MPI_Alltoallv; Megatron's all_to_all with input/output split sizes): this
+  /// rank sends in[send.offsets[j], + send.counts[j]) to rank j and receives rank i's piece into
+  /// out[recv.offsets[i], + recv.counts[i]). Counts and offsets are host values in elements of the
+  /// tensors' (common) dtype, one per rank of the group; zero counts are allowed (the peer is
+  /// skipped), empty offsets mean packed pieces (exclusive prefix sums of the counts). Receive
+  /// pieces must not overlap one another; send pieces may (sending the same rows to several
+  /// ranks: an all-gather of unequal sizes). `in` and `out` must not overlap. Collective: rank i's
+  /// send.counts[j] must equal rank j's recv.counts[i] (the caller exchanges the counts first,
+  /// e.g. with a fixed-size all_gather or all_to_all; the thread backend checks it, MPI fails on a
+  /// receive that is too small, NCCL does not check). Errors (mt::Error naming group and rank,
+  /// before any communication): dtype or contiguity mismatch, counts/offsets of the wrong length,
+  /// negative, out of the tensors' range, overlapping receive pieces; MPI: a count or offset
+  /// beyond INT_MAX elements.
+  virtual void all_to_allv(const Tensor& out, const AllToAllvSplits& recv, const Tensor& in,
+                           const AllToAllvSplits& send, const Stream& stream) = 0;
   /// Point-to-point (pipeline parallelism). Between group_start() and group_end() sends and
   /// receives are batched and cannot deadlock against each other (NCCL group semantics; MPI:
   /// non-blocking operations completed at group_end).
@@ -64,6 +90,8 @@ class SingleRankCommunicator final : public Communicator {
   void reduce_scatter(const Tensor& out, const Tensor& in, ReduceOp, const Stream& stream) override;
   void broadcast(const Tensor&, int, const Stream&) override {}
   void all_to_all(const Tensor& out, const Tensor& in, const Stream& stream) override;
+  void all_to_allv(const Tensor& out, const AllToAllvSplits& recv, const Tensor& in, const AllToAllvSplits& send,
+                   const Stream& stream) override;
   void send(const Tensor&, int peer, const Stream&) override;
   void recv(const Tensor&, int peer, const Stream&) override;
   void group_start() override {}
@@ -92,6 +120,10 @@ class ForwardingCommunicator : public Communicator {
   }
   void broadcast(const Tensor& t, int root, const Stream& s) override { inner_->broadcast(t, root, s); }
   void all_to_all(const Tensor& out, const Tensor& in, const Stream& s) override { inner_->all_to_all(out, in, s); }
+  void all_to_allv(const Tensor& out, const AllToAllvSplits& recv, const Tensor& in, const AllToAllvSplits& send,
+                   const Stream& s) override {
+    inner_->all_to_allv(out, recv, in, send, s);
+  }
   void send(const Tensor& t, int peer, const Stream& s) override { inner_->send(t, peer, s); }
   void recv(const Tensor& t, int peer, const Stream& s) override { inner_->recv(t, peer, s); }
   void group_start() override { inner_->group_start(); }

@@ -9,6 +9,8 @@
 #include <thread>
 #include <vector>
 
+#include "comm/comm_util.h"
+
 namespace mt {
 
 namespace {
@@ -126,6 +128,37 @@ class ThreadCommunicator final : public Communicator {
       std::memcpy(static_cast<char*>(out.data()) + r * chunk, static_cast<const char*>(g_->ptrs[r]) + rank_ * chunk,
                   chunk);
     g_->barrier(name_, rank_);
+  }
+  void all_to_allv(const Tensor& out, const AllToAllvSplits& recv, const Tensor& in, const AllToAllvSplits& send,
+                   const Stream&) override {
+    check_cpu(in);
+    check_cpu(out);
+    const auto [roff, soff] = comm_detail::check_all_to_allv(*this, out, recv, in, send);
+    // Each rank publishes its send side; receivers copy their pieces out of the senders' tensors
+    // (which stay untouched until the barrier after the copies).
+    struct Side {
+      const char* data;
+      const std::vector<int64_t>* counts;
+      const std::vector<int64_t>* offsets;
+    };
+    const Side mine{static_cast<const char*>(in.data()), &send.counts, &soff};
+    publish(&mine);
+    const size_t es = dtype_size(in.dtype());
+    std::string mismatch;
+    for (int r = 0; r < size(); ++r) {
+      const Side& from = *static_cast<const Side*>(g_->ptrs[r]);
+      const int64_t n = (*from.counts)[rank_];
+      if (n != recv.counts[r]) {
+        mismatch = fmt::format("all_to_allv on {}: rank {} sends {} elements but this rank expects {}",
+                               comm_detail::describe(*this), r, n, recv.counts[r]);
+        break;
+      }
+      if (n > 0)
+        std::memcpy(static_cast<char*>(out.data()) + roff[r] * es, from.data + (*from.offsets)[rank_] * es,
+                    static_cast<size_t>(n) * es);
+    }
+    g_->barrier(name_, rank_);  // every rank has read every sender's tensor
+    MT_REQUIRE(mismatch.empty(), "{}", mismatch);
   }
   void send(const Tensor& t, int peer, const Stream&) override {
     check_cpu(t);

@@ -96,7 +96,7 @@ void GPTModel::reset_moe_stats() {
 
 std::vector<ParamSpec> GPTModel::param_specs(const TransformerConfig& c, int tp, int tp_rank,
                                              const std::vector<pipeline::LayerRange>& chunks, int ep, int ep_rank) {
-  const ExpertParallel expert{ep, ep_rank, tp, tp_rank, nullptr};  // expert TP = TP
+  const ExpertParallel expert{ep, ep_rank, tp, tp_rank, nullptr, nullptr, nullptr};  // expert TP = TP
   const Parts parts(c, TensorParallelRegion::layout_only(tp, tp_rank), expert, chunks.empty() ? whole_model(c) : chunks,
                     /*fast_flash=*/false);  // the core attention has no parameters
   return parts.registry.specs();
@@ -161,6 +161,10 @@ GPTModel::GPTModel(const TransformerConfig& config, int64_t micro_batch, DType d
                "MoE with context parallel size {} is not implemented yet (the load-balancing loss would need the "
                "token counts of the tp-cp group)",
                groups_.cp ? groups_.cp->size() : 1);
+    MT_REQUIRE(device.is_cpu() || !config_.moe_expert_capacity_set,
+               "--moe-expert-capacity-factor (token dropping) runs on the CPU only so far: its CUDA kernel is not "
+               "written yet (got --device {})",
+               device.str());
   }
   std::vector<ModelChunk>& chunks = layout.chunks;
   if (chunks.empty()) chunks.push_back({whole_model(config_)[0], 1, 1});
@@ -183,10 +187,11 @@ GPTModel::GPTModel(const TransformerConfig& config, int64_t micro_batch, DType d
   chunk_specs_ = chunks;
   const bool fast_flash = device.is_cuda() && (dtype == DType::kBF16 || dtype == DType::kF16) &&
                           (config_.head_dim() == 64 || config_.head_dim() == 128);
-  ExpertParallel expert{1, 0, tp_.size(), tp_.rank(), groups_.tp};
+  // Without an expert grid (no etp-ep group): EP 1 and expert TP = TP over the TP group.
+  ExpertParallel expert{1, 0, tp_.size(), tp_.rank(), groups_.tp, nullptr, groups_.tp};
   if (groups_.etp_ep) {
     expert = ExpertParallel{groups_.ep->size(), groups_.ep->rank(), groups_.etp->size(), groups_.etp->rank(),
-                            groups_.etp_ep};
+                            groups_.etp_ep, groups_.ep, groups_.etp};
   }
   parts_ = std::make_unique<Parts>(config_, tp_, expert, ranges, fast_flash, cp_.get());
   flash_ = get_gpt_layer_local_spec(config_, fast_flash).core_attention == CoreAttentionKind::kFlash;

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cmath>
 
 #include "core/check.h"
 
@@ -63,6 +64,12 @@ MoeDispatcher parse_moe_dispatcher(const std::string& s) {
   if (s == "allgather") return MoeDispatcher::kAllGather;
   if (s == "alltoall") return MoeDispatcher::kAllToAll;
   MT_FAIL("--moe-token-dispatcher-type '{}' is not supported: expected allgather or alltoall", s);
+}
+
+MoeTokenDropPolicy parse_moe_token_drop_policy(const std::string& s) {
+  if (s == "probs") return MoeTokenDropPolicy::kProbs;
+  if (s == "position") return MoeTokenDropPolicy::kPosition;
+  MT_FAIL("--moe-token-drop-policy '{}' is not supported: expected probs or position", s);
 }
 
 const char* moe_score_function_name(MoeScoreFunction f) {
@@ -276,11 +283,13 @@ void TransformerConfig::validate(int tp) const {
              moe_router_bias_update_rate);
   MT_REQUIRE(!moe_router_pre_softmax || moe_router_score_function == MoeScoreFunction::kSoftmax,
              "--moe-router-pre-softmax applies to --moe-router-score-function softmax only");
+  MT_REQUIRE(!moe_expert_capacity_set || (moe_expert_capacity_factor > 0 && std::isfinite(moe_expert_capacity_factor)),
+             "--moe-expert-capacity-factor must be a positive number, got {}", moe_expert_capacity_factor);
+  MT_REQUIRE(!moe_pad_expert_input_to_capacity || moe_expert_capacity_set,
+             "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor");
   MT_REQUIRE(!add_bias_linear,
              "MoE experts with biases are not supported: pass --disable-bias-linear (Mixtral, Qwen MoE and "
              "DeepSeek models have none)");
-  MT_REQUIRE(moe_token_dispatcher_type == MoeDispatcher::kAllGather,
-             "--moe-token-dispatcher-type alltoall is not implemented yet: use allgather (same results)");
 }
 
 int64_t TransformerConfig::num_parameters(int tp) const {
@@ -338,6 +347,10 @@ std::string TransformerConfig::summary() const {
     if (moe_router_load_balancing_type != MoeLoadBalancing::kNone && moe_aux_loss_coeff > 0)
       s += fmt::format(", {} {}", moe_load_balancing_name(moe_router_load_balancing_type), moe_aux_loss_coeff);
     if (moe_router_force_load_balancing) s += ", forced balance (random logits)";
+    if (moe_token_dispatcher_type == MoeDispatcher::kAllToAll) s += ", alltoall token dispatcher";
+    if (moe_expert_capacity_set)
+      s += fmt::format(", expert capacity factor {} (drop by {})", moe_expert_capacity_factor,
+                       moe_token_drop_policy == MoeTokenDropPolicy::kProbs ? "probs" : "position");
   }
   return s;
 }

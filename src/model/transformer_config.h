@@ -29,6 +29,8 @@ enum class MoeScoreFunction : uint8_t { kSoftmax, kSigmoid };
 enum class MoeLoadBalancing : uint8_t { kAuxLoss, kSeqAuxLoss, kNone };
 /// --moe-token-dispatcher-type
 enum class MoeDispatcher : uint8_t { kAllGather, kAllToAll };
+/// --moe-token-drop-policy: which slots beyond an expert's capacity are dropped
+enum class MoeTokenDropPolicy : uint8_t { kProbs, kPosition };
 
 const char* normalization_name(Normalization n);
 const char* position_embedding_type_name(PositionEmbeddingType p);
@@ -44,6 +46,8 @@ PositionEmbeddingType parse_position_embedding_type(const std::string& s);
 MoeScoreFunction parse_moe_score_function(const std::string& s);
 MoeLoadBalancing parse_moe_load_balancing(const std::string& s);
 MoeDispatcher parse_moe_dispatcher(const std::string& s);
+/// "probs" / "position" (--moe-token-drop-policy).
+MoeTokenDropPolicy parse_moe_token_drop_policy(const std::string& s);
 /// Megatron's spellings, as the parse functions accept them.
 const char* moe_score_function_name(MoeScoreFunction f);
 const char* moe_load_balancing_name(MoeLoadBalancing b);
@@ -114,6 +118,14 @@ struct TransformerConfig {
   /// passes straight through to the router weight.
   bool moe_router_force_load_balancing = false;
   MoeDispatcher moe_token_dispatcher_type = MoeDispatcher::kAllGather;  ///< --moe-token-dispatcher-type
+  /// --moe-expert-capacity-factor (Megatron's apply_router_token_dropping): each rank keeps at most
+  /// ceil(T·k/E · factor) of its T tokens' slots per expert; unset (0) = dropless.
+  double moe_expert_capacity_factor = 0.0;
+  bool moe_expert_capacity_set = false;  ///< the flag was given (0 or less is then an error)
+  MoeTokenDropPolicy moe_token_drop_policy = MoeTokenDropPolicy::kProbs;  ///< --moe-token-drop-policy
+  /// --moe-pad-expert-input-to-capacity (needs a capacity factor). Padding rows have probability 0
+  /// and change no output or gradient, so they are not materialised: same results as without.
+  bool moe_pad_expert_input_to_capacity = false;
 
   // --- derived (Megatron's defaulting) ---
   int64_t ffn() const;
@@ -136,8 +148,8 @@ struct TransformerConfig {
   /// the position table, dropout outside [0, 1), a rotary fraction outside (0, 1], tp not dividing
   /// heads, query groups or ffn; for MoE: top-k outside [1, E], groups not dividing E or not
   /// covering top-k, a group top-k without groups, negative loss coefficients, a layer pattern of
-  /// the wrong length, biases on experts (use --disable-bias-linear), the alltoall dispatcher
-  /// (not implemented yet: use allgather).
+  /// the wrong length, biases on experts (use --disable-bias-linear), a capacity factor <= 0 or
+  /// padding to capacity without one.
   void validate(int tp = 1) const;
   /// Parameters of the model (a tied embedding counted once), with padded vocabulary.
   int64_t num_parameters(int tp = 1) const;

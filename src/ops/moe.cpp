@@ -1,9 +1,12 @@
 // Argument validation for ops/moe.h, then the backend of the tensors' device.
 #include "ops/moe.h"
 
+#include <cmath>
 #include <string>
+#include <vector>
 
 #include "core/check.h"
+#include "core/stream.h"
 #include "ops/op_checks.h"
 
 namespace mt {
@@ -214,6 +217,91 @@ void moe_unpermute_backward(const Tensor& d_rows, const Tensor& d_probs, const T
            fn, slot_row.str());
   check_devices(stream, dy, {&d_rows, &probs, &d_probs, &slot_row}, fn);
   MT_DISPATCH(dy.device(), moe_unpermute_backward, d_rows, d_probs, dy, rows, probs, row_index, slot_row, stream);
+}
+
+int64_t moe_expert_capacity(int64_t tokens, int64_t topk, int64_t num_experts, double factor) {
+  MT_CHECK(factor > 0 && std::isfinite(factor), "moe_expert_capacity: capacity factor must be positive, got {}", factor);
+  MT_CHECK(tokens >= 1 && topk >= 1 && num_experts >= 1, "moe_expert_capacity: tokens {}, top-k {}, experts {}", tokens,
+           topk, num_experts);
+  return static_cast<int64_t>(
+      std::ceil(static_cast<double>(tokens * topk) / static_cast<double>(num_experts) * factor));
+}
+
+void moe_capacity_drop(const Tensor& kept, const Tensor& kept_counts, const Tensor& top, const Tensor& probs,
+                       int64_t capacity, bool by_probs, const Stream& stream) {
+  const char* fn = "moe_capacity_drop";
+  check_2d(top, DType::kI32, -1, -1, fn, "top");
+  check_2d(kept, DType::kI32, top.size(0), top.size(1), fn, "kept");
+  check_2d(probs, DType::kF32, top.size(0), top.size(1), fn, "probs");
+  MT_CHECK(kept_counts.dtype() == DType::kF32 && kept_counts.ndim() == 1 && kept_counts.is_contiguous() &&
+               kept_counts.numel() >= 1,
+           "{}: kept_counts must be a contiguous fp32 [E] tensor, got {}", fn, kept_counts.str());
+  MT_CHECK(capacity >= 0, "{}: capacity {} must be >= 0", fn, capacity);
+  MT_CHECK(kept.data() != top.data(), "{}: kept must not alias top", fn);
+  check_devices(stream, top, {&kept, &probs, &kept_counts}, fn);
+  // No CUDA kernel yet: a clear error rather than a host read of device memory.
+  MT_CHECK(top.device().is_cpu(), "{}: token dropping (--moe-expert-capacity-factor) has no CUDA kernel yet; got {}",
+           fn, top.str());
+  cpu::moe_capacity_drop(kept, kept_counts, top, probs, capacity, by_probs, stream);
+}
+
+void moe_sort_chunks(const Tensor& out, const Tensor& in, const std::vector<int64_t>& split_sizes,
+                     const std::vector<int64_t>& order, const Stream& stream) {
+  const char* fn = "moe_sort_chunks";
+  MT_CHECK(in.ndim() == 2 && out.ndim() == 2 && in.is_contiguous() && out.is_contiguous() &&
+               in.dtype() == out.dtype() && in.size(0) == out.size(0) && in.size(1) == out.size(1),
+           "{}: out {} and in {} must be contiguous [R, h] tensors of one dtype and shape", fn, out.str(), in.str());
+  MT_CHECK(in.dtype() == DType::kF32 || in.dtype() == DType::kBF16 || in.dtype() == DType::kF16,
+           "{}: dtype {} is not a float dtype", fn, dtype_name(in.dtype()));
+  MT_CHECK(split_sizes.size() == order.size(), "{}: {} split sizes but {} order entries", fn, split_sizes.size(),
+           order.size());
+  int64_t total = 0;
+  for (int64_t n : split_sizes) {
+    MT_CHECK(n >= 0, "{}: negative chunk size {}", fn, n);
+    total += n;
+  }
+  MT_CHECK(total == in.size(0), "{}: the chunk sizes sum to {} rows but in {} has {}", fn, total, in.str(),
+           in.size(0));
+  std::vector<char> seen(order.size(), 0);
+  for (int64_t c : order) {
+    MT_CHECK(c >= 0 && c < static_cast<int64_t>(order.size()) && !seen[static_cast<size_t>(c)],
+             "{}: order is not a permutation of 0..{} (entry {})", fn, static_cast<int64_t>(order.size()) - 1, c);
+    seen[static_cast<size_t>(c)] = 1;
+  }
+  MT_CHECK(in.nbytes() == 0 || (static_cast<const char*>(out.data()) + out.nbytes() <= in.data() ||
+                                static_cast<const char*>(in.data()) + in.nbytes() <= out.data()),
+           "{}: out {} overlaps in {}", fn, out.str(), in.str());
+  check_devices(stream, in, {&out}, fn);
+  // One stream-ordered copy per non-empty chunk, on any device (CUDA: device-to-device
+  // cudaMemcpyAsync; a fused kernel would save the C launches).
+  const size_t row_bytes = static_cast<size_t>(in.size(1)) * dtype_size(in.dtype());
+  std::vector<int64_t> start(split_sizes.size(), 0);  // first row of each input chunk
+  for (size_t c = 1; c < split_sizes.size(); ++c) start[c] = start[c - 1] + split_sizes[c - 1];
+  const char* src = static_cast<const char*>(in.data());
+  char* dst = static_cast<char*>(out.data());
+  size_t at = 0;  // output row
+  for (int64_t c : order) {
+    const auto n = static_cast<size_t>(split_sizes[static_cast<size_t>(c)]);
+    if (n == 0) continue;
+    copy_bytes(dst + at * row_bytes, out.device(), src + static_cast<size_t>(start[static_cast<size_t>(c)]) * row_bytes,
+               in.device(), n * row_bytes, stream);
+    at += n;
+  }
+}
+
+std::pair<std::vector<int64_t>, std::vector<int64_t>> moe_sort_chunks_inverse(const std::vector<int64_t>& split_sizes,
+                                                                              const std::vector<int64_t>& order) {
+  MT_CHECK(split_sizes.size() == order.size(), "moe_sort_chunks_inverse: {} split sizes but {} order entries",
+           split_sizes.size(), order.size());
+  const size_t C = order.size();
+  std::vector<int64_t> sizes(C), inverse(C);
+  for (size_t i = 0; i < C; ++i) {
+    const auto c = static_cast<size_t>(order[i]);
+    MT_CHECK(c < C, "moe_sort_chunks_inverse: order entry {} out of range [0, {})", order[i], C);
+    sizes[i] = split_sizes[c];
+    inverse[c] = static_cast<int64_t>(i);
+  }
+  return {std::move(sizes), std::move(inverse)};
 }
 
 }  // namespace mt

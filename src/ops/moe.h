@@ -6,6 +6,7 @@
 // order, so both are deterministic.
 #pragma once
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "core/stream.h"
@@ -109,6 +110,39 @@ void moe_unpermute_backward(const Tensor& d_rows, const Tensor& d_probs, const T
                             const Tensor& probs, const Tensor& row_index, const Tensor& slot_row,
                             const Stream& stream);
 
+/// Megatron's get_capacity for token dropping with num_tokens = tokens·topk:
+/// ceil(tokens·topk / num_experts · factor) in double precision. Errors: mt::Error when factor is
+/// not positive or a size is < 1.
+int64_t moe_expert_capacity(int64_t tokens, int64_t topk, int64_t num_experts, double factor);
+
+/// Token dropping at an expert capacity (Megatron's apply_router_token_dropping, without padding):
+/// of the slots of top int32 [T, k] routed to expert e, at most `capacity` are kept — by_probs
+/// (--moe-token-drop-policy probs): those of the highest probs (fp32 [T, k]; ties: the earlier
+/// slot), else (position): those of the earliest tokens — and the others dropped:
+/// kept[t, j] = top[t, j], or -1 for a dropped slot (the dispatchers skip it: its output and its
+/// probability's gradient are zero). kept_counts fp32 [E] (overwritten): the kept slots of each
+/// expert. A token selects an expert at most once. kept int32 [T, k] must not alias top.
+/// Errors: mt::Error on shapes/dtypes, capacity < 0, or CUDA tensors (no kernel yet).
+void moe_capacity_drop(const Tensor& kept, const Tensor& kept_counts, const Tensor& top, const Tensor& probs,
+                       int64_t capacity, bool by_probs, const Stream& stream);
+
+/// Regroups chunks of rows (Megatron's sort_chunks_by_idxs; the all-to-all dispatcher's
+/// "permutation 2" from [source rank][local expert] to [local expert][source rank] order and back):
+/// `in` [R, h] is the sequence of chunks c = 0..C-1 of split_sizes[c] rows (Σ = R), and
+/// out [R, h] = concat(chunk order[0], chunk order[1], ..., chunk order[C-1]). split_sizes and
+/// order are host values (the dispatcher knows the chunk sizes on the host; nothing is read from
+/// the device); order is a permutation of 0..C-1; zero-size chunks are allowed. The backward is
+/// the same op with the inverse permutation (moe_sort_chunks_inverse). Rows are copied exactly
+/// (act dtype, or fp32), one stream-ordered copy per non-empty chunk on either device (no kernel
+/// of its own). Errors: mt::Error on shapes/dtypes, Σ split_sizes != R, negative sizes,
+/// an order that is not a permutation, out overlapping in.
+void moe_sort_chunks(const Tensor& out, const Tensor& in, const std::vector<int64_t>& split_sizes,
+                     const std::vector<int64_t>& order, const Stream& stream);
+/// The split sizes and order that undo moe_sort_chunks(split_sizes, order): the sizes in output
+/// order (split_sizes[order[i]]) and the inverse permutation.
+std::pair<std::vector<int64_t>, std::vector<int64_t>> moe_sort_chunks_inverse(const std::vector<int64_t>& split_sizes,
+                                                                              const std::vector<int64_t>& order);
+
 MT_OP_BACKENDS(moe_topk_routing)
 MT_OP_BACKENDS(moe_topk_routing_backward)
 MT_OP_BACKENDS(moe_aux_loss)
@@ -121,5 +155,6 @@ MT_OP_BACKENDS(moe_permute)
 MT_OP_BACKENDS(moe_permute_backward)
 MT_OP_BACKENDS(moe_unpermute)
 MT_OP_BACKENDS(moe_unpermute_backward)
+MT_OP_BACKENDS(moe_capacity_drop)  // CPU only so far: CUDA tensors are an error
 
 }  // namespace mt

@@ -130,6 +130,20 @@ void add_pretrain_options(CLI::App& app, PretrainArgs& a) {
          "--moe-token-dispatcher-type",
          [&m](const std::string& v) { m.moe_token_dispatcher_type = parse_moe_dispatcher(v); }, "allgather or alltoall")
       ->default_str("allgather");
+  app.add_option_function<double>(
+      "--moe-expert-capacity-factor",
+      [&m](double v) {
+        m.moe_expert_capacity_factor = v;
+        m.moe_expert_capacity_set = true;
+      },
+      "Expert capacity ceil(T*k/E * factor) per rank; slots beyond it are dropped (default: dropless)");
+  app.add_option_function<std::string>(
+         "--moe-token-drop-policy",
+         [&m](const std::string& v) { m.moe_token_drop_policy = parse_moe_token_drop_policy(v); },
+         "probs (drop the lowest probabilities) or position (drop the latest tokens)")
+      ->default_str("probs");
+  app.add_flag("--moe-pad-expert-input-to-capacity", m.moe_pad_expert_input_to_capacity,
+               "Pad every expert to its capacity (same results: padding rows are not materialised)");
   app.add_flag("--moe-per-layer-logging", a.moe_per_layer_logging, "Log the auxiliary losses of every MoE layer");
   app.add_option("--expert-model-parallel-size", a.expert_model_parallel_size, "Expert-parallel size")
       ->capture_default_str();

@@ -175,6 +175,109 @@ inline void check_all_to_all(Communicator& c, Device dev, const Stream& s, uint6
   expect_equal(testing::to_host(out, s), want, ctx(c, "all_to_all", dt));
 }
 
+/// all_to_allv layouts of check_all_to_allv.
+enum class AllToAllvPattern {
+  kUnequal,        ///< unequal splits with zeros, send pieces out of order with gaps, packed receive
+  kUnequalGapped,  ///< the same with receive pieces at explicit offsets, in reverse order, with gaps
+  kGatherv,        ///< every rank sends the same piece (its own size, rank 0: none) to every rank
+};
+
+/// Elements rank `src` sends to rank `dst` (pattern-dependent; zero for some pairs).
+inline int64_t a2av_count(AllToAllvPattern p, int src, int dst, int64_t unit) {
+  if (p == AllToAllvPattern::kGatherv) return (src % 3) * unit;
+  return ((src * 5 + dst * 3 + 1) % 4) * unit;  // 0..3 units: zero for some pairs, self included
+}
+
+/// Rank `me`'s send side: pieces placed for dst = P-1 .. 0 with one spare element before each
+/// (gatherv: one piece at offset 0 shared by all). Returns the splits and the input size.
+inline AllToAllvSplits a2av_send(AllToAllvPattern p, int me, int P, int64_t unit, int64_t* numel) {
+  AllToAllvSplits s;
+  s.counts.resize(P);
+  s.offsets.resize(P);
+  int64_t off = 0;
+  for (int dst = P - 1; dst >= 0; --dst) {
+    s.counts[dst] = a2av_count(p, me, dst, unit);
+    if (p == AllToAllvPattern::kGatherv) {
+      s.offsets[dst] = 0;
+      off = s.counts[dst];
+    } else {
+      s.offsets[dst] = off + 1;
+      off += 1 + s.counts[dst];
+    }
+  }
+  *numel = std::max<int64_t>(off, 1);
+  return s;
+}
+
+inline void check_all_to_allv(Communicator& c, Device dev, const Stream& s, uint64_t seed, DType dt,
+                              AllToAllvPattern pattern, int64_t unit) {
+  const int P = c.size(), me = c.rank();
+  const int tag = 800 + static_cast<int>(pattern);
+  int64_t n_in = 0;
+  const AllToAllvSplits send = a2av_send(pattern, me, P, unit, &n_in);
+  auto in = make(rank_values(seed, tag, me, n_in, dt), dt, dev, s);
+  AllToAllvSplits recv;
+  recv.counts.resize(P);
+  for (int src = 0; src < P; ++src) recv.counts[src] = a2av_count(pattern, src, me, unit);
+  int64_t n_out = recv.total();
+  if (pattern == AllToAllvPattern::kUnequalGapped) {
+    recv.offsets.resize(P);
+    int64_t off = 0;
+    for (int src = P - 1; src >= 0; --src) {
+      recv.offsets[src] = off + 2;
+      off += 2 + recv.counts[src];
+    }
+    n_out = off;
+  }
+  OwnedTensor out(dt, dev, {std::max<int64_t>(n_out, 1)});
+  poison_any(out, s);
+  c.all_to_allv(out, recv, in, send, s);
+  const std::vector<float> got = testing::to_host(out, s);
+  const std::vector<int64_t> roff = recv.resolved_offsets();
+  const std::string what = ctx(c, "all_to_allv", dt) + " pattern " + std::to_string(static_cast<int>(pattern));
+  for (int src = 0; src < P; ++src) {  // piece `src` = rank src's input at its send offset for me
+    int64_t src_numel = 0;
+    const AllToAllvSplits ss = a2av_send(pattern, src, P, unit, &src_numel);
+    const auto v = rank_values(seed, tag, src, src_numel, dt);
+    const int64_t n = recv.counts[src];
+    std::vector<float> piece(got.begin() + roff[src], got.begin() + roff[src] + n);
+    std::vector<double> want(v.begin() + ss.offsets[me], v.begin() + ss.offsets[me] + n);
+    expect_equal(piece, want, what + " from rank " + std::to_string(src));
+  }
+}
+
+/// all_to_allv argument errors (no communication happens): wrong number of counts, a negative
+/// count, a piece beyond the tensor, overlapping receive pieces, a dtype mismatch.
+inline void check_all_to_allv_errors(Communicator& c, Device dev, const Stream& s) {
+  const int P = c.size();
+  OwnedTensor a(DType::kF32, dev, {4 * P}), b(DType::kF32, dev, {4 * P}), h(DType::kBF16, dev, {4 * P});
+  AllToAllvSplits ok{std::vector<int64_t>(P, 4), {}};
+  auto expect_error = [&](auto&& fn, const char* what, const char* needle) {
+    try {
+      fn();
+      ADD_FAILURE() << what << ": no mt::Error";
+    } catch (const Error& e) {
+      const std::string m = e.what();
+      EXPECT_NE(m.find(fmt::format("group '{}'", c.name())), std::string::npos) << what << ": " << m;
+      EXPECT_NE(m.find(needle), std::string::npos) << what << ": " << m;
+    }
+  };
+  AllToAllvSplits short_counts{std::vector<int64_t>(P + 1, 0), {}};
+  expect_error([&] { c.all_to_allv(a, short_counts, b, ok, s); }, "counts of the wrong length", "one per rank");
+  AllToAllvSplits negative = ok;
+  negative.counts[0] = -1;
+  expect_error([&] { c.all_to_allv(a, ok, b, negative, s); }, "negative count", "must be >= 0");
+  AllToAllvSplits beyond = ok;
+  beyond.counts[P - 1] = 5;
+  expect_error([&] { c.all_to_allv(a, beyond, b, ok, s); }, "piece beyond the tensor", "exceeds");
+  if (P > 1) {
+    AllToAllvSplits overlap{std::vector<int64_t>(P, 2), std::vector<int64_t>(P, 0)};
+    expect_error([&] { c.all_to_allv(a, overlap, b, ok, s); }, "overlapping receive pieces", "overlap");
+  }
+  expect_error([&] { c.all_to_allv(h, ok, b, ok, s); }, "dtype mismatch", "dtype");
+  expect_error([&] { c.all_to_allv(a, ok, a, ok, s); }, "in place", "in-place");
+}
+
 /// Every rank sends to both ring neighbours and receives from both inside one group: only
 /// batched (non-blocking) semantics make this deadlock-free.
 inline void check_ring_both_directions(Communicator& c, Device dev, const Stream& s, uint64_t seed, DType dt,

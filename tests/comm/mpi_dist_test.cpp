@@ -80,6 +80,31 @@ TEST(MpiDist, AllToAll) {
   }
 }
 
+TEST(MpiDist, AllToAllv) {
+  Stream s(kCpu);
+  for (DType dt : {DType::kF32, DType::kBF16, DType::kI32})
+    for (AllToAllvPattern p : {AllToAllvPattern::kUnequal, AllToAllvPattern::kUnequalGapped, AllToAllvPattern::kGatherv})
+      for (int64_t unit : {1, 129, 5000}) check_all_to_allv(world(), kCpu, s, seed(), dt, p, unit);
+  check_all_to_allv_errors(world(), kCpu, s);
+  auto parity = world().split(world().rank() % 2, world().rank(), "parity");
+  check_all_to_allv(*parity, kCpu, s, seed(), DType::kF32, AllToAllvPattern::kUnequalGapped, 7);
+  // More than INT_MAX elements cannot be addressed by MPI_Alltoallv's int displacements: a clear
+  // error before any communication (a view of a small buffer; nothing is read).
+  OwnedTensor small(DType::kU8, kCpu, {16});
+  const int64_t big = int64_t{1} << 31;
+  Tensor huge_out(small.t.data(), DType::kU8, kCpu, {big + 8}), in(small.t.data(), DType::kU8, kCpu, {0});
+  AllToAllvSplits send{std::vector<int64_t>(world().size(), 0), {}}, recv = send;
+  recv.offsets.assign(world().size(), 0);
+  recv.offsets[0] = big;
+  recv.counts[0] = 1;
+  try {
+    world().all_to_allv(huge_out, recv, in, send, s);
+    ADD_FAILURE() << "no error for an offset beyond INT_MAX";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("beyond MPI's int range"), std::string::npos) << e.what();
+  }
+}
+
 TEST(MpiDist, SendRecv) {
   Stream s(kCpu);
   for (DType dt : {DType::kF32, DType::kBF16}) {

@@ -119,6 +119,19 @@ TEST(NcclDist, AllToAll) {
   }
 }
 
+// Grouped ncclSend/ncclRecv with unequal splits, zero counts (skipped peers), gaps and an
+// all-gather of unequal sizes; the argument errors; a split group.
+TEST(NcclDist, AllToAllv) {
+  MT_REQUIRE_WORLD();
+  Stream s(world().device);
+  for (DType dt : {DType::kF32, DType::kBF16, DType::kI32})
+    for (AllToAllvPattern p : {AllToAllvPattern::kUnequal, AllToAllvPattern::kUnequalGapped, AllToAllvPattern::kGatherv})
+      for (int64_t unit : {1, 129, 65537}) check_all_to_allv(*world().comm, world().device, s, world().seed, dt, p, unit);
+  check_all_to_allv_errors(*world().comm, world().device, s);
+  auto parity = world().comm->split(world().comm->rank() % 2, world().comm->rank(), "parity");
+  check_all_to_allv(*parity, world().device, s, world().seed, DType::kBF16, AllToAllvPattern::kUnequalGapped, 1000);
+}
+
 TEST(NcclDist, SendRecv) {
   MT_REQUIRE_WORLD();
   Stream s(world().device);

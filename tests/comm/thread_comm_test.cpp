@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include "comm/thread_comm.h"
+#include "collective_checks.h"
 #include "core/stream.h"
 #include "testing/testing.h"
 
@@ -66,6 +67,43 @@ TEST(ThreadComm, AllGatherHost) {
   const std::vector<char> self = all_gather_host(one, &v, sizeof(v), Stream());
   ASSERT_EQ(self.size(), sizeof(v));
   EXPECT_EQ(*reinterpret_cast<const int*>(self.data()), 42);
+}
+
+// all_to_allv: unequal splits with zero counts (self included), pieces out of order with gaps on
+// both sides, an all-gather of unequal sizes (overlapping send pieces), for 4 and 3 ranks; the
+// argument errors; a count mismatch between sender and receiver; a group of one rank.
+TEST(ThreadComm, AllToAllv) {
+  using comm_test::AllToAllvPattern;
+  const uint64_t seed = testing::test_seed();
+  for (int n : {4, 3}) {
+    run_thread_ranks(n, [&](int, std::shared_ptr<Communicator> w) {
+      Stream st;
+      for (DType dt : {DType::kF32, DType::kBF16, DType::kI32})
+        for (AllToAllvPattern p : {AllToAllvPattern::kUnequal, AllToAllvPattern::kUnequalGapped,
+                                   AllToAllvPattern::kGatherv})
+          for (int64_t unit : {1, 129}) comm_test::check_all_to_allv(*w, Device::cpu(), st, seed, dt, p, unit);
+      comm_test::check_all_to_allv_errors(*w, Device::cpu(), st);
+      // On a split group too.
+      auto half = w->split(w->rank() % 2, w->rank(), "half");
+      comm_test::check_all_to_allv(*half, Device::cpu(), st, seed, DType::kF32, AllToAllvPattern::kUnequal, 3);
+    });
+  }
+  try {
+    run_thread_ranks(2, [](int rank, std::shared_ptr<Communicator> w) {
+      Stream st;
+      OwnedTensor in(DType::kF32, Device::cpu(), {4}), out(DType::kF32, Device::cpu(), {4});
+      AllToAllvSplits send{{2, 2}, {}}, recv{{2, rank == 0 ? 1 : 2}, {}};  // rank 0 expects 1 from rank 1
+      w->all_to_allv(out, recv, in, send, st);
+    });
+    ADD_FAILURE() << "count mismatch not detected";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("rank 1 sends 2 elements but this rank expects 1"), std::string::npos)
+        << e.what();
+  }
+  SingleRankCommunicator one("one");
+  Stream st;
+  comm_test::check_all_to_allv(one, Device::cpu(), st, seed, DType::kF32, AllToAllvPattern::kUnequalGapped, 5);
+  comm_test::check_all_to_allv_errors(one, Device::cpu(), st);
 }
 
 }  // namespace

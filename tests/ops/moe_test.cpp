@@ -419,6 +419,103 @@ TEST(MoeRouting, SequenceGroupedCountsLossAndExpertBiasUpdate) {
   EXPECT_THROW(moe_tokens_per_expert(odd, topt, st), Error);
 }
 
+// Chunks of rows regrouped by a permutation (Megatron's sort_chunks_by_idxs), against a float64
+// reference; the inverse sizes/order restore the input; zero-size chunks; fp32 and bf16.
+TEST(MoeSortChunks, MatchesReferenceAndInverts) {
+  const Stream& st = testing::cpu_stream();
+  const int64_t h = 7;
+  // [source 3][local expert 4] chunks with some empty ones, sorted to [local expert][source].
+  const int64_t S = 3, El = 4, C = S * El;
+  std::vector<int64_t> sizes(C);
+  const auto r = testing::randint(C, 0, 4);
+  for (int64_t c = 0; c < C; ++c) sizes[c] = c % 5 == 2 ? 0 : r[c];
+  std::vector<int64_t> order;
+  for (int64_t e = 0; e < El; ++e)
+    for (int64_t src = 0; src < S; ++src) order.push_back(src * El + e);
+  const int64_t R = std::accumulate(sizes.begin(), sizes.end(), int64_t{0});
+  ASSERT_GT(R, 0);
+  for (DType dt : {DType::kF32, DType::kBF16}) {
+    const auto xv = testing::rounded(testing::randn(R * h), dt);
+    auto x = testing::make_tensor(xv, dt, kCpu, {R, h}, st);
+    OwnedTensor y(dt, kCpu, {R, h}), back(dt, kCpu, {R, h});
+    testing::poison(y, st);
+    testing::poison(back, st);
+    moe_sort_chunks(y, x, sizes, order, st);
+    // Reference in float64: chunk starts, then the chunks in `order`.
+    std::vector<int64_t> start(C, 0);
+    for (int64_t c = 1; c < C; ++c) start[c] = start[c - 1] + sizes[c - 1];
+    std::vector<double> want;
+    for (int64_t c : order)
+      for (int64_t i = start[c] * h; i < (start[c] + sizes[c]) * h; ++i) want.push_back(xv[i]);
+    const auto yv = testing::to_host(y, st);
+    ASSERT_EQ(yv.size(), want.size());
+    for (size_t i = 0; i < want.size(); ++i) ASSERT_EQ(static_cast<double>(yv[i]), want[i]) << i;
+    const auto [isizes, iorder] = moe_sort_chunks_inverse(sizes, order);
+    moe_sort_chunks(back, y, isizes, iorder, st);
+    EXPECT_EQ(testing::to_host(back, st), xv);
+  }
+  // A single chunk and all-empty chunks.
+  OwnedTensor a(DType::kF32, kCpu, {0, h}), b(DType::kF32, kCpu, {0, h});
+  moe_sort_chunks(b, a, {0, 0}, {1, 0}, st);
+  // Errors: sizes not summing to R, not a permutation, negative size, shape mismatch, aliasing.
+  OwnedTensor p(DType::kF32, kCpu, {5, h}), q(DType::kF32, kCpu, {5, h}), w(DType::kF32, kCpu, {5, h + 1});
+  EXPECT_THROW(moe_sort_chunks(q, p, {2, 2}, {1, 0}, st), Error);
+  EXPECT_THROW(moe_sort_chunks(q, p, {2, 3}, {1, 1}, st), Error);
+  EXPECT_THROW(moe_sort_chunks(q, p, {6, -1}, {1, 0}, st), Error);
+  EXPECT_THROW(moe_sort_chunks(q, p, {2, 3}, {0}, st), Error);
+  EXPECT_THROW(moe_sort_chunks(w, p, {2, 3}, {1, 0}, st), Error);
+  EXPECT_THROW(moe_sort_chunks(p, p, {2, 3}, {1, 0}, st), Error);
+}
+
+// Expert capacity (Megatron's get_capacity with num_tokens = T·k) and token dropping against a
+// reference written here: per expert, the routed slots ranked by prob (ties: earlier slot) or by
+// position, the first `capacity` kept; kept counts; capacity 0 drops everything.
+TEST(MoeCapacity, DropMatchesReference) {
+  EXPECT_EQ(moe_expert_capacity(16, 2, 4, 1.0), 8);
+  EXPECT_EQ(moe_expert_capacity(16, 2, 4, 0.5), 4);
+  EXPECT_EQ(moe_expert_capacity(10, 2, 8, 1.0), 3);    // ceil(2.5)
+  EXPECT_EQ(moe_expert_capacity(12, 1, 5, 1.25), 3);   // ceil(3.0)
+  EXPECT_THROW(moe_expert_capacity(16, 2, 4, 0.0), Error);
+  EXPECT_THROW(moe_expert_capacity(16, 2, 4, -1.0), Error);
+  const Stream& st = testing::cpu_stream();
+  const int64_t T = 29, E = 5, k = 2;
+  std::vector<int32_t> top(T * k);
+  for (int64_t t = 0; t < T; ++t) {
+    const auto r = testing::randint(2, 0, static_cast<int32_t>(E));
+    top[t * k] = r[0];
+    top[t * k + 1] = (r[0] + 1 + r[1] % (E - 1)) % E;
+  }
+  auto pv = testing::randu(T * k, 0.f, 1.f);
+  pv[3] = pv[7] = pv[11] = 0.5f;  // ties
+  auto topt = testing::make_int_tensor(top, kCpu, {T, k}, st);
+  auto probs = testing::make_tensor(pv, DType::kF32, kCpu, {T, k}, st);
+  for (bool by_probs : {true, false}) {
+    for (int64_t cap : {int64_t{0}, int64_t{3}, int64_t{6}, int64_t{T}}) {
+      OwnedTensor kept(DType::kI32, kCpu, {T, k}), counts(DType::kF32, kCpu, {E});
+      moe_capacity_drop(kept, counts, topt, probs, cap, by_probs, st);
+      std::vector<int32_t> want(T * k, -1);
+      for (int64_t e = 0; e < E; ++e) {
+        std::vector<int64_t> slots;
+        for (int64_t i = 0; i < T * k; ++i)
+          if (top[i] == e) slots.push_back(i);
+        if (by_probs)
+          std::sort(slots.begin(), slots.end(), [&](int64_t a, int64_t b) {
+            return static_cast<double>(pv[a]) > pv[b] || (pv[a] == pv[b] && a < b);
+          });
+        const int64_t keep = std::min<int64_t>(cap, static_cast<int64_t>(slots.size()));
+        for (int64_t r = 0; r < keep; ++r) want[slots[r]] = static_cast<int32_t>(e);
+        EXPECT_EQ(counts.t.data_as<float>()[e], static_cast<float>(keep)) << e;
+      }
+      const int32_t* kv = kept.t.data_as<int32_t>();
+      EXPECT_EQ(std::vector<int32_t>(kv, kv + T * k), want) << "by_probs " << by_probs << " capacity " << cap;
+    }
+  }
+  OwnedTensor kept(DType::kI32, kCpu, {T, k}), counts(DType::kF32, kCpu, {E}), wrong(DType::kI32, kCpu, {T, k + 1});
+  EXPECT_THROW(moe_capacity_drop(kept, counts, topt, probs, -1, true, st), Error);
+  EXPECT_THROW(moe_capacity_drop(wrong, counts, topt, probs, 3, true, st), Error);
+  EXPECT_THROW(moe_capacity_drop(topt, counts, topt, probs, 3, true, st), Error);  // in place
+}
+
 TEST(MoeRouting, Errors) {
   const Stream& st = testing::cpu_stream();
   OwnedTensor logits(DType::kF32, kCpu, {4, 6}), probs(DType::kF32, kCpu, {4, 7}), top(DType::kI32, kCpu, {4, 7});

@@ -2,13 +2,16 @@
 // tensor parallelism (TP 2, 4; with and without sequence parallelism) x data parallelism (with
 // and without the distributed optimizer); pipeline parallelism PP in {2, 4} x VPP in {1, 2} x
 // micro-batches in {PP, 2·PP, 3·PP}, uneven first/last stages, a micro-batch group size; combined
-// TP·PP·DP layouts; overlapped bucket reduction and parameter all-gather. For each: three training iterations with
+// TP·PP·DP layouts; overlapped bucket reduction and parameter all-gather; MoE with expert
+// parallelism and both token dispatchers. For each: three training iterations with
 // dropout, weight decay and clipping; the losses of every iteration, the gradients of the last
 // iteration and the parameters after it, gathered from every stage and shard, equal the
 // single-rank run (rel. 1e-5). Also: the buffer plans' memory bounds, and errors for mismatched
 // layouts before any communication.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <map>
 #include <mutex>
 
@@ -105,6 +108,11 @@ struct Layout {
   int group_size = 0;             // --microbatch-group-size-per-virtual-pipeline-stage
   bool sp = false, zero = false;
   bool overlap = false;  // --overlap-grad-reduce (+ --overlap-param-gather with zero), small buckets
+  bool a2a = false;      // MoE: --moe-token-dispatcher-type alltoall (the reference is allgather)
+  // MoE token dropping (the reference drops alike: its micro-batches have the ranks' token count)
+  double capacity = 0;       // --moe-expert-capacity-factor (0 = dropless)
+  bool drop_position = false;  // --moe-token-drop-policy position (else probs)
+  bool pad = false;          // --moe-pad-expert-input-to-capacity
   std::string name() const {
     std::string s = fmt::format("{}{}tp{}_pp{}_dp{}_vpp{}_m{}",
                                 arch == Arch::kGpt     ? ""
@@ -123,6 +131,9 @@ struct Layout {
     if (sp) s += "_sp";
     if (zero) s += "_distopt";
     if (overlap) s += "_overlap";
+    if (a2a) s += "_a2a";
+    if (capacity > 0) s += fmt::format("_cap{}{}{}", static_cast<int>(capacity * 100), drop_position ? "_pos" : "",
+                                       pad ? "_pad" : "");
     return s;
   }
 };
@@ -153,6 +164,13 @@ Result run_layout(const Layout& L, const std::vector<int32_t>& tokens, const std
   TransformerConfig c = config(L.arch);
   if (L.odd_vocab) c.vocab_size = 67;
   if (L.flash) c.attention_backend = AttentionBackend::kFlash;
+  if (L.a2a) c.moe_token_dispatcher_type = MoeDispatcher::kAllToAll;
+  if (L.capacity > 0) {
+    c.moe_expert_capacity_set = true;
+    c.moe_expert_capacity_factor = L.capacity;
+    c.moe_token_drop_policy = L.drop_position ? MoeTokenDropPolicy::kPosition : MoeTokenDropPolicy::kProbs;
+    c.moe_pad_expert_input_to_capacity = L.pad;
+  }
   const int64_t S = c.seq_length;
   const int world_size = L.tp * L.pp * L.dp;
   const int M = L.micro_total / L.dp;
@@ -291,7 +309,17 @@ TEST_P(ParallelLayouts, MatchesSingleRank) {
   one.odd_vocab = L.odd_vocab;
   one.flash = L.flash;
   one.micro_total = L.micro_total;
+  one.capacity = L.capacity;
+  one.drop_position = L.drop_position;
+  one.pad = L.pad;
   const Result ref = run_layout(one, tokens, labels, mb);
+  if (L.capacity > 0 && L.capacity < 1) {  // fewer slots kept than routed: the losses must change
+    one.capacity = 0;
+    const Result dropless = run_layout(one, tokens, labels, mb);
+    double diff = 0;
+    for (int it = 0; it < kIters; ++it) diff = std::max(diff, std::fabs(dropless.losses[it] - ref.losses[it]));
+    EXPECT_GT(diff, 1e-5 * ref.losses[0]) << "the capacity dropped nothing";
+  }
   const Result par = run_layout(L, tokens, labels, mb);
   for (int it = 0; it < kIters; ++it) EXPECT_NEAR(par.losses[it], ref.losses[it], 1e-5 * ref.losses[it]) << it;
   ASSERT_EQ(par.grads.size(), ref.grads.size());
@@ -406,7 +434,7 @@ std::vector<Layout> layouts() {
   // Llama and Qwen 3 style models under every kind of parallelism.
   // One layout of a model family, two micro-batches per pipeline stage and DP rank.
   auto add = [&v](Arch arch, int tp, int pp, int dp, int vpp, bool sp, bool zero, bool overlap, int ep = 1,
-                  int etp = 0) {
+                  int etp = 0, bool a2a = false) {
     Layout a;
     a.arch = arch;
     a.tp = tp;
@@ -418,6 +446,7 @@ std::vector<Layout> layouts() {
     a.sp = sp;
     a.zero = zero;
     a.overlap = overlap;
+    a.a2a = a2a;
     a.micro_total = 2 * pp * dp;
     v.push_back(a);
   };
@@ -452,6 +481,36 @@ std::vector<Layout> layouts() {
           std::tuple{1, 2, 1, 0, false, false, false}, std::tuple{1, 2, 1, 2, false, false, false},
           std::tuple{2, 2, 2, 0, true, true, false}, std::tuple{2, 2, 2, 2, true, true, true}})
       add(arch, tp, pp, dp, vpp, sp, zero, overlap);
+  }
+  // MoE with the alltoall token dispatcher (each rank routes its own tokens; all_to_allv over EP,
+  // all-gather / reduce-scatter of unequal sizes over ETP, chunks regrouped by local expert)
+  // against the single-rank allgather run: EP 2 (two local experts: regrouping) and 4 (one),
+  // EP x TP + SP x DP, expert TP 2 with and without EP, EP with PP and VPP, with and without the
+  // distributed optimizer.
+  for (const auto& [arch, tp, pp, dp, vpp, ep, etp, sp, zero, overlap] :
+       {std::tuple{Arch::kMoe, 1, 1, 2, 0, 2, 0, false, false, false},
+        std::tuple{Arch::kMoe, 1, 1, 4, 0, 4, 0, false, false, false},
+        std::tuple{Arch::kMoe, 1, 1, 4, 0, 2, 0, false, true, false},
+        std::tuple{Arch::kMoe, 2, 1, 2, 0, 2, 1, true, false, false},
+        std::tuple{Arch::kMoe, 2, 1, 2, 0, 4, 1, true, true, false},
+        std::tuple{Arch::kMoe, 2, 1, 2, 0, 2, 2, true, false, false},
+        std::tuple{Arch::kMoe, 2, 1, 1, 0, 1, 0, true, false, false},
+        std::tuple{Arch::kMoe, 2, 2, 2, 0, 2, 2, true, true, true},
+        std::tuple{Arch::kMoe, 1, 2, 2, 0, 2, 0, false, false, false},
+        std::tuple{Arch::kMoe, 1, 2, 2, 2, 2, 0, false, true, true},
+        std::tuple{Arch::kMoeSigmoid, 1, 1, 4, 0, 4, 0, false, false, false},
+        std::tuple{Arch::kMoeSigmoid, 2, 1, 2, 0, 2, 1, true, true, false},
+        std::tuple{Arch::kMoeSigmoid, 2, 2, 2, 0, 2, 2, true, true, true}})
+    add(arch, tp, pp, dp, vpp, sp, zero, overlap, ep, etp, /*a2a=*/true);
+  // Token dropping at an expert capacity (both policies, padding, both dispatchers).
+  for (const auto& [arch, pp, dp, ep, a2a, zero, capacity, position, pad] :
+       {std::tuple{Arch::kMoe, 1, 2, 2, true, false, 0.5, false, false},
+        std::tuple{Arch::kMoe, 1, 4, 4, false, false, 0.75, true, true},
+        std::tuple{Arch::kMoeSigmoid, 2, 2, 2, true, true, 1.0, true, false}}) {
+    add(arch, 1, pp, dp, 0, false, zero, false, ep, 0, a2a);
+    v.back().capacity = capacity;
+    v.back().drop_position = position;
+    v.back().pad = pad;
   }
   return v;
 }

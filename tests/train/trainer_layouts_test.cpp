@@ -334,11 +334,17 @@ TEST_F(TrainerLayouts, MixtureOfExperts) {
                                    "--nproc-per-node 2 --expert-model-parallel-size 2",
                                    "--nproc-per-node 4 --tensor-model-parallel-size 2 --sequence-parallel "
                                    "--expert-model-parallel-size 4 --expert-tensor-parallel-size 1 "
-                                   "--use-distributed-optimizer"}) {
+                                   "--use-distributed-optimizer",
+                                   // all_to_allv over EP 2, unequal all-gather / reduce-scatter over
+                                   // expert TP 2, four local experts regrouped (MPI backend)
+                                   "--nproc-per-node 4 --tensor-model-parallel-size 2 --sequence-parallel "
+                                   "--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall"}) {
     RunResult r = run(flags("--train-iters 6 " + layout + moe));
     ASSERT_EQ(r.rc, 0) << layout << "\n" << r.out;
     expect_same(losses(r.out), full_losses, layout + " (MoE)");
     EXPECT_NE(r.out.find(mean_load), std::string::npos) << layout << "\n" << r.out;
+    if (layout.find("alltoall") != std::string::npos)
+      EXPECT_NE(r.out.find("alltoall token dispatcher"), std::string::npos) << r.out;
   }
   RunResult first;
   std::map<int, double> l;
@@ -359,6 +365,8 @@ TEST_F(TrainerLayouts, MixtureOfExperts) {
            {" --moe-router-num-groups 3 --moe-router-group-topk 1", "--num-experts 8 is not divisible by "
                                                                      "--moe-router-num-groups 3"},
            {" --moe-router-group-topk 2", "needs --moe-router-num-groups"},
+           {" --moe-expert-capacity-factor 0", "--moe-expert-capacity-factor must be a positive number, got 0"},
+           {" --moe-token-drop-policy random", "--moe-token-drop-policy 'random' is not supported"},
            {" --moe-layer-freq [1,0,1]", "gives 3 entries but --num-layers is 4"},
            {" --moe-layer-freq [1,0,2,0]", "entry 2 is 2"},
            {" --moe-router-score-function tanh", "--moe-router-score-function 'tanh' is not supported"},

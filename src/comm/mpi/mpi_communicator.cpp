@@ -305,6 +305,34 @@ void MpiCommunicator::all_to_all(const Tensor& out, const Tensor& in, const Stre
   wait_one(req, "all_to_all");
 }
 
+void MpiCommunicator::all_to_allv(const Tensor& out, const AllToAllvSplits& recv, const Tensor& in,
+                                  const AllToAllvSplits& send, const Stream&) {
+  const auto [roff, soff] = comm_detail::check_all_to_allv(*this, out, recv, in, send);
+  MT_REQUIRE(out.device().is_cpu() && in.device().is_cpu(),
+             "all_to_allv on {}: the MPI backend takes CPU tensors, got {} and {} (CUDA tensors use NCCL)",
+             describe(*this), out.str(), in.str());
+  // MPI_Alltoallv takes int counts and displacements (in elements of the datatype).
+  auto to_int = [&](int64_t v, int64_t end, const char* side, int peer) {
+    MT_REQUIRE(end <= INT_MAX,
+               "all_to_allv on {}: the {} piece of rank {} ends at element {} (count {}), beyond MPI's int range "
+               "(INT_MAX = {}): split the exchange",
+               describe(*this), side, peer, end, end - v, INT_MAX);
+    return static_cast<int>(v);
+  };
+  std::vector<int> rc(size_), rd(size_), sc(size_), sd(size_);
+  for (int r = 0; r < size_; ++r) {
+    rc[r] = to_int(recv.counts[r], roff[r] + recv.counts[r], "receive", r);
+    rd[r] = to_int(roff[r], roff[r] + recv.counts[r], "receive", r);
+    sc[r] = to_int(send.counts[r], soff[r] + send.counts[r], "send", r);
+    sd[r] = to_int(soff[r], soff[r] + send.counts[r], "send", r);
+  }
+  MPI_Datatype dt = mpi_type(in.dtype());
+  MPI_Request req;
+  check(MPI_Ialltoallv(in.data(), sc.data(), sd.data(), dt, out.data(), rc.data(), rd.data(), dt, comm_, &req),
+        "MPI_Ialltoallv");
+  wait_one(req, "all_to_allv");
+}
+
 void MpiCommunicator::p2p(const Tensor& t, int peer, bool is_send) {
   const char* op = is_send ? "send" : "recv";
   comm_detail::check_p2p(*this, t, peer, op);

@@ -61,6 +61,10 @@ class MpiCommunicator final : public Communicator {
   void reduce_scatter(const Tensor& out, const Tensor& in, ReduceOp op, const Stream& stream) override;
   void broadcast(const Tensor& t, int root, const Stream& stream) override;
   void all_to_all(const Tensor& out, const Tensor& in, const Stream& stream) override;
+  /// MPI_Ialltoallv: counts and offsets are MPI ints; a count, offset or offset + count beyond
+  /// INT_MAX elements is an mt::Error naming the peer (before any communication).
+  void all_to_allv(const Tensor& out, const AllToAllvSplits& recv, const Tensor& in, const AllToAllvSplits& send,
+                   const Stream& stream) override;
   void send(const Tensor& t, int peer, const Stream& stream) override;
   void recv(const Tensor& t, int peer, const Stream& stream) override;
   void group_start() override;

@@ -222,6 +222,31 @@ void NcclCommunicator::all_to_all(const Tensor& out, const Tensor& in, const Str
   enqueued(s, "all_to_all");
 }
 
+void NcclCommunicator::all_to_allv(const Tensor& out, const AllToAllvSplits& recv, const Tensor& in,
+                                   const AllToAllvSplits& send, const Stream& stream) {
+  const auto [roff, soff] = comm_detail::check_all_to_allv(*this, out, recv, in, send);
+  if (out.numel() > 0) require_device(out, "all_to_allv");
+  if (in.numel() > 0) require_device(in, "all_to_allv");
+  cudaStream_t s = stream_of(stream, "all_to_allv");
+  if (recv.total() == 0 && send.total() == 0) return;
+  const size_t es = dtype_size(in.dtype());
+  const ncclDataType_t dt = nccl_type(in.dtype());
+  const auto* src = static_cast<const char*>(in.data());
+  auto* dst = static_cast<char*>(out.data());
+  check(ncclGroupStart(), "ncclGroupStart");
+  ncclResult_t r = ncclSuccess;
+  for (int p = 0; p < size_ && r == ncclSuccess; ++p) {
+    if (send.counts[p] > 0)
+      r = ncclSend(src + soff[p] * es, static_cast<size_t>(send.counts[p]), dt, p, comm_, s);
+    if (r == ncclSuccess && recv.counts[p] > 0)
+      r = ncclRecv(dst + roff[p] * es, static_cast<size_t>(recv.counts[p]), dt, p, comm_, s);
+  }
+  const ncclResult_t r_end = guarded("ncclGroupEnd (all_to_allv)", [] { return ncclGroupEnd(); });
+  check(r, "ncclSend/ncclRecv (all_to_allv)");
+  check(r_end, "ncclGroupEnd (all_to_allv)");
+  enqueued(s, "all_to_allv");
+}
+
 void NcclCommunicator::send(const Tensor& t, int peer, const Stream& stream) {
   comm_detail::check_p2p(*this, t, peer, "send");
   require_device(t, "send");

@@ -45,6 +45,9 @@ class NcclCommunicator final : public Communicator {
   void reduce_scatter(const Tensor& out, const Tensor& in, ReduceOp op, const Stream& stream) override;
   void broadcast(const Tensor& t, int root, const Stream& stream) override;
   void all_to_all(const Tensor& out, const Tensor& in, const Stream& stream) override;
+  /// Grouped ncclSend/ncclRecv of the non-empty pieces (peers with a zero count are skipped).
+  void all_to_allv(const Tensor& out, const AllToAllvSplits& recv, const Tensor& in, const AllToAllvSplits& send,
+                   const Stream& stream) override;
   void send(const Tensor& t, int peer, const Stream& stream) override;
   void recv(const Tensor& t, int peer, const Stream& stream) override;
   void group_start() override;

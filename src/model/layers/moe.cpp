@@ -41,9 +41,8 @@ MoELayer::MoELayer(const TransformerConfig& c, int64_t layer, const TensorParall
              "--num-experts {} is not divisible by expert model parallel size {}", c.num_moe_experts, ep.ep_size);
   MT_REQUIRE(ep.etp_size >= 1 && c.moe_ffn() % ep.etp_size == 0,
              "--moe-ffn-hidden-size {} is not divisible by expert tensor parallel size {}", c.moe_ffn(), ep.etp_size);
-  MT_REQUIRE(!ep.dispatch || ep.dispatch->size() == ep.ep_size * ep.etp_size,
-             "MoE dispatch group has {} ranks, expected expert tensor {} x expert model {}", ep.dispatch->size(),
-             ep.etp_size, ep.ep_size);
+  dispatcher_ = make_moe_token_dispatcher(c.moe_token_dispatcher_type, ep,
+                                          {num_experts_, topk_, num_local_, first_expert_});
   const std::string p = fmt::format("decoder.layers.{}.mlp.", layer);
   const int64_t h = c.hidden_size;
   reg.declare(replicated_param(p + "router.weight", {num_experts_, h}, InitKind::kNormal, c.init_method_std,
@@ -69,38 +68,32 @@ void MoELayer::plan(BufferPlanner& p, int64_t s, int64_t b) {
   const int64_t h = config_.hidden_size, E = num_experts_, k = topk_;
   const int64_t sl = tp_.local_seq(s);
   tokens_ = sl * b;
-  gathered_ = tokens_ * dispatch_size();
-  max_rows_ = gathered_ * std::min(k, num_local_);
   const int64_t parts = gated_ ? 2 : 1;
   const size_t a = static_cast<size_t>(p.area());
   if (saved_.size() <= a) saved_.resize(a + 1);
   Saved& sv = saved_[a];
   sv.x = p.saved(t, {sl, b, h}, "MoE input");
   sv.logits = p.saved(DType::kF32, {tokens_, E}, "router logits");
-  sv.top_all = p.saved(DType::kI32, {gathered_, k}, "routing (gathered)");
-  sv.probs_all = p.saved(DType::kF32, {gathered_, k}, "routing probs (gathered)");
-  sv.row_index = p.saved(DType::kI32, {max_rows_}, "expert row index");
-  sv.slot_row = p.saved(DType::kI32, {gathered_ * k}, "row of each routed slot");
-  sv.counts = p.saved(DType::kI32, {num_local_}, "tokens per local expert");
+  max_rows_ = dispatcher_->plan(p, tokens_, h);
   const bool seq = config_.moe_router_load_balancing_type == MoeLoadBalancing::kSeqAuxLoss;
   batch_ = b;
   sv.tokens_per_expert = p.saved(DType::kF32, {seq ? b : 1, E}, "tokens per expert (TP group)");
+  if (drops()) {
+    capacity_ = moe_expert_capacity(tokens_, k, E, config_.moe_expert_capacity_factor);
+    sv.top_routed = p.saved(DType::kI32, {tokens_, k}, "routing before the capacity drop");
+    kept_counts_ = p.scratch("moe.kept_counts", DType::kF32, {E});
+  }
   sv.xp = p.saved(t, {max_rows_, h}, "expert inputs");
   sv.pre = p.saved(t, {max_rows_, parts * local_ffn_}, "expert fc1 outputs");
   sv.act = p.saved(t, {max_rows_, local_ffn_}, "expert activations");
   sv.out = p.saved(t, {max_rows_, h}, "expert outputs");
   if (shared_) shared_->plan(p, s, b);
-  x_all_ = p.scratch("moe.x_all", t, {gathered_, h});
-  y_all_ = p.scratch("moe.y_all", t, {gathered_, h});
   y_ = p.scratch("moe.y", t, {sl, b, h});
-  dy_all_ = p.scratch("moe.dy_all", t, {gathered_, h});
   d_out_ = p.scratch("moe.d_out", t, {max_rows_, h});
   d_act_ = p.scratch("moe.d_act", t, {max_rows_, local_ffn_});
   d_pre_ = p.scratch("moe.d_pre", t, {max_rows_, parts * local_ffn_});
   d_xp_ = p.scratch("moe.d_xp", t, {max_rows_, h});
-  dx_all_ = p.scratch("moe.dx_all", t, {gathered_, h});
   dx_ = p.scratch("moe.dx", t, {sl, b, h});
-  d_probs_all_ = p.scratch("moe.d_probs_all", DType::kF32, {gathered_, k});
   d_probs_ = p.scratch("moe.d_probs", DType::kF32, {tokens_, k});
   d_logits_ = p.scratch("moe.d_logits", DType::kF32, {tokens_, E});
   if (t != DType::kF32) d_logits_act_ = p.scratch("moe.d_logits_act", t, {tokens_, E});
@@ -143,20 +136,6 @@ std::vector<double> MoELayer::stats(const Stream& stream) const {
   return out;
 }
 
-Tensor MoELayer::gather(const Tensor& all, const Tensor& local, const Stream& st) const {
-  if (dispatch_size() == 1) return local;
-  dispatch().all_gather(all, local, st);
-  return all;
-}
-
-void MoELayer::scatter_sum(const Tensor& local, const Tensor& all, const Stream& st) const {
-  if (dispatch_size() == 1) {
-    if (local.data() != all.data()) copy(local, all, st);
-    return;
-  }
-  dispatch().reduce_scatter(local, all, ReduceOp::kSum, st);
-}
-
 namespace {
 // The rows [begin, begin + n) of a [R, c] buffer.
 Tensor row_range(const Tensor& t, int64_t begin, int64_t n) {
@@ -196,19 +175,23 @@ float MoELayer::z_scale(double weight) const {
   return static_cast<float>(weight * config_.moe_z_loss_coeff / tp_.size() / static_cast<double>(tokens_));
 }
 
+Tensor MoELayer::router_top(int slot) const {
+  return drops() ? saved_.at(static_cast<size_t>(slot)).top_routed : dispatcher_->top(slot);
+}
+
 Tensor MoELayer::forward(const StepContext& ctx) {
   Saved& sv = saved_.at(static_cast<size_t>(ctx.slot));
   const Stream& st = ctx.stream;
-  const int64_t k = topk_, T = tokens_;
-  const int G = dispatch_size(), r = dispatch_rank();
   const Tensor x = rows(sv.x);
   // --- router (local tokens) ---
   matmul(sv.logits, x, router_weight_.value(), false, true, 1.f, 0.f, st);
   if (config_.moe_router_force_load_balancing) random_logits(sv.logits, ctx);
   expert_bias(st);  // zero-initialised on first use
-  const Tensor top_local = G == 1 ? sv.top_all : sv.top_all.slice0(r * T, (r + 1) * T);
-  const Tensor probs_local = G == 1 ? sv.probs_all : sv.probs_all.slice0(r * T, (r + 1) * T);
-  moe_topk_routing(probs_local, top_local, aux_loss_on() ? scores_aux_ : Tensor(), sv.logits, expert_bias_, router_, st);
+  const Tensor top = router_top(ctx.slot), probs = dispatcher_->probs(ctx.slot);
+  moe_topk_routing(probs, top, aux_loss_on() ? scores_aux_ : Tensor(), sv.logits, expert_bias_, router_, st);
+  if (drops())  // the slots beyond each expert's capacity get expert -1 in the dispatcher's selection
+    moe_capacity_drop(dispatcher_->top(ctx.slot), kept_counts_, top, probs, capacity_,
+                      config_.moe_token_drop_policy == MoeTokenDropPolicy::kProbs, st);
   // --- auxiliary losses (values for the log; gradients in backward), on the device ---
   if (ctx.dropout.training) {
     if (!stats_zeroed_) {
@@ -216,30 +199,28 @@ Tensor MoELayer::forward(const StepContext& ctx) {
       stats_zeroed_ = true;
     }
     const double w = ctx.batch.aux_loss_weight;
-    moe_tokens_per_expert(sv.tokens_per_expert, top_local, st);
+    moe_tokens_per_expert(sv.tokens_per_expert, top, st);
     if (tp_.size() > 1) tp_.group().all_reduce(sv.tokens_per_expert, ReduceOp::kSum, st);  // over the TP group
     if (aux_loss_on()) moe_aux_loss(stats_.slice0(0, 1), scores_aux_, sv.tokens_per_expert, aux_scale(w), st);
     if (config_.moe_z_loss_coeff > 0) moe_z_loss(stats_.slice0(1, 2), Tensor(), sv.logits, z_scale(w), Tensor(), st);
     Tensor total = sv.tokens_per_expert.view({num_experts_ * sv.tokens_per_expert.size(0)});
     if (sv.tokens_per_expert.size(0) > 1) {  // per-sequence counts: the totals separately
-      moe_tokens_per_expert(counts_total_, top_local, st);
+      moe_tokens_per_expert(counts_total_, top, st);
       if (tp_.size() > 1) tp_.group().all_reduce(counts_total_, ReduceOp::kSum, st);
       total = counts_total_;
+    }
+    if (drops()) {  // the kept slots (Megatron's expert-bias counts are taken after the drop)
+      if (tp_.size() > 1) tp_.group().all_reduce(kept_counts_, ReduceOp::kSum, st);
+      total = kept_counts_;
     }
     const Tensor counted = stats_.slice0(2, 2 + num_experts_);
     add(counted, counted, total, st);
     if (!expert_bias_.empty()) add(bias_counts_, bias_counts_, total, st);
   }
-  // --- dispatch: all-gather tokens, selection and probs over the dispatch group ---
-  const Tensor x_all = gather(x_all_, x, st);
-  if (G > 1) {
-    dispatch().all_gather(sv.top_all, top_local, st);
-    dispatch().all_gather(sv.probs_all, probs_local, st);
-  }
-  sv.counts_host = moe_routing_map(sv.row_index, sv.slot_row, sv.counts, sv.top_all, first_expert_, num_local_, st);
+  // --- dispatch: the rows of the local experts, ordered by expert ---
+  sv.counts_host = dispatcher_->dispatch(sv.xp, x, ctx.slot, st);
   const int64_t R = std::accumulate(sv.counts_host.begin(), sv.counts_host.end(), int64_t{0});
   // --- experts ---
-  moe_permute(row_range(sv.xp, 0, R), x_all, sv.row_index, k, st);
   int64_t off = 0;
   for (int64_t e = 0; e < num_local_; ++e) {
     const int64_t n = sv.counts_host[static_cast<size_t>(e)];
@@ -256,10 +237,8 @@ Tensor MoELayer::forward(const StepContext& ctx) {
     }
     off += n;
   }
-  // --- combine: weighted sum per token, reduce-scatter back to the local tokens ---
-  const Tensor y_all = G == 1 ? rows(y_) : y_all_;
-  moe_unpermute(y_all, row_range(sv.out, 0, R), sv.probs_all, sv.slot_row, st);
-  scatter_sum(rows(y_), y_all, st);
+  // --- combine: weighted sum per token, back on the token's rank ---
+  dispatcher_->combine(rows(y_), row_range(sv.out, 0, R), ctx.slot, st);
   if (shared_) {
     copy(shared_->input(ctx.slot), sv.x, st);
     const Tensor ys = shared_->forward(ctx);
@@ -271,14 +250,10 @@ Tensor MoELayer::forward(const StepContext& ctx) {
 Tensor MoELayer::backward(const Tensor& dy, const StepContext& ctx, WgradDeferral* defer) {
   Saved& sv = saved_.at(static_cast<size_t>(ctx.slot));
   const Stream& st = ctx.stream;
-  const int64_t k = topk_, T = tokens_;
   const int64_t R = std::accumulate(sv.counts_host.begin(), sv.counts_host.end(), int64_t{0});
-  const int G = dispatch_size(), r = dispatch_rank();
   const Tensor x = rows(sv.x);
-  // --- combine backward: all-gather dy; row gradients and d probs ---
-  const Tensor dy_all = gather(dy_all_, rows(dy), st);
-  moe_unpermute_backward(row_range(d_out_, 0, R), d_probs_all_, dy_all, row_range(sv.out, 0, R), sv.probs_all,
-                         sv.row_index, sv.slot_row, st);
+  // --- combine backward: row gradients and d probs ---
+  dispatcher_->combine_backward(row_range(d_out_, 0, R), d_probs_, rows(dy), row_range(sv.out, 0, R), ctx.slot, st);
   // --- experts backward ---
   int64_t off = 0;
   for (int64_t e = 0; e < num_local_; ++e) {
@@ -297,16 +272,11 @@ Tensor MoELayer::backward(const Tensor& dy, const StepContext& ctx, WgradDeferra
     }
     off += n;
   }
-  // --- dispatch backward: token gradients and d probs back to their ranks ---
+  // --- dispatch backward: token gradients back to their ranks ---
   const Tensor dx = rows(dx_);
-  const Tensor dx_all = G == 1 ? dx : dx_all_;
-  moe_permute_backward(dx_all, row_range(d_xp_, 0, R), sv.slot_row, k, st);
-  scatter_sum(dx, dx_all, st);
-  const Tensor d_probs = G == 1 ? d_probs_all_ : d_probs_;
-  if (G > 1) dispatch().reduce_scatter(d_probs_, d_probs_all_, ReduceOp::kSum, st);
+  dispatcher_->dispatch_backward(dx, row_range(d_xp_, 0, R), ctx.slot, st);
   // --- router backward: probs path, load-balancing loss, z-loss ---
-  const Tensor top_local = G == 1 ? sv.top_all : sv.top_all.slice0(r * T, (r + 1) * T);
-  moe_topk_routing_backward(d_logits_, d_probs, sv.logits, top_local, router_, st);
+  moe_topk_routing_backward(d_logits_, d_probs_, sv.logits, router_top(ctx.slot), router_, st);
   const double w = ctx.batch.aux_loss_weight;
   if (aux_loss_on()) moe_aux_scores_backward(d_logits_, sv.logits, sv.tokens_per_expert, aux_scale(w), ctx.loss_scale,
                                    router_.sigmoid, st);

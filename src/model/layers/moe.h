@@ -1,19 +1,28 @@
 // Mixture-of-experts block in the MLP slot (Megatron-Core transformer/moe/moe_layer.py MoELayer with
-// TopKRouter, MoEAllGatherTokenDispatcher and SequentialMLP experts; Shazeer et al. 2017, Fedus et
-// al. 2021 for the load-balancing loss, Zoph et al. 2022 for the z-loss; docs/moe.md).
+// TopKRouter, the allgather or alltoall token dispatcher and SequentialMLP experts; Shazeer et al.
+// 2017, Fedus et al. 2021 for the load-balancing loss, Zoph et al. 2022 for the z-loss; docs/moe.md).
 //
 // Forward of the T_l = s_l·b tokens of this rank (x [s_l, b, h], sequence-parallel shard when TP > 1):
 //   router:      logits [T_l, E] = x W_rᵀ (fp32), top-k selection and probs (ops/moe.h)
-//   dispatch:    all-gather x, the selection and probs over the dispatch group G (the expert
-//                tensor × expert model parallel group; the TP group while EP = 1), N = |G|·T_l tokens
-//   experts:     the rows routed to each local expert, ordered by expert then token, through
-//                linear_fc1 -> GELU or SwiGLU -> linear_fc2 of that expert (its ETP shard)
-//   combine:     y_G[t] = Σ over t's rows of prob · expert output, then reduce-scatter over G
-//                (sums the experts of the other EP ranks and the ETP partial products)
+//   dispatch:    the token dispatcher (model/layers/moe_dispatcher.h) brings the rows routed to
+//                this rank's experts here, ordered by local expert: all-gather over the dispatch
+//                group G (the expert tensor × expert model parallel group; the TP group while
+//                EP = 1), or all-to-all over EP (+ all-gather over ETP)
+//   experts:     the rows of each local expert through linear_fc1 -> GELU or SwiGLU -> linear_fc2
+//                of that expert (its ETP shard)
+//   combine:     y[t] = Σ over t's slots of prob · expert output, returned to the token's rank by
+//                the dispatcher (reduce-scatter over G, or the reverse all-to-all)
 //   shared experts (optional): a dense MLP on x (Megatron's SharedExpertMLP), added to y.
-// Backward mirrors it: all-gather dy, unpermute backward (row gradients and d probs), the experts'
-// backward, permute backward, reduce-scatter of dx and of d probs over G, then the router backward
-// with the load-balancing loss and the z-loss added to the logits' gradient.
+// Backward mirrors it: the dispatcher's combine backward (row gradients and d probs), the experts'
+// backward, the dispatch backward (token gradients), then the router backward with the
+// load-balancing loss and the z-loss added to the logits' gradient.
+//
+// Token dropping (--moe-expert-capacity-factor, Megatron's apply_router_token_dropping): after the
+// router each rank keeps at most ceil(T_l·k/E · factor) of its slots per expert (moe_capacity_drop)
+// and dispatches only those; a dropped slot adds nothing to its token's output and its probability
+// gets no gradient. The load-balancing losses count the routed slots (before the drop, as
+// Megatron's compute_routing_scores_for_aux_loss); the logged token counts and the expert-bias
+// counts count the kept ones.
 //
 // Auxiliary losses (Megatron's TopKRouter): with --moe-router-load-balancing-type aux_loss the
 // switch loss coeff·E/(k·N²)·Σ_e P_e·c_e (P_e: this rank's sum of the softmax (or normalised
@@ -24,31 +33,21 @@
 // data-parallel averaging) times the loss scale. Their values (weighted the same way) are added
 // to a per-layer statistics tensor for the log (MoELayer::stats).
 //
-// Buffers: planned for the worst case of the dropless routing, R_max = N·min(k, E_local) expert
-// rows per micro-batch (exactly N·k when every expert is local).
+// Buffers: planned for the worst case of the dropless routing, R_max = |G|·T_l·min(k, E_local)
+// expert rows per micro-batch (exactly |G|·T_l·k when every expert is local).
 #pragma once
 #include <memory>
 #include <vector>
 
 #include "core/buffer.h"
 #include "model/layers/mlp.h"
+#include "model/layers/moe_dispatcher.h"
 #include "ops/moe.h"
 
 namespace mt {
 
 /// Megatron-Core's TopKRouter options from the config.
 MoeRouterOptions moe_router_options(const TransformerConfig& config);
-
-/// This rank's place in the expert grid (MoE parallel folding, arXiv:2504.14960): expert
-/// parallelism splits the experts (EP rank r holds experts [r·E/ep, (r+1)·E/ep)), expert tensor
-/// parallelism splits each expert's MLP like the dense one. `dispatch` is the expert tensor ×
-/// expert model parallel group (Megatron's expert_tensor_and_model_parallel_group, etp·ep ranks)
-/// over which tokens are all-gathered and outputs reduce-scattered; nullptr for a layout-only
-/// model (parameter specs).
-struct ExpertParallel {
-  int ep_size = 1, ep_rank = 0, etp_size = 1, etp_rank = 0;
-  std::shared_ptr<Communicator> dispatch;
-};
 
 class MoELayer final : public MlpSlot {
  public:
@@ -57,9 +56,10 @@ class MoELayer final : public MlpSlot {
   /// (global index ep_rank·E/ep + i) "experts.local_experts.<global>.linear_fc1.weight" [(2)f_e/etp,
   /// h] and ".linear_fc2.weight" [h, f_e/etp] sharded over the expert TP group like the dense
   /// MLP's (init σ and σ/√(2L)) and flagged expert (reduced over EDP), and the shared experts'
-  /// MLP. TP > 1 needs sequence parallelism (checked by GPTModel: Megatron's requirement for MoE),
-  /// so that every rank of the dispatch group holds distinct tokens. Errors: mt::Error when
-  /// --num-experts is not divisible by EP or --moe-ffn-hidden-size by ETP.
+  /// MLP; builds the token dispatcher of --moe-token-dispatcher-type. TP > 1 needs sequence
+  /// parallelism (checked by GPTModel: Megatron's requirement for MoE), so that every rank of the
+  /// dispatch group holds distinct tokens. Errors: mt::Error when --num-experts is not divisible
+  /// by EP or --moe-ffn-hidden-size by ETP, or the groups do not match the sizes.
   MoELayer(const TransformerConfig& config, int64_t layer, const TensorParallelRegion& tp, const ExpertParallel& ep,
            ParamRegistry& registry);
   MoELayer(const MoELayer&) = delete;
@@ -96,14 +96,10 @@ class MoELayer final : public MlpSlot {
     ParamRef fc1, fc2;  // [(2)f_l, h], [h, f_l]
   };
   struct Saved {
-    Tensor x;                // [s_l, b, h]: the block's input (router input)
-    Tensor logits;           // fp32 [T_l, E]
-    Tensor top_all;          // int32 [N, k]: the gathered selection
-    Tensor probs_all;        // fp32 [N, k]: the gathered probs
-    Tensor row_index;        // int32 [R_max]
-    Tensor slot_row;         // int32 [N·k]: the row of each flat slot, -1 if not local
-    Tensor counts;           // int32 [E_l]
+    Tensor x;                  // [s_l, b, h]: the block's input (router input)
+    Tensor logits;             // fp32 [T_l, E]
     Tensor tokens_per_expert;  // fp32 [G, E]: over the TP group (G = b for seq_aux_loss, else 1)
+    Tensor top_routed;         // int32 [T_l, k]: the router's selection before a capacity drop
     Tensor xp, pre, act, out;  // [R_max, h], [R_max, (2)f_l], [R_max, f_l], [R_max, h]
     std::vector<int64_t> counts_host;  // the forward's rows per local expert (R = their sum)
   };
@@ -111,11 +107,9 @@ class MoELayer final : public MlpSlot {
   void random_logits(const Tensor& logits, const StepContext& ctx) const;  // --moe-router-force-load-balancing
   float aux_scale(double weight) const;  // of the load-balancing loss, for a micro-batch weight
   float z_scale(double weight) const;
-  Tensor gather(const Tensor& all, const Tensor& local, const Stream& stream) const;
-  Communicator& dispatch() const { return *ep_.dispatch; }
-  int dispatch_size() const { return ep_.dispatch ? ep_.dispatch->size() : 1; }
-  int dispatch_rank() const { return ep_.dispatch ? ep_.dispatch->rank() : 0; }
-  void scatter_sum(const Tensor& local, const Tensor& all, const Stream& stream) const;
+  bool drops() const { return config_.moe_expert_capacity_set; }
+  // The router's selection of area `slot` (before a capacity drop; the dispatcher gets the kept slots).
+  Tensor router_top(int slot) const;
 
   const TransformerConfig& config_;
   const TensorParallelRegion& tp_;
@@ -127,11 +121,12 @@ class MoELayer final : public MlpSlot {
   ParamRef router_weight_, no_bias_;
   std::vector<Expert> experts_;
   std::unique_ptr<MLP> shared_;
+  std::unique_ptr<MoeTokenDispatcher> dispatcher_;
   std::vector<Saved> saved_;  // per area
-  int64_t tokens_ = 0, gathered_ = 0, max_rows_ = 0;  // T_l, N, R_max
+  int64_t tokens_ = 0, max_rows_ = 0;  // T_l, R_max
+  int64_t capacity_ = 0;               // per expert with --moe-expert-capacity-factor
   // scratch
-  Tensor x_all_, y_all_, y_, dy_all_, d_out_, d_act_, d_pre_, d_xp_, dx_all_, dx_, d_probs_all_, d_probs_, d_logits_,
-      d_logits_act_, scores_aux_;
+  Tensor y_, d_out_, d_act_, d_pre_, d_xp_, dx_, d_probs_, d_logits_, d_logits_act_, scores_aux_, kept_counts_;
   Buffer stats_buffer_;  // fp32 [2 + E] on the model's device (see stats())
   Tensor stats_;
   bool stats_zeroed_ = false;

@@ -371,4 +371,25 @@ void moe_unpermute_backward(const Tensor& d_rows, const Tensor& d_probs, const T
   }
 }
 
+void moe_capacity_drop(const Tensor& kept, const Tensor& kept_counts, const Tensor& top, const Tensor& probs,
+                       int64_t capacity, bool by_probs, const Stream&) {
+  const int64_t n = top.numel(), E = kept_counts.numel();
+  const int32_t* I = top.data_as<int32_t>();
+  const float* P = probs.data_as<float>();
+  int32_t* K = kept.data_as<int32_t>();
+  float* C = kept_counts.data_as<float>();
+  std::fill(K, K + n, -1);
+#pragma omp parallel for schedule(dynamic)
+  for (int64_t e = 0; e < E; ++e) {
+    std::vector<int64_t> slots;  // flat slots routed to e, in token order
+    for (int64_t i = 0; i < n; ++i)
+      if (I[i] == e) slots.push_back(i);
+    if (by_probs && static_cast<int64_t>(slots.size()) > capacity)
+      std::stable_sort(slots.begin(), slots.end(), [&](int64_t a, int64_t b) { return P[a] > P[b]; });
+    const int64_t keep = std::min<int64_t>(capacity, static_cast<int64_t>(slots.size()));
+    for (int64_t r = 0; r < keep; ++r) K[slots[static_cast<size_t>(r)]] = static_cast<int32_t>(e);
+    C[e] = static_cast<float>(keep);
+  }
+}
+
 }  // namespace mt::cpu

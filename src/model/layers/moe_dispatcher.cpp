@@ -1,0 +1,391 @@
+#include "model/layers/moe_dispatcher.h"
+
+#include <algorithm>
+#include <numeric>
+
+#include "ops/elementwise.h"
+#include "ops/moe.h"
+
+namespace mt {
+
+namespace {
+
+// The rows [begin, begin + n) of a [R, c] buffer.
+Tensor row_range(const Tensor& t, int64_t begin, int64_t n) { return rows(t).slice0(begin, begin + n); }
+
+int group_size(const std::shared_ptr<Communicator>& c) { return c ? c->size() : 1; }
+
+// ---------------------------------------------------------------------------------------------
+// MoEAllGatherTokenDispatcher
+// ---------------------------------------------------------------------------------------------
+
+class AllGatherDispatcher final : public MoeTokenDispatcher {
+ public:
+  AllGatherDispatcher(const ExpertParallel& ep, const MoeDispatchSizes& s) : ep_(ep), s_(s) {}
+
+  int64_t plan(BufferPlanner& p, int64_t tokens, int64_t h) override {
+    const DType t = p.act_dtype();
+    const int64_t k = s_.topk;
+    tokens_ = tokens;
+    gathered_ = tokens * size();
+    const int64_t max_rows = gathered_ * std::min(k, s_.num_local);
+    const size_t a = static_cast<size_t>(p.area());
+    if (saved_.size() <= a) saved_.resize(a + 1);
+    Saved& sv = saved_[a];
+    sv.top_all = p.saved(DType::kI32, {gathered_, k}, "routing (gathered)");
+    sv.probs_all = p.saved(DType::kF32, {gathered_, k}, "routing probs (gathered)");
+    sv.row_index = p.saved(DType::kI32, {max_rows}, "expert row index");
+    sv.slot_row = p.saved(DType::kI32, {gathered_ * k}, "row of each routed slot");
+    sv.counts = p.saved(DType::kI32, {s_.num_local}, "tokens per local expert");
+    x_all_ = p.scratch("moe.x_all", t, {gathered_, h});
+    y_all_ = p.scratch("moe.y_all", t, {gathered_, h});
+    dy_all_ = p.scratch("moe.dy_all", t, {gathered_, h});
+    dx_all_ = p.scratch("moe.dx_all", t, {gathered_, h});
+    d_probs_all_ = p.scratch("moe.d_probs_all", DType::kF32, {gathered_, k});
+    return max_rows;
+  }
+
+  Tensor top(int slot) const override { return local(saved_.at(static_cast<size_t>(slot)).top_all); }
+  Tensor probs(int slot) const override { return local(saved_.at(static_cast<size_t>(slot)).probs_all); }
+
+  std::vector<int64_t> dispatch(const Tensor& xp, const Tensor& x, int slot, const Stream& st) override {
+    Saved& sv = saved_.at(static_cast<size_t>(slot));
+    const Tensor x_all = gather(x_all_, x, st);
+    if (size() > 1) {
+      group().all_gather(sv.top_all, local(sv.top_all), st);
+      group().all_gather(sv.probs_all, local(sv.probs_all), st);
+    }
+    std::vector<int64_t> counts =
+        moe_routing_map(sv.row_index, sv.slot_row, sv.counts, sv.top_all, s_.first_expert, s_.num_local, st);
+    const int64_t R = std::accumulate(counts.begin(), counts.end(), int64_t{0});
+    moe_permute(row_range(xp, 0, R), x_all, sv.row_index, s_.topk, st);
+    return counts;
+  }
+
+  void combine(const Tensor& y, const Tensor& out, int slot, const Stream& st) override {
+    const Saved& sv = saved_.at(static_cast<size_t>(slot));
+    const Tensor y_all = size() == 1 ? y : y_all_;
+    moe_unpermute(y_all, out, sv.probs_all, sv.slot_row, st);
+    scatter_sum(y, y_all, st);
+  }
+
+  void combine_backward(const Tensor& d_out, const Tensor& d_probs, const Tensor& dy, const Tensor& out, int slot,
+                        const Stream& st) override {
+    const Saved& sv = saved_.at(static_cast<size_t>(slot));
+    const Tensor dy_all = gather(dy_all_, dy, st);
+    const Tensor d_probs_all = size() == 1 ? d_probs : d_probs_all_;
+    moe_unpermute_backward(d_out, d_probs_all, dy_all, out, sv.probs_all, sv.row_index, sv.slot_row, st);
+    if (size() > 1) group().reduce_scatter(d_probs, d_probs_all_, ReduceOp::kSum, st);
+  }
+
+  void dispatch_backward(const Tensor& dx, const Tensor& d_xp, int slot, const Stream& st) override {
+    const Saved& sv = saved_.at(static_cast<size_t>(slot));
+    const Tensor dx_all = size() == 1 ? dx : dx_all_;
+    moe_permute_backward(dx_all, d_xp, sv.slot_row, s_.topk, st);
+    scatter_sum(dx, dx_all, st);
+  }
+
+ private:
+  struct Saved {
+    Tensor top_all;    // int32 [N, k]: the gathered selection (this rank's rows: its slice)
+    Tensor probs_all;  // fp32 [N, k]: the gathered probs
+    Tensor row_index;  // int32 [R_max]
+    Tensor slot_row;   // int32 [N·k]: the row of each flat slot, -1 if not local
+    Tensor counts;     // int32 [E_l]
+  };
+  int size() const { return group_size(ep_.dispatch); }
+  Communicator& group() const { return *ep_.dispatch; }
+  // This rank's rows of a gathered [N, k] tensor.
+  Tensor local(const Tensor& all) const {
+    if (size() == 1) return all;
+    const int64_t r = group().rank();
+    return all.slice0(r * tokens_, (r + 1) * tokens_);
+  }
+  Tensor gather(const Tensor& all, const Tensor& mine, const Stream& st) const {
+    if (size() == 1) return mine;
+    group().all_gather(all, mine, st);
+    return all;
+  }
+  void scatter_sum(const Tensor& mine, const Tensor& all, const Stream& st) const {
+    if (size() == 1) {
+      if (mine.data() != all.data()) copy(mine, all, st);
+      return;
+    }
+    group().reduce_scatter(mine, all, ReduceOp::kSum, st);
+  }
+
+  ExpertParallel ep_;
+  MoeDispatchSizes s_;
+  int64_t tokens_ = 0, gathered_ = 0;
+  std::vector<Saved> saved_;  // per area
+  Tensor x_all_, y_all_, dy_all_, dx_all_, d_probs_all_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// MoEAlltoAllTokenDispatcher
+// ---------------------------------------------------------------------------------------------
+
+class AllToAllDispatcher final : public MoeTokenDispatcher {
+ public:
+  AllToAllDispatcher(const ExpertParallel& ep, const MoeDispatchSizes& s)
+      : ep_(ep), s_(s), P_(group_size(ep.ep_group)), Q_(group_size(ep.etp_group)) {}
+
+  int64_t plan(BufferPlanner& p, int64_t tokens, int64_t h) override {
+    const DType t = p.act_dtype();
+    const int64_t k = s_.topk, E = s_.num_experts;
+    tokens_ = tokens;
+    hidden_ = h;
+    // Dropless bounds: each source token brings at most min(k, E_l) rows to this rank's experts.
+    max_ep_rows_ = P_ * tokens * std::min(k, s_.num_local);
+    const int64_t max_rows = Q_ * max_ep_rows_;
+    const size_t a = static_cast<size_t>(p.area());
+    if (saved_.size() <= a) saved_.resize(a + 1);
+    Saved& sv = saved_[a];
+    sv.top = p.saved(DType::kI32, {tokens, k}, "routing");
+    sv.probs = p.saved(DType::kF32, {tokens, k}, "routing probs");
+    sv.row_index = p.saved(DType::kI32, {tokens * k}, "slots sorted by expert");
+    sv.slot_row = p.saved(DType::kI32, {tokens * k}, "sorted position of each slot");
+    sv.back = p.saved(t, {tokens * k, h}, "expert outputs returned to their tokens");
+    counts_ = p.scratch("moe.a2a.counts", DType::kI32, {E});
+    counts_ep_ = p.scratch("moe.a2a.counts_ep", DType::kI32, {P_ * E});
+    counts_all_ = p.scratch("moe.a2a.counts_all", DType::kI32, {Q_ * P_ * E});
+    send_ = p.scratch("moe.a2a.send", t, {tokens * k, h});
+    if (P_ > 1 && Q_ > 1) ep_rows_ = p.scratch("moe.a2a.ep", t, {max_ep_rows_, h});
+    if (Q_ > 1) etp_chunks_ = p.scratch("moe.a2a.etp_chunks", t, {Q_ * max_ep_rows_, h});
+    if (s_.num_local > 1) stage_ = p.scratch("moe.a2a.stage", t, {max_rows, h});
+    return max_rows;
+  }
+
+  Tensor top(int slot) const override { return saved_.at(static_cast<size_t>(slot)).top; }
+  Tensor probs(int slot) const override { return saved_.at(static_cast<size_t>(slot)).probs; }
+
+  std::vector<int64_t> dispatch(const Tensor& xp, const Tensor& x, int slot, const Stream& st) override {
+    Saved& sv = saved_.at(static_cast<size_t>(slot));
+    // Permutation 1: this rank's slots sorted by (global) expert, i.e. by destination EP rank
+    // (S = T·k of them, fewer when a capacity dropped some: their expert is -1).
+    const std::vector<int64_t> mine =
+        moe_routing_map(sv.row_index, sv.slot_row, counts_, sv.top, 0, s_.num_experts, st);
+    const int64_t S = std::accumulate(mine.begin(), mine.end(), int64_t{0});
+    moe_permute(row_range(send_, 0, S), x, sv.row_index, s_.topk, st);
+    sv.plan = exchange_counts(mine, st);
+    const Plan& pl = sv.plan;
+    MT_CHECK(pl.rows() <= xp.size(0), "MoE alltoall dispatch: {} expert rows exceed the planned {}", pl.rows(),
+             xp.size(0));
+    to_experts(xp, row_range(send_, 0, S), pl, st);
+    return pl.local_counts;
+  }
+
+  void combine(const Tensor& y, const Tensor& out, int slot, const Stream& st) override {
+    const Saved& sv = saved_.at(static_cast<size_t>(slot));
+    const Plan& pl = sv.plan;
+    const Tensor back = row_range(sv.back, 0, pl.slots());
+    from_experts(back, out, pl, st);  // permutation 2 undone, ETP reduce-scatter, EP all-to-all back
+    // Permutation 1 undone, weighted by this rank's probs.
+    moe_unpermute(y, back, sv.probs, sv.slot_row, st);
+  }
+
+  void combine_backward(const Tensor& d_out, const Tensor& d_probs, const Tensor& dy, const Tensor& out, int slot,
+                        const Stream& st) override {
+    (void)out;  // the probs' gradient uses the rows returned to this rank (sv.back)
+    const Saved& sv = saved_.at(static_cast<size_t>(slot));
+    const Plan& pl = sv.plan;
+    const int64_t S = pl.slots();
+    const Tensor d_send = row_range(send_, 0, S);
+    moe_unpermute_backward(d_send, d_probs, dy, row_range(sv.back, 0, S), sv.probs, sv.row_index, sv.slot_row, st);
+    to_experts(d_out, d_send, pl, st);  // the gradient rows travel like the tokens
+  }
+
+  void dispatch_backward(const Tensor& dx, const Tensor& d_xp, int slot, const Stream& st) override {
+    const Saved& sv = saved_.at(static_cast<size_t>(slot));
+    const Tensor d_send = row_range(send_, 0, sv.plan.slots());
+    from_experts(d_send, d_xp, sv.plan, st);  // the input gradients return like the outputs
+    moe_permute_backward(dx, d_send, sv.slot_row, s_.topk, st);
+  }
+
+ private:
+  // The host-side layout of one micro-batch's exchange, from the counts of every rank of the
+  // ETP × EP grid. Row counts; chunks in the received order [ETP source i][EP source j][local
+  // expert e].
+  struct Plan {
+    std::vector<int64_t> send_rows;     // [P]: rows this rank sends to EP rank m
+    std::vector<int64_t> recv_rows;     // [P]: rows this rank receives from EP rank j
+    std::vector<int64_t> etp_rows;      // [Q]: rows ETP rank i received over EP (its all-gather piece)
+    std::vector<int64_t> chunk_sizes;   // [Q·P·E_l] in received order
+    std::vector<int64_t> order;         // permutation 2: [e][i][j] order of those chunks
+    std::vector<int64_t> local_counts;  // [E_l]: rows per local expert
+    int64_t ep_rows() const { return std::accumulate(recv_rows.begin(), recv_rows.end(), int64_t{0}); }
+    int64_t slots() const { return std::accumulate(send_rows.begin(), send_rows.end(), int64_t{0}); }
+    int64_t rows() const { return std::accumulate(local_counts.begin(), local_counts.end(), int64_t{0}); }
+  };
+  struct Saved {
+    Tensor top;        // int32 [T, k]
+    Tensor probs;      // fp32 [T, k]
+    Tensor row_index;  // int32 [T·k]: the flat slot at each position of the expert-sorted order
+    Tensor slot_row;   // int32 [T·k]: its inverse
+    Tensor back;       // [T·k, h]: the expert outputs returned to this rank (probs' gradient)
+    Plan plan;
+  };
+
+  int etp_rank() const { return ep_.etp_group ? ep_.etp_group->rank() : 0; }
+  int ep_rank() const { return ep_.ep_group ? ep_.ep_group->rank() : 0; }
+  // The stage buffer of permutation 2, or `direct` when there is no regrouping (one local expert).
+  Tensor stage_or(const Tensor& direct) const { return s_.num_local > 1 ? stage_ : direct; }
+
+  // Counts of every rank of the ETP × EP grid: all-gathered over EP, then over ETP (fixed sizes,
+  // on the device), one copy to the host.
+  Plan exchange_counts(const std::vector<int64_t>& mine, const Stream& st) {
+    const int64_t E = s_.num_experts, El = s_.num_local, first = s_.first_expert;
+    Tensor all = counts_;
+    if (P_ > 1) {
+      ep_.ep_group->all_gather(counts_ep_, counts_, st);
+      all = counts_ep_;
+    }
+    if (Q_ > 1) {
+      ep_.etp_group->all_gather(counts_all_, all, st);
+      all = counts_all_;
+    }
+    std::vector<int32_t> host(static_cast<size_t>(Q_ * P_ * E));
+    if (P_ * Q_ > 1) {
+      copy_bytes(host.data(), Device::cpu(), all.data(), all.device(), host.size() * sizeof(int32_t), st);
+      st.synchronize();
+    } else {
+      std::copy(mine.begin(), mine.end(), host.begin());
+    }
+    auto C = [&](int64_t i, int64_t j, int64_t e) {
+      return static_cast<int64_t>(host[static_cast<size_t>((i * P_ + j) * E + e)]);
+    };
+    const int qi = etp_rank(), pj = ep_rank();
+    for (int64_t e = 0; e < E; ++e)
+      MT_CHECK(C(qi, pj, e) == mine[static_cast<size_t>(e)],
+               "MoE alltoall dispatch: exchanged count {} of expert {} differs from this rank's {}", C(qi, pj, e), e,
+               mine[static_cast<size_t>(e)]);
+    Plan pl;
+    pl.send_rows.assign(static_cast<size_t>(P_), 0);
+    pl.recv_rows.assign(static_cast<size_t>(P_), 0);
+    pl.etp_rows.assign(static_cast<size_t>(Q_), 0);
+    pl.local_counts.assign(static_cast<size_t>(El), 0);
+    for (int64_t m = 0; m < P_; ++m)
+      for (int64_t e = m * El; e < (m + 1) * El; ++e) pl.send_rows[static_cast<size_t>(m)] += C(qi, pj, e);
+    for (int64_t i = 0; i < Q_; ++i)
+      for (int64_t j = 0; j < P_; ++j)
+        for (int64_t e = 0; e < El; ++e) {
+          const int64_t n = C(i, j, first + e);
+          pl.chunk_sizes.push_back(n);
+          pl.etp_rows[static_cast<size_t>(i)] += n;
+          if (i == qi) pl.recv_rows[static_cast<size_t>(j)] += n;
+          pl.local_counts[static_cast<size_t>(e)] += n;
+        }
+    for (int64_t e = 0; e < El; ++e)
+      for (int64_t i = 0; i < Q_; ++i)
+        for (int64_t j = 0; j < P_; ++j) pl.order.push_back((i * P_ + j) * El + e);
+    return pl;
+  }
+
+  // Packed splits of `rows` rows each, in elements of width h.
+  AllToAllvSplits splits(const std::vector<int64_t>& rows) const {
+    AllToAllvSplits s;
+    for (int64_t r : rows) s.counts.push_back(r * hidden_);
+    return s;
+  }
+  // EP all_to_allv: piece m of `in` (in_rows[m] rows) to EP rank m, piece j of `out` from j.
+  void ep_exchange(const Tensor& out, const std::vector<int64_t>& out_rows, const Tensor& in,
+                   const std::vector<int64_t>& in_rows, const Stream& st) const {
+    ep_.ep_group->all_to_allv(out, splits(out_rows), in, splits(in_rows), st);
+  }
+  // All-gather of unequal sizes over ETP (Megatron's gather_from_sequence_parallel_region with
+  // output_split_sizes): every rank sends its rows to all, out = the ranks' rows in rank order.
+  void etp_gather(const Tensor& out, const Tensor& in, const Plan& pl, const Stream& st) const {
+    AllToAllvSplits send;
+    send.counts.assign(static_cast<size_t>(Q_), in.numel());
+    send.offsets.assign(static_cast<size_t>(Q_), 0);
+    ep_.etp_group->all_to_allv(out, splits(pl.etp_rows), in, send, st);
+  }
+  // Reduce-scatter of unequal sizes over ETP (reduce_scatter_to_sequence_parallel_region with
+  // input_split_sizes): piece i of `in` goes to ETP rank i; out = the sum over ranks, in rank order,
+  // of the pieces this rank receives.
+  void etp_reduce_scatter(const Tensor& out, const Tensor& in, const Plan& pl, const Stream& st) const {
+    const int64_t n = out.size(0);
+    AllToAllvSplits recv;
+    recv.counts.assign(static_cast<size_t>(Q_), n * hidden_);
+    const Tensor chunks = row_range(etp_chunks_, 0, Q_ * n);
+    ep_.etp_group->all_to_allv(chunks, recv, in, splits(pl.etp_rows), st);
+    copy(out, row_range(chunks, 0, n), st);
+    for (int64_t i = 1; i < Q_; ++i) add(out, out, row_range(chunks, i * n, n), st);
+  }
+  // Source side -> expert side, for rows [S, h] in this rank's expert-sorted slot order (tokens,
+  // or the gradients of the outputs): EP all-to-all, ETP all-gather, permutation 2 into rows
+  // [0, R) of dst, ordered by local expert.
+  void to_experts(const Tensor& dst, const Tensor& rows_in, const Plan& pl, const Stream& st) const {
+    const int64_t R = pl.rows();
+    Tensor cur = rows_in;
+    if (P_ > 1) {
+      const Tensor next = row_range(Q_ > 1 ? ep_rows_ : stage_or(dst), 0, pl.ep_rows());
+      ep_exchange(next, pl.recv_rows, cur, pl.send_rows, st);
+      cur = next;
+    }
+    if (Q_ > 1) {
+      const Tensor next = row_range(stage_or(dst), 0, R);
+      etp_gather(next, cur, pl, st);
+      cur = next;
+    }
+    const Tensor out = row_range(dst, 0, R);
+    if (s_.num_local > 1) {
+      moe_sort_chunks(out, cur, pl.chunk_sizes, pl.order, st);
+    } else if (cur.data() != out.data()) {
+      copy(out, cur, st);
+    }
+  }
+  // Expert side -> source side, the exact reverse, for expert-side rows [R, h] (outputs, or input
+  // gradients): permutation 2 undone, ETP reduce-scatter, EP all-to-all back into dst [S, h], in
+  // this rank's expert-sorted slot order.
+  void from_experts(const Tensor& dst, const Tensor& rows_in, const Plan& pl, const Stream& st) const {
+    const int64_t R = pl.rows();
+    Tensor cur = row_range(rows_in, 0, R);
+    if (s_.num_local > 1) {
+      const auto [sizes, order] = moe_sort_chunks_inverse(pl.chunk_sizes, pl.order);
+      const Tensor un = row_range(stage_, 0, R);
+      moe_sort_chunks(un, cur, sizes, order, st);
+      cur = un;
+    }
+    if (Q_ > 1) {
+      const Tensor red = P_ > 1 ? row_range(ep_rows_, 0, pl.ep_rows()) : dst;
+      etp_reduce_scatter(red, cur, pl, st);
+      cur = red;
+    }
+    if (P_ > 1) {
+      ep_exchange(dst, pl.send_rows, cur, pl.recv_rows, st);
+      cur = dst;
+    }
+    if (cur.data() != dst.data()) copy(dst, cur, st);
+  }
+
+  ExpertParallel ep_;
+  MoeDispatchSizes s_;
+  int64_t P_, Q_;  // EP and ETP group sizes
+  int64_t tokens_ = 0, hidden_ = 0, max_ep_rows_ = 0;
+  std::vector<Saved> saved_;  // per area
+  Tensor counts_, counts_ep_, counts_all_, send_, ep_rows_, etp_chunks_, stage_;
+};
+
+}  // namespace
+
+std::unique_ptr<MoeTokenDispatcher> make_moe_token_dispatcher(MoeDispatcher kind, const ExpertParallel& ep,
+                                                              const MoeDispatchSizes& sizes) {
+  MT_REQUIRE(!ep.dispatch || ep.dispatch->size() == ep.ep_size * ep.etp_size,
+             "MoE dispatch group has {} ranks, expected expert tensor {} x expert model {}", ep.dispatch->size(),
+             ep.etp_size, ep.ep_size);
+  if (kind == MoeDispatcher::kAllGather) return std::make_unique<AllGatherDispatcher>(ep, sizes);
+  if (!ep.dispatch) return std::make_unique<AllToAllDispatcher>(ep, sizes);  // layout only: no groups
+  MT_REQUIRE(group_size(ep.ep_group) == ep.ep_size && group_size(ep.etp_group) == ep.etp_size,
+             "MoE alltoall dispatcher: expert model parallel group of {} ranks and expert tensor parallel group of {} "
+             "ranks, expected {} and {}",
+             group_size(ep.ep_group), group_size(ep.etp_group), ep.ep_size, ep.etp_size);
+  MT_REQUIRE(!ep.ep_group || ep.ep_group->rank() == ep.ep_rank, "MoE alltoall dispatcher: EP group rank {} != ep rank {}",
+             ep.ep_group->rank(), ep.ep_rank);
+  MT_REQUIRE(!ep.etp_group || ep.etp_group->rank() == ep.etp_rank,
+             "MoE alltoall dispatcher: ETP group rank {} != expert tensor parallel rank {}", ep.etp_group->rank(),
+             ep.etp_rank);
+  return std::make_unique<AllToAllDispatcher>(ep, sizes);
+}
+
+}  // namespace mt

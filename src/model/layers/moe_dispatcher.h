@@ -1,0 +1,88 @@
+// Token dispatchers of the MoE layer (Megatron-Core transformer/moe/token_dispatcher.py): how the
+// tokens a rank routes reach the experts that other ranks hold, and how the experts' outputs come
+// back. Two implementations of one interface, picked by --moe-token-dispatcher-type:
+//
+//   allgather (MoEAllGatherTokenDispatcher): x [T, h], the selection and the probs are all-gathered
+//     over the dispatch group G (expert tensor × expert model parallel group); every rank picks the
+//     rows of its local experts out of all N = |G|·T tokens; the combine is the prob-weighted sum
+//     over each token's slots, then a reduce-scatter over G.
+//   alltoall (MoEAlltoAllTokenDispatcher): each rank sorts its own T·k slots by expert ("permutation
+//     1"), the per-expert counts are all-gathered over the EP and ETP groups (small fixed-size
+//     collectives, then one device-to-host copy: the split sizes live on the host, as Megatron's
+//     .cpu() sync), an all_to_allv over the EP group sends every slot's row to the rank holding its
+//     expert, with expert tensor parallelism > 1 an all-gather of unequal sizes over the ETP group
+//     follows, and the received chunks are regrouped from [ETP source][EP source][local expert] to
+//     [local expert][ETP source][EP source] order ("permutation 2", moe_sort_chunks). The combine
+//     is the exact reverse (regroup, reduce-scatter of unequal sizes over ETP, all_to_allv back),
+//     and the probs are applied on the source rank (moe_unpermute), so they never travel. The
+//     backward runs the same exchanges in the other direction.
+//
+// The MoE layer (model/layers/moe.h) runs the router into top(slot) / probs(slot), calls
+// dispatch(), runs its local experts on rows [0, R) of the expert-input buffer (ordered by local
+// expert), then combine(); backward: combine_backward(), the experts' backward, dispatch_backward().
+#pragma once
+#include <memory>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "model/module.h"
+#include "model/transformer_config.h"
+
+namespace mt {
+
+/// This rank's place in the expert grid (MoE parallel folding, arXiv:2504.14960): expert
+/// parallelism splits the experts (EP rank r holds experts [r·E/ep, (r+1)·E/ep)), expert tensor
+/// parallelism splits each expert's MLP like the dense one. `dispatch` is the expert tensor ×
+/// expert model parallel group (Megatron's expert_tensor_and_model_parallel_group, etp·ep ranks)
+/// over which the allgather dispatcher gathers tokens; `ep_group` (ep ranks, rank = ep_rank) and
+/// `etp_group` (etp ranks, rank = etp_rank) are the ones the alltoall dispatcher exchanges over.
+/// nullptr groups count as groups of one rank; all nullptr for a layout-only model (parameter specs).
+struct ExpertParallel {
+  int ep_size = 1, ep_rank = 0, etp_size = 1, etp_rank = 0;
+  std::shared_ptr<Communicator> dispatch;
+  std::shared_ptr<Communicator> ep_group, etp_group;
+};
+
+/// The static sizes a dispatcher is built for.
+struct MoeDispatchSizes {
+  int64_t num_experts = 0;   ///< E
+  int64_t topk = 0;          ///< k
+  int64_t num_local = 0;     ///< E_l = E / ep
+  int64_t first_expert = 0;  ///< ep_rank · E_l
+};
+
+class MoeTokenDispatcher {
+ public:
+  virtual ~MoeTokenDispatcher() = default;
+  /// Plans the saved tensors of the open area (the routing, index maps) and the scratch for T
+  /// tokens of width h in dtype `act`. Returns R_max, the most expert rows one micro-batch can
+  /// bring to this rank (dropless worst case |G|·T·min(k, E_l) for both dispatchers).
+  virtual int64_t plan(BufferPlanner& planner, int64_t tokens, int64_t hidden) = 0;
+  /// Where the router writes the selection of area `slot`'s micro-batch: int32 [T, k] and fp32 [T, k].
+  virtual Tensor top(int slot) const = 0;
+  virtual Tensor probs(int slot) const = 0;
+  /// Forward dispatch of x [T, h] with the routing in top(slot) / probs(slot): writes the local
+  /// experts' input rows into rows [0, R) of xp [R_max, h], ordered by local expert, and returns
+  /// the rows of each local expert (host, E_l entries, R = their sum). Collective over the
+  /// dispatcher's groups; synchronises `stream` once or twice to read the counts (the expert GEMM
+  /// shapes and the all_to_allv split sizes depend on them).
+  virtual std::vector<int64_t> dispatch(const Tensor& xp, const Tensor& x, int slot, const Stream& stream) = 0;
+  /// y [T, h] (overwritten) = for each token the prob-weighted sum of its experts' outputs, from
+  /// out [R, h], the local experts' output rows in dispatch() order.
+  virtual void combine(const Tensor& y, const Tensor& out, int slot, const Stream& stream) = 0;
+  /// Backward of combine from dy [T, h]: d_out [R, h] (overwritten), the gradient of the local
+  /// experts' output rows, and d_probs fp32 [T, k] (overwritten), the gradient of this rank's
+  /// probs. out: the forward's expert output rows [R, h].
+  virtual void combine_backward(const Tensor& d_out, const Tensor& d_probs, const Tensor& dy, const Tensor& out,
+                                int slot, const Stream& stream) = 0;
+  /// Backward of dispatch: dx [T, h] (overwritten) from d_xp [R, h], the gradient of the expert
+  /// input rows.
+  virtual void dispatch_backward(const Tensor& dx, const Tensor& d_xp, int slot, const Stream& stream) = 0;
+};
+
+/// The dispatcher of `kind` for this rank. Errors: mt::Error when the groups do not match the sizes
+/// (dispatch group != etp·ep ranks, ep/etp group sizes != ep/etp).
+std::unique_ptr<MoeTokenDispatcher> make_moe_token_dispatcher(MoeDispatcher kind, const ExpertParallel& ep,
+                                                              const MoeDispatchSizes& sizes);
+
+}  // namespace mt
