@@ -161,10 +161,6 @@ GPTModel::GPTModel(const TransformerConfig& config, int64_t micro_batch, DType d
                "MoE with context parallel size {} is not implemented yet (the load-balancing loss would need the "
                "token counts of the tp-cp group)",
                groups_.cp ? groups_.cp->size() : 1);
-    MT_REQUIRE(device.is_cpu() || !config_.moe_expert_capacity_set,
-               "--moe-expert-capacity-factor (token dropping) runs on the CPU only so far: its CUDA kernel is not "
-               "written yet (got --device {})",
-               device.str());
   }
   std::vector<ModelChunk>& chunks = layout.chunks;
   if (chunks.empty()) chunks.push_back({whole_model(config_)[0], 1, 1});

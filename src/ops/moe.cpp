@@ -239,10 +239,7 @@ void moe_capacity_drop(const Tensor& kept, const Tensor& kept_counts, const Tens
   MT_CHECK(capacity >= 0, "{}: capacity {} must be >= 0", fn, capacity);
   MT_CHECK(kept.data() != top.data(), "{}: kept must not alias top", fn);
   check_devices(stream, top, {&kept, &probs, &kept_counts}, fn);
-  // No CUDA kernel yet: a clear error rather than a host read of device memory.
-  MT_CHECK(top.device().is_cpu(), "{}: token dropping (--moe-expert-capacity-factor) has no CUDA kernel yet; got {}",
-           fn, top.str());
-  cpu::moe_capacity_drop(kept, kept_counts, top, probs, capacity, by_probs, stream);
+  MT_DISPATCH(top.device(), moe_capacity_drop, kept, kept_counts, top, probs, capacity, by_probs, stream);
 }
 
 void moe_sort_chunks(const Tensor& out, const Tensor& in, const std::vector<int64_t>& split_sizes,

@@ -155,6 +155,6 @@ MT_OP_BACKENDS(moe_permute)
 MT_OP_BACKENDS(moe_permute_backward)
 MT_OP_BACKENDS(moe_unpermute)
 MT_OP_BACKENDS(moe_unpermute_backward)
-MT_OP_BACKENDS(moe_capacity_drop)  // CPU only so far: CUDA tensors are an error
+MT_OP_BACKENDS(moe_capacity_drop)
 
 }  // namespace mt

@@ -12,7 +12,7 @@ namespace {
 
 using testing::OwnedTensor;
 
-enum class Moe { kNone, kMixtral, kDeepSeek };
+enum class Moe { kNone, kMixtral, kMixtralDrop, kDeepSeek };
 
 /// llama: the Llama-style layer (GQA 4/2, RoPE, SwiGLU, RMSNorm, untied, no bias); flash: the GPU
 /// model uses FlashAttention (head dim 64: the tensor-core kernels for bf16), the CPU one the
@@ -43,8 +43,13 @@ void compare(DType dtype, float dropout, double tol, bool documents = false, boo
     c.moe_router_topk = 2;
     c.moe_aux_loss_coeff = 0.1f;
     c.moe_z_loss_coeff = 0.01f;
-    if (moe == Moe::kMixtral) {
+    if (moe == Moe::kMixtral || moe == Moe::kMixtralDrop) {
       c.moe_layer_pattern = {0, 1};
+      if (moe == Moe::kMixtralDrop) {  // capacity 0.8 of the balanced load: slots dropped
+        c.moe_expert_capacity_set = true;
+        c.moe_expert_capacity_factor = 0.8;
+        c.moe_token_drop_policy = MoeTokenDropPolicy::kProbs;
+      }
     } else {
       c.moe_router_score_function = MoeScoreFunction::kSigmoid;
       c.moe_router_num_groups = 4;
@@ -148,7 +153,13 @@ void compare(DType dtype, float dropout, double tol, bool documents = false, boo
       if (i % per >= 2) routed += sc[i];
       if (dtype == DType::kF32) EXPECT_NEAR(sg[i], sc[i], tol * std::max(1.0, std::fabs(sc[i]))) << "MoE statistic " << i;
     }
-    EXPECT_EQ(routed, static_cast<double>(c.seq_length * b * c.moe_router_topk * c.num_moe_layers()));
+    const double slots = static_cast<double>(c.seq_length * b * c.moe_router_topk * c.num_moe_layers());
+    if (moe == Moe::kMixtralDrop) {  // the kept slots are counted: fewer than routed
+      EXPECT_LT(routed, slots);
+      EXPECT_GT(routed, 0.5 * slots);
+    } else {
+      EXPECT_EQ(routed, slots);
+    }
   }
 }
 
@@ -180,6 +191,7 @@ TEST(GptCuda, MixtureOfExpertsMatchesCpu) {
   MT_REQUIRE_CUDA();
   compare(DType::kF32, 0.1f, 1e-5, /*documents=*/true, /*llama=*/true, false, Moe::kMixtral);
   compare(DType::kF32, 0.f, 1e-5, /*documents=*/false, /*llama=*/true, false, Moe::kDeepSeek);
+  compare(DType::kF32, 0.f, 1e-5, /*documents=*/false, /*llama=*/true, false, Moe::kMixtralDrop);
   compare(DType::kBF16, 0.f, 2e-2, /*documents=*/false, /*llama=*/true, false, Moe::kMixtral, 5e-2);
 }
 

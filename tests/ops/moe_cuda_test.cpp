@@ -531,8 +531,8 @@ TEST(MoeCuda, EndToEndFromRoutingMatchesCpu) {
 }
 
 // moe_sort_chunks (one device-to-device copy per chunk) regroups bf16 rows on the GPU exactly as on
-// the CPU, empty chunks included; moe_capacity_drop has no kernel yet and says so.
-TEST(MoeCuda, SortChunksMatchesCpuAndCapacityDropIsAnError) {
+// the CPU, empty chunks included.
+TEST(MoeCuda, SortChunksMatchesCpu) {
   const Stream& cs = testing::cpu_stream();
   const Stream& gs = testing::cuda_stream();
   const int64_t h = 33, C = 12;
@@ -551,9 +551,41 @@ TEST(MoeCuda, SortChunksMatchesCpuAndCapacityDropIsAnError) {
   moe_sort_chunks(yc, xc, sizes, order, cs);
   moe_sort_chunks(yg, xg, sizes, order, gs);
   EXPECT_TRUE(same_bits(to_host(yg, gs), to_host(yc, cs)));
-  OwnedTensor top(DType::kI32, Device::cuda(), {4, 2}), kept(DType::kI32, Device::cuda(), {4, 2}),
-      probs(DType::kF32, Device::cuda(), {4, 2}), counts(DType::kF32, Device::cuda(), {3});
-  EXPECT_THROW(moe_capacity_drop(kept, counts, top, probs, 2, true, gs), Error);
+}
+
+// Token dropping (ops/cuda/moe_capacity.cu): both policies, probabilities with exact ties (the
+// earlier slot wins), capacities of 0, below and above the loads: the kept selection and counts
+// identical to the CPU's, and the number kept is Σ_e min(capacity, load_e).
+TEST(MoeCuda, CapacityDropMatchesCpu) {
+  const Stream& cs = testing::cpu_stream();
+  const Stream& gs = testing::cuda_stream();
+  const int64_t T = 1000, k = 2, E = 8;
+  const std::vector<int32_t> top = random_top(T, k, E);
+  auto probs = testing::randu(T * k, 0.f, 1.f);
+  for (int64_t i = 0; i < T * k; i += 7) probs[i] = 0.5f;
+  auto ct = make_int_tensor(top, kCpu, {T, k}, cs);
+  auto gt = make_int_tensor(top, Device::cuda(), {T, k}, gs);
+  auto cp = make_tensor(probs, DType::kF32, kCpu, {T, k}, cs);
+  auto gp = make_tensor(probs, DType::kF32, Device::cuda(), {T, k}, gs);
+  for (int64_t capacity : {int64_t{0}, int64_t{100}, int64_t{250}, T * k}) {
+    for (bool by_probs : {false, true}) {
+      SCOPED_TRACE("capacity " + std::to_string(capacity) + (by_probs ? " probs" : " position"));
+      OwnedTensor ck(DType::kI32, kCpu, {T, k}), gk(DType::kI32, Device::cuda(), {T, k});
+      OwnedTensor cc(DType::kF32, kCpu, {E}), gc(DType::kF32, Device::cuda(), {E});
+      poison(gk, gs);
+      poison(gc, gs);
+      moe_capacity_drop(ck, cc, ct, cp, capacity, by_probs, cs);
+      moe_capacity_drop(gk, gc, gt, gp, capacity, by_probs, gs);
+      const auto kept = ints(gk, gs);
+      EXPECT_EQ(kept, ints(ck, cs));
+      EXPECT_TRUE(same_bits(to_host(gc, gs), to_host(cc, cs)));
+      const int64_t n_kept = std::count_if(kept.begin(), kept.end(), [](int32_t v) { return v >= 0; });
+      int64_t want = 0;
+      for (int64_t e = 0; e < E; ++e)
+        want += std::min<int64_t>(capacity, std::count(top.begin(), top.end(), static_cast<int32_t>(e)));
+      EXPECT_EQ(n_kept, want);
+    }
+  }
 }
 
 }  // namespace
