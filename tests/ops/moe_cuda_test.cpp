@@ -572,7 +572,7 @@ TEST(MoeCuda, CapacityDropMatchesCpu) {
       SCOPED_TRACE("capacity " + std::to_string(capacity) + (by_probs ? " probs" : " position"));
       OwnedTensor ck(DType::kI32, kCpu, {T, k}), gk(DType::kI32, Device::cuda(), {T, k});
       OwnedTensor cc(DType::kF32, kCpu, {E}), gc(DType::kF32, Device::cuda(), {E});
-      poison(gk, gs);
+      fill_ints(gk, 12345, gs);
       poison(gc, gs);
       moe_capacity_drop(ck, cc, ct, cp, capacity, by_probs, cs);
       moe_capacity_drop(gk, gc, gt, gp, capacity, by_probs, gs);
