@@ -306,14 +306,16 @@ TEST_F(TrainerLayouts, DefaultVocabPaddingEveryTensorParallelSize) {
   expect_same(l, full_losses, "tp4 -> tp1, default padding");
 }
 
+// The tiny MoE model of the MoE tests: Llama-style layers, MoE in layers 1 and 3 (8 experts, top-2).
+constexpr const char* kTinyMoe =
+    " --swiglu --ffn-hidden-size 64 --normalization RMSNorm --position-embedding-type rope --disable-bias-linear "
+    "--num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 32 --moe-layer-freq [0,1]*2";
+
 // A Mixtral-style MoE (8 experts, top-2, MoE in every other layer, load-balancing and z-loss)
 // through the binary: its log line, layouts equal to one rank, and a checkpoint resharded from
 // TP 2 to one rank; configuration errors before any communication.
 TEST_F(TrainerLayouts, MixtureOfExperts) {
-  const std::string moe =
-      " --swiglu --ffn-hidden-size 64 --normalization RMSNorm --position-embedding-type rope --disable-bias-linear "
-      "--num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 32 --moe-layer-freq [0,1]*2 "
-      "--moe-aux-loss-coeff 1e-2 --moe-z-loss-coeff 1e-3";
+  const std::string moe = std::string(kTinyMoe) + " --moe-aux-loss-coeff 1e-2 --moe-z-loss-coeff 1e-3";
   RunResult full = run(flags("--train-iters 6" + moe));
   ASSERT_EQ(full.rc, 0) << full.out;
   EXPECT_NE(full.out.find("MoE in 2 of 4 layers: 8 experts, top-2 softmax router"), std::string::npos) << full.out;
@@ -385,10 +387,7 @@ TEST_F(TrainerLayouts, MixtureOfExperts) {
 // synchronously or with --async-save, continues on the uninterrupted one-rank loss curve. A checkpoint of another MoE shape is a clear
 // error.
 TEST_F(TrainerLayouts, MixtureOfExpertsCheckpointsReshard) {
-  const std::string moe =
-      " --swiglu --ffn-hidden-size 64 --normalization RMSNorm --position-embedding-type rope --disable-bias-linear "
-      "--num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 32 --moe-layer-freq [0,1]*2 "
-      "--moe-aux-loss-coeff 1e-2 --moe-z-loss-coeff 1e-3";
+  const std::string moe = std::string(kTinyMoe) + " --moe-aux-loss-coeff 1e-2 --moe-z-loss-coeff 1e-3";
   RunResult full = run(flags("--train-iters 6" + moe));
   ASSERT_EQ(full.rc, 0) << full.out;
   const auto full_losses = losses(full.out);
@@ -452,10 +451,9 @@ TEST_F(TrainerLayouts, MixtureOfExpertsCheckpointsReshard) {
 // this barely trained model by less than the tolerance, but restarts from zeros. Rate 0.01: at
 // 0.05 the bias overshoots and oscillates back to exactly 0 after an even number of steps.
 TEST_F(TrainerLayouts, MixtureOfExpertsExpertBiasCheckpoints) {
-  const std::string moe =
-      " --swiglu --ffn-hidden-size 64 --normalization RMSNorm --position-embedding-type rope --disable-bias-linear "
-      "--num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 32 --moe-layer-freq [0,1]*2 "
-      "--moe-router-score-function sigmoid --moe-router-enable-expert-bias --moe-router-bias-update-rate 0.01";
+  const std::string moe = std::string(kTinyMoe) +
+                          " --moe-router-score-function sigmoid --moe-router-enable-expert-bias "
+                          "--moe-router-bias-update-rate 0.01";
   const std::string full_ck = (dir_ / "ck_bias_full").string();
   RunResult full = run(flags("--train-iters 6 --save " + full_ck + moe));
   ASSERT_EQ(full.rc, 0) << full.out;

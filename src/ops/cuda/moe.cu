@@ -193,30 +193,47 @@ __device__ double warp_topk(Value value, int n, int k, int* out, int lane) {
 
 constexpr int kSoftmaxCache = 8;  // exp values a lane keeps in registers (E <= 256 computes each once)
 
-/// out[e] = softmax(x)[e] as the CPU's softmax_row: float max, double sum of exp(double(x - m)) (in
-/// a fixed order), each value exp / sum rounded once. All lanes call it; out is written
-/// lane-strided (each lane writes the elements e = lane + 32·q).
-__device__ void warp_softmax(const float* x, float* out, int n, int lane) {
+/// A row's float max m and the exp(double(x[e] − m)) of the lane-strided elements e = lane + 32·q, the
+/// first kSoftmaxCache of them kept in registers, and their warp sum s in a fixed order (the CPU's
+/// softmax_row / logsumexp). All lanes call it.
+struct RowExp {
+  float m;
+  double s;
+  double ex[kSoftmaxCache];
+};
+
+__device__ void warp_row_exp(const float* x, int n, int lane, RowExp& r) {
   float m = -INFINITY;
   for (int e = lane; e < n; e += 32) m = fmaxf(m, x[e]);
-  m = warp_max(m);
-  double ex[kSoftmaxCache];
+  r.m = warp_max(m);
   double s = 0;
 #pragma unroll
   for (int q = 0; q < kSoftmaxCache; ++q) {
     const int e = lane + 32 * q;
-    ex[q] = e < n ? exp(static_cast<double>(x[e] - m)) : 0.0;
-    s += ex[q];
+    r.ex[q] = e < n ? exp(static_cast<double>(x[e] - r.m)) : 0.0;
+    s += r.ex[q];
   }
-  for (int e = lane + 32 * kSoftmaxCache; e < n; e += 32) s += exp(static_cast<double>(x[e] - m));
-  s = warp_sum_d(s);
+  for (int e = lane + 32 * kSoftmaxCache; e < n; e += 32) s += exp(static_cast<double>(x[e] - r.m));
+  r.s = warp_sum_d(s);
+}
+
+/// f(e, exp(double(x[e] − m))) for this lane's elements, from the registers where kept.
+template <typename F>
+__device__ __forceinline__ void for_each_exp(const RowExp& r, const float* x, int n, int lane, F f) {
 #pragma unroll
   for (int q = 0; q < kSoftmaxCache; ++q) {
     const int e = lane + 32 * q;
-    if (e < n) out[e] = static_cast<float>(ex[q] / s);
+    if (e < n) f(e, r.ex[q]);
   }
-  for (int e = lane + 32 * kSoftmaxCache; e < n; e += 32)
-    out[e] = static_cast<float>(exp(static_cast<double>(x[e] - m)) / s);
+  for (int e = lane + 32 * kSoftmaxCache; e < n; e += 32) f(e, exp(static_cast<double>(x[e] - r.m)));
+}
+
+/// out[e] = softmax(x)[e] as the CPU's softmax_row: each value exp / sum rounded once. All lanes
+/// call it; out is written lane-strided.
+__device__ void warp_softmax(const float* x, float* out, int n, int lane) {
+  RowExp r;
+  warp_row_exp(x, n, lane, r);
+  for_each_exp(r, x, n, lane, [&](int e, double v) { out[e] = static_cast<float>(v / r.s); });
 }
 
 // ---- routing ---------------------------------------------------------------------------------
@@ -486,31 +503,14 @@ __global__ void __launch_bounds__(kRowThreads)
   for (int64_t t = static_cast<int64_t>(blockIdx.x) * kRowWarps + wib; t < T;
        t += static_cast<int64_t>(gridDim.x) * kRowWarps) {
     const float* l = logits + t * E;
-    float m = -INFINITY;
-    for (int e = lane; e < E; e += 32) m = fmaxf(m, l[e]);
-    m = warp_max(m);
-    double ex[kSoftmaxCache];
-    double s = 0;
-#pragma unroll
-    for (int q = 0; q < kSoftmaxCache; ++q) {
-      const int e = lane + 32 * q;
-      ex[q] = e < E ? exp(static_cast<double>(l[e] - m)) : 0.0;
-      s += ex[q];
-    }
-    for (int e = lane + 32 * kSoftmaxCache; e < E; e += 32) s += exp(static_cast<double>(l[e] - m));
-    s = warp_sum_d(s);
-    const double lse = static_cast<double>(m) + log(s);
+    RowExp r;
+    warp_row_exp(l, E, lane, r);
+    const double lse = static_cast<double>(r.m) + log(r.s);
     if (lane == 0) acc += lse * lse;
     if (d_logits != nullptr) {  // ∂ lse² / ∂ l = 2 · lse · softmax(l)
       float* dl = d_logits + t * E;
-      const double g = gscale * 2.0 * lse / s;
-#pragma unroll
-      for (int q = 0; q < kSoftmaxCache; ++q) {
-        const int e = lane + 32 * q;
-        if (e < E) dl[e] += static_cast<float>(g * ex[q]);
-      }
-      for (int e = lane + 32 * kSoftmaxCache; e < E; e += 32)
-        dl[e] += static_cast<float>(g * exp(static_cast<double>(l[e] - m)));
+      const double g = gscale * 2.0 * lse / r.s;
+      for_each_exp(r, l, E, lane, [&](int e, double v) { dl[e] += static_cast<float>(g * v); });
     }
   }
   if (partial == nullptr) return;  // uniform over the block

@@ -4,8 +4,8 @@
 // earlier slot (the CPU's stable sort by descending prob); position: the earlier slot first. Each
 // thread ranks one slot against all slots, read in shared-memory tiles (O((T·k)²) comparisons:
 // ~3·10⁸ for 16K slots, well under a millisecond on an H100; the dropless default does not call
-// it). The kept counts are min(capacity, routed) per expert, one block per expert with integer
-// sums. No atomics on floats, nothing read on the host: deterministic.
+// it). The kept counts are the histogram of the kept selection (moe_tokens_per_expert, which skips
+// the -1 of dropped slots). No atomics on floats, nothing read on the host: deterministic.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -47,21 +47,6 @@ __global__ void __launch_bounds__(kThreads)
   if (i < n) kept[i] = (e >= 0 && e < num_experts && rank < capacity) ? e : -1;
 }
 
-__global__ void __launch_bounds__(kThreads)
-    capacity_counts_kernel(float* __restrict__ counts, const int32_t* __restrict__ top, int64_t n, int64_t capacity) {
-  __shared__ int64_t s_sum[kThreads];
-  const int32_t e = static_cast<int32_t>(blockIdx.x);
-  int64_t c = 0;
-  for (int64_t i = threadIdx.x; i < n; i += kThreads) c += top[i] == e ? 1 : 0;
-  s_sum[threadIdx.x] = c;
-  __syncthreads();
-  for (int w = kThreads / 2; w > 0; w /= 2) {
-    if (threadIdx.x < w) s_sum[threadIdx.x] += s_sum[threadIdx.x + w];
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) counts[e] = static_cast<float>(s_sum[0] < capacity ? s_sum[0] : capacity);
-}
-
 }  // namespace
 
 void moe_capacity_drop(const Tensor& kept, const Tensor& kept_counts, const Tensor& top, const Tensor& probs,
@@ -73,9 +58,7 @@ void moe_capacity_drop(const Tensor& kept, const Tensor& kept_counts, const Tens
                                                               probs.data_as<float>(), n, E, capacity, by_probs);
     MT_CUDA_CHECK_LAUNCH();
   }
-  capacity_counts_kernel<<<static_cast<unsigned>(E), kThreads, 0, cu(stream)>>>(kept_counts.data_as<float>(),
-                                                                               top.data_as<int32_t>(), n, capacity);
-  MT_CUDA_CHECK_LAUNCH();
+  cuda::moe_tokens_per_expert(kept_counts, kept, stream);  // the kept slots per expert (dropped ones are -1)
 }
 
 }  // namespace mt::cuda
