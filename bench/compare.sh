@@ -65,7 +65,7 @@ for c in "$@"; do
   line=$(grep -E "iteration +$ITERS/" "$OUT/$c.megatron.log")
   tok=$(grep -oE 'tokens per second: [0-9]+' <<< "$line" | grep -oE '[0-9]+$')
   tfl=$(grep -oE 'TFLOP/s/GPU\): [0-9.]+' <<< "$line" | grep -oE '[0-9.]+$')
-  ms=$(grep -oE 'per iteration \(ms\): [0-9.]+' <<< "$line" | grep -oE '[0-9.]+$')
+  ms=$(grep -oE 'elapsed time per iteration \(ms\): [0-9.]+' <<< "$line" | grep -oE '[0-9.]+$')
   mib=$(grep -oE 'device memory: [0-9.]+ MiB' "$OUT/$c.megatron.log" | grep -oE '[0-9.]+' | head -1)
   [ -n "$tok" ] || { echo "| $c | failed: $(grep -iE 'error' "$OUT/$c.megatron.log" | head -1) | | | | | |" | tee -a "$OUT/compare.md"; continue; }
   timeout 400 python3 bench/pytorch_gpt2.py "${pt[@]}" --steps "$TORCH_STEPS" --warmup 5 --compile > "$OUT/$c.torch.log" 2>&1

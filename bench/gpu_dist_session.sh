@@ -19,7 +19,7 @@ fi
 bin=$B/megatron; data=data
 # ms/iter of a run: the mean of its log windows ending at the iterations matching $2 (default
 # 30..80 by tens).
-msit() { grep -E "iteration +(${2:-[3-8]0})/" "$1" | sed -E 's/.*per iteration \(ms\): ([0-9.]+).*/\1/' | awk '{s+=$1;n++} END {if(n) printf "%.2f", s/n; else print "NA"}'; }
+msit() { grep -E "iteration +(${2:-[3-8]0})/" "$1" | sed -E 's/.*elapsed time per iteration \(ms\): ([0-9.]+).*/\1/' | awk '{s+=$1;n++} END {if(n) printf "%.2f", s/n; else print "NA"}'; }
 # runv VARIANT MB GBS LOG [args...]: one run of a DPREP_V-style variant "N|flags|VAR=value ..."
 # (sets n, flags, envs) with micro-batch MB and global batch GBS (0: MB·N), output in
 # $OUT/run.log, also appended to $OUT/LOG. errs: the run's first error line.
@@ -113,7 +113,7 @@ for step in "$@"; do
       IFS=';' read -r -a variants <<< "${DPREP_V:-1|;4|--use-distributed-optimizer;4|--ddp-copy-engine --use-distributed-optimizer $ov}"
       for v in "${variants[@]}"; do
         runv "$v" 32 0 timers_all.log --train-iters 80 --log-interval 40 --timing-log-level 1 --timing-log-option all
-        echo "== n$n [$flags] $envs: $(grep -E "iteration +80/" "$OUT/run.log" | sed -E 's/.*per iteration \(ms\): ([0-9.]+).*/\1/') ms/iter"
+        echo "== n$n [$flags] $envs: $(grep -E "iteration +80/" "$OUT/run.log" | sed -E 's/.*elapsed time per iteration \(ms\): ([0-9.]+).*/\1/') ms/iter"
         awk '/iteration +80\//{f=1;next} f&&/^ \[|^---/{exit} f' "$OUT/run.log" | awk '/:$/{printf "\n%s", $1; next} /rank/{printf " %s", $3} END{print ""}'
         echo
       done ;;
@@ -155,7 +155,7 @@ for step in "$@"; do
         echo "jit_dp$i: n$n [$flags] $envs"; i=$((i+1))
       done
       for f in "$OUT"/jit_*.log; do
-        grep -E "iteration +[0-9]+/" "$f" | sed -E 's/.*iteration +([0-9]+)\/.*per iteration \(ms\): ([0-9.]+).*/\1 \2/' \
+        grep -E "iteration +[0-9]+/" "$f" | sed -E 's/.*iteration +([0-9]+)\/.*elapsed time per iteration \(ms\): ([0-9.]+).*/\1 \2/' \
           | awk -v f="$(basename "$f")" '$1>20 {s+=$2; q+=$2*$2; n++} END {m=s/n; printf "%s: mean %.2f sd %.2f ms (n %d)\n", f, m, sqrt(q/n-m*m), n}'
       done ;;
     layouts)

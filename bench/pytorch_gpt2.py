@@ -188,6 +188,8 @@ def main():
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--compile-mode", default="default",
+                    help="torch.compile mode: default, or reduce-overhead (CUDA graphs of the compiled regions)")
     a = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     dev = "cuda"
@@ -200,7 +202,7 @@ def main():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
     step_fn = model
     if a.compile:
-        step_fn = torch.compile(model)
+        step_fn = torch.compile(model, mode=a.compile_mode)
     B, S = a.micro_batch_size, a.seq_length
     times = []
     for i in range(a.warmup + a.steps):
@@ -220,7 +222,8 @@ def main():
     times.sort()
     med = times[len(times) // 2]
     moe = f" experts={a.experts} topk={a.topk} grouped_mm={GROUPED_MM}" if a.experts else ""
-    print(f"pytorch {a.arch} layers={a.layers} hidden={a.hidden}{moe} mb={B} seq={S} compile={a.compile}: "
+    print(f"pytorch {a.arch} layers={a.layers} hidden={a.hidden}{moe} mb={B} seq={S} compile={a.compile}"
+          f"{'/' + a.compile_mode if a.compile else ''}: "
           f"{med*1e3:.1f} ms/step, {B*S/med:.0f} tok/s, peak mem {torch.cuda.max_memory_allocated()/2**30:.1f} GiB")
 
 

@@ -1,5 +1,7 @@
 #include "core/buffer.h"
 
+#include "core/cuda_graph.h"
+
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -12,12 +14,15 @@ namespace mt {
 
 namespace {
 std::atomic<size_t> g_bytes[2];  // [cpu, cuda] -- statistics only
+thread_local uint64_t g_allocations = 0;  // statistics for the CUDA graph checks (per thread)
 }
 
 size_t device_bytes_allocated(Device device) { return g_bytes[device.is_cuda() ? 1 : 0].load(); }
+uint64_t buffer_allocation_count() { return g_allocations; }
 
 Buffer::Buffer(Device device, size_t bytes, HostMemory host) : bytes_(bytes), device_(device), host_(host) {
   if (bytes == 0) return;
+  ++g_allocations;
   if (device.is_cpu()) {
     if (host == HostMemory::kPinned) {
 #ifdef MT_WITH_CUDA

@@ -79,7 +79,12 @@ struct DropoutKey {
   uint64_t seed = 0;
   uint64_t iteration = 0;
   uint32_t microbatch = 0;
-  uint32_t stream_id = 0;  ///< e.g. layer * 8 + site, see model/gpt.cpp
+  uint32_t stream_id = 0;  ///< e.g. layer * 8 + site (model/module.h dropout_key)
+  /// When set, the iteration is read from here (device memory of the tensors' device; CPU: host
+  /// memory) when the kernel runs instead of `iteration`, so that a captured step (CUDA graph)
+  /// draws each step's masks (docs/architecture.md principle 8).
+  const uint64_t* iteration_ptr = nullptr;
+  MT_HD uint64_t current_iteration() const { return iteration_ptr != nullptr ? *iteration_ptr : iteration; }
 };
 
 /// Stable 32-bit id of a named tensor (FNV-1a), used as the Philox key half for its init.

@@ -1,9 +1,11 @@
 #include "core/stream.h"
 
+#include <atomic>
 #include <chrono>
 #include <cstring>
 
 #include "core/buffer.h"
+#include "core/cuda_graph.h"
 #ifdef MT_WITH_CUDA
 #include "core/cuda_check.h"
 #include "core/cuda_resources.h"
@@ -38,7 +40,14 @@ void* Stream::cuda_stream() const {
 #endif
 }
 
+namespace {
+thread_local uint64_t g_host_syncs = 0;  // statistics for the CUDA graph checks (per thread)
+}  // namespace
+
+uint64_t host_sync_count() { return g_host_syncs; }
+
 void Stream::synchronize() const {
+  ++g_host_syncs;
 #ifdef MT_WITH_CUDA
   if (cuda_) MT_CUDA_CHECK(cudaStreamSynchronize(cuda_->stream));
 #endif
@@ -111,6 +120,7 @@ void Event::wait(const Stream& stream) const {
 }
 
 void Event::synchronize() const {
+  ++g_host_syncs;
 #ifdef MT_WITH_CUDA
   if (event_) MT_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(event_)));
 #endif

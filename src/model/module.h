@@ -49,12 +49,15 @@ struct DropoutContext {
   uint64_t iteration = 0;
   uint32_t microbatch = 0;
   bool training = true;  ///< false: no dropout (evaluation, generation)
+  /// When set: `iteration` is read from here (fp64-sized uint64 on the model's device) when the
+  /// kernels run (StepValues, train/train_step.h; needed by CUDA graph replay).
+  const uint64_t* iteration_ptr = nullptr;
 };
 
 /// Dropout sites: the Philox stream id of a site is (layer + 1) · 8 + site (layer −1: embedding).
 enum DropoutSite : uint32_t { kSiteAttentionProbs = 0, kSiteAttentionOut = 1, kSiteMlpOut = 2, kSiteEmbedding = 3 };
 inline DropoutKey dropout_key(const DropoutContext& dc, int64_t layer, DropoutSite site) {
-  return {dc.seed, dc.iteration, dc.microbatch, static_cast<uint32_t>((layer + 1) * 8 + site)};
+  return {dc.seed, dc.iteration, dc.microbatch, static_cast<uint32_t>((layer + 1) * 8 + site), dc.iteration_ptr};
 }
 
 /// What a module's forward/backward reads besides its tensors.

@@ -17,6 +17,7 @@ void attention_backward(const Tensor& dqkv, const Tensor& dout, const AttentionB
 struct AttnDropout {
   uint64_t seed = 0;
   uint64_t iteration = 0;
+  const uint64_t* iteration_ptr = nullptr;  ///< DropoutKey::iteration_ptr (read when the kernel runs)
   uint32_t microbatch = 0;
   uint32_t stream_id = 0;
   uint32_t threshold = 0;  ///< dropout_threshold(p): keep iff draw >= threshold
@@ -35,7 +36,7 @@ struct AttnDropout {
   }
   /// Four consecutive draws for global elements 4·group .. 4·group + 3.
   MT_HD Philox4 bits4(uint64_t group) const {
-    return dropout_bits4(seed, stream_id, iteration, microbatch, group);
+    return dropout_bits4(seed, stream_id, iteration_ptr != nullptr ? *iteration_ptr : iteration, microbatch, group);
   }
   /// Keep decision of global element g.
   MT_HD bool keep(uint64_t g) const {
@@ -50,6 +51,7 @@ inline AttnDropout make_attn_dropout(const AttentionConfig& cfg) {
   AttnDropout d;
   d.seed = cfg.dropout_key.seed;
   d.iteration = cfg.dropout_key.iteration;
+  d.iteration_ptr = cfg.dropout_key.iteration_ptr;
   d.microbatch = cfg.dropout_key.microbatch;
   d.stream_id = cfg.dropout_key.stream_id;
   d.enabled = cfg.dropout_p > 0.f;

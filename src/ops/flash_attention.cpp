@@ -86,6 +86,7 @@ AttnDropout flash_attention_dropout(const FlashAttentionConfig& cfg) {
   AttnDropout d;
   d.seed = cfg.dropout_key.seed;
   d.iteration = cfg.dropout_key.iteration;
+  d.iteration_ptr = cfg.dropout_key.iteration_ptr;
   d.microbatch = cfg.dropout_key.microbatch;
   d.stream_id = cfg.dropout_key.stream_id;
   d.enabled = cfg.dropout_p > 0.f;

@@ -51,6 +51,10 @@ struct LossScalerConfig {
 
 struct AdamWHyper {
   float lr = 0.f;
+  /// When set: the learning rate is read from this fp32 on the scalars' device when the step
+  /// runs (instead of `lr`), so that a captured step (CUDA graph) uses each step's rate
+  /// (docs/architecture.md principle 8). CPU: host memory.
+  const float* lr_ptr = nullptr;
   float beta1 = 0.9f;
   float beta2 = 0.999f;
   float eps = 1e-8f;

@@ -56,25 +56,29 @@ struct AdamWCoeffs {
   float inv_scale;  ///< 1 / loss_scale; g = grad * inv_scale * clip
   float clip;       ///< clip_coeff
   float bc1, bc2;  ///< 1 - beta^t, computed in double, rounded to fp32
+  float lr;        ///< *h.lr_ptr when set (device memory: read when the kernel runs), else h.lr
 };
 
 MT_HD AdamWCoeffs adamw_coeffs(const AdamWHyper& h, const OptimizerScalars& s) {
   AdamWCoeffs c;
   c.inv_scale = 1.f / s.loss_scale;
   c.clip = s.clip_coeff;
+  c.lr = h.lr_ptr != nullptr ? *h.lr_ptr : h.lr;
   c.bc1 = static_cast<float>(1.0 - pow(static_cast<double>(h.beta1), static_cast<double>(s.step)));
   c.bc2 = static_cast<float>(1.0 - pow(static_cast<double>(h.beta2), static_cast<double>(s.step)));
   return c;
 }
 
-/// One AdamW element update (decoupled weight decay, adam_w_mode of apex's FusedAdam).
+/// One AdamW element update (decoupled weight decay, adam_w_mode of apex's FusedAdam). The
+/// multiply-adds are explicit fmaf so that no compiler contracts them differently in the scalar
+/// and the vectorised kernel paths (or on the CPU): every path gives the same bits.
 MT_HD void adamw_element(float& p, float grad, float& m, float& v, const AdamWHyper& h, const AdamWCoeffs& c) {
   const float g = grad * c.inv_scale * c.clip;
-  m = h.beta1 * m + (1.f - h.beta1) * g;
-  v = h.beta2 * v + (1.f - h.beta2) * g * g;
+  m = fmaf(h.beta1, m, (1.f - h.beta1) * g);
+  v = fmaf(h.beta2, v, ((1.f - h.beta2) * g) * g);
   const float denom = sqrtf(v / c.bc2) + h.eps;
-  const float update = (m / c.bc1) / denom + h.weight_decay * p;
-  p = p - h.lr * update;
+  const float update = fmaf(h.weight_decay, p, (m / c.bc1) / denom);
+  p = fmaf(-c.lr, update, p);
 }
 
 }  // namespace detail

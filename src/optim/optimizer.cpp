@@ -96,7 +96,7 @@ Tensor AdamWOptimizer::loss_scale_tensor() const {
   return Tensor(p, DType::kF32, scalars_.device(), {1});
 }
 
-void AdamWOptimizer::step(float lr, const Stream& stream, Timers* timers) {
+void AdamWOptimizer::step(float lr, const Stream& stream, Timers* timers, const float* lr_ptr) {
   sync_->finish_grad_sync(stream);  // no-op when the step already called it
   ScopedTimer whole(timers, Timers::kOptimizer, stream);
   const Tensor sc = scalars();
@@ -133,7 +133,7 @@ void AdamWOptimizer::step(float lr, const Stream& stream, Timers* timers) {
     const Tensor main = sharded ? params_.main_shard() : params_.main_flat();
     const Tensor model = params_.has_separate_main() ? params_.params_flat() : Tensor();
     for (const bool decay : {true, false}) {
-      const AdamWHyper hp{lr, config_.beta1, config_.beta2, config_.eps, decay ? config_.weight_decay : 0.f};
+      const AdamWHyper hp{lr, lr_ptr, config_.beta1, config_.beta2, config_.eps, decay ? config_.weight_decay : 0.f};
       for (const auto& p : decay ? decay_pieces_ : no_decay_pieces_) {
         adamw_step(main.flat_range(sharded ? p.state : p.begin, p.n), grads.flat_range(p.begin, p.n),
                    exp_avg().flat_range(p.state, p.n), exp_avg_sq().flat_range(p.state, p.n),

@@ -67,7 +67,9 @@ class AdamWOptimizer {
   /// parameters with the distributed optimizer; asynchronous with --overlap-param-gather).
   /// timers (optional): the optimizer, optimizer-clip-main-grad, optimizer-inner-step and
   /// params-all-gather timers (core/timers.h) are recorded around those phases.
-  void step(float lr, const Stream& stream, Timers* timers = nullptr);
+  /// lr_ptr: when set, the rate is read from this device fp32 when the step runs (StepValues,
+  /// train/train_step.h; CUDA graph replay) and `lr` is only checked.
+  void step(float lr, const Stream& stream, Timers* timers = nullptr, const float* lr_ptr = nullptr);
   /// Device fp32 [1] view of the current loss scale (multiplies the loss gradient).
   Tensor loss_scale_tensor() const;
   /// Device struct as a uint8 tensor.

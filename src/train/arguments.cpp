@@ -2,6 +2,8 @@
 
 #include <CLI/CLI.hpp>
 
+#include <fmt/ranges.h>
+
 #include <algorithm>
 
 #include "core/cli_validators.h"
@@ -277,9 +279,68 @@ void add_pretrain_options(CLI::App& app, PretrainArgs& a) {
       ->capture_default_str();
   app.add_option("--device", a.device, "cpu, cuda, cuda:N or auto")->capture_default_str();
   app.add_flag("!--no-progress", a.progress, "No progress line on a terminal");
+  app.add_option("--cuda-graph-impl", a.cuda_graph.impl,
+                 "CUDA graphs: none, local (the scopes of --cuda-graph-scope) or full_iteration (the whole "
+                 "forward and backward of a step as one graph)")
+      ->check(CLI::IsMember({"none", "local", "full_iteration"}))
+      ->capture_default_str();
+  app.add_option("--cuda-graph-scope", a.cuda_graph.scope,
+                 "What --cuda-graph-impl local captures: full_iteration, or per layer attn, mlp, moe, moe_router, "
+                 "moe_preprocess")
+      ->check(CLI::IsMember({"full_iteration", "attn", "mlp", "moe", "moe_router", "moe_preprocess"}));
+  app.add_option("--cuda-graph-warmup-steps", a.cuda_graph.warmup_steps,
+                 "Eager training steps before the CUDA graphs are captured")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_flag("--cuda-graph-include-optimizer", a.cuda_graph.include_optimizer,
+               "With a full-iteration graph: the optimizer step (clip, AdamW, loss scaler, parameter all-gather) "
+               "is captured too, so a training step is one graph launch");
 }
 
+bool CudaGraphOptions::full_iteration() const {
+  return impl == "full_iteration" ||
+         (impl == "local" && std::find(scope.begin(), scope.end(), "full_iteration") != scope.end());
+}
+
+namespace {
+
+// The capture rules (docs/cuda_graphs.md): flag combinations a captured step cannot honour.
+void validate_cuda_graph_args(const PretrainArgs& a) {
+  const CudaGraphOptions& g = a.cuda_graph;
+  if (!g.enabled()) {
+    MT_REQUIRE(g.scope.empty() && !g.include_optimizer,
+               "--cuda-graph-scope / --cuda-graph-include-optimizer given with --cuda-graph-impl none");
+    return;
+  }
+  const bool full = g.full_iteration();
+  MT_REQUIRE(!full || g.scope.size() <= 1,
+             "--cuda-graph-scope full_iteration cannot be combined with per-layer scopes (got {} scopes)",
+             g.scope.size());
+  MT_REQUIRE(full, "--cuda-graph-impl local with per-layer scopes ({}) is not implemented yet; use "
+             "--cuda-graph-impl full_iteration (docs/cuda_graphs.md)",
+             g.scope.empty() ? std::string("the whole layer") : fmt::format("{}", fmt::join(g.scope, ", ")));
+  MT_REQUIRE(!g.include_optimizer || full, "--cuda-graph-include-optimizer needs a full-iteration graph");
+  MT_REQUIRE(g.warmup_steps >= 1,
+             "--cuda-graph-warmup-steps {}: at least 1 eager step is needed before the capture (first-use "
+             "initialisation such as the MoE expert bias must not be captured)", g.warmup_steps);
+  MT_REQUIRE(a.timing_log_level == 0,
+             "--timing-log-level {} with CUDA graphs: the timers of a captured step cannot be recorded "
+             "(use --timing-log-level 0)", a.timing_log_level);
+  MT_REQUIRE(!a.overlap_param_gather,
+             "--overlap-param-gather with CUDA graphs: the next step's forward would wait on an all-gather "
+             "issued outside its graph; drop --overlap-param-gather");
+  if (a.model.num_moe_experts > 0) {
+    MT_REQUIRE(a.model.moe_token_dispatcher_type != MoeDispatcher::kAllToAll,
+               "--cuda-graph-impl {} with --moe-token-dispatcher-type alltoall: the all-to-all's split sizes "
+               "are read on the host (a synchronisation a graph cannot hold); use the allgather dispatcher",
+               g.impl);
+  }
+}
+
+}  // namespace
+
 void validate_pretrain_args(PretrainArgs& a) {
+  validate_cuda_graph_args(a);
   MT_REQUIRE(!(a.bf16 && a.fp16), "--bf16 and --fp16 are mutually exclusive");
   // Megatron: --num-query-groups only takes effect with --group-query-attention.
   MT_REQUIRE(a.group_query_attention || a.model.num_query_groups == 0,

@@ -17,6 +17,21 @@ class App;
 
 namespace mt {
 
+/// CUDA graph options (Megatron's --cuda-graph-impl / --cuda-graph-scope /
+/// --cuda-graph-warmup-steps; docs/cuda_graphs.md).
+struct CudaGraphOptions {
+  /// --cuda-graph-impl none|local|full_iteration ("full_iteration" is local with scope
+  /// full_iteration).
+  std::string impl = "none";
+  /// --cuda-graph-scope: full_iteration, or per-layer scopes attn|mlp|moe|moe_router|moe_preprocess.
+  std::vector<std::string> scope;
+  int warmup_steps = 3;            ///< --cuda-graph-warmup-steps: eager steps before the capture
+  bool include_optimizer = false;  ///< --cuda-graph-include-optimizer (ours): the optimizer step in the graph too
+  bool enabled() const { return impl != "none"; }
+  /// The whole forward and backward of all micro-batches (and stages) is one graph.
+  bool full_iteration() const;
+};
+
 struct PretrainArgs {
   TransformerConfig model;
   bool group_query_attention = false;  ///< --group-query-attention (enables --num-query-groups)
@@ -98,6 +113,7 @@ struct PretrainArgs {
   double distributed_timeout_minutes = 10;  ///< --distributed-timeout-minutes
   int nproc_per_node = 1;                  ///< --nproc-per-node (ours; the local launcher)
   int data_parallel_size = 1;              ///< derived: world / (tensor · pipeline parallel size)
+  CudaGraphOptions cuda_graph;
   // ours
   std::string device = "auto";     ///< --device cpu|cuda|cuda:N|auto (auto = cuda when available)
   bool progress = true;            ///< --no-progress disables the terminal progress line

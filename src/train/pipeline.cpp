@@ -208,7 +208,8 @@ void PipelineExecutor::run(const PipelinePlan& plan, const std::vector<MicroBatc
       const MicroBatch& mb = micro_batches[static_cast<size_t>(a.microbatch)];
       // Global micro-batch index (Megatron's sampler interleaves DP ranks) keys the dropout.
       const DropoutContext dc{ctx.seed, static_cast<uint64_t>(ctx.iteration),
-                              static_cast<uint32_t>(a.microbatch * ctx.dp_size + ctx.dp_rank), ctx.training};
+                              static_cast<uint32_t>(a.microbatch * ctx.dp_size + ctx.dp_rank), ctx.training,
+                              ctx.iteration_ptr};
       if (a.kind == ActionKind::kForward) {
         model_.forward_chunk(a.chunk, plan.buffers[i], mb, dc, loss_accum, loss_weight_scale * mb.loss_weight, st,
                              a.first_in_chunk);

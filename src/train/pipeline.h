@@ -55,6 +55,9 @@ struct RunContext {
   int64_t iteration = 0;
   int dp_rank = 0, dp_size = 1;
   bool training = true;
+  /// When set: the dropout reads the iteration from here when the kernels run (device memory,
+  /// StepValues in train_step.h) instead of baking `iteration` into them (CUDA graph replay).
+  const uint64_t* iteration_ptr = nullptr;
 };
 
 class PipelineExecutor {

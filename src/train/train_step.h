@@ -8,13 +8,37 @@
 // reduction is finished (GradSync::finish_grad_sync) before the optimizer step so that the
 // all-grads-sync timer measures it.
 #pragma once
+#include <memory>
 #include <vector>
+
+#include "core/buffer.h"
+#include "core/stream.h"
 
 #include "model/language_model.h"
 #include "optim/optimizer.h"
 #include "train/pipeline.h"
 
 namespace mt {
+
+/// The values that change from one training step to the next and that the step's kernels read
+/// from device memory, so that a captured step (CUDA graph, docs/cuda_graphs.md) replays with the
+/// current ones: the iteration (keys the dropout masks) and the learning rate. write() is a
+/// stream-ordered copy from pinned host memory (a ring of slots, each reused only once its
+/// previous copy has run), issued before the step — outside any captured region.
+class StepValues {
+ public:
+  explicit StepValues(Device device);
+  void write(int64_t iteration, float lr, const Stream& stream);
+  const uint64_t* iteration() const { return reinterpret_cast<const uint64_t*>(device_.data()); }
+  const float* lr() const { return reinterpret_cast<const float*>(static_cast<const char*>(device_.data()) + 8); }
+
+ private:
+  static constexpr int kSlots = 4;
+  Buffer device_;              // {uint64 iteration, fp32 lr}
+  Buffer host_[kSlots];        // pinned
+  std::unique_ptr<Event> done_[kSlots];
+  int next_ = 0;
+};
 
 struct StepOptions {
   uint64_t seed = 0;
@@ -26,6 +50,10 @@ struct StepOptions {
   int dp_rank = 0, dp_size = 1;
   /// Megatron's level-1 training timers (core/timers.h), or null.
   Timers* timers = nullptr;
+  /// When set, the step's kernels read the iteration (dropout) and the learning rate from these
+  /// device values (written beforehand by StepValues::write) instead of `iteration` and `lr`:
+  /// the form a CUDA graph captures (docs/architecture.md principle 8).
+  const StepValues* values = nullptr;
 };
 
 /// Runs one iteration on this rank's micro-batches (each carrying its loss weight, see
@@ -35,6 +63,13 @@ struct StepOptions {
 void train_step(LanguageModel& model, PipelineExecutor& executor, const PipelinePlan& plan, AdamWOptimizer& optimizer,
                 const std::vector<MicroBatch>& micro_batches, const StepOptions& opt, const Tensor& loss_slot,
                 const Stream& stream);
+
+/// train_step without the optimizer step: zero the gradients, the schedule, the tied
+/// embedding's reduction, the end of the DP reduction and the expert-bias update (the part
+/// Megatron's full-iteration CUDA graph captures: forward_backward_func and finalize_model_grads).
+void forward_backward_step(LanguageModel& model, PipelineExecutor& executor, const PipelinePlan& plan,
+                           AdamWOptimizer& optimizer, const std::vector<MicroBatch>& micro_batches,
+                           const StepOptions& opt, const Tensor& loss_slot, const Stream& stream);
 
 /// After the schedule: all-reduce the word-embedding gradient over the embedding group when it
 /// spans pipeline stages (Megatron's _allreduce_word_embedding_grads), then report it to the

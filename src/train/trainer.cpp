@@ -16,6 +16,7 @@
 #include <optional>
 
 #include "comm/bootstrap.h"
+#include "core/cuda_graph.h"
 #include "core/host_memory.h"
 #include "core/logging.h"
 #include "parallel/context_parallel.h"
@@ -185,7 +186,9 @@ class BatchStager {
     mb.loss_mask = t(2, DType::kF32, {sl, o_.micro});
     if (o_.positions || o_.cp > 1) mb.position_ids = t(3, DType::kI32, {sl, o_.micro});
     if (o_.doc_start) mb.doc_start = t(4, DType::kI32, {o_.micro, sl});
-    mb.loss_weight = weights_[last_][static_cast<size_t>(m)];
+    // The micro-batch's 1 / unmasked tokens is folded into its staged loss mask (device data, so
+    // a captured step reads each step's value); what remains is the same for every step.
+    mb.loss_weight = 1.f / static_cast<float>(o_.num_micro * o_.dp);
     mb.aux_loss_weight = 1.f / static_cast<float>(o_.num_micro * o_.dp);
     return mb;
   }
@@ -200,7 +203,6 @@ class BatchStager {
     std::vector<int32_t> samples(static_cast<size_t>(B * (S + 1)));
     std::vector<int32_t> tok(sb), lab(sb), pos(sb), doc(sb), tok_sb(sb), lab_sb(sb), pos_sb(sb);
     std::vector<float> mask(sb), mask_sb(sb);
-    weights_[k].assign(static_cast<size_t>(o_.num_micro), 0.f);
     char* h = static_cast<char*>(host_[k].data());
     for (int64_t m = 0; m < o_.num_micro; ++m) {
       const int64_t base = first + (m * o_.dp + o_.dp_rank) * B;
@@ -220,13 +222,15 @@ class BatchStager {
       data::prepare_ltor_batch(samples.data(), B, S, o_.ltor, tok.data(), lab.data(), mask.data(), pos.data(),
                                doc.data());
       double unmasked = 0;  // over the whole sequences: the loss weight is the one of a single rank
+      for (int64_t l = 0; l < sb; ++l) unmasked += mask[l];
+      // Megatron's per-micro-batch mean: each unmasked token weighs 1 / unmasked (the staged mask)
+      const float w = unmasked > 0 ? static_cast<float>(1.0 / unmasked) : 0.f;
       for (int64_t ib = 0; ib < B; ++ib) {
         for (int64_t is = 0; is < S; ++is) {  // [b, s] -> the model's [s, b]
           tok_sb[is * B + ib] = tok[ib * S + is];
           lab_sb[is * B + ib] = lab[ib * S + is];
-          mask_sb[is * B + ib] = mask[ib * S + is];
+          mask_sb[is * B + ib] = mask[ib * S + is] * w;
           pos_sb[is * B + ib] = o_.positions ? pos[ib * S + is] : static_cast<int32_t>(is);
-          unmasked += mask[ib * S + is];
         }
       }
       // This CP rank's tokens (Megatron's get_batch_on_this_cp_rank; the identity for cp = 1).
@@ -235,8 +239,6 @@ class BatchStager {
       cp_shard_rows(dmask, mask_sb.data(), S, B, o_.cp, o_.cp_rank);
       cp_shard_rows(dpos, pos_sb.data(), S, B, o_.cp, o_.cp_rank);
       cp_shard_columns(ddoc, doc.data(), B, S, o_.cp, o_.cp_rank);
-      weights_[k][static_cast<size_t>(m)] =
-          unmasked > 0 ? static_cast<float>(1.0 / (unmasked * static_cast<double>(o_.num_micro * o_.dp))) : 0.f;
     }
   }
 
@@ -245,7 +247,6 @@ class BatchStager {
   Buffer host_[2];
   Buffer dev_;
   std::unique_ptr<Event> copied_[2];
-  std::vector<float> weights_[2];
   bool used_[2] = {false, false};
   int last_ = -1;
   std::future<int> pending_;
@@ -537,8 +538,19 @@ int run_pretrain(PretrainArgs args) {
   const auto train_start = std::chrono::steady_clock::now();
   Timers timers(args.timing_log_level, device);  // --timing-log-level, reported at log intervals
   const TimingLogOption timing_option = parse_timing_log_option(args.timing_log_option);
-  Buffer eval_loss_dev(device, 4);
+  Buffer eval_loss_dev(device, 8);
   Tensor eval_loss = eval_loss_dev.as(DType::kF32, {1});
+  // The iteration and the learning rate, read by the kernels from device memory (principle 8).
+  StepValues step_values(device);
+  // CUDA graphs (--cuda-graph-impl, docs/cuda_graphs.md): after the warmup steps the training step
+  // (and the validation forward) is captured once and replayed. Its loss goes to a fixed slot.
+  const CudaGraphOptions& cg = args.cuda_graph;
+  MT_REQUIRE(!cg.enabled() || device.is_cuda(), "--cuda-graph-impl {} needs a CUDA device; this run is on {}",
+             cg.impl, device.str());
+  CudaGraph train_graph, eval_graph;
+  const Tensor step_loss = eval_loss_dev.as(DType::kF32, {2}).slice0(1, 2);
+  int64_t steps_run = 0;  // training steps of this process (the warmup counts them)
+  double host_issue_ms = 0;  // host time spent issuing the steps since the last log line
   data::LtorOptions ltor;
   ltor.eod = tokenizer->eod();
   ltor.reset_position_ids = args.data.reset_position_ids;
@@ -611,8 +623,19 @@ int run_pretrain(PretrainArgs args) {
       stager.stage(*data.valid, e * args.global_batch_size, -1, stream);
       std::vector<MicroBatch> mbs;
       for (int64_t m = 0; m < M; ++m) mbs.push_back(stager.micro_batch(m));
-      executor.run(eval_plan, mbs, {args.seed, it, dp_rank, static_cast<int>(pc.dp), false}, eval_loss,
-                   1.f / static_cast<float>(args.eval_iters), Tensor(), stream);
+      auto forward = [&] {
+        executor.run(eval_plan, mbs, {args.seed, it, dp_rank, static_cast<int>(pc.dp), false}, eval_loss,
+                     1.f / static_cast<float>(args.eval_iters), Tensor(), stream);
+      };
+      if (!cg.enabled() || steps_run < cg.warmup_steps) {
+        forward();
+        continue;
+      }
+      if (!eval_graph.captured()) {
+        eval_graph.capture(stream, forward);
+        log_info("> CUDA graph: the validation forward captured ({} nodes)", eval_graph.num_nodes());
+      }
+      eval_graph.launch(stream);
     }
     // The loss lives on the last pipeline stage; sum over DP and CP, then over PP (other stages add 0).
     groups.dp_cp->all_reduce(eval_loss, ReduceOp::kSum, stream);
@@ -648,8 +671,42 @@ int run_pretrain(PretrainArgs args) {
                  iteration + 1 < args.train_iters ? consumed + args.global_batch_size : -1, stream);
     std::vector<MicroBatch> mbs;
     for (int64_t m = 0; m < M; ++m) mbs.push_back(stager.micro_batch(m));
-    train_step(model, executor, train_plan, optimizer, mbs, {args.seed, iteration, lr, dp_rank, static_cast<int>(pc.dp), &timers},
-               losses.flat_range(iters_since_log, 1), stream);
+    const auto host_t0 = std::chrono::steady_clock::now();  // the host's time to issue the step
+    step_values.write(iteration, lr, stream);
+    const StepOptions so{args.seed, iteration, lr, dp_rank, static_cast<int>(pc.dp), cg.enabled() ? nullptr : &timers,
+                         &step_values};
+    const Tensor loss_slot = losses.flat_range(iters_since_log, 1);
+    if (!cg.enabled()) {
+      train_step(model, executor, train_plan, optimizer, mbs, so, loss_slot, stream);
+    } else {
+      fill(step_loss, 0.f, stream);
+      auto body = [&] {
+        if (cg.include_optimizer) {
+          train_step(model, executor, train_plan, optimizer, mbs, so, step_loss, stream);
+        } else {
+          forward_backward_step(model, executor, train_plan, optimizer, mbs, so, step_loss, stream);
+        }
+      };
+      if (steps_run >= cg.warmup_steps && !train_graph.captured()) {
+        const uint64_t allocs = buffer_allocation_count(), syncs = host_sync_count();
+        train_graph.capture(stream, body);
+        MT_CHECK(buffer_allocation_count() == allocs && host_sync_count() == syncs,
+                 "the captured training step allocated ({}) or synchronised ({})", buffer_allocation_count() - allocs,
+                 host_sync_count() - syncs);
+        log_info("> CUDA graph: training step{} captured after {} warmup steps ({} nodes; no memory of its own: "
+                 "it replays on the model's static buffers)",
+                 cg.include_optimizer ? " with the optimizer" : "", steps_run, train_graph.num_nodes());
+      }
+      if (train_graph.captured()) {
+        train_graph.launch(stream);
+      } else {
+        body();
+      }
+      if (!cg.include_optimizer) optimizer.step(lr, stream, nullptr, step_values.lr());
+      add(loss_slot, loss_slot, step_loss, stream);
+    }
+    host_issue_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - host_t0).count();
+    ++steps_run;
     copy_bytes(found_inf.flat_range(iters_since_log, 1).data(), device,
                static_cast<const char*>(optimizer.scalars().data()) + offsetof(OptimizerScalars, found_inf), device, 4,
                stream);
@@ -684,9 +741,11 @@ int run_pretrain(PretrainArgs args) {
           " [{}] iteration {:8d}/{:8d} | consumed samples: {:12d} | elapsed time per iteration (ms): {:.1f} | "
           "throughput per GPU (TFLOP/s/GPU): {:.1f} | tokens per second: {:.0f} | learning rate: {:.6E} | "
           "global batch size: {:5d} | lm loss: {:.6E} | loss scale: {:.1f} | grad norm: {:.3f} | "
-          "number of skipped iterations: {:3d} | number of nan iterations: {:3d} |",
+          "number of skipped iterations: {:3d} | number of nan iterations: {:3d} | host time per iteration (ms): "
+          "{:.2f} |",
           timestamp(), iteration, args.train_iters, consumed, ms, tflops, tokens_per_s, lr, args.global_batch_size,
-          n_ok ? loss_sum / n_ok : NAN, sc.loss_scale, sc.grad_norm, sc.skipped_iters - last_skipped, n_nan);
+          n_ok ? loss_sum / n_ok : NAN, sc.loss_scale, sc.grad_norm, sc.skipped_iters - last_skipped, n_nan,
+          host_issue_ms / static_cast<double>(iters_since_log));
       if (cfg.num_moe_experts > 0) line += moe_log(model, *world, iters_since_log, args.moe_per_layer_logging,
                                                  args.tensor_model_parallel_size, stream);
       log_info("{}", line);
@@ -720,6 +779,7 @@ int run_pretrain(PretrainArgs args) {
       }
       last_skipped = sc.skipped_iters;
       iters_since_log = 0;
+      host_issue_ms = 0;
       fill(losses, 0.f, stream);
       fill(found_inf, 0.f, stream);
       t_last = std::chrono::steady_clock::now();

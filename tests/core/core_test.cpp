@@ -1,8 +1,11 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <thread>
 
 #include "core/buffer.h"
+#include "core/cuda_graph.h"
+#include "core/stream.h"
 #include "core/dtype.h"
 #include "core/rng.h"
 #include "core/tensor.h"
@@ -106,6 +109,34 @@ TEST(Arena, PlanThenMaterialize) {
   ASSERT_NE(x.data(), nullptr);
   EXPECT_EQ(static_cast<char*>(y.data()) - static_cast<char*>(x.data()), 256);
   EXPECT_THROW(a.alloc(DType::kF32, {1000}, "too big"), Error);
+}
+
+// The counters the CUDA graph capture checks read (trainer: a captured step neither allocates nor
+// synchronises): each call counts once, on the calling thread only.
+TEST(CaptureCounters, CountSynchronisationsAndAllocationsOfThisThread) {
+  const uint64_t s0 = host_sync_count(), a0 = buffer_allocation_count();
+  Stream st(Device::cpu());
+  st.synchronize();
+  Event ev(Device::cpu());
+  ev.synchronize();
+  EXPECT_EQ(host_sync_count(), s0 + 2);
+  Buffer b(Device::cpu(), 64);
+  Buffer empty(Device::cpu(), 0);  // nothing allocated
+  EXPECT_EQ(buffer_allocation_count(), a0 + 1);
+  std::thread([] {
+    Stream other(Device::cpu());
+    other.synchronize();
+    Buffer c(Device::cpu(), 16);
+  }).join();
+  EXPECT_EQ(host_sync_count(), s0 + 2);
+  EXPECT_EQ(buffer_allocation_count(), a0 + 1);
+  // Without a CUDA stream there is nothing to capture: a clear error, and the body never runs.
+  CudaGraph g;
+  bool ran = false;
+  EXPECT_THROW(g.capture(st, [&] { ran = true; }), Error);
+  EXPECT_FALSE(ran);
+  EXPECT_FALSE(g.captured());
+  EXPECT_THROW(g.launch(st), Error);
 }
 
 }  // namespace

@@ -220,6 +220,15 @@ TEST_F(CliTest, BadInputErrors) {
       {train_flags("--train-iters 2 --lr-decay-style triangle"), "triangle"},
       {train_flags("--train-iters 2 --timing-log-level 2"), "--timing-log-level 2"},
       {train_flags("--train-iters 2 --timing-log-option median"), "median"},
+      // CUDA graphs: a CPU run, and the combinations a captured step cannot honour
+      {train_flags("--train-iters 2 --cuda-graph-impl full_iteration"), "needs a CUDA device"},
+      {train_flags("--train-iters 2 --cuda-graph-impl partial"), "partial"},
+      {train_flags("--train-iters 2 --cuda-graph-impl full_iteration --timing-log-level 1"), "--timing-log-level 1"},
+      {train_flags("--train-iters 2 --cuda-graph-impl full_iteration --cuda-graph-warmup-steps 0"),
+       "--cuda-graph-warmup-steps 0"},
+      {train_flags("--train-iters 2 --cuda-graph-include-optimizer"), "--cuda-graph-impl none"},
+      {train_flags("--train-iters 2 --cuda-graph-impl local --cuda-graph-scope attn full_iteration"),
+       "cannot be combined"},
       {"generate --load " + (bad / "nothing").string() + " " + tok, "nothing"},
   };
   for (const auto& c : cases) {

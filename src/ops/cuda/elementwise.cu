@@ -44,6 +44,7 @@ struct AddOp {
 struct DropoutParams {
   uint64_t seed;
   uint64_t iteration;
+  const uint64_t* iteration_ptr;  ///< DropoutKey::iteration_ptr: read by the kernel when set
   uint32_t microbatch;
   uint32_t stream_id;
   uint32_t threshold;
@@ -55,6 +56,7 @@ DropoutParams make_params(float p, const DropoutKey& key, int64_t global_offset)
   DropoutParams d{};
   d.seed = key.seed;
   d.iteration = key.iteration;
+  d.iteration_ptr = key.iteration_ptr;
   d.microbatch = key.microbatch;
   d.stream_id = key.stream_id;
   d.threshold = dropout_threshold(p);
@@ -71,12 +73,13 @@ __global__ void dropout_kernel(T* out, const T* x, const T* bias, int64_t h, con
                                DropoutParams prm) {
   const int64_t g_first = prm.offset >> 2;
   const int64_t ngroups = ((prm.offset + n - 1) >> 2) - g_first + 1;
+  const uint64_t iteration = kDrop && prm.iteration_ptr != nullptr ? *prm.iteration_ptr : prm.iteration;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < ngroups; k += stride) {
     const int64_t grp = g_first + k;
     Philox4 r{{0u, 0u, 0u, 0u}};
     if constexpr (kDrop) {
-      r = dropout_bits4(prm.seed, prm.stream_id, prm.iteration, prm.microbatch, static_cast<uint64_t>(grp));
+      r = dropout_bits4(prm.seed, prm.stream_id, iteration, prm.microbatch, static_cast<uint64_t>(grp));
     }
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -100,6 +103,7 @@ __global__ void dropout_backward_dbias_kernel(T* dx, float* dbias, const T* dout
                                               DropoutParams prm) {
   __shared__ float part[8][33];
   const int64_t c = static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x;
+  const uint64_t iteration = kDrop && prm.iteration_ptr != nullptr ? *prm.iteration_ptr : prm.iteration;
   float acc = 0.f;
   if (c < h) {
     for (int64_t r = static_cast<int64_t>(blockIdx.y) * 8 + threadIdx.y; r < rows; r += 8ll * gridDim.y) {
@@ -107,7 +111,7 @@ __global__ void dropout_backward_dbias_kernel(T* dx, float* dbias, const T* dout
       float v = to_f32(dout[l]);
       if constexpr (kDrop) {
         const uint64_t g = static_cast<uint64_t>(prm.offset + l);
-        const Philox4 bits = dropout_bits4(prm.seed, prm.stream_id, prm.iteration, prm.microbatch, g >> 2);
+        const Philox4 bits = dropout_bits4(prm.seed, prm.stream_id, iteration, prm.microbatch, g >> 2);
         v = bits.v[g & 3] >= prm.threshold ? v * prm.scale : 0.f;
       }
       const T t = from_f32<T>(v);

@@ -1,0 +1,150 @@
+// CUDA graphs (docs/cuda_graphs.md): `megatron pretrain` with --cuda-graph-impl full_iteration
+// (with and without the optimizer in the graph) follows the eager run: with dropout on, a learning
+// rate that changes every step (warmup from 0, then cosine decay) and new data every step, so a
+// value baked into the graph at capture would show. The CUDA backward is not bitwise repeatable
+// run to run (float atomics in the embedding, layernorm/RMSNorm, bias and flash-attention dq
+// gradients), so the reference is two eager runs: per iteration, the graph run's loss and
+// gradient norm (full precision, --metrics-file) must be as close to the first eager run as the
+// second eager run is (times 10, floor 2e-6 relative); a stale learning rate, dropout mask or
+// batch moves them by orders of magnitude more. The capture itself checks that the step neither
+// allocates nor synchronises (the trainer counts both; ThreadLocal capture fails on a sync).
+#include <gtest/gtest.h>
+
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <map>
+
+#include <nlohmann/json.hpp>
+
+namespace fs = std::filesystem;
+
+namespace {
+
+struct RunResult {
+  int rc;
+  std::string out;
+};
+
+RunResult run(const std::string& args) {
+  const char* bin = std::getenv("MT_MEGATRON_BIN");
+  std::string cmd = std::string(bin ? bin : "megatron") + " " + args + " 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  std::string out;
+  std::array<char, 4096> buf;
+  size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) out.append(buf.data(), n);
+  return {WEXITSTATUS(pclose(p)), out};
+}
+
+// Per logged point of a --metrics-file: ("train"/"validation", iteration) -> {lm_loss, grad_norm}.
+std::map<std::pair<std::string, int>, std::pair<double, double>> metrics(const fs::path& file) {
+  std::map<std::pair<std::string, int>, std::pair<double, double>> m;
+  std::ifstream f(file);
+  std::string line;
+  while (std::getline(f, line)) {
+    const nlohmann::json j = nlohmann::json::parse(line);
+    const std::string type = j.at("type");
+    if (type != "train" && type != "validation") continue;
+    m[{type, j.at("iteration").get<int>()}] = {j.at("lm_loss").get<double>(),
+                                               type == "train" ? j.at("grad_norm").get<double>() : 0.0};
+  }
+  return m;
+}
+
+class CudaGraphTraining : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const char* s = std::getenv("MT_SOURCE_DIR");
+    data_ = std::string(s ? s : ".") + "/data";
+    if (!fs::exists(data_ + "/gpt2/encoder.json") || !fs::exists(data_ + "/moby-dick/data.txt"))
+      GTEST_SKIP() << "demo data missing: run tools/fetch_demo_data.sh " << data_;
+    dir_ = fs::temp_directory_path() / ("mt_cuda_graph_" + std::to_string(getpid()));
+    fs::create_directories(dir_);
+    tok_ = "--vocab-file " + data_ + "/gpt2/encoder.json --merge-file " + data_ + "/gpt2/vocab.bpe";
+    RunResult r = run("preprocess-data --input " + data_ + "/moby-dick/data.txt --output-prefix " +
+                      (dir_ / "moby").string() + " --append-eod " + tok_);
+    ASSERT_EQ(r.rc, 0) << r.out;
+  }
+  void TearDown() override {
+    if (!dir_.empty()) fs::remove_all(dir_);
+  }
+  std::string flags(const std::string& extra) const {
+    return "pretrain --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
+           "--max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 6 --train-iters 8 "
+           "--lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 2 --log-interval 1 "
+           "--eval-iters 2 --eval-interval 4 --hidden-dropout 0.1 --attention-dropout 0.1 --bf16 "
+           "--device cuda --no-progress --train-data-path " + (dir_ / "moby_text_document").string() +
+           " --valid-data-path " + (dir_ / "moby_text_document").string() + " " + tok_ + " " + extra;
+  }
+  // Two eager runs and the graph run with `graph_flags`: the graph run is within the eager runs'
+  // own run-to-run spread of the first one.
+  void expect_same(const std::string& model, const std::string& graph_flags) {
+    auto run_metrics = [&](const std::string& tag, const std::string& extra) {
+      const fs::path mf = dir_ / (tag + ".jsonl");
+      fs::remove(mf);
+      const RunResult r = run(flags(model + " --metrics-file " + mf.string() + " " + extra));
+      EXPECT_EQ(r.rc, 0) << r.out;
+      if (!extra.empty()) {
+        EXPECT_NE(r.out.find("CUDA graph: training step"), std::string::npos) << r.out;
+        EXPECT_NE(r.out.find("CUDA graph: the validation forward captured"), std::string::npos) << r.out;
+      }
+      return metrics(mf);
+    };
+    const auto a = run_metrics("eager_a", ""), b = run_metrics("eager_b", ""), g = run_metrics("graph", graph_flags);
+    ASSERT_EQ(a.size(), 8u + 3u);  // 8 iterations, validation at 0, 4, 8
+    ASSERT_EQ(b.size(), a.size());
+    ASSERT_EQ(g.size(), a.size());
+    double noise = 0;  // the eager runs' relative spread
+    for (const auto& [k, v] : a) {
+      noise = std::max(noise, std::abs(b.at(k).first - v.first) / std::abs(v.first));
+      if (k.first == "train") noise = std::max(noise, std::abs(b.at(k).second - v.second) / std::abs(v.second));
+    }
+    const double tol = std::max(10 * noise, 2e-6);
+    for (const auto& [k, v] : a) {
+      SCOPED_TRACE(k.first + " " + std::to_string(k.second));
+      EXPECT_LE(std::abs(g.at(k).first - v.first), tol * std::abs(v.first)) << "loss " << v.first << " vs "
+                                                                              << g.at(k).first;
+      if (k.first == "train")
+        EXPECT_LE(std::abs(g.at(k).second - v.second), tol * std::abs(v.second))
+            << "grad norm " << v.second << " vs " << g.at(k).second;
+    }
+    std::printf("eager run-to-run spread %.3g (relative); tolerance %.3g\n", noise, tol);
+  }
+
+  std::string data_, tok_;
+  fs::path dir_;
+};
+
+TEST_F(CudaGraphTraining, FullIterationEqualsEagerBitwise) {
+  expect_same("", "--cuda-graph-impl full_iteration --cuda-graph-warmup-steps 2");
+}
+
+TEST_F(CudaGraphTraining, FullIterationWithOptimizerEqualsEagerBitwise) {
+  // The scope spelling of Megatron (local + full_iteration) and the optimizer inside the graph.
+  expect_same("--use-distributed-optimizer --overlap-grad-reduce --ddp-bucket-size 20000",
+              "--cuda-graph-impl local --cuda-graph-scope full_iteration --cuda-graph-warmup-steps 1 "
+              "--cuda-graph-include-optimizer");
+}
+
+TEST_F(CudaGraphTraining, LlamaStyleFullIterationEqualsEagerBitwise) {
+  expect_same("--normalization RMSNorm --swiglu --position-embedding-type rope --disable-bias-linear "
+              "--untie-embeddings-and-output-weights --group-query-attention --num-query-groups 2",
+              "--cuda-graph-impl full_iteration --cuda-graph-warmup-steps 3 --cuda-graph-include-optimizer");
+}
+
+TEST_F(CudaGraphTraining, RefusedCombinationsNameTheFlag) {
+  RunResult r = run(flags("--cuda-graph-impl full_iteration --timing-log-level 1"));
+  EXPECT_NE(r.rc, 0);
+  EXPECT_NE(r.out.find("--timing-log-level"), std::string::npos) << r.out;
+  r = run(flags("--cuda-graph-impl full_iteration --cuda-graph-warmup-steps 0"));
+  EXPECT_NE(r.rc, 0);
+  EXPECT_NE(r.out.find("--cuda-graph-warmup-steps 0"), std::string::npos) << r.out;
+  r = run(flags("--cuda-graph-include-optimizer"));
+  EXPECT_NE(r.rc, 0);
+  EXPECT_NE(r.out.find("--cuda-graph-impl none"), std::string::npos) << r.out;
+}
+
+}  // namespace
