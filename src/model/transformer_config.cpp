@@ -348,6 +348,7 @@ std::string TransformerConfig::summary() const {
       s += fmt::format(", {} {}", moe_load_balancing_name(moe_router_load_balancing_type), moe_aux_loss_coeff);
     if (moe_router_force_load_balancing) s += ", forced balance (random logits)";
     if (moe_token_dispatcher_type == MoeDispatcher::kAllToAll) s += ", alltoall token dispatcher";
+    if (moe_grouped_gemm) s += ", grouped GEMM";
     if (moe_expert_capacity_set)
       s += fmt::format(", expert capacity factor {} (drop by {})", moe_expert_capacity_factor,
                        moe_token_drop_policy == MoeTokenDropPolicy::kProbs ? "probs" : "position");

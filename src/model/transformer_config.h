@@ -126,6 +126,11 @@ struct TransformerConfig {
   /// --moe-pad-expert-input-to-capacity (needs a capacity factor). Padding rows have probability 0
   /// and change no output or gradient, so they are not materialised: same results as without.
   bool moe_pad_expert_input_to_capacity = false;
+  /// --moe-grouped-gemm (Megatron's GroupedMLP / TE GroupedLinear): each expert projection is one
+  /// grouped GEMM over the planned rows with the per-expert counts read on the device
+  /// (ops/grouped_matmul.h), instead of a GEMM per expert with host counts; with the allgather
+  /// dispatcher the MoE layer then never synchronises with the host. Same results.
+  bool moe_grouped_gemm = false;
 
   // --- derived (Megatron's defaulting) ---
   int64_t ffn() const;

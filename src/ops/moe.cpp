@@ -162,6 +162,22 @@ std::vector<int64_t> moe_routing_map(const Tensor& row_index, const Tensor& slot
 #endif
 }
 
+void moe_routing_map_device(const Tensor& row_index, const Tensor& slot_row, const Tensor& counts, const Tensor& top,
+                            int64_t first_expert, int64_t num_local, const Stream& stream) {
+  const char* fn = "moe_routing_map_device";
+  MT_CHECK(top.dtype() == DType::kI32 && top.is_contiguous(), "{}: top must be contiguous int32, got {}", fn, top.str());
+  MT_CHECK(row_index.dtype() == DType::kI32 && row_index.is_contiguous(), "{}: row_index must be contiguous int32, got {}",
+           fn, row_index.str());
+  MT_CHECK(slot_row.dtype() == DType::kI32 && slot_row.is_contiguous() && slot_row.numel() == top.numel(),
+           "{}: slot_row must be contiguous int32 with {} entries, got {}", fn, top.numel(), slot_row.str());
+  MT_CHECK(counts.dtype() == DType::kI32 && counts.numel() == num_local && counts.is_contiguous(),
+           "{}: counts must be int32 [{}], got {}", fn, num_local, counts.str());
+  MT_CHECK(first_expert >= 0 && num_local >= 1, "{}: local experts [{}, {}) are empty or negative", fn, first_expert,
+           first_expert + num_local);
+  check_devices(stream, top, {&row_index, &slot_row, &counts}, fn);
+  MT_DISPATCH(top.device(), moe_routing_map_device, row_index, slot_row, counts, top, first_expert, num_local, stream);
+}
+
 namespace {
 // rows [R, h] and x [N, h] of one activation dtype; `index` int32 with at least `need` entries.
 void check_rows(const Tensor& rows, const Tensor& x, const Tensor& index, int64_t need, const char* fn,

@@ -93,7 +93,18 @@ std::vector<int64_t> moe_routing_map(const Tensor& row_index, const Tensor& slot
                                      const Tensor& top, int64_t first_expert, int64_t num_local,
                                      const Stream& stream);
 
-/// rows[r] = x[row_index[r] / k] for r < R (rows [R, h], x [N, h], act dtype).
+/// moe_routing_map without the host copy (--moe-grouped-gemm; nothing is read on the host, so it
+/// can be captured in a CUDA graph): writes the same row_index, slot_row and counts int32
+/// [num_local] on the device, and row_index[r] = -1 for the rows R <= r < row_index.numel()
+/// beyond the routed ones (moe_permute skips them). Consumers read R = Σ counts on the device
+/// (ops/grouped_matmul.h). Σ counts must not exceed row_index.numel() (the dispatchers plan the
+/// dropless bound): no error can be raised without reading the counts, so on CUDA the rows beyond
+/// it are not placed (their slots get slot_row -1); the CPU raises mt::Error.
+void moe_routing_map_device(const Tensor& row_index, const Tensor& slot_row, const Tensor& counts, const Tensor& top,
+                            int64_t first_expert, int64_t num_local, const Stream& stream);
+
+/// rows[r] = x[row_index[r] / k] for r < R (rows [R, h], x [N, h], act dtype); rows with
+/// row_index[r] < 0 (the tail of moe_routing_map_device) are left untouched.
 void moe_permute(const Tensor& rows, const Tensor& x, const Tensor& row_index, int64_t topk, const Stream& stream);
 /// dx[t] = Σ_{j < k, slot_row[t·k + j] ≥ 0} d_rows[slot_row[t·k + j]], summed in j order
 /// (dx [N, h] overwritten; deterministic).
@@ -151,6 +162,7 @@ MT_OP_BACKENDS(moe_z_loss)
 MT_OP_BACKENDS(moe_tokens_per_expert)
 MT_OP_BACKENDS(moe_expert_bias_update)
 MT_OP_BACKENDS(moe_routing_map)
+MT_OP_BACKENDS(moe_routing_map_device)
 MT_OP_BACKENDS(moe_permute)
 MT_OP_BACKENDS(moe_permute_backward)
 MT_OP_BACKENDS(moe_unpermute)

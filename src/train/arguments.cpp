@@ -146,6 +146,8 @@ void add_pretrain_options(CLI::App& app, PretrainArgs& a) {
       ->default_str("probs");
   app.add_flag("--moe-pad-expert-input-to-capacity", m.moe_pad_expert_input_to_capacity,
                "Pad every expert to its capacity (same results: padding rows are not materialised)");
+  app.add_flag("--moe-grouped-gemm", m.moe_grouped_gemm,
+               "Experts as grouped GEMMs with device-side token counts (no host sync with the allgather dispatcher)");
   app.add_flag("--moe-per-layer-logging", a.moe_per_layer_logging, "Log the auxiliary losses of every MoE layer");
   app.add_option("--expert-model-parallel-size", a.expert_model_parallel_size, "Expert-parallel size")
       ->capture_default_str();

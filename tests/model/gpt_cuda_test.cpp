@@ -1,10 +1,13 @@
 // Whole model, CUDA against CPU: same weights, same batch; loss and every gradient.
+#include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include "model/gpt_model.h"
+#include "model/layers/moe.h"
 #include "ops/elementwise.h"
 #include "testing/testing.h"
 
@@ -22,9 +25,9 @@ enum class Moe { kNone, kMixtral, kMixtralDrop, kDeepSeek };
 /// of which 2, a shared expert, the sequence-level loss and the expert bias (moved by one update
 /// with a large rate before the compared step, so that it changes the selection). The MoE
 /// statistics (loss values, token counts) are compared too. grad_tol: the gradients' tolerance
-/// (default tol).
+/// (default tol). grouped: the GPU model runs --moe-grouped-gemm (the CPU model the per-expert loop).
 void compare(DType dtype, float dropout, double tol, bool documents = false, bool llama = false, bool flash = false,
-             Moe moe = Moe::kNone, double grad_tol = 0) {
+             Moe moe = Moe::kNone, double grad_tol = 0, bool grouped = false) {
   if (grad_tol == 0) grad_tol = tol;
   TransformerConfig c;
   c.num_layers = 2;
@@ -71,6 +74,7 @@ void compare(DType dtype, float dropout, double tol, bool documents = false, boo
   TransformerConfig cc = c, gc = c;
   cc.attention_backend = AttentionBackend::kLocal;
   gc.attention_backend = flash ? AttentionBackend::kFlash : AttentionBackend::kLocal;
+  gc.moe_grouped_gemm = grouped;
   GPTModel cpu(cc, b, DType::kF32, Device::cpu(), ProcessGroups::single());
   GPTModel gpu(gc, b, dtype, Device::cuda(0), ProcessGroups::single());
   ASSERT_STREQ(gpu.attention_backend(), flash ? "flash" : "local");
@@ -201,6 +205,111 @@ TEST(GptCuda, MixtureOfExpertsMatchesCpu) {
   compare(DType::kF32, 0.f, 1e-5, /*documents=*/false, /*llama=*/true, false, Moe::kDeepSeek);
   compare(DType::kF32, 0.f, 1e-5, /*documents=*/false, /*llama=*/true, false, Moe::kMixtralDrop);
   compare(DType::kBF16, 0.f, 2e-2, /*documents=*/false, /*llama=*/true, false, Moe::kMixtral, 5e-2);
+}
+
+// --moe-grouped-gemm on the GPU (grouped GEMMs with device-side counts, the allgather dispatcher
+// without host counts: fp32 through the SIMT kernel, bf16 through the tensor-core kernel) against
+// the CPU model's per-expert loop, with the same tolerances.
+TEST(GptCuda, MixtureOfExpertsGroupedGemmMatchesCpu) {
+  MT_REQUIRE_CUDA();
+  compare(DType::kF32, 0.1f, 1e-5, /*documents=*/true, /*llama=*/true, false, Moe::kMixtral, 0, /*grouped=*/true);
+  compare(DType::kF32, 0.f, 1e-5, /*documents=*/false, /*llama=*/true, false, Moe::kDeepSeek, 0, true);
+  compare(DType::kF32, 0.f, 1e-5, /*documents=*/false, /*llama=*/true, false, Moe::kMixtralDrop, 0, true);
+  compare(DType::kBF16, 0.f, 2e-2, /*documents=*/false, /*llama=*/true, false, Moe::kMixtral, 5e-2, true);
+  compare(DType::kF32, 0.f, 1e-5, /*documents=*/false, /*llama=*/false, false, Moe::kMixtral, 0, true);  // GELU
+}
+
+// --moe-grouped-gemm with the allgather dispatcher: the MoE layer's forward and backward (router,
+// auxiliary losses, dispatch, grouped experts, combine, their backward) never synchronise with
+// the host, so after one eager step (which builds the weight address tables and the cuBLASLt
+// plans) they are captured in a CUDA graph — capture fails on any host synchronisation or
+// allocation — and the replay reproduces the eager outputs, input gradient and weight gradients
+// bitwise. SwiGLU and GELU experts, dropless and with token dropping.
+TEST(GptCuda, MoEGroupedGemmLayerIsCapturable) {
+  MT_REQUIRE_CUDA();
+  for (bool gated : {true, false}) {
+    for (bool drop : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << "gated " << gated << " drop " << drop);
+      TransformerConfig c;
+      c.num_layers = 2;
+      c.hidden_size = 64;
+      c.num_attention_heads = 4;
+      c.seq_length = 32;
+      c.add_bias_linear = false;
+      c.gated_linear_unit = gated;
+      c.num_moe_experts = 8;
+      c.moe_ffn_hidden_size = 48;
+      c.moe_router_topk = 2;
+      c.moe_aux_loss_coeff = 0.1f;
+      c.moe_z_loss_coeff = 0.01f;
+      c.moe_grouped_gemm = true;
+      if (drop) {
+        c.moe_expert_capacity_set = true;
+        c.moe_expert_capacity_factor = 0.8;
+      }
+      const int64_t b = 3, h = c.hidden_size, T = c.seq_length * b;
+      const Device dev = Device::cuda(0);
+      Stream st(dev);
+      const ProcessGroups g = ProcessGroups::single();
+      TensorParallelRegion tp(g.tp, false);
+      ParamRegistry reg;
+      reg.begin_group(true);
+      MoELayer layer(c, 1, tp, ExpertParallel{}, reg);
+      ParamStore store(reg.specs(), DType::kBF16, dev);
+      reg.bind(store);
+      store.initialize(testing::test_seed(), st);
+      BufferPlanner planner(dev, DType::kBF16);
+      for (int pass = 0; pass < 2; ++pass) {
+        planner.begin_pass();
+        planner.open_area(BufferPlanner::Family::kActivations, 0);
+        layer.plan(planner, c.seq_length, b);
+        planner.close_area();
+        if (pass == 0) planner.materialize();
+      }
+      testing::upload(layer.input(0), testing::randn(T * h), st);
+      OwnedTensor dy = testing::make_tensor(testing::randn(T * h, 0.1f), DType::kBF16, dev, {c.seq_length, b, h}, st);
+      const MicroBatch mb{Tensor(), Tensor(), Tensor()};
+      const DropoutContext dc{7, 1, 0, true};
+      const StepContext ctx{mb, dc, 0, st};
+      Tensor y, dx;
+      auto step = [&] {
+        y = layer.forward(ctx);
+        dx = layer.backward(dy, ctx, nullptr);
+      };
+      store.zero_grads(st);
+      step();  // eager
+      const auto y0 = testing::to_host(y, st), dx0 = testing::to_host(dx, st);
+      const auto g0 = testing::to_host(store.grads_flat(), st);
+      ASSERT_TRUE(testing::all_finite(y0) && testing::all_finite(dx0) && testing::all_finite(g0));
+      store.zero_grads(st);
+      st.synchronize();
+      cudaStream_t cs = static_cast<cudaStream_t>(st.cuda_stream());
+      cudaGraph_t graph = nullptr;
+      ASSERT_EQ(cudaStreamBeginCapture(cs, cudaStreamCaptureModeGlobal), cudaSuccess);
+      bool threw = false;
+      try {
+        step();
+      } catch (const std::exception& e) {
+        threw = true;
+        ADD_FAILURE() << "the captured step failed: " << e.what();
+      }
+      const cudaError_t end = cudaStreamEndCapture(cs, &graph);
+      ASSERT_FALSE(threw);
+      ASSERT_EQ(end, cudaSuccess) << "the MoE layer synchronised with the host or allocated: "
+                                  << cudaGetErrorString(end);
+      cudaGraphExec_t exec = nullptr;
+      ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+      ASSERT_EQ(cudaGraphLaunch(exec, cs), cudaSuccess);
+      st.synchronize();
+      const auto y1 = testing::to_host(y, st), dx1 = testing::to_host(dx, st);
+      const auto g1 = testing::to_host(store.grads_flat(), st);
+      EXPECT_EQ(0, std::memcmp(y1.data(), y0.data(), y0.size() * sizeof(float))) << "output";
+      EXPECT_EQ(0, std::memcmp(dx1.data(), dx0.data(), dx0.size() * sizeof(float))) << "input gradient";
+      EXPECT_EQ(0, std::memcmp(g1.data(), g0.data(), g0.size() * sizeof(float))) << "weight gradients";
+      cudaGraphExecDestroy(exec);
+      cudaGraphDestroy(graph);
+    }
+  }
 }
 
 TEST(GptCuda, FlashAttentionMatchesCpu) {

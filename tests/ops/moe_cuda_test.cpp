@@ -8,6 +8,7 @@
 // 1e-6 and in bf16 / fp16 against the CPU fp32 result on the same rounded inputs. Every CUDA op runs
 // twice and must give bitwise identical outputs (determinism). Outputs are poisoned before each
 // call.
+#include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -375,6 +376,71 @@ TEST(MoeCuda, RoutingMapRejectsTooFewRows) {
   for (Device dev : {kCpu, Device::cuda()}) {
     EXPECT_THROW(run_map(dev, top, N, k, 0, E, N * k - 1), Error) << dev.str();
     EXPECT_NO_THROW(run_map(dev, top, N, k, 0, E, N * k)) << dev.str();
+  }
+}
+
+// The sync-free routing map: the CUDA maps equal the CPU's, the unused planned rows -1 on both,
+// and moe_permute leaves those rows untouched; the CUDA call is captured in a CUDA graph
+// (capture fails on any host synchronisation).
+TEST(MoeCuda, DeviceRoutingMapMatchesCpuAndIsCapturable) {
+  MT_REQUIRE_CUDA();
+  struct Case {
+    int64_t N, k, E, first, L;
+  };
+  const Case cases[] = {{5, 2, 64, 0, 64}, {1000, 2, 8, 2, 3}, {2049, 2, 16, 4, 4}, {16384, 8, 64, 16, 16}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(fmt::format("N={} k={} E={} local=[{}, {})", c.N, c.k, c.E, c.first, c.first + c.L));
+    const auto top = random_top(c.N, c.k, c.E);
+    const int64_t cap = c.N * c.k + 77;
+    MapOut o[2];
+    for (int d = 0; d < 2; ++d) {
+      const Device dev = d == 0 ? kCpu : Device::cuda();
+      Stream s(dev);
+      auto t = make_int_tensor(top, dev, {c.N, c.k}, s);
+      OwnedTensor ri(DType::kI32, dev, {cap}), sr(DType::kI32, dev, {c.N * c.k}), cn(DType::kI32, dev, {c.L});
+      fill_ints(ri, -5, s);
+      fill_ints(sr, -5, s);
+      fill_ints(cn, -5, s);
+      if (dev.is_cpu()) {
+        cpu::moe_routing_map_device(ri, sr, cn, t, c.first, c.L, s);
+      } else {
+        cudaStream_t cs = static_cast<cudaStream_t>(s.cuda_stream());
+        cudaGraph_t graph = nullptr;
+        ASSERT_EQ(cudaStreamBeginCapture(cs, cudaStreamCaptureModeGlobal), cudaSuccess);
+        cuda::moe_routing_map_device(ri, sr, cn, t, c.first, c.L, s);
+        ASSERT_EQ(cudaStreamEndCapture(cs, &graph), cudaSuccess) << "the routing map synchronised with the host";
+        cudaGraphExec_t exec = nullptr;
+        ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+        ASSERT_EQ(cudaGraphLaunch(exec, cs), cudaSuccess);
+        s.synchronize();
+        cudaGraphExecDestroy(exec);
+        cudaGraphDestroy(graph);
+      }
+      o[d].row_index = ints(ri, s);
+      o[d].slot_row = ints(sr, s);
+      o[d].counts = ints(cn, s);
+      // permute over all cap rows: the -1 rows keep their poison
+      const auto xv = testing::randn(c.N * 8);
+      auto x = make_tensor(xv, DType::kBF16, dev, {c.N, 8}, s);
+      OwnedTensor xp(DType::kBF16, dev, {cap, 8});
+      poison(xp, s);
+      if (dev.is_cpu()) continue;  // the CPU backend is fp32 only (the CPU permute: moe_test)
+      cuda::moe_permute(xp, x, ri, c.k, s);
+      const auto got = to_host(xp, s), xr = to_host(x, s);
+      int64_t R = 0;
+      for (int32_t v : o[d].counts) R += v;
+      for (int64_t r = 0; r < cap; ++r) {
+        if (r < R) {
+          const int64_t tok = o[d].row_index[static_cast<size_t>(r)] / c.k;
+          ASSERT_EQ(got[r * 8], xr[tok * 8]) << r;
+        } else {
+          ASSERT_TRUE(std::isnan(got[r * 8])) << "row " << r << " beyond the routed " << R << " was written";
+        }
+      }
+    }
+    EXPECT_EQ(o[1].counts, o[0].counts);
+    EXPECT_EQ(o[1].slot_row, o[0].slot_row);
+    EXPECT_EQ(o[1].row_index, o[0].row_index);
   }
 }
 

@@ -354,6 +354,43 @@ TEST(MoePermute, RoutingMapPermuteUnpermuteAndBackward) {
   }
 }
 
+// The sync-free routing map: the same maps and counts as moe_routing_map, row_index -1 beyond the
+// routed rows, and moe_permute over all planned rows leaves those rows untouched.
+TEST(MoePermute, DeviceRoutingMapMarksUnusedRowsAndPermuteSkipsThem) {
+  const Stream& st = testing::cpu_stream();
+  const int64_t N = 31, E = 6, k = 2, h = 3, first = 1, nl = 3, cap = N * k + 5;
+  std::vector<int32_t> top(N * k);
+  for (int64_t t = 0; t < N; ++t) {
+    const auto r = testing::randint(2, 0, static_cast<int32_t>(E));
+    top[t * k] = r[0];
+    top[t * k + 1] = t % 5 == 0 ? -1 : (r[0] + 1 + r[1] % (E - 1)) % E;  // some dropped slots
+  }
+  auto topt = testing::make_int_tensor(top, kCpu, {N, k}, st);
+  OwnedTensor ri(DType::kI32, kCpu, {cap}), sr(DType::kI32, kCpu, {N * k}), c(DType::kI32, kCpu, {nl});
+  OwnedTensor ri2(DType::kI32, kCpu, {cap}), sr2(DType::kI32, kCpu, {N * k}), c2(DType::kI32, kCpu, {nl});
+  const std::vector<int64_t> host = moe_routing_map(ri, sr, c, topt, first, nl, st);
+  moe_routing_map_device(ri2, sr2, c2, topt, first, nl, st);
+  const int64_t R = std::accumulate(host.begin(), host.end(), int64_t{0});
+  ASSERT_LT(R, cap);
+  for (int64_t e = 0; e < nl; ++e) EXPECT_EQ(c2.t.data_as<int32_t>()[e], host[static_cast<size_t>(e)]);
+  for (int64_t i = 0; i < N * k; ++i) EXPECT_EQ(sr2.t.data_as<int32_t>()[i], sr.t.data_as<int32_t>()[i]) << i;
+  for (int64_t r = 0; r < cap; ++r)
+    EXPECT_EQ(ri2.t.data_as<int32_t>()[r], r < R ? ri.t.data_as<int32_t>()[r] : -1) << r;
+  const auto xv = testing::randn(N * h);
+  auto x = testing::make_tensor(xv, DType::kF32, kCpu, {N, h}, st);
+  OwnedTensor xp(DType::kF32, kCpu, {cap, h});
+  fill(xp, 7.f, st);
+  moe_permute(xp, x, ri2, k, st);
+  const auto got = testing::to_host(xp, st);
+  for (int64_t r = 0; r < cap; ++r)
+    for (int64_t j = 0; j < h; ++j) {
+      const float want = r < R ? xv[(ri.t.data_as<int32_t>()[r] / k) * h + j] : 7.f;
+      EXPECT_EQ(got[r * h + j], want) << r;
+    }
+  OwnedTensor small(DType::kI32, kCpu, {R - 1});  // too few planned rows: the CPU raises
+  EXPECT_THROW(moe_routing_map_device(small, sr2, c2, topt, first, nl, st), Error);
+}
+
 // Per-sequence counts (seq_aux_loss): token t of a [s, b] layout counts in row t mod b; the loss
 // and its gradient read each token's own row. Expert bias update: sign of (mean load - load).
 TEST(MoeRouting, SequenceGroupedCountsLossAndExpertBiasUpdate) {

@@ -113,6 +113,7 @@ struct Layout {
   double capacity = 0;       // --moe-expert-capacity-factor (0 = dropless)
   bool drop_position = false;  // --moe-token-drop-policy position (else probs)
   bool pad = false;          // --moe-pad-expert-input-to-capacity
+  bool grouped = false;      // --moe-grouped-gemm (the reference runs the per-expert loop)
   std::string name() const {
     std::string s = fmt::format("{}{}tp{}_pp{}_dp{}_vpp{}_m{}",
                                 arch == Arch::kGpt     ? ""
@@ -134,6 +135,7 @@ struct Layout {
     if (a2a) s += "_a2a";
     if (capacity > 0) s += fmt::format("_cap{}{}{}", static_cast<int>(capacity * 100), drop_position ? "_pos" : "",
                                        pad ? "_pad" : "");
+    if (grouped) s += "_gg";
     return s;
   }
 };
@@ -165,6 +167,7 @@ Result run_layout(const Layout& L, const std::vector<int32_t>& tokens, const std
   if (L.odd_vocab) c.vocab_size = 67;
   if (L.flash) c.attention_backend = AttentionBackend::kFlash;
   if (L.a2a) c.moe_token_dispatcher_type = MoeDispatcher::kAllToAll;
+  c.moe_grouped_gemm = L.grouped;
   if (L.capacity > 0) {
     c.moe_expert_capacity_set = true;
     c.moe_expert_capacity_factor = L.capacity;
@@ -511,6 +514,23 @@ std::vector<Layout> layouts() {
     v.back().capacity = capacity;
     v.back().drop_position = position;
     v.back().pad = pad;
+  }
+  // --moe-grouped-gemm (grouped GEMMs over the planned rows, device-side counts; the allgather
+  // dispatcher without host counts) against the single-rank per-expert loop: EP, expert TP under
+  // TP + SP, EP x PP (several activation slots), the distributed optimizer, the alltoall dispatcher
+  // (host counts uploaded), token dropping under both dispatchers.
+  for (const auto& [arch, tp, pp, dp, ep, etp, sp, zero, a2a, capacity] :
+       {std::tuple{Arch::kMoe, 1, 1, 2, 2, 0, false, false, false, 0.0},
+        std::tuple{Arch::kMoe, 2, 1, 2, 2, 1, true, false, false, 0.0},
+        std::tuple{Arch::kMoe, 2, 1, 1, 1, 0, true, false, false, 0.0},
+        std::tuple{Arch::kMoe, 1, 2, 2, 2, 0, false, true, false, 0.0},
+        std::tuple{Arch::kMoeSigmoid, 1, 1, 4, 4, 0, false, true, false, 0.0},
+        std::tuple{Arch::kMoe, 2, 1, 2, 2, 2, true, false, true, 0.0},
+        std::tuple{Arch::kMoe, 1, 1, 4, 4, 0, false, false, false, 0.75},
+        std::tuple{Arch::kMoe, 1, 1, 2, 2, 0, false, false, true, 0.5}}) {
+    add(arch, tp, pp, dp, 0, sp, zero, false, ep, etp, a2a);
+    v.back().capacity = capacity;
+    v.back().grouped = true;
   }
   return v;
 }

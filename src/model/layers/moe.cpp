@@ -7,6 +7,7 @@
 #include "model/layers/parallel_params.h"
 #include "ops/elementwise.h"
 #include "ops/gelu.h"
+#include "ops/grouped_matmul.h"
 #include "ops/init.h"
 #include "ops/matmul.h"
 #include "ops/swiglu.h"
@@ -42,7 +43,7 @@ MoELayer::MoELayer(const TransformerConfig& c, int64_t layer, const TensorParall
   MT_REQUIRE(ep.etp_size >= 1 && c.moe_ffn() % ep.etp_size == 0,
              "--moe-ffn-hidden-size {} is not divisible by expert tensor parallel size {}", c.moe_ffn(), ep.etp_size);
   dispatcher_ = make_moe_token_dispatcher(c.moe_token_dispatcher_type, ep,
-                                          {num_experts_, topk_, num_local_, first_expert_});
+                                          {num_experts_, topk_, num_local_, first_expert_, c.moe_grouped_gemm});
   const std::string p = fmt::format("decoder.layers.{}.mlp.", layer);
   const int64_t h = c.hidden_size;
   reg.declare(replicated_param(p + "router.weight", {num_experts_, h}, InitKind::kNormal, c.init_method_std,
@@ -218,7 +219,14 @@ Tensor MoELayer::forward(const StepContext& ctx) {
     if (!expert_bias_.empty()) add(bias_counts_, bias_counts_, total, st);
   }
   // --- dispatch: the rows of the local experts, ordered by expert ---
-  sv.counts_host = dispatcher_->dispatch(sv.xp, x, ctx.slot, st);
+  MoeExpertCounts counts = dispatcher_->dispatch(sv.xp, x, ctx.slot, st);
+  if (config_.moe_grouped_gemm) {  // experts and combine over all R_max rows, counts on the device
+    sv.counts = counts.device;
+    grouped_forward(sv, st);
+    dispatcher_->combine(rows(y_), sv.out, ctx.slot, st);
+    return finish_forward(sv, ctx);
+  }
+  sv.counts_host = std::move(counts.host);
   const int64_t R = std::accumulate(sv.counts_host.begin(), sv.counts_host.end(), int64_t{0});
   // --- experts ---
   int64_t off = 0;
@@ -239,19 +247,72 @@ Tensor MoELayer::forward(const StepContext& ctx) {
   }
   // --- combine: weighted sum per token, back on the token's rank ---
   dispatcher_->combine(rows(y_), row_range(sv.out, 0, R), ctx.slot, st);
+  return finish_forward(sv, ctx);
+}
+
+Tensor MoELayer::finish_forward(Saved& sv, const StepContext& ctx) {
   if (shared_) {
-    copy(shared_->input(ctx.slot), sv.x, st);
+    copy(shared_->input(ctx.slot), sv.x, ctx.stream);
     const Tensor ys = shared_->forward(ctx);
-    add(y_, y_, ys, st);
+    add(y_, y_, ys, ctx.stream);
   }
   return y_;
+}
+
+void MoELayer::grouped_forward(Saved& sv, const Stream& st) {
+  if (fc1_w_.empty()) {  // once: the address tables of the experts' weights
+    std::vector<Tensor> w1, w2;
+    for (const Expert& ex : experts_) {
+      w1.push_back(ex.fc1.value());
+      w2.push_back(ex.fc2.value());
+    }
+    fc1_w_ = GroupedWeights(std::move(w1), st);
+    fc2_w_ = GroupedWeights(std::move(w2), st);
+  }
+  // Rows beyond Σ counts: the GEMMs write zeros there, so the activation gives zeros too.
+  grouped_linear_forward(sv.pre, sv.xp, fc1_w_, sv.counts, st);
+  if (gated_) {
+    swiglu_forward(sv.act, sv.pre, st);
+  } else {
+    gelu_forward(sv.act, sv.pre, st);
+  }
+  grouped_linear_forward(sv.out, sv.act, fc2_w_, sv.counts, st);
+}
+
+void MoELayer::grouped_backward(Saved& sv, const Stream& st) {
+  if (fc1_g_.empty()) {  // once: the address tables of the experts' main gradients
+    std::vector<Tensor> g1, g2;
+    for (const Expert& ex : experts_) {
+      g1.push_back(ex.fc1.grad());
+      g2.push_back(ex.fc2.grad());
+    }
+    fc1_g_ = GroupedWeights(std::move(g1), st);
+    fc2_g_ = GroupedWeights(std::move(g2), st);
+  }
+  // d_out_ rows beyond Σ counts are stale (combine_backward writes the routed rows only) and never
+  // read; the dgrads write zeros to their tails, so the activation backward gives zeros there.
+  grouped_linear_dgrad(d_act_, d_out_, fc2_w_, sv.counts, st);
+  grouped_linear_wgrad(fc2_g_, d_out_, sv.act, sv.counts, st);
+  if (gated_) {
+    swiglu_backward(d_pre_, d_act_, sv.pre, st);
+  } else {
+    gelu_backward(d_pre_, d_act_, sv.pre, st);
+  }
+  grouped_linear_dgrad(d_xp_, d_pre_, fc1_w_, sv.counts, st);
+  grouped_linear_wgrad(fc1_g_, d_pre_, sv.xp, sv.counts, st);
 }
 
 Tensor MoELayer::backward(const Tensor& dy, const StepContext& ctx, WgradDeferral* defer) {
   Saved& sv = saved_.at(static_cast<size_t>(ctx.slot));
   const Stream& st = ctx.stream;
+  const Tensor dx = rows(dx_);
+  if (config_.moe_grouped_gemm) {  // all R_max rows, counts on the device
+    dispatcher_->combine_backward(d_out_, d_probs_, rows(dy), sv.out, ctx.slot, st);
+    grouped_backward(sv, st);
+    dispatcher_->dispatch_backward(dx, d_xp_, ctx.slot, st);
+    return router_backward(sv, dy, ctx, defer);
+  }
   const int64_t R = std::accumulate(sv.counts_host.begin(), sv.counts_host.end(), int64_t{0});
-  const Tensor x = rows(sv.x);
   // --- combine backward: row gradients and d probs ---
   dispatcher_->combine_backward(row_range(d_out_, 0, R), d_probs_, rows(dy), row_range(sv.out, 0, R), ctx.slot, st);
   // --- experts backward ---
@@ -273,8 +334,14 @@ Tensor MoELayer::backward(const Tensor& dy, const StepContext& ctx, WgradDeferra
     off += n;
   }
   // --- dispatch backward: token gradients back to their ranks ---
-  const Tensor dx = rows(dx_);
   dispatcher_->dispatch_backward(dx, row_range(d_xp_, 0, R), ctx.slot, st);
+  return router_backward(sv, dy, ctx, defer);
+}
+
+Tensor MoELayer::router_backward(Saved& sv, const Tensor& dy, const StepContext& ctx, WgradDeferral* defer) {
+  const Stream& st = ctx.stream;
+  const Tensor x = rows(sv.x);
+  const Tensor dx = rows(dx_);
   // --- router backward: probs path, load-balancing loss, z-loss ---
   moe_topk_routing_backward(d_logits_, d_probs_, sv.logits, router_top(ctx.slot), router_, st);
   const double w = ctx.batch.aux_loss_weight;

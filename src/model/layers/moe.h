@@ -35,6 +35,17 @@
 //
 // Buffers: planned for the worst case of the dropless routing, R_max = |G|·T_l·min(k, E_local)
 // expert rows per micro-batch (exactly |G|·T_l·k when every expert is local).
+//
+// Experts: by default (Megatron's SequentialMLP) one linear_forward / linear_backward per local
+// expert over its rows, whose counts the dispatcher reads on the host. With --moe-grouped-gemm
+// (Megatron's GroupedMLP / TE GroupedLinear) the counts stay on the device and each projection is
+// one grouped GEMM over all R_max planned rows (ops/grouped_matmul.h): no host synchronisation in
+// the allgather path (CUDA-graph capturable). Rows [R, R_max) beyond the routed ones: the expert
+// input's are stale (never read: the GEMMs stop at each group's rows), the grouped forward and
+// dgrad write zeros to their outputs' tail, so the activation (GELU / SwiGLU and their backward,
+// run over all R_max rows) sees zeros there and gives zeros (no NaN can arise from stale data),
+// the weight gradients sum over each group's rows only, and the combine (forward and backward)
+// and the dispatch backward address rows through slot_row, which never points past R.
 #pragma once
 #include <memory>
 #include <vector>
@@ -42,6 +53,7 @@
 #include "core/buffer.h"
 #include "model/layers/mlp.h"
 #include "model/layers/moe_dispatcher.h"
+#include "ops/grouped_matmul.h"
 #include "ops/moe.h"
 
 namespace mt {
@@ -102,6 +114,7 @@ class MoELayer final : public MlpSlot {
     Tensor top_routed;         // int32 [T_l, k]: the router's selection before a capacity drop
     Tensor xp, pre, act, out;  // [R_max, h], [R_max, (2)f_l], [R_max, f_l], [R_max, h]
     std::vector<int64_t> counts_host;  // the forward's rows per local expert (R = their sum)
+    Tensor counts;             // the same, int32 [E_l] on the device (--moe-grouped-gemm)
   };
   bool aux_loss_on() const;
   void random_logits(const Tensor& logits, const StepContext& ctx) const;  // --moe-router-force-load-balancing
@@ -110,6 +123,12 @@ class MoELayer final : public MlpSlot {
   bool drops() const { return config_.moe_expert_capacity_set; }
   // The router's selection of area `slot` (before a capacity drop; the dispatcher gets the kept slots).
   Tensor router_top(int slot) const;
+  // --moe-grouped-gemm: the experts over all R_max rows with the device counts.
+  void grouped_forward(Saved& sv, const Stream& st);
+  void grouped_backward(Saved& sv, const Stream& st);
+  Tensor finish_forward(Saved& sv, const StepContext& ctx);  // the shared experts, then y
+  // The router's backward and the shared experts' (after the dispatch backward wrote dx_).
+  Tensor router_backward(Saved& sv, const Tensor& dy, const StepContext& ctx, WgradDeferral* defer);
 
   const TransformerConfig& config_;
   const TensorParallelRegion& tp_;
@@ -123,6 +142,9 @@ class MoELayer final : public MlpSlot {
   std::unique_ptr<MLP> shared_;
   std::unique_ptr<MoeTokenDispatcher> dispatcher_;
   std::vector<Saved> saved_;  // per area
+  // --moe-grouped-gemm: the local experts' weights and main gradients as address tables on the
+  // device, built on the first forward / backward (the ParamStore's addresses are fixed).
+  GroupedWeights fc1_w_, fc2_w_, fc1_g_, fc2_g_;
   int64_t tokens_ = 0, max_rows_ = 0;  // T_l, R_max
   int64_t capacity_ = 0;               // per expert with --moe-expert-capacity-factor
   // scratch

@@ -48,18 +48,24 @@ class AllGatherDispatcher final : public MoeTokenDispatcher {
   Tensor top(int slot) const override { return local(saved_.at(static_cast<size_t>(slot)).top_all); }
   Tensor probs(int slot) const override { return local(saved_.at(static_cast<size_t>(slot)).probs_all); }
 
-  std::vector<int64_t> dispatch(const Tensor& xp, const Tensor& x, int slot, const Stream& st) override {
+  MoeExpertCounts dispatch(const Tensor& xp, const Tensor& x, int slot, const Stream& st) override {
     Saved& sv = saved_.at(static_cast<size_t>(slot));
     const Tensor x_all = gather(x_all_, x, st);
     if (size() > 1) {
       group().all_gather(sv.top_all, local(sv.top_all), st);
       group().all_gather(sv.probs_all, local(sv.probs_all), st);
     }
-    std::vector<int64_t> counts =
-        moe_routing_map(sv.row_index, sv.slot_row, sv.counts, sv.top_all, s_.first_expert, s_.num_local, st);
-    const int64_t R = std::accumulate(counts.begin(), counts.end(), int64_t{0});
+    MoeExpertCounts out;
+    out.device = sv.counts;
+    if (s_.device_counts) {  // sync-free: row_index is -1 beyond the routed rows, which permute skips
+      moe_routing_map_device(sv.row_index, sv.slot_row, sv.counts, sv.top_all, s_.first_expert, s_.num_local, st);
+      moe_permute(rows(xp).slice0(0, sv.row_index.numel()), x_all, sv.row_index, s_.topk, st);
+      return out;
+    }
+    out.host = moe_routing_map(sv.row_index, sv.slot_row, sv.counts, sv.top_all, s_.first_expert, s_.num_local, st);
+    const int64_t R = std::accumulate(out.host.begin(), out.host.end(), int64_t{0});
     moe_permute(row_range(xp, 0, R), x_all, sv.row_index, s_.topk, st);
-    return counts;
+    return out;
   }
 
   void combine(const Tensor& y, const Tensor& out, int slot, const Stream& st) override {
@@ -146,6 +152,7 @@ class AllToAllDispatcher final : public MoeTokenDispatcher {
     sv.row_index = p.saved(DType::kI32, {tokens * k}, "slots sorted by expert");
     sv.slot_row = p.saved(DType::kI32, {tokens * k}, "sorted position of each slot");
     sv.back = p.saved(t, {tokens * k, h}, "expert outputs returned to their tokens");
+    if (s_.device_counts) sv.local_counts = p.saved(DType::kI32, {s_.num_local}, "tokens per local expert");
     counts_ = p.scratch("moe.a2a.counts", DType::kI32, {E});
     counts_ep_ = p.scratch("moe.a2a.counts_ep", DType::kI32, {P_ * E});
     counts_all_ = p.scratch("moe.a2a.counts_all", DType::kI32, {Q_ * P_ * E});
@@ -159,7 +166,7 @@ class AllToAllDispatcher final : public MoeTokenDispatcher {
   Tensor top(int slot) const override { return saved_.at(static_cast<size_t>(slot)).top; }
   Tensor probs(int slot) const override { return saved_.at(static_cast<size_t>(slot)).probs; }
 
-  std::vector<int64_t> dispatch(const Tensor& xp, const Tensor& x, int slot, const Stream& st) override {
+  MoeExpertCounts dispatch(const Tensor& xp, const Tensor& x, int slot, const Stream& st) override {
     Saved& sv = saved_.at(static_cast<size_t>(slot));
     // Permutation 1: this rank's slots sorted by (global) expert, i.e. by destination EP rank
     // (S = T·k of them, fewer when a capacity dropped some: their expert is -1).
@@ -172,7 +179,15 @@ class AllToAllDispatcher final : public MoeTokenDispatcher {
     MT_CHECK(pl.rows() <= xp.size(0), "MoE alltoall dispatch: {} expert rows exceed the planned {}", pl.rows(),
              xp.size(0));
     to_experts(xp, row_range(send_, 0, S), pl, st);
-    return pl.local_counts;
+    MoeExpertCounts out;
+    out.host = pl.local_counts;
+    if (s_.device_counts) {  // the host counts uploaded (from the plan, which outlives the copy)
+      sv.plan.local_counts32.assign(pl.local_counts.begin(), pl.local_counts.end());
+      copy_bytes(sv.local_counts.data(), sv.local_counts.device(), sv.plan.local_counts32.data(), Device::cpu(),
+                 sv.plan.local_counts32.size() * sizeof(int32_t), st);
+      out.device = sv.local_counts;
+    }
+    return out;
   }
 
   void combine(const Tensor& y, const Tensor& out, int slot, const Stream& st) override {
@@ -213,6 +228,7 @@ class AllToAllDispatcher final : public MoeTokenDispatcher {
     std::vector<int64_t> chunk_sizes;   // [Q·P·E_l] in received order
     std::vector<int64_t> order;         // permutation 2: [e][i][j] order of those chunks
     std::vector<int64_t> local_counts;  // [E_l]: rows per local expert
+    std::vector<int32_t> local_counts32;  // the same, the source of the device copy (device_counts)
     int64_t ep_rows() const { return std::accumulate(recv_rows.begin(), recv_rows.end(), int64_t{0}); }
     int64_t slots() const { return std::accumulate(send_rows.begin(), send_rows.end(), int64_t{0}); }
     int64_t rows() const { return std::accumulate(local_counts.begin(), local_counts.end(), int64_t{0}); }
@@ -223,6 +239,7 @@ class AllToAllDispatcher final : public MoeTokenDispatcher {
     Tensor row_index;  // int32 [T·k]: the flat slot at each position of the expert-sorted order
     Tensor slot_row;   // int32 [T·k]: its inverse
     Tensor back;       // [T·k, h]: the expert outputs returned to this rank (probs' gradient)
+    Tensor local_counts;  // int32 [E_l] on the device (device_counts only)
     Plan plan;
   };
 

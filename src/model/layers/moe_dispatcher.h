@@ -20,6 +20,8 @@
 // The MoE layer (model/layers/moe.h) runs the router into top(slot) / probs(slot), calls
 // dispatch(), runs its local experts on rows [0, R) of the expert-input buffer (ordered by local
 // expert), then combine(); backward: combine_backward(), the experts' backward, dispatch_backward().
+// With --moe-grouped-gemm the counts stay on the device (MoeExpertCounts::device) and the layer
+// passes the whole planned [R_max, h] buffers: the allgather path then has no host read at all.
 #pragma once
 #include <memory>
 #include <vector>
@@ -49,6 +51,22 @@ struct MoeDispatchSizes {
   int64_t topk = 0;          ///< k
   int64_t num_local = 0;     ///< E_l = E / ep
   int64_t first_expert = 0;  ///< ep_rank · E_l
+  /// The layer reads the expert row counts on the device (--moe-grouped-gemm): dispatch() returns
+  /// them in MoeExpertCounts::device. The allgather dispatcher then reads nothing on the host (its
+  /// dispatch() does not synchronise: moe_routing_map_device); the alltoall one still needs the
+  /// host counts for its all_to_allv split sizes and copies them to the device as well.
+  bool device_counts = false;
+};
+
+/// The rows of each local expert brought by one dispatch() (R = their sum, rows [0, R) of the
+/// expert-input buffer, ordered by local expert).
+struct MoeExpertCounts {
+  /// int32 [E_l] on the model's device, valid in stream order: always for the allgather
+  /// dispatcher, for the alltoall one with MoeDispatchSizes::device_counts; else empty.
+  Tensor device;
+  /// The same on the host (E_l entries); empty when the dispatcher read nothing on the host
+  /// (allgather with device_counts).
+  std::vector<int64_t> host;
 };
 
 class MoeTokenDispatcher {
@@ -62,21 +80,23 @@ class MoeTokenDispatcher {
   virtual Tensor top(int slot) const = 0;
   virtual Tensor probs(int slot) const = 0;
   /// Forward dispatch of x [T, h] with the routing in top(slot) / probs(slot): writes the local
-  /// experts' input rows into rows [0, R) of xp [R_max, h], ordered by local expert, and returns
-  /// the rows of each local expert (host, E_l entries, R = their sum). Collective over the
-  /// dispatcher's groups; synchronises `stream` once or twice to read the counts (the expert GEMM
-  /// shapes and the all_to_allv split sizes depend on them).
-  virtual std::vector<int64_t> dispatch(const Tensor& xp, const Tensor& x, int slot, const Stream& stream) = 0;
+  /// experts' input rows into rows [0, R) of xp [R_max, h], ordered by local expert (rows
+  /// [R, R_max) are left untouched), and returns the rows of each local expert (MoeExpertCounts).
+  /// Collective over the dispatcher's groups. Synchronises `stream` once or twice to read the
+  /// counts on the host (the expert GEMM shapes, the all_to_allv split sizes), except the
+  /// allgather dispatcher built with device_counts, which never does.
+  virtual MoeExpertCounts dispatch(const Tensor& xp, const Tensor& x, int slot, const Stream& stream) = 0;
   /// y [T, h] (overwritten) = for each token the prob-weighted sum of its experts' outputs, from
-  /// out [R, h], the local experts' output rows in dispatch() order.
+  /// out [≥ R, h], the local experts' output rows in dispatch() order (rows beyond R not read;
+  /// without host counts the layer passes all R_max rows).
   virtual void combine(const Tensor& y, const Tensor& out, int slot, const Stream& stream) = 0;
-  /// Backward of combine from dy [T, h]: d_out [R, h] (overwritten), the gradient of the local
-  /// experts' output rows, and d_probs fp32 [T, k] (overwritten), the gradient of this rank's
-  /// probs. out: the forward's expert output rows [R, h].
+  /// Backward of combine from dy [T, h]: d_out [≥ R, h] (rows [0, R) overwritten, the others
+  /// untouched), the gradient of the local experts' output rows, and d_probs fp32 [T, k]
+  /// (overwritten), the gradient of this rank's probs. out: the forward's expert output rows.
   virtual void combine_backward(const Tensor& d_out, const Tensor& d_probs, const Tensor& dy, const Tensor& out,
                                 int slot, const Stream& stream) = 0;
-  /// Backward of dispatch: dx [T, h] (overwritten) from d_xp [R, h], the gradient of the expert
-  /// input rows.
+  /// Backward of dispatch: dx [T, h] (overwritten) from d_xp [≥ R, h], the gradient of the expert
+  /// input rows (rows beyond R not read).
   virtual void dispatch_backward(const Tensor& dx, const Tensor& d_xp, int slot, const Stream& stream) = 0;
 };
 

@@ -290,13 +290,26 @@ std::vector<int64_t> moe_routing_map(const Tensor& row_index, const Tensor& slot
   return std::vector<int64_t>(cnt, cnt + num_local);
 }
 
+void moe_routing_map_device(const Tensor& row_index, const Tensor& slot_row, const Tensor& counts, const Tensor& top,
+                            int64_t first_expert, int64_t num_local, const Stream& stream) {
+  // On the CPU the "device" is host memory: the same map, and the unused rows marked -1.
+  const std::vector<int64_t> c = cpu::moe_routing_map(row_index, slot_row, counts, top, first_expert, num_local, stream);
+  int64_t R = 0;
+  for (int64_t v : c) R += v;
+  int32_t* rows = row_index.data_as<int32_t>();
+  std::fill(rows + R, rows + row_index.numel(), -1);
+}
+
 void moe_permute(const Tensor& rows, const Tensor& x, const Tensor& row_index, int64_t topk, const Stream&) {
   const int64_t R = rows.size(0), h = rows.size(1);
   const float* X = x.data_as<float>();
   const int32_t* idx = row_index.data_as<int32_t>();
   float* Y = rows.data_as<float>();
 #pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < R; ++r) std::copy(X + (idx[r] / topk) * h, X + (idx[r] / topk + 1) * h, Y + r * h);
+  for (int64_t r = 0; r < R; ++r) {
+    if (idx[r] < 0) continue;  // beyond the routed rows (moe_routing_map_device)
+    std::copy(X + (idx[r] / topk) * h, X + (idx[r] / topk + 1) * h, Y + r * h);
+  }
 }
 
 void moe_permute_backward(const Tensor& dx, const Tensor& d_rows, const Tensor& slot_row, int64_t topk,

@@ -28,7 +28,9 @@
 // warps in order) and writes row_index[base(expert) + chunk prefix + warp prefix + rank] = slot;
 // one fused block when N·k <= 4096. The counts then go to the host (cudaMemcpyAsync +
 // cudaStreamSynchronize: the one host synchronisation in this file), and (4) slot_row is written
-// (the inverse of row_index, -1 for the slots of other experts). Up to ~6,000 local experts (the
+// (the inverse of row_index, -1 for the slots of other experts). moe_routing_map_device skips the
+// host copy: row_index and slot_row are preset to -1 (memset), steps (1)-(3) run as above, and
+// slot_row is written from every placed row of the planned capacity. Up to ~6,000 local experts (the
 // shared memory of step 3).
 // moe_permute / _backward, moe_unpermute / _backward: one warp per row (8 warps per block), 16-byte
 // vectors when h and the pointers allow (permute copies raw words of up to 16 bytes, any dtype),
@@ -711,7 +713,8 @@ __global__ void map_slot_row_kernel(int32_t* __restrict__ slot_row, const int32_
 
 // ---- permutation -------------------------------------------------------------------------------
 
-/// rows[r] = x[row_index[r] / k]: raw words of type W, one warp per row.
+/// rows[r] = x[row_index[r] / k] (rows with row_index[r] < 0 untouched): raw words of type W, one
+/// warp per row.
 template <typename W>
 __global__ void __launch_bounds__(kRowThreads)
     permute_kernel(W* __restrict__ rows, const W* __restrict__ x, const int32_t* __restrict__ row_index, int64_t R,
@@ -719,7 +722,9 @@ __global__ void __launch_bounds__(kRowThreads)
   const int lane = threadIdx.x & 31;
   const int64_t nw = static_cast<int64_t>(gridDim.x) * kRowWarps;
   for (int64_t r = static_cast<int64_t>(blockIdx.x) * kRowWarps + (threadIdx.x >> 5); r < R; r += nw) {
-    const W* src = x + static_cast<int64_t>(row_index[r] / k) * words;
+    const int32_t i = row_index[r];
+    if (i < 0) continue;  // beyond the routed rows (moe_routing_map_device): untouched
+    const W* src = x + static_cast<int64_t>(i / k) * words;
     W* dst = rows + r * words;
     for (int64_t c = lane; c < words; c += 32) dst[c] = src[c];
   }
@@ -980,25 +985,13 @@ void moe_expert_bias_update(const Tensor& expert_bias, const Tensor& tokens_per_
   MT_CUDA_CHECK_LAUNCH();
 }
 
-std::vector<int64_t> moe_routing_map(const Tensor& row_index, const Tensor& slot_row, const Tensor& counts,
-                                     const Tensor& top, int64_t first_expert, int64_t num_local,
-                                     const Stream& stream) {
-  const char* fn = "moe_routing_map";
-  const int64_t n = top.numel(), cap = row_index.numel();
-  MT_CHECK(n <= INT32_MAX && first_expert <= INT32_MAX && num_local <= INT32_MAX,
-           "{}: {} slots, experts [{}, {}) exceed the int32 range of the maps", fn, n, first_expert,
-           first_expert + num_local);
-  const int L = static_cast<int>(num_local), first = static_cast<int>(first_expert);
+namespace {
+/// Steps (1)-(3) of the routing map: counts (device) and row_index[row] = slot for row < cap.
+void map_place(int32_t* ri, int64_t cap, int32_t* cnt, const int32_t* tp, int64_t n, int first, int L,
+               const Stream& stream, const char* fn) {
   cudaStream_t s = raw(stream);
-  if (n == 0) {
-    MT_CUDA_CHECK(cudaMemsetAsync(counts.data(), 0, static_cast<size_t>(L) * 4, s));
-    return std::vector<int64_t>(static_cast<size_t>(L), 0);
-  }
   const int64_t B = (n + kMapChunk - 1) / kMapChunk;
   const size_t place_smem = static_cast<size_t>(kMapWarps + 1) * L * 4;
-  int32_t* ri = row_index.data_as<int32_t>();
-  int32_t* cnt = counts.data_as<int32_t>();
-  const int32_t* tp = top.data_as<int32_t>();
   if (B == 1) {
     allow_smem(map_place_kernel<true>, place_smem, fn, fmt::format("{} local experts", L).c_str());
     map_place_kernel<true><<<1, kMapThreads, place_smem, s>>>(ri, cap, cnt, nullptr, tp, n, first, L, 1);
@@ -1017,6 +1010,41 @@ std::vector<int64_t> moe_routing_map(const Tensor& row_index, const Tensor& slot
                                                                 static_cast<int>(B));
     MT_CUDA_CHECK_LAUNCH();
   }
+}
+
+/// (4') slot_row[row_index[r]] = r for the rows r < cap with row_index[r] >= 0 (slot_row preset to -1).
+__global__ void map_slot_row_device_kernel(int32_t* __restrict__ slot_row, const int32_t* __restrict__ row_index,
+                                           int64_t cap) {
+  for (int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; r < cap;
+       r += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int32_t i = row_index[r];
+    if (i >= 0) slot_row[i] = static_cast<int32_t>(r);
+  }
+}
+
+void check_map_range(int64_t n, int64_t first_expert, int64_t num_local, const char* fn) {
+  MT_CHECK(n <= INT32_MAX && first_expert <= INT32_MAX && num_local <= INT32_MAX,
+           "{}: {} slots, experts [{}, {}) exceed the int32 range of the maps", fn, n, first_expert,
+           first_expert + num_local);
+}
+}  // namespace
+
+std::vector<int64_t> moe_routing_map(const Tensor& row_index, const Tensor& slot_row, const Tensor& counts,
+                                     const Tensor& top, int64_t first_expert, int64_t num_local,
+                                     const Stream& stream) {
+  const char* fn = "moe_routing_map";
+  const int64_t n = top.numel(), cap = row_index.numel();
+  check_map_range(n, first_expert, num_local, fn);
+  const int L = static_cast<int>(num_local), first = static_cast<int>(first_expert);
+  cudaStream_t s = raw(stream);
+  if (n == 0) {
+    MT_CUDA_CHECK(cudaMemsetAsync(counts.data(), 0, static_cast<size_t>(L) * 4, s));
+    return std::vector<int64_t>(static_cast<size_t>(L), 0);
+  }
+  int32_t* ri = row_index.data_as<int32_t>();
+  int32_t* cnt = counts.data_as<int32_t>();
+  const int32_t* tp = top.data_as<int32_t>();
+  map_place(ri, cap, cnt, tp, n, first, L, stream, fn);
   // The one host synchronisation: the counts decide the expert GEMM shapes.
   std::vector<int32_t> host(static_cast<size_t>(L));
   MT_CUDA_CHECK(cudaMemcpyAsync(host.data(), cnt, static_cast<size_t>(L) * 4, cudaMemcpyDeviceToHost, s));
@@ -1029,6 +1057,29 @@ std::vector<int64_t> moe_routing_map(const Tensor& row_index, const Tensor& slot
                                                                                    tp, n, R, first, L);
   MT_CUDA_CHECK_LAUNCH();
   return out;
+}
+
+void moe_routing_map_device(const Tensor& row_index, const Tensor& slot_row, const Tensor& counts, const Tensor& top,
+                            int64_t first_expert, int64_t num_local, const Stream& stream) {
+  const char* fn = "moe_routing_map_device";
+  const int64_t n = top.numel(), cap = row_index.numel();
+  check_map_range(n, first_expert, num_local, fn);
+  const int L = static_cast<int>(num_local), first = static_cast<int>(first_expert);
+  cudaStream_t s = raw(stream);
+  // Every row and slot starts unassigned (-1: all bytes 0xff); the place kernel fills the routed rows.
+  if (cap > 0) MT_CUDA_CHECK(cudaMemsetAsync(row_index.data(), 0xff, static_cast<size_t>(cap) * 4, s));
+  if (n > 0) MT_CUDA_CHECK(cudaMemsetAsync(slot_row.data(), 0xff, static_cast<size_t>(n) * 4, s));
+  if (n == 0) {
+    MT_CUDA_CHECK(cudaMemsetAsync(counts.data(), 0, static_cast<size_t>(L) * 4, s));
+    return;
+  }
+  int32_t* ri = row_index.data_as<int32_t>();
+  map_place(ri, cap, counts.data_as<int32_t>(), top.data_as<int32_t>(), n, first, L, stream, fn);
+  if (cap > 0) {
+    map_slot_row_device_kernel<<<ew::grid_for(cap, 256, stream, 8), 256, 0, s>>>(slot_row.data_as<int32_t>(), ri,
+                                                                                 cap);
+    MT_CUDA_CHECK_LAUNCH();
+  }
 }
 
 void moe_permute(const Tensor& rows, const Tensor& x, const Tensor& row_index, int64_t topk, const Stream& stream) {

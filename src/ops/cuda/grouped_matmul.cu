@@ -1,0 +1,589 @@
+// CUDA grouped linear layers (ops/grouped_matmul.h): the per-group row counts are read on the
+// device, so nothing here synchronises with the host.
+//
+// Every block first turns the G counts into the groups' row offsets (clipped at R) and, for the
+// forward and dgrad, the prefix of their row tiles (warp 0: a per-lane serial sum over a run of
+// groups, then a warp scan), all in shared memory. Forward / dgrad: the grid has ceil(R/BM) + G
+// row-tile slots (enough for any counts summing to <= R: Σ ceil(c_g/BM) <= ceil(R/BM) + G - 1) by
+// ceil(N/BN) column tiles; slot b holds row tile b - tiles_before(g) of the group g found by a
+// binary search, and the slots beyond the last tile zero the tail rows [Σc, R). Wgrad: one block
+// per (group, n tile, k tile) reduces over the group's rows; an empty group returns at once.
+//
+// Tensor-core kernel (bf16 / fp16): 128x128 block tile, BK = 32, 8 warps of 64x32, mma.sync
+// m16n8k16 with fp32 accumulators, operands staged in shared memory by cp.async (16-byte chunks,
+// zero-filled outside the matrix) over a 3-stage pipeline, fragments read by ldmatrix (.trans for
+// the operands stored M- or N-contiguous: the dgrad's weight, both operands of the wgrad); padded
+// shared-memory rows keep ldmatrix free of bank conflicts. Needs n, k multiples of 8 and 16-byte
+// aligned pointers (the chunks); otherwise, and for fp32, the SIMT kernel: 64x64 tiles, BK = 16,
+// 4x4 outputs per thread, fp32 FMA in a fixed order (fp32 results match the CPU to ~1e-6).
+// Determinism: each output element is computed by one thread of one block in a fixed order.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+#include "ops/grouped_matmul.h"  // first: elementwise_common.cuh needs Tensor, Stream, DType
+
+#include "core/cuda_check.h"
+#include "ops/cuda/elementwise_common.cuh"
+
+namespace mt::cuda {
+namespace {
+
+using ew::raw;
+
+constexpr int kMaxGroups = 1024;  // the shared-memory group tables
+constexpr int kThreads = 256;
+
+enum class Mode { kForward, kDgrad, kWgrad };
+
+struct Params {
+  const void* a;         // forward: x [R, k]; dgrad, wgrad: dy [R, n]
+  const void* b;         // wgrad: x [R, k]; else unused (the weights come from `table`)
+  void* c;               // forward: y [R, n]; dgrad: dx [R, k]; wgrad: unused (fp32 grads in `table`)
+  void* const* table;    // G weights [n, k] (forward, dgrad) or G fp32 gradients [n, k] (wgrad)
+  const int32_t* counts;  // [G]
+  int G, R, n, k;
+};
+
+// ---- group tables ------------------------------------------------------------------------------
+
+__device__ __forceinline__ long long warp_inclusive_scan(long long v) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const long long u = __shfl_up_sync(0xffffffffu, v, o);
+    if (lane >= o) v += u;
+  }
+  return v;
+}
+
+/// off[g] = first row of group g clipped at R (g <= G; off[G] = min(Σc, R)); with bm > 0 also
+/// tile[g] = row tiles of bm rows before group g (tile[G] = all). Warp 0 computes, then the block
+/// synchronises. Negative counts count as 0.
+__device__ void group_tables(const int32_t* __restrict__ counts, int G, int R, int bm, int* off, int* tile) {
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    const int per = (G + 31) / 32, g0 = min(lane * per, G), g1 = min(g0 + per, G);
+    long long sum = 0;
+    for (int g = g0; g < g1; ++g) sum += max(counts[g], 0);
+    long long run = warp_inclusive_scan(sum) - sum;
+    for (int g = g0; g < g1; ++g) {
+      off[g] = static_cast<int>(min(run, static_cast<long long>(R)));
+      run += max(counts[g], 0);
+    }
+    if (lane == 31) off[G] = static_cast<int>(min(run, static_cast<long long>(R)));
+    __syncwarp();
+    if (bm > 0) {
+      long long t = 0;
+      for (int g = g0; g < g1; ++g) t += (off[g + 1] - off[g] + bm - 1) / bm;
+      long long trun = warp_inclusive_scan(t) - t;
+      for (int g = g0; g < g1; ++g) {
+        tile[g] = static_cast<int>(trun);
+        trun += (off[g + 1] - off[g] + bm - 1) / bm;
+      }
+      if (lane == 31) tile[G] = static_cast<int>(trun);
+    }
+  }
+  __syncthreads();
+}
+
+/// The group whose row tiles include slot b (tile[g] <= b < tile[g + 1]), or -1 when b >= tile[G].
+__device__ __forceinline__ int find_group(const int* tile, int G, int b) {
+  if (b >= tile[G]) return -1;
+  int lo = 0, hi = G - 1;  // the last g with tile[g] <= b
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (tile[mid] <= b) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
+
+/// What a block of the forward/dgrad computes: group g's row tile `mt` (rows [off + mt·bm, ...)
+/// of `rows` rows in the group), or, with g < 0, the tail tile starting at row `tail_row`.
+struct RowTile {
+  int g, off, rows, m0, tail_row;
+};
+
+__device__ __forceinline__ RowTile row_tile(const int* off, const int* tile, int G, int R, int bm) {
+  RowTile t{};
+  const int b = static_cast<int>(blockIdx.y);
+  t.g = find_group(tile, G, b);
+  if (t.g < 0) {
+    t.tail_row = off[G] + (b - tile[G]) * bm;
+    return t;
+  }
+  t.off = off[t.g];
+  t.rows = off[t.g + 1] - off[t.g];
+  t.m0 = (b - tile[t.g]) * bm;
+  return t;
+}
+
+/// Zeroes rows [row0, min(row0 + bm, R)) x columns [col0, min(col0 + bn, N)) of c [R, N].
+template <typename T>
+__device__ void zero_tile(T* __restrict__ c, int row0, int R, int N, int col0, int bm, int bn) {
+  const int r1 = min(row0 + bm, R), c1 = min(col0 + bn, N);
+  if (row0 >= r1 || col0 >= c1) return;
+  const int w = c1 - col0;
+  for (int e = threadIdx.x; e < (r1 - row0) * w; e += blockDim.x) {
+    const int r = row0 + e / w, col = col0 + e % w;
+    c[static_cast<int64_t>(r) * N + col] = T(0.f);
+  }
+}
+
+// ---- the SIMT kernel (fp32, and the fallback of bf16/fp16) ---------------------------------------
+
+constexpr int kSM = 64, kSN = 64, kSK = 16;
+
+template <typename T>
+__device__ __forceinline__ float ld_f(const T* p) {
+  return ew::to_f32(*p);
+}
+
+/// Element (i, r) of operand A and (j, r) of operand B of mode kMode (r: the reduction index),
+/// relative to the group's first row.
+template <Mode kMode, typename T>
+struct Operands {
+  const T* a;
+  const T* b;
+  int n, k;
+  __device__ float A(int i, int r) const {
+    if constexpr (kMode == Mode::kWgrad) return ld_f(a + static_cast<int64_t>(r) * n + i);  // dy[r, i]
+    if constexpr (kMode == Mode::kForward) return ld_f(a + static_cast<int64_t>(i) * k + r);  // x[i, r]
+    return ld_f(a + static_cast<int64_t>(i) * n + r);                                      // dy[i, r]
+  }
+  __device__ float B(int j, int r) const {
+    if constexpr (kMode == Mode::kForward) return ld_f(b + static_cast<int64_t>(j) * k + r);  // W[j, r]
+    return ld_f(b + static_cast<int64_t>(r) * k + j);  // dgrad: W[r, j]; wgrad: x[r, j]
+  }
+};
+
+template <typename T, Mode kMode>
+__global__ void __launch_bounds__(kThreads) simt_kernel(Params p) {
+  __shared__ int s_off[kMaxGroups + 1], s_tile[kMaxGroups + 1];
+  __shared__ float As[kSK][kSM + 1], Bs[kSK][kSN + 1];
+  constexpr bool kWgrad = kMode == Mode::kWgrad;
+  group_tables(p.counts, p.G, p.R, kWgrad ? 0 : kSM, s_off, s_tile);
+  // Problem of this block: C[M, N] (+)= A[M, Kr] · B[N, Kr]ᵀ over its tile.
+  int g, M, N, Kr, m0, off;
+  if constexpr (kWgrad) {
+    g = blockIdx.z;
+    off = s_off[g];
+    Kr = s_off[g + 1] - off;
+    if (Kr == 0) return;
+    M = p.n;
+    N = p.k;
+    m0 = blockIdx.y * kSM;
+  } else {
+    const RowTile t = row_tile(s_off, s_tile, p.G, p.R, kSM);
+    N = kMode == Mode::kForward ? p.n : p.k;
+    if (t.g < 0) {
+      zero_tile(static_cast<T*>(p.c), t.tail_row, p.R, N, blockIdx.x * kSN, kSM, kSN);
+      return;
+    }
+    g = t.g;
+    off = t.off;
+    M = t.rows;
+    m0 = t.m0;
+    Kr = kMode == Mode::kForward ? p.k : p.n;
+  }
+  const int n0 = blockIdx.x * kSN;
+  Operands<kMode, T> op;
+  op.n = p.n;
+  op.k = p.k;
+  if constexpr (kWgrad) {
+    op.a = static_cast<const T*>(p.a) + static_cast<int64_t>(off) * p.n;
+    op.b = static_cast<const T*>(p.b) + static_cast<int64_t>(off) * p.k;
+  } else {
+    op.a = static_cast<const T*>(p.a) + static_cast<int64_t>(off) * (kMode == Mode::kForward ? p.k : p.n);
+    op.b = static_cast<const T*>(p.table[g]);
+  }
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+  float acc[4][4] = {};
+  for (int r0 = 0; r0 < Kr; r0 += kSK) {
+    for (int e = threadIdx.x; e < kSK * kSM; e += kThreads) {
+      const int kk = e / kSM, mm = e % kSM, r = r0 + kk;
+      As[kk][mm] = (m0 + mm < M && r < Kr) ? op.A(m0 + mm, r) : 0.f;
+      Bs[kk][mm] = (n0 + mm < N && r < Kr) ? op.B(n0 + mm, r) : 0.f;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < kSK; ++kk) {
+      float a[4], b[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) a[i] = As[kk][ty + 16 * i];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) b[j] = Bs[kk][tx + 16 * j];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int m = m0 + ty + 16 * i;
+    if (m >= M) continue;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int col = n0 + tx + 16 * j;
+      if (col >= N) continue;
+      if constexpr (kWgrad) {
+        float* dw = static_cast<float*>(p.table[g]);
+        dw[static_cast<int64_t>(m) * N + col] += acc[i][j];
+      } else {
+        static_cast<T*>(p.c)[static_cast<int64_t>(off + m) * N + col] = ew::from_f32<T>(acc[i][j]);
+      }
+    }
+  }
+}
+
+// ---- the tensor-core kernel (bf16 / fp16) -------------------------------------------------------
+
+constexpr int kBM = 128, kBN = 128, kBK = 32, kStages = 3, kPad = 8;
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  const int bytes = valid ? 16 : 0;  // 0: nothing read, the 16 bytes are zero-filled
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+template <bool kTrans>
+__device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const void* p) {
+  if constexpr (kTrans) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void mma16816(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+/// One operand tile in shared memory: kOuter rows of kInner contiguous elements (+ kPad), filled
+/// by cp.async from a matrix with `ld` elements per row, rows < outer_lim and columns < inner_lim
+/// valid (inner_lim a multiple of 8), the rest zero.
+template <typename T, int kOuter, int kInner>
+struct Tile {
+  static constexpr int kLd = kInner + kPad;
+  static constexpr int kElems = kOuter * kLd;
+  __device__ static void load(T* s, const T* g, int64_t ld, int outer0, int inner0, int outer_lim, int inner_lim) {
+    constexpr int kChunks = kInner / 8;
+#pragma unroll
+    for (int i = 0; i < kOuter * kChunks / kThreads; ++i) {
+      const int q = threadIdx.x + i * kThreads, o = q / kChunks, c = (q % kChunks) * 8;
+      const int go = outer0 + o, gi = inner0 + c;
+      const bool valid = go < outer_lim && gi < inner_lim;
+      cp_async16(s + o * kLd + c, valid ? g + static_cast<int64_t>(go) * ld + gi : g, valid);
+    }
+  }
+};
+
+/// Shared memory of the tensor-core kernel (dynamic part).
+template <typename T, Mode kMode>
+constexpr size_t tc_smem_bytes() {
+  constexpr bool kAk = kMode != Mode::kWgrad, kBk = kMode == Mode::kForward;
+  constexpr int a = kAk ? Tile<T, kBM, kBK>::kElems : Tile<T, kBK, kBM>::kElems;
+  constexpr int b = kBk ? Tile<T, kBN, kBK>::kElems : Tile<T, kBK, kBN>::kElems;
+  return static_cast<size_t>(kStages) * (a + b) * sizeof(T);
+}
+
+template <typename T, Mode kMode>
+__global__ void __launch_bounds__(kThreads) tc_kernel(Params p) {
+  // A is K-contiguous (x, dy as [rows, reduction]) except in the wgrad (dyᵀ: M-contiguous); B is
+  // K-contiguous in the forward (W[n, k]) and N-contiguous otherwise (W in the dgrad, x in the wgrad).
+  constexpr bool kAk = kMode != Mode::kWgrad, kBk = kMode == Mode::kForward, kWgrad = kMode == Mode::kWgrad;
+  using TileA = std::conditional_t<kAk, Tile<T, kBM, kBK>, Tile<T, kBK, kBM>>;
+  using TileB = std::conditional_t<kBk, Tile<T, kBN, kBK>, Tile<T, kBK, kBN>>;
+  __shared__ int s_off[kMaxGroups + 1], s_tile[kMaxGroups + 1];
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* sA = reinterpret_cast<T*>(smem_raw);
+  T* sB = sA + kStages * TileA::kElems;
+
+  group_tables(p.counts, p.G, p.R, kWgrad ? 0 : kBM, s_off, s_tile);
+  int g, M, N, Kr, m0, off;
+  if constexpr (kWgrad) {
+    g = blockIdx.z;
+    off = s_off[g];
+    Kr = s_off[g + 1] - off;
+    if (Kr == 0) return;
+    M = p.n;
+    N = p.k;
+    m0 = blockIdx.y * kBM;
+  } else {
+    const RowTile t = row_tile(s_off, s_tile, p.G, p.R, kBM);
+    N = kMode == Mode::kForward ? p.n : p.k;
+    if (t.g < 0) {
+      zero_tile(static_cast<T*>(p.c), t.tail_row, p.R, N, blockIdx.x * kBN, kBM, kBN);
+      return;
+    }
+    g = t.g;
+    off = t.off;
+    M = t.rows;
+    m0 = t.m0;
+    Kr = kMode == Mode::kForward ? p.k : p.n;
+  }
+  const int n0 = blockIdx.x * kBN;
+  // Operand bases and row lengths.
+  const T* A;
+  const T* B;
+  int64_t lda, ldb;
+  if constexpr (kWgrad) {
+    A = static_cast<const T*>(p.a) + static_cast<int64_t>(off) * p.n;  // dy_g [rows, n]
+    lda = p.n;
+    B = static_cast<const T*>(p.b) + static_cast<int64_t>(off) * p.k;  // x_g [rows, k]
+    ldb = p.k;
+  } else {
+    lda = kMode == Mode::kForward ? p.k : p.n;
+    A = static_cast<const T*>(p.a) + static_cast<int64_t>(off) * lda;  // x_g or dy_g
+    B = static_cast<const T*>(p.table[g]);                             // W_g [n, k]
+    ldb = p.k;
+  }
+  auto load_stage = [&](int stage, int r0) {
+    T* a = sA + stage * TileA::kElems;
+    T* b = sB + stage * TileB::kElems;
+    if constexpr (kAk) {
+      TileA::load(a, A, lda, m0, r0, M, Kr);
+    } else {
+      TileA::load(a, A, lda, r0, m0, Kr, M);
+    }
+    if constexpr (kBk) {
+      TileB::load(b, B, ldb, n0, r0, N, Kr);
+    } else {
+      TileB::load(b, B, ldb, r0, n0, Kr, N);
+    }
+  };
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int wm = (warp / 4) * 64, wn = (warp % 4) * 32;
+  float acc[4][4][4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.f;
+
+  const int ktiles = (Kr + kBK - 1) / kBK;
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < ktiles) load_stage(s, s * kBK);
+    cp_async_commit();
+  }
+  for (int kt = 0; kt < ktiles; ++kt) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();  // stage kt landed for every thread; stage kt - 1 is free for the prefetch
+    {
+      const int next = kt + kStages - 1;
+      if (next < ktiles) load_stage(next % kStages, next * kBK);
+      cp_async_commit();
+    }
+    const T* a = sA + (kt % kStages) * TileA::kElems;
+    const T* b = sB + (kt % kStages) * TileB::kElems;
+#pragma unroll
+    for (int kk = 0; kk < kBK; kk += 16) {
+      unsigned af[4][4], bf[4][2];
+#pragma unroll
+      for (int mi = 0; mi < 4; ++mi) {
+        const int mb = wm + mi * 16;
+        if constexpr (kAk) {  // a[m][k]
+          ldsm_x4<false>(af[mi], a + (mb + (lane & 15)) * TileA::kLd + kk + (lane >> 4) * 8);
+        } else {  // a[k][m]
+          ldsm_x4<true>(af[mi], a + (kk + (lane & 7) + (lane >> 4) * 8) * TileA::kLd + mb + ((lane >> 3) & 1) * 8);
+        }
+      }
+#pragma unroll
+      for (int nj = 0; nj < 2; ++nj) {
+        const int nb = wn + nj * 16;
+        unsigned r[4];
+        if constexpr (kBk) {  // b[n][k]
+          ldsm_x4<false>(r, b + (nb + (lane & 7) + (lane >> 4) * 8) * TileB::kLd + kk + ((lane >> 3) & 1) * 8);
+        } else {  // b[k][n]
+          ldsm_x4<true>(r, b + (kk + (lane & 7) + ((lane >> 3) & 1) * 8) * TileB::kLd + nb + (lane >> 4) * 8);
+        }
+        bf[2 * nj][0] = r[0];
+        bf[2 * nj][1] = r[1];
+        bf[2 * nj + 1][0] = r[2];
+        bf[2 * nj + 1][1] = r[3];
+      }
+#pragma unroll
+      for (int mi = 0; mi < 4; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < 4; ++ni) mma16816<T>(acc[mi][ni], af[mi], bf[ni][0], bf[ni][1]);
+    }
+  }
+  cp_async_wait<0>();
+
+  // Epilogue: thread (g = lane / 4, t = lane % 4) holds rows g, g + 8 and columns 2t, 2t + 1 of
+  // each 16x8 tile.
+  const int gr = lane >> 2, tc = (lane & 3) * 2;
+#pragma unroll
+  for (int mi = 0; mi < 4; ++mi) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int m = m0 + wm + mi * 16 + gr + h * 8;
+      if (m >= M) continue;
+#pragma unroll
+      for (int ni = 0; ni < 4; ++ni) {
+        const int col = n0 + wn + ni * 8 + tc;
+        if (col >= N) continue;  // N is even: col + 1 < N too
+        const float v0 = acc[mi][ni][2 * h], v1 = acc[mi][ni][2 * h + 1];
+        if constexpr (kWgrad) {
+          float2* d = reinterpret_cast<float2*>(static_cast<float*>(p.table[g]) + static_cast<int64_t>(m) * N + col);
+          float2 o = *d;
+          o.x += v0;
+          o.y += v1;
+          *d = o;
+        } else {
+          T* d = static_cast<T*>(p.c) + static_cast<int64_t>(off + m) * N + col;
+          if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+            *reinterpret_cast<__nv_bfloat162*>(d) = __floats2bfloat162_rn(v0, v1);
+          } else {
+            *reinterpret_cast<__half2*>(d) = __floats2half2_rn(v0, v1);
+          }
+        }
+      }
+    }
+  }
+}
+
+// ---- launchers ---------------------------------------------------------------------------------
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+/// Opts the kernel in to `smem` bytes of dynamic shared memory (once per device and kernel).
+template <typename Kernel>
+void allow_smem(Kernel kernel, size_t smem, const char* fn) {
+  static bool done[64] = {};
+  int dev = 0;
+  MT_CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev < 64 && done[dev]) return;
+  int max_optin = 0;
+  MT_CUDA_CHECK(cudaDeviceGetAttribute(&max_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  MT_CHECK(smem + 2 * (kMaxGroups + 1) * sizeof(int) <= static_cast<size_t>(max_optin),
+           "{}: the tensor-core kernel needs {} bytes of shared memory, more than the device's {}", fn, smem,
+           max_optin);
+  MT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  if (dev < 64) done[dev] = true;
+}
+
+template <Mode kMode>
+void launch(const char* fn, DType dtype, const Params& p, bool tensor_cores, int64_t R, int64_t N, int64_t M_wgrad,
+            const Stream& stream) {
+  MT_CHECK(p.G <= kMaxGroups, "{}: {} groups, more than the kernel's {}", fn, p.G, kMaxGroups);
+  const int bm = tensor_cores ? kBM : kSM, bn = tensor_cores ? kBN : kSN;
+  dim3 grid;
+  if constexpr (kMode == Mode::kWgrad) {
+    grid = dim3(static_cast<unsigned>((N + bn - 1) / bn), static_cast<unsigned>((M_wgrad + bm - 1) / bm),
+                static_cast<unsigned>(p.G));
+  } else {
+    const int64_t slots = (R + bm - 1) / bm + p.G;
+    MT_CHECK(slots <= 65535, "{}: {} rows need {} row-tile slots, more than the grid's 65535", fn, R, slots);
+    grid = dim3(static_cast<unsigned>((N + bn - 1) / bn), static_cast<unsigned>(slots));
+  }
+  MT_CHECK(grid.y <= 65535 && grid.x >= 1, "{}: grid {}x{}x{} out of range", fn, grid.x, grid.y, grid.z);
+  cudaStream_t s = raw(stream);
+  ew::dispatch_float(dtype, fn, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    if constexpr (std::is_same_v<T, float>) {
+      simt_kernel<T, kMode><<<grid, kThreads, 0, s>>>(p);
+    } else {
+      if (tensor_cores) {
+        constexpr size_t smem = tc_smem_bytes<T, kMode>();
+        allow_smem(tc_kernel<T, kMode>, smem, fn);
+        tc_kernel<T, kMode><<<grid, kThreads, smem, s>>>(p);
+      } else {
+        simt_kernel<T, kMode><<<grid, kThreads, 0, s>>>(p);
+      }
+    }
+  });
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+Params make_params(const void* a, const void* b, void* c, const GroupedWeights& w, const Tensor& counts, int64_t R,
+                   const char* fn) {
+  MT_CHECK(R <= INT32_MAX && w.rows() <= INT32_MAX && w.cols() <= INT32_MAX && w.groups() <= INT32_MAX,
+           "{}: {} rows of [{}, {}] exceed the kernel's int32 range", fn, R, w.rows(), w.cols());
+  Params p{};
+  p.a = a;
+  p.b = b;
+  p.c = c;
+  p.table = w.table();
+  p.counts = counts.data_as<int32_t>();
+  p.G = static_cast<int>(w.groups());
+  p.R = static_cast<int>(R);
+  p.n = static_cast<int>(w.rows());
+  p.k = static_cast<int>(w.cols());
+  return p;
+}
+
+}  // namespace
+
+void grouped_linear_forward(const Tensor& y, const Tensor& x, const GroupedWeights& w, const Tensor& counts,
+                            const Stream& stream) {
+  const char* fn = "grouped_linear_forward";
+  const int64_t R = x.size(0), n = w.rows(), k = w.cols();
+  if (R == 0 || n == 0) return;
+  const Params p = make_params(x.data(), nullptr, y.data(), w, counts, R, fn);
+  const bool tc = x.dtype() != DType::kF32 && n % 8 == 0 && k % 8 == 0 && w.aligned16() && aligned16(x.data()) &&
+                  aligned16(y.data());
+  launch<Mode::kForward>(fn, x.dtype(), p, tc, R, n, 0, stream);
+}
+
+void grouped_linear_dgrad(const Tensor& dx, const Tensor& dy, const GroupedWeights& w, const Tensor& counts,
+                          const Stream& stream) {
+  const char* fn = "grouped_linear_dgrad";
+  const int64_t R = dy.size(0), n = w.rows(), k = w.cols();
+  if (R == 0 || k == 0) return;
+  const Params p = make_params(dy.data(), nullptr, dx.data(), w, counts, R, fn);
+  const bool tc = dy.dtype() != DType::kF32 && n % 8 == 0 && k % 8 == 0 && w.aligned16() && aligned16(dy.data()) &&
+                  aligned16(dx.data());
+  launch<Mode::kDgrad>(fn, dy.dtype(), p, tc, R, k, 0, stream);
+}
+
+void grouped_linear_wgrad(const GroupedWeights& dw, const Tensor& dy, const Tensor& x, const Tensor& counts,
+                          const Stream& stream) {
+  const char* fn = "grouped_linear_wgrad";
+  const int64_t R = x.size(0), n = dw.rows(), k = dw.cols();
+  if (R == 0 || n == 0 || k == 0) return;
+  const Params p = make_params(dy.data(), x.data(), nullptr, dw, counts, R, fn);
+  const bool tc = x.dtype() != DType::kF32 && n % 8 == 0 && k % 8 == 0 && dw.aligned16() && aligned16(dy.data()) &&
+                  aligned16(x.data());
+  launch<Mode::kWgrad>(fn, x.dtype(), p, tc, R, k, n, stream);
+}
+
+}  // namespace mt::cuda

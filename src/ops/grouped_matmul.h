@@ -1,0 +1,89 @@
+// Grouped linear layers with per-group row counts read on the device: the GEMMs of the MoE
+// experts (Megatron-Core's GroupedMLP / TransformerEngine's GroupedLinear, without the host
+// `tokens_per_expert.cpu()` split — design principle 8; docs/moe.md "--moe-grouped-gemm").
+//
+// G groups share a [R, *] row buffer: group g owns rows [off_g, off_g + c_g), off_g = c_0 + ... +
+// c_{g-1} (groups in order, no gaps), c = counts int32 [G] read by the kernels from the tensor's
+// device (no host synchronisation; CUDA-graph capturable). R is the planned row capacity; rows
+// [Σc, R) are the tail (see each function). Group g has its own weight W_g [n, k] (the experts'
+// parameters are separate tensors of the ParamStore): GroupedWeights holds their G views and a
+// table of their addresses on the weights' device, built once.
+//
+// CPU: the reference, fp32 (OpenBLAS sgemm per group; the counts are host memory). CUDA
+// (ops/cuda/grouped_matmul.cu): bf16/fp16 storage on tensor cores (mma.sync m16n8k16, fp32
+// accumulation, 128x128x32 block tiles, a cp.async multi-stage K loop) when n and k are multiples
+// of 8 and every pointer is 16-byte aligned, otherwise (and always for fp32) a tiled fp32 SIMT
+// kernel. One block computes each output tile with a fixed reduction order: deterministic, no
+// atomics. The block of each (group, row tile) is found on the device from the counts (the grid
+// is sized for the worst case ceil(R/128) + G row tiles; blocks without a tile zero the tail).
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "core/buffer.h"
+#include "core/stream.h"
+#include "core/tensor.h"
+#include "ops/dispatch.h"
+
+namespace mt {
+
+/// The weights (or fp32 main gradients) of G groups: G contiguous tensors of one dtype, device and
+/// shape [n, k], plus a table of their G addresses on that device (a Buffer filled once at
+/// construction: on CUDA one host-to-device copy ordered on `stream`, so build it outside a
+/// captured region; the tensors' addresses must stay valid and fixed while it is used — the
+/// ParamStore's are). Move-only. Errors: mt::Error when the list is empty or the tensors differ in
+/// dtype, device or shape, are not 2-D or not contiguous.
+class GroupedWeights {
+ public:
+  GroupedWeights() = default;
+  GroupedWeights(std::vector<Tensor> weights, const Stream& stream);
+  GroupedWeights(GroupedWeights&&) noexcept = default;
+  GroupedWeights& operator=(GroupedWeights&&) noexcept = default;
+
+  bool empty() const { return w_.empty(); }
+  int64_t groups() const { return static_cast<int64_t>(w_.size()); }
+  int64_t rows() const { return w_.at(0).size(0); }  ///< n
+  int64_t cols() const { return w_.at(0).size(1); }  ///< k
+  DType dtype() const { return w_.at(0).dtype(); }
+  Device device() const { return w_.at(0).device(); }
+  const Tensor& operator[](int64_t g) const { return w_.at(static_cast<size_t>(g)); }
+  /// The table: G addresses on device(), entry g = (*this)[g].data().
+  void* const* table() const { return static_cast<void* const*>(table_.data()); }
+  /// True when every address is 16-byte aligned (the tensor-core path's requirement).
+  bool aligned16() const { return aligned16_; }
+
+ private:
+  std::vector<Tensor> w_;
+  Buffer table_;
+  bool aligned16_ = false;
+};
+
+/// Grouped forward (TE GroupedLinear forward, no bias): y[off_g + i] = x[off_g + i] · W_gᵀ for
+/// i < c_g, g < G; the tail rows [Σc, R) of y are set to 0 (so an elementwise activation applied
+/// to all R rows sees zeros there).
+/// y: [R, n], x: [R, k] (act dtype, contiguous; x's tail rows are not read), w: G weights [n, k]
+/// of the act dtype, counts: int32 [G] on the tensors' device, c_g >= 0, Σc <= R (the caller's
+/// planned bound: the CPU checks it; CUDA cannot raise from the device and clips the groups at
+/// row R). y must not overlap x.
+/// Errors: mt::Error on mismatched shapes/dtypes/devices, non-fp32 on CPU, Σc > R on CPU.
+void grouped_linear_forward(const Tensor& y, const Tensor& x, const GroupedWeights& w, const Tensor& counts,
+                            const Stream& stream);
+
+/// Grouped input gradient (overwrite): dx[off_g + i] = dy[off_g + i] · W_g for i < c_g; the tail
+/// rows [Σc, R) of dx are set to 0; dy's tail rows are not read.
+/// dx: [R, k], dy: [R, n], w: G weights [n, k], counts as in grouped_linear_forward.
+void grouped_linear_dgrad(const Tensor& dx, const Tensor& dy, const GroupedWeights& w, const Tensor& counts,
+                          const Stream& stream);
+
+/// Grouped weight gradient (accumulate into fp32 main gradients, beta = 1):
+/// dW_g += Σ_{i < c_g} dy[off_g + i]ᵀ · x[off_g + i] (the sum over the group's rows in a fixed
+/// order; a group with c_g = 0 leaves dW_g unchanged). dw: G fp32 tensors [n, k]; dy: [R, n],
+/// x: [R, k] (act dtype; tail rows not read); counts as in grouped_linear_forward.
+void grouped_linear_wgrad(const GroupedWeights& dw, const Tensor& dy, const Tensor& x, const Tensor& counts,
+                          const Stream& stream);
+
+MT_OP_BACKENDS(grouped_linear_forward)
+MT_OP_BACKENDS(grouped_linear_dgrad)
+MT_OP_BACKENDS(grouped_linear_wgrad)
+
+}  // namespace mt
