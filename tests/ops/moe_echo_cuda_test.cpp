@@ -79,9 +79,9 @@ TEST(MoeEchoCuda, PlanMatchesCpu) {
   struct Case {
     int64_t ep, L, S;
   };
-  const std::vector<Case> cases = {{1, 4, 1},  {2, 1, 1},  {2, 4, 2},  {4, 2, 1},  {4, 2, 2},  {8, 8, 1},
-                                   {8, 8, 4},  {16, 4, 2}, {32, 8, 2}, {64, 4, 1}, {64, 4, 4}, {8, 128, 8},
-                                   {64, 64, 64}, {3, 5, 7}};
+  const std::vector<Case> cases = {{1, 4, 1},  {2, 1, 1},   {2, 4, 2},    {4, 2, 1},  {4, 2, 2},
+                                   {8, 8, 1},  {8, 8, 4},   {16, 4, 2},   {32, 8, 2}, {64, 4, 1},
+                                   {64, 4, 4}, {8, 128, 8}, {64, 64, 64}, {3, 5, 7}};
   for (const Case& c : cases) {
     for (bool ties : {false, true}) {
       for (double skew : {0.3, 1.0, 2.0}) {
@@ -112,8 +112,7 @@ TEST(MoeEchoCuda, PlanWorkedExampleAndEdgeCases) {
   hot[5] = 1000;
   hot[16 + 5] = 999;
   for (const auto& counts : {std::vector<int32_t>(64, 0), std::vector<int32_t>(64, 7), hot})
-    for (int64_t S : {1, 2})
-      EXPECT_TRUE(plan_on(Device::cuda(), counts, 4, 16, S) == plan_on(kCpu, counts, 4, 16, S));
+    for (int64_t S : {1, 2}) EXPECT_TRUE(plan_on(Device::cuda(), counts, 4, 16, S) == plan_on(kCpu, counts, 4, 16, S));
 }
 
 /// Distinct experts per token, skewed (keys u^(1/w)), ~3% dropped slots (-1).
@@ -128,7 +127,8 @@ std::vector<int32_t> random_top(int64_t T, int64_t k, int64_t E, double skew) {
     for (int64_t e = 0; e < E; ++e)
       keys[static_cast<size_t>(e)] = {std::pow(u(rng), 1.0 / w[static_cast<size_t>(e)]), static_cast<int32_t>(e)};
     std::partial_sort(keys.begin(), keys.begin() + k, keys.end(), std::greater<>());
-    for (int64_t j = 0; j < k; ++j) top[static_cast<size_t>(t * k + j)] = u(rng) < 0.03 ? -1 : keys[static_cast<size_t>(j)].second;
+    for (int64_t j = 0; j < k; ++j)
+      top[static_cast<size_t>(t * k + j)] = u(rng) < 0.03 ? -1 : keys[static_cast<size_t>(j)].second;
   }
   return top;
 }
@@ -152,8 +152,8 @@ TEST(MoeEchoCuda, RerouteMatchesCpu) {
     int64_t T, k, E, ep, S;
   };
   // T·k from one chunk (4096 slots) to 2^19 (128 chunks).
-  const std::vector<Case> cases = {{1, 1, 4, 2, 1},     {100, 2, 8, 4, 2},    {2048, 2, 8, 4, 2},
-                                   {2049, 2, 16, 8, 2}, {8192, 8, 64, 8, 4},  {16384, 8, 128, 16, 2},
+  const std::vector<Case> cases = {{1, 1, 4, 2, 1},        {100, 2, 8, 4, 2},     {2048, 2, 8, 4, 2},
+                                   {2049, 2, 16, 8, 2},    {8192, 8, 64, 8, 4},   {16384, 8, 128, 16, 2},
                                    {65536, 8, 64, 64, 16}, {3000, 6, 256, 32, 32}};
   for (const Case& c : cases) {
     SCOPED_TRACE(fmt::format("T={} k={} E={} ep={} S={}", c.T, c.k, c.E, c.ep, c.S));
@@ -176,7 +176,8 @@ TEST(MoeEchoCuda, RerouteMatchesCpu) {
     const auto e_of = testing::randint(NS, -2, static_cast<int32_t>(std::min<int64_t>(c.E, 6)));
     const auto q_of = testing::randint(NS, -1, static_cast<int32_t>(c.T * c.k / 4 + 2));
     for (int64_t s = 0; s < NS; ++s) {
-      ce[static_cast<size_t>(s)] = e_of[static_cast<size_t>(s)] == -2 ? static_cast<int32_t>(c.E + 3) : e_of[static_cast<size_t>(s)];
+      ce[static_cast<size_t>(s)] =
+          e_of[static_cast<size_t>(s)] == -2 ? static_cast<int32_t>(c.E + 3) : e_of[static_cast<size_t>(s)];
       q[static_cast<size_t>(s)] = q_of[static_cast<size_t>(s)];
     }
     EXPECT_EQ(reroute_on(Device::cuda(), top, c.T, c.k, ce, q, c.E), reroute_on(kCpu, top, c.T, c.k, ce, q, c.E));

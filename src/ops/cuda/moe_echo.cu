@@ -38,8 +38,8 @@ constexpr unsigned kFull = 0xffffffffu;
 constexpr int kPlanThreads = 1024;
 constexpr int kWarps = 8;  // reroute: warps per block
 constexpr int kThreads = kWarps * 32;
-constexpr int kItems = 16;                     // reroute: rounds of 32 slots per warp
-constexpr int kChunk = kThreads * kItems;      // reroute: slots per block
+constexpr int kItems = 16;                 // reroute: rounds of 32 slots per warp
+constexpr int kChunk = kThreads * kItems;  // reroute: slots per block
 constexpr size_t kDefaultSmem = 48 * 1024;
 
 __device__ __forceinline__ int64_t overlap(int64_t a0, int64_t a1, int64_t b0, int64_t b1) {
@@ -55,13 +55,13 @@ __global__ void __launch_bounds__(kPlanThreads)
                      const int32_t* __restrict__ counts, int ep, int E, int S) {
   extern __shared__ int64_t sm[];
   const int L = E / ep, NS = ep * S, tid = threadIdx.x, nt = blockDim.x;
-  int64_t* tok = sm;             // [E]
-  int64_t* spill = tok + E;      // [E]
-  int64_t* cstart = spill + E;   // [E] chunk start
-  int64_t* load = cstart + E;    // [ep]
-  int64_t* spare = load + ep;    // [ep]
-  int64_t* bstart = spare + ep;  // [ep] bucket start
-  int64_t* cq = bstart + ep;     // [NS] clone quota
+  int64_t* tok = sm;                          // [E]
+  int64_t* spill = tok + E;                   // [E]
+  int64_t* cstart = spill + E;                // [E] chunk start
+  int64_t* load = cstart + E;                 // [ep]
+  int64_t* spare = load + ep;                 // [ep]
+  int64_t* bstart = spare + ep;               // [ep] bucket start
+  int64_t* cq = bstart + ep;                  // [NS] clone quota
   int* ce = reinterpret_cast<int*>(cq + NS);  // [NS] clone expert
   __shared__ int64_t s_avg;
 
@@ -197,9 +197,8 @@ struct RerouteScratch {
   int* blocks;
 };
 
-__global__ void __launch_bounds__(kPlanThreads)
-    reroute_prep_kernel(RerouteScratch w, const int32_t* __restrict__ ce, const int32_t* __restrict__ q, int E,
-                        int NS) {
+__global__ void __launch_bounds__(kPlanThreads) reroute_prep_kernel(RerouteScratch w, const int32_t* __restrict__ ce,
+                                                                    const int32_t* __restrict__ q, int E, int NS) {
   for (int e = threadIdx.x; e < E; e += blockDim.x) w.lead[e] = INT_MAX;
   __syncthreads();
   for (int s = threadIdx.x; s < NS; s += blockDim.x) {
@@ -349,14 +348,13 @@ void moe_echo_plan(const Tensor& clone_expert, const Tensor& clone_quota, const 
                    int64_t num_echo, const Stream& stream) {
   const char* fn = "moe_echo_plan";
   const int64_t ep = counts.size(0), E = counts.size(1), NS = ep * num_echo;
-  MT_CHECK(E <= 4096 && NS <= 4096, "{}: the CUDA planner supports up to 4096 experts and 4096 spare slots, got {} and {}",
-           fn, E, NS);
+  MT_CHECK(E <= 4096 && NS <= 4096,
+           "{}: the CUDA planner supports up to 4096 experts and 4096 spare slots, got {} and {}", fn, E, NS);
   const size_t smem = static_cast<size_t>(24 * (E + ep) + 12 * NS);
   allow_smem(echo_plan_kernel, smem, fn);
-  echo_plan_kernel<<<1, kPlanThreads, smem, cu(stream)>>>(clone_expert.data_as<int32_t>(),
-                                                         clone_quota.data_as<int32_t>(), quota.data_as<int32_t>(),
-                                                         counts.data_as<int32_t>(), static_cast<int>(ep),
-                                                         static_cast<int>(E), static_cast<int>(num_echo));
+  echo_plan_kernel<<<1, kPlanThreads, smem, cu(stream)>>>(
+      clone_expert.data_as<int32_t>(), clone_quota.data_as<int32_t>(), quota.data_as<int32_t>(),
+      counts.data_as<int32_t>(), static_cast<int>(ep), static_cast<int>(E), static_cast<int>(num_echo));
   MT_CUDA_CHECK_LAUNCH();
 }
 
@@ -364,8 +362,8 @@ void moe_echo_reroute(const Tensor& rerouted, const Tensor& top, const Tensor& c
                       int64_t num_experts, const Stream& stream) {
   const char* fn = "moe_echo_reroute";
   const int64_t n = top.numel(), NS = clone_expert.numel(), E = num_experts;
-  MT_CHECK(NS <= 4096 && n <= INT32_MAX, "{}: the CUDA rerouting supports up to 4096 spare slots and 2^31 slots, got {} and {}",
-           fn, NS, n);
+  MT_CHECK(NS <= 4096 && n <= INT32_MAX,
+           "{}: the CUDA rerouting supports up to 4096 spare slots and 2^31 slots, got {} and {}", fn, NS, n);
   if (n == 0) return;
   const int64_t B = (n + kChunk - 1) / kChunk;
   auto align = [](size_t b) { return (b + 255) & ~size_t{255}; };
@@ -373,8 +371,8 @@ void moe_echo_reroute(const Tensor& rerouted, const Tensor& top, const Tensor& c
                before_b = align(static_cast<size_t>(NS) * 8), blocks_b = static_cast<size_t>(NS * B) * 4;
   const size_t bytes = lead_b + next_b + before_b + blocks_b;
   MT_CHECK(stream.cuda() != nullptr && stream.cuda()->workspace != nullptr, "{}: needs a CUDA stream", fn);
-  MT_CHECK(bytes <= CudaStreamResources::kWorkspaceBytes, "{}: needs {} bytes of scratch, more than the stream's {}", fn,
-           bytes, CudaStreamResources::kWorkspaceBytes);
+  MT_CHECK(bytes <= CudaStreamResources::kWorkspaceBytes, "{}: needs {} bytes of scratch, more than the stream's {}",
+           fn, bytes, CudaStreamResources::kWorkspaceBytes);
   char* base = static_cast<char*>(stream.cuda()->workspace);
   RerouteScratch w{reinterpret_cast<int*>(base), reinterpret_cast<int*>(base + lead_b),
                    reinterpret_cast<int64_t*>(base + lead_b + next_b),
