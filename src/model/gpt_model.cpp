@@ -89,9 +89,9 @@ std::vector<std::pair<std::string, Tensor>> GPTModel::persistent_state(const Str
   return out;
 }
 
-void GPTModel::reset_moe_stats() {
+void GPTModel::reset_moe_stats(const Stream& stream) {
   for (const auto& l : parts_->layers)
-    if (MoELayer* m = l->moe()) m->reset_stats();
+    if (MoELayer* m = l->moe()) m->reset_stats(stream);
 }
 
 std::vector<ParamSpec> GPTModel::param_specs(const TransformerConfig& c, int tp, int tp_rank,

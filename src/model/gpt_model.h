@@ -90,7 +90,7 @@ class GPTModel final : public LanguageModel {
   void set_hooks(ParamGradHooks* hooks) override { hooks_ = hooks; }
   size_t word_embedding_index() const override { return word_embedding_index_; }
   std::vector<double> moe_loss_stats(const Stream& stream) const override;
-  void reset_moe_stats() override;
+  void reset_moe_stats(const Stream& stream) override;
   void update_expert_bias(const Stream& stream) override;
   std::vector<std::pair<std::string, Tensor>> persistent_state(const Stream& stream) const override;
 

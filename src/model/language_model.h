@@ -108,7 +108,7 @@ class LanguageModel {
   /// world the losses are the step's mean per layer (Megatron's load_balancing_loss / z_loss before
   /// the average over layers) and the counts TP times the tokens routed.
   virtual std::vector<double> moe_loss_stats(const Stream& stream) const = 0;
-  virtual void reset_moe_stats() = 0;
+  virtual void reset_moe_stats(const Stream& stream) = 0;
   /// Once per training step after the last backward: the aux-loss-free expert bias update of every
   /// MoE layer (MoELayer::update_expert_bias over the data × context parallel group). Collective.
   virtual void update_expert_bias(const Stream& stream) = 0;

@@ -336,6 +336,12 @@ void validate_cuda_graph_args(const PretrainArgs& a) {
                "--cuda-graph-impl {} with --moe-token-dispatcher-type alltoall: the all-to-all's split sizes "
                "are read on the host (a synchronisation a graph cannot hold); use the allgather dispatcher",
                g.impl);
+    MT_REQUIRE(a.model.moe_grouped_gemm,
+               "--cuda-graph-impl {} with MoE needs --moe-grouped-gemm: without it the experts' row counts are "
+               "read on the host (one synchronisation per MoE layer)", g.impl);
+    MT_REQUIRE(!a.model.moe_router_force_load_balancing,
+               "--moe-router-force-load-balancing with CUDA graphs is not supported yet: its random logits are "
+               "keyed by the iteration on the host");
   }
 }
 

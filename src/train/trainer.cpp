@@ -81,7 +81,7 @@ std::string moe_log(LanguageModel& model, Communicator& world, int64_t iters, bo
                     const Stream& stream) {
   const TransformerConfig& cfg = model.config();
   const std::vector<double> mine = model.moe_loss_stats(stream);
-  model.reset_moe_stats();
+  model.reset_moe_stats(stream);
   const size_t bytes = mine.size() * sizeof(float);
   const std::vector<float> local(mine.begin(), mine.end());
   const std::vector<char> all = all_gather_host(world, local.data(), bytes, stream);

@@ -134,8 +134,8 @@ void compare(DType dtype, float dropout, double tol, bool documents = false, boo
     fill(closs, 0.f, cs);
     fill(gloss, 0.f, gs);
   }
-  cpu.reset_moe_stats();
-  gpu.reset_moe_stats();
+  cpu.reset_moe_stats(cs);
+  gpu.reset_moe_stats(gs);
   cpu.params().zero_grads(cs);
   gpu.params().zero_grads(gs);
   cpu.forward(cmb, dc, closs, wgt, cs);

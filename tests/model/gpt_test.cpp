@@ -114,7 +114,7 @@ struct Harness {
   double loss_value(const DropoutContext& dc) {
     fill(loss, 0.f, stream);
     const auto& c = model.config();
-    model.reset_moe_stats();
+    model.reset_moe_stats(stream);
     model.forward(mb(), dc, loss, 1.0f / (c.seq_length * model.micro_batch()), stream);
     double aux = 0;  // the two losses of each layer, not the token counts after them
     const std::vector<double> st = model.moe_loss_stats(stream);

@@ -135,6 +135,14 @@ TEST_F(CudaGraphTraining, LlamaStyleFullIterationEqualsEagerBitwise) {
               "--cuda-graph-impl full_iteration --cuda-graph-warmup-steps 3 --cuda-graph-include-optimizer");
 }
 
+TEST_F(CudaGraphTraining, MixtureOfExpertsFullIterationFollowsEager) {
+  // Sync-free MoE (--moe-grouped-gemm, allgather dispatcher): top-2 of 4 experts with the
+  // load-balancing and z losses, aux-loss-free expert bias (updated inside the step).
+  expect_same("--num-experts 4 --moe-router-topk 2 --moe-grouped-gemm --moe-aux-loss-coeff 1e-2 "
+              "--moe-z-loss-coeff 1e-3 --moe-router-enable-expert-bias --moe-router-score-function sigmoid",
+              "--cuda-graph-impl full_iteration --cuda-graph-warmup-steps 2 --cuda-graph-include-optimizer");
+}
+
 TEST_F(CudaGraphTraining, RefusedCombinationsNameTheFlag) {
   RunResult r = run(flags("--cuda-graph-impl full_iteration --timing-log-level 1"));
   EXPECT_NE(r.rc, 0);
@@ -145,6 +153,9 @@ TEST_F(CudaGraphTraining, RefusedCombinationsNameTheFlag) {
   r = run(flags("--cuda-graph-include-optimizer"));
   EXPECT_NE(r.rc, 0);
   EXPECT_NE(r.out.find("--cuda-graph-impl none"), std::string::npos) << r.out;
+  r = run(flags("--cuda-graph-impl full_iteration --num-experts 4"));  // host-read expert counts
+  EXPECT_NE(r.rc, 0);
+  EXPECT_NE(r.out.find("--moe-grouped-gemm"), std::string::npos) << r.out;
 }
 
 }  // namespace

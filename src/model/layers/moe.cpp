@@ -127,6 +127,10 @@ void MoELayer::update_expert_bias(Communicator* dp, const Stream& stream) {
   fill(bias_counts_, 0.f, stream);
 }
 
+void MoELayer::reset_stats(const Stream& stream) {
+  if (stats_zeroed_) fill(stats_, 0.f, stream);  // else the first forward zeroes them
+}
+
 std::vector<double> MoELayer::stats(const Stream& stream) const {
   std::vector<double> out(static_cast<size_t>(2 + num_experts_), 0.0);
   if (!stats_zeroed_) return out;

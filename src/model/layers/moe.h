@@ -90,7 +90,9 @@ class MoELayer final : public MlpSlot {
   /// forwards (counted over the TP group: the sum over the world is TP times the total). Zeros
   /// before the first forward.
   std::vector<double> stats(const Stream& stream) const;
-  void reset_stats() { stats_zeroed_ = false; }
+  /// Zeroes the statistics now (ordered on `stream`, outside any step), so that the forwards
+  /// never do (a step captured in a CUDA graph replays without a reset inside).
+  void reset_stats(const Stream& stream);
 
   /// Aux-loss-free balancing (--moe-router-enable-expert-bias), once per step after the last
   /// backward (Megatron's finalize_model_grads): sums the step's token counts of the training
