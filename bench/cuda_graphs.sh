@@ -21,7 +21,8 @@ if [ "${1:-}" = build ]; then
   cmake --build build -j 16 --target megatron > "$OUT/build.log" 2>&1 || { grep -E "error" -A5 "$OUT/build.log" | head -60; exit 1; }
 fi
 mbs=("$@"); [ ${#mbs[@]} -gt 0 ] || mbs=(1 2 4)
-train=(--num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 1024 --max-position-embeddings 1024
+gpt2=(--num-layers 12 --hidden-size 768 --num-attention-heads 12)
+train=(--seq-length 1024 --max-position-embeddings 1024
        --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 5 --weight-decay 0.1 --clip-grad 1.0
        --hidden-dropout 0 --attention-dropout 0 --bf16 --device cuda --no-progress
        --data-path $data/demo_text_document --split 98,2,0 --vocab-file $data/gpt2/encoder.json
@@ -46,7 +47,7 @@ header="| micro-batch | ours eager: step / host ms | ours graph fwd+bwd | ours g
 echo "$header" | tee "$OUT/cuda_graphs.md"
 echo "|---|---|---|---|---|---|" | tee -a "$OUT/cuda_graphs.md"
 for mb in "${mbs[@]}"; do
-  b=(--micro-batch-size "$mb" --global-batch-size "$mb")
+  b=("${gpt2[@]}" --micro-batch-size "$mb" --global-batch-size "$mb")
   e=$(ours "mb$mb.eager" "${b[@]}")
   g=$(ours "mb$mb.graph" "${b[@]}" --cuda-graph-impl full_iteration)
   o=$(ours "mb$mb.graph_opt" "${b[@]}" --cuda-graph-impl full_iteration --cuda-graph-include-optimizer)
@@ -54,3 +55,17 @@ for mb in "${mbs[@]}"; do
   r=$(theirs "mb$mb.torch_ro" --micro-batch-size "$mb" --compile-mode reduce-overhead)
   echo "| $mb | $e | $g | $o | $t | $r |" | tee -a "$OUT/cuda_graphs.md"
 done
+# MOE=1: also the one-GPU MoE configuration of bench/compare.sh (moe_small, micro-batch 8) with the
+# sync-free grouped GEMM, eager vs full-iteration graph (ours only).
+if [ "${MOE:-0}" = 1 ]; then
+  moe=(--swiglu --normalization RMSNorm --position-embedding-type rope --untie-embeddings-and-output-weights
+       --disable-bias-linear --group-query-attention --num-layers 12 --hidden-size 1024 --num-attention-heads 16
+       --num-query-groups 8 --ffn-hidden-size 3584 --num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 3584
+       --moe-aux-loss-coeff 1e-2 --micro-batch-size 8 --global-batch-size 8)
+  echo "| MoE config | ours eager (per-expert cuBLASLt): step / host ms | ours eager grouped GEMM | ours graph grouped GEMM, whole step |" | tee -a "$OUT/cuda_graphs.md"
+  echo "|---|---|---|---|" | tee -a "$OUT/cuda_graphs.md"
+  e=$(ours moe.eager "${moe[@]}")
+  g=$(ours moe.grouped "${moe[@]}" --moe-grouped-gemm)
+  o=$(ours moe.graph "${moe[@]}" --moe-grouped-gemm --cuda-graph-impl full_iteration --cuda-graph-include-optimizer)
+  echo "| moe_small mb8 | $e | $g | $o |" | tee -a "$OUT/cuda_graphs.md"
+fi

@@ -42,6 +42,7 @@ void compare(DType dtype, float dropout, double tol, bool documents = false, boo
     c.add_bias_linear = false;
   }
   if (moe != Moe::kNone) {
+    c.add_bias_linear = false;  // MoE experts have no biases (Mixtral, Qwen MoE, DeepSeek)
     c.num_moe_experts = 8;
     c.moe_ffn_hidden_size = 48;
     c.moe_router_topk = 2;

@@ -138,7 +138,7 @@ TEST_F(CudaGraphTraining, LlamaStyleFullIterationEqualsEagerBitwise) {
 TEST_F(CudaGraphTraining, MixtureOfExpertsFullIterationFollowsEager) {
   // Sync-free MoE (--moe-grouped-gemm, allgather dispatcher): top-2 of 4 experts with the
   // load-balancing and z losses, aux-loss-free expert bias (updated inside the step).
-  expect_same("--num-experts 4 --moe-router-topk 2 --moe-grouped-gemm --moe-aux-loss-coeff 1e-2 "
+  expect_same("--disable-bias-linear --num-experts 4 --moe-router-topk 2 --moe-grouped-gemm --moe-aux-loss-coeff 1e-2 "
               "--moe-z-loss-coeff 1e-3 --moe-router-enable-expert-bias --moe-router-score-function sigmoid",
               "--cuda-graph-impl full_iteration --cuda-graph-warmup-steps 2 --cuda-graph-include-optimizer");
 }

@@ -17,6 +17,9 @@
 // aligned pointers (the chunks); otherwise, and for fp32, the SIMT kernel: 64x64 tiles, BK = 16,
 // 4x4 outputs per thread, fp32 FMA in a fixed order (fp32 results match the CPU to ~1e-6).
 // Determinism: each output element is computed by one thread of one block in a fixed order.
+#include <mutex>
+#include <set>
+#include <utility>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -488,17 +491,22 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 /// Opts the kernel in to `smem` bytes of dynamic shared memory (once per device and kernel).
 template <typename Kernel>
 void allow_smem(Kernel kernel, size_t smem, const char* fn) {
-  static bool done[64] = {};
+  // Once per (kernel, device): every instantiation has the same function-pointer type, so the key
+  // must be the kernel's address, not the template.
+  static std::mutex mu;
+  static std::set<std::pair<const void*, int>> done;
   int dev = 0;
   MT_CUDA_CHECK(cudaGetDevice(&dev));
-  if (dev < 64 && done[dev]) return;
+  const std::pair<const void*, int> key{reinterpret_cast<const void*>(kernel), dev};
+  std::lock_guard<std::mutex> lock(mu);
+  if (done.count(key)) return;
   int max_optin = 0;
   MT_CUDA_CHECK(cudaDeviceGetAttribute(&max_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
   MT_CHECK(smem + 2 * (kMaxGroups + 1) * sizeof(int) <= static_cast<size_t>(max_optin),
            "{}: the tensor-core kernel needs {} bytes of shared memory, more than the device's {}", fn, smem,
            max_optin);
   MT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  if (dev < 64) done[dev] = true;
+  done.insert(key);
 }
 
 template <Mode kMode>
