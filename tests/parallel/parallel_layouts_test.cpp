@@ -583,6 +583,49 @@ TEST(PipelinePlan, MemoryBounds) {
     }
 }
 
+// The static-buffer reuse of the document on partial CUDA graphs (seeds/003): PP 4, VPP 2, 8
+// micro-batches. Walking each rank's order, a forward takes an activation slot (its static input
+// and saved tensors) that no (micro-batch, chunk) still waiting for its backward holds, and a
+// slot is released by the backward of its forward; the number of slots is the schedule's
+// in-flight bound (PP − rank − 1)·2 + (VPP − 1)·PP + 1 (11, 9, 7, 5), not the 16 forwards.
+TEST(PipelinePlan, StaticBufferReuseFollowsTheSchedule) {
+  const int pp = 4, vpp = 2, m = 8;
+  pipeline::ScheduleConfig sc;
+  sc.pp = pp;
+  sc.vpp = vpp;
+  sc.num_microbatches = m;
+  for (int r = 0; r < pp; ++r) {
+    SCOPED_TRACE(r);
+    const PipelinePlan p = plan_pipeline(sc, r, chunks_of(r, pp, vpp, 2 * pp));
+    EXPECT_EQ(p.activation_slots, (pp - r - 1) * 2 + (vpp - 1) * pp + 1);
+    std::map<int, std::pair<int, int>> holder;  // slot -> (micro-batch, chunk) in flight
+    std::map<std::pair<int, int>, int> slot_of;
+    int forwards = 0, peak = 0;
+    for (size_t i = 0; i < p.actions.size(); ++i) {
+      const pipeline::Action& a = p.actions[i];
+      const std::pair<int, int> key{a.microbatch, a.chunk};
+      if (a.kind == pipeline::ActionKind::kForward) {
+        const int slot = p.buffers[i].slot;
+        ASSERT_GE(slot, 0);
+        ASSERT_LT(slot, p.activation_slots);
+        EXPECT_EQ(holder.count(slot), 0u) << "forward " << pipeline::to_string(a) << " reuses slot " << slot
+                                          << " before its holder's backward";
+        holder[slot] = key;
+        slot_of[key] = slot;
+        ++forwards;
+        peak = std::max(peak, static_cast<int>(holder.size()));
+      } else if (a.kind == pipeline::ActionKind::kBackward) {
+        ASSERT_EQ(slot_of.count(key), 1u);
+        EXPECT_EQ(p.buffers[i].slot, slot_of[key]) << "the backward reads its forward's slot";
+        holder.erase(slot_of[key]);
+      }
+    }
+    EXPECT_EQ(forwards, m * vpp);
+    EXPECT_TRUE(holder.empty());
+    EXPECT_EQ(peak, p.activation_slots);
+  }
+}
+
 TEST(PipelinePlan, MismatchedLayoutsFailBeforeCommunication) {
   pipeline::ScheduleConfig sc;
   sc.pp = 4;
