@@ -36,7 +36,7 @@ struct AttnDropout {
   }
   /// Four consecutive draws for global elements 4·group .. 4·group + 3.
   MT_HD Philox4 bits4(uint64_t group) const {
-    return dropout_bits4(seed, stream_id, iteration_ptr != nullptr ? *iteration_ptr : iteration, microbatch, group);
+    return dropout_bits4(seed, stream_id, dropout_iteration(iteration_ptr, iteration), microbatch, group);
   }
   /// Keep decision of global element g.
   MT_HD bool keep(uint64_t g) const {

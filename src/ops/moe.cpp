@@ -140,10 +140,10 @@ void moe_expert_bias_update(const Tensor& expert_bias, const Tensor& tokens_per_
   MT_DISPATCH(expert_bias.device(), moe_expert_bias_update, expert_bias, tokens_per_expert, rate, stream);
 }
 
-std::vector<int64_t> moe_routing_map(const Tensor& row_index, const Tensor& slot_row, const Tensor& counts,
-                                     const Tensor& top, int64_t first_expert, int64_t num_local,
-                                     const Stream& stream) {
-  const char* fn = "moe_routing_map";
+namespace {
+// The arguments of moe_routing_map and moe_routing_map_device.
+void check_routing_map(const Tensor& row_index, const Tensor& slot_row, const Tensor& counts, const Tensor& top,
+                       int64_t first_expert, int64_t num_local, const char* fn, const Stream& stream) {
   MT_CHECK(top.dtype() == DType::kI32 && top.is_contiguous(), "{}: top must be contiguous int32, got {}", fn, top.str());
   MT_CHECK(row_index.dtype() == DType::kI32 && row_index.is_contiguous(), "{}: row_index must be contiguous int32, got {}",
            fn, row_index.str());
@@ -154,6 +154,14 @@ std::vector<int64_t> moe_routing_map(const Tensor& row_index, const Tensor& slot
   MT_CHECK(first_expert >= 0 && num_local >= 1, "{}: local experts [{}, {}) are empty or negative", fn, first_expert,
            first_expert + num_local);
   check_devices(stream, top, {&row_index, &slot_row, &counts}, fn);
+}
+}  // namespace
+
+std::vector<int64_t> moe_routing_map(const Tensor& row_index, const Tensor& slot_row, const Tensor& counts,
+                                     const Tensor& top, int64_t first_expert, int64_t num_local,
+                                     const Stream& stream) {
+  const char* fn = "moe_routing_map";
+  check_routing_map(row_index, slot_row, counts, top, first_expert, num_local, fn, stream);
   if (top.device().is_cpu()) return cpu::moe_routing_map(row_index, slot_row, counts, top, first_expert, num_local, stream);
 #ifdef MT_WITH_CUDA
   return cuda::moe_routing_map(row_index, slot_row, counts, top, first_expert, num_local, stream);
@@ -165,16 +173,7 @@ std::vector<int64_t> moe_routing_map(const Tensor& row_index, const Tensor& slot
 void moe_routing_map_device(const Tensor& row_index, const Tensor& slot_row, const Tensor& counts, const Tensor& top,
                             int64_t first_expert, int64_t num_local, const Stream& stream) {
   const char* fn = "moe_routing_map_device";
-  MT_CHECK(top.dtype() == DType::kI32 && top.is_contiguous(), "{}: top must be contiguous int32, got {}", fn, top.str());
-  MT_CHECK(row_index.dtype() == DType::kI32 && row_index.is_contiguous(), "{}: row_index must be contiguous int32, got {}",
-           fn, row_index.str());
-  MT_CHECK(slot_row.dtype() == DType::kI32 && slot_row.is_contiguous() && slot_row.numel() == top.numel(),
-           "{}: slot_row must be contiguous int32 with {} entries, got {}", fn, top.numel(), slot_row.str());
-  MT_CHECK(counts.dtype() == DType::kI32 && counts.numel() == num_local && counts.is_contiguous(),
-           "{}: counts must be int32 [{}], got {}", fn, num_local, counts.str());
-  MT_CHECK(first_expert >= 0 && num_local >= 1, "{}: local experts [{}, {}) are empty or negative", fn, first_expert,
-           first_expert + num_local);
-  check_devices(stream, top, {&row_index, &slot_row, &counts}, fn);
+  check_routing_map(row_index, slot_row, counts, top, first_expert, num_local, fn, stream);
   MT_DISPATCH(top.device(), moe_routing_map_device, row_index, slot_row, counts, top, first_expert, num_local, stream);
 }
 

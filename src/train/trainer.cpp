@@ -538,7 +538,7 @@ int run_pretrain(PretrainArgs args) {
   const auto train_start = std::chrono::steady_clock::now();
   Timers timers(args.timing_log_level, device);  // --timing-log-level, reported at log intervals
   const TimingLogOption timing_option = parse_timing_log_option(args.timing_log_option);
-  Buffer eval_loss_dev(device, 8);
+  Buffer eval_loss_dev(device, 4);
   Tensor eval_loss = eval_loss_dev.as(DType::kF32, {1});
   // The iteration and the learning rate, read by the kernels from device memory (principle 8).
   StepValues step_values(device);
@@ -548,7 +548,8 @@ int run_pretrain(PretrainArgs args) {
   MT_REQUIRE(!cg.enabled() || device.is_cuda(), "--cuda-graph-impl {} needs a CUDA device; this run is on {}",
              cg.impl, device.str());
   CudaGraph train_graph, eval_graph;
-  const Tensor step_loss = eval_loss_dev.as(DType::kF32, {2}).slice0(1, 2);
+  Buffer step_loss_dev(device, 4);
+  const Tensor step_loss = step_loss_dev.as(DType::kF32, {1});
   int64_t steps_run = 0;  // training steps of this process (the warmup counts them)
   double host_issue_ms = 0;  // host time spent issuing the steps since the last log line
   data::LtorOptions ltor;

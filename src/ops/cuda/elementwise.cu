@@ -73,7 +73,7 @@ __global__ void dropout_kernel(T* out, const T* x, const T* bias, int64_t h, con
                                DropoutParams prm) {
   const int64_t g_first = prm.offset >> 2;
   const int64_t ngroups = ((prm.offset + n - 1) >> 2) - g_first + 1;
-  const uint64_t iteration = kDrop && prm.iteration_ptr != nullptr ? *prm.iteration_ptr : prm.iteration;
+  const uint64_t iteration = kDrop ? dropout_iteration(prm.iteration_ptr, prm.iteration) : 0;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < ngroups; k += stride) {
     const int64_t grp = g_first + k;
@@ -103,7 +103,7 @@ __global__ void dropout_backward_dbias_kernel(T* dx, float* dbias, const T* dout
                                               DropoutParams prm) {
   __shared__ float part[8][33];
   const int64_t c = static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x;
-  const uint64_t iteration = kDrop && prm.iteration_ptr != nullptr ? *prm.iteration_ptr : prm.iteration;
+  const uint64_t iteration = kDrop ? dropout_iteration(prm.iteration_ptr, prm.iteration) : 0;
   float acc = 0.f;
   if (c < h) {
     for (int64_t r = static_cast<int64_t>(blockIdx.y) * 8 + threadIdx.y; r < rows; r += 8ll * gridDim.y) {
