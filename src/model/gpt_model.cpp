@@ -89,6 +89,18 @@ std::vector<std::pair<std::string, Tensor>> GPTModel::persistent_state(const Str
   return out;
 }
 
+MoeDispatchStats GPTModel::moe_dispatch_stats() const {
+  MoeDispatchStats out;
+  for (const auto& l : parts_->layers)
+    if (const MoELayer* m = l->moe()) {
+      const MoeDispatchStats s = m->dispatch_stats();
+      out.rerouted += s.rerouted;
+      out.dispatches += s.dispatches;
+      out.max_received = std::max(out.max_received, s.max_received);
+    }
+  return out;
+}
+
 void GPTModel::reset_moe_stats(const Stream& stream) {
   for (const auto& l : parts_->layers)
     if (MoELayer* m = l->moe()) m->reset_stats(stream);

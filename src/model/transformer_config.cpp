@@ -287,6 +287,13 @@ void TransformerConfig::validate(int tp) const {
              "--moe-expert-capacity-factor must be a positive number, got {}", moe_expert_capacity_factor);
   MT_REQUIRE(!moe_pad_expert_input_to_capacity || moe_expert_capacity_set,
              "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor");
+  MT_REQUIRE(moe_num_echo_experts >= 0, "--moe-num-echo-experts must be >= 0, got {}", moe_num_echo_experts);
+  MT_REQUIRE(!moe_enable_echo || moe_num_echo_experts >= 1,
+             "--moe-enable-echo needs --moe-num-echo-experts >= 1 (spare expert slots per EP rank), got {}",
+             moe_num_echo_experts);
+  MT_REQUIRE(!moe_enable_echo || moe_token_dispatcher_type == MoeDispatcher::kAllToAll,
+             "--moe-enable-echo needs --moe-token-dispatcher-type alltoall (the clones are reached by the "
+             "all-to-all over EP)");
   MT_REQUIRE(!add_bias_linear,
              "MoE experts with biases are not supported: pass --disable-bias-linear (Mixtral, Qwen MoE and "
              "DeepSeek models have none)");
@@ -349,6 +356,7 @@ std::string TransformerConfig::summary() const {
     if (moe_router_force_load_balancing) s += ", forced balance (random logits)";
     if (moe_token_dispatcher_type == MoeDispatcher::kAllToAll) s += ", alltoall token dispatcher";
     if (moe_grouped_gemm) s += ", grouped GEMM";
+    if (moe_enable_echo) s += fmt::format(", ECHO with {} spare expert slots per EP rank", moe_num_echo_experts);
     if (moe_expert_capacity_set)
       s += fmt::format(", expert capacity factor {} (drop by {})", moe_expert_capacity_factor,
                        moe_token_drop_policy == MoeTokenDropPolicy::kProbs ? "probs" : "position");

@@ -131,6 +131,12 @@ struct TransformerConfig {
   /// (ops/grouped_matmul.h), instead of a GEMM per expert with host counts; with the allgather
   /// dispatcher the MoE layer then never synchronises with the host. Same results.
   bool moe_grouped_gemm = false;
+  /// --moe-enable-echo (ECHO, docs/echo.md): every MoE layer plans clones of its hot experts in
+  /// --moe-num-echo-experts spare slots per EP rank from the global token counts and reroutes the
+  /// tokens above the average load to them (the alltoall dispatcher; expert TP 1). Same math as
+  /// without: the clones compute with their home expert's weights and return their gradients.
+  bool moe_enable_echo = false;
+  int64_t moe_num_echo_experts = 0;  ///< --moe-num-echo-experts: S, spare expert slots per EP rank
 
   // --- derived (Megatron's defaulting) ---
   int64_t ffn() const;

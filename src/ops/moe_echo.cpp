@@ -55,4 +55,18 @@ void moe_echo_reroute(const Tensor& rerouted, const Tensor& top, const Tensor& c
   MT_DISPATCH(top.device(), moe_echo_reroute, rerouted, top, clone_expert, quota_row, num_experts, stream);
 }
 
+void moe_echo_virtual_experts(const Tensor& out, const Tensor& in, int64_t num_experts, int64_t ep, int64_t num_echo,
+                              const Stream& stream) {
+  const char* fn = "moe_echo_virtual_experts";
+  MT_CHECK(in.dtype() == DType::kI32 && in.is_contiguous(), "{}: in must be a contiguous int32 tensor, got {}", fn,
+           in.str());
+  check_ints(out, in, out.ndim(), in.numel(), fn, "out");
+  MT_CHECK(ep >= 1 && num_experts >= ep && num_experts % ep == 0 && num_echo >= 1 &&
+               num_experts + ep * num_echo <= INT32_MAX,
+           "{}: {} experts, {} EP ranks and {} echo slots per rank do not fit (E % ep == 0, S >= 1)", fn, num_experts,
+           ep, num_echo);
+  op_checks::check_stream(stream, in, fn);
+  MT_DISPATCH(in.device(), moe_echo_virtual_experts, out, in, num_experts, ep, num_echo, stream);
+}
+
 }  // namespace mt

@@ -76,8 +76,19 @@ void moe_echo_plan(const Tensor& clone_expert, const Tensor& clone_quota, const 
 void moe_echo_reroute(const Tensor& rerouted, const Tensor& top, const Tensor& clone_expert, const Tensor& quota_row,
                       int64_t num_experts, const Stream& stream);
 
+/// The expert ids of a rerouted selection in the all-to-all dispatcher's rank-major virtual
+/// layout of ep ranks with L + S experts each (L = E / ep home experts, then the rank's S spare
+/// slots), so that every destination EP rank's slots are one contiguous run of expert ids:
+/// x < E (home expert) → (x / L)·(L + S) + x mod L; E ≤ x < E + ep·S (spare slot s = x − E) →
+/// (s / S)·(L + S) + L + s mod S; x < 0 (dropped) is copied. out and in int32, same numel, on one
+/// device; out may alias in. Errors: mt::Error on dtypes/sizes/devices, E % ep != 0, num_echo < 1;
+/// the CPU also on an id ≥ E + ep·S (CUDA maps such ids to −1).
+void moe_echo_virtual_experts(const Tensor& out, const Tensor& in, int64_t num_experts, int64_t ep, int64_t num_echo,
+                              const Stream& stream);
+
 MT_OP_BACKENDS(moe_echo_plan)
 MT_OP_BACKENDS(moe_echo_reroute)
+MT_OP_BACKENDS(moe_echo_virtual_experts)
 
 /// The planner's steps as pure host functions (int64 throughout), the CPU reference's building
 /// blocks, exposed for tests and for host-side tools. Sizes are checked (mt::Error).

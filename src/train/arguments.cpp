@@ -148,6 +148,10 @@ void add_pretrain_options(CLI::App& app, PretrainArgs& a) {
                "Pad every expert to its capacity (same results: padding rows are not materialised)");
   app.add_flag("--moe-grouped-gemm", m.moe_grouped_gemm,
                "Experts as grouped GEMMs with device-side token counts (no host sync with the allgather dispatcher)");
+  app.add_flag("--moe-enable-echo", m.moe_enable_echo,
+               "ECHO: clone hot experts into spare slots of under-loaded EP ranks each micro-batch (alltoall, "
+               "docs/echo.md)");
+  app.add_option("--moe-num-echo-experts", m.moe_num_echo_experts, "ECHO spare expert slots per EP rank");
   app.add_flag("--moe-per-layer-logging", a.moe_per_layer_logging, "Log the auxiliary losses of every MoE layer");
   app.add_option("--expert-model-parallel-size", a.expert_model_parallel_size, "Expert-parallel size")
       ->capture_default_str();

@@ -77,10 +77,11 @@ std::string timestamp() {
 // iteration (min / max / mean over the experts of every MoE layer) and the worst layer's
 // imbalance (max / mean over its experts), and per layer with --moe-per-layer-logging.
 // Collective over the world; resets the model's statistics.
-std::string moe_log(LanguageModel& model, Communicator& world, int64_t iters, bool per_layer, int tp,
+std::string moe_log(LanguageModel& model, Communicator& world, int64_t iters, bool per_layer, int tp, int ep,
                     const Stream& stream) {
   const TransformerConfig& cfg = model.config();
   const std::vector<double> mine = model.moe_loss_stats(stream);
+  const MoeDispatchStats dispatch = model.moe_dispatch_stats();
   model.reset_moe_stats(stream);
   const size_t bytes = mine.size() * sizeof(float);
   const std::vector<float> local(mine.begin(), mine.end());
@@ -127,6 +128,23 @@ std::string moe_log(LanguageModel& model, Communicator& world, int64_t iters, bo
   if (sum > 0)
     out += fmt::format(" tokens per expert min/max/mean: {:.0f}/{:.0f}/{:.1f} | expert imbalance: {:.3f} |", lo, hi,
                        sum / (L * static_cast<double>(E)), worst);
+  if (cfg.moe_token_dispatcher_type == MoeDispatcher::kAllToAll) {
+    // the alltoall dispatcher's counts are known on every rank of an EP group alike: the largest
+    // receive over the world; ECHO's rerouted slots summed over the world counts each EP group's
+    // total once per member
+    const int64_t v[2] = {dispatch.rerouted, dispatch.max_received};
+    const std::vector<char> d = all_gather_host(world, v, sizeof(v), stream);
+    int64_t rerouted = 0, received = 0;
+    for (int r = 0; r < world.size(); ++r) {
+      const int64_t* row = reinterpret_cast<const int64_t*>(d.data() + static_cast<size_t>(r) * sizeof(v));
+      rerouted += row[0];
+      received = std::max(received, row[1]);
+    }
+    out += fmt::format(" max tokens received per EP rank: {} |", received);
+    if (cfg.moe_enable_echo)
+      out += fmt::format(" ECHO rerouted tokens per layer: {:.1f} |",
+                         static_cast<double>(rerouted) / std::max(ep, 1) / n / L);
+  }
   return out + layers;
 }
 
@@ -748,7 +766,8 @@ int run_pretrain(PretrainArgs args) {
           n_ok ? loss_sum / n_ok : NAN, sc.loss_scale, sc.grad_norm, sc.skipped_iters - last_skipped, n_nan,
           host_issue_ms / static_cast<double>(iters_since_log));
       if (cfg.num_moe_experts > 0) line += moe_log(model, *world, iters_since_log, args.moe_per_layer_logging,
-                                                 args.tensor_model_parallel_size, stream);
+                                                 args.tensor_model_parallel_size, args.expert_model_parallel_size,
+                                                 stream);
       log_info("{}", line);
       std::vector<std::pair<std::string, float>> timer_max;
       const std::string timing = timing_report(timers, timing_option, *world, stream, iters_since_log, &timer_max);

@@ -238,5 +238,26 @@ TEST(MoeEchoCuda, Limits) {
   EXPECT_THROW(moe_echo_plan(ce, cq, q, c, 1, gs), Error);  // E > 4096
 }
 
+// The virtual expert ids: the CUDA kernel equals the CPU on random ids (home experts, clone
+// slots, dropped slots), in place and out of place.
+TEST(MoeEchoVirtualExpertsCuda, MatchesCpu) {
+  auto& rng = testing::test_rng();
+  for (const auto& [E, ep, S, n] : {std::tuple<int64_t, int64_t, int64_t, int64_t>{8, 4, 1, 1000},
+                                    {64, 8, 3, 1 << 17}, {4096, 64, 2, 5000}}) {
+    std::uniform_int_distribution<int32_t> id(-1, static_cast<int32_t>(E + ep * S - 1));
+    std::vector<int32_t> in(static_cast<size_t>(n));
+    for (auto& v : in) v = id(rng);
+    const Stream cs(kCpu), gs(Device::cuda());
+    OwnedTensor a = make_int_tensor(in, kCpu, {n}, cs), b(DType::kI32, kCpu, {n});
+    moe_echo_virtual_experts(b.t, a.t, E, ep, S, cs);
+    OwnedTensor ga = make_int_tensor(in, Device::cuda(), {n}, gs), gb(DType::kI32, Device::cuda(), {n});
+    moe_echo_virtual_experts(gb.t, ga.t, E, ep, S, gs);
+    const std::vector<int32_t> want = ints(b.t, cs);
+    EXPECT_EQ(ints(gb.t, gs), want) << "E " << E << " ep " << ep << " S " << S;
+    moe_echo_virtual_experts(ga.t, ga.t, E, ep, S, gs);
+    EXPECT_EQ(ints(ga.t, gs), want) << "in place";
+  }
+}
+
 }  // namespace
 }  // namespace mt

@@ -388,5 +388,28 @@ TEST(MoeEcho, Errors) {
   EXPECT_THROW(echo::gen_intermediate({1, 2, 3}, 2), Error);
 }
 
+// The virtual expert ids of the alltoall dispatch: 4 EP ranks of 2 experts and 1 spare slot each
+// lay out as rank 0 [e0 e1 s0], rank 1 [e2 e3 s1], ... = ids 0..11.
+TEST(MoeEchoVirtualExperts, RankMajorLayout) {
+  const Stream st(Device::cpu());
+  const std::vector<int32_t> in = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, -1};
+  const std::vector<int32_t> want = {0, 1, 3, 4, 6, 7, 9, 10, 2, 5, 8, 11, -1};
+  testing::OwnedTensor a(DType::kI32, Device::cpu(), {13}), b(DType::kI32, Device::cpu(), {13});
+  std::copy(in.begin(), in.end(), a.t.data_as<int32_t>());
+  moe_echo_virtual_experts(b.t, a.t, 8, 4, 1, st);
+  EXPECT_EQ(std::vector<int32_t>(b.t.data_as<int32_t>(), b.t.data_as<int32_t>() + 13), want);
+  // two spare slots per rank: rank r holds [e2r, e2r+1, s2r, s2r+1]
+  moe_echo_virtual_experts(b.t, a.t, 8, 4, 2, st);
+  const std::vector<int32_t> want2 = {0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10};  // ids 8..11 = slots 0..3
+  EXPECT_EQ(std::vector<int32_t>(b.t.data_as<int32_t>(), b.t.data_as<int32_t>() + 12),
+            std::vector<int32_t>(want2.begin(), want2.begin() + 12));
+  moe_echo_virtual_experts(a.t, a.t, 8, 4, 1, st);  // in place
+  EXPECT_EQ(std::vector<int32_t>(a.t.data_as<int32_t>(), a.t.data_as<int32_t>() + 13), want);
+  a.t.data_as<int32_t>()[3] = 12;  // beyond E + ep·S
+  EXPECT_THROW(moe_echo_virtual_experts(b.t, a.t, 8, 4, 1, st), Error);
+  EXPECT_THROW(moe_echo_virtual_experts(b.t, a.t, 8, 3, 1, st), Error);  // 8 % 3
+  EXPECT_THROW(moe_echo_virtual_experts(b.t, a.t, 8, 4, 0, st), Error);  // S < 1
+}
+
 }  // namespace
 }  // namespace mt

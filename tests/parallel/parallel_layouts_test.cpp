@@ -114,6 +114,7 @@ struct Layout {
   bool drop_position = false;  // --moe-token-drop-policy position (else probs)
   bool pad = false;          // --moe-pad-expert-input-to-capacity
   bool grouped = false;      // --moe-grouped-gemm (the reference runs the per-expert loop)
+  int echo = 0;              // --moe-enable-echo with this many spare slots per EP rank (alltoall)
   std::string name() const {
     std::string s = fmt::format("{}{}tp{}_pp{}_dp{}_vpp{}_m{}",
                                 arch == Arch::kGpt     ? ""
@@ -136,6 +137,7 @@ struct Layout {
     if (capacity > 0) s += fmt::format("_cap{}{}{}", static_cast<int>(capacity * 100), drop_position ? "_pos" : "",
                                        pad ? "_pad" : "");
     if (grouped) s += "_gg";
+    if (echo > 0) s += fmt::format("_echo{}", echo);
     return s;
   }
 };
@@ -146,6 +148,7 @@ struct Result {
   std::map<std::string, std::vector<float>> grads, params;
   std::map<std::string, std::vector<float>> copy_params;  // the last stage's embedding copy
   std::vector<int> slots;                                 // per pipeline rank: activation slots
+  int64_t rerouted = 0;  // ECHO: slots sent to clones, summed over the ranks and layers
 };
 
 
@@ -168,6 +171,8 @@ Result run_layout(const Layout& L, const std::vector<int32_t>& tokens, const std
   if (L.flash) c.attention_backend = AttentionBackend::kFlash;
   if (L.a2a) c.moe_token_dispatcher_type = MoeDispatcher::kAllToAll;
   c.moe_grouped_gemm = L.grouped;
+  c.moe_enable_echo = L.echo > 0;
+  c.moe_num_echo_experts = L.echo;
   if (L.capacity > 0) {
     c.moe_expert_capacity_set = true;
     c.moe_expert_capacity_factor = L.capacity;
@@ -262,6 +267,7 @@ Result run_layout(const Layout& L, const std::vector<int32_t>& tokens, const std
     {
       std::lock_guard<std::mutex> lock(mu);
       if (g.tp->rank() == 0 && d == 0) out.slots[static_cast<size_t>(pp_rank)] = plan.activation_slots;
+      out.rerouted += model.moe_dispatch_stats().rerouted;
     }
     // Every rank reports (data-parallel replicas write identical values; with expert parallelism
     // the DP ranks hold different experts).
@@ -324,6 +330,7 @@ TEST_P(ParallelLayouts, MatchesSingleRank) {
     EXPECT_GT(diff, 1e-5 * ref.losses[0]) << "the capacity dropped nothing";
   }
   const Result par = run_layout(L, tokens, labels, mb);
+  if (L.echo > 0) EXPECT_GT(par.rerouted, 0) << "ECHO rerouted nothing: the test would not exercise the clones";
   for (int it = 0; it < kIters; ++it) EXPECT_NEAR(par.losses[it], ref.losses[it], 1e-5 * ref.losses[it]) << it;
   ASSERT_EQ(par.grads.size(), ref.grads.size());
   for (const auto& [name, g] : ref.grads) {
@@ -531,6 +538,26 @@ std::vector<Layout> layouts() {
     add(arch, tp, pp, dp, 0, sp, zero, false, ep, etp, a2a);
     v.back().capacity = capacity;
     v.back().grouped = true;
+  }
+  // ECHO (hot experts cloned into spare slots of under-loaded EP ranks, their weights sent there
+  // and their gradients returned): the same losses and gradients as the single-rank dropless run.
+  // EP 2 and 4, one and two spare slots, the grouped GEMM, EP x DP with the distributed optimizer,
+  // EP x PP and VPP (several activation slots: each keeps its own placement), TP + SP with expert
+  // TP 1, token dropping before the plan.
+  for (const auto& [arch, tp, pp, dp, vpp, ep, sp, zero, echo, grouped, capacity] :
+       {std::tuple{Arch::kMoe, 1, 1, 2, 0, 2, false, false, 1, false, 0.0},
+        std::tuple{Arch::kMoe, 1, 1, 4, 0, 4, false, false, 2, false, 0.0},
+        std::tuple{Arch::kMoe, 1, 1, 4, 0, 4, false, true, 1, true, 0.0},
+        std::tuple{Arch::kMoe, 1, 1, 4, 0, 2, false, true, 2, false, 0.0},
+        std::tuple{Arch::kMoe, 1, 2, 2, 0, 2, false, false, 1, false, 0.0},
+        std::tuple{Arch::kMoe, 1, 2, 2, 2, 2, false, true, 1, true, 0.0},
+        std::tuple{Arch::kMoe, 2, 1, 2, 0, 4, true, false, 1, false, 0.0},
+        std::tuple{Arch::kMoeSigmoid, 1, 1, 4, 0, 4, false, false, 1, true, 0.0},
+        std::tuple{Arch::kMoe, 1, 1, 2, 0, 2, false, false, 1, false, 0.75}}) {
+    add(arch, tp, pp, dp, vpp, sp, zero, false, ep, tp > 1 ? 1 : 0, /*a2a=*/true);
+    v.back().echo = echo;
+    v.back().grouped = grouped;
+    v.back().capacity = capacity;
   }
   return v;
 }

@@ -340,13 +340,22 @@ TEST_F(TrainerLayouts, MixtureOfExperts) {
                                    // all_to_allv over EP 2, unequal all-gather / reduce-scatter over
                                    // expert TP 2, four local experts regrouped (MPI backend)
                                    "--nproc-per-node 4 --tensor-model-parallel-size 2 --sequence-parallel "
-                                   "--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall"}) {
+                                   "--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall",
+                                   // ECHO: hot experts cloned to the other EP rank's spare slot
+                                   "--nproc-per-node 2 --expert-model-parallel-size 2 --moe-token-dispatcher-type "
+                                   "alltoall --moe-enable-echo --moe-num-echo-experts 1"}) {
     RunResult r = run(flags("--train-iters 6 " + layout + moe));
     ASSERT_EQ(r.rc, 0) << layout << "\n" << r.out;
     expect_same(losses(r.out), full_losses, layout + " (MoE)");
     EXPECT_NE(r.out.find(mean_load), std::string::npos) << layout << "\n" << r.out;
-    if (layout.find("alltoall") != std::string::npos)
+    if (layout.find("alltoall") != std::string::npos) {
       EXPECT_NE(r.out.find("alltoall token dispatcher"), std::string::npos) << r.out;
+      EXPECT_NE(r.out.find("max tokens received per EP rank: "), std::string::npos) << r.out;
+    }
+    if (layout.find("echo") != std::string::npos) {
+      EXPECT_NE(r.out.find("ECHO with 1 spare expert slots per EP rank"), std::string::npos) << r.out;
+      EXPECT_NE(r.out.find("ECHO rerouted tokens per layer: "), std::string::npos) << r.out;
+    }
   }
   RunResult first;
   std::map<int, double> l;
@@ -373,7 +382,14 @@ TEST_F(TrainerLayouts, MixtureOfExperts) {
            {" --moe-layer-freq [1,0,2,0]", "entry 2 is 2"},
            {" --moe-router-score-function tanh", "--moe-router-score-function 'tanh' is not supported"},
            {" --nproc-per-node 3 --expert-model-parallel-size 3 --global-batch-size 6",
-            "--num-experts 8 is not divisible by expert model parallel size 3"}}) {
+            "--num-experts 8 is not divisible by expert model parallel size 3"},
+           {" --moe-enable-echo", "--moe-enable-echo needs --moe-num-echo-experts >= 1"},
+           {" --moe-enable-echo --moe-num-echo-experts 1", "needs --moe-token-dispatcher-type alltoall"},
+           {" --moe-enable-echo --moe-num-echo-experts 1 --moe-token-dispatcher-type alltoall",
+            "--moe-enable-echo needs --expert-model-parallel-size > 1"},
+           {" --nproc-per-node 4 --tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2 "
+            "--moe-token-dispatcher-type alltoall --moe-enable-echo --moe-num-echo-experts 1",
+            "--moe-enable-echo needs --expert-tensor-parallel-size 1"}}) {
     RunResult r = run(flags("--train-iters 2" + moe + extra));
     EXPECT_NE(r.rc, 0) << extra;
     EXPECT_NE(r.out.find(message), std::string::npos) << extra << "\n" << r.out;

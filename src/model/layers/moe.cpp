@@ -42,8 +42,14 @@ MoELayer::MoELayer(const TransformerConfig& c, int64_t layer, const TensorParall
              "--num-experts {} is not divisible by expert model parallel size {}", c.num_moe_experts, ep.ep_size);
   MT_REQUIRE(ep.etp_size >= 1 && c.moe_ffn() % ep.etp_size == 0,
              "--moe-ffn-hidden-size {} is not divisible by expert tensor parallel size {}", c.moe_ffn(), ep.etp_size);
-  dispatcher_ = make_moe_token_dispatcher(c.moe_token_dispatcher_type, ep,
-                                          {num_experts_, topk_, num_local_, first_expert_, c.moe_grouped_gemm});
+  num_echo_ = c.moe_enable_echo ? c.moe_num_echo_experts : 0;
+  MT_REQUIRE(num_echo_ == 0 || ep.ep_size > 1,
+             "--moe-enable-echo needs --expert-model-parallel-size > 1 (clones live on other EP ranks), got {}",
+             ep.ep_size);
+  MT_REQUIRE(num_echo_ == 0 || ep.etp_size == 1,
+             "--moe-enable-echo needs --expert-tensor-parallel-size 1, got {}", ep.etp_size);
+  dispatcher_ = make_moe_token_dispatcher(
+      c.moe_token_dispatcher_type, ep, {num_experts_, topk_, num_local_, first_expert_, c.moe_grouped_gemm, num_echo_});
   const std::string p = fmt::format("decoder.layers.{}.mlp.", layer);
   const int64_t h = c.hidden_size;
   reg.declare(replicated_param(p + "router.weight", {num_experts_, h}, InitKind::kNormal, c.init_method_std,
@@ -89,6 +95,14 @@ void MoELayer::plan(BufferPlanner& p, int64_t s, int64_t b) {
   sv.act = p.saved(t, {max_rows_, local_ffn_}, "expert activations");
   sv.out = p.saved(t, {max_rows_, h}, "expert outputs");
   if (shared_) shared_->plan(p, s, b);
+  if (num_echo_ > 0) {  // the clones' weights and gradients: fetched per use (scratch)
+    const int64_t S = num_echo_, f1 = parts * local_ffn_, f2 = local_ffn_;
+    echo_w1_ = p.scratch("moe.echo.w1", t, {S, f1, h});
+    echo_w2_ = p.scratch("moe.echo.w2", t, {S, h, f2});
+    echo_g1_ = p.scratch("moe.echo.g1", DType::kF32, {S, f1, h});
+    echo_g2_ = p.scratch("moe.echo.g2", DType::kF32, {S, h, f2});
+    echo_ret_ = p.scratch("moe.echo.ret", DType::kF32, {f1 * h + h * f2});
+  }
   y_ = p.scratch("moe.y", t, {sl, b, h});
   d_out_ = p.scratch("moe.d_out", t, {max_rows_, h});
   d_act_ = p.scratch("moe.d_act", t, {max_rows_, local_ffn_});
@@ -129,6 +143,7 @@ void MoELayer::update_expert_bias(Communicator* dp, const Stream& stream) {
 
 void MoELayer::reset_stats(const Stream& stream) {
   if (stats_zeroed_) fill(stats_, 0.f, stream);  // else the first forward zeroes them
+  dispatcher_->reset_stats();
 }
 
 std::vector<double> MoELayer::stats(const Stream& stream) const {
@@ -226,26 +241,28 @@ Tensor MoELayer::forward(const StepContext& ctx) {
   MoeExpertCounts counts = dispatcher_->dispatch(sv.xp, x, ctx.slot, st);
   if (config_.moe_grouped_gemm) {  // experts and combine over all R_max rows, counts on the device
     sv.counts = counts.device;
+    echo_fetch_weights(ctx.slot, st);
     grouped_forward(sv, st);
     dispatcher_->combine(rows(y_), sv.out, ctx.slot, st);
     return finish_forward(sv, ctx);
   }
   sv.counts_host = std::move(counts.host);
   const int64_t R = std::accumulate(sv.counts_host.begin(), sv.counts_host.end(), int64_t{0});
-  // --- experts ---
+  // --- experts (with ECHO also the clones: home weights fetched into the clone slots) ---
+  echo_fetch_weights(ctx.slot, st);
   int64_t off = 0;
-  for (int64_t e = 0; e < num_local_; ++e) {
+  for (int64_t e = 0; e < num_local_ + num_echo_; ++e) {
     const int64_t n = sv.counts_host[static_cast<size_t>(e)];
     if (n > 0) {
-      const Expert& ex = experts_[static_cast<size_t>(e)];
+      const ExpertTensors ex = expert_tensors(e);
       const Tensor xe = row_range(sv.xp, off, n), pre = row_range(sv.pre, off, n), act = row_range(sv.act, off, n);
       if (gated_) {
-        linear_forward(pre, xe, ex.fc1.value(), Tensor(), Tensor(), st);
+        linear_forward(pre, xe, ex.w1, Tensor(), Tensor(), st);
         swiglu_forward(act, pre, st);
       } else {
-        linear_forward(act, xe, ex.fc1.value(), Tensor(), pre, st);  // GELU epilogue
+        linear_forward(act, xe, ex.w1, Tensor(), pre, st);  // GELU epilogue
       }
-      linear_forward(row_range(sv.out, off, n), act, ex.fc2.value(), Tensor(), Tensor(), st);
+      linear_forward(row_range(sv.out, off, n), act, ex.w2, Tensor(), Tensor(), st);
     }
     off += n;
   }
@@ -263,12 +280,45 @@ Tensor MoELayer::finish_forward(Saved& sv, const StepContext& ctx) {
   return y_;
 }
 
+MoELayer::ExpertTensors MoELayer::expert_tensors(int64_t e) const {
+  if (e < num_local_) {
+    const Expert& ex = experts_[static_cast<size_t>(e)];
+    return {ex.fc1.value(), ex.fc2.value(), ex.fc1.grad(), ex.fc2.grad()};
+  }
+  const int64_t j = e - num_local_;  // ECHO clone slot
+  const auto one = [j](const Tensor& t) { return t.slice0(j, j + 1).view({t.size(1), t.size(2)}); };
+  return {one(echo_w1_), one(echo_w2_), one(echo_g1_), one(echo_g2_)};
+}
+
+void MoELayer::echo_fetch_weights(int slot, const Stream& st) {
+  const EchoPlacement* placement = dispatcher_->echo_placement(slot);
+  if (!placement) return;
+  std::vector<std::vector<Tensor>> local, clones;
+  for (int64_t e = 0; e < num_local_ + num_echo_; ++e) {
+    const ExpertTensors ex = expert_tensors(e);
+    (e < num_local_ ? local : clones).push_back({ex.w1, ex.w2});
+  }
+  echo_dispatch_weights(*ep_.ep_group, *placement, local, clones, st);
+}
+
+void MoELayer::echo_return_grads(int slot, const Stream& st) {
+  const EchoPlacement* placement = dispatcher_->echo_placement(slot);
+  if (!placement) return;
+  std::vector<std::vector<Tensor>> main, clones;
+  for (int64_t e = 0; e < num_local_ + num_echo_; ++e) {
+    const ExpertTensors ex = expert_tensors(e);
+    (e < num_local_ ? main : clones).push_back({ex.g1, ex.g2});
+  }
+  echo_return_gradients(*ep_.ep_group, *placement, clones, main, echo_ret_, st);
+}
+
 void MoELayer::grouped_forward(Saved& sv, const Stream& st) {
-  if (fc1_w_.empty()) {  // once: the address tables of the experts' weights
+  if (fc1_w_.empty()) {  // once: the address tables of the experts' (and clone slots') weights
     std::vector<Tensor> w1, w2;
-    for (const Expert& ex : experts_) {
-      w1.push_back(ex.fc1.value());
-      w2.push_back(ex.fc2.value());
+    for (int64_t e = 0; e < num_local_ + num_echo_; ++e) {
+      const ExpertTensors ex = expert_tensors(e);
+      w1.push_back(ex.w1);
+      w2.push_back(ex.w2);
     }
     fc1_w_ = GroupedWeights(std::move(w1), st);
     fc2_w_ = GroupedWeights(std::move(w2), st);
@@ -284,11 +334,12 @@ void MoELayer::grouped_forward(Saved& sv, const Stream& st) {
 }
 
 void MoELayer::grouped_backward(Saved& sv, const Stream& st) {
-  if (fc1_g_.empty()) {  // once: the address tables of the experts' main gradients
+  if (fc1_g_.empty()) {  // once: the address tables of the experts' main gradients (and the clones')
     std::vector<Tensor> g1, g2;
-    for (const Expert& ex : experts_) {
-      g1.push_back(ex.fc1.grad());
-      g2.push_back(ex.fc2.grad());
+    for (int64_t e = 0; e < num_local_ + num_echo_; ++e) {
+      const ExpertTensors ex = expert_tensors(e);
+      g1.push_back(ex.g1);
+      g2.push_back(ex.g2);
     }
     fc1_g_ = GroupedWeights(std::move(g1), st);
     fc2_g_ = GroupedWeights(std::move(g2), st);
@@ -310,9 +361,16 @@ Tensor MoELayer::backward(const Tensor& dy, const StepContext& ctx, WgradDeferra
   Saved& sv = saved_.at(static_cast<size_t>(ctx.slot));
   const Stream& st = ctx.stream;
   const Tensor dx = rows(dx_);
+  const bool echo = dispatcher_->echo_placement(ctx.slot) != nullptr;
+  if (echo) {  // the clones' weights again (scratch), their gradients from zero
+    echo_fetch_weights(ctx.slot, st);
+    fill(echo_g1_, 0.f, st);
+    fill(echo_g2_, 0.f, st);
+  }
   if (config_.moe_grouped_gemm) {  // all R_max rows, counts on the device
     dispatcher_->combine_backward(d_out_, d_probs_, rows(dy), sv.out, ctx.slot, st);
     grouped_backward(sv, st);
+    echo_return_grads(ctx.slot, st);
     dispatcher_->dispatch_backward(dx, d_xp_, ctx.slot, st);
     return router_backward(sv, dy, ctx, defer);
   }
@@ -321,22 +379,23 @@ Tensor MoELayer::backward(const Tensor& dy, const StepContext& ctx, WgradDeferra
   dispatcher_->combine_backward(row_range(d_out_, 0, R), d_probs_, rows(dy), row_range(sv.out, 0, R), ctx.slot, st);
   // --- experts backward ---
   int64_t off = 0;
-  for (int64_t e = 0; e < num_local_; ++e) {
+  for (int64_t e = 0; e < num_local_ + num_echo_; ++e) {
     const int64_t n = sv.counts_host[static_cast<size_t>(e)];
     if (n > 0) {
-      const Expert& ex = experts_[static_cast<size_t>(e)];
+      const ExpertTensors ex = expert_tensors(e);
       const Tensor xe = row_range(sv.xp, off, n), pre = row_range(sv.pre, off, n), act = row_range(sv.act, off, n);
       const Tensor dact = row_range(d_act_, off, n), dpre = row_range(d_pre_, off, n);
-      linear_backward(dact, ex.fc2.grad(), Tensor(), row_range(d_out_, off, n), act, ex.fc2.value(), st);
+      linear_backward(dact, ex.g2, Tensor(), row_range(d_out_, off, n), act, ex.w2, st);
       if (gated_) {
         swiglu_backward(dpre, dact, pre, st);
       } else {
         gelu_backward(dpre, dact, pre, st);
       }
-      linear_backward(row_range(d_xp_, off, n), ex.fc1.grad(), Tensor(), dpre, xe, ex.fc1.value(), st);
+      linear_backward(row_range(d_xp_, off, n), ex.g1, Tensor(), dpre, xe, ex.w1, st);
     }
     off += n;
   }
+  echo_return_grads(ctx.slot, st);  // the clones' weight gradients added to their home experts
   // --- dispatch backward: token gradients back to their ranks ---
   dispatcher_->dispatch_backward(dx, row_range(d_xp_, 0, R), ctx.slot, st);
   return router_backward(sv, dy, ctx, defer);

@@ -93,6 +93,9 @@ class MoELayer final : public MlpSlot {
   /// Zeroes the statistics now (ordered on `stream`, outside any step), so that the forwards
   /// never do (a step captured in a CUDA graph replays without a reset inside).
   void reset_stats(const Stream& stream);
+  /// The token dispatcher's host-side statistics since reset_stats() (ECHO rerouted slots, the
+  /// most rows an EP rank received in one dispatch; zeros for the allgather dispatcher).
+  MoeDispatchStats dispatch_stats() const { return dispatcher_->stats(); }
 
   /// Aux-loss-free balancing (--moe-router-enable-expert-bias), once per step after the last
   /// backward (Megatron's finalize_model_grads): sums the step's token counts of the training
@@ -109,6 +112,16 @@ class MoELayer final : public MlpSlot {
   struct Expert {
     ParamRef fc1, fc2;  // [(2)f_l, h], [h, f_l]
   };
+  // An expert slot's weights and fp32 main gradients: local expert e < E_l, or ECHO clone slot
+  // e − E_l (the clone buffers, valid after echo_fetch_weights).
+  struct ExpertTensors {
+    Tensor w1, w2, g1, g2;
+  };
+  ExpertTensors expert_tensors(int64_t e) const;
+  // ECHO: the home experts' weights sent into the clone slots of area `slot`'s placement, and the
+  // clones' gradients returned to (added into) the home experts' main gradients. No-ops without ECHO.
+  void echo_fetch_weights(int slot, const Stream& st);
+  void echo_return_grads(int slot, const Stream& st);
   struct Saved {
     Tensor x;                  // [s_l, b, h]: the block's input (router input)
     Tensor logits;             // fp32 [T_l, E]
@@ -148,6 +161,8 @@ class MoELayer final : public MlpSlot {
   // device, built on the first forward / backward (the ParamStore's addresses are fixed).
   GroupedWeights fc1_w_, fc2_w_, fc1_g_, fc2_g_;
   int64_t tokens_ = 0, max_rows_ = 0;  // T_l, R_max
+  int64_t num_echo_ = 0;               // ECHO spare expert slots per EP rank (0: off)
+  Tensor echo_w1_, echo_w2_, echo_g1_, echo_g2_, echo_ret_;  // ECHO clone weights / gradients (scratch)
   int64_t capacity_ = 0;               // per expert with --moe-expert-capacity-factor
   // scratch
   Tensor y_, d_out_, d_act_, d_pre_, d_xp_, dx_, d_probs_, d_logits_, d_logits_act_, scores_aux_, kept_counts_;

@@ -5,6 +5,7 @@
 
 #include "ops/elementwise.h"
 #include "ops/moe.h"
+#include "ops/moe_echo.h"
 
 namespace mt {
 
@@ -134,15 +135,28 @@ class AllGatherDispatcher final : public MoeTokenDispatcher {
 class AllToAllDispatcher final : public MoeTokenDispatcher {
  public:
   AllToAllDispatcher(const ExpertParallel& ep, const MoeDispatchSizes& s)
-      : ep_(ep), s_(s), P_(group_size(ep.ep_group)), Q_(group_size(ep.etp_group)) {}
+      : ep_(ep),
+        s_(s),
+        P_(group_size(ep.ep_group)),
+        Q_(group_size(ep.etp_group)),
+        S_(s.num_echo),
+        Lv_(s.num_local + s.num_echo),
+        Ev_(group_size(ep.ep_group) * (s.num_local + s.num_echo)),
+        firstv_(static_cast<int64_t>(ep.ep_rank) * (s.num_local + s.num_echo)) {
+    MT_REQUIRE(S_ == 0 || Q_ == 1, "--moe-enable-echo with expert tensor parallel size {}: ECHO needs expert TP 1",
+               Q_);
+    MT_REQUIRE(S_ == 0 || !ep.ep_group || P_ * s.num_local == s.num_experts,
+               "--moe-enable-echo: {} experts over {} EP ranks of {} local experts", s.num_experts, P_, s.num_local);
+  }
 
   int64_t plan(BufferPlanner& p, int64_t tokens, int64_t h) override {
     const DType t = p.act_dtype();
     const int64_t k = s_.topk, E = s_.num_experts;
     tokens_ = tokens;
     hidden_ = h;
-    // Dropless bounds: each source token brings at most min(k, E_l) rows to this rank's experts.
-    max_ep_rows_ = P_ * tokens * std::min(k, s_.num_local);
+    // Dropless bounds: each source token brings at most min(k, E_l (+ S)) rows to this rank's
+    // expert slots (a token's slots name distinct experts, and distinct experts' clones are distinct).
+    max_ep_rows_ = P_ * tokens * std::min(k, Lv_);
     const int64_t max_rows = Q_ * max_ep_rows_;
     const size_t a = static_cast<size_t>(p.area());
     if (saved_.size() <= a) saved_.resize(a + 1);
@@ -152,26 +166,41 @@ class AllToAllDispatcher final : public MoeTokenDispatcher {
     sv.row_index = p.saved(DType::kI32, {tokens * k}, "slots sorted by expert");
     sv.slot_row = p.saved(DType::kI32, {tokens * k}, "sorted position of each slot");
     sv.back = p.saved(t, {tokens * k, h}, "expert outputs returned to their tokens");
-    if (s_.device_counts) sv.local_counts = p.saved(DType::kI32, {s_.num_local}, "tokens per local expert");
-    counts_ = p.scratch("moe.a2a.counts", DType::kI32, {E});
-    counts_ep_ = p.scratch("moe.a2a.counts_ep", DType::kI32, {P_ * E});
-    counts_all_ = p.scratch("moe.a2a.counts_all", DType::kI32, {Q_ * P_ * E});
+    if (s_.device_counts) sv.local_counts = p.saved(DType::kI32, {Lv_}, "tokens per local expert");
+    counts_ = p.scratch("moe.a2a.counts", DType::kI32, {Ev_});
+    counts_ep_ = p.scratch("moe.a2a.counts_ep", DType::kI32, {P_ * Ev_});
+    counts_all_ = p.scratch("moe.a2a.counts_all", DType::kI32, {Q_ * P_ * Ev_});
     send_ = p.scratch("moe.a2a.send", t, {tokens * k, h});
     if (P_ > 1 && Q_ > 1) ep_rows_ = p.scratch("moe.a2a.ep", t, {max_ep_rows_, h});
     if (Q_ > 1) etp_chunks_ = p.scratch("moe.a2a.etp_chunks", t, {Q_ * max_ep_rows_, h});
-    if (s_.num_local > 1) stage_ = p.scratch("moe.a2a.stage", t, {max_rows, h});
+    if (Lv_ > 1) stage_ = p.scratch("moe.a2a.stage", t, {max_rows, h});
+    if (S_ > 0) {
+      const int64_t NS = P_ * S_;
+      sv.top_v = p.saved(DType::kI32, {tokens, k}, "ECHO rerouted routing (virtual expert ids)");
+      sv.clone_expert = p.saved(DType::kI32, {NS}, "ECHO clone placement");
+      echo_counts_ = p.scratch("moe.echo.counts", DType::kI32, {E});
+      echo_counts_ep_ = p.scratch("moe.echo.counts_ep", DType::kI32, {P_, E});
+      clone_quota_ = p.scratch("moe.echo.clone_quota", DType::kI32, {NS});
+      quota_ = p.scratch("moe.echo.quota", DType::kI32, {P_, NS});
+      rerouted_ = p.scratch("moe.echo.rerouted", DType::kI32, {tokens, k});
+    }
     return max_rows;
   }
 
   Tensor top(int slot) const override { return saved_.at(static_cast<size_t>(slot)).top; }
   Tensor probs(int slot) const override { return saved_.at(static_cast<size_t>(slot)).probs; }
+  const EchoPlacement* echo_placement(int slot) const override {
+    return S_ > 0 ? &saved_.at(static_cast<size_t>(slot)).placement : nullptr;
+  }
+  MoeDispatchStats stats() const override { return stats_; }
+  void reset_stats() override { stats_ = {}; }
 
   MoeExpertCounts dispatch(const Tensor& xp, const Tensor& x, int slot, const Stream& st) override {
     Saved& sv = saved_.at(static_cast<size_t>(slot));
+    const Tensor top = S_ > 0 ? echo_reroute(sv, st) : sv.top;
     // Permutation 1: this rank's slots sorted by (global) expert, i.e. by destination EP rank
     // (S = T·k of them, fewer when a capacity dropped some: their expert is -1).
-    const std::vector<int64_t> mine =
-        moe_routing_map(sv.row_index, sv.slot_row, counts_, sv.top, 0, s_.num_experts, st);
+    const std::vector<int64_t> mine = moe_routing_map(sv.row_index, sv.slot_row, counts_, top, 0, Ev_, st);
     const int64_t S = std::accumulate(mine.begin(), mine.end(), int64_t{0});
     moe_permute(row_range(send_, 0, S), x, sv.row_index, s_.topk, st);
     sv.plan = exchange_counts(mine, st);
@@ -239,19 +268,44 @@ class AllToAllDispatcher final : public MoeTokenDispatcher {
     Tensor row_index;  // int32 [T·k]: the flat slot at each position of the expert-sorted order
     Tensor slot_row;   // int32 [T·k]: its inverse
     Tensor back;       // [T·k, h]: the expert outputs returned to this rank (probs' gradient)
-    Tensor local_counts;  // int32 [E_l] on the device (device_counts only)
+    Tensor local_counts;  // int32 [E_l + S] on the device (device_counts only)
     Plan plan;
+    // ECHO
+    Tensor top_v;          // int32 [T, k]: the rerouted selection in virtual expert ids
+    Tensor clone_expert;   // int32 [ep·S]: the plan's placement
+    EchoPlacement placement;
   };
+
+  // ECHO (docs/echo.md "Integration"): this rank's per-expert counts gathered over EP, the plan
+  // (identical on every EP rank), this rank's slots rerouted to the clones and mapped to the
+  // rank-major virtual expert ids; the placement read on the host. Returns the virtual selection.
+  Tensor echo_reroute(Saved& sv, const Stream& st) {
+    const int64_t E = s_.num_experts;
+    // int32 histogram over the home experts (row_index / slot_row are rewritten by the dispatch)
+    moe_routing_map_device(sv.row_index, sv.slot_row, echo_counts_, sv.top, 0, E, st);
+    if (P_ > 1) {
+      ep_.ep_group->all_gather(echo_counts_ep_, echo_counts_, st);
+    } else {
+      copy(echo_counts_ep_.view({E}), echo_counts_, st);
+    }
+    moe_echo_plan(sv.clone_expert, clone_quota_, quota_, echo_counts_ep_, S_, st);
+    moe_echo_reroute(rerouted_, sv.top, sv.clone_expert, quota_.slice0(ep_rank(), ep_rank() + 1).view({P_ * S_}), E,
+                     st);
+    moe_echo_virtual_experts(sv.top_v, rerouted_, E, P_, S_, st);
+    sv.placement = echo_placement_sync(sv.clone_expert, E, P_, st);
+    return sv.top_v;
+  }
 
   int etp_rank() const { return ep_.etp_group ? ep_.etp_group->rank() : 0; }
   int ep_rank() const { return ep_.ep_group ? ep_.ep_group->rank() : 0; }
   // The stage buffer of permutation 2, or `direct` when there is no regrouping (one local expert).
-  Tensor stage_or(const Tensor& direct) const { return s_.num_local > 1 ? stage_ : direct; }
+  Tensor stage_or(const Tensor& direct) const { return Lv_ > 1 ? stage_ : direct; }
 
   // Counts of every rank of the ETP × EP grid: all-gathered over EP, then over ETP (fixed sizes,
   // on the device), one copy to the host.
   Plan exchange_counts(const std::vector<int64_t>& mine, const Stream& st) {
-    const int64_t E = s_.num_experts, El = s_.num_local, first = s_.first_expert;
+    // over the local expert slots (E_l, plus the S clones with ECHO) in the virtual layout
+    const int64_t E = Ev_, El = Lv_, first = firstv_;
     Tensor all = counts_;
     if (P_ > 1) {
       ep_.ep_group->all_gather(counts_ep_, counts_, st);
@@ -295,6 +349,20 @@ class AllToAllDispatcher final : public MoeTokenDispatcher {
     for (int64_t e = 0; e < El; ++e)
       for (int64_t i = 0; i < Q_; ++i)
         for (int64_t j = 0; j < P_; ++j) pl.order.push_back((i * P_ + j) * El + e);
+    // statistics: every EP rank's received rows (this ETP slice's, all of them with ETP 1) and
+    // the slots sent to clones
+    for (int64_t m = 0; m < P_; ++m) {
+      int64_t rows = 0;
+      for (int64_t i = 0; i < Q_; ++i)
+        for (int64_t j = 0; j < P_; ++j)
+          for (int64_t v = 0; v < El; ++v) {
+            const int64_t n = C(i, j, m * El + v);
+            rows += n;
+            if (v >= s_.num_local && i == qi) stats_.rerouted += n;
+          }
+      stats_.max_received = std::max(stats_.max_received, rows);
+    }
+    ++stats_.dispatches;
     return pl;
   }
 
@@ -346,7 +414,7 @@ class AllToAllDispatcher final : public MoeTokenDispatcher {
       cur = next;
     }
     const Tensor out = row_range(dst, 0, R);
-    if (s_.num_local > 1) {
+    if (Lv_ > 1) {
       moe_sort_chunks(out, cur, pl.chunk_sizes, pl.order, st);
     } else if (cur.data() != out.data()) {
       copy(out, cur, st);
@@ -358,7 +426,7 @@ class AllToAllDispatcher final : public MoeTokenDispatcher {
   void from_experts(const Tensor& dst, const Tensor& rows_in, const Plan& pl, const Stream& st) const {
     const int64_t R = pl.rows();
     Tensor cur = row_range(rows_in, 0, R);
-    if (s_.num_local > 1) {
+    if (Lv_ > 1) {
       const auto [sizes, order] = moe_sort_chunks_inverse(pl.chunk_sizes, pl.order);
       const Tensor un = row_range(stage_, 0, R);
       moe_sort_chunks(un, cur, sizes, order, st);
@@ -379,9 +447,15 @@ class AllToAllDispatcher final : public MoeTokenDispatcher {
   ExpertParallel ep_;
   MoeDispatchSizes s_;
   int64_t P_, Q_;  // EP and ETP group sizes
+  // ECHO spare slots per EP rank (0: off), and the dispatch's expert layout: Lv_ = E_l + S local
+  // expert slots per EP rank, Ev_ = P·Lv_ in all, this rank's first at firstv_ (without ECHO the
+  // experts themselves)
+  int64_t S_, Lv_, Ev_, firstv_;
   int64_t tokens_ = 0, hidden_ = 0, max_ep_rows_ = 0;
   std::vector<Saved> saved_;  // per area
   Tensor counts_, counts_ep_, counts_all_, send_, ep_rows_, etp_chunks_, stage_;
+  Tensor echo_counts_, echo_counts_ep_, clone_quota_, quota_, rerouted_;  // ECHO scratch
+  MoeDispatchStats stats_;
 };
 
 }  // namespace

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "comm/communicator.h"
+#include "model/layers/moe_echo_experts.h"
 #include "model/module.h"
 #include "model/transformer_config.h"
 
@@ -56,15 +57,29 @@ struct MoeDispatchSizes {
   /// dispatch() does not synchronise: moe_routing_map_device); the alltoall one still needs the
   /// host counts for its all_to_allv split sizes and copies them to the device as well.
   bool device_counts = false;
+  /// ECHO (--moe-enable-echo, alltoall only, expert TP 1; docs/echo.md): S spare expert slots per
+  /// EP rank (0 = off). dispatch() then plans the clones from the EP-gathered per-expert counts,
+  /// reroutes this rank's slots (ops/moe_echo.h) and sends the rerouted ones to the clones' ranks:
+  /// every rank has E_l + S local expert slots, the last S of them clones (echo_placement()).
+  int64_t num_echo = 0;
 };
 
-/// The rows of each local expert brought by one dispatch() (R = their sum, rows [0, R) of the
-/// expert-input buffer, ordered by local expert).
+/// Host-side dispatch statistics since the last reset (alltoall dispatcher; the allgather one
+/// reports zeros): from the exchanged counts, so identical on every rank of an EP group.
+struct MoeDispatchStats {
+  int64_t rerouted = 0;      ///< slots sent to ECHO clones instead of their home experts (sum over micro-batches)
+  int64_t max_received = 0;  ///< the most expert rows any EP rank received in one dispatch
+  int64_t dispatches = 0;    ///< dispatch() calls counted
+};
+
+/// The rows of each local expert slot brought by one dispatch() (R = their sum, rows [0, R) of the
+/// expert-input buffer, ordered by local expert slot: the E_l local experts, then with ECHO the S
+/// clones).
 struct MoeExpertCounts {
-  /// int32 [E_l] on the model's device, valid in stream order: always for the allgather
+  /// int32 [E_l (+ S)] on the model's device, valid in stream order: always for the allgather
   /// dispatcher, for the alltoall one with MoeDispatchSizes::device_counts; else empty.
   Tensor device;
-  /// The same on the host (E_l entries); empty when the dispatcher read nothing on the host
+  /// The same on the host (E_l (+ S) entries); empty when the dispatcher read nothing on the host
   /// (allgather with device_counts).
   std::vector<int64_t> host;
 };
@@ -74,7 +89,7 @@ class MoeTokenDispatcher {
   virtual ~MoeTokenDispatcher() = default;
   /// Plans the saved tensors of the open area (the routing, index maps) and the scratch for T
   /// tokens of width h in dtype `act`. Returns R_max, the most expert rows one micro-batch can
-  /// bring to this rank (dropless worst case |G|·T·min(k, E_l) for both dispatchers).
+  /// bring to this rank (dropless worst case |G|·T·min(k, E_l) for both dispatchers; min(k, E_l + S) with ECHO).
   virtual int64_t plan(BufferPlanner& planner, int64_t tokens, int64_t hidden) = 0;
   /// Where the router writes the selection of area `slot`'s micro-batch: int32 [T, k] and fp32 [T, k].
   virtual Tensor top(int slot) const = 0;
@@ -98,6 +113,15 @@ class MoeTokenDispatcher {
   /// Backward of dispatch: dx [T, h] (overwritten) from d_xp [≥ R, h], the gradient of the expert
   /// input rows (rows beyond R not read).
   virtual void dispatch_backward(const Tensor& dx, const Tensor& d_xp, int slot, const Stream& stream) = 0;
+  /// With ECHO: the clone placement of area `slot`'s last dispatch() (which home expert each spare
+  /// slot of the EP group holds; this rank's clones are its local expert slots E_l .. E_l + S − 1,
+  /// in slot order). nullptr without ECHO.
+  virtual const EchoPlacement* echo_placement(int slot) const {
+    (void)slot;
+    return nullptr;
+  }
+  virtual MoeDispatchStats stats() const { return {}; }
+  virtual void reset_stats() {}
 };
 
 /// The dispatcher of `kind` for this rank. Errors: mt::Error when the groups do not match the sizes

@@ -208,5 +208,25 @@ void moe_echo_reroute(const Tensor& rerouted, const Tensor& top, const Tensor& c
   }
 }
 
+void moe_echo_virtual_experts(const Tensor& out, const Tensor& in, int64_t num_experts, int64_t ep, int64_t num_echo,
+                              const Stream&) {
+  const int64_t n = in.numel(), E = num_experts, L = E / ep, S = num_echo;
+  const int32_t* x = in.data_as<int32_t>();
+  int32_t* y = out.data_as<int32_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t e = x[i];
+    MT_CHECK(e < E + ep * S, "moe_echo_virtual_experts: expert id {} at {} is not below {} experts + {} spare slots", e,
+             i, E, ep * S);
+    if (e < 0) {
+      y[i] = static_cast<int32_t>(e);
+    } else if (e < E) {
+      y[i] = static_cast<int32_t>((e / L) * (L + S) + e % L);
+    } else {
+      const int64_t s = e - E;
+      y[i] = static_cast<int32_t>((s / S) * (L + S) + L + s % S);
+    }
+  }
+}
+
 }  // namespace cpu
 }  // namespace mt

@@ -23,6 +23,7 @@
 // Nothing is read on the host, nothing allocated, no floating point: deterministic and capturable.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <climits>
 #include <cstdint>
 
@@ -392,6 +393,38 @@ void moe_echo_reroute(const Tensor& rerouted, const Tensor& top, const Tensor& c
   MT_CUDA_CHECK_LAUNCH();
   reroute_place_kernel<<<static_cast<unsigned>(B), kThreads, place_smem, s>>>(rerouted.data_as<int32_t>(), w, tp, q, n,
                                                                               e32, ns, nb);
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+namespace {
+__global__ void virtual_experts_kernel(int32_t* __restrict__ y, const int32_t* __restrict__ x, int64_t n, int E, int L,
+                                       int S, int NS) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int e = x[i];
+    int v = e;
+    if (e >= E + NS) {
+      v = -1;
+    } else if (e >= E) {
+      const int s = e - E;
+      v = (s / S) * (L + S) + L + s % S;
+    } else if (e >= 0) {
+      v = (e / L) * (L + S) + e % L;
+    }
+    y[i] = v;
+  }
+}
+}  // namespace
+
+void moe_echo_virtual_experts(const Tensor& out, const Tensor& in, int64_t num_experts, int64_t ep, int64_t num_echo,
+                              const Stream& stream) {
+  const int64_t n = in.numel();
+  if (n == 0) return;
+  const int64_t L = num_experts / ep;
+  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, 4096));
+  virtual_experts_kernel<<<blocks, 256, 0, cu(stream)>>>(out.data_as<int32_t>(), in.data_as<int32_t>(), n,
+                                                         static_cast<int>(num_experts), static_cast<int>(L),
+                                                         static_cast<int>(num_echo), static_cast<int>(ep * num_echo));
   MT_CUDA_CHECK_LAUNCH();
 }
 
