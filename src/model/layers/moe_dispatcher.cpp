@@ -129,6 +129,49 @@ class AllGatherDispatcher final : public MoeTokenDispatcher {
 };
 
 // ---------------------------------------------------------------------------------------------
+// ECHO rerouting (docs/echo.md "Integration"), shared by both alltoall dispatchers: this rank's
+// per-expert counts gathered over EP, the plan (identical on every EP rank), this rank's slots
+// rerouted to the clones and mapped to the rank-major virtual expert ids. All on the device.
+// ---------------------------------------------------------------------------------------------
+
+class EchoRouter {
+ public:
+  EchoRouter(const ExpertParallel& ep, const MoeDispatchSizes& s)
+      : ep_(ep), E_(s.num_experts), S_(s.num_echo), P_(group_size(ep.ep_group)) {}
+  // Scratch for `slots` = T·k routed slots.
+  void plan(BufferPlanner& p, int64_t slots) {
+    const int64_t NS = P_ * S_;
+    row_index_ = p.scratch("moe.echo.row_index", DType::kI32, {slots});  // the histogram's by-products
+    slot_row_ = p.scratch("moe.echo.slot_row", DType::kI32, {slots});
+    counts_ = p.scratch("moe.echo.counts", DType::kI32, {E_});
+    counts_ep_ = p.scratch("moe.echo.counts_ep", DType::kI32, {P_, E_});
+    clone_quota_ = p.scratch("moe.echo.clone_quota", DType::kI32, {NS});
+    quota_ = p.scratch("moe.echo.quota", DType::kI32, {P_, NS});
+    rerouted_ = p.scratch("moe.echo.rerouted", DType::kI32, {slots});
+  }
+  // top_v (int32 [T, k], overwritten): top rerouted, in virtual ids; clone_expert [P·S]: the plan.
+  void reroute(const Tensor& top_v, const Tensor& clone_expert, const Tensor& top, const Stream& st) const {
+    // int32 histogram over the home experts
+    moe_routing_map_device(row_index_, slot_row_, counts_, top, 0, E_, st);
+    if (P_ > 1) {
+      ep_.ep_group->all_gather(counts_ep_, counts_, st);
+    } else {
+      copy(counts_ep_.view({E_}), counts_, st);
+    }
+    moe_echo_plan(clone_expert, clone_quota_, quota_, counts_ep_, S_, st);
+    const int64_t r = ep_.ep_group ? ep_.ep_group->rank() : 0;
+    const Tensor rerouted = rerouted_.view(top.shape());
+    moe_echo_reroute(rerouted, top, clone_expert, quota_.slice0(r, r + 1).view({P_ * S_}), E_, st);
+    moe_echo_virtual_experts(top_v, rerouted, E_, P_, S_, st);
+  }
+
+ private:
+  ExpertParallel ep_;
+  int64_t E_, S_, P_;
+  Tensor row_index_, slot_row_, counts_, counts_ep_, clone_quota_, quota_, rerouted_;
+};
+
+// ---------------------------------------------------------------------------------------------
 // MoEAlltoAllTokenDispatcher
 // ---------------------------------------------------------------------------------------------
 
@@ -142,7 +185,8 @@ class AllToAllDispatcher final : public MoeTokenDispatcher {
         S_(s.num_echo),
         Lv_(s.num_local + s.num_echo),
         Ev_(group_size(ep.ep_group) * (s.num_local + s.num_echo)),
-        firstv_(static_cast<int64_t>(ep.ep_rank) * (s.num_local + s.num_echo)) {
+        firstv_(static_cast<int64_t>(ep.ep_rank) * (s.num_local + s.num_echo)),
+        echo_(ep, s) {
     MT_REQUIRE(S_ == 0 || Q_ == 1, "--moe-enable-echo with expert tensor parallel size {}: ECHO needs expert TP 1",
                Q_);
     MT_REQUIRE(S_ == 0 || !ep.ep_group || P_ * s.num_local == s.num_experts,
@@ -151,7 +195,7 @@ class AllToAllDispatcher final : public MoeTokenDispatcher {
 
   int64_t plan(BufferPlanner& p, int64_t tokens, int64_t h) override {
     const DType t = p.act_dtype();
-    const int64_t k = s_.topk, E = s_.num_experts;
+    const int64_t k = s_.topk;
     tokens_ = tokens;
     hidden_ = h;
     // Dropless bounds: each source token brings at most min(k, E_l (+ S)) rows to this rank's
@@ -175,14 +219,9 @@ class AllToAllDispatcher final : public MoeTokenDispatcher {
     if (Q_ > 1) etp_chunks_ = p.scratch("moe.a2a.etp_chunks", t, {Q_ * max_ep_rows_, h});
     if (Lv_ > 1) stage_ = p.scratch("moe.a2a.stage", t, {max_rows, h});
     if (S_ > 0) {
-      const int64_t NS = P_ * S_;
       sv.top_v = p.saved(DType::kI32, {tokens, k}, "ECHO rerouted routing (virtual expert ids)");
-      sv.clone_expert = p.saved(DType::kI32, {NS}, "ECHO clone placement");
-      echo_counts_ = p.scratch("moe.echo.counts", DType::kI32, {E});
-      echo_counts_ep_ = p.scratch("moe.echo.counts_ep", DType::kI32, {P_, E});
-      clone_quota_ = p.scratch("moe.echo.clone_quota", DType::kI32, {NS});
-      quota_ = p.scratch("moe.echo.quota", DType::kI32, {P_, NS});
-      rerouted_ = p.scratch("moe.echo.rerouted", DType::kI32, {tokens, k});
+      sv.clone_expert = p.saved(DType::kI32, {P_ * S_}, "ECHO clone placement");
+      echo_.plan(p, tokens * k);
     }
     return max_rows;
   }
@@ -276,23 +315,9 @@ class AllToAllDispatcher final : public MoeTokenDispatcher {
     EchoPlacement placement;
   };
 
-  // ECHO (docs/echo.md "Integration"): this rank's per-expert counts gathered over EP, the plan
-  // (identical on every EP rank), this rank's slots rerouted to the clones and mapped to the
-  // rank-major virtual expert ids; the placement read on the host. Returns the virtual selection.
   Tensor echo_reroute(Saved& sv, const Stream& st) {
-    const int64_t E = s_.num_experts;
-    // int32 histogram over the home experts (row_index / slot_row are rewritten by the dispatch)
-    moe_routing_map_device(sv.row_index, sv.slot_row, echo_counts_, sv.top, 0, E, st);
-    if (P_ > 1) {
-      ep_.ep_group->all_gather(echo_counts_ep_, echo_counts_, st);
-    } else {
-      copy(echo_counts_ep_.view({E}), echo_counts_, st);
-    }
-    moe_echo_plan(sv.clone_expert, clone_quota_, quota_, echo_counts_ep_, S_, st);
-    moe_echo_reroute(rerouted_, sv.top, sv.clone_expert, quota_.slice0(ep_rank(), ep_rank() + 1).view({P_ * S_}), E,
-                     st);
-    moe_echo_virtual_experts(sv.top_v, rerouted_, E, P_, S_, st);
-    sv.placement = echo_placement_sync(sv.clone_expert, E, P_, st);
+    echo_.reroute(sv.top_v, sv.clone_expert, sv.top, st);
+    sv.placement = echo_placement_sync(sv.clone_expert, s_.num_experts, P_, st);
     return sv.top_v;
   }
 
@@ -454,7 +479,7 @@ class AllToAllDispatcher final : public MoeTokenDispatcher {
   int64_t tokens_ = 0, hidden_ = 0, max_ep_rows_ = 0;
   std::vector<Saved> saved_;  // per area
   Tensor counts_, counts_ep_, counts_all_, send_, ep_rows_, etp_chunks_, stage_;
-  Tensor echo_counts_, echo_counts_ep_, clone_quota_, quota_, rerouted_;  // ECHO scratch
+  EchoRouter echo_;
   MoeDispatchStats stats_;
 };
 
