@@ -114,9 +114,12 @@ void moe_permute_backward(const Tensor& dx, const Tensor& d_rows, const Tensor& 
 /// (y [N, h] overwritten, act dtype, fp32 accumulation; probs fp32 [N, k]).
 void moe_unpermute(const Tensor& y, const Tensor& rows, const Tensor& probs, const Tensor& slot_row,
                    const Stream& stream);
-/// d_rows[r] = probs[i] · dy[i / k] for i = row_index[r] (r < R = d_rows rows), and
-/// d_probs[i] = <dy[i / k], rows[slot_row[i]]> (fp32 accumulation), 0 where slot_row[i] < 0;
-/// d_probs [N, k] fp32 overwritten.
+/// d_rows[r] = probs[i] · dy[i / k] for i = row_index[r] (r < R = d_rows rows), and 0 for the rows
+/// with row_index[r] < 0 (the unrouted tail of moe_routing_map_device, the padding rows of
+/// moe_block_send_layout's send_index); d_probs[i] = <dy[i / k], rows[slot_row[i]]> (fp32
+/// accumulation), 0 where slot_row[i] < 0; d_rows [R, h] and d_probs [N, k] fp32 overwritten.
+/// slot_row must be the inverse of row_index on the rows r with row_index[r] >= 0 (the CUDA
+/// backend writes d_rows through slot_row).
 void moe_unpermute_backward(const Tensor& d_rows, const Tensor& d_probs, const Tensor& dy, const Tensor& rows,
                             const Tensor& probs, const Tensor& row_index, const Tensor& slot_row,
                             const Stream& stream);

@@ -531,6 +531,67 @@ TEST(MoeCuda, PermuteUnpermuteMatchCpu) {
   }
 }
 
+// Rows that no slot maps to (row_index -1: the tail of the device routing map, the padding rows of
+// a block layout) get zero gradients from moe_unpermute_backward in every dtype and vector width
+// (d_rows poisoned first); the mapped rows and d_probs match the CPU.
+TEST(MoeCuda, UnpermuteBackwardZeroesUnmappedRows) {
+  MT_REQUIRE_CUDA();
+  const int64_t N = 200, k = 2, E = 8, first = 2, L = 4;
+  const auto top = random_top(N, k, E);
+  const MapOut map = run_map(kCpu, top, N, k, first, L, N * k);
+  const int64_t R0 = std::accumulate(map.host.begin(), map.host.end(), int64_t{0});
+  // The routed rows with a -1 row before every third of them, and a -1 tail.
+  std::vector<int32_t> ri, sr(static_cast<size_t>(N * k), -1);
+  for (int64_t r = 0; r < R0; ++r) {
+    if (r % 3 == 0) ri.push_back(-1);
+    sr[static_cast<size_t>(map.row_index[static_cast<size_t>(r)])] = static_cast<int32_t>(ri.size());
+    ri.push_back(map.row_index[static_cast<size_t>(r)]);
+  }
+  ri.insert(ri.end(), 9, -1);
+  const auto R = static_cast<int64_t>(ri.size());
+  for (DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
+    for (int64_t h : {64, 3, 1001}) {
+      for (int64_t offset : {0, 1}) {
+        SCOPED_TRACE(fmt::format("{} h={} offset={}", dtype_name(dt), h, offset));
+        const auto rows = testing::rounded(testing::randn(R * h), dt);
+        const auto dy = testing::rounded(testing::randn(N * h), dt);
+        const auto probs = testing::randu(N * k, 0.05f, 1.f);
+        std::vector<float> d_rows[2], d_probs[2];
+        for (int d = 0; d < 2; ++d) {
+          const Device dev = d == 0 ? kCpu : Device::cuda();
+          const DType t = d == 0 ? DType::kF32 : dt;
+          const int64_t off = d == 0 ? 0 : offset;
+          Stream s(dev);
+          auto rit = make_int_tensor(ri, dev, {R}, s);
+          auto srt = make_int_tensor(sr, dev, {N * k}, s);
+          auto rt = make_tensor(rows, t, dev, {R, h}, s);
+          auto dyt = make_tensor(dy, t, dev, {N, h}, s);
+          auto pt = make_tensor(probs, DType::kF32, dev, {N, k}, s);
+          OwnedTensor drb(t, dev, {R * h + 1}), dp(DType::kF32, dev, {N, k});
+          poison(drb, s);
+          poison(dp, s);
+          const Tensor dr = drb.t.flat_range(off, R * h).view({R, h});
+          if (dev.is_cpu()) {
+            cpu::moe_unpermute_backward(dr, dp, dyt, rt, pt, rit, srt, s);
+          } else {
+            cuda::moe_unpermute_backward(dr, dp, dyt, rt, pt, rit, srt, s);
+          }
+          d_rows[d] = to_host(dr, s);
+          d_probs[d] = to_host(dp, s);
+        }
+        for (int64_t r = 0; r < R; ++r) {
+          if (ri[static_cast<size_t>(r)] >= 0) continue;
+          for (int64_t j = 0; j < h; ++j) ASSERT_EQ(d_rows[1][static_cast<size_t>(r * h + j)], 0.f) << r;
+        }
+        const double tol = dt == DType::kF32 ? 1e-6 : (dt == DType::kBF16 ? 1e-2 : 2e-3);
+        EXPECT_LT(rel_err(d_rows[1], d_rows[0]), tol);
+        EXPECT_LT(rel_err(d_probs[1], d_probs[0]), 1e-5);
+        EXPECT_TRUE(testing::all_finite(d_rows[1]) && testing::all_finite(d_probs[1]));
+      }
+    }
+  }
+}
+
 TEST(MoeCuda, EndToEndFromRoutingMatchesCpu) {
   // The ops chained as the MoE layer uses them: routing on the device, counts, map, permute,
   // unpermute; the maps and outputs identical to the CPU's from the same logits.

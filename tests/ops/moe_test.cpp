@@ -355,7 +355,8 @@ TEST(MoePermute, RoutingMapPermuteUnpermuteAndBackward) {
 }
 
 // The sync-free routing map: the same maps and counts as moe_routing_map, row_index -1 beyond the
-// routed rows, and moe_permute over all planned rows leaves those rows untouched.
+// routed rows, moe_permute over all planned rows leaves those rows untouched and
+// moe_unpermute_backward gives them zero gradients.
 TEST(MoePermute, DeviceRoutingMapMarksUnusedRowsAndPermuteSkipsThem) {
   const Stream& st = testing::cpu_stream();
   const int64_t N = 31, E = 6, k = 2, h = 3, first = 1, nl = 3, cap = N * k + 5;
@@ -386,6 +387,24 @@ TEST(MoePermute, DeviceRoutingMapMarksUnusedRowsAndPermuteSkipsThem) {
     for (int64_t j = 0; j < h; ++j) {
       const float want = r < R ? xv[(ri.t.data_as<int32_t>()[r] / k) * h + j] : 7.f;
       EXPECT_EQ(got[r * h + j], want) << r;
+    }
+  // unpermute_backward over all planned rows: the rows with row_index -1 get zero gradients, the
+  // routed ones probs · dy (d_rows poisoned first).
+  const auto pv = testing::randu(N * k, 0.1f, 1.f), dyv = testing::randn(N * h);
+  // probs as a view one element into a buffer that starts with NaN: a read of probs[-1] would show.
+  std::vector<float> pbuf = {std::nanf("")};
+  pbuf.insert(pbuf.end(), pv.begin(), pv.end());
+  auto pb = testing::make_tensor(pbuf, DType::kF32, kCpu, {N * k + 1}, st);
+  const Tensor probs = pb.t.flat_range(1, N * k).view({N, k});
+  auto dy = testing::make_tensor(dyv, DType::kF32, kCpu, {N, h}, st);
+  OwnedTensor drows(DType::kF32, kCpu, {cap, h}), dprobs(DType::kF32, kCpu, {N, k});
+  testing::poison(drows, st);
+  moe_unpermute_backward(drows, dprobs, dy, xp, probs, ri2, sr2, st);
+  const auto drv = testing::to_host(drows, st);
+  for (int64_t r = 0; r < cap; ++r)
+    for (int64_t j = 0; j < h; ++j) {
+      const int32_t i = ri2.t.data_as<int32_t>()[r];
+      EXPECT_EQ(drv[r * h + j], r < R ? pv[i] * dyv[(i / k) * h + j] : 0.f) << r;
     }
   OwnedTensor small(DType::kI32, kCpu, {R - 1});  // too few planned rows: the CPU raises
   EXPECT_THROW(moe_routing_map_device(small, sr2, c2, topt, first, nl, st), Error);

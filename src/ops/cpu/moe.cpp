@@ -364,9 +364,13 @@ void moe_unpermute_backward(const Tensor& d_rows, const Tensor& d_probs, const T
   float* DP = d_probs.data_as<float>();
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < R; ++r) {
+    float* dr = DR + r * h;
+    if (idx[r] < 0) {  // a row no slot maps to (padding of a block layout): zero gradient
+      std::fill(dr, dr + h, 0.f);
+      continue;
+    }
     const float* g = DY + (idx[r] / k) * h;
     const float p = P[idx[r]];
-    float* dr = DR + r * h;
     for (int64_t c = 0; c < h; ++c) dr[c] = p * g[c];
   }
 #pragma omp parallel for schedule(static)
