@@ -497,46 +497,34 @@ TEST(HfConvert, ImportedMoeCheckpointLoadsUnderExpertParallelism) {
   fs::remove_all(ck);
 }
 
-/// Runs the megatron binary (MT_MEGATRON_BIN) with `args`; returns {exit code, output}.
-std::pair<int, std::string> run_binary(const std::string& args) {
-  const char* bin = std::getenv("MT_MEGATRON_BIN");
-  std::string cmd = std::string(bin ? bin : "megatron") + " " + args + " 2>&1";
-  FILE* p = popen(cmd.c_str(), "r");
-  std::string out;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) out.append(buf, n);
-  return {WEXITSTATUS(pclose(p)), out};
-}
-
 // The user's path through the binary: import-hf, continue training from the imported weights
 // (--finetune: weights only, iteration 0), save, generate from the result, export it again.
 TEST(HfConvert, ImportFinetuneGenerateExportThroughTheBinary) {
   if (!std::getenv("MT_MEGATRON_BIN")) GTEST_SKIP() << "MT_MEGATRON_BIN not set (run through ctest)";
   const Fixture fx = make_fixture(HfArchitecture::kQwen3, "cli");
   const fs::path ck = fx.dir / "ck", ck2 = fx.dir / "ck2", out = fx.dir / "out";
-  auto [rc, log] = run_binary("import-hf --hf-dir " + fx.dir.string() + " --save " + ck.string());
-  ASSERT_EQ(rc, 0) << log;
+  testing::RunResult r = testing::run_megatron("import-hf --hf-dir " + fx.dir.string() + " --save " + ck.string());
+  ASSERT_EQ(r.rc, 0) << r.out;
   // Without --finetune the missing optimizer state is a clear error.
   const std::string train = "pretrain --use-checkpoint-args --mock-data --tokenizer-type NullTokenizer --vocab-size " +
                             std::to_string(kV) + " --seq-length 12 --micro-batch-size 2 --global-batch-size 2 "
                             "--train-iters 3 --lr 1e-3 --log-interval 1 --eval-interval 3 --eval-iters 1 --device cpu "
                             "--no-progress --load " + ck.string();
-  std::tie(rc, log) = run_binary(train + " --save " + ck2.string());
-  EXPECT_NE(rc, 0);
-  EXPECT_NE(log.find("holds no optimizer state"), std::string::npos) << log;
-  std::tie(rc, log) = run_binary(train + " --finetune --save " + ck2.string());
-  ASSERT_EQ(rc, 0) << log;
-  EXPECT_NE(log.find("for finetuning: starting at iteration 0"), std::string::npos) << log;
-  EXPECT_NE(log.find("QK-norm, untied output layer"), std::string::npos) << log;  // the imported architecture
-  EXPECT_NE(log.find("iteration        3/       3"), std::string::npos) << log;
-  std::tie(rc, log) = run_binary("generate --load " + ck2.string() +
-                                 " --tokenizer-type NullTokenizer --prompt \"1 2 3\" --out-seq-length 4 --greedy "
-                                 "--device cpu");
-  ASSERT_EQ(rc, 0) << log;
-  EXPECT_NE(log.find("----- sample 0 -----"), std::string::npos) << log;
-  std::tie(rc, log) = run_binary("export-hf --load " + ck2.string() + " --hf-dir " + out.string());
-  ASSERT_EQ(rc, 0) << log;
+  r = testing::run_megatron(train + " --save " + ck2.string());
+  EXPECT_NE(r.rc, 0);
+  EXPECT_NE(r.out.find("holds no optimizer state"), std::string::npos) << r.out;
+  r = testing::run_megatron(train + " --finetune --save " + ck2.string());
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_NE(r.out.find("for finetuning: starting at iteration 0"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("QK-norm, untied output layer"), std::string::npos) << r.out;  // the imported architecture
+  EXPECT_NE(r.out.find("iteration        3/       3"), std::string::npos) << r.out;
+  r = testing::run_megatron("generate --load " + ck2.string() +
+                            " --tokenizer-type NullTokenizer --prompt \"1 2 3\" --out-seq-length 4 --greedy "
+                            "--device cpu");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_NE(r.out.find("----- sample 0 -----"), std::string::npos) << r.out;
+  r = testing::run_megatron("export-hf --load " + ck2.string() + " --hf-dir " + out.string());
+  ASSERT_EQ(r.rc, 0) << r.out;
   const hf::HfModel back = hf::read_hf_config(out.string());
   EXPECT_EQ(back.arch, HfArchitecture::kQwen3);
   // The finetuned weights differ from the imported ones.

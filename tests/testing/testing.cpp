@@ -1,6 +1,10 @@
 #include "testing/testing.h"
 
+#include <sys/wait.h>
+
+#include <array>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 
@@ -189,6 +193,21 @@ double finite_diff(const std::function<double()>& f, std::vector<double>& x, siz
   double fm = f();
   x[i] = orig;
   return (fp - fm) / (2 * eps);
+}
+
+RunResult run_command(const std::string& cmd) {
+  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
+  if (!p) return {-1, ""};
+  std::string out;
+  std::array<char, 4096> buf;
+  size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) out.append(buf.data(), n);
+  return {WEXITSTATUS(pclose(p)), out};
+}
+
+RunResult run_megatron(const std::string& args) {
+  const char* bin = std::getenv("MT_MEGATRON_BIN");
+  return run_command(std::string(bin ? bin : "megatron") + " " + args);
 }
 
 }  // namespace mt::testing

@@ -1,11 +1,13 @@
 // Test helpers: owned tensors filled with fresh random data, host round trips in any dtype,
-// relative errors, poisoning, and central finite differences in float64.
+// relative errors, poisoning, central finite differences in float64, and running a shell command
+// (the `megatron` binary) with its output captured.
 #pragma once
 #include <gtest/gtest.h>
 
 #include <cstdint>
 #include <functional>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "core/buffer.h"
@@ -57,6 +59,21 @@ bool all_finite(const std::vector<float>& a);
 
 /// Central finite difference of f with respect to x[i] (x modified and restored), float64.
 double finite_diff(const std::function<double()>& f, std::vector<double>& x, size_t i, double eps = 1e-5);
+
+/// What run_command returns: the command's exit status and everything it wrote.
+struct RunResult {
+  int rc;           ///< exit status (WEXITSTATUS of pclose), or -1 if popen failed
+  std::string out;  ///< stdout and stderr, interleaved as written
+};
+
+/// Runs `cmd` through /bin/sh (popen) with its stderr merged into its stdout (" 2>&1" is
+/// appended, so in a pipeline it applies to the last command), waits for it to exit, and returns
+/// its exit status (decoded with WEXITSTATUS; -1 if popen itself failed) and the captured output.
+RunResult run_command(const std::string& cmd);
+
+/// run_command on the `megatron` binary: `$MT_MEGATRON_BIN args` (ctest sets MT_MEGATRON_BIN
+/// to the built binary), or `megatron args` from the PATH when it is unset.
+RunResult run_megatron(const std::string& args);
 
 /// Skips the current test unless a CUDA device is available.
 #define MT_REQUIRE_CUDA()                                                \

@@ -3,8 +3,6 @@
 // test per documented input error (non-zero exit and a message naming the problem).
 #include <gtest/gtest.h>
 
-#include <array>
-#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -12,27 +10,14 @@
 #include <sstream>
 
 #include "data/indexed_dataset.h"
+#include "testing/testing.h"
 
 namespace fs = std::filesystem;
 
 namespace {
 
-struct RunResult {
-  int rc;
-  std::string out;  // stdout + stderr
-};
-
-RunResult run(const std::string& args) {
-  const char* bin = std::getenv("MT_MEGATRON_BIN");
-  std::string cmd = std::string(bin ? bin : "megatron") + " " + args + " 2>&1";
-  FILE* p = popen(cmd.c_str(), "r");
-  std::string out;
-  std::array<char, 4096> buf;
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) out.append(buf.data(), n);
-  int status = pclose(p);
-  return {WEXITSTATUS(status), out};
-}
+using mt::testing::RunResult;
+using mt::testing::run_megatron;
 
 std::string utf8(uint32_t cp) {
   std::string s;
@@ -92,8 +77,8 @@ class CliTest : public ::testing::Test {
       }
     }
     tok = "--vocab-file " + (dir / "vocab.json").string() + " --merge-file " + (dir / "merges.txt").string();
-    RunResult r = run("preprocess-data --input " + (dir / "corpus").string() + " --output-prefix " +
-                      (dir / "tiny").string() + " --append-eod " + tok);
+    RunResult r = run_megatron("preprocess-data --input " + (dir / "corpus").string() + " --output-prefix " +
+                               (dir / "tiny").string() + " --append-eod " + tok);
     ASSERT_EQ(r.rc, 0) << r.out;
     data = (dir / "tiny_text_document").string();
     ASSERT_TRUE(fs::exists(data + ".bin") && fs::exists(data + ".idx")) << r.out;
@@ -128,17 +113,17 @@ std::string read_bytes(const fs::path& p) {
 
 TEST_F(CliTest, TrainsAndResumesBitwise) {
   const fs::path a = dir / "ckpt_a", b = dir / "ckpt_b";
-  RunResult full = run(train_flags("--train-iters 6 --save " + a.string() + " --save-interval 3"));
+  RunResult full = run_megatron(train_flags("--train-iters 6 --save " + a.string() + " --save-interval 3"));
   ASSERT_EQ(full.rc, 0) << full.out;
   auto full_losses = loss_lines(full.out);
   ASSERT_EQ(full_losses.size(), 6u) << full.out;
   EXPECT_NE(full.out.find("validation loss at iteration 3"), std::string::npos) << full.out;
   EXPECT_NE(full.out.find("number of skipped iterations:   0"), std::string::npos);
 
-  RunResult first = run(train_flags("--train-iters 6 --exit-interval 3 --save " + b.string()));
+  RunResult first = run_megatron(train_flags("--train-iters 6 --exit-interval 3 --save " + b.string()));
   ASSERT_EQ(first.rc, 0) << first.out;
   EXPECT_NE(first.out.find("exiting program at iteration 3"), std::string::npos) << first.out;
-  RunResult second = run(train_flags("--train-iters 6 --save " + b.string() + " --load " + b.string()));
+  RunResult second = run_megatron(train_flags("--train-iters 6 --save " + b.string() + " --load " + b.string()));
   ASSERT_EQ(second.rc, 0) << second.out;
   auto l1 = loss_lines(first.out), l2 = loss_lines(second.out);
   l1.insert(l1.end(), l2.begin(), l2.end());
@@ -150,22 +135,23 @@ TEST_F(CliTest, TrainsAndResumesBitwise) {
   EXPECT_TRUE(fa == fb) << "resumed run diverged from the uninterrupted run";
   EXPECT_EQ(read_bytes(a / "latest_checkpointed_iteration.txt"), "6\n");
 
-  RunResult gen = run("generate --load " + a.string() + " " + tok +
-                      " --prompt \"the whale\" --out-seq-length 8 --top-k 5 --device cpu");
+  RunResult gen = run_megatron("generate --load " + a.string() + " " + tok +
+                               " --prompt \"the whale\" --out-seq-length 8 --top-k 5 --device cpu");
   ASSERT_EQ(gen.rc, 0) << gen.out;
   EXPECT_NE(gen.out.find("the whale"), std::string::npos) << gen.out;
 }
 
 TEST_F(CliTest, DocumentMasksAndMockData) {
-  RunResult r = run(train_flags("--train-iters 3 --reset-position-ids --reset-attention-mask --eod-mask-loss"));
+  RunResult r =
+      run_megatron(train_flags("--train-iters 3 --reset-position-ids --reset-attention-mask --eod-mask-loss"));
   ASSERT_EQ(r.rc, 0) << r.out;
   ASSERT_EQ(loss_lines(r.out).size(), 3u) << r.out;
   EXPECT_EQ(r.out.find("NAN"), std::string::npos) << r.out;
   EXPECT_EQ(r.out.find("grad norm: nan"), std::string::npos) << r.out;
   // Megatron's MockGPTDataset: no files at all.
-  RunResult m = run("pretrain --num-layers 1 --hidden-size 16 --num-attention-heads 2 --seq-length 16 "
-                    "--micro-batch-size 2 --lr 1e-3 --train-iters 2 --log-interval 1 --eval-iters 0 --device cpu "
-                    "--no-progress --mock-data --timing-log-level 1 " + tok);
+  RunResult m = run_megatron("pretrain --num-layers 1 --hidden-size 16 --num-attention-heads 2 --seq-length 16 "
+                             "--micro-batch-size 2 --lr 1e-3 --train-iters 2 --log-interval 1 --eval-iters 0 "
+                             "--device cpu --no-progress --mock-data --timing-log-level 1 " + tok);
   ASSERT_EQ(m.rc, 0) << m.out;
   EXPECT_NE(m.out.find("<mock>"), std::string::npos) << m.out;
   EXPECT_EQ(loss_lines(m.out).size(), 2u) << m.out;
@@ -232,7 +218,7 @@ TEST_F(CliTest, BadInputErrors) {
       {"generate --load " + (bad / "nothing").string() + " " + tok, "nothing"},
   };
   for (const auto& c : cases) {
-    RunResult r = run(c.args);
+    RunResult r = run_megatron(c.args);
     EXPECT_NE(r.rc, 0) << c.args << "\n" << r.out;
     EXPECT_NE(r.out.find(c.expect), std::string::npos) << "expected '" << c.expect << "' in:\n" << r.out;
     EXPECT_EQ(r.out.find("terminate called"), std::string::npos) << r.out;

@@ -10,7 +10,6 @@
 // allocates nor synchronises (the trainer counts both; ThreadLocal capture fails on a sync).
 #include <gtest/gtest.h>
 
-#include <array>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -19,25 +18,14 @@
 
 #include <nlohmann/json.hpp>
 
+#include "testing/testing.h"
+
 namespace fs = std::filesystem;
 
 namespace {
 
-struct RunResult {
-  int rc;
-  std::string out;
-};
-
-RunResult run(const std::string& args) {
-  const char* bin = std::getenv("MT_MEGATRON_BIN");
-  std::string cmd = std::string(bin ? bin : "megatron") + " " + args + " 2>&1";
-  FILE* p = popen(cmd.c_str(), "r");
-  std::string out;
-  std::array<char, 4096> buf;
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) out.append(buf.data(), n);
-  return {WEXITSTATUS(pclose(p)), out};
-}
+using mt::testing::RunResult;
+using mt::testing::run_megatron;
 
 // Per logged point of a --metrics-file: ("train"/"validation", iteration) -> {lm_loss, grad_norm}.
 std::map<std::pair<std::string, int>, std::pair<double, double>> metrics(const fs::path& file) {
@@ -64,8 +52,8 @@ class CudaGraphTraining : public ::testing::Test {
     dir_ = fs::temp_directory_path() / ("mt_cuda_graph_" + std::to_string(getpid()));
     fs::create_directories(dir_);
     tok_ = "--vocab-file " + data_ + "/gpt2/encoder.json --merge-file " + data_ + "/gpt2/vocab.bpe";
-    RunResult r = run("preprocess-data --input " + data_ + "/moby-dick/data.txt --output-prefix " +
-                      (dir_ / "moby").string() + " --append-eod " + tok_);
+    RunResult r = run_megatron("preprocess-data --input " + data_ + "/moby-dick/data.txt --output-prefix " +
+                               (dir_ / "moby").string() + " --append-eod " + tok_);
     ASSERT_EQ(r.rc, 0) << r.out;
   }
   void TearDown() override {
@@ -85,7 +73,7 @@ class CudaGraphTraining : public ::testing::Test {
     auto run_metrics = [&](const std::string& tag, const std::string& extra) {
       const fs::path mf = dir_ / (tag + ".jsonl");
       fs::remove(mf);
-      const RunResult r = run(flags(model + " --metrics-file " + mf.string() + " " + extra));
+      const RunResult r = run_megatron(flags(model + " --metrics-file " + mf.string() + " " + extra));
       EXPECT_EQ(r.rc, 0) << r.out;
       if (!extra.empty()) {
         EXPECT_NE(r.out.find("CUDA graph: training step"), std::string::npos) << r.out;
@@ -144,16 +132,16 @@ TEST_F(CudaGraphTraining, MixtureOfExpertsFullIterationFollowsEager) {
 }
 
 TEST_F(CudaGraphTraining, RefusedCombinationsNameTheFlag) {
-  RunResult r = run(flags("--cuda-graph-impl full_iteration --timing-log-level 1"));
+  RunResult r = run_megatron(flags("--cuda-graph-impl full_iteration --timing-log-level 1"));
   EXPECT_NE(r.rc, 0);
   EXPECT_NE(r.out.find("--timing-log-level"), std::string::npos) << r.out;
-  r = run(flags("--cuda-graph-impl full_iteration --cuda-graph-warmup-steps 0"));
+  r = run_megatron(flags("--cuda-graph-impl full_iteration --cuda-graph-warmup-steps 0"));
   EXPECT_NE(r.rc, 0);
   EXPECT_NE(r.out.find("--cuda-graph-warmup-steps 0"), std::string::npos) << r.out;
-  r = run(flags("--cuda-graph-include-optimizer"));
+  r = run_megatron(flags("--cuda-graph-include-optimizer"));
   EXPECT_NE(r.rc, 0);
   EXPECT_NE(r.out.find("--cuda-graph-impl none"), std::string::npos) << r.out;
-  r = run(flags("--cuda-graph-impl full_iteration --num-experts 4"));  // host-read expert counts
+  r = run_megatron(flags("--cuda-graph-impl full_iteration --num-experts 4"));  // host-read expert counts
   EXPECT_NE(r.rc, 0);
   EXPECT_NE(r.out.find("--moe-grouped-gemm"), std::string::npos) << r.out;
 }

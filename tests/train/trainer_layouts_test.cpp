@@ -5,7 +5,6 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <array>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -14,25 +13,14 @@
 
 #include <nlohmann/json.hpp>
 
+#include "testing/testing.h"
+
 namespace fs = std::filesystem;
 
 namespace {
 
-struct RunResult {
-  int rc;
-  std::string out;
-};
-
-RunResult run(const std::string& args) {
-  const char* bin = std::getenv("MT_MEGATRON_BIN");
-  std::string cmd = std::string(bin ? bin : "megatron") + " " + args + " 2>&1";
-  FILE* p = popen(cmd.c_str(), "r");
-  std::string out;
-  std::array<char, 4096> buf;
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) out.append(buf.data(), n);
-  return {WEXITSTATUS(pclose(p)), out};
-}
+using mt::testing::RunResult;
+using mt::testing::run_megatron;
 
 std::map<int, double> losses(const std::string& out) {
   std::map<int, double> v;
@@ -93,8 +81,8 @@ class TrainerLayouts : public ::testing::Test {
     fs::create_directories(dir_);
     tok_ = "--vocab-file " + data_ + "/gpt2/encoder.json --merge-file " + data_ + "/gpt2/vocab.bpe";
     if (!fs::exists(dir_ / "moby_text_document.idx")) {
-      RunResult r = run("preprocess-data --input " + data_ + "/moby-dick/data.txt --output-prefix " +
-                        (dir_ / "moby").string() + " --append-eod " + tok_);
+      RunResult r = run_megatron("preprocess-data --input " + data_ + "/moby-dick/data.txt --output-prefix " +
+                                 (dir_ / "moby").string() + " --append-eod " + tok_);
       ASSERT_EQ(r.rc, 0) << r.out;
     }
   }
@@ -112,14 +100,14 @@ class TrainerLayouts : public ::testing::Test {
   }
   // Iterations 1-3 under `layout`, saving into checkpoint `ck` (the run's output in *first).
   void save_half(const std::string& ck, const std::string& layout, RunResult* first) {
-    *first = run(flags("--train-iters 6 --exit-interval 3 --save " + ck + " " + layout));
+    *first = run_megatron(flags("--train-iters 6 --exit-interval 3 --save " + ck + " " + layout));
     ASSERT_EQ(first->rc, 0) << first->out;
   }
   // Iterations 4-6 resumed from checkpoint `ck` with `more` (layout, --save), merged with the
   // first half's losses into *curve.
   void resume(const RunResult& first, const std::string& ck, const std::string& more,
               std::map<int, double>* curve) {
-    RunResult r = run(flags("--train-iters 6 --load " + ck + " " + more));
+    RunResult r = run_megatron(flags("--train-iters 6 --load " + ck + " " + more));
     ASSERT_EQ(r.rc, 0) << r.out;
     ASSERT_NE(r.out.find("> loaded checkpoint from " + ck + " at iteration 3"), std::string::npos) << r.out;
     ASSERT_EQ(losses(r.out).count(1), 0u) << r.out;  // resumed, not restarted
@@ -135,7 +123,7 @@ class TrainerLayouts : public ::testing::Test {
 };
 
 TEST_F(TrainerLayouts, ParallelLayoutsMatchOneRank) {
-  RunResult ref = run(flags("--train-iters 4"));
+  RunResult ref = run_megatron(flags("--train-iters 4"));
   ASSERT_EQ(ref.rc, 0) << ref.out;
   const auto ref_losses = losses(ref.out);
   const auto ref_val = val_losses(ref.out);
@@ -159,7 +147,7 @@ TEST_F(TrainerLayouts, ParallelLayoutsMatchOneRank) {
                                    "--overlap-param-gather --ddp-bucket-size 20000",
                                    "--nproc-per-node 4 --pipeline-model-parallel-size 2 --overlap-grad-reduce "
                                    "--ddp-bucket-size 20000"}) {
-    RunResult r = run(flags("--train-iters 4 " + layout));
+    RunResult r = run_megatron(flags("--train-iters 4 " + layout));
     ASSERT_EQ(r.rc, 0) << layout << "\n" << r.out;
     EXPECT_NE(r.out.find("parallel layout"), std::string::npos) << r.out;
     expect_same(losses(r.out), ref_losses, layout);
@@ -173,7 +161,7 @@ TEST_F(TrainerLayouts, ParallelLayoutsMatchOneRank) {
 // under CP 2 resumes on one rank on the same curve; bad CP flags fail with a clear message.
 TEST_F(TrainerLayouts, ContextParallelMatchesOneRank) {
   const std::string cp_flags = " --hidden-dropout 0 --attention-dropout 0 --reset-attention-mask --reset-position-ids ";
-  RunResult ref = run(flags("--train-iters 4" + cp_flags));
+  RunResult ref = run_megatron(flags("--train-iters 4" + cp_flags));
   ASSERT_EQ(ref.rc, 0) << ref.out;
   const auto ref_losses = losses(ref.out);
   const auto ref_val = val_losses(ref.out);
@@ -183,7 +171,7 @@ TEST_F(TrainerLayouts, ContextParallelMatchesOneRank) {
         "--nproc-per-node 4 --context-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel "
         "--cp-comm-type allgather",
         "--nproc-per-node 4 --context-parallel-size 4 --cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 2 2"}) {
-    RunResult r = run(flags("--train-iters 4" + cp_flags + layout));
+    RunResult r = run_megatron(flags("--train-iters 4" + cp_flags + layout));
     ASSERT_EQ(r.rc, 0) << layout << "\n" << r.out;
     EXPECT_NE(r.out.find("context parallel:"), std::string::npos) << r.out;
     expect_same(losses(r.out), ref_losses, layout);
@@ -194,7 +182,7 @@ TEST_F(TrainerLayouts, ContextParallelMatchesOneRank) {
   ASSERT_NO_FATAL_FAILURE(save_half(ck, cp_flags + "--nproc-per-node 2 --context-parallel-size 2", &first));
   std::map<int, double> l;
   ASSERT_NO_FATAL_FAILURE(resume(first, ck, cp_flags, &l));
-  RunResult full = run(flags("--train-iters 6" + cp_flags));
+  RunResult full = run_megatron(flags("--train-iters 6" + cp_flags));
   ASSERT_EQ(full.rc, 0) << full.out;
   expect_same(l, losses(full.out), "CP 2 checkpoint resumed on one rank");
   for (const auto& [bad, msg] : std::vector<std::pair<std::string, std::string>>{
@@ -205,7 +193,7 @@ TEST_F(TrainerLayouts, ContextParallelMatchesOneRank) {
            {"--nproc-per-node 2 --context-parallel-size 2 --cp-comm-type a2a --num-attention-heads 3 --hidden-size 48",
             "must be divisible by 2"},
            {"--nproc-per-node 2 --context-parallel-size 2 --hidden-dropout 0.1", "--hidden-dropout 0"}}) {
-    RunResult r = run(flags("--train-iters 1 --attention-dropout 0 " + bad));
+    RunResult r = run_megatron(flags("--train-iters 1 --attention-dropout 0 " + bad));
     EXPECT_NE(r.rc, 0) << bad;
     EXPECT_NE(r.out.find(msg), std::string::npos) << bad << "\n" << r.out;
   }
@@ -215,11 +203,11 @@ TEST_F(TrainerLayouts, ContextParallelMatchesOneRank) {
 // within 1e-4 of the one-rank run (bf16 rounding of the gradients, which Adam mostly normalises
 // away); --ddp-copy-engine on CPU falls back with its reason.
 TEST_F(TrainerLayouts, GradReduceInBf16StaysClose) {
-  RunResult ref = run(flags("--train-iters 4"));
+  RunResult ref = run_megatron(flags("--train-iters 4"));
   ASSERT_EQ(ref.rc, 0) << ref.out;
   const auto ref_losses = losses(ref.out);
-  RunResult r = run(flags("--train-iters 4 --nproc-per-node 2 --use-distributed-optimizer --grad-reduce-in-bf16 "
-                          "--ddp-copy-engine"));
+  RunResult r = run_megatron(flags("--train-iters 4 --nproc-per-node 2 --use-distributed-optimizer "
+                                   "--grad-reduce-in-bf16 --ddp-copy-engine"));
   ASSERT_EQ(r.rc, 0) << r.out;
   EXPECT_NE(r.out.find("gradient reduction in bf16"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("copy engine unavailable"), std::string::npos) << r.out;
@@ -234,7 +222,7 @@ TEST_F(TrainerLayouts, GradReduceInBf16StaysClose) {
 }
 
 TEST_F(TrainerLayouts, CheckpointReshardsAcrossTensorParallelSizes) {
-  RunResult full = run(flags("--train-iters 6"));
+  RunResult full = run_megatron(flags("--train-iters 6"));
   ASSERT_EQ(full.rc, 0) << full.out;
   const auto full_losses = losses(full.out);
   RunResult first;
@@ -278,13 +266,13 @@ TEST_F(TrainerLayouts, CheckpointReshardsAcrossTensorParallelSizes) {
 // every TP size trains the same model, and a checkpoint moves between the paddings.
 TEST_F(TrainerLayouts, DefaultVocabPaddingEveryTensorParallelSize) {
   const std::string pad = " --make-vocab-size-divisible-by 128";
-  RunResult full = run(flags("--train-iters 6" + pad));
+  RunResult full = run_megatron(flags("--train-iters 6" + pad));
   ASSERT_EQ(full.rc, 0) << full.out;
   EXPECT_NE(full.out.find("padded 50304"), std::string::npos) << full.out;
   const auto full_losses = losses(full.out);
   for (const std::string layout : {"--nproc-per-node 2 --tensor-model-parallel-size 2",
                                    "--nproc-per-node 4 --tensor-model-parallel-size 4 --sequence-parallel"}) {
-    RunResult r = run(flags("--train-iters 6 " + layout + pad));
+    RunResult r = run_megatron(flags("--train-iters 6 " + layout + pad));
     ASSERT_EQ(r.rc, 0) << layout << "\n" << r.out;
     EXPECT_NE(r.out.find(layout.find("size 2") != std::string::npos ? "padded 50432" : "padded 50688"),
               std::string::npos)
@@ -316,7 +304,7 @@ constexpr const char* kTinyMoe =
 // TP 2 to one rank; configuration errors before any communication.
 TEST_F(TrainerLayouts, MixtureOfExperts) {
   const std::string moe = std::string(kTinyMoe) + " --moe-aux-loss-coeff 1e-2 --moe-z-loss-coeff 1e-3";
-  RunResult full = run(flags("--train-iters 6" + moe));
+  RunResult full = run_megatron(flags("--train-iters 6" + moe));
   ASSERT_EQ(full.rc, 0) << full.out;
   EXPECT_NE(full.out.find("MoE in 2 of 4 layers: 8 experts, top-2 softmax router"), std::string::npos) << full.out;
   EXPECT_NE(full.out.find("load_balancing_loss: "), std::string::npos) << full.out;
@@ -344,7 +332,7 @@ TEST_F(TrainerLayouts, MixtureOfExperts) {
                                    // ECHO: hot experts cloned to the other EP rank's spare slot
                                    "--nproc-per-node 2 --expert-model-parallel-size 2 --moe-token-dispatcher-type "
                                    "alltoall --moe-enable-echo --moe-num-echo-experts 1"}) {
-    RunResult r = run(flags("--train-iters 6 " + layout + moe));
+    RunResult r = run_megatron(flags("--train-iters 6 " + layout + moe));
     ASSERT_EQ(r.rc, 0) << layout << "\n" << r.out;
     expect_same(losses(r.out), full_losses, layout + " (MoE)");
     EXPECT_NE(r.out.find(mean_load), std::string::npos) << layout << "\n" << r.out;
@@ -364,7 +352,7 @@ TEST_F(TrainerLayouts, MixtureOfExperts) {
       save_half(ck, "--nproc-per-node 2 --tensor-model-parallel-size 2 --sequence-parallel" + moe, &first));
   ASSERT_NO_FATAL_FAILURE(resume(first, ck, moe, &l));
   expect_same(l, full_losses, "MoE tp2 sp -> 1 rank");
-  RunResult pl = run(flags("--train-iters 2 --moe-per-layer-logging" + moe));
+  RunResult pl = run_megatron(flags("--train-iters 2 --moe-per-layer-logging" + moe));
   ASSERT_EQ(pl.rc, 0) << pl.out;
   EXPECT_NE(pl.out.find("load_balancing_loss layer 1: "), std::string::npos) << pl.out;
   EXPECT_NE(pl.out.find("z_loss layer 3: "), std::string::npos) << pl.out;
@@ -390,7 +378,7 @@ TEST_F(TrainerLayouts, MixtureOfExperts) {
            {" --nproc-per-node 4 --tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2 "
             "--moe-token-dispatcher-type alltoall --moe-enable-echo --moe-num-echo-experts 1",
             "--moe-enable-echo needs --expert-tensor-parallel-size 1"}}) {
-    RunResult r = run(flags("--train-iters 2" + moe + extra));
+    RunResult r = run_megatron(flags("--train-iters 2" + moe + extra));
     EXPECT_NE(r.rc, 0) << extra;
     EXPECT_NE(r.out.find(message), std::string::npos) << extra << "\n" << r.out;
   }
@@ -404,7 +392,7 @@ TEST_F(TrainerLayouts, MixtureOfExperts) {
 // error.
 TEST_F(TrainerLayouts, MixtureOfExpertsCheckpointsReshard) {
   const std::string moe = std::string(kTinyMoe) + " --moe-aux-loss-coeff 1e-2 --moe-z-loss-coeff 1e-3";
-  RunResult full = run(flags("--train-iters 6" + moe));
+  RunResult full = run_megatron(flags("--train-iters 6" + moe));
   ASSERT_EQ(full.rc, 0) << full.out;
   const auto full_losses = losses(full.out);
   ASSERT_EQ(full_losses.size(), 6u) << full.out;
@@ -453,7 +441,7 @@ TEST_F(TrainerLayouts, MixtureOfExpertsCheckpointsReshard) {
            {" --num-experts 4", "checkpoint has --num-experts 8 but the command line asks for 4"},
            {" --moe-ffn-hidden-size 16", "checkpoint has --moe-ffn-hidden-size 32 but the command line asks for 16"},
            {" --moe-layer-freq 1", "checkpoint has --moe-layer-freq [0,1,0,1] but the command line asks for [1,1,1,1]"}}) {
-    RunResult r = run(flags("--train-iters 6 --load " + ck + moe + extra));
+    RunResult r = run_megatron(flags("--train-iters 6 --load " + ck + moe + extra));
     EXPECT_NE(r.rc, 0) << extra;
     EXPECT_NE(r.out.find(message), std::string::npos) << extra << "\n" << r.out;
   }
@@ -471,7 +459,7 @@ TEST_F(TrainerLayouts, MixtureOfExpertsExpertBiasCheckpoints) {
                           " --moe-router-score-function sigmoid --moe-router-enable-expert-bias "
                           "--moe-router-bias-update-rate 0.01";
   const std::string full_ck = (dir_ / "ck_bias_full").string();
-  RunResult full = run(flags("--train-iters 6 --save " + full_ck + moe));
+  RunResult full = run_megatron(flags("--train-iters 6 --save " + full_ck + moe));
   ASSERT_EQ(full.rc, 0) << full.out;
   const auto full_losses = losses(full.out);
   ASSERT_EQ(full_losses.size(), 6u) << full.out;
@@ -527,21 +515,21 @@ TEST_F(TrainerLayouts, MixtureOfExpertsExpertBiasCheckpoints) {
 }
 
 TEST_F(TrainerLayouts, BadLayoutErrors) {
-  RunResult r = run(flags("--train-iters 2 --nproc-per-node 2 --tensor-model-parallel-size 3"));
+  RunResult r = run_megatron(flags("--train-iters 2 --nproc-per-node 2 --tensor-model-parallel-size 3"));
   EXPECT_NE(r.rc, 0);
   EXPECT_NE(r.out.find("world size 2 is not divisible by tp (3)"), std::string::npos) << r.out;
-  r = run(flags("--train-iters 2 --nproc-per-node 2 --tensor-model-parallel-size 2 --num-attention-heads 3 "
-                "--hidden-size 33"));
+  r = run_megatron(flags("--train-iters 2 --nproc-per-node 2 --tensor-model-parallel-size 2 --num-attention-heads 3 "
+                         "--hidden-size 33"));
   EXPECT_NE(r.rc, 0);
   EXPECT_NE(r.out.find("not divisible by tensor parallel size 2"), std::string::npos) << r.out;
-  r = run(flags("--train-iters 2 --nproc-per-node 2 --global-batch-size 6 --micro-batch-size 4"));
+  r = run_megatron(flags("--train-iters 2 --nproc-per-node 2 --global-batch-size 6 --micro-batch-size 4"));
   EXPECT_NE(r.rc, 0);
   EXPECT_NE(r.out.find("data-parallel size 2"), std::string::npos) << r.out;
-  r = run(flags("--train-iters 2 --nproc-per-node 2 --pipeline-model-parallel-size 2 --num-layers 3"));
+  r = run_megatron(flags("--train-iters 2 --nproc-per-node 2 --pipeline-model-parallel-size 2 --num-layers 3"));
   EXPECT_NE(r.rc, 0);
   EXPECT_NE(r.out.find("num_layers (3) = 3 is not divisible by pp (2)"), std::string::npos) << r.out;
-  r = run(flags("--train-iters 2 --nproc-per-node 2 --pipeline-model-parallel-size 2 "
-                "--num-layers-per-virtual-pipeline-stage 1 --global-batch-size 6"));
+  r = run_megatron(flags("--train-iters 2 --nproc-per-node 2 --pipeline-model-parallel-size 2 "
+                         "--num-layers-per-virtual-pipeline-stage 1 --global-batch-size 6"));
   EXPECT_NE(r.rc, 0);
   EXPECT_NE(r.out.find("number of micro-batches (3)"), std::string::npos) << r.out;
 }
