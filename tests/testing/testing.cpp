@@ -202,7 +202,9 @@ RunResult run_command(const std::string& cmd) {
   std::array<char, 4096> buf;
   size_t n;
   while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) out.append(buf.data(), n);
-  return {WEXITSTATUS(pclose(p)), out};
+  const int status = pclose(p);
+  // a shell killed by a signal reads as 128 + the signal, as shells report it (never as success)
+  return {WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status), out};
 }
 
 RunResult run_megatron(const std::string& args) {

@@ -62,13 +62,13 @@ double finite_diff(const std::function<double()>& f, std::vector<double>& x, siz
 
 /// What run_command returns: the command's exit status and everything it wrote.
 struct RunResult {
-  int rc;           ///< exit status (WEXITSTATUS of pclose), or -1 if popen failed
+  int rc;           ///< exit status (WEXITSTATUS of pclose; 128 + signal if the shell was killed), -1 if popen failed
   std::string out;  ///< stdout and stderr, interleaved as written
 };
 
 /// Runs `cmd` through /bin/sh (popen) with its stderr merged into its stdout (" 2>&1" is
 /// appended, so in a pipeline it applies to the last command), waits for it to exit, and returns
-/// its exit status (decoded with WEXITSTATUS; -1 if popen itself failed) and the captured output.
+/// its exit status (WEXITSTATUS, or 128 + the signal that killed the shell; -1 if popen itself failed) and the output.
 RunResult run_command(const std::string& cmd);
 
 /// run_command on the `megatron` binary: `$MT_MEGATRON_BIN args` (ctest sets MT_MEGATRON_BIN
