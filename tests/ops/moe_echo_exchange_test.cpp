@@ -155,7 +155,8 @@ TEST(MoeEchoExchange, GatherRowsAndUntouchedRows) {
         const uint8_t* got = after.data() + m * bb;
         const uint8_t* want = before.data() + m * bb;  // untouched
         if (g >= 0 && g < G)
-          want = which == 0 ? static_cast<const uint8_t*>(w[g].data()) : static_cast<const uint8_t*>(src->data()) + g * bb;
+          want =
+              which == 0 ? static_cast<const uint8_t*>(w[g].data()) : static_cast<const uint8_t*>(src->data()) + g * bb;
         EXPECT_EQ(std::memcmp(got, want, bb), 0) << "row " << m << " index " << g << " op " << which;
       }
     }
@@ -418,12 +419,12 @@ TEST(MoeEchoExchange, GatherAndAccumulateErrors) {
   OwnedTensor fidx(DType::kF32, kCpu, {3});
   auto index2d = make_int_tensor({1, -1, 0, 0}, kCpu, {2, 2}, cs);
   EXPECT_NO_THROW(moe_echo_gather_experts(out, w, index, cs));
-  EXPECT_THROW(moe_echo_gather_experts(out_bf, w, index, cs), Error);     // dtype
-  EXPECT_THROW(moe_echo_gather_experts(out_shape, w, index, cs), Error);  // [M, k, n]
-  EXPECT_THROW(moe_echo_gather_experts(out_2d, w, index, cs), Error);     // not 3-D
-  EXPECT_THROW(moe_echo_gather_experts(out_m, w, index, cs), Error);      // M != index size
-  EXPECT_THROW(moe_echo_gather_experts(out, w, fidx, cs), Error);         // index dtype
-  EXPECT_THROW(moe_echo_gather_experts(out, w, index2d, cs), Error);      // index 2-D
+  EXPECT_THROW(moe_echo_gather_experts(out_bf, w, index, cs), Error);              // dtype
+  EXPECT_THROW(moe_echo_gather_experts(out_shape, w, index, cs), Error);           // [M, k, n]
+  EXPECT_THROW(moe_echo_gather_experts(out_2d, w, index, cs), Error);              // not 3-D
+  EXPECT_THROW(moe_echo_gather_experts(out_m, w, index, cs), Error);               // M != index size
+  EXPECT_THROW(moe_echo_gather_experts(out, w, fidx, cs), Error);                  // index dtype
+  EXPECT_THROW(moe_echo_gather_experts(out, w, index2d, cs), Error);               // index 2-D
   EXPECT_THROW(moe_echo_gather_experts(out, GroupedWeights(), index, cs), Error);  // no experts
   // out overlapping an expert: experts are views into one buffer that out also covers.
   OwnedTensor pool(DType::kF32, kCpu, {4, n, k});
@@ -432,17 +433,17 @@ TEST(MoeEchoExchange, GatherAndAccumulateErrors) {
   EXPECT_NO_THROW(moe_echo_gather_experts(pool->slice0(2, 4), wp, index->slice0(0, 2), cs));
 
   EXPECT_NO_THROW(moe_echo_gather_blocks(out, src, index, cs));
-  EXPECT_THROW(moe_echo_gather_blocks(out, src_2d, index, cs), Error);     // src not 3-D
-  EXPECT_THROW(moe_echo_gather_blocks(out_bf, src, index, cs), Error);     // dtype
-  EXPECT_THROW(moe_echo_gather_blocks(out_shape, src, index, cs), Error);  // block shape
-  EXPECT_THROW(moe_echo_gather_blocks(out_m, src, index, cs), Error);      // M
+  EXPECT_THROW(moe_echo_gather_blocks(out, src_2d, index, cs), Error);                             // src not 3-D
+  EXPECT_THROW(moe_echo_gather_blocks(out_bf, src, index, cs), Error);                             // dtype
+  EXPECT_THROW(moe_echo_gather_blocks(out_shape, src, index, cs), Error);                          // block shape
+  EXPECT_THROW(moe_echo_gather_blocks(out_m, src, index, cs), Error);                              // M
   EXPECT_THROW(moe_echo_gather_blocks(pool->slice0(0, 3), pool->slice0(2, 4), index, cs), Error);  // overlap
 
   EXPECT_NO_THROW(moe_echo_accumulate_experts(w, out, index, cs));
-  EXPECT_THROW(moe_echo_accumulate_experts(wb, out_bf, index, cs), Error);    // bf16 gradients
-  EXPECT_THROW(moe_echo_accumulate_experts(w, out_bf, index, cs), Error);     // src dtype
-  EXPECT_THROW(moe_echo_accumulate_experts(w, out_shape, index, cs), Error);  // src shape
-  EXPECT_THROW(moe_echo_accumulate_experts(w, out_m, index, cs), Error);      // M
+  EXPECT_THROW(moe_echo_accumulate_experts(wb, out_bf, index, cs), Error);              // bf16 gradients
+  EXPECT_THROW(moe_echo_accumulate_experts(w, out_bf, index, cs), Error);               // src dtype
+  EXPECT_THROW(moe_echo_accumulate_experts(w, out_shape, index, cs), Error);            // src shape
+  EXPECT_THROW(moe_echo_accumulate_experts(w, out_m, index, cs), Error);                // M
   EXPECT_THROW(moe_echo_accumulate_experts(wp, pool->slice0(1, 4), index, cs), Error);  // overlap
 }
 

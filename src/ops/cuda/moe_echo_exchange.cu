@@ -71,7 +71,8 @@ void launch_gather(void* out, const void* const* table, const void* base, const 
     using U = decltype(unit);
     const int64_t per = static_cast<int64_t>(bytes / sizeof(U));
     const int64_t gy = std::min<int64_t>(M, 65535);
-    const int64_t gx = std::clamp<int64_t>((per + kThreads - 1) / kThreads, 1, std::max<int64_t>(1, kTargetBlocks / gy));
+    const int64_t gx =
+        std::clamp<int64_t>((per + kThreads - 1) / kThreads, 1, std::max<int64_t>(1, kTargetBlocks / gy));
     gather_kernel<U><<<dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy)), kThreads, 0, cu(stream)>>>(
         static_cast<U*>(out), table, static_cast<const U*>(base), index, static_cast<int>(M), static_cast<int>(G), per);
     MT_CUDA_CHECK_LAUNCH();
@@ -140,8 +141,7 @@ void moe_echo_gather_experts(const Tensor& out, const GroupedWeights& experts, c
 
 void moe_echo_gather_blocks(const Tensor& out, const Tensor& src, const Tensor& index, const Stream& stream) {
   const size_t bytes = static_cast<size_t>(src.size(1) * src.size(2)) * dtype_size(src.dtype());
-  const uintptr_t align =
-      reinterpret_cast<uintptr_t>(out.data()) | reinterpret_cast<uintptr_t>(src.data()) | bytes;
+  const uintptr_t align = reinterpret_cast<uintptr_t>(out.data()) | reinterpret_cast<uintptr_t>(src.data()) | bytes;
   launch_gather(out.data(), nullptr, src.data(), index.data_as<int32_t>(), index.numel(), src.size(0), bytes, align,
                 stream);
 }
@@ -153,9 +153,8 @@ void moe_echo_accumulate_experts(const GroupedWeights& grads, const Tensor& src,
   const bool vec = grads.aligned16() && nk % 4 == 0 && reinterpret_cast<uintptr_t>(src.data()) % 16 == 0;
   const int64_t nv = vec ? nk / 4 : nk;
   const auto launch = [&](auto kernel) {
-    kernel<<<grid_for(nv, kThreads), kThreads, 0, cu(stream)>>>(grads.table(), src.data_as<float>(),
-                                                                index.data_as<int32_t>(), static_cast<int>(M),
-                                                                static_cast<int>(G), nk);
+    kernel<<<grid_for(nv, kThreads), kThreads, 0, cu(stream)>>>(
+        grads.table(), src.data_as<float>(), index.data_as<int32_t>(), static_cast<int>(M), static_cast<int>(G), nk);
     MT_CUDA_CHECK_LAUNCH();
   };
   if (vec) {
