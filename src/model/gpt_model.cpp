@@ -89,12 +89,13 @@ std::vector<std::pair<std::string, Tensor>> GPTModel::persistent_state(const Str
   return out;
 }
 
-MoeDispatchStats GPTModel::moe_dispatch_stats() const {
+MoeDispatchStats GPTModel::moe_dispatch_stats(const Stream& stream) const {
   MoeDispatchStats out;
   for (const auto& l : parts_->layers)
     if (const MoELayer* m = l->moe()) {
-      const MoeDispatchStats s = m->dispatch_stats();
+      const MoeDispatchStats s = m->dispatch_stats(stream);
       out.rerouted += s.rerouted;
+      out.overflowed += s.overflowed;
       out.dispatches += s.dispatches;
       out.max_received = std::max(out.max_received, s.max_received);
     }

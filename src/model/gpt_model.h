@@ -91,7 +91,7 @@ class GPTModel final : public LanguageModel {
   size_t word_embedding_index() const override { return word_embedding_index_; }
   std::vector<double> moe_loss_stats(const Stream& stream) const override;
   void reset_moe_stats(const Stream& stream) override;
-  MoeDispatchStats moe_dispatch_stats() const override;
+  MoeDispatchStats moe_dispatch_stats(const Stream& stream) const override;
   void update_expert_bias(const Stream& stream) override;
   std::vector<std::pair<std::string, Tensor>> persistent_state(const Stream& stream) const override;
 

@@ -110,10 +110,10 @@ class LanguageModel {
   /// the average over layers) and the counts TP times the tokens routed.
   virtual std::vector<double> moe_loss_stats(const Stream& stream) const = 0;
   virtual void reset_moe_stats(const Stream& stream) = 0;
-  /// The token dispatchers' host statistics of this rank's MoE layers since reset_moe_stats()
-  /// (MoELayer::dispatch_stats): rerouted and dispatches summed over the layers, max_received the
-  /// largest of any layer.
-  virtual MoeDispatchStats moe_dispatch_stats() const = 0;
+  /// The token dispatchers' statistics of this rank's MoE layers since reset_moe_stats()
+  /// (MoELayer::dispatch_stats; may synchronise `stream`): rerouted, overflowed and dispatches
+  /// summed over the layers, max_received the largest of any layer.
+  virtual MoeDispatchStats moe_dispatch_stats(const Stream& stream) const = 0;
   /// Once per training step after the last backward: the aux-loss-free expert bias update of every
   /// MoE layer (MoELayer::update_expert_bias over the data × context parallel group). Collective.
   virtual void update_expert_bias(const Stream& stream) = 0;

@@ -291,6 +291,13 @@ void TransformerConfig::validate(int tp) const {
   MT_REQUIRE(!moe_enable_echo || moe_num_echo_experts >= 1,
              "--moe-enable-echo needs --moe-num-echo-experts >= 1 (spare expert slots per EP rank), got {}",
              moe_num_echo_experts);
+  MT_REQUIRE(moe_received_token_capacity >= 0, "--moe-received-token-capacity must be >= 0, got {}",
+             moe_received_token_capacity);
+  MT_REQUIRE(moe_received_token_capacity == 0 || moe_token_dispatcher_type == MoeDispatcher::kAllToAll,
+             "--moe-received-token-capacity needs --moe-token-dispatcher-type alltoall");
+  MT_REQUIRE(moe_received_token_capacity == 0 || moe_grouped_gemm,
+             "--moe-received-token-capacity needs --moe-grouped-gemm (the experts read the received counts on the "
+             "device)");
   MT_REQUIRE(!moe_enable_echo || moe_token_dispatcher_type == MoeDispatcher::kAllToAll,
              "--moe-enable-echo needs --moe-token-dispatcher-type alltoall (the clones are reached by the "
              "all-to-all over EP)");
@@ -356,6 +363,8 @@ std::string TransformerConfig::summary() const {
     if (moe_router_force_load_balancing) s += ", forced balance (random logits)";
     if (moe_token_dispatcher_type == MoeDispatcher::kAllToAll) s += ", alltoall token dispatcher";
     if (moe_grouped_gemm) s += ", grouped GEMM";
+    if (moe_received_token_capacity > 0)
+      s += fmt::format(", static receive buffers of {} tokens per EP rank", moe_received_token_capacity);
     if (moe_enable_echo) s += fmt::format(", ECHO with {} spare expert slots per EP rank", moe_num_echo_experts);
     if (moe_expert_capacity_set)
       s += fmt::format(", expert capacity factor {} (drop by {})", moe_expert_capacity_factor,

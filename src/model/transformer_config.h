@@ -137,6 +137,11 @@ struct TransformerConfig {
   /// without: the clones compute with their home expert's weights and return their gradients.
   bool moe_enable_echo = false;
   int64_t moe_num_echo_experts = 0;  ///< --moe-num-echo-experts: S, spare expert slots per EP rank
+  /// --moe-received-token-capacity (alltoall with --moe-grouped-gemm): C rows an EP rank receives
+  /// per MoE layer and micro-batch, as fixed blocks of ceil(C / EP) rows from each EP rank, so the
+  /// dispatch reads nothing on the host (CUDA-graph capturable); slots beyond a block are dropped
+  /// and counted in the log. 0 = off (dropless, split sizes read on the host).
+  int64_t moe_received_token_capacity = 0;
 
   // --- derived (Megatron's defaulting) ---
   int64_t ffn() const;

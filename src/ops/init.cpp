@@ -35,7 +35,7 @@ int64_t ShardBox::numel() const {
 }
 
 void init_normal(const Tensor& t, float std, uint64_t seed, uint32_t tensor_id, const ShardBox& box,
-                 const Stream& stream) {
+                 const Stream& stream, const uint64_t* iteration_ptr) {
   MT_CHECK(t.dtype() == DType::kF32 && t.is_contiguous(), "init_normal needs a contiguous fp32 tensor, got {}",
            t.str());
   MT_CHECK(t.device() == stream.device(), "init_normal: tensor on {} but stream on {}", t.device().str(),
@@ -43,7 +43,7 @@ void init_normal(const Tensor& t, float std, uint64_t seed, uint32_t tensor_id, 
   MT_CHECK(t.numel() == box.numel(), "init_normal: tensor {} has {} elements but its shard box {}", t.str(),
            t.numel(), box.numel());
   if (t.numel() == 0) return;
-  MT_DISPATCH(t.device(), init_normal, t, std, seed, tensor_id, box, stream);
+  MT_DISPATCH(t.device(), init_normal, t, std, seed, tensor_id, box, stream, iteration_ptr);
 }
 
 }  // namespace mt

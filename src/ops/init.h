@@ -43,11 +43,14 @@ struct ShardBox {
   }
 };
 
-/// t (fp32, contiguous, box.numel() elements) = std * philox_normal(seed, tensor_id,
-/// box.global_index(e)) for each local element e. Errors: mt::Error for a non-fp32 or
-/// non-contiguous t, an element count that differs from the box, or a stream on another device.
+/// t (fp32, contiguous, box.numel() elements) = std * philox_normal(seed', tensor_id,
+/// box.global_index(e)) for each local element e, with seed' = seed, or, when iteration_ptr (a
+/// uint64 in the tensor's device memory) is given, seed' = seed ^ (*iteration_ptr << 20) read when
+/// the kernel runs (a per-step key that a CUDA graph replays correctly; core/rng.h's
+/// dropout_iteration). Errors: mt::Error for a non-fp32 or non-contiguous t, an element count
+/// that differs from the box, or a stream on another device.
 void init_normal(const Tensor& t, float std, uint64_t seed, uint32_t tensor_id, const ShardBox& box,
-                 const Stream& stream);
+                 const Stream& stream, const uint64_t* iteration_ptr = nullptr);
 
 MT_OP_BACKENDS(init_normal)
 

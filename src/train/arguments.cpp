@@ -152,6 +152,9 @@ void add_pretrain_options(CLI::App& app, PretrainArgs& a) {
                "ECHO: clone hot experts into spare slots of under-loaded EP ranks each micro-batch (alltoall, "
                "docs/echo.md)");
   app.add_option("--moe-num-echo-experts", m.moe_num_echo_experts, "ECHO spare expert slots per EP rank");
+  app.add_option("--moe-received-token-capacity", m.moe_received_token_capacity,
+                 "alltoall: tokens an EP rank receives per layer and micro-batch, in fixed blocks (no host sync, "
+                 "CUDA-graph capturable; overflow dropped and counted); 0 = dropless");
   app.add_flag("--moe-per-layer-logging", a.moe_per_layer_logging, "Log the auxiliary losses of every MoE layer");
   app.add_option("--expert-model-parallel-size", a.expert_model_parallel_size, "Expert-parallel size")
       ->capture_default_str();
@@ -336,16 +339,14 @@ void validate_cuda_graph_args(const PretrainArgs& a) {
              "--overlap-param-gather with CUDA graphs: the next step's forward would wait on an all-gather "
              "issued outside its graph; drop --overlap-param-gather");
   if (a.model.num_moe_experts > 0) {
-    MT_REQUIRE(a.model.moe_token_dispatcher_type != MoeDispatcher::kAllToAll,
-               "--cuda-graph-impl {} with --moe-token-dispatcher-type alltoall: the all-to-all's split sizes "
-               "are read on the host (a synchronisation a graph cannot hold); use the allgather dispatcher",
+    MT_REQUIRE(a.model.moe_token_dispatcher_type != MoeDispatcher::kAllToAll || a.model.moe_received_token_capacity > 0,
+               "--cuda-graph-impl {} with --moe-token-dispatcher-type alltoall needs --moe-received-token-capacity: "
+               "without static receive buffers the all-to-all's split sizes are read on the host (a "
+               "synchronisation a graph cannot hold)",
                g.impl);
     MT_REQUIRE(a.model.moe_grouped_gemm,
                "--cuda-graph-impl {} with MoE needs --moe-grouped-gemm: without it the experts' row counts are "
                "read on the host (one synchronisation per MoE layer)", g.impl);
-    MT_REQUIRE(!a.model.moe_router_force_load_balancing,
-               "--moe-router-force-load-balancing with CUDA graphs is not supported yet: its random logits are "
-               "keyed by the iteration on the host");
   }
 }
 

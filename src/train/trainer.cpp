@@ -81,7 +81,7 @@ std::string moe_log(LanguageModel& model, Communicator& world, int64_t iters, bo
                     const Stream& stream) {
   const TransformerConfig& cfg = model.config();
   const std::vector<double> mine = model.moe_loss_stats(stream);
-  const MoeDispatchStats dispatch = model.moe_dispatch_stats();
+  const MoeDispatchStats dispatch = model.moe_dispatch_stats(stream);
   model.reset_moe_stats(stream);
   const size_t bytes = mine.size() * sizeof(float);
   const std::vector<float> local(mine.begin(), mine.end());
@@ -132,15 +132,20 @@ std::string moe_log(LanguageModel& model, Communicator& world, int64_t iters, bo
     // the alltoall dispatcher's counts are known on every rank of an EP group alike: the largest
     // receive over the world; ECHO's rerouted slots summed over the world counts each EP group's
     // total once per member
-    const int64_t v[2] = {dispatch.rerouted, dispatch.max_received};
+    const int64_t v[3] = {dispatch.rerouted, dispatch.max_received, dispatch.overflowed};
     const std::vector<char> d = all_gather_host(world, v, sizeof(v), stream);
-    int64_t rerouted = 0, received = 0;
+    int64_t rerouted = 0, received = 0, overflowed = 0;
     for (int r = 0; r < world.size(); ++r) {
       const int64_t* row = reinterpret_cast<const int64_t*>(d.data() + static_cast<size_t>(r) * sizeof(v));
       rerouted += row[0];
       received = std::max(received, row[1]);
+      overflowed += row[2];
     }
-    out += fmt::format(" max tokens received per EP rank: {} |", received);
+    if (cfg.moe_received_token_capacity > 0) {  // the static receive blocks: counted drops, per iteration
+      out += fmt::format(" tokens overflowed at the received capacity: {:.1f} |", static_cast<double>(overflowed) / n);
+    } else {
+      out += fmt::format(" max tokens received per EP rank: {} |", received);
+    }
     if (cfg.moe_enable_echo)
       out += fmt::format(" ECHO rerouted tokens per layer: {:.1f} |",
                          static_cast<double>(rerouted) / std::max(ep, 1) / n / L);

@@ -41,6 +41,13 @@ std::vector<int32_t> skewed_top(int rank) {
   return top;
 }
 
+std::vector<int32_t> ints(const Tensor& t, const Stream& st) {
+  std::vector<int32_t> out(static_cast<size_t>(t.numel()));
+  copy_bytes(out.data(), Device::cpu(), t.data(), t.device(), out.size() * sizeof(int32_t), st);
+  st.synchronize();
+  return out;
+}
+
 struct RankResult {
   MoeDispatchStats stats;
   int64_t rows = 0;  // rows this rank received
@@ -48,7 +55,10 @@ struct RankResult {
 };
 
 // One forward + backward through the dispatcher on every rank; checks the data path on each.
-std::vector<RankResult> run(int64_t num_echo) {
+// received > 0: the static dispatcher (--moe-received-token-capacity), whose overflowed slots add
+// nothing; `kept` (per rank, [T·k]) says which slots the test expects kept (empty: all).
+std::vector<RankResult> run(int64_t num_echo, int64_t received = 0,
+                            const std::vector<std::vector<char>>& kept = {}) {
   std::vector<RankResult> out(kEp);
   std::vector<std::vector<float>> xs, dys;
   for (int r = 0; r < kEp; ++r) {
@@ -64,7 +74,8 @@ std::vector<RankResult> run(int64_t num_echo) {
     ep.ep_group = world;
     const int64_t L = kExperts / kEp;
     auto disp = make_moe_token_dispatcher(MoeDispatcher::kAllToAll, ep,
-                                          {kExperts, kTopk, L, rank * L, /*device_counts=*/false, num_echo});
+                                          {kExperts, kTopk, L, rank * L, /*device_counts=*/received > 0, num_echo,
+                                           received});
     const Device cpu = Device::cpu();
     BufferPlanner planner(cpu, DType::kF32);
     int64_t max_rows = 0;
@@ -75,7 +86,8 @@ std::vector<RankResult> run(int64_t num_echo) {
       planner.close_area();
       if (pass == 0) planner.materialize();
     }
-    EXPECT_EQ(max_rows, kEp * kTokens * std::min(kTopk, L + num_echo));
+    const int64_t block = (received + kEp - 1) / kEp;
+    EXPECT_EQ(max_rows, received > 0 ? kEp * block : kEp * kTokens * std::min(kTopk, L + num_echo));
     Stream st(cpu);
     const std::vector<float>& x = xs[static_cast<size_t>(rank)];
     const std::vector<float>& dy = dys[static_cast<size_t>(rank)];
@@ -91,13 +103,22 @@ std::vector<RankResult> run(int64_t num_echo) {
     testing::OwnedTensor d_out(DType::kF32, cpu, {max_rows, kHidden}), dx(DType::kF32, cpu, {kTokens, kHidden});
     testing::OwnedTensor d_probs(DType::kF32, cpu, {kTokens, kTopk});
     const MoeExpertCounts counts = disp->dispatch(xp.t, xt.t, 0, st);
-    ASSERT_EQ(counts.host.size(), static_cast<size_t>(L + num_echo));
-    const int64_t R = std::accumulate(counts.host.begin(), counts.host.end(), int64_t{0});
+    std::vector<int64_t> per_slot = counts.host;
+    if (received > 0) {  // device counts only
+      EXPECT_TRUE(counts.host.empty());
+      const std::vector<int32_t> c = ints(counts.device, st);
+      per_slot.assign(c.begin(), c.end());
+    }
+    ASSERT_EQ(per_slot.size(), static_cast<size_t>(L + num_echo));
+    const int64_t R = std::accumulate(per_slot.begin(), per_slot.end(), int64_t{0});
     disp->combine(y.t, xp.t, 0, st);  // identity experts: out = xp
     disp->combine_backward(d_out.t, d_probs.t, dyt.t, xp.t, 0, st);
     disp->dispatch_backward(dx.t, d_out.t, 0, st);  // identity experts: d_xp = d_out
+    const auto keeps = [&](int64_t i) { return kept.empty() || kept[static_cast<size_t>(rank)][static_cast<size_t>(i)]; };
     for (int64_t t = 0; t < kTokens; ++t) {
-      const float p = probs[static_cast<size_t>(t * kTopk)] + probs[static_cast<size_t>(t * kTopk + 1)];
+      float p = 0;
+      for (int64_t j = 0; j < kTopk; ++j)
+        if (keeps(t * kTopk + j)) p += probs[static_cast<size_t>(t * kTopk + j)];
       float dot = 0;
       for (int64_t c = 0; c < kHidden; ++c) {
         const size_t i = static_cast<size_t>(t * kHidden + c);
@@ -106,10 +127,15 @@ std::vector<RankResult> run(int64_t num_echo) {
         dot += x[i] * dy[i];
       }
       for (int64_t j = 0; j < kTopk; ++j)
-        EXPECT_NEAR(d_probs.t.data_as<float>()[t * kTopk + j], dot, 1e-5f) << "rank " << rank << " token " << t;
+        EXPECT_NEAR(d_probs.t.data_as<float>()[t * kTopk + j], keeps(t * kTopk + j) ? dot : 0.f, 1e-5f)
+            << "rank " << rank << " token " << t;
     }
     std::lock_guard<std::mutex> lock(mu);
-    out[static_cast<size_t>(rank)].stats = disp->stats();
+    out[static_cast<size_t>(rank)].stats = disp->stats(st);
+    if (const Tensor ce = disp->echo_clone_expert(0); !ce.empty()) {
+      const std::vector<int32_t> c = ints(ce, st);
+      out[static_cast<size_t>(rank)].clone_expert.assign(c.begin(), c.end());
+    }
     out[static_cast<size_t>(rank)].rows = R;
     if (const EchoPlacement* p = disp->echo_placement(0)) out[static_cast<size_t>(rank)].clone_expert = p->clone_expert;
   });
@@ -142,6 +168,58 @@ TEST(MoeAllToAllDispatcher, EchoKeepsEveryRankAtTheAverageLoad) {
   EXPECT_EQ(total, kEp * avg);  // ECHO moves rows, it neither drops nor duplicates them
   for (int64_t e : echo[0].clone_expert) EXPECT_TRUE(e == -1 || e == 0 || e == 1) << e;
   EXPECT_EQ(echo[0].clone_expert.size(), static_cast<size_t>(kEp * 2));
+}
+
+// The static receive blocks: each source keeps, per destination EP rank, the first B = C / EP
+// slots in expert-sorted order (expert, then flat slot); the others overflow.
+std::vector<std::vector<char>> expected_kept(int64_t block, int64_t* dropped) {
+  std::vector<std::vector<char>> kept(kEp);
+  *dropped = 0;
+  const int64_t L = kExperts / kEp;
+  for (int r = 0; r < kEp; ++r) {
+    const std::vector<int32_t> top = skewed_top(r);
+    kept[static_cast<size_t>(r)].assign(top.size(), 0);
+    std::vector<int64_t> used(kEp, 0);
+    for (int64_t e = 0; e < kExperts; ++e)
+      for (size_t i = 0; i < top.size(); ++i)
+        if (top[i] == e) {
+          const bool fits = used[static_cast<size_t>(e / L)]++ < block;
+          kept[static_cast<size_t>(r)][i] = fits;
+          *dropped += fits ? 0 : 1;
+        }
+  }
+  return kept;
+}
+
+TEST(MoeStaticAllToAllDispatcher, LargeCapacityKeepsEverySlot) {
+  const std::vector<RankResult> r = run(0, /*received=*/kEp * kTokens * kTopk);
+  for (const RankResult& x : r) EXPECT_EQ(x.stats.overflowed, 0);
+}
+
+TEST(MoeStaticAllToAllDispatcher, OverflowIsDroppedAndCounted) {
+  const int64_t capacity = 2 * kTokens * kTopk;  // twice the balanced load: rank 0 still overflows
+  int64_t dropped = 0;
+  const auto kept = expected_kept(capacity / kEp, &dropped);
+  ASSERT_GT(dropped, 0);
+  const std::vector<RankResult> r = run(0, capacity, kept);
+  int64_t counted = 0;
+  for (const RankResult& x : r) counted += x.stats.overflowed;
+  EXPECT_EQ(counted, dropped);
+}
+
+TEST(MoeStaticAllToAllDispatcher, EchoAvoidsTheOverflow) {
+  // 1.25 x the balanced load: without ECHO rank 0's blocks overflow, with ECHO (two spare slots per
+  // rank, planned on the device) every slot fits and reaches its clone or home expert.
+  const int64_t capacity = kTokens * kTopk * 5 / 4;
+  int64_t dropped = 0;
+  expected_kept(capacity / kEp, &dropped);
+  ASSERT_GT(dropped, 0);
+  const std::vector<RankResult> echo = run(2, capacity);  // `kept` empty: every slot must count
+  for (const RankResult& x : echo) {
+    EXPECT_EQ(x.stats.overflowed, 0);
+    EXPECT_EQ(x.clone_expert, echo[0].clone_expert);
+  }
+  for (int64_t e : echo[0].clone_expert) EXPECT_TRUE(e == -1 || e == 0 || e == 1) << e;
 }
 
 }  // namespace

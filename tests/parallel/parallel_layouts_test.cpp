@@ -115,6 +115,7 @@ struct Layout {
   bool pad = false;          // --moe-pad-expert-input-to-capacity
   bool grouped = false;      // --moe-grouped-gemm (the reference runs the per-expert loop)
   int echo = 0;              // --moe-enable-echo with this many spare slots per EP rank (alltoall)
+  int64_t received = 0;      // --moe-received-token-capacity (static alltoall blocks; large: no overflow)
   std::string name() const {
     std::string s = fmt::format("{}{}tp{}_pp{}_dp{}_vpp{}_m{}",
                                 arch == Arch::kGpt     ? ""
@@ -138,6 +139,7 @@ struct Layout {
                                        pad ? "_pad" : "");
     if (grouped) s += "_gg";
     if (echo > 0) s += fmt::format("_echo{}", echo);
+    if (received > 0) s += fmt::format("_recv{}", received);
     return s;
   }
 };
@@ -148,7 +150,8 @@ struct Result {
   std::map<std::string, std::vector<float>> grads, params;
   std::map<std::string, std::vector<float>> copy_params;  // the last stage's embedding copy
   std::vector<int> slots;                                 // per pipeline rank: activation slots
-  int64_t rerouted = 0;  // ECHO: slots sent to clones, summed over the ranks and layers
+  int64_t rerouted = 0;    // ECHO: slots sent to clones, summed over the ranks and layers
+  int64_t overflowed = 0;  // --moe-received-token-capacity: slots dropped, summed likewise
 };
 
 
@@ -173,6 +176,7 @@ Result run_layout(const Layout& L, const std::vector<int32_t>& tokens, const std
   c.moe_grouped_gemm = L.grouped;
   c.moe_enable_echo = L.echo > 0;
   c.moe_num_echo_experts = L.echo;
+  c.moe_received_token_capacity = L.received;
   if (L.capacity > 0) {
     c.moe_expert_capacity_set = true;
     c.moe_expert_capacity_factor = L.capacity;
@@ -267,7 +271,9 @@ Result run_layout(const Layout& L, const std::vector<int32_t>& tokens, const std
     {
       std::lock_guard<std::mutex> lock(mu);
       if (g.tp->rank() == 0 && d == 0) out.slots[static_cast<size_t>(pp_rank)] = plan.activation_slots;
-      out.rerouted += model.moe_dispatch_stats().rerouted;
+      const MoeDispatchStats ds = model.moe_dispatch_stats(st);
+      out.rerouted += ds.rerouted;
+      out.overflowed += ds.overflowed;
     }
     // Every rank reports (data-parallel replicas write identical values; with expert parallelism
     // the DP ranks hold different experts).
@@ -330,7 +336,14 @@ TEST_P(ParallelLayouts, MatchesSingleRank) {
     EXPECT_GT(diff, 1e-5 * ref.losses[0]) << "the capacity dropped nothing";
   }
   const Result par = run_layout(L, tokens, labels, mb);
-  if (L.echo > 0) EXPECT_GT(par.rerouted, 0) << "ECHO rerouted nothing: the test would not exercise the clones";
+  if (L.echo > 0 && L.received == 0)
+    EXPECT_GT(par.rerouted, 0) << "ECHO rerouted nothing: the test would not exercise the clones";
+  if (L.received > 0) EXPECT_EQ(par.overflowed, 0) << "the capacity must hold every slot to match the reference";
+  if (L.echo > 0 && L.received > 0) {  // the static path counts no reroutes on the host: its dropless
+    Layout twin = L;                   // twin routes the same first step and must have rerouted
+    twin.received = 0;
+    EXPECT_GT(run_layout(twin, tokens, labels, mb).rerouted, 0) << "ECHO rerouted nothing";
+  }
   for (int it = 0; it < kIters; ++it) EXPECT_NEAR(par.losses[it], ref.losses[it], 1e-5 * ref.losses[it]) << it;
   ASSERT_EQ(par.grads.size(), ref.grads.size());
   for (const auto& [name, g] : ref.grads) {
@@ -558,6 +571,34 @@ std::vector<Layout> layouts() {
     v.back().echo = echo;
     v.back().grouped = grouped;
     v.back().capacity = capacity;
+  }
+  // Static receive blocks (--moe-received-token-capacity, capacity large enough for every slot:
+  // the capturable alltoall path equals the dropless one): EP 2 and 4, expert TP 2 (equal
+  // all-gather / reduce-scatter of the blocks), TP + SP with expert TP 1, EP x PP with VPP and the
+  // distributed optimizer, token dropping before the dispatch.
+  for (const auto& [arch, tp, pp, dp, vpp, ep, etp, sp, zero, capacity] :
+       {std::tuple{Arch::kMoe, 1, 1, 2, 0, 2, 0, false, false, 0.0},
+        std::tuple{Arch::kMoe, 1, 1, 4, 0, 4, 0, false, true, 0.0},
+        std::tuple{Arch::kMoe, 2, 1, 2, 0, 2, 2, true, false, 0.0},
+        std::tuple{Arch::kMoe, 2, 1, 2, 0, 4, 1, true, true, 0.0},
+        std::tuple{Arch::kMoe, 1, 2, 2, 2, 2, 0, false, true, 0.0},
+        std::tuple{Arch::kMoeSigmoid, 1, 1, 4, 0, 4, 0, false, false, 0.0},
+        std::tuple{Arch::kMoe, 1, 1, 2, 0, 2, 0, false, false, 0.5}}) {
+    add(arch, tp, pp, dp, vpp, sp, zero, false, ep, etp, /*a2a=*/true);
+    v.back().grouped = true;
+    v.back().received = 4096;
+    v.back().capacity = capacity;
+  }
+  // ECHO on the capturable path: plan, rerouting and the clones' weight / gradient exchange on the
+  // device (fixed all-to-alls of EP·S expert blocks).
+  for (const auto& [arch, tp, pp, dp, vpp, ep, sp, zero, echo] :
+       {std::tuple{Arch::kMoe, 1, 1, 2, 0, 2, false, false, 1}, std::tuple{Arch::kMoe, 1, 1, 4, 0, 4, false, true, 2},
+        std::tuple{Arch::kMoe, 1, 2, 2, 2, 2, false, true, 1}, std::tuple{Arch::kMoe, 2, 1, 2, 0, 4, true, false, 1},
+        std::tuple{Arch::kMoeSigmoid, 1, 1, 4, 0, 4, false, false, 1}}) {
+    add(arch, tp, pp, dp, vpp, sp, zero, false, ep, tp > 1 ? 1 : 0, /*a2a=*/true);
+    v.back().grouped = true;
+    v.back().received = 4096;
+    v.back().echo = echo;
   }
   return v;
 }

@@ -8,6 +8,7 @@
 // second eager run is (times 10, floor 2e-6 relative); a stale learning rate, dropout mask or
 // batch moves them by orders of magnitude more. The capture itself checks that the step neither
 // allocates nor synchronises (the trainer counts both; ThreadLocal capture fails on a sync).
+#include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <cstdio>
@@ -61,7 +62,8 @@ class CudaGraphTraining : public ::testing::Test {
   }
   std::string flags(const std::string& extra) const {
     return "pretrain --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
-           "--max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 6 --train-iters 8 "
+           "--max-position-embeddings 64 --micro-batch-size 2 --global-batch-size " + std::to_string(global_batch_) +
+           " --train-iters 8 "
            "--lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 2 --log-interval 1 "
            "--eval-iters 2 --eval-interval 4 --hidden-dropout 0.1 --attention-dropout 0.1 --bf16 "
            "--device cuda --no-progress --train-data-path " + (dir_ / "moby_text_document").string() +
@@ -104,6 +106,7 @@ class CudaGraphTraining : public ::testing::Test {
 
   std::string data_, tok_;
   fs::path dir_;
+  int global_batch_ = 6;
 };
 
 TEST_F(CudaGraphTraining, FullIterationEqualsEagerBitwise) {
@@ -131,6 +134,25 @@ TEST_F(CudaGraphTraining, MixtureOfExpertsFullIterationFollowsEager) {
               "--cuda-graph-impl full_iteration --cuda-graph-warmup-steps 2 --cuda-graph-include-optimizer");
 }
 
+TEST_F(CudaGraphTraining, MixtureOfExpertsForcedBalanceFollowsEager) {
+  // --moe-router-force-load-balancing: the random logits' key takes the iteration from StepValues.
+  expect_same("--disable-bias-linear --num-experts 4 --moe-router-topk 2 --moe-grouped-gemm "
+              "--moe-router-force-load-balancing",
+              "--cuda-graph-impl full_iteration --cuda-graph-warmup-steps 2");
+}
+
+TEST_F(CudaGraphTraining, AlltoAllStaticBuffersWithEchoOnTwoGpus) {
+  // The capturable alltoall dispatcher (static receive blocks, counts on the device) with ECHO
+  // (plan, rerouting, the clones' weights and gradients exchanged by fixed all-to-alls) over EP 2.
+  int gpus = 0;
+  if (cudaGetDeviceCount(&gpus) != cudaSuccess || gpus < 2) GTEST_SKIP() << "needs 2 GPUs, found " << gpus;
+  global_batch_ = 8;
+  expect_same("--nproc-per-node 2 --expert-model-parallel-size 2 --disable-bias-linear --num-experts 4 "
+              "--moe-router-topk 2 --moe-grouped-gemm --moe-aux-loss-coeff 1e-2 --moe-token-dispatcher-type alltoall "
+              "--moe-received-token-capacity 1024 --moe-enable-echo --moe-num-echo-experts 1",
+              "--cuda-graph-impl full_iteration --cuda-graph-warmup-steps 2 --cuda-graph-include-optimizer");
+}
+
 TEST_F(CudaGraphTraining, RefusedCombinationsNameTheFlag) {
   RunResult r = run_megatron(flags("--cuda-graph-impl full_iteration --timing-log-level 1"));
   EXPECT_NE(r.rc, 0);
@@ -144,6 +166,10 @@ TEST_F(CudaGraphTraining, RefusedCombinationsNameTheFlag) {
   r = run_megatron(flags("--cuda-graph-impl full_iteration --num-experts 4"));  // host-read expert counts
   EXPECT_NE(r.rc, 0);
   EXPECT_NE(r.out.find("--moe-grouped-gemm"), std::string::npos) << r.out;
+  r = run_megatron(flags("--cuda-graph-impl full_iteration --num-experts 4 --moe-grouped-gemm "
+                         "--moe-token-dispatcher-type alltoall"));  // host-read split sizes
+  EXPECT_NE(r.rc, 0);
+  EXPECT_NE(r.out.find("--moe-received-token-capacity"), std::string::npos) << r.out;
 }
 
 }  // namespace

@@ -10,6 +10,7 @@
 #include "ops/grouped_matmul.h"
 #include "ops/init.h"
 #include "ops/matmul.h"
+#include "ops/moe_echo_exchange.h"
 #include "ops/swiglu.h"
 
 namespace mt {
@@ -49,7 +50,8 @@ MoELayer::MoELayer(const TransformerConfig& c, int64_t layer, const TensorParall
   MT_REQUIRE(num_echo_ == 0 || ep.etp_size == 1,
              "--moe-enable-echo needs --expert-tensor-parallel-size 1, got {}", ep.etp_size);
   dispatcher_ = make_moe_token_dispatcher(
-      c.moe_token_dispatcher_type, ep, {num_experts_, topk_, num_local_, first_expert_, c.moe_grouped_gemm, num_echo_});
+      c.moe_token_dispatcher_type, ep,
+      {num_experts_, topk_, num_local_, first_expert_, c.moe_grouped_gemm, num_echo_, c.moe_received_token_capacity});
   const std::string p = fmt::format("decoder.layers.{}.mlp.", layer);
   const int64_t h = c.hidden_size;
   reg.declare(replicated_param(p + "router.weight", {num_experts_, h}, InitKind::kNormal, c.init_method_std,
@@ -102,6 +104,22 @@ void MoELayer::plan(BufferPlanner& p, int64_t s, int64_t b) {
     echo_g1_ = p.scratch("moe.echo.g1", DType::kF32, {S, f1, h});
     echo_g2_ = p.scratch("moe.echo.g2", DType::kF32, {S, h, f2});
     echo_ret_ = p.scratch("moe.echo.ret", DType::kF32, {f1 * h + h * f2});
+    if (config_.moe_received_token_capacity > 0) {  // the capturable exchange (echo_fetch_weights)
+      const int64_t P = ep_.ep_size, NS = P * S;
+      const Tensor idx = p.scratch("moe.echo.x.index", DType::kI32, {3 * NS + S});
+      echo_x_.w_send = idx.slice0(0, NS);
+      echo_x_.g_send = idx.slice0(NS, 2 * NS);
+      echo_x_.g_acc = idx.slice0(2 * NS, 3 * NS);
+      echo_x_.w_recv = idx.slice0(3 * NS, 3 * NS + S);
+      echo_x_.send1 = p.scratch("moe.echo.x.send1", t, {NS, f1, h});
+      echo_x_.recv1 = p.scratch("moe.echo.x.recv1", t, {NS, f1, h});
+      echo_x_.send2 = p.scratch("moe.echo.x.send2", t, {NS, h, f2});
+      echo_x_.recv2 = p.scratch("moe.echo.x.recv2", t, {NS, h, f2});
+      echo_x_.gsend1 = p.scratch("moe.echo.x.gsend1", DType::kF32, {NS, f1, h});
+      echo_x_.grecv1 = p.scratch("moe.echo.x.grecv1", DType::kF32, {NS, f1, h});
+      echo_x_.gsend2 = p.scratch("moe.echo.x.gsend2", DType::kF32, {NS, h, f2});
+      echo_x_.grecv2 = p.scratch("moe.echo.x.grecv2", DType::kF32, {NS, h, f2});
+    }
   }
   y_ = p.scratch("moe.y", t, {sl, b, h});
   d_out_ = p.scratch("moe.d_out", t, {max_rows_, h});
@@ -143,7 +161,7 @@ void MoELayer::update_expert_bias(Communicator* dp, const Stream& stream) {
 
 void MoELayer::reset_stats(const Stream& stream) {
   if (stats_zeroed_) fill(stats_, 0.f, stream);  // else the first forward zeroes them
-  dispatcher_->reset_stats();
+  dispatcher_->reset_stats(stream);
 }
 
 std::vector<double> MoELayer::stats(const Stream& stream) const {
@@ -183,11 +201,12 @@ float MoELayer::aux_scale(double weight) const {
 void MoELayer::random_logits(const Tensor& logits, const StepContext& ctx) const {
   // Global token index of local token t: tp_rank·T + t (the sequence-parallel shard of the [s, b]
   // layout is contiguous); keyed by seed, iteration, global micro-batch and layer.
+  // With a device iteration (CUDA graphs) init_normal mixes it in when the kernel runs: the same key.
   const DropoutContext& dc = ctx.dropout;
-  const uint64_t key = dc.seed * 0x9E3779B97F4A7C15ull ^ (dc.iteration << 20) ^ dc.microbatch;
+  const uint64_t key = dc.seed * 0x9E3779B97F4A7C15ull ^ (dc.iteration_ptr ? 0 : dc.iteration << 20) ^ dc.microbatch;
   const int64_t T = tokens_, E = num_experts_;
   const ShardBox box = ShardBox::make({T * tp_.size(), E}, {T * tp_.rank(), 0}, {T, E});
-  init_normal(logits, 1.f, key, static_cast<uint32_t>(0x4D6F4500 + layer_), box, ctx.stream);
+  init_normal(logits, 1.f, key, static_cast<uint32_t>(0x4D6F4500 + layer_), box, ctx.stream, dc.iteration_ptr);
 }
 
 float MoELayer::z_scale(double weight) const {
@@ -290,7 +309,36 @@ MoELayer::ExpertTensors MoELayer::expert_tensors(int64_t e) const {
   return {one(echo_w1_), one(echo_w2_), one(echo_g1_), one(echo_g2_)};
 }
 
+void MoELayer::build_tables(const Stream& st) {
+  if (!fc1_w_.empty()) return;  // once: the address tables of the experts' and clone slots' weights
+  std::vector<Tensor> w1, w2, g1, g2;  // and main gradients (the ParamStore's addresses are fixed)
+  for (int64_t e = 0; e < num_local_ + num_echo_; ++e) {
+    const ExpertTensors ex = expert_tensors(e);
+    w1.push_back(ex.w1);
+    w2.push_back(ex.w2);
+    g1.push_back(ex.g1);
+    g2.push_back(ex.g2);
+  }
+  fc1_w_ = GroupedWeights(std::move(w1), st);
+  fc2_w_ = GroupedWeights(std::move(w2), st);
+  fc1_g_ = GroupedWeights(std::move(g1), st);
+  fc2_g_ = GroupedWeights(std::move(g2), st);
+}
+
 void MoELayer::echo_fetch_weights(int slot, const Stream& st) {
+  if (const Tensor ce = dispatcher_->echo_clone_expert(slot); !ce.empty()) {
+    // capturable: fixed-size all-to-alls of P·S expert blocks, packed and unpacked on the device
+    build_tables(st);
+    const EchoExchange& x = echo_x_;
+    moe_echo_exchange_index(x.w_send, x.w_recv, x.g_send, x.g_acc, ce, ep_.ep_rank, num_local_, num_echo_, st);
+    moe_echo_gather_experts(x.send1, fc1_w_, x.w_send, st);
+    moe_echo_gather_experts(x.send2, fc2_w_, x.w_send, st);
+    ep_.ep_group->all_to_all(x.recv1, x.send1, st);
+    ep_.ep_group->all_to_all(x.recv2, x.send2, st);
+    moe_echo_gather_blocks(echo_w1_, x.recv1, x.w_recv, st);
+    moe_echo_gather_blocks(echo_w2_, x.recv2, x.w_recv, st);
+    return;
+  }
   const EchoPlacement* placement = dispatcher_->echo_placement(slot);
   if (!placement) return;
   std::vector<std::vector<Tensor>> local, clones;
@@ -302,6 +350,17 @@ void MoELayer::echo_fetch_weights(int slot, const Stream& st) {
 }
 
 void MoELayer::echo_return_grads(int slot, const Stream& st) {
+  if (const Tensor ce = dispatcher_->echo_clone_expert(slot); !ce.empty()) {
+    // the indices of echo_fetch_weights (this backward's refetch computed them for this slot)
+    const EchoExchange& x = echo_x_;
+    moe_echo_gather_blocks(x.gsend1, echo_g1_, x.g_send, st);
+    moe_echo_gather_blocks(x.gsend2, echo_g2_, x.g_send, st);
+    ep_.ep_group->all_to_all(x.grecv1, x.gsend1, st);
+    ep_.ep_group->all_to_all(x.grecv2, x.gsend2, st);
+    moe_echo_accumulate_experts(fc1_g_, x.grecv1, x.g_acc, st);  // slots in order: deterministic
+    moe_echo_accumulate_experts(fc2_g_, x.grecv2, x.g_acc, st);
+    return;
+  }
   const EchoPlacement* placement = dispatcher_->echo_placement(slot);
   if (!placement) return;
   std::vector<std::vector<Tensor>> main, clones;
@@ -313,16 +372,7 @@ void MoELayer::echo_return_grads(int slot, const Stream& st) {
 }
 
 void MoELayer::grouped_forward(Saved& sv, const Stream& st) {
-  if (fc1_w_.empty()) {  // once: the address tables of the experts' (and clone slots') weights
-    std::vector<Tensor> w1, w2;
-    for (int64_t e = 0; e < num_local_ + num_echo_; ++e) {
-      const ExpertTensors ex = expert_tensors(e);
-      w1.push_back(ex.w1);
-      w2.push_back(ex.w2);
-    }
-    fc1_w_ = GroupedWeights(std::move(w1), st);
-    fc2_w_ = GroupedWeights(std::move(w2), st);
-  }
+  build_tables(st);
   // Rows beyond Σ counts: the GEMMs write zeros there, so the activation gives zeros too.
   grouped_linear_forward(sv.pre, sv.xp, fc1_w_, sv.counts, st);
   if (gated_) {
@@ -334,16 +384,7 @@ void MoELayer::grouped_forward(Saved& sv, const Stream& st) {
 }
 
 void MoELayer::grouped_backward(Saved& sv, const Stream& st) {
-  if (fc1_g_.empty()) {  // once: the address tables of the experts' main gradients (and the clones')
-    std::vector<Tensor> g1, g2;
-    for (int64_t e = 0; e < num_local_ + num_echo_; ++e) {
-      const ExpertTensors ex = expert_tensors(e);
-      g1.push_back(ex.g1);
-      g2.push_back(ex.g2);
-    }
-    fc1_g_ = GroupedWeights(std::move(g1), st);
-    fc2_g_ = GroupedWeights(std::move(g2), st);
-  }
+  build_tables(st);
   // d_out_ rows beyond Σ counts are stale (combine_backward writes the routed rows only) and never
   // read; the dgrads write zeros to their tails, so the activation backward gives zeros there.
   grouped_linear_dgrad(d_act_, d_out_, fc2_w_, sv.counts, st);
@@ -361,7 +402,7 @@ Tensor MoELayer::backward(const Tensor& dy, const StepContext& ctx, WgradDeferra
   Saved& sv = saved_.at(static_cast<size_t>(ctx.slot));
   const Stream& st = ctx.stream;
   const Tensor dx = rows(dx_);
-  const bool echo = dispatcher_->echo_placement(ctx.slot) != nullptr;
+  const bool echo = num_echo_ > 0;
   if (echo) {  // the clones' weights again (scratch), their gradients from zero
     echo_fetch_weights(ctx.slot, st);
     fill(echo_g1_, 0.f, st);

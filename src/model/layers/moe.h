@@ -93,9 +93,10 @@ class MoELayer final : public MlpSlot {
   /// Zeroes the statistics now (ordered on `stream`, outside any step), so that the forwards
   /// never do (a step captured in a CUDA graph replays without a reset inside).
   void reset_stats(const Stream& stream);
-  /// The token dispatcher's host-side statistics since reset_stats() (ECHO rerouted slots, the
-  /// most rows an EP rank received in one dispatch; zeros for the allgather dispatcher).
-  MoeDispatchStats dispatch_stats() const { return dispatcher_->stats(); }
+  /// The token dispatcher's statistics since reset_stats() (ECHO rerouted slots, the most rows an
+  /// EP rank received in one dispatch, the slots overflowed at --moe-received-token-capacity; zeros
+  /// for the allgather dispatcher). May synchronise `stream`.
+  MoeDispatchStats dispatch_stats(const Stream& stream) const { return dispatcher_->stats(stream); }
 
   /// Aux-loss-free balancing (--moe-router-enable-expert-bias), once per step after the last
   /// backward (Megatron's finalize_model_grads): sums the step's token counts of the training
@@ -120,8 +121,18 @@ class MoELayer final : public MlpSlot {
   ExpertTensors expert_tensors(int64_t e) const;
   // ECHO: the home experts' weights sent into the clone slots of area `slot`'s placement, and the
   // clones' gradients returned to (added into) the home experts' main gradients. No-ops without ECHO.
+  // With --moe-received-token-capacity (capturable) the placement stays on the device: fixed-size
+  // all-to-alls of ep·S expert blocks over EP, packed and unpacked by index (ops/moe_echo_exchange.h);
+  // else the placement is read on the host and only the used slots travel (moe_echo_experts.h).
   void echo_fetch_weights(int slot, const Stream& st);
   void echo_return_grads(int slot, const Stream& st);
+  void build_tables(const Stream& st);  // the GroupedWeights address tables, once
+  struct EchoExchange {  // scratch of the capturable ECHO exchange
+    Tensor w_send, w_recv, g_send, g_acc;     // int32 indices (moe_echo_exchange_index)
+    Tensor send1, recv1, send2, recv2;        // [ep·S, (2)f_l, h], [ep·S, h, f_l] act dtype
+    Tensor gsend1, grecv1, gsend2, grecv2;    // the same in fp32
+  };
+  EchoExchange echo_x_;
   struct Saved {
     Tensor x;                  // [s_l, b, h]: the block's input (router input)
     Tensor logits;             // fp32 [T_l, E]

@@ -5,6 +5,7 @@
 
 #include "ops/elementwise.h"
 #include "ops/moe.h"
+#include "ops/moe_block.h"
 #include "ops/moe_echo.h"
 
 namespace mt {
@@ -231,8 +232,8 @@ class AllToAllDispatcher final : public MoeTokenDispatcher {
   const EchoPlacement* echo_placement(int slot) const override {
     return S_ > 0 ? &saved_.at(static_cast<size_t>(slot)).placement : nullptr;
   }
-  MoeDispatchStats stats() const override { return stats_; }
-  void reset_stats() override { stats_ = {}; }
+  MoeDispatchStats stats(const Stream&) const override { return stats_; }
+  void reset_stats(const Stream&) override { stats_ = {}; }
 
   MoeExpertCounts dispatch(const Tensor& xp, const Tensor& x, int slot, const Stream& st) override {
     Saved& sv = saved_.at(static_cast<size_t>(slot));
@@ -483,6 +484,193 @@ class AllToAllDispatcher final : public MoeTokenDispatcher {
   MoeDispatchStats stats_;
 };
 
+// ---------------------------------------------------------------------------------------------
+// MoEAlltoAllTokenDispatcher with static receive buffers (--moe-received-token-capacity)
+// ---------------------------------------------------------------------------------------------
+
+// The capturable variant: every EP pair exchanges a fixed block of B = ceil(C / P) rows (C = the
+// received token capacity per EP rank), so the all-to-all has constant split sizes and nothing is
+// read on the host. Permutation 1 sorts this rank's slots by (virtual) expert; the first B slots of
+// each destination's run fill its block (ops/moe_block.h moe_block_send_layout), the others
+// overflow: they are dropped like capacity-dropped slots (no output, no probability gradient) and
+// counted on the device. The kept counts are all-gathered (fixed size), and the receiver builds
+// permutation 2 from them on the device (moe_block_receive_layout). Expert TP all-gathers /
+// reduce-scatters the equal blocks. The experts see R_max = Q·P·B rows with device counts
+// (--moe-grouped-gemm).
+class StaticAllToAllDispatcher final : public MoeTokenDispatcher {
+ public:
+  StaticAllToAllDispatcher(const ExpertParallel& ep, const MoeDispatchSizes& s)
+      : ep_(ep),
+        s_(s),
+        P_(group_size(ep.ep_group)),
+        Q_(group_size(ep.etp_group)),
+        S_(s.num_echo),
+        Lv_(s.num_local + s.num_echo),
+        Ev_(group_size(ep.ep_group) * (s.num_local + s.num_echo)),
+        firstv_(static_cast<int64_t>(ep.ep_rank) * (s.num_local + s.num_echo)),
+        B_((s.received_capacity + group_size(ep.ep_group) - 1) / group_size(ep.ep_group)),
+        echo_(ep, s) {
+    MT_REQUIRE(s.received_capacity >= 1, "--moe-received-token-capacity must be >= 1, got {}", s.received_capacity);
+    MT_REQUIRE(s.device_counts, "--moe-received-token-capacity needs --moe-grouped-gemm (the experts read the "
+                                "received counts on the device)");
+    MT_REQUIRE(S_ == 0 || Q_ == 1, "--moe-enable-echo with expert tensor parallel size {}: ECHO needs expert TP 1",
+               Q_);
+  }
+
+  int64_t plan(BufferPlanner& p, int64_t tokens, int64_t h) override {
+    const DType t = p.act_dtype();
+    const int64_t k = s_.topk, blocks = P_ * B_, max_rows = Q_ * blocks;
+    const size_t a = static_cast<size_t>(p.area());
+    if (saved_.size() <= a) saved_.resize(a + 1);
+    Saved& sv = saved_[a];
+    sv.top = p.saved(DType::kI32, {tokens, k}, "routing");
+    sv.probs = p.saved(DType::kF32, {tokens, k}, "routing probs");
+    sv.slot_send = p.saved(DType::kI32, {tokens * k}, "send row of each slot (-1: overflowed)");
+    sv.send_index = p.saved(DType::kI32, {blocks}, "slot of each send row (-1: padding)");
+    sv.gather_index = p.saved(DType::kI32, {max_rows}, "received row of each expert row");
+    sv.scatter_index = p.saved(DType::kI32, {max_rows}, "expert row of each received row");
+    sv.local_counts = p.saved(DType::kI32, {Lv_}, "tokens per local expert slot");
+    sv.back = p.saved(t, {blocks, h}, "expert outputs returned to their tokens");
+    if (S_ > 0) {
+      sv.top_v = p.saved(DType::kI32, {tokens, k}, "ECHO rerouted routing (virtual expert ids)");
+      sv.clone_expert = p.saved(DType::kI32, {P_ * S_}, "ECHO clone placement");
+      echo_.plan(p, tokens * k);
+    }
+    row_index_ = p.scratch("moe.a2a.row_index", DType::kI32, {tokens * k});
+    slot_row_ = p.scratch("moe.a2a.slot_row", DType::kI32, {tokens * k});
+    counts_ = p.scratch("moe.a2a.counts", DType::kI32, {Ev_});
+    sent_ = p.scratch("moe.a2a.sent", DType::kI32, {Ev_});
+    sent_ep_ = p.scratch("moe.a2a.sent_ep", DType::kI32, {P_ * Ev_});
+    sent_all_ = p.scratch("moe.a2a.sent_all", DType::kI32, {Q_ * P_, Ev_});
+    send_ = p.scratch("moe.a2a.send", t, {blocks, h});
+    recv_ = p.scratch("moe.a2a.recv", t, {blocks, h});
+    if (Q_ > 1) recv_all_ = p.scratch("moe.a2a.recv_all", t, {max_rows, h});
+    if (overflow_buffer_.bytes() == 0) {
+      overflow_buffer_ = Buffer(p.device(), sizeof(float));
+      overflow_ = overflow_buffer_.as(DType::kF32, {1});
+    }
+    return max_rows;
+  }
+
+  Tensor top(int slot) const override { return saved_.at(static_cast<size_t>(slot)).top; }
+  Tensor probs(int slot) const override { return saved_.at(static_cast<size_t>(slot)).probs; }
+  const EchoPlacement* echo_placement(int) const override { return nullptr; }  // device-side only
+  Tensor echo_clone_expert(int slot) const override {
+    return S_ > 0 ? saved_.at(static_cast<size_t>(slot)).clone_expert : Tensor();
+  }
+  MoeDispatchStats stats(const Stream& st) const override {
+    MoeDispatchStats out;
+    if (!overflow_zeroed_) return out;
+    float v = 0;
+    copy_bytes(&v, Device::cpu(), overflow_.data(), overflow_.device(), sizeof(float), st);
+    st.synchronize();
+    out.overflowed = static_cast<int64_t>(v);
+    return out;
+  }
+  void reset_stats(const Stream& st) override {
+    if (overflow_zeroed_) fill(overflow_, 0.f, st);
+  }
+
+  MoeExpertCounts dispatch(const Tensor& xp, const Tensor& x, int slot, const Stream& st) override {
+    Saved& sv = saved_.at(static_cast<size_t>(slot));
+    if (!overflow_zeroed_) {  // first use (an eager step: CUDA graphs capture after warm-up)
+      fill(overflow_, 0.f, st);
+      overflow_zeroed_ = true;
+    }
+    Tensor top = sv.top;
+    if (S_ > 0) {
+      echo_.reroute(sv.top_v, sv.clone_expert, sv.top, st);
+      top = sv.top_v;
+    }
+    // permutation 1 into the fixed blocks; the overflow dropped and counted
+    moe_routing_map_device(row_index_, slot_row_, counts_, top, 0, Ev_, st);
+    moe_block_send_layout(sv.send_index, sv.slot_send, sent_, overflow_, counts_, row_index_, P_, B_, st);
+    moe_permute(send_, x, sv.send_index, s_.topk, st);
+    // the kept counts of every source, in received-block order [ETP rank][EP rank]
+    Tensor all = sent_;
+    if (P_ > 1) {
+      ep_.ep_group->all_gather(sent_ep_, sent_, st);
+      all = sent_ep_;
+    }
+    if (Q_ > 1) {
+      ep_.etp_group->all_gather(sent_all_.view({Q_ * P_ * Ev_}), all, st);
+    } else {
+      copy(sent_all_.view({P_ * Ev_}), all, st);
+    }
+    moe_block_receive_layout(sv.gather_index, sv.scatter_index, sv.local_counts, sent_all_, firstv_, Lv_, B_, st);
+    to_experts(xp, send_, sv, st);
+    MoeExpertCounts out;
+    out.device = sv.local_counts;
+    return out;
+  }
+
+  void combine(const Tensor& y, const Tensor& out, int slot, const Stream& st) override {
+    const Saved& sv = saved_.at(static_cast<size_t>(slot));
+    from_experts(sv.back, out, sv, st);
+    moe_unpermute(y, sv.back, sv.probs, sv.slot_send, st);
+  }
+
+  void combine_backward(const Tensor& d_out, const Tensor& d_probs, const Tensor& dy, const Tensor& out, int slot,
+                        const Stream& st) override {
+    (void)out;  // the probs' gradient uses the rows returned to this rank (sv.back)
+    const Saved& sv = saved_.at(static_cast<size_t>(slot));
+    moe_unpermute_backward(send_, d_probs, dy, sv.back, sv.probs, sv.send_index, sv.slot_send, st);
+    to_experts(d_out, send_, sv, st);
+  }
+
+  void dispatch_backward(const Tensor& dx, const Tensor& d_xp, int slot, const Stream& st) override {
+    const Saved& sv = saved_.at(static_cast<size_t>(slot));
+    from_experts(send_, d_xp, sv, st);
+    moe_permute_backward(dx, send_, sv.slot_send, s_.topk, st);
+  }
+
+ private:
+  struct Saved {
+    Tensor top, probs;       // int32 / fp32 [T, k]
+    Tensor slot_send;        // int32 [T·k]
+    Tensor send_index;       // int32 [P·B]
+    Tensor gather_index, scatter_index;  // int32 [Q·P·B]
+    Tensor local_counts;     // int32 [E_l + S]
+    Tensor back;             // [P·B, h]
+    Tensor top_v, clone_expert;  // ECHO
+  };
+  // send-layout rows [P·B, h] -> expert rows [Q·P·B, h] (rows beyond the counts untouched)
+  void to_experts(const Tensor& dst, const Tensor& rows_in, const Saved& sv, const Stream& st) const {
+    Tensor cur = rows_in;
+    if (P_ > 1) {
+      ep_.ep_group->all_to_all(recv_, cur, st);
+      cur = recv_;
+    }
+    if (Q_ > 1) {
+      ep_.etp_group->all_gather(recv_all_, cur, st);
+      cur = recv_all_;
+    }
+    moe_permute(dst, cur, sv.gather_index, 1, st);
+  }
+  // expert rows [Q·P·B, h] -> send-layout rows [P·B, h] (padding rows stale: never read)
+  void from_experts(const Tensor& dst, const Tensor& rows_in, const Saved& sv, const Stream& st) const {
+    const Tensor blocks = Q_ > 1 ? recv_all_ : (P_ > 1 ? recv_ : dst);
+    moe_permute(blocks, rows_in, sv.scatter_index, 1, st);
+    Tensor cur = blocks;
+    if (Q_ > 1) {
+      const Tensor red = P_ > 1 ? recv_ : dst;
+      ep_.etp_group->reduce_scatter(red, cur, ReduceOp::kSum, st);
+      cur = red;
+    }
+    if (P_ > 1) ep_.ep_group->all_to_all(dst, cur, st);
+  }
+
+  ExpertParallel ep_;
+  MoeDispatchSizes s_;
+  int64_t P_, Q_, S_, Lv_, Ev_, firstv_, B_;
+  EchoRouter echo_;
+  std::vector<Saved> saved_;  // per area
+  Tensor row_index_, slot_row_, counts_, sent_, sent_ep_, sent_all_, send_, recv_, recv_all_;
+  Buffer overflow_buffer_;  // fp32 [1]: slots dropped at the block capacity since the last reset
+  Tensor overflow_;
+  bool overflow_zeroed_ = false;
+};
+
 }  // namespace
 
 std::unique_ptr<MoeTokenDispatcher> make_moe_token_dispatcher(MoeDispatcher kind, const ExpertParallel& ep,
@@ -490,8 +678,16 @@ std::unique_ptr<MoeTokenDispatcher> make_moe_token_dispatcher(MoeDispatcher kind
   MT_REQUIRE(!ep.dispatch || ep.dispatch->size() == ep.ep_size * ep.etp_size,
              "MoE dispatch group has {} ranks, expected expert tensor {} x expert model {}", ep.dispatch->size(),
              ep.etp_size, ep.ep_size);
-  if (kind == MoeDispatcher::kAllGather) return std::make_unique<AllGatherDispatcher>(ep, sizes);
-  if (!ep.dispatch) return std::make_unique<AllToAllDispatcher>(ep, sizes);  // layout only: no groups
+  if (kind == MoeDispatcher::kAllGather) {
+    MT_REQUIRE(sizes.received_capacity == 0 && sizes.num_echo == 0,
+               "--moe-received-token-capacity and --moe-enable-echo need --moe-token-dispatcher-type alltoall");
+    return std::make_unique<AllGatherDispatcher>(ep, sizes);
+  }
+  const auto make = [&]() -> std::unique_ptr<MoeTokenDispatcher> {
+    if (sizes.received_capacity > 0) return std::make_unique<StaticAllToAllDispatcher>(ep, sizes);
+    return std::make_unique<AllToAllDispatcher>(ep, sizes);
+  };
+  if (!ep.dispatch) return make();  // layout only: no groups
   MT_REQUIRE(group_size(ep.ep_group) == ep.ep_size && group_size(ep.etp_group) == ep.etp_size,
              "MoE alltoall dispatcher: expert model parallel group of {} ranks and expert tensor parallel group of {} "
              "ranks, expected {} and {}",
@@ -501,7 +697,7 @@ std::unique_ptr<MoeTokenDispatcher> make_moe_token_dispatcher(MoeDispatcher kind
   MT_REQUIRE(!ep.etp_group || ep.etp_group->rank() == ep.etp_rank,
              "MoE alltoall dispatcher: ETP group rank {} != expert tensor parallel rank {}", ep.etp_group->rank(),
              ep.etp_rank);
-  return std::make_unique<AllToAllDispatcher>(ep, sizes);
+  return make();
 }
 
 }  // namespace mt

@@ -62,6 +62,11 @@ struct MoeDispatchSizes {
   /// reroutes this rank's slots (ops/moe_echo.h) and sends the rerouted ones to the clones' ranks:
   /// every rank has E_l + S local expert slots, the last S of them clones (echo_placement()).
   int64_t num_echo = 0;
+  /// --moe-received-token-capacity (alltoall, needs device_counts): C rows received per EP rank
+  /// and micro-batch, as fixed blocks of ceil(C / ep) rows per EP pair (constant all-to-all sizes,
+  /// nothing read on the host: CUDA-graph capturable); the slots beyond a block are dropped and
+  /// counted (MoeDispatchStats::overflowed). 0 = off (the host-synchronised dropless dispatch).
+  int64_t received_capacity = 0;
 };
 
 /// Host-side dispatch statistics since the last reset (alltoall dispatcher; the allgather one
@@ -70,6 +75,9 @@ struct MoeDispatchStats {
   int64_t rerouted = 0;      ///< slots sent to ECHO clones instead of their home experts (sum over micro-batches)
   int64_t max_received = 0;  ///< the most expert rows any EP rank received in one dispatch
   int64_t dispatches = 0;    ///< dispatch() calls counted
+  /// --moe-received-token-capacity: slots dropped because their EP pair's block was full, summed
+  /// over the dispatches of this rank (read from the device; rerouted / max_received stay 0 there)
+  int64_t overflowed = 0;
 };
 
 /// The rows of each local expert slot brought by one dispatch() (R = their sum, rows [0, R) of the
@@ -120,8 +128,19 @@ class MoeTokenDispatcher {
     (void)slot;
     return nullptr;
   }
-  virtual MoeDispatchStats stats() const { return {}; }
-  virtual void reset_stats() {}
+  /// With ECHO: the plan's clone placement of area `slot` on the device (int32 [ep·S], the
+  /// capturable path; valid in stream order after dispatch()); empty without ECHO.
+  virtual Tensor echo_clone_expert(int slot) const {
+    (void)slot;
+    return Tensor();
+  }
+  /// The statistics since reset_stats(); may synchronise `stream` (a device counter).
+  virtual MoeDispatchStats stats(const Stream& stream) const {
+    (void)stream;
+    return {};
+  }
+  /// Restarts the statistics (ordered on `stream`, outside any step).
+  virtual void reset_stats(const Stream& stream) { (void)stream; }
 };
 
 /// The dispatcher of `kind` for this rank. Errors: mt::Error when the groups do not match the sizes

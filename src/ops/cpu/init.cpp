@@ -3,7 +3,9 @@
 
 namespace mt::cpu {
 
-void init_normal(const Tensor& t, float std, uint64_t seed, uint32_t tensor_id, const ShardBox& box, const Stream&) {
+void init_normal(const Tensor& t, float std, uint64_t seed, uint32_t tensor_id, const ShardBox& box, const Stream&,
+                 const uint64_t* iteration_ptr) {
+  if (iteration_ptr) seed ^= *iteration_ptr << 20;
   float* p = t.data_as<float>();
   const int64_t n = t.numel();
 #pragma omp parallel for schedule(static)
