@@ -146,7 +146,7 @@ std::string moe_log(LanguageModel& model, Communicator& world, int64_t iters, bo
     } else {
       out += fmt::format(" max tokens received per EP rank: {} |", received);
     }
-    if (cfg.moe_enable_echo)
+    if (cfg.moe_enable_echo && cfg.moe_received_token_capacity == 0)  // counted from the host counts only
       out += fmt::format(" ECHO rerouted tokens per layer: {:.1f} |",
                          static_cast<double>(rerouted) / std::max(ep, 1) / n / L);
   }

@@ -141,6 +141,14 @@ TEST_F(CudaGraphTraining, MixtureOfExpertsForcedBalanceFollowsEager) {
               "--cuda-graph-impl full_iteration --cuda-graph-warmup-steps 2");
 }
 
+TEST_F(CudaGraphTraining, AlltoAllStaticBuffersFollowEager) {
+  // The capturable alltoall dispatcher on one GPU (EP 1: the fixed block, the device-side
+  // permutations and counts, and a capacity that drops slots: the overflow must be the same).
+  expect_same("--disable-bias-linear --num-experts 4 --moe-router-topk 2 --moe-grouped-gemm --moe-aux-loss-coeff 1e-2 "
+              "--moe-token-dispatcher-type alltoall --moe-received-token-capacity 200",
+              "--cuda-graph-impl full_iteration --cuda-graph-warmup-steps 2 --cuda-graph-include-optimizer");
+}
+
 TEST_F(CudaGraphTraining, AlltoAllStaticBuffersWithEchoOnTwoGpus) {
   // The capturable alltoall dispatcher (static receive blocks, counts on the device) with ECHO
   // (plan, rerouting, the clones' weights and gradients exchanged by fixed all-to-alls) over EP 2.

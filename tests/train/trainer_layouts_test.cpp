@@ -331,18 +331,28 @@ TEST_F(TrainerLayouts, MixtureOfExperts) {
                                    "--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall",
                                    // ECHO: hot experts cloned to the other EP rank's spare slot
                                    "--nproc-per-node 2 --expert-model-parallel-size 2 --moe-token-dispatcher-type "
-                                   "alltoall --moe-enable-echo --moe-num-echo-experts 1"}) {
+                                   "alltoall --moe-enable-echo --moe-num-echo-experts 1",
+                                   // the capturable path: static receive blocks, ECHO on the device
+                                   "--nproc-per-node 2 --expert-model-parallel-size 2 --moe-token-dispatcher-type "
+                                   "alltoall --moe-grouped-gemm --moe-received-token-capacity 100000 "
+                                   "--moe-enable-echo --moe-num-echo-experts 1"}) {
     RunResult r = run_megatron(flags("--train-iters 6 " + layout + moe));
     ASSERT_EQ(r.rc, 0) << layout << "\n" << r.out;
     expect_same(losses(r.out), full_losses, layout + " (MoE)");
     EXPECT_NE(r.out.find(mean_load), std::string::npos) << layout << "\n" << r.out;
     if (layout.find("alltoall") != std::string::npos) {
       EXPECT_NE(r.out.find("alltoall token dispatcher"), std::string::npos) << r.out;
-      EXPECT_NE(r.out.find("max tokens received per EP rank: "), std::string::npos) << r.out;
+      const bool fixed = layout.find("capacity") != std::string::npos;
+      EXPECT_NE(r.out.find(fixed ? "tokens overflowed at the received capacity: 0.0 |" : "max tokens received per EP rank: "),
+                std::string::npos)
+          << r.out;
     }
     if (layout.find("echo") != std::string::npos) {
       EXPECT_NE(r.out.find("ECHO with 1 spare expert slots per EP rank"), std::string::npos) << r.out;
-      EXPECT_NE(r.out.find("ECHO rerouted tokens per layer: "), std::string::npos) << r.out;
+      // counted from the host-read counts: the dropless dispatcher only
+      EXPECT_EQ(r.out.find("ECHO rerouted tokens per layer: ") != std::string::npos,
+                layout.find("capacity") == std::string::npos)
+          << r.out;
     }
   }
   RunResult first;
