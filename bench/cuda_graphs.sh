@@ -68,4 +68,14 @@ if [ "${MOE:-0}" = 1 ]; then
   g=$(ours moe.grouped "${moe[@]}" --moe-grouped-gemm)
   o=$(ours moe.graph "${moe[@]}" --moe-grouped-gemm --cuda-graph-impl full_iteration --cuda-graph-include-optimizer)
   echo "| moe_small mb8 | $e | $g | $o |" | tee -a "$OUT/cuda_graphs.md"
+  # The alltoall dispatcher (EP 1 on one GPU): dropless (split sizes read on the host) against the
+  # static receive blocks at 1.25x the balanced load (8·1024·2 slots), eager and in the graph.
+  a2a=(--moe-grouped-gemm --moe-token-dispatcher-type alltoall)
+  cap=(--moe-received-token-capacity 20480)
+  echo "| alltoall, moe_small mb8 | dropless eager | static blocks eager | static blocks graph, whole step |" | tee -a "$OUT/cuda_graphs.md"
+  echo "|---|---|---|---|" | tee -a "$OUT/cuda_graphs.md"
+  d=$(ours moe.a2a "${moe[@]}" "${a2a[@]}")
+  se=$(ours moe.a2a_static "${moe[@]}" "${a2a[@]}" "${cap[@]}")
+  sg=$(ours moe.a2a_static_graph "${moe[@]}" "${a2a[@]}" "${cap[@]}" --cuda-graph-impl full_iteration --cuda-graph-include-optimizer)
+  echo "| EP 1 | $d | $se | $sg |" | tee -a "$OUT/cuda_graphs.md"
 fi

@@ -565,6 +565,7 @@ int run_pretrain(PretrainArgs args) {
   Tensor eval_loss = eval_loss_dev.as(DType::kF32, {1});
   // The iteration and the learning rate, read by the kernels from device memory (principle 8).
   StepValues step_values(device);
+  StepValues eval_values(device);  // the validation forward's iteration (its graph replays it)
   // CUDA graphs (--cuda-graph-impl, docs/cuda_graphs.md): after the warmup steps the training step
   // (and the validation forward) is captured once and replayed. Its loss goes to a fixed slot.
   const CudaGraphOptions& cg = args.cuda_graph;
@@ -643,13 +644,14 @@ int run_pretrain(PretrainArgs args) {
     if (!data.valid || args.eval_iters == 0) return std::nullopt;  // Megatron: no validation
     grad_sync.finish_param_sync(stream);  // the last step's parameter all-gather is complete
     fill(eval_loss, 0.f, stream);
+    eval_values.write(it, 0.f, stream);  // e.g. --moe-router-force-load-balancing keys by it
     for (int64_t e = 0; e < args.eval_iters; ++e) {
       stager.stage(*data.valid, e * args.global_batch_size, -1, stream);
       std::vector<MicroBatch> mbs;
       for (int64_t m = 0; m < M; ++m) mbs.push_back(stager.micro_batch(m));
       auto forward = [&] {
-        executor.run(eval_plan, mbs, {args.seed, it, dp_rank, static_cast<int>(pc.dp), false}, eval_loss,
-                     1.f / static_cast<float>(args.eval_iters), Tensor(), stream);
+        const RunContext rc{args.seed, it, dp_rank, static_cast<int>(pc.dp), false, eval_values.iteration()};
+        executor.run(eval_plan, mbs, rc, eval_loss, 1.f / static_cast<float>(args.eval_iters), Tensor(), stream);
       };
       if (!cg.enabled() || steps_run < cg.warmup_steps) {
         forward();
