@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # CUDA graphs on one GPU (docs/cuda_graphs.md), side by side in one device session: GPT-2 124M
-# (sequence 1024, bf16) at the launch-bound micro-batches 1, 2 and 4 — megatron.cpp eager, with the
+# (sequence 1024, bf16) at the launch-bound micro-batches 1, 2 and 4 — megatron.cpp eager, with
+# per-layer graphs (--cuda-graph-impl local --cuda-graph-scope attn mlp), with the
 # full-iteration graph (forward and backward; optimizer eager), and with the optimizer in the
 # graph too; PyTorch (bench/pytorch_gpt2.py) with torch.compile default and reduce-overhead (its
 # CUDA graphs). Prints one markdown row per micro-batch: step ms and host ms per step (the time
@@ -43,17 +44,18 @@ theirs() {  # $1 tag, rest: flags -> "step_ms"
   local ms; ms=$(tail -1 "$OUT/$tag.log" | grep -oE '[0-9.]+ ms/step' | grep -oE '[0-9.]+')
   echo "${ms:-failed}"
 }
-header="| micro-batch | ours eager: step / host ms | ours graph fwd+bwd | ours graph whole step | PyTorch compile ms | PyTorch reduce-overhead ms |"
+header="| micro-batch | ours eager: step / host ms | ours per-layer graphs (attn mlp) | ours graph fwd+bwd | ours graph whole step | PyTorch compile ms | PyTorch reduce-overhead ms |"
 echo "$header" | tee "$OUT/cuda_graphs.md"
-echo "|---|---|---|---|---|---|" | tee -a "$OUT/cuda_graphs.md"
+echo "|---|---|---|---|---|---|---|" | tee -a "$OUT/cuda_graphs.md"
 for mb in "${mbs[@]}"; do
   b=("${gpt2[@]}" --micro-batch-size "$mb" --global-batch-size "$mb")
   e=$(ours "mb$mb.eager" "${b[@]}")
+  l=$(ours "mb$mb.layer" "${b[@]}" --cuda-graph-impl local --cuda-graph-scope attn mlp)
   g=$(ours "mb$mb.graph" "${b[@]}" --cuda-graph-impl full_iteration)
   o=$(ours "mb$mb.graph_opt" "${b[@]}" --cuda-graph-impl full_iteration --cuda-graph-include-optimizer)
   t=$(theirs "mb$mb.torch" --micro-batch-size "$mb")
   r=$(theirs "mb$mb.torch_ro" --micro-batch-size "$mb" --compile-mode reduce-overhead)
-  echo "| $mb | $e | $g | $o | $t | $r |" | tee -a "$OUT/cuda_graphs.md"
+  echo "| $mb | $e | $l | $g | $o | $t | $r |" | tee -a "$OUT/cuda_graphs.md"
 done
 # MOE=1: also the one-GPU MoE configuration of bench/compare.sh (moe_small, micro-batch 8) with the
 # sync-free grouped GEMM, eager vs full-iteration graph (ours only).

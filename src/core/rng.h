@@ -77,6 +77,9 @@ MT_HD Philox4 dropout_bits4(uint64_t seed, uint32_t stream_id, uint64_t iteratio
 /// The iteration a dropout draw uses: *ptr when set (device memory read when the kernel runs,
 /// so a captured CUDA graph sees each step's value), else the host value baked into the call.
 MT_HD uint64_t dropout_iteration(const uint64_t* ptr, uint64_t value) { return ptr != nullptr ? *ptr : value; }
+/// The micro-batch a dropout draw uses: *ptr when set (the slot's key of a per-layer CUDA graph,
+/// replayed for every micro-batch that uses the slot), else the host value.
+MT_HD uint32_t dropout_microbatch(const uint32_t* ptr, uint32_t value) { return ptr != nullptr ? *ptr : value; }
 
 /// Key for the dropout of one site: everything that identifies where the mask is used.
 struct DropoutKey {
@@ -88,7 +91,10 @@ struct DropoutKey {
   /// memory) when the kernel runs instead of `iteration`, so that a captured step (CUDA graph)
   /// draws each step's masks (docs/architecture.md principle 8).
   const uint64_t* iteration_ptr = nullptr;
+  /// When set, the micro-batch is read from here when the kernel runs (per-layer CUDA graphs).
+  const uint32_t* microbatch_ptr = nullptr;
   MT_HD uint64_t current_iteration() const { return dropout_iteration(iteration_ptr, iteration); }
+  MT_HD uint32_t current_microbatch() const { return dropout_microbatch(microbatch_ptr, microbatch); }
 };
 
 /// Stable 32-bit id of a named tensor (FNV-1a), used as the Philox key half for its init.

@@ -356,7 +356,7 @@ Tensor GPTModel::forward_chunk(int c, const ChunkBuffers& buf, const MicroBatch&
              mb.position_ids.empty() ? "no position_ids" : "position_ids");
   ChunkState& ch = chunks_[static_cast<size_t>(c)];
   const Tensor in = ch.input[static_cast<size_t>(buf.input)];
-  const StepContext ctx{mb, dc, buf.slot, st};
+  const StepContext ctx{mb, dc, buf.slot, st, Tensor(), layer_graphs_};
   auto needed = [&](size_t group) {
     const auto [first, end] = parts_->registry.group_range(group);
     if (first_forward && hooks_ != nullptr && first < end) hooks_->params_needed(first, end, st);
@@ -385,7 +385,7 @@ void GPTModel::backward_chunk(int c, const ChunkBuffers& buf, const MicroBatch& 
   const Tensor g = grad.empty() ? residual_grad_ : grad;  // running dL/d(residual stream)
   if (!grad.empty()) check_tensor(grad, dtype_, {boundary_shape()[0], micro_batch_, config_.hidden_size},
                                   "pipeline gradient buffer");
-  const StepContext ctx{mb, dc, buf.slot, st, loss_scale};
+  const StepContext ctx{mb, dc, buf.slot, st, loss_scale, layer_graphs_};
   const size_t nlayers = ch.layers.size();
   auto layer_input = [&](size_t i) { return i == 0 ? in : ch.layers[i - 1]->output(buf.slot); };
   if (ch.head) {

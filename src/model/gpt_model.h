@@ -92,6 +92,7 @@ class GPTModel final : public LanguageModel {
   std::vector<double> moe_loss_stats(const Stream& stream) const override;
   void reset_moe_stats(const Stream& stream) override;
   MoeDispatchStats moe_dispatch_stats(const Stream& stream) const override;
+  void set_layer_graphs(LayerGraphs* graphs) override { layer_graphs_ = graphs; }
   void update_expert_bias(const Stream& stream) override;
   std::vector<std::pair<std::string, Tensor>> persistent_state(const Stream& stream) const override;
 
@@ -139,6 +140,7 @@ class GPTModel final : public LanguageModel {
   ParamGradHooks* hooks_ = nullptr;
   bool flash_ = false;
   WgradDeferral deferred_;
+  LayerGraphs* layer_graphs_ = nullptr;  // per-layer CUDA graphs (set_layer_graphs), not owned
   size_t word_embedding_index_ = ParamStore::kNoParam;
   std::vector<std::vector<ParamStore::Range>> tp_partial_;  // per registry group: grads to all-reduce over TP
 };

@@ -114,6 +114,11 @@ class LanguageModel {
   /// (MoELayer::dispatch_stats; may synchronise `stream`): rerouted, overflowed and dispatches
   /// summed over the layers, max_received the largest of any layer.
   virtual MoeDispatchStats moe_dispatch_stats(const Stream& stream) const = 0;
+
+  // --- per-layer CUDA graphs ---
+  /// The layers run their scoped regions through `graphs` (model/layer_graphs.h; nullptr: eager).
+  /// The caller owns it and keeps it alive while the model runs.
+  virtual void set_layer_graphs(LayerGraphs* graphs) = 0;
   /// Once per training step after the last backward: the aux-loss-free expert bias update of every
   /// MoE layer (MoELayer::update_expert_bias over the data × context parallel group). Collective.
   virtual void update_expert_bias(const Stream& stream) = 0;

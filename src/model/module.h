@@ -52,21 +52,31 @@ struct DropoutContext {
   /// When set: `iteration` is read from here (fp64-sized uint64 on the model's device) when the
   /// kernels run (StepValues, train/train_step.h; needed by CUDA graph replay).
   const uint64_t* iteration_ptr = nullptr;
+  /// When set: `microbatch` is read from here (uint32 on the model's device) when the kernels
+  /// run: the activation slot's key, written before the micro-batch's forward (per-layer CUDA
+  /// graphs replay one graph for every micro-batch that uses the slot).
+  const uint32_t* microbatch_ptr = nullptr;
 };
 
 /// Dropout sites: the Philox stream id of a site is (layer + 1) · 8 + site (layer −1: embedding).
 enum DropoutSite : uint32_t { kSiteAttentionProbs = 0, kSiteAttentionOut = 1, kSiteMlpOut = 2, kSiteEmbedding = 3 };
 inline DropoutKey dropout_key(const DropoutContext& dc, int64_t layer, DropoutSite site) {
-  return {dc.seed, dc.iteration, dc.microbatch, static_cast<uint32_t>((layer + 1) * 8 + site), dc.iteration_ptr};
+  return {dc.seed,           dc.iteration, dc.microbatch, static_cast<uint32_t>((layer + 1) * 8 + site),
+          dc.iteration_ptr, dc.microbatch_ptr};
 }
 
 /// What a module's forward/backward reads besides its tensors.
+class LayerGraphs;  // model/layer_graphs.h
+
 struct StepContext {
   const MicroBatch& batch;
   const DropoutContext& dropout;
   int slot;  ///< the area (activation slot or head slot) holding the module's saved tensors
   const Stream& stream;
   Tensor loss_scale = Tensor();  ///< backward: fp32 [1] loss scale (mixed precision) or empty = 1
+  /// Per-layer CUDA graphs (--cuda-graph-impl local with layer scopes), or nullptr: the
+  /// TransformerLayer runs its scoped regions through them.
+  LayerGraphs* graphs = nullptr;
 };
 
 /// A declared parameter: its index in the model's ParamStore once bound (ParamRegistry::bind).

@@ -19,6 +19,7 @@ struct AttnDropout {
   uint64_t iteration = 0;
   const uint64_t* iteration_ptr = nullptr;  ///< DropoutKey::iteration_ptr (read when the kernel runs)
   uint32_t microbatch = 0;
+  const uint32_t* microbatch_ptr = nullptr;  ///< DropoutKey::microbatch_ptr (read when the kernel runs)
   uint32_t stream_id = 0;
   uint32_t threshold = 0;  ///< dropout_threshold(p): keep iff draw >= threshold
   float inv_keep = 1.f;    ///< 1 / (1 - p)
@@ -36,7 +37,8 @@ struct AttnDropout {
   }
   /// Four consecutive draws for global elements 4·group .. 4·group + 3.
   MT_HD Philox4 bits4(uint64_t group) const {
-    return dropout_bits4(seed, stream_id, dropout_iteration(iteration_ptr, iteration), microbatch, group);
+    return dropout_bits4(seed, stream_id, dropout_iteration(iteration_ptr, iteration),
+                         dropout_microbatch(microbatch_ptr, microbatch), group);
   }
   /// Keep decision of global element g.
   MT_HD bool keep(uint64_t g) const {
@@ -53,6 +55,7 @@ inline AttnDropout make_attn_dropout(const AttentionConfig& cfg) {
   d.iteration = cfg.dropout_key.iteration;
   d.iteration_ptr = cfg.dropout_key.iteration_ptr;
   d.microbatch = cfg.dropout_key.microbatch;
+  d.microbatch_ptr = cfg.dropout_key.microbatch_ptr;
   d.stream_id = cfg.dropout_key.stream_id;
   d.enabled = cfg.dropout_p > 0.f;
   d.threshold = d.enabled ? dropout_threshold(cfg.dropout_p) : 0u;

@@ -88,6 +88,7 @@ AttnDropout flash_attention_dropout(const FlashAttentionConfig& cfg) {
   d.iteration = cfg.dropout_key.iteration;
   d.iteration_ptr = cfg.dropout_key.iteration_ptr;
   d.microbatch = cfg.dropout_key.microbatch;
+  d.microbatch_ptr = cfg.dropout_key.microbatch_ptr;
   d.stream_id = cfg.dropout_key.stream_id;
   d.enabled = cfg.dropout_p > 0.f;
   d.threshold = d.enabled ? dropout_threshold(cfg.dropout_p) : 0u;

@@ -30,6 +30,11 @@ struct CudaGraphOptions {
   bool enabled() const { return impl != "none"; }
   /// The whole forward and backward of all micro-batches (and stages) is one graph.
   bool full_iteration() const;
+  /// Per-layer capture (model/layer_graphs.h): local without full_iteration.
+  bool per_layer() const { return enabled() && !full_iteration(); }
+  /// Per-layer capture of `scope` (attn, mlp, moe): named in --cuda-graph-scope, or no scope given
+  /// (Megatron's default for local: the whole layer).
+  bool captures(const std::string& s) const;
 };
 
 struct PretrainArgs {

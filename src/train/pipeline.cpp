@@ -156,6 +156,7 @@ PipelineExecutor::PipelineExecutor(LanguageModel& model, std::shared_ptr<Communi
   int n = 0;
   for (const PipelinePlan* p : plans) {
     n = std::max(n, p->grad_buffers);
+    max_microbatches_ = std::max(max_microbatches_, p->config.num_microbatches);
     MT_CHECK(p->activation_slots <= model.activation_slots(),
              "the model has {} activation slots; the pipeline plan needs {}", model.activation_slots(),
              p->activation_slots);
@@ -173,6 +174,13 @@ PipelineExecutor::PipelineExecutor(LanguageModel& model, std::shared_ptr<Communi
   for (int k = 0; k < n; ++k)
     grads_.emplace_back(static_cast<char*>(grad_pool_.data()) + bytes * static_cast<size_t>(k), model.dtype(),
                         model.device(), shape);
+}
+
+void PipelineExecutor::use_slot_keys() {
+  if (slot_keys_.bytes() > 0) return;
+  slot_keys_ = Buffer(model_.device(), sizeof(uint32_t) * static_cast<size_t>(std::max(model_.activation_slots(), 1)));
+  host_keys_ = Buffer(Device::cpu(), sizeof(uint32_t) * static_cast<size_t>(std::max(max_microbatches_, 1)),
+                      model_.device().is_cuda() ? HostMemory::kPinned : HostMemory::kPageable);
 }
 
 void PipelineExecutor::run(const PipelinePlan& plan, const std::vector<MicroBatch>& micro_batches,
@@ -207,9 +215,18 @@ void PipelineExecutor::run(const PipelinePlan& plan, const std::vector<MicroBatc
     if (a.kind == ActionKind::kForward || a.kind == ActionKind::kBackward) {
       const MicroBatch& mb = micro_batches[static_cast<size_t>(a.microbatch)];
       // Global micro-batch index (Megatron's sampler interleaves DP ranks) keys the dropout.
-      const DropoutContext dc{ctx.seed, static_cast<uint64_t>(ctx.iteration),
-                              static_cast<uint32_t>(a.microbatch * ctx.dp_size + ctx.dp_rank), ctx.training,
-                              ctx.iteration_ptr};
+      DropoutContext dc{ctx.seed, static_cast<uint64_t>(ctx.iteration),
+                        static_cast<uint32_t>(a.microbatch * ctx.dp_size + ctx.dp_rank), ctx.training,
+                        ctx.iteration_ptr};
+      if (slot_keys_.bytes() > 0) {  // the slot's micro-batch key, written before its forward
+        uint32_t* key = static_cast<uint32_t*>(slot_keys_.data()) + plan.buffers[i].slot;
+        if (a.kind == ActionKind::kForward) {
+          uint32_t* host = static_cast<uint32_t*>(host_keys_.data()) + a.microbatch;
+          *host = dc.microbatch;  // the same value every step: an in-flight copy of it reads the same
+          copy_bytes(key, model_.device(), host, Device::cpu(), sizeof(uint32_t), st);
+        }
+        dc.microbatch_ptr = key;
+      }
       if (a.kind == ActionKind::kForward) {
         model_.forward_chunk(a.chunk, plan.buffers[i], mb, dc, loss_accum, loss_weight_scale * mb.loss_weight, st,
                              a.first_in_chunk);

@@ -74,11 +74,21 @@ class PipelineExecutor {
   void run(const PipelinePlan& plan, const std::vector<MicroBatch>& micro_batches, const RunContext& ctx,
            const Tensor& loss_accum, float loss_weight_scale, const Tensor& loss_scale, const Stream& stream);
 
+  /// Per-layer CUDA graphs (model/layer_graphs.h): from now on each forward first writes its
+  /// global micro-batch index into its activation slot's key on the device (a stream-ordered copy
+  /// from pinned host memory), and the forward and backward of that micro-batch key their dropout
+  /// with it (DropoutContext::microbatch_ptr), so one graph per slot serves every micro-batch.
+  /// Allocates the keys (call outside a step).
+  void use_slot_keys();
+
  private:
   LanguageModel& model_;
   std::shared_ptr<Communicator> pp_;
   Buffer grad_pool_;
   std::vector<Tensor> grads_;
+  int max_microbatches_ = 0;
+  Buffer slot_keys_;  // uint32 [activation slots] on the model's device
+  Buffer host_keys_;  // uint32 [max micro-batches], pinned: the global index of local micro-batch m
 };
 
 }  // namespace mt

@@ -15,6 +15,8 @@
 #include <memory>
 #include <optional>
 
+#include <fmt/ranges.h>
+
 #include "comm/bootstrap.h"
 #include "core/cuda_graph.h"
 #include "core/host_memory.h"
@@ -24,6 +26,7 @@
 #include "data/data_args.h"
 #include "data/masks.h"
 #include "model/gpt_model.h"
+#include "model/layer_graphs.h"
 #include "ops/elementwise.h"
 #include "parallel/pipeline/layer_split.h"
 #include "parallel/pipeline/schedules.h"
@@ -572,6 +575,14 @@ int run_pretrain(PretrainArgs args) {
   MT_REQUIRE(!cg.enabled() || device.is_cuda(), "--cuda-graph-impl {} needs a CUDA device; this run is on {}",
              cg.impl, device.str());
   CudaGraph train_graph, eval_graph;
+  // Per-layer capture (--cuda-graph-impl local with attn / mlp / moe): the layers' scoped regions,
+  // one graph per (layer, region, slot), captured on first use after the warm-up.
+  LayerGraphs layer_graphs(cg.captures("attn"), cg.captures("mlp"), cg.captures("moe"));
+  if (cg.per_layer()) {
+    model.set_layer_graphs(&layer_graphs);
+    executor.use_slot_keys();
+  }
+  size_t layer_graphs_logged = 0;
   Buffer step_loss_dev(device, 4);
   const Tensor step_loss = step_loss_dev.as(DType::kF32, {1});
   int64_t steps_run = 0;  // training steps of this process (the warmup counts them)
@@ -653,7 +664,7 @@ int run_pretrain(PretrainArgs args) {
         const RunContext rc{args.seed, it, dp_rank, static_cast<int>(pc.dp), false, eval_values.iteration()};
         executor.run(eval_plan, mbs, rc, eval_loss, 1.f / static_cast<float>(args.eval_iters), Tensor(), stream);
       };
-      if (!cg.enabled() || steps_run < cg.warmup_steps) {
+      if (!cg.full_iteration() || steps_run < cg.warmup_steps) {
         forward();
         continue;
       }
@@ -702,8 +713,19 @@ int run_pretrain(PretrainArgs args) {
     const StepOptions so{args.seed, iteration, lr, dp_rank, static_cast<int>(pc.dp), cg.enabled() ? nullptr : &timers,
                          &step_values};
     const Tensor loss_slot = losses.flat_range(iters_since_log, 1);
-    if (!cg.enabled()) {
+    if (!cg.full_iteration()) {
+      if (cg.per_layer() && steps_run >= cg.warmup_steps) layer_graphs.set_capturing(true);
+      const size_t before = cg.per_layer() ? device_memory_in_use(device) : 0;
       train_step(model, executor, train_plan, optimizer, mbs, so, loss_slot, stream);
+      if (layer_graphs.graphs() > layer_graphs_logged) {  // a step captured new per-layer graphs
+        log_info("> CUDA graph (per layer, scopes {}): {} graphs ({} nodes) over {} activation slots (the static "
+                 "buffer sets; the pipeline schedule's in-flight bound); graph memory {:.1f} MiB (device memory "
+                 "in use before and after the capturing step)",
+                 cg.scope.empty() ? std::string("attn mlp moe") : fmt::format("{}", fmt::join(cg.scope, " ")),
+                 layer_graphs.graphs(), layer_graphs.nodes(), train_plan.activation_slots,
+                 (static_cast<double>(device_memory_in_use(device)) - static_cast<double>(before)) / 1048576.0);
+        layer_graphs_logged = layer_graphs.graphs();
+      }
     } else {
       fill(step_loss, 0.f, stream);
       auto body = [&] {

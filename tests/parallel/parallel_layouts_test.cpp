@@ -116,6 +116,7 @@ struct Layout {
   bool grouped = false;      // --moe-grouped-gemm (the reference runs the per-expert loop)
   int echo = 0;              // --moe-enable-echo with this many spare slots per EP rank (alltoall)
   int64_t received = 0;      // --moe-received-token-capacity (static alltoall blocks; large: no overflow)
+  bool slot_keys = false;    // per-layer CUDA graph mode: dropout keyed by the slot's device micro-batch key
   std::string name() const {
     std::string s = fmt::format("{}{}tp{}_pp{}_dp{}_vpp{}_m{}",
                                 arch == Arch::kGpt     ? ""
@@ -140,6 +141,7 @@ struct Layout {
     if (grouped) s += "_gg";
     if (echo > 0) s += fmt::format("_echo{}", echo);
     if (received > 0) s += fmt::format("_recv{}", received);
+    if (slot_keys) s += "_slotkeys";
     return s;
   }
 };
@@ -220,6 +222,7 @@ Result run_layout(const Layout& L, const std::vector<int32_t>& tokens, const std
     pl.expert_data_parallel_size = pc.edp;
     GPTModel model(c, mb, DType::kF32, Device::cpu(), g, L.sp, pl, model_layout(ranges, {&plan}));
     PipelineExecutor executor(model, g.pp, {&plan});
+    if (L.slot_keys) executor.use_slot_keys();
     GradSync sync(model.params(), g.dp, DdpConfig{L.overlap, L.overlap && L.zero, L.zero}, g.edp);
     OptimizerConfig oc;
     oc.weight_decay = 0.1f;
@@ -599,6 +602,17 @@ std::vector<Layout> layouts() {
     v.back().grouped = true;
     v.back().received = 4096;
     v.back().echo = echo;
+  }
+  // The micro-batch key of the dropout read from the activation slot's device key (the per-layer
+  // CUDA graph mode; slots reused by later micro-batches): the same masks as the host key, under
+  // PP with VPP (slot reuse across chunks), TP + SP, flash attention's dropout, MoE.
+  for (const auto& [arch, flash, tp, pp, dp, vpp, sp] :
+       {std::tuple{Arch::kGpt, false, 1, 2, 1, 2, false}, std::tuple{Arch::kGpt, true, 2, 2, 1, 0, true},
+        std::tuple{Arch::kLlama, false, 2, 1, 2, 0, true}, std::tuple{Arch::kMoe, false, 1, 2, 2, 0, false}}) {
+    add(arch, tp, pp, dp, vpp, sp, false, false);
+    v.back().flash = flash;
+    v.back().micro_total = 4 * pp * dp;
+    v.back().slot_keys = true;
   }
   return v;
 }

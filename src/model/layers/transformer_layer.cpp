@@ -1,5 +1,8 @@
 #include "model/layers/transformer_layer.h"
 
+#include <functional>
+
+#include "model/layer_graphs.h"
 #include "ops/elementwise.h"
 
 namespace mt {
@@ -45,18 +48,40 @@ int64_t shard_offset(const TensorParallelRegion& tp, int64_t sl, int64_t b, int6
 }
 }  // namespace
 
+namespace {
+using Region = LayerGraphs::Region;
+// Runs a region of the layer eagerly or through its per-layer CUDA graph (model/layer_graphs.h).
+void region(const StepContext& ctx, int64_t layer, Region r, bool backward, const LayerGraphs::Inputs& in,
+            const std::function<void()>& body) {
+  if (ctx.graphs == nullptr) {
+    body();
+    return;
+  }
+  ctx.graphs->run(layer, r, backward, ctx.dropout.training, ctx.slot, in, ctx.stream, body);
+}
+bool captured(const StepContext& ctx, Region r) {
+  return ctx.graphs != nullptr && ctx.graphs->capturing() && ctx.graphs->scoped(r);
+}
+}  // namespace
+
 Tensor TransformerLayer::forward(const Tensor& x, const StepContext& ctx) {
   const Saved& s = saved_.at(static_cast<size_t>(ctx.slot));
   const float pd = ctx.dropout.training ? config_.hidden_dropout : 0.f;
   const int64_t off = shard_offset(tp_, seq_local_, batch_, config_.hidden_size);
-  input_layernorm_->forward(rows(self_attention_->input(ctx.slot)), rows(x), ctx);
-  const Tensor attn = self_attention_->forward(ctx);
-  bias_dropout_add_forward(rows(s.resid1), rows(attn), value_or_empty(self_attention_->output_bias()), rows(x), pd,
-                           dropout_key(ctx.dropout, layer_, kSiteAttentionOut), off, ctx.stream);
-  pre_mlp_layernorm_->forward(rows(mlp_->input(ctx.slot)), rows(s.resid1), ctx);
-  const Tensor mlp = mlp_->forward(ctx);
-  bias_dropout_add_forward(rows(s.out), rows(mlp), value_or_empty(mlp_->output_bias()), rows(s.resid1), pd,
-                           dropout_key(ctx.dropout, layer_, kSiteMlpOut), off, ctx.stream);
+  const LayerGraphs::Inputs attn_in{x.data(), ctx.batch.position_ids.data(), ctx.batch.doc_start.data(), nullptr,
+                                    nullptr};
+  region(ctx, layer_, Region::kAttention, false, attn_in, [&] {
+    input_layernorm_->forward(rows(self_attention_->input(ctx.slot)), rows(x), ctx);
+    const Tensor attn = self_attention_->forward(ctx);
+    bias_dropout_add_forward(rows(s.resid1), rows(attn), value_or_empty(self_attention_->output_bias()), rows(x), pd,
+                             dropout_key(ctx.dropout, layer_, kSiteAttentionOut), off, ctx.stream);
+  });
+  region(ctx, layer_, mlp_region(), false, {}, [&] {
+    pre_mlp_layernorm_->forward(rows(mlp_->input(ctx.slot)), rows(s.resid1), ctx);
+    const Tensor mlp = mlp_->forward(ctx);
+    bias_dropout_add_forward(rows(s.out), rows(mlp), value_or_empty(mlp_->output_bias()), rows(s.resid1), pd,
+                             dropout_key(ctx.dropout, layer_, kSiteMlpOut), off, ctx.stream);
+  });
   return s.out;
 }
 
@@ -66,16 +91,26 @@ void TransformerLayer::backward(const Tensor& x, const Tensor& d_resid, const St
   const Saved& s = saved_.at(static_cast<size_t>(ctx.slot));
   const float pd = ctx.dropout.training ? config_.hidden_dropout : 0.f;
   const int64_t off = shard_offset(tp_, seq_local_, batch_, config_.hidden_size);
+  // A captured region computes its weight gradients inline (a deferral is host bookkeeping,
+  // which a replay would not repeat).
   // --- MLP block: out = resid1 + dropout(mlp(ln2(resid1)) + b_fc2) ---
-  bias_dropout_add_backward(rows(branch_grad_), grad_or_empty(mlp_->output_bias()), rows(d_resid), pd,
-                            dropout_key(ctx.dropout, layer_, kSiteMlpOut), off, ctx.stream);
-  Tensor d_ln = mlp_->backward(branch_grad_, ctx, defer);
-  pre_mlp_layernorm_->backward(rows(d_resid), rows(d_ln), rows(s.resid1), /*accumulate_dx=*/true, ctx);
+  const LayerGraphs::Inputs mlp_in{d_resid.data(), ctx.loss_scale.data(), nullptr, nullptr, nullptr};
+  region(ctx, layer_, mlp_region(), true, mlp_in, [&] {
+    bias_dropout_add_backward(rows(branch_grad_), grad_or_empty(mlp_->output_bias()), rows(d_resid), pd,
+                              dropout_key(ctx.dropout, layer_, kSiteMlpOut), off, ctx.stream);
+    const Tensor d_ln = mlp_->backward(branch_grad_, ctx, captured(ctx, mlp_region()) ? nullptr : defer);
+    pre_mlp_layernorm_->backward(rows(d_resid), rows(d_ln), rows(s.resid1), /*accumulate_dx=*/true, ctx);
+  });
   // --- attention block: resid1 = x + dropout(attention(ln1(x)) + b_proj) ---
-  bias_dropout_add_backward(rows(branch_grad_), grad_or_empty(self_attention_->output_bias()), rows(d_resid), pd,
-                            dropout_key(ctx.dropout, layer_, kSiteAttentionOut), off, ctx.stream);
-  d_ln = self_attention_->backward(branch_grad_, ctx, defer);
-  input_layernorm_->backward(rows(d_resid), rows(d_ln), rows(x), /*accumulate_dx=*/true, ctx);
+  const LayerGraphs::Inputs attn_in{x.data(), d_resid.data(), ctx.batch.position_ids.data(),
+                                    ctx.batch.doc_start.data(), ctx.loss_scale.data()};
+  region(ctx, layer_, Region::kAttention, true, attn_in, [&] {
+    bias_dropout_add_backward(rows(branch_grad_), grad_or_empty(self_attention_->output_bias()), rows(d_resid), pd,
+                              dropout_key(ctx.dropout, layer_, kSiteAttentionOut), off, ctx.stream);
+    const Tensor d_ln =
+        self_attention_->backward(branch_grad_, ctx, captured(ctx, Region::kAttention) ? nullptr : defer);
+    input_layernorm_->backward(rows(d_resid), rows(d_ln), rows(x), /*accumulate_dx=*/true, ctx);
+  });
 }
 
 }  // namespace mt

@@ -8,6 +8,7 @@
 #include <memory>
 #include <vector>
 
+#include "model/layer_graphs.h"
 #include "model/layers/attention.h"
 #include "model/layers/mlp.h"
 #include "model/layers/moe.h"
@@ -39,6 +40,8 @@ class TransformerLayer {
   void backward(const Tensor& x, const Tensor& d_resid, const StepContext& ctx, WgradDeferral* defer = nullptr);
   /// The MoE block of this layer, or nullptr for a dense MLP.
   MoELayer* moe() const { return dynamic_cast<MoELayer*>(mlp_.get()); }
+  /// The per-layer CUDA graph region of the MLP slot (moe for an MoE block, else mlp).
+  LayerGraphs::Region mlp_region() const { return moe() ? LayerGraphs::Region::kMoe : LayerGraphs::Region::kMlp; }
 
  private:
   struct Saved {

@@ -31,9 +31,10 @@ void dropout_core(float* out, const float* x, const float* bias, int64_t h, cons
   const int64_t g_first = offset >> 2;
   const int64_t g_last = (offset + n - 1) >> 2;
   const uint64_t iteration = key.current_iteration();
+  const uint32_t microbatch = key.current_microbatch();
 #pragma omp parallel for schedule(static)
   for (int64_t grp = g_first; grp <= g_last; ++grp) {
-    const Philox4 r = dropout_bits4(key.seed, key.stream_id, iteration, key.microbatch, static_cast<uint64_t>(grp));
+    const Philox4 r = dropout_bits4(key.seed, key.stream_id, iteration, microbatch, static_cast<uint64_t>(grp));
     for (int j = 0; j < 4; ++j) {
       const int64_t l = grp * 4 + j - offset;
       if (l < 0 || l >= n) continue;

@@ -46,6 +46,7 @@ struct DropoutParams {
   uint64_t iteration;
   const uint64_t* iteration_ptr;  ///< DropoutKey::iteration_ptr: read by the kernel when set
   uint32_t microbatch;
+  const uint32_t* microbatch_ptr;  ///< DropoutKey::microbatch_ptr: read by the kernel when set
   uint32_t stream_id;
   uint32_t threshold;
   float scale;
@@ -58,6 +59,7 @@ DropoutParams make_params(float p, const DropoutKey& key, int64_t global_offset)
   d.iteration = key.iteration;
   d.iteration_ptr = key.iteration_ptr;
   d.microbatch = key.microbatch;
+  d.microbatch_ptr = key.microbatch_ptr;
   d.stream_id = key.stream_id;
   d.threshold = dropout_threshold(p);
   d.scale = 1.0f / (1.0f - p);
@@ -74,12 +76,13 @@ __global__ void dropout_kernel(T* out, const T* x, const T* bias, int64_t h, con
   const int64_t g_first = prm.offset >> 2;
   const int64_t ngroups = ((prm.offset + n - 1) >> 2) - g_first + 1;
   const uint64_t iteration = kDrop ? dropout_iteration(prm.iteration_ptr, prm.iteration) : 0;
+  const uint32_t microbatch = kDrop ? dropout_microbatch(prm.microbatch_ptr, prm.microbatch) : 0;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < ngroups; k += stride) {
     const int64_t grp = g_first + k;
     Philox4 r{{0u, 0u, 0u, 0u}};
     if constexpr (kDrop) {
-      r = dropout_bits4(prm.seed, prm.stream_id, iteration, prm.microbatch, static_cast<uint64_t>(grp));
+      r = dropout_bits4(prm.seed, prm.stream_id, iteration, microbatch, static_cast<uint64_t>(grp));
     }
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -104,6 +107,7 @@ __global__ void dropout_backward_dbias_kernel(T* dx, float* dbias, const T* dout
   __shared__ float part[8][33];
   const int64_t c = static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x;
   const uint64_t iteration = kDrop ? dropout_iteration(prm.iteration_ptr, prm.iteration) : 0;
+  const uint32_t microbatch = kDrop ? dropout_microbatch(prm.microbatch_ptr, prm.microbatch) : 0;
   float acc = 0.f;
   if (c < h) {
     for (int64_t r = static_cast<int64_t>(blockIdx.y) * 8 + threadIdx.y; r < rows; r += 8ll * gridDim.y) {
@@ -111,7 +115,7 @@ __global__ void dropout_backward_dbias_kernel(T* dx, float* dbias, const T* dout
       float v = to_f32(dout[l]);
       if constexpr (kDrop) {
         const uint64_t g = static_cast<uint64_t>(prm.offset + l);
-        const Philox4 bits = dropout_bits4(prm.seed, prm.stream_id, iteration, prm.microbatch, g >> 2);
+        const Philox4 bits = dropout_bits4(prm.seed, prm.stream_id, iteration, microbatch, g >> 2);
         v = bits.v[g & 3] >= prm.threshold ? v * prm.scale : 0.f;
       }
       const T t = from_f32<T>(v);

@@ -1,0 +1,40 @@
+#include "model/layer_graphs.h"
+
+#include <tuple>
+
+#include "core/check.h"
+
+namespace mt {
+
+bool LayerGraphs::Key::operator<(const Key& o) const {
+  return std::tie(layer, region, backward, training, slot, inputs) <
+         std::tie(o.layer, o.region, o.backward, o.training, o.slot, o.inputs);
+}
+
+void LayerGraphs::run(int64_t layer, Region region, bool backward, bool training, int slot, const Inputs& inputs,
+                      const Stream& stream, const std::function<void()>& body) {
+  if (!capturing_ || !scoped(region) || !stream.device().is_cuda()) {
+    body();
+    return;
+  }
+  const Key key{layer, static_cast<int>(region), backward ? 1 : 0, training ? 1 : 0, slot, inputs};
+  auto it = graphs_.find(key);
+  if (it == graphs_.end()) {
+    auto g = std::make_unique<CudaGraph>();
+    const uint64_t allocs = buffer_allocation_count(), syncs = host_sync_count();
+    g->capture(stream, body);
+    MT_CHECK(buffer_allocation_count() == allocs && host_sync_count() == syncs,
+             "the captured region of layer {} allocated ({}) or synchronised ({})", layer,
+             buffer_allocation_count() - allocs, host_sync_count() - syncs);
+    it = graphs_.emplace(key, std::move(g)).first;
+  }
+  it->second->launch(stream);
+}
+
+size_t LayerGraphs::nodes() const {
+  size_t n = 0;
+  for (const auto& [k, g] : graphs_) n += g->num_nodes();
+  return n;
+}
+
+}  // namespace mt
