@@ -50,9 +50,24 @@ struct Alignments {
   uint32_t a, b, c, bias, aux;
 };
 
+/// The plan cache's bucket of a varying size: exact up to 128, above it rounded up to a quarter of
+/// its octave (129..160 -> 160, ..., 8193..10240 -> 10240). The MoE experts' GEMMs have a new row
+/// count (m, or the reduction size k of the weight gradient) almost every call; one plan, its
+/// algorithm chosen for the first size seen, serves every size of its bucket (the layouts are
+/// resized per call), so the heuristic is not queried on every call and the cache stays bounded.
+int64_t size_bucket(int64_t x) {
+  if (x <= 128) return x;
+  int64_t p = 1;
+  while (p * 2 <= x) p *= 2;
+  const int64_t step = p / 4;
+  return (x + step - 1) / step * step;
+}
+
 GemmKey make_key(const GemmDesc& g, cublasLtHandle_t lt, int device, const Alignments& al) {
   GemmKey k;
-  k.v = {reinterpret_cast<int64_t>(lt), device, g.m, g.n, g.k, g.batch, g.trans_a, g.trans_b,
+  const bool bucketed = g.batch == 1;  // batched problems keep exact sizes (strides follow them)
+  k.v = {reinterpret_cast<int64_t>(lt), device, bucketed ? size_bucket(g.m) : g.m, g.n,
+         bucketed ? size_bucket(g.k) : g.k, g.batch, g.trans_a, g.trans_b,
          static_cast<int64_t>(g.ab_type), static_cast<int64_t>(g.c_type), g.lda, g.ldb, g.ldc,
          g.batch > 1 ? g.stride_a : 0, g.batch > 1 ? g.stride_b : 0, g.batch > 1 ? g.stride_c : 0,
          static_cast<int64_t>(g.epilogue), g.bias != nullptr, g.aux != nullptr, g.ld_aux, al.a, al.b, al.c, al.bias,
@@ -67,6 +82,7 @@ struct GemmPlan {
   cublasLtMatmulAlgo_t algo{};
   bool found = false;
   cublasStatus_t heuristic_status = CUBLAS_STATUS_SUCCESS;
+  int64_t m = 0, k = 0;  // the sizes the layouts hold now (the plan serves a bucket of them)
 
   GemmPlan() = default;
   GemmPlan(const GemmPlan&) = delete;
@@ -133,6 +149,8 @@ std::unique_ptr<GemmPlan> make_plan(const GemmDesc& g, cublasLtHandle_t lt, cons
   plan->la = make_layout(g.ab_type, g.trans_b ? g.k : g.n, g.trans_b ? g.n : g.k, g.ldb, g.batch, g.stride_b);
   plan->lb = make_layout(g.ab_type, g.trans_a ? g.m : g.k, g.trans_a ? g.k : g.m, g.lda, g.batch, g.stride_a);
   plan->lc = make_layout(g.c_type, g.n, g.m, g.ldc, g.batch, g.stride_c);
+  plan->m = g.m;
+  plan->k = g.k;
 
   PreferenceGuard pref;
   MT_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref.p));
@@ -177,6 +195,22 @@ std::unique_ptr<GemmPlan> make_plan(const GemmDesc& g, cublasLtHandle_t lt, cons
     query();
   }
   return plan;
+}
+
+void set_dims(cublasLtMatrixLayout_t l, int64_t rows, int64_t cols) {
+  const uint64_t r = static_cast<uint64_t>(rows), c = static_cast<uint64_t>(cols);
+  MT_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_ROWS, &r, sizeof(r)));
+  MT_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_COLS, &c, sizeof(c)));
+}
+
+/// Resizes a bucket's plan to this call's m and k (the same layouts as make_plan would build).
+void resize(GemmPlan& plan, const GemmDesc& g) {
+  if (plan.m == g.m && plan.k == g.k) return;
+  set_dims(plan.la, g.trans_b ? g.k : g.n, g.trans_b ? g.n : g.k);
+  set_dims(plan.lb, g.trans_a ? g.m : g.k, g.trans_a ? g.k : g.m);
+  set_dims(plan.lc, g.n, g.m);
+  plan.m = g.m;
+  plan.k = g.k;
 }
 
 std::string describe(const GemmDesc& g) {
@@ -224,14 +258,35 @@ bool run_gemm(const GemmDesc& g, const Stream& stream, int* status) {
   auto& c = cache();
   auto it = c.find(key);
   if (it == c.end()) it = c.emplace(key, make_plan(g, res->lt, al)).first;
-  const GemmPlan& plan = *it->second;
-  *status = static_cast<int>(plan.heuristic_status);
-  if (!plan.found) return false;
-  set_pointers(plan, g);
+  GemmPlan* plan = it->second.get();
+  const bool planned_here = plan->m == g.m && plan->k == g.k;
+  resize(*plan, g);
+  *status = static_cast<int>(plan->heuristic_status);
+  if (!plan->found) {
+    if (planned_here) return false;
+    it->second = make_plan(g, res->lt, al);  // the bucket's first size had no algorithm: this one?
+    plan = it->second.get();
+    *status = static_cast<int>(plan->heuristic_status);
+    if (!plan->found) return false;
+  }
+  set_pointers(*plan, g);
   // The lock also covers the enqueue, since the cached descriptor carries this call's pointers.
-  MT_CUBLAS_CHECK(cublasLtMatmul(res->lt, plan.op, &g.alpha, g.b, plan.la, g.a, plan.lb, &g.beta, g.c, plan.lc, g.c,
-                                 plan.lc, &plan.algo, res->workspace, CudaStreamResources::kWorkspaceBytes,
-                                 res->stream));
+  auto enqueue = [&] {
+    return cublasLtMatmul(res->lt, plan->op, &g.alpha, g.b, plan->la, g.a, plan->lb, &g.beta, g.c, plan->lc, g.c,
+                          plan->lc, &plan->algo, res->workspace, CudaStreamResources::kWorkspaceBytes, res->stream);
+  };
+  cublasStatus_t st = enqueue();
+  if (st != CUBLAS_STATUS_SUCCESS && !planned_here) {
+    // The algorithm chosen for another size of the bucket does not take this one: plan it anew
+    // (the bucket keeps the new plan).
+    it->second = make_plan(g, res->lt, al);
+    plan = it->second.get();
+    *status = static_cast<int>(plan->heuristic_status);
+    if (!plan->found) return false;
+    set_pointers(*plan, g);
+    st = enqueue();
+  }
+  MT_CUBLAS_CHECK(st);
   return true;
 }
 

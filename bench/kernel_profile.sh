@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Per-kernel GPU time of one training step (Nsight Compute, gpu__time_duration.sum; kernels
+# serialised by the profiler): runs `build/megatron pretrain ARGS --train-iters 3` under ncu and
+# prints the last third of the kernels (about the last iteration) summed by kernel name, with the
+# total and the GEMM share. usage: bench/kernel_profile.sh ARGS...   (logs under $OUT)
+set -uo pipefail
+OUT=${OUT:-out}; mkdir -p "$OUT"
+NCU=$(ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1); [ -n "$NCU" ] || NCU=$(command -v ncu)
+timeout 400 "$NCU" --clock-control none --metrics gpu__time_duration.sum --csv --log-file "$OUT/ncu.csv" \
+  build/megatron pretrain "$@" --train-iters 3 > "$OUT/ncu_run.log" 2>&1 || { tail -3 "$OUT/ncu_run.log"; exit 1; }
+python3 - "$OUT/ncu.csv" <<'PY'
+import csv, sys, collections
+rows = list(csv.reader(open(sys.argv[1])))
+head, data = None, []
+for r in rows:
+    if 'Kernel Name' in r:
+        head = r
+        continue
+    if head and len(r) == len(head):
+        data.append(dict(zip(head, r)))
+scale = {'ns': 1e-6, 'nsecond': 1e-6, 'us': 1e-3, 'usecond': 1e-3, 'ms': 1.0, 'msecond': 1.0}
+agg = collections.defaultdict(lambda: [0, 0.0])
+for d in data[2 * len(data) // 3:]:
+    v = float(d['Metric Value'].replace(',', '')) * scale.get(d.get('Metric Unit', 'ns'), 1e-6)
+    agg[d['Kernel Name'][:80]][0] += 1
+    agg[d['Kernel Name'][:80]][1] += v
+total = sum(t for _, t in agg.values())
+gemm = sum(t for k, (_, t) in agg.items() if 'nvjet' in k or 'gemm' in k.lower() or 'tc_kernel' in k)
+print(f"kernels {len(data)}; last third: {total:.2f} ms, GEMMs {gemm:.2f} ms")
+for k, (c, t) in sorted(agg.items(), key=lambda x: -x[1][1])[:14]:
+    print(f"{t:8.2f} ms {c:5d}  {k}")
+PY
