@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/logging.h"
+#include "data/detokenizer.h"
 #include "data/gpt_window_dataset.h"
 #include "data/indexed_dataset.h"
 #include "ops/elementwise.h"
@@ -279,9 +280,17 @@ int run_evaluate(const EvaluateArgs& a) {
                                                                    a.tokenizer_type, a.tokenizer_model,
                                                                    im.state.model.vocab_size);
   if (a.task == "WIKITEXT103") {
-    std::string text;
-    for (const auto& f : a.valid_data) text += read_text(f);
-    const std::vector<int32_t> ids = tok->encode(text);
+    // Megatron: the word count of the original text, the tokens of the detokenized one (the
+    // detokenizer chosen by the file's path, data/detokenizer.h).
+    std::string text, detokenized;
+    for (const auto& f : a.valid_data) {
+      std::string t = read_text(f);
+      const char* d = data::detokenizer_for(f);
+      if (*d != '\0') out(fmt::format(" {}: the {} detokenizer (chosen by the path, as Megatron)", f, d));
+      detokenized += data::detokenize_for(f, t);
+      text += t;
+    }
+    const std::vector<int32_t> ids = tok->encode(detokenized);
     const int64_t words = original_word_count(text), T = static_cast<int64_t>(ids.size());
     const LmScore s = sliding_window_loss(m, ids, a.overlapping_eval, st);
     const double loss = s.total_loss / static_cast<double>(T - 1);

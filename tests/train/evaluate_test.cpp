@@ -7,10 +7,15 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <unistd.h>
+#include <fstream>
+#include <filesystem>
 #include <mutex>
 
 #include "comm/thread_comm.h"
 #include "data/data_test_util.h"
+#include "data/detokenizer.h"
+#include "data/gpt2_tokenizer.h"
 #include "parallel/parallel_config.h"
 #include "parallel/process_groups.h"
 #include "testing/testing.h"
@@ -242,6 +247,40 @@ TEST(Wikitext, MegatronWordCount) {
   EXPECT_EQ(original_word_count(" a b  c\n"), 4);  // Python: "a b  c".split(" ") has 4 parts
   EXPECT_EQ(original_word_count("one"), 1);
   EXPECT_EQ(original_word_count(""), 1);
+}
+
+// The binary on a WikiText-style file (a path containing "wiki", as Megatron picks its
+// detokenizer): the text is detokenized before tokenizing (the token count is that of the
+// detokenized text), the word count is the original's, and a file whose path names no
+// detokenizer is scored as it is.
+TEST(Wikitext, TheBinaryDetokenizesByThePath) {
+  const std::string data = data::testing::demo_data_dir();
+  if (!std::filesystem::exists(data + "/gpt2/encoder.json")) GTEST_SKIP() << "demo data missing";
+  const std::filesystem::path dir =
+      std::filesystem::temp_directory_path() / ("mt_detok_" + std::to_string(getpid()));  // no "wiki" in it
+  std::filesystem::create_directories(dir);
+  const std::string tok = "--vocab-file " + data + "/gpt2/encoder.json --merge-file " + data + "/gpt2/vocab.bpe";
+  const testing::RunResult train = testing::run_megatron(
+      "pretrain --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
+      "--micro-batch-size 1 --global-batch-size 1 --train-iters 1 --lr 1e-3 --device cpu --no-progress --eval-iters 0 "
+      "--mock-data " + tok + " --save " + (dir / "ck").string());
+  ASSERT_EQ(train.rc, 0) << train.out;
+  const std::string text = " = = Gameplay = = \n The game 's 1 @,@ 000 units sold in 2 @.@ 5 days ; it was well "
+                           "@-@ received . \n He said \" hello \" ( in brackets ) , really . \n";
+  for (const std::string name : {"wiki.test.tokens", "plain.txt"}) {
+    std::ofstream(dir / name) << text;
+    const testing::RunResult r = testing::run_megatron("evaluate --load " + (dir / "ck").string() +
+                                                       " --task WIKITEXT103 --valid-data " + (dir / name).string() +
+                                                       " --overlapping-eval 16 --device cpu " + tok);
+    ASSERT_EQ(r.rc, 0) << r.out;
+    const bool wiki = name.rfind("wiki", 0) == 0;
+    EXPECT_EQ(r.out.find("the wikitext detokenizer") != std::string::npos, wiki) << r.out;
+    const auto t = data::Gpt2Tokenizer::from_files(data + "/gpt2/encoder.json", data + "/gpt2/vocab.bpe");
+    const size_t n = t.encode(wiki ? data::wikitext_detokenize(text) : text).size();
+    EXPECT_NE(r.out.find(fmt::format("tokens: {} | words: {} |", n, original_word_count(text))), std::string::npos)
+        << name << ": expected " << n << " tokens\n" << r.out;
+  }
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace
