@@ -97,6 +97,8 @@ int main(int argc, char** argv) {
       return mt::launch_local(evaluate_args.nproc_per_node, argc, argv, mt::resolve_device(evaluate_args.device));
     if (evaluate->parsed()) rc = mt::run_evaluate(evaluate_args);
 #ifdef MT_WITH_HTTPLIB
+    if (serve->parsed() && serve_args.nproc_per_node > 1 && mt::read_launch_env().launcher == mt::LaunchEnv::kNone)
+      return mt::launch_local(serve_args.nproc_per_node, argc, argv, mt::resolve_device(serve_args.device));
     if (serve->parsed()) rc = mt::run_serve(serve_args);
 #endif
     if (pretrain->parsed()) rc = mt::run_pretrain(pretrain_args);

@@ -4,8 +4,13 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
 #include <fstream>
+#include <future>
 #include <mutex>
+#include <thread>
 
 #include "core/logging.h"
 #include "train/generate.h"
@@ -41,11 +46,158 @@ std::vector<std::string> prompt_list(const nlohmann::json& v, const char* key) {
   return out;
 }
 
+// ---------------------------------------------------------------------------------------------
+// Generations run on the main thread of every rank (Megatron's text generation server: rank 0
+// serves HTTP and broadcasts each generation to the other ranks, which wait for it). The HTTP
+// threads of rank 0 queue jobs; the main thread takes them one at a time, broadcasts a fixed
+// header and the prompts to the other tensor / pipeline parallel ranks, and all ranks generate
+// together. While idle, rank 0 broadcasts a no-op header every `keepalive` seconds so the others'
+// waiting collective stays within the distributed timeout.
+// ---------------------------------------------------------------------------------------------
+
+enum JobKind : int64_t { kNoop = 0, kGenerate = 1, kStop = 2 };
+
+// Header: kind, prompts, total prompt tokens, max_new_tokens, greedy, top_k, seed, eod,
+// temperature and top_p (fp32 bit patterns).
+constexpr int64_t kHeader = 10;
+
+class JobChannel {
+ public:
+  JobChannel(Communicator& world, Device device, const Stream& stream)
+      : world_(world), device_(device), stream_(stream), header_(device, kHeader * sizeof(int64_t)) {}
+
+  /// HTTP thread: queue a generation and wait for its result (rethrows its error).
+  GenerationResult submit(std::vector<std::vector<int32_t>> prompts, const GenerationOptions& o) {
+    Job job{std::move(prompts), o, {}};
+    std::future<GenerationResult> done = job.done.get_future();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      MT_REQUIRE(!stopped_, "the server is stopping");
+      queue_.push_back(&job);
+    }
+    cv_.notify_one();
+    return done.get();
+  }
+  void stop() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stopped_ = true;
+    }
+    cv_.notify_one();
+  }
+
+  /// Rank 0's main thread: run the queued jobs until stop().
+  void lead(TextGenerator& gen, double keepalive_s) {
+    for (;;) {
+      Job* job = nullptr;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait_for(lock, std::chrono::duration<double>(keepalive_s), [&] { return stopped_ || !queue_.empty(); });
+        if (stopped_ && queue_.empty()) {
+          send({kStop}, {});
+          return;
+        }
+        if (!queue_.empty()) {
+          job = queue_.front();
+          queue_.pop_front();
+        }
+      }
+      if (job == nullptr) {  // idle: keep the other ranks' wait alive
+        send({kNoop}, {});
+        continue;
+      }
+      try {
+        const GenerationOptions& o = job->options;
+        std::vector<int32_t> flat;
+        for (const auto& p : job->prompts) {
+          flat.push_back(static_cast<int32_t>(p.size()));
+          flat.insert(flat.end(), p.begin(), p.end());
+        }
+        int64_t t = 0, q = 0;
+        std::memcpy(&t, &o.sampling.temperature, sizeof(float));
+        std::memcpy(&q, &o.sampling.top_p, sizeof(float));
+        send({kGenerate, static_cast<int64_t>(job->prompts.size()), static_cast<int64_t>(flat.size()), o.max_new_tokens,
+              o.sampling.greedy ? 1 : 0, o.sampling.top_k, static_cast<int64_t>(o.sampling.seed), o.eod, t, q},
+             flat);
+        job->done.set_value(gen.generate(job->prompts, o));
+      } catch (...) {
+        job->done.set_exception(std::current_exception());
+      }
+    }
+  }
+
+  /// The other ranks: generate what rank 0 broadcasts, until it stops.
+  void follow(TextGenerator& gen) {
+    for (;;) {
+      std::vector<int64_t> h(kHeader);
+      broadcast_host(h.data(), h.size() * sizeof(int64_t), header_);
+      if (h[0] == kStop) return;
+      if (h[0] != kGenerate) continue;
+      std::vector<int32_t> flat(static_cast<size_t>(h[2]));
+      Buffer payload(device_, std::max<size_t>(flat.size(), 1) * sizeof(int32_t));
+      broadcast_host(flat.data(), flat.size() * sizeof(int32_t), payload);
+      std::vector<std::vector<int32_t>> prompts;
+      for (size_t i = 0; i < flat.size();) {
+        const auto n = static_cast<size_t>(flat[i++]);
+        prompts.emplace_back(flat.begin() + static_cast<std::ptrdiff_t>(i),
+                             flat.begin() + static_cast<std::ptrdiff_t>(i + n));
+        i += n;
+      }
+      GenerationOptions o;
+      o.max_new_tokens = h[3];
+      o.sampling.greedy = h[4] != 0;
+      o.sampling.top_k = h[5];
+      o.sampling.seed = static_cast<uint64_t>(h[6]);
+      o.eod = static_cast<int32_t>(h[7]);
+      std::memcpy(&o.sampling.temperature, &h[8], sizeof(float));
+      std::memcpy(&o.sampling.top_p, &h[9], sizeof(float));
+      try {
+        gen.generate(prompts, o);  // rank 0 reports an error in it to its client
+      } catch (const Error&) {
+      }
+    }
+  }
+
+ private:
+  struct Job {
+    std::vector<std::vector<int32_t>> prompts;
+    GenerationOptions options;
+    std::promise<GenerationResult> done;
+  };
+  // Broadcast of host bytes from rank 0 through `buf` (the communicator's device memory).
+  void broadcast_host(void* host, size_t bytes, const Buffer& buf) {
+    if (bytes == 0) return;
+    const Tensor t(buf.data(), DType::kU8, device_, {static_cast<int64_t>(bytes)});
+    if (world_.rank() == 0) copy_bytes(buf.data(), device_, host, Device::cpu(), bytes, stream_);
+    world_.broadcast(t, 0, stream_);
+    if (world_.rank() != 0) copy_bytes(host, Device::cpu(), buf.data(), device_, bytes, stream_);
+    stream_.synchronize();
+  }
+  void send(std::vector<int64_t> header, const std::vector<int32_t>& payload) {
+    if (world_.size() == 1) return;
+    header.resize(kHeader, 0);
+    broadcast_host(header.data(), header.size() * sizeof(int64_t), header_);
+    if (!payload.empty()) {
+      Buffer buf(device_, payload.size() * sizeof(int32_t));
+      std::vector<int32_t> copy = payload;
+      broadcast_host(copy.data(), copy.size() * sizeof(int32_t), buf);
+    }
+  }
+
+  Communicator& world_;
+  Device device_;
+  const Stream& stream_;
+  Buffer header_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Job*> queue_;
+  bool stopped_ = false;
+};
+
 class Server {
  public:
-  Server(const ServeArgs& a, InferenceModel im, std::unique_ptr<data::Tokenizer> tok)
-      : args_(a), im_(std::move(im)), tok_(std::move(tok)),
-        gen_(*im_.model, a.micro_batch_size, im_.config.seq_length, *im_.stream) {
+  Server(const ServeArgs& a, data::Tokenizer& tok, JobChannel& jobs, int64_t max_batch, int64_t max_seq)
+      : args_(a), tok_(&tok), jobs_(jobs), max_batch_(max_batch), max_seq_(max_seq) {
     try {
       eod_ = tok_->eod();
     } catch (const Error&) {
@@ -72,10 +224,9 @@ class Server {
         throw BadRequest(fmt::format("the prompt cannot be tokenized: {}", e.what()));
       }
       if (t.empty()) t.push_back(eod_ >= 0 ? eod_ : 0);
-      if (static_cast<int64_t>(t.size()) >= gen_.max_sequence_length())
+      if (static_cast<int64_t>(t.size()) >= max_seq_)
         throw BadRequest(fmt::format("a prompt of {} tokens does not fit the context of {} tokens (at most {} prompt "
-                                     "tokens)", t.size(), gen_.max_sequence_length(),
-                                     gen_.max_sequence_length() - 1));
+                                     "tokens)", t.size(), max_seq_, max_seq_ - 1));
       ids.push_back(std::move(t));
     }
     GenerationOptions o;
@@ -83,15 +234,14 @@ class Server {
     o.sampling = s;
     o.eod = eod_;
     Output out;
-    std::lock_guard<std::mutex> lock(mu_);  // one generation at a time: requests queue here
-    const int64_t B = gen_.max_batch();
+    const int64_t B = max_batch_;  // the batches of one request run in order (jobs queue on the main thread)
     for (size_t first = 0; first < ids.size(); first += static_cast<size_t>(B)) {
       const std::vector<std::vector<int32_t>> part(ids.begin() + static_cast<std::ptrdiff_t>(first),
                                                    ids.begin() + static_cast<std::ptrdiff_t>(std::min(ids.size(), first + B)));
       o.sampling.seed = s.seed + first;
       GenerationResult r;
       try {
-        r = gen_.generate(part, o);
+        r = jobs_.submit(part, o);
       } catch (const Error& e) {
         throw BadRequest(e.what());
       }
@@ -172,11 +322,10 @@ class Server {
 
  private:
   const ServeArgs& args_;
-  InferenceModel im_;
-  std::unique_ptr<data::Tokenizer> tok_;
-  TextGenerator gen_;
+  data::Tokenizer* tok_;
+  JobChannel& jobs_;
+  int64_t max_batch_, max_seq_;
   int32_t eod_ = -1;
-  std::mutex mu_;
   std::atomic<uint64_t> request_id_{0};
 };
 
@@ -222,6 +371,11 @@ void add_serve_options(CLI::App& app, ServeArgs& a) {
   app.add_option("--device", a.device, "cpu, cuda, cuda:N or auto")->capture_default_str();
   app.add_flag("--bf16", a.bf16, "bf16 (CUDA)");
   app.add_flag("--fp16", a.fp16, "fp16 (CUDA)");
+  app.add_option("--tensor-model-parallel-size", a.tensor_model_parallel_size, "Tensor-parallel size")
+      ->capture_default_str();
+  app.add_option("--pipeline-model-parallel-size", a.pipeline_model_parallel_size, "Pipeline-parallel size")
+      ->capture_default_str();
+  app.add_option("--nproc-per-node", a.nproc_per_node, "Start N ranks on this machine")->capture_default_str();
 }
 
 int run_serve(const ServeArgs& a) {
@@ -233,11 +387,18 @@ int run_serve(const ServeArgs& a) {
   o.bf16 = a.bf16;
   o.fp16 = a.fp16;
   o.seq_length = a.seq_length;
+  o.tp = a.tensor_model_parallel_size;
+  o.pp = a.pipeline_model_parallel_size;
   InferenceModel im = load_inference_model(o);
-  MT_REQUIRE(im.world->size() == 1, "megatron serve runs on one rank; {} were started", im.world->size());
   std::unique_ptr<data::Tokenizer> tok = inference_tokenizer(a.load, a.vocab_file, a.merge_file, a.tokenizer_type,
                                                              a.tokenizer_model, im.state.model.vocab_size);
-  Server server(a, std::move(im), std::move(tok));
+  TextGenerator gen(*im.model, a.micro_batch_size, im.config.seq_length, *im.stream);
+  JobChannel jobs(*im.world, im.device, *im.stream);
+  if (im.world->rank() != 0) {  // the other ranks generate what rank 0 broadcasts
+    jobs.follow(gen);
+    return 0;
+  }
+  Server server(a, *tok, jobs, gen.max_batch(), gen.max_sequence_length());
   httplib::Server http;
   http.set_payload_max_length(a.max_request_bytes);
   http.Put("/api", [&](const httplib::Request& q, httplib::Response& r) {
@@ -267,8 +428,20 @@ int run_serve(const ServeArgs& a) {
     f.close();
     std::rename((a.port_file + ".tmp").c_str(), a.port_file.c_str());
   }
-  log_info("> serving {} on http://{}:{} (PUT /api, POST /v1/completions)", a.load, a.host, port);
-  MT_REQUIRE(http.listen_after_bind(), "the server on {}:{} stopped with an error", a.host, port);
+  log_info("> serving {} on http://{}:{} (PUT /api, POST /v1/completions){}", a.load, a.host, port,
+           im.world->size() > 1 ? fmt::format(" with {} ranks (tensor parallel {}, pipeline parallel {})",
+                                              im.world->size(), a.tensor_model_parallel_size,
+                                              a.pipeline_model_parallel_size)
+                                : std::string());
+  // HTTP on its own thread; generations on this one (they broadcast to the other ranks).
+  bool listen_ok = true;
+  std::thread listener([&] {
+    listen_ok = http.listen_after_bind();
+    jobs.stop();
+  });
+  jobs.lead(gen, 60.0);  // a no-op broadcast each idle minute (the distributed timeout is 10)
+  listener.join();
+  MT_REQUIRE(listen_ok, "the server on {}:{} stopped with an error", a.host, port);
   return 0;
 }
 

@@ -1,4 +1,4 @@
-// `megatron serve`: a text-generation server over HTTP (cpp-httplib), on one rank:
+// `megatron serve`: a text-generation server over HTTP (cpp-httplib):
 //   * PUT /api — Megatron-LM's text-generation server (megatron/inference/text_generation_server.py):
 //     {"prompts": [...], "tokens_to_generate": 64, "temperature": 1.0, "top_k": 0, "top_p": 0.0,
 //      "random_seed": ..., "stop_on_eod": ...} -> {"text": [prompt + continuation, ...],
@@ -8,7 +8,9 @@
 //     "text_completion", "created", "model", "choices": [{"text", "index", "logprobs": null,
 //     "finish_reason": "stop" | "length"}], "usage": {...}}.
 // Requests are queued (one generation at a time; a request's prompts form batches of
-// --micro-batch-size). A bad request gets HTTP 400 and {"error": message}; nothing a client sends
+// --micro-batch-size). Under tensor / pipeline parallelism (--nproc-per-node with
+// --tensor-model-parallel-size / --pipeline-model-parallel-size) rank 0 serves HTTP and broadcasts
+// each generation to the other ranks, which generate with it (Megatron's server does the same). A bad request gets HTTP 400 and {"error": message}; nothing a client sends
 // stops the server.
 #pragma once
 #include <functional>
@@ -31,6 +33,9 @@ struct ServeArgs {
   size_t max_request_bytes = 1 << 20;  ///< --max-request-bytes
   std::string device = "auto";
   bool bf16 = false, fp16 = false;
+  int tensor_model_parallel_size = 1;    ///< --tensor-model-parallel-size
+  int pipeline_model_parallel_size = 1;  ///< --pipeline-model-parallel-size
+  int nproc_per_node = 1;                ///< --nproc-per-node: start tp·pp ranks here
 };
 void add_serve_options(CLI::App& app, ServeArgs& args);
 int run_serve(const ServeArgs& args);

@@ -93,4 +93,44 @@ check400 PUT /api "{\"prompts\": [\"$big\"]}"
 out=$(req PUT /api "{\"prompts\": [\"$P1\"], \"tokens_to_generate\": 6, \"top_k\": 1}")
 [ "${out%% *}" = 200 ] || fail "after bad requests: $out"
 kill -0 $PID || fail "the server died"
+kill $PID; wait $PID 2>/dev/null || true
+
+# Tensor and pipeline parallel servers (2 CPU ranks under mpiexec): rank 0 serves HTTP and
+# broadcasts each generation; the answers equal the one-rank continuations, also for a request of
+# more prompts than --micro-batch-size (several broadcast jobs) and for concurrent clients.
+if command -v mpiexec > /dev/null; then
+  for layout in "--tensor-model-parallel-size 2" "--pipeline-model-parallel-size 2"; do
+    rm -f port
+    "$BIN" serve --load ckpt --tokenizer-type NullTokenizer --device cpu --port 0 --port-file port \
+      --micro-batch-size 2 --nproc-per-node 2 $layout > serve_mp.log 2>&1 &
+    PID=$!
+    for _ in $(seq 1 300); do [ -s port ] && break; kill -0 $PID || { cat serve_mp.log; exit 1; }; sleep 0.1; done
+    [ -s port ] || fail "$layout: the server did not start"
+    URL=http://127.0.0.1:$(cat port)
+    grep -q "with 2 ranks" serve_mp.log || fail "$layout: $(cat serve_mp.log)"
+    MP=("${PROMPTS[0]}" "${PROMPTS[2]}" "$P1")
+    out=$(req PUT /api "{\"prompts\": [\"${MP[0]}\", \"${MP[1]}\", \"${MP[2]}\"], \"tokens_to_generate\": 6, \"top_k\": 1}")
+    [ "${out%% *}" = 200 ] || fail "$layout: $out"
+    for k in 0 1 2; do
+      got=$(echo "${out#* }" | python_field "d['text'][$k]")
+      want=$(expected "${MP[$k]}")
+      [ "$got" = "$want" ] || fail "$layout: prompt $k '$got' != '$want'"
+    done
+    pids=()
+    for i in 1 3 5 7; do
+      ( curl -s -X PUT -H "Content-Type: application/json" \
+          --data "{\"prompts\": [\"${PROMPTS[$i]}\"], \"tokens_to_generate\": 6, \"top_k\": 1}" "$URL/api" > mp.$i ) &
+      pids+=($!)
+    done
+    wait "${pids[@]}"
+    for i in 1 3 5 7; do
+      got=$(python_field 'd["text"][0]' < mp.$i) || fail "$layout client $i: $(cat mp.$i)"
+      [ "$got" = "$(expected "${PROMPTS[$i]}")" ] || fail "$layout client $i: '$got'"
+    done
+    check400 PUT /api '{"prompts": []}'
+    kill $PID; wait $PID 2>/dev/null || true
+  done
+else
+  echo "serve_test: mpiexec not found: the tensor / pipeline parallel server was not tested"
+fi
 echo "serve_test: OK"
