@@ -80,6 +80,12 @@ void GPTModel::update_expert_bias(const Stream& stream) {
     if (MoELayer* m = l->moe()) m->update_expert_bias(dp, stream);
 }
 
+void GPTModel::reset_global_aux_loss_tracker(const Stream& stream) {
+  if (config_.moe_router_load_balancing_type != MoeLoadBalancing::kGlobalAuxLoss) return;
+  for (const auto& l : parts_->layers)
+    if (MoELayer* m = l->moe()) m->reset_global_tokens(stream);
+}
+
 std::vector<std::pair<std::string, Tensor>> GPTModel::persistent_state(const Stream& stream) const {
   std::vector<std::pair<std::string, Tensor>> out;
   for (const auto& l : parts_->layers)
@@ -203,6 +209,9 @@ GPTModel::GPTModel(const TransformerConfig& config, int64_t micro_batch, DType d
                             groups_.etp_ep, groups_.ep, groups_.etp};
   }
   parts_ = std::make_unique<Parts>(config_, tp_, expert, ranges, fast_flash, cp_.get());
+  // global_aux_loss sums the token counts over the data-parallel group (MoE refuses CP above)
+  for (const auto& l : parts_->layers)
+    if (MoELayer* m = l->moe()) m->set_data_parallel(groups_.dp_cp ? groups_.dp_cp.get() : groups_.dp.get());
   flash_ = get_gpt_layer_local_spec(config_, fast_flash).core_attention == CoreAttentionKind::kFlash;
   params_ = shared ? std::move(shared)
                    : std::make_shared<ParamStore>(parts_->registry.specs(), dtype, device, param_layout);

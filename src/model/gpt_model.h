@@ -94,6 +94,7 @@ class GPTModel final : public LanguageModel {
   MoeDispatchStats moe_dispatch_stats(const Stream& stream) const override;
   void set_layer_graphs(LayerGraphs* graphs) override { layer_graphs_ = graphs; }
   void update_expert_bias(const Stream& stream) override;
+  void reset_global_aux_loss_tracker(const Stream& stream) override;
   std::vector<std::pair<std::string, Tensor>> persistent_state(const Stream& stream) const override;
 
   bool sequence_parallel() const { return tp_.sequence_parallel(); }

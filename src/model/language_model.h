@@ -103,8 +103,10 @@ class LanguageModel {
   // --- mixture of experts ---
   /// The MoE statistics of this rank's MoE layers accumulated by the training forwards since
   /// reset_moe_stats(), copied from the device (synchronises `stream`): per global layer l the
-  /// 2 + num_moe_experts values at [l·(2 + E), (l + 1)·(2 + E)) — load-balancing loss, z-loss (each
-  /// weighted by its micro-batch's aux_loss_weight), then tokens routed per expert counted over the
+  /// 2 + num_moe_experts values at [l·(2 + E), (l + 1)·(2 + E)) — load-balancing loss (of the
+  /// configured type; global_aux_loss's weighted by aux_loss_weight·DP, so that the sum over the
+  /// world is Megatron's global_load_balancing_loss: the mean over micro-batches of the global
+  /// micro-batch's loss), z-loss (each weighted by its micro-batch's aux_loss_weight), then tokens routed per expert counted over the
   /// TP group — zeros for dense layers and layers of other ranks. Summed over every rank of the
   /// world the losses are the step's mean per layer (Megatron's load_balancing_loss / z_loss before
   /// the average over layers) and the counts TP times the tokens routed.
@@ -122,6 +124,11 @@ class LanguageModel {
   /// Once per training step after the last backward: the aux-loss-free expert bias update of every
   /// MoE layer (MoELayer::update_expert_bias over the data × context parallel group). Collective.
   virtual void update_expert_bias(const Stream& stream) = 0;
+  /// Once per training step after the last backward (or before the first forward): zeroes the
+  /// step's token-count accumulators of --moe-router-load-balancing-type global_aux_loss on the
+  /// device (MoELayer::reset_global_tokens; Megatron's reset_global_aux_loss_tracker). No host
+  /// synchronisation; a no-op for the other types.
+  virtual void reset_global_aux_loss_tracker(const Stream& stream) = 0;
   /// Model state that is not a parameter but belongs in checkpoints (Megatron's persistent
   /// buffers): for each MoE layer of this rank with --moe-router-enable-expert-bias,
   /// ("decoder.layers.<L>.mlp.router.expert_bias", fp32 [E] on the device), replicated over

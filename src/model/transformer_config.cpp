@@ -54,10 +54,15 @@ MoeScoreFunction parse_moe_score_function(const std::string& s) {
 MoeLoadBalancing parse_moe_load_balancing(const std::string& s) {
   if (s == "aux_loss") return MoeLoadBalancing::kAuxLoss;
   if (s == "seq_aux_loss") return MoeLoadBalancing::kSeqAuxLoss;
+  if (s == "global_aux_loss") return MoeLoadBalancing::kGlobalAuxLoss;
   if (s == "none") return MoeLoadBalancing::kNone;
-  if (s == "global_aux_loss" || s == "sinkhorn")
-    MT_FAIL("--moe-router-load-balancing-type {} is not implemented yet: use aux_loss, seq_aux_loss or none", s);
-  MT_FAIL("--moe-router-load-balancing-type '{}' is not supported: expected aux_loss, seq_aux_loss or none", s);
+  if (s == "sinkhorn")
+    MT_FAIL("--moe-router-load-balancing-type {} is not implemented yet: use aux_loss, seq_aux_loss, global_aux_loss "
+            "or none",
+            s);
+  MT_FAIL("--moe-router-load-balancing-type '{}' is not supported: expected aux_loss, seq_aux_loss, global_aux_loss "
+          "or none (one type)",
+          s);
 }
 
 MoeDispatcher parse_moe_dispatcher(const std::string& s) {
@@ -77,7 +82,13 @@ const char* moe_score_function_name(MoeScoreFunction f) {
 }
 
 const char* moe_load_balancing_name(MoeLoadBalancing b) {
-  return b == MoeLoadBalancing::kAuxLoss ? "aux_loss" : b == MoeLoadBalancing::kSeqAuxLoss ? "seq_aux_loss" : "none";
+  switch (b) {
+    case MoeLoadBalancing::kAuxLoss: return "aux_loss";
+    case MoeLoadBalancing::kSeqAuxLoss: return "seq_aux_loss";
+    case MoeLoadBalancing::kGlobalAuxLoss: return "global_aux_loss";
+    case MoeLoadBalancing::kNone: break;
+  }
+  return "none";
 }
 
 namespace {

@@ -25,8 +25,9 @@ enum class AttentionBackend : uint8_t { kAuto, kFlash, kLocal };
 
 /// --moe-router-score-function
 enum class MoeScoreFunction : uint8_t { kSoftmax, kSigmoid };
-/// --moe-router-load-balancing-type (the auxiliary losses of Megatron-Core's TopKRouter)
-enum class MoeLoadBalancing : uint8_t { kAuxLoss, kSeqAuxLoss, kNone };
+/// --moe-router-load-balancing-type (the auxiliary losses of Megatron-Core's TopKRouter; one type,
+/// not Megatron's list of several)
+enum class MoeLoadBalancing : uint8_t { kAuxLoss, kSeqAuxLoss, kGlobalAuxLoss, kNone };
 /// --moe-token-dispatcher-type
 enum class MoeDispatcher : uint8_t { kAllGather, kAllToAll };
 /// --moe-token-drop-policy: which slots beyond an expert's capacity are dropped
@@ -41,8 +42,9 @@ AttentionBackend parse_attention_backend(const std::string& s);
 /// Errors: mt::Error naming the value and the accepted ones.
 Normalization parse_normalization(const std::string& s);
 PositionEmbeddingType parse_position_embedding_type(const std::string& s);
-/// "softmax" / "sigmoid"; "aux_loss" / "none"; "allgather" / "alltoall". Errors: mt::Error naming
-/// the value and the accepted ones (global_aux_loss and sinkhorn are named as not implemented).
+/// "softmax" / "sigmoid"; "aux_loss" / "seq_aux_loss" / "global_aux_loss" / "none"; "allgather" /
+/// "alltoall". Errors: mt::Error naming the value and the accepted ones (sinkhorn is named as not
+/// implemented).
 MoeScoreFunction parse_moe_score_function(const std::string& s);
 MoeLoadBalancing parse_moe_load_balancing(const std::string& s);
 MoeDispatcher parse_moe_dispatcher(const std::string& s);

@@ -130,6 +130,20 @@ void moe_tokens_per_expert(const Tensor& counts, const Tensor& top, const Stream
   MT_DISPATCH(top.device(), moe_tokens_per_expert, counts, top, stream);
 }
 
+void moe_global_tokens_per_expert(const Tensor& average, const Tensor& accumulator, const Tensor& counts,
+                                  const Stream& stream) {
+  const char* fn = "moe_global_tokens_per_expert";
+  MT_CHECK(average.dtype() == DType::kF32 && average.ndim() == 1 && average.is_contiguous(),
+           "{}: average must be a contiguous fp32 [E] tensor, got {}", fn, average.str());
+  op_checks::check_like(counts, average, fn, "counts", "average");
+  MT_CHECK(accumulator.dtype() == DType::kF32 && accumulator.ndim() == 1 && accumulator.is_contiguous() &&
+               accumulator.numel() == average.numel() + 1,
+           "{}: accumulator must be a contiguous fp32 [E + 1] tensor (E = {}), got {}", fn, average.numel(),
+           accumulator.str());
+  check_devices(stream, average, {&accumulator, &counts}, fn);
+  MT_DISPATCH(average.device(), moe_global_tokens_per_expert, average, accumulator, counts, stream);
+}
+
 void moe_expert_bias_update(const Tensor& expert_bias, const Tensor& tokens_per_expert, float rate,
                             const Stream& stream) {
   const char* fn = "moe_expert_bias_update";

@@ -75,6 +75,15 @@ void moe_z_loss(const Tensor& loss, const Tensor& d_logits, const Tensor& logits
 /// (token t, slot) with t mod G = g and top[t, slot] = e; top int32 [T, k], every entry in [0, E).
 void moe_tokens_per_expert(const Tensor& counts, const Tensor& top, const Stream& stream);
 
+/// The token counts of the global load-balancing loss (Megatron's TopKRouter global_tokens_per_expert
+/// and ga_steps, --moe-router-load-balancing-type global_aux_loss): accumulator fp32 [E + 1] gets
+/// accumulator[e] += counts[e] for e < E and accumulator[E] += 1 (the forwards since the last reset),
+/// then average[e] = accumulator[e] / accumulator[E] (IEEE division, bitwise alike on both backends).
+/// counts, average fp32 [E]; all on the device, nothing read on the host (capturable). The caller
+/// zeroes the accumulator once per step. Errors: mt::Error on shapes/dtypes.
+void moe_global_tokens_per_expert(const Tensor& average, const Tensor& accumulator, const Tensor& counts,
+                                  const Stream& stream);
+
 /// Aux-loss-free load balancing (DeepSeek-V3 §2.1.2; Megatron's get_updated_expert_bias):
 /// expert_bias[e] += rate · sign(mean_e' tokens_per_expert[e'] − tokens_per_expert[e]) (sign(0) = 0),
 /// both fp32 [E] on the device; the caller passes the step's global token counts.
@@ -163,6 +172,7 @@ MT_OP_BACKENDS(moe_aux_loss)
 MT_OP_BACKENDS(moe_aux_scores_backward)
 MT_OP_BACKENDS(moe_z_loss)
 MT_OP_BACKENDS(moe_tokens_per_expert)
+MT_OP_BACKENDS(moe_global_tokens_per_expert)
 MT_OP_BACKENDS(moe_expert_bias_update)
 MT_OP_BACKENDS(moe_routing_map)
 MT_OP_BACKENDS(moe_routing_map_device)

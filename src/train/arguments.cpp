@@ -117,7 +117,7 @@ void add_pretrain_options(CLI::App& app, PretrainArgs& a) {
   app.add_option_function<std::string>(
          "--moe-router-load-balancing-type",
          [&m](const std::string& v) { m.moe_router_load_balancing_type = parse_moe_load_balancing(v); },
-         "aux_loss, seq_aux_loss or none")
+         "aux_loss, seq_aux_loss, global_aux_loss or none (one type)")
       ->default_str("aux_loss");
   app.add_option("--moe-aux-loss-coeff", m.moe_aux_loss_coeff, "Load-balancing loss coefficient")
       ->capture_default_str();

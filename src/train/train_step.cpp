@@ -50,6 +50,7 @@ void forward_backward_step(LanguageModel& model, PipelineExecutor& executor, con
     optimizer.grad_sync().finish_grad_sync(stream);
   }
   model.update_expert_bias(stream);  // aux-loss-free MoE balancing (Megatron's finalize_model_grads)
+  model.reset_global_aux_loss_tracker(stream);  // global_aux_loss: the next step counts from zero (device)
 }
 
 void train_step(LanguageModel& model, PipelineExecutor& executor, const PipelinePlan& plan, AdamWOptimizer& optimizer,

@@ -65,7 +65,8 @@ void train_step(LanguageModel& model, PipelineExecutor& executor, const Pipeline
                 const Stream& stream);
 
 /// train_step without the optimizer step: zero the gradients, the schedule, the tied
-/// embedding's reduction, the end of the DP reduction and the expert-bias update (the part
+/// embedding's reduction, the end of the DP reduction, the expert-bias update and the reset of the
+/// global_aux_loss token counts (the part
 /// Megatron's full-iteration CUDA graph captures: forward_backward_func and finalize_model_grads).
 void forward_backward_step(LanguageModel& model, PipelineExecutor& executor, const PipelinePlan& plan,
                            AdamWOptimizer& optimizer, const std::vector<MicroBatch>& micro_batches,

@@ -76,7 +76,9 @@ std::string timestamp() {
 // [first + (m·DP + d)·b, first + (m·DP + d + 1)·b) (Megatron's MegatronPretrainingSampler).
 // The MoE part of the log line (Megatron's track_moe_metrics): the load-balancing loss and the
 // z-loss averaged over the MoE layers and the iterations since the last log line (each the mean
-// over micro-batches and data-parallel ranks, summed over TP), the tokens routed per expert and
+// over micro-batches and data-parallel ranks, summed over TP; with global_aux_loss the loss is
+// named global_load_balancing_loss, as Megatron's, and is the mean over micro-batches of the loss
+// of the global micro-batch, summed over TP × DP), the tokens routed per expert and
 // iteration (min / max / mean over the experts of every MoE layer) and the worst layer's
 // imbalance (max / mean over its experts), and per layer with --moe-per-layer-logging.
 // Collective over the world; resets the model's statistics.
@@ -96,6 +98,9 @@ std::string moe_log(LanguageModel& model, Communicator& world, int64_t iters, bo
   }
   const bool aux = cfg.moe_router_load_balancing_type != MoeLoadBalancing::kNone && cfg.moe_aux_loss_coeff > 0;
   const bool z = cfg.moe_z_loss_coeff > 0;
+  const char* lb_name = cfg.moe_router_load_balancing_type == MoeLoadBalancing::kGlobalAuxLoss
+                            ? "global_load_balancing_loss"
+                            : "load_balancing_loss";
   const int64_t E = cfg.num_moe_experts;
   const size_t per = static_cast<size_t>(2 + E);
   double lb = 0, zl = 0, lo = std::numeric_limits<double>::infinity(), hi = 0, sum = 0, worst = 0;
@@ -119,14 +124,14 @@ std::string moe_log(LanguageModel& model, Communicator& world, int64_t iters, bo
     const double imbalance = lsum > 0 ? lmax * static_cast<double>(E) / lsum : 0.0;
     worst = std::max(worst, imbalance);
     if (per_layer) {
-      if (aux) layers += fmt::format(" load_balancing_loss layer {}: {:.6E} |", l, a);
+      if (aux) layers += fmt::format(" {} layer {}: {:.6E} |", lb_name, l, a);
       if (z) layers += fmt::format(" z_loss layer {}: {:.6E} |", l, b);
       layers += fmt::format(" expert imbalance layer {}: {:.3f} |", l, imbalance);
     }
   }
   const double L = static_cast<double>(std::max<int64_t>(cfg.num_moe_layers(), 1));
   std::string out;
-  if (aux) out += fmt::format(" load_balancing_loss: {:.6E} |", lb / L);
+  if (aux) out += fmt::format(" {}: {:.6E} |", lb_name, lb / L);
   if (z) out += fmt::format(" z_loss: {:.6E} |", zl / L);
   if (sum > 0)
     out += fmt::format(" tokens per expert min/max/mean: {:.0f}/{:.0f}/{:.1f} | expert imbalance: {:.3f} |", lo, hi,

@@ -115,6 +115,7 @@ struct Harness {
     fill(loss, 0.f, stream);
     const auto& c = model.config();
     model.reset_moe_stats(stream);
+    model.reset_global_aux_loss_tracker(stream);  // global_aux_loss: each evaluation is a step's first forward
     model.forward(mb(), dc, loss, 1.0f / (c.seq_length * model.micro_batch()), stream);
     double aux = 0;  // the two losses of each layer, not the token counts after them
     const std::vector<double> st = model.moe_loss_stats(stream);
@@ -238,6 +239,16 @@ void moe_gradient_check(const TransformerConfig& c, bool documents) {
 }
 TEST(Gpt, MoEGradientCheck) { moe_gradient_check(tiny_moe_config(false), /*documents=*/true); }
 TEST(Gpt, MoEGradientCheckSigmoidGroupLimitedSharedExpert) { moe_gradient_check(tiny_moe_config(true), false); }
+// --moe-router-load-balancing-type global_aux_loss: the switch loss over the counts accumulated
+// over the step's forwards (one here, one rank: the value equals aux_loss's, through the
+// accumulator), both routers.
+TEST(Gpt, MoEGlobalAuxLossGradientCheck) {
+  for (bool sigmoid : {false, true}) {
+    TransformerConfig c = tiny_moe_config(sigmoid);
+    c.moe_router_load_balancing_type = MoeLoadBalancing::kGlobalAuxLoss;
+    moe_gradient_check(c, false);
+  }
+}
 TEST(Gpt, MoEGeluExpertsGradientCheck) {
   TransformerConfig c = tiny_moe_config(false);
   c.gated_linear_unit = false;

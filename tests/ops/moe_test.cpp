@@ -475,6 +475,84 @@ TEST(MoeRouting, SequenceGroupedCountsLossAndExpertBiasUpdate) {
   EXPECT_THROW(moe_tokens_per_expert(odd, topt, st), Error);
 }
 
+// The global load-balancing loss (--moe-router-load-balancing-type global_aux_loss; Megatron's
+// _apply_global_aux_loss): over the micro-batches of a step the counts (here this rank's plus
+// another data-parallel rank's, as the all-reduce gives them) are accumulated and averaged over the
+// forwards so far (global_tokens_per_expert / ga_steps); the switch loss of each micro-batch
+// reads that mean, and its gradient treats it as a constant. Value and gradient against a float64
+// reference and finite differences of it; a reset restarts the mean.
+TEST(MoeRouting, GlobalTokensPerExpertLossAndGradient) {
+  const Stream& st = testing::cpu_stream();
+  const int64_t T = 8, E = 5, k = 2, M = 3;
+  const float scale = 0.3f;
+  for (bool sigmoid : {false, true}) {
+    OwnedTensor acc(DType::kF32, kCpu, {E + 1}), avg(DType::kF32, kCpu, {E}), counts(DType::kF32, kCpu, {E});
+    fill(acc, 0.f, st);
+    std::vector<double> sum(E, 0.0);
+    for (int64_t m = 0; m < M; ++m) {
+      const auto lv = testing::randn(T * E, 1.5f);
+      auto logits = testing::make_tensor(lv, DType::kF32, kCpu, {T, E}, st);
+      OwnedTensor scores(DType::kF32, kCpu, {T, E}), probs(DType::kF32, kCpu, {T, k}), top(DType::kI32, kCpu, {T, k});
+      MoeRouterOptions o;
+      o.topk = k;
+      o.sigmoid = sigmoid;
+      moe_topk_routing(probs, top, scores, logits, Tensor(), o, st);
+      moe_tokens_per_expert(counts, top, st);
+      const auto tv = testing::to_host(top, st);
+      const auto other = testing::randint(E, 0, 9);  // another DP rank's counts
+      auto other_t = testing::make_tensor(std::vector<float>(other.begin(), other.end()), DType::kF32, kCpu, {E}, st);
+      add(counts, counts, other_t, st);  // the all-reduce's sum
+      for (int64_t e = 0; e < E; ++e) sum[e] += other[e];
+      for (int64_t i = 0; i < T * k; ++i) sum[tv[i]] += 1;
+      moe_global_tokens_per_expert(avg, acc, counts, st);
+      const auto av = testing::to_host(avg, st), accv = testing::to_host(acc, st);
+      std::vector<double> mean(E);
+      for (int64_t e = 0; e < E; ++e) {
+        mean[e] = sum[e] / static_cast<double>(m + 1);
+        EXPECT_EQ(accv[e], sum[e]) << e;
+        EXPECT_FLOAT_EQ(av[e], static_cast<float>(mean[e])) << sigmoid << " m " << m << " e " << e;
+      }
+      EXPECT_EQ(accv[E], static_cast<float>(m + 1));
+      // the loss value: scale · Σ_t Σ_e scores · mean counts
+      auto loss = testing::make_tensor({0.f}, DType::kF32, kCpu, {1}, st);
+      moe_aux_loss(loss, scores, avg, scale, st);
+      double ref = 0;
+      for (int64_t t = 0; t < T; ++t) {
+        const auto sc = aux_scores_ref(std::vector<double>(lv.begin() + t * E, lv.begin() + (t + 1) * E), sigmoid);
+        for (int64_t e = 0; e < E; ++e) ref += scale * sc[static_cast<size_t>(e)] * mean[e];
+      }
+      EXPECT_NEAR(testing::to_host(loss, st)[0], ref, 1e-5 * ref) << sigmoid << " m " << m;
+      // its gradient, the mean counts constant
+      OwnedTensor dlog(DType::kF32, kCpu, {T, E});
+      fill(dlog, 0.f, st);
+      moe_aux_scores_backward(dlog, logits, avg, scale, Tensor(), sigmoid, st);
+      const auto dv = testing::to_host(dlog, st);
+      for (int64_t t = 0; t < T; t += 3) {
+        std::vector<double> x(lv.begin() + t * E, lv.begin() + (t + 1) * E);
+        auto f = [&] {
+          const auto sc = aux_scores_ref(x, sigmoid);
+          double v = 0;
+          for (int64_t e = 0; e < E; ++e) v += scale * sc[static_cast<size_t>(e)] * mean[e];
+          return v;
+        };
+        for (int64_t e = 0; e < E; ++e) {
+          const double num = testing::finite_diff(f, x, static_cast<size_t>(e), 1e-6);
+          EXPECT_NEAR(dv[t * E + e], num, 1e-5 * std::max(1.0, std::fabs(num))) << sigmoid << " " << t << " " << e;
+        }
+      }
+    }
+    // the step boundary: zeroed, the next forward's mean is its own counts
+    fill(acc, 0.f, st);
+    auto c = testing::make_tensor({3.f, 0.f, 7.f, 1.f, 5.f}, DType::kF32, kCpu, {E}, st);
+    moe_global_tokens_per_expert(avg, acc, c, st);
+    EXPECT_EQ(testing::to_host(avg, st), testing::to_host(c, st));
+  }
+  OwnedTensor a(DType::kF32, kCpu, {E}), c(DType::kF32, kCpu, {E}), bad(DType::kF32, kCpu, {E});
+  EXPECT_THROW(moe_global_tokens_per_expert(a, bad, c, st), Error);  // accumulator must be [E + 1]
+  OwnedTensor c2(DType::kF32, kCpu, {E + 1}), acc2(DType::kF32, kCpu, {E + 1});
+  EXPECT_THROW(moe_global_tokens_per_expert(a, acc2, c2, st), Error);
+}
+
 // Chunks of rows regrouped by a permutation (Megatron's sort_chunks_by_idxs), against a float64
 // reference; the inverse sizes/order restore the input; zero-size chunks; fp32 and bf16.
 TEST(MoeSortChunks, MatchesReferenceAndInverts) {

@@ -41,8 +41,10 @@ constexpr int kIters = 3;
 /// group-limited top-k, scaling, the sequence-level load-balancing loss, the aux-loss-free expert
 /// bias with a large update rate so that the selection changes between iterations) and a shared
 /// expert; kMoeForced: kMoe with --moe-router-force-load-balancing (random logits keyed by the
-/// global token).
-enum class Arch { kGpt, kLlama, kQwen, kMoe, kMoeSigmoid, kMoeForced };
+/// global token); kMoeGlobal: kMoe with --moe-router-load-balancing-type global_aux_loss and no dropout
+/// (its single-rank reference runs the union of the DP ranks' micro-batches as one micro-batch,
+/// whose dropout masks would be keyed differently).
+enum class Arch { kGpt, kLlama, kQwen, kMoe, kMoeSigmoid, kMoeForced, kMoeGlobal };
 
 TransformerConfig config(Arch arch = Arch::kGpt) {
   TransformerConfig c;
@@ -67,7 +69,7 @@ TransformerConfig config(Arch arch = Arch::kGpt) {
     c.untie_embeddings_and_output_weights = true;
     c.add_bias_linear = false;
   }
-  if (arch == Arch::kMoe || arch == Arch::kMoeSigmoid || arch == Arch::kMoeForced) {
+  if (arch == Arch::kMoe || arch == Arch::kMoeSigmoid || arch == Arch::kMoeForced || arch == Arch::kMoeGlobal) {
     c.num_moe_experts = 4;
     c.moe_ffn_hidden_size = 24;
     c.moe_router_topk = 2;
@@ -76,6 +78,10 @@ TransformerConfig config(Arch arch = Arch::kGpt) {
     if (arch != Arch::kMoeSigmoid) {
       c.moe_layer_pattern = parse_moe_layer_freq("[0,1]*4", c.num_layers);
       c.moe_router_force_load_balancing = arch == Arch::kMoeForced;
+      if (arch == Arch::kMoeGlobal) {
+        c.moe_router_load_balancing_type = MoeLoadBalancing::kGlobalAuxLoss;
+        c.hidden_dropout = c.attention_dropout = 0.f;
+      }
     } else {
       c.moe_router_load_balancing_type = MoeLoadBalancing::kSeqAuxLoss;
       c.moe_router_enable_expert_bias = true;
@@ -117,6 +123,9 @@ struct Layout {
   int echo = 0;              // --moe-enable-echo with this many spare slots per EP rank (alltoall)
   int64_t received = 0;      // --moe-received-token-capacity (static alltoall blocks; large: no overflow)
   bool slot_keys = false;    // per-layer CUDA graph mode: dropout keyed by the slot's device micro-batch key
+  // Reference only: each micro-batch is the union (along b) of `merge` consecutive sample groups,
+  // i.e. of the DP ranks' micro-batches of one step (global_aux_loss: the global micro-batch).
+  int merge = 1;
   std::string name() const {
     std::string s = fmt::format("{}{}tp{}_pp{}_dp{}_vpp{}_m{}",
                                 arch == Arch::kGpt     ? ""
@@ -124,6 +133,7 @@ struct Layout {
                                 : arch == Arch::kQwen  ? "qwen_"
                                 : arch == Arch::kMoe   ? "moe_"
                                 : arch == Arch::kMoeForced ? "moe_forced_"
+                                : arch == Arch::kMoeGlobal ? "moe_global_"
                                                        : "moe_sigmoid_",
                                 std::string(odd_vocab ? "vocab67_" : "") + (flash ? "flash_" : ""), tp, pp, dp, vpp,
                                 micro_total);
@@ -187,7 +197,8 @@ Result run_layout(const Layout& L, const std::vector<int32_t>& tokens, const std
   }
   const int64_t S = c.seq_length;
   const int world_size = L.tp * L.pp * L.dp;
-  const int M = L.micro_total / L.dp;
+  const int M = L.micro_total / (L.dp * L.merge);
+  const int64_t B = mb * L.merge;  // the micro-batch size
   Result out;
   out.losses.assign(kIters, 0.0);
   out.slots.resize(static_cast<size_t>(L.pp));
@@ -220,7 +231,7 @@ Result run_layout(const Layout& L, const std::vector<int32_t>& tokens, const std
     // (the tied embedding's after the embedding-group all-reduce).
     ParamLayout pl(L.dp, L.overlap ? 2000 : 0);
     pl.expert_data_parallel_size = pc.edp;
-    GPTModel model(c, mb, DType::kF32, Device::cpu(), g, L.sp, pl, model_layout(ranges, {&plan}));
+    GPTModel model(c, B, DType::kF32, Device::cpu(), g, L.sp, pl, model_layout(ranges, {&plan}));
     PipelineExecutor executor(model, g.pp, {&plan});
     if (L.slot_keys) executor.use_slot_keys();
     GradSync sync(model.params(), g.dp, DdpConfig{L.overlap, L.overlap && L.zero, L.zero}, g.edp);
@@ -242,18 +253,20 @@ Result run_layout(const Layout& L, const std::vector<int32_t>& tokens, const std
     std::vector<MicroBatch> mbs;
     for (int m = 0; m < M; ++m) {
       const int64_t gm = static_cast<int64_t>(m) * L.dp + d;  // Megatron's sampler order
-      std::vector<int32_t> t(S * mb), l(S * mb);
-      for (int64_t i = 0; i < S * mb; ++i) {
-        t[i] = tokens[gm * S * mb + i];
-        l[i] = labels[gm * S * mb + i];
-      }
-      tok.push_back(testing::make_int_tensor(t, Device::cpu(), {S, mb}, st));
-      lab.push_back(testing::make_int_tensor(l, Device::cpu(), {S, mb}, st));
+      std::vector<int32_t> t(S * B), l(S * B);
+      for (int64_t q = 0; q < L.merge; ++q)  // sample group gm·merge + q at columns [q·mb, (q + 1)·mb)
+        for (int64_t i = 0; i < S; ++i)
+          for (int64_t j = 0; j < mb; ++j) {
+            t[i * B + q * mb + j] = tokens[(gm * L.merge + q) * S * mb + i * mb + j];
+            l[i * B + q * mb + j] = labels[(gm * L.merge + q) * S * mb + i * mb + j];
+          }
+      tok.push_back(testing::make_int_tensor(t, Device::cpu(), {S, B}, st));
+      lab.push_back(testing::make_int_tensor(l, Device::cpu(), {S, B}, st));
     }
     OwnedTensor loss(DType::kF32, Device::cpu(), {1});
     for (int m = 0; m < M; ++m) {
       MicroBatch b{tok[m].t, lab[m].t, Tensor()};
-      b.loss_weight = 1.0f / static_cast<float>(S * mb * M * L.dp);
+      b.loss_weight = 1.0f / static_cast<float>(S * B * M * L.dp);
       b.aux_loss_weight = 1.0f / static_cast<float>(M * L.dp);
       mbs.push_back(b);
     }
@@ -330,6 +343,9 @@ TEST_P(ParallelLayouts, MatchesSingleRank) {
   one.capacity = L.capacity;
   one.drop_position = L.drop_position;
   one.pad = L.pad;
+  // global_aux_loss: the loss of each micro-batch step reads the counts of all DP ranks' micro-batches
+  // of that step, so the reference runs their union as one micro-batch (as many steps, b·DP)
+  if (L.arch == Arch::kMoeGlobal) one.merge = L.dp;
   const Result ref = run_layout(one, tokens, labels, mb);
   if (L.capacity > 0 && L.capacity < 1) {  // fewer slots kept than routed: the losses must change
     one.capacity = 0;
@@ -495,6 +511,16 @@ std::vector<Layout> layouts() {
           std::tuple{2, 2, 2, 2, 2, true, true, true}, std::tuple{1, 2, 2, 2, 0, false, true, true}})
       add(arch, tp, pp, dp, /*vpp=*/0, sp, zero, overlap, ep, etp);
   }
+  // --moe-router-load-balancing-type global_aux_loss (the counts of the global batch so far, summed
+  // over TP × DP and averaged over the step's micro-batches, reset each step): DP 2, TP 2 + SP,
+  // EP 2 (both dispatchers), PP 2 and VPP with several micro-batches, and everything combined with
+  // the distributed optimizer and overlapped reduction; against one rank running the same steps.
+  for (const auto& [tp, pp, dp, vpp, ep, sp, zero, overlap, a2a] :
+       {std::tuple{1, 1, 2, 0, 1, false, false, false, false}, std::tuple{2, 1, 1, 0, 1, true, false, false, false},
+        std::tuple{1, 1, 2, 0, 2, false, false, false, false}, std::tuple{1, 1, 2, 0, 2, false, true, false, true},
+        std::tuple{1, 2, 1, 0, 1, false, false, false, false}, std::tuple{1, 2, 1, 2, 1, false, false, false, false},
+        std::tuple{2, 2, 2, 0, 2, true, true, true, false}})
+    add(Arch::kMoeGlobal, tp, pp, dp, vpp, sp, zero, overlap, ep, 0, a2a);
   // Random router logits keyed by the global token: the same selection under TP + SP, DP and EP.
   add(Arch::kMoeForced, 2, 1, 2, 0, true, false, false);
   add(Arch::kMoeForced, 1, 1, 2, 0, false, false, false, 2, 0);
@@ -626,6 +652,59 @@ std::vector<pipeline::LayerRange> chunks_of(int pp_rank, int pp, int vpp, int64_
   layout.pp = pp;
   layout.vpp = vpp;
   return pipeline::layers_of(pp_rank, layout);
+}
+
+// global_aux_loss: train_step zeroes the step's token-count accumulators (on the device, after the
+// last backward), so with a learning rate of 0 (the parameters stay) a second step repeats the
+// first step's load-balancing loss exactly; without the reset its mean counts would include the
+// first step's micro-batches.
+TEST(GlobalAuxLoss, TrainStepRestartsTheCountsEachStep) {
+  const TransformerConfig c = config(Arch::kMoeGlobal);
+  const int64_t S = c.seq_length, mb = 2;
+  const int M = 3;
+  run_thread_ranks(1, [&](int, std::shared_ptr<Communicator> world) {
+    ParallelConfig pc;
+    validate_and_derive(pc, 1);
+    const ProcessGroups g = build_process_groups(world, pc);
+    pipeline::PipelineLayout layout;
+    layout.num_layers = c.num_layers;
+    const auto ranges = pipeline::layers_of(0, layout);
+    pipeline::ScheduleConfig sc;
+    sc.num_microbatches = M;
+    const PipelinePlan plan = plan_pipeline(sc, 0, ranges);
+    Stream st(Device::cpu());
+    GPTModel model(c, mb, DType::kF32, Device::cpu(), g, false, ParamLayout(1, 0), model_layout(ranges, {&plan}));
+    PipelineExecutor executor(model, g.pp, {&plan});
+    GradSync sync(model.params(), g.dp, DdpConfig{false, false, false}, g.edp);
+    AdamWOptimizer opt(sync, OptimizerConfig{}, st, {nullptr, g.mp, 0, false, g.etp_ep_pp});
+    model.params().initialize(1234, st);
+    std::vector<OwnedTensor> tok, lab;
+    std::vector<MicroBatch> mbs;
+    for (int m = 0; m < M; ++m) {  // different micro-batches: different counts
+      tok.push_back(testing::make_int_tensor(testing::randint(S * mb, 0, 61), Device::cpu(), {S, mb}, st));
+      lab.push_back(testing::make_int_tensor(testing::randint(S * mb, 0, 61), Device::cpu(), {S, mb}, st));
+    }
+    for (int m = 0; m < M; ++m) {
+      MicroBatch b{tok[m].t, lab[m].t, Tensor()};
+      b.loss_weight = 1.0f / static_cast<float>(S * mb * M);
+      b.aux_loss_weight = 1.0f / static_cast<float>(M);
+      mbs.push_back(b);
+    }
+    OwnedTensor loss(DType::kF32, Device::cpu(), {1});
+    std::vector<std::vector<double>> stats;
+    for (int it = 0; it < 2; ++it) {
+      fill(loss, 0.f, st);
+      model.reset_moe_stats(st);
+      train_step(model, executor, plan, opt, mbs, {77, it, 0.f, 0, 1}, loss, st);
+      stats.push_back(model.moe_loss_stats(st));
+    }
+    const size_t per = static_cast<size_t>(2 + c.num_moe_experts);
+    for (int64_t l = 1; l < c.num_layers; l += 2) {  // the MoE layers
+      const size_t i = per * static_cast<size_t>(l);
+      EXPECT_GT(stats[0][i], 0.0) << l;
+      EXPECT_EQ(stats[1][i], stats[0][i]) << "layer " << l << ": global load-balancing loss of step 2";
+    }
+  });
 }
 
 TEST(PipelinePlan, MemoryBounds) {

@@ -394,6 +394,36 @@ TEST_F(TrainerLayouts, MixtureOfExperts) {
   }
 }
 
+// --moe-router-load-balancing-type global_aux_loss through the binary: accepted, logged as Megatron's
+// global_load_balancing_loss, the same losses under TP 2 + SP and PP 2 (the same micro-batches as
+// one rank; under DP each step's loss reads the counts of all DP ranks' micro-batches, as
+// Megatron's); sinkhorn is still an error.
+TEST_F(TrainerLayouts, MixtureOfExpertsGlobalAuxLoss) {
+  const std::string moe = std::string(kTinyMoe) +
+                          " --moe-router-load-balancing-type global_aux_loss --moe-aux-loss-coeff 1e-2 "
+                          "--moe-z-loss-coeff 1e-3";
+  RunResult full = run_megatron(flags("--train-iters 4" + moe));
+  ASSERT_EQ(full.rc, 0) << full.out;
+  EXPECT_NE(full.out.find("global_aux_loss 0.01"), std::string::npos) << full.out;
+  EXPECT_NE(full.out.find(" global_load_balancing_loss: "), std::string::npos) << full.out;
+  EXPECT_EQ(full.out.find(" load_balancing_loss: "), std::string::npos) << full.out;
+  const auto full_losses = losses(full.out);
+  ASSERT_EQ(full_losses.size(), 4u) << full.out;
+  for (const std::string layout : {"--nproc-per-node 2 --tensor-model-parallel-size 2 --sequence-parallel",
+                                   "--nproc-per-node 2 --pipeline-model-parallel-size 2"}) {
+    RunResult r = run_megatron(flags("--train-iters 4 " + layout + moe));
+    ASSERT_EQ(r.rc, 0) << layout << "\n" << r.out;
+    expect_same(losses(r.out), full_losses, layout + " (MoE global_aux_loss)");
+  }
+  RunResult dp = run_megatron(flags("--train-iters 2 --nproc-per-node 2" + moe));
+  ASSERT_EQ(dp.rc, 0) << dp.out;
+  EXPECT_NE(dp.out.find(" global_load_balancing_loss: "), std::string::npos) << dp.out;
+  RunResult sk = run_megatron(flags("--train-iters 2" + std::string(kTinyMoe) + " --moe-router-load-balancing-type sinkhorn"));
+  EXPECT_NE(sk.rc, 0);
+  EXPECT_NE(sk.out.find("--moe-router-load-balancing-type sinkhorn is not implemented yet"), std::string::npos)
+      << sk.out;
+}
+
 // Checkpoints of the MoE model move between expert layouts (docs/moe.md "Checkpoints"): each
 // rank writes only the experts it owns (expert-data-parallel rank 0 of its expert TP / EP
 // coordinates), and a run resumed under another EP / ETP / TP / PP / DP size, with or without the

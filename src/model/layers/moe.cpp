@@ -87,6 +87,14 @@ void MoELayer::plan(BufferPlanner& p, int64_t s, int64_t b) {
   const bool seq = config_.moe_router_load_balancing_type == MoeLoadBalancing::kSeqAuxLoss;
   batch_ = b;
   sv.tokens_per_expert = p.saved(DType::kF32, {seq ? b : 1, E}, "tokens per expert (TP group)");
+  if (global_aux()) {
+    sv.global_tokens = p.saved(DType::kF32, {E}, "mean tokens per expert of the step (TP x DP group)");
+    global_counts_ = p.scratch("moe.global_counts", DType::kF32, {E});
+    if (global_buffer_.bytes() == 0) {
+      global_buffer_ = Buffer(p.device(), static_cast<size_t>(E + 1) * sizeof(float));
+      global_acc_ = global_buffer_.as(DType::kF32, {E + 1});
+    }
+  }
   if (drops()) {
     capacity_ = moe_expert_capacity(tokens_, k, E, config_.moe_expert_capacity_factor);
     sv.top_routed = p.saved(DType::kI32, {tokens_, k}, "routing before the capacity drop");
@@ -159,6 +167,10 @@ void MoELayer::update_expert_bias(Communicator* dp, const Stream& stream) {
   fill(bias_counts_, 0.f, stream);
 }
 
+void MoELayer::reset_global_tokens(const Stream& stream) {
+  if (global_zeroed_) fill(global_acc_, 0.f, stream);  // else the first training forward zeroes it
+}
+
 void MoELayer::reset_stats(const Stream& stream) {
   if (stats_zeroed_) fill(stats_, 0.f, stream);  // else the first forward zeroes them
   dispatcher_->reset_stats(stream);
@@ -192,6 +204,13 @@ float MoELayer::aux_scale(double weight) const {
     // whole sequence (this rank holds s/TP tokens of each sequence)
     const double B = static_cast<double>(batch_), s = static_cast<double>(tokens_) * tp_.size() / B;
     return static_cast<float>(weight * config_.moe_aux_loss_coeff * E / (B * k * s * s));
+  }
+  if (global_aux()) {
+    // Megatron's global switch loss coeff·E/(k·N_g²)·Σ_e P_e·c̄_e, N_g the tokens of the TP × DP
+    // group; weighted by weight·DP = 1/micro-batches (the fix of NVIDIA/Megatron-LM#3672)
+    const double D = dp_ ? static_cast<double>(dp_->size()) : 1.0;
+    const double N = static_cast<double>(tokens_) * tp_.size() * D;
+    return static_cast<float>(weight * D * config_.moe_aux_loss_coeff * E / (k * N * N));
   }
   // Megatron's switch loss coeff·E/(k·N²)·Σ_e P_e·c_e with N the tokens of the TP group
   const double N = static_cast<double>(tokens_) * tp_.size();
@@ -240,7 +259,18 @@ Tensor MoELayer::forward(const StepContext& ctx) {
     const double w = ctx.batch.aux_loss_weight;
     moe_tokens_per_expert(sv.tokens_per_expert, top, st);
     if (tp_.size() > 1) tp_.group().all_reduce(sv.tokens_per_expert, ReduceOp::kSum, st);  // over the TP group
-    if (aux_loss_on()) moe_aux_loss(stats_.slice0(0, 1), scores_aux_, sv.tokens_per_expert, aux_scale(w), st);
+    if (global_aux()) {  // the counts over TP × DP, accumulated over the step's forwards so far
+      if (!global_zeroed_) {
+        fill(global_acc_, 0.f, st);
+        global_zeroed_ = true;
+      }
+      copy(global_counts_, sv.tokens_per_expert.view({num_experts_}), st);
+      if (dp_ && dp_->size() > 1) dp_->all_reduce(global_counts_, ReduceOp::kSum, st);
+      moe_global_tokens_per_expert(sv.global_tokens, global_acc_, global_counts_, st);
+    }
+    if (aux_loss_on())
+      moe_aux_loss(stats_.slice0(0, 1), scores_aux_, global_aux() ? sv.global_tokens : sv.tokens_per_expert,
+                   aux_scale(w), st);
     if (config_.moe_z_loss_coeff > 0) moe_z_loss(stats_.slice0(1, 2), Tensor(), sv.logits, z_scale(w), Tensor(), st);
     Tensor total = sv.tokens_per_expert.view({num_experts_ * sv.tokens_per_expert.size(0)});
     if (sv.tokens_per_expert.size(0) > 1) {  // per-sequence counts: the totals separately
@@ -449,8 +479,9 @@ Tensor MoELayer::router_backward(Saved& sv, const Tensor& dy, const StepContext&
   // --- router backward: probs path, load-balancing loss, z-loss ---
   moe_topk_routing_backward(d_logits_, d_probs_, sv.logits, router_top(ctx.slot), router_, st);
   const double w = ctx.batch.aux_loss_weight;
-  if (aux_loss_on()) moe_aux_scores_backward(d_logits_, sv.logits, sv.tokens_per_expert, aux_scale(w), ctx.loss_scale,
-                                   router_.sigmoid, st);
+  if (aux_loss_on())
+    moe_aux_scores_backward(d_logits_, sv.logits, global_aux() ? sv.global_tokens : sv.tokens_per_expert,
+                            aux_scale(w), ctx.loss_scale, router_.sigmoid, st);
   if (config_.moe_z_loss_coeff > 0) moe_z_loss(Tensor(), d_logits_, sv.logits, z_scale(w), ctx.loss_scale, st);
   // dW_r += d_logitsᵀ x, dx += d_logits W_r (in the activation dtype)
   const Tensor d_logits = d_logits_act_.empty() ? d_logits_ : d_logits_act_;

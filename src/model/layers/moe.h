@@ -32,6 +32,17 @@
 // MicroBatch::aux_loss_weight (1/(micro-batches·DP), Megatron's MoEAuxLossAutoScaler scale with
 // data-parallel averaging) times the loss scale. Their values (weighted the same way) are added
 // to a per-layer statistics tensor for the log (MoELayer::stats).
+// With --moe-router-load-balancing-type global_aux_loss (Megatron's TopKRouter._apply_global_aux_loss,
+// Qiu et al. 2025, arXiv:2501.11873) the switch loss uses the token counts of the global batch so
+// far: each training forward sums the TP-summed counts over the data-parallel group too, adds them
+// to a per-step accumulator (Megatron's global_tokens_per_expert, ga_steps) and uses their mean
+// over the step's forwards so far, c̄_e, with N_g = s·b·DP (the tokens of the micro-batch over the
+// TP × DP group): coeff·E/(k·N_g²)·Σ_e P_e·c̄_e per rank, summing over TP × DP to the loss of the
+// global micro-batch. Its gradient weight is aux_loss_weight·DP = 1/micro-batches (Megatron's
+// 1/(micro-batches·DP) leaves the gradient DP times weaker than aux_loss's, issue NVIDIA/Megatron-LM#3672;
+// here N ranks equal one rank running the union of the DP ranks' micro-batches). The accumulator is
+// zeroed on the device once per step after the last backward (reset_global_tokens; Megatron's
+// reset_global_aux_loss_tracker in finalize_model_grads).
 //
 // Buffers: planned for the worst case of the dropless routing, R_max = |G|·T_l·min(k, E_local)
 // expert rows per micro-batch (exactly |G|·T_l·k when every expert is local).
@@ -84,7 +95,8 @@ class MoELayer final : public MlpSlot {
   const ParamRef& output_bias() const override { return no_bias_; }
 
   /// The statistics accumulated on the device since the last reset_stats(), copied to the host
-  /// (synchronises `stream`): [0] load-balancing loss, [1] z-loss, each weighted by the micro-batch's
+  /// (synchronises `stream`): [0] load-balancing loss (of the configured type: aux_loss,
+  /// seq_aux_loss or global_aux_loss), [1] z-loss, each weighted by the micro-batch's
   /// aux_loss_weight (so the sum over the ranks of the world is the mean over micro-batches and
   /// data-parallel ranks), then [2 + e] the tokens routed to expert e summed over the training
   /// forwards (counted over the TP group: the sum over the world is TP times the total). Zeros
@@ -104,6 +116,13 @@ class MoELayer final : public MlpSlot {
   /// over TP), moves the expert bias by moe_expert_bias_update and restarts the counts. No-op
   /// without the option. Collective over dp.
   void update_expert_bias(Communicator* dp, const Stream& stream);
+  /// global_aux_loss: the data-parallel group over which the token counts are summed (nullptr = 1
+  /// rank; the counts are already summed over TP). Set by the model before the first forward.
+  void set_data_parallel(Communicator* dp) { dp_ = dp; }
+  /// global_aux_loss: zeroes the step's token-count accumulator on the device (ordered on `stream`,
+  /// no host synchronisation, so a captured step stays valid); once per step after the last
+  /// backward (Megatron's reset_global_aux_loss_tracker). No-op for the other types.
+  void reset_global_tokens(const Stream& stream);
   /// The expert bias, fp32 [E] on the model's device, zero-initialised on first use (ordered on
   /// `stream`); empty without the option. Writable: a checkpoint load overwrites it in place.
   Tensor expert_bias(const Stream& stream);
@@ -137,12 +156,14 @@ class MoELayer final : public MlpSlot {
     Tensor x;                  // [s_l, b, h]: the block's input (router input)
     Tensor logits;             // fp32 [T_l, E]
     Tensor tokens_per_expert;  // fp32 [G, E]: over the TP group (G = b for seq_aux_loss, else 1)
+    Tensor global_tokens;      // fp32 [E]: global_aux_loss's mean counts over TP × DP at this forward
     Tensor top_routed;         // int32 [T_l, k]: the router's selection before a capacity drop
     Tensor xp, pre, act, out;  // [R_max, h], [R_max, (2)f_l], [R_max, f_l], [R_max, h]
     std::vector<int64_t> counts_host;  // the forward's rows per local expert (R = their sum)
     Tensor counts;             // the same, int32 [E_l] on the device (--moe-grouped-gemm)
   };
   bool aux_loss_on() const;
+  bool global_aux() const { return config_.moe_router_load_balancing_type == MoeLoadBalancing::kGlobalAuxLoss; }
   void random_logits(const Tensor& logits, const StepContext& ctx) const;  // --moe-router-force-load-balancing
   float aux_scale(double weight) const;  // of the load-balancing loss, for a micro-batch weight
   float z_scale(double weight) const;
@@ -184,6 +205,10 @@ class MoELayer final : public MlpSlot {
   Tensor expert_bias_, bias_counts_, counts_total_;
   bool bias_zeroed_ = false;
   int64_t batch_ = 1;      // b of the planned [s_l, b] token layout
+  Communicator* dp_ = nullptr;  // global_aux_loss: the data-parallel group
+  Buffer global_buffer_;   // fp32 [E + 1]: global_aux_loss's step accumulator (counts, forwards)
+  Tensor global_acc_, global_counts_;  // the accumulator; scratch fp32 [E] (counts summed over DP)
+  bool global_zeroed_ = false;
 };
 
 }  // namespace mt

@@ -249,6 +249,19 @@ void moe_tokens_per_expert(const Tensor& counts, const Tensor& top, const Stream
   for (int64_t i = 0; i < n; ++i) c[((i / k) % G) * E + I[i]] += 1.f;
 }
 
+void moe_global_tokens_per_expert(const Tensor& average, const Tensor& accumulator, const Tensor& counts,
+                                  const Stream&) {
+  const int64_t E = average.numel();
+  const float* c = counts.data_as<float>();
+  float* acc = accumulator.data_as<float>();
+  float* avg = average.data_as<float>();
+  acc[E] += 1.f;
+  for (int64_t e = 0; e < E; ++e) {
+    acc[e] += c[e];
+    avg[e] = acc[e] / acc[E];
+  }
+}
+
 void moe_expert_bias_update(const Tensor& expert_bias, const Tensor& tokens_per_expert, float rate, const Stream&) {
   const int64_t E = expert_bias.numel();
   const float* c = tokens_per_expert.data_as<float>();

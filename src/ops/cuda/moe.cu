@@ -20,6 +20,7 @@
 // user of it runs in the stream's order, so nothing else touches it meanwhile.
 // moe_tokens_per_expert: per-block shared-memory histograms of the G·E bins, integer atomics into
 // counts viewed as int32 (exact in any order), then converted to float in place.
+// moe_global_tokens_per_expert: one block; each expert's sum and IEEE division (__fdiv_rn), as the CPU.
 // moe_expert_bias_update: one block; the mean count summed in expert order in double, as the CPU.
 // moe_routing_map: a stable counting sort of the flat slots by local expert. Blocks own chunks of
 // 4096 slots (8 warps x 16 rounds x 32 lanes): (1) per-chunk expert counts into scratch
@@ -582,6 +583,19 @@ __global__ void expert_bias_update_kernel(float* __restrict__ bias, const float*
   }
 }
 
+/// acc[e] += counts[e], acc[E] += 1, avg[e] = acc[e] / acc[E]; one block.
+__global__ void global_tokens_kernel(float* __restrict__ avg, float* __restrict__ acc, const float* __restrict__ counts,
+                                     int E) {
+  const float steps = acc[E] + 1.f;  // every thread reads acc[E] before thread 0 writes it
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    const float a = acc[e] + counts[e];
+    acc[e] = a;
+    avg[e] = __fdiv_rn(a, steps);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) acc[E] = steps;
+}
+
 /// counts[i] (int32 bits) -> float, in place.
 __global__ void int_to_float_kernel(float* counts, int n) {
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
@@ -988,6 +1002,15 @@ void moe_tokens_per_expert(const Tensor& counts, const Tensor& top, const Stream
   }
   int_to_float_kernel<<<ew::grid_for(n, 256, stream, 1), 256, 0, raw(stream)>>>(counts.data_as<float>(),
                                                                                  static_cast<int>(n));
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+void moe_global_tokens_per_expert(const Tensor& average, const Tensor& accumulator, const Tensor& counts,
+                                  const Stream& stream) {
+  const int64_t E = average.numel();
+  MT_CHECK(E <= INT32_MAX, "moe_global_tokens_per_expert: {} experts exceed the CUDA kernel's range", E);
+  global_tokens_kernel<<<1, 256, 0, raw(stream)>>>(average.data_as<float>(), accumulator.data_as<float>(),
+                                                   counts.data_as<float>(), static_cast<int>(E));
   MT_CUDA_CHECK_LAUNCH();
 }
 
