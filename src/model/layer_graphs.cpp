@@ -13,7 +13,7 @@ bool LayerGraphs::Key::operator<(const Key& o) const {
 
 void LayerGraphs::run(int64_t layer, Region region, bool backward, bool training, int slot, const Inputs& inputs,
                       const Stream& stream, const std::function<void()>& body) {
-  if (!capturing_ || !scoped(region) || !stream.device().is_cuda()) {
+  if (!capturing_ || !scoped(region) || !stream.device().is_cuda() || in_capture_) {
     body();
     return;
   }
@@ -22,7 +22,14 @@ void LayerGraphs::run(int64_t layer, Region region, bool backward, bool training
   if (it == graphs_.end()) {
     auto g = std::make_unique<CudaGraph>();
     const uint64_t allocs = buffer_allocation_count(), syncs = host_sync_count();
-    g->capture(stream, body);
+    in_capture_ = true;
+    try {
+      g->capture(stream, body);
+    } catch (...) {
+      in_capture_ = false;
+      throw;
+    }
+    in_capture_ = false;
     MT_CHECK(buffer_allocation_count() == allocs && host_sync_count() == syncs,
              "the captured region of layer {} allocated ({}) or synchronised ({})", layer,
              buffer_allocation_count() - allocs, host_sync_count() - syncs);

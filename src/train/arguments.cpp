@@ -330,9 +330,9 @@ void validate_cuda_graph_args(const PretrainArgs& a) {
              "--cuda-graph-scope full_iteration cannot be combined with per-layer scopes (got {} scopes)",
              g.scope.size());
   for (const std::string& s : g.scope)
-    MT_REQUIRE(s != "moe_router" && s != "moe_preprocess",
-               "--cuda-graph-scope {} is not implemented: megatron.cpp's MoE block is capturable whole (scope moe, "
-               "with --moe-grouped-gemm), so the router-only scopes are not built", s);
+    MT_REQUIRE(s != "moe_preprocess",
+               "--cuda-graph-scope moe_preprocess is not implemented: capture the router (moe_router), or the whole "
+               "MoE block (moe, with --moe-grouped-gemm)");
   MT_REQUIRE(!g.include_optimizer || full, "--cuda-graph-include-optimizer needs a full-iteration graph");
   MT_REQUIRE(g.warmup_steps >= 1,
              "--cuda-graph-warmup-steps {}: at least 1 eager step is needed before the capture (first-use "
@@ -343,10 +343,10 @@ void validate_cuda_graph_args(const PretrainArgs& a) {
   MT_REQUIRE(!a.overlap_param_gather,
              "--overlap-param-gather with CUDA graphs: the next step's forward would wait on an all-gather "
              "issued outside its graph; drop --overlap-param-gather");
+  MT_REQUIRE(full || !a.model.moe_router_force_load_balancing || (!g.captures("moe") && !g.captures("moe_router")),
+             "--moe-router-force-load-balancing with the per-layer moe / moe_router scope: its random logits are keyed "
+             "by the micro-batch on the host (use --cuda-graph-impl full_iteration, or scopes attn mlp)");
   if (a.model.num_moe_experts > 0 && (full || g.captures("moe"))) {  // the MoE block inside a graph
-    MT_REQUIRE(full || !a.model.moe_router_force_load_balancing,
-               "--moe-router-force-load-balancing with the per-layer moe scope: its random logits are keyed by the "
-               "micro-batch on the host (use --cuda-graph-impl full_iteration, or scopes attn mlp)");
     MT_REQUIRE(a.model.moe_token_dispatcher_type != MoeDispatcher::kAllToAll || a.model.moe_received_token_capacity > 0,
                "--cuda-graph-impl {} with --moe-token-dispatcher-type alltoall needs --moe-received-token-capacity: "
                "without static receive buffers the all-to-all's split sizes are read on the host (a "

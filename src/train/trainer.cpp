@@ -582,7 +582,7 @@ int run_pretrain(PretrainArgs args) {
   CudaGraph train_graph, eval_graph;
   // Per-layer capture (--cuda-graph-impl local with attn / mlp / moe): the layers' scoped regions,
   // one graph per (layer, region, slot), captured on first use after the warm-up.
-  LayerGraphs layer_graphs(cg.captures("attn"), cg.captures("mlp"), cg.captures("moe"));
+  LayerGraphs layer_graphs(cg.captures("attn"), cg.captures("mlp"), cg.captures("moe"), cg.captures("moe_router"));
   if (cg.per_layer()) {
     model.set_layer_graphs(&layer_graphs);
     executor.use_slot_keys();

@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "ops/elementwise.h"
 #include "ops/moe.h"
 #include "testing/testing.h"
 
@@ -162,6 +163,32 @@ TEST(MoeCuda, TopkRoutingMatchesCpu) {
 }
 
 // ---- losses --------------------------------------------------------------------------------------
+
+// global_aux_loss's count accumulator: three forwards' counts, the running mean, bitwise as the CPU.
+TEST(MoeCuda, GlobalTokensPerExpertMatchesCpu) {
+  const int64_t E = 37;
+  std::vector<std::vector<float>> result;
+  for (const Device dev : {Device::cpu(), Device::cuda()}) {
+    Stream s(dev);
+    OwnedTensor acc(DType::kF32, dev, {E + 1}), avg(DType::kF32, dev, {E});
+    fill(acc.t, 0.f, s);
+    std::vector<float> all;
+    for (int f = 0; f < 3; ++f) {
+      std::vector<float> counts(static_cast<size_t>(E));
+      for (int64_t e = 0; e < E; ++e) counts[static_cast<size_t>(e)] = static_cast<float>((e * 7 + f * 13) % 29);
+      auto c = make_tensor(counts, DType::kF32, dev, {E}, s);
+      moe_global_tokens_per_expert(avg.t, acc.t, c.t, s);
+      const auto a = to_host(avg.t, s);
+      all.insert(all.end(), a.begin(), a.end());
+    }
+    const auto a = to_host(acc.t, s);
+    all.insert(all.end(), a.begin(), a.end());
+    result.push_back(all);
+  }
+  ASSERT_EQ(result[0].size(), result[1].size());
+  for (size_t i = 0; i < result[0].size(); ++i) EXPECT_EQ(result[0][i], result[1][i]) << i;
+  EXPECT_EQ(result[1].back(), 3.f);  // forwards counted
+}
 
 TEST(MoeCuda, AuxLossAndZLossMatchCpu) {
   MT_REQUIRE_CUDA();

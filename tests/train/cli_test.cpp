@@ -215,8 +215,8 @@ TEST_F(CliTest, BadInputErrors) {
       {train_flags("--train-iters 2 --cuda-graph-include-optimizer"), "--cuda-graph-impl none"},
       {train_flags("--train-iters 2 --cuda-graph-impl local --cuda-graph-scope attn full_iteration"),
        "cannot be combined"},
-      {train_flags("--train-iters 2 --cuda-graph-impl local --cuda-graph-scope moe_router"),
-       "--cuda-graph-scope moe_router is not implemented"},
+      {train_flags("--train-iters 2 --cuda-graph-impl local --cuda-graph-scope moe_preprocess"),
+       "--cuda-graph-scope moe_preprocess is not implemented"},
       {train_flags("--train-iters 2 --cuda-graph-impl local --cuda-graph-scope attn mlp"), "needs a CUDA device"},
       {"generate --load " + (bad / "nothing").string() + " " + tok, "nothing"},
   };

@@ -184,6 +184,15 @@ TEST_F(CudaGraphTraining, PerLayerMoeFollowsEager) {
               "--cuda-graph-impl local --cuda-graph-scope attn moe --cuda-graph-warmup-steps 2");
 }
 
+TEST_F(CudaGraphTraining, PerLayerMoeRouterWithHostCountsFollowsEager) {
+  // moe_router: the router and its losses captured while the experts' per-expert GEMM loop (which
+  // reads the counts on the host) runs eagerly; with the global load-balancing loss, whose counts
+  // accumulate over the step's micro-batches on the device.
+  expect_same("--disable-bias-linear --num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2 "
+              "--moe-router-load-balancing-type global_aux_loss --moe-z-loss-coeff 1e-3",
+              "--cuda-graph-impl local --cuda-graph-scope attn moe_router --cuda-graph-warmup-steps 2");
+}
+
 TEST_F(CudaGraphTraining, RefusedCombinationsNameTheFlag) {
   RunResult r = run_megatron(flags("--cuda-graph-impl full_iteration --timing-log-level 1"));
   EXPECT_NE(r.rc, 0);

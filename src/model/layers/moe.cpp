@@ -2,8 +2,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <numeric>
 
+#include "model/layer_graphs.h"
 #include "model/layers/parallel_params.h"
 #include "ops/elementwise.h"
 #include "ops/gelu.h"
@@ -237,12 +239,9 @@ Tensor MoELayer::router_top(int slot) const {
   return drops() ? saved_.at(static_cast<size_t>(slot)).top_routed : dispatcher_->top(slot);
 }
 
-Tensor MoELayer::forward(const StepContext& ctx) {
-  Saved& sv = saved_.at(static_cast<size_t>(ctx.slot));
+void MoELayer::router_forward(Saved& sv, const StepContext& ctx) {
   const Stream& st = ctx.stream;
-  const Tensor x = rows(sv.x);
-  // --- router (local tokens) ---
-  matmul(sv.logits, x, router_weight_.value(), false, true, 1.f, 0.f, st);
+  matmul(sv.logits, rows(sv.x), router_weight_.value(), false, true, 1.f, 0.f, st);
   if (config_.moe_router_force_load_balancing) random_logits(sv.logits, ctx);
   expert_bias(st);  // zero-initialised on first use
   const Tensor top = router_top(ctx.slot), probs = dispatcher_->probs(ctx.slot);
@@ -286,6 +285,14 @@ Tensor MoELayer::forward(const StepContext& ctx) {
     add(counted, counted, total, st);
     if (!expert_bias_.empty()) add(bias_counts_, bias_counts_, total, st);
   }
+}
+
+Tensor MoELayer::forward(const StepContext& ctx) {
+  Saved& sv = saved_.at(static_cast<size_t>(ctx.slot));
+  const Stream& st = ctx.stream;
+  const Tensor x = rows(sv.x);
+  // --- router (local tokens) and the auxiliary losses: the moe_router region of per-layer graphs ---
+  router_region(ctx, false, [&] { router_forward(sv, ctx); });
   // --- dispatch: the rows of the local experts, ordered by expert ---
   MoeExpertCounts counts = dispatcher_->dispatch(sv.xp, x, ctx.slot, st);
   if (config_.moe_grouped_gemm) {  // experts and combine over all R_max rows, counts on the device
@@ -472,22 +479,34 @@ Tensor MoELayer::backward(const Tensor& dy, const StepContext& ctx, WgradDeferra
   return router_backward(sv, dy, ctx, defer);
 }
 
+void MoELayer::router_region(const StepContext& ctx, bool backward, const std::function<void()>& body) {
+  if (ctx.graphs == nullptr) {
+    body();
+    return;
+  }
+  // reads the slot's tensors and the static scratch only (d_probs, dx), besides the loss scale
+  ctx.graphs->run(layer_, LayerGraphs::Region::kMoeRouter, backward, ctx.dropout.training, ctx.slot,
+                  {ctx.loss_scale.data(), nullptr, nullptr, nullptr, nullptr}, ctx.stream, body);
+}
+
 Tensor MoELayer::router_backward(Saved& sv, const Tensor& dy, const StepContext& ctx, WgradDeferral* defer) {
   const Stream& st = ctx.stream;
   const Tensor x = rows(sv.x);
   const Tensor dx = rows(dx_);
-  // --- router backward: probs path, load-balancing loss, z-loss ---
-  moe_topk_routing_backward(d_logits_, d_probs_, sv.logits, router_top(ctx.slot), router_, st);
-  const double w = ctx.batch.aux_loss_weight;
-  if (aux_loss_on())
-    moe_aux_scores_backward(d_logits_, sv.logits, global_aux() ? sv.global_tokens : sv.tokens_per_expert,
-                            aux_scale(w), ctx.loss_scale, router_.sigmoid, st);
-  if (config_.moe_z_loss_coeff > 0) moe_z_loss(Tensor(), d_logits_, sv.logits, z_scale(w), ctx.loss_scale, st);
-  // dW_r += d_logitsᵀ x, dx += d_logits W_r (in the activation dtype)
-  const Tensor d_logits = d_logits_act_.empty() ? d_logits_ : d_logits_act_;
-  if (!d_logits_act_.empty()) cast(d_logits_act_, d_logits_, st);
-  linear_backward(Tensor(), router_weight_.grad(), Tensor(), d_logits, x, router_weight_.value(), st);
-  matmul(dx, d_logits, router_weight_.value(), false, false, 1.f, 1.f, st);
+  // --- router backward: probs path, load-balancing loss, z-loss (the moe_router region) ---
+  router_region(ctx, true, [&] {
+    moe_topk_routing_backward(d_logits_, d_probs_, sv.logits, router_top(ctx.slot), router_, st);
+    const double w = ctx.batch.aux_loss_weight;
+    if (aux_loss_on())
+      moe_aux_scores_backward(d_logits_, sv.logits, global_aux() ? sv.global_tokens : sv.tokens_per_expert,
+                              aux_scale(w), ctx.loss_scale, router_.sigmoid, st);
+    if (config_.moe_z_loss_coeff > 0) moe_z_loss(Tensor(), d_logits_, sv.logits, z_scale(w), ctx.loss_scale, st);
+    // dW_r += d_logitsᵀ x, dx += d_logits W_r (in the activation dtype)
+    const Tensor d_logits = d_logits_act_.empty() ? d_logits_ : d_logits_act_;
+    if (!d_logits_act_.empty()) cast(d_logits_act_, d_logits_, st);
+    linear_backward(Tensor(), router_weight_.grad(), Tensor(), d_logits, x, router_weight_.value(), st);
+    matmul(dx, d_logits, router_weight_.value(), false, false, 1.f, 1.f, st);
+  });
   if (shared_) add(dx_, dx_, shared_->backward(dy, ctx, defer), st);
   return dx_;
 }

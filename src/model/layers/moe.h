@@ -58,6 +58,7 @@
 // the weight gradients sum over each group's rows only, and the combine (forward and backward)
 // and the dispatch backward address rows through slot_row, which never points past R.
 #pragma once
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -174,6 +175,10 @@ class MoELayer final : public MlpSlot {
   void grouped_forward(Saved& sv, const Stream& st);
   void grouped_backward(Saved& sv, const Stream& st);
   Tensor finish_forward(Saved& sv, const StepContext& ctx);  // the shared experts, then y
+  // The router with the auxiliary losses' values and counts (forward), and their backward into
+  // the router weight and dx: the moe_router region of per-layer CUDA graphs (model/layer_graphs.h).
+  void router_forward(Saved& sv, const StepContext& ctx);
+  void router_region(const StepContext& ctx, bool backward, const std::function<void()>& body);
   // The router's backward and the shared experts' (after the dispatch backward wrote dx_).
   Tensor router_backward(Saved& sv, const Tensor& dy, const StepContext& ctx, WgradDeferral* defer);
 
