@@ -75,9 +75,9 @@ std::vector<double> GPTModel::moe_loss_stats(const Stream& stream) const {
 
 void GPTModel::update_expert_bias(const Stream& stream) {
   if (!config_.moe_router_enable_expert_bias) return;
-  Communicator* dp = groups_.dp_cp ? groups_.dp_cp.get() : groups_.dp.get();
+  // the counts are summed over TP × CP in the forwards: over DP here (Megatron's tp_dp_cp all-reduce)
   for (const auto& l : parts_->layers)
-    if (MoELayer* m = l->moe()) m->update_expert_bias(dp, stream);
+    if (MoELayer* m = l->moe()) m->update_expert_bias(groups_.dp.get(), stream);
 }
 
 void GPTModel::reset_global_aux_loss_tracker(const Stream& stream) {
@@ -132,6 +132,14 @@ ContextParallelOptions GPTModel::validate_context_parallel(const TransformerConf
                "--context-parallel-size {} needs --attention-dropout 0 and --hidden-dropout 0 (got {} and {}): "
                "dropout masks under context parallelism are not implemented",
                cp, c.attention_dropout, c.hidden_dropout);
+  // MoE works with CP (the router's token counts over the TP × CP group, moe.h), but the random
+  // logits of --moe-router-force-load-balancing are keyed by the token's index in the TP group's
+  // contiguous [s, b] rows, which the 2·CP chunk split does not keep.
+  if (cp > 1 && c.num_moe_experts > 0)
+    MT_REQUIRE(!c.moe_router_force_load_balancing,
+               "--moe-router-force-load-balancing with --context-parallel-size {} is not implemented (the random "
+               "logits are keyed by the token's index in the unsplit sequence)",
+               cp);
   return o;
 }
 
@@ -176,10 +184,8 @@ GPTModel::GPTModel(const TransformerConfig& config, int64_t micro_batch, DType d
   if (config_.num_moe_experts > 0) {
     MT_REQUIRE(tp_.size() == 1 || tp_.sequence_parallel(),
                "MoE with tensor parallel size {} needs --sequence-parallel (as Megatron requires)", tp_.size());
-    MT_REQUIRE(!groups_.cp || groups_.cp->size() == 1,
-               "MoE with context parallel size {} is not implemented yet (the load-balancing loss would need the "
-               "token counts of the tp-cp group)",
-               groups_.cp ? groups_.cp->size() : 1);
+    // With CP the router's token counts and N are those of the TP × CP group (moe.h; checks in
+    // validate_context_parallel).
   }
   std::vector<ModelChunk>& chunks = layout.chunks;
   if (chunks.empty()) chunks.push_back({whole_model(config_)[0], 1, 1});
@@ -209,9 +215,13 @@ GPTModel::GPTModel(const TransformerConfig& config, int64_t micro_batch, DType d
                             groups_.etp_ep, groups_.ep, groups_.etp};
   }
   parts_ = std::make_unique<Parts>(config_, tp_, expert, ranges, fast_flash, cp_.get());
-  // global_aux_loss sums the token counts over the data-parallel group (MoE refuses CP above)
+  // The router sums its token counts over TP × CP (Megatron's tp_cp_group), global_aux_loss then
+  // over DP (together Megatron's tp_dp_cp_group).
   for (const auto& l : parts_->layers)
-    if (MoELayer* m = l->moe()) m->set_data_parallel(groups_.dp_cp ? groups_.dp_cp.get() : groups_.dp.get());
+    if (MoELayer* m = l->moe()) {
+      m->set_data_parallel(groups_.dp.get());
+      m->set_context_parallel(cp_ ? groups_.tp_cp.get() : nullptr);
+    }
   flash_ = get_gpt_layer_local_spec(config_, fast_flash).core_attention == CoreAttentionKind::kFlash;
   params_ = shared ? std::move(shared)
                    : std::make_shared<ParamStore>(parts_->registry.specs(), dtype, device, param_layout);

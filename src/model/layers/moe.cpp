@@ -195,6 +195,16 @@ Tensor row_range(const Tensor& t, int64_t begin, int64_t n) {
 }
 }  // namespace
 
+int MoELayer::token_group_size() const { return tp_cp_ ? tp_cp_->size() : tp_.size(); }
+
+void MoELayer::sum_token_group(const Tensor& t, const Stream& st) const {
+  if (tp_cp_) {
+    if (tp_cp_->size() > 1) tp_cp_->all_reduce(t, ReduceOp::kSum, st);
+  } else if (tp_.size() > 1) {
+    tp_.group().all_reduce(t, ReduceOp::kSum, st);
+  }
+}
+
 bool MoELayer::aux_loss_on() const {
   return config_.moe_router_load_balancing_type != MoeLoadBalancing::kNone && config_.moe_aux_loss_coeff > 0;
 }
@@ -203,19 +213,19 @@ float MoELayer::aux_scale(double weight) const {
   const double E = static_cast<double>(num_experts_), k = static_cast<double>(topk_);
   if (config_.moe_router_load_balancing_type == MoeLoadBalancing::kSeqAuxLoss) {
     // Megatron's sequence_load_balancing_loss_func: coeff · mean_b Σ_e (c_be·E/(s·k)) · (P_be/s), s the
-    // whole sequence (this rank holds s/TP tokens of each sequence)
-    const double B = static_cast<double>(batch_), s = static_cast<double>(tokens_) * tp_.size() / B;
+    // whole sequence (this rank holds s/(TP·CP) tokens of each sequence; Megatron's seq_length·|tp_cp|)
+    const double B = static_cast<double>(batch_), s = static_cast<double>(tokens_) * token_group_size() / B;
     return static_cast<float>(weight * config_.moe_aux_loss_coeff * E / (B * k * s * s));
   }
   if (global_aux()) {
-    // Megatron's global switch loss coeff·E/(k·N_g²)·Σ_e P_e·c̄_e, N_g the tokens of the TP × DP
+    // Megatron's global switch loss coeff·E/(k·N_g²)·Σ_e P_e·c̄_e, N_g the tokens of the TP × CP × DP
     // group; weighted by weight·DP = 1/micro-batches (the fix of NVIDIA/Megatron-LM#3672)
     const double D = dp_ ? static_cast<double>(dp_->size()) : 1.0;
-    const double N = static_cast<double>(tokens_) * tp_.size() * D;
+    const double N = static_cast<double>(tokens_) * token_group_size() * D;
     return static_cast<float>(weight * D * config_.moe_aux_loss_coeff * E / (k * N * N));
   }
-  // Megatron's switch loss coeff·E/(k·N²)·Σ_e P_e·c_e with N the tokens of the TP group
-  const double N = static_cast<double>(tokens_) * tp_.size();
+  // Megatron's switch loss coeff·E/(k·N²)·Σ_e P_e·c_e with N the tokens of the TP × CP group
+  const double N = static_cast<double>(tokens_) * token_group_size();
   return static_cast<float>(weight * config_.moe_aux_loss_coeff * E / (k * N * N));
 }
 
@@ -231,8 +241,8 @@ void MoELayer::random_logits(const Tensor& logits, const StepContext& ctx) const
 }
 
 float MoELayer::z_scale(double weight) const {
-  // coeff · mean over the TP group's tokens, this rank's share
-  return static_cast<float>(weight * config_.moe_z_loss_coeff / tp_.size() / static_cast<double>(tokens_));
+  // coeff · mean over the TP × CP group's tokens, this rank's share (Megatron's coeff / |tp_cp|)
+  return static_cast<float>(weight * config_.moe_z_loss_coeff / token_group_size() / static_cast<double>(tokens_));
 }
 
 Tensor MoELayer::router_top(int slot) const {
@@ -257,8 +267,8 @@ void MoELayer::router_forward(Saved& sv, const StepContext& ctx) {
     }
     const double w = ctx.batch.aux_loss_weight;
     moe_tokens_per_expert(sv.tokens_per_expert, top, st);
-    if (tp_.size() > 1) tp_.group().all_reduce(sv.tokens_per_expert, ReduceOp::kSum, st);  // over the TP group
-    if (global_aux()) {  // the counts over TP × DP, accumulated over the step's forwards so far
+    sum_token_group(sv.tokens_per_expert, st);  // over the TP × CP group
+    if (global_aux()) {  // the counts over TP × CP × DP, accumulated over the step's forwards so far
       if (!global_zeroed_) {
         fill(global_acc_, 0.f, st);
         global_zeroed_ = true;
@@ -274,11 +284,11 @@ void MoELayer::router_forward(Saved& sv, const StepContext& ctx) {
     Tensor total = sv.tokens_per_expert.view({num_experts_ * sv.tokens_per_expert.size(0)});
     if (sv.tokens_per_expert.size(0) > 1) {  // per-sequence counts: the totals separately
       moe_tokens_per_expert(counts_total_, top, st);
-      if (tp_.size() > 1) tp_.group().all_reduce(counts_total_, ReduceOp::kSum, st);
+      sum_token_group(counts_total_, st);
       total = counts_total_;
     }
     if (drops()) {  // the kept slots (Megatron's expert-bias counts are taken after the drop)
-      if (tp_.size() > 1) tp_.group().all_reduce(kept_counts_, ReduceOp::kSum, st);
+      sum_token_group(kept_counts_, st);
       total = kept_counts_;
     }
     const Tensor counted = stats_.slice0(2, 2 + num_experts_);
