@@ -4,9 +4,10 @@
 // 4 x --cp-comm-type {p2p, allgather, a2a, a2a+p2p} x {GPT (MHA, learned positions), Llama style
 // (GQA, RoPE)} x {causal, document masks with reset position ids}, and CP with TP + SP, PP (+VPP),
 // DP (+ the distributed optimizer over dp-cp); MoE with CP (the router's token counts and N over the
-// TP × CP group: aux_loss with the allgather and alltoall dispatchers, EP, TP + SP; seq_aux_loss with
-// the sigmoid router, expert bias and shared experts; global_aux_loss; the z-loss), experts reduced
-// over the expert-data-parallel group, which folds CP in. Three training iterations each; the losses of every
+// TP × CP group: aux_loss with the allgather and alltoall dispatchers, EP, TP + SP, DP; seq_aux_loss
+// with the sigmoid router, expert bias and shared experts; global_aux_loss, with DP against one rank
+// running the DP ranks' micro-batches as one; the z-loss), experts reduced over the
+// expert-data-parallel group (CP folds into EP / EDP). Three training iterations each; the losses of every
 // iteration, the gradients of the last one and the parameters after it equal the single-rank run
 // (rel. 1e-5).
 #include <gtest/gtest.h>
@@ -307,6 +308,9 @@ struct Layout {
   bool sp = false, zero = false;
   int ep = 1;             // MoE: expert model parallel size (expert TP = TP)
   bool alltoall = false;  // MoE: --moe-token-dispatcher-type alltoall (the reference is allgather)
+  // Reference only: each micro-batch is the union (along b) of `merge` consecutive sample groups,
+  // i.e. of the DP ranks' micro-batches of one step (global_aux_loss: the global micro-batch).
+  int merge = 1;
   std::string name() const {
     std::string t = type == "a2a+p2p" ? fmt::format("a2a{}p2p{}", hier[0], hier[1]) : type;
     std::string s = fmt::format("{}cp{}_{}{}_tp{}_pp{}_dp{}", arch_name(arch), cp, t, docs ? "_docs" : "", tp, pp, dp);
@@ -338,7 +342,8 @@ Result run_layout(const Layout& L, const Data& D) {
   if (L.alltoall) c.moe_token_dispatcher_type = MoeDispatcher::kAllToAll;
   const int64_t S = kSeq, mb = D.mb, sl = S / L.cp;
   const int world_size = L.tp * L.cp * L.pp * L.dp;
-  const int M = D.micro_total / L.dp;
+  const int M = D.micro_total / (L.dp * L.merge);
+  const int64_t B = mb * L.merge;  // the micro-batch size
   Result out;
   out.losses.assign(kIters, 0.0);
   std::mutex mu;
@@ -365,12 +370,12 @@ Result run_layout(const Layout& L, const Data& D) {
     Stream st(Device::cpu());
     const int dpcp = g.dp_cp->size();
     ParamLayout pl(dpcp, 0);
-    pl.expert_data_parallel_size = pc.edp;  // world / (etp·ep·pp): CP folds into the expert DP
-    GPTModel model(c, mb, DType::kF32, Device::cpu(), g, L.sp, pl, model_layout(ranges, {&plan}));
+    pl.expert_data_parallel_size = pc.edp;  // world / (etp·ep·pp): CP folds into EP and / or EDP
+    GPTModel model(c, B, DType::kF32, Device::cpu(), g, L.sp, pl, model_layout(ranges, {&plan}));
     EXPECT_EQ(model.local_seq_length(), sl);
     PipelineExecutor executor(model, g.pp, {&plan});
     // Gradients reduced over dp-cp (Megatron), the distributed optimizer sharded over dp-cp; the
-    // experts' over the expert-data-parallel group (which holds the CP ranks).
+    // experts' over the expert-data-parallel group (world / (etp·ep·pp): CP folds into EP / EDP).
     EXPECT_EQ(g.edp->size(), L.cp * L.dp * L.tp / (L.tp * L.ep));
     GradSync sync(model.params(), g.dp_cp, DdpConfig{false, false, L.zero}, g.edp);
     OptimizerConfig oc;
@@ -385,21 +390,31 @@ Result run_layout(const Layout& L, const Data& D) {
     std::vector<MicroBatch> mbs;
     for (int m = 0; m < M; ++m) {
       const int64_t gm = static_cast<int64_t>(m) * L.dp + d;
-      std::vector<int32_t> t(sl * mb), l(sl * mb), p(sl * mb), ds(mb * sl);
-      cp_shard_rows(t.data(), D.tokens.data() + gm * S * mb, S, mb, L.cp, cpr);
-      cp_shard_rows(l.data(), D.labels.data() + gm * S * mb, S, mb, L.cp, cpr);
-      cp_shard_rows(p.data(), D.positions.data() + gm * S * mb, S, mb, L.cp, cpr);
-      cp_shard_columns(ds.data(), D.doc.data() + gm * S * mb, mb, S, L.cp, cpr);
-      own.push_back(testing::make_int_tensor(t, Device::cpu(), {sl, mb}, st));
-      own.push_back(testing::make_int_tensor(l, Device::cpu(), {sl, mb}, st));
-      own.push_back(testing::make_int_tensor(p, Device::cpu(), {sl, mb}, st));
-      own.push_back(testing::make_int_tensor(ds, Device::cpu(), {mb, sl}, st));
+      std::vector<int32_t> t(sl * B), l(sl * B), p(sl * B), ds(B * sl);
+      std::vector<int32_t> tq(sl * mb), lq(sl * mb), pq(sl * mb);
+      for (int64_t q = 0; q < L.merge; ++q) {  // sample group gm·merge + q at columns [q·mb, (q + 1)·mb)
+        const int64_t off = (gm * L.merge + q) * S * mb;
+        cp_shard_rows(tq.data(), D.tokens.data() + off, S, mb, L.cp, cpr);
+        cp_shard_rows(lq.data(), D.labels.data() + off, S, mb, L.cp, cpr);
+        cp_shard_rows(pq.data(), D.positions.data() + off, S, mb, L.cp, cpr);
+        cp_shard_columns(ds.data() + q * mb * sl, D.doc.data() + off, mb, S, L.cp, cpr);
+        for (int64_t i = 0; i < sl; ++i)
+          for (int64_t j = 0; j < mb; ++j) {
+            t[i * B + q * mb + j] = tq[i * mb + j];
+            l[i * B + q * mb + j] = lq[i * mb + j];
+            p[i * B + q * mb + j] = pq[i * mb + j];
+          }
+      }
+      own.push_back(testing::make_int_tensor(t, Device::cpu(), {sl, B}, st));
+      own.push_back(testing::make_int_tensor(l, Device::cpu(), {sl, B}, st));
+      own.push_back(testing::make_int_tensor(p, Device::cpu(), {sl, B}, st));
+      own.push_back(testing::make_int_tensor(ds, Device::cpu(), {B, sl}, st));
     }
     for (int m = 0; m < M; ++m) {
       MicroBatch b{own[4 * m].t, own[4 * m + 1].t, Tensor()};
       b.position_ids = own[4 * m + 2].t;
       if (L.docs) b.doc_start = own[4 * m + 3].t;
-      b.loss_weight = 1.0f / static_cast<float>(S * mb * M * L.dp);  // unmasked tokens of the whole sequence
+      b.loss_weight = 1.0f / static_cast<float>(S * B * M * L.dp);  // unmasked tokens of the whole sequence
       b.aux_loss_weight = 1.0f / static_cast<float>(M * L.dp);        // the trainer's
       mbs.push_back(b);
     }
@@ -472,6 +487,7 @@ TEST_P(ContextParallelLayouts, MatchesSingleRank) {
   Layout one;
   one.arch = L.arch;
   one.docs = L.docs;
+  if (L.arch == Arch::kMoeGlobal) one.merge = L.dp;  // the global micro-batch (moe.h)
   const Result ref = run_layout(one, D);
   const Result par = run_layout(L, D);
   for (int it = 0; it < kIters; ++it) EXPECT_NEAR(par.losses[it], ref.losses[it], 1e-5 * ref.losses[it]) << it;
@@ -549,10 +565,16 @@ std::vector<Layout> layouts() {
   l = add(Arch::kMoeSigmoid, 2, "a2a", {}, false);
   l->tp = 2;
   l->sp = true;
+  l = add(Arch::kMoeSigmoid, 2, "p2p", {}, false);  // expert-bias counts over TP × CP, then DP
+  l->dp = 2;
   add(Arch::kMoeGlobal, 2, "p2p", {}, false);
   l = add(Arch::kMoeGlobal, 2, "p2p", {}, false);
   l->tp = 2;
   l->sp = true;
+  l = add(Arch::kMoeGlobal, 2, "p2p", {}, true);  // counts over TP × CP × DP (reference: the union)
+  l->dp = 2;
+  l->ep = 2;
+  l->alltoall = true;
   return v;
 }
 
