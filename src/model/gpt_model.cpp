@@ -132,14 +132,6 @@ ContextParallelOptions GPTModel::validate_context_parallel(const TransformerConf
                "--context-parallel-size {} needs --attention-dropout 0 and --hidden-dropout 0 (got {} and {}): "
                "dropout masks under context parallelism are not implemented",
                cp, c.attention_dropout, c.hidden_dropout);
-  // MoE works with CP (the router's token counts over the TP × CP group, moe.h), but the random
-  // logits of --moe-router-force-load-balancing are keyed by the token's index in the TP group's
-  // contiguous [s, b] rows, which the 2·CP chunk split does not keep.
-  if (cp > 1 && c.num_moe_experts > 0)
-    MT_REQUIRE(!c.moe_router_force_load_balancing,
-               "--moe-router-force-load-balancing with --context-parallel-size {} is not implemented (the random "
-               "logits are keyed by the token's index in the unsplit sequence)",
-               cp);
   return o;
 }
 
@@ -184,8 +176,7 @@ GPTModel::GPTModel(const TransformerConfig& config, int64_t micro_batch, DType d
   if (config_.num_moe_experts > 0) {
     MT_REQUIRE(tp_.size() == 1 || tp_.sequence_parallel(),
                "MoE with tensor parallel size {} needs --sequence-parallel (as Megatron requires)", tp_.size());
-    // With CP the router's token counts and N are those of the TP × CP group (moe.h; checks in
-    // validate_context_parallel).
+    // With CP the router's token counts and N are those of the TP × CP group (moe.h).
   }
   std::vector<ModelChunk>& chunks = layout.chunks;
   if (chunks.empty()) chunks.push_back({whole_model(config_)[0], 1, 1});
@@ -220,7 +211,7 @@ GPTModel::GPTModel(const TransformerConfig& config, int64_t micro_batch, DType d
   for (const auto& l : parts_->layers)
     if (MoELayer* m = l->moe()) {
       m->set_data_parallel(groups_.dp.get());
-      m->set_context_parallel(cp_ ? groups_.tp_cp.get() : nullptr);
+      if (cp_) m->set_context_parallel(groups_.tp_cp.get(), groups_.cp->size(), groups_.cp->rank());
     }
   flash_ = get_gpt_layer_local_spec(config_, fast_flash).core_attention == CoreAttentionKind::kFlash;
   params_ = shared ? std::move(shared)

@@ -137,38 +137,6 @@ TEST(ContextParallelLayout, ModelRejectsBadConfigBeforeCommunication) {
   }
 }
 
-TEST(ContextParallelLayout, MoeForcedBalanceRefusedBeforeCommunication) {
-  // MoE runs with CP, but not the random logits of --moe-router-force-load-balancing (keyed by the
-  // token's index in the unsplit sequence): every rank throws in the GPTModel constructor.
-  int errors = 0;
-  std::mutex mu;
-  run_thread_ranks(2, [&](int, std::shared_ptr<Communicator> world) {
-    ParallelConfig pc;
-    pc.cp = 2;
-    validate_and_derive(pc, 2);
-    const ProcessGroups g = build_process_groups(world, pc);
-    TransformerConfig c;
-    c.num_layers = 1;
-    c.hidden_size = 16;
-    c.num_attention_heads = 4;
-    c.seq_length = 16;
-    c.vocab_size = 32;
-    c.hidden_dropout = c.attention_dropout = 0.f;
-    c.num_moe_experts = 4;
-    c.moe_router_topk = 2;
-    c.add_bias_linear = false;
-    c.moe_router_force_load_balancing = true;
-    try {
-      GPTModel m(c, 1, DType::kF32, Device::cpu(), g);
-    } catch (const Error& e) {
-      std::lock_guard<std::mutex> lock(mu);
-      EXPECT_NE(std::string(e.what()).find("--moe-router-force-load-balancing"), std::string::npos) << e.what();
-      ++errors;
-    }
-  });
-  EXPECT_EQ(errors, 2);
-}
-
 // ---------------------------------------------------------------------------------------------
 // The blockwise op: merging two key blocks by their LSE equals one call over all keys.
 // ---------------------------------------------------------------------------------------------
@@ -236,10 +204,13 @@ constexpr int64_t kSeq = 16;
 
 // kMoe: the Llama style with MoE in layers 1 and 3 (4 experts, top-2, aux_loss and z-loss);
 // kMoeSigmoid: MoE in every layer, DeepSeek-style router (sigmoid, groups), seq_aux_loss, expert bias
-// and a shared expert; kMoeGlobal: kMoe with global_aux_loss.
-enum class Arch { kGpt, kLlama, kMoe, kMoeSigmoid, kMoeGlobal };
+// and a shared expert; kMoeGlobal: kMoe with global_aux_loss; kMoeForced: kMoe with
+// --moe-router-force-load-balancing (random logits keyed by the token's row in the [s, b] layout).
+enum class Arch { kGpt, kLlama, kMoe, kMoeSigmoid, kMoeGlobal, kMoeForced };
 
-bool is_moe(Arch a) { return a == Arch::kMoe || a == Arch::kMoeSigmoid || a == Arch::kMoeGlobal; }
+bool is_moe(Arch a) {
+  return a == Arch::kMoe || a == Arch::kMoeSigmoid || a == Arch::kMoeGlobal || a == Arch::kMoeForced;
+}
 
 TransformerConfig config(Arch arch) {
   TransformerConfig c;
@@ -282,6 +253,7 @@ TransformerConfig config(Arch arch) {
     } else {
       c.moe_layer_pattern = parse_moe_layer_freq("[0,1]*2", c.num_layers);
       if (arch == Arch::kMoeGlobal) c.moe_router_load_balancing_type = MoeLoadBalancing::kGlobalAuxLoss;
+      c.moe_router_force_load_balancing = arch == Arch::kMoeForced;
     }
   }
   return c;
@@ -294,6 +266,7 @@ const char* arch_name(Arch a) {
     case Arch::kMoe: return "moe_";
     case Arch::kMoeSigmoid: return "moe_sigmoid_";
     case Arch::kMoeGlobal: return "moe_global_";
+    case Arch::kMoeForced: return "moe_forced_";
   }
   return "";
 }
@@ -575,6 +548,16 @@ std::vector<Layout> layouts() {
   l->dp = 2;
   l->ep = 2;
   l->alltoall = true;
+  // --moe-router-force-load-balancing: each CP rank's two chunks (and their TP shards) keyed by
+  // their rows in the unsplit sequence.
+  add(Arch::kMoeForced, 2, "p2p", {}, false);
+  add(Arch::kMoeForced, 4, "a2a", {}, false);
+  l = add(Arch::kMoeForced, 2, "p2p", {}, false);
+  l->tp = 2;
+  l->sp = true;
+  l = add(Arch::kMoeForced, 2, "p2p", {}, false);  // TP 4: a TP shard inside one chunk
+  l->tp = 4;
+  l->sp = true;
   return v;
 }
 

@@ -230,14 +230,31 @@ float MoELayer::aux_scale(double weight) const {
 }
 
 void MoELayer::random_logits(const Tensor& logits, const StepContext& ctx) const {
-  // Global token index of local token t: tp_rank·T + t (the sequence-parallel shard of the [s, b]
-  // layout is contiguous); keyed by seed, iteration, global micro-batch and layer.
+  // Keyed by the token's row in the micro-batch's [s, b] layout (position·b + sequence), seed,
+  // iteration, global micro-batch and layer: the same values under any layout. Without CP this TP
+  // rank's tokens are the rows [tp_rank·T, (tp_rank + 1)·T) (the sequence-parallel shard is
+  // contiguous). With CP the rank's [s/CP, b] rows are two chunks of c = s/(2·CP) positions, chunk
+  // cp_rank then chunk 2·CP − 1 − cp_rank, each contiguous in the [s, b] layout; the TP shard of
+  // them may take part of either: one box per chunk it touches.
   // With a device iteration (CUDA graphs) init_normal mixes it in when the kernel runs: the same key.
   const DropoutContext& dc = ctx.dropout;
   const uint64_t key = dc.seed * 0x9E3779B97F4A7C15ull ^ (dc.iteration_ptr ? 0 : dc.iteration << 20) ^ dc.microbatch;
-  const int64_t T = tokens_, E = num_experts_;
-  const ShardBox box = ShardBox::make({T * tp_.size(), E}, {T * tp_.rank(), 0}, {T, E});
-  init_normal(logits, 1.f, key, static_cast<uint32_t>(0x4D6F4500 + layer_), box, ctx.stream, dc.iteration_ptr);
+  const uint32_t id = static_cast<uint32_t>(0x4D6F4500 + layer_);
+  const int64_t T = tokens_, E = num_experts_, rows_total = T * token_group_size();
+  const int64_t first = T * tp_.rank();  // this TP rank's first row of the CP rank's [s/CP, b] rows
+  if (cp_size_ == 1) {
+    init_normal(logits, 1.f, key, id, ShardBox::make({rows_total, E}, {first, 0}, {T, E}), ctx.stream,
+                dc.iteration_ptr);
+    return;
+  }
+  const int64_t chunk_rows = T * tp_.size() / 2;  // c·b
+  for (int64_t half = 0; half < 2; ++half) {
+    const int64_t lo = std::max(first, half * chunk_rows), hi = std::min(first + T, (half + 1) * chunk_rows);
+    if (lo >= hi) continue;
+    const int64_t chunk = half == 0 ? cp_rank_ : 2 * cp_size_ - 1 - cp_rank_;
+    const ShardBox box = ShardBox::make({rows_total, E}, {chunk * chunk_rows + lo - half * chunk_rows, 0}, {hi - lo, E});
+    init_normal(logits.slice0(lo - first, hi - first), 1.f, key, id, box, ctx.stream, dc.iteration_ptr);
+  }
 }
 
 float MoELayer::z_scale(double weight) const {

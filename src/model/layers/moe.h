@@ -126,8 +126,14 @@ class MoELayer final : public MlpSlot {
   void set_data_parallel(Communicator* dp) { dp_ = dp; }
   /// Context parallelism: the TP × CP group (Megatron's tp_cp_group) over which the token counts
   /// are summed and whose tokens N counts (each CP rank holds other tokens of the same sequences);
-  /// nullptr (CP 1) = the TP group. Set by the model before the first forward.
-  void set_context_parallel(Communicator* tp_cp) { tp_cp_ = tp_cp; }
+  /// nullptr (CP 1) = the TP group; this rank's CP size and rank (the 2·CP chunk split of the
+  /// sequence, for the random logits of --moe-router-force-load-balancing). Set by the model
+  /// before the first forward.
+  void set_context_parallel(Communicator* tp_cp, int cp_size, int cp_rank) {
+    tp_cp_ = tp_cp;
+    cp_size_ = cp_size;
+    cp_rank_ = cp_rank;
+  }
   /// global_aux_loss: zeroes the step's token-count accumulator on the device (ordered on `stream`,
   /// no host synchronisation, so a captured step stays valid); once per step after the last
   /// backward (Megatron's reset_global_aux_loss_tracker). No-op for the other types.
@@ -220,6 +226,7 @@ class MoELayer final : public MlpSlot {
   int64_t batch_ = 1;      // b of the planned [s_l, b] token layout
   Communicator* dp_ = nullptr;  // global_aux_loss: the data-parallel group
   Communicator* tp_cp_ = nullptr;  // the TP × CP group with CP > 1 (else the TP group counts)
+  int cp_size_ = 1, cp_rank_ = 0;
   int token_group_size() const;  // |TP × CP|: the ranks whose tokens the counts sum
   void sum_token_group(const Tensor& t, const Stream& st) const;  // all-reduce over TP × CP
   Buffer global_buffer_;   // fp32 [E + 1]: global_aux_loss's step accumulator (counts, forwards)
