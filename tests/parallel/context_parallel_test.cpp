@@ -534,6 +534,11 @@ std::vector<Layout> layouts() {
   l->dp = 2;
   l->ep = 2;
   l->alltoall = true;
+  l = add(Arch::kMoe, 2, "p2p", {}, false);  // the distributed optimizer: experts sharded over EDP
+  l->dp = 2;
+  l->zero = true;
+  l = add(Arch::kMoe, 2, "p2p", {}, true);
+  l->pp = 2;
   add(Arch::kMoeSigmoid, 2, "p2p", {}, true);
   l = add(Arch::kMoeSigmoid, 2, "a2a", {}, false);
   l->tp = 2;
