@@ -75,9 +75,9 @@ std::vector<double> GPTModel::moe_loss_stats(const Stream& stream) const {
 
 void GPTModel::update_expert_bias(const Stream& stream) {
   if (!config_.moe_router_enable_expert_bias) return;
-  Communicator* dp = groups_.dp_cp ? groups_.dp_cp.get() : groups_.dp.get();
+  // the counts are summed over TP × CP in the forwards: over DP here (Megatron's tp_dp_cp all-reduce)
   for (const auto& l : parts_->layers)
-    if (MoELayer* m = l->moe()) m->update_expert_bias(dp, stream);
+    if (MoELayer* m = l->moe()) m->update_expert_bias(groups_.dp.get(), stream);
 }
 
 void GPTModel::reset_global_aux_loss_tracker(const Stream& stream) {
@@ -176,10 +176,7 @@ GPTModel::GPTModel(const TransformerConfig& config, int64_t micro_batch, DType d
   if (config_.num_moe_experts > 0) {
     MT_REQUIRE(tp_.size() == 1 || tp_.sequence_parallel(),
                "MoE with tensor parallel size {} needs --sequence-parallel (as Megatron requires)", tp_.size());
-    MT_REQUIRE(!groups_.cp || groups_.cp->size() == 1,
-               "MoE with context parallel size {} is not implemented yet (the load-balancing loss would need the "
-               "token counts of the tp-cp group)",
-               groups_.cp ? groups_.cp->size() : 1);
+    // With CP the router's token counts and N are those of the TP × CP group (moe.h).
   }
   std::vector<ModelChunk>& chunks = layout.chunks;
   if (chunks.empty()) chunks.push_back({whole_model(config_)[0], 1, 1});
@@ -209,9 +206,13 @@ GPTModel::GPTModel(const TransformerConfig& config, int64_t micro_batch, DType d
                             groups_.etp_ep, groups_.ep, groups_.etp};
   }
   parts_ = std::make_unique<Parts>(config_, tp_, expert, ranges, fast_flash, cp_.get());
-  // global_aux_loss sums the token counts over the data-parallel group (MoE refuses CP above)
+  // The router sums its token counts over TP × CP (Megatron's tp_cp_group), global_aux_loss then
+  // over DP (together Megatron's tp_dp_cp_group).
   for (const auto& l : parts_->layers)
-    if (MoELayer* m = l->moe()) m->set_data_parallel(groups_.dp_cp ? groups_.dp_cp.get() : groups_.dp.get());
+    if (MoELayer* m = l->moe()) {
+      m->set_data_parallel(groups_.dp.get());
+      if (cp_) m->set_context_parallel(groups_.tp_cp.get(), groups_.cp->size(), groups_.cp->rank());
+    }
   flash_ = get_gpt_layer_local_spec(config_, fast_flash).core_attention == CoreAttentionKind::kFlash;
   params_ = shared ? std::move(shared)
                    : std::make_shared<ParamStore>(parts_->registry.specs(), dtype, device, param_layout);

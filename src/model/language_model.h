@@ -107,9 +107,9 @@ class LanguageModel {
   /// configured type; global_aux_loss's weighted by aux_loss_weight·DP, so that the sum over the
   /// world is Megatron's global_load_balancing_loss: the mean over micro-batches of the global
   /// micro-batch's loss), z-loss (each weighted by its micro-batch's aux_loss_weight), then tokens routed per expert counted over the
-  /// TP group — zeros for dense layers and layers of other ranks. Summed over every rank of the
+  /// TP × CP group — zeros for dense layers and layers of other ranks. Summed over every rank of the
   /// world the losses are the step's mean per layer (Megatron's load_balancing_loss / z_loss before
-  /// the average over layers) and the counts TP times the tokens routed.
+  /// the average over layers) and the counts TP·CP times the tokens routed.
   virtual std::vector<double> moe_loss_stats(const Stream& stream) const = 0;
   virtual void reset_moe_stats(const Stream& stream) = 0;
   /// The token dispatchers' statistics of this rank's MoE layers since reset_moe_stats()

@@ -76,13 +76,13 @@ std::string timestamp() {
 // [first + (m·DP + d)·b, first + (m·DP + d + 1)·b) (Megatron's MegatronPretrainingSampler).
 // The MoE part of the log line (Megatron's track_moe_metrics): the load-balancing loss and the
 // z-loss averaged over the MoE layers and the iterations since the last log line (each the mean
-// over micro-batches and data-parallel ranks, summed over TP; with global_aux_loss the loss is
+// over micro-batches and data-parallel ranks, summed over TP × CP; with global_aux_loss the loss is
 // named global_load_balancing_loss, as Megatron's, and is the mean over micro-batches of the loss
-// of the global micro-batch, summed over TP × DP), the tokens routed per expert and
+// of the global micro-batch, summed over TP × CP × DP), the tokens routed per expert and
 // iteration (min / max / mean over the experts of every MoE layer) and the worst layer's
 // imbalance (max / mean over its experts), and per layer with --moe-per-layer-logging.
 // Collective over the world; resets the model's statistics.
-std::string moe_log(LanguageModel& model, Communicator& world, int64_t iters, bool per_layer, int tp, int ep,
+std::string moe_log(LanguageModel& model, Communicator& world, int64_t iters, bool per_layer, int tp_cp, int ep,
                     const Stream& stream) {
   const TransformerConfig& cfg = model.config();
   const std::vector<double> mine = model.moe_loss_stats(stream);
@@ -114,7 +114,7 @@ std::string moe_log(LanguageModel& model, Communicator& world, int64_t iters, bo
     zl += b;
     double lmax = 0, lsum = 0;
     for (int64_t e = 0; e < E; ++e) {
-      const double c = v[2 + e] / tp / n;  // tokens per iteration
+      const double c = v[2 + e] / tp_cp / n;  // tokens per iteration (each counted over TP × CP)
       lo = std::min(lo, c);
       lmax = std::max(lmax, c);
       lsum += c;
@@ -800,7 +800,8 @@ int run_pretrain(PretrainArgs args) {
           n_ok ? loss_sum / n_ok : NAN, sc.loss_scale, sc.grad_norm, sc.skipped_iters - last_skipped, n_nan,
           host_issue_ms / static_cast<double>(iters_since_log));
       if (cfg.num_moe_experts > 0) line += moe_log(model, *world, iters_since_log, args.moe_per_layer_logging,
-                                                 args.tensor_model_parallel_size, args.expert_model_parallel_size,
+                                                 args.tensor_model_parallel_size * args.context_parallel_size,
+                                                 args.expert_model_parallel_size,
                                                  stream);
       log_info("{}", line);
       std::vector<std::pair<std::string, float>> timer_max;

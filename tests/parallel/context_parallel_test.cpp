@@ -3,7 +3,11 @@
 // (errors before any communication); and N ranks == 1 rank (ranks as threads, CPU, fp32): CP 2 and
 // 4 x --cp-comm-type {p2p, allgather, a2a, a2a+p2p} x {GPT (MHA, learned positions), Llama style
 // (GQA, RoPE)} x {causal, document masks with reset position ids}, and CP with TP + SP, PP (+VPP),
-// DP (+ the distributed optimizer over dp-cp). Three training iterations each; the losses of every
+// DP (+ the distributed optimizer over dp-cp); MoE with CP (the router's token counts and N over the
+// TP × CP group: aux_loss with the allgather and alltoall dispatchers, EP, TP + SP, DP; seq_aux_loss
+// with the sigmoid router, expert bias and shared experts; global_aux_loss, with DP against one rank
+// running the DP ranks' micro-batches as one; the z-loss), experts reduced over the
+// expert-data-parallel group (CP folds into EP / EDP). Three training iterations each; the losses of every
 // iteration, the gradients of the last one and the parameters after it equal the single-rank run
 // (rel. 1e-5).
 #include <gtest/gtest.h>
@@ -198,7 +202,15 @@ TEST(ContextAttentionOp, MergedBlocksEqualOneCall) {
 constexpr int kIters = 3;
 constexpr int64_t kSeq = 16;
 
-enum class Arch { kGpt, kLlama };
+// kMoe: the Llama style with MoE in layers 1 and 3 (4 experts, top-2, aux_loss and z-loss);
+// kMoeSigmoid: MoE in every layer, DeepSeek-style router (sigmoid, groups), seq_aux_loss, expert bias
+// and a shared expert; kMoeGlobal: kMoe with global_aux_loss; kMoeForced: kMoe with
+// --moe-router-force-load-balancing (random logits keyed by the token's row in the [s, b] layout).
+enum class Arch { kGpt, kLlama, kMoe, kMoeSigmoid, kMoeGlobal, kMoeForced };
+
+bool is_moe(Arch a) {
+  return a == Arch::kMoe || a == Arch::kMoeSigmoid || a == Arch::kMoeGlobal || a == Arch::kMoeForced;
+}
 
 TransformerConfig config(Arch arch) {
   TransformerConfig c;
@@ -211,7 +223,7 @@ TransformerConfig config(Arch arch) {
   c.hidden_dropout = 0.f;
   c.attention_dropout = 0.f;
   c.init_method_std = 0.1f;
-  if (arch == Arch::kLlama) {
+  if (arch != Arch::kGpt) {
     c.hidden_size = 32;
     c.num_attention_heads = 8;
     c.num_query_groups = 4;
@@ -223,7 +235,40 @@ TransformerConfig config(Arch arch) {
     c.untie_embeddings_and_output_weights = true;
     c.add_bias_linear = false;
   }
+  if (is_moe(arch)) {
+    c.num_moe_experts = 4;
+    c.moe_ffn_hidden_size = 24;
+    c.moe_router_topk = 2;
+    c.moe_aux_loss_coeff = 0.1f;
+    c.moe_z_loss_coeff = 0.01f;
+    if (arch == Arch::kMoeSigmoid) {
+      c.moe_router_load_balancing_type = MoeLoadBalancing::kSeqAuxLoss;
+      c.moe_router_enable_expert_bias = true;
+      c.moe_router_bias_update_rate = 0.05f;
+      c.moe_router_score_function = MoeScoreFunction::kSigmoid;
+      c.moe_router_num_groups = 2;
+      c.moe_router_group_topk = 1;
+      c.moe_router_topk_scaling_factor = 2.f;
+      c.moe_shared_expert_intermediate_size = 16;
+    } else {
+      c.moe_layer_pattern = parse_moe_layer_freq("[0,1]*2", c.num_layers);
+      if (arch == Arch::kMoeGlobal) c.moe_router_load_balancing_type = MoeLoadBalancing::kGlobalAuxLoss;
+      c.moe_router_force_load_balancing = arch == Arch::kMoeForced;
+    }
+  }
   return c;
+}
+
+const char* arch_name(Arch a) {
+  switch (a) {
+    case Arch::kGpt: return "gpt_";
+    case Arch::kLlama: return "llama_";
+    case Arch::kMoe: return "moe_";
+    case Arch::kMoeSigmoid: return "moe_sigmoid_";
+    case Arch::kMoeGlobal: return "moe_global_";
+    case Arch::kMoeForced: return "moe_forced_";
+  }
+  return "";
 }
 
 struct Layout {
@@ -234,10 +279,16 @@ struct Layout {
   bool docs = false;  // --reset-attention-mask + --reset-position-ids
   int tp = 1, pp = 1, dp = 1, vpp = 0;
   bool sp = false, zero = false;
+  int ep = 1;             // MoE: expert model parallel size (expert TP = TP)
+  bool alltoall = false;  // MoE: --moe-token-dispatcher-type alltoall (the reference is allgather)
+  // Reference only: each micro-batch is the union (along b) of `merge` consecutive sample groups,
+  // i.e. of the DP ranks' micro-batches of one step (global_aux_loss: the global micro-batch).
+  int merge = 1;
   std::string name() const {
     std::string t = type == "a2a+p2p" ? fmt::format("a2a{}p2p{}", hier[0], hier[1]) : type;
-    std::string s = fmt::format("{}cp{}_{}{}_tp{}_pp{}_dp{}", arch == Arch::kGpt ? "gpt_" : "llama_", cp, t,
-                                docs ? "_docs" : "", tp, pp, dp);
+    std::string s = fmt::format("{}cp{}_{}{}_tp{}_pp{}_dp{}", arch_name(arch), cp, t, docs ? "_docs" : "", tp, pp, dp);
+    if (ep > 1) s += fmt::format("_ep{}", ep);
+    if (alltoall) s += "_alltoall";
     if (vpp > 0) s += fmt::format("_vpp{}", vpp);
     if (sp) s += "_sp";
     if (zero) s += "_distopt";
@@ -261,9 +312,11 @@ Result run_layout(const Layout& L, const Data& D) {
   TransformerConfig c = config(L.arch);
   c.cp_comm_type = L.type;
   c.hierarchical_context_parallel_sizes = L.hier;
+  if (L.alltoall) c.moe_token_dispatcher_type = MoeDispatcher::kAllToAll;
   const int64_t S = kSeq, mb = D.mb, sl = S / L.cp;
   const int world_size = L.tp * L.cp * L.pp * L.dp;
-  const int M = D.micro_total / L.dp;
+  const int M = D.micro_total / (L.dp * L.merge);
+  const int64_t B = mb * L.merge;  // the micro-batch size
   Result out;
   out.losses.assign(kIters, 0.0);
   std::mutex mu;
@@ -273,6 +326,7 @@ Result run_layout(const Layout& L, const Data& D) {
     pc.cp = L.cp;
     pc.pp = L.pp;
     pc.vpp = L.vpp;
+    pc.ep = L.ep;
     validate_and_derive(pc, world_size);
     const ProcessGroups g = build_process_groups(world, pc);
     pipeline::PipelineLayout layout;
@@ -288,16 +342,20 @@ Result run_layout(const Layout& L, const Data& D) {
     const PipelinePlan plan = plan_pipeline(sc, pp_rank, ranges);
     Stream st(Device::cpu());
     const int dpcp = g.dp_cp->size();
-    GPTModel model(c, mb, DType::kF32, Device::cpu(), g, L.sp, ParamLayout(dpcp, 0), model_layout(ranges, {&plan}));
+    ParamLayout pl(dpcp, 0);
+    pl.expert_data_parallel_size = pc.edp;  // world / (etp·ep·pp): CP folds into EP and / or EDP
+    GPTModel model(c, B, DType::kF32, Device::cpu(), g, L.sp, pl, model_layout(ranges, {&plan}));
     EXPECT_EQ(model.local_seq_length(), sl);
     PipelineExecutor executor(model, g.pp, {&plan});
-    // Gradients reduced over dp-cp (Megatron), the distributed optimizer sharded over dp-cp.
-    GradSync sync(model.params(), g.dp_cp, DdpConfig{false, false, L.zero});
+    // Gradients reduced over dp-cp (Megatron), the distributed optimizer sharded over dp-cp; the
+    // experts' over the expert-data-parallel group (world / (etp·ep·pp): CP folds into EP / EDP).
+    EXPECT_EQ(g.edp->size(), L.cp * L.dp * L.tp / (L.tp * L.ep));
+    GradSync sync(model.params(), g.dp_cp, DdpConfig{false, false, L.zero}, g.edp);
     OptimizerConfig oc;
     oc.weight_decay = 0.1f;
     oc.clip_grad = 0.05f;
     oc.eps = 1e-3f;
-    AdamWOptimizer opt(sync, oc, st, {nullptr, g.mp, g.tp->rank()});
+    AdamWOptimizer opt(sync, oc, st, {nullptr, g.mp, g.tp->rank(), false, g.etp_ep_pp});
     model.set_hooks(&sync);
     model.params().initialize(1234, st);
     const int d = g.dp->rank(), cpr = g.cp->rank();
@@ -305,21 +363,32 @@ Result run_layout(const Layout& L, const Data& D) {
     std::vector<MicroBatch> mbs;
     for (int m = 0; m < M; ++m) {
       const int64_t gm = static_cast<int64_t>(m) * L.dp + d;
-      std::vector<int32_t> t(sl * mb), l(sl * mb), p(sl * mb), ds(mb * sl);
-      cp_shard_rows(t.data(), D.tokens.data() + gm * S * mb, S, mb, L.cp, cpr);
-      cp_shard_rows(l.data(), D.labels.data() + gm * S * mb, S, mb, L.cp, cpr);
-      cp_shard_rows(p.data(), D.positions.data() + gm * S * mb, S, mb, L.cp, cpr);
-      cp_shard_columns(ds.data(), D.doc.data() + gm * S * mb, mb, S, L.cp, cpr);
-      own.push_back(testing::make_int_tensor(t, Device::cpu(), {sl, mb}, st));
-      own.push_back(testing::make_int_tensor(l, Device::cpu(), {sl, mb}, st));
-      own.push_back(testing::make_int_tensor(p, Device::cpu(), {sl, mb}, st));
-      own.push_back(testing::make_int_tensor(ds, Device::cpu(), {mb, sl}, st));
+      std::vector<int32_t> t(sl * B), l(sl * B), p(sl * B), ds(B * sl);
+      std::vector<int32_t> tq(sl * mb), lq(sl * mb), pq(sl * mb);
+      for (int64_t q = 0; q < L.merge; ++q) {  // sample group gm·merge + q at columns [q·mb, (q + 1)·mb)
+        const int64_t off = (gm * L.merge + q) * S * mb;
+        cp_shard_rows(tq.data(), D.tokens.data() + off, S, mb, L.cp, cpr);
+        cp_shard_rows(lq.data(), D.labels.data() + off, S, mb, L.cp, cpr);
+        cp_shard_rows(pq.data(), D.positions.data() + off, S, mb, L.cp, cpr);
+        cp_shard_columns(ds.data() + q * mb * sl, D.doc.data() + off, mb, S, L.cp, cpr);
+        for (int64_t i = 0; i < sl; ++i)
+          for (int64_t j = 0; j < mb; ++j) {
+            t[i * B + q * mb + j] = tq[i * mb + j];
+            l[i * B + q * mb + j] = lq[i * mb + j];
+            p[i * B + q * mb + j] = pq[i * mb + j];
+          }
+      }
+      own.push_back(testing::make_int_tensor(t, Device::cpu(), {sl, B}, st));
+      own.push_back(testing::make_int_tensor(l, Device::cpu(), {sl, B}, st));
+      own.push_back(testing::make_int_tensor(p, Device::cpu(), {sl, B}, st));
+      own.push_back(testing::make_int_tensor(ds, Device::cpu(), {B, sl}, st));
     }
     for (int m = 0; m < M; ++m) {
       MicroBatch b{own[4 * m].t, own[4 * m + 1].t, Tensor()};
       b.position_ids = own[4 * m + 2].t;
       if (L.docs) b.doc_start = own[4 * m + 3].t;
-      b.loss_weight = 1.0f / static_cast<float>(S * mb * M * L.dp);  // unmasked tokens of the whole sequence
+      b.loss_weight = 1.0f / static_cast<float>(S * B * M * L.dp);  // unmasked tokens of the whole sequence
+      b.aux_loss_weight = 1.0f / static_cast<float>(M * L.dp);        // the trainer's
       mbs.push_back(b);
     }
     OwnedTensor loss(DType::kF32, Device::cpu(), {1});
@@ -329,7 +398,9 @@ Result run_layout(const Layout& L, const Data& D) {
       std::lock_guard<std::mutex> lock(mu);
       if (g.tp->rank() == 0) out.losses[it] += loss.t.data_as<float>()[0];  // sum over CP, DP (last stage)
     }
-    if ((d != 0 || cpr != 0) && !L.zero) return;
+    // With EP the ranks of a DP × CP replica hold different experts: every rank reports.
+    const bool report_params = (d == 0 && cpr == 0) || L.ep > 1;
+    if (!report_params && !L.zero) return;
     const ParamStore& P = model.params();
     sync.finish_param_sync(st);
     const std::vector<ParamStore::Range>* owned = L.zero ? &opt.owned_ranges() : nullptr;
@@ -344,7 +415,7 @@ Result run_layout(const Layout& L, const Data& D) {
       gg.resize(gnumel, NAN);
       gp.resize(gnumel, NAN);
       place(gg, info, testing::to_host(P.grad(i), st), owned);
-      if (d == 0 && cpr == 0) place(gp, info, testing::to_host(P.main(i), st));
+      if (report_params) place(gp, info, testing::to_host(P.main(i), st));
     }
   });
   return out;
@@ -389,6 +460,7 @@ TEST_P(ContextParallelLayouts, MatchesSingleRank) {
   Layout one;
   one.arch = L.arch;
   one.docs = L.docs;
+  if (L.arch == Arch::kMoeGlobal) one.merge = L.dp;  // the global micro-batch (moe.h)
   const Result ref = run_layout(one, D);
   const Result par = run_layout(L, D);
   for (int it = 0; it < kIters; ++it) EXPECT_NEAR(par.losses[it], ref.losses[it], 1e-5 * ref.losses[it]) << it;
@@ -446,6 +518,51 @@ std::vector<Layout> layouts() {
   l = add(Arch::kGpt, 4, "a2a+p2p", {2, 2}, true);
   l->dp = 2;
   l->zero = true;
+  // MoE with CP: the allgather dispatcher (expert TP = TP), EP over the CP ranks (allgather and
+  // alltoall), TP + SP, DP × EP, seq_aux_loss (+ expert bias), global_aux_loss.
+  add(Arch::kMoe, 2, "p2p", {}, true);
+  add(Arch::kMoe, 4, "a2a", {}, false);
+  l = add(Arch::kMoe, 2, "p2p", {}, false);
+  l->ep = 2;
+  l = add(Arch::kMoe, 2, "allgather", {}, false);
+  l->ep = 2;
+  l->alltoall = true;
+  l = add(Arch::kMoe, 2, "p2p", {}, true);
+  l->tp = 2;
+  l->sp = true;
+  l = add(Arch::kMoe, 2, "p2p", {}, false);
+  l->dp = 2;
+  l->ep = 2;
+  l->alltoall = true;
+  l = add(Arch::kMoe, 2, "p2p", {}, false);  // the distributed optimizer: experts sharded over EDP
+  l->dp = 2;
+  l->zero = true;
+  l = add(Arch::kMoe, 2, "p2p", {}, true);
+  l->pp = 2;
+  add(Arch::kMoeSigmoid, 2, "p2p", {}, true);
+  l = add(Arch::kMoeSigmoid, 2, "a2a", {}, false);
+  l->tp = 2;
+  l->sp = true;
+  l = add(Arch::kMoeSigmoid, 2, "p2p", {}, false);  // expert-bias counts over TP × CP, then DP
+  l->dp = 2;
+  add(Arch::kMoeGlobal, 2, "p2p", {}, false);
+  l = add(Arch::kMoeGlobal, 2, "p2p", {}, false);
+  l->tp = 2;
+  l->sp = true;
+  l = add(Arch::kMoeGlobal, 2, "p2p", {}, true);  // counts over TP × CP × DP (reference: the union)
+  l->dp = 2;
+  l->ep = 2;
+  l->alltoall = true;
+  // --moe-router-force-load-balancing: each CP rank's two chunks (and their TP shards) keyed by
+  // their rows in the unsplit sequence.
+  add(Arch::kMoeForced, 2, "p2p", {}, false);
+  add(Arch::kMoeForced, 4, "a2a", {}, false);
+  l = add(Arch::kMoeForced, 2, "p2p", {}, false);
+  l->tp = 2;
+  l->sp = true;
+  l = add(Arch::kMoeForced, 2, "p2p", {}, false);  // TP 4: a TP shard inside one chunk
+  l->tp = 4;
+  l->sp = true;
   return v;
 }
 

@@ -111,6 +111,25 @@ TEST(RankGenerator, MaskedOrthogonalDocstringExamples) {
   EXPECT_EQ(dp[7], (std::vector<int>{19, 21, 23}));
 }
 
+// MoE with context parallelism (Megatron's folding: edp = world / (etp·ep·pp), the expert grid has no
+// cp): CP folds into EP and / or EDP. 8 ranks, TP 1, CP 2, EP 2 (dense DP 4): the EP groups are
+// the CP groups, EDP the DP groups. TP 2, CP 2, EP 1 on 8 ranks (DP 2): EDP = the dp-cp groups.
+TEST(RankGenerator, MoeWithContextParallel) {
+  const ParallelGroups g(make(8, 1, 2, 1, /*ep=*/2, /*etp=*/1));
+  EXPECT_EQ(g.config().edp, 4);
+  EXPECT_EQ(g.groups(GroupKind::kCp), range_groups(8, 2));
+  EXPECT_EQ(g.groups(GroupKind::kEp), range_groups(8, 2));
+  EXPECT_EQ(g.groups(GroupKind::kDp), (RankGroups{{0, 2, 4, 6}, {1, 3, 5, 7}}));
+  EXPECT_EQ(g.groups(GroupKind::kEdp), (RankGroups{{0, 2, 4, 6}, {1, 3, 5, 7}}));
+  EXPECT_EQ(g.groups(GroupKind::kDpCp), range_groups(8, 8));
+  const ParallelGroups h(make(8, 2, 2, 1));
+  EXPECT_EQ(h.config().edp, 4);
+  EXPECT_EQ(h.groups(GroupKind::kTpCp), range_groups(8, 4));
+  EXPECT_EQ(h.groups(GroupKind::kDpCp), (RankGroups{{0, 2, 4, 6}, {1, 3, 5, 7}}));
+  EXPECT_EQ(h.groups(GroupKind::kEdp), h.groups(GroupKind::kDpCp));
+  EXPECT_EQ(h.groups(GroupKind::kEtp), h.groups(GroupKind::kTp));
+}
+
 // MoE parallel folding: dense TP4-PP2-DP2 and expert ETP1-EP4-EDP2-PP2 on 16 ranks.
 TEST(RankGenerator, MoeEtp1Pp2Ep4Edp2On16Ranks) {
   const ParallelGroups g(make(16, 4, 1, 2, /*ep=*/4, /*etp=*/1));

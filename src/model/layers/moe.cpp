@@ -195,6 +195,16 @@ Tensor row_range(const Tensor& t, int64_t begin, int64_t n) {
 }
 }  // namespace
 
+int MoELayer::token_group_size() const { return tp_cp_ ? tp_cp_->size() : tp_.size(); }
+
+void MoELayer::sum_token_group(const Tensor& t, const Stream& st) const {
+  if (tp_cp_) {
+    if (tp_cp_->size() > 1) tp_cp_->all_reduce(t, ReduceOp::kSum, st);
+  } else if (tp_.size() > 1) {
+    tp_.group().all_reduce(t, ReduceOp::kSum, st);
+  }
+}
+
 bool MoELayer::aux_loss_on() const {
   return config_.moe_router_load_balancing_type != MoeLoadBalancing::kNone && config_.moe_aux_loss_coeff > 0;
 }
@@ -203,36 +213,53 @@ float MoELayer::aux_scale(double weight) const {
   const double E = static_cast<double>(num_experts_), k = static_cast<double>(topk_);
   if (config_.moe_router_load_balancing_type == MoeLoadBalancing::kSeqAuxLoss) {
     // Megatron's sequence_load_balancing_loss_func: coeff · mean_b Σ_e (c_be·E/(s·k)) · (P_be/s), s the
-    // whole sequence (this rank holds s/TP tokens of each sequence)
-    const double B = static_cast<double>(batch_), s = static_cast<double>(tokens_) * tp_.size() / B;
+    // whole sequence (this rank holds s/(TP·CP) tokens of each sequence; Megatron's seq_length·|tp_cp|)
+    const double B = static_cast<double>(batch_), s = static_cast<double>(tokens_) * token_group_size() / B;
     return static_cast<float>(weight * config_.moe_aux_loss_coeff * E / (B * k * s * s));
   }
   if (global_aux()) {
-    // Megatron's global switch loss coeff·E/(k·N_g²)·Σ_e P_e·c̄_e, N_g the tokens of the TP × DP
+    // Megatron's global switch loss coeff·E/(k·N_g²)·Σ_e P_e·c̄_e, N_g the tokens of the TP × CP × DP
     // group; weighted by weight·DP = 1/micro-batches (the fix of NVIDIA/Megatron-LM#3672)
     const double D = dp_ ? static_cast<double>(dp_->size()) : 1.0;
-    const double N = static_cast<double>(tokens_) * tp_.size() * D;
+    const double N = static_cast<double>(tokens_) * token_group_size() * D;
     return static_cast<float>(weight * D * config_.moe_aux_loss_coeff * E / (k * N * N));
   }
-  // Megatron's switch loss coeff·E/(k·N²)·Σ_e P_e·c_e with N the tokens of the TP group
-  const double N = static_cast<double>(tokens_) * tp_.size();
+  // Megatron's switch loss coeff·E/(k·N²)·Σ_e P_e·c_e with N the tokens of the TP × CP group
+  const double N = static_cast<double>(tokens_) * token_group_size();
   return static_cast<float>(weight * config_.moe_aux_loss_coeff * E / (k * N * N));
 }
 
 void MoELayer::random_logits(const Tensor& logits, const StepContext& ctx) const {
-  // Global token index of local token t: tp_rank·T + t (the sequence-parallel shard of the [s, b]
-  // layout is contiguous); keyed by seed, iteration, global micro-batch and layer.
+  // Keyed by the token's row in the micro-batch's [s, b] layout (position·b + sequence), seed,
+  // iteration, global micro-batch and layer: the same values under any layout. Without CP this TP
+  // rank's tokens are the rows [tp_rank·T, (tp_rank + 1)·T) (the sequence-parallel shard is
+  // contiguous). With CP the rank's [s/CP, b] rows are two chunks of c = s/(2·CP) positions, chunk
+  // cp_rank then chunk 2·CP − 1 − cp_rank, each contiguous in the [s, b] layout; the TP shard of
+  // them may take part of either: one box per chunk it touches.
   // With a device iteration (CUDA graphs) init_normal mixes it in when the kernel runs: the same key.
   const DropoutContext& dc = ctx.dropout;
   const uint64_t key = dc.seed * 0x9E3779B97F4A7C15ull ^ (dc.iteration_ptr ? 0 : dc.iteration << 20) ^ dc.microbatch;
-  const int64_t T = tokens_, E = num_experts_;
-  const ShardBox box = ShardBox::make({T * tp_.size(), E}, {T * tp_.rank(), 0}, {T, E});
-  init_normal(logits, 1.f, key, static_cast<uint32_t>(0x4D6F4500 + layer_), box, ctx.stream, dc.iteration_ptr);
+  const uint32_t id = static_cast<uint32_t>(0x4D6F4500 + layer_);
+  const int64_t T = tokens_, E = num_experts_, rows_total = T * token_group_size();
+  const int64_t first = T * tp_.rank();  // this TP rank's first row of the CP rank's [s/CP, b] rows
+  if (cp_size_ == 1) {
+    init_normal(logits, 1.f, key, id, ShardBox::make({rows_total, E}, {first, 0}, {T, E}), ctx.stream,
+                dc.iteration_ptr);
+    return;
+  }
+  const int64_t chunk_rows = T * tp_.size() / 2;  // c·b
+  for (int64_t half = 0; half < 2; ++half) {
+    const int64_t lo = std::max(first, half * chunk_rows), hi = std::min(first + T, (half + 1) * chunk_rows);
+    if (lo >= hi) continue;
+    const int64_t chunk = half == 0 ? cp_rank_ : 2 * cp_size_ - 1 - cp_rank_;
+    const ShardBox box = ShardBox::make({rows_total, E}, {chunk * chunk_rows + lo - half * chunk_rows, 0}, {hi - lo, E});
+    init_normal(logits.slice0(lo - first, hi - first), 1.f, key, id, box, ctx.stream, dc.iteration_ptr);
+  }
 }
 
 float MoELayer::z_scale(double weight) const {
-  // coeff · mean over the TP group's tokens, this rank's share
-  return static_cast<float>(weight * config_.moe_z_loss_coeff / tp_.size() / static_cast<double>(tokens_));
+  // coeff · mean over the TP × CP group's tokens, this rank's share (Megatron's coeff / |tp_cp|)
+  return static_cast<float>(weight * config_.moe_z_loss_coeff / token_group_size() / static_cast<double>(tokens_));
 }
 
 Tensor MoELayer::router_top(int slot) const {
@@ -257,8 +284,8 @@ void MoELayer::router_forward(Saved& sv, const StepContext& ctx) {
     }
     const double w = ctx.batch.aux_loss_weight;
     moe_tokens_per_expert(sv.tokens_per_expert, top, st);
-    if (tp_.size() > 1) tp_.group().all_reduce(sv.tokens_per_expert, ReduceOp::kSum, st);  // over the TP group
-    if (global_aux()) {  // the counts over TP × DP, accumulated over the step's forwards so far
+    sum_token_group(sv.tokens_per_expert, st);  // over the TP × CP group
+    if (global_aux()) {  // the counts over TP × CP × DP, accumulated over the step's forwards so far
       if (!global_zeroed_) {
         fill(global_acc_, 0.f, st);
         global_zeroed_ = true;
@@ -274,11 +301,11 @@ void MoELayer::router_forward(Saved& sv, const StepContext& ctx) {
     Tensor total = sv.tokens_per_expert.view({num_experts_ * sv.tokens_per_expert.size(0)});
     if (sv.tokens_per_expert.size(0) > 1) {  // per-sequence counts: the totals separately
       moe_tokens_per_expert(counts_total_, top, st);
-      if (tp_.size() > 1) tp_.group().all_reduce(counts_total_, ReduceOp::kSum, st);
+      sum_token_group(counts_total_, st);
       total = counts_total_;
     }
     if (drops()) {  // the kept slots (Megatron's expert-bias counts are taken after the drop)
-      if (tp_.size() > 1) tp_.group().all_reduce(kept_counts_, ReduceOp::kSum, st);
+      sum_token_group(kept_counts_, st);
       total = kept_counts_;
     }
     const Tensor counted = stats_.slice0(2, 2 + num_experts_);

@@ -26,18 +26,22 @@
 //
 // Auxiliary losses (Megatron's TopKRouter): with --moe-router-load-balancing-type aux_loss the
 // switch loss coeff·E/(k·N²)·Σ_e P_e·c_e (P_e: this rank's sum of the softmax (or normalised
-// sigmoid) scores of expert e, c_e: tokens routed to e summed over the TP group, N = s·b); with
-// --moe-z-loss-coeff the z-loss (coeff/tp)·mean_t logsumexp(logits_t)². Each rank's losses are
-// its share, summing over TP to the micro-batch's loss; their gradients are weighted by
+// sigmoid) scores of expert e, c_e: tokens routed to e summed over the TP × CP group (Megatron's
+// tp_cp_group: with context parallelism each CP rank holds other tokens of the same sequences),
+// N = s·b the tokens of that group); with --moe-z-loss-coeff the z-loss (coeff/(tp·cp))·mean_t
+// logsumexp(logits_t)² over this rank's tokens. Each rank's losses are its share, summing over
+// TP × CP to the micro-batch's loss (seq_aux_loss: per sequence, its counts summed over the TP × CP
+// group's pieces of it, s the whole sequence); their gradients are weighted by
 // MicroBatch::aux_loss_weight (1/(micro-batches·DP), Megatron's MoEAuxLossAutoScaler scale with
 // data-parallel averaging) times the loss scale. Their values (weighted the same way) are added
 // to a per-layer statistics tensor for the log (MoELayer::stats).
 // With --moe-router-load-balancing-type global_aux_loss (Megatron's TopKRouter._apply_global_aux_loss,
 // Qiu et al. 2025, arXiv:2501.11873) the switch loss uses the token counts of the global batch so
-// far: each training forward sums the TP-summed counts over the data-parallel group too, adds them
-// to a per-step accumulator (Megatron's global_tokens_per_expert, ga_steps) and uses their mean
+// far: each training forward sums the TP × CP-summed counts over the data-parallel group too, adds
+// them to a per-step accumulator (Megatron's global_tokens_per_expert, ga_steps) and uses their mean
 // over the step's forwards so far, c̄_e, with N_g = s·b·DP (the tokens of the micro-batch over the
-// TP × DP group): coeff·E/(k·N_g²)·Σ_e P_e·c̄_e per rank, summing over TP × DP to the loss of the
+// TP × CP × DP group, Megatron's tp_dp_cp_group): coeff·E/(k·N_g²)·Σ_e P_e·c̄_e per rank, summing
+// over TP × CP × DP to the loss of the
 // global micro-batch. Its gradient weight is aux_loss_weight·DP = 1/micro-batches (Megatron's
 // 1/(micro-batches·DP) leaves the gradient DP times weaker than aux_loss's, issue NVIDIA/Megatron-LM#3672;
 // here N ranks equal one rank running the union of the DP ranks' micro-batches). The accumulator is
@@ -100,7 +104,7 @@ class MoELayer final : public MlpSlot {
   /// seq_aux_loss or global_aux_loss), [1] z-loss, each weighted by the micro-batch's
   /// aux_loss_weight (so the sum over the ranks of the world is the mean over micro-batches and
   /// data-parallel ranks), then [2 + e] the tokens routed to expert e summed over the training
-  /// forwards (counted over the TP group: the sum over the world is TP times the total). Zeros
+  /// forwards (counted over the TP × CP group: the sum over the world is TP·CP times the total). Zeros
   /// before the first forward.
   std::vector<double> stats(const Stream& stream) const;
   /// Zeroes the statistics now (ordered on `stream`, outside any step), so that the forwards
@@ -114,12 +118,22 @@ class MoELayer final : public MlpSlot {
   /// Aux-loss-free balancing (--moe-router-enable-expert-bias), once per step after the last
   /// backward (Megatron's finalize_model_grads): sums the step's token counts of the training
   /// forwards over `dp` (the data-parallel group; nullptr = 1 rank; the counts are already summed
-  /// over TP), moves the expert bias by moe_expert_bias_update and restarts the counts. No-op
+  /// over TP × CP: Megatron's tp_dp_cp all-reduce), moves the expert bias by moe_expert_bias_update and restarts the counts. No-op
   /// without the option. Collective over dp.
   void update_expert_bias(Communicator* dp, const Stream& stream);
   /// global_aux_loss: the data-parallel group over which the token counts are summed (nullptr = 1
-  /// rank; the counts are already summed over TP). Set by the model before the first forward.
+  /// rank; the counts are already summed over TP × CP). Set by the model before the first forward.
   void set_data_parallel(Communicator* dp) { dp_ = dp; }
+  /// Context parallelism: the TP × CP group (Megatron's tp_cp_group) over which the token counts
+  /// are summed and whose tokens N counts (each CP rank holds other tokens of the same sequences);
+  /// nullptr (CP 1) = the TP group; this rank's CP size and rank (the 2·CP chunk split of the
+  /// sequence, for the random logits of --moe-router-force-load-balancing). Set by the model
+  /// before the first forward.
+  void set_context_parallel(Communicator* tp_cp, int cp_size, int cp_rank) {
+    tp_cp_ = tp_cp;
+    cp_size_ = cp_size;
+    cp_rank_ = cp_rank;
+  }
   /// global_aux_loss: zeroes the step's token-count accumulator on the device (ordered on `stream`,
   /// no host synchronisation, so a captured step stays valid); once per step after the last
   /// backward (Megatron's reset_global_aux_loss_tracker). No-op for the other types.
@@ -156,8 +170,8 @@ class MoELayer final : public MlpSlot {
   struct Saved {
     Tensor x;                  // [s_l, b, h]: the block's input (router input)
     Tensor logits;             // fp32 [T_l, E]
-    Tensor tokens_per_expert;  // fp32 [G, E]: over the TP group (G = b for seq_aux_loss, else 1)
-    Tensor global_tokens;      // fp32 [E]: global_aux_loss's mean counts over TP × DP at this forward
+    Tensor tokens_per_expert;  // fp32 [G, E]: over the TP × CP group (G = b for seq_aux_loss, else 1)
+    Tensor global_tokens;      // fp32 [E]: global_aux_loss's mean counts over TP × CP × DP at this forward
     Tensor top_routed;         // int32 [T_l, k]: the router's selection before a capacity drop
     Tensor xp, pre, act, out;  // [R_max, h], [R_max, (2)f_l], [R_max, f_l], [R_max, h]
     std::vector<int64_t> counts_host;  // the forward's rows per local expert (R = their sum)
@@ -211,6 +225,10 @@ class MoELayer final : public MlpSlot {
   bool bias_zeroed_ = false;
   int64_t batch_ = 1;      // b of the planned [s_l, b] token layout
   Communicator* dp_ = nullptr;  // global_aux_loss: the data-parallel group
+  Communicator* tp_cp_ = nullptr;  // the TP × CP group with CP > 1 (else the TP group counts)
+  int cp_size_ = 1, cp_rank_ = 0;
+  int token_group_size() const;  // |TP × CP|: the ranks whose tokens the counts sum
+  void sum_token_group(const Tensor& t, const Stream& st) const;  // all-reduce over TP × CP
   Buffer global_buffer_;   // fp32 [E + 1]: global_aux_loss's step accumulator (counts, forwards)
   Tensor global_acc_, global_counts_;  // the accumulator; scratch fp32 [E] (counts summed over DP)
   bool global_zeroed_ = false;
