@@ -12,8 +12,6 @@
 // (rel. 1e-5).
 #include <gtest/gtest.h>
 
-#include <random>
-
 #include <map>
 #include <mutex>
 #include <random>
