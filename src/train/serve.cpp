@@ -116,9 +116,10 @@ class JobChannel {
         int64_t t = 0, q = 0;
         std::memcpy(&t, &o.sampling.temperature, sizeof(float));
         std::memcpy(&q, &o.sampling.top_p, sizeof(float));
-        send({kGenerate, static_cast<int64_t>(job->prompts.size()), static_cast<int64_t>(flat.size()), o.max_new_tokens,
+        const auto total = static_cast<int64_t>(flat.size());  // before `flat` moves into the call
+        send({kGenerate, static_cast<int64_t>(job->prompts.size()), total, o.max_new_tokens,
               o.sampling.greedy ? 1 : 0, o.sampling.top_k, static_cast<int64_t>(o.sampling.seed), o.eod, t, q},
-             flat);
+             std::move(flat));
         job->done.set_value(gen.generate(job->prompts, o));
       } catch (...) {
         job->done.set_exception(std::current_exception());
@@ -173,14 +174,13 @@ class JobChannel {
     if (world_.rank() != 0) copy_bytes(host, Device::cpu(), buf.data(), device_, bytes, stream_);
     stream_.synchronize();
   }
-  void send(std::vector<int64_t> header, const std::vector<int32_t>& payload) {
+  void send(std::vector<int64_t> header, std::vector<int32_t> payload) {
     if (world_.size() == 1) return;
     header.resize(kHeader, 0);
     broadcast_host(header.data(), header.size() * sizeof(int64_t), header_);
     if (!payload.empty()) {
       Buffer buf(device_, payload.size() * sizeof(int32_t));
-      std::vector<int32_t> copy = payload;
-      broadcast_host(copy.data(), copy.size() * sizeof(int32_t), buf);
+      broadcast_host(payload.data(), payload.size() * sizeof(int32_t), buf);
     }
   }
 

@@ -41,12 +41,7 @@ std::vector<int32_t> skewed_top(int rank) {
   return top;
 }
 
-std::vector<int32_t> ints(const Tensor& t, const Stream& st) {
-  std::vector<int32_t> out(static_cast<size_t>(t.numel()));
-  copy_bytes(out.data(), Device::cpu(), t.data(), t.device(), out.size() * sizeof(int32_t), st);
-  st.synchronize();
-  return out;
-}
+std::vector<int32_t> ints(const Tensor& t, const Stream& s) { return testing::to_host_ints(t, s); }
 
 struct RankResult {
   MoeDispatchStats stats;

@@ -34,12 +34,7 @@ using testing::to_host;
 
 const Device kCpu = Device::cpu();
 
-std::vector<int32_t> ints(const Tensor& t, const Stream& s) {
-  std::vector<int32_t> out(static_cast<size_t>(t.numel()));
-  copy_bytes(out.data(), kCpu, t.data(), t.device(), out.size() * 4, s);
-  s.synchronize();
-  return out;
-}
+std::vector<int32_t> ints(const Tensor& t, const Stream& s) { return testing::to_host_ints(t, s); }
 
 void fill_ints(const Tensor& t, int32_t v, const Stream& s) {
   std::vector<int32_t> h(static_cast<size_t>(t.numel()), v);

@@ -117,6 +117,14 @@ const Stream& cuda_stream() {
   return s;
 }
 
+std::vector<int32_t> to_host_ints(const Tensor& t, const Stream& stream) {
+  MT_CHECK(t.dtype() == DType::kI32, "to_host_ints: {} is not int32", t.str());
+  std::vector<int32_t> out(static_cast<size_t>(t.numel()));
+  copy_bytes(out.data(), Device::cpu(), t.data(), t.device(), out.size() * sizeof(int32_t), stream);
+  stream.synchronize();
+  return out;
+}
+
 std::vector<float> to_host(const Tensor& t, const Stream& stream) {
   std::vector<uint8_t> bytes(t.nbytes());
   copy_bytes(bytes.data(), Device::cpu(), t.data(), t.device(), bytes.size(), stream);

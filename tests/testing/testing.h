@@ -42,6 +42,8 @@ OwnedTensor make_int_tensor(const std::vector<int32_t>& host, Device device, con
                             const Stream& stream);
 /// Tensor (any float dtype, any device) -> host floats; synchronizes the stream.
 std::vector<float> to_host(const Tensor& t, const Stream& stream);
+/// int32 tensor (any device) -> host ints; synchronizes the stream.
+std::vector<int32_t> to_host_ints(const Tensor& t, const Stream& stream);
 /// v with every element rounded through dtype t (the values a tensor of t holds).
 std::vector<float> rounded(std::vector<float> v, DType t);
 /// Process-wide streams for tests: one on the CPU, one on cuda:0 (created on first use).

@@ -172,27 +172,43 @@ class EchoRouter {
   Tensor row_index_, slot_row_, counts_, counts_ep_, clone_quota_, quota_, rerouted_;
 };
 
-// ---------------------------------------------------------------------------------------------
-// MoEAlltoAllTokenDispatcher
-// ---------------------------------------------------------------------------------------------
-
-class AllToAllDispatcher final : public MoeTokenDispatcher {
- public:
-  AllToAllDispatcher(const ExpertParallel& ep, const MoeDispatchSizes& s)
+// What both alltoall dispatchers share: the groups, the expert slots a dispatch routes to (with
+// ECHO the S clones are local expert slots E_l .. E_l + S − 1 of every EP rank) and the rerouting.
+class AlltoAllBase : public MoeTokenDispatcher {
+ protected:
+  AlltoAllBase(const ExpertParallel& ep, const MoeDispatchSizes& s)
       : ep_(ep),
         s_(s),
         P_(group_size(ep.ep_group)),
         Q_(group_size(ep.etp_group)),
         S_(s.num_echo),
         Lv_(s.num_local + s.num_echo),
-        Ev_(group_size(ep.ep_group) * (s.num_local + s.num_echo)),
-        firstv_(static_cast<int64_t>(ep.ep_rank) * (s.num_local + s.num_echo)),
+        Ev_(P_ * Lv_),
+        firstv_(static_cast<int64_t>(ep.ep_rank) * Lv_),
         echo_(ep, s) {
     MT_REQUIRE(S_ == 0 || Q_ == 1, "--moe-enable-echo with expert tensor parallel size {}: ECHO needs expert TP 1",
                Q_);
     MT_REQUIRE(S_ == 0 || !ep.ep_group || P_ * s.num_local == s.num_experts,
                "--moe-enable-echo: {} experts over {} EP ranks of {} local experts", s.num_experts, P_, s.num_local);
   }
+
+  ExpertParallel ep_;
+  MoeDispatchSizes s_;
+  int64_t P_, Q_;  // EP and ETP group sizes
+  // ECHO spare slots per EP rank (0: off), and the dispatch's expert layout: Lv_ = E_l + S local
+  // expert slots per EP rank, Ev_ = P·Lv_ in all, this rank's first at firstv_ (without ECHO the
+  // experts themselves)
+  int64_t S_, Lv_, Ev_, firstv_;
+  EchoRouter echo_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// MoEAlltoAllTokenDispatcher
+// ---------------------------------------------------------------------------------------------
+
+class AllToAllDispatcher final : public AlltoAllBase {
+ public:
+  AllToAllDispatcher(const ExpertParallel& ep, const MoeDispatchSizes& s) : AlltoAllBase(ep, s) {}
 
   int64_t plan(BufferPlanner& p, int64_t tokens, int64_t h) override {
     const DType t = p.act_dtype();
@@ -470,17 +486,9 @@ class AllToAllDispatcher final : public MoeTokenDispatcher {
     if (cur.data() != dst.data()) copy(dst, cur, st);
   }
 
-  ExpertParallel ep_;
-  MoeDispatchSizes s_;
-  int64_t P_, Q_;  // EP and ETP group sizes
-  // ECHO spare slots per EP rank (0: off), and the dispatch's expert layout: Lv_ = E_l + S local
-  // expert slots per EP rank, Ev_ = P·Lv_ in all, this rank's first at firstv_ (without ECHO the
-  // experts themselves)
-  int64_t S_, Lv_, Ev_, firstv_;
   int64_t tokens_ = 0, hidden_ = 0, max_ep_rows_ = 0;
   std::vector<Saved> saved_;  // per area
   Tensor counts_, counts_ep_, counts_all_, send_, ep_rows_, etp_chunks_, stage_;
-  EchoRouter echo_;
   MoeDispatchStats stats_;
 };
 
@@ -497,24 +505,13 @@ class AllToAllDispatcher final : public MoeTokenDispatcher {
 // permutation 2 from them on the device (moe_block_receive_layout). Expert TP all-gathers /
 // reduce-scatters the equal blocks. The experts see R_max = Q·P·B rows with device counts
 // (--moe-grouped-gemm).
-class StaticAllToAllDispatcher final : public MoeTokenDispatcher {
+class StaticAllToAllDispatcher final : public AlltoAllBase {
  public:
   StaticAllToAllDispatcher(const ExpertParallel& ep, const MoeDispatchSizes& s)
-      : ep_(ep),
-        s_(s),
-        P_(group_size(ep.ep_group)),
-        Q_(group_size(ep.etp_group)),
-        S_(s.num_echo),
-        Lv_(s.num_local + s.num_echo),
-        Ev_(group_size(ep.ep_group) * (s.num_local + s.num_echo)),
-        firstv_(static_cast<int64_t>(ep.ep_rank) * (s.num_local + s.num_echo)),
-        B_((s.received_capacity + group_size(ep.ep_group) - 1) / group_size(ep.ep_group)),
-        echo_(ep, s) {
+      : AlltoAllBase(ep, s), B_((s.received_capacity + P_ - 1) / P_) {
     MT_REQUIRE(s.received_capacity >= 1, "--moe-received-token-capacity must be >= 1, got {}", s.received_capacity);
     MT_REQUIRE(s.device_counts, "--moe-received-token-capacity needs --moe-grouped-gemm (the experts read the "
                                 "received counts on the device)");
-    MT_REQUIRE(S_ == 0 || Q_ == 1, "--moe-enable-echo with expert tensor parallel size {}: ECHO needs expert TP 1",
-               Q_);
   }
 
   int64_t plan(BufferPlanner& p, int64_t tokens, int64_t h) override {
@@ -660,10 +657,7 @@ class StaticAllToAllDispatcher final : public MoeTokenDispatcher {
     if (P_ > 1) ep_.ep_group->all_to_all(dst, cur, st);
   }
 
-  ExpertParallel ep_;
-  MoeDispatchSizes s_;
-  int64_t P_, Q_, S_, Lv_, Ev_, firstv_, B_;
-  EchoRouter echo_;
+  int64_t B_;  // rows of each EP pair's block
   std::vector<Saved> saved_;  // per area
   Tensor row_index_, slot_row_, counts_, sent_, sent_ep_, sent_all_, send_, recv_, recv_all_;
   Buffer overflow_buffer_;  // fp32 [1]: slots dropped at the block capacity since the last reset
