@@ -59,6 +59,17 @@ struct GPTModel::ChunkState {
   std::vector<TransformerLayer*> layers;
   LanguageModelHead* head = nullptr;
   std::vector<Tensor> input;  // input buffers [s_l, b, h]
+  // Full recompute (TransformerConfig::recompute_group): per layer its group or -1, the groups'
+  // first and last layers, and per activation slot each group's output [s_l, b, h] (the
+  // checkpoint the next layer, the head or the next stage reads).
+  std::vector<int64_t> group;
+  std::vector<std::pair<size_t, size_t>> groups;
+  std::vector<std::vector<Tensor>> checkpoint;  // [slot][group]
+  // The recompute area's index (0) for a recomputed layer, else the micro-batch's slot.
+  int slot_of(size_t layer, int slot) const { return group[layer] >= 0 ? 0 : slot; }
+  bool ends_group(size_t layer) const {
+    return group[layer] >= 0 && groups[static_cast<size_t>(group[layer])].second == layer;
+  }
 };
 
 std::vector<double> GPTModel::moe_loss_stats(const Stream& stream) const {
@@ -148,6 +159,9 @@ std::unique_ptr<GPTModel> GPTModel::planned_for(int64_t seq_length, int64_t micr
     ch.inputs = ch.loss_slots = 1;
     layout.chunks.push_back(ch);
   }
+  c.recompute_granularity = RecomputeGranularity::kNone;  // forward only: nothing to recompute
+  c.recompute_method_set = false;
+  c.recompute_num_layers = 0;
   std::unique_ptr<GPTModel> m(new GPTModel(c, micro_batch, dtype_, device_, groups_, /*sequence_parallel=*/false,
                                            params_->layout(), std::move(layout), params_));
   const auto src = persistent_state(stream), dst = m->persistent_state(stream);  // the expert biases
@@ -241,6 +255,14 @@ GPTModel::GPTModel(const TransformerConfig& config, int64_t micro_batch, DType d
     if (ch.range.has_embedding) ch.embedding = parts_->embedding.get();
     for (int64_t l = ch.range.begin; l < ch.range.end; ++l) ch.layers.push_back(parts_->layers[next_layer++].get());
     if (ch.range.has_loss) ch.head = parts_->head.get();
+    const int64_t n = static_cast<int64_t>(ch.layers.size());
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t g = config_.recompute_group(i, n);
+      ch.group.push_back(g);
+      if (g < 0) continue;
+      if (static_cast<size_t>(g) == ch.groups.size()) ch.groups.emplace_back(static_cast<size_t>(i), 0);
+      ch.groups.back().second = static_cast<size_t>(i);
+    }
   }
   planner_ = std::make_unique<BufferPlanner>(device, dtype);
   planner_->begin_pass();
@@ -261,12 +283,23 @@ void GPTModel::plan(BufferPlanner& p) {
     for (auto& in : ch.input) in = p.persistent(dtype_, {sl, b, h}, "chunk input");
   }
   // Activation slots: every chunk's layers fill a slot from its start (a slot holds one forward
-  // of one chunk at a time).
+  // of one chunk at a time). Full recompute: a slot keeps the groups' outputs; the recomputed
+  // layers' saved tensors are planned in the recompute area, one group at a time.
   for (int slot = 0; slot < activation_slots_; ++slot) {
     for (ChunkState& ch : chunks_) {
       p.open_area(Family::kActivations, slot);
-      for (TransformerLayer* layer : ch.layers) layer->plan(p, s, b);
+      for (size_t i = 0; i < ch.layers.size(); ++i)
+        if (ch.group[i] < 0) ch.layers[i]->plan(p, s, b);
+      ch.checkpoint.resize(static_cast<size_t>(activation_slots_));
+      ch.checkpoint[static_cast<size_t>(slot)].clear();
+      for (size_t g = 0; g < ch.groups.size(); ++g)
+        ch.checkpoint[static_cast<size_t>(slot)].push_back(p.saved(dtype_, {sl, b, h}, "recompute group output"));
       p.close_area();
+      for (const auto& [first, last] : ch.groups) {
+        p.open_area(Family::kRecompute, 0);
+        for (size_t i = first; i <= last; ++i) ch.layers[i]->plan(p, s, b);
+        p.close_area();
+      }
     }
   }
   for (size_t c = 0; c < chunks_.size(); ++c) {
@@ -310,7 +343,21 @@ Tensor GPTModel::chunk_output(int c, const ChunkBuffers& buf) const {
   check_buffers(c, buf);
   const ChunkState& ch = chunks_[static_cast<size_t>(c)];
   if (ch.layers.empty()) return ch.input[static_cast<size_t>(buf.input)];
-  return ch.layers.back()->output(buf.slot);
+  return layer_output(ch, ch.layers.size() - 1, buf.slot);
+}
+
+Tensor GPTModel::layer_output(const ChunkState& ch, size_t i, int slot) const {
+  if (ch.ends_group(i))
+    return ch.checkpoint[static_cast<size_t>(slot)][static_cast<size_t>(ch.group[i])];
+  return ch.layers[i]->output(ch.slot_of(i, slot));
+}
+
+void GPTModel::recompute_forward(const ChunkState& ch, size_t first, size_t last, const Tensor& in, int slot,
+                                 const MicroBatch& mb, const DropoutContext& dc, const Stream& st) {
+  StepContext ctx{mb, dc, /*slot=*/0, st};
+  ctx.recompute = true;
+  Tensor x = first == 0 ? in : layer_output(ch, first - 1, slot);
+  for (size_t i = first; i <= last; ++i) x = ch.layers[i]->forward(x, ctx);
 }
 
 Tensor GPTModel::logits(int head) const {
@@ -376,9 +423,16 @@ Tensor GPTModel::forward_chunk(int c, const ChunkBuffers& buf, const MicroBatch&
     ch.embedding->forward(in, ctx);
   }
   Tensor x = in;
-  for (TransformerLayer* layer : ch.layers) {
-    needed(layer->param_group());
-    x = layer->forward(x, ctx);
+  for (size_t i = 0; i < ch.layers.size(); ++i) {
+    needed(ch.layers[i]->param_group());
+    StepContext lctx = ctx;
+    lctx.slot = ch.slot_of(i, buf.slot);
+    x = ch.layers[i]->forward(x, lctx);
+    if (ch.ends_group(i)) {  // full recompute: keep the group's output, the next group's input
+      const Tensor kept = layer_output(ch, i, buf.slot);
+      copy(kept, x, st);
+      x = kept;
+    }
   }
   if (!ch.head) return x;
   needed(ch.head->param_group());
@@ -397,7 +451,13 @@ void GPTModel::backward_chunk(int c, const ChunkBuffers& buf, const MicroBatch& 
                                   "pipeline gradient buffer");
   const StepContext ctx{mb, dc, buf.slot, st, loss_scale, layer_graphs_};
   const size_t nlayers = ch.layers.size();
-  auto layer_input = [&](size_t i) { return i == 0 ? in : ch.layers[i - 1]->output(buf.slot); };
+  // Layer i's forward input: the chunk input, a kept output, or (inside a recompute group) the
+  // previous layer's output in the recompute area.
+  auto layer_input = [&](size_t i) {
+    if (i == 0) return in;
+    if (i < nlayers && ch.group[i] >= 0 && ch.group[i - 1] == ch.group[i]) return ch.layers[i - 1]->output(0);
+    return layer_output(ch, i - 1, buf.slot);
+  };
   if (ch.head) {
     ch.head->backward(g, layer_input(nlayers), grad_scale, loss_scale, StepContext{mb, dc, buf.head, st});
     if (last_backward) finish_group(ch.head->param_group(), st);
@@ -410,7 +470,11 @@ void GPTModel::backward_chunk(int c, const ChunkBuffers& buf, const MicroBatch& 
   const bool defer_first = last_backward && ch.embedding && nlayers > 0;
   for (size_t i = nlayers; i-- > 0;) {
     const bool defer = defer_first && i == 0;
-    ch.layers[i]->backward(layer_input(i), g, ctx, defer ? &deferred_ : nullptr);
+    if (ch.ends_group(i))  // full recompute: the group's saved tensors again, before its backward
+      recompute_forward(ch, ch.groups[static_cast<size_t>(ch.group[i])].first, i, in, buf.slot, mb, dc, st);
+    StepContext lctx = ctx;
+    lctx.slot = ch.slot_of(i, buf.slot);
+    ch.layers[i]->backward(layer_input(i), g, lctx, defer ? &deferred_ : nullptr);
     if (last_backward && !defer) finish_group(ch.layers[i]->param_group(), st);
   }
   if (!ch.embedding) return;

@@ -123,6 +123,12 @@ class GPTModel final : public LanguageModel {
   bool embedding_shared_across_stages() const;
   void grads_final(size_t first, size_t end, const Stream& stream);
   void finish_group(size_t group, const Stream& stream);  // TP all-reduce of partial grads + grads_ready
+  // Full recompute: the output of layer i of a chunk for activation slot `slot` (its own saved
+  // output, the checkpoint of the group it ends, or its output in the recompute area).
+  Tensor layer_output(const ChunkState& ch, size_t i, int slot) const;
+  // Full recompute: the layers [first, last] of a chunk forward again into the recompute area.
+  void recompute_forward(const ChunkState& ch, size_t first, size_t last, const Tensor& in, int slot,
+                         const MicroBatch& mb, const DropoutContext& dc, const Stream& stream);
 
   TransformerConfig config_;
   int64_t micro_batch_;

@@ -77,6 +77,11 @@ struct StepContext {
   /// Per-layer CUDA graphs (--cuda-graph-impl local with layer scopes), or nullptr: the
   /// TransformerLayer runs its scoped regions through them.
   LayerGraphs* graphs = nullptr;
+  /// Activation recompute (--recompute-granularity full): this forward re-runs, before its
+  /// backward, a forward already run for the same micro-batch. Modules must compute the same
+  /// tensors and must not count step statistics again (the MoE router's loss values and token
+  /// counts, the dispatchers' counters).
+  bool recompute = false;
 };
 
 /// A declared parameter: its index in the model's ParamStore once bound (ParamRegistry::bind).
@@ -135,7 +140,9 @@ class ParamRegistry {
 ///   * persistent: live as long as the model (pipeline input buffers).
 class BufferPlanner {
  public:
-  enum class Family { kActivations, kHead };
+  /// kRecompute: the saved tensors of the layers of one full-recompute group (one region, shared
+  /// by every group and micro-batch: a group's tensors live from its re-run forward to its backward).
+  enum class Family { kActivations, kHead, kRecompute };
   /// act: the activation dtype modules plan their tensors in.
   BufferPlanner(Device device, DType act);
   Device device() const { return device_; }
@@ -180,7 +187,7 @@ class BufferPlanner {
   bool placing_ = false;
   Buffer buffer_;
   size_t total_ = 0;
-  FamilyState families_[2];
+  FamilyState families_[3];
   bool area_open_ = false;
   Family open_family_ = Family::kActivations;
   int open_index_ = 0;

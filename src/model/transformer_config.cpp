@@ -77,6 +77,35 @@ MoeTokenDropPolicy parse_moe_token_drop_policy(const std::string& s) {
   MT_FAIL("--moe-token-drop-policy '{}' is not supported: expected probs or position", s);
 }
 
+RecomputeGranularity parse_recompute_granularity(const std::string& s) {
+  if (s == "full") return RecomputeGranularity::kFull;
+  if (s == "selective") return RecomputeGranularity::kSelective;
+  MT_FAIL("--recompute-granularity '{}' is not supported: expected full or selective", s);
+}
+
+RecomputeMethod parse_recompute_method(const std::string& s) {
+  if (s == "uniform") return RecomputeMethod::kUniform;
+  if (s == "block") return RecomputeMethod::kBlock;
+  MT_FAIL("--recompute-method '{}' is not supported: expected uniform or block", s);
+}
+
+const char* recompute_granularity_name(RecomputeGranularity g) {
+  switch (g) {
+    case RecomputeGranularity::kFull: return "full";
+    case RecomputeGranularity::kSelective: return "selective";
+    case RecomputeGranularity::kNone: break;
+  }
+  return "none";
+}
+
+const char* recompute_method_name(RecomputeMethod m) { return m == RecomputeMethod::kBlock ? "block" : "uniform"; }
+
+int64_t TransformerConfig::recompute_group(int64_t index, int64_t chunk_layers) const {
+  if (recompute_granularity != RecomputeGranularity::kFull || index < 0 || index >= chunk_layers) return -1;
+  if (recompute_method == RecomputeMethod::kBlock) return index < recompute_num_layers ? index : -1;
+  return index / recompute_num_layers;
+}
+
 const char* moe_score_function_name(MoeScoreFunction f) {
   return f == MoeScoreFunction::kSigmoid ? "sigmoid" : "softmax";
 }
@@ -259,7 +288,23 @@ void TransformerConfig::validate(int tp) const {
   MT_REQUIRE(query_groups() % tp == 0, "--num-query-groups {} is not divisible by tensor parallel size {}",
              query_groups(), tp);
   MT_REQUIRE(ffn() % tp == 0, "--ffn-hidden-size {} is not divisible by tensor parallel size {}", ffn(), tp);
+  // Megatron-Core TransformerConfig.__post_init__'s recompute rules
+  const bool full = recompute_granularity == RecomputeGranularity::kFull;
+  MT_REQUIRE(full || !recompute_method_set, "--recompute-method {} needs --recompute-granularity full (got {})",
+             recompute_method_name(recompute_method), recompute_granularity_name(recompute_granularity));
+  MT_REQUIRE(full || recompute_num_layers == 0, "--recompute-num-layers {} needs --recompute-granularity full (got {})",
+             recompute_num_layers, recompute_granularity_name(recompute_granularity));
+  MT_REQUIRE(!full || recompute_method_set,
+             "--recompute-granularity full needs --recompute-method uniform or block");
+  MT_REQUIRE(!full || recompute_num_layers >= 1,
+             "--recompute-granularity full needs --recompute-num-layers >= 1, got {}", recompute_num_layers);
+  MT_REQUIRE(!full || recompute_method != RecomputeMethod::kUniform || recompute_num_layers <= num_layers,
+             "--recompute-num-layers {} exceeds --num-layers {} (--recompute-method uniform)", recompute_num_layers,
+             num_layers);
   if (num_moe_experts == 0) return;
+  MT_REQUIRE(!full || moe_router_load_balancing_type != MoeLoadBalancing::kGlobalAuxLoss,
+             "--moe-router-load-balancing-type global_aux_loss with --recompute-granularity full is not supported: "
+             "its token counts accumulate over the step's forwards, so a recomputed forward would see other counts");
   const int64_t E = num_moe_experts, k = moe_router_topk;
   MT_REQUIRE(E > 0, "--num-experts must be positive, got {}", E);
   MT_REQUIRE(k >= 1 && k <= E, "--moe-router-topk {} must be in [1, --num-experts {}]", k, E);
@@ -361,6 +406,9 @@ std::string TransformerConfig::summary() const {
   if (!add_bias_linear) s += add_qkv_bias ? ", QKV bias only" : ", no bias";
   if (qk_layernorm) s += ", QK-norm";
   if (untie_embeddings_and_output_weights) s += ", untied output layer";
+  if (recompute_granularity == RecomputeGranularity::kSelective) s += ", selective recompute (core attention)";
+  if (recompute_granularity == RecomputeGranularity::kFull)
+    s += fmt::format(", full recompute ({} {})", recompute_method_name(recompute_method), recompute_num_layers);
   if (num_moe_experts > 0) {
     s += fmt::format(", MoE in {} of {} layers: {} experts, top-{} {} router, expert ffn {}", num_moe_layers(),
                      num_layers, num_moe_experts, moe_router_topk,

@@ -32,6 +32,17 @@ enum class MoeLoadBalancing : uint8_t { kAuxLoss, kSeqAuxLoss, kGlobalAuxLoss, k
 enum class MoeDispatcher : uint8_t { kAllGather, kAllToAll };
 /// --moe-token-drop-policy: which slots beyond an expert's capacity are dropped
 enum class MoeTokenDropPolicy : uint8_t { kProbs, kPosition };
+/// --recompute-granularity (Megatron-Core TransformerConfig.recompute_granularity; Korthikanti et
+/// al. 2022, "Reducing Activation Recomputation in Large Transformer Models"): kNone keeps every
+/// activation; kSelective recomputes the core attention in the backward (the [b, n, s, s]
+/// probabilities of the local attention are not stored; flash attention stores none, so there it
+/// changes nothing); kFull keeps only the input of each recomputed group of layers and re-runs the
+/// group's forward before its backward.
+enum class RecomputeGranularity : uint8_t { kNone, kSelective, kFull };
+/// --recompute-method (with full granularity): kUniform = every layer of a chunk, in consecutive
+/// groups of --recompute-num-layers (the last group may be shorter); kBlock = the first
+/// --recompute-num-layers layers of each chunk, each on its own, the rest not recomputed.
+enum class RecomputeMethod : uint8_t { kUniform, kBlock };
 
 const char* normalization_name(Normalization n);
 const char* position_embedding_type_name(PositionEmbeddingType p);
@@ -50,6 +61,12 @@ MoeLoadBalancing parse_moe_load_balancing(const std::string& s);
 MoeDispatcher parse_moe_dispatcher(const std::string& s);
 /// "probs" / "position" (--moe-token-drop-policy).
 MoeTokenDropPolicy parse_moe_token_drop_policy(const std::string& s);
+/// "full" / "selective" (--recompute-granularity); "uniform" / "block" (--recompute-method).
+/// Errors: mt::Error naming the value and the accepted ones.
+RecomputeGranularity parse_recompute_granularity(const std::string& s);
+RecomputeMethod parse_recompute_method(const std::string& s);
+const char* recompute_granularity_name(RecomputeGranularity g);
+const char* recompute_method_name(RecomputeMethod m);
 /// Megatron's spellings, as the parse functions accept them.
 const char* moe_score_function_name(MoeScoreFunction f);
 const char* moe_load_balancing_name(MoeLoadBalancing b);
@@ -94,6 +111,12 @@ struct TransformerConfig {
   float init_method_std = 0.02f;        ///< --init-method-std
   float hidden_dropout = 0.1f;          ///< --hidden-dropout
   float attention_dropout = 0.1f;       ///< --attention-dropout
+
+  // --- activation recompute (docs/parallelism.md "Activation recompute") ---
+  RecomputeGranularity recompute_granularity = RecomputeGranularity::kNone;  ///< --recompute-granularity
+  RecomputeMethod recompute_method = RecomputeMethod::kUniform;              ///< --recompute-method
+  bool recompute_method_set = false;  ///< --recompute-method was given
+  int64_t recompute_num_layers = 0;   ///< --recompute-num-layers (full granularity: >= 1)
 
   // --- mixture of experts (Megatron-Core transformer/moe; docs/moe.md) ---
   int64_t num_moe_experts = 0;          ///< --num-experts (E); 0 = dense model
@@ -154,6 +177,10 @@ struct TransformerConfig {
   int64_t rotary_dim() const;
   bool qkv_bias() const { return add_bias_linear || add_qkv_bias; }
   bool tied_output() const { return !untie_embeddings_and_output_weights; }
+  /// Full recompute: the recompute group of the layer at `index` (0-based) within a chunk of
+  /// `chunk_layers` layers, or -1 when that layer keeps its activations. Groups are numbered from 0
+  /// in layer order; a group is a run of consecutive layers.
+  int64_t recompute_group(int64_t index, int64_t chunk_layers) const;
   /// Whether layer `layer` (0-based, global) has an MoE block in its MLP slot.
   bool is_moe_layer(int64_t layer) const;
   int64_t num_moe_layers() const;
@@ -167,7 +194,9 @@ struct TransformerConfig {
   /// heads, query groups or ffn; for MoE: top-k outside [1, E], groups not dividing E or not
   /// covering top-k, a group top-k without groups, negative loss coefficients, a layer pattern of
   /// the wrong length, biases on experts (use --disable-bias-linear), a capacity factor <= 0 or
-  /// padding to capacity without one.
+  /// padding to capacity without one; --recompute-method or --recompute-num-layers without full
+  /// granularity, full granularity without a method or with --recompute-num-layers < 1; global
+  /// load balancing (its token counts accumulate over the step's forwards) under full recompute.
   void validate(int tp = 1) const;
   /// Parameters of the model (a tied embedding counted once), with padded vocabulary.
   int64_t num_parameters(int tp = 1) const;

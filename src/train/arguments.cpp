@@ -89,6 +89,31 @@ void add_pretrain_options(CLI::App& app, PretrainArgs& a) {
       ->default_str("auto");
 
   // Mixture of experts (Megatron-Core transformer/moe; docs/moe.md).
+  app.add_option_function<std::string>(
+      "--recompute-granularity", [&m](const std::string& v) { m.recompute_granularity = parse_recompute_granularity(v); },
+      "Activation recompute: full (re-run groups of layers) or selective (core attention)");
+  app.add_flag_callback(
+      "--recompute-activations", [&m] { m.recompute_granularity = RecomputeGranularity::kSelective; },
+      "Same as --recompute-granularity selective");
+  app.add_option_function<std::string>(
+      "--recompute-method",
+      [&m](const std::string& v) {
+        m.recompute_method = parse_recompute_method(v);
+        m.recompute_method_set = true;
+      },
+      "Full recompute: uniform (every layer, in groups) or block (the first N layers of each chunk)");
+  app.add_option("--recompute-num-layers", m.recompute_num_layers,
+                 "Full recompute: layers per group (uniform) or recomputed layers per chunk (block)");
+  app.add_option_function<std::vector<std::string>>(
+      "--recompute-modules",
+      [](const std::vector<std::string>& v) {
+        for (const std::string& mod : v)
+          MT_REQUIRE(mod == "core_attn",
+                     "--recompute-modules {}: only core_attn (the default) is implemented; Megatron's layernorm, "
+                     "mlp, moe, moe_act, shared_experts and mla_up_proj are not",
+                     mod);
+      },
+      "Selective recompute: the modules to recompute (core_attn)");
   app.add_option("--num-experts", m.num_moe_experts, "Experts per MoE layer (0 = dense model)");
   app.add_option("--moe-layer-freq", a.moe_layer_freq,
                  "MoE layer pattern: k (every k-th layer from layer 0) or a list such as ([0]+[1]*23)")
@@ -334,6 +359,10 @@ void validate_cuda_graph_args(const PretrainArgs& a) {
                "--cuda-graph-scope moe_preprocess is not implemented: capture the router (moe_router), or the whole "
                "MoE block (moe, with --moe-grouped-gemm)");
   MT_REQUIRE(!g.include_optimizer || full, "--cuda-graph-include-optimizer needs a full-iteration graph");
+  MT_REQUIRE(full || a.model.recompute_granularity != RecomputeGranularity::kFull,
+             "--cuda-graph-impl local with --recompute-granularity full is not supported: the recomputed layers "
+             "share one buffer set, per-layer graphs are keyed by activation slot (use --cuda-graph-impl "
+             "full_iteration)");
   MT_REQUIRE(g.warmup_steps >= 1,
              "--cuda-graph-warmup-steps {}: at least 1 eager step is needed before the capture (first-use "
              "initialisation such as the MoE expert bias must not be captured)", g.warmup_steps);

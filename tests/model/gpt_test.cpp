@@ -292,6 +292,74 @@ TEST(Gpt, MoEGroupedGemmMatchesPerExpertLoop) {
   }
 }
 
+// Activation recompute (--recompute-granularity selective|full, --recompute-method uniform|block)
+// recomputes the same tensors: the loss, every gradient and the MoE statistics (counted once) are
+// bitwise those without recompute, with dropout and documents, for uneven groups, block
+// recompute, the local and the flash attention, and MoE layers (token dropping, shared expert);
+// the planned activations shrink where they can.
+TEST(Gpt, RecomputeMatchesNoRecompute) {
+  struct Case {
+    const char* name;
+    TransformerConfig config;
+    RecomputeGranularity granularity;
+    RecomputeMethod method;
+    int64_t layers;
+  };
+  auto four = [](TransformerConfig c) {
+    c.num_layers = 4;
+    if (c.num_moe_experts > 0) c.moe_layer_pattern = {0, 1, 1, 0};
+    return c;
+  };
+  using G = RecomputeGranularity;
+  using M = RecomputeMethod;
+  TransformerConfig gpt = four(tiny_config(0.2f)), llama = four(tiny_llama_config(0.2f));
+  gpt.attention_backend = llama.attention_backend = AttentionBackend::kLocal;
+  TransformerConfig flash = llama, moe = four(tiny_moe_config(true)), drops = four(tiny_moe_config(false));
+  flash.attention_backend = AttentionBackend::kFlash;
+  drops.moe_expert_capacity_set = true;
+  drops.moe_expert_capacity_factor = 0.75;
+  const std::vector<Case> cases = {
+      {"gpt selective", gpt, G::kSelective, M::kUniform, 0},   {"gpt uniform 1", gpt, G::kFull, M::kUniform, 1},
+      {"llama uniform 3", llama, G::kFull, M::kUniform, 3},    {"llama block 1", llama, G::kFull, M::kBlock, 1},
+      {"llama block 4", llama, G::kFull, M::kBlock, 4},        {"flash uniform 2", flash, G::kFull, M::kUniform, 2},
+      {"moe uniform 2", moe, G::kFull, M::kUniform, 2},        {"moe drops block 3", drops, G::kFull, M::kBlock, 3},
+  };
+  for (const Case& cs : cases) {
+    SCOPED_TRACE(cs.name);
+    std::vector<std::vector<float>> grads[2];
+    std::vector<double> stats[2];
+    double loss[2];
+    size_t bytes[2];
+    const uint64_t seed = testing::test_seed();
+    for (int k = 0; k < 2; ++k) {
+      TransformerConfig c = cs.config;
+      if (k == 1) {
+        c.recompute_granularity = cs.granularity;
+        c.recompute_method = cs.method;
+        c.recompute_method_set = cs.granularity == G::kFull;
+        c.recompute_num_layers = cs.layers;
+      }
+      testing::test_rng().seed(seed);  // the same batch and weights for both
+      Harness h(c, 2, seed);
+      h.with_documents();
+      const DropoutContext dc{7, 2, 1, true};
+      h.model.params().zero_grads(h.stream);
+      loss[k] = h.loss_value(dc);
+      h.model.backward(h.mb(), dc, 1.f, Tensor(), h.stream);
+      for (size_t i = 0; i < h.model.params().size(); ++i)
+        grads[k].push_back(testing::to_host(h.model.params().grad(i), h.stream));
+      stats[k] = h.model.moe_loss_stats(h.stream);
+      bytes[k] = h.model.activation_bytes();
+    }
+    EXPECT_EQ(loss[1], loss[0]);
+    EXPECT_EQ(stats[1], stats[0]);
+    for (size_t i = 0; i < grads[0].size(); ++i) EXPECT_EQ(grads[1][i], grads[0][i]) << "parameter " << i;
+    // one activation slot: recomputing a single layer of four (block 1) keeps that layer's
+    // tensors in the recompute area plus its output, so only the larger groups save memory
+    if (cs.layers != 1 || cs.method != M::kBlock) EXPECT_LT(bytes[1], bytes[0]);
+  }
+}
+
 // Token dropping at an expert capacity of ceil(T·k/E · 0.75): the dropped slots' outputs and
 // probability gradients are zero; position policy (the drop depends on the selection only, so it
 // adds no discontinuity of its own).
@@ -414,6 +482,26 @@ TEST(Gpt, ConfigErrors) {
   c = tiny_moe_config(false);
   c.moe_pad_expert_input_to_capacity = true;
   expect_message(c, 1, "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor");
+  // Activation recompute (Megatron's rules).
+  c = tiny_config(0);
+  c.recompute_granularity = RecomputeGranularity::kFull;
+  expect_message(c, 1, "--recompute-granularity full needs --recompute-method uniform or block");
+  c.recompute_method_set = true;
+  expect_message(c, 1, "--recompute-granularity full needs --recompute-num-layers >= 1, got 0");
+  c.recompute_num_layers = 3;
+  expect_message(c, 1, "--recompute-num-layers 3 exceeds --num-layers 2 (--recompute-method uniform)");
+  c.recompute_granularity = RecomputeGranularity::kSelective;
+  expect_message(c, 1, "--recompute-method uniform needs --recompute-granularity full (got selective)");
+  c.recompute_method_set = false;
+  expect_message(c, 1, "--recompute-num-layers 3 needs --recompute-granularity full (got selective)");
+  c = tiny_moe_config(false);
+  c.recompute_granularity = RecomputeGranularity::kFull;
+  c.recompute_method_set = true;
+  c.recompute_num_layers = 1;
+  c.moe_router_load_balancing_type = MoeLoadBalancing::kGlobalAuxLoss;
+  expect_message(c, 1, "global_aux_loss with --recompute-granularity full is not supported");
+  EXPECT_THROW(parse_recompute_granularity("partial"), Error);
+  EXPECT_THROW(parse_recompute_method("random"), Error);
   EXPECT_THROW(parse_moe_token_drop_policy("random"), Error);
   EXPECT_THROW(parse_normalization("BatchNorm"), Error);
   EXPECT_THROW(parse_position_embedding_type("alibi"), Error);

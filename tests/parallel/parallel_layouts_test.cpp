@@ -124,6 +124,10 @@ struct Layout {
   int echo = 0;              // --moe-enable-echo with this many spare slots per EP rank (alltoall)
   int64_t received = 0;      // --moe-received-token-capacity (static alltoall blocks; large: no overflow)
   bool slot_keys = false;    // per-layer CUDA graph mode: dropout keyed by the slot's device micro-batch key
+  // Activation recompute (the reference keeps everything): 's' selective, 'u' full uniform, 'b'
+  // full block, with recompute_layers (--recompute-num-layers)
+  char recompute = 0;
+  int recompute_layers = 0;
   // Reference only: each micro-batch is the union (along b) of `merge` consecutive sample groups,
   // i.e. of the DP ranks' micro-batches of one step (global_aux_loss: the global micro-batch).
   int merge = 1;
@@ -153,6 +157,9 @@ struct Layout {
     if (echo > 0) s += fmt::format("_echo{}", echo);
     if (received > 0) s += fmt::format("_recv{}", received);
     if (slot_keys) s += "_slotkeys";
+    if (recompute == 's') s += "_rc_selective";
+    if (recompute == 'u' || recompute == 'b')
+      s += fmt::format("_rc_{}{}", recompute == 'u' ? "uniform" : "block", recompute_layers);
     return s;
   }
 };
@@ -190,6 +197,13 @@ Result run_layout(const Layout& L, const std::vector<int32_t>& tokens, const std
   c.moe_enable_echo = L.echo > 0;
   c.moe_num_echo_experts = L.echo;
   c.moe_received_token_capacity = L.received;
+  if (L.recompute == 's') c.recompute_granularity = RecomputeGranularity::kSelective;
+  if (L.recompute == 'u' || L.recompute == 'b') {
+    c.recompute_granularity = RecomputeGranularity::kFull;
+    c.recompute_method = L.recompute == 'u' ? RecomputeMethod::kUniform : RecomputeMethod::kBlock;
+    c.recompute_method_set = true;
+    c.recompute_num_layers = L.recompute_layers;
+  }
   if (L.capacity > 0) {
     c.moe_expert_capacity_set = true;
     c.moe_expert_capacity_factor = L.capacity;
@@ -648,6 +662,26 @@ std::vector<Layout> layouts() {
     v.back().micro_total = 4 * pp * dp;
     v.back().slot_keys = true;
   }
+  // Activation recompute under parallelism (several activation slots sharing one recompute area,
+  // groups that end a pipeline chunk and feed the next stage, recomputed collectives of TP + SP,
+  // EP dispatch and ECHO): selective with the local attention, full uniform and block, dense, flash
+  // and MoE, against one rank without recompute.
+  for (const auto& [arch, flash, tp, pp, dp, vpp, ep, sp, zero, a2a, rc, n] :
+       {std::tuple{Arch::kGpt, false, 2, 2, 2, 2, 1, true, true, false, 'u', 1},
+        std::tuple{Arch::kGpt, false, 1, 4, 1, 0, 1, false, false, false, 'b', 1},
+        std::tuple{Arch::kLlama, false, 2, 1, 2, 0, 1, true, true, false, 's', 0},
+        std::tuple{Arch::kLlama, true, 2, 2, 2, 0, 1, true, false, false, 'u', 3},
+        std::tuple{Arch::kMoe, false, 1, 2, 2, 2, 2, false, true, true, 'u', 1},
+        std::tuple{Arch::kMoeSigmoid, false, 2, 1, 2, 0, 2, true, false, false, 'b', 2}}) {
+    add(arch, tp, pp, dp, vpp, sp, zero, false, ep, ep > 1 && tp > 1 ? 1 : 0, a2a);
+    v.back().flash = flash;
+    v.back().recompute = rc;
+    v.back().recompute_layers = n;
+  }
+  add(Arch::kMoe, 1, 1, 2, 0, false, false, false, 2, 0, /*a2a=*/true);  // ECHO's placement recomputed
+  v.back().echo = 1;
+  v.back().recompute = 'u';
+  v.back().recompute_layers = 2;
   return v;
 }
 

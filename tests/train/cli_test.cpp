@@ -141,6 +141,23 @@ TEST_F(CliTest, TrainsAndResumesBitwise) {
   EXPECT_NE(gen.out.find("the whale"), std::string::npos) << gen.out;
 }
 
+// --recompute-granularity full / selective trains the same model: the loss lines are those of the
+// run without recompute, and the log names the recompute.
+TEST_F(CliTest, ActivationRecomputeTrainsTheSameModel) {
+  const std::string common = "--train-iters 3 --attention-backend local ";
+  RunResult plain = run_megatron(train_flags(common));
+  ASSERT_EQ(plain.rc, 0) << plain.out;
+  ASSERT_EQ(loss_lines(plain.out).size(), 3u) << plain.out;
+  for (const std::string flags :
+       {"--recompute-granularity full --recompute-method uniform --recompute-num-layers 2",
+        "--recompute-activations"}) {
+    RunResult r = run_megatron(train_flags(common + flags));
+    ASSERT_EQ(r.rc, 0) << flags << "\n" << r.out;
+    EXPECT_EQ(loss_lines(r.out), loss_lines(plain.out)) << flags << "\n" << r.out;
+    EXPECT_NE(r.out.find(" recompute"), std::string::npos) << r.out;
+  }
+}
+
 TEST_F(CliTest, DocumentMasksAndMockData) {
   RunResult r =
       run_megatron(train_flags("--train-iters 3 --reset-position-ids --reset-attention-mask --eod-mask-loss"));
@@ -218,6 +235,15 @@ TEST_F(CliTest, BadInputErrors) {
       {train_flags("--train-iters 2 --cuda-graph-impl local --cuda-graph-scope moe_preprocess"),
        "--cuda-graph-scope moe_preprocess is not implemented"},
       {train_flags("--train-iters 2 --cuda-graph-impl local --cuda-graph-scope attn mlp"), "needs a CUDA device"},
+      // activation recompute
+      {train_flags("--train-iters 2 --recompute-granularity partial"), "--recompute-granularity 'partial'"},
+      {train_flags("--train-iters 2 --recompute-granularity full"), "needs --recompute-method uniform or block"},
+      {train_flags("--train-iters 2 --recompute-method block --recompute-num-layers 1"),
+       "--recompute-method block needs --recompute-granularity full"},
+      {train_flags("--train-iters 2 --recompute-activations --recompute-modules mlp"), "only core_attn"},
+      {train_flags("--train-iters 2 --cuda-graph-impl local --recompute-granularity full --recompute-method uniform "
+                   "--recompute-num-layers 1"),
+       "--cuda-graph-impl local with --recompute-granularity full is not supported"},
       {"generate --load " + (bad / "nothing").string() + " " + tok, "nothing"},
   };
   for (const auto& c : cases) {

@@ -17,6 +17,7 @@ namespace mt {
 DotProductAttention::DotProductAttention(const TransformerConfig& c, int64_t layer, const TensorParallelRegion& tp)
     : config_(c),
       layer_(layer),
+      recompute_(c.recompute_granularity == RecomputeGranularity::kSelective),
       heads_(c.num_attention_heads / tp.size()),
       groups_(c.query_groups() / tp.size()),
       head_offset_(tp.rank() * (c.num_attention_heads / tp.size())) {}
@@ -27,10 +28,18 @@ void DotProductAttention::plan(BufferPlanner& p, int64_t s, int64_t b) {
   const size_t a = static_cast<size_t>(p.area());
   if (saved_.size() <= a) saved_.resize(a + 1);
   AttentionBuffers& buf = saved_[a];
-  buf.q = p.saved(t, {b, heads_, s, d}, "q");
-  buf.k = p.saved(t, {b, groups_, s, d}, "k");
-  buf.v = p.saved(t, {b, groups_, s, d}, "v");
-  buf.probs = p.saved(t, {b, heads_, s, s}, "attention probabilities");
+  if (recompute_) {  // selective recompute: nothing of the core attention outlives the forward
+    buf.q = p.scratch("core_attention.q", t, {b, heads_, s, d});
+    buf.k = p.scratch("core_attention.k", t, {b, groups_, s, d});
+    buf.v = p.scratch("core_attention.v", t, {b, groups_, s, d});
+    buf.probs = p.scratch("core_attention.probs", t, {b, heads_, s, s});
+    recomputed_context_ = p.scratch("core_attention.recomputed_context", t, {s, b, heads_ * d});
+  } else {
+    buf.q = p.saved(t, {b, heads_, s, d}, "q");
+    buf.k = p.saved(t, {b, groups_, s, d}, "k");
+    buf.v = p.saved(t, {b, groups_, s, d}, "v");
+    buf.probs = p.saved(t, {b, heads_, s, s}, "attention probabilities");
+  }
   buf.scratch = p.scratch("core_attention.scratch", t, {b, heads_, s, s});
   buf.dq = p.scratch("core_attention.dq", t, {b, heads_, s, d});
   buf.dk = p.scratch("core_attention.dk", t, {b, groups_, s, d});
@@ -58,10 +67,14 @@ void DotProductAttention::forward(const Tensor& context, const Tensor& qkv, cons
                     attention_config(ctx, qkv.size(0), qkv.size(1)), ctx.stream);
 }
 
-void DotProductAttention::backward(const Tensor& dqkv, const Tensor& dcontext, const Tensor&, const Tensor&,
+void DotProductAttention::backward(const Tensor& dqkv, const Tensor& dcontext, const Tensor&, const Tensor& qkv,
                                    const StepContext& ctx) {
-  attention_backward(dqkv, dcontext, saved_.at(static_cast<size_t>(ctx.slot)),
-                     attention_config(ctx, dqkv.size(0), dqkv.size(1)), ctx.stream);
+  const AttentionBuffers& buf = saved_.at(static_cast<size_t>(ctx.slot));
+  const AttentionConfig cfg = attention_config(ctx, dqkv.size(0), dqkv.size(1));
+  // Selective recompute: q, k, v and the probabilities again from the kept qkv (same dropout key,
+  // same kernels: the same values as the forward's)
+  if (recompute_) attention_forward(recomputed_context_.view(dcontext.shape()), qkv, buf, cfg, ctx.stream);
+  attention_backward(dqkv, dcontext, buf, cfg, ctx.stream);
 }
 
 // ---------------------------------------------------------------------------------------------

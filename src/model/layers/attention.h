@@ -37,12 +37,14 @@ class CoreAttention {
 };
 
 /// Megatron's DotProductAttention ("local"): ops/attention.h, which saves q, k, v and the
-/// probabilities [b, n_l, s, s].
+/// probabilities [b, n_l, s, s]. With --recompute-granularity selective (Megatron's core_attn
+/// recompute) it saves nothing: the caller keeps the qkv input and the backward re-runs the
+/// forward into scratch first.
 class DotProductAttention final : public CoreAttention {
  public:
   DotProductAttention(const TransformerConfig& config, int64_t layer, const TensorParallelRegion& tp);
   void plan(BufferPlanner& planner, int64_t s, int64_t b) override;
-  bool reads_inputs_in_backward() const override { return false; }
+  bool reads_inputs_in_backward() const override { return recompute_; }
   void forward(const Tensor& context, const Tensor& qkv, const StepContext& ctx) override;
   void backward(const Tensor& dqkv, const Tensor& dcontext, const Tensor& context, const Tensor& qkv,
                 const StepContext& ctx) override;
@@ -51,8 +53,10 @@ class DotProductAttention final : public CoreAttention {
   AttentionConfig attention_config(const StepContext& ctx, int64_t s, int64_t b) const;
   const TransformerConfig& config_;
   int64_t layer_;
+  bool recompute_;  // selective recompute
   int64_t heads_, groups_, head_offset_;
-  std::vector<AttentionBuffers> saved_;  // per area; scratch, dq, dk, dv shared
+  std::vector<AttentionBuffers> saved_;  // per area; scratch, dq, dk, dv shared (with recompute: all scratch)
+  Tensor recomputed_context_;            // recompute: the re-run forward's output [s, b, n_l·d] (scratch)
 };
 
 /// FlashAttention-2 (ops/flash_attention.h; Megatron's flash / fused backends): the [s, s]

@@ -294,6 +294,7 @@ void MoELayer::router_forward(Saved& sv, const StepContext& ctx) {
       if (dp_ && dp_->size() > 1) dp_->all_reduce(global_counts_, ReduceOp::kSum, st);
       moe_global_tokens_per_expert(sv.global_tokens, global_acc_, global_counts_, st);
     }
+    if (ctx.recompute) return;  // the values and counts below were taken in the first forward
     if (aux_loss_on())
       moe_aux_loss(stats_.slice0(0, 1), scores_aux_, global_aux() ? sv.global_tokens : sv.tokens_per_expert,
                    aux_scale(w), st);
@@ -321,6 +322,7 @@ Tensor MoELayer::forward(const StepContext& ctx) {
   // --- router (local tokens) and the auxiliary losses: the moe_router region of per-layer graphs ---
   router_region(ctx, false, [&] { router_forward(sv, ctx); });
   // --- dispatch: the rows of the local experts, ordered by expert ---
+  dispatcher_->count_stats(!ctx.recompute);
   MoeExpertCounts counts = dispatcher_->dispatch(sv.xp, x, ctx.slot, st);
   if (config_.moe_grouped_gemm) {  // experts and combine over all R_max rows, counts on the device
     sv.counts = counts.device;

@@ -393,7 +393,7 @@ class AllToAllDispatcher final : public AlltoAllBase {
         for (int64_t j = 0; j < P_; ++j) pl.order.push_back((i * P_ + j) * El + e);
     // statistics: every EP rank's received rows (this ETP slice's, all of them with ETP 1) and
     // the slots sent to clones
-    for (int64_t m = 0; m < P_; ++m) {
+    for (int64_t m = 0; m < P_ && counting_; ++m) {
       int64_t rows = 0;
       for (int64_t i = 0; i < Q_; ++i)
         for (int64_t j = 0; j < P_; ++j)
@@ -404,7 +404,7 @@ class AllToAllDispatcher final : public AlltoAllBase {
           }
       stats_.max_received = std::max(stats_.max_received, rows);
     }
-    ++stats_.dispatches;
+    if (counting_) ++stats_.dispatches;
     return pl;
   }
 
@@ -581,7 +581,8 @@ class StaticAllToAllDispatcher final : public AlltoAllBase {
     }
     // permutation 1 into the fixed blocks; the overflow dropped and counted
     moe_routing_map_device(row_index_, slot_row_, counts_, top, 0, Ev_, st);
-    moe_block_send_layout(sv.send_index, sv.slot_send, sent_, overflow_, counts_, row_index_, P_, B_, st);
+    moe_block_send_layout(sv.send_index, sv.slot_send, sent_, counting_ ? overflow_ : Tensor(), counts_, row_index_,
+                          P_, B_, st);
     moe_permute(send_, x, sv.send_index, s_.topk, st);
     // the kept counts of every source, in received-block order [ETP rank][EP rank]
     Tensor all = sent_;

@@ -141,6 +141,12 @@ class MoeTokenDispatcher {
   }
   /// Restarts the statistics (ordered on `stream`, outside any step).
   virtual void reset_stats(const Stream& stream) { (void)stream; }
+  /// Whether the next dispatches count in the statistics (off for a recomputed forward,
+  /// StepContext::recompute: the first forward counted them).
+  void count_stats(bool on) { counting_ = on; }
+
+ protected:
+  bool counting_ = true;
 };
 
 /// The dispatcher of `kind` for this rank. Errors: mt::Error when the groups do not match the sizes
