@@ -138,4 +138,17 @@ size_t device_memory_in_use(Device device) {
 #endif
   return 0;
 }
+
+size_t device_memory_free(Device device) {
+#ifdef MT_WITH_CUDA
+  if (device.is_cuda()) {
+    size_t free_b = 0, total_b = 0;
+    set_current_device(device);
+    MT_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+    return free_b;
+  }
+#endif
+  (void)device;
+  return SIZE_MAX;
+}
 }  // namespace mt

@@ -70,4 +70,6 @@ namespace mt {
 /// Bytes in use on a CUDA device by all processes and contexts (cudaMemGetInfo: total - free);
 /// 0 for the CPU.
 size_t device_memory_in_use(Device device);
+/// Bytes free on a CUDA device (cudaMemGetInfo); SIZE_MAX for the CPU.
+size_t device_memory_free(Device device);
 }  // namespace mt

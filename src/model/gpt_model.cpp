@@ -169,9 +169,17 @@ std::unique_ptr<GPTModel> GPTModel::planned_for(int64_t seq_length, int64_t micr
   return m;
 }
 
+ModelMemoryPlan GPTModel::memory_plan(const TransformerConfig& config, int64_t micro_batch, DType dtype,
+                                      Device device, ProcessGroups groups, bool sequence_parallel,
+                                      ParamLayout param_layout, ModelLayout layout) {
+  const GPTModel measured(config, micro_batch, dtype, device, std::move(groups), sequence_parallel, param_layout,
+                          std::move(layout), nullptr, /*measure_only=*/true);
+  return measured.memory_plan_;
+}
+
 GPTModel::GPTModel(const TransformerConfig& config, int64_t micro_batch, DType dtype, Device device,
                    ProcessGroups groups, bool sequence_parallel, ParamLayout param_layout, ModelLayout layout,
-                   std::shared_ptr<ParamStore> shared)
+                   std::shared_ptr<ParamStore> shared, bool measure_only)
     : config_(config),
       micro_batch_(micro_batch),
       dtype_(dtype),
@@ -228,17 +236,21 @@ GPTModel::GPTModel(const TransformerConfig& config, int64_t micro_batch, DType d
       if (cp_) m->set_context_parallel(groups_.tp_cp.get(), groups_.cp->size(), groups_.cp->rank());
     }
   flash_ = get_gpt_layer_local_spec(config_, fast_flash).core_attention == CoreAttentionKind::kFlash;
-  params_ = shared ? std::move(shared)
-                   : std::make_shared<ParamStore>(parts_->registry.specs(), dtype, device, param_layout);
-  parts_->registry.bind(*params_);
+  if (measure_only) {
+    memory_plan_.params = ParamStore::plan(parts_->registry.specs(), param_layout);
+  } else {
+    params_ = shared ? std::move(shared)
+                     : std::make_shared<ParamStore>(parts_->registry.specs(), dtype, device, param_layout);
+    parts_->registry.bind(*params_);
+  }
   if (config_.tied_output()) {
     word_embedding_index_ = parts_->embedding ? parts_->embedding->word_embeddings().index
                                               : (parts_->head ? parts_->head->output_weight().index
                                                               : ParamStore::kNoParam);
   }
   // Per registry group: the replicated parameters whose gradients are partial sums over TP.
-  const ParamStore& P = *params_;
-  for (size_t g = 0; g < parts_->registry.num_groups(); ++g) {
+  for (size_t g = 0; g < parts_->registry.num_groups() && params_; ++g) {
+    const ParamStore& P = *params_;
     const auto [first, end] = parts_->registry.group_range(g);
     tp_partial_.push_back(P.ranges([&, first = first, end = end](const ParamInfo& p) {
       const size_t i = static_cast<size_t>(&p - P.infos().data());
@@ -267,6 +279,18 @@ GPTModel::GPTModel(const TransformerConfig& config, int64_t micro_batch, DType d
   planner_ = std::make_unique<BufferPlanner>(device, dtype);
   planner_->begin_pass();
   plan(*planner_);
+  if (measure_only) {
+    using Family = BufferPlanner::Family;
+    ModelMemoryPlan& m = memory_plan_;
+    m.activation_slot_bytes = planner_->area_bytes(Family::kActivations);
+    m.activation_slots = planner_->area_count(Family::kActivations);
+    m.recompute_bytes = planner_->area_bytes(Family::kRecompute) * static_cast<size_t>(planner_->area_count(Family::kRecompute));
+    m.head_slot_bytes = planner_->area_bytes(Family::kHead);
+    m.head_slots = planner_->area_count(Family::kHead);
+    m.scratch_bytes = planner_->scratch_bytes();
+    m.persistent_bytes = planner_->persistent_bytes();
+    return;
+  }
   planner_->materialize();
   planner_->begin_pass();
   plan(*planner_);

@@ -24,8 +24,31 @@ class LanguageModelEmbedding;
 class LanguageModelHead;
 class TransformerLayer;
 
+/// What a GPTModel would allocate, measured without allocating (GPTModel::memory_plan): the
+/// ParamStore's flat buffers (elements) and the buffer plan (bytes): activation slots (one
+/// forward's saved tensors each), the full-recompute area, the loss head's slots, scratch and the
+/// persistent pipeline input buffers. The model's one activation buffer is buffer_bytes().
+struct ModelMemoryPlan {
+  ParamStore::Plan params;
+  size_t activation_slot_bytes = 0;
+  int activation_slots = 0;
+  size_t recompute_bytes = 0;
+  size_t head_slot_bytes = 0;
+  int head_slots = 0;
+  size_t scratch_bytes = 0, persistent_bytes = 0;
+  size_t buffer_bytes() const {
+    return persistent_bytes + activation_slot_bytes * static_cast<size_t>(activation_slots) + recompute_bytes +
+           head_slot_bytes * static_cast<size_t>(head_slots) + scratch_bytes;
+  }
+};
+
 class GPTModel final : public LanguageModel {
  public:
+  /// The sizes the constructor with these arguments would allocate (ModelMemoryPlan), without
+  /// allocating them (small per-layer state of MoE / CP regions aside). Errors: as the constructor.
+  static ModelMemoryPlan memory_plan(const TransformerConfig& config, int64_t micro_batch, DType dtype, Device device,
+                                     ProcessGroups groups, bool sequence_parallel = false,
+                                     ParamLayout param_layout = {}, ModelLayout layout = {});
   /// Builds parameters (uninitialised: call params().initialize(seed) or load a checkpoint) and
   /// plans activations for `micro_batch` sequences of config.seq_length tokens.
   /// dtype: activations and model parameters (fp32 on CPU; fp32/bf16/fp16 on CUDA).
@@ -116,7 +139,8 @@ class GPTModel final : public LanguageModel {
  private:
   struct Parts;  // the modules and their registry
   GPTModel(const TransformerConfig& config, int64_t micro_batch, DType dtype, Device device, ProcessGroups groups,
-           bool sequence_parallel, ParamLayout param_layout, ModelLayout layout, std::shared_ptr<ParamStore> shared);
+           bool sequence_parallel, ParamLayout param_layout, ModelLayout layout, std::shared_ptr<ParamStore> shared,
+           bool measure_only = false);
   struct ChunkState;
   void plan(BufferPlanner& planner);
   void check_buffers(int c, const ChunkBuffers& buf) const;  // errors naming an index out of range
@@ -150,6 +174,7 @@ class GPTModel final : public LanguageModel {
   LayerGraphs* layer_graphs_ = nullptr;  // per-layer CUDA graphs (set_layer_graphs), not owned
   size_t word_embedding_index_ = ParamStore::kNoParam;
   std::vector<std::vector<ParamStore::Range>> tp_partial_;  // per registry group: grads to all-reduce over TP
+  ModelMemoryPlan memory_plan_;  // measure_only construction
 };
 
 }  // namespace mt

@@ -15,7 +15,19 @@ int64_t default_ddp_bucket_size(int64_t data_parallel_size) {
   return std::max<int64_t>(40000000, 1000000 * data_parallel_size);
 }
 
-ParamStore::ParamStore(std::vector<ParamSpec> specs, DType model_dtype, Device device, const ParamLayout& layout)
+ParamStore::Plan ParamStore::plan(std::vector<ParamSpec> specs, const ParamLayout& layout) {
+  const ParamStore laid_out(std::move(specs), DType::kF32, Device::cpu(), layout, /*allocate=*/false);
+  Plan p;
+  p.total = laid_out.total_;
+  for (const ParamBucket& b : laid_out.buckets_) {
+    if (b.expert) p.expert += b.end - b.begin;
+    p.largest_bucket = std::max(p.largest_bucket, b.end - b.begin);
+  }
+  return p;
+}
+
+ParamStore::ParamStore(std::vector<ParamSpec> specs, DType model_dtype, Device device, const ParamLayout& layout,
+                       bool allocate)
     : model_dtype_(model_dtype), device_(device), layout_(layout) {
   MT_CHECK(model_dtype == DType::kF32 || model_dtype == DType::kBF16 || model_dtype == DType::kF16,
            "parameter dtype must be fp32, bf16 or fp16, got {}", dtype_name(model_dtype));
@@ -73,6 +85,7 @@ ParamStore::ParamStore(std::vector<ParamSpec> specs, DType model_dtype, Device d
     bk.end = off;
   }
   total_ = off;
+  if (!allocate) return;
   main_ = Buffer(device, static_cast<size_t>(total_) * 4);
   if (model_dtype != DType::kF32) params_ = Buffer(device, static_cast<size_t>(total_) * dtype_size(model_dtype));
   grads_ = Buffer(device, static_cast<size_t>(total_) * 4);

@@ -123,7 +123,15 @@ class ParamStore {
   /// The parameters are laid out in order (offsets ascending), grouped into the buckets of
   /// `layout`. Errors: mt::Error for an unknown dtype, a duplicate name, data_parallel_size < 1
   /// or bucket_size < 0.
-  ParamStore(std::vector<ParamSpec> specs, DType model_dtype, Device device, const ParamLayout& layout);
+  ParamStore(std::vector<ParamSpec> specs, DType model_dtype, Device device, const ParamLayout& layout)
+      : ParamStore(std::move(specs), model_dtype, device, layout, /*allocate=*/true) {}
+  /// The flat buffers' sizes of a store with these specs and layout, without allocating (the
+  /// memory estimate, train/memory_estimate.h): elements in all buckets, in the expert buckets,
+  /// and in the largest bucket. Errors: as the constructor.
+  struct Plan {
+    int64_t total = 0, expert = 0, largest_bucket = 0;
+  };
+  static Plan plan(std::vector<ParamSpec> specs, const ParamLayout& layout);
   /// One bucket, padded to a multiple of kAlign · pad_multiple (the data-parallel size, so the
   /// distributed optimizer can shard it evenly): ParamLayout{pad_multiple, 0}.
   ParamStore(std::vector<ParamSpec> specs, DType model_dtype, Device device, int64_t pad_multiple = 1)
@@ -217,6 +225,7 @@ class ParamStore {
   DType model_dtype_;
   Device device_;
   ParamLayout layout_;
+  ParamStore(std::vector<ParamSpec> specs, DType model_dtype, Device device, const ParamLayout& layout, bool allocate);
   int64_t total_ = 0;
   std::vector<ParamBucket> buckets_;
   std::vector<size_t> bucket_of_;

@@ -33,6 +33,7 @@
 #include "optim/grad_sync.h"
 #include "train/checkpoint.h"
 #include "train/exit_signal.h"
+#include "train/memory_estimate.h"
 #include "train/metrics_log.h"
 #include "train/pipeline.h"
 #include "train/timing_log.h"
@@ -169,6 +170,10 @@ class BatchStager {
     int cp, cp_rank;  // context parallelism: this rank stages its seq / cp tokens
     bool positions, doc_start;  // pass position_ids / doc_start to the model
   };
+  /// Bytes of the staged micro-batches on the device (5 int32/fp32 [s/cp, b] tensors each).
+  static size_t device_bytes(int64_t num_micro, int64_t micro, int64_t seq, int cp) {
+    return static_cast<size_t>(num_micro * 5 * (seq / cp) * micro) * 4;
+  }
   BatchStager(const Options& o, Device device) : o_(o), device_(device), dev_(device, bytes()) {
     for (int i = 0; i < 2; ++i) {
       host_[i] = Buffer(Device::cpu(), bytes(), HostMemory::kPinned);
@@ -225,7 +230,7 @@ class BatchStager {
   }
 
  private:
-  size_t bytes() const { return static_cast<size_t>(o_.num_micro * 5 * (o_.seq / o_.cp) * o_.micro) * 4; }
+  size_t bytes() const { return device_bytes(o_.num_micro, o_.micro, o_.seq, o_.cp); }
   void wait_free(int k) {
     if (used_[k]) copied_[k]->synchronize();
   }
@@ -470,6 +475,34 @@ int run_pretrain(PretrainArgs args) {
   // Parameter gradients are reduced (and the distributed optimizer sharded) over dp-cp (Megatron).
   ParamLayout param_layout = args.param_layout();
   param_layout.data_parallel_size = groups.dp_cp->size();
+  // The memory estimate, before anything large is allocated (train/memory_estimate.h).
+  MemoryEstimateInputs mem_in;
+  mem_in.model = GPTModel::memory_plan(args.model, args.micro_batch_size, args.dtype(), device, groups,
+                                       args.sequence_parallel, param_layout,
+                                       model_layout(chunks, {&train_plan, &eval_plan}));
+  mem_in.dtype = args.dtype();
+  mem_in.distributed_optimizer = args.use_distributed_optimizer;
+  mem_in.data_parallel = groups.dp_cp->size();
+  mem_in.expert_data_parallel = groups.edp->size();
+  mem_in.grad_reduce_in_bf16 = args.grad_reduce_in_bf16 && (groups.dp_cp->size() > 1 || groups.edp->size() > 1);
+  {
+    const int64_t sl = args.sequence_parallel ? args.model.seq_length / pc.cp / pc.tp
+                                              : args.model.seq_length / pc.cp;
+    const int grads = std::max(train_plan.grad_buffers, eval_plan.grad_buffers);
+    mem_in.pipeline_grad_bytes =
+        static_cast<size_t>(grads * sl * args.micro_batch_size * args.model.hidden_size) * dtype_size(args.dtype());
+  }
+  mem_in.batch_bytes = BatchStager::device_bytes(M, args.micro_batch_size, args.model.seq_length, pc.cp);
+  const MemoryEstimate mem_estimate = estimate_training_memory(mem_in);
+  const size_t in_use_before = device_memory_in_use(device);  // CUDA context, libraries, other processes
+  log_info("> memory estimate per rank: {}", mem_estimate.summary());
+  if (device.is_cuda()) {
+    // the free memory now, less 32 MiB per stream of cuBLASLt workspace still to come
+    const size_t free_now = device_memory_free(device);
+    check_memory_fits(mem_estimate, free_now, size_t{64} << 20, device.str());
+  } else {
+    check_memory_fits(mem_estimate, available_host_memory_bytes(), 0, "the host (CPU training)");
+  }
   GPTModel model(args.model, args.micro_batch_size, args.dtype(), device, groups, args.sequence_parallel,
                  param_layout, model_layout(chunks, {&train_plan, &eval_plan}));
   PipelineExecutor executor(model, groups.pp, {&train_plan, &eval_plan});
@@ -894,10 +927,22 @@ int run_pretrain(PretrainArgs args) {
   if (metrics) metrics->flush();
   progress.clear();
   stream.synchronize();
+  {
+    // the buffers the estimate covers: on the CPU the host's pinned staging buffers (two batches)
+    // count too
+    const double est = static_cast<double>(mem_estimate.total()),
+                 got = static_cast<double>(device_bytes_allocated(device) -
+                                           (device.is_cuda() ? 0 : 2 * mem_in.batch_bytes));
+    log_info("> memory estimate {:.1f} MiB of buffers, {:+.1f}% from the {:.1f} MiB allocated", est / 1048576.0,
+             100.0 * (est - got) / std::max(got, 1.0), got / 1048576.0);
+  }
   if (device.is_cuda()) {
     log_info("> device memory: {:.1f} MiB in megatron.cpp buffers (static: allocated once, so also the peak), "
              "{:.1f} MiB in use on {} (cudaMemGetInfo, includes the CUDA context and cuBLAS)",
              device_bytes_allocated(device) / 1048576.0, device_memory_in_use(device) / 1048576.0, device.str());
+    log_info("> memory estimate: {:.1f} MiB in use expected (the {:.1f} MiB in use before the model + the buffers' "
+             "estimate)", (static_cast<double>(mem_estimate.total()) + static_cast<double>(in_use_before)) / 1048576.0,
+             in_use_before / 1048576.0);
     if (world->size() > 1) {  // per rank (pipeline stages differ), gathered to rank 0
       const int n = world->size();
       const float mine[2] = {static_cast<float>(device_bytes_allocated(device) / 1048576.0),

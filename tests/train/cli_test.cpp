@@ -3,6 +3,7 @@
 // test per documented input error (non-zero exit and a message naming the problem).
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -158,6 +159,23 @@ TEST_F(CliTest, ActivationRecomputeTrainsTheSameModel) {
   }
 }
 
+// The memory estimate printed before training matches the buffers allocated (within 10%: on the
+// CPU the sizes are exact), with and without recompute.
+TEST_F(CliTest, MemoryEstimateMatchesTheAllocation) {
+  for (const std::string flags :
+       {"", "--recompute-granularity full --recompute-method block --recompute-num-layers 1 --hidden-size 64"}) {
+    RunResult r = run_megatron(train_flags("--train-iters 1 " + flags));
+    ASSERT_EQ(r.rc, 0) << r.out;
+    EXPECT_NE(r.out.find("> memory estimate per rank: parameters (fp32)"), std::string::npos) << r.out;
+    std::smatch m;
+    ASSERT_TRUE(std::regex_search(r.out, m, std::regex("memory estimate ([0-9.]+) MiB of buffers, ([+-][0-9.]+)% "
+                                                        "from the ([0-9.]+) MiB allocated")))
+        << r.out;
+    EXPECT_GT(std::stod(m[1].str()), 0.0);
+    EXPECT_LT(std::fabs(std::stod(m[2].str())), 10.0) << r.out;
+  }
+}
+
 TEST_F(CliTest, DocumentMasksAndMockData) {
   RunResult r =
       run_megatron(train_flags("--train-iters 3 --reset-position-ids --reset-attention-mask --eod-mask-loss"));
@@ -235,6 +253,10 @@ TEST_F(CliTest, BadInputErrors) {
       {train_flags("--train-iters 2 --cuda-graph-impl local --cuda-graph-scope moe_preprocess"),
        "--cuda-graph-scope moe_preprocess is not implemented"},
       {train_flags("--train-iters 2 --cuda-graph-impl local --cuda-graph-scope attn mlp"), "needs a CUDA device"},
+      // a model that cannot fit: refused before allocating, naming the largest consumers
+      {train_flags("--train-iters 2 --num-layers 64 --hidden-size 65536 --num-attention-heads 64 "
+                   "--max-position-embeddings 16"),
+       "out of memory at plan time on the host (CPU training)"},
       // activation recompute
       {train_flags("--train-iters 2 --recompute-granularity partial"), "--recompute-granularity 'partial'"},
       {train_flags("--train-iters 2 --recompute-granularity full"), "needs --recompute-method uniform or block"},
