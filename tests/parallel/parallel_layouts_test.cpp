@@ -17,6 +17,7 @@
 #include <random>
 
 #include "comm/thread_comm.h"
+#include "core/cuda_graph.h"
 #include "model/gpt_model.h"
 #include "optim/grad_sync.h"
 #include "ops/elementwise.h"
@@ -285,9 +286,21 @@ Result run_layout(const Layout& L, const std::vector<int32_t>& tokens, const std
       b.aux_loss_weight = 1.0f / static_cast<float>(M * L.dp);
       mbs.push_back(b);
     }
+    // docs/architecture.md principles 1 and 5: after the first step (first-use initialisation) a
+    // training step allocates nothing and never waits on the host, except the MoE paths that read
+    // expert counts or split sizes on the host (without --moe-grouped-gemm, or the alltoall
+    // dispatcher without static receive blocks). On the CPU a host read needs no synchronisation,
+    // so this counts explicit Stream::synchronize calls (the `_sync` functions); on CUDA the
+    // full-iteration graph capture (tests/train/cuda_graph_cuda_test.cpp) fails on any.
+    const bool host_counts = c.num_moe_experts > 0 && (!L.grouped || (L.a2a && L.received == 0));
     for (int it = 0; it < kIters; ++it) {
       fill(loss, 0.f, st);
+      const uint64_t allocs = buffer_allocation_count(), syncs = host_sync_count();
       train_step(model, executor, plan, opt, mbs, {77, it, 1e-2f, d, L.dp}, loss, st);
+      if (it > 0) {
+        EXPECT_EQ(buffer_allocation_count(), allocs) << "allocations in step " << it;
+        if (!host_counts) EXPECT_EQ(host_sync_count(), syncs) << "host synchronisations in step " << it;
+      }
       // The model (and the embedding-group step) reported every parameter exactly once.
       for (size_t i = 0; i < reports.counts.size(); ++i)
         EXPECT_EQ(reports.counts[i], 1) << model.params().info(i).name << " iteration " << it;
