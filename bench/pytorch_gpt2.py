@@ -170,6 +170,47 @@ class Llama(nn.Module):
         return loss
 
 
+def load_hf_gpt2(model, path):
+    """Copies HF GPT-2 weights (Conv1D [in, out] matrices, c_attn columns q | k | v) into GPT, whose
+    qkv rows are per head (q, k, v) as Megatron's; the vocabulary rows beyond the checkpoint's stay 0
+    (megatron.cpp's padding rows are 0 and outside the softmax: the reference's vocabulary must then
+    be the real one, --vocab 50257)."""
+    import os
+    from safetensors.torch import load_file
+    sd = {}
+    for f in sorted(os.listdir(path)):
+        if f.endswith(".safetensors"):
+            sd.update(load_file(os.path.join(path, f)))
+    pre = "transformer." if "transformer.wte.weight" in sd else ""
+    get = lambda k: sd[pre + k].float()
+    h = model.wte.weight.shape[1]
+    with torch.no_grad():
+        model.wte.weight.zero_()
+        w = get("wte.weight")
+        model.wte.weight[:w.shape[0]].copy_(w)
+        model.wpe.weight.copy_(get("wpe.weight")[:model.wpe.weight.shape[0]])
+        model.lnf.weight.copy_(get("ln_f.weight"))
+        model.lnf.bias.copy_(get("ln_f.bias"))
+        for i, blk in enumerate(model.blocks):
+            s = f"h.{i}."
+            n = blk.n
+            d = h // n
+            w = get(s + "attn.c_attn.weight").t().reshape(3, n, d, h).permute(1, 0, 2, 3).reshape(3 * h, h)
+            b = get(s + "attn.c_attn.bias").reshape(3, n, d).permute(1, 0, 2).reshape(3 * h)
+            blk.qkv.weight.copy_(w)
+            blk.qkv.bias.copy_(b)
+            blk.proj.weight.copy_(get(s + "attn.c_proj.weight").t())
+            blk.proj.bias.copy_(get(s + "attn.c_proj.bias"))
+            blk.ln1.weight.copy_(get(s + "ln_1.weight"))
+            blk.ln1.bias.copy_(get(s + "ln_1.bias"))
+            blk.ln2.weight.copy_(get(s + "ln_2.weight"))
+            blk.ln2.bias.copy_(get(s + "ln_2.bias"))
+            blk.fc1.weight.copy_(get(s + "mlp.c_fc.weight").t())
+            blk.fc1.bias.copy_(get(s + "mlp.c_fc.bias"))
+            blk.fc2.weight.copy_(get(s + "mlp.c_proj.weight").t())
+            blk.fc2.bias.copy_(get(s + "mlp.c_proj.bias"))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--micro-batch-size", type=int, default=16)
@@ -187,6 +228,13 @@ def main():
     ap.add_argument("--aux-loss-coeff", type=float, default=1e-2)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--init-hf", default="",
+                    help="gpt2: start from these weights (a `megatron export-hf` directory, HF GPT-2 names)")
+    ap.add_argument("--samples", default="",
+                    help="train on these int32 [n, seq + 1] samples in order (bench/train_samples_bench) instead "
+                         "of random tokens, with Megatron's optimizer settings (--lr constant, weight decay 0.1 on "
+                         "the matrices only, clip 1.0), and print every step's loss")
+    ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--compile-mode", default="default",
                     help="torch.compile mode: default, or reduce-overhead (CUDA graphs of the compiled regions)")
@@ -199,15 +247,30 @@ def main():
                       a.vocab, moe=moe).to(dev)
     else:
         model = GPT(a.layers, a.hidden, a.heads, a.seq_length, a.vocab).to(dev)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
+    samples = None
+    if a.init_hf:
+        load_hf_gpt2(model, a.init_hf)
+    if a.samples:
+        import numpy as np
+        samples = torch.from_numpy(np.fromfile(a.samples, dtype=np.int32).reshape(-1, a.seq_length + 1)).long().to(dev)
+        # Megatron: no weight decay on biases and 1-D parameters (norms)
+        groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+                  {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+        opt = torch.optim.AdamW(groups, lr=a.lr, betas=(0.9, 0.999), eps=1e-8, fused=True)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.1, fused=True)
     step_fn = model
     if a.compile:
         step_fn = torch.compile(model, mode=a.compile_mode)
     B, S = a.micro_batch_size, a.seq_length
     times = []
     for i in range(a.warmup + a.steps):
-        x = torch.randint(0, 50257, (B, S), device=dev)
-        y = torch.randint(0, 50257, (B, S), device=dev)
+        if samples is not None:
+            batch = samples[i * B:(i + 1) * B]
+            x, y = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+        else:
+            x = torch.randint(0, 50257, (B, S), device=dev)
+            y = torch.randint(0, 50257, (B, S), device=dev)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -217,6 +280,8 @@ def main():
         opt.step()
         opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
+        if samples is not None:
+            print(f"step {i + 1} loss {loss.item():.6f}")
         if i >= a.warmup:
             times.append(time.perf_counter() - t0)
     times.sort()
