@@ -500,8 +500,8 @@ int run_pretrain(PretrainArgs args) {
     // the free memory now, less 32 MiB per stream of cuBLASLt workspace still to come
     const size_t free_now = device_memory_free(device);
     check_memory_fits(mem_estimate, free_now, size_t{64} << 20, device.str());
-  } else {
-    check_memory_fits(mem_estimate, available_host_memory_bytes(), 0, "the host (CPU training)");
+  } else if (const uint64_t avail = available_host_memory_bytes(); avail > 0) {  // 0: unknown
+    check_memory_fits(mem_estimate, avail, 0, "the host (CPU training)");
   }
   GPTModel model(args.model, args.micro_batch_size, args.dtype(), device, groups, args.sequence_parallel,
                  param_layout, model_layout(chunks, {&train_plan, &eval_plan}));
