@@ -8,15 +8,13 @@
 # usage: bench/loss_agreement.sh [build] [STEPS (default 100)] [MICRO_BATCH (default 8)]
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
+source "$(dirname "$0")/common.sh"
 if [ "${1:-}" = build ]; then
   shift
-  cmake --preset default > "$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }
-  cmake --build build -j 16 --target megatron train_samples_bench > "$OUT/build.log" 2>&1 ||
-    { grep -E "error" -A5 "$OUT/build.log" | head -60; exit 1; }
+  bench_build megatron train_samples_bench || exit 1
 fi
 STEPS=${1:-100}; MB=${2:-8}; LR=3e-4; SEQ=1024
-data=(--data-path data/demo_text_document --split 98,2,0 --vocab-file data/gpt2/encoder.json
-      --merge-file data/gpt2/vocab.bpe)
+data=("${demo_data[@]}")
 model=(--num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length $SEQ --max-position-embeddings $SEQ)
 common=("${model[@]}" "${data[@]}" --micro-batch-size "$MB" --global-batch-size "$MB" --lr-decay-style constant
         --lr-warmup-iters 0 --weight-decay 0.1 --clip-grad 1.0 --hidden-dropout 0 --attention-dropout 0 --bf16

@@ -10,16 +10,11 @@
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 ITERS=${ITERS:-30}
-data=data
-train=(--seq-length 1024 --max-position-embeddings 1024 --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine
-       --lr-warmup-iters 5 --weight-decay 0.1 --clip-grad 1.0 --hidden-dropout 0 --attention-dropout 0 --bf16
-       --device cuda --no-progress --data-path $data/demo_text_document --split 98,2,0
-       --vocab-file $data/gpt2/encoder.json --merge-file $data/gpt2/vocab.bpe --seed 1234
-       --train-iters "$ITERS" --log-interval 10 --eval-interval 100000 --eval-iters 0)
+source "$(dirname "$0")/common.sh"
+train=("${bench_train[@]}")
 if [ "${1:-}" = build ]; then
   shift
-  cmake --preset default > "$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }
-  cmake --build build -j 16 --target megatron > "$OUT/build.log" 2>&1 || { grep -E "error" -A5 "$OUT/build.log" | head -60; exit 1; }
+  bench_build megatron || exit 1
 fi
 models=("$@"); [ ${#models[@]} -gt 0 ] || models=(gpt2 gpt_1p3b)
 

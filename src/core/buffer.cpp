@@ -5,6 +5,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <utility>
 
 #ifdef MT_WITH_CUDA
 #include "core/cuda_check.h"
@@ -127,28 +128,25 @@ Tensor Arena::alloc(DType dtype, const std::vector<int64_t>& shape, const char* 
 }  // namespace mt
 
 namespace mt {
-size_t device_memory_in_use(Device device) {
+namespace {
+// cudaMemGetInfo of a CUDA device: {free, total} bytes.
+std::pair<size_t, size_t> memory_info(Device device) {
+  size_t free_b = 0, total_b = 0;
 #ifdef MT_WITH_CUDA
-  if (device.is_cuda()) {
-    size_t free_b = 0, total_b = 0;
-    set_current_device(device);
-    MT_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
-    return total_b - free_b;
-  }
+  set_current_device(device);
+  MT_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+#else
+  (void)device;
 #endif
-  return 0;
+  return {free_b, total_b};
+}
+}  // namespace
+
+size_t device_memory_in_use(Device device) {
+  if (!device.is_cuda()) return 0;
+  const auto [free_b, total_b] = memory_info(device);
+  return total_b - free_b;
 }
 
-size_t device_memory_free(Device device) {
-#ifdef MT_WITH_CUDA
-  if (device.is_cuda()) {
-    size_t free_b = 0, total_b = 0;
-    set_current_device(device);
-    MT_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
-    return free_b;
-  }
-#endif
-  (void)device;
-  return SIZE_MAX;
-}
+size_t device_memory_free(Device device) { return device.is_cuda() ? memory_info(device).first : SIZE_MAX; }
 }  // namespace mt

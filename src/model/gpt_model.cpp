@@ -289,6 +289,7 @@ GPTModel::GPTModel(const TransformerConfig& config, int64_t micro_batch, DType d
     m.head_slots = planner_->area_count(Family::kHead);
     m.scratch_bytes = planner_->scratch_bytes();
     m.persistent_bytes = planner_->persistent_bytes();
+    m.boundary_bytes = static_cast<size_t>(Tensor(nullptr, dtype_, device_, boundary_shape()).nbytes());
     return;
   }
   planner_->materialize();

@@ -36,6 +36,7 @@ struct ModelMemoryPlan {
   size_t head_slot_bytes = 0;
   int head_slots = 0;
   size_t scratch_bytes = 0, persistent_bytes = 0;
+  size_t boundary_bytes = 0;  ///< one pipeline boundary tensor (boundary_shape(), activation dtype)
   size_t buffer_bytes() const {
     return persistent_bytes + activation_slot_bytes * static_cast<size_t>(activation_slots) + recompute_bytes +
            head_slot_bytes * static_cast<size_t>(head_slots) + scratch_bytes;

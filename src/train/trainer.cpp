@@ -476,22 +476,17 @@ int run_pretrain(PretrainArgs args) {
   ParamLayout param_layout = args.param_layout();
   param_layout.data_parallel_size = groups.dp_cp->size();
   // The memory estimate, before anything large is allocated (train/memory_estimate.h).
+  const ModelLayout layout_needed = model_layout(chunks, {&train_plan, &eval_plan});
   MemoryEstimateInputs mem_in;
   mem_in.model = GPTModel::memory_plan(args.model, args.micro_batch_size, args.dtype(), device, groups,
-                                       args.sequence_parallel, param_layout,
-                                       model_layout(chunks, {&train_plan, &eval_plan}));
+                                       args.sequence_parallel, param_layout, layout_needed);
   mem_in.dtype = args.dtype();
   mem_in.distributed_optimizer = args.use_distributed_optimizer;
   mem_in.data_parallel = groups.dp_cp->size();
   mem_in.expert_data_parallel = groups.edp->size();
   mem_in.grad_reduce_in_bf16 = args.grad_reduce_in_bf16 && (groups.dp_cp->size() > 1 || groups.edp->size() > 1);
-  {
-    const int64_t sl = args.sequence_parallel ? args.model.seq_length / pc.cp / pc.tp
-                                              : args.model.seq_length / pc.cp;
-    const int grads = std::max(train_plan.grad_buffers, eval_plan.grad_buffers);
-    mem_in.pipeline_grad_bytes =
-        static_cast<size_t>(grads * sl * args.micro_batch_size * args.model.hidden_size) * dtype_size(args.dtype());
-  }
+  mem_in.pipeline_grad_bytes = static_cast<size_t>(std::max(train_plan.grad_buffers, eval_plan.grad_buffers)) *
+                               mem_in.model.boundary_bytes;
   mem_in.batch_bytes = BatchStager::device_bytes(M, args.micro_batch_size, args.model.seq_length, pc.cp);
   const MemoryEstimate mem_estimate = estimate_training_memory(mem_in);
   const size_t in_use_before = device_memory_in_use(device);  // CUDA context, libraries, other processes
@@ -504,7 +499,7 @@ int run_pretrain(PretrainArgs args) {
     check_memory_fits(mem_estimate, avail, 0, "the host (CPU training)");
   }
   GPTModel model(args.model, args.micro_batch_size, args.dtype(), device, groups, args.sequence_parallel,
-                 param_layout, model_layout(chunks, {&train_plan, &eval_plan}));
+                 param_layout, layout_needed);
   PipelineExecutor executor(model, groups.pp, {&train_plan, &eval_plan});
   const auto& cfg = model.config();
   log_info("> model: GPT {}, {} attention, seq {}, vocab {} (padded {}), {:.2f}M parameters, {} on {}; activations "

@@ -18,6 +18,16 @@ using testing::OwnedTensor;
 
 enum class Moe { kNone, kMixtral, kMixtralDrop, kDeepSeek };
 
+/// The Llama-style layer on 4 heads: GQA 4/2, RoPE, SwiGLU, RMSNorm, untied, no biases.
+void set_llama(TransformerConfig& c) {
+  c.num_query_groups = 2;
+  c.gated_linear_unit = true;
+  c.normalization = Normalization::kRMSNorm;
+  c.position_embedding_type = PositionEmbeddingType::kRope;
+  c.untie_embeddings_and_output_weights = true;
+  c.add_bias_linear = false;
+}
+
 /// llama: the Llama-style layer (GQA 4/2, RoPE, SwiGLU, RMSNorm, untied, no bias); flash: the GPU
 /// model uses FlashAttention (head dim 64: the tensor-core kernels for bf16), the CPU one the
 /// local attention. moe (Llama-style layer): kMixtral, 8 experts top-2 in the second layer with
@@ -33,14 +43,7 @@ void compare(DType dtype, float dropout, double tol, bool documents = false, boo
   c.num_layers = 2;
   c.hidden_size = flash ? 256 : 64;
   c.num_attention_heads = 4;
-  if (llama) {
-    c.num_query_groups = 2;
-    c.gated_linear_unit = true;
-    c.normalization = Normalization::kRMSNorm;
-    c.position_embedding_type = PositionEmbeddingType::kRope;
-    c.untie_embeddings_and_output_weights = true;
-    c.add_bias_linear = false;
-  }
+  if (llama) set_llama(c);
   if (moe != Moe::kNone) {
     c.add_bias_linear = false;  // MoE experts have no biases (Mixtral, Qwen MoE, DeepSeek)
     c.num_moe_experts = 8;
@@ -346,12 +349,7 @@ TEST(GptCuda, RecomputeMatchesNoRecompute) {
     c.num_layers = 4;
     c.hidden_size = cs.flash ? 256 : 64;
     c.num_attention_heads = 4;
-    c.num_query_groups = 2;
-    c.gated_linear_unit = true;
-    c.normalization = Normalization::kRMSNorm;
-    c.position_embedding_type = PositionEmbeddingType::kRope;
-    c.untie_embeddings_and_output_weights = true;
-    c.add_bias_linear = false;
+    set_llama(c);
     c.seq_length = 64;
     c.vocab_size = 500;
     c.make_vocab_size_divisible_by = 64;

@@ -109,6 +109,16 @@ struct Harness {
     doc_start = testing::make_int_tensor(ds, Device::cpu(), {B, S}, stream);
     loss_mask = testing::make_tensor(mask, DType::kF32, Device::cpu(), {S, B}, stream);
   }
+  // One training forward and backward from zero gradients (dropout key {7, 2, 1}): returns the
+  // objective (loss_value) and appends every parameter's gradient to `grads`.
+  double loss_and_grads(std::vector<std::vector<float>>& grads) {
+    const DropoutContext dc{7, 2, 1, true};
+    model.params().zero_grads(stream);
+    const double l = loss_value(dc);
+    model.backward(mb(), dc, 1.f, Tensor(), stream);
+    for (size_t i = 0; i < model.params().size(); ++i) grads.push_back(testing::to_host(model.params().grad(i), stream));
+    return l;
+  }
   // The objective whose gradient backward computes: the LM loss plus the MoE auxiliary losses
   // (weighted by MicroBatch::aux_loss_weight = 1 here).
   double loss_value(const DropoutContext& dc) {
@@ -211,12 +221,7 @@ TEST(Gpt, FlashAndLocalAttentionAgree) {
         std::copy(tokens.begin(), tokens.end(), h.tokens.t.data_as<int32_t>());
         std::copy(labels.begin(), labels.end(), h.labels.t.data_as<int32_t>());
       }
-      const DropoutContext dc{7, 2, 1, true};
-      h.model.params().zero_grads(h.stream);
-      loss[k] = h.loss_value(dc);
-      h.model.backward(h.mb(), dc, 1.f, Tensor(), h.stream);
-      for (size_t i = 0; i < h.model.params().size(); ++i)
-        grads[k].push_back(testing::to_host(h.model.params().grad(i), h.stream));
+      loss[k] = h.loss_and_grads(grads[k]);
     }
     EXPECT_NEAR(loss[1], loss[0], 1e-6 * std::fabs(loss[0])) << "llama " << llama;
     for (size_t i = 0; i < grads[0].size(); ++i) EXPECT_LT(testing::rel_err(grads[1][i], grads[0][i]), 1e-5) << i;
@@ -280,12 +285,7 @@ TEST(Gpt, MoEGroupedGemmMatchesPerExpertLoop) {
       c.moe_grouped_gemm = k == 1;
       testing::test_rng().seed(seed);  // the same batch and weights for both
       Harness h(c, 2, seed);
-      const DropoutContext dc{7, 2, 1, true};
-      h.model.params().zero_grads(h.stream);
-      loss[k] = h.loss_value(dc);
-      h.model.backward(h.mb(), dc, 1.f, Tensor(), h.stream);
-      for (size_t i = 0; i < h.model.params().size(); ++i)
-        grads[k].push_back(testing::to_host(h.model.params().grad(i), h.stream));
+      loss[k] = h.loss_and_grads(grads[k]);
     }
     EXPECT_NEAR(loss[1], loss[0], 1e-6 * std::fabs(loss[0]));
     for (size_t i = 0; i < grads[0].size(); ++i) EXPECT_LT(testing::rel_err(grads[1][i], grads[0][i]), 1e-5) << i;
@@ -342,12 +342,7 @@ TEST(Gpt, RecomputeMatchesNoRecompute) {
       testing::test_rng().seed(seed);  // the same batch and weights for both
       Harness h(c, 2, seed);
       h.with_documents();
-      const DropoutContext dc{7, 2, 1, true};
-      h.model.params().zero_grads(h.stream);
-      loss[k] = h.loss_value(dc);
-      h.model.backward(h.mb(), dc, 1.f, Tensor(), h.stream);
-      for (size_t i = 0; i < h.model.params().size(); ++i)
-        grads[k].push_back(testing::to_host(h.model.params().grad(i), h.stream));
+      loss[k] = h.loss_and_grads(grads[k]);
       stats[k] = h.model.moe_loss_stats(h.stream);
       bytes[k] = h.model.activation_bytes();
     }
