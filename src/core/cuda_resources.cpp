@@ -10,10 +10,12 @@ CudaStreamResources::CudaStreamResources(Device d) : device(d) {
   MT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   MT_CUBLAS_CHECK(cublasLtCreate(&lt));
   MT_CUDA_CHECK(cudaMalloc(&workspace, kWorkspaceBytes));
+  MT_CUDA_CHECK(cudaMalloc(&bias_grad_scratch, kBiasGradScratch * sizeof(float)));
   MT_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, d.index));
 }
 
 CudaStreamResources::~CudaStreamResources() {
+  if (bias_grad_scratch) cudaFree(bias_grad_scratch);
   if (workspace) cudaFree(workspace);
   if (lt) cublasLtDestroy(lt);
   if (stream) cudaStreamDestroy(stream);

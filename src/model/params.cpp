@@ -19,6 +19,8 @@ ParamStore::Plan ParamStore::plan(std::vector<ParamSpec> specs, const ParamLayou
   const ParamStore laid_out(std::move(specs), DType::kF32, Device::cpu(), layout, /*allocate=*/false);
   Plan p;
   p.total = laid_out.total_;
+  p.count = static_cast<int64_t>(laid_out.infos_.size());
+  p.buckets = static_cast<int64_t>(laid_out.buckets_.size());
   for (const ParamBucket& b : laid_out.buckets_) {
     if (b.expert) p.expert += b.end - b.begin;
     p.largest_bucket = std::max(p.largest_bucket, b.end - b.begin);

@@ -130,6 +130,7 @@ class ParamStore {
   /// and in the largest bucket. Errors: as the constructor.
   struct Plan {
     int64_t total = 0, expert = 0, largest_bucket = 0;
+    int64_t count = 0, buckets = 0;  ///< parameters, gradient buckets
   };
   static Plan plan(std::vector<ParamSpec> specs, const ParamLayout& layout);
   /// One bucket, padded to a multiple of kAlign · pad_multiple (the data-parallel size, so the

@@ -71,31 +71,58 @@ void linear_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Ten
   MT_DISPATCH(y.device(), linear_forward, y, x, w, bias, pre_gelu, stream);
 }
 
-void linear_backward(const Tensor& dx, const Tensor& dw, const Tensor& dbias, const Tensor& dy, const Tensor& x,
-                     const Tensor& w, const Stream& stream) {
-  MT_CHECK(w.ndim() == 2 && w.is_contiguous(), "linear_backward: w {} must be a contiguous [n, k]", w.str());
+namespace {
+/// linear_backward's argument checks (`fn` names the op in the errors).
+void linear_backward_checks(const Tensor& dx, const Tensor& dw, const Tensor& dbias, const Tensor& dy,
+                            const Tensor& x, const Tensor& w, const Stream& stream, const char* fn) {
+  MT_CHECK(w.ndim() == 2 && w.is_contiguous(), "{}: w {} must be a contiguous [n, k]", fn, w.str());
   const int64_t n = w.size(0), k = w.size(1);
-  MT_CHECK(op_checks::is_float(w.dtype()), "linear_backward: w {} needs a float dtype", w.str());
-  MT_CHECK(x.dtype() == w.dtype() && dy.dtype() == w.dtype(), "linear_backward: dy {}, x {}, w {} need one dtype",
-           dy.str(), x.str(), w.str());
-  const int64_t m = flat_rows(x, k, "linear_backward", "x");
-  const int64_t my = flat_rows(dy, n, "linear_backward", "dy");
-  MT_CHECK(m == my, "linear_backward: x {} has {} rows but dy {} has {}", x.shape_str(), m, dy.shape_str(), my);
+  MT_CHECK(op_checks::is_float(w.dtype()), "{}: w {} needs a float dtype", fn, w.str());
+  MT_CHECK(x.dtype() == w.dtype() && dy.dtype() == w.dtype(), "{}: dy {}, x {}, w {} need one dtype", fn, dy.str(),
+           x.str(), w.str());
+  const int64_t m = flat_rows(x, k, fn, "x");
+  const int64_t my = flat_rows(dy, n, fn, "dy");
+  MT_CHECK(m == my, "{}: x {} has {} rows but dy {} has {}", fn, x.shape_str(), m, dy.shape_str(), my);
   if (!dx.empty()) {
-    MT_CHECK(dx.shape() == x.shape() && dx.dtype() == x.dtype() && dx.is_contiguous(),
-             "linear_backward: dx {} must match x {}", dx.str(), x.str());
+    MT_CHECK(dx.shape() == x.shape() && dx.dtype() == x.dtype() && dx.is_contiguous(), "{}: dx {} must match x {}",
+             fn, dx.str(), x.str());
   }
   if (!dw.empty()) {
     MT_CHECK(dw.dtype() == DType::kF32 && dw.ndim() == 2 && dw.size(0) == n && dw.size(1) == k && dw.is_contiguous(),
-             "linear_backward: dw {} expected fp32[{}, {}] (fp32 main grad)", dw.str(), n, k);
+             "{}: dw {} expected fp32[{}, {}] (fp32 main grad)", fn, dw.str(), n, k);
   }
   if (!dbias.empty()) {
     MT_CHECK(dbias.dtype() == DType::kF32 && dbias.ndim() == 1 && dbias.size(0) == n && dbias.is_contiguous(),
-             "linear_backward: dbias {} expected fp32[{}]", dbias.str(), n);
+             "{}: dbias {} expected fp32[{}]", fn, dbias.str(), n);
   }
   check_same_device({&dx, &dw, &dbias, &dy, &x, &w});
-  op_checks::check_stream(stream, dy, "linear_backward");
+  op_checks::check_stream(stream, dy, fn);
+}
+}  // namespace
+
+void linear_backward(const Tensor& dx, const Tensor& dw, const Tensor& dbias, const Tensor& dy, const Tensor& x,
+                     const Tensor& w, const Stream& stream) {
+  linear_backward_checks(dx, dw, dbias, dy, x, w, stream, "linear_backward");
   MT_DISPATCH(dy.device(), linear_backward, dx, dw, dbias, dy, x, w, stream);
+}
+
+void gelu_linear_backward(const Tensor& dpre, const Tensor& dpre_bias, const Tensor& dw, const Tensor& dbias,
+                          const Tensor& dy, const Tensor& x, const Tensor& pre, const Tensor& w, const Stream& stream) {
+  MT_CHECK(pre.shape() == x.shape() && pre.dtype() == x.dtype() && pre.is_contiguous(),
+           "gelu_linear_backward: pre {} must match x {}", pre.str(), x.str());
+  MT_CHECK(dpre.shape() == x.shape() && dpre.dtype() == x.dtype() && dpre.is_contiguous(),
+           "gelu_linear_backward: dpre {} must match x {}", dpre.str(), x.str());
+  MT_CHECK(dpre.data() != dy.data() && dpre.data() != x.data() && dpre.data() != pre.data(),
+           "gelu_linear_backward: dpre may not alias dy, x or pre");
+  const int64_t k = w.ndim() == 2 ? w.size(1) : -1;
+  if (!dpre_bias.empty()) {
+    MT_CHECK(dpre_bias.dtype() == DType::kF32 && dpre_bias.ndim() == 1 && dpre_bias.size(0) == k &&
+                 dpre_bias.is_contiguous(),
+             "gelu_linear_backward: dpre_bias {} expected fp32[{}]", dpre_bias.str(), k);
+  }
+  check_same_device({&dpre, &dpre_bias, &pre});
+  linear_backward_checks(dpre, dw, dbias, dy, x, w, stream, "gelu_linear_backward");
+  MT_DISPATCH(dy.device(), gelu_linear_backward, dpre, dpre_bias, dw, dbias, dy, x, pre, w, stream);
 }
 
 }  // namespace mt

@@ -34,14 +34,29 @@ void linear_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Ten
 /// Linear layer backward. dx[m, k] = dy · w (overwrite; skipped when dx is empty; same shape as x);
 /// dw[n, k] += dy^T · x (fp32 main grad, accumulate; skipped when empty); dbias[n] += sum_m dy
 /// (fp32, accumulate, skipped when empty). dy [..., n], x [..., k], w [n, k] in the act dtype.
-/// CUDA: dw via a beta = 1 GEMM with fp32 C; dbias by a deterministic column-sum kernel
-/// (cuBLASLt's BGRADB epilogue overwrites, so it cannot accumulate). Errors: mt::Error on
-/// shape/dtype/device mismatch, dw/dbias not fp32.
+/// CUDA: dw via a beta = 1 GEMM with fp32 C; for bf16/fp16 with dw, dbias from the same GEMM's
+/// BGRADB epilogue into the stream's fp32 scratch (CudaStreamResources::bias_grad_scratch; the
+/// epilogue overwrites) and then added, else (fp32, no dw, no algorithm, n beyond the scratch) a
+/// deterministic column-sum kernel. Errors: mt::Error on shape/dtype/device mismatch, dw/dbias
+/// not fp32.
 void linear_backward(const Tensor& dx, const Tensor& dw, const Tensor& dbias, const Tensor& dy, const Tensor& x,
                      const Tensor& w, const Stream& stream);
+
+/// linear_backward of a linear layer whose input x was gelu(pre) (an MLP's fc2 after fc1 and the
+/// GELU; Megatron's bias_gelu fusion, backward): dpre[m, k] = gelu'(pre) ∘ (dy · w) (overwrite;
+/// the gradient of pre, not of x), dpre_bias[k] += Σ_m dpre (fp32; fc1's bias gradient; skipped
+/// when empty), and dw, dbias as linear_backward (skipped when empty). pre and dpre: x's shape and
+/// dtype; dpre may not alias dy, x or pre. CPU: linear_backward, gelu_backward and a column sum.
+/// CUDA bf16/fp16 (k % 8 == 0, 16-byte aligned pre and dpre): the dgrad GEMM's DGELU(_BGRAD)
+/// epilogue (GELU derivative and fc1's bias gradient in the GEMM, the product not rounded before
+/// the derivative multiplies it); otherwise GEMM, GELU backward kernel, column sum. Errors: as
+/// linear_backward, and pre / dpre / dpre_bias of the wrong shape or dtype.
+void gelu_linear_backward(const Tensor& dpre, const Tensor& dpre_bias, const Tensor& dw, const Tensor& dbias,
+                          const Tensor& dy, const Tensor& x, const Tensor& pre, const Tensor& w, const Stream& stream);
 
 MT_OP_BACKENDS(matmul)
 MT_OP_BACKENDS(linear_forward)
 MT_OP_BACKENDS(linear_backward)
+MT_OP_BACKENDS(gelu_linear_backward)
 
 }  // namespace mt

@@ -1,6 +1,9 @@
 // Argument validation and backend dispatch for ops/optimizer.h.
 #include "ops/optimizer.h"
 
+#include <algorithm>
+#include <utility>
+
 #include "ops/dispatch.h"
 #include "ops/optimizer_math.h"
 
@@ -73,6 +76,73 @@ void adamw_step(const Tensor& main_param, const Tensor& grad, const Tensor& exp_
   if (n == 0) return;
   MT_DISPATCH(scalars.device(), adamw_step, main_param, grad, exp_avg, exp_avg_sq, model_param, hyper, scalars,
               stream);
+}
+
+AdamWPlan::AdamWPlan(const std::vector<AdamWRun>& runs, Device device, const Stream& stream) {
+  std::vector<std::pair<int64_t, int64_t>> mains;
+  for (const AdamWRun& r : runs) {
+    MT_CHECK(r.param >= 0 && r.main >= 0 && r.state >= 0 && r.n >= 0,
+             "AdamWPlan: run (param {}, main {}, state {}, n {}) has a negative offset or size", r.param, r.main,
+             r.state, r.n);
+    if (r.n == 0) continue;
+    mains.emplace_back(r.main, r.main + r.n);
+    param_end_ = std::max(param_end_, r.param + r.n);
+    main_end_ = std::max(main_end_, r.main + r.n);
+    state_end_ = std::max(state_end_, r.state + r.n);
+    for (int64_t o = 0; o < r.n; o += kAdamWChunk) {
+      AdamWRun c = r;
+      c.param += o;
+      c.main += o;
+      c.state += o;
+      c.n = std::min(kAdamWChunk, r.n - o);
+      chunks_.push_back(c);
+    }
+  }
+  std::sort(mains.begin(), mains.end());
+  for (size_t i = 1; i < mains.size(); ++i)
+    MT_CHECK(mains[i].first >= mains[i - 1].second, "AdamWPlan: runs overlap in the main parameters at element {}",
+             mains[i].first);
+  if (chunks_.empty()) return;
+  const size_t bytes = chunks_.size() * sizeof(AdamWRun);
+  table_ = Buffer(device, bytes);
+  copy_bytes(table_.data(), device, chunks_.data(), Device::cpu(), bytes, stream);
+  stream.synchronize();  // the host vector may change or go before the copy ran
+}
+
+Tensor AdamWPlan::table() const {
+  return table_.as(DType::kU8, {static_cast<int64_t>(chunks_.size() * sizeof(AdamWRun))});
+}
+
+void adamw_multi_step(const Tensor& main_param, const Tensor& grad, const Tensor& exp_avg, const Tensor& exp_avg_sq,
+                      const Tensor& model_param, const AdamWPlan& plan, const AdamWHyper& hyper,
+                      const Tensor& scalars, const Stream& stream) {
+  check_scalars(scalars, stream, "adamw_multi_step");
+  for (const Tensor* t : {&main_param, &grad, &exp_avg, &exp_avg_sq}) check_tensor(*t, DType::kF32, {-1}, "adamw_multi_step");
+  MT_CHECK(main_param.numel() >= plan.main_end() && grad.numel() >= plan.param_end() &&
+               exp_avg.numel() >= plan.state_end() && exp_avg_sq.numel() >= plan.state_end(),
+           "adamw_multi_step: buffers (main {}, grad {}, exp_avg {}, exp_avg_sq {}) shorter than the plan's ranges "
+           "(main {}, param {}, state {})",
+           main_param.numel(), grad.numel(), exp_avg.numel(), exp_avg_sq.numel(), plan.main_end(), plan.param_end(),
+           plan.state_end());
+  if (!model_param.empty()) {
+    MT_CHECK(model_param.dtype() == DType::kBF16 || model_param.dtype() == DType::kF16,
+             "model_param: dtype {} must be bf16 or fp16 (leave it empty for fp32 training)",
+             dtype_name(model_param.dtype()));
+    check_tensor(model_param, model_param.dtype(), {-1}, "model_param");
+    MT_CHECK(model_param.numel() >= plan.param_end(), "adamw_multi_step: model_param has {} elements, the plan needs {}",
+             model_param.numel(), plan.param_end());
+  }
+  check_same_device({&scalars, &main_param, &grad, &exp_avg, &exp_avg_sq, &model_param});
+  MT_CHECK(hyper.beta1 >= 0.f && hyper.beta1 < 1.f, "adamw: beta1={} not in [0, 1)", hyper.beta1);
+  MT_CHECK(hyper.beta2 >= 0.f && hyper.beta2 < 1.f, "adamw: beta2={} not in [0, 1)", hyper.beta2);
+  MT_CHECK(hyper.eps > 0.f, "adamw: eps={} must be > 0", hyper.eps);
+  MT_CHECK(hyper.lr >= 0.f && hyper.weight_decay >= 0.f, "adamw: lr={} and weight_decay={} must be >= 0", hyper.lr,
+           hyper.weight_decay);
+  if (plan.chunks().empty()) return;
+  MT_CHECK(plan.table().device() == scalars.device(), "adamw_multi_step: plan on {} but scalars on {}",
+           plan.table().device().str(), scalars.device().str());
+  MT_DISPATCH(scalars.device(), adamw_multi_step, main_param, grad, exp_avg, exp_avg_sq, model_param, plan, hyper,
+              scalars, stream);
 }
 
 void loss_scaler_update(const Tensor& scalars, const LossScalerConfig& cfg, const Stream& stream) {

@@ -5,11 +5,13 @@
 // Order inside a training step (after the backward of the last micro-batch):
 //   grad_sumsq_accumulate(...) for every gradient chunk   [+ all-reduce grad_sumsq over MP later]
 //   optimizer_prepare(...)            -> grad_norm, found_inf, clip_coeff, step += !found_inf
-//   adamw_step(...) for every run of parameters           -> no-op when found_inf
+//   adamw_multi_step(...) over every run of parameters    -> no-op when found_inf
 //   loss_scaler_update(...)          -> new scale, skipped count; resets grad_sumsq
 #pragma once
 #include <cstdint>
+#include <vector>
 
+#include "core/buffer.h"
 #include "core/stream.h"
 #include "core/tensor.h"
 #include "ops/dispatch.h"
@@ -88,6 +90,49 @@ void optimizer_prepare(const Tensor& scalars, float clip_grad, const Stream& str
 void adamw_step(const Tensor& main_param, const Tensor& grad, const Tensor& exp_avg, const Tensor& exp_avg_sq,
                 const Tensor& model_param, const AdamWHyper& hyper, const Tensor& scalars, const Stream& stream);
 
+/// One run of elements of a multi-tensor AdamW step: flat elements [param, param + n) of the
+/// gradients (and of the model-parameter copy), [main, main + n) of the fp32 main parameters and
+/// [state, state + n) of the moments; decay != 0 applies AdamWHyper::weight_decay, else none.
+struct AdamWRun {
+  int64_t param = 0, main = 0, state = 0, n = 0;
+  int32_t decay = 0;
+  int32_t pad_ = 0;
+};
+
+/// Elements per chunk of an AdamWPlan (one CUDA block each; a multiple of 4, so that a chunk
+/// keeps its run's 16-byte alignment).
+inline constexpr int64_t kAdamWChunk = 8192;
+
+/// The runs of adamw_multi_step, planned once (outside the training step): validated, cut into
+/// chunks of at most kAdamWChunk elements, and copied to `device` (host memory on the CPU).
+/// Errors: mt::Error for a negative offset or size, or overlapping runs of the main parameters.
+class AdamWPlan {
+ public:
+  AdamWPlan() = default;
+  AdamWPlan(const std::vector<AdamWRun>& runs, Device device, const Stream& stream);
+  /// Chunk records (AdamWRun) as a uint8 tensor on the plan's device.
+  Tensor table() const;
+  const std::vector<AdamWRun>& chunks() const { return chunks_; }
+  int64_t param_end() const { return param_end_; }  ///< largest param + n
+  int64_t main_end() const { return main_end_; }
+  int64_t state_end() const { return state_end_; }
+
+ private:
+  std::vector<AdamWRun> chunks_;
+  Buffer table_;
+  int64_t param_end_ = 0, main_end_ = 0, state_end_ = 0;
+};
+
+/// adamw_step over every run of `plan` in one launch (multi-tensor apply, as apex's
+/// multi_tensor_adam): each chunk gets exactly adamw_step's per-element update (the same bits),
+/// with weight decay where its run has decay. main_param, grad, exp_avg, exp_avg_sq: fp32 flat
+/// buffers covering the plan's main / param / state ranges; model_param: bf16/fp16 covering the
+/// param ranges, or empty. Skipped (nothing written) when found_inf. Errors: as adamw_step, and a
+/// buffer shorter than the plan's ranges or a plan on another device.
+void adamw_multi_step(const Tensor& main_param, const Tensor& grad, const Tensor& exp_avg, const Tensor& exp_avg_sq,
+                      const Tensor& model_param, const AdamWPlan& plan, const AdamWHyper& hyper,
+                      const Tensor& scalars, const Stream& stream);
+
 /// Megatron's DynamicGradScaler.update(found_inf) (megatron/core/optimizer/grad_scaler.py) when
 /// cfg.dynamic:
 ///   found_inf: growth_tracker = 0; hysteresis_tracker -= 1;
@@ -101,6 +146,7 @@ void loss_scaler_update(const Tensor& scalars, const LossScalerConfig& cfg, cons
 MT_OP_BACKENDS(grad_sumsq_accumulate)
 MT_OP_BACKENDS(optimizer_prepare)
 MT_OP_BACKENDS(adamw_step)
+MT_OP_BACKENDS(adamw_multi_step)
 MT_OP_BACKENDS(loss_scaler_update)
 
 }  // namespace mt

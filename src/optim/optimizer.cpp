@@ -65,8 +65,18 @@ void AdamWOptimizer::init(const Stream& stream) {
     expert_scalars_ = Buffer(params_.device(), sizeof(OptimizerScalars));
     memset_tensor(expert_scalars_.as(DType::kU8, {static_cast<int64_t>(sizeof(OptimizerScalars))}), 0, stream);
   }
-  decay_pieces_ = owned_pieces(params_.ranges([](const ParamInfo& p) { return p.weight_decay; }));
-  no_decay_pieces_ = owned_pieces(params_.ranges([](const ParamInfo& p) { return !p.weight_decay; }));
+  const std::vector<Piece> decay_pieces = owned_pieces(params_.ranges([](const ParamInfo& p) { return p.weight_decay; }));
+  const std::vector<Piece> no_decay_pieces =
+      owned_pieces(params_.ranges([](const ParamInfo& p) { return !p.weight_decay; }));
+  // One multi-tensor AdamW launch per step over every owned run. The fp32 main parameters are
+  // indexed by state index when sharded (the compact shard), else by flat index.
+  std::vector<AdamWRun> runs;
+  const bool sharded = params_.main_sharded();
+  for (const bool decay : {true, false}) {
+    for (const auto& p : decay ? decay_pieces : no_decay_pieces)
+      runs.push_back({p.begin, sharded ? p.state : p.begin, p.state, p.n, decay ? 1 : 0, 0});
+  }
+  adamw_plan_ = AdamWPlan(runs, params_.device(), stream);
   exp_avg_ = Buffer(params_.device(), static_cast<size_t>(owned_n_) * 4);
   exp_avg_sq_ = Buffer(params_.device(), static_cast<size_t>(owned_n_) * 4);
   scalars_ = Buffer(params_.device(), sizeof(OptimizerScalars));
@@ -129,17 +139,10 @@ void AdamWOptimizer::step(float lr, const Stream& stream, Timers* timers, const 
     ScopedTimer inner(timers, Timers::kOptimizerInnerStep, stream);
     // fp32 main parameters: the compact shard (sharded, state index), or the whole flat buffer
     // (flat index; == the model parameters for an fp32 model).
-    const bool sharded = params_.main_sharded();
-    const Tensor main = sharded ? params_.main_shard() : params_.main_flat();
+    const Tensor main = params_.main_sharded() ? params_.main_shard() : params_.main_flat();
     const Tensor model = params_.has_separate_main() ? params_.params_flat() : Tensor();
-    for (const bool decay : {true, false}) {
-      const AdamWHyper hp{lr, lr_ptr, config_.beta1, config_.beta2, config_.eps, decay ? config_.weight_decay : 0.f};
-      for (const auto& p : decay ? decay_pieces_ : no_decay_pieces_) {
-        adamw_step(main.flat_range(sharded ? p.state : p.begin, p.n), grads.flat_range(p.begin, p.n),
-                   exp_avg().flat_range(p.state, p.n), exp_avg_sq().flat_range(p.state, p.n),
-                   model.empty() ? Tensor() : model.flat_range(p.begin, p.n), hp, sc, stream);
-      }
-    }
+    const AdamWHyper hp{lr, lr_ptr, config_.beta1, config_.beta2, config_.eps, config_.weight_decay};
+    adamw_multi_step(main, grads, exp_avg(), exp_avg_sq(), model, adamw_plan_, hp, sc, stream);
   }
   loss_scaler_update(sc, config_.scaler, stream);
   ScopedTimer gather(timers, Timers::kParamsAllGather, stream);

@@ -116,8 +116,10 @@ class AdamWOptimizer {
   GradSync* sync_ = nullptr;
   Buffer exp_avg_, exp_avg_sq_, scalars_;
   int64_t owned_n_ = 0;
-  // Planned once: owned pieces counted in the gradient norm on this rank; with / without decay.
-  std::vector<Piece> norm_pieces_, expert_norm_pieces_, decay_pieces_, no_decay_pieces_;
+  // Planned once: owned pieces counted in the gradient norm on this rank; every owned piece with
+  // its weight-decay flag, chunked for adamw_multi_step.
+  std::vector<Piece> norm_pieces_, expert_norm_pieces_;
+  AdamWPlan adamw_plan_;
   Buffer expert_scalars_;  // OptimizerScalars whose grad_sumsq accumulates the expert pieces
   Buffer host_scalars_;  // pinned
 };

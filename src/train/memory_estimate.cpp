@@ -1,5 +1,7 @@
 #include "train/memory_estimate.h"
 
+#include "ops/optimizer.h"
+
 #include <algorithm>
 
 #include "core/check.h"
@@ -47,7 +49,11 @@ MemoryEstimate estimate_training_memory(const MemoryEstimateInputs& in) {
   e.parts.push_back({separate_main ? "main parameters (fp32)" : "parameters (fp32)", separate_main ? owned * 4 : total * 4,
                      std::string(kModelRemedy) + (separate_main ? sharded : "")});
   e.parts.push_back({"gradients (fp32)", total * 4, kModelRemedy});
-  e.parts.push_back({"optimizer state (Adam moments, fp32)", owned * 8, std::string(kModelRemedy) + sharded});
+  // the moments, and AdamW's chunk table (AdamWPlan: at most one partial chunk per owned piece,
+  // a piece being a parameter's run cut by the owned range of its bucket)
+  const size_t chunks = (owned + kAdamWChunk - 1) / kAdamWChunk + static_cast<size_t>(m.params.count + m.params.buckets);
+  e.parts.push_back({"optimizer state (Adam moments, fp32)", owned * 8 + chunks * sizeof(AdamWRun),
+                     std::string(kModelRemedy) + sharded});
   e.parts.push_back({fmt::format("activations ({} slot{} of {:.3f} GiB)", m.activation_slots,
                                  m.activation_slots == 1 ? "" : "s", gib(m.activation_slot_bytes)),
                      m.activation_slot_bytes * static_cast<size_t>(m.activation_slots), kActivationRemedy});

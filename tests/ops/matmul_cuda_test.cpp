@@ -225,6 +225,55 @@ TEST(LinearCuda, Backward) {
   check_linear_backward(DType::kF16, 4, 64, 64, 48, true, true, 2e-2, 1e-4);
 }
 
+/// gelu_linear_backward on the GPU against the CPU backend (fp32 from the same rounded values).
+void check_gelu_linear_backward(DType t, int64_t b0, int64_t b1, int64_t n, int64_t k, bool with_dpb,
+                                double tol_act, double tol_bias) {
+  const int64_t m = b0 * b1;
+  auto hpre = rounded(randn(m * k), t), hw = rounded(randn(n * k, 0.3f), t), hdy = rounded(randn(m * n), t);
+  auto hx = rounded(randn(m * k), t);  // any x: the wgrad only reads it
+  auto hdw0 = randn(n * k), hdb0 = randn(n), hdpb0 = randn(k);
+  const std::vector<int64_t> sx{b0, b1, k}, sy{b0, b1, n}, sw{n, k};
+  auto on = [&](Device d, DType dt, const std::vector<float>& h, const std::vector<int64_t>& shape) {
+    return make_tensor(h, dt, d, shape, d.is_cpu() ? cpu_stream() : cuda_stream());
+  };
+  const Device c = Device::cpu(), g = Device::cuda(0);
+  auto cx = on(c, DType::kF32, hx, sx), cpre = on(c, DType::kF32, hpre, sx), cw = on(c, DType::kF32, hw, sw),
+       cdy = on(c, DType::kF32, hdy, sy), cdw = on(c, DType::kF32, hdw0, sw), cdb = on(c, DType::kF32, hdb0, {n}),
+       cdpb = on(c, DType::kF32, hdpb0, {k});
+  OwnedTensor cdpre(DType::kF32, c, sx);
+  gelu_linear_backward(cdpre, with_dpb ? cdpb.t : Tensor(), cdw, cdb, cdy, cx, cpre, cw, cpu_stream());
+  auto gx = on(g, t, hx, sx), gpre = on(g, t, hpre, sx), gw = on(g, t, hw, sw), gdy = on(g, t, hdy, sy),
+       gdw = on(g, DType::kF32, hdw0, sw), gdb = on(g, DType::kF32, hdb0, {n}), gdpb = on(g, DType::kF32, hdpb0, {k});
+  OwnedTensor gdpre(t, g, sx);
+  poison(gdpre, cuda_stream());
+  gelu_linear_backward(gdpre, with_dpb ? gdpb.t : Tensor(), gdw, gdb, gdy, gx, gpre, gw, cuda_stream());
+  const std::string what = fmt::format("{} m={}x{} n={} k={} dpre_bias={}", dtype_name(t), b0, b1, n, k, with_dpb);
+  EXPECT_LT(rel_err(to_host(gdpre, cuda_stream()), to_host(cdpre, cpu_stream())), tol_act) << what;
+  EXPECT_LT(rel_err(to_host(gdpb, cuda_stream()), to_host(cdpb, cpu_stream())), tol_bias) << what;
+  EXPECT_LT(rel_err(to_host(gdw, cuda_stream()), to_host(cdw, cpu_stream())), 1e-4) << what;
+  EXPECT_LT(rel_err(to_host(gdb, cuda_stream()), to_host(cdb, cpu_stream())), 1e-4) << what;
+}
+
+TEST(LinearCuda, GeluLinearBackward) {
+  MT_REQUIRE_CUDA();
+  for (bool dpb : {true, false}) {
+    check_gelu_linear_backward(DType::kF32, 2, 37, 96, 80, dpb, 1e-5, 1e-5);       // GEMM + kernels
+    check_gelu_linear_backward(DType::kBF16, 2, 37, 96, 80, dpb, 2e-2, 2e-2);      // DGELU(_BGRAD) epilogue
+    check_gelu_linear_backward(DType::kBF16, 4, 256, 768, 3072, dpb, 2e-2, 2e-2);  // GPT-2's fc2
+    check_gelu_linear_backward(DType::kBF16, 3, 101, 45, 31, dpb, 2e-2, 2e-2);     // k % 8 != 0: fallback
+    check_gelu_linear_backward(DType::kF16, 1, 129, 64, 48, dpb, 2e-2, 2e-2);
+  }
+}
+
+// The weight gradient's GEMM also yields the bias gradient (BGRADB) at a transformer's sizes; it
+// must equal the column sums, accumulated onto the previous value.
+TEST(LinearCuda, BackwardBiasFromTheWgradGemm) {
+  MT_REQUIRE_CUDA();
+  check_linear_backward(DType::kBF16, 4, 256, 2304, 768, false, true, 2e-2, 1e-4);
+  check_linear_backward(DType::kBF16, 2, 512, 3072, 768, true, true, 2e-2, 1e-4);
+  check_linear_backward(DType::kF16, 8, 128, 768, 768, false, true, 2e-2, 1e-4);
+}
+
 TEST(LinearCuda, Errors) {
   MT_REQUIRE_CUDA();
   OwnedTensor x(DType::kBF16, Device::cuda(0), {4, 3}), w(DType::kBF16, Device::cuda(0), {5, 3}),

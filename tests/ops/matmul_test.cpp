@@ -194,6 +194,71 @@ TEST(Linear, BackwardAccumulates) {
   EXPECT_EQ(to_host(db, st), db_before);
 }
 
+/// d/dx of GELU's tanh form, in double (Hendrycks & Gimpel 2016).
+double gelu_grad_ref(double x) {
+  const double c = std::sqrt(2.0 / M_PI), a = 0.044715, t = std::tanh(c * (x + a * x * x * x));
+  return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * c * (1.0 + 3.0 * a * x * x);
+}
+
+// The fc2 backward with fc1's GELU folded in: dpre, fc1's bias gradient and fc2's dw / dbias
+// against a float64 reference, accumulating where the contract says so.
+TEST(Linear, GeluLinearBackward) {
+  const Stream& st = cpu_stream();
+  const int64_t b0 = 3, b1 = 7, m = b0 * b1, n = 6, k = 9;
+  auto hpre = randn(m * k), hw = randn(n * k), hdy = randn(m * n), hdw0 = randn(n * k), hdb0 = randn(n),
+       hdpb0 = randn(k);
+  std::vector<float> hx(m * k);
+  for (int64_t i = 0; i < m * k; ++i) {  // x = gelu(pre), as fc1's epilogue wrote it
+    const double p = hpre[i];
+    hx[i] = static_cast<float>(0.5 * p * (1.0 + std::tanh(std::sqrt(2.0 / M_PI) * (p + 0.044715 * p * p * p))));
+  }
+  auto x = make_tensor(hx, DType::kF32, Device::cpu(), {b0, b1, k}, st);
+  auto pre = make_tensor(hpre, DType::kF32, Device::cpu(), {b0, b1, k}, st);
+  auto w = make_tensor(hw, DType::kF32, Device::cpu(), {n, k}, st);
+  auto dy = make_tensor(hdy, DType::kF32, Device::cpu(), {b0, b1, n}, st);
+  OwnedTensor dpre(DType::kF32, Device::cpu(), {b0, b1, k});
+  auto dw = make_tensor(hdw0, DType::kF32, Device::cpu(), {n, k}, st);
+  auto db = make_tensor(hdb0, DType::kF32, Device::cpu(), {n}, st);
+  auto dpb = make_tensor(hdpb0, DType::kF32, Device::cpu(), {k}, st);
+
+  std::vector<double> rdpre(m * k, 0.0), rdpb(hdpb0.begin(), hdpb0.end()), rdw(n * k), rdb(n);
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t p = 0; p < k; ++p) {
+      double acc = 0.0;
+      for (int64_t j = 0; j < n; ++j) acc += static_cast<double>(hdy[i * n + j]) * hw[j * k + p];
+      rdpre[i * k + p] = acc * gelu_grad_ref(hpre[i * k + p]);
+      rdpb[p] += rdpre[i * k + p];
+    }
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    rdb[j] = hdb0[j];
+    for (int64_t i = 0; i < m; ++i) rdb[j] += hdy[i * n + j];
+    for (int64_t p = 0; p < k; ++p) {
+      double acc = hdw0[j * k + p];
+      for (int64_t i = 0; i < m; ++i) acc += static_cast<double>(hdy[i * n + j]) * hx[i * k + p];
+      rdw[j * k + p] = acc;
+    }
+  }
+  poison(dpre, st);
+  gelu_linear_backward(dpre, dpb, dw, db, dy, x, pre, w, st);
+  EXPECT_LT(rel_err(to_host(dpre, st), rdpre), 1e-5);
+  EXPECT_LT(rel_err(to_host(dpb, st), rdpb), 1e-5);
+  EXPECT_LT(rel_err(to_host(dw, st), rdw), 1e-5);
+  EXPECT_LT(rel_err(to_host(db, st), rdb), 1e-5);
+  // without the gradients: dpre only, the accumulators untouched
+  const auto dw1 = to_host(dw, st), dpb1 = to_host(dpb, st);
+  poison(dpre, st);
+  gelu_linear_backward(dpre, Tensor(), Tensor(), Tensor(), dy, x, pre, w, st);
+  EXPECT_LT(rel_err(to_host(dpre, st), rdpre), 1e-5);
+  EXPECT_EQ(to_host(dw, st), dw1);
+  EXPECT_EQ(to_host(dpb, st), dpb1);
+  // errors: dpre aliasing dy's memory, pre of the wrong shape, dpre_bias of the wrong size
+  OwnedTensor bad_pre(DType::kF32, Device::cpu(), {b0, b1, k + 1}), bad_dpb(DType::kF32, Device::cpu(), {k + 1});
+  EXPECT_THROW(gelu_linear_backward(dpre, dpb, dw, db, dy, x, bad_pre, w, st), Error);
+  EXPECT_THROW(gelu_linear_backward(dpre, bad_dpb, dw, db, dy, x, pre, w, st), Error);
+  EXPECT_THROW(gelu_linear_backward(pre, dpb, dw, db, dy, x, pre, w, st), Error);
+}
+
 TEST(Linear, Errors) {
   const Stream& st = cpu_stream();
   auto f32 = [](std::vector<int64_t> s) { return OwnedTensor(DType::kF32, Device::cpu(), s); };

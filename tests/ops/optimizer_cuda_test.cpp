@@ -239,6 +239,47 @@ TEST(OptimizerCuda, AlignedAndUnalignedRunsAgreeBitwise) {
   }
 }
 
+// The multi-tensor launch writes, on the device, exactly what adamw_step writes run by run, and
+// agrees with the CPU backend's multi-tensor step.
+TEST(OptimizerCuda, MultiStepEqualsStepPerRunAndCpu) {
+  MT_REQUIRE_CUDA();
+  Stream cs(kCpu), gs(kGpu);
+  for (bool sharded : {false, true}) {
+    for (DType md : {DType::kF32, DType::kBF16, DType::kF16}) {
+      SCOPED_TRACE(fmt::format("sharded {} model {}", sharded, dtype_name(md)));
+      const std::vector<AdamWRun> runs = testing::test_adamw_runs(sharded);
+      const AdamWPlan gplan(runs, kGpu, gs), cplan(runs, kCpu, cs);
+      const int64_t param_n = gplan.param_end() + 3, main_n = gplan.main_end() + 2, state_n = gplan.state_end() + 1;
+      testing::AdamWBuffers c(kCpu, md, param_n, main_n, state_n, cs);
+      testing::AdamWBuffers a(c, kGpu, gs), b(c, kGpu, gs);
+      ScalarsTensor gsc(kGpu), csc(kCpu);
+      gsc.write(initial_optimizer_scalars(static_scaler(4.f)), gs);
+      csc.write(initial_optimizer_scalars(static_scaler(4.f)), cs);
+      optimizer_prepare(gsc.t, 0.f, gs);
+      optimizer_prepare(csc.t, 0.f, cs);
+      AdamWHyper h;
+      h.lr = 1e-3f;
+      h.weight_decay = 0.1f;
+      adamw_multi_step(a.p, a.g, a.m, a.v, a.model_view(), gplan, h, gsc.t, gs);
+      adamw_multi_step(c.p, c.g, c.m, c.v, c.model_view(), cplan, h, csc.t, cs);
+      for (const AdamWRun& r : runs) {
+        AdamWHyper hr = h;
+        hr.weight_decay = r.decay ? h.weight_decay : 0.f;
+        adamw_step(b.p->flat_range(r.main, r.n), b.g->flat_range(r.param, r.n), b.m->flat_range(r.state, r.n),
+                   b.v->flat_range(r.state, r.n),
+                   b.model_view().empty() ? Tensor() : b.model_view().flat_range(r.param, r.n), hr, gsc.t, gs);
+      }
+      EXPECT_EQ(device_bytes(a.p, gs), device_bytes(b.p, gs));
+      EXPECT_EQ(device_bytes(a.m, gs), device_bytes(b.m, gs));
+      EXPECT_EQ(device_bytes(a.v, gs), device_bytes(b.v, gs));
+      EXPECT_EQ(device_bytes(a.model_view(), gs), device_bytes(b.model_view(), gs));
+      EXPECT_LT(rel_err(to_host(a.p, gs), to_host(c.p, cs)), 1e-6);
+      EXPECT_LT(rel_err(to_host(a.m, gs), to_host(c.m, cs)), 1e-6);
+      EXPECT_LT(rel_err(to_host(a.v, gs), to_host(c.v, cs)), 1e-6);
+    }
+  }
+}
+
 TEST(OptimizerCuda, RejectsMixedDevices) {
   MT_REQUIRE_CUDA();
   Stream gs(kGpu);

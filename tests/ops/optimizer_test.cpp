@@ -327,6 +327,65 @@ TEST(OptimizerCpu, AdamWMatchesFloat64ReferenceFp32) { run_adamw_vs_reference(DT
 TEST(OptimizerCpu, AdamWMatchesFloat64ReferenceBf16Copy) { run_adamw_vs_reference(DType::kBF16); }
 TEST(OptimizerCpu, AdamWMatchesFloat64ReferenceFp16Copy) { run_adamw_vs_reference(DType::kF16); }
 
+// adamw_multi_step over a plan of runs writes exactly what adamw_step writes run by run, and
+// nothing outside the runs.
+TEST(OptimizerCpu, MultiStepEqualsStepPerRun) {
+  Stream s(kCpu);
+  for (bool sharded : {false, true}) {
+    for (DType md : {DType::kF32, DType::kBF16}) {
+      SCOPED_TRACE(fmt::format("sharded {} model {}", sharded, dtype_name(md)));
+      const std::vector<AdamWRun> runs = testing::test_adamw_runs(sharded);
+      const AdamWPlan plan(runs, kCpu, s);
+      ASSERT_GT(plan.chunks().size(), runs.size());  // some runs span several chunks
+      const int64_t param_n = plan.param_end() + 3, main_n = plan.main_end() + 2, state_n = plan.state_end() + 1;
+      testing::AdamWBuffers a(kCpu, md, param_n, main_n, state_n, s);
+      testing::AdamWBuffers b(a, kCpu, s);
+      const testing::AdamWBuffers before(a, kCpu, s);
+      ScalarsTensor sc(kCpu);
+      sc.write(initial_optimizer_scalars(static_scaler(4.f)), s);
+      optimizer_prepare(sc.t, 0.f, s);
+      AdamWHyper h;
+      h.lr = 1e-3f;
+      h.weight_decay = 0.1f;
+      adamw_multi_step(a.p, a.g, a.m, a.v, a.model_view(), plan, h, sc.t, s);
+      for (const AdamWRun& r : runs) {
+        AdamWHyper hr = h;
+        hr.weight_decay = r.decay ? h.weight_decay : 0.f;
+        adamw_step(b.p->flat_range(r.main, r.n), b.g->flat_range(r.param, r.n), b.m->flat_range(r.state, r.n),
+                   b.v->flat_range(r.state, r.n),
+                   b.model_view().empty() ? Tensor() : b.model_view().flat_range(r.param, r.n), hr, sc.t, s);
+      }
+      EXPECT_EQ(bytes_of(a.p), bytes_of(b.p));
+      EXPECT_EQ(bytes_of(a.m), bytes_of(b.m));
+      EXPECT_EQ(bytes_of(a.v), bytes_of(b.v));
+      EXPECT_EQ(bytes_of(a.model_view()), bytes_of(b.model_view()));
+      // every run moved; the elements past the runs did not
+      const auto p0 = to_host(before.p, s), p1 = to_host(a.p, s);
+      for (const AdamWRun& r : runs) EXPECT_NE(p1[r.main + r.n - 1], p0[r.main + r.n - 1]) << "run at " << r.param;
+      for (int64_t i = plan.main_end(); i < main_n; ++i) EXPECT_EQ(p1[i], p0[i]);
+    }
+  }
+}
+
+TEST(OptimizerCpu, AdamWPlanRejectsBadRuns) {
+  Stream s(kCpu);
+  EXPECT_THROW(AdamWPlan({{0, 0, 0, -1, 1, 0}}, kCpu, s), Error);
+  EXPECT_THROW(AdamWPlan({{-4, 0, 0, 8, 1, 0}}, kCpu, s), Error);
+  EXPECT_THROW(AdamWPlan({{0, 0, 0, 8, 1, 0}, {8, 4, 8, 8, 0, 0}}, kCpu, s), Error);  // main ranges overlap
+  const AdamWPlan plan({{0, 0, 0, 8, 1, 0}, {10, 8, 8, 6, 0, 0}}, kCpu, s);
+  EXPECT_EQ(plan.param_end(), 16);
+  EXPECT_EQ(plan.main_end(), 14);
+  ScalarsTensor sc(kCpu);
+  sc.write(initial_optimizer_scalars(static_scaler(1.f)), s);
+  optimizer_prepare(sc.t, 0.f, s);
+  OwnedTensor p(DType::kF32, kCpu, {14}), g(DType::kF32, kCpu, {16}), g_short(DType::kF32, kCpu, {15}),
+      m(DType::kF32, kCpu, {14}), v(DType::kF32, kCpu, {14}), bf_short(DType::kBF16, kCpu, {15});
+  AdamWHyper h;
+  h.lr = 1e-3f;
+  EXPECT_THROW(adamw_multi_step(p, g_short, m, v, Tensor(), plan, h, sc.t, s), Error);
+  EXPECT_THROW(adamw_multi_step(p, g, m, v, bf_short, plan, h, sc.t, s), Error);
+}
+
 TEST(OptimizerCpu, RejectsBadArguments) {
   Stream s(kCpu);
   ScalarsTensor sc(kCpu);

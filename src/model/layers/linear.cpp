@@ -50,9 +50,10 @@ void ColumnParallelLinear::forward(const Tensor& y, const StepContext& ctx, cons
                  pre_gelu.empty() ? Tensor() : pre_gelu.view({pre_gelu.numel() / n, n}), ctx.stream);
 }
 
-Tensor ColumnParallelLinear::backward(const Tensor& dy, const StepContext& ctx, WgradDeferral* defer) {
+Tensor ColumnParallelLinear::backward(const Tensor& dy, const StepContext& ctx, WgradDeferral* defer,
+                                      bool bias_grad_done) {
   const Tensor& x = saved_.at(static_cast<size_t>(ctx.slot));
-  const Tensor dw = weight().grad(), db = grad_or_empty(bias_);
+  const Tensor dw = weight().grad(), db = bias_grad_done ? Tensor() : grad_or_empty(bias_);
   const Tensor dy2 = dy.view({dy.numel() / local_out(), local_out()});
   if (defer) {
     linear_backward(rows(dx_full_), Tensor(), Tensor(), dy2, rows(x), weight().value(), ctx.stream);
@@ -95,16 +96,19 @@ Tensor RowParallelLinear::forward(const StepContext& ctx) {
   return out_local_;
 }
 
-Tensor RowParallelLinear::backward(const Tensor& dy, const StepContext& ctx, WgradDeferral* defer) {
+Tensor RowParallelLinear::backward(const Tensor& dy, const StepContext& ctx, WgradDeferral* defer,
+                                   const GeluInput* gelu) {
   const Tensor& x = saved_.at(static_cast<size_t>(ctx.slot));
   const Tensor dy_full = tp_.sequence_parallel() ? dy_full_ : dy;
   tp_.exit_backward(dy_full, dy, ctx.stream);
-  if (defer) {
-    linear_backward(rows(dx_), Tensor(), Tensor(), rows(dy_full), rows(x), weight_.value(), ctx.stream);
-    defer->add(weight_.grad(), Tensor(), rows(dy_full), rows(x), weight_.value());
+  const Tensor dw = defer ? Tensor() : weight_.grad();
+  if (gelu) {
+    gelu_linear_backward(rows(dx_), gelu->dbias, dw, Tensor(), rows(dy_full), rows(x), rows(gelu->pre),
+                         weight_.value(), ctx.stream);
   } else {
-    linear_backward(rows(dx_), weight_.grad(), Tensor(), rows(dy_full), rows(x), weight_.value(), ctx.stream);
+    linear_backward(rows(dx_), dw, Tensor(), rows(dy_full), rows(x), weight_.value(), ctx.stream);
   }
+  if (defer) defer->add(weight_.grad(), Tensor(), rows(dy_full), rows(x), weight_.value());
   return dx_;
 }
 

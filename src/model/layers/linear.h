@@ -56,7 +56,10 @@ class ColumnParallelLinear {
   void forward(const Tensor& y, const StepContext& ctx, const Tensor& pre_gelu = Tensor());
   /// From dy [s, b, parts·out/tp]: returns dL/dx [s_l, b, in] (a scratch view, valid until the next
   /// ColumnParallelLinear backward); dW (+= dyᵀ x) and db (+= Σ dy) now, or appended to `defer`.
-  Tensor backward(const Tensor& dy, const StepContext& ctx, WgradDeferral* defer = nullptr);
+  /// bias_grad_done: db was already accumulated by the consumer's fused backward
+  /// (RowParallelLinear::backward with GeluInput), so it is left alone here.
+  Tensor backward(const Tensor& dy, const StepContext& ctx, WgradDeferral* defer = nullptr,
+                  bool bias_grad_done = false);
   const ParamRef& weight() const { return *weight_ptr_; }
   const ParamRef& bias() const { return bias_; }
   int64_t local_out() const { return parts_ * out_ / tp_.size(); }
@@ -90,9 +93,18 @@ class RowParallelLinear {
   /// Returns y [s_l, b, out] = reduce over TP of x Wᵀ, without the bias (a scratch view, valid
   /// until the next RowParallelLinear forward).
   Tensor forward(const StepContext& ctx);
+  /// The input of this layer was gelu(pre) (an MLP's fc2 after fc1 and the GELU): pre [s, b, in/tp]
+  /// (the input's shape and dtype) and the producer's bias gradient (fp32 [in/tp]; empty when the
+  /// producer has no bias).
+  struct GeluInput {
+    Tensor pre, dbias;
+  };
   /// From dy [s_l, b, out]: returns dL/dx [s, b, in/tp] (a scratch view of this role); dW += dyᵀ x
-  /// now or appended to `defer` (then dy's gathered copy must stay intact until it runs).
-  Tensor backward(const Tensor& dy, const StepContext& ctx, WgradDeferral* defer = nullptr);
+  /// now or appended to `defer` (then dy's gathered copy must stay intact until it runs). With
+  /// `gelu`: returns dL/dpre instead, and adds Σ dL/dpre to gelu->dbias (ops/matmul.h
+  /// gelu_linear_backward: the GELU backward and the producer's bias gradient in the dgrad GEMM).
+  Tensor backward(const Tensor& dy, const StepContext& ctx, WgradDeferral* defer = nullptr,
+                  const GeluInput* gelu = nullptr);
   const ParamRef& weight() const { return weight_; }
   /// The bias [out] (unbound when the layer has none).
   const ParamRef& bias() const { return bias_; }

@@ -2,7 +2,6 @@
 
 #include <cmath>
 
-#include "ops/gelu.h"
 #include "ops/swiglu.h"
 
 namespace mt {
@@ -66,13 +65,15 @@ Tensor MLP::forward(const StepContext& ctx) {
 
 Tensor MLP::backward(const Tensor& dy, const StepContext& ctx, WgradDeferral* defer) {
   const Tensor& pre = pre_.at(static_cast<size_t>(ctx.slot));
-  const Tensor d_act = linear_fc2_.backward(dy, ctx);
-  if (gated_) {
-    swiglu_backward(d_pre_, d_act, pre, ctx.stream);
-    return linear_fc1_.backward(d_pre_, ctx, defer);
+  if (!gated_) {
+    // fc2's dgrad applies the GELU backward and takes fc1's bias gradient (one fused GEMM on CUDA)
+    const RowParallelLinear::GeluInput gelu{pre, grad_or_empty(linear_fc1_.bias())};
+    const Tensor d_pre = linear_fc2_.backward(dy, ctx, nullptr, &gelu);
+    return linear_fc1_.backward(d_pre, ctx, defer, /*bias_grad_done=*/true);
   }
-  gelu_backward(d_act, d_act, pre, ctx.stream);
-  return linear_fc1_.backward(d_act, ctx, defer);
+  const Tensor d_act = linear_fc2_.backward(dy, ctx);
+  swiglu_backward(d_pre_, d_act, pre, ctx.stream);
+  return linear_fc1_.backward(d_pre_, ctx, defer);
 }
 
 }  // namespace mt

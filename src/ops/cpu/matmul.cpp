@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "ops/matmul.h"
+#include "ops/gelu.h"
 #include "ops/gelu_math.h"
 
 namespace mt::cpu {
@@ -68,6 +69,18 @@ void linear_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Ten
   }
 }
 
+namespace {
+/// out[j] += Σ_i x[i, j] (x row-major [m, n]), accumulated in double: a long reduction over tokens.
+void column_sum_add(float* out, const float* x, int64_t m, int64_t n) {
+#pragma omp parallel for schedule(static)
+  for (int64_t j = 0; j < n; ++j) {
+    double acc = 0.0;
+    for (int64_t i = 0; i < m; ++i) acc += x[i * n + j];
+    out[j] += static_cast<float>(acc);
+  }
+}
+}  // namespace
+
 void linear_backward(const Tensor& dx, const Tensor& dw, const Tensor& dbias, const Tensor& dy, const Tensor& x,
                      const Tensor& w, const Stream& stream) {
   require_f32("linear_backward", {&dx, &dw, &dbias, &dy, &x, &w});
@@ -78,15 +91,17 @@ void linear_backward(const Tensor& dx, const Tensor& dw, const Tensor& dbias, co
   if (!dx.empty()) sgemm(dx.data_as<float>(), dy.data_as<float>(), w.data_as<float>(), m, k, n, false, false, 1.f, 0.f);
   // dw[n, k] += dy^T[n, m] · x[m, k]
   if (!dw.empty()) sgemm(dw.data_as<float>(), dy.data_as<float>(), x.data_as<float>(), n, k, m, true, false, 1.f, 1.f);
-  if (!dbias.empty()) {
-    const float* g = dy.data_as<float>();
-    float* db = dbias.data_as<float>();
-#pragma omp parallel for schedule(static)
-    for (int64_t j = 0; j < n; ++j) {
-      double acc = 0.0;  // a long reduction over tokens: double keeps the reference tight
-      for (int64_t i = 0; i < m; ++i) acc += g[i * n + j];
-      db[j] += static_cast<float>(acc);
-    }
+  if (!dbias.empty()) column_sum_add(dbias.data_as<float>(), dy.data_as<float>(), m, n);
+}
+
+void gelu_linear_backward(const Tensor& dpre, const Tensor& dpre_bias, const Tensor& dw, const Tensor& dbias,
+                          const Tensor& dy, const Tensor& x, const Tensor& pre, const Tensor& w, const Stream& stream) {
+  require_f32("gelu_linear_backward", {&dpre, &dpre_bias, &pre});
+  cpu::linear_backward(dpre, dw, dbias, dy, x, w, stream);
+  cpu::gelu_backward(dpre, dpre, pre, stream);
+  if (!dpre_bias.empty()) {
+    const int64_t k = w.size(1);
+    column_sum_add(dpre_bias.data_as<float>(), dpre.data_as<float>(), dpre.numel() / k, k);
   }
 }
 

@@ -63,6 +63,34 @@ void adamw_step(const Tensor& main_param, const Tensor& grad, const Tensor& exp_
   }
 }
 
+void adamw_multi_step(const Tensor& main_param, const Tensor& grad, const Tensor& exp_avg, const Tensor& exp_avg_sq,
+                      const Tensor& model_param, const AdamWPlan& plan, const AdamWHyper& hyper,
+                      const Tensor& scalars, const Stream&) {
+  const OptimizerScalars& s = scalars_of(scalars);
+  if (s.found_inf) return;
+  MT_CHECK(s.step >= 1, "adamw_multi_step: step={} (call optimizer_prepare first)", s.step);
+  const detail::AdamWCoeffs c = detail::adamw_coeffs(hyper, s);
+  float* p = main_param.data_as<float>();
+  const float* g = grad.data_as<float>();
+  float* m = exp_avg.data_as<float>();
+  float* v = exp_avg_sq.data_as<float>();
+  const DType md = model_param.empty() ? DType::kF32 : model_param.dtype();
+  uint16_t* mp = model_param.empty() ? nullptr : model_param.data_as<uint16_t>();
+  const std::vector<AdamWRun>& chunks = plan.chunks();
+  const int64_t count = static_cast<int64_t>(chunks.size());
+#pragma omp parallel for schedule(static)
+  for (int64_t k = 0; k < count; ++k) {
+    const AdamWRun& r = chunks[static_cast<size_t>(k)];
+    AdamWHyper h = hyper;
+    if (!r.decay) h.weight_decay = 0.f;
+    for (int64_t i = 0; i < r.n; ++i) {
+      float& pi = p[r.main + i];
+      detail::adamw_element(pi, g[r.param + i], m[r.state + i], v[r.state + i], h, c);
+      if (mp) mp[r.param + i] = md == DType::kBF16 ? f32_to_bf16_bits(pi) : f32_to_f16_bits(pi);
+    }
+  }
+}
+
 void loss_scaler_update(const Tensor& scalars, const LossScalerConfig& cfg, const Stream&) {
   detail::loss_scaler_update_state(scalars_of(scalars), cfg);
 }

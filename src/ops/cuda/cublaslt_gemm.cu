@@ -120,7 +120,12 @@ void set_pointers(const GemmPlan& plan, const GemmDesc& g) {
     const void* bias = g.bias;
     MT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
   }
-  if (g.epilogue == GemmEpilogue::kGeluAux) {
+  if (g.bias_grad) {
+    void* bg = g.bias_grad;
+    MT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bg, sizeof(bg)));
+  }
+  if (g.epilogue == GemmEpilogue::kGeluAux || g.epilogue == GemmEpilogue::kDGelu ||
+      g.epilogue == GemmEpilogue::kDGeluBgrad) {
     void* aux = g.aux;
     MT_CUBLAS_CHECK(
         cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof(aux)));
@@ -138,8 +143,17 @@ std::unique_ptr<GemmPlan> make_plan(const GemmDesc& g, cublasLtHandle_t lt, cons
   uint32_t epi = CUBLASLT_EPILOGUE_DEFAULT;
   if (g.epilogue == GemmEpilogue::kBias) epi = CUBLASLT_EPILOGUE_BIAS;
   if (g.epilogue == GemmEpilogue::kGeluAux) epi = g.bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX;
+  if (g.epilogue == GemmEpilogue::kBgradA) epi = CUBLASLT_EPILOGUE_BGRADB;  // cuBLASLt's B is our A
+  if (g.epilogue == GemmEpilogue::kDGelu) epi = CUBLASLT_EPILOGUE_DGELU;
+  if (g.epilogue == GemmEpilogue::kDGeluBgrad) epi = CUBLASLT_EPILOGUE_DGELU_BGRAD;
   MT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)));
-  if (g.epilogue == GemmEpilogue::kGeluAux) {
+  if (g.bias_grad) {
+    int32_t bias_type = CUDA_R_32F;
+    MT_CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof(bias_type)));
+  }
+  if (g.epilogue == GemmEpilogue::kGeluAux || g.epilogue == GemmEpilogue::kDGelu ||
+      g.epilogue == GemmEpilogue::kDGeluBgrad) {
     int64_t ld_aux = g.ld_aux;
     MT_CUBLAS_CHECK(
         cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ld_aux, sizeof(ld_aux)));
@@ -216,9 +230,10 @@ void resize(GemmPlan& plan, const GemmDesc& g) {
 std::string describe(const GemmDesc& g) {
   return fmt::format(
       "gemm m={} n={} k={} batch={} trans_a={} trans_b={} ab={} c={} lda={} ldb={} ldc={} strides=({}, {}, {}) "
-      "epilogue={} bias={} ld_aux={}",
+      "epilogue={} bias={} bias_grad={} ld_aux={}",
       g.m, g.n, g.k, g.batch, g.trans_a, g.trans_b, dtype_name(g.ab_type), dtype_name(g.c_type), g.lda, g.ldb, g.ldc,
-      g.stride_a, g.stride_b, g.stride_c, static_cast<int>(g.epilogue), g.bias != nullptr, g.ld_aux);
+      g.stride_a, g.stride_b, g.stride_c, static_cast<int>(g.epilogue), g.bias != nullptr, g.bias_grad != nullptr,
+      g.ld_aux);
 }
 
 std::mutex& cache_mutex() {
@@ -238,10 +253,14 @@ void validate(const GemmDesc& g) {
   MT_CHECK(g.m <= INT32_MAX && g.n <= INT32_MAX && g.k <= INT32_MAX && g.batch <= INT32_MAX, "{}: sizes exceed int32",
            describe(g));
   if (g.epilogue == GemmEpilogue::kBias) MT_CHECK(g.bias != nullptr, "{}: bias epilogue without bias", describe(g));
-  if (g.epilogue == GemmEpilogue::kGeluAux) {
+  if (g.epilogue == GemmEpilogue::kGeluAux || g.epilogue == GemmEpilogue::kDGelu ||
+      g.epilogue == GemmEpilogue::kDGeluBgrad) {
     MT_CHECK(g.aux != nullptr && g.ld_aux >= g.n && g.ld_aux % 8 == 0,
-             "{}: GELU_AUX needs an aux matrix with ld_aux >= n and ld_aux % 8 == 0", describe(g));
+             "{}: the GELU epilogues need an aux matrix with ld_aux >= n and ld_aux % 8 == 0", describe(g));
   }
+  const bool bgrad = g.epilogue == GemmEpilogue::kBgradA || g.epilogue == GemmEpilogue::kDGeluBgrad;
+  MT_CHECK(bgrad == (g.bias_grad != nullptr) && (!bgrad || g.batch == 1),
+           "{}: bias_grad goes with the bias-gradient epilogues (unbatched) only", describe(g));
 }
 
 /// Looks up (or builds) the plan and enqueues the GEMM; false when no algorithm exists, with the
@@ -251,7 +270,8 @@ bool run_gemm(const GemmDesc& g, const Stream& stream, int* status) {
   CudaStreamResources* res = stream.cuda();
   MT_CHECK(res != nullptr, "{}: needs a CUDA stream, got {}", describe(g), stream.device().str());
   Alignments al{alignment_of(g.a, g.stride_a, g.ab_type, g.batch), alignment_of(g.b, g.stride_b, g.ab_type, g.batch),
-                alignment_of(g.c, g.stride_c, g.c_type, g.batch), g.bias ? alignment_of(g.bias, 0, g.c_type, 1) : 0u,
+                alignment_of(g.c, g.stride_c, g.c_type, g.batch),
+                g.bias ? alignment_of(g.bias, 0, g.c_type, 1) : g.bias_grad ? alignment_of(g.bias_grad, 0, DType::kF32, 1) : 0u,
                 g.aux ? alignment_of(g.aux, 0, g.c_type, 1) : 0u};
   GemmKey key = make_key(g, res->lt, res->device.index, al);
   std::lock_guard<std::mutex> lock(cache_mutex());

@@ -17,6 +17,9 @@ enum class GemmEpilogue : uint8_t {
   kNone,      ///< D = alpha op(A) op(B) + beta C
   kBias,      ///< ... + bias[n] broadcast over rows (CUBLASLT_EPILOGUE_BIAS)
   kGeluAux,   ///< aux = alpha op(A) op(B) (+ bias[n] if given); D = gelu(aux) (GELU_AUX[_BIAS])
+  kBgradA,    ///< D as kNone; bias_grad[i] = Σ_kk op(A)[i, kk], fp32 [m], overwritten (BGRADB)
+  kDGelu,     ///< D = gelu'(aux) ∘ (alpha op(A) op(B)) (DGELU; aux as kGeluAux's, the pre-activation)
+  kDGeluBgrad,  ///< kDGelu, and bias_grad[j] = Σ_i D[i, j], fp32 [n], overwritten (DGELU_BGRAD)
 };
 
 /// One row-major (optionally strided-batched) GEMM: for each batch i,
@@ -24,8 +27,9 @@ enum class GemmEpilogue : uint8_t {
 /// A_i is [m, k] (or [k, m] when trans_a) with row stride lda, batch stride stride_a (elements);
 /// likewise B_i [k, n] / [n, k] and C_i [m, n] with ldc, stride_c. A and B share ab_type
 /// (fp32/bf16/fp16); C is c_type (ab_type or fp32). bias: [n] of c_type. aux: row-major [m, ld_aux]
-/// of c_type, ld_aux % 8 == 0 (cuBLASLt's requirement for the GELU input matrix). C may not alias
-/// A or B. Requires m, n, k >= 1.
+/// of c_type, ld_aux % 8 == 0 (cuBLASLt's requirement for the GELU input matrix). bias_grad: fp32,
+/// 16-byte aligned. C may not alias A or B. Requires m, n, k >= 1. (cuBLASLt is column-major: our
+/// A is its B, so kBgradA is its BGRADB epilogue, and kDGeluBgrad's vector runs over its rows.)
 struct GemmDesc {
   int64_t m = 0, n = 0, k = 0, batch = 1;
   bool trans_a = false, trans_b = false;
@@ -41,6 +45,7 @@ struct GemmDesc {
   const void* bias = nullptr;
   void* aux = nullptr;
   int64_t ld_aux = 0;
+  float* bias_grad = nullptr;  ///< kBgradA / kDGeluBgrad output
 };
 
 /// Enqueues the GEMM on `stream`. Returns false (enqueueing nothing) when cuBLASLt offers no

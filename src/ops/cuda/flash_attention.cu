@@ -9,11 +9,11 @@
 //            tile) with the online softmax (Algorithm 1). Key tiles after the diagonal and before
 //            the smallest doc_start of the query tile are skipped. Defaults (launch_fwd_mma):
 //            d = 64: 4 warps x 32 rows, 64 keys; d = 128: 4 warps x 32 rows, 32 keys.
-//   backward: fa_bwd_pre (D_i = rowsum(dO ∘ O) into the workspace, dq_accum zeroed), fa_bwd_mma
+//   backward: fa_bwd_pre_vec (D_i = rowsum(dO ∘ O) into the workspace, dq_accum zeroed), fa_bwd_mma
 //            (one block per (key tile of 16·W keys, b·g): each warp owns 16 keys and accumulates
 //            their dK and dV in registers over the qpg query heads of the group and every query
 //            tile at or after the diagonal (Algorithm 2); dS goes through shared memory for
-//            dQ = dS K, added to dq_accum with fp32 atomics), fa_bwd_dq_convert (dq_accum · scale
+//            dQ = dS K, added to dq_accum with fp32 atomics), fa_bwd_dq_convert_vec (dq_accum · scale
 //            into dqkv). Defaults: d = 64: 4 warps (64 keys per block), d = 128: 8 warps (128
 //            keys); 32 queries per tile.
 // Simple path (fp32 or any other case): one warp per query row (forward, dQ) or key row (dK, dV),
@@ -665,9 +665,9 @@ __global__ void __launch_bounds__(W * 32) fa_bwd_mma(const FaParams p) {
 
 constexpr int kRowWarps = 8;  // warps per block of the one-warp-per-row kernels
 
-/// delta[bh, i] = Σ_e dout ∘ out (row (b, h, i)); zeroes dq_accum's row when zero_dq.
+/// delta[bh, i] = Σ_e dout ∘ out (row (b, h, i)); the simple path's pre-processing.
 template <typename T>
-__global__ void fa_bwd_pre(const FaParams p, bool zero_dq) {
+__global__ void fa_bwd_pre(const FaParams p) {
   const int lane = threadIdx.x & 31;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowWarps + (threadIdx.x >> 5);
   if (row >= p.B * p.n * p.s) return;
@@ -679,24 +679,56 @@ __global__ void fa_bwd_pre(const FaParams p, bool zero_dq) {
   for (int64_t e = lane; e < p.d; e += 32) acc += to_f(go[e]) * to_f(o[e]);
   acc = warp_sum(acc);
   if (lane == 0) p.delta[row] = acc;
-  if (zero_dq)
-    for (int64_t e = lane; e < p.d; e += 32) p.dq_accum[row * p.d + e] = 0.f;
 }
 
-/// dqkv query slots = scale · dq_accum (element order of [s, b, n, d]).
-template <typename T>
-__global__ void fa_bwd_dq_convert(const FaParams p) {
-  const int64_t total = p.s * p.B * p.n * p.d;
-  for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < total;
-       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t e = idx % p.d;
-    int64_t r = idx / p.d;
-    const int64_t h = r % p.n;
-    r /= p.n;
-    const int64_t b = r % p.B, i = r / p.B;
-    const float v = p.scale * p.dq_accum[((b * p.n + h) * p.s + i) * p.d + e];
-    static_cast<T*>(p.dqkv)[i * p.qkv_row_stride() + p.qkv_base(b, h / p.qpg, h % p.qpg) + e] = from_f<T>(v);
+// Tensor-core path (16-bit T, d = D in {64, 128}, 16-byte aligned tensors): kLanes = D / 8
+// threads per row, each with 8 consecutive elements in 16-byte accesses.
+
+/// delta of row (b, h, i) as fa_bwd_pre, and the row of dq_accum zeroed for fa_bwd_mma's atomics.
+template <typename T, int D>
+__global__ void __launch_bounds__(256) fa_bwd_pre_vec(const FaParams p) {
+  constexpr int kLanes = D / 8;
+  const int64_t row = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kLanes;
+  const int sub = static_cast<int>(threadIdx.x % kLanes);
+  const bool ok = row < p.B * p.n * p.s;
+  float acc = 0.f;
+  if (ok) {
+    const int64_t bh = row / p.s, i = row % p.s;
+    const int64_t off = i * p.out_row_stride() + bh * D + sub * 8;
+    const uint4 go = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.dout) + off);
+    const uint4 o = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.out) + off);
+    const T* a = reinterpret_cast<const T*>(&go);
+    const T* c = reinterpret_cast<const T*>(&o);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc += to_f(a[e]) * to_f(c[e]);
+    float4* dq = reinterpret_cast<float4*>(p.dq_accum + row * D + sub * 8);
+    dq[0] = make_float4(0.f, 0.f, 0.f, 0.f);
+    dq[1] = make_float4(0.f, 0.f, 0.f, 0.f);
   }
+#pragma unroll
+  for (int o = kLanes / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(kFull, acc, o);
+  if (ok && sub == 0) p.delta[row] = acc;
+}
+
+/// dqkv query slots = scale · dq_accum; threads walk the rows of dqkv ([s, b, n] order).
+template <typename T, int D>
+__global__ void __launch_bounds__(256) fa_bwd_dq_convert_vec(const FaParams p) {
+  constexpr int kLanes = D / 8;
+  const int64_t rows = p.s * p.B * p.n;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t r = t / kLanes;
+  if (r >= rows) return;
+  const int sub = static_cast<int>(t % kLanes);
+  const int64_t h = r % p.n, b = (r / p.n) % p.B, i = r / (p.n * p.B);
+  const float4* src = reinterpret_cast<const float4*>(p.dq_accum + ((b * p.n + h) * p.s + i) * D + sub * 8);
+  const float4 x = src[0], y = src[1];
+  uint4 packed;
+  packed.x = pack2<T>(p.scale * x.x, p.scale * x.y);
+  packed.y = pack2<T>(p.scale * x.z, p.scale * x.w);
+  packed.z = pack2<T>(p.scale * y.x, p.scale * y.y);
+  packed.w = pack2<T>(p.scale * y.z, p.scale * y.w);
+  *reinterpret_cast<uint4*>(static_cast<T*>(p.dqkv) + i * p.qkv_row_stride() + p.qkv_base(b, h / p.qpg, h % p.qpg) +
+                            sub * 8) = packed;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -999,17 +1031,21 @@ void flash_attention_backward(const Tensor& dqkv, const Tensor& dout, const Tens
   MT_CHECK((p.s + 15) / 16 < 65536, "flash_attention_backward: seq={} too long for the grid", p.s);
   dispatch_float(qkv.dtype(), "flash_attention_backward", [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    const bool mma = use_mma<T>(p, {p.qkv, p.out, p.dout, p.dqkv});
-    fa_bwd_pre<T><<<static_cast<unsigned>((rows + kRowWarps - 1) / kRowWarps), kRowWarps * 32, 0, st>>>(p, mma);
-    MT_CUDA_CHECK_LAUNCH();
     if constexpr (!std::is_same_v<T, float>) {
-      if (mma) {
+      if (use_mma<T>(p, {p.qkv, p.out, p.dout, p.dqkv})) {
+        const unsigned blocks = static_cast<unsigned>((rows * (p.d / 8) + 255) / 256);
+        if (p.d == 64) fa_bwd_pre_vec<T, 64><<<blocks, 256, 0, st>>>(p);
+        else fa_bwd_pre_vec<T, 128><<<blocks, 256, 0, st>>>(p);
+        MT_CUDA_CHECK_LAUNCH();
         launch_bwd_mma<T>(p, st);
-        fa_bwd_dq_convert<T><<<grid_for(rows * p.d, 256), 256, 0, st>>>(p);
+        if (p.d == 64) fa_bwd_dq_convert_vec<T, 64><<<blocks, 256, 0, st>>>(p);
+        else fa_bwd_dq_convert_vec<T, 128><<<blocks, 256, 0, st>>>(p);
         MT_CUDA_CHECK_LAUNCH();
         return;
       }
     }
+    fa_bwd_pre<T><<<static_cast<unsigned>((rows + kRowWarps - 1) / kRowWarps), kRowWarps * 32, 0, st>>>(p);
+    MT_CUDA_CHECK_LAUNCH();
     const int bytes = simple_smem(p.d);
     set_smem(fa_bwd_dq_simple<T>, bytes);
     set_smem(fa_bwd_dkdv_simple<T>, bytes);

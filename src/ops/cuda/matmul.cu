@@ -7,7 +7,9 @@
 #include "ops/cuda/common.cuh"
 #include "ops/cuda/cublaslt_gemm.h"
 #include "ops/matmul.h"
+#include "ops/gelu.h"
 #include "ops/gelu_math.h"
+#include "core/cuda_resources.h"
 
 namespace mt::cuda {
 namespace {
@@ -58,6 +60,35 @@ __global__ void column_sum_add_kernel(float* out, const T* x, int64_t rows, int6
     for (int i = 0; i < kColRows; ++i) s += part[i][threadIdx.x];
     out[col] += s;
   }
+}
+
+/// out[j] += x[j] (fp32).
+__global__ void add_f32_kernel(float* out, const float* x, int64_t n) {
+  const int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (j < n) out[j] += x[j];
+}
+
+/// out[n] += column sums of x[m, n] (act dtype), deterministic.
+void column_sum_add(const Tensor& out, const void* x, DType act, int64_t m, int64_t n, const Stream& stream) {
+  dispatch_float(act, "matmul", [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    dim3 block(kColTile, kColRows);
+    dim3 grid(static_cast<unsigned>((n + kColTile - 1) / kColTile));
+    column_sum_add_kernel<T><<<grid, block, 0, cu(stream)>>>(out.data_as<float>(), static_cast<const T*>(x), m, n);
+    MT_CUDA_CHECK_LAUNCH();
+  });
+}
+
+/// The stream's bias-gradient scratch when a [n] fp32 vector fits, else nullptr.
+float* bias_grad_scratch(const Stream& stream, int64_t n) {
+  CudaStreamResources* res = stream.cuda();
+  return res && n <= static_cast<int64_t>(CudaStreamResources::kBiasGradScratch) ? res->bias_grad_scratch : nullptr;
+}
+
+/// out[n] += the scratch a bias-gradient epilogue wrote.
+void add_scratch(const Tensor& out, const float* scratch, int64_t n, const Stream& stream) {
+  add_f32_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, cu(stream)>>>(out.data_as<float>(), scratch, n);
+  MT_CUDA_CHECK_LAUNCH();
 }
 
 void scale_tensor(const Tensor& t, float beta, const Stream& stream) {
@@ -155,20 +186,52 @@ void linear_backward(const Tensor& dx, const Tensor& dw, const Tensor& dbias, co
     }
   }
   if (m == 0 || n == 0) return;  // nothing to accumulate
-  // dw[n, k] += dy^T[n, m] · x[m, k]  (fp32 main grad, beta = 1)
+  // dw[n, k] += dy^T[n, m] · x[m, k]  (fp32 main grad, beta = 1); dbias from the same GEMM's
+  // BGRADB epilogue (bf16/fp16) into the scratch, then added (the epilogue overwrites)
+  bool dbias_fused = false;
   if (!dw.empty() && k > 0) {
-    gemm(contiguous_gemm(1, n, k, m, true, false, act, DType::kF32, dy.data(), x.data(), dw.data(), 1.f, 1.f), stream);
+    GemmDesc g = contiguous_gemm(1, n, k, m, true, false, act, DType::kF32, dy.data(), x.data(), dw.data(), 1.f, 1.f);
+    float* scratch = dbias.empty() || act == DType::kF32 ? nullptr : bias_grad_scratch(stream, n);
+    if (scratch) {
+      GemmDesc f = g;
+      f.epilogue = GemmEpilogue::kBgradA;
+      f.bias_grad = scratch;
+      dbias_fused = try_gemm(f, stream);
+      if (dbias_fused) add_scratch(dbias, scratch, n, stream);
+    }
+    if (!dbias_fused) gemm(g, stream);
   }
-  // dbias[n] += sum_m dy  (own kernel: cuBLASLt's BGRADB epilogue overwrites instead of accumulating)
-  if (!dbias.empty()) {
-    dispatch_float(act, "matmul", [&](auto* tag) {
-      using T = std::remove_pointer_t<decltype(tag)>;
-      dim3 block(kColTile, kColRows);
-      dim3 grid(static_cast<unsigned>((n + kColTile - 1) / kColTile));
-      column_sum_add_kernel<T><<<grid, block, 0, cu(stream)>>>(dbias.data_as<float>(), dy.data_as<T>(), m, n);
-      MT_CUDA_CHECK_LAUNCH();
-    });
+  if (!dbias.empty() && !dbias_fused) column_sum_add(dbias, dy.data(), act, m, n, stream);
+}
+
+void gelu_linear_backward(const Tensor& dpre, const Tensor& dpre_bias, const Tensor& dw, const Tensor& dbias,
+                          const Tensor& dy, const Tensor& x, const Tensor& pre, const Tensor& w, const Stream& stream) {
+  const int64_t n = w.size(0), k = w.size(1);
+  int64_t m = 1;
+  for (int d = 0; d + 1 < x.ndim(); ++d) m *= x.size(d);
+  const DType act = dy.dtype();
+  if (m > 0 && k > 0) {
+    bool done = false;
+    if (n > 0 && act != DType::kF32 && k % 8 == 0 && aligned16(pre.data()) && aligned16(dpre.data())) {
+      // dpre = gelu'(pre) ∘ (dy · w) in the dgrad GEMM's epilogue, with fc1's bias gradient
+      GemmDesc f = contiguous_gemm(1, m, k, n, false, false, act, act, dy.data(), w.data(), dpre.data(), 1.f, 0.f);
+      f.aux = pre.data();
+      f.ld_aux = k;
+      float* scratch = dpre_bias.empty() ? nullptr : bias_grad_scratch(stream, k);
+      f.epilogue = scratch ? GemmEpilogue::kDGeluBgrad : GemmEpilogue::kDGelu;
+      f.bias_grad = scratch;
+      if ((scratch || dpre_bias.empty()) && try_gemm(f, stream)) {
+        if (scratch) add_scratch(dpre_bias, scratch, k, stream);
+        done = true;
+      }
+    }
+    if (!done) {  // GEMM, GELU backward kernel, column sum
+      cuda::linear_backward(dpre, Tensor(), Tensor(), dy, x, w, stream);
+      cuda::gelu_backward(dpre, dpre, pre, stream);
+      if (!dpre_bias.empty()) column_sum_add(dpre_bias, dpre.data(), act, m, k, stream);
+    }
   }
+  cuda::linear_backward(Tensor(), dw, dbias, dy, x, w, stream);
 }
 
 }  // namespace mt::cuda

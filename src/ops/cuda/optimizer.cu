@@ -70,17 +70,15 @@ __device__ __forceinline__ void store_model(P* model, int64_t i, float x) {
   }
 }
 
+/// The AdamW update of elements [0, n) of one run, strided over threads `tid` (step `stride`).
 /// kVec: p, g, m, v 16-byte aligned and the model copy 8-byte aligned, so each thread moves four
 /// elements per access (float4 loads/stores, four 16-bit values in one 8-byte store); the
 /// arithmetic per element is the scalar path's (identical results). The tail (n mod 4) is scalar.
 template <typename P, bool kVec>  // P: void (no model copy), __nv_bfloat16 or __half
-__global__ void __launch_bounds__(kAdamThreads)
-    adamw_kernel(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m, float* __restrict__ v,
-                 P* __restrict__ model, int64_t n, AdamWHyper h, const OptimizerScalars* s) {
-  if (s->found_inf) return;  // skipped step: nothing written
-  const detail::AdamWCoeffs c = detail::adamw_coeffs(h, *s);
-  const int64_t tid = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+__device__ __forceinline__ void adamw_range(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m,
+                                            float* __restrict__ v, P* __restrict__ model, int64_t n,
+                                            const AdamWHyper& h, const detail::AdamWCoeffs& c, int64_t tid,
+                                            int64_t stride) {
   int64_t tail_begin = 0;
   if constexpr (kVec) {
     const int64_t n4 = n / 4;
@@ -122,6 +120,36 @@ __global__ void __launch_bounds__(kAdamThreads)
   }
 }
 
+template <typename P, bool kVec>
+__global__ void __launch_bounds__(kAdamThreads)
+    adamw_kernel(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m, float* __restrict__ v,
+                 P* __restrict__ model, int64_t n, AdamWHyper h, const OptimizerScalars* s) {
+  if (s->found_inf) return;  // skipped step: nothing written
+  const detail::AdamWCoeffs c = detail::adamw_coeffs(h, *s);
+  adamw_range<P, kVec>(p, g, m, v, model, n, h, c, blockIdx.x * int64_t(blockDim.x) + threadIdx.x,
+                       int64_t(gridDim.x) * blockDim.x);
+}
+
+/// One block per chunk of an AdamWPlan. kVec: the bases are aligned as adamw_kernel's kVec needs;
+/// a chunk whose offsets are not multiples of 4 takes the scalar path.
+template <typename P, bool kVec>
+__global__ void __launch_bounds__(kAdamThreads)
+    adamw_multi_kernel(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m,
+                       float* __restrict__ v, P* __restrict__ model, const AdamWRun* __restrict__ chunks, AdamWHyper h,
+                       const OptimizerScalars* s) {
+  if (s->found_inf) return;
+  const AdamWRun r = chunks[blockIdx.x];
+  if (!r.decay) h.weight_decay = 0.f;
+  const detail::AdamWCoeffs c = detail::adamw_coeffs(h, *s);
+  P* mo = nullptr;
+  if constexpr (!std::is_void_v<P>) mo = model + r.param;
+  if (kVec && r.param % 4 == 0 && r.main % 4 == 0 && r.state % 4 == 0) {
+    adamw_range<P, true>(p + r.main, g + r.param, m + r.state, v + r.state, mo, r.n, h, c, threadIdx.x, blockDim.x);
+  } else {
+    adamw_range<P, false>(p + r.main, g + r.param, m + r.state, v + r.state, mo, r.n, h, c, threadIdx.x, blockDim.x);
+  }
+}
+
 template <typename P>
 void launch_adamw(float* p, const float* g, float* m, float* v, P* model, int64_t n, const AdamWHyper& h,
                   const OptimizerScalars* s, cudaStream_t st) {
@@ -134,6 +162,20 @@ void launch_adamw(float* p, const float* g, float* m, float* v, P* model, int64_
     adamw_kernel<P, true><<<blocks, kAdamThreads, 0, st>>>(p, g, m, v, model, n, h, s);
   } else {
     adamw_kernel<P, false><<<blocks, kAdamThreads, 0, st>>>(p, g, m, v, model, n, h, s);
+  }
+}
+
+template <typename P>
+void launch_adamw_multi(float* p, const float* g, float* m, float* v, P* model, const AdamWPlan& plan,
+                        const AdamWHyper& h, const OptimizerScalars* s, cudaStream_t st) {
+  auto aligned = [](const void* q, uintptr_t a) { return reinterpret_cast<uintptr_t>(q) % a == 0; };
+  const bool vec = aligned(p, 16) && aligned(g, 16) && aligned(m, 16) && aligned(v, 16) && aligned(model, 8);
+  const unsigned blocks = static_cast<unsigned>(plan.chunks().size());
+  const auto* chunks = static_cast<const AdamWRun*>(plan.table().data());
+  if (vec) {
+    adamw_multi_kernel<P, true><<<blocks, kAdamThreads, 0, st>>>(p, g, m, v, model, chunks, h, s);
+  } else {
+    adamw_multi_kernel<P, false><<<blocks, kAdamThreads, 0, st>>>(p, g, m, v, model, chunks, h, s);
   }
 }
 
@@ -172,6 +214,24 @@ void adamw_step(const Tensor& main_param, const Tensor& grad, const Tensor& exp_
     launch_adamw(p, g, m, v, model_param.data_as<__nv_bfloat16>(), n, hyper, s, cu(stream));
   } else {
     launch_adamw(p, g, m, v, model_param.data_as<__half>(), n, hyper, s, cu(stream));
+  }
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+void adamw_multi_step(const Tensor& main_param, const Tensor& grad, const Tensor& exp_avg, const Tensor& exp_avg_sq,
+                      const Tensor& model_param, const AdamWPlan& plan, const AdamWHyper& hyper,
+                      const Tensor& scalars, const Stream& stream) {
+  float* p = main_param.data_as<float>();
+  const float* g = grad.data_as<float>();
+  float* m = exp_avg.data_as<float>();
+  float* v = exp_avg_sq.data_as<float>();
+  const OptimizerScalars* s = scalars_ptr(scalars);
+  if (model_param.empty()) {
+    launch_adamw_multi<void>(p, g, m, v, nullptr, plan, hyper, s, cu(stream));
+  } else if (model_param.dtype() == DType::kBF16) {
+    launch_adamw_multi(p, g, m, v, model_param.data_as<__nv_bfloat16>(), plan, hyper, s, cu(stream));
+  } else {
+    launch_adamw_multi(p, g, m, v, model_param.data_as<__half>(), plan, hyper, s, cu(stream));
   }
   MT_CUDA_CHECK_LAUNCH();
 }
