@@ -94,15 +94,19 @@ void bias_dropout_add_forward(const Tensor& out, const Tensor& x, const Tensor& 
 void bias_dropout_add_backward(const Tensor& dx, const Tensor& dbias, const Tensor& dout, float p,
                                const DropoutKey& key, int64_t global_offset, const Stream& stream) {
   const char* fn = "bias_dropout_add_backward";
-  check_act(dx, fn, "dx");
   check_act(dout, fn, "dout");
-  check_same_shape(dx, dout, fn, "dx", "dout");
-  MT_CHECK(dx.dtype() == dout.dtype(), "{}: dtypes differ: dx {} dout {}", fn, dx.str(), dout.str());
+  MT_CHECK(!dx.empty() || p == 0.f, "{}: dx may only be empty without dropout (p = 0), got p = {}", fn, p);
+  if (!dx.empty()) {
+    check_act(dx, fn, "dx");
+    check_same_shape(dx, dout, fn, "dx", "dout");
+    MT_CHECK(dx.dtype() == dout.dtype(), "{}: dtypes differ: dx {} dout {}", fn, dx.str(), dout.str());
+  }
   check_bias(dbias, dout, DType::kF32, fn, "dbias");
   check_dropout_args(p, global_offset, fn);
   check_same_device({&dx, &dbias, &dout});
-  check_stream(stream, dx, fn);
-  MT_DISPATCH(dx.device(), bias_dropout_add_backward, dx, dbias, dout, p, key, global_offset, stream);
+  check_stream(stream, dout, fn);
+  if (dx.empty() && dbias.empty()) return;
+  MT_DISPATCH(dout.device(), bias_dropout_add_backward, dx, dbias, dout, p, key, global_offset, stream);
 }
 
 void dropout_forward(const Tensor& y, const Tensor& x, float p, const DropoutKey& key, int64_t global_offset,

@@ -47,10 +47,10 @@ void linear_backward(const Tensor& dx, const Tensor& dw, const Tensor& dbias, co
 /// the gradient of pre, not of x), dpre_bias[k] += Σ_m dpre (fp32; fc1's bias gradient; skipped
 /// when empty), and dw, dbias as linear_backward (skipped when empty). pre and dpre: x's shape and
 /// dtype; dpre may not alias dy, x or pre. CPU: linear_backward, gelu_backward and a column sum.
-/// CUDA bf16/fp16 (k % 8 == 0, 16-byte aligned pre and dpre): the dgrad GEMM's DGELU(_BGRAD)
-/// epilogue (GELU derivative and fc1's bias gradient in the GEMM, the product not rounded before
-/// the derivative multiplies it); otherwise GEMM, GELU backward kernel, column sum. Errors: as
-/// linear_backward, and pre / dpre / dpre_bias of the wrong shape or dtype.
+/// CUDA bf16/fp16 (k % 8 == 0, 16-byte aligned pre and dpre): the dgrad GEMM's DGELU epilogue (the
+/// product not rounded before the derivative multiplies it), then the column sum of dpre; otherwise
+/// GEMM, GELU backward kernel, column sum. Errors: as linear_backward, and pre / dpre / dpre_bias
+/// of the wrong shape or dtype.
 void gelu_linear_backward(const Tensor& dpre, const Tensor& dpre_bias, const Tensor& dw, const Tensor& dbias,
                           const Tensor& dy, const Tensor& x, const Tensor& pre, const Tensor& w, const Stream& stream);
 

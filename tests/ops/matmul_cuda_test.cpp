@@ -258,7 +258,7 @@ TEST(LinearCuda, GeluLinearBackward) {
   MT_REQUIRE_CUDA();
   for (bool dpb : {true, false}) {
     check_gelu_linear_backward(DType::kF32, 2, 37, 96, 80, dpb, 1e-5, 1e-5);       // GEMM + kernels
-    check_gelu_linear_backward(DType::kBF16, 2, 37, 96, 80, dpb, 2e-2, 2e-2);      // DGELU(_BGRAD) epilogue
+    check_gelu_linear_backward(DType::kBF16, 2, 37, 96, 80, dpb, 2e-2, 2e-2);      // DGELU epilogue
     check_gelu_linear_backward(DType::kBF16, 4, 256, 768, 3072, dpb, 2e-2, 2e-2);  // GPT-2's fc2
     check_gelu_linear_backward(DType::kBF16, 3, 101, 45, 31, dpb, 2e-2, 2e-2);     // k % 8 != 0: fallback
     check_gelu_linear_backward(DType::kF16, 1, 129, 64, 48, dpb, 2e-2, 2e-2);

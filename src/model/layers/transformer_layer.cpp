@@ -95,20 +95,33 @@ void TransformerLayer::backward(const Tensor& x, const Tensor& d_resid, const St
   // which a replay would not repeat).
   // --- MLP block: out = resid1 + dropout(mlp(ln2(resid1)) + b_fc2) ---
   const LayerGraphs::Inputs mlp_in{d_resid.data(), ctx.loss_scale.data(), nullptr, nullptr, nullptr};
+  // Without dropout the branch gradient is d_resid itself: it is passed on instead of copied when
+  // nothing reads it after the block's norm backward accumulates into d_resid. That excludes a
+  // deferred weight gradient of the attention's output projection reading it (without SP; with SP
+  // it reads its gathered copy) and the MoE block (its buffers are not audited for this).
+  auto branch = [&](const Tensor& dbias, DropoutSite site, bool alias_ok) -> Tensor {
+    if (pd == 0.f && alias_ok) {
+      bias_dropout_add_backward(Tensor(), dbias, rows(d_resid), 0.f, dropout_key(ctx.dropout, layer_, site), off,
+                                ctx.stream);
+      return d_resid;
+    }
+    bias_dropout_add_backward(rows(branch_grad_), dbias, rows(d_resid), pd, dropout_key(ctx.dropout, layer_, site),
+                              off, ctx.stream);
+    return branch_grad_;
+  };
   region(ctx, layer_, mlp_region(), true, mlp_in, [&] {
-    bias_dropout_add_backward(rows(branch_grad_), grad_or_empty(mlp_->output_bias()), rows(d_resid), pd,
-                              dropout_key(ctx.dropout, layer_, kSiteMlpOut), off, ctx.stream);
-    const Tensor d_ln = mlp_->backward(branch_grad_, ctx, captured(ctx, mlp_region()) ? nullptr : defer);
+    const Tensor dy = branch(grad_or_empty(mlp_->output_bias()), kSiteMlpOut, moe() == nullptr);
+    const Tensor d_ln = mlp_->backward(dy, ctx, captured(ctx, mlp_region()) ? nullptr : defer);
     pre_mlp_layernorm_->backward(rows(d_resid), rows(d_ln), rows(s.resid1), /*accumulate_dx=*/true, ctx);
   });
   // --- attention block: resid1 = x + dropout(attention(ln1(x)) + b_proj) ---
   const LayerGraphs::Inputs attn_in{x.data(), d_resid.data(), ctx.batch.position_ids.data(),
                                     ctx.batch.doc_start.data(), ctx.loss_scale.data()};
   region(ctx, layer_, Region::kAttention, true, attn_in, [&] {
-    bias_dropout_add_backward(rows(branch_grad_), grad_or_empty(self_attention_->output_bias()), rows(d_resid), pd,
-                              dropout_key(ctx.dropout, layer_, kSiteAttentionOut), off, ctx.stream);
-    const Tensor d_ln =
-        self_attention_->backward(branch_grad_, ctx, captured(ctx, Region::kAttention) ? nullptr : defer);
+    WgradDeferral* attn_defer = captured(ctx, Region::kAttention) ? nullptr : defer;
+    const Tensor dy = branch(grad_or_empty(self_attention_->output_bias()), kSiteAttentionOut,
+                             attn_defer == nullptr || tp_.sequence_parallel());
+    const Tensor d_ln = self_attention_->backward(dy, ctx, attn_defer);
     input_layernorm_->backward(rows(d_resid), rows(d_ln), rows(x), /*accumulate_dx=*/true, ctx);
   });
 }

@@ -128,11 +128,14 @@ void bias_dropout_add_forward(const Tensor& out, const Tensor& x, const Tensor& 
 
 void bias_dropout_add_backward(const Tensor& dx, const Tensor& dbias, const Tensor& dout, float p,
                                const DropoutKey& key, int64_t global_offset, const Stream& stream) {
-  // dx = mask(dout) (dx may alias dout: element-wise), then dbias += column sums of dx.
-  dropout_core(dx.data_as<float>(), dout.data_as<float>(), nullptr, 1, nullptr, dx.numel(), p, key, global_offset);
-  if (!dbias.empty() && dx.numel() > 0) {
+  // dx = mask(dout) (dx may alias dout: element-wise), then dbias += column sums of dx (of dout
+  // when dx is empty: p = 0, dx would equal dout).
+  if (!dx.empty())
+    dropout_core(dx.data_as<float>(), dout.data_as<float>(), nullptr, 1, nullptr, dx.numel(), p, key, global_offset);
+  const Tensor& g = dx.empty() ? dout : dx;
+  if (!dbias.empty() && g.numel() > 0) {
     const int64_t h = dbias.numel();
-    column_sum_accumulate(dbias.data_as<float>(), dx.data_as<float>(), dx.numel() / h, h);
+    column_sum_accumulate(dbias.data_as<float>(), g.data_as<float>(), g.numel() / h, h);
   }
 }
 

@@ -124,8 +124,7 @@ void set_pointers(const GemmPlan& plan, const GemmDesc& g) {
     void* bg = g.bias_grad;
     MT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bg, sizeof(bg)));
   }
-  if (g.epilogue == GemmEpilogue::kGeluAux || g.epilogue == GemmEpilogue::kDGelu ||
-      g.epilogue == GemmEpilogue::kDGeluBgrad) {
+  if (g.epilogue == GemmEpilogue::kGeluAux || g.epilogue == GemmEpilogue::kDGelu) {
     void* aux = g.aux;
     MT_CUBLAS_CHECK(
         cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof(aux)));
@@ -145,15 +144,13 @@ std::unique_ptr<GemmPlan> make_plan(const GemmDesc& g, cublasLtHandle_t lt, cons
   if (g.epilogue == GemmEpilogue::kGeluAux) epi = g.bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX;
   if (g.epilogue == GemmEpilogue::kBgradA) epi = CUBLASLT_EPILOGUE_BGRADB;  // cuBLASLt's B is our A
   if (g.epilogue == GemmEpilogue::kDGelu) epi = CUBLASLT_EPILOGUE_DGELU;
-  if (g.epilogue == GemmEpilogue::kDGeluBgrad) epi = CUBLASLT_EPILOGUE_DGELU_BGRAD;
   MT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)));
   if (g.bias_grad) {
     int32_t bias_type = CUDA_R_32F;
     MT_CUBLAS_CHECK(
         cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof(bias_type)));
   }
-  if (g.epilogue == GemmEpilogue::kGeluAux || g.epilogue == GemmEpilogue::kDGelu ||
-      g.epilogue == GemmEpilogue::kDGeluBgrad) {
+  if (g.epilogue == GemmEpilogue::kGeluAux || g.epilogue == GemmEpilogue::kDGelu) {
     int64_t ld_aux = g.ld_aux;
     MT_CUBLAS_CHECK(
         cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ld_aux, sizeof(ld_aux)));
@@ -253,12 +250,11 @@ void validate(const GemmDesc& g) {
   MT_CHECK(g.m <= INT32_MAX && g.n <= INT32_MAX && g.k <= INT32_MAX && g.batch <= INT32_MAX, "{}: sizes exceed int32",
            describe(g));
   if (g.epilogue == GemmEpilogue::kBias) MT_CHECK(g.bias != nullptr, "{}: bias epilogue without bias", describe(g));
-  if (g.epilogue == GemmEpilogue::kGeluAux || g.epilogue == GemmEpilogue::kDGelu ||
-      g.epilogue == GemmEpilogue::kDGeluBgrad) {
+  if (g.epilogue == GemmEpilogue::kGeluAux || g.epilogue == GemmEpilogue::kDGelu) {
     MT_CHECK(g.aux != nullptr && g.ld_aux >= g.n && g.ld_aux % 8 == 0,
              "{}: the GELU epilogues need an aux matrix with ld_aux >= n and ld_aux % 8 == 0", describe(g));
   }
-  const bool bgrad = g.epilogue == GemmEpilogue::kBgradA || g.epilogue == GemmEpilogue::kDGeluBgrad;
+  const bool bgrad = g.epilogue == GemmEpilogue::kBgradA;
   MT_CHECK(bgrad == (g.bias_grad != nullptr) && (!bgrad || g.batch == 1),
            "{}: bias_grad goes with the bias-gradient epilogues (unbatched) only", describe(g));
 }

@@ -100,7 +100,8 @@ __global__ void dropout_kernel(T* out, const T* x, const T* bias, int64_t h, con
 /// Backward with bias gradient: dx = mask(dout) (rounded to T), dbias[c] += sum_r dx[r, c].
 /// Block (32, 8): 32 columns x 8 row lanes; rows grid-strided over gridDim.y; per-block partial
 /// sums reduced in shared memory, then one fp32 atomicAdd per column and block (so the summation
-/// order of dbias across blocks is not deterministic). dx may alias dout.
+/// order of dbias across blocks is not deterministic). dx may alias dout, or be null (p = 0: dbias
+/// only).
 template <bool kDrop, typename T>
 __global__ void dropout_backward_dbias_kernel(T* dx, float* dbias, const T* dout, int64_t rows, int64_t h,
                                               DropoutParams prm) {
@@ -119,7 +120,7 @@ __global__ void dropout_backward_dbias_kernel(T* dx, float* dbias, const T* dout
         v = bits.v[g & 3] >= prm.threshold ? v * prm.scale : 0.f;
       }
       const T t = from_f32<T>(v);
-      dx[l] = t;
+      if (dx) dx[l] = t;
       acc += to_f32(t);
     }
   }
@@ -230,11 +231,11 @@ void bias_dropout_add_forward(const Tensor& out, const Tensor& x, const Tensor& 
 
 void bias_dropout_add_backward(const Tensor& dx, const Tensor& dbias, const Tensor& dout, float p,
                                const DropoutKey& key, int64_t global_offset, const Stream& stream) {
-  const int64_t n = dx.numel();
+  const int64_t n = dout.numel();
   if (n == 0) return;
-  ew::dispatch_float(dx.dtype(), "bias_dropout_add_backward", [&](auto tag) {
+  ew::dispatch_float(dout.dtype(), "bias_dropout_add_backward", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    T* pdx = static_cast<T*>(dx.data());
+    T* pdx = static_cast<T*>(dx.data());  // null when empty (p = 0: dbias only)
     const T* pdout = static_cast<const T*>(dout.data());
     if (dbias.empty()) {
       launch_dropout(pdx, pdout, static_cast<const T*>(nullptr), 1, static_cast<const T*>(nullptr), n, p, key,
