@@ -12,6 +12,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -436,15 +437,23 @@ TEST_F(Durability, NewUserFaults) {
     EXPECT_TRUE(contains(r.out, c.expect)) << "expected '" << c.expect << "' in:\n" << r.out;
     EXPECT_LT(r.out.size(), 400u) << "message too long:\n" << r.out;
   }
-  {  // Under several ranks a bad input is reported once (rank 0), not once per rank.
+  {  // Under several ranks a bad input is reported once (rank 0), not once per rank, and without
+     // the launcher's boilerplate (mpiexec's "Primary job terminated normally..." blocks).
+    setenv("OMP_NUM_THREADS", "1", 1);  // the user's settings: no launcher line about OpenMP
+    setenv("OMP_WAIT_POLICY", "passive", 1);
     RunResult r = run(train("--train-iters 2 --nproc-per-node 2 --seq-length 32"));
-    EXPECT_NE(r.rc, 0);
+    unsetenv("OMP_NUM_THREADS");
+    unsetenv("OMP_WAIT_POLICY");
+    EXPECT_EQ(r.rc, 1) << r.out;
     if (!contains(r.out, "could not run mpiexec")) {
       const std::string msg = "--seq-length 32 exceeds --max-position-embeddings 16";
       const size_t first = r.out.find(msg);
       EXPECT_NE(first, std::string::npos) << r.out;
       EXPECT_EQ(r.out.find(msg, first + 1), std::string::npos) << "printed more than once:\n" << r.out;
-      EXPECT_TRUE(contains(r.out, "error: ")) << r.out;
+      EXPECT_TRUE(r.out.starts_with("error: ")) << r.out;
+      for (const char* boilerplate : {"Primary job", "mpiexec detected", "-----", "[megatron launcher]", "Exit code"})
+        EXPECT_FALSE(contains(r.out, boilerplate)) << "launcher boilerplate '" << boilerplate << "':\n" << r.out;
+      EXPECT_EQ(std::count(r.out.begin(), r.out.end(), '\n'), 1) << "more than the error:\n" << r.out;
     }
   }
   // Absurd sizes stop at once, before any index is built, naming the values and the memory.
