@@ -630,6 +630,8 @@ int run_pretrain(PretrainArgs args) {
                      device);
 
   AsyncCheckpointSaver async_saver;
+  // --async-save on a GPU: the last snapshot's copy, waited for by the next step before its update.
+  const Event* snapshot_pending = nullptr;
   auto save = [&](int64_t it) {
     CheckpointState st{!args.no_save_optim, it, consumed, args.seed, cfg, optimizer.read_scalars_sync(stream)};
     const CheckpointWriter writer{.world = world,
@@ -648,6 +650,7 @@ int run_pretrain(PretrainArgs args) {
     if (args.async_save) {
       const bool previous = async_saver.in_flight();
       async_saver.save(args.save, st, model.params(), &optimizer, writer, stream, model.persistent_state(stream));
+      snapshot_pending = async_saver.snapshot_copied();
       log_info("  checkpoint at iteration {:7d}: snapshot taken in {:.2f} s{}, being written to {} (--async-save)", it,
                seconds(), previous ? " (incl. waiting for the previous save)" : "", args.save);
     } else {
@@ -734,6 +737,8 @@ int run_pretrain(PretrainArgs args) {
   // Validation before the first iteration of a fresh run gives the starting point of the curve.
   if ((!resume || args.finetune) && data.valid) evaluate(0);
   t_last = std::chrono::steady_clock::now();
+  const auto loop_start = t_last;
+  const int64_t loop_first_iteration = iteration;
   g_training_started.store(true);
   while (iteration < args.train_iters) {
     const float lr = static_cast<float>(learning_rate(sched, iteration));
@@ -743,8 +748,11 @@ int run_pretrain(PretrainArgs args) {
     for (int64_t m = 0; m < M; ++m) mbs.push_back(stager.micro_batch(m));
     const auto host_t0 = std::chrono::steady_clock::now();  // the host's time to issue the step
     step_values.write(iteration, lr, stream);
-    const StepOptions so{args.seed, iteration, lr, dp_rank, static_cast<int>(pc.dp), cg.enabled() ? nullptr : &timers,
-                         &step_values};
+    StepOptions so{args.seed, iteration, lr, dp_rank, static_cast<int>(pc.dp), cg.enabled() ? nullptr : &timers,
+                   &step_values};
+    // An --async-save snapshot still being copied: the step's update waits for it on the device
+    // (a captured full-iteration step cannot: the graph launch waits, below).
+    if (!cg.full_iteration()) so.wait_before_update = snapshot_pending;
     const Tensor loss_slot = losses.flat_range(iters_since_log, 1);
     if (!cg.full_iteration()) {
       if (cg.per_layer() && steps_run >= cg.warmup_steps) layer_graphs.set_capturing(true);
@@ -760,6 +768,7 @@ int run_pretrain(PretrainArgs args) {
         layer_graphs_logged = layer_graphs.graphs();
       }
     } else {
+      if (snapshot_pending) snapshot_pending->wait(stream);
       fill(step_loss, 0.f, stream);
       auto body = [&] {
         if (cg.include_optimizer) {
@@ -787,6 +796,7 @@ int run_pretrain(PretrainArgs args) {
       add(loss_slot, loss_slot, step_loss, stream);
     }
     host_issue_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - host_t0).count();
+    snapshot_pending = nullptr;
     ++steps_run;
     copy_bytes(found_inf.flat_range(iters_since_log, 1).data(), device,
                static_cast<const char*>(optimizer.scalars().data()) + offsetof(OptimizerScalars, found_inf), device, 4,
@@ -910,6 +920,17 @@ int run_pretrain(PretrainArgs args) {
       log_info("exiting program at iteration {} ({})", iteration, exit_reason);
       break;
     }
+  }
+  {
+    // The whole loop's time per iteration, everything included (logging, validation, checkpoints
+    // and their effect on the steps; not the wait for the last --async-save below): what
+    // bench/checkpoint_bench.sh compares with and without saving.
+    stream.synchronize();
+    const int64_t n = iteration - loop_first_iteration;
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - loop_start).count();
+    if (n > 0)
+      log_info("> training loop: {} iterations in {:.3f} s: {:.2f} ms per iteration (logging, validation and "
+               "checkpoints included)", n, s, 1e3 * s / static_cast<double>(n));
   }
   if (async_saver.in_flight()) {
     async_saver.wait();  // the last checkpoint is complete (and published by rank 0) before exit

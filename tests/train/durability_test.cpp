@@ -1,9 +1,9 @@
 // Checkpoint durability and run checks of `megatron pretrain` on CPU, end to end through the
 // binary (MT_MEGATRON_BIN): per-shard checksums (flipped byte, truncated and missing shard named),
 // --fallback-to-previous-checkpoint, a failed save (file-size limit = disk full) leaving nothing
-// behind, --async-save writing the same bytes as a synchronous save, SIGKILL at random points
-// during saves (the latest checkpoint always loads and training resumes bitwise),
-// --exit-signal-handler, --exit-duration-in-mins, --no-save-optim, --no-load-rng,
+// behind, --async-save writing the same bytes as a synchronous save and not changing the losses,
+// SIGKILL at random points during saves (the latest checkpoint always loads and training resumes
+// bitwise), --exit-signal-handler, --exit-duration-in-mins, --no-save-optim, --no-load-rng,
 // --check-for-nan-in-loss-and-grad, and the TensorBoard / --metrics-file outputs.
 #include <fcntl.h>
 #include <gtest/gtest.h>
@@ -236,6 +236,21 @@ TEST_F(Durability, AsyncSaveWritesTheSameBytes) {
     }
   }
   EXPECT_EQ(read_bytes(a / "latest_checkpointed_iteration.txt"), "4\n");
+}
+
+// The snapshot taken at every step boundary changes nothing in training: the losses of a run that
+// saves asynchronously after every iteration are those of a run that never saves (on a GPU the
+// step after a save waits on the device for the snapshot's copy: tests/train/async_save_cuda_test).
+TEST_F(Durability, AsyncSaveDoesNotChangeTraining) {
+  const fs::path a = dir / "ck_async_every";
+  RunResult plain = run(train("--train-iters 6"));
+  RunResult saving = run(train("--train-iters 6 --save-interval 1 --async-save --save " + a.string()));
+  ASSERT_EQ(plain.rc, 0) << plain.out;
+  ASSERT_EQ(saving.rc, 0) << saving.out;
+  const std::vector<std::string> losses = loss_lines(plain.out);
+  ASSERT_EQ(losses.size(), 6u) << plain.out;
+  EXPECT_EQ(loss_lines(saving.out), losses);
+  EXPECT_EQ(read_bytes(a / "latest_checkpointed_iteration.txt"), "6\n");
 }
 
 // SIGKILL at random moments of a run that saves every iteration (sync or async, alternating),
