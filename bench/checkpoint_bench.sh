@@ -61,13 +61,14 @@ async() {
     $bin pretrain "${gpt2[@]}" "${common[@]}" --train-iters "$it" --log-interval 10 "${extra[@]}" > "$OUT/ckpt_$tag.log" 2>&1 \
       || { tail -5 "$OUT/ckpt_$tag.log"; rm -rf "$CK/$tag"; return 1; }
     local ms; ms=$(loop_ms "$OUT/ckpt_$tag.log")
-    local snap; snap=$(grep -o 'snapshot taken in [0-9.]* s' "$OUT/ckpt_$tag.log" | awk '{ s += $4; n++ } END { if (n) printf "%d snapshots, %.3f s blocking in total (%.3f s the first, which allocates the pinned buffer)", n, s, first; else print "-" } NR == 1 { first = $4 }')
+    local snap; snap=$(grep -o 'snapshot taken in [0-9.]* s' "$OUT/ckpt_$tag.log" | awk '{ s += $4; n++; if ($4 > m) m = $4 } END { if (n) printf "%d snapshots, %.3f s blocking in total (longest %.3f s)", n, s, m; else print "-" }')
     if [ "$mode" = none ]; then
       base[$it]=$ms
       echo "GPT-2 124M, $it iterations, no checkpoints: $ms ms per iteration (whole loop)" | tee -a "$res"
     else
       local slow; slow=$(awk -v a="$ms" -v b="${base[$it]}" 'BEGIN { printf "%+.2f%%", 100 * (a / b - 1) }')
-      echo "GPT-2 124M, $it iterations, $mode save every $every: $ms ms per iteration (whole loop), $slow against no checkpoints; $snap" | tee -a "$res"
+      local copy; copy=$(grep -o 'device-to-host copy into pinned memory in [0-9.]* ms' "$OUT/ckpt_$tag.log" | grep -o '[0-9.]* ms')
+      echo "GPT-2 124M, $it iterations, $mode save every $every: $ms ms per iteration (whole loop), $slow against no checkpoints; $snap${copy:+; device-to-host copy of the last snapshot: $copy on the GPU}" | tee -a "$res"
     fi
     rm -rf "$CK/$tag"
   done

@@ -394,6 +394,7 @@ struct CheckpointSaveJob {
   // Async on a GPU: completes when the snapshot's device-to-host copies have run (the writer
   // waits for it before reading `snapshot`); null when the bytes were copied synchronously.
   const Event* snapshot_copied = nullptr;
+  const Event* snapshot_ordered = nullptr;  // recorded on the training stream just before the copies
   Device device;  // of snapshot_copied
 };
 
@@ -657,34 +658,63 @@ AsyncCheckpointSaver::~AsyncCheckpointSaver() {
   }
 }
 
+namespace {
+
+// Bytes of this rank's file (the shards of `refs` without vocabulary padding rows).
+size_t file_bytes(const std::vector<TensorRef>& refs) {
+  size_t total = 0;
+  for (const auto& ref : refs) total += static_cast<size_t>(stored_box(ref.global_shape, ref.box, ref.vocab_rows).numel) * 4;
+  return total;
+}
+
+// The snapshot's host buffer of at least `bytes` (pinned for a GPU), and on a GPU its copy stream
+// and events; what exists is kept.
+void ensure_snapshot_memory(AsyncSnapshot& sn, size_t bytes, Device device) {
+  if (sn.host.bytes() < bytes)
+    sn.host = Buffer(Device::cpu(), bytes, device.is_cuda() ? HostMemory::kPinned : HostMemory::kPageable);
+  if (device.is_cuda() && !sn.copy_stream) {
+    sn.copy_stream.emplace(device);
+    sn.ready = std::make_unique<Event>(device);
+    sn.copied = std::make_unique<Event>(device);
+  }
+}
+
+}  // namespace
+
+void AsyncCheckpointSaver::allocate(const ParamStore& params, const AdamWOptimizer* optimizer,
+                                    const CheckpointWriter& writer, const Stream& stream,
+                                    const CheckpointExtra& extra) {
+  wait();
+  AsyncSnapshot& sn = *snap_;
+  const bool with_optim = optimizer != nullptr && writer.save_optim;
+  if (optimizer) optimizer->grad_sync().finish_param_sync(stream);
+  full_state(sn.full, params, with_optim ? optimizer : nullptr, stream);  // the device temporaries, if any
+  const size_t bytes = file_bytes(file_tensors(params, sn.full, with_optim, writer, extra));
+  if (bytes > 0) ensure_snapshot_memory(sn, bytes, params.device());
+}
+
 void AsyncCheckpointSaver::save(const std::string& dir, const CheckpointState& state, const ParamStore& params,
                                 const AdamWOptimizer* optimizer, const CheckpointWriter& writer,
                                 const Stream& stream, const CheckpointExtra& extra) {
   wait();  // one save in flight at a time (and its error surfaces here); its copies have run
   last_copy_ = nullptr;
+  last_copy_ms_ = -1;
   AsyncSnapshot& sn = *snap_;
   std::vector<TensorRef> refs;
   auto job = std::make_shared<CheckpointSaveJob>(
       prepare_save(dir, state, params, optimizer, writer, stream, extra, sn.full, &refs));
   if (job->writes_file) {
     const Device device = params.device();
-    size_t total = 0;
-    for (const auto& ref : refs) total += static_cast<size_t>(stored_box(ref.global_shape, ref.box, ref.vocab_rows).numel) * 4;
+    const size_t total = file_bytes(refs);
     // Pinned host memory when the state is on a GPU (a fast, asynchronous device-to-host copy),
-    // allocated by the first save and kept for the next.
-    if (sn.host.bytes() < total)
-      sn.host = Buffer(Device::cpu(), total, device.is_cuda() ? HostMemory::kPinned : HostMemory::kPageable);
+    // allocated by allocate() or the first save and kept for the next.
+    ensure_snapshot_memory(sn, total, device);
     char* dst = static_cast<char*>(sn.host.data());
     // GPU: the copies run on the snapshot's own stream once the work queued so far on `stream`
     // (the optimizer step, the gathers above) is done; nothing here waits for them. CPU: `stream`
     // runs the copies inline.
     const Stream* copy_stream = &stream;
     if (device.is_cuda()) {
-      if (!sn.copy_stream) {
-        sn.copy_stream.emplace(device);
-        sn.ready = std::make_unique<Event>(device);
-        sn.copied = std::make_unique<Event>(device);
-      }
       sn.ready->record(stream);
       sn.ready->wait(*sn.copy_stream);
       copy_stream = &*sn.copy_stream;
@@ -699,6 +729,7 @@ void AsyncCheckpointSaver::save(const std::string& dir, const CheckpointState& s
     if (device.is_cuda()) {
       sn.copied->record(*copy_stream);
       job->snapshot_copied = sn.copied.get();
+      job->snapshot_ordered = sn.ready.get();
       job->device = device;
       last_copy_ = sn.copied.get();
     }
@@ -711,6 +742,8 @@ void AsyncCheckpointSaver::save(const std::string& dir, const CheckpointState& s
       if (job->snapshot_copied) {
         set_current_device(job->device);  // this thread's CUDA calls go to the state's device
         job->snapshot_copied->synchronize();  // the host bytes are complete
+        // From the end of the work the copies waited for to the end of the copies.
+        last_copy_ms_ = job->snapshot_copied->elapsed_ms_since(*job->snapshot_ordered);
       }
       run_save_job(*job, nullptr);
       last_write_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
