@@ -687,7 +687,6 @@ void AsyncCheckpointSaver::allocate(const ParamStore& params, const AdamWOptimiz
   wait();
   AsyncSnapshot& sn = *snap_;
   const bool with_optim = optimizer != nullptr && writer.save_optim;
-  if (optimizer) optimizer->grad_sync().finish_param_sync(stream);
   full_state(sn.full, params, with_optim ? optimizer : nullptr, stream);  // the device temporaries, if any
   const size_t bytes = file_bytes(file_tensors(params, sn.full, with_optim, writer, extra));
   if (bytes > 0) ensure_snapshot_memory(sn, bytes, params.device());
