@@ -6,12 +6,17 @@
 //   megatron evaluate ...         validation loss, WIKITEXT103 perplexity, LAMBADA (train/evaluate.h)
 //   megatron import-hf / export-hf  Hugging Face checkpoints in and out (train/hf_commands.h)
 #include <CLI/CLI.hpp>
+#include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <thread>
 
 #include "comm/bootstrap.h"
 #include "comm/launcher.h"
+#ifdef MT_WITH_MPI
+#include "comm/mpi/mpi_communicator.h"
+#endif
 #include "core/check.h"
 #include "data/preprocess_cli.h"
 #include "train/arguments.h"
@@ -110,15 +115,26 @@ int main(int argc, char** argv) {
     return app.exit(e);
   } catch (const mt::Error& e) {
     // Under several ranks, an error found before training started (arguments, data, checkpoint)
-    // is the same on every rank: rank 0 prints it, the others only exit non-zero.
+    // is the same on every rank: rank 0 prints it and exits, and the launcher (ours, mpiexec,
+    // torchrun) then stops the others, which wait for that silently. A rank still running after
+    // kRank0ReportWait (rank 0 did not fail the same way) prints its error itself, with its rank.
+    // Exit status kReportedErrorExitStatus tells the launcher that the error has been printed.
     const mt::LaunchEnv env = mt::read_launch_env();
-    if (env.world_size > 1 && env.rank != 0 && !mt::training_started()) return 1;
+#ifdef MT_WITH_MPI
+    if (env.world_size > 1) mt::MpiRuntime::skip_finalize();  // exit now, not when the peers finalize
+#endif
+    if (env.world_size > 1 && env.rank != 0 && !mt::training_started()) {
+      constexpr auto kRank0ReportWait = std::chrono::seconds(3);
+      std::this_thread::sleep_for(kRank0ReportWait);
+      std::fprintf(stderr, "error (rank %d): %s\n", env.rank, e.what());
+      return mt::kReportedErrorExitStatus;
+    }
     if (env.world_size > 1 && mt::training_started()) std::fprintf(stderr, "error (rank %d): %s\n", env.rank, e.what());
     else std::fprintf(stderr, "error: %s\n", e.what());
-    return 1;
+    return mt::kReportedErrorExitStatus;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
-    return 1;
+    return mt::kReportedErrorExitStatus;
   }
   return rc;
 }

@@ -1,5 +1,7 @@
 #include "comm/launcher.h"
 
+#include <fcntl.h>
+#include <poll.h>
 #include <sched.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -14,6 +16,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <regex>
 #include <thread>
 
 #include "comm/tcp_store.h"
@@ -43,8 +46,9 @@ std::string status_str(int st) {
 
 /// fork + exec of `cmd` with extra environment variables; the child dies with its parent. The
 /// argument and environment arrays are built before fork (the child only calls exec).
+/// stderr_fd >= 0: the child's stderr (fd 2) is that descriptor instead of the launcher's.
 pid_t spawn(const std::string& exe, const std::vector<std::string>& cmd,
-            const std::vector<std::pair<std::string, std::string>>& env) {
+            const std::vector<std::pair<std::string, std::string>>& env, int stderr_fd = -1) {
   std::vector<std::string> env_strings;
   for (char** e = environ; *e != nullptr; ++e) {
     const std::string kv = *e;
@@ -67,6 +71,7 @@ pid_t spawn(const std::string& exe, const std::vector<std::string>& cmd,
   if (pid == 0) {
     ::prctl(PR_SET_PDEATHSIG, SIGTERM);
     if (::getppid() != parent) ::_exit(1);  // the launcher already died
+    if (stderr_fd >= 0) ::dup2(stderr_fd, 2);
     ::execvpe(exe.c_str(), av.data(), envp.data());
     static const char kMsg[] = "[megatron launcher] exec failed\n";
     [[maybe_unused]] ssize_t w = ::write(2, kMsg, sizeof(kMsg) - 1);
@@ -107,6 +112,54 @@ int wait_pid(pid_t pid) {
   return st;
 }
 
+// Runs `cmd` (mpiexec) with its stderr read through a pipe and MpiexecStderrFilter, and waits for
+// it, passing SIGTERM / SIGINT received meanwhile on as SIGUSR1 (as wait_pid). Returns the wait
+// status. After mpiexec has exited its stderr is drained until end of file (at most 2 s more).
+int run_mpiexec_filtered(const std::vector<std::string>& cmd,
+                         const std::vector<std::pair<std::string, std::string>>& env) {
+  int fds[2];
+  MT_REQUIRE(::pipe2(fds, O_CLOEXEC) == 0, "launcher: pipe() failed: {}", std::strerror(errno));
+  pid_t pid = -1;
+  try {
+    pid = spawn(cmd[0], cmd, env, fds[1]);
+  } catch (...) {
+    ::close(fds[0]);
+    ::close(fds[1]);
+    throw;
+  }
+  ::close(fds[1]);
+  MpiexecStderrFilter filter;
+  auto emit = [](const std::string& s) {
+    if (s.empty()) return;
+    std::fwrite(s.data(), 1, s.size(), stderr);
+    std::fflush(stderr);
+  };
+  int st = 0;
+  bool exited = false, eof = false;
+  std::chrono::steady_clock::time_point drain_until;
+  char buf[1 << 16];
+  while (!eof && !(exited && std::chrono::steady_clock::now() > drain_until)) {
+    if (g_launcher_signal.exchange(0) != 0 && !exited) ::kill(pid, SIGUSR1);
+    pollfd p{fds[0], POLLIN, 0};
+    if (::poll(&p, 1, 50) > 0) {
+      const ssize_t n = ::read(fds[0], buf, sizeof(buf));
+      if (n > 0) emit(filter.feed(std::string_view(buf, static_cast<size_t>(n))));
+      else if (n == 0 || (errno != EINTR && errno != EAGAIN)) eof = true;
+    }
+    if (!exited) {
+      const pid_t w = ::waitpid(pid, &st, WNOHANG);
+      if (w == pid || (w < 0 && errno != EINTR)) {
+        if (w < 0) st = 1;
+        exited = true;
+        drain_until = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+      }
+    }
+  }
+  ::close(fds[0]);
+  emit(filter.finish());
+  return exited ? st : wait_pid(pid);  // end of file first: mpiexec closed its stderr early
+}
+
 int launch_fork(int nproc, const std::string& exe, const std::vector<std::string>& args) {
   ForwardSignals forward;
   const int port = find_free_port();
@@ -145,9 +198,13 @@ int launch_fork(int nproc, const std::string& exe, const std::vector<std::string
       if (!ok && !failed) {
         failed = true;
         result = w > 0 ? status_code(st) : 1;
-        std::fprintf(stderr, "[megatron launcher] rank %d (of %d) %s; stopping the other ranks\n", r, nproc,
-                     w > 0 ? status_str(st).c_str() : "was lost");
-        std::fflush(stderr);
+        // A rank that exited with kReportedErrorExitStatus printed its own error: that is the report.
+        const bool reported = w > 0 && WIFEXITED(st) && WEXITSTATUS(st) == kReportedErrorExitStatus;
+        if (!reported) {
+          std::fprintf(stderr, "[megatron launcher] rank %d (of %d) %s; stopping the other ranks\n", r, nproc,
+                       w > 0 ? status_str(st).c_str() : "was lost");
+          std::fflush(stderr);
+        }
         for (pid_t p : pids) {
           if (p > 0) ::kill(p, SIGTERM);
         }
@@ -164,7 +221,89 @@ int launch_fork(int nproc, const std::string& exe, const std::vector<std::string
   return result;
 }
 
+// OpenMPI's help blocks open and close with a line of 74 dashes.
+bool is_dash_line(std::string_view l) {
+  if (l.ends_with('\n')) l.remove_suffix(1);
+  return l.size() == 74 && l.find_first_not_of('-') == std::string_view::npos;
+}
+
+constexpr std::string_view kPrimaryJobBlock = "Primary job  terminated normally";
+constexpr std::string_view kNonZeroStatusBlock =
+    "mpiexec detected that one or more processes exited with non-zero status";
+
+// Whether a complete block (its text from the opening to the closing dash line) is dropped.
+bool drop_block(const std::string& block) {
+  if (block.find(kPrimaryJobBlock) != std::string::npos) return true;
+  static const std::regex kExitCode(R"(Exit code:\s+(-?[0-9]+))");
+  std::smatch m;
+  return std::regex_search(block, m, kExitCode) && std::stoi(m[1].str()) == kReportedErrorExitStatus;
+}
+
 }  // namespace
+
+void MpiexecStderrFilter::line(std::string l, std::string& out) {
+  if (in_block_) {
+    block_ += l;
+    if (is_dash_line(l)) {
+      if (!drop_block(block_)) out += block_;
+      block_.clear();
+      in_block_ = false;
+    }
+    return;
+  }
+  if (!held_dash_.empty()) {
+    if (l.starts_with(kPrimaryJobBlock) || l.starts_with(kNonZeroStatusBlock)) {
+      block_ = std::move(held_dash_) + l;
+      held_dash_.clear();
+      in_block_ = true;
+      return;
+    }
+    out += held_dash_;
+    held_dash_.clear();
+  }
+  if (is_dash_line(l)) {
+    held_dash_ = std::move(l);
+    return;
+  }
+  out += l;
+}
+
+std::string MpiexecStderrFilter::feed(std::string_view chunk) {
+  std::string out;
+  while (!chunk.empty()) {
+    const size_t nl = chunk.find('\n');
+    const size_t n = nl == std::string_view::npos ? chunk.size() : nl + 1;
+    if (mid_line_) {
+      out.append(chunk.substr(0, n));
+      mid_line_ = nl == std::string_view::npos;
+    } else {
+      partial_.append(chunk.substr(0, n));
+      if (nl != std::string_view::npos) {
+        line(std::move(partial_), out);
+        partial_.clear();
+      }
+    }
+    chunk.remove_prefix(n);
+  }
+  // The start of a line that cannot be a dash line, outside a block: printed now (e.g. a
+  // progress line without '\n'); the rest of the line follows it as it comes.
+  if (!partial_.empty() && !in_block_ && held_dash_.empty() && partial_.find_first_not_of('-') != std::string::npos) {
+    out += partial_;
+    partial_.clear();
+    mid_line_ = true;
+  }
+  return out;
+}
+
+std::string MpiexecStderrFilter::finish() {
+  std::string out = held_dash_ + block_ + partial_;
+  held_dash_.clear();
+  block_.clear();
+  partial_.clear();
+  in_block_ = false;
+  mid_line_ = false;
+  return out;
+}
 
 std::vector<std::string> strip_nproc_flag(int argc, char** argv) {
   std::vector<std::string> out;
@@ -224,12 +363,11 @@ int launch_local(int nproc, int argc, char** argv, Device device) {
                  set.c_str());
   }
   ForwardSignals forward;  // mpiexec passes SIGTERM / SIGINT on to the ranks
-  pid_t pid = spawn(cmd[0], cmd, omp);
-  const int st = wait_pid(pid);
+  const int st = run_mpiexec_filtered(cmd, omp);
   const int code = status_code(st);
   if (code == 127) {
     std::fprintf(stderr, "[megatron launcher] could not run mpiexec (is OpenMPI installed and on PATH?)\n");
-  } else if (code != 0 && code != 1) {  // 1: a rank reported its error itself
+  } else if (code != 0 && code != kReportedErrorExitStatus) {  // the rank printed its error itself
     std::fprintf(stderr, "[megatron launcher] mpiexec %s\n", status_str(st).c_str());
   }
   return code;

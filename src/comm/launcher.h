@@ -2,6 +2,7 @@
 // executable on this machine and waits for them (torchrun --standalone's role).
 #pragma once
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -9,19 +10,57 @@
 
 namespace mt {
 
+/// Exit status of a rank that has printed its own error message (apps/megatron.cpp returns it
+/// after "error: ..."). The launchers stop the other ranks without a report of their own for it:
+/// the rank's message is the whole report ("print once, cleanly"). Any other non-zero status, or
+/// death by a signal, is reported naming the rank (a crash prints nothing itself).
+inline constexpr int kReportedErrorExitStatus = 1;
+
 /// Runs `nproc` copies of this executable (/proc/self/exe) with argv[1..] minus
 /// `--nproc-per-node N` / `--nproc-per-node=N`, and returns when they have all ended:
 ///   CUDA: fork/exec with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1
 ///         and MASTER_PORT (a free port) set, as torchrun does. When a rank fails (non-zero exit
-///         or a signal) the launcher prints which rank failed, sends SIGTERM to the others
-///         (SIGKILL after 5 s) and returns that rank's status (128 + signal for a signal).
+///         or a signal) the launcher sends SIGTERM to the others (SIGKILL after 5 s), prints which
+///         rank failed and how ("rank 1 (of 2) was killed by signal 9 (Killed)") unless it exited
+///         with kReportedErrorExitStatus, and returns that rank's status (128 + signal for a signal).
 ///   CPU:  runs `mpiexec -np N --oversubscribe --bind-to none [--allow-run-as-root] <exe> args`
 ///         (the MPI backend) and returns mpiexec's status; mpiexec names a failed rank and
-///         stops the others. The ranks get the OpenMP settings of cpu_rank_omp_environment
-///         (printed on stderr when the launcher sets any).
+///         stops the others. mpiexec's stderr passes through MpiexecStderrFilter (its boilerplate
+///         about a rank that exited with kReportedErrorExitStatus is dropped; its reports of
+///         crashes, signals and other statuses are kept), and a status of mpiexec other than 0
+///         and kReportedErrorExitStatus is named by the launcher. The ranks get the OpenMP
+///         settings of cpu_rank_omp_environment (printed on stderr when the launcher sets any).
 /// Children die with the launcher (PR_SET_PDEATHSIG). Returns 0 when every rank succeeded.
 /// Errors: mt::Error when nproc < 1 or a process cannot be started.
 int launch_local(int nproc, int argc, char** argv, Device device);
+
+/// The launcher's filter of mpiexec's stderr (OpenMPI 4). mpiexec's messages are "help" blocks
+/// between two lines of 74 dashes. Two of them are dropped:
+///   "Primary job  terminated normally, but 1 process returned a non-zero exit code. ..."
+///       (always: it names no rank; the block that follows it, or the launcher, says which and why);
+///   "mpiexec detected that one or more processes exited with non-zero status ... Process name:
+///       [[job,1],rank]  Exit code: N" when N == kReportedErrorExitStatus (that rank printed its
+///       own error).
+/// Everything else passes unchanged and in order: the ranks' stderr (which mpiexec relays), the
+/// same block with another exit code, "mpiexec noticed that process rank 1 ... exited on signal
+/// 11 (Segmentation fault)", and any other block. Only a dash line followed by one of the two
+/// openings is held back, so ranks' own output is never delayed by more than a line and a line of
+/// dashes in it is printed as is. Pure (no I/O): feed() returns the text to print now.
+class MpiexecStderrFilter {
+ public:
+  /// Consumes the next bytes of mpiexec's stderr; returns those that are to be printed now.
+  std::string feed(std::string_view chunk);
+  /// End of the stream: returns whatever is still held (an unterminated block is printed as is).
+  std::string finish();
+
+ private:
+  void line(std::string l, std::string& out);  // one complete line, with its '\n'
+  std::string partial_;      // the start of a line not yet complete (held only when it may be dashes)
+  bool mid_line_ = false;    // the current line's start was printed: the rest passes until '\n'
+  std::string held_dash_;    // a dash line that may open a block to drop
+  std::string block_;        // the block being read (from its opening dash line)
+  bool in_block_ = false;
+};
 
 /// The CPU cores this process may run on (its affinity mask; hardware_concurrency() if that cannot
 /// be read), at least 1.

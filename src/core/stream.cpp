@@ -126,6 +126,17 @@ void Event::synchronize() const {
 #endif
 }
 
+bool Event::query() const {
+#ifdef MT_WITH_CUDA
+  if (event_) {
+    const cudaError_t rc = cudaEventQuery(static_cast<cudaEvent_t>(event_));
+    if (rc == cudaErrorNotReady) return false;
+    MT_CUDA_CHECK(rc);
+  }
+#endif
+  return true;
+}
+
 float Event::elapsed_ms_since(const Event& start) const {
   if (device_.is_cpu()) return static_cast<float>(host_ms_ - start.host_ms_);
   float ms = 0.f;

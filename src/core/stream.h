@@ -53,6 +53,8 @@ class Event {
   /// Makes `stream` wait for this event (no host block).
   void wait(const Stream& stream) const;
   void synchronize() const;
+  /// Whether the work recorded before the event has completed (does not block; CPU: true).
+  bool query() const;
   /// Milliseconds from `start` to this event; both must have completed (call synchronize()).
   float elapsed_ms_since(const Event& start) const;
 

@@ -190,14 +190,18 @@ struct FullState {
   Tensor main, m, v;  // fp32 [total]; m, v empty without an optimizer
 };
 
+// A full-length fp32 temporary in `buf`, which is reused when it already has that size on that
+// device (the --async-save snapshot keeps its temporaries from one save to the next: freeing device
+// memory would wait for the copies in flight).
 Tensor temp_full(Buffer& buf, const ParamStore& params) {
-  buf = Buffer(params.device(), static_cast<size_t>(params.total_elements()) * 4);
+  const size_t bytes = static_cast<size_t>(params.total_elements()) * 4;
+  if (buf.bytes() != bytes || buf.device() != params.device()) buf = Buffer(params.device(), bytes);
   return buf.as(DType::kF32, {params.total_elements()});
 }
 
-// Views of the live buffers, or zeroed temporaries where the state is sharded.
-FullState full_state(const ParamStore& params, const AdamWOptimizer* opt, const Stream& stream) {
-  FullState f;
+// Views of the live buffers, or zeroed temporaries where the state is sharded (f's buffers reused).
+FullState& full_state(FullState& f, const ParamStore& params, const AdamWOptimizer* opt, const Stream& stream) {
+  f.main = f.m = f.v = Tensor();
   if (params.main_sharded()) {
     f.main = temp_full(f.main_buf, params);
     memset_tensor(f.main, 0, stream);
@@ -387,6 +391,22 @@ struct CheckpointSaveJob {
   // Async: this rank's shard bytes (the saver's snapshot buffer); null for a synchronous save.
   const char* snapshot = nullptr;
   size_t snapshot_bytes = 0;
+  // Async on a GPU: completes when the snapshot's device-to-host copies have run (the writer
+  // waits for it before reading `snapshot`); null when the bytes were copied synchronously.
+  const Event* snapshot_copied = nullptr;
+  const Event* snapshot_ordered = nullptr;  // recorded on the training stream just before the copies
+  Device device;  // of snapshot_copied
+};
+
+/// The --async-save snapshot's memory and synchronisation, kept from one save to the next so that
+/// a save allocates nothing once the first has run: the pinned host copy of this rank's shards,
+/// the device temporaries of gathered (sharded) state, and on a GPU a copy stream with its events.
+struct AsyncSnapshot {
+  Buffer host;     // this rank's shard bytes in file order (pinned for a GPU)
+  FullState full;  // whole fp32 state: views of the live buffers, or gathered temporaries
+  std::optional<Stream> copy_stream;  // CUDA: the device-to-host copies run here
+  std::unique_ptr<Event> ready;       // recorded on the training stream: the state is final
+  std::unique_ptr<Event> copied;      // recorded on copy_stream after the copies
 };
 
 namespace {
@@ -539,7 +559,7 @@ CheckpointSaveJob prepare_save(const std::string& dir, const CheckpointState& st
   const bool with_optim = optimizer != nullptr && w.save_optim;
   // Whole fp32 main parameters and moments (views, or temporaries filled below when sharded).
   if (optimizer) optimizer->grad_sync().finish_param_sync(stream);
-  full = full_state(params, with_optim ? optimizer : nullptr, stream);
+  full_state(full, params, with_optim ? optimizer : nullptr, stream);
   *refs = file_tensors(params, full, with_optim, w, extra);
   job.entries = shard_entries(*refs);
   job.writes_file = !job.entries.empty();
@@ -625,7 +645,7 @@ void save_checkpoint(const std::string& dir, const CheckpointState& state, const
   agree_on_save(w, ok, why, state.iteration, stream);
 }
 
-AsyncCheckpointSaver::AsyncCheckpointSaver() = default;
+AsyncCheckpointSaver::AsyncCheckpointSaver() : snap_(std::make_unique<AsyncSnapshot>()) {}
 
 AsyncCheckpointSaver::~AsyncCheckpointSaver() {
   if (thread_.joinable()) thread_.join();
@@ -638,35 +658,92 @@ AsyncCheckpointSaver::~AsyncCheckpointSaver() {
   }
 }
 
+namespace {
+
+// Bytes of this rank's file (the shards of `refs` without vocabulary padding rows).
+size_t file_bytes(const std::vector<TensorRef>& refs) {
+  size_t total = 0;
+  for (const auto& ref : refs) total += static_cast<size_t>(stored_box(ref.global_shape, ref.box, ref.vocab_rows).numel) * 4;
+  return total;
+}
+
+// The snapshot's host buffer of at least `bytes` (pinned for a GPU), and on a GPU its copy stream
+// and events; what exists is kept.
+void ensure_snapshot_memory(AsyncSnapshot& sn, size_t bytes, Device device) {
+  if (sn.host.bytes() < bytes)
+    sn.host = Buffer(Device::cpu(), bytes, device.is_cuda() ? HostMemory::kPinned : HostMemory::kPageable);
+  if (device.is_cuda() && !sn.copy_stream) {
+    sn.copy_stream.emplace(device);
+    sn.ready = std::make_unique<Event>(device);
+    sn.copied = std::make_unique<Event>(device);
+  }
+}
+
+}  // namespace
+
+void AsyncCheckpointSaver::allocate(const ParamStore& params, const AdamWOptimizer* optimizer,
+                                    const CheckpointWriter& writer, const Stream& stream,
+                                    const CheckpointExtra& extra) {
+  wait();
+  AsyncSnapshot& sn = *snap_;
+  const bool with_optim = optimizer != nullptr && writer.save_optim;
+  full_state(sn.full, params, with_optim ? optimizer : nullptr, stream);  // the device temporaries, if any
+  const size_t bytes = file_bytes(file_tensors(params, sn.full, with_optim, writer, extra));
+  if (bytes > 0) ensure_snapshot_memory(sn, bytes, params.device());
+}
+
 void AsyncCheckpointSaver::save(const std::string& dir, const CheckpointState& state, const ParamStore& params,
                                 const AdamWOptimizer* optimizer, const CheckpointWriter& writer,
                                 const Stream& stream, const CheckpointExtra& extra) {
-  wait();  // one save in flight at a time (and its error surfaces here)
-  FullState full;
+  wait();  // one save in flight at a time (and its error surfaces here); its copies have run
+  last_copy_ = nullptr;
+  last_copy_ms_ = -1;
+  AsyncSnapshot& sn = *snap_;
   std::vector<TensorRef> refs;
   auto job = std::make_shared<CheckpointSaveJob>(
-      prepare_save(dir, state, params, optimizer, writer, stream, extra, full, &refs));
+      prepare_save(dir, state, params, optimizer, writer, stream, extra, sn.full, &refs));
   if (job->writes_file) {
-    size_t total = 0;
-    for (const auto& ref : refs) total += static_cast<size_t>(stored_box(ref.global_shape, ref.box, ref.vocab_rows).numel) * 4;
-    // Pinned host memory when the state is on a GPU (a fast device-to-host copy), kept for the next save.
-    if (snapshot_.bytes() < total)
-      snapshot_ = Buffer(Device::cpu(), total, params.device().is_cuda() ? HostMemory::kPinned : HostMemory::kPageable);
-    char* dst = static_cast<char*>(snapshot_.data());
+    const Device device = params.device();
+    const size_t total = file_bytes(refs);
+    // Pinned host memory when the state is on a GPU (a fast, asynchronous device-to-host copy),
+    // allocated by allocate() or the first save and kept for the next.
+    ensure_snapshot_memory(sn, total, device);
+    char* dst = static_cast<char*>(sn.host.data());
+    // GPU: the copies run on the snapshot's own stream once the work queued so far on `stream`
+    // (the optimizer step, the gathers above) is done; nothing here waits for them. CPU: `stream`
+    // runs the copies inline.
+    const Stream* copy_stream = &stream;
+    if (device.is_cuda()) {
+      sn.ready->record(stream);
+      sn.ready->wait(*sn.copy_stream);
+      copy_stream = &*sn.copy_stream;
+    }
     size_t off = 0;
     for (const auto& ref : refs) {  // the same bytes in the same order as for_each_shard_bytes
       const size_t n = static_cast<size_t>(stored_box(ref.global_shape, ref.box, ref.vocab_rows).numel) * 4;
       if (n == 0) continue;
-      copy_bytes(dst + off, Device::cpu(), ref.t.data(), ref.t.device(), n, stream);
+      copy_bytes(dst + off, Device::cpu(), ref.t.data(), ref.t.device(), n, *copy_stream);
       off += n;
     }
-    stream.synchronize();
+    if (device.is_cuda()) {
+      sn.copied->record(*copy_stream);
+      job->snapshot_copied = sn.copied.get();
+      job->snapshot_ordered = sn.ready.get();
+      job->device = device;
+      last_copy_ = sn.copied.get();
+    }
     job->snapshot = dst;
     job->snapshot_bytes = total;
   }
   thread_ = std::thread([this, job] {
     const auto t0 = std::chrono::steady_clock::now();
     try {
+      if (job->snapshot_copied) {
+        set_current_device(job->device);  // this thread's CUDA calls go to the state's device
+        job->snapshot_copied->synchronize();  // the host bytes are complete
+        // From the end of the work the copies waited for to the end of the copies.
+        last_copy_ms_ = job->snapshot_copied->elapsed_ms_since(*job->snapshot_ordered);
+      }
       run_save_job(*job, nullptr);
       last_write_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     } catch (...) {
@@ -914,7 +991,7 @@ CheckpointState load_checkpoint(const std::string& dir, ParamStore& params, Adam
     std::map<std::string, std::ifstream> files;
     std::vector<float> host;
     if (optimizer) optimizer->grad_sync().finish_param_sync(stream);  // nothing may still write the parameters
-    full = full_state(params, optimizer, stream);
+    full_state(full, params, optimizer, stream);
     if (!params.main_sharded()) memset_tensor(full.main, 0, stream);  // padding (the loop fills the rest)
     if (optimizer && !optimizer->distributed()) {
       memset_tensor(full.m, 0, stream);

@@ -26,6 +26,7 @@
 
 #include "comm/communicator.h"
 #include "core/buffer.h"
+#include "core/stream.h"
 
 #include "model/transformer_config.h"
 #include "model/params.h"
@@ -98,20 +99,38 @@ void save_checkpoint(const std::string& dir, const CheckpointState& state, const
                      const CheckpointExtra& extra = {});
 
 struct CheckpointSaveJob;
+struct AsyncSnapshot;
 
 /// --async-save: save() takes the snapshot at the step boundary (the collective part of
-/// save_checkpoint: temporary directory, DP gathers, and a device-to-host copy of this rank's
-/// shards, `extra` included, into host memory kept from one save to the next) and returns; a background thread
-/// writes the file, and on rank 0 waits for the other ranks' files and publishes the checkpoint
-/// exactly as save_checkpoint does (same bytes, same metadata). One save is in flight at a
-/// time: save() and wait() first wait for the previous one. Errors of the background write are
-/// rethrown by the next save() or wait(); the destructor waits and only logs them.
+/// save_checkpoint: temporary directory, DP gathers, and a copy of this rank's shards, `extra`
+/// included, into host memory) and returns; a background thread writes the file, and on rank 0
+/// waits for the other ranks' files and publishes the checkpoint exactly as save_checkpoint does
+/// (same bytes, same metadata). One save is in flight at a time: save() and wait() first wait for
+/// the previous one. Errors of the background write are rethrown by the next save() or wait(); the
+/// destructor waits and only logs them.
+///
+/// The snapshot's memory is allocated by the first save and reused (pinned host memory for this
+/// rank's shards; with sharded state, the device temporaries of the gathered state). On a GPU the
+/// device-to-host copies are issued on the saver's own stream after the work queued on `stream`
+/// (the last optimizer step, the gathers) and save() does not wait for them: until
+/// snapshot_copied() has completed, the caller must not change the parameters, the optimizer
+/// state or `extra` — the next training step makes its stream wait for that event (on the
+/// device, the host does not block) before its first update (StepOptions::wait_before_update,
+/// train/train_step.h). The background thread waits for the event before it reads the host copy.
+/// On the CPU the copy is made by save() itself (synchronously) and snapshot_copied() is null.
 class AsyncCheckpointSaver {
  public:
   AsyncCheckpointSaver();
   ~AsyncCheckpointSaver();
   AsyncCheckpointSaver(const AsyncCheckpointSaver&) = delete;
   AsyncCheckpointSaver& operator=(const AsyncCheckpointSaver&) = delete;
+  /// Allocates the snapshot's memory ahead of the first save (optional: save() allocates what is
+  /// missing; the pinned host buffer takes a noticeable time to allocate, about 0.3 s per GB):
+  /// the host buffer for this rank's shards, and on a GPU the copy stream, its events and, with
+  /// sharded state, the device temporaries of the gathered state. Not collective. Same arguments
+  /// as save().
+  void allocate(const ParamStore& params, const AdamWOptimizer* optimizer, const CheckpointWriter& writer,
+                const Stream& stream, const CheckpointExtra& extra = {});
   /// Collective over writer.world, like save_checkpoint (same `extra`).
   void save(const std::string& dir, const CheckpointState& state, const ParamStore& params,
             const AdamWOptimizer* optimizer, const CheckpointWriter& writer, const Stream& stream,
@@ -119,14 +138,24 @@ class AsyncCheckpointSaver {
   /// Waits for the save in flight (local: this rank's file, and on rank 0 the publication).
   void wait();
   bool in_flight() const { return thread_.joinable(); }
+  /// The event that completes when the last save()'s device-to-host copies have run, to be waited
+  /// for (Event::wait on the training stream) before the saved state is next modified; null when
+  /// that save copied nothing asynchronously (CPU, or a rank that writes no file).
+  const Event* snapshot_copied() const { return last_copy_; }
   /// Seconds the background part of the last completed save took (write, fsync, publication).
   double last_write_seconds() const { return last_write_seconds_; }
+  /// Milliseconds the last completed save's device-to-host copies took on the GPU (from the end of
+  /// the work they were ordered after to their end); -1 when there were none (CPU). When longer
+  /// than the next step's forward and backward, that step's update waited for them.
+  double last_copy_ms() const { return last_copy_ms_; }
 
  private:
   double last_write_seconds_ = 0;
+  double last_copy_ms_ = -1;
   std::thread thread_;
   std::exception_ptr error_;
-  Buffer snapshot_;  // host copy of this rank's shards (pinned for a GPU), reused from one save to the next
+  std::unique_ptr<AsyncSnapshot> snap_;  // kept from one save to the next
+  const Event* last_copy_ = nullptr;
 };
 
 /// Removes what interrupted saves left in `dir` (iter_XXXXXXX.tmp directories; an

@@ -49,6 +49,8 @@ void forward_backward_step(LanguageModel& model, PipelineExecutor& executor, con
     ScopedTimer t(opt.timers, Timers::kAllGradsSync, stream);
     optimizer.grad_sync().finish_grad_sync(stream);
   }
+  // The first write to the saved state (--async-save: its snapshot may still be being copied).
+  if (opt.wait_before_update) opt.wait_before_update->wait(stream);
   model.update_expert_bias(stream);  // aux-loss-free MoE balancing (Megatron's finalize_model_grads)
   model.reset_global_aux_loss_tracker(stream);  // global_aux_loss: the next step counts from zero (device)
 }

@@ -630,24 +630,29 @@ int run_pretrain(PretrainArgs args) {
                      device);
 
   AsyncCheckpointSaver async_saver;
+  // --async-save on a GPU: the last snapshot's copy, waited for by the next step before its update.
+  const Event* snapshot_pending = nullptr;
+  const CheckpointWriter writer{.world = world,
+                                .dp_rank = groups.dp_cp->rank(),
+                                .tp_rank = groups.tp->rank(),
+                                .edp_rank = groups.edp->rank(),
+                                .save_optim = !args.no_save_optim,
+                                .timeout_s = args.distributed_timeout_minutes * 60,
+                                .tp = pc.tp,
+                                .pp = pc.pp,
+                                .dp = pc.dp,
+                                .ep = pc.ep,
+                                .etp = pc.etp};
+  // The snapshot's pinned host memory (and copy stream) now, not inside the first save's step.
+  if (args.async_save) async_saver.allocate(model.params(), &optimizer, writer, stream, model.persistent_state(stream));
   auto save = [&](int64_t it) {
     CheckpointState st{!args.no_save_optim, it, consumed, args.seed, cfg, optimizer.read_scalars_sync(stream)};
-    const CheckpointWriter writer{.world = world,
-                                  .dp_rank = groups.dp_cp->rank(),
-                                  .tp_rank = groups.tp->rank(),
-                                  .edp_rank = groups.edp->rank(),
-                                  .save_optim = !args.no_save_optim,
-                                  .timeout_s = args.distributed_timeout_minutes * 60,
-                                  .tp = pc.tp,
-                                  .pp = pc.pp,
-                                  .dp = pc.dp,
-                                  .ep = pc.ep,
-                                  .etp = pc.etp};
     const auto t0 = std::chrono::steady_clock::now();
     auto seconds = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); };
     if (args.async_save) {
       const bool previous = async_saver.in_flight();
       async_saver.save(args.save, st, model.params(), &optimizer, writer, stream, model.persistent_state(stream));
+      snapshot_pending = async_saver.snapshot_copied();
       log_info("  checkpoint at iteration {:7d}: snapshot taken in {:.2f} s{}, being written to {} (--async-save)", it,
                seconds(), previous ? " (incl. waiting for the previous save)" : "", args.save);
     } else {
@@ -734,6 +739,8 @@ int run_pretrain(PretrainArgs args) {
   // Validation before the first iteration of a fresh run gives the starting point of the curve.
   if ((!resume || args.finetune) && data.valid) evaluate(0);
   t_last = std::chrono::steady_clock::now();
+  const auto loop_start = t_last;
+  const int64_t loop_first_iteration = iteration;
   g_training_started.store(true);
   while (iteration < args.train_iters) {
     const float lr = static_cast<float>(learning_rate(sched, iteration));
@@ -743,8 +750,11 @@ int run_pretrain(PretrainArgs args) {
     for (int64_t m = 0; m < M; ++m) mbs.push_back(stager.micro_batch(m));
     const auto host_t0 = std::chrono::steady_clock::now();  // the host's time to issue the step
     step_values.write(iteration, lr, stream);
-    const StepOptions so{args.seed, iteration, lr, dp_rank, static_cast<int>(pc.dp), cg.enabled() ? nullptr : &timers,
-                         &step_values};
+    StepOptions so{args.seed, iteration, lr, dp_rank, static_cast<int>(pc.dp), cg.enabled() ? nullptr : &timers,
+                   &step_values};
+    // An --async-save snapshot still being copied: the step's update waits for it on the device
+    // (a captured full-iteration step cannot: the graph launch waits, below).
+    if (!cg.full_iteration()) so.wait_before_update = snapshot_pending;
     const Tensor loss_slot = losses.flat_range(iters_since_log, 1);
     if (!cg.full_iteration()) {
       if (cg.per_layer() && steps_run >= cg.warmup_steps) layer_graphs.set_capturing(true);
@@ -760,6 +770,7 @@ int run_pretrain(PretrainArgs args) {
         layer_graphs_logged = layer_graphs.graphs();
       }
     } else {
+      if (snapshot_pending) snapshot_pending->wait(stream);
       fill(step_loss, 0.f, stream);
       auto body = [&] {
         if (cg.include_optimizer) {
@@ -787,6 +798,7 @@ int run_pretrain(PretrainArgs args) {
       add(loss_slot, loss_slot, step_loss, stream);
     }
     host_issue_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - host_t0).count();
+    snapshot_pending = nullptr;
     ++steps_run;
     copy_bytes(found_inf.flat_range(iters_since_log, 1).data(), device,
                static_cast<const char*>(optimizer.scalars().data()) + offsetof(OptimizerScalars, found_inf), device, 4,
@@ -911,12 +923,26 @@ int run_pretrain(PretrainArgs args) {
       break;
     }
   }
+  {
+    // The whole loop's time per iteration, everything included (logging, validation, checkpoints
+    // and their effect on the steps; not the wait for the last --async-save below): what
+    // bench/checkpoint_bench.sh compares with and without saving.
+    stream.synchronize();
+    const int64_t n = iteration - loop_first_iteration;
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - loop_start).count();
+    if (n > 0)
+      log_info("> training loop: {} iterations in {:.3f} s: {:.2f} ms per iteration (logging, validation and "
+               "checkpoints included)", n, s, 1e3 * s / static_cast<double>(n));
+  }
   if (async_saver.in_flight()) {
     async_saver.wait();  // the last checkpoint is complete (and published by rank 0) before exit
     const double gb = static_cast<double>(checkpoint_bytes(args.save, iteration)) / 1e9;
     log_info("  successfully saved checkpoint at iteration {:7d} to {} (--async-save; {:.3f} GB written in the "
              "background in {:.2f} s: {:.2f} GB/s)", iteration, args.save, gb, async_saver.last_write_seconds(),
              gb / std::max(async_saver.last_write_seconds(), 1e-9));
+    if (async_saver.last_copy_ms() >= 0)
+      log_info("  its snapshot: device-to-host copy into pinned memory in {:.1f} ms on the GPU, beside the next "
+               "step's forward and backward", async_saver.last_copy_ms());
   }
   world->barrier();
   if (metrics) metrics->flush();

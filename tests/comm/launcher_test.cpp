@@ -71,6 +71,22 @@ int helper_main(const std::string& mode) {
     std::this_thread::sleep_for(std::chrono::seconds(60));  // must be stopped by the launcher
     return 0;
   }
+  if (mode == "report") {  // rank MT_COMM_TEST_FAIL_RANK prints its own error and exits 1
+    if (rank == std::atoi(std::getenv("MT_COMM_TEST_FAIL_RANK"))) {
+      std::fprintf(stderr, "error: bad input found by rank %d\n", rank);
+      return kReportedErrorExitStatus;
+    }
+    std::this_thread::sleep_for(std::chrono::seconds(60));  // must be stopped by the launcher
+    return 0;
+  }
+  if (mode == "crash") {  // rank MT_COMM_TEST_FAIL_RANK dies by SIGKILL, printing nothing
+    if (rank == std::atoi(std::getenv("MT_COMM_TEST_FAIL_RANK"))) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      ::kill(::getpid(), SIGKILL);
+    }
+    std::this_thread::sleep_for(std::chrono::seconds(60));
+    return 0;
+  }
   if (mode == "term") {  // waits for the SIGTERM the launcher forwards, then reports it and exits 0
     static std::atomic<int> got{0};
     std::signal(SIGTERM, [](int sig) { got.store(sig); });
@@ -239,6 +255,85 @@ TEST(Launcher, ForkPathSetsTorchrunEnvironment) {
   }
 }
 
+// OpenMPI 4.1's stderr blocks, as mpiexec prints them.
+const std::string kDashes(74, '-');
+std::string mpi_block(const std::string& text) { return kDashes + "\n" + text + kDashes + "\n"; }
+const std::string kPrimaryJob = mpi_block(
+    "Primary job  terminated normally, but 1 process returned\n"
+    "a non-zero exit code. Per user-direction, the job has been aborted.\n");
+std::string non_zero_status(int rank, int code) {
+  return mpi_block(
+      "mpiexec detected that one or more processes exited with non-zero status, thus causing\n"
+      "the job to be terminated. The first process to do so was:\n\n"
+      "  Process name: [[32587,1]," + std::to_string(rank) + "]\n"
+      "  Exit code:    " + std::to_string(code) + "\n");
+}
+const std::string kSignal11 = mpi_block(
+    "mpiexec noticed that process rank 1 with PID 0 on node vm exited on signal 11 (Segmentation fault).\n");
+
+// The filter's output for `in` fed whole, and fed one byte at a time (it must not depend on how
+// the pipe splits the stream).
+std::string filtered(const std::string& in, bool bytewise) {
+  MpiexecStderrFilter f;
+  std::string out;
+  if (bytewise) {
+    for (char c : in) out += f.feed(std::string_view(&c, 1));
+  } else {
+    out = f.feed(in);
+  }
+  return out + f.finish();
+}
+
+TEST(Launcher, MpiexecStderrFilterDropsOnlyTheBoilerplateOfReportedErrors) {
+  const std::string err = "error: --seq-length 32 exceeds --max-position-embeddings 16\n";
+  const std::string bar = std::string(74, '-') + "\n";  // a rank's own line of dashes
+  struct Case {
+    std::string in, out;
+  };
+  const std::vector<Case> cases = {
+      // A rank printed its error and exited 1: only its message remains.
+      {err + kPrimaryJob + non_zero_status(1, 1), err},
+      {err + kPrimaryJob, err},  // mpiexec sometimes prints only the first block
+      // Another exit status names the rank; a signal is reported; other blocks and lines pass.
+      {kPrimaryJob + non_zero_status(1, 7), non_zero_status(1, 7)},
+      {kPrimaryJob + kSignal11, kSignal11},
+      {mpi_block("mpiexec has detected an attempt to run as root.\n"),
+       mpi_block("mpiexec has detected an attempt to run as root.\n")},
+      {"a\n" + bar + "b\n" + bar + bar + "c", "a\n" + bar + "b\n" + bar + bar + "c"},
+      {bar + kPrimaryJob + "tail", bar + "tail"},
+      // An unterminated block at the end of the stream is printed as it is.
+      {kDashes + "\nPrimary job  terminated normally", kDashes + "\nPrimary job  terminated normally"},
+  };
+  for (const auto& c : cases) {
+    EXPECT_EQ(filtered(c.in, false), c.out) << c.in;
+    EXPECT_EQ(filtered(c.in, true), c.out) << c.in;
+  }
+  // A line without its '\n' yet (a progress line) is printed at once, not held.
+  MpiexecStderrFilter f;
+  EXPECT_EQ(f.feed("iteration 3/10\r"), "iteration 3/10\r");
+  EXPECT_EQ(f.feed("iteration 4/10\n"), "iteration 4/10\n");
+  EXPECT_EQ(f.feed(kDashes), "");  // may open a block: held
+  EXPECT_EQ(f.feed("\nnot a block\n"), kDashes + "\nnot a block\n");
+}
+
+// A rank that printed its error and exited with kReportedErrorExitStatus: the error is the only
+// report (no launcher line).
+TEST(Launcher, ForkPathReportedErrorIsPrintedOnce) {
+  HelperEnv h("report", 1);
+  const auto t0 = Clock::now();
+  auto [rc, out] = launch(2, Device::cuda(0), {"megatron"});
+  EXPECT_EQ(rc, kReportedErrorExitStatus) << out;
+  EXPECT_LT(since(t0), 15.0) << "the sleeping rank was not stopped";
+  EXPECT_EQ(out, "error: bad input found by rank 1\n");
+}
+
+TEST(Launcher, ForkPathNamesARankKilledBySignal) {
+  HelperEnv h("crash", 1);
+  auto [rc, out] = launch(2, Device::cuda(0), {"megatron"});
+  EXPECT_EQ(rc, 128 + SIGKILL) << out;
+  EXPECT_NE(out.find("rank 1 (of 2) was killed by signal 9"), std::string::npos) << out;
+}
+
 TEST(Launcher, ForkPathStopsTheOthersAndNamesTheFailedRank) {
   HelperEnv h("fail", 1);
   const auto t0 = Clock::now();
@@ -329,6 +424,34 @@ TEST(Launcher, MpiexecPathPropagatesTheFailure) {
   EXPECT_EQ(rc, 7) << out;
   EXPECT_LT(since(t0), 20.0);
   EXPECT_TRUE(std::regex_search(out, std::regex(R"(Process name: \[\[[0-9]+,[0-9]+\],1\])"))) << out;
+  EXPECT_NE(out.find("[megatron launcher] mpiexec exited with status 7"), std::string::npos) << out;
+}
+
+// A rank that printed its error and exited 1: printed once, without mpiexec's boilerplate.
+TEST(Launcher, MpiexecPathReportedErrorIsPrintedOnceWithoutBoilerplate) {
+  if (!have_mpiexec()) GTEST_SKIP() << "no mpiexec";
+  HelperEnv h("report", 1);
+  UnsetEnv omp_threads("OMP_NUM_THREADS"), omp_wait("OMP_WAIT_POLICY");
+  setenv("OMP_NUM_THREADS", "1", 1);  // the user's settings: no launcher line about OpenMP
+  setenv("OMP_WAIT_POLICY", "passive", 1);
+  const auto t0 = Clock::now();
+  auto [rc, out] = launch(2, Device::cpu(), {"megatron"});
+  unsetenv("OMP_NUM_THREADS");
+  unsetenv("OMP_WAIT_POLICY");
+  EXPECT_EQ(rc, kReportedErrorExitStatus) << out;
+  EXPECT_LT(since(t0), 20.0);
+  EXPECT_EQ(out, "error: bad input found by rank 1\n");
+}
+
+// A rank killed by a signal (it prints nothing): mpiexec's report naming it is kept, and the
+// launcher names mpiexec's status.
+TEST(Launcher, MpiexecPathReportsARankKilledBySignal) {
+  if (!have_mpiexec()) GTEST_SKIP() << "no mpiexec";
+  HelperEnv h("crash", 1);
+  auto [rc, out] = launch(2, Device::cpu(), {"megatron"});
+  EXPECT_EQ(rc, 128 + SIGKILL) << out;
+  EXPECT_NE(out.find("mpiexec exited with status 137"), std::string::npos) << out;
+  EXPECT_EQ(out.find("Primary job"), std::string::npos) << out;
 }
 
 #ifdef MT_WITH_MPI

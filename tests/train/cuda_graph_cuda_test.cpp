@@ -163,6 +163,23 @@ TEST_F(CudaGraphTraining, AlltoAllStaticBuffersWithEchoOnTwoGpus) {
               "--cuda-graph-impl full_iteration --cuda-graph-warmup-steps 2 --cuda-graph-include-optimizer");
 }
 
+// --async-save every iteration beside CUDA graphs: the snapshot's copies run on their own stream
+// and the next step waits for them on the device before its first update (a full-iteration graph:
+// before its launch; per-layer graphs: inside the step, StepOptions::wait_before_update). Training
+// must follow the eager run without saving (the saved bytes: async_save_cuda_test). The MoE
+// expert bias is saved state that the step itself updates.
+TEST_F(CudaGraphTraining, AsyncSaveEveryIterationWithFullIterationGraphFollowsEager) {
+  expect_same("--disable-bias-linear --num-experts 4 --moe-router-topk 2 --moe-grouped-gemm "
+              "--moe-router-enable-expert-bias --moe-router-score-function sigmoid",
+              "--cuda-graph-impl full_iteration --cuda-graph-warmup-steps 2 --cuda-graph-include-optimizer "
+              "--async-save --save-interval 1 --save " + (dir_ / "ck_full").string());
+}
+
+TEST_F(CudaGraphTraining, AsyncSaveEveryIterationWithPerLayerGraphsFollowsEager) {
+  expect_same("", "--cuda-graph-impl local --cuda-graph-scope attn mlp --cuda-graph-warmup-steps 2 "
+                  "--async-save --save-interval 1 --save " + (dir_ / "ck_layer").string());
+}
+
 // Per-layer capture (--cuda-graph-impl local with scopes): each layer's attention and MLP blocks
 // captured per activation slot, replayed for every micro-batch (3 per step here), the dropout
 // keyed by the slot's device micro-batch key.

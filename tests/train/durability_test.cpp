@@ -1,9 +1,9 @@
 // Checkpoint durability and run checks of `megatron pretrain` on CPU, end to end through the
 // binary (MT_MEGATRON_BIN): per-shard checksums (flipped byte, truncated and missing shard named),
 // --fallback-to-previous-checkpoint, a failed save (file-size limit = disk full) leaving nothing
-// behind, --async-save writing the same bytes as a synchronous save, SIGKILL at random points
-// during saves (the latest checkpoint always loads and training resumes bitwise),
-// --exit-signal-handler, --exit-duration-in-mins, --no-save-optim, --no-load-rng,
+// behind, --async-save writing the same bytes as a synchronous save and not changing the losses,
+// SIGKILL at random points during saves (the latest checkpoint always loads and training resumes
+// bitwise), --exit-signal-handler, --exit-duration-in-mins, --no-save-optim, --no-load-rng,
 // --check-for-nan-in-loss-and-grad, and the TensorBoard / --metrics-file outputs.
 #include <fcntl.h>
 #include <gtest/gtest.h>
@@ -12,6 +12,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -237,6 +238,21 @@ TEST_F(Durability, AsyncSaveWritesTheSameBytes) {
   EXPECT_EQ(read_bytes(a / "latest_checkpointed_iteration.txt"), "4\n");
 }
 
+// The snapshot taken at every step boundary changes nothing in training: the losses of a run that
+// saves asynchronously after every iteration are those of a run that never saves (on a GPU the
+// step after a save waits on the device for the snapshot's copy: tests/train/async_save_cuda_test).
+TEST_F(Durability, AsyncSaveDoesNotChangeTraining) {
+  const fs::path a = dir / "ck_async_every";
+  RunResult plain = run(train("--train-iters 6"));
+  RunResult saving = run(train("--train-iters 6 --save-interval 1 --async-save --save " + a.string()));
+  ASSERT_EQ(plain.rc, 0) << plain.out;
+  ASSERT_EQ(saving.rc, 0) << saving.out;
+  const std::vector<std::string> losses = loss_lines(plain.out);
+  ASSERT_EQ(losses.size(), 6u) << plain.out;
+  EXPECT_EQ(loss_lines(saving.out), losses);
+  EXPECT_EQ(read_bytes(a / "latest_checkpointed_iteration.txt"), "6\n");
+}
+
 // SIGKILL at random moments of a run that saves every iteration (sync or async, alternating),
 // then restart from the same directory; repeated. Every restart must load the latest
 // checkpoint, and the final checkpoint must equal an uninterrupted run's bit for bit.
@@ -436,15 +452,23 @@ TEST_F(Durability, NewUserFaults) {
     EXPECT_TRUE(contains(r.out, c.expect)) << "expected '" << c.expect << "' in:\n" << r.out;
     EXPECT_LT(r.out.size(), 400u) << "message too long:\n" << r.out;
   }
-  {  // Under several ranks a bad input is reported once (rank 0), not once per rank.
+  {  // Under several ranks a bad input is reported once (rank 0), not once per rank, and without
+     // the launcher's boilerplate (mpiexec's "Primary job terminated normally..." blocks).
+    setenv("OMP_NUM_THREADS", "1", 1);  // the user's settings: no launcher line about OpenMP
+    setenv("OMP_WAIT_POLICY", "passive", 1);
     RunResult r = run(train("--train-iters 2 --nproc-per-node 2 --seq-length 32"));
-    EXPECT_NE(r.rc, 0);
+    unsetenv("OMP_NUM_THREADS");
+    unsetenv("OMP_WAIT_POLICY");
+    EXPECT_EQ(r.rc, 1) << r.out;
     if (!contains(r.out, "could not run mpiexec")) {
       const std::string msg = "--seq-length 32 exceeds --max-position-embeddings 16";
       const size_t first = r.out.find(msg);
       EXPECT_NE(first, std::string::npos) << r.out;
       EXPECT_EQ(r.out.find(msg, first + 1), std::string::npos) << "printed more than once:\n" << r.out;
-      EXPECT_TRUE(contains(r.out, "error: ")) << r.out;
+      EXPECT_TRUE(r.out.starts_with("error: ")) << r.out;
+      for (const char* boilerplate : {"Primary job", "mpiexec detected", "-----", "[megatron launcher]", "Exit code"})
+        EXPECT_FALSE(contains(r.out, boilerplate)) << "launcher boilerplate '" << boilerplate << "':\n" << r.out;
+      EXPECT_EQ(std::count(r.out.begin(), r.out.end(), '\n'), 1) << "more than the error:\n" << r.out;
     }
   }
   // Absurd sizes stop at once, before any index is built, naming the values and the memory.

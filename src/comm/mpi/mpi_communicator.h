@@ -33,6 +33,10 @@ class MpiRuntime {
  public:
   static void ensure_initialized();
   static bool initialized();
+  /// The process is ending with an error: MPI_Finalize is not called at exit. It would wait for
+  /// the peers (which may be waiting for this rank), whereas a rank that exits without it is seen
+  /// by mpiexec at once, which then stops the others (apps/megatron.cpp's error exit).
+  static void skip_finalize();
   /// True when the environment shows an MPI launcher (OpenMPI's OMPI_COMM_WORLD_SIZE, or PMIx /
   /// PMI variables as set by `srun --mpi=pmix`).
   static bool launched_by_mpi();
