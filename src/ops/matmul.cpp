@@ -47,28 +47,47 @@ void matmul(const Tensor& c, const Tensor& a, const Tensor& b, bool trans_a, boo
   MT_DISPATCH(c.device(), matmul, c, a, b, trans_a, trans_b, alpha, beta, stream);
 }
 
-void linear_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& pre_gelu,
-                    const Stream& stream) {
-  MT_CHECK(w.ndim() == 2 && w.is_contiguous(), "linear_forward: w {} must be a contiguous [n, k]", w.str());
+namespace {
+/// linear_forward's argument checks (`fn` names the op in the errors).
+void linear_forward_checks(const Tensor& y, const Tensor& x, const Tensor& w, const Tensor& bias,
+                           const Tensor& pre_gelu, const Stream& stream, const char* fn) {
+  MT_CHECK(w.ndim() == 2 && w.is_contiguous(), "{}: w {} must be a contiguous [n, k]", fn, w.str());
   const int64_t n = w.size(0), k = w.size(1);
-  MT_CHECK(op_checks::is_float(w.dtype()), "linear_forward: w {} needs a float dtype", w.str());
-  MT_CHECK(x.dtype() == w.dtype() && y.dtype() == w.dtype(), "linear_forward: x {}, w {}, y {} need one dtype",
-           x.str(), w.str(), y.str());
-  const int64_t m = flat_rows(x, k, "linear_forward", "x");
-  const int64_t my = flat_rows(y, n, "linear_forward", "y");
-  MT_CHECK(m == my, "linear_forward: x {} has {} rows but y {} has {}", x.shape_str(), m, y.shape_str(), my);
+  MT_CHECK(op_checks::is_float(w.dtype()), "{}: w {} needs a float dtype", fn, w.str());
+  MT_CHECK(x.dtype() == w.dtype() && y.dtype() == w.dtype(), "{}: x {}, w {}, y {} need one dtype", fn, x.str(),
+           w.str(), y.str());
+  const int64_t m = flat_rows(x, k, fn, "x");
+  const int64_t my = flat_rows(y, n, fn, "y");
+  MT_CHECK(m == my, "{}: x {} has {} rows but y {} has {}", fn, x.shape_str(), m, y.shape_str(), my);
   if (!bias.empty()) {
     MT_CHECK(bias.ndim() == 1 && bias.size(0) == n && bias.dtype() == w.dtype() && bias.is_contiguous(),
-             "linear_forward: bias {} expected {}[{}]", bias.str(), dtype_name(w.dtype()), n);
+             "{}: bias {} expected {}[{}]", fn, bias.str(), dtype_name(w.dtype()), n);
   }
   if (!pre_gelu.empty()) {
     MT_CHECK(pre_gelu.shape() == y.shape() && pre_gelu.dtype() == y.dtype() && pre_gelu.is_contiguous(),
-             "linear_forward: pre_gelu {} must match y {}", pre_gelu.str(), y.str());
-    MT_CHECK(pre_gelu.data() != y.data(), "linear_forward: pre_gelu must not alias y");
+             "{}: pre_gelu {} must match y {}", fn, pre_gelu.str(), y.str());
+    MT_CHECK(pre_gelu.data() != y.data(), "{}: pre_gelu must not alias y", fn);
   }
   check_same_device({&y, &x, &w, &bias, &pre_gelu});
-  op_checks::check_stream(stream, y, "linear_forward");
+  op_checks::check_stream(stream, y, fn);
+}
+}  // namespace
+
+void linear_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& pre_gelu,
+                    const Stream& stream) {
+  linear_forward_checks(y, x, w, bias, pre_gelu, stream, "linear_forward");
   MT_DISPATCH(y.device(), linear_forward, y, x, w, bias, pre_gelu, stream);
+}
+
+void linear_forward_add(const Tensor& out, const Tensor& x, const Tensor& w, const Tensor& bias,
+                        const Tensor& residual, const Stream& stream) {
+  linear_forward_checks(out, x, w, bias, Tensor(), stream, "linear_forward_add");
+  MT_CHECK(residual.shape() == out.shape() && residual.dtype() == out.dtype() && residual.is_contiguous(),
+           "linear_forward_add: residual {} must match out {}", residual.str(), out.str());
+  MT_CHECK(out.data() != residual.data() && out.data() != x.data(),
+           "linear_forward_add: out may not alias x or residual");
+  check_same_device({&out, &residual});
+  MT_DISPATCH(out.device(), linear_forward_add, out, x, w, bias, residual, stream);
 }
 
 namespace {

@@ -31,6 +31,17 @@ void matmul(const Tensor& c, const Tensor& a, const Tensor& b, bool trans_a, boo
 void linear_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& pre_gelu,
                     const Stream& stream);
 
+/// Linear layer forward with the residual add of a transformer block when there is no dropout
+/// (Megatron's bias-dropout-add at p = 0, fused into the output projection): out[m, n] =
+/// residual + (x · w^T + bias). bias may be empty; residual, out [m, n] (any leading dims of x /
+/// out / residual flattened), all in the act dtype; out may not alias x or residual. CPU: the
+/// GEMM, then residual + (y + bias) element-wise (bit-identical to linear_forward followed by
+/// bias_dropout_add_forward with p = 0). CUDA: one GEMM with C = residual, beta = 1 and the bias
+/// epilogue, D = out (one rounding instead of two); without an algorithm, GEMM then the add.
+/// Errors: as linear_forward, and a residual or out of another shape or dtype.
+void linear_forward_add(const Tensor& out, const Tensor& x, const Tensor& w, const Tensor& bias,
+                        const Tensor& residual, const Stream& stream);
+
 /// Linear layer backward. dx[m, k] = dy · w (overwrite; skipped when dx is empty; same shape as x);
 /// dw[n, k] += dy^T · x (fp32 main grad, accumulate; skipped when empty); dbias[n] += sum_m dy
 /// (fp32, accumulate, skipped when empty). dy [..., n], x [..., k], w [n, k] in the act dtype.
@@ -56,6 +67,7 @@ void gelu_linear_backward(const Tensor& dpre, const Tensor& dpre_bias, const Ten
 
 MT_OP_BACKENDS(matmul)
 MT_OP_BACKENDS(linear_forward)
+MT_OP_BACKENDS(linear_forward_add)
 MT_OP_BACKENDS(linear_backward)
 MT_OP_BACKENDS(gelu_linear_backward)
 

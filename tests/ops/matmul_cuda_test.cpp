@@ -225,6 +225,38 @@ TEST(LinearCuda, Backward) {
   check_linear_backward(DType::kF16, 4, 64, 64, 48, true, true, 2e-2, 1e-4);
 }
 
+/// linear_forward_add on the GPU (the residual in the GEMM's C, bias epilogue) against the CPU.
+void check_linear_forward_add(DType t, int64_t b0, int64_t b1, int64_t n, int64_t k, bool bias, double tol) {
+  const int64_t m = b0 * b1;
+  auto hx = rounded(randn(m * k), t), hw = rounded(randn(n * k, 0.2f), t), hb = rounded(randn(n), t),
+       hr = rounded(randn(m * n), t);
+  const std::vector<int64_t> sx{b0, b1, k}, sy{b0, b1, n}, sw{n, k};
+  const Device c = Device::cpu(), g = Device::cuda(0);
+  auto cx = make_tensor(hx, DType::kF32, c, sx, cpu_stream()), cw = make_tensor(hw, DType::kF32, c, sw, cpu_stream()),
+       cb = make_tensor(hb, DType::kF32, c, {n}, cpu_stream()), cr = make_tensor(hr, DType::kF32, c, sy, cpu_stream());
+  OwnedTensor cy(DType::kF32, c, sy);
+  linear_forward_add(cy, cx, cw, bias ? cb.t : Tensor(), cr, cpu_stream());
+  auto gx = make_tensor(hx, t, g, sx, cuda_stream()), gw = make_tensor(hw, t, g, sw, cuda_stream()),
+       gb = make_tensor(hb, t, g, {n}, cuda_stream()), gr = make_tensor(hr, t, g, sy, cuda_stream());
+  OwnedTensor gy(t, g, sy);
+  poison(gy, cuda_stream());
+  linear_forward_add(gy, gx, gw, bias ? gb.t : Tensor(), gr, cuda_stream());
+  EXPECT_LT(rel_err(to_host(gy, cuda_stream()), to_host(cy, cpu_stream())), tol)
+      << fmt::format("{} m={}x{} n={} k={} bias={}", dtype_name(t), b0, b1, n, k, bias);
+  EXPECT_EQ(to_host(gr, cuda_stream()), to_host(cr, cpu_stream()));  // the residual is only read
+}
+
+TEST(LinearCuda, ForwardAdd) {
+  MT_REQUIRE_CUDA();
+  for (bool bias : {true, false}) {
+    check_linear_forward_add(DType::kF32, 2, 37, 96, 80, bias, 1e-5);
+    check_linear_forward_add(DType::kBF16, 2, 37, 96, 80, bias, 1e-2);
+    check_linear_forward_add(DType::kBF16, 4, 512, 768, 3072, bias, 1e-2);  // GPT-2's fc2
+    check_linear_forward_add(DType::kBF16, 1, 13, 45, 31, bias, 1e-2);      // ragged
+    check_linear_forward_add(DType::kF16, 3, 11, 64, 48, bias, 1e-2);
+  }
+}
+
 /// gelu_linear_backward on the GPU against the CPU backend (fp32 from the same rounded values).
 void check_gelu_linear_backward(DType t, int64_t b0, int64_t b1, int64_t n, int64_t k, bool with_dpb,
                                 double tol_act, double tol_bias) {

@@ -5,6 +5,7 @@
 
 #include <cmath>
 
+#include "ops/elementwise.h"
 #include "ops/matmul.h"
 #include "testing/testing.h"
 
@@ -257,6 +258,30 @@ TEST(Linear, GeluLinearBackward) {
   EXPECT_THROW(gelu_linear_backward(dpre, dpb, dw, db, dy, x, bad_pre, w, st), Error);
   EXPECT_THROW(gelu_linear_backward(dpre, bad_dpb, dw, db, dy, x, pre, w, st), Error);
   EXPECT_THROW(gelu_linear_backward(pre, dpb, dw, db, dy, x, pre, w, st), Error);
+}
+
+// The output projection with the block's residual add: bit-identical to linear_forward followed
+// by bias_dropout_add_forward at p = 0, which it replaces.
+TEST(Linear, ForwardAddMatchesBiasDropoutAdd) {
+  const Stream& st = cpu_stream();
+  for (bool bias : {true, false}) {
+    const int64_t b0 = 3, b1 = 5, m = b0 * b1, n = 12, k = 7;
+    auto x = make_tensor(randn(m * k), DType::kF32, Device::cpu(), {b0, b1, k}, st);
+    auto w = make_tensor(randn(n * k), DType::kF32, Device::cpu(), {n, k}, st);
+    auto b = make_tensor(randn(n), DType::kF32, Device::cpu(), {n}, st);
+    auto r = make_tensor(randn(m * n), DType::kF32, Device::cpu(), {b0, b1, n}, st);
+    OwnedTensor out(DType::kF32, Device::cpu(), {b0, b1, n}), y(DType::kF32, Device::cpu(), {b0, b1, n}),
+        ref(DType::kF32, Device::cpu(), {b0, b1, n});
+    poison(out, st);
+    linear_forward_add(out, x, w, bias ? b.t : Tensor(), r, st);
+    linear_forward(y, x, w, Tensor(), Tensor(), st);
+    bias_dropout_add_forward(ref, y, bias ? b.t : Tensor(), r, 0.f, DropoutKey{}, 0, st);
+    EXPECT_EQ(to_host(out, st), to_host(ref, st)) << "bias " << bias;
+  }
+  OwnedTensor x(DType::kF32, Device::cpu(), {4, 3}), w(DType::kF32, Device::cpu(), {5, 3}),
+      out(DType::kF32, Device::cpu(), {4, 5}), bad_r(DType::kF32, Device::cpu(), {4, 4});
+  EXPECT_THROW(linear_forward_add(out, x, w, Tensor(), bad_r, st), Error);
+  EXPECT_THROW(linear_forward_add(out, x, w, Tensor(), out, st), Error);  // out aliases the residual
 }
 
 TEST(Linear, Errors) {

@@ -229,7 +229,7 @@ Tensor SelfAttention::qkv(int area) const {
   return qkv_saved_.empty() ? qkv_ : qkv_saved_.at(static_cast<size_t>(area));
 }
 
-Tensor SelfAttention::forward(const StepContext& ctx) {
+Tensor SelfAttention::forward(const StepContext& ctx, const ResidualAdd* add) {
   const Tensor qkv_in = qkv(ctx.slot);
   const Tensor raw = q_layernorm_ ? qkv_raw_.at(static_cast<size_t>(ctx.slot)) : qkv_in;
   linear_qkv_.forward(raw, ctx);
@@ -249,7 +249,7 @@ Tensor SelfAttention::forward(const StepContext& ctx) {
   } else {
     core_attention_->forward(linear_proj_.input(ctx.slot), qkv_in, ctx);
   }
-  return linear_proj_.forward(ctx);
+  return linear_proj_.forward(ctx, add);
 }
 
 Tensor SelfAttention::backward(const Tensor& dy, const StepContext& ctx, WgradDeferral* defer) {

@@ -95,7 +95,9 @@ class SelfAttention {
   /// ctx.batch.inference (generation) the core attention is replaced by the key/value-cache
   /// attention (ops/kv_cache_attention.h): the new keys/values are appended to this layer's cache
   /// at the context's offset and the queries attend over the cache (no dropout, no backward).
-  Tensor forward(const StepContext& ctx);
+  Tensor forward(const StepContext& ctx, const ResidualAdd* add = nullptr);
+  /// linear_proj's fuses_residual(): forward may take a ResidualAdd.
+  bool fuses_residual() const { return linear_proj_.fuses_residual(); }
   /// From dy [s_l, b, h]: returns dL/d(input) [s_l, b, h] (a scratch view). With `defer`, the
   /// weight gradients of linear_proj and linear_qkv are held back there.
   Tensor backward(const Tensor& dy, const StepContext& ctx, WgradDeferral* defer);

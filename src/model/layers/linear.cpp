@@ -89,8 +89,14 @@ void RowParallelLinear::plan(BufferPlanner& p, int64_t s, int64_t b) {
   dx_ = p.scratch(role_ + ".dx", t, {s, b, in_l});
 }
 
-Tensor RowParallelLinear::forward(const StepContext& ctx) {
+Tensor RowParallelLinear::forward(const StepContext& ctx, const ResidualAdd* add) {
   const Tensor& x = saved_.at(static_cast<size_t>(ctx.slot));
+  if (add) {
+    MT_CHECK(fuses_residual(), "{}: the residual add cannot be fused under tensor parallelism", role_);
+    linear_forward_add(rows(add->out), rows(x), weight_.value(), value_or_empty(bias_), rows(add->residual),
+                       ctx.stream);
+    return add->out;
+  }
   linear_forward(rows(out_full_), rows(x), weight_.value(), Tensor(), Tensor(), ctx.stream);
   tp_.exit_forward(out_local_, out_full_, ctx.stream);
   return out_local_;

@@ -74,6 +74,12 @@ class ColumnParallelLinear {
   Tensor dx_full_, dx_local_;  // [s, b, in], [s_l, b, in] (same memory without SP)
 };
 
+/// The residual add of a transformer block (TransformerLayer), fused into the block's output
+/// projection when there is no dropout: out = residual + (y + bias), all [s_l, b, h].
+struct ResidualAdd {
+  Tensor out, residual;
+};
+
 class RowParallelLinear {
  public:
   struct Options {
@@ -91,8 +97,11 @@ class RowParallelLinear {
   /// Where the producer writes this layer's input [s, b, in/tp] for `area` (saved).
   Tensor input(int area) const { return saved_.at(static_cast<size_t>(area)); }
   /// Returns y [s_l, b, out] = reduce over TP of x Wᵀ, without the bias (a scratch view, valid
-  /// until the next RowParallelLinear forward).
-  Tensor forward(const StepContext& ctx);
+  /// until the next RowParallelLinear forward). With `add` (only when fuses_residual()): writes
+  /// and returns add->out = add->residual + (x Wᵀ + bias) (ops/matmul.h linear_forward_add).
+  Tensor forward(const StepContext& ctx, const ResidualAdd* add = nullptr);
+  /// Whether forward takes a ResidualAdd: no tensor-parallel reduction follows the GEMM (TP 1).
+  bool fuses_residual() const { return tp_.size() == 1; }
   /// The input of this layer was gelu(pre) (an MLP's fc2 after fc1 and the GELU): pre [s, b, in/tp]
   /// (the input's shape and dtype) and the producer's bias gradient (fp32 [in/tp]; empty when the
   /// producer has no bias).

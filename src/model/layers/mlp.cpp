@@ -51,7 +51,7 @@ void MLP::plan(BufferPlanner& p, int64_t s, int64_t b) {
   d_pre_ = gated_ ? p.scratch("mlp.d_pre", t, {s, b, 2 * local_ffn_}) : Tensor();
 }
 
-Tensor MLP::forward(const StepContext& ctx) {
+Tensor MLP::forward(const StepContext& ctx, const ResidualAdd* add) {
   const Tensor& pre = pre_.at(static_cast<size_t>(ctx.slot));
   const Tensor act = linear_fc2_.input(ctx.slot);
   if (gated_) {
@@ -60,7 +60,7 @@ Tensor MLP::forward(const StepContext& ctx) {
   } else {
     linear_fc1_.forward(act, ctx, /*pre_gelu=*/pre);  // GELU in the GEMM epilogue
   }
-  return linear_fc2_.forward(ctx);
+  return linear_fc2_.forward(ctx, add);
 }
 
 Tensor MLP::backward(const Tensor& dy, const StepContext& ctx, WgradDeferral* defer) {

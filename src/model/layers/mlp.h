@@ -19,8 +19,11 @@ class MlpSlot {
   virtual void plan(BufferPlanner& planner, int64_t s, int64_t b) = 0;
   /// Where the pre-MLP layernorm writes the block's input [s_l, b, h] for `area`.
   virtual Tensor input(int area) const = 0;
-  /// Returns the block's output [s_l, b, h] before its output bias (a scratch view).
-  virtual Tensor forward(const StepContext& ctx) = 0;
+  /// Returns the block's output [s_l, b, h] before its output bias (a scratch view). With `add`
+  /// (only when fuses_residual()): returns add->out = add->residual + (output + bias) instead.
+  virtual Tensor forward(const StepContext& ctx, const ResidualAdd* add = nullptr) = 0;
+  /// Whether forward takes a ResidualAdd.
+  virtual bool fuses_residual() const { return false; }
   /// From dy [s_l, b, h]: returns dL/d(input) [s_l, b, h] (a scratch view). With `defer`, weight
   /// gradients whose inputs stay intact may be held back there.
   virtual Tensor backward(const Tensor& dy, const StepContext& ctx, WgradDeferral* defer) = 0;
@@ -41,7 +44,8 @@ class MLP final : public MlpSlot {
 
   void plan(BufferPlanner& planner, int64_t s, int64_t b) override;
   Tensor input(int area) const override { return linear_fc1_.input(area); }
-  Tensor forward(const StepContext& ctx) override;
+  Tensor forward(const StepContext& ctx, const ResidualAdd* add = nullptr) override;
+  bool fuses_residual() const override { return linear_fc2_.fuses_residual(); }
   /// linear_fc1's weight gradient may be deferred (linear_fc2's is computed at once: its gathered
   /// output gradient is shared with the attention block's linear_proj).
   Tensor backward(const Tensor& dy, const StepContext& ctx, WgradDeferral* defer) override;

@@ -315,7 +315,8 @@ void MoELayer::router_forward(Saved& sv, const StepContext& ctx) {
   }
 }
 
-Tensor MoELayer::forward(const StepContext& ctx) {
+Tensor MoELayer::forward(const StepContext& ctx, const ResidualAdd* add) {
+  MT_CHECK(add == nullptr, "MoELayer: the residual add is not fused into the MoE block");
   Saved& sv = saved_.at(static_cast<size_t>(ctx.slot));
   const Stream& st = ctx.stream;
   const Tensor x = rows(sv.x);

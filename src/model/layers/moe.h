@@ -95,7 +95,8 @@ class MoELayer final : public MlpSlot {
 
   void plan(BufferPlanner& planner, int64_t s, int64_t b) override;
   Tensor input(int area) const override { return saved_.at(static_cast<size_t>(area)).x; }
-  Tensor forward(const StepContext& ctx) override;
+  /// (no ResidualAdd: fuses_residual() is false)
+  Tensor forward(const StepContext& ctx, const ResidualAdd* add = nullptr) override;
   Tensor backward(const Tensor& dy, const StepContext& ctx, WgradDeferral* defer) override;
   const ParamRef& output_bias() const override { return no_bias_; }
 

@@ -70,14 +70,26 @@ Tensor TransformerLayer::forward(const Tensor& x, const StepContext& ctx) {
   const int64_t off = shard_offset(tp_, seq_local_, batch_, config_.hidden_size);
   const LayerGraphs::Inputs attn_in{x.data(), ctx.batch.position_ids.data(), ctx.batch.doc_start.data(), nullptr,
                                     nullptr};
+  // Without dropout the residual add (bias-dropout-add) happens in the output projection's GEMM
+  // where no tensor-parallel reduction follows it (ResidualAdd).
   region(ctx, layer_, Region::kAttention, false, attn_in, [&] {
     input_layernorm_->forward(rows(self_attention_->input(ctx.slot)), rows(x), ctx);
+    if (pd == 0.f && self_attention_->fuses_residual()) {
+      const ResidualAdd add{s.resid1, x};
+      self_attention_->forward(ctx, &add);
+      return;
+    }
     const Tensor attn = self_attention_->forward(ctx);
     bias_dropout_add_forward(rows(s.resid1), rows(attn), value_or_empty(self_attention_->output_bias()), rows(x), pd,
                              dropout_key(ctx.dropout, layer_, kSiteAttentionOut), off, ctx.stream);
   });
   region(ctx, layer_, mlp_region(), false, {}, [&] {
     pre_mlp_layernorm_->forward(rows(mlp_->input(ctx.slot)), rows(s.resid1), ctx);
+    if (pd == 0.f && mlp_->fuses_residual()) {
+      const ResidualAdd add{s.out, s.resid1};
+      mlp_->forward(ctx, &add);
+      return;
+    }
     const Tensor mlp = mlp_->forward(ctx);
     bias_dropout_add_forward(rows(s.out), rows(mlp), value_or_empty(mlp_->output_bias()), rows(s.resid1), pd,
                              dropout_key(ctx.dropout, layer_, kSiteMlpOut), off, ctx.stream);

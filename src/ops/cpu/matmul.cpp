@@ -81,6 +81,18 @@ void column_sum_add(float* out, const float* x, int64_t m, int64_t n) {
 }
 }  // namespace
 
+void linear_forward_add(const Tensor& out, const Tensor& x, const Tensor& w, const Tensor& bias,
+                        const Tensor& residual, const Stream& stream) {
+  require_f32("linear_forward_add", {&out, &x, &w, &bias, &residual});
+  cpu::linear_forward(out, x, w, Tensor(), Tensor(), stream);
+  const int64_t n = w.size(0), total = out.numel();
+  float* o = out.data_as<float>();
+  const float* r = residual.data_as<float>();
+  const float* b = bias.empty() ? nullptr : bias.data_as<float>();
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < total; ++i) o[i] = r[i] + (b ? o[i] + b[i % n] : o[i]);  // as bias_dropout_add, p = 0
+}
+
 void linear_backward(const Tensor& dx, const Tensor& dw, const Tensor& dbias, const Tensor& dy, const Tensor& x,
                      const Tensor& w, const Stream& stream) {
   require_f32("linear_backward", {&dx, &dw, &dbias, &dy, &x, &w});

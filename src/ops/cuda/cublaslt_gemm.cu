@@ -1,5 +1,6 @@
 #include "ops/cuda/cublaslt_gemm.h"
 
+#include <algorithm>
 #include <array>
 #include <memory>
 #include <mutex>
@@ -266,7 +267,8 @@ bool run_gemm(const GemmDesc& g, const Stream& stream, int* status) {
   CudaStreamResources* res = stream.cuda();
   MT_CHECK(res != nullptr, "{}: needs a CUDA stream, got {}", describe(g), stream.device().str());
   Alignments al{alignment_of(g.a, g.stride_a, g.ab_type, g.batch), alignment_of(g.b, g.stride_b, g.ab_type, g.batch),
-                alignment_of(g.c, g.stride_c, g.c_type, g.batch),
+                std::min(alignment_of(g.c, g.stride_c, g.c_type, g.batch),
+                         g.d ? alignment_of(g.d, g.stride_c, g.c_type, g.batch) : 256u),
                 g.bias ? alignment_of(g.bias, 0, g.c_type, 1) : g.bias_grad ? alignment_of(g.bias_grad, 0, DType::kF32, 1) : 0u,
                 g.aux ? alignment_of(g.aux, 0, g.c_type, 1) : 0u};
   GemmKey key = make_key(g, res->lt, res->device.index, al);
@@ -288,8 +290,9 @@ bool run_gemm(const GemmDesc& g, const Stream& stream, int* status) {
   set_pointers(*plan, g);
   // The lock also covers the enqueue, since the cached descriptor carries this call's pointers.
   auto enqueue = [&] {
-    return cublasLtMatmul(res->lt, plan->op, &g.alpha, g.b, plan->la, g.a, plan->lb, &g.beta, g.c, plan->lc, g.c,
-                          plan->lc, &plan->algo, res->workspace, CudaStreamResources::kWorkspaceBytes, res->stream);
+    return cublasLtMatmul(res->lt, plan->op, &g.alpha, g.b, plan->la, g.a, plan->lb, &g.beta, g.c, plan->lc,
+                          g.d ? g.d : g.c, plan->lc, &plan->algo, res->workspace, CudaStreamResources::kWorkspaceBytes,
+                          res->stream);
   };
   cublasStatus_t st = enqueue();
   if (st != CUBLAS_STATUS_SUCCESS && !planned_here) {

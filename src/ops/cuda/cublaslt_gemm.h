@@ -41,6 +41,9 @@ struct GemmDesc {
   int64_t ldb = 0, stride_b = 0;
   void* c = nullptr;
   int64_t ldc = 0, stride_c = 0;
+  /// The output when it is not C (same layout as C; C is then only read, with beta): D = alpha
+  /// op(A) op(B) + beta C. nullptr: D is C.
+  void* d = nullptr;
   float alpha = 1.f, beta = 0.f;
   GemmEpilogue epilogue = GemmEpilogue::kNone;
   const void* bias = nullptr;

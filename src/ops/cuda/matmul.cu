@@ -7,6 +7,7 @@
 #include "ops/cuda/common.cuh"
 #include "ops/cuda/cublaslt_gemm.h"
 #include "ops/matmul.h"
+#include "ops/elementwise.h"
 #include "ops/gelu.h"
 #include "ops/gelu_math.h"
 #include "core/cuda_resources.h"
@@ -169,6 +170,27 @@ void linear_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Ten
   if (!bias_done) gemm(g, stream);
   const Tensor no_bias;
   if (gelu || (!bias.empty() && !bias_done)) bias_act(out, gelu ? &y : nullptr, bias_done ? no_bias : bias, m, n, stream);
+}
+
+void linear_forward_add(const Tensor& out, const Tensor& x, const Tensor& w, const Tensor& bias,
+                        const Tensor& residual, const Stream& stream) {
+  const int64_t n = w.size(0), k = w.size(1);
+  int64_t m = 1;
+  for (int d = 0; d + 1 < out.ndim(); ++d) m *= out.size(d);
+  if (m == 0 || n == 0) return;
+  const DType act = out.dtype();
+  if (k > 0) {
+    // D = x·w^T + 1·C + bias with C = residual: the residual add in the GEMM's epilogue
+    GemmDesc g = contiguous_gemm(1, m, n, k, false, true, act, act, x.data(), w.data(), residual.data(), 1.f, 1.f);
+    g.d = out.data();
+    if (!bias.empty()) {
+      g.epilogue = GemmEpilogue::kBias;
+      g.bias = bias.data();
+    }
+    if (try_gemm(g, stream)) return;
+  }
+  cuda::linear_forward(out, x, w, Tensor(), Tensor(), stream);
+  cuda::bias_dropout_add_forward(out, out, bias, residual, 0.f, DropoutKey{}, 0, stream);
 }
 
 void linear_backward(const Tensor& dx, const Tensor& dw, const Tensor& dbias, const Tensor& dy, const Tensor& x,
