@@ -49,7 +49,7 @@ void compare(DType dtype, float dropout, double tol, bool documents = false, boo
     c.num_moe_experts = 8;
     c.moe_ffn_hidden_size = 48;
     c.moe_router_topk = 2;
-    c.moe_aux_loss_coeff = 0.1f;
+    c.moe_aux_loss_coeff = {0.1f};
     c.moe_z_loss_coeff = 0.01f;
     if (moe == Moe::kMixtral || moe == Moe::kMixtralDrop) {
       c.moe_layer_pattern = {0, 1};
@@ -63,7 +63,7 @@ void compare(DType dtype, float dropout, double tol, bool documents = false, boo
       c.moe_router_num_groups = 4;
       c.moe_router_group_topk = 2;
       c.moe_shared_expert_intermediate_size = 32;
-      c.moe_router_load_balancing_type = MoeLoadBalancing::kSeqAuxLoss;
+      c.moe_router_load_balancing_type = {MoeLoadBalancing::kSeqAuxLoss};
       c.moe_router_enable_expert_bias = true;
       c.moe_router_bias_update_rate = 0.05f;
     }
@@ -163,10 +163,10 @@ void compare(DType dtype, float dropout, double tol, bool documents = false, boo
   if (moe != Moe::kNone) {
     const auto sc = cpu.moe_loss_stats(cs), sg = gpu.moe_loss_stats(gs);
     ASSERT_EQ(sc.size(), sg.size());
-    const size_t per = static_cast<size_t>(2 + c.num_moe_experts);
+    const size_t per = static_cast<size_t>(kMoeStatLosses + c.num_moe_experts);
     double routed = 0;
     for (size_t i = 0; i < sc.size(); ++i) {
-      if (i % per >= 2) routed += sc[i];
+      if (i % per >= kMoeStatLosses) routed += sc[i];
       if (dtype == DType::kF32) EXPECT_NEAR(sg[i], sc[i], tol * std::max(1.0, std::fabs(sc[i]))) << "MoE statistic " << i;
     }
     const double slots = static_cast<double>(c.seq_length * b * c.moe_router_topk * c.num_moe_layers());
@@ -244,7 +244,7 @@ TEST(GptCuda, MoEGroupedGemmLayerIsCapturable) {
       c.num_moe_experts = 8;
       c.moe_ffn_hidden_size = 48;
       c.moe_router_topk = 2;
-      c.moe_aux_loss_coeff = 0.1f;
+      c.moe_aux_loss_coeff = {0.1f};
       c.moe_z_loss_coeff = 0.01f;
       c.moe_grouped_gemm = true;
       if (drop) {
@@ -359,7 +359,7 @@ TEST(GptCuda, RecomputeMatchesNoRecompute) {
       c.num_moe_experts = 8;
       c.moe_layer_pattern = {0, 1, 1, 1};
       c.moe_ffn_hidden_size = 48;
-      c.moe_aux_loss_coeff = 0.1f;
+      c.moe_aux_loss_coeff = {0.1f};
       c.moe_z_loss_coeff = 0.01f;
       c.moe_grouped_gemm = true;
     }

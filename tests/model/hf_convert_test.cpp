@@ -191,7 +191,7 @@ TEST(HfConvert, ConfigMapsToTransformerConfig) {
       EXPECT_FALSE(c.moe_router_pre_softmax);  // renormalised top-k = softmax over the selected logits
       EXPECT_EQ(c.moe_shared_expert_intermediate_size, 0);
       for (int64_t l = 0; l < kL; ++l) EXPECT_EQ(c.is_moe_layer(l), moe_layer(a, l)) << "layer " << l;
-      EXPECT_FLOAT_EQ(c.moe_aux_loss_coeff, a == HfArchitecture::kMixtral ? 0.02f : 0.001f);
+      EXPECT_FLOAT_EQ(c.moe_aux_coeff(MoeLoadBalancing::kAuxLoss), a == HfArchitecture::kMixtral ? 0.02f : 0.001f);
     }
     fs::remove_all(fx.dir);
   }

@@ -119,8 +119,7 @@ std::vector<uint8_t> qwen3_moe_pattern(int64_t num_layers, int64_t sparse_step, 
 void moe_config(const Fields& f, HfArchitecture arch, TransformerConfig& c) {
   c.moe_router_score_function = MoeScoreFunction::kSoftmax;
   c.moe_router_topk = f.get<int64_t>("num_experts_per_tok");
-  c.moe_aux_loss_coeff = f.get_or<float>("router_aux_loss_coef", 0.f);
-  c.moe_router_load_balancing_type = MoeLoadBalancing::kAuxLoss;
+  c.set_moe_load_balancing(MoeLoadBalancing::kAuxLoss, f.get_or<float>("router_aux_loss_coef", 0.f));
   MT_REQUIRE(f.get_or<int64_t>("shared_expert_intermediate_size", 0) == 0,
              "{}: shared experts (shared_expert_intermediate_size) are not supported for {}", f.file,
              architecture_name(arch));
@@ -287,7 +286,7 @@ const char* model_type(HfArchitecture a) {
 // model's layer pattern.
 void moe_hf_config(HfArchitecture arch, const TransformerConfig& c, const json& base, json& j) {
   j["num_experts_per_tok"] = c.moe_router_topk;
-  if (!j.contains("router_aux_loss_coef")) j["router_aux_loss_coef"] = decimal(c.moe_aux_loss_coeff);
+  if (!j.contains("router_aux_loss_coef")) j["router_aux_loss_coef"] = decimal(c.moe_aux_coeff(MoeLoadBalancing::kAuxLoss));
   if (!j.contains("output_router_logits")) j["output_router_logits"] = false;
   if (arch == HfArchitecture::kMixtral) {
     j["num_local_experts"] = c.num_moe_experts;
