@@ -352,6 +352,9 @@ void TransformerConfig::validate(int tp) const {
                "group (the {} experts of each of {} groups)",
                k, gk, E / G, E / G, G);
   }
+  MT_REQUIRE(!moe_shared_expert_gate || moe_shared_expert_intermediate_size > 0,
+             "--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size > 0 (a shared expert to gate), got {}",
+             moe_shared_expert_intermediate_size);
   MT_REQUIRE(moe_router_dtype == DType::kF32 || moe_router_dtype == DType::kF64,
              "--moe-router-dtype {} is not supported: expected fp32 or fp64", dtype_name(moe_router_dtype));
   MT_REQUIRE(!moe_router_force_load_balancing || moe_router_dtype == DType::kF32,
@@ -420,7 +423,8 @@ int64_t TransformerConfig::num_parameters(int tp) const {
   const int64_t dense_mlp = glu * f * (h + bias) + f * h + bias * h;  // linear_fc1, linear_fc2
   const int64_t moe_mlp = num_moe_experts * h                                      // router
                           + num_moe_experts * (glu * moe_ffn() * h + moe_ffn() * h)  // experts (no bias)
-                          + glu * moe_shared_expert_intermediate_size * h + moe_shared_expert_intermediate_size * h;
+                          + glu * moe_shared_expert_intermediate_size * h + moe_shared_expert_intermediate_size * h
+                          + (moe_shared_expert_gate ? h : 0);  // the shared expert's gate [1, h]
   const int64_t L_moe = num_moe_layers();
   int64_t total = V * h + num_layers * per_layer + (num_layers - L_moe) * dense_mlp + L_moe * moe_mlp + norm * h;
   if (position_embedding_type == PositionEmbeddingType::kLearnedAbsolute) total += max_positions() * h;
@@ -458,7 +462,8 @@ std::string TransformerConfig::summary() const {
     s += fmt::format(", MoE in {} of {} layers: {} experts, top-{} {} router, expert ffn {}", num_moe_layers(),
                      num_layers, num_moe_experts, moe_router_topk,
                      moe_score_function_name(moe_router_score_function), moe_ffn());
-    if (moe_shared_expert_intermediate_size > 0) s += fmt::format(", shared expert {}", moe_shared_expert_intermediate_size);
+    if (moe_shared_expert_intermediate_size > 0)
+      s += fmt::format(", {}shared expert {}", moe_shared_expert_gate ? "gated " : "", moe_shared_expert_intermediate_size);
     if (moe_router_num_groups > 0)
       s += fmt::format(", {} of {} expert groups", moe_router_group_topk, moe_router_num_groups);
     if (moe_router_enable_expert_bias) s += fmt::format(", expert bias (rate {})", moe_router_bias_update_rate);

@@ -132,6 +132,10 @@ struct TransformerConfig {
   std::vector<uint8_t> moe_layer_pattern;
   int64_t moe_ffn_hidden_size = 0;      ///< --moe-ffn-hidden-size; 0 = ffn()
   int64_t moe_shared_expert_intermediate_size = 0;  ///< --moe-shared-expert-intermediate-size; 0 = none
+  /// --moe-shared-expert-gate (Megatron's moe_shared_expert_gate; Qwen 2 MoE's shared_expert_gate):
+  /// the shared experts' output is scaled per token by sigmoid(x · w_gate), w_gate [1, h]
+  /// (replicated). Needs --moe-shared-expert-intermediate-size.
+  bool moe_shared_expert_gate = false;
   int64_t moe_router_topk = 2;          ///< --moe-router-topk (k)
   MoeScoreFunction moe_router_score_function = MoeScoreFunction::kSoftmax;  ///< --moe-router-score-function
   bool moe_router_pre_softmax = false;  ///< --moe-router-pre-softmax: softmax over all E before top-k

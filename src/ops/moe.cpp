@@ -154,6 +154,46 @@ void moe_router_logits_fp64_backward(const Tensor& dx, const Tensor& dw, const T
   MT_DISPATCH(d_logits.device(), moe_router_logits_fp64_backward, dx, dw, d_logits, x, w, stream);
 }
 
+namespace {
+// rows [T, h] of one act dtype like `ref`, contiguous.
+void check_gate_rows(const Tensor& t, const Tensor& ref, const char* fn, const char* name) {
+  MT_CHECK(t.dtype() == ref.dtype() && t.ndim() == 2 && t.is_contiguous() && t.size(0) == ref.size(0) &&
+               t.size(1) == ref.size(1),
+           "{}: {} must be a contiguous {} [{}, {}] tensor, got {}", fn, name, dtype_name(ref.dtype()), ref.size(0),
+           ref.size(1), t.str());
+}
+void check_gate_logits(const Tensor& t, int64_t T, const char* fn, const char* name) {
+  MT_CHECK(t.dtype() == DType::kF32 && t.ndim() == 1 && t.is_contiguous() && t.size(0) == T,
+           "{}: {} must be a contiguous fp32 [{}] tensor, got {}", fn, name, T, t.str());
+}
+}  // namespace
+
+void moe_shared_gate_forward(const Tensor& y, const Tensor& ys, const Tensor& logits, const Stream& stream) {
+  const char* fn = "moe_shared_gate_forward";
+  op_checks::check_act(ys, fn, "ys");
+  MT_CHECK(ys.ndim() == 2, "{}: ys must be [T, h], got {}", fn, ys.str());
+  check_gate_rows(ys, ys, fn, "ys");
+  check_gate_rows(y, ys, fn, "y");
+  check_gate_logits(logits, ys.size(0), fn, "logits");
+  MT_CHECK(y.data() != ys.data(), "{}: y must not alias ys", fn);
+  check_devices(stream, y, {&ys, &logits}, fn);
+  MT_DISPATCH(y.device(), moe_shared_gate_forward, y, ys, logits, stream);
+}
+
+void moe_shared_gate_backward(const Tensor& d_ys, const Tensor& d_logits, const Tensor& dy, const Tensor& ys,
+                              const Tensor& logits, const Stream& stream) {
+  const char* fn = "moe_shared_gate_backward";
+  op_checks::check_act(ys, fn, "ys");
+  MT_CHECK(ys.ndim() == 2, "{}: ys must be [T, h], got {}", fn, ys.str());
+  check_gate_rows(ys, ys, fn, "ys");
+  check_gate_rows(dy, ys, fn, "dy");
+  check_gate_rows(d_ys, ys, fn, "d_ys");
+  check_gate_logits(logits, ys.size(0), fn, "logits");
+  check_gate_logits(d_logits, ys.size(0), fn, "d_logits");
+  check_devices(stream, ys, {&d_ys, &d_logits, &dy, &logits}, fn);
+  MT_DISPATCH(ys.device(), moe_shared_gate_backward, d_ys, d_logits, dy, ys, logits, stream);
+}
+
 void moe_tokens_per_expert(const Tensor& counts, const Tensor& top, const Stream& stream) {
   const char* fn = "moe_tokens_per_expert";
   MT_CHECK(counts.dtype() == DType::kF32 && counts.is_contiguous() && counts.ndim() >= 1 && counts.ndim() <= 2,

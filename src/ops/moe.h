@@ -90,6 +90,18 @@ void moe_router_logits_fp64(const Tensor& logits, const Tensor& x, const Tensor&
 void moe_router_logits_fp64_backward(const Tensor& dx, const Tensor& dw, const Tensor& d_logits, const Tensor& x,
                                      const Tensor& w, const Stream& stream);
 
+/// The sigmoid gate of a shared expert (--moe-shared-expert-gate; Megatron's SharedExpertMLP with
+/// gate: output · sigmoid(x · w_gate)), applied while adding it to the routed output:
+/// y[t, :] += sigmoid(logits[t]) · ys[t, :] (fp32 math, rounded once to the act dtype).
+/// y, ys [T, h] act dtype (fp32/bf16/fp16, contiguous; y may not alias ys); logits fp32 [T].
+/// Errors: mt::Error on shapes/dtypes/devices.
+void moe_shared_gate_forward(const Tensor& y, const Tensor& ys, const Tensor& logits, const Stream& stream);
+/// Its backward from dy [T, h]: d_ys[t, :] = sigmoid(l_t) · dy[t, :] (act dtype, overwritten) and
+/// d_logits[t] = sigmoid(l_t)·(1 − sigmoid(l_t)) · Σ_i dy[t, i]·ys[t, i] (fp32 [T], overwritten; the
+/// sum in double on the CPU, in fp32 lanes reduced in a fixed order on CUDA).
+void moe_shared_gate_backward(const Tensor& d_ys, const Tensor& d_logits, const Tensor& dy, const Tensor& ys,
+                              const Tensor& logits, const Stream& stream);
+
 /// Tokens per expert: counts[g, e] (fp32 [G, E] or [E] for G = 1, overwritten) = the number of
 /// (token t, slot) with t mod G = g and top[t, slot] = e; top int32 [T, k], every entry in [0, E).
 void moe_tokens_per_expert(const Tensor& counts, const Tensor& top, const Stream& stream);
@@ -192,6 +204,8 @@ MT_OP_BACKENDS(moe_aux_scores_backward)
 MT_OP_BACKENDS(moe_z_loss)
 MT_OP_BACKENDS(moe_router_logits_fp64)
 MT_OP_BACKENDS(moe_router_logits_fp64_backward)
+MT_OP_BACKENDS(moe_shared_gate_forward)
+MT_OP_BACKENDS(moe_shared_gate_backward)
 MT_OP_BACKENDS(moe_tokens_per_expert)
 MT_OP_BACKENDS(moe_global_tokens_per_expert)
 MT_OP_BACKENDS(moe_expert_bias_update)

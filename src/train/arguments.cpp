@@ -121,6 +121,8 @@ void add_pretrain_options(CLI::App& app, PretrainArgs& a) {
   app.add_option("--moe-ffn-hidden-size", m.moe_ffn_hidden_size, "Hidden size of each expert (default ffn-hidden-size)");
   app.add_option("--moe-shared-expert-intermediate-size", m.moe_shared_expert_intermediate_size,
                  "Hidden size of the shared experts (0 = none)");
+  app.add_flag("--moe-shared-expert-gate", m.moe_shared_expert_gate,
+               "Scale the shared experts' output per token by sigmoid(x . w), w [1, hidden] (Qwen 2 MoE)");
   app.add_option("--moe-router-topk", m.moe_router_topk, "Experts per token")->capture_default_str();
   app.add_option_function<std::string>(
          "--moe-router-score-function",

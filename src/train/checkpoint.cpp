@@ -41,6 +41,7 @@ json moe_config_to_json(const TransformerConfig& c) {
               {"moe_layer_pattern", pattern},
               {"moe_ffn_hidden_size", c.moe_ffn()},
               {"moe_shared_expert_intermediate_size", c.moe_shared_expert_intermediate_size},
+              {"moe_shared_expert_gate", c.moe_shared_expert_gate},
               {"moe_router_topk", c.moe_router_topk},
               {"moe_router_score_function", moe_score_function_name(c.moe_router_score_function)},
               {"moe_router_pre_softmax", c.moe_router_pre_softmax},
@@ -59,6 +60,7 @@ void moe_config_from_json(const json& j, TransformerConfig& c) {
   for (int v : j.at("moe_layer_pattern").get<std::vector<int>>()) c.moe_layer_pattern.push_back(v ? 1 : 0);
   c.moe_ffn_hidden_size = j.at("moe_ffn_hidden_size").get<int64_t>();
   c.moe_shared_expert_intermediate_size = j.value("moe_shared_expert_intermediate_size", int64_t{0});
+  c.moe_shared_expert_gate = j.value("moe_shared_expert_gate", false);
   c.moe_router_topk = j.at("moe_router_topk").get<int64_t>();
   c.moe_router_score_function = parse_moe_score_function(j.value("moe_router_score_function", std::string("softmax")));
   c.moe_router_pre_softmax = j.value("moe_router_pre_softmax", false);

@@ -329,6 +329,7 @@ void check_resume_config(const TransformerConfig& ck, const TransformerConfig& m
   same("--moe-ffn-hidden-size", ck.moe_ffn(), m.moe_ffn());
   same("--moe-shared-expert-intermediate-size", ck.moe_shared_expert_intermediate_size,
        m.moe_shared_expert_intermediate_size);
+  same_flag("--moe-shared-expert-gate", yes(ck.moe_shared_expert_gate), yes(m.moe_shared_expert_gate));
 }
 
 class ProgressLine {

@@ -366,6 +366,17 @@ TEST(Gpt, MoERouterFp64GradientCheck) {
   }
 }
 
+// --moe-shared-expert-gate (Qwen 2 MoE's shared_expert_gate): the shared expert's output scaled by
+// sigmoid(x · w_gate); gradients (w_gate's included) against finite differences, both routers.
+TEST(Gpt, MoESharedExpertGateGradientCheck) {
+  for (bool sigmoid : {false, true}) {
+    TransformerConfig c = tiny_moe_config(sigmoid);
+    c.moe_shared_expert_intermediate_size = 8;
+    c.moe_shared_expert_gate = true;
+    moe_gradient_check(c, false);
+  }
+}
+
 TEST(Gpt, MoEGeluExpertsGradientCheck) {
   TransformerConfig c = tiny_moe_config(false);
   c.gated_linear_unit = false;

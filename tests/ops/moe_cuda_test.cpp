@@ -310,6 +310,47 @@ TEST(MoeCuda, Fp64RouterGemmMatchesCpu) {
   }
 }
 
+// --moe-shared-expert-gate: the gate's forward and backward, CUDA (fp32, bf16, fp16) against the CPU
+// on the same rounded inputs; repeat runs bitwise equal.
+TEST(MoeCuda, SharedGateMatchesCpu) {
+  MT_REQUIRE_CUDA();
+  for (DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
+    for (const auto& [T, h] : {std::pair<int64_t, int64_t>{517, 64}, {33, 4096}, {5, 7}}) {
+      SCOPED_TRACE(fmt::format("{} T={} h={}", dtype_name(dt), T, h));
+      const auto y0 = testing::rounded(testing::randn(T * h), dt), ys = testing::rounded(testing::randn(T * h), dt),
+                 dy = testing::rounded(testing::randn(T * h), dt);
+      const auto lv = testing::randn(T, 2.f);
+      struct Out {
+        std::vector<float> y, d_ys, d_l;
+      };
+      auto run = [&](Device dev, DType t) {
+        Stream s(dev);
+        auto y = make_tensor(y0, t, dev, {T, h}, s);
+        auto yst = make_tensor(ys, t, dev, {T, h}, s);
+        auto dyt = make_tensor(dy, t, dev, {T, h}, s);
+        auto l = make_tensor(lv, DType::kF32, dev, {T}, s);
+        OwnedTensor dys(t, dev, {T, h}), dl(DType::kF32, dev, {T});
+        poison(dys, s);
+        poison(dl, s);
+        if (dev.is_cpu()) {
+          cpu::moe_shared_gate_forward(y, yst, l, s);
+          cpu::moe_shared_gate_backward(dys, dl, dyt, yst, l, s);
+        } else {
+          cuda::moe_shared_gate_forward(y, yst, l, s);
+          cuda::moe_shared_gate_backward(dys, dl, dyt, yst, l, s);
+        }
+        return Out{to_host(y, s), to_host(dys, s), to_host(dl, s)};
+      };
+      const Out ref = run(kCpu, DType::kF32), got = run(Device::cuda(), dt), again = run(Device::cuda(), dt);
+      const double tol = dt == DType::kF32 ? 1e-6 : 1e-2;  // bf16 / fp16: one rounding of the outputs
+      EXPECT_LT(rel_err(got.y, ref.y), tol);
+      EXPECT_LT(rel_err(got.d_ys, ref.d_ys), tol);
+      EXPECT_LT(rel_err(got.d_l, ref.d_l), 1e-6);  // from the same rounded inputs, sums in double
+      EXPECT_TRUE(same_bits(got.y, again.y) && same_bits(got.d_ys, again.d_ys) && same_bits(got.d_l, again.d_l));
+    }
+  }
+}
+
 // ---- losses --------------------------------------------------------------------------------------
 
 // global_aux_loss's count accumulator: three forwards' counts, the running mean, bitwise as the CPU.

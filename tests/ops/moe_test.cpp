@@ -838,6 +838,46 @@ TEST(MoeRoutingFp64, RouterGemmMatchesFloat64Reference) {
   EXPECT_THROW(moe_topk_routing(probs, top, Tensor(), li, Tensor(), o, st), Error);
 }
 
+// --moe-shared-expert-gate: y += sigmoid(l)·ys per row; the backward against float64 finite
+// differences of f = Σ dy·(y0 + sigmoid(l)·ys).
+TEST(MoeSharedGate, ForwardMatchesReferenceBackwardMatchesFiniteDifferences) {
+  const Stream& st = testing::cpu_stream();
+  const int64_t T = 11, h = 7;
+  const auto y0 = testing::randn(T * h), ysv = testing::randn(T * h), lv = testing::randn(T, 2.f),
+             dyv = testing::randn(T * h);
+  auto y = testing::make_tensor(y0, DType::kF32, kCpu, {T, h}, st);
+  auto ys = testing::make_tensor(ysv, DType::kF32, kCpu, {T, h}, st);
+  auto l = testing::make_tensor(lv, DType::kF32, kCpu, {T}, st);
+  auto dy = testing::make_tensor(dyv, DType::kF32, kCpu, {T, h}, st);
+  moe_shared_gate_forward(y, ys, l, st);
+  OwnedTensor dys(DType::kF32, kCpu, {T, h}), dl(DType::kF32, kCpu, {T});
+  testing::poison(dys, st);
+  testing::poison(dl, st);
+  moe_shared_gate_backward(dys, dl, dy, ys, l, st);
+  const auto yv = testing::to_host(y, st), dysv = testing::to_host(dys, st), dlv = testing::to_host(dl, st);
+  for (int64_t t = 0; t < T; ++t) {
+    const double g = 1.0 / (1.0 + std::exp(-static_cast<double>(lv[t])));
+    std::vector<double> x = {static_cast<double>(lv[t])};
+    auto f = [&] {
+      const double gx = 1.0 / (1.0 + std::exp(-x[0]));
+      double v = 0;
+      for (int64_t i = 0; i < h; ++i) v += dyv[t * h + i] * gx * ysv[t * h + i];
+      return v;
+    };
+    const double num = testing::finite_diff(f, x, 0, 1e-6);
+    EXPECT_NEAR(dlv[t], num, 1e-5 * std::max(1.0, std::fabs(num))) << t;
+    for (int64_t i = 0; i < h; ++i) {
+      EXPECT_NEAR(yv[t * h + i], y0[t * h + i] + g * ysv[t * h + i], 1e-6) << t << " " << i;
+      EXPECT_NEAR(dysv[t * h + i], g * dyv[t * h + i], 1e-6) << t << " " << i;
+    }
+  }
+  OwnedTensor l2(DType::kF32, kCpu, {T, 1}), bad(DType::kF32, kCpu, {T, h + 1});
+  EXPECT_THROW(moe_shared_gate_forward(y, ys, l2, st), Error);    // logits must be [T]
+  EXPECT_THROW(moe_shared_gate_forward(bad, ys, l, st), Error);   // shapes differ
+  EXPECT_THROW(moe_shared_gate_forward(ys, ys, l, st), Error);    // y aliases ys
+  EXPECT_THROW(moe_shared_gate_backward(dys, l2, dy, ys, l, st), Error);
+}
+
 TEST(MoeRouting, Errors) {
   const Stream& st = testing::cpu_stream();
   OwnedTensor logits(DType::kF32, kCpu, {4, 6}), probs(DType::kF32, kCpu, {4, 7}), top(DType::kI32, kCpu, {4, 7});

@@ -47,7 +47,8 @@ constexpr int kIters = 3;
 /// (its single-rank reference runs the union of the DP ranks' micro-batches as one micro-batch,
 /// whose dropout masks would be keyed differently); kMoeFp64: kMoe with --moe-router-dtype fp64 (the
 /// router GEMM and the routing math in double); kMoeMultiLb: kMoe with two load-balancing types at once
-/// (aux_loss 0.1 and seq_aux_loss 0.05, Megatron's list).
+/// (aux_loss 0.1 and seq_aux_loss 0.05, Megatron's list) and a gated shared expert
+/// (--moe-shared-expert-gate).
 enum class Arch { kGpt, kLlama, kQwen, kMoe, kMoeSigmoid, kMoeForced, kMoeGlobal, kMoeFp64, kMoeMultiLb };
 
 TransformerConfig config(Arch arch = Arch::kGpt) {
@@ -87,6 +88,8 @@ TransformerConfig config(Arch arch = Arch::kGpt) {
       if (arch == Arch::kMoeMultiLb) {
         c.moe_router_load_balancing_type = {MoeLoadBalancing::kAuxLoss, MoeLoadBalancing::kSeqAuxLoss};
         c.moe_aux_loss_coeff = {0.1f, 0.05f};
+        c.moe_shared_expert_intermediate_size = 16;  // and a gated shared expert (Qwen 2 MoE's)
+        c.moe_shared_expert_gate = true;
       }
       if (arch == Arch::kMoeGlobal) {
         c.moe_router_load_balancing_type = {MoeLoadBalancing::kGlobalAuxLoss};

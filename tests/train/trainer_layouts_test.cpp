@@ -424,17 +424,20 @@ TEST_F(TrainerLayouts, MixtureOfExpertsGlobalAuxLoss) {
       << sk.out;
 }
 
-// --moe-router-dtype fp64 and Megatron's list of load-balancing types through the binary: accepted,
-// the summary names every type with its coefficient, the log shows each type's loss under
-// Megatron's name, TP 2 + SP and EP 2 give the one-rank losses, a checkpoint resumes with the lists
-// (kept in its arguments); mismatched lists and bad values are errors naming them.
+// --moe-router-dtype fp64, Megatron's list of load-balancing types and a gated shared expert
+// (--moe-shared-expert-gate) through the binary: accepted, the summary names every type with its
+// coefficient and the gated shared expert, the log shows each type's loss under Megatron's name,
+// TP 2 + SP and EP 2 give the one-rank losses, a checkpoint (with the gate's weight) resumes on the
+// same curve; mismatched lists and bad values are errors naming them.
 TEST_F(TrainerLayouts, MixtureOfExpertsRouterDtypeAndLoadBalancingLists) {
   const std::string moe = std::string(kTinyMoe) +
                           " --moe-router-dtype fp64 --moe-router-load-balancing-type aux_loss seq_aux_loss "
-                          "--moe-aux-loss-coeff 1e-2 1e-3 --moe-z-loss-coeff 1e-3";
+                          "--moe-aux-loss-coeff 1e-2 1e-3 --moe-z-loss-coeff 1e-3 "
+                          "--moe-shared-expert-intermediate-size 32 --moe-shared-expert-gate";
   RunResult full = run_megatron(flags("--train-iters 6" + moe));
   ASSERT_EQ(full.rc, 0) << full.out;
   EXPECT_NE(full.out.find("aux_loss 0.01, seq_aux_loss 0.001"), std::string::npos) << full.out;
+  EXPECT_NE(full.out.find("gated shared expert 32"), std::string::npos) << full.out;
   EXPECT_NE(full.out.find(" load_balancing_loss: "), std::string::npos) << full.out;
   EXPECT_NE(full.out.find(" seq_load_balancing_loss: "), std::string::npos) << full.out;
   const auto full_losses = losses(full.out);
@@ -464,6 +467,8 @@ TEST_F(TrainerLayouts, MixtureOfExpertsRouterDtypeAndLoadBalancingLists) {
            {" --moe-router-load-balancing-type aux_loss seq_aux_loss --moe-aux-loss-coeff 1e-2 -1",
             "--moe-aux-loss-coeff must be >= 0, got -1 (for seq_aux_loss)"},
            {" --moe-router-dtype fp16", "--moe-router-dtype 'fp16' is not supported: expected fp32 or fp64"},
+           {" --moe-shared-expert-gate",
+            "--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size > 0 (a shared expert to gate), got 0"},
            {" --moe-router-dtype fp64 --moe-router-force-load-balancing",
             "--moe-router-force-load-balancing with --moe-router-dtype fp64 is not supported"}}) {
     RunResult r = run_megatron(flags("--train-iters 2" + base + extra));

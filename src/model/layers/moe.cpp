@@ -72,6 +72,10 @@ MoELayer::MoELayer(const TransformerConfig& c, int64_t layer, const TensorParall
   }
   if (c.moe_shared_expert_intermediate_size > 0)
     shared_ = std::make_unique<MLP>(c, p + "shared_experts", c.moe_shared_expert_intermediate_size, tp, reg);
+  if (shared_ && c.moe_shared_expert_gate)  // Megatron's SharedExpertMLP gate_weight [1, h]
+    reg.declare(replicated_param(p + "shared_experts.gate_weight", {1, h}, InitKind::kNormal, c.init_method_std,
+                                 TpGradSum::kSequenceParallel),
+                &gate_weight_);
 }
 
 void MoELayer::plan(BufferPlanner& p, int64_t s, int64_t b) {
@@ -109,6 +113,13 @@ void MoELayer::plan(BufferPlanner& p, int64_t s, int64_t b) {
   sv.act = p.saved(t, {max_rows_, local_ffn_}, "expert activations");
   sv.out = p.saved(t, {max_rows_, h}, "expert outputs");
   if (shared_) shared_->plan(p, s, b);
+  if (gated_shared()) {
+    sv.shared_out = p.saved(t, {tokens_, h}, "gated shared expert output");
+    sv.gate_logits = p.saved(DType::kF32, {tokens_}, "shared expert gate logits");
+    d_shared_ = p.scratch("moe.d_shared", t, {sl, b, h});
+    d_gate_ = p.scratch("moe.d_gate", DType::kF32, {tokens_, 1});
+    if (t != DType::kF32) d_gate_act_ = p.scratch("moe.d_gate_act", t, {tokens_, 1});
+  }
   if (num_echo_ > 0) {  // the clones' weights and gradients: fetched per use (scratch)
     const int64_t S = num_echo_, f1 = parts * local_ffn_, f2 = local_ffn_;
     echo_w1_ = p.scratch("moe.echo.w1", t, {S, f1, h});
@@ -371,9 +382,17 @@ Tensor MoELayer::forward(const StepContext& ctx) {
 
 Tensor MoELayer::finish_forward(Saved& sv, const StepContext& ctx) {
   if (shared_) {
-    copy(shared_->input(ctx.slot), sv.x, ctx.stream);
+    const Stream& st = ctx.stream;
+    copy(shared_->input(ctx.slot), sv.x, st);
     const Tensor ys = shared_->forward(ctx);
-    add(y_, y_, ys, ctx.stream);
+    if (!gated_shared()) {
+      add(y_, y_, ys, st);
+      return y_;
+    }
+    // y += sigmoid(x · w_gate) · ys per token (Megatron's SharedExpertMLP gate); ys kept for the backward
+    matmul(sv.gate_logits.view({tokens_, 1}), rows(sv.x), gate_weight_.value(), false, true, 1.f, 0.f, st);
+    copy(sv.shared_out, rows(ys), st);
+    moe_shared_gate_forward(rows(y_), sv.shared_out, sv.gate_logits, st);
   }
   return y_;
 }
@@ -554,7 +573,18 @@ Tensor MoELayer::router_backward(Saved& sv, const Tensor& dy, const StepContext&
     linear_backward(Tensor(), router_weight_.grad(), Tensor(), d_logits, x, router_weight_.value(), st);
     matmul(dx, d_logits, router_weight_.value(), false, false, 1.f, 1.f, st);
   });
-  if (shared_) add(dx_, dx_, shared_->backward(dy, ctx, defer), st);
+  if (!shared_) return dx_;
+  if (!gated_shared()) {
+    add(dx_, dx_, shared_->backward(dy, ctx, defer), st);
+    return dx_;
+  }
+  // the gate: d ys = g · dy, d logit = g(1 − g)·<dy, ys>; dW_g += d_logitᵀ x, dx += d_logit W_g
+  moe_shared_gate_backward(rows(d_shared_), d_gate_.view({tokens_}), rows(dy), sv.shared_out, sv.gate_logits, st);
+  const Tensor dg = d_gate_act_.empty() ? d_gate_ : d_gate_act_;
+  if (!d_gate_act_.empty()) cast(d_gate_act_, d_gate_, st);
+  linear_backward(Tensor(), gate_weight_.grad(), Tensor(), dg, x, gate_weight_.value(), st);
+  matmul(dx, dg, gate_weight_.value(), false, false, 1.f, 1.f, st);
+  add(dx_, dx_, shared_->backward(d_shared_, ctx, defer), st);
   return dx_;
 }
 

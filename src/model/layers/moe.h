@@ -13,7 +13,9 @@
 //                of that expert (its ETP shard)
 //   combine:     y[t] = Σ over t's slots of prob · expert output, returned to the token's rank by
 //                the dispatcher (reduce-scatter over G, or the reverse all-to-all)
-//   shared experts (optional): a dense MLP on x (Megatron's SharedExpertMLP), added to y.
+//   shared experts (optional): a dense MLP on x (Megatron's SharedExpertMLP), added to y; with
+//                --moe-shared-expert-gate scaled per token by sigmoid(x · w_gate) first (w_gate
+//                [1, h], replicated, its gradient a partial sum over TP under sequence parallelism).
 // Backward mirrors it: the dispatcher's combine backward (row gradients and d probs), the experts'
 // backward, the dispatch backward (token gradients), then the router backward with the
 // load-balancing loss and the z-loss added to the logits' gradient.
@@ -183,6 +185,8 @@ class MoELayer final : public MlpSlot {
     Tensor xp, pre, act, out;  // [R_max, h], [R_max, (2)f_l], [R_max, f_l], [R_max, h]
     std::vector<int64_t> counts_host;  // the forward's rows per local expert (R = their sum)
     Tensor counts;             // the same, int32 [E_l] on the device (--moe-grouped-gemm)
+    Tensor shared_out;         // [T_l, h]: the shared experts' output (--moe-shared-expert-gate)
+    Tensor gate_logits;        // fp32 [T_l]: x · w_gate (--moe-shared-expert-gate)
   };
   static constexpr MoeLoadBalancing kAuxTypes[] = {MoeLoadBalancing::kAuxLoss, MoeLoadBalancing::kSeqAuxLoss,
                                                    MoeLoadBalancing::kGlobalAuxLoss};
@@ -190,6 +194,7 @@ class MoELayer final : public MlpSlot {
   // The token counts of a load-balancing type's loss: [1, E], per sequence [b, E], or the global mean.
   Tensor aux_counts(const Saved& sv, MoeLoadBalancing type) const;
   bool fp64_router() const { return config_.moe_router_dtype == DType::kF64; }
+  bool gated_shared() const { return shared_ != nullptr && config_.moe_shared_expert_gate; }
   bool global_aux() const { return config_.moe_aux_loss_on(MoeLoadBalancing::kGlobalAuxLoss); }
   void random_logits(const Tensor& logits, const StepContext& ctx) const;  // --moe-router-force-load-balancing
   float aux_scale(MoeLoadBalancing type, double weight) const;  // of a type's loss, for a micro-batch weight
@@ -216,6 +221,7 @@ class MoELayer final : public MlpSlot {
   bool gated_;
   MoeRouterOptions router_;
   ParamRef router_weight_, no_bias_;
+  ParamRef gate_weight_;  // the shared experts' gate [1, h] (--moe-shared-expert-gate)
   std::vector<Expert> experts_;
   std::unique_ptr<MLP> shared_;
   std::unique_ptr<MoeTokenDispatcher> dispatcher_;
@@ -229,6 +235,7 @@ class MoELayer final : public MlpSlot {
   int64_t capacity_ = 0;               // per expert with --moe-expert-capacity-factor
   // scratch
   Tensor y_, d_out_, d_act_, d_pre_, d_xp_, dx_, d_probs_, d_logits_, d_logits_act_, scores_aux_, kept_counts_;
+  Tensor d_shared_, d_gate_, d_gate_act_;  // --moe-shared-expert-gate
   Buffer stats_buffer_;  // fp32 [2 + E] on the model's device (see stats())
   Tensor stats_;
   bool stats_zeroed_ = false;
