@@ -168,19 +168,23 @@ void check_gate_logits(const Tensor& t, int64_t T, const char* fn, const char* n
 }
 }  // namespace
 
-void moe_shared_gate_forward(const Tensor& y, const Tensor& ys, const Tensor& logits, const Stream& stream) {
+void moe_shared_gate_forward(const Tensor& y, const Tensor& logits, const Tensor& ys, const Tensor& x, const Tensor& w,
+                             const Stream& stream) {
   const char* fn = "moe_shared_gate_forward";
   op_checks::check_act(ys, fn, "ys");
   MT_CHECK(ys.ndim() == 2, "{}: ys must be [T, h], got {}", fn, ys.str());
   check_gate_rows(ys, ys, fn, "ys");
   check_gate_rows(y, ys, fn, "y");
+  check_gate_rows(x, ys, fn, "x");
+  check_2d(w, ys.dtype(), 1, ys.size(1), fn, "w");
   check_gate_logits(logits, ys.size(0), fn, "logits");
   MT_CHECK(y.data() != ys.data(), "{}: y must not alias ys", fn);
-  check_devices(stream, y, {&ys, &logits}, fn);
-  MT_DISPATCH(y.device(), moe_shared_gate_forward, y, ys, logits, stream);
+  check_devices(stream, y, {&ys, &logits, &x, &w}, fn);
+  MT_DISPATCH(y.device(), moe_shared_gate_forward, y, logits, ys, x, w, stream);
 }
 
-void moe_shared_gate_backward(const Tensor& d_ys, const Tensor& d_logits, const Tensor& dy, const Tensor& ys,
+void moe_shared_gate_backward(const Tensor& d_ys, const Tensor& d_logits, const Tensor& dx, const Tensor& dw,
+                              const Tensor& dy, const Tensor& ys, const Tensor& x, const Tensor& w,
                               const Tensor& logits, const Stream& stream) {
   const char* fn = "moe_shared_gate_backward";
   op_checks::check_act(ys, fn, "ys");
@@ -188,10 +192,14 @@ void moe_shared_gate_backward(const Tensor& d_ys, const Tensor& d_logits, const 
   check_gate_rows(ys, ys, fn, "ys");
   check_gate_rows(dy, ys, fn, "dy");
   check_gate_rows(d_ys, ys, fn, "d_ys");
+  check_gate_rows(x, ys, fn, "x");
+  check_gate_rows(dx, ys, fn, "dx");
+  check_2d(w, ys.dtype(), 1, ys.size(1), fn, "w");
+  check_2d(dw, DType::kF32, 1, ys.size(1), fn, "dw");
   check_gate_logits(logits, ys.size(0), fn, "logits");
   check_gate_logits(d_logits, ys.size(0), fn, "d_logits");
-  check_devices(stream, ys, {&d_ys, &d_logits, &dy, &logits}, fn);
-  MT_DISPATCH(ys.device(), moe_shared_gate_backward, d_ys, d_logits, dy, ys, logits, stream);
+  check_devices(stream, ys, {&d_ys, &d_logits, &dx, &dw, &dy, &x, &w, &logits}, fn);
+  MT_DISPATCH(ys.device(), moe_shared_gate_backward, d_ys, d_logits, dx, dw, dy, ys, x, w, logits, stream);
 }
 
 void moe_tokens_per_expert(const Tensor& counts, const Tensor& top, const Stream& stream) {

@@ -92,14 +92,19 @@ void moe_router_logits_fp64_backward(const Tensor& dx, const Tensor& dw, const T
 
 /// The sigmoid gate of a shared expert (--moe-shared-expert-gate; Megatron's SharedExpertMLP with
 /// gate: output · sigmoid(x · w_gate)), applied while adding it to the routed output:
-/// y[t, :] += sigmoid(logits[t]) · ys[t, :] (fp32 math, rounded once to the act dtype).
-/// y, ys [T, h] act dtype (fp32/bf16/fp16, contiguous; y may not alias ys); logits fp32 [T].
+/// logits[t] = Σ_i x[t, i]·w[i] (summed in double, stored fp32), y[t, :] += sigmoid(logits[t]) ·
+/// ys[t, :] (fp32 math, rounded once to the act dtype). y, ys, x [T, h] and w [1, h] in one act
+/// dtype (fp32/bf16/fp16, contiguous; y may not alias ys); logits fp32 [T] (written, kept for the
+/// backward). One pass per row, no GEMM (a GEMM with one output column is a poor fit for cuBLASLt).
 /// Errors: mt::Error on shapes/dtypes/devices.
-void moe_shared_gate_forward(const Tensor& y, const Tensor& ys, const Tensor& logits, const Stream& stream);
-/// Its backward from dy [T, h]: d_ys[t, :] = sigmoid(l_t) · dy[t, :] (act dtype, overwritten) and
-/// d_logits[t] = sigmoid(l_t)·(1 − sigmoid(l_t)) · Σ_i dy[t, i]·ys[t, i] (fp32 [T], overwritten; the
-/// sum in double on the CPU, in fp32 lanes reduced in a fixed order on CUDA).
-void moe_shared_gate_backward(const Tensor& d_ys, const Tensor& d_logits, const Tensor& dy, const Tensor& ys,
+void moe_shared_gate_forward(const Tensor& y, const Tensor& logits, const Tensor& ys, const Tensor& x, const Tensor& w,
+                             const Stream& stream);
+/// Its backward from dy [T, h], with σ_t = sigmoid(logits[t]): d_ys[t, :] = σ_t · dy[t, :] (act
+/// dtype, overwritten); d_logits[t] = σ_t(1 − σ_t) · Σ_i dy[t, i]·ys[t, i] (fp32 [T], overwritten
+/// scratch); dx[t, :] += d_logits[t] · w (act dtype, accumulate); dw[0, i] += Σ_t d_logits[t]·x[t, i]
+/// (fp32 main gradient [1, h], accumulate; summed in double in token order: deterministic).
+void moe_shared_gate_backward(const Tensor& d_ys, const Tensor& d_logits, const Tensor& dx, const Tensor& dw,
+                              const Tensor& dy, const Tensor& ys, const Tensor& x, const Tensor& w,
                               const Tensor& logits, const Stream& stream);
 
 /// Tokens per expert: counts[g, e] (fp32 [G, E] or [E] for G = 1, overwritten) = the number of

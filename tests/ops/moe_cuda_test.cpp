@@ -310,43 +310,52 @@ TEST(MoeCuda, Fp64RouterGemmMatchesCpu) {
   }
 }
 
-// --moe-shared-expert-gate: the gate's forward and backward, CUDA (fp32, bf16, fp16) against the CPU
-// on the same rounded inputs; repeat runs bitwise equal.
+// --moe-shared-expert-gate: the gate's forward (logits, y) and backward (d ys, d logits, dx, dw),
+// CUDA (fp32, bf16, fp16) against the CPU on the same rounded inputs; repeat runs bitwise equal.
 TEST(MoeCuda, SharedGateMatchesCpu) {
   MT_REQUIRE_CUDA();
   for (DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
     for (const auto& [T, h] : {std::pair<int64_t, int64_t>{517, 64}, {33, 4096}, {5, 7}}) {
       SCOPED_TRACE(fmt::format("{} T={} h={}", dtype_name(dt), T, h));
       const auto y0 = testing::rounded(testing::randn(T * h), dt), ys = testing::rounded(testing::randn(T * h), dt),
-                 dy = testing::rounded(testing::randn(T * h), dt);
-      const auto lv = testing::randn(T, 2.f);
+                 dy = testing::rounded(testing::randn(T * h), dt), xv = testing::rounded(testing::randn(T * h), dt),
+                 wv = testing::rounded(testing::randn(h, 0.1f), dt), dx0 = testing::rounded(testing::randn(T * h), dt),
+                 dw0 = testing::randn(h);
       struct Out {
-        std::vector<float> y, d_ys, d_l;
+        std::vector<float> y, l, d_ys, d_l, dx, dw;
       };
       auto run = [&](Device dev, DType t) {
         Stream s(dev);
         auto y = make_tensor(y0, t, dev, {T, h}, s);
         auto yst = make_tensor(ys, t, dev, {T, h}, s);
         auto dyt = make_tensor(dy, t, dev, {T, h}, s);
-        auto l = make_tensor(lv, DType::kF32, dev, {T}, s);
-        OwnedTensor dys(t, dev, {T, h}), dl(DType::kF32, dev, {T});
+        auto x = make_tensor(xv, t, dev, {T, h}, s);
+        auto w = make_tensor(wv, t, dev, {1, h}, s);
+        auto dx = make_tensor(dx0, t, dev, {T, h}, s);
+        auto dw = make_tensor(dw0, DType::kF32, dev, {1, h}, s);
+        OwnedTensor l(DType::kF32, dev, {T}), dys(t, dev, {T, h}), dl(DType::kF32, dev, {T});
+        poison(l, s);
         poison(dys, s);
         poison(dl, s);
         if (dev.is_cpu()) {
-          cpu::moe_shared_gate_forward(y, yst, l, s);
-          cpu::moe_shared_gate_backward(dys, dl, dyt, yst, l, s);
+          cpu::moe_shared_gate_forward(y, l, yst, x, w, s);
+          cpu::moe_shared_gate_backward(dys, dl, dx, dw, dyt, yst, x, w, l, s);
         } else {
-          cuda::moe_shared_gate_forward(y, yst, l, s);
-          cuda::moe_shared_gate_backward(dys, dl, dyt, yst, l, s);
+          cuda::moe_shared_gate_forward(y, l, yst, x, w, s);
+          cuda::moe_shared_gate_backward(dys, dl, dx, dw, dyt, yst, x, w, l, s);
         }
-        return Out{to_host(y, s), to_host(dys, s), to_host(dl, s)};
+        return Out{to_host(y, s), to_host(l, s), to_host(dys, s), to_host(dl, s), to_host(dx, s), to_host(dw, s)};
       };
       const Out ref = run(kCpu, DType::kF32), got = run(Device::cuda(), dt), again = run(Device::cuda(), dt);
       const double tol = dt == DType::kF32 ? 1e-6 : 1e-2;  // bf16 / fp16: one rounding of the outputs
+      EXPECT_LT(rel_err(got.l, ref.l), 1e-6);              // from the same rounded inputs, sums in double
       EXPECT_LT(rel_err(got.y, ref.y), tol);
       EXPECT_LT(rel_err(got.d_ys, ref.d_ys), tol);
-      EXPECT_LT(rel_err(got.d_l, ref.d_l), 1e-6);  // from the same rounded inputs, sums in double
-      EXPECT_TRUE(same_bits(got.y, again.y) && same_bits(got.d_ys, again.d_ys) && same_bits(got.d_l, again.d_l));
+      EXPECT_LT(rel_err(got.d_l, ref.d_l), 1e-6);
+      EXPECT_LT(rel_err(got.dx, ref.dx), tol);
+      EXPECT_LT(rel_err(got.dw, ref.dw), 1e-6);
+      EXPECT_TRUE(same_bits(got.y, again.y) && same_bits(got.l, again.l) && same_bits(got.d_ys, again.d_ys) &&
+                  same_bits(got.d_l, again.d_l) && same_bits(got.dx, again.dx) && same_bits(got.dw, again.dw));
     }
   }
 }

@@ -838,44 +838,62 @@ TEST(MoeRoutingFp64, RouterGemmMatchesFloat64Reference) {
   EXPECT_THROW(moe_topk_routing(probs, top, Tensor(), li, Tensor(), o, st), Error);
 }
 
-// --moe-shared-expert-gate: y += sigmoid(l)·ys per row; the backward against float64 finite
-// differences of f = Σ dy·(y0 + sigmoid(l)·ys).
+// --moe-shared-expert-gate: l = x·w, y += sigmoid(l)·ys per row; the backward (d ys, dx, dw)
+// against float64 finite differences of f = Σ dy·(y0 + sigmoid(x·w)·ys) in x and w, d ys exactly.
 TEST(MoeSharedGate, ForwardMatchesReferenceBackwardMatchesFiniteDifferences) {
   const Stream& st = testing::cpu_stream();
   const int64_t T = 11, h = 7;
-  const auto y0 = testing::randn(T * h), ysv = testing::randn(T * h), lv = testing::randn(T, 2.f),
-             dyv = testing::randn(T * h);
+  const auto y0 = testing::randn(T * h), ysv = testing::randn(T * h), xv = testing::randn(T * h),
+             wv = testing::randn(h, 0.5f), dyv = testing::randn(T * h), dx0 = testing::randn(T * h),
+             dw0 = testing::randn(h);
   auto y = testing::make_tensor(y0, DType::kF32, kCpu, {T, h}, st);
   auto ys = testing::make_tensor(ysv, DType::kF32, kCpu, {T, h}, st);
-  auto l = testing::make_tensor(lv, DType::kF32, kCpu, {T}, st);
+  auto x = testing::make_tensor(xv, DType::kF32, kCpu, {T, h}, st);
+  auto w = testing::make_tensor(wv, DType::kF32, kCpu, {1, h}, st);
   auto dy = testing::make_tensor(dyv, DType::kF32, kCpu, {T, h}, st);
-  moe_shared_gate_forward(y, ys, l, st);
-  OwnedTensor dys(DType::kF32, kCpu, {T, h}), dl(DType::kF32, kCpu, {T});
+  auto dx = testing::make_tensor(dx0, DType::kF32, kCpu, {T, h}, st);  // accumulated into
+  auto dw = testing::make_tensor(dw0, DType::kF32, kCpu, {1, h}, st);
+  OwnedTensor l(DType::kF32, kCpu, {T}), dys(DType::kF32, kCpu, {T, h}), dl(DType::kF32, kCpu, {T});
+  testing::poison(l, st);
+  moe_shared_gate_forward(y, l, ys, x, w, st);
   testing::poison(dys, st);
   testing::poison(dl, st);
-  moe_shared_gate_backward(dys, dl, dy, ys, l, st);
-  const auto yv = testing::to_host(y, st), dysv = testing::to_host(dys, st), dlv = testing::to_host(dl, st);
+  moe_shared_gate_backward(dys, dl, dx, dw, dy, ys, x, w, l, st);
+  const auto yv = testing::to_host(y, st), lv = testing::to_host(l, st), dysv = testing::to_host(dys, st),
+             dxv = testing::to_host(dx, st), dwv = testing::to_host(dw, st);
+  std::vector<double> xd(xv.begin(), xv.end()), wd(wv.begin(), wv.end());
+  auto f = [&] {  // Σ_t Σ_i dy·sigmoid(x_t·w)·ys
+    double v = 0;
+    for (int64_t t = 0; t < T; ++t) {
+      double z = 0;
+      for (int64_t i = 0; i < h; ++i) z += xd[t * h + i] * wd[i];
+      const double g = 1.0 / (1.0 + std::exp(-z));
+      for (int64_t i = 0; i < h; ++i) v += dyv[t * h + i] * g * ysv[t * h + i];
+    }
+    return v;
+  };
   for (int64_t t = 0; t < T; ++t) {
-    const double g = 1.0 / (1.0 + std::exp(-static_cast<double>(lv[t])));
-    std::vector<double> x = {static_cast<double>(lv[t])};
-    auto f = [&] {
-      const double gx = 1.0 / (1.0 + std::exp(-x[0]));
-      double v = 0;
-      for (int64_t i = 0; i < h; ++i) v += dyv[t * h + i] * gx * ysv[t * h + i];
-      return v;
-    };
-    const double num = testing::finite_diff(f, x, 0, 1e-6);
-    EXPECT_NEAR(dlv[t], num, 1e-5 * std::max(1.0, std::fabs(num))) << t;
+    double z = 0;
+    for (int64_t i = 0; i < h; ++i) z += static_cast<double>(xv[t * h + i]) * wv[i];
+    const double g = 1.0 / (1.0 + std::exp(-z));
+    EXPECT_NEAR(lv[t], z, 1e-6 * std::max(1.0, std::fabs(z))) << t;
     for (int64_t i = 0; i < h; ++i) {
       EXPECT_NEAR(yv[t * h + i], y0[t * h + i] + g * ysv[t * h + i], 1e-6) << t << " " << i;
       EXPECT_NEAR(dysv[t * h + i], g * dyv[t * h + i], 1e-6) << t << " " << i;
+      const double num = testing::finite_diff(f, xd, static_cast<size_t>(t * h + i), 1e-6);
+      EXPECT_NEAR(dxv[t * h + i] - dx0[t * h + i], num, 1e-5 * std::max(1.0, std::fabs(num))) << t << " " << i;
     }
   }
-  OwnedTensor l2(DType::kF32, kCpu, {T, 1}), bad(DType::kF32, kCpu, {T, h + 1});
-  EXPECT_THROW(moe_shared_gate_forward(y, ys, l2, st), Error);    // logits must be [T]
-  EXPECT_THROW(moe_shared_gate_forward(bad, ys, l, st), Error);   // shapes differ
-  EXPECT_THROW(moe_shared_gate_forward(ys, ys, l, st), Error);    // y aliases ys
-  EXPECT_THROW(moe_shared_gate_backward(dys, l2, dy, ys, l, st), Error);
+  for (int64_t i = 0; i < h; ++i) {
+    const double num = testing::finite_diff(f, wd, static_cast<size_t>(i), 1e-6);
+    EXPECT_NEAR(dwv[i] - dw0[i], num, 1e-5 * std::max(1.0, std::fabs(num))) << i;
+  }
+  OwnedTensor l2(DType::kF32, kCpu, {T, 1}), bad(DType::kF32, kCpu, {T, h + 1}), w2(DType::kF32, kCpu, {h});
+  EXPECT_THROW(moe_shared_gate_forward(y, l2, ys, x, w, st), Error);   // logits must be [T]
+  EXPECT_THROW(moe_shared_gate_forward(bad, l, ys, x, w, st), Error);  // shapes differ
+  EXPECT_THROW(moe_shared_gate_forward(ys, l, ys, x, w, st), Error);   // y aliases ys
+  EXPECT_THROW(moe_shared_gate_forward(y, l, ys, x, w2, st), Error);   // w must be [1, h]
+  EXPECT_THROW(moe_shared_gate_backward(dys, l2, dx, dw, dy, ys, x, w, l, st), Error);
 }
 
 TEST(MoeRouting, Errors) {

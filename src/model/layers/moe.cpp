@@ -117,8 +117,7 @@ void MoELayer::plan(BufferPlanner& p, int64_t s, int64_t b) {
     sv.shared_out = p.saved(t, {tokens_, h}, "gated shared expert output");
     sv.gate_logits = p.saved(DType::kF32, {tokens_}, "shared expert gate logits");
     d_shared_ = p.scratch("moe.d_shared", t, {sl, b, h});
-    d_gate_ = p.scratch("moe.d_gate", DType::kF32, {tokens_, 1});
-    if (t != DType::kF32) d_gate_act_ = p.scratch("moe.d_gate_act", t, {tokens_, 1});
+    d_gate_ = p.scratch("moe.d_gate", DType::kF32, {tokens_});
   }
   if (num_echo_ > 0) {  // the clones' weights and gradients: fetched per use (scratch)
     const int64_t S = num_echo_, f1 = parts * local_ffn_, f2 = local_ffn_;
@@ -390,9 +389,8 @@ Tensor MoELayer::finish_forward(Saved& sv, const StepContext& ctx) {
       return y_;
     }
     // y += sigmoid(x · w_gate) · ys per token (Megatron's SharedExpertMLP gate); ys kept for the backward
-    matmul(sv.gate_logits.view({tokens_, 1}), rows(sv.x), gate_weight_.value(), false, true, 1.f, 0.f, st);
     copy(sv.shared_out, rows(ys), st);
-    moe_shared_gate_forward(rows(y_), sv.shared_out, sv.gate_logits, st);
+    moe_shared_gate_forward(rows(y_), sv.gate_logits, sv.shared_out, rows(sv.x), gate_weight_.value(), st);
   }
   return y_;
 }
@@ -579,11 +577,8 @@ Tensor MoELayer::router_backward(Saved& sv, const Tensor& dy, const StepContext&
     return dx_;
   }
   // the gate: d ys = g · dy, d logit = g(1 − g)·<dy, ys>; dW_g += d_logitᵀ x, dx += d_logit W_g
-  moe_shared_gate_backward(rows(d_shared_), d_gate_.view({tokens_}), rows(dy), sv.shared_out, sv.gate_logits, st);
-  const Tensor dg = d_gate_act_.empty() ? d_gate_ : d_gate_act_;
-  if (!d_gate_act_.empty()) cast(d_gate_act_, d_gate_, st);
-  linear_backward(Tensor(), gate_weight_.grad(), Tensor(), dg, x, gate_weight_.value(), st);
-  matmul(dx, dg, gate_weight_.value(), false, false, 1.f, 1.f, st);
+  moe_shared_gate_backward(rows(d_shared_), d_gate_, dx, gate_weight_.grad(), rows(dy), sv.shared_out, x,
+                           gate_weight_.value(), sv.gate_logits, st);
   add(dx_, dx_, shared_->backward(d_shared_, ctx, defer), st);
   return dx_;
 }

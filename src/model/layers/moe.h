@@ -235,7 +235,7 @@ class MoELayer final : public MlpSlot {
   int64_t capacity_ = 0;               // per expert with --moe-expert-capacity-factor
   // scratch
   Tensor y_, d_out_, d_act_, d_pre_, d_xp_, dx_, d_probs_, d_logits_, d_logits_act_, scores_aux_, kept_counts_;
-  Tensor d_shared_, d_gate_, d_gate_act_;  // --moe-shared-expert-gate
+  Tensor d_shared_, d_gate_;  // --moe-shared-expert-gate
   Buffer stats_buffer_;  // fp32 [2 + E] on the model's device (see stats())
   Tensor stats_;
   bool stats_zeroed_ = false;
