@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Hugging Face interchange check (issues 13 and 15): for GPT2LMHeadModel, LlamaForCausalLM,
-Qwen2ForCausalLM, Qwen3ForCausalLM and the mixture-of-experts MixtralForCausalLM and
-Qwen3MoeForCausalLM, a small random model made here with transformers' save_pretrained is imported
+Qwen2ForCausalLM, Qwen3ForCausalLM and the mixture-of-experts MixtralForCausalLM,
+Qwen3MoeForCausalLM and Qwen2MoeForCausalLM, a small random model made here with transformers' save_pretrained is imported
 with `megatron import-hf`; megatron.cpp's fp32 logits on fixed tokens (`megatron logits`) must
 equal transformers' (relative error < 1e-4); the model exported back with `megatron export-hf`
 (fp32, sharded) must load in transformers with the same logits.
@@ -58,10 +58,16 @@ def configs():
          transformers.Qwen3MoeConfig(intermediate_size=160, moe_intermediate_size=48, num_experts=8, head_dim=32,
                                      norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[],
                                      rms_norm_eps=1e-6, **moe)),
+        # Qwen 2 MoE: QKV bias, no QK-norm, not renormalised (its default), layer 1 dense, and a
+        # shared expert scaled by sigmoid(shared_expert_gate(x)) (--moe-shared-expert-gate).
+        ("Qwen2MoeForCausalLM", "Qwen2MoeForCausalLM",
+         transformers.Qwen2MoeConfig(intermediate_size=160, moe_intermediate_size=48, shared_expert_intermediate_size=96,
+                                     num_experts=8, norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[1],
+                                     rms_norm_eps=1e-6, **moe)),
     ]
 
 
-MOE = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
+MOE = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
 
 
 def randomize(model, gen):

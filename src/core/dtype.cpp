@@ -12,6 +12,7 @@ std::string_view dtype_name(DType t) {
     case DType::kI32: return "int32";
     case DType::kI64: return "int64";
     case DType::kU8: return "uint8";
+    case DType::kF64: return "fp64";
   }
   return "?";
 }
@@ -23,7 +24,8 @@ DType parse_dtype(std::string_view s) {
   if (s == "int32") return DType::kI32;
   if (s == "int64") return DType::kI64;
   if (s == "uint8") return DType::kU8;
-  MT_FAIL("unknown dtype '{}', expected one of fp32, bf16, fp16, int32, int64, uint8", s);
+  if (s == "fp64" || s == "float64") return DType::kF64;
+  MT_FAIL("unknown dtype '{}', expected one of fp32, bf16, fp16, int32, int64, uint8, fp64", s);
 }
 
 uint16_t f32_to_f16_bits(float f) {

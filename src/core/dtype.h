@@ -16,7 +16,9 @@
 
 namespace mt {
 
-enum class DType : uint8_t { kF32 = 0, kBF16 = 1, kF16 = 2, kI32 = 3, kI64 = 4, kU8 = 5 };
+/// kF64 holds the float64 routing math of --moe-router-dtype fp64 (router logits, scores and their
+/// gradients); the other ops take fp32/bf16/fp16.
+enum class DType : uint8_t { kF32 = 0, kBF16 = 1, kF16 = 2, kI32 = 3, kI64 = 4, kU8 = 5, kF64 = 6 };
 
 constexpr size_t dtype_size(DType t) {
   switch (t) {
@@ -26,12 +28,14 @@ constexpr size_t dtype_size(DType t) {
     case DType::kI32: return 4;
     case DType::kI64: return 8;
     case DType::kU8: return 1;
+    case DType::kF64: return 8;
   }
   return 0;
 }
 
 std::string_view dtype_name(DType t);
-/// Parses "fp32"/"float32", "bf16"/"bfloat16", "fp16"/"float16", "int32", "int64", "uint8".
+/// Parses "fp32"/"float32", "bf16"/"bfloat16", "fp16"/"float16", "int32", "int64", "uint8",
+/// "fp64"/"float64".
 /// Throws mt::Error naming the value otherwise.
 DType parse_dtype(std::string_view s);
 

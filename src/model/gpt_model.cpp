@@ -73,7 +73,7 @@ struct GPTModel::ChunkState {
 };
 
 std::vector<double> GPTModel::moe_loss_stats(const Stream& stream) const {
-  const size_t per = static_cast<size_t>(2 + config_.num_moe_experts);
+  const size_t per = static_cast<size_t>(kMoeStatLosses + config_.num_moe_experts);
   std::vector<double> out(per * static_cast<size_t>(config_.num_layers), 0.0);
   for (const auto& l : parts_->layers) {
     if (const MoELayer* m = l->moe()) {
@@ -92,7 +92,7 @@ void GPTModel::update_expert_bias(const Stream& stream) {
 }
 
 void GPTModel::reset_global_aux_loss_tracker(const Stream& stream) {
-  if (config_.moe_router_load_balancing_type != MoeLoadBalancing::kGlobalAuxLoss) return;
+  if (!config_.moe_aux_loss_on(MoeLoadBalancing::kGlobalAuxLoss)) return;
   for (const auto& l : parts_->layers)
     if (MoELayer* m = l->moe()) m->reset_global_tokens(stream);
 }

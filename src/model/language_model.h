@@ -103,10 +103,11 @@ class LanguageModel {
   // --- mixture of experts ---
   /// The MoE statistics of this rank's MoE layers accumulated by the training forwards since
   /// reset_moe_stats(), copied from the device (synchronises `stream`): per global layer l the
-  /// 2 + num_moe_experts values at [l·(2 + E), (l + 1)·(2 + E)) — load-balancing loss (of the
-  /// configured type; global_aux_loss's weighted by aux_loss_weight·DP, so that the sum over the
-  /// world is Megatron's global_load_balancing_loss: the mean over micro-batches of the global
-  /// micro-batch's loss), z-loss (each weighted by its micro-batch's aux_loss_weight), then tokens routed per expert counted over the
+  /// P = kMoeStatLosses + num_moe_experts values at [l·P, (l + 1)·P) — the load-balancing loss of
+  /// each type at static_cast<int>(type) (aux_loss, seq_aux_loss, global_aux_loss; 0 when off;
+  /// global_aux_loss's weighted by aux_loss_weight·DP, so that the sum over the world is Megatron's
+  /// global_load_balancing_loss: the mean over micro-batches of the global micro-batch's loss), the
+  /// z-loss at kMoeStatZLoss (each weighted by its micro-batch's aux_loss_weight), then tokens routed per expert counted over the
   /// TP × CP group — zeros for dense layers and layers of other ranks. Summed over every rank of the
   /// world the losses are the step's mean per layer (Megatron's load_balancing_loss / z_loss before
   /// the average over layers) and the counts TP·CP times the tokens routed.

@@ -1,6 +1,7 @@
 #include "model/transformer_config.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <cctype>
@@ -61,8 +62,31 @@ MoeLoadBalancing parse_moe_load_balancing(const std::string& s) {
             "or none",
             s);
   MT_FAIL("--moe-router-load-balancing-type '{}' is not supported: expected aux_loss, seq_aux_loss, global_aux_loss "
-          "or none (one type)",
+          "or none (one type or a list)",
           s);
+}
+
+const char* moe_load_balancing_loss_name(MoeLoadBalancing b) {
+  switch (b) {
+    case MoeLoadBalancing::kAuxLoss: return "load_balancing_loss";
+    case MoeLoadBalancing::kSeqAuxLoss: return "seq_load_balancing_loss";
+    case MoeLoadBalancing::kGlobalAuxLoss: return "global_load_balancing_loss";
+    case MoeLoadBalancing::kNone: break;
+  }
+  return "none";
+}
+
+float TransformerConfig::moe_aux_coeff(MoeLoadBalancing t) const {
+  if (t == MoeLoadBalancing::kNone) return 0.f;
+  for (size_t i = 0; i < moe_router_load_balancing_type.size() && i < moe_aux_loss_coeff.size(); ++i)
+    if (moe_router_load_balancing_type[i] == t) return moe_aux_loss_coeff[i];
+  return 0.f;
+}
+
+bool TransformerConfig::moe_any_aux_loss() const {
+  for (MoeLoadBalancing t : {MoeLoadBalancing::kAuxLoss, MoeLoadBalancing::kSeqAuxLoss, MoeLoadBalancing::kGlobalAuxLoss})
+    if (moe_aux_loss_on(t)) return true;
+  return false;
 }
 
 MoeDispatcher parse_moe_dispatcher(const std::string& s) {
@@ -302,7 +326,7 @@ void TransformerConfig::validate(int tp) const {
              "--recompute-num-layers {} exceeds --num-layers {} (--recompute-method uniform)", recompute_num_layers,
              num_layers);
   if (num_moe_experts == 0) return;
-  MT_REQUIRE(!full || moe_router_load_balancing_type != MoeLoadBalancing::kGlobalAuxLoss,
+  MT_REQUIRE(!full || !moe_aux_loss_on(MoeLoadBalancing::kGlobalAuxLoss),
              "--moe-router-load-balancing-type global_aux_loss with --recompute-granularity full is not supported: "
              "its token counts accumulate over the step's forwards, so a recomputed forward would see other counts");
   const int64_t E = num_moe_experts, k = moe_router_topk;
@@ -328,9 +352,33 @@ void TransformerConfig::validate(int tp) const {
                "group (the {} experts of each of {} groups)",
                k, gk, E / G, E / G, G);
   }
+  MT_REQUIRE(!moe_shared_expert_gate || moe_shared_expert_intermediate_size > 0,
+             "--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size > 0 (a shared expert to gate), got {}",
+             moe_shared_expert_intermediate_size);
+  MT_REQUIRE(moe_router_dtype == DType::kF32 || moe_router_dtype == DType::kF64,
+             "--moe-router-dtype {} is not supported: expected fp32 or fp64", dtype_name(moe_router_dtype));
+  MT_REQUIRE(!moe_router_force_load_balancing || moe_router_dtype == DType::kF32,
+             "--moe-router-force-load-balancing with --moe-router-dtype fp64 is not supported: the random logits are "
+             "drawn in fp32 (use --moe-router-dtype fp32)");
   MT_REQUIRE(moe_router_topk_scaling_factor > 0, "--moe-router-topk-scaling-factor must be positive, got {}",
              moe_router_topk_scaling_factor);
-  MT_REQUIRE(moe_aux_loss_coeff >= 0, "--moe-aux-loss-coeff must be >= 0, got {}", moe_aux_loss_coeff);
+  {  // Megatron's list of load-balancing types: one coefficient per type, in the same order
+    std::vector<std::string> types;
+    for (MoeLoadBalancing t : moe_router_load_balancing_type) types.push_back(moe_load_balancing_name(t));
+    const std::string tl = fmt::format("{}", fmt::join(types, " ")),
+                      cl = fmt::format("{}", fmt::join(moe_aux_loss_coeff, " "));
+    MT_REQUIRE(!types.empty(), "--moe-router-load-balancing-type needs at least one type");
+    MT_REQUIRE(moe_aux_loss_coeff.size() == types.size(),
+               "--moe-aux-loss-coeff gives {} coefficient(s) ({}) but --moe-router-load-balancing-type gives {} "
+               "type(s) ({}): expected one coefficient per type, in the same order",
+               moe_aux_loss_coeff.size(), cl, types.size(), tl);
+    for (size_t i = 0; i < types.size(); ++i) {
+      MT_REQUIRE(moe_aux_loss_coeff[i] >= 0, "--moe-aux-loss-coeff must be >= 0, got {} (for {})",
+                 moe_aux_loss_coeff[i], types[i]);
+      for (size_t j = 0; j < i; ++j)
+        MT_REQUIRE(types[j] != types[i], "--moe-router-load-balancing-type {} lists {} twice", tl, types[i]);
+    }
+  }
   MT_REQUIRE(moe_z_loss_coeff >= 0, "--moe-z-loss-coeff must be >= 0, got {}", moe_z_loss_coeff);
   MT_REQUIRE(!moe_router_enable_expert_bias || moe_router_score_function == MoeScoreFunction::kSigmoid,
              "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid (as Megatron: the bias "
@@ -375,7 +423,8 @@ int64_t TransformerConfig::num_parameters(int tp) const {
   const int64_t dense_mlp = glu * f * (h + bias) + f * h + bias * h;  // linear_fc1, linear_fc2
   const int64_t moe_mlp = num_moe_experts * h                                      // router
                           + num_moe_experts * (glu * moe_ffn() * h + moe_ffn() * h)  // experts (no bias)
-                          + glu * moe_shared_expert_intermediate_size * h + moe_shared_expert_intermediate_size * h;
+                          + glu * moe_shared_expert_intermediate_size * h + moe_shared_expert_intermediate_size * h
+                          + (moe_shared_expert_gate ? h : 0);  // the shared expert's gate [1, h]
   const int64_t L_moe = num_moe_layers();
   int64_t total = V * h + num_layers * per_layer + (num_layers - L_moe) * dense_mlp + L_moe * moe_mlp + norm * h;
   if (position_embedding_type == PositionEmbeddingType::kLearnedAbsolute) total += max_positions() * h;
@@ -413,12 +462,13 @@ std::string TransformerConfig::summary() const {
     s += fmt::format(", MoE in {} of {} layers: {} experts, top-{} {} router, expert ffn {}", num_moe_layers(),
                      num_layers, num_moe_experts, moe_router_topk,
                      moe_score_function_name(moe_router_score_function), moe_ffn());
-    if (moe_shared_expert_intermediate_size > 0) s += fmt::format(", shared expert {}", moe_shared_expert_intermediate_size);
+    if (moe_shared_expert_intermediate_size > 0)
+      s += fmt::format(", {}shared expert {}", moe_shared_expert_gate ? "gated " : "", moe_shared_expert_intermediate_size);
     if (moe_router_num_groups > 0)
       s += fmt::format(", {} of {} expert groups", moe_router_group_topk, moe_router_num_groups);
     if (moe_router_enable_expert_bias) s += fmt::format(", expert bias (rate {})", moe_router_bias_update_rate);
-    if (moe_router_load_balancing_type != MoeLoadBalancing::kNone && moe_aux_loss_coeff > 0)
-      s += fmt::format(", {} {}", moe_load_balancing_name(moe_router_load_balancing_type), moe_aux_loss_coeff);
+    for (MoeLoadBalancing t : moe_router_load_balancing_type)
+      if (moe_aux_loss_on(t)) s += fmt::format(", {} {}", moe_load_balancing_name(t), moe_aux_coeff(t));
     if (moe_router_force_load_balancing) s += ", forced balance (random logits)";
     if (moe_token_dispatcher_type == MoeDispatcher::kAllToAll) s += ", alltoall token dispatcher";
     if (moe_grouped_gemm) s += ", grouped GEMM";

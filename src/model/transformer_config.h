@@ -25,9 +25,14 @@ enum class AttentionBackend : uint8_t { kAuto, kFlash, kLocal };
 
 /// --moe-router-score-function
 enum class MoeScoreFunction : uint8_t { kSoftmax, kSigmoid };
-/// --moe-router-load-balancing-type (the auxiliary losses of Megatron-Core's TopKRouter; one type,
-/// not Megatron's list of several)
+/// --moe-router-load-balancing-type (the auxiliary losses of Megatron-Core's TopKRouter; one type or
+/// a list of several, each with its coefficient)
 enum class MoeLoadBalancing : uint8_t { kAuxLoss, kSeqAuxLoss, kGlobalAuxLoss, kNone };
+/// The per-layer MoE statistics (MoELayer::stats, LanguageModel::moe_loss_stats): the loss of each
+/// load-balancing type at index static_cast<int>(type) (aux_loss 0, seq_aux_loss 1,
+/// global_aux_loss 2), the z-loss at kMoeStatZLoss, then the E token counts from kMoeStatLosses.
+inline constexpr int kMoeStatZLoss = 3;
+inline constexpr int kMoeStatLosses = 4;
 /// --moe-token-dispatcher-type
 enum class MoeDispatcher : uint8_t { kAllGather, kAllToAll };
 /// --moe-token-drop-policy: which slots beyond an expert's capacity are dropped
@@ -58,6 +63,9 @@ PositionEmbeddingType parse_position_embedding_type(const std::string& s);
 /// implemented).
 MoeScoreFunction parse_moe_score_function(const std::string& s);
 MoeLoadBalancing parse_moe_load_balancing(const std::string& s);
+/// Megatron's logging name of a type's loss: load_balancing_loss, seq_load_balancing_loss,
+/// global_load_balancing_loss.
+const char* moe_load_balancing_loss_name(MoeLoadBalancing b);
 MoeDispatcher parse_moe_dispatcher(const std::string& s);
 /// "probs" / "position" (--moe-token-drop-policy).
 MoeTokenDropPolicy parse_moe_token_drop_policy(const std::string& s);
@@ -124,14 +132,26 @@ struct TransformerConfig {
   std::vector<uint8_t> moe_layer_pattern;
   int64_t moe_ffn_hidden_size = 0;      ///< --moe-ffn-hidden-size; 0 = ffn()
   int64_t moe_shared_expert_intermediate_size = 0;  ///< --moe-shared-expert-intermediate-size; 0 = none
+  /// --moe-shared-expert-gate (Megatron's moe_shared_expert_gate; Qwen 2 MoE's shared_expert_gate):
+  /// the shared experts' output is scaled per token by sigmoid(x · w_gate), w_gate [1, h]
+  /// (replicated). Needs --moe-shared-expert-intermediate-size.
+  bool moe_shared_expert_gate = false;
   int64_t moe_router_topk = 2;          ///< --moe-router-topk (k)
   MoeScoreFunction moe_router_score_function = MoeScoreFunction::kSoftmax;  ///< --moe-router-score-function
   bool moe_router_pre_softmax = false;  ///< --moe-router-pre-softmax: softmax over all E before top-k
   float moe_router_topk_scaling_factor = 1.f;  ///< --moe-router-topk-scaling-factor (0 = unset = 1)
   int64_t moe_router_num_groups = 0;    ///< --moe-router-num-groups (device-limited routing); 0 = off
   int64_t moe_router_group_topk = 0;    ///< --moe-router-group-topk
-  MoeLoadBalancing moe_router_load_balancing_type = MoeLoadBalancing::kAuxLoss;
-  float moe_aux_loss_coeff = 0.f;       ///< --moe-aux-loss-coeff
+  /// --moe-router-dtype (Megatron's moe_router_dtype): the dtype of the router GEMM and the routing
+  /// math — logits, scores, top-k, probabilities, auxiliary losses and their gradients. kF32 (the
+  /// default; Megatron's fp32) or kF64 (fp64: x and W_r widened exactly, logits in double; the
+  /// probabilities handed to the dispatcher are rounded to fp32 once).
+  DType moe_router_dtype = DType::kF32;
+  /// --moe-router-load-balancing-type: one type, or Megatron's list of several (e.g. aux_loss
+  /// seq_aux_loss), whose losses are added, each with its coefficient of --moe-aux-loss-coeff (one
+  /// per type, in the same order; Megatron's TopKRouter.get_aux_loss_coeff).
+  std::vector<MoeLoadBalancing> moe_router_load_balancing_type = {MoeLoadBalancing::kAuxLoss};
+  std::vector<float> moe_aux_loss_coeff = {0.f};  ///< --moe-aux-loss-coeff: one per type
   float moe_z_loss_coeff = 0.f;         ///< --moe-z-loss-coeff (0 = off)
   /// --moe-router-enable-expert-bias: aux-loss-free balancing (DeepSeek-V3), a per-expert bias
   /// added to the sigmoid scores for the selection only, updated once per step by
@@ -185,6 +205,17 @@ struct TransformerConfig {
   bool is_moe_layer(int64_t layer) const;
   int64_t num_moe_layers() const;
   int64_t moe_ffn() const { return moe_ffn_hidden_size > 0 ? moe_ffn_hidden_size : ffn(); }
+  /// The coefficient of load-balancing type t: its entry of moe_aux_loss_coeff, 0 when t is not
+  /// listed or is kNone (Megatron's get_aux_loss_coeff). A type is on when its coefficient is > 0.
+  float moe_aux_coeff(MoeLoadBalancing t) const;
+  bool moe_aux_loss_on(MoeLoadBalancing t) const { return moe_aux_coeff(t) > 0; }
+  /// Any load-balancing loss on (Megatron's is_aux_loss_enabled).
+  bool moe_any_aux_loss() const;
+  /// Sets one type with its coefficient (the common single-type case).
+  void set_moe_load_balancing(MoeLoadBalancing t, float coeff) {
+    moe_router_load_balancing_type = {t};
+    moe_aux_loss_coeff = {coeff};
+  }
   /// Vocabulary padded to a multiple of make_vocab_size_divisible_by * tp (Megatron's
   /// _vocab_size_with_padding).
   int64_t padded_vocab_size(int tp = 1) const;
@@ -192,7 +223,8 @@ struct TransformerConfig {
   /// hidden size (without --kv-channels), query groups not dividing heads, a sequence longer than
   /// the position table, dropout outside [0, 1), a rotary fraction outside (0, 1], tp not dividing
   /// heads, query groups or ffn; for MoE: top-k outside [1, E], groups not dividing E or not
-  /// covering top-k, a group top-k without groups, negative loss coefficients, a layer pattern of
+  /// covering top-k, a group top-k without groups, negative loss coefficients, load-balancing
+  /// types and coefficients of different counts, a type listed twice, a layer pattern of
   /// the wrong length, biases on experts (use --disable-bias-linear), a capacity factor <= 0 or
   /// padding to capacity without one; --recompute-method or --recompute-num-layers without full
   /// granularity, full granularity without a method or with --recompute-num-layers < 1; global

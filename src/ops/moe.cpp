@@ -28,6 +28,12 @@ void check_devices(const Stream& stream, const Tensor& ref, std::initializer_lis
              ref.device().str());
 }
 
+// The routing dtype R of logits: fp32 or fp64 (--moe-router-dtype).
+void check_router_dtype(const Tensor& t, const char* fn, const char* name) {
+  MT_CHECK(t.dtype() == DType::kF32 || t.dtype() == DType::kF64, "{}: {} must be fp32 or fp64 (the routing dtype), got {}",
+           fn, name, t.str());
+}
+
 void check_scalar(const Tensor& t, const char* fn, const char* name) {
   MT_CHECK(t.dtype() == DType::kF32 && t.numel() == 1 && t.is_contiguous(), "{}: {} must be an fp32 [1] tensor, got {}",
            fn, name, t.str());
@@ -56,12 +62,13 @@ void check_options(const MoeRouterOptions& o, int64_t E, const char* fn) {
 void moe_topk_routing(const Tensor& probs, const Tensor& top, const Tensor& scores_for_aux, const Tensor& logits,
                       const Tensor& expert_bias, const MoeRouterOptions& o, const Stream& stream) {
   const char* fn = "moe_topk_routing";
-  check_2d(logits, DType::kF32, -1, -1, fn, "logits");
+  check_router_dtype(logits, fn, "logits");
+  check_2d(logits, logits.dtype(), -1, -1, fn, "logits");
   const int64_t T = logits.size(0), E = logits.size(1);
   check_options(o, E, fn);
   check_2d(probs, DType::kF32, T, o.topk, fn, "probs");
   check_2d(top, DType::kI32, T, o.topk, fn, "top");
-  if (!scores_for_aux.empty()) check_2d(scores_for_aux, DType::kF32, T, E, fn, "scores_for_aux");
+  if (!scores_for_aux.empty()) check_2d(scores_for_aux, logits.dtype(), T, E, fn, "scores_for_aux");
   if (!expert_bias.empty()) {
     MT_CHECK(o.sigmoid, "{}: an expert bias needs the sigmoid score function", fn);
     MT_CHECK(expert_bias.dtype() == DType::kF32 && expert_bias.numel() == E, "{}: expert_bias must be fp32 [{}], got {}",
@@ -74,10 +81,11 @@ void moe_topk_routing(const Tensor& probs, const Tensor& top, const Tensor& scor
 void moe_topk_routing_backward(const Tensor& d_logits, const Tensor& d_probs, const Tensor& logits, const Tensor& top,
                                const MoeRouterOptions& o, const Stream& stream) {
   const char* fn = "moe_topk_routing_backward";
-  check_2d(logits, DType::kF32, -1, -1, fn, "logits");
+  check_router_dtype(logits, fn, "logits");
+  check_2d(logits, logits.dtype(), -1, -1, fn, "logits");
   const int64_t T = logits.size(0), E = logits.size(1);
   check_options(o, E, fn);
-  check_2d(d_logits, DType::kF32, T, E, fn, "d_logits");
+  check_2d(d_logits, logits.dtype(), T, E, fn, "d_logits");
   check_2d(d_probs, DType::kF32, T, o.topk, fn, "d_probs");
   check_2d(top, DType::kI32, T, o.topk, fn, "top");
   check_devices(stream, logits, {&d_logits, &d_probs, &top}, fn);
@@ -88,7 +96,8 @@ void moe_aux_loss(const Tensor& loss, const Tensor& scores, const Tensor& tokens
                   const Stream& stream) {
   const char* fn = "moe_aux_loss";
   check_scalar(loss, fn, "loss");
-  check_2d(scores, DType::kF32, -1, -1, fn, "scores");
+  check_router_dtype(scores, fn, "scores");
+  check_2d(scores, scores.dtype(), -1, -1, fn, "scores");
   check_groups(tokens_per_expert, scores.size(0), scores.size(1), fn);
   check_devices(stream, scores, {&loss, &tokens_per_expert}, fn);
   MT_DISPATCH(scores.device(), moe_aux_loss, loss, scores, tokens_per_expert, scale, stream);
@@ -97,8 +106,9 @@ void moe_aux_loss(const Tensor& loss, const Tensor& scores, const Tensor& tokens
 void moe_aux_scores_backward(const Tensor& d_logits, const Tensor& logits, const Tensor& tokens_per_expert,
                              float scale, const Tensor& loss_scale, bool sigmoid, const Stream& stream) {
   const char* fn = "moe_aux_scores_backward";
-  check_2d(logits, DType::kF32, -1, -1, fn, "logits");
-  check_2d(d_logits, DType::kF32, logits.size(0), logits.size(1), fn, "d_logits");
+  check_router_dtype(logits, fn, "logits");
+  check_2d(logits, logits.dtype(), -1, -1, fn, "logits");
+  check_2d(d_logits, logits.dtype(), logits.size(0), logits.size(1), fn, "d_logits");
   check_groups(tokens_per_expert, logits.size(0), logits.size(1), fn);
   if (!loss_scale.empty()) check_scalar(loss_scale, fn, "loss_scale");
   check_devices(stream, logits, {&d_logits, &tokens_per_expert, &loss_scale}, fn);
@@ -109,13 +119,87 @@ void moe_aux_scores_backward(const Tensor& d_logits, const Tensor& logits, const
 void moe_z_loss(const Tensor& loss, const Tensor& d_logits, const Tensor& logits, float scale,
                 const Tensor& loss_scale, const Stream& stream) {
   const char* fn = "moe_z_loss";
-  check_2d(logits, DType::kF32, -1, -1, fn, "logits");
+  check_router_dtype(logits, fn, "logits");
+  check_2d(logits, logits.dtype(), -1, -1, fn, "logits");
   MT_CHECK(!loss.empty() || !d_logits.empty(), "{}: neither loss nor d_logits given", fn);
   if (!loss.empty()) check_scalar(loss, fn, "loss");
-  if (!d_logits.empty()) check_2d(d_logits, DType::kF32, logits.size(0), logits.size(1), fn, "d_logits");
+  if (!d_logits.empty()) check_2d(d_logits, logits.dtype(), logits.size(0), logits.size(1), fn, "d_logits");
   if (!loss_scale.empty()) check_scalar(loss_scale, fn, "loss_scale");
   check_devices(stream, logits, {&loss, &d_logits, &loss_scale}, fn);
   MT_DISPATCH(logits.device(), moe_z_loss, loss, d_logits, logits, scale, loss_scale, stream);
+}
+
+void moe_router_logits_fp64(const Tensor& logits, const Tensor& x, const Tensor& w, const Stream& stream) {
+  const char* fn = "moe_router_logits_fp64";
+  op_checks::check_act(x, fn, "x");
+  MT_CHECK(x.ndim() == 2 && x.is_contiguous(), "{}: x must be a contiguous [T, h] tensor, got {}", fn, x.str());
+  MT_CHECK(w.dtype() == x.dtype() && w.ndim() == 2 && w.is_contiguous() && w.size(1) == x.size(1),
+           "{}: w must be a contiguous {} [E, {}] tensor like x, got {}", fn, dtype_name(x.dtype()), x.size(1), w.str());
+  check_2d(logits, DType::kF64, x.size(0), w.size(0), fn, "logits");
+  check_devices(stream, logits, {&x, &w}, fn);
+  MT_DISPATCH(logits.device(), moe_router_logits_fp64, logits, x, w, stream);
+}
+
+void moe_router_logits_fp64_backward(const Tensor& dx, const Tensor& dw, const Tensor& d_logits, const Tensor& x,
+                                     const Tensor& w, const Stream& stream) {
+  const char* fn = "moe_router_logits_fp64_backward";
+  op_checks::check_act(x, fn, "x");
+  MT_CHECK(x.ndim() == 2 && x.is_contiguous(), "{}: x must be a contiguous [T, h] tensor, got {}", fn, x.str());
+  MT_CHECK(w.dtype() == x.dtype() && w.ndim() == 2 && w.is_contiguous() && w.size(1) == x.size(1),
+           "{}: w must be a contiguous {} [E, {}] tensor like x, got {}", fn, dtype_name(x.dtype()), x.size(1), w.str());
+  check_2d(d_logits, DType::kF64, x.size(0), w.size(0), fn, "d_logits");
+  if (!dx.empty()) check_2d(dx, x.dtype(), x.size(0), x.size(1), fn, "dx");
+  if (!dw.empty()) check_2d(dw, DType::kF32, w.size(0), w.size(1), fn, "dw");
+  check_devices(stream, d_logits, {&dx, &dw, &x, &w}, fn);
+  MT_DISPATCH(d_logits.device(), moe_router_logits_fp64_backward, dx, dw, d_logits, x, w, stream);
+}
+
+namespace {
+// rows [T, h] of one act dtype like `ref`, contiguous.
+void check_gate_rows(const Tensor& t, const Tensor& ref, const char* fn, const char* name) {
+  MT_CHECK(t.dtype() == ref.dtype() && t.ndim() == 2 && t.is_contiguous() && t.size(0) == ref.size(0) &&
+               t.size(1) == ref.size(1),
+           "{}: {} must be a contiguous {} [{}, {}] tensor, got {}", fn, name, dtype_name(ref.dtype()), ref.size(0),
+           ref.size(1), t.str());
+}
+void check_gate_logits(const Tensor& t, int64_t T, const char* fn, const char* name) {
+  MT_CHECK(t.dtype() == DType::kF32 && t.ndim() == 1 && t.is_contiguous() && t.size(0) == T,
+           "{}: {} must be a contiguous fp32 [{}] tensor, got {}", fn, name, T, t.str());
+}
+}  // namespace
+
+void moe_shared_gate_forward(const Tensor& y, const Tensor& logits, const Tensor& ys, const Tensor& x, const Tensor& w,
+                             const Stream& stream) {
+  const char* fn = "moe_shared_gate_forward";
+  op_checks::check_act(ys, fn, "ys");
+  MT_CHECK(ys.ndim() == 2, "{}: ys must be [T, h], got {}", fn, ys.str());
+  check_gate_rows(ys, ys, fn, "ys");
+  check_gate_rows(y, ys, fn, "y");
+  check_gate_rows(x, ys, fn, "x");
+  check_2d(w, ys.dtype(), 1, ys.size(1), fn, "w");
+  check_gate_logits(logits, ys.size(0), fn, "logits");
+  MT_CHECK(y.data() != ys.data(), "{}: y must not alias ys", fn);
+  check_devices(stream, y, {&ys, &logits, &x, &w}, fn);
+  MT_DISPATCH(y.device(), moe_shared_gate_forward, y, logits, ys, x, w, stream);
+}
+
+void moe_shared_gate_backward(const Tensor& d_ys, const Tensor& d_logits, const Tensor& dx, const Tensor& dw,
+                              const Tensor& dy, const Tensor& ys, const Tensor& x, const Tensor& w,
+                              const Tensor& logits, const Stream& stream) {
+  const char* fn = "moe_shared_gate_backward";
+  op_checks::check_act(ys, fn, "ys");
+  MT_CHECK(ys.ndim() == 2, "{}: ys must be [T, h], got {}", fn, ys.str());
+  check_gate_rows(ys, ys, fn, "ys");
+  check_gate_rows(dy, ys, fn, "dy");
+  check_gate_rows(d_ys, ys, fn, "d_ys");
+  check_gate_rows(x, ys, fn, "x");
+  check_gate_rows(dx, ys, fn, "dx");
+  check_2d(w, ys.dtype(), 1, ys.size(1), fn, "w");
+  check_2d(dw, DType::kF32, 1, ys.size(1), fn, "dw");
+  check_gate_logits(logits, ys.size(0), fn, "logits");
+  check_gate_logits(d_logits, ys.size(0), fn, "d_logits");
+  check_devices(stream, ys, {&d_ys, &d_logits, &dx, &dw, &dy, &x, &w, &logits}, fn);
+  MT_DISPATCH(ys.device(), moe_shared_gate_backward, d_ys, d_logits, dx, dw, dy, ys, x, w, logits, stream);
 }
 
 void moe_tokens_per_expert(const Tensor& counts, const Tensor& top, const Stream& stream) {

@@ -1,7 +1,9 @@
 // Mixture-of-experts routing and token permutation (Megatron-Core transformer/moe/router.py
 // TopKRouter, moe_utils.py topk_routing_with_score_function, group_limited_topk,
 // switch_load_balancing_loss_func, z_loss_func, permute / unpermute). T tokens, E experts, top-k.
-// All routing math in fp32 (Megatron's --moe-router-dtype fp32). CPU reference backend
+// The routing math runs in the logits' dtype: fp32 (Megatron's --moe-router-dtype fp32) or fp64
+// (--moe-router-dtype fp64: logits, scores, loss terms and their gradients in double; the
+// probabilities handed to the dispatcher stay fp32, rounded once). CPU reference backend
 // (ops/cpu/moe.cpp) and CUDA kernels (ops/cuda/moe.cu) that match it; every sum is taken in a fixed
 // order, so both are deterministic.
 #pragma once
@@ -35,21 +37,23 @@ struct MoeRouterOptions {
 /// compete), then probs *= scaling_factor. top lists the experts in descending selection score
 /// (ties: lower index first). scores_for_aux (may be empty) receives the scores of the load
 /// balancing loss: softmax(logits), or the sigmoid scores normalised per token.
-/// logits: fp32 [T, E]; expert_bias: fp32 [E] or empty (sigmoid only); probs: fp32 [T, k];
-/// top: int32 [T, k]; scores_for_aux: fp32 [T, E] or empty.
+/// logits: fp32 or fp64 [T, E] (the routing dtype R: all the math runs in it); expert_bias: fp32
+/// [E] or empty (sigmoid only); probs: fp32 [T, k] (scaled in R, then rounded); top: int32 [T, k];
+/// scores_for_aux: R [T, E] or empty.
 /// Errors: mt::Error on shapes/dtypes, k outside [1, E], group options that do not divide E.
 void moe_topk_routing(const Tensor& probs, const Tensor& top, const Tensor& scores_for_aux, const Tensor& logits,
                       const Tensor& expert_bias, const MoeRouterOptions& options, const Stream& stream);
 
-/// d_logits [T, E] (fp32, overwritten) = the gradient of probs (moe_topk_routing, same options and
-/// top) back to the logits, from d_probs [T, k]; the selection is constant.
+/// d_logits [T, E] (the logits' dtype, fp32 or fp64, overwritten) = the gradient of probs
+/// (moe_topk_routing, same options and top) back to the logits, from d_probs fp32 [T, k]; the
+/// selection is constant.
 void moe_topk_routing_backward(const Tensor& d_logits, const Tensor& d_probs, const Tensor& logits, const Tensor& top,
                                const MoeRouterOptions& options, const Stream& stream);
 
 /// Load-balancing loss (Megatron's switch_load_balancing_loss_func and, with G > 1,
 /// sequence_load_balancing_loss_func, without their constants): loss[0] += scale · Σ_t Σ_e
 /// scores[t, e] · tokens_per_expert[t mod G, e]. loss fp32 [1] on the device (accumulates, no host
-/// synchronisation); scores fp32 [T, E] (moe_topk_routing's scores_for_aux); tokens_per_expert
+/// synchronisation); scores fp32 or fp64 [T, E] (moe_topk_routing's scores_for_aux); tokens_per_expert
 /// fp32 [G, E] or [E] (G = 1): G = 1 counts over all tokens (switch loss), G = b the counts of each
 /// sequence of a [s, b] token layout (token t = i·b + j belongs to sequence j). The caller folds
 /// coeff · E / (k · N²) (or coeff · E / (b · k · s²)) and the micro-batch weight into scale.
@@ -57,19 +61,51 @@ void moe_aux_loss(const Tensor& loss, const Tensor& scores, const Tensor& tokens
                   const Stream& stream);
 
 /// Adds the gradient of scale · loss_scale[0] · Σ_t Σ_e scores[t, e] · tokens_per_expert[t mod G, e]
-/// to d_logits [T, E] (fp32, accumulate), scores = softmax(logits) or the per-token normalised
-/// sigmoid scores (moe_topk_routing's scores_for_aux). logits fp32 [T, E]; tokens_per_expert fp32
+/// to d_logits [T, E] (accumulate), scores = softmax(logits) or the per-token normalised sigmoid
+/// scores (moe_topk_routing's scores_for_aux). logits and d_logits fp32 or fp64 [T, E] (one dtype,
+/// the math in it); tokens_per_expert fp32
 /// [G, E] or [E] as in moe_aux_loss; loss_scale fp32 [1] on the device or empty (= 1), read on the
 /// device.
 void moe_aux_scores_backward(const Tensor& d_logits, const Tensor& logits, const Tensor& tokens_per_expert,
                              float scale, const Tensor& loss_scale, bool sigmoid, const Stream& stream);
 
 /// Router z-loss (ST-MoE, Zoph et al. 2022; Megatron's z_loss_func without the coefficient) of
-/// logits fp32 [T, E]: when loss (fp32 [1]) is given, loss[0] += scale · Σ_t logsumexp(logits[t])²;
-/// when d_logits (fp32 [T, E]) is given, d_logits += scale · loss_scale[0] · ∂/∂logits of that sum
+/// logits fp32 or fp64 [T, E]: when loss (fp32 [1]) is given, loss[0] += scale · Σ_t
+/// logsumexp(logits[t])²; when d_logits (the logits' dtype, [T, E]) is given, d_logits += scale · loss_scale[0] · ∂/∂logits of that sum
 /// (loss_scale fp32 [1] or empty = 1). Either may be empty; nothing is read on the host.
 void moe_z_loss(const Tensor& loss, const Tensor& d_logits, const Tensor& logits, float scale,
                 const Tensor& loss_scale, const Stream& stream);
+
+/// The router GEMM in float64 (--moe-router-dtype fp64; Megatron's router_gating_linear with
+/// router_dtype torch.float64): logits[t, e] = Σ_i x[t, i] · w[e, i], x and w widened to double
+/// exactly and summed in double in ascending i (one thread per output on CUDA: deterministic, the
+/// same order as the CPU). x [T, h] and w [E, h] in one act dtype (fp32/bf16/fp16); logits fp64
+/// [T, E], overwritten. Errors: mt::Error on shapes/dtypes/devices.
+void moe_router_logits_fp64(const Tensor& logits, const Tensor& x, const Tensor& w, const Stream& stream);
+/// Backward of moe_router_logits_fp64, from d_logits fp64 [T, E]: dx[t, i] += Σ_e d_logits[t, e] ·
+/// w[e, i] (act dtype [T, h], accumulate: the double sum is added to dx's value and rounded once;
+/// skipped when empty) and dw[e, i] += Σ_t d_logits[t, e] · x[t, i] (fp32 main gradient [E, h],
+/// accumulate, rounded once; skipped when empty); sums in double in ascending order.
+/// Errors: mt::Error on shapes/dtypes/devices.
+void moe_router_logits_fp64_backward(const Tensor& dx, const Tensor& dw, const Tensor& d_logits, const Tensor& x,
+                                     const Tensor& w, const Stream& stream);
+
+/// The sigmoid gate of a shared expert (--moe-shared-expert-gate; Megatron's SharedExpertMLP with
+/// gate: output · sigmoid(x · w_gate)), applied while adding it to the routed output:
+/// logits[t] = Σ_i x[t, i]·w[i] (summed in double, stored fp32), y[t, :] += sigmoid(logits[t]) ·
+/// ys[t, :] (fp32 math, rounded once to the act dtype). y, ys, x [T, h] and w [1, h] in one act
+/// dtype (fp32/bf16/fp16, contiguous; y may not alias ys); logits fp32 [T] (written, kept for the
+/// backward). One pass per row, no GEMM (a GEMM with one output column is a poor fit for cuBLASLt).
+/// Errors: mt::Error on shapes/dtypes/devices.
+void moe_shared_gate_forward(const Tensor& y, const Tensor& logits, const Tensor& ys, const Tensor& x, const Tensor& w,
+                             const Stream& stream);
+/// Its backward from dy [T, h], with σ_t = sigmoid(logits[t]): d_ys[t, :] = σ_t · dy[t, :] (act
+/// dtype, overwritten); d_logits[t] = σ_t(1 − σ_t) · Σ_i dy[t, i]·ys[t, i] (fp32 [T], overwritten
+/// scratch); dx[t, :] += d_logits[t] · w (act dtype, accumulate); dw[0, i] += Σ_t d_logits[t]·x[t, i]
+/// (fp32 main gradient [1, h], accumulate; summed in double in token order: deterministic).
+void moe_shared_gate_backward(const Tensor& d_ys, const Tensor& d_logits, const Tensor& dx, const Tensor& dw,
+                              const Tensor& dy, const Tensor& ys, const Tensor& x, const Tensor& w,
+                              const Tensor& logits, const Stream& stream);
 
 /// Tokens per expert: counts[g, e] (fp32 [G, E] or [E] for G = 1, overwritten) = the number of
 /// (token t, slot) with t mod G = g and top[t, slot] = e; top int32 [T, k], every entry in [0, E).
@@ -171,6 +207,10 @@ MT_OP_BACKENDS(moe_topk_routing_backward)
 MT_OP_BACKENDS(moe_aux_loss)
 MT_OP_BACKENDS(moe_aux_scores_backward)
 MT_OP_BACKENDS(moe_z_loss)
+MT_OP_BACKENDS(moe_router_logits_fp64)
+MT_OP_BACKENDS(moe_router_logits_fp64_backward)
+MT_OP_BACKENDS(moe_shared_gate_forward)
+MT_OP_BACKENDS(moe_shared_gate_backward)
 MT_OP_BACKENDS(moe_tokens_per_expert)
 MT_OP_BACKENDS(moe_global_tokens_per_expert)
 MT_OP_BACKENDS(moe_expert_bias_update)

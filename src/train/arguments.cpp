@@ -121,6 +121,8 @@ void add_pretrain_options(CLI::App& app, PretrainArgs& a) {
   app.add_option("--moe-ffn-hidden-size", m.moe_ffn_hidden_size, "Hidden size of each expert (default ffn-hidden-size)");
   app.add_option("--moe-shared-expert-intermediate-size", m.moe_shared_expert_intermediate_size,
                  "Hidden size of the shared experts (0 = none)");
+  app.add_flag("--moe-shared-expert-gate", m.moe_shared_expert_gate,
+               "Scale the shared experts' output per token by sigmoid(x . w), w [1, hidden] (Qwen 2 MoE)");
   app.add_option("--moe-router-topk", m.moe_router_topk, "Experts per token")->capture_default_str();
   app.add_option_function<std::string>(
          "--moe-router-score-function",
@@ -134,18 +136,23 @@ void add_pretrain_options(CLI::App& app, PretrainArgs& a) {
   app.add_option("--moe-router-group-topk", m.moe_router_group_topk, "Groups each token may route to");
   app.add_option_function<std::string>(
          "--moe-router-dtype",
-         [](const std::string& v) {
+         [&m](const std::string& v) {
            MT_REQUIRE(v == "fp32" || v == "fp64", "--moe-router-dtype '{}' is not supported: expected fp32 or fp64", v);
-           MT_REQUIRE(v == "fp32", "--moe-router-dtype fp64 is not implemented: the routing math runs in fp32");
+           m.moe_router_dtype = v == "fp64" ? DType::kF64 : DType::kF32;
          },
-         "Routing math precision (fp32)");
-  app.add_option_function<std::string>(
+         "Precision of the router GEMM and the routing math: fp32 or fp64")
+      ->default_str("fp32");
+  app.add_option_function<std::vector<std::string>>(
          "--moe-router-load-balancing-type",
-         [&m](const std::string& v) { m.moe_router_load_balancing_type = parse_moe_load_balancing(v); },
-         "aux_loss, seq_aux_loss, global_aux_loss or none (one type)")
+         [&m](const std::vector<std::string>& v) {
+           m.moe_router_load_balancing_type.clear();
+           for (const std::string& t : v) m.moe_router_load_balancing_type.push_back(parse_moe_load_balancing(t));
+         },
+         "aux_loss, seq_aux_loss, global_aux_loss or none; a list combines several (one coefficient each)")
       ->default_str("aux_loss");
-  app.add_option("--moe-aux-loss-coeff", m.moe_aux_loss_coeff, "Load-balancing loss coefficient")
-      ->capture_default_str();
+  app.add_option("--moe-aux-loss-coeff", m.moe_aux_loss_coeff,
+                 "Load-balancing loss coefficient(s): one per --moe-router-load-balancing-type, in its order")
+      ->default_str("0");
   app.add_option("--moe-z-loss-coeff", m.moe_z_loss_coeff, "Router z-loss coefficient (0 = off)");
   app.add_flag("--moe-router-enable-expert-bias", m.moe_router_enable_expert_bias,
                "Aux-loss-free load balancing: a per-expert selection bias updated once per step (sigmoid router)");

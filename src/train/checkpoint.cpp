@@ -33,19 +33,23 @@ std::string iter_dir_name(int64_t it) { return fmt::format("iter_{:07d}", it); }
 const char* kTracker = "latest_checkpointed_iteration.txt";
 
 json moe_config_to_json(const TransformerConfig& c) {
+  std::vector<std::string> lb_types;
+  for (MoeLoadBalancing t : c.moe_router_load_balancing_type) lb_types.push_back(moe_load_balancing_name(t));
   std::vector<int> pattern;
   for (int64_t l = 0; l < c.num_layers; ++l) pattern.push_back(c.is_moe_layer(l) ? 1 : 0);
   return json{{"num_experts", c.num_moe_experts},
               {"moe_layer_pattern", pattern},
               {"moe_ffn_hidden_size", c.moe_ffn()},
               {"moe_shared_expert_intermediate_size", c.moe_shared_expert_intermediate_size},
+              {"moe_shared_expert_gate", c.moe_shared_expert_gate},
               {"moe_router_topk", c.moe_router_topk},
               {"moe_router_score_function", moe_score_function_name(c.moe_router_score_function)},
               {"moe_router_pre_softmax", c.moe_router_pre_softmax},
               {"moe_router_topk_scaling_factor", c.moe_router_topk_scaling_factor},
               {"moe_router_num_groups", c.moe_router_num_groups},
               {"moe_router_group_topk", c.moe_router_group_topk},
-              {"moe_router_load_balancing_type", moe_load_balancing_name(c.moe_router_load_balancing_type)},
+              {"moe_router_dtype", std::string(dtype_name(c.moe_router_dtype))},
+              {"moe_router_load_balancing_type", lb_types},
               {"moe_aux_loss_coeff", c.moe_aux_loss_coeff},
               {"moe_z_loss_coeff", c.moe_z_loss_coeff}};
 }
@@ -56,15 +60,22 @@ void moe_config_from_json(const json& j, TransformerConfig& c) {
   for (int v : j.at("moe_layer_pattern").get<std::vector<int>>()) c.moe_layer_pattern.push_back(v ? 1 : 0);
   c.moe_ffn_hidden_size = j.at("moe_ffn_hidden_size").get<int64_t>();
   c.moe_shared_expert_intermediate_size = j.value("moe_shared_expert_intermediate_size", int64_t{0});
+  c.moe_shared_expert_gate = j.value("moe_shared_expert_gate", false);
   c.moe_router_topk = j.at("moe_router_topk").get<int64_t>();
   c.moe_router_score_function = parse_moe_score_function(j.value("moe_router_score_function", std::string("softmax")));
   c.moe_router_pre_softmax = j.value("moe_router_pre_softmax", false);
   c.moe_router_topk_scaling_factor = j.value("moe_router_topk_scaling_factor", 1.f);
   c.moe_router_num_groups = j.value("moe_router_num_groups", int64_t{0});
   c.moe_router_group_topk = j.value("moe_router_group_topk", int64_t{0});
-  c.moe_router_load_balancing_type =
-      parse_moe_load_balancing(j.value("moe_router_load_balancing_type", std::string("aux_loss")));
-  c.moe_aux_loss_coeff = j.value("moe_aux_loss_coeff", 0.f);
+  c.moe_router_dtype = parse_dtype(j.value("moe_router_dtype", std::string("fp32")));
+  // one type and coefficient (older checkpoints: a string and a number) or lists of them
+  const json types = j.value("moe_router_load_balancing_type", json("aux_loss"));
+  const json coeffs = j.value("moe_aux_loss_coeff", json(0.f));
+  c.moe_router_load_balancing_type.clear();
+  for (const json& t : types.is_array() ? types : json::array({types}))
+    c.moe_router_load_balancing_type.push_back(parse_moe_load_balancing(t.get<std::string>()));
+  c.moe_aux_loss_coeff.clear();
+  for (const json& v : coeffs.is_array() ? coeffs : json::array({coeffs})) c.moe_aux_loss_coeff.push_back(v.get<float>());
   c.moe_z_loss_coeff = j.value("moe_z_loss_coeff", 0.f);
 }
 

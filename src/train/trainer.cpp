@@ -75,11 +75,12 @@ std::string timestamp() {
 // tokens [s, b], labels [s, b], loss_mask fp32 [s, b], position_ids [s, b], doc_start [b, s].
 // Data-parallel rank d of DP takes, of micro-batch step m, the samples
 // [first + (m·DP + d)·b, first + (m·DP + d + 1)·b) (Megatron's MegatronPretrainingSampler).
-// The MoE part of the log line (Megatron's track_moe_metrics): the load-balancing loss and the
-// z-loss averaged over the MoE layers and the iterations since the last log line (each the mean
-// over micro-batches and data-parallel ranks, summed over TP × CP; with global_aux_loss the loss is
-// named global_load_balancing_loss, as Megatron's, and is the mean over micro-batches of the loss
-// of the global micro-batch, summed over TP × CP × DP), the tokens routed per expert and
+// The MoE part of the log line (Megatron's track_moe_metrics): the load-balancing loss of each
+// type that is on, under Megatron's names (load_balancing_loss, seq_load_balancing_loss,
+// global_load_balancing_loss), and the z-loss, averaged over the MoE layers and the iterations since
+// the last log line (each the mean over micro-batches and data-parallel ranks, summed over TP × CP;
+// global_load_balancing_loss is the mean over micro-batches of the loss of the global micro-batch,
+// summed over TP × CP × DP), the tokens routed per expert and
 // iteration (min / max / mean over the experts of every MoE layer) and the worst layer's
 // imbalance (max / mean over its experts), and per layer with --moe-per-layer-logging.
 // Collective over the world; resets the model's statistics.
@@ -97,25 +98,24 @@ std::string moe_log(LanguageModel& model, Communicator& world, int64_t iters, bo
     const float* row = reinterpret_cast<const float*>(all.data() + static_cast<size_t>(r) * bytes);
     for (size_t i = 0; i < host.size(); ++i) host[i] += row[i];
   }
-  const bool aux = cfg.moe_router_load_balancing_type != MoeLoadBalancing::kNone && cfg.moe_aux_loss_coeff > 0;
   const bool z = cfg.moe_z_loss_coeff > 0;
-  const char* lb_name = cfg.moe_router_load_balancing_type == MoeLoadBalancing::kGlobalAuxLoss
-                            ? "global_load_balancing_loss"
-                            : "load_balancing_loss";
+  std::vector<MoeLoadBalancing> lb_types;  // the types on, in the order given
+  for (MoeLoadBalancing t : cfg.moe_router_load_balancing_type)
+    if (cfg.moe_aux_loss_on(t)) lb_types.push_back(t);
   const int64_t E = cfg.num_moe_experts;
-  const size_t per = static_cast<size_t>(2 + E);
-  double lb = 0, zl = 0, lo = std::numeric_limits<double>::infinity(), hi = 0, sum = 0, worst = 0;
+  const size_t per = static_cast<size_t>(kMoeStatLosses + E);
+  double lb[kMoeStatZLoss] = {}, zl = 0, lo = std::numeric_limits<double>::infinity(), hi = 0, sum = 0, worst = 0;
   std::string layers;
   const double n = static_cast<double>(std::max<int64_t>(iters, 1));
   for (int64_t l = 0; l < cfg.num_layers; ++l) {
     if (!cfg.is_moe_layer(l)) continue;
     const double* v = host.data() + per * static_cast<size_t>(l);
-    const double a = v[0] / n, b = v[1] / n;
-    lb += a;
+    const double b = v[kMoeStatZLoss] / n;
+    for (MoeLoadBalancing t : lb_types) lb[static_cast<int>(t)] += v[static_cast<int>(t)] / n;
     zl += b;
     double lmax = 0, lsum = 0;
     for (int64_t e = 0; e < E; ++e) {
-      const double c = v[2 + e] / tp_cp / n;  // tokens per iteration (each counted over TP × CP)
+      const double c = v[kMoeStatLosses + e] / tp_cp / n;  // tokens per iteration (each counted over TP × CP)
       lo = std::min(lo, c);
       lmax = std::max(lmax, c);
       lsum += c;
@@ -125,14 +125,16 @@ std::string moe_log(LanguageModel& model, Communicator& world, int64_t iters, bo
     const double imbalance = lsum > 0 ? lmax * static_cast<double>(E) / lsum : 0.0;
     worst = std::max(worst, imbalance);
     if (per_layer) {
-      if (aux) layers += fmt::format(" {} layer {}: {:.6E} |", lb_name, l, a);
+      for (MoeLoadBalancing t : lb_types)
+        layers += fmt::format(" {} layer {}: {:.6E} |", moe_load_balancing_loss_name(t), l, v[static_cast<int>(t)] / n);
       if (z) layers += fmt::format(" z_loss layer {}: {:.6E} |", l, b);
       layers += fmt::format(" expert imbalance layer {}: {:.3f} |", l, imbalance);
     }
   }
   const double L = static_cast<double>(std::max<int64_t>(cfg.num_moe_layers(), 1));
   std::string out;
-  if (aux) out += fmt::format(" {}: {:.6E} |", lb_name, lb / L);
+  for (MoeLoadBalancing t : lb_types)
+    out += fmt::format(" {}: {:.6E} |", moe_load_balancing_loss_name(t), lb[static_cast<int>(t)] / L);
   if (z) out += fmt::format(" z_loss: {:.6E} |", zl / L);
   if (sum > 0)
     out += fmt::format(" tokens per expert min/max/mean: {:.0f}/{:.0f}/{:.1f} | expert imbalance: {:.3f} |", lo, hi,
@@ -327,6 +329,7 @@ void check_resume_config(const TransformerConfig& ck, const TransformerConfig& m
   same("--moe-ffn-hidden-size", ck.moe_ffn(), m.moe_ffn());
   same("--moe-shared-expert-intermediate-size", ck.moe_shared_expert_intermediate_size,
        m.moe_shared_expert_intermediate_size);
+  same_flag("--moe-shared-expert-gate", yes(ck.moe_shared_expert_gate), yes(m.moe_shared_expert_gate));
 }
 
 class ProgressLine {

@@ -16,7 +16,7 @@ namespace {
 
 using testing::OwnedTensor;
 
-enum class Moe { kNone, kMixtral, kMixtralDrop, kDeepSeek };
+enum class Moe { kNone, kMixtral, kMixtralDrop, kDeepSeek, kQwen2Fp64 };
 
 /// The Llama-style layer on 4 heads: GQA 4/2, RoPE, SwiGLU, RMSNorm, untied, no biases.
 void set_llama(TransformerConfig& c) {
@@ -49,9 +49,17 @@ void compare(DType dtype, float dropout, double tol, bool documents = false, boo
     c.num_moe_experts = 8;
     c.moe_ffn_hidden_size = 48;
     c.moe_router_topk = 2;
-    c.moe_aux_loss_coeff = 0.1f;
+    c.moe_aux_loss_coeff = {0.1f};
     c.moe_z_loss_coeff = 0.01f;
-    if (moe == Moe::kMixtral || moe == Moe::kMixtralDrop) {
+    if (moe == Moe::kQwen2Fp64) {  // Qwen 2 MoE style with the fp64 router and two load-balancing types
+      c.moe_layer_pattern = {0, 1};
+      c.moe_router_pre_softmax = true;
+      c.moe_router_dtype = DType::kF64;
+      c.moe_shared_expert_intermediate_size = 32;
+      c.moe_shared_expert_gate = true;
+      c.moe_router_load_balancing_type = {MoeLoadBalancing::kAuxLoss, MoeLoadBalancing::kSeqAuxLoss};
+      c.moe_aux_loss_coeff = {0.1f, 0.05f};
+    } else if (moe == Moe::kMixtral || moe == Moe::kMixtralDrop) {
       c.moe_layer_pattern = {0, 1};
       if (moe == Moe::kMixtralDrop) {  // capacity 0.8 of the balanced load: slots dropped
         c.moe_expert_capacity_set = true;
@@ -63,7 +71,7 @@ void compare(DType dtype, float dropout, double tol, bool documents = false, boo
       c.moe_router_num_groups = 4;
       c.moe_router_group_topk = 2;
       c.moe_shared_expert_intermediate_size = 32;
-      c.moe_router_load_balancing_type = MoeLoadBalancing::kSeqAuxLoss;
+      c.moe_router_load_balancing_type = {MoeLoadBalancing::kSeqAuxLoss};
       c.moe_router_enable_expert_bias = true;
       c.moe_router_bias_update_rate = 0.05f;
     }
@@ -163,10 +171,10 @@ void compare(DType dtype, float dropout, double tol, bool documents = false, boo
   if (moe != Moe::kNone) {
     const auto sc = cpu.moe_loss_stats(cs), sg = gpu.moe_loss_stats(gs);
     ASSERT_EQ(sc.size(), sg.size());
-    const size_t per = static_cast<size_t>(2 + c.num_moe_experts);
+    const size_t per = static_cast<size_t>(kMoeStatLosses + c.num_moe_experts);
     double routed = 0;
     for (size_t i = 0; i < sc.size(); ++i) {
-      if (i % per >= 2) routed += sc[i];
+      if (i % per >= kMoeStatLosses) routed += sc[i];
       if (dtype == DType::kF32) EXPECT_NEAR(sg[i], sc[i], tol * std::max(1.0, std::fabs(sc[i]))) << "MoE statistic " << i;
     }
     const double slots = static_cast<double>(c.seq_length * b * c.moe_router_topk * c.num_moe_layers());
@@ -211,6 +219,16 @@ TEST(GptCuda, MixtureOfExpertsMatchesCpu) {
   compare(DType::kBF16, 0.f, 2e-2, /*documents=*/false, /*llama=*/true, false, Moe::kMixtral, 5e-2);
 }
 
+// --moe-router-dtype fp64 (the fp64 router GEMM and routing kernels), two load-balancing types at
+// once and a gated shared expert (--moe-shared-expert-gate) on the GPU against the CPU model: fp32
+// to 1e-5, bf16 as above; with the per-expert loop and with grouped GEMMs.
+TEST(GptCuda, MixtureOfExpertsFp64RouterGatedSharedExpertMatchesCpu) {
+  MT_REQUIRE_CUDA();
+  compare(DType::kF32, 0.f, 1e-5, /*documents=*/false, /*llama=*/true, false, Moe::kQwen2Fp64);
+  compare(DType::kF32, 0.f, 1e-5, /*documents=*/false, /*llama=*/true, false, Moe::kQwen2Fp64, 0, /*grouped=*/true);
+  compare(DType::kBF16, 0.f, 2e-2, /*documents=*/false, /*llama=*/true, false, Moe::kQwen2Fp64, 5e-2);
+}
+
 // --moe-grouped-gemm on the GPU (grouped GEMMs with device-side counts, the allgather dispatcher
 // without host counts: fp32 through the SIMT kernel, bf16 through the tensor-core kernel) against
 // the CPU model's per-expert loop, with the same tolerances.
@@ -244,7 +262,7 @@ TEST(GptCuda, MoEGroupedGemmLayerIsCapturable) {
       c.num_moe_experts = 8;
       c.moe_ffn_hidden_size = 48;
       c.moe_router_topk = 2;
-      c.moe_aux_loss_coeff = 0.1f;
+      c.moe_aux_loss_coeff = {0.1f};
       c.moe_z_loss_coeff = 0.01f;
       c.moe_grouped_gemm = true;
       if (drop) {
@@ -359,7 +377,7 @@ TEST(GptCuda, RecomputeMatchesNoRecompute) {
       c.num_moe_experts = 8;
       c.moe_layer_pattern = {0, 1, 1, 1};
       c.moe_ffn_hidden_size = 48;
-      c.moe_aux_loss_coeff = 0.1f;
+      c.moe_aux_loss_coeff = {0.1f};
       c.moe_z_loss_coeff = 0.01f;
       c.moe_grouped_gemm = true;
     }

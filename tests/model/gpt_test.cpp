@@ -58,7 +58,7 @@ TransformerConfig tiny_moe_config(bool sigmoid_router) {
   c.moe_layer_pattern = {0, 1};
   c.moe_ffn_hidden_size = 6;
   c.moe_router_topk = 2;
-  c.moe_aux_loss_coeff = 0.3f;
+  c.moe_aux_loss_coeff = {0.3f};
   c.moe_z_loss_coeff = 0.05f;
   if (sigmoid_router) {
     c.moe_router_score_function = MoeScoreFunction::kSigmoid;
@@ -66,7 +66,7 @@ TransformerConfig tiny_moe_config(bool sigmoid_router) {
     c.moe_router_group_topk = 1;
     c.moe_router_topk_scaling_factor = 2.f;
     c.moe_shared_expert_intermediate_size = 8;
-    c.moe_router_load_balancing_type = MoeLoadBalancing::kSeqAuxLoss;  // per-sequence loss (micro-batch 2)
+    c.moe_router_load_balancing_type = {MoeLoadBalancing::kSeqAuxLoss};  // per-sequence loss (micro-batch 2)
   }
   return c;
 }
@@ -129,9 +129,9 @@ struct Harness {
     model.forward(mb(), dc, loss, 1.0f / (c.seq_length * model.micro_batch()), stream);
     double aux = 0;  // the two losses of each layer, not the token counts after them
     const std::vector<double> st = model.moe_loss_stats(stream);
-    const size_t per = static_cast<size_t>(2 + c.num_moe_experts);
+    const size_t per = static_cast<size_t>(kMoeStatLosses + c.num_moe_experts);
     for (size_t i = 0; i < st.size(); ++i)
-      if (i % per < 2) aux += st[i];
+      if (i % per < kMoeStatLosses) aux += st[i];
     return testing::to_host(loss, stream)[0] + aux;
   }
 };
@@ -250,10 +250,133 @@ TEST(Gpt, MoEGradientCheckSigmoidGroupLimitedSharedExpert) { moe_gradient_check(
 TEST(Gpt, MoEGlobalAuxLossGradientCheck) {
   for (bool sigmoid : {false, true}) {
     TransformerConfig c = tiny_moe_config(sigmoid);
-    c.moe_router_load_balancing_type = MoeLoadBalancing::kGlobalAuxLoss;
+    c.moe_router_load_balancing_type = {MoeLoadBalancing::kGlobalAuxLoss};
     moe_gradient_check(c, false);
   }
 }
+// Megatron's list of load-balancing types (--moe-router-load-balancing-type aux_loss seq_aux_loss
+// global_aux_loss with one coefficient each): the losses add up; gradients against finite
+// differences of the summed objective, both routers.
+TEST(Gpt, MoESeveralLoadBalancingTypesGradientCheck) {
+  for (bool sigmoid : {false, true}) {
+    TransformerConfig c = tiny_moe_config(sigmoid);
+    c.moe_router_load_balancing_type = {MoeLoadBalancing::kAuxLoss, MoeLoadBalancing::kSeqAuxLoss,
+                                        MoeLoadBalancing::kGlobalAuxLoss};
+    c.moe_aux_loss_coeff = {0.3f, 0.2f, 0.1f};
+    moe_gradient_check(c, false);
+  }
+}
+
+// Two types at once give each type's loss value (bitwise: the same computation) and the gradient
+// of their sum: (g(aux + seq) − g(none)) = (g(aux) − g(none)) + (g(seq) − g(none)), the router
+// weight's and every other parameter's, for both routers.
+TEST(Gpt, MoETwoLoadBalancingTypesEqualTheSumOfSingleTypeRuns) {
+  for (bool sigmoid : {false, true}) {
+    SCOPED_TRACE(sigmoid ? "sigmoid" : "softmax");
+    const uint64_t seed = testing::test_seed();
+    using LB = MoeLoadBalancing;
+    const std::vector<std::pair<std::vector<LB>, std::vector<float>>> runs = {
+        {{LB::kAuxLoss, LB::kSeqAuxLoss}, {0.6f, 0.9f}},  // both
+        {{LB::kAuxLoss}, {0.6f}},
+        {{LB::kSeqAuxLoss}, {0.9f}},
+        {{LB::kNone}, {0.f}}};
+    std::vector<std::vector<float>> grads[4];
+    std::vector<double> stats[4];
+    double loss[4];
+    std::vector<std::string> names;
+    for (size_t r = 0; r < runs.size(); ++r) {
+      TransformerConfig c = tiny_moe_config(sigmoid);
+      c.moe_z_loss_coeff = 0.f;
+      c.moe_router_load_balancing_type = runs[r].first;
+      c.moe_aux_loss_coeff = runs[r].second;
+      c.validate();
+      testing::test_rng().seed(seed);  // the same batch and weights for all
+      Harness h(c, 2, seed);
+      loss[r] = h.loss_and_grads(grads[r]);
+      stats[r] = h.model.moe_loss_stats(h.stream);
+      if (r == 0)
+        for (size_t i = 0; i < h.model.params().size(); ++i) names.push_back(h.model.params().info(i).name);
+    }
+    const size_t per = static_cast<size_t>(kMoeStatLosses + 4);
+    const size_t a = static_cast<size_t>(LB::kAuxLoss), q = static_cast<size_t>(LB::kSeqAuxLoss);
+    for (size_t l = 0; l < 2; ++l) {
+      EXPECT_EQ(stats[0][l * per + a], stats[1][l * per + a]) << "layer " << l;
+      EXPECT_EQ(stats[0][l * per + q], stats[2][l * per + q]) << "layer " << l;
+      EXPECT_EQ(stats[1][l * per + q], 0.0);  // the types that are off
+      EXPECT_EQ(stats[2][l * per + a], 0.0);
+    }
+    EXPECT_GT(stats[0][per + a], 0.0);  // layer 1 is the MoE layer
+    EXPECT_GT(stats[0][per + q], 0.0);
+    EXPECT_NEAR(loss[0] + loss[3], loss[1] + loss[2], 1e-6 * std::fabs(loss[0]));
+    for (size_t i = 0; i < grads[0].size(); ++i) {
+      std::vector<float> both(grads[0][i].size()), sum(both.size()), seq_only(both.size());
+      double n_both = 0;
+      for (size_t j = 0; j < both.size(); ++j) {
+        both[j] = grads[0][i][j] - grads[3][i][j];
+        seq_only[j] = grads[2][i][j] - grads[3][i][j];
+        sum[j] = (grads[1][i][j] - grads[3][i][j]) + seq_only[j];
+        n_both += static_cast<double>(both[j]) * both[j];
+      }
+      if (n_both == 0) continue;  // parameters the router does not reach (the last layer's experts, the head)
+      EXPECT_LT(testing::rel_err(both, sum), 1e-3) << names[i];
+    }
+    // the router weight of the MoE layer: the seq_aux_loss part is a large share of the difference
+    bool found = false;
+    for (size_t i = 0; i < grads[0].size(); ++i) {
+      if (names[i] != "decoder.layers.1.mlp.router.weight") continue;
+      found = true;
+      std::vector<float> both(grads[0][i].size()), aux_only(both.size()), seq_only(both.size());
+      for (size_t j = 0; j < both.size(); ++j) {
+        both[j] = grads[0][i][j] - grads[3][i][j];
+        aux_only[j] = grads[1][i][j] - grads[3][i][j];
+        seq_only[j] = grads[2][i][j] - grads[3][i][j];
+      }
+      EXPECT_GT(testing::rel_err(both, aux_only), 0.05) << "seq_aux_loss left out";
+      EXPECT_GT(testing::rel_err(both, seq_only), 0.05) << "aux_loss left out";
+    }
+    EXPECT_TRUE(found);
+  }
+}
+
+// --moe-router-dtype fp64: the router GEMM and the routing math in double. Gradients against
+// finite differences; loss and gradients equal the fp32 router's to rounding, the gradients not
+// bitwise (the path is taken).
+TEST(Gpt, MoERouterFp64GradientCheck) {
+  for (bool sigmoid : {false, true}) {
+    TransformerConfig c = tiny_moe_config(sigmoid);
+    c.moe_router_dtype = DType::kF64;
+    moe_gradient_check(c, false);
+    const uint64_t seed = testing::test_seed();
+    double loss[2];
+    std::vector<std::vector<float>> g[2];
+    for (int k = 0; k < 2; ++k) {
+      TransformerConfig ck = c;
+      ck.moe_router_dtype = k == 0 ? DType::kF32 : DType::kF64;
+      testing::test_rng().seed(seed);
+      Harness h(ck, 2, seed);
+      loss[k] = h.loss_and_grads(g[k]);
+    }
+    EXPECT_NEAR(loss[1], loss[0], 1e-5 * std::fabs(loss[0]));
+    bool differ = false;  // the gradients through the router differ in their last bits
+    for (size_t i = 0; i < g[0].size(); ++i) {
+      EXPECT_LT(testing::rel_err(g[1][i], g[0][i]), 1e-5) << i;
+      differ = differ || g[1][i] != g[0][i];
+    }
+    EXPECT_TRUE(differ) << "the fp64 router gave the fp32 router's gradients bitwise";
+  }
+}
+
+// --moe-shared-expert-gate (Qwen 2 MoE's shared_expert_gate): the shared expert's output scaled by
+// sigmoid(x · w_gate); gradients (w_gate's included) against finite differences, both routers.
+TEST(Gpt, MoESharedExpertGateGradientCheck) {
+  for (bool sigmoid : {false, true}) {
+    TransformerConfig c = tiny_moe_config(sigmoid);
+    c.moe_shared_expert_intermediate_size = 8;
+    c.moe_shared_expert_gate = true;
+    moe_gradient_check(c, false);
+  }
+}
+
 TEST(Gpt, MoEGeluExpertsGradientCheck) {
   TransformerConfig c = tiny_moe_config(false);
   c.gated_linear_unit = false;
@@ -493,7 +616,7 @@ TEST(Gpt, ConfigErrors) {
   c.recompute_granularity = RecomputeGranularity::kFull;
   c.recompute_method_set = true;
   c.recompute_num_layers = 1;
-  c.moe_router_load_balancing_type = MoeLoadBalancing::kGlobalAuxLoss;
+  c.moe_router_load_balancing_type = {MoeLoadBalancing::kGlobalAuxLoss};
   expect_message(c, 1, "global_aux_loss with --recompute-granularity full is not supported");
   EXPECT_THROW(parse_recompute_granularity("partial"), Error);
   EXPECT_THROW(parse_recompute_method("random"), Error);

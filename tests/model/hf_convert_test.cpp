@@ -29,11 +29,15 @@ using hf::HfArchitecture;
 // vocabulary 37, 12 positions; MoE: 4 experts, top-2, Mixtral's experts of ffn 24, Qwen 3 MoE's of
 // 8 with layer 0 dense (mlp_only_layers [0]).
 constexpr int64_t kH = 16, kN = 4, kG = 2, kD = 4, kF = 24, kL = 2, kV = 37, kP = 12;
-constexpr int64_t kE = 4, kK = 2, kFe = 8;
+constexpr int64_t kE = 4, kK = 2, kFe = 8, kFs = 12;  // kFs: Qwen 2 MoE's shared expert
 
-bool moe(HfArchitecture a) { return a == HfArchitecture::kMixtral || a == HfArchitecture::kQwen3Moe; }
+bool moe(HfArchitecture a) {
+  return a == HfArchitecture::kMixtral || a == HfArchitecture::kQwen3Moe || a == HfArchitecture::kQwen2Moe;
+}
+bool qwen_moe(HfArchitecture a) { return a == HfArchitecture::kQwen3Moe || a == HfArchitecture::kQwen2Moe; }
+bool qkv_bias(HfArchitecture a) { return a == HfArchitecture::kQwen2 || a == HfArchitecture::kQwen2Moe; }
 // Whether layer l of the fixture is a MoE layer.
-bool moe_layer(HfArchitecture a, int64_t l) { return a == HfArchitecture::kMixtral || (a == HfArchitecture::kQwen3Moe && l != 0); }
+bool moe_layer(HfArchitecture a, int64_t l) { return a == HfArchitecture::kMixtral || (qwen_moe(a) && l != 0); }
 // The experts' hidden size of the fixture.
 int64_t expert_ffn(HfArchitecture a) { return a == HfArchitecture::kMixtral ? kF : kFe; }
 
@@ -68,6 +72,12 @@ json config_json(HfArchitecture a) {
               {"moe_intermediate_size", kFe}, {"norm_topk_prob", true}, {"decoder_sparse_step", 1},
               {"mlp_only_layers", {0}}, {"router_aux_loss_coef", 0.001}, {"output_router_logits", false},
               {"attention_bias", false}, {"use_sliding_window", false}});
+  } else if (a == HfArchitecture::kQwen2Moe) {  // Qwen1.5-MoE-style: not renormalised, a gated shared expert
+    j.update({{"model_type", "qwen2_moe"}, {"num_experts", kE}, {"num_experts_per_tok", kK},
+              {"moe_intermediate_size", kFe}, {"shared_expert_intermediate_size", kFs}, {"norm_topk_prob", false},
+              {"decoder_sparse_step", 1}, {"mlp_only_layers", {0}}, {"router_aux_loss_coef", 0.001},
+              {"output_router_logits", false}, {"use_sliding_window", false}, {"sliding_window", 4096},
+              {"max_window_layers", 2}});
   }
   return j;
 }
@@ -83,6 +93,12 @@ void add_moe_layer(HfArchitecture a, int64_t l, const std::function<void(const s
     add(x + (mixtral ? "w1" : "gate_proj") + ".weight", {f, kH});
     add(x + (mixtral ? "w3" : "up_proj") + ".weight", {f, kH});
     add(x + (mixtral ? "w2" : "down_proj") + ".weight", {kH, f});
+  }
+  if (a == HfArchitecture::kQwen2Moe) {
+    add(p + "shared_expert.gate_proj.weight", {kFs, kH});
+    add(p + "shared_expert.up_proj.weight", {kFs, kH});
+    add(p + "shared_expert.down_proj.weight", {kH, kFs});
+    add(p + "shared_expert_gate.weight", {1, kH});
   }
 }
 
@@ -125,7 +141,7 @@ Fixture make_fixture(HfArchitecture a, const std::string& name, DType dtype = DT
       add(s + "self_attn.q_proj.weight", {kN * kD, kH});
       add(s + "self_attn.k_proj.weight", {kG * kD, kH});
       add(s + "self_attn.v_proj.weight", {kG * kD, kH});
-      if (a == HfArchitecture::kQwen2) {
+      if (qkv_bias(a)) {
         add(s + "self_attn.q_proj.bias", {kN * kD});
         add(s + "self_attn.k_proj.bias", {kG * kD});
         add(s + "self_attn.v_proj.bias", {kG * kD});
@@ -155,8 +171,9 @@ Fixture make_fixture(HfArchitecture a, const std::string& name, DType dtype = DT
   return fx;
 }
 
-const HfArchitecture kAll[] = {HfArchitecture::kGpt2,  HfArchitecture::kLlama,   HfArchitecture::kQwen2,
-                               HfArchitecture::kQwen3, HfArchitecture::kMixtral, HfArchitecture::kQwen3Moe};
+const HfArchitecture kAll[] = {HfArchitecture::kGpt2,    HfArchitecture::kLlama,    HfArchitecture::kQwen2,
+                               HfArchitecture::kQwen3,   HfArchitecture::kMixtral,  HfArchitecture::kQwen3Moe,
+                               HfArchitecture::kQwen2Moe};
 
 TEST(HfConvert, ConfigMapsToTransformerConfig) {
   for (HfArchitecture a : kAll) {
@@ -178,7 +195,7 @@ TEST(HfConvert, ConfigMapsToTransformerConfig) {
     EXPECT_EQ(c.position_embedding_type, gpt2 ? PositionEmbeddingType::kLearnedAbsolute : PositionEmbeddingType::kRope);
     EXPECT_EQ(c.gated_linear_unit, !gpt2);
     EXPECT_EQ(c.add_bias_linear, gpt2);
-    EXPECT_EQ(c.add_qkv_bias, a == HfArchitecture::kQwen2);
+    EXPECT_EQ(c.add_qkv_bias, qkv_bias(a));
     EXPECT_EQ(c.qk_layernorm, a == HfArchitecture::kQwen3 || a == HfArchitecture::kQwen3Moe);
     EXPECT_EQ(c.tied_output(), gpt2 || a == HfArchitecture::kQwen2);
     if (!gpt2) EXPECT_EQ(c.rotary_base, 500000.f);
@@ -188,10 +205,12 @@ TEST(HfConvert, ConfigMapsToTransformerConfig) {
       EXPECT_EQ(c.moe_router_topk, kK);
       EXPECT_EQ(c.moe_ffn(), expert_ffn(a));
       EXPECT_EQ(c.moe_router_score_function, MoeScoreFunction::kSoftmax);
-      EXPECT_FALSE(c.moe_router_pre_softmax);  // renormalised top-k = softmax over the selected logits
-      EXPECT_EQ(c.moe_shared_expert_intermediate_size, 0);
+      // renormalised top-k = softmax over the selected logits; Qwen 2 MoE's fixture: not renormalised
+      EXPECT_EQ(c.moe_router_pre_softmax, a == HfArchitecture::kQwen2Moe);
+      EXPECT_EQ(c.moe_shared_expert_intermediate_size, a == HfArchitecture::kQwen2Moe ? kFs : 0);
+      EXPECT_EQ(c.moe_shared_expert_gate, a == HfArchitecture::kQwen2Moe);
       for (int64_t l = 0; l < kL; ++l) EXPECT_EQ(c.is_moe_layer(l), moe_layer(a, l)) << "layer " << l;
-      EXPECT_FLOAT_EQ(c.moe_aux_loss_coeff, a == HfArchitecture::kMixtral ? 0.02f : 0.001f);
+      EXPECT_FLOAT_EQ(c.moe_aux_coeff(MoeLoadBalancing::kAuxLoss), a == HfArchitecture::kMixtral ? 0.02f : 0.001f);
     }
     fs::remove_all(fx.dir);
   }
@@ -312,6 +331,16 @@ TEST(HfConvert, WeightMappingLayouts) {
           EXPECT_EQ(t.at(me + "linear_fc2.weight"), hfw.at(x + (mixtral ? "w2" : "down_proj") + ".weight"));
         }
         EXPECT_FALSE(t.count(o + "mlp.linear_fc1.weight"));
+        if (a == HfArchitecture::kQwen2Moe) {
+          // shared expert: linear_fc1 [2, f_s, h] = [gate_proj; up_proj], linear_fc2 = down_proj,
+          // gate_weight [1, h] = shared_expert_gate
+          const auto& fc1 = t.at(o + "mlp.shared_experts.linear_fc1.weight");
+          ASSERT_EQ(static_cast<int64_t>(fc1.size()), 2 * kFs * kH);
+          EXPECT_EQ(std::vector<float>(fc1.begin(), fc1.begin() + kFs * kH), hfw.at(p + "shared_expert.gate_proj.weight"));
+          EXPECT_EQ(std::vector<float>(fc1.begin() + kFs * kH, fc1.end()), hfw.at(p + "shared_expert.up_proj.weight"));
+          EXPECT_EQ(t.at(o + "mlp.shared_experts.linear_fc2.weight"), hfw.at(p + "shared_expert.down_proj.weight"));
+          EXPECT_EQ(t.at(o + "mlp.shared_experts.gate_weight"), hfw.at(p + "shared_expert_gate.weight"));
+        }
       } else {
         // linear_fc1 [2, f, h] = [gate; up].
         const auto& fc1 = t.at(o + "mlp.linear_fc1.weight");
@@ -320,10 +349,10 @@ TEST(HfConvert, WeightMappingLayouts) {
         EXPECT_EQ(std::vector<float>(fc1.begin(), fc1.begin() + kF * kH), gate);
         EXPECT_EQ(std::vector<float>(fc1.begin() + kF * kH, fc1.end()), up);
       }
-      if (a == HfArchitecture::kQwen3Moe)  // its dense layer 0
+      if (qwen_moe(a))  // its dense layer 0
         EXPECT_EQ(t.at("decoder.layers.0.mlp.linear_fc2.weight"), hfw.at("model.layers.0.mlp.down_proj.weight"));
       EXPECT_EQ(t.at(o + "self_attention.linear_proj.weight"), hfw.at(s + "o_proj.weight"));
-      if (a == HfArchitecture::kQwen2) {
+      if (qkv_bias(a)) {
         const auto& b = t.at(o + "self_attention.linear_qkv.bias");
         for (int64_t g = 0; g < kG; ++g)
           for (int64_t e = 0; e < kD; ++e)
@@ -422,7 +451,7 @@ TEST(HfConvert, ImportedCheckpointLoadsAsModel) {
 // [E, 2f, h] with the gate rows first, experts.down_proj [E, h, f], router mlp.gate.weight); such
 // a checkpoint imports to the same tensors as the per-expert Hub names.
 TEST(HfConvert, FusedExpertTensorsOfTransformers5Import) {
-  for (HfArchitecture a : {HfArchitecture::kMixtral, HfArchitecture::kQwen3Moe}) {
+  for (HfArchitecture a : {HfArchitecture::kMixtral, HfArchitecture::kQwen3Moe, HfArchitecture::kQwen2Moe}) {
     SCOPED_TRACE(hf::architecture_name(a));
     const Fixture fx = make_fixture(a, "fused");
     const hf::HfModel m = hf::read_hf_config(fx.dir.string(), 0, 8);
@@ -557,7 +586,13 @@ TEST(HfConvert, MoeBadInputErrors) {
   };
   using A = HfArchitecture;
   expect_error(import(A::kMixtral, [](json& j) { j["architectures"] = {"Qwen2MoeForCausalLM"}; }),
-               "its shared expert is scaled by a sigmoid gate");
+               "field 'shared_expert_intermediate_size' is missing");
+  expect_error(import(A::kQwen2Moe, [](json& j) { j["shared_expert_intermediate_size"] = 0; }),
+               "shared_expert_intermediate_size must be > 0, got 0");
+  expect_error(import(A::kQwen2Moe, [](json& j) { j["qkv_bias"] = false; }),
+               "qkv_bias false is not supported for Qwen2MoeForCausalLM");
+  expect_error(import(A::kMixtral, [](json& j) { j["architectures"] = {"Qwen9MoeForCausalLM"}; }),
+               "unsupported Hugging Face architecture 'Qwen9MoeForCausalLM'");
   expect_error(import(A::kMixtral, [](json& j) { j["router_jitter_noise"] = 0.01; }), "router_jitter_noise 0.01");
   expect_error(import(A::kMixtral, [](json& j) { j["sliding_window"] = 4; }), "sliding_window 4");
   expect_error(import(A::kMixtral, [](json& j) { j.erase("num_local_experts"); }), "field 'num_local_experts' is missing");
@@ -597,6 +632,15 @@ TEST(HfConvert, MoeBadInputErrors) {
   x = c;
   x.moe_shared_expert_intermediate_size = 16;
   expect_error([&] { hf::check_representable(HfArchitecture::kQwen3Moe, x); }, "no shared experts");
+  x = c;
+  x.moe_shared_expert_intermediate_size = 16;
+  x.moe_shared_expert_gate = true;
+  x.add_qkv_bias = true;
+  x.qk_layernorm = false;
+  EXPECT_EQ(hf::infer_architecture(x), HfArchitecture::kQwen2Moe);
+  hf::check_representable(HfArchitecture::kQwen2Moe, x);
+  x.moe_shared_expert_gate = false;  // Qwen 2 MoE's shared expert is always gated
+  expect_error([&] { hf::check_representable(HfArchitecture::kQwen2Moe, x); }, "a gated shared expert");
   x = c;
   x.moe_router_score_function = MoeScoreFunction::kSigmoid;
   expect_error([&] { hf::check_representable(HfArchitecture::kQwen3Moe, x); }, "a softmax router is required");

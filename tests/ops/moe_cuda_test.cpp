@@ -7,7 +7,8 @@
 // multi-block scan path (N·k = 2^17 and more); permute / unpermute forward and backward in fp32 to
 // 1e-6 and in bf16 / fp16 against the CPU fp32 result on the same rounded inputs. Every CUDA op runs
 // twice and must give bitwise identical outputs (determinism). Outputs are poisoned before each
-// call.
+// call. With fp64 logits (--moe-router-dtype fp64) the routing, its losses and the fp64 router GEMM
+// match the CPU to double precision.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -16,6 +17,7 @@
 #include <cstring>
 #include <numeric>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "ops/elementwise.h"
@@ -154,6 +156,207 @@ TEST(MoeCuda, TopkRoutingMatchesCpu) {
     EXPECT_TRUE(testing::all_finite(got.d_logits));
     EXPECT_TRUE(same_bits(got.probs, again.probs) && same_bits(got.top, again.top) &&
                 same_bits(got.aux, again.aux) && same_bits(got.d_logits, again.d_logits));
+  }
+}
+
+// ---- --moe-router-dtype fp64 ---------------------------------------------------------------------
+
+/// ||a - b|| / ||b|| in double.
+double rel_err_d(const std::vector<double>& a, const std::vector<double>& b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    num += (a[i] - b[i]) * (a[i] - b[i]);
+    den += b[i] * b[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-300));
+}
+
+/// fp64 logits with bits below fp32's resolution (an fp32 round trip would show at 1e-12).
+std::vector<double> fp64_values(int64_t n, float stddev) {
+  const auto a = testing::randn(n, stddev), b = testing::randn(n);
+  std::vector<double> v(static_cast<size_t>(n));
+  for (size_t i = 0; i < v.size(); ++i) v[i] = static_cast<double>(a[i]) + 1e-9 * static_cast<double>(b[i]);
+  return v;
+}
+
+// Routing, its backward, the aux-loss scores' gradient and the z-loss with fp64 logits: CUDA
+// against the CPU (the same double formulas; exp / log differ by an ulp at most), the selections
+// identical, repeat runs bitwise equal.
+TEST(MoeCuda, Fp64RoutingMatchesCpu) {
+  MT_REQUIRE_CUDA();
+  const RouteCase cases[] = {
+      {64, 8, false, false, false, 0, 0, 1.f, false}, {8, 1, false, false, false, 0, 0, 1.f, false},
+      {64, 8, false, true, false, 0, 0, 2.5f, false}, {64, 8, true, false, true, 0, 0, 2.5f, false},
+      {8, 1, true, false, true, 0, 0, 1.f, false},    {256, 8, true, false, true, 8, 4, 2.5f, false},
+      {64, 8, false, false, false, 16, 4, 1.f, false}, {64, 8, false, true, false, 0, 0, 1.f, true},
+      {64, 40, false, false, false, 0, 0, 1.f, false}, {2048, 4, false, true, false, 0, 0, 1.f, false},
+  };
+  const int64_t T = 517;
+  for (const RouteCase& c : cases) {
+    SCOPED_TRACE(c.str());
+    MoeRouterOptions o;
+    o.topk = c.k;
+    o.sigmoid = c.sigmoid;
+    o.pre_softmax = c.pre_softmax;
+    o.scaling_factor = c.scaling;
+    o.num_groups = c.groups;
+    o.group_topk = c.group_topk;
+    auto logits = fp64_values(T * c.E, 2.f);
+    if (c.ties)
+      for (auto& v : logits) v = std::round(v * 2.0) / 2.0;
+    const auto bias = testing::randn(c.E, 0.1f);
+    const auto d_probs = testing::randn(T * c.k);
+    auto tpe = testing::randu(c.E, 0.f, 50.f);
+    for (auto& v : tpe) v = std::round(v);
+    const auto dl0 = fp64_values(T * c.E, 1.f);
+    struct Out {
+      std::vector<float> probs, aux_loss, z_loss;
+      std::vector<int32_t> top;
+      std::vector<double> aux, d_logits, d_losses;
+    };
+    auto run = [&](Device dev) {
+      Stream s(dev);
+      auto l = testing::make_tensor_f64(logits, dev, {T, c.E}, s);
+      OwnedTensor b;
+      if (c.bias) b = make_tensor(bias, DType::kF32, dev, {c.E}, s);
+      auto dp = make_tensor(d_probs, DType::kF32, dev, {T, c.k}, s);
+      auto tp = make_tensor(tpe, DType::kF32, dev, {c.E}, s);
+      auto lsc = make_tensor({512.f}, DType::kF32, dev, {1}, s);
+      auto la = make_tensor({0.25f}, DType::kF32, dev, {1}, s);
+      auto lz = make_tensor({0.5f}, DType::kF32, dev, {1}, s);
+      auto dls = testing::make_tensor_f64(dl0, dev, {T, c.E}, s);
+      OwnedTensor probs(DType::kF32, dev, {T, c.k}), top(DType::kI32, dev, {T, c.k}), aux(DType::kF64, dev, {T, c.E}),
+          dl(DType::kF64, dev, {T, c.E});
+      poison(probs, s);
+      poison(aux, s);
+      poison(dl, s);
+      fill_ints(top, -7, s);
+      const Tensor bias_t = c.bias ? b.t : Tensor();
+      const float scale = 0.37f / static_cast<float>(T);
+      if (dev.is_cpu()) {
+        cpu::moe_topk_routing(probs, top, aux, l, bias_t, o, s);
+        cpu::moe_topk_routing_backward(dl, dp, l, top, o, s);
+        cpu::moe_aux_loss(la, aux, tp, scale, s);
+        cpu::moe_aux_scores_backward(dls, l, tp, scale, lsc, c.sigmoid, s);
+        cpu::moe_z_loss(lz, dls, l, scale, lsc, s);
+      } else {
+        cuda::moe_topk_routing(probs, top, aux, l, bias_t, o, s);
+        cuda::moe_topk_routing_backward(dl, dp, l, top, o, s);
+        cuda::moe_aux_loss(la, aux, tp, scale, s);
+        cuda::moe_aux_scores_backward(dls, l, tp, scale, lsc, c.sigmoid, s);
+        cuda::moe_z_loss(lz, dls, l, scale, lsc, s);
+      }
+      return Out{to_host(probs, s),
+                 to_host(la, s),
+                 to_host(lz, s),
+                 ints(top, s),
+                 testing::to_host_f64(aux, s),
+                 testing::to_host_f64(dl, s),
+                 testing::to_host_f64(dls, s)};
+    };
+    const Out ref = run(kCpu), got = run(Device::cuda()), again = run(Device::cuda());
+    EXPECT_EQ(got.top, ref.top);
+    EXPECT_LT(rel_err(got.probs, ref.probs), 1e-7);  // the double probabilities rounded once to fp32
+    EXPECT_LT(rel_err_d(got.aux, ref.aux), 1e-13);
+    EXPECT_LT(rel_err_d(got.d_logits, ref.d_logits), 1e-13);
+    EXPECT_LT(rel_err_d(got.d_losses, ref.d_losses), 1e-13);
+    EXPECT_LT(rel_err(got.aux_loss, ref.aux_loss), 1e-6);  // double sums stored in fp32
+    EXPECT_LT(rel_err(got.z_loss, ref.z_loss), 1e-6);
+    EXPECT_TRUE(same_bits(got.probs, again.probs) && same_bits(got.top, again.top) && same_bits(got.aux, again.aux) &&
+                same_bits(got.d_logits, again.d_logits) && same_bits(got.d_losses, again.d_losses) &&
+                same_bits(got.aux_loss, again.aux_loss) && same_bits(got.z_loss, again.z_loss));
+  }
+}
+
+// The fp64 router GEMM and its backward: CUDA (fp32, bf16 and fp16 inputs) against the CPU on the
+// same rounded values; sums in double in the same order, so equal to ~1e-15.
+TEST(MoeCuda, Fp64RouterGemmMatchesCpu) {
+  MT_REQUIRE_CUDA();
+  for (DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
+    for (const auto& [T, h, E] : {std::tuple<int64_t, int64_t, int64_t>{517, 64, 8}, {40, 4096, 64}, {3, 17, 5}}) {
+      SCOPED_TRACE(fmt::format("{} T={} h={} E={}", dtype_name(dt), T, h, E));
+      const auto xv = testing::rounded(testing::randn(T * h), dt), wv = testing::rounded(testing::randn(E * h, 0.1f), dt);
+      const auto dxv = testing::rounded(testing::randn(T * h), dt), dwv = testing::randn(E * h);
+      const auto dl = fp64_values(T * E, 1e-3f);
+      struct Out {
+        std::vector<double> logits;
+        std::vector<float> dx, dw;
+      };
+      auto run = [&](Device dev, DType t) {
+        Stream s(dev);
+        auto x = make_tensor(xv, t, dev, {T, h}, s);
+        auto w = make_tensor(wv, t, dev, {E, h}, s);
+        auto dx = make_tensor(dxv, t, dev, {T, h}, s);
+        auto dw = make_tensor(dwv, DType::kF32, dev, {E, h}, s);
+        auto dlt = testing::make_tensor_f64(dl, dev, {T, E}, s);
+        OwnedTensor logits(DType::kF64, dev, {T, E});
+        poison(logits, s);
+        if (dev.is_cpu()) {
+          cpu::moe_router_logits_fp64(logits, x, w, s);
+          cpu::moe_router_logits_fp64_backward(dx, dw, dlt, x, w, s);
+        } else {
+          cuda::moe_router_logits_fp64(logits, x, w, s);
+          cuda::moe_router_logits_fp64_backward(dx, dw, dlt, x, w, s);
+        }
+        return Out{testing::to_host_f64(logits, s), to_host(dx, s), to_host(dw, s)};
+      };
+      const Out ref = run(kCpu, DType::kF32), got = run(Device::cuda(), dt), again = run(Device::cuda(), dt);
+      EXPECT_LT(rel_err_d(got.logits, ref.logits), 1e-14);
+      // dx is rounded once to its dtype (the CPU's to fp32), dw once to fp32
+      EXPECT_LT(rel_err(got.dx, testing::rounded(ref.dx, dt)), dt == DType::kF32 ? 1e-7 : 4e-3);
+      EXPECT_LT(rel_err(got.dw, ref.dw), 1e-7);
+      EXPECT_TRUE(same_bits(got.logits, again.logits) && same_bits(got.dx, again.dx) && same_bits(got.dw, again.dw));
+    }
+  }
+}
+
+// --moe-shared-expert-gate: the gate's forward (logits, y) and backward (d ys, d logits, dx, dw),
+// CUDA (fp32, bf16, fp16) against the CPU on the same rounded inputs; repeat runs bitwise equal.
+TEST(MoeCuda, SharedGateMatchesCpu) {
+  MT_REQUIRE_CUDA();
+  for (DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
+    for (const auto& [T, h] : {std::pair<int64_t, int64_t>{517, 64}, {33, 4096}, {5, 7}}) {
+      SCOPED_TRACE(fmt::format("{} T={} h={}", dtype_name(dt), T, h));
+      const auto y0 = testing::rounded(testing::randn(T * h), dt), ys = testing::rounded(testing::randn(T * h), dt),
+                 dy = testing::rounded(testing::randn(T * h), dt), xv = testing::rounded(testing::randn(T * h), dt),
+                 wv = testing::rounded(testing::randn(h, 0.1f), dt), dx0 = testing::rounded(testing::randn(T * h), dt),
+                 dw0 = testing::randn(h);
+      struct Out {
+        std::vector<float> y, l, d_ys, d_l, dx, dw;
+      };
+      auto run = [&](Device dev, DType t) {
+        Stream s(dev);
+        auto y = make_tensor(y0, t, dev, {T, h}, s);
+        auto yst = make_tensor(ys, t, dev, {T, h}, s);
+        auto dyt = make_tensor(dy, t, dev, {T, h}, s);
+        auto x = make_tensor(xv, t, dev, {T, h}, s);
+        auto w = make_tensor(wv, t, dev, {1, h}, s);
+        auto dx = make_tensor(dx0, t, dev, {T, h}, s);
+        auto dw = make_tensor(dw0, DType::kF32, dev, {1, h}, s);
+        OwnedTensor l(DType::kF32, dev, {T}), dys(t, dev, {T, h}), dl(DType::kF32, dev, {T});
+        poison(l, s);
+        poison(dys, s);
+        poison(dl, s);
+        if (dev.is_cpu()) {
+          cpu::moe_shared_gate_forward(y, l, yst, x, w, s);
+          cpu::moe_shared_gate_backward(dys, dl, dx, dw, dyt, yst, x, w, l, s);
+        } else {
+          cuda::moe_shared_gate_forward(y, l, yst, x, w, s);
+          cuda::moe_shared_gate_backward(dys, dl, dx, dw, dyt, yst, x, w, l, s);
+        }
+        return Out{to_host(y, s), to_host(l, s), to_host(dys, s), to_host(dl, s), to_host(dx, s), to_host(dw, s)};
+      };
+      const Out ref = run(kCpu, DType::kF32), got = run(Device::cuda(), dt), again = run(Device::cuda(), dt);
+      const double tol = dt == DType::kF32 ? 1e-6 : 1e-2;  // bf16 / fp16: one rounding of the outputs
+      EXPECT_LT(rel_err(got.l, ref.l), 1e-6);              // from the same rounded inputs, sums in double
+      EXPECT_LT(rel_err(got.y, ref.y), tol);
+      EXPECT_LT(rel_err(got.d_ys, ref.d_ys), tol);
+      EXPECT_LT(rel_err(got.d_l, ref.d_l), 1e-6);
+      EXPECT_LT(rel_err(got.dx, ref.dx), tol);
+      EXPECT_LT(rel_err(got.dw, ref.dw), 1e-6);
+      EXPECT_TRUE(same_bits(got.y, again.y) && same_bits(got.l, again.l) && same_bits(got.d_ys, again.d_ys) &&
+                  same_bits(got.d_l, again.d_l) && same_bits(got.dx, again.dx) && same_bits(got.dw, again.dw));
+    }
   }
 }
 

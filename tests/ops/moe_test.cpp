@@ -1,6 +1,8 @@
 // MoE routing and permutation ops (ops/moe.h) on the CPU against a float64 reference written
 // here from Megatron-Core's definitions (topk_routing_with_score_function, group_limited_topk,
-// the aux-loss scores, z_loss_func), and their backward against central finite differences of it.
+// the aux-loss scores, z_loss_func), and their backward against central finite differences of it;
+// the same with fp64 logits (--moe-router-dtype fp64) at double-precision tolerances, and the fp64
+// router GEMM.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -648,6 +650,250 @@ TEST(MoeCapacity, DropMatchesReference) {
   EXPECT_THROW(moe_capacity_drop(kept, counts, topt, probs, -1, true, st), Error);
   EXPECT_THROW(moe_capacity_drop(wrong, counts, topt, probs, 3, true, st), Error);
   EXPECT_THROW(moe_capacity_drop(topt, counts, topt, probs, 3, true, st), Error);  // in place
+}
+
+// --moe-router-dtype fp64: fp64 logits carrying bits below fp32's resolution (a silent fp32
+// round trip would show at the 1e-12 tolerances), the routing math in double.
+std::vector<double> fp64_logits(int64_t n, float stddev) {
+  const auto a = testing::randn(n, stddev), b = testing::randn(n);
+  std::vector<double> v(static_cast<size_t>(n));
+  for (size_t i = 0; i < v.size(); ++i) v[i] = static_cast<double>(a[i]) + 1e-9 * static_cast<double>(b[i]);
+  return v;
+}
+
+TEST(MoeRoutingFp64, ForwardMatchesFloat64Reference) {
+  const Stream& st = testing::cpu_stream();
+  const int64_t T = 37, E = 8;
+  for (const Case& cs : cases()) {
+    const MoeRouterOptions& o = cs.o;
+    const auto lv = fp64_logits(T * E, 1.5f);
+    const auto bv = testing::randn(E, 0.3f);
+    auto logits = testing::make_tensor_f64(lv, kCpu, {T, E}, st);
+    auto bias = testing::make_tensor(bv, DType::kF32, kCpu, {E}, st);
+    OwnedTensor probs(DType::kF32, kCpu, {T, o.topk}), top(DType::kI32, kCpu, {T, o.topk}),
+        aux(DType::kF64, kCpu, {T, E});
+    testing::poison(probs, st);
+    testing::poison(aux, st);
+    moe_topk_routing(probs, top, aux, logits, cs.bias ? bias.t : Tensor(), o, st);
+    const auto pv = testing::to_host(probs, st);
+    const auto av = testing::to_host_f64(aux, st);
+    const int32_t* iv = top.t.data_as<int32_t>();
+    for (int64_t t = 0; t < T; ++t) {
+      std::vector<double> l(lv.begin() + t * E, lv.begin() + (t + 1) * E), b;
+      if (cs.bias) b.assign(bv.begin(), bv.end());
+      std::vector<int> sel;
+      const auto p = probs_ref(l, b, o, sel);
+      const auto a = aux_scores_ref(l, o.sigmoid);
+      for (int64_t j = 0; j < o.topk; ++j) {
+        ASSERT_EQ(iv[t * o.topk + j], sel[static_cast<size_t>(j)]) << cs.name << " token " << t << " slot " << j;
+        // the double probability rounded once to fp32: within half an fp32 ulp (+ double noise)
+        const double want = p[static_cast<size_t>(j)];
+        EXPECT_NEAR(pv[t * o.topk + j], want, 6.0e-8 * std::fabs(want) + 1e-14) << cs.name;
+      }
+      for (int64_t e = 0; e < E; ++e) EXPECT_NEAR(av[t * E + e], a[static_cast<size_t>(e)], 1e-14) << cs.name;
+    }
+  }
+}
+
+TEST(MoeRoutingFp64, BackwardMatchesFiniteDifferences) {
+  const Stream& st = testing::cpu_stream();
+  const int64_t T = 9, E = 8;
+  for (const Case& cs : cases()) {
+    const MoeRouterOptions& o = cs.o;
+    const auto lv = fp64_logits(T * E, 1.5f);
+    const auto bv = testing::randn(E, 0.3f);
+    const auto gv = testing::randn(T * o.topk);
+    auto logits = testing::make_tensor_f64(lv, kCpu, {T, E}, st);
+    auto bias = testing::make_tensor(bv, DType::kF32, kCpu, {E}, st);
+    auto dprobs = testing::make_tensor(gv, DType::kF32, kCpu, {T, o.topk}, st);
+    OwnedTensor probs(DType::kF32, kCpu, {T, o.topk}), top(DType::kI32, kCpu, {T, o.topk}),
+        dlog(DType::kF64, kCpu, {T, E});
+    moe_topk_routing(probs, top, Tensor(), logits, cs.bias ? bias.t : Tensor(), o, st);
+    testing::poison(dlog, st);
+    moe_topk_routing_backward(dlog, dprobs, logits, top, o, st);
+    const auto dv = testing::to_host_f64(dlog, st);
+    const int32_t* iv = top.t.data_as<int32_t>();
+    for (int64_t t = 0; t < T; ++t) {
+      std::vector<double> x(lv.begin() + t * E, lv.begin() + (t + 1) * E), b;
+      if (cs.bias) b.assign(bv.begin(), bv.end());
+      std::vector<int> fixed(iv + t * o.topk, iv + (t + 1) * o.topk);
+      auto f = [&] {
+        std::vector<int> sel = fixed;
+        const auto p = probs_ref(x, b, o, sel);
+        double s = 0;
+        for (int64_t j = 0; j < o.topk; ++j) s += gv[t * o.topk + j] * p[static_cast<size_t>(j)];
+        return s;
+      };
+      for (int64_t e = 0; e < E; ++e) {  // fp32 routing is only good to ~1e-7 here
+        const double num = testing::finite_diff(f, x, static_cast<size_t>(e), 1e-5);
+        EXPECT_NEAR(dv[t * E + e], num, 1e-9 * std::max(1.0, std::fabs(num))) << cs.name << " t " << t << " e " << e;
+      }
+    }
+  }
+}
+
+TEST(MoeRoutingFp64, AuxScoresBackwardAndZLossMatchFiniteDifferences) {
+  const Stream& st = testing::cpu_stream();
+  const int64_t T = 7, E = 6;
+  for (bool sigmoid : {false, true}) {
+    const auto lv = fp64_logits(T * E, 2.f);
+    const auto tv = testing::randn(E);  // tokens_per_expert (any values: the op is linear in them)
+    auto logits = testing::make_tensor_f64(lv, kCpu, {T, E}, st);
+    const float scale = 0.5f, ls = 4.f, zscale = 0.37f;
+    auto tpe = testing::make_tensor(tv, DType::kF32, kCpu, {E}, st);
+    auto loss_scale = testing::make_tensor({ls}, DType::kF32, kCpu, {1}, st);
+    std::vector<double> base(static_cast<size_t>(T * E));
+    for (size_t i = 0; i < base.size(); ++i) base[i] = lv[i] * 0.25;  // accumulates on top of this
+    auto dlog = testing::make_tensor_f64(base, kCpu, {T, E}, st);
+    moe_aux_scores_backward(dlog, logits, tpe, scale, loss_scale, sigmoid, st);
+    moe_z_loss(Tensor(), dlog, logits, zscale, loss_scale, st);
+    const auto dv = testing::to_host_f64(dlog, st);
+    OwnedTensor scores(DType::kF64, kCpu, {T, E}), probs(DType::kF32, kCpu, {T, 1}), top(DType::kI32, kCpu, {T, 1});
+    MoeRouterOptions o;
+    o.topk = 1;
+    o.sigmoid = sigmoid;
+    moe_topk_routing(probs, top, scores, logits, Tensor(), o, st);
+    auto aacc = testing::make_tensor({0.f}, DType::kF32, kCpu, {1}, st);
+    moe_aux_loss(aacc, scores, tpe, 3.f, st);
+    auto zacc = testing::make_tensor({0.f}, DType::kF32, kCpu, {1}, st);
+    moe_z_loss(zacc, Tensor(), logits, 2.f, Tensor(), st);
+    double aref = 0, zref = 0;
+    for (int64_t t = 0; t < T; ++t) {
+      std::vector<double> x(lv.begin() + t * E, lv.begin() + (t + 1) * E);
+      auto lse_of = [&] {
+        const double m = *std::max_element(x.begin(), x.end());
+        double sum = 0;
+        for (double a : x) sum += std::exp(a - m);
+        return m + std::log(sum);
+      };
+      auto f = [&] {  // scale·ls·Σ_e s_e·tpe_e + zscale·ls·lse²
+        const auto s = aux_scores_ref(x, sigmoid);
+        double v = 0;
+        for (int64_t e = 0; e < E; ++e) v += s[static_cast<size_t>(e)] * tv[static_cast<size_t>(e)];
+        const double lse = lse_of();
+        return static_cast<double>(scale) * ls * v + static_cast<double>(zscale) * ls * lse * lse;
+      };
+      const auto s = aux_scores_ref(x, sigmoid);
+      for (int64_t e = 0; e < E; ++e) aref += 3.0 * s[static_cast<size_t>(e)] * tv[static_cast<size_t>(e)];
+      zref += 2.0 * lse_of() * lse_of();
+      for (int64_t e = 0; e < E; ++e) {
+        const double num = testing::finite_diff(f, x, static_cast<size_t>(e), 1e-5);
+        const size_t i = static_cast<size_t>(t * E + e);
+        EXPECT_NEAR(dv[i] - base[i], num, 1e-9 * std::max(1.0, std::fabs(num))) << sigmoid << " t " << t << " e " << e;
+      }
+    }
+    // the values: double sums stored in the fp32 accumulators
+    EXPECT_NEAR(testing::to_host(aacc, st)[0], aref, 1e-6 * std::fabs(aref) + 1e-7) << sigmoid;
+    EXPECT_NEAR(testing::to_host(zacc, st)[0], zref, 1e-6 * zref) << sigmoid;
+  }
+}
+
+TEST(MoeRoutingFp64, RouterGemmMatchesFloat64Reference) {
+  const Stream& st = testing::cpu_stream();
+  const int64_t T = 13, h = 24, E = 5;
+  const auto xv = testing::randn(T * h), wv = testing::randn(E * h), dxv = testing::randn(T * h),
+             dwv = testing::randn(E * h);
+  const auto dl = fp64_logits(T * E, 1.f);
+  auto x = testing::make_tensor(xv, DType::kF32, kCpu, {T, h}, st);
+  auto w = testing::make_tensor(wv, DType::kF32, kCpu, {E, h}, st);
+  auto dlog = testing::make_tensor_f64(dl, kCpu, {T, E}, st);
+  auto dx = testing::make_tensor(dxv, DType::kF32, kCpu, {T, h}, st);
+  auto dw = testing::make_tensor(dwv, DType::kF32, kCpu, {E, h}, st);
+  OwnedTensor logits(DType::kF64, kCpu, {T, E});
+  testing::poison(logits, st);
+  moe_router_logits_fp64(logits, x, w, st);
+  moe_router_logits_fp64_backward(dx, dw, dlog, x, w, st);
+  const auto lv = testing::to_host_f64(logits, st);
+  const auto gx = testing::to_host(dx, st), gw = testing::to_host(dw, st);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t e = 0; e < E; ++e) {
+      long double r = 0;  // a wider reference
+      for (int64_t i = 0; i < h; ++i) r += static_cast<long double>(xv[t * h + i]) * wv[e * h + i];
+      // products of two fp32 values are exact in double: only the sum rounds
+      EXPECT_NEAR(lv[t * E + e], static_cast<double>(r), 1e-14) << t << " " << e;
+    }
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t i = 0; i < h; ++i) {
+      double r = dxv[t * h + i];
+      for (int64_t e = 0; e < E; ++e) r += dl[t * E + e] * wv[e * h + i];
+      EXPECT_NEAR(gx[t * h + i], r, 6e-8 * std::fabs(r) + 1e-12) << "dx " << t << " " << i;  // rounded once
+    }
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t i = 0; i < h; ++i) {
+      double r = dwv[e * h + i];
+      for (int64_t t = 0; t < T; ++t) r += dl[t * E + e] * xv[t * h + i];
+      EXPECT_NEAR(gw[e * h + i], r, 6e-8 * std::fabs(r) + 1e-12) << "dw " << e << " " << i;
+    }
+  // errors: fp32 logits, a mismatched weight
+  OwnedTensor l32(DType::kF32, kCpu, {T, E}), w2(DType::kF32, kCpu, {E, h + 1});
+  EXPECT_THROW(moe_router_logits_fp64(l32, x, w, st), Error);
+  EXPECT_THROW(moe_router_logits_fp64(logits, x, w2, st), Error);
+  EXPECT_THROW(moe_router_logits_fp64_backward(dx, dw, l32, x, w, st), Error);
+  // the routing ops take fp32 or fp64 logits, and d_logits / scores of the same dtype
+  OwnedTensor probs(DType::kF32, kCpu, {T, 2}), top(DType::kI32, kCpu, {T, 2}), aux32(DType::kF32, kCpu, {T, E});
+  MoeRouterOptions o;
+  EXPECT_THROW(moe_topk_routing(probs, top, aux32, logits, Tensor(), o, st), Error);
+  EXPECT_THROW(moe_topk_routing_backward(l32, probs, logits, top, o, st), Error);
+  OwnedTensor li(DType::kI32, kCpu, {T, E});
+  EXPECT_THROW(moe_topk_routing(probs, top, Tensor(), li, Tensor(), o, st), Error);
+}
+
+// --moe-shared-expert-gate: l = x·w, y += sigmoid(l)·ys per row; the backward (d ys, dx, dw)
+// against float64 finite differences of f = Σ dy·(y0 + sigmoid(x·w)·ys) in x and w, d ys exactly.
+TEST(MoeSharedGate, ForwardMatchesReferenceBackwardMatchesFiniteDifferences) {
+  const Stream& st = testing::cpu_stream();
+  const int64_t T = 11, h = 7;
+  const auto y0 = testing::randn(T * h), ysv = testing::randn(T * h), xv = testing::randn(T * h),
+             wv = testing::randn(h, 0.5f), dyv = testing::randn(T * h), dx0 = testing::randn(T * h),
+             dw0 = testing::randn(h);
+  auto y = testing::make_tensor(y0, DType::kF32, kCpu, {T, h}, st);
+  auto ys = testing::make_tensor(ysv, DType::kF32, kCpu, {T, h}, st);
+  auto x = testing::make_tensor(xv, DType::kF32, kCpu, {T, h}, st);
+  auto w = testing::make_tensor(wv, DType::kF32, kCpu, {1, h}, st);
+  auto dy = testing::make_tensor(dyv, DType::kF32, kCpu, {T, h}, st);
+  auto dx = testing::make_tensor(dx0, DType::kF32, kCpu, {T, h}, st);  // accumulated into
+  auto dw = testing::make_tensor(dw0, DType::kF32, kCpu, {1, h}, st);
+  OwnedTensor l(DType::kF32, kCpu, {T}), dys(DType::kF32, kCpu, {T, h}), dl(DType::kF32, kCpu, {T});
+  testing::poison(l, st);
+  moe_shared_gate_forward(y, l, ys, x, w, st);
+  testing::poison(dys, st);
+  testing::poison(dl, st);
+  moe_shared_gate_backward(dys, dl, dx, dw, dy, ys, x, w, l, st);
+  const auto yv = testing::to_host(y, st), lv = testing::to_host(l, st), dysv = testing::to_host(dys, st),
+             dxv = testing::to_host(dx, st), dwv = testing::to_host(dw, st);
+  std::vector<double> xd(xv.begin(), xv.end()), wd(wv.begin(), wv.end());
+  auto f = [&] {  // Σ_t Σ_i dy·sigmoid(x_t·w)·ys
+    double v = 0;
+    for (int64_t t = 0; t < T; ++t) {
+      double z = 0;
+      for (int64_t i = 0; i < h; ++i) z += xd[t * h + i] * wd[i];
+      const double g = 1.0 / (1.0 + std::exp(-z));
+      for (int64_t i = 0; i < h; ++i) v += dyv[t * h + i] * g * ysv[t * h + i];
+    }
+    return v;
+  };
+  for (int64_t t = 0; t < T; ++t) {
+    double z = 0;
+    for (int64_t i = 0; i < h; ++i) z += static_cast<double>(xv[t * h + i]) * wv[i];
+    const double g = 1.0 / (1.0 + std::exp(-z));
+    EXPECT_NEAR(lv[t], z, 1e-6 * std::max(1.0, std::fabs(z))) << t;
+    for (int64_t i = 0; i < h; ++i) {
+      EXPECT_NEAR(yv[t * h + i], y0[t * h + i] + g * ysv[t * h + i], 1e-6) << t << " " << i;
+      EXPECT_NEAR(dysv[t * h + i], g * dyv[t * h + i], 1e-6) << t << " " << i;
+      const double num = testing::finite_diff(f, xd, static_cast<size_t>(t * h + i), 1e-6);
+      EXPECT_NEAR(dxv[t * h + i] - dx0[t * h + i], num, 1e-5 * std::max(1.0, std::fabs(num))) << t << " " << i;
+    }
+  }
+  for (int64_t i = 0; i < h; ++i) {
+    const double num = testing::finite_diff(f, wd, static_cast<size_t>(i), 1e-6);
+    EXPECT_NEAR(dwv[i] - dw0[i], num, 1e-5 * std::max(1.0, std::fabs(num))) << i;
+  }
+  OwnedTensor l2(DType::kF32, kCpu, {T, 1}), bad(DType::kF32, kCpu, {T, h + 1}), w2(DType::kF32, kCpu, {h});
+  EXPECT_THROW(moe_shared_gate_forward(y, l2, ys, x, w, st), Error);   // logits must be [T]
+  EXPECT_THROW(moe_shared_gate_forward(bad, l, ys, x, w, st), Error);  // shapes differ
+  EXPECT_THROW(moe_shared_gate_forward(ys, l, ys, x, w, st), Error);   // y aliases ys
+  EXPECT_THROW(moe_shared_gate_forward(y, l, ys, x, w2, st), Error);   // w must be [1, h]
+  EXPECT_THROW(moe_shared_gate_backward(dys, l2, dx, dw, dy, ys, x, w, l, st), Error);
 }
 
 TEST(MoeRouting, Errors) {

@@ -240,10 +240,10 @@ TransformerConfig config(Arch arch) {
     c.num_moe_experts = 4;
     c.moe_ffn_hidden_size = 24;
     c.moe_router_topk = 2;
-    c.moe_aux_loss_coeff = 0.1f;
+    c.moe_aux_loss_coeff = {0.1f};
     c.moe_z_loss_coeff = 0.01f;
     if (arch == Arch::kMoeSigmoid) {
-      c.moe_router_load_balancing_type = MoeLoadBalancing::kSeqAuxLoss;
+      c.moe_router_load_balancing_type = {MoeLoadBalancing::kSeqAuxLoss};
       c.moe_router_enable_expert_bias = true;
       c.moe_router_bias_update_rate = 0.05f;
       c.moe_router_score_function = MoeScoreFunction::kSigmoid;
@@ -253,7 +253,7 @@ TransformerConfig config(Arch arch) {
       c.moe_shared_expert_intermediate_size = 16;
     } else {
       c.moe_layer_pattern = parse_moe_layer_freq("[0,1]*2", c.num_layers);
-      if (arch == Arch::kMoeGlobal) c.moe_router_load_balancing_type = MoeLoadBalancing::kGlobalAuxLoss;
+      if (arch == Arch::kMoeGlobal) c.moe_router_load_balancing_type = {MoeLoadBalancing::kGlobalAuxLoss};
       c.moe_router_force_load_balancing = arch == Arch::kMoeForced;
     }
   }

@@ -45,8 +45,11 @@ constexpr int kIters = 3;
 /// expert; kMoeForced: kMoe with --moe-router-force-load-balancing (random logits keyed by the
 /// global token); kMoeGlobal: kMoe with --moe-router-load-balancing-type global_aux_loss and no dropout
 /// (its single-rank reference runs the union of the DP ranks' micro-batches as one micro-batch,
-/// whose dropout masks would be keyed differently).
-enum class Arch { kGpt, kLlama, kQwen, kMoe, kMoeSigmoid, kMoeForced, kMoeGlobal };
+/// whose dropout masks would be keyed differently); kMoeFp64: kMoe with --moe-router-dtype fp64 (the
+/// router GEMM and the routing math in double); kMoeMultiLb: kMoe with two load-balancing types at once
+/// (aux_loss 0.1 and seq_aux_loss 0.05, Megatron's list) and a gated shared expert
+/// (--moe-shared-expert-gate).
+enum class Arch { kGpt, kLlama, kQwen, kMoe, kMoeSigmoid, kMoeForced, kMoeGlobal, kMoeFp64, kMoeMultiLb };
 
 TransformerConfig config(Arch arch = Arch::kGpt) {
   TransformerConfig c;
@@ -71,21 +74,29 @@ TransformerConfig config(Arch arch = Arch::kGpt) {
     c.untie_embeddings_and_output_weights = true;
     c.add_bias_linear = false;
   }
-  if (arch == Arch::kMoe || arch == Arch::kMoeSigmoid || arch == Arch::kMoeForced || arch == Arch::kMoeGlobal) {
+  if (arch == Arch::kMoe || arch == Arch::kMoeSigmoid || arch == Arch::kMoeForced || arch == Arch::kMoeGlobal ||
+      arch == Arch::kMoeFp64 || arch == Arch::kMoeMultiLb) {
     c.num_moe_experts = 4;
     c.moe_ffn_hidden_size = 24;
     c.moe_router_topk = 2;
-    c.moe_aux_loss_coeff = 0.1f;
+    c.moe_aux_loss_coeff = {0.1f};
     c.moe_z_loss_coeff = 0.01f;
     if (arch != Arch::kMoeSigmoid) {
       c.moe_layer_pattern = parse_moe_layer_freq("[0,1]*4", c.num_layers);
       c.moe_router_force_load_balancing = arch == Arch::kMoeForced;
+      if (arch == Arch::kMoeFp64) c.moe_router_dtype = DType::kF64;
+      if (arch == Arch::kMoeMultiLb) {
+        c.moe_router_load_balancing_type = {MoeLoadBalancing::kAuxLoss, MoeLoadBalancing::kSeqAuxLoss};
+        c.moe_aux_loss_coeff = {0.1f, 0.05f};
+        c.moe_shared_expert_intermediate_size = 16;  // and a gated shared expert (Qwen 2 MoE's)
+        c.moe_shared_expert_gate = true;
+      }
       if (arch == Arch::kMoeGlobal) {
-        c.moe_router_load_balancing_type = MoeLoadBalancing::kGlobalAuxLoss;
+        c.moe_router_load_balancing_type = {MoeLoadBalancing::kGlobalAuxLoss};
         c.hidden_dropout = c.attention_dropout = 0.f;
       }
     } else {
-      c.moe_router_load_balancing_type = MoeLoadBalancing::kSeqAuxLoss;
+      c.moe_router_load_balancing_type = {MoeLoadBalancing::kSeqAuxLoss};
       c.moe_router_enable_expert_bias = true;
       c.moe_router_bias_update_rate = 0.05f;
       c.moe_router_score_function = MoeScoreFunction::kSigmoid;
@@ -140,6 +151,8 @@ struct Layout {
                                 : arch == Arch::kMoe   ? "moe_"
                                 : arch == Arch::kMoeForced ? "moe_forced_"
                                 : arch == Arch::kMoeGlobal ? "moe_global_"
+                                : arch == Arch::kMoeFp64   ? "moe_fp64_"
+                                : arch == Arch::kMoeMultiLb ? "moe_multilb_"
                                                        : "moe_sigmoid_",
                                 std::string(odd_vocab ? "vocab67_" : "") + (flash ? "flash_" : ""), tp, pp, dp, vpp,
                                 micro_total);
@@ -556,6 +569,19 @@ std::vector<Layout> layouts() {
         std::tuple{1, 2, 1, 0, 1, false, false, false, false}, std::tuple{1, 2, 1, 2, 1, false, false, false, false},
         std::tuple{2, 2, 2, 0, 2, true, true, true, false}})
     add(Arch::kMoeGlobal, tp, pp, dp, vpp, sp, zero, overlap, ep, 0, a2a);
+  // --moe-router-dtype fp64: TP 2 + SP (the router weight's gradient summed over TP), EP 2 with
+  // both dispatchers, expert TP 1 under TP 2 with DP, and PP with the distributed optimizer.
+  add(Arch::kMoeFp64, 2, 1, 1, 0, true, false, false);
+  add(Arch::kMoeFp64, 1, 1, 2, 0, false, false, false, 2, 0);
+  add(Arch::kMoeFp64, 1, 1, 2, 0, false, false, false, 2, 0, true);
+  add(Arch::kMoeFp64, 2, 1, 2, 0, true, false, false, 2, 1);
+  add(Arch::kMoeFp64, 1, 2, 2, 0, false, true, false, 2, 0);
+  // Two load-balancing types at once (aux_loss + seq_aux_loss): TP 2 + SP (the per-sequence counts
+  // summed over the TP pieces of each sequence), EP 2 with DP, PP 2, and TP 2 + SP with EP 2 / ETP 1.
+  add(Arch::kMoeMultiLb, 2, 1, 1, 0, true, false, false);
+  add(Arch::kMoeMultiLb, 1, 1, 2, 0, false, false, false, 2, 0);
+  add(Arch::kMoeMultiLb, 1, 2, 1, 0, false, false, false);
+  add(Arch::kMoeMultiLb, 2, 1, 2, 0, true, true, false, 2, 1);
   // Random router logits keyed by the global token: the same selection under TP + SP, DP and EP.
   add(Arch::kMoeForced, 2, 1, 2, 0, true, false, false);
   add(Arch::kMoeForced, 1, 1, 2, 0, false, false, false, 2, 0);
@@ -753,9 +779,9 @@ TEST(GlobalAuxLoss, TrainStepRestartsTheCountsEachStep) {
       train_step(model, executor, plan, opt, mbs, {77, it, 0.f, 0, 1}, loss, st);
       stats.push_back(model.moe_loss_stats(st));
     }
-    const size_t per = static_cast<size_t>(2 + c.num_moe_experts);
+    const size_t per = static_cast<size_t>(kMoeStatLosses + c.num_moe_experts);
     for (int64_t l = 1; l < c.num_layers; l += 2) {  // the MoE layers
-      const size_t i = per * static_cast<size_t>(l);
+      const size_t i = per * static_cast<size_t>(l) + static_cast<size_t>(MoeLoadBalancing::kGlobalAuxLoss);
       EXPECT_GT(stats[0][i], 0.0) << l;
       EXPECT_EQ(stats[1][i], stats[0][i]) << "layer " << l << ": global load-balancing loss of step 2";
     }

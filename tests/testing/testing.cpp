@@ -71,6 +71,9 @@ std::vector<uint8_t> encode(const std::vector<float>& host, DType dtype) {
     } else if (dtype == DType::kF16) {
       uint16_t b = f32_to_f16_bits(host[i]);
       std::memcpy(&bytes[i * 2], &b, 2);
+    } else if (dtype == DType::kF64) {
+      const double d = host[i];
+      std::memcpy(&bytes[i * 8], &d, 8);
     } else {
       MT_FAIL("encode: unsupported dtype {}", dtype_name(dtype));
     }
@@ -117,6 +120,23 @@ const Stream& cuda_stream() {
   return s;
 }
 
+OwnedTensor make_tensor_f64(const std::vector<double>& host, Device device, const std::vector<int64_t>& shape,
+                            const Stream& stream) {
+  OwnedTensor o(DType::kF64, device, shape);
+  MT_CHECK(static_cast<int64_t>(host.size()) == o.t.numel(), "fp64 tensor size {} vs {}", host.size(), o.t.str());
+  copy_bytes(o.t.data(), device, host.data(), Device::cpu(), host.size() * sizeof(double), stream);
+  stream.synchronize();
+  return o;
+}
+
+std::vector<double> to_host_f64(const Tensor& t, const Stream& stream) {
+  MT_CHECK(t.dtype() == DType::kF64, "to_host_f64: {} is not fp64", t.str());
+  std::vector<double> out(static_cast<size_t>(t.numel()));
+  copy_bytes(out.data(), Device::cpu(), t.data(), t.device(), out.size() * sizeof(double), stream);
+  stream.synchronize();
+  return out;
+}
+
 std::vector<int32_t> to_host_ints(const Tensor& t, const Stream& stream) {
   MT_CHECK(t.dtype() == DType::kI32, "to_host_ints: {} is not int32", t.str());
   std::vector<int32_t> out(static_cast<size_t>(t.numel()));
@@ -148,6 +168,12 @@ std::vector<float> to_host(const Tensor& t, const Stream& stream) {
       case DType::kI32: {
         int32_t v;
         std::memcpy(&v, &bytes[i * 4], 4);
+        out[i] = static_cast<float>(v);
+        break;
+      }
+      case DType::kF64: {
+        double v;
+        std::memcpy(&v, &bytes[i * 8], 8);
         out[i] = static_cast<float>(v);
         break;
       }

@@ -40,7 +40,11 @@ OwnedTensor make_tensor(const std::vector<float>& host, DType dtype, Device devi
                         const Stream& stream);
 OwnedTensor make_int_tensor(const std::vector<int32_t>& host, Device device, const std::vector<int64_t>& shape,
                             const Stream& stream);
-/// Tensor (any float dtype, any device) -> host floats; synchronizes the stream.
+/// Host doubles -> new fp64 tensor on `device` (exact); fp64 tensor -> host doubles (synchronizes).
+OwnedTensor make_tensor_f64(const std::vector<double>& host, Device device, const std::vector<int64_t>& shape,
+                            const Stream& stream);
+std::vector<double> to_host_f64(const Tensor& t, const Stream& stream);
+/// Tensor (any float dtype incl. fp64, any device) -> host floats; synchronizes the stream.
 std::vector<float> to_host(const Tensor& t, const Stream& stream);
 /// int32 tensor (any device) -> host ints; synchronizes the stream.
 std::vector<int32_t> to_host_ints(const Tensor& t, const Stream& stream);

@@ -424,6 +424,59 @@ TEST_F(TrainerLayouts, MixtureOfExpertsGlobalAuxLoss) {
       << sk.out;
 }
 
+// --moe-router-dtype fp64, Megatron's list of load-balancing types and a gated shared expert
+// (--moe-shared-expert-gate) through the binary: accepted, the summary names every type with its
+// coefficient and the gated shared expert, the log shows each type's loss under Megatron's name,
+// TP 2 + SP and EP 2 give the one-rank losses, a checkpoint (with the gate's weight) resumes on the
+// same curve; mismatched lists and bad values are errors naming them.
+TEST_F(TrainerLayouts, MixtureOfExpertsRouterDtypeAndLoadBalancingLists) {
+  const std::string moe = std::string(kTinyMoe) +
+                          " --moe-router-dtype fp64 --moe-router-load-balancing-type aux_loss seq_aux_loss "
+                          "--moe-aux-loss-coeff 1e-2 1e-3 --moe-z-loss-coeff 1e-3 "
+                          "--moe-shared-expert-intermediate-size 32 --moe-shared-expert-gate";
+  RunResult full = run_megatron(flags("--train-iters 6" + moe));
+  ASSERT_EQ(full.rc, 0) << full.out;
+  EXPECT_NE(full.out.find("aux_loss 0.01, seq_aux_loss 0.001"), std::string::npos) << full.out;
+  EXPECT_NE(full.out.find("gated shared expert 32"), std::string::npos) << full.out;
+  EXPECT_NE(full.out.find(" load_balancing_loss: "), std::string::npos) << full.out;
+  EXPECT_NE(full.out.find(" seq_load_balancing_loss: "), std::string::npos) << full.out;
+  const auto full_losses = losses(full.out);
+  ASSERT_EQ(full_losses.size(), 6u) << full.out;
+  for (const std::string layout : {"--nproc-per-node 2 --tensor-model-parallel-size 2 --sequence-parallel",
+                                   "--nproc-per-node 2 --expert-model-parallel-size 2"}) {
+    RunResult r = run_megatron(flags("--train-iters 6 " + layout + moe));
+    ASSERT_EQ(r.rc, 0) << layout << "\n" << r.out;
+    expect_same(losses(r.out), full_losses, layout + " (fp64 router, two load-balancing types)");
+  }
+  RunResult first;
+  std::map<int, double> l;
+  const std::string ck = (dir_ / "ck_moe_lists").string();
+  ASSERT_NO_FATAL_FAILURE(save_half(ck, moe, &first));
+  ASSERT_NO_FATAL_FAILURE(resume(first, ck, moe, &l));
+  expect_same(l, full_losses, "fp64 router, two load-balancing types: resumed");
+  const std::string base = std::string(kTinyMoe);
+  for (const auto& [extra, message] : std::vector<std::pair<std::string, std::string>>{
+           {" --moe-router-load-balancing-type aux_loss seq_aux_loss --moe-aux-loss-coeff 1e-2",
+            "--moe-aux-loss-coeff gives 1 coefficient(s) (0.01) but --moe-router-load-balancing-type gives 2 type(s) "
+            "(aux_loss seq_aux_loss)"},
+           {" --moe-aux-loss-coeff 1e-2 1e-3",
+            "--moe-aux-loss-coeff gives 2 coefficient(s) (0.01 0.001) but --moe-router-load-balancing-type gives 1 "
+            "type(s) (aux_loss)"},
+           {" --moe-router-load-balancing-type aux_loss aux_loss --moe-aux-loss-coeff 1e-2 1e-3",
+            "--moe-router-load-balancing-type aux_loss aux_loss lists aux_loss twice"},
+           {" --moe-router-load-balancing-type aux_loss seq_aux_loss --moe-aux-loss-coeff 1e-2 -1",
+            "--moe-aux-loss-coeff must be >= 0, got -1 (for seq_aux_loss)"},
+           {" --moe-router-dtype fp16", "--moe-router-dtype 'fp16' is not supported: expected fp32 or fp64"},
+           {" --moe-shared-expert-gate",
+            "--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size > 0 (a shared expert to gate), got 0"},
+           {" --moe-router-dtype fp64 --moe-router-force-load-balancing",
+            "--moe-router-force-load-balancing with --moe-router-dtype fp64 is not supported"}}) {
+    RunResult r = run_megatron(flags("--train-iters 2" + base + extra));
+    EXPECT_NE(r.rc, 0) << extra;
+    EXPECT_NE(r.out.find(message), std::string::npos) << extra << "\n" << r.out;
+  }
+}
+
 // Checkpoints of the MoE model move between expert layouts (docs/moe.md "Checkpoints"): each
 // rank writes only the experts it owns (expert-data-parallel rank 0 of its expert TP / EP
 // coordinates), and a run resumed under another EP / ETP / TP / PP / DP size, with or without the

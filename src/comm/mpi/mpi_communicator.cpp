@@ -60,6 +60,7 @@ MPI_Datatype mpi_type(DType t) {
     case DType::kI32: return MPI_INT32_T;
     case DType::kI64: return MPI_INT64_T;
     case DType::kU8: return MPI_UINT8_T;
+    case DType::kF64: return MPI_DOUBLE;
   }
   return MPI_BYTE;
 }

@@ -27,6 +27,7 @@ ncclDataType_t nccl_type(DType t) {
     case DType::kI32: return ncclInt32;
     case DType::kI64: return ncclInt64;
     case DType::kU8: return ncclUint8;
+    case DType::kF64: return ncclFloat64;
   }
   return ncclUint8;
 }

@@ -21,24 +21,23 @@ const char* architecture_name(HfArchitecture a) {
     case HfArchitecture::kQwen3: return "Qwen3ForCausalLM";
     case HfArchitecture::kMixtral: return "MixtralForCausalLM";
     case HfArchitecture::kQwen3Moe: return "Qwen3MoeForCausalLM";
+    case HfArchitecture::kQwen2Moe: return "Qwen2MoeForCausalLM";
   }
   return "?";
 }
 
 HfArchitecture parse_architecture(const std::string& name) {
   for (HfArchitecture a : {HfArchitecture::kGpt2, HfArchitecture::kLlama, HfArchitecture::kQwen2, HfArchitecture::kQwen3,
-                           HfArchitecture::kMixtral, HfArchitecture::kQwen3Moe})
+                           HfArchitecture::kMixtral, HfArchitecture::kQwen3Moe, HfArchitecture::kQwen2Moe})
     if (name == architecture_name(a)) return a;
-  MT_REQUIRE(name != "Qwen2MoeForCausalLM",
-             "unsupported Hugging Face architecture 'Qwen2MoeForCausalLM': its shared expert is scaled by a sigmoid gate "
-             "(shared_expert_gate), which megatron.cpp's shared experts (--moe-shared-expert-intermediate-size) do not "
-             "have");
   MT_FAIL("unsupported Hugging Face architecture '{}': expected GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM, "
-          "Qwen3ForCausalLM, MixtralForCausalLM or Qwen3MoeForCausalLM",
+          "Qwen3ForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM or Qwen2MoeForCausalLM",
           name);
 }
 
-bool is_moe(HfArchitecture a) { return a == HfArchitecture::kMixtral || a == HfArchitecture::kQwen3Moe; }
+bool is_moe(HfArchitecture a) {
+  return a == HfArchitecture::kMixtral || a == HfArchitecture::kQwen3Moe || a == HfArchitecture::kQwen2Moe;
+}
 
 namespace {
 
@@ -119,11 +118,17 @@ std::vector<uint8_t> qwen3_moe_pattern(int64_t num_layers, int64_t sparse_step, 
 void moe_config(const Fields& f, HfArchitecture arch, TransformerConfig& c) {
   c.moe_router_score_function = MoeScoreFunction::kSoftmax;
   c.moe_router_topk = f.get<int64_t>("num_experts_per_tok");
-  c.moe_aux_loss_coeff = f.get_or<float>("router_aux_loss_coef", 0.f);
-  c.moe_router_load_balancing_type = MoeLoadBalancing::kAuxLoss;
-  MT_REQUIRE(f.get_or<int64_t>("shared_expert_intermediate_size", 0) == 0,
-             "{}: shared experts (shared_expert_intermediate_size) are not supported for {}", f.file,
-             architecture_name(arch));
+  c.set_moe_load_balancing(MoeLoadBalancing::kAuxLoss, f.get_or<float>("router_aux_loss_coef", 0.f));
+  if (arch == HfArchitecture::kQwen2Moe) {  // the shared expert, scaled by sigmoid(shared_expert_gate(x))
+    c.moe_shared_expert_intermediate_size = f.get<int64_t>("shared_expert_intermediate_size");
+    MT_REQUIRE(c.moe_shared_expert_intermediate_size > 0, "{}: shared_expert_intermediate_size must be > 0, got {}",
+               f.file, c.moe_shared_expert_intermediate_size);
+    c.moe_shared_expert_gate = true;
+  } else {
+    MT_REQUIRE(f.get_or<int64_t>("shared_expert_intermediate_size", 0) == 0,
+               "{}: shared experts (shared_expert_intermediate_size) are not supported for {}", f.file,
+               architecture_name(arch));
+  }
   if (arch == HfArchitecture::kMixtral) {
     c.num_moe_experts = f.get<int64_t>("num_local_experts");
     c.moe_ffn_hidden_size = c.ffn_hidden_size;  // intermediate_size is the experts' size; every layer is MoE
@@ -168,7 +173,9 @@ void llama_like_config(const Fields& f, HfArchitecture arch, TransformerConfig& 
   const bool attention_bias = f.get_or<bool>("attention_bias", false);
   MT_REQUIRE(!attention_bias, "{}: attention_bias (biases on q/k/v and o_proj) is not supported; Qwen 2's q/k/v "
              "biases are", f.file);
-  c.add_qkv_bias = arch == HfArchitecture::kQwen2;
+  c.add_qkv_bias = arch == HfArchitecture::kQwen2 || arch == HfArchitecture::kQwen2Moe;
+  MT_REQUIRE(!c.add_qkv_bias || f.get_or<bool>("qkv_bias", true),
+             "{}: qkv_bias false is not supported for {} (its q/k/v biases are mapped)", f.file, architecture_name(arch));
   c.qk_layernorm = arch == HfArchitecture::kQwen3 || arch == HfArchitecture::kQwen3Moe;
   MT_REQUIRE(!f.get_or<bool>("use_sliding_window", false), "{}: use_sliding_window is not supported", f.file);
   if (arch == HfArchitecture::kMixtral && f.has("sliding_window")) {  // Mistral's window: inert if it spans every position
@@ -222,8 +229,8 @@ HfModel read_hf_config(const std::string& dir, int64_t seq_length, int64_t make_
 void check_representable(HfArchitecture arch, const TransformerConfig& c) {
   const char* name = architecture_name(arch);
   auto need = [&](bool ok, const char* what) { MT_REQUIRE(ok, "the model cannot be exported as {}: {}", name, what); };
-  if (!is_moe(arch)) need(c.num_moe_experts == 0, "it has mixture-of-experts layers (MixtralForCausalLM or "
-                                                  "Qwen3MoeForCausalLM can hold them)");
+  if (!is_moe(arch)) need(c.num_moe_experts == 0, "it has mixture-of-experts layers (MixtralForCausalLM, "
+                                                  "Qwen3MoeForCausalLM or Qwen2MoeForCausalLM can hold them)");
   if (arch == HfArchitecture::kGpt2) {
     need(c.normalization == Normalization::kLayerNorm, "GPT-2 uses LayerNorm");
     need(c.position_embedding_type == PositionEmbeddingType::kLearnedAbsolute, "GPT-2 uses learned positions");
@@ -240,12 +247,18 @@ void check_representable(HfArchitecture arch, const TransformerConfig& c) {
   need(!c.rotary_interleaved, "transformers' RoPE rotates halves (no --rotary-interleaved)");
   need(c.gated_linear_unit, "a SwiGLU MLP is required");
   need(!c.add_bias_linear, "no biases on the projections");
-  need(c.add_qkv_bias == (arch == HfArchitecture::kQwen2), "a QKV bias exactly for Qwen2ForCausalLM");
+  need(c.add_qkv_bias == (arch == HfArchitecture::kQwen2 || arch == HfArchitecture::kQwen2Moe),
+       "a QKV bias exactly for Qwen2ForCausalLM and Qwen2MoeForCausalLM");
   need(c.qk_layernorm == (arch == HfArchitecture::kQwen3 || arch == HfArchitecture::kQwen3Moe),
        "QK-norm exactly for Qwen3ForCausalLM and Qwen3MoeForCausalLM");
   if (!is_moe(arch)) return;
   need(c.num_moe_experts > 0, "mixture-of-experts layers are required (--num-experts)");
-  need(c.moe_shared_expert_intermediate_size == 0, "no shared experts (--moe-shared-expert-intermediate-size)");
+  if (arch == HfArchitecture::kQwen2Moe) {
+    need(c.moe_shared_expert_intermediate_size > 0 && c.moe_shared_expert_gate,
+         "a gated shared expert (--moe-shared-expert-intermediate-size with --moe-shared-expert-gate)");
+  } else {
+    need(c.moe_shared_expert_intermediate_size == 0, "no shared experts (--moe-shared-expert-intermediate-size)");
+  }
   need(c.moe_router_score_function == MoeScoreFunction::kSoftmax, "a softmax router is required");
   need(c.moe_router_topk_scaling_factor == 1.f, "no --moe-router-topk-scaling-factor");
   need(c.moe_router_num_groups == 0, "no group-limited routing (--moe-router-num-groups)");
@@ -256,7 +269,11 @@ void check_representable(HfArchitecture arch, const TransformerConfig& c) {
 }
 
 HfArchitecture infer_architecture(const TransformerConfig& c) {
-  if (c.num_moe_experts > 0) return c.qk_layernorm ? HfArchitecture::kQwen3Moe : HfArchitecture::kMixtral;
+  if (c.num_moe_experts > 0) {
+    if (c.qk_layernorm) return HfArchitecture::kQwen3Moe;
+    return c.moe_shared_expert_intermediate_size > 0 || c.add_qkv_bias ? HfArchitecture::kQwen2Moe
+                                                                      : HfArchitecture::kMixtral;
+  }
   if (c.position_embedding_type == PositionEmbeddingType::kLearnedAbsolute) return HfArchitecture::kGpt2;
   if (c.qk_layernorm) return HfArchitecture::kQwen3;
   if (c.add_qkv_bias && !c.add_bias_linear) return HfArchitecture::kQwen2;
@@ -277,6 +294,7 @@ const char* model_type(HfArchitecture a) {
     case HfArchitecture::kQwen3: return "qwen3";
     case HfArchitecture::kMixtral: return "mixtral";
     case HfArchitecture::kQwen3Moe: return "qwen3_moe";
+    case HfArchitecture::kQwen2Moe: return "qwen2_moe";
   }
   return "?";
 }
@@ -287,7 +305,7 @@ const char* model_type(HfArchitecture a) {
 // model's layer pattern.
 void moe_hf_config(HfArchitecture arch, const TransformerConfig& c, const json& base, json& j) {
   j["num_experts_per_tok"] = c.moe_router_topk;
-  if (!j.contains("router_aux_loss_coef")) j["router_aux_loss_coef"] = decimal(c.moe_aux_loss_coeff);
+  if (!j.contains("router_aux_loss_coef")) j["router_aux_loss_coef"] = decimal(c.moe_aux_coeff(MoeLoadBalancing::kAuxLoss));
   if (!j.contains("output_router_logits")) j["output_router_logits"] = false;
   if (arch == HfArchitecture::kMixtral) {
     j["num_local_experts"] = c.num_moe_experts;
@@ -300,6 +318,7 @@ void moe_hf_config(HfArchitecture arch, const TransformerConfig& c, const json& 
   const bool v5 = base.is_object() && base.contains("num_local_experts") && !base.contains("num_experts");
   j[v5 ? "num_local_experts" : "num_experts"] = c.num_moe_experts;
   j["moe_intermediate_size"] = c.moe_ffn();
+  if (arch == HfArchitecture::kQwen2Moe) j["shared_expert_intermediate_size"] = c.moe_shared_expert_intermediate_size;
   j["norm_topk_prob"] = !c.moe_router_pre_softmax;
   std::vector<uint8_t> want(static_cast<size_t>(c.num_layers));
   std::vector<int64_t> dense;
@@ -363,12 +382,13 @@ json make_hf_config(HfArchitecture arch, const TransformerConfig& c, const json&
   j["rope_theta"] = decimal(c.rotary_base);
   j["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", decimal(c.rotary_base)}};
   if (c.rotary_percent != 1.f) j["partial_rotary_factor"] = decimal(c.rotary_percent);
-  if (arch != HfArchitecture::kMixtral) {
+  if (arch != HfArchitecture::kMixtral && arch != HfArchitecture::kQwen2Moe) {
     j["attention_bias"] = false;
     if (arch != HfArchitecture::kQwen3Moe) j["mlp_bias"] = false;
   }
   j["tie_word_embeddings"] = c.tied_output();
-  if (arch == HfArchitecture::kQwen2 || arch == HfArchitecture::kQwen3 || arch == HfArchitecture::kQwen3Moe)
+  if (arch == HfArchitecture::kQwen2 || arch == HfArchitecture::kQwen3 || arch == HfArchitecture::kQwen3Moe ||
+      arch == HfArchitecture::kQwen2Moe)
     j["use_sliding_window"] = false;
   if (!j.contains("initializer_range")) j["initializer_range"] = decimal(c.init_method_std);
   if (is_moe(arch)) moe_hf_config(arch, c, base, j);
@@ -464,7 +484,25 @@ MoeNames moe_names(HfArchitecture a, int64_t l) {
   return {fmt::format("model.layers.{}.mlp.", l), "gate_proj", "up_proj", "down_proj"};
 }
 
+// Qwen 2 MoE's shared expert and its gate (the same names in transformers 4 and 5):
+//   <prefix>.shared_expert.{gate_proj,up_proj}.weight [f_s, h] -> mlp.shared_experts.linear_fc1.weight [2, f_s, h]
+//   <prefix>.shared_expert.down_proj.weight [h, f_s]           -> mlp.shared_experts.linear_fc2.weight [h, f_s]
+//   <prefix>.shared_expert_gate.weight [1, h]                  -> mlp.shared_experts.gate_weight [1, h]
+void shared_expert_to_megatron(const HfModel& m, const SafetensorsCheckpoint& ck, int64_t l, GlobalTensors& t) {
+  const TransformerConfig& c = m.config;
+  if (c.moe_shared_expert_intermediate_size == 0) return;
+  const int64_t h = c.hidden_size, fs = c.moe_shared_expert_intermediate_size;
+  const std::string p = moe_names(m.arch, l).prefix, o = layer(l) + "mlp.shared_experts.";
+  std::vector<float> fc1 = read(ck, p + "shared_expert.gate_proj.weight", {fs, h});
+  const std::vector<float> up = read(ck, p + "shared_expert.up_proj.weight", {fs, h});
+  fc1.insert(fc1.end(), up.begin(), up.end());
+  t[o + "linear_fc1.weight"] = std::move(fc1);
+  t[o + "linear_fc2.weight"] = read(ck, p + "shared_expert.down_proj.weight", {h, fs});
+  if (c.moe_shared_expert_gate) t[o + "gate_weight"] = read(ck, p + "shared_expert_gate.weight", {1, h});
+}
+
 void moe_to_megatron(const HfModel& m, const SafetensorsCheckpoint& ck, int64_t l, GlobalTensors& t) {
+  shared_expert_to_megatron(m, ck, l, t);
   const TransformerConfig& c = m.config;
   const int64_t h = c.hidden_size, f = c.moe_ffn(), E = c.num_moe_experts;
   const MoeNames n = moe_names(m.arch, l);
@@ -499,6 +537,13 @@ void moe_to_hf_impl(const HfModel& m, int64_t l, const Get& get, const Put& put)
   const MoeNames n = moe_names(m.arch, l);
   const std::string o = layer(l) + "mlp.";
   put(n.prefix + "gate.weight", {E, h}, get(o + "router.weight"));
+  if (const int64_t fs = c.moe_shared_expert_intermediate_size; fs > 0) {
+    const auto& fc1 = get(o + "shared_experts.linear_fc1.weight");
+    put(n.prefix + "shared_expert.gate_proj.weight", {fs, h}, std::vector<float>(fc1.begin(), fc1.begin() + fs * h));
+    put(n.prefix + "shared_expert.up_proj.weight", {fs, h}, std::vector<float>(fc1.begin() + fs * h, fc1.end()));
+    put(n.prefix + "shared_expert.down_proj.weight", {h, fs}, get(o + "shared_experts.linear_fc2.weight"));
+    if (c.moe_shared_expert_gate) put(n.prefix + "shared_expert_gate.weight", {1, h}, get(o + "shared_experts.gate_weight"));
+  }
   for (int64_t e = 0; e < E; ++e) {
     const std::string s = fmt::format("{}experts.{}.", n.prefix, e);
     const std::string x = fmt::format("{}experts.local_experts.{}.", o, e);

@@ -1,7 +1,7 @@
 // Hugging Face interchange (docs/huggingface.md): config.json <-> TransformerConfig and the
 // per-layer weight mapping between a transformers checkpoint and Megatron-Core's parameter names
 // and layouts, for GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM and the
-// mixture-of-experts MixtralForCausalLM and Qwen3MoeForCausalLM.
+// mixture-of-experts MixtralForCausalLM, Qwen3MoeForCausalLM and Qwen2MoeForCausalLM.
 //
 // Layout conversions (facts from transformers' modeling files and Megatron-Core's checkpoint
 // converters):
@@ -21,6 +21,12 @@
 //     Qwen 3 MoE with norm_topk_prob) = Megatron's softmax over the selected logits; not
 //     renormalised (norm_topk_prob false) = --moe-router-pre-softmax. Qwen 3 MoE's dense layers
 //     (mlp_only_layers, decoder_sparse_step) become --moe-layer-freq's pattern.
+//   * Qwen 2 MoE (Qwen 3 MoE's layout with Qwen 2's QKV bias and no QK-norm, facts from
+//     transformers' modeling_qwen2_moe.py): its shared expert mlp.shared_expert.{gate,up,down}_proj
+//     is Megatron's mlp.shared_experts.linear_fc1 [2, f_s, h] / linear_fc2 [h, f_s]
+//     (--moe-shared-expert-intermediate-size f_s = shared_expert_intermediate_size), its
+//     mlp.shared_expert_gate.weight [1, h] is mlp.shared_experts.gate_weight
+//     (--moe-shared-expert-gate: the shared output times sigmoid(x · w), as transformers).
 #pragma once
 #include <map>
 #include <string>
@@ -33,15 +39,14 @@
 
 namespace mt::hf {
 
-enum class HfArchitecture { kGpt2, kLlama, kQwen2, kQwen3, kMixtral, kQwen3Moe };
+enum class HfArchitecture { kGpt2, kLlama, kQwen2, kQwen3, kMixtral, kQwen3Moe, kQwen2Moe };
 
 /// "GPT2LMHeadModel", "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-/// "MixtralForCausalLM", "Qwen3MoeForCausalLM".
+/// "MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM".
 const char* architecture_name(HfArchitecture a);
-/// Errors: mt::Error naming the value and the supported architectures (Qwen2MoeForCausalLM:
-/// naming its gated shared expert, which is not implemented).
+/// Errors: mt::Error naming the value and the supported architectures.
 HfArchitecture parse_architecture(const std::string& name);
-/// Mixtral or Qwen 3 MoE.
+/// Mixtral, Qwen 3 MoE or Qwen 2 MoE.
 bool is_moe(HfArchitecture a);
 
 struct HfModel {

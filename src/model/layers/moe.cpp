@@ -72,6 +72,10 @@ MoELayer::MoELayer(const TransformerConfig& c, int64_t layer, const TensorParall
   }
   if (c.moe_shared_expert_intermediate_size > 0)
     shared_ = std::make_unique<MLP>(c, p + "shared_experts", c.moe_shared_expert_intermediate_size, tp, reg);
+  if (shared_ && c.moe_shared_expert_gate)  // Megatron's SharedExpertMLP gate_weight [1, h]
+    reg.declare(replicated_param(p + "shared_experts.gate_weight", {1, h}, InitKind::kNormal, c.init_method_std,
+                                 TpGradSum::kSequenceParallel),
+                &gate_weight_);
 }
 
 void MoELayer::plan(BufferPlanner& p, int64_t s, int64_t b) {
@@ -84,11 +88,13 @@ void MoELayer::plan(BufferPlanner& p, int64_t s, int64_t b) {
   if (saved_.size() <= a) saved_.resize(a + 1);
   Saved& sv = saved_[a];
   sv.x = p.saved(t, {sl, b, h}, "MoE input");
-  sv.logits = p.saved(DType::kF32, {tokens_, E}, "router logits");
+  const DType rd = config_.moe_router_dtype;  // the routing dtype: fp32, or fp64 (--moe-router-dtype)
+  sv.logits = p.saved(rd, {tokens_, E}, "router logits");
   max_rows_ = dispatcher_->plan(p, tokens_, h);
-  const bool seq = config_.moe_router_load_balancing_type == MoeLoadBalancing::kSeqAuxLoss;
   batch_ = b;
-  sv.tokens_per_expert = p.saved(DType::kF32, {seq ? b : 1, E}, "tokens per expert (TP group)");
+  sv.tokens_per_expert = p.saved(DType::kF32, {1, E}, "tokens per expert (TP x CP group)");
+  if (seq_aux())
+    sv.seq_tokens_per_expert = p.saved(DType::kF32, {b, E}, "tokens per expert and sequence (TP x CP group)");
   if (global_aux()) {
     sv.global_tokens = p.saved(DType::kF32, {E}, "mean tokens per expert of the step (TP x DP group)");
     global_counts_ = p.scratch("moe.global_counts", DType::kF32, {E});
@@ -107,6 +113,12 @@ void MoELayer::plan(BufferPlanner& p, int64_t s, int64_t b) {
   sv.act = p.saved(t, {max_rows_, local_ffn_}, "expert activations");
   sv.out = p.saved(t, {max_rows_, h}, "expert outputs");
   if (shared_) shared_->plan(p, s, b);
+  if (gated_shared()) {
+    sv.shared_out = p.saved(t, {tokens_, h}, "gated shared expert output");
+    sv.gate_logits = p.saved(DType::kF32, {tokens_}, "shared expert gate logits");
+    d_shared_ = p.scratch("moe.d_shared", t, {sl, b, h});
+    d_gate_ = p.scratch("moe.d_gate", DType::kF32, {tokens_});
+  }
   if (num_echo_ > 0) {  // the clones' weights and gradients: fetched per use (scratch)
     const int64_t S = num_echo_, f1 = parts * local_ffn_, f2 = local_ffn_;
     echo_w1_ = p.scratch("moe.echo.w1", t, {S, f1, h});
@@ -138,13 +150,12 @@ void MoELayer::plan(BufferPlanner& p, int64_t s, int64_t b) {
   d_xp_ = p.scratch("moe.d_xp", t, {max_rows_, h});
   dx_ = p.scratch("moe.dx", t, {sl, b, h});
   d_probs_ = p.scratch("moe.d_probs", DType::kF32, {tokens_, k});
-  d_logits_ = p.scratch("moe.d_logits", DType::kF32, {tokens_, E});
-  if (t != DType::kF32) d_logits_act_ = p.scratch("moe.d_logits_act", t, {tokens_, E});
-  scores_aux_ = p.scratch("moe.scores_aux", DType::kF32, {tokens_, E});
-  counts_total_ = p.scratch("moe.counts_total", DType::kF32, {E});
+  d_logits_ = p.scratch("moe.d_logits", rd, {tokens_, E});
+  if (t != DType::kF32 && rd == DType::kF32) d_logits_act_ = p.scratch("moe.d_logits_act", t, {tokens_, E});
+  scores_aux_ = p.scratch("moe.scores_aux", rd, {tokens_, E});
   if (stats_buffer_.bytes() == 0) {
-    stats_buffer_ = Buffer(p.device(), static_cast<size_t>(2 + E) * sizeof(float));
-    stats_ = stats_buffer_.as(DType::kF32, {2 + E});
+    stats_buffer_ = Buffer(p.device(), static_cast<size_t>(kMoeStatLosses + E) * sizeof(float));
+    stats_ = stats_buffer_.as(DType::kF32, {kMoeStatLosses + E});
   }
   if (config_.moe_router_enable_expert_bias && bias_buffer_.bytes() == 0) {
     bias_buffer_ = Buffer(p.device(), static_cast<size_t>(2 * E) * sizeof(float));
@@ -179,7 +190,7 @@ void MoELayer::reset_stats(const Stream& stream) {
 }
 
 std::vector<double> MoELayer::stats(const Stream& stream) const {
-  std::vector<double> out(static_cast<size_t>(2 + num_experts_), 0.0);
+  std::vector<double> out(static_cast<size_t>(kMoeStatLosses + num_experts_), 0.0);
   if (!stats_zeroed_) return out;
   std::vector<float> host(out.size());
   copy_bytes(host.data(), Device::cpu(), stats_.data(), stats_.device(), host.size() * sizeof(float), stream);
@@ -205,28 +216,33 @@ void MoELayer::sum_token_group(const Tensor& t, const Stream& st) const {
   }
 }
 
-bool MoELayer::aux_loss_on() const {
-  return config_.moe_router_load_balancing_type != MoeLoadBalancing::kNone && config_.moe_aux_loss_coeff > 0;
-}
-
-float MoELayer::aux_scale(double weight) const {
+float MoELayer::aux_scale(MoeLoadBalancing type, double weight) const {
   const double E = static_cast<double>(num_experts_), k = static_cast<double>(topk_);
-  if (config_.moe_router_load_balancing_type == MoeLoadBalancing::kSeqAuxLoss) {
+  const double coeff = config_.moe_aux_coeff(type);
+  if (type == MoeLoadBalancing::kSeqAuxLoss) {
     // Megatron's sequence_load_balancing_loss_func: coeff · mean_b Σ_e (c_be·E/(s·k)) · (P_be/s), s the
     // whole sequence (this rank holds s/(TP·CP) tokens of each sequence; Megatron's seq_length·|tp_cp|)
     const double B = static_cast<double>(batch_), s = static_cast<double>(tokens_) * token_group_size() / B;
-    return static_cast<float>(weight * config_.moe_aux_loss_coeff * E / (B * k * s * s));
+    return static_cast<float>(weight * coeff * E / (B * k * s * s));
   }
-  if (global_aux()) {
+  if (type == MoeLoadBalancing::kGlobalAuxLoss) {
     // Megatron's global switch loss coeff·E/(k·N_g²)·Σ_e P_e·c̄_e, N_g the tokens of the TP × CP × DP
     // group; weighted by weight·DP = 1/micro-batches (the fix of NVIDIA/Megatron-LM#3672)
     const double D = dp_ ? static_cast<double>(dp_->size()) : 1.0;
     const double N = static_cast<double>(tokens_) * token_group_size() * D;
-    return static_cast<float>(weight * D * config_.moe_aux_loss_coeff * E / (k * N * N));
+    return static_cast<float>(weight * D * coeff * E / (k * N * N));
   }
   // Megatron's switch loss coeff·E/(k·N²)·Σ_e P_e·c_e with N the tokens of the TP × CP group
   const double N = static_cast<double>(tokens_) * token_group_size();
-  return static_cast<float>(weight * config_.moe_aux_loss_coeff * E / (k * N * N));
+  return static_cast<float>(weight * coeff * E / (k * N * N));
+}
+
+Tensor MoELayer::aux_counts(const Saved& sv, MoeLoadBalancing type) const {
+  switch (type) {
+    case MoeLoadBalancing::kSeqAuxLoss: return sv.seq_tokens_per_expert;
+    case MoeLoadBalancing::kGlobalAuxLoss: return sv.global_tokens;
+    default: return sv.tokens_per_expert;
+  }
 }
 
 void MoELayer::random_logits(const Tensor& logits, const StepContext& ctx) const {
@@ -268,11 +284,16 @@ Tensor MoELayer::router_top(int slot) const {
 
 void MoELayer::router_forward(Saved& sv, const StepContext& ctx) {
   const Stream& st = ctx.stream;
-  matmul(sv.logits, rows(sv.x), router_weight_.value(), false, true, 1.f, 0.f, st);
+  if (fp64_router()) {  // Megatron's router_gating_linear in float64
+    moe_router_logits_fp64(sv.logits, rows(sv.x), router_weight_.value(), st);
+  } else {
+    matmul(sv.logits, rows(sv.x), router_weight_.value(), false, true, 1.f, 0.f, st);
+  }
   if (config_.moe_router_force_load_balancing) random_logits(sv.logits, ctx);
   expert_bias(st);  // zero-initialised on first use
   const Tensor top = router_top(ctx.slot), probs = dispatcher_->probs(ctx.slot);
-  moe_topk_routing(probs, top, aux_loss_on() ? scores_aux_ : Tensor(), sv.logits, expert_bias_, router_, st);
+  moe_topk_routing(probs, top, config_.moe_any_aux_loss() ? scores_aux_ : Tensor(), sv.logits, expert_bias_, router_,
+                   st);
   if (drops())  // the slots beyond each expert's capacity get expert -1 in the dispatcher's selection
     moe_capacity_drop(dispatcher_->top(ctx.slot), kept_counts_, top, probs, capacity_,
                       config_.moe_token_drop_policy == MoeTokenDropPolicy::kProbs, st);
@@ -285,6 +306,10 @@ void MoELayer::router_forward(Saved& sv, const StepContext& ctx) {
     const double w = ctx.batch.aux_loss_weight;
     moe_tokens_per_expert(sv.tokens_per_expert, top, st);
     sum_token_group(sv.tokens_per_expert, st);  // over the TP × CP group
+    if (seq_aux()) {  // per sequence of the [s, b] layout, summed over the TP × CP group's pieces of it
+      moe_tokens_per_expert(sv.seq_tokens_per_expert, top, st);
+      sum_token_group(sv.seq_tokens_per_expert, st);
+    }
     if (global_aux()) {  // the counts over TP × CP × DP, accumulated over the step's forwards so far
       if (!global_zeroed_) {
         fill(global_acc_, 0.f, st);
@@ -295,21 +320,19 @@ void MoELayer::router_forward(Saved& sv, const StepContext& ctx) {
       moe_global_tokens_per_expert(sv.global_tokens, global_acc_, global_counts_, st);
     }
     if (ctx.recompute) return;  // the values and counts below were taken in the first forward
-    if (aux_loss_on())
-      moe_aux_loss(stats_.slice0(0, 1), scores_aux_, global_aux() ? sv.global_tokens : sv.tokens_per_expert,
-                   aux_scale(w), st);
-    if (config_.moe_z_loss_coeff > 0) moe_z_loss(stats_.slice0(1, 2), Tensor(), sv.logits, z_scale(w), Tensor(), st);
-    Tensor total = sv.tokens_per_expert.view({num_experts_ * sv.tokens_per_expert.size(0)});
-    if (sv.tokens_per_expert.size(0) > 1) {  // per-sequence counts: the totals separately
-      moe_tokens_per_expert(counts_total_, top, st);
-      sum_token_group(counts_total_, st);
-      total = counts_total_;
-    }
+    for (MoeLoadBalancing type : kAuxTypes)  // each type's loss in its own statistic
+      if (config_.moe_aux_loss_on(type)) {
+        const int i = static_cast<int>(type);
+        moe_aux_loss(stats_.slice0(i, i + 1), scores_aux_, aux_counts(sv, type), aux_scale(type, w), st);
+      }
+    if (config_.moe_z_loss_coeff > 0)
+      moe_z_loss(stats_.slice0(kMoeStatZLoss, kMoeStatZLoss + 1), Tensor(), sv.logits, z_scale(w), Tensor(), st);
+    Tensor total = sv.tokens_per_expert.view({num_experts_});
     if (drops()) {  // the kept slots (Megatron's expert-bias counts are taken after the drop)
       sum_token_group(kept_counts_, st);
       total = kept_counts_;
     }
-    const Tensor counted = stats_.slice0(2, 2 + num_experts_);
+    const Tensor counted = stats_.slice0(kMoeStatLosses, kMoeStatLosses + num_experts_);
     add(counted, counted, total, st);
     if (!expert_bias_.empty()) add(bias_counts_, bias_counts_, total, st);
   }
@@ -359,9 +382,16 @@ Tensor MoELayer::forward(const StepContext& ctx, const ResidualAdd* add) {
 
 Tensor MoELayer::finish_forward(Saved& sv, const StepContext& ctx) {
   if (shared_) {
-    copy(shared_->input(ctx.slot), sv.x, ctx.stream);
+    const Stream& st = ctx.stream;
+    copy(shared_->input(ctx.slot), sv.x, st);
     const Tensor ys = shared_->forward(ctx);
-    add(y_, y_, ys, ctx.stream);
+    if (!gated_shared()) {
+      add(y_, y_, ys, st);
+      return y_;
+    }
+    // y += sigmoid(x · w_gate) · ys per token (Megatron's SharedExpertMLP gate); ys kept for the backward
+    copy(sv.shared_out, rows(ys), st);
+    moe_shared_gate_forward(rows(y_), sv.gate_logits, sv.shared_out, rows(sv.x), gate_weight_.value(), st);
   }
   return y_;
 }
@@ -527,17 +557,30 @@ Tensor MoELayer::router_backward(Saved& sv, const Tensor& dy, const StepContext&
   router_region(ctx, true, [&] {
     moe_topk_routing_backward(d_logits_, d_probs_, sv.logits, router_top(ctx.slot), router_, st);
     const double w = ctx.batch.aux_loss_weight;
-    if (aux_loss_on())
-      moe_aux_scores_backward(d_logits_, sv.logits, global_aux() ? sv.global_tokens : sv.tokens_per_expert,
-                              aux_scale(w), ctx.loss_scale, router_.sigmoid, st);
+    for (MoeLoadBalancing type : kAuxTypes)  // the gradients of the types' losses add up
+      if (config_.moe_aux_loss_on(type))
+        moe_aux_scores_backward(d_logits_, sv.logits, aux_counts(sv, type), aux_scale(type, w), ctx.loss_scale,
+                                router_.sigmoid, st);
     if (config_.moe_z_loss_coeff > 0) moe_z_loss(Tensor(), d_logits_, sv.logits, z_scale(w), ctx.loss_scale, st);
+    if (fp64_router()) {  // dW_r += d_logitsᵀ x, dx += d_logits W_r, summed in double
+      moe_router_logits_fp64_backward(dx, router_weight_.grad(), d_logits_, x, router_weight_.value(), st);
+      return;
+    }
     // dW_r += d_logitsᵀ x, dx += d_logits W_r (in the activation dtype)
     const Tensor d_logits = d_logits_act_.empty() ? d_logits_ : d_logits_act_;
     if (!d_logits_act_.empty()) cast(d_logits_act_, d_logits_, st);
     linear_backward(Tensor(), router_weight_.grad(), Tensor(), d_logits, x, router_weight_.value(), st);
     matmul(dx, d_logits, router_weight_.value(), false, false, 1.f, 1.f, st);
   });
-  if (shared_) add(dx_, dx_, shared_->backward(dy, ctx, defer), st);
+  if (!shared_) return dx_;
+  if (!gated_shared()) {
+    add(dx_, dx_, shared_->backward(dy, ctx, defer), st);
+    return dx_;
+  }
+  // the gate: d ys = g · dy, d logit = g(1 − g)·<dy, ys>; dW_g += d_logitᵀ x, dx += d_logit W_g
+  moe_shared_gate_backward(rows(d_shared_), d_gate_, dx, gate_weight_.grad(), rows(dy), sv.shared_out, x,
+                           gate_weight_.value(), sv.gate_logits, st);
+  add(dx_, dx_, shared_->backward(d_shared_, ctx, defer), st);
   return dx_;
 }
 

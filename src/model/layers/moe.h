@@ -3,7 +3,8 @@
 // 2017, Fedus et al. 2021 for the load-balancing loss, Zoph et al. 2022 for the z-loss; docs/moe.md).
 //
 // Forward of the T_l = s_l·b tokens of this rank (x [s_l, b, h], sequence-parallel shard when TP > 1):
-//   router:      logits [T_l, E] = x W_rᵀ (fp32), top-k selection and probs (ops/moe.h)
+//   router:      logits [T_l, E] = x W_rᵀ (fp32, or fp64 with --moe-router-dtype fp64: the GEMM and
+//                the routing math in double), top-k selection and probs (fp32; ops/moe.h)
 //   dispatch:    the token dispatcher (model/layers/moe_dispatcher.h) brings the rows routed to
 //                this rank's experts here, ordered by local expert: all-gather over the dispatch
 //                group G (the expert tensor × expert model parallel group; the TP group while
@@ -12,7 +13,9 @@
 //                of that expert (its ETP shard)
 //   combine:     y[t] = Σ over t's slots of prob · expert output, returned to the token's rank by
 //                the dispatcher (reduce-scatter over G, or the reverse all-to-all)
-//   shared experts (optional): a dense MLP on x (Megatron's SharedExpertMLP), added to y.
+//   shared experts (optional): a dense MLP on x (Megatron's SharedExpertMLP), added to y; with
+//                --moe-shared-expert-gate scaled per token by sigmoid(x · w_gate) first (w_gate
+//                [1, h], replicated, its gradient a partial sum over TP under sequence parallelism).
 // Backward mirrors it: the dispatcher's combine backward (row gradients and d probs), the experts'
 // backward, the dispatch backward (token gradients), then the router backward with the
 // load-balancing loss and the z-loss added to the logits' gradient.
@@ -47,6 +50,10 @@
 // here N ranks equal one rank running the union of the DP ranks' micro-batches). The accumulator is
 // zeroed on the device once per step after the last backward (reset_global_tokens; Megatron's
 // reset_global_aux_loss_tracker in finalize_model_grads).
+// Several types at once (Megatron's list, e.g. --moe-router-load-balancing-type aux_loss
+// seq_aux_loss with --moe-aux-loss-coeff 1e-2 1e-3): each type with its own coefficient computes
+// its loss as above from the same scores; the losses (and their gradients) add up, and each is
+// logged under its own name.
 //
 // Buffers: planned for the worst case of the dropless routing, R_max = |G|·T_l·min(k, E_local)
 // expert rows per micro-batch (exactly |G|·T_l·k when every expert is local).
@@ -101,10 +108,11 @@ class MoELayer final : public MlpSlot {
   const ParamRef& output_bias() const override { return no_bias_; }
 
   /// The statistics accumulated on the device since the last reset_stats(), copied to the host
-  /// (synchronises `stream`): [0] load-balancing loss (of the configured type: aux_loss,
-  /// seq_aux_loss or global_aux_loss), [1] z-loss, each weighted by the micro-batch's
-  /// aux_loss_weight (so the sum over the ranks of the world is the mean over micro-batches and
-  /// data-parallel ranks), then [2 + e] the tokens routed to expert e summed over the training
+  /// (synchronises `stream`): kMoeStatLosses + E values (model/transformer_config.h): the
+  /// load-balancing loss of each type at static_cast<int>(type) ([0] aux_loss, [1] seq_aux_loss,
+  /// [2] global_aux_loss; 0 for the types that are off), [kMoeStatZLoss] the z-loss, each weighted by
+  /// the micro-batch's aux_loss_weight (so the sum over the ranks of the world is the mean over
+  /// micro-batches and data-parallel ranks), then [kMoeStatLosses + e] the tokens routed to expert e summed over the training
   /// forwards (counted over the TP × CP group: the sum over the world is TP·CP times the total). Zeros
   /// before the first forward.
   std::vector<double> stats(const Stream& stream) const;
@@ -170,18 +178,27 @@ class MoELayer final : public MlpSlot {
   EchoExchange echo_x_;
   struct Saved {
     Tensor x;                  // [s_l, b, h]: the block's input (router input)
-    Tensor logits;             // fp32 [T_l, E]
-    Tensor tokens_per_expert;  // fp32 [G, E]: over the TP × CP group (G = b for seq_aux_loss, else 1)
+    Tensor logits;             // [T_l, E] in the routing dtype (fp32 or fp64)
+    Tensor tokens_per_expert;  // fp32 [1, E]: over the TP × CP group
+    Tensor seq_tokens_per_expert;  // fp32 [b, E]: per sequence, over the TP × CP group (seq_aux_loss)
     Tensor global_tokens;      // fp32 [E]: global_aux_loss's mean counts over TP × CP × DP at this forward
     Tensor top_routed;         // int32 [T_l, k]: the router's selection before a capacity drop
     Tensor xp, pre, act, out;  // [R_max, h], [R_max, (2)f_l], [R_max, f_l], [R_max, h]
     std::vector<int64_t> counts_host;  // the forward's rows per local expert (R = their sum)
     Tensor counts;             // the same, int32 [E_l] on the device (--moe-grouped-gemm)
+    Tensor shared_out;         // [T_l, h]: the shared experts' output (--moe-shared-expert-gate)
+    Tensor gate_logits;        // fp32 [T_l]: x · w_gate (--moe-shared-expert-gate)
   };
-  bool aux_loss_on() const;
-  bool global_aux() const { return config_.moe_router_load_balancing_type == MoeLoadBalancing::kGlobalAuxLoss; }
+  static constexpr MoeLoadBalancing kAuxTypes[] = {MoeLoadBalancing::kAuxLoss, MoeLoadBalancing::kSeqAuxLoss,
+                                                   MoeLoadBalancing::kGlobalAuxLoss};
+  bool seq_aux() const { return config_.moe_aux_loss_on(MoeLoadBalancing::kSeqAuxLoss); }
+  // The token counts of a load-balancing type's loss: [1, E], per sequence [b, E], or the global mean.
+  Tensor aux_counts(const Saved& sv, MoeLoadBalancing type) const;
+  bool fp64_router() const { return config_.moe_router_dtype == DType::kF64; }
+  bool gated_shared() const { return shared_ != nullptr && config_.moe_shared_expert_gate; }
+  bool global_aux() const { return config_.moe_aux_loss_on(MoeLoadBalancing::kGlobalAuxLoss); }
   void random_logits(const Tensor& logits, const StepContext& ctx) const;  // --moe-router-force-load-balancing
-  float aux_scale(double weight) const;  // of the load-balancing loss, for a micro-batch weight
+  float aux_scale(MoeLoadBalancing type, double weight) const;  // of a type's loss, for a micro-batch weight
   float z_scale(double weight) const;
   bool drops() const { return config_.moe_expert_capacity_set; }
   // The router's selection of area `slot` (before a capacity drop; the dispatcher gets the kept slots).
@@ -205,6 +222,7 @@ class MoELayer final : public MlpSlot {
   bool gated_;
   MoeRouterOptions router_;
   ParamRef router_weight_, no_bias_;
+  ParamRef gate_weight_;  // the shared experts' gate [1, h] (--moe-shared-expert-gate)
   std::vector<Expert> experts_;
   std::unique_ptr<MLP> shared_;
   std::unique_ptr<MoeTokenDispatcher> dispatcher_;
@@ -218,11 +236,12 @@ class MoELayer final : public MlpSlot {
   int64_t capacity_ = 0;               // per expert with --moe-expert-capacity-factor
   // scratch
   Tensor y_, d_out_, d_act_, d_pre_, d_xp_, dx_, d_probs_, d_logits_, d_logits_act_, scores_aux_, kept_counts_;
+  Tensor d_shared_, d_gate_;  // --moe-shared-expert-gate
   Buffer stats_buffer_;  // fp32 [2 + E] on the model's device (see stats())
   Tensor stats_;
   bool stats_zeroed_ = false;
   Buffer bias_buffer_;     // fp32 [2, E]: the expert bias, then the step's token counts
-  Tensor expert_bias_, bias_counts_, counts_total_;
+  Tensor expert_bias_, bias_counts_;
   bool bias_zeroed_ = false;
   int64_t batch_ = 1;      // b of the planned [s_l, b] token layout
   Communicator* dp_ = nullptr;  // global_aux_loss: the data-parallel group

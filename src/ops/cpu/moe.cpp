@@ -1,4 +1,7 @@
-// CPU reference of ops/moe.h (fp32 routing math, act-dtype fp32 rows).
+// CPU reference of ops/moe.h (act-dtype fp32 rows). The routing math runs in the logits' dtype R:
+// fp32 (Megatron's --moe-router-dtype fp32; sums in double, as before) or fp64 (--moe-router-dtype
+// fp64: every score, probability, loss and gradient in double; the probabilities handed to the
+// dispatcher are rounded to fp32 once, at the end).
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -11,20 +14,27 @@
 namespace mt::cpu {
 namespace {
 
-constexpr float kEps = 1e-20f;  // Megatron's denominator guard for the sigmoid normalisation
+// Megatron's denominator guard for the sigmoid normalisation (1e-20 in the routing dtype).
+template <typename R>
+constexpr R kEps = static_cast<R>(1e-20);
 
-float sigmoidf(float x) { return 1.f / (1.f + std::exp(-x)); }
+template <typename R>
+R sigmoid(R x) {
+  return R(1) / (R(1) + std::exp(-x));
+}
 
-void softmax_row(const float* x, float* y, int64_t n) {
-  float m = -std::numeric_limits<float>::infinity();
+template <typename R>
+void softmax_row(const R* x, R* y, int64_t n) {
+  R m = -std::numeric_limits<R>::infinity();
   for (int64_t i = 0; i < n; ++i) m = std::max(m, x[i]);
   double s = 0;
   for (int64_t i = 0; i < n; ++i) s += std::exp(static_cast<double>(x[i] - m));
-  for (int64_t i = 0; i < n; ++i) y[i] = static_cast<float>(std::exp(static_cast<double>(x[i] - m)) / s);
+  for (int64_t i = 0; i < n; ++i) y[i] = static_cast<R>(std::exp(static_cast<double>(x[i] - m)) / s);
 }
 
 // Indices of the k largest of v (descending; ties: lower index first) among `allowed`.
-void topk_indices(const std::vector<float>& v, int64_t k, std::vector<int64_t>& out) {
+template <typename R>
+void topk_indices(const std::vector<R>& v, int64_t k, std::vector<int64_t>& out) {
   std::vector<int64_t> idx(v.size());
   std::iota(idx.begin(), idx.end(), 0);
   std::stable_sort(idx.begin(), idx.end(), [&](int64_t a, int64_t b) { return v[static_cast<size_t>(a)] > v[static_cast<size_t>(b)]; });
@@ -32,141 +42,143 @@ void topk_indices(const std::vector<float>& v, int64_t k, std::vector<int64_t>& 
 }
 
 // Selection of one token: the experts chosen from `scores` (group-limited when configured).
-void select(const std::vector<float>& scores, const MoeRouterOptions& o, std::vector<int64_t>& top) {
+template <typename R>
+void select(const std::vector<R>& scores, const MoeRouterOptions& o, std::vector<int64_t>& top) {
   const int64_t E = static_cast<int64_t>(scores.size());
   if (o.num_groups <= 0) {
     topk_indices(scores, o.topk, top);
     return;
   }
   const int64_t G = o.num_groups, per = E / G, kg = o.topk / o.group_topk;
-  std::vector<float> group_score(static_cast<size_t>(G));
+  std::vector<R> group_score(static_cast<size_t>(G));
   std::vector<int64_t> best;
   for (int64_t g = 0; g < G; ++g) {
-    std::vector<float> part(scores.begin() + g * per, scores.begin() + (g + 1) * per);
+    std::vector<R> part(scores.begin() + g * per, scores.begin() + (g + 1) * per);
     topk_indices(part, kg, best);
     double s = 0;
     for (int64_t i : best) s += part[static_cast<size_t>(i)];
-    group_score[static_cast<size_t>(g)] = static_cast<float>(s);
+    group_score[static_cast<size_t>(g)] = static_cast<R>(s);
   }
   std::vector<int64_t> groups;
   topk_indices(group_score, o.group_topk, groups);
-  std::vector<float> masked(static_cast<size_t>(E), -std::numeric_limits<float>::infinity());
+  std::vector<R> masked(static_cast<size_t>(E), -std::numeric_limits<R>::infinity());
   for (int64_t g : groups)
     for (int64_t e = g * per; e < (g + 1) * per; ++e) masked[static_cast<size_t>(e)] = scores[static_cast<size_t>(e)];
   topk_indices(masked, o.topk, top);
 }
 
-}  // namespace
-
-void moe_topk_routing(const Tensor& probs, const Tensor& top, const Tensor& scores_for_aux, const Tensor& logits,
-                      const Tensor& expert_bias, const MoeRouterOptions& o, const Stream&) {
+template <typename R>
+void topk_routing(const Tensor& probs, const Tensor& top, const Tensor& scores_for_aux, const Tensor& logits,
+                  const Tensor& expert_bias, const MoeRouterOptions& o) {
   const int64_t T = logits.size(0), E = logits.size(1), k = o.topk;
-  const float* L = logits.data_as<float>();
+  const R* L = logits.data_as<R>();
   const float* bias = !expert_bias.empty() ? expert_bias.data_as<float>() : nullptr;
   float* P = probs.data_as<float>();
   int32_t* I = top.data_as<int32_t>();
-  float* A = !scores_for_aux.empty() ? scores_for_aux.data_as<float>() : nullptr;
+  R* A = !scores_for_aux.empty() ? scores_for_aux.data_as<R>() : nullptr;
+  const R scaling = static_cast<R>(o.scaling_factor);
 #pragma omp parallel for schedule(static)
   for (int64_t t = 0; t < T; ++t) {
-    const float* l = L + t * E;
-    std::vector<float> s(static_cast<size_t>(E)), sel(static_cast<size_t>(E));
+    const R* l = L + t * E;
+    std::vector<R> s(static_cast<size_t>(E)), sel(static_cast<size_t>(E)), pv(static_cast<size_t>(k));
     std::vector<int64_t> chosen;
     if (!o.sigmoid) {
       if (o.pre_softmax) {
         softmax_row(l, s.data(), E);
         select(s, o, chosen);
-        for (int64_t j = 0; j < k; ++j) P[t * k + j] = s[static_cast<size_t>(chosen[static_cast<size_t>(j)])];
+        for (int64_t j = 0; j < k; ++j) pv[static_cast<size_t>(j)] = s[static_cast<size_t>(chosen[static_cast<size_t>(j)])];
       } else {
         std::copy(l, l + E, sel.begin());
         select(sel, o, chosen);
-        std::vector<float> v(static_cast<size_t>(k));
+        std::vector<R> v(static_cast<size_t>(k));
         for (int64_t j = 0; j < k; ++j) v[static_cast<size_t>(j)] = l[chosen[static_cast<size_t>(j)]];
-        softmax_row(v.data(), P + t * k, k);
+        softmax_row(v.data(), pv.data(), k);
       }
       if (A) softmax_row(l, A + t * E, E);
     } else {
       for (int64_t e = 0; e < E; ++e) {
-        s[static_cast<size_t>(e)] = sigmoidf(l[e]);
-        sel[static_cast<size_t>(e)] = s[static_cast<size_t>(e)] + (bias ? bias[e] : 0.f);
+        s[static_cast<size_t>(e)] = sigmoid(l[e]);
+        sel[static_cast<size_t>(e)] = s[static_cast<size_t>(e)] + (bias ? static_cast<R>(bias[e]) : R(0));
       }
       select(sel, o, chosen);
       double sum = 0;
       for (int64_t j = 0; j < k; ++j) sum += s[static_cast<size_t>(chosen[static_cast<size_t>(j)])];
       for (int64_t j = 0; j < k; ++j) {
-        const float v = s[static_cast<size_t>(chosen[static_cast<size_t>(j)])];
-        P[t * k + j] = k > 1 ? static_cast<float>(v / (sum + kEps)) : v;
+        const R v = s[static_cast<size_t>(chosen[static_cast<size_t>(j)])];
+        pv[static_cast<size_t>(j)] = k > 1 ? static_cast<R>(v / (sum + kEps<R>)) : v;
       }
       if (A) {
         double all = 0;
         for (int64_t e = 0; e < E; ++e) all += s[static_cast<size_t>(e)];
-        for (int64_t e = 0; e < E; ++e) A[t * E + e] = static_cast<float>(s[static_cast<size_t>(e)] / (all + kEps));
+        for (int64_t e = 0; e < E; ++e) A[t * E + e] = static_cast<R>(s[static_cast<size_t>(e)] / (all + kEps<R>));
       }
     }
-    for (int64_t j = 0; j < k; ++j) {
-      P[t * k + j] *= o.scaling_factor;
+    for (int64_t j = 0; j < k; ++j) {  // scaled in R, rounded to the fp32 probabilities once
+      P[t * k + j] = static_cast<float>(pv[static_cast<size_t>(j)] * scaling);
       I[t * k + j] = static_cast<int32_t>(chosen[static_cast<size_t>(j)]);
     }
   }
 }
 
-void moe_topk_routing_backward(const Tensor& d_logits, const Tensor& d_probs, const Tensor& logits, const Tensor& top,
-                               const MoeRouterOptions& o, const Stream&) {
+template <typename R>
+void topk_routing_backward(const Tensor& d_logits, const Tensor& d_probs, const Tensor& logits, const Tensor& top,
+                           const MoeRouterOptions& o) {
   const int64_t T = logits.size(0), E = logits.size(1), k = o.topk;
-  const float* L = logits.data_as<float>();
+  const R* L = logits.data_as<R>();
   const float* dP = d_probs.data_as<float>();
   const int32_t* I = top.data_as<int32_t>();
-  float* dL = d_logits.data_as<float>();
+  R* dL = d_logits.data_as<R>();
 #pragma omp parallel for schedule(static)
   for (int64_t t = 0; t < T; ++t) {
-    const float* l = L + t * E;
-    float* dl = dL + t * E;
-    std::fill(dl, dl + E, 0.f);
+    const R* l = L + t * E;
+    R* dl = dL + t * E;
+    std::fill(dl, dl + E, R(0));
     std::vector<double> g(static_cast<size_t>(k));
     for (int64_t j = 0; j < k; ++j) g[static_cast<size_t>(j)] = static_cast<double>(dP[t * k + j]) * o.scaling_factor;
     const int32_t* sel = I + t * k;
     if (!o.sigmoid && !o.pre_softmax) {
       // probs = softmax(l[sel]): d l[sel_j] = p_j (g_j - Σ_i p_i g_i)
-      std::vector<float> v(static_cast<size_t>(k)), p(static_cast<size_t>(k));
+      std::vector<R> v(static_cast<size_t>(k)), p(static_cast<size_t>(k));
       for (int64_t j = 0; j < k; ++j) v[static_cast<size_t>(j)] = l[sel[j]];
       softmax_row(v.data(), p.data(), k);
       double dot = 0;
       for (int64_t j = 0; j < k; ++j) dot += p[static_cast<size_t>(j)] * g[static_cast<size_t>(j)];
       for (int64_t j = 0; j < k; ++j)
-        dl[sel[j]] += static_cast<float>(p[static_cast<size_t>(j)] * (g[static_cast<size_t>(j)] - dot));
+        dl[sel[j]] += static_cast<R>(p[static_cast<size_t>(j)] * (g[static_cast<size_t>(j)] - dot));
     } else if (!o.sigmoid) {
       // probs_j = s[sel_j], s = softmax(l): d l = s ⊙ (G - <s, G>), G scattered from g
-      std::vector<float> s(static_cast<size_t>(E));
+      std::vector<R> s(static_cast<size_t>(E));
       softmax_row(l, s.data(), E);
       std::vector<double> G(static_cast<size_t>(E), 0.0);
       for (int64_t j = 0; j < k; ++j) G[static_cast<size_t>(sel[j])] += g[static_cast<size_t>(j)];
       double dot = 0;
       for (int64_t e = 0; e < E; ++e) dot += s[static_cast<size_t>(e)] * G[static_cast<size_t>(e)];
       for (int64_t e = 0; e < E; ++e)
-        dl[e] = static_cast<float>(s[static_cast<size_t>(e)] * (G[static_cast<size_t>(e)] - dot));
+        dl[e] = static_cast<R>(s[static_cast<size_t>(e)] * (G[static_cast<size_t>(e)] - dot));
     } else {
       // probs_j = σ_j / (S + eps) (k > 1) or σ_j; dσ_j = g_j / S' - Σ_i g_i σ_i / S'²
       std::vector<double> sg(static_cast<size_t>(k));
       double S = 0;
       for (int64_t j = 0; j < k; ++j) {
-        sg[static_cast<size_t>(j)] = sigmoidf(l[sel[j]]);
+        sg[static_cast<size_t>(j)] = sigmoid(l[sel[j]]);
         S += sg[static_cast<size_t>(j)];
       }
-      const double Sp = S + kEps;
+      const double Sp = S + kEps<R>;
       double dot = 0;
       for (int64_t j = 0; j < k; ++j) dot += g[static_cast<size_t>(j)] * sg[static_cast<size_t>(j)];
       for (int64_t j = 0; j < k; ++j) {
         const double ds = k > 1 ? g[static_cast<size_t>(j)] / Sp - dot / (Sp * Sp) : g[static_cast<size_t>(j)];
         const double sj = sg[static_cast<size_t>(j)];
-        dl[sel[j]] += static_cast<float>(ds * sj * (1.0 - sj));
+        dl[sel[j]] += static_cast<R>(ds * sj * (1.0 - sj));
       }
     }
   }
 }
 
-void moe_aux_loss(const Tensor& loss, const Tensor& scores, const Tensor& tokens_per_expert, float scale,
-                  const Stream&) {
+template <typename R>
+void aux_loss(const Tensor& loss, const Tensor& scores, const Tensor& tokens_per_expert, float scale) {
   const int64_t T = scores.size(0), E = scores.size(1), G = tokens_per_expert.numel() / E;
-  const float* S = scores.data_as<float>();
+  const R* S = scores.data_as<R>();
   const float* C = tokens_per_expert.data_as<float>();
   double total = 0;
   for (int64_t t = 0; t < T; ++t) {
@@ -176,58 +188,57 @@ void moe_aux_loss(const Tensor& loss, const Tensor& scores, const Tensor& tokens
   loss.data_as<float>()[0] += static_cast<float>(scale * total);
 }
 
-namespace {
 float scale_of(const Tensor& loss_scale) { return loss_scale.empty() ? 1.f : loss_scale.data_as<float>()[0]; }
-}  // namespace
 
-void moe_aux_scores_backward(const Tensor& d_logits, const Tensor& logits, const Tensor& tokens_per_expert,
-                             float scale, const Tensor& loss_scale, bool sigmoid, const Stream&) {
+template <typename R>
+void aux_scores_backward(const Tensor& d_logits, const Tensor& logits, const Tensor& tokens_per_expert, float scale,
+                         const Tensor& loss_scale, bool sigmoid_scores) {
   const int64_t T = logits.size(0), E = logits.size(1), G = tokens_per_expert.numel() / E;
-  const float* L = logits.data_as<float>();
+  const R* L = logits.data_as<R>();
   const float* tpe = tokens_per_expert.data_as<float>();
-  const float cs = scale * scale_of(loss_scale);
-  std::vector<float> coef(static_cast<size_t>(G * E));
-  for (int64_t i = 0; i < G * E; ++i) coef[static_cast<size_t>(i)] = cs * tpe[i];
-  float* dL = d_logits.data_as<float>();
+  const R cs = static_cast<R>(scale) * static_cast<R>(scale_of(loss_scale));
+  std::vector<R> coef(static_cast<size_t>(G * E));
+  for (int64_t i = 0; i < G * E; ++i) coef[static_cast<size_t>(i)] = cs * static_cast<R>(tpe[i]);
+  R* dL = d_logits.data_as<R>();
 #pragma omp parallel for schedule(static)
   for (int64_t t = 0; t < T; ++t) {
-    const float* c = coef.data() + (t % G) * E;
-    const float* l = L + t * E;
-    float* dl = dL + t * E;
-    if (!sigmoid) {
-      std::vector<float> s(static_cast<size_t>(E));
+    const R* c = coef.data() + (t % G) * E;
+    const R* l = L + t * E;
+    R* dl = dL + t * E;
+    if (!sigmoid_scores) {
+      std::vector<R> s(static_cast<size_t>(E));
       softmax_row(l, s.data(), E);
       double dot = 0;
       for (int64_t e = 0; e < E; ++e) dot += static_cast<double>(s[static_cast<size_t>(e)]) * c[e];
-      for (int64_t e = 0; e < E; ++e) dl[e] += static_cast<float>(s[static_cast<size_t>(e)] * (c[e] - dot));
+      for (int64_t e = 0; e < E; ++e) dl[e] += static_cast<R>(s[static_cast<size_t>(e)] * (c[e] - dot));
     } else {
       std::vector<double> s(static_cast<size_t>(E));
       double S = 0, dot = 0;
       for (int64_t e = 0; e < E; ++e) {
-        s[static_cast<size_t>(e)] = sigmoidf(l[e]);
+        s[static_cast<size_t>(e)] = sigmoid(l[e]);
         S += s[static_cast<size_t>(e)];
         dot += s[static_cast<size_t>(e)] * c[e];
       }
-      const double Sp = S + kEps;
+      const double Sp = S + kEps<R>;
       for (int64_t e = 0; e < E; ++e) {
         const double se = s[static_cast<size_t>(e)];
-        dl[e] += static_cast<float>((c[e] / Sp - dot / (Sp * Sp)) * se * (1.0 - se));
+        dl[e] += static_cast<R>((c[e] / Sp - dot / (Sp * Sp)) * se * (1.0 - se));
       }
     }
   }
 }
 
-void moe_z_loss(const Tensor& loss, const Tensor& d_logits, const Tensor& logits, float scale,
-                const Tensor& loss_scale, const Stream&) {
+template <typename R>
+void z_loss(const Tensor& loss, const Tensor& d_logits, const Tensor& logits, float scale, const Tensor& loss_scale) {
   const int64_t T = logits.size(0), E = logits.size(1);
-  const float* L = logits.data_as<float>();
-  float* dL = !d_logits.empty() ? d_logits.data_as<float>() : nullptr;
+  const R* L = logits.data_as<R>();
+  R* dL = !d_logits.empty() ? d_logits.data_as<R>() : nullptr;
   const double gs = static_cast<double>(scale) * scale_of(loss_scale);
   double total = 0;
 #pragma omp parallel for schedule(static) reduction(+ : total)
   for (int64_t t = 0; t < T; ++t) {
-    const float* l = L + t * E;
-    float m = -std::numeric_limits<float>::infinity();
+    const R* l = L + t * E;
+    R m = -std::numeric_limits<R>::infinity();
     for (int64_t e = 0; e < E; ++e) m = std::max(m, l[e]);
     double s = 0;
     for (int64_t e = 0; e < E; ++e) s += std::exp(static_cast<double>(l[e] - m));
@@ -235,10 +246,59 @@ void moe_z_loss(const Tensor& loss, const Tensor& d_logits, const Tensor& logits
     total += lse * lse;
     if (dL) {
       for (int64_t e = 0; e < E; ++e)
-        dL[t * E + e] += static_cast<float>(gs * 2.0 * lse * std::exp(static_cast<double>(l[e]) - lse));
+        dL[t * E + e] += static_cast<R>(gs * 2.0 * lse * std::exp(static_cast<double>(l[e]) - lse));
     }
   }
   if (!loss.empty()) loss.data_as<float>()[0] += static_cast<float>(scale * total);
+}
+
+bool is_f64(const Tensor& t) { return t.dtype() == DType::kF64; }
+
+}  // namespace
+
+void moe_topk_routing(const Tensor& probs, const Tensor& top, const Tensor& scores_for_aux, const Tensor& logits,
+                      const Tensor& expert_bias, const MoeRouterOptions& o, const Stream&) {
+  if (is_f64(logits)) {
+    topk_routing<double>(probs, top, scores_for_aux, logits, expert_bias, o);
+  } else {
+    topk_routing<float>(probs, top, scores_for_aux, logits, expert_bias, o);
+  }
+}
+
+void moe_topk_routing_backward(const Tensor& d_logits, const Tensor& d_probs, const Tensor& logits, const Tensor& top,
+                               const MoeRouterOptions& o, const Stream&) {
+  if (is_f64(logits)) {
+    topk_routing_backward<double>(d_logits, d_probs, logits, top, o);
+  } else {
+    topk_routing_backward<float>(d_logits, d_probs, logits, top, o);
+  }
+}
+
+void moe_aux_loss(const Tensor& loss, const Tensor& scores, const Tensor& tokens_per_expert, float scale,
+                  const Stream&) {
+  if (is_f64(scores)) {
+    aux_loss<double>(loss, scores, tokens_per_expert, scale);
+  } else {
+    aux_loss<float>(loss, scores, tokens_per_expert, scale);
+  }
+}
+
+void moe_aux_scores_backward(const Tensor& d_logits, const Tensor& logits, const Tensor& tokens_per_expert,
+                             float scale, const Tensor& loss_scale, bool sigmoid, const Stream&) {
+  if (is_f64(logits)) {
+    aux_scores_backward<double>(d_logits, logits, tokens_per_expert, scale, loss_scale, sigmoid);
+  } else {
+    aux_scores_backward<float>(d_logits, logits, tokens_per_expert, scale, loss_scale, sigmoid);
+  }
+}
+
+void moe_z_loss(const Tensor& loss, const Tensor& d_logits, const Tensor& logits, float scale,
+                const Tensor& loss_scale, const Stream&) {
+  if (is_f64(logits)) {
+    z_loss<double>(loss, d_logits, logits, scale, loss_scale);
+  } else {
+    z_loss<float>(loss, d_logits, logits, scale, loss_scale);
+  }
 }
 
 void moe_tokens_per_expert(const Tensor& counts, const Tensor& top, const Stream&) {

@@ -2,6 +2,9 @@
 // (ops/cpu/moe.cpp) operation by operation, so that the selections are identical and the values
 // agree to rounding.
 //
+// The routing kernels (routing, its backward, the loss values and gradients) are templated on the
+// routing dtype R: float, or double for --moe-router-dtype fp64 (64-bit order keys and shuffles
+// in the top-k; the CPU's double formulas).
 // Routing (moe_topk_routing, _backward, moe_aux_scores_backward): one warp per token row (4 warps
 // per block, fewer when E is large; shared memory opted in beyond 48 KiB), the row's scores in
 // per-warp shared memory. Top-k: k rounds of a warp argmax under the total order (score
@@ -65,7 +68,6 @@ using ew::raw;
 using ew::to_f32;
 using ew::Vec;
 
-constexpr float kEps = 1e-20f;  // the CPU's guard of the sigmoid normalisation (Megatron's)
 constexpr unsigned kFull = 0xffffffffu;
 constexpr int kRowWarps = 8;           // warps per block of the row kernels (permute, losses)
 constexpr int kRowThreads = kRowWarps * 32;
@@ -83,6 +85,13 @@ __device__ __forceinline__ float warp_max(float v) {
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFull, v, o));
   return v;
 }
+__device__ __forceinline__ float rmax(float a, float b) { return fmaxf(a, b); }
+__device__ __forceinline__ double rmax(double a, double b) { return fmax(a, b); }
+__device__ __forceinline__ double warp_max(double v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmax(v, __shfl_xor_sync(kFull, v, o));
+  return v;
+}
 
 /// Butterfly sum: every lane ends with the same value (a + b == b + a at each level).
 __device__ __forceinline__ double warp_sum_d(double v) {
@@ -94,6 +103,14 @@ __device__ __forceinline__ double warp_sum_d(double v) {
 /// The CPU's sigmoidf, 1.f / (1.f + expf(-x)), with expf correctly rounded through double.
 __device__ __forceinline__ float sigmoid_cpu(float x) {
   return 1.f / (1.f + static_cast<float>(exp(static_cast<double>(-x))));
+}
+/// The sigmoid in the routing dtype R (fp64: 1 / (1 + exp(-x)) in double, as the CPU).
+__device__ __forceinline__ float route_sigmoid(float x) { return sigmoid_cpu(x); }
+__device__ __forceinline__ double route_sigmoid(double x) { return 1.0 / (1.0 + exp(-x)); }
+/// Megatron's 1e-20 guard in the routing dtype (fp32: the CPU's 1e-20f).
+template <typename R>
+__device__ __forceinline__ double route_eps() {
+  return static_cast<double>(static_cast<R>(1e-20));
 }
 
 /// Block-wide sum of doubles in a fixed order; valid in thread 0. All threads call it.
@@ -145,6 +162,11 @@ __device__ __forceinline__ uint32_t order_key(float v) {
   const uint32_t u = __float_as_uint(v + 0.f);  // -0 + 0 = +0
   return (u & 0x80000000u) != 0u ? ~u : (u | 0x80000000u);
 }
+/// The same for the double scores of the fp64 routing (a 64-bit key).
+__device__ __forceinline__ unsigned long long order_key(double v) {
+  const auto u = static_cast<unsigned long long>(__double_as_longlong(v + 0.0));
+  return (u >> 63) != 0ull ? ~u : (u | (1ull << 63));
+}
 
 /// The k largest of value(e), e < n, in descending order with ties to the lower index (the CPU's
 /// stable sort): round j takes the best element after pick j-1 in that total order (largest key,
@@ -154,38 +176,42 @@ __device__ __forceinline__ uint32_t order_key(float v) {
 template <typename Value>
 __device__ double warp_topk(Value value, int n, int k, int* out, int lane) {
   constexpr int kNone = 0x7fffffff;
-  uint32_t pk = 0;
+  using Key = decltype(order_key(value(0)));  // 32-bit for fp32 scores, 64-bit for fp64
+  Key pk = 0;
   int pi = -1;
   double sum = 0;
   for (int j = 0; j < k; ++j) {
-    uint32_t bk = 0;
+    Key bk = 0;
     int bi = kNone;
     for (int e = lane; e < n; e += 32) {  // e ascends in a lane: ties keep the lower index
-      const uint32_t key = order_key(value(e));
+      const Key key = order_key(value(e));
       const bool after = pi < 0 || key < pk || (key == pk && e > pi);
       if (after && (bi == kNone || key > bk)) {
         bk = key;
         bi = e;
       }
     }
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    const uint32_t wk = __reduce_max_sync(kFull, bk);
-    int wi = __reduce_min_sync(kFull, bk == wk ? bi : kNone);
-#else
-    uint32_t wk = bk;
+    Key wk = bk;
     int wi = bi;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    if constexpr (sizeof(Key) == 4) {
+      wk = __reduce_max_sync(kFull, bk);
+      wi = __reduce_min_sync(kFull, bk == wk ? bi : kNone);
+    } else
+#endif
+    {
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      const uint32_t ok = __shfl_xor_sync(kFull, wk, o);
-      const int oi = __shfl_xor_sync(kFull, wi, o);
-      if (ok > wk || (ok == wk && oi < wi)) {
-        wk = ok;
-        wi = oi;
+      for (int o = 16; o > 0; o >>= 1) {
+        const Key ok = __shfl_xor_sync(kFull, wk, o);
+        const int oi = __shfl_xor_sync(kFull, wi, o);
+        if (ok > wk || (ok == wk && oi < wi)) {
+          wk = ok;
+          wi = oi;
+        }
       }
     }
-#endif
     if (wi == kNone) wi = 0;  // only when NaN scores leave nothing in order: stay in bounds
-    const float v = value(wi);
+    const auto v = value(wi);
     if (out != nullptr && lane == 0) out[j] = wi;
     sum += static_cast<double>(v);
     pk = order_key(v);
@@ -197,18 +223,20 @@ __device__ double warp_topk(Value value, int n, int k, int* out, int lane) {
 
 constexpr int kSoftmaxCache = 8;  // exp values a lane keeps in registers (E <= 256 computes each once)
 
-/// A row's float max m and the exp(double(x[e] − m)) of the lane-strided elements e = lane + 32·q, the
-/// first kSoftmaxCache of them kept in registers, and their warp sum s in a fixed order (the CPU's
-/// softmax_row / logsumexp). All lanes call it.
+/// A row's max m (in the routing dtype R) and the exp(double(x[e] − m)) of the lane-strided
+/// elements e = lane + 32·q, the first kSoftmaxCache of them kept in registers, and their warp sum s
+/// in a fixed order (the CPU's softmax_row / logsumexp). All lanes call it.
+template <typename R>
 struct RowExp {
-  float m;
+  R m;
   double s;
   double ex[kSoftmaxCache];
 };
 
-__device__ void warp_row_exp(const float* x, int n, int lane, RowExp& r) {
-  float m = -INFINITY;
-  for (int e = lane; e < n; e += 32) m = fmaxf(m, x[e]);
+template <typename R>
+__device__ void warp_row_exp(const R* x, int n, int lane, RowExp<R>& r) {
+  R m = -INFINITY;
+  for (int e = lane; e < n; e += 32) m = rmax(m, x[e]);
   r.m = warp_max(m);
   double s = 0;
 #pragma unroll
@@ -222,8 +250,8 @@ __device__ void warp_row_exp(const float* x, int n, int lane, RowExp& r) {
 }
 
 /// f(e, exp(double(x[e] − m))) for this lane's elements, from the registers where kept.
-template <typename F>
-__device__ __forceinline__ void for_each_exp(const RowExp& r, const float* x, int n, int lane, F f) {
+template <typename R, typename F>
+__device__ __forceinline__ void for_each_exp(const RowExp<R>& r, const R* x, int n, int lane, F f) {
 #pragma unroll
   for (int q = 0; q < kSoftmaxCache; ++q) {
     const int e = lane + 32 * q;
@@ -234,13 +262,16 @@ __device__ __forceinline__ void for_each_exp(const RowExp& r, const float* x, in
 
 /// out[e] = softmax(x)[e] as the CPU's softmax_row: each value exp / sum rounded once. All lanes
 /// call it; out is written lane-strided.
-__device__ void warp_softmax(const float* x, float* out, int n, int lane) {
-  RowExp r;
+template <typename R>
+__device__ void warp_softmax(const R* x, R* out, int n, int lane) {
+  RowExp<R> r;
   warp_row_exp(x, n, lane, r);
-  for_each_exp(r, x, n, lane, [&](int e, double v) { out[e] = static_cast<float>(v / r.s); });
+  for_each_exp(r, x, n, lane, [&](int e, double v) { out[e] = static_cast<R>(v / r.s); });
 }
 
 // ---- routing ---------------------------------------------------------------------------------
+// The kernels are templated on the routing dtype R (float, or double for --moe-router-dtype fp64):
+// logits, scores, d_logits and the per-warp shared rows are R; probs and d_probs stay fp32.
 
 struct RouteArgs {
   int64_t T;
@@ -250,22 +281,31 @@ struct RouteArgs {
   int G, gk;  ///< groups (0: off), group top-k
 };
 
-/// 4-byte words of per-warp shared memory of the forward kernel: s[E], sel[E], gsc[G], chosen[k],
-/// gsel[gk].
-__host__ __device__ size_t route_words(const RouteArgs& a) {
-  return 2 * static_cast<size_t>(a.E) + static_cast<size_t>(a.G) + static_cast<size_t>(a.k) +
-         static_cast<size_t>(a.gk);
+/// Bytes of per-warp shared memory of the forward kernel: s[E], sel[E], gsc[G] (R), chosen[k],
+/// gsel[gk] (int), rounded up to 8 so that every warp's rows stay aligned.
+template <typename R>
+__host__ __device__ size_t route_bytes(const RouteArgs& a) {
+  const size_t b = (2 * static_cast<size_t>(a.E) + static_cast<size_t>(a.G)) * sizeof(R) +
+                   (static_cast<size_t>(a.k) + static_cast<size_t>(a.gk)) * sizeof(int);
+  return (b + 7) / 8 * 8;
+}
+/// The backward kernel's: s[E], val[k] (R), pos[E] (int), rounded up to 8.
+template <typename R>
+__host__ __device__ size_t route_backward_bytes(const RouteArgs& a) {
+  const size_t b = (static_cast<size_t>(a.E) + static_cast<size_t>(a.k)) * sizeof(R) + static_cast<size_t>(a.E) * sizeof(int);
+  return (b + 7) / 8 * 8;
 }
 
 /// The selection of one token from sel[E] (overwritten with -inf outside the chosen groups when
 /// group-limited) into chosen[k].
-__device__ void warp_select(float* sel, const RouteArgs& a, float* gsc, int* gsel, int* chosen, int lane) {
+template <typename R>
+__device__ void warp_select(R* sel, const RouteArgs& a, R* gsc, int* gsel, int* chosen, int lane) {
   if (a.G > 0) {
     const int per = a.E / a.G, kg = a.k / a.gk;
     for (int g = 0; g < a.G; ++g) {
-      const float* part = sel + g * per;
+      const R* part = sel + g * per;
       const double s = warp_topk([part](int e) { return part[e]; }, per, kg, nullptr, lane);
-      if (lane == 0) gsc[g] = static_cast<float>(s);
+      if (lane == 0) gsc[g] = static_cast<R>(s);
     }
     __syncwarp();
     warp_topk([gsc](int g) { return gsc[g]; }, a.G, a.gk, gsel, lane);
@@ -280,93 +320,96 @@ __device__ void warp_select(float* sel, const RouteArgs& a, float* gsc, int* gse
   warp_topk([sel](int e) { return sel[e]; }, a.E, a.k, chosen, lane);
 }
 
-__global__ void topk_routing_kernel(float* __restrict__ probs, int32_t* __restrict__ top, float* __restrict__ aux,
-                                    const float* __restrict__ logits, const float* __restrict__ bias, RouteArgs a) {
-  extern __shared__ float smem[];
+template <typename R>
+__global__ void topk_routing_kernel(float* __restrict__ probs, int32_t* __restrict__ top, R* __restrict__ aux,
+                                    const R* __restrict__ logits, const float* __restrict__ bias, RouteArgs a) {
+  extern __shared__ __align__(8) unsigned char route_smem[];
   const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5, nw = blockDim.x >> 5;
   const int E = a.E, k = a.k;
-  float* s = smem + static_cast<size_t>(wib) * route_words(a);
-  float* sel = s + E;
-  float* gsc = sel + E;
+  R* s = reinterpret_cast<R*>(route_smem + static_cast<size_t>(wib) * route_bytes<R>(a));
+  R* sel = s + E;
+  R* gsc = sel + E;
   int* chosen = reinterpret_cast<int*>(gsc + a.G);
   int* gsel = chosen + k;
+  const R scaling = static_cast<R>(a.scaling);
   for (int64_t t = static_cast<int64_t>(blockIdx.x) * nw + wib; t < a.T; t += static_cast<int64_t>(gridDim.x) * nw) {
-    const float* l = logits + t * E;
+    const R* l = logits + t * E;
     // Scores s and selection scores sel.
     if (!a.sigmoid) {
       if (a.pre_softmax || aux != nullptr) warp_softmax(l, s, E, lane);
       __syncwarp();
-      const float* src = a.pre_softmax ? s : l;
+      const R* src = a.pre_softmax ? s : l;
       for (int e = lane; e < E; e += 32) sel[e] = src[e];
     } else {
       for (int e = lane; e < E; e += 32) {
-        const float v = sigmoid_cpu(l[e]);
+        const R v = route_sigmoid(l[e]);
         s[e] = v;
-        sel[e] = v + (bias != nullptr ? bias[e] : 0.f);
+        sel[e] = v + (bias != nullptr ? static_cast<R>(bias[e]) : R(0));
       }
     }
     __syncwarp();
     warp_select(sel, a, gsc, gsel, chosen, lane);
-    // probs of the selected experts, in selection order.
+    // probs of the selected experts, in selection order (scaled in R, rounded to fp32 once).
     float* p = probs + t * k;
     int32_t* idx = top + t * k;
     if (!a.sigmoid && a.pre_softmax) {
-      for (int j = lane; j < k; j += 32) p[j] = s[chosen[j]] * a.scaling;
+      for (int j = lane; j < k; j += 32) p[j] = static_cast<float>(s[chosen[j]] * scaling);
     } else if (!a.sigmoid) {
-      float m = -INFINITY;
-      for (int j = lane; j < k; j += 32) m = fmaxf(m, l[chosen[j]]);
+      R m = -INFINITY;
+      for (int j = lane; j < k; j += 32) m = rmax(m, l[chosen[j]]);
       m = warp_max(m);
       double sum = 0;
       for (int j = lane; j < k; j += 32) sum += exp(static_cast<double>(l[chosen[j]] - m));
       sum = warp_sum_d(sum);
       for (int j = lane; j < k; j += 32) {
-        const float v = static_cast<float>(exp(static_cast<double>(l[chosen[j]] - m)) / sum);
-        p[j] = v * a.scaling;
+        const R v = static_cast<R>(exp(static_cast<double>(l[chosen[j]] - m)) / sum);
+        p[j] = static_cast<float>(v * scaling);
       }
     } else {
       double sum = 0;
       for (int j = lane; j < k; j += 32) sum += static_cast<double>(s[chosen[j]]);
       sum = warp_sum_d(sum);
       for (int j = lane; j < k; j += 32) {
-        const float v = s[chosen[j]];
-        const float q = k > 1 ? static_cast<float>(v / (sum + static_cast<double>(kEps))) : v;
-        p[j] = q * a.scaling;
+        const R v = s[chosen[j]];
+        const R q = k > 1 ? static_cast<R>(v / (sum + route_eps<R>())) : v;
+        p[j] = static_cast<float>(q * scaling);
       }
     }
     for (int j = lane; j < k; j += 32) idx[j] = chosen[j];
     // Scores of the load-balancing loss.
     if (aux != nullptr) {
-      float* A = aux + t * E;
+      R* A = aux + t * E;
       if (!a.sigmoid) {
         for (int e = lane; e < E; e += 32) A[e] = s[e];
       } else {
         double all = 0;
         for (int e = lane; e < E; e += 32) all += static_cast<double>(s[e]);
         all = warp_sum_d(all);
-        for (int e = lane; e < E; e += 32) A[e] = static_cast<float>(s[e] / (all + static_cast<double>(kEps)));
+        for (int e = lane; e < E; e += 32) A[e] = static_cast<R>(s[e] / (all + route_eps<R>()));
       }
     }
     __syncwarp();  // the next token reuses this warp's shared memory
   }
 }
 
-/// d_logits of probs. Per-warp shared memory: s[E] (float), pos[E] (int: the slot j of expert e,
-/// or -1), val[k] (float).
-__global__ void topk_routing_backward_kernel(float* __restrict__ d_logits, const float* __restrict__ d_probs,
-                                             const float* __restrict__ logits, const int32_t* __restrict__ top,
+/// d_logits of probs. Per-warp shared memory (route_backward_bytes): s[E], val[k] (R), pos[E]
+/// (int: the slot j of expert e, or -1).
+template <typename R>
+__global__ void topk_routing_backward_kernel(R* __restrict__ d_logits, const float* __restrict__ d_probs,
+                                             const R* __restrict__ logits, const int32_t* __restrict__ top,
                                              RouteArgs a) {
-  extern __shared__ float smem[];
+  extern __shared__ __align__(8) unsigned char route_smem[];
   const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5, nw = blockDim.x >> 5;
   const int E = a.E, k = a.k;
-  float* s = smem + static_cast<size_t>(wib) * (2 * static_cast<size_t>(E) + k);
-  int* pos = reinterpret_cast<int*>(s + E);
-  float* val = s + 2 * E;
+  R* s = reinterpret_cast<R*>(route_smem + static_cast<size_t>(wib) * route_backward_bytes<R>(a));
+  R* val = s + E;
+  int* pos = reinterpret_cast<int*>(val + k);
   const double scaling = a.scaling;
   for (int64_t t = static_cast<int64_t>(blockIdx.x) * nw + wib; t < a.T; t += static_cast<int64_t>(gridDim.x) * nw) {
-    const float* l = logits + t * E;
+    const R* l = logits + t * E;
     const float* dp = d_probs + t * k;
     const int32_t* sel = top + t * k;
-    float* dl = d_logits + t * E;
+    R* dl = d_logits + t * E;
     for (int e = lane; e < E; e += 32) pos[e] = -1;
     __syncwarp();
     for (int j = lane; j < k; j += 32) {
@@ -376,23 +419,23 @@ __global__ void topk_routing_backward_kernel(float* __restrict__ d_logits, const
     __syncwarp();
     if (!a.sigmoid && !a.pre_softmax) {
       // probs = softmax(l[sel]): d l[sel_j] = p_j (g_j - Σ_i p_i g_i)
-      float m = -INFINITY;
-      for (int j = lane; j < k; j += 32) m = fmaxf(m, l[sel[j]]);
+      R m = -INFINITY;
+      for (int j = lane; j < k; j += 32) m = rmax(m, l[sel[j]]);
       m = warp_max(m);
       double sum = 0;
       for (int j = lane; j < k; j += 32) sum += exp(static_cast<double>(l[sel[j]] - m));
       sum = warp_sum_d(sum);
       double dot = 0;
       for (int j = lane; j < k; j += 32) {
-        const float p = static_cast<float>(exp(static_cast<double>(l[sel[j]] - m)) / sum);
+        const R p = static_cast<R>(exp(static_cast<double>(l[sel[j]] - m)) / sum);
         val[j] = p;
         dot += static_cast<double>(p) * (static_cast<double>(dp[j]) * scaling);
       }
       dot = warp_sum_d(dot);
       for (int j = lane; j < k; j += 32)  // each lane rewrites its own val[j]
-        val[j] = static_cast<float>(static_cast<double>(val[j]) * (static_cast<double>(dp[j]) * scaling - dot));
+        val[j] = static_cast<R>(static_cast<double>(val[j]) * (static_cast<double>(dp[j]) * scaling - dot));
       __syncwarp();
-      for (int e = lane; e < E; e += 32) dl[e] = pos[e] >= 0 ? val[pos[e]] : 0.f;
+      for (int e = lane; e < E; e += 32) dl[e] = pos[e] >= 0 ? val[pos[e]] : R(0);
     } else if (!a.sigmoid) {
       // probs_j = s[sel_j], s = softmax(l): d l = s ⊙ (G - <s, G>)
       warp_softmax(l, s, E, lane);
@@ -403,69 +446,71 @@ __global__ void topk_routing_backward_kernel(float* __restrict__ d_logits, const
       dot = warp_sum_d(dot);
       for (int e = lane; e < E; e += 32) {
         const double g = pos[e] >= 0 ? static_cast<double>(dp[pos[e]]) * scaling : 0.0;
-        dl[e] = static_cast<float>(static_cast<double>(s[e]) * (g - dot));
+        dl[e] = static_cast<R>(static_cast<double>(s[e]) * (g - dot));
       }
     } else {
       // probs_j = σ_j / (S + eps) (k > 1) or σ_j
       double S = 0, dot = 0;
       for (int j = lane; j < k; j += 32) {
-        const double sg = sigmoid_cpu(l[sel[j]]);
+        const double sg = route_sigmoid(l[sel[j]]);
         S += sg;
         dot += static_cast<double>(dp[j]) * scaling * sg;
       }
       S = warp_sum_d(S);
       dot = warp_sum_d(dot);
-      const double Sp = S + static_cast<double>(kEps);
+      const double Sp = S + route_eps<R>();
       for (int j = lane; j < k; j += 32) {
         const double g = static_cast<double>(dp[j]) * scaling;
-        const double sj = sigmoid_cpu(l[sel[j]]);
+        const double sj = route_sigmoid(l[sel[j]]);
         const double ds = k > 1 ? g / Sp - dot / (Sp * Sp) : g;
-        val[j] = static_cast<float>(ds * sj * (1.0 - sj));
+        val[j] = static_cast<R>(ds * sj * (1.0 - sj));
       }
       __syncwarp();
-      for (int e = lane; e < E; e += 32) dl[e] = pos[e] >= 0 ? val[pos[e]] : 0.f;
+      for (int e = lane; e < E; e += 32) dl[e] = pos[e] >= 0 ? val[pos[e]] : R(0);
     }
     __syncwarp();
   }
 }
 
 /// d_logits += d(scale · loss_scale · Σ_e scores[e] · tpe[t mod G, e]) / d logits, per token; s[E]
-/// per warp.
-__global__ void aux_scores_backward_kernel(float* __restrict__ d_logits, const float* __restrict__ logits,
+/// (R) per warp.
+template <typename R>
+__global__ void aux_scores_backward_kernel(R* __restrict__ d_logits, const R* __restrict__ logits,
                                            const float* __restrict__ tokens_per_expert, int64_t G, float scale,
                                            const float* __restrict__ loss_scale, int64_t T, int E, bool sigmoid) {
-  extern __shared__ float smem[];
+  extern __shared__ __align__(8) unsigned char route_smem[];
   const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5, nw = blockDim.x >> 5;
-  float* s = smem + static_cast<size_t>(wib) * E;
-  const float cs = scale * (loss_scale != nullptr ? *loss_scale : 1.f);  // the CPU's coefficient: cs · tpe[e]
+  R* s = reinterpret_cast<R*>(route_smem) + static_cast<size_t>(wib) * E;
+  // the CPU's coefficient: cs · tpe[e] in R
+  const R cs = static_cast<R>(scale) * static_cast<R>(loss_scale != nullptr ? *loss_scale : 1.f);
   for (int64_t t = static_cast<int64_t>(blockIdx.x) * nw + wib; t < T; t += static_cast<int64_t>(gridDim.x) * nw) {
-    const float* l = logits + t * E;
-    float* dl = d_logits + t * E;
+    const R* l = logits + t * E;
+    R* dl = d_logits + t * E;
     const float* tpe = tokens_per_expert + (t % G) * E;
     if (!sigmoid) {
       warp_softmax(l, s, E, lane);
       __syncwarp();
       double dot = 0;
-      for (int e = lane; e < E; e += 32) dot += static_cast<double>(s[e]) * (cs * tpe[e]);
+      for (int e = lane; e < E; e += 32) dot += static_cast<double>(s[e]) * (cs * static_cast<R>(tpe[e]));
       dot = warp_sum_d(dot);
       for (int e = lane; e < E; e += 32) {
-        const double c = cs * tpe[e];
-        dl[e] += static_cast<float>(static_cast<double>(s[e]) * (c - dot));
+        const double c = cs * static_cast<R>(tpe[e]);
+        dl[e] += static_cast<R>(static_cast<double>(s[e]) * (c - dot));
       }
     } else {
       double S = 0, dot = 0;
       for (int e = lane; e < E; e += 32) {
-        const float v = sigmoid_cpu(l[e]);
+        const R v = route_sigmoid(l[e]);
         s[e] = v;
         S += static_cast<double>(v);
-        dot += static_cast<double>(v) * (cs * tpe[e]);
+        dot += static_cast<double>(v) * (cs * static_cast<R>(tpe[e]));
       }
       S = warp_sum_d(S);
       dot = warp_sum_d(dot);
-      const double Sp = S + static_cast<double>(kEps);
+      const double Sp = S + route_eps<R>();
       for (int e = lane; e < E; e += 32) {  // s[e] was written by this lane
-        const double se = s[e], c = cs * tpe[e];
-        dl[e] += static_cast<float>((c / Sp - dot / (Sp * Sp)) * se * (1.0 - se));
+        const double se = s[e], c = cs * static_cast<R>(tpe[e]);
+        dl[e] += static_cast<R>((c / Sp - dot / (Sp * Sp)) * se * (1.0 - se));
       }
     }
     __syncwarp();
@@ -480,14 +525,15 @@ unsigned partial_blocks(int64_t T) {
 }
 
 /// partial[block] = Σ over the block's tokens of Σ_e scores[t, e] · tpe[t mod G, e] (double).
+template <typename R>
 __global__ void __launch_bounds__(kRowThreads)
-    aux_loss_partial_kernel(double* __restrict__ partial, const float* __restrict__ scores,
+    aux_loss_partial_kernel(double* __restrict__ partial, const R* __restrict__ scores,
                             const float* __restrict__ tokens_per_expert, int64_t G, int64_t T, int E) {
   const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5;
   double acc = 0;
   for (int64_t t = static_cast<int64_t>(blockIdx.x) * kRowWarps + wib; t < T;
        t += static_cast<int64_t>(gridDim.x) * kRowWarps) {
-    const float* r = scores + t * E;
+    const R* r = scores + t * E;
     const float* tpe = tokens_per_expert + (t % G) * E;
     for (int e = lane; e < E; e += 32) acc += static_cast<double>(r[e]) * static_cast<double>(tpe[e]);
   }
@@ -495,26 +541,27 @@ __global__ void __launch_bounds__(kRowThreads)
   if (threadIdx.x == 0) partial[blockIdx.x] = s;
 }
 
-/// z-loss: per token lse = logsumexp(logits[t]) (the CPU's: float max, double sum); partial[block]
+/// z-loss: per token lse = logsumexp(logits[t]) (the CPU's: max in R, double sum); partial[block]
 /// = Σ lse² over the block's tokens (when partial is given); d_logits += scale · loss_scale · 2 ·
 /// lse · softmax (when given).
+template <typename R>
 __global__ void __launch_bounds__(kRowThreads)
-    z_loss_kernel(double* __restrict__ partial, float* __restrict__ d_logits, const float* __restrict__ logits,
+    z_loss_kernel(double* __restrict__ partial, R* __restrict__ d_logits, const R* __restrict__ logits,
                   int64_t T, int E, float scale, const float* __restrict__ loss_scale) {
   const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5;
   const double gscale = static_cast<double>(scale) * (loss_scale != nullptr ? *loss_scale : 1.f);
   double acc = 0;
   for (int64_t t = static_cast<int64_t>(blockIdx.x) * kRowWarps + wib; t < T;
        t += static_cast<int64_t>(gridDim.x) * kRowWarps) {
-    const float* l = logits + t * E;
-    RowExp r;
+    const R* l = logits + t * E;
+    RowExp<R> r;
     warp_row_exp(l, E, lane, r);
     const double lse = static_cast<double>(r.m) + log(r.s);
     if (lane == 0) acc += lse * lse;
     if (d_logits != nullptr) {  // ∂ lse² / ∂ l = 2 · lse · softmax(l)
-      float* dl = d_logits + t * E;
+      R* dl = d_logits + t * E;
       const double g = gscale * 2.0 * lse / r.s;
-      for_each_exp(r, l, E, lane, [&](int e, double v) { dl[e] += static_cast<float>(g * v); });
+      for_each_exp(r, l, E, lane, [&](int e, double v) { dl[e] += static_cast<R>(g * v); });
     }
   }
   if (partial == nullptr) return;  // uniform over the block
@@ -895,6 +942,16 @@ RouteArgs route_args(const Tensor& logits, const MoeRouterOptions& o) {
 
 const float* opt_f32(const Tensor& t) { return t.empty() ? nullptr : t.data_as<float>(); }
 
+/// Calls f(TypeTag<R>{}) with the routing dtype of `t`: float, or double for fp64 (--moe-router-dtype).
+template <typename F>
+void dispatch_route(const Tensor& t, F&& f) {
+  if (t.dtype() == DType::kF64) {
+    f(ew::TypeTag<double>{});
+  } else {
+    f(ew::TypeTag<float>{});
+  }
+}
+
 /// Calls f(integral_constant<int, V>) with the 16-byte vector width when h is a multiple of it and
 /// every pointer is 16-byte aligned, else 1.
 template <int V, typename F>
@@ -917,10 +974,13 @@ void moe_topk_routing(const Tensor& probs, const Tensor& top, const Tensor& scor
   const char* fn = "moe_topk_routing";
   const RouteArgs a = route_args(logits, options);
   if (a.T == 0) return;
-  const auto [warps, smem] = warp_row_config(topk_routing_kernel, route_words(a) * 4, fn, a.E);
-  topk_routing_kernel<<<row_grid(a.T, warps, stream), warps * 32, smem, raw(stream)>>>(
-      probs.data_as<float>(), top.data_as<int32_t>(), scores_for_aux.empty() ? nullptr : scores_for_aux.data_as<float>(),
-      logits.data_as<float>(), opt_f32(expert_bias), a);
+  dispatch_route(logits, [&](auto tag) {
+    using R = typename decltype(tag)::type;
+    const auto [warps, smem] = warp_row_config(topk_routing_kernel<R>, route_bytes<R>(a), fn, a.E);
+    topk_routing_kernel<R><<<row_grid(a.T, warps, stream), warps * 32, smem, raw(stream)>>>(
+        probs.data_as<float>(), top.data_as<int32_t>(), scores_for_aux.empty() ? nullptr : scores_for_aux.data_as<R>(),
+        logits.data_as<R>(), opt_f32(expert_bias), a);
+  });
   MT_CUDA_CHECK_LAUNCH();
 }
 
@@ -929,10 +989,12 @@ void moe_topk_routing_backward(const Tensor& d_logits, const Tensor& d_probs, co
   const char* fn = "moe_topk_routing_backward";
   const RouteArgs a = route_args(logits, options);
   if (a.T == 0) return;
-  const size_t per_warp = (2 * static_cast<size_t>(a.E) + static_cast<size_t>(a.k)) * 4;
-  const auto [warps, smem] = warp_row_config(topk_routing_backward_kernel, per_warp, fn, a.E);
-  topk_routing_backward_kernel<<<row_grid(a.T, warps, stream), warps * 32, smem, raw(stream)>>>(
-      d_logits.data_as<float>(), d_probs.data_as<float>(), logits.data_as<float>(), top.data_as<int32_t>(), a);
+  dispatch_route(logits, [&](auto tag) {
+    using R = typename decltype(tag)::type;
+    const auto [warps, smem] = warp_row_config(topk_routing_backward_kernel<R>, route_backward_bytes<R>(a), fn, a.E);
+    topk_routing_backward_kernel<R><<<row_grid(a.T, warps, stream), warps * 32, smem, raw(stream)>>>(
+        d_logits.data_as<R>(), d_probs.data_as<float>(), logits.data_as<R>(), top.data_as<int32_t>(), a);
+  });
   MT_CUDA_CHECK_LAUNCH();
 }
 
@@ -942,9 +1004,12 @@ void moe_aux_loss(const Tensor& loss, const Tensor& scores, const Tensor& tokens
   if (T == 0) return;
   const unsigned nb = partial_blocks(T);
   auto* partial = static_cast<double*>(stream_scratch(stream, nb * sizeof(double), "moe_aux_loss"));
-  aux_loss_partial_kernel<<<nb, kRowThreads, 0, raw(stream)>>>(partial, scores.data_as<float>(),
-                                                                 tokens_per_expert.data_as<float>(),
-                                                                 tokens_per_expert.numel() / E, T, static_cast<int>(E));
+  dispatch_route(scores, [&](auto tag) {
+    using R = typename decltype(tag)::type;
+    aux_loss_partial_kernel<R><<<nb, kRowThreads, 0, raw(stream)>>>(
+        partial, scores.data_as<R>(), tokens_per_expert.data_as<float>(), tokens_per_expert.numel() / E, T,
+        static_cast<int>(E));
+  });
   MT_CUDA_CHECK_LAUNCH();
   finish_loss_kernel<<<1, kRowThreads, 0, raw(stream)>>>(loss.data_as<float>(), partial, static_cast<int>(nb), scale);
   MT_CUDA_CHECK_LAUNCH();
@@ -955,10 +1020,13 @@ void moe_aux_scores_backward(const Tensor& d_logits, const Tensor& logits, const
   const char* fn = "moe_aux_scores_backward";
   const int64_t T = logits.size(0), E = logits.size(1);
   if (T == 0) return;
-  const auto [warps, smem] = warp_row_config(aux_scores_backward_kernel, static_cast<size_t>(E) * 4, fn, E);
-  aux_scores_backward_kernel<<<row_grid(T, warps, stream), warps * 32, smem, raw(stream)>>>(
-      d_logits.data_as<float>(), logits.data_as<float>(), tokens_per_expert.data_as<float>(),
-      tokens_per_expert.numel() / E, scale, opt_f32(loss_scale), T, static_cast<int>(E), sigmoid);
+  dispatch_route(logits, [&](auto tag) {
+    using R = typename decltype(tag)::type;
+    const auto [warps, smem] = warp_row_config(aux_scores_backward_kernel<R>, static_cast<size_t>(E) * sizeof(R), fn, E);
+    aux_scores_backward_kernel<R><<<row_grid(T, warps, stream), warps * 32, smem, raw(stream)>>>(
+        d_logits.data_as<R>(), logits.data_as<R>(), tokens_per_expert.data_as<float>(), tokens_per_expert.numel() / E,
+        scale, opt_f32(loss_scale), T, static_cast<int>(E), sigmoid);
+  });
   MT_CUDA_CHECK_LAUNCH();
 }
 
@@ -969,9 +1037,12 @@ void moe_z_loss(const Tensor& loss, const Tensor& d_logits, const Tensor& logits
   const unsigned nb = partial_blocks(T);
   double* partial =
       loss.empty() ? nullptr : static_cast<double*>(stream_scratch(stream, nb * sizeof(double), "moe_z_loss"));
-  z_loss_kernel<<<nb, kRowThreads, 0, raw(stream)>>>(partial, d_logits.empty() ? nullptr : d_logits.data_as<float>(),
-                                                      logits.data_as<float>(), T, static_cast<int>(E), scale,
-                                                      opt_f32(loss_scale));
+  dispatch_route(logits, [&](auto tag) {
+    using R = typename decltype(tag)::type;
+    z_loss_kernel<R><<<nb, kRowThreads, 0, raw(stream)>>>(partial, d_logits.empty() ? nullptr : d_logits.data_as<R>(),
+                                                          logits.data_as<R>(), T, static_cast<int>(E), scale,
+                                                          opt_f32(loss_scale));
+  });
   MT_CUDA_CHECK_LAUNCH();
   if (partial != nullptr) {
     finish_loss_kernel<<<1, kRowThreads, 0, raw(stream)>>>(loss.data_as<float>(), partial, static_cast<int>(nb),
