@@ -1,12 +1,13 @@
 // CUDA implementation of ops/context_attention.h: simple CUDA-core kernels with fp32 math (one
 // thread per query row for the forward and dQ, one thread per key row for dK/dV, no atomics, so
-// the results are deterministic). Correct for every shape up to head_dim 256; not tuned: the
-// fast path for long sequences is the FlashAttention tensor-core kernels of ops/flash_attention.h,
-// which this blockwise form should reuse (a future step).
+// the results are deterministic). Correct for every shape up to head_dim 256; not tuned. The
+// backward's workspace is not used yet. Dropout draws the one-rank mask by global positions
+// (ops/context_attention_impl.h).
 #include <cmath>
 #include <type_traits>
 
 #include "ops/context_attention.h"
+#include "ops/context_attention_impl.h"
 #include "core/cuda_check.h"
 #include "ops/cuda/common.cuh"
 
@@ -51,10 +52,11 @@ __device__ float dot(const T* a, const T* b, int64_t d) {
 
 // One thread per (i, b, h): online softmax over the visible keys, merged into (out, lse).
 template <typename T>
-__global__ void forward_kernel(T* out, float* lse, const T* qkv, const T* kv, Dims x, bool merge) {
+__global__ void forward_kernel(T* out, float* lse, const T* qkv, const T* kv, Dims x, bool merge, AttnDropout drop) {
   const int64_t n = x.g * x.qpg, rows = x.sq * x.B * n;
   for (int64_t r = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; r < rows; r += int64_t(gridDim.x) * blockDim.x) {
     const int64_t h = r % n, b = (r / n) % x.B, i = r / (n * x.B), grp = h / x.qpg, qi = h % x.qpg;
+    const uint64_t g0 = drop.enabled ? drop.row_start(b * n + h, x.qp[i]) : 0;
     const T* q = qkv + x.qoff(i, b, grp, qi);
     float acc[kMaxD];
     for (int64_t e = 0; e < x.d; ++e) acc[e] = 0.f;
@@ -64,8 +66,9 @@ __global__ void forward_kernel(T* out, float* lse, const T* qkv, const T* kv, Di
       const T* k = kv + x.koff(j, b, grp);
       const float s = x.scale * dot(q, k, x.d);
       const float mn = fmaxf(m, s), c = expf(m - mn), p = expf(s - mn);
-      sum = sum * c + p;
-      for (int64_t e = 0; e < x.d; ++e) acc[e] = acc[e] * c + p * to_f(k[x.d + e]);
+      sum = sum * c + p;  // undropped: the LSE
+      const float pv = drop.enabled ? (drop.keep(g0 + static_cast<uint64_t>(x.kp[j])) ? p * drop.inv_keep : 0.f) : p;
+      for (int64_t e = 0; e < x.d; ++e) acc[e] = acc[e] * c + pv * to_f(k[x.d + e]);
       m = mn;
     }
     T* o = out + x.ooff(i, b, h);
@@ -92,12 +95,14 @@ __global__ void forward_kernel(T* out, float* lse, const T* qkv, const T* kv, Di
 
 // One thread per query row (i, b, h): dQ += Σ_j dS_ij k_j.
 template <typename T>
-__global__ void dq_kernel(T* dqkv, const T* dout, const T* out, const float* lse, const T* qkv, const T* kv, Dims x) {
+__global__ void dq_kernel(T* dqkv, const T* dout, const T* out, const float* lse, const T* qkv, const T* kv, Dims x,
+                          AttnDropout drop) {
   const int64_t n = x.g * x.qpg, rows = x.sq * x.B * n;
   for (int64_t r = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; r < rows; r += int64_t(gridDim.x) * blockDim.x) {
     const int64_t h = r % n, b = (r / n) % x.B, i = r / (n * x.B), grp = h / x.qpg, qi = h % x.qpg;
     const float l = lse[x.loff(i, b, h)];
     if (!isfinite(l)) continue;
+    const uint64_t g0 = drop.enabled ? drop.row_start(b * n + h, x.qp[i]) : 0;
     const T* q = qkv + x.qoff(i, b, grp, qi);
     const T* go = dout + x.ooff(i, b, h);
     const float D = dot(go, out + x.ooff(i, b, h), x.d);
@@ -107,7 +112,8 @@ __global__ void dq_kernel(T* dqkv, const T* dout, const T* out, const float* lse
       if (!x.visible(i, j, b)) continue;
       const T* k = kv + x.koff(j, b, grp);
       const float p = expf(x.scale * dot(q, k, x.d) - l);
-      const float ds = p * (dot(go, k + x.d, x.d) - D) * x.scale;
+      const float m = drop.enabled ? (drop.keep(g0 + static_cast<uint64_t>(x.kp[j])) ? drop.inv_keep : 0.f) : 1.f;
+      const float ds = p * (dot(go, k + x.d, x.d) * m - D) * x.scale;
       for (int64_t e = 0; e < x.d; ++e) acc[e] += ds * to_f(k[e]);
     }
     T* dq = dqkv + x.qoff(i, b, grp, qi);
@@ -117,7 +123,8 @@ __global__ void dq_kernel(T* dqkv, const T* dout, const T* out, const float* lse
 
 // One thread per key row (j, b, grp): dK, dV += Σ over the group's query rows.
 template <typename T>
-__global__ void dkv_kernel(T* dkv, const T* dout, const T* out, const float* lse, const T* qkv, const T* kv, Dims x) {
+__global__ void dkv_kernel(T* dkv, const T* dout, const T* out, const float* lse, const T* qkv, const T* kv, Dims x,
+                           AttnDropout drop) {
   const int64_t rows = x.sk * x.B * x.g;
   for (int64_t r = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; r < rows; r += int64_t(gridDim.x) * blockDim.x) {
     const int64_t grp = r % x.g, b = (r / x.g) % x.B, j = r / (x.g * x.B);
@@ -134,9 +141,14 @@ __global__ void dkv_kernel(T* dkv, const T* dout, const T* out, const float* lse
         const T* go = dout + x.ooff(i, b, h);
         const float D = dot(go, out + x.ooff(i, b, h), x.d);
         const float p = expf(x.scale * dot(q, k, x.d) - l);
-        const float ds = p * (dot(go, k + x.d, x.d) - D) * x.scale;
+        const float m =
+            drop.enabled ? (drop.keep(drop.row_start(b * x.g * x.qpg + h, x.qp[i]) + static_cast<uint64_t>(x.kp[j]))
+                                ? drop.inv_keep
+                                : 0.f)
+                         : 1.f;
+        const float ds = p * (dot(go, k + x.d, x.d) * m - D) * x.scale;
         for (int64_t e = 0; e < x.d; ++e) {
-          dv[e] += p * to_f(go[e]);
+          dv[e] += p * m * to_f(go[e]);
           dk[e] += ds * to_f(q[e]);
         }
       }
@@ -173,29 +185,31 @@ void context_attention_forward(const Tensor& out, const Tensor& lse, const Tenso
                                const ContextAttentionConfig& c, bool merge, const Stream& stream) {
   MT_CHECK(c.head_dim <= kMaxD, "context_attention_forward: head_dim={} exceeds {} on CUDA", c.head_dim, kMaxD);
   const Dims x = dims_of(qkv, kv, c);
+  const AttnDropout drop = context_attention_dropout(c);
   const int64_t rows = x.sq * x.B * c.heads();
   dispatch_float(qkv.dtype(), "context_attention_forward", [&](auto tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     forward_kernel<T><<<grid_for(rows, kBlock), kBlock, 0, cu(stream)>>>(
-        out.data_as<T>(), lse.data_as<float>(), qkv.data_as<T>(), kv.data_as<T>(), x, merge);
+        out.data_as<T>(), lse.data_as<float>(), qkv.data_as<T>(), kv.data_as<T>(), x, merge, drop);
   });
   MT_CUDA_CHECK(cudaGetLastError());
 }
 
 void context_attention_backward(const Tensor& dqkv, const Tensor& dkv, const Tensor& dout, const Tensor& out,
-                                const Tensor& lse, const Tensor& qkv, const Tensor& kv,
+                                const Tensor& lse, const Tensor& qkv, const Tensor& kv, const Tensor&,
                                 const ContextAttentionConfig& c, const Stream& stream) {
   MT_CHECK(c.head_dim <= kMaxD, "context_attention_backward: head_dim={} exceeds {} on CUDA", c.head_dim, kMaxD);
   const Dims x = dims_of(qkv, kv, c);
+  const AttnDropout drop = context_attention_dropout(c);
   dispatch_float(qkv.dtype(), "context_attention_backward", [&](auto tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const int64_t qrows = x.sq * x.B * c.heads(), krows = x.sk * x.B * x.g;
     dq_kernel<T><<<grid_for(qrows, kBlock), kBlock, 0, cu(stream)>>>(dqkv.data_as<T>(), dout.data_as<T>(),
                                                                       out.data_as<T>(), lse.data_as<float>(),
-                                                                      qkv.data_as<T>(), kv.data_as<T>(), x);
+                                                                      qkv.data_as<T>(), kv.data_as<T>(), x, drop);
     dkv_kernel<T><<<grid_for(krows, kBlock), kBlock, 0, cu(stream)>>>(dkv.data_as<T>(), dout.data_as<T>(),
                                                                        out.data_as<T>(), lse.data_as<float>(),
-                                                                       qkv.data_as<T>(), kv.data_as<T>(), x);
+                                                                       qkv.data_as<T>(), kv.data_as<T>(), x, drop);
   });
   MT_CUDA_CHECK(cudaGetLastError());
 }
