@@ -6,6 +6,9 @@
 // all-gather, all-to-all and hierarchical layouts of model/layers/cp_attention.h are built from
 // these few ops.
 //
+// CUDA: bf16/fp16 with head_dim 64 or 128 run FlashAttention-2 tensor-core kernels (mma.sync,
+// fp32 accumulation); fp32 and other head dims simple CUDA-core kernels (ops/cuda/context_attention.cu).
+//
 // Layouts (Megatron-Core's per-query-group QKV, see ops/attention.h):
 //   qkv: [sq, b, g, qpg + 2, d]  only the query heads are read (the key/value heads are ignored)
 //   kv:  [sk, b, g, 2, d]        per (key row, sample, group): the key head, then the value head
@@ -75,8 +78,8 @@ size_t context_attention_workspace_bytes(const ContextAttentionConfig& cfg, int6
 /// dropout), and dV += (M∘P)ᵀ·dout. Accumulates (+=): dQ into the query heads of dqkv [sq, b, g, qpg+2, d]
 /// (its key/value heads are untouched) and dK, dV into dkv [sk, b, g, 2, d] (summed over the qpg
 /// query heads of a group). workspace: empty, or at least context_attention_workspace_bytes(cfg,
-/// sq) bytes, 16-byte aligned, on the device of qkv (scratch; not used by the current kernels,
-/// planned for CUDA tensor-core kernels).
+/// sq) bytes, 16-byte aligned, on the device of qkv (scratch; the CPU does not use it). On CUDA the
+/// tensor-core kernels (bf16/fp16, d 64/128) need it; without it the simple kernels run.
 /// Errors: as the forward, plus a workspace that is too small, misaligned or on another device.
 void context_attention_backward(const Tensor& dqkv, const Tensor& dkv, const Tensor& dout, const Tensor& out,
                                 const Tensor& lse, const Tensor& qkv, const Tensor& kv, const Tensor& workspace,

@@ -1,9 +1,12 @@
 // CUDA tests of ops/context_attention.h against the CPU backend on the same (dtype-rounded) random
 // inputs: a two-block forward with the LSE merge (out, lse), the backward of each block (dqkv and
 // dkv accumulated on top of random values), with global positions in the load-balanced CP order
-// and a document mask given as a strided column slice, and attention dropout (the one-rank mask
-// by global positions and heads); kv_pack / kv_unpack and transpose_blocks bit-exact. fp32
-// (rel. err < 1e-5) and bf16 (< 2e-2), GQA and MHA, ragged sizes.
+// or scrambled, a document mask given as a strided column slice, and attention dropout (the
+// one-rank mask by global positions and heads); kv_pack / kv_unpack and transpose_blocks
+// bit-exact. fp32 (rel. err < 1e-5; the simple kernels) and bf16/fp16 (< 2e-2): head_dim 64/128
+// run the tensor-core kernels (with the backward's workspace; without it the simple ones), other
+// head dims the simple ones; GQA and MHA, ragged sizes (sq, sk not multiples of the tiles), tiles
+// skipped by position (ordered keys) and partly masked.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -83,7 +86,14 @@ TEST(ContextAttentionCuda, MatchesCpu) {
                         Case{32, 64, 2, 2, 4, 64, bf}, Case{16, 32, 3, 4, 1, 128, bf},
                         // attention dropout (the one-rank mask by global positions and heads)
                         Case{8, 16, 2, 2, 2, 16, DType::kF32, 0.2f}, Case{7, 13, 1, 3, 1, 8, DType::kF32, 0.5f},
-                        Case{32, 64, 2, 2, 4, 64, bf, 0.1f}, Case{33, 50, 1, 2, 1, 96, bf, 0.1f}}) {
+                        Case{32, 64, 2, 2, 4, 64, bf, 0.1f},
+                        // tensor cores: ragged sizes, several tiles, GQA, fp16, ordered keys, dropout
+                        Case{77, 130, 2, 2, 4, 64, bf}, Case{200, 300, 1, 2, 2, 64, bf, 0.f, true},
+                        Case{130, 77, 2, 3, 1, 128, bf}, Case{96, 250, 1, 1, 4, 128, hf, 0.f, true},
+                        Case{150, 222, 2, 2, 2, 64, hf, 0.2f}, Case{64, 190, 1, 2, 2, 128, bf, 0.1f, true},
+                        Case{256, 256, 1, 1, 2, 64, bf, 0.f, true},
+                        // bf16 d = 64 without the backward's workspace: the simple kernels
+                        Case{40, 70, 2, 2, 2, 64, bf, 0.1f, false, false}, Case{33, 50, 1, 2, 1, 96, bf}}) {
     const int64_t n = z.g * z.qpg;
     auto r = [&](int64_t k) { return testing::rounded(testing::randn(k), z.t); };
     const auto hq = r(z.sq * z.b * z.g * (z.qpg + 2) * z.d), hkv = r(z.sk * z.b * z.g * 2 * z.d),
