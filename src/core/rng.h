@@ -95,6 +95,21 @@ struct DropoutKey {
   const uint32_t* microbatch_ptr = nullptr;
   MT_HD uint64_t current_iteration() const { return dropout_iteration(iteration_ptr, iteration); }
   MT_HD uint32_t current_microbatch() const { return dropout_microbatch(microbatch_ptr, microbatch); }
+  /// Context parallelism (parallel/context_parallel.h), read by the element-wise dropout ops
+  /// (ops/elementwise.h) only: with cp_size N > 1 their flat indices (global_offset + local index)
+  /// address this CP rank's [s/N, b, h] activations, i.e. two chunks of cp_chunk_elems
+  /// E = s/(2N)·b·h elements of the full [s, b, h] tensor, chunk cp_rank then chunk 2N−1−cp_rank.
+  /// cp_global maps such an index to the full tensor's, so the mask is that of one rank. The
+  /// attention ops ignore these fields (they key by the tokens' global positions).
+  int64_t cp_chunk_elems = 0;
+  int32_t cp_size = 1;
+  int32_t cp_rank = 0;
+  MT_HD bool cp_split() const { return cp_size > 1 && cp_chunk_elems > 0; }
+  MT_HD int64_t cp_global(int64_t i) const {
+    if (!cp_split()) return i;
+    return i < cp_chunk_elems ? i + cp_rank * cp_chunk_elems
+                              : i - cp_chunk_elems + (2 * int64_t(cp_size) - 1 - cp_rank) * cp_chunk_elems;
+  }
 };
 
 /// Stable 32-bit id of a named tensor (FNV-1a), used as the Philox key half for its init.

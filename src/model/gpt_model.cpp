@@ -138,12 +138,16 @@ ContextParallelOptions GPTModel::validate_context_parallel(const TransformerConf
   o.comm_type = parse_cp_comm_type(c.cp_comm_type);
   o.hierarchical_sizes = c.hierarchical_context_parallel_sizes;
   mt::validate_context_parallel(o, c.seq_length, c.num_attention_heads, c.query_groups(), tp);
-  if (cp > 1)
-    MT_REQUIRE(c.attention_dropout == 0.f && c.hidden_dropout == 0.f,
-               "--context-parallel-size {} needs --attention-dropout 0 and --hidden-dropout 0 (got {} and {}): "
-               "dropout masks under context parallelism are not implemented",
-               cp, c.attention_dropout, c.hidden_dropout);
   return o;
+}
+
+DropoutContext GPTModel::cp_dropout(const DropoutContext& dc) const {
+  if (!cp_) return dc;
+  DropoutContext d = dc;
+  d.cp_size = cp_->size();
+  d.cp_rank = cp_->rank();
+  d.cp_chunk_elems = local_seq_length() / 2 * micro_batch_ * config_.hidden_size;
+  return d;
 }
 
 GPTModel::GPTModel(const TransformerConfig& config, int64_t micro_batch, DType dtype, Device device,
@@ -427,10 +431,11 @@ void GPTModel::backward(const MicroBatch& mb, const DropoutContext& dc, float gr
   backward_chunk(0, ChunkBuffers{}, mb, dc, Tensor(), grad_scale, loss_scale, st, last_backward);
 }
 
-Tensor GPTModel::forward_chunk(int c, const ChunkBuffers& buf, const MicroBatch& mb, const DropoutContext& dc,
+Tensor GPTModel::forward_chunk(int c, const ChunkBuffers& buf, const MicroBatch& mb, const DropoutContext& dc_in,
                                const Tensor& loss_accum, float loss_weight, const Stream& st, bool first_forward,
                                bool compute_loss) {
   check_buffers(c, buf);
+  const DropoutContext dc = cp_dropout(dc_in);
   MT_REQUIRE(!cp_ || ((mb.tokens.empty() || mb.tokens.size(0) == local_seq_length()) && !mb.position_ids.empty()),
              "context parallelism ({} ranks) needs micro-batches of this rank's {} tokens with their global "
              "position_ids (parallel/context_parallel.h), got tokens {} and {}",
@@ -465,10 +470,11 @@ Tensor GPTModel::forward_chunk(int c, const ChunkBuffers& buf, const MicroBatch&
   return Tensor();
 }
 
-void GPTModel::backward_chunk(int c, const ChunkBuffers& buf, const MicroBatch& mb, const DropoutContext& dc,
+void GPTModel::backward_chunk(int c, const ChunkBuffers& buf, const MicroBatch& mb, const DropoutContext& dc_in,
                               const Tensor& grad, float grad_scale, const Tensor& loss_scale, const Stream& st,
                               bool last_backward) {
   check_buffers(c, buf);
+  const DropoutContext dc = cp_dropout(dc_in);
   ChunkState& ch = chunks_[static_cast<size_t>(c)];
   const Tensor in = ch.input[static_cast<size_t>(buf.input)];
   const Tensor g = grad.empty() ? residual_grad_ : grad;  // running dL/d(residual stream)

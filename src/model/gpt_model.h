@@ -82,9 +82,8 @@ class GPTModel final : public LanguageModel {
 
   /// The context-parallel checks of a CP size > 1 (none for 1), before any communication:
   /// validate_context_parallel (parallel/context_parallel.h) with config.cp_comm_type and
-  /// hierarchical_context_parallel_sizes, and dropout 0 (--attention-dropout, --hidden-dropout:
-  /// dropout masks under CP are not implemented). Returns the options. Errors: mt::Error naming
-  /// the values.
+  /// hierarchical_context_parallel_sizes. Returns the options. Errors: mt::Error naming the
+  /// values. Dropout is allowed: the masks are those of one rank (cp_dropout, ops/context_attention.h).
   static ContextParallelOptions validate_context_parallel(const TransformerConfig& config, int cp, int tp);
 
   // LanguageModel
@@ -151,6 +150,9 @@ class GPTModel final : public LanguageModel {
   // Full recompute: the output of layer i of a chunk for activation slot `slot` (its own saved
   // output, the checkpoint of the group it ends, or its output in the recompute area).
   Tensor layer_output(const ChunkState& ch, size_t i, int slot) const;
+  // The dropout context of this rank's layers: with CP, the chunk layout of its [s/N, b, h]
+  // activations (DropoutContext::cp_*), so that the element-wise dropout masks are one rank's.
+  DropoutContext cp_dropout(const DropoutContext& dc) const;
   // Full recompute: the layers [first, last] of a chunk forward again into the recompute area.
   void recompute_forward(const ChunkState& ch, size_t first, size_t last, const Tensor& in, int slot,
                          const MicroBatch& mb, const DropoutContext& dc, const Stream& stream);

@@ -56,13 +56,22 @@ struct DropoutContext {
   /// run: the activation slot's key, written before the micro-batch's forward (per-layer CUDA
   /// graphs replay one graph for every micro-batch that uses the slot).
   const uint32_t* microbatch_ptr = nullptr;
+  /// Context parallelism: set by the model (GPTModel) for the element-wise dropout of its
+  /// [s/N, b, h] activations (DropoutKey::cp_global); 1 / 0 / 0 without CP.
+  int32_t cp_size = 1;
+  int32_t cp_rank = 0;
+  int64_t cp_chunk_elems = 0;  ///< s/(2N)·b·h
 };
 
 /// Dropout sites: the Philox stream id of a site is (layer + 1) · 8 + site (layer −1: embedding).
 enum DropoutSite : uint32_t { kSiteAttentionProbs = 0, kSiteAttentionOut = 1, kSiteMlpOut = 2, kSiteEmbedding = 3 };
 inline DropoutKey dropout_key(const DropoutContext& dc, int64_t layer, DropoutSite site) {
-  return {dc.seed,           dc.iteration, dc.microbatch, static_cast<uint32_t>((layer + 1) * 8 + site),
-          dc.iteration_ptr, dc.microbatch_ptr};
+  DropoutKey k{dc.seed,           dc.iteration, dc.microbatch, static_cast<uint32_t>((layer + 1) * 8 + site),
+               dc.iteration_ptr, dc.microbatch_ptr};
+  k.cp_chunk_elems = dc.cp_chunk_elems;
+  k.cp_size = dc.cp_size;
+  k.cp_rank = dc.cp_rank;
+  return k;
 }
 
 /// What a module's forward/backward reads besides its tensors.

@@ -2,6 +2,7 @@
 #include "ops/context_attention.h"
 
 #include <cmath>
+#include <cstdint>
 
 #include <fmt/ranges.h>
 
@@ -53,6 +54,15 @@ void check_args(const Tensor& out, const Tensor& lse, const Tensor& qkv, const T
              "{}: doc_start must be int32 [b={}, sq={}] with unit stride along the sequence on {}, got {}", fn, b, sq,
              qkv.device().str(), ds.str());
   }
+  MT_CHECK(c.dropout_p >= 0.f && c.dropout_p < 1.f, "{}: dropout_p={} must be in [0, 1)", fn, c.dropout_p);
+  if (c.dropout_p > 0.f) {
+    const int64_t total = c.total_heads > 0 ? c.total_heads : c.heads();
+    MT_CHECK(c.seq_length >= 1 && sq <= c.seq_length && sk <= c.seq_length,
+             "{}: with dropout seq_length={} (the full sequence) must be >= 1 and hold sq={} and sk={}", fn,
+             c.seq_length, sq, sk);
+    MT_CHECK(c.head_offset >= 0 && c.head_offset + c.heads() <= total,
+             "{}: head_offset={} + heads={} exceeds total_heads={}", fn, c.head_offset, c.heads(), total);
+  }
   for (const Tensor* t : {&out, &lse, &kv})
     MT_CHECK(t->device() == qkv.device(), "{}: {} on another device than qkv {}", fn, t->str(), qkv.str());
 }
@@ -67,8 +77,13 @@ void context_attention_forward(const Tensor& out, const Tensor& lse, const Tenso
   MT_DISPATCH(qkv.device(), context_attention_forward, out, lse, qkv, kv, cfg, merge, stream);
 }
 
+size_t context_attention_workspace_bytes(const ContextAttentionConfig& cfg, int64_t sq) {
+  const size_t rows = static_cast<size_t>(sq * cfg.batch * cfg.heads());
+  return (rows * sizeof(float) + 255) / 256 * 256 + rows * static_cast<size_t>(cfg.head_dim) * sizeof(float);
+}
+
 void context_attention_backward(const Tensor& dqkv, const Tensor& dkv, const Tensor& dout, const Tensor& out,
-                                const Tensor& lse, const Tensor& qkv, const Tensor& kv,
+                                const Tensor& lse, const Tensor& qkv, const Tensor& kv, const Tensor& workspace,
                                 const ContextAttentionConfig& cfg, const Stream& stream) {
   constexpr const char* fn = "context_attention_backward";
   check_args(out, lse, qkv, kv, cfg, fn);
@@ -77,8 +92,16 @@ void context_attention_backward(const Tensor& dqkv, const Tensor& dkv, const Ten
            "{}: dkv {} must match kv {}", fn, dkv.str(), kv.str());
   MT_CHECK(dout.numel() == out.numel() && dout.dtype() == out.dtype() && dout.is_contiguous(),
            "{}: dout {} must match out {}", fn, dout.str(), out.str());
+  if (!workspace.empty()) {
+    const size_t need = context_attention_workspace_bytes(cfg, qkv.size(0));
+    const size_t have = static_cast<size_t>(workspace.numel()) * dtype_size(workspace.dtype());
+    MT_CHECK(workspace.is_contiguous() && have >= need && reinterpret_cast<uintptr_t>(workspace.data()) % 16 == 0 &&
+                 workspace.device() == qkv.device(),
+             "{}: workspace {} must be contiguous, 16-byte aligned, on {} and hold {} bytes (has {})", fn,
+             workspace.str(), qkv.device().str(), need, have);
+  }
   op_checks::check_stream(stream, qkv, fn);
-  MT_DISPATCH(qkv.device(), context_attention_backward, dqkv, dkv, dout, out, lse, qkv, kv, cfg, stream);
+  MT_DISPATCH(qkv.device(), context_attention_backward, dqkv, dkv, dout, out, lse, qkv, kv, workspace, cfg, stream);
 }
 
 namespace {

@@ -6,6 +6,9 @@
 // all-gather, all-to-all and hierarchical layouts of model/layers/cp_attention.h are built from
 // these few ops.
 //
+// CUDA: bf16/fp16 with head_dim 64 or 128 run FlashAttention-2 tensor-core kernels (mma.sync,
+// fp32 accumulation); fp32 and other head dims simple CUDA-core kernels (ops/cuda/context_attention.cu).
+//
 // Layouts (Megatron-Core's per-query-group QKV, see ops/attention.h):
 //   qkv: [sq, b, g, qpg + 2, d]  only the query heads are read (the key/value heads are ignored)
 //   kv:  [sk, b, g, 2, d]        per (key row, sample, group): the key head, then the value head
@@ -13,9 +16,21 @@
 //   lse: [sq, b, n]              fp32, natural log of Σ_visible exp(scale · q·k)
 // Visibility of key j to query i of sample b (positions are global token indices in the full
 // sequence, int32): k_pos[j] <= q_pos[i] (causal) and, with doc_start, k_pos[j] >= doc_start[b, i]
-// (--reset-attention-mask; doc_start holds global positions). Softmax in fp32. No dropout (the
-// caller rejects attention dropout under context parallelism).
+// (--reset-attention-mask; doc_start holds global positions). Softmax in fp32.
+//
+// Dropout (dropout_p > 0) on the probabilities, keyed by the *global* element exactly as the
+// one-rank attention keys it (ops/attention.h, ops/flash_attention.h), so that every CP layout draws
+// the mask of one rank: element (sample b, query head h of this call, query i, key j) has the global
+// index G = ((b·total_heads + head_offset + h)·S + q_pos[i])·S + k_pos[j], S = seq_length (the full
+// sequence), and is kept iff dropout_bits4(key.seed, key.stream_id, key.iteration, key.microbatch,
+// G >> 2).v[G & 3] >= dropout_threshold(p); kept values are scaled by 1/(1−p). head_offset is the
+// global index of this call's first query head (TP rank's first head plus, under a2a, the a2a
+// rank's head shard). The LSE is that of the undropped softmax, so the LSE merge of blocks is
+// unchanged: out = Σ_blocks e^(lse_blk − lse)·Σ_j dropout(P_blk,ij)·v_j.
 #pragma once
+#include <cstddef>
+
+#include "core/rng.h"
 #include "core/stream.h"
 #include "core/tensor.h"
 #include "ops/dispatch.h"
@@ -33,6 +48,11 @@ struct ContextAttentionConfig {
   /// int32 [b, sq] (a view whose rows may be strided: stride(1) == 1, stride(0) >= sq) or empty.
   /// Values are trusted (not read on the host on CUDA).
   Tensor doc_start;
+  float dropout_p = 0;      ///< attention dropout on the probabilities, in [0, 1)
+  DropoutKey dropout_key{};  ///< seed/iteration/micro-batch/site (its cp_* fields are not read)
+  int64_t seq_length = 0;    ///< S, the full sequence (positions < S); required when dropout_p > 0
+  int64_t head_offset = 0;   ///< global index of this call's first query head (dropout key)
+  int64_t total_heads = 0;   ///< global query-head count (0 = heads())
   int64_t heads() const { return groups * queries_per_group; }
 };
 
@@ -42,17 +62,27 @@ struct ContextAttentionConfig {
 /// other key blocks and are replaced by the attention over the union:
 /// lse' = log(e^lse + e^lse_blk), out' = out·e^(lse−lse') + out_blk·e^(lse_blk−lse').
 /// Errors (mt::Error): shapes, dtypes (act fp32 on CPU; fp32/bf16/fp16 on CUDA; lse fp32;
-/// positions int32), devices, a non-positive scale.
+/// positions int32), devices, a non-positive scale; dropout_p outside [0, 1), and with dropout
+/// seq_length < 1 or head_offset + heads() > total_heads (positions are trusted to be < S).
 void context_attention_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, const Tensor& kv,
                                const ContextAttentionConfig& cfg, bool merge, const Stream& stream);
 
+/// Bytes of the backward's workspace for sq query rows (host function, for static planning):
+/// fp32 D_i = Σ dout_i·out_i [sq, b, n], padded to 256 bytes, then fp32 dQ partial sums
+/// [sq, b, n, d]. Nothing in it survives a call; it may be shared with any other temporary.
+size_t context_attention_workspace_bytes(const ContextAttentionConfig& cfg, int64_t sq);
+
 /// Backward of the attention of the same queries against one key block, given the *final* out and
 /// lse (over all blocks) and dout [sq, b, n, d]: P = exp(scale·q·k − lse), D_i = Σ dout_i·out_i,
-/// dS = P ∘ (dout·vᵀ − D). Accumulates (+=): dQ into the query heads of dqkv [sq, b, g, qpg+2, d]
+/// dS = P ∘ (M∘(dout·vᵀ) − D) with M the dropout mask (kept: 1/(1−p), dropped: 0; M = 1 without
+/// dropout), and dV += (M∘P)ᵀ·dout. Accumulates (+=): dQ into the query heads of dqkv [sq, b, g, qpg+2, d]
 /// (its key/value heads are untouched) and dK, dV into dkv [sk, b, g, 2, d] (summed over the qpg
-/// query heads of a group). Errors: as the forward.
+/// query heads of a group). workspace: empty, or at least context_attention_workspace_bytes(cfg,
+/// sq) bytes, 16-byte aligned, on the device of qkv (scratch; the CPU does not use it). On CUDA the
+/// tensor-core kernels (bf16/fp16, d 64/128) need it; without it the simple kernels run.
+/// Errors: as the forward, plus a workspace that is too small, misaligned or on another device.
 void context_attention_backward(const Tensor& dqkv, const Tensor& dkv, const Tensor& dout, const Tensor& out,
-                                const Tensor& lse, const Tensor& qkv, const Tensor& kv,
+                                const Tensor& lse, const Tensor& qkv, const Tensor& kv, const Tensor& workspace,
                                 const ContextAttentionConfig& cfg, const Stream& stream);
 
 /// kv [r, 2, d] (overwrite) <- the key and value heads (indices qpg, qpg+1) of qkv [r, qpg+2, d];

@@ -1,6 +1,8 @@
 // Argument validation and backend dispatch for ops/elementwise.h.
 #include "ops/elementwise.h"
 
+#include <algorithm>
+
 #include "ops/dispatch.h"
 #include "ops/op_checks.h"
 
@@ -28,6 +30,39 @@ int64_t check_bias(const Tensor& bias, const Tensor& x, DType dtype, const char*
   int64_t h = x.size(-1);
   check_tensor(bias, dtype, {h}, name);
   return h;
+}
+
+/// Context parallelism (DropoutKey::cp_global): the flat index range [offset, offset + n) of a
+/// CP rank's [s/N, b, h] activations covers up to two ranges that are contiguous in the full
+/// tensor (the rank's two chunks). Calls run(begin, count, full_offset, key) once per piece
+/// (local elements [begin, begin + count), their index in the full tensor starting at
+/// full_offset; key without the CP fields). `row` (the bias width, 1 without one) must divide the
+/// split so that every piece keeps whole rows. Without CP (or p = 0: nothing is drawn): one call.
+template <typename Run>
+void for_each_cp_piece(const DropoutKey& key, float p, int64_t offset, int64_t n, int64_t row, const char* fn,
+                       Run&& run) {
+  if (!key.cp_split() || p == 0.f || n == 0) {
+    run(int64_t{0}, n, offset, key);
+    return;
+  }
+  const int64_t E = key.cp_chunk_elems;
+  MT_CHECK(offset + n <= 2 * E, "{}: elements [{}, {}) exceed the two context-parallel chunks of {} elements", fn,
+           offset, offset + n, E);
+  DropoutKey plain = key;
+  plain.cp_size = 1;
+  plain.cp_rank = 0;
+  plain.cp_chunk_elems = 0;
+  const int64_t first = offset < E ? std::min(n, E - offset) : 0;
+  MT_CHECK(first % row == 0, "{}: the context-parallel chunk boundary (element {}) splits a row of {}", fn, E, row);
+  if (first > 0) run(int64_t{0}, first, key.cp_global(offset), plain);
+  if (first < n) run(first, n - first, key.cp_global(offset + first), plain);
+}
+
+/// Elements [begin, begin + count) of a contiguous tensor, as rows of `row` elements when row > 1.
+Tensor piece(const Tensor& t, int64_t begin, int64_t count, int64_t row) {
+  if (t.empty()) return t;
+  const Tensor f = t.flat_range(begin, count);
+  return row > 1 ? f.view({count / row, row}) : f;
 }
 
 }  // namespace
@@ -88,7 +123,16 @@ void bias_dropout_add_forward(const Tensor& out, const Tensor& x, const Tensor& 
   check_dropout_args(p, global_offset, fn);
   check_same_device({&out, &x, &bias, &residual});
   check_stream(stream, out, fn);
-  MT_DISPATCH(out.device(), bias_dropout_add_forward, out, x, bias, residual, p, key, global_offset, stream);
+  const int64_t row = bias.empty() ? 1 : bias.numel();
+  for_each_cp_piece(key, p, global_offset, out.numel(), row, fn,
+                    [&](int64_t b, int64_t n, int64_t off, const DropoutKey& k) {
+                      if (n == out.numel()) {
+                        MT_DISPATCH(out.device(), bias_dropout_add_forward, out, x, bias, residual, p, k, off, stream);
+                      } else {
+                        MT_DISPATCH(out.device(), bias_dropout_add_forward, piece(out, b, n, row), piece(x, b, n, row),
+                                    bias, piece(residual, b, n, row), p, k, off, stream);
+                      }
+                    });
 }
 
 void bias_dropout_add_backward(const Tensor& dx, const Tensor& dbias, const Tensor& dout, float p,
@@ -106,7 +150,16 @@ void bias_dropout_add_backward(const Tensor& dx, const Tensor& dbias, const Tens
   check_same_device({&dx, &dbias, &dout});
   check_stream(stream, dout, fn);
   if (dx.empty() && dbias.empty()) return;
-  MT_DISPATCH(dout.device(), bias_dropout_add_backward, dx, dbias, dout, p, key, global_offset, stream);
+  const int64_t row = dbias.empty() ? 1 : dbias.numel();
+  for_each_cp_piece(key, p, global_offset, dout.numel(), row, fn,
+                    [&](int64_t b, int64_t n, int64_t off, const DropoutKey& k) {
+                      if (n == dout.numel()) {
+                        MT_DISPATCH(dout.device(), bias_dropout_add_backward, dx, dbias, dout, p, k, off, stream);
+                      } else {  // dbias accumulates (+=) over the pieces
+                        MT_DISPATCH(dout.device(), bias_dropout_add_backward, piece(dx, b, n, row), dbias,
+                                    piece(dout, b, n, row), p, k, off, stream);
+                      }
+                    });
 }
 
 void dropout_forward(const Tensor& y, const Tensor& x, float p, const DropoutKey& key, int64_t global_offset,
@@ -119,7 +172,15 @@ void dropout_forward(const Tensor& y, const Tensor& x, float p, const DropoutKey
   check_dropout_args(p, global_offset, fn);
   check_same_device({&y, &x});
   check_stream(stream, y, fn);
-  MT_DISPATCH(y.device(), dropout_forward, y, x, p, key, global_offset, stream);
+  for_each_cp_piece(key, p, global_offset, y.numel(), 1, fn,
+                    [&](int64_t b, int64_t n, int64_t off, const DropoutKey& k) {
+                      if (n == y.numel()) {
+                        MT_DISPATCH(y.device(), dropout_forward, y, x, p, k, off, stream);
+                      } else {
+                        MT_DISPATCH(y.device(), dropout_forward, piece(y, b, n, 1), piece(x, b, n, 1), p, k, off,
+                                    stream);
+                      }
+                    });
 }
 
 }  // namespace mt

@@ -20,6 +20,7 @@
 #include "model/gpt_model.h"
 #include "ops/context_attention.h"
 #include "ops/elementwise.h"
+#include "ops/flash_attention.h"
 #include "optim/grad_sync.h"
 #include "parallel/context_parallel.h"
 #include "parallel/parallel_config.h"
@@ -110,8 +111,8 @@ TEST(ContextParallelLayout, BadInputClearErrors) {
 
 TEST(ContextParallelLayout, ModelRejectsBadConfigBeforeCommunication) {
   // Every rank throws in the GPTModel constructor (validation precedes the group split).
-  for (const auto& [seq, type, dropout] : {std::tuple{10, "p2p", 0.f}, std::tuple{16, "p2p", 0.1f},
-                                            std::tuple{16, "ring", 0.f}}) {
+  // (Dropout is accepted under CP: the DropoutUnderCp layouts below.)
+  for (const auto& [seq, type] : {std::tuple{10, "p2p"}, std::tuple{16, "ring"}}) {
     int errors = 0;
     std::mutex mu;
     run_thread_ranks(2, [&](int, std::shared_ptr<Communicator> world) {
@@ -125,7 +126,7 @@ TEST(ContextParallelLayout, ModelRejectsBadConfigBeforeCommunication) {
       c.num_attention_heads = 4;
       c.seq_length = seq;
       c.vocab_size = 32;
-      c.hidden_dropout = c.attention_dropout = dropout;
+      c.hidden_dropout = c.attention_dropout = 0.f;
       c.cp_comm_type = type;
       try {
         GPTModel m(c, 1, DType::kF32, Device::cpu(), g);
@@ -134,7 +135,7 @@ TEST(ContextParallelLayout, ModelRejectsBadConfigBeforeCommunication) {
         ++errors;
       }
     });
-    EXPECT_EQ(errors, 2) << seq << " " << type << " " << dropout;
+    EXPECT_EQ(errors, 2) << seq << " " << type;
   }
 }
 
@@ -194,6 +195,201 @@ TEST(ContextAttentionOp, MergedBlocksEqualOneCall) {
     for (int64_t j = 0; j < sk; ++j) o += w[j] / sum * hkv[(((j * b + bi) * g + grp) * 2 + 1) * d + e];
     EXPECT_NEAR(ho[((i * b + bi) * n + h) * d + e], o, 1e-5);
   }
+}
+
+// Attention dropout: every query shard of CP 2 against every key block (merged by LSE) equals the
+// one-rank attention with the same dropout (ops/flash_attention.h, CPU) on those rows, forward
+// (out, lse) and backward (dQ of the shard's rows, dK/dV summed over the query shards), with
+// documents and a head offset (a TP rank's heads of a larger model: the mask keys global heads).
+TEST(ContextAttentionOp, DropoutBlocksEqualFullAttention) {
+  const int64_t S = 16, b = 2, g = 2, qpg = 2, d = 8, n = g * qpg, w = qpg + 2, N = 2, sl = S / N;
+  const Stream& st = testing::cpu_stream();
+  const Device cpu = Device::cpu();
+  const float scale = 1.f / std::sqrt(static_cast<float>(d)), p = 0.3f;
+  const DropoutKey key{testing::test_seed(), 11, 3, 17};
+  const auto hq = testing::randn(S * b * g * w * d), hdo = testing::randn(S * b * n * d);
+  std::vector<int32_t> doc(b * S);
+  for (int64_t i = 0; i < S; ++i) {
+    doc[i] = 0;
+    doc[S + i] = i < 5 ? 0 : i < 11 ? 5 : 11;
+  }
+  OwnedTensor qkv = testing::make_tensor(hq, DType::kF32, cpu, {S, b, g, w, d}, st);
+  OwnedTensor dout = testing::make_tensor(hdo, DType::kF32, cpu, {S, b, n, d}, st);
+  OwnedTensor docs = testing::make_int_tensor(doc, cpu, {b, S}, st);
+  OwnedTensor out(DType::kF32, cpu, {S, b, n, d}), lse(DType::kF32, cpu, {b, n, S}),
+      dqkv(DType::kF32, cpu, {S, b, g, w, d});
+  FlashAttentionConfig fc;
+  fc.seq = S;
+  fc.batch = b;
+  fc.groups = g;
+  fc.queries_per_group = qpg;
+  fc.head_dim = d;
+  fc.softmax_scale = scale;
+  fc.dropout_p = p;
+  fc.dropout_key = key;
+  fc.head_offset = n;  // TP rank 1 of 2
+  fc.total_heads = 2 * n;
+  fc.doc_start = docs.t;
+  OwnedTensor ws(DType::kU8, cpu, {static_cast<int64_t>(flash_attention_workspace_bytes(fc)) + 16});
+  flash_attention_forward(out, lse, qkv, fc, st);
+  flash_attention_backward(dqkv, dout, out, lse, qkv, ws, fc, st);
+  const auto fo = testing::to_host(out, st), fl = testing::to_host(lse, st), fdq = testing::to_host(dqkv, st);
+  {  // the mask does something: without dropout the output differs
+    FlashAttentionConfig f0 = fc;
+    f0.dropout_p = 0.f;
+    OwnedTensor o0(DType::kF32, cpu, {S, b, n, d});
+    flash_attention_forward(o0, lse, qkv, f0, st);
+    ASSERT_GT(testing::rel_err(testing::to_host(o0, st), fo), 0.05);
+    flash_attention_forward(out, lse, qkv, fc, st);
+  }
+  // Per CP rank: its rows of qkv / dout / doc, its K/V block.
+  std::vector<OwnedTensor> q_r, do_r, kv_r, dkv_r, pos_r, doc_r;
+  for (int r = 0; r < N; ++r) {
+    const std::vector<int32_t> pos = cp_positions(S, N, r);
+    std::vector<float> lq(sl * b * g * w * d), ldo(sl * b * n * d);
+    cp_shard_rows(lq.data(), hq.data(), S, b * g * w * d, N, r);
+    cp_shard_rows(ldo.data(), hdo.data(), S, b * n * d, N, r);
+    std::vector<int32_t> ld(b * sl);
+    cp_shard_columns(ld.data(), doc.data(), b, S, N, r);
+    q_r.push_back(testing::make_tensor(lq, DType::kF32, cpu, {sl, b, g, w, d}, st));
+    do_r.push_back(testing::make_tensor(ldo, DType::kF32, cpu, {sl, b, n, d}, st));
+    kv_r.emplace_back(DType::kF32, cpu, std::vector<int64_t>{sl, b, g, 2, d});
+    kv_pack(kv_r.back(), q_r.back(), qpg, st);
+    dkv_r.emplace_back(DType::kF32, cpu, std::vector<int64_t>{sl, b, g, 2, d});
+    fill(dkv_r.back(), 0.f, st);
+    pos_r.push_back(testing::make_int_tensor(pos, cpu, {sl}, st));
+    doc_r.push_back(testing::make_int_tensor(ld, cpu, {b, sl}, st));
+  }
+  for (int r = 0; r < N; ++r) {
+    ContextAttentionConfig c;
+    c.batch = b;
+    c.groups = g;
+    c.queries_per_group = qpg;
+    c.head_dim = d;
+    c.softmax_scale = scale;
+    c.q_pos = pos_r[r].t;
+    c.doc_start = doc_r[r].t;
+    c.dropout_p = p;
+    c.dropout_key = key;
+    c.seq_length = S;
+    c.head_offset = n;
+    c.total_heads = 2 * n;
+    OwnedTensor o(DType::kF32, cpu, {sl, b, n, d}), l(DType::kF32, cpu, {sl, b, n}),
+        dq(DType::kF32, cpu, {sl, b, g, w, d});
+    testing::poison(o, st);
+    testing::poison(l, st);
+    fill(dq, 0.f, st);
+    for (int k = 0; k < N; ++k) {  // this rank's block first, as the ring
+      const int src = (r - k + N) % N;
+      c.k_pos = pos_r[src].t;
+      context_attention_forward(o, l, q_r[r], kv_r[src], c, k > 0, st);
+    }
+    for (int src = 0; src < N; ++src) {
+      c.k_pos = pos_r[src].t;
+      context_attention_backward(dq, dkv_r[src], do_r[r], o, l, q_r[r], kv_r[src], Tensor(), c, st);
+    }
+    const auto ho = testing::to_host(o, st), hl = testing::to_host(l, st), hdq = testing::to_host(dq, st);
+    const std::vector<int32_t> pos = cp_positions(S, N, r);
+    std::vector<float> eo, el, edq, go, gl, gdq;
+    for (int64_t t = 0; t < sl; ++t)
+      for (int64_t bi = 0; bi < b; ++bi)
+        for (int64_t h = 0; h < n; ++h) {
+          for (int64_t e = 0; e < d; ++e) {
+            eo.push_back(fo[((pos[t] * b + bi) * n + h) * d + e]);
+            go.push_back(ho[((t * b + bi) * n + h) * d + e]);
+            const int64_t grp = h / qpg, qi = h % qpg;
+            edq.push_back(fdq[(((pos[t] * b + bi) * g + grp) * w + qi) * d + e]);
+            gdq.push_back(hdq[(((t * b + bi) * g + grp) * w + qi) * d + e]);
+          }
+          el.push_back(fl[(bi * n + h) * S + pos[t]]);
+          gl.push_back(hl[(t * b + bi) * n + h]);
+        }
+    EXPECT_LT(testing::rel_err(go, eo), 1e-5) << "out, rank " << r;
+    EXPECT_LT(testing::rel_err(gl, el), 1e-5) << "lse, rank " << r;
+    EXPECT_LT(testing::rel_err(gdq, edq), 1e-5) << "dq, rank " << r;
+  }
+  for (int r = 0; r < N; ++r) {  // dK/dV of block r, summed over both query shards
+    const auto hk = testing::to_host(dkv_r[r], st);
+    const std::vector<int32_t> pos = cp_positions(S, N, r);
+    std::vector<float> e_kv, g_kv;
+    for (int64_t t = 0; t < sl; ++t)
+      for (int64_t x = 0; x < b * g * 2 * d; ++x) {
+        const int64_t grp_row = x / (2 * d), kvi = (x / d) % 2, e = x % d;  // grp_row = bi·g + grp
+        g_kv.push_back(hk[t * b * g * 2 * d + x]);
+        e_kv.push_back(fdq[((pos[t] * b * g + grp_row) * w + qpg + kvi) * d + e]);
+      }
+    EXPECT_LT(testing::rel_err(g_kv, e_kv), 1e-5) << "dkv, block " << r;
+  }
+}
+
+// Hidden dropout under CP (DropoutKey::cp_global): a CP rank's [s/N, b, h] rows, or a TP shard of
+// them (global_offset; one straddling the chunk boundary), draw the masks of the full [s, b, h]
+// tensor: bias_dropout_add forward and backward (dx; dbias summed over the ranks) and dropout_forward.
+TEST(ContextParallelDropout, ElementwiseMasksKeyGlobalRows) {
+  const int64_t S = 16, b = 2, h = 6;  // h = 6: rows not aligned to the Philox groups of 4
+  const Stream& st = testing::cpu_stream();
+  const Device cpu = Device::cpu();
+  const float p = 0.25f;
+  DropoutKey key{testing::test_seed(), 3, 1, 2 * 8 + 1};
+  const auto hx = testing::randn(S * b * h), hr = testing::randn(S * b * h), hb = testing::randn(h);
+  OwnedTensor bias = testing::make_tensor(hb, DType::kF32, cpu, {h}, st);
+  auto run = [&](const std::vector<float>& x, const std::vector<float>& r, int64_t rows, int64_t off,
+                 const DropoutKey& k, std::vector<float>& dbias) {
+    OwnedTensor tx = testing::make_tensor(x, DType::kF32, cpu, {rows, h}, st);
+    OwnedTensor tr = testing::make_tensor(r, DType::kF32, cpu, {rows, h}, st);
+    OwnedTensor out(DType::kF32, cpu, {rows, h}), dx(DType::kF32, cpu, {rows, h}), y(DType::kF32, cpu, {rows, h});
+    OwnedTensor db = testing::make_tensor(dbias, DType::kF32, cpu, {h}, st);
+    testing::poison(out, st);
+    bias_dropout_add_forward(out, tx, bias, tr, p, k, off, st);
+    bias_dropout_add_backward(dx, db, tr, p, k, off, st);
+    dropout_forward(y, tx, p, k, off, st);
+    dbias = testing::to_host(db, st);
+    return std::tuple{testing::to_host(out, st), testing::to_host(dx, st), testing::to_host(y, st)};
+  };
+  std::vector<float> db_full(h, 0.f);
+  const auto [fo, fdx, fy] = run(hx, hr, S * b, 0, key, db_full);
+  for (int N : {2, 4}) {
+    const int64_t sl = S / N, row = b * h;
+    std::vector<float> db_sum(h, 0.f);
+    for (int r = 0; r < N; ++r) {
+      const std::vector<int32_t> pos = cp_positions(S, N, r);
+      std::vector<float> lx(sl * row), lr(sl * row);
+      cp_shard_rows(lx.data(), hx.data(), S, row, N, r);
+      cp_shard_rows(lr.data(), hr.data(), S, row, N, r);
+      DropoutKey k = key;
+      k.cp_size = N;
+      k.cp_rank = r;
+      k.cp_chunk_elems = sl / 2 * row;
+      // The whole local tensor, and local rows [1, sl - 1) at offset 1 (straddling the chunks).
+      for (const auto [first, count] : {std::pair<int64_t, int64_t>{0, sl}, std::pair<int64_t, int64_t>{1, sl - 2}}) {
+        std::vector<float> db(h, 0.f);
+        const std::vector<float> sx(lx.begin() + first * row, lx.begin() + (first + count) * row),
+            sr(lr.begin() + first * row, lr.begin() + (first + count) * row);
+        const auto [o, dx, y] = run(sx, sr, count * b, first * row, k, db);
+        if (first == 0)
+          for (int64_t e = 0; e < h; ++e) db_sum[e] += db[e];
+        std::vector<float> eo, edx, ey;
+        for (int64_t t = first; t < first + count; ++t)
+          for (int64_t e = 0; e < row; ++e) {
+            eo.push_back(fo[pos[t] * row + e]);
+            edx.push_back(fdx[pos[t] * row + e]);
+            ey.push_back(fy[pos[t] * row + e]);
+          }
+        EXPECT_EQ(o, eo) << "N=" << N << " r=" << r << " first=" << first;
+        EXPECT_EQ(dx, edx) << "N=" << N << " r=" << r << " first=" << first;
+        EXPECT_EQ(y, ey) << "N=" << N << " r=" << r << " first=" << first;
+      }
+    }
+    EXPECT_LT(testing::rel_err(db_sum, db_full), 1e-5) << "dbias N=" << N;
+  }
+  // A row split by the chunk boundary is an error (the bias rows must stay whole).
+  DropoutKey bad = key;
+  bad.cp_size = 2;
+  bad.cp_rank = 0;
+  bad.cp_chunk_elems = 9;  // not a multiple of h
+  std::vector<float> db(h, 0.f);
+  const std::vector<float> x2(hx.begin(), hx.begin() + 2 * h), r2(hr.begin(), hr.begin() + 2 * h);
+  EXPECT_THROW(run(x2, r2, 2, 0, bad, db), Error);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -285,6 +481,7 @@ struct Layout {
   // Reference only: each micro-batch is the union (along b) of `merge` consecutive sample groups,
   // i.e. of the DP ranks' micro-batches of one step (global_aux_loss: the global micro-batch).
   int merge = 1;
+  float dropout = 0.f;  // --attention-dropout and --hidden-dropout
   std::string name() const {
     std::string t = type == "a2a+p2p" ? fmt::format("a2a{}p2p{}", hier[0], hier[1]) : type;
     std::string s = fmt::format("{}cp{}_{}{}_tp{}_pp{}_dp{}", arch_name(arch), cp, t, docs ? "_docs" : "", tp, pp, dp);
@@ -293,6 +490,7 @@ struct Layout {
     if (vpp > 0) s += fmt::format("_vpp{}", vpp);
     if (sp) s += "_sp";
     if (zero) s += "_distopt";
+    if (dropout > 0.f) s += "_dropout";
     return s;
   }
 };
@@ -311,6 +509,7 @@ struct Result {
 
 Result run_layout(const Layout& L, const Data& D) {
   TransformerConfig c = config(L.arch);
+  c.attention_dropout = c.hidden_dropout = L.dropout;
   c.cp_comm_type = L.type;
   c.hierarchical_context_parallel_sizes = L.hier;
   if (L.alltoall) c.moe_token_dispatcher_type = MoeDispatcher::kAllToAll;
@@ -471,6 +670,7 @@ TEST_P(ContextParallelLayouts, MatchesSingleRank) {
   Layout one;
   one.arch = L.arch;
   one.docs = L.docs;
+  one.dropout = L.dropout;  // the ordinary attention with the same masks
   if (L.arch == Arch::kMoeGlobal) one.merge = L.dp;  // the global micro-batch (moe.h)
   const Result ref = run_layout(one, D);
   const Result par = run_layout(L, D);
@@ -564,6 +764,35 @@ std::vector<Layout> layouts() {
   l->dp = 2;
   l->ep = 2;
   l->alltoall = true;
+  // Attention dropout (masks keyed by global query/key positions and global heads) and hidden
+  // dropout (embedding, attention and MLP outputs: the CP rank's two chunks keyed by their rows in
+  // the unsplit [s, b, h] layout): every comm type, CP 2 and 4, causal and with documents, MHA and
+  // GQA; with TP + SP (a TP shard of the chunks, the TP rank's heads) and a2a under TP (the a2a
+  // rank's head shard of the TP rank's heads); with DP and PP.
+  for (Arch arch : {Arch::kGpt, Arch::kLlama})
+    for (bool docs : {false, true}) {
+      for (int cp : {2, 4})
+        for (const char* type : {"p2p", "allgather", "a2a"}) add(arch, cp, type, {}, docs)->dropout = 0.1f;
+      add(arch, 4, "a2a+p2p", {2, 2}, docs)->dropout = 0.1f;
+    }
+  l = add(Arch::kLlama, 2, "p2p", {}, true);
+  l->tp = 2;
+  l->sp = true;
+  l->dropout = 0.1f;
+  l = add(Arch::kLlama, 2, "a2a", {}, false);
+  l->tp = 2;
+  l->dropout = 0.1f;
+  l = add(Arch::kGpt, 2, "allgather", {}, true);  // TP 4 + SP: a TP shard inside one chunk
+  l->tp = 4;
+  l->sp = true;
+  l->dropout = 0.1f;
+  l = add(Arch::kGpt, 2, "p2p", {}, false);
+  l->dp = 2;
+  l->dropout = 0.1f;
+  l = add(Arch::kLlama, 2, "p2p", {}, true);
+  l->pp = 2;
+  l->dropout = 0.1f;
+  add(Arch::kMoe, 2, "p2p", {}, true)->dropout = 0.1f;
   // --moe-router-force-load-balancing: each CP rank's two chunks (and their TP shards) keyed by
   // their rows in the unsplit sequence.
   add(Arch::kMoeForced, 2, "p2p", {}, false);

@@ -155,10 +155,10 @@ TEST_F(TrainerLayouts, ParallelLayoutsMatchOneRank) {
   }
 }
 
-// Context parallelism (--context-parallel-size; dropout off, which CP requires) with document masks
-// and reset position ids: every CP layout gives the one-rank losses (the trainer shards each
-// sequence into the load-balanced chunks of parallel/context_parallel.h); a checkpoint written
-// under CP 2 resumes on one rank on the same curve; bad CP flags fail with a clear message.
+// Context parallelism (--context-parallel-size) with document masks and reset position ids: every
+// CP layout gives the one-rank losses (the trainer shards each sequence into the load-balanced
+// chunks of parallel/context_parallel.h), without and with dropout; a checkpoint written under
+// CP 2 resumes on one rank on the same curve; bad CP flags fail with a clear message.
 TEST_F(TrainerLayouts, ContextParallelMatchesOneRank) {
   const std::string cp_flags = " --hidden-dropout 0 --attention-dropout 0 --reset-attention-mask --reset-position-ids ";
   RunResult ref = run_megatron(flags("--train-iters 4" + cp_flags));
@@ -191,11 +191,26 @@ TEST_F(TrainerLayouts, ContextParallelMatchesOneRank) {
            {"--nproc-per-node 4 --context-parallel-size 4 --cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 2 "
             "4", "2 x 4 = 8 must equal --context-parallel-size 4"},
            {"--nproc-per-node 2 --context-parallel-size 2 --cp-comm-type a2a --num-attention-heads 3 --hidden-size 48",
-            "must be divisible by 2"},
-           {"--nproc-per-node 2 --context-parallel-size 2 --hidden-dropout 0.1", "--hidden-dropout 0"}}) {
+            "must be divisible by 2"}}) {
     RunResult r = run_megatron(flags("--train-iters 1 --attention-dropout 0 " + bad));
     EXPECT_NE(r.rc, 0) << bad;
     EXPECT_NE(r.out.find(msg), std::string::npos) << bad << "\n" << r.out;
+  }
+  // With attention and hidden dropout: CP draws the masks of one rank (keyed by global positions,
+  // heads and rows of the unsplit sequence), so the losses are still the one-rank losses.
+  const std::string drop_flags = " --hidden-dropout 0.1 --attention-dropout 0.1 --reset-attention-mask "
+                                 "--reset-position-ids ";
+  RunResult dref = run_megatron(flags("--train-iters 4" + drop_flags));
+  ASSERT_EQ(dref.rc, 0) << dref.out;
+  const auto dref_losses = losses(dref.out);
+  EXPECT_NE(dref_losses.at(3), ref_losses.at(3));  // dropout is on
+  for (const std::string layout :
+       {"--nproc-per-node 2 --context-parallel-size 2", "--nproc-per-node 2 --context-parallel-size 2 --cp-comm-type a2a",
+        "--nproc-per-node 4 --context-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel "
+        "--cp-comm-type allgather"}) {
+    RunResult r = run_megatron(flags("--train-iters 4" + drop_flags + layout));
+    ASSERT_EQ(r.rc, 0) << layout << "\n" << r.out;
+    expect_same(losses(r.out), dref_losses, layout + " (dropout)");
   }
 }
 

@@ -159,7 +159,8 @@ RowParallelLinear::Options proj_options(const TransformerConfig& c, int64_t laye
 
 std::unique_ptr<CoreAttention> make_core_attention(const TransformerConfig& c, const LayerSpec& spec, int64_t layer,
                                                    const TensorParallelRegion& tp) {
-  if (spec.context_parallel != nullptr) return std::make_unique<ContextParallelAttention>(c, tp, *spec.context_parallel);
+  if (spec.context_parallel != nullptr)
+    return std::make_unique<ContextParallelAttention>(c, layer, tp, *spec.context_parallel);
   switch (spec.core_attention) {
     case CoreAttentionKind::kDotProduct: return std::make_unique<DotProductAttention>(c, layer, tp);
     case CoreAttentionKind::kFlash: return std::make_unique<FlashAttention>(c, layer, tp);

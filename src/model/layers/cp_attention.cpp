@@ -7,9 +7,10 @@
 
 namespace mt {
 
-ContextParallelAttention::ContextParallelAttention(const TransformerConfig& c, const TensorParallelRegion& tp,
-                                                   const ContextParallelRegion& cp)
+ContextParallelAttention::ContextParallelAttention(const TransformerConfig& c, int64_t layer,
+                                                   const TensorParallelRegion& tp, const ContextParallelRegion& cp)
     : config_(c),
+      layer_(layer),
       cp_(cp),
       qpg_(c.num_attention_heads / c.query_groups()),
       d_(c.head_dim()),
@@ -21,6 +22,9 @@ ContextParallelAttention::ContextParallelAttention(const TransformerConfig& c, c
              cp_comm_type_name(cp.comm_type()), groups_local, a2a_);
   groups_a_ = groups_local / a2a_;
   heads_a_ = groups_a_ * qpg_;
+  // TP rank t holds heads [t·n/tp, (t + 1)·n/tp); a2a rank j of those the query groups
+  // [j·g_a, (j + 1)·g_a) (the all-to-all of forward sends part j to rank j).
+  head_offset_ = tp.rank() * (c.num_attention_heads / tp.size()) + cp.a2a_group().rank() * heads_a_;
 }
 
 void ContextParallelAttention::plan(BufferPlanner& p, int64_t s, int64_t b) {
@@ -42,6 +46,15 @@ void ContextParallelAttention::plan(BufferPlanner& p, int64_t s, int64_t b) {
     dout_a_ = p.scratch("cp_attention.dout", t, {sa, b, heads_a_, d_});
     doc_gather_ = p.scratch("cp_attention.doc_gather", DType::kI32, {a2a_, b, s});
   }
+  {
+    ContextAttentionConfig c;
+    c.batch = b;
+    c.groups = groups_a_;
+    c.queries_per_group = qpg_;
+    c.head_dim = d_;
+    const int64_t bytes = static_cast<int64_t>(context_attention_workspace_bytes(c, sa));
+    workspace_ = p.scratch("cp_attention.workspace", DType::kU8, {bytes});
+  }
   const bool all = cp_.comm_type() == CpCommType::kAllGather;
   for (int k = 0; k < 2; ++k) {
     const int64_t rows = all && k == 1 ? cp_.seq_length() : sa;
@@ -51,7 +64,7 @@ void ContextParallelAttention::plan(BufferPlanner& p, int64_t s, int64_t b) {
 }
 
 ContextAttentionConfig ContextParallelAttention::op_config(const Tensor& q_pos, const Tensor& k_pos,
-                                                           const Tensor& doc) const {
+                                                           const Tensor& doc, const StepContext& ctx) const {
   ContextAttentionConfig c;
   c.batch = b_;
   c.groups = groups_a_;
@@ -61,6 +74,11 @@ ContextAttentionConfig ContextParallelAttention::op_config(const Tensor& q_pos, 
   c.q_pos = q_pos;
   c.k_pos = k_pos;
   c.doc_start = doc;
+  c.dropout_p = ctx.dropout.training ? config_.attention_dropout : 0.f;
+  c.dropout_key = dropout_key(ctx.dropout, layer_, kSiteAttentionProbs);  // as DotProductAttention's
+  c.seq_length = cp_.seq_length();
+  c.head_offset = head_offset_;
+  c.total_heads = config_.num_attention_heads;
   return c;
 }
 
@@ -69,49 +87,55 @@ ContextAttentionConfig ContextParallelAttention::op_config(const Tensor& q_pos, 
 // 2N−1−r and the source's chunks src and 2N−1−src, a source before r is visible through its first
 // chunk only (to both local chunks), a source after r only to the second local chunk (all of it).
 void ContextParallelAttention::block_forward(int i, int src, const Saved& sv, const Tensor& out, const Tensor& kv,
-                                             const Tensor& doc, bool merge, const Stream& st) const {
+                                             const Tensor& doc, bool merge, const StepContext& ctx) const {
+  const Stream& st = ctx.stream;
   const int first = outer_ * a2a_;
   const Tensor q_pos = cp_.positions(first, a2a_);
   if (cp_.comm_type() == CpCommType::kAllGather) {
-    context_attention_forward(out, sv.lse, sv.qkv, kv, op_config(q_pos, cp_.positions(0, cp_.size()), doc), merge, st);
+    context_attention_forward(out, sv.lse, sv.qkv, kv, op_config(q_pos, cp_.positions(0, cp_.size()), doc, ctx), merge,
+                              st);
     return;
   }
   const Tensor k_pos = cp_.positions(src * a2a_, a2a_);
   const int64_t c = sl_ / 2;
   if (a2a_ == 1 && i > 0 && src < outer_) {
-    context_attention_forward(out, sv.lse, sv.qkv, kv.slice0(0, c), op_config(q_pos, k_pos.flat_range(0, c), doc),
-                              merge, st);
+    context_attention_forward(out, sv.lse, sv.qkv, kv.slice0(0, c),
+                              op_config(q_pos, k_pos.flat_range(0, c), doc, ctx), merge, st);
   } else if (a2a_ == 1 && i > 0) {
     context_attention_forward(out.slice0(c, 2 * c), sv.lse.slice0(c, 2 * c), sv.qkv.slice0(c, 2 * c), kv,
-                              op_config(q_pos.flat_range(c, c), k_pos, doc.empty() ? doc : doc.slice(1, c, 2 * c)),
+                              op_config(q_pos.flat_range(c, c), k_pos, doc.empty() ? doc : doc.slice(1, c, 2 * c),
+                                        ctx),
                               merge, st);
   } else {
-    context_attention_forward(out, sv.lse, sv.qkv, kv, op_config(q_pos, k_pos, doc), merge, st);
+    context_attention_forward(out, sv.lse, sv.qkv, kv, op_config(q_pos, k_pos, doc, ctx), merge, st);
   }
 }
 
 void ContextParallelAttention::block_backward(int i, int src, const Saved& sv, const Tensor& out, const Tensor& dout,
                                               const Tensor& dq, const Tensor& kv, const Tensor& dkv, const Tensor& doc,
-                                              const Stream& st) const {
+                                              const StepContext& ctx) const {
+  const Stream& st = ctx.stream;
   const int first = outer_ * a2a_;
   const Tensor q_pos = cp_.positions(first, a2a_);
   if (cp_.comm_type() == CpCommType::kAllGather) {
-    context_attention_backward(dq, dkv, dout, out, sv.lse, sv.qkv, kv,
-                               op_config(q_pos, cp_.positions(0, cp_.size()), doc), st);
+    context_attention_backward(dq, dkv, dout, out, sv.lse, sv.qkv, kv, workspace_,
+                               op_config(q_pos, cp_.positions(0, cp_.size()), doc, ctx), st);
     return;
   }
   const Tensor k_pos = cp_.positions(src * a2a_, a2a_);
   const int64_t c = sl_ / 2;
   if (a2a_ == 1 && i > 0 && src < outer_) {
-    context_attention_backward(dq, dkv.slice0(0, c), dout, out, sv.lse, sv.qkv, kv.slice0(0, c),
-                               op_config(q_pos, k_pos.flat_range(0, c), doc), st);
+    context_attention_backward(dq, dkv.slice0(0, c), dout, out, sv.lse, sv.qkv, kv.slice0(0, c), workspace_,
+                               op_config(q_pos, k_pos.flat_range(0, c), doc, ctx), st);
   } else if (a2a_ == 1 && i > 0) {
     auto h = [&](const Tensor& t) { return t.slice0(c, 2 * c); };
-    context_attention_backward(h(dq), dkv, h(dout), h(out), h(sv.lse), h(sv.qkv), kv,
-                               op_config(q_pos.flat_range(c, c), k_pos, doc.empty() ? doc : doc.slice(1, c, 2 * c)),
+    context_attention_backward(h(dq), dkv, h(dout), h(out), h(sv.lse), h(sv.qkv), kv, workspace_,
+                               op_config(q_pos.flat_range(c, c), k_pos, doc.empty() ? doc : doc.slice(1, c, 2 * c),
+                                        ctx),
                                st);
   } else {
-    context_attention_backward(dq, dkv, dout, out, sv.lse, sv.qkv, kv, op_config(q_pos, k_pos, doc), st);
+    context_attention_backward(dq, dkv, dout, out, sv.lse, sv.qkv, kv, workspace_, op_config(q_pos, k_pos, doc, ctx),
+                               st);
   }
 }
 
@@ -147,14 +171,14 @@ void ContextParallelAttention::forward(const Tensor& context, const Tensor& qkv,
   if (cp_.comm_type() == CpCommType::kAllGather) {
     kv_pack(kv_[0], sv.qkv, qpg_, st);
     cp_.group().all_gather(kv_[1], kv_[0], st);
-    block_forward(0, 0, sv, out, kv_[1], doc, false, st);
+    block_forward(0, 0, sv, out, kv_[1], doc, false, ctx);
   } else {
     Tensor cur = kv_[0], nxt = kv_[1];
     kv_pack(cur, sv.qkv, qpg_, st);
     for (int i = 0; i < p2p_; ++i) {
       const int src = (outer_ - i + p2p_) % p2p_;
       if (i + 1 < p2p_) exchange(cur, nxt, st);
-      block_forward(i, src, sv, out, cur, doc, i > 0, st);
+      block_forward(i, src, sv, out, cur, doc, i > 0, ctx);
       std::swap(cur, nxt);
     }
   }
@@ -187,7 +211,7 @@ void ContextParallelAttention::backward(const Tensor& dqkv, const Tensor& dconte
     kv_pack(kv_[0], sv.qkv, qpg_, st);
     cp_.group().all_gather(kv_[1], kv_[0], st);
     fill(dkv_[1], 0.f, st);
-    block_backward(0, 0, sv, out, dout, dq, kv_[1], dkv_[1], doc, st);
+    block_backward(0, 0, sv, out, dout, dq, kv_[1], dkv_[1], doc, ctx);
     cp_.group().reduce_scatter(dkv_[0], dkv_[1], ReduceOp::kSum, st);
     kv_unpack(dq, dkv_[0], qpg_, st);
   } else {
@@ -197,7 +221,7 @@ void ContextParallelAttention::backward(const Tensor& dqkv, const Tensor& dconte
     for (int i = 0; i < p2p_; ++i) {
       const int src = (outer_ - i + p2p_) % p2p_;
       if (i + 1 < p2p_) exchange(cur, nxt, st);
-      block_backward(i, src, sv, out, dout, dq, cur, dcur, doc, st);
+      block_backward(i, src, sv, out, dout, dq, cur, dcur, doc, ctx);
       // dK/dV of block src go on with it; after the last step each block's gradient is home.
       if (p2p_ > 1) {
         exchange(dcur, dnxt, st);

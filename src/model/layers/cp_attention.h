@@ -15,7 +15,9 @@
 //              skipping) across the P groups, between ranks holding the same heads (N = A·P).
 // Masks use the global positions of the tokens (and the document starts of --reset-attention-mask),
 // so every layout computes the attention of one rank (tests/parallel/context_parallel_test.cpp).
-// Attention dropout is not supported under CP (the model rejects it).
+// Attention dropout (--attention-dropout) draws the one-rank mask: each element is keyed by its
+// global (sample, head, query position, key position) (ops/context_attention.h), the head being
+// the global one (TP rank and, under a2a, the a2a rank's head shard).
 #pragma once
 #include <vector>
 
@@ -27,9 +29,9 @@ namespace mt {
 
 class ContextParallelAttention final : public CoreAttention {
  public:
-  /// The same heads and groups as the other core attentions (split over TP); cp: the CP region
-  /// (kept by reference; outlives the module).
-  ContextParallelAttention(const TransformerConfig& config, const TensorParallelRegion& tp,
+  /// The same heads and groups as the other core attentions (split over TP); layer: the global
+  /// layer number (dropout key); cp: the CP region (kept by reference; outlives the module).
+  ContextParallelAttention(const TransformerConfig& config, int64_t layer, const TensorParallelRegion& tp,
                            const ContextParallelRegion& cp);
   /// s: the local sequence s/N.
   void plan(BufferPlanner& planner, int64_t s, int64_t b) override;
@@ -45,21 +47,25 @@ class ContextParallelAttention final : public CoreAttention {
     Tensor lse;   // fp32 [A·s_l, b, n_a]
     Tensor doc;   // int32 [b, A·s_l] (a2a levels only): the document starts of the queries
   };
-  ContextAttentionConfig op_config(const Tensor& q_pos, const Tensor& k_pos, const Tensor& doc) const;
+  ContextAttentionConfig op_config(const Tensor& q_pos, const Tensor& k_pos, const Tensor& doc,
+                                   const StepContext& ctx) const;
   /// One block of the ring (or the whole all-gathered K/V): step i, source p2p rank src.
   void block_forward(int i, int src, const Saved& sv, const Tensor& out, const Tensor& kv, const Tensor& doc,
-                     bool merge, const Stream& st) const;
+                     bool merge, const StepContext& ctx) const;
   void block_backward(int i, int src, const Saved& sv, const Tensor& out, const Tensor& dout, const Tensor& dq,
-                      const Tensor& kv, const Tensor& dkv, const Tensor& doc, const Stream& st) const;
+                      const Tensor& kv, const Tensor& dkv, const Tensor& doc, const StepContext& ctx) const;
   void exchange(const Tensor& send, const Tensor& recv, const Stream& st) const;  // ring step
 
   const TransformerConfig& config_;
+  int64_t layer_;
   const ContextParallelRegion& cp_;
   int64_t qpg_, groups_a_, heads_a_, d_, sl_ = 0, b_ = 0;
   int a2a_, p2p_, outer_;  // level sizes and this rank's index in the ring
+  int64_t head_offset_;    // global index of the first query head this rank attends with (dropout key)
   std::vector<Saved> saved_;
   Tensor kv_[2], dkv_[2];   // scratch [A·s_l, b, g_a, 2, d] (allgather: [s, b, g_l, 2, d])
   Tensor a2a_send_, a2a_recv_, dqkv_a_, dout_a_, doc_gather_;  // a2a scratch
+  Tensor workspace_;  // context_attention_backward's (tensor-core kernels on CUDA)
 };
 
 }  // namespace mt

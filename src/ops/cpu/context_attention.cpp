@@ -1,12 +1,14 @@
 // CPU reference of ops/context_attention.h: per query row, a max pass and an exp-sum pass over the
 // visible keys in fp32 (no storage of the scores); the backward recomputes the probabilities from
-// the final LSE (FlashAttention-2's backward). OpenMP over (sample, group): the key/value rows a
+// the final LSE (FlashAttention-2's backward). Dropout draws the one-rank mask by global positions
+// (ops/context_attention_impl.h). OpenMP over (sample, group): the key/value rows a
 // group's queries update belong to that (sample, group) only.
 #include <cmath>
 #include <cstring>
 #include <limits>
 
 #include "ops/context_attention.h"
+#include "ops/context_attention_impl.h"
 
 namespace mt::cpu {
 namespace {
@@ -52,6 +54,8 @@ void context_attention_forward(const Tensor& out, const Tensor& lse, const Tenso
   float* O = out.data_as<float>();
   float* L = lse.data_as<float>();
   const float scale = c.softmax_scale, ninf = -std::numeric_limits<float>::infinity();
+  const AttnDropout drop = context_attention_dropout(c);
+  const int32_t* qpos = c.q_pos.data_as<int32_t>();
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t grp = 0; grp < g; ++grp) {
@@ -59,6 +63,7 @@ void context_attention_forward(const Tensor& out, const Tensor& lse, const Tenso
         const Visible vis = visible(c, i, b);
         for (int64_t qi = 0; qi < qpg; ++qi) {
           const int64_t h = grp * qpg + qi;
+          const uint64_t g0 = drop.enabled ? drop.row_start(b * x.n + h, qpos[i]) : 0;
           const float* q = Q + x.q(i, b, grp, qi);
           float* o = O + x.o(i, b, h);
           float& l = L[x.l(i, b, h)];
@@ -79,9 +84,11 @@ void context_attention_forward(const Tensor& out, const Tensor& lse, const Tenso
           for (int64_t j = 0; j < sk; ++j) {
             if (!vis(j)) continue;
             const float p = std::exp(scale * dot(q, KV + x.k(j, b, grp), d) - m);
-            sum += p;
+            sum += p;  // the LSE is that of the undropped softmax
+            const float pv =
+                drop.enabled ? (drop.keep(g0 + static_cast<uint64_t>(vis.kp[j])) ? p * drop.inv_keep : 0.f) : p;
             const float* v = KV + x.v(j, b, grp);
-            for (int64_t e = 0; e < dd; ++e) acc[e] += p * v[e];
+            for (int64_t e = 0; e < dd; ++e) acc[e] += pv * v[e];
           }
           const float lb = m + std::log(sum);
           if (!merge || l == ninf) {
@@ -100,7 +107,7 @@ void context_attention_forward(const Tensor& out, const Tensor& lse, const Tenso
 }
 
 void context_attention_backward(const Tensor& dqkv, const Tensor& dkv, const Tensor& dout, const Tensor& out,
-                                const Tensor& lse, const Tensor& qkv, const Tensor& kv,
+                                const Tensor& lse, const Tensor& qkv, const Tensor& kv, const Tensor&,
                                 const ContextAttentionConfig& c, const Stream&) {
   const int64_t sq = qkv.size(0), sk = kv.size(0), B = c.batch, g = c.groups, qpg = c.queries_per_group,
                 d = c.head_dim;
@@ -113,6 +120,8 @@ void context_attention_backward(const Tensor& dqkv, const Tensor& dkv, const Ten
   float* dQ = dqkv.data_as<float>();
   float* dKV = dkv.data_as<float>();
   const float scale = c.softmax_scale;
+  const AttnDropout drop = context_attention_dropout(c);
+  const int32_t* qpos = c.q_pos.data_as<int32_t>();
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t grp = 0; grp < g; ++grp) {
@@ -122,6 +131,7 @@ void context_attention_backward(const Tensor& dqkv, const Tensor& dkv, const Ten
           const int64_t h = grp * qpg + qi;
           const float l = L[x.l(i, b, h)];
           if (!std::isfinite(l)) continue;
+          const uint64_t g0 = drop.enabled ? drop.row_start(b * x.n + h, qpos[i]) : 0;
           const float* q = Q + x.q(i, b, grp, qi);
           const float* go = dO + x.o(i, b, h);
           const float D = dot(go, O + x.o(i, b, h), d);
@@ -131,11 +141,15 @@ void context_attention_backward(const Tensor& dqkv, const Tensor& dkv, const Ten
             const float* k = KV + x.k(j, b, grp);
             const float* v = KV + x.v(j, b, grp);
             const float p = std::exp(scale * dot(q, k, d) - l);
-            const float ds = p * (dot(go, v, d) - D) * scale;
+            // Dropout: M = 1/(1-p) kept, 0 dropped; dP of the undropped P is M·(dout·v).
+            const float m =
+                drop.enabled ? (drop.keep(g0 + static_cast<uint64_t>(vis.kp[j])) ? drop.inv_keep : 0.f) : 1.f;
+            const float ds = p * (dot(go, v, d) * m - D) * scale;
+            const float pm = p * m;
             float* dk = dKV + x.k(j, b, grp);
             float* dv = dKV + x.v(j, b, grp);
             for (int64_t e = 0; e < d; ++e) {
-              dv[e] += p * go[e];
+              dv[e] += pm * go[e];
               dq[e] += ds * k[e];
               dk[e] += ds * q[e];
             }

@@ -1,12 +1,24 @@
-// CUDA implementation of ops/context_attention.h: simple CUDA-core kernels with fp32 math (one
-// thread per query row for the forward and dQ, one thread per key row for dK/dV, no atomics, so
-// the results are deterministic). Correct for every shape up to head_dim 256; not tuned: the
-// fast path for long sequences is the FlashAttention tensor-core kernels of ops/flash_attention.h,
-// which this blockwise form should reuse (a future step).
+// CUDA implementation of ops/context_attention.h.
+//
+// Tensor-core path (bf16/fp16, head_dim 64 or 128, 16-byte aligned tensors; the backward also
+// needs the workspace): FlashAttention-2 kernels (ca_fwd_mma, ca_bwd_mma; see below) for one
+// (query shard, key block) pair. Simple path (fp32, other head dims, misaligned tensors, no
+// workspace, or MT_CONTEXT_ATTN_SIMPLE=1 for comparisons): CUDA-core kernels with fp32 math (one
+// thread per query row for the forward and dQ, one thread per key row for dK/dV, no atomics,
+// deterministic), head_dim up to 256. The tensor-core backward sums dQ with fp32 atomics (may
+// differ in the last bits between runs).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <climits>
 #include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <type_traits>
 
 #include "ops/context_attention.h"
+#include "ops/context_attention_impl.h"
 #include "core/cuda_check.h"
 #include "ops/cuda/common.cuh"
 
@@ -51,10 +63,11 @@ __device__ float dot(const T* a, const T* b, int64_t d) {
 
 // One thread per (i, b, h): online softmax over the visible keys, merged into (out, lse).
 template <typename T>
-__global__ void forward_kernel(T* out, float* lse, const T* qkv, const T* kv, Dims x, bool merge) {
+__global__ void forward_kernel(T* out, float* lse, const T* qkv, const T* kv, Dims x, bool merge, AttnDropout drop) {
   const int64_t n = x.g * x.qpg, rows = x.sq * x.B * n;
   for (int64_t r = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; r < rows; r += int64_t(gridDim.x) * blockDim.x) {
     const int64_t h = r % n, b = (r / n) % x.B, i = r / (n * x.B), grp = h / x.qpg, qi = h % x.qpg;
+    const uint64_t g0 = drop.enabled ? drop.row_start(b * n + h, x.qp[i]) : 0;
     const T* q = qkv + x.qoff(i, b, grp, qi);
     float acc[kMaxD];
     for (int64_t e = 0; e < x.d; ++e) acc[e] = 0.f;
@@ -64,8 +77,9 @@ __global__ void forward_kernel(T* out, float* lse, const T* qkv, const T* kv, Di
       const T* k = kv + x.koff(j, b, grp);
       const float s = x.scale * dot(q, k, x.d);
       const float mn = fmaxf(m, s), c = expf(m - mn), p = expf(s - mn);
-      sum = sum * c + p;
-      for (int64_t e = 0; e < x.d; ++e) acc[e] = acc[e] * c + p * to_f(k[x.d + e]);
+      sum = sum * c + p;  // undropped: the LSE
+      const float pv = drop.enabled ? (drop.keep(g0 + static_cast<uint64_t>(x.kp[j])) ? p * drop.inv_keep : 0.f) : p;
+      for (int64_t e = 0; e < x.d; ++e) acc[e] = acc[e] * c + pv * to_f(k[x.d + e]);
       m = mn;
     }
     T* o = out + x.ooff(i, b, h);
@@ -92,12 +106,14 @@ __global__ void forward_kernel(T* out, float* lse, const T* qkv, const T* kv, Di
 
 // One thread per query row (i, b, h): dQ += Σ_j dS_ij k_j.
 template <typename T>
-__global__ void dq_kernel(T* dqkv, const T* dout, const T* out, const float* lse, const T* qkv, const T* kv, Dims x) {
+__global__ void dq_kernel(T* dqkv, const T* dout, const T* out, const float* lse, const T* qkv, const T* kv, Dims x,
+                          AttnDropout drop) {
   const int64_t n = x.g * x.qpg, rows = x.sq * x.B * n;
   for (int64_t r = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; r < rows; r += int64_t(gridDim.x) * blockDim.x) {
     const int64_t h = r % n, b = (r / n) % x.B, i = r / (n * x.B), grp = h / x.qpg, qi = h % x.qpg;
     const float l = lse[x.loff(i, b, h)];
     if (!isfinite(l)) continue;
+    const uint64_t g0 = drop.enabled ? drop.row_start(b * n + h, x.qp[i]) : 0;
     const T* q = qkv + x.qoff(i, b, grp, qi);
     const T* go = dout + x.ooff(i, b, h);
     const float D = dot(go, out + x.ooff(i, b, h), x.d);
@@ -107,7 +123,8 @@ __global__ void dq_kernel(T* dqkv, const T* dout, const T* out, const float* lse
       if (!x.visible(i, j, b)) continue;
       const T* k = kv + x.koff(j, b, grp);
       const float p = expf(x.scale * dot(q, k, x.d) - l);
-      const float ds = p * (dot(go, k + x.d, x.d) - D) * x.scale;
+      const float m = drop.enabled ? (drop.keep(g0 + static_cast<uint64_t>(x.kp[j])) ? drop.inv_keep : 0.f) : 1.f;
+      const float ds = p * (dot(go, k + x.d, x.d) * m - D) * x.scale;
       for (int64_t e = 0; e < x.d; ++e) acc[e] += ds * to_f(k[e]);
     }
     T* dq = dqkv + x.qoff(i, b, grp, qi);
@@ -117,7 +134,8 @@ __global__ void dq_kernel(T* dqkv, const T* dout, const T* out, const float* lse
 
 // One thread per key row (j, b, grp): dK, dV += Σ over the group's query rows.
 template <typename T>
-__global__ void dkv_kernel(T* dkv, const T* dout, const T* out, const float* lse, const T* qkv, const T* kv, Dims x) {
+__global__ void dkv_kernel(T* dkv, const T* dout, const T* out, const float* lse, const T* qkv, const T* kv, Dims x,
+                           AttnDropout drop) {
   const int64_t rows = x.sk * x.B * x.g;
   for (int64_t r = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; r < rows; r += int64_t(gridDim.x) * blockDim.x) {
     const int64_t grp = r % x.g, b = (r / x.g) % x.B, j = r / (x.g * x.B);
@@ -134,9 +152,14 @@ __global__ void dkv_kernel(T* dkv, const T* dout, const T* out, const float* lse
         const T* go = dout + x.ooff(i, b, h);
         const float D = dot(go, out + x.ooff(i, b, h), x.d);
         const float p = expf(x.scale * dot(q, k, x.d) - l);
-        const float ds = p * (dot(go, k + x.d, x.d) - D) * x.scale;
+        const float m =
+            drop.enabled ? (drop.keep(drop.row_start(b * x.g * x.qpg + h, x.qp[i]) + static_cast<uint64_t>(x.kp[j]))
+                                ? drop.inv_keep
+                                : 0.f)
+                         : 1.f;
+        const float ds = p * (dot(go, k + x.d, x.d) * m - D) * x.scale;
         for (int64_t e = 0; e < x.d; ++e) {
-          dv[e] += p * to_f(go[e]);
+          dv[e] += p * m * to_f(go[e]);
           dk[e] += ds * to_f(q[e]);
         }
       }
@@ -167,35 +190,877 @@ __global__ void transpose_kernel(char* y, const char* x, int64_t a, int64_t b, i
   }
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// Tensor-core path (bf16/fp16, head_dim 64 or 128, 16-byte aligned tensors): FlashAttention-2
+// (Dao 2023, arXiv:2307.08691) on mma.sync.m16n8k16 with fp32 accumulation, the patterns of
+// ops/cuda/flash_attention.cu with the masks of this op (global positions, document starts),
+// arbitrary sq and sk, and the LSE merge / accumulation into the caller's results.
+//   forward  (ca_fwd_mma): one block per (query tile of 16·MW·W rows, b·n); each warp owns 16·MW
+//            query rows and walks the visible key tiles (double-buffered K/V by cp.async, online
+//            softmax); key tiles with no visible key for any row of the query tile (by the tile's
+//            min/max positions and document starts) are skipped, tiles visible to every row are
+//            not masked. Epilogue: the block's (out, lse) written, or merged into the caller's.
+//   backward: ca_bwd_pre (D_i = rowsum(dO ∘ O) into the workspace, dq_accum zeroed), ca_bwd_mma
+//            (one block per (key tile of 16·W keys, b·g): dK, dV in registers over the qpg heads
+//            and the visible query tiles; dQ = dS K added to dq_accum with fp32 atomics; dK, dV
+//            added to dkv), ca_bwd_dq_add (dqkv query slots += scale · dq_accum).
+// ---------------------------------------------------------------------------------------------
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr unsigned kFull = 0xffffffffu;
+
+struct CaParams {
+  const void* qkv = nullptr;  // [sq, b, g, qpg + 2, d]
+  const void* kv = nullptr;   // [sk, b, g, 2, d]
+  void* out = nullptr;        // [sq, b, n, d]
+  float* lse = nullptr;       // [sq, b, n]
+  const void* dout = nullptr;
+  void* dqkv = nullptr;
+  void* dkv = nullptr;
+  float* delta = nullptr;     // [sq, b, n]
+  float* dq_accum = nullptr;  // [sq, b, n, d]
+  const int32_t* qp = nullptr;
+  const int32_t* kp = nullptr;
+  const int32_t* doc = nullptr;  // [b, doc_stride] or null
+  int64_t doc_stride = 0;
+  int64_t sq = 0, sk = 0, B = 0, G = 0, qpg = 0, n = 0, d = 0;
+  float scale = 0, scale_log2 = 0;
+  bool merge = false;
+  AttnDropout drop;
+
+  __host__ __device__ int64_t q_rs() const { return B * G * (qpg + 2) * d; }
+  __host__ __device__ int64_t kv_rs() const { return B * G * 2 * d; }
+  __host__ __device__ int64_t o_rs() const { return B * n * d; }
+  __host__ __device__ int64_t q_base(int64_t b, int64_t grp, int64_t qi) const {
+    return ((b * G + grp) * (qpg + 2) + qi) * d;
+  }
+  __host__ __device__ int64_t kv_base(int64_t b, int64_t grp) const { return (b * G + grp) * 2 * d; }
+  /// Row of (query i, sample b, head h) in out / lse / delta / dq_accum.
+  __host__ __device__ int64_t row(int64_t i, int64_t b, int64_t h) const { return (i * B + b) * n + h; }
+};
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+/// 16 bytes global -> shared; zero-fills the destination when !pred (src is then not read).
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool pred) {
+  const int n = pred ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+template <typename T>
+__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+/// Two floats -> one register of two 16-bit values, lo in the low half.
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  } else {
+    const __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  }
+}
+template <typename T>
+__device__ __forceinline__ float2 unpack2(uint32_t v) {
+  T x[2];
+  memcpy(x, &v, sizeof(v));
+  return make_float2(to_f(x[0]), to_f(x[1]));
+}
+
+/// Keep decisions of the elements of one row at key positions k0 and k1 (one Philox call for two
+/// consecutive positions in one group of four).
+__device__ __forceinline__ void keep_pair(const AttnDropout& drop, uint64_t row_start, int32_t k0, int32_t k1,
+                                          bool& a, bool& c) {
+  const uint64_t G = row_start + static_cast<uint64_t>(k0);
+  if (k1 == k0 + 1 && (G & 3u) != 3u) {
+    const Philox4 r = drop.bits4(G >> 2);
+    const uint32_t e = static_cast<uint32_t>(G & 3u);
+    const uint32_t v0 = e == 0 ? r.v[0] : e == 1 ? r.v[1] : r.v[2];
+    const uint32_t v1 = e == 0 ? r.v[1] : e == 1 ? r.v[2] : r.v[3];
+    a = v0 >= drop.threshold;
+    c = v1 >= drop.threshold;
+  } else {
+    a = drop.keep(G);
+    c = drop.keep(row_start + static_cast<uint64_t>(k1));
+  }
+}
+
+/// ROWS x D tile (rows row0.., global row stride rs elements) -> shared memory with row stride
+/// D + 8; rows >= lim are zero-filled.
+template <int ROWS, int D, int NT, typename T>
+__device__ __forceinline__ void load_tile(T* sm, const T* g, int64_t row0, int64_t rs, int64_t lim, int tid) {
+  constexpr int kChunks = D / 8;
+  static_assert((ROWS * kChunks) % NT == 0, "tile chunks must divide evenly over the threads");
+#pragma unroll
+  for (int k = 0; k < ROWS * kChunks / NT; ++k) {
+    const int c = tid + k * NT, r = c / kChunks, col = (c % kChunks) * 8;
+    const int64_t row = row0 + r;
+    const bool ok = row < lim;
+    cp_async16(smem_u32(sm + r * (D + 8) + col), g + (ok ? row : 0) * rs + col, ok);
+  }
+}
+
+struct PosRange {
+  int lo, hi;
+};
+/// Min and max of a[r0 .. r0 + rows) (entries < lim), in every lane of the warp ({INT_MAX,
+/// INT_MIN} when empty).
+__device__ __forceinline__ PosRange pos_range(const int32_t* a, int64_t r0, int rows, int64_t lim, int lane) {
+  int mn = INT_MAX, mx = INT_MIN;
+  for (int r = lane; r < rows; r += 32)
+    if (r0 + r < lim) {
+      const int v = a[r0 + r];
+      mn = min(mn, v);
+      mx = max(mx, v);
+    }
+  return {__reduce_min_sync(kFull, mn), __reduce_max_sync(kFull, mx)};
+}
+
+/// Visibility of a key tile (positions kr) to a query tile (positions qr, document starts dr;
+/// dr = {INT_MIN, INT_MIN} without documents): some element visible (return), every element
+/// visible (full: also needs both tiles complete).
+__device__ __forceinline__ bool tile_visible(PosRange kr, PosRange qr, PosRange dr, bool complete, bool& full) {
+  full = complete && kr.hi <= qr.lo && kr.lo >= dr.hi;
+  return kr.lo <= qr.hi && kr.hi >= dr.lo;
+}
+
+template <int D, int W, int BC, int MW>
+constexpr int ca_fwd_smem_bytes() {
+  return (16 * MW * W + 4 * BC) * (D + 8) * 2 + 2 * BC * 4;
+}
+
+template <typename T, int D, int W, int BC, int MW, bool QR>
+__global__ void __launch_bounds__(W * 32) ca_fwd_mma(const CaParams p) {
+  constexpr int WR = 16 * MW, BR = WR * W, SD = D + 8, NT = 32 * W;
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* sQ = reinterpret_cast<T*>(smem);                    // [BR][SD]
+  T* sK = sQ + BR * SD;                                  // [2][BC][SD]
+  T* sV = sK + 2 * BC * SD;                              // [2][BC][SD]
+  int* sKp = reinterpret_cast<int*>(sV + 2 * BC * SD);  // [2][BC] key positions (INT_MAX past sk)
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+  const int64_t sq = p.sq, sk = p.sk;
+  const int64_t bh = blockIdx.x, b = bh / p.n, h = bh % p.n, grp = h / p.qpg, qi = h % p.qpg;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.y) * BR;
+  const int64_t qrs = p.q_rs(), krs = p.kv_rs();
+  const T* qg = static_cast<const T*>(p.qkv) + p.q_base(b, grp, qi);
+  const T* kg = static_cast<const T*>(p.kv) + p.kv_base(b, grp);
+  const T* vg = kg + D;
+  const int32_t* doc = p.doc ? p.doc + b * p.doc_stride : nullptr;
+  const PosRange qr = pos_range(p.qp, row0, BR, sq, lane);
+  const PosRange dr = doc ? pos_range(doc, row0, BR, sq, lane) : PosRange{INT_MIN, INT_MIN};
+  const int ntiles = static_cast<int>((sk + BC - 1) / BC);
+  auto next = [&](int nb, bool& full) {
+    for (; nb < ntiles; ++nb) {
+      const PosRange kr = pos_range(p.kp, static_cast<int64_t>(nb) * BC, BC, sk, lane);
+      if (tile_visible(kr, qr, dr, row0 + BR <= sq && static_cast<int64_t>(nb + 1) * BC <= sk, full)) break;
+    }
+    return nb;
+  };
+  auto load_kv = [&](int nb, int buf) {
+    const int64_t c0 = static_cast<int64_t>(nb) * BC;
+    load_tile<BC, D, NT>(sK + buf * BC * SD, kg, c0, krs, sk, tid);
+    load_tile<BC, D, NT>(sV + buf * BC * SD, vg, c0, krs, sk, tid);
+    for (int j = tid; j < BC; j += NT) sKp[buf * BC + j] = c0 + j < sk ? p.kp[c0 + j] : INT_MAX;
+  };
+  const int64_t wrow = row0 + warp * WR;  // row (mi, r): wrow + mi·16 + g + 8r
+  int qp_r[MW][2], ds_r[MW][2];
+#pragma unroll
+  for (int mi = 0; mi < MW; ++mi) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int64_t i = wrow + mi * 16 + g + 8 * r;
+      qp_r[mi][r] = i < sq ? p.qp[i] : INT_MIN;
+      ds_r[mi][r] = doc && i < sq ? doc[i] : INT_MIN;
+    }
+  }
+
+  bool full = false;
+  int nb = next(0, full);
+  load_tile<BR, D, NT>(sQ, qg, row0, qrs, sq, tid);
+  if (nb < ntiles) load_kv(nb, 0);
+  cp_async_commit();
+  cp_async_wait_all();
+  __syncthreads();
+  auto q_addr = [&](int mi, int kk) {
+    return smem_u32(sQ + (warp * WR + mi * 16 + (lane & 15)) * SD + kk * 16 + (lane >> 4) * 8);
+  };
+  uint32_t qf[QR ? MW : 1][QR ? D / 16 : 1][4];
+  if constexpr (QR) {
+#pragma unroll
+    for (int mi = 0; mi < MW; ++mi) {
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) ldsm_x4(qf[mi][kk], q_addr(mi, kk));
+    }
+  }
+  float o[MW][D / 8][4];
+  float m_r[MW][2], l_r[MW][2];
+#pragma unroll
+  for (int mi = 0; mi < MW; ++mi) {
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt) o[mi][nt][0] = o[mi][nt][1] = o[mi][nt][2] = o[mi][nt][3] = 0.f;
+    m_r[mi][0] = m_r[mi][1] = -INFINITY;
+    l_r[mi][0] = l_r[mi][1] = 0.f;
+  }
+  const float sl2 = p.scale_log2;
+  int buf = 0;
+  while (nb < ntiles) {
+    cp_async_wait_all();
+    __syncthreads();
+    bool full_next = false;
+    const int nnb = next(nb + 1, full_next);
+    if (nnb < ntiles) load_kv(nnb, buf ^ 1);
+    cp_async_commit();
+    const T* sKb = sK + buf * BC * SD;
+    const T* sVb = sV + buf * BC * SD;
+    const int* sKpb = sKp + buf * BC;
+
+    float sc[MW][BC / 8][4];
+#pragma unroll
+    for (int mi = 0; mi < MW; ++mi) {
+#pragma unroll
+      for (int nt = 0; nt < BC / 8; ++nt) sc[mi][nt][0] = sc[mi][nt][1] = sc[mi][nt][2] = sc[mi][nt][3] = 0.f;
+    }
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      uint32_t qa[MW][4];
+#pragma unroll
+      for (int mi = 0; mi < MW; ++mi) {
+        if constexpr (QR) {
+#pragma unroll
+          for (int x = 0; x < 4; ++x) qa[mi][x] = qf[mi][kk][x];
+        } else {
+          ldsm_x4(qa[mi], q_addr(mi, kk));
+        }
+      }
+#pragma unroll
+      for (int nn = 0; nn < BC / 16; ++nn) {
+        uint32_t bf[4];
+        ldsm_x4(bf, smem_u32(sKb + (nn * 16 + (lane & 7) + ((lane >> 4) << 3)) * SD + kk * 16 + ((lane >> 3) & 1) * 8));
+#pragma unroll
+        for (int mi = 0; mi < MW; ++mi) {
+          mma16816<T>(sc[mi][2 * nn], qa[mi], bf[0], bf[1]);
+          mma16816<T>(sc[mi][2 * nn + 1], qa[mi], bf[2], bf[3]);
+        }
+      }
+    }
+
+    if (!full) {  // key position <= query position, >= the query's document start
+#pragma unroll
+      for (int mi = 0; mi < MW; ++mi) {
+#pragma unroll
+        for (int nt = 0; nt < BC / 8; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int kp = sKpb[nt * 8 + 2 * t4 + (e & 1)], r = e >> 1;
+            if (kp > qp_r[mi][r] || kp < ds_r[mi][r]) sc[mi][nt][e] = -INFINITY;
+          }
+        }
+      }
+    }
+
+#pragma unroll
+    for (int mi = 0; mi < MW; ++mi) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float mx = m_r[mi][r];
+#pragma unroll
+        for (int nt = 0; nt < BC / 8; ++nt) mx = fmaxf(mx, fmaxf(sc[mi][nt][2 * r], sc[mi][nt][2 * r + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 2));
+        const float ms = mx == -INFINITY ? 0.f : mx * sl2;
+        const float alpha = exp2f(m_r[mi][r] * sl2 - ms);
+        m_r[mi][r] = mx;
+        l_r[mi][r] *= alpha;
+#pragma unroll
+        for (int nt = 0; nt < D / 8; ++nt) {
+          o[mi][nt][2 * r] *= alpha;
+          o[mi][nt][2 * r + 1] *= alpha;
+        }
+#pragma unroll
+        for (int nt = 0; nt < BC / 8; ++nt) {
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const float pv = exp2f(fmaf(sc[mi][nt][2 * r + c], sl2, -ms));
+            sc[mi][nt][2 * r + c] = pv;
+            l_r[mi][r] += pv;
+          }
+        }
+      }
+    }
+
+    // Dropout on the probabilities that multiply V (l keeps the undropped ones); the keep bits
+    // in a rolled loop (one copy of Philox in the code), then applied.
+    if (p.drop.enabled) {
+#pragma unroll
+      for (int mi = 0; mi < MW; ++mi) {
+        uint64_t keep = 0;
+#pragma unroll 1
+        for (int k = 0; k < BC / 4; ++k) {  // k = r · (BC / 8) + nt: elements (r, nt, 0..1)
+          const int r = k / (BC / 8), nt = k % (BC / 8), j = nt * 8 + 2 * t4;
+          bool k0, k1;
+          keep_pair(p.drop, p.drop.row_start(bh, qp_r[mi][r]), sKpb[j], sKpb[j + 1], k0, k1);
+          keep |= (static_cast<uint64_t>(k0) | static_cast<uint64_t>(k1) << 1) << (2 * k);
+        }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+#pragma unroll
+          for (int nt = 0; nt < BC / 8; ++nt) {
+            const int k = r * (BC / 8) + nt;
+            if (!((keep >> (2 * k)) & 1u)) sc[mi][nt][2 * r] = 0.f;
+            if (!((keep >> (2 * k + 1)) & 1u)) sc[mi][nt][2 * r + 1] = 0.f;
+          }
+        }
+      }
+    }
+
+#pragma unroll
+    for (int kk = 0; kk < BC / 16; ++kk) {
+      uint32_t a[MW][4];
+#pragma unroll
+      for (int mi = 0; mi < MW; ++mi) {
+        a[mi][0] = pack2<T>(sc[mi][2 * kk][0], sc[mi][2 * kk][1]);
+        a[mi][1] = pack2<T>(sc[mi][2 * kk][2], sc[mi][2 * kk][3]);
+        a[mi][2] = pack2<T>(sc[mi][2 * kk + 1][0], sc[mi][2 * kk + 1][1]);
+        a[mi][3] = pack2<T>(sc[mi][2 * kk + 1][2], sc[mi][2 * kk + 1][3]);
+      }
+#pragma unroll
+      for (int nn = 0; nn < D / 16; ++nn) {
+        uint32_t bf[4];
+        ldsm_x4_t(bf, smem_u32(sVb + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * SD + nn * 16 + (lane >> 4) * 8));
+#pragma unroll
+        for (int mi = 0; mi < MW; ++mi) {
+          mma16816<T>(o[mi][2 * nn], a[mi], bf[0], bf[1]);
+          mma16816<T>(o[mi][2 * nn + 1], a[mi], bf[2], bf[3]);
+        }
+      }
+    }
+    nb = nnb;
+    full = full_next;
+    buf ^= 1;
+  }
+  cp_async_wait_all();
+
+  // Epilogue: this block's (out, lse) of each row, or merged with the caller's by their LSE.
+  float l_tot[MW][2], l_old[MW][2];
+#pragma unroll
+  for (int mi = 0; mi < MW; ++mi) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float l = l_r[mi][r];
+      l += __shfl_xor_sync(kFull, l, 1);
+      l += __shfl_xor_sync(kFull, l, 2);
+      l_tot[mi][r] = l;
+      const int64_t i = wrow + mi * 16 + g + 8 * r;
+      l_old[mi][r] = p.merge && i < sq ? p.lse[p.row(i, b, h)] : -INFINITY;
+    }
+  }
+  __syncwarp();  // every lane of a quad has read the old LSE before lane 0 replaces it
+  T* out = static_cast<T*>(p.out);
+  const int64_t ors = p.o_rs();
+#pragma unroll
+  for (int mi = 0; mi < MW; ++mi) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int64_t i = wrow + mi * 16 + g + 8 * r;
+      if (i >= sq) continue;
+      const float l = l_tot[mi][r], old = l_old[mi][r];
+      T* orow = out + i * ors + (b * p.n + h) * D;
+      float* lp = p.lse + p.row(i, b, h);
+      if (l == 0.f) {  // no visible key in this block
+        if (!p.merge) {
+#pragma unroll
+          for (int nt = 0; nt < D / 8; ++nt) *reinterpret_cast<uint32_t*>(orow + nt * 8 + 2 * t4) = pack2<T>(0.f, 0.f);
+          if (t4 == 0) *lp = -INFINITY;
+        }
+        continue;
+      }
+      const float lb = m_r[mi][r] * p.scale + logf(l);
+      float ln = lb, wo = 0.f, wb = p.drop.inv_keep / l;
+      if (old != -INFINITY) {
+        ln = fmaxf(old, lb) + log1pf(expf(-fabsf(old - lb)));
+        wo = expf(old - ln);
+        wb = expf(lb - ln) * p.drop.inv_keep / l;
+      }
+#pragma unroll
+      for (int nt = 0; nt < D / 8; ++nt) {
+        uint32_t* dst = reinterpret_cast<uint32_t*>(orow + nt * 8 + 2 * t4);
+        float x0 = o[mi][nt][2 * r] * wb, x1 = o[mi][nt][2 * r + 1] * wb;
+        if (wo != 0.f) {
+          const float2 prev = unpack2<T>(*dst);
+          x0 = fmaf(prev.x, wo, x0);
+          x1 = fmaf(prev.y, wo, x1);
+        }
+        *dst = pack2<T>(x0, x1);
+      }
+      if (t4 == 0) *lp = ln;
+    }
+  }
+}
+
+template <int D, int W, int BR>
+constexpr int ca_bwd_smem_bytes() {
+  constexpr int BC = 16 * W;
+  return (2 * BC * (D + 8) + 4 * BR * (D + 8) + BC * (BR + 8)) * 2 + 2 * BR * 4 * 4;
+}
+
+template <typename T, int D, int W, int BR>
+__global__ void __launch_bounds__(W * 32) ca_bwd_mma(const CaParams p) {
+  constexpr int BC = 16 * W, SD = D + 8, SR = BR + 8, NT = 32 * W;
+  constexpr int R = BR / 16, DC = D * R / W;  // dQ: warp -> 16 query rows x DC dims
+  static_assert(W % R == 0 && DC % 16 == 0, "dQ warp partition");
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* sK = reinterpret_cast<T*>(smem);  // [BC][SD]
+  T* sV = sK + BC * SD;                // [BC][SD]
+  T* sQ = sV + BC * SD;                // [2][BR][SD]
+  T* sdO = sQ + 2 * BR * SD;           // [2][BR][SD]
+  T* sdS = sdO + 2 * BR * SD;          // [BC][SR]: dS^T
+  float* sL = reinterpret_cast<float*>(sdS + BC * SR);  // [2][BR] lse · log2(e) (+inf: no key / past sq)
+  float* sDl = sL + 2 * BR;                             // [2][BR] D_i
+  int* sDs = reinterpret_cast<int*>(sDl + 2 * BR);      // [2][BR] document start
+  int* sQp = sDs + 2 * BR;                              // [2][BR] query position
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+  const int64_t sq = p.sq, sk = p.sk, n = p.n, qpg = p.qpg;
+  const int64_t bg = blockIdx.x, b = bg / p.G, grp = bg % p.G;
+  const int64_t col0 = static_cast<int64_t>(blockIdx.y) * BC;
+  const int64_t qrs = p.q_rs(), krs = p.kv_rs(), ors = p.o_rs();
+  const T* qkv = static_cast<const T*>(p.qkv);
+  const T* dout = static_cast<const T*>(p.dout);
+  const T* kg = static_cast<const T*>(p.kv) + p.kv_base(b, grp);
+  const T* vg = kg + D;
+  const int32_t* doc = p.doc ? p.doc + b * p.doc_stride : nullptr;
+  const float sl2 = p.scale_log2;
+
+  load_tile<BC, D, NT>(sK, kg, col0, krs, sk, tid);
+  load_tile<BC, D, NT>(sV, vg, col0, krs, sk, tid);
+  cp_async_commit();
+
+  const PosRange kr = pos_range(p.kp, col0, BC, sk, lane);
+  const int64_t wkey = col0 + warp * 16;  // this warp's first key
+  int kp_r[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) kp_r[r] = wkey + g + 8 * r < sk ? p.kp[wkey + g + 8 * r] : INT_MAX;
+  const int per_head = static_cast<int>((sq + BR - 1) / BR), total = static_cast<int>(qpg) * per_head;
+  auto next = [&](int it, bool& full) {
+    for (; it < total; ++it) {
+      const int64_t row0 = static_cast<int64_t>(it % per_head) * BR;
+      const PosRange qr = pos_range(p.qp, row0, BR, sq, lane);
+      const PosRange dr = doc ? pos_range(doc, row0, BR, sq, lane) : PosRange{INT_MIN, INT_MIN};
+      if (tile_visible(kr, qr, dr, row0 + BR <= sq && col0 + BC <= sk, full)) break;
+    }
+    return it;
+  };
+  auto load_q = [&](int it, int buf) {
+    const int64_t qh = it / per_head, row0 = static_cast<int64_t>(it % per_head) * BR, h = grp * qpg + qh;
+    load_tile<BR, D, NT>(sQ + buf * BR * SD, qkv + p.q_base(b, grp, qh), row0, qrs, sq, tid);
+    load_tile<BR, D, NT>(sdO + buf * BR * SD, dout + (b * n + h) * D, row0, ors, sq, tid);
+    for (int r = tid; r < BR; r += NT) {
+      const int64_t i = row0 + r;
+      const bool ok = i < sq;
+      const float l = ok ? p.lse[p.row(i, b, h)] : INFINITY;
+      sL[buf * BR + r] = isfinite(l) ? l * kLog2e : INFINITY;
+      sDl[buf * BR + r] = ok ? p.delta[p.row(i, b, h)] : 0.f;
+      sDs[buf * BR + r] = ok && doc ? doc[i] : INT_MIN;
+      sQp[buf * BR + r] = ok ? p.qp[i] : INT_MIN;
+    }
+  };
+
+  float dk[D / 8][4], dv[D / 8][4];
+#pragma unroll
+  for (int nt = 0; nt < D / 8; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk[nt][e] = dv[nt][e] = 0.f;
+  }
+  bool full = false;
+  int it = next(0, full), buf = 0;
+  if (it < total) load_q(it, 0);
+  cp_async_commit();
+  while (it < total) {
+    cp_async_wait_all();
+    __syncthreads();
+    bool full_next = false;
+    const int nit = next(it + 1, full_next);
+    if (nit < total) load_q(nit, buf ^ 1);
+    cp_async_commit();
+    const int64_t qh = it / per_head, row0 = static_cast<int64_t>(it % per_head) * BR;
+    const int64_t h = grp * qpg + qh, bh = b * n + h;
+    const T* sQb = sQ + buf * BR * SD;
+    const T* sdOb = sdO + buf * BR * SD;
+    const float* sLb = sL + buf * BR;
+    const float* sDlb = sDl + buf * BR;
+    const int* sDsb = sDs + buf * BR;
+    const int* sQpb = sQp + buf * BR;
+
+    float st[BR / 8][4], dpt[BR / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < BR / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) st[nt][e] = dpt[nt][e] = 0.f;
+    }
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      uint32_t ka[4], va[4];
+      ldsm_x4(ka, smem_u32(sK + (warp * 16 + (lane & 15)) * SD + kk * 16 + (lane >> 4) * 8));
+      ldsm_x4(va, smem_u32(sV + (warp * 16 + (lane & 15)) * SD + kk * 16 + (lane >> 4) * 8));
+#pragma unroll
+      for (int nn = 0; nn < BR / 16; ++nn) {
+        const int off = (nn * 16 + (lane & 7) + ((lane >> 4) << 3)) * SD + kk * 16 + ((lane >> 3) & 1) * 8;
+        uint32_t bq[4], bo[4];
+        ldsm_x4(bq, smem_u32(sQb + off));
+        mma16816<T>(st[2 * nn], ka, bq[0], bq[1]);
+        mma16816<T>(st[2 * nn + 1], ka, bq[2], bq[3]);
+        ldsm_x4(bo, smem_u32(sdOb + off));
+        mma16816<T>(dpt[2 * nn], va, bo[0], bo[1]);
+        mma16816<T>(dpt[2 * nn + 1], va, bo[2], bo[3]);
+      }
+    }
+
+    // Element e of fragment nt: key wkey + g + 8·(e >> 1), query row0 + nt·8 + 2·t4 + (e & 1).
+    uint32_t keep = ~0u;
+    if (p.drop.enabled) {
+      keep = 0;
+#pragma unroll 1
+      for (int k = 0; k < BR / 2; ++k) {
+        const int ql = (k >> 2) * 8 + 2 * t4 + (k & 1);
+        keep |= static_cast<uint32_t>(p.drop.keep(p.drop.row_start(bh, sQpb[ql]) +
+                                                  static_cast<uint64_t>(kp_r[(k >> 1) & 1])))
+                << k;
+      }
+    }
+    const float mk = p.drop.inv_keep;
+#pragma unroll
+    for (int nt = 0; nt < BR / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int ql = nt * 8 + 2 * t4 + (e & 1), kp = kp_r[e >> 1];
+        float pv = exp2f(fmaf(st[nt][e], sl2, -sLb[ql]));
+        if (!full && (kp > sQpb[ql] || kp < sDsb[ql])) pv = 0.f;
+        const bool kept = (keep >> (nt * 4 + e)) & 1u;
+        const float dp = kept ? dpt[nt][e] * mk : 0.f;
+        st[nt][e] = kept ? pv * mk : 0.f;
+        dpt[nt][e] = pv * (dp - sDlb[ql]);
+      }
+    }
+
+#pragma unroll
+    for (int kk = 0; kk < BR / 16; ++kk) {
+      const uint32_t pa[4] = {pack2<T>(st[2 * kk][0], st[2 * kk][1]), pack2<T>(st[2 * kk][2], st[2 * kk][3]),
+                              pack2<T>(st[2 * kk + 1][0], st[2 * kk + 1][1]),
+                              pack2<T>(st[2 * kk + 1][2], st[2 * kk + 1][3])};
+      const uint32_t da[4] = {pack2<T>(dpt[2 * kk][0], dpt[2 * kk][1]), pack2<T>(dpt[2 * kk][2], dpt[2 * kk][3]),
+                              pack2<T>(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]),
+                              pack2<T>(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3])};
+#pragma unroll
+      for (int nn = 0; nn < D / 16; ++nn) {
+        const int off = (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * SD + nn * 16 + (lane >> 4) * 8;
+        uint32_t bo[4], bq[4];
+        ldsm_x4_t(bo, smem_u32(sdOb + off));
+        mma16816<T>(dv[2 * nn], pa, bo[0], bo[1]);
+        mma16816<T>(dv[2 * nn + 1], pa, bo[2], bo[3]);
+        ldsm_x4_t(bq, smem_u32(sQb + off));
+        mma16816<T>(dk[2 * nn], da, bq[0], bq[1]);
+        mma16816<T>(dk[2 * nn + 1], da, bq[2], bq[3]);
+      }
+    }
+
+#pragma unroll
+    for (int nt = 0; nt < BR / 8; ++nt) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+        *reinterpret_cast<uint32_t*>(sdS + (warp * 16 + g + 8 * r) * SR + nt * 8 + 2 * t4) =
+            pack2<T>(dpt[nt][2 * r], dpt[nt][2 * r + 1]);
+    }
+    __syncthreads();
+    const int rg = warp % R, cg = warp / R;
+    float dq[DC / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < DC / 8; ++nt) dq[nt][0] = dq[nt][1] = dq[nt][2] = dq[nt][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < BC / 16; ++kk) {
+      uint32_t a[4];
+      ldsm_x4_t(a, smem_u32(sdS + (kk * 16 + (lane & 7) + ((lane >> 4) << 3)) * SR + rg * 16 + ((lane >> 3) & 1) * 8));
+#pragma unroll
+      for (int nn = 0; nn < DC / 16; ++nn) {
+        uint32_t bk[4];
+        ldsm_x4_t(bk, smem_u32(sK + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * SD + cg * DC + nn * 16 +
+                               (lane >> 4) * 8));
+        mma16816<T>(dq[2 * nn], a, bk[0], bk[1]);
+        mma16816<T>(dq[2 * nn + 1], a, bk[2], bk[3]);
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int64_t i = row0 + rg * 16 + g + 8 * r;
+      if (i < sq) {
+        float* dqa = p.dq_accum + p.row(i, b, h) * D;
+#pragma unroll
+        for (int nt = 0; nt < DC / 8; ++nt) {
+          float* dst = dqa + cg * DC + nt * 8 + 2 * t4;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+          atomicAdd(reinterpret_cast<float2*>(dst), make_float2(dq[nt][2 * r], dq[nt][2 * r + 1]));
+#else
+          atomicAdd(dst, dq[nt][2 * r]);
+          atomicAdd(dst + 1, dq[nt][2 * r + 1]);
+#endif
+        }
+      }
+    }
+    it = nit;
+    full = full_next;
+    buf ^= 1;
+  }
+  cp_async_wait_all();
+
+  // Epilogue: dkv (+=) dK · scale and dV of this warp's 16 keys, straight from the accumulators.
+  T* dkg = static_cast<T*>(p.dkv) + p.kv_base(b, grp);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t j = wkey + g + 8 * r;
+    if (j >= sk) continue;
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt) {
+      uint32_t* pk = reinterpret_cast<uint32_t*>(dkg + j * krs + nt * 8 + 2 * t4);
+      uint32_t* pv = reinterpret_cast<uint32_t*>(dkg + j * krs + D + nt * 8 + 2 * t4);
+      const float2 ok = unpack2<T>(*pk), ov = unpack2<T>(*pv);
+      *pk = pack2<T>(fmaf(dk[nt][2 * r], p.scale, ok.x), fmaf(dk[nt][2 * r + 1], p.scale, ok.y));
+      *pv = pack2<T>(ov.x + dv[nt][2 * r], ov.y + dv[nt][2 * r + 1]);
+    }
+  }
+}
+
+/// delta of row r (= (i·b + b)·n + h) = Σ_e dout ∘ out, and dq_accum's row zeroed; D / 8 threads
+/// per row, 16-byte accesses.
+template <typename T, int D>
+__global__ void __launch_bounds__(256) ca_bwd_pre(const CaParams p) {
+  constexpr int kLanes = D / 8;
+  const int64_t row = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kLanes;
+  const int sub = static_cast<int>(threadIdx.x % kLanes);
+  const bool ok = row < p.sq * p.B * p.n;
+  float acc = 0.f;
+  if (ok) {
+    const int64_t off = row * D + sub * 8;
+    const uint4 go = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.dout) + off);
+    const uint4 o = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.out) + off);
+    const T* a = reinterpret_cast<const T*>(&go);
+    const T* c = reinterpret_cast<const T*>(&o);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc += to_f(a[e]) * to_f(c[e]);
+    float4* dq = reinterpret_cast<float4*>(p.dq_accum + off);
+    dq[0] = make_float4(0.f, 0.f, 0.f, 0.f);
+    dq[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+#pragma unroll
+  for (int o = kLanes / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(kFull, acc, o);
+  if (ok && sub == 0) p.delta[row] = acc;
+}
+
+/// dqkv query slots += scale · dq_accum (rows (i, b, h)).
+template <typename T, int D>
+__global__ void __launch_bounds__(256) ca_bwd_dq_add(const CaParams p) {
+  constexpr int kLanes = D / 8;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t r = t / kLanes;
+  if (r >= p.sq * p.B * p.n) return;
+  const int sub = static_cast<int>(t % kLanes);
+  const int64_t h = r % p.n, b = (r / p.n) % p.B, i = r / (p.n * p.B);
+  const float4* src = reinterpret_cast<const float4*>(p.dq_accum + r * D + sub * 8);
+  const float4 x = src[0], y = src[1];
+  uint4* dst = reinterpret_cast<uint4*>(static_cast<T*>(p.dqkv) + i * p.q_rs() + p.q_base(b, h / p.qpg, h % p.qpg) +
+                                        sub * 8);
+  uint4 v = *dst;
+  const float2 a = unpack2<T>(v.x), c = unpack2<T>(v.y), e = unpack2<T>(v.z), f = unpack2<T>(v.w);
+  v.x = pack2<T>(fmaf(p.scale, x.x, a.x), fmaf(p.scale, x.y, a.y));
+  v.y = pack2<T>(fmaf(p.scale, x.z, c.x), fmaf(p.scale, x.w, c.y));
+  v.z = pack2<T>(fmaf(p.scale, y.x, e.x), fmaf(p.scale, y.y, e.y));
+  v.w = pack2<T>(fmaf(p.scale, y.z, f.x), fmaf(p.scale, y.w, f.y));
+  *dst = v;
+}
+
+template <typename K>
+void set_smem(K kernel, int bytes) {
+  MT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+}
+
+bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+/// MT_CONTEXT_ATTN_SIMPLE=1: always the simple kernels (benchmarks: old vs new), read once.
+bool force_simple() {
+  static const bool v = [] {
+    const char* e = std::getenv("MT_CONTEXT_ATTN_SIMPLE");
+    return e != nullptr && std::atoi(e) != 0;
+  }();
+  return v;
+}
+
+CaParams make_params(const Tensor& qkv, const Tensor& kv, const ContextAttentionConfig& c) {
+  CaParams p;
+  p.qkv = qkv.data();
+  p.kv = kv.data();
+  p.qp = c.q_pos.data_as<int32_t>();
+  p.kp = c.k_pos.data_as<int32_t>();
+  p.doc = c.doc_start.empty() ? nullptr : c.doc_start.data_as<int32_t>();
+  p.doc_stride = c.doc_start.empty() ? 0 : c.doc_start.stride(0);
+  p.sq = qkv.size(0);
+  p.sk = kv.size(0);
+  p.B = c.batch;
+  p.G = c.groups;
+  p.qpg = c.queries_per_group;
+  p.n = c.heads();
+  p.d = c.head_dim;
+  p.scale = c.softmax_scale;
+  p.scale_log2 = c.softmax_scale * kLog2e;
+  p.drop = context_attention_dropout(c);
+  return p;
+}
+
+/// The tensor-core path applies: bf16/fp16, d in {64, 128}, 16-byte aligned tensors, not forced off.
+template <typename T>
+bool use_mma(const CaParams& p, std::initializer_list<const void*> ptrs) {
+  if constexpr (std::is_same_v<T, float>) {
+    return false;
+  } else {
+    if (force_simple() || (p.d != 64 && p.d != 128)) return false;
+    for (const void* q : ptrs)
+      if (!aligned16(q)) return false;
+    return true;
+  }
+}
+
+/// Tile shapes of ops/cuda/flash_attention.cu's defaults (measured there on an H100): forward
+/// <d, W warps, BC keys per tile, MW row groups per warp, Q in registers>, backward <d, W warps
+/// (16·W keys per block), BR queries per tile>.
+template <typename T, int D, int W, int BC, int MW, bool QR>
+void fwd_mma(const CaParams& p, cudaStream_t st) {
+  constexpr int kBytes = ca_fwd_smem_bytes<D, W, BC, MW>(), kRows = 16 * MW * W;
+  const auto kernel = ca_fwd_mma<T, D, W, BC, MW, QR>;
+  set_smem(kernel, kBytes);
+  const dim3 grid(static_cast<unsigned>(p.B * p.n), static_cast<unsigned>((p.sq + kRows - 1) / kRows));
+  kernel<<<grid, W * 32, kBytes, st>>>(p);
+  MT_CUDA_CHECK(cudaGetLastError());
+}
+
+template <typename T, int D, int W, int BR>
+void bwd_mma(const CaParams& p, cudaStream_t st) {
+  constexpr int kBytes = ca_bwd_smem_bytes<D, W, BR>();
+  const auto kernel = ca_bwd_mma<T, D, W, BR>;
+  set_smem(kernel, kBytes);
+  const dim3 grid(static_cast<unsigned>(p.B * p.G), static_cast<unsigned>((p.sk + 16 * W - 1) / (16 * W)));
+  kernel<<<grid, W * 32, kBytes, st>>>(p);
+  MT_CUDA_CHECK(cudaGetLastError());
+}
+
+template <typename T>
+void launch_fwd_mma(const CaParams& p, cudaStream_t st) {
+  if (p.d == 64) fwd_mma<T, 64, 4, 64, 2, true>(p, st);
+  else fwd_mma<T, 128, 4, 32, 2, false>(p, st);
+}
+
+template <typename T>
+void launch_bwd_mma(const CaParams& p, cudaStream_t st) {
+  const int64_t rows = p.sq * p.B * p.n;
+  const unsigned blocks = static_cast<unsigned>((rows * (p.d / 8) + 255) / 256);
+  if (p.d == 64) {
+    ca_bwd_pre<T, 64><<<blocks, 256, 0, st>>>(p);
+    MT_CUDA_CHECK(cudaGetLastError());
+    bwd_mma<T, 64, 4, 32>(p, st);
+    ca_bwd_dq_add<T, 64><<<blocks, 256, 0, st>>>(p);
+  } else {
+    ca_bwd_pre<T, 128><<<blocks, 256, 0, st>>>(p);
+    MT_CUDA_CHECK(cudaGetLastError());
+    bwd_mma<T, 128, 8, 32>(p, st);
+    ca_bwd_dq_add<T, 128><<<blocks, 256, 0, st>>>(p);
+  }
+  MT_CUDA_CHECK(cudaGetLastError());
+}
+
 }  // namespace
 
 void context_attention_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, const Tensor& kv,
                                const ContextAttentionConfig& c, bool merge, const Stream& stream) {
   MT_CHECK(c.head_dim <= kMaxD, "context_attention_forward: head_dim={} exceeds {} on CUDA", c.head_dim, kMaxD);
   const Dims x = dims_of(qkv, kv, c);
+  const AttnDropout drop = context_attention_dropout(c);
   const int64_t rows = x.sq * x.B * c.heads();
+  CaParams p = make_params(qkv, kv, c);
+  p.out = out.data();
+  p.lse = lse.data_as<float>();
+  p.merge = merge;
+  MT_CHECK((p.sq + 15) / 16 < 65536, "context_attention_forward: sq={} too long for the grid", p.sq);
   dispatch_float(qkv.dtype(), "context_attention_forward", [&](auto tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
+    if constexpr (!std::is_same_v<T, float>) {
+      if (use_mma<T>(p, {p.qkv, p.kv, p.out})) {
+        launch_fwd_mma<T>(p, cu(stream));
+        return;
+      }
+    }
     forward_kernel<T><<<grid_for(rows, kBlock), kBlock, 0, cu(stream)>>>(
-        out.data_as<T>(), lse.data_as<float>(), qkv.data_as<T>(), kv.data_as<T>(), x, merge);
+        out.data_as<T>(), lse.data_as<float>(), qkv.data_as<T>(), kv.data_as<T>(), x, merge, drop);
   });
   MT_CUDA_CHECK(cudaGetLastError());
 }
 
 void context_attention_backward(const Tensor& dqkv, const Tensor& dkv, const Tensor& dout, const Tensor& out,
-                                const Tensor& lse, const Tensor& qkv, const Tensor& kv,
+                                const Tensor& lse, const Tensor& qkv, const Tensor& kv, const Tensor& workspace,
                                 const ContextAttentionConfig& c, const Stream& stream) {
   MT_CHECK(c.head_dim <= kMaxD, "context_attention_backward: head_dim={} exceeds {} on CUDA", c.head_dim, kMaxD);
   const Dims x = dims_of(qkv, kv, c);
+  const AttnDropout drop = context_attention_dropout(c);
+  CaParams p = make_params(qkv, kv, c);
+  p.out = out.data();
+  p.lse = lse.data_as<float>();
+  p.dout = dout.data();
+  p.dqkv = dqkv.data();
+  p.dkv = dkv.data();
+  const bool have_ws = !workspace.empty();
+  if (have_ws) {
+    const int64_t rows = p.sq * p.B * p.n;
+    unsigned char* ws = static_cast<unsigned char*>(workspace.data());
+    p.delta = reinterpret_cast<float*>(ws);
+    p.dq_accum = reinterpret_cast<float*>(ws + (static_cast<size_t>(rows) * sizeof(float) + 255) / 256 * 256);
+  }
+  MT_CHECK((p.sk + 15) / 16 < 65536, "context_attention_backward: sk={} too long for the grid", p.sk);
   dispatch_float(qkv.dtype(), "context_attention_backward", [&](auto tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
+    if constexpr (!std::is_same_v<T, float>) {
+      if (have_ws && use_mma<T>(p, {p.qkv, p.kv, p.out, p.dout, p.dqkv, p.dkv, workspace.data()})) {
+        launch_bwd_mma<T>(p, cu(stream));
+        return;
+      }
+    }
     const int64_t qrows = x.sq * x.B * c.heads(), krows = x.sk * x.B * x.g;
     dq_kernel<T><<<grid_for(qrows, kBlock), kBlock, 0, cu(stream)>>>(dqkv.data_as<T>(), dout.data_as<T>(),
                                                                       out.data_as<T>(), lse.data_as<float>(),
-                                                                      qkv.data_as<T>(), kv.data_as<T>(), x);
+                                                                      qkv.data_as<T>(), kv.data_as<T>(), x, drop);
     dkv_kernel<T><<<grid_for(krows, kBlock), kBlock, 0, cu(stream)>>>(dkv.data_as<T>(), dout.data_as<T>(),
                                                                        out.data_as<T>(), lse.data_as<float>(),
-                                                                       qkv.data_as<T>(), kv.data_as<T>(), x);
+                                                                       qkv.data_as<T>(), kv.data_as<T>(), x, drop);
   });
   MT_CUDA_CHECK(cudaGetLastError());
 }
