@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Per-kernel GPU time of one training step (Nsight Compute, gpu__time_duration.sum; kernels
 # serialised by the profiler): runs `build/megatron pretrain ARGS --train-iters 3` under ncu and
-# prints the last third of the kernels (about the last iteration) summed by kernel name, with the
-# total and the GEMM share. usage: bench/kernel_profile.sh ARGS...   (logs under $OUT)
+# prints the kernels of the last iteration (between the last two AdamW launches; else the last
+# third of the kernels) summed by kernel name, with the total and the GEMM share.
+# usage: [TOP=N] bench/kernel_profile.sh ARGS...   (N kernel names, default 14; logs under $OUT)
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 NCU=$(ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1); [ -n "$NCU" ] || NCU=$(command -v ncu)
 timeout 400 "$NCU" --clock-control none --metrics gpu__time_duration.sum --csv --log-file "$OUT/ncu.csv" \
   build/megatron pretrain "$@" --train-iters 3 > "$OUT/ncu_run.log" 2>&1 || { tail -3 "$OUT/ncu_run.log"; exit 1; }
-python3 - "$OUT/ncu.csv" <<'PY'
+python3 - "$OUT/ncu.csv" "${TOP:-14}" <<'PY'
 import csv, sys, collections
 rows = list(csv.reader(open(sys.argv[1])))
 head, data = None, []
@@ -20,13 +21,17 @@ for r in rows:
         data.append(dict(zip(head, r)))
 scale = {'ns': 1e-6, 'nsecond': 1e-6, 'us': 1e-3, 'usecond': 1e-3, 'ms': 1.0, 'msecond': 1.0}
 agg = collections.defaultdict(lambda: [0, 0.0])
-for d in data[2 * len(data) // 3:]:
+# one iteration: the kernels after the second-to-last AdamW launch up to the last one (else the
+# last third of the kernels, about one iteration)
+opt = [i for i, d in enumerate(data) if 'adamw' in d['Kernel Name']]
+window = data[opt[-2] + 1:opt[-1] + 1] if len(opt) >= 2 else data[2 * len(data) // 3:]
+for d in window:
     v = float(d['Metric Value'].replace(',', '')) * scale.get(d.get('Metric Unit', 'ns'), 1e-6)
     agg[d['Kernel Name'][:80]][0] += 1
     agg[d['Kernel Name'][:80]][1] += v
 total = sum(t for _, t in agg.values())
 gemm = sum(t for k, (_, t) in agg.items() if 'nvjet' in k or 'gemm' in k.lower() or 'tc_kernel' in k)
-print(f"kernels {len(data)}; last third: {total:.2f} ms, GEMMs {gemm:.2f} ms")
-for k, (c, t) in sorted(agg.items(), key=lambda x: -x[1][1])[:14]:
+print(f"kernels {len(data)}; {'one iteration' if len(opt) >= 2 else 'last third'}: {total:.2f} ms, GEMMs {gemm:.2f} ms")
+for k, (c, t) in sorted(agg.items(), key=lambda x: -x[1][1])[:int(sys.argv[2]) if len(sys.argv) > 2 else 14]:
     print(f"{t:8.2f} ms {c:5d}  {k}")
 PY
