@@ -21,6 +21,14 @@ void check_scalars(const Tensor& scalars, const Stream& stream, const char* fn) 
            scalars.device().str());
 }
 
+void check_adamw_hyper(const AdamWHyper& hyper) {
+  MT_CHECK(hyper.beta1 >= 0.f && hyper.beta1 < 1.f, "adamw: beta1={} not in [0, 1)", hyper.beta1);
+  MT_CHECK(hyper.beta2 >= 0.f && hyper.beta2 < 1.f, "adamw: beta2={} not in [0, 1)", hyper.beta2);
+  MT_CHECK(hyper.eps > 0.f, "adamw: eps={} must be > 0", hyper.eps);
+  MT_CHECK(hyper.lr >= 0.f && hyper.weight_decay >= 0.f, "adamw: lr={} and weight_decay={} must be >= 0", hyper.lr,
+           hyper.weight_decay);
+}
+
 }  // namespace
 
 OptimizerScalars initial_optimizer_scalars(const LossScalerConfig& cfg) {
@@ -68,11 +76,7 @@ void adamw_step(const Tensor& main_param, const Tensor& grad, const Tensor& exp_
     check_tensor(model_param, model_param.dtype(), {n}, "model_param");
   }
   check_same_device({&scalars, &main_param, &grad, &exp_avg, &exp_avg_sq, &model_param});
-  MT_CHECK(hyper.beta1 >= 0.f && hyper.beta1 < 1.f, "adamw: beta1={} not in [0, 1)", hyper.beta1);
-  MT_CHECK(hyper.beta2 >= 0.f && hyper.beta2 < 1.f, "adamw: beta2={} not in [0, 1)", hyper.beta2);
-  MT_CHECK(hyper.eps > 0.f, "adamw: eps={} must be > 0", hyper.eps);
-  MT_CHECK(hyper.lr >= 0.f && hyper.weight_decay >= 0.f, "adamw: lr={} and weight_decay={} must be >= 0", hyper.lr,
-           hyper.weight_decay);
+  check_adamw_hyper(hyper);
   if (n == 0) return;
   MT_DISPATCH(scalars.device(), adamw_step, main_param, grad, exp_avg, exp_avg_sq, model_param, hyper, scalars,
               stream);
@@ -133,11 +137,7 @@ void adamw_multi_step(const Tensor& main_param, const Tensor& grad, const Tensor
              model_param.numel(), plan.param_end());
   }
   check_same_device({&scalars, &main_param, &grad, &exp_avg, &exp_avg_sq, &model_param});
-  MT_CHECK(hyper.beta1 >= 0.f && hyper.beta1 < 1.f, "adamw: beta1={} not in [0, 1)", hyper.beta1);
-  MT_CHECK(hyper.beta2 >= 0.f && hyper.beta2 < 1.f, "adamw: beta2={} not in [0, 1)", hyper.beta2);
-  MT_CHECK(hyper.eps > 0.f, "adamw: eps={} must be > 0", hyper.eps);
-  MT_CHECK(hyper.lr >= 0.f && hyper.weight_decay >= 0.f, "adamw: lr={} and weight_decay={} must be >= 0", hyper.lr,
-           hyper.weight_decay);
+  check_adamw_hyper(hyper);
   if (plan.chunks().empty()) return;
   MT_CHECK(plan.table().device() == scalars.device(), "adamw_multi_step: plan on {} but scalars on {}",
            plan.table().device().str(), scalars.device().str());

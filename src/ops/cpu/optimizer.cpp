@@ -43,32 +43,15 @@ void optimizer_prepare(const Tensor& scalars, float clip_grad, const Stream&) {
   detail::optimizer_prepare_state(scalars_of(scalars), clip_grad);
 }
 
-void adamw_step(const Tensor& main_param, const Tensor& grad, const Tensor& exp_avg, const Tensor& exp_avg_sq,
-                const Tensor& model_param, const AdamWHyper& hyper, const Tensor& scalars, const Stream&) {
+namespace {
+/// The AdamW update of every run (OpenMP over the runs: callers pass runs of at most kAdamWChunk
+/// elements); decay = 0 runs take no weight decay.
+void adamw_runs(const Tensor& main_param, const Tensor& grad, const Tensor& exp_avg, const Tensor& exp_avg_sq,
+                const Tensor& model_param, const std::vector<AdamWRun>& runs, const AdamWHyper& hyper,
+                const Tensor& scalars, const char* fn) {
   const OptimizerScalars& s = scalars_of(scalars);
   if (s.found_inf) return;
-  MT_CHECK(s.step >= 1, "adamw_step: step={} (call optimizer_prepare before adamw_step)", s.step);
-  const detail::AdamWCoeffs c = detail::adamw_coeffs(hyper, s);
-  const int64_t n = main_param.numel();
-  float* p = main_param.data_as<float>();
-  const float* g = grad.data_as<float>();
-  float* m = exp_avg.data_as<float>();
-  float* v = exp_avg_sq.data_as<float>();
-  const DType md = model_param.empty() ? DType::kF32 : model_param.dtype();
-  uint16_t* mp = model_param.empty() ? nullptr : model_param.data_as<uint16_t>();
-#pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < n; ++i) {
-    detail::adamw_element(p[i], g[i], m[i], v[i], hyper, c);
-    if (mp) mp[i] = md == DType::kBF16 ? f32_to_bf16_bits(p[i]) : f32_to_f16_bits(p[i]);
-  }
-}
-
-void adamw_multi_step(const Tensor& main_param, const Tensor& grad, const Tensor& exp_avg, const Tensor& exp_avg_sq,
-                      const Tensor& model_param, const AdamWPlan& plan, const AdamWHyper& hyper,
-                      const Tensor& scalars, const Stream&) {
-  const OptimizerScalars& s = scalars_of(scalars);
-  if (s.found_inf) return;
-  MT_CHECK(s.step >= 1, "adamw_multi_step: step={} (call optimizer_prepare first)", s.step);
+  MT_CHECK(s.step >= 1, "{}: step={} (call optimizer_prepare first)", fn, s.step);
   const detail::AdamWCoeffs c = detail::adamw_coeffs(hyper, s);
   float* p = main_param.data_as<float>();
   const float* g = grad.data_as<float>();
@@ -76,11 +59,10 @@ void adamw_multi_step(const Tensor& main_param, const Tensor& grad, const Tensor
   float* v = exp_avg_sq.data_as<float>();
   const DType md = model_param.empty() ? DType::kF32 : model_param.dtype();
   uint16_t* mp = model_param.empty() ? nullptr : model_param.data_as<uint16_t>();
-  const std::vector<AdamWRun>& chunks = plan.chunks();
-  const int64_t count = static_cast<int64_t>(chunks.size());
+  const int64_t count = static_cast<int64_t>(runs.size());
 #pragma omp parallel for schedule(static)
   for (int64_t k = 0; k < count; ++k) {
-    const AdamWRun& r = chunks[static_cast<size_t>(k)];
+    const AdamWRun& r = runs[static_cast<size_t>(k)];
     AdamWHyper h = hyper;
     if (!r.decay) h.weight_decay = 0.f;
     for (int64_t i = 0; i < r.n; ++i) {
@@ -89,6 +71,21 @@ void adamw_multi_step(const Tensor& main_param, const Tensor& grad, const Tensor
       if (mp) mp[r.param + i] = md == DType::kBF16 ? f32_to_bf16_bits(pi) : f32_to_f16_bits(pi);
     }
   }
+}
+}  // namespace
+
+void adamw_step(const Tensor& main_param, const Tensor& grad, const Tensor& exp_avg, const Tensor& exp_avg_sq,
+                const Tensor& model_param, const AdamWHyper& hyper, const Tensor& scalars, const Stream&) {
+  std::vector<AdamWRun> chunks;
+  for (int64_t o = 0; o < main_param.numel(); o += kAdamWChunk)
+    chunks.push_back({o, o, o, std::min(kAdamWChunk, main_param.numel() - o), 1, 0});
+  adamw_runs(main_param, grad, exp_avg, exp_avg_sq, model_param, chunks, hyper, scalars, "adamw_step");
+}
+
+void adamw_multi_step(const Tensor& main_param, const Tensor& grad, const Tensor& exp_avg, const Tensor& exp_avg_sq,
+                      const Tensor& model_param, const AdamWPlan& plan, const AdamWHyper& hyper,
+                      const Tensor& scalars, const Stream&) {
+  adamw_runs(main_param, grad, exp_avg, exp_avg_sq, model_param, plan.chunks(), hyper, scalars, "adamw_multi_step");
 }
 
 void loss_scaler_update(const Tensor& scalars, const LossScalerConfig& cfg, const Stream&) {

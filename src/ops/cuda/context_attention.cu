@@ -21,9 +21,12 @@
 #include "ops/context_attention_impl.h"
 #include "core/cuda_check.h"
 #include "ops/cuda/common.cuh"
+#include "ops/cuda/mma_sm80.cuh"
 
 namespace mt::cuda {
 namespace {
+
+using namespace mma;  // NOLINT: the tensor-core building blocks (ops/cuda/mma_sm80.cuh)
 
 constexpr int kMaxD = 256;
 constexpr int kBlock = 128;
@@ -240,53 +243,6 @@ struct CaParams {
   __host__ __device__ int64_t row(int64_t i, int64_t b, int64_t h) const { return (i * B + b) * n + h; }
 };
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-/// 16 bytes global -> shared; zero-fills the destination when !pred (src is then not read).
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool pred) {
-  const int n = pred ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-template <typename T>
-__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-}
-/// Two floats -> one register of two 16-bit values, lo in the low half.
-template <typename T>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&v);
-  } else {
-    const __half2 v = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&v);
-  }
-}
 template <typename T>
 __device__ __forceinline__ float2 unpack2(uint32_t v) {
   T x[2];
@@ -309,21 +265,6 @@ __device__ __forceinline__ void keep_pair(const AttnDropout& drop, uint64_t row_
   } else {
     a = drop.keep(G);
     c = drop.keep(row_start + static_cast<uint64_t>(k1));
-  }
-}
-
-/// ROWS x D tile (rows row0.., global row stride rs elements) -> shared memory with row stride
-/// D + 8; rows >= lim are zero-filled.
-template <int ROWS, int D, int NT, typename T>
-__device__ __forceinline__ void load_tile(T* sm, const T* g, int64_t row0, int64_t rs, int64_t lim, int tid) {
-  constexpr int kChunks = D / 8;
-  static_assert((ROWS * kChunks) % NT == 0, "tile chunks must divide evenly over the threads");
-#pragma unroll
-  for (int k = 0; k < ROWS * kChunks / NT; ++k) {
-    const int c = tid + k * NT, r = c / kChunks, col = (c % kChunks) * 8;
-    const int64_t row = row0 + r;
-    const bool ok = row < lim;
-    cp_async16(smem_u32(sm + r * (D + 8) + col), g + (ok ? row : 0) * rs + col, ok);
   }
 }
 
@@ -406,7 +347,7 @@ __global__ void __launch_bounds__(W * 32) ca_fwd_mma(const CaParams p) {
   load_tile<BR, D, NT>(sQ, qg, row0, qrs, sq, tid);
   if (nb < ntiles) load_kv(nb, 0);
   cp_async_commit();
-  cp_async_wait_all();
+  cp_async_wait<0>();
   __syncthreads();
   auto q_addr = [&](int mi, int kk) {
     return smem_u32(sQ + (warp * WR + mi * 16 + (lane & 15)) * SD + kk * 16 + (lane >> 4) * 8);
@@ -431,7 +372,7 @@ __global__ void __launch_bounds__(W * 32) ca_fwd_mma(const CaParams p) {
   const float sl2 = p.scale_log2;
   int buf = 0;
   while (nb < ntiles) {
-    cp_async_wait_all();
+    cp_async_wait<0>();
     __syncthreads();
     bool full_next = false;
     const int nnb = next(nb + 1, full_next);
@@ -565,7 +506,7 @@ __global__ void __launch_bounds__(W * 32) ca_fwd_mma(const CaParams p) {
     full = full_next;
     buf ^= 1;
   }
-  cp_async_wait_all();
+  cp_async_wait<0>();
 
   // Epilogue: this block's (out, lse) of each row, or merged with the caller's by their LSE.
   float l_tot[MW][2], l_old[MW][2];
@@ -702,7 +643,7 @@ __global__ void __launch_bounds__(W * 32) ca_bwd_mma(const CaParams p) {
   if (it < total) load_q(it, 0);
   cp_async_commit();
   while (it < total) {
-    cp_async_wait_all();
+    cp_async_wait<0>();
     __syncthreads();
     bool full_next = false;
     const int nit = next(it + 1, full_next);
@@ -835,7 +776,7 @@ __global__ void __launch_bounds__(W * 32) ca_bwd_mma(const CaParams p) {
     full = full_next;
     buf ^= 1;
   }
-  cp_async_wait_all();
+  cp_async_wait<0>();
 
   // Epilogue: dkv (+=) dK · scale and dV of this warp's 16 keys, straight from the accumulators.
   T* dkg = static_cast<T*>(p.dkv) + p.kv_base(b, grp);

@@ -150,11 +150,16 @@ __global__ void __launch_bounds__(kAdamThreads)
   }
 }
 
+/// The kVec condition of adamw_range: p, g, m, v 16-byte aligned, the model copy 8-byte aligned.
+bool vectorisable(const void* p, const void* g, const void* m, const void* v, const void* model) {
+  auto aligned = [](const void* q, uintptr_t a) { return reinterpret_cast<uintptr_t>(q) % a == 0; };
+  return aligned(p, 16) && aligned(g, 16) && aligned(m, 16) && aligned(v, 16) && aligned(model, 8);
+}
+
 template <typename P>
 void launch_adamw(float* p, const float* g, float* m, float* v, P* model, int64_t n, const AdamWHyper& h,
                   const OptimizerScalars* s, cudaStream_t st) {
-  auto aligned = [](const void* q, uintptr_t a) { return reinterpret_cast<uintptr_t>(q) % a == 0; };
-  const bool vec = aligned(p, 16) && aligned(g, 16) && aligned(m, 16) && aligned(v, 16) && aligned(model, 8);
+  const bool vec = vectorisable(p, g, m, v, model);
   const int64_t work = vec ? (n + 3) / 4 : n;
   // enough threads in flight to saturate HBM (16 blocks of 256 per SM), fewer for small runs
   const unsigned blocks = static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>((work + kAdamThreads - 1) / kAdamThreads, 132 * 16)));
@@ -168,8 +173,7 @@ void launch_adamw(float* p, const float* g, float* m, float* v, P* model, int64_
 template <typename P>
 void launch_adamw_multi(float* p, const float* g, float* m, float* v, P* model, const AdamWPlan& plan,
                         const AdamWHyper& h, const OptimizerScalars* s, cudaStream_t st) {
-  auto aligned = [](const void* q, uintptr_t a) { return reinterpret_cast<uintptr_t>(q) % a == 0; };
-  const bool vec = aligned(p, 16) && aligned(g, 16) && aligned(m, 16) && aligned(v, 16) && aligned(model, 8);
+  const bool vec = vectorisable(p, g, m, v, model);
   const unsigned blocks = static_cast<unsigned>(plan.chunks().size());
   const auto* chunks = static_cast<const AdamWRun*>(plan.table().data());
   if (vec) {
