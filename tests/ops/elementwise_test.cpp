@@ -301,6 +301,25 @@ TEST(BiasDropoutAdd, BackwardMatchesFiniteDifferencesAndForwardMask) {
   }
 }
 
+// Without dropout the caller may pass no dx (the branch gradient is dout itself): only dbias is
+// accumulated, to the value it gets with dx; with dropout an empty dx is an error.
+TEST(BiasDropoutAdd, BackwardWithoutDxAccumulatesOnlyTheBias) {
+  Stream st;
+  const int64_t rows = 7, h = 9, n = rows * h;
+  const DropoutKey key = random_key();
+  auto g = testing::randn(n), db0 = testing::randn(h);
+  auto dout = testing::make_tensor(g, DType::kF32, kCpu, {rows, h}, st);
+  auto db_a = testing::make_tensor(db0, DType::kF32, kCpu, {h}, st);
+  auto db_b = testing::make_tensor(db0, DType::kF32, kCpu, {h}, st);
+  OwnedTensor dx(DType::kF32, kCpu, {rows, h});
+  bias_dropout_add_backward(dx, db_a, dout, 0.f, key, 0, st);
+  bias_dropout_add_backward(Tensor{}, db_b, dout, 0.f, key, 0, st);
+  EXPECT_EQ(testing::to_host(db_b, st), testing::to_host(db_a, st));
+  EXPECT_NE(testing::to_host(db_b, st), db0);
+  EXPECT_EQ(testing::to_host(dout, st), g);  // dout untouched
+  EXPECT_THROW(bias_dropout_add_backward(Tensor{}, db_b, dout, 0.1f, key, 0, st), Error);
+}
+
 TEST(Dropout, BadInputThrows) {
   Stream st;
   const int64_t rows = 4, h = 6;
