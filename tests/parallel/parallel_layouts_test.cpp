@@ -613,7 +613,10 @@ std::vector<Layout> layouts() {
         std::tuple{Arch::kMoe, 1, 2, 2, 2, 2, 0, false, true, true},
         std::tuple{Arch::kMoeSigmoid, 1, 1, 4, 0, 4, 0, false, false, false},
         std::tuple{Arch::kMoeSigmoid, 2, 1, 2, 0, 2, 1, true, true, false},
-        std::tuple{Arch::kMoeSigmoid, 2, 2, 2, 0, 2, 2, true, true, true}})
+        std::tuple{Arch::kMoeSigmoid, 2, 2, 2, 0, 2, 2, true, true, true},
+        // the MoE parallel folding example of the Megatron-Core MoE paper: 16 ranks, dense
+        // TP4-PP2-DP2 beside expert ETP1-EP4-EDP2-PP2
+        std::tuple{Arch::kMoe, 4, 2, 2, 0, 4, 1, true, true, false}})
     add(arch, tp, pp, dp, vpp, sp, zero, overlap, ep, etp, /*a2a=*/true);
   // Token dropping at an expert capacity (both policies, padding, both dispatchers).
   for (const auto& [arch, pp, dp, ep, a2a, zero, capacity, position, pad] :
