@@ -49,22 +49,30 @@ struct AttnDropout {
   }
 };
 
-inline AttnDropout make_attn_dropout(const AttentionConfig& cfg) {
+/// The mask parameters of attention-probability dropout with `key` and probability p over local
+/// heads `heads` of `total_heads` (0: the same), the first at `head_offset`, sequence length seq
+/// (shared by the local, flash and context-parallel attention).
+inline AttnDropout make_attn_dropout(const DropoutKey& key, float p, int64_t heads, int64_t total_heads,
+                                     int64_t head_offset, int64_t seq) {
   AttnDropout d;
-  d.seed = cfg.dropout_key.seed;
-  d.iteration = cfg.dropout_key.iteration;
-  d.iteration_ptr = cfg.dropout_key.iteration_ptr;
-  d.microbatch = cfg.dropout_key.microbatch;
-  d.microbatch_ptr = cfg.dropout_key.microbatch_ptr;
-  d.stream_id = cfg.dropout_key.stream_id;
-  d.enabled = cfg.dropout_p > 0.f;
-  d.threshold = d.enabled ? dropout_threshold(cfg.dropout_p) : 0u;
-  d.inv_keep = d.enabled ? 1.f / (1.f - cfg.dropout_p) : 1.f;
-  d.heads = cfg.heads;
-  d.total_heads = cfg.total_heads > 0 ? cfg.total_heads : cfg.heads;
-  d.head_offset = cfg.head_offset;
-  d.seq = cfg.seq;
+  d.seed = key.seed;
+  d.iteration = key.iteration;
+  d.iteration_ptr = key.iteration_ptr;
+  d.microbatch = key.microbatch;
+  d.microbatch_ptr = key.microbatch_ptr;
+  d.stream_id = key.stream_id;
+  d.enabled = p > 0.f;
+  d.threshold = d.enabled ? dropout_threshold(p) : 0u;
+  d.inv_keep = d.enabled ? 1.f / (1.f - p) : 1.f;
+  d.heads = heads;
+  d.total_heads = total_heads > 0 ? total_heads : heads;
+  d.head_offset = head_offset;
+  d.seq = seq;
   return d;
+}
+
+inline AttnDropout make_attn_dropout(const AttentionConfig& cfg) {
+  return make_attn_dropout(cfg.dropout_key, cfg.dropout_p, cfg.heads, cfg.total_heads, cfg.head_offset, cfg.seq);
 }
 
 }  // namespace mt

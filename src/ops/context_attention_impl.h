@@ -9,21 +9,7 @@
 namespace mt {
 
 inline AttnDropout context_attention_dropout(const ContextAttentionConfig& c) {
-  AttnDropout d;
-  d.seed = c.dropout_key.seed;
-  d.iteration = c.dropout_key.iteration;
-  d.iteration_ptr = c.dropout_key.iteration_ptr;
-  d.microbatch = c.dropout_key.microbatch;
-  d.microbatch_ptr = c.dropout_key.microbatch_ptr;
-  d.stream_id = c.dropout_key.stream_id;
-  d.enabled = c.dropout_p > 0.f;
-  d.threshold = d.enabled ? dropout_threshold(c.dropout_p) : 0u;
-  d.inv_keep = d.enabled ? 1.f / (1.f - c.dropout_p) : 1.f;
-  d.heads = c.heads();
-  d.total_heads = c.total_heads > 0 ? c.total_heads : c.heads();
-  d.head_offset = c.head_offset;
-  d.seq = c.seq_length;
-  return d;
+  return make_attn_dropout(c.dropout_key, c.dropout_p, c.heads(), c.total_heads, c.head_offset, c.seq_length);
 }
 
 }  // namespace mt

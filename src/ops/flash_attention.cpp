@@ -83,21 +83,7 @@ size_t flash_attention_workspace_bytes(const FlashAttentionConfig& cfg) {
 }
 
 AttnDropout flash_attention_dropout(const FlashAttentionConfig& cfg) {
-  AttnDropout d;
-  d.seed = cfg.dropout_key.seed;
-  d.iteration = cfg.dropout_key.iteration;
-  d.iteration_ptr = cfg.dropout_key.iteration_ptr;
-  d.microbatch = cfg.dropout_key.microbatch;
-  d.microbatch_ptr = cfg.dropout_key.microbatch_ptr;
-  d.stream_id = cfg.dropout_key.stream_id;
-  d.enabled = cfg.dropout_p > 0.f;
-  d.threshold = d.enabled ? dropout_threshold(cfg.dropout_p) : 0u;
-  d.inv_keep = d.enabled ? 1.f / (1.f - cfg.dropout_p) : 1.f;
-  d.heads = cfg.heads();
-  d.total_heads = cfg.total_heads > 0 ? cfg.total_heads : cfg.heads();
-  d.head_offset = cfg.head_offset;
-  d.seq = cfg.seq;
-  return d;
+  return make_attn_dropout(cfg.dropout_key, cfg.dropout_p, cfg.heads(), cfg.total_heads, cfg.head_offset, cfg.seq);
 }
 
 void flash_attention_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, const FlashAttentionConfig& cfg,

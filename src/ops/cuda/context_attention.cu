@@ -709,52 +709,12 @@ __global__ void __launch_bounds__(W * 32) ca_bwd_mma(const CaParams p) {
       }
     }
 
-#pragma unroll
-    for (int kk = 0; kk < BR / 16; ++kk) {
-      const uint32_t pa[4] = {pack2<T>(st[2 * kk][0], st[2 * kk][1]), pack2<T>(st[2 * kk][2], st[2 * kk][3]),
-                              pack2<T>(st[2 * kk + 1][0], st[2 * kk + 1][1]),
-                              pack2<T>(st[2 * kk + 1][2], st[2 * kk + 1][3])};
-      const uint32_t da[4] = {pack2<T>(dpt[2 * kk][0], dpt[2 * kk][1]), pack2<T>(dpt[2 * kk][2], dpt[2 * kk][3]),
-                              pack2<T>(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]),
-                              pack2<T>(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3])};
-#pragma unroll
-      for (int nn = 0; nn < D / 16; ++nn) {
-        const int off = (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * SD + nn * 16 + (lane >> 4) * 8;
-        uint32_t bo[4], bq[4];
-        ldsm_x4_t(bo, smem_u32(sdOb + off));
-        mma16816<T>(dv[2 * nn], pa, bo[0], bo[1]);
-        mma16816<T>(dv[2 * nn + 1], pa, bo[2], bo[3]);
-        ldsm_x4_t(bq, smem_u32(sQb + off));
-        mma16816<T>(dk[2 * nn], da, bq[0], bq[1]);
-        mma16816<T>(dk[2 * nn + 1], da, bq[2], bq[3]);
-      }
-    }
-
-#pragma unroll
-    for (int nt = 0; nt < BR / 8; ++nt) {
-#pragma unroll
-      for (int r = 0; r < 2; ++r)
-        *reinterpret_cast<uint32_t*>(sdS + (warp * 16 + g + 8 * r) * SR + nt * 8 + 2 * t4) =
-            pack2<T>(dpt[nt][2 * r], dpt[nt][2 * r + 1]);
-    }
+    bwd_dkdv_tile<T, D, BR>(dv, dk, st, dpt, sdOb, sQb, lane);
+    bwd_store_ds<T, BR>(sdS, dpt, warp, lane);
     __syncthreads();
     const int rg = warp % R, cg = warp / R;
     float dq[DC / 8][4];
-#pragma unroll
-    for (int nt = 0; nt < DC / 8; ++nt) dq[nt][0] = dq[nt][1] = dq[nt][2] = dq[nt][3] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < BC / 16; ++kk) {
-      uint32_t a[4];
-      ldsm_x4_t(a, smem_u32(sdS + (kk * 16 + (lane & 7) + ((lane >> 4) << 3)) * SR + rg * 16 + ((lane >> 3) & 1) * 8));
-#pragma unroll
-      for (int nn = 0; nn < DC / 16; ++nn) {
-        uint32_t bk[4];
-        ldsm_x4_t(bk, smem_u32(sK + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * SD + cg * DC + nn * 16 +
-                               (lane >> 4) * 8));
-        mma16816<T>(dq[2 * nn], a, bk[0], bk[1]);
-        mma16816<T>(dq[2 * nn + 1], a, bk[2], bk[3]);
-      }
-    }
+    bwd_dq_tile<T, D, BR, BC, DC>(dq, sdS, sK, rg, cg, lane);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int64_t i = row0 + rg * 16 + g + 8 * r;

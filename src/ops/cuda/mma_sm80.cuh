@@ -1,7 +1,8 @@
 // Tensor-core building blocks shared by the FlashAttention-2 style kernels (ops/cuda/
 // flash_attention.cu, ops/cuda/context_attention.cu): cp.async, ldmatrix and mma.sync.m16n8k16
-// with fp32 accumulation (sm_80+), 16-bit packing, and the cp.async load of a ROWS x D tile into
-// shared memory with row stride D + 8 (conflict-free ldmatrix). Only included by .cu files.
+// with fp32 accumulation (sm_80+), 16-bit packing, the cp.async load of a ROWS x D tile into
+// shared memory with row stride D + 8 (conflict-free ldmatrix), and the backward's tile steps.
+// Only included by .cu files.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -75,6 +76,74 @@ __device__ __forceinline__ void load_tile(T* sm, const T* g, int64_t row0, int64
     const int64_t row = row0 + r;
     const bool ok = row < lim;
     cp_async16(smem_u32(sm + r * (D + 8) + col), g + (ok ? row : 0) * rs + col, ok);
+  }
+}
+
+// FlashAttention-2 backward tile steps (Dao 2023, Algorithm 2), shared by fa_bwd_mma and
+// ca_bwd_mma. A warp owns 16 keys; p and ds are its P^T (dropout applied) and dS^T accumulators,
+// 16 keys x BR queries in m16n8 fragments; shared tiles have row stride D + 8 (Q, dO, K) and BR + 8
+// (dS^T).
+
+/// dV += P^T dO and dK += dS^T Q for this warp's 16 keys (A fragments from the accumulators, B by
+/// ldmatrix.trans from the query tile's sQ / sdO).
+template <typename T, int D, int BR>
+__device__ __forceinline__ void bwd_dkdv_tile(float (&dv)[D / 8][4], float (&dk)[D / 8][4], const float (&p)[BR / 8][4],
+                                              const float (&ds)[BR / 8][4], const T* sdO, const T* sQ, int lane) {
+  constexpr int SD = D + 8;
+#pragma unroll
+  for (int kk = 0; kk < BR / 16; ++kk) {
+    const uint32_t pa[4] = {pack2<T>(p[2 * kk][0], p[2 * kk][1]), pack2<T>(p[2 * kk][2], p[2 * kk][3]),
+                            pack2<T>(p[2 * kk + 1][0], p[2 * kk + 1][1]), pack2<T>(p[2 * kk + 1][2], p[2 * kk + 1][3])};
+    const uint32_t da[4] = {pack2<T>(ds[2 * kk][0], ds[2 * kk][1]), pack2<T>(ds[2 * kk][2], ds[2 * kk][3]),
+                            pack2<T>(ds[2 * kk + 1][0], ds[2 * kk + 1][1]),
+                            pack2<T>(ds[2 * kk + 1][2], ds[2 * kk + 1][3])};
+#pragma unroll
+    for (int nn = 0; nn < D / 16; ++nn) {
+      const int off = (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * SD + nn * 16 + (lane >> 4) * 8;
+      uint32_t bo[4], bq[4];
+      ldsm_x4_t(bo, smem_u32(sdO + off));
+      mma16816<T>(dv[2 * nn], pa, bo[0], bo[1]);
+      mma16816<T>(dv[2 * nn + 1], pa, bo[2], bo[3]);
+      ldsm_x4_t(bq, smem_u32(sQ + off));
+      mma16816<T>(dk[2 * nn], da, bq[0], bq[1]);
+      mma16816<T>(dk[2 * nn + 1], da, bq[2], bq[3]);
+    }
+  }
+}
+
+/// This warp's dS^T (16 keys x BR queries) into rows warp·16.. of sdS (row stride BR + 8).
+template <typename T, int BR>
+__device__ __forceinline__ void bwd_store_ds(T* sdS, const float (&ds)[BR / 8][4], int warp, int lane) {
+  const int g = lane >> 2, t4 = lane & 3;
+#pragma unroll
+  for (int nt = 0; nt < BR / 8; ++nt) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+      *reinterpret_cast<uint32_t*>(sdS + (warp * 16 + g + 8 * r) * (BR + 8) + nt * 8 + 2 * t4) =
+          pack2<T>(ds[nt][2 * r], ds[nt][2 * r + 1]);
+  }
+}
+
+/// dq = dS K over the block's BC keys for query rows rg·16.. and head dims cg·DC.. (overwritten;
+/// sdS as bwd_store_ds wrote it for every warp, sK with row stride D + 8).
+template <typename T, int D, int BR, int BC, int DC>
+__device__ __forceinline__ void bwd_dq_tile(float (&dq)[DC / 8][4], const T* sdS, const T* sK, int rg, int cg,
+                                            int lane) {
+  constexpr int SD = D + 8, SR = BR + 8;
+#pragma unroll
+  for (int nt = 0; nt < DC / 8; ++nt) dq[nt][0] = dq[nt][1] = dq[nt][2] = dq[nt][3] = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < BC / 16; ++kk) {
+    uint32_t a[4];
+    ldsm_x4_t(a, smem_u32(sdS + (kk * 16 + (lane & 7) + ((lane >> 4) << 3)) * SR + rg * 16 + ((lane >> 3) & 1) * 8));
+#pragma unroll
+    for (int nn = 0; nn < DC / 16; ++nn) {
+      uint32_t bk[4];
+      ldsm_x4_t(bk, smem_u32(sK + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * SD + cg * DC + nn * 16 +
+                             (lane >> 4) * 8));
+      mma16816<T>(dq[2 * nn], a, bk[0], bk[1]);
+      mma16816<T>(dq[2 * nn + 1], a, bk[2], bk[3]);
+    }
   }
 }
 

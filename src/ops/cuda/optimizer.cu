@@ -183,6 +183,18 @@ void launch_adamw_multi(float* p, const float* g, float* m, float* v, P* model, 
   }
 }
 
+/// Calls f(model) with the model copy's typed pointer: void* nullptr (fp32 training), bf16 or fp16.
+template <typename F>
+void with_model_copy(const Tensor& model_param, F&& f) {
+  if (model_param.empty()) {
+    f(static_cast<void*>(nullptr));
+  } else if (model_param.dtype() == DType::kBF16) {
+    f(model_param.data_as<__nv_bfloat16>());
+  } else {
+    f(model_param.data_as<__half>());
+  }
+}
+
 }  // namespace
 
 void grad_sumsq_accumulate(const Tensor& scalars, const Tensor& grads, const Stream& stream) {
@@ -206,37 +218,20 @@ void optimizer_prepare(const Tensor& scalars, float clip_grad, const Stream& str
 
 void adamw_step(const Tensor& main_param, const Tensor& grad, const Tensor& exp_avg, const Tensor& exp_avg_sq,
                 const Tensor& model_param, const AdamWHyper& hyper, const Tensor& scalars, const Stream& stream) {
-  const int64_t n = main_param.numel();
-  float* p = main_param.data_as<float>();
-  const float* g = grad.data_as<float>();
-  float* m = exp_avg.data_as<float>();
-  float* v = exp_avg_sq.data_as<float>();
-  const OptimizerScalars* s = scalars_ptr(scalars);
-  if (model_param.empty()) {
-    launch_adamw<void>(p, g, m, v, nullptr, n, hyper, s, cu(stream));
-  } else if (model_param.dtype() == DType::kBF16) {
-    launch_adamw(p, g, m, v, model_param.data_as<__nv_bfloat16>(), n, hyper, s, cu(stream));
-  } else {
-    launch_adamw(p, g, m, v, model_param.data_as<__half>(), n, hyper, s, cu(stream));
-  }
+  with_model_copy(model_param, [&](auto* model) {
+    launch_adamw(main_param.data_as<float>(), grad.data_as<float>(), exp_avg.data_as<float>(),
+                 exp_avg_sq.data_as<float>(), model, main_param.numel(), hyper, scalars_ptr(scalars), cu(stream));
+  });
   MT_CUDA_CHECK_LAUNCH();
 }
 
 void adamw_multi_step(const Tensor& main_param, const Tensor& grad, const Tensor& exp_avg, const Tensor& exp_avg_sq,
                       const Tensor& model_param, const AdamWPlan& plan, const AdamWHyper& hyper,
                       const Tensor& scalars, const Stream& stream) {
-  float* p = main_param.data_as<float>();
-  const float* g = grad.data_as<float>();
-  float* m = exp_avg.data_as<float>();
-  float* v = exp_avg_sq.data_as<float>();
-  const OptimizerScalars* s = scalars_ptr(scalars);
-  if (model_param.empty()) {
-    launch_adamw_multi<void>(p, g, m, v, nullptr, plan, hyper, s, cu(stream));
-  } else if (model_param.dtype() == DType::kBF16) {
-    launch_adamw_multi(p, g, m, v, model_param.data_as<__nv_bfloat16>(), plan, hyper, s, cu(stream));
-  } else {
-    launch_adamw_multi(p, g, m, v, model_param.data_as<__half>(), plan, hyper, s, cu(stream));
-  }
+  with_model_copy(model_param, [&](auto* model) {
+    launch_adamw_multi(main_param.data_as<float>(), grad.data_as<float>(), exp_avg.data_as<float>(),
+                       exp_avg_sq.data_as<float>(), model, plan, hyper, scalars_ptr(scalars), cu(stream));
+  });
   MT_CUDA_CHECK_LAUNCH();
 }
 
