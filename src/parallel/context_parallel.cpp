@@ -110,6 +110,8 @@ ContextParallelRegion::ContextParallelRegion(std::shared_ptr<Communicator> cp, c
   } else {
     p2p_ = cp_->split(rank_ % a, rank_ / a, "cp-p2p");
   }
+  if (p > 1 && opts_.comm_type != CpCommType::kAllGather)
+    ring_.reset(new Ring{Stream(device), Event(device), Event(device)});
   std::vector<int32_t> all;
   for (int r = 0; r < size_; ++r) {
     const auto pr = cp_positions(seq, size_, r);
@@ -119,6 +121,11 @@ ContextParallelRegion::ContextParallelRegion(std::shared_ptr<Communicator> cp, c
   Stream st(device);
   copy_bytes(positions_.data(), device, all.data(), Device::cpu(), all.size() * sizeof(int32_t), st);
   st.synchronize();
+}
+
+ContextParallelRegion::Ring& ContextParallelRegion::ring() const {
+  MT_CHECK(ring_ != nullptr, "the p2p ring of a CP region with p2p size {}", p2p_size());
+  return *ring_;
 }
 
 Tensor ContextParallelRegion::positions(int first, int count) const {

@@ -16,6 +16,7 @@
 
 #include "comm/communicator.h"
 #include "core/buffer.h"
+#include "core/stream.h"
 #include "core/tensor.h"
 
 namespace mt {
@@ -90,8 +91,24 @@ class ContextParallelRegion {
   /// Positions of CP ranks [first, first + count): a contiguous range of it.
   Tensor positions(int first, int count) const;
 
+  /// The p2p ring's own stream (p2p_size() > 1): the K/V and dK/dV sends/receives of ring step
+  /// i + 1 run on it while the compute stream attends to the block of step i (TransformerEngine's
+  /// overlap of the ring exchange with the blockwise attention). `ready` (recorded on the compute
+  /// stream, waited on by the ring stream) orders a step's sends after the buffers are written and
+  /// its receives after their previous contents were read; `done` (the other way) orders the
+  /// compute that reads a received block after its receive. Every exchange is joined back to the
+  /// compute stream within the attention call, so the pattern is capturable in a CUDA graph. On
+  /// the CPU streams run inline and events are no-ops: the ring is sequential, the results the
+  /// same. One per region, used by the layers in turn. Errors: mt::Error when p2p_size() == 1.
+  struct Ring {
+    Stream stream;
+    Event ready, done;
+  };
+  Ring& ring() const;
+
  private:
   std::shared_ptr<Communicator> cp_, a2a_, p2p_;
+  std::unique_ptr<Ring> ring_;
   ContextParallelOptions opts_;
   int size_, rank_;
   int64_t seq_;

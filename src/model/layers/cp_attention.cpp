@@ -61,6 +61,7 @@ void ContextParallelAttention::plan(BufferPlanner& p, int64_t s, int64_t b) {
     kv_[k] = p.scratch(fmt::format("cp_attention.kv{}", k), t, {rows, b, groups_a_, 2, d_});
     dkv_[k] = p.scratch(fmt::format("cp_attention.dkv{}", k), t, {rows, b, groups_a_, 2, d_});
   }
+  if (!all && p2p_ > 1) dkv_recv_ = p.scratch("cp_attention.dkv_recv", t, {sa, b, groups_a_, 2, d_});
 }
 
 ContextAttentionConfig ContextParallelAttention::op_config(const Tensor& q_pos, const Tensor& k_pos,
@@ -139,14 +140,24 @@ void ContextParallelAttention::block_backward(int i, int src, const Saved& sv, c
   }
 }
 
-void ContextParallelAttention::exchange(const Tensor& send, const Tensor& recv, const Stream& st) const {
-  Communicator& ring = cp_.p2p_group();
-  const int n = ring.size(), r = ring.rank();
-  ring.group_start();
-  ring.send(send, (r + 1) % n, st);
-  ring.recv(recv, (r + n - 1) % n, st);
-  ring.group_end();
+void ContextParallelAttention::exchange(const Tensor& send, const Tensor& recv, const Tensor& dsend,
+                                        const Tensor& drecv, const Stream& st) const {
+  ContextParallelRegion::Ring& ring = cp_.ring();
+  Communicator& group = cp_.p2p_group();
+  const int n = group.size(), r = group.rank();
+  ring.ready.record(st);
+  ring.ready.wait(ring.stream);
+  group.group_start();
+  for (const auto& [out, in] : {std::pair{send, recv}, std::pair{dsend, drecv}}) {
+    if (out.empty()) continue;
+    group.send(out, (r + 1) % n, ring.stream);
+    group.recv(in, (r + n - 1) % n, ring.stream);
+  }
+  group.group_end();
+  ring.done.record(ring.stream);
 }
+
+void ContextParallelAttention::exchange_wait(const Stream& st) const { cp_.ring().done.wait(st); }
 
 void ContextParallelAttention::forward(const Tensor& context, const Tensor& qkv, const StepContext& ctx) {
   const Saved& sv = saved_.at(static_cast<size_t>(ctx.slot));
@@ -173,12 +184,15 @@ void ContextParallelAttention::forward(const Tensor& context, const Tensor& qkv,
     cp_.group().all_gather(kv_[1], kv_[0], st);
     block_forward(0, 0, sv, out, kv_[1], doc, false, ctx);
   } else {
+    // Step i attends to block `cur` while the ring stream passes it on into `nxt` (step i + 1's).
     Tensor cur = kv_[0], nxt = kv_[1];
     kv_pack(cur, sv.qkv, qpg_, st);
     for (int i = 0; i < p2p_; ++i) {
       const int src = (outer_ - i + p2p_) % p2p_;
-      if (i + 1 < p2p_) exchange(cur, nxt, st);
+      const bool pass = i + 1 < p2p_;
+      if (pass) exchange(cur, nxt, Tensor(), Tensor(), st);
       block_forward(i, src, sv, out, cur, doc, i > 0, ctx);
+      if (pass) exchange_wait(st);
       std::swap(cur, nxt);
     }
   }
@@ -215,21 +229,32 @@ void ContextParallelAttention::backward(const Tensor& dqkv, const Tensor& dconte
     cp_.group().reduce_scatter(dkv_[0], dkv_[1], ReduceOp::kSum, st);
     kv_unpack(dq, dkv_[0], qpg_, st);
   } else {
-    Tensor cur = kv_[0], nxt = kv_[1], dcur = dkv_[0], dnxt = dkv_[1];
+    // dK/dV of a block travel with it: step i computes this rank's part for block src into
+    // dkv_[i % 2] while the ring stream brings the block's sum so far from the previous holder
+    // (into dkv_recv_) and passes on the sum of step i − 1; the part plus the received sum is
+    // then the block's sum, passed on during step i + 1. After the last step a final exchange
+    // brings every block's gradient home.
+    Tensor cur = kv_[0], nxt = kv_[1];
     kv_pack(cur, sv.qkv, qpg_, st);
-    fill(dcur, 0.f, st);
     for (int i = 0; i < p2p_; ++i) {
       const int src = (outer_ - i + p2p_) % p2p_;
-      if (i + 1 < p2p_) exchange(cur, nxt, st);
-      block_backward(i, src, sv, out, dout, dq, cur, dcur, doc, ctx);
-      // dK/dV of block src go on with it; after the last step each block's gradient is home.
-      if (p2p_ > 1) {
-        exchange(dcur, dnxt, st);
-        std::swap(dcur, dnxt);
-      }
+      const Tensor& dpart = dkv_[i % 2];
+      const bool pass_kv = i + 1 < p2p_, pass_dkv = i > 0;
+      if (pass_kv || pass_dkv)
+        exchange(pass_kv ? cur : Tensor(), pass_kv ? nxt : Tensor(), pass_dkv ? dkv_[(i + 1) % 2] : Tensor(),
+                 pass_dkv ? dkv_recv_ : Tensor(), st);
+      fill(dpart, 0.f, st);
+      block_backward(i, src, sv, out, dout, dq, cur, dpart, doc, ctx);
+      if (pass_kv || pass_dkv) exchange_wait(st);
+      if (pass_dkv) add(dpart, dpart, dkv_recv_, st);
       std::swap(cur, nxt);
     }
-    kv_unpack(dq, dcur, qpg_, st);
+    const Tensor& dlast = dkv_[(p2p_ - 1) % 2];
+    if (p2p_ > 1) {
+      exchange(Tensor(), Tensor(), dlast, dkv_recv_, st);
+      exchange_wait(st);
+    }
+    kv_unpack(dq, p2p_ > 1 ? dkv_recv_ : dlast, qpg_, st);
   }
   if (a2a_ > 1) {
     const Tensor recv = a2a_recv_.flat_range(0, dqkv_a_.numel());

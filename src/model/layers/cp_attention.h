@@ -3,11 +3,14 @@
 // load-balanced share of every sequence (parallel/context_parallel.h); queries, keys and values
 // come from those tokens, and keys/values of the other ranks arrive over the CP group:
 //   p2p        ring over the CP group: N steps; at step i this rank attends to the K/V block of CP
-//              rank (r − i) mod N and passes its block on; partial outputs merged by their LSE.
+//              rank (r − i) mod N while the ring's own stream passes the block on (the exchange
+//              overlaps the block attention); partial outputs merged by their LSE.
 //              Causal skipping (load balance): for a block of an earlier rank only its first chunk
 //              is visible (all of it, to both local chunks); for a later rank only the second
 //              local chunk sees it (all of it): half a block each. Backward: the same ring, dK/dV
-//              travel with their block and arrive back at the owner after N steps.
+//              travel with their block and arrive back at the owner after N steps; a block's sum
+//              so far is received while this rank computes its part, and sent on during the next
+//              step, so only the last exchange is not overlapped.
 //   allgather  K/V all-gathered (rank order), one attention call; dK/dV reduce-scattered.
 //   a2a        Ulysses (Jacobs et al. 2023): all-to-all from [s/N, b, g_l] to [s, b, g_l/N] query
 //              groups (qkv), full-sequence attention over the local heads, all-to-all back.
@@ -54,7 +57,11 @@ class ContextParallelAttention final : public CoreAttention {
                      bool merge, const StepContext& ctx) const;
   void block_backward(int i, int src, const Saved& sv, const Tensor& out, const Tensor& dout, const Tensor& dq,
                       const Tensor& kv, const Tensor& dkv, const Tensor& doc, const StepContext& ctx) const;
-  void exchange(const Tensor& send, const Tensor& recv, const Stream& st) const;  // ring step
+  /// One ring step on the p2p ring's stream (ContextParallelRegion::Ring), after the work queued
+  /// on `st`: send → next rank and recv ← previous rank, for each pair given (empty = skipped).
+  void exchange(const Tensor& send, const Tensor& recv, const Tensor& dsend, const Tensor& drecv,
+                const Stream& st) const;
+  void exchange_wait(const Stream& st) const;  ///< `st` waits for the last exchange
 
   const TransformerConfig& config_;
   int64_t layer_;
@@ -64,6 +71,7 @@ class ContextParallelAttention final : public CoreAttention {
   int64_t head_offset_;    // global index of the first query head this rank attends with (dropout key)
   std::vector<Saved> saved_;
   Tensor kv_[2], dkv_[2];   // scratch [A·s_l, b, g_a, 2, d] (allgather: [s, b, g_l, 2, d])
+  Tensor dkv_recv_;         // p2p: the running dK/dV sum of a block received from the previous holder
   Tensor a2a_send_, a2a_recv_, dqkv_a_, dout_a_, doc_gather_;  // a2a scratch
   Tensor workspace_;  // context_attention_backward's (tensor-core kernels on CUDA)
 };
