@@ -209,6 +209,7 @@ GPTModel::GPTModel(const TransformerConfig& config, int64_t micro_batch, DType d
   MT_REQUIRE(layout.activation_slots >= 1, "the model needs at least one activation slot, got {}",
              layout.activation_slots);
   activation_slots_ = layout.activation_slots;
+  head_options_ = layout.head;
   std::vector<pipeline::LayerRange> ranges;
   int64_t prev_end = 0;
   for (size_t c = 0; c < chunks.size(); ++c) {
@@ -335,7 +336,7 @@ void GPTModel::plan(BufferPlanner& p) {
     if (!chunks_[c].head) continue;
     for (int k = 0; k < chunk_specs_[c].loss_slots; ++k) {
       p.open_area(Family::kHead, k);
-      chunks_[c].head->plan(p, s, b);
+      chunks_[c].head->plan(p, s, b, head_options_);
       p.close_area();
     }
   }
@@ -433,7 +434,7 @@ void GPTModel::backward(const MicroBatch& mb, const DropoutContext& dc, float gr
 
 Tensor GPTModel::forward_chunk(int c, const ChunkBuffers& buf, const MicroBatch& mb, const DropoutContext& dc_in,
                                const Tensor& loss_accum, float loss_weight, const Stream& st, bool first_forward,
-                               bool compute_loss) {
+                               bool compute_loss, const HeadGrad* head_grad) {
   check_buffers(c, buf);
   const DropoutContext dc = cp_dropout(dc_in);
   MT_REQUIRE(!cp_ || ((mb.tokens.empty() || mb.tokens.size(0) == local_seq_length()) && !mb.position_ids.empty()),
@@ -466,7 +467,7 @@ Tensor GPTModel::forward_chunk(int c, const ChunkBuffers& buf, const MicroBatch&
   }
   if (!ch.head) return x;
   needed(ch.head->param_group());
-  ch.head->forward(x, loss_accum, loss_weight, compute_loss, StepContext{mb, dc, buf.head, st});
+  ch.head->forward(x, loss_accum, loss_weight, compute_loss, head_grad, StepContext{mb, dc, buf.head, st});
   return Tensor();
 }
 

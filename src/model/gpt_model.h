@@ -104,7 +104,7 @@ class GPTModel final : public LanguageModel {
   Tensor chunk_output(int c, const ChunkBuffers& buf) const override;
   Tensor forward_chunk(int c, const ChunkBuffers& buf, const MicroBatch& mb, const DropoutContext& dc,
                        const Tensor& loss_accum, float loss_weight, const Stream& stream, bool first_forward = false,
-                       bool compute_loss = true) override;
+                       bool compute_loss = true, const HeadGrad* head_grad = nullptr) override;
   void backward_chunk(int c, const ChunkBuffers& buf, const MicroBatch& mb, const DropoutContext& dc,
                       const Tensor& grad, float grad_scale, const Tensor& loss_scale, const Stream& stream,
                       bool last_backward) override;
@@ -170,6 +170,7 @@ class GPTModel final : public LanguageModel {
   std::vector<ModelChunk> chunk_specs_;
   std::vector<ChunkState> chunks_;
   int activation_slots_ = 1;
+  HeadOptions head_options_;
   Tensor residual_grad_;  // [s_l, b, h]: the running dL/d(residual stream) when no grad is given
   ParamGradHooks* hooks_ = nullptr;
   bool flash_ = false;

@@ -8,6 +8,7 @@
 
 #include "comm/communicator.h"
 #include "model/layers/moe_dispatcher.h"
+#include "model/layers/output_head.h"
 #include "model/module.h"
 #include "model/param_hooks.h"
 #include "model/params.h"
@@ -32,6 +33,9 @@ struct ModelChunk {
 struct ModelLayout {
   std::vector<ModelChunk> chunks;
   int activation_slots = 1;
+  /// The loss chunk's logits: whole (the default; inference: logits()) or in chunks of rows
+  /// (training, model_layout in train/pipeline.h).
+  HeadOptions head;
 };
 /// Which buffers one forward/backward of a chunk uses (ModelChunk / ModelLayout).
 struct ChunkBuffers {
@@ -74,10 +78,14 @@ class LanguageModel {
   /// embedding, which writes it there. Returns the chunk's output [s_l, b, h] (valid until the slot
   /// is reused; empty for the loss chunk, which instead accumulates loss_accum[0] +=
   /// loss_weight · Σ losses). first_forward: the chunk's first forward of the step (params_needed
-  /// hooks are called). compute_loss = false: the loss chunk only produces logits (generation).
+  /// hooks are called). compute_loss = false: the loss chunk only produces logits (generation;
+  /// models planned with ModelLayout::head.keep_logits). head_grad (loss chunk): this micro-batch's
+  /// backward_chunk follows with these scales, so the head makes its gradients in the forward
+  /// (model/layers/output_head.h); nullptr: the backward recomputes the logits.
   virtual Tensor forward_chunk(int c, const ChunkBuffers& buf, const MicroBatch& mb, const DropoutContext& dc,
                                const Tensor& loss_accum, float loss_weight, const Stream& stream,
-                               bool first_forward = false, bool compute_loss = true) = 0;
+                               bool first_forward = false, bool compute_loss = true,
+                               const HeadGrad* head_grad = nullptr) = 0;
   /// Backward of micro-batch mb through chunk c from the buffers its forward used. grad
   /// [s_l, b, h] (activation dtype): on entry dL/d(output) (ignored by the loss chunk), on exit
   /// dL/d(input) (unspecified for the embedding chunk); empty = internal scratch (chunks with both

@@ -58,7 +58,7 @@ MemoryEstimate estimate_training_memory(const MemoryEstimateInputs& in) {
                                  m.activation_slots == 1 ? "" : "s", gib(m.activation_slot_bytes)),
                      m.activation_slot_bytes * static_cast<size_t>(m.activation_slots), kActivationRemedy});
   e.parts.push_back({"recompute area", m.recompute_bytes, "a smaller --recompute-num-layers"});
-  e.parts.push_back({"loss head (logits)", m.head_slot_bytes * static_cast<size_t>(m.head_slots),
+  e.parts.push_back({"loss head", m.head_slot_bytes * static_cast<size_t>(m.head_slots),
                      "a smaller --micro-batch-size or a larger --tensor-model-parallel-size"});
   e.parts.push_back({"scratch (temporaries shared by the layers)", m.scratch_bytes,
                      "a smaller --micro-batch-size or a larger --tensor-model-parallel-size"});

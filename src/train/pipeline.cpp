@@ -138,6 +138,7 @@ PipelinePlan plan_pipeline(const pipeline::ScheduleConfig& cfg, int pp_rank,
 ModelLayout model_layout(const std::vector<pipeline::LayerRange>& chunks,
                          const std::vector<const PipelinePlan*>& plans) {
   ModelLayout out;
+  out.head.keep_logits = false;  // the head computes its loss and gradients in chunks of rows
   for (size_t c = 0; c < chunks.size(); ++c) {
     ModelChunk mc{chunks[c], 1, 1};
     for (const PipelinePlan* p : plans) {
@@ -191,6 +192,9 @@ void PipelineExecutor::run(const PipelinePlan& plan, const std::vector<MicroBatc
              plan.config.num_microbatches);
   const auto& acts = plan.actions;
   const size_t n = acts.size();
+  const bool has_backward = std::any_of(acts.begin(), acts.end(), [](const Action& a) {
+    return a.kind == ActionKind::kBackward;
+  });
   auto grad = [&](size_t i) { return plan.grad_buffer[i] < 0 ? Tensor() : grads_[plan.grad_buffer[i]]; };
   for (size_t i = 0; i < n;) {
     const Action& a = acts[i];
@@ -228,8 +232,11 @@ void PipelineExecutor::run(const PipelinePlan& plan, const std::vector<MicroBatc
         dc.microbatch_ptr = key;
       }
       if (a.kind == ActionKind::kForward) {
+        // The loss chunk makes its gradients in the forward when this micro-batch's backward
+        // follows in the plan, with the scales that backward uses (model/layers/output_head.h).
+        const HeadGrad head_grad{mb.loss_weight, loss_scale};
         model_.forward_chunk(a.chunk, plan.buffers[i], mb, dc, loss_accum, loss_weight_scale * mb.loss_weight, st,
-                             a.first_in_chunk);
+                             a.first_in_chunk, /*compute_loss=*/true, has_backward ? &head_grad : nullptr);
       } else {
         model_.backward_chunk(a.chunk, plan.buffers[i], mb, dc, grad(i), mb.loss_weight, loss_scale, st,
                               a.last_in_chunk);

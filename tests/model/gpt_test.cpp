@@ -744,5 +744,74 @@ TEST(Gpt, LlamaDefaultsAndFlops) {
   EXPECT_NEAR(c.flops_per_iteration(8) / expect, 1.0, 1e-12);
 }
 
+// The LM head in chunks of rows (model/layers/output_head.h): with the gradients made in the forward
+// (HeadGrad, the pipeline executor's way) and with the logits recomputed in the backward, the loss
+// and every gradient equal those of the whole-logits head (keep_logits), for 3-row chunks of the 10
+// rows (3, 3, 3, 1), tied (GPT) and untied (Llama), with a loss mask. A chunked model refuses to
+// produce logits, and a backward whose scales differ from those its forward used.
+TEST(Gpt, HeadInChunksEqualsWholeLogits) {
+  for (const bool llama : {false, true}) {
+    SCOPED_TRACE(llama ? "llama" : "gpt");
+    const TransformerConfig c = llama ? tiny_llama_config(0.f) : tiny_config(0.f);
+    const int64_t B = 2, T = c.seq_length * B;
+    const float w = 1.0f / static_cast<float>(T);
+    Stream st(Device::cpu());
+    const auto tok = testing::randint(T, 0, static_cast<int32_t>(c.vocab_size));
+    const auto lab = testing::randint(T, 0, static_cast<int32_t>(c.vocab_size));
+    std::vector<float> mask(static_cast<size_t>(T), 1.f);
+    mask[1] = mask[6] = 0.f;
+    OwnedTensor tokens = testing::make_int_tensor(tok, Device::cpu(), {c.seq_length, B}, st);
+    OwnedTensor labels = testing::make_int_tensor(lab, Device::cpu(), {c.seq_length, B}, st);
+    OwnedTensor lmask = testing::make_tensor(mask, DType::kF32, Device::cpu(), {c.seq_length, B}, st);
+    const MicroBatch mb{tokens.t, labels.t, lmask.t};
+    const DropoutContext dc{7, 2, 1, true};
+    const uint64_t seed = testing::test_seed();
+    struct Run {
+      double loss;
+      std::vector<std::vector<float>> grads;
+    };
+    // mode 0: whole logits; 1: chunks, gradients in the forward; 2: chunks, recomputed in the backward.
+    auto run = [&](int mode) {
+      ModelLayout ml;
+      if (mode > 0) {
+        ml.head.keep_logits = false;
+        ml.head.chunk_bytes = static_cast<size_t>(3 * c.padded_vocab_size(1)) * 4;
+      }
+      GPTModel m(c, B, DType::kF32, Device::cpu(), ProcessGroups::single(), false, ParamLayout{}, ml);
+      m.params().initialize(seed, st);
+      OwnedTensor loss(DType::kF32, Device::cpu(), {1});
+      const HeadGrad hg{w, Tensor()};
+      const HeadGrad* grad = mode == 1 ? &hg : nullptr;
+      if (mode > 0) {  // the refusals first
+        try {
+          m.forward_chunk(0, ChunkBuffers{}, mb, dc, loss.t, w, st, false, /*compute_loss=*/false);
+          ADD_FAILURE() << "a chunked head produced logits";
+        } catch (const Error& e) {
+          EXPECT_NE(std::string(e.what()).find("keep_logits"), std::string::npos) << e.what();
+        }
+        if (mode == 1) {  // the forward's scales bind its backward
+          m.forward_chunk(0, ChunkBuffers{}, mb, dc, loss.t, w, st, false, true, grad);
+          EXPECT_THROW(m.backward(mb, dc, 2 * w, Tensor(), st), Error);
+        }
+      }
+      m.params().zero_grads(st);
+      fill(loss.t, 0.f, st);
+      m.forward_chunk(0, ChunkBuffers{}, mb, dc, loss.t, w, st, false, true, grad);
+      m.backward(mb, dc, w, Tensor(), st);
+      Run r{testing::to_host(loss.t, st)[0], {}};
+      for (size_t i = 0; i < m.params().size(); ++i) r.grads.push_back(testing::to_host(m.params().grad(i), st));
+      return r;
+    };
+    const Run ref = run(0);
+    for (int mode : {1, 2}) {
+      SCOPED_TRACE(mode == 1 ? "gradients in the forward" : "recomputed in the backward");
+      const Run got = run(mode);
+      EXPECT_NEAR(got.loss, ref.loss, 1e-6 * std::abs(ref.loss));
+      ASSERT_EQ(got.grads.size(), ref.grads.size());
+      for (size_t i = 0; i < ref.grads.size(); ++i) EXPECT_LT(testing::rel_err(got.grads[i], ref.grads[i]), 1e-5) << i;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace mt

@@ -140,6 +140,7 @@ struct Layout {
   // full block, with recompute_layers (--recompute-num-layers)
   char recompute = 0;
   int recompute_layers = 0;
+  int64_t head_chunk = 0;  // rows per chunk of the LM head's logits (0: the default, all 16 rows)
   // Reference only: each micro-batch is the union (along b) of `merge` consecutive sample groups,
   // i.e. of the DP ranks' micro-batches of one step (global_aux_loss: the global micro-batch).
   int merge = 1;
@@ -171,6 +172,7 @@ struct Layout {
     if (echo > 0) s += fmt::format("_echo{}", echo);
     if (received > 0) s += fmt::format("_recv{}", received);
     if (slot_keys) s += "_slotkeys";
+    if (head_chunk > 0) s += fmt::format("_headchunk{}", head_chunk);
     if (recompute == 's') s += "_rc_selective";
     if (recompute == 'u' || recompute == 'b')
       s += fmt::format("_rc_{}{}", recompute == 'u' ? "uniform" : "block", recompute_layers);
@@ -260,7 +262,9 @@ Result run_layout(const Layout& L, const std::vector<int32_t>& tokens, const std
     // (the tied embedding's after the embedding-group all-reduce).
     ParamLayout pl(L.dp, L.overlap ? 2000 : 0);
     pl.expert_data_parallel_size = pc.edp;
-    GPTModel model(c, B, DType::kF32, Device::cpu(), g, L.sp, pl, model_layout(ranges, {&plan}));
+    ModelLayout ml = model_layout(ranges, {&plan});
+    if (L.head_chunk > 0) ml.head.chunk_bytes = static_cast<size_t>(L.head_chunk * c.padded_vocab_size(L.tp) / L.tp) * 4;
+    GPTModel model(c, B, DType::kF32, Device::cpu(), g, L.sp, pl, ml);
     PipelineExecutor executor(model, g.pp, {&plan});
     if (L.slot_keys) executor.use_slot_keys();
     GradSync sync(model.params(), g.dp, DdpConfig{L.overlap, L.overlap && L.zero, L.zero}, g.edp);
@@ -460,6 +464,25 @@ std::vector<Layout> layouts() {
         L.micro_total = k * pp;
         v.push_back(L);
       }
+  // The LM head in chunks of 5 of its 16 rows (5, 5, 5, 1): vocab-parallel statistics per chunk,
+  // the dx rows of each chunk reduced (SP: reduce-scattered) once, the gradients made in the forward.
+  for (const auto& [tp, sp, dp, zero, pp, vpp, arch] :
+       {std::tuple{2, true, 1, false, 1, 0, Arch::kGpt}, std::tuple{4, false, 1, false, 1, 0, Arch::kGpt},
+        std::tuple{1, false, 2, true, 1, 0, Arch::kGpt}, std::tuple{1, false, 1, false, 2, 2, Arch::kGpt},
+        std::tuple{2, true, 1, false, 2, 0, Arch::kLlama}}) {
+    Layout L;
+    L.arch = arch;
+    L.tp = tp;
+    L.sp = sp;
+    L.dp = dp;
+    L.zero = zero;
+    L.pp = pp;
+    L.vpp = vpp;
+    L.odd_vocab = arch == Arch::kGpt;
+    L.micro_total = 4;
+    L.head_chunk = 5;
+    v.push_back(L);
+  }
   Layout u;  // uneven first / last stages: 1 + 3 + 3 + 1 -> first 1, last 1, middle 3 each
   u.pp = 4;
   u.micro_total = 4;

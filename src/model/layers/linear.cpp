@@ -50,6 +50,29 @@ void ColumnParallelLinear::forward(const Tensor& y, const StepContext& ctx, cons
                  pre_gelu.empty() ? Tensor() : pre_gelu.view({pre_gelu.numel() / n, n}), ctx.stream);
 }
 
+Tensor ColumnParallelLinear::gather_input(const StepContext& ctx) {
+  const Tensor& x = saved_.at(static_cast<size_t>(ctx.slot));
+  tp_.enter_forward(x, input_local_, ctx.stream);
+  return rows(x);
+}
+
+void ColumnParallelLinear::forward_rows(const Tensor& y, int64_t first, int64_t count, const StepContext& ctx) {
+  const Tensor x = rows(saved_.at(static_cast<size_t>(ctx.slot)));
+  linear_forward(y, x.slice0(first, first + count), weight().value(), value_or_empty(bias_), Tensor(), ctx.stream);
+}
+
+void ColumnParallelLinear::backward_rows(const Tensor& dy, int64_t first, int64_t count, const Tensor& dx_full,
+                                         const StepContext& ctx) {
+  const Tensor x = rows(saved_.at(static_cast<size_t>(ctx.slot)));
+  linear_backward(dx_full.slice0(first, first + count), weight().grad(), grad_or_empty(bias_), dy,
+                  x.slice0(first, first + count), weight().value(), ctx.stream);
+}
+
+void ColumnParallelLinear::reduce_input_grad(const Tensor& dx_local, const Tensor& dx_full,
+                                             const StepContext& ctx) const {
+  tp_.enter_backward(dx_local, dx_full, ctx.stream);
+}
+
 Tensor ColumnParallelLinear::backward(const Tensor& dy, const StepContext& ctx, WgradDeferral* defer,
                                       bool bias_grad_done) {
   const Tensor& x = saved_.at(static_cast<size_t>(ctx.slot));

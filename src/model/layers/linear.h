@@ -64,6 +64,21 @@ class ColumnParallelLinear {
   const ParamRef& bias() const { return bias_; }
   int64_t local_out() const { return parts_ * out_ / tp_.size(); }
 
+  // The same computation in pieces of rows (the language-model head's chunks of the vocabulary
+  // GEMM, model/layers/output_head.h): gather_input once, then any row ranges, then the dx reduction.
+  /// The gathered input [s·b, in] of the context's area (the f operator / SP all-gather runs here).
+  Tensor gather_input(const StepContext& ctx);
+  /// y [count, parts·out/tp] = x[first, first + count) Wᵀ (+ b) of the gathered input.
+  void forward_rows(const Tensor& y, int64_t first, int64_t count, const StepContext& ctx);
+  /// From dy [count, parts·out/tp] of those rows: dx_full[first, first + count) = dy W (overwrite;
+  /// dx_full [s·b, in], e.g. dgrad_scratch()) and dW (+ db) += dyᵀ x_rows (+ Σ dy).
+  void backward_rows(const Tensor& dy, int64_t first, int64_t count, const Tensor& dx_full, const StepContext& ctx);
+  /// dx_local [s_l·b, in] from the rows' dx_full [s·b, in]: the TP all-reduce (dx_local may alias
+  /// dx_full) or, with SP, the reduce-scatter (the f operator's backward).
+  void reduce_input_grad(const Tensor& dx_local, const Tensor& dx_full, const StepContext& ctx) const;
+  /// The layer's dx scratch [s·b, in] (shared by the column-parallel layers).
+  Tensor dgrad_scratch() const { return rows(dx_full_); }
+
  private:
   const TensorParallelRegion& tp_;
   int64_t in_, out_, parts_;

@@ -27,6 +27,8 @@ ColumnParallelLinear::Options output_options(const TransformerConfig& c, int tp,
   o.vocab_rows = c.vocab_size;
   return o;
 }
+
+const void* scale_ptr(const Tensor& loss_scale) { return loss_scale.empty() ? nullptr : loss_scale.data(); }
 }  // namespace
 
 LanguageModelHead::LanguageModelHead(const TransformerConfig& c, const TensorParallelRegion& tp, ParamRegistry& reg,
@@ -41,59 +43,113 @@ LanguageModelHead::LanguageModelHead(const TransformerConfig& c, const TensorPar
   MT_CHECK(tied_weight == nullptr || c.tied_output(), "an untied output layer was given the word embedding");
 }
 
-void LanguageModelHead::plan(BufferPlanner& p, int64_t s, int64_t b) {
-  const int64_t T = s * b;
+void LanguageModelHead::plan(BufferPlanner& p, int64_t s, int64_t b, const HeadOptions& o) {
+  const int64_t T = s * b, vl = output_layer_.local_out();
+  const DType t = p.act_dtype();
   final_layernorm_.plan(p, tp_.local_seq(s) * b);
   output_layer_.plan(p, s, b);
   const size_t a = static_cast<size_t>(p.area());
   if (saved_.size() <= a) saved_.resize(a + 1);
-  saved_[a].ce_max = p.saved(DType::kF32, {T}, "ce_max");
-  saved_[a].ce_sumexp = p.saved(DType::kF32, {T}, "ce_sumexp");
-  saved_[a].logits = p.saved(p.act_dtype(), {T, output_layer_.local_out()}, "logits");
+  Saved& H = saved_[a];
+  H.ce_max = p.saved(DType::kF32, {T}, "ce_max");
+  H.ce_sumexp = p.saved(DType::kF32, {T}, "ce_sumexp");
+  H.dln = p.saved(t, {tp_.local_seq(s) * b, config_.hidden_size}, "head dL/d(final norm output)");
+  if (o.keep_logits) {
+    chunk_rows_ = T;
+    H.logits = p.saved(t, {T, vl}, "logits");
+  } else {
+    const int64_t fit = static_cast<int64_t>(o.chunk_bytes / (static_cast<size_t>(vl) * dtype_size(t)));
+    chunk_rows_ = std::clamp<int64_t>(fit, 1, T);
+    chunk_logits_ = p.scratch("head.chunk_logits", t, {chunk_rows_, vl});
+  }
   ce_local_max_ = p.scratch("head.ce_local_max", DType::kF32, {T});
   ce_target_ = p.scratch("head.ce_target", DType::kF32, {T});
   losses_ = p.scratch("head.losses", DType::kF32, {T});
 }
 
-void LanguageModelHead::forward(const Tensor& x, const Tensor& loss_accum, float loss_weight, bool compute_loss,
-                                const StepContext& ctx) {
-  const Saved& H = saved_.at(static_cast<size_t>(ctx.slot));
-  final_layernorm_.forward(rows(output_layer_.input(ctx.slot)), rows(x), ctx);
-  output_layer_.forward(H.logits, ctx);
-  if (!compute_loss) return;
-  const int64_t T = H.logits.size(0);
+Tensor LanguageModelHead::logits(int area) const { return saved_.at(static_cast<size_t>(area)).logits; }
+
+void LanguageModelHead::run_chunks(const Saved& H, bool stats, const Tensor& loss_accum, float loss_weight,
+                                   const HeadGrad* grad, const Tensor& dx_full, const StepContext& ctx) {
+  const Stream& st = ctx.stream;
+  const int64_t T = H.ce_max.numel();
   const MicroBatch& mb = ctx.batch;
   check_tensor(mb.labels, DType::kI32, {mb.tokens.size(0), mb.tokens.size(1)}, "labels");
   const Tensor labels = mb.labels.view({T});
   const Tensor mask = mb.loss_mask.empty() ? Tensor() : mb.loss_mask.view({T});
-  if (tp_.size() == 1) {
-    cross_entropy_stats(H.ce_max, H.ce_sumexp, ce_target_, H.logits, labels, 0, valid_cols_, ctx.stream);
-  } else {
-    // Vocab-parallel cross entropy: three all-reduces of s·b values, never of s·b·V.
-    Communicator& tp = tp_.group();
-    cross_entropy_stats(ce_local_max_, H.ce_sumexp, ce_target_, H.logits, labels, vocab_start_, valid_cols_,
-                        ctx.stream);
-    copy(H.ce_max, ce_local_max_, ctx.stream);
-    tp.all_reduce(H.ce_max, ReduceOp::kMax, ctx.stream);
-    cross_entropy_rescale_sumexp(H.ce_sumexp, ce_local_max_, H.ce_max, ctx.stream);
-    tp.all_reduce(H.ce_sumexp, ReduceOp::kSum, ctx.stream);
-    tp.all_reduce(ce_target_, ReduceOp::kSum, ctx.stream);
+  for (int64_t r0 = 0; r0 < T; r0 += chunk_rows_) {
+    const int64_t n = std::min(chunk_rows_, T - r0);
+    auto part = [&](const Tensor& v) { return v.empty() ? v : v.flat_range(r0, n); };
+    const Tensor logits = H.logits.empty() ? chunk_logits_.slice0(0, n) : H.logits.slice0(r0, r0 + n);
+    const Tensor mx = part(H.ce_max), se = part(H.ce_sumexp), tg = part(ce_target_), lab = part(labels),
+                 m = part(mask);
+    output_layer_.forward_rows(logits, r0, n, ctx);
+    if (stats) {
+      if (tp_.size() == 1) {
+        cross_entropy_stats(mx, se, tg, logits, lab, 0, valid_cols_, st);
+      } else {
+        // Vocab-parallel cross entropy: three all-reduces of the chunk's rows, never of logits.
+        Communicator& tp = tp_.group();
+        const Tensor lmax = part(ce_local_max_);
+        cross_entropy_stats(lmax, se, tg, logits, lab, vocab_start_, valid_cols_, st);
+        copy(mx, lmax, st);
+        tp.all_reduce(mx, ReduceOp::kMax, st);
+        cross_entropy_rescale_sumexp(se, lmax, mx, st);
+        tp.all_reduce(se, ReduceOp::kSum, st);
+        tp.all_reduce(tg, ReduceOp::kSum, st);
+      }
+      cross_entropy_loss(part(losses_), mx, se, tg, m, st);
+      sum_accumulate(loss_accum, part(losses_), loss_weight, st);
+    }
+    if (grad) {
+      cross_entropy_backward_inplace(logits, lab, mx, se, m, vocab_start_, valid_cols_, grad->grad_scale,
+                                     grad->loss_scale, st);
+      output_layer_.backward_rows(logits, r0, n, dx_full, ctx);
+    }
   }
-  cross_entropy_loss(losses_, H.ce_max, H.ce_sumexp, ce_target_, mask, ctx.stream);
-  sum_accumulate(loss_accum, losses_, loss_weight, ctx.stream);
+}
+
+void LanguageModelHead::forward(const Tensor& x, const Tensor& loss_accum, float loss_weight, bool compute_loss,
+                                const HeadGrad* grad, const StepContext& ctx) {
+  Saved& H = saved_.at(static_cast<size_t>(ctx.slot));
+  MT_REQUIRE(compute_loss || !H.logits.empty(),
+             "the language-model head of a training model computes its loss in chunks of {} rows and keeps no "
+             "logits; logits need a model planned with keep_logits (HeadOptions, inference)",
+             chunk_rows_);
+  MT_CHECK(grad == nullptr || compute_loss, "the head's gradients need the loss");
+  final_layernorm_.forward(rows(output_layer_.input(ctx.slot)), rows(x), ctx);
+  output_layer_.gather_input(ctx);
+  H.has_loss = compute_loss;
+  H.has_grad = grad != nullptr;
+  H.grad_scale = grad ? grad->grad_scale : 0.f;
+  H.loss_scale = grad ? scale_ptr(grad->loss_scale) : nullptr;
+  if (!compute_loss) {
+    output_layer_.forward_rows(H.logits, 0, H.logits.size(0), ctx);
+    return;
+  }
+  const Tensor dx_full = tp_.sequence_parallel() ? output_layer_.dgrad_scratch() : H.dln;
+  run_chunks(H, /*stats=*/true, loss_accum, loss_weight, grad, dx_full, ctx);
+  if (grad) output_layer_.reduce_input_grad(H.dln, dx_full, ctx);
 }
 
 void LanguageModelHead::backward(const Tensor& dx, const Tensor& x, float grad_scale, const Tensor& loss_scale,
                                  const StepContext& ctx) {
   const Saved& H = saved_.at(static_cast<size_t>(ctx.slot));
-  const int64_t T = H.logits.size(0);
-  const MicroBatch& mb = ctx.batch;
-  const Tensor labels = mb.labels.view({T});
-  const Tensor mask = mb.loss_mask.empty() ? Tensor() : mb.loss_mask.view({T});
-  cross_entropy_backward_inplace(H.logits, labels, H.ce_max, H.ce_sumexp, mask, vocab_start_, valid_cols_, grad_scale,
-                                 loss_scale, ctx.stream);
-  const Tensor d_ln = output_layer_.backward(H.logits, ctx);
-  final_layernorm_.backward(rows(dx), rows(d_ln), rows(x), /*accumulate_dx=*/false, ctx);
+  MT_REQUIRE(H.has_loss, "the language-model head's backward needs a forward that computed the loss");
+  if (H.has_grad) {
+    MT_REQUIRE(H.grad_scale == grad_scale && H.loss_scale == scale_ptr(loss_scale),
+               "the language-model head's forward made its gradients with grad_scale {} and loss scale {}; the "
+               "backward asks for grad_scale {} and loss scale {}",
+               H.grad_scale, H.loss_scale ? "a device tensor" : "none", grad_scale,
+               loss_scale.empty() ? "none" : "another device tensor");
+  } else {
+    // The forward kept the softmax statistics only: each chunk's logits are computed again.
+    const Tensor dx_full = tp_.sequence_parallel() ? output_layer_.dgrad_scratch() : H.dln;
+    const HeadGrad g{grad_scale, loss_scale};
+    run_chunks(H, /*stats=*/false, Tensor(), 0.f, &g, dx_full, ctx);
+    output_layer_.reduce_input_grad(H.dln, dx_full, ctx);
+  }
+  final_layernorm_.backward(rows(dx), H.dln, rows(x), /*accumulate_dx=*/false, ctx);
 }
 
 }  // namespace mt
