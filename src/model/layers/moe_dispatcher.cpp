@@ -159,7 +159,7 @@ class EchoRouter {
     } else {
       copy(counts_ep_.view({E_}), counts_, st);
     }
-    moe_echo_plan(clone_expert, clone_quota_, quota_, counts_ep_, S_, st);
+    moe_echo_plan(clone_expert, clone_quota_, quota_, counts_ep_, P_, S_, st);
     const int64_t r = ep_.ep_group ? ep_.ep_group->rank() : 0;
     const Tensor rerouted = rerouted_.view(top.shape());
     moe_echo_reroute(rerouted, top, clone_expert, quota_.slice0(r, r + 1).view({P_ * S_}), E_, st);
