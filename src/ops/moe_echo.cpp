@@ -20,21 +20,22 @@ void check_ints(const Tensor& t, const Tensor& ref, int ndim, int64_t n, const c
 }  // namespace
 
 void moe_echo_plan(const Tensor& clone_expert, const Tensor& clone_quota, const Tensor& quota, const Tensor& counts,
-                   int64_t num_echo, const Stream& stream) {
+                   int64_t ep, int64_t num_echo, const Stream& stream) {
   const char* fn = "moe_echo_plan";
   MT_CHECK(counts.dtype() == DType::kI32 && counts.ndim() == 2 && counts.is_contiguous() && counts.size(0) >= 1 &&
                counts.size(1) >= 1,
-           "{}: counts must be a contiguous int32 [ep, E] tensor, got {}", fn, counts.str());
-  const int64_t ep = counts.size(0), E = counts.size(1);
+           "{}: counts must be a contiguous int32 [sources, E] tensor, got {}", fn, counts.str());
+  const int64_t R = counts.size(0), E = counts.size(1);
+  MT_CHECK(ep >= 1 && R % ep == 0, "{}: counts has {} source rows, expected a multiple of the {} EP ranks", fn, R, ep);
   MT_CHECK(E % ep == 0, "{}: {} experts are not divisible by {} EP ranks", fn, E, ep);
   MT_CHECK(num_echo >= 1, "{}: num_echo {} must be >= 1", fn, num_echo);
   const int64_t NS = ep * num_echo;
   check_ints(clone_expert, counts, 1, NS, fn, "clone_expert");
   check_ints(clone_quota, counts, 1, NS, fn, "clone_quota");
-  check_ints(quota, counts, 2, ep * NS, fn, "quota");
-  MT_CHECK(quota.size(0) == ep, "{}: quota must be [{}, {}], got {}", fn, ep, NS, quota.str());
+  check_ints(quota, counts, 2, R * NS, fn, "quota");
+  MT_CHECK(quota.size(0) == R, "{}: quota must be [{}, {}], got {}", fn, R, NS, quota.str());
   op_checks::check_stream(stream, counts, fn);
-  MT_DISPATCH(counts.device(), moe_echo_plan, clone_expert, clone_quota, quota, counts, num_echo, stream);
+  MT_DISPATCH(counts.device(), moe_echo_plan, clone_expert, clone_quota, quota, counts, ep, num_echo, stream);
 }
 
 void moe_echo_reroute(const Tensor& rerouted, const Tensor& top, const Tensor& clone_expert, const Tensor& quota_row,

@@ -12,7 +12,10 @@
 // spare slot s lives on EP rank s / S and, when used, holds a clone of one home expert whose
 // expert id in a rerouted selection is E + s.
 //
-// The plan, from counts[r, e] = tokens (routed slots) that source EP rank r sends to expert e:
+// The plan, from counts[r, e] = tokens (routed slots) that source rank r sends to expert e. The R
+// source ranks are the EP ranks (R = ep), or with expert tensor parallelism G > 1 every rank of
+// the G × ep grid (R = G·ep, row i·ep + j = ETP rank i of EP rank j: they hold different tokens,
+// and each ETP rank of an EP rank computes on the rows of all of them):
 //  1. tok_e = Σ_r counts[r, e]; load_p = Σ over p's experts of tok_e; avg = (Σ_p load_p) / ep
 //     (floor division); spare_p = max(0, avg − load_p).
 //  2. Spillover of expert e with home rank p (gen_intermediate): p's experts sorted by tok
@@ -30,7 +33,7 @@
 //  5. Source split of each clone s of expert e with quota q_s (breadth-first, then depth-first):
 //     f[r, s] = floor(counts[r, e] · q_s / tok_e); then, per expert e over its clones in slot
 //     order, the remainders need_s = q_s − Σ_r f[r, s] are filled from the sources' leftovers
-//     left_r = counts[r, e] − Σ_{clones s' of e} f[r, s'] by interval overlap, sources in EP-rank
+//     left_r = counts[r, e] − Σ_{clones s' of e} f[r, s'] by interval overlap, sources in row
 //     order and clones in slot order (one_shot_greedy_assignment(left, need)):
 //     quota[r, s] = f[r, s] + overlap. Hence Σ_r quota[r, s] = q_s exactly and
 //     Σ_{clones s of e} quota[r, s] ≤ counts[r, e].
@@ -46,20 +49,22 @@
 namespace mt {
 
 /// The ECHO offloading plan (see the file comment for the algorithm and its tie-breaking) from the
-/// global token counts. counts: int32 [ep, E], counts[r, e] ≥ 0 = slots source EP rank r routes
-/// to expert e (the all-gathered per-expert counts of every EP rank, identical on all of them);
-/// E % ep == 0; num_echo = S ≥ 1. Outputs, int32 on counts' device, overwritten:
-/// clone_expert [ep·S] (home expert of spare slot s, −1 = unused), clone_quota [ep·S] (tokens the
-/// clone takes, 0 when unused), quota [ep, ep·S] (quota[r, s] = how many of source rank r's slots
-/// of expert clone_expert[s] go to clone s; 0 in unused columns). Fixed shapes, no host
-/// synchronisation and no allocation: capturable in a CUDA graph. The CUDA backend is one block
-/// (limits: E ≤ 4096, ep·S ≤ 4096; the shared memory is 24·(E + ep) + 12·ep·S bytes).
-/// Errors: mt::Error on dtypes/shapes/devices, E % ep != 0, num_echo < 1, the CUDA limits; on
-/// the CPU also on negative counts (the CUDA backend does not read counts on the host: negative
-/// counts give an unspecified plan there).
+/// global token counts. counts: int32 [R, E], counts[r, e] ≥ 0 = slots source rank r routes to
+/// expert e (the all-gathered per-expert counts of every source, identical on all ranks), R = G·ep
+/// sources (G = 1: the EP ranks; G = expert TP size: the ETP × EP grid, row i·ep + j for ETP rank i
+/// of EP rank j); ep = the EP ranks holding the experts, E % ep == 0; num_echo = S ≥ 1. Outputs,
+/// int32 on counts' device, overwritten: clone_expert [ep·S] (home expert of spare slot s, −1 =
+/// unused), clone_quota [ep·S] (tokens the clone takes, 0 when unused), quota [R, ep·S]
+/// (quota[r, s] = how many of source r's slots of expert clone_expert[s] go to clone s; 0 in unused
+/// columns). clone_expert and clone_quota depend on the counts summed over each EP rank's G sources
+/// only. Fixed shapes, no host synchronisation and no allocation: capturable in a CUDA graph. The
+/// CUDA backend is one block (limits: E ≤ 4096, ep·S ≤ 4096; the shared memory is 24·(E + ep) +
+/// 12·ep·S bytes, whatever R). Errors: mt::Error on dtypes/shapes/devices, ep < 1, E % ep != 0,
+/// R % ep != 0, num_echo < 1, the CUDA limits; on the CPU also on negative counts (the CUDA backend
+/// does not read counts on the host: negative counts give an unspecified plan there).
 /// Source: Megatron-LM's ECHO planner (gen_offloading_plan; issue 16 item 5).
 void moe_echo_plan(const Tensor& clone_expert, const Tensor& clone_quota, const Tensor& quota, const Tensor& counts,
-                   int64_t num_echo, const Stream& stream);
+                   int64_t ep, int64_t num_echo, const Stream& stream);
 
 /// Reroutes one EP rank's selection to the clones of a plan (Megatron's reroute_tokens): of the
 /// slots of top int32 [T, k] routed to home expert e, taken in flat slot order i = t·k + j, the
@@ -116,16 +121,17 @@ std::vector<int64_t> one_shot_greedy_assignment(const std::vector<int64_t>& chun
 /// spares sorted descending, both ties to the lower index, then one_shot_greedy_assignment).
 std::vector<int64_t> assignment(const std::vector<int64_t>& spill, const std::vector<int64_t>& spare);
 
-/// Step 5 for one home expert: src [ep] = tokens of each source rank for it, quotas [n] = its
-/// clones' quotas in slot order (Σ ≤ Σ src). Returns [ep, n] row-major: proportional floors, then
+/// Step 5 for one home expert: src [R] = tokens of each source rank for it, quotas [n] = its
+/// clones' quotas in slot order (Σ ≤ Σ src). Returns [R, n] row-major: proportional floors, then
 /// the remainders by interval overlap (sources in rank order, clones in order).
 std::vector<int64_t> split_quota(const std::vector<int64_t>& src, const std::vector<int64_t>& quotas);
 
-/// The whole plan (moe_echo_plan's CPU reference) from counts [ep, E] row-major.
+/// The whole plan (moe_echo_plan's CPU reference) from counts [R, E] row-major, R = G·ep sources
+/// (counts.size() a multiple of ep·E).
 struct Plan {
   std::vector<int64_t> clone_expert;  ///< [ep·S], −1 = unused
   std::vector<int64_t> clone_quota;   ///< [ep·S]
-  std::vector<int64_t> quota;         ///< [ep, ep·S] row-major
+  std::vector<int64_t> quota;         ///< [R, ep·S] row-major
 };
 Plan plan(const std::vector<int64_t>& counts, int64_t ep, int64_t num_experts, int64_t num_echo);
 

@@ -96,7 +96,7 @@ EchoPlacement placement_of(const std::vector<int32_t>& counts, int64_t ep, int64
   const Stream& cs = testing::cpu_stream();
   auto c = testing::make_int_tensor(counts, kCpu, {ep, E}, cs);
   OwnedTensor ce(DType::kI32, kCpu, {ep * S}), cq(DType::kI32, kCpu, {ep * S}), q(DType::kI32, kCpu, {ep, ep * S});
-  moe_echo_plan(ce, cq, q, c, S, cs);
+  moe_echo_plan(ce, cq, q, c, ep, S, cs);
   return echo_placement_sync(ce, E, ep, cs);
 }
 

@@ -1,10 +1,10 @@
 // CUDA ECHO planner and rerouting (ops/cuda/moe_echo.cu) against the CPU reference
 // (ops/cpu/moe_echo.cpp): identical integers on random counts (skewed, with exact ties, zeros,
 // the worked example of moe_echo_test) for EP sizes 1..64, 1..64 local experts and 1..64 echo
-// slots per rank, including the multi-chunk path of the rerouting (up to 2^19 slots) and quota
-// rows that exceed the selection's slots. Every CUDA call runs twice (bitwise identical: no
-// nondeterminism), outputs are poisoned first, and one test replays both ops from a captured CUDA
-// graph with new counts (no host synchronisation inside).
+// slots per rank, sources of an expert TP x EP grid (G·ep count rows), including the multi-chunk
+// path of the rerouting (up to 2^19 slots) and quota rows that exceed the selection's slots. Every
+// CUDA call runs twice (bitwise identical: no nondeterminism), outputs are poisoned first, and one
+// test replays both ops from a captured CUDA graph with new counts (no host synchronisation inside).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -58,14 +58,16 @@ struct PlanOut {
   bool operator==(const PlanOut&) const = default;
 };
 
-PlanOut plan_on(Device dev, const std::vector<int32_t>& counts, int64_t ep, int64_t E, int64_t S) {
+// counts [G·ep, E]: G source rows per EP rank (G = the expert TP size; 1 = the EP ranks themselves).
+PlanOut plan_on(Device dev, const std::vector<int32_t>& counts, int64_t ep, int64_t E, int64_t S, int64_t G = 1) {
   const Stream& st = dev.is_cpu() ? testing::cpu_stream() : testing::cuda_stream();
-  auto c = make_int_tensor(counts, dev, {ep, E}, st);
-  OwnedTensor ce(DType::kI32, dev, {ep * S}), cq(DType::kI32, dev, {ep * S}), q(DType::kI32, dev, {ep, ep * S});
+  auto c = make_int_tensor(counts, dev, {G * ep, E}, st);
+  OwnedTensor ce(DType::kI32, dev, {ep * S}), cq(DType::kI32, dev, {ep * S}),
+      q(DType::kI32, dev, {G * ep, ep * S});
   fill_ints(ce, 12345, st);
   fill_ints(cq, 12345, st);
   fill_ints(q, 12345, st);
-  moe_echo_plan(ce, cq, q, c, S, st);
+  moe_echo_plan(ce, cq, q, c, ep, S, st);
   return {ints(ce, st), ints(cq, st), ints(q, st)};
 }
 
@@ -90,6 +92,28 @@ TEST(MoeEchoCuda, PlanMatchesCpu) {
         EXPECT_EQ(gpu.quota, cpu.quota);
         EXPECT_TRUE(plan_on(Device::cuda(), counts, c.ep, E, c.S) == gpu);  // deterministic
       }
+    }
+  }
+}
+
+// Sources of the expert TP x EP grid (counts [G·ep, E], quota [G·ep, ep·S]: the rows of ECHO under
+// expert tensor parallelism G): the same integers as the CPU.
+TEST(MoeEchoCuda, PlanOverTheExpertTensorParallelGridMatchesCpu) {
+  MT_REQUIRE_CUDA();
+  struct Case {
+    int64_t G, ep, L, S;
+  };
+  for (const Case& c : std::vector<Case>{{2, 2, 2, 1}, {2, 4, 2, 2}, {4, 8, 4, 2}, {2, 64, 4, 4}, {8, 16, 8, 3}}) {
+    for (double skew : {0.3, 2.0}) {
+      const int64_t E = c.ep * c.L;
+      SCOPED_TRACE(fmt::format("G={} ep={} E={} S={} skew={}", c.G, c.ep, E, c.S, skew));
+      const auto counts = random_counts(c.G * c.ep, E, skew, false);
+      const PlanOut cpu = plan_on(kCpu, counts, c.ep, E, c.S, c.G);
+      const PlanOut gpu = plan_on(Device::cuda(), counts, c.ep, E, c.S, c.G);
+      EXPECT_EQ(gpu.clone_expert, cpu.clone_expert);
+      EXPECT_EQ(gpu.clone_quota, cpu.clone_quota);
+      EXPECT_EQ(gpu.quota, cpu.quota);
+      EXPECT_TRUE(plan_on(Device::cuda(), counts, c.ep, E, c.S, c.G) == gpu);  // deterministic
     }
   }
 }
@@ -192,7 +216,7 @@ TEST(MoeEchoCuda, CapturedGraphReplaysWithNewCounts) {
   OwnedTensor ce(DType::kI32, Device::cuda(), {NS}), cq(DType::kI32, Device::cuda(), {NS}),
       q(DType::kI32, Device::cuda(), {ep, NS}), out(DType::kI32, Device::cuda(), {T, k});
   const auto step = [&] {
-    moe_echo_plan(ce, cq, q, c, S, gs);
+    moe_echo_plan(ce, cq, q, c, ep, S, gs);
     moe_echo_reroute(out, t, ce, q->slice0(0, 1).view({NS}), E, gs);
   };
   step();  // warm-up outside the capture (kernel attributes)
@@ -230,7 +254,7 @@ TEST(MoeEchoCuda, Limits) {
   auto c = make_int_tensor(std::vector<int32_t>(8192, 1), Device::cuda(), {1, 8192}, gs);
   OwnedTensor ce(DType::kI32, Device::cuda(), {1}), cq(DType::kI32, Device::cuda(), {1}),
       q(DType::kI32, Device::cuda(), {1, 1});
-  EXPECT_THROW(moe_echo_plan(ce, cq, q, c, 1, gs), Error);  // E > 4096
+  EXPECT_THROW(moe_echo_plan(ce, cq, q, c, 1, 1, gs), Error);  // E > 4096
 }
 
 // The virtual expert ids: the CUDA kernel equals the CPU on random ids (home experts, clone

@@ -4,7 +4,9 @@
 // hand, properties of plans and reroutings of random skewed selections over simulated EP ranks
 // (quotas add up and respect the sources, clones stay within spare capacity and never sit on the
 // home rank, every rank's load afterwards is at most max(avg, its load before), every routed slot
-// lands at its home expert or a clone exactly as the quotas say), and the documented errors.
+// lands at its home expert or a clone exactly as the quotas say), plans over the sources of an
+// expert TP x EP grid (worked by hand, and random: the placement of the ETP-summed counts, the
+// quotas split over every source in proportion), and the documented errors.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -119,14 +121,16 @@ struct PlanOut {
   std::vector<int32_t> clone_expert, clone_quota, quota;
 };
 
-PlanOut run_plan(const std::vector<int32_t>& counts, int64_t ep, int64_t E, int64_t S) {
+// counts [G·ep, E]: G source rows per EP rank (G = the expert TP size; 1 = the EP ranks themselves).
+PlanOut run_plan(const std::vector<int32_t>& counts, int64_t ep, int64_t E, int64_t S, int64_t G = 1) {
   const Stream& cs = testing::cpu_stream();
-  auto c = make_int_tensor(counts, kCpu, {ep, E}, cs);
-  OwnedTensor ce(DType::kI32, kCpu, {ep * S}), cq(DType::kI32, kCpu, {ep * S}), q(DType::kI32, kCpu, {ep, ep * S});
+  const int64_t R = G * ep;
+  auto c = make_int_tensor(counts, kCpu, {R, E}, cs);
+  OwnedTensor ce(DType::kI32, kCpu, {ep * S}), cq(DType::kI32, kCpu, {ep * S}), q(DType::kI32, kCpu, {R, ep * S});
   std::fill_n(ce->data_as<int32_t>(), ep * S, 777);  // poison
   std::fill_n(cq->data_as<int32_t>(), ep * S, 777);
-  std::fill_n(q->data_as<int32_t>(), ep * ep * S, 777);
-  moe_echo_plan(ce, cq, q, c, S, cs);
+  std::fill_n(q->data_as<int32_t>(), R * ep * S, 777);
+  moe_echo_plan(ce, cq, q, c, ep, S, cs);
   return {ints(ce), ints(cq), ints(q)};
 }
 
@@ -164,6 +168,88 @@ TEST(MoeEcho, PlanBalancedLoadHasNoClones) {
   EXPECT_EQ(p.quota, (std::vector<int32_t>(8, 0)));
   const PlanOut z = run_plan(std::vector<int32_t>(16, 0), 4, 4, 1);  // no tokens at all
   EXPECT_EQ(z.clone_expert, (std::vector<int32_t>(4, -1)));
+}
+
+// Expert tensor parallelism 2 over EP 2 (E = 4, L = 2, S = 1): the sources are the four ranks of
+// the grid, row i·ep + j = ETP rank i of EP rank j. Totals [100, 40, 20, 20] (e0 from the rows
+// 41 / 29 / 20 / 10), loads [140, 40], avg 90: e0 spills 50 into rank 1's spare 50. The split runs
+// over all four sources: floors 20 / 14 / 10 / 5 = 49, the remaining 1 from row 0's leftover.
+TEST(MoeEcho, PlanWorkedExampleOverTheExpertTensorParallelGrid) {
+  const std::vector<int32_t> grid = {41, 10, 5, 5,   // ETP 0, EP 0
+                                     29, 10, 5, 5,   // ETP 0, EP 1
+                                     20, 10, 5, 5,   // ETP 1, EP 0
+                                     10, 10, 5, 5};  // ETP 1, EP 1
+  const PlanOut p = run_plan(grid, 2, 4, 1, /*G=*/2);
+  EXPECT_EQ(p.clone_expert, (std::vector<int32_t>{-1, 0}));
+  EXPECT_EQ(p.clone_quota, (std::vector<int32_t>{0, 50}));
+  EXPECT_EQ(p.quota, (std::vector<int32_t>{0, 21,  //
+                                           0, 14,  //
+                                           0, 10,  //
+                                           0, 5}));
+  // The placement is that of the counts summed over each EP rank's ETP ranks; only the split differs.
+  const PlanOut summed = run_plan({61, 20, 10, 10, 39, 20, 10, 10}, 2, 4, 1);
+  EXPECT_EQ(summed.clone_expert, p.clone_expert);
+  EXPECT_EQ(summed.clone_quota, p.clone_quota);
+  EXPECT_EQ(summed.quota, (std::vector<int32_t>{0, 31, 0, 19}));  // floors 30 / 19, +1 from EP 0
+}
+
+// Random counts of G·ep sources: the placement equals the plan of the counts summed over each EP
+// rank's G rows; every clone's quota is split over all G·ep sources, proportionally (at least each
+// source's floor) and within each source's tokens; the op equals the pure-function plan.
+TEST(MoeEcho, PlanOverTheExpertTensorParallelGridProperties) {
+  auto& rng = testing::test_rng();
+  std::uniform_int_distribution<int32_t> small(0, 20);
+  std::uniform_int_distribution<int32_t> hot(50, 400);
+  struct GridCase {
+    int64_t G, ep, L, S;
+  };
+  int64_t plans_with_clones = 0;
+  for (const GridCase& c : std::vector<GridCase>{{2, 2, 2, 1}, {2, 4, 2, 2}, {4, 4, 1, 1}, {2, 8, 2, 3}, {3, 3, 2, 2}})
+    for (int rep = 0; rep < 4; ++rep) {
+      const int64_t G = c.G, ep = c.ep, E = ep * c.L, S = c.S, NS = ep * S, R = G * ep;
+      SCOPED_TRACE(testing::test_seed());
+      SCOPED_TRACE(fmt::format("G={} ep={} E={} S={} rep={}", G, ep, E, S, rep));
+      std::vector<int32_t> grid(static_cast<size_t>(R * E));
+      for (int64_t r = 0; r < R; ++r)  // expert e hot on a few sources: the ETP rows differ
+        for (int64_t e = 0; e < E; ++e)
+          grid[static_cast<size_t>(r * E + e)] = (r + e + rep) % 3 == 0 && e < E / 2 + 1 ? hot(rng) : small(rng);
+      std::vector<int32_t> summed(static_cast<size_t>(ep * E), 0);
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t e = 0; e < E; ++e)
+          summed[static_cast<size_t>((r % ep) * E + e)] += grid[static_cast<size_t>(r * E + e)];
+      const PlanOut p = run_plan(grid, ep, E, S, G);
+      const PlanOut ps = run_plan(summed, ep, E, S);
+      EXPECT_EQ(p.clone_expert, ps.clone_expert);
+      EXPECT_EQ(p.clone_quota, ps.clone_quota);
+      const echo::Plan ref = echo::plan(wide(grid), ep, E, S);
+      EXPECT_EQ(wide(p.quota), ref.quota);
+      EXPECT_EQ(p.quota.size(), static_cast<size_t>(R * NS));
+      plans_with_clones += std::any_of(p.clone_expert.begin(), p.clone_expert.end(), [](int32_t e) { return e >= 0; });
+      V tok(static_cast<size_t>(E), 0);
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t e = 0; e < E; ++e) tok[static_cast<size_t>(e)] += grid[static_cast<size_t>(r * E + e)];
+      for (int64_t s = 0; s < NS; ++s) {
+        const int32_t e = p.clone_expert[static_cast<size_t>(s)];
+        const int64_t q = p.clone_quota[static_cast<size_t>(s)];
+        int64_t col = 0;
+        for (int64_t r = 0; r < R; ++r) {
+          const int64_t v = p.quota[static_cast<size_t>(r * NS + s)];
+          col += v;
+          if (e < 0) continue;
+          const int64_t floor = grid[static_cast<size_t>(r * E + e)] * q / tok[static_cast<size_t>(e)];
+          EXPECT_GE(v, floor) << "slot " << s << " source " << r;
+        }
+        EXPECT_EQ(col, q) << "slot " << s;
+      }
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t e = 0; e < E; ++e) {
+          int64_t taken = 0;
+          for (int64_t s = 0; s < NS; ++s)
+            if (p.clone_expert[static_cast<size_t>(s)] == e) taken += p.quota[static_cast<size_t>(r * NS + s)];
+          EXPECT_LE(taken, grid[static_cast<size_t>(r * E + e)]) << "source " << r << " expert " << e;
+        }
+    }
+  EXPECT_GE(plans_with_clones, 10);
 }
 
 // ---- rerouting ------------------------------------------------------------------------------------
@@ -358,20 +444,29 @@ TEST(MoeEcho, Errors) {
   const Stream& cs = testing::cpu_stream();
   auto counts = make_int_tensor(kCounts, kCpu, {4, 8}, cs);
   OwnedTensor ce(DType::kI32, kCpu, {4}), cq(DType::kI32, kCpu, {4}), q(DType::kI32, kCpu, {4, 4});
-  EXPECT_NO_THROW(moe_echo_plan(ce, cq, q, counts, 1, cs));
-  EXPECT_THROW(moe_echo_plan(ce, cq, q, counts, 0, cs), Error);  // num_echo < 1
-  EXPECT_THROW(moe_echo_plan(ce, cq, q, counts, 2, cs), Error);  // shapes of another num_echo
+  EXPECT_NO_THROW(moe_echo_plan(ce, cq, q, counts, 4, 1, cs));
+  EXPECT_THROW(moe_echo_plan(ce, cq, q, counts, 4, 0, cs), Error);  // num_echo < 1
+  EXPECT_THROW(moe_echo_plan(ce, cq, q, counts, 4, 2, cs), Error);  // shapes of another num_echo
   auto odd = make_int_tensor(std::vector<int32_t>(24, 1), kCpu, {3, 8}, cs);  // 8 % 3 != 0
   OwnedTensor ce3(DType::kI32, kCpu, {3}), cq3(DType::kI32, kCpu, {3}), q3(DType::kI32, kCpu, {3, 3});
-  EXPECT_THROW(moe_echo_plan(ce3, cq3, q3, odd, 1, cs), Error);
+  EXPECT_THROW(moe_echo_plan(ce3, cq3, q3, odd, 3, 1, cs), Error);
   OwnedTensor qf(DType::kF32, kCpu, {4, 4});
-  EXPECT_THROW(moe_echo_plan(ce, cq, qf, counts, 1, cs), Error);  // dtype
+  EXPECT_THROW(moe_echo_plan(ce, cq, qf, counts, 4, 1, cs), Error);  // dtype
   OwnedTensor qt(DType::kI32, kCpu, {2, 8});
-  EXPECT_THROW(moe_echo_plan(ce, cq, qt, counts, 1, cs), Error);  // quota not [ep, NS]
+  EXPECT_THROW(moe_echo_plan(ce, cq, qt, counts, 4, 1, cs), Error);  // quota not [ep, NS]
   std::vector<int32_t> neg = kCounts;
   neg[5] = -1;
   auto negt = make_int_tensor(neg, kCpu, {4, 8}, cs);
-  EXPECT_THROW(moe_echo_plan(ce, cq, q, negt, 1, cs), Error);  // negative counts (CPU)
+  EXPECT_THROW(moe_echo_plan(ce, cq, q, negt, 4, 1, cs), Error);  // negative counts (CPU)
+  EXPECT_THROW(moe_echo_plan(ce, cq, q, counts, 0, 1, cs), Error);  // ep < 1
+  // sources of a grid: a multiple of ep rows, quota [rows, NS]
+  auto grid = make_int_tensor(std::vector<int32_t>(48, 1), kCpu, {6, 8}, cs);
+  OwnedTensor q6(DType::kI32, kCpu, {6, 4}), ce2(DType::kI32, kCpu, {2}), cq2(DType::kI32, kCpu, {2}),
+      q62(DType::kI32, kCpu, {6, 2});
+  EXPECT_THROW(moe_echo_plan(ce, cq, q6, grid, 4, 1, cs), Error);  // 6 rows over 4 EP ranks
+  EXPECT_NO_THROW(moe_echo_plan(ce2, cq2, q62, grid, 2, 1, cs));   // 3 rows per EP rank
+  EXPECT_THROW(moe_echo_plan(ce2, cq2, q, counts, 2, 1, cs), Error);  // quota [4, 4], not [4, 2]
+  EXPECT_THROW(echo::plan(V(24, 1), 2, 8, 1), Error);  // 24 counts: not a multiple of ep·E = 16
 
   auto top = make_int_tensor({0, 1, 2, 3}, kCpu, {2, 2}, cs);
   OwnedTensor out(DType::kI32, kCpu, {2, 2}), row(DType::kI32, kCpu, {4}), row3(DType::kI32, kCpu, {3});

@@ -716,6 +716,25 @@ std::vector<Layout> layouts() {
     v.back().received = 4096;
     v.back().echo = echo;
   }
+  // ECHO with expert tensor parallelism 2 (EP 2 x ETP 2: one plan on the whole ETP x EP grid, made
+  // from the selections of both ETP ranks of each EP rank; every clone slot computes with its own ETP
+  // rank's shard of the home expert, and returns that shard's gradient): ETP over the DP ranks (TP 1,
+  // MoE parallel folding) and ETP = TP 2 with SP, both alltoall dispatchers (dropless; static
+  // receive blocks with the plan and the weight exchange on the device), one and two spare slots,
+  // the distributed optimizer, EP x ETP x PP.
+  for (const auto& [arch, tp, pp, dp, sp, zero, echo, grouped, received] :
+       {std::tuple{Arch::kMoe, 1, 1, 4, false, false, 1, false, 0},
+        std::tuple{Arch::kMoe, 1, 1, 4, false, false, 1, true, 4096},
+        std::tuple{Arch::kMoe, 2, 1, 2, true, false, 1, false, 0},
+        std::tuple{Arch::kMoe, 2, 1, 2, true, false, 2, true, 4096},
+        std::tuple{Arch::kMoe, 1, 1, 4, false, true, 2, true, 0},
+        std::tuple{Arch::kMoe, 2, 2, 2, true, true, 1, false, 0},
+        std::tuple{Arch::kMoeSigmoid, 2, 2, 2, true, false, 1, true, 4096}}) {
+    add(arch, tp, pp, dp, /*vpp=*/0, sp, zero, false, /*ep=*/2, /*etp=*/2, /*a2a=*/true);
+    v.back().echo = echo;
+    v.back().grouped = grouped;
+    v.back().received = received;
+  }
   // The micro-batch key of the dropout read from the activation slot's device key (the per-layer
   // CUDA graph mode; slots reused by later micro-batches): the same masks as the host key, under
   // PP with VPP (slot reuse across chunks), TP + SP, flash attention's dropout, MoE.

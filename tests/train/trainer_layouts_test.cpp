@@ -350,6 +350,11 @@ TEST_F(TrainerLayouts, MixtureOfExperts) {
                                    // the capturable path: static receive blocks, ECHO on the device
                                    "--nproc-per-node 2 --expert-model-parallel-size 2 --moe-token-dispatcher-type "
                                    "alltoall --moe-grouped-gemm --moe-received-token-capacity 100000 "
+                                   "--moe-enable-echo --moe-num-echo-experts 1",
+                                   // ECHO with expert TP 2 (= TP): one plan over the EP 2 x ETP 2 grid,
+                                   // clones of each ETP rank's shard
+                                   "--nproc-per-node 4 --tensor-model-parallel-size 2 --sequence-parallel "
+                                   "--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall "
                                    "--moe-enable-echo --moe-num-echo-experts 1"}) {
     RunResult r = run_megatron(flags("--train-iters 6 " + layout + moe));
     ASSERT_EQ(r.rc, 0) << layout << "\n" << r.out;
@@ -399,10 +404,7 @@ TEST_F(TrainerLayouts, MixtureOfExperts) {
            {" --moe-enable-echo", "--moe-enable-echo needs --moe-num-echo-experts >= 1"},
            {" --moe-enable-echo --moe-num-echo-experts 1", "needs --moe-token-dispatcher-type alltoall"},
            {" --moe-enable-echo --moe-num-echo-experts 1 --moe-token-dispatcher-type alltoall",
-            "--moe-enable-echo needs --expert-model-parallel-size > 1"},
-           {" --nproc-per-node 4 --tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2 "
-            "--moe-token-dispatcher-type alltoall --moe-enable-echo --moe-num-echo-experts 1",
-            "--moe-enable-echo needs --expert-tensor-parallel-size 1"}}) {
+            "--moe-enable-echo needs --expert-model-parallel-size > 1"}}) {
     RunResult r = run_megatron(flags("--train-iters 2" + moe + extra));
     EXPECT_NE(r.rc, 0) << extra;
     EXPECT_NE(r.out.find(message), std::string::npos) << extra << "\n" << r.out;

@@ -49,8 +49,6 @@ MoELayer::MoELayer(const TransformerConfig& c, int64_t layer, const TensorParall
   MT_REQUIRE(num_echo_ == 0 || ep.ep_size > 1,
              "--moe-enable-echo needs --expert-model-parallel-size > 1 (clones live on other EP ranks), got {}",
              ep.ep_size);
-  MT_REQUIRE(num_echo_ == 0 || ep.etp_size == 1,
-             "--moe-enable-echo needs --expert-tensor-parallel-size 1, got {}", ep.etp_size);
   dispatcher_ = make_moe_token_dispatcher(
       c.moe_token_dispatcher_type, ep,
       {num_experts_, topk_, num_local_, first_expert_, c.moe_grouped_gemm, num_echo_, c.moe_received_token_capacity});

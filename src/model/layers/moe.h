@@ -167,6 +167,9 @@ class MoELayer final : public MlpSlot {
   // With --moe-received-token-capacity (capturable) the placement stays on the device: fixed-size
   // all-to-alls of ep·S expert blocks over EP, packed and unpacked by index (ops/moe_echo_exchange.h);
   // else the placement is read on the host and only the used slots travel (moe_echo_experts.h).
+  // With expert TP > 1 both run over this rank's EP group, whose ranks share its ETP rank: a clone
+  // slot gets the home expert's shard of this ETP rank (fc1 rows, fc2 columns [t·f/etp, (t+1)·f/etp)),
+  // and its gradient shard returns to the same shard of the home expert.
   void echo_fetch_weights(int slot, const Stream& st);
   void echo_return_grads(int slot, const Stream& st);
   void build_tables(const Stream& st);  // the GroupedWeights address tables, once

@@ -130,15 +130,27 @@ class AllGatherDispatcher final : public MoeTokenDispatcher {
 };
 
 // ---------------------------------------------------------------------------------------------
-// ECHO rerouting (docs/echo.md "Integration"), shared by both alltoall dispatchers: this rank's
-// per-expert counts gathered over EP, the plan (identical on every EP rank), this rank's slots
+// ECHO rerouting (docs/echo.md "Integration"), shared by both alltoall dispatchers: the per-expert
+// counts of every rank of the ETP × EP grid, the plan (identical on all of them), this rank's slots
 // rerouted to the clones and mapped to the rank-major virtual expert ids. All on the device.
+//
+// With expert tensor parallelism (docs/echo.md "With expert tensor parallelism") the Q ETP ranks of
+// an EP rank hold different tokens, and each computes on the rows of all Q·P sources with its own
+// shard of the expert (or clone) weights, so the placement must be the same on the whole grid. The
+// counts are all-gathered over EP, then over ETP (the dispatcher's own count exchange), into the
+// planner's [Q·P, E] sources (row i·P + j: ETP rank i, EP rank j): the loads are the grid's totals,
+// and each clone's quota is split proportionally over all Q·P sources; every rank reroutes its own
+// slots by its row.
 // ---------------------------------------------------------------------------------------------
 
 class EchoRouter {
  public:
   EchoRouter(const ExpertParallel& ep, const MoeDispatchSizes& s)
-      : ep_(ep), E_(s.num_experts), S_(s.num_echo), P_(group_size(ep.ep_group)) {}
+      : ep_(ep),
+        E_(s.num_experts),
+        S_(s.num_echo),
+        P_(group_size(ep.ep_group)),
+        Q_(group_size(ep.etp_group)) {}
   // Scratch for `slots` = T·k routed slots.
   void plan(BufferPlanner& p, int64_t slots) {
     const int64_t NS = P_ * S_;
@@ -146,11 +158,13 @@ class EchoRouter {
     slot_row_ = p.scratch("moe.echo.slot_row", DType::kI32, {slots});
     counts_ = p.scratch("moe.echo.counts", DType::kI32, {E_});
     counts_ep_ = p.scratch("moe.echo.counts_ep", DType::kI32, {P_, E_});
+    if (Q_ > 1) counts_grid_ = p.scratch("moe.echo.counts_grid", DType::kI32, {Q_ * P_, E_});
     clone_quota_ = p.scratch("moe.echo.clone_quota", DType::kI32, {NS});
-    quota_ = p.scratch("moe.echo.quota", DType::kI32, {P_, NS});
+    quota_ = p.scratch("moe.echo.quota", DType::kI32, {Q_ * P_, NS});
     rerouted_ = p.scratch("moe.echo.rerouted", DType::kI32, {slots});
   }
   // top_v (int32 [T, k], overwritten): top rerouted, in virtual ids; clone_expert [P·S]: the plan.
+  // Collective over the EP group and (Q > 1) the ETP group.
   void reroute(const Tensor& top_v, const Tensor& clone_expert, const Tensor& top, const Stream& st) const {
     // int32 histogram over the home experts
     moe_routing_map_device(row_index_, slot_row_, counts_, top, 0, E_, st);
@@ -159,8 +173,14 @@ class EchoRouter {
     } else {
       copy(counts_ep_.view({E_}), counts_, st);
     }
-    moe_echo_plan(clone_expert, clone_quota_, quota_, counts_ep_, S_, st);
-    const int64_t r = ep_.ep_group ? ep_.ep_group->rank() : 0;
+    Tensor counts = counts_ep_;  // [Q·P, E]: every source of the grid
+    if (Q_ > 1) {
+      ep_.etp_group->all_gather(counts_grid_, counts_ep_, st);
+      counts = counts_grid_;
+    }
+    moe_echo_plan(clone_expert, clone_quota_, quota_, counts, P_, S_, st);
+    const int64_t i = ep_.etp_group ? ep_.etp_group->rank() : 0, j = ep_.ep_group ? ep_.ep_group->rank() : 0;
+    const int64_t r = i * P_ + j;  // this rank's source row
     const Tensor rerouted = rerouted_.view(top.shape());
     moe_echo_reroute(rerouted, top, clone_expert, quota_.slice0(r, r + 1).view({P_ * S_}), E_, st);
     moe_echo_virtual_experts(top_v, rerouted, E_, P_, S_, st);
@@ -168,8 +188,8 @@ class EchoRouter {
 
  private:
   ExpertParallel ep_;
-  int64_t E_, S_, P_;
-  Tensor row_index_, slot_row_, counts_, counts_ep_, clone_quota_, quota_, rerouted_;
+  int64_t E_, S_, P_, Q_;
+  Tensor row_index_, slot_row_, counts_, counts_ep_, counts_grid_, clone_quota_, quota_, rerouted_;
 };
 
 // What both alltoall dispatchers share: the groups, the expert slots a dispatch routes to (with
@@ -186,8 +206,6 @@ class AlltoAllBase : public MoeTokenDispatcher {
         Ev_(P_ * Lv_),
         firstv_(static_cast<int64_t>(ep.ep_rank) * Lv_),
         echo_(ep, s) {
-    MT_REQUIRE(S_ == 0 || Q_ == 1, "--moe-enable-echo with expert tensor parallel size {}: ECHO needs expert TP 1",
-               Q_);
     MT_REQUIRE(S_ == 0 || !ep.ep_group || P_ * s.num_local == s.num_experts,
                "--moe-enable-echo: {} experts over {} EP ranks of {} local experts", s.num_experts, P_, s.num_local);
   }

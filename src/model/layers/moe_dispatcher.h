@@ -57,10 +57,12 @@ struct MoeDispatchSizes {
   /// dispatch() does not synchronise: moe_routing_map_device); the alltoall one still needs the
   /// host counts for its all_to_allv split sizes and copies them to the device as well.
   bool device_counts = false;
-  /// ECHO (--moe-enable-echo, alltoall only, expert TP 1; docs/echo.md): S spare expert slots per
-  /// EP rank (0 = off). dispatch() then plans the clones from the EP-gathered per-expert counts,
+  /// ECHO (--moe-enable-echo, alltoall only; docs/echo.md): S spare expert slots per EP rank (0 =
+  /// off). dispatch() then plans the clones from the per-expert counts of every EP rank (with expert
+  /// TP > 1 the selections of its ETP ranks together: the same plan on the whole ETP × EP grid),
   /// reroutes this rank's slots (ops/moe_echo.h) and sends the rerouted ones to the clones' ranks:
-  /// every rank has E_l + S local expert slots, the last S of them clones (echo_placement()).
+  /// every rank has E_l + S local expert slots, the last S of them clones (echo_placement()), which
+  /// compute with this ETP rank's shard of their home expert.
   int64_t num_echo = 0;
   /// --moe-received-token-capacity (alltoall, needs device_counts): C rows received per EP rank
   /// and micro-batch, as fixed blocks of ceil(C / ep) rows per EP pair (constant all-to-all sizes,

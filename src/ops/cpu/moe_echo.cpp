@@ -98,14 +98,14 @@ std::vector<int64_t> assignment(const std::vector<int64_t>& spill, const std::ve
 }
 
 std::vector<int64_t> split_quota(const std::vector<int64_t>& src, const std::vector<int64_t>& quotas) {
-  const auto ep = static_cast<int64_t>(src.size()), n = static_cast<int64_t>(quotas.size());
+  const auto R = static_cast<int64_t>(src.size()), n = static_cast<int64_t>(quotas.size());
   const int64_t tot = std::accumulate(src.begin(), src.end(), int64_t{0});
   const int64_t want = std::accumulate(quotas.begin(), quotas.end(), int64_t{0});
   MT_CHECK(want <= tot, "echo::split_quota: quotas sum to {} but the sources hold {}", want, tot);
-  std::vector<int64_t> out(size_t(ep * n), 0), left(src), need(quotas);
+  std::vector<int64_t> out(size_t(R * n), 0), left(src), need(quotas);
   // Breadth-first: proportional floors.
   for (int64_t s = 0; s < n; ++s)
-    for (int64_t r = 0; r < ep; ++r) {
+    for (int64_t r = 0; r < R; ++r) {
       const int64_t f = tot > 0 ? src[size_t(r)] * quotas[size_t(s)] / tot : 0;
       out[size_t(r * n + s)] = f;
       left[size_t(r)] -= f;
@@ -118,10 +118,13 @@ std::vector<int64_t> split_quota(const std::vector<int64_t>& src, const std::vec
 }
 
 Plan plan(const std::vector<int64_t>& counts, int64_t ep, int64_t E, int64_t S) {
-  MT_CHECK(ep >= 1 && E >= 1 && E % ep == 0 && S >= 1 && static_cast<int64_t>(counts.size()) == ep * E,
-           "echo::plan: counts of {} values for ep {}, {} experts, {} echo slots", counts.size(), ep, E, S);
+  const auto n = static_cast<int64_t>(counts.size());
+  MT_CHECK(ep >= 1 && E >= 1 && E % ep == 0 && S >= 1 && n >= ep * E && n % (ep * E) == 0,
+           "echo::plan: counts of {} values for ep {}, {} experts, {} echo slots (expected a multiple of ep x E)",
+           counts.size(), ep, E, S);
+  const int64_t R = n / E;  // source ranks
   std::vector<int64_t> tok(size_t(E), 0);
-  for (int64_t r = 0; r < ep; ++r)
+  for (int64_t r = 0; r < R; ++r)
     for (int64_t e = 0; e < E; ++e) {
       const int64_t c = counts[size_t(r * E + e)];
       MT_CHECK(c >= 0, "moe_echo_plan: counts[{}, {}] = {} is negative", r, e, c);
@@ -133,7 +136,7 @@ Plan plan(const std::vector<int64_t>& counts, int64_t ep, int64_t E, int64_t S) 
   Plan out;
   out.clone_expert.assign(size_t(NS), -1);
   out.clone_quota.assign(size_t(NS), 0);
-  out.quota.assign(size_t(ep * NS), 0);
+  out.quota.assign(size_t(R * NS), 0);
   for (int64_t p = 0; p < ep; ++p) {  // the S largest positive entries of column p
     const auto ei = order_by(E, [&](int64_t x, int64_t y) { return a[size_t(x * ep + p)] > a[size_t(y * ep + p)]; });
     for (int64_t j = 0; j < S && j < E; ++j) {
@@ -144,18 +147,18 @@ Plan plan(const std::vector<int64_t>& counts, int64_t ep, int64_t E, int64_t S) 
     }
   }
   for (int64_t e = 0; e < E; ++e) {  // the source split, per home expert over its clones
-    std::vector<int64_t> slots, quotas, src(static_cast<size_t>(ep));
+    std::vector<int64_t> slots, quotas, src(static_cast<size_t>(R));
     for (int64_t s = 0; s < NS; ++s)
       if (out.clone_expert[size_t(s)] == e) {
         slots.push_back(s);
         quotas.push_back(out.clone_quota[size_t(s)]);
       }
     if (slots.empty()) continue;
-    for (int64_t r = 0; r < ep; ++r) src[size_t(r)] = counts[size_t(r * E + e)];
+    for (int64_t r = 0; r < R; ++r) src[size_t(r)] = counts[size_t(r * E + e)];
     const auto q = split_quota(src, quotas);
-    const auto n = static_cast<int64_t>(slots.size());
-    for (int64_t r = 0; r < ep; ++r)
-      for (int64_t i = 0; i < n; ++i) out.quota[size_t(r * NS + slots[size_t(i)])] = q[size_t(r * n + i)];
+    const auto m = static_cast<int64_t>(slots.size());
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t i = 0; i < m; ++i) out.quota[size_t(r * NS + slots[size_t(i)])] = q[size_t(r * m + i)];
   }
   return out;
 }
@@ -165,8 +168,8 @@ Plan plan(const std::vector<int64_t>& counts, int64_t ep, int64_t E, int64_t S) 
 namespace cpu {
 
 void moe_echo_plan(const Tensor& clone_expert, const Tensor& clone_quota, const Tensor& quota, const Tensor& counts,
-                   int64_t num_echo, const Stream&) {
-  const int64_t ep = counts.size(0), E = counts.size(1);
+                   int64_t ep, int64_t num_echo, const Stream&) {
+  const int64_t E = counts.size(1);
   const int32_t* c = counts.data_as<int32_t>();
   const echo::Plan p = echo::plan(std::vector<int64_t>(c, c + counts.numel()), ep, E, num_echo);
   const auto put = [](const Tensor& t, const std::vector<int64_t>& v) {

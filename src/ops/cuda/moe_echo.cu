@@ -2,8 +2,8 @@
 // (ops/cpu/moe_echo.cpp), computed by counting instead of sorting:
 //
 // moe_echo_plan: one block of 1024 threads, everything in shared memory (int64 sums):
-//   tok_e = Σ_r counts[r, e] (thread per expert, ranks in order); load_p, avg (thread 0, ranks in
-//   order), spare_p; spill_e = the clamped excess of the inclusive cumulative sum at e's place in
+//   tok_e = Σ_r counts[r, e] (thread per expert, the R source rows in order); load_p, avg (thread
+//   0, ranks in order), spare_p; spill_e = the clamped excess of the inclusive cumulative sum at e's place in
 //   its rank's ascending order (the sum over the rank's experts ordered before e or e itself —
 //   tok ascending, ties lower index — i.e. the stable sort, without sorting); the start of e's
 //   chunk = Σ spill of the experts before e in (spill descending, lower index) order, the start
@@ -11,8 +11,8 @@
 //   a warp argmax of the overlap |chunk e ∩ bucket p| under the order (overlap descending, lower
 //   expert first), each round restricted to the entries after the previous pick; finally one
 //   thread per spare slot splits its quota over the sources (proportional floors recomputed for
-//   the expert's other clones, the remainder by interval overlap, sources in rank order, clones in
-//   slot order). O(E²/1024 + ep·S·E/32 + ep·S·(ep·S + ep)) work, a few microseconds for E ≤ 256.
+//   the expert's other clones, the remainder by interval overlap, sources in row order, clones in
+//   slot order). O(E²/1024 + ep·S·E/32 + ep·S·(ep·S + R)) work, a few microseconds for E ≤ 256.
 // moe_echo_reroute: a stable counting pass. A prep block chains each expert's clones in slot order
 //   (lead[e] = its first clone slot, next[s], the cumulative quota before s); the hot slots are
 //   counted per (lead slot, chunk of 4096 slots) into scratch, the counts of each lead slot are
@@ -53,7 +53,7 @@ __device__ __forceinline__ int64_t relu(int64_t x) { return x > 0 ? x : 0; }
 
 __global__ void __launch_bounds__(kPlanThreads)
     echo_plan_kernel(int32_t* __restrict__ clone_expert, int32_t* __restrict__ clone_quota, int32_t* __restrict__ quota,
-                     const int32_t* __restrict__ counts, int ep, int E, int S) {
+                     const int32_t* __restrict__ counts, int R, int ep, int E, int S) {
   extern __shared__ int64_t sm[];
   const int L = E / ep, NS = ep * S, tid = threadIdx.x, nt = blockDim.x;
   int64_t* tok = sm;                          // [E]
@@ -68,7 +68,7 @@ __global__ void __launch_bounds__(kPlanThreads)
 
   for (int e = tid; e < E; e += nt) {
     int64_t t = 0;
-    for (int r = 0; r < ep; ++r) t += counts[static_cast<int64_t>(r) * E + e];
+    for (int r = 0; r < R; ++r) t += counts[static_cast<int64_t>(r) * E + e];
     tok[e] = t;
   }
   __syncthreads();
@@ -158,7 +158,7 @@ __global__ void __launch_bounds__(kPlanThreads)
     clone_expert[s] = e;
     clone_quota[s] = static_cast<int32_t>(cq[s]);
     if (e < 0) {
-      for (int r = 0; r < ep; ++r) quota[static_cast<int64_t>(r) * NS + s] = 0;
+      for (int r = 0; r < R; ++r) quota[static_cast<int64_t>(r) * NS + s] = 0;
       continue;
     }
     const int64_t te = tok[e], q = cq[s];
@@ -167,15 +167,15 @@ __global__ void __launch_bounds__(kPlanThreads)
     for (int s2 = 0; s2 < NS; ++s2) {
       if (ce[s2] != e || s2 > s) continue;
       int64_t rest = cq[s2];
-      for (int r = 0; r < ep; ++r) rest -= floor_of(r, s2);
+      for (int r = 0; r < R; ++r) rest -= floor_of(r, s2);
       if (s2 < s) {
         need_start += rest;
       } else {
         need = rest;
       }
     }
-    int64_t pos = 0;  // the sources' leftovers, end to end in rank order
-    for (int r = 0; r < ep; ++r) {
+    int64_t pos = 0;  // the sources' leftovers, end to end in row order
+    for (int r = 0; r < R; ++r) {
       int64_t left = counts[static_cast<int64_t>(r) * E + e];
       for (int s2 = 0; s2 < NS; ++s2)
         if (ce[s2] == e) left -= floor_of(r, s2);
@@ -346,16 +346,17 @@ void allow_smem(Kernel kernel, size_t smem, const char* fn) {
 }  // namespace
 
 void moe_echo_plan(const Tensor& clone_expert, const Tensor& clone_quota, const Tensor& quota, const Tensor& counts,
-                   int64_t num_echo, const Stream& stream) {
+                   int64_t ep, int64_t num_echo, const Stream& stream) {
   const char* fn = "moe_echo_plan";
-  const int64_t ep = counts.size(0), E = counts.size(1), NS = ep * num_echo;
+  const int64_t R = counts.size(0), E = counts.size(1), NS = ep * num_echo;
   MT_CHECK(E <= 4096 && NS <= 4096,
            "{}: the CUDA planner supports up to 4096 experts and 4096 spare slots, got {} and {}", fn, E, NS);
   const size_t smem = static_cast<size_t>(24 * (E + ep) + 12 * NS);
   allow_smem(echo_plan_kernel, smem, fn);
   echo_plan_kernel<<<1, kPlanThreads, smem, cu(stream)>>>(
       clone_expert.data_as<int32_t>(), clone_quota.data_as<int32_t>(), quota.data_as<int32_t>(),
-      counts.data_as<int32_t>(), static_cast<int>(ep), static_cast<int>(E), static_cast<int>(num_echo));
+      counts.data_as<int32_t>(), static_cast<int>(R), static_cast<int>(ep), static_cast<int>(E),
+      static_cast<int>(num_echo));
   MT_CUDA_CHECK_LAUNCH();
 }
 
