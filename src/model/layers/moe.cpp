@@ -344,9 +344,12 @@ Tensor MoELayer::forward(const StepContext& ctx, const ResidualAdd* add) {
   const Stream& st = ctx.stream;
   const Tensor x = rows(sv.x);
   // --- router (local tokens) and the auxiliary losses: the moe_router region of per-layer graphs ---
-  router_region(ctx, false, [&] { router_forward(sv, ctx); });
-  // --- dispatch: the rows of the local experts, ordered by expert ---
   dispatcher_->count_stats(!ctx.recompute);
+  router_region(ctx, false, [&] { router_forward(sv, ctx); });
+  // --- the dispatcher's preprocessing (the routing metadata on the device), then the dispatch:
+  // the rows of the local experts, ordered by expert (the host read of the counts where there is
+  // one, then the token exchange) ---
+  dispatcher_->preprocess(x, ctx.slot, st);
   MoeExpertCounts counts = dispatcher_->dispatch(sv.xp, x, ctx.slot, st);
   if (config_.moe_grouped_gemm) {  // experts and combine over all R_max rows, counts on the device
     sv.counts = counts.device;
@@ -553,7 +556,9 @@ Tensor MoELayer::router_backward(Saved& sv, const Tensor& dy, const StepContext&
   const Stream& st = ctx.stream;
   const Tensor x = rows(sv.x);
   const Tensor dx = rows(dx_);
-  // --- router backward: probs path, load-balancing loss, z-loss (the moe_router region) ---
+  // --- the preprocessing's backward (alltoall: permutation 1 undone into dx), then the router's:
+  // probs path, load-balancing loss, z-loss (the moe_router region) ---
+  dispatcher_->preprocess_backward(dx, ctx.slot, st);
   router_region(ctx, true, [&] {
     moe_topk_routing_backward(d_logits_, d_probs_, sv.logits, router_top(ctx.slot), router_, st);
     const double w = ctx.batch.aux_loss_weight;

@@ -211,7 +211,8 @@ class MoELayer final : public MlpSlot {
   // the router weight and dx: the moe_router region of per-layer CUDA graphs (model/layer_graphs.h).
   void router_forward(Saved& sv, const StepContext& ctx);
   void router_region(const StepContext& ctx, bool backward, const std::function<void()>& body);
-  // The router's backward and the shared experts' (after the dispatch backward wrote dx_).
+  // The preprocessing's and the router's backward, then the shared experts' (after the dispatch
+  // backward).
   Tensor router_backward(Saved& sv, const Tensor& dy, const StepContext& ctx, WgradDeferral* defer);
 
   const TransformerConfig& config_;
