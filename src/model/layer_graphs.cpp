@@ -6,6 +6,13 @@
 
 namespace mt {
 
+LayerGraphs::LayerGraphs(bool attention, bool mlp, bool moe, bool moe_router, bool moe_preprocess)
+    : on_{attention, mlp, moe, moe_router, moe_preprocess} {
+  MT_REQUIRE(!moe_preprocess || moe_router,
+             "--cuda-graph-scope moe_preprocess needs moe_router as well (the preprocessing is captured with the "
+             "router, as in Megatron-Core)");
+}
+
 bool LayerGraphs::Key::operator<(const Key& o) const {
   return std::tie(layer, region, backward, training, slot, inputs) <
          std::tie(o.layer, o.region, o.backward, o.training, o.slot, o.inputs);

@@ -1,10 +1,12 @@
-// Per-layer (partial) CUDA graphs: --cuda-graph-impl local with --cuda-graph-scope attn / mlp / moe
-// (Megatron-Core's per-layer capture, transformer/cuda_graphs.py and TE make_graphed_callables;
-// docs/cuda_graphs.md "Per-layer capture").
+// Per-layer (partial) CUDA graphs: --cuda-graph-impl local with --cuda-graph-scope attn / mlp / moe /
+// moe_router / moe_preprocess (Megatron-Core's per-layer capture, transformer/cuda_graphs.py and TE
+// make_graphed_callables; docs/cuda_graphs.md "Per-layer capture").
 //
 // A scoped region of a TransformerLayer (the attention block: input norm, self-attention,
 // bias-dropout-add; the MLP or MoE block likewise; the MoE router with its auxiliary losses, for
-// MoE blocks whose dispatch reads counts on the host) is captured once per activation slot for its
+// MoE blocks whose dispatch reads counts on the host; with moe_preprocess the router together with
+// the token dispatcher's preprocessing, up to its first host read: MoeTokenDispatcher::preprocess)
+// is captured once per activation slot for its
 // forward and once for its backward, and replayed for every micro-batch that uses the slot. The
 // model's activation slots are the static buffer sets: a slot is free for a later forward once its
 // backward ran (plan_pipeline walks the schedule), so the number of graphs grows with the
@@ -29,13 +31,18 @@ namespace mt {
 
 class LayerGraphs {
  public:
-  enum class Region { kAttention = 0, kMlp = 1, kMoe = 2, kMoeRouter = 3 };
+  /// kMoePreprocess: the MoE router and the dispatcher's preprocessing as one graph (it replaces
+  /// kMoeRouter for a layer when moe_preprocess is scoped; MoELayer picks the region).
+  enum class Region { kAttention = 0, kMlp = 1, kMoe = 2, kMoeRouter = 3, kMoePreprocess = 4 };
+  static constexpr int kRegions = 5;
   /// The address-valued inputs a region reads besides its slot (nullptr where unused).
   using Inputs = std::array<const void*, 5>;
 
-  /// Regions to capture (--cuda-graph-scope attn / mlp / moe / moe_router). A region inside one
-  /// being captured (the router inside the MoE block) runs as part of the outer graph.
-  LayerGraphs(bool attention, bool mlp, bool moe, bool moe_router) : on_{attention, mlp, moe, moe_router} {}
+  /// Regions to capture (--cuda-graph-scope attn / mlp / moe / moe_router / moe_preprocess). A
+  /// region inside one being captured (the router inside the MoE block) runs as part of the outer
+  /// graph. Errors: mt::Error when moe_preprocess is given without moe_router (Megatron-Core's rule:
+  /// the preprocessing extends the router's graph).
+  LayerGraphs(bool attention, bool mlp, bool moe, bool moe_router, bool moe_preprocess = false);
   bool scoped(Region r) const { return on_[static_cast<int>(r)]; }
   /// Captures may start (after the warm-up steps: first-use initialisation must not be captured).
   void set_capturing(bool on) { capturing_ = on; }
@@ -58,7 +65,7 @@ class LayerGraphs {
     Inputs inputs;
     bool operator<(const Key& o) const;
   };
-  bool on_[4];
+  bool on_[kRegions];
   bool capturing_ = false;
   bool in_capture_ = false;  // a region's capture is running (nested regions join it)
   std::map<Key, std::unique_ptr<CudaGraph>> graphs_;

@@ -327,7 +327,8 @@ void add_pretrain_options(CLI::App& app, PretrainArgs& a) {
       ->capture_default_str();
   app.add_option("--cuda-graph-scope", a.cuda_graph.scope,
                  "What --cuda-graph-impl local captures: full_iteration, or per layer attn, mlp, moe, moe_router, "
-                 "moe_preprocess")
+                 "moe_preprocess (with moe_router: the router and the token dispatcher's preprocessing up to its "
+                 "first host read)")
       ->check(CLI::IsMember({"full_iteration", "attn", "mlp", "moe", "moe_router", "moe_preprocess"}));
   app.add_option("--cuda-graph-warmup-steps", a.cuda_graph.warmup_steps,
                  "Eager training steps before the CUDA graphs are captured")
@@ -361,10 +362,16 @@ void validate_cuda_graph_args(const PretrainArgs& a) {
   MT_REQUIRE(!full || g.scope.size() <= 1,
              "--cuda-graph-scope full_iteration cannot be combined with per-layer scopes (got {} scopes)",
              g.scope.size());
-  for (const std::string& s : g.scope)
-    MT_REQUIRE(s != "moe_preprocess",
-               "--cuda-graph-scope moe_preprocess is not implemented: capture the router (moe_router), or the whole "
-               "MoE block (moe, with --moe-grouped-gemm)");
+  const bool preprocess = std::find(g.scope.begin(), g.scope.end(), "moe_preprocess") != g.scope.end();
+  // Megatron-Core (TransformerConfig.__post_init__): moe_preprocess extends the router's graph
+  MT_REQUIRE(!preprocess || std::find(g.scope.begin(), g.scope.end(), "moe_router") != g.scope.end(),
+             "--cuda-graph-scope {}: moe_preprocess needs moe_router as well (the dispatcher's preprocessing is "
+             "captured together with the router, as in Megatron-Core); use --cuda-graph-scope moe_router "
+             "moe_preprocess",
+             fmt::join(g.scope, " "));
+  MT_REQUIRE(!preprocess || a.model.num_moe_experts > 0,
+             "--cuda-graph-scope moe_preprocess needs a mixture-of-experts model (--num-experts > 0, got {})",
+             a.model.num_moe_experts);
   MT_REQUIRE(!g.include_optimizer || full, "--cuda-graph-include-optimizer needs a full-iteration graph");
   MT_REQUIRE(full || a.model.recompute_granularity != RecomputeGranularity::kFull,
              "--cuda-graph-impl local with --recompute-granularity full is not supported: the recomputed layers "

@@ -23,7 +23,8 @@ struct CudaGraphOptions {
   /// --cuda-graph-impl none|local|full_iteration ("full_iteration" is local with scope
   /// full_iteration).
   std::string impl = "none";
-  /// --cuda-graph-scope: full_iteration, or per-layer scopes attn|mlp|moe|moe_router|moe_preprocess.
+  /// --cuda-graph-scope: full_iteration, or per-layer scopes attn|mlp|moe|moe_router|moe_preprocess
+  /// (moe_preprocess only together with moe_router, as in Megatron-Core).
   std::vector<std::string> scope;
   int warmup_steps = 3;            ///< --cuda-graph-warmup-steps: eager steps before the capture
   bool include_optimizer = false;  ///< --cuda-graph-include-optimizer (ours): the optimizer step in the graph too

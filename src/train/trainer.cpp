@@ -27,6 +27,7 @@
 #include "data/masks.h"
 #include "model/gpt_model.h"
 #include "model/layer_graphs.h"
+#include "model/layers/moe_dispatcher.h"
 #include "ops/elementwise.h"
 #include "parallel/pipeline/layer_split.h"
 #include "parallel/pipeline/schedules.h"
@@ -611,9 +612,19 @@ int run_pretrain(PretrainArgs args) {
   MT_REQUIRE(!cg.enabled() || device.is_cuda(), "--cuda-graph-impl {} needs a CUDA device; this run is on {}",
              cg.impl, device.str());
   CudaGraph train_graph, eval_graph;
-  // Per-layer capture (--cuda-graph-impl local with attn / mlp / moe): the layers' scoped regions,
-  // one graph per (layer, region, slot), captured on first use after the warm-up.
-  LayerGraphs layer_graphs(cg.captures("attn"), cg.captures("mlp"), cg.captures("moe"), cg.captures("moe_router"));
+  // Per-layer capture (--cuda-graph-impl local with attn / mlp / moe / moe_router / moe_preprocess):
+  // the layers' scoped regions, one graph per (layer, region, slot), captured on first use after
+  // the warm-up.
+  LayerGraphs layer_graphs(cg.captures("attn"), cg.captures("mlp"), cg.captures("moe"), cg.captures("moe_router"),
+                           cg.captures("moe_preprocess"));
+  // What a moe_preprocess graph holds (named in the summary line, as the scopes are).
+  std::string preprocess_region;
+  if (cfg.num_moe_experts > 0 && cg.per_layer() && !cg.scope.empty() && cg.captures("moe_preprocess"))
+    preprocess_region = fmt::format(
+        " (moe_preprocess: {})",
+        moe_preprocess_region(cfg.moe_token_dispatcher_type,
+                              {.num_echo = cfg.moe_enable_echo ? cfg.moe_num_echo_experts : 0,
+                               .received_capacity = cfg.moe_received_token_capacity}));
   if (cg.per_layer()) {
     model.set_layer_graphs(&layer_graphs);
     executor.use_slot_keys();
@@ -764,11 +775,11 @@ int run_pretrain(PretrainArgs args) {
       const size_t before = cg.per_layer() ? device_memory_in_use(device) : 0;
       train_step(model, executor, train_plan, optimizer, mbs, so, loss_slot, stream);
       if (layer_graphs.graphs() > layer_graphs_logged) {  // a step captured new per-layer graphs
-        log_info("> CUDA graph (per layer, scopes {}): {} graphs ({} nodes) over {} activation slots (the static "
+        log_info("> CUDA graph (per layer, scopes {}{}): {} graphs ({} nodes) over {} activation slots (the static "
                  "buffer sets; the pipeline schedule's in-flight bound); graph memory {:.1f} MiB (device memory "
                  "in use before and after the capturing step)",
                  cg.scope.empty() ? std::string("attn mlp moe") : fmt::format("{}", fmt::join(cg.scope, " ")),
-                 layer_graphs.graphs(), layer_graphs.nodes(), train_plan.activation_slots,
+                 preprocess_region, layer_graphs.graphs(), layer_graphs.nodes(), train_plan.activation_slots,
                  (static_cast<double>(device_memory_in_use(device)) - static_cast<double>(before)) / 1048576.0);
         layer_graphs_logged = layer_graphs.graphs();
       }

@@ -4,9 +4,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
+#include <vector>
 
 #include "model/gpt_model.h"
+#include "model/layer_graphs.h"
 #include "model/layers/moe.h"
 #include "ops/elementwise.h"
 #include "testing/testing.h"
@@ -331,6 +334,108 @@ TEST(GptCuda, MoEGroupedGemmLayerIsCapturable) {
       cudaGraphExecDestroy(exec);
       cudaGraphDestroy(graph);
     }
+  }
+}
+
+// Per-layer graphs with --cuda-graph-scope moe_router [moe_preprocess] on one MoE layer (the
+// LayerGraphs the trainer uses, driven directly): for each dispatcher the graphs of the router
+// region, and of the router plus the dispatcher's preprocessing, are captured on the first step
+// and replayed on steps with other inputs; output, input gradient and weight gradients must equal
+// the eager run of the same inputs bitwise (a routing map, count or permutation baked in at
+// capture would show on the second input), and the moe_preprocess graphs must hold more nodes
+// than the router's alone (the preprocessing is inside them) in the same number of graphs (one
+// forward and one backward).
+TEST(GptCuda, MoEPreprocessRegionFollowsEager) {
+  MT_REQUIRE_CUDA();
+  struct Case {
+    const char* name;
+    MoeDispatcher dispatcher;
+    bool grouped;
+    int64_t received;  // --moe-received-token-capacity (static alltoall blocks)
+  };
+  const Case cases[] = {{"allgather, host counts", MoeDispatcher::kAllGather, false, 0},
+                        {"allgather, grouped GEMM", MoeDispatcher::kAllGather, true, 0},
+                        {"alltoall, host counts", MoeDispatcher::kAllToAll, false, 0},
+                        {"alltoall, grouped GEMM (host split sizes)", MoeDispatcher::kAllToAll, true, 0},
+                        {"alltoall, static blocks that overflow", MoeDispatcher::kAllToAll, true, 150}};
+  for (const Case& cs : cases) {
+    SCOPED_TRACE(cs.name);
+    TransformerConfig c;
+    c.num_layers = 2;
+    c.hidden_size = 64;
+    c.num_attention_heads = 4;
+    c.seq_length = 32;
+    c.add_bias_linear = false;
+    c.gated_linear_unit = true;
+    c.num_moe_experts = 8;
+    c.moe_ffn_hidden_size = 48;
+    c.moe_router_topk = 2;
+    c.moe_aux_loss_coeff = {0.1f};
+    c.moe_z_loss_coeff = 0.01f;
+    c.moe_token_dispatcher_type = cs.dispatcher;
+    c.moe_grouped_gemm = cs.grouped;
+    c.moe_received_token_capacity = cs.received;
+    const int64_t b = 3, h = c.hidden_size, T = c.seq_length * b;
+    const Device dev = Device::cuda(0);
+    Stream st(dev);
+    const ProcessGroups g = ProcessGroups::single();
+    TensorParallelRegion tp(g.tp, false);
+    ParamRegistry reg;
+    reg.begin_group(true);
+    MoELayer layer(c, 1, tp, ExpertParallel{}, reg);
+    ParamStore store(reg.specs(), DType::kBF16, dev);
+    reg.bind(store);
+    store.initialize(testing::test_seed(), st);
+    BufferPlanner planner(dev, DType::kBF16);
+    for (int pass = 0; pass < 2; ++pass) {
+      planner.begin_pass();
+      planner.open_area(BufferPlanner::Family::kActivations, 0);
+      layer.plan(planner, c.seq_length, b);
+      planner.close_area();
+      if (pass == 0) planner.materialize();
+    }
+    // two input sets (other routings, other counts)
+    const std::vector<float> xs[2] = {testing::randn(T * h), testing::randn(T * h, 2.f)};
+    OwnedTensor dys[2] = {
+        testing::make_tensor(testing::randn(T * h, 0.1f), DType::kBF16, dev, {c.seq_length, b, h}, st),
+        testing::make_tensor(testing::randn(T * h, 0.3f), DType::kBF16, dev, {c.seq_length, b, h}, st)};
+    const MicroBatch mb{Tensor(), Tensor(), Tensor()};
+    const DropoutContext dc{7, 1, 0, true};
+    struct Out {
+      std::vector<float> y, dx, grads;
+    };
+    auto step = [&](int input, LayerGraphs* graphs) {
+      testing::upload(layer.input(0), xs[input], st);
+      store.zero_grads(st);
+      StepContext ctx{mb, dc, 0, st};
+      ctx.graphs = graphs;
+      const Tensor y = layer.forward(ctx);
+      const Tensor dx = layer.backward(dys[input].t, ctx, nullptr);
+      return Out{testing::to_host(y, st), testing::to_host(dx, st), testing::to_host(store.grads_flat(), st)};
+    };
+    const Out eager[2] = {step(0, nullptr), step(1, nullptr)};  // first use (plans, tables) eagerly
+    ASSERT_TRUE(testing::all_finite(eager[0].y) && testing::all_finite(eager[0].dx) &&
+                testing::all_finite(eager[0].grads));
+    ASSERT_NE(0, std::memcmp(eager[0].y.data(), eager[1].y.data(), eager[0].y.size() * sizeof(float)));
+    size_t nodes[2] = {0, 0};
+    for (bool preprocess : {false, true}) {
+      SCOPED_TRACE(preprocess ? "moe_router moe_preprocess" : "moe_router");
+      LayerGraphs graphs(false, false, false, /*moe_router=*/true, preprocess);
+      graphs.set_capturing(true);
+      for (int input : {0, 1, 0}) {  // capture on the first, replay on the others
+        SCOPED_TRACE(::testing::Message() << "input " << input);
+        const Out o = step(input, &graphs);
+        const Out& e = eager[input];
+        EXPECT_EQ(0, std::memcmp(o.y.data(), e.y.data(), e.y.size() * sizeof(float))) << "output";
+        EXPECT_EQ(0, std::memcmp(o.dx.data(), e.dx.data(), e.dx.size() * sizeof(float))) << "input gradient";
+        EXPECT_EQ(0, std::memcmp(o.grads.data(), e.grads.data(), e.grads.size() * sizeof(float)))
+            << "weight gradients";
+      }
+      EXPECT_EQ(graphs.graphs(), 2u) << "one forward and one backward graph";
+      nodes[preprocess ? 1 : 0] = graphs.nodes();
+    }
+    EXPECT_GT(nodes[1], nodes[0]) << "the moe_preprocess graphs must hold the dispatcher's preprocessing";
+    std::printf("%s: moe_router %zu nodes, moe_router + moe_preprocess %zu nodes\n", cs.name, nodes[0], nodes[1]);
   }
 }
 

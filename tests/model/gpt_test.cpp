@@ -8,6 +8,7 @@
 #include <numeric>
 
 #include "model/gpt_model.h"
+#include "model/layer_graphs.h"
 #include "ops/elementwise.h"
 #include "testing/testing.h"
 
@@ -635,6 +636,21 @@ TEST(Gpt, ConfigErrors) {
   EXPECT_THROW(parse_normalization("BatchNorm"), Error);
   EXPECT_THROW(parse_position_embedding_type("alibi"), Error);
   EXPECT_THROW(GPTModel(tiny_config(0), 1, DType::kBF16, Device::cpu(), ProcessGroups::single()), Error);
+}
+
+// Megatron-Core's rule: moe_preprocess extends the router's graph, so it needs moe_router.
+TEST(LayerGraphs, MoePreprocessNeedsMoeRouter) {
+  try {
+    LayerGraphs graphs(true, false, false, /*moe_router=*/false, /*moe_preprocess=*/true);
+    ADD_FAILURE() << "moe_preprocess without moe_router was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("moe_preprocess needs moe_router"), std::string::npos) << e.what();
+  }
+  const LayerGraphs graphs(false, false, false, true, true);
+  EXPECT_TRUE(graphs.scoped(LayerGraphs::Region::kMoeRouter));
+  EXPECT_TRUE(graphs.scoped(LayerGraphs::Region::kMoePreprocess));
+  EXPECT_FALSE(graphs.scoped(LayerGraphs::Region::kMoe));
+  EXPECT_FALSE(LayerGraphs(false, false, false, true).scoped(LayerGraphs::Region::kMoePreprocess));
 }
 
 TEST(Gpt, FlopsFormula) {

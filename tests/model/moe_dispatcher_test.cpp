@@ -3,7 +3,7 @@
 // rank 0. Checked:
 //  * the data path: with identity experts (expert outputs = expert inputs) the combine gives every
 //    token x[t]·Σ_j probs[t, j], whatever rank or clone its slots were computed on, and the
-//    backward (combine_backward, dispatch_backward) gives dx[t] = dy[t]·Σ_j probs[t, j] and
+//    backward (combine_backward, dispatch_backward, preprocess_backward) gives dx[t] = dy[t]·Σ_j probs[t, j] and
 //    d_probs[t, j] = <dy[t], x[t]>;
 //  * the load: without ECHO EP rank 0 receives far more rows than the average load; with ECHO
 //    (two spare slots per rank) no rank receives more than the average, the hot experts' excess
@@ -23,6 +23,7 @@
 
 #include "comm/thread_comm.h"
 #include "model/layers/moe_dispatcher.h"
+#include "ops/elementwise.h"
 #include "ops/moe_echo.h"
 #include "testing/testing.h"
 
@@ -65,7 +66,8 @@ struct Grid {
   int size() const { return kEp * etp; }
 };
 
-// One forward + backward through the dispatcher on every rank; checks the data path on each.
+// One forward (preprocess, dispatch, combine) + backward through the dispatcher on every rank;
+// checks the data path on each.
 // received > 0: the static dispatcher (--moe-received-token-capacity), whose overflowed slots add
 // nothing; `kept` (per rank, [T·k]) says which slots the test expects kept (empty: all). With
 // expert TP the identity experts of the `etp` ranks each return the whole row, so the combine's
@@ -124,6 +126,8 @@ std::vector<RankResult> run(int64_t num_echo, int64_t received = 0,
     testing::OwnedTensor xp(DType::kF32, cpu, {max_rows, kHidden}), y(DType::kF32, cpu, {kTokens, kHidden});
     testing::OwnedTensor d_out(DType::kF32, cpu, {max_rows, kHidden}), dx(DType::kF32, cpu, {kTokens, kHidden});
     testing::OwnedTensor d_probs(DType::kF32, cpu, {kTokens, kTopk});
+    fill(dx.t, std::nanf(""), st);  // poisoned: the backward must write every element
+    disp->preprocess(xt.t, 0, st);
     const MoeExpertCounts counts = disp->dispatch(xp.t, xt.t, 0, st);
     std::vector<int64_t> per_slot = counts.host;
     if (received > 0) {  // device counts only
@@ -136,6 +140,7 @@ std::vector<RankResult> run(int64_t num_echo, int64_t received = 0,
     disp->combine(y.t, xp.t, 0, st);  // identity experts: out = xp
     disp->combine_backward(d_out.t, d_probs.t, dyt.t, xp.t, 0, st);
     disp->dispatch_backward(dx.t, d_out.t, 0, st);  // identity experts: d_xp = d_out
+    disp->preprocess_backward(dx.t, 0, st);
     const auto keeps = [&](int64_t i) { return kept.empty() || kept[static_cast<size_t>(rank)][static_cast<size_t>(i)]; };
     const auto Q = static_cast<float>(grid.etp);
     for (int64_t t = 0; t < kTokens; ++t) {

@@ -19,6 +19,7 @@
 #include "comm/thread_comm.h"
 #include "core/cuda_graph.h"
 #include "model/gpt_model.h"
+#include "model/layer_graphs.h"
 #include "optim/grad_sync.h"
 #include "ops/elementwise.h"
 #include "parallel/parallel_config.h"
@@ -136,6 +137,9 @@ struct Layout {
   int echo = 0;              // --moe-enable-echo with this many spare slots per EP rank (alltoall)
   int64_t received = 0;      // --moe-received-token-capacity (static alltoall blocks; large: no overflow)
   bool slot_keys = false;    // per-layer CUDA graph mode: dropout keyed by the slot's device micro-batch key
+  // per-layer CUDA graphs with --cuda-graph-scope moe_router moe_preprocess (eager on the CPU: the
+  // region split, router + dispatcher preprocessing and their backward, must not change results)
+  bool preprocess = false;
   // Activation recompute (the reference keeps everything): 's' selective, 'u' full uniform, 'b'
   // full block, with recompute_layers (--recompute-num-layers)
   char recompute = 0;
@@ -173,6 +177,7 @@ struct Layout {
     if (received > 0) s += fmt::format("_recv{}", received);
     if (slot_keys) s += "_slotkeys";
     if (head_chunk > 0) s += fmt::format("_headchunk{}", head_chunk);
+    if (preprocess) s += "_moe_preprocess";
     if (recompute == 's') s += "_rc_selective";
     if (recompute == 'u' || recompute == 'b')
       s += fmt::format("_rc_{}{}", recompute == 'u' ? "uniform" : "block", recompute_layers);
@@ -266,7 +271,12 @@ Result run_layout(const Layout& L, const std::vector<int32_t>& tokens, const std
     if (L.head_chunk > 0) ml.head.chunk_bytes = static_cast<size_t>(L.head_chunk * c.padded_vocab_size(L.tp) / L.tp) * 4;
     GPTModel model(c, B, DType::kF32, Device::cpu(), g, L.sp, pl, ml);
     PipelineExecutor executor(model, g.pp, {&plan});
-    if (L.slot_keys) executor.use_slot_keys();
+    if (L.slot_keys || L.preprocess) executor.use_slot_keys();
+    LayerGraphs graphs(false, false, false, /*moe_router=*/true, /*moe_preprocess=*/true);
+    if (L.preprocess) {
+      graphs.set_capturing(true);  // the CPU runs every region eagerly (model/layer_graphs.h)
+      model.set_layer_graphs(&graphs);
+    }
     GradSync sync(model.params(), g.dp, DdpConfig{L.overlap, L.overlap && L.zero, L.zero}, g.edp);
     OptimizerConfig oc;
     oc.weight_decay = 0.1f;
@@ -745,6 +755,26 @@ std::vector<Layout> layouts() {
     v.back().flash = flash;
     v.back().micro_total = 4 * pp * dp;
     v.back().slot_keys = true;
+  }
+  // Per-layer graphs with the moe_router and moe_preprocess scopes (run eagerly here): the router
+  // and each dispatcher's preprocessing as one region, forward and backward, under EP 2 and 4:
+  // allgather (host counts, and grouped GEMM with EP x PP slots), alltoall dropless (host counts;
+  // with expert TP 2; with ECHO's host placement), alltoall static blocks (with ECHO on the device,
+  // and with token dropping).
+  for (const auto& [arch, tp, pp, dp, ep, etp, sp, a2a, grouped, echo, received, capacity] :
+       {std::tuple{Arch::kMoe, 1, 1, 2, 2, 0, false, false, false, 0, 0, 0.0},
+        std::tuple{Arch::kMoe, 1, 2, 2, 2, 0, false, false, true, 0, 0, 0.0},
+        std::tuple{Arch::kMoe, 1, 1, 4, 4, 0, false, true, false, 0, 0, 0.0},
+        std::tuple{Arch::kMoe, 2, 1, 2, 2, 2, true, true, true, 0, 0, 0.0},
+        std::tuple{Arch::kMoe, 1, 1, 2, 2, 0, false, true, false, 1, 0, 0.0},
+        std::tuple{Arch::kMoeSigmoid, 1, 1, 4, 4, 0, false, true, true, 1, 4096, 0.0},
+        std::tuple{Arch::kMoe, 1, 1, 2, 2, 0, false, true, true, 0, 4096, 0.5}}) {
+    add(arch, tp, pp, dp, 0, sp, false, false, ep, etp, a2a);
+    v.back().grouped = grouped;
+    v.back().echo = echo;
+    v.back().received = received;
+    v.back().capacity = capacity;
+    v.back().preprocess = true;
   }
   // Activation recompute under parallelism (several activation slots sharing one recompute area,
   // groups that end a pipeline chunk and feed the next stage, recomputed collectives of TP + SP,

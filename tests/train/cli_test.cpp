@@ -225,6 +225,7 @@ TEST_F(CliTest, BadInputErrors) {
     builder.finalize();
   }
   std::ofstream(bad / "a_file") << "x";
+  const std::string moe = "--num-experts 4 --disable-bias-linear";
   const std::vector<Case> cases = {
       {train_flags("--train-iters 2", (bad / "nothing").string()), "nothing"},
       {train_flags("--train-iters 2", (bad / "magic").string()), "magic"},
@@ -250,8 +251,27 @@ TEST_F(CliTest, BadInputErrors) {
       {train_flags("--train-iters 2 --cuda-graph-include-optimizer"), "--cuda-graph-impl none"},
       {train_flags("--train-iters 2 --cuda-graph-impl local --cuda-graph-scope attn full_iteration"),
        "cannot be combined"},
-      {train_flags("--train-iters 2 --cuda-graph-impl local --cuda-graph-scope moe_preprocess"),
-       "--cuda-graph-scope moe_preprocess is not implemented"},
+      // moe_preprocess: only with moe_router (Megatron-Core's rule), only for a MoE model; accepted
+      // (then refused on the CPU) for every dispatcher, including the host-synchronised ones
+      {train_flags("--train-iters 2 " + moe + " --cuda-graph-impl local --cuda-graph-scope moe_preprocess"),
+       "--cuda-graph-scope moe_preprocess: moe_preprocess needs moe_router as well"},
+      {train_flags("--train-iters 2 " + moe + " --cuda-graph-impl local --cuda-graph-scope attn moe_preprocess"),
+       "--cuda-graph-scope attn moe_preprocess: moe_preprocess needs moe_router as well"},
+      {train_flags("--train-iters 2 --cuda-graph-impl local --cuda-graph-scope moe_router moe_preprocess"),
+       "--cuda-graph-scope moe_preprocess needs a mixture-of-experts model (--num-experts > 0, got 0)"},
+      {train_flags("--train-iters 2 " + moe +
+                   " --cuda-graph-impl full_iteration --cuda-graph-scope moe_router moe_preprocess"),
+       "cannot be combined"},
+      {train_flags("--train-iters 2 " + moe +
+                   " --moe-router-force-load-balancing --cuda-graph-impl local --cuda-graph-scope moe_router "
+                   "moe_preprocess"),
+       "--moe-router-force-load-balancing with the per-layer moe / moe_router scope"},
+      {train_flags("--train-iters 2 " + moe + " --cuda-graph-impl local --cuda-graph-scope moe_router moe_preprocess"),
+       "needs a CUDA device"},
+      {train_flags("--train-iters 2 " + moe +
+                   " --moe-token-dispatcher-type alltoall --cuda-graph-impl local --cuda-graph-scope attn moe_router "
+                   "moe_preprocess"),
+       "needs a CUDA device"},
       {train_flags("--train-iters 2 --cuda-graph-impl local --cuda-graph-scope attn mlp"), "needs a CUDA device"},
       // a model that cannot fit: refused before allocating, naming the largest consumers
       {train_flags("--train-iters 2 --num-layers 64 --hidden-size 65536 --num-attention-heads 64 "

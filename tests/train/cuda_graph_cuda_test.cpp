@@ -210,6 +210,68 @@ TEST_F(CudaGraphTraining, PerLayerMoeRouterWithHostCountsFollowsEager) {
               "--cuda-graph-impl local --cuda-graph-scope attn moe_router --cuda-graph-warmup-steps 2");
 }
 
+// moe_preprocess (with moe_router): the router and the token dispatcher's preprocessing (the
+// routing metadata up to the first host read) in one graph per layer, slot and direction, the rest
+// of the MoE block eager between the replays. Allgather with host counts (per-expert GEMMs),
+// alltoall dropless (its split sizes read on the host after the graph), alltoall with static
+// receive blocks that overflow (grouped GEMM; nothing read on the host).
+TEST_F(CudaGraphTraining, PerLayerMoePreprocessAllgatherFollowsEager) {
+  expect_same("--disable-bias-linear --num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2 "
+              "--moe-router-load-balancing-type global_aux_loss --moe-z-loss-coeff 1e-3",
+              "--cuda-graph-impl local --cuda-graph-scope attn moe_router moe_preprocess --cuda-graph-warmup-steps 2");
+}
+
+TEST_F(CudaGraphTraining, PerLayerMoePreprocessAlltoAllFollowsEager) {
+  expect_same("--disable-bias-linear --num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2 "
+              "--moe-token-dispatcher-type alltoall --moe-z-loss-coeff 1e-3",
+              "--cuda-graph-impl local --cuda-graph-scope attn moe_router moe_preprocess --cuda-graph-warmup-steps 2");
+}
+
+TEST_F(CudaGraphTraining, PerLayerMoePreprocessStaticAlltoAllFollowsEager) {
+  expect_same("--disable-bias-linear --num-experts 4 --moe-router-topk 2 --moe-grouped-gemm --moe-aux-loss-coeff 1e-2 "
+              "--moe-token-dispatcher-type alltoall --moe-received-token-capacity 200",
+              "--cuda-graph-impl local --cuda-graph-scope moe_router moe_preprocess --cuda-graph-warmup-steps 2");
+}
+
+// The summary line of per-layer capture names the preprocessing region, and its graphs hold more
+// nodes than the router's alone, in as many graphs (the region replaces the router's).
+TEST_F(CudaGraphTraining, PerLayerMoePreprocessGraphsHoldThePreprocessing) {
+  // "> CUDA graph (per layer, scopes ...): G graphs (N nodes)": the last such line of a run
+  auto summary = [](const std::string& out) {
+    const std::string key = "> CUDA graph (per layer, scopes ";
+    const size_t at = out.rfind(key);
+    EXPECT_NE(at, std::string::npos) << out;
+    std::pair<long, long> gn{-1, -1};
+    if (at == std::string::npos) return std::make_pair(gn, std::string());
+    const size_t colon = out.find("): ", at);
+    const std::string line = out.substr(at, out.find('\n', at) - at);
+    if (std::sscanf(out.c_str() + colon + 3, "%ld graphs (%ld nodes)", &gn.first, &gn.second) != 2)
+      ADD_FAILURE() << line;
+    return std::make_pair(gn, line);
+  };
+  for (const std::string& model :
+       {std::string("--disable-bias-linear --num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2"),
+        std::string("--disable-bias-linear --num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2 "
+                    "--moe-token-dispatcher-type alltoall")}) {
+    SCOPED_TRACE(model);
+    const RunResult router =
+        run_megatron(flags(model + " --cuda-graph-impl local --cuda-graph-scope moe_router --cuda-graph-warmup-steps 1"));
+    const RunResult pre = run_megatron(flags(
+        model + " --cuda-graph-impl local --cuda-graph-scope moe_router moe_preprocess --cuda-graph-warmup-steps 1"));
+    ASSERT_EQ(router.rc, 0) << router.out;
+    ASSERT_EQ(pre.rc, 0) << pre.out;
+    const auto [r, router_line] = summary(router.out);
+    const auto [p, pre_line] = summary(pre.out);
+    EXPECT_EQ(router_line.find("moe_preprocess"), std::string::npos) << router_line;
+    EXPECT_NE(pre_line.find("(moe_preprocess: router, "), std::string::npos) << pre_line;
+    if (model.find("alltoall") != std::string::npos)
+      EXPECT_NE(pre_line.find("permutation 1, count all-gather"), std::string::npos) << pre_line;
+    EXPECT_EQ(p.first, r.first) << "graphs: " << router_line << "\n" << pre_line;
+    EXPECT_GT(p.second, r.second) << "nodes: " << router_line << "\n" << pre_line;
+    std::printf("%s\n%s\n", router_line.c_str(), pre_line.c_str());
+  }
+}
+
 TEST_F(CudaGraphTraining, RefusedCombinationsNameTheFlag) {
   RunResult r = run_megatron(flags("--cuda-graph-impl full_iteration --timing-log-level 1"));
   EXPECT_NE(r.rc, 0);
@@ -227,6 +289,9 @@ TEST_F(CudaGraphTraining, RefusedCombinationsNameTheFlag) {
                          "--moe-token-dispatcher-type alltoall"));  // host-read split sizes
   EXPECT_NE(r.rc, 0);
   EXPECT_NE(r.out.find("--moe-received-token-capacity"), std::string::npos) << r.out;
+  r = run_megatron(flags("--cuda-graph-impl local --num-experts 4 --cuda-graph-scope attn moe_preprocess"));
+  EXPECT_NE(r.rc, 0);
+  EXPECT_NE(r.out.find("moe_preprocess needs moe_router"), std::string::npos) << r.out;
 }
 
 }  // namespace

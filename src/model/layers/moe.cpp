@@ -341,10 +341,18 @@ Tensor MoELayer::forward(const StepContext& ctx, const ResidualAdd* add) {
   Saved& sv = saved_.at(static_cast<size_t>(ctx.slot));
   const Stream& st = ctx.stream;
   const Tensor x = rows(sv.x);
-  // --- router (local tokens) and the auxiliary losses: the moe_router region of per-layer graphs ---
-  router_region(ctx, false, [&] { router_forward(sv, ctx); });
-  // --- dispatch: the rows of the local experts, ordered by expert ---
+  // --- router (local tokens) and the auxiliary losses, then the dispatcher's preprocessing (the
+  // routing metadata on the device): the moe_router region of per-layer graphs, or both the
+  // moe_preprocess region ---
   dispatcher_->count_stats(!ctx.recompute);
+  const bool pre = preprocess_captured(ctx);
+  router_region(ctx, false, [&] {
+    router_forward(sv, ctx);
+    if (pre) dispatcher_->preprocess(x, ctx.slot, st);
+  });
+  if (!pre) dispatcher_->preprocess(x, ctx.slot, st);
+  // --- dispatch: the rows of the local experts, ordered by expert (the host read of the counts
+  // where there is one, then the token exchange) ---
   MoeExpertCounts counts = dispatcher_->dispatch(sv.xp, x, ctx.slot, st);
   if (config_.moe_grouped_gemm) {  // experts and combine over all R_max rows, counts on the device
     sv.counts = counts.device;
@@ -537,13 +545,20 @@ Tensor MoELayer::backward(const Tensor& dy, const StepContext& ctx, WgradDeferra
   return router_backward(sv, dy, ctx, defer);
 }
 
+bool MoELayer::preprocess_captured(const StepContext& ctx) {
+  return ctx.graphs != nullptr && ctx.graphs->scoped(LayerGraphs::Region::kMoePreprocess);
+}
+
 void MoELayer::router_region(const StepContext& ctx, bool backward, const std::function<void()>& body) {
   if (ctx.graphs == nullptr) {
     body();
     return;
   }
-  // reads the slot's tensors and the static scratch only (d_probs, dx), besides the loss scale
-  ctx.graphs->run(layer_, LayerGraphs::Region::kMoeRouter, backward, ctx.dropout.training, ctx.slot,
+  // Reads the slot's tensors and the static scratch only (d_probs, dx; with the preprocessing the
+  // dispatcher's saved maps and scratch: send rows, counts), besides the loss scale. Everything
+  // that differs between micro-batches is device data: the routing, the counts, the maps.
+  const auto region = preprocess_captured(ctx) ? LayerGraphs::Region::kMoePreprocess : LayerGraphs::Region::kMoeRouter;
+  ctx.graphs->run(layer_, region, backward, ctx.dropout.training, ctx.slot,
                   {ctx.loss_scale.data(), nullptr, nullptr, nullptr, nullptr}, ctx.stream, body);
 }
 
@@ -551,8 +566,12 @@ Tensor MoELayer::router_backward(Saved& sv, const Tensor& dy, const StepContext&
   const Stream& st = ctx.stream;
   const Tensor x = rows(sv.x);
   const Tensor dx = rows(dx_);
-  // --- router backward: probs path, load-balancing loss, z-loss (the moe_router region) ---
+  // --- the preprocessing's backward (alltoall: permutation 1 undone into dx), then the router's:
+  // probs path, load-balancing loss, z-loss (the moe_router or moe_preprocess region) ---
+  const bool pre = preprocess_captured(ctx);
+  if (!pre) dispatcher_->preprocess_backward(dx, ctx.slot, st);
   router_region(ctx, true, [&] {
+    if (pre) dispatcher_->preprocess_backward(dx, ctx.slot, st);
     moe_topk_routing_backward(d_logits_, d_probs_, sv.logits, router_top(ctx.slot), router_, st);
     const double w = ctx.batch.aux_loss_weight;
     for (MoeLoadBalancing type : kAuxTypes)  // the gradients of the types' losses add up

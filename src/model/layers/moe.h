@@ -211,10 +211,14 @@ class MoELayer final : public MlpSlot {
   void grouped_backward(Saved& sv, const Stream& st);
   Tensor finish_forward(Saved& sv, const StepContext& ctx);  // the shared experts, then y
   // The router with the auxiliary losses' values and counts (forward), and their backward into
-  // the router weight and dx: the moe_router region of per-layer CUDA graphs (model/layer_graphs.h).
+  // the router weight and dx: the moe_router region of per-layer CUDA graphs (model/layer_graphs.h);
+  // with moe_preprocess scoped, the moe_preprocess region: the router and the dispatcher's
+  // preprocess() (forward), preprocess_backward() and the router's backward (backward) as one graph.
   void router_forward(Saved& sv, const StepContext& ctx);
   void router_region(const StepContext& ctx, bool backward, const std::function<void()>& body);
-  // The router's backward and the shared experts' (after the dispatch backward wrote dx_).
+  static bool preprocess_captured(const StepContext& ctx);  // moe_preprocess is scoped
+  // The preprocessing's and the router's backward, then the shared experts' (after the dispatch
+  // backward).
   Tensor router_backward(Saved& sv, const Tensor& dy, const StepContext& ctx, WgradDeferral* defer);
 
   const TransformerConfig& config_;

@@ -50,22 +50,33 @@ class AllGatherDispatcher final : public MoeTokenDispatcher {
   Tensor top(int slot) const override { return local(saved_.at(static_cast<size_t>(slot)).top_all); }
   Tensor probs(int slot) const override { return local(saved_.at(static_cast<size_t>(slot)).probs_all); }
 
-  MoeExpertCounts dispatch(const Tensor& xp, const Tensor& x, int slot, const Stream& st) override {
+  // The gathered selection and probs, and the routing map on the device (row_index is -1 beyond
+  // the routed rows, which permute skips).
+  void preprocess(const Tensor& x, int slot, const Stream& st) override {
+    (void)x;  // the tokens are gathered by dispatch()
     Saved& sv = saved_.at(static_cast<size_t>(slot));
-    const Tensor x_all = gather(x_all_, x, st);
     if (size() > 1) {
       group().all_gather(sv.top_all, local(sv.top_all), st);
       group().all_gather(sv.probs_all, local(sv.probs_all), st);
     }
+    moe_routing_map_device(sv.row_index, sv.slot_row, sv.counts, sv.top_all, s_.first_expert, s_.num_local, st);
+  }
+
+  MoeExpertCounts dispatch(const Tensor& xp, const Tensor& x, int slot, const Stream& st) override {
+    Saved& sv = saved_.at(static_cast<size_t>(slot));
+    const Tensor x_all = gather(x_all_, x, st);  // issued before the host read: it runs meanwhile
     MoeExpertCounts out;
     out.device = sv.counts;
-    if (s_.device_counts) {  // sync-free: row_index is -1 beyond the routed rows, which permute skips
-      moe_routing_map_device(sv.row_index, sv.slot_row, sv.counts, sv.top_all, s_.first_expert, s_.num_local, st);
+    if (s_.device_counts) {  // sync-free
       moe_permute(rows(xp).slice0(0, sv.row_index.numel()), x_all, sv.row_index, s_.topk, st);
       return out;
     }
-    out.host = moe_routing_map(sv.row_index, sv.slot_row, sv.counts, sv.top_all, s_.first_expert, s_.num_local, st);
+    std::vector<int32_t> host(static_cast<size_t>(s_.num_local));
+    copy_bytes(host.data(), Device::cpu(), sv.counts.data(), sv.counts.device(), host.size() * sizeof(int32_t), st);
+    st.synchronize();  // the expert GEMM shapes
+    out.host.assign(host.begin(), host.end());
     const int64_t R = std::accumulate(out.host.begin(), out.host.end(), int64_t{0});
+    MT_CHECK(R <= xp.size(0), "MoE allgather dispatch: {} expert rows exceed the planned {}", R, xp.size(0));
     moe_permute(row_range(xp, 0, R), x_all, sv.row_index, s_.topk, st);
     return out;
   }
@@ -92,6 +103,8 @@ class AllGatherDispatcher final : public MoeTokenDispatcher {
     moe_permute_backward(dx_all, d_xp, sv.slot_row, s_.topk, st);
     scatter_sum(dx, dx_all, st);
   }
+
+  void preprocess_backward(const Tensor&, int, const Stream&) override {}  // dx written by dispatch_backward
 
  private:
   struct Saved {
@@ -269,19 +282,32 @@ class AllToAllDispatcher final : public AlltoAllBase {
   MoeDispatchStats stats(const Stream&) const override { return stats_; }
   void reset_stats(const Stream&) override { stats_ = {}; }
 
-  MoeExpertCounts dispatch(const Tensor& xp, const Tensor& x, int slot, const Stream& st) override {
+  void preprocess(const Tensor& x, int slot, const Stream& st) override {
     Saved& sv = saved_.at(static_cast<size_t>(slot));
-    const Tensor top = S_ > 0 ? echo_reroute(sv, st) : sv.top;
+    Tensor top = sv.top;
+    if (S_ > 0) {  // the plan and the rerouting on the device (the placement is read by dispatch())
+      echo_.reroute(sv.top_v, sv.clone_expert, sv.top, st);
+      top = sv.top_v;
+    }
     // Permutation 1: this rank's slots sorted by (global) expert, i.e. by destination EP rank
-    // (S = T·k of them, fewer when a capacity dropped some: their expert is -1).
-    const std::vector<int64_t> mine = moe_routing_map(sv.row_index, sv.slot_row, counts_, top, 0, Ev_, st);
-    const int64_t S = std::accumulate(mine.begin(), mine.end(), int64_t{0});
-    moe_permute(row_range(send_, 0, S), x, sv.row_index, s_.topk, st);
-    sv.plan = exchange_counts(mine, st);
+    // (S = T·k of them, fewer when a capacity dropped some: their expert is -1; row_index is -1
+    // from S on and those send rows are left untouched).
+    moe_routing_map_device(sv.row_index, sv.slot_row, counts_, top, 0, Ev_, st);
+    moe_permute(send_, x, sv.row_index, s_.topk, st);
+    // the counts of every rank of the ETP × EP grid (fixed sizes), read on the host by dispatch()
+    if (P_ > 1) ep_.ep_group->all_gather(counts_ep_, counts_, st);
+    if (Q_ > 1) ep_.etp_group->all_gather(counts_all_, P_ > 1 ? counts_ep_ : counts_, st);
+  }
+
+  MoeExpertCounts dispatch(const Tensor& xp, const Tensor& x, int slot, const Stream& st) override {
+    (void)x;  // permuted into the send rows by preprocess()
+    Saved& sv = saved_.at(static_cast<size_t>(slot));
+    if (S_ > 0) sv.placement = echo_placement_sync(sv.clone_expert, s_.num_experts, P_, st);
+    sv.plan = exchange_counts(st);
     const Plan& pl = sv.plan;
     MT_CHECK(pl.rows() <= xp.size(0), "MoE alltoall dispatch: {} expert rows exceed the planned {}", pl.rows(),
              xp.size(0));
-    to_experts(xp, row_range(send_, 0, S), pl, st);
+    to_experts(xp, row_range(send_, 0, pl.slots()), pl, st);
     MoeExpertCounts out;
     out.host = pl.local_counts;
     if (s_.device_counts) {  // the host counts uploaded (from the plan, which outlives the copy)
@@ -314,10 +340,15 @@ class AllToAllDispatcher final : public AlltoAllBase {
   }
 
   void dispatch_backward(const Tensor& dx, const Tensor& d_xp, int slot, const Stream& st) override {
+    (void)dx;  // written by preprocess_backward
     const Saved& sv = saved_.at(static_cast<size_t>(slot));
     const Tensor d_send = row_range(send_, 0, sv.plan.slots());
     from_experts(d_send, d_xp, sv.plan, st);  // the input gradients return like the outputs
-    moe_permute_backward(dx, d_send, sv.slot_row, s_.topk, st);
+  }
+
+  void preprocess_backward(const Tensor& dx, int slot, const Stream& st) override {
+    // permutation 1 undone: the slot rows of each token summed (send rows [0, S) of dispatch_backward)
+    moe_permute_backward(dx, send_, saved_.at(static_cast<size_t>(slot)).slot_row, s_.topk, st);
   }
 
  private:
@@ -350,38 +381,23 @@ class AllToAllDispatcher final : public AlltoAllBase {
     EchoPlacement placement;
   };
 
-  Tensor echo_reroute(Saved& sv, const Stream& st) {
-    echo_.reroute(sv.top_v, sv.clone_expert, sv.top, st);
-    sv.placement = echo_placement_sync(sv.clone_expert, s_.num_experts, P_, st);
-    return sv.top_v;
-  }
-
   int etp_rank() const { return ep_.etp_group ? ep_.etp_group->rank() : 0; }
   int ep_rank() const { return ep_.ep_group ? ep_.ep_group->rank() : 0; }
   // The stage buffer of permutation 2, or `direct` when there is no regrouping (one local expert).
   Tensor stage_or(const Tensor& direct) const { return Lv_ > 1 ? stage_ : direct; }
 
-  // Counts of every rank of the ETP × EP grid: all-gathered over EP, then over ETP (fixed sizes,
-  // on the device), one copy to the host.
-  Plan exchange_counts(const std::vector<int64_t>& mine, const Stream& st) {
+  // The counts of every rank of the ETP × EP grid (all-gathered over EP, then over ETP by
+  // preprocess()) and this rank's own, copied to the host with one synchronisation; the plan.
+  Plan exchange_counts(const Stream& st) {
     // over the local expert slots (E_l, plus the S clones with ECHO) in the virtual layout
     const int64_t E = Ev_, El = Lv_, first = firstv_;
-    Tensor all = counts_;
-    if (P_ > 1) {
-      ep_.ep_group->all_gather(counts_ep_, counts_, st);
-      all = counts_ep_;
-    }
-    if (Q_ > 1) {
-      ep_.etp_group->all_gather(counts_all_, all, st);
-      all = counts_all_;
-    }
-    std::vector<int32_t> host(static_cast<size_t>(Q_ * P_ * E));
-    if (P_ * Q_ > 1) {
-      copy_bytes(host.data(), Device::cpu(), all.data(), all.device(), host.size() * sizeof(int32_t), st);
-      st.synchronize();
-    } else {
-      std::copy(mine.begin(), mine.end(), host.begin());
-    }
+    const Tensor all = Q_ > 1 ? counts_all_ : (P_ > 1 ? counts_ep_ : counts_);
+    std::vector<int32_t> host(static_cast<size_t>(Q_ * P_ * E)), mine(static_cast<size_t>(E));
+    copy_bytes(host.data(), Device::cpu(), all.data(), all.device(), host.size() * sizeof(int32_t), st);
+    if (P_ * Q_ > 1)
+      copy_bytes(mine.data(), Device::cpu(), counts_.data(), counts_.device(), mine.size() * sizeof(int32_t), st);
+    st.synchronize();  // the split sizes of the exchanges
+    if (P_ * Q_ == 1) mine = host;
     auto C = [&](int64_t i, int64_t j, int64_t e) {
       return static_cast<int64_t>(host[static_cast<size_t>((i * P_ + j) * E + e)]);
     };
@@ -586,7 +602,7 @@ class StaticAllToAllDispatcher final : public AlltoAllBase {
     if (overflow_zeroed_) fill(overflow_, 0.f, st);
   }
 
-  MoeExpertCounts dispatch(const Tensor& xp, const Tensor& x, int slot, const Stream& st) override {
+  void preprocess(const Tensor& x, int slot, const Stream& st) override {
     Saved& sv = saved_.at(static_cast<size_t>(slot));
     if (!overflow_zeroed_) {  // first use (an eager step: CUDA graphs capture after warm-up)
       fill(overflow_, 0.f, st);
@@ -614,6 +630,11 @@ class StaticAllToAllDispatcher final : public AlltoAllBase {
       copy(sent_all_.view({P_ * Ev_}), all, st);
     }
     moe_block_receive_layout(sv.gather_index, sv.scatter_index, sv.local_counts, sent_all_, firstv_, Lv_, B_, st);
+  }
+
+  MoeExpertCounts dispatch(const Tensor& xp, const Tensor& x, int slot, const Stream& st) override {
+    (void)x;  // in the send blocks since preprocess()
+    const Saved& sv = saved_.at(static_cast<size_t>(slot));
     to_experts(xp, send_, sv, st);
     MoeExpertCounts out;
     out.device = sv.local_counts;
@@ -635,9 +656,12 @@ class StaticAllToAllDispatcher final : public AlltoAllBase {
   }
 
   void dispatch_backward(const Tensor& dx, const Tensor& d_xp, int slot, const Stream& st) override {
-    const Saved& sv = saved_.at(static_cast<size_t>(slot));
-    from_experts(send_, d_xp, sv, st);
-    moe_permute_backward(dx, send_, sv.slot_send, s_.topk, st);
+    (void)dx;  // written by preprocess_backward
+    from_experts(send_, d_xp, saved_.at(static_cast<size_t>(slot)), st);
+  }
+
+  void preprocess_backward(const Tensor& dx, int slot, const Stream& st) override {
+    moe_permute_backward(dx, send_, saved_.at(static_cast<size_t>(slot)).slot_send, s_.topk, st);
   }
 
  private:
@@ -685,6 +709,14 @@ class StaticAllToAllDispatcher final : public AlltoAllBase {
 };
 
 }  // namespace
+
+std::string moe_preprocess_region(MoeDispatcher kind, const MoeDispatchSizes& sizes) {
+  if (kind == MoeDispatcher::kAllGather) return "router, selection all-gather, routing map";
+  const std::string echo = sizes.num_echo > 0 ? "ECHO plan and rerouting, " : "";
+  if (sizes.received_capacity > 0)
+    return "router, " + echo + "routing map, block send layout, permutation 1, kept-count all-gather, receive layout";
+  return "router, " + echo + "routing map, permutation 1, count all-gather (read on the host after the graph)";
+}
 
 std::unique_ptr<MoeTokenDispatcher> make_moe_token_dispatcher(MoeDispatcher kind, const ExpertParallel& ep,
                                                               const MoeDispatchSizes& sizes) {

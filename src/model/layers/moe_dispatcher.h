@@ -18,12 +18,33 @@
 //     backward runs the same exchanges in the other direction.
 //
 // The MoE layer (model/layers/moe.h) runs the router into top(slot) / probs(slot), calls
-// dispatch(), runs its local experts on rows [0, R) of the expert-input buffer (ordered by local
-// expert), then combine(); backward: combine_backward(), the experts' backward, dispatch_backward().
+// preprocess() (Megatron's dispatcher preprocess / dispatch_preprocess: the routing metadata on the
+// device, no host read), then dispatch() (the host read of the counts, where there is one, then
+// the token exchange), runs its local experts on rows [0, R) of the expert-input buffer (ordered by
+// local expert), then combine(); backward: combine_backward(), the experts' backward,
+// dispatch_backward(), preprocess_backward(). The router and preprocess() (forward) and
+// preprocess_backward() and the router's backward are the moe_preprocess region of per-layer CUDA
+// graphs (model/layer_graphs.h). Like Megatron with moe_preprocess in the scope, the
+// device-to-host point is always after the preprocessing, before the token exchange (one host
+// synchronisation per dispatch for the alltoall dispatcher, plus ECHO's placement read).
 // With --moe-grouped-gemm the counts stay on the device (MoeExpertCounts::device) and the layer
 // passes the whole planned [R_max, h] buffers: the allgather path then has no host read at all.
+//
+// What preprocess() does (the part of a moe_preprocess graph beyond the router):
+//   allgather: the all-gather of the selection and the probs over the dispatch group, the routing
+//     map (row index, slot rows, tokens per local expert) on the device. The token all-gather and
+//     permutation are dispatch(); preprocess_backward() is empty.
+//   alltoall (dropless): with ECHO the plan and the rerouting (EP all-gather of the expert counts),
+//     the routing map over all experts, permutation 1 of x into the send rows, the all-gather of
+//     the per-expert counts over EP and ETP; dispatch() copies those counts to the host (and with
+//     ECHO the placement) and runs the all_to_allv. preprocess_backward(): permutation 1's backward.
+//   alltoall with --moe-received-token-capacity: the same up to permutation 1 into the fixed send
+//     blocks (moe_block_send_layout, overflow counted), the kept counts' all-gather and the
+//     receive layout (permutation 2's maps, the local expert counts); dispatch() is the all-to-all
+//     and permutation 2. preprocess_backward(): permutation 1's backward.
 #pragma once
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "comm/communicator.h"
@@ -104,12 +125,20 @@ class MoeTokenDispatcher {
   /// Where the router writes the selection of area `slot`'s micro-batch: int32 [T, k] and fp32 [T, k].
   virtual Tensor top(int slot) const = 0;
   virtual Tensor probs(int slot) const = 0;
-  /// Forward dispatch of x [T, h] with the routing in top(slot) / probs(slot): writes the local
-  /// experts' input rows into rows [0, R) of xp [R_max, h], ordered by local expert (rows
-  /// [R, R_max) are left untouched), and returns the rows of each local expert (MoeExpertCounts).
-  /// Collective over the dispatcher's groups. Synchronises `stream` once or twice to read the
-  /// counts on the host (the expert GEMM shapes, the all_to_allv split sizes), except the
-  /// allgather dispatcher built with device_counts, which never does.
+  /// Dispatch preprocessing of x [T, h] (act dtype) with the routing in top(slot) / probs(slot):
+  /// the routing metadata of area `slot` (see the file comment per dispatcher) computed on the
+  /// device. Never reads anything on the host and allocates nothing (CUDA-graph capturable); every
+  /// value it leaves for dispatch() lives in the slot's saved tensors or the dispatcher's static
+  /// scratch. Collective over the dispatcher's groups (small fixed-size all-gathers). Must be
+  /// followed by dispatch() of the same slot before the next preprocess() (they share scratch).
+  virtual void preprocess(const Tensor& x, int slot, const Stream& stream) = 0;
+  /// Forward dispatch of x [T, h] after preprocess(): writes the local experts' input rows into
+  /// rows [0, R) of xp [R_max, h], ordered by local expert (rows [R, R_max) are left untouched),
+  /// and returns the rows of each local expert (MoeExpertCounts). Collective over the
+  /// dispatcher's groups. Synchronises `stream` once to read the counts on the host (the expert
+  /// GEMM shapes, the all_to_allv split sizes; with host ECHO a second time for the placement),
+  /// except the allgather dispatcher built with device_counts and the static alltoall one, which
+  /// never do. Errors: mt::Error when the exchanged counts are inconsistent or exceed R_max.
   virtual MoeExpertCounts dispatch(const Tensor& xp, const Tensor& x, int slot, const Stream& stream) = 0;
   /// y [T, h] (overwritten) = for each token the prob-weighted sum of its experts' outputs, from
   /// out [≥ R, h], the local experts' output rows in dispatch() order (rows beyond R not read;
@@ -120,9 +149,13 @@ class MoeTokenDispatcher {
   /// (overwritten), the gradient of this rank's probs. out: the forward's expert output rows.
   virtual void combine_backward(const Tensor& d_out, const Tensor& d_probs, const Tensor& dy, const Tensor& out,
                                 int slot, const Stream& stream) = 0;
-  /// Backward of dispatch: dx [T, h] (overwritten) from d_xp [≥ R, h], the gradient of the expert
-  /// input rows (rows beyond R not read).
+  /// Backward of dispatch from d_xp [≥ R, h], the gradient of the expert input rows (rows beyond R
+  /// not read): the allgather dispatcher writes dx [T, h] (overwritten); the alltoall ones return
+  /// the rows to this rank's send layout (scratch) and leave dx to preprocess_backward().
   virtual void dispatch_backward(const Tensor& dx, const Tensor& d_xp, int slot, const Stream& stream) = 0;
+  /// Backward of preprocess (after dispatch_backward of the same slot): completes dx [T, h]
+  /// (alltoall: overwritten by permutation 1's backward; allgather: nothing to do). No host read.
+  virtual void preprocess_backward(const Tensor& dx, int slot, const Stream& stream) = 0;
   /// With ECHO: the clone placement of area `slot`'s last dispatch() (which home expert each spare
   /// slot of the EP group holds; this rank's clones are its local expert slots E_l .. E_l + S − 1,
   /// in slot order). nullptr without ECHO.
@@ -150,6 +183,10 @@ class MoeTokenDispatcher {
  protected:
   bool counting_ = true;
 };
+
+/// What a moe_preprocess graph holds beyond the router for the dispatcher of `kind` with `sizes`
+/// (received_capacity, num_echo): a short description for the graph summary log line.
+std::string moe_preprocess_region(MoeDispatcher kind, const MoeDispatchSizes& sizes);
 
 /// The dispatcher of `kind` for this rank. Errors: mt::Error when the groups do not match the sizes
 /// (dispatch group != etp·ep ranks, ep/etp group sizes != ep/etp).
