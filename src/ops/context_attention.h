@@ -53,6 +53,11 @@ struct ContextAttentionConfig {
   int64_t seq_length = 0;    ///< S, the full sequence (positions < S); required when dropout_p > 0
   int64_t head_offset = 0;   ///< global index of this call's first query head (dropout key)
   int64_t total_heads = 0;   ///< global query-head count (0 = heads())
+  /// --deterministic-mode: the CUDA tensor-core backward computes dQ in its own kernel (one block
+  /// per query tile, the key tiles in order) instead of fp32 atomics over key tiles, so dQ is
+  /// bitwise the same on every run. Ignored by the forward, the simple kernels and the CPU (all
+  /// deterministic).
+  bool deterministic = false;
   int64_t heads() const { return groups * queries_per_group; }
 };
 

@@ -56,6 +56,11 @@ struct FlashAttentionConfig {
   /// 0 <= doc_start[b, i] <= i is checked on the CPU and trusted on CUDA (reading it would need a
   /// device->host copy; out-of-range values give garbage). A view: the caller keeps it alive.
   Tensor doc_start;
+  /// --deterministic-mode: the CUDA tensor-core backward computes dQ in its own kernel (one block
+  /// per query tile of a head, the key tiles in order, S, P, dP and dS recomputed) instead of fp32
+  /// atomics over key tiles, so dQ is bitwise the same on every run. Ignored by the forward, the
+  /// simple kernels and the CPU (all deterministic).
+  bool deterministic = false;
 
   int64_t heads() const { return groups * queries_per_group; }  ///< n
 };
