@@ -85,6 +85,9 @@ size_t context_attention_workspace_bytes(const ContextAttentionConfig& cfg, int6
 /// query heads of a group). workspace: empty, or at least context_attention_workspace_bytes(cfg,
 /// sq) bytes, 16-byte aligned, on the device of qkv (scratch; the CPU does not use it). On CUDA the
 /// tensor-core kernels (bf16/fp16, d 64/128) need it; without it the simple kernels run.
+/// Determinism: the tensor-core kernels sum dQ with fp32 atomics over key tiles (last bits may vary
+/// run to run) unless cfg.deterministic, which computes dQ in its own kernel per query tile (key
+/// tiles in order: the same bits every run); dK, dV, the simple kernels and the CPU always are.
 /// Errors: as the forward, plus a workspace that is too small, misaligned or on another device.
 void context_attention_backward(const Tensor& dqkv, const Tensor& dkv, const Tensor& dout, const Tensor& out,
                                 const Tensor& lse, const Tensor& qkv, const Tensor& kv, const Tensor& workspace,
