@@ -455,6 +455,7 @@ std::string TransformerConfig::summary() const {
   if (!add_bias_linear) s += add_qkv_bias ? ", QKV bias only" : ", no bias";
   if (qk_layernorm) s += ", QK-norm";
   if (untie_embeddings_and_output_weights) s += ", untied output layer";
+  if (deterministic_mode) s += ", deterministic mode";
   if (recompute_granularity == RecomputeGranularity::kSelective) s += ", selective recompute (core attention)";
   if (recompute_granularity == RecomputeGranularity::kFull)
     s += fmt::format(", full recompute ({} {})", recompute_method_name(recompute_method), recompute_num_layers);

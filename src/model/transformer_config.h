@@ -112,6 +112,14 @@ struct TransformerConfig {
   bool qk_layernorm = false;            ///< --qk-layernorm: per-head norm of queries and keys (Qwen 3)
   bool untie_embeddings_and_output_weights = false;  ///< --untie-embeddings-and-output-weights
   AttentionBackend attention_backend = AttentionBackend::kAuto;  ///< --attention-backend
+  /// --deterministic-mode (Megatron's deterministic_mode: "choose code that has deterministic
+  /// execution; usually slower; good for debugging and testing"). CUDA kernels whose float sums
+  /// depend on the order of atomics are replaced by fixed-order ones, so a run on one GPU gives the
+  /// same losses and gradients bitwise every time, and CUDA-graph replay gives the eager ones: the
+  /// FlashAttention-2 backward's dQ (a separate kernel per query tile instead of atomics; flash and
+  /// context-parallel attention) and the embedding's weight gradient (a sort by token id instead of
+  /// atomics). Every other kernel is deterministic in either mode; the CPU backend always is.
+  bool deterministic_mode = false;
   // --- context parallelism (used when the CP group has more than one rank) ---
   std::string cp_comm_type = "p2p";  ///< --cp-comm-type: p2p, allgather, a2a, a2a+p2p
   std::vector<int> hierarchical_context_parallel_sizes;  ///< --hierarchical-context-parallel-sizes

@@ -53,6 +53,11 @@ struct ContextAttentionConfig {
   int64_t seq_length = 0;    ///< S, the full sequence (positions < S); required when dropout_p > 0
   int64_t head_offset = 0;   ///< global index of this call's first query head (dropout key)
   int64_t total_heads = 0;   ///< global query-head count (0 = heads())
+  /// --deterministic-mode: the CUDA tensor-core backward computes dQ in its own kernel (one block
+  /// per query tile, the key tiles in order) instead of fp32 atomics over key tiles, so dQ is
+  /// bitwise the same on every run. Ignored by the forward, the simple kernels and the CPU (all
+  /// deterministic).
+  bool deterministic = false;
   int64_t heads() const { return groups * queries_per_group; }
 };
 
@@ -80,6 +85,9 @@ size_t context_attention_workspace_bytes(const ContextAttentionConfig& cfg, int6
 /// query heads of a group). workspace: empty, or at least context_attention_workspace_bytes(cfg,
 /// sq) bytes, 16-byte aligned, on the device of qkv (scratch; the CPU does not use it). On CUDA the
 /// tensor-core kernels (bf16/fp16, d 64/128) need it; without it the simple kernels run.
+/// Determinism: the tensor-core kernels sum dQ with fp32 atomics over key tiles (last bits may vary
+/// run to run) unless cfg.deterministic, which computes dQ in its own kernel per query tile (key
+/// tiles in order: the same bits every run); dK, dV, the simple kernels and the CPU always are.
 /// Errors: as the forward, plus a workspace that is too small, misaligned or on another device.
 void context_attention_backward(const Tensor& dqkv, const Tensor& dkv, const Tensor& dout, const Tensor& out,
                                 const Tensor& lse, const Tensor& qkv, const Tensor& kv, const Tensor& workspace,

@@ -32,8 +32,9 @@ void bias_dropout_add_forward(const Tensor& out, const Tensor& x, const Tensor& 
 /// Backward of the above: dx = dropout_mask(dout) (overwrite); dbias += sum_n dx (fp32 [h],
 /// may be empty). The residual's gradient is dout itself (identity), so nothing is written for it.
 /// dx may alias dout. With p = 0, dx may be empty: dx would equal dout, so the caller uses dout
-/// and only dbias is accumulated (mt::Error when dx is empty and p > 0). CUDA: dbias sums dx after rounding to the act dtype, per block, then fp32
-/// atomicAdd (order varies run to run, bitwise).
+/// and only dbias is accumulated (mt::Error when dx is empty and p > 0). CUDA: dbias sums dx after rounding to the act dtype,
+/// per row group into fp32 partial rows in the stream's workspace, then adds them in a fixed order
+/// (ops/cuda/column_partials.cuh): deterministic, no float atomics.
 void bias_dropout_add_backward(const Tensor& dx, const Tensor& dbias, const Tensor& dout, float p,
                                const DropoutKey& key, int64_t global_offset, const Stream& stream);
 /// y = dropout(x) (y may alias x); backward: dx = dropout(dy) with the same key.

@@ -49,7 +49,7 @@ void embedding_forward(const Tensor& out, const Tensor& ids, const Tensor& wte, 
 }
 
 void embedding_backward(const Tensor& dwte, const Tensor& dwpe, const Tensor& dout, const Tensor& ids,
-                        const Tensor& positions, int64_t vocab_start, const Stream& stream) {
+                        const Tensor& positions, int64_t vocab_start, bool deterministic, const Stream& stream) {
   const char* fn = "embedding_backward";
   auto [s, b] = check_ids(ids, positions, fn);
   check_act(dout, fn, "dout");
@@ -67,7 +67,8 @@ void embedding_backward(const Tensor& dwte, const Tensor& dwpe, const Tensor& do
   check_same_device({&dwte, &dwpe, &dout, &ids, &positions});
   MT_CHECK(stream.device().type == dout.device().type, "{}: stream on {} but dout {}", fn, stream.device().str(),
            dout.str());
-  MT_DISPATCH(dout.device(), embedding_backward, dwte, dwpe, dout, ids, positions, vocab_start, stream);
+  MT_DISPATCH(dout.device(), embedding_backward, dwte, dwpe, dout, ids, positions, vocab_start, deterministic,
+              stream);
 }
 
 }  // namespace mt

@@ -24,11 +24,18 @@ void embedding_forward(const Tensor& out, const Tensor& ids, const Tensor& wte, 
 /// Weight gradients, accumulated (+=) into fp32 main grads:
 /// dwte[ids[t]-vocab_start, :] += dout[t, :] for in-range ids; dwpe[pos(t), :] += dout[t, :].
 /// dwte fp32 [V_local, h]; dwpe fp32 [P, h] or empty; dout [s, b, h] (act dtype).
-/// CPU: deterministic. CUDA: dwte (and dwpe with explicit positions) use fp32 atomicAdd, so the
-/// summation order of repeated ids varies from run to run (bitwise); dwpe with the default
-/// positions is summed over b in a fixed order (deterministic).
+/// deterministic (--deterministic-mode; TransformerConfig::deterministic_mode): on CUDA, sum the
+/// rows of each id in token order instead of with atomics (a stable radix sort of the ids, then one
+/// block per run of equal ids and column chunk; scratch in the stream's workspace), so the
+/// gradients are bitwise the same on every run. The CPU is always deterministic and ignores it.
+/// CUDA without it: dwte (and dwpe with explicit positions) use fp32 atomicAdd, so the summation
+/// order of repeated ids varies from run to run (bitwise); dwpe with the default positions is
+/// summed over b in a fixed order either way.
+/// Errors: mt::Error on shape/dtype/device mismatch, vocab_start < 0, a position table with P < s
+/// when `positions` is empty, on CPU an explicit position outside [0, P); deterministic on CUDA:
+/// more tokens than the stream's workspace can sort (about 1.1 M per call).
 void embedding_backward(const Tensor& dwte, const Tensor& dwpe, const Tensor& dout, const Tensor& ids,
-                        const Tensor& positions, int64_t vocab_start, const Stream& stream);
+                        const Tensor& positions, int64_t vocab_start, bool deterministic, const Stream& stream);
 
 MT_OP_BACKENDS(embedding_forward)
 MT_OP_BACKENDS(embedding_backward)

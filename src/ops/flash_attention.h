@@ -56,6 +56,11 @@ struct FlashAttentionConfig {
   /// 0 <= doc_start[b, i] <= i is checked on the CPU and trusted on CUDA (reading it would need a
   /// device->host copy; out-of-range values give garbage). A view: the caller keeps it alive.
   Tensor doc_start;
+  /// --deterministic-mode: the CUDA tensor-core backward computes dQ in its own kernel (one block
+  /// per query tile of a head, the key tiles in order, S, P, dP and dS recomputed) instead of fp32
+  /// atomics over key tiles, so dQ is bitwise the same on every run. Ignored by the forward, the
+  /// simple kernels and the CPU (all deterministic).
+  bool deterministic = false;
 
   int64_t heads() const { return groups * queries_per_group; }  ///< n
 };
@@ -65,7 +70,8 @@ struct FlashAttentionConfig {
 ///   delta:    fp32 [b, n, s]     D_i = Σ_e dout_ie · out_ie (FA2 backward preprocessing)
 ///   (padding to a multiple of 256 bytes)
 ///   dq_accum: fp32 [b, n, s, d]  dQ / scale, accumulated with atomics over key tiles (bf16/fp16
-///                                 tensor-core path only; the other paths leave it untouched)
+///                                 tensor-core path without cfg.deterministic only; the other paths
+///                                 leave it untouched)
 /// Nothing in it survives the call; it may be shared with any other temporary.
 size_t flash_attention_workspace_bytes(const FlashAttentionConfig& cfg);
 
@@ -86,7 +92,11 @@ void flash_attention_forward(const Tensor& out, const Tensor& lse, const Tensor&
 /// least flash_attention_workspace_bytes(cfg) bytes, 16-byte aligned, on the device of qkv; its
 /// contents are scratch (see above). No allocation and no host synchronisation on CUDA.
 /// Errors: as flash_attention_forward, plus a workspace that is too small or misaligned.
-/// CUDA bf16/fp16: dQ is summed with fp32 atomics, so it may differ in the last bits between runs.
+/// Determinism: the CPU, the CUDA simple path and every forward are deterministic. The CUDA
+/// tensor-core backward sums dQ with fp32 atomics over key tiles, so dQ may differ in the last bits
+/// between runs (dK, dV are deterministic), unless cfg.deterministic: then a separate kernel per
+/// query tile sums dQ over the key tiles in order (the same bits every run, for a given GPU; equal
+/// to the atomic path within rounding; about 1.4x the backward's tensor-core FLOPs).
 void flash_attention_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& out, const Tensor& lse,
                               const Tensor& qkv, const Tensor& workspace, const FlashAttentionConfig& cfg,
                               const Stream& stream);

@@ -18,8 +18,10 @@ void layernorm_forward(const Tensor& y, const Tensor& mean, const Tensor& rstd, 
 
 /// dx = d/dx (overwrite, or += when accumulate_dx; act dtype [n, h]);
 /// dweight += sum_n dy * xhat, dbias += sum_n dy (fp32 [h] main grads). dx may alias dy.
-/// CPU: deterministic. CUDA: dweight/dbias are reduced per block and added with fp32 atomicAdd
-/// (no scratch memory; the order of the per-block additions varies run to run, bitwise).
+/// Deterministic on both backends (bitwise the same on every run; on CUDA for a given GPU model):
+/// CUDA reduces dweight/dbias per row group into fp32 partial rows in the stream's workspace and
+/// adds them in a fixed order (ops/cuda/column_partials.cuh; no float atomics).
+/// Errors (CUDA): mt::Error when 2·h fp32 exceed the stream's workspace (h > 4 Mi).
 void layernorm_backward(const Tensor& dx, const Tensor& dweight, const Tensor& dbias, const Tensor& dy,
                         const Tensor& x, const Tensor& weight, const Tensor& mean, const Tensor& rstd,
                         bool accumulate_dx, const Stream& stream);

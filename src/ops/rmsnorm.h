@@ -33,10 +33,11 @@ void rmsnorm_forward(const Tensor& y, const Tensor& rstd, const Tensor& x, const
 ///   ∂L/∂x_j = r w_j dy_j − (r³ x_j / h) Σ_c dy_c w_c x_c.
 /// dx, dy: same shape and dtype as x, rows possibly strided (own RowMaps); dx may alias dy
 /// exactly (same view). rstd: as written by rmsnorm_forward.
-/// CPU: deterministic. CUDA: dweight is reduced per block and added with fp32 atomicAdd (no
-/// scratch memory; the order of the per-block additions varies run to run, bitwise), as in
-/// ops/layernorm.h; dx is deterministic.
-/// Errors: as rmsnorm_forward, and dweight not a contiguous fp32 [h] tensor.
+/// Deterministic on both backends (bitwise the same on every run; on CUDA for a given GPU model):
+/// CPU in a fixed order; CUDA reduces dweight per block into fp32 partial rows in the stream's
+/// workspace and adds them in a fixed order (ops/cuda/column_partials.cuh; no float atomics).
+/// Errors: as rmsnorm_forward, dweight not a contiguous fp32 [h] tensor, and on CUDA h > 8 Mi (the
+/// partial rows would not fit the stream's workspace).
 void rmsnorm_backward(const Tensor& dx, const Tensor& dweight, const Tensor& dy, const Tensor& x,
                       const Tensor& weight, const Tensor& rstd, bool accumulate_dx, const Stream& stream);
 

@@ -87,6 +87,9 @@ void add_pretrain_options(CLI::App& app, PretrainArgs& a) {
          "--attention-backend", [&m](const std::string& v) { m.attention_backend = parse_attention_backend(v); },
          "auto (flash on CUDA bf16/fp16 with head dim 64 or 128, else local), flash (fused) or local (unfused)")
       ->default_str("auto");
+  app.add_flag("--deterministic-mode", m.deterministic_mode,
+               "Choose code that has deterministic execution (usually slower; good for debugging and testing): "
+               "bitwise repeatable losses and gradients on CUDA, also under CUDA graphs");
 
   // Mixture of experts (Megatron-Core transformer/moe; docs/moe.md).
   app.add_option_function<std::string>(

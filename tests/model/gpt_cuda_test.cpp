@@ -448,8 +448,9 @@ TEST(GptCuda, FlashAttentionMatchesCpu) {
 
 // Activation recompute on the GPU: the same loss (bitwise: the forward kernels are deterministic),
 // MoE statistics counted once, gradients equal up to the order of atomic accumulations (flash
-// attention's dQ, the grouped GEMM's wgrad), and fewer planned activation bytes. Selective with
-// the local attention, full uniform and block with flash attention, MoE with the grouped GEMM.
+// attention's dQ, the embedding gradient) — bitwise under --deterministic-mode, which has none —
+// and fewer planned activation bytes. Selective with the local attention, full uniform and block
+// with flash attention, MoE with the grouped GEMM.
 TEST(GptCuda, RecomputeMatchesNoRecompute) {
   MT_REQUIRE_CUDA();
   struct Case {
@@ -467,62 +468,71 @@ TEST(GptCuda, RecomputeMatchesNoRecompute) {
                          Case{"flash uniform 2 bf16", DType::kBF16, true, false, G::kFull, M::kUniform, 2, 5e-3},
                          Case{"flash block 3 fp32", DType::kF32, true, false, G::kFull, M::kBlock, 3, 1e-5},
                          Case{"moe grouped uniform 1 fp32", DType::kF32, false, true, G::kFull, M::kUniform, 1, 1e-5}}) {
-    SCOPED_TRACE(cs.name);
-    TransformerConfig c;
-    c.num_layers = 4;
-    c.hidden_size = cs.flash ? 256 : 64;
-    c.num_attention_heads = 4;
-    set_llama(c);
-    c.seq_length = 64;
-    c.vocab_size = 500;
-    c.make_vocab_size_divisible_by = 64;
-    c.hidden_dropout = c.attention_dropout = 0.1f;
-    c.attention_backend = cs.flash ? AttentionBackend::kFlash : AttentionBackend::kLocal;
-    if (cs.moe) {
-      c.num_moe_experts = 8;
-      c.moe_layer_pattern = {0, 1, 1, 1};
-      c.moe_ffn_hidden_size = 48;
-      c.moe_aux_loss_coeff = {0.1f};
-      c.moe_z_loss_coeff = 0.01f;
-      c.moe_grouped_gemm = true;
-    }
-    const int64_t b = 3;
-    Stream gs(Device::cuda(0));
-    const auto tok = testing::randint(c.seq_length * b, 0, 500), lab = testing::randint(c.seq_length * b, 0, 500);
-    OwnedTensor gt = testing::make_int_tensor(tok, Device::cuda(0), {c.seq_length, b}, gs);
-    OwnedTensor gl = testing::make_int_tensor(lab, Device::cuda(0), {c.seq_length, b}, gs);
-    OwnedTensor loss(DType::kF32, Device::cuda(0), {1});
-    const MicroBatch mb{gt.t, gl.t, Tensor()};
-    const DropoutContext dc{7, 11, 2, true};
-    const uint64_t seed = testing::test_seed();
-    std::vector<std::vector<float>> grads[2];
-    std::vector<double> stats[2];
-    float losses[2];
-    size_t bytes[2];
-    for (int k = 0; k < 2; ++k) {
-      TransformerConfig kc = c;
-      if (k == 1) {
-        kc.recompute_granularity = cs.granularity;
-        kc.recompute_method = cs.method;
-        kc.recompute_method_set = cs.granularity == G::kFull;
-        kc.recompute_num_layers = cs.layers;
+    for (const bool det : {false, true}) {
+      SCOPED_TRACE(std::string(cs.name) + (det ? " deterministic" : ""));
+      TransformerConfig c;
+      c.deterministic_mode = det;
+      c.num_layers = 4;
+      c.hidden_size = cs.flash ? 256 : 64;
+      c.num_attention_heads = 4;
+      set_llama(c);
+      c.seq_length = 64;
+      c.vocab_size = 500;
+      c.make_vocab_size_divisible_by = 64;
+      c.hidden_dropout = c.attention_dropout = 0.1f;
+      c.attention_backend = cs.flash ? AttentionBackend::kFlash : AttentionBackend::kLocal;
+      if (cs.moe) {
+        c.num_moe_experts = 8;
+        c.moe_layer_pattern = {0, 1, 1, 1};
+        c.moe_ffn_hidden_size = 48;
+        c.moe_aux_loss_coeff = {0.1f};
+        c.moe_z_loss_coeff = 0.01f;
+        c.moe_grouped_gemm = true;
       }
-      GPTModel m(kc, b, cs.dtype, Device::cuda(0), ProcessGroups::single());
-      m.params().initialize(seed, gs);
-      m.params().zero_grads(gs);
-      m.reset_moe_stats(gs);
-      fill(loss, 0.f, gs);
-      m.forward(mb, dc, loss, 1.0f / static_cast<float>(c.seq_length * b), gs);
-      m.backward(mb, dc, 1.f, Tensor(), gs);
-      losses[k] = testing::to_host(loss, gs)[0];
-      for (size_t i = 0; i < m.params().size(); ++i) grads[k].push_back(testing::to_host(m.params().grad(i), gs));
-      stats[k] = m.moe_loss_stats(gs);
-      bytes[k] = m.activation_bytes();
+      const int64_t b = 3;
+      Stream gs(Device::cuda(0));
+      const auto tok = testing::randint(c.seq_length * b, 0, 500), lab = testing::randint(c.seq_length * b, 0, 500);
+      OwnedTensor gt = testing::make_int_tensor(tok, Device::cuda(0), {c.seq_length, b}, gs);
+      OwnedTensor gl = testing::make_int_tensor(lab, Device::cuda(0), {c.seq_length, b}, gs);
+      OwnedTensor loss(DType::kF32, Device::cuda(0), {1});
+      const MicroBatch mb{gt.t, gl.t, Tensor()};
+      const DropoutContext dc{7, 11, 2, true};
+      const uint64_t seed = testing::test_seed();
+      std::vector<std::vector<float>> grads[2];
+      std::vector<double> stats[2];
+      float losses[2];
+      size_t bytes[2];
+      for (int k = 0; k < 2; ++k) {
+        TransformerConfig kc = c;
+        if (k == 1) {
+          kc.recompute_granularity = cs.granularity;
+          kc.recompute_method = cs.method;
+          kc.recompute_method_set = cs.granularity == G::kFull;
+          kc.recompute_num_layers = cs.layers;
+        }
+        GPTModel m(kc, b, cs.dtype, Device::cuda(0), ProcessGroups::single());
+        m.params().initialize(seed, gs);
+        m.params().zero_grads(gs);
+        m.reset_moe_stats(gs);
+        fill(loss, 0.f, gs);
+        m.forward(mb, dc, loss, 1.0f / static_cast<float>(c.seq_length * b), gs);
+        m.backward(mb, dc, 1.f, Tensor(), gs);
+        losses[k] = testing::to_host(loss, gs)[0];
+        for (size_t i = 0; i < m.params().size(); ++i) grads[k].push_back(testing::to_host(m.params().grad(i), gs));
+        stats[k] = m.moe_loss_stats(gs);
+        bytes[k] = m.activation_bytes();
+      }
+      EXPECT_EQ(losses[1], losses[0]);
+      EXPECT_EQ(stats[1], stats[0]);
+      for (size_t i = 0; i < grads[0].size(); ++i) {
+        if (det) {
+          EXPECT_EQ(grads[1][i], grads[0][i]) << i;
+        } else {
+          EXPECT_LT(testing::rel_err(grads[1][i], grads[0][i]), cs.tol) << i;
+        }
+      }
+      EXPECT_LT(bytes[1], bytes[0]);
     }
-    EXPECT_EQ(losses[1], losses[0]);
-    EXPECT_EQ(stats[1], stats[0]);
-    for (size_t i = 0; i < grads[0].size(); ++i) EXPECT_LT(testing::rel_err(grads[1][i], grads[0][i]), cs.tol) << i;
-    EXPECT_LT(bytes[1], bytes[0]);
   }
 }
 

@@ -6,7 +6,9 @@
 // bit-exact. fp32 (rel. err < 1e-5; the simple kernels) and bf16/fp16 (< 2e-2): head_dim 64/128
 // run the tensor-core kernels (with the backward's workspace; without it the simple ones), other
 // head dims the simple ones; GQA and MHA, ragged sizes (sq, sk not multiples of the tiles), tiles
-// skipped by position (ordered keys) and partly masked.
+// skipped by position (ordered keys) and partly masked. The deterministic backward
+// (ContextAttentionConfig::deterministic: dQ by its own kernel) gives the same bits on every run,
+// matches the CPU, and equals the atomic path within rounding.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -28,6 +30,7 @@ struct Case {
   float p = 0.f;         // attention dropout
   bool ordered = false;  // keys at positions 0 .. sk-1 and queries at the end of them (tiles skipped)
   bool workspace = true;
+  bool deterministic = false;
 };
 
 struct Out {
@@ -63,6 +66,7 @@ Out run(const Case& z, Device dev, const Stream& st, const std::vector<float>& h
   c.seq_length = 2 * z.sq + z.sk;  // the positions below are < max(2·sq, sk) (ordered: < sq + sk)
   c.head_offset = n;                        // the heads of TP rank 1 of 3
   c.total_heads = 3 * n;
+  c.deterministic = z.deterministic;
   const int64_t h = z.sk / 2;
   ContextAttentionConfig c1 = c, c2 = c;
   c1.k_pos = k_pos.t.flat_range(0, h);
@@ -78,6 +82,63 @@ Out run(const Case& z, Device dev, const Stream& st, const std::vector<float>& h
   for (float& x : l)
     if (x == -INFINITY) x = 0.f;  // rows with no visible key (on both backends, else a mismatch)
   return {testing::to_host(out, st), l, testing::to_host(dqkv, st), testing::to_host(dkv, st)};
+}
+
+/// The inputs of one case: random values rounded to its dtype; queries at the positions of CP rank 1
+/// of 2 over a sequence of 2·sq (sq even) or consecutive ones; keys at every position below 2·sq in
+/// an order mixing blocks (or in order); document starts per sample.
+struct Inputs {
+  std::vector<float> hq, hkv, hdo, hdq0, hdkv0;
+  std::vector<int32_t> qp, kp, doc;
+};
+Inputs make_inputs(const Case& z) {
+  const int64_t n = z.g * z.qpg;
+  auto r = [&](int64_t k) { return testing::rounded(testing::randn(k), z.t); };
+  Inputs in{r(z.sq * z.b * z.g * (z.qpg + 2) * z.d), r(z.sk * z.b * z.g * 2 * z.d), r(z.sq * z.b * n * z.d),
+            r(z.sq * z.b * z.g * (z.qpg + 2) * z.d), r(z.sk * z.b * z.g * 2 * z.d), std::vector<int32_t>(z.sq),
+            std::vector<int32_t>(z.sk), std::vector<int32_t>(z.b * (z.sq + 3), 0)};
+  for (int64_t i = 0; i < z.sq; ++i)
+    in.qp[i] = static_cast<int32_t>(z.ordered ? z.sk / 2 + i
+                                              : z.sq % 2 == 0 ? cp_global_position(2 * z.sq, 2, 1, i) : z.sq + i);
+  for (int64_t j = 0; j < z.sk; ++j) in.kp[j] = static_cast<int32_t>(z.ordered ? j : (j * 5) % z.sk);
+  for (int64_t b = 0; b < z.b; ++b)
+    for (int64_t i = 0; i < z.sq; ++i)
+      in.doc[b * (z.sq + 3) + 3 + i] = b == 0 ? 0 : in.qp[i] / 3 * 3 - (b == 2 ? 6 : 0);
+  return in;
+}
+
+Out run(const Case& z, Device dev, const Inputs& in) {
+  const Stream& st = dev.is_cpu() ? testing::cpu_stream() : testing::cuda_stream();
+  return run(z, dev, st, in.hq, in.hkv, in.hdo, in.hdq0, in.hdkv0, in.qp, in.kp, in.doc);
+}
+
+/// --deterministic-mode on the tensor cores: dqkv and dkv the same bits on two runs, and against
+/// the CPU; against the atomic path dqkv within rounding (dQ sums in another order) and dkv within
+/// 1e-3 (the same kernel without its dQ part: normally equal); out / lse untouched by the flag.
+TEST(ContextAttentionCuda, DeterministicBackwardBitwise) {
+  const DType bf = DType::kBF16, hf = DType::kF16;
+  for (Case z : {Case{77, 130, 2, 2, 4, 64, bf}, Case{200, 300, 1, 2, 2, 64, bf, 0.f, true},
+                 Case{130, 77, 2, 3, 1, 128, bf}, Case{96, 250, 1, 1, 4, 128, hf, 0.f, true},
+                 Case{150, 222, 2, 2, 2, 64, hf, 0.2f}, Case{64, 190, 1, 2, 2, 128, bf, 0.1f, true},
+                 Case{256, 256, 1, 1, 2, 64, bf, 0.f, true}, Case{8, 16, 2, 2, 2, 16, DType::kF32, 0.2f}}) {
+    SCOPED_TRACE(::testing::Message() << "sq=" << z.sq << " sk=" << z.sk << " b=" << z.b << " g=" << z.g
+                                      << " qpg=" << z.qpg << " d=" << z.d << " " << dtype_name(z.t) << " p=" << z.p);
+    const Inputs in = make_inputs(z);
+    const Out cpu = run(z, Device::cpu(), in);
+    const Out atomic = run(z, Device::cuda(0), in);
+    z.deterministic = true;
+    const Out d1 = run(z, Device::cuda(0), in), d2 = run(z, Device::cuda(0), in);
+    ASSERT_TRUE(testing::all_finite(d1.dqkv) && testing::all_finite(d1.dkv));
+    EXPECT_EQ(d1.dqkv, d2.dqkv);
+    EXPECT_EQ(d1.dkv, d2.dkv);
+    EXPECT_EQ(d1.out, atomic.out);
+    EXPECT_EQ(d1.lse, atomic.lse);
+    const double tol = z.t == DType::kF32 ? 1e-5 : 2e-2;
+    EXPECT_LT(testing::rel_err(d1.dqkv, cpu.dqkv), tol);
+    EXPECT_LT(testing::rel_err(d1.dkv, cpu.dkv), tol);
+    EXPECT_LT(testing::rel_err(d1.dqkv, atomic.dqkv), z.t == DType::kF32 ? 1e-6 : 5e-3);
+    EXPECT_LT(testing::rel_err(d1.dkv, atomic.dkv), 1e-3);
+  }
 }
 
 TEST(ContextAttentionCuda, MatchesCpu) {

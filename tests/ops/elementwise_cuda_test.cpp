@@ -261,5 +261,35 @@ TEST(BiasDropoutAddCuda, ForwardBackwardMatchCpu) {
   }
 }
 
+/// dbias the same bits on three calls (with and without dropout, dx written or not), many row groups
+/// (16384 rows: an order of float atomics would show), and within the fp32 tolerance of the CPU.
+TEST(BiasDropoutAddCuda, DbiasBitwiseRepeatable) {
+  MT_REQUIRE_CUDA();
+  const Device gpu = Device::cuda(0);
+  Stream gs(gpu), cs;
+  const int64_t rows = 16384, h = 1024, n = rows * h;
+  const auto gv = randn_nonzero(n), db0 = testing::randn(h);
+  auto gc = testing::make_tensor(rounded(gv, DType::kF32), DType::kF32, kCpu, {rows, h}, cs);
+  auto gg = testing::make_tensor(gv, DType::kF32, gpu, {rows, h}, gs);
+  for (float p : {0.f, 0.1f}) {
+    const DropoutKey key = random_key();
+    auto dbc = testing::make_tensor(db0, DType::kF32, kCpu, {h}, cs);
+    OwnedTensor dxc(DType::kF32, kCpu, {rows, h}), dxg(DType::kF32, gpu, {rows, h});
+    bias_dropout_add_backward(dxc, dbc, gc, p, key, 0, cs);
+    std::vector<float> first;
+    for (int k = 0; k < 3; ++k) {
+      auto dbg = testing::make_tensor(db0, DType::kF32, gpu, {h}, gs);
+      bias_dropout_add_backward(p == 0.f && k == 2 ? Tensor{} : dxg.t, dbg, gg, p, key, 0, gs);  // p = 0: dbias only
+      const auto db = testing::to_host(dbg, gs);
+      if (k == 0) {
+        first = db;
+        EXPECT_LT(testing::rel_err(db, testing::to_host(dbc, cs)), 1e-4) << "p=" << p;
+      } else {
+        EXPECT_EQ(db, first) << "p=" << p << " call " << k;
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace mt

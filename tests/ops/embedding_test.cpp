@@ -105,7 +105,7 @@ TEST(Embedding, BackwardMatchesFiniteDifferences) {
     auto dwte = testing::make_tensor(dwte0, DType::kF32, cpu, {c.v_local, c.h}, st);
     auto dwpe = testing::make_tensor(dwpe0, DType::kF32, cpu, {c.p_rows, c.h}, st);
     embedding_backward(dwte, c.with_wpe ? dwpe.t : Tensor{}, dout, ids, c.with_positions ? pos.t : Tensor{},
-                       c.vocab_start, st);
+                       c.vocab_start, false, st);
 
     std::vector<double> wte_d(d.wte.begin(), d.wte.end()), wpe_d(d.wpe.begin(), d.wpe.end());
     auto loss = [&] {
@@ -179,11 +179,11 @@ TEST(Embedding, BadInputThrows) {
   EXPECT_THROW(embedding_forward(out, ids, wte, wpe, Tensor{}, -1, st), Error);        // vocab_start
   EXPECT_THROW(embedding_forward(out_bf, ids, wte, wpe, Tensor{}, 0, st), Error);      // bf16 on CPU / mismatch
   OwnedTensor dwte(DType::kF32, cpu, {v, h}), dwpe(DType::kF32, cpu, {p, h}), dwte_bf(DType::kBF16, cpu, {v, h});
-  EXPECT_NO_THROW(embedding_backward(dwte, dwpe, out, ids, Tensor{}, 0, st));
-  EXPECT_THROW(embedding_backward(dwte_bf, dwpe, out, ids, Tensor{}, 0, st), Error);   // grads are fp32
-  EXPECT_THROW(embedding_backward(dwte, dwpe, out_b, ids, Tensor{}, 0, st), Error);    // dout shape
-  EXPECT_THROW(embedding_backward(dwte, dwpe, out, ids, pos_bad, 0, st), Error);       // position >= P
-  EXPECT_THROW(embedding_backward(dwte, wpe_short, out, ids, Tensor{}, 0, st), Error); // P < s
+  EXPECT_NO_THROW(embedding_backward(dwte, dwpe, out, ids, Tensor{}, 0, false, st));
+  EXPECT_THROW(embedding_backward(dwte_bf, dwpe, out, ids, Tensor{}, 0, false, st), Error);   // grads are fp32
+  EXPECT_THROW(embedding_backward(dwte, dwpe, out_b, ids, Tensor{}, 0, false, st), Error);    // dout shape
+  EXPECT_THROW(embedding_backward(dwte, dwpe, out, ids, pos_bad, 0, false, st), Error);       // position >= P
+  EXPECT_THROW(embedding_backward(dwte, wpe_short, out, ids, Tensor{}, 0, false, st), Error); // P < s
 }
 
 }  // namespace

@@ -5,6 +5,8 @@
 // grouped-query and multi-query, with dropout, a document mask and a tensor-parallel head offset.
 // Dropout masks are checked bit-identical to the header's formula with one-hot values, which make
 // the forward's output (and dV in the backward) show each kept probability as a non-zero element.
+// The deterministic backward (FlashAttentionConfig::deterministic: dQ by its own kernel) gives the
+// same bits on every run, matches the CPU, and equals the atomic path within rounding.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -240,6 +242,61 @@ TEST(FlashAttentionCuda, DropoutMasksBitIdentical) {
   MT_REQUIRE_CUDA();
   for (DType t : {DType::kBF16, DType::kF32, DType::kF16})
     for (bool docs : {false, true}) check_masks(t, docs);
+}
+
+/// --deterministic-mode: dqkv the same bits on two runs; against the CPU per component as check();
+/// against the atomic path: dQ within rounding (the atomics' order, S recomputed query-major, dS
+/// rounded to 16 bits), dK and dV within 1e-3 (the same kernel without its dQ part: normally equal;
+/// the margin allows a different FMA contraction); the forward is untouched by the flag (bitwise).
+void check_deterministic(Dims z, DType t, float p, bool docs, int64_t head_offset = 0, int64_t total_heads = 0) {
+  auto cfg = make_cfg(z, p, head_offset, total_heads);
+  const std::string what = fmt::format("{} s={} b={} g={} qpg={} d={} p={} docs={}", dtype_name(t), z.s, z.b, z.g,
+                                       z.qpg, z.d, p, docs);
+  OwnedTensor cdoc, gdoc;
+  auto ccfg = cfg, gcfg = cfg;
+  if (docs) {
+    const auto hdoc = testing::random_doc_start(z.s, z.b, 8);
+    cdoc = testing::make_int_tensor(hdoc, Device::cpu(), {z.b, z.s}, cpu_stream());
+    gdoc = testing::make_int_tensor(hdoc, Device::cuda(0), {z.b, z.s}, cuda_stream());
+    ccfg.doc_start = cdoc.t;
+    gcfg.doc_start = gdoc.t;
+  }
+  auto dcfg = gcfg;
+  dcfg.deterministic = true;
+  const auto hqkv = rounded(randn(z.qkv_numel()), t), hg = rounded(randn(z.out_numel()), t);
+  const FaRun c = run(z, ccfg, DType::kF32, Device::cpu(), cpu_stream(), hqkv, hg);
+  const FaRun d1 = run(z, dcfg, t, Device::cuda(0), cuda_stream(), hqkv, hg);
+  const FaRun d2 = run(z, dcfg, t, Device::cuda(0), cuda_stream(), hqkv, hg);
+  const FaRun at = run(z, gcfg, t, Device::cuda(0), cuda_stream(), hqkv, hg);
+  ASSERT_TRUE(testing::all_finite(d1.dqkv)) << what;
+  EXPECT_EQ(d1.dqkv, d2.dqkv) << what;
+  EXPECT_EQ(d1.out, at.out) << what;
+  EXPECT_EQ(d1.lse, at.lse) << what;
+  const double tol = t == DType::kF32 ? 1e-5 : 2e-2;
+  for (int w = 0; w < 3; ++w) {
+    const auto dc = component(d1.dqkv, z, w);
+    EXPECT_LT(rel_err_floor(dc, component(c.dqkv, z, w), 0.0), tol) << what << " component " << "qkv"[w];
+    EXPECT_LT(rel_err_floor(dc, component(at.dqkv, z, w), 0.0), w == 0 ? (t == DType::kF32 ? 1e-6 : 5e-3) : 1e-3)
+        << what << " deterministic vs atomic, component " << "qkv"[w];
+  }
+}
+
+TEST(FlashAttentionCuda, DeterministicBackwardBitwise) {
+  MT_REQUIRE_CUDA();
+  // Tensor cores: d = 64 (key tiles of 64) and 128 (32), ragged lengths (partial query and key
+  // tiles), several query tiles per head, GQA / MQA, dropout, documents, a TP head offset, fp16.
+  check_deterministic({65, 2, 2, 2, 64}, DType::kBF16, 0.f, false);
+  check_deterministic({520, 1, 2, 2, 64}, DType::kBF16, 0.1f, false);
+  check_deterministic({200, 3, 2, 1, 64}, DType::kBF16, 0.f, true);
+  check_deterministic({200, 2, 1, 4, 64}, DType::kBF16, 0.2f, true, 4, 16);
+  check_deterministic({7, 2, 1, 1, 128}, DType::kBF16, 0.f, false);
+  check_deterministic({300, 2, 2, 2, 128}, DType::kBF16, 0.1f, false);
+  check_deterministic({130, 2, 2, 2, 128}, DType::kBF16, 0.3f, true, 2, 9);
+  check_deterministic({200, 1, 2, 1, 128}, DType::kF16, 0.f, true);
+  check_deterministic({150, 2, 1, 3, 64}, DType::kF16, 0.2f, false);
+  // The simple path (fp32, other head dims) is deterministic either way.
+  check_deterministic({65, 2, 2, 2, 32}, DType::kF32, 0.1f, true);
+  check_deterministic({33, 1, 1, 3, 24}, DType::kBF16, 0.2f, true);
 }
 
 TEST(FlashAttentionCuda, Errors) {

@@ -1,6 +1,7 @@
 // CUDA LayerNorm against the CPU reference on the same (dtype-rounded) inputs: activations fp32
 // rel. 1e-5, bf16/fp16 rel. 2e-2; fp32 statistics and fp32 main grads rel. 1e-5 in every dtype
-// (same inputs, only the summation order differs).
+// (same inputs, only the summation order differs). dweight and dbias are deterministic: bitwise
+// the same on every call.
 #include <gtest/gtest.h>
 
 #include "ops/layernorm.h"
@@ -117,6 +118,57 @@ TEST(LayerNormCuda, UnalignedRowsUseScalarPath) {
     layernorm_forward(y, mg, rg, x, wg, bg, kEps, gs);
     EXPECT_LT(testing::rel_err(testing::to_host(y, gs), testing::to_host(yc, cs)), tol(t)) << dtype_name(t);
     EXPECT_LT(testing::rel_err(testing::to_host(rg, gs), testing::to_host(rc, cs)), 1e-5) << dtype_name(t);
+  }
+}
+
+/// dweight, dbias (and dx) the same bits on three calls from the same inputs, with many row groups
+/// (n = 16384: an order of float atomics would show), vectorised (768, 4096) and scalar (h = 1001).
+TEST(LayerNormCuda, DweightDbiasBitwiseRepeatable) {
+  MT_REQUIRE_CUDA();
+  const Device gpu = Device::cuda(0);
+  Stream gs(gpu), cs;
+  for (auto [t, n, h] : std::vector<std::tuple<DType, int64_t, int64_t>>{
+           {DType::kBF16, 16384, 768}, {DType::kF32, 2048, 4096}, {DType::kF16, 5000, 1001}}) {
+    const std::string what = fmt::format("{} n={} h={}", dtype_name(t), n, h);
+    auto xv = testing::randn(n * h, 2.f);
+    for (auto& v : xv) v += 3.f;
+    auto wv = testing::randn(h, 0.1f), bv = testing::randn(h, 0.1f);
+    for (auto& v : wv) v += 1.f;
+    const auto dyv = testing::randn(n * h), dw0 = testing::randn(h), db0 = testing::randn(h);
+    auto xg = testing::make_tensor(xv, t, gpu, {n, h}, gs);
+    auto wg = testing::make_tensor(wv, t, gpu, {h}, gs);
+    auto bg = testing::make_tensor(bv, t, gpu, {h}, gs);
+    auto dyg = testing::make_tensor(dyv, t, gpu, {n, h}, gs);
+    OwnedTensor yg(t, gpu, {n, h}), mg(DType::kF32, gpu, {n}), rg(DType::kF32, gpu, {n}), dxg(t, gpu, {n, h});
+    layernorm_forward(yg, mg, rg, xg, wg, bg, kEps, gs);
+    std::vector<float> dw1, db1, dx1;
+    for (int k = 0; k < 3; ++k) {
+      auto dwg = testing::make_tensor(dw0, DType::kF32, gpu, {h}, gs);
+      auto dbg = testing::make_tensor(db0, DType::kF32, gpu, {h}, gs);
+      testing::poison(dxg, gs);
+      layernorm_backward(dxg, dwg, dbg, dyg, xg, wg, mg, rg, false, gs);
+      const auto dw = testing::to_host(dwg, gs), db = testing::to_host(dbg, gs), dx = testing::to_host(dxg, gs);
+      if (k == 0) {
+        dw1 = dw;
+        db1 = db;
+        dx1 = dx;
+        auto xc = testing::make_tensor(rounded(xv, t), DType::kF32, kCpu, {n, h}, cs);
+        auto wc = testing::make_tensor(rounded(wv, t), DType::kF32, kCpu, {h}, cs);
+        auto dyc = testing::make_tensor(rounded(dyv, t), DType::kF32, kCpu, {n, h}, cs);
+        auto mc = testing::make_tensor(testing::to_host(mg, gs), DType::kF32, kCpu, {n}, cs);
+        auto rc = testing::make_tensor(testing::to_host(rg, gs), DType::kF32, kCpu, {n}, cs);
+        auto dwc = testing::make_tensor(dw0, DType::kF32, kCpu, {h}, cs);
+        auto dbc = testing::make_tensor(db0, DType::kF32, kCpu, {h}, cs);
+        OwnedTensor dxc(DType::kF32, kCpu, {n, h});
+        layernorm_backward(dxc, dwc, dbc, dyc, xc, wc, mc, rc, false, cs);
+        EXPECT_LT(testing::rel_err(dw, testing::to_host(dwc, cs)), 1e-4) << what;
+        EXPECT_LT(testing::rel_err(db, testing::to_host(dbc, cs)), 1e-4) << what;
+      } else {
+        EXPECT_EQ(dw, dw1) << what << " call " << k;
+        EXPECT_EQ(db, db1) << what << " call " << k;
+        EXPECT_EQ(dx, dx1) << what << " call " << k;
+      }
+    }
   }
 }
 

@@ -2,7 +2,8 @@
 // rel. 1e-5, bf16/fp16 rel. 2e-2; fp32 rstd and fp32 main grads rel. 1e-5 in every dtype (same
 // inputs, only the summation order differs). Contiguous rows (vectorised and scalar paths, rows
 // per thread group 4..32), strided query-head views of a fused QKV buffer (in place, dx aliasing
-// dy), unaligned views, and device errors.
+// dy), unaligned views, and device errors. dweight is deterministic: bitwise the same on every
+// call, on each kernel path (many blocks, so an order of float atomics would show).
 #include <gtest/gtest.h>
 
 #include "ops/rmsnorm.h"
@@ -213,6 +214,51 @@ TEST(RmsNormCuda, UnalignedRowsUseScalarPath) {
     rmsnorm_backward(dx, dwg, dy, x, wg, rg, false, gs);
     EXPECT_LT(testing::rel_err(testing::to_host(dx, gs), testing::to_host(dxc, cs)), tol(t)) << dtype_name(t);
     EXPECT_LT(testing::rel_err(testing::to_host(dwg, gs), testing::to_host(dwc, cs)), 1e-5) << dtype_name(t);
+  }
+}
+
+/// dweight (and dx) the same bits on three calls from the same inputs, on the fused kernel with
+/// several row groups per block (h = 64, 768) and one per block (bf16 h = 4096: 256 threads per
+/// row; 8192: 512), on the long-row path (fp32 h = 8192, h = 16384) and the scalar path (h = 1030);
+/// and within the long-reduction tolerance of the CPU.
+TEST(RmsNormCuda, DweightBitwiseRepeatable) {
+  MT_REQUIRE_CUDA();
+  const Device gpu = Device::cuda(0);
+  Stream gs(gpu), cs;
+  const std::vector<std::tuple<DType, int64_t, int64_t>> cases = {
+      {DType::kBF16, 20000, 64}, {DType::kBF16, 8192, 768}, {DType::kBF16, 1024, 4096}, {DType::kBF16, 512, 8192},
+      {DType::kF32, 512, 8192},  {DType::kBF16, 256, 16384}, {DType::kF16, 3000, 1030}};
+  for (auto [t, n, h] : cases) {
+    const std::string what = fmt::format("{} n={} h={}", dtype_name(t), n, h);
+    const auto xv = make_x(n * h), wv = make_w(h), dyv = testing::randn(n * h), dw0 = testing::randn(h);
+    auto xg = testing::make_tensor(xv, t, gpu, {n, h}, gs);
+    auto wg = testing::make_tensor(wv, t, gpu, {h}, gs);
+    auto dyg = testing::make_tensor(dyv, t, gpu, {n, h}, gs);
+    OwnedTensor yg(t, gpu, {n, h}), rg(DType::kF32, gpu, {n}), dxg(t, gpu, {n, h});
+    rmsnorm_forward(yg, rg, xg, wg, kEps, gs);
+    std::vector<float> dw_first, dx_first;
+    for (int k = 0; k < 3; ++k) {
+      auto dwg = testing::make_tensor(dw0, DType::kF32, gpu, {h}, gs);
+      testing::poison(dxg, gs);
+      rmsnorm_backward(dxg, dwg, dyg, xg, wg, rg, false, gs);
+      const auto dw = testing::to_host(dwg, gs), dx = testing::to_host(dxg, gs);
+      if (k == 0) {
+        dw_first = dw;
+        dx_first = dx;
+        // Against the CPU from the same rounded inputs and statistics.
+        auto xc = testing::make_tensor(rounded(xv, t), DType::kF32, kCpu, {n, h}, cs);
+        auto wc = testing::make_tensor(rounded(wv, t), DType::kF32, kCpu, {h}, cs);
+        auto dyc = testing::make_tensor(rounded(dyv, t), DType::kF32, kCpu, {n, h}, cs);
+        auto rc = testing::make_tensor(testing::to_host(rg, gs), DType::kF32, kCpu, {n}, cs);
+        auto dwc = testing::make_tensor(dw0, DType::kF32, kCpu, {h}, cs);
+        OwnedTensor dxc(DType::kF32, kCpu, {n, h});
+        rmsnorm_backward(dxc, dwc, dyc, xc, wc, rc, false, cs);
+        EXPECT_LT(testing::rel_err(dw, testing::to_host(dwc, cs)), 1e-4) << what;
+      } else {
+        EXPECT_EQ(dw, dw_first) << what << " call " << k;
+        EXPECT_EQ(dx, dx_first) << what << " call " << k;
+      }
+    }
   }
 }
 

@@ -159,6 +159,19 @@ TEST_F(CliTest, ActivationRecomputeTrainsTheSameModel) {
   }
 }
 
+// --deterministic-mode (Megatron's flag) is accepted and named in the model line; on the CPU, whose
+// kernels are all deterministic, it trains the same model bit for bit.
+TEST_F(CliTest, DeterministicModeOnCpuTrainsTheSameModel) {
+  RunResult plain = run_megatron(train_flags("--train-iters 3"));
+  ASSERT_EQ(plain.rc, 0) << plain.out;
+  ASSERT_EQ(loss_lines(plain.out).size(), 3u) << plain.out;
+  RunResult det = run_megatron(train_flags("--train-iters 3 --deterministic-mode"));
+  ASSERT_EQ(det.rc, 0) << det.out;
+  EXPECT_EQ(loss_lines(det.out), loss_lines(plain.out)) << det.out;
+  EXPECT_NE(det.out.find(", deterministic mode"), std::string::npos) << det.out;
+  EXPECT_EQ(plain.out.find(", deterministic mode"), std::string::npos) << plain.out;
+}
+
 // The memory estimate printed before training matches the buffers allocated (within 10%: on the
 // CPU the sizes are exact), with and without recompute.
 TEST_F(CliTest, MemoryEstimateMatchesTheAllocation) {

@@ -1,12 +1,14 @@
 // CUDA graphs (docs/cuda_graphs.md): `megatron pretrain` with --cuda-graph-impl full_iteration
-// (with and without the optimizer in the graph) follows the eager run: with dropout on, a learning
-// rate that changes every step (warmup from 0, then cosine decay) and new data every step, so a
-// value baked into the graph at capture would show. The CUDA backward is not bitwise repeatable
-// run to run (float atomics in the embedding, layernorm/RMSNorm, bias and flash-attention dq
-// gradients), so the reference is two eager runs: per iteration, the graph run's loss and
-// gradient norm (full precision, --metrics-file) must be as close to the first eager run as the
-// second eager run is (times 10, floor 2e-6 relative); a stale learning rate, dropout mask or
-// batch moves them by orders of magnitude more. The capture itself checks that the step neither
+// (with and without the optimizer in the graph) and per-layer graphs follow the eager run: with
+// dropout on, a learning rate that changes every step (warmup from 0, then cosine decay) and new
+// data every step, so a value baked into the graph at capture would show.
+// Under --deterministic-mode (the *Bitwise tests: GPT-2 style with flash attention, the
+// distributed optimizer, per-layer attn/mlp graphs, MoE with the grouped GEMM) the CUDA step has no
+// float atomics, so per iteration the loss, the gradient norm (full precision, --metrics-file)
+// and the validation losses of two eager runs and of the graph run must be equal, bit for bit.
+// Without it (the other tests) the embedding and flash-attention dq gradients use float atomics, so
+// the reference is two eager runs: the graph run must be as close to the first eager run as the
+// second one is (times 10, floor 2e-6 relative). The capture itself checks that the step neither
 // allocates nor synchronises (the trainer counts both; ThreadLocal capture fails on a sync).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -17,6 +19,7 @@
 #include <iterator>
 #include <map>
 
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "testing/testing.h"
@@ -70,8 +73,10 @@ class CudaGraphTraining : public ::testing::Test {
            " --valid-data-path " + (dir_ / "moby_text_document").string() + " " + tok_ + " " + extra;
   }
   // Two eager runs and the graph run with `graph_flags`: the graph run is within the eager runs'
-  // own run-to-run spread of the first one.
-  void expect_same(const std::string& model, const std::string& graph_flags) {
+  // own run-to-run spread of the first one; with `bitwise`, every run has --deterministic-mode and
+  // all three must agree exactly.
+  void expect_same(const std::string& model_flags, const std::string& graph_flags, bool bitwise = false) {
+    const std::string model = bitwise ? model_flags + " --deterministic-mode" : model_flags;
     auto run_metrics = [&](const std::string& tag, const std::string& extra) {
       const fs::path mf = dir_ / (tag + ".jsonl");
       fs::remove(mf);
@@ -89,6 +94,20 @@ class CudaGraphTraining : public ::testing::Test {
     ASSERT_EQ(a.size(), 8u + 3u);  // 8 iterations, validation at 0, 4, 8
     ASSERT_EQ(b.size(), a.size());
     ASSERT_EQ(g.size(), a.size());
+    if (bitwise) {
+      for (const auto& [k, v] : a) {
+        SCOPED_TRACE(k.first + " " + std::to_string(k.second));
+        ASSERT_TRUE(b.count(k) && g.count(k));
+        EXPECT_EQ(b.at(k).first, v.first) << fmt::format("eager runs: loss {:.17g} vs {:.17g}", v.first, b.at(k).first);
+        EXPECT_EQ(b.at(k).second, v.second)
+            << fmt::format("eager runs: grad norm {:.17g} vs {:.17g}", v.second, b.at(k).second);
+        EXPECT_EQ(g.at(k).first, v.first) << fmt::format("graph vs eager: loss {:.17g} vs {:.17g}", v.first,
+                                                         g.at(k).first);
+        EXPECT_EQ(g.at(k).second, v.second)
+            << fmt::format("graph vs eager: grad norm {:.17g} vs {:.17g}", v.second, g.at(k).second);
+      }
+      return;
+    }
     double noise = 0;  // the eager runs' relative spread
     for (const auto& [k, v] : a) {
       noise = std::max(noise, std::abs(b.at(k).first - v.first) / std::abs(v.first));
@@ -111,29 +130,40 @@ class CudaGraphTraining : public ::testing::Test {
   int global_batch_ = 6;
 };
 
+// Head dim 64 (hidden 128, 2 heads): the FlashAttention-2 kernels (tensor cores, bf16) with attention
+// dropout, whose dQ is the deterministic kernel's under --deterministic-mode.
+const char* const kFlashModel = "--hidden-size 128 --num-attention-heads 2 --attention-backend flash";
+
 TEST_F(CudaGraphTraining, FullIterationEqualsEagerBitwise) {
+  // GPT-2 style (LayerNorm, learned positions, biases, GELU, tied embedding) with dropout.
+  expect_same(kFlashModel, "--cuda-graph-impl full_iteration --cuda-graph-warmup-steps 2", true);
+}
+
+TEST_F(CudaGraphTraining, FullIterationFollowsEagerWithoutDeterministicMode) {
   expect_same("", "--cuda-graph-impl full_iteration --cuda-graph-warmup-steps 2");
 }
 
 TEST_F(CudaGraphTraining, FullIterationWithOptimizerEqualsEagerBitwise) {
-  // The scope spelling of Megatron (local + full_iteration) and the optimizer inside the graph.
-  expect_same("--use-distributed-optimizer --overlap-grad-reduce --ddp-bucket-size 20000",
+  // The scope spelling of Megatron (local + full_iteration), the optimizer inside the graph, the
+  // distributed optimizer with overlapped gradient reduction.
+  expect_same(std::string(kFlashModel) + " --use-distributed-optimizer --overlap-grad-reduce --ddp-bucket-size 20000",
               "--cuda-graph-impl local --cuda-graph-scope full_iteration --cuda-graph-warmup-steps 1 "
-              "--cuda-graph-include-optimizer");
+              "--cuda-graph-include-optimizer",
+              true);
 }
 
-TEST_F(CudaGraphTraining, LlamaStyleFullIterationEqualsEagerBitwise) {
+TEST_F(CudaGraphTraining, LlamaStyleFullIterationFollowsEager) {
   expect_same("--normalization RMSNorm --swiglu --position-embedding-type rope --disable-bias-linear "
               "--untie-embeddings-and-output-weights --group-query-attention --num-query-groups 2",
               "--cuda-graph-impl full_iteration --cuda-graph-warmup-steps 3 --cuda-graph-include-optimizer");
 }
 
-TEST_F(CudaGraphTraining, MixtureOfExpertsFullIterationFollowsEager) {
+TEST_F(CudaGraphTraining, MixtureOfExpertsFullIterationEqualsEagerBitwise) {
   // Sync-free MoE (--moe-grouped-gemm, allgather dispatcher): top-2 of 4 experts with the
   // load-balancing and z losses, aux-loss-free expert bias (updated inside the step).
   expect_same("--disable-bias-linear --num-experts 4 --moe-router-topk 2 --moe-grouped-gemm --moe-aux-loss-coeff 1e-2 "
               "--moe-z-loss-coeff 1e-3 --moe-router-enable-expert-bias --moe-router-score-function sigmoid",
-              "--cuda-graph-impl full_iteration --cuda-graph-warmup-steps 2 --cuda-graph-include-optimizer");
+              "--cuda-graph-impl full_iteration --cuda-graph-warmup-steps 2 --cuda-graph-include-optimizer", true);
 }
 
 TEST_F(CudaGraphTraining, MixtureOfExpertsForcedBalanceFollowsEager) {
@@ -183,16 +213,18 @@ TEST_F(CudaGraphTraining, AsyncSaveEveryIterationWithPerLayerGraphsFollowsEager)
 // Per-layer capture (--cuda-graph-impl local with scopes): each layer's attention and MLP blocks
 // captured per activation slot, replayed for every micro-batch (3 per step here), the dropout
 // keyed by the slot's device micro-batch key.
-TEST_F(CudaGraphTraining, PerLayerAttnMlpFollowsEager) {
-  expect_same("", "--cuda-graph-impl local --cuda-graph-scope attn mlp --cuda-graph-warmup-steps 2");
+TEST_F(CudaGraphTraining, PerLayerAttnMlpEqualsEagerBitwise) {
+  expect_same(kFlashModel, "--cuda-graph-impl local --cuda-graph-scope attn mlp --cuda-graph-warmup-steps 2", true);
 }
 
-TEST_F(CudaGraphTraining, PerLayerWholeLayerWithDistributedOptimizerFollowsEager) {
+TEST_F(CudaGraphTraining, PerLayerWholeLayerWithDistributedOptimizerEqualsEagerBitwise) {
   // No scope: the whole layer (Megatron's default for local); gradient-reduction hooks between
-  // the replayed layers (overlapped, the distributed optimizer).
-  expect_same("--normalization RMSNorm --swiglu --position-embedding-type rope --disable-bias-linear "
-              "--use-distributed-optimizer --overlap-grad-reduce --ddp-bucket-size 20000",
-              "--cuda-graph-impl local --cuda-graph-warmup-steps 1");
+  // the replayed layers (overlapped, the distributed optimizer). Llama style: RMSNorm, SwiGLU,
+  // RoPE, no biases.
+  expect_same(std::string(kFlashModel) +
+                  " --normalization RMSNorm --swiglu --position-embedding-type rope --disable-bias-linear "
+                  "--use-distributed-optimizer --overlap-grad-reduce --ddp-bucket-size 20000",
+              "--cuda-graph-impl local --cuda-graph-warmup-steps 1", true);
 }
 
 TEST_F(CudaGraphTraining, PerLayerMoeFollowsEager) {

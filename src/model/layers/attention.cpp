@@ -101,6 +101,7 @@ FlashAttentionConfig FlashAttention::flash_config(const StepContext& ctx, int64_
   c.head_offset = head_offset_;
   c.total_heads = config_.num_attention_heads;
   c.doc_start = ctx.batch.doc_start;
+  c.deterministic = config_.deterministic_mode;
   return c;
 }
 

@@ -80,6 +80,7 @@ ContextAttentionConfig ContextParallelAttention::op_config(const Tensor& q_pos, 
   c.seq_length = cp_.seq_length();
   c.head_offset = head_offset_;
   c.total_heads = config_.num_attention_heads;
+  c.deterministic = config_.deterministic_mode;
   return c;
 }
 

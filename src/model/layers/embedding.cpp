@@ -52,7 +52,7 @@ void LanguageModelEmbedding::backward(const Tensor& d_out, const StepContext& ct
   const Tensor d_full = tp_.sequence_parallel() ? full_ : d_out;
   tp_.exit_backward(d_full, d_out, ctx.stream);
   embedding_backward(word_.grad(), grad_or_empty(position_), d_full, ctx.batch.tokens, ctx.batch.position_ids,
-                     vocab_start_, ctx.stream);
+                     vocab_start_, config_.deterministic_mode, ctx.stream);
 }
 
 }  // namespace mt

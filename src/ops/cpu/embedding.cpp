@@ -38,7 +38,8 @@ void embedding_forward(const Tensor& out, const Tensor& ids, const Tensor& wte, 
 }
 
 void embedding_backward(const Tensor& dwte, const Tensor& dwpe, const Tensor& dout, const Tensor& ids,
-                        const Tensor& positions, int64_t vocab_start, const Stream& stream) {
+                        const Tensor& positions, int64_t vocab_start, bool /*deterministic: always*/,
+                        const Stream& stream) {
   const int64_t b = ids.size(1), n = ids.numel(), h = dout.size(2), v_local = dwte.size(0);
   const bool has_wpe = !dwpe.empty(), has_pos = !positions.empty();
   if (has_wpe && has_pos) check_positions(positions, dwpe.size(0), "embedding_backward");

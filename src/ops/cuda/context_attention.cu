@@ -6,7 +6,8 @@
 // workspace, or MT_CONTEXT_ATTN_SIMPLE=1 for comparisons): CUDA-core kernels with fp32 math (one
 // thread per query row for the forward and dQ, one thread per key row for dK/dV, no atomics,
 // deterministic), head_dim up to 256. The tensor-core backward sums dQ with fp32 atomics (may
-// differ in the last bits between runs).
+// differ in the last bits between runs), or, with ContextAttentionConfig::deterministic
+// (--deterministic-mode), computes it in a kernel of its own per query tile (same bits every run).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -208,6 +209,10 @@ __global__ void transpose_kernel(char* y, const char* x, int64_t a, int64_t b, i
 //            (one block per (key tile of 16·W keys, b·g): dK, dV in registers over the qpg heads
 //            and the visible query tiles; dQ = dS K added to dq_accum with fp32 atomics; dK, dV
 //            added to dkv), ca_bwd_dq_add (dqkv query slots += scale · dq_accum).
+//   deterministic backward: ca_bwd_pre (D_i only), ca_bwd_mma without dQ, then ca_bwd_dq_mma (one
+//            block per (query tile of 16·W rows, b·n): each warp owns 16 query rows, walks the
+//            visible key tiles in order recomputing S, P, dP and dS with the dK/dV kernel's element
+//            formula, masks and dropout bits, dQ = dS K in registers, then dqkv += scale · dQ).
 // ---------------------------------------------------------------------------------------------
 
 constexpr float kLog2e = 1.4426950408889634f;
@@ -266,6 +271,27 @@ __device__ __forceinline__ void keep_pair(const AttnDropout& drop, uint64_t row_
     a = drop.keep(G);
     c = drop.keep(row_start + static_cast<uint64_t>(k1));
   }
+}
+
+/// Dropout keep bits of this lane's elements of a query-major m16n8 accumulator over BC keys (rows
+/// of query positions qp0 and qp1, the key tile's positions kp [BC]): element e of fragment nt is
+/// bit 2·((e >> 1)·(BC / 8) + nt) + (e & 1). Drawn in a rolled loop (one copy of Philox in the code).
+template <int BC>
+__device__ __forceinline__ uint64_t keep_bits_rows(const AttnDropout& drop, int64_t bh, int qp0, int qp1,
+                                                   const int* kp, int t4) {
+  static_assert(BC <= 128, "64 keep bits");
+  uint64_t keep = 0;
+#pragma unroll 1
+  for (int k = 0; k < BC / 4; ++k) {  // k = r · (BC / 8) + nt: elements (r, nt, 0..1)
+    const int r = k / (BC / 8), nt = k % (BC / 8), j = nt * 8 + 2 * t4;
+    bool k0, k1;
+    keep_pair(drop, drop.row_start(bh, r == 0 ? qp0 : qp1), kp[j], kp[j + 1], k0, k1);
+    keep |= (static_cast<uint64_t>(k0) | static_cast<uint64_t>(k1) << 1) << (2 * k);
+  }
+  return keep;
+}
+__device__ __forceinline__ bool keep_bit(uint64_t keep, int nt, int e, int tiles) {
+  return (keep >> (2 * ((e >> 1) * tiles + nt) + (e & 1))) & 1u;
 }
 
 struct PosRange {
@@ -388,29 +414,17 @@ __global__ void __launch_bounds__(W * 32) ca_fwd_mma(const CaParams p) {
 #pragma unroll
       for (int nt = 0; nt < BC / 8; ++nt) sc[mi][nt][0] = sc[mi][nt][1] = sc[mi][nt][2] = sc[mi][nt][3] = 0.f;
     }
+    mma_abt_tile<T, D, BC, MW>(
+        sc,
+        [&](int mi, int kk, uint32_t(&a)[4]) {
+          if constexpr (QR) {
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      uint32_t qa[MW][4];
-#pragma unroll
-      for (int mi = 0; mi < MW; ++mi) {
-        if constexpr (QR) {
-#pragma unroll
-          for (int x = 0; x < 4; ++x) qa[mi][x] = qf[mi][kk][x];
-        } else {
-          ldsm_x4(qa[mi], q_addr(mi, kk));
-        }
-      }
-#pragma unroll
-      for (int nn = 0; nn < BC / 16; ++nn) {
-        uint32_t bf[4];
-        ldsm_x4(bf, smem_u32(sKb + (nn * 16 + (lane & 7) + ((lane >> 4) << 3)) * SD + kk * 16 + ((lane >> 3) & 1) * 8));
-#pragma unroll
-        for (int mi = 0; mi < MW; ++mi) {
-          mma16816<T>(sc[mi][2 * nn], qa[mi], bf[0], bf[1]);
-          mma16816<T>(sc[mi][2 * nn + 1], qa[mi], bf[2], bf[3]);
-        }
-      }
-    }
+            for (int x = 0; x < 4; ++x) a[x] = qf[mi][kk][x];
+          } else {
+            ldsm_x4(a, q_addr(mi, kk));
+          }
+        },
+        sKb, lane);
 
     if (!full) {  // key position <= query position, >= the query's document start
 #pragma unroll
@@ -456,52 +470,21 @@ __global__ void __launch_bounds__(W * 32) ca_fwd_mma(const CaParams p) {
       }
     }
 
-    // Dropout on the probabilities that multiply V (l keeps the undropped ones); the keep bits
-    // in a rolled loop (one copy of Philox in the code), then applied.
+    // Dropout on the probabilities that multiply V (l keeps the undropped ones).
     if (p.drop.enabled) {
 #pragma unroll
       for (int mi = 0; mi < MW; ++mi) {
-        uint64_t keep = 0;
-#pragma unroll 1
-        for (int k = 0; k < BC / 4; ++k) {  // k = r · (BC / 8) + nt: elements (r, nt, 0..1)
-          const int r = k / (BC / 8), nt = k % (BC / 8), j = nt * 8 + 2 * t4;
-          bool k0, k1;
-          keep_pair(p.drop, p.drop.row_start(bh, qp_r[mi][r]), sKpb[j], sKpb[j + 1], k0, k1);
-          keep |= (static_cast<uint64_t>(k0) | static_cast<uint64_t>(k1) << 1) << (2 * k);
-        }
+        const uint64_t keep = keep_bits_rows<BC>(p.drop, bh, qp_r[mi][0], qp_r[mi][1], sKpb, t4);
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
+        for (int nt = 0; nt < BC / 8; ++nt) {
 #pragma unroll
-          for (int nt = 0; nt < BC / 8; ++nt) {
-            const int k = r * (BC / 8) + nt;
-            if (!((keep >> (2 * k)) & 1u)) sc[mi][nt][2 * r] = 0.f;
-            if (!((keep >> (2 * k + 1)) & 1u)) sc[mi][nt][2 * r + 1] = 0.f;
-          }
+          for (int e = 0; e < 4; ++e)
+            if (!keep_bit(keep, nt, e, BC / 8)) sc[mi][nt][e] = 0.f;
         }
       }
     }
 
-#pragma unroll
-    for (int kk = 0; kk < BC / 16; ++kk) {
-      uint32_t a[MW][4];
-#pragma unroll
-      for (int mi = 0; mi < MW; ++mi) {
-        a[mi][0] = pack2<T>(sc[mi][2 * kk][0], sc[mi][2 * kk][1]);
-        a[mi][1] = pack2<T>(sc[mi][2 * kk][2], sc[mi][2 * kk][3]);
-        a[mi][2] = pack2<T>(sc[mi][2 * kk + 1][0], sc[mi][2 * kk + 1][1]);
-        a[mi][3] = pack2<T>(sc[mi][2 * kk + 1][2], sc[mi][2 * kk + 1][3]);
-      }
-#pragma unroll
-      for (int nn = 0; nn < D / 16; ++nn) {
-        uint32_t bf[4];
-        ldsm_x4_t(bf, smem_u32(sVb + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * SD + nn * 16 + (lane >> 4) * 8));
-#pragma unroll
-        for (int mi = 0; mi < MW; ++mi) {
-          mma16816<T>(o[mi][2 * nn], a[mi], bf[0], bf[1]);
-          mma16816<T>(o[mi][2 * nn + 1], a[mi], bf[2], bf[3]);
-        }
-      }
-    }
+    mma_pb_tile<T, D, BC, MW>(o, sc, sVb, lane);
     nb = nnb;
     full = full_next;
     buf ^= 1;
@@ -565,13 +548,15 @@ __global__ void __launch_bounds__(W * 32) ca_fwd_mma(const CaParams p) {
   }
 }
 
-template <int D, int W, int BR>
+template <int D, int W, int BR, bool kDq>
 constexpr int ca_bwd_smem_bytes() {
   constexpr int BC = 16 * W;
-  return (2 * BC * (D + 8) + 4 * BR * (D + 8) + BC * (BR + 8)) * 2 + 2 * BR * 4 * 4;
+  return (2 * BC * (D + 8) + 4 * BR * (D + 8) + (kDq ? BC * (BR + 8) : 0)) * 2 + 2 * BR * 4 * 4;
 }
 
-template <typename T, int D, int W, int BR>
+/// dK, dV of the block's 16·W keys (added to dkv) and, with kDq, their dQ contributions (fp32
+/// atomics into dq_accum); without kDq (--deterministic-mode) dQ is left to ca_bwd_dq_mma.
+template <typename T, int D, int W, int BR, bool kDq>
 __global__ void __launch_bounds__(W * 32) ca_bwd_mma(const CaParams p) {
   constexpr int BC = 16 * W, SD = D + 8, SR = BR + 8, NT = 32 * W;
   constexpr int R = BR / 16, DC = D * R / W;  // dQ: warp -> 16 query rows x DC dims
@@ -581,8 +566,8 @@ __global__ void __launch_bounds__(W * 32) ca_bwd_mma(const CaParams p) {
   T* sV = sK + BC * SD;                // [BC][SD]
   T* sQ = sV + BC * SD;                // [2][BR][SD]
   T* sdO = sQ + 2 * BR * SD;           // [2][BR][SD]
-  T* sdS = sdO + 2 * BR * SD;          // [BC][SR]: dS^T
-  float* sL = reinterpret_cast<float*>(sdS + BC * SR);  // [2][BR] lse · log2(e) (+inf: no key / past sq)
+  [[maybe_unused]] T* sdS = sdO + 2 * BR * SD;  // [BC][SR]: dS^T; kDq only
+  float* sL = reinterpret_cast<float*>(sdS + (kDq ? BC * SR : 0));  // [2][BR] lse · log2(e) (+inf: no key / past sq)
   float* sDl = sL + 2 * BR;                             // [2][BR] D_i
   int* sDs = reinterpret_cast<int*>(sDl + 2 * BR);      // [2][BR] document start
   int* sQp = sDs + 2 * BR;                              // [2][BR] query position
@@ -700,35 +685,36 @@ __global__ void __launch_bounds__(W * 32) ca_bwd_mma(const CaParams p) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int ql = nt * 8 + 2 * t4 + (e & 1), kp = kp_r[e >> 1];
-        float pv = exp2f(fmaf(st[nt][e], sl2, -sLb[ql]));
-        if (!full && (kp > sQpb[ql] || kp < sDsb[ql])) pv = 0.f;
         const bool kept = (keep >> (nt * 4 + e)) & 1u;
-        const float dp = kept ? dpt[nt][e] * mk : 0.f;
-        st[nt][e] = kept ? pv * mk : 0.f;
-        dpt[nt][e] = pv * (dp - sDlb[ql]);
+        float pd;
+        dpt[nt][e] = bwd_ds_element(st[nt][e], sl2, sLb[ql], !(!full && (kp > sQpb[ql] || kp < sDsb[ql])), kept, mk,
+                                    dpt[nt][e], sDlb[ql], pd);
+        st[nt][e] = pd;
       }
     }
 
     bwd_dkdv_tile<T, D, BR>(dv, dk, st, dpt, sdOb, sQb, lane);
-    bwd_store_ds<T, BR>(sdS, dpt, warp, lane);
-    __syncthreads();
-    const int rg = warp % R, cg = warp / R;
-    float dq[DC / 8][4];
-    bwd_dq_tile<T, D, BR, BC, DC>(dq, sdS, sK, rg, cg, lane);
+    if constexpr (kDq) {
+      bwd_store_ds<T, BR>(sdS, dpt, warp, lane);
+      __syncthreads();
+      const int rg = warp % R, cg = warp / R;
+      float dq[DC / 8][4];
+      bwd_dq_tile<T, D, BR, BC, DC>(dq, sdS, sK, rg, cg, lane);
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int64_t i = row0 + rg * 16 + g + 8 * r;
-      if (i < sq) {
-        float* dqa = p.dq_accum + p.row(i, b, h) * D;
+      for (int r = 0; r < 2; ++r) {
+        const int64_t i = row0 + rg * 16 + g + 8 * r;
+        if (i < sq) {
+          float* dqa = p.dq_accum + p.row(i, b, h) * D;
 #pragma unroll
-        for (int nt = 0; nt < DC / 8; ++nt) {
-          float* dst = dqa + cg * DC + nt * 8 + 2 * t4;
+          for (int nt = 0; nt < DC / 8; ++nt) {
+            float* dst = dqa + cg * DC + nt * 8 + 2 * t4;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-          atomicAdd(reinterpret_cast<float2*>(dst), make_float2(dq[nt][2 * r], dq[nt][2 * r + 1]));
+            atomicAdd(reinterpret_cast<float2*>(dst), make_float2(dq[nt][2 * r], dq[nt][2 * r + 1]));
 #else
-          atomicAdd(dst, dq[nt][2 * r]);
-          atomicAdd(dst + 1, dq[nt][2 * r + 1]);
+            atomicAdd(dst, dq[nt][2 * r]);
+            atomicAdd(dst + 1, dq[nt][2 * r + 1]);
 #endif
+          }
         }
       }
     }
@@ -755,9 +741,141 @@ __global__ void __launch_bounds__(W * 32) ca_bwd_mma(const CaParams p) {
   }
 }
 
-/// delta of row r (= (i·b + b)·n + h) = Σ_e dout ∘ out, and dq_accum's row zeroed; D / 8 threads
-/// per row, 16-byte accesses.
-template <typename T, int D>
+template <int D, int W, int BC>
+constexpr int ca_dq_smem_bytes() {
+  return (2 * 16 * W + 4 * BC) * (D + 8) * 2 + 2 * BC * 4;
+}
+
+/// Deterministic dQ (--deterministic-mode): one block per (query tile of 16·W rows, b·n); each warp
+/// owns 16 query rows and walks the visible key tiles in order (the forward's tile skipping by
+/// positions and document starts; double-buffered K/V and key positions, one barrier per tile),
+/// recomputing S = Q K^T, P, dP = dO V^T and dS with ca_bwd_mma's element formula
+/// (bwd_ds_element), masks and dropout bits, and accumulates dQ = dS K in registers; then the
+/// query slots of dqkv += scale · dQ. No atomics: the same bits on every run.
+template <typename T, int D, int W, int BC>
+__global__ void __launch_bounds__(W * 32) ca_bwd_dq_mma(const CaParams p) {
+  constexpr int BR = 16 * W, SD = D + 8, NT = 32 * W;
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* sQ = reinterpret_cast<T*>(smem);                    // [BR][SD]
+  T* sdO = sQ + BR * SD;                                 // [BR][SD]
+  T* sK = sdO + BR * SD;                                 // [2][BC][SD]
+  T* sV = sK + 2 * BC * SD;                              // [2][BC][SD]
+  int* sKp = reinterpret_cast<int*>(sV + 2 * BC * SD);  // [2][BC] key positions (INT_MAX past sk)
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+  const int64_t sq = p.sq, sk = p.sk;
+  const int64_t bh = blockIdx.x, b = bh / p.n, h = bh % p.n, grp = h / p.qpg, qi = h % p.qpg;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.y) * BR;
+  const int64_t qrs = p.q_rs(), krs = p.kv_rs(), ors = p.o_rs();
+  const T* qkv = static_cast<const T*>(p.qkv);
+  const T* kg = static_cast<const T*>(p.kv) + p.kv_base(b, grp);
+  const T* vg = kg + D;
+  const int32_t* doc = p.doc ? p.doc + b * p.doc_stride : nullptr;
+  const PosRange qr = pos_range(p.qp, row0, BR, sq, lane);
+  const PosRange dr = doc ? pos_range(doc, row0, BR, sq, lane) : PosRange{INT_MIN, INT_MIN};
+  const int ntiles = static_cast<int>((sk + BC - 1) / BC);
+  auto next = [&](int nb, bool& full) {
+    for (; nb < ntiles; ++nb) {
+      const PosRange kr = pos_range(p.kp, static_cast<int64_t>(nb) * BC, BC, sk, lane);
+      if (tile_visible(kr, qr, dr, row0 + BR <= sq && static_cast<int64_t>(nb + 1) * BC <= sk, full)) break;
+    }
+    return nb;
+  };
+  auto load_kv = [&](int nb, int buf) {
+    const int64_t c0 = static_cast<int64_t>(nb) * BC;
+    load_tile<BC, D, NT>(sK + buf * BC * SD, kg, c0, krs, sk, tid);
+    load_tile<BC, D, NT>(sV + buf * BC * SD, vg, c0, krs, sk, tid);
+    for (int j = tid; j < BC; j += NT) sKp[buf * BC + j] = c0 + j < sk ? p.kp[c0 + j] : INT_MAX;
+  };
+  const int64_t wrow = row0 + warp * 16;  // this warp's first query row; element rows wrow + g + 8·r
+  float lse2[2], dl[2];
+  int qp_r[2], ds_r[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {  // as ca_bwd_mma's sL, sDl, sQp, sDs
+    const int64_t i = wrow + g + 8 * r;
+    const bool ok = i < sq;
+    const float l = ok ? p.lse[p.row(i, b, h)] : INFINITY;
+    lse2[r] = isfinite(l) ? l * kLog2e : INFINITY;
+    dl[r] = ok ? p.delta[p.row(i, b, h)] : 0.f;
+    qp_r[r] = ok ? p.qp[i] : INT_MIN;
+    ds_r[r] = ok && doc ? doc[i] : INT_MIN;
+  }
+
+  bool full = false;
+  int nb = next(0, full);
+  load_tile<BR, D, NT>(sQ, qkv + p.q_base(b, grp, qi), row0, qrs, sq, tid);
+  load_tile<BR, D, NT>(sdO, static_cast<const T*>(p.dout) + bh * D, row0, ors, sq, tid);
+  if (nb < ntiles) load_kv(nb, 0);
+  cp_async_commit();
+  const auto q_frag = [&](int, int kk, uint32_t(&a)[4]) {
+    ldsm_x4(a, smem_u32(sQ + (warp * 16 + (lane & 15)) * SD + kk * 16 + (lane >> 4) * 8));
+  };
+  const auto do_frag = [&](int, int kk, uint32_t(&a)[4]) {
+    ldsm_x4(a, smem_u32(sdO + (warp * 16 + (lane & 15)) * SD + kk * 16 + (lane >> 4) * 8));
+  };
+  float dq[1][D / 8][4];
+#pragma unroll
+  for (int nt = 0; nt < D / 8; ++nt) dq[0][nt][0] = dq[0][nt][1] = dq[0][nt][2] = dq[0][nt][3] = 0.f;
+  const float sl2 = p.scale_log2, mk = p.drop.inv_keep;
+  int buf = 0;
+  while (nb < ntiles) {
+    cp_async_wait<0>();
+    __syncthreads();
+    bool full_next = false;
+    const int nnb = next(nb + 1, full_next);
+    if (nnb < ntiles) load_kv(nnb, buf ^ 1);
+    cp_async_commit();
+    const T* sKb = sK + buf * BC * SD;
+    const T* sVb = sV + buf * BC * SD;
+    const int* sKpb = sKp + buf * BC;
+
+    float sc[1][BC / 8][4], dp[1][BC / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < BC / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sc[0][nt][e] = dp[0][nt][e] = 0.f;
+    }
+    mma_abt_tile<T, D, BC, 1>(sc, q_frag, sKb, lane);
+    mma_abt_tile<T, D, BC, 1>(dp, do_frag, sVb, lane);
+
+    // dS (into sc): element e of fragment nt is (row wrow + g + 8·(e >> 1), key nt·8 + 2·t4 + (e & 1)
+    // of the tile).
+    const uint64_t keep =
+        p.drop.enabled ? keep_bits_rows<BC>(p.drop, bh, qp_r[0], qp_r[1], sKpb, t4) : ~uint64_t{0};
+#pragma unroll
+    for (int nt = 0; nt < BC / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = e >> 1, kp = sKpb[nt * 8 + 2 * t4 + (e & 1)];
+        float pd;
+        sc[0][nt][e] = bwd_ds_element(sc[0][nt][e], sl2, lse2[r], !(!full && (kp > qp_r[r] || kp < ds_r[r])),
+                                      keep_bit(keep, nt, e, BC / 8), mk, dp[0][nt][e], dl[r], pd);
+      }
+    }
+    mma_pb_tile<T, D, BC, 1>(dq, sc, sKb, lane);
+    nb = nnb;
+    full = full_next;
+    buf ^= 1;
+  }
+  cp_async_wait<0>();
+
+  // Epilogue: dqkv query slots (+=) scale · dQ, straight from the accumulators.
+  T* dqg = static_cast<T*>(p.dqkv) + p.q_base(b, grp, qi);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t i = wrow + g + 8 * r;
+    if (i >= sq) continue;
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt) {
+      uint32_t* dst = reinterpret_cast<uint32_t*>(dqg + i * qrs + nt * 8 + 2 * t4);
+      const float2 old = unpack2<T>(*dst);
+      *dst = pack2<T>(fmaf(p.scale, dq[0][nt][2 * r], old.x), fmaf(p.scale, dq[0][nt][2 * r + 1], old.y));
+    }
+  }
+}
+
+/// delta of row r (= (i·b + b)·n + h) = Σ_e dout ∘ out, and (kZeroDq) dq_accum's row zeroed; D / 8
+/// threads per row, 16-byte accesses.
+template <typename T, int D, bool kZeroDq>
 __global__ void __launch_bounds__(256) ca_bwd_pre(const CaParams p) {
   constexpr int kLanes = D / 8;
   const int64_t row = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kLanes;
@@ -772,9 +890,11 @@ __global__ void __launch_bounds__(256) ca_bwd_pre(const CaParams p) {
     const T* c = reinterpret_cast<const T*>(&o);
 #pragma unroll
     for (int e = 0; e < 8; ++e) acc += to_f(a[e]) * to_f(c[e]);
-    float4* dq = reinterpret_cast<float4*>(p.dq_accum + off);
-    dq[0] = make_float4(0.f, 0.f, 0.f, 0.f);
-    dq[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if constexpr (kZeroDq) {
+      float4* dq = reinterpret_cast<float4*>(p.dq_accum + off);
+      dq[0] = make_float4(0.f, 0.f, 0.f, 0.f);
+      dq[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
   }
 #pragma unroll
   for (int o = kLanes / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(kFull, acc, o);
@@ -866,12 +986,24 @@ void fwd_mma(const CaParams& p, cudaStream_t st) {
   MT_CUDA_CHECK(cudaGetLastError());
 }
 
-template <typename T, int D, int W, int BR>
+template <typename T, int D, int W, int BR, bool kDq>
 void bwd_mma(const CaParams& p, cudaStream_t st) {
-  constexpr int kBytes = ca_bwd_smem_bytes<D, W, BR>();
-  const auto kernel = ca_bwd_mma<T, D, W, BR>;
+  constexpr int kBytes = ca_bwd_smem_bytes<D, W, BR, kDq>();
+  const auto kernel = ca_bwd_mma<T, D, W, BR, kDq>;
   set_smem(kernel, kBytes);
   const dim3 grid(static_cast<unsigned>(p.B * p.G), static_cast<unsigned>((p.sk + 16 * W - 1) / (16 * W)));
+  kernel<<<grid, W * 32, kBytes, st>>>(p);
+  MT_CUDA_CHECK(cudaGetLastError());
+}
+
+/// The deterministic dQ kernel <d, W warps (16·W queries per block), BC keys per tile> (the
+/// forward's key tiles).
+template <typename T, int D, int W, int BC>
+void dq_mma(const CaParams& p, cudaStream_t st) {
+  constexpr int kBytes = ca_dq_smem_bytes<D, W, BC>();
+  const auto kernel = ca_bwd_dq_mma<T, D, W, BC>;
+  set_smem(kernel, kBytes);
+  const dim3 grid(static_cast<unsigned>(p.B * p.n), static_cast<unsigned>((p.sq + 16 * W - 1) / (16 * W)));
   kernel<<<grid, W * 32, kBytes, st>>>(p);
   MT_CUDA_CHECK(cudaGetLastError());
 }
@@ -883,18 +1015,32 @@ void launch_fwd_mma(const CaParams& p, cudaStream_t st) {
 }
 
 template <typename T>
-void launch_bwd_mma(const CaParams& p, cudaStream_t st) {
+void launch_bwd_mma(const CaParams& p, bool deterministic, cudaStream_t st) {
   const int64_t rows = p.sq * p.B * p.n;
   const unsigned blocks = static_cast<unsigned>((rows * (p.d / 8) + 255) / 256);
+  if (deterministic) {  // dK, dV; then dQ by its own kernel (no atomics, no dq_accum)
+    if (p.d == 64) {
+      ca_bwd_pre<T, 64, false><<<blocks, 256, 0, st>>>(p);
+      MT_CUDA_CHECK(cudaGetLastError());
+      bwd_mma<T, 64, 4, 32, false>(p, st);
+      dq_mma<T, 64, 4, 64>(p, st);
+    } else {
+      ca_bwd_pre<T, 128, false><<<blocks, 256, 0, st>>>(p);
+      MT_CUDA_CHECK(cudaGetLastError());
+      bwd_mma<T, 128, 8, 32, false>(p, st);
+      dq_mma<T, 128, 4, 32>(p, st);
+    }
+    return;
+  }
   if (p.d == 64) {
-    ca_bwd_pre<T, 64><<<blocks, 256, 0, st>>>(p);
+    ca_bwd_pre<T, 64, true><<<blocks, 256, 0, st>>>(p);
     MT_CUDA_CHECK(cudaGetLastError());
-    bwd_mma<T, 64, 4, 32>(p, st);
+    bwd_mma<T, 64, 4, 32, true>(p, st);
     ca_bwd_dq_add<T, 64><<<blocks, 256, 0, st>>>(p);
   } else {
-    ca_bwd_pre<T, 128><<<blocks, 256, 0, st>>>(p);
+    ca_bwd_pre<T, 128, true><<<blocks, 256, 0, st>>>(p);
     MT_CUDA_CHECK(cudaGetLastError());
-    bwd_mma<T, 128, 8, 32>(p, st);
+    bwd_mma<T, 128, 8, 32, true>(p, st);
     ca_bwd_dq_add<T, 128><<<blocks, 256, 0, st>>>(p);
   }
   MT_CUDA_CHECK(cudaGetLastError());
@@ -951,7 +1097,7 @@ void context_attention_backward(const Tensor& dqkv, const Tensor& dkv, const Ten
     using T = std::remove_pointer_t<decltype(tag)>;
     if constexpr (!std::is_same_v<T, float>) {
       if (have_ws && use_mma<T>(p, {p.qkv, p.kv, p.out, p.dout, p.dqkv, p.dkv, workspace.data()})) {
-        launch_bwd_mma<T>(p, cu(stream));
+        launch_bwd_mma<T>(p, c.deterministic, cu(stream));
         return;
       }
     }

@@ -1,6 +1,7 @@
 #include <cstring>
 
 #include "core/rng.h"
+#include "ops/cuda/column_partials.cuh"
 #include "ops/cuda/elementwise_common.cuh"
 #include "ops/elementwise.h"
 
@@ -97,15 +98,15 @@ __global__ void dropout_kernel(T* out, const T* x, const T* bias, int64_t h, con
   }
 }
 
-/// Backward with bias gradient: dx = mask(dout) (rounded to T), dbias[c] += sum_r dx[r, c].
-/// Block (32, 8): 32 columns x 8 row lanes; rows grid-strided over gridDim.y; per-block partial
-/// sums reduced in shared memory, then one fp32 atomicAdd per column and block (so the summation
-/// order of dbias across blocks is not deterministic). dx may alias dout, or be null (p = 0: dbias
-/// only).
+/// Backward with bias gradient: dx = mask(dout) (rounded to T) and the partial column sums of row
+/// group blockIdx.y, part[blockIdx.y, c] = Σ_r dx[r, c] (overwrite; add_column_partials adds them
+/// to dbias in a fixed order: deterministic). Block (32, 8): 32 columns x 8 row lanes; rows
+/// grid-strided over gridDim.y; the 8 lanes of a column are added in shared memory in a fixed
+/// order. dx may alias dout, or be null (p = 0: dbias only).
 template <bool kDrop, typename T>
-__global__ void dropout_backward_dbias_kernel(T* dx, float* dbias, const T* dout, int64_t rows, int64_t h,
+__global__ void dropout_backward_dbias_kernel(T* dx, float* part, const T* dout, int64_t rows, int64_t h,
                                               DropoutParams prm) {
-  __shared__ float part[8][33];
+  __shared__ float red[8][33];
   const int64_t c = static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x;
   const uint64_t iteration = kDrop ? dropout_iteration(prm.iteration_ptr, prm.iteration) : 0;
   const uint32_t microbatch = kDrop ? dropout_microbatch(prm.microbatch_ptr, prm.microbatch) : 0;
@@ -124,13 +125,13 @@ __global__ void dropout_backward_dbias_kernel(T* dx, float* dbias, const T* dout
       acc += to_f32(t);
     }
   }
-  part[threadIdx.y][threadIdx.x] = acc;
+  red[threadIdx.y][threadIdx.x] = acc;
   __syncthreads();
   if (threadIdx.y == 0 && c < h) {
     float s = 0.f;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) s += part[i][threadIdx.x];
-    atomicAdd(dbias + c, s);
+    for (int i = 0; i < 8; ++i) s += red[i][threadIdx.x];
+    part[static_cast<int64_t>(blockIdx.y) * h + c] = s;
   }
 }
 
@@ -245,20 +246,21 @@ void bias_dropout_add_backward(const Tensor& dx, const Tensor& dbias, const Tens
     const int64_t h = dbias.numel();
     const int64_t rows = n / h;
     const DropoutParams prm = make_params(p, key, global_offset);
+    const char* fn = "bias_dropout_add_backward";
     const int64_t gx = (h + 31) / 32;
     const int sms = (stream.cuda() && stream.cuda()->num_sms > 0) ? stream.cuda()->num_sms : 132;
     const int64_t want_y = std::max<int64_t>(1, (static_cast<int64_t>(sms) * 8 + gx - 1) / gx);
-    const int64_t gy = std::min<int64_t>({(rows + 7) / 8, want_y, 65535});
-    const dim3 grid(static_cast<unsigned>(gx), static_cast<unsigned>(std::max<int64_t>(gy, 1)));
+    const int64_t gy = column_partials_rows(std::min<int64_t>({(rows + 7) / 8, want_y, 65535}), h, 1, fn);
+    float* part = column_partials_scratch(stream, fn);
+    const dim3 grid(static_cast<unsigned>(gx), static_cast<unsigned>(gy));
     const dim3 block(32, 8);
     if (p == 0.f) {
-      dropout_backward_dbias_kernel<false><<<grid, block, 0, raw(stream)>>>(pdx, dbias.data_as<float>(), pdout, rows,
-                                                                            h, prm);
+      dropout_backward_dbias_kernel<false><<<grid, block, 0, raw(stream)>>>(pdx, part, pdout, rows, h, prm);
     } else {
-      dropout_backward_dbias_kernel<true><<<grid, block, 0, raw(stream)>>>(pdx, dbias.data_as<float>(), pdout, rows,
-                                                                           h, prm);
+      dropout_backward_dbias_kernel<true><<<grid, block, 0, raw(stream)>>>(pdx, part, pdout, rows, h, prm);
     }
     MT_CUDA_CHECK_LAUNCH();
+    add_column_partials(dbias.data_as<float>(), part, nullptr, nullptr, gy, h, stream);
   });
 }
 

@@ -16,6 +16,13 @@
 //            dQ = dS K, added to dq_accum with fp32 atomics), fa_bwd_dq_convert_vec (dq_accum · scale
 //            into dqkv). Defaults: d = 64: 4 warps (64 keys per block), d = 128: 8 warps (128
 //            keys); 32 queries per tile.
+//   deterministic backward (--deterministic-mode, FlashAttentionConfig::deterministic):
+//            fa_bwd_pre_vec (D_i only), fa_bwd_mma without dQ (dK, dV only), then fa_bwd_dq_mma
+//            (one block per (query tile of 64 rows, b·n): each warp owns 16 query rows, walks the
+//            key tiles in order recomputing S, P, dP and dS — the same element formula, masks and
+//            dropout bits — and keeps dQ = dS K in registers; written straight into dqkv). No
+//            atomics: dQ is the same bits on every run. S and dP are recomputed once more than in
+//            the atomic path (about 1.4x its FLOPs).
 // Simple path (fp32 or any other case): one warp per query row (forward, dQ) or key row (dK, dV),
 // 32 keys/queries at a time, one per lane, fp32 math with expf; head_dim up to 1024.
 //
@@ -99,6 +106,27 @@ __device__ __forceinline__ int doc_min(const int32_t* doc, int64_t row0, int row
   for (int r = lane; r < rows; r += 32)
     if (row0 + r < s) mn = min(mn, static_cast<int>(doc[row0 + r]));
   return __reduce_min_sync(kFull, mn);
+}
+
+/// Dropout keep bits of this lane's elements of a query-major m16n8 accumulator over BC keys
+/// (rows i0 and i0 + 8, keys col0 + nt·8 + 2·t4 + c): element e of fragment nt is bit
+/// 2·((e >> 1)·(BC / 8) + nt) + (e & 1). Drawn in a rolled loop (one copy of Philox in the code).
+template <int BC>
+__device__ __forceinline__ uint64_t keep_bits_rows(const AttnDropout& drop, int64_t bh, int64_t i0, int64_t col0,
+                                                   int t4) {
+  static_assert(BC <= 128, "64 keep bits");
+  uint64_t keep = 0;
+#pragma unroll 1
+  for (int k = 0; k < BC / 4; ++k) {  // k = r · (BC / 8) + nt: elements (r, nt, 0..1)
+    const int r = k / (BC / 8), nt = k % (BC / 8);
+    bool k0, k1;
+    keep2(drop, drop.row_start(bh, i0 + 8 * r) + static_cast<uint64_t>(col0 + nt * 8 + 2 * t4), k0, k1);
+    keep |= (static_cast<uint64_t>(k0) | static_cast<uint64_t>(k1) << 1) << (2 * k);
+  }
+  return keep;
+}
+__device__ __forceinline__ bool keep_bit(uint64_t keep, int nt, int e, int tiles) {
+  return (keep >> (2 * ((e >> 1) * tiles + nt) + (e & 1))) & 1u;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -201,29 +229,17 @@ __global__ void __launch_bounds__(W * 32) fa_fwd_mma(const FaParams p) {
 #pragma unroll
       for (int nt = 0; nt < BC / 8; ++nt) sc[mi][nt][0] = sc[mi][nt][1] = sc[mi][nt][2] = sc[mi][nt][3] = 0.f;
     }
+    mma_abt_tile<T, D, BC, MW>(
+        sc,
+        [&](int mi, int kk, uint32_t(&a)[4]) {
+          if constexpr (QR) {
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      uint32_t qa[MW][4];
-#pragma unroll
-      for (int mi = 0; mi < MW; ++mi) {
-        if constexpr (QR) {
-#pragma unroll
-          for (int x = 0; x < 4; ++x) qa[mi][x] = qf[mi][kk][x];
-        } else {
-          ldsm_x4(qa[mi], q_addr(mi, kk));
-        }
-      }
-#pragma unroll
-      for (int nn = 0; nn < BC / 16; ++nn) {
-        uint32_t bf[4];
-        ldsm_x4(bf, smem_u32(sKb + (nn * 16 + (lane & 7) + ((lane >> 4) << 3)) * SD + kk * 16 + ((lane >> 3) & 1) * 8));
-#pragma unroll
-        for (int mi = 0; mi < MW; ++mi) {
-          mma16816<T>(sc[mi][2 * nn], qa[mi], bf[0], bf[1]);
-          mma16816<T>(sc[mi][2 * nn + 1], qa[mi], bf[2], bf[3]);
-        }
-      }
-    }
+            for (int x = 0; x < 4; ++x) a[x] = qf[mi][kk][x];
+          } else {
+            ldsm_x4(a, q_addr(mi, kk));
+          }
+        },
+        sKb, lane);
 
     // Mask: causal (tiles that reach past this warp's first row) and the document start.
     const int64_t col0 = static_cast<int64_t>(nb) * BC;
@@ -273,54 +289,21 @@ __global__ void __launch_bounds__(W * 32) fa_fwd_mma(const FaParams p) {
     }
 
     // Dropout on the probabilities that multiply V (the normaliser l keeps the undropped ones).
-    // The keep bits are drawn in a rolled loop (one copy of Philox in the code), then applied.
     if (p.drop.enabled) {
 #pragma unroll
       for (int mi = 0; mi < MW; ++mi) {
-        uint64_t keep = 0;
-#pragma unroll 1
-        for (int k = 0; k < BC / 4; ++k) {  // k = r · (BC / 8) + nt: elements (r, nt, 0..1)
-          const int r = k / (BC / 8), nt = k % (BC / 8);
-          bool k0, k1;
-          keep2(p.drop,
-                p.drop.row_start(bh, wrow + mi * 16 + g + 8 * r) + static_cast<uint64_t>(col0 + nt * 8 + 2 * t4), k0,
-                k1);
-          keep |= (static_cast<uint64_t>(k0) | static_cast<uint64_t>(k1) << 1) << (2 * k);
-        }
+        const uint64_t keep = keep_bits_rows<BC>(p.drop, bh, wrow + mi * 16 + g, col0, t4);
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
+        for (int nt = 0; nt < BC / 8; ++nt) {
 #pragma unroll
-          for (int nt = 0; nt < BC / 8; ++nt) {
-            const int k = r * (BC / 8) + nt;
-            if (!((keep >> (2 * k)) & 1u)) sc[mi][nt][2 * r] = 0.f;
-            if (!((keep >> (2 * k + 1)) & 1u)) sc[mi][nt][2 * r + 1] = 0.f;
-          }
+          for (int e = 0; e < 4; ++e)
+            if (!keep_bit(keep, nt, e, BC / 8)) sc[mi][nt][e] = 0.f;
         }
       }
     }
 
     // O += P V (P from the S accumulators, converted to A fragments).
-#pragma unroll
-    for (int kk = 0; kk < BC / 16; ++kk) {
-      uint32_t a[MW][4];
-#pragma unroll
-      for (int mi = 0; mi < MW; ++mi) {
-        a[mi][0] = pack2<T>(sc[mi][2 * kk][0], sc[mi][2 * kk][1]);
-        a[mi][1] = pack2<T>(sc[mi][2 * kk][2], sc[mi][2 * kk][3]);
-        a[mi][2] = pack2<T>(sc[mi][2 * kk + 1][0], sc[mi][2 * kk + 1][1]);
-        a[mi][3] = pack2<T>(sc[mi][2 * kk + 1][2], sc[mi][2 * kk + 1][3]);
-      }
-#pragma unroll
-      for (int nn = 0; nn < D / 16; ++nn) {
-        uint32_t bf[4];
-        ldsm_x4_t(bf, smem_u32(sVb + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * SD + nn * 16 + (lane >> 4) * 8));
-#pragma unroll
-        for (int mi = 0; mi < MW; ++mi) {
-          mma16816<T>(o[mi][2 * nn], a[mi], bf[0], bf[1]);
-          mma16816<T>(o[mi][2 * nn + 1], a[mi], bf[2], bf[3]);
-        }
-      }
-    }
+    mma_pb_tile<T, D, BC, MW>(o, sc, sVb, lane);
   }
 
   // Epilogue: normalise, write the LSE, stage O in this warp's rows of sQ (read by no other warp),
@@ -359,13 +342,15 @@ __global__ void __launch_bounds__(W * 32) fa_fwd_mma(const FaParams p) {
 // Tensor-core backward.
 // ---------------------------------------------------------------------------------------------
 
-template <int D, int W, int BR>
+template <int D, int W, int BR, bool kDq>
 constexpr int bwd_smem_bytes() {
   constexpr int BC = 16 * W;
-  return (2 * BC * (D + 8) + 4 * BR * (D + 8) + BC * (BR + 8)) * 2 + 2 * BR * 3 * 4;
+  return (2 * BC * (D + 8) + 4 * BR * (D + 8) + (kDq ? BC * (BR + 8) : 0)) * 2 + 2 * BR * 3 * 4;
 }
 
-template <typename T, int D, int W, int BR>
+/// dK, dV of the block's 16·W keys and, with kDq, their dQ contributions (fp32 atomics into
+/// dq_accum); without kDq (--deterministic-mode) dQ is left to fa_bwd_dq_mma.
+template <typename T, int D, int W, int BR, bool kDq>
 __global__ void __launch_bounds__(W * 32) fa_bwd_mma(const FaParams p) {
   constexpr int BC = 16 * W, SD = D + 8, SR = BR + 8, NT = 32 * W;
   constexpr int R = BR / 16, DC = D * R / W;  // dQ: warp -> 16 query rows x DC dims
@@ -375,8 +360,8 @@ __global__ void __launch_bounds__(W * 32) fa_bwd_mma(const FaParams p) {
   T* sV = sK + BC * SD;                // [BC][SD]
   T* sQ = sV + BC * SD;                // [2][BR][SD]
   T* sdO = sQ + 2 * BR * SD;           // [2][BR][SD]
-  T* sdS = sdO + 2 * BR * SD;          // [BC][SR]: dS^T (keys x queries)
-  float* sL = reinterpret_cast<float*>(sdS + BC * SR);  // [2][BR] lse · log2(e) (+inf past s)
+  [[maybe_unused]] T* sdS = sdO + 2 * BR * SD;  // [BC][SR]: dS^T (keys x queries); kDq only
+  float* sL = reinterpret_cast<float*>(sdS + (kDq ? BC * SR : 0));  // [2][BR] lse · log2(e) (+inf past s)
   float* sDl = sL + 2 * BR;                             // [2][BR] D_i
   int* sDs = reinterpret_cast<int*>(sDl + 2 * BR);      // [2][BR] doc_start
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
@@ -431,9 +416,9 @@ __global__ void __launch_bounds__(W * 32) fa_bwd_mma(const FaParams p) {
   if (it < total) load_q(it, 0);
   cp_async_commit();
   while (it < total) {
-    // Two barriers per tile: this one (tile `it` has landed; every warp is done with the previous
-    // tile, including its dQ reads of sdS, so the prefetch may overwrite the other buffer) and the
-    // one between writing dS and computing dQ.
+    // Two barriers per tile with kDq, else one: this one (tile `it` has landed; every warp is done
+    // with the previous tile, including its dQ reads of sdS, so the prefetch may overwrite the
+    // other buffer) and the one between writing dS and computing dQ.
     cp_async_wait<0>();
     __syncthreads();
     const int nit = next(it + 1);
@@ -491,36 +476,38 @@ __global__ void __launch_bounds__(W * 32) fa_bwd_mma(const FaParams p) {
       for (int e = 0; e < 4; ++e) {
         const int ql = nt * 8 + 2 * t4 + (e & 1);
         const int64_t i = row0 + ql, j = wkey + g + 8 * (e >> 1);
-        float pv = exp2f(fmaf(st[nt][e], sl2, -sLb[ql]));
-        if (need_mask && (j > i || j < sDsb[ql])) pv = 0.f;
         const bool kept = (keep >> (nt * 4 + e)) & 1u;
-        const float dp = kept ? dpt[nt][e] * mk : 0.f;  // mk = 1 without dropout
-        st[nt][e] = kept ? pv * mk : 0.f;
-        dpt[nt][e] = pv * (dp - sDlb[ql]);
+        float pd;  // mk = 1 without dropout
+        dpt[nt][e] = bwd_ds_element(st[nt][e], sl2, sLb[ql], !(need_mask && (j > i || j < sDsb[ql])), kept, mk,
+                                    dpt[nt][e], sDlb[ql], pd);
+        st[nt][e] = pd;
       }
     }
 
-    // dV += P_drop^T dO, dK += dS^T Q; dS^T -> shared memory, then dQ = dS K over all BC keys.
+    // dV += P_drop^T dO, dK += dS^T Q; with kDq dS^T -> shared memory, then dQ = dS K over all BC
+    // keys, added to dq_accum.
     bwd_dkdv_tile<T, D, BR>(dv, dk, st, dpt, sdOb, sQb, lane);
-    bwd_store_ds<T, BR>(sdS, dpt, warp, lane);
-    __syncthreads();
-    const int rg = warp % R, cg = warp / R;
-    float dq[DC / 8][4];
-    bwd_dq_tile<T, D, BR, BC, DC>(dq, sdS, sK, rg, cg, lane);
-    float* dqa = p.dq_accum + bh * s * D;
+    if constexpr (kDq) {
+      bwd_store_ds<T, BR>(sdS, dpt, warp, lane);
+      __syncthreads();
+      const int rg = warp % R, cg = warp / R;
+      float dq[DC / 8][4];
+      bwd_dq_tile<T, D, BR, BC, DC>(dq, sdS, sK, rg, cg, lane);
+      float* dqa = p.dq_accum + bh * s * D;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int64_t i = row0 + rg * 16 + g + 8 * r;
-      if (i < s) {
+      for (int r = 0; r < 2; ++r) {
+        const int64_t i = row0 + rg * 16 + g + 8 * r;
+        if (i < s) {
 #pragma unroll
-        for (int nt = 0; nt < DC / 8; ++nt) {
-          float* dst = dqa + i * D + cg * DC + nt * 8 + 2 * t4;
+          for (int nt = 0; nt < DC / 8; ++nt) {
+            float* dst = dqa + i * D + cg * DC + nt * 8 + 2 * t4;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-          atomicAdd(reinterpret_cast<float2*>(dst), make_float2(dq[nt][2 * r], dq[nt][2 * r + 1]));
+            atomicAdd(reinterpret_cast<float2*>(dst), make_float2(dq[nt][2 * r], dq[nt][2 * r + 1]));
 #else
-          atomicAdd(dst, dq[nt][2 * r]);
-          atomicAdd(dst + 1, dq[nt][2 * r + 1]);
+            atomicAdd(dst, dq[nt][2 * r]);
+            atomicAdd(dst + 1, dq[nt][2 * r + 1]);
 #endif
+          }
         }
       }
     }
@@ -555,6 +542,132 @@ __global__ void __launch_bounds__(W * 32) fa_bwd_mma(const FaParams p) {
   }
 }
 
+template <int D, int W, int BC>
+constexpr int dq_smem_bytes() {
+  return (2 * 16 * W + 4 * BC) * (D + 8) * 2;
+}
+
+/// Deterministic dQ (--deterministic-mode; Dao 2023, Algorithm 2 with the loops exchanged for dQ):
+/// one block per (query tile of 16·W rows, b·n); each warp owns 16 query rows and walks the key
+/// tiles in order — the tiles the forward visits (causal, document starts), double-buffered K/V,
+/// one barrier per tile — recomputing S = Q K^T, P, dP = dO V^T and dS with the dK/dV kernel's
+/// element formula (bwd_ds_element) and the same masks and dropout bits, and accumulates dQ = dS K
+/// in registers. Writes scale · dQ into the query slots of dqkv: no atomics, no dq_accum, so dQ is
+/// the same bits on every run.
+template <typename T, int D, int W, int BC>
+__global__ void __launch_bounds__(W * 32) fa_bwd_dq_mma(const FaParams p) {
+  constexpr int BR = 16 * W, SD = D + 8, NT = 32 * W;
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* sQ = reinterpret_cast<T*>(smem);  // [BR][SD]; a warp reads only its 16 rows; later the dQ staging
+  T* sdO = sQ + BR * SD;               // [BR][SD]
+  T* sK = sdO + BR * SD;               // [2][BC][SD]
+  T* sV = sK + 2 * BC * SD;            // [2][BC][SD]
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+  const int64_t s = p.s;
+  const int64_t bh = blockIdx.x, b = bh / p.n, h = bh % p.n, grp = h / p.qpg, qi = h % p.qpg;
+  const int64_t row0 = static_cast<int64_t>(gridDim.y - 1 - blockIdx.y) * BR;  // heavy tiles first
+  const int64_t rs = p.qkv_row_stride(), ors = p.out_row_stride();
+  const T* qkv = static_cast<const T*>(p.qkv);
+  const T* kg = qkv + p.qkv_base(b, grp, p.qpg);
+  const T* vg = kg + D;
+  const int64_t last_row = min64(row0 + BR, s) - 1;
+  const int n_hi = static_cast<int>(last_row / BC) + 1;
+  const int32_t* doc = p.doc ? p.doc + b * s : nullptr;
+  const int n_lo = doc ? doc_min(doc, row0, BR, s, lane) / BC : 0;
+  const int64_t wrow = row0 + warp * 16;  // this warp's first query row; element rows wrow + g + 8·r
+  float lse2[2], dl[2];
+  int dsr[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t i = wrow + g + 8 * r;
+    const bool ok = i < s;
+    lse2[r] = ok ? p.lse[bh * s + i] * kLog2e : INFINITY;  // as the dK/dV kernel's sL
+    dl[r] = ok ? p.delta[bh * s + i] : 0.f;
+    dsr[r] = ok && doc ? doc[i] : 0;
+  }
+
+  load_tile<BR, D, NT>(sQ, qkv + p.qkv_base(b, grp, qi), row0, rs, s, tid);
+  load_tile<BR, D, NT>(sdO, static_cast<const T*>(p.dout) + bh * D, row0, ors, s, tid);
+  load_tile<BC, D, NT>(sK, kg, static_cast<int64_t>(n_lo) * BC, rs, s, tid);
+  load_tile<BC, D, NT>(sV, vg, static_cast<int64_t>(n_lo) * BC, rs, s, tid);
+  cp_async_commit();
+  const auto q_frag = [&](int, int kk, uint32_t(&a)[4]) {
+    ldsm_x4(a, smem_u32(sQ + (warp * 16 + (lane & 15)) * SD + kk * 16 + (lane >> 4) * 8));
+  };
+  const auto do_frag = [&](int, int kk, uint32_t(&a)[4]) {
+    ldsm_x4(a, smem_u32(sdO + (warp * 16 + (lane & 15)) * SD + kk * 16 + (lane >> 4) * 8));
+  };
+
+  float dq[1][D / 8][4];
+#pragma unroll
+  for (int nt = 0; nt < D / 8; ++nt) dq[0][nt][0] = dq[0][nt][1] = dq[0][nt][2] = dq[0][nt][3] = 0.f;
+  const float sl2 = p.scale_log2, mk = p.drop.inv_keep;
+
+  for (int nb = n_lo; nb < n_hi; ++nb) {
+    const int buf = (nb - n_lo) & 1;
+    // One barrier per tile: tile nb has landed for everyone, and every warp is done with tile
+    // nb - 1, whose buffer the prefetch of tile nb + 1 then overwrites.
+    cp_async_wait<0>();
+    __syncthreads();
+    if (nb + 1 < n_hi) {
+      load_tile<BC, D, NT>(sK + (buf ^ 1) * BC * SD, kg, static_cast<int64_t>(nb + 1) * BC, rs, s, tid);
+      load_tile<BC, D, NT>(sV + (buf ^ 1) * BC * SD, vg, static_cast<int64_t>(nb + 1) * BC, rs, s, tid);
+    }
+    cp_async_commit();
+    const T* sKb = sK + buf * BC * SD;
+    const T* sVb = sV + buf * BC * SD;
+
+    // S = Q K^T and dP = dO V^T: this warp's 16 rows x BC keys.
+    float sc[1][BC / 8][4], dp[1][BC / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < BC / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sc[0][nt][e] = dp[0][nt][e] = 0.f;
+    }
+    mma_abt_tile<T, D, BC, 1>(sc, q_frag, sKb, lane);
+    mma_abt_tile<T, D, BC, 1>(dp, do_frag, sVb, lane);
+
+    // dS (into sc): element e of fragment nt is (row wrow + g + 8·(e >> 1), key col0 + nt·8 + 2·t4 + (e & 1)).
+    const int64_t col0 = static_cast<int64_t>(nb) * BC;
+    const bool need_mask = doc || col0 + BC - 1 > wrow;
+    const uint64_t keep = p.drop.enabled ? keep_bits_rows<BC>(p.drop, bh, wrow + g, col0, t4) : ~uint64_t{0};
+#pragma unroll
+    for (int nt = 0; nt < BC / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = e >> 1;
+        const int64_t i = wrow + g + 8 * r, j = col0 + nt * 8 + 2 * t4 + (e & 1);
+        float pd;
+        sc[0][nt][e] = bwd_ds_element(sc[0][nt][e], sl2, lse2[r], !(need_mask && (j > i || j < dsr[r])),
+                                      keep_bit(keep, nt, e, BC / 8), mk, dp[0][nt][e], dl[r], pd);
+      }
+    }
+
+    // dQ += dS K (dS rounded to T, as the dK/dV kernel's dS tile).
+    mma_pb_tile<T, D, BC, 1>(dq, sc, sKb, lane);
+  }
+  cp_async_wait<0>();
+
+  // Epilogue: scale · dQ staged in this warp's rows of sQ (read by no other warp), 16-byte stores
+  // into the query slots of dqkv.
+  T* sO = sQ + warp * 16 * SD;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt)
+      *reinterpret_cast<uint32_t*>(sO + (g + 8 * r) * SD + nt * 8 + 2 * t4) =
+          pack2<T>(p.scale * dq[0][nt][2 * r], p.scale * dq[0][nt][2 * r + 1]);
+  }
+  __syncwarp();
+  T* dqg = static_cast<T*>(p.dqkv) + p.qkv_base(b, grp, qi);
+#pragma unroll
+  for (int k = 0; k < 16 * (D / 8) / 32; ++k) {
+    const int c = lane + 32 * k, r = c / (D / 8), col = (c % (D / 8)) * 8;
+    const int64_t i = wrow + r;
+    if (i < s) *reinterpret_cast<uint4*>(dqg + i * rs + col) = *reinterpret_cast<const uint4*>(sO + r * SD + col);
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Backward pre/post-processing (every path).
 // ---------------------------------------------------------------------------------------------
@@ -580,8 +693,9 @@ __global__ void fa_bwd_pre(const FaParams p) {
 // Tensor-core path (16-bit T, d = D in {64, 128}, 16-byte aligned tensors): kLanes = D / 8
 // threads per row, each with 8 consecutive elements in 16-byte accesses.
 
-/// delta of row (b, h, i) as fa_bwd_pre, and the row of dq_accum zeroed for fa_bwd_mma's atomics.
-template <typename T, int D>
+/// delta of row (b, h, i) as fa_bwd_pre, and (kZeroDq) the row of dq_accum zeroed for fa_bwd_mma's
+/// atomics.
+template <typename T, int D, bool kZeroDq>
 __global__ void __launch_bounds__(256) fa_bwd_pre_vec(const FaParams p) {
   constexpr int kLanes = D / 8;
   const int64_t row = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kLanes;
@@ -597,9 +711,11 @@ __global__ void __launch_bounds__(256) fa_bwd_pre_vec(const FaParams p) {
     const T* c = reinterpret_cast<const T*>(&o);
 #pragma unroll
     for (int e = 0; e < 8; ++e) acc += to_f(a[e]) * to_f(c[e]);
-    float4* dq = reinterpret_cast<float4*>(p.dq_accum + row * D + sub * 8);
-    dq[0] = make_float4(0.f, 0.f, 0.f, 0.f);
-    dq[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if constexpr (kZeroDq) {
+      float4* dq = reinterpret_cast<float4*>(p.dq_accum + row * D + sub * 8);
+      dq[0] = make_float4(0.f, 0.f, 0.f, 0.f);
+      dq[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
   }
 #pragma unroll
   for (int o = kLanes / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(kFull, acc, o);
@@ -832,19 +948,31 @@ void fwd_mma(const FaParams& p, cudaStream_t st) {
   MT_CUDA_CHECK_LAUNCH();
 }
 
-template <typename T, int D, int W, int BR>
+template <typename T, int D, int W, int BR, bool kDq>
 void bwd_mma(const FaParams& p, cudaStream_t st) {
-  constexpr int kBytes = bwd_smem_bytes<D, W, BR>();
-  const auto kernel = fa_bwd_mma<T, D, W, BR>;
+  constexpr int kBytes = bwd_smem_bytes<D, W, BR, kDq>();
+  const auto kernel = fa_bwd_mma<T, D, W, BR, kDq>;
   set_smem(kernel, kBytes);
   const dim3 grid(static_cast<unsigned>(p.B * p.G), static_cast<unsigned>((p.s + 16 * W - 1) / (16 * W)));
   kernel<<<grid, W * 32, kBytes, st>>>(p);
   MT_CUDA_CHECK_LAUNCH();
 }
 
+template <typename T, int D, int W, int BC>
+void dq_mma(const FaParams& p, cudaStream_t st) {
+  constexpr int kBytes = dq_smem_bytes<D, W, BC>();
+  const auto kernel = fa_bwd_dq_mma<T, D, W, BC>;
+  set_smem(kernel, kBytes);
+  const dim3 grid(static_cast<unsigned>(p.B * p.n), static_cast<unsigned>((p.s + 16 * W - 1) / (16 * W)));
+  kernel<<<grid, W * 32, kBytes, st>>>(p);
+  MT_CUDA_CHECK_LAUNCH();
+}
+
 /// Tile shapes, measured on an H100 with bench/flash_attention_bench.cpp (causal bf16, s = 1024 ..
 /// 8192). Forward fwd_mma<T, d, W warps, BC keys per tile, MW row groups of 16 per warp, Q in
-/// registers>; backward bwd_mma<T, d, W warps (16·W keys per block), BR queries per tile>.
+/// registers>; backward bwd_mma<T, d, W warps (16·W keys per block), BR queries per tile, dQ by
+/// atomics>; the deterministic dQ kernel dq_mma<T, d, W warps (16·W queries per block), BC keys per
+/// tile> (not tuned: the forward's key tiles).
 /// Variant 1 (MT_FLASH_ATTN_*_VARIANT=1) keeps the runner-up for comparison: forward with 16 rows
 /// per warp (d = 64: -14..-26%, d = 128: -9..-29%); backward d = 64 with 8 warps (-1..-23%),
 /// d = 128 with 4 warps (-20..+5%).
@@ -860,16 +988,22 @@ void launch_fwd_mma(const FaParams& p, cudaStream_t st) {
   }
 }
 
-template <typename T>
+template <typename T, bool kDq>
 void launch_bwd_mma(const FaParams& p, cudaStream_t st) {
   static const int variant = env_variant("MT_FLASH_ATTN_BWD_VARIANT");
   if (p.d == 64) {
-    if (variant == 1) bwd_mma<T, 64, 8, 32>(p, st);
-    else bwd_mma<T, 64, 4, 32>(p, st);
+    if (variant == 1) bwd_mma<T, 64, 8, 32, kDq>(p, st);
+    else bwd_mma<T, 64, 4, 32, kDq>(p, st);
   } else {
-    if (variant == 1) bwd_mma<T, 128, 4, 32>(p, st);
-    else bwd_mma<T, 128, 8, 32>(p, st);
+    if (variant == 1) bwd_mma<T, 128, 4, 32, kDq>(p, st);
+    else bwd_mma<T, 128, 8, 32, kDq>(p, st);
   }
+}
+
+template <typename T>
+void launch_dq_mma(const FaParams& p, cudaStream_t st) {
+  if (p.d == 64) dq_mma<T, 64, 4, 64>(p, st);
+  else dq_mma<T, 128, 4, 32>(p, st);
 }
 
 /// The tensor-core path applies: bf16/fp16, d in {64, 128}, 16-byte aligned tensors.
@@ -930,10 +1064,18 @@ void flash_attention_backward(const Tensor& dqkv, const Tensor& dout, const Tens
     if constexpr (!std::is_same_v<T, float>) {
       if (use_mma<T>(p, {p.qkv, p.out, p.dout, p.dqkv})) {
         const unsigned blocks = static_cast<unsigned>((rows * (p.d / 8) + 255) / 256);
-        if (p.d == 64) fa_bwd_pre_vec<T, 64><<<blocks, 256, 0, st>>>(p);
-        else fa_bwd_pre_vec<T, 128><<<blocks, 256, 0, st>>>(p);
+        if (cfg.deterministic) {  // dK, dV; then dQ by its own kernel (no atomics, no dq_accum)
+          if (p.d == 64) fa_bwd_pre_vec<T, 64, false><<<blocks, 256, 0, st>>>(p);
+          else fa_bwd_pre_vec<T, 128, false><<<blocks, 256, 0, st>>>(p);
+          MT_CUDA_CHECK_LAUNCH();
+          launch_bwd_mma<T, false>(p, st);
+          launch_dq_mma<T>(p, st);
+          return;
+        }
+        if (p.d == 64) fa_bwd_pre_vec<T, 64, true><<<blocks, 256, 0, st>>>(p);
+        else fa_bwd_pre_vec<T, 128, true><<<blocks, 256, 0, st>>>(p);
         MT_CUDA_CHECK_LAUNCH();
-        launch_bwd_mma<T>(p, st);
+        launch_bwd_mma<T, true>(p, st);
         if (p.d == 64) fa_bwd_dq_convert_vec<T, 64><<<blocks, 256, 0, st>>>(p);
         else fa_bwd_dq_convert_vec<T, 128><<<blocks, 256, 0, st>>>(p);
         MT_CUDA_CHECK_LAUNCH();

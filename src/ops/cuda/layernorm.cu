@@ -1,5 +1,8 @@
+// CUDA LayerNorm (ops/layernorm.h): a warp per row for the forward and dx; dweight / dbias as
+// per-row-group partial column sums reduced in a fixed order (ops/cuda/column_partials.cuh).
 #include "ops/cuda/elementwise_common.cuh"
 #include "ops/layernorm.h"
+#include "ops/cuda/column_partials.cuh"
 
 namespace mt::cuda {
 namespace {
@@ -111,12 +114,15 @@ __global__ void __launch_bounds__(kRowThreads)
   }
 }
 
-/// dweight[c] += sum_r dy[r, c] * xhat[r, c]; dbias[c] += sum_r dy[r, c]. Block (32, 8).
+/// Partial column sums of row group blockIdx.y: part_w[blockIdx.y, c] = Σ_r dy[r, c] · xhat[r, c],
+/// part_b[blockIdx.y, c] = Σ_r dy[r, c] over the rows r = blockIdx.y · 8 + threadIdx.y + k · 8 ·
+/// gridDim.y (overwrite; add_column_partials adds them to dweight / dbias). Block (32, 8): the 8
+/// row lanes of each column are added in shared memory in a fixed order.
 template <typename T>
-__global__ void layernorm_backward_dwdb_kernel(float* dw, float* db, const T* dy, const T* x, const float* mean,
-                                               const float* rstd, int64_t n, int h) {
-  __shared__ float part_w[8][33];
-  __shared__ float part_b[8][33];
+__global__ void layernorm_backward_dwdb_kernel(float* part_w, float* part_b, const T* dy, const T* x,
+                                               const float* mean, const float* rstd, int64_t n, int h) {
+  __shared__ float red_w[8][33];
+  __shared__ float red_b[8][33];
   const int c = blockIdx.x * 32 + threadIdx.x;
   float acc_w = 0.f, acc_b = 0.f;
   if (c < h) {
@@ -127,18 +133,18 @@ __global__ void layernorm_backward_dwdb_kernel(float* dw, float* db, const T* dy
       acc_b += d;
     }
   }
-  part_w[threadIdx.y][threadIdx.x] = acc_w;
-  part_b[threadIdx.y][threadIdx.x] = acc_b;
+  red_w[threadIdx.y][threadIdx.x] = acc_w;
+  red_b[threadIdx.y][threadIdx.x] = acc_b;
   __syncthreads();
   if (threadIdx.y == 0 && c < h) {
     float sw = 0.f, sb = 0.f;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-      sw += part_w[i][threadIdx.x];
-      sb += part_b[i][threadIdx.x];
+      sw += red_w[i][threadIdx.x];
+      sb += red_b[i][threadIdx.x];
     }
-    atomicAdd(dw + c, sw);
-    atomicAdd(db + c, sb);
+    part_w[static_cast<int64_t>(blockIdx.y) * h + c] = sw;
+    part_b[static_cast<int64_t>(blockIdx.y) * h + c] = sb;
   }
 }
 
@@ -193,15 +199,19 @@ void layernorm_backward(const Tensor& dx, const Tensor& dweight, const Tensor& d
     const float* pm = mean.data_as<float>();
     const float* pr = rstd.data_as<float>();
 
-    // (1) dweight / dbias (reads dy before (2) may overwrite it through an alias).
+    // (1) dweight / dbias (reads dy before (2) may overwrite it through an alias): partial sums
+    // per row group, then added in a fixed order (deterministic).
+    const char* fn = "layernorm_backward";
     const int64_t gx = (h64 + 31) / 32;
     const int sms = (stream.cuda() && stream.cuda()->num_sms > 0) ? stream.cuda()->num_sms : 132;
     const int64_t want_y = std::max<int64_t>(1, (static_cast<int64_t>(sms) * 8 + gx - 1) / gx);
-    const int64_t gy = std::max<int64_t>(1, std::min<int64_t>({(n + 7) / 8, want_y, 65535}));
+    const int64_t gy = column_partials_rows(std::min<int64_t>({(n + 7) / 8, want_y, 65535}), h64, 2, fn);
+    float* part_w = column_partials_scratch(stream, fn);
+    float* part_b = part_w + gy * h64;
     layernorm_backward_dwdb_kernel<<<dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy)), dim3(32, 8), 0,
-                                     raw(stream)>>>(dweight.data_as<float>(), dbias.data_as<float>(), pdy, px, pm, pr,
-                                                    n, h);
+                                     raw(stream)>>>(part_w, part_b, pdy, px, pm, pr, n, h);
     MT_CUDA_CHECK_LAUNCH();
+    add_column_partials(dweight.data_as<float>(), part_w, dbias.data_as<float>(), part_b, gy, h64, stream);
 
     // (2) dx.
     const bool vec = h % V == 0 && ew::aligned16(pdx) && ew::aligned16(pdy) && ew::aligned16(px) &&

@@ -1,8 +1,9 @@
 // Tensor-core building blocks shared by the FlashAttention-2 style kernels (ops/cuda/
 // flash_attention.cu, ops/cuda/context_attention.cu): cp.async, ldmatrix and mma.sync.m16n8k16
 // with fp32 accumulation (sm_80+), 16-bit packing, the cp.async load of a ROWS x D tile into
-// shared memory with row stride D + 8 (conflict-free ldmatrix), and the backward's tile steps.
-// Only included by .cu files.
+// shared memory with row stride D + 8 (conflict-free ldmatrix), the query-major tile steps of the
+// forward and of the deterministic dQ kernels (S = Q K^T, O += P V), and the backward's tile steps
+// and element formula. Only included by .cu files.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -77,6 +78,80 @@ __device__ __forceinline__ void load_tile(T* sm, const T* g, int64_t row0, int64
     const bool ok = row < lim;
     cp_async16(smem_u32(sm + r * (D + 8) + col), g + (ok ? row : 0) * rs + col, ok);
   }
+}
+
+// Query-major tile steps (FlashAttention-2 forward, Algorithm 1; also the deterministic dQ kernels):
+// a warp owns MW groups of 16 query rows; accumulators are m16n8 fragments (element e of fragment
+// nt: row g + 8·(e >> 1), column nt·8 + 2·t4 + (e & 1), with g = lane / 4, t4 = lane % 4).
+
+/// acc[mi] += A_mi · B^T over the head dim D: A_mi (16 rows x D) as m16n8k16 A fragments from
+/// afrag(mi, kk, a) (columns kk·16 .. kk·16 + 15), B (BC rows x D) in shared memory with row stride
+/// D + 8 (ldmatrix, not transposed); acc[mi][nt] holds output columns nt·8 ... (S = Q K^T with
+/// A = Q, B = K; dP = dO V^T with A = dO, B = V.)
+template <typename T, int D, int BC, int MW, typename AFrag>
+__device__ __forceinline__ void mma_abt_tile(float (&acc)[MW][BC / 8][4], AFrag&& afrag, const T* sB, int lane) {
+  constexpr int SD = D + 8;
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    uint32_t a[MW][4];
+#pragma unroll
+    for (int mi = 0; mi < MW; ++mi) afrag(mi, kk, a[mi]);
+#pragma unroll
+    for (int nn = 0; nn < BC / 16; ++nn) {
+      uint32_t bf[4];
+      ldsm_x4(bf, smem_u32(sB + (nn * 16 + (lane & 7) + ((lane >> 4) << 3)) * SD + kk * 16 + ((lane >> 3) & 1) * 8));
+#pragma unroll
+      for (int mi = 0; mi < MW; ++mi) {
+        mma16816<T>(acc[mi][2 * nn], a[mi], bf[0], bf[1]);
+        mma16816<T>(acc[mi][2 * nn + 1], a[mi], bf[2], bf[3]);
+      }
+    }
+  }
+}
+
+/// acc[mi] += P_mi · B over BC keys: P_mi (16 rows x BC) from fp32 accumulators in the layout
+/// mma_abt_tile writes (rounded to T), B (BC rows x D) in shared memory with row stride D + 8
+/// (ldmatrix.trans). (O += P V; dQ += dS K.)
+template <typename T, int D, int BC, int MW>
+__device__ __forceinline__ void mma_pb_tile(float (&acc)[MW][D / 8][4], const float (&pm)[MW][BC / 8][4],
+                                            const T* sB, int lane) {
+  constexpr int SD = D + 8;
+#pragma unroll
+  for (int kk = 0; kk < BC / 16; ++kk) {
+    uint32_t a[MW][4];
+#pragma unroll
+    for (int mi = 0; mi < MW; ++mi) {
+      a[mi][0] = pack2<T>(pm[mi][2 * kk][0], pm[mi][2 * kk][1]);
+      a[mi][1] = pack2<T>(pm[mi][2 * kk][2], pm[mi][2 * kk][3]);
+      a[mi][2] = pack2<T>(pm[mi][2 * kk + 1][0], pm[mi][2 * kk + 1][1]);
+      a[mi][3] = pack2<T>(pm[mi][2 * kk + 1][2], pm[mi][2 * kk + 1][3]);
+    }
+#pragma unroll
+    for (int nn = 0; nn < D / 16; ++nn) {
+      uint32_t bf[4];
+      ldsm_x4_t(bf, smem_u32(sB + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * SD + nn * 16 + (lane >> 4) * 8));
+#pragma unroll
+      for (int mi = 0; mi < MW; ++mi) {
+        mma16816<T>(acc[mi][2 * nn], a[mi], bf[0], bf[1]);
+        mma16816<T>(acc[mi][2 * nn + 1], a[mi], bf[2], bf[3]);
+      }
+    }
+  }
+}
+
+/// FlashAttention-2 backward, one element (query i, key j), the same formula in the dK/dV kernels
+/// (key-major) and the deterministic dQ kernels (query-major): P = exp2(S · sl2 − lse2) with
+/// sl2 = scale·log2(e) and lse2 = lse·log2(e) (+inf for rows without keys), 0 where j is not
+/// visible to i; with the dropout decision `kept` and inv_keep = 1/(1−p) (1 without dropout):
+/// returns dS = P ∘ (dP_drop − D_i), dP_drop = kept ? dP · inv_keep : 0, and sets p_drop =
+/// kept ? P · inv_keep : 0 (the probability that multiplies dO in dV).
+__device__ __forceinline__ float bwd_ds_element(float s, float sl2, float lse2, bool visible, bool kept, float inv_keep,
+                                                float dp, float delta, float& p_drop) {
+  float pv = exp2f(fmaf(s, sl2, -lse2));
+  if (!visible) pv = 0.f;
+  const float dpd = kept ? dp * inv_keep : 0.f;
+  p_drop = kept ? pv * inv_keep : 0.f;
+  return pv * (dpd - delta);
 }
 
 // FlashAttention-2 backward tile steps (Dao 2023, Algorithm 2), shared by fa_bwd_mma and

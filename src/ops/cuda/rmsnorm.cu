@@ -9,16 +9,19 @@
 // power of two in [4, 512]; 256- or 512-thread blocks) keeps x and dy of its row in registers (2
 // vectors per thread), so each is read once; each thread owns fixed columns, so it also keeps its
 // weight in registers and accumulates its dweight partial sums over all the rows it visits; the
-// block adds its groups' partials in shared memory (fixed order) and issues one fp32 atomicAdd
-// per column (30-35% faster than the two-kernel path below on an H100 for h = 64..8192).
-// Longer rows: the dx kernel mirrors the forward, after a separate column-parallel dweight kernel
-// (run first so that dx may alias dy).
+// block adds its groups' partials in shared memory (fixed order) and writes one partial row per
+// block (30-35% faster than the two-kernel path below on an H100 for h = 64..8192, measured with
+// per-block atomics). Longer rows: the dx kernel mirrors the forward, after a separate
+// column-parallel dweight kernel (run first so that dx may alias dy) that writes one partial row
+// per row group. Either way the partial rows are added to dweight in a fixed order by
+// add_column_partials (ops/cuda/column_partials.cuh): no float atomics, deterministic.
 // Vector (16-byte) loads when h is a multiple of the vector width and every row start (base
 // pointers and RowMap strides) is 16-byte aligned, else scalar.
 #include <type_traits>
 
 #include "ops/rmsnorm.h"  // first: ops/cuda/elementwise_common.cuh needs Tensor, Stream, DType
 
+#include "ops/cuda/column_partials.cuh"
 #include "ops/cuda/elementwise_common.cuh"
 #include "ops/row_map.h"
 
@@ -136,15 +139,15 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-/// dweight[c] += sum_r dy[r, c] * x[r, c] * rstd[r]. Block (tx, kThreads / tx): thread (i, j)
-/// owns the V columns blockIdx.x * tx * V + i * V + [0, V) and the rows
-/// blockIdx.y * ty + j + k * ty * gridDim.y; the ty partial sums of each column are added in
-/// shared memory (fixed order) and the block's total goes to dweight with one atomicAdd.
+/// Partial dweight sums of row group blockIdx.y: part[blockIdx.y, c] = Σ_r dy[r, c] · x[r, c] ·
+/// rstd[r] (overwrite). Block (tx, kThreads / tx): thread (i, j) owns the V columns
+/// blockIdx.x * tx * V + i * V + [0, V) and the rows blockIdx.y * ty + j + k * ty * gridDim.y; the
+/// ty partial sums of each column are added in shared memory (fixed order).
 template <int V, typename T>
 __global__ void __launch_bounds__(kThreads)
-    rmsnorm_backward_dw_kernel(float* dw, const T* dy, RowMap mdy, const T* x, RowMap mx, const float* rstd,
+    rmsnorm_backward_dw_kernel(float* part, const T* dy, RowMap mdy, const T* x, RowMap mx, const float* rstd,
                                int64_t n, int h) {
-  __shared__ float part[kThreads * V];
+  __shared__ float red[kThreads * V];
   const int tx = blockDim.x, ty = blockDim.y;
   const int width = tx * V;
   const int c = blockIdx.x * width + threadIdx.x * V;
@@ -162,15 +165,15 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
 #pragma unroll
-  for (int k = 0; k < V; ++k) part[threadIdx.y * width + threadIdx.x * V + k] = acc[k];
+  for (int k = 0; k < V; ++k) red[threadIdx.y * width + threadIdx.x * V + k] = acc[k];
   __syncthreads();
   const int tid = threadIdx.y * tx + threadIdx.x;
   for (int j = tid; j < width; j += tx * ty) {
     const int col = blockIdx.x * width + j;
     if (col >= h) continue;
     float s = 0.f;
-    for (int i = 0; i < ty; ++i) s += part[i * width + j];
-    atomicAdd(dw + col, s);
+    for (int i = 0; i < ty; ++i) s += red[i * width + j];
+    part[static_cast<int64_t>(blockIdx.y) * h + col] = s;
   }
 }
 
@@ -207,17 +210,17 @@ __device__ __forceinline__ float group_reduce(float v, float* smem) {
   return v;
 }
 
-/// dx = rstd * (g - xhat * mean(g * xhat)), g = dy * w, xhat = x * rstd; dweight += dy * xhat
-/// accumulated per thread over its rows, then per block (shared memory) and one atomicAdd per
-/// column.
+/// dx = rstd * (g - xhat * mean(g * xhat)), g = dy * w, xhat = x * rstd; dweight's partial sums
+/// dy * xhat accumulated per thread over its rows, then per block (shared memory, fixed order)
+/// into part[blockIdx.x, c] (overwrite).
 template <int V, int TPR, typename T>
 __global__ void __launch_bounds__(block_threads<TPR>())
-    rmsnorm_backward_cached_kernel(T* dx, RowMap mdx, float* dw, const T* dy, RowMap mdy, const T* x, RowMap mx,
+    rmsnorm_backward_cached_kernel(T* dx, RowMap mdx, float* part, const T* dy, RowMap mdy, const T* x, RowMap mx,
                                    const T* w, const float* rstd, int64_t n, int h, bool accumulate) {
   constexpr int kBlock = block_threads<TPR>();
   constexpr int kRows = kBlock / TPR;
   __shared__ float red[kBlock / 32];
-  __shared__ float part[kRows > 1 ? kBlock * V : 1];
+  __shared__ float red_w[kRows > 1 ? kBlock * V : 1];
   const int lane = threadIdx.x % TPR;
   const float inv_h = 1.0f / static_cast<float>(h);
   Vec<T, V> wv[kIters];
@@ -273,14 +276,16 @@ __global__ void __launch_bounds__(block_threads<TPR>())
       }
     }
   }
-  // dweight: the block's kRows groups own the same columns; add their partials in a fixed order.
+  // dweight: the block's kRows groups own the same columns; add their partials in a fixed order
+  // and write the block's partial row.
+  float* prow = part + static_cast<int64_t>(blockIdx.x) * h;
   if constexpr (kRows == 1) {
 #pragma unroll
     for (int it = 0; it < kIters; ++it) {
       const int c = (it * TPR + lane) * V;
       if (c < h) {
 #pragma unroll
-        for (int k = 0; k < V; ++k) atomicAdd(dw + c + k, acc[it][k]);
+        for (int k = 0; k < V; ++k) prow[c + k] = acc[it][k];
       }
     }
   } else {
@@ -288,15 +293,15 @@ __global__ void __launch_bounds__(block_threads<TPR>())
 #pragma unroll
     for (int it = 0; it < kIters; ++it) {
 #pragma unroll
-      for (int k = 0; k < V; ++k) part[grp * TPR * V + lane * V + k] = acc[it][k];
+      for (int k = 0; k < V; ++k) red_w[grp * TPR * V + lane * V + k] = acc[it][k];
       __syncthreads();
       for (int j = threadIdx.x; j < TPR * V; j += kBlock) {
         const int col = it * TPR * V + j;
         if (col < h) {
           float s = 0.f;
 #pragma unroll
-          for (int g = 0; g < kRows; ++g) s += part[g * TPR * V + j];
-          atomicAdd(dw + col, s);
+          for (int g = 0; g < kRows; ++g) s += red_w[g * TPR * V + j];
+          prow[col] = s;
         }
       }
       __syncthreads();
@@ -413,8 +418,10 @@ void rmsnorm_backward(const Tensor& dx, const Tensor& dweight, const Tensor& dy,
     const bool vec = vec_in && ew::aligned16(pdx) && ew::aligned16(pw) && map_aligned(mdx, V);
     const int sms = num_sms(stream);
 
+    float* part = column_partials_scratch(stream, fn);
+
     // Rows that fit in registers: one fused kernel (dx and dweight). Few blocks (about 1024
-    // threads per SM): each block adds one partial sum per column to dweight.
+    // threads per SM): each block writes one partial row, then add_column_partials.
     auto launch_cached = [&](auto vtag) {
       constexpr int VV = decltype(vtag)::value;
       const int tpr = cached_threads_per_row(h, VV);
@@ -422,10 +429,12 @@ void rmsnorm_backward(const Tensor& dx, const Tensor& dweight, const Tensor& dy,
       dispatch_cached_tpr(tpr, [&](auto ttag) {
         constexpr int TPR = decltype(ttag)::value;
         constexpr int kBlock = block_threads<TPR>();
-        const unsigned grid = ew::grid_for(n, kBlock / TPR, stream, /*per_sm=*/1024 / kBlock);
-        rmsnorm_backward_cached_kernel<VV, TPR><<<grid, kBlock, 0, raw(stream)>>>(pdx, mdx, pdw, pdy, mdy, px, mx, pw,
-                                                                                  pr, n, h, accumulate_dx);
+        const int64_t grid =
+            column_partials_rows(ew::grid_for(n, kBlock / TPR, stream, /*per_sm=*/1024 / kBlock), h, 1, fn);
+        rmsnorm_backward_cached_kernel<VV, TPR><<<static_cast<unsigned>(grid), kBlock, 0, raw(stream)>>>(
+            pdx, mdx, part, pdy, mdy, px, mx, pw, pr, n, h, accumulate_dx);
         MT_CUDA_CHECK_LAUNCH();
+        add_column_partials(pdw, part, nullptr, nullptr, grid, h, stream);
       });
       return true;
     };
@@ -440,10 +449,11 @@ void rmsnorm_backward(const Tensor& dx, const Tensor& dweight, const Tensor& dy,
       const int ty = kThreads / tx;
       const int64_t gx = (h + int64_t{tx} * VV - 1) / (int64_t{tx} * VV);
       const int64_t want_y = std::max<int64_t>(1, (int64_t{sms} * 8 + gx - 1) / gx);
-      const int64_t gy = std::max<int64_t>(1, std::min<int64_t>({(n + ty - 1) / ty, want_y, 65535}));
+      const int64_t gy = column_partials_rows(std::min<int64_t>({(n + ty - 1) / ty, want_y, 65535}), h, 1, fn);
       rmsnorm_backward_dw_kernel<VV><<<dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy)), dim3(tx, ty), 0,
-                                       raw(stream)>>>(pdw, pdy, mdy, px, mx, pr, n, h);
+                                       raw(stream)>>>(part, pdy, mdy, px, mx, pr, n, h);
       MT_CUDA_CHECK_LAUNCH();
+      add_column_partials(pdw, part, nullptr, nullptr, gy, h, stream);
     };
     if (vec_in) {
       launch_dw(std::integral_constant<int, V>{});

@@ -1,0 +1,31 @@
+// Deterministic column sums for the fp32 weight and bias gradients of the row-wise ops (LayerNorm
+// dweight/dbias, RMSNorm dweight, bias-dropout-add dbias). A gradient kernel reduces its rows per
+// block and writes one fp32 partial row per block (or per row group) into the stream's workspace,
+// part [P, h]; add_column_partials then adds Σ_p part[p, c] to the main gradient in an order that
+// depends only on (P, h). No float atomics: the gradients are bitwise the same on every run (and
+// under CUDA-graph replay), for a fixed GPU model (P follows the SM count).
+// Only included by .cu files.
+#pragma once
+#include <cstdint>
+
+#include "core/stream.h"
+
+namespace mt::cuda {
+
+/// The largest number of partial rows P for `count` gradients of h columns that the stream's
+/// workspace holds ([count][P][h] fp32 in CudaStreamResources::kWorkspaceBytes), capped at `want`
+/// and at least 1. Errors: mt::Error naming `fn` when not even one row fits (count · h > 8 Mi).
+int64_t column_partials_rows(int64_t want, int64_t h, int count, const char* fn);
+
+/// The scratch for [count][P][h] fp32 partials: the stream's workspace (shared with cuBLASLt and
+/// the MoE ops, which use it in stream order only; nothing in it outlives the op that writes it).
+/// Errors: mt::Error naming `fn` for a stream without CUDA resources.
+float* column_partials_scratch(const Stream& stream, const char* fn);
+
+/// dst0[c] += Σ_{p < P} part0[p·h + c] (and likewise dst1 / part1 when dst1 is not null) for
+/// c < h. Fixed order: 16 lanes per column, lane i sums p = i, i + 16, ... in increasing order,
+/// then the lanes are added in order. P >= 1.
+void add_column_partials(float* dst0, const float* part0, float* dst1, const float* part1, int64_t P, int64_t h,
+                         const Stream& stream);
+
+}  // namespace mt::cuda
