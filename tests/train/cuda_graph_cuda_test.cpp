@@ -3,12 +3,15 @@
 // dropout on, a learning rate that changes every step (warmup from 0, then cosine decay) and new
 // data every step, so a value baked into the graph at capture would show.
 // Under --deterministic-mode (the *Bitwise tests: GPT-2 style with flash attention, the
-// distributed optimizer, per-layer attn/mlp graphs, MoE with the grouped GEMM) the CUDA step has no
+// distributed optimizer, per-layer attn/mlp graphs, MoE with the grouped GEMM; and the Llama-style,
+// MoE, static-alltoall, moe_router / moe_preprocess and --async-save runs) the CUDA step has no
 // float atomics, so per iteration the loss, the gradient norm (full precision, --metrics-file)
 // and the validation losses of two eager runs and of the graph run must be equal, bit for bit.
-// Without it (the other tests) the embedding and flash-attention dq gradients use float atomics, so
-// the reference is two eager runs: the graph run must be as close to the first eager run as the
-// second one is (times 10, floor 2e-6 relative). The capture itself checks that the step neither
+// Without it (FullIterationFollowsEagerWithoutDeterministicMode) the embedding and flash-attention
+// dq gradients use float atomics, so the reference is two eager runs: the graph run must be as close
+// to the first eager run as the second one is (times 10, floor 2e-4 relative: two eager runs may
+// happen to agree while the graph run's atomics sum in another order; a baked-in learning rate,
+// mask or batch moves the loss by far more). The capture itself checks that the step neither
 // allocates nor synchronises (the trainer counts both; ThreadLocal capture fails on a sync).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -113,7 +116,7 @@ class CudaGraphTraining : public ::testing::Test {
       noise = std::max(noise, std::abs(b.at(k).first - v.first) / std::abs(v.first));
       if (k.first == "train") noise = std::max(noise, std::abs(b.at(k).second - v.second) / std::abs(v.second));
     }
-    const double tol = std::max(10 * noise, 2e-6);
+    const double tol = std::max(10 * noise, 2e-4);
     for (const auto& [k, v] : a) {
       SCOPED_TRACE(k.first + " " + std::to_string(k.second));
       EXPECT_LE(std::abs(g.at(k).first - v.first), tol * std::abs(v.first)) << "loss " << v.first << " vs "
@@ -155,7 +158,7 @@ TEST_F(CudaGraphTraining, FullIterationWithOptimizerEqualsEagerBitwise) {
 TEST_F(CudaGraphTraining, LlamaStyleFullIterationFollowsEager) {
   expect_same("--normalization RMSNorm --swiglu --position-embedding-type rope --disable-bias-linear "
               "--untie-embeddings-and-output-weights --group-query-attention --num-query-groups 2",
-              "--cuda-graph-impl full_iteration --cuda-graph-warmup-steps 3 --cuda-graph-include-optimizer");
+              "--cuda-graph-impl full_iteration --cuda-graph-warmup-steps 3 --cuda-graph-include-optimizer", true);
 }
 
 TEST_F(CudaGraphTraining, MixtureOfExpertsFullIterationEqualsEagerBitwise) {
@@ -170,7 +173,7 @@ TEST_F(CudaGraphTraining, MixtureOfExpertsForcedBalanceFollowsEager) {
   // --moe-router-force-load-balancing: the random logits' key takes the iteration from StepValues.
   expect_same("--disable-bias-linear --num-experts 4 --moe-router-topk 2 --moe-grouped-gemm "
               "--moe-router-force-load-balancing",
-              "--cuda-graph-impl full_iteration --cuda-graph-warmup-steps 2");
+              "--cuda-graph-impl full_iteration --cuda-graph-warmup-steps 2", true);
 }
 
 TEST_F(CudaGraphTraining, AlltoAllStaticBuffersFollowEager) {
@@ -178,7 +181,7 @@ TEST_F(CudaGraphTraining, AlltoAllStaticBuffersFollowEager) {
   // permutations and counts, and a capacity that drops slots: the overflow must be the same).
   expect_same("--disable-bias-linear --num-experts 4 --moe-router-topk 2 --moe-grouped-gemm --moe-aux-loss-coeff 1e-2 "
               "--moe-token-dispatcher-type alltoall --moe-received-token-capacity 200",
-              "--cuda-graph-impl full_iteration --cuda-graph-warmup-steps 2 --cuda-graph-include-optimizer");
+              "--cuda-graph-impl full_iteration --cuda-graph-warmup-steps 2 --cuda-graph-include-optimizer", true);
 }
 
 TEST_F(CudaGraphTraining, AlltoAllStaticBuffersWithEchoOnTwoGpus) {
@@ -202,12 +205,12 @@ TEST_F(CudaGraphTraining, AsyncSaveEveryIterationWithFullIterationGraphFollowsEa
   expect_same("--disable-bias-linear --num-experts 4 --moe-router-topk 2 --moe-grouped-gemm "
               "--moe-router-enable-expert-bias --moe-router-score-function sigmoid",
               "--cuda-graph-impl full_iteration --cuda-graph-warmup-steps 2 --cuda-graph-include-optimizer "
-              "--async-save --save-interval 1 --save " + (dir_ / "ck_full").string());
+              "--async-save --save-interval 1 --save " + (dir_ / "ck_full").string(), true);
 }
 
 TEST_F(CudaGraphTraining, AsyncSaveEveryIterationWithPerLayerGraphsFollowsEager) {
   expect_same("", "--cuda-graph-impl local --cuda-graph-scope attn mlp --cuda-graph-warmup-steps 2 "
-                  "--async-save --save-interval 1 --save " + (dir_ / "ck_layer").string());
+                  "--async-save --save-interval 1 --save " + (dir_ / "ck_layer").string(), true);
 }
 
 // Per-layer capture (--cuda-graph-impl local with scopes): each layer's attention and MLP blocks
@@ -230,7 +233,7 @@ TEST_F(CudaGraphTraining, PerLayerWholeLayerWithDistributedOptimizerEqualsEagerB
 TEST_F(CudaGraphTraining, PerLayerMoeFollowsEager) {
   expect_same("--disable-bias-linear --num-experts 4 --moe-router-topk 2 --moe-grouped-gemm --moe-aux-loss-coeff 1e-2 "
               "--moe-z-loss-coeff 1e-3 --moe-router-enable-expert-bias --moe-router-score-function sigmoid",
-              "--cuda-graph-impl local --cuda-graph-scope attn moe --cuda-graph-warmup-steps 2");
+              "--cuda-graph-impl local --cuda-graph-scope attn moe --cuda-graph-warmup-steps 2", true);
 }
 
 TEST_F(CudaGraphTraining, PerLayerMoeRouterWithHostCountsFollowsEager) {
@@ -239,7 +242,7 @@ TEST_F(CudaGraphTraining, PerLayerMoeRouterWithHostCountsFollowsEager) {
   // accumulate over the step's micro-batches on the device.
   expect_same("--disable-bias-linear --num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2 "
               "--moe-router-load-balancing-type global_aux_loss --moe-z-loss-coeff 1e-3",
-              "--cuda-graph-impl local --cuda-graph-scope attn moe_router --cuda-graph-warmup-steps 2");
+              "--cuda-graph-impl local --cuda-graph-scope attn moe_router --cuda-graph-warmup-steps 2", true);
 }
 
 // moe_preprocess (with moe_router): the router and the token dispatcher's preprocessing (the
@@ -250,19 +253,19 @@ TEST_F(CudaGraphTraining, PerLayerMoeRouterWithHostCountsFollowsEager) {
 TEST_F(CudaGraphTraining, PerLayerMoePreprocessAllgatherFollowsEager) {
   expect_same("--disable-bias-linear --num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2 "
               "--moe-router-load-balancing-type global_aux_loss --moe-z-loss-coeff 1e-3",
-              "--cuda-graph-impl local --cuda-graph-scope attn moe_router moe_preprocess --cuda-graph-warmup-steps 2");
+              "--cuda-graph-impl local --cuda-graph-scope attn moe_router moe_preprocess --cuda-graph-warmup-steps 2", true);
 }
 
 TEST_F(CudaGraphTraining, PerLayerMoePreprocessAlltoAllFollowsEager) {
   expect_same("--disable-bias-linear --num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2 "
               "--moe-token-dispatcher-type alltoall --moe-z-loss-coeff 1e-3",
-              "--cuda-graph-impl local --cuda-graph-scope attn moe_router moe_preprocess --cuda-graph-warmup-steps 2");
+              "--cuda-graph-impl local --cuda-graph-scope attn moe_router moe_preprocess --cuda-graph-warmup-steps 2", true);
 }
 
 TEST_F(CudaGraphTraining, PerLayerMoePreprocessStaticAlltoAllFollowsEager) {
   expect_same("--disable-bias-linear --num-experts 4 --moe-router-topk 2 --moe-grouped-gemm --moe-aux-loss-coeff 1e-2 "
               "--moe-token-dispatcher-type alltoall --moe-received-token-capacity 200",
-              "--cuda-graph-impl local --cuda-graph-scope moe_router moe_preprocess --cuda-graph-warmup-steps 2");
+              "--cuda-graph-impl local --cuda-graph-scope moe_router moe_preprocess --cuda-graph-warmup-steps 2", true);
 }
 
 // The summary line of per-layer capture names the preprocessing region, and its graphs hold more
