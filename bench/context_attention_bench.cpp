@@ -24,6 +24,7 @@
 
 #include "core/buffer.h"
 #include "core/device.h"
+#include "bench_util.h"
 #include "core/stream.h"
 #include "ops/context_attention.h"
 #include "ops/elementwise.h"
@@ -32,21 +33,8 @@
 namespace {
 
 using namespace mt;
-
-std::vector<int64_t> parse_list(const char* s) {
-  std::vector<int64_t> v;
-  for (const char* p = s; *p;) {
-    v.push_back(std::atoll(p));
-    while (*p && *p != ',') ++p;
-    if (*p == ',') ++p;
-  }
-  return v;
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
+using bench::median;
+using bench::parse_list;
 
 template <typename F>
 double time_ms(const Stream& st, int iters, F&& f) {
@@ -146,11 +134,4 @@ int bench_main(int argc, char** argv) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  try {
-    return bench_main(argc, argv);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "context_attention_bench: %s\n", e.what());
-    return 1;
-  }
-}
+int main(int argc, char** argv) { return mt::bench::run_main("context_attention_bench", argc, argv, bench_main); }

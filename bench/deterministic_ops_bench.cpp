@@ -22,6 +22,7 @@
 
 #include "core/buffer.h"
 #include "core/device.h"
+#include "bench_util.h"
 #include "core/stream.h"
 #include "ops/elementwise.h"
 #include "ops/embedding.h"
@@ -32,36 +33,9 @@
 namespace {
 
 using namespace mt;
-
-std::vector<int64_t> parse_list(const char* s) {
-  std::vector<int64_t> v;
-  for (const char* p = s; *p;) {
-    v.push_back(std::atoll(p));
-    while (*p && *p != ',') ++p;
-    if (*p == ',') ++p;
-  }
-  return v;
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-template <typename F>
-double time_ms(const Stream& st, int iters, F&& f) {
-  for (int i = 0; i < 3; ++i) f();
-  Event a(st.device()), b(st.device());
-  std::vector<double> ms;
-  for (int i = 0; i < iters; ++i) {
-    a.record(st);
-    f();
-    b.record(st);
-    b.synchronize();
-    ms.push_back(b.elapsed_ms_since(a));
-  }
-  return median(ms);
-}
+using bench::median;
+using bench::parse_list;
+using bench::time_ms;
 
 /// Zipf(1) ids over [0, vocab): P(rank r) ∝ 1/(r + 1), ranks shuffled over the vocabulary.
 std::vector<int32_t> zipf_ids(int64_t n, int64_t vocab, uint64_t seed) {
@@ -166,11 +140,4 @@ int bench_main(int argc, char** argv) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  try {
-    return bench_main(argc, argv);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "deterministic_ops_bench: %s\n", e.what());
-    return 1;
-  }
-}
+int main(int argc, char** argv) { return mt::bench::run_main("deterministic_ops_bench", argc, argv, bench_main); }

@@ -22,6 +22,7 @@
 
 #include "core/buffer.h"
 #include "core/device.h"
+#include "bench_util.h"
 #include "core/stream.h"
 #include "ops/elementwise.h"
 #include "ops/flash_attention.h"
@@ -30,38 +31,11 @@
 namespace {
 
 using namespace mt;
-
-std::vector<int64_t> parse_list(const char* s) {
-  std::vector<int64_t> v;
-  for (const char* p = s; *p;) {
-    v.push_back(std::atoll(p));
-    while (*p && *p != ',') ++p;
-    if (*p == ',') ++p;
-  }
-  return v;
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
+using bench::median;
+using bench::parse_list;
+using bench::time_ms;
 
 /// Median milliseconds of f() over `iters` calls (events around each call) after 3 warm-ups.
-template <typename F>
-double time_ms(const Stream& st, int iters, F&& f) {
-  for (int i = 0; i < 3; ++i) f();
-  Event a(st.device()), b(st.device());
-  std::vector<double> ms;
-  for (int i = 0; i < iters; ++i) {
-    a.record(st);
-    f();
-    b.record(st);
-    b.synchronize();
-    ms.push_back(b.elapsed_ms_since(a));
-  }
-  return median(ms);
-}
-
 int bench_main(int argc, char** argv) {
   int iters = 20;
   int64_t tokens = 16384, hidden = 2048, qpg = 1;
@@ -130,11 +104,4 @@ int bench_main(int argc, char** argv) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  try {
-    return bench_main(argc, argv);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "flash_attention_bench: %s\n", e.what());
-    return 1;
-  }
-}
+int main(int argc, char** argv) { return mt::bench::run_main("flash_attention_bench", argc, argv, bench_main); }

@@ -21,6 +21,7 @@
 
 #include "core/buffer.h"
 #include "core/device.h"
+#include "bench_util.h"
 #include "core/stream.h"
 #include "ops/elementwise.h"
 #include "ops/grouped_matmul.h"
@@ -30,26 +31,8 @@
 namespace {
 
 using namespace mt;
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-template <typename F>
-double time_ms(const Stream& st, int iters, F&& f) {
-  for (int i = 0; i < 3; ++i) f();
-  Event a(st.device()), b(st.device());
-  std::vector<double> ms;
-  for (int i = 0; i < iters; ++i) {
-    a.record(st);
-    f();
-    b.record(st);
-    b.synchronize();
-    ms.push_back(b.elapsed_ms_since(a));
-  }
-  return median(ms);
-}
+using bench::median;
+using bench::time_ms;
 
 int bench_main(int argc, char** argv) {
   int iters = 20;
@@ -164,11 +147,4 @@ int bench_main(int argc, char** argv) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  try {
-    return bench_main(argc, argv);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "grouped_matmul_bench: %s\n", e.what());
-    return 1;
-  }
-}
+int main(int argc, char** argv) { return mt::bench::run_main("grouped_matmul_bench", argc, argv, bench_main); }

@@ -16,6 +16,7 @@
 
 #include <fmt/format.h>
 
+#include "bench_util.h"
 #include "comm/bootstrap.h"
 #include "model/gpt_model.h"
 #include "core/device.h"
@@ -28,14 +29,10 @@
 namespace {
 
 using namespace mt;
+using bench::median;
 
 double now_ms() {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
 }
 
 int bench_main(int argc, char** argv) {
@@ -168,11 +165,4 @@ int bench_main(int argc, char** argv) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  try {
-    return bench_main(argc, argv);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "pipeline_bench: %s\n", e.what());
-    return 1;
-  }
-}
+int main(int argc, char** argv) { return mt::bench::run_main("pipeline_bench", argc, argv, bench_main); }
