@@ -7,7 +7,7 @@
 //           half-block steps of the load-balanced ring);
 //   causal  queries and keys at positions 0 .. s−1, causal (the ring's diagonal step).
 // FLOPs (FlashAttention-2 convention): forward 4·b·n·s²·d (full) or half of it (causal), backward
-// 2.5 × forward. Times: median over --iters of CUDA events around one call after 2 warm-ups.
+// 2.5 × forward. Times: median over --iters of CUDA events around one call after 3 warm-ups.
 // The forward runs with merge = true into an (out, lse) of an earlier block (the ring's case);
 // the backward includes its preprocessing (D = rowsum(dO ∘ O), dq_accum zeroing) and the dQ sum.
 // Old vs new: MT_CONTEXT_ATTN_SIMPLE=1 forces the simple CUDA-core kernels (read once per process),
@@ -33,23 +33,8 @@
 namespace {
 
 using namespace mt;
-using bench::median;
 using bench::parse_list;
-
-template <typename F>
-double time_ms(const Stream& st, int iters, F&& f) {
-  for (int i = 0; i < 2; ++i) f();
-  Event a(st.device()), b(st.device());
-  std::vector<double> ms;
-  for (int i = 0; i < iters; ++i) {
-    a.record(st);
-    f();
-    b.record(st);
-    b.synchronize();
-    ms.push_back(b.elapsed_ms_since(a));
-  }
-  return median(ms);
-}
+using bench::time_ms;
 
 /// dst (int32 [n] on the device) <- first, first + 1, ...
 void upload_positions(const Tensor& dst, int64_t first, const Stream& st) {

@@ -67,6 +67,10 @@ void LanguageModelHead::plan(BufferPlanner& p, int64_t s, int64_t b, const HeadO
   losses_ = p.scratch("head.losses", DType::kF32, {T});
 }
 
+Tensor LanguageModelHead::dln_full(const Saved& H) const {
+  return tp_.sequence_parallel() ? output_layer_.dgrad_scratch() : H.dln;
+}
+
 Tensor LanguageModelHead::logits(int area) const { return saved_.at(static_cast<size_t>(area)).logits; }
 
 void LanguageModelHead::run_chunks(const Saved& H, bool stats, const Tensor& loss_accum, float loss_weight,
@@ -127,7 +131,7 @@ void LanguageModelHead::forward(const Tensor& x, const Tensor& loss_accum, float
     output_layer_.forward_rows(H.logits, 0, H.logits.size(0), ctx);
     return;
   }
-  const Tensor dx_full = tp_.sequence_parallel() ? output_layer_.dgrad_scratch() : H.dln;
+  const Tensor dx_full = dln_full(H);
   run_chunks(H, /*stats=*/true, loss_accum, loss_weight, grad, dx_full, ctx);
   if (grad) output_layer_.reduce_input_grad(H.dln, dx_full, ctx);
 }
@@ -144,7 +148,7 @@ void LanguageModelHead::backward(const Tensor& dx, const Tensor& x, float grad_s
                loss_scale.empty() ? "none" : "another device tensor");
   } else {
     // The forward kept the softmax statistics only: each chunk's logits are computed again.
-    const Tensor dx_full = tp_.sequence_parallel() ? output_layer_.dgrad_scratch() : H.dln;
+    const Tensor dx_full = dln_full(H);
     const HeadGrad g{grad_scale, loss_scale};
     run_chunks(H, /*stats=*/false, Tensor(), 0.f, &g, dx_full, ctx);
     output_layer_.reduce_input_grad(H.dln, dx_full, ctx);

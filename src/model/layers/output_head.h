@@ -88,6 +88,9 @@ class LanguageModelHead {
   };
   /// The chunk loop: each chunk's logits; with `stats` its softmax statistics and losses (added to
   /// loss_accum), else the saved statistics; with `grad` its gradients (dx rows into dx_full, dW).
+  /// Where the chunks' dgrad rows go: the output layer's gathered-rows scratch under SP (then
+  /// reduce-scattered into H.dln), else H.dln itself (all-reduced in place under TP).
+  Tensor dln_full(const Saved& H) const;
   void run_chunks(const Saved& H, bool stats, const Tensor& loss_accum, float loss_weight, const HeadGrad* grad,
                   const Tensor& dx_full, const StepContext& ctx);
   const TransformerConfig& config_;

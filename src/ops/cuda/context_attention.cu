@@ -318,6 +318,45 @@ __device__ __forceinline__ bool tile_visible(PosRange kr, PosRange qr, PosRange 
   return kr.lo <= qr.hi && kr.hi >= dr.lo;
 }
 
+/// The key tiles that one tile of query rows [row0, row0 + BR) walks in the forward and the
+/// deterministic dQ kernels (ca_fwd_mma, ca_bwd_dq_mma): the next tile some query can see (by the
+/// tiles' global positions and document starts; `full`: every element visible), and a tile's K, V
+/// and key positions (INT_MAX past sk) loaded into double-buffer half `buf` with cp.async.
+template <typename T, int BR, int BC, int D, int NT>
+struct KeyTiles {
+  static constexpr int SD = D + 8;
+  const CaParams& p;
+  const int64_t row0, krs;
+  T* const sK;
+  T* const sV;
+  int* const sKp;
+  const T* const kg;
+  const T* const vg;
+  const int tid, lane;
+  const PosRange qr, dr;
+  const int ntiles;
+  __device__ KeyTiles(const CaParams& p_, const int32_t* doc, int64_t row0_, T* sK_, T* sV_, int* sKp_, const T* kg_,
+                      const T* vg_, int64_t krs_, int tid_, int lane_)
+      : p(p_), row0(row0_), krs(krs_), sK(sK_), sV(sV_), sKp(sKp_), kg(kg_), vg(vg_), tid(tid_), lane(lane_),
+        qr(pos_range(p_.qp, row0_, BR, p_.sq, lane_)),
+        dr(doc ? pos_range(doc, row0_, BR, p_.sq, lane_) : PosRange{INT_MIN, INT_MIN}),
+        ntiles(static_cast<int>((p_.sk + BC - 1) / BC)) {}
+  /// The first visible tile from nb on (ntiles when none).
+  __device__ __forceinline__ int next(int nb, bool& full) const {
+    for (; nb < ntiles; ++nb) {
+      const PosRange kr = pos_range(p.kp, static_cast<int64_t>(nb) * BC, BC, p.sk, lane);
+      if (tile_visible(kr, qr, dr, row0 + BR <= p.sq && static_cast<int64_t>(nb + 1) * BC <= p.sk, full)) break;
+    }
+    return nb;
+  }
+  __device__ __forceinline__ void load(int nb, int buf) const {
+    const int64_t c0 = static_cast<int64_t>(nb) * BC;
+    load_tile<BC, D, NT>(sK + buf * BC * SD, kg, c0, krs, p.sk, tid);
+    load_tile<BC, D, NT>(sV + buf * BC * SD, vg, c0, krs, p.sk, tid);
+    for (int j = tid; j < BC; j += NT) sKp[buf * BC + j] = c0 + j < p.sk ? p.kp[c0 + j] : INT_MAX;
+  }
+};
+
 template <int D, int W, int BC, int MW>
 constexpr int ca_fwd_smem_bytes() {
   return (16 * MW * W + 4 * BC) * (D + 8) * 2 + 2 * BC * 4;
@@ -332,7 +371,7 @@ __global__ void __launch_bounds__(W * 32) ca_fwd_mma(const CaParams p) {
   T* sV = sK + 2 * BC * SD;                              // [2][BC][SD]
   int* sKp = reinterpret_cast<int*>(sV + 2 * BC * SD);  // [2][BC] key positions (INT_MAX past sk)
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
-  const int64_t sq = p.sq, sk = p.sk;
+  const int64_t sq = p.sq;
   const int64_t bh = blockIdx.x, b = bh / p.n, h = bh % p.n, grp = h / p.qpg, qi = h % p.qpg;
   const int64_t row0 = static_cast<int64_t>(blockIdx.y) * BR;
   const int64_t qrs = p.q_rs(), krs = p.kv_rs();
@@ -340,22 +379,10 @@ __global__ void __launch_bounds__(W * 32) ca_fwd_mma(const CaParams p) {
   const T* kg = static_cast<const T*>(p.kv) + p.kv_base(b, grp);
   const T* vg = kg + D;
   const int32_t* doc = p.doc ? p.doc + b * p.doc_stride : nullptr;
-  const PosRange qr = pos_range(p.qp, row0, BR, sq, lane);
-  const PosRange dr = doc ? pos_range(doc, row0, BR, sq, lane) : PosRange{INT_MIN, INT_MIN};
-  const int ntiles = static_cast<int>((sk + BC - 1) / BC);
-  auto next = [&](int nb, bool& full) {
-    for (; nb < ntiles; ++nb) {
-      const PosRange kr = pos_range(p.kp, static_cast<int64_t>(nb) * BC, BC, sk, lane);
-      if (tile_visible(kr, qr, dr, row0 + BR <= sq && static_cast<int64_t>(nb + 1) * BC <= sk, full)) break;
-    }
-    return nb;
-  };
-  auto load_kv = [&](int nb, int buf) {
-    const int64_t c0 = static_cast<int64_t>(nb) * BC;
-    load_tile<BC, D, NT>(sK + buf * BC * SD, kg, c0, krs, sk, tid);
-    load_tile<BC, D, NT>(sV + buf * BC * SD, vg, c0, krs, sk, tid);
-    for (int j = tid; j < BC; j += NT) sKp[buf * BC + j] = c0 + j < sk ? p.kp[c0 + j] : INT_MAX;
-  };
+  const KeyTiles<T, BR, BC, D, NT> tiles(p, doc, row0, sK, sV, sKp, kg, vg, krs, tid, lane);
+  const int ntiles = tiles.ntiles;
+  auto next = [&](int nb, bool& full) { return tiles.next(nb, full); };
+  auto load_kv = [&](int nb, int buf) { tiles.load(nb, buf); };
   const int64_t wrow = row0 + warp * WR;  // row (mi, r): wrow + mi·16 + g + 8r
   int qp_r[MW][2], ds_r[MW][2];
 #pragma unroll
@@ -762,7 +789,7 @@ __global__ void __launch_bounds__(W * 32) ca_bwd_dq_mma(const CaParams p) {
   T* sV = sK + 2 * BC * SD;                              // [2][BC][SD]
   int* sKp = reinterpret_cast<int*>(sV + 2 * BC * SD);  // [2][BC] key positions (INT_MAX past sk)
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
-  const int64_t sq = p.sq, sk = p.sk;
+  const int64_t sq = p.sq;
   const int64_t bh = blockIdx.x, b = bh / p.n, h = bh % p.n, grp = h / p.qpg, qi = h % p.qpg;
   const int64_t row0 = static_cast<int64_t>(blockIdx.y) * BR;
   const int64_t qrs = p.q_rs(), krs = p.kv_rs(), ors = p.o_rs();
@@ -770,22 +797,10 @@ __global__ void __launch_bounds__(W * 32) ca_bwd_dq_mma(const CaParams p) {
   const T* kg = static_cast<const T*>(p.kv) + p.kv_base(b, grp);
   const T* vg = kg + D;
   const int32_t* doc = p.doc ? p.doc + b * p.doc_stride : nullptr;
-  const PosRange qr = pos_range(p.qp, row0, BR, sq, lane);
-  const PosRange dr = doc ? pos_range(doc, row0, BR, sq, lane) : PosRange{INT_MIN, INT_MIN};
-  const int ntiles = static_cast<int>((sk + BC - 1) / BC);
-  auto next = [&](int nb, bool& full) {
-    for (; nb < ntiles; ++nb) {
-      const PosRange kr = pos_range(p.kp, static_cast<int64_t>(nb) * BC, BC, sk, lane);
-      if (tile_visible(kr, qr, dr, row0 + BR <= sq && static_cast<int64_t>(nb + 1) * BC <= sk, full)) break;
-    }
-    return nb;
-  };
-  auto load_kv = [&](int nb, int buf) {
-    const int64_t c0 = static_cast<int64_t>(nb) * BC;
-    load_tile<BC, D, NT>(sK + buf * BC * SD, kg, c0, krs, sk, tid);
-    load_tile<BC, D, NT>(sV + buf * BC * SD, vg, c0, krs, sk, tid);
-    for (int j = tid; j < BC; j += NT) sKp[buf * BC + j] = c0 + j < sk ? p.kp[c0 + j] : INT_MAX;
-  };
+  const KeyTiles<T, BR, BC, D, NT> tiles(p, doc, row0, sK, sV, sKp, kg, vg, krs, tid, lane);
+  const int ntiles = tiles.ntiles;
+  auto next = [&](int nb, bool& full) { return tiles.next(nb, full); };
+  auto load_kv = [&](int nb, int buf) { tiles.load(nb, buf); };
   const int64_t wrow = row0 + warp * 16;  // this warp's first query row; element rows wrow + g + 8·r
   float lse2[2], dl[2];
   int qp_r[2], ds_r[2];

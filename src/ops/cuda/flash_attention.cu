@@ -142,6 +142,23 @@ constexpr int fwd_smem_bytes() {
 /// per tile. Every K/V fragment loaded from shared memory feeds MW row groups. QR: the Q fragments
 /// stay in registers for the whole loop (else they are re-read from shared memory per key tile,
 /// which frees registers for MW = 2 at d = 128, as FlashAttention-2 does).
+/// One step of the double-buffered K/V tile pipeline of the query-major kernels (fa_fwd_mma,
+/// fa_bwd_dq_mma), before the block works on tile nb (buffer half `buf`): one barrier per tile —
+/// tile nb has landed for everyone and every warp is done with tile nb - 1, whose buffer the
+/// prefetch of tile nb + 1 (when nb + 1 < n_hi) then overwrites.
+template <int BC, int D, int NT, typename T>
+__device__ __forceinline__ void kv_tile_step(T* sK, T* sV, const T* kg, const T* vg, int nb, int n_hi, int buf,
+                                             int64_t rs, int64_t s, int tid) {
+  constexpr int SD = D + 8;
+  cp_async_wait<0>();
+  __syncthreads();
+  if (nb + 1 < n_hi) {
+    load_tile<BC, D, NT>(sK + (buf ^ 1) * BC * SD, kg, static_cast<int64_t>(nb + 1) * BC, rs, s, tid);
+    load_tile<BC, D, NT>(sV + (buf ^ 1) * BC * SD, vg, static_cast<int64_t>(nb + 1) * BC, rs, s, tid);
+  }
+  cp_async_commit();
+}
+
 template <typename T, int D, int W, int BC, int MW, bool QR>
 __global__ void __launch_bounds__(W * 32) fa_fwd_mma(const FaParams p) {
   constexpr int WR = 16 * MW, BR = WR * W, SD = D + 8, NT = 32 * W;
@@ -210,15 +227,7 @@ __global__ void __launch_bounds__(W * 32) fa_fwd_mma(const FaParams p) {
 
   for (int nb = n_lo; nb < n_hi; ++nb) {
     const int buf = (nb - n_lo) & 1;
-    // One barrier per tile: tile nb has landed for everyone, and every warp is done with tile
-    // nb - 1, whose buffer the prefetch of tile nb + 1 then overwrites.
-    cp_async_wait<0>();
-    __syncthreads();
-    if (nb + 1 < n_hi) {
-      load_tile<BC, D, NT>(sK + (buf ^ 1) * BC * SD, kg, static_cast<int64_t>(nb + 1) * BC, rs, s, tid);
-      load_tile<BC, D, NT>(sV + (buf ^ 1) * BC * SD, vg, static_cast<int64_t>(nb + 1) * BC, rs, s, tid);
-    }
-    cp_async_commit();
+    kv_tile_step<BC, D, NT>(sK, sV, kg, vg, nb, n_hi, buf, rs, s, tid);
     const T* sKb = sK + buf * BC * SD;
     const T* sVb = sV + buf * BC * SD;
 
@@ -605,15 +614,7 @@ __global__ void __launch_bounds__(W * 32) fa_bwd_dq_mma(const FaParams p) {
 
   for (int nb = n_lo; nb < n_hi; ++nb) {
     const int buf = (nb - n_lo) & 1;
-    // One barrier per tile: tile nb has landed for everyone, and every warp is done with tile
-    // nb - 1, whose buffer the prefetch of tile nb + 1 then overwrites.
-    cp_async_wait<0>();
-    __syncthreads();
-    if (nb + 1 < n_hi) {
-      load_tile<BC, D, NT>(sK + (buf ^ 1) * BC * SD, kg, static_cast<int64_t>(nb + 1) * BC, rs, s, tid);
-      load_tile<BC, D, NT>(sV + (buf ^ 1) * BC * SD, vg, static_cast<int64_t>(nb + 1) * BC, rs, s, tid);
-    }
-    cp_async_commit();
+    kv_tile_step<BC, D, NT>(sK, sV, kg, vg, nb, n_hi, buf, rs, s, tid);
     const T* sKb = sK + buf * BC * SD;
     const T* sVb = sV + buf * BC * SD;
 
