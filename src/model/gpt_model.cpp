@@ -166,6 +166,7 @@ std::unique_ptr<GPTModel> GPTModel::planned_for(int64_t seq_length, int64_t micr
   c.recompute_granularity = RecomputeGranularity::kNone;  // forward only: nothing to recompute
   c.recompute_method_set = false;
   c.recompute_num_layers = 0;
+  c.recompute_modules_set = false;
   std::unique_ptr<GPTModel> m(new GPTModel(c, micro_batch, dtype_, device_, groups_, /*sequence_parallel=*/false,
                                            params_->layout(), std::move(layout), params_));
   const auto src = persistent_state(stream), dst = m->persistent_state(stream);  // the expert biases

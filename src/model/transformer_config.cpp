@@ -113,6 +113,30 @@ RecomputeMethod parse_recompute_method(const std::string& s) {
   MT_FAIL("--recompute-method '{}' is not supported: expected uniform or block", s);
 }
 
+RecomputeModules parse_recompute_modules(const std::vector<std::string>& names) {
+  RecomputeModules m{false, false, false, false, false};
+  for (const std::string& n : names) {
+    if (n == "core_attn") {
+      m.core_attn = true;
+    } else if (n == "layernorm") {
+      m.layernorm = true;
+    } else if (n == "mlp") {
+      m.mlp = true;
+    } else if (n == "mlp_act") {
+      m.mlp_act = true;
+    } else if (n == "moe_act") {
+      m.moe_act = true;
+    } else if (n == "moe" || n == "shared_experts" || n == "mla_up_proj") {
+      MT_FAIL("--recompute-modules {}: Megatron's {} recompute is not implemented (implemented: core_attn, layernorm, "
+              "mlp, mlp_act, moe_act; --recompute-granularity full recomputes whole layers)",
+              n, n);
+    } else {
+      MT_FAIL("--recompute-modules {}: unknown module, expected core_attn, layernorm, mlp, mlp_act or moe_act", n);
+    }
+  }
+  return m;
+}
+
 const char* recompute_granularity_name(RecomputeGranularity g) {
   switch (g) {
     case RecomputeGranularity::kFull: return "full";
@@ -320,6 +344,9 @@ void TransformerConfig::validate(int tp) const {
              recompute_num_layers, recompute_granularity_name(recompute_granularity));
   MT_REQUIRE(!full || recompute_method_set,
              "--recompute-granularity full needs --recompute-method uniform or block");
+  MT_REQUIRE(!recompute_modules_set || recompute_granularity == RecomputeGranularity::kSelective,
+             "--recompute-modules needs --recompute-granularity selective (got {})",
+             recompute_granularity_name(recompute_granularity));
   MT_REQUIRE(!full || recompute_num_layers >= 1,
              "--recompute-granularity full needs --recompute-num-layers >= 1, got {}", recompute_num_layers);
   MT_REQUIRE(!full || recompute_method != RecomputeMethod::kUniform || recompute_num_layers <= num_layers,
@@ -456,7 +483,14 @@ std::string TransformerConfig::summary() const {
   if (qk_layernorm) s += ", QK-norm";
   if (untie_embeddings_and_output_weights) s += ", untied output layer";
   if (deterministic_mode) s += ", deterministic mode";
-  if (recompute_granularity == RecomputeGranularity::kSelective) s += ", selective recompute (core attention)";
+  if (recompute_granularity == RecomputeGranularity::kSelective) {
+    const RecomputeModules& r = recompute_modules;
+    std::string mods;
+    for (const auto& [on, name] : {std::pair{r.core_attn, "core_attn"}, {r.layernorm, "layernorm"}, {r.mlp, "mlp"},
+                                   {r.mlp_act, "mlp_act"}, {r.moe_act, "moe_act"}})
+      if (on) mods += std::string(mods.empty() ? "" : " ") + name;
+    s += fmt::format(", selective recompute ({})", mods.empty() ? "nothing" : mods);
+  }
   if (recompute_granularity == RecomputeGranularity::kFull)
     s += fmt::format(", full recompute ({} {})", recompute_method_name(recompute_method), recompute_num_layers);
   if (num_moe_experts > 0) {

@@ -48,6 +48,25 @@ enum class RecomputeGranularity : uint8_t { kNone, kSelective, kFull };
 /// groups of --recompute-num-layers (the last group may be shorter); kBlock = the first
 /// --recompute-num-layers layers of each chunk, each on its own, the rest not recomputed.
 enum class RecomputeMethod : uint8_t { kUniform, kBlock };
+/// --recompute-modules with --recompute-granularity selective (Megatron-Core
+/// TransformerConfig.recompute_modules; default core_attn). What each drops from the saved
+/// tensors and recomputes in the backward (docs/parallelism.md "Activation recompute"):
+struct RecomputeModules {
+  /// "core_attn": the local attention's q, k, v and [b, n, s, s] probabilities (flash attention
+  /// saves none of them: nothing changes).
+  bool core_attn = true;
+  /// "layernorm": the outputs of input_layernorm (every layer) and pre_mlp_layernorm (dense
+  /// layers; an MoE layer keeps its input, which its router, dispatcher and shared experts read);
+  /// the norm runs again from the kept residual stream and row statistics.
+  bool layernorm = false;
+  /// "mlp": the dense MLP's fc1 output and activation (its fc1 GEMM and activation run again).
+  bool mlp = false;
+  /// "mlp_act" (megatron.cpp's counterpart of moe_act for the dense MLP): the activation output,
+  /// recomputed from the kept fc1 output.
+  bool mlp_act = false;
+  /// "moe_act": the experts' activation outputs, recomputed from their kept fc1 outputs.
+  bool moe_act = false;
+};
 
 const char* normalization_name(Normalization n);
 const char* position_embedding_type_name(PositionEmbeddingType p);
@@ -69,6 +88,9 @@ const char* moe_load_balancing_loss_name(MoeLoadBalancing b);
 MoeDispatcher parse_moe_dispatcher(const std::string& s);
 /// "probs" / "position" (--moe-token-drop-policy).
 MoeTokenDropPolicy parse_moe_token_drop_policy(const std::string& s);
+/// --recompute-modules' names (core_attn, layernorm, mlp, mlp_act, moe_act). Errors: mt::Error
+/// naming an unknown or unsupported module (Megatron's moe, shared_experts, mla_up_proj).
+RecomputeModules parse_recompute_modules(const std::vector<std::string>& names);
 /// "full" / "selective" (--recompute-granularity); "uniform" / "block" (--recompute-method).
 /// Errors: mt::Error naming the value and the accepted ones.
 RecomputeGranularity parse_recompute_granularity(const std::string& s);
@@ -133,6 +155,14 @@ struct TransformerConfig {
   RecomputeMethod recompute_method = RecomputeMethod::kUniform;              ///< --recompute-method
   bool recompute_method_set = false;  ///< --recompute-method was given
   int64_t recompute_num_layers = 0;   ///< --recompute-num-layers (full granularity: >= 1)
+  RecomputeModules recompute_modules;  ///< --recompute-modules
+  bool recompute_modules_set = false;  ///< --recompute-modules was given
+  /// The modules recomputed in the backward: recompute_modules under selective granularity,
+  /// none otherwise.
+  RecomputeModules selective_recompute() const {
+    return recompute_granularity == RecomputeGranularity::kSelective ? recompute_modules
+                                                                      : RecomputeModules{false, false, false, false, false};
+  }
 
   // --- mixture of experts (Megatron-Core transformer/moe; docs/moe.md) ---
   int64_t num_moe_experts = 0;          ///< --num-experts (E); 0 = dense model

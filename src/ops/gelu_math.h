@@ -10,11 +10,11 @@ namespace gelu_math {
 inline constexpr float kSqrt2OverPi = 0.7978845608028654f;
 inline constexpr float kCoeff = 0.044715f;
 
-/// gelu(x) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), fp32.
-MT_HD float gelu(float x) {
-  const float u = kSqrt2OverPi * x * (1.0f + kCoeff * x * x);
-  return 0.5f * x * (1.0f + tanhf(u));
-}
+/// gelu(x) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), fp32, evaluated in this order by
+/// ops/gelu.h and by the linear+GELU fallbacks of both backends (ops/matmul.h, the cuBLASLt GELU
+/// epilogue's definition): an activation recomputed from a GEMM's kept pre-activation is the
+/// fallback's bit for bit.
+MT_HD float gelu(float x) { return 0.5f * x * (1.f + tanhf(kSqrt2OverPi * (x + kCoeff * x * x * x))); }
 /// gelu'(x) = 0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2), t = tanh(u).
 MT_HD float gelu_grad(float x) {
   const float u = kSqrt2OverPi * x * (1.0f + kCoeff * x * x);
@@ -22,13 +22,5 @@ MT_HD float gelu_grad(float x) {
   return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * (kSqrt2OverPi * (1.0f + 3.0f * kCoeff * x * x));
 }
 }  // namespace gelu_math
-
-/// GELU, tanh approximation, as in ops/gelu.h (shared by the linear+GELU fallbacks of both
-/// backends so that they agree with the cuBLASLt GELU epilogue's definition).
-MT_HD float linear_gelu(float x) {
-  constexpr float kC = 0.7978845608028654f;  // sqrt(2/pi)
-  return 0.5f * x * (1.f + tanhf(kC * (x + 0.044715f * x * x * x)));
-}
-
 
 }  // namespace mt

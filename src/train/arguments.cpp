@@ -94,7 +94,7 @@ void add_pretrain_options(CLI::App& app, PretrainArgs& a) {
   // Mixture of experts (Megatron-Core transformer/moe; docs/moe.md).
   app.add_option_function<std::string>(
       "--recompute-granularity", [&m](const std::string& v) { m.recompute_granularity = parse_recompute_granularity(v); },
-      "Activation recompute: full (re-run groups of layers) or selective (core attention)");
+      "Activation recompute: full (re-run groups of layers) or selective (--recompute-modules)");
   app.add_flag_callback(
       "--recompute-activations", [&m] { m.recompute_granularity = RecomputeGranularity::kSelective; },
       "Same as --recompute-granularity selective");
@@ -109,14 +109,11 @@ void add_pretrain_options(CLI::App& app, PretrainArgs& a) {
                  "Full recompute: layers per group (uniform) or recomputed layers per chunk (block)");
   app.add_option_function<std::vector<std::string>>(
       "--recompute-modules",
-      [](const std::vector<std::string>& v) {
-        for (const std::string& mod : v)
-          MT_REQUIRE(mod == "core_attn",
-                     "--recompute-modules {}: only core_attn (the default) is implemented; Megatron's layernorm, "
-                     "mlp, moe, moe_act, shared_experts and mla_up_proj are not",
-                     mod);
+      [&m](const std::vector<std::string>& v) {
+        m.recompute_modules = parse_recompute_modules(v);
+        m.recompute_modules_set = true;
       },
-      "Selective recompute: the modules to recompute (core_attn)");
+      "Selective recompute: the modules to recompute: core_attn (default), layernorm, mlp, mlp_act, moe_act");
   app.add_option("--num-experts", m.num_moe_experts, "Experts per MoE layer (0 = dense model)");
   app.add_option("--moe-layer-freq", a.moe_layer_freq,
                  "MoE layer pattern: k (every k-th layer from layer 0) or a list such as ([0]+[1]*23)")

@@ -427,11 +427,13 @@ TEST(Gpt, MoEGroupedGemmMatchesPerExpertLoop) {
   }
 }
 
-// Activation recompute (--recompute-granularity selective|full, --recompute-method uniform|block)
-// recomputes the same tensors: the loss, every gradient and the MoE statistics (counted once) are
-// bitwise those without recompute, with dropout and documents, for uneven groups, block
-// recompute, the local and the flash attention, and MoE layers (token dropping, shared expert);
-// the planned activations shrink where they can.
+// Activation recompute (--recompute-granularity selective|full, --recompute-method uniform|block,
+// --recompute-modules) recomputes the same tensors: the loss, every gradient and the MoE
+// statistics (counted once) are bitwise those without recompute, with dropout and documents, for
+// uneven groups, block recompute, the local and the flash attention, MoE layers (token dropping,
+// shared expert), and each selective module (the norms, the dense MLP or its GELU / SwiGLU, the
+// experts' activation in the looped and the grouped experts); the planned activations shrink
+// where they can.
 TEST(Gpt, RecomputeMatchesNoRecompute) {
   struct Case {
     const char* name;
@@ -439,6 +441,7 @@ TEST(Gpt, RecomputeMatchesNoRecompute) {
     RecomputeGranularity granularity;
     RecomputeMethod method;
     int64_t layers;
+    RecomputeModules modules = {};  // selective granularity
   };
   auto four = [](TransformerConfig c) {
     c.num_layers = 4;
@@ -453,7 +456,18 @@ TEST(Gpt, RecomputeMatchesNoRecompute) {
   flash.attention_backend = AttentionBackend::kFlash;
   drops.moe_expert_capacity_set = true;
   drops.moe_expert_capacity_factor = 0.75;
+  TransformerConfig grouped = moe;
+  grouped.moe_grouped_gemm = true;
+  auto modules = [](bool layernorm, bool mlp, bool mlp_act, bool moe_act) {
+    return RecomputeModules{/*core_attn=*/false, layernorm, mlp, mlp_act, moe_act};
+  };
   const std::vector<Case> cases = {
+      {"gpt layernorm mlp_act", gpt, G::kSelective, M::kUniform, 0, modules(true, false, true, false)},
+      {"gpt mlp", gpt, G::kSelective, M::kUniform, 0, modules(false, true, false, false)},
+      {"flash layernorm mlp", flash, G::kSelective, M::kUniform, 0, modules(true, true, false, false)},
+      {"flash mlp_act", flash, G::kSelective, M::kUniform, 0, modules(false, false, true, false)},
+      {"moe layernorm moe_act", moe, G::kSelective, M::kUniform, 0, modules(true, false, true, true)},
+      {"grouped moe_act", grouped, G::kSelective, M::kUniform, 0, modules(false, false, false, true)},
       {"gpt selective", gpt, G::kSelective, M::kUniform, 0},   {"gpt uniform 1", gpt, G::kFull, M::kUniform, 1},
       {"llama uniform 3", llama, G::kFull, M::kUniform, 3},    {"llama block 1", llama, G::kFull, M::kBlock, 1},
       {"llama block 4", llama, G::kFull, M::kBlock, 4},        {"flash uniform 2", flash, G::kFull, M::kUniform, 2},
@@ -473,6 +487,7 @@ TEST(Gpt, RecomputeMatchesNoRecompute) {
         c.recompute_method = cs.method;
         c.recompute_method_set = cs.granularity == G::kFull;
         c.recompute_num_layers = cs.layers;
+        if (cs.granularity == G::kSelective) c.recompute_modules = cs.modules;
       }
       testing::test_rng().seed(seed);  // the same batch and weights for both
       Harness h(c, 2, seed);

@@ -140,7 +140,8 @@ struct Layout {
   // per-layer CUDA graphs with --cuda-graph-scope moe_router moe_preprocess (eager on the CPU: the
   // region split, router + dispatcher preprocessing and their backward, must not change results)
   bool preprocess = false;
-  // Activation recompute (the reference keeps everything): 's' selective, 'u' full uniform, 'b'
+  // Activation recompute (the reference keeps everything): 's' selective (core_attn), 'm'
+  // selective layernorm + mlp_act + moe_act, 'M' selective layernorm + mlp, 'u' full uniform, 'b'
   // full block, with recompute_layers (--recompute-num-layers)
   char recompute = 0;
   int recompute_layers = 0;
@@ -179,6 +180,8 @@ struct Layout {
     if (head_chunk > 0) s += fmt::format("_headchunk{}", head_chunk);
     if (preprocess) s += "_moe_preprocess";
     if (recompute == 's') s += "_rc_selective";
+    if (recompute == 'm') s += "_rc_norm_act";
+    if (recompute == 'M') s += "_rc_norm_mlp";
     if (recompute == 'u' || recompute == 'b')
       s += fmt::format("_rc_{}{}", recompute == 'u' ? "uniform" : "block", recompute_layers);
     return s;
@@ -218,7 +221,11 @@ Result run_layout(const Layout& L, const std::vector<int32_t>& tokens, const std
   c.moe_enable_echo = L.echo > 0;
   c.moe_num_echo_experts = L.echo;
   c.moe_received_token_capacity = L.received;
-  if (L.recompute == 's') c.recompute_granularity = RecomputeGranularity::kSelective;
+  if (L.recompute == 's' || L.recompute == 'm' || L.recompute == 'M') {
+    c.recompute_granularity = RecomputeGranularity::kSelective;
+    if (L.recompute != 's')
+      c.recompute_modules = RecomputeModules{false, true, L.recompute == 'M', L.recompute == 'm', L.recompute == 'm'};
+  }
   if (L.recompute == 'u' || L.recompute == 'b') {
     c.recompute_granularity = RecomputeGranularity::kFull;
     c.recompute_method = L.recompute == 'u' ? RecomputeMethod::kUniform : RecomputeMethod::kBlock;
@@ -786,7 +793,10 @@ std::vector<Layout> layouts() {
         std::tuple{Arch::kLlama, false, 2, 1, 2, 0, 1, true, true, false, 's', 0},
         std::tuple{Arch::kLlama, true, 2, 2, 2, 0, 1, true, false, false, 'u', 3},
         std::tuple{Arch::kMoe, false, 1, 2, 2, 2, 2, false, true, true, 'u', 1},
-        std::tuple{Arch::kMoeSigmoid, false, 2, 1, 2, 0, 2, true, false, false, 'b', 2}}) {
+        std::tuple{Arch::kMoeSigmoid, false, 2, 1, 2, 0, 2, true, false, false, 'b', 2},
+        std::tuple{Arch::kGpt, false, 2, 2, 2, 2, 1, true, true, false, 'm', 0},
+        std::tuple{Arch::kLlama, true, 2, 2, 1, 0, 1, true, false, false, 'M', 0},
+        std::tuple{Arch::kMoe, false, 1, 2, 2, 0, 2, false, true, true, 'm', 0}}) {
     add(arch, tp, pp, dp, vpp, sp, zero, false, ep, ep > 1 && tp > 1 ? 1 : 0, a2a);
     v.back().flash = flash;
     v.back().recompute = rc;

@@ -142,8 +142,8 @@ TEST_F(CliTest, TrainsAndResumesBitwise) {
   EXPECT_NE(gen.out.find("the whale"), std::string::npos) << gen.out;
 }
 
-// --recompute-granularity full / selective trains the same model: the loss lines are those of the
-// run without recompute, and the log names the recompute.
+// --recompute-granularity full / selective (also with --recompute-modules) trains the same model:
+// the loss lines are those of the run without recompute, and the log names the recompute.
 TEST_F(CliTest, ActivationRecomputeTrainsTheSameModel) {
   const std::string common = "--train-iters 3 --attention-backend local ";
   RunResult plain = run_megatron(train_flags(common));
@@ -151,7 +151,8 @@ TEST_F(CliTest, ActivationRecomputeTrainsTheSameModel) {
   ASSERT_EQ(loss_lines(plain.out).size(), 3u) << plain.out;
   for (const std::string flags :
        {"--recompute-granularity full --recompute-method uniform --recompute-num-layers 2",
-        "--recompute-activations"}) {
+        "--recompute-activations",
+        "--recompute-granularity selective --recompute-modules core_attn layernorm mlp_act"}) {
     RunResult r = run_megatron(train_flags(common + flags));
     ASSERT_EQ(r.rc, 0) << flags << "\n" << r.out;
     EXPECT_EQ(loss_lines(r.out), loss_lines(plain.out)) << flags << "\n" << r.out;
@@ -176,7 +177,8 @@ TEST_F(CliTest, DeterministicModeOnCpuTrainsTheSameModel) {
 // CPU the sizes are exact), with and without recompute.
 TEST_F(CliTest, MemoryEstimateMatchesTheAllocation) {
   for (const std::string flags :
-       {"", "--recompute-granularity full --recompute-method block --recompute-num-layers 1 --hidden-size 64"}) {
+       {"", "--recompute-granularity full --recompute-method block --recompute-num-layers 1 --hidden-size 64",
+        "--recompute-granularity selective --recompute-modules layernorm mlp_act"}) {
     RunResult r = run_megatron(train_flags("--train-iters 1 " + flags));
     ASSERT_EQ(r.rc, 0) << r.out;
     EXPECT_NE(r.out.find("> memory estimate per rank: parameters (fp32)"), std::string::npos) << r.out;
@@ -295,7 +297,12 @@ TEST_F(CliTest, BadInputErrors) {
       {train_flags("--train-iters 2 --recompute-granularity full"), "needs --recompute-method uniform or block"},
       {train_flags("--train-iters 2 --recompute-method block --recompute-num-layers 1"),
        "--recompute-method block needs --recompute-granularity full"},
-      {train_flags("--train-iters 2 --recompute-activations --recompute-modules mlp"), "only core_attn"},
+      {train_flags("--train-iters 2 --recompute-activations --recompute-modules moe"),
+       "--recompute-modules moe: Megatron's moe recompute is not implemented"},
+      {train_flags("--train-iters 2 --recompute-activations --recompute-modules attn"),
+       "--recompute-modules attn: unknown module"},
+      {train_flags("--train-iters 2 --recompute-modules layernorm"),
+       "--recompute-modules needs --recompute-granularity selective (got none)"},
       {train_flags("--train-iters 2 --cuda-graph-impl local --recompute-granularity full --recompute-method uniform "
                    "--recompute-num-layers 1"),
        "--cuda-graph-impl local with --recompute-granularity full is not supported"},

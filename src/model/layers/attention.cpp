@@ -17,7 +17,7 @@ namespace mt {
 DotProductAttention::DotProductAttention(const TransformerConfig& c, int64_t layer, const TensorParallelRegion& tp)
     : config_(c),
       layer_(layer),
-      recompute_(c.recompute_granularity == RecomputeGranularity::kSelective),
+      recompute_(c.selective_recompute().core_attn),
       heads_(c.num_attention_heads / tp.size()),
       groups_(c.query_groups() / tp.size()),
       head_offset_(tp.rank() * (c.num_attention_heads / tp.size())) {}
@@ -144,6 +144,7 @@ ColumnParallelLinear::Options qkv_options(const TransformerConfig& c, int64_t la
   o.out = (c.num_attention_heads + 2 * c.query_groups()) * c.head_dim();
   o.bias = c.qkv_bias();
   o.init_std = c.init_method_std;
+  o.recompute_input = c.selective_recompute().layernorm;  // input_layernorm's output
   return o;
 }
 

@@ -91,6 +91,10 @@ class SelfAttention {
   void plan(BufferPlanner& planner, int64_t s, int64_t b);
   /// Where the input layernorm writes the block's input [s_l, b, h] for `area`.
   Tensor input(int area) const { return linear_qkv_.input(area); }
+  /// Whether the input is not saved (--recompute-modules layernorm): before backward the input
+  /// layernorm must write input() again and restore_input() must run.
+  bool recomputes_input() const { return linear_qkv_.recomputes_input(); }
+  void restore_input(const StepContext& ctx) { linear_qkv_.restore_input(ctx); }
   /// Returns the block's output [s_l, b, h] before the output bias (a scratch view). With
   /// ctx.batch.inference (generation) the core attention is replaced by the key/value-cache
   /// attention (ops/kv_cache_attention.h): the new keys/values are appended to this layer's cache

@@ -17,7 +17,13 @@ std::string last_component(const std::string& prefix) {
 // ---------------------------------------------------------------------------------------------
 
 ColumnParallelLinear::ColumnParallelLinear(const Options& o, const TensorParallelRegion& tp, ParamRegistry& reg)
-    : tp_(tp), in_(o.in), out_(o.out), parts_(o.parts), weight_ptr_(o.shared_weight ? o.shared_weight : &weight_) {
+    : tp_(tp),
+      in_(o.in),
+      out_(o.out),
+      parts_(o.parts),
+      role_(last_component(o.prefix)),
+      recompute_input_(o.recompute_input),
+      weight_ptr_(o.shared_weight ? o.shared_weight : &weight_) {
   if (!o.shared_weight) {
     ParamSpec w = column_parallel_weight(o.prefix + ".weight", out_, in_, o.init_std, tp.size(), tp.rank(), parts_);
     w.shared_embedding_copy = o.shared_embedding_copy;
@@ -31,7 +37,7 @@ void ColumnParallelLinear::plan(BufferPlanner& p, int64_t s, int64_t b) {
   const DType t = p.act_dtype();
   const size_t a = static_cast<size_t>(p.area());
   if (saved_.size() <= a) saved_.resize(a + 1);
-  saved_[a] = p.saved(t, {s, b, in_}, "column-parallel input");
+  saved_[a] = recompute_input_ ? p.scratch(role_ + ".input", t, {s, b, in_}) : p.saved(t, {s, b, in_}, "column-parallel input");
   const int64_t sl = tp_.local_seq(s);
   input_local_ = tp_.sequence_parallel() ? p.scratch("column_parallel.input_local", t, {sl, b, in_}) : Tensor();
   dx_full_ = p.scratch("column_parallel.dx", t, {s, b, in_});
@@ -42,9 +48,14 @@ Tensor ColumnParallelLinear::input(int area) const {
   return tp_.sequence_parallel() ? input_local_ : saved_.at(static_cast<size_t>(area));
 }
 
-void ColumnParallelLinear::forward(const Tensor& y, const StepContext& ctx, const Tensor& pre_gelu) {
+void ColumnParallelLinear::restore_input(const StepContext& ctx) {
+  MT_CHECK(recompute_input_, "{}: restore_input without recompute_input", role_);
+  tp_.enter_forward(saved_.at(static_cast<size_t>(ctx.slot)), input_local_, ctx.stream);
+}
+
+void ColumnParallelLinear::forward(const Tensor& y, const StepContext& ctx, const Tensor& pre_gelu, bool gather) {
   const Tensor& x = saved_.at(static_cast<size_t>(ctx.slot));
-  tp_.enter_forward(x, input_local_, ctx.stream);
+  if (gather) tp_.enter_forward(x, input_local_, ctx.stream);
   const int64_t n = local_out();
   linear_forward(y.view({y.numel() / n, n}), rows(x), weight().value(), value_or_empty(bias_),
                  pre_gelu.empty() ? Tensor() : pre_gelu.view({pre_gelu.numel() / n, n}), ctx.stream);
@@ -93,7 +104,7 @@ Tensor ColumnParallelLinear::backward(const Tensor& dy, const StepContext& ctx, 
 // ---------------------------------------------------------------------------------------------
 
 RowParallelLinear::RowParallelLinear(const Options& o, const TensorParallelRegion& tp, ParamRegistry& reg)
-    : tp_(tp), in_(o.in), out_(o.out), role_(last_component(o.prefix)) {
+    : tp_(tp), in_(o.in), out_(o.out), role_(last_component(o.prefix)), recompute_input_(o.recompute_input) {
   reg.declare(row_parallel_weight(o.prefix + ".weight", out_, in_, o.init_std, tp.size(), tp.rank()), &weight_);
   if (o.bias)
     reg.declare(replicated_param(o.prefix + ".bias", {out_}, InitKind::kZeros, 0.f, TpGradSum::kSequenceParallel),
@@ -105,7 +116,7 @@ void RowParallelLinear::plan(BufferPlanner& p, int64_t s, int64_t b) {
   const size_t a = static_cast<size_t>(p.area());
   if (saved_.size() <= a) saved_.resize(a + 1);
   const int64_t in_l = in_ / tp_.size(), sl = tp_.local_seq(s);
-  saved_[a] = p.saved(t, {s, b, in_l}, "row-parallel input");
+  saved_[a] = recompute_input_ ? p.scratch(role_ + ".input", t, {s, b, in_l}) : p.saved(t, {s, b, in_l}, "row-parallel input");
   out_full_ = p.scratch("row_parallel.out", t, {s, b, out_});
   out_local_ = tp_.sequence_parallel() ? p.scratch("row_parallel.out_local", t, {sl, b, out_}) : out_full_;
   dy_full_ = tp_.sequence_parallel() ? p.scratch("row_parallel.dy", t, {s, b, out_}) : Tensor();

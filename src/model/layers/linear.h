@@ -40,20 +40,31 @@ class ColumnParallelLinear {
     bool shared_embedding_copy = false;
     /// > 0: the output rows are the padded vocabulary, of which this many are real (ParamSpec).
     int64_t vocab_rows = 0;
+    /// The input is not saved (selective recompute of the producing norm, --recompute-modules
+    /// layernorm): input_full is scratch shared by the layers of this role (prefix's last
+    /// component), valid from the forward to the GEMM, and in the backward once the producer has
+    /// written input() again and restore_input() has run.
+    bool recompute_input = false;
   };
   ColumnParallelLinear(const Options& o, const TensorParallelRegion& tp, ParamRegistry& registry);
   ColumnParallelLinear(const ColumnParallelLinear&) = delete;
   ColumnParallelLinear& operator=(const ColumnParallelLinear&) = delete;
 
-  /// Plans the saved gathered input [s, b, in] in the open area and the shared scratch.
+  /// Plans the saved gathered input [s, b, in] in the open area (scratch with recompute_input)
+  /// and the shared scratch.
   void plan(BufferPlanner& planner, int64_t s, int64_t b);
+  bool recomputes_input() const { return recompute_input_; }
+  /// Recompute (recompute_input): after the producer wrote input(area) again in the backward,
+  /// the gathered input again (the sequence-parallel all-gather; nothing without SP).
+  void restore_input(const StepContext& ctx);
   /// Where the producer writes this layer's input [s_l, b, in] for `area`.
   Tensor input(int area) const;
   /// The gathered input [s, b, in] of `area` (valid after forward).
   Tensor input_full(int area) const { return saved_.at(static_cast<size_t>(area)); }
   /// y [s, b, parts·out/tp] = x Wᵀ (+ b); with pre_gelu given (same shape), the GELU epilogue:
-  /// pre_gelu = x Wᵀ + b, y = gelu(pre_gelu) (ops/matmul.h).
-  void forward(const Tensor& y, const StepContext& ctx, const Tensor& pre_gelu = Tensor());
+  /// pre_gelu = x Wᵀ + b, y = gelu(pre_gelu) (ops/matmul.h). gather = false: the gathered
+  /// input is already in place (a recomputing backward re-running the GEMM).
+  void forward(const Tensor& y, const StepContext& ctx, const Tensor& pre_gelu = Tensor(), bool gather = true);
   /// From dy [s, b, parts·out/tp]: returns dL/dx [s_l, b, in] (a scratch view, valid until the next
   /// ColumnParallelLinear backward); dW (+= dyᵀ x) and db (+= Σ dy) now, or appended to `defer`.
   /// bias_grad_done: db was already accumulated by the consumer's fused backward
@@ -82,9 +93,11 @@ class ColumnParallelLinear {
  private:
   const TensorParallelRegion& tp_;
   int64_t in_, out_, parts_;
+  std::string role_;
+  bool recompute_input_;
   ParamRef weight_, bias_;
   const ParamRef* weight_ptr_;
-  std::vector<Tensor> saved_;  // per area: the gathered input [s, b, in]
+  std::vector<Tensor> saved_;  // per area: the gathered input [s, b, in] (recompute_input: one scratch)
   Tensor input_local_;         // SP: [s_l, b, in] scratch the producer writes
   Tensor dx_full_, dx_local_;  // [s, b, in], [s_l, b, in] (same memory without SP)
 };
@@ -102,14 +115,20 @@ class RowParallelLinear {
     int64_t in = 0, out = 0;  ///< global sizes
     bool bias = true;         ///< declare the (replicated, skip-add) bias
     float init_std = 0.02f;
+    /// The input is not saved (selective recompute of the producing activation, --recompute-modules
+    /// mlp / mlp_act): input() is scratch shared by the layers of this role, which the producer
+    /// must write again before backward.
+    bool recompute_input = false;
   };
   RowParallelLinear(const Options& o, const TensorParallelRegion& tp, ParamRegistry& registry);
   RowParallelLinear(const RowParallelLinear&) = delete;
   RowParallelLinear& operator=(const RowParallelLinear&) = delete;
 
-  /// Plans the saved input [s, b, in/tp] in the open area and the shared scratch.
+  /// Plans the saved input [s, b, in/tp] in the open area (scratch with recompute_input) and the
+  /// shared scratch.
   void plan(BufferPlanner& planner, int64_t s, int64_t b);
-  /// Where the producer writes this layer's input [s, b, in/tp] for `area` (saved).
+  /// Where the producer writes this layer's input [s, b, in/tp] for `area` (saved unless
+  /// recompute_input).
   Tensor input(int area) const { return saved_.at(static_cast<size_t>(area)); }
   /// Returns y [s_l, b, out] = reduce over TP of x Wᵀ, without the bias (a scratch view, valid
   /// until the next RowParallelLinear forward). With `add` (only when fuses_residual()): writes
@@ -137,8 +156,9 @@ class RowParallelLinear {
   const TensorParallelRegion& tp_;
   int64_t in_, out_;
   std::string role_;
+  bool recompute_input_;
   ParamRef weight_, bias_;
-  std::vector<Tensor> saved_;   // per area: input [s, b, in/tp]
+  std::vector<Tensor> saved_;   // per area: input [s, b, in/tp] (recompute_input: one scratch)
   Tensor out_full_, out_local_;  // [s, b, out], [s_l, b, out] (same memory without SP)
   Tensor dy_full_;               // SP: the gathered output gradient [s, b, out]
   Tensor dx_;                    // [s, b, in/tp]

@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "ops/gelu.h"
 #include "ops/swiglu.h"
 
 namespace mt {
@@ -9,7 +10,8 @@ namespace mt {
 namespace {
 std::string mlp_prefix(int64_t layer) { return fmt::format("decoder.layers.{}.mlp", layer); }
 
-ColumnParallelLinear::Options fc1_options(const TransformerConfig& c, const std::string& prefix, int64_t ffn) {
+ColumnParallelLinear::Options fc1_options(const TransformerConfig& c, const std::string& prefix, int64_t ffn,
+                                          const MLP::Recompute& r) {
   ColumnParallelLinear::Options o;
   o.prefix = prefix + ".linear_fc1";
   o.in = c.hidden_size;
@@ -17,54 +19,82 @@ ColumnParallelLinear::Options fc1_options(const TransformerConfig& c, const std:
   o.parts = c.gated_linear_unit ? 2 : 1;
   o.bias = c.add_bias_linear;
   o.init_std = c.init_method_std;
+  o.recompute_input = r.input;
   return o;
 }
 
-RowParallelLinear::Options fc2_options(const TransformerConfig& c, const std::string& prefix, int64_t ffn) {
+RowParallelLinear::Options fc2_options(const TransformerConfig& c, const std::string& prefix, int64_t ffn,
+                                       const MLP::Recompute& r) {
   RowParallelLinear::Options o;
   o.prefix = prefix + ".linear_fc2";
   o.in = ffn;
   o.out = c.hidden_size;
   o.bias = c.add_bias_linear;
   o.init_std = c.init_method_std / std::sqrt(2.0f * static_cast<float>(c.num_layers));
+  o.recompute_input = r.mlp || r.act;
   return o;
+}
+
+MLP::Recompute dense_recompute(const TransformerConfig& c) {
+  const RecomputeModules m = c.selective_recompute();
+  return MLP::Recompute{m.layernorm, m.mlp, m.mlp_act};
 }
 }  // namespace
 
 MLP::MLP(const TransformerConfig& c, int64_t layer, const TensorParallelRegion& tp, ParamRegistry& reg)
-    : MLP(c, mlp_prefix(layer), c.ffn(), tp, reg) {}
+    : MLP(c, mlp_prefix(layer), c.ffn(), tp, reg, dense_recompute(c)) {}
 
 MLP::MLP(const TransformerConfig& c, const std::string& prefix, int64_t ffn, const TensorParallelRegion& tp,
-         ParamRegistry& reg)
+         ParamRegistry& reg, Recompute recompute)
     : gated_(c.gated_linear_unit),
+      recompute_(recompute),
       local_ffn_(ffn / tp.size()),
-      linear_fc1_(fc1_options(c, prefix, ffn), tp, reg),
-      linear_fc2_(fc2_options(c, prefix, ffn), tp, reg) {}
+      linear_fc1_(fc1_options(c, prefix, ffn, recompute), tp, reg),
+      linear_fc2_(fc2_options(c, prefix, ffn, recompute), tp, reg) {}
 
 void MLP::plan(BufferPlanner& p, int64_t s, int64_t b) {
   const DType t = p.act_dtype();
   linear_fc1_.plan(p, s, b);
   const size_t a = static_cast<size_t>(p.area());
   if (pre_.size() <= a) pre_.resize(a + 1);
-  pre_[a] = p.saved(t, {s, b, (gated_ ? 2 : 1) * local_ffn_}, "fc1 output before the activation");
+  const std::vector<int64_t> pre_shape{s, b, (gated_ ? 2 : 1) * local_ffn_};
+  pre_[a] = recompute_.mlp ? p.scratch("mlp.pre", t, pre_shape) : p.saved(t, pre_shape, "fc1 output before the activation");
   linear_fc2_.plan(p, s, b);
   d_pre_ = gated_ ? p.scratch("mlp.d_pre", t, {s, b, 2 * local_ffn_}) : Tensor();
 }
 
-Tensor MLP::forward(const StepContext& ctx, const ResidualAdd* add) {
+void MLP::forward_fc1(const StepContext& ctx, bool gather) {
   const Tensor& pre = pre_.at(static_cast<size_t>(ctx.slot));
   const Tensor act = linear_fc2_.input(ctx.slot);
   if (gated_) {
-    linear_fc1_.forward(pre, ctx);
+    linear_fc1_.forward(pre, ctx, Tensor(), gather);
     swiglu_forward(act, pre, ctx.stream);
   } else {
-    linear_fc1_.forward(act, ctx, /*pre_gelu=*/pre);  // GELU in the GEMM epilogue
+    linear_fc1_.forward(act, ctx, /*pre_gelu=*/pre, gather);  // GELU in the GEMM epilogue
   }
+}
+
+Tensor MLP::forward(const StepContext& ctx, const ResidualAdd* add) {
+  forward_fc1(ctx, /*gather=*/true);
   return linear_fc2_.forward(ctx, add);
 }
 
 Tensor MLP::backward(const Tensor& dy, const StepContext& ctx, WgradDeferral* defer) {
   const Tensor& pre = pre_.at(static_cast<size_t>(ctx.slot));
+  // Selective recompute: what the forward did not keep, again. The scratch written here is read
+  // by linear_fc2's weight gradient below (never deferred) and, for the input, by linear_fc1's,
+  // which may be deferred: nothing of another layer runs before a deferral does (GPTModel defers
+  // only the first layer's, past the embedding backward), and the scratch keys are this role's.
+  if (recompute_.mlp) {
+    forward_fc1(ctx, /*gather=*/false);  // the gathered input is saved, or restored by the layer
+  } else if (recompute_.act) {
+    const Tensor act = linear_fc2_.input(ctx.slot);
+    if (gated_) {
+      swiglu_forward(act, pre, ctx.stream);
+    } else {
+      gelu_forward(act, pre, ctx.stream);  // from the rounded fc1 output (the forward's epilogue used fp32)
+    }
+  }
   if (!gated_) {
     // fc2's dgrad applies the GELU backward and takes fc1's bias gradient (one fused GEMM on CUDA)
     const RowParallelLinear::GeluInput gelu{pre, grad_or_empty(linear_fc1_.bias())};

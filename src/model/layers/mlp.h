@@ -2,7 +2,7 @@
 // (ColumnParallelLinear, f/tp columns per rank; 2·f/tp for the gated SwiGLU variant, gate then up)
 // -> activation (GELU tanh, or SiLU(gate) ∘ up) -> linear_fc2 (RowParallelLinear). Saved per area:
 // the fc1 output before the activation [s, b, (2)f/tp] and, as linear_fc2's input, the activation
-// output [s, b, f/tp].
+// output [s, b, f/tp]. Selective recompute (--recompute-modules) drops some of them: Recompute.
 #pragma once
 #include <vector>
 
@@ -19,6 +19,10 @@ class MlpSlot {
   virtual void plan(BufferPlanner& planner, int64_t s, int64_t b) = 0;
   /// Where the pre-MLP layernorm writes the block's input [s_l, b, h] for `area`.
   virtual Tensor input(int area) const = 0;
+  /// Whether the input is not saved (--recompute-modules layernorm): before backward the
+  /// pre-MLP layernorm must write input() again and restore_input() must run.
+  virtual bool recomputes_input() const { return false; }
+  virtual void restore_input(const StepContext&) {}
   /// Returns the block's output [s_l, b, h] before its output bias (a scratch view). With `add`
   /// (only when fuses_residual()): returns add->out = add->residual + (output + bias) instead.
   virtual Tensor forward(const StepContext& ctx, const ResidualAdd* add = nullptr) = 0;
@@ -31,19 +35,30 @@ class MlpSlot {
   virtual const ParamRef& output_bias() const = 0;
 };
 
+/// What an MLP does not save and recomputes in the backward (TransformerConfig::RecomputeModules).
+struct MlpRecompute {
+  bool input = false;  ///< layernorm: the block's input (the producer writes it again)
+  bool mlp = false;    ///< mlp: fc1's output and the activation (fc1 and the activation again)
+  bool act = false;    ///< mlp_act: the activation output (from the kept fc1 output)
+};
+
 class MLP final : public MlpSlot {
  public:
-  /// The layer's MLP: prefix "decoder.layers.<layer>.mlp", ffn = config.ffn().
+  using Recompute = MlpRecompute;
+  /// The layer's MLP: prefix "decoder.layers.<layer>.mlp", ffn = config.ffn(), recompute as
+  /// config.selective_recompute() says for the dense MLP.
   MLP(const TransformerConfig& config, int64_t layer, const TensorParallelRegion& tp, ParamRegistry& registry);
   /// An MLP of another role (the MoE layer's shared experts: "<...>.mlp.shared_experts", ffn =
   /// --moe-shared-expert-intermediate-size), with biases as config.add_bias_linear.
   MLP(const TransformerConfig& config, const std::string& prefix, int64_t ffn, const TensorParallelRegion& tp,
-      ParamRegistry& registry);
+      ParamRegistry& registry, Recompute recompute = {});
   MLP(const MLP&) = delete;
   MLP& operator=(const MLP&) = delete;
 
   void plan(BufferPlanner& planner, int64_t s, int64_t b) override;
   Tensor input(int area) const override { return linear_fc1_.input(area); }
+  bool recomputes_input() const override { return linear_fc1_.recomputes_input(); }
+  void restore_input(const StepContext& ctx) override { linear_fc1_.restore_input(ctx); }
   Tensor forward(const StepContext& ctx, const ResidualAdd* add = nullptr) override;
   bool fuses_residual() const override { return linear_fc2_.fuses_residual(); }
   /// linear_fc1's weight gradient may be deferred (linear_fc2's is computed at once: its gathered
@@ -52,11 +67,14 @@ class MLP final : public MlpSlot {
   const ParamRef& output_bias() const override { return linear_fc2_.bias(); }
 
  private:
+  /// fc1 (gather: see ColumnParallelLinear::forward) and the activation into linear_fc2's input.
+  void forward_fc1(const StepContext& ctx, bool gather);
   bool gated_;
+  Recompute recompute_;
   int64_t local_ffn_;
   ColumnParallelLinear linear_fc1_;
   RowParallelLinear linear_fc2_;
-  std::vector<Tensor> pre_;  // per area: fc1 output before the activation [s, b, (2)f_l]
+  std::vector<Tensor> pre_;  // per area: fc1 output before the activation [s, b, (2)f_l] (mlp: one scratch)
   Tensor d_pre_;             // gated: scratch [s, b, 2 f_l]
 };
 

@@ -207,6 +207,8 @@ class MoELayer final : public MlpSlot {
   // The router's selection of area `slot` (before a capacity drop; the dispatcher gets the kept slots).
   Tensor router_top(int slot) const;
   // --moe-grouped-gemm: the experts over all R_max rows with the device counts.
+  /// The experts' activation act = swiglu(pre) or gelu(pre) (rows [R, f_l] / [R, (2)f_l]).
+  void activation(const Tensor& act, const Tensor& pre, const Stream& st) const;
   void grouped_forward(Saved& sv, const Stream& st);
   void grouped_backward(Saved& sv, const Stream& st);
   Tensor finish_forward(Saved& sv, const StepContext& ctx);  // the shared experts, then y

@@ -122,6 +122,10 @@ void TransformerLayer::backward(const Tensor& x, const Tensor& d_resid, const St
     return branch_grad_;
   };
   region(ctx, layer_, mlp_region(), true, mlp_in, [&] {
+    if (mlp_->recomputes_input()) {  // --recompute-modules layernorm
+      pre_mlp_layernorm_->forward(rows(mlp_->input(ctx.slot)), rows(s.resid1), ctx);
+      mlp_->restore_input(ctx);
+    }
     const Tensor dy = branch(grad_or_empty(mlp_->output_bias()), kSiteMlpOut, moe() == nullptr);
     const Tensor d_ln = mlp_->backward(dy, ctx, captured(ctx, mlp_region()) ? nullptr : defer);
     pre_mlp_layernorm_->backward(rows(d_resid), rows(d_ln), rows(s.resid1), /*accumulate_dx=*/true, ctx);
@@ -130,6 +134,10 @@ void TransformerLayer::backward(const Tensor& x, const Tensor& d_resid, const St
   const LayerGraphs::Inputs attn_in{x.data(), d_resid.data(), ctx.batch.position_ids.data(),
                                     ctx.batch.doc_start.data(), ctx.loss_scale.data()};
   region(ctx, layer_, Region::kAttention, true, attn_in, [&] {
+    if (self_attention_->recomputes_input()) {  // --recompute-modules layernorm
+      input_layernorm_->forward(rows(self_attention_->input(ctx.slot)), rows(x), ctx);
+      self_attention_->restore_input(ctx);
+    }
     WgradDeferral* attn_defer = captured(ctx, Region::kAttention) ? nullptr : defer;
     const Tensor dy = branch(grad_or_empty(self_attention_->output_bias()), kSiteAttentionOut,
                              attn_defer == nullptr || tp_.sequence_parallel());

@@ -2,7 +2,9 @@
 //   resid1 = x + dropout(self_attention(input_layernorm(x)) + b_proj)     (self_attn_bda)
 //   out    = resid1 + dropout(mlp(pre_mlp_layernorm(resid1)) + b_fc2)     (mlp_bda)
 // x, resid1, out: [s_l, b, h] (s_l = s/tp with sequence parallelism). Saved per activation area:
-// resid1 and out (the next layer's input), plus what the submodules save. The submodules are
+// resid1 and out (the next layer's input), plus what the submodules save. With
+// --recompute-modules layernorm the norms' outputs are not saved: the backward runs each norm's
+// forward again from x / resid1 (the same kernels on the same inputs: the same values). The submodules are
 // chosen by the LayerSpec (model/specs.h). Dropout keys: model/module.h (sites of layer `layer`).
 #pragma once
 #include <memory>

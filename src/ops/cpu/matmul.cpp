@@ -64,7 +64,7 @@ void linear_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Ten
     for (int64_t j = 0; j < n; ++j) {
       float v = row[j] + (bv ? bv[j] : 0.f);
       row[j] = v;
-      if (gelu) yv[i * n + j] = linear_gelu(v);
+      if (gelu) yv[i * n + j] = gelu_math::gelu(v);
     }
   }
 }

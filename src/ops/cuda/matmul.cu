@@ -39,7 +39,7 @@ __global__ void bias_act_kernel(T* pre, T* y, const T* bias, int64_t m, int64_t 
       v += to_f(bias[i % n]);
       pre[i] = from_f<T>(v);
     }
-    if (y) y[i] = from_f<T>(linear_gelu(v));
+    if (y) y[i] = from_f<T>(gelu_math::gelu(v));
   }
 }
 
