@@ -22,6 +22,10 @@
 #   gpt_350m              GPT 350M (24 layers, hidden 1024, 16 heads), micro-batch 16
 #   gpt_1p3b              GPT 1.3B (24 layers, hidden 2048, 16 heads), micro-batch 8
 #   llama_1b              Llama-style 1.2B (16 layers, hidden 2048, GQA 32/8, SwiGLU 8192), micro-batch 4
+#   CONFIG:VARIANT        the same configuration, megatron.cpp with other flags (the reference run,
+#                         the weights and the samples of CONFIG are reused within one invocation):
+#                         norm_act = --recompute-granularity selective --recompute-modules layernorm
+#                         mlp_act (the norms' and the MLP activation's outputs recomputed)
 #   moe_small             Mixtral-style MoE (12 layers, hidden 1024, GQA 16/8, 8 experts top-2, expert
 #                         SwiGLU 3584, aux loss 1e-2), micro-batch 8 (speed only)
 # Environment: ITERS (steps, default 40), WARMUP (steps left out of the timing, default 10), LR
@@ -127,25 +131,38 @@ PY
 header="| configuration | megatron.cpp tok/s | PyTorch tok/s | ratio | TFLOP/s/GPU (MFU) ours | TFLOP/s/GPU (MFU) PyTorch | step ms median (p10-p90) ours | step ms PyTorch | peak memory GiB ours / PyTorch | loss at step $ITERS ours / PyTorch |"
 echo "$header" | tee "$OUT/compare.md"
 echo "|---|---|---|---|---|---|---|---|---|---|" | tee -a "$OUT/compare.md"
+declare -A torch_done=()
 for c in "$@"; do
-  config "$c" || continue
+  base=${c%%:*}
+  config "$base" || continue
+  case $c in
+    "$base") ;;
+    "$base:norm_act") mt+=(--recompute-granularity selective --recompute-modules layernorm mlp_act) ;;
+    *) echo "unknown variant ${c#*:}" >&2; continue ;;
+  esac
   ref_init=()
-  if [ "$loss" = 1 ]; then
+  if [ "$loss" = 1 ] && [ -d "$OUT/$base.hf" ]; then
+    ref_init=(--init-hf "$OUT/$base.hf" --samples "$OUT/$base.samples.bin" --loss-vocab 50257)
+  elif [ "$loss" = 1 ]; then
     # the initial weights: one step at learning rate 0 changes nothing; saved and exported
-    rm -rf "$OUT/$c.init" "$OUT/$c.hf"
-    timeout 300 build/megatron pretrain "${train[@]}" "${mt[@]}" --lr 0 --train-iters 1 --save "$OUT/$c.init" \
-      --save-interval 1 > "$OUT/$c.init.log" 2>&1 &&
-    timeout 300 build/megatron export-hf --load "$OUT/$c.init" --hf-dir "$OUT/$c.hf" --hf-dtype fp32 \
-      > "$OUT/$c.export.log" 2>&1 &&
-    timeout 300 build/train_samples_bench "$OUT/$c.samples.bin" $((ITERS * mb)) $SEQ 1234 "$ITERS" "$mb" 100000 0 \
-      "${demo_data[@]}" > "$OUT/$c.samples.log" 2>&1 &&
-    ref_init=(--init-hf "$OUT/$c.hf" --samples "$OUT/$c.samples.bin" --loss-vocab 50257) ||
-      { echo "| $c | the shared weights or samples failed: $(tail -1 "$OUT/$c.init.log" "$OUT/$c.export.log" 2>/dev/null | tail -1) |" | tee -a "$OUT/compare.md"; continue; }
+    rm -rf "$OUT/$base.init" "$OUT/$base.hf"
+    timeout 300 build/megatron pretrain "${train[@]}" "${mt[@]}" --lr 0 --train-iters 1 --save "$OUT/$base.init" \
+      --save-interval 1 > "$OUT/$base.init.log" 2>&1 &&
+    timeout 300 build/megatron export-hf --load "$OUT/$base.init" --hf-dir "$OUT/$base.hf" --hf-dtype fp32 \
+      > "$OUT/$base.export.log" 2>&1 &&
+    timeout 300 build/train_samples_bench "$OUT/$base.samples.bin" $((ITERS * mb)) $SEQ 1234 "$ITERS" "$mb" 100000 0 \
+      "${demo_data[@]}" > "$OUT/$base.samples.log" 2>&1 &&
+    ref_init=(--init-hf "$OUT/$base.hf" --samples "$OUT/$base.samples.bin" --loss-vocab 50257) ||
+      { echo "| $base | the shared weights or samples failed: $(tail -1 "$OUT/$base.init.log" "$OUT/$base.export.log" 2>/dev/null | tail -1) |" | tee -a "$OUT/compare.md"; continue; }
   fi
+  c=${c/:/_}  # file names
   timeout 300 build/megatron pretrain "${train[@]}" "${mt[@]}" --lr "$LR" --train-iters "$ITERS" --log-interval 1 \
     > "$OUT/$c.megatron.log" 2>&1
-  timeout 400 python3 bench/pytorch_gpt2.py "${pt[@]}" "${ref_init[@]}" --steps $((ITERS - WARMUP)) --warmup "$WARMUP" \
-    --compile > "$OUT/$c.torch.log" 2>&1
-  row "$c" "$OUT/$c.megatron.log" "$OUT/$c.torch.log" "$loss" | tee -a "$OUT/compare.md"
-  rm -rf "$OUT/$c.init" "$OUT/$c.hf" "$OUT/$c.samples.bin"
+  if [ -z "${torch_done[$base]:-}" ]; then
+    timeout 400 python3 bench/pytorch_gpt2.py "${pt[@]}" "${ref_init[@]}" --steps $((ITERS - WARMUP)) \
+      --warmup "$WARMUP" --compile > "$OUT/$base.torch.log" 2>&1
+    torch_done[$base]=1
+  fi
+  row "$c" "$OUT/$c.megatron.log" "$OUT/$base.torch.log" "$loss" | tee -a "$OUT/compare.md"
 done
+for c in "$@"; do rm -rf "$OUT/${c%%:*}.init" "$OUT/${c%%:*}.hf" "$OUT/${c%%:*}.samples.bin"; done

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Activation recompute on one GPU: memory saved and time cost of --recompute-granularity
-# selective / full against no recompute, on the demo data, bf16, for GPT-2 124M and GPT 1.3B.
+# selective (--recompute-modules) / full against no recompute, on the demo data, bf16, for GPT-2 124M and GPT 1.3B.
 # Prints one markdown table (ms per iteration = the mean of the last 10 iterations of the log,
 # tokens/s, megatron.cpp's static buffers and cudaMemGetInfo's in-use memory) to stdout and
 # $OUT/recompute.md; logs under $OUT.
@@ -19,6 +19,8 @@ fi
 models=("$@"); [ ${#models[@]} -gt 0 ] || models=(gpt2 gpt_1p3b)
 
 variants=("none|"
+          "selective layernorm mlp_act|--recompute-granularity selective --recompute-modules layernorm mlp_act"
+          "selective layernorm mlp|--recompute-granularity selective --recompute-modules layernorm mlp"
           "selective, local attention|--attention-backend local --recompute-granularity selective"
           "none, local attention|--attention-backend local"
           "full uniform 1|--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
