@@ -25,7 +25,9 @@
 #   CONFIG:VARIANT        the same configuration, megatron.cpp with other flags (the reference run,
 #                         the weights and the samples of CONFIG are reused within one invocation):
 #                         norm_act = --recompute-granularity selective --recompute-modules layernorm
-#                         mlp_act (the norms' and the MLP activation's outputs recomputed)
+#                         mlp_act (the norms' and the MLP activation's outputs recomputed);
+#                         graph = --cuda-graph-impl full_iteration (forward + backward replayed
+#                         as one CUDA graph)
 #   moe_small             Mixtral-style MoE (12 layers, hidden 1024, GQA 16/8, 8 experts top-2, expert
 #                         SwiGLU 3584, aux loss 1e-2), micro-batch 8 (speed only)
 # Environment: ITERS (steps, default 40), WARMUP (steps left out of the timing, default 10), LR
@@ -138,6 +140,7 @@ for c in "$@"; do
   case $c in
     "$base") ;;
     "$base:norm_act") mt+=(--recompute-granularity selective --recompute-modules layernorm mlp_act) ;;
+    "$base:graph") mt+=(--cuda-graph-impl full_iteration) ;;
     *) echo "unknown variant ${c#*:}" >&2; continue ;;
   esac
   ref_init=()
