@@ -8,7 +8,9 @@
 //     frequent id is ~10% of the tokens);
 // (2) the weight / bias gradients that are deterministic on every run now (fixed-order partial
 //     rows, ops/cuda/column_partials.cuh): rmsnorm_backward, layernorm_backward and
-//     bias_dropout_add_backward (p = 0.1) over [tokens, h], with their effective bandwidth.
+//     bias_dropout_add_backward (p = 0.1) over [tokens, h], with their effective bandwidth
+//     (MT_LAYERNORM_BWD_VARIANT=1: layernorm_backward's two-kernel path instead of the fused
+//     one, ops/cuda/norm_backward_cached.cuh).
 // Times: median over --iters of CUDA events around one call, after 3 warm-up calls.
 #include <algorithm>
 #include <cmath>

@@ -1,8 +1,14 @@
-// CUDA LayerNorm (ops/layernorm.h): a warp per row for the forward and dx; dweight / dbias as
-// per-row-group partial column sums reduced in a fixed order (ops/cuda/column_partials.cuh).
+// CUDA LayerNorm (ops/layernorm.h): a warp per row for the forward. Backward: rows that fit in
+// registers (h <= 8192 bf16/fp16, 4096 fp32 with 16-byte vectors) take the fused kernel shared
+// with RMSNorm (ops/cuda/norm_backward_cached.cuh: dx and the dweight / dbias partial rows in one
+// pass over x and dy); longer rows a column-parallel dweight / dbias kernel, then a warp per row
+// for dx. Either way the partial rows are added in a fixed order (ops/cuda/column_partials.cuh).
+#include <cstdlib>
+
 #include "ops/cuda/elementwise_common.cuh"
 #include "ops/layernorm.h"
 #include "ops/cuda/column_partials.cuh"
+#include "ops/cuda/norm_backward_cached.cuh"
 
 namespace mt::cuda {
 namespace {
@@ -198,10 +204,28 @@ void layernorm_backward(const Tensor& dx, const Tensor& dweight, const Tensor& d
     const T* pw = static_cast<const T*>(weight.data());
     const float* pm = mean.data_as<float>();
     const float* pr = rstd.data_as<float>();
-
-    // (1) dweight / dbias (reads dy before (2) may overwrite it through an alias): partial sums
-    // per row group, then added in a fixed order (deterministic).
     const char* fn = "layernorm_backward";
+    const bool vec = h % V == 0 && ew::aligned16(pdx) && ew::aligned16(pdy) && ew::aligned16(px) &&
+                     ew::aligned16(pw);
+
+    // Rows that fit in registers: one fused kernel (MT_LAYERNORM_BWD_VARIANT=1 keeps the two-kernel
+    // path for comparison, bench/deterministic_ops_bench.cpp).
+    static const bool two_kernels = [] {
+      const char* v = std::getenv("MT_LAYERNORM_BWD_VARIANT");
+      return v != nullptr && std::atoi(v) == 1;
+    }();
+    const RowMap rows{n, 1, h, h};
+    auto cached = [&](auto vtag) {
+      return norm_cached::launch<true, decltype(vtag)::value>(pdx, rows, dweight.data_as<float>(),
+                                                              dbias.data_as<float>(), pdy, rows, px, rows, pw, pm, pr,
+                                                              n, h, accumulate_dx, stream, fn);
+    };
+    if (!two_kernels &&
+        (vec ? cached(std::integral_constant<int, V>{}) : cached(std::integral_constant<int, 1>{})))
+      return;
+
+    // Long rows. (1) dweight / dbias (reads dy before (2) may overwrite it through an alias):
+    // partial sums per row group, then added in a fixed order (deterministic).
     const int64_t gx = (h64 + 31) / 32;
     const int sms = (stream.cuda() && stream.cuda()->num_sms > 0) ? stream.cuda()->num_sms : 132;
     const int64_t want_y = std::max<int64_t>(1, (static_cast<int64_t>(sms) * 8 + gx - 1) / gx);
@@ -214,8 +238,6 @@ void layernorm_backward(const Tensor& dx, const Tensor& dweight, const Tensor& d
     add_column_partials(dweight.data_as<float>(), part_w, dbias.data_as<float>(), part_b, gy, h64, stream);
 
     // (2) dx.
-    const bool vec = h % V == 0 && ew::aligned16(pdx) && ew::aligned16(pdy) && ew::aligned16(px) &&
-                     ew::aligned16(pw);
     const unsigned grid = row_grid(n, stream);
     if (vec) {
       layernorm_backward_dx_kernel<V><<<grid, kRowThreads, 0, raw(stream)>>>(pdx, pdy, px, pw, pm, pr, n, h,

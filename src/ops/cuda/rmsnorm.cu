@@ -5,13 +5,9 @@
 // 64 M elements): 2.5 TB/s for h = 64..128, 1.8 TB/s for h = 4096..8192; a variant that held the
 // row in registers (one DRAM pass, up to 512 threads per row) was slower in every case.
 // Backward, rows of up to 2 · 512 vectors (h <= 8192 bf16/fp16 and 4096 fp32 with 16-byte
-// vectors, 1024 on the scalar path): one fused kernel; a group of TPR threads per row (TPR a
-// power of two in [4, 512]; 256- or 512-thread blocks) keeps x and dy of its row in registers (2
-// vectors per thread), so each is read once; each thread owns fixed columns, so it also keeps its
-// weight in registers and accumulates its dweight partial sums over all the rows it visits; the
-// block adds its groups' partials in shared memory (fixed order) and writes one partial row per
-// block (30-35% faster than the two-kernel path below on an H100 for h = 64..8192, measured with
-// per-block atomics). Longer rows: the dx kernel mirrors the forward, after a separate
+// vectors, 1024 on the scalar path): one fused kernel shared with LayerNorm
+// (ops/cuda/norm_backward_cached.cuh; 30-35% faster than the two-kernel path below on an H100 for
+// h = 64..8192, measured with per-block atomics). Longer rows: the dx kernel mirrors the forward, after a separate
 // column-parallel dweight kernel (run first so that dx may alias dy) that writes one partial row
 // per row group. Either way the partial rows are added to dweight in a fixed order by
 // add_column_partials (ops/cuda/column_partials.cuh): no float atomics, deterministic.
@@ -23,6 +19,7 @@
 
 #include "ops/cuda/column_partials.cuh"
 #include "ops/cuda/elementwise_common.cuh"
+#include "ops/cuda/norm_backward_cached.cuh"
 #include "ops/row_map.h"
 
 namespace mt::cuda {
@@ -177,138 +174,6 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// ---- backward with register-cached rows (h <= kIters * TPR * V) --------------------------------
-
-constexpr int kIters = 2;    // vectors of a row held in registers per thread
-constexpr int kMaxTpr = 512;
-
-/// Threads per block for a row group of TPR threads: 256 (several rows per block) or TPR.
-template <int TPR>
-constexpr int block_threads() {
-  return TPR > 256 ? TPR : 256;
-}
-
-/// Sum over the TPR threads of a row group (consecutive threads; TPR a power of two). Groups
-/// wider than a warp add their warps' sums through `smem` (BLOCK / 32 floats) in a fixed order.
-/// Every thread of the block must call it.
-template <int TPR>
-__device__ __forceinline__ float group_reduce(float v, float* smem) {
-  constexpr int kW = TPR < 32 ? TPR : 32;
-#pragma unroll
-  for (int o = kW / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  if constexpr (TPR > 32) {
-    constexpr int kWarps = TPR / 32;
-    if ((threadIdx.x & 31) == 0) smem[threadIdx.x >> 5] = v;
-    __syncthreads();
-    const int first = static_cast<int>(threadIdx.x / TPR) * kWarps;
-    float s = 0.f;
-#pragma unroll
-    for (int i = 0; i < kWarps; ++i) s += smem[first + i];
-    __syncthreads();  // smem is reused by the next call
-    v = s;
-  }
-  return v;
-}
-
-/// dx = rstd * (g - xhat * mean(g * xhat)), g = dy * w, xhat = x * rstd; dweight's partial sums
-/// dy * xhat accumulated per thread over its rows, then per block (shared memory, fixed order)
-/// into part[blockIdx.x, c] (overwrite).
-template <int V, int TPR, typename T>
-__global__ void __launch_bounds__(block_threads<TPR>())
-    rmsnorm_backward_cached_kernel(T* dx, RowMap mdx, float* part, const T* dy, RowMap mdy, const T* x, RowMap mx,
-                                   const T* w, const float* rstd, int64_t n, int h, bool accumulate) {
-  constexpr int kBlock = block_threads<TPR>();
-  constexpr int kRows = kBlock / TPR;
-  __shared__ float red[kBlock / 32];
-  __shared__ float red_w[kRows > 1 ? kBlock * V : 1];
-  const int lane = threadIdx.x % TPR;
-  const float inv_h = 1.0f / static_cast<float>(h);
-  Vec<T, V> wv[kIters];
-  float acc[kIters][V];
-#pragma unroll
-  for (int it = 0; it < kIters; ++it) {
-    const int c = (it * TPR + lane) * V;
-    if (c < h) wv[it] = load_vec<V>(w + c);
-#pragma unroll
-    for (int k = 0; k < V; ++k) acc[it][k] = 0.f;
-  }
-  for (int64_t r0 = static_cast<int64_t>(blockIdx.x) * kRows; r0 < n; r0 += static_cast<int64_t>(gridDim.x) * kRows) {
-    const int64_t r = r0 + threadIdx.x / TPR;
-    const bool active = r < n;
-    const T* xr = x + (active ? mx.offset(r) : 0);
-    const T* dyr = dy + (active ? mdy.offset(r) : 0);
-    const float rs = active ? rstd[r] : 0.f;
-    Vec<T, V> xv[kIters], dyv[kIters];
-    float sgx = 0.f;
-#pragma unroll
-    for (int it = 0; it < kIters; ++it) {
-      const int c = (it * TPR + lane) * V;
-      if (active && c < h) {
-        xv[it] = load_vec<V>(xr + c);
-        dyv[it] = load_vec<V>(dyr + c);
-#pragma unroll
-        for (int k = 0; k < V; ++k) {
-          const float d = to_f32(dyv[it].v[k]), xs = to_f32(xv[it].v[k]) * rs;
-          sgx += (d * to_f32(wv[it].v[k])) * xs;
-          acc[it][k] += d * xs;
-        }
-      }
-    }
-    sgx = group_reduce<TPR>(sgx, red);
-    if (active) {
-      const float mgx = sgx * inv_h;
-      T* dxr = dx + mdx.offset(r);  // may alias dyr: the row is in registers
-#pragma unroll
-      for (int it = 0; it < kIters; ++it) {
-        const int c = (it * TPR + lane) * V;
-        if (c < h) {
-          Vec<T, V> old;
-          if (accumulate) old = load_vec<V>(dxr + c);
-          Vec<T, V> out;
-#pragma unroll
-          for (int k = 0; k < V; ++k) {
-            float v = rs * (to_f32(dyv[it].v[k]) * to_f32(wv[it].v[k]) - (to_f32(xv[it].v[k]) * rs) * mgx);
-            if (accumulate) v += to_f32(old.v[k]);
-            out.v[k] = from_f32<T>(v);
-          }
-          store_vec<V>(dxr + c, out);
-        }
-      }
-    }
-  }
-  // dweight: the block's kRows groups own the same columns; add their partials in a fixed order
-  // and write the block's partial row.
-  float* prow = part + static_cast<int64_t>(blockIdx.x) * h;
-  if constexpr (kRows == 1) {
-#pragma unroll
-    for (int it = 0; it < kIters; ++it) {
-      const int c = (it * TPR + lane) * V;
-      if (c < h) {
-#pragma unroll
-        for (int k = 0; k < V; ++k) prow[c + k] = acc[it][k];
-      }
-    }
-  } else {
-    const int grp = threadIdx.x / TPR;
-#pragma unroll
-    for (int it = 0; it < kIters; ++it) {
-#pragma unroll
-      for (int k = 0; k < V; ++k) red_w[grp * TPR * V + lane * V + k] = acc[it][k];
-      __syncthreads();
-      for (int j = threadIdx.x; j < TPR * V; j += kBlock) {
-        const int col = it * TPR * V + j;
-        if (col < h) {
-          float s = 0.f;
-#pragma unroll
-          for (int g = 0; g < kRows; ++g) s += red_w[g * TPR * V + j];
-          prow[col] = s;
-        }
-      }
-      __syncthreads();
-    }
-  }
-}
-
 bool map_aligned(const RowMap& m, int v) { return m.inner_stride % v == 0 && m.outer_stride % v == 0; }
 
 /// Loop path: threads per row, the smallest power of two in [4, 32] that covers h / V vectors.
@@ -319,15 +184,6 @@ int threads_per_row(int h, int v) {
   return t;
 }
 
-/// Cached path: the smallest power of two TPR in [4, kMaxTpr] with kIters * TPR * V >= h, or 0
-/// when the row is too long to be held in registers.
-int cached_threads_per_row(int h, int v) {
-  const int vecs = (h + v - 1) / v;
-  int t = 4;
-  while (t < kMaxTpr && t * kIters < vecs) t *= 2;
-  return t * kIters >= vecs ? t : 0;
-}
-
 /// Calls f(std::integral_constant<int, TPR>) for tpr in {4, 8, 16, 32} (loop path).
 template <typename F>
 void dispatch_tpr(int tpr, F&& f) {
@@ -336,21 +192,6 @@ void dispatch_tpr(int tpr, F&& f) {
     case 8: f(std::integral_constant<int, 8>{}); break;
     case 16: f(std::integral_constant<int, 16>{}); break;
     default: f(std::integral_constant<int, 32>{}); break;
-  }
-}
-
-/// Calls f(std::integral_constant<int, TPR>) for tpr in {4, 8, ..., 512} (cached path).
-template <typename F>
-void dispatch_cached_tpr(int tpr, F&& f) {
-  switch (tpr) {
-    case 4: f(std::integral_constant<int, 4>{}); break;
-    case 8: f(std::integral_constant<int, 8>{}); break;
-    case 16: f(std::integral_constant<int, 16>{}); break;
-    case 32: f(std::integral_constant<int, 32>{}); break;
-    case 64: f(std::integral_constant<int, 64>{}); break;
-    case 128: f(std::integral_constant<int, 128>{}); break;
-    case 256: f(std::integral_constant<int, 256>{}); break;
-    default: f(std::integral_constant<int, 512>{}); break;
   }
 }
 
@@ -418,29 +259,13 @@ void rmsnorm_backward(const Tensor& dx, const Tensor& dweight, const Tensor& dy,
     const bool vec = vec_in && ew::aligned16(pdx) && ew::aligned16(pw) && map_aligned(mdx, V);
     const int sms = num_sms(stream);
 
-    float* part = column_partials_scratch(stream, fn);
-
-    // Rows that fit in registers: one fused kernel (dx and dweight). Few blocks (about 1024
-    // threads per SM): each block writes one partial row, then add_column_partials.
-    auto launch_cached = [&](auto vtag) {
-      constexpr int VV = decltype(vtag)::value;
-      const int tpr = cached_threads_per_row(h, VV);
-      if (tpr == 0) return false;
-      dispatch_cached_tpr(tpr, [&](auto ttag) {
-        constexpr int TPR = decltype(ttag)::value;
-        constexpr int kBlock = block_threads<TPR>();
-        const int64_t grid =
-            column_partials_rows(ew::grid_for(n, kBlock / TPR, stream, /*per_sm=*/1024 / kBlock), h, 1, fn);
-        rmsnorm_backward_cached_kernel<VV, TPR><<<static_cast<unsigned>(grid), kBlock, 0, raw(stream)>>>(
-            pdx, mdx, part, pdy, mdy, px, mx, pw, pr, n, h, accumulate_dx);
-        MT_CUDA_CHECK_LAUNCH();
-        add_column_partials(pdw, part, nullptr, nullptr, grid, h, stream);
-      });
-      return true;
+    // Rows that fit in registers: one fused kernel (dx and dweight; ops/cuda/norm_backward_cached.cuh).
+    auto cached = [&](auto vtag) {
+      return norm_cached::launch<false, decltype(vtag)::value>(pdx, mdx, pdw, nullptr, pdy, mdy, px, mx, pw, nullptr,
+                                                               pr, n, h, accumulate_dx, stream, fn);
     };
-    if (vec ? launch_cached(std::integral_constant<int, V>{}) : launch_cached(std::integral_constant<int, 1>{})) {
-      return;
-    }
+    if (vec ? cached(std::integral_constant<int, V>{}) : cached(std::integral_constant<int, 1>{})) return;
+    float* part = column_partials_scratch(stream, fn);
 
     // Long rows. (1) dweight (reads dy before (2) may overwrite it through an alias).
     auto launch_dw = [&](auto vtag) {
