@@ -177,18 +177,16 @@ inline int threads_per_row(int h, int v) {
   return t * kIters >= vecs ? t : 0;
 }
 
-/// Calls f(std::integral_constant<int, TPR>) for tpr in {4, 8, ..., 512}.
-template <typename F>
+/// Calls f(std::integral_constant<int, T>) for the smallest power of two T in [4, kMax] with
+/// T >= tpr (kMax for larger tpr). Also the RMSNorm loop kernels' dispatch (kMax 32).
+template <int kMax, int T = 4, typename F>
 void dispatch_tpr(int tpr, F&& f) {
-  switch (tpr) {
-    case 4: f(std::integral_constant<int, 4>{}); break;
-    case 8: f(std::integral_constant<int, 8>{}); break;
-    case 16: f(std::integral_constant<int, 16>{}); break;
-    case 32: f(std::integral_constant<int, 32>{}); break;
-    case 64: f(std::integral_constant<int, 64>{}); break;
-    case 128: f(std::integral_constant<int, 128>{}); break;
-    case 256: f(std::integral_constant<int, 256>{}); break;
-    default: f(std::integral_constant<int, 512>{}); break;
+  if constexpr (T >= kMax) {
+    f(std::integral_constant<int, T>{});
+  } else if (tpr <= T) {
+    f(std::integral_constant<int, T>{});
+  } else {
+    dispatch_tpr<kMax, 2 * T>(tpr, f);
   }
 }
 
@@ -203,7 +201,7 @@ bool launch(T* dx, RowMap mdx, float* dweight, float* dbias, const T* dy, RowMap
   const int tpr = threads_per_row(h, VV);
   if (tpr == 0) return false;
   float* part = column_partials_scratch(stream, fn);
-  dispatch_tpr(tpr, [&](auto ttag) {
+  dispatch_tpr<kMaxTpr>(tpr, [&](auto ttag) {
     constexpr int TPR = decltype(ttag)::value;
     constexpr int kBlock = block_threads<TPR>();
     const int64_t grid = column_partials_rows(ew::grid_for(n, kBlock / TPR, stream, /*per_sm=*/1024 / kBlock), h,

@@ -184,17 +184,6 @@ int threads_per_row(int h, int v) {
   return t;
 }
 
-/// Calls f(std::integral_constant<int, TPR>) for tpr in {4, 8, 16, 32} (loop path).
-template <typename F>
-void dispatch_tpr(int tpr, F&& f) {
-  switch (tpr) {
-    case 4: f(std::integral_constant<int, 4>{}); break;
-    case 8: f(std::integral_constant<int, 8>{}); break;
-    case 16: f(std::integral_constant<int, 16>{}); break;
-    default: f(std::integral_constant<int, 32>{}); break;
-  }
-}
-
 int checked_h(const Tensor& x, const char* fn) {
   const int64_t h = x.size(-1);
   MT_CHECK(h <= (int64_t{1} << 30), "{}: h={} too large for the CUDA kernel", fn, h);
@@ -223,7 +212,7 @@ void rmsnorm_forward(const Tensor& y, const Tensor& rstd, const Tensor& x, const
                      map_aligned(mx, V) && map_aligned(my, V);
     auto launch = [&](auto vtag) {
       constexpr int VV = decltype(vtag)::value;
-      dispatch_tpr(threads_per_row(h, VV), [&](auto ttag) {
+      norm_cached::dispatch_tpr<32>(threads_per_row(h, VV), [&](auto ttag) {
         constexpr int TPR = decltype(ttag)::value;
         const unsigned grid = ew::grid_for(n, kThreads / TPR, stream, /*per_sm=*/8);
         rmsnorm_forward_loop_kernel<VV, TPR><<<grid, kThreads, 0, raw(stream)>>>(py, my, pr, px, mx, pw, n, h, eps);
@@ -289,7 +278,7 @@ void rmsnorm_backward(const Tensor& dx, const Tensor& dweight, const Tensor& dy,
     // (2) dx.
     auto launch_dx = [&](auto vtag) {
       constexpr int VV = decltype(vtag)::value;
-      dispatch_tpr(threads_per_row(h, VV), [&](auto ttag) {
+      norm_cached::dispatch_tpr<32>(threads_per_row(h, VV), [&](auto ttag) {
         constexpr int TPR = decltype(ttag)::value;
         const unsigned grid = ew::grid_for(n, kThreads / TPR, stream, /*per_sm=*/8);
         rmsnorm_backward_dx_loop_kernel<VV, TPR><<<grid, kThreads, 0, raw(stream)>>>(pdx, mdx, pdy, mdy, px, mx, pw,
