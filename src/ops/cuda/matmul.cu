@@ -1,6 +1,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <type_traits>
 
 #include "core/cuda_check.h"
@@ -11,6 +13,7 @@
 #include "ops/gelu.h"
 #include "ops/gelu_math.h"
 #include "core/cuda_resources.h"
+#include "ops/cuda/column_partials.cuh"
 
 namespace mt::cuda {
 namespace {
@@ -43,23 +46,43 @@ __global__ void bias_act_kernel(T* pre, T* y, const T* bias, int64_t m, int64_t 
   }
 }
 
-/// out[j] += sum_i x[i, j], fp32 accumulation, deterministic (one block per 32 columns).
-constexpr int kColTile = 32, kColRows = 16;
-template <typename T>
-__global__ void column_sum_add_kernel(float* out, const T* x, int64_t rows, int64_t cols) {
-  __shared__ float part[kColRows][kColTile + 1];
-  const int64_t col = static_cast<int64_t>(blockIdx.x) * kColTile + threadIdx.x;
-  float acc = 0.f;
-  if (col < cols) {
-    for (int64_t r = threadIdx.y; r < rows; r += kColRows) acc += to_f(x[r * cols + col]);
-  }
-  part[threadIdx.y][threadIdx.x] = acc;
-  __syncthreads();
-  if (threadIdx.y == 0 && col < cols) {
-    float s = 0.f;
+/// Partial column sums: part[blockIdx.y, c] = Σ x[r, c] over the rows r = blockIdx.y · 8 +
+/// threadIdx.y + k · 8 · gridDim.y (overwrite; add_column_partials adds the partial rows in a fixed
+/// order). Block (32, 8); thread x owns the V columns (blockIdx.x · 32 + threadIdx.x) · V + [0, V)
+/// (16-byte loads when V > 1); the 8 row lanes of a column are added in shared memory in order.
+constexpr int kColLanes = 32, kColRows = 8;
+template <int V, typename T>
+__global__ void __launch_bounds__(kColLanes * kColRows)
+    column_partials_kernel(float* part, const T* x, int64_t rows, int64_t cols) {
+  __shared__ float red[kColRows][kColLanes * V + 1];
+  const int64_t c0 = (static_cast<int64_t>(blockIdx.x) * kColLanes + threadIdx.x) * V;
+  float acc[V];
 #pragma unroll
-    for (int i = 0; i < kColRows; ++i) s += part[i][threadIdx.x];
-    out[col] += s;
+  for (int k = 0; k < V; ++k) acc[k] = 0.f;
+  if (c0 < cols) {
+    for (int64_t r = static_cast<int64_t>(blockIdx.y) * kColRows + threadIdx.y; r < rows;
+         r += static_cast<int64_t>(kColRows) * gridDim.y) {
+      if constexpr (V == 1) {
+        acc[0] += to_f(x[r * cols + c0]);
+      } else {
+        const uint4 raw = *reinterpret_cast<const uint4*>(x + r * cols + c0);
+        const T* v = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+        for (int k = 0; k < V; ++k) acc[k] += to_f(v[k]);
+      }
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < V; ++k) red[threadIdx.y][threadIdx.x * V + k] = acc[k];
+  __syncthreads();
+  const int tid = threadIdx.y * kColLanes + threadIdx.x;
+  for (int j = tid; j < kColLanes * V; j += kColLanes * kColRows) {
+    const int64_t col = static_cast<int64_t>(blockIdx.x) * kColLanes * V + j;
+    if (col >= cols) continue;
+    float sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < kColRows; ++i) sum += red[i][j];
+    part[static_cast<int64_t>(blockIdx.y) * cols + col] = sum;
   }
 }
 
@@ -69,14 +92,28 @@ __global__ void add_f32_kernel(float* out, const float* x, int64_t n) {
   if (j < n) out[j] += x[j];
 }
 
-/// out[n] += column sums of x[m, n] (act dtype), deterministic.
+/// out[n] += column sums of x[m, n] (act dtype), deterministic: partial rows per row group
+/// (column_partials_kernel, 16-byte loads where the columns allow), then add_column_partials.
 void column_sum_add(const Tensor& out, const void* x, DType act, int64_t m, int64_t n, const Stream& stream) {
-  dispatch_float(act, "matmul", [&](auto* tag) {
+  const char* fn = "matmul bias gradient";
+  dispatch_float(act, fn, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    dim3 block(kColTile, kColRows);
-    dim3 grid(static_cast<unsigned>((n + kColTile - 1) / kColTile));
-    column_sum_add_kernel<T><<<grid, block, 0, cu(stream)>>>(out.data_as<float>(), static_cast<const T*>(x), m, n);
+    constexpr int V = 16 / sizeof(T);
+    const bool vec = n % V == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
+    const int64_t width = kColLanes * (vec ? V : 1);
+    const int64_t gx = (n + width - 1) / width;
+    const int sms = (stream.cuda() && stream.cuda()->num_sms > 0) ? stream.cuda()->num_sms : 132;
+    const int64_t want_y = std::max<int64_t>(1, (static_cast<int64_t>(sms) * 8 + gx - 1) / gx);
+    const int64_t gy = column_partials_rows(std::min<int64_t>({(m + kColRows - 1) / kColRows, want_y, 65535}), n, 1, fn);
+    float* part = column_partials_scratch(stream, fn);
+    const dim3 grid(static_cast<unsigned>(gx), static_cast<unsigned>(gy)), block(kColLanes, kColRows);
+    if (vec) {
+      column_partials_kernel<V, T><<<grid, block, 0, cu(stream)>>>(part, static_cast<const T*>(x), m, n);
+    } else {
+      column_partials_kernel<1, T><<<grid, block, 0, cu(stream)>>>(part, static_cast<const T*>(x), m, n);
+    }
     MT_CUDA_CHECK_LAUNCH();
+    add_column_partials(out.data_as<float>(), part, nullptr, nullptr, gy, n, stream);
   });
 }
 
