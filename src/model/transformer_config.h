@@ -50,7 +50,7 @@ enum class RecomputeGranularity : uint8_t { kNone, kSelective, kFull };
 enum class RecomputeMethod : uint8_t { kUniform, kBlock };
 /// --recompute-modules with --recompute-granularity selective (Megatron-Core
 /// TransformerConfig.recompute_modules; default core_attn). What each drops from the saved
-/// tensors and recomputes in the backward (docs/parallelism.md "Activation recompute"):
+/// tensors and recomputes in the backward (docs/flags.md "Activation recompute"):
 struct RecomputeModules {
   /// "core_attn": the local attention's q, k, v and [b, n, s, s] probabilities (flash attention
   /// saves none of them: nothing changes).
@@ -150,7 +150,7 @@ struct TransformerConfig {
   float hidden_dropout = 0.1f;          ///< --hidden-dropout
   float attention_dropout = 0.1f;       ///< --attention-dropout
 
-  // --- activation recompute (docs/parallelism.md "Activation recompute") ---
+  // --- activation recompute (docs/flags.md "Activation recompute") ---
   RecomputeGranularity recompute_granularity = RecomputeGranularity::kNone;  ///< --recompute-granularity
   RecomputeMethod recompute_method = RecomputeMethod::kUniform;              ///< --recompute-method
   bool recompute_method_set = false;  ///< --recompute-method was given
