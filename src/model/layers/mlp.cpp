@@ -41,6 +41,14 @@ MLP::Recompute dense_recompute(const TransformerConfig& c) {
 }
 }  // namespace
 
+void mlp_activation(const Tensor& act, const Tensor& pre, bool gated, const Stream& stream) {
+  if (gated) {
+    swiglu_forward(act, pre, stream);
+  } else {
+    gelu_forward(act, pre, stream);
+  }
+}
+
 MLP::MLP(const TransformerConfig& c, int64_t layer, const TensorParallelRegion& tp, ParamRegistry& reg)
     : MLP(c, mlp_prefix(layer), c.ffn(), tp, reg, dense_recompute(c)) {}
 
@@ -68,7 +76,7 @@ void MLP::forward_fc1(const StepContext& ctx, bool gather) {
   const Tensor act = linear_fc2_.input(ctx.slot);
   if (gated_) {
     linear_fc1_.forward(pre, ctx, Tensor(), gather);
-    swiglu_forward(act, pre, ctx.stream);
+    mlp_activation(act, pre, true, ctx.stream);
   } else {
     linear_fc1_.forward(act, ctx, /*pre_gelu=*/pre, gather);  // GELU in the GEMM epilogue
   }
@@ -87,13 +95,8 @@ Tensor MLP::backward(const Tensor& dy, const StepContext& ctx, WgradDeferral* de
   // only the first layer's, past the embedding backward), and the scratch keys are this role's.
   if (recompute_.mlp) {
     forward_fc1(ctx, /*gather=*/false);  // the gathered input is saved, or restored by the layer
-  } else if (recompute_.act) {
-    const Tensor act = linear_fc2_.input(ctx.slot);
-    if (gated_) {
-      swiglu_forward(act, pre, ctx.stream);
-    } else {
-      gelu_forward(act, pre, ctx.stream);  // from the rounded fc1 output (the forward's epilogue used fp32)
-    }
+  } else if (recompute_.act) {  // GELU from the rounded fc1 output (the forward's epilogue used fp32)
+    mlp_activation(linear_fc2_.input(ctx.slot), pre, gated_, ctx.stream);
   }
   if (!gated_) {
     // fc2's dgrad applies the GELU backward and takes fc1's bias gradient (one fused GEMM on CUDA)

@@ -35,6 +35,11 @@ class MlpSlot {
   virtual const ParamRef& output_bias() const = 0;
 };
 
+/// The MLP activation outside a GEMM epilogue: act [rows, f] = swiglu(pre) (gated: pre [rows, 2f],
+/// gate then up; ops/swiglu.h) or gelu(pre) (pre [rows, f]; ops/gelu.h). Used by the dense MLP's
+/// and the experts' forward and by their activation recompute.
+void mlp_activation(const Tensor& act, const Tensor& pre, bool gated, const Stream& stream);
+
 /// What an MLP does not save and recomputes in the backward (TransformerConfig::RecomputeModules).
 struct MlpRecompute {
   bool input = false;  ///< layernorm: the block's input (the producer writes it again)

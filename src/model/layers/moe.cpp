@@ -40,6 +40,7 @@ MoELayer::MoELayer(const TransformerConfig& c, int64_t layer, const TensorParall
       first_expert_(static_cast<int64_t>(ep.ep_rank) * (c.num_moe_experts / std::max(ep.ep_size, 1))),
       local_ffn_(c.moe_ffn() / std::max(ep.etp_size, 1)),
       gated_(c.gated_linear_unit),
+      recompute_act_(c.selective_recompute().moe_act),
       router_(moe_router_options(c)) {
   MT_REQUIRE(ep.ep_size >= 1 && c.num_moe_experts % ep.ep_size == 0,
              "--num-experts {} is not divisible by expert model parallel size {}", c.num_moe_experts, ep.ep_size);
@@ -109,8 +110,8 @@ void MoELayer::plan(BufferPlanner& p, int64_t s, int64_t b) {
   sv.xp = p.saved(t, {max_rows_, h}, "expert inputs");
   sv.pre = p.saved(t, {max_rows_, parts * local_ffn_}, "expert fc1 outputs");
   // --recompute-modules moe_act: one scratch, the activation again in the backward
-  sv.act = config_.selective_recompute().moe_act ? p.scratch("moe.act", t, {max_rows_, local_ffn_})
-                                                 : p.saved(t, {max_rows_, local_ffn_}, "expert activations");
+  sv.act = recompute_act_ ? p.scratch("moe.act", t, {max_rows_, local_ffn_})
+                          : p.saved(t, {max_rows_, local_ffn_}, "expert activations");
   sv.out = p.saved(t, {max_rows_, h}, "expert outputs");
   if (shared_) shared_->plan(p, s, b);
   if (gated_shared()) {
@@ -375,7 +376,7 @@ Tensor MoELayer::forward(const StepContext& ctx, const ResidualAdd* add) {
       const Tensor xe = row_range(sv.xp, off, n), pre = row_range(sv.pre, off, n), act = row_range(sv.act, off, n);
       if (gated_) {
         linear_forward(pre, xe, ex.w1, Tensor(), Tensor(), st);
-        swiglu_forward(act, pre, st);
+        mlp_activation(act, pre, true, st);
       } else {
         linear_forward(act, xe, ex.w1, Tensor(), pre, st);  // GELU epilogue
       }
@@ -476,19 +477,11 @@ void MoELayer::echo_return_grads(int slot, const Stream& st) {
   echo_return_gradients(*ep_.ep_group, *placement, clones, main, echo_ret_, st);
 }
 
-void MoELayer::activation(const Tensor& act, const Tensor& pre, const Stream& st) const {
-  if (gated_) {
-    swiglu_forward(act, pre, st);
-  } else {
-    gelu_forward(act, pre, st);
-  }
-}
-
 void MoELayer::grouped_forward(Saved& sv, const Stream& st) {
   build_tables(st);
   // Rows beyond Σ counts: the GEMMs write zeros there, so the activation gives zeros too.
   grouped_linear_forward(sv.pre, sv.xp, fc1_w_, sv.counts, st);
-  activation(sv.act, sv.pre, st);
+  mlp_activation(sv.act, sv.pre, gated_, st);
   grouped_linear_forward(sv.out, sv.act, fc2_w_, sv.counts, st);
 }
 
@@ -496,7 +489,7 @@ void MoELayer::grouped_backward(Saved& sv, const Stream& st) {
   build_tables(st);
   // d_out_ rows beyond Σ counts are stale (combine_backward writes the routed rows only) and never
   // read; the dgrads write zeros to their tails, so the activation backward gives zeros there.
-  if (config_.selective_recompute().moe_act) activation(sv.act, sv.pre, st);
+  if (recompute_act_) mlp_activation(sv.act, sv.pre, gated_, st);
   grouped_linear_dgrad(d_act_, d_out_, fc2_w_, sv.counts, st);
   grouped_linear_wgrad(fc2_g_, d_out_, sv.act, sv.counts, st);
   if (gated_) {
@@ -536,7 +529,7 @@ Tensor MoELayer::backward(const Tensor& dy, const StepContext& ctx, WgradDeferra
       const ExpertTensors ex = expert_tensors(e);
       const Tensor xe = row_range(sv.xp, off, n), pre = row_range(sv.pre, off, n), act = row_range(sv.act, off, n);
       const Tensor dact = row_range(d_act_, off, n), dpre = row_range(d_pre_, off, n);
-      if (config_.selective_recompute().moe_act) activation(act, pre, st);
+      if (recompute_act_) mlp_activation(act, pre, gated_, st);
       linear_backward(dact, ex.g2, Tensor(), row_range(d_out_, off, n), act, ex.w2, st);
       if (gated_) {
         swiglu_backward(dpre, dact, pre, st);

@@ -207,8 +207,6 @@ class MoELayer final : public MlpSlot {
   // The router's selection of area `slot` (before a capacity drop; the dispatcher gets the kept slots).
   Tensor router_top(int slot) const;
   // --moe-grouped-gemm: the experts over all R_max rows with the device counts.
-  /// The experts' activation act = swiglu(pre) or gelu(pre) (rows [R, f_l] / [R, (2)f_l]).
-  void activation(const Tensor& act, const Tensor& pre, const Stream& st) const;
   void grouped_forward(Saved& sv, const Stream& st);
   void grouped_backward(Saved& sv, const Stream& st);
   Tensor finish_forward(Saved& sv, const StepContext& ctx);  // the shared experts, then y
@@ -229,6 +227,7 @@ class MoELayer final : public MlpSlot {
   int64_t layer_;
   int64_t num_experts_, topk_, num_local_, first_expert_, local_ffn_;
   bool gated_;
+  bool recompute_act_;  // --recompute-modules moe_act: sv.act is scratch, recomputed in the backward
   MoeRouterOptions router_;
   ParamRef router_weight_, no_bias_;
   ParamRef gate_weight_;  // the shared experts' gate [1, h] (--moe-shared-expert-gate)

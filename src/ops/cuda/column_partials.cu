@@ -46,6 +46,14 @@ int64_t column_partials_rows(int64_t want, int64_t h, int count, const char* fn)
   return std::max<int64_t>(1, std::min(want, cap));
 }
 
+int64_t column_partials_grid_rows(int64_t rows, int64_t rows_per_block, int64_t col_blocks, int64_t h, int count,
+                                  const Stream& stream, const char* fn) {
+  const int sms = (stream.cuda() && stream.cuda()->num_sms > 0) ? stream.cuda()->num_sms : 132;
+  const int64_t want = std::max<int64_t>(1, (static_cast<int64_t>(sms) * 8 + col_blocks - 1) / col_blocks);
+  return column_partials_rows(std::min<int64_t>({(rows + rows_per_block - 1) / rows_per_block, want, 65535}), h, count,
+                              fn);
+}
+
 float* column_partials_scratch(const Stream& stream, const char* fn) {
   MT_CHECK(stream.cuda() != nullptr && stream.cuda()->workspace != nullptr, "{}: needs a CUDA stream", fn);
   return static_cast<float*>(stream.cuda()->workspace);

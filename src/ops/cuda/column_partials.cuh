@@ -17,6 +17,13 @@ namespace mt::cuda {
 /// and at least 1. Errors: mt::Error naming `fn` when not even one row fits (count · h > 8 Mi).
 int64_t column_partials_rows(int64_t want, int64_t h, int count, const char* fn);
 
+/// The row groups (grid.y) of a column-partials kernel whose blocks cover `col_blocks` column
+/// tiles (grid.x) and `rows_per_block` rows at a time: about 8 blocks per SM in all, no more
+/// groups than row steps, at most 65535, and as many as the workspace holds
+/// (column_partials_rows). Errors: as column_partials_rows.
+int64_t column_partials_grid_rows(int64_t rows, int64_t rows_per_block, int64_t col_blocks, int64_t h, int count,
+                                  const Stream& stream, const char* fn);
+
 /// The scratch for [count][P][h] fp32 partials: the stream's workspace (shared with cuBLASLt and
 /// the MoE ops, which use it in stream order only; nothing in it outlives the op that writes it).
 /// Errors: mt::Error naming `fn` for a stream without CUDA resources.

@@ -248,9 +248,7 @@ void bias_dropout_add_backward(const Tensor& dx, const Tensor& dbias, const Tens
     const DropoutParams prm = make_params(p, key, global_offset);
     const char* fn = "bias_dropout_add_backward";
     const int64_t gx = (h + 31) / 32;
-    const int sms = (stream.cuda() && stream.cuda()->num_sms > 0) ? stream.cuda()->num_sms : 132;
-    const int64_t want_y = std::max<int64_t>(1, (static_cast<int64_t>(sms) * 8 + gx - 1) / gx);
-    const int64_t gy = column_partials_rows(std::min<int64_t>({(rows + 7) / 8, want_y, 65535}), h, 1, fn);
+    const int64_t gy = column_partials_grid_rows(rows, 8, gx, h, 1, stream, fn);
     float* part = column_partials_scratch(stream, fn);
     const dim3 grid(static_cast<unsigned>(gx), static_cast<unsigned>(gy));
     const dim3 block(32, 8);

@@ -227,9 +227,7 @@ void layernorm_backward(const Tensor& dx, const Tensor& dweight, const Tensor& d
     // Long rows. (1) dweight / dbias (reads dy before (2) may overwrite it through an alias):
     // partial sums per row group, then added in a fixed order (deterministic).
     const int64_t gx = (h64 + 31) / 32;
-    const int sms = (stream.cuda() && stream.cuda()->num_sms > 0) ? stream.cuda()->num_sms : 132;
-    const int64_t want_y = std::max<int64_t>(1, (static_cast<int64_t>(sms) * 8 + gx - 1) / gx);
-    const int64_t gy = column_partials_rows(std::min<int64_t>({(n + 7) / 8, want_y, 65535}), h64, 2, fn);
+    const int64_t gy = column_partials_grid_rows(n, 8, gx, h64, 2, stream, fn);
     float* part_w = column_partials_scratch(stream, fn);
     float* part_b = part_w + gy * h64;
     layernorm_backward_dwdb_kernel<<<dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy)), dim3(32, 8), 0,

@@ -102,9 +102,7 @@ void column_sum_add(const Tensor& out, const void* x, DType act, int64_t m, int6
     const bool vec = n % V == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
     const int64_t width = kColLanes * (vec ? V : 1);
     const int64_t gx = (n + width - 1) / width;
-    const int sms = (stream.cuda() && stream.cuda()->num_sms > 0) ? stream.cuda()->num_sms : 132;
-    const int64_t want_y = std::max<int64_t>(1, (static_cast<int64_t>(sms) * 8 + gx - 1) / gx);
-    const int64_t gy = column_partials_rows(std::min<int64_t>({(m + kColRows - 1) / kColRows, want_y, 65535}), n, 1, fn);
+    const int64_t gy = column_partials_grid_rows(m, kColRows, gx, n, 1, stream, fn);
     float* part = column_partials_scratch(stream, fn);
     const dim3 grid(static_cast<unsigned>(gx), static_cast<unsigned>(gy)), block(kColLanes, kColRows);
     if (vec) {

@@ -190,8 +190,6 @@ int checked_h(const Tensor& x, const char* fn) {
   return static_cast<int>(h);
 }
 
-int num_sms(const Stream& s) { return (s.cuda() && s.cuda()->num_sms > 0) ? s.cuda()->num_sms : 132; }
-
 }  // namespace
 
 void rmsnorm_forward(const Tensor& y, const Tensor& rstd, const Tensor& x, const Tensor& weight, float eps,
@@ -246,7 +244,6 @@ void rmsnorm_backward(const Tensor& dx, const Tensor& dweight, const Tensor& dy,
     const bool vec_in = h % V == 0 && ew::aligned16(pdy) && ew::aligned16(px) && map_aligned(mx, V) &&
                         map_aligned(mdy, V);
     const bool vec = vec_in && ew::aligned16(pdx) && ew::aligned16(pw) && map_aligned(mdx, V);
-    const int sms = num_sms(stream);
 
     // Rows that fit in registers: one fused kernel (dx and dweight; ops/cuda/norm_backward_cached.cuh).
     auto cached = [&](auto vtag) {
@@ -262,8 +259,7 @@ void rmsnorm_backward(const Tensor& dx, const Tensor& dweight, const Tensor& dy,
       const int tx = threads_per_row(h, VV);
       const int ty = kThreads / tx;
       const int64_t gx = (h + int64_t{tx} * VV - 1) / (int64_t{tx} * VV);
-      const int64_t want_y = std::max<int64_t>(1, (int64_t{sms} * 8 + gx - 1) / gx);
-      const int64_t gy = column_partials_rows(std::min<int64_t>({(n + ty - 1) / ty, want_y, 65535}), h, 1, fn);
+      const int64_t gy = column_partials_grid_rows(n, ty, gx, h, 1, stream, fn);
       rmsnorm_backward_dw_kernel<VV><<<dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy)), dim3(tx, ty), 0,
                                        raw(stream)>>>(part, pdy, mdy, px, mx, pr, n, h);
       MT_CUDA_CHECK_LAUNCH();
