@@ -27,7 +27,8 @@
 #                         norm_act = --recompute-granularity selective --recompute-modules layernorm
 #                         mlp_act (the norms' and the MLP activation's outputs recomputed);
 #                         graph = --cuda-graph-impl full_iteration (forward + backward replayed
-#                         as one CUDA graph)
+#                         as one CUDA graph); fa2 = --attention-backend flash (the FlashAttention-2
+#                         kernels instead of the default cuDNN fused attention)
 #   moe_small             Mixtral-style MoE (12 layers, hidden 1024, GQA 16/8, 8 experts top-2, expert
 #                         SwiGLU 3584, aux loss 1e-2), micro-batch 8 (speed only)
 # Environment: ITERS (steps, default 40), WARMUP (steps left out of the timing, default 10), LR
@@ -141,6 +142,7 @@ for c in "$@"; do
     "$base") ;;
     "$base:norm_act") mt+=(--recompute-granularity selective --recompute-modules layernorm mlp_act) ;;
     "$base:graph") mt+=(--cuda-graph-impl full_iteration) ;;
+    "$base:fa2") mt+=(--attention-backend flash) ;;
     *) echo "unknown variant ${c#*:}" >&2; continue ;;
   esac
   ref_init=()

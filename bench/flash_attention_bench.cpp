@@ -9,7 +9,10 @@
 // preprocessing (D = rowsum(dO ∘ O), dq_accum zeroing) and the dQ conversion. "det bwd" is the
 // deterministic backward (--deterministic-mode: dK/dV kernel without dQ, then the dQ kernel;
 // FlashAttentionConfig::deterministic), with the same FLOP count for its TF/s, and "det/atomic"
-// its time over the default backward's. --dropout p adds attention dropout to both.
+// its time over the default backward's. --dropout p adds attention dropout to both. "cudnn" columns:
+// the same calls with FlashAttentionConfig::cudnn (--attention-backend fused: cuDNN's fused
+// attention, ops/cuda/cudnn_attention.h; MHA only, so they show "-" with --qpg > 1 or dropout, where
+// the calls would fall back to the kernels above).
 // bench/flash_attention_torch.py prints the same table for PyTorch's SDPA (flash backend).
 #include <algorithm>
 #include <cmath>
@@ -25,6 +28,7 @@
 #include "bench_util.h"
 #include "core/stream.h"
 #include "ops/elementwise.h"
+#include "ops/cuda/cudnn_attention.h"
 #include "ops/flash_attention.h"
 #include "ops/init.h"
 
@@ -59,8 +63,9 @@ int bench_main(int argc, char** argv) {
   fmt::print("flash attention (megatron.cpp, FA2 on mma.sync), causal, bf16, tokens b*s = {}, n*d = {}, qpg = {}, "
              "dropout {}\n",
              tokens, hidden, qpg, dropout);
-  fmt::print("{:>4} {:>6} {:>4} {:>4} | {:>9} {:>9} | {:>9} {:>9} | {:>11} {:>11} {:>10}\n", "d", "s", "b", "n",
-             "fwd ms", "fwd TF/s", "bwd ms", "bwd TF/s", "det bwd ms", "det TF/s", "det/atomic");
+  fmt::print("{:>4} {:>6} {:>4} {:>4} | {:>9} {:>9} | {:>9} {:>9} | {:>11} {:>11} {:>10} | {:>12} {:>12}\n", "d", "s",
+             "b", "n", "fwd ms", "fwd TF/s", "bwd ms", "bwd TF/s", "det bwd ms", "det TF/s", "det/atomic",
+             "cudnn fwd TF", "cudnn bwd TF");
   for (const int64_t d : dims) {
     for (const int64_t s : seqs) {
       const int64_t b = std::max<int64_t>(1, tokens / s), n = hidden / d, g = n / qpg;
@@ -93,9 +98,20 @@ int bench_main(int argc, char** argv) {
       const double bwd_det =
           time_ms(st, iters, [&] { flash_attention_backward(dqkv, dout, out, lse, qkv, ws, det, st); });
       const double flops = 2.0 * b * n * static_cast<double>(s) * s * d;
-      fmt::print("{:>4} {:>6} {:>4} {:>4} | {:>9.3f} {:>9.1f} | {:>9.3f} {:>9.1f} | {:>11.3f} {:>11.1f} {:>10.2f}\n",
-                 d, s, b, n, fwd, flops / fwd * 1e-9, bwd, 2.5 * flops / bwd * 1e-9, bwd_det,
-                 2.5 * flops / bwd_det * 1e-9, bwd_det / bwd);
+      FlashAttentionConfig fused = cfg;
+      fused.cudnn = true;
+      std::string cudnn_fwd = "-", cudnn_bwd = "-";
+      if (cuda::cudnn_attention_applies(fused, DType::kBF16, {qkv.data(), out.data(), dout.data(), dqkv.data()})) {
+        const double f = time_ms(st, iters, [&] { flash_attention_forward(out, lse, qkv, fused, st); });
+        const double bk =
+            time_ms(st, iters, [&] { flash_attention_backward(dqkv, dout, out, lse, qkv, ws, fused, st); });
+        cudnn_fwd = fmt::format("{:.1f}", flops / f * 1e-9);
+        cudnn_bwd = fmt::format("{:.1f}", 2.5 * flops / bk * 1e-9);
+      }
+      fmt::print(
+          "{:>4} {:>6} {:>4} {:>4} | {:>9.3f} {:>9.1f} | {:>9.3f} {:>9.1f} | {:>11.3f} {:>11.1f} {:>10.2f} | {:>12} {:>12}\n",
+          d, s, b, n, fwd, flops / fwd * 1e-9, bwd, 2.5 * flops / bwd * 1e-9, bwd_det, 2.5 * flops / bwd_det * 1e-9,
+          bwd_det / bwd, cudnn_fwd, cudnn_bwd);
       std::fflush(stdout);
     }
   }

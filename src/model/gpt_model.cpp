@@ -1,5 +1,7 @@
 #include "model/gpt_model.h"
 
+#include "ops/flash_attention.h"
+
 #include "model/layers/embedding.h"
 #include "model/layers/output_head.h"
 #include "model/layers/transformer_layer.h"
@@ -242,6 +244,9 @@ GPTModel::GPTModel(const TransformerConfig& config, int64_t micro_batch, DType d
       if (cp_) m->set_context_parallel(groups_.tp_cp.get(), groups_.cp->size(), groups_.cp->rank());
     }
   flash_ = get_gpt_layer_local_spec(config_, fast_flash).core_attention == CoreAttentionKind::kFlash;
+  cudnn_attention_ = flash_ && fast_flash && flash_attention_cudnn_available() &&
+                     (config_.attention_backend == AttentionBackend::kFused ||
+                      config_.attention_backend == AttentionBackend::kAuto);
   if (measure_only) {
     memory_plan_.params = ParamStore::plan(parts_->registry.specs(), param_layout);
   } else {

@@ -4,7 +4,7 @@ namespace mt {
 
 LayerSpec get_gpt_layer_local_spec(const TransformerConfig& c, bool fast_flash) {
   LayerSpec s;
-  const bool flash = c.attention_backend == AttentionBackend::kFlash ||
+  const bool flash = c.attention_backend == AttentionBackend::kFlash || c.attention_backend == AttentionBackend::kFused ||
                      (c.attention_backend == AttentionBackend::kAuto && fast_flash);
   s.core_attention = flash ? CoreAttentionKind::kFlash : CoreAttentionKind::kDotProduct;
   s.qk_layernorm = c.qk_layernorm;

@@ -23,14 +23,21 @@ const char* position_embedding_type_name(PositionEmbeddingType p) {
 }
 
 const char* attention_backend_name(AttentionBackend a) {
-  return a == AttentionBackend::kFlash ? "flash" : a == AttentionBackend::kLocal ? "local" : "auto";
+  switch (a) {
+    case AttentionBackend::kFlash: return "flash";
+    case AttentionBackend::kFused: return "fused";
+    case AttentionBackend::kLocal: return "local";
+    case AttentionBackend::kAuto: break;
+  }
+  return "auto";
 }
 
 AttentionBackend parse_attention_backend(const std::string& s) {
   if (s == "auto") return AttentionBackend::kAuto;
-  if (s == "flash" || s == "fused") return AttentionBackend::kFlash;
+  if (s == "flash") return AttentionBackend::kFlash;
+  if (s == "fused") return AttentionBackend::kFused;
   if (s == "local" || s == "unfused") return AttentionBackend::kLocal;
-  MT_FAIL("--attention-backend '{}' is not supported: expected auto, flash (fused) or local (unfused)", s);
+  MT_FAIL("--attention-backend '{}' is not supported: expected auto, flash, fused or local (unfused)", s);
 }
 
 Normalization parse_normalization(const std::string& s) {

@@ -19,9 +19,13 @@ enum class Normalization : uint8_t { kLayerNorm, kRMSNorm };
 /// --position-embedding-type
 enum class PositionEmbeddingType : uint8_t { kLearnedAbsolute, kRope, kNone };
 /// --attention-backend (Megatron's AttnBackend): kFlash = FlashAttention-2 kernels (ops/flash_attention.h;
-/// Megatron's flash/fused), kLocal = the unfused DotProductAttention (Megatron's local/unfused),
-/// kAuto = flash where its fast kernels apply (CUDA, bf16/fp16, head dim 64 or 128), else local.
-enum class AttentionBackend : uint8_t { kAuto, kFlash, kLocal };
+/// Megatron's flash), kFused = cuDNN's fused attention (ops/cuda/cudnn_attention.h; Megatron's fused,
+/// Transformer Engine's FusedAttention) inside the same flash core attention, falling back to the
+/// FlashAttention-2 kernels where cuDNN does not apply (document masks, attention dropout,
+/// deterministic mode, builds without cuDNN, the CPU), kLocal = the unfused DotProductAttention
+/// (Megatron's local/unfused), kAuto = fused where the flash kernels' fast path applies (CUDA,
+/// bf16/fp16, head dim 64 or 128), else local.
+enum class AttentionBackend : uint8_t { kAuto, kFlash, kFused, kLocal };
 
 /// --moe-router-score-function
 enum class MoeScoreFunction : uint8_t { kSoftmax, kSigmoid };

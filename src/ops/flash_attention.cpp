@@ -82,6 +82,14 @@ size_t flash_attention_workspace_bytes(const FlashAttentionConfig& cfg) {
   return delta + rows * static_cast<size_t>(cfg.head_dim) * sizeof(float);
 }
 
+bool flash_attention_cudnn_available() {
+#ifdef MT_WITH_CUDNN
+  return true;
+#else
+  return false;
+#endif
+}
+
 AttnDropout flash_attention_dropout(const FlashAttentionConfig& cfg) {
   return make_attn_dropout(cfg.dropout_key, cfg.dropout_p, cfg.heads(), cfg.total_heads, cfg.head_offset, cfg.seq);
 }

@@ -61,6 +61,12 @@ struct FlashAttentionConfig {
   /// atomics over key tiles, so dQ is bitwise the same on every run. Ignored by the forward, the
   /// simple kernels and the CPU (all deterministic).
   bool deterministic = false;
+  /// --attention-backend fused (and auto): on CUDA, cuDNN's fused attention (ops/cuda/cudnn_attention.h)
+  /// where it applies (bf16/fp16, head_dim % 8 == 0 and <= 128, no doc_start, no dropout, not
+  /// deterministic), else the FlashAttention-2 kernels. Same outputs within bf16
+  /// rounding; the LSE has the same meaning, so either backward accepts either forward's outputs.
+  /// Ignored on the CPU.
+  bool cudnn = false;
 
   int64_t heads() const { return groups * queries_per_group; }  ///< n
 };
@@ -100,6 +106,9 @@ void flash_attention_forward(const Tensor& out, const Tensor& lse, const Tensor&
 void flash_attention_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& out, const Tensor& lse,
                               const Tensor& qkv, const Tensor& workspace, const FlashAttentionConfig& cfg,
                               const Stream& stream);
+
+/// True when this build has cuDNN's fused attention (FlashAttentionConfig::cudnn can take effect).
+bool flash_attention_cudnn_available();
 
 MT_OP_BACKENDS(flash_attention_forward)
 MT_OP_BACKENDS(flash_attention_backward)

@@ -14,6 +14,7 @@
 
 #include "core/rng.h"
 #include "ops/attention_test_util.h"
+#include "ops/cuda/cudnn_attention.h"
 #include "ops/flash_attention.h"
 #include "testing/testing.h"
 
@@ -97,10 +98,12 @@ double rel_err_floor(const std::vector<float>& a, const std::vector<float>& b, d
 }
 
 void check(Dims z, DType t, double tol, float p = 0.f, bool docs = false, int64_t head_offset = 0,
-           int64_t total_heads = 0) {
+           int64_t total_heads = 0, bool cudnn = false) {
   auto cfg = make_cfg(z, p, head_offset, total_heads);
-  const std::string what = fmt::format("{} s={} b={} g={} qpg={} d={} p={} docs={} head_offset={} total_heads={}",
-                                       dtype_name(t), z.s, z.b, z.g, z.qpg, z.d, p, docs, head_offset, total_heads);
+  cfg.cudnn = cudnn;
+  const std::string what =
+      fmt::format("{} s={} b={} g={} qpg={} d={} p={} docs={} head_offset={} total_heads={} cudnn={}", dtype_name(t),
+                  z.s, z.b, z.g, z.qpg, z.d, p, docs, head_offset, total_heads, cudnn);
   OwnedTensor cdoc, gdoc;
   auto ccfg = cfg, gcfg = cfg;
   if (docs) {
@@ -175,6 +178,31 @@ TEST(FlashAttentionCuda, Fp16) {
   check({65, 2, 2, 2, 64}, DType::kF16, 2e-2, 0.2f);
   check({200, 1, 2, 1, 128}, DType::kF16, 2e-2, 0.f, true);
   check({37, 2, 1, 2, 40}, DType::kF16, 2e-2, 0.1f);
+}
+
+/// --attention-backend fused: cuDNN's fused attention against the CPU at ragged lengths, head dims
+/// 32, 64, 128, multi-head, grouped-query and multi-query, bf16 and fp16 — checking that cuDNN ran
+/// (two executions per forward + backward) — and the cases it does not take (dropout, document
+/// masks, fp32) falling back to the FlashAttention-2 kernels with the same results.
+TEST(FlashAttentionCuda, CudnnFused) {
+  MT_REQUIRE_CUDA();
+  if (!flash_attention_cudnn_available()) GTEST_SKIP() << "built without cuDNN";
+  const Dims shapes[] = {{1, 2, 2, 1, 64},    {7, 2, 3, 1, 64},   {65, 1, 2, 1, 64},  {200, 2, 3, 1, 64},
+                         {520, 1, 2, 1, 64},  {1000, 2, 2, 1, 128}, {65, 2, 2, 1, 128}, {130, 1, 3, 1, 32},
+                         {65, 1, 2, 2, 64},   {200, 2, 1, 4, 64},  {130, 2, 2, 2, 128}, {7, 2, 1, 3, 64}};
+  for (const Dims& z : shapes) {
+    const int64_t before = cuda::cudnn_attention_executions();
+    check(z, DType::kBF16, 2e-2, 0.f, false, 0, 0, true);
+    EXPECT_EQ(cuda::cudnn_attention_executions() - before, 2) << "s=" << z.s << " d=" << z.d;
+  }
+  int64_t before = cuda::cudnn_attention_executions();
+  check({200, 2, 2, 1, 64}, DType::kF16, 2e-2, 0.f, false, 0, 0, true);
+  EXPECT_EQ(cuda::cudnn_attention_executions() - before, 2);
+  before = cuda::cudnn_attention_executions();
+  check({65, 2, 2, 1, 64}, DType::kBF16, 2e-2, 0.1f, false, 0, 0, true);       // dropout
+  check({200, 2, 2, 1, 128}, DType::kBF16, 2e-2, 0.f, true, 0, 0, true);       // documents
+  check({65, 2, 2, 1, 64}, DType::kF32, 1e-5, 0.f, false, 0, 0, true);         // fp32
+  EXPECT_EQ(cuda::cudnn_attention_executions(), before) << "cuDNN ran on a case it does not support";
 }
 
 /// Dropout masks, element by element: q = 0 makes the probabilities uniform over the visible keys

@@ -39,6 +39,7 @@
 #include "core/cuda_check.h"
 #include "ops/attention_impl.h"
 #include "ops/cuda/common.cuh"
+#include "ops/cuda/cudnn_attention.h"
 #include "ops/cuda/mma_sm80.cuh"
 #include "ops/flash_attention.h"
 
@@ -1024,6 +1025,10 @@ bool use_mma(const FaParams& p, std::initializer_list<const void*> ptrs) {
 
 void flash_attention_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, const FlashAttentionConfig& cfg,
                              const Stream& stream) {
+  if (cfg.cudnn && cudnn_attention_applies(cfg, qkv.dtype(), {qkv.data(), out.data()})) {
+    cudnn_attention_forward(out, lse, qkv, cfg, stream);
+    return;
+  }
   FaParams p = make_params(cfg);
   p.qkv = qkv.data();
   p.out = out.data();
@@ -1048,6 +1053,10 @@ void flash_attention_forward(const Tensor& out, const Tensor& lse, const Tensor&
 void flash_attention_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& out, const Tensor& lse,
                               const Tensor& qkv, const Tensor& workspace, const FlashAttentionConfig& cfg,
                               const Stream& stream) {
+  if (cfg.cudnn && cudnn_attention_applies(cfg, qkv.dtype(), {qkv.data(), out.data(), dout.data(), dqkv.data()})) {
+    cudnn_attention_backward(dqkv, dout, out, lse, qkv, workspace, cfg, stream);
+    return;
+  }
   FaParams p = make_params(cfg);
   p.qkv = qkv.data();
   p.out = out.data();
