@@ -245,8 +245,7 @@ GPTModel::GPTModel(const TransformerConfig& config, int64_t micro_batch, DType d
     }
   flash_ = get_gpt_layer_local_spec(config_, fast_flash).core_attention == CoreAttentionKind::kFlash;
   cudnn_attention_ = flash_ && fast_flash && flash_attention_cudnn_available() &&
-                     (config_.attention_backend == AttentionBackend::kFused ||
-                      config_.attention_backend == AttentionBackend::kAuto);
+                     attention_backend_uses_cudnn(config_.attention_backend);
   if (measure_only) {
     memory_plan_.params = ParamStore::plan(parts_->registry.specs(), param_layout);
   } else {

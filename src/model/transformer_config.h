@@ -26,6 +26,10 @@ enum class PositionEmbeddingType : uint8_t { kLearnedAbsolute, kRope, kNone };
 /// (Megatron's local/unfused), kAuto = fused where the flash kernels' fast path applies (CUDA,
 /// bf16/fp16, head dim 64 or 128), else local.
 enum class AttentionBackend : uint8_t { kAuto, kFlash, kFused, kLocal };
+/// Whether the flash core attention asks for cuDNN's fused attention (fused, and auto).
+inline bool attention_backend_uses_cudnn(AttentionBackend a) {
+  return a == AttentionBackend::kFused || a == AttentionBackend::kAuto;
+}
 
 /// --moe-router-score-function
 enum class MoeScoreFunction : uint8_t { kSoftmax, kSigmoid };

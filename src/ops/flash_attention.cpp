@@ -76,10 +76,14 @@ void check_cuda_head_dim(const FlashAttentionConfig& c, const Tensor& like, cons
 
 }  // namespace
 
+size_t flash_attention_dq_accum_offset(const FlashAttentionConfig& cfg) {
+  const size_t rows = static_cast<size_t>(cfg.batch * cfg.heads() * cfg.seq);
+  return (rows * sizeof(float) + 255) / 256 * 256;
+}
+
 size_t flash_attention_workspace_bytes(const FlashAttentionConfig& cfg) {
   const size_t rows = static_cast<size_t>(cfg.batch * cfg.heads() * cfg.seq);
-  const size_t delta = (rows * sizeof(float) + 255) / 256 * 256;
-  return delta + rows * static_cast<size_t>(cfg.head_dim) * sizeof(float);
+  return flash_attention_dq_accum_offset(cfg) + rows * static_cast<size_t>(cfg.head_dim) * sizeof(float);
 }
 
 bool flash_attention_cudnn_available() {

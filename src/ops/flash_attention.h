@@ -80,6 +80,8 @@ struct FlashAttentionConfig {
 ///                                 leave it untouched)
 /// Nothing in it survives the call; it may be shared with any other temporary.
 size_t flash_attention_workspace_bytes(const FlashAttentionConfig& cfg);
+/// Byte offset of dq_accum in that workspace (after delta and its padding).
+size_t flash_attention_dq_accum_offset(const FlashAttentionConfig& cfg);
 
 /// Forward: out[s, b, n, d] (overwrite, act dtype of qkv) and lse[b, n, s] (fp32, overwrite) from
 /// qkv[s, b, g, qpg + 2, d] (or [s, b, g·(qpg+2)·d]); out may also be given as [s, b, n·d], lse as any

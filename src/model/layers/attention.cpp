@@ -102,7 +102,7 @@ FlashAttentionConfig FlashAttention::flash_config(const StepContext& ctx, int64_
   c.total_heads = config_.num_attention_heads;
   c.doc_start = ctx.batch.doc_start;
   c.deterministic = config_.deterministic_mode;
-  c.cudnn = config_.attention_backend == AttentionBackend::kFused || config_.attention_backend == AttentionBackend::kAuto;
+  c.cudnn = attention_backend_uses_cudnn(config_.attention_backend);
   return c;
 }
 

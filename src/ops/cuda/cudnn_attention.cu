@@ -88,6 +88,9 @@ enum Uid : int64_t {
   kFirstVirtual = 100,
 };
 
+/// The compute type of every matmul and reduction (cudnn-frontend's FLOAT compute data type).
+constexpr cudnnDataType_t kFp32 = CUDNN_DATA_FLOAT;
+
 /// Builds one operation graph: tensors and operations, every descriptor kept alive with the plan.
 class GraphBuilder {
  public:
@@ -134,41 +137,48 @@ class GraphBuilder {
     const float one = 1.f;
     op.set(CUDNN_ATTR_OPERATION_POINTWISE_ALPHA1, CUDNN_TYPE_FLOAT, 1, &one);
     op.set(CUDNN_ATTR_OPERATION_POINTWISE_ALPHA2, CUDNN_TYPE_FLOAT, 1, &one);
-    op.finalize("pointwise operation");
-    ops_.push_back(op.get());
+    push(op, "pointwise operation");
+  }
+  /// y = mode(x[, b]) into a new virtual fp32 tensor of `dims` (strides packed unless given).
+  cudnnBackendDescriptor_t pointwise_to(cudnnPointwiseMode_t mode, cudnnBackendDescriptor_t x,
+                                        cudnnBackendDescriptor_t b, const Dims& dims, const Dims& strides = {}) {
+    auto y = virt(CUDNN_DATA_FLOAT, dims, strides);
+    pointwise(mode, x, b, y);
+    return y;
+  }
+  /// a·b into a new virtual fp32 tensor of `dims`.
+  cudnnBackendDescriptor_t matmul_to(cudnnBackendDescriptor_t a, cudnnBackendDescriptor_t b, const Dims& dims) {
+    auto c = virt(CUDNN_DATA_FLOAT, dims);
+    matmul(a, b, c);
+    return c;
   }
   void matmul(cudnnBackendDescriptor_t a, cudnnBackendDescriptor_t b, cudnnBackendDescriptor_t c) {
     auto& mm = keep(CUDNN_BACKEND_MATMUL_DESCRIPTOR);
-    const cudnnDataType_t comp = CUDNN_DATA_FLOAT;
-    mm.set(CUDNN_ATTR_MATMUL_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &comp);
+    mm.set(CUDNN_ATTR_MATMUL_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &kFp32);
     mm.finalize("matmul descriptor");
     auto& op = keep(CUDNN_BACKEND_OPERATION_MATMUL_DESCRIPTOR);
     op.set_desc(CUDNN_ATTR_OPERATION_MATMUL_ADESC, a);
     op.set_desc(CUDNN_ATTR_OPERATION_MATMUL_BDESC, b);
     op.set_desc(CUDNN_ATTR_OPERATION_MATMUL_CDESC, c);
     op.set_desc(CUDNN_ATTR_OPERATION_MATMUL_DESC, mm.get());
-    op.finalize("matmul operation");
-    ops_.push_back(op.get());
+    push(op, "matmul operation");
   }
   void reduction(cudnnReduceTensorOp_t mode, cudnnBackendDescriptor_t x, cudnnBackendDescriptor_t y) {
     auto& r = keep(CUDNN_BACKEND_REDUCTION_DESCRIPTOR);
-    const cudnnDataType_t comp = CUDNN_DATA_FLOAT;
-    r.set(CUDNN_ATTR_REDUCTION_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &comp);
+    r.set(CUDNN_ATTR_REDUCTION_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &kFp32);
     r.set(CUDNN_ATTR_REDUCTION_OPERATOR, CUDNN_TYPE_REDUCTION_OPERATOR_TYPE, 1, &mode);
     r.finalize("reduction descriptor");
     auto& op = keep(CUDNN_BACKEND_OPERATION_REDUCTION_DESCRIPTOR);
     op.set_desc(CUDNN_ATTR_OPERATION_REDUCTION_DESC, r.get());
     op.set_desc(CUDNN_ATTR_OPERATION_REDUCTION_XDESC, x);
     op.set_desc(CUDNN_ATTR_OPERATION_REDUCTION_YDESC, y);
-    op.finalize("reduction operation");
-    ops_.push_back(op.get());
+    push(op, "reduction operation");
   }
   void reshape(cudnnBackendDescriptor_t x, cudnnBackendDescriptor_t y) {
     auto& op = keep(CUDNN_BACKEND_OPERATION_RESHAPE_DESCRIPTOR);
     op.set_desc(CUDNN_ATTR_OPERATION_RESHAPE_XDESC, x);
     op.set_desc(CUDNN_ATTR_OPERATION_RESHAPE_YDESC, y);
-    op.finalize("reshape operation");
-    ops_.push_back(op.get());
+    push(op, "reshape operation");
   }
   /// Causal mask of scores x [b, h, s_q, s_kv] (top-left diagonal, right bound 0): keeps x where
   /// row >= col, else -inf (scalar kNegInf). Returns the masked tensor.
@@ -187,6 +197,11 @@ class GraphBuilder {
   std::vector<std::unique_ptr<Desc>> take() { return std::move(keep_); }
 
  private:
+  /// Finalizes an operation descriptor and appends it to the graph's operations.
+  void push(Desc& op, const char* what) {
+    op.finalize(what);
+    ops_.push_back(op.get());
+  }
   Desc& keep(cudnnBackendDescriptorType_t type) {
     keep_.push_back(std::make_unique<Desc>(type));
     return *keep_.back();
@@ -205,6 +220,7 @@ struct Plan {
   // grouped queries only: the gathered Q [s, b, h, d] (and, backward, dQ's staging after it); owned
   void* staging = nullptr;
   float scale = 0, neg_inf = -std::numeric_limits<float>::infinity(), one = 1.f;  // by-value scalars
+  cudnnHandle_t handle = nullptr;  // of the plan's device (handle_for)
   ~Plan() {
     if (workspace) cudaFree(workspace);
     if (staging) cudaFree(staging);
@@ -311,21 +327,16 @@ std::unique_ptr<Plan> build_forward(const Shape& sh, float scale, cudnnHandle_t 
   auto o = g.tensor(kO, sh.io, sh.qd(), sh.out_strides());
   auto stats = g.tensor(kStats, CUDNN_DATA_FLOAT, sh.stats(), sh.stats_strides());
   auto sc = g.scalar(kScale), ninf = g.scalar(kNegInf);
-  auto s0 = g.virt(CUDNN_DATA_FLOAT, sh.bhss());
-  g.matmul(q, kt, s0);
-  auto s1 = g.virt(CUDNN_DATA_FLOAT, sh.bhss());
-  g.pointwise(CUDNN_POINTWISE_MUL, s0, sc, s1);
+  auto s0 = g.matmul_to(q, kt, sh.bhss());
+  auto s1 = g.pointwise_to(CUDNN_POINTWISE_MUL, s0, sc, sh.bhss());
   auto s2 = g.causal_mask(s1, sh.bhss(), ninf);
   auto mx = g.virt(CUDNN_DATA_FLOAT, sh.stats(), sh.stats_strides());
   g.reduction(CUDNN_REDUCE_TENSOR_MAX, s2, mx);
-  auto sub = g.virt(CUDNN_DATA_FLOAT, sh.bhss());
-  g.pointwise(CUDNN_POINTWISE_SUB, s2, mx, sub);
-  auto ex = g.virt(CUDNN_DATA_FLOAT, sh.bhss());
-  g.pointwise(CUDNN_POINTWISE_EXP, sub, nullptr, ex);
+  auto sub = g.pointwise_to(CUDNN_POINTWISE_SUB, s2, mx, sh.bhss());
+  auto ex = g.pointwise_to(CUDNN_POINTWISE_EXP, sub, nullptr, sh.bhss());
   auto sum = g.virt(CUDNN_DATA_FLOAT, sh.stats(), sh.stats_strides());
   g.reduction(CUDNN_REDUCE_TENSOR_ADD, ex, sum);
-  auto lg = g.virt(CUDNN_DATA_FLOAT, sh.stats(), sh.stats_strides());
-  g.pointwise(CUDNN_POINTWISE_LOG, sum, nullptr, lg);
+  auto lg = g.pointwise_to(CUDNN_POINTWISE_LOG, sum, nullptr, sh.stats(), sh.stats_strides());
   g.pointwise(CUDNN_POINTWISE_ADD, mx, lg, stats);
   auto prob = g.virt(sh.io, sh.bhss());
   g.pointwise(CUDNN_POINTWISE_DIV, ex, sum, prob);
@@ -369,34 +380,26 @@ std::unique_ptr<Plan> build_backward(const Shape& sh, float scale, cudnnHandle_t
   auto sc = g.scalar(kScale), ninf = g.scalar(kNegInf), one = g.scalar(kOne);
 
   // softmax_sum = rowsum(dO ∘ O)
-  auto dox = g.virt(CUDNN_DATA_FLOAT, sh.qd(), {sh.h * sh.s * sh.d, sh.s * sh.d, sh.h * sh.d, 1});
-  g.pointwise(CUDNN_POINTWISE_MUL, dout, o, dox);
+  auto dox =
+      g.pointwise_to(CUDNN_POINTWISE_MUL, dout, o, sh.qd(), {sh.h * sh.s * sh.d, sh.s * sh.d, sh.h * sh.d, 1});
   auto rs = g.virt(CUDNN_DATA_FLOAT, sh.stats(), sh.stats_strides());
   g.reduction(CUDNN_REDUCE_TENSOR_ADD, dox, rs);
   g.pointwise(CUDNN_POINTWISE_MUL, rs, one, softmax_sum);
   // P = exp(S · scale − Stats), masked
-  auto s0 = g.virt(CUDNN_DATA_FLOAT, sh.bhss());
-  g.matmul(q, kt, s0);
-  auto s1 = g.virt(CUDNN_DATA_FLOAT, sh.bhss());
-  g.pointwise(CUDNN_POINTWISE_MUL, s0, sc, s1);
-  auto s2 = g.virt(CUDNN_DATA_FLOAT, sh.bhss());
-  g.pointwise(CUDNN_POINTWISE_SUB, s1, stats, s2);
+  auto s0 = g.matmul_to(q, kt, sh.bhss());
+  auto s1 = g.pointwise_to(CUDNN_POINTWISE_MUL, s0, sc, sh.bhss());
+  auto s2 = g.pointwise_to(CUDNN_POINTWISE_SUB, s1, stats, sh.bhss());
   auto s3 = g.causal_mask(s2, sh.bhss(), ninf);
-  auto prob = g.virt(CUDNN_DATA_FLOAT, sh.bhss());
-  g.pointwise(CUDNN_POINTWISE_EXP, s3, nullptr, prob);
+  auto prob = g.pointwise_to(CUDNN_POINTWISE_EXP, s3, nullptr, sh.bhss());
   // dV = Pᵀ dO
   auto pt = g.virt(sh.io, sst, sst_strides);
   g.reshape(prob, pt);
   kv_grad(g, sh, pt, dout, dv);
   // dS = P ∘ (dO Vᵀ − softmax_sum) · scale
-  auto dp = g.virt(CUDNN_DATA_FLOAT, sh.bhss());
-  g.matmul(dout, vt, dp);
-  auto t0 = g.virt(CUDNN_DATA_FLOAT, sh.bhss());
-  g.pointwise(CUDNN_POINTWISE_SUB, dp, softmax_sum, t0);
-  auto t1 = g.virt(CUDNN_DATA_FLOAT, sh.bhss());
-  g.pointwise(CUDNN_POINTWISE_MUL, t0, prob, t1);
-  auto ds = g.virt(CUDNN_DATA_FLOAT, sh.bhss());
-  g.pointwise(CUDNN_POINTWISE_MUL, t1, sc, ds);
+  auto dp = g.matmul_to(dout, vt, sh.bhss());
+  auto t0 = g.pointwise_to(CUDNN_POINTWISE_SUB, dp, softmax_sum, sh.bhss());
+  auto t1 = g.pointwise_to(CUDNN_POINTWISE_MUL, t0, prob, sh.bhss());
+  auto ds = g.pointwise_to(CUDNN_POINTWISE_MUL, t1, sc, sh.bhss());
   // dK = dSᵀ Q
   auto dst = g.virt(sh.io, sst, sst_strides);
   g.reshape(ds, dst);
@@ -423,6 +426,7 @@ Plan& plan_for(bool backward, const Shape& sh, float scale) {
   if (it != plans.end()) return *it->second;
   cudnnHandle_t h = handle_for(device);
   auto p = backward ? build_backward(sh, scale, h) : build_forward(sh, scale, h);
+  p->handle = h;
   if (sh.qpg() > 1) {
     const size_t one = static_cast<size_t>(sh.b * sh.h * sh.s * sh.d) * 2;  // 16-bit elements
     MT_CUDA_CHECK(cudaMalloc(&p->staging, backward ? 2 * one : one));
@@ -431,9 +435,7 @@ Plan& plan_for(bool backward, const Shape& sh, float scale) {
 }
 
 void execute(Plan& p, const Stream& stream, std::vector<int64_t> uids, std::vector<void*> ptrs) {
-  int device = 0;
-  MT_CUDA_CHECK(cudaGetDevice(&device));
-  cudnnHandle_t h = handle_for(device);
+  cudnnHandle_t h = p.handle;
   MT_CUDNN(cudnnSetStream(h, cu(stream)));
   uids.insert(uids.end(), {kScale, kNegInf});
   ptrs.insert(ptrs.end(), {&p.scale, &p.neg_inf});
@@ -470,12 +472,9 @@ __global__ void query_slots_kernel(uint4* __restrict__ packed, uint4* __restrict
 void query_slots(bool gather, void* packed, void* qkv, const Shape& sh, const Stream& stream) {
   const int64_t rows = sh.s * sh.b * sh.g, vecs = sh.d / 8, n = rows * sh.qpg() * vecs;
   const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, 65535));
-  if (gather)
-    query_slots_kernel<true><<<blocks, 256, 0, cu(stream)>>>(static_cast<uint4*>(packed), static_cast<uint4*>(qkv),
-                                                              rows, static_cast<int>(sh.qpg()), static_cast<int>(vecs));
-  else
-    query_slots_kernel<false><<<blocks, 256, 0, cu(stream)>>>(static_cast<uint4*>(packed), static_cast<uint4*>(qkv),
-                                                               rows, static_cast<int>(sh.qpg()), static_cast<int>(vecs));
+  const auto kernel = gather ? query_slots_kernel<true> : query_slots_kernel<false>;
+  kernel<<<blocks, 256, 0, cu(stream)>>>(static_cast<uint4*>(packed), static_cast<uint4*>(qkv), rows,
+                                         static_cast<int>(sh.qpg()), static_cast<int>(vecs));
   MT_CUDA_CHECK_LAUNCH();
 }
 
@@ -501,7 +500,8 @@ void cudnn_attention_forward(const Tensor& out, const Tensor& lse, const Tensor&
     query_slots(true, p.staging, base, sh, stream);
     qptr = p.staging;
   }
-  execute(p, stream, {kQ, kK, kV, kO, kStats}, {qptr, base + q * d * e, base + (q + 1) * d * e, out.data(), lse.data()});
+  execute(p, stream, {kQ, kK, kV, kO, kStats},
+          {qptr, base + q * d * e, base + (q + 1) * d * e, out.data(), lse.data()});
 }
 
 void cudnn_attention_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& out, const Tensor& lse,
@@ -515,7 +515,7 @@ void cudnn_attention_backward(const Tensor& dqkv, const Tensor& dout, const Tens
   const size_t rows = static_cast<size_t>(sh.b * sh.h * sh.s);
   char* ws = static_cast<char*>(workspace.data());
   void* softmax_sum = ws;
-  void* dq_accum = ws + (rows * sizeof(float) + 255) / 256 * 256;  // flash_attention_workspace_bytes' layout
+  void* dq_accum = ws + flash_attention_dq_accum_offset(cfg);
   // cuDNN >= 9.6 zeroes the dQ accumulator itself (cudnn-frontend memsets it only before 9.6).
   if (cudnnGetVersion() < 90600)
     MT_CUDA_CHECK(cudaMemsetAsync(dq_accum, 0, rows * d * sizeof(float), cu(stream)));

@@ -1066,7 +1066,7 @@ void flash_attention_backward(const Tensor& dqkv, const Tensor& dout, const Tens
   const int64_t rows = p.B * p.n * p.s;
   unsigned char* ws = static_cast<unsigned char*>(workspace.data());
   p.delta = reinterpret_cast<float*>(ws);
-  p.dq_accum = reinterpret_cast<float*>(ws + (static_cast<size_t>(rows) * sizeof(float) + 255) / 256 * 256);
+  p.dq_accum = reinterpret_cast<float*>(ws + flash_attention_dq_accum_offset(cfg));
   const cudaStream_t st = cu(stream);
   MT_CHECK((p.s + 15) / 16 < 65536, "flash_attention_backward: seq={} too long for the grid", p.s);
   dispatch_float(qkv.dtype(), "flash_attention_backward", [&](auto* tag) {
