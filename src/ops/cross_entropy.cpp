@@ -100,6 +100,27 @@ void cross_entropy_backward_inplace(const Tensor& logits, const Tensor& targets,
               vocab_start, valid_cols, grad_scale, device_scale, stream);
 }
 
+void cross_entropy_forward_backward_inplace(const Tensor& row_max, const Tensor& row_sumexp,
+                                            const Tensor& target_logit, const Tensor& logits, const Tensor& targets,
+                                            const Tensor& loss_mask, int64_t valid_cols, float grad_scale,
+                                            const Tensor& device_scale, const Stream& stream) {
+  const int64_t m = check_logits_targets(logits, targets, 0);
+  valid_cols = resolve_valid_cols(valid_cols, logits);
+  if (!device_scale.empty()) {
+    check_tensor(device_scale, DType::kF32, {1}, "device_scale");
+    check_same_device({&logits, &device_scale});
+  }
+  check_row_vec(row_max, m, "row_max");
+  check_row_vec(row_sumexp, m, "row_sumexp");
+  check_row_vec(target_logit, m, "target_logit");
+  check_mask(loss_mask, m);
+  check_same_device({&row_max, &row_sumexp, &target_logit, &logits, &targets, &loss_mask});
+  op_checks::check_stream(stream, logits, "cross_entropy_forward_backward_inplace");
+  if (m == 0) return;
+  MT_DISPATCH(logits.device(), cross_entropy_forward_backward_inplace, row_max, row_sumexp, target_logit, logits,
+              targets, loss_mask, valid_cols, grad_scale, device_scale, stream);
+}
+
 void sum_accumulate(const Tensor& out, const Tensor& x, float alpha, const Stream& stream) {
   check_tensor(out, DType::kF32, {1}, "out");
   check_tensor(x, DType::kF32, {-1}, "x");

@@ -3,7 +3,8 @@
 // all-reduces of m values each (MAX of the row max, SUM of the exp-sum, SUM of the target
 // logit) and never communicates m·V values. All statistics and the loss in fp32.
 //
-// Single rank:  stats -> loss -> backward_inplace.
+// Single rank:  stats -> loss -> backward_inplace, or forward_backward_inplace (stats and gradient
+//               in one pass over the logits) -> loss.
 // Vocab-parallel: stats -> allreduce(MAX, row_max') -> rescale_sumexp(local max -> global max)
 //                 -> allreduce(SUM, sumexp), allreduce(SUM, target_logit) -> loss -> backward.
 //
@@ -54,6 +55,27 @@ void cross_entropy_backward_inplace(const Tensor& logits, const Tensor& targets,
                                     int64_t valid_cols, float grad_scale, const Tensor& device_scale,
                                     const Stream& stream);
 
+/// Single rank (the whole vocabulary on this rank, vocab_start = 0): cross_entropy_stats followed by
+/// cross_entropy_backward_inplace, i.e. row_max, row_sumexp and target_logit of each row as
+/// cross_entropy_stats gives them, and the logits overwritten with their gradient as
+/// cross_entropy_backward_inplace gives it (the same arguments and errors). CUDA: when a row fits
+/// twice in a multiprocessor's shared memory (cross_entropy_fused_row_fits; GPT-2's 50304 bf16
+/// columns do on sm_90), one kernel reads each row once from device memory into shared memory,
+/// reduces its statistics there and writes the gradient: one read and one write of the logits
+/// instead of two reads and one write. Otherwise, and on the CPU, the two ops in sequence.
+void cross_entropy_forward_backward_inplace(const Tensor& row_max, const Tensor& row_sumexp,
+                                            const Tensor& target_logit, const Tensor& logits, const Tensor& targets,
+                                            const Tensor& loss_mask, int64_t valid_cols, float grad_scale,
+                                            const Tensor& device_scale, const Stream& stream);
+
+#ifdef MT_WITH_CUDA
+namespace cuda {
+/// True when cross_entropy_forward_backward_inplace takes its one-kernel path on `device` for
+/// contiguous, 16-byte aligned rows of v elements of dtype (for tests and the bench).
+bool cross_entropy_fused_row_fits(int64_t v, DType dtype, Device device);
+}  // namespace cuda
+#endif
+
 /// out[0] += alpha * sum(x) over fp32 x [n]; deterministic order (CUDA: one block, fixed
 /// reduction tree, no float atomics; CPU: fixed chunks summed in double). out: fp32 [1].
 void sum_accumulate(const Tensor& out, const Tensor& x, float alpha, const Stream& stream);
@@ -62,6 +84,7 @@ MT_OP_BACKENDS(cross_entropy_stats)
 MT_OP_BACKENDS(cross_entropy_rescale_sumexp)
 MT_OP_BACKENDS(cross_entropy_loss)
 MT_OP_BACKENDS(cross_entropy_backward_inplace)
+MT_OP_BACKENDS(cross_entropy_forward_backward_inplace)
 MT_OP_BACKENDS(sum_accumulate)
 
 }  // namespace mt

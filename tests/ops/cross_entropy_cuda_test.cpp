@@ -5,9 +5,12 @@
 // than the block, and targets outside this rank's vocabulary range.
 #include <gtest/gtest.h>
 
+#include <cuda_runtime.h>
+
 #include <cmath>
 #include <vector>
 
+#include "core/cuda_check.h"
 #include "ops/cross_entropy.h"
 #include "testing/testing.h"
 
@@ -168,6 +171,64 @@ TEST(CrossEntropyCuda, SumAccumulateMatchesCpuAndIsDeterministic) {
     const float a = to_host(out1, gs)[0], b = to_host(out2, gs)[0];
     EXPECT_EQ(a, b) << "n=" << n;  // bitwise deterministic
     EXPECT_LT(rel_err({a}, to_host(out_cpu, cs)), 1e-5) << "n=" << n;
+  }
+}
+
+TEST(CrossEntropyCuda, ForwardBackwardInplaceMatchesCpu) {
+  // The one-pass op against the CPU's stats + backward on the same rounded inputs: rows that take
+  // the one-kernel path (GPT-2's padded vocabulary with padding columns, a Llama-2-sized row, a
+  // short row, ragged row counts) and rows that fall back to the two kernels (odd V; fp32 rows
+  // too long to fit twice in shared memory).
+  MT_REQUIRE_CUDA();
+  struct FbCase {
+    int64_t m, v, valid;
+  };
+  const FbCase cases[] = {{3, 50304, 50257}, {129, 50304, 50257}, {17, 32000, 32000}, {5, 4096, 4000},
+                          {31, 1001, 1001}, {2, 64, 1}};
+  int cc_major = 0;
+  MT_CUDA_CHECK(cudaDeviceGetAttribute(&cc_major, cudaDevAttrComputeCapabilityMajor, 0));
+  if (cc_major >= 9) {  // sm_90: 228 KiB of shared memory per multiprocessor
+    EXPECT_TRUE(cuda::cross_entropy_fused_row_fits(50304, DType::kBF16, Device::cuda()));
+    EXPECT_TRUE(cuda::cross_entropy_fused_row_fits(16000, DType::kF32, Device::cuda()));
+  }
+  EXPECT_FALSE(cuda::cross_entropy_fused_row_fits(1001, DType::kBF16, Device::cuda()));  // not whole vectors
+  EXPECT_FALSE(cuda::cross_entropy_fused_row_fits(1 << 20, DType::kBF16, Device::cuda()));
+  EXPECT_FALSE(cuda::cross_entropy_fused_row_fits(4096, DType::kBF16, Device::cpu()));
+  for (const FbCase& c : cases) {
+    for (DType dt : {DType::kBF16, DType::kF16, DType::kF32}) {
+      SCOPED_TRACE(::testing::Message() << "m=" << c.m << " V=" << c.v << " valid=" << c.valid
+                                        << " dtype=" << dtype_name(dt) << " one kernel="
+                                        << cuda::cross_entropy_fused_row_fits(c.v, dt, Device::cuda()));
+      auto x = testing::randn(c.m * c.v, 3.f);
+      for (auto& e : x) e = round_through(dt, e);
+      auto t = testing::randint(c.m, 0, static_cast<int32_t>(c.valid));
+      t[0] = static_cast<int32_t>(c.valid - 1);                          // the last valid column
+      if (c.m > 1) t[1] = static_cast<int32_t>(c.v + 5);                 // outside the vocabulary
+      auto mask = testing::randu(c.m, 0.5f, 1.5f);
+      mask[c.m - 1] = 0.f;
+      const float grad_scale = 0.6f;
+      std::vector<std::vector<float>> out[2];
+      for (int d = 0; d < 2; ++d) {
+        const Device dev = d == 0 ? Device::cpu() : Device::cuda();
+        Stream s(dev);
+        auto logits = make_tensor(x, d == 0 ? DType::kF32 : dt, dev, {c.m, c.v}, s);
+        auto targets = make_int_tensor(t, dev, {c.m}, s);
+        auto mask_t = make_tensor(mask, DType::kF32, dev, {c.m}, s);
+        auto dev_scale = make_tensor({2.f}, DType::kF32, dev, {1}, s);
+        OwnedTensor mx(DType::kF32, dev, {c.m}), se(DType::kF32, dev, {c.m}), tl(DType::kF32, dev, {c.m});
+        for (const Tensor* o : {&mx.t, &se.t, &tl.t}) poison(*o, s);
+        cross_entropy_forward_backward_inplace(mx, se, tl, logits, targets, mask_t, c.valid, grad_scale / 2,
+                                               dev_scale, s);
+        out[d] = {to_host(mx, s), to_host(se, s), to_host(tl, s), to_host(logits, s)};
+      }
+      EXPECT_EQ(out[1][0], out[0][0]);  // row max: exact
+      EXPECT_LT(rel_err(out[1][1], out[0][1]), 1e-5);
+      EXPECT_EQ(out[1][2], out[0][2]);  // target logit: a copy (or 0 outside the vocabulary)
+      const double tol = dt == DType::kF32 ? 1e-5 : (dt == DType::kBF16 ? 2e-2 : 2e-3);
+      EXPECT_LT(rel_err(out[1][3], out[0][3]), tol);
+      for (int64_t r = 0; r < c.m; ++r)  // padding columns: gradient exactly 0
+        for (int64_t j = c.valid; j < c.v; ++j) ASSERT_EQ(out[1][3][r * c.v + j], 0.f) << "row " << r << " col " << j;
+    }
   }
 }
 

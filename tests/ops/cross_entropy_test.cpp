@@ -307,6 +307,37 @@ TEST(CrossEntropyCpu, RejectsBadArguments) {
   EXPECT_THROW(cross_entropy_backward_inplace(logits, targets, mx, se, i32_stats, 0, -1, 1.f, Tensor(), s), Error);
   EXPECT_THROW(sum_accumulate(out2, mx, 1.f, s), Error);
   EXPECT_THROW(sum_accumulate(mx.t.slice0(0, 1), i32_stats, 1.f, s), Error);
+  EXPECT_THROW(cross_entropy_forward_backward_inplace(mx, short_vec, tl, logits, targets, Tensor(), -1, 1.f, Tensor(), s),
+               Error);
+  EXPECT_THROW(cross_entropy_forward_backward_inplace(mx, se, tl, logits, targets, Tensor(), v + 1, 1.f, Tensor(), s),
+               Error);
+  EXPECT_THROW(cross_entropy_forward_backward_inplace(mx, se, tl, logits, targets, short_vec, -1, 1.f, Tensor(), s),
+               Error);
+}
+
+TEST(CrossEntropyCpu, ForwardBackwardInplaceEqualsStatsThenBackward) {
+  // The one-pass op's contract: exactly cross_entropy_stats followed by backward_inplace.
+  Stream s(kCpu);
+  const int64_t m = 6, v = 40, valid = 37;
+  const auto x = testing::randn(m * v, 2.f);
+  const auto t = testing::randint(m, 0, static_cast<int32_t>(valid));
+  const auto mask = testing::randu(m, 0.5f, 1.5f);
+  std::vector<std::vector<float>> out[2];
+  for (int fused = 0; fused < 2; ++fused) {
+    auto logits = make_tensor(x, DType::kBF16, kCpu, {m, v}, s);
+    auto targets = make_int_tensor(t, kCpu, {m}, s);
+    auto mask_t = make_tensor(mask, DType::kF32, kCpu, {m}, s);
+    OwnedTensor mx(DType::kF32, kCpu, {m}), se(DType::kF32, kCpu, {m}), tl(DType::kF32, kCpu, {m});
+    if (fused) {
+      cross_entropy_forward_backward_inplace(mx, se, tl, logits, targets, mask_t, valid, 0.5f, Tensor(), s);
+    } else {
+      cross_entropy_stats(mx, se, tl, logits, targets, 0, valid, s);
+      cross_entropy_backward_inplace(logits, targets, mx, se, mask_t, 0, valid, 0.5f, Tensor(), s);
+    }
+    out[fused] = {to_host(mx, s), to_host(se, s), to_host(tl, s), to_host(logits, s)};
+  }
+  EXPECT_EQ(out[1], out[0]);
+  EXPECT_NE(out[1][3], std::vector<float>(m * v, 0.f));
 }
 
 }  // namespace

@@ -59,7 +59,10 @@ void LanguageModelHead::plan(BufferPlanner& p, int64_t s, int64_t b, const HeadO
     H.logits = p.saved(t, {T, vl}, "logits");
   } else {
     const int64_t fit = static_cast<int64_t>(o.chunk_bytes / (static_cast<size_t>(vl) * dtype_size(t)));
-    chunk_rows_ = std::clamp<int64_t>(fit, 1, T);
+    // As few chunks as fit in chunk_bytes, of equal rows: no small last chunk (an inefficient
+    // GEMM) and no scratch beyond what the rows need.
+    const int64_t chunks = (T + std::clamp<int64_t>(fit, 1, T) - 1) / std::clamp<int64_t>(fit, 1, T);
+    chunk_rows_ = (T + chunks - 1) / chunks;
     chunk_logits_ = p.scratch("head.chunk_logits", t, {chunk_rows_, vl});
   }
   ce_local_max_ = p.scratch("head.ce_local_max", DType::kF32, {T});
@@ -88,26 +91,32 @@ void LanguageModelHead::run_chunks(const Saved& H, bool stats, const Tensor& los
     const Tensor mx = part(H.ce_max), se = part(H.ce_sumexp), tg = part(ce_target_), lab = part(labels),
                  m = part(mask);
     output_layer_.forward_rows(logits, r0, n, ctx);
+    // One rank with the gradient: statistics and gradient in one pass over the chunk's logits.
+    const bool fused = stats && grad && tp_.size() == 1;
+    if (fused) {
+      cross_entropy_forward_backward_inplace(mx, se, tg, logits, lab, m, valid_cols_, grad->grad_scale,
+                                             grad->loss_scale, st);
+    } else if (stats && tp_.size() == 1) {
+      cross_entropy_stats(mx, se, tg, logits, lab, 0, valid_cols_, st);
+    } else if (stats) {
+      // Vocab-parallel cross entropy: three all-reduces of the chunk's rows, never of logits.
+      Communicator& tp = tp_.group();
+      const Tensor lmax = part(ce_local_max_);
+      cross_entropy_stats(lmax, se, tg, logits, lab, vocab_start_, valid_cols_, st);
+      copy(mx, lmax, st);
+      tp.all_reduce(mx, ReduceOp::kMax, st);
+      cross_entropy_rescale_sumexp(se, lmax, mx, st);
+      tp.all_reduce(se, ReduceOp::kSum, st);
+      tp.all_reduce(tg, ReduceOp::kSum, st);
+    }
     if (stats) {
-      if (tp_.size() == 1) {
-        cross_entropy_stats(mx, se, tg, logits, lab, 0, valid_cols_, st);
-      } else {
-        // Vocab-parallel cross entropy: three all-reduces of the chunk's rows, never of logits.
-        Communicator& tp = tp_.group();
-        const Tensor lmax = part(ce_local_max_);
-        cross_entropy_stats(lmax, se, tg, logits, lab, vocab_start_, valid_cols_, st);
-        copy(mx, lmax, st);
-        tp.all_reduce(mx, ReduceOp::kMax, st);
-        cross_entropy_rescale_sumexp(se, lmax, mx, st);
-        tp.all_reduce(se, ReduceOp::kSum, st);
-        tp.all_reduce(tg, ReduceOp::kSum, st);
-      }
       cross_entropy_loss(part(losses_), mx, se, tg, m, st);
       sum_accumulate(loss_accum, part(losses_), loss_weight, st);
     }
     if (grad) {
-      cross_entropy_backward_inplace(logits, lab, mx, se, m, vocab_start_, valid_cols_, grad->grad_scale,
-                                     grad->loss_scale, st);
+      if (!fused)
+        cross_entropy_backward_inplace(logits, lab, mx, se, m, vocab_start_, valid_cols_, grad->grad_scale,
+                                       grad->loss_scale, st);
       output_layer_.backward_rows(logits, r0, n, dx_full, ctx);
     }
   }

@@ -5,8 +5,9 @@
 // _VocabParallelCrossEntropy: three all-reduces of s·b values, never of logits).
 //
 // Logits in chunks of rows (the "fused linear cross entropy" of Liger-Kernel / torchtune's chunked
-// loss): the [s·b, V/tp] logits are never held whole. The rows are cut into chunks whose logits fit
-// HeadOptions::chunk_bytes; each chunk's logits live in one shared scratch. When the forward is
+// loss): the [s·b, V/tp] logits are never held whole. The rows are cut into the fewest chunks of
+// equal rows whose logits fit HeadOptions::chunk_bytes; each chunk's logits live in one shared
+// scratch. When the forward is
 // told the backward that follows (HeadGrad: the pipeline executor's training forwards), each
 // chunk's gradient is made at once: logits, softmax statistics and losses, the logits overwritten
 // by their gradient, dx rows = dlogits·W and dW += dlogitsᵀ·x; the head's backward then only runs

@@ -110,6 +110,15 @@ void cross_entropy_backward_inplace(const Tensor& logits, const Tensor& targets,
   });
 }
 
+void cross_entropy_forward_backward_inplace(const Tensor& row_max, const Tensor& row_sumexp,
+                                            const Tensor& target_logit, const Tensor& logits, const Tensor& targets,
+                                            const Tensor& loss_mask, int64_t valid_cols, float grad_scale,
+                                            const Tensor& device_scale, const Stream& stream) {
+  cpu::cross_entropy_stats(row_max, row_sumexp, target_logit, logits, targets, 0, valid_cols, stream);
+  cpu::cross_entropy_backward_inplace(logits, targets, row_max, row_sumexp, loss_mask, 0, valid_cols, grad_scale,
+                                 device_scale, stream);
+}
+
 void sum_accumulate(const Tensor& out, const Tensor& x, float alpha, const Stream&) {
   const float s = static_cast<float>(deterministic_sum(x.data_as<float>(), x.numel()));
   out.data_as<float>()[0] += alpha * s;

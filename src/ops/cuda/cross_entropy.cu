@@ -16,6 +16,8 @@ namespace {
 constexpr int kRowThreads = 512;   // threads per row block
 constexpr int kSumThreads = 1024;  // the single block of sum_accumulate
 constexpr int kVecBytes = 16;
+constexpr int kFusedThreads = 512;  // threads per row block of the one-pass kernel
+constexpr int kFusedLoads = 4;      // 16-byte loads in flight per thread there
 
 
 
@@ -107,6 +109,24 @@ __global__ void __launch_bounds__(kRowThreads)
   }
 }
 
+/// The gradient of the 16-byte vector `raw` of logits holding columns [j0, j0 + kN) of a row:
+/// (softmax - onehot(t)) * scale on the valid columns, 0 on the padding.
+/// kFast: exp by the hardware's ex2.approx (__expf: ~2 ulp near 0, relative error < 2e-6 for the
+/// softmax's arguments x - max <= 0), else the accurate expf.
+template <typename T, bool kFast = false>
+__device__ __forceinline__ uint4 grad_vector(uint4 raw, int64_t j0, int64_t valid, int64_t t, float mx, float inv,
+                                             float scale) {
+  constexpr int kN = kVecBytes / sizeof(T);
+  T* e = reinterpret_cast<T*>(&raw);
+#pragma unroll
+  for (int k = 0; k < kN; ++k) {
+    const int64_t j = j0 + k;
+    const float p = (kFast ? __expf(to_f(e[k]) - mx) : expf(to_f(e[k]) - mx)) * inv;
+    e[k] = from_f<T>(j < valid ? (p - (j == t ? 1.f : 0.f)) * scale : 0.f);
+  }
+  return raw;
+}
+
 template <typename T, bool kVec>
 __global__ void __launch_bounds__(kRowThreads)
     backward_kernel(T* __restrict__ logits, const int32_t* __restrict__ targets, const float* __restrict__ row_max,
@@ -123,23 +143,81 @@ __global__ void __launch_bounds__(kRowThreads)
     constexpr int kN = kVecBytes / sizeof(T);
     uint4* row4 = reinterpret_cast<uint4*>(row);
     const int64_t nv = v / kN;
-    for (int64_t i = threadIdx.x; i < nv; i += blockDim.x) {
-      uint4 raw = row4[i];
-      T* e = reinterpret_cast<T*>(&raw);
-#pragma unroll
-      for (int k = 0; k < kN; ++k) {
-        const int64_t j = i * kN + k;
-        const float p = expf(to_f(e[k]) - mx) * inv;
-        e[k] = from_f<T>(j < valid ? (p - (j == t ? 1.f : 0.f)) * scale : 0.f);
-      }
-      row4[i] = raw;
-    }
+    for (int64_t i = threadIdx.x; i < nv; i += blockDim.x) row4[i] = grad_vector<T>(row4[i], i * kN, valid, t, mx, inv, scale);
   } else {
     for (int64_t j = threadIdx.x; j < v; j += blockDim.x) {
       const float p = expf(to_f(row[j]) - mx) * inv;
       row[j] = from_f<T>(j < valid ? (p - (j == t ? 1.f : 0.f)) * scale : 0.f);
     }
   }
+}
+
+
+/// cross_entropy_forward_backward_inplace, one block per row: the row is read once from device
+/// memory into shared memory (kFusedLoads 16-byte loads in flight per thread) while each thread
+/// keeps the online-softmax state of its vectors; after the block reduction the gradient is
+/// computed from shared memory and written over the logits. Two blocks per multiprocessor, so
+/// that one block's loads overlap the other's stores. The exponentials use the hardware's
+/// ex2.approx (__expf): with the accurate expf the kernel was bound by its instruction issue
+/// (1.68 ms per GPT-2 step on an H100 against 1.83 ms for the two kernels). Requires 16-byte aligned rows with v a
+/// multiple of the vector (cross_entropy_fused_row_fits).
+template <typename T>
+__global__ void __launch_bounds__(kFusedThreads, 2)
+    fused_kernel(float* __restrict__ row_max, float* __restrict__ row_sumexp, float* __restrict__ target_logit,
+                 T* __restrict__ logits, const int32_t* __restrict__ targets, const float* __restrict__ mask,
+                 int64_t v, int64_t valid, float grad_scale, const float* __restrict__ device_scale) {
+  extern __shared__ uint4 srow[];
+  __shared__ float stat[2];
+  constexpr int kN = kVecBytes / sizeof(T);
+  const int64_t r = blockIdx.x;
+  uint4* row4 = reinterpret_cast<uint4*>(logits + r * v);
+  const int nv = static_cast<int>(v / kN);
+  float m = -INFINITY, s = 0.f;
+  for (int base = threadIdx.x; base < nv; base += kFusedLoads * kFusedThreads) {
+    uint4 raw[kFusedLoads];
+#pragma unroll
+    for (int u = 0; u < kFusedLoads; ++u) {
+      const int i = base + u * kFusedThreads;
+      if (i < nv) raw[u] = row4[i];
+    }
+#pragma unroll
+    for (int u = 0; u < kFusedLoads; ++u) {
+      const int i = base + u * kFusedThreads;
+      if (i >= nv) break;
+      srow[i] = raw[u];
+      const T* e = reinterpret_cast<const T*>(&raw[u]);
+      float x[kN];
+      float lm = -INFINITY;
+#pragma unroll
+      for (int k = 0; k < kN; ++k) {
+        x[k] = static_cast<int64_t>(i) * kN + k < valid ? to_f(e[k]) : -INFINITY;  // padding: no mass
+        lm = fmaxf(lm, x[k]);
+      }
+      if (lm == -INFINITY) continue;  // all padding
+      if (lm > m) {
+        s *= __expf(m - lm);
+        m = lm;
+      }
+#pragma unroll
+      for (int k = 0; k < kN; ++k) s += __expf(x[k] - m);
+    }
+  }
+  block_reduce_ms(m, s);  // synchronises the block: the whole row is in shared memory afterwards
+  const int64_t t = static_cast<int64_t>(targets[r]);
+  if (threadIdx.x == 0) {
+    const float tl = (t >= 0 && t < valid) ? to_f(reinterpret_cast<const T*>(srow)[t]) : 0.f;
+    row_max[r] = m;
+    row_sumexp[r] = s;
+    target_logit[r] = tl;
+    stat[0] = m;
+    stat[1] = s;
+  }
+  __syncthreads();
+  const float mx = stat[0], inv = 1.f / stat[1];
+  if (device_scale) grad_scale *= *device_scale;
+  const float scale = mask ? grad_scale * mask[r] : grad_scale;
+  for (int i = threadIdx.x; i < nv; i += kFusedThreads)
+    row4[i] = grad_vector<T, true>(srow[i], static_cast<int64_t>(i) * kN, valid, t, mx, inv, scale);
 }
 
 __global__ void rescale_kernel(float* __restrict__ se, const float* __restrict__ lm, const float* __restrict__ gm,
@@ -208,6 +286,38 @@ void launch_backward(const Tensor& logits, const Tensor& targets, const Tensor& 
   MT_CUDA_CHECK_LAUNCH();
 }
 
+/// Dynamic shared memory of the one-pass kernel for rows of v elements of T (one row).
+template <typename T>
+size_t fused_smem_bytes(int64_t v) {
+  return static_cast<size_t>(v) * sizeof(T);
+}
+
+/// Two blocks of the one-pass kernel per multiprocessor of `device` (each with its row, its
+/// static shared memory and the 1 KiB the hardware reserves per block).
+bool fused_fits(size_t row_bytes, Device device) {
+  int per_sm = 0, per_block = 0;
+  const int dev = device.index;
+  MT_CUDA_CHECK(cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
+  MT_CUDA_CHECK(cudaDeviceGetAttribute(&per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  const size_t block = row_bytes + 1024 + 512;
+  return row_bytes <= static_cast<size_t>(per_block) && 2 * block <= static_cast<size_t>(per_sm);
+}
+
+template <typename T>
+void launch_forward_backward(const Tensor& row_max, const Tensor& row_sumexp, const Tensor& target_logit,
+                             const Tensor& logits, const Tensor& targets, const Tensor& loss_mask, int64_t valid,
+                             float grad_scale, const Tensor& device_scale, const Stream& stream) {
+  const int64_t m = logits.size(0), v = logits.size(1);
+  const size_t smem = fused_smem_bytes<T>(v);
+  MT_CUDA_CHECK(cudaFuncSetAttribute(fused_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     static_cast<int>(smem)));
+  fused_kernel<T><<<static_cast<unsigned>(m), kFusedThreads, smem, cu(stream)>>>(
+      row_max.data_as<float>(), row_sumexp.data_as<float>(), target_logit.data_as<float>(), logits.data_as<T>(),
+      targets.data_as<int32_t>(), loss_mask.empty() ? nullptr : loss_mask.data_as<float>(), v, valid, grad_scale,
+      device_scale.empty() ? nullptr : device_scale.data_as<float>());
+  MT_CUDA_CHECK_LAUNCH();
+}
+
 void check_rows(int64_t m) {
   MT_CHECK(m <= int64_t{INT32_MAX}, "cross_entropy: {} rows exceed the CUDA grid limit", m);
 }
@@ -250,6 +360,30 @@ void cross_entropy_backward_inplace(const Tensor& logits, const Tensor& targets,
     using T = std::remove_pointer_t<decltype(tag)>;
     launch_backward<T>(logits, targets, row_max, row_sumexp, loss_mask, vocab_start, valid_cols, grad_scale,
                        device_scale, stream);
+  });
+}
+
+bool cross_entropy_fused_row_fits(int64_t v, DType dtype, Device device) {
+  if (!device.is_cuda() || v <= 0 || v * static_cast<int64_t>(dtype_size(dtype)) % kVecBytes != 0) return false;
+  return v <= INT32_MAX / 2 && fused_fits(static_cast<size_t>(v) * dtype_size(dtype), device);
+}
+
+void cross_entropy_forward_backward_inplace(const Tensor& row_max, const Tensor& row_sumexp,
+                                            const Tensor& target_logit, const Tensor& logits, const Tensor& targets,
+                                            const Tensor& loss_mask, int64_t valid_cols, float grad_scale,
+                                            const Tensor& device_scale, const Stream& stream) {
+  check_rows(logits.size(0));
+  const bool aligned = reinterpret_cast<uintptr_t>(logits.data()) % kVecBytes == 0;
+  if (!aligned || !cross_entropy_fused_row_fits(logits.size(1), logits.dtype(), logits.device())) {
+    cuda::cross_entropy_stats(row_max, row_sumexp, target_logit, logits, targets, 0, valid_cols, stream);
+    cuda::cross_entropy_backward_inplace(logits, targets, row_max, row_sumexp, loss_mask, 0, valid_cols, grad_scale,
+                                   device_scale, stream);
+    return;
+  }
+  dispatch_float(logits.dtype(), "cross_entropy_forward_backward_inplace logits", [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    launch_forward_backward<T>(row_max, row_sumexp, target_logit, logits, targets, loss_mask, valid_cols, grad_scale,
+                               device_scale, stream);
   });
 }
 
