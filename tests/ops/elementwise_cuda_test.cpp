@@ -245,6 +245,11 @@ TEST(BiasDropoutAddCuda, ForwardBackwardMatchCpu) {
             // bf16/fp16: the GPU sums dx after rounding it to the activation dtype, the CPU before.
             const double dtol = t != DType::kF32 ? tol(t) : (c.rows > 1000 ? 1e-4 : 1e-5);
             EXPECT_LT(testing::rel_err(testing::to_host(dbg, gs), db_ref), dtol) << what;
+            if (p == 0.f) {  // dbias only (no dx): the vectorised column sums where h allows
+              auto dbg2 = testing::make_tensor(db0, DType::kF32, gpu, {c.h}, gs);
+              bias_dropout_add_backward(Tensor{}, dbg2, gg, p, key, offset, gs);
+              EXPECT_LT(testing::rel_err(testing::to_host(dbg2, gs), db_ref), dtol) << what << " dbias only";
+            }
           }
           // Backward uses the forward's mask: with residual = 0 and no bias, out == 0 iff dx == 0.
           auto zg = testing::make_tensor(std::vector<float>(n, 0.f), t, gpu, {c.rows, c.h}, gs);
@@ -276,14 +281,17 @@ TEST(BiasDropoutAddCuda, DbiasBitwiseRepeatable) {
     auto dbc = testing::make_tensor(db0, DType::kF32, kCpu, {h}, cs);
     OwnedTensor dxc(DType::kF32, kCpu, {rows, h}), dxg(DType::kF32, gpu, {rows, h});
     bias_dropout_add_backward(dxc, dbc, gc, p, key, 0, cs);
+    // Calls 0, 1 write dx; with p = 0 calls 2, 3 compute dbias only (the column-sum kernel, another
+    // summation order): each pair bitwise equal, each within the fp32 tolerance of the CPU.
     std::vector<float> first;
-    for (int k = 0; k < 3; ++k) {
+    for (int k = 0; k < 4; ++k) {
       auto dbg = testing::make_tensor(db0, DType::kF32, gpu, {h}, gs);
-      bias_dropout_add_backward(p == 0.f && k == 2 ? Tensor{} : dxg.t, dbg, gg, p, key, 0, gs);  // p = 0: dbias only
+      const bool dbias_only = p == 0.f && k >= 2;
+      bias_dropout_add_backward(dbias_only ? Tensor{} : dxg.t, dbg, gg, p, key, 0, gs);
       const auto db = testing::to_host(dbg, gs);
-      if (k == 0) {
+      if (k % 2 == 0) {
         first = db;
-        EXPECT_LT(testing::rel_err(db, testing::to_host(dbc, cs)), 1e-4) << "p=" << p;
+        EXPECT_LT(testing::rel_err(db, testing::to_host(dbc, cs)), 1e-4) << "p=" << p << " call " << k;
       } else {
         EXPECT_EQ(db, first) << "p=" << p << " call " << k;
       }

@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "core/stream.h"
+#include "core/tensor.h"
 
 namespace mt::cuda {
 
@@ -34,5 +35,12 @@ float* column_partials_scratch(const Stream& stream, const char* fn);
 /// then the lanes are added in order. P >= 1.
 void add_column_partials(float* dst0, const float* part0, float* dst1, const float* part1, int64_t P, int64_t h,
                          const Stream& stream);
+
+/// out[n] += the column sums of x [m, n] (act dtype, row-major, contiguous), deterministic: one
+/// partial row per row group (16-byte loads where n and x allow), then add_column_partials.
+/// out: fp32 [n]. Errors: as column_partials_rows (naming `fn`), and a stream without CUDA
+/// resources.
+void column_sum_add(const Tensor& out, const void* x, DType act, int64_t m, int64_t n, const Stream& stream,
+                    const char* fn);
 
 }  // namespace mt::cuda

@@ -245,8 +245,12 @@ void bias_dropout_add_backward(const Tensor& dx, const Tensor& dbias, const Tens
     }
     const int64_t h = dbias.numel();
     const int64_t rows = n / h;
-    const DropoutParams prm = make_params(p, key, global_offset);
     const char* fn = "bias_dropout_add_backward";
+    if (p == 0.f && pdx == nullptr) {  // without dropout: the bias gradient only (vectorised column sums)
+      column_sum_add(dbias, pdout, dout.dtype(), rows, h, stream, fn);
+      return;
+    }
+    const DropoutParams prm = make_params(p, key, global_offset);
     const int64_t gx = (h + 31) / 32;
     const int64_t gy = column_partials_grid_rows(rows, 8, gx, h, 1, stream, fn);
     float* part = column_partials_scratch(stream, fn);

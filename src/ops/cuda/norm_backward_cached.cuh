@@ -10,6 +10,7 @@
 // dweight kernel for RMSNorm (h = 64..8192).
 // Only included by .cu files (after ops/cuda/elementwise_common.cuh's prerequisites).
 #pragma once
+#include <algorithm>
 #include <type_traits>
 
 #include "ops/cuda/column_partials.cuh"
@@ -47,6 +48,37 @@ __device__ __forceinline__ float group_reduce(float v, float* smem) {
     v = s;
   }
   return v;
+}
+
+/// group_reduce of two values at once (one pass through shared memory instead of two); `smem`
+/// holds 2 · BLOCK / 32 floats.
+template <int TPR>
+__device__ __forceinline__ float2 group_reduce2(float a, float b, float* smem) {
+  constexpr int kW = TPR < 32 ? TPR : 32;
+#pragma unroll
+  for (int o = kW / 2; o > 0; o >>= 1) {
+    a += __shfl_xor_sync(0xffffffffu, a, o);
+    b += __shfl_xor_sync(0xffffffffu, b, o);
+  }
+  if constexpr (TPR > 32) {
+    constexpr int kWarps = TPR / 32;
+    if ((threadIdx.x & 31) == 0) {
+      smem[2 * (threadIdx.x >> 5)] = a;
+      smem[2 * (threadIdx.x >> 5) + 1] = b;
+    }
+    __syncthreads();
+    const int first = static_cast<int>(threadIdx.x / TPR) * kWarps;
+    float sa = 0.f, sb = 0.f;
+#pragma unroll
+    for (int i = 0; i < kWarps; ++i) {
+      sa += smem[2 * (first + i)];
+      sb += smem[2 * (first + i) + 1];
+    }
+    __syncthreads();  // smem is reused by the next call
+    a = sa;
+    b = sb;
+  }
+  return make_float2(a, b);
 }
 
 /// Writes the block's partial row prow[c] = Σ over the block's row groups of acc (fixed order).
@@ -99,7 +131,7 @@ __global__ void __launch_bounds__(block_threads<TPR>())
   using ew::Vec;
   constexpr int kBlock = block_threads<TPR>();
   constexpr int kRows = kBlock / TPR;
-  __shared__ float red[kBlock / 32];
+  __shared__ float red[2 * (kBlock / 32)];
   __shared__ float red_w[kRows > 1 ? kBlock * V : 1];
   const int lane = threadIdx.x % TPR;
   const float inv_h = 1.0f / static_cast<float>(h);
@@ -119,7 +151,8 @@ __global__ void __launch_bounds__(block_threads<TPR>())
     const T* dyr = dy + (active ? mdy.offset(r) : 0);
     const float rs = active ? rstd[r] : 0.f;
     const float m = kLayerNorm && active ? mean[r] : 0.f;
-    Vec<T, V> xv[kIters], dyv[kIters];
+    T* dxr = dx + (active ? mdx.offset(r) : 0);
+    Vec<T, V> xv[kIters], dyv[kIters], old[kIters];
     float sg = 0.f, sgx = 0.f;
 #pragma unroll
     for (int it = 0; it < kIters; ++it) {
@@ -127,6 +160,9 @@ __global__ void __launch_bounds__(block_threads<TPR>())
       if (active && c < h) {
         xv[it] = *reinterpret_cast<const Vec<T, V>*>(xr + c);
         dyv[it] = *reinterpret_cast<const Vec<T, V>*>(dyr + c);
+        // The accumulated gradient is loaded with the row (not after the reductions): its latency
+        // hides behind them. dx may alias dy: its row is this group's alone.
+        if (accumulate) old[it] = *reinterpret_cast<const Vec<T, V>*>(dxr + c);
 #pragma unroll
         for (int k = 0; k < V; ++k) {
           const float d = to_f32(dyv[it].v[k]), xs = (to_f32(xv[it].v[k]) - m) * rs;
@@ -140,23 +176,25 @@ __global__ void __launch_bounds__(block_threads<TPR>())
         }
       }
     }
-    sgx = group_reduce<TPR>(sgx, red);
-    if constexpr (kLayerNorm) sg = group_reduce<TPR>(sg, red);
+    if constexpr (kLayerNorm) {
+      const float2 sums = group_reduce2<TPR>(sgx, sg, red);
+      sgx = sums.x;
+      sg = sums.y;
+    } else {
+      sgx = group_reduce<TPR>(sgx, red);
+    }
     if (active) {
       const float mgx = sgx * inv_h, mg = sg * inv_h;  // mg = 0 for RMSNorm
-      T* dxr = dx + mdx.offset(r);
 #pragma unroll
       for (int it = 0; it < kIters; ++it) {
         const int c = (it * TPR + lane) * V;
         if (c < h) {
-          Vec<T, V> old;
-          if (accumulate) old = *reinterpret_cast<const Vec<T, V>*>(dxr + c);
           Vec<T, V> out;
 #pragma unroll
           for (int k = 0; k < V; ++k) {
             const float xs = (to_f32(xv[it].v[k]) - m) * rs;
             float v = rs * (to_f32(dyv[it].v[k]) * to_f32(wv[it].v[k]) - mg - xs * mgx);
-            if (accumulate) v += to_f32(old.v[k]);
+            if (accumulate) v += to_f32(old[it].v[k]);
             out.v[k] = from_f32<T>(v);
           }
           *reinterpret_cast<Vec<T, V>*>(dxr + c) = out;
@@ -204,8 +242,13 @@ bool launch(T* dx, RowMap mdx, float* dweight, float* dbias, const T* dy, RowMap
   dispatch_tpr<kMaxTpr>(tpr, [&](auto ttag) {
     constexpr int TPR = decltype(ttag)::value;
     constexpr int kBlock = block_threads<TPR>();
-    const int64_t grid = column_partials_rows(ew::grid_for(n, kBlock / TPR, stream, /*per_sm=*/1024 / kBlock), h,
-                                              kLayerNorm ? 2 : 1, fn);
+    // One wave of the blocks that fit on the SMs (registers bound it: ~124 per thread for
+    // LayerNorm at h = 768), each striding over rows; at most ~1024 threads per SM.
+    int resident = 0;
+    MT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &resident, backward_kernel<kLayerNorm, VV, TPR, T>, kBlock, 0));
+    const int per_sm = std::clamp(resident, 1, std::max(1, 1024 / kBlock));
+    const int64_t grid = column_partials_rows(ew::grid_for(n, kBlock / TPR, stream, per_sm), h, kLayerNorm ? 2 : 1, fn);
     float* part_b = kLayerNorm ? part + grid * h : nullptr;
     backward_kernel<kLayerNorm, VV, TPR><<<static_cast<unsigned>(grid), kBlock, 0, ew::raw(stream)>>>(
         dx, mdx, part, part_b, dy, mdy, x, mx, w, mean, rstd, n, h, accumulate);
