@@ -143,6 +143,9 @@ for c in "$@"; do
     "$base:norm_act") mt+=(--recompute-granularity selective --recompute-modules layernorm mlp_act) ;;
     "$base:graph") mt+=(--cuda-graph-impl full_iteration) ;;
     "$base:fa2") mt+=(--attention-backend flash) ;;
+    "$base:pao") mt+=(--use-precision-aware-optimizer) ;;
+    "$base:pao_norm_act") mt+=(--use-precision-aware-optimizer --recompute-granularity selective
+                               --recompute-modules layernorm mlp_act) ;;
     *) echo "unknown variant ${c#*:}" >&2; continue ;;
   esac
   ref_init=()

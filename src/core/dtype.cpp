@@ -13,6 +13,7 @@ std::string_view dtype_name(DType t) {
     case DType::kI64: return "int64";
     case DType::kU8: return "uint8";
     case DType::kF64: return "fp64";
+    case DType::kI16: return "int16";
   }
   return "?";
 }
@@ -25,7 +26,8 @@ DType parse_dtype(std::string_view s) {
   if (s == "int64") return DType::kI64;
   if (s == "uint8") return DType::kU8;
   if (s == "fp64" || s == "float64") return DType::kF64;
-  MT_FAIL("unknown dtype '{}', expected one of fp32, bf16, fp16, int32, int64, uint8, fp64", s);
+  if (s == "int16") return DType::kI16;
+  MT_FAIL("unknown dtype '{}', expected one of fp32, bf16, fp16, int32, int64, uint8, fp64, int16", s);
 }
 
 uint16_t f32_to_f16_bits(float f) {

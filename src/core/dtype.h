@@ -17,8 +17,10 @@
 namespace mt {
 
 /// kF64 holds the float64 routing math of --moe-router-dtype fp64 (router logits, scores and their
-/// gradients); the other ops take fp32/bf16/fp16.
-enum class DType : uint8_t { kF32 = 0, kBF16 = 1, kF16 = 2, kI32 = 3, kI64 = 4, kU8 = 5, kF64 = 6 };
+/// gradients); kI16 the int16 remainders of fp32 main parameters stored beside bf16 ones
+/// (--use-precision-aware-optimizer, ops/optimizer.h split_param_remainders); the other ops take
+/// fp32/bf16/fp16.
+enum class DType : uint8_t { kF32 = 0, kBF16 = 1, kF16 = 2, kI32 = 3, kI64 = 4, kU8 = 5, kF64 = 6, kI16 = 7 };
 
 constexpr size_t dtype_size(DType t) {
   switch (t) {
@@ -29,13 +31,14 @@ constexpr size_t dtype_size(DType t) {
     case DType::kI64: return 8;
     case DType::kU8: return 1;
     case DType::kF64: return 8;
+    case DType::kI16: return 2;
   }
   return 0;
 }
 
 std::string_view dtype_name(DType t);
 /// Parses "fp32"/"float32", "bf16"/"bfloat16", "fp16"/"float16", "int32", "int64", "uint8",
-/// "fp64"/"float64".
+/// "fp64"/"float64", "int16".
 /// Throws mt::Error naming the value otherwise.
 DType parse_dtype(std::string_view s);
 

@@ -4,6 +4,7 @@
 
 #include "core/rng.h"
 #include "ops/elementwise.h"
+#include "ops/optimizer.h"
 
 namespace mt {
 
@@ -111,8 +112,16 @@ Tensor ParamStore::param(size_t i) const {
   return Tensor(base, model_dtype_, device_, p.shape);
 }
 
+namespace {
+constexpr const char* kRemaindersNote =
+    "the fp32 main parameters are stored as the bf16 parameters plus int16 remainders "
+    "(--use-precision-aware-optimizer)";
+}  // namespace
+
 Tensor ParamStore::main(size_t i) const {
   const auto& p = infos_.at(i);
+  MT_REQUIRE(!main_remainders_, "{}: parameter '{}' has no fp32 main tensor (gather it with the optimizer's gather_main)",
+             kRemaindersNote, p.name);
   MT_REQUIRE(!main_sharded_,
              "the fp32 main parameters are sharded by the distributed optimizer: parameter '{}' has no whole main "
              "copy on this rank",
@@ -130,6 +139,8 @@ Tensor ParamStore::params_flat() const {
   return Tensor(params_.data(), model_dtype_, device_, {total_});
 }
 Tensor ParamStore::main_flat() const {
+  MT_REQUIRE(!main_remainders_, "{}: there is no flat fp32 main buffer (gather it with the optimizer's gather_main)",
+             kRemaindersNote);
   MT_REQUIRE(!main_sharded_, "the fp32 main parameters are sharded by the distributed optimizer (no whole copy)");
   return Tensor(main_.data(), DType::kF32, device_, {total_});
 }
@@ -158,8 +169,9 @@ void ParamStore::shard_main(const std::vector<Range>& owned, const Stream& strea
     prev = r.end;
     n += r.end - r.begin;
   }
-  Buffer shard(device_, static_cast<size_t>(n) * 4);
-  const Tensor full = main_flat(), compact = shard.as(DType::kF32, {n});
+  const DType storage_dtype = main_remainders_ ? DType::kI16 : DType::kF32;
+  Buffer shard(device_, static_cast<size_t>(n) * dtype_size(storage_dtype));
+  const Tensor full = main_storage(), compact = shard.as(storage_dtype, {n});
   int64_t c = 0;
   for (const auto& r : owned) {
     copy(compact.flat_range(c, r.end - r.begin), full.flat_range(r.begin, r.end - r.begin), stream);
@@ -173,8 +185,42 @@ void ParamStore::shard_main(const std::vector<Range>& owned, const Stream& strea
 }
 
 Tensor ParamStore::main_shard() const {
+  MT_REQUIRE(!main_remainders_, "ParamStore::main_shard: {}; use main_remainders()", kRemaindersNote);
   MT_REQUIRE(main_sharded_, "ParamStore::main_shard: the main parameters are not sharded");
   return Tensor(main_.data(), DType::kF32, device_, {main_shard_n_});
+}
+
+Tensor ParamStore::main_storage() const {
+  return Tensor(main_.data(), main_remainders_ ? DType::kI16 : DType::kF32, device_,
+                {main_sharded_ ? main_shard_n_ : total_});
+}
+
+std::vector<ParamStore::Range> ParamStore::stored_ranges() const {
+  if (main_sharded_) return main_ranges_;
+  return {Range{0, total_}};
+}
+
+void ParamStore::store_main_as_remainders(const Stream& stream) {
+  if (main_remainders_) return;  // a second optimizer over the same store
+  MT_REQUIRE(model_dtype_ == DType::kBF16,
+             "--use-precision-aware-optimizer stores the fp32 main parameters as int16 remainders beside bf16 "
+             "parameters: it needs --bf16 (the parameters are {})",
+             dtype_name(model_dtype_));
+  MT_REQUIRE(!main_sharded_,
+             "ParamStore::store_main_as_remainders: the main parameters are already sharded (call it before "
+             "shard_main, while every rank holds the whole fp32 copy)");
+  Buffer rem(device_, static_cast<size_t>(total_) * 2);
+  split_param_remainders(main_flat(), params_flat(), rem.as(DType::kI16, {total_}), stream);
+  stream.synchronize();  // the fp32 buffer is freed next
+  main_ = std::move(rem);
+  main_remainders_ = true;
+}
+
+Tensor ParamStore::main_remainders() const {
+  MT_REQUIRE(main_remainders_,
+             "ParamStore::main_remainders: the fp32 main parameters are not stored as remainders (see "
+             "--use-precision-aware-optimizer)");
+  return main_storage();
 }
 
 int64_t ParamStore::main_storage_elements() const {
@@ -185,6 +231,23 @@ int64_t ParamStore::main_storage_elements() const {
 void ParamStore::set_main_from_full(const Tensor& full, const Stream& stream) {
   MT_REQUIRE(full.dtype() == DType::kF32 && full.numel() == total_ && full.device() == device_,
              "set_main_from_full: expected fp32 [{}] on {}, got {}", total_, device_.str(), full.str());
+  if (main_remainders_) {
+    // Every model element from the split's rounding, with the stored elements' remainders (when
+    // sharded, their bf16 halves are written again, identically).
+    const Tensor flat = full.flat_range(0, total_), params = params_flat(), rem = main_remainders();
+    if (!main_sharded_) {
+      split_param_remainders(flat, params, rem, stream);
+      return;
+    }
+    split_param_remainders(flat, params, Tensor(), stream);
+    int64_t c = 0;
+    for (const auto& r : main_ranges_) {
+      split_param_remainders(flat.flat_range(r.begin, r.end - r.begin), params.flat_range(r.begin, r.end - r.begin),
+                             rem.flat_range(c, r.end - r.begin), stream);
+      c += r.end - r.begin;
+    }
+    return;
+  }
   if (!main_sharded_) {
     copy(main_flat(), full, stream);
     sync_model_from_main(stream);
@@ -213,30 +276,44 @@ void ParamStore::initialize(uint64_t seed, const Stream& stream) {
       if (first_pad < rows) fill(m.flat_range(first_pad * row_len, (rows - first_pad) * row_len), 0.f, stream);
     }
   };
-  if (!main_sharded_) {
+  if (has_main_flat()) {
     fill(main_flat(), 0.f, stream);  // alignment padding stays zero
     for (size_t i = 0; i < infos_.size(); ++i) init_one(infos_[i], main(i));
     sync_model_from_main(stream);
     zero_grads(stream);
     return;
   }
-  // Sharded: draw each parameter into a scratch buffer, round it into the model parameters and
-  // keep the owned elements (main_ranges_ are sorted; walk them alongside the parameters).
+  // Sharded or remainders: draw each parameter into a scratch buffer, round (or split) it into
+  // the model parameters and keep the stored elements (sorted ranges; walk them alongside the
+  // parameters). All-zero bits are 0 as fp32 and as (bf16, remainder).
   int64_t max_numel = 0;
   for (const auto& p : infos_) max_numel = std::max(max_numel, p.numel);
   Buffer scratch(device_, static_cast<size_t>(std::max<int64_t>(max_numel, 1)) * 4);
-  fill(params_flat(), 0.f, stream);
-  fill(main_shard(), 0.f, stream);
-  const Tensor compact = main_shard();
+  memset_tensor(params_flat(), 0, stream);
+  const Tensor compact = main_storage();
+  memset_tensor(compact, 0, stream);
+  const std::vector<Range> stored = stored_ranges();
   for (size_t i = 0; i < infos_.size(); ++i) {
     const auto& p = infos_[i];
     const Tensor m = scratch.as(DType::kF32, p.shape);
     init_one(p, m);
-    cast(param(i), m, stream);
+    const Tensor model = param(i);
+    if (main_remainders_) {
+      split_param_remainders(m.flat_range(0, p.numel), model.flat_range(0, p.numel), Tensor(), stream);
+    } else {
+      cast(model, m, stream);
+    }
     int64_t c = 0;
-    for (const auto& r : main_ranges_) {
+    for (const auto& r : stored) {
       const int64_t b = std::max(r.begin, p.offset), e = std::min(r.end, p.offset + p.numel);
-      if (b < e) copy(compact.flat_range(c + (b - r.begin), e - b), m.flat_range(b - p.offset, e - b), stream);
+      if (b < e) {
+        const Tensor src = m.flat_range(b - p.offset, e - b), dst = compact.flat_range(c + (b - r.begin), e - b);
+        if (main_remainders_) {
+          split_param_remainders(src, model.flat_range(b - p.offset, e - b), dst, stream);
+        } else {
+          copy(dst, src, stream);
+        }
+      }
       c += r.end - r.begin;
     }
   }
@@ -245,6 +322,7 @@ void ParamStore::initialize(uint64_t seed, const Stream& stream) {
 }
 
 void ParamStore::sync_model_from_main(const Stream& stream) {
+  MT_REQUIRE(!main_remainders_, "sync_model_from_main: {} (the model parameters are part of them)", kRemaindersNote);
   MT_REQUIRE(!main_sharded_,
              "sync_model_from_main: the fp32 main parameters are sharded by the distributed optimizer; use "
              "set_main_from_full or the optimizer's parameter all-gather");

@@ -2,7 +2,8 @@
 // ParamAndGradBuffer, megatron/core/distributed/param_and_grad_buffer.py): one flat model-dtype
 // parameter buffer, one flat fp32 main-parameter buffer (the same memory when the model dtype is
 // fp32; only this rank's owned elements once the distributed optimizer shards it, see
-// shard_main) and one flat fp32 gradient buffer. Each parameter starts at a multiple of kAlign
+// shard_main; int16 remainders beside the bf16 parameters with --use-precision-aware-optimizer,
+// see store_main_as_remainders) and one flat fp32 gradient buffer. Each parameter starts at a multiple of kAlign
 // elements so kernels may vectorise. The buffers are divided into data-parallel buckets
 // (ParamLayout, ParamBucket): contiguous ranges reduced as one collective each.
 #pragma once
@@ -149,14 +150,20 @@ class ParamStore {
   DType model_dtype() const { return model_dtype_; }
   Device device() const { return device_; }
   bool has_separate_main() const { return model_dtype_ != DType::kF32; }
+  /// The whole fp32 main copy is addressable: main() and main_flat() work (neither sharded nor
+  /// stored as remainders). Otherwise read it through the optimizer's gather_main and write it
+  /// with set_main_from_full.
+  bool has_main_flat() const { return !main_sharded_ && !main_remainders_; }
 
   Tensor param(size_t i) const;  ///< model dtype, local shape
-  Tensor main(size_t i) const;   ///< fp32 main parameter (== param when fp32); error when sharded
+  /// fp32 main parameter (== param when fp32). Error (mt::Error) when sharded or stored as
+  /// remainders (has_main_flat() false).
+  Tensor main(size_t i) const;
   Tensor grad(size_t i) const;   ///< fp32 main gradient
   Tensor param(const std::string& n) const { return param(index(n)); }
   Tensor grad(const std::string& n) const { return grad(index(n)); }
   Tensor params_flat() const;    ///< model dtype [total]
-  Tensor main_flat() const;      ///< fp32 [total]; error when the main parameters are sharded
+  Tensor main_flat() const;      ///< fp32 [total]; error as main()
   Tensor grads_flat() const;     ///< fp32 [total]
   int64_t total_elements() const { return total_; }
   int64_t num_parameters() const;  ///< sum of numel (no alignment padding)
@@ -171,33 +178,60 @@ class ParamStore {
   // keeping fp32 main copies of its shard only). Only when has_separate_main(): with an fp32
   // model the main parameters are the model parameters and nothing is sharded. ---
 
-  /// Keeps only the fp32 main elements in `owned` (sorted, disjoint flat ranges), copying their
+  /// Keeps only the main elements in `owned` (sorted, disjoint flat ranges), copying their
   /// current values into a compact buffer [sum of range lengths] (owned ranges concatenated in
-  /// order) and freeing the full one. Afterwards main()/main_flat() are errors; use main_shard(),
-  /// initialize(), set_main_from_full() and the optimizer's gather. No-op without a separate main
-  /// copy; a repeated call with the same ranges does nothing. Outside a training step. Errors:
-  /// ranges unsorted, overlapping or out of [0, total), or already sharded over other ranges.
+  /// order) and freeing the full one: the fp32 values, or the int16 remainders once
+  /// store_main_as_remainders ran. Afterwards main()/main_flat() are errors; use main_shard() (or
+  /// main_remainders()), initialize(), set_main_from_full() and the optimizer's gather. No-op
+  /// without a separate main copy; a repeated call with the same ranges does nothing. Outside a
+  /// training step. Errors: ranges unsorted, overlapping or out of [0, total), or already sharded
+  /// over other ranges.
   void shard_main(const std::vector<Range>& owned, const Stream& stream);
   bool main_sharded() const { return main_sharded_; }
-  /// fp32 [owned elements]: the compact main shard (requires main_sharded()).
+  /// fp32 [owned elements]: the compact main shard (requires main_sharded(); error when stored as
+  /// remainders, see main_remainders()).
   Tensor main_shard() const;
   /// The owned ranges given to shard_main (empty when not sharded).
   const std::vector<Range>& main_shard_ranges() const { return main_ranges_; }
-  /// fp32 main-parameter elements this store holds beyond the model parameters: 0 for an fp32
-  /// model, total_elements() for a whole fp32 copy, the owned count once sharded.
+
+  /// --use-precision-aware-optimizer with --bf16 (Megatron's store_param_remainders,
+  /// megatron/core/optimizer/optimizer_config.py; TransformerEngine's FusedAdam): the fp32 main
+  /// parameters are kept as the bf16 model parameters (their high 16 bits, rounded) plus an int16
+  /// remainder per element (the low 16 bits; ops/optimizer.h split_param_remainders), reconstructed
+  /// exactly inside the AdamW step: 2 bytes per element instead of 4. Splits the whole fp32 copy
+  /// into the model parameters (all elements, so every data-parallel rank keeps identical bf16
+  /// parameters; they differ from the round-to-nearest-even cast only at exact ties) and an int16
+  /// [total] remainder buffer, and frees the fp32 one. Call before shard_main (which then keeps
+  /// the owned remainders), outside a training step. Afterwards main(), main_flat(),
+  /// main_shard() and sync_model_from_main() are errors; initialize() and set_main_from_full()
+  /// write both halves. A repeated call does nothing. Errors: mt::Error naming the flag when the
+  /// model dtype is not bf16, or when the main parameters are already sharded.
+  void store_main_as_remainders(const Stream& stream);
+  bool main_remainders_stored() const { return main_remainders_; }
+  /// int16 remainders of the fp32 main parameters: [owned elements] (owned ranges concatenated,
+  /// as main_shard()) when sharded, else [total] (flat index). Requires main_remainders_stored().
+  Tensor main_remainders() const;
+
+  /// Main-parameter elements this store holds beyond the model parameters: 0 for an fp32 model,
+  /// total_elements() for a whole copy, the owned count once sharded; fp32 elements, or int16
+  /// remainders when main_remainders_stored() (see main_storage_bytes).
   int64_t main_storage_elements() const;
+  /// Bytes of that storage: 4 per element, 2 with remainders.
+  int64_t main_storage_bytes() const { return main_storage_elements() * (main_remainders_ ? 2 : 4); }
   /// Sets the fp32 main parameters from a full-length fp32 [total] tensor on this device (a
   /// loaded checkpoint): the model parameters become its rounding, the main copy (whole, or the
-  /// owned elements when sharded) its values. Outside a training step.
+  /// owned elements when sharded) its values; with remainders, the model parameters are the split's
+  /// bf16 (every element) and the remainders those of the stored elements. Outside a training step.
   void set_main_from_full(const Tensor& full, const Stream& stream);
 
   /// Initialises main parameters (layout-invariant Philox init, see ops/init.h) and copies
   /// them into the model-dtype parameters; zeroes the padding and the gradients. With sharded
-  /// main parameters each parameter is drawn into a scratch buffer (one parameter at a time),
-  /// rounded into the model parameters and its owned elements kept.
+  /// main parameters or remainders each parameter is drawn into a scratch buffer (one parameter
+  /// at a time), rounded (or split) into the model parameters and its stored elements kept.
   void initialize(uint64_t seed, const Stream& stream);
   /// Casts main -> model parameters (after loading main parameters). Error when sharded (the
-  /// non-owned model elements would need a data-parallel all-gather; use set_main_from_full).
+  /// non-owned model elements would need a data-parallel all-gather; use set_main_from_full) or
+  /// stored as remainders (the model parameters are part of the main ones).
   void sync_model_from_main(const Stream& stream);
   void zero_grads(const Stream& stream);
 
@@ -232,7 +266,13 @@ class ParamStore {
   std::vector<size_t> bucket_of_;
   Buffer params_, main_, grads_;
   bool main_sharded_ = false;
+  bool main_remainders_ = false;  // main_ holds int16 remainders (store_main_as_remainders)
   std::vector<Range> main_ranges_;
+  // The flat ranges whose main elements this store keeps, in storage order: main_ranges_ when
+  // sharded, else [0, total).
+  std::vector<Range> stored_ranges() const;
+  // main_ as stored: fp32 or int16, [total] or [owned].
+  Tensor main_storage() const;
   int64_t main_shard_n_ = 0;
 };
 

@@ -2,6 +2,7 @@
 #include "ops/optimizer.h"
 
 #include <algorithm>
+#include <string>
 #include <utility>
 
 #include "ops/dispatch.h"
@@ -19,6 +20,31 @@ void check_scalars(const Tensor& scalars, const Stream& stream, const char* fn) 
            "{}: scalars pointer {} not aligned to {} bytes", fn, scalars.data(), alignof(OptimizerScalars));
   MT_CHECK(stream.device() == scalars.device(), "{}: stream on {} but scalars on {}", fn, stream.device().str(),
            scalars.device().str());
+}
+
+/// main_param: fp32, or int16 remainders beside a bf16 model_param (remainder storage).
+void check_main_param(const Tensor& main_param, const Tensor& model_param, const char* fn) {
+  if (main_param.dtype() == DType::kI16) {
+    MT_CHECK(!model_param.empty() && model_param.dtype() == DType::kBF16,
+             "{}: int16 main_param (fp32 main parameters stored as remainders, --use-precision-aware-optimizer) "
+             "needs the bf16 model_param holding their high bits, got {}",
+             fn, model_param.empty() ? std::string("none") : model_param.str());
+    check_tensor(main_param, DType::kI16, {-1}, "main_param");
+  } else {
+    check_tensor(main_param, DType::kF32, {-1}, "main_param");
+  }
+}
+
+/// The tensors of split_param_remainders / merge_param_remainders.
+void check_remainder_tensors(const Tensor& main_param, const Tensor& model_param, const Tensor& remainders,
+                             const Stream& stream, const char* fn) {
+  check_tensor(main_param, DType::kF32, {-1}, "main_param");
+  const int64_t n = main_param.numel();
+  check_tensor(model_param, DType::kBF16, {n}, "model_param");
+  if (!remainders.empty()) check_tensor(remainders, DType::kI16, {n}, "remainders");
+  check_same_device({&main_param, &model_param, &remainders});
+  MT_CHECK(n == 0 || stream.device() == main_param.device(), "{}: stream on {} but tensors on {}", fn,
+           stream.device().str(), main_param.device().str());
 }
 
 void check_adamw_hyper(const AdamWHyper& hyper) {
@@ -64,7 +90,7 @@ void optimizer_prepare(const Tensor& scalars, float clip_grad, const Stream& str
 void adamw_step(const Tensor& main_param, const Tensor& grad, const Tensor& exp_avg, const Tensor& exp_avg_sq,
                 const Tensor& model_param, const AdamWHyper& hyper, const Tensor& scalars, const Stream& stream) {
   check_scalars(scalars, stream, "adamw_step");
-  check_tensor(main_param, DType::kF32, {-1}, "main_param");
+  check_main_param(main_param, model_param, "adamw_step");
   const int64_t n = main_param.numel();
   check_tensor(grad, DType::kF32, {n}, "grad");
   check_tensor(exp_avg, DType::kF32, {n}, "exp_avg");
@@ -121,7 +147,8 @@ void adamw_multi_step(const Tensor& main_param, const Tensor& grad, const Tensor
                       const Tensor& model_param, const AdamWPlan& plan, const AdamWHyper& hyper,
                       const Tensor& scalars, const Stream& stream) {
   check_scalars(scalars, stream, "adamw_multi_step");
-  for (const Tensor* t : {&main_param, &grad, &exp_avg, &exp_avg_sq}) check_tensor(*t, DType::kF32, {-1}, "adamw_multi_step");
+  check_main_param(main_param, model_param, "adamw_multi_step");
+  for (const Tensor* t : {&grad, &exp_avg, &exp_avg_sq}) check_tensor(*t, DType::kF32, {-1}, "adamw_multi_step");
   MT_CHECK(main_param.numel() >= plan.main_end() && grad.numel() >= plan.param_end() &&
                exp_avg.numel() >= plan.state_end() && exp_avg_sq.numel() >= plan.state_end(),
            "adamw_multi_step: buffers (main {}, grad {}, exp_avg {}, exp_avg_sq {}) shorter than the plan's ranges "
@@ -143,6 +170,21 @@ void adamw_multi_step(const Tensor& main_param, const Tensor& grad, const Tensor
            plan.table().device().str(), scalars.device().str());
   MT_DISPATCH(scalars.device(), adamw_multi_step, main_param, grad, exp_avg, exp_avg_sq, model_param, plan, hyper,
               scalars, stream);
+}
+
+void split_param_remainders(const Tensor& main_param, const Tensor& model_param, const Tensor& remainders,
+                            const Stream& stream) {
+  check_remainder_tensors(main_param, model_param, remainders, stream, "split_param_remainders");
+  if (main_param.numel() == 0) return;
+  MT_DISPATCH(main_param.device(), split_param_remainders, main_param, model_param, remainders, stream);
+}
+
+void merge_param_remainders(const Tensor& main_param, const Tensor& model_param, const Tensor& remainders,
+                            const Stream& stream) {
+  MT_CHECK(!remainders.empty() || main_param.numel() == 0, "merge_param_remainders: remainders missing");
+  check_remainder_tensors(main_param, model_param, remainders, stream, "merge_param_remainders");
+  if (main_param.numel() == 0) return;
+  MT_DISPATCH(main_param.device(), merge_param_remainders, main_param, model_param, remainders, stream);
 }
 
 void loss_scaler_update(const Tensor& scalars, const LossScalerConfig& cfg, const Stream& stream) {

@@ -87,6 +87,12 @@ void optimizer_prepare(const Tensor& scalars, float clip_grad, const Stream& str
 /// Skipped entirely (nothing written) when found_inf. main, grad, exp_avg, exp_avg_sq: fp32
 /// [n]; model_param: bf16/fp16 [n] copy written as round(p), or empty (fp32 training, where
 /// the main parameters are the model parameters).
+/// Remainder storage (--use-precision-aware-optimizer; Megatron's store_param_remainders,
+/// TransformerEngine FusedAdam): main_param int16 [n] holds the remainders and model_param (bf16
+/// [n], required) the high bits of the fp32 main parameters; p = merge_param_remainders'
+/// value, updated exactly as above (the same bits as the fp32 path), written back split
+/// (split_param_remainders: the bf16 copy rounds ties away from zero instead of to even).
+/// Errors: mt::Error for an int16 main_param without a bf16 model_param.
 void adamw_step(const Tensor& main_param, const Tensor& grad, const Tensor& exp_avg, const Tensor& exp_avg_sq,
                 const Tensor& model_param, const AdamWHyper& hyper, const Tensor& scalars, const Stream& stream);
 
@@ -127,11 +133,28 @@ class AdamWPlan {
 /// multi_tensor_adam): each chunk gets exactly adamw_step's per-element update (the same bits),
 /// with weight decay where its run has decay. main_param, grad, exp_avg, exp_avg_sq: fp32 flat
 /// buffers covering the plan's main / param / state ranges; model_param: bf16/fp16 covering the
-/// param ranges, or empty. Skipped (nothing written) when found_inf. Errors: as adamw_step, and a
-/// buffer shorter than the plan's ranges or a plan on another device.
+/// param ranges, or empty. With remainder storage (see adamw_step) main_param is int16 covering
+/// the main ranges and model_param bf16. Skipped (nothing written) when found_inf. Errors: as
+/// adamw_step, and a buffer shorter than the plan's ranges or a plan on another device.
 void adamw_multi_step(const Tensor& main_param, const Tensor& grad, const Tensor& exp_avg, const Tensor& exp_avg_sq,
                       const Tensor& model_param, const AdamWPlan& plan, const AdamWHyper& hyper,
                       const Tensor& scalars, const Stream& stream);
+
+/// fp32 main parameters stored as bf16 model parameters plus int16 remainders (Megatron's
+/// --use-precision-aware-optimizer with bf16 and fp32 main parameters: optimizer_config.py
+/// store_param_remainders, TransformerEngine's FusedAdam): per element, with u the fp32 bits,
+/// model = (u >> 16) + (low 16 bits >= 0x8000) and remainder = (int16)(u & 0xFFFF)
+/// (ops/optimizer_math.h split_f32_remainder). The bf16 value is the fp32 one rounded to nearest
+/// with ties away from zero: it differs from cast()'s round-to-nearest-even only at exact ties.
+/// main_param: fp32 [n] (read); model_param: bf16 [n] (written); remainders: int16 [n] (written)
+/// or empty (only the bf16 rounding is written). Errors: mt::Error on a dtype, size or device
+/// mismatch or a stream on another device.
+void split_param_remainders(const Tensor& main_param, const Tensor& model_param, const Tensor& remainders,
+                            const Stream& stream);
+/// The inverse of split_param_remainders, exact for every fp32 value: main_param fp32 [n]
+/// (written) from model_param bf16 [n] and remainders int16 [n] (read). Errors: as the split.
+void merge_param_remainders(const Tensor& main_param, const Tensor& model_param, const Tensor& remainders,
+                            const Stream& stream);
 
 /// Megatron's DynamicGradScaler.update(found_inf) (megatron/core/optimizer/grad_scaler.py) when
 /// cfg.dynamic:
@@ -148,5 +171,7 @@ MT_OP_BACKENDS(optimizer_prepare)
 MT_OP_BACKENDS(adamw_step)
 MT_OP_BACKENDS(adamw_multi_step)
 MT_OP_BACKENDS(loss_scaler_update)
+MT_OP_BACKENDS(split_param_remainders)
+MT_OP_BACKENDS(merge_param_remainders)
 
 }  // namespace mt

@@ -52,6 +52,9 @@ void AdamWOptimizer::init(const Stream& stream) {
   MT_REQUIRE(config.weight_decay >= 0, "--weight-decay must be >= 0, got {}", config.weight_decay);
   MT_REQUIRE(config.clip_grad >= 0, "--clip-grad must be >= 0, got {}", config.clip_grad);
   owned_n_ = sync_->owned_elements();
+  // Remainders before sharding (every rank still holds the whole fp32 copy, so every rank's bf16
+  // parameters are the same split), and both before the moments are allocated (lower peak).
+  if (config.store_param_remainders) params_.store_main_as_remainders(stream);
   if (sync_->distributed()) params_.shard_main(sync_->owned_ranges(), stream);  // no-op for fp32 models
   // Gradient norm: TP-split parameters on every TP rank, replicated ones on TP rank 0 only; a
   // shared_embedding_copy is counted where the original lives (the first pipeline stage).
@@ -68,8 +71,9 @@ void AdamWOptimizer::init(const Stream& stream) {
   const std::vector<Piece> decay_pieces = owned_pieces(params_.ranges([](const ParamInfo& p) { return p.weight_decay; }));
   const std::vector<Piece> no_decay_pieces =
       owned_pieces(params_.ranges([](const ParamInfo& p) { return !p.weight_decay; }));
-  // One multi-tensor AdamW launch per step over every owned run. The fp32 main parameters are
-  // indexed by state index when sharded (the compact shard), else by flat index.
+  // One multi-tensor AdamW launch per step over every owned run. The fp32 main parameters (or
+  // their remainders) are indexed by state index when sharded (the compact shard), else by flat
+  // index.
   std::vector<AdamWRun> runs;
   const bool sharded = params_.main_sharded();
   for (const bool decay : {true, false}) {
@@ -138,8 +142,11 @@ void AdamWOptimizer::step(float lr, const Stream& stream, Timers* timers, const 
   {
     ScopedTimer inner(timers, Timers::kOptimizerInnerStep, stream);
     // fp32 main parameters: the compact shard (sharded, state index), or the whole flat buffer
-    // (flat index; == the model parameters for an fp32 model).
-    const Tensor main = params_.main_sharded() ? params_.main_shard() : params_.main_flat();
+    // (flat index; == the model parameters for an fp32 model); or their int16 remainders, laid
+    // out the same way, beside the bf16 model parameters.
+    const Tensor main = params_.main_remainders_stored() ? params_.main_remainders()
+                        : params_.main_sharded()         ? params_.main_shard()
+                                                         : params_.main_flat();
     const Tensor model = params_.has_separate_main() ? params_.params_flat() : Tensor();
     const AdamWHyper hp{lr, lr_ptr, config_.beta1, config_.beta2, config_.eps, config_.weight_decay};
     adamw_multi_step(main, grads, exp_avg(), exp_avg_sq(), model, adamw_plan_, hp, sc, stream);
@@ -158,6 +165,10 @@ void AdamWOptimizer::gather_compact(const Tensor& full, const Tensor& compact, c
     copy(full.flat_range(o.begin, o.end - o.begin), compact.flat_range(state, o.end - o.begin), stream);
     state += o.end - o.begin;
   }
+  all_gather_owned(full, stream);
+}
+
+void AdamWOptimizer::all_gather_owned(const Tensor& full, const Stream& stream) const {
   if (!sync_->distributed()) return;
   const auto& bks = params_.buckets();
   for (size_t b = 0; b < bks.size(); ++b) {
@@ -174,6 +185,24 @@ void AdamWOptimizer::gather_moments(const Tensor& m, const Tensor& v, const Stre
 }
 
 void AdamWOptimizer::gather_main(const Tensor& full, const Stream& stream) const {
+  if (params_.main_remainders_stored()) {
+    // The owned elements merged from (bf16 parameter, remainder) straight into `full` (exact),
+    // then the all-gathers of the fp32 shard.
+    MT_REQUIRE(full.dtype() == DType::kF32 && full.numel() == params_.total_elements(),
+               "optimizer gather: expected fp32 [{}], got {}", params_.total_elements(), full.str());
+    sync_->finish_param_sync(stream);  // the bf16 parameters are final; no collective in flight
+    const Tensor rem = params_.main_remainders(), params = params_.params_flat();
+    const bool sharded = params_.main_sharded();  // remainders by state index, else by flat index
+    int64_t state = 0;
+    for (const auto& o : sync_->owned_ranges()) {
+      const int64_t n = o.end - o.begin;
+      merge_param_remainders(full.flat_range(o.begin, n), params.flat_range(o.begin, n),
+                             rem.flat_range(sharded ? state : o.begin, n), stream);
+      state += n;
+    }
+    all_gather_owned(full, stream);
+    return;
+  }
   if (params_.main_sharded()) {
     gather_compact(full, params_.main_shard(), stream);
     return;

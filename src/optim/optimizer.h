@@ -19,6 +19,11 @@ struct OptimizerConfig {
   float eps = 1e-8f;           ///< --adam-eps
   float weight_decay = 0.01f;  ///< --weight-decay (not applied to biases and norm weights)
   float clip_grad = 1.0f;      ///< --clip-grad (0 = off)
+  /// --use-precision-aware-optimizer (with --bf16): the fp32 main parameters are stored as the
+  /// bf16 model parameters plus int16 remainders (Megatron's store_param_remainders;
+  /// ParamStore::store_main_as_remainders), 2 bytes per element instead of 4. Needs bf16 model
+  /// parameters (mt::Error naming the flag otherwise).
+  bool store_param_remainders = false;
   LossScalerConfig scaler{};
 };
 
@@ -49,10 +54,12 @@ struct OptimizerGroups {
 class AdamWOptimizer {
  public:
   /// Compatible form: owns a GradSync(params, groups.dp, {use_distributed_optimizer =
-  /// groups.distributed}) without overlap (every bucket reduced inside step()). With the
-  /// distributed optimizer and a bf16/fp16 model the fp32 main parameters are sharded
-  /// (ParamStore::shard_main). Errors: mt::Error for a hyper-parameter out of range (naming the
-  /// flag) and GradSync's errors.
+  /// groups.distributed}) without overlap (every bucket reduced inside step()). With
+  /// config.store_param_remainders the fp32 main parameters become int16 remainders first
+  /// (ParamStore::store_main_as_remainders); with the distributed optimizer and a bf16/fp16 model
+  /// they are then sharded (ParamStore::shard_main). Errors: mt::Error for a hyper-parameter out
+  /// of range (naming the flag), store_param_remainders without bf16 parameters, and GradSync's
+  /// errors.
   AdamWOptimizer(ParamStore& params, const OptimizerConfig& config, const Stream& stream,
                  OptimizerGroups groups = {});
   /// With an external GradSync (not owned; must outlive the optimizer; the model's hooks call
@@ -85,15 +92,20 @@ class AdamWOptimizer {
   int64_t owned_elements() const { return owned_n_; }
   bool distributed() const { return sync_->distributed(); }
   GradSync& grad_sync() const { return *sync_; }
-  /// fp32 elements of optimizer state stored on this rank: both moments plus the main
-  /// parameters held beyond the model parameters (ParamStore::main_storage_elements). With N =
-  /// total elements: 2·N (fp32 model) or 3·N (bf16/fp16), divided by DP with the distributed
-  /// optimizer (12 bytes per parameter / DP).
+  /// Elements of optimizer state stored on this rank: both moments (fp32) plus the main
+  /// parameters held beyond the model parameters (ParamStore::main_storage_elements: fp32, or
+  /// int16 remainders). With N = total elements: 2·N (fp32 model) or 3·N (bf16/fp16), divided by
+  /// DP with the distributed optimizer. For memory use state_bytes().
   int64_t state_elements() const { return 2 * owned_n_ + params_.main_storage_elements(); }
+  /// Bytes of that state: 8 per owned element for the moments plus ParamStore::main_storage_bytes
+  /// (4 per stored main element, 2 with remainders): 12·N (bf16/fp16) or 10·N
+  /// (--use-precision-aware-optimizer), divided by DP with the distributed optimizer.
+  int64_t state_bytes() const { return 8 * owned_n_ + params_.main_storage_bytes(); }
   /// Checkpoint support, outside a training step. gather_*: full-length fp32 [total] tensors on
   /// the device (copies, or all-gathered over DP per bucket with the distributed optimizer;
   /// collective). gather_main: the fp32 main parameters (waits for parameter all-gathers in
-  /// flight). scatter_moments: takes this rank's owned elements of full-length m, v.
+  /// flight; remainders are merged with the bf16 parameters first, exact).
+  /// scatter_moments: takes this rank's owned elements of full-length m, v.
   void gather_moments(const Tensor& m, const Tensor& v, const Stream& stream) const;
   void gather_main(const Tensor& full, const Stream& stream) const;
   void scatter_moments(const Tensor& m, const Tensor& v, const Stream& stream);
@@ -103,6 +115,8 @@ class AdamWOptimizer {
   void init(const Stream& stream);
   // Copies compact owned state into the owned ranges of `full` and all-gathers every bucket.
   void gather_compact(const Tensor& full, const Tensor& compact, const Stream& stream) const;
+  // With the distributed optimizer: all-gathers every bucket of `full` from the owned ranges.
+  void all_gather_owned(const Tensor& full, const Stream& stream) const;
   // An owned run of elements: flat [begin, begin + n), state index `state`.
   struct Piece {
     int64_t begin, n, state;

@@ -299,6 +299,9 @@ void add_pretrain_options(CLI::App& app, PretrainArgs& a) {
                  "Micro-batches run through each model chunk in turn (interleaved; default pp)");
   app.add_flag("--use-distributed-optimizer", a.use_distributed_optimizer,
                "Shard the optimizer state over data-parallel ranks (ZeRO-1)");
+  app.add_flag("--use-precision-aware-optimizer", a.use_precision_aware_optimizer,
+               "With --bf16: keep the fp32 main parameters as int16 remainders beside the bf16 parameters (2 bytes "
+               "per parameter instead of 4, reconstructed exactly in the AdamW step)");
   app.add_flag("--overlap-grad-reduce", a.overlap_grad_reduce,
                "Reduce gradients in buckets, each as soon as the backward has produced it (overlapped)");
   app.add_flag("--overlap-param-gather", a.overlap_param_gather,
@@ -434,6 +437,14 @@ void validate_pretrain_args(PretrainArgs& a) {
              "distributed optimizer)");
   MT_REQUIRE(!a.overlap_param_gather || a.overlap_grad_reduce,
              "--overlap-param-gather requires --overlap-grad-reduce");
+  // Megatron: with bf16 and the default fp32 --main-params-dtype this stores the main parameters
+  // as remainders (optimizer_config.py store_param_remainders). Unlike Megatron it does not need
+  // --use-distributed-optimizer.
+  MT_REQUIRE(!a.use_precision_aware_optimizer || a.bf16,
+             "--use-precision-aware-optimizer needs --bf16 (it stores the fp32 main parameters as int16 remainders "
+             "beside bf16 parameters), got model dtype {}",
+             dtype_name(a.dtype()));
+  a.optim.store_param_remainders = a.use_precision_aware_optimizer;
   MT_REQUIRE(!a.ddp_bucket_size || *a.ddp_bucket_size >= 0, "--ddp-bucket-size must be >= 0 elements, got {}",
              a.ddp_bucket_size.value_or(0));
   MT_REQUIRE(a.train_iters > 0, "--train-iters must be positive, got {}", a.train_iters);

@@ -109,6 +109,9 @@ struct PretrainArgs {
   bool account_for_loss_in_pipeline_split = false;       ///< --account-for-loss-in-pipeline-split
   int microbatch_group_size_per_vp_stage = 0;  ///< --microbatch-group-size-per-virtual-pipeline-stage (0 = pp)
   bool use_distributed_optimizer = false;  ///< --use-distributed-optimizer
+  /// --use-precision-aware-optimizer: with --bf16, fp32 main parameters stored as int16
+  /// remainders beside the bf16 parameters (OptimizerConfig::store_param_remainders).
+  bool use_precision_aware_optimizer = false;
   bool overlap_grad_reduce = false;        ///< --overlap-grad-reduce (bucketed, overlapped with backward)
   bool overlap_param_gather = false;       ///< --overlap-param-gather (needs the two flags above)
   bool ddp_copy_engine = false;            ///< --ddp-copy-engine (DdpConfig::copy_engine)

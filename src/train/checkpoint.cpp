@@ -213,7 +213,7 @@ Tensor temp_full(Buffer& buf, const ParamStore& params) {
 // Views of the live buffers, or zeroed temporaries where the state is sharded (f's buffers reused).
 FullState& full_state(FullState& f, const ParamStore& params, const AdamWOptimizer* opt, const Stream& stream) {
   f.main = f.m = f.v = Tensor();
-  if (params.main_sharded()) {
+  if (!params.has_main_flat()) {  // sharded, or int16 remainders (--use-precision-aware-optimizer)
     f.main = temp_full(f.main_buf, params);
     memset_tensor(f.main, 0, stream);
   } else {
@@ -581,9 +581,10 @@ CheckpointSaveJob prepare_save(const std::string& dir, const CheckpointState& st
   int32_t flags[2] = {0, 0};
   std::memcpy(flags, all.data(), sizeof(flags));
   MT_REQUIRE(flags[0] == 1, "{}", job.rank0 ? why : std::string("checkpoint save failed on rank 0 (see its error)"));
-  // Sharded state is all-gathered (every DP / EDP rank takes part).
-  if (params.main_sharded()) {
-    MT_REQUIRE(optimizer != nullptr, "save_checkpoint: the main parameters are sharded, the optimizer is needed");
+  // Sharded state is all-gathered (every DP / EDP rank takes part); remainders are merged.
+  if (!params.has_main_flat()) {
+    MT_REQUIRE(optimizer != nullptr,
+               "save_checkpoint: the main parameters are sharded or stored as remainders, the optimizer is needed");
     optimizer->gather_main(full.main, stream);
   }
   if (with_optim && optimizer->distributed()) optimizer->gather_moments(full.m, full.v, stream);
@@ -1003,7 +1004,7 @@ CheckpointState load_checkpoint(const std::string& dir, ParamStore& params, Adam
     std::vector<float> host;
     if (optimizer) optimizer->grad_sync().finish_param_sync(stream);  // nothing may still write the parameters
     full_state(full, params, optimizer, stream);
-    if (!params.main_sharded()) memset_tensor(full.main, 0, stream);  // padding (the loop fills the rest)
+    if (params.has_main_flat()) memset_tensor(full.main, 0, stream);  // padding (the loop fills the rest)
     if (optimizer && !optimizer->distributed()) {
       memset_tensor(full.m, 0, stream);
       memset_tensor(full.v, 0, stream);
@@ -1107,8 +1108,9 @@ CheckpointState load_checkpoint(const std::string& dir, ParamStore& params, Adam
   } catch (const nlohmann::json::exception& e) {
     MT_FAIL("checkpoint metadata in '{}' is incomplete: {}", iter_path.string(), e.what());
   }
-  if (params.main_sharded()) {
-    params.set_main_from_full(full.main, stream);  // model parameters whole, main copy the owned elements
+  if (!params.has_main_flat()) {
+    // model parameters whole, main copy (or remainders) the stored elements
+    params.set_main_from_full(full.main, stream);
   } else {
     params.sync_model_from_main(stream);
   }

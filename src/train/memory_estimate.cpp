@@ -46,8 +46,16 @@ MemoryEstimate estimate_training_memory(const MemoryEstimateInputs& in) {
   if (separate_main)
     e.parts.push_back({fmt::format("model parameters ({})", dtype_name(in.dtype)), total * dtype_size(in.dtype),
                        kModelRemedy});
-  e.parts.push_back({separate_main ? "main parameters (fp32)" : "parameters (fp32)", separate_main ? owned * 4 : total * 4,
-                     std::string(kModelRemedy) + (separate_main ? sharded : "")});
+  // ParamStore::main_storage_bytes: 4 bytes per stored main element, 2 as int16 remainders
+  const bool remainders = separate_main && in.store_param_remainders;
+  e.parts.push_back({!separate_main ? "parameters (fp32)"
+                     : remainders   ? "main parameters (int16 remainders of fp32)"
+                                    : "main parameters (fp32)",
+                     separate_main ? owned * (remainders ? 2 : 4) : total * 4,
+                     std::string(kModelRemedy) + (separate_main ? sharded : "") +
+                         (separate_main && !remainders && in.dtype == DType::kBF16
+                              ? "; --use-precision-aware-optimizer halves it"
+                              : "")});
   e.parts.push_back({"gradients (fp32)", total * 4, kModelRemedy});
   // the moments, and AdamW's chunk table (AdamWPlan: at most one partial chunk per owned piece,
   // a piece being a parameter's run cut by the owned range of its bucket)

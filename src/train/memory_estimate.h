@@ -21,6 +21,8 @@ struct MemoryEstimateInputs {
   ModelMemoryPlan model;              ///< GPTModel::memory_plan of this rank
   DType dtype = DType::kF32;          ///< model parameters and activations
   bool distributed_optimizer = false; ///< --use-distributed-optimizer: main params and moments sharded
+  /// --use-precision-aware-optimizer (bf16): main parameters as int16 remainders, 2 bytes each
+  bool store_param_remainders = false;
   int64_t data_parallel = 1;          ///< ranks the dense parameters are sharded over (dp-cp)
   int64_t expert_data_parallel = 1;   ///< ranks the expert parameters are sharded over (edp)
   bool grad_reduce_in_bf16 = false;   ///< --grad-reduce-in-bf16: a bf16 copy of the largest bucket

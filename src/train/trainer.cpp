@@ -486,6 +486,7 @@ int run_pretrain(PretrainArgs args) {
                                        args.sequence_parallel, param_layout, layout_needed);
   mem_in.dtype = args.dtype();
   mem_in.distributed_optimizer = args.use_distributed_optimizer;
+  mem_in.store_param_remainders = args.optim.store_param_remainders;
   mem_in.data_parallel = groups.dp_cp->size();
   mem_in.expert_data_parallel = groups.edp->size();
   mem_in.grad_reduce_in_bf16 = args.grad_reduce_in_bf16 && (groups.dp_cp->size() > 1 || groups.edp->size() > 1);
@@ -543,6 +544,10 @@ int run_pretrain(PretrainArgs args) {
                                                          grad_sync.why_not_copy_engine() + ")");
   if (args.grad_reduce_in_bf16 && groups.dp->size() > 1)
     log_info("> data-parallel gradient reduction in bf16 (--grad-reduce-in-bf16)");
+  if (args.optim.store_param_remainders)
+    log_info("> fp32 main parameters stored as bf16 parameters + int16 remainders (--use-precision-aware-optimizer): "
+             "{:.3f} GiB on this rank",
+             static_cast<double>(model.params().main_storage_bytes()) / (1024.0 * 1024.0 * 1024.0));
   if (model.params().buckets().size() > 1)
     log_info("> data-parallel gradient buckets: {} (--ddp-bucket-size {}), overlap grad reduce {}, param gather {}",
              model.params().buckets().size(), model.params().layout().bucket_size, args.overlap_grad_reduce,

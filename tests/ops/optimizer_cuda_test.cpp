@@ -1,11 +1,12 @@
 // CUDA vs CPU tests of ops/optimizer.h: the gradient sum of squares (fp32 1e-5, deterministic
 // bitwise, found-inf on inf/nan), optimizer_prepare + loss_scaler_update bitwise identical to
 // the CPU on a random overflow sequence, and AdamW (fp32 1e-5; the bf16/fp16 model copy equal
-// to the rounded main parameter; a skipped step writes nothing).
+// to the rounded main parameter; a skipped step writes nothing), and the fp32 main parameters as
+// (bf16, int16 remainder) pairs (--use-precision-aware-optimizer) bitwise equal to the CPU.
 #include <gtest/gtest.h>
 
 #include <algorithm>
-
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -276,6 +277,145 @@ TEST(OptimizerCuda, MultiStepEqualsStepPerRunAndCpu) {
       EXPECT_LT(rel_err(to_host(a.p, gs), to_host(c.p, cs)), 1e-6);
       EXPECT_LT(rel_err(to_host(a.m, gs), to_host(c.m, cs)), 1e-6);
       EXPECT_LT(rel_err(to_host(a.v, gs), to_host(c.v, cs)), 1e-6);
+    }
+  }
+}
+
+// --use-precision-aware-optimizer: split_param_remainders / merge_param_remainders on the device are
+// bitwise the CPU's (aligned, four elements per access, and unaligned views), on every fp32 bit
+// pattern class (ties, carries into the exponent, +-0, subnormals, inf, NaN payloads).
+TEST(OptimizerCuda, ParamRemaindersSplitMergeMatchCpuBitwise) {
+  MT_REQUIRE_CUDA();
+  Stream cs(kCpu), gs(kGpu);
+  const int64_t n = 100003;
+  std::vector<uint32_t> bits(static_cast<size_t>(n));
+  std::uniform_int_distribution<uint32_t> any;
+  for (auto& u : bits) u = any(testing::test_rng());
+  const uint32_t special[] = {0x00000000u, 0x80000000u, 0x00008000u, 0x3F808000u, 0x3F818000u, 0xBF808000u,
+                              0x3F80FFFFu, 0x7F7FFFFFu, 0x7F800000u, 0xFF800000u, 0x7FC00000u, 0x7FFF8000u,
+                              0xFFFF8000u, 0x00000001u};
+  for (size_t k = 0; k < std::size(special); ++k) bits[k * 7] = special[k];
+  for (int64_t offset : {0, 1}) {
+    SCOPED_TRACE(::testing::Message() << "offset " << offset);
+    const int64_t len = n - offset;
+    auto make = [&](Device d, const Stream& s) {
+      std::array<OwnedTensor, 4> t = {OwnedTensor(DType::kF32, d, {n}), OwnedTensor(DType::kBF16, d, {n}),
+                                      OwnedTensor(DType::kI16, d, {n}), OwnedTensor(DType::kF32, d, {n})};
+      copy_bytes(t[0].t.data(), d, bits.data(), kCpu, bits.size() * 4, s);
+      memset_tensor(t[1], 0xAB, s);
+      memset_tensor(t[2], 0xCD, s);
+      memset_tensor(t[3], 0xEF, s);
+      auto v = [&](const OwnedTensor& x) { return x.t.flat_range(offset, len); };
+      split_param_remainders(v(t[0]), v(t[1]), v(t[2]), s);
+      merge_param_remainders(v(t[3]), v(t[1]), v(t[2]), s);
+      return t;
+    };
+    const auto c = make(kCpu, cs);
+    const auto g = make(kGpu, gs);
+    for (int k = 1; k < 4; ++k) EXPECT_EQ(device_bytes(g[k], gs), device_bytes(c[k], cs)) << "tensor " << k;
+    const auto back = device_bytes(g[3], gs), orig = device_bytes(g[0], gs);
+    EXPECT_TRUE(std::equal(back.begin() + 4 * offset, back.end(), orig.begin() + 4 * offset)) << "round trip";
+    // bf16 only (no remainders): the same high halves.
+    OwnedTensor hi(DType::kBF16, kGpu, {n});
+    memset_tensor(hi, 0xAB, gs);
+    split_param_remainders(g[0].t.flat_range(offset, len), hi.t.flat_range(offset, len), Tensor(), gs);
+    EXPECT_EQ(device_bytes(hi, gs), device_bytes(c[1], cs));
+  }
+}
+
+// adamw_multi_step and adamw_step on (bf16, int16 remainder) pairs on the device: bitwise the CPU
+// backend's, and the merged main parameters bitwise the device's fp32-main path, over several
+// steps (decay and no-decay runs, aligned and unaligned chunks, a skipped overflow step).
+TEST(OptimizerCuda, AdamWRemaindersMatchCpuBitwise) {
+  MT_REQUIRE_CUDA();
+  Stream cs(kCpu), gs(kGpu);
+  for (bool sharded : {false, true}) {
+    SCOPED_TRACE(sharded ? "main by state index" : "main by flat index");
+    const std::vector<AdamWRun> runs = testing::test_adamw_runs(sharded);
+    const AdamWPlan gplan(runs, kGpu, gs), cplan(runs, kCpu, cs);
+    const int64_t param_n = gplan.param_end() + 3, main_n = gplan.main_end() + 2, state_n = gplan.state_end() + 1;
+    testing::AdamWBuffers c(kCpu, DType::kBF16, param_n, main_n, state_n, cs);
+    testing::AdamWBuffers a(c, kGpu, gs), f(c, kGpu, gs);  // a: remainders on the device, f: fp32 main
+    // (bf16, remainder) pairs of the main parameters: bf16 at the param index, remainder at the main one.
+    OwnedTensor cmodel(DType::kBF16, kCpu, {param_n}), crem(DType::kI16, kCpu, {main_n});
+    memset_tensor(cmodel, 0, cs);
+    memset_tensor(crem, 0, cs);
+    for (const AdamWRun& r : runs)
+      split_param_remainders(c.p->flat_range(r.main, r.n), cmodel.t.flat_range(r.param, r.n),
+                             crem.t.flat_range(r.main, r.n), cs);
+    OwnedTensor gmodel(DType::kBF16, kGpu, {param_n}), grem(DType::kI16, kGpu, {main_n});
+    copy(gmodel, cmodel, gs);
+    copy(grem, crem, gs);
+    ScalarsTensor gsc(kGpu), csc(kCpu);
+    const LossScalerConfig cfg = static_scaler(4.f);
+    gsc.write(initial_optimizer_scalars(cfg), gs);
+    csc.write(initial_optimizer_scalars(cfg), cs);
+    AdamWHyper h;
+    h.beta2 = 0.95f;
+    h.weight_decay = 0.1f;
+    for (int step = 0; step < 4; ++step) {
+      SCOPED_TRACE(::testing::Message() << "step " << step);
+      h.lr = 1e-3f * static_cast<float>(step + 1);
+      std::vector<float> g = testing::randn(param_n, 0.2f);
+      if (step == 2) g[runs[0].param + 5] = INFINITY;  // skipped: nothing written
+      testing::upload(c.g, g, cs);
+      testing::upload(a.g, g, gs);
+      testing::upload(f.g, g, gs);
+      const auto before = device_bytes(grem, gs);
+      grad_sumsq_accumulate(csc.t, c.g, cs);
+      grad_sumsq_accumulate(gsc.t, a.g, gs);
+      // No clipping: the CPU and CUDA gradient norms are sums in different orders, so a clip
+      // coefficient could differ in its last bit (and with it every update).
+      optimizer_prepare(csc.t, 0.f, cs);
+      optimizer_prepare(gsc.t, 0.f, gs);
+      adamw_multi_step(crem, c.g, c.m, c.v, cmodel, cplan, h, csc.t, cs);
+      adamw_multi_step(grem, a.g, a.m, a.v, gmodel, gplan, h, gsc.t, gs);
+      adamw_multi_step(f.p, f.g, f.m, f.v, f.model_view(), gplan, h, gsc.t, gs);
+      loss_scaler_update(csc.t, cfg, cs);
+      loss_scaler_update(gsc.t, cfg, gs);
+      if (step == 2) {
+        EXPECT_EQ(device_bytes(grem, gs), before);
+      }
+      EXPECT_EQ(device_bytes(gmodel, gs), device_bytes(cmodel, cs));
+      EXPECT_EQ(device_bytes(grem, gs), device_bytes(crem, cs));
+      EXPECT_EQ(device_bytes(a.m, gs), device_bytes(c.m, cs));
+      EXPECT_EQ(device_bytes(a.v, gs), device_bytes(c.v, cs));
+      EXPECT_EQ(device_bytes(a.m, gs), device_bytes(f.m, gs));
+      // merged == the fp32-main path's main parameters, run by run
+      OwnedTensor merged(DType::kF32, kGpu, {main_n});
+      memset_tensor(merged, 0, gs);
+      OwnedTensor expect(DType::kF32, kGpu, {main_n});
+      memset_tensor(expect, 0, gs);
+      for (const AdamWRun& r : runs) {
+        merge_param_remainders(merged.t.flat_range(r.main, r.n), gmodel.t.flat_range(r.param, r.n),
+                               grem.t.flat_range(r.main, r.n), gs);
+        copy(expect.t.flat_range(r.main, r.n), f.p->flat_range(r.main, r.n), gs);
+      }
+      EXPECT_EQ(device_bytes(merged, gs), device_bytes(expect, gs));
+    }
+    // adamw_step on an unaligned view (scalar path) updates its elements to the same bits as on
+    // the whole, aligned buffer (vector path).
+    const int64_t n = 4099;
+    const std::vector<float> p0 = testing::randn(n), g0 = testing::randn(n, 0.1f), m0 = testing::randn(n, 0.01f),
+                             v0 = testing::randu(n, 1e-5f, 1e-3f);
+    std::array<OwnedTensor, 2> pt, model, rem, gt, mo, vo;
+    for (int k = 0; k < 2; ++k) {
+      pt[k] = make_tensor(p0, DType::kF32, kGpu, {n}, gs);
+      model[k] = OwnedTensor(DType::kBF16, kGpu, {n});
+      rem[k] = OwnedTensor(DType::kI16, kGpu, {n});
+      split_param_remainders(pt[k], model[k], rem[k], gs);
+      gt[k] = make_tensor(g0, DType::kF32, kGpu, {n}, gs);
+      mo[k] = make_tensor(m0, DType::kF32, kGpu, {n}, gs);
+      vo[k] = make_tensor(v0, DType::kF32, kGpu, {n}, gs);
+    }
+    gs.synchronize();
+    auto tail = [n](const OwnedTensor& t) { return t.t.flat_range(1, n - 1); };
+    adamw_step(rem[0], gt[0], mo[0], vo[0], model[0], h, gsc.t, gs);
+    adamw_step(tail(rem[1]), tail(gt[1]), tail(mo[1]), tail(vo[1]), tail(model[1]), h, gsc.t, gs);
+    for (auto* t : {&model, &rem, &mo, &vo}) {
+      const auto b0 = device_bytes((*t)[0], gs), b1 = device_bytes((*t)[1], gs);
+      const size_t es = b0.size() / static_cast<size_t>(n);
+      EXPECT_TRUE(std::equal(b0.begin() + es, b0.end(), b1.begin() + es));
     }
   }
 }

@@ -61,6 +61,7 @@ MPI_Datatype mpi_type(DType t) {
     case DType::kI64: return MPI_INT64_T;
     case DType::kU8: return MPI_UINT8_T;
     case DType::kF64: return MPI_DOUBLE;
+    case DType::kI16: return MPI_INT16_T;
   }
   return MPI_BYTE;
 }

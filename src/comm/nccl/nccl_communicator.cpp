@@ -28,6 +28,9 @@ ncclDataType_t nccl_type(DType t) {
     case DType::kI64: return ncclInt64;
     case DType::kU8: return ncclUint8;
     case DType::kF64: return ncclFloat64;
+    // NCCL has no 16-bit integer type: int16 moves as 16-bit words (all-gather, broadcast,
+    // send/recv copy bits unchanged; reductions reject int16, comm_util.cpp).
+    case DType::kI16: return ncclFloat16;
   }
   return ncclUint8;
 }

@@ -53,7 +53,10 @@ void adamw_runs(const Tensor& main_param, const Tensor& grad, const Tensor& exp_
   if (s.found_inf) return;
   MT_CHECK(s.step >= 1, "{}: step={} (call optimizer_prepare first)", fn, s.step);
   const detail::AdamWCoeffs c = detail::adamw_coeffs(hyper, s);
-  float* p = main_param.data_as<float>();
+  // Remainder storage: main_param holds int16 remainders, model_param the bf16 high bits.
+  const bool remainders = main_param.dtype() == DType::kI16;
+  float* p = remainders ? nullptr : main_param.data_as<float>();
+  int16_t* rem = remainders ? main_param.data_as<int16_t>() : nullptr;
   const float* g = grad.data_as<float>();
   float* m = exp_avg.data_as<float>();
   float* v = exp_avg_sq.data_as<float>();
@@ -65,6 +68,14 @@ void adamw_runs(const Tensor& main_param, const Tensor& grad, const Tensor& exp_
     const AdamWRun& r = runs[static_cast<size_t>(k)];
     AdamWHyper h = hyper;
     if (!r.decay) h.weight_decay = 0.f;
+    if (remainders) {
+      for (int64_t i = 0; i < r.n; ++i) {
+        float pi = detail::merge_f32_remainder(mp[r.param + i], rem[r.main + i]);
+        detail::adamw_element(pi, g[r.param + i], m[r.state + i], v[r.state + i], h, c);
+        detail::split_f32_remainder(pi, mp[r.param + i], rem[r.main + i]);
+      }
+      continue;
+    }
     for (int64_t i = 0; i < r.n; ++i) {
       float& pi = p[r.main + i];
       detail::adamw_element(pi, g[r.param + i], m[r.state + i], v[r.state + i], h, c);
@@ -86,6 +97,30 @@ void adamw_multi_step(const Tensor& main_param, const Tensor& grad, const Tensor
                       const Tensor& model_param, const AdamWPlan& plan, const AdamWHyper& hyper,
                       const Tensor& scalars, const Stream&) {
   adamw_runs(main_param, grad, exp_avg, exp_avg_sq, model_param, plan.chunks(), hyper, scalars, "adamw_multi_step");
+}
+
+void split_param_remainders(const Tensor& main_param, const Tensor& model_param, const Tensor& remainders,
+                            const Stream&) {
+  const float* x = main_param.data_as<float>();
+  uint16_t* hi = model_param.data_as<uint16_t>();
+  int16_t* rem = remainders.empty() ? nullptr : remainders.data_as<int16_t>();
+  const int64_t n = main_param.numel();
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    int16_t r;
+    detail::split_f32_remainder(x[i], hi[i], r);
+    if (rem) rem[i] = r;
+  }
+}
+
+void merge_param_remainders(const Tensor& main_param, const Tensor& model_param, const Tensor& remainders,
+                            const Stream&) {
+  float* x = main_param.data_as<float>();
+  const uint16_t* hi = model_param.data_as<uint16_t>();
+  const int16_t* rem = remainders.data_as<int16_t>();
+  const int64_t n = main_param.numel();
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) x[i] = detail::merge_f32_remainder(hi[i], rem[i]);
 }
 
 void loss_scaler_update(const Tensor& scalars, const LossScalerConfig& cfg, const Stream&) {
