@@ -51,8 +51,10 @@ __global__ void __launch_bounds__(kColLanes * kColRows)
 }
 
 
-constexpr int kCols = 32;   // columns per block
-constexpr int kLanes = 16;  // partial rows summed in parallel per column
+// 8 columns x 64 lanes per block: for h = 768 and ~350 partial rows, 96 blocks whose lanes each
+// add ~6 rows (32 columns x 16 lanes: 24 blocks of 22-row chains, latency-bound).
+constexpr int kCols = 8;    // columns per block
+constexpr int kLanes = 64;  // partial rows summed in parallel per column
 
 struct Pairs {
   float* dst[2];

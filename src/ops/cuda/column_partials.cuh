@@ -31,7 +31,7 @@ int64_t column_partials_grid_rows(int64_t rows, int64_t rows_per_block, int64_t 
 float* column_partials_scratch(const Stream& stream, const char* fn);
 
 /// dst0[c] += Σ_{p < P} part0[p·h + c] (and likewise dst1 / part1 when dst1 is not null) for
-/// c < h. Fixed order: 16 lanes per column, lane i sums p = i, i + 16, ... in increasing order,
+/// c < h. Fixed order: 64 lanes per column, lane i sums p = i, i + 64, ... in increasing order,
 /// then the lanes are added in order. P >= 1.
 void add_column_partials(float* dst0, const float* part0, float* dst1, const float* part1, int64_t P, int64_t h,
                          const Stream& stream);
