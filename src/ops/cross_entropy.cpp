@@ -28,6 +28,13 @@ int64_t check_logits_targets(const Tensor& logits, const Tensor& targets, int64_
   return m;
 }
 
+/// device_scale: empty, or fp32 [1] on the logits' device.
+void check_device_scale(const Tensor& device_scale, const Tensor& logits) {
+  if (device_scale.empty()) return;
+  check_tensor(device_scale, DType::kF32, {1}, "device_scale");
+  check_same_device({&logits, &device_scale});
+}
+
 /// valid_cols in [-1, V]; -1 = V.
 int64_t resolve_valid_cols(int64_t valid_cols, const Tensor& logits) {
   const int64_t v = logits.size(1);
@@ -86,10 +93,7 @@ void cross_entropy_backward_inplace(const Tensor& logits, const Tensor& targets,
                                     const Stream& stream) {
   const int64_t m = check_logits_targets(logits, targets, vocab_start);
   valid_cols = resolve_valid_cols(valid_cols, logits);
-  if (!device_scale.empty()) {
-    check_tensor(device_scale, DType::kF32, {1}, "device_scale");
-    check_same_device({&logits, &device_scale});
-  }
+  check_device_scale(device_scale, logits);
   check_row_vec(row_max, m, "row_max");
   check_row_vec(row_sumexp, m, "row_sumexp");
   check_mask(loss_mask, m);
@@ -106,10 +110,7 @@ void cross_entropy_forward_backward_inplace(const Tensor& row_max, const Tensor&
                                             const Tensor& device_scale, const Stream& stream) {
   const int64_t m = check_logits_targets(logits, targets, 0);
   valid_cols = resolve_valid_cols(valid_cols, logits);
-  if (!device_scale.empty()) {
-    check_tensor(device_scale, DType::kF32, {1}, "device_scale");
-    check_same_device({&logits, &device_scale});
-  }
+  check_device_scale(device_scale, logits);
   check_row_vec(row_max, m, "row_max");
   check_row_vec(row_sumexp, m, "row_sumexp");
   check_row_vec(target_logit, m, "target_logit");

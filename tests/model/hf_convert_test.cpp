@@ -561,14 +561,7 @@ TEST(HfConvert, ImportFinetuneGenerateExportThroughTheBinary) {
   fs::remove_all(fx.dir);
 }
 
-void expect_error(const std::function<void()>& f, const std::string& what) {
-  try {
-    f();
-    ADD_FAILURE() << "no error; expected one mentioning '" << what << "'";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
-  }
-}
+using ::mt::testing::expect_error;
 
 TEST(HfConvert, MoeBadInputErrors) {
   Fixture fx = make_fixture(HfArchitecture::kMixtral, "moe_bad");

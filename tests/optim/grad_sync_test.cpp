@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <mutex>
 
+#include "testing/testing.h"
 #include "comm/thread_comm.h"
 #include "ops/elementwise.h"
 #include "optim/ddp_test_util.h"
@@ -27,15 +28,7 @@ using testing::OwnedTensor;
 constexpr int kSteps = 3;
 constexpr float kLr = 1e-2f;
 
-template <typename F>
-void expect_error(F&& f, const std::string& needle) {
-  try {
-    f();
-    ADD_FAILURE() << "expected an mt::Error containing '" << needle << "'";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
-}
+using ::mt::testing::expect_error;
 
 std::vector<ParamSpec> sized(const std::vector<int64_t>& numels) {
   std::vector<ParamSpec> s;

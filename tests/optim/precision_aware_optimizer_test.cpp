@@ -17,6 +17,7 @@
 #include <mutex>
 #include <type_traits>
 
+#include "testing/testing.h"
 #include "comm/thread_comm.h"
 #include "ops/optimizer.h"
 #include "optim/ddp_test_util.h"
@@ -36,15 +37,7 @@ using testing::OwnedTensor;
 constexpr float kLr = 1e-2f;
 constexpr uint64_t kSeed = 7;
 
-template <typename F>
-void expect_error(F&& f, const std::string& needle) {
-  try {
-    f();
-    ADD_FAILURE() << "expected an mt::Error containing '" << needle << "'";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
-}
+using ::mt::testing::expect_error;
 
 template <typename T>
 std::vector<T> raw_host(const Tensor& t, const Stream& s) {

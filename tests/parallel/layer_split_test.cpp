@@ -9,20 +9,14 @@
 #include <string>
 #include <vector>
 
+#include "testing/testing.h"
 #include "core/check.h"
 #include "parallel/pipeline/layer_split.h"
 
 namespace mt::pipeline {
 namespace {
 
-void expect_error(const std::function<void()>& f, const std::string& needle) {
-  try {
-    f();
-    ADD_FAILURE() << "no error; expected one containing '" << needle << "'";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
-}
+using ::mt::testing::expect_error;
 
 PipelineLayout layout(int64_t L, int pp, int vpp = 0, int64_t first = -1, int64_t last = -1, bool emb = false,
                       bool loss = false) {

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "testing/testing.h"
 #include "core/check.h"
 #include "parallel/parallel_config.h"
 #include "parallel/rank_generator.h"
@@ -42,14 +43,7 @@ ParallelConfig make(int world, int tp, int cp, int pp, int ep = 1, int etp = 0, 
   return c;
 }
 
-void expect_error(const std::function<void()>& f, const std::string& needle) {
-  try {
-    f();
-    ADD_FAILURE() << "no error; expected one containing '" << needle << "'";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
-}
+using ::mt::testing::expect_error;
 
 // ---------------------------------------------------------------------------------------------
 // Worked examples

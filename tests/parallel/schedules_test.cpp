@@ -18,20 +18,14 @@
 #include <string>
 #include <vector>
 
+#include "testing/testing.h"
 #include "core/check.h"
 #include "parallel/pipeline/schedules.h"
 
 namespace mt::pipeline {
 namespace {
 
-void expect_error(const std::function<void()>& f, const std::string& needle) {
-  try {
-    f();
-    ADD_FAILURE() << "no error; expected one containing '" << needle << "'";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
-}
+using ::mt::testing::expect_error;
 
 ScheduleConfig cfg(int pp, int vpp, int m, int group = 0, bool forward_only = false) {
   ScheduleConfig c;

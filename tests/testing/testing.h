@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "core/buffer.h"
+#include "core/check.h"
 #include "core/stream.h"
 #include "core/tensor.h"
 
@@ -80,6 +81,16 @@ RunResult run_command(const std::string& cmd);
 /// run_command on the `megatron` binary: `$MT_MEGATRON_BIN args` (ctest sets MT_MEGATRON_BIN
 /// to the built binary), or `megatron args` from the PATH when it is unset.
 RunResult run_megatron(const std::string& args);
+
+/// Fails the test unless f() throws an mt::Error whose message contains `needle`.
+inline void expect_error(const std::function<void()>& f, const std::string& needle) {
+  try {
+    f();
+    ADD_FAILURE() << "no error; expected an mt::Error containing '" << needle << "'";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
 
 /// Skips the current test unless a CUDA device is available.
 #define MT_REQUIRE_CUDA()                                                \
