@@ -5,6 +5,9 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <mutex>
+#include <unordered_map>
+
 #include "core/check.h"
 #include "core/dtype.h"
 #include "core/stream.h"
@@ -49,6 +52,21 @@ __device__ __forceinline__ float block_reduce_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   }
   return v;
+}
+
+/// query() computed once per CUDA device `device` and served from a cache afterwards: for the
+/// device attributes, occupancy figures and kernel attributes a launch needs, which are the same
+/// on every call (not worth a runtime query per launch in the training step). Each call site (each
+/// lambda type, so each template instantiation of the caller) has its own cache; query() must
+/// depend on nothing but the device and compile-time constants.
+template <typename F>
+int cached_per_device(int device, F&& query) {
+  static std::mutex mu;
+  static std::unordered_map<int, int> values;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = values.find(device);
+  if (it == values.end()) it = values.emplace(device, query()).first;
+  return it->second;
 }
 
 inline cudaStream_t cu(const Stream& s) { return static_cast<cudaStream_t>(s.cuda_stream()); }

@@ -286,19 +286,20 @@ void launch_backward(const Tensor& logits, const Tensor& targets, const Tensor& 
   MT_CUDA_CHECK_LAUNCH();
 }
 
-/// Dynamic shared memory of the one-pass kernel for rows of v elements of T (one row).
-template <typename T>
-size_t fused_smem_bytes(int64_t v) {
-  return static_cast<size_t>(v) * sizeof(T);
-}
-
-/// Two blocks of the one-pass kernel per multiprocessor of `device` (each with its row, its
-/// static shared memory and the 1 KiB the hardware reserves per block).
-bool fused_fits(size_t row_bytes, Device device) {
-  int per_sm = 0, per_block = 0;
-  const int dev = device.index;
-  MT_CUDA_CHECK(cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
-  MT_CUDA_CHECK(cudaDeviceGetAttribute(&per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+/// Two blocks of the one-pass kernel per multiprocessor of CUDA device `dev` (each with its row,
+/// its static shared memory and the 1 KiB the hardware reserves per block). The device's limits
+/// are queried once.
+bool fused_fits(size_t row_bytes, int dev) {
+  const int per_sm = cached_per_device(dev, [dev] {
+    int v = 0;
+    MT_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
+    return v;
+  });
+  const int per_block = cached_per_device(dev, [dev] {
+    int v = 0;
+    MT_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    return v;
+  });
   const size_t block = row_bytes + 1024 + 512;
   return row_bytes <= static_cast<size_t>(per_block) && 2 * block <= static_cast<size_t>(per_sm);
 }
@@ -308,9 +309,16 @@ void launch_forward_backward(const Tensor& row_max, const Tensor& row_sumexp, co
                              const Tensor& logits, const Tensor& targets, const Tensor& loss_mask, int64_t valid,
                              float grad_scale, const Tensor& device_scale, const Stream& stream) {
   const int64_t m = logits.size(0), v = logits.size(1);
-  const size_t smem = fused_smem_bytes<T>(v);
-  MT_CUDA_CHECK(cudaFuncSetAttribute(fused_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     static_cast<int>(smem)));
+  const size_t smem = static_cast<size_t>(v) * sizeof(T);  // one row
+  const int dev = logits.device().index;
+  // The kernel may take up to the device's opt-in shared memory per block (set once per device;
+  // fused_fits bounds what a launch asks for).
+  cached_per_device(dev, [dev] {
+    int optin = 0;
+    MT_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    MT_CUDA_CHECK(cudaFuncSetAttribute(fused_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, optin));
+    return optin;
+  });
   fused_kernel<T><<<static_cast<unsigned>(m), kFusedThreads, smem, cu(stream)>>>(
       row_max.data_as<float>(), row_sumexp.data_as<float>(), target_logit.data_as<float>(), logits.data_as<T>(),
       targets.data_as<int32_t>(), loss_mask.empty() ? nullptr : loss_mask.data_as<float>(), v, valid, grad_scale,
@@ -365,7 +373,7 @@ void cross_entropy_backward_inplace(const Tensor& logits, const Tensor& targets,
 
 bool cross_entropy_fused_row_fits(int64_t v, DType dtype, Device device) {
   if (!device.is_cuda() || v <= 0 || v * static_cast<int64_t>(dtype_size(dtype)) % kVecBytes != 0) return false;
-  return v <= INT32_MAX / 2 && fused_fits(static_cast<size_t>(v) * dtype_size(dtype), device);
+  return v <= INT32_MAX / 2 && fused_fits(static_cast<size_t>(v) * dtype_size(dtype), device.index);
 }
 
 void cross_entropy_forward_backward_inplace(const Tensor& row_max, const Tensor& row_sumexp,

@@ -14,6 +14,7 @@
 #include <type_traits>
 
 #include "ops/cuda/column_partials.cuh"
+#include "ops/cuda/common.cuh"
 #include "ops/cuda/elementwise_common.cuh"
 #include "ops/row_map.h"
 
@@ -244,9 +245,12 @@ bool launch(T* dx, RowMap mdx, float* dweight, float* dbias, const T* dy, RowMap
     constexpr int kBlock = block_threads<TPR>();
     // One wave of the blocks that fit on the SMs (registers bound it: ~124 per thread for
     // LayerNorm at h = 768), each striding over rows; at most ~1024 threads per SM.
-    int resident = 0;
-    MT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &resident, backward_kernel<kLayerNorm, VV, TPR, T>, kBlock, 0));
+    const int resident = cached_per_device(stream.device().index, [] {
+      int blocks = 0;
+      MT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, backward_kernel<kLayerNorm, VV, TPR, T>,
+                                                                  kBlock, 0));
+      return blocks;
+    });
     const int per_sm = std::clamp(resident, 1, std::max(1, 1024 / kBlock));
     const int64_t grid = column_partials_rows(ew::grid_for(n, kBlock / TPR, stream, per_sm), h, kLayerNorm ? 2 : 1, fn);
     float* part_b = kLayerNorm ? part + grid * h : nullptr;

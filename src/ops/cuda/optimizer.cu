@@ -297,19 +297,25 @@ __global__ void __launch_bounds__(kAdamThreads)
   }
 }
 
+bool aligned(const void* q, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(q) % bytes == 0; }
+
 /// The kVec condition of adamw_range: p, g, m, v 16-byte aligned, the model copy 8-byte aligned.
 bool vectorisable(const void* p, const void* g, const void* m, const void* v, const void* model) {
-  auto aligned = [](const void* q, uintptr_t a) { return reinterpret_cast<uintptr_t>(q) % a == 0; };
   return aligned(p, 16) && aligned(g, 16) && aligned(m, 16) && aligned(v, 16) && aligned(model, 8);
+}
+
+/// Blocks of a grid-stride AdamW launch over `work` items: enough threads in flight to saturate
+/// HBM (16 blocks of 256 per SM), fewer for small runs.
+unsigned adamw_blocks(int64_t work) {
+  return static_cast<unsigned>(
+      std::max<int64_t>(1, std::min<int64_t>((work + kAdamThreads - 1) / kAdamThreads, 132 * 16)));
 }
 
 template <typename P>
 void launch_adamw(float* p, const float* g, float* m, float* v, P* model, int64_t n, const AdamWHyper& h,
                   const OptimizerScalars* s, cudaStream_t st) {
   const bool vec = vectorisable(p, g, m, v, model);
-  const int64_t work = vec ? (n + 3) / 4 : n;
-  // enough threads in flight to saturate HBM (16 blocks of 256 per SM), fewer for small runs
-  const unsigned blocks = static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>((work + kAdamThreads - 1) / kAdamThreads, 132 * 16)));
+  const unsigned blocks = adamw_blocks(vec ? (n + 3) / 4 : n);
   if (vec) {
     adamw_kernel<P, true><<<blocks, kAdamThreads, 0, st>>>(p, g, m, v, model, n, h, s);
   } else {
@@ -332,15 +338,18 @@ void launch_adamw_multi(float* p, const float* g, float* m, float* v, P* model, 
 
 /// The kVec condition of adamw_rem_range: g, m, v 16-byte aligned, model and remainders 8-byte.
 bool vectorisable_rem(const void* model, const void* rem, const void* g, const void* m, const void* v) {
-  auto aligned = [](const void* q, uintptr_t a) { return reinterpret_cast<uintptr_t>(q) % a == 0; };
   return aligned(model, 8) && aligned(rem, 8) && aligned(g, 16) && aligned(m, 16) && aligned(v, 16);
 }
 
-/// Blocks of a grid-stride AdamW launch over `work` items: enough threads in flight to saturate
-/// HBM (16 blocks of 256 per SM), fewer for small runs.
-unsigned adamw_blocks(int64_t work) {
-  return static_cast<unsigned>(
-      std::max<int64_t>(1, std::min<int64_t>((work + kAdamThreads - 1) / kAdamThreads, 132 * 16)));
+/// split_remainders_kernel / merge_remainders_kernel over n elements: four per thread and access
+/// when the fp32 array is 16-byte and the 16-bit ones 8-byte aligned (rem may be null: aligned).
+template <typename X, typename H, typename R>
+void launch_remainders(void (*vec)(X, H, R, int64_t), void (*scalar)(X, H, R, int64_t), X x, H hi, R rem, int64_t n,
+                       const Stream& stream) {
+  const bool v4 = aligned(x, 16) && aligned(hi, 8) && aligned(rem, 8);
+  const unsigned grid = grid_for(v4 ? (n + 3) / 4 : n, kAdamThreads);
+  (v4 ? vec : scalar)<<<grid, kAdamThreads, 0, cu(stream)>>>(x, hi, rem, n);
+  MT_CUDA_CHECK_LAUNCH();
 }
 
 /// Calls f(model) with the model copy's typed pointer: void* nullptr (fp32 training), bf16 or fp16.
@@ -432,36 +441,16 @@ void adamw_multi_step(const Tensor& main_param, const Tensor& grad, const Tensor
 
 void split_param_remainders(const Tensor& main_param, const Tensor& model_param, const Tensor& remainders,
                             const Stream& stream) {
-  const float* x = main_param.data_as<float>();
-  auto* hi = model_param.data_as<uint16_t>();
-  int16_t* rem = remainders.empty() ? nullptr : remainders.data_as<int16_t>();
-  const int64_t n = main_param.numel();
-  auto aligned = [](const void* q, uintptr_t a) { return reinterpret_cast<uintptr_t>(q) % a == 0; };
-  const bool vec = aligned(x, 16) && aligned(hi, 8) && aligned(rem, 8);
-  const unsigned grid = grid_for(vec ? (n + 3) / 4 : n, kAdamThreads);
-  if (vec) {
-    split_remainders_kernel<true><<<grid, kAdamThreads, 0, cu(stream)>>>(x, hi, rem, n);
-  } else {
-    split_remainders_kernel<false><<<grid, kAdamThreads, 0, cu(stream)>>>(x, hi, rem, n);
-  }
-  MT_CUDA_CHECK_LAUNCH();
+  launch_remainders(split_remainders_kernel<true>, split_remainders_kernel<false>, main_param.data_as<const float>(),
+                    model_param.data_as<uint16_t>(), remainders.empty() ? nullptr : remainders.data_as<int16_t>(),
+                    main_param.numel(), stream);
 }
 
 void merge_param_remainders(const Tensor& main_param, const Tensor& model_param, const Tensor& remainders,
                             const Stream& stream) {
-  float* x = main_param.data_as<float>();
-  const auto* hi = model_param.data_as<const uint16_t>();
-  const auto* rem = remainders.data_as<const int16_t>();
-  const int64_t n = main_param.numel();
-  auto aligned = [](const void* q, uintptr_t a) { return reinterpret_cast<uintptr_t>(q) % a == 0; };
-  const bool vec = aligned(x, 16) && aligned(hi, 8) && aligned(rem, 8);
-  const unsigned grid = grid_for(vec ? (n + 3) / 4 : n, kAdamThreads);
-  if (vec) {
-    merge_remainders_kernel<true><<<grid, kAdamThreads, 0, cu(stream)>>>(x, hi, rem, n);
-  } else {
-    merge_remainders_kernel<false><<<grid, kAdamThreads, 0, cu(stream)>>>(x, hi, rem, n);
-  }
-  MT_CUDA_CHECK_LAUNCH();
+  launch_remainders(merge_remainders_kernel<true>, merge_remainders_kernel<false>, main_param.data_as<float>(),
+                    model_param.data_as<const uint16_t>(), remainders.data_as<const int16_t>(), main_param.numel(),
+                    stream);
 }
 
 void loss_scaler_update(const Tensor& scalars, const LossScalerConfig& cfg, const Stream& stream) {
