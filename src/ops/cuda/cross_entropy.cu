@@ -300,8 +300,8 @@ bool fused_fits(size_t row_bytes, int dev) {
     MT_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
     return v;
   });
-  const size_t block = row_bytes + 1024 + 512;
-  return row_bytes <= static_cast<size_t>(per_block) && 2 * block <= static_cast<size_t>(per_sm);
+  const size_t block = row_bytes + 1024 + 512;  // 512: a bound on the kernel's static shared memory
+  return row_bytes + 512 <= static_cast<size_t>(per_block) && 2 * block <= static_cast<size_t>(per_sm);
 }
 
 template <typename T>
@@ -311,13 +311,16 @@ void launch_forward_backward(const Tensor& row_max, const Tensor& row_sumexp, co
   const int64_t m = logits.size(0), v = logits.size(1);
   const size_t smem = static_cast<size_t>(v) * sizeof(T);  // one row
   const int dev = logits.device().index;
-  // The kernel may take up to the device's opt-in shared memory per block (set once per device;
-  // fused_fits bounds what a launch asks for).
+  // The kernel may take up to the device's opt-in shared memory per block less its static shared
+  // memory as dynamic shared memory (set once per device; fused_fits bounds what a launch asks for).
   cached_per_device(dev, [dev] {
     int optin = 0;
     MT_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-    MT_CUDA_CHECK(cudaFuncSetAttribute(fused_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, optin));
-    return optin;
+    cudaFuncAttributes attr{};
+    MT_CUDA_CHECK(cudaFuncGetAttributes(&attr, fused_kernel<T>));
+    const int dynamic = optin - static_cast<int>(attr.sharedSizeBytes);
+    MT_CUDA_CHECK(cudaFuncSetAttribute(fused_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, dynamic));
+    return dynamic;
   });
   fused_kernel<T><<<static_cast<unsigned>(m), kFusedThreads, smem, cu(stream)>>>(
       row_max.data_as<float>(), row_sumexp.data_as<float>(), target_logit.data_as<float>(), logits.data_as<T>(),
