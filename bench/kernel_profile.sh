@@ -3,11 +3,13 @@
 # serialised by the profiler): runs `build/megatron pretrain ARGS --train-iters 3` under ncu and
 # prints the kernels of the last iteration (between the last two AdamW launches; else the last
 # third of the kernels) summed by kernel name, with the total and the GEMM share.
-# usage: [TOP=N] bench/kernel_profile.sh ARGS...   (N kernel names, default 14; logs under $OUT)
+# usage: [TOP=N] [CACHE=all|none] bench/kernel_profile.sh ARGS...   (N kernel names, default 14;
+# CACHE: ncu's --cache-control, default all = caches flushed before each kernel; none = kept, as in
+# a real step (GPT-2 124M mb16 on an H100, 2026-11-25: 30.39 vs 30.41 ms, no difference); logs under $OUT)
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 NCU=$(ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1); [ -n "$NCU" ] || NCU=$(command -v ncu)
-timeout 400 "$NCU" --clock-control none --metrics gpu__time_duration.sum --csv --log-file "$OUT/ncu.csv" \
+timeout 400 "$NCU" --clock-control none --cache-control "${CACHE:-all}" --metrics gpu__time_duration.sum --csv --log-file "$OUT/ncu.csv" \
   build/megatron pretrain "$@" --train-iters 3 > "$OUT/ncu_run.log" 2>&1 || { tail -3 "$OUT/ncu_run.log"; exit 1; }
 python3 - "$OUT/ncu.csv" "${TOP:-14}" <<'PY'
 import csv, sys, collections

@@ -124,6 +124,9 @@ Tensor BufferPlanner::scratch(const std::string& key, DType dtype, const std::ve
   if (!placing_) {
     size_t& s = scratch_size_[key];
     s = std::max(s, n);
+    const ScratchPhase phase = current_phase();
+    auto [it, first] = scratch_phase_.emplace(key, phase);
+    if (!first && it->second != phase) it->second = ScratchPhase::kShared;
     return at(0, dtype, shape);
   }
   auto it = scratch_offset_.find(key);
@@ -151,10 +154,22 @@ void BufferPlanner::materialize() {
     f.base = off;
     off += f.region * static_cast<size_t>(f.count);
   }
+  const size_t scratch_base = off;
+  size_t phase_end[2] = {0, 0};  // kLayers, kHead: both start after the shared keys
+  size_t shared = 0;
+  for (const auto& [key, size] : scratch_size_)
+    if (scratch_phase_.at(key) == ScratchPhase::kShared) {
+      scratch_offset_[key] = scratch_base + shared;
+      shared += size;
+    }
   for (const auto& [key, size] : scratch_size_) {
-    scratch_offset_[key] = off;
-    off += size;
+    const ScratchPhase ph = scratch_phase_.at(key);
+    if (ph == ScratchPhase::kShared) continue;
+    size_t& end = phase_end[ph == ScratchPhase::kHead ? 1 : 0];
+    scratch_offset_[key] = scratch_base + shared + end;
+    end += size;
   }
+  off = scratch_base + shared + std::max(phase_end[0], phase_end[1]);
   total_ = off;
   buffer_ = Buffer(device_, std::max<size_t>(total_, 1));
   placing_ = true;
@@ -163,10 +178,18 @@ void BufferPlanner::materialize() {
 size_t BufferPlanner::area_bytes(Family f) const { return families_[static_cast<int>(f)].region; }
 int BufferPlanner::area_count(Family f) const { return families_[static_cast<int>(f)].count; }
 
+BufferPlanner::ScratchPhase BufferPlanner::current_phase() const {
+  if (!area_open_) return ScratchPhase::kShared;
+  return open_family_ == Family::kHead ? ScratchPhase::kHead : ScratchPhase::kLayers;
+}
+
 size_t BufferPlanner::scratch_bytes() const {
-  size_t n = 0;
-  for (const auto& [key, size] : scratch_size_) n += size;
-  return n;
+  size_t n = 0, phase[2] = {0, 0};
+  for (const auto& [key, size] : scratch_size_) {
+    const ScratchPhase ph = scratch_phase_.at(key);
+    (ph == ScratchPhase::kShared ? n : phase[ph == ScratchPhase::kHead ? 1 : 0]) += size;
+  }
+  return n + std::max(phase[0], phase[1]);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -145,7 +145,13 @@ class ParamRegistry {
 ///     largest set of requests made in any of its openings (different chunks may fill a slot
 ///     differently), and requests restart at the region's start on every opening.
 ///   * scratch: temporaries of one forward/backward call, shared by every module asking for the
-///     same key (the largest request wins); valid only until the next use of that key.
+///     same key (the largest request wins); valid only until the next use of that key, and never
+///     beyond the call that wrote it. Keys requested only inside loss-head areas (kHead) and keys
+///     requested only inside layer areas (kActivations, kRecompute) share memory: the model runs
+///     the head and a transformer layer in separate calls, one after the other in stream order, so
+///     the loss head's logits chunks reuse the layers' temporaries. Keys requested in both kinds of
+///     area or outside any area (the model's running residual gradient, the embedding's) get their
+///     own memory.
 ///   * persistent: live as long as the model (pipeline input buffers).
 class BufferPlanner {
  public:
@@ -203,7 +209,11 @@ class BufferPlanner {
   size_t cursor_ = 0;        // within the open region
   size_t persistent_ = 0;    // measured size; placing cursor below
   size_t persistent_cursor_ = 0;
+  /// Which areas asked for a scratch key: the head's, the layers', or both / none (shared).
+  enum class ScratchPhase { kLayers, kHead, kShared };
+  ScratchPhase current_phase() const;
   std::map<std::string, size_t> scratch_size_, scratch_offset_;
+  std::map<std::string, ScratchPhase> scratch_phase_;
 };
 
 /// Weight-gradient GEMMs held back by a backward (see GPTModel::backward_chunk): the arguments

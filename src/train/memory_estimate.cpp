@@ -68,7 +68,7 @@ MemoryEstimate estimate_training_memory(const MemoryEstimateInputs& in) {
   e.parts.push_back({"recompute area", m.recompute_bytes, "a smaller --recompute-num-layers"});
   e.parts.push_back({"loss head", m.head_slot_bytes * static_cast<size_t>(m.head_slots),
                      "a smaller --micro-batch-size or a larger --tensor-model-parallel-size"});
-  e.parts.push_back({"scratch (temporaries shared by the layers)", m.scratch_bytes,
+  e.parts.push_back({"scratch (temporaries shared by the layers and the loss head)", m.scratch_bytes,
                      "a smaller --micro-batch-size or a larger --tensor-model-parallel-size"});
   e.parts.push_back({"pipeline buffers", m.persistent_bytes + in.pipeline_grad_bytes, ""});
   if (in.grad_reduce_in_bf16)
