@@ -154,22 +154,7 @@ void BufferPlanner::materialize() {
     f.base = off;
     off += f.region * static_cast<size_t>(f.count);
   }
-  const size_t scratch_base = off;
-  size_t phase_end[2] = {0, 0};  // kLayers, kHead: both start after the shared keys
-  size_t shared = 0;
-  for (const auto& [key, size] : scratch_size_)
-    if (scratch_phase_.at(key) == ScratchPhase::kShared) {
-      scratch_offset_[key] = scratch_base + shared;
-      shared += size;
-    }
-  for (const auto& [key, size] : scratch_size_) {
-    const ScratchPhase ph = scratch_phase_.at(key);
-    if (ph == ScratchPhase::kShared) continue;
-    size_t& end = phase_end[ph == ScratchPhase::kHead ? 1 : 0];
-    scratch_offset_[key] = scratch_base + shared + end;
-    end += size;
-  }
-  off = scratch_base + shared + std::max(phase_end[0], phase_end[1]);
+  off += scratch_layout(off, &scratch_offset_);
   total_ = off;
   buffer_ = Buffer(device_, std::max<size_t>(total_, 1));
   placing_ = true;
@@ -183,14 +168,25 @@ BufferPlanner::ScratchPhase BufferPlanner::current_phase() const {
   return open_family_ == Family::kHead ? ScratchPhase::kHead : ScratchPhase::kLayers;
 }
 
-size_t BufferPlanner::scratch_bytes() const {
-  size_t n = 0, phase[2] = {0, 0};
+size_t BufferPlanner::scratch_layout(size_t base, std::map<std::string, size_t>* offsets) const {
+  // The shared keys first, then each phase's keys from the same offset.
+  size_t shared = 0, phase_end[2] = {0, 0};  // kLayers, kHead
+  for (const auto& [key, size] : scratch_size_)
+    if (scratch_phase_.at(key) == ScratchPhase::kShared) {
+      if (offsets) (*offsets)[key] = base + shared;
+      shared += size;
+    }
   for (const auto& [key, size] : scratch_size_) {
     const ScratchPhase ph = scratch_phase_.at(key);
-    (ph == ScratchPhase::kShared ? n : phase[ph == ScratchPhase::kHead ? 1 : 0]) += size;
+    if (ph == ScratchPhase::kShared) continue;
+    size_t& end = phase_end[static_cast<int>(ph)];
+    if (offsets) (*offsets)[key] = base + shared + end;
+    end += size;
   }
-  return n + std::max(phase[0], phase[1]);
+  return shared + std::max(phase_end[0], phase_end[1]);
 }
+
+size_t BufferPlanner::scratch_bytes() const { return scratch_layout(0, nullptr); }
 
 // ---------------------------------------------------------------------------------------------
 // WgradDeferral

@@ -210,8 +210,11 @@ class BufferPlanner {
   size_t persistent_ = 0;    // measured size; placing cursor below
   size_t persistent_cursor_ = 0;
   /// Which areas asked for a scratch key: the head's, the layers', or both / none (shared).
-  enum class ScratchPhase { kLayers, kHead, kShared };
+  enum class ScratchPhase { kLayers = 0, kHead = 1, kShared = 2 };
   ScratchPhase current_phase() const;
+  /// Bytes of all scratch, laid out from `base`: the shared keys, then the layers' and the head's
+  /// keys from one offset. Fills *offsets (key -> byte offset) when given.
+  size_t scratch_layout(size_t base, std::map<std::string, size_t>* offsets) const;
   std::map<std::string, size_t> scratch_size_, scratch_offset_;
   std::map<std::string, ScratchPhase> scratch_phase_;
 };
