@@ -115,7 +115,10 @@ class GPTModel final : public LanguageModel {
   std::vector<double> moe_loss_stats(const Stream& stream) const override;
   void reset_moe_stats(const Stream& stream) override;
   MoeDispatchStats moe_dispatch_stats(const Stream& stream) const override;
-  void set_layer_graphs(LayerGraphs* graphs) override { layer_graphs_ = graphs; }
+  void set_layer_graphs(LayerGraphs* graphs) override {
+    layer_graphs_ = graphs;
+    params_->set_grad_overwrite(graphs == nullptr);
+  }
   void update_expert_bias(const Stream& stream) override;
   void reset_global_aux_loss_tracker(const Stream& stream) override;
   std::vector<std::pair<std::string, Tensor>> persistent_state(const Stream& stream) const override;

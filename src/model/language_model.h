@@ -128,7 +128,9 @@ class LanguageModel {
 
   // --- per-layer CUDA graphs ---
   /// The layers run their scoped regions through `graphs` (model/layer_graphs.h; nullptr: eager).
-  /// The caller owns it and keeps it alive while the model runs.
+  /// The caller owns it and keeps it alive while the model runs. With graphs the step's first
+  /// weight-gradient writes no longer overwrite (ParamStore::set_grad_overwrite(false)): a
+  /// captured backward replays for every micro-batch.
   virtual void set_layer_graphs(LayerGraphs* graphs) = 0;
   /// Once per training step after the last backward: the aux-loss-free expert bias update of every
   /// MoE layer (MoELayer::update_expert_bias over the data × context parallel group). Collective.

@@ -50,7 +50,7 @@ std::pair<size_t, size_t> ParamRegistry::group_range(size_t k) const {
   return {first, first + groups_[k].entries.size()};
 }
 
-void ParamRegistry::bind(const ParamStore& store) {
+void ParamRegistry::bind(ParamStore& store) {
   for (const Group& g : ordered())
     for (const Entry& e : g.entries) {
       if (e.ref == nullptr) continue;
@@ -193,7 +193,7 @@ size_t BufferPlanner::scratch_bytes() const { return scratch_layout(0, nullptr);
 // ---------------------------------------------------------------------------------------------
 
 void WgradDeferral::run(const Stream& stream) {
-  for (const Item& d : list_) linear_backward(Tensor(), d.dw, d.dbias, d.dy, d.x, d.w, stream);
+  for (const Item& d : list_) linear_backward(Tensor(), d.dw, d.dbias, d.dy, d.x, d.w, stream, d.dw_write);
   list_.clear();
 }
 

@@ -18,6 +18,7 @@
 #include "core/stream.h"
 #include "core/tensor.h"
 #include "model/params.h"
+#include "ops/matmul.h"
 
 namespace mt {
 
@@ -96,10 +97,15 @@ struct StepContext {
 /// A declared parameter: its index in the model's ParamStore once bound (ParamRegistry::bind).
 struct ParamRef {
   size_t index = ParamStore::kNoParam;
-  const ParamStore* store = nullptr;
+  ParamStore* store = nullptr;
   bool bound() const { return store != nullptr && index != ParamStore::kNoParam; }
   Tensor value() const { return store->param(index); }  ///< model dtype
   Tensor grad() const { return store->grad(index); }    ///< fp32 main gradient
+  /// Whether this write of the gradient is the step's first to a grad_overwrite parameter
+  /// (ParamStore::take_first_grad_write, consumed by this call): write it, else add to it.
+  GradWrite grad_write() const {
+    return store->take_first_grad_write(index) ? GradWrite::kOverwrite : GradWrite::kAccumulate;
+  }
 };
 
 /// Collects the parameter declarations of a model's modules in order, grouped (a layer, the
@@ -121,7 +127,7 @@ class ParamRegistry {
   std::pair<size_t, size_t> group_range(size_t k) const;
   size_t num_groups() const { return groups_.size(); }
   /// Fills every declared ParamRef from the store built from specs().
-  void bind(const ParamStore& store);
+  void bind(ParamStore& store);
 
  private:
   struct Entry {
@@ -224,8 +230,11 @@ class BufferPlanner {
 class WgradDeferral {
  public:
   void clear() { list_.clear(); }
-  void add(const Tensor& dw, const Tensor& dbias, const Tensor& dy, const Tensor& x, const Tensor& w) {
-    list_.push_back({dw, dbias, dy, x, w});
+  /// dw_write: taken from the weight when its backward ran (ParamRef::grad_write); nothing else
+  /// writes dw until run().
+  void add(const Tensor& dw, const Tensor& dbias, const Tensor& dy, const Tensor& x, const Tensor& w,
+           GradWrite dw_write) {
+    list_.push_back({dw, dbias, dy, x, w, dw_write});
   }
   /// Runs the held-back GEMMs in order and clears the list.
   void run(const Stream& stream);
@@ -233,6 +242,7 @@ class WgradDeferral {
  private:
   struct Item {
     Tensor dw, dbias, dy, x, w;
+    GradWrite dw_write;
   };
   std::vector<Item> list_;  // capacity kept across steps: no per-step allocation after the first
 };

@@ -88,6 +88,15 @@ ParamStore::ParamStore(std::vector<ParamSpec> specs, DType model_dtype, Device d
     bk.end = off;
   }
   total_ = off;
+  // What zero_grads clears when parameters are grad_overwrite: everything but their elements.
+  first_write_.assign(infos_.size(), 0);
+  int64_t from = 0;
+  for (const ParamInfo& p : infos_) {
+    if (!p.grad_overwrite) continue;
+    if (p.offset > from) grad_zero_ranges_.push_back({from, p.offset});
+    from = p.offset + p.numel;
+  }
+  if (from < total_) grad_zero_ranges_.push_back({from, total_});
   if (!allocate) return;
   main_ = Buffer(device, static_cast<size_t>(total_) * 4);
   if (model_dtype != DType::kF32) params_ = Buffer(device, static_cast<size_t>(total_) * dtype_size(model_dtype));
@@ -280,6 +289,7 @@ void ParamStore::initialize(uint64_t seed, const Stream& stream) {
     fill(main_flat(), 0.f, stream);  // alignment padding stays zero
     for (size_t i = 0; i < infos_.size(); ++i) init_one(infos_[i], main(i));
     sync_model_from_main(stream);
+    memset_tensor(grads_flat(), 0, stream);  // every element defined, whatever writes come first
     zero_grads(stream);
     return;
   }
@@ -317,6 +327,7 @@ void ParamStore::initialize(uint64_t seed, const Stream& stream) {
       c += r.end - r.begin;
     }
   }
+  memset_tensor(grads_flat(), 0, stream);
   zero_grads(stream);
   stream.synchronize();  // before the scratch buffer is freed
 }
@@ -329,6 +340,34 @@ void ParamStore::sync_model_from_main(const Stream& stream) {
   if (has_separate_main()) cast(params_flat(), main_flat(), stream);
 }
 
-void ParamStore::zero_grads(const Stream& stream) { memset_tensor(grads_flat(), 0, stream); }
+void ParamStore::zero_grads(const Stream& stream) {
+  const bool marks = grad_overwrite_ && !(grad_zero_ranges_.size() == 1 && grad_zero_ranges_[0].begin == 0 &&
+                                          grad_zero_ranges_[0].end == total_);
+  first_writes_pending_ = 0;
+  for (size_t i = 0; i < infos_.size(); ++i) {
+    first_write_[i] = marks && infos_[i].grad_overwrite ? 1 : 0;
+    first_writes_pending_ += first_write_[i];
+  }
+  if (!marks) {
+    memset_tensor(grads_flat(), 0, stream);
+    return;
+  }
+  const Tensor g = grads_flat();
+  for (const Range& r : grad_zero_ranges_) memset_tensor(g.flat_range(r.begin, r.end - r.begin), 0, stream);
+}
+
+bool ParamStore::take_first_grad_write(size_t i) {
+  if (!first_write_.at(i)) return false;
+  first_write_[i] = 0;
+  --first_writes_pending_;
+  return true;
+}
+
+size_t ParamStore::untaken_first_write() const {
+  if (first_writes_pending_ == 0) return kNoParam;
+  for (size_t i = 0; i < first_write_.size(); ++i)
+    if (first_write_[i]) return i;
+  return kNoParam;
+}
 
 }  // namespace mt

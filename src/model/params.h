@@ -67,6 +67,11 @@ struct ParamSpec {
   /// sharding it follows; it lives in buckets of expert parameters only. tensor_parallel then means
   /// split over the expert tensor-parallel group.
   bool expert = false;
+  /// Every training step writes this parameter's whole gradient, and each of its writers asks
+  /// ParamStore::take_first_grad_write before writing (the dense linear layers' weights, model/
+  /// layers/linear.h): zero_grads leaves its gradient alone and the step's first write overwrites
+  /// it (PyTorch's gradients set to None; no zeroing pass over most of the gradient buffer).
+  bool grad_overwrite = false;
 };
 
 struct ParamInfo : ParamSpec {
@@ -233,7 +238,24 @@ class ParamStore {
   /// non-owned model elements would need a data-parallel all-gather; use set_main_from_full) or
   /// stored as remainders (the model parameters are part of the main ones).
   void sync_model_from_main(const Stream& stream);
+  /// Start of a step's gradients: afterwards every gradient reads as zero to its first writer.
+  /// Zeroes every element of the gradient buffer (padding included) except those of the
+  /// grad_overwrite parameters (ParamSpec), which are marked instead: their first writer of the
+  /// step overwrites them (take_first_grad_write). With set_grad_overwrite(false), or when no
+  /// parameter is grad_overwrite, one memset of the whole buffer.
   void zero_grads(const Stream& stream);
+  /// True exactly once after zero_grads for a marked parameter (and clears the mark): the caller
+  /// must write the whole gradient (=) instead of adding to it. False otherwise (add). Host-side
+  /// bookkeeping in stream order of the calls; a captured step replays the writes of its capture.
+  bool take_first_grad_write(size_t i);
+  /// The first parameter still marked by zero_grads, i.e. whose gradient no writer has written in
+  /// this step (its buffer still holds the last step's values), or kNoParam. GradSync's
+  /// finish_grad_sync raises an error naming it.
+  size_t untaken_first_write() const;
+  /// Off: zero_grads zeroes every gradient and marks none (per-layer CUDA graphs replay one
+  /// captured backward for every micro-batch, so the first write of a step cannot differ from the
+  /// others). On by default.
+  void set_grad_overwrite(bool on) { grad_overwrite_ = on; }
 
   /// Flat element ranges [begin, end) covering the parameters for which pred(info) holds,
   /// consecutive parameters merged into one range (the alignment padding between them, whose
@@ -274,6 +296,12 @@ class ParamStore {
   // main_ as stored: fp32 or int16, [total] or [owned].
   Tensor main_storage() const;
   int64_t main_shard_n_ = 0;
+  // Gradient first writes (zero_grads / take_first_grad_write): the flat ranges zero_grads
+  // clears when some parameters are grad_overwrite (all the rest, padding included), the marks.
+  bool grad_overwrite_ = true;
+  std::vector<Range> grad_zero_ranges_;
+  std::vector<uint8_t> first_write_;
+  size_t first_writes_pending_ = 0;
 };
 
 }  // namespace mt

@@ -120,13 +120,14 @@ void linear_backward_checks(const Tensor& dx, const Tensor& dw, const Tensor& db
 }  // namespace
 
 void linear_backward(const Tensor& dx, const Tensor& dw, const Tensor& dbias, const Tensor& dy, const Tensor& x,
-                     const Tensor& w, const Stream& stream) {
+                     const Tensor& w, const Stream& stream, GradWrite dw_write) {
   linear_backward_checks(dx, dw, dbias, dy, x, w, stream, "linear_backward");
-  MT_DISPATCH(dy.device(), linear_backward, dx, dw, dbias, dy, x, w, stream);
+  MT_DISPATCH(dy.device(), linear_backward, dx, dw, dbias, dy, x, w, stream, dw_write);
 }
 
 void gelu_linear_backward(const Tensor& dpre, const Tensor& dpre_bias, const Tensor& dw, const Tensor& dbias,
-                          const Tensor& dy, const Tensor& x, const Tensor& pre, const Tensor& w, const Stream& stream) {
+                          const Tensor& dy, const Tensor& x, const Tensor& pre, const Tensor& w, const Stream& stream,
+                          GradWrite dw_write) {
   MT_CHECK(pre.shape() == x.shape() && pre.dtype() == x.dtype() && pre.is_contiguous(),
            "gelu_linear_backward: pre {} must match x {}", pre.str(), x.str());
   MT_CHECK(dpre.shape() == x.shape() && dpre.dtype() == x.dtype() && dpre.is_contiguous(),
@@ -141,7 +142,7 @@ void gelu_linear_backward(const Tensor& dpre, const Tensor& dpre_bias, const Ten
   }
   check_same_device({&dpre, &dpre_bias, &pre});
   linear_backward_checks(dpre, dw, dbias, dy, x, w, stream, "gelu_linear_backward");
-  MT_DISPATCH(dy.device(), gelu_linear_backward, dpre, dpre_bias, dw, dbias, dy, x, pre, w, stream);
+  MT_DISPATCH(dy.device(), gelu_linear_backward, dpre, dpre_bias, dw, dbias, dy, x, pre, w, stream, dw_write);
 }
 
 }  // namespace mt

@@ -42,28 +42,35 @@ void linear_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Ten
 void linear_forward_add(const Tensor& out, const Tensor& x, const Tensor& w, const Tensor& bias,
                         const Tensor& residual, const Stream& stream);
 
+/// How a weight gradient reaches the fp32 main gradient: added to it (+=, Megatron's
+/// main_grad accumulation), or written over it (=; the parameter's first gradient write of the
+/// step, ParamStore::take_first_grad_write, so that the buffer need not be zeroed before).
+enum class GradWrite { kAccumulate, kOverwrite };
+
 /// Linear layer backward. dx[m, k] = dy · w (overwrite; skipped when dx is empty; same shape as x);
-/// dw[n, k] += dy^T · x (fp32 main grad, accumulate; skipped when empty); dbias[n] += sum_m dy
-/// (fp32, accumulate, skipped when empty). dy [..., n], x [..., k], w [n, k] in the act dtype.
-/// CUDA: dw via a beta = 1 GEMM with fp32 C; for bf16/fp16 with dw, dbias from the same GEMM's
+/// dw[n, k] += dy^T · x (fp32 main grad; = with dw_write kOverwrite, then also for m = 0; skipped
+/// when empty); dbias[n] += sum_m dy (fp32, accumulate, skipped when empty). dy [..., n],
+/// x [..., k], w [n, k] in the act dtype.
+/// CUDA: dw via a beta = 1 GEMM with fp32 C (beta = 0, C not read, to overwrite); for bf16/fp16 with dw, dbias from the same GEMM's
 /// BGRADB epilogue into the stream's fp32 scratch (CudaStreamResources::bias_grad_scratch; the
 /// epilogue overwrites) and then added, else (fp32, no dw, no algorithm, n beyond the scratch) a
 /// deterministic column-sum kernel. Errors: mt::Error on shape/dtype/device mismatch, dw/dbias
 /// not fp32.
 void linear_backward(const Tensor& dx, const Tensor& dw, const Tensor& dbias, const Tensor& dy, const Tensor& x,
-                     const Tensor& w, const Stream& stream);
+                     const Tensor& w, const Stream& stream, GradWrite dw_write = GradWrite::kAccumulate);
 
 /// linear_backward of a linear layer whose input x was gelu(pre) (an MLP's fc2 after fc1 and the
 /// GELU; Megatron's bias_gelu fusion, backward): dpre[m, k] = gelu'(pre) ∘ (dy · w) (overwrite;
 /// the gradient of pre, not of x), dpre_bias[k] += Σ_m dpre (fp32; fc1's bias gradient; skipped
-/// when empty), and dw, dbias as linear_backward (skipped when empty). pre and dpre: x's shape and
+/// when empty), and dw (as dw_write says), dbias as linear_backward (skipped when empty). pre and dpre: x's shape and
 /// dtype; dpre may not alias dy, x or pre. CPU: linear_backward, gelu_backward and a column sum.
 /// CUDA bf16/fp16 (k % 8 == 0, 16-byte aligned pre and dpre): the dgrad GEMM's DGELU epilogue (the
 /// product not rounded before the derivative multiplies it), then the column sum of dpre; otherwise
 /// GEMM, GELU backward kernel, column sum. Errors: as linear_backward, and pre / dpre / dpre_bias
 /// of the wrong shape or dtype.
 void gelu_linear_backward(const Tensor& dpre, const Tensor& dpre_bias, const Tensor& dw, const Tensor& dbias,
-                          const Tensor& dy, const Tensor& x, const Tensor& pre, const Tensor& w, const Stream& stream);
+                          const Tensor& dy, const Tensor& x, const Tensor& pre, const Tensor& w, const Stream& stream,
+                          GradWrite dw_write = GradWrite::kAccumulate);
 
 MT_OP_BACKENDS(matmul)
 MT_OP_BACKENDS(linear_forward)

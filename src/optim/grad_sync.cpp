@@ -236,6 +236,11 @@ void GradSync::grads_ready(size_t first, size_t end, const Stream& stream) {
 
 void GradSync::finish_grad_sync(const Stream& stream) {
   if (finished_) return;
+  const size_t unwritten = params_.untaken_first_write();
+  MT_CHECK(unwritten == ParamStore::kNoParam,
+           "finish_grad_sync: no backward of this step wrote the gradient of '{}' (declared grad_overwrite, so "
+           "zero_grad_buffer left it holding the last step's values)",
+           params_.info(unwritten).name);
   finish_param_sync(stream);
   const size_t nb = params_.buckets().size();
   if (config_.overlap_grad_reduce) {

@@ -120,7 +120,8 @@ class GradSync final : public ParamGradHooks {
   int64_t owned_elements() const { return owned_elements_; }
 
   /// Start of a step (Megatron's DistributedDataParallel.zero_grad_buffer): zeroes the fp32
-  /// gradients on `stream` and resets the per-step bucket state. Reductions of an abandoned
+  /// gradients on `stream` (ParamStore::zero_grads: the grad_overwrite parameters' first writes
+  /// overwrite instead) and resets the per-step bucket state. Reductions of an abandoned
   /// step still in flight are waited for first.
   void zero_grad_buffer(const Stream& stream);
   /// ParamGradHooks: marks parameters [first, end) ready; with overlap_grad_reduce launches the
@@ -132,7 +133,9 @@ class GradSync final : public ParamGradHooks {
   /// `stream`), then makes `stream` wait for all of them; also waits for parameter all-gathers
   /// still in flight (the optimizer step writes the parameters next). The gradients are reduced
   /// after it (with the distributed optimizer: in the owned ranges only). Once per step; later
-  /// calls in the same step do nothing, and no bucket is ever reduced twice in a step.
+  /// calls in the same step do nothing, and no bucket is ever reduced twice in a step. Errors:
+  /// mt::Error naming a grad_overwrite parameter whose gradient no write of the step has taken
+  /// (ParamStore::untaken_first_write: it would hold the last step's values).
   void finish_grad_sync(const Stream& stream);
   /// After the optimizer updated the owned parameters on `stream`: with the distributed
   /// optimizer, all-gathers each bucket's model-dtype parameters from the owned slices, in

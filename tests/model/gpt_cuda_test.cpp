@@ -151,6 +151,9 @@ void compare(DType dtype, float dropout, double tol, bool documents = false, boo
   }
   cpu.reset_moe_stats(cs);
   gpu.reset_moe_stats(gs);
+  // NaN where the step's first weight-gradient writes must overwrite (zero_grads zeroes the rest).
+  fill(cpu.params().grads_flat(), std::nanf(""), cs);
+  fill(gpu.params().grads_flat(), std::nanf(""), gs);
   cpu.params().zero_grads(cs);
   gpu.params().zero_grads(gs);
   cpu.forward(cmb, dc, closs, wgt, cs);

@@ -142,6 +142,8 @@ void gradient_check(const TransformerConfig& c, bool documents = false, uint64_t
   if (documents) h_.with_documents();
   const DropoutContext dc{99, 3, 1, true};
   const float w = 1.0f / (c.seq_length * 2);
+  // Garbage where the step's first writes must overwrite (zero_grads zeroes only the rest).
+  fill(h_.model.params().grads_flat(), std::nanf(""), h_.stream);
   h_.model.params().zero_grads(h_.stream);
   h_.loss_value(dc);
   h_.model.backward(h_.mb(), dc, w, Tensor(), h_.stream);
@@ -552,6 +554,47 @@ TEST(Gpt, GradsReadyOrderEmbeddingBeforeFirstLayer) {
   EXPECT_LT(wte, pos("decoder.layers.0.self_attention.linear_qkv.weight"));
   EXPECT_LT(wte, pos("decoder.layers.0.mlp.linear_fc1.weight"));
   EXPECT_GT(wte, pos("decoder.layers.1.self_attention.linear_qkv.weight"));
+}
+
+// The first weight-gradient write of a step overwrites instead of adding to zeros
+// (ParamSpec::grad_overwrite, ParamStore::zero_grads): with two micro-batches accumulated into a
+// buffer holding NaN where zero_grads left it alone, every gradient equals, bitwise, the one of
+// zeroed buffers and adding writes (set_grad_overwrite(false)).
+TEST(Gpt, FirstGradientWritesOverwrite) {
+  for (const TransformerConfig& c : {tiny_config(0.2f), tiny_llama_config(0.2f), tiny_moe_config(true)}) {
+    Harness h(c, 2);
+    ParamStore& P = h.model.params();
+    auto two_micro_batches = [&](bool overwrite) {
+      P.set_grad_overwrite(overwrite);
+      fill(P.grads_flat(), std::nanf(""), h.stream);
+      P.zero_grads(h.stream);
+      for (int k = 0; k < 2; ++k) {
+        const DropoutContext dc{7, 2, static_cast<uint32_t>(k), true};
+        h.loss_value(dc);
+        h.model.backward(h.mb(), dc, 0.5f, Tensor(), h.stream, /*last_backward=*/k == 1);
+      }
+      EXPECT_EQ(P.untaken_first_write(), ParamStore::kNoParam);
+      std::vector<std::vector<float>> g;
+      for (size_t i = 0; i < P.size(); ++i) g.push_back(testing::to_host(P.grad(i), h.stream));
+      return g;
+    };
+    const auto added = two_micro_batches(false), overwritten = two_micro_batches(true);
+    size_t marked = 0;
+    for (size_t i = 0; i < P.size(); ++i) {
+      marked += P.info(i).grad_overwrite;
+      EXPECT_EQ(overwritten[i], added[i]) << P.info(i).name;
+      EXPECT_TRUE(std::all_of(added[i].begin(), added[i].end(), [](float x) { return std::isfinite(x); }))
+          << P.info(i).name;
+    }
+    EXPECT_TRUE(P.info(P.index("decoder.layers.0.mlp.linear_fc1.weight")).grad_overwrite);
+    EXPECT_FALSE(P.info(P.index("embedding.word_embeddings.weight")).grad_overwrite);
+    EXPECT_GE(marked, 4u * static_cast<size_t>(c.num_layers) - (c.num_moe_experts > 0 ? 2u : 0u));
+    // A step whose backward never ran leaves the marks: the first one names a linear weight.
+    P.zero_grads(h.stream);
+    const size_t left = P.untaken_first_write();
+    ASSERT_NE(left, ParamStore::kNoParam);
+    EXPECT_TRUE(P.info(left).grad_overwrite) << P.info(left).name;
+  }
 }
 
 TEST(Gpt, DeterministicAndDropoutKeyed) {

@@ -173,6 +173,46 @@ TEST(GradSync, ProtocolErrorsAndIdempotentFinish) {
   s.grads_ready(0, 1, st);  // a new step
 }
 
+// zero_grads leaves the grad_overwrite parameters' gradients alone and zeroes every other element
+// (padding included); take_first_grad_write answers once per step; finish_grad_sync names a
+// marked parameter no write took.
+TEST(GradSync, FirstGradientWrites) {
+  Model m = ddp_test::gpt_like(2);
+  size_t fc1 = ParamStore::kNoParam;
+  for (size_t i = 0; i < m.specs.size(); ++i)
+    if (m.specs[i].name.find("fc1.weight") != std::string::npos) {
+      m.specs[i].grad_overwrite = true;
+      if (fc1 == ParamStore::kNoParam) fc1 = i;
+    }
+  ASSERT_NE(fc1, ParamStore::kNoParam);
+  Stream st;
+  ParamStore P(m.specs, DType::kF32, Device::cpu(), ParamLayout{1, 700});
+  P.initialize(1, st);
+  fill(P.grads_flat(), 3.f, st);
+  GradSync s(P, nullptr, DdpConfig{});
+  s.zero_grad_buffer(st);
+  const std::vector<float> g = testing::to_host(P.grads_flat(), st);
+  std::vector<char> kept(g.size(), 0);
+  for (size_t i = 0; i < P.size(); ++i)
+    if (P.info(i).grad_overwrite)
+      std::fill(kept.begin() + P.info(i).offset, kept.begin() + P.info(i).offset + P.info(i).numel, 1);
+  for (size_t k = 0; k < g.size(); ++k) ASSERT_EQ(g[k], kept[k] ? 3.f : 0.f) << "element " << k;
+  const size_t left = P.untaken_first_write();
+  EXPECT_EQ(left, fc1);
+  expect_error([&] { s.finish_grad_sync(st); }, "no backward of this step wrote the gradient of '" + P.info(fc1).name);
+  for (size_t i = 0; i < P.size(); ++i) EXPECT_EQ(P.take_first_grad_write(i), P.info(i).grad_overwrite) << i;
+  EXPECT_FALSE(P.take_first_grad_write(fc1));  // once per step
+  EXPECT_EQ(P.untaken_first_write(), ParamStore::kNoParam);
+  s.finish_grad_sync(st);
+  // Off: everything zeroed, nothing marked.
+  P.set_grad_overwrite(false);
+  fill(P.grads_flat(), 3.f, st);
+  s.zero_grad_buffer(st);
+  for (float x : testing::to_host(P.grads_flat(), st)) ASSERT_EQ(x, 0.f);
+  EXPECT_FALSE(P.take_first_grad_write(fc1));
+  EXPECT_EQ(P.untaken_first_write(), ParamStore::kNoParam);
+}
+
 // --- N ranks == 1 rank -------------------------------------------------------------------
 
 struct Reference {

@@ -28,6 +28,7 @@ ColumnParallelLinear::ColumnParallelLinear(const Options& o, const TensorParalle
     ParamSpec w = column_parallel_weight(o.prefix + ".weight", out_, in_, o.init_std, tp.size(), tp.rank(), parts_);
     w.shared_embedding_copy = o.shared_embedding_copy;
     w.vocab_rows = o.vocab_rows;
+    w.grad_overwrite = true;  // written by backward / backward_rows only, every step
     reg.declare(std::move(w), &weight_);
   }
   if (o.bias) reg.declare(column_parallel_bias(o.prefix + ".bias", out_, tp.size(), tp.rank(), parts_), &bias_);
@@ -76,7 +77,7 @@ void ColumnParallelLinear::backward_rows(const Tensor& dy, int64_t first, int64_
                                          const StepContext& ctx) {
   const Tensor x = rows(saved_.at(static_cast<size_t>(ctx.slot)));
   linear_backward(dx_full.slice0(first, first + count), weight().grad(), grad_or_empty(bias_), dy,
-                  x.slice0(first, first + count), weight().value(), ctx.stream);
+                  x.slice0(first, first + count), weight().value(), ctx.stream, weight().grad_write());
 }
 
 void ColumnParallelLinear::reduce_input_grad(const Tensor& dx_local, const Tensor& dx_full,
@@ -91,9 +92,9 @@ Tensor ColumnParallelLinear::backward(const Tensor& dy, const StepContext& ctx, 
   const Tensor dy2 = dy.view({dy.numel() / local_out(), local_out()});
   if (defer) {
     linear_backward(rows(dx_full_), Tensor(), Tensor(), dy2, rows(x), weight().value(), ctx.stream);
-    defer->add(dw, db, dy2, rows(x), weight().value());
+    defer->add(dw, db, dy2, rows(x), weight().value(), weight().grad_write());
   } else {
-    linear_backward(rows(dx_full_), dw, db, dy2, rows(x), weight().value(), ctx.stream);
+    linear_backward(rows(dx_full_), dw, db, dy2, rows(x), weight().value(), ctx.stream, weight().grad_write());
   }
   tp_.enter_backward(dx_local_, dx_full_, ctx.stream);
   return dx_local_;
@@ -105,7 +106,9 @@ Tensor ColumnParallelLinear::backward(const Tensor& dy, const StepContext& ctx, 
 
 RowParallelLinear::RowParallelLinear(const Options& o, const TensorParallelRegion& tp, ParamRegistry& reg)
     : tp_(tp), in_(o.in), out_(o.out), role_(last_component(o.prefix)), recompute_input_(o.recompute_input) {
-  reg.declare(row_parallel_weight(o.prefix + ".weight", out_, in_, o.init_std, tp.size(), tp.rank()), &weight_);
+  ParamSpec w = row_parallel_weight(o.prefix + ".weight", out_, in_, o.init_std, tp.size(), tp.rank());
+  w.grad_overwrite = true;  // written by backward only, every step
+  reg.declare(std::move(w), &weight_);
   if (o.bias)
     reg.declare(replicated_param(o.prefix + ".bias", {out_}, InitKind::kZeros, 0.f, TpGradSum::kSequenceParallel),
                 &bias_);
@@ -142,13 +145,14 @@ Tensor RowParallelLinear::backward(const Tensor& dy, const StepContext& ctx, Wgr
   const Tensor dy_full = tp_.sequence_parallel() ? dy_full_ : dy;
   tp_.exit_backward(dy_full, dy, ctx.stream);
   const Tensor dw = defer ? Tensor() : weight_.grad();
+  const GradWrite dw_write = weight_.grad_write();  // taken now, also for the deferred GEMM
   if (gelu) {
     gelu_linear_backward(rows(dx_), gelu->dbias, dw, Tensor(), rows(dy_full), rows(x), rows(gelu->pre),
-                         weight_.value(), ctx.stream);
+                         weight_.value(), ctx.stream, dw_write);
   } else {
-    linear_backward(rows(dx_), dw, Tensor(), rows(dy_full), rows(x), weight_.value(), ctx.stream);
+    linear_backward(rows(dx_), dw, Tensor(), rows(dy_full), rows(x), weight_.value(), ctx.stream, dw_write);
   }
-  if (defer) defer->add(weight_.grad(), Tensor(), rows(dy_full), rows(x), weight_.value());
+  if (defer) defer->add(weight_.grad(), Tensor(), rows(dy_full), rows(x), weight_.value(), dw_write);
   return dx_;
 }
 

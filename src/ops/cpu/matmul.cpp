@@ -94,22 +94,25 @@ void linear_forward_add(const Tensor& out, const Tensor& x, const Tensor& w, con
 }
 
 void linear_backward(const Tensor& dx, const Tensor& dw, const Tensor& dbias, const Tensor& dy, const Tensor& x,
-                     const Tensor& w, const Stream& stream) {
+                     const Tensor& w, const Stream& stream, GradWrite dw_write) {
   require_f32("linear_backward", {&dx, &dw, &dbias, &dy, &x, &w});
   const int64_t n = w.size(0), k = w.size(1);
   int64_t m = 1;
   for (int d = 0; d + 1 < x.ndim(); ++d) m *= x.size(d);
   // dx[m, k] = dy[m, n] · w[n, k]
   if (!dx.empty()) sgemm(dx.data_as<float>(), dy.data_as<float>(), w.data_as<float>(), m, k, n, false, false, 1.f, 0.f);
-  // dw[n, k] += dy^T[n, m] · x[m, k]
-  if (!dw.empty()) sgemm(dw.data_as<float>(), dy.data_as<float>(), x.data_as<float>(), n, k, m, true, false, 1.f, 1.f);
+  // dw[n, k] += dy^T[n, m] · x[m, k]  (= when overwriting; m = 0 then writes zeros)
+  if (!dw.empty())
+    sgemm(dw.data_as<float>(), dy.data_as<float>(), x.data_as<float>(), n, k, m, true, false, 1.f,
+          dw_write == GradWrite::kOverwrite ? 0.f : 1.f);
   if (!dbias.empty()) column_sum_add(dbias.data_as<float>(), dy.data_as<float>(), m, n);
 }
 
 void gelu_linear_backward(const Tensor& dpre, const Tensor& dpre_bias, const Tensor& dw, const Tensor& dbias,
-                          const Tensor& dy, const Tensor& x, const Tensor& pre, const Tensor& w, const Stream& stream) {
+                          const Tensor& dy, const Tensor& x, const Tensor& pre, const Tensor& w, const Stream& stream,
+                          GradWrite dw_write) {
   require_f32("gelu_linear_backward", {&dpre, &dpre_bias, &pre});
-  cpu::linear_backward(dpre, dw, dbias, dy, x, w, stream);
+  cpu::linear_backward(dpre, dw, dbias, dy, x, w, stream, dw_write);
   cpu::gelu_backward(dpre, dpre, pre, stream);
   if (!dpre_bias.empty()) {
     const int64_t k = w.size(1);

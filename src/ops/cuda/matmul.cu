@@ -166,7 +166,7 @@ void linear_forward_add(const Tensor& out, const Tensor& x, const Tensor& w, con
 }
 
 void linear_backward(const Tensor& dx, const Tensor& dw, const Tensor& dbias, const Tensor& dy, const Tensor& x,
-                     const Tensor& w, const Stream& stream) {
+                     const Tensor& w, const Stream& stream, GradWrite dw_write) {
   const int64_t n = w.size(0), k = w.size(1);
   int64_t m = 1;
   for (int d = 0; d + 1 < x.ndim(); ++d) m *= x.size(d);
@@ -179,12 +179,18 @@ void linear_backward(const Tensor& dx, const Tensor& dw, const Tensor& dbias, co
       gemm(contiguous_gemm(1, m, k, n, false, false, act, act, dy.data(), w.data(), dx.data(), 1.f, 0.f), stream);
     }
   }
-  if (m == 0 || n == 0) return;  // nothing to accumulate
-  // dw[n, k] += dy^T[n, m] · x[m, k]  (fp32 main grad, beta = 1); dbias from the same GEMM's
-  // BGRADB epilogue (bf16/fp16) into the scratch, then added (the epilogue overwrites)
+  const bool overwrite = dw_write == GradWrite::kOverwrite;
+  if (m == 0 || n == 0) {  // nothing to accumulate; an overwritten dw is zero
+    if (overwrite && !dw.empty()) MT_CUDA_CHECK(cudaMemsetAsync(dw.data(), 0, dw.nbytes(), cu(stream)));
+    return;
+  }
+  // dw[n, k] += dy^T[n, m] · x[m, k]  (fp32 main grad, beta = 1; beta = 0 to overwrite); dbias
+  // from the same GEMM's BGRADB epilogue (bf16/fp16) into the scratch, then added (the epilogue
+  // overwrites)
   bool dbias_fused = false;
   if (!dw.empty() && k > 0) {
-    GemmDesc g = contiguous_gemm(1, n, k, m, true, false, act, DType::kF32, dy.data(), x.data(), dw.data(), 1.f, 1.f);
+    GemmDesc g = contiguous_gemm(1, n, k, m, true, false, act, DType::kF32, dy.data(), x.data(), dw.data(), 1.f,
+                                 overwrite ? 0.f : 1.f);
     float* scratch = dbias.empty() || act == DType::kF32 ? nullptr : bias_grad_scratch(stream, n);
     if (scratch) {
       GemmDesc f = g;
@@ -199,7 +205,8 @@ void linear_backward(const Tensor& dx, const Tensor& dw, const Tensor& dbias, co
 }
 
 void gelu_linear_backward(const Tensor& dpre, const Tensor& dpre_bias, const Tensor& dw, const Tensor& dbias,
-                          const Tensor& dy, const Tensor& x, const Tensor& pre, const Tensor& w, const Stream& stream) {
+                          const Tensor& dy, const Tensor& x, const Tensor& pre, const Tensor& w, const Stream& stream,
+                          GradWrite dw_write) {
   const int64_t n = w.size(0), k = w.size(1);
   int64_t m = 1;
   for (int d = 0; d + 1 < x.ndim(); ++d) m *= x.size(d);
@@ -222,7 +229,7 @@ void gelu_linear_backward(const Tensor& dpre, const Tensor& dpre_bias, const Ten
       if (!dpre_bias.empty()) column_sum_add(dpre_bias, dpre.data(), act, m, k, stream, "matmul bias gradient");
     }
   }
-  cuda::linear_backward(Tensor(), dw, dbias, dy, x, w, stream);
+  cuda::linear_backward(Tensor(), dw, dbias, dy, x, w, stream, dw_write);
 }
 
 }  // namespace mt::cuda
