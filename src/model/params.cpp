@@ -93,6 +93,7 @@ ParamStore::ParamStore(std::vector<ParamSpec> specs, DType model_dtype, Device d
   int64_t from = 0;
   for (const ParamInfo& p : infos_) {
     if (!p.grad_overwrite) continue;
+    ++grad_overwrite_params_;
     if (p.offset > from) grad_zero_ranges_.push_back({from, p.offset});
     from = p.offset + p.numel;
   }
@@ -341,13 +342,9 @@ void ParamStore::sync_model_from_main(const Stream& stream) {
 }
 
 void ParamStore::zero_grads(const Stream& stream) {
-  const bool marks = grad_overwrite_ && !(grad_zero_ranges_.size() == 1 && grad_zero_ranges_[0].begin == 0 &&
-                                          grad_zero_ranges_[0].end == total_);
-  first_writes_pending_ = 0;
-  for (size_t i = 0; i < infos_.size(); ++i) {
-    first_write_[i] = marks && infos_[i].grad_overwrite ? 1 : 0;
-    first_writes_pending_ += first_write_[i];
-  }
+  const bool marks = grad_overwrite_ && grad_overwrite_params_ > 0;
+  for (size_t i = 0; i < infos_.size(); ++i) first_write_[i] = marks && infos_[i].grad_overwrite ? 1 : 0;
+  first_writes_pending_ = marks ? grad_overwrite_params_ : 0;
   if (!marks) {
     memset_tensor(grads_flat(), 0, stream);
     return;

@@ -296,9 +296,11 @@ class ParamStore {
   // main_ as stored: fp32 or int16, [total] or [owned].
   Tensor main_storage() const;
   int64_t main_shard_n_ = 0;
-  // Gradient first writes (zero_grads / take_first_grad_write): the flat ranges zero_grads
-  // clears when some parameters are grad_overwrite (all the rest, padding included), the marks.
+  // Gradient first writes (zero_grads / take_first_grad_write): how many parameters are
+  // grad_overwrite, the flat ranges zero_grads clears when some are (all the rest, padding
+  // included), the marks.
   bool grad_overwrite_ = true;
+  size_t grad_overwrite_params_ = 0;
   std::vector<Range> grad_zero_ranges_;
   std::vector<uint8_t> first_write_;
   size_t first_writes_pending_ = 0;

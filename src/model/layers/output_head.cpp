@@ -58,10 +58,11 @@ void LanguageModelHead::plan(BufferPlanner& p, int64_t s, int64_t b, const HeadO
     chunk_rows_ = T;
     H.logits = p.saved(t, {T, vl}, "logits");
   } else {
-    const int64_t fit = static_cast<int64_t>(o.chunk_bytes / (static_cast<size_t>(vl) * dtype_size(t)));
+    const int64_t fit = std::clamp<int64_t>(
+        static_cast<int64_t>(o.chunk_bytes / (static_cast<size_t>(vl) * dtype_size(t))), 1, T);
     // As few chunks as fit in chunk_bytes, of equal rows: no small last chunk (an inefficient
     // GEMM) and no scratch beyond what the rows need.
-    const int64_t chunks = (T + std::clamp<int64_t>(fit, 1, T) - 1) / std::clamp<int64_t>(fit, 1, T);
+    const int64_t chunks = (T + fit - 1) / fit;
     chunk_rows_ = (T + chunks - 1) / chunks;
     chunk_logits_ = p.scratch("head.chunk_logits", t, {chunk_rows_, vl});
   }
