@@ -1,9 +1,48 @@
 #include "data/detokenizer.h"
 
+#include <algorithm>
 #include <cctype>
 
 namespace mt::data {
 namespace {
+
+constexpr std::string_view kReplacement = "\xEF\xBF\xBD";  // U+FFFD in UTF-8
+
+// One unit of a UTF-8 scan from s[i]: a well-formed character, or an ill-formed maximal subpart
+// (truncated: cut short by the end of s, so more bytes could still complete it).
+struct Utf8Unit {
+  size_t length;
+  bool valid;
+  bool truncated;
+};
+
+Utf8Unit utf8_unit(std::string_view s, size_t i) {
+  const auto b = static_cast<unsigned char>(s[i]);
+  if (b < 0x80) return {1, true, false};
+  size_t need = 0;  // continuation bytes after the start (Unicode 15 table 3-7)
+  unsigned char lo = 0x80, hi = 0xBF;
+  if (b >= 0xC2 && b <= 0xDF) {
+    need = 1;
+  } else if (b >= 0xE0 && b <= 0xEF) {
+    need = 2;
+    if (b == 0xE0) lo = 0xA0;  // no overlong forms
+    if (b == 0xED) hi = 0x9F;  // no surrogates
+  } else if (b >= 0xF0 && b <= 0xF4) {
+    need = 3;
+    if (b == 0xF0) lo = 0x90;  // no overlong forms
+    if (b == 0xF4) hi = 0x8F;  // nothing above U+10FFFF
+  } else {
+    return {1, false, false};  // 80..C1, F5..FF never start a character
+  }
+  for (size_t k = 1; k <= need; ++k) {
+    if (i + k >= s.size()) return {k, false, true};
+    const auto c = static_cast<unsigned char>(s[i + k]);
+    if (c < lo || c > hi) return {k, false, false};
+    lo = 0x80;
+    hi = 0xBF;
+  }
+  return {need + 1, true, false};
+}
 
 void replace_all(std::string& s, const std::string& from, const std::string& to) {
   std::string out;
@@ -65,6 +104,82 @@ void slash_quote_digit(std::string& s) {
 }
 
 }  // namespace
+
+std::string utf8_replace_invalid(std::string_view bytes) {
+  std::string out;
+  out.reserve(bytes.size());
+  for (size_t i = 0; i < bytes.size();) {
+    const Utf8Unit u = utf8_unit(bytes, i);
+    if (u.valid) {
+      out.append(bytes.substr(i, u.length));
+    } else {
+      out.append(kReplacement);
+    }
+    i += u.length;
+  }
+  return out;
+}
+
+size_t utf8_first_invalid(std::string_view bytes) {
+  for (size_t i = 0; i < bytes.size();) {
+    const Utf8Unit u = utf8_unit(bytes, i);
+    if (!u.valid) return i;
+    i += u.length;
+  }
+  return std::string::npos;
+}
+
+size_t utf8_incomplete_tail(std::string_view bytes) {
+  // Every scan starts a unit at each byte outside 80..BF, so a scan from 3 bytes before the end
+  // finds the same last unit as a scan from the start.
+  size_t i = bytes.size() > 3 ? bytes.size() - 3 : 0;
+  while (i < bytes.size()) {
+    const Utf8Unit u = utf8_unit(bytes, i);
+    if (u.truncated) return bytes.size() - i;
+    i += u.length;
+  }
+  return 0;
+}
+
+std::string IncrementalDetokenizer::push(int32_t id) {
+  window_.push_back(id);
+  const std::string bytes = tok_->decode(window_);
+  // A decoder that rewrites text it already returned (none of ours does) cannot take it back:
+  // continue after what it returns now.
+  if (bytes.size() < emitted_) emitted_ = bytes.size();
+  const std::string_view tail = std::string_view(bytes).substr(emitted_);
+  size_t keep = tail.size() - utf8_incomplete_tail(tail);
+  while (keep >= kReplacement.size() && tail.substr(keep - kReplacement.size(), kReplacement.size()) == kReplacement)
+    keep -= kReplacement.size();
+  std::string out = utf8_replace_invalid(tail.substr(0, keep));
+  emitted_ += keep;
+  if (emitted_ == bytes.size() && window_.size() > kContextTokens) {  // nothing held: keep a short context
+    window_.erase(window_.begin(), window_.end() - static_cast<std::ptrdiff_t>(kContextTokens));
+    emitted_ = tok_->decode(window_).size();
+  }
+  return out;
+}
+
+std::string IncrementalDetokenizer::finish() {
+  const std::string bytes = tok_->decode(window_);
+  std::string out = utf8_replace_invalid(std::string_view(bytes).substr(std::min(emitted_, bytes.size())));
+  window_.clear();
+  emitted_ = 0;
+  return out;
+}
+
+DetokenizedText detokenize_pieces(const Tokenizer& tok, std::span<const int32_t> ids) {
+  DetokenizedText r;
+  r.text = utf8_replace_invalid(tok.decode(ids));
+  IncrementalDetokenizer inc(tok);
+  for (int32_t id : ids) r.pieces.push_back(inc.push(id));
+  std::string rest = inc.finish();
+  if (!rest.empty()) {
+    if (r.pieces.empty()) r.pieces.emplace_back();
+    r.pieces.back() += rest;
+  }
+  return r;
+}
 
 std::string wikitext_detokenize(std::string s) {
   replace_all(s, "s '", "s'");
