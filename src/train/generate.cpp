@@ -9,6 +9,7 @@
 #include "core/logging.h"
 #include <filesystem>
 
+#include "data/detokenizer.h"
 #include "data/tokenizer.h"
 #include "train/hf_commands.h"
 #include "model/gpt_model.h"
@@ -195,12 +196,15 @@ int run_generate(const GenerateArgs& args) {
     decode_s += r.decode_seconds;
     for (size_t i = 0; i < part.size() && print; ++i) {
       const auto& t = r.tokens[i];
-      // The prompt and its continuation, detokenized together (as Megatron's server returns them).
+      // The prompt and its continuation, detokenized together (as Megatron's server returns them);
+      // valid UTF-8 (a character the sampled tokens leave incomplete becomes U+FFFD).
       std::vector<int32_t> ids(t.begin(), t.end());
       if (static_cast<int64_t>(ids.size()) > r.prompt_lengths[i] && ids.back() == eod) ids.pop_back();
-      std::fprintf(stdout, "----- sample %lld -----\n%s\n", static_cast<long long>(first + static_cast<int64_t>(i)),
-                   texts[static_cast<size_t>(first) + i].empty() ? tok.decode(std::vector<int32_t>(ids.begin() + r.prompt_lengths[i], ids.end())).c_str()
-                                                                 : tok.decode(ids).c_str());
+      const auto from = texts[static_cast<size_t>(first) + i].empty() ? r.prompt_lengths[i] : 0;
+      const std::string text = data::utf8_replace_invalid(tok.decode(std::span<const int32_t>(ids).subspan(static_cast<size_t>(from))));
+      std::fprintf(stdout, "----- sample %lld -----\n", static_cast<long long>(first + static_cast<int64_t>(i)));
+      std::fwrite(text.data(), 1, text.size(), stdout);  // the text may hold NUL characters
+      std::fputc('\n', stdout);
     }
     std::fflush(stdout);
   }

@@ -9,42 +9,20 @@
 #include <deque>
 #include <fstream>
 #include <future>
+#include <limits>
+#include <span>
+#include <type_traits>
 #include <mutex>
 #include <thread>
 
 #include "core/logging.h"
 #include "train/generate.h"
 #include "train/inference.h"
+#include "train/serve_request.h"
 
 namespace mt {
 
 namespace {
-
-/// A client error: HTTP 400 with this message.
-struct BadRequest : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
-
-template <typename T>
-T field(const nlohmann::json& j, const char* key, T fallback) {
-  if (!j.contains(key) || j[key].is_null()) return fallback;
-  try {
-    return j[key].get<T>();
-  } catch (const std::exception&) {
-    throw BadRequest(fmt::format("'{}' has the wrong type: {}", key, j[key].dump()));
-  }
-}
-
-std::vector<std::string> prompt_list(const nlohmann::json& v, const char* key) {
-  std::vector<std::string> out;
-  if (v.is_string()) return {v.get<std::string>()};
-  if (!v.is_array()) throw BadRequest(fmt::format("'{}' must be a string or a list of strings", key));
-  for (const auto& p : v) {
-    if (!p.is_string()) throw BadRequest(fmt::format("'{}' must contain strings only", key));
-    out.push_back(p.get<std::string>());
-  }
-  return out;
-}
 
 // ---------------------------------------------------------------------------------------------
 // Generations run on the main thread of every rank (Megatron's text generation server: rank 0
@@ -209,28 +187,27 @@ class Server {
     std::vector<int64_t> prompt_tokens;
   };
 
-  /// Runs one request's prompts (queued behind other requests).
+  /// Runs one request's prompts (queued behind other requests). Errors: HttpError 400 for a prompt
+  /// the tokenizer refuses or the context cannot hold, 503 when --max-queued-requests requests are
+  /// already generating or waiting.
   Output generate(const std::vector<std::string>& prompts, int64_t new_tokens, const SamplingOptions& s) {
-    if (prompts.empty()) throw BadRequest("prompts is empty");
-    if (static_cast<int64_t>(prompts.size()) > args_.max_prompts)
-      throw BadRequest(fmt::format("{} prompts; the maximum is {}", prompts.size(), args_.max_prompts));
-    if (new_tokens < 0) throw BadRequest(fmt::format("tokens_to_generate must be >= 0, got {}", new_tokens));
     std::vector<std::vector<int32_t>> ids;
     for (const auto& p : prompts) {
       std::vector<int32_t> t;
       try {
         t = tok_->encode(p);
       } catch (const Error& e) {
-        throw BadRequest(fmt::format("the prompt cannot be tokenized: {}", e.what()));
+        throw HttpError(400, fmt::format("the prompt cannot be tokenized: {}", e.what()));
       }
       if (t.empty()) t.push_back(eod_ >= 0 ? eod_ : 0);
       if (static_cast<int64_t>(t.size()) >= max_seq_)
-        throw BadRequest(fmt::format("a prompt of {} tokens does not fit the context of {} tokens (at most {} prompt "
-                                     "tokens)", t.size(), max_seq_, max_seq_ - 1));
+        throw HttpError(400, fmt::format("a prompt of {} tokens does not fit the context of {} tokens (at most {} "
+                                         "prompt tokens)", t.size(), max_seq_, max_seq_ - 1));
       ids.push_back(std::move(t));
     }
+    const Admission admitted(active_, args_.max_queued_requests);
     GenerationOptions o;
-    o.max_new_tokens = new_tokens;
+    o.max_new_tokens = std::min(new_tokens, max_seq_);  // a sequence stops at the context anyway
     o.sampling = s;
     o.eod = eod_;
     Output out;
@@ -239,12 +216,7 @@ class Server {
       const std::vector<std::vector<int32_t>> part(ids.begin() + static_cast<std::ptrdiff_t>(first),
                                                    ids.begin() + static_cast<std::ptrdiff_t>(std::min(ids.size(), first + B)));
       o.sampling.seed = s.seed + first;
-      GenerationResult r;
-      try {
-        r = jobs_.submit(part, o);
-      } catch (const Error& e) {
-        throw BadRequest(e.what());
-      }
+      const GenerationResult r = jobs_.submit(part, o);  // an error in it is the server's: HTTP 500
       for (size_t i = 0; i < part.size(); ++i) {
         out.tokens.push_back(r.tokens[i]);
         out.prompt_tokens.push_back(r.prompt_lengths[i]);
@@ -253,66 +225,37 @@ class Server {
     return out;
   }
 
-  SamplingOptions sampling(double temperature, int64_t top_k, double top_p, uint64_t seed) {
-    if (!(temperature >= 0 && temperature <= 100))
-      throw BadRequest(fmt::format("temperature must be in [0, 100], got {}", temperature));
-    if (top_k < 0 || top_k > 1000) throw BadRequest(fmt::format("top_k must be in [0, 1000], got {}", top_k));
-    if (!(top_p >= 0 && top_p <= 1)) throw BadRequest(fmt::format("top_p must be in [0, 1], got {}", top_p));
-    if (top_k > 0 && top_p > 0) throw BadRequest("cannot set both top_k and top_p");
-    SamplingOptions s;
-    s.greedy = temperature == 0 || top_k == 1;
-    s.temperature = static_cast<float>(temperature == 0 ? 1.0 : temperature);
-    s.top_k = top_k;
-    s.top_p = static_cast<float>(top_p);
-    s.seed = seed;
-    return s;
-  }
-
   HttpReply megatron_api(const nlohmann::json& j) {
-    if (!j.is_object()) throw BadRequest("the request must be a JSON object");
-    if (!j.contains("prompts")) throw BadRequest("prompts argument required");
-    const std::vector<std::string> prompts = prompt_list(j["prompts"], "prompts");
-    if (field<bool>(j, "logprobs", false)) throw BadRequest("logprobs are not supported by this server");
-    const SamplingOptions s = sampling(field<double>(j, "temperature", 1.0), field<int64_t>(j, "top_k", 0),
-                                       field<double>(j, "top_p", 0.0), field<uint64_t>(j, "random_seed", next_seed()));
-    const Output o = generate(prompts, field<int64_t>(j, "tokens_to_generate", 64), s);
-    nlohmann::json text = nlohmann::json::array(), segments = nlohmann::json::array();
-    for (const auto& t : o.tokens) {
-      text.push_back(tok_->decode(t));
-      nlohmann::json seg = nlohmann::json::array();
-      for (int32_t id : t) seg.push_back(tok_->decode(std::vector<int32_t>{id}));
-      segments.push_back(seg);
-    }
-    return {200, {{"text", text}, {"segments", segments}, {"logprobs", nullptr}}};
+    const GenerationRequest r = parse_megatron_api(j, args_.max_prompts, next_seed());
+    if (r.stop_token >= 0 && r.stop_token != eod_)
+      throw HttpError(400, fmt::format("'stop_token' {} is not supported by this server: generation stops at the "
+                                       "tokenizer's end of document {}", r.stop_token, eod_));
+    const Output o = generate(r.prompts, r.tokens_to_generate, r.sampling);
+    return {200, megatron_api_reply(*tok_, o.tokens)};
   }
 
   HttpReply completions(const nlohmann::json& j) {
-    if (!j.is_object()) throw BadRequest("the request must be a JSON object");
-    if (!j.contains("prompt")) throw BadRequest("'prompt' is required");
-    const std::vector<std::string> prompts = prompt_list(j["prompt"], "prompt");
-    const int64_t max_tokens = field<int64_t>(j, "max_tokens", 16);
-    double top_p = field<double>(j, "top_p", 1.0);
-    if (top_p == 1.0) top_p = 0.0;  // OpenAI's 1 = no nucleus cut
-    const SamplingOptions s = sampling(field<double>(j, "temperature", 1.0), field<int64_t>(j, "top_k", 0), top_p,
-                                       field<uint64_t>(j, "seed", next_seed()));
-    const Output o = generate(prompts, max_tokens, s);
+    const GenerationRequest r = parse_completion(j, args_.max_prompts, next_seed());
+    const Output o = generate(r.prompts, r.tokens_to_generate, r.sampling);
     nlohmann::json choices = nlohmann::json::array();
     int64_t prompt_total = 0, new_total = 0;
     for (size_t i = 0; i < o.tokens.size(); ++i) {
-      std::vector<int32_t> gen(o.tokens[i].begin() + o.prompt_tokens[i], o.tokens[i].end());
-      const bool stopped = !gen.empty() && gen.back() == eod_;
-      prompt_total += o.prompt_tokens[i];
-      new_total += static_cast<int64_t>(gen.size());
-      if (stopped) gen.pop_back();
-      choices.push_back({{"text", tok_->decode(gen)}, {"index", i}, {"logprobs", nullptr},
-                         {"finish_reason", stopped ? "stop" : "length"}});
+      std::span<const int32_t> seq(o.tokens[i]);
+      const auto prompt = o.prompt_tokens[i];
+      const bool at_eod = static_cast<int64_t>(seq.size()) > prompt && seq.back() == eod_;
+      if (i % static_cast<size_t>(r.n) == 0) prompt_total += prompt;  // each prompt counts once
+      new_total += static_cast<int64_t>(seq.size()) - prompt;
+      if (at_eod) seq = seq.first(seq.size() - 1);
+      const CompletionText c = completion_text(*tok_, seq, prompt, r.echo, r.stop);
+      choices.push_back({{"text", c.text}, {"index", i}, {"logprobs", nullptr},
+                         {"finish_reason", at_eod || c.stopped_by_string ? "stop" : "length"}});
     }
     const auto now = std::chrono::system_clock::now().time_since_epoch();
     return {200,
             {{"id", fmt::format("cmpl-{}", ++request_id_)},
              {"object", "text_completion"},
              {"created", std::chrono::duration_cast<std::chrono::seconds>(now).count()},
-             {"model", field<std::string>(j, "model", args_.load)},
+             {"model", j.contains("model") && j["model"].is_string() ? j["model"].get<std::string>() : args_.load},
              {"choices", choices},
              {"usage", {{"prompt_tokens", prompt_total}, {"completion_tokens", new_total},
                         {"total_tokens", prompt_total + new_total}}}}};
@@ -321,33 +264,64 @@ class Server {
   uint64_t next_seed() { return 1234 + request_id_.load(); }
 
  private:
+  // A request counted among those generating or waiting (at most `max`; one more is HTTP 503).
+  class Admission {
+   public:
+    Admission(std::atomic<int64_t>& count, int64_t max) : count_(count) {
+      if (count_.fetch_add(1) >= max) {
+        count_.fetch_sub(1);
+        throw HttpError(503, fmt::format("the server is busy: {} requests are generating or waiting "
+                                         "(--max-queued-requests); retry later", max));
+      }
+    }
+    ~Admission() { count_.fetch_sub(1); }
+    Admission(const Admission&) = delete;
+    Admission& operator=(const Admission&) = delete;
+
+   private:
+    std::atomic<int64_t>& count_;
+  };
+
   const ServeArgs& args_;
   data::Tokenizer* tok_;
   JobChannel& jobs_;
   int64_t max_batch_, max_seq_;
   int32_t eod_ = -1;
   std::atomic<uint64_t> request_id_{0};
+  std::atomic<int64_t> active_{0};
 };
 
 void reply(httplib::Response& res, const HttpReply& r) {
   res.status = r.status;
-  res.set_content(r.body.dump(), "application/json");
+  if (r.status == 503) res.set_header("Retry-After", "1");
+  res.set_content(dump_json(r.body), "application/json");
 }
 
-/// Parses the body and runs a handler; every failure becomes a JSON error reply.
+/// Parses the body and runs a handler; every failure becomes a JSON error reply (never an exception
+/// for httplib to turn into a bare 500).
 void handle(const httplib::Request& req, httplib::Response& res, const std::function<HttpReply(const nlohmann::json&)>& fn) {
+  HttpReply r;
   try {
-    nlohmann::json j;
-    try {
-      j = nlohmann::json::parse(req.body);
-    } catch (const std::exception& e) {
-      throw BadRequest(fmt::format("the body is not valid JSON: {}", e.what()));
-    }
-    reply(res, fn(j));
-  } catch (const BadRequest& e) {
-    reply(res, {400, {{"error", e.what()}}});
+    r = fn(parse_request_body(req.body));
+  } catch (const HttpError& e) {
+    r = {e.status, {{"error", e.what()}}};
   } catch (const std::exception& e) {
-    reply(res, {500, {{"error", e.what()}}});
+    r = {500, {{"error", e.what()}}};
+  } catch (...) {
+    r = {500, {{"error", "unknown error"}}};
+  }
+  reply(res, r);
+}
+
+/// httplib's thread pool: `threads` workers, each serving one connection at a time; where httplib
+/// can bound its queue of accepted connections (0.15 and later: ThreadPool(n, max_queued)), at most
+/// `max_queued` wait for a worker and the next ones are closed at once.
+template <typename Pool>
+httplib::TaskQueue* make_pool(size_t threads, size_t max_queued) {
+  if constexpr (std::is_constructible_v<Pool, size_t, size_t>) {
+    return new Pool(threads, max_queued);
+  } else {
+    return new Pool(threads);
   }
 }
 
@@ -368,6 +342,15 @@ void add_serve_options(CLI::App& app, ServeArgs& a) {
       ->capture_default_str();
   app.add_option("--max-prompts", a.max_prompts, "Prompts per request at most")->capture_default_str();
   app.add_option("--max-request-bytes", a.max_request_bytes, "Largest request body accepted")->capture_default_str();
+  app.add_option("--http-threads", a.http_threads, "HTTP worker threads: connections served at once")
+      ->capture_default_str()->check(CLI::Range(2, 65536));
+  app.add_option("--max-queued-requests", a.max_queued_requests,
+                 "Requests generating or waiting at most; more get HTTP 503")
+      ->capture_default_str()->check(CLI::Range(int64_t{1}, std::numeric_limits<int64_t>::max()));
+  app.add_option("--http-timeout", a.http_timeout,
+                 "Seconds a connection may stall reading a request or writing a reply (an idle keep-alive "
+                 "connection is closed after at most 5)")
+      ->capture_default_str()->check(CLI::Range(1, 3600));
   app.add_option("--device", a.device, "cpu, cuda, cuda:N or auto")->capture_default_str();
   app.add_flag("--bf16", a.bf16, "bf16 (CUDA)");
   app.add_flag("--fp16", a.fp16, "fp16 (CUDA)");
@@ -381,6 +364,9 @@ void add_serve_options(CLI::App& app, ServeArgs& a) {
 int run_serve(const ServeArgs& a) {
   MT_REQUIRE(a.micro_batch_size >= 1, "--micro-batch-size must be >= 1, got {}", a.micro_batch_size);
   MT_REQUIRE(a.max_prompts >= 1, "--max-prompts must be >= 1, got {}", a.max_prompts);
+  MT_REQUIRE(a.max_queued_requests < a.http_threads, "--max-queued-requests {} must be smaller than --http-threads {} "
+             "(threads must stay free to answer other requests, with 503 when the queue is full)",
+             a.max_queued_requests, a.http_threads);
   InferenceModelOptions o;
   o.load = a.load;
   o.device = a.device;
@@ -401,18 +387,33 @@ int run_serve(const ServeArgs& a) {
   Server server(a, *tok, jobs, gen.max_batch(), gen.max_sequence_length());
   httplib::Server http;
   http.set_payload_max_length(a.max_request_bytes);
+  // Slow and idle clients: each connection holds a worker thread while it is open (httplib is
+  // thread-per-connection), so a stalled read or write ends after --http-timeout, an idle
+  // keep-alive connection is closed after at most 5 s, and the pool is large enough that the
+  // requests waiting for generation (--max-queued-requests) leave threads for everyone else.
+  http.set_read_timeout(a.http_timeout, 0);
+  http.set_write_timeout(a.http_timeout, 0);
+  http.set_keep_alive_timeout(std::min(a.http_timeout, 5));
+  http.set_keep_alive_max_count(100);
+  // A reply is written in pieces (headers, body): without TCP_NODELAY, Nagle's algorithm holds the
+  // body until the client acknowledges the headers, which a client delays by 40 ms.
+  http.set_tcp_nodelay(true);
+  http.new_task_queue = [&a] {
+    return make_pool<httplib::ThreadPool>(static_cast<size_t>(a.http_threads), static_cast<size_t>(a.http_threads));
+  };
   http.Put("/api", [&](const httplib::Request& q, httplib::Response& r) {
     handle(q, r, [&](const nlohmann::json& j) { return server.megatron_api(j); });
   });
   http.Post("/v1/completions", [&](const httplib::Request& q, httplib::Response& r) {
     handle(q, r, [&](const nlohmann::json& j) { return server.completions(j); });
   });
-  // Bodies over --max-request-bytes: httplib answers 413; make it a 400 with a message.
+  // Bodies over --max-request-bytes: httplib answers 413; make it a 400 with a message. Every
+  // other error httplib answers itself (404, 400 for a malformed request) gets a JSON body too.
   http.set_error_handler([&](const httplib::Request&, httplib::Response& r) {
     if (r.status == 413) {
       reply(r, {400, {{"error", fmt::format("the request is larger than --max-request-bytes {}", a.max_request_bytes)}}});
     } else if (r.body.empty()) {
-      r.set_content(nlohmann::json{{"error", fmt::format("HTTP {}", r.status)}}.dump(), "application/json");
+      reply(r, {r.status, {{"error", fmt::format("HTTP {}", r.status)}}});
     }
   });
   int port = a.port;
