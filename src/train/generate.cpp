@@ -180,7 +180,7 @@ int run_generate(const GenerateArgs& args) {
   const int64_t batch = args.micro_batch_size > 0 ? std::min(args.micro_batch_size, n) : n;
   TextGenerator gen(*im.model, batch, im.config.seq_length, *im.stream);
   GenerationOptions go;
-  go.max_new_tokens = args.out_seq_length;
+  go.max_new_tokens = std::min(args.out_seq_length, im.config.seq_length);  // a sequence stops at the context anyway
   go.sampling = {args.greedy, args.temperature, args.top_k, args.top_p, args.seed};
   go.eod = eod;
   go.use_cache = !args.no_kv_cache;

@@ -1,10 +1,12 @@
 #include "train/serve.h"
 
 #include <httplib.h>
+#include <sys/socket.h>
 
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cerrno>
 #include <cstring>
 #include <deque>
 #include <fstream>
@@ -313,6 +315,17 @@ void handle(const httplib::Request& req, httplib::Response& res, const std::func
   reply(res, r);
 }
 
+/// httplib's server with a listen backlog of its own: httplib listens with CPPHTTPLIB_LISTEN_BACKLOG
+/// (5, compiled into Debian's library), so of a burst of connections more than the accept loop takes
+/// at once get their SYN dropped and wait 1 s or more for its retransmission (144 loopback
+/// connections took 13 s). listen() again on the bound socket sets the backlog (POSIX; the kernel
+/// caps it at net.core.somaxconn).
+class HttpServer : public httplib::Server {
+ public:
+  static constexpr int kListenBacklog = 1024;
+  bool raise_listen_backlog() { return ::listen(svr_sock_, kListenBacklog) == 0; }
+};
+
 /// httplib's thread pool: `threads` workers, each serving one connection at a time; where httplib
 /// can bound its queue of accepted connections (0.15 and later: ThreadPool(n, max_queued)), at most
 /// `max_queued` wait for a worker and the next ones are closed at once.
@@ -385,7 +398,7 @@ int run_serve(const ServeArgs& a) {
     return 0;
   }
   Server server(a, *tok, jobs, gen.max_batch(), gen.max_sequence_length());
-  httplib::Server http;
+  HttpServer http;
   http.set_payload_max_length(a.max_request_bytes);
   // Slow and idle clients: each connection holds a worker thread while it is open (httplib is
   // thread-per-connection), so a stalled read or write ends after --http-timeout, an idle
@@ -423,6 +436,8 @@ int run_serve(const ServeArgs& a) {
   } else {
     MT_REQUIRE(http.bind_to_port(a.host, port), "cannot listen on {}:{} (in use?)", a.host, port);
   }
+  MT_REQUIRE(http.raise_listen_backlog(), "listen() on {}:{} with a backlog of {} failed: {}", a.host, port,
+             HttpServer::kListenBacklog, std::strerror(errno));
   if (!a.port_file.empty()) {
     std::ofstream f(a.port_file + ".tmp");
     f << port << "\n";

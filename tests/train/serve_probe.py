@@ -4,11 +4,12 @@ with a byte-level BPE vocabulary, so sampled tokens split characters all the tim
 hostile clients would. Standard library only. Exits non-zero with a message at the first failure.
 
   serve_probe.py vocab DIR          write a 256-byte GPT-2-format vocabulary (+ <|endoftext|>)
-  serve_probe.py utf8 URL           UTF-8 prompts, invalid bytes, typed fields, n / echo / stop
-  serve_probe.py sweep URL N        N seeded sampling requests: all 200, JSON, valid UTF-8
-  serve_probe.py load URL TIMEOUT   128 idle and 16 half-sent connections beside a real request
-  serve_probe.py busy URL           --max-queued-requests 1: 503 with Retry-After while busy
   serve_probe.py stdout-utf8 FILE   the file is valid UTF-8 (`megatron generate` output)
+  serve_probe.py URL STEP...        run the steps in order against the server at URL:
+    utf8                            UTF-8 prompts, invalid bytes, typed fields, n / echo / stop
+    sweep=N                         N seeded sampling requests: all 200, JSON, valid UTF-8
+    load=TIMEOUT                    144 connections (128 idle, 16 half-sent) beside a real request
+    busy                            --max-queued-requests 1: 503 with Retry-After while busy
 """
 import http.client
 import json
@@ -117,6 +118,10 @@ def check_utf8(url):
     expect_error(c, "PUT", "/api", {"prompts": ["a"], "tokens_to_generate": 3.7}, "'tokens_to_generate'", "got 3.7")
     expect_error(c, "PUT", "/api", b'{"prompts": ["a"], "tokens_to_generate": 9223372036854775808}',
                  "'tokens_to_generate'", "got 9223372036854775808")
+    # The largest value is accepted and generates up to the context (the baseline crashed on it).
+    doc = c.json("PUT", "/api", b'{"prompts": ["a"], "tokens_to_generate": 9223372036854775807, "top_k": 1}')
+    if len(doc["segments"][0]) != 64:
+        fail(f"tokens_to_generate 2^63 - 1 did not fill the context of 64 tokens: {doc}")
     expect_error(c, "PUT", "/api", {"prompts": ["a"], "top_k": 2.5}, "'top_k'", "got 2.5")
     expect_error(c, "PUT", "/api", {"prompts": ["a"], "temperature": "hot"}, "'temperature'", '"hot"')
     expect_error(c, "PUT", "/api", {"prompts": ["a"], "beam_width": 2}, "'beam_width'", "not supported")
@@ -165,12 +170,13 @@ def sweep(url, n):
 
 
 def load(url, timeout):
-    """128 idle connections and 16 half-sent bodies stay open while a real request is made: it must
-    be answered well within the server's read timeout; then the server must have closed the stalled
-    connections itself (idle ones after the keep-alive timeout, half-sent bodies after the read
-    timeout)."""
+    """128 idle connections and 16 half-sent bodies, opened within the read timeout (a burst the
+    listen backlog must hold), stay open while a real request is made: it must be answered within
+    the server's read timeout; then the server must have closed the stalled connections itself
+    (idle ones after the keep-alive timeout, half-sent bodies after the read timeout)."""
     u = urllib.parse.urlparse(url)
     idle, half = [], []
+    t_connect = time.time()
     for _ in range(128):
         idle.append(socket.create_connection((u.hostname, u.port)))
     for _ in range(16):
@@ -178,6 +184,9 @@ def load(url, timeout):
         s.sendall(b"PUT /api HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
                   b'{"prompts": ["stalled')
         half.append(s)
+    connect_s = time.time() - t_connect
+    if connect_s >= timeout:  # a listen backlog of 5: dropped SYNs wait >= 1 s for retransmission
+        fail(f"opening 144 connections took {connect_s:.2f} s")
     time.sleep(0.2)
     opened = time.time()
     c = Client(url, timeout=timeout)
@@ -191,18 +200,21 @@ def load(url, timeout):
     if took >= timeout:
         fail(f"a valid request took {took:.2f} s beside idle connections (read timeout {timeout} s)")
     # The server closes what stalls: every stalled socket sees EOF (or an error reply, then EOF).
-    deadline = opened + timeout + 3.0
+    # A half-sent body: the read times out, then the connection waits out a keep-alive timeout.
+    bound = 2 * timeout + 2.0
+    deadline = opened + bound
     for s in idle + half:
         s.settimeout(max(0.05, deadline - time.time()))
         try:
             while s.recv(4096):
                 pass
         except socket.timeout:
-            fail(f"a stalled connection was still open {timeout + 3.0:.1f} s later (read timeout {timeout} s)")
+            fail(f"a stalled connection was still open {bound:.1f} s later (read timeout {timeout} s)")
         except ConnectionError:
             pass
         s.close()
-    print(f"load: a valid request answered in {took:.3f} s beside 128 idle + 16 half-sent connections; all "
+    print(f"load: 144 connections opened in {connect_s:.2f} s; a valid request answered in {took:.3f} s beside "
+          f"them (128 idle + 16 half-sent); all "
           f"stalled connections closed by the server within {time.time() - opened:.1f} s", flush=True)
 
 
@@ -218,7 +230,7 @@ def busy(url):
 
     th = threading.Thread(target=run_long)
     th.start()
-    time.sleep(0.3)
+    time.sleep(0.2)
     answers = []  # (answered at, status)
     for _ in range(5):
         status, raw, headers = Client(url).request("POST", "/v1/completions", {"prompt": "y", "max_tokens": 2})
@@ -250,18 +262,15 @@ def stdout_utf8(path):
 
 
 if __name__ == "__main__":
-    cmd = sys.argv[1]
-    if cmd == "vocab":
+    if sys.argv[1] == "vocab":
         write_vocab(sys.argv[2])
-    elif cmd == "utf8":
-        check_utf8(sys.argv[2])
-    elif cmd == "sweep":
-        sweep(sys.argv[2], int(sys.argv[3]))
-    elif cmd == "load":
-        load(sys.argv[2], float(sys.argv[3]))
-    elif cmd == "busy":
-        busy(sys.argv[2])
-    elif cmd == "stdout-utf8":
+    elif sys.argv[1] == "stdout-utf8":
         stdout_utf8(sys.argv[2])
-    else:
-        fail(f"unknown command {cmd}")
+    else:  # URL STEP...: the steps in order against one server (one Python start-up)
+        steps = {"utf8": check_utf8, "sweep": lambda u, n: sweep(u, int(n)), "load": lambda u, t: load(u, float(t)),
+                 "busy": busy}
+        for step in sys.argv[2:]:
+            name, *arg = step.split("=")
+            if name not in steps:
+                fail(f"unknown step {step}")
+            steps[name](sys.argv[1], *arg)

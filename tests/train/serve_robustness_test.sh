@@ -7,7 +7,8 @@
 #     prompt -> 400 naming the field; fields of the wrong type or range -> 400 naming the value as
 #     given; n, echo, stop implemented; unsupported options refused;
 #   * a seeded sampling sweep of 300 requests: all 200 with valid UTF-8 JSON;
-#   * `megatron generate` with sampling prints valid UTF-8;
+#   * `megatron generate` with sampling prints valid UTF-8; the largest --out-seq-length and
+#     tokens_to_generate generate up to the context;
 #   * 128 idle and 16 half-sent connections beside a real request: answered within the read
 #     timeout, and the server closes the stalled connections itself;
 #   * --max-queued-requests 1: requests beside a running generation get 503 with Retry-After.
@@ -31,6 +32,10 @@ TOK="--vocab-file vocab.json --merge-file merges.txt"
 "$BIN" generate --load ckpt $TOK --device cpu --out-seq-length 40 --num-samples 8 --temperature 1.5 --seed 5 \
   --prompt "日本語" --prompt "Привет 😀" > generate.out 2> generate.log || { cat generate.log; exit 1; }
 $PROBE stdout-utf8 generate.out
+# The largest --out-seq-length generates up to the context (it overflowed and crashed before).
+"$BIN" generate --load ckpt $TOK --device cpu --out-seq-length 9223372036854775807 --greedy --prompt "ab" \
+  > generate_max.out 2> generate_max.log || { echo "FAIL: --out-seq-length 2^63-1"; cat generate_max.log; exit 1; }
+grep -q "generated 62 tokens" generate_max.log || { echo "FAIL: --out-seq-length 2^63-1"; cat generate_max.log; exit 1; }
 
 PID=
 start_server() {  # start_server LOG FLAGS...
@@ -53,13 +58,11 @@ trap '[ -n "$PID" ] && kill $PID 2>/dev/null || true' EXIT
 
 TIMEOUT=2
 start_server serve.log --micro-batch-size 4 --http-timeout $TIMEOUT
-$PROBE utf8 "$URL" || { cat serve.log; exit 1; }
-$PROBE sweep "$URL" 300 || { cat serve.log; exit 1; }
-$PROBE load "$URL" $TIMEOUT || { cat serve.log; exit 1; }
-$PROBE utf8 "$URL" > /dev/null || { cat serve.log; exit 1; }  # still serving
+# The last step checks the server still serves after the load.
+$PROBE "$URL" utf8 sweep=300 load=$TIMEOUT utf8 || { cat serve.log; exit 1; }
 stop_server serve.log
 
 start_server serve_busy.log --micro-batch-size 1 --max-queued-requests 1 --http-threads 8
-$PROBE busy "$URL" || { cat serve_busy.log; exit 1; }
+$PROBE "$URL" busy || { cat serve_busy.log; exit 1; }
 stop_server serve_busy.log
 echo "serve_robustness_test: OK"
