@@ -11,7 +11,8 @@
 #     tokens_to_generate generate up to the context;
 #   * 128 idle and 16 half-sent connections beside a real request: answered within the read
 #     timeout, and the server closes the stalled connections itself;
-#   * --max-queued-requests 1: requests beside a running generation get 503 with Retry-After.
+#   * --max-queued-requests 1: requests beside a running generation get 503 with Retry-After; bad
+#     values of the server's flags are refused with their names.
 # Usage: serve_robustness_test.sh <megatron binary> <work dir>
 set -euo pipefail
 BIN=$1
@@ -55,6 +56,19 @@ stop_server() {
   PID=
 }
 trap '[ -n "$PID" ] && kill $PID 2>/dev/null || true' EXIT
+
+# Bad server flags: refused before anything is loaded, naming the flag and the value.
+bad_flag() {  # bad_flag EXPECTED FLAGS...
+  local want=$1
+  shift
+  if "$BIN" serve --load ckpt $TOK --device cpu --port 0 "$@" > bad_flag.log 2>&1; then
+    echo "FAIL: serve $* was accepted"; exit 1
+  fi
+  grep -q -- "$want" bad_flag.log || { echo "FAIL: serve $*: no '$want' in:"; cat bad_flag.log; exit 1; }
+}
+bad_flag "--max-queued-requests 300 must be smaller than --http-threads 256" --max-queued-requests 300
+bad_flag "--http-timeout" --http-timeout 0
+bad_flag "--http-threads" --http-threads 1
 
 TIMEOUT=2
 start_server serve.log --micro-batch-size 4 --http-timeout $TIMEOUT
