@@ -23,9 +23,10 @@ std::vector<pipeline::LayerRange> whole_model(const TransformerConfig& c) {
 // layers of every chunk in order, the head (if a chunk has the loss). Holds the config and TP
 // region the modules refer to, so it never moves.
 struct GPTModel::Parts {
-  /// fast_flash: FlashAttention's fast kernels apply (resolves --attention-backend auto).
+  /// attention: --attention-backend resolved (resolve_attention_backend).
   Parts(const TransformerConfig& config, TensorParallelRegion tp_region, ExpertParallel expert_parallel,
-        const std::vector<pipeline::LayerRange>& ranges, bool fast_flash, const ContextParallelRegion* cp = nullptr)
+        const std::vector<pipeline::LayerRange>& ranges, AttentionBackend attention,
+        const ContextParallelRegion* cp = nullptr)
       : cfg(config), tp(std::move(tp_region)), ep(std::move(expert_parallel)) {
     bool has_embedding = false, has_loss = false;
     for (const auto& r : ranges) {
@@ -33,7 +34,7 @@ struct GPTModel::Parts {
       has_loss |= r.has_loss;
     }
     if (has_embedding) embedding = std::make_unique<LanguageModelEmbedding>(cfg, tp, registry);
-    std::vector<LayerSpec> specs = get_gpt_decoder_layer_specs(cfg, fast_flash);
+    std::vector<LayerSpec> specs = get_gpt_decoder_layer_specs(cfg, attention);
     for (LayerSpec& spec : specs) spec.context_parallel = cp;
     for (const auto& r : ranges)
       for (int64_t l = r.begin; l < r.end; ++l)
@@ -130,7 +131,7 @@ std::vector<ParamSpec> GPTModel::param_specs(const TransformerConfig& c, int tp,
                                              const std::vector<pipeline::LayerRange>& chunks, int ep, int ep_rank) {
   const ExpertParallel expert{ep, ep_rank, tp, tp_rank, nullptr, nullptr, nullptr};  // expert TP = TP
   const Parts parts(c, TensorParallelRegion::layout_only(tp, tp_rank), expert, chunks.empty() ? whole_model(c) : chunks,
-                    /*fast_flash=*/false);  // the core attention has no parameters
+                    AttentionBackend::kLocal);  // no core attention has parameters
   return parts.registry.specs();
 }
 
@@ -227,15 +228,15 @@ GPTModel::GPTModel(const TransformerConfig& config, int64_t micro_batch, DType d
     ranges.push_back(r);
   }
   chunk_specs_ = chunks;
-  const bool fast_flash = device.is_cuda() && (dtype == DType::kBF16 || dtype == DType::kF16) &&
-                          (config_.head_dim() == 64 || config_.head_dim() == 128);
+  attention_backend_ = resolve_attention_backend(config_.attention_backend, config_.head_dim(),
+                                                 {device.is_cuda(), dtype, flash_attention_cudnn_available()});
   // Without an expert grid (no etp-ep group): EP 1 and expert TP = TP over the TP group.
   ExpertParallel expert{1, 0, tp_.size(), tp_.rank(), groups_.tp, nullptr, groups_.tp};
   if (groups_.etp_ep) {
     expert = ExpertParallel{groups_.ep->size(), groups_.ep->rank(), groups_.etp->size(), groups_.etp->rank(),
                             groups_.etp_ep, groups_.ep, groups_.etp};
   }
-  parts_ = std::make_unique<Parts>(config_, tp_, expert, ranges, fast_flash, cp_.get());
+  parts_ = std::make_unique<Parts>(config_, tp_, expert, ranges, attention_backend_, cp_.get());
   // The router sums its token counts over TP × CP (Megatron's tp_cp_group), global_aux_loss then
   // over DP (together Megatron's tp_dp_cp_group).
   for (const auto& l : parts_->layers)
@@ -243,9 +244,6 @@ GPTModel::GPTModel(const TransformerConfig& config, int64_t micro_batch, DType d
       m->set_data_parallel(groups_.dp.get());
       if (cp_) m->set_context_parallel(groups_.tp_cp.get(), groups_.cp->size(), groups_.cp->rank());
     }
-  flash_ = get_gpt_layer_local_spec(config_, fast_flash).core_attention == CoreAttentionKind::kFlash;
-  cudnn_attention_ = flash_ && fast_flash && flash_attention_cudnn_available() &&
-                     attention_backend_uses_cudnn(config_.attention_backend);
   if (measure_only) {
     memory_plan_.params = ParamStore::plan(parts_->registry.specs(), param_layout);
   } else {

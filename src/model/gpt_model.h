@@ -129,10 +129,10 @@ class GPTModel final : public LanguageModel {
   /// ([s/cp, b]) and, always, their global position_ids.
   int context_parallel_size() const { return cp_ ? cp_->size() : 1; }
   int64_t local_seq_length() const { return config_.seq_length / context_parallel_size(); }
-  /// The core attention the layers use (--attention-backend resolved): "fused" (cuDNN's fused
-  /// attention where it applies, ops/cuda/cudnn_attention.h, the FlashAttention-2 kernels elsewhere),
-  /// "flash" (the FlashAttention-2 kernels) or "local" (unfused).
-  const char* attention_backend() const { return !flash_ ? "local" : cudnn_attention_ ? "fused" : "flash"; }
+  /// The core attention the layers use (--attention-backend resolved by resolve_attention_backend,
+  /// model/variants.h): "fused" (cuDNN's fused attention where it applies, ops/cuda/cudnn_attention.h,
+  /// the FlashAttention-2 kernels elsewhere), "flash" (the FlashAttention-2 kernels) or "local" (unfused).
+  const char* attention_backend() const { return attention_backend_name(attention_backend_); }
   /// Whole model on this rank (one chunk with embedding and loss), slot 0: forward of one
   /// micro-batch (see forward_chunk).
   void forward(const MicroBatch& mb, const DropoutContext& dc, const Tensor& loss_accum, float loss_weight,
@@ -178,8 +178,7 @@ class GPTModel final : public LanguageModel {
   HeadOptions head_options_;
   Tensor residual_grad_;  // [s_l, b, h]: the running dL/d(residual stream) when no grad is given
   ParamGradHooks* hooks_ = nullptr;
-  bool flash_ = false;
-  bool cudnn_attention_ = false;  ///< the flash core attention asks for cuDNN (fused, or auto with cuDNN)
+  AttentionBackend attention_backend_ = AttentionBackend::kLocal;  ///< resolved: never kAuto
   WgradDeferral deferred_;
   LayerGraphs* layer_graphs_ = nullptr;  // per-layer CUDA graphs (set_layer_graphs), not owned
   size_t word_embedding_index_ = ParamStore::kNoParam;

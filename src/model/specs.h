@@ -15,12 +15,6 @@ namespace mt {
 
 class ContextParallelRegion;
 
-/// The core attention of the self-attention block (Megatron's core_attention submodule).
-enum class CoreAttentionKind : uint8_t {
-  kDotProduct,  ///< DotProductAttention, "local": batched GEMMs + fused masked softmax (saves [b, n, s, s])
-  kFlash,       ///< FlashAttention: ops/flash_attention.h (saves the QKV input and the softmax LSE)
-};
-
 /// What fills the MLP slot.
 enum class MlpKind : uint8_t {
   kDense,  ///< MLP: linear_fc1 -> GELU or SwiGLU -> linear_fc2
@@ -28,7 +22,9 @@ enum class MlpKind : uint8_t {
 };
 
 struct LayerSpec {
-  CoreAttentionKind core_attention = CoreAttentionKind::kDotProduct;
+  /// The core attention (Megatron's core_attention submodule): --attention-backend resolved
+  /// (resolve_attention_backend, never kAuto); its entry of model/variants.h builds it.
+  AttentionBackend core_attention = AttentionBackend::kLocal;
   bool qk_layernorm = false;  ///< q_layernorm / k_layernorm submodules present
   MlpKind mlp = MlpKind::kDense;
   /// Set by the model when --context-parallel-size > 1: the core attention is then
@@ -38,13 +34,14 @@ struct LayerSpec {
 };
 
 /// Megatron's get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm): the local (non-Transformer
-/// Engine) modules, with the core attention of config.attention_backend; kAuto resolves to flash
-/// when `fast_flash` (the model runs on CUDA in bf16/fp16 with head dim 64 or 128), else local.
-LayerSpec get_gpt_layer_local_spec(const TransformerConfig& config, bool fast_flash = false);
+/// Engine) modules, with the core attention `attention`: config.attention_backend as
+/// resolve_attention_backend resolved it for the model's device and dtype. Errors: mt::Error for
+/// kAuto (unresolved).
+LayerSpec get_gpt_layer_local_spec(const TransformerConfig& config, AttentionBackend attention);
 
 /// The spec of each decoder layer 0 .. num_layers-1: the local spec, with the MoE block in the
 /// MLP slot of the layers TransformerConfig::is_moe_layer names (--num-experts, --moe-layer-freq;
 /// Megatron's get_gpt_decoder_block_spec).
-std::vector<LayerSpec> get_gpt_decoder_layer_specs(const TransformerConfig& config, bool fast_flash = false);
+std::vector<LayerSpec> get_gpt_decoder_layer_specs(const TransformerConfig& config, AttentionBackend attention);
 
 }  // namespace mt

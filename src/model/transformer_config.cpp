@@ -11,48 +11,6 @@
 
 namespace mt {
 
-const char* normalization_name(Normalization n) { return n == Normalization::kRMSNorm ? "RMSNorm" : "LayerNorm"; }
-
-const char* position_embedding_type_name(PositionEmbeddingType p) {
-  switch (p) {
-    case PositionEmbeddingType::kLearnedAbsolute: return "learned_absolute";
-    case PositionEmbeddingType::kRope: return "rope";
-    case PositionEmbeddingType::kNone: return "none";
-  }
-  return "?";
-}
-
-const char* attention_backend_name(AttentionBackend a) {
-  switch (a) {
-    case AttentionBackend::kFlash: return "flash";
-    case AttentionBackend::kFused: return "fused";
-    case AttentionBackend::kLocal: return "local";
-    case AttentionBackend::kAuto: break;
-  }
-  return "auto";
-}
-
-AttentionBackend parse_attention_backend(const std::string& s) {
-  if (s == "auto") return AttentionBackend::kAuto;
-  if (s == "flash") return AttentionBackend::kFlash;
-  if (s == "fused") return AttentionBackend::kFused;
-  if (s == "local" || s == "unfused") return AttentionBackend::kLocal;
-  MT_FAIL("--attention-backend '{}' is not supported: expected auto, flash, fused or local (unfused)", s);
-}
-
-Normalization parse_normalization(const std::string& s) {
-  if (s == "LayerNorm") return Normalization::kLayerNorm;
-  if (s == "RMSNorm") return Normalization::kRMSNorm;
-  MT_FAIL("--normalization '{}' is not supported: expected LayerNorm or RMSNorm", s);
-}
-
-PositionEmbeddingType parse_position_embedding_type(const std::string& s) {
-  if (s == "learned_absolute") return PositionEmbeddingType::kLearnedAbsolute;
-  if (s == "rope") return PositionEmbeddingType::kRope;
-  if (s == "none") return PositionEmbeddingType::kNone;
-  MT_FAIL("--position-embedding-type '{}' is not supported: expected learned_absolute, rope or none", s);
-}
-
 MoeScoreFunction parse_moe_score_function(const std::string& s) {
   if (s == "softmax") return MoeScoreFunction::kSoftmax;
   if (s == "sigmoid") return MoeScoreFunction::kSigmoid;
@@ -286,10 +244,7 @@ int64_t TransformerConfig::num_moe_layers() const {
 
 int64_t TransformerConfig::ffn() const {
   if (ffn_hidden_size > 0) return ffn_hidden_size;
-  // Megatron's arguments.py: with --swiglu the two fc1 projections keep the parameter count of a
-  // 4h MLP, rounded down to a multiple of 64.
-  if (gated_linear_unit) return static_cast<int64_t>((4.0 * static_cast<double>(hidden_size) * 2.0 / 3.0) / 64.0) * 64;
-  return 4 * hidden_size;
+  return mlp_activation_kind(activation()).default_ffn(hidden_size);
 }
 
 int64_t TransformerConfig::rotary_dim() const {
@@ -316,7 +271,8 @@ void TransformerConfig::validate(int tp) const {
              "--num-attention-heads {} is not divisible by --num-query-groups {}", num_attention_heads,
              query_groups());
   MT_REQUIRE(seq_length > 0, "--seq-length must be positive, got {}", seq_length);
-  MT_REQUIRE(position_embedding_type != PositionEmbeddingType::kLearnedAbsolute || seq_length <= max_positions(),
+  const PositionEmbeddingKind& positions = position_embedding_kind(position_embedding_type);
+  MT_REQUIRE(!positions.learned_table || seq_length <= max_positions(),
              "--seq-length {} exceeds --max-position-embeddings {}", seq_length, max_positions());
   MT_REQUIRE(vocab_size > 0, "vocabulary size must be positive, got {}", vocab_size);
   MT_REQUIRE(make_vocab_size_divisible_by > 0, "--make-vocab-size-divisible-by must be positive, got {}",
@@ -327,16 +283,20 @@ void TransformerConfig::validate(int tp) const {
   MT_REQUIRE(attention_dropout >= 0 && attention_dropout < 1, "--attention-dropout must be in [0, 1), got {}",
              attention_dropout);
   MT_REQUIRE(init_method_std > 0, "--init-method-std must be positive, got {}", init_method_std);
-  if (position_embedding_type == PositionEmbeddingType::kRope) {
+  if (positions.rotary) {
     MT_REQUIRE(rotary_percent > 0 && rotary_percent <= 1, "--rotary-percent must be in (0, 1], got {}",
                rotary_percent);
     MT_REQUIRE(rotary_dim() >= 2, "--rotary-percent {} of head dim {} leaves fewer than 2 rotary channels",
                rotary_percent, head_dim());
     MT_REQUIRE(rotary_base > 0, "--rotary-base must be positive, got {}", rotary_base);
   }
-  MT_REQUIRE(!qk_layernorm || normalization == Normalization::kRMSNorm,
-             "--qk-layernorm is implemented with --normalization RMSNorm only (got {})",
-             normalization_name(normalization));
+  if (qk_layernorm && !norm_kind(normalization).strided_rows) {  // the q/k heads are strided rows of the QKV tensor
+    std::vector<std::string> ok;
+    for (const NormKind& k : norm_kinds())
+      if (k.strided_rows) ok.push_back(k.names.name);
+    MT_FAIL("--qk-layernorm is implemented with --normalization {} only (got {})", fmt::join(ok, " or "),
+            normalization_name(normalization));
+  }
   MT_REQUIRE(tp >= 1, "tensor parallel size must be >= 1, got {}", tp);
   MT_REQUIRE(num_attention_heads % tp == 0, "--num-attention-heads {} is not divisible by tensor parallel size {}",
              num_attention_heads, tp);
@@ -447,13 +407,13 @@ void TransformerConfig::validate(int tp) const {
 int64_t TransformerConfig::num_parameters(int tp) const {
   const int64_t h = hidden_size, f = ffn(), V = padded_vocab_size(tp), n = num_attention_heads, d = head_dim();
   const int64_t g = query_groups(), qkv_out = (n + 2 * g) * d;
-  const int64_t norm = normalization == Normalization::kLayerNorm ? 2 : 1;  // weight (+ bias)
+  const int64_t norm = norm_kind(normalization).params_per_channel();  // weight (+ bias)
   const int64_t bias = add_bias_linear ? 1 : 0;
   int64_t per_layer = 2 * norm * h;                                    // input and pre-MLP norms
   per_layer += qkv_out * h + (qkv_bias() ? qkv_out : 0);                // linear_qkv
   per_layer += qk_layernorm ? 2 * norm * d : 0;                        // q/k layernorm
   per_layer += h * n * d + bias * h;                                   // linear_proj
-  const int64_t glu = gated_linear_unit ? 2 : 1;
+  const int64_t glu = mlp_activation_kind(activation()).fc1_parts;
   const int64_t dense_mlp = glu * f * (h + bias) + f * h + bias * h;  // linear_fc1, linear_fc2
   const int64_t moe_mlp = num_moe_experts * h                                      // router
                           + num_moe_experts * (glu * moe_ffn() * h + moe_ffn() * h)  // experts (no bias)
@@ -461,7 +421,7 @@ int64_t TransformerConfig::num_parameters(int tp) const {
                           + (moe_shared_expert_gate ? h : 0);  // the shared expert's gate [1, h]
   const int64_t L_moe = num_moe_layers();
   int64_t total = V * h + num_layers * per_layer + (num_layers - L_moe) * dense_mlp + L_moe * moe_mlp + norm * h;
-  if (position_embedding_type == PositionEmbeddingType::kLearnedAbsolute) total += max_positions() * h;
+  if (position_embedding_kind(position_embedding_type).learned_table) total += max_positions() * h;
   if (untie_embeddings_and_output_weights) total += V * h;
   return total;
 }
@@ -472,7 +432,7 @@ double TransformerConfig::flops_per_iteration(int64_t global_batch) const {
   const double f = static_cast<double>(ffn()), V = static_cast<double>(padded_vocab_size());
   const double n = static_cast<double>(num_attention_heads), g = static_cast<double>(query_groups());
   const double qproj = n * static_cast<double>(head_dim()) / h;
-  const double glu = gated_linear_unit ? 1.5 : 1.0;
+  const double glu = mlp_activation_kind(activation()).flops_factor;
   const double L_moe = static_cast<double>(num_moe_layers());
   const double F = f * (L - L_moe) + (static_cast<double>(moe_ffn()) * static_cast<double>(moe_router_topk) +
                                       static_cast<double>(moe_shared_expert_intermediate_size)) *
@@ -484,7 +444,10 @@ std::string TransformerConfig::summary() const {
   std::string s = fmt::format("{} layers, hidden {}, heads {}", num_layers, hidden_size, num_attention_heads);
   if (query_groups() != num_attention_heads) s += fmt::format(" ({} query groups)", query_groups());
   if (head_dim() * num_attention_heads != hidden_size) s += fmt::format(", kv channels {}", head_dim());
-  s += fmt::format(", ffn {}{}, {}, {} positions", ffn(), gated_linear_unit ? " (SwiGLU)" : "",
+  // The GPT-2 defaults are not named (GELU), the other activations are: "ffn 704 (SwiGLU)".
+  const MlpActivation act = activation();
+  s += fmt::format(", ffn {}{}, {}, {} positions", ffn(),
+                   act == MlpActivation::kGelu ? std::string() : fmt::format(" ({})", mlp_activation_name(act)),
                    normalization_name(normalization), position_embedding_type_name(position_embedding_type));
   if (!add_bias_linear) s += add_qkv_bias ? ", QKV bias only" : ", no bias";
   if (qk_layernorm) s += ", QK-norm";

@@ -4,32 +4,17 @@
 // absolute positions, biases, GELU MLP, tied embeddings) and the Llama / Qwen / Mistral family
 // (RMSNorm, RoPE, SwiGLU, grouped-query attention, no biases, untied output layer, QK-norm).
 // Validated once (validate), with messages that print every offending value. docs/architecture.md
-// describes how the layer specs (model/specs.h) turn it into modules.
+// describes how the layer specs (model/specs.h) turn it into modules; the kinds of norm,
+// activation, position embedding and core attention are entries of model/variants.h.
 #pragma once
 #include <cstdint>
 #include <string>
 #include <vector>
 
 #include "core/dtype.h"
+#include "model/variants.h"
 
 namespace mt {
-
-/// --normalization
-enum class Normalization : uint8_t { kLayerNorm, kRMSNorm };
-/// --position-embedding-type
-enum class PositionEmbeddingType : uint8_t { kLearnedAbsolute, kRope, kNone };
-/// --attention-backend (Megatron's AttnBackend): kFlash = FlashAttention-2 kernels (ops/flash_attention.h;
-/// Megatron's flash), kFused = cuDNN's fused attention (ops/cuda/cudnn_attention.h; Megatron's fused,
-/// Transformer Engine's FusedAttention) inside the same flash core attention, falling back to the
-/// FlashAttention-2 kernels where cuDNN does not apply (document masks, attention dropout,
-/// deterministic mode, builds without cuDNN, the CPU), kLocal = the unfused DotProductAttention
-/// (Megatron's local/unfused), kAuto = fused where the flash kernels' fast path applies (CUDA,
-/// bf16/fp16, head dim 64 or 128), else local.
-enum class AttentionBackend : uint8_t { kAuto, kFlash, kFused, kLocal };
-/// Whether the flash core attention asks for cuDNN's fused attention (fused, and auto).
-inline bool attention_backend_uses_cudnn(AttentionBackend a) {
-  return a == AttentionBackend::kFused || a == AttentionBackend::kAuto;
-}
 
 /// --moe-router-score-function
 enum class MoeScoreFunction : uint8_t { kSoftmax, kSigmoid };
@@ -76,15 +61,6 @@ struct RecomputeModules {
   bool moe_act = false;
 };
 
-const char* normalization_name(Normalization n);
-const char* position_embedding_type_name(PositionEmbeddingType p);
-const char* attention_backend_name(AttentionBackend a);
-/// "auto", "flash" (or Megatron's "fused"), "local" (or "unfused").
-AttentionBackend parse_attention_backend(const std::string& s);
-/// Parses Megatron's spellings ("LayerNorm", "RMSNorm"; "learned_absolute", "rope", "none").
-/// Errors: mt::Error naming the value and the accepted ones.
-Normalization parse_normalization(const std::string& s);
-PositionEmbeddingType parse_position_embedding_type(const std::string& s);
 /// "softmax" / "sigmoid"; "aux_loss" / "seq_aux_loss" / "global_aux_loss" / "none"; "allgather" /
 /// "alltoall". Errors: mt::Error naming the value and the accepted ones (sinkhorn is named as not
 /// implemented).
@@ -132,6 +108,7 @@ struct TransformerConfig {
   Normalization normalization = Normalization::kLayerNorm;  ///< --normalization
   float norm_epsilon = 1e-5f;           ///< --norm-epsilon (alias --layernorm-epsilon)
   /// --swiglu: gated linear unit with SiLU (Shazeer 2020): fc1 produces 2f (gate, up), f goes on.
+  /// Megatron's field; activation() is the kind it selects.
   bool gated_linear_unit = false;
   PositionEmbeddingType position_embedding_type = PositionEmbeddingType::kLearnedAbsolute;
   float rotary_base = 10000.f;          ///< --rotary-base
@@ -235,6 +212,8 @@ struct TransformerConfig {
   int64_t moe_received_token_capacity = 0;
 
   // --- derived (Megatron's defaulting) ---
+  /// The MLP activation (model/variants.h): kSwiGLU with --swiglu, else kGelu.
+  MlpActivation activation() const { return mlp_activation_of(gated_linear_unit); }
   int64_t ffn() const;
   int64_t head_dim() const { return kv_channels > 0 ? kv_channels : hidden_size / num_attention_heads; }
   int64_t query_groups() const { return num_query_groups > 0 ? num_query_groups : num_attention_heads; }

@@ -61,15 +61,15 @@ void add_pretrain_options(CLI::App& app, PretrainArgs& a) {
       ->capture_default_str();
   app.add_option_function<std::string>(
          "--normalization", [&m](const std::string& v) { m.normalization = parse_normalization(v); },
-         "LayerNorm or RMSNorm")
-      ->default_str("LayerNorm");
+         normalization_help())
+      ->default_str(normalization_name(m.normalization));
   app.add_flag("--swiglu", m.gated_linear_unit,
                "Gated SiLU MLP (SwiGLU); --ffn-hidden-size defaults to int(8h/3 / 64) * 64");
   app.add_option_function<std::string>(
          "--position-embedding-type",
          [&m](const std::string& v) { m.position_embedding_type = parse_position_embedding_type(v); },
-         "learned_absolute, rope or none")
-      ->default_str("learned_absolute");
+         position_embedding_type_help())
+      ->default_str(position_embedding_type_name(m.position_embedding_type));
   app.add_option("--rotary-base", m.rotary_base, "RoPE base (theta)")->capture_default_str();
   app.add_option("--rotary-percent", m.rotary_percent, "Fraction of each head's channels RoPE rotates")
       ->capture_default_str();
@@ -85,8 +85,8 @@ void add_pretrain_options(CLI::App& app, PretrainArgs& a) {
   app.add_flag("--qk-layernorm", m.qk_layernorm, "Normalise each query and key head (Qwen 3)");
   app.add_option_function<std::string>(
          "--attention-backend", [&m](const std::string& v) { m.attention_backend = parse_attention_backend(v); },
-         "auto (flash on CUDA bf16/fp16 with head dim 64 or 128, else local), flash (fused) or local (unfused)")
-      ->default_str("auto");
+         attention_backend_help())
+      ->default_str(attention_backend_name(m.attention_backend));
   app.add_flag("--deterministic-mode", m.deterministic_mode,
                "Choose code that has deterministic execution (usually slower; good for debugging and testing): "
                "bitwise repeatable losses and gradients on CUDA, also under CUDA graphs");

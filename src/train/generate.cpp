@@ -255,7 +255,7 @@ int run_logits(const LogitsArgs& a) {
   for (int32_t id : ids)
     MT_REQUIRE(id >= 0 && id < cfg.vocab_size, "--token-ids: {} is outside the vocabulary of {} tokens", id,
                cfg.vocab_size);
-  MT_REQUIRE(cfg.position_embedding_type != PositionEmbeddingType::kLearnedAbsolute || T <= cfg.max_positions(),
+  MT_REQUIRE(!position_embedding_kind(cfg.position_embedding_type).learned_table || T <= cfg.max_positions(),
              "{} tokens exceed the {} learned positions", T, cfg.max_positions());
   cfg.seq_length = T;
   Stream stream(device);

@@ -99,7 +99,7 @@ TextGenerator::TextGenerator(GPTModel& model, int64_t max_batch, int64_t max_seq
       cache_(model.config(), model.groups().tp->size(), single_chunk(model), max_batch, max_sequence_length,
              model.dtype(), model.device()) {
   const TransformerConfig& c = model.config();
-  MT_REQUIRE(c.position_embedding_type != PositionEmbeddingType::kLearnedAbsolute || max_seq_ <= c.max_positions(),
+  MT_REQUIRE(!position_embedding_kind(c.position_embedding_type).learned_table || max_seq_ <= c.max_positions(),
              "generation context of {} tokens exceeds the model's {} learned positions", max_seq_, c.max_positions());
   const Device dev = model.device();
   tokens_dev_ = Buffer(dev, static_cast<size_t>(max_seq_ * max_batch_) * 4);

@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "data/indexed_dataset.h"
+#include "model/variants.h"
 #include "testing/testing.h"
 
 namespace fs = std::filesystem;
@@ -210,6 +211,28 @@ TEST_F(CliTest, DocumentMasksAndMockData) {
   for (const char* t : {"(min, max) time across ranks (ms):", "forward-backward ....", "all-grads-sync ....",
                         "optimizer-inner-step ....", "optimizer ...."})
     EXPECT_NE(m.out.find(t), std::string::npos) << t << " missing in\n" << m.out;
+}
+
+// The flags of the variation points (model/variants.h): --help describes each from its table, and
+// a value outside it exits non-zero naming the value and every accepted one.
+TEST(Cli, VariantFlagsHelpAndErrors) {
+  const RunResult help = run_megatron("pretrain --help");
+  EXPECT_EQ(help.rc, 0) << help.out;
+  for (const std::string& text : {mt::normalization_help(), mt::position_embedding_type_help(),
+                                  mt::attention_backend_help()})
+    EXPECT_NE(help.out.find(text), std::string::npos) << "'" << text << "' missing in\n" << help.out;
+  const std::vector<std::pair<std::string, std::string>> cases{
+      {"--normalization BatchNorm", "--normalization 'BatchNorm' is not supported: expected LayerNorm or RMSNorm"},
+      {"--position-embedding-type alibi",
+       "--position-embedding-type 'alibi' is not supported: expected learned_absolute, rope or none"},
+      {"--attention-backend flex",
+       "--attention-backend 'flex' is not supported: expected auto, flash, fused or local (unfused)"},
+  };
+  for (const auto& [args, expect] : cases) {
+    const RunResult r = run_megatron("pretrain " + args);
+    EXPECT_NE(r.rc, 0) << args << "\n" << r.out;
+    EXPECT_NE(r.out.find(expect), std::string::npos) << "expected '" << expect << "' in:\n" << r.out;
+  }
 }
 
 TEST_F(CliTest, BadInputErrors) {

@@ -41,6 +41,26 @@ bool is_moe(HfArchitecture a) {
 
 namespace {
 
+/// The kinds of model/variants.h a Hugging Face family fixes: set on import, required on export.
+struct FamilyKinds {
+  Normalization normalization;
+  PositionEmbeddingType positions;
+  MlpActivation activation;
+};
+
+FamilyKinds family_kinds(HfArchitecture a) {
+  if (a == HfArchitecture::kGpt2)
+    return {Normalization::kLayerNorm, PositionEmbeddingType::kLearnedAbsolute, MlpActivation::kGelu};
+  return {Normalization::kRMSNorm, PositionEmbeddingType::kRope, MlpActivation::kSwiGLU};  // Llama, Qwen, Mixtral
+}
+
+void set_family_kinds(HfArchitecture a, TransformerConfig& c) {
+  const FamilyKinds k = family_kinds(a);
+  c.normalization = k.normalization;
+  c.position_embedding_type = k.positions;
+  c.gated_linear_unit = k.activation == MlpActivation::kSwiGLU;  // Megatron's --swiglu
+}
+
 // --- config.json fields ---------------------------------------------------------------------
 
 struct Fields {
@@ -84,8 +104,7 @@ void gpt2_config(const Fields& f, TransformerConfig& c) {
   c.max_position_embeddings = f.get<int64_t>("n_positions");
   c.ffn_hidden_size = f.get_or<int64_t>("n_inner", 4 * c.hidden_size);
   c.norm_epsilon = f.get_or<float>("layer_norm_epsilon", 1e-5f);
-  c.normalization = Normalization::kLayerNorm;
-  c.position_embedding_type = PositionEmbeddingType::kLearnedAbsolute;
+  set_family_kinds(HfArchitecture::kGpt2, c);
   const std::string act = f.get_or<std::string>("activation_function", "gelu_new");
   MT_REQUIRE(act == "gelu_new" || act == "gelu_pytorch_tanh", "{}: activation_function '{}' is not supported "
              "(megatron.cpp's GELU is the tanh approximation: gelu_new or gelu_pytorch_tanh)", f.file, act);
@@ -160,12 +179,10 @@ void llama_like_config(const Fields& f, HfArchitecture arch, TransformerConfig& 
   c.ffn_hidden_size = f.get<int64_t>("intermediate_size");
   c.max_position_embeddings = f.get<int64_t>("max_position_embeddings");
   c.norm_epsilon = f.get_or<float>("rms_norm_eps", 1e-6f);
-  c.normalization = Normalization::kRMSNorm;
-  c.position_embedding_type = PositionEmbeddingType::kRope;
+  set_family_kinds(arch, c);
   c.rotary_base = rope_theta(f);
   c.rotary_percent = f.get_or<float>("partial_rotary_factor", 1.0f);
   c.rotary_interleaved = false;
-  c.gated_linear_unit = true;
   const std::string act = f.get_or<std::string>("hidden_act", "silu");
   MT_REQUIRE(act == "silu", "{}: hidden_act '{}' is not supported (SwiGLU needs silu)", f.file, act);
   c.add_bias_linear = false;
@@ -228,13 +245,21 @@ HfModel read_hf_config(const std::string& dir, int64_t seq_length, int64_t make_
 
 void check_representable(HfArchitecture arch, const TransformerConfig& c) {
   const char* name = architecture_name(arch);
-  auto need = [&](bool ok, const char* what) { MT_REQUIRE(ok, "the model cannot be exported as {}: {}", name, what); };
+  auto need = [&](bool ok, const std::string& what) {
+    MT_REQUIRE(ok, "the model cannot be exported as {}: {}", name, what);
+  };
   if (!is_moe(arch)) need(c.num_moe_experts == 0, "it has mixture-of-experts layers (MixtralForCausalLM, "
                                                   "Qwen3MoeForCausalLM or Qwen2MoeForCausalLM can hold them)");
+  const FamilyKinds k = family_kinds(arch);
+  need(c.normalization == k.normalization, fmt::format("{} is required (--normalization, got {})",
+                                                       normalization_name(k.normalization),
+                                                       normalization_name(c.normalization)));
+  need(c.position_embedding_type == k.positions,
+       fmt::format("{} positions are required (--position-embedding-type, got {})",
+                   position_embedding_type_name(k.positions), position_embedding_type_name(c.position_embedding_type)));
+  need(c.activation() == k.activation, fmt::format("a {} MLP is required (got {})", mlp_activation_name(k.activation),
+                                                   mlp_activation_name(c.activation())));
   if (arch == HfArchitecture::kGpt2) {
-    need(c.normalization == Normalization::kLayerNorm, "GPT-2 uses LayerNorm");
-    need(c.position_embedding_type == PositionEmbeddingType::kLearnedAbsolute, "GPT-2 uses learned positions");
-    need(!c.gated_linear_unit, "GPT-2 uses a GELU MLP, not SwiGLU");
     need(c.add_bias_linear, "GPT-2 has biases");
     need(c.query_groups() == c.num_attention_heads, "GPT-2 has no grouped-query attention");
     need(c.head_dim() * c.num_attention_heads == c.hidden_size, "GPT-2 has head dim = hidden / heads");
@@ -242,10 +267,7 @@ void check_representable(HfArchitecture arch, const TransformerConfig& c) {
     need(c.tied_output(), "GPT-2 ties the output layer to the embedding");
     return;
   }
-  need(c.normalization == Normalization::kRMSNorm, "RMSNorm is required");
-  need(c.position_embedding_type == PositionEmbeddingType::kRope, "RoPE is required");
   need(!c.rotary_interleaved, "transformers' RoPE rotates halves (no --rotary-interleaved)");
-  need(c.gated_linear_unit, "a SwiGLU MLP is required");
   need(!c.add_bias_linear, "no biases on the projections");
   need(c.add_qkv_bias == (arch == HfArchitecture::kQwen2 || arch == HfArchitecture::kQwen2Moe),
        "a QKV bias exactly for Qwen2ForCausalLM and Qwen2MoeForCausalLM");
@@ -274,7 +296,7 @@ HfArchitecture infer_architecture(const TransformerConfig& c) {
     return c.moe_shared_expert_intermediate_size > 0 || c.add_qkv_bias ? HfArchitecture::kQwen2Moe
                                                                       : HfArchitecture::kMixtral;
   }
-  if (c.position_embedding_type == PositionEmbeddingType::kLearnedAbsolute) return HfArchitecture::kGpt2;
+  if (c.position_embedding_type == family_kinds(HfArchitecture::kGpt2).positions) return HfArchitecture::kGpt2;
   if (c.qk_layernorm) return HfArchitecture::kQwen3;
   if (c.add_qkv_bias && !c.add_bias_linear) return HfArchitecture::kQwen2;
   return HfArchitecture::kLlama;

@@ -81,9 +81,10 @@ void DotProductAttention::backward(const Tensor& dqkv, const Tensor& dcontext, c
 // FlashAttention
 // ---------------------------------------------------------------------------------------------
 
-FlashAttention::FlashAttention(const TransformerConfig& c, int64_t layer, const TensorParallelRegion& tp)
+FlashAttention::FlashAttention(const TransformerConfig& c, int64_t layer, const TensorParallelRegion& tp, bool cudnn)
     : config_(c),
       layer_(layer),
+      cudnn_(cudnn),
       heads_(c.num_attention_heads / tp.size()),
       groups_(c.query_groups() / tp.size()),
       head_offset_(tp.rank() * (c.num_attention_heads / tp.size())) {}
@@ -102,7 +103,7 @@ FlashAttentionConfig FlashAttention::flash_config(const StepContext& ctx, int64_
   c.total_heads = config_.num_attention_heads;
   c.doc_start = ctx.batch.doc_start;
   c.deterministic = config_.deterministic_mode;
-  c.cudnn = attention_backend_uses_cudnn(config_.attention_backend);
+  c.cudnn = cudnn_;
   return c;
 }
 
@@ -164,11 +165,10 @@ std::unique_ptr<CoreAttention> make_core_attention(const TransformerConfig& c, c
                                                    const TensorParallelRegion& tp) {
   if (spec.context_parallel != nullptr)
     return std::make_unique<ContextParallelAttention>(c, layer, tp, *spec.context_parallel);
-  switch (spec.core_attention) {
-    case CoreAttentionKind::kDotProduct: return std::make_unique<DotProductAttention>(c, layer, tp);
-    case CoreAttentionKind::kFlash: return std::make_unique<FlashAttention>(c, layer, tp);
-  }
-  MT_FAIL("unknown core attention kind {}", static_cast<int>(spec.core_attention));
+  const AttentionBackendKind& kind = attention_backend_kind(spec.core_attention);
+  MT_REQUIRE(kind.make != nullptr, "--attention-backend {} builds no core attention: resolve it first",
+             kind.names.name);
+  return kind.make(c, layer, tp);
 }
 }  // namespace
 
@@ -180,7 +180,7 @@ SelfAttention::SelfAttention(const TransformerConfig& c, const LayerSpec& spec, 
       queries_per_group_(c.num_attention_heads / c.query_groups()),
       local_groups_(c.query_groups() / tp.size()),
       head_dim_(c.head_dim()),
-      rope_(c.position_embedding_type == PositionEmbeddingType::kRope),
+      rope_(position_embedding_kind(c.position_embedding_type).rotary),
       linear_qkv_(qkv_options(c, layer), tp, reg),
       core_attention_(make_core_attention(c, spec, layer, tp)),
       linear_proj_(proj_options(c, layer), tp, reg) {

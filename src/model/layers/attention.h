@@ -19,7 +19,8 @@ namespace mt {
 
 /// The core attention submodule: context = softmax(scale · q kᵀ + causal/document mask) v with
 /// attention dropout, from the fused QKV tensor. Implementations: DotProductAttention,
-/// FlashAttention.
+/// FlashAttention, ContextParallelAttention; --attention-backend picks one through its entry of
+/// model/variants.h.
 class CoreAttention {
  public:
   virtual ~CoreAttention() = default;
@@ -61,10 +62,11 @@ class DotProductAttention final : public CoreAttention {
 
 /// FlashAttention-2 (ops/flash_attention.h; Megatron's flash / fused backends): the [s, s]
 /// probabilities never reach memory. Saves the softmax log-sum-exp [b, n_l, s] (fp32); its backward
-/// reads the forward's qkv and context, which the caller keeps.
+/// reads the forward's qkv and context, which the caller keeps. With `cudnn` (--attention-backend
+/// fused) the op runs cuDNN's fused attention where it applies (FlashAttentionConfig::cudnn).
 class FlashAttention final : public CoreAttention {
  public:
-  FlashAttention(const TransformerConfig& config, int64_t layer, const TensorParallelRegion& tp);
+  FlashAttention(const TransformerConfig& config, int64_t layer, const TensorParallelRegion& tp, bool cudnn);
   void plan(BufferPlanner& planner, int64_t s, int64_t b) override;
   bool reads_inputs_in_backward() const override { return true; }
   void forward(const Tensor& context, const Tensor& qkv, const StepContext& ctx) override;
@@ -75,6 +77,7 @@ class FlashAttention final : public CoreAttention {
   FlashAttentionConfig flash_config(const StepContext& ctx, int64_t s, int64_t b) const;
   const TransformerConfig& config_;
   int64_t layer_;
+  bool cudnn_;
   int64_t heads_, groups_, head_offset_;
   std::vector<Tensor> lse_;  // per area: fp32 [b, n_l, s]
   Tensor workspace_;         // scratch for the backward

@@ -16,7 +16,7 @@ LanguageModelEmbedding::LanguageModelEmbedding(const TransformerConfig& c, const
                                           c.hidden_size, c.init_method_std, tp.size(), tp.rank());
   word.vocab_rows = c.vocab_size;
   reg.declare(std::move(word), &word_);
-  if (c.position_embedding_type == PositionEmbeddingType::kLearnedAbsolute)
+  if (position_embedding_kind(c.position_embedding_type).learned_table)
     reg.declare(replicated_param("embedding.position_embeddings.weight", {c.max_positions(), c.hidden_size},
                                  InitKind::kNormal, c.init_method_std, TpGradSum::kNone),
                 &position_);

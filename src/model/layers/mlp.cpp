@@ -2,9 +2,6 @@
 
 #include <cmath>
 
-#include "ops/gelu.h"
-#include "ops/swiglu.h"
-
 namespace mt {
 
 namespace {
@@ -16,7 +13,7 @@ ColumnParallelLinear::Options fc1_options(const TransformerConfig& c, const std:
   o.prefix = prefix + ".linear_fc1";
   o.in = c.hidden_size;
   o.out = ffn;
-  o.parts = c.gated_linear_unit ? 2 : 1;
+  o.parts = mlp_activation_kind(c.activation()).fc1_parts;
   o.bias = c.add_bias_linear;
   o.init_std = c.init_method_std;
   o.recompute_input = r.input;
@@ -42,11 +39,7 @@ MLP::Recompute dense_recompute(const TransformerConfig& c) {
 }  // namespace
 
 void mlp_activation(const Tensor& act, const Tensor& pre, bool gated, const Stream& stream) {
-  if (gated) {
-    swiglu_forward(act, pre, stream);
-  } else {
-    gelu_forward(act, pre, stream);
-  }
+  mlp_activation_kind(mlp_activation_of(gated)).forward(act, pre, stream);
 }
 
 MLP::MLP(const TransformerConfig& c, int64_t layer, const TensorParallelRegion& tp, ParamRegistry& reg)
@@ -54,7 +47,7 @@ MLP::MLP(const TransformerConfig& c, int64_t layer, const TensorParallelRegion& 
 
 MLP::MLP(const TransformerConfig& c, const std::string& prefix, int64_t ffn, const TensorParallelRegion& tp,
          ParamRegistry& reg, Recompute recompute)
-    : gated_(c.gated_linear_unit),
+    : act_(mlp_activation_kind(c.activation())),
       recompute_(recompute),
       local_ffn_(ffn / tp.size()),
       linear_fc1_(fc1_options(c, prefix, ffn, recompute), tp, reg),
@@ -65,20 +58,20 @@ void MLP::plan(BufferPlanner& p, int64_t s, int64_t b) {
   linear_fc1_.plan(p, s, b);
   const size_t a = static_cast<size_t>(p.area());
   if (pre_.size() <= a) pre_.resize(a + 1);
-  const std::vector<int64_t> pre_shape{s, b, (gated_ ? 2 : 1) * local_ffn_};
+  const std::vector<int64_t> pre_shape{s, b, act_.fc1_parts * local_ffn_};
   pre_[a] = recompute_.mlp ? p.scratch("mlp.pre", t, pre_shape) : p.saved(t, pre_shape, "fc1 output before the activation");
   linear_fc2_.plan(p, s, b);
-  d_pre_ = gated_ ? p.scratch("mlp.d_pre", t, {s, b, 2 * local_ffn_}) : Tensor();
+  d_pre_ = act_.gelu_epilogue ? Tensor() : p.scratch("mlp.d_pre", t, pre_shape);
 }
 
 void MLP::forward_fc1(const StepContext& ctx, bool gather) {
   const Tensor& pre = pre_.at(static_cast<size_t>(ctx.slot));
   const Tensor act = linear_fc2_.input(ctx.slot);
-  if (gated_) {
-    linear_fc1_.forward(pre, ctx, Tensor(), gather);
-    mlp_activation(act, pre, true, ctx.stream);
-  } else {
+  if (act_.gelu_epilogue) {
     linear_fc1_.forward(act, ctx, /*pre_gelu=*/pre, gather);  // GELU in the GEMM epilogue
+  } else {
+    linear_fc1_.forward(pre, ctx, Tensor(), gather);
+    act_.forward(act, pre, ctx.stream);
   }
 }
 
@@ -95,17 +88,17 @@ Tensor MLP::backward(const Tensor& dy, const StepContext& ctx, WgradDeferral* de
   // only the first layer's, past the embedding backward), and the scratch keys are this role's.
   if (recompute_.mlp) {
     forward_fc1(ctx, /*gather=*/false);  // the gathered input is saved, or restored by the layer
-  } else if (recompute_.act) {  // GELU from the rounded fc1 output (the forward's epilogue used fp32)
-    mlp_activation(linear_fc2_.input(ctx.slot), pre, gated_, ctx.stream);
+  } else if (recompute_.act) {  // from the kept fc1 output (GELU: rounded; the forward's epilogue used fp32)
+    act_.forward(linear_fc2_.input(ctx.slot), pre, ctx.stream);
   }
-  if (!gated_) {
+  if (act_.gelu_epilogue) {
     // fc2's dgrad applies the GELU backward and takes fc1's bias gradient (one fused GEMM on CUDA)
     const RowParallelLinear::GeluInput gelu{pre, grad_or_empty(linear_fc1_.bias())};
     const Tensor d_pre = linear_fc2_.backward(dy, ctx, nullptr, &gelu);
     return linear_fc1_.backward(d_pre, ctx, defer, /*bias_grad_done=*/true);
   }
   const Tensor d_act = linear_fc2_.backward(dy, ctx);
-  swiglu_backward(d_pre_, d_act, pre, ctx.stream);
+  act_.backward(d_pre_, d_act, pre, ctx.stream);
   return linear_fc1_.backward(d_pre_, ctx, defer);
 }
 

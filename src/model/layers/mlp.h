@@ -1,6 +1,7 @@
 // MLP block (Megatron-Core transformer/mlp.py MLP; Shoeybi et al. 2019 §3): linear_fc1
 // (ColumnParallelLinear, f/tp columns per rank; 2·f/tp for the gated SwiGLU variant, gate then up)
-// -> activation (GELU tanh, or SiLU(gate) ∘ up) -> linear_fc2 (RowParallelLinear). Saved per area:
+// -> activation (GELU tanh, or SiLU(gate) ∘ up: the config's MlpActivationKind, model/variants.h)
+// -> linear_fc2 (RowParallelLinear). Saved per area:
 // the fc1 output before the activation [s, b, (2)f/tp] and, as linear_fc2's input, the activation
 // output [s, b, f/tp]. Selective recompute (--recompute-modules) drops some of them: Recompute.
 #pragma once
@@ -36,8 +37,9 @@ class MlpSlot {
 };
 
 /// The MLP activation outside a GEMM epilogue: act [rows, f] = swiglu(pre) (gated: pre [rows, 2f],
-/// gate then up; ops/swiglu.h) or gelu(pre) (pre [rows, f]; ops/gelu.h). Used by the dense MLP's
-/// and the experts' forward and by their activation recompute.
+/// gate then up; ops/swiglu.h) or gelu(pre) (pre [rows, f]; ops/gelu.h): the forward of
+/// mlp_activation_kind(mlp_activation_of(gated)) (model/variants.h). Used by the experts' forward
+/// and by their activation recompute.
 void mlp_activation(const Tensor& act, const Tensor& pre, bool gated, const Stream& stream);
 
 /// What an MLP does not save and recomputes in the backward (TransformerConfig::RecomputeModules).
@@ -74,13 +76,13 @@ class MLP final : public MlpSlot {
  private:
   /// fc1 (gather: see ColumnParallelLinear::forward) and the activation into linear_fc2's input.
   void forward_fc1(const StepContext& ctx, bool gather);
-  bool gated_;
+  const MlpActivationKind& act_;
   Recompute recompute_;
   int64_t local_ffn_;
   ColumnParallelLinear linear_fc1_;
   RowParallelLinear linear_fc2_;
-  std::vector<Tensor> pre_;  // per area: fc1 output before the activation [s, b, (2)f_l] (mlp: one scratch)
-  Tensor d_pre_;             // gated: scratch [s, b, 2 f_l]
+  std::vector<Tensor> pre_;  // per area: fc1 output before the activation [s, b, parts·f_l] (mlp: one scratch)
+  Tensor d_pre_;             // without the GELU epilogue: scratch [s, b, parts·f_l]
 };
 
 }  // namespace mt

@@ -1,8 +1,10 @@
 // Normalisation submodule (Megatron-Core's FusedLayerNorm / RMSNorm as chosen by
 // TransformerConfig::normalization; Ba et al. 2016, Zhang & Sennrich 2019) over the last dimension
-// h. Parameters: <prefix>.weight [h] (ones) and, for LayerNorm, <prefix>.bias [h] (zeros), both
-// replicated over tensor parallelism. Saved: the fp32 row statistics (mean, rstd) per activation
-// area. Rows may be a strided view (the q/k heads of the fused QKV output) where the op allows it.
+// h, built from the kind's entry of model/variants.h (NormKind: parameters, saved statistics, ops).
+// Parameters: <prefix>.weight [h] (ones) and, when the kind has one (LayerNorm), <prefix>.bias [h]
+// (zeros), both replicated over tensor parallelism. Saved: the fp32 row statistics (rstd, and the
+// mean for LayerNorm) per activation area. Rows may be a strided view (the q/k heads of the fused
+// QKV output) where the op allows it (NormKind::strided_rows).
 #pragma once
 #include <string>
 #include <vector>
@@ -29,9 +31,9 @@ class Norm {
 
  private:
   struct Saved {
-    Tensor mean, rstd;  // fp32 [rows]; mean only for LayerNorm
+    Tensor mean, rstd;  // fp32 [rows]; mean only when kind_.saves_mean
   };
-  Normalization kind_;
+  const NormKind& kind_;
   float eps_;
   ParamRef weight_, bias_;
   std::vector<Saved> saved_;  // per area
