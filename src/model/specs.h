@@ -18,7 +18,7 @@ class ContextParallelRegion;
 /// What fills the MLP slot.
 enum class MlpKind : uint8_t {
   kDense,  ///< MLP: linear_fc1 -> GELU or SwiGLU -> linear_fc2
-  kMoE,    ///< MoELayer (model/layers/moe.h): router, token dispatcher, experts, shared experts
+  kMoE,    ///< MoELayer (model/moe/moe_layer.h): router, token dispatcher, experts, shared experts
 };
 
 struct LayerSpec {

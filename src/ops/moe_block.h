@@ -20,7 +20,7 @@
 //     then source, then the row order within the source's block (the grouped GEMM's input), then
 //     C·B - R unused rows.
 //
-// The dispatcher's use (model/layers/moe_dispatcher.cpp):
+// The dispatcher's use (model/moe/alltoall_dispatcher.cpp, MoEStaticAlltoAllTokenDispatcher):
 //   moe_routing_map_device(row_index, slot_row, counts, top, 0, Ev)   // over all experts
 //   moe_block_send_layout(send_index, slot_send, sent, overflow, counts, row_index, D, B)
 //   moe_permute(send, x, send_index, k); all_to_all(send -> recv); all_gather(sent -> sent_all)

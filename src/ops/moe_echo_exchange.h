@@ -3,7 +3,7 @@
 // device-side index computation, gathers and the ordered accumulation that let the clones' weights
 // travel from their home EP ranks and their gradients travel back through one equal-split
 // all_to_all over the EP group each, instead of the host-synchronised point-to-point exchange of
-// model/layers/moe_echo_experts.h (echo_placement_sync, echo_dispatch_weights,
+// model/moe/echo.h (echo_placement_sync, echo_dispatch_weights,
 // echo_return_gradients). Nothing is read on the host and nothing is allocated, so the whole
 // exchange can be captured in a CUDA graph and replayed with the next plan's clone_expert.
 //

@@ -10,7 +10,7 @@
 
 #include "model/gpt_model.h"
 #include "model/layer_graphs.h"
-#include "model/layers/moe.h"
+#include "model/moe/moe_layer.h"
 #include "ops/elementwise.h"
 #include "testing/testing.h"
 

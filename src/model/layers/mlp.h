@@ -13,7 +13,7 @@
 namespace mt {
 
 /// What fills the MLP slot of a TransformerLayer (model/specs.h MlpKind): the dense MLP or the
-/// MoE layer (model/layers/moe.h). Input and output are the layer's [s_l, b, h] activations.
+/// MoE layer (model/moe/moe_layer.h). Input and output are the layer's [s_l, b, h] activations.
 class MlpSlot {
  public:
   virtual ~MlpSlot() = default;

@@ -13,8 +13,8 @@
 #include "model/layer_graphs.h"
 #include "model/layers/attention.h"
 #include "model/layers/mlp.h"
-#include "model/layers/moe.h"
 #include "model/layers/norm.h"
+#include "model/moe/moe_layer.h"
 
 namespace mt {
 
@@ -22,7 +22,7 @@ class TransformerLayer {
  public:
   /// layer: global layer number (0-based; parameter names decoder.layers.<layer>.*). Declares its
   /// parameters as one registry group sorted by sharding.
-  /// ep: the expert-parallel layout for an MoE layer (model/layers/moe.h).
+  /// ep: the expert-parallel layout for an MoE layer (model/moe/token_dispatcher.h ExpertParallel).
   TransformerLayer(const TransformerConfig& config, const LayerSpec& spec, int64_t layer,
                    const TensorParallelRegion& tp, const ExpertParallel& ep, ParamRegistry& registry);
   TransformerLayer(const TransformerLayer&) = delete;

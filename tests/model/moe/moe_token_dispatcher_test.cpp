@@ -1,4 +1,4 @@
-// The alltoall token dispatcher (model/layers/moe_dispatcher.h) on thread ranks, with and without
+// The alltoall token dispatchers (model/moe/alltoall_dispatcher.h) on thread ranks, with and without
 // ECHO, under a skewed routing: every rank sends most of its slots to experts 0 and 1, both on EP
 // rank 0. Checked:
 //  * the data path: with identity experts (expert outputs = expert inputs) the combine gives every
@@ -22,7 +22,8 @@
 #include <vector>
 
 #include "comm/thread_comm.h"
-#include "model/layers/moe_dispatcher.h"
+#include "model/moe/echo.h"
+#include "model/moe/token_dispatcher.h"
 #include "ops/elementwise.h"
 #include "ops/moe_echo.h"
 #include "testing/testing.h"

@@ -1,10 +1,11 @@
-// ECHO expert dispatch (model/layers/moe_echo_experts.h) over the thread communicator. The tests
-// use placements from moe_echo_plan (the worked example and random skewed counts) and a placement
-// written by hand, in which several clones of one expert sit on different ranks and one home rank
-// receives many gradients. Checked: after the weight dispatch every used clone buffer equals its
-// home expert's tensors bitwise and unused buffers stay untouched; after the gradient return every
-// home main gradient equals its own value plus its clones' gradients (exact values, so any order
-// gives the same sum), also with a scratch that holds a single expert, which forces several rounds.
+// ECHO expert dispatch (model/moe/echo.h, the host-placement transfers) over the thread
+// communicator. The tests use placements from moe_echo_plan (the worked example and random skewed
+// counts) and a placement written by hand, in which several clones of one expert sit on different
+// ranks and one home rank receives many gradients. Checked: after the weight dispatch every used
+// clone buffer equals its home expert's tensors bitwise and unused buffers stay untouched; after
+// the gradient return every home main gradient equals its own value plus its clones' gradients
+// (exact values, so any order gives the same sum), also with a scratch that holds a single expert,
+// which forces several rounds.
 // Errors: a clone on its home rank, a wrong group size, mismatched shapes, scratch too small.
 #include <gtest/gtest.h>
 
@@ -14,7 +15,7 @@
 #include <vector>
 
 #include "comm/thread_comm.h"
-#include "model/layers/moe_echo_experts.h"
+#include "model/moe/echo.h"
 #include "ops/moe_echo.h"
 #include "testing/testing.h"
 

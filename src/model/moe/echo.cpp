@@ -1,11 +1,142 @@
-#include "model/layers/moe_echo_experts.h"
+#include "model/moe/echo.h"
 
 #include <algorithm>
 
 #include "core/check.h"
+#include "model/moe/experts.h"
+#include "model/moe/moe_utils.h"
 #include "ops/elementwise.h"
+#include "ops/moe.h"
+#include "ops/moe_echo.h"
+#include "ops/moe_echo_exchange.h"
 
 namespace mt {
+// ---------------------------------------------------------------------------------------------
+// EchoRouter
+// ---------------------------------------------------------------------------------------------
+
+EchoRouter::EchoRouter(const ExpertParallel& ep, int64_t num_experts, int64_t num_echo)
+    : ep_(ep), E_(num_experts), S_(num_echo), P_(group_size(ep.ep_group)), Q_(group_size(ep.etp_group)) {}
+
+void EchoRouter::plan(BufferPlanner& p, int64_t slots) {
+  const int64_t NS = P_ * S_;
+  row_index_ = p.scratch("moe.echo.row_index", DType::kI32, {slots});  // the histogram's by-products
+  slot_row_ = p.scratch("moe.echo.slot_row", DType::kI32, {slots});
+  counts_ = p.scratch("moe.echo.counts", DType::kI32, {E_});
+  counts_ep_ = p.scratch("moe.echo.counts_ep", DType::kI32, {P_, E_});
+  if (Q_ > 1) counts_grid_ = p.scratch("moe.echo.counts_grid", DType::kI32, {Q_ * P_, E_});
+  clone_quota_ = p.scratch("moe.echo.clone_quota", DType::kI32, {NS});
+  quota_ = p.scratch("moe.echo.quota", DType::kI32, {Q_ * P_, NS});
+  rerouted_ = p.scratch("moe.echo.rerouted", DType::kI32, {slots});
+}
+
+void EchoRouter::reroute(const Tensor& top_v, const Tensor& clone_expert, const Tensor& top, const Stream& st) const {
+  // int32 histogram over the home experts
+  moe_routing_map_device(row_index_, slot_row_, counts_, top, 0, E_, st);
+  if (P_ > 1) {
+    ep_.ep_group->all_gather(counts_ep_, counts_, st);
+  } else {
+    copy(counts_ep_.view({E_}), counts_, st);
+  }
+  Tensor counts = counts_ep_;  // [Q·P, E]: every source of the grid
+  if (Q_ > 1) {
+    ep_.etp_group->all_gather(counts_grid_, counts_ep_, st);
+    counts = counts_grid_;
+  }
+  moe_echo_plan(clone_expert, clone_quota_, quota_, counts, P_, S_, st);
+  const int64_t i = ep_.etp_group ? ep_.etp_group->rank() : 0, j = ep_.ep_group ? ep_.ep_group->rank() : 0;
+  const int64_t r = i * P_ + j;  // this rank's source row
+  const Tensor rerouted = rerouted_.view(top.shape());
+  moe_echo_reroute(rerouted, top, clone_expert, quota_.slice0(r, r + 1).view({P_ * S_}), E_, st);
+  moe_echo_virtual_experts(top_v, rerouted, E_, P_, S_, st);
+}
+
+// ---------------------------------------------------------------------------------------------
+// EchoClones
+// ---------------------------------------------------------------------------------------------
+
+EchoClones::EchoClones(const ExpertParallel& ep, int64_t num_local, int64_t num_echo, bool device_exchange)
+    : ep_(ep), num_local_(num_local), num_echo_(num_echo), device_exchange_(device_exchange) {}
+
+void EchoClones::plan(BufferPlanner& p, int64_t f1, int64_t f2, int64_t h) {
+  const DType t = p.act_dtype();
+  const int64_t S = num_echo_;
+  w1_ = p.scratch("moe.echo.w1", t, {S, f1, h});
+  w2_ = p.scratch("moe.echo.w2", t, {S, h, f2});
+  g1_ = p.scratch("moe.echo.g1", DType::kF32, {S, f1, h});
+  g2_ = p.scratch("moe.echo.g2", DType::kF32, {S, h, f2});
+  ret_ = p.scratch("moe.echo.ret", DType::kF32, {f1 * h + h * f2});
+  if (!device_exchange_) return;
+  const int64_t NS = static_cast<int64_t>(ep_.ep_size) * S;
+  const Tensor idx = p.scratch("moe.echo.x.index", DType::kI32, {3 * NS + S});
+  x_.w_send = idx.slice0(0, NS);
+  x_.g_send = idx.slice0(NS, 2 * NS);
+  x_.g_acc = idx.slice0(2 * NS, 3 * NS);
+  x_.w_recv = idx.slice0(3 * NS, 3 * NS + S);
+  x_.send1 = p.scratch("moe.echo.x.send1", t, {NS, f1, h});
+  x_.recv1 = p.scratch("moe.echo.x.recv1", t, {NS, f1, h});
+  x_.send2 = p.scratch("moe.echo.x.send2", t, {NS, h, f2});
+  x_.recv2 = p.scratch("moe.echo.x.recv2", t, {NS, h, f2});
+  x_.gsend1 = p.scratch("moe.echo.x.gsend1", DType::kF32, {NS, f1, h});
+  x_.grecv1 = p.scratch("moe.echo.x.grecv1", DType::kF32, {NS, f1, h});
+  x_.gsend2 = p.scratch("moe.echo.x.gsend2", DType::kF32, {NS, h, f2});
+  x_.grecv2 = p.scratch("moe.echo.x.grecv2", DType::kF32, {NS, h, f2});
+}
+
+void EchoClones::fetch_weights(const MoeTokenDispatcher& d, int slot, MoeExperts& experts, const Stream& st) {
+  if (const Tensor ce = d.echo_clone_expert(slot); !ce.empty()) {
+    // capturable: fixed-size all-to-alls of P·S expert blocks, packed and unpacked on the device
+    const ExpertTables& t = experts.tables(st);
+    moe_echo_exchange_index(x_.w_send, x_.w_recv, x_.g_send, x_.g_acc, ce, ep_.ep_rank, num_local_, num_echo_, st);
+    moe_echo_gather_experts(x_.send1, t.w1, x_.w_send, st);
+    moe_echo_gather_experts(x_.send2, t.w2, x_.w_send, st);
+    ep_.ep_group->all_to_all(x_.recv1, x_.send1, st);
+    ep_.ep_group->all_to_all(x_.recv2, x_.send2, st);
+    moe_echo_gather_blocks(w1_, x_.recv1, x_.w_recv, st);
+    moe_echo_gather_blocks(w2_, x_.recv2, x_.w_recv, st);
+    return;
+  }
+  const EchoPlacement* placement = d.echo_placement(slot);
+  if (!placement) return;
+  std::vector<std::vector<Tensor>> local, clones;
+  for (int64_t e = 0; e < experts.num_slots(); ++e) {
+    const ExpertSlot ex = experts.expert(e);
+    (e < num_local_ ? local : clones).push_back({ex.w1, ex.w2});
+  }
+  echo_dispatch_weights(*ep_.ep_group, *placement, local, clones, st);
+}
+
+void EchoClones::zero_grads(const Stream& st) {
+  fill(g1_, 0.f, st);
+  fill(g2_, 0.f, st);
+}
+
+void EchoClones::return_grads(const MoeTokenDispatcher& d, int slot, MoeExperts& experts, const Stream& st) {
+  if (const Tensor ce = d.echo_clone_expert(slot); !ce.empty()) {
+    // the indices of fetch_weights (this backward's refetch computed them for this slot)
+    const ExpertTables& t = experts.tables(st);
+    moe_echo_gather_blocks(x_.gsend1, g1_, x_.g_send, st);
+    moe_echo_gather_blocks(x_.gsend2, g2_, x_.g_send, st);
+    ep_.ep_group->all_to_all(x_.grecv1, x_.gsend1, st);
+    ep_.ep_group->all_to_all(x_.grecv2, x_.gsend2, st);
+    moe_echo_accumulate_experts(t.g1, x_.grecv1, x_.g_acc, st);  // slots in order: deterministic
+    moe_echo_accumulate_experts(t.g2, x_.grecv2, x_.g_acc, st);
+    return;
+  }
+  const EchoPlacement* placement = d.echo_placement(slot);
+  if (!placement) return;
+  std::vector<std::vector<Tensor>> main, clones;
+  for (int64_t e = 0; e < experts.num_slots(); ++e) {
+    const ExpertSlot ex = experts.expert(e);
+    (e < num_local_ ? main : clones).push_back({ex.g1, ex.g2});
+  }
+  echo_return_gradients(*ep_.ep_group, *placement, clones, main, ret_, st);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host-placement transfers
+// ---------------------------------------------------------------------------------------------
+
 namespace {
 
 // Every expert / buffer list: `n` entries of W contiguous tensors shaped like ref[w] (dtype `dt`,

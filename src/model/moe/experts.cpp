@@ -1,0 +1,199 @@
+#include "model/moe/experts.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "model/layers/mlp.h"
+#include "model/layers/parallel_params.h"
+#include "model/moe/moe_utils.h"
+#include "ops/gelu.h"
+#include "ops/matmul.h"
+#include "ops/swiglu.h"
+
+namespace mt {
+
+MoeExperts::MoeExperts(const TransformerConfig& c, const std::string& p, const ExpertParallel& ep, int64_t num_echo,
+                       ParamRegistry& reg)
+    : gated_(c.gated_linear_unit),
+      recompute_act_(c.selective_recompute().moe_act),
+      hidden_(c.hidden_size),
+      num_local_(c.num_moe_experts / std::max(ep.ep_size, 1)),
+      num_echo_(num_echo),
+      local_ffn_(c.moe_ffn() / std::max(ep.etp_size, 1)) {
+  const int64_t first_expert = static_cast<int64_t>(ep.ep_rank) * num_local_, h = c.hidden_size;
+  experts_.resize(static_cast<size_t>(num_local_));
+  const float out_std = c.init_method_std / std::sqrt(2.0f * static_cast<float>(c.num_layers));
+  for (int64_t i = 0; i < num_local_; ++i) {
+    const std::string e = fmt::format("{}experts.local_experts.{}.", p, first_expert + i);
+    ParamSpec fc1 = column_parallel_weight(e + "linear_fc1.weight", c.moe_ffn(), h, c.init_method_std, ep.etp_size,
+                                           ep.etp_rank, gated_ ? 2 : 1);
+    ParamSpec fc2 = row_parallel_weight(e + "linear_fc2.weight", h, c.moe_ffn(), out_std, ep.etp_size, ep.etp_rank);
+    fc1.expert = fc2.expert = true;
+    reg.declare(std::move(fc1), &experts_[static_cast<size_t>(i)].fc1);
+    reg.declare(std::move(fc2), &experts_[static_cast<size_t>(i)].fc2);
+  }
+  if (num_echo_ > 0)
+    clones_ = std::make_unique<EchoClones>(ep, num_local_, num_echo_, c.moe_received_token_capacity > 0);
+}
+
+void MoeExperts::plan(BufferPlanner& p, int64_t max_rows) {
+  const DType t = p.act_dtype();
+  const int64_t h = hidden_, f1 = (gated_ ? 2 : 1) * local_ffn_, f2 = local_ffn_;
+  max_rows_ = max_rows;
+  const size_t a = static_cast<size_t>(p.area());
+  if (saved_.size() <= a) saved_.resize(a + 1);
+  Saved& sv = saved_[a];
+  sv.xp = p.saved(t, {max_rows, h}, "expert inputs");
+  sv.pre = p.saved(t, {max_rows, f1}, "expert fc1 outputs");
+  // --recompute-modules moe_act: one scratch, the activation again in the backward
+  sv.act = recompute_act_ ? p.scratch("moe.act", t, {max_rows, f2}) : p.saved(t, {max_rows, f2}, "expert activations");
+  sv.out = p.saved(t, {max_rows, h}, "expert outputs");
+  if (clones_) clones_->plan(p, f1, f2, h);  // the clones' weights and gradients: fetched per use (scratch)
+  d_out_ = p.scratch("moe.d_out", t, {max_rows, h});
+  d_act_ = p.scratch("moe.d_act", t, {max_rows, f2});
+  d_pre_ = p.scratch("moe.d_pre", t, {max_rows, f1});
+  d_xp_ = p.scratch("moe.d_xp", t, {max_rows, h});
+}
+
+Tensor MoeExperts::forward(MoeExpertCounts counts, const MoeTokenDispatcher& d, int slot, const Stream& st) {
+  Saved& sv = saved_.at(static_cast<size_t>(slot));
+  sv.counts = counts.device;
+  sv.counts_host = std::move(counts.host);
+  sv.rows = rows_of(sv);
+  if (clones_) clones_->fetch_weights(d, slot, *this, st);  // the home experts' weights into the clone slots
+  compute_forward(sv, st);
+  return output(slot);
+}
+
+Tensor MoeExperts::output(int slot) const {
+  const Saved& sv = saved_.at(static_cast<size_t>(slot));
+  return row_range(sv.out, 0, sv.rows);
+}
+
+void MoeExperts::prepare_backward(const MoeTokenDispatcher& d, int slot, const Stream& st) {
+  if (!clones_) return;
+  clones_->fetch_weights(d, slot, *this, st);  // the clones' weights again (scratch), their gradients from zero
+  clones_->zero_grads(st);
+}
+
+Tensor MoeExperts::output_grad(int slot) const {
+  return row_range(d_out_, 0, saved_.at(static_cast<size_t>(slot)).rows);
+}
+
+Tensor MoeExperts::backward(const MoeTokenDispatcher& d, int slot, const Stream& st) {
+  Saved& sv = saved_.at(static_cast<size_t>(slot));
+  compute_backward(sv, st);
+  if (clones_) clones_->return_grads(d, slot, *this, st);  // the clones' weight gradients added to their home experts
+  return row_range(d_xp_, 0, sv.rows);
+}
+
+ExpertSlot MoeExperts::expert(int64_t e) const {
+  if (e < num_local_) {
+    const Expert& ex = experts_[static_cast<size_t>(e)];
+    return {ex.fc1.value(), ex.fc2.value(), ex.fc1.grad(), ex.fc2.grad()};
+  }
+  const int64_t j = e - num_local_;  // ECHO clone slot
+  return {clones_->w1(j), clones_->w2(j), clones_->g1(j), clones_->g2(j)};
+}
+
+const ExpertTables& MoeExperts::tables(const Stream& st) {
+  if (tables_) return *tables_;
+  std::vector<Tensor> w1, w2, g1, g2;
+  for (int64_t e = 0; e < num_slots(); ++e) {
+    const ExpertSlot ex = expert(e);
+    w1.push_back(ex.w1);
+    w2.push_back(ex.w2);
+    g1.push_back(ex.g1);
+    g2.push_back(ex.g2);
+  }
+  tables_ = std::make_unique<ExpertTables>(ExpertTables{GroupedWeights(std::move(w1), st),
+                                                        GroupedWeights(std::move(w2), st),
+                                                        GroupedWeights(std::move(g1), st),
+                                                        GroupedWeights(std::move(g2), st)});
+  return *tables_;
+}
+
+// ---------------------------------------------------------------------------------------------
+// SequentialMLP
+// ---------------------------------------------------------------------------------------------
+
+int64_t SequentialMLP::rows_of(const Saved& sv) const {
+  return std::accumulate(sv.counts_host.begin(), sv.counts_host.end(), int64_t{0});
+}
+
+// Calls fn(expert, slice) for every expert slot with rows in this dispatch, in slot order;
+// slice(t) is that slot's row range [off, off + n) of a [R_max, ·] buffer.
+template <typename Fn>
+void SequentialMLP::for_each_expert(const Saved& sv, Fn&& fn) const {
+  int64_t off = 0;
+  for (int64_t e = 0; e < num_slots(); ++e) {
+    const int64_t n = sv.counts_host[static_cast<size_t>(e)];
+    if (n > 0) fn(expert(e), [off, n](const Tensor& t) { return row_range(t, off, n); });
+    off += n;
+  }
+}
+
+void SequentialMLP::compute_forward(Saved& sv, const Stream& st) {
+  for_each_expert(sv, [&](const ExpertSlot& ex, const auto& slice) {
+    const Tensor xe = slice(sv.xp), pre = slice(sv.pre), act = slice(sv.act);
+    if (gated_) {
+      linear_forward(pre, xe, ex.w1, Tensor(), Tensor(), st);
+      mlp_activation(act, pre, true, st);
+    } else {
+      linear_forward(act, xe, ex.w1, Tensor(), pre, st);  // GELU epilogue
+    }
+    linear_forward(slice(sv.out), act, ex.w2, Tensor(), Tensor(), st);
+  });
+}
+
+void SequentialMLP::compute_backward(Saved& sv, const Stream& st) {
+  for_each_expert(sv, [&](const ExpertSlot& ex, const auto& slice) {
+    const Tensor xe = slice(sv.xp), pre = slice(sv.pre), act = slice(sv.act);
+    const Tensor dact = slice(d_act_), dpre = slice(d_pre_);
+    if (recompute_act_) mlp_activation(act, pre, gated_, st);
+    linear_backward(dact, ex.g2, Tensor(), slice(d_out_), act, ex.w2, st);
+    if (gated_) {
+      swiglu_backward(dpre, dact, pre, st);
+    } else {
+      gelu_backward(dpre, dact, pre, st);
+    }
+    linear_backward(slice(d_xp_), ex.g1, Tensor(), dpre, xe, ex.w1, st);
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// GroupedMLP
+// ---------------------------------------------------------------------------------------------
+
+void GroupedMLP::compute_forward(Saved& sv, const Stream& st) {
+  const ExpertTables& t = tables(st);
+  // Rows beyond Σ counts: the GEMMs write zeros there, so the activation gives zeros too.
+  grouped_linear_forward(sv.pre, sv.xp, t.w1, sv.counts, st);
+  mlp_activation(sv.act, sv.pre, gated_, st);
+  grouped_linear_forward(sv.out, sv.act, t.w2, sv.counts, st);
+}
+
+void GroupedMLP::compute_backward(Saved& sv, const Stream& st) {
+  const ExpertTables& t = tables(st);
+  // d_out_ rows beyond Σ counts are stale (combine_backward writes the routed rows only) and never
+  // read; the dgrads write zeros to their tails, so the activation backward gives zeros there.
+  if (recompute_act_) mlp_activation(sv.act, sv.pre, gated_, st);
+  grouped_linear_dgrad(d_act_, d_out_, t.w2, sv.counts, st);
+  grouped_linear_wgrad(t.g2, d_out_, sv.act, sv.counts, st);
+  if (gated_) {
+    swiglu_backward(d_pre_, d_act_, sv.pre, st);
+  } else {
+    gelu_backward(d_pre_, d_act_, sv.pre, st);
+  }
+  grouped_linear_dgrad(d_xp_, d_pre_, t.w1, sv.counts, st);
+  grouped_linear_wgrad(t.g1, d_pre_, sv.xp, sv.counts, st);
+}
+
+std::unique_ptr<MoeExperts> make_moe_experts(const TransformerConfig& c, const std::string& prefix,
+                                             const ExpertParallel& ep, int64_t num_echo, ParamRegistry& reg) {
+  if (c.moe_grouped_gemm) return std::make_unique<GroupedMLP>(c, prefix, ep, num_echo, reg);
+  return std::make_unique<SequentialMLP>(c, prefix, ep, num_echo, reg);
+}
+
+}  // namespace mt

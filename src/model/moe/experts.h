@@ -1,0 +1,143 @@
+// The routed experts of the MoE layer (Megatron-Core transformer/moe/experts.py): E_l = E/ep local
+// experts per EP rank, each an MLP linear_fc1 -> GELU or SwiGLU -> linear_fc2 split over the expert
+// TP group like the dense MLP, run on the rows the token dispatcher brought here, ordered by local
+// expert slot (rows [0, R) of the expert-input buffer [R_max, h]; R_max the dispatcher's planned
+// worst case). With ECHO the slots E_l .. E_l + S − 1 are clones of other ranks' hot experts
+// (EchoClones, model/moe/echo.h), which compute with their home experts' weights.
+//
+//   SequentialMLP (Megatron's SequentialMLP; the default): one linear_forward / linear_backward per
+//     expert over its rows, whose counts the dispatcher read on the host.
+//   GroupedMLP (--moe-grouped-gemm; Megatron's GroupedMLP / TEGroupedMLP, TE's GroupedLinear
+//     without its tokens_per_expert.cpu() split): the counts stay on the device and each projection
+//     is one grouped GEMM over all R_max planned rows (ops/grouped_matmul.h), the experts' weights
+//     and main gradients passed as address tables: no host synchronisation (CUDA-graph
+//     capturable). Rows [R, R_max) beyond the routed ones: the expert input's are stale (never
+//     read: the GEMMs stop at each group's rows), the grouped forward and dgrad write zeros to
+//     their outputs' tail, so the activation (GELU / SwiGLU and their backward, run over all R_max
+//     rows) sees zeros there and gives zeros (no NaN can arise from stale data), the weight
+//     gradients sum over each group's rows only, and the combine (forward and backward) and the
+//     dispatch backward address rows through slot_row, which never points past R.
+//
+// Saved per area: the expert inputs, fc1 outputs, activations (scratch with --recompute-modules
+// moe_act: recomputed in the backward) and outputs, [R_max, ·] each. Weight gradients accumulate
+// (+=) into the fp32 main gradients; the clones' into their scratch, returned to the home experts.
+#pragma once
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "model/moe/echo.h"
+#include "model/moe/token_dispatcher.h"
+#include "ops/grouped_matmul.h"
+
+namespace mt {
+
+/// One expert slot's weights (model dtype) and fp32 main gradients: linear_fc1 [(2)f_l, h] and
+/// linear_fc2 [h, f_l] (this ETP rank's shards, f_l = f_e/etp).
+struct ExpertSlot {
+  Tensor w1, w2, g1, g2;
+};
+
+/// The expert slots' tensors as address tables on the device (GroupedWeights): all E_l + S slots.
+struct ExpertTables {
+  GroupedWeights w1, w2, g1, g2;
+};
+
+class MoeExperts {
+ public:
+  /// prefix "decoder.layers.<layer>.mlp.": declares, for each local expert i (global index
+  /// ep_rank·E_l + i), "experts.local_experts.<global>.linear_fc1.weight" [(2)f_e/etp, h] and
+  /// ".linear_fc2.weight" [h, f_e/etp], sharded over the expert TP group like the dense MLP's (init
+  /// σ and σ/√(2L)) and flagged expert (reduced over EDP). num_echo: ECHO's clone slots S (0: off).
+  MoeExperts(const TransformerConfig& config, const std::string& prefix, const ExpertParallel& ep, int64_t num_echo,
+             ParamRegistry& registry);
+  virtual ~MoeExperts() = default;
+  MoeExperts(const MoeExperts&) = delete;
+  MoeExperts& operator=(const MoeExperts&) = delete;
+
+  /// Plans the open area's saved tensors and the scratch for up to `max_rows` = R_max rows.
+  void plan(BufferPlanner& planner, int64_t max_rows);
+  /// The expert-input rows xp [R_max, h] of area `slot`, which the dispatcher's dispatch() fills.
+  Tensor input(int slot) const { return saved_.at(static_cast<size_t>(slot)).xp; }
+  /// Runs the experts on the rows of `counts` (from dispatch(); with ECHO the clones' weights are
+  /// fetched first, by the dispatcher's placement of `slot`). Returns the output rows the
+  /// combine reads (output(slot)). Collective over the EP group with ECHO.
+  Tensor forward(MoeExpertCounts counts, const MoeTokenDispatcher& dispatcher, int slot, const Stream& stream);
+  /// The forward's output rows [R, h] (SequentialMLP) or [R_max, h] (GroupedMLP).
+  Tensor output(int slot) const;
+  /// Before the combine backward: with ECHO the clones' weights fetched again and their gradients
+  /// zeroed (the clone buffers are scratch). Collective over the EP group with ECHO.
+  void prepare_backward(const MoeTokenDispatcher& dispatcher, int slot, const Stream& stream);
+  /// Where the combine backward writes the output rows' gradients (rows as output()).
+  Tensor output_grad(int slot) const;
+  /// The experts' backward from output_grad(): the weight gradients (+=; the clones' returned to
+  /// their home experts), and returns the input rows' gradients (rows as output()), which the
+  /// dispatch backward reads.
+  Tensor backward(const MoeTokenDispatcher& dispatcher, int slot, const Stream& stream);
+
+  /// Expert slot e < E_l + S: a local expert, or ECHO clone slot e − E_l (valid after a fetch).
+  ExpertSlot expert(int64_t e) const;
+  int64_t num_local() const { return num_local_; }
+  int64_t num_slots() const { return num_local_ + num_echo_; }
+  /// The address tables of all slots, built on first use (the ParamStore's and the scratch's
+  /// addresses are fixed once planned).
+  const ExpertTables& tables(const Stream& stream);
+
+ protected:
+  struct Saved {
+    Tensor xp, pre, act, out;          // [R_max, h], [R_max, (2)f_l], [R_max, f_l], [R_max, h]
+    std::vector<int64_t> counts_host;  // the forward's rows per expert slot (from the dispatcher)
+    Tensor counts;                     // the same, int32 [E_l + S] on the device
+    int64_t rows = 0;                  // the rows the experts compute and the combine reads
+  };
+  // The rows of a dispatch the experts compute: Σ of the host counts, or all R_max planned rows.
+  virtual int64_t rows_of(const Saved& sv) const = 0;
+  virtual void compute_forward(Saved& sv, const Stream& st) = 0;
+  virtual void compute_backward(Saved& sv, const Stream& st) = 0;
+
+  bool gated_;
+  bool recompute_act_;  // --recompute-modules moe_act: sv.act is scratch, recomputed in the backward
+  int64_t max_rows_ = 0;
+  Tensor d_out_, d_act_, d_pre_, d_xp_;  // scratch [R_max, ·]
+
+ private:
+  struct Expert {
+    ParamRef fc1, fc2;  // [(2)f_l, h], [h, f_l]
+  };
+  int64_t hidden_, num_local_, num_echo_, local_ffn_;
+  std::vector<Expert> experts_;
+  std::unique_ptr<EchoClones> clones_;  // with ECHO
+  std::unique_ptr<ExpertTables> tables_;
+  std::vector<Saved> saved_;  // per area
+};
+
+/// Megatron's SequentialMLP: one GEMM per expert slot and projection over its host row range.
+class SequentialMLP final : public MoeExperts {
+ public:
+  using MoeExperts::MoeExperts;
+
+ private:
+  int64_t rows_of(const Saved& sv) const override;
+  void compute_forward(Saved& sv, const Stream& st) override;
+  void compute_backward(Saved& sv, const Stream& st) override;
+  template <typename Fn>
+  void for_each_expert(const Saved& sv, Fn&& fn) const;
+};
+
+/// Megatron's GroupedMLP / TEGroupedMLP (--moe-grouped-gemm): one grouped GEMM per projection over
+/// all R_max rows with the device counts.
+class GroupedMLP final : public MoeExperts {
+ public:
+  using MoeExperts::MoeExperts;
+
+ private:
+  int64_t rows_of(const Saved&) const override { return max_rows_; }
+  void compute_forward(Saved& sv, const Stream& st) override;
+  void compute_backward(Saved& sv, const Stream& st) override;
+};
+
+/// The experts of --moe-grouped-gemm: GroupedMLP, else SequentialMLP.
+std::unique_ptr<MoeExperts> make_moe_experts(const TransformerConfig& config, const std::string& prefix,
+                                             const ExpertParallel& ep, int64_t num_echo, ParamRegistry& registry);
+
+}  // namespace mt
