@@ -191,12 +191,18 @@ void bench_shape(const std::string& name, int64_t E, int64_t rows, int64_t hidde
       fmt::print("{:>4} {:>6} {:>6} | {:>8.3f} {:>11.1f} | {:>8.3f} {:>11.1f} | {:>8.3f} {:>11.1f} | {}\n", pname, n,
                  k, t.f, flops / t.f * 1e-9, t.d, flops / t.d * 1e-9, t.w, flops / t.w * 1e-9, impl);
     };
-    Times wg;
+    Times wg;  // with the automatic tile width of each op's output columns (forward n, dgrad and wgrad k)
     if (have_wg) {
       try {
-        const KernelScope scope(Kernel::kWgmma);
-        wg = time_grouped(p, gw, gg, iters, st);
-        row("wgmma (sm_90a)", wg);
+        Times by_bn[2];
+        for (int i = 0; i < 2; ++i) {
+          const KernelScope scope(i == 0 ? Kernel::kWgmma256 : Kernel::kWgmma128);
+          by_bn[i] = time_grouped(p, gw, gg, iters, st);
+          row(i == 0 ? "wgmma 128x256" : "wgmma 128x128", by_bn[i]);
+        }
+        auto pick = [&](int64_t cols) { return cuda::grouped_sm90::auto_tile_width(cols) == 256 ? 0 : 1; };
+        wg = {by_bn[pick(n)].f, by_bn[pick(k)].d, by_bn[pick(k)].w};
+        row("wgmma, automatic width", wg);
       } catch (const std::exception& e) {
         have_wg = false;
         why = e.what();

@@ -107,15 +107,24 @@ __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
 }
 
+/// Waits for the phase of parity `parity` of the mbarrier. A wait of more than 2^36 cycles (tens
+/// of seconds: a pipeline bug, never a slow load) traps, so that the launch fails instead of hanging.
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
   uint32_t done = 0;
-  do {
+  long long start = 0;
+  for (;;) {
     asm volatile(
         "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.b32 %0, 1, 0, p;\n}\n"
         : "=r"(done)
         : "r"(bar), "r"(parity)
         : "memory");
-  } while (!done);
+    if (done) return;
+    if (start == 0) {
+      start = clock64();
+    } else if (clock64() - start > (1ll << 36)) {
+      __trap();
+    }
+  }
 }
 
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
@@ -169,55 +178,49 @@ __device__ __forceinline__ void fence_acc(float (&d)[kAcc]) {
   for (int i = 0; i < kAcc; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-#define MT_WGMMA_M64N128K16(TY)                                                            \
-  asm volatile(                                                                             \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                        \
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " {"                         \
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "  \
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "  \
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "  \
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"  \
-      "}, %64, %65, p, 1, 1, %67, %68;\n}\n"                                            \
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),  \
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),  \
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),  \
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),  \
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),  \
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),  \
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),  \
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]) \
-      : "l"(da), "l"(db), "r"(scale_d), "n"(kTA), "n"(kTB))
+// The accumulator operands of the wgmma asm below: registers %0-%63 (and %64-%127 at n256).
+#define MT_WGMMA_REGS_0_63 \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define MT_WGMMA_REGS_64_127 \
+  "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
+  "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, " \
+  "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, " \
+  "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+#define MT_WGMMA_ACC_0_63 \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+  "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+  "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+  "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
+  "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+  "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+  "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+  "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+#define MT_WGMMA_ACC_64_127 \
+  "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), \
+  "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), \
+  "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), \
+  "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), \
+  "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), \
+  "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), \
+  "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), \
+  "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
 
-#define MT_WGMMA_M64N256K16(TY)                                                            \
-  asm volatile(                                                                             \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"                                        \
-      "wgmma.mma_async.sync.aligned.m64n256k16.f32." TY "." TY " {"                         \
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "  \
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "  \
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "  \
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "  \
-      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "  \
-      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "  \
-      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "  \
-      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"  \
-      "}, %128, %129, p, 1, 1, %131, %132;\n}\n"                                            \
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),  \
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),  \
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),  \
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),  \
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),  \
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),  \
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),  \
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),  \
-        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),  \
-        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),  \
-        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),  \
-        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),  \
-        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),  \
-        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),  \
-        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),  \
-        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127]) \
-      : "l"(da), "l"(db), "r"(scale_d), "n"(kTA), "n"(kTB))
+// wgmma m64nNk16 f32 += TY x TY from two shared-memory descriptors; scale_d = 0 overwrites d.
+#define MT_WGMMA_M64N128K16(TY)                                                                             \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                                \
+               "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " {" MT_WGMMA_REGS_0_63              \
+               "}, %64, %65, p, 1, 1, %67, %68;\n}\n"                                                       \
+               : MT_WGMMA_ACC_0_63                                                                          \
+               : "l"(da), "l"(db), "r"(scale_d), "n"(kTA), "n"(kTB))
+#define MT_WGMMA_M64N256K16(TY)                                                                             \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"                                               \
+               "wgmma.mma_async.sync.aligned.m64n256k16.f32." TY "." TY " {" MT_WGMMA_REGS_0_63 ", "         \
+               MT_WGMMA_REGS_64_127 "}, %128, %129, p, 1, 1, %131, %132;\n}\n"                              \
+               : MT_WGMMA_ACC_0_63, MT_WGMMA_ACC_64_127                                                     \
+               : "l"(da), "l"(db), "r"(scale_d), "n"(kTA), "n"(kTB))
 
 /// d (+)= A · B over one k16 slice, the warpgroup's m64 x BN accumulators (scale_d = 0: d = A · B).
 /// kTA / kTB = 1: A / B stored M- / N-major (wgmma's transposed operands, 16-bit types only).
@@ -506,14 +509,12 @@ int sm_count() {
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-/// The output-tile width: forced, or 256 unless it pads the columns by more than 4% beyond what
-/// 128 pads (n = 1408: 128).
+/// The output-tile width: forced, or auto_tile_width.
 int pick_bn(int64_t N) {
   const Kernel k = kernel();
   if (k == Kernel::kWgmma128) return 128;
   if (k == Kernel::kWgmma256) return 256;
-  const int64_t w256 = (N + 255) / 256 * 256, w128 = (N + 127) / 128 * 128;
-  return w256 * 100 <= w128 * 104 ? 256 : 128;
+  return auto_tile_width(N);
 }
 
 /// Why the wgmma kernel does not apply ("" when it does).
@@ -583,6 +584,11 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 void set_kernel(Kernel k) { g_kernel.store(static_cast<int>(k)); }
 Kernel kernel() { return static_cast<Kernel>(g_kernel.load()); }
 
+int auto_tile_width(int64_t N) {
+  const int64_t w256 = (N + 255) / 256 * 256, w128 = (N + 127) / 128 * 128;
+  return w256 * 100 <= w128 * 104 ? 256 : 128;
+}
+
 bool device_ready(const Stream& stream) {
   static std::mutex mu;
   static std::map<int, bool> ready;
@@ -631,34 +637,33 @@ WeightMaps build_weight_maps(const std::vector<Tensor>& w, const Stream& stream)
   return r;
 }
 
-bool forward(const Tensor& y, const Tensor& x, const GroupedWeights& w, const Tensor& counts, const Stream& stream) {
-  const char* fn = "grouped_linear_forward";
-  const int64_t R = x.size(0), n = w.rows(), k = w.cols();
-  if (!use_wgmma(fn, why_not(x.dtype(), w, true, R, {x.data(), y.data()}))) return false;
+namespace {
+
+/// The forward (out = y, in = x, N = n, K = k) or the dgrad (out = dx, in = dy, N = k, K = n).
+template <Mode kMode>
+bool rows_op(const char* fn, const Tensor& out, const Tensor& in, const GroupedWeights& w, const Tensor& counts,
+             int64_t N, int64_t K, const Stream& stream) {
+  const int64_t R = in.size(0);
+  if (!use_wgmma(fn, why_not(in.dtype(), w, true, R, {in.data(), out.data()}))) return false;
   Params p = base_params(counts, w, R);
-  encode(&p.a, x.dtype(), x.data(), k, R, fn);
+  encode(&p.a, in.dtype(), in.data(), K, R, fn);
   p.wmaps = static_cast<const CUtensorMap*>(w.tensor_maps());
-  p.c = y.data();
-  p.N = static_cast<int>(n);
-  p.K = static_cast<int>(k);
-  launch<Mode::kForward>(fn, x.dtype(), p, pick_bn(n),
-                         [&](int bn) { return (ceil_div(R, kBM) + w.groups()) * ceil_div(n, bn); }, stream);
+  p.c = out.data();
+  p.N = static_cast<int>(N);
+  p.K = static_cast<int>(K);
+  launch<kMode>(fn, in.dtype(), p, pick_bn(N),
+                [&](int bn) { return (ceil_div(R, kBM) + w.groups()) * ceil_div(N, bn); }, stream);
   return true;
 }
 
+}  // namespace
+
+bool forward(const Tensor& y, const Tensor& x, const GroupedWeights& w, const Tensor& counts, const Stream& stream) {
+  return rows_op<Mode::kForward>("grouped_linear_forward", y, x, w, counts, w.rows(), w.cols(), stream);
+}
+
 bool dgrad(const Tensor& dx, const Tensor& dy, const GroupedWeights& w, const Tensor& counts, const Stream& stream) {
-  const char* fn = "grouped_linear_dgrad";
-  const int64_t R = dy.size(0), n = w.rows(), k = w.cols();
-  if (!use_wgmma(fn, why_not(dy.dtype(), w, true, R, {dy.data(), dx.data()}))) return false;
-  Params p = base_params(counts, w, R);
-  encode(&p.a, dy.dtype(), dy.data(), n, R, fn);
-  p.wmaps = static_cast<const CUtensorMap*>(w.tensor_maps());
-  p.c = dx.data();
-  p.N = static_cast<int>(k);
-  p.K = static_cast<int>(n);
-  launch<Mode::kDgrad>(fn, dy.dtype(), p, pick_bn(k),
-                       [&](int bn) { return (ceil_div(R, kBM) + w.groups()) * ceil_div(k, bn); }, stream);
-  return true;
+  return rows_op<Mode::kDgrad>("grouped_linear_dgrad", dx, dy, w, counts, w.cols(), w.rows(), stream);
 }
 
 bool wgrad(const GroupedWeights& dw, const Tensor& dy, const Tensor& x, const Tensor& counts, const Stream& stream) {

@@ -24,6 +24,10 @@ enum class Kernel { kAuto, kMmaSync, kWgmma, kWgmma128, kWgmma256 };
 void set_kernel(Kernel k);
 Kernel kernel();
 
+/// The wgmma kernel's output-tile width for N output columns when not forced: 256, unless it
+/// pads the columns by more than 4% beyond what 128 pads (N = 1408: 128).
+int auto_tile_width(int64_t N);
+
 /// Whether the current CUDA device has compute capability 9.0 and runs this binary's sm_90a
 /// code (a one-thread probe kernel, once per device: it synchronises `stream`, so call it outside
 /// a captured region — GroupedWeights' constructor does).
