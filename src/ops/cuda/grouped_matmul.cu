@@ -1,5 +1,7 @@
 // CUDA grouped linear layers (ops/grouped_matmul.h): the per-group row counts are read on the
-// device, so nothing here synchronises with the host.
+// device, so nothing here synchronises with the host. Each entry point first offers the call to
+// the Hopper wgmma kernel (ops/cuda/grouped_matmul_sm90.cu: compute capability 9.0, bf16/fp16,
+// aligned); the kernels below run everything it does not take.
 //
 // Every block first turns the G counts into the groups' row offsets (clipped at R) and, for the
 // forward and dgrad, the prefix of their row tiles (warp 0: a per-lane serial sum over a run of
