@@ -125,7 +125,8 @@ Result run(Device dev, DType dt, const Case& c, const std::vector<float>& x, con
 /// got against ref: the groups' rows within tol, the outputs' tails exactly 0, no NaN (the
 /// outputs were poisoned, the inputs' tails are NaN), each non-empty group's gradient increment
 /// within tol and each empty group's gradient unchanged.
-void compare(DType dt, const Case& c, const Result& got, const Result& ref, const std::vector<std::vector<float>>& dw0) {
+void compare(DType dt, const Case& c, const Result& got, const Result& ref,
+             const std::vector<std::vector<float>>& dw0) {
   const int64_t used = std::accumulate(c.counts.begin(), c.counts.end(), int64_t{0});
   const double tol = dt == DType::kF32 ? 1e-5 : 2e-2;
   EXPECT_TRUE(testing::all_finite(got.y) && testing::all_finite(got.dx)) << "NaN read from the tail or not written";
@@ -176,7 +177,9 @@ void check(DType dt, const Case& c, int64_t offset = 0, bool capture = false) {
     const Result again = run(Device::cuda(), dt, c, in.x, in.dy, in.w, in.dw0, offset, false);
     EXPECT_EQ(0, std::memcmp(again.y.data(), got.y.data(), got.y.size() * 4));
     EXPECT_EQ(0, std::memcmp(again.dx.data(), got.dx.data(), got.dx.size() * 4));
-    for (size_t g = 0; g < G; ++g) EXPECT_EQ(0, std::memcmp(again.dw[g].data(), got.dw[g].data(), got.dw[g].size() * 4));
+    for (size_t g = 0; g < G; ++g) {
+      EXPECT_EQ(0, std::memcmp(again.dw[g].data(), got.dw[g].data(), got.dw[g].size() * 4));
+    }
   }
 }
 
@@ -331,7 +334,9 @@ TEST(GroupedMatmulCuda, WgmmaCapturedGraphReplaysWithChangingCounts) {
   }
   const KernelScope scope(Kernel::kWgmma);  // MoE-sized, the automatic tile width
   check_replays(DType::kBF16, 9000, 768, 512,
-                {{1500, 700, 0, 1300, 900, 1100, 1400, 1000}, {0, 0, 9000, 0, 0, 0, 0, 0}, {8000, 0, 0, 0, 0, 0, 0, 2000}});
+                {{1500, 700, 0, 1300, 900, 1100, 1400, 1000},
+                 {0, 0, 9000, 0, 0, 0, 0, 0},
+                 {8000, 0, 0, 0, 0, 0, 0, 2000}});
 }
 
 TEST(GroupedMatmulCuda, ForcedWgmmaNamesWhyItCannotRun) {

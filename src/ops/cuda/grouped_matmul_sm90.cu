@@ -154,7 +154,9 @@ __device__ __forceinline__ void tensormap_acquire(const CUtensorMap* map) {
 }
 
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;\n" ::"n"(128 * kConsumers) : "memory"); }
+__device__ __forceinline__ void consumers_sync() {
+  asm volatile("bar.sync 1, %0;\n" ::"n"(128 * kConsumers) : "memory");
+}
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int kN>
@@ -278,6 +280,171 @@ __device__ __forceinline__ Work decode(int t, const int* off, const int* tile, i
   return w;
 }
 
+/// The shared state of a block: the stage ring (mbarriers, the 1024-byte-aligned shared-memory
+/// base of stage 0), the group tables and the work-tile counts.
+struct Ring {
+  uint64_t* full;
+  uint64_t* empty;
+  uint32_t base;
+  const int* off;
+  const int* tile;
+  int total, n_tiles, m_tiles;
+};
+
+#ifdef MT_GG_SM90A
+
+/// The producer (one thread): for every k-stage of every work tile of the block, waits for the
+/// stage to be free and issues its TMA loads (A: 2 boxes, B: BN / 64 boxes).
+template <typename T, Mode kMode, int BN>
+__device__ __forceinline__ void produce(const Params& p, const Ring& ring) {
+  using Tl = Tiling<BN>;
+  constexpr int kStages = Tl::kStages;
+  constexpr bool kWgrad = kMode == Mode::kWgrad;
+  int it = 0, last_g = -1;
+  for (int t = blockIdx.x; t < ring.total; t += gridDim.x) {
+    const Work w = decode<BN>(t, ring.off, ring.tile, p.G, ring.n_tiles, ring.m_tiles);
+    const CUtensorMap* bmap = kWgrad ? &p.b : p.wmaps + w.g;
+    if (!kWgrad && w.g != last_g) {
+      tensormap_acquire(bmap);
+      last_g = w.g;
+    }
+    const int ktiles = ((kWgrad ? w.rows : p.K) + kBK - 1) / kBK;
+    for (int kt = 0; kt < ktiles; ++kt, ++it) {
+      const int s = it % kStages;
+      mbar_wait(smem_u32(&ring.empty[s]), ((it / kStages) & 1) ^ 1);
+      const uint32_t bar = smem_u32(&ring.full[s]), a_s = ring.base + s * Tl::kStageBytes, b_s = a_s + Tl::kABytes;
+      mbar_arrive_expect_tx(bar, Tl::kStageBytes);
+      const int k0 = kt * kBK;
+#pragma unroll
+      for (int h = 0; h < kBM / kBox; ++h) {
+        if constexpr (kWgrad) {
+          tma_load(a_s + h * kBoxBytes, &p.a, w.m0 + h * kBox, w.off + k0, bar);  // dy_g[k0.., m0..]
+        } else {
+          tma_load(a_s + h * kBoxBytes, &p.a, k0, w.off + w.m0 + h * kBox, bar);  // rows [m0.., k0..]
+        }
+      }
+#pragma unroll
+      for (int c = 0; c < BN / kBox; ++c) {
+        if constexpr (kMode == Mode::kForward) {
+          tma_load(b_s + c * kBoxBytes, bmap, k0, w.n0 + c * kBox, bar);  // W_g[n0.., k0..]
+        } else if constexpr (kMode == Mode::kDgrad) {
+          tma_load(b_s + c * kBoxBytes, bmap, w.n0 + c * kBox, k0, bar);  // W_g[k0.., n0..]
+        } else {
+          tma_load(b_s + c * kBoxBytes, bmap, w.n0 + c * kBox, w.off + k0, bar);  // x_g[k0.., n0..]
+        }
+      }
+    }
+  }
+}
+
+/// A consumer warpgroup (cw = 0, 1: rows [64 cw, 64 cw + 64) of each tile): the wgmma k-loop over
+/// the ring, then the epilogue; after the tiles (forward, dgrad) its share of the zeroed tail.
+template <typename T, Mode kMode, int BN>
+__device__ __forceinline__ void consume(const Params& p, const Ring& ring) {
+  using Tl = Tiling<BN>;
+  constexpr int kStages = Tl::kStages;
+  constexpr bool kWgrad = kMode == Mode::kWgrad;
+  const int cw = threadIdx.x / 128 - 1, ctid = threadIdx.x - 128;
+  const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+  constexpr int kTA = kWgrad ? 1 : 0, kTB = kMode == Mode::kForward ? 0 : 1;
+  // Per k16 step: +32 bytes along a K-major row, +16 rows of 128 bytes in an MN-major chunk.
+  constexpr uint32_t kStepA = kTA ? 2048 : 32, kStepB = kTB ? 2048 : 32;
+  constexpr uint32_t kLeadA = kTA ? kBoxBytes : 16, kLeadB = kTB ? kBoxBytes : 16;
+  float acc[Tl::kAcc];
+  int it = 0;
+  for (int t = blockIdx.x; t < ring.total; t += gridDim.x) {
+    const Work w = decode<BN>(t, ring.off, ring.tile, p.G, ring.n_tiles, ring.m_tiles);
+    const int ktiles = ((kWgrad ? w.rows : p.K) + kBK - 1) / kBK;
+    int prev = -1;
+    fence_acc(acc);
+    for (int kt = 0; kt < ktiles; ++kt, ++it) {
+      const int s = it % kStages;
+      mbar_wait(smem_u32(&ring.full[s]), (it / kStages) & 1);
+      const uint32_t a_s = ring.base + s * Tl::kStageBytes, b_s = a_s + Tl::kABytes;
+      if constexpr (kWgrad) {
+        const int valid = w.rows - kt * kBK;  // rows of the group in this stage
+        if (valid < kBK) {
+          // Zero reduction rows [valid, 64) of every 64-row box (A: 2, B: BN / 64; each row 128 bytes,
+          // which the swizzle only permutes within), then hand them to the async proxy.
+          constexpr int kChunks = kBM / kBox + BN / kBox;
+          const int per_box = (kBK - valid) * 8;
+          for (int i = ctid; i < kChunks * per_box; i += 128 * kConsumers) {
+            const int box = i / per_box, r = i - box * per_box;
+            const uint32_t addr = a_s + box * kBoxBytes + (valid + r / 8) * 128 + (r % 8) * 16;
+            asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0) : "memory");
+          }
+          fence_proxy_async();
+          consumers_sync();
+        }
+      }
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBK / 16; ++kk) {
+        const uint64_t da = smem_desc(a_s + cw * kBoxBytes + kk * kStepA, kLeadA, 1024);
+        const uint64_t db = smem_desc(b_s + kk * kStepB, kLeadB, 1024);
+        wgmma<T, BN, kTA, kTB>(acc, da, db, (kt | kk) != 0);
+      }
+      wgmma_commit();
+      if (prev >= 0) {
+        wgmma_wait<1>();  // the previous stage's wgmma completed: release it
+        __syncwarp();
+        if (lane == 0) mbar_arrive(smem_u32(&ring.empty[prev]));
+      }
+      prev = s;
+    }
+    wgmma_wait<0>();
+    fence_acc(acc);
+    __syncwarp();
+    if (lane == 0 && prev >= 0) mbar_arrive(smem_u32(&ring.empty[prev]));
+
+    // Epilogue: thread (warp, lane) holds rows 16 warp + lane / 4 (+ 8) and columns 8 j + 2 (lane % 4)
+    // (+ 1) of the warpgroup's 64 x BN block, in acc[4 j + 2 h + {0, 1}].
+    const int r0 = w.m0 + cw * 64 + warp * 16 + lane / 4, c0 = w.n0 + 2 * (lane % 4);
+    if constexpr (kWgrad) {
+      float* dw = static_cast<float*>(p.dw[w.g]);
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j) {
+        const int col = c0 + 8 * j;
+        if (col >= p.N) continue;  // N is a multiple of 8: col + 1 < N too
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int r = r0 + 8 * h;
+          if (r >= p.M) continue;
+          float2* d = reinterpret_cast<float2*>(dw + static_cast<int64_t>(r) * p.N + col);
+          float2 o = *d;
+          o.x += acc[4 * j + 2 * h];
+          o.y += acc[4 * j + 2 * h + 1];
+          *d = o;
+        }
+      }
+    } else {
+      T* c = static_cast<T*>(p.c) + static_cast<int64_t>(w.off) * p.N;
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j) {
+        const int col = c0 + 8 * j;
+        if (col >= p.N) continue;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int r = r0 + 8 * h;
+          if (r < w.rows) store2(c + static_cast<int64_t>(r) * p.N + col, acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+        }
+      }
+    }
+  }
+  if constexpr (!kWgrad) {
+    // The tail rows [Σc, R) of the output: zeros, in 16-byte stores spread over every consumer thread.
+    const int64_t per_row = p.N / 8;
+    uint4* c = static_cast<uint4*>(p.c);
+    const int64_t threads = 128 * kConsumers, end = static_cast<int64_t>(p.R) * per_row;
+    const int64_t first = static_cast<int64_t>(ring.off[p.G]) * per_row + blockIdx.x * threads + ctid;
+    for (int64_t i = first; i < end; i += gridDim.x * threads) {
+      c[i] = make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
+#endif  // MT_GG_SM90A
+
 template <typename T, Mode kMode, int BN>
 __global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(const __grid_constant__ Params p) {
 #ifdef MT_GG_SM90A
@@ -306,148 +473,13 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(const __grid_constan
     fence_proxy_async();
   }
   __syncthreads();
-  const int total = s_tile[p.G];
-
+  const Ring ring{full, empty, base, s_off, s_tile, s_tile[p.G], n_tiles, m_tiles};
   if (threadIdx.x < 128) {
-    // ---- producer warpgroup: one thread issues every load ----
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
-    if (threadIdx.x == 0) {
-      int it = 0, last_g = -1;
-      for (int t = blockIdx.x; t < total; t += gridDim.x) {
-        const Work w = decode<BN>(t, s_off, s_tile, p.G, n_tiles, m_tiles);
-        const CUtensorMap* bmap = kWgrad ? &p.b : p.wmaps + w.g;
-        if (!kWgrad && w.g != last_g) {
-          tensormap_acquire(bmap);
-          last_g = w.g;
-        }
-        const int ktiles = ((kWgrad ? w.rows : p.K) + kBK - 1) / kBK;
-        for (int kt = 0; kt < ktiles; ++kt, ++it) {
-          const int s = it % kStages;
-          mbar_wait(smem_u32(&empty[s]), ((it / kStages) & 1) ^ 1);
-          const uint32_t bar = smem_u32(&full[s]), a_s = base + s * Tl::kStageBytes, b_s = a_s + Tl::kABytes;
-          mbar_arrive_expect_tx(bar, Tl::kStageBytes);
-          const int k0 = kt * kBK;
-#pragma unroll
-          for (int h = 0; h < kBM / kBox; ++h) {
-            if constexpr (kWgrad) {
-              tma_load(a_s + h * kBoxBytes, &p.a, w.m0 + h * kBox, w.off + k0, bar);  // dy_g[k0.., m0..]
-            } else {
-              tma_load(a_s + h * kBoxBytes, &p.a, k0, w.off + w.m0 + h * kBox, bar);  // rows [m0.., k0..]
-            }
-          }
-#pragma unroll
-          for (int c = 0; c < BN / kBox; ++c) {
-            if constexpr (kMode == Mode::kForward) {
-              tma_load(b_s + c * kBoxBytes, bmap, k0, w.n0 + c * kBox, bar);  // W_g[n0.., k0..]
-            } else if constexpr (kMode == Mode::kDgrad) {
-              tma_load(b_s + c * kBoxBytes, bmap, w.n0 + c * kBox, k0, bar);  // W_g[k0.., n0..]
-            } else {
-              tma_load(b_s + c * kBoxBytes, bmap, w.n0 + c * kBox, w.off + k0, bar);  // x_g[k0.., n0..]
-            }
-          }
-        }
-      }
-    }
+    if (threadIdx.x == 0) produce<T, kMode, BN>(p, ring);
   } else {
-    // ---- consumer warpgroups: rows [64 cw, 64 cw + 64) of each tile ----
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
-    const int cw = threadIdx.x / 128 - 1, ctid = threadIdx.x - 128;
-    const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
-    constexpr int kTA = kWgrad ? 1 : 0, kTB = kMode == Mode::kForward ? 0 : 1;
-    // Per k16 step: +32 bytes along a K-major row, +16 rows of 128 bytes in an MN-major chunk.
-    constexpr uint32_t kStepA = kTA ? 2048 : 32, kStepB = kTB ? 2048 : 32;
-    constexpr uint32_t kLeadA = kTA ? kBoxBytes : 16, kLeadB = kTB ? kBoxBytes : 16;
-    float acc[Tl::kAcc];
-    int it = 0;
-    for (int t = blockIdx.x; t < total; t += gridDim.x) {
-      const Work w = decode<BN>(t, s_off, s_tile, p.G, n_tiles, m_tiles);
-      const int ktiles = ((kWgrad ? w.rows : p.K) + kBK - 1) / kBK;
-      int prev = -1;
-      fence_acc(acc);
-      for (int kt = 0; kt < ktiles; ++kt, ++it) {
-        const int s = it % kStages;
-        mbar_wait(smem_u32(&full[s]), (it / kStages) & 1);
-        const uint32_t a_s = base + s * Tl::kStageBytes, b_s = a_s + Tl::kABytes;
-        if constexpr (kWgrad) {
-          const int valid = w.rows - kt * kBK;  // rows of the group in this stage
-          if (valid < kBK) {
-            // Zero reduction rows [valid, 64) of every 64-row box (A: 2, B: BN / 64; each row 128 bytes,
-            // which the swizzle only permutes within), then hand them to the async proxy.
-            constexpr int kChunks = kBM / kBox + BN / kBox;
-            const int per_box = (kBK - valid) * 8;
-            for (int i = ctid; i < kChunks * per_box; i += 128 * kConsumers) {
-              const int box = i / per_box, r = i - box * per_box;
-              const uint32_t addr = a_s + box * kBoxBytes + (valid + r / 8) * 128 + (r % 8) * 16;
-              asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0) : "memory");
-            }
-            fence_proxy_async();
-            consumers_sync();
-          }
-        }
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < kBK / 16; ++kk) {
-          const uint64_t da = smem_desc(a_s + cw * kBoxBytes + kk * kStepA, kLeadA, 1024);
-          const uint64_t db = smem_desc(b_s + kk * kStepB, kLeadB, 1024);
-          wgmma<T, BN, kTA, kTB>(acc, da, db, (kt | kk) != 0);
-        }
-        wgmma_commit();
-        if (prev >= 0) {
-          wgmma_wait<1>();  // the previous stage's wgmma completed: release it
-          __syncwarp();
-          if (lane == 0) mbar_arrive(smem_u32(&empty[prev]));
-        }
-        prev = s;
-      }
-      wgmma_wait<0>();
-      fence_acc(acc);
-      __syncwarp();
-      if (lane == 0 && prev >= 0) mbar_arrive(smem_u32(&empty[prev]));
-
-      // Epilogue: thread (warp, lane) holds rows 16 warp + lane / 4 (+ 8) and columns 8 j + 2 (lane % 4)
-      // (+ 1) of the warpgroup's 64 x BN block, in acc[4 j + 2 h + {0, 1}].
-      const int r0 = w.m0 + cw * 64 + warp * 16 + lane / 4, c0 = w.n0 + 2 * (lane % 4);
-      if constexpr (kWgrad) {
-        float* dw = static_cast<float*>(p.dw[w.g]);
-#pragma unroll
-        for (int j = 0; j < BN / 8; ++j) {
-          const int col = c0 + 8 * j;
-          if (col >= p.N) continue;  // N is a multiple of 8: col + 1 < N too
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int r = r0 + 8 * h;
-            if (r >= p.M) continue;
-            float2* d = reinterpret_cast<float2*>(dw + static_cast<int64_t>(r) * p.N + col);
-            float2 o = *d;
-            o.x += acc[4 * j + 2 * h];
-            o.y += acc[4 * j + 2 * h + 1];
-            *d = o;
-          }
-        }
-      } else {
-        T* c = static_cast<T*>(p.c) + static_cast<int64_t>(w.off) * p.N;
-#pragma unroll
-        for (int j = 0; j < BN / 8; ++j) {
-          const int col = c0 + 8 * j;
-          if (col >= p.N) continue;
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int r = r0 + 8 * h;
-            if (r < w.rows) store2(c + static_cast<int64_t>(r) * p.N + col, acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-          }
-        }
-      }
-    }
-    if constexpr (!kWgrad) {
-      // The tail rows [Σc, R) of the output: zeros, in 16-byte stores spread over every consumer thread.
-      const int64_t per_row = p.N / 8;
-      uint4* c = static_cast<uint4*>(p.c);
-      const int64_t end = static_cast<int64_t>(p.R) * per_row, stride = static_cast<int64_t>(gridDim.x) * 128 * kConsumers;
-      for (int64_t i = static_cast<int64_t>(s_off[p.G]) * per_row + static_cast<int64_t>(blockIdx.x) * 128 * kConsumers + ctid;
-           i < end; i += stride) {
-        c[i] = make_uint4(0, 0, 0, 0);
-      }
-    }
+    consume<T, kMode, BN>(p, ring);
   }
 #endif  // MT_GG_SM90A
 }
@@ -520,7 +552,9 @@ int pick_bn(int64_t N) {
 /// Why the wgmma kernel does not apply ("" when it does).
 std::string why_not(DType dt, const GroupedWeights& w, bool need_maps, int64_t R,
                     std::initializer_list<const void*> ptrs) {
-  if (dt != DType::kBF16 && dt != DType::kF16) return fmt::format("the dtype is {} (it takes bf16, fp16)", dtype_name(dt));
+  if (dt != DType::kBF16 && dt != DType::kF16) {
+    return fmt::format("the dtype is {} (it takes bf16, fp16)", dtype_name(dt));
+  }
   if (!w.hopper())
     return "the weights are not usable by it (a device of compute capability 9.0 running the sm_90a code, 16-byte "
            "aligned tensors, n and k multiples of 8)";
