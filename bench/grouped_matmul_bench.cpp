@@ -1,14 +1,25 @@
-// Grouped expert GEMMs (ops/grouped_matmul.h) against the per-expert cuBLASLt loop
-// (linear_forward / linear_backward over host row ranges, as MoELayer without --moe-grouped-gemm),
-// bf16 with fp32 accumulation, on cuda:0:
-//   build/grouped_matmul_bench [--iters 20] [--experts 8] [--rows 4096] [--hidden 1024] [--ffn 3584]
-//                              [--skew 0]
-// For each projection of an expert MLP — fc1 (n = ffn, k = hidden) and fc2 (n = hidden, k = ffn) —
-// prints the time and TFLOP/s of forward (y = x Wᵀ), dgrad (dx = dy W) and wgrad (dW += dyᵀ x,
-// fp32 main gradients), 2·R·n·k FLOPs each, R = experts · rows. --skew s gives expert e
-// rows·(1 + s·(e − (E−1)/2)/(E−1)) rows (same total; s = 0: balanced). The grouped calls read the
-// counts from the device; the loop reads them on the host (its cost of the host round trip is not
-// included). Times: median over --iters of CUDA events around one call, after 3 warm-ups.
+// Grouped expert GEMMs (ops/grouped_matmul.h) on their kernels against the per-expert cuBLASLt
+// loop (linear_forward / linear_backward over host row ranges, as MoELayer without
+// --moe-grouped-gemm), bf16 with fp32 accumulation, on cuda:0:
+//   build/grouped_matmul_bench                 the suite: Mixtral-style (8 experts, hidden 4096,
+//                                              ffn 14336, 8192 rows per expert) and DeepSeek-style
+//                                              (64 experts, hidden 2048, ffn 1408, 8192 tokens
+//                                              top-6: 768 rows per expert), balanced and skewed
+//   build/grouped_matmul_bench --experts 8 --rows 4096 --hidden 1024 --ffn 3584 [--skew 0]
+//   build/grouped_matmul_bench --check         the wgmma kernel against the mma.sync kernel
+//   [--iters 10]
+// For each projection of an expert MLP — fc1 (n = ffn, k = hidden) and fc2 (n = hidden, k = ffn)
+// — prints the time and TFLOP/s of forward (y = x Wᵀ), dgrad (dx = dy W) and wgrad (dW += dyᵀ x,
+// fp32 main gradients), 2·R·n·k FLOPs each, R = Σ rows, for the Hopper wgmma kernel (where the
+// device runs it), the mma.sync kernel and the loop, then the wgmma / loop speed ratio. --skew s
+// gives expert e rows·(1 + s·(e − (E−1)/2)/(E−1)) rows (same total; s = 0: balanced; the suite's
+// skewed rows use s = 1.5: 0.25× to 1.75× the mean). The grouped calls read the counts from the
+// device; the loop reads them on the host (its cost of the host round trip is not included).
+// Times: median over --iters of CUDA events around one call, after 3 warm-ups.
+// --check: random bf16 inputs with NaN rows beyond Σc, NaN-poisoned outputs, ragged / skewed /
+// empty counts, both tile widths; prints per op the largest |wgmma − mma.sync| over the largest
+// |mma.sync| (the weight gradients: their increments), whether the tails are zero and the
+// outputs finite, and PASS / FAIL (exit status 1 on a failure).
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -19,10 +30,11 @@
 
 #include <fmt/format.h>
 
+#include "bench_util.h"
 #include "core/buffer.h"
 #include "core/device.h"
-#include "bench_util.h"
 #include "core/stream.h"
+#include "ops/cuda/grouped_matmul_sm90.cuh"
 #include "ops/elementwise.h"
 #include "ops/grouped_matmul.h"
 #include "ops/init.h"
@@ -31,117 +43,331 @@
 namespace {
 
 using namespace mt;
-using bench::median;
 using bench::time_ms;
+using Kernel = cuda::grouped_sm90::Kernel;
 
-int bench_main(int argc, char** argv) {
-  int iters = 20;
-  int64_t E = 8, rows = 4096, hidden = 1024, ffn = 3584;
-  double skew = 0;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string a = argv[i];
-    if (a == "--iters") iters = std::atoi(argv[i + 1]);
-    else if (a == "--experts") E = std::atoll(argv[i + 1]);
-    else if (a == "--rows") rows = std::atoll(argv[i + 1]);
-    else if (a == "--hidden") hidden = std::atoll(argv[i + 1]);
-    else if (a == "--ffn") ffn = std::atoll(argv[i + 1]);
-    else if (a == "--skew") skew = std::atof(argv[i + 1]);
-    else MT_FAIL("unknown option {}", a);
-  }
-  const Device dev = Device::cuda(0);
-  Stream st(dev);
+struct KernelScope {
+  explicit KernelScope(Kernel k) { cuda::grouped_sm90::set_kernel(k); }
+  ~KernelScope() { cuda::grouped_sm90::set_kernel(Kernel::kAuto); }
+};
+
+std::vector<int32_t> skewed_counts(int64_t E, int64_t rows, double skew) {
   std::vector<int32_t> counts(static_cast<size_t>(E));
-  int64_t R = 0;
   for (int64_t e = 0; e < E; ++e) {
     const double f = E > 1 ? 1 + skew * (static_cast<double>(e) - (E - 1) / 2.0) / (E - 1) : 1;
     counts[static_cast<size_t>(e)] = static_cast<int32_t>(std::max(0.0, std::round(rows * f)));
-    R += counts[static_cast<size_t>(e)];
   }
-  fmt::print("grouped_matmul_bench: {} experts, {} rows in all (counts {}), hidden {}, ffn {}, bf16, {}\n", E, R,
-             fmt::join(counts, ","), hidden, ffn, dev.str());
-  fmt::print("{:>4} {:>6} {:>6} | {:>22} | {:>22} | {:>22}\n", "proj", "n", "k", "forward ms  TFLOP/s", "dgrad ms  TFLOP/s",
-             "wgrad ms  TFLOP/s");
-  Buffer bcounts(dev, static_cast<size_t>(E) * 4);
-  const Tensor dcounts = bcounts.as(DType::kI32, {E});
-  copy_bytes(dcounts.data(), dev, counts.data(), Device::cpu(), counts.size() * 4, st);
-  for (int proj = 0; proj < 2; ++proj) {
-    const int64_t n = proj == 0 ? ffn : hidden, k = proj == 0 ? hidden : ffn;
-    Buffer bx(dev, R * k * 2), by(dev, R * n * 2), bdx(dev, R * k * 2), bdy(dev, R * n * 2);
-    Buffer bw(dev, E * n * k * 2), bg(dev, E * n * k * 4), tmp(dev, std::max(R * std::max(n, k), E * n * k) * 4);
-    const Tensor x = bx.as(DType::kBF16, {R, k}), y = by.as(DType::kBF16, {R, n}), dx = bdx.as(DType::kBF16, {R, k});
-    const Tensor dy = bdy.as(DType::kBF16, {R, n}), wall = bw.as(DType::kBF16, {E * n, k});
-    const Tensor gall = bg.as(DType::kF32, {E * n, k});
-    auto randomize = [&](const Tensor& t, uint32_t id, float sd) {
-      const Tensor t32 = tmp.as(DType::kF32, {t.numel()});
-      init_normal(t32, sd, 99, id, ShardBox::whole({t.numel()}), st);
-      cast(t.view({t.numel()}), t32, st);
-    };
-    randomize(x, 1, 1.f);
-    randomize(dy, 2, 1.f);
-    randomize(wall, 3, 0.02f);
+  return counts;
+}
+
+float bf16_to_float(uint16_t v) {
+  const uint32_t u = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+/// Device tensors of one projection (n = output features, k = input features) over R rows and
+/// E experts: activations bf16, weights bf16 [E·n, k] (expert e: rows [e·n, (e+1)·n)), fp32
+/// gradients; random N(0, 1) activations and N(0, 0.02) weights.
+struct Problem {
+  int64_t R, n, k, E;
+  Buffer bx, by, bdx, bdy, bw, bg;
+  Tensor x, y, dx, dy, wall, gall, dcounts;
+  Buffer bcounts;
+  std::vector<Tensor> ws, gs;
+  std::vector<int32_t> counts;
+  Problem(const std::vector<int32_t>& c, int64_t rows, int64_t n_, int64_t k_, const Stream& st)
+      : R(rows), n(n_), k(k_), E(static_cast<int64_t>(c.size())), counts(c) {
+    const Device dev = st.device();
+    bx = Buffer(dev, R * k * 2);
+    by = Buffer(dev, R * n * 2);
+    bdx = Buffer(dev, R * k * 2);
+    bdy = Buffer(dev, R * n * 2);
+    bw = Buffer(dev, E * n * k * 2);
+    bg = Buffer(dev, E * n * k * 4);
+    bcounts = Buffer(dev, static_cast<size_t>(E) * 4);
+    x = bx.as(DType::kBF16, {R, k});
+    y = by.as(DType::kBF16, {R, n});
+    dx = bdx.as(DType::kBF16, {R, k});
+    dy = bdy.as(DType::kBF16, {R, n});
+    wall = bw.as(DType::kBF16, {E * n, k});
+    gall = bg.as(DType::kF32, {E * n, k});
+    dcounts = bcounts.as(DType::kI32, {E});
+    copy_bytes(dcounts.data(), dev, counts.data(), Device::cpu(), counts.size() * 4, st);
+    {
+      // fp32 staging for the random values, one tensor at a time (the largest: max(R·max(n, k), E·n·k)).
+      Buffer tmp(dev, static_cast<size_t>(std::max(R * std::max(n, k), E * n * k)) * 4);
+      auto randomize = [&](const Tensor& t, uint32_t id, float sd) {
+        const Tensor t32 = tmp.as(DType::kF32, {t.numel()});
+        init_normal(t32, sd, 99, id, ShardBox::whole({t.numel()}), st);
+        cast(t.view({t.numel()}), t32, st);
+      };
+      randomize(x, 1, 1.f);
+      randomize(dy, 2, 1.f);
+      randomize(wall, 3, 0.02f);
+      st.synchronize();
+    }
     fill(gall, 0.f, st);
-    std::vector<Tensor> ws, gs;
     for (int64_t e = 0; e < E; ++e) {
       ws.push_back(wall.slice0(e * n, (e + 1) * n));
       gs.push_back(gall.slice0(e * n, (e + 1) * n));
     }
-    const GroupedWeights gw(ws, st), gg(gs, st);
+  }
+  int64_t used() const {
+    int64_t s = 0;
+    for (int32_t c : counts) s += c;
+    return std::min(s, R);
+  }
+};
+
+struct Times {
+  double f = 0, d = 0, w = 0;
+};
+
+/// The per-expert loop over host row ranges.
+template <typename F>
+void each_expert(const Problem& p, F&& f) {
+  int64_t off = 0;
+  for (int64_t e = 0; e < p.E; ++e) {
+    const int64_t c = p.counts[static_cast<size_t>(e)];
+    if (c > 0) f(e, off, c);
+    off += c;
+  }
+}
+
+Times time_grouped(const Problem& p, const GroupedWeights& gw, const GroupedWeights& gg, int iters,
+                   const Stream& st) {
+  Times t;
+  t.f = time_ms(st, iters, [&] { grouped_linear_forward(p.y, p.x, gw, p.dcounts, st); });
+  t.d = time_ms(st, iters, [&] { grouped_linear_dgrad(p.dx, p.dy, gw, p.dcounts, st); });
+  t.w = time_ms(st, iters, [&] { grouped_linear_wgrad(gg, p.dy, p.x, p.dcounts, st); });
+  return t;
+}
+
+Times time_loop(const Problem& p, int iters, const Stream& st) {
+  Times t;
+  t.f = time_ms(st, iters, [&] {
+    each_expert(p, [&](int64_t e, int64_t off, int64_t c) {
+      linear_forward(p.y.slice0(off, off + c), p.x.slice0(off, off + c), p.ws[e], Tensor(), Tensor(), st);
+    });
+  });
+  t.d = time_ms(st, iters, [&] {
+    each_expert(p, [&](int64_t e, int64_t off, int64_t c) {
+      linear_backward(p.dx.slice0(off, off + c), Tensor(), Tensor(), p.dy.slice0(off, off + c),
+                      p.x.slice0(off, off + c), p.ws[e], st);
+    });
+  });
+  t.w = time_ms(st, iters, [&] {
+    each_expert(p, [&](int64_t e, int64_t off, int64_t c) {
+      linear_backward(Tensor(), p.gs[e], Tensor(), p.dy.slice0(off, off + c), p.x.slice0(off, off + c), p.ws[e],
+                      st);
+    });
+  });
+  return t;
+}
+
+/// One MoE shape: both projections, every implementation (the wgmma kernel where it runs).
+void bench_shape(const std::string& name, int64_t E, int64_t rows, int64_t hidden, int64_t ffn, double skew,
+                 int iters, const Stream& st) {
+  const std::vector<int32_t> counts = skewed_counts(E, rows, skew);
+  int64_t R = 0;
+  for (int32_t c : counts) R += c;
+  const auto [mn, mx] = std::minmax_element(counts.begin(), counts.end());
+  fmt::print("\n== {}: {} experts, {} rows in all (per expert {} to {}, skew {}), hidden {}, ffn {}, bf16, {}\n",
+             name, E, R, *mn, *mx, skew, hidden, ffn, st.device().str());
+  fmt::print("{:>4} {:>6} {:>6} | {:>20} | {:>20} | {:>20} |\n", "proj", "n", "k", "forward ms TFLOP/s",
+             "dgrad ms TFLOP/s", "wgrad ms TFLOP/s");
+  Times sum_wg, sum_mma, sum_loop;
+  bool have_wg = true;
+  std::string why;
+  for (int proj = 0; proj < 2; ++proj) {
+    const int64_t n = proj == 0 ? ffn : hidden, k = proj == 0 ? hidden : ffn;
+    const Problem p(counts, R, n, k, st);
+    const GroupedWeights gw(p.ws, st), gg(p.gs, st);
     const double flops = 2.0 * static_cast<double>(R) * n * k;
-    auto loop = [&](auto&& f) {
-      int64_t off = 0;
-      for (int64_t e = 0; e < E; ++e) {
-        const int64_t c = counts[static_cast<size_t>(e)];
-        if (c > 0) f(e, off, c);
-        off += c;
+    const char* pname = proj == 0 ? "fc1" : "fc2";
+    auto row = [&](const char* impl, const Times& t) {
+      fmt::print("{:>4} {:>6} {:>6} | {:>8.3f} {:>11.1f} | {:>8.3f} {:>11.1f} | {:>8.3f} {:>11.1f} | {}\n", pname, n,
+                 k, t.f, flops / t.f * 1e-9, t.d, flops / t.d * 1e-9, t.w, flops / t.w * 1e-9, impl);
+    };
+    Times wg;  // with the automatic tile width of each op's output columns (forward n, dgrad and wgrad k)
+    if (have_wg) {
+      try {
+        Times by_bn[2];
+        for (int i = 0; i < 2; ++i) {
+          const KernelScope scope(i == 0 ? Kernel::kWgmma256 : Kernel::kWgmma128);
+          by_bn[i] = time_grouped(p, gw, gg, iters, st);
+          row(i == 0 ? "wgmma 128x256" : "wgmma 128x128", by_bn[i]);
+        }
+        auto pick = [&](int64_t cols) { return cuda::grouped_sm90::auto_tile_width(cols) == 256 ? 0 : 1; };
+        wg = {by_bn[pick(n)].f, by_bn[pick(k)].d, by_bn[pick(k)].w};
+        row("wgmma, automatic width", wg);
+      } catch (const std::exception& e) {
+        have_wg = false;
+        why = e.what();
       }
-    };
-    const double gf = time_ms(st, iters, [&] { grouped_linear_forward(y, x, gw, dcounts, st); });
-    const double gd = time_ms(st, iters, [&] { grouped_linear_dgrad(dx, dy, gw, dcounts, st); });
-    const double gwg = time_ms(st, iters, [&] { grouped_linear_wgrad(gg, dy, x, dcounts, st); });
-    const double lf = time_ms(st, iters, [&] {
-      loop([&](int64_t e, int64_t off, int64_t c) {
-        linear_forward(y.slice0(off, off + c), x.slice0(off, off + c), ws[e], Tensor(), Tensor(), st);
-      });
-    });
-    const double ld = time_ms(st, iters, [&] {
-      loop([&](int64_t e, int64_t off, int64_t c) {
-        linear_backward(dx.slice0(off, off + c), Tensor(), Tensor(), dy.slice0(off, off + c), x.slice0(off, off + c),
-                        ws[e], st);
-      });
-    });
-    const double lw = time_ms(st, iters, [&] {
-      loop([&](int64_t e, int64_t off, int64_t c) {
-        linear_backward(Tensor(), gs[e], Tensor(), dy.slice0(off, off + c), x.slice0(off, off + c), ws[e], st);
-      });
-    });
-    const char* name = proj == 0 ? "fc1" : "fc2";
-    auto row = [&](const char* impl, double f, double d, double w) {
-      fmt::print("{:>4} {:>6} {:>6} | {:>9.3f} {:>12.1f} | {:>9.3f} {:>12.1f} | {:>9.3f} {:>12.1f}  {}\n", name, n, k,
-                 f, flops / f * 1e-9, d, flops / d * 1e-9, w, flops / w * 1e-9, impl);
-    };
-    row("grouped", gf, gd, gwg);
-    row("cuBLASLt loop", lf, ld, lw);
-    // Spot check: the grouped forward against the loop (bf16 outputs, relative error of the first rows).
-    grouped_linear_forward(y, x, gw, dcounts, st);
-    std::vector<uint16_t> a(static_cast<size_t>(std::min<int64_t>(R, 256) * n)), b(a.size());
-    copy_bytes(a.data(), Device::cpu(), y.data(), dev, a.size() * 2, st);
-    loop([&](int64_t e, int64_t off, int64_t c) {
-      linear_forward(y.slice0(off, off + c), x.slice0(off, off + c), ws[e], Tensor(), Tensor(), st);
-    });
-    copy_bytes(b.data(), Device::cpu(), y.data(), dev, b.size() * 2, st);
-    st.synchronize();
-    double num = 0, den = 0;
-    for (size_t i = 0; i < a.size(); ++i) {
-      uint32_t ua = static_cast<uint32_t>(a[i]) << 16, ub = static_cast<uint32_t>(b[i]) << 16;
-      float fa, fb;
-      std::memcpy(&fa, &ua, 4);
-      std::memcpy(&fb, &ub, 4);
-      num += (static_cast<double>(fa) - fb) * (static_cast<double>(fa) - fb);
-      den += static_cast<double>(fb) * fb;
     }
-    fmt::print("     check: grouped vs loop forward rel. err {:.2e}\n", std::sqrt(num / std::max(den, 1e-30)));
+    Times mma;
+    {
+      const KernelScope scope(Kernel::kMmaSync);
+      mma = time_grouped(p, gw, gg, iters, st);
+      row("mma.sync", mma);
+    }
+    const Times loop = time_loop(p, iters, st);
+    row("cuBLASLt loop", loop);
+    if (have_wg) {
+      fmt::print("{:>4} {:>6} {:>6} | {:>20.3f} | {:>20.3f} | {:>20.3f} | wgmma / loop speed\n", pname, n, k,
+                 loop.f / wg.f, loop.d / wg.d, loop.w / wg.w);
+    }
+    sum_wg = {sum_wg.f + wg.f, sum_wg.d + wg.d, sum_wg.w + wg.w};
+    sum_mma = {sum_mma.f + mma.f, sum_mma.d + mma.d, sum_mma.w + mma.w};
+    sum_loop = {sum_loop.f + loop.f, sum_loop.d + loop.d, sum_loop.w + loop.w};
     std::fflush(stdout);
   }
+  auto total = [](const Times& t) { return t.f + t.d + t.w; };
+  if (!have_wg) fmt::print("wgmma kernel not run: {}\n", why);
+  fmt::print("MLP fc1 + fc2, forward + dgrad + wgrad: {}mma.sync {:.3f} ms, cuBLASLt loop {:.3f} ms{}\n",
+             have_wg ? fmt::format("wgmma {:.3f} ms, ", total(sum_wg)) : std::string(), total(sum_mma),
+             total(sum_loop),
+             have_wg ? fmt::format(" (wgmma / loop speed {:.3f})", total(sum_loop) / total(sum_wg)) : std::string());
+  std::fflush(stdout);
+}
+
+// ---- --check ------------------------------------------------------------------------------------
+
+std::vector<float> to_host_bf16(const Tensor& t, const Stream& st) {
+  std::vector<uint16_t> raw(static_cast<size_t>(t.numel()));
+  copy_bytes(raw.data(), Device::cpu(), t.data(), t.device(), raw.size() * 2, st);
+  st.synchronize();
+  std::vector<float> v(raw.size());
+  for (size_t i = 0; i < raw.size(); ++i) v[i] = bf16_to_float(raw[i]);
+  return v;
+}
+
+std::vector<float> to_host_f32(const Tensor& t, const Stream& st) {
+  std::vector<float> v(static_cast<size_t>(t.numel()));
+  copy_bytes(v.data(), Device::cpu(), t.data(), t.device(), v.size() * 4, st);
+  st.synchronize();
+  return v;
+}
+
+/// max |a − b| over [0, end) / max |b| there (NaN anywhere: infinity).
+double max_rel(const std::vector<float>& a, const std::vector<float>& b, size_t end) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < end; ++i) {
+    if (std::isnan(a[i]) || std::isnan(b[i])) return INFINITY;
+    num = std::max(num, std::fabs(static_cast<double>(a[i]) - b[i]));
+    den = std::max(den, std::fabs(static_cast<double>(b[i])));
+  }
+  return num / std::max(den, 1e-30);
+}
+
+struct Outputs {
+  std::vector<float> y, dx, dw;  // dw: the increments over the initial gradients
+};
+
+/// Runs the three ops on `kernel` from NaN-poisoned outputs and the given initial gradients.
+Outputs run_ops(const Problem& p, const GroupedWeights& gw, const GroupedWeights& gg,
+                const std::vector<float>& g0, Kernel kernel, const Stream& st) {
+  const KernelScope scope(kernel);
+  fill(p.y, NAN, st);
+  fill(p.dx, NAN, st);
+  copy_bytes(p.gall.data(), st.device(), g0.data(), Device::cpu(), g0.size() * 4, st);
+  grouped_linear_forward(p.y, p.x, gw, p.dcounts, st);
+  grouped_linear_dgrad(p.dx, p.dy, gw, p.dcounts, st);
+  grouped_linear_wgrad(gg, p.dy, p.x, p.dcounts, st);
+  Outputs o{to_host_bf16(p.y, st), to_host_bf16(p.dx, st), to_host_f32(p.gall, st)};
+  for (size_t i = 0; i < o.dw.size(); ++i) o.dw[i] -= g0[i];
+  return o;
+}
+
+bool check_case(const std::vector<int32_t>& counts, int64_t R, int64_t n, int64_t k, Kernel kernel, const Stream& st) {
+  Problem p(counts, R, n, k, st);
+  const int64_t used = p.used();
+  if (used < R) {  // never read: NaN rows beyond the routed ones
+    fill(p.x.slice0(used, R), NAN, st);
+    fill(p.dy.slice0(used, R), NAN, st);
+  }
+  const GroupedWeights gw(p.ws, st), gg(p.gs, st);
+  std::vector<float> g0(static_cast<size_t>(p.E * n * k));
+  for (size_t i = 0; i < g0.size(); ++i) g0[i] = static_cast<float>((i * 2654435761u) % 1000) / 1000.f - 0.5f;
+  const Outputs ref = run_ops(p, gw, gg, g0, Kernel::kMmaSync, st);
+  const Outputs got = run_ops(p, gw, gg, g0, kernel, st);
+  const double ef = max_rel(got.y, ref.y, static_cast<size_t>(used * n));
+  const double ed = max_rel(got.dx, ref.dx, static_cast<size_t>(used * k));
+  const double ew = max_rel(got.dw, ref.dw, got.dw.size());
+  bool tails = true;
+  for (size_t i = static_cast<size_t>(used * n); i < got.y.size(); ++i) tails = tails && got.y[i] == 0.f;
+  for (size_t i = static_cast<size_t>(used * k); i < got.dx.size(); ++i) tails = tails && got.dx[i] == 0.f;
+  // bf16 outputs of two fp32 reductions in different orders differ by about one bf16 rounding
+  // (2^-8 of an element); the fp32 gradient increments by fp32 rounding.
+  const bool ok = ef < 1e-2 && ed < 1e-2 && ew < 1e-4 && tails;
+  const char* kname = kernel == Kernel::kWgmma128 ? "128" : kernel == Kernel::kWgmma256 ? "256" : "auto";
+  fmt::print("{:>3} groups R {:>6} (used {:>6}) n {:>5} k {:>5} tile {:>4} | max rel. err fwd {:.2e} dgrad {:.2e} "
+             "wgrad {:.2e} | tails {} | {}\n",
+             p.E, R, used, n, k, kname, ef, ed, ew, tails ? "zero" : "NOT ZERO", ok ? "PASS" : "FAIL");
+  std::fflush(stdout);
+  return ok;
+}
+
+int run_check(const Stream& st) {
+  if (!cuda::grouped_sm90::device_ready(st)) {
+    fmt::print("--check: {} does not run the wgmma kernel (not compute capability 9.0, or the sm_90a code is not "
+               "loaded)\n",
+               st.device().str());
+    return 1;
+  }
+  fmt::print("--check: the wgmma kernel against the mma.sync kernel (bf16, {})\n", st.device().str());
+  std::vector<int32_t> ds;  // 64 DeepSeek-style experts, skewed with empty ones
+  for (int g = 0; g < 64; ++g) ds.push_back(g % 7 == 0 ? 0 : (g * 53) % 300);
+  bool ok = true;
+  for (Kernel kern : {Kernel::kWgmma128, Kernel::kWgmma256, Kernel::kWgmma}) {
+    ok &= check_case({100, 0, 57, 1, 130}, 300, 72, 40, kern, st);              // ragged, a tail of 12
+    ok &= check_case({1, 0, 1900, 3, 0, 129, 200}, 2400, 328, 1032, kern, st);  // skewed, 17 K stages
+    ok &= check_case({0, 0, 0}, 128, 256, 64, kern, st);                         // all empty
+    ok &= check_case(ds, 12000, 1408, 512, kern, st);                            // fc1-shaped (n = 1408)
+    ok &= check_case(ds, 12000, 512, 1408, kern, st);                            // fc2-shaped (k = 1408)
+    ok &= check_case({3000, 2500, 0, 2700}, 9000, 4096, 1024, kern, st);         // large, a tail of 800
+    ok &= check_case({5000, 5000}, 8192, 512, 512, kern, st);                    // Σc > R: the second group clipped
+  }
+  fmt::print("--check: {}\n", ok ? "PASS" : "FAIL");
+  return ok ? 0 : 1;
+}
+
+int bench_main(int argc, char** argv) {
+  int iters = 10;
+  int64_t E = 0, rows = 4096, hidden = 1024, ffn = 3584;
+  double skew = 0;
+  bool check = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--check") {
+      check = true;
+      continue;
+    }
+    MT_CHECK(i + 1 < argc, "option {} needs a value", a);
+    const char* v = argv[++i];
+    if (a == "--iters") iters = std::atoi(v);
+    else if (a == "--experts") E = std::atoll(v);
+    else if (a == "--rows") rows = std::atoll(v);
+    else if (a == "--hidden") hidden = std::atoll(v);
+    else if (a == "--ffn") ffn = std::atoll(v);
+    else if (a == "--skew") skew = std::atof(v);
+    else MT_FAIL("unknown option {}", a);
+  }
+  MT_CHECK(iters >= 1, "--iters {} must be >= 1", iters);
+  const Device dev = Device::cuda(0);
+  Stream st(dev);
+  if (check) return run_check(st);
+  if (E > 0) {
+    bench_shape("custom", E, rows, hidden, ffn, skew, iters, st);
+    return 0;
+  }
+  bench_shape("Mixtral-style, balanced", 8, 8192, 4096, 14336, 0, iters, st);
+  bench_shape("Mixtral-style, skewed", 8, 8192, 4096, 14336, 1.5, iters, st);
+  bench_shape("DeepSeek-style, balanced", 64, 768, 2048, 1408, 0, iters, st);
+  bench_shape("DeepSeek-style, skewed", 64, 768, 2048, 1408, 1.5, iters, st);
   return 0;
 }
 

@@ -5,6 +5,9 @@
 #include <cstdint>
 
 #include "ops/op_checks.h"
+#ifdef MT_WITH_CUDA
+#include "ops/cuda/grouped_matmul_sm90.cuh"
+#endif
 
 namespace mt {
 
@@ -27,6 +30,13 @@ GroupedWeights::GroupedWeights(std::vector<Tensor> weights, const Stream& stream
   table_ = Buffer(w0.device(), host.size() * sizeof(void*));
   copy_bytes(table_.data(), w0.device(), host.data(), Device::cpu(), host.size() * sizeof(void*), stream);
   stream.synchronize();  // `host` goes out of scope; built once, outside a step
+#ifdef MT_WITH_CUDA
+  if (w0.device().is_cuda()) {
+    cuda::grouped_sm90::WeightMaps m = cuda::grouped_sm90::build_weight_maps(w_, stream);
+    maps_ = std::move(m.maps);
+    hopper_ = m.hopper;
+  }
+#endif
 }
 
 namespace {

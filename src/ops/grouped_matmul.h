@@ -9,13 +9,16 @@
 // parameters are separate tensors of the ParamStore): GroupedWeights holds their G views and a
 // table of their addresses on the weights' device, built once.
 //
-// CPU: the reference, fp32 (OpenBLAS sgemm per group; the counts are host memory). CUDA
-// (ops/cuda/grouped_matmul.cu): bf16/fp16 storage on tensor cores (mma.sync m16n8k16, fp32
-// accumulation, 128x128x32 block tiles, a cp.async multi-stage K loop) when n and k are multiples
-// of 8 and every pointer is 16-byte aligned, otherwise (and always for fp32) a tiled fp32 SIMT
-// kernel. One block computes each output tile with a fixed reduction order: deterministic, no
-// atomics. The block of each (group, row tile) is found on the device from the counts (the grid
-// is sized for the worst case ceil(R/128) + G row tiles; blocks without a tile zero the tail).
+// CPU: the reference, fp32 (OpenBLAS sgemm per group; the counts are host memory). CUDA, bf16 /
+// fp16 storage with fp32 accumulation, when n and k are multiples of 8 and every pointer is
+// 16-byte aligned: on Hopper (compute capability 9.0) the wgmma kernel (ops/cuda/
+// grouped_matmul_sm90.cu: TMA loads into a 4-6-stage shared-memory pipeline, one producer and two
+// consumer warpgroups, 128x256 or 128x128 output tiles, a persistent grid that walks the (group,
+// row tile, column tile) work found on the device from the counts); elsewhere tensor cores
+// through mma.sync m16n8k16 (ops/cuda/grouped_matmul.cu: 128x128x32 block tiles, a cp.async
+// 3-stage K loop, a grid sized for the worst case ceil(R/128) + G row tiles). Otherwise (and
+// always for fp32) a tiled fp32 SIMT kernel. Each output tile is computed by one block with a
+// fixed reduction order: deterministic, no atomics.
 #pragma once
 #include <cstdint>
 #include <vector>
@@ -51,11 +54,19 @@ class GroupedWeights {
   void* const* table() const { return static_cast<void* const*>(table_.data()); }
   /// True when every address is 16-byte aligned (the tensor-core path's requirement).
   bool aligned16() const { return aligned16_; }
+  /// True when the Hopper wgmma kernel may use these tensors: a CUDA device of compute capability
+  /// 9.0 running the sm_90a code, every address 16-byte aligned, n and k multiples of 8.
+  bool hopper() const { return hopper_; }
+  /// With hopper() and bf16/fp16 tensors: G TMA tensor maps of them on device() (128 bytes each:
+  /// 2-D [n, k], 64 x 64-element boxes, 128-byte swizzle), built once at construction; else null.
+  const void* tensor_maps() const { return maps_.data(); }
 
  private:
   std::vector<Tensor> w_;
   Buffer table_;
+  Buffer maps_;
   bool aligned16_ = false;
+  bool hopper_ = false;
 };
 
 /// Grouped forward (TE GroupedLinear forward, no bias): y[off_g + i] = x[off_g + i] · W_gᵀ for

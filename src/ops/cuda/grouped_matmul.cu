@@ -1,5 +1,7 @@
 // CUDA grouped linear layers (ops/grouped_matmul.h): the per-group row counts are read on the
-// device, so nothing here synchronises with the host.
+// device, so nothing here synchronises with the host. Each entry point first offers the call to
+// the Hopper wgmma kernel (ops/cuda/grouped_matmul_sm90.cu: compute capability 9.0, bf16/fp16,
+// aligned); the kernels below run everything it does not take.
 //
 // Every block first turns the G counts into the groups' row offsets (clipped at R) and, for the
 // forward and dgrad, the prefix of their row tiles (warp 0: a per-lane serial sum over a run of
@@ -17,9 +19,6 @@
 // aligned pointers (the chunks); otherwise, and for fp32, the SIMT kernel: 64x64 tiles, BK = 16,
 // 4x4 outputs per thread, fp32 FMA in a fixed order (fp32 results match the CPU to ~1e-6).
 // Determinism: each output element is computed by one thread of one block in a fixed order.
-#include <mutex>
-#include <set>
-#include <utility>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -32,13 +31,17 @@
 
 #include "core/cuda_check.h"
 #include "ops/cuda/elementwise_common.cuh"
+#include "ops/cuda/grouped_matmul_common.cuh"
+#include "ops/cuda/grouped_matmul_sm90.cuh"
 
 namespace mt::cuda {
 namespace {
 
 using ew::raw;
-
-constexpr int kMaxGroups = 1024;  // the shared-memory group tables
+using grouped::find_group;
+using grouped::group_tables;
+using grouped::kMaxGroups;
+using grouped::RowTiles;
 constexpr int kThreads = 256;
 
 enum class Mode { kForward, kDgrad, kWgrad };
@@ -51,63 +54,6 @@ struct Params {
   const int32_t* counts;  // [G]
   int G, R, n, k;
 };
-
-// ---- group tables ------------------------------------------------------------------------------
-
-__device__ __forceinline__ long long warp_inclusive_scan(long long v) {
-  const int lane = threadIdx.x & 31;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const long long u = __shfl_up_sync(0xffffffffu, v, o);
-    if (lane >= o) v += u;
-  }
-  return v;
-}
-
-/// off[g] = first row of group g clipped at R (g <= G; off[G] = min(Σc, R)); with bm > 0 also
-/// tile[g] = row tiles of bm rows before group g (tile[G] = all). Warp 0 computes, then the block
-/// synchronises. Negative counts count as 0.
-__device__ void group_tables(const int32_t* __restrict__ counts, int G, int R, int bm, int* off, int* tile) {
-  if (threadIdx.x < 32) {
-    const int lane = threadIdx.x;
-    const int per = (G + 31) / 32, g0 = min(lane * per, G), g1 = min(g0 + per, G);
-    long long sum = 0;
-    for (int g = g0; g < g1; ++g) sum += max(counts[g], 0);
-    long long run = warp_inclusive_scan(sum) - sum;
-    for (int g = g0; g < g1; ++g) {
-      off[g] = static_cast<int>(min(run, static_cast<long long>(R)));
-      run += max(counts[g], 0);
-    }
-    if (lane == 31) off[G] = static_cast<int>(min(run, static_cast<long long>(R)));
-    __syncwarp();
-    if (bm > 0) {
-      long long t = 0;
-      for (int g = g0; g < g1; ++g) t += (off[g + 1] - off[g] + bm - 1) / bm;
-      long long trun = warp_inclusive_scan(t) - t;
-      for (int g = g0; g < g1; ++g) {
-        tile[g] = static_cast<int>(trun);
-        trun += (off[g + 1] - off[g] + bm - 1) / bm;
-      }
-      if (lane == 31) tile[G] = static_cast<int>(trun);
-    }
-  }
-  __syncthreads();
-}
-
-/// The group whose row tiles include slot b (tile[g] <= b < tile[g + 1]), or -1 when b >= tile[G].
-__device__ __forceinline__ int find_group(const int* tile, int G, int b) {
-  if (b >= tile[G]) return -1;
-  int lo = 0, hi = G - 1;  // the last g with tile[g] <= b
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (tile[mid] <= b) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  return lo;
-}
 
 /// What a block of the forward/dgrad computes: group g's row tile `mt` (rows [off + mt·bm, ...)
 /// of `rows` rows in the group), or, with g < 0, the tail tile starting at row `tail_row`.
@@ -173,7 +119,7 @@ __global__ void __launch_bounds__(kThreads) simt_kernel(Params p) {
   __shared__ int s_off[kMaxGroups + 1], s_tile[kMaxGroups + 1];
   __shared__ float As[kSK][kSM + 1], Bs[kSK][kSN + 1];
   constexpr bool kWgrad = kMode == Mode::kWgrad;
-  group_tables(p.counts, p.G, p.R, kWgrad ? 0 : kSM, s_off, s_tile);
+  group_tables(p.counts, p.G, p.R, RowTiles{kWgrad ? 0 : kSM, 1}, s_off, s_tile);
   // Problem of this block: C[M, N] (+)= A[M, Kr] · B[N, Kr]ᵀ over its tile.
   int g, M, N, Kr, m0, off;
   if constexpr (kWgrad) {
@@ -337,7 +283,7 @@ __global__ void __launch_bounds__(kThreads) tc_kernel(Params p) {
   T* sA = reinterpret_cast<T*>(smem_raw);
   T* sB = sA + kStages * TileA::kElems;
 
-  group_tables(p.counts, p.G, p.R, kWgrad ? 0 : kBM, s_off, s_tile);
+  group_tables(p.counts, p.G, p.R, RowTiles{kWgrad ? 0 : kBM, 1}, s_off, s_tile);
   int g, M, N, Kr, m0, off;
   if constexpr (kWgrad) {
     g = blockIdx.z;
@@ -488,27 +434,6 @@ __global__ void __launch_bounds__(kThreads) tc_kernel(Params p) {
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-/// Opts the kernel in to `smem` bytes of dynamic shared memory (once per device and kernel).
-template <typename Kernel>
-void allow_smem(Kernel kernel, size_t smem, const char* fn) {
-  // Once per (kernel, device): every instantiation has the same function-pointer type, so the key
-  // must be the kernel's address, not the template.
-  static std::mutex mu;
-  static std::set<std::pair<const void*, int>> done;
-  int dev = 0;
-  MT_CUDA_CHECK(cudaGetDevice(&dev));
-  const std::pair<const void*, int> key{reinterpret_cast<const void*>(kernel), dev};
-  std::lock_guard<std::mutex> lock(mu);
-  if (done.count(key)) return;
-  int max_optin = 0;
-  MT_CUDA_CHECK(cudaDeviceGetAttribute(&max_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-  MT_CHECK(smem + 2 * (kMaxGroups + 1) * sizeof(int) <= static_cast<size_t>(max_optin),
-           "{}: the tensor-core kernel needs {} bytes of shared memory, more than the device's {}", fn, smem,
-           max_optin);
-  MT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  done.insert(key);
-}
-
 template <Mode kMode>
 void launch(const char* fn, DType dtype, const Params& p, bool tensor_cores, int64_t R, int64_t N, int64_t M_wgrad,
             const Stream& stream) {
@@ -532,7 +457,7 @@ void launch(const char* fn, DType dtype, const Params& p, bool tensor_cores, int
     } else {
       if (tensor_cores) {
         constexpr size_t smem = tc_smem_bytes<T, kMode>();
-        allow_smem(tc_kernel<T, kMode>, smem, fn);
+        grouped::allow_smem(tc_kernel<T, kMode>, smem, 2 * (kMaxGroups + 1) * sizeof(int), fn);
         tc_kernel<T, kMode><<<grid, kThreads, smem, s>>>(p);
       } else {
         simt_kernel<T, kMode><<<grid, kThreads, 0, s>>>(p);
@@ -566,6 +491,7 @@ void grouped_linear_forward(const Tensor& y, const Tensor& x, const GroupedWeigh
   const char* fn = "grouped_linear_forward";
   const int64_t R = x.size(0), n = w.rows(), k = w.cols();
   if (R == 0 || n == 0) return;
+  if (grouped_sm90::forward(y, x, w, counts, stream)) return;
   const Params p = make_params(x.data(), nullptr, y.data(), w, counts, R, fn);
   const bool tc = x.dtype() != DType::kF32 && n % 8 == 0 && k % 8 == 0 && w.aligned16() && aligned16(x.data()) &&
                   aligned16(y.data());
@@ -577,6 +503,7 @@ void grouped_linear_dgrad(const Tensor& dx, const Tensor& dy, const GroupedWeigh
   const char* fn = "grouped_linear_dgrad";
   const int64_t R = dy.size(0), n = w.rows(), k = w.cols();
   if (R == 0 || k == 0) return;
+  if (grouped_sm90::dgrad(dx, dy, w, counts, stream)) return;
   const Params p = make_params(dy.data(), nullptr, dx.data(), w, counts, R, fn);
   const bool tc = dy.dtype() != DType::kF32 && n % 8 == 0 && k % 8 == 0 && w.aligned16() && aligned16(dy.data()) &&
                   aligned16(dx.data());
@@ -588,6 +515,7 @@ void grouped_linear_wgrad(const GroupedWeights& dw, const Tensor& dy, const Tens
   const char* fn = "grouped_linear_wgrad";
   const int64_t R = x.size(0), n = dw.rows(), k = dw.cols();
   if (R == 0 || n == 0 || k == 0) return;
+  if (grouped_sm90::wgrad(dw, dy, x, counts, stream)) return;
   const Params p = make_params(dy.data(), x.data(), nullptr, dw, counts, R, fn);
   const bool tc = x.dtype() != DType::kF32 && n % 8 == 0 && k % 8 == 0 && dw.aligned16() && aligned16(dy.data()) &&
                   aligned16(x.data());

@@ -1,0 +1,54 @@
+// The Hopper (sm_90a) grouped GEMM behind ops/grouped_matmul.h (ops/cuda/grouped_matmul_sm90.cu):
+// wgmma on tensor cores, operands brought into shared memory by TMA, a persistent grid whose
+// work tiles are found on the device from the counts. Plain C++ declarations (no CUDA syntax):
+// included by ops/grouped_matmul.cpp (GroupedWeights' tensor maps), the CUDA entry points in
+// ops/cuda/grouped_matmul.cu, and the tests and bench that pick the kernel.
+#pragma once
+#include <vector>
+
+#include "core/buffer.h"
+#include "core/stream.h"
+#include "core/tensor.h"
+
+namespace mt {
+class GroupedWeights;
+}
+
+namespace mt::cuda::grouped_sm90 {
+
+/// Which kernel the CUDA grouped GEMMs run (process-wide; a test and bench hook). kAuto: the
+/// wgmma kernel where it applies (below), else the mma.sync / SIMT kernels. kMmaSync: always the
+/// latter. kWgmma / kWgmma128 / kWgmma256: the wgmma kernel with the automatic / a 128- / a
+/// 256-column tile, and an mt::Error naming the reason where it does not apply.
+enum class Kernel { kAuto, kMmaSync, kWgmma, kWgmma128, kWgmma256 };
+void set_kernel(Kernel k);
+Kernel kernel();
+
+/// The wgmma kernel's output-tile width for N output columns when not forced: 256, unless it
+/// pads the columns by more than 4% beyond what 128 pads (N = 1408: 128).
+int auto_tile_width(int64_t N);
+
+/// Whether the current CUDA device has compute capability 9.0 and runs this binary's sm_90a
+/// code (a one-thread probe kernel, once per device: it synchronises `stream`, so call it outside
+/// a captured region — GroupedWeights' constructor does).
+bool device_ready(const Stream& stream);
+
+/// What GroupedWeights keeps for the wgmma kernel: `hopper` when the device is ready, every
+/// tensor 16-byte aligned and n, k multiples of 8; then, for bf16/fp16 tensors, `maps` holds one
+/// TMA tensor map per tensor (128 bytes each, on the device: 2-D [n, k], boxes of 64 x 64
+/// elements, 128-byte swizzle), built once (synchronises `stream`).
+struct WeightMaps {
+  Buffer maps;
+  bool hopper = false;
+};
+WeightMaps build_weight_maps(const std::vector<Tensor>& w, const Stream& stream);
+
+/// The ops of ops/grouped_matmul.h on the wgmma kernel (arguments already validated). Each
+/// returns false without doing anything when the kernel does not apply (fp32, no tensor maps or
+/// not `hopper()`, a pointer not 16-byte aligned, more than 1024 groups, or kernel() is kMmaSync);
+/// with a forced wgmma kernel() that is an mt::Error instead.
+bool forward(const Tensor& y, const Tensor& x, const GroupedWeights& w, const Tensor& counts, const Stream& stream);
+bool dgrad(const Tensor& dx, const Tensor& dy, const GroupedWeights& w, const Tensor& counts, const Stream& stream);
+bool wgrad(const GroupedWeights& dw, const Tensor& dy, const Tensor& x, const Tensor& counts, const Stream& stream);
+
+}  // namespace mt::cuda::grouped_sm90
