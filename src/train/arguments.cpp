@@ -187,7 +187,7 @@ void add_pretrain_options(CLI::App& app, PretrainArgs& a) {
   app.add_option("--moe-received-token-capacity", m.moe_received_token_capacity,
                  "alltoall: tokens an EP rank receives per layer and micro-batch, in fixed blocks (no host sync, "
                  "CUDA-graph capturable; overflow dropped and counted); 0 = dropless");
-  app.add_flag("--moe-per-layer-logging", a.moe_per_layer_logging, "Log the auxiliary losses of every MoE layer");
+  app.add_flag("--moe-per-layer-logging", a.model.moe_per_layer_logging, "Log the auxiliary losses of every MoE layer");
   app.add_option("--expert-model-parallel-size", a.expert_model_parallel_size, "Expert-parallel size")
       ->capture_default_str();
   app.add_option("--expert-tensor-parallel-size", a.expert_tensor_parallel_size,

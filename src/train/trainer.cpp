@@ -76,95 +76,6 @@ std::string timestamp() {
 // tokens [s, b], labels [s, b], loss_mask fp32 [s, b], position_ids [s, b], doc_start [b, s].
 // Data-parallel rank d of DP takes, of micro-batch step m, the samples
 // [first + (m·DP + d)·b, first + (m·DP + d + 1)·b) (Megatron's MegatronPretrainingSampler).
-// The MoE part of the log line (Megatron's track_moe_metrics): the load-balancing loss of each
-// type that is on, under Megatron's names (load_balancing_loss, seq_load_balancing_loss,
-// global_load_balancing_loss), and the z-loss, averaged over the MoE layers and the iterations since
-// the last log line (each the mean over micro-batches and data-parallel ranks, summed over TP × CP;
-// global_load_balancing_loss is the mean over micro-batches of the loss of the global micro-batch,
-// summed over TP × CP × DP), the tokens routed per expert and
-// iteration (min / max / mean over the experts of every MoE layer) and the worst layer's
-// imbalance (max / mean over its experts), and per layer with --moe-per-layer-logging.
-// Collective over the world; resets the model's statistics.
-std::string moe_log(LanguageModel& model, Communicator& world, int64_t iters, bool per_layer, int tp_cp, int ep,
-                    const Stream& stream) {
-  const TransformerConfig& cfg = model.config();
-  const std::vector<double> mine = model.moe_loss_stats(stream);
-  const MoeDispatchStats dispatch = model.moe_dispatch_stats(stream);
-  model.reset_moe_stats(stream);
-  const size_t bytes = mine.size() * sizeof(float);
-  const std::vector<float> local(mine.begin(), mine.end());
-  const std::vector<char> all = all_gather_host(world, local.data(), bytes, stream);
-  std::vector<double> host(mine.size(), 0.0);  // summed over the ranks in rank order
-  for (int r = 0; r < world.size(); ++r) {
-    const float* row = reinterpret_cast<const float*>(all.data() + static_cast<size_t>(r) * bytes);
-    for (size_t i = 0; i < host.size(); ++i) host[i] += row[i];
-  }
-  const bool z = cfg.moe_z_loss_coeff > 0;
-  std::vector<MoeLoadBalancing> lb_types;  // the types on, in the order given
-  for (MoeLoadBalancing t : cfg.moe_router_load_balancing_type)
-    if (cfg.moe_aux_loss_on(t)) lb_types.push_back(t);
-  const int64_t E = cfg.num_moe_experts;
-  const size_t per = static_cast<size_t>(kMoeStatLosses + E);
-  double lb[kMoeStatZLoss] = {}, zl = 0, lo = std::numeric_limits<double>::infinity(), hi = 0, sum = 0, worst = 0;
-  std::string layers;
-  const double n = static_cast<double>(std::max<int64_t>(iters, 1));
-  for (int64_t l = 0; l < cfg.num_layers; ++l) {
-    if (!cfg.is_moe_layer(l)) continue;
-    const double* v = host.data() + per * static_cast<size_t>(l);
-    const double b = v[kMoeStatZLoss] / n;
-    for (MoeLoadBalancing t : lb_types) lb[static_cast<int>(t)] += v[static_cast<int>(t)] / n;
-    zl += b;
-    double lmax = 0, lsum = 0;
-    for (int64_t e = 0; e < E; ++e) {
-      const double c = v[kMoeStatLosses + e] / tp_cp / n;  // tokens per iteration (each counted over TP × CP)
-      lo = std::min(lo, c);
-      lmax = std::max(lmax, c);
-      lsum += c;
-    }
-    hi = std::max(hi, lmax);
-    sum += lsum;
-    const double imbalance = lsum > 0 ? lmax * static_cast<double>(E) / lsum : 0.0;
-    worst = std::max(worst, imbalance);
-    if (per_layer) {
-      for (MoeLoadBalancing t : lb_types)
-        layers += fmt::format(" {} layer {}: {:.6E} |", moe_load_balancing_loss_name(t), l, v[static_cast<int>(t)] / n);
-      if (z) layers += fmt::format(" z_loss layer {}: {:.6E} |", l, b);
-      layers += fmt::format(" expert imbalance layer {}: {:.3f} |", l, imbalance);
-    }
-  }
-  const double L = static_cast<double>(std::max<int64_t>(cfg.num_moe_layers(), 1));
-  std::string out;
-  for (MoeLoadBalancing t : lb_types)
-    out += fmt::format(" {}: {:.6E} |", moe_load_balancing_loss_name(t), lb[static_cast<int>(t)] / L);
-  if (z) out += fmt::format(" z_loss: {:.6E} |", zl / L);
-  if (sum > 0)
-    out += fmt::format(" tokens per expert min/max/mean: {:.0f}/{:.0f}/{:.1f} | expert imbalance: {:.3f} |", lo, hi,
-                       sum / (L * static_cast<double>(E)), worst);
-  if (cfg.moe_token_dispatcher_type == MoeDispatcher::kAllToAll) {
-    // the alltoall dispatcher's counts are known on every rank of an EP group alike: the largest
-    // receive over the world; ECHO's rerouted slots summed over the world counts each EP group's
-    // total once per member
-    const int64_t v[3] = {dispatch.rerouted, dispatch.max_received, dispatch.overflowed};
-    const std::vector<char> d = all_gather_host(world, v, sizeof(v), stream);
-    int64_t rerouted = 0, received = 0, overflowed = 0;
-    for (int r = 0; r < world.size(); ++r) {
-      const int64_t* row = reinterpret_cast<const int64_t*>(d.data() + static_cast<size_t>(r) * sizeof(v));
-      rerouted += row[0];
-      received = std::max(received, row[1]);
-      overflowed += row[2];
-    }
-    if (cfg.moe_received_token_capacity > 0) {  // the static receive blocks: counted drops, per iteration
-      out += fmt::format(" tokens overflowed at the received capacity: {:.1f} |", static_cast<double>(overflowed) / n);
-    } else {
-      out += fmt::format(" max tokens received per EP rank: {} |", received);
-    }
-    if (cfg.moe_enable_echo && cfg.moe_received_token_capacity == 0)  // counted from the host counts only
-      out += fmt::format(" ECHO rerouted tokens per layer: {:.1f} |",
-                         static_cast<double>(rerouted) / std::max(ep, 1) / n / L);
-  }
-  return out + layers;
-}
-
 class BatchStager {
  public:
   struct Options {
@@ -380,6 +291,7 @@ int run_pretrain(PretrainArgs args) {
     m.attention_dropout = args.model.attention_dropout;
     m.init_method_std = args.model.init_method_std;
     m.make_vocab_size_divisible_by = args.model.make_vocab_size_divisible_by;
+    m.moe_per_layer_logging = args.model.moe_per_layer_logging;
     args.model = m;
     args.group_query_attention = m.num_query_groups > 0;
   }
@@ -858,10 +770,7 @@ int run_pretrain(PretrainArgs args) {
           timestamp(), iteration, args.train_iters, consumed, ms, tflops, tokens_per_s, lr, args.global_batch_size,
           n_ok ? loss_sum / n_ok : NAN, sc.loss_scale, sc.grad_norm, sc.skipped_iters - last_skipped, n_nan,
           host_issue_ms / static_cast<double>(iters_since_log));
-      if (cfg.num_moe_experts > 0) line += moe_log(model, *world, iters_since_log, args.moe_per_layer_logging,
-                                                 args.tensor_model_parallel_size * args.context_parallel_size,
-                                                 args.expert_model_parallel_size,
-                                                 stream);
+      line += model.log_statistics(*world, iters_since_log, stream);  // e.g. the MoE losses and loads
       log_info("{}", line);
       std::vector<std::pair<std::string, float>> timer_max;
       const std::string timing = timing_report(timers, timing_option, *world, stream, iters_since_log, &timer_max);
