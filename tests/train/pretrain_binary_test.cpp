@@ -6,16 +6,12 @@
 // run about a second).
 #include <gtest/gtest.h>
 
-#include <unistd.h>
-
 #include <filesystem>
 #include <map>
 #include <regex>
 
 #include "testing/testing.h"
 #include "train/trainer_testing.h"
-
-namespace fs = std::filesystem;
 
 namespace mt {
 namespace {
@@ -44,37 +40,22 @@ void expect_same(const std::map<int, double>& a, const std::map<int, double>& b,
   for (const auto& [it, l] : b) EXPECT_NEAR(a.at(it), l, 2e-5 * l) << what << " iteration " << it;
 }
 
-class PretrainBinary : public ::testing::Test {
+class PretrainBinary : public testing::CorpusFixture {
  protected:
-  void SetUp() override {
-    dir_ = fs::temp_directory_path() / ("mt_pretrain_binary_" + std::to_string(getpid()));
-    fs::create_directories(dir_);
-    corpus_ = testing::write_corpus(dir_);
-  }
-  void TearDown() override { fs::remove_all(dir_); }
-  std::string flags(const std::string& extra) const {
-    return "pretrain --num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
-           "--max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 8 --lr 3e-3 --min-lr 3e-4 "
-           "--lr-decay-style cosine --lr-warmup-iters 1 --lr-decay-iters 6 --log-interval 1 --eval-iters 1 "
-           "--eval-interval 2 --adam-eps 1e-5 --device cpu --no-progress --make-vocab-size-divisible-by 64 "
-           "--tokenizer-type NullTokenizer --vocab-size " + std::to_string(testing::kCorpusVocab) +
-           " --train-data-path " + corpus_ + " --valid-data-path " + corpus_ + " " + extra;
-  }
-  fs::path dir_;
-  std::string corpus_;
+  static RunResult pretrain(const std::string& extra) { return run_megatron("pretrain " + flags(extra)); }
 };
 
 // Ranks started by the launcher (MPI) train the one-rank model: TP 2 with SP, PP 2, an MoE with the
 // alltoall dispatcher and ECHO over EP 2 (all_to_allv over MPI); the log shows the parallel layout
 // and the MoE statistics.
 TEST_F(PretrainBinary, LaunchedRanksMatchOneRank) {
-  RunResult ref = run_megatron(flags("--train-iters 4"));
+  RunResult ref = pretrain("--train-iters 4");
   ASSERT_EQ(ref.rc, 0) << ref.out;
   ASSERT_EQ(losses(ref.out).size(), 4u) << ref.out;
   ASSERT_EQ(val_losses(ref.out).size(), 3u) << ref.out;  // iterations 0, 2, 4
   for (const std::string layout : {"--nproc-per-node 2 --tensor-model-parallel-size 2 --sequence-parallel",
                                    "--nproc-per-node 2 --pipeline-model-parallel-size 2"}) {
-    RunResult r = run_megatron(flags("--train-iters 4 " + layout));
+    RunResult r = pretrain("--train-iters 4 " + layout);
     ASSERT_EQ(r.rc, 0) << layout << "\n" << r.out;
     EXPECT_NE(r.out.find("parallel layout"), std::string::npos) << r.out;
     expect_same(losses(r.out), losses(ref.out), layout);
@@ -84,14 +65,14 @@ TEST_F(PretrainBinary, LaunchedRanksMatchOneRank) {
       " --swiglu --ffn-hidden-size 64 --normalization RMSNorm --position-embedding-type rope --disable-bias-linear "
       "--num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 32 --moe-layer-freq [0,1]*2 "
       "--moe-aux-loss-coeff 1e-2 --moe-z-loss-coeff 1e-3";
-  RunResult one = run_megatron(flags("--train-iters 4" + moe));
+  RunResult one = pretrain("--train-iters 4" + moe);
   ASSERT_EQ(one.rc, 0) << one.out;
   EXPECT_NE(one.out.find("MoE in 2 of 4 layers: 8 experts, top-2 softmax router"), std::string::npos) << one.out;
   EXPECT_NE(one.out.find("load_balancing_loss: "), std::string::npos) << one.out;
   EXPECT_NE(one.out.find("/64.0 | expert imbalance: "), std::string::npos) << one.out;
-  RunResult ep = run_megatron(flags("--train-iters 4 --nproc-per-node 2 --expert-model-parallel-size 2 "
-                                    "--moe-token-dispatcher-type alltoall --moe-enable-echo --moe-num-echo-experts 1" +
-                                    moe));
+  RunResult ep = pretrain("--train-iters 4 --nproc-per-node 2 --expert-model-parallel-size 2 "
+                          "--moe-token-dispatcher-type alltoall --moe-enable-echo --moe-num-echo-experts 1" +
+                          moe);
   ASSERT_EQ(ep.rc, 0) << ep.out;
   EXPECT_NE(ep.out.find("max tokens received per EP rank: "), std::string::npos) << ep.out;
   EXPECT_NE(ep.out.find("ECHO rerouted tokens per layer: "), std::string::npos) << ep.out;
@@ -101,14 +82,14 @@ TEST_F(PretrainBinary, LaunchedRanksMatchOneRank) {
 // A checkpoint written by two processes (PP 2, --exit-interval) resumes in one process on the
 // uninterrupted curve.
 TEST_F(PretrainBinary, CheckpointResumesInAnotherLaunch) {
-  RunResult full = run_megatron(flags("--train-iters 6"));
+  RunResult full = pretrain("--train-iters 6");
   ASSERT_EQ(full.rc, 0) << full.out;
-  const std::string ck = (dir_ / "ck").string();
-  RunResult first = run_megatron(
-      flags("--train-iters 6 --exit-interval 3 --save " + ck + " --nproc-per-node 2 --pipeline-model-parallel-size 2"));
+  const std::string ck = dir("ck");
+  RunResult first =
+      pretrain("--train-iters 6 --exit-interval 3 --save " + ck + " --nproc-per-node 2 --pipeline-model-parallel-size 2");
   ASSERT_EQ(first.rc, 0) << first.out;
   EXPECT_NE(first.out.find("exiting program at iteration 3 (--exit-interval 3)"), std::string::npos) << first.out;
-  RunResult second = run_megatron(flags("--train-iters 6 --load " + ck));
+  RunResult second = pretrain("--train-iters 6 --load " + ck);
   ASSERT_EQ(second.rc, 0) << second.out;
   ASSERT_NE(second.out.find("> loaded checkpoint from " + ck + " at iteration 3"), std::string::npos) << second.out;
   std::map<int, double> curve = losses(first.out);
@@ -121,11 +102,11 @@ TEST_F(PretrainBinary, CheckpointResumesInAnotherLaunch) {
 // within 1e-4 of the one-rank run (bf16 rounding of the gradients, which Adam mostly normalises
 // away); --ddp-copy-engine on CPU falls back with its reason.
 TEST_F(PretrainBinary, GradReduceInBf16StaysClose) {
-  RunResult ref = run_megatron(flags("--train-iters 4"));
+  RunResult ref = pretrain("--train-iters 4");
   ASSERT_EQ(ref.rc, 0) << ref.out;
   const auto ref_losses = losses(ref.out);
-  RunResult r = run_megatron(flags("--train-iters 4 --nproc-per-node 2 --use-distributed-optimizer "
-                                   "--grad-reduce-in-bf16 --ddp-copy-engine"));
+  RunResult r = pretrain("--train-iters 4 --nproc-per-node 2 --use-distributed-optimizer "
+                         "--grad-reduce-in-bf16 --ddp-copy-engine");
   ASSERT_EQ(r.rc, 0) << r.out;
   EXPECT_NE(r.out.find("gradient reduction in bf16"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("copy engine unavailable"), std::string::npos) << r.out;
@@ -142,7 +123,7 @@ TEST_F(PretrainBinary, GradReduceInBf16StaysClose) {
 // An error found before training is the same on every rank: printed by rank 0, non-zero exit (the
 // other layout errors: trainer_layouts_test.cpp BadLayoutErrors).
 TEST_F(PretrainBinary, LayoutErrorsUnderTheLauncher) {
-  const RunResult r = run_megatron(flags("--train-iters 2 --nproc-per-node 2 --tensor-model-parallel-size 3"));
+  const RunResult r = pretrain("--train-iters 2 --nproc-per-node 2 --tensor-model-parallel-size 3");
   EXPECT_NE(r.rc, 0);
   EXPECT_NE(r.out.find("world size 2 is not divisible by tp (3)"), std::string::npos) << r.out;
 }

@@ -8,8 +8,6 @@
 // tokenizer) end to end.
 #include <gtest/gtest.h>
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -59,34 +57,11 @@ std::vector<float> read_whole_tensor(const std::string& ck, int iter, const std:
   return {};
 }
 
-class TrainerLayouts : public ::testing::Test {
+class TrainerLayouts : public testing::CorpusFixture {
  protected:
-  static void SetUpTestSuite() {
-    set_log_level(LogLevel::kWarn);
-    dir_ = new fs::path(fs::temp_directory_path() / ("mt_trainer_layouts_" + std::to_string(getpid())));
-    fs::create_directories(*dir_);
-    corpus_ = new std::string(testing::write_corpus(*dir_));
-  }
-  static void TearDownTestSuite() {
-    fs::remove_all(*dir_);
-    delete dir_;
-    delete corpus_;
-    set_log_level(LogLevel::kInfo);
-  }
-  static std::string flags(const std::string& extra) {
-    // Dropout on: the masks must not depend on the layout either. Vocabulary padded to a multiple
-    // of 64 x TP: 128 for TP 1 and 2 alike (DefaultVocabPadding... checks different paddings).
-    return "--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
-           "--max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 8 --lr 3e-3 --min-lr 3e-4 "
-           "--lr-decay-style cosine --lr-warmup-iters 1 --lr-decay-iters 6 --log-interval 1 --eval-iters 1 "
-           "--eval-interval 2 --adam-eps 1e-5 --device cpu --no-progress --make-vocab-size-divisible-by 64 "
-           "--tokenizer-type NullTokenizer --vocab-size " + std::to_string(testing::kCorpusVocab) +
-           " --train-data-path " + *corpus_ + " --valid-data-path " + *corpus_ + " " + extra;
-  }
   static TrainingResult train(const std::string& extra, SetupInfo* info = nullptr) {
     return train_in_process(flags(extra), info);
   }
-  static std::string dir(const std::string& name) { return (*dir_ / name).string(); }
   // Iterations 1-3 under `layout`, saving into checkpoint `ck` (the run's result in *first).
   static void save_half(const std::string& ck, const std::string& layout, TrainingResult* first) {
     *first = train("--train-iters 6 --exit-interval 3 --save " + ck + " " + layout);
@@ -104,11 +79,7 @@ class TrainerLayouts : public ::testing::Test {
     for (auto [k, v] : r.losses) curve->losses[k] = v;
     for (auto [k, v] : r.validation) curve->validation[k] = v;
   }
-  static fs::path* dir_;
-  static std::string* corpus_;
 };
-fs::path* TrainerLayouts::dir_ = nullptr;
-std::string* TrainerLayouts::corpus_ = nullptr;
 
 TEST_F(TrainerLayouts, ParallelLayoutsMatchOneRank) {
   const TrainingResult ref = train("--train-iters 4");
@@ -533,7 +504,7 @@ TEST_F(TrainerLayouts, MixtureOfExpertsExpertBiasCheckpoints) {
     }
   }
   // Pipeline stage 1 (rank 1) holds layer 3 and writes its bias.
-  std::ifstream meta(*dir_ / "ck_bias_pp2_async_to_1/iter_0000003/metadata.json");
+  std::ifstream meta(dir("ck_bias_pp2_async_to_1") + "/iter_0000003/metadata.json");
   const nlohmann::json m = nlohmann::json::parse(meta);
   for (const auto& t : m.at("tensors")) {
     if (t.at("name") == bias_state_name(1)) EXPECT_EQ(t.at("shards")[0].at("file"), "rank_00000.bin");

@@ -6,8 +6,6 @@
 // a capture is refused).
 #include <gtest/gtest.h>
 
-#include <unistd.h>
-
 #include <csignal>
 #include <filesystem>
 #include <thread>
@@ -18,43 +16,19 @@
 #include "train/checkpoint.h"
 #include "train/trainer_testing.h"
 
-namespace fs = std::filesystem;
-
 namespace mt {
 namespace {
 
 using testing::expect_error_text;
 using testing::train_in_process;
 
-class TrainerTest : public ::testing::Test {
+class TrainerTest : public testing::CorpusFixture {
  protected:
-  static void SetUpTestSuite() {
-    set_log_level(LogLevel::kWarn);
-    dir_ = new fs::path(fs::temp_directory_path() / ("mt_trainer_test_" + std::to_string(getpid())));
-    fs::create_directories(*dir_);
-    corpus_ = new std::string(testing::write_corpus(*dir_));
+  // two layers: the behaviour, not the layouts, is tested here
+  static TrainingResult train(const std::string& extra) {
+    return train_in_process(flags("--num-layers 2 " + extra));
   }
-  static void TearDownTestSuite() {
-    fs::remove_all(*dir_);
-    delete dir_;
-    delete corpus_;
-    set_log_level(LogLevel::kInfo);
-  }
-  static std::string flags(const std::string& extra) {
-    return "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
-           "--micro-batch-size 2 --global-batch-size 8 --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine "
-           "--lr-warmup-iters 1 --lr-decay-iters 6 --log-interval 1 --eval-iters 1 --eval-interval 2 --adam-eps 1e-5 "
-           "--device cpu --no-progress --tokenizer-type NullTokenizer --vocab-size " +
-           std::to_string(testing::kCorpusVocab) + " --train-data-path " + *corpus_ + " --valid-data-path " +
-           *corpus_ + " " + extra;
-  }
-  static TrainingResult train(const std::string& extra) { return train_in_process(flags(extra)); }
-  static std::string dir(const std::string& name) { return (*dir_ / name).string(); }
-  static fs::path* dir_;
-  static std::string* corpus_;
 };
-fs::path* TrainerTest::dir_ = nullptr;
-std::string* TrainerTest::corpus_ = nullptr;
 
 std::map<int64_t, double> grad_norms(const TrainingResult& r) {
   std::map<int64_t, double> out;
@@ -163,8 +137,8 @@ TEST_F(TrainerTest, ExitSignalSavesAndStops) {
   const std::string ck = dir("ck_signal");
   TrainingResult r;
   run_thread_ranks(1, [&](int, std::shared_ptr<Communicator> world) {
-    TrainingSetup setup(testing::parse_pretrain_args(flags("--train-iters 6 --exit-signal-handler --save " + ck)),
-                        std::move(world), Device::cpu());
+    const std::string f = flags("--num-layers 2 --train-iters 6 --exit-signal-handler --save " + ck);
+    TrainingSetup setup(testing::parse_pretrain_args(f), std::move(world), Device::cpu());
     Trainer trainer(setup);
     std::raise(SIGTERM);  // handled: sets the flag
     r = trainer.train();

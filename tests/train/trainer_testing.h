@@ -3,6 +3,7 @@
 // through TrainingSetup and Trainer, returning rank 0's TrainingResult.
 #pragma once
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <cstdlib>
@@ -84,6 +85,43 @@ inline std::string log_text(const TrainingResult& r) {
   for (const auto& l : r.log) s += l.line + "\n";
   return s;
 }
+
+/// A test suite's temporary directory with the synthetic corpus (written once per suite); logs at
+/// warnings only while it runs (every thread rank would print the log lines).
+class CorpusFixture : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    set_log_level(LogLevel::kWarn);
+    dir_ = std::filesystem::temp_directory_path() /
+           ("mt_" + std::string(::testing::UnitTest::GetInstance()->current_test_suite()->name()) + "_" +
+            std::to_string(getpid()));
+    std::filesystem::create_directories(dir_);
+    corpus_ = write_corpus(dir_);
+  }
+  static void TearDownTestSuite() {
+    std::filesystem::remove_all(dir_);
+    set_log_level(LogLevel::kInfo);
+  }
+  /// A path in the suite's directory.
+  static std::string dir(const std::string& name) { return (dir_ / name).string(); }
+  /// `megatron pretrain`'s flags (without the subcommand) for a 4-layer GPT (hidden 32, 4 heads,
+  /// sequences of 32) on the corpus: global batches of 8 = 4 micro-batches of 2 (per data-parallel
+  /// rank: fewer), a cosine schedule over 6 iterations, a log line every iteration, validation on one
+  /// batch every 2, dropout on (the masks must not depend on the layout), the vocabulary padded to a
+  /// multiple of 64 x TP (128 for TP 1 and 2 alike), then `extra` (a flag given again overrides).
+  static std::string flags(const std::string& extra) {
+    return "--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
+           "--micro-batch-size 2 --global-batch-size 8 --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine "
+           "--lr-warmup-iters 1 --lr-decay-iters 6 --log-interval 1 --eval-iters 1 --eval-interval 2 --adam-eps 1e-5 "
+           "--device cpu --no-progress --make-vocab-size-divisible-by 64 --tokenizer-type NullTokenizer "
+           "--vocab-size " + std::to_string(kCorpusVocab) + " --train-data-path " + corpus_ + " --valid-data-path " +
+           corpus_ + " " + extra;
+  }
+
+ private:
+  static inline std::filesystem::path dir_;
+  static inline std::string corpus_;
+};
 
 /// Rel. `tol` agreement of two runs' per-iteration losses and validation losses.
 inline void expect_same_losses(const TrainingResult& a, const TrainingResult& b, const std::string& what,
