@@ -10,6 +10,7 @@
 // --save-interval. No host synchronisation inside an iteration except at log, eval and save
 // points (docs/architecture.md principle 5).
 #pragma once
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <memory>

@@ -166,7 +166,7 @@ TrainingSetup::TrainingSetup(PretrainArgs args, std::shared_ptr<Communicator> wo
   prepare_save_directory();
   build_datasets();
   stream_ = std::make_unique<Stream>(device_);
-  parts_ = std::make_unique<ModelSetup>(world_, model_options(), *stream_);
+  model_setup_ = std::make_unique<ModelSetup>(world_, model_options(), *stream_);
   log_summary();
   load_or_initialize();
   data::LtorOptions ltor;
@@ -314,7 +314,7 @@ ModelSetupOptions TrainingSetup::model_options() const {
 
 void TrainingSetup::log_summary() {
   const ParallelConfig& pc = parallel_;
-  GPTModel& model = parts_->model();
+  GPTModel& model = model_setup_->model();
   const auto& cfg = model.config();
   if (world_->size() > 1) log_info("{}", layout_table(pc));
   log_info("> model: GPT {}, {} attention, seq {}, vocab {} (padded {}), {:.2f}M parameters, {} on {}; activations "
@@ -333,14 +333,14 @@ void TrainingSetup::log_summary() {
              model.local_seq_length(), cfg.seq_length, pc.cp, 2 * pc.cp, model.activation_bytes() / 1048576.0);
   if (pc.pp > 1) {
     std::string stages;
-    for (const auto& r : parts_->chunks()) stages += fmt::format(" [{}, {})", r.begin, r.end);
+    for (const auto& r : model_setup_->chunks()) stages += fmt::format(" [{}, {})", r.begin, r.end);
     log_info("> pipeline: {} stages{}, {} schedule, {} micro-batches; rank 0 holds layers{}, {} activation slots "
              "(theoretical bubble {:.1f}%)",
              pc.pp * pc.num_chunks(), pc.vpp > 1 ? fmt::format(" ({} per rank)", pc.vpp) : "",
-             pc.vpp > 1 ? "interleaved 1F1B" : "1F1B", num_microbatches(), stages, parts_->train_plan().activation_slots,
+             pc.vpp > 1 ? "interleaved 1F1B" : "1F1B", num_microbatches(), stages, model_setup_->train_plan().activation_slots,
              100.0 * pipeline::bubble_fraction(pc.pp, pc.vpp, static_cast<int>(num_microbatches())));
   }
-  const GradSync& grad_sync = parts_->grad_sync();
+  const GradSync& grad_sync = model_setup_->grad_sync();
   if (args_.ddp_copy_engine && groups().dp->size() > 1)
     log_info("> data-parallel collectives: {}", grad_sync.copy_engine_active()
                                                    ? std::string("copy engine for the collectives that overlap "
@@ -363,7 +363,7 @@ void TrainingSetup::log_summary() {
 // iteration), or freshly initialised parameters.
 void TrainingSetup::load_or_initialize() {
   const PretrainArgs& args = args_;
-  GPTModel& model = parts_->model();
+  GPTModel& model = model_setup_->model();
   if (!resume_) {
     model.params().initialize(args.seed, *stream_);
     return;
@@ -375,7 +375,7 @@ void TrainingSetup::load_or_initialize() {
              args.load);
   const auto t_load = std::chrono::steady_clock::now();
   // The expert bias (persistent_state) is model state: loaded for --finetune / --no-load-optim too.
-  CheckpointState st = load_checkpoint(args.load, model.params(), weights_only ? nullptr : &parts_->optimizer(),
+  CheckpointState st = load_checkpoint(args.load, model.params(), weights_only ? nullptr : &model_setup_->optimizer(),
                                        *stream_, {false, resume_->iteration}, model.persistent_state(*stream_));
   const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count();
   const double load_gb = static_cast<double>(checkpoint_bytes(args.load, st.iteration)) / 1e9;
@@ -397,13 +397,13 @@ void TrainingSetup::load_or_initialize() {
 }
 
 void TrainingSetup::log_memory_report() {
-  const MemoryEstimate& estimate = parts_->memory_estimate();
+  const MemoryEstimate& estimate = model_setup_->memory_estimate();
   {
     // the buffers the estimate covers: on the CPU the host's pinned staging buffers (two batches)
     // count too
     const double est = static_cast<double>(estimate.total()),
                  got = static_cast<double>(device_bytes_allocated(device_) -
-                                           (device_.is_cuda() ? 0 : 2 * parts_->options().batch_bytes));
+                                           (device_.is_cuda() ? 0 : 2 * model_setup_->options().batch_bytes));
     log_info("> memory estimate {:.1f} MiB of buffers, {:+.1f}% from the {:.1f} MiB allocated", est / 1048576.0,
              100.0 * (est - got) / std::max(got, 1.0), got / 1048576.0);
   }
@@ -412,9 +412,9 @@ void TrainingSetup::log_memory_report() {
            "{:.1f} MiB in use on {} (cudaMemGetInfo, includes the CUDA context and cuBLAS)",
            device_bytes_allocated(device_) / 1048576.0, device_memory_in_use(device_) / 1048576.0, device_.str());
   log_info("> memory estimate: {:.1f} MiB in use expected (the {:.1f} MiB in use before the model + the buffers' "
-           "estimate)", (static_cast<double>(estimate.total()) + static_cast<double>(parts_->memory_in_use_before())) /
+           "estimate)", (static_cast<double>(estimate.total()) + static_cast<double>(model_setup_->memory_in_use_before())) /
                             1048576.0,
-           parts_->memory_in_use_before() / 1048576.0);
+           model_setup_->memory_in_use_before() / 1048576.0);
   if (world_->size() == 1) return;
   // per rank (pipeline stages differ), gathered to rank 0
   const int n = world_->size();

@@ -133,10 +133,10 @@ class TrainingSetup {
   const std::shared_ptr<Communicator>& world_ptr() const { return world_; }
   Device device() const { return device_; }
   const Stream& stream() const { return *stream_; }
-  ModelSetup& model_setup() { return *parts_; }
-  GPTModel& model() { return parts_->model(); }
-  AdamWOptimizer& optimizer() { return parts_->optimizer(); }
-  const ProcessGroups& groups() const { return parts_->groups(); }
+  ModelSetup& model_setup() { return *model_setup_; }
+  GPTModel& model() { return model_setup_->model(); }
+  AdamWOptimizer& optimizer() { return model_setup_->optimizer(); }
+  const ProcessGroups& groups() const { return model_setup_->groups(); }
   const data::DataSplits& data() const { return data_; }
   BatchStager& stager() { return *stager_; }
   int64_t num_microbatches() const { return args_.num_microbatches(); }
@@ -167,7 +167,7 @@ class TrainingSetup {
   data::DataSplits data_;
   ParallelConfig parallel_;            // validated, derived
   pipeline::PipelineLayout pipeline_;  // --decoder-*-pipeline-num-layers, --account-for-*, vpp resolved
-  std::unique_ptr<ModelSetup> parts_;
+  std::unique_ptr<ModelSetup> model_setup_;
   std::unique_ptr<BatchStager> stager_;
   int64_t start_iteration_ = 0, start_consumed_ = 0;
 };
