@@ -5,6 +5,7 @@
 #include "model/layers/embedding.h"
 #include "model/layers/output_head.h"
 #include "model/layers/transformer_layer.h"
+#include "model/moe/moe_metrics.h"
 #include "model/specs.h"
 
 namespace mt {
@@ -75,56 +76,70 @@ struct GPTModel::ChunkState {
   }
 };
 
+void GPTModel::for_each_moe(const std::function<void(MoELayer&)>& f) const {
+  for (const auto& l : parts_->layers)
+    if (MoELayer* m = l->moe()) f(*m);
+}
+
 std::vector<double> GPTModel::moe_loss_stats(const Stream& stream) const {
   const size_t per = static_cast<size_t>(kMoeStatLosses + config_.num_moe_experts);
   std::vector<double> out(per * static_cast<size_t>(config_.num_layers), 0.0);
-  for (const auto& l : parts_->layers) {
-    if (const MoELayer* m = l->moe()) {
-      const std::vector<double> v = m->stats(stream);
-      for (size_t i = 0; i < per; ++i) out[per * static_cast<size_t>(l->number()) + i] += v[i];
-    }
-  }
-  return out;
-}
-
-void GPTModel::update_expert_bias(const Stream& stream) {
-  if (!config_.moe_router_enable_expert_bias) return;
-  // the counts are summed over TP × CP in the forwards: over DP here (Megatron's tp_dp_cp all-reduce)
-  for (const auto& l : parts_->layers)
-    if (MoELayer* m = l->moe()) m->update_expert_bias(groups_.dp.get(), stream);
-}
-
-void GPTModel::reset_global_aux_loss_tracker(const Stream& stream) {
-  if (!config_.moe_aux_loss_on(MoeLoadBalancing::kGlobalAuxLoss)) return;
-  for (const auto& l : parts_->layers)
-    if (MoELayer* m = l->moe()) m->reset_global_tokens(stream);
-}
-
-std::vector<std::pair<std::string, Tensor>> GPTModel::persistent_state(const Stream& stream) const {
-  std::vector<std::pair<std::string, Tensor>> out;
-  for (const auto& l : parts_->layers)
-    if (MoELayer* m = l->moe())
-      if (Tensor b = m->expert_bias(stream); !b.empty())
-        out.emplace_back(fmt::format("decoder.layers.{}.mlp.router.expert_bias", l->number()), b);
+  for_each_moe([&](MoELayer& m) {
+    const std::vector<double> v = m.stats(stream);
+    for (size_t i = 0; i < per; ++i) out[per * static_cast<size_t>(m.layer()) + i] += v[i];
+  });
   return out;
 }
 
 MoeDispatchStats GPTModel::moe_dispatch_stats(const Stream& stream) const {
   MoeDispatchStats out;
-  for (const auto& l : parts_->layers)
-    if (const MoELayer* m = l->moe()) {
-      const MoeDispatchStats s = m->dispatch_stats(stream);
-      out.rerouted += s.rerouted;
-      out.overflowed += s.overflowed;
-      out.dispatches += s.dispatches;
-      out.max_received = std::max(out.max_received, s.max_received);
-    }
+  for_each_moe([&](MoELayer& m) {
+    const MoeDispatchStats s = m.dispatch_stats(stream);
+    out.rerouted += s.rerouted;
+    out.overflowed += s.overflowed;
+    out.dispatches += s.dispatches;
+    out.max_received = std::max(out.max_received, s.max_received);
+  });
   return out;
 }
 
 void GPTModel::reset_moe_stats(const Stream& stream) {
-  for (const auto& l : parts_->layers)
-    if (MoELayer* m = l->moe()) m->reset_stats(stream);
+  for_each_moe([&](MoELayer& m) { m.reset_stats(stream); });
+}
+
+void GPTModel::update_expert_bias(const Stream& stream) {
+  if (!config_.moe_router_enable_expert_bias) return;
+  // the counts are summed over TP × CP in the forwards: over DP here (Megatron's tp_dp_cp all-reduce)
+  for_each_moe([&](MoELayer& m) { m.update_expert_bias(groups_.dp.get(), stream); });
+}
+
+void GPTModel::reset_global_aux_loss_tracker(const Stream& stream) {
+  if (!config_.moe_aux_loss_on(MoeLoadBalancing::kGlobalAuxLoss)) return;
+  for_each_moe([&](MoELayer& m) { m.reset_global_tokens(stream); });
+}
+
+void GPTModel::finish_step(const Stream& stream) {
+  update_expert_bias(stream);             // aux-loss-free MoE balancing (Megatron's finalize_model_grads)
+  reset_global_aux_loss_tracker(stream);  // global_aux_loss: the next step counts from zero (device)
+}
+
+std::string GPTModel::log_statistics(Communicator& world, int64_t iterations, const Stream& stream) {
+  if (config_.num_moe_experts == 0) return "";
+  const std::vector<double> local = moe_loss_stats(stream);
+  const MoeDispatchStats dispatch = moe_dispatch_stats(stream);
+  reset_moe_stats(stream);
+  const MoeWorldStatistics world_stats = gather_moe_statistics(config_, local, dispatch, world, stream);
+  const int ep = groups_.ep ? groups_.ep->size() : 1;
+  return format_moe_statistics(config_, world_stats, iterations, tp_.size() * context_parallel_size(), ep);
+}
+
+std::vector<std::pair<std::string, Tensor>> GPTModel::persistent_state(const Stream& stream) const {
+  std::vector<std::pair<std::string, Tensor>> out;
+  for_each_moe([&](MoELayer& m) {
+    if (Tensor b = m.expert_bias(stream); !b.empty())
+      out.emplace_back(fmt::format("decoder.layers.{}.mlp.router.expert_bias", m.layer()), b);
+  });
+  return out;
 }
 
 std::vector<ParamSpec> GPTModel::param_specs(const TransformerConfig& c, int tp, int tp_rank,

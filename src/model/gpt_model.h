@@ -11,10 +11,13 @@
 // et al. 2022): activations outside the TP regions sharded along s (parallel/mappings.h).
 // Pipeline parallelism: this rank's chunks (ModelLayout) with their buffers.
 #pragma once
+#include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "model/language_model.h"
+#include "model/layers/moe_dispatcher.h"
 #include "parallel/context_parallel.h"
 #include "parallel/mappings.h"
 
@@ -23,6 +26,7 @@ namespace mt {
 class LanguageModelEmbedding;
 class LanguageModelHead;
 class TransformerLayer;
+class MoELayer;
 
 /// What a GPTModel would allocate, measured without allocating (GPTModel::memory_plan): the
 /// ParamStore's flat buffers (elements) and the buffer plan (bytes): activation slots (one
@@ -112,16 +116,37 @@ class GPTModel final : public LanguageModel {
   ParamGradHooks* hooks() const override { return hooks_; }
   void set_hooks(ParamGradHooks* hooks) override { hooks_ = hooks; }
   size_t word_embedding_index() const override { return word_embedding_index_; }
-  std::vector<double> moe_loss_stats(const Stream& stream) const override;
-  void reset_moe_stats(const Stream& stream) override;
-  MoeDispatchStats moe_dispatch_stats(const Stream& stream) const override;
   void set_layer_graphs(LayerGraphs* graphs) override {
     layer_graphs_ = graphs;
     params_->set_grad_overwrite(graphs == nullptr);
   }
-  void update_expert_bias(const Stream& stream) override;
-  void reset_global_aux_loss_tracker(const Stream& stream) override;
+  void finish_step(const Stream& stream) override;
+  std::string log_statistics(Communicator& world, int64_t iterations, const Stream& stream) override;
   std::vector<std::pair<std::string, Tensor>> persistent_state(const Stream& stream) const override;
+
+  // --- the MoE statistics and per-step pieces the hooks above compose (also for tests) ---
+  /// The MoE statistics of this rank's MoE layers accumulated by the training forwards since
+  /// reset_moe_stats(), copied from the device (synchronises `stream`): per global layer l the
+  /// P = kMoeStatLosses + num_moe_experts values at [l·P, (l + 1)·P) — the load-balancing loss of
+  /// each type at static_cast<int>(type) (aux_loss, seq_aux_loss, global_aux_loss; 0 when off;
+  /// global_aux_loss's weighted by aux_loss_weight·DP, so that the sum over the world is Megatron's
+  /// global_load_balancing_loss: the mean over micro-batches of the global micro-batch's loss), the
+  /// z-loss at kMoeStatZLoss (each weighted by its micro-batch's aux_loss_weight), then tokens
+  /// routed per expert counted over the TP × CP group — zeros for dense layers and layers of other
+  /// ranks. Summed over every rank of the world the losses are the step's mean per layer
+  /// (Megatron's load_balancing_loss / z_loss before the average over layers) and the counts TP·CP
+  /// times the tokens routed.
+  std::vector<double> moe_loss_stats(const Stream& stream) const;
+  /// The token dispatchers' statistics of this rank's MoE layers since reset_moe_stats()
+  /// (MoELayer::dispatch_stats; may synchronise `stream`): rerouted, overflowed and dispatches
+  /// summed over the layers, max_received the largest of any layer.
+  MoeDispatchStats moe_dispatch_stats(const Stream& stream) const;
+  void reset_moe_stats(const Stream& stream);
+  /// finish_step's parts: the expert-bias update (MoELayer::update_expert_bias over the
+  /// data-parallel group; collective over DP) and the restart of the global_aux_loss token counts
+  /// (MoELayer::reset_global_tokens; no host synchronisation). Each a no-op without its option.
+  void update_expert_bias(const Stream& stream);
+  void reset_global_aux_loss_tracker(const Stream& stream);
 
   bool sequence_parallel() const { return tp_.sequence_parallel(); }
   /// Context-parallel size (the CP group of `groups`) and the tokens of a sequence on this rank:
@@ -151,6 +176,8 @@ class GPTModel final : public LanguageModel {
   void check_buffers(int c, const ChunkBuffers& buf) const;  // errors naming an index out of range
   bool embedding_shared_across_stages() const;
   void grads_final(size_t first, size_t end, const Stream& stream);
+  // Calls f on each MoE layer of this rank, in layer order.
+  void for_each_moe(const std::function<void(MoELayer&)>& f) const;
   void finish_group(size_t group, const Stream& stream);  // TP all-reduce of partial grads + grads_ready
   // Full recompute: the output of layer i of a chunk for activation slot `slot` (its own saved
   // output, the checkpoint of the group it ends, or its output in the recompute area).

@@ -4,10 +4,10 @@
 // parameter store. GPTModel (model/gpt_model.h) implements it for every decoder-only architecture
 // its TransformerConfig describes.
 #pragma once
+#include <string>
 #include <vector>
 
 #include "comm/communicator.h"
-#include "model/layers/moe_dispatcher.h"
 #include "model/layers/output_head.h"
 #include "model/module.h"
 #include "model/param_hooks.h"
@@ -108,40 +108,29 @@ class LanguageModel {
   /// layer is tied to it; ParamStore::kNoParam when untied or this rank holds neither.
   virtual size_t word_embedding_index() const = 0;
 
-  // --- mixture of experts ---
-  /// The MoE statistics of this rank's MoE layers accumulated by the training forwards since
-  /// reset_moe_stats(), copied from the device (synchronises `stream`): per global layer l the
-  /// P = kMoeStatLosses + num_moe_experts values at [l·P, (l + 1)·P) — the load-balancing loss of
-  /// each type at static_cast<int>(type) (aux_loss, seq_aux_loss, global_aux_loss; 0 when off;
-  /// global_aux_loss's weighted by aux_loss_weight·DP, so that the sum over the world is Megatron's
-  /// global_load_balancing_loss: the mean over micro-batches of the global micro-batch's loss), the
-  /// z-loss at kMoeStatZLoss (each weighted by its micro-batch's aux_loss_weight), then tokens routed per expert counted over the
-  /// TP × CP group — zeros for dense layers and layers of other ranks. Summed over every rank of the
-  /// world the losses are the step's mean per layer (Megatron's load_balancing_loss / z_loss before
-  /// the average over layers) and the counts TP·CP times the tokens routed.
-  virtual std::vector<double> moe_loss_stats(const Stream& stream) const = 0;
-  virtual void reset_moe_stats(const Stream& stream) = 0;
-  /// The token dispatchers' statistics of this rank's MoE layers since reset_moe_stats()
-  /// (MoELayer::dispatch_stats; may synchronise `stream`): rerouted, overflowed and dispatches
-  /// summed over the layers, max_received the largest of any layer.
-  virtual MoeDispatchStats moe_dispatch_stats(const Stream& stream) const = 0;
-
   // --- per-layer CUDA graphs ---
   /// The layers run their scoped regions through `graphs` (model/layer_graphs.h; nullptr: eager).
   /// The caller owns it and keeps it alive while the model runs. With graphs the step's first
   /// weight-gradient writes no longer overwrite (ParamStore::set_grad_overwrite(false)): a
   /// captured backward replays for every micro-batch.
   virtual void set_layer_graphs(LayerGraphs* graphs) = 0;
-  /// Once per training step after the last backward: the aux-loss-free expert bias update of every
-  /// MoE layer (MoELayer::update_expert_bias over the data × context parallel group). Collective.
-  virtual void update_expert_bias(const Stream& stream) = 0;
-  /// Once per training step after the last backward (or before the first forward): zeroes the
-  /// step's token-count accumulators of --moe-router-load-balancing-type global_aux_loss on the
-  /// device (MoELayer::reset_global_tokens; Megatron's reset_global_aux_loss_tracker). No host
-  /// synchronisation; a no-op for the other types.
-  virtual void reset_global_aux_loss_tracker(const Stream& stream) = 0;
+
+  // --- per-step hooks of the training loop (train/train_step.h, train/training_logger.h) ---
+  /// Once per training step, after the last backward, the tied embedding's reduction and the end of
+  /// the data-parallel gradient reduction, before the optimizer step (inside the captured region
+  /// of a full-iteration CUDA graph): the model's own per-step state updates, ordered on `stream`
+  /// without host synchronisation. GPTModel: per MoE layer, the aux-loss-free expert-bias update
+  /// over the data-parallel group (--moe-router-enable-expert-bias; collective over DP) and the
+  /// restart of the step's global_aux_loss token counts (Megatron's finalize_model_grads and
+  /// reset_global_aux_loss_tracker); nothing for a dense model.
+  virtual void finish_step(const Stream& stream) = 0;
+  /// The model's part of the training log line over the `iterations` since the previous call (for
+  /// MoE models Megatron's track_moe_metrics: model/moe/moe_metrics.h; "" for a dense model), then
+  /// restarts the statistics. Collective over `world` (every rank calls it at the same log points);
+  /// synchronises `stream`.
+  virtual std::string log_statistics(Communicator& world, int64_t iterations, const Stream& stream) = 0;
   /// Model state that is not a parameter but belongs in checkpoints (Megatron's persistent
-  /// buffers): for each MoE layer of this rank with --moe-router-enable-expert-bias,
+  /// buffers). GPTModel: for each MoE layer of this rank with --moe-router-enable-expert-bias,
   /// ("decoder.layers.<L>.mlp.router.expert_bias", fp32 [E] on the device), replicated over
   /// TP, DP and EP. The tensors may be written in place (checkpoint load). Ordered on `stream`.
   virtual std::vector<std::pair<std::string, Tensor>> persistent_state(const Stream& stream) const = 0;

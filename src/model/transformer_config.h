@@ -21,7 +21,7 @@ enum class MoeScoreFunction : uint8_t { kSoftmax, kSigmoid };
 /// --moe-router-load-balancing-type (the auxiliary losses of Megatron-Core's TopKRouter; one type or
 /// a list of several, each with its coefficient)
 enum class MoeLoadBalancing : uint8_t { kAuxLoss, kSeqAuxLoss, kGlobalAuxLoss, kNone };
-/// The per-layer MoE statistics (MoELayer::stats, LanguageModel::moe_loss_stats): the loss of each
+/// The per-layer MoE statistics (MoELayer::stats, GPTModel::moe_loss_stats): the loss of each
 /// load-balancing type at index static_cast<int>(type) (aux_loss 0, seq_aux_loss 1,
 /// global_aux_loss 2), the z-loss at kMoeStatZLoss, then the E token counts from kMoeStatLosses.
 inline constexpr int kMoeStatZLoss = 3;
@@ -210,6 +210,9 @@ struct TransformerConfig {
   /// dispatch reads nothing on the host (CUDA-graph capturable); slots beyond a block are dropped
   /// and counted in the log. 0 = off (dropless, split sizes read on the host).
   int64_t moe_received_token_capacity = 0;
+  /// --moe-per-layer-logging (Megatron-Core's moe_per_layer_logging): the log line also gives each
+  /// MoE layer's losses and imbalance (model/moe/moe_metrics.h). Logging only.
+  bool moe_per_layer_logging = false;
 
   // --- derived (Megatron's defaulting) ---
   /// The MLP activation (model/variants.h): kSwiGLU with --swiglu, else kGelu.

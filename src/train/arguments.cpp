@@ -39,9 +39,10 @@ ParamLayout PretrainArgs::param_layout() const {
   return l;
 }
 
-void add_pretrain_options(CLI::App& app, PretrainArgs& a) {
-  // Like argparse (Megatron): a flag given twice takes the last value.
-  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+namespace {
+
+// The architecture (Megatron's _add_network_size_args and friends) and activation recompute.
+void add_model_options(CLI::App& app, PretrainArgs& a) {
   auto& m = a.model;
   app.add_option("--num-layers", m.num_layers, "Number of transformer layers")->capture_default_str();
   app.add_option("--hidden-size", m.hidden_size, "Transformer hidden size")->capture_default_str();
@@ -91,7 +92,7 @@ void add_pretrain_options(CLI::App& app, PretrainArgs& a) {
                "Choose code that has deterministic execution (usually slower; good for debugging and testing): "
                "bitwise repeatable losses and gradients on CUDA, also under CUDA graphs");
 
-  // Mixture of experts (Megatron-Core transformer/moe; docs/moe.md).
+
   app.add_option_function<std::string>(
       "--recompute-granularity", [&m](const std::string& v) { m.recompute_granularity = parse_recompute_granularity(v); },
       "Activation recompute: full (re-run groups of layers) or selective (--recompute-modules)");
@@ -114,6 +115,11 @@ void add_pretrain_options(CLI::App& app, PretrainArgs& a) {
         m.recompute_modules_set = true;
       },
       "Selective recompute: the modules to recompute: core_attn (default), layernorm, mlp, mlp_act, moe_act");
+}
+
+// Mixture of experts (Megatron-Core transformer/moe; docs/moe.md).
+void add_moe_options(CLI::App& app, PretrainArgs& a) {
+  auto& m = a.model;
   app.add_option("--num-experts", m.num_moe_experts, "Experts per MoE layer (0 = dense model)");
   app.add_option("--moe-layer-freq", a.moe_layer_freq,
                  "MoE layer pattern: k (every k-th layer from layer 0) or a list such as ([0]+[1]*23)")
@@ -187,12 +193,15 @@ void add_pretrain_options(CLI::App& app, PretrainArgs& a) {
   app.add_option("--moe-received-token-capacity", m.moe_received_token_capacity,
                  "alltoall: tokens an EP rank receives per layer and micro-batch, in fixed blocks (no host sync, "
                  "CUDA-graph capturable; overflow dropped and counted); 0 = dropless");
-  app.add_flag("--moe-per-layer-logging", a.moe_per_layer_logging, "Log the auxiliary losses of every MoE layer");
+  app.add_flag("--moe-per-layer-logging", a.model.moe_per_layer_logging, "Log the auxiliary losses of every MoE layer");
   app.add_option("--expert-model-parallel-size", a.expert_model_parallel_size, "Expert-parallel size")
       ->capture_default_str();
   app.add_option("--expert-tensor-parallel-size", a.expert_tensor_parallel_size,
                  "Tensor-parallel size of the experts (default = tensor-model-parallel-size)");
+}
 
+// Batch, learning-rate schedule, optimizer, precision, logging and evaluation.
+void add_training_options(CLI::App& app, PretrainArgs& a) {
   app.add_option("--micro-batch-size", a.micro_batch_size, "Sequences per micro-batch")->capture_default_str();
   app.add_option("--global-batch-size", a.global_batch_size,
                  "Sequences per iteration (gradient accumulation over micro-batches)");
@@ -229,9 +238,10 @@ void add_pretrain_options(CLI::App& app, PretrainArgs& a) {
   app.add_option("--timing-log-option", a.timing_log_option,
                  "Timer values across ranks: max, minmax or all (one per rank)")
       ->capture_default_str();
+}
 
-  data::add_data_options(app, a.data);
-
+// Checkpoints, early exits, the NaN check, TensorBoard and the metrics file.
+void add_checkpoint_options(CLI::App& app, PretrainArgs& a) {
   app.add_option("--save", a.save, "Checkpoint directory to save to");
   app.add_option("--load", a.load, "Checkpoint directory to resume from");
   app.add_flag("--finetune", a.finetune,
@@ -269,7 +279,10 @@ void add_pretrain_options(CLI::App& app, PretrainArgs& a) {
                "No loss scale in TensorBoard");
   app.add_option("--metrics-file", a.metrics_file,
                  "Append one JSON object per log interval and per evaluation to this file (JSON lines)");
+}
 
+// Parallel layouts, the device and CUDA graphs.
+void add_parallel_options(CLI::App& app, PretrainArgs& a) {
   app.add_option("--tensor-model-parallel-size", a.tensor_model_parallel_size, "Tensor-parallel size")
       ->capture_default_str();
   app.add_flag("--sequence-parallel", a.sequence_parallel, "Sequence parallelism in the TP group");
@@ -340,6 +353,19 @@ void add_pretrain_options(CLI::App& app, PretrainArgs& a) {
   app.add_flag("--cuda-graph-include-optimizer", a.cuda_graph.include_optimizer,
                "With a full-iteration graph: the optimizer step (clip, AdamW, loss scaler, parameter all-gather) "
                "is captured too, so a training step is one graph launch");
+}
+
+}  // namespace
+
+void add_pretrain_options(CLI::App& app, PretrainArgs& a) {
+  // Like argparse (Megatron): a flag given twice takes the last value.
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  add_model_options(app, a);
+  add_moe_options(app, a);
+  add_training_options(app, a);
+  data::add_data_options(app, a.data);
+  add_checkpoint_options(app, a);
+  add_parallel_options(app, a);
 }
 
 bool CudaGraphOptions::full_iteration() const {

@@ -45,7 +45,6 @@ struct PretrainArgs {
   std::string moe_layer_freq = "1";    ///< --moe-layer-freq (resolved into model.moe_layer_pattern)
   int expert_model_parallel_size = 1;  ///< --expert-model-parallel-size (1 only so far)
   int expert_tensor_parallel_size = 0; ///< --expert-tensor-parallel-size (0 = TP; only TP so far)
-  bool moe_per_layer_logging = false;  ///< --moe-per-layer-logging
   int expert_data_parallel_size = 1;   ///< derived: world / (etp · ep · pp)
   // batch / schedule
   int64_t micro_batch_size = 1;    ///< --micro-batch-size

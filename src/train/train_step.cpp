@@ -51,8 +51,7 @@ void forward_backward_step(LanguageModel& model, PipelineExecutor& executor, con
   }
   // The first write to the saved state (--async-save: its snapshot may still be being copied).
   if (opt.wait_before_update) opt.wait_before_update->wait(stream);
-  model.update_expert_bias(stream);  // aux-loss-free MoE balancing (Megatron's finalize_model_grads)
-  model.reset_global_aux_loss_tracker(stream);  // global_aux_loss: the next step counts from zero (device)
+  model.finish_step(stream);  // e.g. MoE expert-bias update, global aux-loss tracker reset
 }
 
 void train_step(LanguageModel& model, PipelineExecutor& executor, const PipelinePlan& plan, AdamWOptimizer& optimizer,

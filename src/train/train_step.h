@@ -56,7 +56,7 @@ struct StepOptions {
   const StepValues* values = nullptr;
   /// When set, the step's stream waits for this event (on the device: the host does not block)
   /// before the step's first write to the parameters, the optimizer state or the model's
-  /// persistent state, i.e. before the expert-bias update and the optimizer step; the forward and
+  /// persistent state, i.e. before the model's finish_step hook and the optimizer step; the forward and
   /// backward run before it. For an --async-save snapshot still being copied from that state
   /// (AsyncCheckpointSaver::snapshot_copied). Not for a step captured in a CUDA graph (the event
   /// of a later save would not be the one captured): wait before the graph launch instead.
@@ -72,10 +72,10 @@ void train_step(LanguageModel& model, PipelineExecutor& executor, const Pipeline
                 const Stream& stream);
 
 /// train_step without the optimizer step: zero the gradients, the schedule, the tied
-/// embedding's reduction, the end of the DP reduction, the wait for opt.wait_before_update,
-/// the expert-bias update and the reset of the
-/// global_aux_loss token counts (the part
-/// Megatron's full-iteration CUDA graph captures: forward_backward_func and finalize_model_grads).
+/// embedding's reduction, the end of the DP reduction, the wait for opt.wait_before_update and
+/// the model's finish_step hook (e.g. the MoE expert-bias update and the reset of the
+/// global_aux_loss token counts): the part Megatron's full-iteration CUDA graph captures
+/// (forward_backward_func and finalize_model_grads).
 void forward_backward_step(LanguageModel& model, PipelineExecutor& executor, const PipelinePlan& plan,
                            AdamWOptimizer& optimizer, const std::vector<MicroBatch>& micro_batches,
                            const StepOptions& opt, const Tensor& loss_slot, const Stream& stream);

@@ -29,6 +29,7 @@
 #include "testing/testing.h"
 #include "train/pipeline.h"
 #include "train/train_step.h"
+#include "train/training_setup.h"
 
 namespace mt {
 namespace {
@@ -521,42 +522,33 @@ Result run_layout(const Layout& L, const Data& D) {
   out.losses.assign(kIters, 0.0);
   std::mutex mu;
   run_thread_ranks(world_size, [&](int, std::shared_ptr<Communicator> world) {
-    ParallelConfig pc;
-    pc.tp = L.tp;
-    pc.cp = L.cp;
-    pc.pp = L.pp;
-    pc.vpp = L.vpp;
-    pc.ep = L.ep;
-    validate_and_derive(pc, world_size);
-    const ProcessGroups g = build_process_groups(world, pc);
-    pipeline::PipelineLayout layout;
-    layout.num_layers = c.num_layers;
-    layout.pp = L.pp;
-    layout.vpp = L.vpp;
-    const int pp_rank = g.pp->rank();
-    const auto ranges = pipeline::layers_of(pp_rank, layout);
-    pipeline::ScheduleConfig sc;
-    sc.pp = L.pp;
-    sc.vpp = L.vpp;
-    sc.num_microbatches = M;
-    const PipelinePlan plan = plan_pipeline(sc, pp_rank, ranges);
-    Stream st(Device::cpu());
-    const int dpcp = g.dp_cp->size();
-    ParamLayout pl(dpcp, 0);
-    pl.expert_data_parallel_size = pc.edp;  // world / (etp·ep·pp): CP folds into EP and / or EDP
-    GPTModel model(c, B, DType::kF32, Device::cpu(), g, L.sp, pl, model_layout(ranges, {&plan}));
-    EXPECT_EQ(model.local_seq_length(), sl);
-    PipelineExecutor executor(model, g.pp, {&plan});
+    ModelSetupOptions o;
+    o.model = c;
+    o.parallel.tp = L.tp;
+    o.parallel.cp = L.cp;
+    o.parallel.pp = L.pp;
+    o.parallel.vpp = L.vpp;
+    o.parallel.ep = L.ep;
+    o.num_microbatches = M;
+    o.micro_batch_size = B;
+    o.sequence_parallel = L.sp;
     // Gradients reduced over dp-cp (Megatron), the distributed optimizer sharded over dp-cp; the
     // experts' over the expert-data-parallel group (world / (etp·ep·pp): CP folds into EP / EDP).
+    o.ddp = DdpConfig{false, false, L.zero};
+    o.optim.weight_decay = 0.1f;
+    o.optim.clip_grad = 0.05f;
+    o.optim.eps = 1e-3f;
+    Stream st(Device::cpu());
+    ModelSetup setup(world, o, st);
+    const ProcessGroups& g = setup.groups();
+    const PipelinePlan& plan = setup.train_plan();
+    GPTModel& model = setup.model();
+    PipelineExecutor& executor = setup.executor();
+    GradSync& sync = setup.grad_sync();
+    AdamWOptimizer& opt = setup.optimizer();
+    EXPECT_EQ(model.local_seq_length(), sl);
     EXPECT_EQ(g.edp->size(), L.cp * L.dp * L.tp / (L.tp * L.ep));
-    GradSync sync(model.params(), g.dp_cp, DdpConfig{false, false, L.zero}, g.edp);
-    OptimizerConfig oc;
-    oc.weight_decay = 0.1f;
-    oc.clip_grad = 0.05f;
-    oc.eps = 1e-3f;
-    AdamWOptimizer opt(sync, oc, st, {nullptr, g.mp, g.tp->rank(), false, g.etp_ep_pp});
-    model.set_hooks(&sync);
+    EXPECT_EQ(model.params().layout().data_parallel_size, g.dp_cp->size());
     model.params().initialize(1234, st);
     const int d = g.dp->rank(), cpr = g.cp->rank();
     std::vector<OwnedTensor> own;

@@ -35,6 +35,7 @@
 #include "testing/testing.h"
 #include "train/pipeline.h"
 #include "train/train_step.h"
+#include "train/training_setup.h"
 
 namespace mt {
 namespace {
@@ -80,33 +81,26 @@ RunResult train(const std::shared_ptr<Communicator>& world, const Layout& L, DTy
                 int64_t num_micro_total) {
   const TransformerConfig c = config();
   const int64_t S = c.seq_length;
-  ParallelConfig pc;
-  pc.tp = L.tp;
-  pc.pp = L.pp;
-  pc.vpp = L.vpp;
-  validate_and_derive(pc, world->size());
-  const ProcessGroups g = build_process_groups(world, pc);
-  const int dp = g.dp->size(), d = g.dp->rank();
+  ModelSetupOptions o;
+  o.model = c;
+  o.parallel.tp = L.tp;
+  o.parallel.pp = L.pp;
+  o.parallel.vpp = L.vpp;
+  const int dp = world->size() / (L.tp * L.pp);
   const int M = static_cast<int>(num_micro_total / dp);
-  pipeline::PipelineLayout layout;
-  layout.num_layers = c.num_layers;
-  layout.pp = L.pp;
-  layout.vpp = L.vpp;
-  const auto chunks = pipeline::layers_of(g.pp->rank(), layout);
-  pipeline::ScheduleConfig sc;
-  sc.pp = L.pp;
-  sc.vpp = L.vpp;
-  sc.num_microbatches = M;
-  const PipelinePlan plan = plan_pipeline(sc, g.pp->rank(), chunks);
+  o.num_microbatches = M;
+  o.micro_batch_size = mb;
+  o.sequence_parallel = L.sp;
+  o.dtype = dtype;
+  o.device = dev;
+  o.param_layout.bucket_size = L.overlap ? 30000 : 0;
+  o.ddp = DdpConfig{L.overlap, L.overlap && L.zero, L.zero};
+  o.optim.eps = 1e-5f;
   Stream st(dev);
-  GPTModel model(c, mb, dtype, dev, g, L.sp, ParamLayout(dp, L.overlap ? 30000 : 0),
-                 model_layout(chunks, {&plan}));
-  PipelineExecutor exec(model, g.pp, {&plan});
-  GradSync sync(model.params(), g.dp, DdpConfig{L.overlap, L.overlap && L.zero, L.zero});
-  OptimizerConfig oc;
-  oc.eps = 1e-5f;
-  AdamWOptimizer opt(sync, oc, st, {nullptr, g.mp, g.tp->rank()});
-  model.set_hooks(&sync);
+  ModelSetup setup(world, o, st);
+  const ProcessGroups& g = setup.groups();
+  const int d = g.dp->rank();
+  GPTModel& model = setup.model();
   model.params().initialize(4321, st);
   std::vector<OwnedTensor> tok, lab;
   std::vector<MicroBatch> mbs;
@@ -126,12 +120,12 @@ RunResult train(const std::shared_ptr<Communicator>& world, const Layout& L, DTy
   RunResult r;
   for (int it = 0; it < kIters; ++it) {
     fill(loss, 0.f, st);
-    train_step(model, exec, plan, opt, mbs, {99, it, 1e-3f, d, dp}, loss, st);
+    train_step(model, setup.executor(), setup.train_plan(), setup.optimizer(), mbs, {99, it, 1e-3f, d, dp}, loss, st);
     g.dp->all_reduce(loss, ReduceOp::kSum, st);
     g.pp->all_reduce(loss, ReduceOp::kSum, st);  // the loss lives on the last stage
     r.losses.push_back(testing::to_host(loss, st)[0]);
   }
-  sync.finish_param_sync(st);
+  setup.grad_sync().finish_param_sync(st);
   const ParamStore& P = model.params();
   for (size_t i = 0; i < P.size(); ++i) {
     r.infos.push_back(P.info(i));

@@ -28,6 +28,7 @@
 #include "shard_gather.h"
 #include "train/pipeline.h"
 #include "train/train_step.h"
+#include "train/training_setup.h"
 
 namespace mt {
 namespace {
@@ -246,54 +247,47 @@ Result run_layout(const Layout& L, const std::vector<int32_t>& tokens, const std
   out.losses.assign(kIters, 0.0);
   out.slots.resize(static_cast<size_t>(L.pp));
   std::mutex mu;
-  run_thread_ranks(world_size, [&](int rank, std::shared_ptr<Communicator> world) {
-    ParallelConfig pc;
-    pc.tp = L.tp;
-    pc.pp = L.pp;
-    pc.vpp = L.vpp;
-    pc.ep = L.ep;
-    pc.etp = L.etp;
-    validate_and_derive(pc, world_size);
-    const ProcessGroups g = build_process_groups(world, pc);
-    pipeline::PipelineLayout layout;
-    layout.num_layers = c.num_layers;
-    layout.pp = L.pp;
-    layout.vpp = L.vpp;
-    layout.first_stage_layers = L.first;
-    layout.last_stage_layers = L.last;
-    const int pp_rank = g.pp->rank();
-    const auto ranges = pipeline::layers_of(pp_rank, layout);
-    pipeline::ScheduleConfig sc;
-    sc.pp = L.pp;
-    sc.vpp = L.vpp;
-    sc.num_microbatches = M;
-    sc.microbatch_group_size = L.group_size;
-    const PipelinePlan plan = plan_pipeline(sc, pp_rank, ranges);
-    Stream st(Device::cpu());
+  run_thread_ranks(world_size, [&](int, std::shared_ptr<Communicator> world) {
+    ModelSetupOptions o;
+    o.model = c;
+    o.parallel.tp = L.tp;
+    o.parallel.pp = L.pp;
+    o.parallel.vpp = L.vpp;
+    o.parallel.ep = L.ep;
+    o.parallel.etp = L.etp;
+    o.pipeline.first_stage_layers = L.first;
+    o.pipeline.last_stage_layers = L.last;
+    o.num_microbatches = M;
+    o.microbatch_group_size = L.group_size;
+    o.micro_batch_size = B;
+    o.sequence_parallel = L.sp;
     // With overlap: buckets of ~2 layers, reductions started by the model's grads_ready reports
     // (the tied embedding's after the embedding-group all-reduce).
-    ParamLayout pl(L.dp, L.overlap ? 2000 : 0);
-    pl.expert_data_parallel_size = pc.edp;
-    ModelLayout ml = model_layout(ranges, {&plan});
-    if (L.head_chunk > 0) ml.head.chunk_bytes = static_cast<size_t>(L.head_chunk * c.padded_vocab_size(L.tp) / L.tp) * 4;
-    GPTModel model(c, B, DType::kF32, Device::cpu(), g, L.sp, pl, ml);
-    PipelineExecutor executor(model, g.pp, {&plan});
+    o.param_layout.bucket_size = L.overlap ? 2000 : 0;
+    o.ddp = DdpConfig{L.overlap, L.overlap && L.zero, L.zero};
+    o.optim.weight_decay = 0.1f;
+    o.optim.clip_grad = 0.05f;  // active: the step depends on the global norm over all stages
+    // Adam's m / (sqrt(v) + eps) turns a small relative gradient difference on a near-zero
+    // element into an O(1) update difference (the key bias has an exactly-zero gradient, so its
+    // fp32 value is pure rounding noise); eps 1e-3 keeps updates proportional to the gradients,
+    // so parameters compare at the gradients' precision.
+    o.optim.eps = 1e-3f;
+    if (L.head_chunk > 0) o.head_chunk_bytes = static_cast<size_t>(L.head_chunk * c.padded_vocab_size(L.tp) / L.tp) * 4;
+    Stream st(Device::cpu());
+    ModelSetup setup(world, o, st);
+    const ProcessGroups& g = setup.groups();
+    const int pp_rank = g.pp->rank();
+    const PipelinePlan& plan = setup.train_plan();
+    GPTModel& model = setup.model();
+    PipelineExecutor& executor = setup.executor();
     if (L.slot_keys || L.preprocess) executor.use_slot_keys();
     LayerGraphs graphs(false, false, false, /*moe_router=*/true, /*moe_preprocess=*/true);
     if (L.preprocess) {
       graphs.set_capturing(true);  // the CPU runs every region eagerly (model/layer_graphs.h)
       model.set_layer_graphs(&graphs);
     }
-    GradSync sync(model.params(), g.dp, DdpConfig{L.overlap, L.overlap && L.zero, L.zero}, g.edp);
-    OptimizerConfig oc;
-    oc.weight_decay = 0.1f;
-    oc.clip_grad = 0.05f;  // active: the step depends on the global norm over all stages
-    // Adam's m / (sqrt(v) + eps) turns a small relative gradient difference on a near-zero
-    // element into an O(1) update difference (the key bias has an exactly-zero gradient, so its
-    // fp32 value is pure rounding noise); eps 1e-3 keeps updates proportional to the gradients,
-    // so parameters compare at the gradients' precision.
-    oc.eps = 1e-3f;
-    AdamWOptimizer opt(sync, oc, st, {nullptr, g.mp, g.tp->rank(), false, g.etp_ep_pp});
+    GradSync& sync = setup.grad_sync();
+    AdamWOptimizer& opt = setup.optimizer();
     CountingHooks reports(sync, model.params().size());
     model.set_hooks(&reports);
     model.params().initialize(1234, st);
@@ -829,20 +823,13 @@ TEST(GlobalAuxLoss, TrainStepRestartsTheCountsEachStep) {
   const int64_t S = c.seq_length, mb = 2;
   const int M = 3;
   run_thread_ranks(1, [&](int, std::shared_ptr<Communicator> world) {
-    ParallelConfig pc;
-    validate_and_derive(pc, 1);
-    const ProcessGroups g = build_process_groups(world, pc);
-    pipeline::PipelineLayout layout;
-    layout.num_layers = c.num_layers;
-    const auto ranges = pipeline::layers_of(0, layout);
-    pipeline::ScheduleConfig sc;
-    sc.num_microbatches = M;
-    const PipelinePlan plan = plan_pipeline(sc, 0, ranges);
+    ModelSetupOptions o;
+    o.model = c;
+    o.num_microbatches = M;
+    o.micro_batch_size = mb;
     Stream st(Device::cpu());
-    GPTModel model(c, mb, DType::kF32, Device::cpu(), g, false, ParamLayout(1, 0), model_layout(ranges, {&plan}));
-    PipelineExecutor executor(model, g.pp, {&plan});
-    GradSync sync(model.params(), g.dp, DdpConfig{false, false, false}, g.edp);
-    AdamWOptimizer opt(sync, OptimizerConfig{}, st, {nullptr, g.mp, 0, false, g.etp_ep_pp});
+    ModelSetup setup(world, o, st);
+    GPTModel& model = setup.model();
     model.params().initialize(1234, st);
     std::vector<OwnedTensor> tok, lab;
     std::vector<MicroBatch> mbs;
@@ -861,7 +848,7 @@ TEST(GlobalAuxLoss, TrainStepRestartsTheCountsEachStep) {
     for (int it = 0; it < 2; ++it) {
       fill(loss, 0.f, st);
       model.reset_moe_stats(st);
-      train_step(model, executor, plan, opt, mbs, {77, it, 0.f, 0, 1}, loss, st);
+      train_step(model, setup.executor(), setup.train_plan(), setup.optimizer(), mbs, {77, it, 0.f, 0, 1}, loss, st);
       stats.push_back(model.moe_loss_stats(st));
     }
     const size_t per = static_cast<size_t>(kMoeStatLosses + c.num_moe_experts);

@@ -1,0 +1,432 @@
+#include "train/training_setup.h"
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+
+#include "comm/bootstrap.h"
+#include "core/host_memory.h"
+#include "core/logging.h"
+#include "data/masks.h"
+#include "parallel/pipeline/schedules.h"
+#include "parallel/process_groups.h"
+
+namespace mt {
+
+Device resolve_device(const std::string& flag) {
+  if (flag == "auto") return cuda_available() ? Device::cuda(0) : Device::cpu();
+  Device d = parse_device(flag);
+  MT_REQUIRE(d.is_cpu() || cuda_available(), "--device {} requested but no CUDA device is available{}", flag,
+#ifdef MT_WITH_CUDA
+             ""
+#else
+             " (this binary was built without CUDA)"
+#endif
+  );
+  return d;
+}
+
+namespace {
+
+pipeline::ScheduleConfig schedule_config(const ParallelConfig& pc, int64_t num_microbatches, int group_size) {
+  pipeline::ScheduleConfig sc;
+  sc.pp = pc.pp;
+  sc.vpp = pc.vpp;
+  sc.num_microbatches = static_cast<int>(num_microbatches);
+  sc.microbatch_group_size = group_size;
+  return sc;
+}
+
+}  // namespace
+
+ModelSetup::ModelSetup(std::shared_ptr<Communicator> world, ModelSetupOptions options, const Stream& stream)
+    : options_(std::move(options)), parallel_(options_.parallel) {
+  const ModelSetupOptions& o = options_;
+  validate_and_derive(parallel_, world->size());
+  pipeline::PipelineLayout layout = o.pipeline;
+  layout.num_layers = o.model.num_layers;
+  layout.pp = parallel_.pp;
+  layout.vpp = parallel_.vpp;
+  pipeline::validate_pipeline_layout(layout);
+  pipeline::ScheduleConfig sc = schedule_config(parallel_, o.num_microbatches, o.microbatch_group_size);
+  pipeline::validate_schedule_config(sc);  // a mismatched layout fails before any collective
+  GPTModel::validate_context_parallel(o.model, parallel_.cp, parallel_.tp);
+  groups_ = build_process_groups(world, parallel_);
+  // The pipeline schedule of this rank (no pipelining when pp == 1) for training and for
+  // evaluation (forward only), and the model chunks and buffers they need.
+  const int pp_rank = groups_.pp->rank();
+  chunks_ = pipeline::layers_of(pp_rank, layout);
+  train_plan_ = plan_pipeline(sc, pp_rank, chunks_);
+  sc.forward_only = true;
+  eval_plan_ = plan_pipeline(sc, pp_rank, chunks_);
+  // Parameter gradients are reduced (and the distributed optimizer sharded) over dp-cp (Megatron).
+  options_.param_layout.data_parallel_size = groups_.dp_cp->size();
+  options_.param_layout.expert_data_parallel_size = parallel_.edp;
+  ModelLayout model_layout_needed = model_layout(chunks_, {&train_plan_, &eval_plan_});
+  if (o.head_chunk_bytes > 0) model_layout_needed.head.chunk_bytes = o.head_chunk_bytes;
+  if (o.check_memory) estimate_memory(model_layout_needed);
+  model_ = std::make_unique<GPTModel>(o.model, o.micro_batch_size, o.dtype, o.device, groups_, o.sequence_parallel,
+                                      options_.param_layout, model_layout_needed);
+  executor_ = std::make_unique<PipelineExecutor>(*model_, groups_.pp,
+                                                 std::vector<const PipelinePlan*>{&train_plan_, &eval_plan_});
+  // Data-parallel gradient buckets (reduced as the backward finishes them with
+  // --overlap-grad-reduce) and the optimizer over this rank's owned elements.
+  grad_sync_ = std::make_unique<GradSync>(model_->params(), groups_.dp_cp, o.ddp, groups_.edp);
+  optimizer_ = std::make_unique<AdamWOptimizer>(
+      *grad_sync_, o.optim, stream, OptimizerGroups{nullptr, groups_.mp, groups_.tp->rank(), false, groups_.etp_ep_pp});
+  model_->set_hooks(grad_sync_.get());
+}
+
+ModelSetup::~ModelSetup() = default;
+
+// The memory estimate, before anything large is allocated (train/memory_estimate.h).
+void ModelSetup::estimate_memory(const ModelLayout& layout) {
+  const ModelSetupOptions& o = options_;
+  MemoryEstimateInputs in;
+  in.model = GPTModel::memory_plan(o.model, o.micro_batch_size, o.dtype, o.device, groups_, o.sequence_parallel,
+                                   o.param_layout, layout);
+  in.dtype = o.dtype;
+  in.distributed_optimizer = o.ddp.use_distributed_optimizer;
+  in.store_param_remainders = o.optim.store_param_remainders;
+  in.data_parallel = groups_.dp_cp->size();
+  in.expert_data_parallel = groups_.edp->size();
+  in.grad_reduce_in_bf16 = o.ddp.grad_reduce_in_bf16 && (groups_.dp_cp->size() > 1 || groups_.edp->size() > 1);
+  in.pipeline_grad_bytes = static_cast<size_t>(std::max(train_plan_.grad_buffers, eval_plan_.grad_buffers)) *
+                           in.model.boundary_bytes;
+  in.batch_bytes = o.batch_bytes;
+  memory_estimate_ = estimate_training_memory(in);
+  in_use_before_ = device_memory_in_use(o.device);  // CUDA context, libraries, other processes
+  log_info("> memory estimate per rank: {}", memory_estimate_.summary());
+  if (o.device.is_cuda()) {
+    // the free memory now, less 32 MiB per stream of cuBLASLt workspace still to come
+    check_memory_fits(memory_estimate_, device_memory_free(o.device), size_t{64} << 20, o.device.str());
+  } else if (const uint64_t avail = available_host_memory_bytes(); avail > 0) {  // 0: unknown
+    check_memory_fits(memory_estimate_, avail, 0, "the host (CPU training)");
+  }
+}
+
+namespace {
+
+void check_resume_config(const TransformerConfig& ck, const TransformerConfig& m) {
+  auto same = [](const char* flag, int64_t a, int64_t b) {
+    MT_REQUIRE(a == b, "checkpoint has {} {} but the command line asks for {}", flag, a, b);
+  };
+  same("--num-layers", ck.num_layers, m.num_layers);
+  same("--hidden-size", ck.hidden_size, m.hidden_size);
+  same("--num-attention-heads", ck.num_attention_heads, m.num_attention_heads);
+  same("--ffn-hidden-size", ck.ffn(), m.ffn());
+  same("--max-position-embeddings", ck.max_positions(), m.max_positions());
+  same("vocabulary size", ck.vocab_size, m.vocab_size);
+  same("--num-query-groups", ck.query_groups(), m.query_groups());
+  same("--kv-channels", ck.head_dim(), m.head_dim());
+  auto same_flag = [](const char* what, const std::string& a, const std::string& b) {
+    MT_REQUIRE(a == b, "checkpoint has {} {} but the command line asks for {}", what, a, b);
+  };
+  same_flag("--normalization", normalization_name(ck.normalization), normalization_name(m.normalization));
+  same_flag("--position-embedding-type", position_embedding_type_name(ck.position_embedding_type),
+            position_embedding_type_name(m.position_embedding_type));
+  auto yes = [](bool b) { return std::string(b ? "on" : "off"); };
+  same_flag("--swiglu", yes(ck.gated_linear_unit), yes(m.gated_linear_unit));
+  same_flag("bias in linear layers (--disable-bias-linear)", yes(ck.add_bias_linear), yes(m.add_bias_linear));
+  same_flag("--add-qkv-bias", yes(ck.add_qkv_bias), yes(m.add_qkv_bias));
+  same_flag("--qk-layernorm", yes(ck.qk_layernorm), yes(m.qk_layernorm));
+  same_flag("--untie-embeddings-and-output-weights", yes(ck.untie_embeddings_and_output_weights),
+            yes(m.untie_embeddings_and_output_weights));
+  // Mixture of experts: the experts and where they sit (the router and expert shapes follow).
+  same("--num-experts", ck.num_moe_experts, m.num_moe_experts);
+  if (ck.num_moe_experts == 0) return;
+  auto pattern = [](const TransformerConfig& c) {
+    std::string p = "[";
+    for (int64_t l = 0; l < c.num_layers; ++l) p += fmt::format("{}{}", l ? "," : "", c.is_moe_layer(l) ? 1 : 0);
+    return p + "]";
+  };
+  same_flag("--moe-layer-freq", pattern(ck), pattern(m));
+  same("--moe-ffn-hidden-size", ck.moe_ffn(), m.moe_ffn());
+  same("--moe-shared-expert-intermediate-size", ck.moe_shared_expert_intermediate_size,
+       m.moe_shared_expert_intermediate_size);
+  same_flag("--moe-shared-expert-gate", yes(ck.moe_shared_expert_gate), yes(m.moe_shared_expert_gate));
+}
+
+}  // namespace
+
+std::unique_ptr<TrainingSetup> TrainingSetup::launch(PretrainArgs args) {
+  const LaunchEnv env = read_launch_env();
+  Device device = resolve_device(args.device);
+  if (device.is_cuda() && env.world_size > 1) device = local_device(DeviceType::kCUDA, env);  // GPU = LOCAL_RANK
+  set_current_device(device);
+  std::shared_ptr<Communicator> world = init_world(device, env, args.distributed_timeout_minutes);
+  if (world->rank() != 0) set_log_level(LogLevel::kWarn);  // rank 0 logs
+  return std::make_unique<TrainingSetup>(std::move(args), std::move(world), device);
+}
+
+TrainingSetup::TrainingSetup(PretrainArgs args, std::shared_ptr<Communicator> world, Device device)
+    : args_(std::move(args)), world_(std::move(world)), device_(device) {
+  resolve_arguments();  // no communication: the errors are the same on every rank
+  prepare_save_directory();
+  build_datasets();
+  stream_ = std::make_unique<Stream>(device_);
+  model_setup_ = std::make_unique<ModelSetup>(world_, model_options(), *stream_);
+  log_summary();
+  load_or_initialize();
+  data::LtorOptions ltor;
+  ltor.eod = tokenizer_->eod();
+  ltor.reset_position_ids = args_.data.reset_position_ids;
+  ltor.reset_attention_mask = args_.data.reset_attention_mask;
+  ltor.eod_mask_loss = args_.data.eod_mask_loss;
+  const ProcessGroups& g = groups();
+  stager_ = std::make_unique<BatchStager>(
+      BatchStager::Options{num_microbatches(), args_.micro_batch_size, args_.model.seq_length, parallel_.dp,
+                           g.dp->rank(), args_.model.vocab_size, ltor, parallel_.cp, g.cp->rank(),
+                           args_.data.reset_position_ids, args_.data.reset_attention_mask},
+      device_);
+}
+
+TrainingSetup::~TrainingSetup() = default;
+
+// The checkpoint to resume, the parallel sizes, the tokenizer's vocabulary and the validation of
+// every argument, in the order the errors are reported.
+void TrainingSetup::resolve_arguments() {
+  PretrainArgs& args = args_;
+  if (!args.load.empty()) {
+    const bool autoresume = args.load == args.save;
+    if (autoresume && !latest_checkpoint_iteration(args.load).has_value()) {
+      log_info("> no checkpoint in {} yet (--load == --save): starting from scratch", args.load);
+    } else {
+      resume_ = read_checkpoint_state(args.load, {args.fallback_to_previous_checkpoint, std::nullopt});
+    }
+  }
+  if (resume_ && args.use_checkpoint_args) {  // the architecture of the checkpoint (Megatron's --use-checkpoint-args)
+    TransformerConfig m = resume_->model;
+    m.seq_length = args.model.seq_length;  // training choices stay the command line's
+    m.hidden_dropout = args.model.hidden_dropout;
+    m.attention_dropout = args.model.attention_dropout;
+    m.init_method_std = args.model.init_method_std;
+    m.make_vocab_size_divisible_by = args.model.make_vocab_size_divisible_by;
+    m.moe_per_layer_logging = args.model.moe_per_layer_logging;
+    args.model = m;
+    args.group_query_attention = m.num_query_groups > 0;
+  }
+  ParallelConfig& pc = parallel_;
+  pc.tp = args.tensor_model_parallel_size;
+  pc.pp = args.pipeline_model_parallel_size;
+  pc.ep = args.expert_model_parallel_size;
+  pc.etp = args.expert_tensor_parallel_size;
+  pc.cp = args.context_parallel_size;
+  pipeline::PipelineLayout& layout = pipeline_;
+  layout.num_layers = args.model.num_layers;
+  layout.pp = pc.pp;
+  layout.first_stage_layers = args.decoder_first_pipeline_num_layers;
+  layout.last_stage_layers = args.decoder_last_pipeline_num_layers;
+  layout.account_for_embedding = args.account_for_embedding_in_pipeline_split;
+  layout.account_for_loss = args.account_for_loss_in_pipeline_split;
+  MT_REQUIRE(pc.pp >= 1, "--pipeline-model-parallel-size must be >= 1, got {}", pc.pp);
+  layout.vpp = pipeline::resolve_virtual_pipeline_size(layout, args.num_layers_per_virtual_pipeline_stage,
+                                                       args.num_virtual_stages_per_pipeline_rank);
+  pc.vpp = layout.vpp;
+  validate_and_derive(pc, world_->size());
+  pipeline::validate_pipeline_layout(layout);
+  args.data_parallel_size = pc.dp;
+  args.expert_data_parallel_size = pc.edp;
+  MT_REQUIRE(device_.is_cuda() || args.dtype() == DType::kF32,
+             "--{} needs a CUDA device; the CPU backend trains in fp32", args.bf16 ? "bf16" : "fp16");
+  tokenizer_ = data::build_tokenizer(args.data);
+  args.model.vocab_size = tokenizer_->vocab_size();
+  if (resume_) {
+    // A model may have more embedding rows than its tokenizer has tokens (Hugging Face models).
+    MT_REQUIRE(resume_->model.vocab_size >= args.model.vocab_size,
+               "checkpoint '{}' has a vocabulary of {} tokens but the tokenizer has {}", args.load,
+               resume_->model.vocab_size, args.model.vocab_size);
+    args.model.vocab_size = resume_->model.vocab_size;
+  }
+  validate_pretrain_args(args);
+  MT_REQUIRE(!args.cuda_graph.enabled() || device_.is_cuda(),
+             "--cuda-graph-impl {} needs a CUDA device; this run is on {}", args.cuda_graph.impl, device_.str());
+  GPTModel::validate_context_parallel(args.model, pc.cp, pc.tp);  // before any communication
+  pipeline::validate_schedule_config(
+      schedule_config(pc, num_microbatches(), args.microbatch_group_size_per_vp_stage));
+  if (resume_) check_resume_config(resume_->model, args.model);
+}
+
+// Fails early on an unwritable --save and cleans what interrupted saves left there (rank 0).
+void TrainingSetup::prepare_save_directory() const {
+  if (args_.save.empty() || world_->rank() != 0) return;
+  std::error_code ec;
+  std::filesystem::create_directories(args_.save, ec);
+  const auto probe = std::filesystem::path(args_.save) / ".write_test";
+  std::FILE* f = ec ? nullptr : std::fopen(probe.c_str(), "w");
+  MT_REQUIRE(f != nullptr, "--save directory '{}' is not writable{}", args_.save,
+             ec ? ": " + ec.message() : std::string());
+  std::fclose(f);
+  std::filesystem::remove(probe, ec);
+  for (const auto& name : clean_interrupted_saves(args_.save))
+    log_info("> removed what an interrupted checkpoint save left in {}: {}", args_.save, name);
+}
+
+// Megatron's GPTDataset / BlendedDataset / MockGPTDataset with the sample counts Megatron asks for.
+// With --data-cache-path, rank 0 builds the index files and the other ranks then read them.
+void TrainingSetup::build_datasets() {
+  const PretrainArgs& args = args_;
+  const int64_t M = num_microbatches();
+  {  // An absurd batch is an error before the datasets are built: the batch buffers alone (two pinned
+     // host copies and one device copy, 20 bytes per token) must fit in the memory there is.
+    const double batch_bytes = 3.0 * 20.0 * static_cast<double>(M) * static_cast<double>(args.micro_batch_size) *
+                               static_cast<double>(args.model.seq_length);
+    const uint64_t avail = available_host_memory_bytes();
+    MT_REQUIRE(avail == 0 || batch_bytes < 0.8 * static_cast<double>(avail),
+               "--micro-batch-size {} x --seq-length {} ({} micro-batches per iteration) needs {:.3g} GiB for the "
+               "batch buffers alone, more than the {:.1f} GiB of memory available",
+               args.micro_batch_size, args.model.seq_length, M, batch_bytes / 1073741824.0,
+               static_cast<double>(avail) / 1073741824.0);
+  }
+  const auto counts = data::train_valid_test_num_samples(args.train_iters, args.global_batch_size, args.eval_interval,
+                                                         args.eval_iters);
+  for (int pass = 0; pass < 2; ++pass) {
+    if ((pass == 0) == (world_->rank() == 0))
+      data_ = data::build_gpt_datasets(args.data, args.model.seq_length, args.seed, counts[0], counts[1], counts[2],
+                                       *tokenizer_);
+    if (pass == 0) world_->barrier();
+  }
+  MT_REQUIRE(data_.train && data_.train->size() > 0, "the training split is empty");
+  log_info("> datasets: train {}; valid {}", data_.train->name(), data_.valid ? data_.valid->name() : "none");
+  if (data_.valid && data_.valid->size() == 0) data_.valid.reset();
+}
+
+ModelSetupOptions TrainingSetup::model_options() const {
+  ModelSetupOptions o;
+  o.model = args_.model;
+  o.parallel = parallel_;
+  o.pipeline = pipeline_;
+  o.num_microbatches = num_microbatches();
+  o.microbatch_group_size = args_.microbatch_group_size_per_vp_stage;
+  o.micro_batch_size = args_.micro_batch_size;
+  o.sequence_parallel = args_.sequence_parallel;
+  o.dtype = args_.dtype();
+  o.device = device_;
+  o.param_layout = args_.param_layout();
+  o.ddp = args_.ddp_config();
+  o.optim = args_.optim;
+  o.check_memory = true;
+  o.batch_bytes = BatchStager::device_bytes(o.num_microbatches, o.micro_batch_size, args_.model.seq_length,
+                                            parallel_.cp);
+  return o;
+}
+
+void TrainingSetup::log_summary() {
+  const ParallelConfig& pc = parallel_;
+  GPTModel& model = model_setup_->model();
+  const auto& cfg = model.config();
+  if (world_->size() > 1) log_info("{}", layout_table(pc));
+  log_info("> model: GPT {}, {} attention, seq {}, vocab {} (padded {}), {:.2f}M parameters, {} on {}; activations "
+           "{:.1f} MiB",
+           cfg.summary(), model.attention_backend(), cfg.seq_length, cfg.vocab_size, model.padded_vocab(),
+           model.params().num_parameters() / 1e6, dtype_name(args_.dtype()), device_.str(),
+           model.activation_bytes() / 1048576.0);
+  if (pc.cp > 1)
+    log_info("> context parallel: {} ranks, --cp-comm-type {}{}, {} of {} tokens per rank (chunks r and 2·{}-1-r "
+             "of {}); activations {:.1f} MiB per rank",
+             pc.cp, cfg.cp_comm_type,
+             cfg.hierarchical_context_parallel_sizes.empty()
+                 ? std::string()
+                 : fmt::format(" (a2a {} x p2p {})", cfg.hierarchical_context_parallel_sizes[0],
+                               cfg.hierarchical_context_parallel_sizes[1]),
+             model.local_seq_length(), cfg.seq_length, pc.cp, 2 * pc.cp, model.activation_bytes() / 1048576.0);
+  if (pc.pp > 1) {
+    std::string stages;
+    for (const auto& r : model_setup_->chunks()) stages += fmt::format(" [{}, {})", r.begin, r.end);
+    log_info("> pipeline: {} stages{}, {} schedule, {} micro-batches; rank 0 holds layers{}, {} activation slots "
+             "(theoretical bubble {:.1f}%)",
+             pc.pp * pc.num_chunks(), pc.vpp > 1 ? fmt::format(" ({} per rank)", pc.vpp) : "",
+             pc.vpp > 1 ? "interleaved 1F1B" : "1F1B", num_microbatches(), stages, model_setup_->train_plan().activation_slots,
+             100.0 * pipeline::bubble_fraction(pc.pp, pc.vpp, static_cast<int>(num_microbatches())));
+  }
+  const GradSync& grad_sync = model_setup_->grad_sync();
+  if (args_.ddp_copy_engine && groups().dp->size() > 1)
+    log_info("> data-parallel collectives: {}", grad_sync.copy_engine_active()
+                                                   ? std::string("copy engine for the collectives that overlap "
+                                                                 "compute, NCCL for the others (--ddp-copy-engine)")
+                                                   : "the DP communicator's (copy engine unavailable: " +
+                                                         grad_sync.why_not_copy_engine() + ")");
+  if (args_.grad_reduce_in_bf16 && groups().dp->size() > 1)
+    log_info("> data-parallel gradient reduction in bf16 (--grad-reduce-in-bf16)");
+  if (args_.optim.store_param_remainders)
+    log_info("> fp32 main parameters stored as bf16 parameters + int16 remainders (--use-precision-aware-optimizer): "
+             "{:.3f} GiB on this rank",
+             static_cast<double>(model.params().main_storage_bytes()) / (1024.0 * 1024.0 * 1024.0));
+  if (model.params().buckets().size() > 1)
+    log_info("> data-parallel gradient buckets: {} (--ddp-bucket-size {}), overlap grad reduce {}, param gather {}",
+             model.params().buckets().size(), model.params().layout().bucket_size, args_.overlap_grad_reduce,
+             args_.overlap_param_gather);
+}
+
+// The checkpoint of --load (weights, and unless --finetune / --no-load-optim the optimizer and the
+// iteration), or freshly initialised parameters.
+void TrainingSetup::load_or_initialize() {
+  const PretrainArgs& args = args_;
+  GPTModel& model = model_setup_->model();
+  if (!resume_) {
+    model.params().initialize(args.seed, *stream_);
+    return;
+  }
+  const bool weights_only = args.finetune || args.no_load_optim;
+  MT_REQUIRE(weights_only || resume_->has_optimizer,
+             "checkpoint '{}' holds no optimizer state (written by import-hf?): add --finetune (weights only, "
+             "iteration 0) or --no-load-optim",
+             args.load);
+  const auto t_load = std::chrono::steady_clock::now();
+  // The expert bias (persistent_state) is model state: loaded for --finetune / --no-load-optim too.
+  CheckpointState st = load_checkpoint(args.load, model.params(), weights_only ? nullptr : &model_setup_->optimizer(),
+                                       *stream_, {false, resume_->iteration}, model.persistent_state(*stream_));
+  const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count();
+  const double load_gb = static_cast<double>(checkpoint_bytes(args.load, st.iteration)) / 1e9;
+  log_info("> checkpoint read and verified: {:.3f} GB in {:.2f} s ({:.2f} GB/s; this rank's share of the files)",
+           load_gb, load_s, load_gb / std::max(load_s, 1e-9));
+  if (args.finetune) {
+    log_info("> loaded the weights of {} (iteration {}) for finetuning: starting at iteration 0", args.load,
+             st.iteration);
+    return;
+  }
+  start_iteration_ = st.iteration;
+  start_consumed_ = st.consumed_train_samples;
+  MT_REQUIRE(st.seed == args.seed || args.no_load_rng,
+             "checkpoint was trained with --seed {} but --seed {} was given (add --no-load-rng to continue with "
+             "the new seed)", st.seed, args.seed);
+  if (st.seed != args.seed) log_info("> --no-load-rng: continuing with --seed {} (checkpoint: {})", args.seed, st.seed);
+  log_info("> loaded checkpoint from {} at iteration {} ({} samples consumed)", args.load, start_iteration_,
+           start_consumed_);
+}
+
+void TrainingSetup::log_memory_report() {
+  const MemoryEstimate& estimate = model_setup_->memory_estimate();
+  {
+    // the buffers the estimate covers: on the CPU the host's pinned staging buffers (two batches)
+    // count too
+    const double est = static_cast<double>(estimate.total()),
+                 got = static_cast<double>(device_bytes_allocated(device_) -
+                                           (device_.is_cuda() ? 0 : 2 * model_setup_->options().batch_bytes));
+    log_info("> memory estimate {:.1f} MiB of buffers, {:+.1f}% from the {:.1f} MiB allocated", est / 1048576.0,
+             100.0 * (est - got) / std::max(got, 1.0), got / 1048576.0);
+  }
+  if (!device_.is_cuda()) return;
+  log_info("> device memory: {:.1f} MiB in megatron.cpp buffers (static: allocated once, so also the peak), "
+           "{:.1f} MiB in use on {} (cudaMemGetInfo, includes the CUDA context and cuBLAS)",
+           device_bytes_allocated(device_) / 1048576.0, device_memory_in_use(device_) / 1048576.0, device_.str());
+  log_info("> memory estimate: {:.1f} MiB in use expected (the {:.1f} MiB in use before the model + the buffers' "
+           "estimate)", (static_cast<double>(estimate.total()) + static_cast<double>(model_setup_->memory_in_use_before())) /
+                            1048576.0,
+           model_setup_->memory_in_use_before() / 1048576.0);
+  if (world_->size() == 1) return;
+  // per rank (pipeline stages differ), gathered to rank 0
+  const int n = world_->size();
+  const float mine[2] = {static_cast<float>(device_bytes_allocated(device_) / 1048576.0),
+                         static_cast<float>(device_memory_in_use(device_) / 1048576.0)};
+  const std::vector<char> gathered = all_gather_host(*world_, mine, sizeof(mine), *stream_);
+  std::vector<float> host(static_cast<size_t>(2 * n));
+  std::memcpy(host.data(), gathered.data(), gathered.size());
+  std::string per_rank;
+  for (int r = 0; r < n; ++r) per_rank += fmt::format(" r{}: {:.0f}/{:.0f}", r, host[2 * r], host[2 * r + 1]);
+  log_info("> device memory per rank (MiB, buffers/in use; pipeline stage = rank / (tp·dp) in the "
+           "default order):{}", per_rank);
+}
+
+}  // namespace mt
