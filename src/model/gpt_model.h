@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "model/language_model.h"
-#include "model/layers/moe_dispatcher.h"
+#include "model/moe/token_dispatcher.h"
 #include "parallel/context_parallel.h"
 #include "parallel/mappings.h"
 

@@ -5,7 +5,7 @@
 #include <fmt/ranges.h>
 
 #include "core/logging.h"
-#include "model/layers/moe_dispatcher.h"
+#include "model/moe/token_dispatcher.h"
 #include "ops/elementwise.h"
 
 namespace mt {

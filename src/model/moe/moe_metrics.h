@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "comm/communicator.h"
-#include "model/layers/moe_dispatcher.h"
+#include "model/moe/token_dispatcher.h"
 #include "model/transformer_config.h"
 
 namespace mt {
