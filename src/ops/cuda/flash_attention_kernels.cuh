@@ -50,6 +50,20 @@ constexpr int fwd_smem_bytes() {
   return (16 * MW * W + 4 * BC) * (D + 8) * 2 + (Mask::kPositions ? 2 * BC * 4 : 0);
 }
 
+/// One warp: the ROWS x D tile staged in shared memory (row stride D + 8) into rows row0 .. of dst
+/// (row stride rs elements; rows >= lim skipped), 16-byte stores.
+template <int D, int ROWS, typename T>
+__device__ __forceinline__ void store_staged(T* dst, int64_t rs, const T* staged, int64_t row0, int64_t lim, int lane) {
+#pragma unroll
+  for (int k = 0; k < ROWS * (D / 8) / 32; ++k) {
+    const int c = lane + 32 * k, r = c / (D / 8), col = (c % (D / 8)) * 8;
+    if (row0 + r < lim) {
+      *reinterpret_cast<uint4*>(dst + (row0 + r) * rs + col) =
+          *reinterpret_cast<const uint4*>(staged + r * (D + 8) + col);
+    }
+  }
+}
+
 /// Online-softmax step of one key tile for a warp's 16·MW rows (Algorithm 1): running max m, sum
 /// l (of the undropped probabilities) and O rescaled; sc (masked scores, −inf) becomes P.
 template <int D, int BC, int MW>
@@ -112,15 +126,7 @@ __device__ __forceinline__ void fwd_store(const Params& p, T* sQ, const float (&
     }
   }
   __syncwarp();
-  T* out = static_cast<T*>(p.out);
-  const int64_t ors = p.o_rs();
-#pragma unroll
-  for (int k = 0; k < WR * (D / 8) / 32; ++k) {
-    const int c = lane + 32 * k, r = c / (D / 8), col = (c % (D / 8)) * 8;
-    const int64_t i = wrow + r;
-    if (i < p.sq)
-      *reinterpret_cast<uint4*>(out + i * ors + bh * D + col) = *reinterpret_cast<const uint4*>(sO + r * SD + col);
-  }
+  store_staged<D, WR>(static_cast<T*>(p.out) + bh * D, p.o_rs(), sO, wrow, p.sq, lane);
 }
 
 /// Forward epilogue, PositionMask: each row's (out, lse) of this key block, written (no visible
@@ -446,7 +452,7 @@ __global__ void __launch_bounds__(W * 32) bwd_mma(const Params p) {
       keep = 0;
 #pragma unroll 1
       for (int k = 0; k < BR / 2; ++k) {
-        const int ql = (k >> 2) * 8 + 2 * t4 + (k & 1), kp = (k >> 1) & 1 ? kp_r[1] : kp_r[0];
+        const int ql = (k >> 2) * 8 + 2 * t4 + (k & 1), kp = Mask::warp_key_pos(kp_r, wkey + g, (k >> 1) & 1);
         keep |= static_cast<uint32_t>(p.drop.keep(p.drop.row_start(bh, tiles.query_pos(sQpb, row0, ql)) +
                                                   static_cast<uint64_t>(kp)))
                 << k;
@@ -529,15 +535,8 @@ __global__ void __launch_bounds__(W * 32) bwd_mma(const Params p) {
       }
     }
     __syncwarp();
-#pragma unroll
-    for (int k = 0; k < 16 * (D / 8) / 32; ++k) {
-      const int c = lane + 32 * k, r = c / (D / 8), col = (c % (D / 8)) * 8;
-      const int64_t j = wkey + r;
-      if (j < sk) {
-        *reinterpret_cast<uint4*>(dkg + j * krs + col) = *reinterpret_cast<const uint4*>(sdk + r * SD + col);
-        *reinterpret_cast<uint4*>(dkg + j * krs + D + col) = *reinterpret_cast<const uint4*>(sdv + r * SD + col);
-      }
-    }
+    store_staged<D, 16>(dkg, krs, sdk, wkey, sk, lane);
+    store_staged<D, 16>(dkg + D, krs, sdv, wkey, sk, lane);
   }
 }
 
@@ -663,12 +662,7 @@ __global__ void __launch_bounds__(W * 32) bwd_dq_mma(const Params p) {
             pack2<T>(p.scale * dq[0][nt][2 * r], p.scale * dq[0][nt][2 * r + 1]);
     }
     __syncwarp();
-#pragma unroll
-    for (int k = 0; k < 16 * (D / 8) / 32; ++k) {
-      const int c = lane + 32 * k, r = c / (D / 8), col = (c % (D / 8)) * 8;
-      const int64_t i = wrow + r;
-      if (i < sq) *reinterpret_cast<uint4*>(dqg + i * qrs + col) = *reinterpret_cast<const uint4*>(sO + r * SD + col);
-    }
+    store_staged<D, 16>(dqg, qrs, sO, wrow, sq, lane);
   }
 }
 

@@ -188,6 +188,8 @@ struct CausalMask {
   }
   /// Position of key row j.
   __device__ static int key_row(const Params&, int64_t j) { return static_cast<int>(j); }
+  /// bwd_mma: the position of key j0 + 8·r, one of the warp's rows (kp_r: key_row of both).
+  __device__ static int warp_key_pos(const int (&)[2], int64_t j0, int r) { return static_cast<int>(j0 + 8 * r); }
   /// Simple kernels: the keys [lo, hi] query row i may see (from its document start to itself),
   /// and the query rows [lo, hi] that may see key j (from j on).
   __device__ static void key_range(const Params&, const int32_t* doc, int64_t i, int64_t& lo, int64_t& hi) {
@@ -276,6 +278,7 @@ struct PositionMask {
     ds = doc && i < p.sq ? doc[i] : INT_MIN;
   }
   __device__ static int key_row(const Params& p, int64_t j) { return j < p.sk ? p.k_pos[j] : INT_MAX; }
+  __device__ static int warp_key_pos(const int (&kp_r)[2], int64_t, int r) { return kp_r[r]; }
   __device__ static void key_range(const Params& p, const int32_t*, int64_t, int64_t& lo, int64_t& hi) {
     lo = 0;
     hi = p.sk - 1;
@@ -339,11 +342,11 @@ struct PositionMask {
   struct QueryTiles {
     const Params& p;
     const int32_t* doc;
-    int64_t col0;
     PosRange kr;
+    bool keys_complete;  // the key tile lies inside sk
     int per_head, total, lane;
-    __device__ QueryTiles(const Params& p_, const int32_t* doc_, int64_t col0_, int lane_)
-        : p(p_), doc(doc_), col0(col0_), kr(pos_range(p_.k_pos, col0_, BC, p_.sk, lane_)),
+    __device__ QueryTiles(const Params& p_, const int32_t* doc_, int64_t col0, int lane_)
+        : p(p_), doc(doc_), kr(pos_range(p_.k_pos, col0, BC, p_.sk, lane_)), keys_complete(col0 + BC <= p_.sk),
           per_head(static_cast<int>((p_.sq + BR - 1) / BR)), total(static_cast<int>(p_.qpg) * per_head),
           lane(lane_) {}
     __device__ int head(int it) const { return it / per_head; }
@@ -354,7 +357,7 @@ struct PositionMask {
         const int64_t r0 = row0(it);
         const PosRange qr = pos_range(p.q_pos, r0, BR, p.sq, lane);
         const PosRange dr = doc ? pos_range(doc, r0, BR, p.sq, lane) : PosRange{INT_MIN, INT_MIN};
-        if (tile_visible(kr, qr, dr, r0 + BR <= p.sq && col0 + BC <= p.sk, full)) break;
+        if (tile_visible(kr, qr, dr, r0 + BR <= p.sq && keys_complete, full)) break;
       }
       return {it, full};
     }
