@@ -71,8 +71,9 @@ struct AttentionBuffers {
 /// .v[g & 3] >= dropout_threshold(p) (core/rng.h); kept values are scaled by 1/(1-p). The mask
 /// thus does not depend on how heads are split over ranks.
 /// The dropout draws do not depend on doc_start (masked elements simply stay 0).
-/// Errors: mt::Error for inconsistent shapes/dtypes/devices, p outside [0, 1), head_offset + n >
-/// total_heads, a missing buffer (scratch only needed when p > 0), doc_start not a contiguous int32
+/// Errors (ops/attention_checks.h): mt::Error for non-positive sizes, groups not dividing heads, a
+/// softmax_scale that is not finite and > 0, inconsistent shapes/dtypes/devices (the CPU: fp32
+/// only), p outside [0, 1), head_offset + n > total_heads, a missing buffer (scratch only needed when p > 0), doc_start not a contiguous int32
 /// [b, s] on the device of qkv, and (CPU only) a doc_start[b, i] outside [0, i].
 void attention_forward(const Tensor& out, const Tensor& qkv, const AttentionBuffers& buf, const AttentionConfig& cfg,
                        const Stream& stream);

@@ -1,11 +1,11 @@
 // Argument validation and backend dispatch for ops/context_attention.h.
 #include "ops/context_attention.h"
 
-#include <cmath>
 #include <cstdint>
 
 #include <fmt/ranges.h>
 
+#include "ops/attention_checks.h"
 #include "ops/op_checks.h"
 
 namespace mt {
@@ -22,15 +22,15 @@ void check_shape(const Tensor& t, const std::vector<int64_t>& shape, const char*
 
 void check_args(const Tensor& out, const Tensor& lse, const Tensor& qkv, const Tensor& kv,
                 const ContextAttentionConfig& c, const char* fn) {
-  MT_CHECK(c.batch > 0 && c.groups > 0 && c.queries_per_group > 0 && c.head_dim > 0,
-           "{}: batch={} groups={} queries_per_group={} head_dim={} must be positive", fn, c.batch, c.groups,
-           c.queries_per_group, c.head_dim);
-  MT_CHECK(c.head_dim <= 1024, "{}: head_dim={} exceeds the supported 1024", fn, c.head_dim);
-  MT_CHECK(std::isfinite(c.softmax_scale) && c.softmax_scale > 0.f, "{}: softmax_scale={} must be finite and > 0", fn,
-           c.softmax_scale);
-  op_checks::check_act(qkv, fn, "qkv");
+  MT_CHECK(c.groups > 0 && c.queries_per_group > 0, "{}: groups={} and queries_per_group={} must be positive", fn,
+           c.groups, c.queries_per_group);
   MT_CHECK(qkv.ndim() >= 1 && kv.ndim() >= 1, "{}: qkv {} and kv {} need a sequence dimension", fn, qkv.str(),
            kv.str());
+  const attention_checks::AttentionSpec spec{fn,         c.batch,         qkv.size(0), c.heads(),     c.groups,
+                                             c.head_dim, c.softmax_scale, c.dropout_p, c.head_offset, c.total_heads};
+  attention_checks::check_spec(spec);
+  attention_checks::check_fused_head_dim(spec, qkv.device());
+  op_checks::check_act(qkv, fn, "qkv");
   const int64_t sq = qkv.size(0), sk = kv.size(0), b = c.batch, g = c.groups, w = c.queries_per_group + 2,
                 d = c.head_dim;
   check_shape(qkv, {sq, b, g, w, d}, fn, "qkv");
@@ -47,21 +47,11 @@ void check_args(const Tensor& out, const Tensor& lse, const Tensor& qkv, const T
   };
   pos(c.q_pos, sq, "q_pos");
   pos(c.k_pos, sk, "k_pos");
-  if (!c.doc_start.empty()) {
-    const Tensor& ds = c.doc_start;
-    MT_CHECK(ds.dtype() == DType::kI32 && ds.ndim() == 2 && ds.size(0) == b && ds.size(1) == sq && ds.stride(1) == 1 &&
-                 ds.stride(0) >= sq && ds.device() == qkv.device(),
-             "{}: doc_start must be int32 [b={}, sq={}] with unit stride along the sequence on {}, got {}", fn, b, sq,
-             qkv.device().str(), ds.str());
-  }
-  MT_CHECK(c.dropout_p >= 0.f && c.dropout_p < 1.f, "{}: dropout_p={} must be in [0, 1)", fn, c.dropout_p);
+  attention_checks::check_doc_start(c.doc_start, b, sq, qkv.device(), true, false, fn);
   if (c.dropout_p > 0.f) {
-    const int64_t total = c.total_heads > 0 ? c.total_heads : c.heads();
     MT_CHECK(c.seq_length >= 1 && sq <= c.seq_length && sk <= c.seq_length,
              "{}: with dropout seq_length={} (the full sequence) must be >= 1 and hold sq={} and sk={}", fn,
              c.seq_length, sq, sk);
-    MT_CHECK(c.head_offset >= 0 && c.head_offset + c.heads() <= total,
-             "{}: head_offset={} + heads={} exceeds total_heads={}", fn, c.head_offset, c.heads(), total);
   }
   for (const Tensor* t : {&out, &lse, &kv})
     MT_CHECK(t->device() == qkv.device(), "{}: {} on another device than qkv {}", fn, t->str(), qkv.str());
@@ -77,9 +67,14 @@ void context_attention_forward(const Tensor& out, const Tensor& lse, const Tenso
   MT_DISPATCH(qkv.device(), context_attention_forward, out, lse, qkv, kv, cfg, merge, stream);
 }
 
+size_t context_attention_dq_accum_offset(const ContextAttentionConfig& cfg, int64_t sq) {
+  const size_t rows = static_cast<size_t>(sq * cfg.batch * cfg.heads());
+  return (rows * sizeof(float) + 255) / 256 * 256;
+}
+
 size_t context_attention_workspace_bytes(const ContextAttentionConfig& cfg, int64_t sq) {
   const size_t rows = static_cast<size_t>(sq * cfg.batch * cfg.heads());
-  return (rows * sizeof(float) + 255) / 256 * 256 + rows * static_cast<size_t>(cfg.head_dim) * sizeof(float);
+  return context_attention_dq_accum_offset(cfg, sq) + rows * static_cast<size_t>(cfg.head_dim) * sizeof(float);
 }
 
 void context_attention_backward(const Tensor& dqkv, const Tensor& dkv, const Tensor& dout, const Tensor& out,
@@ -92,11 +87,11 @@ void context_attention_backward(const Tensor& dqkv, const Tensor& dkv, const Ten
            "{}: dkv {} must match kv {}", fn, dkv.str(), kv.str());
   MT_CHECK(dout.numel() == out.numel() && dout.dtype() == out.dtype() && dout.is_contiguous(),
            "{}: dout {} must match out {}", fn, dout.str(), out.str());
-  if (!workspace.empty()) {
+  if (!workspace.empty() || !qkv.device().is_cpu()) {  // CUDA: required (D_i, dQ partial sums); CPU: unused
     const size_t need = context_attention_workspace_bytes(cfg, qkv.size(0));
     const size_t have = static_cast<size_t>(workspace.numel()) * dtype_size(workspace.dtype());
-    MT_CHECK(workspace.is_contiguous() && have >= need && reinterpret_cast<uintptr_t>(workspace.data()) % 16 == 0 &&
-                 workspace.device() == qkv.device(),
+    MT_CHECK(!workspace.empty() && workspace.is_contiguous() && have >= need &&
+                 reinterpret_cast<uintptr_t>(workspace.data()) % 16 == 0 && workspace.device() == qkv.device(),
              "{}: workspace {} must be contiguous, 16-byte aligned, on {} and hold {} bytes (has {})", fn,
              workspace.str(), qkv.device().str(), need, have);
   }

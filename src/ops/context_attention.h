@@ -6,8 +6,10 @@
 // all-gather, all-to-all and hierarchical layouts of model/layers/cp_attention.h are built from
 // these few ops.
 //
-// CUDA: bf16/fp16 with head_dim 64 or 128 run FlashAttention-2 tensor-core kernels (mma.sync,
-// fp32 accumulation); fp32 and other head dims simple CUDA-core kernels (ops/cuda/context_attention.cu).
+// CUDA: the FlashAttention-2 kernels of ops/flash_attention.h with a global-position mask
+// (ops/cuda/flash_attention_kernels.cuh, flash::PositionMask): bf16/fp16 with head_dim 64 or 128
+// and 16-byte aligned tensors on the tensor cores (mma.sync, fp32 accumulation), everything else
+// on simple CUDA-core kernels (fp32 math).
 //
 // Layouts (Megatron-Core's per-query-group QKV, see ops/attention.h):
 //   qkv: [sq, b, g, qpg + 2, d]  only the query heads are read (the key/value heads are ignored)
@@ -66,9 +68,11 @@ struct ContextAttentionConfig {
 /// (rows with no visible key: out 0, lse −inf). merge = true: (out, lse) already hold the result of
 /// other key blocks and are replaced by the attention over the union:
 /// lse' = log(e^lse + e^lse_blk), out' = out·e^(lse−lse') + out_blk·e^(lse_blk−lse').
-/// Errors (mt::Error): shapes, dtypes (act fp32 on CPU; fp32/bf16/fp16 on CUDA; lse fp32;
-/// positions int32), devices, a non-positive scale; dropout_p outside [0, 1), and with dropout
-/// seq_length < 1 or head_offset + heads() > total_heads (positions are trusted to be < S).
+/// Errors (mt::Error; ops/attention_checks.h): shapes, dtypes (act fp32 on CPU; fp32/bf16/fp16 on
+/// CUDA; lse fp32; positions int32), devices, a scale that is not finite and > 0, dropout_p outside
+/// [0, 1), head_offset + heads() > total_heads, a doc_start not int32 [b, sq] with unit stride
+/// along the sequence, on CUDA head_dim > 1024, and with dropout seq_length < max(1, sq, sk)
+/// (positions are trusted to be < S).
 void context_attention_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, const Tensor& kv,
                                const ContextAttentionConfig& cfg, bool merge, const Stream& stream);
 
@@ -76,19 +80,22 @@ void context_attention_forward(const Tensor& out, const Tensor& lse, const Tenso
 /// fp32 D_i = Σ dout_i·out_i [sq, b, n], padded to 256 bytes, then fp32 dQ partial sums
 /// [sq, b, n, d]. Nothing in it survives a call; it may be shared with any other temporary.
 size_t context_attention_workspace_bytes(const ContextAttentionConfig& cfg, int64_t sq);
+/// Byte offset of the dQ partial sums in that workspace (after D and its padding).
+size_t context_attention_dq_accum_offset(const ContextAttentionConfig& cfg, int64_t sq);
 
 /// Backward of the attention of the same queries against one key block, given the *final* out and
 /// lse (over all blocks) and dout [sq, b, n, d]: P = exp(scale·q·k − lse), D_i = Σ dout_i·out_i,
 /// dS = P ∘ (M∘(dout·vᵀ) − D) with M the dropout mask (kept: 1/(1−p), dropped: 0; M = 1 without
 /// dropout), and dV += (M∘P)ᵀ·dout. Accumulates (+=): dQ into the query heads of dqkv [sq, b, g, qpg+2, d]
 /// (its key/value heads are untouched) and dK, dV into dkv [sk, b, g, 2, d] (summed over the qpg
-/// query heads of a group). workspace: empty, or at least context_attention_workspace_bytes(cfg,
-/// sq) bytes, 16-byte aligned, on the device of qkv (scratch; the CPU does not use it). On CUDA the
-/// tensor-core kernels (bf16/fp16, d 64/128) need it; without it the simple kernels run.
+/// query heads of a group). workspace: on CUDA at least context_attention_workspace_bytes(cfg, sq)
+/// bytes, 16-byte aligned, on the device of qkv (scratch: D and the dQ partial sums); the CPU does
+/// not use it (empty, or as on CUDA).
 /// Determinism: the tensor-core kernels sum dQ with fp32 atomics over key tiles (last bits may vary
 /// run to run) unless cfg.deterministic, which computes dQ in its own kernel per query tile (key
 /// tiles in order: the same bits every run); dK, dV, the simple kernels and the CPU always are.
-/// Errors: as the forward, plus a workspace that is too small, misaligned or on another device.
+/// Errors: as the forward, plus a workspace that is missing (CUDA), too small, misaligned or on
+/// another device.
 void context_attention_backward(const Tensor& dqkv, const Tensor& dkv, const Tensor& dout, const Tensor& out,
                                 const Tensor& lse, const Tensor& qkv, const Tensor& kv, const Tensor& workspace,
                                 const ContextAttentionConfig& cfg, const Stream& stream);

@@ -27,7 +27,8 @@
 // Precision: fp32 on the CPU (the reference); fp32, bf16 or fp16 on CUDA. bf16/fp16 run on the
 // tensor cores (mma.sync m16n8k16) with fp32 accumulation and an fp32 softmax for head_dim 64 and
 // 128; every other case (fp32, other head dims, misaligned pointers) takes a simple CUDA-core path
-// with fp32 math (slow; meant for tests and odd shapes).
+// with fp32 math (slow; meant for tests and odd shapes). The CUDA kernels are those of
+// ops/context_attention.h with the causal mask (ops/cuda/flash_attention_kernels.cuh).
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -87,7 +88,7 @@ size_t flash_attention_dq_accum_offset(const FlashAttentionConfig& cfg);
 /// qkv[s, b, g, qpg + 2, d] (or [s, b, g·(qpg+2)·d]); out may also be given as [s, b, n·d], lse as any
 /// contiguous fp32 tensor of b·n·s elements. Fully masked key tiles are skipped (causal, and the
 /// tiles before the document start of every query of a query tile).
-/// Errors (mt::Error): non-positive sizes, softmax_scale not finite and > 0, dropout_p outside
+/// Errors (mt::Error; ops/attention_checks.h): non-positive sizes, softmax_scale not finite and > 0, dropout_p outside
 /// [0, 1), head_offset + n > total_heads, shape/dtype/device mismatches, non-contiguous tensors, a
 /// CPU tensor that is not fp32, doc_start not a contiguous int32 [b, s] on the device of qkv, on
 /// the CPU a doc_start[b, i] outside [0, i], on CUDA head_dim > 1024.

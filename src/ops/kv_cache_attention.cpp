@@ -1,6 +1,7 @@
 // Argument validation and backend dispatch for ops/kv_cache_attention.h.
 #include "ops/kv_cache_attention.h"
 
+#include "ops/attention_checks.h"
 #include "ops/op_checks.h"
 
 namespace mt {
@@ -13,6 +14,7 @@ void kv_cache_attention_forward(const Tensor& out, const Tensor& qkv, const Tens
   MT_CHECK(qkv.ndim() == 5 && qkv.size(3) >= 3 && qkv.is_contiguous(),
            "{}: qkv {} must be a contiguous [s, b, g, qpg + 2, d] tensor", fn, qkv.str());
   const int64_t s = qkv.size(0), b = qkv.size(1), g = qkv.size(2), qpg = qkv.size(3) - 2, d = qkv.size(4);
+  attention_checks::check_spec({fn, b, s, g * qpg, g, d, cfg.softmax_scale});
   for (const Tensor* c : {&k_cache, &v_cache}) {
     MT_CHECK(c->dtype() == qkv.dtype() && c->device() == qkv.device(), "{}: cache {} must have the dtype and device "
              "of qkv {}", fn, c->str(), qkv.str());
@@ -23,7 +25,6 @@ void kv_cache_attention_forward(const Tensor& out, const Tensor& qkv, const Tens
            v_cache.str());
   MT_CHECK(cfg.offset >= 0 && cfg.offset + s <= k_cache.size(2),
            "{}: offset {} + {} new tokens outside the cache of {} positions", fn, cfg.offset, s, k_cache.size(2));
-  MT_CHECK(cfg.softmax_scale > 0, "{}: softmax_scale={} must be positive", fn, cfg.softmax_scale);
   MT_CHECK(out.dtype() == qkv.dtype() && out.device() == qkv.device(), "{}: out {} must have the dtype and device of "
            "qkv {}", fn, out.str(), qkv.str());
   MT_CHECK(out.numel() == s * b * g * qpg * d && out.is_contiguous(), "{}: out {} must be a contiguous [s, b, n·d] = "

@@ -25,8 +25,9 @@ struct KvCacheAttentionConfig {
 /// Appends the new keys/values of qkv to the caches at [offset, offset + s) and writes
 /// out[i, b, h·d..] = Σ_j softmax_j(scale · q_i · k_j) v_j over j in [0, offset + i] (query head h
 /// uses key/value group h / qpg). Softmax and accumulation in fp32.
-/// Errors: mt::Error for shapes, dtypes or devices that do not match the layouts above, offset < 0,
-/// offset + s > S_max, softmax_scale <= 0.
+/// Errors: mt::Error for shapes, dtypes or devices that do not match the layouts above, an empty
+/// dimension, offset < 0, offset + s > S_max, a softmax_scale that is not finite and > 0
+/// (ops/attention_checks.h).
 void kv_cache_attention_forward(const Tensor& out, const Tensor& qkv, const Tensor& k_cache, const Tensor& v_cache,
                                 const KvCacheAttentionConfig& cfg, const Stream& stream);
 

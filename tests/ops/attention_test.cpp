@@ -497,6 +497,11 @@ TEST(Attention, Errors) {
   bad = cfg;
   bad.softmax_scale = 0.f;
   EXPECT_THROW(attention_forward(out, qkv, buf.view(), bad, st), Error);
+  bad.softmax_scale = -0.5f;  // as the fused ops (ops/attention_checks.h): finite and > 0
+  EXPECT_THROW(attention_forward(out, qkv, buf.view(), bad, st), Error);
+  bad = cfg;
+  bad.groups = 3;  // does not divide the 2 heads
+  EXPECT_THROW(attention_forward(out, qkv, buf.view(), bad, st), Error);
   AttentionBuffers v = buf.view();
   v.scratch = Tensor();  // needed for dropout
   EXPECT_THROW(attention_forward(out, qkv, v, cfg, st), Error);

@@ -1,14 +1,16 @@
 // CUDA tests of ops/context_attention.h against the CPU backend on the same (dtype-rounded) random
 // inputs: a two-block forward with the LSE merge (out, lse), the backward of each block (dqkv and
 // dkv accumulated on top of random values), with global positions in the load-balanced CP order
-// or scrambled, a document mask given as a strided column slice, and attention dropout (the
-// one-rank mask by global positions and heads); kv_pack / kv_unpack and transpose_blocks
-// bit-exact. fp32 (rel. err < 1e-5; the simple kernels) and bf16/fp16 (< 2e-2): head_dim 64/128
-// run the tensor-core kernels (with the backward's workspace; without it the simple ones), other
-// head dims the simple ones; GQA and MHA, ragged sizes (sq, sk not multiples of the tiles), tiles
-// skipped by position (ordered keys) and partly masked. The deterministic backward
+// or scrambled, with and without a document mask (given as a strided column slice), with and
+// without attention dropout (the one-rank mask by global positions and heads); kv_pack / kv_unpack
+// and transpose_blocks bit-exact. These are the PositionMask instances of the shared kernels
+// (ops/cuda/flash_attention_kernels.cuh): every combination of {documents, none} x {dropout, none}
+// runs on the tensor cores (bf16/fp16, head_dim 64/128: forward, atomic and deterministic
+// backward) and on the simple kernels (fp32, other head dims, misaligned tensors). fp32 rel. err
+// < 1e-5, bf16/fp16 < 2e-2; GQA and MHA, ragged sizes (sq, sk not multiples of the tiles), tiles
+// skipped by position (ordered keys), partly masked and fully visible. The deterministic backward
 // (ContextAttentionConfig::deterministic: dQ by its own kernel) gives the same bits on every run,
-// matches the CPU, and equals the atomic path within rounding.
+// matches the CPU, and equals the atomic path within rounding. Bad arguments on CUDA throw.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -29,9 +31,25 @@ struct Case {
   DType t;
   float p = 0.f;         // attention dropout
   bool ordered = false;  // keys at positions 0 .. sk-1 and queries at the end of them (tiles skipped)
-  bool workspace = true;
+  bool aligned = true;   // false: qkv one element off 16-byte alignment (the simple kernels)
   bool deterministic = false;
+  bool docs = true;  // a document mask (sample 0: every row from 0; the others: documents of 3 positions)
 };
+
+std::string describe(const Case& z) {
+  return fmt::format("sq={} sk={} b={} g={} qpg={} d={} {} p={} ordered={} aligned={} docs={}", z.sq, z.sk, z.b, z.g,
+                     z.qpg, z.d, dtype_name(z.t), z.p, z.ordered, z.aligned, z.docs);
+}
+
+/// A tensor of `shape` holding `host`; with misalign, a view one element into a larger buffer.
+OwnedTensor make_at(const std::vector<float>& host, DType t, Device dev, const std::vector<int64_t>& shape,
+                    const Stream& st, bool misalign) {
+  if (!misalign) return testing::make_tensor(host, t, dev, shape, st);
+  OwnedTensor r(t, dev, {static_cast<int64_t>(host.size()) + 1});
+  r.t = r.t.flat_range(1, static_cast<int64_t>(host.size())).view(shape);
+  testing::upload(r.t, host, st);
+  return r;
+}
 
 struct Out {
   std::vector<float> out, lse, dqkv, dkv;
@@ -42,7 +60,7 @@ Out run(const Case& z, Device dev, const Stream& st, const std::vector<float>& h
         const std::vector<int32_t>& qp, const std::vector<int32_t>& kp, const std::vector<int32_t>& doc) {
   const DType t = dev.is_cpu() ? DType::kF32 : z.t;
   const int64_t n = z.g * z.qpg;
-  OwnedTensor qkv = testing::make_tensor(hq, t, dev, {z.sq, z.b, z.g, z.qpg + 2, z.d}, st);
+  OwnedTensor qkv = make_at(hq, t, dev, {z.sq, z.b, z.g, z.qpg + 2, z.d}, st, !z.aligned && !dev.is_cpu());
   OwnedTensor kv = testing::make_tensor(hkv, t, dev, {z.sk, z.b, z.g, 2, z.d}, st);
   OwnedTensor dout = testing::make_tensor(hdo, t, dev, {z.sq, z.b, n, z.d}, st);
   OwnedTensor dqkv = testing::make_tensor(hdq0, t, dev, {z.sq, z.b, z.g, z.qpg + 2, z.d}, st);
@@ -60,7 +78,7 @@ Out run(const Case& z, Device dev, const Stream& st, const std::vector<float>& h
   c.head_dim = z.d;
   c.softmax_scale = 1.f / std::sqrt(static_cast<float>(z.d));
   c.q_pos = q_pos.t;
-  c.doc_start = docs.t.slice(1, 3, 3 + z.sq);  // strided rows
+  if (z.docs) c.doc_start = docs.t.slice(1, 3, 3 + z.sq);  // strided rows
   c.dropout_p = z.p;
   c.dropout_key = DropoutKey{1234567, 5, 3, 8};
   c.seq_length = 2 * z.sq + z.sk;  // the positions below are < max(2·sq, sk) (ordered: < sq + sk)
@@ -73,9 +91,7 @@ Out run(const Case& z, Device dev, const Stream& st, const std::vector<float>& h
   c2.k_pos = k_pos.t.flat_range(h, z.sk - h);
   context_attention_forward(out, lse, qkv, kv.t.slice0(0, h), c1, false, st);
   context_attention_forward(out, lse, qkv, kv.t.slice0(h, z.sk), c2, true, st);
-  OwnedTensor ws;
-  if (z.workspace)
-    ws = OwnedTensor(DType::kU8, dev, {static_cast<int64_t>(context_attention_workspace_bytes(c, z.sq))});
+  OwnedTensor ws(DType::kU8, dev, {static_cast<int64_t>(context_attention_workspace_bytes(c, z.sq))});
   context_attention_backward(dqkv, dkv.t.slice0(0, h), dout, out, lse, qkv, kv.t.slice0(0, h), ws.t, c1, st);
   context_attention_backward(dqkv, dkv.t.slice0(h, z.sk), dout, out, lse, qkv, kv.t.slice0(h, z.sk), ws.t, c2, st);
   std::vector<float> l = testing::to_host(lse, st);
@@ -120,9 +136,12 @@ TEST(ContextAttentionCuda, DeterministicBackwardBitwise) {
   for (Case z : {Case{77, 130, 2, 2, 4, 64, bf}, Case{200, 300, 1, 2, 2, 64, bf, 0.f, true},
                  Case{130, 77, 2, 3, 1, 128, bf}, Case{96, 250, 1, 1, 4, 128, hf, 0.f, true},
                  Case{150, 222, 2, 2, 2, 64, hf, 0.2f}, Case{64, 190, 1, 2, 2, 128, bf, 0.1f, true},
-                 Case{256, 256, 1, 1, 2, 64, bf, 0.f, true}, Case{8, 16, 2, 2, 2, 16, DType::kF32, 0.2f}}) {
-    SCOPED_TRACE(::testing::Message() << "sq=" << z.sq << " sk=" << z.sk << " b=" << z.b << " g=" << z.g
-                                      << " qpg=" << z.qpg << " d=" << z.d << " " << dtype_name(z.t) << " p=" << z.p);
+                 Case{256, 256, 1, 1, 2, 64, bf, 0.f, true}, Case{8, 16, 2, 2, 2, 16, DType::kF32, 0.2f},
+                 // without a document mask: fully visible tiles (ordered keys), dropout, d = 64 / 128
+                 Case{200, 300, 1, 2, 2, 64, bf, 0.f, true, true, false, false},
+                 Case{130, 77, 2, 3, 1, 128, bf, 0.1f, false, true, false, false},
+                 Case{150, 222, 2, 2, 2, 64, hf, 0.2f, true, true, false, false}}) {
+    SCOPED_TRACE(describe(z));
     const Inputs in = make_inputs(z);
     const Out cpu = run(z, Device::cpu(), in);
     const Out atomic = run(z, Device::cuda(0), in);
@@ -153,33 +172,79 @@ TEST(ContextAttentionCuda, MatchesCpu) {
                         Case{130, 77, 2, 3, 1, 128, bf}, Case{96, 250, 1, 1, 4, 128, hf, 0.f, true},
                         Case{150, 222, 2, 2, 2, 64, hf, 0.2f}, Case{64, 190, 1, 2, 2, 128, bf, 0.1f, true},
                         Case{256, 256, 1, 1, 2, 64, bf, 0.f, true},
-                        // bf16 d = 64 without the backward's workspace: the simple kernels
-                        Case{40, 70, 2, 2, 2, 64, bf, 0.1f, false, false}, Case{33, 50, 1, 2, 1, 96, bf}}) {
-    const int64_t n = z.g * z.qpg;
-    auto r = [&](int64_t k) { return testing::rounded(testing::randn(k), z.t); };
-    const auto hq = r(z.sq * z.b * z.g * (z.qpg + 2) * z.d), hkv = r(z.sk * z.b * z.g * 2 * z.d),
-               hdo = r(z.sq * z.b * n * z.d), hdq0 = r(z.sq * z.b * z.g * (z.qpg + 2) * z.d),
-               hdkv0 = r(z.sk * z.b * z.g * 2 * z.d);
-    // Queries: positions of CP rank 1 of 2 over a sequence of 2·sq (sq even) or consecutive ones;
-    // keys: every position below 2·sq in an order mixing blocks.
-    std::vector<int32_t> qp(z.sq), kp(z.sk), doc(z.b * (z.sq + 3), 0);
-    for (int64_t i = 0; i < z.sq; ++i)
-      qp[i] = static_cast<int32_t>(z.ordered ? z.sk / 2 + i
-                                             : z.sq % 2 == 0 ? cp_global_position(2 * z.sq, 2, 1, i) : z.sq + i);
-    for (int64_t j = 0; j < z.sk; ++j) kp[j] = static_cast<int32_t>(z.ordered ? j : (j * 5) % z.sk);
-    for (int64_t b = 0; b < z.b; ++b)
-      for (int64_t i = 0; i < z.sq; ++i) doc[b * (z.sq + 3) + 3 + i] = b == 0 ? 0 : qp[i] / 3 * 3 - (b == 2 ? 6 : 0);
-    const Out cpu = run(z, Device::cpu(), testing::cpu_stream(), hq, hkv, hdo, hdq0, hdkv0, qp, kp, doc);
-    const Out gpu = run(z, Device::cuda(0), testing::cuda_stream(), hq, hkv, hdo, hdq0, hdkv0, qp, kp, doc);
+                        // the simple kernels in bf16: qkv misaligned (d = 64), another head dim
+                        Case{40, 70, 2, 2, 2, 64, bf, 0.1f, false, false}, Case{33, 50, 1, 2, 1, 96, bf},
+                        // without a document mask: tensor cores (d = 64 / 128, dropout or not, fully
+                        // visible tiles with ordered keys) and the simple kernels (fp32, misaligned)
+                        Case{77, 130, 2, 2, 4, 64, bf, 0.f, false, true, false, false},
+                        Case{64, 190, 1, 2, 2, 128, bf, 0.1f, true, true, false, false},
+                        Case{200, 300, 1, 2, 2, 64, hf, 0.2f, true, true, false, false},
+                        Case{8, 16, 2, 2, 2, 16, DType::kF32, 0.f, false, true, false, false},
+                        Case{7, 13, 1, 3, 1, 8, DType::kF32, 0.5f, false, true, false, false},
+                        Case{40, 70, 2, 2, 2, 64, bf, 0.1f, false, false, false, false}}) {
+    const Inputs in = make_inputs(z);
+    const Out cpu = run(z, Device::cpu(), in);
+    const Out gpu = run(z, Device::cuda(0), in);
     const double tol = z.t == DType::kF32 ? 1e-5 : 2e-2;
-    SCOPED_TRACE(::testing::Message() << "sq=" << z.sq << " sk=" << z.sk << " b=" << z.b << " g=" << z.g
-                                      << " qpg=" << z.qpg << " d=" << z.d << " " << dtype_name(z.t));
+    SCOPED_TRACE(describe(z));
     ASSERT_TRUE(testing::all_finite(gpu.out) && testing::all_finite(gpu.dqkv) && testing::all_finite(gpu.dkv));
     EXPECT_LT(testing::rel_err(gpu.out, cpu.out), tol) << "out d=" << z.d << " p=" << z.p;
     EXPECT_LT(testing::rel_err(gpu.lse, cpu.lse), tol) << "lse d=" << z.d << " p=" << z.p;
     EXPECT_LT(testing::rel_err(gpu.dqkv, cpu.dqkv), tol) << "dqkv d=" << z.d << " p=" << z.p;
     EXPECT_LT(testing::rel_err(gpu.dkv, cpu.dkv), tol) << "dkv d=" << z.d << " p=" << z.p;
   }
+}
+
+/// Bad arguments on CUDA: the backward's workspace is required (D_i and the dQ partial sums),
+/// head_dim <= 1024 (the simple kernels' shared memory), the document mask and positions on the
+/// device of qkv, the stream on it too.
+TEST(ContextAttentionCuda, Errors) {
+  const Case z{8, 16, 1, 1, 2, 64, DType::kBF16};
+  const Inputs in = make_inputs(z);
+  const Device dev = Device::cuda(0);
+  const Stream& st = testing::cuda_stream();
+  const int64_t n = z.g * z.qpg;
+  OwnedTensor qkv = testing::make_tensor(in.hq, z.t, dev, {z.sq, z.b, z.g, z.qpg + 2, z.d}, st);
+  OwnedTensor kv = testing::make_tensor(in.hkv, z.t, dev, {z.sk, z.b, z.g, 2, z.d}, st);
+  OwnedTensor dout = testing::make_tensor(in.hdo, z.t, dev, {z.sq, z.b, n, z.d}, st);
+  OwnedTensor dqkv = testing::make_tensor(in.hdq0, z.t, dev, {z.sq, z.b, z.g, z.qpg + 2, z.d}, st);
+  OwnedTensor dkv = testing::make_tensor(in.hdkv0, z.t, dev, {z.sk, z.b, z.g, 2, z.d}, st);
+  OwnedTensor q_pos = testing::make_int_tensor(in.qp, dev, {z.sq}, st);
+  OwnedTensor k_pos = testing::make_int_tensor(in.kp, dev, {z.sk}, st);
+  OwnedTensor q_pos_cpu = testing::make_int_tensor(in.qp, Device::cpu(), {z.sq}, testing::cpu_stream());
+  OwnedTensor doc_cpu = testing::make_int_tensor(std::vector<int32_t>(z.b * z.sq, 0), Device::cpu(), {z.b, z.sq},
+                                                 testing::cpu_stream());
+  OwnedTensor out(z.t, dev, {z.sq, z.b, n, z.d}), lse(DType::kF32, dev, {z.sq, z.b, n});
+  ContextAttentionConfig c;
+  c.batch = z.b;
+  c.groups = z.g;
+  c.queries_per_group = z.qpg;
+  c.head_dim = z.d;
+  c.softmax_scale = 0.125f;
+  c.q_pos = q_pos.t;
+  c.k_pos = k_pos.t;
+  OwnedTensor ws(DType::kU8, dev, {static_cast<int64_t>(context_attention_workspace_bytes(c, z.sq))});
+  auto fwd = [&](const ContextAttentionConfig& cc, const Stream& s) {
+    context_attention_forward(out, lse, qkv, kv, cc, false, s);
+  };
+  auto bwd = [&](const ContextAttentionConfig& cc, const Tensor& w) {
+    context_attention_backward(dqkv, dkv, dout, out, lse, qkv, kv, w, cc, st);
+  };
+  EXPECT_NO_THROW(fwd(c, st));
+  EXPECT_NO_THROW(bwd(c, ws));
+  EXPECT_THROW(bwd(c, Tensor()), Error);                            // no workspace on CUDA
+  EXPECT_THROW(bwd(c, ws.t.flat_range(0, ws->numel() - 1)), Error);  // too small
+  EXPECT_THROW(fwd(c, testing::cpu_stream()), Error);               // stream on the CPU
+  auto bad = c;
+  bad.q_pos = q_pos_cpu.t;
+  EXPECT_THROW(fwd(bad, st), Error);  // positions on the CPU
+  bad = c;
+  bad.doc_start = doc_cpu.t;
+  EXPECT_THROW(fwd(bad, st), Error);  // document mask on the CPU
+  bad = c;
+  bad.head_dim = 1032;  // over the fused kernels' limit (the shapes above no longer match either)
+  EXPECT_THROW(fwd(bad, st), Error);
+  st.synchronize();
 }
 
 TEST(ContextAttentionCuda, PackUnpackTransposeExact) {

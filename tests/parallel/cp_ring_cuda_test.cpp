@@ -9,7 +9,8 @@
 // overwrites a block in flight (checked: dropping either wait of the ring makes the cases fail).
 // Forward output and dqkv of each rank's shard must equal one rank's (CP 1) attention over the
 // whole sequence: CP 2 and 4, fp32 (simple kernels, rel. 1e-5) and bf16 (tensor-core kernels,
-// rel. 2e-2), causal, GQA, with and without document starts.
+// rel. 2e-2), causal, GQA, with and without document starts, with and without attention dropout
+// (the mask keyed by global positions: every layout draws the one-rank mask).
 #include <gtest/gtest.h>
 #include <cuda_runtime.h>
 
@@ -139,6 +140,7 @@ struct Case {
   int cp;
   DType dtype;
   bool docs;
+  float dropout = 0.f;  // --attention-dropout
 };
 
 constexpr int64_t kSeq = 512, kB = 2, kHeads = 4, kGroups = 2, kD = 64;
@@ -150,7 +152,7 @@ TransformerConfig config(const Case& z) {
   c.num_query_groups = kGroups;
   c.seq_length = kSeq;
   c.cp_comm_type = "p2p";
-  c.attention_dropout = 0.f;
+  c.attention_dropout = z.dropout;
   return c;
 }
 
@@ -193,6 +195,8 @@ Shard run_rank(const Case& z, int cp, int rank, std::shared_ptr<Communicator> co
   MicroBatch mb;
   if (z.docs) mb.doc_start = d.t;
   DropoutContext dc;
+  dc.seed = 20261128;
+  dc.iteration = 3;
   const StepContext ctx{mb, dc, 0, st};
   st.synchronize();
   delay(st, 20);  // the compute stream starts late: the ring must wait for the packed block
@@ -252,12 +256,15 @@ TEST_P(CpRingOnOneGpu, ShardsEqualOneRank) {
 
 std::string case_name(const ::testing::TestParamInfo<Case>& i) {
   const Case& z = i.param;
-  return fmt::format("cp{}_p2p_{}{}", z.cp, z.dtype == DType::kF32 ? "fp32" : "bf16", z.docs ? "_docs" : "");
+  return fmt::format("cp{}_p2p_{}{}{}", z.cp, z.dtype == DType::kF32 ? "fp32" : "bf16", z.docs ? "_docs" : "",
+                     z.dropout > 0.f ? "_dropout" : "");
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, CpRingOnOneGpu,
                          ::testing::Values(Case{2, DType::kF32, false}, Case{4, DType::kF32, true},
-                                           Case{2, DType::kBF16, true}, Case{4, DType::kBF16, false}),
+                                           Case{2, DType::kBF16, true}, Case{4, DType::kBF16, false},
+                                           Case{2, DType::kF32, true, 0.2f}, Case{4, DType::kBF16, true, 0.1f},
+                                           Case{2, DType::kBF16, false, 0.1f}),
                          case_name);
 
 }  // namespace

@@ -10,26 +10,23 @@
 
 #include "ops/attention.h"
 #include "ops/attention_impl.h"
+#include "ops/cpu/attention_common.h"
 
 namespace mt::cpu {
 namespace {
 
-void require_f32(const char* op, DType t) {
-  MT_CHECK(t == DType::kF32, "{}: the CPU backend supports fp32 only, got {}", op, dtype_name(t));
-}
-
-/// Sizes of one call: s, b, n query heads, g groups, qpg = n / g, d.
+/// Sizes of one call: s, b, n query heads, g groups, qpg = n / g, d; the offsets of qkv and out.
 struct Dims {
   int64_t s, B, n, g, qpg, d;
+  attn::Layout L;
   explicit Dims(const AttentionConfig& c)
-      : s(c.seq), B(c.batch), n(c.heads), g(c.groups > 0 ? c.groups : c.heads), qpg(n / g), d(c.head_dim) {}
+      : s(c.seq), B(c.batch), n(c.heads), g(c.groups > 0 ? c.groups : c.heads), qpg(n / g), d(c.head_dim),
+        L(attn::qkv_layout(B, g, qpg, d)) {}
   /// Offset of channel e of component c (0..qpg+1: query heads, key, value) of group gi at
   /// (position i, sample bi) in qkv [s, b, g, qpg + 2, d].
-  int64_t qkv_index(int64_t i, int64_t bi, int64_t gi, int64_t c, int64_t e) const {
-    return (((i * B + bi) * g + gi) * (qpg + 2) + c) * d + e;
-  }
+  int64_t qkv_index(int64_t i, int64_t bi, int64_t gi, int64_t c, int64_t e) const { return L.q(i, bi, gi, c) + e; }
   /// Offset of channel e of query head h at (i, bi) in out [s, b, n, d].
-  int64_t out_index(int64_t i, int64_t bi, int64_t h, int64_t e) const { return ((i * B + bi) * n + h) * d + e; }
+  int64_t out_index(int64_t i, int64_t bi, int64_t h, int64_t e) const { return L.o(i, bi, h) + e; }
 };
 
 /// doc_start[b, ·] of cfg (validated by ops/attention.cpp), or nullptr for plain causal.
@@ -41,7 +38,6 @@ inline const int32_t* doc_start_ptr(const AttentionConfig& cfg) {
 
 void attention_forward(const Tensor& out, const Tensor& qkv, const AttentionBuffers& buf, const AttentionConfig& cfg,
                        const Stream& stream) {
-  require_f32("attention_forward", qkv.dtype());
   const Dims z(cfg);
   const int64_t s = z.s, d = z.d;
   const float scale = cfg.softmax_scale;
@@ -81,9 +77,7 @@ void attention_forward(const Tensor& out, const Tensor& qkv, const AttentionBuff
       float* p = pb + (bn * s + i) * s;
       float mx = -std::numeric_limits<float>::infinity();
       for (int64_t j = j0; j <= i; ++j) {
-        float acc = 0.f;
-        for (int64_t e = 0; e < d; ++e) acc += q[i * d + e] * k[j * d + e];
-        p[j] = scale * acc;
+        p[j] = scale * attn::dot(q + i * d, k + j * d, d);
         mx = std::max(mx, p[j]);
       }
       float sum = 0.f;
@@ -115,7 +109,6 @@ void attention_forward(const Tensor& out, const Tensor& qkv, const AttentionBuff
 
 void attention_backward(const Tensor& dqkv, const Tensor& dout, const AttentionBuffers& buf,
                         const AttentionConfig& cfg, const Stream& stream) {
-  require_f32("attention_backward", dout.dtype());
   const Dims z(cfg);
   const int64_t s = z.s, d = z.d;
   const float scale = cfg.softmax_scale;

@@ -8,42 +8,17 @@
 #include <vector>
 
 #include "ops/attention_impl.h"
+#include "ops/cpu/attention_common.h"
 #include "ops/flash_attention.h"
 
 namespace mt::cpu {
-namespace {
 
-void require_f32(const char* fn, DType t) {
-  MT_CHECK(t == DType::kF32, "{}: the CPU backend supports fp32 only, got {}", fn, dtype_name(t));
-}
-
-/// Index helpers for one sample b: row i of query head (grp, qi), of the group's key and value
-/// (qkv [s, b, g, qpg + 2, d]) and of out/dout [s, b, n, d].
-struct Layout {
-  int64_t B, g, w, n, d;
-  int64_t q(int64_t i, int64_t b, int64_t grp, int64_t qi) const { return (((i * B + b) * g + grp) * w + qi) * d; }
-  int64_t k(int64_t i, int64_t b, int64_t grp) const { return q(i, b, grp, w - 2); }
-  int64_t v(int64_t i, int64_t b, int64_t grp) const { return q(i, b, grp, w - 1); }
-  int64_t o(int64_t i, int64_t b, int64_t h) const { return ((i * B + b) * n + h) * d; }
-};
-
-Layout layout_of(const FlashAttentionConfig& c) {
-  return {c.batch, c.groups, c.queries_per_group + 2, c.heads(), c.head_dim};
-}
-
-float dot(const float* a, const float* b, int64_t d) {
-  float acc = 0.f;
-  for (int64_t e = 0; e < d; ++e) acc += a[e] * b[e];
-  return acc;
-}
-
-}  // namespace
+using attn::dot;
 
 void flash_attention_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, const FlashAttentionConfig& cfg,
                              const Stream& stream) {
-  require_f32("flash_attention_forward", qkv.dtype());
   const int64_t s = cfg.seq, B = cfg.batch, n = cfg.heads(), qpg = cfg.queries_per_group, d = cfg.head_dim;
-  const Layout L = layout_of(cfg);
+  const attn::Layout L = attn::qkv_layout(B, cfg.groups, qpg, d);
   const float scale = cfg.softmax_scale;
   const AttnDropout drop = flash_attention_dropout(cfg);
   const float* x = qkv.data_as<float>();
@@ -91,10 +66,9 @@ void flash_attention_forward(const Tensor& out, const Tensor& lse, const Tensor&
 void flash_attention_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& out, const Tensor& lse,
                               const Tensor& qkv, const Tensor& workspace, const FlashAttentionConfig& cfg,
                               const Stream& stream) {
-  require_f32("flash_attention_backward", qkv.dtype());
   const int64_t s = cfg.seq, B = cfg.batch, G = cfg.groups, n = cfg.heads(), qpg = cfg.queries_per_group;
   const int64_t d = cfg.head_dim;
-  const Layout L = layout_of(cfg);
+  const attn::Layout L = attn::qkv_layout(B, G, qpg, d);
   const float scale = cfg.softmax_scale;
   const AttnDropout drop = flash_attention_dropout(cfg);
   const float* x = qkv.data_as<float>();

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <vector>
 
+#include "ops/cpu/attention_common.h"
 #include "ops/kv_cache_attention.h"
 
 namespace mt::cpu {
@@ -17,9 +18,8 @@ void kv_cache_attention_forward(const Tensor& out, const Tensor& qkv, const Tens
   float* kc = k_cache.data_as<float>();
   float* vc = v_cache.data_as<float>();
   float* o = out.data_as<float>();
-  auto head = [&](int64_t i, int64_t bi, int64_t gi, int64_t hi) {
-    return x + (((i * b + bi) * g + gi) * (qpg + 2) + hi) * d;
-  };
+  const attn::Layout L = attn::qkv_layout(b, g, qpg, d);
+  auto head = [&](int64_t i, int64_t bi, int64_t gi, int64_t hi) { return x + L.q(i, bi, gi, hi); };
   for (int64_t i = 0; i < s; ++i)
     for (int64_t bi = 0; bi < b; ++bi)
       for (int64_t gi = 0; gi < g; ++gi) {
@@ -41,9 +41,7 @@ void kv_cache_attention_forward(const Tensor& out, const Tensor& qkv, const Tens
           const float* vb = vc + (bi * g + gi) * smax * d;
           float mx = -INFINITY;
           for (int64_t j = 0; j < keys; ++j) {
-            float dot = 0;
-            for (int64_t c = 0; c < d; ++c) dot += q[c] * kb[j * d + c];
-            p[j] = dot * cfg.softmax_scale;
+            p[j] = attn::dot(q, kb + j * d, d) * cfg.softmax_scale;
             mx = std::max(mx, p[j]);
           }
           float z = 0;
@@ -51,7 +49,7 @@ void kv_cache_attention_forward(const Tensor& out, const Tensor& qkv, const Tens
           std::fill(acc.begin(), acc.end(), 0.f);
           for (int64_t j = 0; j < keys; ++j)
             for (int64_t c = 0; c < d; ++c) acc[c] += p[j] * vb[j * d + c];
-          float* dst = o + ((i * b + bi) * g * qpg + h) * d;
+          float* dst = o + L.o(i, bi, h);
           for (int64_t c = 0; c < d; ++c) dst[c] = acc[c] / z;
         }
   }

@@ -1,9 +1,9 @@
-// Tensor-core building blocks shared by the FlashAttention-2 style kernels (ops/cuda/
-// flash_attention.cu, ops/cuda/context_attention.cu): cp.async, ldmatrix and mma.sync.m16n8k16
-// with fp32 accumulation (sm_80+), 16-bit packing, the cp.async load of a ROWS x D tile into
-// shared memory with row stride D + 8 (conflict-free ldmatrix), the query-major tile steps of the
-// forward and of the deterministic dQ kernels (S = Q K^T, O += P V), and the backward's tile steps
-// and element formula. Only included by .cu files.
+// Tensor-core building blocks of the FlashAttention-2 kernels (ops/cuda/flash_attention_kernels.cuh):
+// cp.async, ldmatrix and mma.sync.m16n8k16 with fp32 accumulation (sm_80+), 16-bit packing, the
+// cp.async load of a ROWS x D tile into shared memory with row stride D + 8 (conflict-free
+// ldmatrix), the query-major tile steps of the forward and of the deterministic dQ kernels
+// (S = Q K^T, O += P V), and the backward's tile steps and element formula. Only included by .cu
+// files.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -154,10 +154,9 @@ __device__ __forceinline__ float bwd_ds_element(float s, float sl2, float lse2, 
   return pv * (dpd - delta);
 }
 
-// FlashAttention-2 backward tile steps (Dao 2023, Algorithm 2), shared by fa_bwd_mma and
-// ca_bwd_mma. A warp owns 16 keys; p and ds are its P^T (dropout applied) and dS^T accumulators,
-// 16 keys x BR queries in m16n8 fragments; shared tiles have row stride D + 8 (Q, dO, K) and BR + 8
-// (dS^T).
+// FlashAttention-2 backward tile steps (Dao 2023, Algorithm 2) of bwd_mma. A warp owns 16 keys; p
+// and ds are its P^T (dropout applied) and dS^T accumulators, 16 keys x BR queries in m16n8
+// fragments; shared tiles have row stride D + 8 (Q, dO, K) and BR + 8 (dS^T).
 
 /// dV += P^T dO and dK += dS^T Q for this warp's 16 keys (A fragments from the accumulators, B by
 /// ldmatrix.trans from the query tile's sQ / sdO).
