@@ -7,9 +7,6 @@
 namespace mt {
 namespace {
 
-using fp8_math::ceil_div;
-using fp8_math::pad4;
-
 /// A contiguous fp32 tensor of n elements (any shape).
 void check_f32_vec(const Tensor& t, int64_t n, const char* fn, const char* name) {
   MT_CHECK(t.dtype() == DType::kF32 && t.numel() == n && t.is_contiguous(),
@@ -56,12 +53,8 @@ void check_scale_tensor(const Tensor& s, Fp8Scaling scaling, int64_t rows, int64
 
 std::vector<int64_t> fp8_scale_shape(Fp8Scaling s, int64_t rows, int64_t cols) {
   MT_CHECK(rows >= 0 && cols >= 0, "fp8_scale_shape: negative size rows={} cols={}", rows, cols);
-  switch (s) {
-    case Fp8Scaling::kTensor: return {1};
-    case Fp8Scaling::kBlock1x128: return {ceil_div(cols, fp8_math::kBlock), pad4(rows)};
-    case Fp8Scaling::kBlock128x128: return {ceil_div(rows, fp8_math::kBlock), pad4(ceil_div(cols, fp8_math::kBlock))};
-  }
-  MT_FAIL("fp8_scale_shape: unknown scaling {}", static_cast<int>(s));
+  if (s == Fp8Scaling::kTensor) return {1};
+  return {fp8_math::scale_rows(s, rows, cols), fp8_math::scale_cols(s, rows, cols)};
 }
 
 void fp8_amax(const Tensor& amax, const Tensor& x, const Stream& stream) {

@@ -15,12 +15,7 @@
 
 namespace mt {
 
-/// Scaling granularity of an FP8 tensor x [rows, cols] quantised along its rows (cols = the
-/// GEMM's k): one scale for the tensor (tensorwise current or delayed scaling), one per row and
-/// 128 columns (1x128, activations and gradients of the blockwise recipe), one per 128x128 block
-/// (weights of the blockwise recipe). DeepSeek-V3 (arXiv:2412.19437, section 3.3) and Transformer
-/// Engine's Float8BlockScaling.
-enum class Fp8Scaling : uint8_t { kTensor, kBlock1x128, kBlock128x128 };
+/// Fp8Scaling (ops/fp8_math.h): kTensor, kBlock1x128, kBlock128x128.
 
 /// Shape of the fp32 dequantisation-scale tensor of an x [rows, cols] under `s`: {1} (tensorwise),
 /// {ceil(cols/128), pad4(rows)} (1x128), {ceil(rows/128), pad4(ceil(cols/128))} (128x128): the

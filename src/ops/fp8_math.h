@@ -9,7 +9,16 @@
 
 #include "core/dtype.h"
 
-namespace mt::fp8_math {
+namespace mt {
+
+/// Scaling granularity of an FP8 tensor x [rows, cols] quantised along its rows (cols = the
+/// GEMM's k): one scale for the tensor (tensorwise current or delayed scaling), one per row and
+/// 128 columns (1x128, activations and gradients of the blockwise recipe), one per 128x128 block
+/// (weights of the blockwise recipe). DeepSeek-V3 (arXiv:2412.19437, section 3.3) and Transformer
+/// Engine's Float8BlockScaling.
+enum class Fp8Scaling : uint8_t { kTensor, kBlock1x128, kBlock128x128 };
+
+namespace fp8_math {
 
 constexpr int64_t kBlock = 128;  ///< FP8 block length (1x128 tiles, 128x128 blocks)
 
@@ -69,25 +78,28 @@ MT_HD void delayed_update(float* hist, int64_t len, int64_t stride, float* scale
   *scale_inv = 1.f / s;
 }
 
-/// Block layouts of the FP8 scales (what cuBLASLt's CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F and
-/// BLK128x128_32F read for a K-major operand; Transformer Engine's GEMM-ready format). A tensor
-/// x [rows, cols] quantised along its rows (cols is the GEMM's k):
-///  * 1x128: one scale per row and 128-column block, fp32 [ceil(cols/128), pad4(rows)],
+/// Layouts of the FP8 scales (the block layouts are what cuBLASLt's
+/// CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F and BLK128x128_32F read for a K-major operand;
+/// Transformer Engine's GEMM-ready format). A tensor x [rows, cols] quantised along its rows
+/// (cols is the GEMM's k):
+///  * kTensor: one fp32 [1];
+///  * kBlock1x128: one scale per row and 128-column block, fp32 [ceil(cols/128), pad4(rows)],
 ///    element (row r, block b) at b * pad4(rows) + r (the rows of a block are contiguous);
-///  * 128x128: one scale per 128x128 block, fp32 [ceil(rows/128), pad4(ceil(cols/128))], element
-///    (row block rb, column block cb) at rb * pad4(ceil(cols/128)) + cb.
+///  * kBlock128x128: one scale per 128x128 block, fp32 [ceil(rows/128), pad4(ceil(cols/128))],
+///    element (row block rb, column block cb) at rb * pad4(ceil(cols/128)) + cb.
 /// Padding entries are written as 0 and never read.
-enum class Layout : uint8_t { k1x128, k128x128 };
-
-MT_HD int64_t scale_rows(Layout l, int64_t rows, int64_t cols) {
-  return l == Layout::k1x128 ? ceil_div(cols, kBlock) : ceil_div(rows, kBlock);
+MT_HD int64_t scale_rows(Fp8Scaling s, int64_t rows, int64_t cols) {
+  return s == Fp8Scaling::kTensor ? 1 : s == Fp8Scaling::kBlock1x128 ? ceil_div(cols, kBlock) : ceil_div(rows, kBlock);
 }
-MT_HD int64_t scale_cols(Layout l, int64_t rows, int64_t cols) {
-  return l == Layout::k1x128 ? pad4(rows) : pad4(ceil_div(cols, kBlock));
+MT_HD int64_t scale_cols(Fp8Scaling s, int64_t rows, int64_t cols) {
+  return s == Fp8Scaling::kTensor ? 1 : s == Fp8Scaling::kBlock1x128 ? pad4(rows) : pad4(ceil_div(cols, kBlock));
 }
 /// Index in the scale tensor of the scale of element (r, c).
-MT_HD int64_t scale_index(Layout l, int64_t r, int64_t c, int64_t rows, int64_t cols) {
-  return l == Layout::k1x128 ? (c / kBlock) * pad4(rows) + r : (r / kBlock) * pad4(ceil_div(cols, kBlock)) + c / kBlock;
+MT_HD int64_t scale_index(Fp8Scaling s, int64_t r, int64_t c, int64_t rows, int64_t cols) {
+  if (s == Fp8Scaling::kTensor) return 0;
+  return s == Fp8Scaling::kBlock1x128 ? (c / kBlock) * pad4(rows) + r
+                                      : (r / kBlock) * pad4(ceil_div(cols, kBlock)) + c / kBlock;
 }
 
-}  // namespace mt::fp8_math
+}  // namespace fp8_math
+}  // namespace mt

@@ -335,11 +335,11 @@ TEST(Fp8Quantize, ScaleShapesAndIndicesHandWorked) {
   EXPECT_EQ(fp8_scale_shape(Fp8Scaling::kBlock128x128, 300, 200), (std::vector<int64_t>{3, 4}));
   EXPECT_EQ(fp8_scale_shape(Fp8Scaling::kBlock128x128, 129, 1025), (std::vector<int64_t>{2, 12}));
   EXPECT_EQ(fp8_scale_shape(Fp8Scaling::kBlock128x128, 4096, 4096), (std::vector<int64_t>{32, 32}));
-  using fp8_math::Layout;
   using fp8_math::scale_index;
-  EXPECT_EQ(scale_index(Layout::k1x128, 5, 130, 301, 300), 1 * 304 + 5);
-  EXPECT_EQ(scale_index(Layout::k1x128, 300, 0, 301, 300), 300);
-  EXPECT_EQ(scale_index(Layout::k128x128, 200, 700, 300, 1025), 1 * 12 + 5);
+  EXPECT_EQ(scale_index(Fp8Scaling::kBlock1x128, 5, 130, 301, 300), 1 * 304 + 5);
+  EXPECT_EQ(scale_index(Fp8Scaling::kBlock1x128, 300, 0, 301, 300), 300);
+  EXPECT_EQ(scale_index(Fp8Scaling::kBlock128x128, 200, 700, 300, 1025), 1 * 12 + 5);
+  EXPECT_EQ(scale_index(Fp8Scaling::kTensor, 200, 700, 300, 1025), 0);
 }
 
 /// x [rows, cols] with small values and one planted value per block (1 row x 128 or 128 x 128)

@@ -65,9 +65,7 @@ inline std::vector<uint8_t> integer_codes(int64_t n, DType t, int lim) {
 
 /// Scale of element (r, c) of an operand [rows, k] from its scale_inv values.
 inline double scale_at(const std::vector<float>& s, Fp8Scaling sc, int64_t r, int64_t c, int64_t rows, int64_t k) {
-  if (sc == Fp8Scaling::kTensor) return s[0];
-  const auto l = sc == Fp8Scaling::kBlock1x128 ? fp8_math::Layout::k1x128 : fp8_math::Layout::k128x128;
-  return s[static_cast<size_t>(fp8_math::scale_index(l, r, c, rows, k))];
+  return s[static_cast<size_t>(fp8_math::scale_index(sc, r, c, rows, k))];
 }
 
 /// The float64 reference of fp8_matmul: ref[i, j] = Σ_k deq(a)[i, k] deq(b)[j, k] (+ c0), and
@@ -119,10 +117,9 @@ inline std::vector<float> random_scales(Fp8Scaling sc, int64_t rows, int64_t k, 
     s[0] = draw();
     return s;
   }
-  const auto l = sc == Fp8Scaling::kBlock1x128 ? fp8_math::Layout::k1x128 : fp8_math::Layout::k128x128;
   for (int64_t r = 0; r < rows; r += sc == Fp8Scaling::kBlock1x128 ? 1 : fp8_math::kBlock) {
     for (int64_t c = 0; c < k; c += fp8_math::kBlock)
-      s[static_cast<size_t>(fp8_math::scale_index(l, r, c, rows, k))] = draw();
+      s[static_cast<size_t>(fp8_math::scale_index(sc, r, c, rows, k))] = draw();
   }
   return s;
 }

@@ -14,10 +14,6 @@ namespace {
 using fp8_math::abs_bits_for_max;
 using fp8_math::kBlock;
 
-fp8_math::Layout layout_of(Fp8Scaling s) {
-  return s == Fp8Scaling::kBlock1x128 ? fp8_math::Layout::k1x128 : fp8_math::Layout::k128x128;
-}
-
 /// Max of abs_bits_for_max over x[0, n).
 uint32_t amax_bits(const float* x, int64_t n) {
   uint32_t m = 0;
@@ -27,13 +23,13 @@ uint32_t amax_bits(const float* x, int64_t n) {
 }
 
 /// Blockwise quantisation of x [rows, cols] along its rows into q (bytes) and the
-/// scale layout `l` (see fp8_math.h), padding entries 0.
-void quantize_blocks(uint8_t* q, float* scale_inv, const float* x, int64_t rows, int64_t cols, fp8_math::Layout l,
+/// block layout of `scaling` (see fp8_math.h), padding entries 0.
+void quantize_blocks(uint8_t* q, float* scale_inv, const float* x, int64_t rows, int64_t cols, Fp8Scaling scaling,
                      DType t, bool pow2) {
   const float fmax = fp8_max(t);
-  const int64_t srows = fp8_math::scale_rows(l, rows, cols), scols = fp8_math::scale_cols(l, rows, cols);
+  const int64_t srows = fp8_math::scale_rows(scaling, rows, cols), scols = fp8_math::scale_cols(scaling, rows, cols);
   std::fill(scale_inv, scale_inv + srows * scols, 0.f);
-  const int64_t brows = l == fp8_math::Layout::k1x128 ? 1 : kBlock;
+  const int64_t brows = scaling == Fp8Scaling::kBlock1x128 ? 1 : kBlock;
   const int64_t nrb = (rows + brows - 1) / brows, ncb = (cols + kBlock - 1) / kBlock;
 #pragma omp parallel for schedule(static)
   for (int64_t rb = 0; rb < nrb; ++rb) {
@@ -45,7 +41,7 @@ void quantize_blocks(uint8_t* q, float* scale_inv, const float* x, int64_t rows,
         for (int64_t c = c0; c < c1; ++c) m = std::max(m, abs_bits_for_max(x[r * cols + c]));
       }
       const float s = fp8_math::scale_from_amax(bits_to_f32(m), fmax, pow2, 0.f);
-      scale_inv[fp8_math::scale_index(l, r0, c0, rows, cols)] = 1.f / s;
+      scale_inv[fp8_math::scale_index(scaling, r0, c0, rows, cols)] = 1.f / s;
       for (int64_t r = r0; r < r1; ++r) {
         for (int64_t c = c0; c < c1; ++c) q[r * cols + c] = f32_to_fp8_bits(t, x[r * cols + c] * s);
       }
@@ -127,14 +123,13 @@ void fp8_quantize_blockwise(const Tensor& q, const Tensor& q_scale_inv, const Te
                             const Tensor& x, Fp8Scaling scaling, bool pow2, const Stream&) {
   require_f32(x, "fp8_quantize_blockwise", "x");
   const auto [rows, cols] = rows_cols(x);
-  const fp8_math::Layout l = layout_of(scaling);
   const float* xv = x.data_as<float>();
   if (!q.empty()) {
-    quantize_blocks(q.data_as<uint8_t>(), q_scale_inv.data_as<float>(), xv, rows, cols, l, q.dtype(), pow2);
+    quantize_blocks(q.data_as<uint8_t>(), q_scale_inv.data_as<float>(), xv, rows, cols, scaling, q.dtype(), pow2);
   }
   if (!q_t.empty()) {  // by definition: the rowwise quantisation of x^T
     const std::vector<float> xt = transposed(xv, rows, cols);
-    quantize_blocks(q_t.data_as<uint8_t>(), q_t_scale_inv.data_as<float>(), xt.data(), cols, rows, l, q_t.dtype(),
+    quantize_blocks(q_t.data_as<uint8_t>(), q_t_scale_inv.data_as<float>(), xt.data(), cols, rows, scaling, q_t.dtype(),
                     pow2);
   }
 }
@@ -149,8 +144,7 @@ void fp8_dequantize(const Tensor& y, const Tensor& q, const Tensor& scale_inv, F
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t c = 0; c < cols; ++c) {
-      const float sc =
-          scaling == Fp8Scaling::kTensor ? s[0] : s[fp8_math::scale_index(layout_of(scaling), r, c, rows, cols)];
+      const float sc = s[fp8_math::scale_index(scaling, r, c, rows, cols)];
       yv[r * cols + c] = fp8_bits_to_f32(t, qv[r * cols + c]) * sc;
     }
   }

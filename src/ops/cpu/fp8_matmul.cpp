@@ -30,10 +30,6 @@ void partial_product(float* p, const float* a, const float* b, int64_t m, int64_
               static_cast<blasint>(n));
 }
 
-fp8_math::Layout layout_of(Fp8Scaling s) {
-  return s == Fp8Scaling::kBlock1x128 ? fp8_math::Layout::k1x128 : fp8_math::Layout::k128x128;
-}
-
 }  // namespace
 
 void fp8_matmul(const Tensor& d, const Fp8Operand& a, const Fp8Operand& b, bool accumulate, bool fast_accum,
@@ -55,16 +51,15 @@ void fp8_matmul(const Tensor& d, const Fp8Operand& a, const Fp8Operand& b, bool 
   } else {
     const float* sa = a.scale_inv.data_as<float>();
     const float* sb = b.scale_inv.data_as<float>();
-    const fp8_math::Layout la = layout_of(a.scaling), lb = layout_of(b.scaling);
     std::vector<float> p(static_cast<size_t>(m * n));
     for (int64_t k0 = 0; k0 < k; k0 += fp8_math::kBlock) {
       partial_product(p.data(), av.data(), bv.data(), m, n, k, k0, std::min(fp8_math::kBlock, k - k0));
 #pragma omp parallel for schedule(static)
       for (int64_t i = 0; i < m; ++i) {
-        const float si = sa[fp8_math::scale_index(la, i, k0, m, k)];
+        const float si = sa[fp8_math::scale_index(a.scaling, i, k0, m, k)];
         for (int64_t j = 0; j < n; ++j) {
           const size_t e = static_cast<size_t>(i * n + j);
-          acc[e] = std::fma(p[e], si * sb[fp8_math::scale_index(lb, j, k0, n, k)], acc[e]);
+          acc[e] = std::fma(p[e], si * sb[fp8_math::scale_index(b.scaling, j, k0, n, k)], acc[e]);
         }
       }
     }

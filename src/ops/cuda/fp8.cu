@@ -28,7 +28,6 @@ namespace {
 
 using fp8_math::abs_bits_for_max;
 using fp8_math::kBlock;
-using fp8_math::Layout;
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
@@ -118,22 +117,20 @@ __global__ void delayed_update_kernel(float* hist, int64_t len, int64_t n, float
 // ---------------------------------------------------------------------------------------------
 // Cast (+ transpose) of one 128 x 128 tile.
 
-enum TileMode : int { kModeTensor = 0, kMode1x128 = 1, kMode128x128 = 2 };
-
 struct TileArgs {
   const void* x;
   int64_t rows, cols;
   uint8_t* q;          // [rows, cols] or null
   uint8_t* qt;         // [cols, rows] or null
-  const float* scale;  // kModeTensor: the quantisation scale
-  uint32_t* amax;      // kModeTensor: max-accumulated amax bits, or null
+  const float* scale;  // Fp8Scaling::kTensor: the quantisation scale
+  uint32_t* amax;      // Fp8Scaling::kTensor: max-accumulated amax bits, or null
   float* s_inv;        // block modes: q's scale layout
   float* st_inv;       // block modes: q_t's scale layout
   bool pow2;
   bool qt_vec;  // q_t rows may be stored 4 bytes at a time (rows % 4 == 0, aligned)
 };
 
-template <typename T, bool kE4M3, int kMode>
+template <typename T, bool kE4M3, Fp8Scaling kMode>
 __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(TileArgs p) {
   __shared__ __align__(16) uint8_t tq[kBlock][kPitch];  // transposed FP8 bytes
   __shared__ uint32_t red[kWarps][kBlock];              // per-warp column amaxes
@@ -159,10 +156,10 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(TileArgs p) {
 
   float srow[kRowsPerThread] = {};  // the quantisation scale of each held row (for q)
   float scol[4] = {};               // ... of each held column (for q_t)
-  if constexpr (kMode == kModeTensor || kMode == kMode128x128) {
+  if constexpr (kMode == Fp8Scaling::kTensor || kMode == Fp8Scaling::kBlock128x128) {
     float s = 0.f;
-    if constexpr (kMode == kModeTensor) s = *p.scale;
-    if (kMode == kMode128x128 || p.amax) {
+    if constexpr (kMode == Fp8Scaling::kTensor) s = *p.scale;
+    if (kMode == Fp8Scaling::kBlock128x128 || p.amax) {
       uint32_t m = 0;
 #pragma unroll
       for (int i = 0; i < kRowsPerThread; ++i) {
@@ -174,7 +171,7 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(TileArgs p) {
       __syncthreads();
 #pragma unroll
       for (int w = 0; w < kWarps; ++w) m = max(m, warp_red[w]);
-      if constexpr (kMode == kModeTensor) {
+      if constexpr (kMode == Fp8Scaling::kTensor) {
         if (threadIdx.x == 0) atomicMax(p.amax, m);
       } else {
         s = fp8_math::scale_from_amax(bits_to_f32(m), fmax, p.pow2, 0.f);
@@ -211,7 +208,7 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(TileArgs p) {
         srow[i] = fp8_math::scale_from_amax(bits_to_f32(m), fmax, p.pow2, 0.f);
         const int64_t r = r0 + warp + kWarps * i;
         if (lane == 0 && r < fp8_math::pad4(rows)) {
-          p.s_inv[fp8_math::scale_index(Layout::k1x128, r, c0, rows, cols)] = r < rows ? 1.f / srow[i] : 0.f;
+          p.s_inv[fp8_math::scale_index(Fp8Scaling::kBlock1x128, r, c0, rows, cols)] = r < rows ? 1.f / srow[i] : 0.f;
         }
       }
     }
@@ -232,7 +229,7 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(TileArgs p) {
         col_scale[threadIdx.x] = s;
         const int64_t c = c0 + threadIdx.x;  // a row of x^T [cols, rows]
         if (c < fp8_math::pad4(cols)) {
-          p.st_inv[fp8_math::scale_index(Layout::k1x128, c, r0, cols, rows)] = c < cols ? 1.f / s : 0.f;
+          p.st_inv[fp8_math::scale_index(Fp8Scaling::kBlock1x128, c, r0, cols, rows)] = c < cols ? 1.f / s : 0.f;
         }
       }
       __syncthreads();
@@ -274,7 +271,7 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(TileArgs p) {
   }
 }
 
-template <int kMode>
+template <Fp8Scaling kMode>
 void launch_tile(const Tensor& x, TileArgs p, DType fp8, const Stream& stream) {
   const int64_t row_tiles = (p.rows + kBlock - 1) / kBlock, col_tiles = (p.cols + kBlock - 1) / kBlock;
   MT_CHECK(row_tiles <= 65535, "fp8 quantize: {} rows exceed the CUDA kernel's 65535 x 128", p.rows);
@@ -302,18 +299,14 @@ TileArgs tile_args(const Tensor& q, const Tensor& q_t, const Tensor& x) {
 // ---------------------------------------------------------------------------------------------
 // Dequantisation.
 
-template <typename T, bool kE4M3, int kMode>
-__global__ void dequantize_kernel(T* y, const uint8_t* q, const float* s_inv, int64_t rows, int64_t cols) {
+template <typename T, bool kE4M3>
+__global__ void dequantize_kernel(T* y, const uint8_t* q, const float* s_inv, int64_t rows, int64_t cols,
+                                  Fp8Scaling scaling) {
   const int64_t n = rows * cols;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    float s;
-    if constexpr (kMode == kModeTensor) {
-      s = s_inv[0];
-    } else {
-      const Layout l = kMode == kMode1x128 ? Layout::k1x128 : Layout::k128x128;
-      s = s_inv[fp8_math::scale_index(l, i / cols, i % cols, rows, cols)];
-    }
+    const float s =
+        s_inv[scaling == Fp8Scaling::kTensor ? 0 : fp8_math::scale_index(scaling, i / cols, i % cols, rows, cols)];
     const float f = kE4M3 ? e4m3_bits_to_f32(q[i]) : e5m2_bits_to_f32(q[i]);
     y[i] = from_f<T>(f * s);
   }
@@ -359,7 +352,7 @@ void fp8_quantize(const Tensor& q, const Tensor& q_t, const Tensor& x, const Ten
   if (p.rows == 0) return;
   p.scale = scale.data_as<float>();
   p.amax = amax.empty() ? nullptr : amax.data_as<uint32_t>();
-  launch_tile<kModeTensor>(x, p, q.empty() ? q_t.dtype() : q.dtype(), stream);
+  launch_tile<Fp8Scaling::kTensor>(x, p, q.empty() ? q_t.dtype() : q.dtype(), stream);
 }
 
 void fp8_quantize_blockwise(const Tensor& q, const Tensor& q_scale_inv, const Tensor& q_t, const Tensor& q_t_scale_inv,
@@ -371,9 +364,9 @@ void fp8_quantize_blockwise(const Tensor& q, const Tensor& q_scale_inv, const Te
   p.pow2 = pow2;
   const DType t = q.empty() ? q_t.dtype() : q.dtype();
   if (scaling == Fp8Scaling::kBlock1x128) {
-    launch_tile<kMode1x128>(x, p, t, stream);
+    launch_tile<Fp8Scaling::kBlock1x128>(x, p, t, stream);
   } else {
-    launch_tile<kMode128x128>(x, p, t, stream);
+    launch_tile<Fp8Scaling::kBlock128x128>(x, p, t, stream);
   }
 }
 
@@ -389,13 +382,7 @@ void fp8_dequantize(const Tensor& y, const Tensor& q, const Tensor& scale_inv, F
       const float* s = scale_inv.data_as<float>();
       T* yv = y.data_as<T>();
       const uint8_t* qv = q.data_as<uint8_t>();
-      if (scaling == Fp8Scaling::kTensor) {
-        dequantize_kernel<T, kE, kModeTensor><<<grid, 256, 0, cu(stream)>>>(yv, qv, s, rows, cols);
-      } else if (scaling == Fp8Scaling::kBlock1x128) {
-        dequantize_kernel<T, kE, kMode1x128><<<grid, 256, 0, cu(stream)>>>(yv, qv, s, rows, cols);
-      } else {
-        dequantize_kernel<T, kE, kMode128x128><<<grid, 256, 0, cu(stream)>>>(yv, qv, s, rows, cols);
-      }
+      dequantize_kernel<T, kE><<<grid, 256, 0, cu(stream)>>>(yv, qv, s, rows, cols, scaling);
       MT_CUDA_CHECK_LAUNCH();
     });
   });
