@@ -56,7 +56,8 @@ void fp8_delayed_scale_update(const Tensor& amax_history, const Tensor& scale, c
 /// the same pass (cast + transpose: Hopper's FP8 GEMM reads only K-major operands, so the wgrad
 /// and dgrad GEMMs need x^T, dy^T and w^T; docs/fp8.md "Hopper layout rule"):
 ///   q[r, c] = fp8(x[r, c] * scale[0]),   q_t[c, r] = q[r, c]
-/// with fp8() rounding to nearest even and saturating to +-fp8_max (core/dtype.h). x: [..., cols]
+/// with fp8() rounding to nearest even and saturating to +-fp8_max (core/dtype.h; a NaN element
+/// becomes fp8_math::kNaNCode, 0x7f, on both backends). x: [..., cols]
 /// viewed as [rows, cols], contiguous, fp32 (CPU) or fp32/bf16/fp16 (CUDA); q: x's shape,
 /// kF8E4M3 or kF8E5M2 (empty: not written); q_t: [cols, rows] of the same FP8 dtype (empty: not
 /// written; at least one of q, q_t). scale: fp32, one element (the quantisation scale, 1 /

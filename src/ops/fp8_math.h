@@ -32,6 +32,13 @@ MT_HD uint32_t abs_bits_for_max(float x) {
   return a > 0x7f800000u ? 0u : a;
 }
 
+/// What the quantisers write for x * s (x an input element, s its scale): core/dtype.h's
+/// conversion (nearest even, saturating) of the fp32 product, and for a NaN x the NaN code 0x7f
+/// (a NaN in both formats) whatever its sign and payload — GPU arithmetic returns NaNs with a
+/// canonical payload and no sign, so keeping them would make the backends differ.
+constexpr uint8_t kNaNCode = 0x7f;
+MT_HD uint8_t quantize_value(DType t, float x, float s) { return x != x ? kNaNCode : f32_to_fp8_bits(t, x * s); }
+
 /// The quantisation scale of a tensor or block from its amax (Transformer Engine's
 /// compute_scale_from_amax, current and blockwise scaling): scale = fp8_max / max(amax, epsilon),
 /// rounded to nearest; amax 0, inf or NaN gives 1; a quotient that overflows fp32 gives FLT_MAX;

@@ -299,7 +299,7 @@ TEST(Fp8Quantize, TensorwiseWithTransposeAndAmaxRecord) {
   const int64_t rows = 37, cols = 53;
   std::vector<float> x = randn(rows * cols, 3.f);
   x[5] = 1e6f;  // saturates
-  x[6] = NAN;
+  x[6] = -NAN;  // written as 0x7f, the quantisers' one NaN code
   auto xt = make_tensor(x, DType::kF32, kCpu, {rows, cols}, cpu_stream());
   for (DType t : {DType::kF8E4M3, DType::kF8E5M2}) {
     OwnedTensor q(t, kCpu, {rows, cols}), qt(t, kCpu, {cols, rows});
@@ -313,12 +313,13 @@ TEST(Fp8Quantize, TensorwiseWithTransposeAndAmaxRecord) {
     for (int64_t r = 0; r < rows; ++r) {
       for (int64_t c = 0; c < cols; ++c) {
         const float v = x[r * cols + c];
-        ASSERT_EQ(qb[r * cols + c], f32_to_fp8_bits(t, v * 37.5f)) << r << "," << c;
+        ASSERT_EQ(qb[r * cols + c], std::isnan(v) ? 0x7f : f32_to_fp8_bits(t, v * 37.5f)) << r << "," << c;
         ASSERT_EQ(qtb[c * rows + r], qb[r * cols + c]) << r << "," << c;
         if (!std::isnan(v)) m = std::max(m, std::fabs(v));
       }
     }
     EXPECT_EQ(qb[5], t == DType::kF8E4M3 ? 0x7e : 0x7b);
+    EXPECT_EQ(qb[6], 0x7f);
     EXPECT_EQ(to_host(amax, cpu_stream())[0], m);  // max(2, max |x|) = 1e6
     // Only the transpose.
     fp8_test::poison_bytes(qt, cpu_stream());

@@ -43,7 +43,7 @@ void quantize_blocks(uint8_t* q, float* scale_inv, const float* x, int64_t rows,
       const float s = fp8_math::scale_from_amax(bits_to_f32(m), fmax, pow2, 0.f);
       scale_inv[fp8_math::scale_index(scaling, r0, c0, rows, cols)] = 1.f / s;
       for (int64_t r = r0; r < r1; ++r) {
-        for (int64_t c = c0; c < c1; ++c) q[r * cols + c] = f32_to_fp8_bits(t, x[r * cols + c] * s);
+        for (int64_t c = c0; c < c1; ++c) q[r * cols + c] = fp8_math::quantize_value(t, x[r * cols + c], s);
       }
     }
   }
@@ -107,7 +107,7 @@ void fp8_quantize(const Tensor& q, const Tensor& q_t, const Tensor& x, const Ten
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t c = 0; c < cols; ++c) {
-      const uint8_t b = f32_to_fp8_bits(t, xv[r * cols + c] * s);
+      const uint8_t b = fp8_math::quantize_value(t, xv[r * cols + c], s);
       if (qv) qv[r * cols + c] = b;
       if (qt) qt[c * rows + r] = b;
     }

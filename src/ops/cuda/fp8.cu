@@ -1,8 +1,8 @@
 // CUDA FP8 quantisation ops (ops/fp8.h). Every scale and amax is read from and written to device
 // memory (no host synchronisation; capturable). Conversions fp32 -> FP8 use the hardware's
 // cvt.rn.satfinite (round to nearest even, saturating to the largest finite value: the rule of
-// core/dtype.h's host conversion, which the CPU reference runs), with NaN mapped in software to
-// the host's NaN codes, so that the two backends agree bit for bit.
+// core/dtype.h's host conversion, which the CPU reference runs), NaN inputs write
+// fp8_math::kNaNCode, so that the two backends agree bit for bit.
 //
 // Cast + transpose: one kernel for every recipe. A CTA of 256 threads owns a 128 x 128 tile of x
 // (thread (warp w, lane l) holds rows w + 8i, i < 16, and columns l + 32j, j < 4, in registers:
@@ -34,12 +34,12 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kRowsPerThread = static_cast<int>(kBlock) / kWarps;  // 16
 constexpr int kPitch = static_cast<int>(kBlock) + 4;               // staging row pitch (bytes)
 
-/// fp32 -> FP8 bits as core/dtype.h's f32_to_e4m3_bits / f32_to_e5m2_bits: the hardware
-/// conversion (RNE, satfinite), NaN in software (the host's codes).
+/// fp8_math::quantize_value: x * s converted by the hardware (cvt.rn.satfinite: the rounding and
+/// saturation of core/dtype.h's host conversion), a NaN x as kNaNCode.
 template <bool kE4M3>
-__device__ __forceinline__ uint8_t to_fp8(float v) {
-  if (isnan(v)) return kE4M3 ? f32_to_e4m3_bits(v) : f32_to_e5m2_bits(v);
-  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, kE4M3 ? __NV_E4M3 : __NV_E5M2));
+__device__ __forceinline__ uint8_t to_fp8(float x, float s) {
+  if (isnan(x)) return fp8_math::kNaNCode;
+  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(x * s, __NV_SATFINITE, kE4M3 ? __NV_E4M3 : __NV_E5M2));
 }
 
 __device__ __forceinline__ uint32_t warp_max(uint32_t v) {
@@ -243,7 +243,7 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(TileArgs p) {
     for (int i = 0; i < kRowsPerThread; ++i) {
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        if (in_range(i, j)) p.q[base + i * rstride + 32 * j] = to_fp8<kE4M3>(v[i][j] * srow[i]);
+        if (in_range(i, j)) p.q[base + i * rstride + 32 * j] = to_fp8<kE4M3>(v[i][j], srow[i]);
       }
     }
   }
@@ -251,7 +251,7 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(TileArgs p) {
 #pragma unroll
     for (int i = 0; i < kRowsPerThread; ++i) {
 #pragma unroll
-      for (int j = 0; j < 4; ++j) tq[lane + 32 * j][warp + kWarps * i] = to_fp8<kE4M3>(v[i][j] * scol[j]);
+      for (int j = 0; j < 4; ++j) tq[lane + 32 * j][warp + kWarps * i] = to_fp8<kE4M3>(v[i][j], scol[j]);
     }
     __syncthreads();
     const bool full = p.qt_vec && r0 + kBlock <= rows;
