@@ -405,8 +405,10 @@ void check_gemm(const GemmCase& g, bool exact) {
     }
     return;
   }
-  // Tolerance: the accumulation order (and, with fast accumulation, the tensor cores' unpromoted
-  // partial sums) against Σ|products|, plus the rounding of a bf16 output.
+  // Tolerance: the accumulation order and the FP8 tensor cores' reduced-precision partial sums
+  // (about 14 bits between promotions, DeepSeek-V3 §3.3; never promoted with fast accumulation)
+  // against Σ|products|, plus the rounding of a bf16 output. Loose on purpose: a wrong scale or
+  // layout is what the exact cases above catch, bit for bit; these check random FP8 values.
   std::vector<uint8_t> aa = o.a, ba = o.b;
   for (auto& c : aa) c &= 0x7f;
   for (auto& c : ba) c &= 0x7f;
@@ -415,7 +417,7 @@ void check_gemm(const GemmCase& g, bool exact) {
   GemmCase gabs = g;
   gabs.out = DType::kF32;
   const std::vector<float> bound = run_gemm(gabs, o, aa, ba, c0abs, kCpu);
-  const double rel = g.fast_accum ? std::ldexp(1.0, -6) : std::ldexp(1.0, -9);
+  const double rel = g.fast_accum ? std::ldexp(1.0, -5) : std::ldexp(1.0, -8);
   const double out_rel = g.out == DType::kBF16 ? std::ldexp(1.0, -8) : 0.0;
   double worst = 0;
   for (size_t i = 0; i < cpu.size(); ++i) {
