@@ -174,10 +174,10 @@ TEST_F(ServeReplies, RandomSequencesSerialise) {
     const std::string text = reply.dump();  // throws on invalid UTF-8
     EXPECT_EQ(json::parse(text), reply);
     for (size_t i = 0; i < seqs.size(); ++i) {
-      EXPECT_EQ(reply["text"][i], data::utf8_replace_invalid(tok_->decode(seqs[i])));
+      EXPECT_EQ(reply["text"][i].get<std::string>(), data::utf8_replace_invalid(tok_->decode(seqs[i])));
       std::string joined;
       for (const auto& s : reply["segments"][i]) joined += s.get<std::string>();
-      EXPECT_EQ(joined, reply["text"][i]);
+      EXPECT_EQ(joined, reply["text"][i].get<std::string>());
       EXPECT_EQ(reply["segments"][i].size(), seqs[i].size());
     }
   }
