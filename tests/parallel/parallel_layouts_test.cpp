@@ -897,7 +897,7 @@ TEST(PipelinePlan, MemoryBounds) {
     }
 }
 
-// The static-buffer reuse of the document on partial CUDA graphs (seeds/003): PP 4, VPP 2, 8
+// The static-buffer reuse of partial CUDA graphs (docs/cuda_graphs.md): PP 4, VPP 2, 8
 // micro-batches. Walking each rank's order, a forward takes an activation slot (its static input
 // and saved tensors) that no (micro-batch, chunk) still waiting for its backward holds, and a
 // slot is released by the backward of its forward; the number of slots is the schedule's
