@@ -127,6 +127,11 @@ struct TransformerConfig {
   /// context-parallel attention) and the embedding's weight gradient (a sort by token id instead of
   /// atomics). Every other kernel is deterministic in either mode; the CPU backend always is.
   bool deterministic_mode = false;
+  /// --tp-comm-overlap (Megatron's ModelParallelConfig.tp_comm_overlap, which TransformerConfig
+  /// inherits): the sequence-parallel all-gathers and reduce-scatters of the linear layers in
+  /// pieces pipelined with their GEMMs (parallel/mappings.h). Needs sequence parallelism with
+  /// TP > 1; the same results (docs/parallelism.md "Tensor-parallel communication overlap").
+  bool tp_comm_overlap = false;
   // --- context parallelism (used when the CP group has more than one rank) ---
   std::string cp_comm_type = "p2p";  ///< --cp-comm-type: p2p, allgather, a2a, a2a+p2p
   std::vector<int> hierarchical_context_parallel_sizes;  ///< --hierarchical-context-parallel-sizes
