@@ -753,7 +753,7 @@ int run_pretrain(PretrainArgs args) {
   int64_t last_skipped = last.skipped_iters;
   auto t_last = std::chrono::steady_clock::now();
   int64_t iters_since_log = 0;
-  const double flops_iter = cfg.flops_per_iteration(args.global_batch_size);
+  const double flops_iter = cfg.flops_per_iteration(args.global_batch_size, args.tensor_model_parallel_size);
 
   // Validation before the first iteration of a fresh run gives the starting point of the curve.
   if ((!resume || args.finetune) && data.valid) evaluate(0);
@@ -848,14 +848,15 @@ int run_pretrain(PretrainArgs args) {
       }
       const double tokens_per_s = args.global_batch_size * cfg.seq_length / (ms / 1e3);
       const double tflops = flops_iter / (ms / 1e3) / 1e12 / world->size();  // per GPU
+      const std::string mfu = device.is_cuda() ? fmt::format(" MFU: {:.1f}% |", 100.0 * tflops / kMfuPeakTflops) : "";
       progress.clear();
       std::string line = fmt::format(
           " [{}] iteration {:8d}/{:8d} | consumed samples: {:12d} | elapsed time per iteration (ms): {:.1f} | "
-          "throughput per GPU (TFLOP/s/GPU): {:.1f} | tokens per second: {:.0f} | learning rate: {:.6E} | "
+          "throughput per GPU (TFLOP/s/GPU): {:.1f} |{} tokens per second: {:.0f} | learning rate: {:.6E} | "
           "global batch size: {:5d} | lm loss: {:.6E} | loss scale: {:.1f} | grad norm: {:.3f} | "
           "number of skipped iterations: {:3d} | number of nan iterations: {:3d} | host time per iteration (ms): "
           "{:.2f} |",
-          timestamp(), iteration, args.train_iters, consumed, ms, tflops, tokens_per_s, lr, args.global_batch_size,
+          timestamp(), iteration, args.train_iters, consumed, ms, tflops, mfu, tokens_per_s, lr, args.global_batch_size,
           n_ok ? loss_sum / n_ok : NAN, sc.loss_scale, sc.grad_norm, sc.skipped_iters - last_skipped, n_nan,
           host_issue_ms / static_cast<double>(iters_since_log));
       if (cfg.num_moe_experts > 0) line += moe_log(model, *world, iters_since_log, args.moe_per_layer_logging,
