@@ -116,7 +116,6 @@ void TensorParallelRegion::all_gather_gemm(const Tensor& full, const Tensor& loc
   Communicator& c = group();
   o.start->record(stream);  // local is written
   o.start->wait(*o.comm);
-  copy(block(rank_), l, *o.comm);  // this rank's block of the gathered input (saved for the backward)
   for (int i = 1; i < size_; ++i) {
     c.group_start();
     c.send(l, (rank_ + i) % size_, *o.comm);
@@ -124,11 +123,14 @@ void TensorParallelRegion::all_gather_gemm(const Tensor& full, const Tensor& loc
     c.group_end();
     o.steps[static_cast<size_t>(i)]->record(*o.comm);
   }
+  copy(block(rank_), l, *o.comm);  // this rank's block of the gathered input (read after the call)
+  o.done->record(*o.comm);
   gemm(l, rank_ * m);
   for (int i = 1; i < size_; ++i) {
-    o.steps[static_cast<size_t>(i)]->wait(stream);  // after the last one, the copy above is done too
+    o.steps[static_cast<size_t>(i)]->wait(stream);
     gemm(block(from(i)), from(i) * m);
   }
+  o.done->wait(stream);
 }
 
 void TensorParallelRegion::gemm_reduce_scatter(const Tensor& local, const Tensor& full, const RowGemm& gemm,

@@ -92,11 +92,12 @@ class TensorParallelRegion {
   /// enter_forward (exit_backward) followed by the consumer's GEMM: full [s, b, n] <- all-gather of
   /// local [s_l, b, n], then gemm per block: this rank's (from local), then those of ranks r − 1,
   /// r − 2, ... (mod tp). With --tp-comm-overlap, the collective matmul: on the region's
-  /// communication stream this rank's block is copied into full and, in TP − 1 steps, sent to rank
-  /// (r + i) % tp while the block of rank (r − i) % tp is received (batched send/recv, an event per
-  /// step); gemm runs on `stream`, this rank's block at once, each other block after its step's
-  /// event, so each step's transfer overlaps the GEMM of the block before. Without SP (full ==
-  /// local) just gemm(full). No host synchronisation; capturable in a CUDA graph.
+  /// communication stream, in TP − 1 steps, this rank's block is sent to rank (r + i) % tp while
+  /// the block of rank (r − i) % tp is received (batched send/recv, an event per step), then this
+  /// rank's block is copied into full; gemm runs on `stream`, this rank's block at once (from
+  /// local), each other block after its step's event, so each step's transfer overlaps the GEMM of
+  /// the block before; `stream` waits for the copy at the end. Without SP (full == local) just
+  /// gemm(full). No host synchronisation; capturable in a CUDA graph.
   void all_gather_gemm(const Tensor& full, const Tensor& local, const RowGemm& gemm, const Stream& stream) const;
   /// The producer's GEMM followed by exit_forward (enter_backward): gemm writes every block of
   /// full [s, b, n] (partial sums over TP; the blocks of ranks r + 1, r + 2, ... (mod tp), this
