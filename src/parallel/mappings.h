@@ -110,9 +110,9 @@ class TensorParallelRegion {
   /// runs while the last transfer is in flight (Megatron's wgrad overlapped with the dgrad's
   /// reduce-scatter); then local = the rank-order sum of the partial blocks (comm/rank_order_sum.h:
   /// fp32 accumulation in rank order, one rounding — the thread communicator's reduce_scatter bit
-  /// for bit, and NCCL's on two ranks; NCCL sums more ranks in its ring's order, so on GPUs with
-  /// TP > 2 the two paths differ by rounding). full's other blocks are consumed. No host
-  /// synchronisation; capturable in a CUDA graph.
+  /// for bit, and NCCL's and MPI's on two ranks; they sum more ranks in their own orders, so with
+  /// TP > 2 on GPUs or MPI processes the two paths differ by rounding). full's other blocks are
+  /// consumed. No host synchronisation; capturable in a CUDA graph.
   void gemm_reduce_scatter(const Tensor& local, const Tensor& full, const RowGemm& gemm,
                            const std::function<void()>& tail, const Stream& stream) const;
 
