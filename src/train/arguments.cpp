@@ -286,6 +286,9 @@ void add_parallel_options(CLI::App& app, PretrainArgs& a) {
   app.add_option("--tensor-model-parallel-size", a.tensor_model_parallel_size, "Tensor-parallel size")
       ->capture_default_str();
   app.add_flag("--sequence-parallel", a.sequence_parallel, "Sequence parallelism in the TP group");
+  app.add_flag("--tp-comm-overlap", a.model.tp_comm_overlap,
+               "Pipeline the sequence-parallel all-gathers / reduce-scatters with the linear layers' GEMMs "
+               "(needs --sequence-parallel, TP > 1)");
   app.add_option("--context-parallel-size", a.context_parallel_size,
                  "Context-parallel size: each rank holds seq-length / N tokens of every sequence (docs/parallelism.md)")
       ->capture_default_str();
