@@ -6,6 +6,7 @@
 #include <fstream>
 
 #include "comm/communicator.h"
+#include "core/cli_validators.h"
 #include "core/logging.h"
 #include "model/gpt_model.h"
 #include "model/hf/hf_convert.h"
@@ -22,10 +23,13 @@ void add_import_hf_options(CLI::App& app, ImportHfArgs& a) {
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   app.add_option("--hf-dir", a.hf_dir, "Hugging Face model directory (config.json, *.safetensors)")->required();
   app.add_option("--save", a.save, "Checkpoint directory to write")->required();
-  app.add_option("--seq-length", a.seq_length, "Sequence length of the checkpoint's model (default "
-                                               "min(max_position_embeddings, 4096))");
+  app.add_option("--seq-length", a.seq_length,
+                 "Sequence length of the checkpoint's model (default min(max_position_embeddings, 4096))")
+      ->check(positive_integer());
   app.add_option("--make-vocab-size-divisible-by", a.make_vocab_size_divisible_by,
-                 "Pad the vocabulary to a multiple of this (times TP)")->capture_default_str();
+                 "Pad the vocabulary to a multiple of this (times TP)")
+      ->check(positive_integer())
+      ->capture_default_str();
 }
 
 void add_export_hf_options(CLI::App& app, ExportHfArgs& a) {
@@ -36,7 +40,8 @@ void add_export_hf_options(CLI::App& app, ExportHfArgs& a) {
                  "GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM, "
                  "Qwen3MoeForCausalLM or Qwen2MoeForCausalLM (default: the imported one, else inferred from the model)");
   app.add_option("--hf-dtype", a.dtype, "fp32, bf16 or fp16")->capture_default_str();
-  app.add_option("--max-shard-size", a.max_shard_bytes, "Bytes per safetensors file (0 = one file)");
+  app.add_option("--max-shard-size", a.max_shard_bytes, "Bytes per safetensors file (0 = one file)")
+      ->check(integer_range(0));
 }
 
 namespace {
