@@ -197,6 +197,83 @@ TEST_F(Durability, CorruptTruncatedOrMissingShardIsNamed) {
   EXPECT_TRUE(contains(ok.out, "loaded checkpoint from " + ck.string() + " at iteration 4")) << ok.out;
 }
 
+// metadata.json is the index of the data files: an edit or damage there is found by its own
+// checksum and by each shard's, and the error names the tensors (format version 3). Swapping the
+// offsets of two same-sized tensors used to load the wrong weights silently (issue 37 part 6).
+TEST_F(Durability, EditedMetadataNamesTheTensors) {
+  const fs::path ck = dir / "ck_meta";
+  RunResult r = run(train("--train-iters 2 --save " + ck.string()));
+  ASSERT_EQ(r.rc, 0) << r.out;
+  const fs::path meta_path = ck / "iter_0000002" / "metadata.json";
+  const std::string good = read_bytes(meta_path);
+  const nlohmann::json meta = nlohmann::json::parse(good);
+  ASSERT_EQ(meta.at("version").get<int>(), 3);
+  ASSERT_TRUE(meta.contains("metadata_crc32c"));
+  // Two tensors of the same size whose shards sit in one file: swap their offsets.
+  std::map<std::pair<std::string, uint64_t>, std::vector<size_t>> same;  // (file, bytes) -> tensors
+  for (size_t i = 0; i < meta.at("tensors").size(); ++i) {
+    const nlohmann::json& sh = meta.at("tensors")[i].at("shards")[0];
+    uint64_t bytes = 4;
+    for (const auto& d : sh.at("shape")) bytes *= d.get<uint64_t>();
+    same[{sh.at("file").get<std::string>(), bytes}].push_back(i);
+  }
+  std::vector<size_t> pair;
+  for (const auto& [key, v] : same)
+    if (v.size() >= 2) pair = {v[0], v[1]};
+  ASSERT_EQ(pair.size(), 2u);
+  nlohmann::json swapped = meta;
+  auto& a = swapped["tensors"][pair[0]]["shards"][0]["offset_bytes"];
+  auto& b = swapped["tensors"][pair[1]]["shards"][0]["offset_bytes"];
+  std::swap(a, b);
+  const std::string name_a = meta["tensors"][pair[0]]["name"], name_b = meta["tensors"][pair[1]]["name"];
+  const std::string resume = train("--train-iters 4 --load " + ck.string());
+  auto write = [&](const nlohmann::json& j) { std::ofstream(meta_path, std::ios::trunc) << j.dump(1); };
+  write(swapped);
+  RunResult e = run(resume);
+  EXPECT_NE(e.rc, 0) << e.out;
+  EXPECT_TRUE(contains(e.out, "metadata.json does not match the data of rank_00000.bin") &&
+              contains(e.out, "'" + name_a + "'") && contains(e.out, "'" + name_b + "'") &&
+              contains(e.out, "the index was edited or damaged"))
+      << e.out;
+  EXPECT_FALSE(contains(e.out, "loaded checkpoint")) << e.out;
+  // The same edit with metadata.json's own checksum dropped: each tensor's checksum still names them.
+  swapped.erase("metadata_crc32c");
+  write(swapped);
+  RunResult d = run(resume);
+  EXPECT_NE(d.rc, 0) << d.out;
+  EXPECT_TRUE(contains(d.out, "has no checksum of its metadata.json") && contains(d.out, "'" + name_a + "'") &&
+              contains(d.out, "'" + name_b + "'"))
+      << d.out;
+  // An edit outside the tensors (the seed) is found by metadata.json's checksum.
+  nlohmann::json seed = meta;
+  seed["seed"] = 4321;
+  write(seed);
+  RunResult s = run(resume);
+  EXPECT_NE(s.rc, 0) << s.out;
+  EXPECT_TRUE(contains(s.out, meta_path.string() + "' was edited or damaged: its checksum is") &&
+              contains(s.out, "a field outside them"))
+      << s.out;
+  // A checkpoint of format version 2 (no checksums of metadata.json or of the tensors) loads, with
+  // a warning that its index cannot be verified.
+  nlohmann::json v2 = meta;
+  v2["version"] = 2;
+  v2.erase("metadata_crc32c");
+  for (auto& t : v2["tensors"])
+    for (auto& sh : t["shards"]) sh.erase("crc32c");
+  write(v2);
+  RunResult old = run(resume);
+  EXPECT_EQ(old.rc, 0) << old.out;
+  EXPECT_TRUE(contains(old.out, "(format version 2) was written without checksums of metadata.json and of each "
+                                "tensor") &&
+              contains(old.out, "loaded checkpoint from " + ck.string() + " at iteration 2"))
+      << old.out;
+  // Restored, it loads without a warning.
+  std::ofstream(meta_path, std::ios::trunc) << good;
+  RunResult ok = run(resume);
+  EXPECT_EQ(ok.rc, 0) << ok.out;
+  EXPECT_FALSE(contains(ok.out, "checksum")) << ok.out;
+}
+
 TEST_F(Durability, FailedSaveLeavesNothingBehind) {
   const fs::path ck = dir / "ck_full";
   RunResult a = run(train("--train-iters 2 --save " + ck.string()));
@@ -443,7 +520,8 @@ TEST_F(Durability, NewUserFaults) {
       {train("--train-iters 2 --nproc-per-node 0"), "--nproc-per-node: must be a positive integer (>= 1), got '0'"},
       {train("--train-iters 2 --nproc-per-node -1"), "--nproc-per-node: must be a positive integer (>= 1), got '-1'"},
       {"generate --load x --num-samples 0", "--num-samples: must be a positive integer (>= 1), got '0'"},
-      {train("--train-iters 2 --tensorboard-log-interval 0"), "--tensorboard-log-interval must be positive"},
+      {train("--train-iters 2 --tensorboard-log-interval 0"),
+       "--tensorboard-log-interval: must be a positive integer (>= 1), got '0'"},
       {train("--train-iters 2 --async-save"), "--async-save given without --save"},
   };
   for (const auto& c : cases) {
