@@ -12,6 +12,7 @@
 #include "model/hf/hf_convert.h"
 #include "optim/optimizer.h"
 #include "train/checkpoint.h"
+#include "train/memory_estimate.h"
 
 namespace mt {
 
@@ -75,6 +76,18 @@ DType parse_hf_dtype(const std::string& s) {
   MT_FAIL("--hf-dtype '{}' is not supported: expected fp32, bf16 or fp16", s);
 }
 
+// import-hf / export-hf hold the whole model on the host in fp32 at least twice (the converted
+// tensors and the ParamStore's parameters): refused from the configuration before either exists.
+void check_host_model(const TransformerConfig& config, const std::string& command) {
+  ConfigMemoryOptions o;
+  o.training = false;
+  o.extra_fp32_copies = 1;
+  o.what = command;
+  pipeline::PipelineLayout layout;
+  layout.num_layers = config.num_layers;
+  check_config_memory(config, 1, 1, layout, o, Device::cpu());
+}
+
 CheckpointWriter single_rank_writer() {
   CheckpointWriter w;
   w.world = std::make_shared<SingleRankCommunicator>("world");
@@ -88,6 +101,7 @@ int run_import_hf(const ImportHfArgs& a) {
   const hf::SafetensorsCheckpoint ck = hf::SafetensorsCheckpoint::open(a.hf_dir);
   log_info("> importing {} from {}: {}, vocab {} (padded {})", hf::architecture_name(m.arch), a.hf_dir,
            m.config.summary(), m.config.vocab_size, m.config.padded_vocab_size());
+  check_host_model(m.config, "import-hf");  // before any tensor is read
   const hf::GlobalTensors t = hf::hf_to_megatron(m, ck);
   Stream stream(Device::cpu());
   ParamStore params(GPTModel::param_specs(m.config), DType::kF32, Device::cpu());
@@ -131,6 +145,7 @@ int run_export_hf(const ExportHfArgs& a) {
     m.arch = hf::infer_architecture(m.config);
   }
   hf::check_representable(m.arch, m.config);
+  check_host_model(m.config, "export-hf");
   // The whole model on one CPU rank, whatever layout wrote the checkpoint.
   Stream stream(Device::cpu());
   ParamStore params(GPTModel::param_specs(m.config), DType::kF32, Device::cpu());

@@ -417,6 +417,7 @@ int run_pretrain(PretrainArgs args) {
                resume->model.vocab_size, args.model.vocab_size);
     args.model.vocab_size = resume->model.vocab_size;
   }
+  check_pretrain_memory(args, pc, layout, device);  // absurd sizes: from the configuration, before anything is built
   validate_pretrain_args(args);
   GPTModel::validate_context_parallel(args.model, pc.cp, pc.tp);  // before any communication
   const int64_t M = args.num_microbatches();

@@ -3,12 +3,15 @@
 // test per documented input error (non-zero exit and a message naming the problem).
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <regex>
 #include <sstream>
+
+#include <sys/resource.h>
 
 #include "data/indexed_dataset.h"
 #include "testing/testing.h"
@@ -376,6 +379,29 @@ TEST_F(CliTest, BadNumbersNamed) {
   EXPECT_NE(ok.out.find("warning: --rotary-base ignored: it applies only with --position-embedding-type rope"),
             std::string::npos)
       << ok.out;
+}
+
+// --num-layers 100000 is refused from the configuration alone, before any dataset, layer or
+// buffer exists (it used to build layers for minutes first): within a second of CPU time, naming
+// the flag. (CPU time of the child processes: wall time depends on the machine's load.)
+TEST_F(CliTest, AbsurdModelRefusedAtOnce) {
+  rusage before{}, after{};
+  getrusage(RUSAGE_CHILDREN, &before);
+  const auto t0 = std::chrono::steady_clock::now();
+  RunResult r = run_megatron(train_flags("--train-iters 2 --num-layers 100000 --hidden-size 256"));
+  const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  getrusage(RUSAGE_CHILDREN, &after);
+  const auto seconds = [](const timeval& t) { return static_cast<double>(t.tv_sec) + t.tv_usec * 1e-6; };
+  const double cpu = seconds(after.ru_utime) - seconds(before.ru_utime) + seconds(after.ru_stime) -
+                     seconds(before.ru_stime);
+  EXPECT_NE(r.rc, 0) << r.out;
+  EXPECT_NE(r.out.find("training cannot fit: the weights, gradients and optimizer state of the model (--num-layers "
+                       "100000, --hidden-size 256"),
+            std::string::npos)
+      << r.out;
+  EXPECT_EQ(r.out.find("> datasets"), std::string::npos) << "refused only after the datasets were built:\n" << r.out;
+  EXPECT_LT(cpu, 1.0) << r.out;
+  EXPECT_LT(wall, 30.0) << r.out;
 }
 
 }  // namespace
