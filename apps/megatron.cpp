@@ -90,6 +90,14 @@ int main(int argc, char** argv) {
   // Writes past a file-size limit fail with EFBIG (reported with the file's name) instead of
   // killing the process.
   std::signal(SIGXFSZ, SIG_IGN);
+  // A process started by a launcher (torchrun, mpiexec, srun, ours) ends with it: no rank goes on
+  // training, saving or publishing a checkpoint after its launcher died (comm/launcher.h). A
+  // malformed launch environment is reported where it is read for the run.
+  try {
+    if (const mt::LaunchEnv env = mt::read_launch_env(); env.launcher != mt::LaunchEnv::kNone)
+      mt::guard_parent_death(env.rank);
+  } catch (const std::exception&) {
+  }
   int rc = 0;
   try {
     app.parse(argc, argv);

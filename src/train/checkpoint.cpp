@@ -1,13 +1,16 @@
 #include "train/checkpoint.h"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -19,6 +22,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "comm/launcher.h"
 #include "core/crc32c.h"
 #include "core/logging.h"
 
@@ -506,6 +510,16 @@ void finalize_save(CheckpointSaveJob& job) {
   job.meta[kMetadataCrcKey] = metadata_checksum(job.meta);
   write_file_durable(job.tmp_dir / "metadata.json", job.meta.dump(1));
   fsync_dir(job.tmp_dir);
+  if (const char* ms = std::getenv("MT_TEST_CHECKPOINT_PUBLISH_DELAY_MS")) {  // tests: a kill lands here
+    log_warn("test hook: publication of the checkpoint of iteration {} delayed by {} ms", job.iteration, ms);
+    std::this_thread::sleep_for(std::chrono::milliseconds(std::atol(ms)));
+  }
+  // Nothing is published once the launcher is gone: the ranks are being stopped, and a job
+  // started in its place may already be reading this directory (comm/launcher.h).
+  MT_REQUIRE(launcher_alive(),
+             "checkpoint of iteration {} not published: the launcher that started this rank (parent process {}) "
+             "has died",
+             job.iteration, guarded_parent_pid());
   std::error_code ec;
   // Replace any previous checkpoint of the same iteration only after the new one is complete.
   if (fs::exists(job.final_dir)) {
@@ -798,6 +812,88 @@ void AsyncCheckpointSaver::wait() {
     error_ = nullptr;
     std::rethrow_exception(e);
   }
+}
+
+namespace {
+const char* kLockFile = ".megatron.lock";
+
+std::string lock_holder(int fd) {
+  char buf[256] = {};
+  const ssize_t n = ::pread(fd, buf, sizeof(buf) - 1, 0);
+  std::string s(buf, n > 0 ? static_cast<size_t>(n) : 0);
+  while (!s.empty() && (s.back() == '\n' || s.back() == '\0')) s.pop_back();
+  return s.empty() ? "another process (it has not recorded itself yet)" : s;
+}
+}  // namespace
+
+SaveDirectoryLock& SaveDirectoryLock::operator=(SaveDirectoryLock&& o) noexcept {
+  if (this != &o) {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = std::exchange(o.fd_, -1);
+  }
+  return *this;
+}
+
+SaveDirectoryLock::~SaveDirectoryLock() {
+  if (fd_ >= 0) ::close(fd_);  // releases the lock
+}
+
+SaveDirectoryLock SaveDirectoryLock::acquire(const std::string& dir, double wait_s) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  MT_REQUIRE(!ec && fs::is_directory(dir), "--save directory '{}' cannot be created: {}", dir,
+             ec ? ec.message() : "it is not a directory");
+  const fs::path path = fs::path(dir) / kLockFile;
+  SaveDirectoryLock lock;
+  lock.fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  MT_REQUIRE(lock.fd_ >= 0, "--save directory '{}' is not writable: cannot create its lock file '{}': {}", dir,
+             path.string(), std::strerror(errno));
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(wait_s);
+  while (::flock(lock.fd_, LOCK_EX | LOCK_NB) != 0) {
+    if (errno == EINTR) continue;
+    if (errno == ENOLCK || errno == EOPNOTSUPP || errno == ENOSYS) {
+      log_warn("the file system of --save '{}' does not support locks ({}): a second job writing into it would not be "
+               "detected",
+               dir, std::strerror(errno));
+      return {};
+    }
+    MT_REQUIRE(errno == EWOULDBLOCK, "cannot lock '{}': {}", path.string(), std::strerror(errno));
+    MT_REQUIRE(std::chrono::steady_clock::now() < deadline,
+               "--save directory '{}' is in use by another job: {} holds its lock '{}' (two jobs saving into one "
+               "directory would overwrite each other's checkpoints); wait for that job to end, or give another --save",
+               dir, lock_holder(lock.fd_), path.string());
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  char host[256] = "unknown";
+  ::gethostname(host, sizeof(host) - 1);
+  const std::time_t now = std::time(nullptr);
+  char when[64] = "";
+  std::strftime(when, sizeof(when), "%Y-%m-%d %H:%M:%S UTC", std::gmtime(&now));
+  const std::string who = fmt::format("pid {} on host {} since {}\n", ::getpid(), host, when);
+  if (::ftruncate(lock.fd_, 0) != 0 || ::pwrite(lock.fd_, who.data(), who.size(), 0) != static_cast<ssize_t>(who.size()))
+    log_warn("cannot record the holder in '{}': {}", path.string(), std::strerror(errno));
+  return lock;
+}
+
+SaveDirectoryLock lock_save_directory(const std::string& save, Communicator& world, Device device) {
+  if (save.empty()) return {};
+  SaveDirectoryLock lock;
+  std::exception_ptr failed;
+  if (world.rank() == 0) {
+    try {
+      lock = SaveDirectoryLock::acquire(save);
+    } catch (const Error&) {
+      failed = std::current_exception();
+    }
+  }
+  const int32_t ok = failed ? 0 : 1;
+  const Stream stream(device);
+  const std::vector<char> all = all_gather_host(world, &ok, sizeof(ok), stream);
+  if (failed) std::rethrow_exception(failed);
+  int32_t rank0 = 0;
+  std::memcpy(&rank0, all.data(), sizeof(rank0));
+  MT_REQUIRE(rank0 == 1, "the --save directory '{}' could not be locked (see rank 0's error)", save);
+  return lock;
 }
 
 uint64_t checkpoint_bytes(const std::string& dir, int64_t iteration) {

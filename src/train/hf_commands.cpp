@@ -97,6 +97,7 @@ CheckpointWriter single_rank_writer() {
 }  // namespace
 
 int run_import_hf(const ImportHfArgs& a) {
+  const SaveDirectoryLock save_lock = SaveDirectoryLock::acquire(a.save);  // one writer per --save
   const hf::HfModel m = hf::read_hf_config(a.hf_dir, a.seq_length, a.make_vocab_size_divisible_by);
   const hf::SafetensorsCheckpoint ck = hf::SafetensorsCheckpoint::open(a.hf_dir);
   log_info("> importing {} from {}: {}, vocab {} (padded {})", hf::architecture_name(m.arch), a.hf_dir,

@@ -364,6 +364,7 @@ int run_pretrain(PretrainArgs args) {
   set_current_device(device);
   const std::shared_ptr<Communicator> world = init_world(device, env, args.distributed_timeout_minutes);
   if (world->rank() != 0) set_log_level(LogLevel::kWarn);  // rank 0 logs
+  const SaveDirectoryLock save_lock = lock_save_directory(args.save, *world, device);  // one job per --save
   std::optional<CheckpointState> resume;
   if (!args.load.empty()) {
     const bool autoresume = args.load == args.save;
