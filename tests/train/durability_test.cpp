@@ -442,12 +442,16 @@ const char* kPublishDelay = "MT_TEST_CHECKPOINT_PUBLISH_DELAY_MS";
 const char* kHookLine = "test hook: publication of the checkpoint of iteration 1 delayed";
 
 // kill -9 of `megatron pretrain --nproc-per-node 2` while rank 0 is about to publish a checkpoint
-// (held there by the test hook): no rank is left 2 s later, and nothing is published, ever.
+// (held there by the test hook): no rank is left 2 s later, and nothing is published, ever. (The
+// launcher used to give mpiexec SIGTERM when it died, which mpiexec passed on to the ranks: with
+// --exit-signal-handler they finished the step, saved and published.)
 TEST_F(Durability, LauncherKilledDuringSaveLeavesNoRankAndPublishesNothing) {
   if (std::system("command -v mpiexec > /dev/null 2>&1") != 0) GTEST_SKIP() << "no mpiexec";
   const fs::path ck = dir / "ck_launcher_kill";
   setenv(kPublishDelay, "3000", 1);
-  Child launcher = spawn(train("--train-iters 50 --save-interval 1 --nproc-per-node 2 --save " + ck.string()),
+  // --exit-signal-handler as supervised jobs run: a rank that got SIGTERM would save and publish.
+  Child launcher = spawn(train("--train-iters 50 --save-interval 1 --nproc-per-node 2 --exit-signal-handler --save " +
+                               ck.string()),
                          dir / "launcher_kill.log");
   unsetenv(kPublishDelay);
   ASSERT_TRUE(wait_for_output(launcher, kHookLine, 120)) << launcher.output();
