@@ -516,10 +516,13 @@ void finalize_save(CheckpointSaveJob& job) {
   }
   // Nothing is published once the launcher is gone: the ranks are being stopped, and a job
   // started in its place may already be reading this directory (comm/launcher.h).
-  MT_REQUIRE(launcher_alive(),
-             "checkpoint of iteration {} not published: the launcher that started this rank (parent process {}) "
-             "has died",
-             job.iteration, guarded_parent_pid());
+  const auto require_launcher = [&] {
+    MT_REQUIRE(launcher_alive(),
+               "checkpoint of iteration {} not published: the launcher that started this rank (parent process {}) "
+               "has died",
+               job.iteration, guarded_parent_pid());
+  };
+  require_launcher();
   std::error_code ec;
   // Replace any previous checkpoint of the same iteration only after the new one is complete.
   if (fs::exists(job.final_dir)) {
@@ -532,6 +535,7 @@ void finalize_save(CheckpointSaveJob& job) {
     fs::rename(job.tmp_dir, job.final_dir);
   }
   fsync_dir(job.dir);
+  require_launcher();
   write_file_durable(job.dir / kTracker, std::to_string(job.iteration) + "\n");
   fsync_dir(job.dir);
 }

@@ -291,9 +291,14 @@ TEST_F(CliTest, BadInputErrors) {
                    "moe_preprocess"),
        "needs a CUDA device"},
       {train_flags("--train-iters 2 --cuda-graph-impl local --cuda-graph-scope attn mlp"), "needs a CUDA device"},
-      // a model that cannot fit: refused before allocating, naming the largest consumers
+      // a model that cannot fit: its weights refused from the configuration, its activations (1 TB of
+      // attention scores) by the exact plan, before allocating, naming the largest consumers
       {train_flags("--train-iters 2 --num-layers 64 --hidden-size 65536 --num-attention-heads 64 "
                    "--max-position-embeddings 16"),
+       "training cannot fit: the weights, gradients and optimizer state of the model (--num-layers 64, "
+       "--hidden-size 65536"},
+      {train_flags("--train-iters 2 --num-layers 64 --seq-length 16384 --max-position-embeddings 16384 "
+                   "--micro-batch-size 8 --global-batch-size 8"),
        "out of memory at plan time on the host (CPU training)"},
       // activation recompute
       {train_flags("--train-iters 2 --recompute-granularity partial"), "--recompute-granularity 'partial'"},
