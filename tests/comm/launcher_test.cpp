@@ -22,6 +22,7 @@
 #include "comm/bootstrap.h"
 #include "comm/launcher.h"
 #include "comm/tcp_store.h"
+#include "testing/testing.h"
 #include "core/stream.h"
 #ifdef MT_WITH_MPI
 #include "comm/mpi/mpi_communicator.h"
@@ -375,14 +376,7 @@ TEST(Launcher, ForkPathForwardsSigterm) {
 
 // ---- Ranks that cannot outlive their launcher (guard_parent_death) ----
 
-// Whether `pid` has ended (gone, or a zombie nobody has reaped yet).
-bool ended(pid_t pid) {
-  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
-  std::string stat;
-  if (!std::getline(f, stat)) return true;
-  const size_t close = stat.rfind(')');
-  return close == std::string::npos || stat.substr(close + 2, 1) == "Z";
-}
+bool ended(pid_t pid) { return testing::process_ended(pid); }
 
 // Starts a launcher (launch_local in a child process) of 2 helper ranks, waits for both ranks to
 // write their pid, and returns (launcher pid, rank pids).

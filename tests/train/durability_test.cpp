@@ -22,6 +22,7 @@
 #include <regex>
 #include <thread>
 
+#include "testing/testing.h"
 #include "train/tensorboard.h"
 
 namespace fs = std::filesystem;
@@ -391,14 +392,7 @@ TEST_F(Durability, SigkillDuringSavesAlwaysResumesBitwise) {
 
 // ---- Jobs and their launchers (issue 37 part 3) ----
 
-// Whether `pid` has ended (gone, or a zombie nobody has reaped yet).
-bool ended(pid_t pid) {
-  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
-  std::string stat;
-  if (!std::getline(f, stat)) return true;
-  const size_t close = stat.rfind(')');
-  return close == std::string::npos || stat.substr(close + 2, 1) == "Z";
-}
+bool ended(pid_t pid) { return mt::testing::process_ended(pid); }
 
 // Processes named `comm` whose command line contains `needle`, or whose parent is `ppid` (> 0).
 std::vector<pid_t> find_processes(const std::string& comm, const std::string& needle, pid_t ppid = 0) {
