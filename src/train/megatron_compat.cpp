@@ -297,7 +297,7 @@ void ProfileWindow::before_step(int64_t iteration) {
 #endif
   active_ = true;
   ++starts_;
-  log_info("> profiler started before step {} (--profile-step-start)", iteration);
+  if (cuda_) log_info("> CUDA profiler started before step {} (--profile-step-start)", iteration);
 }
 
 void ProfileWindow::after_step(int64_t iteration) {
@@ -310,7 +310,7 @@ void ProfileWindow::stop() {
 #endif
   active_ = false;
   ++stops_;
-  log_info("> profiler stopped");
+  if (cuda_) log_info("> CUDA profiler stopped");
 }
 
 }  // namespace mt

@@ -334,6 +334,39 @@ TEST(MegatronScripts, ProfileWindowFollowsMegatronsLoop) {
   EXPECT_TRUE(every.active());
 }
 
+// The binary (with its strict number syntax, e.g. --lr-warmup-fraction .001) takes the scripts'
+// words as they are: each stops at what this machine cannot run, never at an unknown flag.
+std::string shell_quoted(const std::vector<std::string>& w) {
+  std::string s;
+  for (const std::string& x : w) {
+    s += " '";
+    for (char c : x) s += c == '\'' ? std::string("'\\''") : std::string(1, c);
+    s += "'";
+  }
+  return s;
+}
+
+TEST(MegatronScripts, TheBinaryTakesTheScriptsWords) {
+  const auto run = [](const char* script, const std::vector<std::string>& drop = {}) {
+    return testing::run_megatron("pretrain --device cpu" + shell_quoted(words(script, kPaths, drop)));
+  };
+  testing::RunResult r = run(kGpt3Script);
+  EXPECT_NE(r.rc, 0);
+  EXPECT_NE(r.out.find("--step-batch-size-schedule is not supported"), std::string::npos) << r.out;
+  r = run(kLlama3Script);
+  EXPECT_NE(r.rc, 0);
+  EXPECT_NE(r.out.find("--decoupled-lr is not supported"), std::string::npos) << r.out;
+  r = run(kLlama3Script, {"--decoupled-lr", "--decoupled-min-lr", "--apply-layernorm-1p"});
+  EXPECT_NE(r.rc, 0);
+  EXPECT_NE(r.out.find("--bf16 needs a CUDA device"), std::string::npos) << r.out;
+  r = run(kMixtralScript);  // 32 ranks: TP 1 x PP 4 x DP 8 (EP 8)
+  EXPECT_NE(r.rc, 0);
+  EXPECT_EQ(r.out.find("not expected"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("not supported"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("Megatron-LM flags accepted without effect here"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("world size 1 is not divisible by tp (1) x cp (1) x pp (4)"), std::string::npos) << r.out;
+}
+
 // The scripts train, shrunk by appended overrides (a flag given again takes the last value), on
 // CPU thread ranks. The CPU backend trains in fp32, so --fp16 / --bf16 / --grad-reduce-in-bf16
 // are left out; the refused flags too.
