@@ -86,6 +86,12 @@ const CompatFlag kFlags[] = {
     {"--ckpt-format", kChoice, "torch|torch_dist|torch_dcp|fsdp_dtensor", kNoOp,
      "checkpoints are always megatron.cpp's sharded, checksummed format (docs/checkpoints.md); Megatron-LM's files "
      "are neither read nor written (import-hf / export-hf convert Hugging Face models)"},
+    {"--moe-permute-fusion", kSwitch, nullptr, kNoOp, kFusion},
+    {"--use-nccl-ub", kSwitch, nullptr, kNoOp,
+     "NCCL user-buffer registration (a performance option of Megatron-LM's NCCL setup) is not used"},
+    {"--auto-detect-ckpt-format", kSwitch, nullptr, kNoOp, "there is one checkpoint format (docs/checkpoints.md)"},
+    {"--override-opt_param-scheduler,--override-opt-param-scheduler", kSwitch, nullptr, kNoOp,
+     "checkpoints do not store the learning-rate schedule: it always comes from the command line"},
     {"--tiktoken-pattern", kChoice, "v1|v2", kNoOp, kTikToken},
     {"--tiktoken-num-special-tokens", kNonNegative, nullptr, kNoOp, kTikToken},
     // features that are not built
@@ -100,6 +106,16 @@ const CompatFlag kFlags[] = {
     {"--use-megatron-fsdp", kSwitch, nullptr, kRefused, kFsdp},
     {"--use-pytorch-profiler", kSwitch, nullptr, kRefused,
      "there is no PyTorch profiler; --profile marks its steps for nsys (--capture-range=cudaProfilerApi)"},
+    {"--use-checkpoint-opt_param-scheduler,--use-checkpoint-opt-param-scheduler", kSwitch, nullptr, kRefused,
+     "checkpoints do not store the learning-rate schedule: it always comes from the command line"},
+    {"--log-params-norm", kSwitch, nullptr, kRefused, "logging the parameter norm is not built"},
+    {"--log-num-zeros-in-grad", kSwitch, nullptr, kRefused, "counting zero gradients is not built"},
+    {"--record-memory-history", kSwitch, nullptr, kRefused,
+     "PyTorch's CUDA memory history is not built: device memory is planned statically, and the log's memory report "
+     "lists it before training"},
+    {"--memory-snapshot-path", kText, nullptr, kRefused,
+     "PyTorch's CUDA memory history is not built: device memory is planned statically, and the log's memory report "
+     "lists it before training"},
     {"--wandb-project", kText, nullptr, kRefused, kWandb},
     {"--wandb-exp-name", kText, nullptr, kRefused, kWandb},
     {"--wandb-save-dir", kText, nullptr, kRefused, kWandb},
@@ -201,6 +217,12 @@ void add_profile_options(CLI::App& app, PretrainArgs& a) {
       ->expected(1, -1);
 }
 
+// The name CLI11 reports for a flag: its first spelling.
+std::string primary_name(const CompatFlag& f) {
+  const std::string n = f.name;
+  return n.substr(0, n.find(','));
+}
+
 bool given(const PretrainArgs& a, const std::string& flag) {
   return std::find(a.flags_given.begin(), a.flags_given.end(), flag) != a.flags_given.end();
 }
@@ -241,7 +263,8 @@ void add_megatron_compat_options(CLI::App& app, PretrainArgs& a) {
 
 void check_megatron_compat(const PretrainArgs& a) {
   for (const CompatFlag& f : kFlags)
-    MT_REQUIRE(f.handling != kRefused || !given(a, f.name), "{} is not supported: {}", f.name, f.reason);
+    MT_REQUIRE(f.handling != kRefused || !given(a, primary_name(f)), "{} is not supported: {}", primary_name(f),
+               f.reason);
   MT_REQUIRE(a.data.tokenizer_type != "TikTokenizer",
              "--tokenizer-type TikTokenizer is not supported: tiktoken's base64 vocabulary files are not read here; "
              "use --tokenizer-type HuggingFaceTokenizer with the model's tokenizer.json (Llama 3 ships one)");
@@ -259,7 +282,7 @@ void check_megatron_compat(const PretrainArgs& a) {
 void log_megatron_compat(const PretrainArgs& a) {
   std::vector<std::string> noop;
   for (const CompatFlag& f : kFlags)
-    if (f.handling == kNoOp && given(a, f.name)) noop.push_back(f.name);
+    if (f.handling == kNoOp && given(a, primary_name(f))) noop.push_back(primary_name(f));
   if (given(a, "--no-position-embedding")) noop.push_back("--no-position-embedding");
   if (!noop.empty())
     log_info("> Megatron-LM flags accepted without effect here (docs/flags.md \"Megatron-LM flags\"): {}",

@@ -35,7 +35,7 @@ enum class CompatValue {
 };
 
 struct CompatFlag {
-  const char* name;        ///< Megatron-LM's spelling, e.g. "--use-mcore-models"
+  const char* name;        ///< Megatron-LM's spelling(s), ','-separated, e.g. "--use-mcore-models"
   CompatValue value;
   const char* choices;     ///< kChoice: the values Megatron-LM accepts, '|'-separated; else nullptr
   CompatHandling handling;
