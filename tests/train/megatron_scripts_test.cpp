@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <sstream>
 
+#include "data/gpt_window_dataset.h"
 #include "testing/testing.h"
 #include "train/megatron_compat.h"
 #include "train/trainer_testing.h"
@@ -177,6 +178,14 @@ TEST(MegatronScripts, Llama3_8bParsesAndNamesEachRefusedFlag) {
   EXPECT_EQ(s.decay_steps, 1949218748);
   EXPECT_EQ(s.warmup_steps, 3906252);
   EXPECT_EQ(a.lr_step(10), 1280);
+}
+
+// "--split '99,1,0'" inside a bash array keeps its quotes (the Llama 3 script): read as Megatron
+// reads it (the numbers only); an unmatched quote is still an error.
+TEST(MegatronScripts, QuotedSplit) {
+  EXPECT_EQ(data::parse_split("'99,1,0'"), data::parse_split("99,1,0"));
+  EXPECT_EQ(data::parse_split("\"969,30,1\""), data::parse_split("969,30,1"));
+  expect_error([] { data::parse_split("'99,1,0"); }, "is not a non-negative number");
 }
 
 TEST(MegatronScripts, Mixtral8x7bParsesAsItIs) {
