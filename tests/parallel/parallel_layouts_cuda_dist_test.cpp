@@ -207,6 +207,14 @@ const GpuWorld& gpu_world() {
   return w;
 }
 
+// Random tokens and labels of `n` positions, the same on every rank (rank 0's, broadcast).
+std::pair<std::vector<int32_t>, std::vector<int32_t>> shared_random_batch(int64_t n) {
+  std::vector<int32_t> tokens = testing::randint(n, 0, 250), labels = testing::randint(n, 0, 250);
+  MPI_Bcast(tokens.data(), static_cast<int>(tokens.size()), MPI_INT32_T, 0, MPI_COMM_WORLD);
+  MPI_Bcast(labels.data(), static_cast<int>(labels.size()), MPI_INT32_T, 0, MPI_COMM_WORLD);
+  return {tokens, labels};
+}
+
 TEST(ParallelLayoutsNccl, Bf16LayoutsMatchOneGpu) {
   MT_REQUIRE_CUDA();
   if (!gpu_world().comm) GTEST_SKIP() << gpu_world().skip;
@@ -214,10 +222,7 @@ TEST(ParallelLayoutsNccl, Bf16LayoutsMatchOneGpu) {
   const std::shared_ptr<Communicator>& world = gpu_world().comm;
   const TransformerConfig c = config();
   const int64_t mb = 2, num_micro = 8;
-  std::vector<int32_t> tokens = testing::randint(num_micro * mb * c.seq_length, 0, 250);
-  std::vector<int32_t> labels = testing::randint(num_micro * mb * c.seq_length, 0, 250);
-  MPI_Bcast(tokens.data(), static_cast<int>(tokens.size()), MPI_INT32_T, 0, MPI_COMM_WORLD);
-  MPI_Bcast(labels.data(), static_cast<int>(labels.size()), MPI_INT32_T, 0, MPI_COMM_WORLD);
+  const auto [tokens, labels] = shared_random_batch(num_micro * mb * c.seq_length);
   const auto one = std::make_shared<SingleRankCommunicator>("one");
   const RunResult ref = train(one, Layout{}, DType::kBF16, dev, tokens, labels, mb, num_micro);
   const RunResult ref32 = train(one, Layout{}, DType::kF32, dev, tokens, labels, mb, num_micro);
@@ -310,10 +315,7 @@ TEST(ParallelLayoutsNccl, TpCommOverlapBitwise) {
   const Device dev = gpu_world().dev;
   const std::shared_ptr<Communicator>& world = gpu_world().comm;
   const int64_t mb = 2, num_micro = 8, S = config().seq_length;
-  std::vector<int32_t> tokens = testing::randint(num_micro * mb * S, 0, 250);
-  std::vector<int32_t> labels = testing::randint(num_micro * mb * S, 0, 250);
-  MPI_Bcast(tokens.data(), static_cast<int>(tokens.size()), MPI_INT32_T, 0, MPI_COMM_WORLD);
-  MPI_Bcast(labels.data(), static_cast<int>(labels.size()), MPI_INT32_T, 0, MPI_COMM_WORLD);
+  const auto [tokens, labels] = shared_random_batch(num_micro * mb * S);
   for (const bool llama : {false, true}) {
     Layout L;
     L.tp = 2;
@@ -346,10 +348,7 @@ TEST(ParallelLayoutsNccl, PipelineP2pOverlapBitwise) {
   const Device dev = gpu_world().dev;
   const std::shared_ptr<Communicator>& world = gpu_world().comm;
   const int64_t mb = 2, num_micro = 8, S = config().seq_length;
-  std::vector<int32_t> tokens = testing::randint(num_micro * mb * S, 0, 250);
-  std::vector<int32_t> labels = testing::randint(num_micro * mb * S, 0, 250);
-  MPI_Bcast(tokens.data(), static_cast<int>(tokens.size()), MPI_INT32_T, 0, MPI_COMM_WORLD);
-  MPI_Bcast(labels.data(), static_cast<int>(labels.size()), MPI_INT32_T, 0, MPI_COMM_WORLD);
+  const auto [tokens, labels] = shared_random_batch(num_micro * mb * S);
   std::vector<Layout> layouts;
   for (const bool llama : {false, true})
     for (const int vpp : {0, 2}) {

@@ -867,29 +867,37 @@ std::pair<std::vector<int32_t>, std::vector<int32_t>> layout_data(const Layout& 
   return {tokens, labels};
 }
 
-TEST_P(TpCommOverlapLayouts, BitwiseEqualWithout) {
-  Layout L = GetParam();
+// Layout L (with `flag` set) and L without it train to the same losses, gradients and parameters,
+// bit for bit.
+void expect_flag_changes_no_bit(Layout L, bool Layout::*flag) {
   const int64_t mb = 2;
   const auto [tokens, labels] = layout_data(L, mb);
-  const Result overlapped = run_layout(L, tokens, labels, mb);
-  L.tp_overlap = false;
-  const Result plain = run_layout(L, tokens, labels, mb);
-  expect_bitwise_equal(overlapped, plain);
+  const Result with = run_layout(L, tokens, labels, mb);
+  L.*flag = false;
+  const Result without = run_layout(L, tokens, labels, mb);
+  expect_bitwise_equal(with, without);
+}
+
+TEST_P(TpCommOverlapLayouts, BitwiseEqualWithout) { expect_flag_changes_no_bit(GetParam(), &Layout::tp_overlap); }
+
+// A layout of `arch` on a TP x PP x DP grid (interleaved when vpp > 1; sequence parallel when tp > 1).
+Layout grid_layout(Arch arch, int tp, int pp, int dp, int vpp, int micro_total) {
+  Layout L;
+  L.arch = arch;
+  L.tp = tp;
+  L.pp = pp;
+  L.dp = dp;
+  L.vpp = vpp;
+  L.sp = tp > 1;
+  L.micro_total = micro_total;
+  return L;
 }
 
 std::vector<Layout> tp_overlap_layouts() {
   std::vector<Layout> v;
   auto add = [&v](Arch arch, int tp, int pp, int dp, int vpp) {
-    Layout L;
-    L.arch = arch;
-    L.tp = tp;
-    L.pp = pp;
-    L.dp = dp;
-    L.vpp = vpp;
-    L.sp = true;
-    L.tp_overlap = true;
-    L.micro_total = 2 * pp * dp;
-    v.push_back(L);
+    v.push_back(grid_layout(arch, tp, pp, dp, vpp, 2 * pp * dp));
+    v.back().tp_overlap = true;
   };
   for (Arch arch : {Arch::kGpt, Arch::kLlama, Arch::kQwen})
     for (int tp : {2, 4}) add(arch, tp, 1, 1, 0);
@@ -925,29 +933,13 @@ INSTANTIATE_TEST_SUITE_P(Layouts, TpCommOverlapLayouts, ::testing::ValuesIn(tp_o
 // overlapped ones are there too.)
 class P2pOverlapLayouts : public ::testing::TestWithParam<Layout> {};
 
-TEST_P(P2pOverlapLayouts, BitwiseEqualWithout) {
-  Layout L = GetParam();
-  const int64_t mb = 2;
-  const auto [tokens, labels] = layout_data(L, mb);
-  const Result overlapped = run_layout(L, tokens, labels, mb);
-  L.overlap_p2p = false;
-  const Result plain = run_layout(L, tokens, labels, mb);
-  expect_bitwise_equal(overlapped, plain);
-}
+TEST_P(P2pOverlapLayouts, BitwiseEqualWithout) { expect_flag_changes_no_bit(GetParam(), &Layout::overlap_p2p); }
 
 std::vector<Layout> p2p_overlap_layouts() {
   std::vector<Layout> v;
   auto add = [&v](Arch arch, int tp, int pp, int dp, int vpp, int micro_total) {
-    Layout L;
-    L.arch = arch;
-    L.tp = tp;
-    L.pp = pp;
-    L.dp = dp;
-    L.vpp = vpp;
-    L.sp = tp > 1;
-    L.overlap_p2p = true;
-    L.micro_total = micro_total;
-    v.push_back(L);
+    v.push_back(grid_layout(arch, tp, pp, dp, vpp, micro_total));
+    v.back().overlap_p2p = true;
   };
   add(Arch::kGpt, 1, 2, 1, 0, 4);
   add(Arch::kGpt, 1, 4, 1, 0, 8);
