@@ -4,8 +4,8 @@
 //   mpiexec --allow-run-as-root -np 2 build/cp_ring_bench [--seqs 32768,65536,131072]
 //       [--types p2p,a2a] [--backend fused|flash] [--iters 5] [--min-hidden 0.5]
 // Per (sequence, comm type), as ContextParallelAttention runs in training (model/layers/cp_attention.h):
-//   fwd / bwd ms   the layer's forward and backward (median of --iters, CUDA events on the
-//                  compute stream, max over ranks);
+//   fwd / bwd ms   the layer's forward and backward (median of --iters after 3 warm-ups, CUDA
+//                  events on the compute stream, max over ranks);
 //   compute ms     the block attention alone (CpRingTrace: events around every ring step's blocks);
 //   exposed ms     ring exchange time outside every block computation (cp_overlap), fwd + bwd;
 //   other ms       fwd + bwd − compute − exposed: packing, merges and, for a2a, the all-to-alls;
@@ -24,6 +24,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <fmt/format.h>
@@ -42,7 +43,6 @@
 namespace {
 
 using namespace mt;
-using bench::median;
 using bench::parse_list;
 
 struct Options {
@@ -63,28 +63,22 @@ void randomize(const Tensor& t, uint32_t id, const Stream& st) {
   st.synchronize();
 }
 
-/// Median ms of f() over iters runs on `st` (after one warm-up), the max over the ranks of `world`.
-template <typename F>
-double timed(Communicator& world, const Stream& st, int iters, F&& f) {
-  f();
-  Event a(st.device()), b(st.device());
-  std::vector<double> ms;
-  for (int i = 0; i < iters; ++i) {
-    a.record(st);
-    f();
-    b.record(st);
-    b.synchronize();
-    ms.push_back(b.elapsed_ms_since(a));
-  }
-  Buffer v(st.device(), sizeof(float));
-  const Tensor t = v.as(DType::kF32, {1});
-  const float m = static_cast<float>(median(ms));
-  copy_bytes(t.data(), t.device(), &m, Device::cpu(), sizeof(float), st);
+/// The max over the ranks of `world` of a host value.
+float max_over(Communicator& world, float v, const Stream& st) {
+  Buffer b(st.device(), sizeof(float));
+  const Tensor t = b.as(DType::kF32, {1});
+  copy_bytes(t.data(), t.device(), &v, Device::cpu(), sizeof(float), st);
   world.all_reduce(t, ReduceOp::kMax, st);
   float out = 0;
   copy_bytes(&out, Device::cpu(), t.data(), t.device(), sizeof(float), st);
   st.synchronize();
   return out;
+}
+
+/// bench::time_ms (median of iters runs after 3 warm-ups), the max over the ranks.
+template <typename F>
+double timed(Communicator& world, const Stream& st, int iters, F&& f) {
+  return max_over(world, static_cast<float>(bench::time_ms(st, iters, std::forward<F>(f))), st);
 }
 
 struct Row {
@@ -144,18 +138,8 @@ Row bench_one(const Options& opt, const std::shared_ptr<Communicator>& world, De
     exposed += ov.exposed_ms;
   }
   region.set_trace(nullptr);
-  {
-    Buffer v(dev, 2 * sizeof(float));
-    const Tensor t = v.as(DType::kF32, {2});
-    const float h[2] = {static_cast<float>(compute), static_cast<float>(exposed)};
-    copy_bytes(t.data(), dev, h, Device::cpu(), sizeof(h), st);
-    world->all_reduce(t, ReduceOp::kMax, st);
-    float back[2];
-    copy_bytes(back, Device::cpu(), t.data(), dev, sizeof(back), st);
-    st.synchronize();
-    r.compute = back[0];
-    r.exposed = back[1];
-  }
+  r.compute = max_over(*world, static_cast<float>(compute), st);
+  r.exposed = max_over(*world, static_cast<float>(exposed), st);
   // The communication alone, same sizes and schedule.
   const int a2a = region.a2a_size(), p = region.p2p_size();
   const int64_t kv_elems = a2a * sl * (g / a2a) * 2 * d;

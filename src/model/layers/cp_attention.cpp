@@ -14,7 +14,9 @@ ContextParallelAttention::ContextParallelAttention(const TransformerConfig& c, i
     : config_(c),
       layer_(layer),
       cp_(cp),
-      cudnn_(cudnn && cp.comm_type() != CpCommType::kAllGather),
+      // cuDNN never runs allgather's rank-ordered keys, dropout or --deterministic-mode blocks:
+      // then its workspace parts are not planned either.
+      cudnn_(cudnn && cp.comm_type() != CpCommType::kAllGather && c.attention_dropout == 0.f && !c.deterministic_mode),
       qpg_(c.num_attention_heads / c.query_groups()),
       d_(c.head_dim()),
       a2a_(cp.a2a_size()),

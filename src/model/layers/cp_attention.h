@@ -85,7 +85,7 @@ class ContextParallelAttention final : public CoreAttention {
   const TransformerConfig& config_;
   int64_t layer_;
   const ContextParallelRegion& cp_;
-  bool cudnn_;  // cuDNN for the ring's blocks (never for allgather's rank-ordered keys)
+  bool cudnn_;  // cuDNN for the ring's blocks (not for allgather, attention dropout, deterministic mode)
   int64_t qpg_, groups_a_, heads_a_, d_, sl_ = 0, b_ = 0;
   int a2a_, p2p_, outer_;  // level sizes and this rank's index in the ring
   int64_t head_offset_;    // global index of the first query head this rank attends with (dropout key)
