@@ -36,11 +36,13 @@
 // dK/dV (overwritten by cuDNN) into the workspace and then added to dqkv's query slots and to dkv
 // (the op accumulates). Workspace parts: ops/context_attention_impl.h ContextAttentionWorkspace.
 //
-// Plans are built on first use per (direction, dtype, b, n, s, d, scale, device) — building
-// compiles the engine's kernels (NVRTC, up to seconds) — and cached for the process; execution
-// allocates nothing and does not synchronise with the host (capturable in CUDA graphs once built).
-// Errors: mt::Error naming the cuDNN call and cuDNN's last error message when no engine supports
-// the graph or a call fails.
+// Plans are built on first use per (direction, dtype, b, n, g, sq, sk, d, mask, where Q / K / V
+// live, scale, device) — building compiles the engine's kernels (NVRTC, up to seconds) — and
+// cached for the process; execution allocates nothing and does not synchronise with the host
+// (capturable in CUDA graphs once built). A launch sets the shared handle's stream under a lock
+// (threads driving one GPU). Errors: mt::Error naming the cuDNN call and cuDNN's last error message
+// when a call fails or no engine supports the one-GPU graph (a context-parallel block without an
+// engine falls back instead, see cudnn_context_forward).
 #pragma once
 #include "core/stream.h"
 #include "core/tensor.h"
