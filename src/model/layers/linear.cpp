@@ -1,5 +1,6 @@
 #include "model/layers/linear.h"
 
+#include "model/fp8/fp8_model.h"
 #include "model/layers/parallel_params.h"
 #include "ops/matmul.h"
 
@@ -32,13 +33,17 @@ ColumnParallelLinear::ColumnParallelLinear(const Options& o, const TensorParalle
     reg.declare(std::move(w), &weight_);
   }
   if (o.bias) reg.declare(column_parallel_bias(o.prefix + ".bias", out_, tp.size(), tp.rank(), parts_), &bias_);
+  if (reg.fp8() && !o.shared_weight) fp8_ = reg.fp8()->tp_linear(o.prefix, /*row=*/false, &weight_, local_out(), in_);
 }
 
 void ColumnParallelLinear::plan(BufferPlanner& p, int64_t s, int64_t b) {
   const DType t = p.act_dtype();
   const size_t a = static_cast<size_t>(p.area());
   if (saved_.size() <= a) saved_.resize(a + 1);
-  saved_[a] = recompute_input_ ? p.scratch(role_ + ".input", t, {s, b, in_}) : p.saved(t, {s, b, in_}, "column-parallel input");
+  // FP8: the quantised transposed input is saved instead (Fp8Linear::plan)
+  saved_[a] = recompute_input_ || fp8_ ? p.scratch(role_ + ".input", t, {s, b, in_})
+                                       : p.saved(t, {s, b, in_}, "column-parallel input");
+  if (fp8_) fp8_->plan(p, s * b, /*save_input=*/!recompute_input_);
   const int64_t sl = tp_.local_seq(s);
   input_local_ = tp_.sequence_parallel() ? p.scratch("column_parallel.input_local", t, {sl, b, in_}) : Tensor();
   dx_full_ = p.scratch("column_parallel.dx", t, {s, b, in_});
@@ -58,8 +63,12 @@ void ColumnParallelLinear::forward(const Tensor& y, const StepContext& ctx, cons
   const Tensor& x = saved_.at(static_cast<size_t>(ctx.slot));
   if (gather) tp_.enter_forward(x, input_local_, ctx.stream);
   const int64_t n = local_out();
-  linear_forward(y.view({y.numel() / n, n}), rows(x), weight().value(), value_or_empty(bias_),
-                 pre_gelu.empty() ? Tensor() : pre_gelu.view({pre_gelu.numel() / n, n}), ctx.stream);
+  const Tensor y2 = y.view({y.numel() / n, n}), pre2 = pre_gelu.empty() ? Tensor() : pre_gelu.view({pre_gelu.numel() / n, n});
+  if (fp8_) {
+    fp8_->forward(y2, rows(x), value_or_empty(bias_), pre2, ctx.slot, ctx.stream);
+  } else {
+    linear_forward(y2, rows(x), weight().value(), value_or_empty(bias_), pre2, ctx.stream);
+  }
 }
 
 Tensor ColumnParallelLinear::gather_input(const StepContext& ctx) {
@@ -69,6 +78,7 @@ Tensor ColumnParallelLinear::gather_input(const StepContext& ctx) {
 }
 
 void ColumnParallelLinear::forward_rows(const Tensor& y, int64_t first, int64_t count, const StepContext& ctx) {
+  MT_CHECK(!fp8_, "{}: forward_rows has no FP8 path (the LM head stays in higher precision)", role_);
   const Tensor x = rows(saved_.at(static_cast<size_t>(ctx.slot)));
   linear_forward(y, x.slice0(first, first + count), weight().value(), value_or_empty(bias_), Tensor(), ctx.stream);
 }
@@ -90,7 +100,9 @@ Tensor ColumnParallelLinear::backward(const Tensor& dy, const StepContext& ctx, 
   const Tensor& x = saved_.at(static_cast<size_t>(ctx.slot));
   const Tensor dw = weight().grad(), db = bias_grad_done ? Tensor() : grad_or_empty(bias_);
   const Tensor dy2 = dy.view({dy.numel() / local_out(), local_out()});
-  if (defer) {
+  if (fp8_) {  // the weight gradient now (never deferred)
+    fp8_->backward({rows(dx_full_), dw, weight().grad_write(), db, Tensor(), Tensor()}, dy2, rows(x), ctx.slot, ctx.stream);
+  } else if (defer) {
     linear_backward(rows(dx_full_), Tensor(), Tensor(), dy2, rows(x), weight().value(), ctx.stream);
     defer->add(dw, db, dy2, rows(x), weight().value(), weight().grad_write());
   } else {
@@ -112,6 +124,7 @@ RowParallelLinear::RowParallelLinear(const Options& o, const TensorParallelRegio
   if (o.bias)
     reg.declare(replicated_param(o.prefix + ".bias", {out_}, InitKind::kZeros, 0.f, TpGradSum::kSequenceParallel),
                 &bias_);
+  if (reg.fp8()) fp8_ = reg.fp8()->tp_linear(o.prefix, /*row=*/true, &weight_, out_, in_ / tp.size());
 }
 
 void RowParallelLinear::plan(BufferPlanner& p, int64_t s, int64_t b) {
@@ -120,6 +133,7 @@ void RowParallelLinear::plan(BufferPlanner& p, int64_t s, int64_t b) {
   if (saved_.size() <= a) saved_.resize(a + 1);
   const int64_t in_l = in_ / tp_.size(), sl = tp_.local_seq(s);
   saved_[a] = recompute_input_ ? p.scratch(role_ + ".input", t, {s, b, in_l}) : p.saved(t, {s, b, in_l}, "row-parallel input");
+  if (fp8_) fp8_->plan(p, s * b, /*save_input=*/false);
   out_full_ = p.scratch("row_parallel.out", t, {s, b, out_});
   out_local_ = tp_.sequence_parallel() ? p.scratch("row_parallel.out_local", t, {sl, b, out_}) : out_full_;
   dy_full_ = tp_.sequence_parallel() ? p.scratch("row_parallel.dy", t, {s, b, out_}) : Tensor();
@@ -130,11 +144,19 @@ Tensor RowParallelLinear::forward(const StepContext& ctx, const ResidualAdd* add
   const Tensor& x = saved_.at(static_cast<size_t>(ctx.slot));
   if (add) {
     MT_CHECK(fuses_residual(), "{}: the residual add cannot be fused under tensor parallelism", role_);
-    linear_forward_add(rows(add->out), rows(x), weight_.value(), value_or_empty(bias_), rows(add->residual),
-                       ctx.stream);
+    if (fp8_) {
+      fp8_->forward_add(rows(add->out), rows(x), value_or_empty(bias_), rows(add->residual), ctx.slot, ctx.stream);
+    } else {
+      linear_forward_add(rows(add->out), rows(x), weight_.value(), value_or_empty(bias_), rows(add->residual),
+                         ctx.stream);
+    }
     return add->out;
   }
-  linear_forward(rows(out_full_), rows(x), weight_.value(), Tensor(), Tensor(), ctx.stream);
+  if (fp8_) {
+    fp8_->forward(rows(out_full_), rows(x), Tensor(), Tensor(), ctx.slot, ctx.stream);
+  } else {
+    linear_forward(rows(out_full_), rows(x), weight_.value(), Tensor(), Tensor(), ctx.stream);
+  }
   tp_.exit_forward(out_local_, out_full_, ctx.stream);
   return out_local_;
 }
@@ -146,6 +168,12 @@ Tensor RowParallelLinear::backward(const Tensor& dy, const StepContext& ctx, Wgr
   tp_.exit_backward(dy_full, dy, ctx.stream);
   const Tensor dw = defer ? Tensor() : weight_.grad();
   const GradWrite dw_write = weight_.grad_write();  // taken now, also for the deferred GEMM
+  if (fp8_) {  // the weight gradient now (never deferred)
+    fp8_->backward({rows(dx_), weight_.grad(), dw_write, Tensor(), gelu ? rows(gelu->pre) : Tensor(),
+                    gelu ? gelu->dbias : Tensor()},
+                   rows(dy_full), rows(x), ctx.slot, ctx.stream);
+    return dx_;
+  }
   if (gelu) {
     gelu_linear_backward(rows(dx_), gelu->dbias, dw, Tensor(), rows(dy_full), rows(x), rows(gelu->pre),
                          weight_.value(), ctx.stream, dw_write);

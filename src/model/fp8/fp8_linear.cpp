@@ -1,0 +1,310 @@
+#include "model/fp8/fp8_linear.h"
+
+#include <fmt/ranges.h>
+
+#include "model/fp8/fp8_model.h"
+#include "ops/elementwise.h"
+#include "ops/fp8.h"
+#include "ops/fp8_epilogue.h"
+#include "ops/gelu.h"
+
+namespace mt {
+
+namespace {
+
+constexpr int64_t kAlign = 16;  // cuBLASLt's FP8 rule: m, n, k multiples of 16
+int64_t pad16(int64_t m) { return (m + kAlign - 1) / kAlign * kAlign; }
+int64_t numel_of(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+/// A contiguous view of `shape` and `dtype` at the start of a planned buffer (scratch planned for
+/// the largest row count, used for fewer rows).
+Tensor view_as(const Tensor& buf, DType dtype, const std::vector<int64_t>& shape) {
+  if (buf.empty()) return Tensor();
+  MT_CHECK(static_cast<size_t>(numel_of(shape)) * dtype_size(dtype) <= buf.nbytes(),
+           "fp8: a [{}] {} view exceeds its planned buffer {}", fmt::join(shape, ", "), dtype_name(dtype), buf.str());
+  return Tensor(buf.data(), dtype, buf.device(), shape);
+}
+
+/// The scale tensor of an operand [rows, cols] under a block scaling, or an empty tensor.
+Tensor scale_view(const Tensor& buf, Fp8Scaling s, int64_t rows, int64_t cols) {
+  if (s == Fp8Scaling::kTensor) return Tensor();
+  return view_as(buf, DType::kF32, fp8_scale_shape(s, rows, cols));
+}
+
+/// Bytes of a scale tensor of an operand [rows, cols] under a block scaling (0 for tensorwise).
+int64_t scale_numel(Fp8Scaling s, int64_t rows, int64_t cols) {
+  return s == Fp8Scaling::kTensor ? 0 : numel_of(fp8_scale_shape(s, rows, cols));
+}
+
+void reduce_max(Communicator* group, const Tensor& t, const Stream& stream) {
+  if (group != nullptr && group->size() > 1) group->all_reduce(t, ReduceOp::kMax, stream);
+}
+
+}  // namespace
+
+Fp8Linear::Fp8Linear(const Fp8Model& model, std::string name, const ParamRef* weight, int64_t out, int64_t in,
+                     Fp8Groups groups)
+    : model_(model), name_(std::move(name)), weight_(weight), out_(out), in_(in), groups_(groups) {
+  MT_REQUIRE(out % kAlign == 0 && in % kAlign == 0,
+             "{}: FP8 GEMMs need this rank's weight shard [{}, {}] to have both sizes multiples of 16 (cuBLASLt's FP8 "
+             "rule): choose hidden / ffn sizes (divided by the tensor-parallel size) that are",
+             name_, out, in);
+}
+
+Fp8Scaling Fp8Linear::act_scaling() const {
+  return model_.settings().blockwise() ? Fp8Scaling::kBlock1x128 : Fp8Scaling::kTensor;
+}
+
+Fp8Scaling Fp8Linear::weight_scaling() const {
+  return model_.settings().blockwise() ? Fp8Scaling::kBlock128x128 : Fp8Scaling::kTensor;
+}
+
+void Fp8Linear::plan(BufferPlanner& p, int64_t max_rows, bool save_input, bool variable_rows) {
+  MT_CHECK(!(save_input && variable_rows), "{}: save_input needs a fixed row count", name_);
+  MT_REQUIRE(variable_rows || max_rows % kAlign == 0,
+             "{}: FP8 GEMMs need the rows of a micro-batch (sequence length / context-parallel size x micro-batch "
+             "size = {}) to be a multiple of 16 (cuBLASLt's FP8 rule)",
+             name_, max_rows);
+  save_input_ = save_input;
+  variable_rows_ = variable_rows;
+  max_rows_ = max_rows;
+  const size_t a = static_cast<size_t>(p.area());
+  if (saved_.size() <= a) saved_.resize(a + 1);
+  Saved& sv = saved_[a];
+  const Fp8Scaling s = act_scaling();
+  const DType f = model_.settings().forward_dtype(), g = model_.settings().grad_dtype();
+  if (model_.settings().recipe == Fp8Recipe::kTensorwise) sv.x_scale = p.saved(DType::kF32, {2}, "fp8 x scale");
+  if (save_input) {
+    sv.x_t = p.saved(f, {in_, max_rows}, "fp8 transposed input");
+    if (s != Fp8Scaling::kTensor) sv.x_t_s = p.saved(DType::kF32, fp8_scale_shape(s, in_, max_rows), "fp8 input scales");
+  }
+  const int64_t m = pad16(max_rows);
+  auto bytes = [&](const char* key, DType t, int64_t n) { return n > 0 ? p.scratch(key, t, {n}) : Tensor(); };
+  Scratch& sc = scratch_;
+  sc.xq = bytes("fp8.xq", f, m * in_);
+  sc.xq_s = bytes("fp8.xq_s", DType::kF32, scale_numel(s, m, in_));
+  if (!save_input) {
+    sc.x_t = bytes("fp8.x_t", f, in_ * m);
+    sc.x_t_s = bytes("fp8.x_t_s", DType::kF32, scale_numel(s, in_, m));
+  }
+  sc.dyq = bytes("fp8.dyq", g, m * out_);
+  sc.dyq_s = bytes("fp8.dyq_s", DType::kF32, scale_numel(s, m, out_));
+  sc.dyq_t = bytes("fp8.dyq_t", g, out_ * m);
+  sc.dyq_t_s = bytes("fp8.dyq_t_s", DType::kF32, scale_numel(s, out_, m));
+  if (variable_rows) {
+    const DType t = p.act_dtype();
+    sc.pad_x = bytes("fp8.pad_x", t, m * in_);
+    sc.pad_y = bytes("fp8.pad_y", t, m * out_);
+    sc.pad_dy = bytes("fp8.pad_dy", t, m * out_);
+    sc.pad_dx = bytes("fp8.pad_dx", t, m * in_);
+  }
+}
+
+void Fp8Linear::plan_weights(BufferPlanner& p) {
+  const DType f = model_.settings().forward_dtype();
+  wq_ = p.persistent(f, {out_, in_}, "fp8 weight");
+  wq_t_ = p.persistent(f, {in_, out_}, "fp8 transposed weight");
+  const Fp8Scaling s = weight_scaling();
+  if (s != Fp8Scaling::kTensor) {
+    wq_s_ = p.persistent(DType::kF32, fp8_scale_shape(s, out_, in_), "fp8 weight scales");
+    wq_t_s_ = p.persistent(DType::kF32, fp8_scale_shape(s, in_, out_), "fp8 transposed weight scales");
+  }
+}
+
+void Fp8Linear::bind_state(const Fp8TensorState& x, const Fp8TensorState& w, const Fp8TensorState& dy) {
+  x_ = x;
+  w_ = w;
+  dy_ = dy;
+}
+
+Fp8Linear::Scratch Fp8Linear::views(int64_t m) const {
+  const Scratch& b = scratch_;
+  const Fp8Scaling s = act_scaling();
+  const DType f = model_.settings().forward_dtype(), g = model_.settings().grad_dtype();
+  Scratch v;
+  v.xq = view_as(b.xq, f, {m, in_});
+  v.xq_s = scale_view(b.xq_s, s, m, in_);
+  v.x_t = view_as(b.x_t, f, {in_, m});
+  v.x_t_s = scale_view(b.x_t_s, s, in_, m);
+  v.dyq = view_as(b.dyq, g, {m, out_});
+  v.dyq_s = scale_view(b.dyq_s, s, m, out_);
+  v.dyq_t = view_as(b.dyq_t, g, {out_, m});
+  v.dyq_t_s = scale_view(b.dyq_t_s, s, out_, m);
+  if (variable_rows_) {
+    const DType t = b.pad_x.dtype();
+    v.pad_x = view_as(b.pad_x, t, {m, in_});
+    v.pad_y = view_as(b.pad_y, t, {m, out_});
+    v.pad_dy = view_as(b.pad_dy, t, {m, out_});
+    v.pad_dx = view_as(b.pad_dx, t, {m, in_});
+  }
+  return v;
+}
+
+void Fp8Linear::quantize_weight(bool record, const Stream& st) {
+  MT_CHECK(weight_ != nullptr && weight_->bound(), "{}: the FP8 weight is quantised before its parameter is bound",
+           name_);
+  const Tensor w = weight_->value();
+  const DType f = model_.settings().forward_dtype();
+  switch (model_.settings().recipe) {
+    case Fp8Recipe::kTensorwise:
+      fp8_amax(w_.amax, w, st);
+      reduce_max(groups_.w, w_.amax, st);
+      fp8_scale_from_amax(w_.scale, w_.scale_inv, w_.amax, f, /*pow2=*/false, 0.f, st);
+      fp8_quantize(wq_, wq_t_, w, w_.scale, Tensor(), st);
+      break;
+    case Fp8Recipe::kDelayed:
+      fp8_quantize(wq_, wq_t_, w, w_.scale, record ? w_.record : Tensor(), st);
+      break;
+    case Fp8Recipe::kBlockwise:
+      fp8_quantize_blockwise(wq_, wq_s_, wq_t_, wq_t_s_, w, Fp8Scaling::kBlock128x128, /*pow2=*/true, st);
+      break;
+  }
+}
+
+Fp8Operand Fp8Linear::weight_operand(bool transposed) const {
+  const Fp8Scaling s = weight_scaling();
+  if (s == Fp8Scaling::kTensor) return {transposed ? wq_t_ : wq_, w_.scale_inv, s};
+  return {transposed ? wq_t_ : wq_, transposed ? wq_t_s_ : wq_s_, s};
+}
+
+void Fp8Linear::quantize_x(const Tensor& xq, const Tensor& xq_s, const Tensor& x_t, const Tensor& x_t_s,
+                           const Tensor& x, const Saved& sv, bool fresh, bool record, const Stream& st) {
+  const DType f = model_.settings().forward_dtype();
+  switch (model_.settings().recipe) {
+    case Fp8Recipe::kTensorwise: {
+      const Tensor scale = sv.x_scale.flat_range(0, 1), scale_inv = sv.x_scale.flat_range(1, 1);
+      if (fresh) {  // the forward: this micro-batch's amax over x's shards; the backward reuses its scale
+        fp8_amax(x_.amax, x, st);
+        reduce_max(groups_.x, x_.amax, st);
+        fp8_scale_from_amax(scale, scale_inv, x_.amax, f, /*pow2=*/false, 0.f, st);
+      }
+      fp8_quantize(xq, x_t, x, scale, Tensor(), st);
+      break;
+    }
+    case Fp8Recipe::kDelayed:
+      fp8_quantize(xq, x_t, x, x_.scale, record ? x_.record : Tensor(), st);
+      break;
+    case Fp8Recipe::kBlockwise:
+      fp8_quantize_blockwise(xq, xq_s, x_t, x_t_s, x, Fp8Scaling::kBlock1x128, /*pow2=*/true, st);
+      break;
+  }
+}
+
+Fp8Operand Fp8Linear::x_t_operand(const Saved& sv, const Tensor& x_t, const Tensor& x_t_s) const {
+  switch (model_.settings().recipe) {
+    case Fp8Recipe::kTensorwise: return {x_t, sv.x_scale.flat_range(1, 1), Fp8Scaling::kTensor};
+    case Fp8Recipe::kDelayed: return {x_t, x_.scale_inv, Fp8Scaling::kTensor};
+    case Fp8Recipe::kBlockwise: break;
+  }
+  return {x_t, x_t_s, Fp8Scaling::kBlock1x128};
+}
+
+void Fp8Linear::quantize_dy(const Tensor& dyq, const Tensor& dyq_s, const Tensor& dyq_t, const Tensor& dyq_t_s,
+                            const Tensor& dy, const Stream& st) {
+  const DType g = model_.settings().grad_dtype();
+  switch (model_.settings().recipe) {
+    case Fp8Recipe::kTensorwise:
+      fp8_amax(dy_.amax, dy, st);
+      reduce_max(groups_.dy, dy_.amax, st);
+      fp8_scale_from_amax(dy_.scale, dy_.scale_inv, dy_.amax, g, /*pow2=*/false, 0.f, st);
+      fp8_quantize(dyq, dyq_t, dy, dy_.scale, Tensor(), st);
+      break;
+    case Fp8Recipe::kDelayed:  // the backward always belongs to a training step: recorded
+      fp8_quantize(dyq, dyq_t, dy, dy_.scale, dy_.record, st);
+      break;
+    case Fp8Recipe::kBlockwise:
+      fp8_quantize_blockwise(dyq, dyq_s, dyq_t, dyq_t_s, dy, Fp8Scaling::kBlock1x128, /*pow2=*/true, st);
+      break;
+  }
+}
+
+void Fp8Linear::forward(const Tensor& y, const Tensor& x, const Tensor& bias, const Tensor& pre_gelu, int slot,
+                        const Stream& st) {
+  const int64_t m = x.size(0);
+  MT_CHECK(x.ndim() == 2 && x.size(1) == in_ && y.ndim() == 2 && y.size(0) == m && y.size(1) == out_,
+           "{}: FP8 forward of x {} into y {}: expected [m, {}] and [m, {}]", name_, x.str(), y.str(), in_, out_);
+  MT_CHECK(m <= max_rows_ && (variable_rows_ || m == max_rows_), "{}: {} rows, planned for {}{}", name_, m, max_rows_,
+           variable_rows_ ? " at most" : "");
+  const Saved& sv = saved_.at(static_cast<size_t>(slot));
+  const int64_t mp = pad16(m);
+  const bool padded = mp != m;
+  const Scratch v = views(mp);
+  Tensor xin = x;
+  if (padded) {  // zero rows appended: they change no amax, no block scale and no product
+    copy(v.pad_x.slice0(0, m), x, st);
+    memset_tensor(v.pad_x.slice0(m, mp), 0, st);
+    xin = v.pad_x;
+  }
+  const Tensor x_t = save_input_ ? sv.x_t : Tensor(), x_t_s = save_input_ ? sv.x_t_s : Tensor();
+  quantize_x(v.xq, v.xq_s, x_t, x_t_s, xin, sv, /*fresh=*/true, model_.training(), st);
+  const Fp8Operand a = model_.settings().blockwise() ? Fp8Operand{v.xq, v.xq_s, Fp8Scaling::kBlock1x128}
+                                                     : x_t_operand(sv, v.xq, Tensor());
+  const Tensor out = pre_gelu.empty() ? y : pre_gelu;  // the GEMM's product
+  const Tensor d = padded ? v.pad_y : out;
+  // TE's fprop uses fast accumulation for the per-tensor recipes (no promotion of partial sums)
+  fp8_matmul(d, a, weight_operand(false), /*accumulate=*/false, /*fast_accum=*/!model_.settings().blockwise(), st);
+  if (padded) copy(out, v.pad_y.slice0(0, m), st);
+  if (!bias.empty() || !pre_gelu.empty()) fp8_bias_gelu(out, bias, pre_gelu.empty() ? Tensor() : y, st);
+}
+
+void Fp8Linear::forward_add(const Tensor& out, const Tensor& x, const Tensor& bias, const Tensor& residual, int slot,
+                            const Stream& st) {
+  forward(out, x, Tensor(), Tensor(), slot, st);
+  bias_dropout_add_forward(out, out, bias, residual, 0.f, DropoutKey{}, 0, st);  // p = 0: residual + (y + bias)
+}
+
+void Fp8Linear::backward(const Grads& g, const Tensor& dy, const Tensor& x, int slot, const Stream& st) {
+  const int64_t m = dy.size(0);
+  MT_CHECK(dy.ndim() == 2 && dy.size(1) == out_, "{}: FP8 backward of dy {}: expected [m, {}]", name_, dy.str(), out_);
+  MT_CHECK(m <= max_rows_ && (variable_rows_ || m == max_rows_), "{}: {} rows, planned for {}", name_, m, max_rows_);
+  const Saved& sv = saved_.at(static_cast<size_t>(slot));
+  const int64_t mp = pad16(m);
+  const bool padded = mp != m;
+  const Scratch v = views(mp);
+  Tensor dyin = dy;
+  if (padded) {
+    copy(v.pad_dy.slice0(0, m), dy, st);
+    memset_tensor(v.pad_dy.slice0(m, mp), 0, st);
+    dyin = v.pad_dy;
+  }
+  quantize_dy(v.dyq, v.dyq_s, v.dyq_t, v.dyq_t_s, dyin, st);
+  const bool block = model_.settings().blockwise();
+  const Fp8Operand dy_rows = block ? Fp8Operand{v.dyq, v.dyq_s, Fp8Scaling::kBlock1x128}
+                                   : Fp8Operand{v.dyq, dy_.scale_inv, Fp8Scaling::kTensor};
+  const Fp8Operand dy_cols = block ? Fp8Operand{v.dyq_t, v.dyq_t_s, Fp8Scaling::kBlock1x128}
+                                   : Fp8Operand{v.dyq_t, dy_.scale_inv, Fp8Scaling::kTensor};
+  if (!g.dx.empty()) {
+    MT_CHECK(g.dx.ndim() == 2 && g.dx.size(0) == m && g.dx.size(1) == in_, "{}: dx {} must be [{}, {}]", name_,
+             g.dx.str(), m, in_);
+    fp8_matmul(padded ? v.pad_dx : g.dx, dy_rows, weight_operand(true), false, false, st);
+    if (padded) copy(g.dx, v.pad_dx.slice0(0, m), st);
+    if (!g.gelu_pre.empty()) {  // dL/dpre = gelu'(pre) * dL/dx, and the producer's bias gradient
+      gelu_backward(g.dx, g.dx, g.gelu_pre, st);
+      if (!g.gelu_dbias.empty()) bias_dropout_add_backward(Tensor(), g.gelu_dbias, g.dx, 0.f, DropoutKey{}, 0, st);
+    }
+  }
+  if (!g.dw.empty()) {
+    Tensor x_t = sv.x_t, x_t_s = sv.x_t_s;
+    if (!save_input_) {  // the forward kept the bf16 input: x_t again, with the forward's scale
+      Tensor xin = x;
+      if (padded) {
+        copy(v.pad_x.slice0(0, m), x, st);
+        memset_tensor(v.pad_x.slice0(m, mp), 0, st);
+        xin = v.pad_x;
+      }
+      MT_CHECK(xin.ndim() == 2 && xin.size(0) == mp && xin.size(1) == in_, "{}: x {} must be [{}, {}]", name_,
+               x.str(), m, in_);
+      x_t = v.x_t;
+      x_t_s = v.x_t_s;
+      quantize_x(Tensor(), Tensor(), x_t, x_t_s, xin, sv, /*fresh=*/false, /*record=*/false, st);
+    }
+    fp8_matmul(g.dw, dy_cols, x_t_operand(sv, x_t, x_t_s), g.dw_write == GradWrite::kAccumulate, false, st);
+  }
+  if (!g.dbias.empty()) bias_dropout_add_backward(Tensor(), g.dbias, dy, 0.f, DropoutKey{}, 0, st);
+}
+
+}  // namespace mt
