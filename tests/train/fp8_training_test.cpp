@@ -12,8 +12,6 @@
 #include <map>
 #include <mutex>
 
-#include <nlohmann/json.hpp>
-
 #include "model/fp8/fp8_model.h"
 #include "testing/testing.h"
 #include "train/trainer_testing.h"
@@ -25,25 +23,6 @@ namespace {
 
 using testing::expect_error_text;
 using testing::train_in_process;
-
-// The whole fp32 tensor `name` of checkpoint iteration `iter` in `ck` (empty when absent).
-std::vector<float> read_tensor(const std::string& ck, int iter, const std::string& name) {
-  const fs::path d = fs::path(ck) / fmt::format("iter_{:07d}", iter);
-  std::ifstream meta(d / "metadata.json");
-  const nlohmann::json m = nlohmann::json::parse(meta);
-  for (const auto& t : m.at("tensors")) {
-    if (t.at("name") != name) continue;
-    int64_t n = 1;
-    for (int64_t v : t.at("global_shape").get<std::vector<int64_t>>()) n *= v;
-    const auto& sh = t.at("shards").at(0);
-    std::ifstream f(d / sh.at("file").get<std::string>(), std::ios::binary);
-    f.seekg(sh.at("offset_bytes").get<std::streamoff>());
-    std::vector<float> out(static_cast<size_t>(n));
-    f.read(reinterpret_cast<char*>(out.data()), n * 4);
-    return f.good() ? out : std::vector<float>{};
-  }
-  return {};
-}
 
 std::string state_name(int layer, const char* block) {
   return fmt::format("state/decoder.layers.{}.fp8_meta.scaling_{}", layer, block);
@@ -229,7 +208,7 @@ TEST_F(Fp8Training, CheckpointResumeIsBitwise) {
     fs::remove_all(ck);
     const TrainingResult first = train("--train-iters 6 --exit-interval 3 --save " + ck + " " + recipe);
     ASSERT_EQ(first.iteration, 3);
-    EXPECT_EQ(read_tensor(ck, 3, state_name(1, "fwd")).empty(), !delayed);
+    EXPECT_EQ(testing::read_whole_tensor(ck, 3, state_name(1, "fwd")).empty(), !delayed);
     const TrainingResult second = train("--train-iters 6 --load " + ck + " " + recipe);
     ASSERT_EQ(second.losses.count(1), 0u);
     for (int it = 4; it <= 6; ++it) {

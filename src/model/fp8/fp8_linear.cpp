@@ -40,6 +40,15 @@ int64_t scale_numel(Fp8Scaling s, int64_t rows, int64_t cols) {
   return s == Fp8Scaling::kTensor ? 0 : numel_of(fp8_scale_shape(s, rows, cols));
 }
 
+/// x [m, cols] itself when m is a multiple of 16, else its copy into pad [mp, cols] with zero rows
+/// after it (they change no amax, block scale or product).
+Tensor padded_rows(const Tensor& x, const Tensor& pad, int64_t m, int64_t mp, const Stream& stream) {
+  if (m == mp) return x;
+  copy(pad.slice0(0, m), x, stream);
+  memset_tensor(pad.slice0(m, mp), 0, stream);
+  return pad;
+}
+
 void reduce_max(Communicator* group, const Tensor& t, const Stream& stream) {
   if (group != nullptr && group->size() > 1) group->all_reduce(t, ReduceOp::kMax, stream);
 }
@@ -233,12 +242,7 @@ void Fp8Linear::forward(const Tensor& y, const Tensor& x, const Tensor& bias, co
   const int64_t mp = pad16(m);
   const bool padded = mp != m;
   const Scratch v = views(mp);
-  Tensor xin = x;
-  if (padded) {  // zero rows appended: they change no amax, no block scale and no product
-    copy(v.pad_x.slice0(0, m), x, st);
-    memset_tensor(v.pad_x.slice0(m, mp), 0, st);
-    xin = v.pad_x;
-  }
+  const Tensor xin = padded_rows(x, v.pad_x, m, mp, st);
   const Tensor x_t = save_input_ ? sv.x_t : Tensor(), x_t_s = save_input_ ? sv.x_t_s : Tensor();
   quantize_x(v.xq, v.xq_s, x_t, x_t_s, xin, sv, /*fresh=*/true, model_.training(), st);
   const Fp8Operand a = model_.settings().blockwise() ? Fp8Operand{v.xq, v.xq_s, Fp8Scaling::kBlock1x128}
@@ -265,12 +269,7 @@ void Fp8Linear::backward(const Grads& g, const Tensor& dy, const Tensor& x, int 
   const int64_t mp = pad16(m);
   const bool padded = mp != m;
   const Scratch v = views(mp);
-  Tensor dyin = dy;
-  if (padded) {
-    copy(v.pad_dy.slice0(0, m), dy, st);
-    memset_tensor(v.pad_dy.slice0(m, mp), 0, st);
-    dyin = v.pad_dy;
-  }
+  const Tensor dyin = padded_rows(dy, v.pad_dy, m, mp, st);
   quantize_dy(v.dyq, v.dyq_s, v.dyq_t, v.dyq_t_s, dyin, st);
   const bool block = model_.settings().blockwise();
   const Fp8Operand dy_rows = block ? Fp8Operand{v.dyq, v.dyq_s, Fp8Scaling::kBlock1x128}
@@ -290,12 +289,7 @@ void Fp8Linear::backward(const Grads& g, const Tensor& dy, const Tensor& x, int 
   if (!g.dw.empty()) {
     Tensor x_t = sv.x_t, x_t_s = sv.x_t_s;
     if (!save_input_) {  // the forward kept the bf16 input: x_t again, with the forward's scale
-      Tensor xin = x;
-      if (padded) {
-        copy(v.pad_x.slice0(0, m), x, st);
-        memset_tensor(v.pad_x.slice0(m, mp), 0, st);
-        xin = v.pad_x;
-      }
+      const Tensor xin = padded_rows(x, v.pad_x, m, mp, st);
       MT_CHECK(xin.ndim() == 2 && xin.size(0) == mp && xin.size(1) == in_, "{}: x {} must be [{}, {}]", name_,
                x.str(), m, in_);
       x_t = v.x_t;
