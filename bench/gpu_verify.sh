@@ -21,10 +21,10 @@ while [ $# -gt 0 ]; do
     build)
       nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
       cmake --preset default -DMT_BUILD_BENCH=ON > "$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }
-      cmake --build build -j "$(nproc)" > "$OUT/build.log" 2>&1 || { grep -E "error" -A5 "$OUT/build.log" | head -80; exit 1; }
+      cmake --build build -j "$(nproc)" -- -k > "$OUT/build.log" 2>&1 || { grep -E "error|\*\*\*" "$OUT/build.log" | head -40; }
       echo "build: $(( $(date +%s) - t0 )) s" ;;
     ctest)
-      (cd build && timeout 540 ctest -L cuda --output-on-failure -j "$gpus" 2>&1) > "$OUT/ctest_cuda.log"
+      (cd build && timeout "${CTEST_TIMEOUT:-540}" ctest -L cuda --output-on-failure -j "$gpus" 2>&1) > "$OUT/ctest_cuda.log"
       grep -E "tests passed|Failed|\*\*\*|Not Run|Timeout" "$OUT/ctest_cuda.log" | tail -40
       grep -h "SKIPPED\|Skipped" -A1 "$OUT/ctest_cuda.log" | head -20 ;;
     dist2)

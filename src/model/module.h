@@ -11,6 +11,7 @@
 #pragma once
 #include <map>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 #include "core/buffer.h"
@@ -145,6 +146,7 @@ class ParamRegistry {
   };
   std::vector<Group> ordered() const;
   std::vector<Group> groups_;
+  std::unordered_set<std::string> names_;  // every declared name (duplicates found in O(1))
   Fp8Model* fp8_ = nullptr;
 };
 

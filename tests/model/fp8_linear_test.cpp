@@ -105,7 +105,7 @@ void expect_product(const std::vector<float>& got, const Mat& a, const Mat& b, c
 /// One FP8 linear [out, in] on the CPU with its model, weight and buffers.
 struct Harness {
   Harness(Fp8Recipe recipe, Fp8Format format, int64_t out_, int64_t in_, int64_t rows_, bool save_input,
-           bool variable_rows)
+           bool variable_rows, int64_t row_blocks = 1)
       : out(out_), in(in_), rows(rows_) {
     cfg.num_layers = 1;
     cfg.fp8 = format;
@@ -120,7 +120,7 @@ struct Harness {
     for (int pass = 0; pass < 2; ++pass) {
       planner.begin_pass();
       planner.open_area(BufferPlanner::Family::kActivations, 0);
-      lin->plan(planner, rows, save_input, variable_rows);
+      lin->plan(planner, rows, save_input, variable_rows, row_blocks);
       planner.close_area();
       model->plan(planner);
       if (pass == 0) planner.materialize();
@@ -241,6 +241,75 @@ INSTANTIATE_TEST_SUITE_P(
              std::to_string(c.rows) + (c.save_input ? "_saved" : "") + (c.variable_rows ? "_padded" : "");
     });
 
+/// run() through the phases a tensor-parallel region drives under sequence parallelism: the forward
+/// and the dgrad block by block of `block` rows, in the rotated orders all_gather_gemm /
+/// gemm_reduce_scatter use (from block `start` on), the saved x_t and the wgrad from the whole
+/// tensors after them; the accumulating backward runs the wgrad alone.
+Outputs run_blocks(Harness& h, int64_t m, int64_t block, int start, const std::vector<float>& x,
+                   const std::vector<float>& w, const std::vector<float>& bias, const std::vector<float>& dy) {
+  const Stream& st = testing::cpu_stream();
+  testing::upload(h.weight.value(), w, st);
+  h.model->quantize_weights(0, /*force=*/true, st);
+  auto make = [&](const std::vector<float>& v, std::vector<int64_t> shape) {
+    return testing::make_tensor(v, DType::kF32, Device::cpu(), shape, st);
+  };
+  const testing::OwnedTensor xt = make(x, {m, h.in}), bt = make(bias, {h.out}), dyt = make(dy, {m, h.out});
+  testing::OwnedTensor y(DType::kF32, Device::cpu(), {m, h.out}), pre(DType::kF32, Device::cpu(), {m, h.out}),
+      dx(DType::kF32, Device::cpu(), {m, h.in}), db(DType::kF32, Device::cpu(), {h.out});
+  for (const Tensor& t : {y.t, pre.t, dx.t, h.weight.grad()}) testing::poison(t, st);
+  fill(db, 0.f, st);
+  const int n = static_cast<int>(m / block);
+  auto rows = [&](const Tensor& t, int i) { return t.slice0(i * block, (i + 1) * block); };
+  h.lin->begin_forward(xt, /*shard=*/false, 0, st);
+  for (int k = 0; k < n; ++k) {
+    const int i = (start + k) % n;
+    h.lin->forward_rows(rows(y, i), rows(xt, i), i * block, bt, rows(pre, i), 0, st);
+  }
+  h.lin->end_forward(xt, 0, st);
+  h.lin->begin_backward(dyt, /*shard=*/false, st);
+  for (int k = 0; k < n; ++k) {
+    const int i = (start + n - k) % n;
+    h.lin->dgrad_rows(rows(dx, i), rows(dyt, i), i * block, Tensor(), st);
+  }
+  h.lin->wgrad(h.weight.grad(), GradWrite::kOverwrite, db, dyt, xt, 0, st);
+  Outputs o{to_host(y, st), to_host(pre, st), to_host(dx, st), to_host(h.weight.grad(), st), {}, to_host(db, st)};
+  h.lin->begin_backward(dyt, /*shard=*/false, st);
+  h.lin->wgrad(h.weight.grad(), GradWrite::kAccumulate, Tensor(), dyt, xt, 0, st);
+  o.dw2 = to_host(h.weight.grad(), st);
+  return o;
+}
+
+// ColumnParallelLinear / RowParallelLinear under sequence parallelism (with or without
+// --tp-comm-overlap) run the FP8 GEMMs once per TP block of rows, in a rotated order. Each block's
+// rows are quantised with the whole tensor's scale (blockwise: into the block's own packed 1x128
+// scales), so forward and dgrad match the reference of the whole tensor's quantised operands; the
+// wgrad (from the whole tensors: x_t saved after the blocks or quantised again), the bias gradient
+// and the recorded delayed-scaling amaxes are bitwise those of one block. (The block GEMMs' own
+// rounding depends on the row count on the CPU, so y and dx are compared with the reference.)
+TEST(Fp8Linear, RowBlocksMatchWholeRows) {
+  for (Fp8Recipe r : {Fp8Recipe::kTensorwise, Fp8Recipe::kDelayed, Fp8Recipe::kBlockwise})
+    for (bool save_input : {true, false}) {
+      SCOPED_TRACE(std::string(fp8_recipe_name(r)) + (save_input ? " saved" : ""));
+      const int64_t out = 48, in = 144, m = 64, block = 16;
+      Harness whole(r, Fp8Format::kHybrid, out, in, m, save_input, false),
+          split(r, Fp8Format::kHybrid, out, in, m, save_input, false, m / block);
+      const std::vector<float> x = testing::randn(m * in), w = testing::randn(out * in, 0.05f),
+                               bias = testing::randn(out, 0.1f), dy = testing::randn(m * out, 1e-3f);
+      const Outputs a = run(whole, m, x, w, bias, dy), b = run_blocks(split, m, block, 1, x, w, bias, dy);
+      const bool delayed = r == Fp8Recipe::kDelayed;  // the first step's scales are 1
+      const DType gt = DType::kF8E5M2;
+      expect_reference(b, r == Fp8Recipe::kBlockwise, gt, m, out, in, x, w, bias, dy, delayed ? 1.f : 448.f / amax_of(x),
+                       delayed ? 1.f : 448.f / amax_of(w), delayed ? 1.f : fp8_max(gt) / amax_of(dy));
+      EXPECT_EQ(a.dw, b.dw);
+      EXPECT_EQ(a.dw2, b.dw2);
+      EXPECT_EQ(a.db, b.db);
+      const auto [fa, ba] = whole.model->layer_state(0);
+      const auto [fb, bb] = split.model->layer_state(0);
+      EXPECT_EQ(to_host(fa, testing::cpu_stream()), to_host(fb, testing::cpu_stream()));
+      EXPECT_EQ(to_host(ba, testing::cpu_stream()), to_host(bb, testing::cpu_stream()));
+    }
+}
+
 // The saved transposed input (ColumnParallelLinear) and the input quantised again in the backward
 // (RowParallelLinear, experts) give the same bytes, hence the same weight gradient, bit for bit.
 TEST(Fp8Linear, SavedInputEqualsRequantizedInput) {
@@ -269,6 +338,9 @@ TEST(Fp8Linear, Errors) {
   p.begin_pass();
   p.open_area(BufferPlanner::Family::kActivations, 0);
   testing::expect_error([&] { lin->plan(p, 24, true); }, "to be a multiple of 16");
+  testing::expect_error([&] { lin->plan(p, 32, true, false, 4); },
+                        "per tensor-parallel block of rows (sequence length / context-parallel size / tensor-parallel "
+                        "size x micro-batch size = 32 / 4 = 8), which must be a multiple of 16");
   EXPECT_EQ(Fp8Model::decoder_layer("decoder.layers.12.mlp.linear_fc1"), 12);
   EXPECT_EQ(Fp8Model::decoder_layer("output_layer"), -1);
   EXPECT_EQ(Fp8Model::decoder_layer("decoder.layers.x"), -1);

@@ -4,8 +4,10 @@
 // all-reduced (MAX) over the ranks holding the tensor's shards, over NCCL — and delayed scaling's
 // histories and scales must be the one-GPU values up to bf16 noise; the losses and gradients
 // within the noise of FP8 itself, measured: the one-GPU FP8 run against the one-GPU bf16 run.
-// The CPU emulation checks the same layouts to fp32 rounding (tests/train/fp8_training_test.cpp);
-// this test is the NCCL / cuBLASLt path of it.
+// With --tp-comm-overlap (the sequence-parallel collectives pipelined with the FP8 GEMMs block by
+// block) the losses and gradients are those of TP 2 + SP without it, bit for bit (the same GEMM
+// calls; NCCL's two-rank sums are the rank-order sum). The CPU emulation checks the same layouts
+// to fp32 rounding (tests/train/fp8_training_test.cpp); this test is the NCCL / cuBLASLt path of it.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 #include <mpi.h>
@@ -58,9 +60,11 @@ struct RunResult {
   std::vector<std::vector<float>> state;  // per layer: the FP8 state after the first step (fwd, bwd)
 };
 
-RunResult train(const std::shared_ptr<Communicator>& world, const TransformerConfig& c, int tp, bool sp, Device dev,
-                const std::vector<int32_t>& tokens, const std::vector<int32_t>& labels, int64_t mb, int M) {
+RunResult train(const std::shared_ptr<Communicator>& world, TransformerConfig c, int tp, bool sp, Device dev,
+                const std::vector<int32_t>& tokens, const std::vector<int32_t>& labels, int64_t mb, int M,
+                bool tp_comm_overlap = false) {
   const int64_t S = c.seq_length;
+  c.tp_comm_overlap = tp_comm_overlap;
   ModelSetupOptions o;
   o.model = c;
   o.parallel.tp = tp;
@@ -150,6 +154,13 @@ TEST(Fp8LayoutsNccl, TensorParallelMatchesOneGpu) {
     for (size_t i = 0; i < ref.infos.size(); ++i) ref_index[ref.infos[i].name] = i;
     for (const bool sp : {false, true}) {
       const RunResult par = train(world, c, 2, sp, dev, tokens, labels, mb, M);
+      if (sp) {  // --tp-comm-overlap: bitwise the plain TP 2 + SP run
+        const RunResult over = train(world, c, 2, sp, dev, tokens, labels, mb, M, /*tp_comm_overlap=*/true);
+        EXPECT_EQ(over.losses, par.losses) << name << " tp2 sp --tp-comm-overlap";
+        ASSERT_EQ(over.grads.size(), par.grads.size());
+        for (size_t i = 0; i < par.grads.size(); ++i)
+          EXPECT_EQ(over.grads[i], par.grads[i]) << name << " --tp-comm-overlap gradient " << par.infos[i].name;
+      }
       const std::string what = name + (sp ? " tp2 sp" : " tp2");
       for (int it = 0; it < kIters; ++it)
         EXPECT_NEAR(par.losses[it], ref.losses[it], 5e-3 * ref.losses[it]) << what << " iteration " << it;

@@ -1,9 +1,9 @@
 // FP8 training (docs/fp8.md) through the trainer, in-process on CPU thread ranks (the emulated
 // recipes): each recipe trains close to the fp32 run but not equal to it; every parallel layout
-// (TP with and without SP, DP with the distributed optimizer, PP with VPP, CP, TP x CP, MoE with
-// expert parallelism) trains the one-rank FP8 model — the same losses and, for delayed scaling,
-// the same amax histories and scales in the checkpoint; a delayed-scaling checkpoint resumes
-// bitwise; --first-last-layers-bf16 keeps those layers out of FP8; bad flags fail before training.
+// (TP with and without SP and --tp-comm-overlap, DP with the distributed optimizer, PP with VPP,
+// CP, TP x CP, MoE with expert parallelism) trains the one-rank FP8 model — the same losses and,
+// for delayed scaling, the same amax histories and scales in the checkpoint; --tp-comm-overlap
+// changes no bit; a delayed-scaling checkpoint resumes bitwise; --first-last-layers-bf16 keeps those layers out of FP8; bad flags fail before training.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -136,6 +136,7 @@ TEST_F(Fp8Training, LayoutsMatchOneRank) {
   const std::string kLayouts[] = {
       "--nproc-per-node 2 --tensor-model-parallel-size 2",
       "--nproc-per-node 2 --tensor-model-parallel-size 2 --sequence-parallel",
+      "--nproc-per-node 2 --tensor-model-parallel-size 2 --sequence-parallel --tp-comm-overlap",
       "--nproc-per-node 2 --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1",
       "--nproc-per-node 2 --context-parallel-size 2",
       "--nproc-per-node 4 --tensor-model-parallel-size 2 --sequence-parallel --context-parallel-size 2",
@@ -160,6 +161,26 @@ TEST_F(Fp8Training, LayoutsMatchOneRank) {
         EXPECT_EQ(ds, 0.0);
     }
   }
+}
+
+// --tp-comm-overlap (Transformer Engine runs it with FP8 too) pipelines the sequence-parallel
+// all-gathers and reduce-scatters with the FP8 GEMMs block by block: the same GEMM calls on the
+// same blocks as without it, and on CPU thread ranks the same reduction order, so every loss is
+// bitwise that of the run without the overlap, at TP 2 and TP 4.
+TEST_F(Fp8Training, TpCommOverlapIsBitwise) {
+  for (const std::string recipe : {"--fp8-format e4m3 --fp8-recipe tensorwise",
+                                   "--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 4",
+                                   "--fp8-format e4m3 --fp8-recipe blockwise"})
+    for (const std::string tp : {"--nproc-per-node 2 --tensor-model-parallel-size 2 --sequence-parallel",
+                                 "--nproc-per-node 4 --tensor-model-parallel-size 4 --sequence-parallel"}) {
+      SCOPED_TRACE(recipe + " | " + tp);
+      const TrainingResult plain = train("--train-iters 3 " + recipe + " " + tp);
+      const TrainingResult overlap = train("--train-iters 3 " + recipe + " " + tp + " --tp-comm-overlap");
+      ASSERT_EQ(plain.losses.size(), 3u);
+      ASSERT_EQ(overlap.losses.size(), 3u);
+      for (const auto& [it, l] : plain.losses) EXPECT_EQ(overlap.losses.at(it), l) << "iteration " << it;
+      for (const auto& [it, v] : plain.validation) EXPECT_EQ(overlap.validation.at(it).loss, v.loss) << it;
+    }
 }
 
 // Mixture of experts with expert parallelism: each expert's FP8 GEMM multiplies the tokens routed
@@ -268,6 +289,10 @@ TEST_F(Fp8Training, BadFlagsFailBeforeTraining) {
                                                   "rank's weight shard [120, 40]"},
            {"--fp8-format e4m3 --seq-length 12 --micro-batch-size 1 --global-batch-size 4",
             "(sequence length / context-parallel size x micro-batch size = 12) to be a multiple of 16"},
+           {"--fp8-format e4m3 --nproc-per-node 4 --tensor-model-parallel-size 4 --sequence-parallel "
+            "--micro-batch-size 1",
+            "per tensor-parallel block of rows (sequence length / context-parallel size / tensor-parallel size x "
+            "micro-batch size = 32 / 4 = 8), which must be a multiple of 16"},
            {"--fp8-format e4m3 --num-experts 4 --disable-bias-linear --moe-grouped-gemm",
             "--fp8-format e4m3 with --moe-grouped-gemm is not supported"}}) {
     expect_error_text([&] { train("--train-iters 1 " + bad); }, msg, bad);

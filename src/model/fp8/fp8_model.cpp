@@ -73,8 +73,12 @@ std::unique_ptr<Fp8Linear> Fp8Model::tp_linear(const std::string& prefix, bool r
   return make_linear(layer, reserve(layer, 1), prefix, weight, out, in, row ? row_groups() : column_groups());
 }
 
-Fp8Groups Fp8Model::column_groups() const { return Fp8Groups{cp_.get(), tp_.get(), tp_cp_.get()}; }
-Fp8Groups Fp8Model::row_groups() const { return Fp8Groups{tp_cp_.get(), tp_.get(), cp_.get()}; }
+Fp8Groups Fp8Model::column_groups() const {
+  return Fp8Groups{cp_.get(), tp_.get(), tp_cp_.get(), /*x_shard=*/tp_cp_.get(), nullptr};
+}
+Fp8Groups Fp8Model::row_groups() const {
+  return Fp8Groups{tp_cp_.get(), tp_.get(), cp_.get(), nullptr, /*dy_shard=*/tp_cp_.get()};
+}
 
 Fp8TensorState Fp8Model::tensor_state(const Tensor& block, int64_t column) const {
   const int64_t h = history_rows(), n = block.size(1);

@@ -59,7 +59,8 @@ class Fp8Model {
                                        int64_t in);
   /// The reduction groups of a ColumnParallelLinear / RowParallelLinear over the model's TP group
   /// (docs/fp8.md table): column x over CP (gathered or replicated over TP), w over TP, dy over
-  /// TP x CP; row x over TP x CP, w over TP, dy over CP.
+  /// TP x CP; row x over TP x CP, w over TP, dy over CP. The sequence-parallel shards of column x
+  /// and row dy (gathered block by block) over TP x CP.
   Fp8Groups column_groups() const;
   Fp8Groups row_groups() const;
 

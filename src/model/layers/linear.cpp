@@ -11,6 +11,17 @@ std::string last_component(const std::string& prefix) {
   const size_t dot = prefix.rfind('.');
   return dot == std::string::npos ? prefix : prefix.substr(dot + 1);
 }
+
+/// dst[k] += Σ_i src[i, k] (dst fp32 [k], src [m, k] in the act dtype), by the column sum that
+/// gelu_linear_backward runs after its dgrad GEMM (ops/matmul.h; the same kernel, so the same
+/// bits): linear_backward's bias gradient alone. With dx and dw empty it reads neither x nor w,
+/// so views of src with the shapes it checks ([m, 1] and [k, 1]) stand in for them.
+void add_column_sums(const Tensor& dst, const Tensor& src, const Stream& stream) {
+  const int64_t m = src.size(0), k = src.size(1);
+  const Tensor flat = src.view({m * k});
+  linear_backward(Tensor(), Tensor(), dst, src, flat.slice0(0, m).view({m, 1}), flat.slice0(0, k).view({k, 1}),
+                  stream);
+}
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -43,7 +54,8 @@ void ColumnParallelLinear::plan(BufferPlanner& p, int64_t s, int64_t b) {
   // FP8: the quantised transposed input is saved instead (Fp8Linear::plan)
   saved_[a] = recompute_input_ || fp8_ ? p.scratch(role_ + ".input", t, {s, b, in_})
                                        : p.saved(t, {s, b, in_}, "column-parallel input");
-  if (fp8_) fp8_->plan(p, s * b, /*save_input=*/!recompute_input_);
+  const int64_t blocks = tp_.sequence_parallel() ? tp_.size() : 1;  // the GEMM's row blocks (all_gather_gemm)
+  if (fp8_) fp8_->plan(p, s * b, /*save_input=*/!recompute_input_, /*variable_rows=*/false, blocks);
   const int64_t sl = tp_.local_seq(s);
   input_local_ = tp_.sequence_parallel() ? p.scratch("column_parallel.input_local", t, {sl, b, in_}) : Tensor();
   dx_full_ = p.scratch("column_parallel.dx", t, {s, b, in_});
@@ -61,14 +73,31 @@ void ColumnParallelLinear::restore_input(const StepContext& ctx) {
 
 void ColumnParallelLinear::forward(const Tensor& y, const StepContext& ctx, const Tensor& pre_gelu, bool gather) {
   const Tensor& x = saved_.at(static_cast<size_t>(ctx.slot));
-  if (gather) tp_.enter_forward(x, input_local_, ctx.stream);
   const int64_t n = local_out();
-  const Tensor y2 = y.view({y.numel() / n, n}), pre2 = pre_gelu.empty() ? Tensor() : pre_gelu.view({pre_gelu.numel() / n, n});
-  if (fp8_) {
-    fp8_->forward(y2, rows(x), value_or_empty(bias_), pre2, ctx.slot, ctx.stream);
+  const Tensor y2 = y.view({y.numel() / n, n});
+  const Tensor pre2 = pre_gelu.empty() ? Tensor() : pre_gelu.view({pre_gelu.numel() / n, n});
+  const Tensor bias = value_or_empty(bias_);
+  // FP8: x's scale first (from this rank's sequence shard when the input is gathered block by
+  // block), the saved x_t from the whole gathered input after
+  const bool shard = gather && tp_.sequence_parallel();
+  if (fp8_) fp8_->begin_forward(rows(shard ? input_local_ : x), shard, ctx.slot, ctx.stream);
+  // y rows [first, first + count) from those rows of the gathered input (all of them at once
+  // unless --tp-comm-overlap pipelines the all-gather with the GEMM)
+  auto gemm = [&](const Tensor& x_rows, int64_t first) {
+    const int64_t end = first + x_rows.size(0);
+    const Tensor pre_rows = pre2.empty() ? Tensor() : pre2.slice0(first, end);
+    if (fp8_) {
+      fp8_->forward_rows(y2.slice0(first, end), x_rows, first, bias, pre_rows, ctx.slot, ctx.stream);
+    } else {
+      linear_forward(y2.slice0(first, end), x_rows, weight().value(), bias, pre_rows, ctx.stream);
+    }
+  };
+  if (gather) {
+    tp_.all_gather_gemm(x, input_local_, gemm, ctx.stream);
   } else {
-    linear_forward(y2, rows(x), weight().value(), value_or_empty(bias_), pre2, ctx.stream);
+    gemm(rows(x), 0);
   }
+  if (fp8_) fp8_->end_forward(rows(x), ctx.slot, ctx.stream);
 }
 
 Tensor ColumnParallelLinear::gather_input(const StepContext& ctx) {
@@ -97,18 +126,32 @@ void ColumnParallelLinear::reduce_input_grad(const Tensor& dx_local, const Tenso
 
 Tensor ColumnParallelLinear::backward(const Tensor& dy, const StepContext& ctx, WgradDeferral* defer,
                                       bool bias_grad_done) {
-  const Tensor& x = saved_.at(static_cast<size_t>(ctx.slot));
+  const Tensor x = rows(saved_.at(static_cast<size_t>(ctx.slot)));
   const Tensor dw = weight().grad(), db = bias_grad_done ? Tensor() : grad_or_empty(bias_);
   const Tensor dy2 = dy.view({dy.numel() / local_out(), local_out()});
-  if (fp8_) {  // the weight gradient now (never deferred)
-    fp8_->backward({rows(dx_full_), dw, weight().grad_write(), db, Tensor(), Tensor()}, dy2, rows(x), ctx.slot, ctx.stream);
-  } else if (defer) {
-    linear_backward(rows(dx_full_), Tensor(), Tensor(), dy2, rows(x), weight().value(), ctx.stream);
-    defer->add(dw, db, dy2, rows(x), weight().value(), weight().grad_write());
-  } else {
-    linear_backward(rows(dx_full_), dw, db, dy2, rows(x), weight().value(), ctx.stream, weight().grad_write());
-  }
-  tp_.enter_backward(dx_local_, dx_full_, ctx.stream);
+  // dgrad of rows [first, first + count) into dx_rows; the TP reduction of dx follows (in pieces
+  // pipelined with these GEMMs under --tp-comm-overlap), the weight gradient runs before it ends
+  // (FP8: never deferred)
+  if (fp8_) fp8_->begin_backward(dy2, /*shard=*/false, ctx.stream);
+  auto dgrad = [&](const Tensor& dx_rows, int64_t first) {
+    const int64_t end = first + dx_rows.size(0);
+    if (fp8_) {
+      fp8_->dgrad_rows(dx_rows, dy2.slice0(first, end), first, Tensor(), ctx.stream);
+    } else {
+      linear_backward(dx_rows, Tensor(), Tensor(), dy2.slice0(first, end), x.slice0(first, end), weight().value(),
+                      ctx.stream);
+    }
+  };
+  auto wgrad = [&] {
+    if (fp8_) {
+      fp8_->wgrad(dw, weight().grad_write(), db, dy2, x, ctx.slot, ctx.stream);
+    } else if (defer) {
+      defer->add(dw, db, dy2, x, weight().value(), weight().grad_write());
+    } else {
+      linear_backward(Tensor(), dw, db, dy2, x, weight().value(), ctx.stream, weight().grad_write());
+    }
+  };
+  tp_.gemm_reduce_scatter(dx_local_, dx_full_, dgrad, wgrad, ctx.stream);
   return dx_local_;
 }
 
@@ -133,7 +176,7 @@ void RowParallelLinear::plan(BufferPlanner& p, int64_t s, int64_t b) {
   if (saved_.size() <= a) saved_.resize(a + 1);
   const int64_t in_l = in_ / tp_.size(), sl = tp_.local_seq(s);
   saved_[a] = recompute_input_ ? p.scratch(role_ + ".input", t, {s, b, in_l}) : p.saved(t, {s, b, in_l}, "row-parallel input");
-  if (fp8_) fp8_->plan(p, s * b, /*save_input=*/false);
+  if (fp8_) fp8_->plan(p, s * b, /*save_input=*/false, /*variable_rows=*/false, tp_.sequence_parallel() ? tp_.size() : 1);
   out_full_ = p.scratch("row_parallel.out", t, {s, b, out_});
   out_local_ = tp_.sequence_parallel() ? p.scratch("row_parallel.out_local", t, {sl, b, out_}) : out_full_;
   dy_full_ = tp_.sequence_parallel() ? p.scratch("row_parallel.dy", t, {s, b, out_}) : Tensor();
@@ -152,35 +195,54 @@ Tensor RowParallelLinear::forward(const StepContext& ctx, const ResidualAdd* add
     }
     return add->out;
   }
-  if (fp8_) {
-    fp8_->forward(rows(out_full_), rows(x), Tensor(), Tensor(), ctx.slot, ctx.stream);
-  } else {
-    linear_forward(rows(out_full_), rows(x), weight_.value(), Tensor(), Tensor(), ctx.stream);
-  }
-  tp_.exit_forward(out_local_, out_full_, ctx.stream);
+  const Tensor x2 = rows(x);
+  if (fp8_) fp8_->begin_forward(x2, /*shard=*/false, ctx.slot, ctx.stream);
+  auto gemm = [&](const Tensor& out_rows, int64_t first) {  // partial sums of rows [first, first + count)
+    const Tensor x_rows = x2.slice0(first, first + out_rows.size(0));
+    if (fp8_) {
+      fp8_->forward_rows(out_rows, x_rows, first, Tensor(), Tensor(), ctx.slot, ctx.stream);
+    } else {
+      linear_forward(out_rows, x_rows, weight_.value(), Tensor(), Tensor(), ctx.stream);
+    }
+  };
+  tp_.gemm_reduce_scatter(out_local_, out_full_, gemm, {}, ctx.stream);
+  if (fp8_) fp8_->end_forward(x2, ctx.slot, ctx.stream);
   return out_local_;
 }
 
 Tensor RowParallelLinear::backward(const Tensor& dy, const StepContext& ctx, WgradDeferral* defer,
                                    const GeluInput* gelu) {
-  const Tensor& x = saved_.at(static_cast<size_t>(ctx.slot));
+  const Tensor x = rows(saved_.at(static_cast<size_t>(ctx.slot)));
   const Tensor dy_full = tp_.sequence_parallel() ? dy_full_ : dy;
-  tp_.exit_backward(dy_full, dy, ctx.stream);
-  const Tensor dw = defer ? Tensor() : weight_.grad();
   const GradWrite dw_write = weight_.grad_write();  // taken now, also for the deferred GEMM
+  const Tensor dx = rows(dx_), pre = gelu ? rows(gelu->pre) : Tensor();
+  // FP8: dy's scale first (from this rank's sequence shard under sequence parallelism)
+  if (fp8_) fp8_->begin_backward(rows(dy), /*shard=*/tp_.sequence_parallel(), ctx.stream);
+  // dgrad of rows [first, first + count) from those rows of the gathered output gradient (all of
+  // them at once unless --tp-comm-overlap pipelines the all-gather with the GEMM); with `gelu` the
+  // GELU backward rides on it, and the producer's bias gradient follows over all rows, as
+  // gelu_linear_backward computes it
+  auto dgrad = [&](const Tensor& dy_rows, int64_t first) {
+    const int64_t end = first + dy_rows.size(0);
+    if (fp8_) {
+      fp8_->dgrad_rows(dx.slice0(first, end), dy_rows, first, gelu ? pre.slice0(first, end) : Tensor(), ctx.stream);
+    } else if (gelu) {
+      gelu_linear_backward(dx.slice0(first, end), Tensor(), Tensor(), Tensor(), dy_rows, x.slice0(first, end),
+                           pre.slice0(first, end), weight_.value(), ctx.stream);
+    } else {
+      linear_backward(dx.slice0(first, end), Tensor(), Tensor(), dy_rows, x.slice0(first, end), weight_.value(),
+                      ctx.stream);
+    }
+  };
+  tp_.all_gather_gemm(dy_full, dy, dgrad, ctx.stream);
+  if (gelu && !gelu->dbias.empty()) add_column_sums(gelu->dbias, dx, ctx.stream);
   if (fp8_) {  // the weight gradient now (never deferred)
-    fp8_->backward({rows(dx_), weight_.grad(), dw_write, Tensor(), gelu ? rows(gelu->pre) : Tensor(),
-                    gelu ? gelu->dbias : Tensor()},
-                   rows(dy_full), rows(x), ctx.slot, ctx.stream);
-    return dx_;
-  }
-  if (gelu) {
-    gelu_linear_backward(rows(dx_), gelu->dbias, dw, Tensor(), rows(dy_full), rows(x), rows(gelu->pre),
-                         weight_.value(), ctx.stream, dw_write);
+    fp8_->wgrad(weight_.grad(), dw_write, Tensor(), rows(dy_full), x, ctx.slot, ctx.stream);
+  } else if (defer) {
+    defer->add(weight_.grad(), Tensor(), rows(dy_full), x, weight_.value(), dw_write);
   } else {
-    linear_backward(rows(dx_), dw, Tensor(), rows(dy_full), rows(x), weight_.value(), ctx.stream, dw_write);
+    linear_backward(Tensor(), weight_.grad(), Tensor(), rows(dy_full), x, weight_.value(), ctx.stream, dw_write);
   }
-  if (defer) defer->add(weight_.grad(), Tensor(), rows(dy_full), rows(x), weight_.value(), dw_write);
   return dx_;
 }
 

@@ -12,8 +12,15 @@
 // Its bias [out] is replicated and NOT added here (Megatron's skip_bias_add): the caller fuses it
 // into bias-dropout-add.
 //
+// The sequence-parallel collectives run together with the GEMM beside them
+// (TensorParallelRegion::all_gather_gemm: the input all-gather with the forward GEMM, the output
+// gradient's all-gather with the dgrad GEMM; gemm_reduce_scatter: the output reduce-scatter with
+// the forward GEMM, the input gradient's with the dgrad GEMM, the wgrad GEMM before its end), so
+// that --tp-comm-overlap pipelines them block by block; the results are those of one GEMM.
+//
 // With FP8 (--fp8-format; docs/fp8.md) a decoder layer's linear runs its three GEMMs through an
-// Fp8Linear (model/fp8/fp8_linear.h): a ColumnParallelLinear then saves its input quantised and
+// Fp8Linear (model/fp8/fp8_linear.h), block by block inside the same collectives (with or
+// without --tp-comm-overlap): a ColumnParallelLinear then saves its input quantised and
 // transposed (FP8 [in, s·b]) instead of the bf16 one, a RowParallelLinear keeps its bf16 input (the
 // core attention's backward reads linear_proj's) and quantises it again in the backward; the
 // weight gradients are never deferred.
