@@ -140,21 +140,33 @@ struct Outputs {
   std::vector<float> y, pre, dx, dw, dw2, db;
 };
 
+/// The weight w uploaded and quantised, the inputs x [m, in], bias, dy [m, out] on the CPU, the
+/// outputs poisoned (db zeroed).
+struct Io {
+  Io(Harness& h, int64_t m, const std::vector<float>& x, const std::vector<float>& w, const std::vector<float>& bias,
+     const std::vector<float>& dy)
+      : xt(make(x, {m, h.in})), bt(make(bias, {h.out})), dyt(make(dy, {m, h.out})),
+        y(DType::kF32, Device::cpu(), {m, h.out}), pre(DType::kF32, Device::cpu(), {m, h.out}),
+        dx(DType::kF32, Device::cpu(), {m, h.in}), db(DType::kF32, Device::cpu(), {h.out}) {
+    testing::upload(h.weight.value(), w, st);
+    h.model->quantize_weights(0, /*force=*/true, st);
+    for (const Tensor& t : {y.t, pre.t, dx.t, h.weight.grad()}) testing::poison(t, st);
+    fill(db, 0.f, st);
+  }
+  static testing::OwnedTensor make(const std::vector<float>& v, std::vector<int64_t> shape) {
+    return testing::make_tensor(v, DType::kF32, Device::cpu(), shape, testing::cpu_stream());
+  }
+  const Stream& st = testing::cpu_stream();
+  testing::OwnedTensor xt, bt, dyt, y, pre, dx, db;
+};
+
 /// forward (bias + GELU epilogue: pre = x wᵀ + b, y = gelu(pre)), backward (dx, dw written, db), then
 /// backward again accumulating into dw (dw2).
 Outputs run(Harness& h, int64_t m, const std::vector<float>& x, const std::vector<float>& w,
             const std::vector<float>& bias, const std::vector<float>& dy) {
-  const Stream& st = testing::cpu_stream();
-  testing::upload(h.weight.value(), w, st);
-  h.model->quantize_weights(0, /*force=*/true, st);
-  auto make = [&](const std::vector<float>& v, std::vector<int64_t> shape) {
-    return testing::make_tensor(v, DType::kF32, Device::cpu(), shape, st);
-  };
-  const testing::OwnedTensor xt = make(x, {m, h.in}), bt = make(bias, {h.out}), dyt = make(dy, {m, h.out});
-  testing::OwnedTensor y(DType::kF32, Device::cpu(), {m, h.out}), pre(DType::kF32, Device::cpu(), {m, h.out}),
-      dx(DType::kF32, Device::cpu(), {m, h.in}), db(DType::kF32, Device::cpu(), {h.out});
-  for (const Tensor& t : {y.t, pre.t, dx.t, h.weight.grad()}) testing::poison(t, st);
-  fill(db, 0.f, st);
+  Io io(h, m, x, w, bias, dy);
+  const Stream& st = io.st;
+  const auto &xt = io.xt, &bt = io.bt, &dyt = io.dyt, &y = io.y, &pre = io.pre, &dx = io.dx, &db = io.db;
   h.lin->forward(y, xt, bt, pre, 0, st);
   h.lin->backward({dx, h.weight.grad(), GradWrite::kOverwrite, db, Tensor(), Tensor()}, dyt, xt, 0, st);
   Outputs o{to_host(y, st), to_host(pre, st), to_host(dx, st), to_host(h.weight.grad(), st), {}, to_host(db, st)};
@@ -247,17 +259,9 @@ INSTANTIATE_TEST_SUITE_P(
 /// tensors after them; the accumulating backward runs the wgrad alone.
 Outputs run_blocks(Harness& h, int64_t m, int64_t block, int start, const std::vector<float>& x,
                    const std::vector<float>& w, const std::vector<float>& bias, const std::vector<float>& dy) {
-  const Stream& st = testing::cpu_stream();
-  testing::upload(h.weight.value(), w, st);
-  h.model->quantize_weights(0, /*force=*/true, st);
-  auto make = [&](const std::vector<float>& v, std::vector<int64_t> shape) {
-    return testing::make_tensor(v, DType::kF32, Device::cpu(), shape, st);
-  };
-  const testing::OwnedTensor xt = make(x, {m, h.in}), bt = make(bias, {h.out}), dyt = make(dy, {m, h.out});
-  testing::OwnedTensor y(DType::kF32, Device::cpu(), {m, h.out}), pre(DType::kF32, Device::cpu(), {m, h.out}),
-      dx(DType::kF32, Device::cpu(), {m, h.in}), db(DType::kF32, Device::cpu(), {h.out});
-  for (const Tensor& t : {y.t, pre.t, dx.t, h.weight.grad()}) testing::poison(t, st);
-  fill(db, 0.f, st);
+  Io io(h, m, x, w, bias, dy);
+  const Stream& st = io.st;
+  const auto &xt = io.xt, &bt = io.bt, &dyt = io.dyt, &y = io.y, &pre = io.pre, &dx = io.dx, &db = io.db;
   const int n = static_cast<int>(m / block);
   auto rows = [&](const Tensor& t, int i) { return t.slice0(i * block, (i + 1) * block); };
   h.lin->begin_forward(xt, /*shard=*/false, 0, st);
