@@ -187,19 +187,21 @@ Fp8Operand Fp8Linear::weight_operand(bool transposed) const {
   return {transposed ? wq_t_ : wq_, transposed ? wq_t_s_ : wq_s_, s};
 }
 
+void Fp8Linear::quantize_act(const Tensor& q, const Tensor& q_s, const Tensor& q_t, const Tensor& q_t_s,
+                             const Tensor& x, const Tensor& scale, const Tensor& record, const Stream& st) const {
+  if (model_.settings().blockwise()) {
+    fp8_quantize_blockwise(q, q_s, q_t, q_t_s, x, Fp8Scaling::kBlock1x128, /*pow2=*/true, st);
+  } else {
+    fp8_quantize(q, q_t, x, scale, model_.settings().delayed() ? record : Tensor(), st);
+  }
+}
+
 void Fp8Linear::quantize_x(const Tensor& xq, const Tensor& xq_s, const Tensor& x_t, const Tensor& x_t_s,
                            const Tensor& x, const Saved& sv, bool record, const Stream& st) {
-  switch (model_.settings().recipe) {
-    case Fp8Recipe::kTensorwise:  // with the scale begin_forward computed
-      fp8_quantize(xq, x_t, x, sv.x_scale.flat_range(0, 1), Tensor(), st);
-      break;
-    case Fp8Recipe::kDelayed:
-      fp8_quantize(xq, x_t, x, x_.scale, record ? x_.record : Tensor(), st);
-      break;
-    case Fp8Recipe::kBlockwise:
-      fp8_quantize_blockwise(xq, xq_s, x_t, x_t_s, x, Fp8Scaling::kBlock1x128, /*pow2=*/true, st);
-      break;
-  }
+  // tensorwise: the scale begin_forward computed, kept per activation slot; delayed: the step's
+  const bool tensorwise = model_.settings().recipe == Fp8Recipe::kTensorwise;
+  quantize_act(xq, xq_s, x_t, x_t_s, x, tensorwise ? sv.x_scale.flat_range(0, 1) : x_.scale,
+               record ? x_.record : Tensor(), st);
 }
 
 Fp8Operand Fp8Linear::x_t_operand(const Saved& sv, const Tensor& x_t, const Tensor& x_t_s) const {
@@ -213,17 +215,7 @@ Fp8Operand Fp8Linear::x_t_operand(const Saved& sv, const Tensor& x_t, const Tens
 
 void Fp8Linear::quantize_dy(const Tensor& dyq, const Tensor& dyq_s, const Tensor& dyq_t, const Tensor& dyq_t_s,
                             const Tensor& dy, bool record, const Stream& st) {
-  switch (model_.settings().recipe) {
-    case Fp8Recipe::kTensorwise:  // with the scale begin_backward computed
-      fp8_quantize(dyq, dyq_t, dy, dy_.scale, Tensor(), st);
-      break;
-    case Fp8Recipe::kDelayed:  // the backward always belongs to a training step
-      fp8_quantize(dyq, dyq_t, dy, dy_.scale, record ? dy_.record : Tensor(), st);
-      break;
-    case Fp8Recipe::kBlockwise:
-      fp8_quantize_blockwise(dyq, dyq_s, dyq_t, dyq_t_s, dy, Fp8Scaling::kBlock1x128, /*pow2=*/true, st);
-      break;
-  }
+  quantize_act(dyq, dyq_s, dyq_t, dyq_t_s, dy, dy_.scale, record ? dy_.record : Tensor(), st);
 }
 
 Fp8Linear::Block Fp8Linear::block(int64_t rows, int64_t first, int64_t m, bool grad) const {

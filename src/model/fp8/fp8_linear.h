@@ -165,6 +165,10 @@ class Fp8Linear {
     bool whole = false;
   };
   Block block(int64_t rows, int64_t first, int64_t m, bool grad) const;
+  // An activation or gradient [m, cols] into q (rowwise) and / or q_t (transposed): blockwise with
+  // its own 1x128 tiles, else with the device scale, recording the amax into `record` (delayed).
+  void quantize_act(const Tensor& q, const Tensor& q_s, const Tensor& q_t, const Tensor& q_t_s, const Tensor& x,
+                    const Tensor& scale, const Tensor& record, const Stream& stream) const;
   // Quantises x [m, in] into xq (and x_t when given) with the recipe and the scale of begin_forward
   // (tensorwise: slot's; delayed: the state's; blockwise: its own block scales into xq_s / x_t_s).
   void quantize_x(const Tensor& xq, const Tensor& xq_s, const Tensor& x_t, const Tensor& x_t_s, const Tensor& x,
