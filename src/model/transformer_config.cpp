@@ -319,6 +319,20 @@ void TransformerConfig::validate(int tp) const {
   MT_REQUIRE(!full || recompute_method != RecomputeMethod::kUniform || recompute_num_layers <= num_layers,
              "--recompute-num-layers {} exceeds --num-layers {} (--recompute-method uniform)", recompute_num_layers,
              num_layers);
+  if (fp8 != Fp8Format::kNone) {  // docs/fp8.md
+    MT_REQUIRE(fp8_amax_history_len >= 1, "--fp8-amax-history-len must be >= 1, got {}", fp8_amax_history_len);
+    MT_REQUIRE(fp8_margin >= 0, "--fp8-margin must be >= 0, got {}", fp8_margin);
+    MT_REQUIRE(num_layers_at_start_in_bf16 >= 0 && num_layers_at_end_in_bf16 >= 0,
+               "--num-layers-at-start-in-bf16 {} and --num-layers-at-end-in-bf16 {} must be >= 0",
+               num_layers_at_start_in_bf16, num_layers_at_end_in_bf16);
+    MT_REQUIRE(num_moe_experts == 0 || !moe_grouped_gemm,
+               "--fp8-format {} with --moe-grouped-gemm is not supported: the grouped expert GEMM has no FP8 kernel "
+               "(the experts run FP8 one GEMM per expert; drop --moe-grouped-gemm)",
+               fp8_format_name(fp8));
+    MT_REQUIRE(num_moe_experts == 0 || !moe_enable_echo,
+               "--fp8-format {} with --moe-enable-echo is not supported (the expert clones have no FP8 weights)",
+               fp8_format_name(fp8));
+  }
   if (num_moe_experts == 0) return;
   MT_REQUIRE(!full || !moe_aux_loss_on(MoeLoadBalancing::kGlobalAuxLoss),
              "--moe-router-load-balancing-type global_aux_loss with --recompute-granularity full is not supported: "
@@ -447,6 +461,12 @@ double TransformerConfig::flops_per_iteration(int64_t global_batch, int tp) cons
   return 6.0 * B * s * (L * attention + h * F * ffn_factor + h * V);
 }
 
+bool TransformerConfig::fp8_layer(int64_t layer) const {
+  if (fp8 == Fp8Format::kNone) return false;
+  if (!first_last_layers_bf16) return true;
+  return layer >= num_layers_at_start_in_bf16 && layer < num_layers - num_layers_at_end_in_bf16;
+}
+
 std::string TransformerConfig::summary() const {
   std::string s = fmt::format("{} layers, hidden {}, heads {}", num_layers, hidden_size, num_attention_heads);
   if (query_groups() != num_attention_heads) s += fmt::format(" ({} query groups)", query_groups());
@@ -460,6 +480,11 @@ std::string TransformerConfig::summary() const {
   if (qk_layernorm) s += ", QK-norm";
   if (untie_embeddings_and_output_weights) s += ", untied output layer";
   if (deterministic_mode) s += ", deterministic mode";
+  if (fp8 != Fp8Format::kNone) {
+    s += ", FP8 " + fp8_settings().summary();
+    if (first_last_layers_bf16)
+      s += fmt::format(" (first {} / last {} layers bf16)", num_layers_at_start_in_bf16, num_layers_at_end_in_bf16);
+  }
   if (recompute_granularity == RecomputeGranularity::kSelective) {
     const RecomputeModules& r = recompute_modules;
     std::string mods;

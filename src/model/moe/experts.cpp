@@ -4,6 +4,7 @@
 #include <cmath>
 #include <numeric>
 
+#include "model/fp8/fp8_model.h"
 #include "model/layers/mlp.h"
 #include "model/layers/parallel_params.h"
 #include "model/moe/moe_utils.h"
@@ -35,6 +36,26 @@ MoeExperts::MoeExperts(const TransformerConfig& c, const std::string& p, const E
   }
   if (num_echo_ > 0)
     clones_ = std::make_unique<EchoClones>(ep, num_local_, num_echo_, c.moe_received_token_capacity > 0);
+  if (Fp8Model* f = reg.fp8(); f && f->layer_on(Fp8Model::decoder_layer(p))) {
+    // columns of every global expert (the same in every EP layout); fc1 like a column-parallel
+    // linear over ETP (x replicated), fc2 like a row-parallel one (dy replicated)
+    const int64_t layer = Fp8Model::decoder_layer(p), base = f->reserve(layer, 2 * c.num_moe_experts);
+    Communicator* etp = ep.etp_group.get();
+    for (int64_t i = 0; i < num_local_; ++i) {
+      Expert& ex = experts_[static_cast<size_t>(i)];
+      const std::string e = fmt::format("{}experts.local_experts.{}.", p, first_expert + i);
+      const int64_t col = base + 2 * (first_expert + i);
+      ex.fp8_fc1 = f->make_linear(layer, col, e + "linear_fc1", &ex.fc1, (gated_ ? 2 : 1) * local_ffn_, h,
+                                  Fp8Groups{nullptr, etp, etp});
+      ex.fp8_fc2 = f->make_linear(layer, col + 1, e + "linear_fc2", &ex.fc2, h, local_ffn_, Fp8Groups{etp, etp, nullptr});
+    }
+  }
+}
+
+Fp8Linear* MoeExperts::fp8(int64_t e, int fc) const {
+  if (e >= num_local_) return nullptr;  // ECHO clone slots (not with FP8)
+  const Expert& ex = experts_[static_cast<size_t>(e)];
+  return fc == 1 ? ex.fp8_fc1.get() : ex.fp8_fc2.get();
 }
 
 void MoeExperts::plan(BufferPlanner& p, int64_t max_rows) {
@@ -50,6 +71,9 @@ void MoeExperts::plan(BufferPlanner& p, int64_t max_rows) {
   sv.act = recompute_act_ ? p.scratch("moe.act", t, {max_rows, f2}) : p.saved(t, {max_rows, f2}, "expert activations");
   sv.out = p.saved(t, {max_rows, h}, "expert outputs");
   if (clones_) clones_->plan(p, f1, f2, h);  // the clones' weights and gradients: fetched per use (scratch)
+  for (Expert& ex : experts_)  // FP8: each expert's rows vary per dispatch (padded to 16 inside)
+    for (Fp8Linear* l : {ex.fp8_fc1.get(), ex.fp8_fc2.get()})
+      if (l) l->plan(p, max_rows, /*save_input=*/false, /*variable_rows=*/true);
   d_out_ = p.scratch("moe.d_out", t, {max_rows, h});
   d_act_ = p.scratch("moe.d_act", t, {max_rows, f2});
   d_pre_ = p.scratch("moe.d_pre", t, {max_rows, f1});
@@ -61,6 +85,7 @@ Tensor MoeExperts::forward(MoeExpertCounts counts, const MoeTokenDispatcher& d, 
   sv.counts = counts.device;
   sv.counts_host = std::move(counts.host);
   sv.rows = rows_of(sv);
+  sv.slot = slot;
   if (clones_) clones_->fetch_weights(d, slot, *this, st);  // the home experts' weights into the clone slots
   compute_forward(sv, st);
   return output(slot);
@@ -122,43 +147,64 @@ int64_t SequentialMLP::rows_of(const Saved& sv) const {
   return std::accumulate(sv.counts_host.begin(), sv.counts_host.end(), int64_t{0});
 }
 
-// Calls fn(expert, slice) for every expert slot with rows in this dispatch, in slot order;
+// Calls fn(e, expert, slice) for every expert slot e with rows in this dispatch, in slot order;
 // slice(t) is that slot's row range [off, off + n) of a [R_max, ·] buffer.
 template <typename Fn>
 void SequentialMLP::for_each_expert(const Saved& sv, Fn&& fn) const {
   int64_t off = 0;
   for (int64_t e = 0; e < num_slots(); ++e) {
     const int64_t n = sv.counts_host[static_cast<size_t>(e)];
-    if (n > 0) fn(expert(e), [off, n](const Tensor& t) { return row_range(t, off, n); });
+    if (n > 0) fn(e, expert(e), [off, n](const Tensor& t) { return row_range(t, off, n); });
     off += n;
   }
 }
 
+namespace {
+// One expert projection y = x wᵀ (GELU epilogue with pre_gelu): FP8 when the layer runs FP8.
+void project(Fp8Linear* fp8, const Tensor& y, const Tensor& x, const Tensor& w, const Tensor& pre_gelu, int slot,
+             const Stream& st) {
+  if (fp8) {
+    fp8->forward(y, x, Tensor(), pre_gelu, slot, st);
+  } else {
+    linear_forward(y, x, w, Tensor(), pre_gelu, st);
+  }
+}
+// Its backward: dx = dy w, dw += dyᵀ x.
+void project_backward(Fp8Linear* fp8, const Tensor& dx, const Tensor& dw, const Tensor& dy, const Tensor& x,
+                      const Tensor& w, int slot, const Stream& st) {
+  if (fp8) {
+    fp8->backward({dx, dw, GradWrite::kAccumulate, Tensor(), Tensor(), Tensor()}, dy, x, slot, st);
+  } else {
+    linear_backward(dx, dw, Tensor(), dy, x, w, st);
+  }
+}
+}  // namespace
+
 void SequentialMLP::compute_forward(Saved& sv, const Stream& st) {
-  for_each_expert(sv, [&](const ExpertSlot& ex, const auto& slice) {
+  for_each_expert(sv, [&](int64_t e, const ExpertSlot& ex, const auto& slice) {
     const Tensor xe = slice(sv.xp), pre = slice(sv.pre), act = slice(sv.act);
     if (gated_) {
-      linear_forward(pre, xe, ex.w1, Tensor(), Tensor(), st);
+      project(fp8(e, 1), pre, xe, ex.w1, Tensor(), sv.slot, st);
       mlp_activation(act, pre, true, st);
     } else {
-      linear_forward(act, xe, ex.w1, Tensor(), pre, st);  // GELU epilogue
+      project(fp8(e, 1), act, xe, ex.w1, pre, sv.slot, st);  // GELU epilogue
     }
-    linear_forward(slice(sv.out), act, ex.w2, Tensor(), Tensor(), st);
+    project(fp8(e, 2), slice(sv.out), act, ex.w2, Tensor(), sv.slot, st);
   });
 }
 
 void SequentialMLP::compute_backward(Saved& sv, const Stream& st) {
-  for_each_expert(sv, [&](const ExpertSlot& ex, const auto& slice) {
+  for_each_expert(sv, [&](int64_t e, const ExpertSlot& ex, const auto& slice) {
     const Tensor xe = slice(sv.xp), pre = slice(sv.pre), act = slice(sv.act);
     const Tensor dact = slice(d_act_), dpre = slice(d_pre_);
     if (recompute_act_) mlp_activation(act, pre, gated_, st);
-    linear_backward(dact, ex.g2, Tensor(), slice(d_out_), act, ex.w2, st);
+    project_backward(fp8(e, 2), dact, ex.g2, slice(d_out_), act, ex.w2, sv.slot, st);
     if (gated_) {
       swiglu_backward(dpre, dact, pre, st);
     } else {
       gelu_backward(dpre, dact, pre, st);
     }
-    linear_backward(slice(d_xp_), ex.g1, Tensor(), dpre, xe, ex.w1, st);
+    project_backward(fp8(e, 1), slice(d_xp_), ex.g1, dpre, xe, ex.w1, sv.slot, st);
   });
 }
 

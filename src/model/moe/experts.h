@@ -19,13 +19,16 @@
 //     dispatch backward address rows through slot_row, which never points past R.
 //
 // Saved per area: the expert inputs, fc1 outputs, activations (scratch with --recompute-modules
-// moe_act: recomputed in the backward) and outputs, [R_max, ·] each. Weight gradients accumulate
+// moe_act: recomputed in the backward) and outputs, [R_max, ·] each. With FP8 (--fp8-format,
+// SequentialMLP only) each expert projection runs through an Fp8Linear (model/fp8/fp8_linear.h)
+// over its ragged row range (padded to 16 rows inside). Weight gradients accumulate
 // (+=) into the fp32 main gradients; the clones' into their scratch, returned to the home experts.
 #pragma once
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "model/fp8/fp8_linear.h"
 #include "model/moe/echo.h"
 #include "model/moe/token_dispatcher.h"
 #include "ops/grouped_matmul.h"
@@ -87,6 +90,7 @@ class MoeExperts {
   struct Saved {
     Tensor xp, pre, act, out;          // [R_max, h], [R_max, (2)f_l], [R_max, f_l], [R_max, h]
     std::vector<int64_t> counts_host;  // the forward's rows per expert slot (from the dispatcher)
+    int slot = 0;                      // the area (the FP8 linears' saved scales)
     Tensor counts;                     // the same, int32 [E_l + S] on the device
     int64_t rows = 0;                  // the rows the experts compute and the combine reads
   };
@@ -94,6 +98,9 @@ class MoeExperts {
   virtual int64_t rows_of(const Saved& sv) const = 0;
   virtual void compute_forward(Saved& sv, const Stream& st) = 0;
   virtual void compute_backward(Saved& sv, const Stream& st) = 0;
+
+  /// Local expert e's FP8 projection (fc 1 or 2), or nullptr when the layer runs bf16.
+  Fp8Linear* fp8(int64_t e, int fc) const;
 
   bool gated_;
   bool recompute_act_;  // --recompute-modules moe_act: sv.act is scratch, recomputed in the backward
@@ -103,6 +110,7 @@ class MoeExperts {
  private:
   struct Expert {
     ParamRef fc1, fc2;  // [(2)f_l, h], [h, f_l]
+    std::unique_ptr<Fp8Linear> fp8_fc1, fp8_fc2;  // FP8 (nullptr: bf16)
   };
   int64_t hidden_, num_local_, num_echo_, local_ffn_;
   std::vector<Expert> experts_;
