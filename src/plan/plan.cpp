@@ -31,7 +31,7 @@ GpuSpec gpu_spec(const std::string& name) {
     g.reserved_gib = 0.7;
     g.reserved_nccl_gib = 8.0;
     g.peak_tflops = kMfuPeakTflops;
-    g.compute_efficiency = h200 ? 0.615 : 0.565;
+    g.compute_efficiency = h200 ? 0.594 : 0.566;
     g.hbm_gbps = h200 ? 4800 : 3350;
     g.intra_bus_gbps = 320;
     g.inter_bus_gbps = 40;

@@ -179,8 +179,8 @@ TEST_F(Plan, RefusalsNameTheValue) {
   expect_error_text([&] { plan_training(request("--train-iters 2", 1, "a100")); }, "--gpu a100: expected h100, h200 or cpu",
                     "unknown gpu");
   expect_error_text([&] { plan_training(request("--train-iters 2", 0)); }, "--world-size must be >= 1, got 0", "world");
-  expect_error_text([&] { plan_training(request("--train-iters 2 --tensor-model-parallel-size 2", 3)); }, "3",
-                    "world not divisible by tp");
+  expect_error_text([&] { plan_training(request("--train-iters 2 --tensor-model-parallel-size 2", 3)); },
+                    "world size 3 is not divisible by tp (2)", "world not divisible by tp");
   expect_error_text([&] { plan_training(request("--train-iters 2 --bf16", 1, "cpu")); }, "--bf16 needs --gpu h100 or h200",
                     "bf16 on cpu");
   expect_error_text([&] { plan_training(request("--train-iters 2 --global-batch-size 6", 4)); },
@@ -200,6 +200,23 @@ TEST_F(Plan, SearchRanksFittingLayoutsFirst) {
   }
   const std::string table = format_search(plans, refused, 5);
   EXPECT_NE(table.find("tp=1 pp=1 vpp=1 cp=1 ep=1 dp=8"), std::string::npos) << table;
+}
+
+// The subcommand takes a script's flags without --train-iters and --lr (they size nothing) and
+// exits 0 when the layout fits, 2 when it does not.
+TEST_F(Plan, SubcommandNeedsNoScheduleFlagsAndExitsTwoWhenItDoesNotFit) {
+  const auto run = [](const std::string& args) {
+    CLI::App app;
+    PlanCommandArgs a;
+    add_plan_options(app, a);
+    app.parse(args, false);
+    return run_plan(a);
+  };
+  const std::string model = "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
+                            "--max-position-embeddings 32 --tokenizer-type NullTokenizer --vocab-size 96 --bf16 ";
+  EXPECT_EQ(run(model + "--world-size 2 --gpu h100 --json"), 0);
+  EXPECT_EQ(run(model + "--world-size 2 --gpu h100 --gpu-memory-gib 1"), 2);
+  EXPECT_EQ(run(model + "--world-size 2 --gpu h200 --search --top 3"), 0);
 }
 
 }  // namespace
