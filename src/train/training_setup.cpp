@@ -38,9 +38,11 @@ pipeline::ScheduleConfig schedule_config(const ParallelConfig& pc, int64_t num_m
   return sc;
 }
 
-}  // namespace
-
-namespace {
+pipeline::ScheduleConfig schedule_config(const ModelSetupOptions& o, const ParallelConfig& pc) {
+  pipeline::ScheduleConfig sc = schedule_config(pc, o.num_microbatches, o.microbatch_group_size);
+  sc.overlap_p2p_comm = o.overlap_p2p_comm;
+  return sc;
+}
 
 pipeline::PipelineLayout pipeline_layout_of(const ModelSetupOptions& o, const ParallelConfig& pc) {
   pipeline::PipelineLayout layout = o.pipeline;
@@ -54,12 +56,12 @@ pipeline::PipelineLayout pipeline_layout_of(const ModelSetupOptions& o, const Pa
 
 void validate_rank_schedule(const ModelSetupOptions& o, const ParallelConfig& pc) {
   pipeline::validate_pipeline_layout(pipeline_layout_of(o, pc));
-  pipeline::validate_schedule_config(schedule_config(pc, o.num_microbatches, o.microbatch_group_size));
+  pipeline::validate_schedule_config(schedule_config(o, pc));
 }
 
 RankSchedule plan_rank_schedule(const ModelSetupOptions& o, const ParallelConfig& pc, int pp_rank) {
   validate_rank_schedule(o, pc);
-  pipeline::ScheduleConfig sc = schedule_config(pc, o.num_microbatches, o.microbatch_group_size);
+  pipeline::ScheduleConfig sc = schedule_config(o, pc);
   RankSchedule s;
   s.chunks = pipeline::layers_of(pp_rank, pipeline_layout_of(o, pc));
   s.train = plan_pipeline(sc, pp_rank, s.chunks);
@@ -130,8 +132,10 @@ void ModelSetup::estimate_memory(const RankSchedule& schedule) {
   in_use_before_ = device_memory_in_use(o.device);  // CUDA context, libraries, other processes
   log_info("> memory estimate per rank: {}", memory_estimate_.summary());
   if (o.device.is_cuda()) {
-    // the free memory now, less 32 MiB per stream of cuBLASLt workspace still to come
-    check_memory_fits(memory_estimate_, device_memory_free(o.device), size_t{64} << 20, o.device.str());
+    // the free memory now, less 32 MiB per stream of cuBLASLt workspace still to come (one more
+    // for the pipeline executor's overlapped p2p stream)
+    const size_t streams = o.overlap_p2p_comm && parallel_.pp > 1 ? 3 : 2;
+    check_memory_fits(memory_estimate_, device_memory_free(o.device), streams * (size_t{32} << 20), o.device.str());
   } else if (const uint64_t avail = available_host_memory_bytes(); avail > 0) {  // 0: unknown
     check_memory_fits(memory_estimate_, avail, 0, "the host (CPU training)");
   }
@@ -212,6 +216,7 @@ ModelSetupOptions pretrain_model_options(const PretrainArgs& args, const Trainin
   o.pipeline = layout.pipeline;
   o.num_microbatches = args.num_microbatches();
   o.microbatch_group_size = args.microbatch_group_size_per_vp_stage;
+  o.overlap_p2p_comm = args.overlap_p2p_comm;
   o.micro_batch_size = args.micro_batch_size;
   o.sequence_parallel = args.sequence_parallel;
   o.dtype = args.dtype();
@@ -381,10 +386,11 @@ void TrainingSetup::log_summary() {
   if (pc.pp > 1) {
     std::string stages;
     for (const auto& r : model_setup_->chunks()) stages += fmt::format(" [{}, {})", r.begin, r.end);
-    log_info("> pipeline: {} stages{}, {} schedule, {} micro-batches; rank 0 holds layers{}, {} activation slots "
+    log_info("> pipeline: {} stages{}, {} schedule{}, {} micro-batches; rank 0 holds layers{}, {} activation slots "
              "(theoretical bubble {:.1f}%)",
              pc.pp * pc.num_chunks(), pc.vpp > 1 ? fmt::format(" ({} per rank)", pc.vpp) : "",
-             pc.vpp > 1 ? "interleaved 1F1B" : "1F1B", num_microbatches(), stages, model_setup_->train_plan().activation_slots,
+             pc.vpp > 1 ? "interleaved 1F1B" : "1F1B", args_.overlap_p2p_comm ? " with overlapped p2p" : "",
+             num_microbatches(), stages, model_setup_->train_plan().activation_slots,
              100.0 * pipeline::bubble_fraction(pc.pp, pc.vpp, static_cast<int>(num_microbatches())));
   }
   const GradSync& grad_sync = model_setup_->grad_sync();

@@ -67,7 +67,7 @@ void expect_same_estimate(const MemoryEstimate& planned, const MemoryEstimate& r
   }
 }
 
-// The layouts of the trainer's layout tests: each stage's planned memory equals the estimate of
+// Layouts of the trainer's layout tests: each stage's planned memory equals the estimate of
 // every rank of that stage in the real run, and the planned total over the world equals what the
 // ranks allocated (the estimate counts every buffer but the staging copies on the host).
 TEST_F(Plan, MemoryEqualsTheTrainersEstimateAndTheAllocatorOnEveryRank) {
@@ -80,6 +80,7 @@ TEST_F(Plan, MemoryEqualsTheTrainersEstimateAndTheAllocatorOnEveryRank) {
       {"--tensor-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer", 4},
       {"--pipeline-model-parallel-size 2 --use-distributed-optimizer", 4},
       {"--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1", 2},
+      {"--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 --overlap-p2p-communication", 2},
       {"--context-parallel-size 2 --use-distributed-optimizer", 2},
       {"--expert-model-parallel-size 2 --use-distributed-optimizer" + moe, 2},
   };
