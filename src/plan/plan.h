@@ -23,6 +23,10 @@
 #include "train/arguments.h"
 #include "train/memory_estimate.h"
 
+namespace CLI {
+class App;
+}
+
 namespace mt {
 
 /// A machine kind: device memory, the bf16 dense peak (the MFU denominator) and the rates of the
@@ -124,12 +128,8 @@ struct PlanCommandArgs {
   bool json = false;
   int64_t top = 20;  ///< --top: rows of the search table
 };
-}  // namespace mt
-
-namespace CLI {
-class App;
-}
-namespace mt {
+/// `megatron pretrain`'s options (--train-iters and --lr made optional: they size nothing) and the
+/// plan's own.
 void add_plan_options(CLI::App& app, PlanCommandArgs& args);
 /// Prints the plan (or the search table); returns 0 when the layout fits, 2 when it does not.
 int run_plan(PlanCommandArgs& args);
