@@ -11,6 +11,10 @@ namespace mt::data {
 
 std::array<double, 3> parse_split(std::string_view split) {
   std::array<double, 3> v{0.0, 0.0, 0.0};
+  // Quotes kept by a launch script's word splitting ("--split '99,1,0'" inside a bash array, as in
+  // Megatron-LM's Llama 3 example): Megatron reads the numbers only, so a quoted list is accepted.
+  if (split.size() >= 2 && (split.front() == '\'' || split.front() == '"') && split.back() == split.front())
+    split = split.substr(1, split.size() - 2);
   std::string_view rest = split;
   auto trim = [](std::string_view s) {
     while (!s.empty() && (s.front() == ' ' || s.front() == '\t')) s.remove_prefix(1);

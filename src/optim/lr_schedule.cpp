@@ -30,10 +30,11 @@ void validate(const LrScheduleConfig& cfg) {
   MT_REQUIRE(cfg.max_lr >= cfg.min_lr, "lr schedule: max_lr={} must be >= min_lr={}", cfg.max_lr, cfg.min_lr);
   MT_REQUIRE(cfg.warmup_init_lr >= 0 && cfg.warmup_init_lr <= cfg.max_lr,
              "lr schedule: warmup_init_lr={} must be in [0, max_lr={}]", cfg.warmup_init_lr, cfg.max_lr);
-  MT_REQUIRE(cfg.warmup_steps >= 0, "lr schedule: warmup_steps={} must be >= 0", cfg.warmup_steps);
+  MT_REQUIRE(std::isfinite(cfg.warmup_steps) && cfg.warmup_steps >= 0, "lr schedule: warmup_steps={} must be >= 0",
+             cfg.warmup_steps);
   MT_REQUIRE(cfg.decay_steps >= 0, "lr schedule: decay_steps={} must be >= 0", cfg.decay_steps);
   if (cfg.decay_style != "constant") {
-    MT_REQUIRE(cfg.decay_steps > 0 && cfg.decay_steps > cfg.warmup_steps,
+    MT_REQUIRE(cfg.decay_steps > 0 && static_cast<double>(cfg.decay_steps) > cfg.warmup_steps,
                "lr schedule: decay_steps={} must be > 0 and > warmup_steps={} for decay style '{}'", cfg.decay_steps,
                cfg.warmup_steps, cfg.decay_style);
   }
@@ -53,21 +54,20 @@ double learning_rate(const LrScheduleConfig& cfg, int64_t step) {
   const double max_lr = cfg.max_lr, min_lr = cfg.min_lr;
 
   // Linear warmup from warmup_init_lr to max_lr.
-  if (cfg.warmup_steps > 0 && step <= cfg.warmup_steps) {
-    return cfg.warmup_init_lr +
-           (max_lr - cfg.warmup_init_lr) * static_cast<double>(step) / static_cast<double>(cfg.warmup_steps);
+  if (cfg.warmup_steps > 0 && static_cast<double>(step) <= cfg.warmup_steps) {
+    return cfg.warmup_init_lr + (max_lr - cfg.warmup_init_lr) * static_cast<double>(step) / cfg.warmup_steps;
   }
   if (cfg.decay_style == "constant") return max_lr;
   if (step > cfg.decay_steps) return min_lr;
 
   if (cfg.decay_style == "inverse-square-root") {
-    const double w = static_cast<double>(std::max<int64_t>(cfg.warmup_steps, 1));
+    const double w = std::max(cfg.warmup_steps, 1.0);
     const double s = static_cast<double>(std::max<int64_t>(step, 1));
     return std::max(min_lr, max_lr * std::sqrt(w) / std::sqrt(s));
   }
 
-  const double ratio = static_cast<double>(step - cfg.warmup_steps) /
-                       static_cast<double>(cfg.decay_steps - cfg.warmup_steps);
+  const double ratio = (static_cast<double>(step) - cfg.warmup_steps) /
+                       (static_cast<double>(cfg.decay_steps) - cfg.warmup_steps);
   MT_CHECK(ratio >= 0.0 && ratio <= 1.0, "decay ratio {} at step {}", ratio, step);
   double coeff = 0;
   if (cfg.decay_style == "linear") {

@@ -1,10 +1,10 @@
 // Megatron's learning-rate schedule (megatron/core/optimizer_param_scheduler.py,
 // OptimizerParamScheduler.get_lr) as a pure host function of the step count.
 //
-// Megatron counts scheduler steps in samples when trained by samples and in iterations
-// otherwise; with a constant global batch size both give the same learning rates, so here a
-// step is one iteration (--lr-warmup-iters, --lr-decay-iters). Batch-size ramp-up is not
-// modelled.
+// A step is the unit of the schedule's lengths: iterations for iteration-based training
+// (--lr-warmup-iters, --lr-decay-iters), samples for sample-based training (--train-samples,
+// --lr-warmup-samples, --lr-decay-samples; PretrainArgs::lr_step). Megatron counts samples in
+// both cases; with a constant global batch size the rates are the same.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -14,7 +14,9 @@ namespace mt {
 struct LrScheduleConfig {
   double max_lr = 0;           ///< --lr
   double min_lr = 0;           ///< --min-lr
-  int64_t warmup_steps = 0;    ///< --lr-warmup-iters
+  /// --lr-warmup-iters / --lr-warmup-samples, or --lr-warmup-fraction · decay_steps (not an
+  /// integer then, as in Megatron)
+  double warmup_steps = 0;
   int64_t decay_steps = 0;     ///< --lr-decay-iters (Megatron defaults it to --train-iters)
   /// --lr-decay-style: "constant", "linear", "cosine", "inverse-square-root" or "WSD".
   std::string decay_style = "linear";

@@ -9,6 +9,7 @@
 #include "comm/bootstrap.h"
 #include "core/cli_validators.h"
 #include "core/logging.h"
+#include "train/megatron_compat.h"
 #include "train/timing_log.h"
 
 namespace mt {
@@ -17,9 +18,20 @@ LrScheduleConfig PretrainArgs::lr_schedule() const {
   LrScheduleConfig c;
   c.max_lr = lr;
   c.min_lr = min_lr;
-  c.warmup_steps = lr_warmup_iters;
-  c.decay_steps = lr_decay_iters > 0 ? lr_decay_iters : train_iters;
   c.decay_style = lr_decay_style;
+  c.warmup_init_lr = lr_warmup_init;
+  c.wsd_decay_style = lr_wsd_decay_style;
+  // Megatron's get_optimizer_param_scheduler: a warm-up fraction is of the decay steps.
+  if (train_samples > 0) {
+    c.decay_steps = lr_decay_samples > 0 ? lr_decay_samples : train_samples;
+    c.warmup_steps = static_cast<double>(lr_warmup_samples);
+    c.wsd_decay_steps = lr_wsd_decay_samples;
+  } else {
+    c.decay_steps = lr_decay_iters > 0 ? lr_decay_iters : train_iters;
+    c.warmup_steps = static_cast<double>(lr_warmup_iters);
+    c.wsd_decay_steps = lr_wsd_decay_iters;
+  }
+  if (lr_warmup_fraction >= 0) c.warmup_steps = lr_warmup_fraction * static_cast<double>(c.decay_steps);
   return c;
 }
 
@@ -235,7 +247,7 @@ void add_training_options(CLI::App& app, PretrainArgs& a) {
   app.add_option("--global-batch-size", a.global_batch_size,
                  "Sequences per iteration (gradient accumulation over micro-batches)")
       ->check(positive_integer());
-  app.add_option("--train-iters", a.train_iters, "Training iterations")->check(positive_integer())->required();
+  app.add_option("--train-iters", a.train_iters, "Training iterations (or --train-samples)")->check(positive_integer());
   app.add_option("--lr", a.lr, "Peak learning rate")->check(number_range(0, kNoMax))->required();
   app.add_option("--min-lr", a.min_lr, "Minimum learning rate")
       ->check(number_range(0, kNoMax))
@@ -414,9 +426,10 @@ void add_parallel_options(CLI::App& app, PretrainArgs& a) {
   app.add_option("--device", a.device, "cpu, cuda, cuda:N or auto")->capture_default_str();
   app.add_flag("!--no-progress", a.progress, "No progress line on a terminal");
   app.add_option("--cuda-graph-impl", a.cuda_graph.impl,
-                 "CUDA graphs: none, local (the scopes of --cuda-graph-scope) or full_iteration (the whole "
-                 "forward and backward of a step as one graph)")
-      ->check(CLI::IsMember({"none", "local", "full_iteration"}))
+                 "CUDA graphs: none, local (the scopes of --cuda-graph-scope), full_iteration (the whole "
+                 "forward and backward of a step as one graph) or transformer_engine (Megatron's per-layer "
+                 "capture: the same as local)")
+      ->check(CLI::IsMember({"none", "local", "full_iteration", "transformer_engine"}))
       ->capture_default_str();
   app.add_option("--cuda-graph-scope", a.cuda_graph.scope,
                  "What --cuda-graph-impl local captures: full_iteration, or per layer attn, mlp, moe, moe_router, "
@@ -448,6 +461,7 @@ void add_pretrain_options(CLI::App& app, PretrainArgs& a) {
   data::add_data_options(app, a.data);
   add_checkpoint_options(app, a);
   add_parallel_options(app, a);
+  add_megatron_compat_options(app, a);
 }
 
 namespace {
@@ -564,6 +578,9 @@ void validate_cuda_graph_args(const PretrainArgs& a) {
 }  // namespace
 
 void validate_pretrain_args(PretrainArgs& a) {
+  check_megatron_compat(a);
+  // Megatron's Transformer Engine capture is per layer, what local does here (docs/cuda_graphs.md).
+  if (a.cuda_graph.impl == "transformer_engine") a.cuda_graph.impl = "local";
   check_feature_flags(a);
   validate_cuda_graph_args(a);
   MT_REQUIRE(!(a.bf16 && a.fp16), "--bf16 and --fp16 are mutually exclusive");
@@ -591,6 +608,7 @@ void validate_pretrain_args(PretrainArgs& a) {
   MT_REQUIRE(a.global_batch_size % (a.micro_batch_size * a.data_parallel_size) == 0,
              "--global-batch-size {} is not divisible by --micro-batch-size {} times data-parallel size {}",
              a.global_batch_size, a.micro_batch_size, a.data_parallel_size);
+  resolve_sample_based_training(a);
   MT_REQUIRE(a.distributed_timeout_minutes > 0, "--distributed-timeout-minutes must be positive, got {}",
              a.distributed_timeout_minutes);
   MT_REQUIRE(!a.overlap_param_gather || a.use_distributed_optimizer,

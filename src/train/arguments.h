@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "data/data_args.h"
 #include "model/transformer_config.h"
@@ -55,6 +56,18 @@ struct PretrainArgs {
   int64_t lr_warmup_iters = 0;     ///< --lr-warmup-iters
   std::string lr_decay_style = "linear";  ///< --lr-decay-style
   int64_t lr_decay_iters = 0;      ///< --lr-decay-iters (0 = train-iters)
+  // sample-based training and the rest of Megatron's schedule flags (train/megatron_compat.h)
+  int64_t train_samples = 0;       ///< --train-samples (0 = iteration-based); train-iters = samples / global batch
+  int64_t lr_warmup_samples = 0;   ///< --lr-warmup-samples
+  int64_t lr_decay_samples = 0;    ///< --lr-decay-samples (0 = train-samples)
+  double lr_warmup_fraction = -1;  ///< --lr-warmup-fraction of the decay steps (-1 = unset)
+  double lr_warmup_init = 0;       ///< --lr-warmup-init: learning rate at the start of the warm-up
+  std::string lr_wsd_decay_style = "exponential";  ///< --lr-wsd-decay-style (WSD's anneal)
+  int64_t lr_wsd_decay_iters = 0;    ///< --lr-wsd-decay-iters (WSD, iteration-based)
+  int64_t lr_wsd_decay_samples = 0;  ///< --lr-wsd-decay-samples (WSD, sample-based)
+  /// --calculate-per-token-loss: the loss is the mean over the global batch's unmasked tokens,
+  /// not the mean of the micro-batches' means (BatchStager::Options::per_token_loss)
+  bool calculate_per_token_loss = false;
   OptimizerConfig optim;           ///< --weight-decay --clip-grad --adam-beta1 --adam-beta2 --adam-eps, scaler
   uint64_t seed = 1234;            ///< --seed
   // precision
@@ -126,6 +139,12 @@ struct PretrainArgs {
   int nproc_per_node = 1;                  ///< --nproc-per-node (ours; the local launcher)
   int data_parallel_size = 1;              ///< derived: world / (tensor · pipeline parallel size)
   CudaGraphOptions cuda_graph;
+  /// --profile, --profile-step-start, --profile-step-end, --profile-ranks (train/megatron_compat.h)
+  struct Profile {
+    bool enabled = false;
+    int64_t step_start = 10, step_end = 12;
+    std::vector<int> ranks;  ///< empty: every rank
+  } profile;
   // ours
   std::string device = "auto";     ///< --device cpu|cuda|cuda:N|auto (auto = cuda when available)
   bool progress = true;            ///< --no-progress disables the terminal progress line
@@ -136,7 +155,12 @@ struct PretrainArgs {
   DType dtype() const { return bf16 ? DType::kBF16 : (fp16 ? DType::kF16 : DType::kF32); }
   /// Micro-batches per data-parallel rank per iteration.
   int64_t num_microbatches() const { return global_batch_size / (micro_batch_size * data_parallel_size); }
+  /// The learning-rate schedule in Megatron's units: samples with --train-samples, iterations
+  /// otherwise (the same rates for a constant global batch size).
   LrScheduleConfig lr_schedule() const;
+  /// The schedule's step count before the step that starts from `iteration` completed iterations:
+  /// consumed samples (iteration · global batch size) with --train-samples, else `iteration`.
+  int64_t lr_step(int64_t iteration) const { return train_samples > 0 ? iteration * global_batch_size : iteration; }
   /// GradSync options from --overlap-grad-reduce, --overlap-param-gather,
   /// --use-distributed-optimizer.
   DdpConfig ddp_config() const;

@@ -76,8 +76,7 @@ void BatchStager::fill(const data::SampleSource& src, int64_t first, int k) {
   std::vector<int32_t> tok(sb), lab(sb), pos(sb), doc(sb), tok_sb(sb), lab_sb(sb), pos_sb(sb);
   std::vector<float> mask(sb), mask_sb(sb);
   char* h = static_cast<char*>(host_[k].data());
-  for (int64_t m = 0; m < o_.num_micro; ++m) {
-    const int64_t base = first + (m * o_.dp + o_.dp_rank) * B;
+  const auto read_samples = [&](int64_t base) {
     for (int64_t ib = 0; ib < B; ++ib) {
       const int64_t i = (base + ib) % src.size();
       int32_t* smp = samples.data() + ib * (S + 1);
@@ -86,6 +85,19 @@ void BatchStager::fill(const data::SampleSource& src, int64_t first, int k) {
         MT_REQUIRE(smp[t] >= 0 && smp[t] < o_.vocab, "token id {} at position {} of sample {} of {} is outside the "
                    "vocabulary of {} tokens", smp[t], t, i, src.name(), o_.vocab);
     }
+  };
+  // --calculate-per-token-loss: the unmasked tokens of the whole global batch (every DP rank's).
+  double global_unmasked = 0;
+  if (o_.per_token_loss) {
+    for (int64_t g = 0; g < o_.num_micro * o_.dp; ++g) {
+      read_samples(first + g * B);
+      data::prepare_ltor_batch(samples.data(), B, S, o_.ltor, tok.data(), lab.data(), mask.data(), pos.data(),
+                               doc.data());
+      for (int64_t l = 0; l < sb; ++l) global_unmasked += mask[l];
+    }
+  }
+  for (int64_t m = 0; m < o_.num_micro; ++m) {
+    read_samples(first + (m * o_.dp + o_.dp_rank) * B);
     int32_t* dtok = reinterpret_cast<int32_t*>(h + (m * 5 + 0) * lsb * 4);
     int32_t* dlab = reinterpret_cast<int32_t*>(h + (m * 5 + 1) * lsb * 4);
     float* dmask = reinterpret_cast<float*>(h + (m * 5 + 2) * lsb * 4);
@@ -95,8 +107,11 @@ void BatchStager::fill(const data::SampleSource& src, int64_t first, int k) {
                              doc.data());
     double unmasked = 0;  // over the whole sequences: the loss weight is the one of a single rank
     for (int64_t l = 0; l < sb; ++l) unmasked += mask[l];
-    // Megatron's per-micro-batch mean: each unmasked token weighs 1 / unmasked (the staged mask)
-    const float w = unmasked > 0 ? static_cast<float>(1.0 / unmasked) : 0.f;
+    // Megatron's per-micro-batch mean: each unmasked token weighs 1 / unmasked (the staged mask);
+    // per token: num_micro · dp / global_unmasked, so that with the loss weight 1 / (num_micro · dp)
+    // every unmasked token of the global batch weighs 1 / global_unmasked.
+    const double count = o_.per_token_loss ? global_unmasked / static_cast<double>(o_.num_micro * o_.dp) : unmasked;
+    const float w = count > 0 ? static_cast<float>(1.0 / count) : 0.f;
     for (int64_t ib = 0; ib < B; ++ib) {
       for (int64_t is = 0; is < S; ++is) {  // [b, s] -> the model's [s, b]
         tok_sb[is * B + ib] = tok[ib * S + is];

@@ -28,6 +28,10 @@ class BatchStager {
     data::LtorOptions ltor;
     int cp, cp_rank;  // context parallelism: this rank stages its seq / cp tokens
     bool positions, doc_start;  // pass position_ids / doc_start to the model
+    /// --calculate-per-token-loss: every unmasked token of the global batch (all micro-batches,
+    /// all DP ranks) weighs 1 / their count, instead of 1 / (its micro-batch's count) per
+    /// micro-batch mean (Megatron's default). Reads the whole global batch's samples on every rank.
+    bool per_token_loss = false;
   };
   /// Bytes of the staged micro-batches on the device (5 int32/fp32 [s/cp, b] tensors each).
   static size_t device_bytes(int64_t num_micro, int64_t micro, int64_t seq, int cp) {

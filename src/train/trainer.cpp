@@ -6,6 +6,7 @@
 
 #include "core/logging.h"
 #include "ops/elementwise.h"
+#include "train/megatron_compat.h"
 
 namespace mt {
 
@@ -50,13 +51,16 @@ TrainingResult Trainer::train() {
   const auto loop_start = std::chrono::steady_clock::now();
   const int64_t first_iteration = iteration;
   g_training_started.store(true);
+  ProfileWindow profile(args, s.world().rank(), s.device().is_cuda());
   while (iteration < args.train_iters) {
-    const float lr = static_cast<float>(learning_rate(schedule, iteration));
+    const float lr = static_cast<float>(learning_rate(schedule, args.lr_step(iteration)));
+    profile.before_step(iteration);
     s.stager().stage(*s.data().train, consumed,
                      iteration + 1 < args.train_iters ? consumed + args.global_batch_size : -1, s.stream());
     steps_.step(iteration, lr, s.stager().micro_batches(), logger_.loss_slot(), checkpointer_.take_snapshot_pending());
     ++iteration;
     consumed += args.global_batch_size;
+    profile.after_step(iteration);
     logger_.step_done(iteration, steps_.take_host_issue_ms());
     if (logger_.due(iteration)) {
       TrainLogRecord& r = result.log.emplace_back(logger_.log(iteration, consumed, lr));

@@ -142,7 +142,7 @@ void TrainingLogger::write_metrics(const TrainLogRecord& r, int64_t consumed) {
   for (int64_t i = 0; i < n; ++i) {
     const int64_t k = iteration - n + 1 + i;
     metrics_->iteration_loss(k, consumed - (iteration - k) * args_.global_batch_size, r.losses[static_cast<size_t>(i)],
-                             learning_rate(schedule_, k - 1), args_.global_batch_size);
+                             learning_rate(schedule_, args_.lr_step(k - 1)), args_.global_batch_size);
   }
   metrics_->train_point(r.point);
 }
@@ -173,7 +173,7 @@ void TrainingLogger::check_nan(int64_t iteration) {
              "iteration {}: the {} is NaN or Inf; stopping before anything more is saved "
              "(--check-for-nan-in-loss-and-grad; learning rate there {:.3E}: is --lr {} too high?). "
              "--no-check-for-nan-in-loss-and-grad skips such iterations instead",
-             bad[0], bad[1] == 1 ? "loss" : "gradient norm", learning_rate(schedule_, bad[0] - 1), args_.lr);
+             bad[0], bad[1] == 1 ? "loss" : "gradient norm", learning_rate(schedule_, args_.lr_step(bad[0] - 1)), args_.lr);
 }
 
 void TrainingLogger::validation(int64_t iteration, int64_t consumed, const EvalResult& r) {

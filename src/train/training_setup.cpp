@@ -11,6 +11,7 @@
 #include "data/masks.h"
 #include "parallel/pipeline/schedules.h"
 #include "parallel/process_groups.h"
+#include "train/megatron_compat.h"
 
 namespace mt {
 
@@ -259,7 +260,8 @@ TrainingSetup::TrainingSetup(PretrainArgs args, std::shared_ptr<Communicator> wo
   stager_ = std::make_unique<BatchStager>(
       BatchStager::Options{num_microbatches(), args_.micro_batch_size, args_.model.seq_length, parallel_.dp,
                            g.dp->rank(), args_.model.vocab_size, ltor, parallel_.cp, g.cp->rank(),
-                           args_.data.reset_position_ids, args_.data.reset_attention_mask},
+                           args_.data.reset_position_ids, args_.data.reset_attention_mask,
+                           args_.calculate_per_token_loss},
       device_);
 }
 
@@ -269,6 +271,8 @@ TrainingSetup::~TrainingSetup() = default;
 // every argument, in the order the errors are reported.
 void TrainingSetup::resolve_arguments() {
   PretrainArgs& args = args_;
+  check_megatron_compat(args);  // a refused Megatron-LM flag stops the run before anything is set up
+  if (world_->rank() == 0) log_megatron_compat(args);
   if (!args.load.empty()) {
     const bool autoresume = args.load == args.save;
     if (autoresume && !latest_checkpoint_iteration(args.load).has_value()) {
@@ -347,8 +351,9 @@ void TrainingSetup::build_datasets() {
                args.micro_batch_size, args.model.seq_length, M, batch_bytes / 1073741824.0,
                static_cast<double>(avail) / 1073741824.0);
   }
-  const auto counts = data::train_valid_test_num_samples(args.train_iters, args.global_batch_size, args.eval_interval,
-                                                         args.eval_iters);
+  auto counts = data::train_valid_test_num_samples(args.train_iters, args.global_batch_size, args.eval_interval,
+                                                   args.eval_iters);
+  if (args.train_samples > 0) counts[0] = args.train_samples;  // Megatron: the train split of --train-samples
   for (int pass = 0; pass < 2; ++pass) {
     if ((pass == 0) == (world_->rank() == 0))
       data_ = data::build_gpt_datasets(args.data, args.model.seq_length, args.seed, counts[0], counts[1], counts[2],

@@ -380,6 +380,40 @@ __device__ __forceinline__ void zero_tail(const Params& p, const Ring& ring, int
   }
 }
 
+/// dW rows [r0, r0 + 8 h] x columns c0 + 8 j (+1) += the warpgroup accumulators acc (the wgmma
+/// m64nBN fragment of one thread: acc[4 j + 2 h + {0, 1}]), rows < M and columns < N only. The
+/// fp32 read-modify-write goes in chunks of 8 columns groups: the 16 loads of a chunk are issued
+/// before any store (one memory round trip per chunk instead of one per float2: the stores could
+/// alias the next loads, so the compiler keeps them in program order).
+template <int kAcc>
+__device__ __forceinline__ void add_to_dw(float* dw, const float (&acc)[kAcc], int r0, int c0, int M, int N) {
+  constexpr int kCols = kAcc / 4, kChunk = 8;
+#pragma unroll
+  for (int j0 = 0; j0 < kCols; j0 += kChunk) {
+    float2 o[kChunk][2];
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = r0 + 8 * h, col = c0 + 8 * (j0 + j);
+        if (r < M && col < N) o[j][h] = *reinterpret_cast<const float2*>(dw + static_cast<int64_t>(r) * N + col);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = r0 + 8 * h, col = c0 + 8 * (j0 + j);  // N is a multiple of 8: col + 1 < N too
+        if (r < M && col < N) {
+          o[j][h].x += acc[4 * (j0 + j) + 2 * h];
+          o[j][h].y += acc[4 * (j0 + j) + 2 * h + 1];
+          *reinterpret_cast<float2*>(dw + static_cast<int64_t>(r) * N + col) = o[j][h];
+        }
+      }
+    }
+  }
+}
+
 /// A consumer warpgroup (cw = 0, 1: rows [64 cw, 64 cw + 64) of each tile): the wgmma k-loop over
 /// the ring, then the epilogue; after the tiles (forward, dgrad) its share of the zeroed tail.
 template <typename T, Mode kMode, int BN>
@@ -435,22 +469,7 @@ __device__ __forceinline__ void consume(const Params& p, const Ring& ring) {
     // (+ 1) of the warpgroup's 64 x BN block, in acc[4 j + 2 h + {0, 1}].
     const int r0 = w.m0 + cw * 64 + warp * 16 + lane / 4, c0 = w.n0 + 2 * (lane % 4);
     if constexpr (kWgrad) {
-      float* dw = static_cast<float*>(p.dw[w.g]);
-#pragma unroll
-      for (int j = 0; j < BN / 8; ++j) {
-        const int col = c0 + 8 * j;
-        if (col >= p.N) continue;  // N is a multiple of 8: col + 1 < N too
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int r = r0 + 8 * h;
-          if (r >= p.M) continue;
-          float2* d = reinterpret_cast<float2*>(dw + static_cast<int64_t>(r) * p.N + col);
-          float2 o = *d;
-          o.x += acc[4 * j + 2 * h];
-          o.y += acc[4 * j + 2 * h + 1];
-          *d = o;
-        }
-      }
+      add_to_dw(static_cast<float*>(p.dw[w.g]), acc, r0, c0, p.M, p.N);
     } else {
       T* c = static_cast<T*>(p.c) + static_cast<int64_t>(w.off) * p.N;
 #pragma unroll
@@ -538,22 +557,7 @@ __device__ __forceinline__ void consume_pingpong(const Params& p, const Ring& ri
     for (int h = 0; h < 2; ++h) {
       const int r0 = w.m0 + h * 64 + warp * 16 + lane / 4, c0 = w.n0 + 2 * (lane % 4);
       if constexpr (kWgrad) {
-        float* dw = static_cast<float*>(p.dw[w.g]);
-#pragma unroll
-        for (int jj = 0; jj < BN / 8; ++jj) {
-          const int col = c0 + 8 * jj;
-          if (col >= p.N) continue;
-#pragma unroll
-          for (int hh = 0; hh < 2; ++hh) {
-            const int r = r0 + 8 * hh;
-            if (r >= p.M) continue;
-            float2* d = reinterpret_cast<float2*>(dw + static_cast<int64_t>(r) * p.N + col);
-            float2 o = *d;
-            o.x += acc[h][4 * jj + 2 * hh];
-            o.y += acc[h][4 * jj + 2 * hh + 1];
-            *d = o;
-          }
-        }
+        add_to_dw(static_cast<float*>(p.dw[w.g]), acc[h], r0, c0, p.M, p.N);
       } else {
         T* c = static_cast<T*>(p.c) + static_cast<int64_t>(w.off) * p.N;
 #pragma unroll

@@ -1,0 +1,339 @@
+// Megatron-LM flags without an implementation of their own: the no-op / refused table, sample-based
+// training, the remaining schedule flags and --profile (see train/megatron_compat.h).
+#include "train/megatron_compat.h"
+
+#include <CLI/CLI.hpp>
+
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "comm/bootstrap.h"
+#include "core/cli_validators.h"
+#include "core/logging.h"
+#include "train/arguments.h"
+
+#ifdef MT_WITH_CUDA
+#include <cuda_profiler_api.h>
+
+#include "core/cuda_check.h"
+#endif
+
+namespace mt {
+
+namespace {
+
+using enum CompatHandling;
+using enum CompatValue;
+
+constexpr const char* kFusion =
+    "a fusion switch: each operation has one implementation here, fused where it is (results do not depend on it)";
+constexpr const char* kBatchRamp =
+    "batch-size ramp-up is not built: a run has one global batch size (its step plans, static buffers and CUDA graphs "
+    "are sized for it); train at --global-batch-size";
+constexpr const char* kDecoupledLr =
+    "a separate learning rate for the embedding and output layer is not built: the optimizer applies one schedule to "
+    "every parameter";
+constexpr const char* kWandb =
+    "Weights & Biases logging is not built; use --tensorboard-dir (TensorBoard event files) or --metrics-file (JSON "
+    "lines)";
+constexpr const char* kFsdp =
+    "FSDP (sharded parameters) is not built; --use-distributed-optimizer shards the optimizer state over data-parallel "
+    "ranks (ZeRO-1)";
+constexpr const char* kTikToken = "read only by --tokenizer-type TikTokenizer (not built)";
+
+const CompatFlag kFlags[] = {
+    // implementation choices that are always one way here
+    {"--use-mcore-models", kSwitch, nullptr, kNoOp,
+     "the model is always Megatron-Core's GPT built from layer specs (there is no legacy model)"},
+    {"--transformer-impl", kChoice, "local|transformer_engine|inference_optimized", kNoOp,
+     "the layers have one implementation (this project's kernels; Transformer Engine is not used)"},
+    {"--use-flash-attn", kSwitch, nullptr, kNoOp,
+     "the attention kernel is chosen by --attention-backend (auto: cuDNN fused or FlashAttention-2 where they apply)"},
+    {"--no-masked-softmax-fusion", kSwitch, nullptr, kNoOp, kFusion},
+    {"--no-bias-gelu-fusion", kSwitch, nullptr, kNoOp, kFusion},
+    {"--no-bias-swiglu-fusion", kSwitch, nullptr, kNoOp, kFusion},
+    {"--no-bias-dropout-fusion", kSwitch, nullptr, kNoOp, kFusion},
+    {"--no-rope-fusion", kSwitch, nullptr, kNoOp, kFusion},
+    {"--no-persist-layer-norm", kSwitch, nullptr, kNoOp, kFusion},
+    {"--no-gradient-accumulation-fusion", kSwitch, nullptr, kNoOp,
+     "weight gradients always accumulate straight into the fp32 main gradients"},
+    {"--cross-entropy-loss-fusion", kSwitch, nullptr, kNoOp,
+     "the cross entropy is always fused with the output layer, chunk by chunk (vocabulary-parallel under TP)"},
+    {"--cross-entropy-fusion-impl", kChoice, "native|te", kNoOp,
+     "the cross entropy is always fused with the output layer, chunk by chunk (vocabulary-parallel under TP)"},
+    {"--attention-softmax-in-fp32", kSwitch, nullptr, kNoOp, "the attention softmax is always computed in fp32"},
+    {"--accumulate-allreduce-grads-in-fp32", kSwitch, nullptr, kNoOp,
+     "gradients always accumulate in fp32 (--grad-reduce-in-bf16 makes the data-parallel reduction bf16)"},
+    {"--distributed-backend", kChoice, "nccl|gloo", kNoOp,
+     "the communication backend follows the device: NCCL on CUDA, MPI or in-process threads on CPU"},
+    // host-side machinery that does not exist here
+    {"--manual-gc", kSwitch, nullptr, kNoOp, "there is no garbage collector (C++ frees memory when it is released)"},
+    {"--manual-gc-interval", kNonNegative, nullptr, kNoOp,
+     "there is no garbage collector (C++ frees memory when it is released)"},
+    {"--num-workers", kNonNegative, nullptr, kNoOp,
+     "batches are read and staged by the trainer's batch stager, no dataloader worker processes"},
+    {"--no-mmap-bin-files", kSwitch, nullptr, kNoOp,
+     "the .bin files are always memory-mapped read-only (the samples read are the same)"},
+    {"--no-create-attention-mask-in-dataloader", kSwitch, nullptr, kNoOp,
+     "no dense attention mask is built: the causal and document masks are applied inside the attention kernels"},
+    {"--empty-unused-memory-level", kChoice, "0|1|2", kNoOp,
+     "device memory is planned once, statically (there is no caching allocator to empty)"},
+    {"--log-throughput", kSwitch, nullptr, kNoOp,
+     "the log line always has the throughput (TFLOP/s per GPU, tokens per second; MFU on GPUs)"},
+    {"--ckpt-format", kChoice, "torch|torch_dist|torch_dcp|fsdp_dtensor", kNoOp,
+     "checkpoints are always megatron.cpp's sharded, checksummed format (docs/checkpoints.md); Megatron-LM's files "
+     "are neither read nor written (import-hf / export-hf convert Hugging Face models)"},
+    {"--moe-permute-fusion", kSwitch, nullptr, kNoOp, kFusion},
+    {"--use-nccl-ub", kSwitch, nullptr, kNoOp,
+     "NCCL user-buffer registration (a performance option of Megatron-LM's NCCL setup) is not used"},
+    {"--auto-detect-ckpt-format", kSwitch, nullptr, kNoOp, "there is one checkpoint format (docs/checkpoints.md)"},
+    {"--override-opt_param-scheduler,--override-opt-param-scheduler", kSwitch, nullptr, kNoOp,
+     "checkpoints do not store the learning-rate schedule: it always comes from the command line"},
+    {"--tiktoken-pattern", kChoice, "v1|v2", kNoOp, kTikToken},
+    {"--tiktoken-num-special-tokens", kNonNegative, nullptr, kNoOp, kTikToken},
+    // features that are not built
+    {"--rampup-batch-size", kList, nullptr, kRefused, kBatchRamp},
+    {"--step-batch-size-schedule", kList, nullptr, kRefused, kBatchRamp},
+    {"--decoupled-lr", kNumber, nullptr, kRefused, kDecoupledLr},
+    {"--decoupled-min-lr", kNumber, nullptr, kRefused, kDecoupledLr},
+    {"--apply-layernorm-1p", kSwitch, nullptr, kRefused,
+     "zero-centred norm weights (the norm scales by 1 + weight, the weight initialised to 0) are not built: the norm "
+     "weight is the scale itself, initialised to 1 (the same function, but its bf16 copy near 1 is coarser)"},
+    {"--use-torch-fsdp2", kSwitch, nullptr, kRefused, kFsdp},
+    {"--use-megatron-fsdp", kSwitch, nullptr, kRefused, kFsdp},
+    {"--use-pytorch-profiler", kSwitch, nullptr, kRefused,
+     "there is no PyTorch profiler; --profile marks its steps for nsys (--capture-range=cudaProfilerApi)"},
+    {"--use-checkpoint-opt_param-scheduler,--use-checkpoint-opt-param-scheduler", kSwitch, nullptr, kRefused,
+     "checkpoints do not store the learning-rate schedule: it always comes from the command line"},
+    {"--log-params-norm", kSwitch, nullptr, kRefused, "logging the parameter norm is not built"},
+    {"--log-num-zeros-in-grad", kSwitch, nullptr, kRefused, "counting zero gradients is not built"},
+    {"--record-memory-history", kSwitch, nullptr, kRefused,
+     "PyTorch's CUDA memory history is not built: device memory is planned statically, and the log's memory report "
+     "lists it before training"},
+    {"--memory-snapshot-path", kText, nullptr, kRefused,
+     "PyTorch's CUDA memory history is not built: device memory is planned statically, and the log's memory report "
+     "lists it before training"},
+    {"--wandb-project", kText, nullptr, kRefused, kWandb},
+    {"--wandb-exp-name", kText, nullptr, kRefused, kWandb},
+    {"--wandb-save-dir", kText, nullptr, kRefused, kWandb},
+    {"--wandb-entity", kText, nullptr, kRefused, kWandb},
+};
+
+std::vector<std::string> split_choices(const char* choices) {
+  std::vector<std::string> out;
+  std::string cur;
+  for (const char* c = choices; *c; ++c) {
+    if (*c == '|') {
+      out.push_back(cur);
+      cur.clear();
+    } else {
+      cur += *c;
+    }
+  }
+  out.push_back(cur);
+  return out;
+}
+
+void add_table_options(CLI::App& app) {
+  for (const CompatFlag& f : kFlags) {
+    const std::string help = std::string(f.handling == kNoOp ? "Megatron-LM flag accepted, no effect: "
+                                                              : "Megatron-LM flag refused: ") + f.reason;
+    switch (f.value) {
+      case kSwitch:
+        app.add_flag(f.name)->description(help)->group("Megatron-LM compatibility");
+        break;
+      case kText:
+        app.add_option(f.name, help)->group("Megatron-LM compatibility");
+        break;
+      case kChoice:
+        app.add_option(f.name, help)->check(CLI::IsMember(split_choices(f.choices)))->group("Megatron-LM compatibility");
+        break;
+      case kNonNegative:
+        app.add_option_function<int64_t>(f.name, [](const int64_t&) {}, help)
+            ->check(integer_range(0))
+            ->group("Megatron-LM compatibility");
+        break;
+      case kNumber:
+        app.add_option_function<double>(f.name, [](const double&) {}, help)->group("Megatron-LM compatibility");
+        break;
+      case kList:
+        app.add_option(f.name, help)->expected(1, -1)->allow_extra_args()->group("Megatron-LM compatibility");
+        break;
+    }
+  }
+}
+
+// Sample-based training and the schedule flags Megatron has beside --lr-warmup-iters /
+// --lr-decay-iters (get_optimizer_param_scheduler).
+void add_schedule_options(CLI::App& app, PretrainArgs& a) {
+  app.add_option("--train-samples", a.train_samples,
+                 "Sample-based training: samples to train on (--train-iters = this / global batch size); the "
+                 "schedule's lengths are then in samples")
+      ->check(positive_integer());
+  app.add_option("--lr-warmup-samples", a.lr_warmup_samples, "Linear warm-up samples (with --train-samples)")
+      ->check(integer_range(0));
+  app.add_option("--lr-decay-samples", a.lr_decay_samples,
+                 "Decay samples (with --train-samples; default train-samples)")
+      ->check(positive_integer());
+  app.add_option("--lr-warmup-fraction", a.lr_warmup_fraction,
+                 "Warm-up length as a fraction of the decay length (instead of --lr-warmup-iters/-samples)")
+      ->check(number_range(0, 1, false, true));
+  app.add_option("--lr-warmup-init", a.lr_warmup_init, "Learning rate at the start of the warm-up")
+      ->check(number_range(0, kNoMax))
+      ->capture_default_str();
+  app.add_option("--lr-wsd-decay-style", a.lr_wsd_decay_style,
+                 "WSD's anneal: exponential, linear, cosine or minus_sqrt")
+      ->check(CLI::IsMember({"exponential", "linear", "cosine", "minus_sqrt"}))
+      ->capture_default_str();
+  app.add_option("--lr-wsd-decay-iters", a.lr_wsd_decay_iters,
+                 "WSD: iterations of the final anneal (the end of the decay iterations)")
+      ->check(positive_integer());
+  app.add_option("--lr-wsd-decay-samples", a.lr_wsd_decay_samples,
+                 "WSD with --train-samples: samples of the final anneal")
+      ->check(positive_integer());
+}
+
+void add_loss_options(CLI::App& app, PretrainArgs& a) {
+  app.add_flag("--calculate-per-token-loss", a.calculate_per_token_loss,
+               "Loss = mean over all unmasked tokens of the global batch (default: the mean of the micro-batches' "
+               "means; the same unless --eod-mask-loss or padding masks tokens)");
+}
+
+void add_profile_options(CLI::App& app, PretrainArgs& a) {
+  app.add_flag("--profile", a.profile.enabled,
+               "CUDA profiler range (cudaProfilerStart/Stop) around steps [--profile-step-start, --profile-step-end): "
+               "run under nsys profile --capture-range=cudaProfilerApi --capture-range-end=stop");
+  app.add_option("--profile-step-start", a.profile.step_start, "First profiled step (0-based)")
+      ->check(integer_range(0))
+      ->capture_default_str();
+  app.add_option("--profile-step-end", a.profile.step_end, "The profiler stops once this many steps are done")
+      ->check(integer_range(0))
+      ->capture_default_str();
+  app.add_option("--profile-ranks", a.profile.ranks, "Global ranks to profile (default: every rank)")
+      ->check(integer_range(0))
+      ->expected(1, -1);
+}
+
+// The name CLI11 reports for a flag: its first spelling.
+std::string primary_name(const CompatFlag& f) {
+  const std::string n = f.name;
+  return n.substr(0, n.find(','));
+}
+
+bool given(const PretrainArgs& a, const std::string& flag) {
+  return std::find(a.flags_given.begin(), a.flags_given.end(), flag) != a.flags_given.end();
+}
+
+// Megatron's validate_args: iteration- and sample-based flags do not mix (checked on the flags as
+// given: --train-iters is derived from --train-samples later).
+void check_schedule_units(const PretrainArgs& a) {
+  const bool by_samples = a.train_samples > 0;
+  const std::vector<const char*> iteration_flags = {"--train-iters", "--lr-decay-iters", "--lr-warmup-iters",
+                                                     "--lr-wsd-decay-iters"};
+  const std::vector<const char*> sample_flags = {"--lr-decay-samples", "--lr-warmup-samples", "--lr-wsd-decay-samples"};
+  for (const char* f : by_samples ? iteration_flags : sample_flags) {
+    MT_REQUIRE(!given(a, f),
+               "{} with {}: Megatron-LM's schedules are either iteration-based (--train-iters, --lr-*-iters) or "
+               "sample-based (--train-samples, --lr-*-samples), not both",
+               f, by_samples ? "--train-samples" : "--train-iters");
+  }
+  MT_REQUIRE(by_samples || a.train_iters > 0,
+             "give --train-iters (iterations) or --train-samples (samples) for the length of training");
+  const char* warmup = by_samples ? "--lr-warmup-samples" : "--lr-warmup-iters";
+  MT_REQUIRE(!given(a, "--lr-warmup-fraction") || !given(a, warmup),
+             "--lr-warmup-fraction {} and {}: give only one warm-up length", a.lr_warmup_fraction, warmup);
+}
+
+}  // namespace
+
+std::span<const CompatFlag> megatron_compat_flags() { return kFlags; }
+
+void add_megatron_compat_options(CLI::App& app, PretrainArgs& a) {
+  add_schedule_options(app, a);
+  add_profile_options(app, a);
+  add_loss_options(app, a);
+  app.add_flag("--no-position-embedding")
+      ->description("Megatron-LM's deprecated switch: no learned position table (only with --position-embedding-type "
+                    "rope or none, which have none)");
+  add_table_options(app);
+}
+
+void check_megatron_compat(const PretrainArgs& a) {
+  for (const CompatFlag& f : kFlags)
+    MT_REQUIRE(f.handling != kRefused || !given(a, primary_name(f)), "{} is not supported: {}", primary_name(f),
+               f.reason);
+  MT_REQUIRE(a.data.tokenizer_type != "TikTokenizer",
+             "--tokenizer-type TikTokenizer is not supported: tiktoken's base64 vocabulary files are not read here; "
+             "use --tokenizer-type HuggingFaceTokenizer with the model's tokenizer.json (Llama 3 ships one)");
+  // Megatron-LM (validate_args) refuses it with learned positions; with rope there is no table anyway.
+  MT_REQUIRE(!given(a, "--no-position-embedding") ||
+                 a.model.position_embedding_type != PositionEmbeddingType::kLearnedAbsolute,
+             "--no-position-embedding with --position-embedding-type learned_absolute: Megatron-LM refuses it too "
+             "(deprecated); use --position-embedding-type rope or none");
+  check_schedule_units(a);
+  MT_REQUIRE(!a.profile.enabled || a.profile.step_end > a.profile.step_start,
+             "--profile-step-end {} must be greater than --profile-step-start {}", a.profile.step_end,
+             a.profile.step_start);
+}
+
+void log_megatron_compat(const PretrainArgs& a) {
+  std::vector<std::string> noop;
+  for (const CompatFlag& f : kFlags)
+    if (f.handling == kNoOp && given(a, primary_name(f))) noop.push_back(primary_name(f));
+  if (given(a, "--no-position-embedding")) noop.push_back("--no-position-embedding");
+  if (!noop.empty())
+    log_info("> Megatron-LM flags accepted without effect here (docs/flags.md \"Megatron-LM flags\"): {}",
+             fmt::join(noop, " "));
+}
+
+void resolve_sample_based_training(PretrainArgs& a) {
+  if (a.train_samples <= 0) return;
+  MT_REQUIRE(a.global_batch_size > 0, "sample-based training needs the global batch size resolved");
+  a.train_iters = a.train_samples / a.global_batch_size;  // Megatron's update_train_iters (no ramp-up)
+  MT_REQUIRE(a.train_iters > 0, "--train-samples {} is less than one global batch of {} samples", a.train_samples,
+             a.global_batch_size);
+}
+
+ProfileWindow::ProfileWindow(const PretrainArgs& a, int rank, bool cuda)
+    : enabled_(a.profile.enabled && (a.profile.ranks.empty() || std::find(a.profile.ranks.begin(),
+                                                                          a.profile.ranks.end(), rank) !=
+                                                                    a.profile.ranks.end())),
+      cuda_(cuda),
+      start_(a.profile.step_start),
+      end_(a.profile.step_end) {
+  if (enabled_ && !cuda_)
+    log_warn("--profile on rank {}: the CPU backend has no CUDA profiler; the steps [{}, {}) are not marked", rank,
+             start_, end_);
+}
+
+ProfileWindow::~ProfileWindow() {
+  if (active_) stop();
+}
+
+void ProfileWindow::before_step(int64_t iteration) {
+  if (!enabled_ || active_ || iteration != start_) return;
+#ifdef MT_WITH_CUDA
+  if (cuda_) MT_CUDA_CHECK(cudaProfilerStart());
+#endif
+  active_ = true;
+  ++starts_;
+  if (cuda_) log_info("> CUDA profiler started before step {} (--profile-step-start)", iteration);
+}
+
+void ProfileWindow::after_step(int64_t iteration) {
+  if (active_ && iteration == end_) stop();
+}
+
+void ProfileWindow::stop() {
+#ifdef MT_WITH_CUDA
+  if (cuda_) cudaProfilerStop();  // no throw: also called from the destructor
+#endif
+  active_ = false;
+  ++stops_;
+  if (cuda_) log_info("> CUDA profiler stopped");
+}
+
+}  // namespace mt
