@@ -63,7 +63,7 @@ Resolved resolve(const PlanRequest& req, const GpuSpec& gpu) {
   PretrainArgs& a = r.args;
   // What the plan does not read: data (the batch shapes are the flags'), the schedule's length.
   if (a.data.data_path.empty() && a.data.train_data_path.empty()) a.data.mock_data = true;
-  if (a.train_iters == 0) a.train_iters = 1;
+  if (a.train_iters == 0 && a.train_samples == 0) a.train_iters = 1;
   if (a.lr < 0) a.lr = 0;
   r.layout = resolve_training_layout(a, req.world_size);
   a.data_parallel_size = r.layout.parallel.dp;
