@@ -222,7 +222,10 @@ GPTModel::GPTModel(const TransformerConfig& config, int64_t micro_batch, DType d
   config_.validate(tp_.size());
   if (groups_.cp && groups_.cp->size() > 1) {
     const ContextParallelOptions cpo = validate_context_parallel(config_, groups_.cp->size(), tp_.size());
-    cp_ = std::make_unique<ContextParallelRegion>(groups_.cp, cpo, config_.seq_length, device);
+    // measured only (memory_plan, `megatron plan`): its small position table on the host, so that a
+    // machine without the device can measure the model
+    cp_ = std::make_unique<ContextParallelRegion>(groups_.cp, cpo, config_.seq_length,
+                                                  measure_only ? Device::cpu() : device);
   }
   (void)tp_.local_seq(local_seq_length());  // errors when SP cannot split the sequence
   MT_REQUIRE(micro_batch > 0, "--micro-batch-size must be positive, got {}", micro_batch);

@@ -323,7 +323,7 @@ int64_t MoEStaticAlltoAllTokenDispatcher::plan(BufferPlanner& p, int64_t tokens,
   send_ = p.scratch("moe.a2a.send", t, {blocks, h});
   recv_ = p.scratch("moe.a2a.recv", t, {blocks, h});
   if (Q_ > 1) recv_all_ = p.scratch("moe.a2a.recv_all", t, {max_rows, h});
-  if (overflow_buffer_.bytes() == 0) {
+  if (p.placing() && overflow_buffer_.bytes() == 0) {  // not while the model is only measured
     overflow_buffer_ = Buffer(p.device(), sizeof(float));
     overflow_ = overflow_buffer_.as(DType::kF32, {1});
   }
