@@ -33,6 +33,9 @@ def tests_of(build, label, regex):
         for kv in props.get("ENVIRONMENT", []):
             k, _, v = kv.partition("=")
             env[k] = v
+        if "command" not in t:  # its executable is not built
+            print(f"# {t['name']}: not built, left out", file=sys.stderr)
+            continue
         yield t["name"], t["command"], props.get("WORKING_DIRECTORY", build), env
 
 
@@ -61,8 +64,11 @@ def main():
     ap.add_argument("--cores", type=int, default=2)
     a = ap.parse_args()
     tests = list(tests_of(a.build, a.label, a.regex))
+    results = []
     with ThreadPoolExecutor(a.jobs) as ex:
-        results = list(ex.map(run_one, tests))
+        for r in ex.map(run_one, tests):  # as they finish, for a run that is stopped early
+            print(f"# {r[0]} cpu {r[2]:.1f} s wall {r[3]:.1f} s rc {r[1]}", file=sys.stderr, flush=True)
+            results.append(r)
     results.sort(key=lambda r: -r[2])
     print(f"{'test':40s} {'cpu_s':>8s} {'wall_s':>8s}  rc")
     for name, rc, cpu, wall in results:
