@@ -12,8 +12,9 @@
 #   3. end to end (megatron pretrain, $ITERS iterations, the mean of the last log interval): one GPU
 #      and CP 2 at 32K; CP 2 p2p and a2a at 64K (one GPU: only if the estimate fits); CP 2 p2p at
 #      128K (with --recompute-modules mlp if the plain run's estimate does not fit); tokens/s,
-#      TFLOP/s per GPU (the log line's formula, docs/flags.md), the memory estimate printed at start
-#      and the measured memory per GPU, and CP 2's speed-up over one GPU.
+#      TFLOP/s per GPU (the log line's formula, docs/flags.md), the memory estimate printed at start,
+#      the buffers and memory in use at start (rank 0), the measured peak per GPU (nvidia-smi
+#      sampled during the run; GPUs 0..N-1 are the run's), and CP 2's speed-up over one GPU.
 # Usage: bench/cp_bench.sh [build] [tests] [layer] [e2e] [long] [quick]   (logs in $OUT, default out/)
 #   the stages named (default: all four; each fits a 10-minute device call): e2e runs 32K, long
 #   64K and 128K; quick: the layer bench at 32K only.
@@ -27,7 +28,7 @@ if [ "${1:-}" = build ]; then
   shift
 fi
 stages=" $* "
-[ -z "$(echo "$stages" | grep -oE 'tests|layer|e2e|long')" ] && stages="$stages tests layer e2e long "
+grep -qE 'tests|layer|e2e|long' <<<"$stages" || stages="$stages tests layer e2e long "
 has() { [[ "$stages" == *" $1 "* ]]; }
 quick=$(has quick && echo quick)
 ITERS=${ITERS:-8}
@@ -48,9 +49,16 @@ run() {
   local log="$OUT/e2e_$name.log"
   local launch=()
   [ "$gpus" -gt 1 ] && launch=(--nproc-per-node "$gpus")
+  # the measured peak per GPU: nvidia-smi's memory.used every 200 ms during the run (everything on
+  # the GPU: buffers, CUDA context, cuBLASLt/cuDNN workspaces, NCCL), the max per GPU
+  nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 200 > "$OUT/e2e_$name.smi" 2>/dev/null &
+  local smi=$!
   timeout 1500 build/megatron "${model[@]}" --seq-length "$seq" --max-position-embeddings "$seq" \
     --global-batch-size 1 "${launch[@]}" "$@" > "$log" 2>&1
   local rc=$?
+  kill "$smi" 2>/dev/null; wait "$smi" 2>/dev/null
+  local peak
+  peak=$(awk -F', *' -v n="$gpus" '$1 < n && $2 > m[$1] { m[$1] = $2 } END { for (i = 0; i < n; ++i) printf "%s%.1f", (i ? " / " : ""), m[i] / 1024 }' "$OUT/e2e_$name.smi")
   local line
   line=$(grep -E "iteration +$ITERS/" "$log" | tail -1)
   local ms tok tf est mem
@@ -63,8 +71,8 @@ run() {
     printf "%-24s %7s %4s | did not run: %s\n" "$name" "$seq" "$gpus" "$(grep -m1 -oE '(error|out of memory).*' "$log" | cut -c1-160)"
     return 1
   fi
-  printf "%-24s %7s %4s | %9s ms %10s tok/s %7s TFLOP/s/GPU | estimate %s | buffers, in use (rank 0): %s\n" \
-    "$name" "$seq" "$gpus" "$ms" "$tok" "$tf" "$est" "$mem"
+  printf "%-24s %7s %4s | %9s ms %10s tok/s %7s TFLOP/s/GPU | estimate %s | buffers, in use at start (rank 0): %s| peak per GPU (nvidia-smi): %s GiB\n" \
+    "$name" "$seq" "$gpus" "$ms" "$tok" "$tf" "$est" "$mem" "$peak"
   echo "$tok" > "$OUT/e2e_$name.tok"
 }
 speedup() {  # speedup CP_NAME ONE_NAME
