@@ -6,6 +6,20 @@
 
 namespace mt {
 
+const Stream& MoeStreams::shared(Device device) {
+  if (!shared_) shared_ = std::make_unique<Stream>(device);
+  MT_CHECK(shared_->device() == device, "MoeStreams: the shared experts' stream is on {}, asked for {}",
+           shared_->device().str(), device.str());
+  return *shared_;
+}
+
+const Stream& MoeStreams::comm(Device device) {
+  if (!comm_) comm_ = std::make_unique<Stream>(device);
+  MT_CHECK(comm_->device() == device, "MoeStreams: the exchange stream is on {}, asked for {}", comm_->device().str(),
+           device.str());
+  return *comm_;
+}
+
 std::string moe_preprocess_region(MoeDispatcher kind, const MoeDispatchSizes& sizes) {
   if (kind == MoeDispatcher::kAllGather) return "router, selection all-gather, routing map";
   const std::string echo = sizes.num_echo > 0 ? "ECHO plan and rerouting, " : "";

@@ -27,12 +27,29 @@
 #include <vector>
 
 #include "comm/communicator.h"
+#include "core/stream.h"
 #include "model/module.h"
 #include "model/transformer_config.h"
 
 namespace mt {
 
 struct EchoPlacement;  // model/moe/echo.h
+
+/// The side streams of the MoE layers of one model (--moe-shared-expert-overlap: the shared
+/// experts; --overlap-moe-expert-parallel-comm: the expert-parallel exchanges), created on first
+/// use (at plan time, never inside a step) and shared by every MoE layer of the model: a CUDA
+/// stream carries its own cuBLASLt handle and 33 MiB of workspace (core/cuda_resources.h). On the
+/// CPU a stream runs its work inline, so the overlapped schedules run in their issue order there.
+class MoeStreams {
+ public:
+  /// The shared experts' stream on `device` (created on the first call).
+  const Stream& shared(Device device);
+  /// The exchanges' stream on `device` (created on the first call).
+  const Stream& comm(Device device);
+
+ private:
+  std::unique_ptr<Stream> shared_, comm_;
+};
 
 /// This rank's place in the expert grid (MoE parallel folding, arXiv:2504.14960): expert
 /// parallelism splits the experts (EP rank r holds experts [r·E/ep, (r+1)·E/ep)), expert tensor
@@ -45,6 +62,8 @@ struct ExpertParallel {
   int ep_size = 1, ep_rank = 0, etp_size = 1, etp_rank = 0;
   std::shared_ptr<Communicator> dispatch;
   std::shared_ptr<Communicator> ep_group, etp_group;
+  /// The side streams, shared by the copies of this value (every MoE layer of a model).
+  std::shared_ptr<MoeStreams> streams = std::make_shared<MoeStreams>();
 };
 
 /// The static sizes a dispatcher is built for.
@@ -70,6 +89,15 @@ struct MoeDispatchSizes {
   /// nothing read on the host: CUDA-graph capturable); the slots beyond a block are dropped and
   /// counted (MoeDispatchStats::overflowed). 0 = off (the host-synchronised dropless dispatch).
   int64_t received_capacity = 0;
+  /// --overlap-moe-expert-parallel-comm (the dropless alltoall dispatcher): the local expert slots
+  /// are exchanged in this many chunks (MoEAlltoAllTokenDispatcher::chunk), so that the experts of
+  /// one chunk compute while the next chunk's rows travel; 1 = one exchange.
+  int64_t chunks = 1;
+  /// --moe-permute-fusion (the dropless alltoall dispatcher): permutation 2 fused into the
+  /// exchanges: every (source rank, local expert) piece travels straight to its row of the expert
+  /// input, and back from the expert output, instead of through a staging buffer and
+  /// moe_sort_chunks' copies.
+  bool permute_fusion = false;
 };
 
 /// Host-side dispatch statistics since the last reset (alltoall dispatcher; the allgather one
