@@ -15,7 +15,7 @@ MoELayer::Events::Events(Device device, int64_t chunks)
 
 MoELayer::MoELayer(const TransformerConfig& c, int64_t layer, const TensorParallelRegion& tp,
                    const ExpertParallel& ep, ParamRegistry& reg)
-    : tp_(tp), layer_(layer), hidden_(c.hidden_size), streams_(ep.streams) {
+    : tp_(tp), layer_(layer), hidden_(c.hidden_size), shared_res_(ep.shared) {
   MT_REQUIRE(ep.ep_size >= 1 && c.num_moe_experts % ep.ep_size == 0,
              "--num-experts {} is not divisible by expert model parallel size {}", c.num_moe_experts, ep.ep_size);
   MT_REQUIRE(ep.etp_size >= 1 && c.moe_ffn() % ep.etp_size == 0,
@@ -62,8 +62,8 @@ void MoELayer::plan(BufferPlanner& p, int64_t s, int64_t b) {
   dx_ = p.scratch("moe.dx", t, {sl, b, h});
   // the side streams and events (once, outside any step)
   if ((overlap_shared_ || chunked_) && !events_) events_ = std::make_unique<Events>(p.device(), kOverlapChunks);
-  if (overlap_shared_ && !shared_stream_) shared_stream_ = &streams_->shared(p.device());
-  if (chunked_ && !comm_stream_) comm_stream_ = &streams_->comm(p.device());
+  if (overlap_shared_ && !shared_stream_) shared_stream_ = &shared_res_->shared_stream(p.device());
+  if (chunked_ && !comm_stream_) comm_stream_ = &shared_res_->comm_stream(p.device());
 }
 
 void MoELayer::reset_stats(const Stream& stream) {

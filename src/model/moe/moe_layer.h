@@ -26,12 +26,12 @@
 //
 // Communication beside computation (docs/moe.md "Overlapped communication"; the same operations on
 // the same data, so bitwise the same results):
-//   --moe-shared-expert-overlap: the shared experts' MLP runs on a side stream (MoeStreams::shared)
+//   --moe-shared-expert-overlap: the shared experts' MLP runs on a side stream (MoeShared::shared_stream)
 //     from after the dispatcher's preprocessing to the combine (forward), and from the start of the
 //     backward to the router's backward; their output and input gradient are added on the layer's
 //     stream where the sequential order adds them.
 //   --overlap-moe-expert-parallel-comm: the dropless alltoall dispatcher's exchanges run in chunks
-//     of local expert slots on the exchange stream (MoeStreams::comm), the experts of chunk c on the
+//     of local expert slots on the exchange stream (MoeShared::comm_stream), the experts of chunk c on the
 //     layer's stream as soon as its rows are in, and its combine as soon as they are computed:
 //       exchange stream:  dispatch 0, dispatch 1, ..., combine 0, combine 1, ...
 //       layer stream:     (wait d0) experts 0 (wait d1) experts 1 ...  (wait the combines) unpermute
@@ -149,7 +149,7 @@ class MoELayer final : public MlpSlot {
   std::unique_ptr<TopKRouter> router_;
   std::unique_ptr<MoeExperts> experts_;
   std::unique_ptr<SharedExpertMLP> shared_;  // --moe-shared-expert-intermediate-size > 0
-  std::shared_ptr<MoeStreams> streams_;
+  std::shared_ptr<MoeShared> shared_res_;
   bool overlap_shared_ = false;  // --moe-shared-expert-overlap (and a TP group other than the dispatcher's)
   MoEAlltoAllTokenDispatcher* chunked_ = nullptr;  // --overlap-moe-expert-parallel-comm: the dispatcher
   bool delay_wgrad_ = false;     // --delay-wgrad-compute

@@ -6,16 +6,16 @@
 
 namespace mt {
 
-const Stream& MoeStreams::shared(Device device) {
+const Stream& MoeShared::shared_stream(Device device) {
   if (!shared_) shared_ = std::make_unique<Stream>(device);
-  MT_CHECK(shared_->device() == device, "MoeStreams: the shared experts' stream is on {}, asked for {}",
+  MT_CHECK(shared_->device() == device, "MoeShared: the shared experts' stream is on {}, asked for {}",
            shared_->device().str(), device.str());
   return *shared_;
 }
 
-const Stream& MoeStreams::comm(Device device) {
+const Stream& MoeShared::comm_stream(Device device) {
   if (!comm_) comm_ = std::make_unique<Stream>(device);
-  MT_CHECK(comm_->device() == device, "MoeStreams: the exchange stream is on {}, asked for {}", comm_->device().str(),
+  MT_CHECK(comm_->device() == device, "MoeShared: the exchange stream is on {}, asked for {}", comm_->device().str(),
            device.str());
   return *comm_;
 }

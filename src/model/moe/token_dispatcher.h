@@ -35,17 +35,24 @@ namespace mt {
 
 struct EchoPlacement;  // model/moe/echo.h
 
-/// The side streams of the MoE layers of one model (--moe-shared-expert-overlap: the shared
-/// experts; --overlap-moe-expert-parallel-comm: the expert-parallel exchanges), created on first
-/// use (at plan time, never inside a step) and shared by every MoE layer of the model: a CUDA
-/// stream carries its own cuBLASLt handle and 33 MiB of workspace (core/cuda_resources.h). On the
-/// CPU a stream runs its work inline, so the overlapped schedules run in their issue order there.
-class MoeStreams {
+class EchoPeers;  // model/moe/echo_peers.h
+
+/// What the MoE layers of one model share, created on first use (at plan time, never inside a
+/// step): the side streams (--moe-shared-expert-overlap: the shared experts'; --overlap-moe-expert-
+/// parallel-comm: the exchanges') — a CUDA stream carries its own cuBLASLt handle and 33 MiB of
+/// workspace (core/cuda_resources.h) — and ECHO's used-slot transfer buffers (EchoClones creates
+/// them). On the CPU a stream runs its work inline, so the overlapped schedules run in their issue
+/// order there.
+class MoeShared {
  public:
   /// The shared experts' stream on `device` (created on the first call).
-  const Stream& shared(Device device);
+  const Stream& shared_stream(Device device);
   /// The exchanges' stream on `device` (created on the first call).
-  const Stream& comm(Device device);
+  const Stream& comm_stream(Device device);
+  /// ECHO's used-slot transfers (model/moe/echo_peers.h) for every MoE layer: null until the first
+  /// layer's first transfer creates them; echo_logged: the way the clones travel has been logged.
+  std::shared_ptr<EchoPeers> echo_peers;
+  bool echo_logged = false;
 
  private:
   std::unique_ptr<Stream> shared_, comm_;
@@ -62,8 +69,9 @@ struct ExpertParallel {
   int ep_size = 1, ep_rank = 0, etp_size = 1, etp_rank = 0;
   std::shared_ptr<Communicator> dispatch;
   std::shared_ptr<Communicator> ep_group, etp_group;
-  /// The side streams, shared by the copies of this value (every MoE layer of a model).
-  std::shared_ptr<MoeStreams> streams = std::make_shared<MoeStreams>();
+  /// What the MoE layers share (side streams, ECHO's transfer buffers), shared by the copies of
+  /// this value (every MoE layer of a model).
+  std::shared_ptr<MoeShared> shared = std::make_shared<MoeShared>();
 };
 
 /// The static sizes a dispatcher is built for.
