@@ -18,6 +18,7 @@
 #include "comm/mpi/mpi_communicator.h"
 #endif
 #include "core/check.h"
+#include "core/cli_validators.h"
 #include "data/preprocess_cli.h"
 #include "train/arguments.h"
 #include "train/evaluate.h"
@@ -70,6 +71,9 @@ int main(int argc, char** argv) {
 
   mt::data::add_preprocess_data_command(app);
   mt::data::add_merge_datasets_command(app);
+  // Every integer and floating-point flag of every subcommand: the number as written or an error
+  // naming the flag and the value (no octal, no overflow to INT64_MAX, no -1 wrapped to 2^64 - 1).
+  mt::strict_numbers(app);
 
   // A first argument that is no option and no subcommand: name it (CLI11 would only say that a
   // subcommand is required).
@@ -86,6 +90,14 @@ int main(int argc, char** argv) {
   // Writes past a file-size limit fail with EFBIG (reported with the file's name) instead of
   // killing the process.
   std::signal(SIGXFSZ, SIG_IGN);
+  // A process started by a launcher (torchrun, mpiexec, srun, ours) ends with it: no rank goes on
+  // training, saving or publishing a checkpoint after its launcher died (comm/launcher.h). A
+  // malformed launch environment is reported where it is read for the run.
+  try {
+    if (const mt::LaunchEnv env = mt::read_launch_env(); env.launcher != mt::LaunchEnv::kNone)
+      mt::guard_parent_death(env.rank);
+  } catch (const std::exception&) {
+  }
   int rc = 0;
   try {
     app.parse(argc, argv);
@@ -111,6 +123,9 @@ int main(int argc, char** argv) {
     if (import_hf->parsed()) rc = mt::run_import_hf(import_args);
     if (logits->parsed()) rc = mt::run_logits(logits_args);
     if (export_hf->parsed()) rc = mt::run_export_hf(export_args);
+  } catch (const CLI::ConversionError& e) {
+    // the syntax was checked (strict_numbers): an integer too large for a flag held in an int
+    return app.exit(CLI::ConversionError(mt::conversion_error_message(e.what())));
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   } catch (const mt::Error& e) {

@@ -69,7 +69,11 @@ pid_t spawn(const std::string& exe, const std::vector<std::string>& cmd,
   pid_t pid = ::fork();
   MT_REQUIRE(pid >= 0, "launcher: fork() failed: {}", std::strerror(errno));
   if (pid == 0) {
-    ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+    // Dies with the launcher, at once: a rank (or mpiexec, which then takes its ranks with it)
+    // must not train, save or publish after the launcher is gone. SIGKILL, not SIGTERM: a rank
+    // with --exit-signal-handler would answer SIGTERM by saving a checkpoint, and mpiexec by
+    // passing SIGTERM on. The launcher forks from its main thread, which lives as long as it.
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
     if (::getppid() != parent) ::_exit(1);  // the launcher already died
     if (stderr_fd >= 0) ::dup2(stderr_fd, 2);
     ::execvpe(exe.c_str(), av.data(), envp.data());
@@ -79,6 +83,8 @@ pid_t spawn(const std::string& exe, const std::vector<std::string>& cmd,
   }
   return pid;
 }
+
+constexpr const char* kLauncherPidVariable = "MT_LAUNCHER_PID";  // the fork path's ranks: their parent
 
 // SIGTERM / SIGINT received by the launcher, forwarded to the ranks (so that `kill <launcher>`
 // reaches ranks running with --exit-signal-handler, which then save and exit 0).
@@ -173,7 +179,8 @@ int launch_fork(int nproc, const std::string& exe, const std::vector<std::string
                      {"LOCAL_RANK", std::to_string(r)},
                      {"LOCAL_WORLD_SIZE", std::to_string(nproc)},
                      {"MASTER_ADDR", "127.0.0.1"},
-                     {"MASTER_PORT", std::to_string(port)}});
+                     {"MASTER_PORT", std::to_string(port)},
+                     {kLauncherPidVariable, std::to_string(::getpid())}});
   }
   int remaining = nproc;
   int result = 0;
@@ -372,5 +379,54 @@ int launch_local(int nproc, int argc, char** argv, Device device) {
   }
   return code;
 }
+
+namespace {
+std::atomic<pid_t> g_guarded_parent{0};
+char g_parent_death_message[160];  // composed before the signal is armed (the handler only writes it)
+size_t g_parent_death_message_len = 0;
+
+extern "C" void on_parent_death(int) {
+  const pid_t parent = g_guarded_parent.load();
+  if (parent == 0 || ::getppid() == parent) return;  // only the parent's thread that forked us exited
+  [[maybe_unused]] const ssize_t w = ::write(2, g_parent_death_message, g_parent_death_message_len);
+  ::_exit(kReportedErrorExitStatus);
+}
+}  // namespace
+
+int parent_death_signal() { return SIGRTMIN + 3; }
+
+void guard_parent_death(int rank) {
+  const pid_t parent = ::getppid();
+  const int n = std::snprintf(g_parent_death_message, sizeof(g_parent_death_message),
+                              "error (rank %d): its launcher (parent process %d) has died; exiting at once, without "
+                              "saving\n",
+                              rank, static_cast<int>(parent));
+  g_parent_death_message_len = n > 0 ? std::min(static_cast<size_t>(n), sizeof(g_parent_death_message) - 1) : 0;
+  g_guarded_parent.store(parent);
+  const char* test_no_signal = std::getenv("MT_TEST_NO_PARENT_DEATH_SIGNAL");
+  if (test_no_signal == nullptr || std::string(test_no_signal) != "1") {
+    struct sigaction sa {};
+    sa.sa_handler = on_parent_death;
+    sigemptyset(&sa.sa_mask);
+    sa.sa_flags = SA_RESTART;
+    sigaction(parent_death_signal(), &sa, nullptr);
+    ::prctl(PR_SET_PDEATHSIG, parent_death_signal());
+  } else {
+    ::prctl(PR_SET_PDEATHSIG, 0);  // the test hook: no signal at all (not the launcher's SIGKILL either)
+  }
+  // Our launcher's ranks know their launcher: a parent that is not it means it died before the
+  // guard was armed (the SIGKILL it set before exec covers the rest of that window).
+  if (const char* v = std::getenv(kLauncherPidVariable); v != nullptr && std::atoi(v) != static_cast<int>(parent)) {
+    [[maybe_unused]] const ssize_t w = ::write(2, g_parent_death_message, g_parent_death_message_len);
+    ::_exit(kReportedErrorExitStatus);
+  }
+}
+
+bool launcher_alive() {
+  const pid_t parent = g_guarded_parent.load();
+  return parent == 0 || ::getppid() == parent;
+}
+
+int guarded_parent_pid() { return static_cast<int>(g_guarded_parent.load()); }
 
 }  // namespace mt

@@ -30,9 +30,38 @@ inline constexpr int kReportedErrorExitStatus = 1;
 ///         crashes, signals and other statuses are kept), and a status of mpiexec other than 0
 ///         and kReportedErrorExitStatus is named by the launcher. The ranks get the OpenMP
 ///         settings of cpu_rank_omp_environment (printed on stderr when the launcher sets any).
-/// Children die with the launcher (PR_SET_PDEATHSIG). Returns 0 when every rank succeeded.
+/// Children die with the launcher: each child (a rank, or mpiexec) gets SIGKILL from the kernel
+/// when the launcher dies (PR_SET_PDEATHSIG, set between fork and exec with a check of getppid()
+/// for a launcher that died before it was set); a rank of the fork path also finds the launcher's
+/// pid in MT_LAUNCHER_PID (guard_parent_death). Returns 0 when every rank succeeded.
 /// Errors: mt::Error when nproc < 1 or a process cannot be started.
 int launch_local(int nproc, int argc, char** argv, Device device);
+
+/// Ranks that cannot outlive their launcher (docs/distributed.md "When the launcher dies"), called
+/// by every process started by a launcher (torchrun, mpiexec, srun or ours) before anything else:
+/// records the parent process (the launcher: torchrun's agent, mpiexec or its orted, slurmstepd,
+/// `megatron --nproc-per-node`), asks the kernel for parent_death_signal() when the parent dies
+/// (PR_SET_PDEATHSIG) and handles it by ending the process at once (_exit: no checkpoint, no
+/// cleanup; one line on stderr naming the rank and the parent) if the parent process is gone. The
+/// kernel also sends it when only the parent's thread that started this process exits; the
+/// handler then finds the same parent (getppid) and ignores it. A parent that died before the
+/// guard was set: with MT_LAUNCHER_PID (our launcher's fork path) a parent other than that pid
+/// ends the process at once; under other launchers such a rank fails to reach its launcher
+/// (MPI_Init, the TCP store) instead. Test hook: MT_TEST_NO_PARENT_DEATH_SIGNAL=1 records the
+/// parent and disarms every parent-death signal, the launcher's SIGKILL included (launcher_alive()
+/// alone then stops a publication).
+void guard_parent_death(int rank);
+
+/// The real-time signal of guard_parent_death (SIGRTMIN + 3).
+int parent_death_signal();
+
+/// False once the parent recorded by guard_parent_death is gone (this process was re-parented);
+/// true when no guard is installed (a process started without a launcher). Checked before a
+/// checkpoint is published (train/checkpoint.h): nothing is published after the launcher died.
+bool launcher_alive();
+
+/// The parent process guard_parent_death recorded; 0 without a guard.
+int guarded_parent_pid();
 
 /// The launcher's filter of mpiexec's stderr (OpenMPI 4). mpiexec's messages are "help" blocks
 /// between two lines of 74 dashes. Two of them are dropped:

@@ -14,6 +14,8 @@ std::string_view dtype_name(DType t) {
     case DType::kU8: return "uint8";
     case DType::kF64: return "fp64";
     case DType::kI16: return "int16";
+    case DType::kF8E4M3: return "fp8_e4m3";
+    case DType::kF8E5M2: return "fp8_e5m2";
   }
   return "?";
 }
@@ -27,7 +29,10 @@ DType parse_dtype(std::string_view s) {
   if (s == "uint8") return DType::kU8;
   if (s == "fp64" || s == "float64") return DType::kF64;
   if (s == "int16") return DType::kI16;
-  MT_FAIL("unknown dtype '{}', expected one of fp32, bf16, fp16, int32, int64, uint8, fp64, int16", s);
+  if (s == "fp8_e4m3" || s == "float8_e4m3fn") return DType::kF8E4M3;
+  if (s == "fp8_e5m2" || s == "float8_e5m2") return DType::kF8E5M2;
+  MT_FAIL("unknown dtype '{}', expected one of fp32, bf16, fp16, int32, int64, uint8, fp64, int16, fp8_e4m3, fp8_e5m2",
+          s);
 }
 
 uint16_t f32_to_f16_bits(float f) {

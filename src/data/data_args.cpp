@@ -6,6 +6,7 @@
 #include <optional>
 
 #include "core/check.h"
+#include "core/cli_validators.h"
 #include "core/logging.h"
 #include "data/blended_dataset.h"
 #include "data/gpt_dataset.h"
@@ -171,9 +172,10 @@ void add_data_options(CLI::App& app, DataArgs& a) {
   app.add_option("--vocab-file", a.vocab_file, "GPT-2 vocab.json / encoder.json");
   app.add_option("--merge-file", a.merge_file, "GPT-2 merges.txt / vocab.bpe");
   app.add_option("--tokenizer-model", a.tokenizer_model, "tokenizer.json (or its directory) / SentencePiece model");
-  app.add_option("--vocab-size", a.vocab_size, "Vocabulary size of the NullTokenizer");
+  app.add_option("--vocab-size", a.vocab_size, "Vocabulary size of the NullTokenizer")->check(positive_integer());
   app.add_option("--mid-level-dataset-surplus", a.mid_level_dataset_surplus,
                  "Sample surplus of the per-dataset indices of a weighted blend")
+      ->check(number_range(0, kNoMax))
       ->capture_default_str();
 }
 
@@ -186,8 +188,15 @@ std::array<int64_t, 3> train_valid_test_num_samples(int64_t train_iters, int64_t
   MT_REQUIRE(train_iters >= 0 && global_batch_size > 0 && eval_interval > 0 && eval_iters >= 0,
              "bad sample count arguments: train_iters={} global_batch_size={} eval_interval={} eval_iters={}",
              train_iters, global_batch_size, eval_interval, eval_iters);
-  return {train_iters * global_batch_size, (train_iters / eval_interval + 1) * eval_iters * global_batch_size,
-          eval_iters * global_batch_size};
+  std::array<int64_t, 3> n{};
+  const bool overflow = __builtin_mul_overflow(train_iters, global_batch_size, &n[0]) ||
+                        __builtin_mul_overflow(eval_iters, global_batch_size, &n[2]) ||
+                        __builtin_mul_overflow(train_iters / eval_interval + 1, n[2], &n[1]);
+  MT_REQUIRE(!overflow,
+             "--train-iters {}, --global-batch-size {}, --eval-interval {} and --eval-iters {} ask for more than 2^63 "
+             "samples",
+             train_iters, global_batch_size, eval_interval, eval_iters);
+  return n;
 }
 
 DataSplits build_gpt_datasets(const DataArgs& a, int64_t seq_length, uint64_t seed, int64_t train_samples,

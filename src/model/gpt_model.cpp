@@ -185,6 +185,7 @@ std::unique_ptr<GPTModel> GPTModel::planned_for(int64_t seq_length, int64_t micr
   c.recompute_method_set = false;
   c.recompute_num_layers = 0;
   c.recompute_modules_set = false;
+  c.tp_comm_overlap = false;  // no sequence parallelism to overlap
   std::unique_ptr<GPTModel> m(new GPTModel(c, micro_batch, dtype_, device_, groups_, /*sequence_parallel=*/false,
                                            params_->layout(), std::move(layout), params_));
   const auto src = persistent_state(stream), dst = m->persistent_state(stream);  // the expert biases
@@ -208,7 +209,7 @@ GPTModel::GPTModel(const TransformerConfig& config, int64_t micro_batch, DType d
       dtype_(dtype),
       device_(device),
       groups_(std::move(groups)),
-      tp_(groups_.tp, sequence_parallel) {
+      tp_(groups_.tp, sequence_parallel, config.tp_comm_overlap) {
   config_.validate(tp_.size());
   if (groups_.cp && groups_.cp->size() > 1) {
     const ContextParallelOptions cpo = validate_context_parallel(config_, groups_.cp->size(), tp_.size());

@@ -15,8 +15,7 @@ void ParamRegistry::begin_group(bool sort_by_sharding) { groups_.push_back({{}, 
 
 void ParamRegistry::declare(ParamSpec spec, ParamRef* ref) {
   MT_CHECK(!groups_.empty(), "ParamRegistry::declare({}) before begin_group", spec.name);
-  for (const Group& g : groups_)
-    for (const Entry& e : g.entries) MT_CHECK(e.spec.name != spec.name, "parameter {} declared twice", spec.name);
+  MT_CHECK(names_.insert(spec.name).second, "parameter {} declared twice", spec.name);
   groups_.back().entries.push_back({std::move(spec), ref});
 }
 

@@ -11,6 +11,7 @@
 #pragma once
 #include <map>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 #include "core/buffer.h"
@@ -140,6 +141,7 @@ class ParamRegistry {
   };
   std::vector<Group> ordered() const;
   std::vector<Group> groups_;
+  std::unordered_set<std::string> names_;  // every declared name (duplicates found in O(1))
 };
 
 /// Static buffer planning (docs/architecture.md principle 1). The model calls its modules' plan() twice: a

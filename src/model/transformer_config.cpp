@@ -448,18 +448,25 @@ int64_t TransformerConfig::num_parameters(int tp) const {
   return total;
 }
 
-double TransformerConfig::flops_per_iteration(int64_t global_batch) const {
+double TransformerConfig::flops_per_iteration(int64_t global_batch, int tp) const {
+  // Megatron-Core's transformer_flops: per token, 3 GEMMs (forward, dgrad, wgrad) × 2 FLOPs per
+  // multiply-add × the sizes of the GEMMs a token goes through.
   const double B = static_cast<double>(global_batch), s = static_cast<double>(seq_length);
   const double L = static_cast<double>(num_layers), h = static_cast<double>(hidden_size);
-  const double f = static_cast<double>(ffn()), V = static_cast<double>(padded_vocab_size());
-  const double n = static_cast<double>(num_attention_heads), g = static_cast<double>(query_groups());
-  const double qproj = n * static_cast<double>(head_dim()) / h;
-  const double glu = mlp_activation_kind(activation()).flops_factor;
+  const double V = static_cast<double>(padded_vocab_size(tp));
+  const double q = static_cast<double>(num_attention_heads * head_dim());  // n·d
+  const double kv = static_cast<double>(query_groups() * head_dim());     // g·d
+  // linear_qkv, QKᵀ and PV (n·d·s each, halved by the causal mask), linear_proj
+  const double attention = h * (q + 2.0 * kv) + q * s + q * h;
+  // fc1 + fc2: 2·f·h, 3·f·h with SwiGLU (fc1 is 2f wide; the activation's flops_factor 3/2);
+  // MoE layers: the top-k routed experts and the shared experts (the router GEMM is not counted)
+  const double ffn_factor = 2.0 * mlp_activation_kind(activation()).flops_factor;
   const double L_moe = static_cast<double>(num_moe_layers());
-  const double F = f * (L - L_moe) + (static_cast<double>(moe_ffn()) * static_cast<double>(moe_router_topk) +
-                                      static_cast<double>(moe_shared_expert_intermediate_size)) *
-                                         L_moe;
-  return 12.0 * B * s * L * h * h * ((1.0 + g / n + s / h) * qproj + F * glu / (L * h) + V / (2.0 * L * h));
+  const double F = static_cast<double>(ffn()) * (L - L_moe) +
+                   (static_cast<double>(moe_ffn()) * static_cast<double>(moe_router_topk) +
+                    static_cast<double>(moe_shared_expert_intermediate_size)) *
+                       L_moe;
+  return 6.0 * B * s * (L * attention + h * F * ffn_factor + h * V);
 }
 
 std::string TransformerConfig::summary() const {

@@ -90,6 +90,10 @@ const char* moe_load_balancing_name(MoeLoadBalancing b);
 /// entry is not 0 or 1, k < 1, or the list length differs from num_layers.
 std::vector<uint8_t> parse_moe_layer_freq(const std::string& text, int64_t num_layers);
 
+/// The dense bf16 peak of an H100 / H200 SXM in TFLOP/s, against which the log line's MFU is
+/// counted (also for FP8 runs, so that speed-ups read as ratios).
+inline constexpr double kMfuPeakTflops = 989.4;
+
 struct TransformerConfig {
   // --- sizes ---
   int64_t num_layers = 12;              ///< --num-layers (L)
@@ -127,6 +131,11 @@ struct TransformerConfig {
   /// context-parallel attention) and the embedding's weight gradient (a sort by token id instead of
   /// atomics). Every other kernel is deterministic in either mode; the CPU backend always is.
   bool deterministic_mode = false;
+  /// --tp-comm-overlap (Megatron's ModelParallelConfig.tp_comm_overlap, which TransformerConfig
+  /// inherits): the sequence-parallel all-gathers and reduce-scatters of the linear layers in
+  /// pieces pipelined with their GEMMs (parallel/mappings.h). Needs sequence parallelism with
+  /// TP > 1; the same results (docs/parallelism.md "Tensor-parallel communication overlap").
+  bool tp_comm_overlap = false;
   // --- context parallelism (used when the CP group has more than one rank) ---
   std::string cp_comm_type = "p2p";  ///< --cp-comm-type: p2p, allgather, a2a, a2a+p2p
   std::vector<int> hierarchical_context_parallel_sizes;  ///< --hierarchical-context-parallel-sizes
@@ -278,12 +287,17 @@ struct TransformerConfig {
   void validate_moe_comm_overlap() const;
   /// Parameters of the model (a tied embedding counted once), with padded vocabulary.
   int64_t num_parameters(int tp = 1) const;
-  /// Megatron's num_floating_point_operations (megatron/training/training.py, transformer_flops)
-  /// for one iteration of `global_batch` sequences, forward + backward, no recompute:
-  /// 12·B·s·L·h²·((1 + g/n + s/h)·(n·d/h) + F·(3/2 if SwiGLU)/(L·h) + V/(2·L·h)), where
-  /// F = f·L_dense + (f_moe·k + f_shared)·L_moe counts the active expert parameters of MoE layers
-  /// (the router GEMM is not counted, as in Megatron).
-  double flops_per_iteration(int64_t global_batch) const;
+  /// FLOPs of one iteration of `global_batch` sequences, forward + backward, no recompute, as
+  /// Megatron-Core counts them today (megatron/training/training.py num_floating_point_operations,
+  /// transformer_flops): 6·B·s·(L·(h·(n·d + 2·g·d) + n·d·s + n·d·h) + h·F·c + h·V), i.e. every GEMM
+  /// three times (forward, dgrad, wgrad) at 2 FLOPs per multiply-add: QKV with g key/value
+  /// groups, the attention scores and their product with V (2·n·d·s per token, halved by the
+  /// causal mask), the output projection, the MLP (c = 3 with SwiGLU, 2 with GELU; F = f·L_dense +
+  /// (f_moe·k + f_shared)·L_moe: the top-k routed experts and the shared experts of MoE layers, the
+  /// router not counted) and the LM head over the vocabulary V padded for `tp` ranks (Megatron's
+  /// padded_vocab_size). Until issue 41 the log counted the attention scores in full:
+  /// 12·B·s·L·h·n·d·(1 + g/n + s/h) instead of (1 + g/n + s/(2h)) (docs/flags.md "The log line").
+  double flops_per_iteration(int64_t global_batch, int tp = 1) const;
   /// One line naming the architecture ("GPT: 12 layers, hidden 768, ...").
   std::string summary() const;
 };

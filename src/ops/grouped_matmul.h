@@ -1,6 +1,7 @@
 // Grouped linear layers with per-group row counts read on the device: the GEMMs of the MoE
 // experts (Megatron-Core's GroupedMLP / TransformerEngine's GroupedLinear, without the host
-// `tokens_per_expert.cpu()` split — design principle 8; docs/moe.md "--moe-grouped-gemm").
+// `tokens_per_expert.cpu()` split — docs/architecture.md principle 8; docs/moe.md
+// "--moe-grouped-gemm").
 //
 // G groups share a [R, *] row buffer: group g owns rows [off_g, off_g + c_g), off_g = c_0 + ... +
 // c_{g-1} (groups in order, no gaps), c = counts int32 [G] read by the kernels from the tensor's

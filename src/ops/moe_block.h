@@ -1,5 +1,5 @@
-// Index maps of the static-buffer MoE all-to-all token dispatch (the full-iteration CUDA graph
-// design: "token dispatch into static receive buffers sized by --moe-received-token-capacity, with
+// Index maps of the static-buffer MoE all-to-all token dispatch (docs/cuda_graphs.md, capturable
+// MoE: "token dispatch into static receive buffers sized by --moe-received-token-capacity, with
 // an overflow that is counted, never silent"). Each source EP rank sends every one of the D
 // destination EP ranks a fixed block of B rows with an equal-split all_to_all, so that no split
 // size is read on the host; the rows routed to a destination beyond B are dropped and counted.

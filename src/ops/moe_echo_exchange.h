@@ -1,5 +1,5 @@
 // ECHO weight dispatch and gradient return with fixed-size collectives (docs/echo.md,
-// "Integration", steps 4 and 6; the full-iteration CUDA graph design of design principle 8): the
+// "Integration", steps 4 and 6; docs/architecture.md principle 8, capturable by construction): the
 // device-side index computation, gathers and the ordered accumulation that let the clones' weights
 // travel from their home EP ranks and their gradients travel back through one equal-split
 // all_to_all over the EP group each, instead of the host-synchronised point-to-point exchange of

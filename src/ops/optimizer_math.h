@@ -82,26 +82,6 @@ MT_HD void adamw_element(float& p, float grad, float& m, float& v, const AdamWHy
   p = fmaf(-c.lr, update, p);
 }
 
-MT_HD uint32_t f32_as_bits(float x) {
-#ifdef __CUDA_ARCH__
-  return __float_as_uint(x);
-#else
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  return u;
-#endif
-}
-
-MT_HD float bits_as_f32(uint32_t u) {
-#ifdef __CUDA_ARCH__
-  return __uint_as_float(u);
-#else
-  float x;
-  std::memcpy(&x, &u, 4);
-  return x;
-#endif
-}
-
 /// fp32 -> (bf16 bits, int16 remainder), the scheme of TransformerEngine's FusedAdam with
 /// store_param_remainders (Megatron's --use-precision-aware-optimizer, bf16 parameters, fp32 main
 /// parameters): with u the fp32 bits, hi = u >> 16, lo = u & 0xFFFF; hi += 1 when lo >= 0x8000
@@ -110,7 +90,7 @@ MT_HD float bits_as_f32(uint32_t u) {
 /// (int16) lo, negative exactly when hi was incremented. The 16-bit arithmetic wraps, so the pair
 /// determines every 32-bit pattern (NaN and inf included) exactly: see merge_f32_remainder.
 MT_HD void split_f32_remainder(float x, uint16_t& hi, int16_t& remainder) {
-  const uint32_t u = f32_as_bits(x);
+  const uint32_t u = f32_to_bits(x);
   const uint32_t lo = u & 0xFFFFu;
   hi = static_cast<uint16_t>((u >> 16) + (lo >= 0x8000u ? 1u : 0u));
   remainder = static_cast<int16_t>(static_cast<uint16_t>(lo));
@@ -120,7 +100,7 @@ MT_HD void split_f32_remainder(float x, uint16_t& hi, int16_t& remainder) {
 /// hi -= 1 when the remainder is negative, u = (hi << 16) | (uint16) remainder.
 MT_HD float merge_f32_remainder(uint16_t hi, int16_t remainder) {
   const uint32_t h = (static_cast<uint32_t>(hi) - (remainder < 0 ? 1u : 0u)) & 0xFFFFu;
-  return bits_as_f32((h << 16) | static_cast<uint32_t>(static_cast<uint16_t>(remainder)));
+  return bits_to_f32((h << 16) | static_cast<uint32_t>(static_cast<uint16_t>(remainder)));
 }
 
 }  // namespace detail

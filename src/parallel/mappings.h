@@ -18,7 +18,15 @@
 // Buffers: `full` is [s, b, ·] (the region's view), `local` is [s/tp, b, ·] with SP and the same
 // memory as `full` without it (so the identity directions cost nothing). All calls are
 // stream-ordered collectives on the TP communicator; no host synchronisation.
+//
+// The linear layers reach the sequence-parallel collectives together with the GEMM beside them
+// (all_gather_gemm, gemm_reduce_scatter), so that with --tp-comm-overlap (Megatron's flag;
+// Transformer Engine's userbuffers "AG+GEMM" / "GEMM+RS", Wang et al. 2023 "Overlap communication
+// with dependent computation via decomposition") the collective is split into one piece per rank
+// and pipelined with the GEMM over the same pieces of rows (docs/parallelism.md "Tensor-parallel
+// communication overlap").
 #pragma once
+#include <functional>
 #include <memory>
 
 #include "comm/communicator.h"
@@ -29,9 +37,17 @@ namespace mt {
 
 class TensorParallelRegion {
  public:
+  /// The most ranks --tp-comm-overlap pipelines over (the summation kernel's bound).
+  static constexpr int kMaxOverlapRanks = 8;
+
   /// tp: the tensor-parallel group (a one-rank communicator when TP = 1). sequence_parallel is
-  /// ignored (treated as off) when the group has one rank.
-  TensorParallelRegion(std::shared_ptr<Communicator> tp, bool sequence_parallel);
+  /// ignored (treated as off) when the group has one rank. tp_comm_overlap (--tp-comm-overlap):
+  /// the collectives of all_gather_gemm / gemm_reduce_scatter in pieces pipelined with the GEMM.
+  /// Errors (mt::Error): tp_comm_overlap without sequence parallelism over more than one rank
+  /// (Megatron-LM's assertion: the overlap pipelines the sequence-parallel all-gather and
+  /// reduce-scatter, and --sequence-parallel is off at TP 1), or over more than
+  /// kMaxOverlapRanks ranks.
+  TensorParallelRegion(std::shared_ptr<Communicator> tp, bool sequence_parallel, bool tp_comm_overlap = false);
   /// A region that only knows its size and this rank (planning parameter shapes without a
   /// communicator, e.g. the specs of other ranks for a checkpoint's metadata). Its collectives are
   /// errors.
@@ -41,6 +57,8 @@ class TensorParallelRegion {
   int size() const { return size_; }
   int rank() const { return rank_; }
   bool sequence_parallel() const { return sp_; }
+  /// --tp-comm-overlap (implies sequence_parallel()).
+  bool comm_overlap() const { return overlap_ != nullptr; }
   /// Rows of the local sequence shard: s / tp with SP, else s. Errors: s not divisible by tp
   /// under SP.
   int64_t local_seq(int64_t s) const;
@@ -59,10 +77,55 @@ class TensorParallelRegion {
   /// _allreduce_non_tensor_model_parallel_grads); no-op on one rank.
   void all_reduce_grads(const Tensor& grads, const Stream& stream) const;
 
+  /// A GEMM over a block of consecutive rows of the [s·b, ·] view of `full`: gemm(rows, first)
+  /// computes the output rows [first, first + rows.size(0)) of the layer. For all_gather_gemm,
+  /// `rows` is that block of the gathered input (a view of `full`, or of `local` for this rank's
+  /// block: the same values); for gemm_reduce_scatter, where the block's partial result goes.
+  ///
+  /// With sequence parallelism the GEMM runs once per TP block of s_l·b rows (rank j's sequence
+  /// shard), with or without --tp-comm-overlap, so that the overlap changes no bit: a GEMM's row
+  /// depends on the row count it was computed with (OpenBLAS's kernels by the row's place in the
+  /// register blocking; cuBLASLt's algorithm by the problem size), and both paths make the same
+  /// calls on the same pointers. Without SP, one GEMM over all rows.
+  using RowGemm = std::function<void(const Tensor& rows, int64_t first)>;
+
+  /// enter_forward (exit_backward) followed by the consumer's GEMM: full [s, b, n] <- all-gather of
+  /// local [s_l, b, n], then gemm per block: this rank's (from local), then those of ranks r − 1,
+  /// r − 2, ... (mod tp). With --tp-comm-overlap, the collective matmul: on the region's
+  /// communication stream, in TP − 1 steps, this rank's block is sent to rank (r + i) % tp while
+  /// the block of rank (r − i) % tp is received (batched send/recv, an event per step), then this
+  /// rank's block is copied into full; gemm runs on `stream`, this rank's block at once (from
+  /// local), each other block after its step's event, so each step's transfer overlaps the GEMM of
+  /// the block before; `stream` waits for the copy at the end. Without SP (full == local) just
+  /// gemm(full). No host synchronisation; capturable in a CUDA graph.
+  void all_gather_gemm(const Tensor& full, const Tensor& local, const RowGemm& gemm, const Stream& stream) const;
+  /// The producer's GEMM followed by exit_forward (enter_backward): gemm writes every block of
+  /// full [s, b, n] (partial sums over TP; the blocks of ranks r + 1, r + 2, ... (mod tp), this
+  /// rank's last), then `tail` (e.g. the weight gradient; may be empty) runs on `stream`, then
+  /// local [s_l, b, n] <- reduce-scatter of full (the all-reduce of full in place without SP: one
+  /// GEMM). With --tp-comm-overlap (GEMM + reduce-scatter in pieces): the block of rank
+  /// (r + i) % tp is sent to it while the next block is computed (send/recv of step i on the
+  /// communication stream after an event of `stream`), and rank (r − i) % tp's partial block of
+  /// this rank's rows is received into local (step 1) or the block sent in the step before; `tail`
+  /// runs while the last transfer is in flight (Megatron's wgrad overlapped with the dgrad's
+  /// reduce-scatter); then local = the rank-order sum of the partial blocks (comm/rank_order_sum.h:
+  /// fp32 accumulation in rank order, one rounding — the thread communicator's reduce_scatter bit
+  /// for bit, and NCCL's and MPI's on two ranks; they sum more ranks in their own orders, so with
+  /// TP > 2 on GPUs or MPI processes the two paths differ by rounding). full's other blocks are
+  /// consumed. No host synchronisation; capturable in a CUDA graph.
+  void gemm_reduce_scatter(const Tensor& local, const Tensor& full, const RowGemm& gemm,
+                           const std::function<void()>& tail, const Stream& stream) const;
+
  private:
+  struct Overlap;  // the communication stream and events of --tp-comm-overlap
+  /// The overlap state, its stream and events created on `stream`'s device at first use (the
+  /// eager warm-up step of a CUDA-graph run: they are not memory of the buffer plan).
+  Overlap& overlap(const Stream& stream) const;
+
   std::shared_ptr<Communicator> tp_;
   int size_, rank_;
   bool sp_;
+  std::shared_ptr<Overlap> overlap_;  // --tp-comm-overlap; shared by copies of the region
 };
 
 }  // namespace mt

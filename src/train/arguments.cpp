@@ -6,7 +6,9 @@
 
 #include <algorithm>
 
+#include "comm/bootstrap.h"
 #include "core/cli_validators.h"
+#include "core/logging.h"
 #include "train/timing_log.h"
 
 namespace mt {
@@ -44,16 +46,27 @@ namespace {
 // The architecture (Megatron's _add_network_size_args and friends) and activation recompute.
 void add_model_options(CLI::App& app, PretrainArgs& a) {
   auto& m = a.model;
-  app.add_option("--num-layers", m.num_layers, "Number of transformer layers")->capture_default_str();
-  app.add_option("--hidden-size", m.hidden_size, "Transformer hidden size")->capture_default_str();
-  app.add_option("--num-attention-heads", m.num_attention_heads, "Number of attention heads")->capture_default_str();
+  app.add_option("--num-layers", m.num_layers, "Number of transformer layers")
+      ->check(positive_integer())
+      ->capture_default_str();
+  app.add_option("--hidden-size", m.hidden_size, "Transformer hidden size")
+      ->check(positive_integer())
+      ->capture_default_str();
+  app.add_option("--num-attention-heads", m.num_attention_heads, "Number of attention heads")
+      ->check(positive_integer())
+      ->capture_default_str();
   app.add_option("--ffn-hidden-size", m.ffn_hidden_size, "MLP hidden size (default 4 * hidden)")
       ->check(positive_integer());
-  app.add_option("--seq-length", m.seq_length, "Sequence length")->capture_default_str();
+  app.add_option("--seq-length", m.seq_length, "Sequence length")
+      ->check(positive_integer())
+      ->capture_default_str();
   app.add_option("--max-position-embeddings", m.max_position_embeddings,
-                 "Position embedding table size (default seq-length)");
+                 "Position embedding table size (default seq-length)")
+      ->check(positive_integer());
   app.add_option("--make-vocab-size-divisible-by", m.make_vocab_size_divisible_by,
-                 "Pad the vocabulary to a multiple of this (times TP)")->capture_default_str();
+                 "Pad the vocabulary to a multiple of this (times TP)")
+      ->check(positive_integer())
+      ->capture_default_str();
   app.add_option("--init-method-std", m.init_method_std, "Std of the normal weight init")->capture_default_str();
   app.add_option("--hidden-dropout", m.hidden_dropout, "Dropout on hidden states")->capture_default_str();
   app.add_option("--attention-dropout", m.attention_dropout, "Dropout on attention probabilities")
@@ -77,8 +90,10 @@ void add_model_options(CLI::App& app, PretrainArgs& a) {
   app.add_flag("--rotary-interleaved", m.rotary_interleaved,
                "RoPE on interleaved channel pairs (2i, 2i+1) instead of Llama's rotate-half halves");
   app.add_flag("--group-query-attention", a.group_query_attention, "Grouped-query attention (--num-query-groups)");
-  app.add_option("--num-query-groups", m.num_query_groups, "Key/value heads with --group-query-attention");
-  app.add_option("--kv-channels", m.kv_channels, "Head dimension (default hidden-size / num-attention-heads)");
+  app.add_option("--num-query-groups", m.num_query_groups, "Key/value heads with --group-query-attention")
+      ->check(positive_integer());
+  app.add_option("--kv-channels", m.kv_channels, "Head dimension (default hidden-size / num-attention-heads)")
+      ->check(positive_integer());
   app.add_flag("--untie-embeddings-and-output-weights", m.untie_embeddings_and_output_weights,
                "Separate output layer weights instead of the word embedding's");
   app.add_flag("!--disable-bias-linear", m.add_bias_linear, "No biases in the linear layers");
@@ -107,7 +122,8 @@ void add_model_options(CLI::App& app, PretrainArgs& a) {
       },
       "Full recompute: uniform (every layer, in groups) or block (the first N layers of each chunk)");
   app.add_option("--recompute-num-layers", m.recompute_num_layers,
-                 "Full recompute: layers per group (uniform) or recomputed layers per chunk (block)");
+                 "Full recompute: layers per group (uniform) or recomputed layers per chunk (block)")
+      ->check(positive_integer());
   app.add_option_function<std::vector<std::string>>(
       "--recompute-modules",
       [&m](const std::vector<std::string>& v) {
@@ -120,16 +136,21 @@ void add_model_options(CLI::App& app, PretrainArgs& a) {
 // Mixture of experts (Megatron-Core transformer/moe; docs/moe.md).
 void add_moe_options(CLI::App& app, PretrainArgs& a) {
   auto& m = a.model;
-  app.add_option("--num-experts", m.num_moe_experts, "Experts per MoE layer (0 = dense model)");
+  app.add_option("--num-experts", m.num_moe_experts, "Experts per MoE layer (0 = dense model)")
+      ->check(integer_range(0));
   app.add_option("--moe-layer-freq", a.moe_layer_freq,
                  "MoE layer pattern: k (every k-th layer from layer 0) or a list such as ([0]+[1]*23)")
       ->capture_default_str();
-  app.add_option("--moe-ffn-hidden-size", m.moe_ffn_hidden_size, "Hidden size of each expert (default ffn-hidden-size)");
+  app.add_option("--moe-ffn-hidden-size", m.moe_ffn_hidden_size, "Hidden size of each expert (default ffn-hidden-size)")
+      ->check(positive_integer());
   app.add_option("--moe-shared-expert-intermediate-size", m.moe_shared_expert_intermediate_size,
-                 "Hidden size of the shared experts (0 = none)");
+                 "Hidden size of the shared experts (0 = none)")
+      ->check(integer_range(0));
   app.add_flag("--moe-shared-expert-gate", m.moe_shared_expert_gate,
                "Scale the shared experts' output per token by sigmoid(x . w), w [1, hidden] (Qwen 2 MoE)");
-  app.add_option("--moe-router-topk", m.moe_router_topk, "Experts per token")->capture_default_str();
+  app.add_option("--moe-router-topk", m.moe_router_topk, "Experts per token")
+      ->check(positive_integer())
+      ->capture_default_str();
   app.add_option_function<std::string>(
          "--moe-router-score-function",
          [&m](const std::string& v) { m.moe_router_score_function = parse_moe_score_function(v); },
@@ -138,8 +159,10 @@ void add_moe_options(CLI::App& app, PretrainArgs& a) {
   app.add_flag("--moe-router-pre-softmax", m.moe_router_pre_softmax, "Softmax over all experts before the top-k");
   app.add_option("--moe-router-topk-scaling-factor", m.moe_router_topk_scaling_factor,
                  "Scale of the routing probabilities")->capture_default_str();
-  app.add_option("--moe-router-num-groups", m.moe_router_num_groups, "Expert groups of device-limited routing");
-  app.add_option("--moe-router-group-topk", m.moe_router_group_topk, "Groups each token may route to");
+  app.add_option("--moe-router-num-groups", m.moe_router_num_groups, "Expert groups of device-limited routing")
+      ->check(integer_range(0));
+  app.add_option("--moe-router-group-topk", m.moe_router_group_topk, "Groups each token may route to")
+      ->check(integer_range(0));
   app.add_option_function<std::string>(
          "--moe-router-dtype",
          [&m](const std::string& v) {
@@ -189,10 +212,12 @@ void add_moe_options(CLI::App& app, PretrainArgs& a) {
   app.add_flag("--moe-enable-echo", m.moe_enable_echo,
                "ECHO: clone hot experts into spare slots of under-loaded EP ranks each micro-batch (alltoall, "
                "docs/echo.md)");
-  app.add_option("--moe-num-echo-experts", m.moe_num_echo_experts, "ECHO spare expert slots per EP rank");
+  app.add_option("--moe-num-echo-experts", m.moe_num_echo_experts, "ECHO spare expert slots per EP rank")
+      ->check(integer_range(0));
   app.add_option("--moe-received-token-capacity", m.moe_received_token_capacity,
                  "alltoall: tokens an EP rank receives per layer and micro-batch, in fixed blocks (no host sync, "
-                 "CUDA-graph capturable; overflow dropped and counted); 0 = dropless");
+                 "CUDA-graph capturable; overflow dropped and counted); 0 = dropless")
+      ->check(integer_range(0));
   app.add_flag("--moe-per-layer-logging", a.model.moe_per_layer_logging, "Log the auxiliary losses of every MoE layer");
   app.add_flag("--moe-shared-expert-overlap", m.moe_shared_expert_overlap,
                "Run the shared experts on a side stream beside the token dispatcher's exchanges (same results)");
@@ -206,29 +231,51 @@ void add_moe_options(CLI::App& app, PretrainArgs& a) {
                "alltoall (dropless): send every expert's piece straight to its row (no permutation-2 copies; same "
                "results)");
   app.add_option("--expert-model-parallel-size", a.expert_model_parallel_size, "Expert-parallel size")
+      ->check(positive_integer())
       ->capture_default_str();
   app.add_option("--expert-tensor-parallel-size", a.expert_tensor_parallel_size,
-                 "Tensor-parallel size of the experts (default = tensor-model-parallel-size)");
+                 "Tensor-parallel size of the experts (default = tensor-model-parallel-size)")
+      ->check(positive_integer());
 }
 
 // Batch, learning-rate schedule, optimizer, precision, logging and evaluation.
 void add_training_options(CLI::App& app, PretrainArgs& a) {
-  app.add_option("--micro-batch-size", a.micro_batch_size, "Sequences per micro-batch")->capture_default_str();
+  app.add_option("--micro-batch-size", a.micro_batch_size, "Sequences per micro-batch")
+      ->check(positive_integer())
+      ->capture_default_str();
   app.add_option("--global-batch-size", a.global_batch_size,
-                 "Sequences per iteration (gradient accumulation over micro-batches)");
-  app.add_option("--train-iters", a.train_iters, "Training iterations")->required();
-  app.add_option("--lr", a.lr, "Peak learning rate")->required();
-  app.add_option("--min-lr", a.min_lr, "Minimum learning rate")->capture_default_str();
-  app.add_option("--lr-warmup-iters", a.lr_warmup_iters, "Linear warm-up iterations")->capture_default_str();
+                 "Sequences per iteration (gradient accumulation over micro-batches)")
+      ->check(positive_integer());
+  app.add_option("--train-iters", a.train_iters, "Training iterations")->check(positive_integer())->required();
+  app.add_option("--lr", a.lr, "Peak learning rate")->check(number_range(0, kNoMax))->required();
+  app.add_option("--min-lr", a.min_lr, "Minimum learning rate")
+      ->check(number_range(0, kNoMax))
+      ->capture_default_str();
+  app.add_option("--lr-warmup-iters", a.lr_warmup_iters, "Linear warm-up iterations")
+      ->check(integer_range(0))
+      ->capture_default_str();
   app.add_option("--lr-decay-style", a.lr_decay_style, "constant, linear, cosine or inverse-square-root")
       ->capture_default_str();
-  app.add_option("--lr-decay-iters", a.lr_decay_iters, "Decay iterations (default train-iters)");
-  app.add_option("--weight-decay", a.optim.weight_decay, "AdamW weight decay")->capture_default_str();
-  app.add_option("--clip-grad", a.optim.clip_grad, "Global gradient-norm clipping (0 = off)")->capture_default_str();
-  app.add_option("--adam-beta1", a.optim.beta1, "AdamW beta1")->capture_default_str();
-  app.add_option("--adam-beta2", a.optim.beta2, "AdamW beta2")->capture_default_str();
-  app.add_option("--adam-eps", a.optim.eps, "AdamW epsilon")->capture_default_str();
-  app.add_option("--seed", a.seed, "Random seed (init, dropout, data order)")->capture_default_str();
+  app.add_option("--lr-decay-iters", a.lr_decay_iters, "Decay iterations (default train-iters)")
+      ->check(positive_integer());
+  app.add_option("--weight-decay", a.optim.weight_decay, "AdamW weight decay")
+      ->check(number_range(0, kNoMax))
+      ->capture_default_str();
+  app.add_option("--clip-grad", a.optim.clip_grad, "Global gradient-norm clipping (0 = off)")
+      ->check(number_range(0, kNoMax))
+      ->capture_default_str();
+  app.add_option("--adam-beta1", a.optim.beta1, "AdamW beta1")
+      ->check(number_range(0, 1, false, true))
+      ->capture_default_str();
+  app.add_option("--adam-beta2", a.optim.beta2, "AdamW beta2")
+      ->check(number_range(0, 1, false, true))
+      ->capture_default_str();
+  app.add_option("--adam-eps", a.optim.eps, "AdamW epsilon")
+      ->check(number_range(0, kNoMax, true))
+      ->capture_default_str();
+  app.add_option("--seed", a.seed, "Random seed (init, dropout, data order)")
+      ->check(integer_range(0, 4294967295))
+      ->capture_default_str();
 
   app.add_flag("--bf16", a.bf16, "bf16 parameters and activations, fp32 main parameters and gradients");
   app.add_flag("--fp16", a.fp16, "fp16 parameters and activations with dynamic loss scaling");
@@ -236,13 +283,21 @@ void add_training_options(CLI::App& app, PretrainArgs& a) {
   app.add_option("--initial-loss-scale", a.initial_loss_scale, "Initial dynamic loss scale")->capture_default_str();
   app.add_option("--min-loss-scale", a.min_loss_scale, "Minimum dynamic loss scale")->capture_default_str();
   app.add_option("--loss-scale-window", a.loss_scale_window, "Clean steps before the scale grows")
+      ->check(positive_integer())
       ->capture_default_str();
   app.add_option("--hysteresis", a.hysteresis, "Overflowed steps tolerated before the scale backs off")
+      ->check(positive_integer())
       ->capture_default_str();
 
-  app.add_option("--log-interval", a.log_interval, "Iterations between log lines")->capture_default_str();
-  app.add_option("--eval-interval", a.eval_interval, "Iterations between evaluations")->capture_default_str();
-  app.add_option("--eval-iters", a.eval_iters, "Iterations (global batches) per evaluation")->capture_default_str();
+  app.add_option("--log-interval", a.log_interval, "Iterations between log lines")
+      ->check(positive_integer())
+      ->capture_default_str();
+  app.add_option("--eval-interval", a.eval_interval, "Iterations between evaluations")
+      ->check(positive_integer())
+      ->capture_default_str();
+  app.add_option("--eval-iters", a.eval_iters, "Iterations (global batches) per evaluation")
+      ->check(integer_range(0))
+      ->capture_default_str();
   app.add_option("--timing-log-level", a.timing_log_level,
                  "Training timers in the log: 0 off, 1 forward-backward, gradient sync and optimizer phases")
       ->capture_default_str();
@@ -261,8 +316,10 @@ void add_checkpoint_options(CLI::App& app, PretrainArgs& a) {
   app.add_flag("--no-load-optim", a.no_load_optim, "Do not load the optimizer state of the checkpoint");
   app.add_flag("--use-checkpoint-args", a.use_checkpoint_args,
                "Take the model architecture (layers, sizes, norm, positions, MLP, biases) from the --load checkpoint");
-  app.add_option("--save-interval", a.save_interval, "Iterations between checkpoints");
-  app.add_option("--exit-interval", a.exit_interval, "Exit (after saving a checkpoint) when iteration % N == 0");
+  app.add_option("--save-interval", a.save_interval, "Iterations between checkpoints")
+      ->check(integer_range(0));
+  app.add_option("--exit-interval", a.exit_interval, "Exit (after saving a checkpoint) when iteration % N == 0")
+      ->check(integer_range(0));
   app.add_option("--exit-duration-in-mins", a.exit_duration_in_mins,
                  "Exit (after saving a checkpoint) once training has run this many minutes");
   app.add_flag("--exit-signal-handler", a.exit_signal_handler,
@@ -280,7 +337,9 @@ void add_checkpoint_options(CLI::App& app, PretrainArgs& a) {
                "Stop with an error naming the iteration when the loss or the gradient norm is NaN/Inf (default on)");
   app.add_option("--tensorboard-dir", a.tensorboard_dir, "Write TensorBoard event files to this directory");
   app.add_option("--tensorboard-log-interval", a.tensorboard_log_interval,
-                 "Iterations between TensorBoard points")->capture_default_str();
+                 "Iterations between TensorBoard points")
+      ->check(positive_integer())
+      ->capture_default_str();
   app.add_flag("--log-timers-to-tensorboard", a.log_timers_to_tensorboard,
                "Iteration time, throughput and the --timing-log-level timers to TensorBoard");
   app.add_flag("--log-memory-to-tensorboard", a.log_memory_to_tensorboard, "Device memory to TensorBoard");
@@ -295,32 +354,44 @@ void add_checkpoint_options(CLI::App& app, PretrainArgs& a) {
 // Parallel layouts, the device and CUDA graphs.
 void add_parallel_options(CLI::App& app, PretrainArgs& a) {
   app.add_option("--tensor-model-parallel-size", a.tensor_model_parallel_size, "Tensor-parallel size")
+      ->check(positive_integer())
       ->capture_default_str();
   app.add_flag("--sequence-parallel", a.sequence_parallel, "Sequence parallelism in the TP group");
+  app.add_flag("--tp-comm-overlap", a.model.tp_comm_overlap,
+               "Pipeline the sequence-parallel all-gathers / reduce-scatters with the linear layers' GEMMs "
+               "(needs --sequence-parallel, TP > 1)");
   app.add_option("--context-parallel-size", a.context_parallel_size,
                  "Context-parallel size: each rank holds seq-length / N tokens of every sequence (docs/parallelism.md)")
+      ->check(positive_integer())
       ->capture_default_str();
   app.add_option("--cp-comm-type", a.model.cp_comm_type, "Context-parallel attention: p2p, allgather, a2a, a2a+p2p")
       ->capture_default_str();
   app.add_option("--hierarchical-context-parallel-sizes", a.model.hierarchical_context_parallel_sizes,
                  "a2a+p2p: the a2a and p2p sizes (their product = --context-parallel-size)")
-      ->expected(2);
+      ->expected(2)
+      ->check(positive_integer());
   app.add_option("--pipeline-model-parallel-size", a.pipeline_model_parallel_size, "Pipeline-parallel size")
+      ->check(positive_integer())
       ->capture_default_str();
   app.add_option("--num-layers-per-virtual-pipeline-stage", a.num_layers_per_virtual_pipeline_stage,
-                 "Layers per virtual pipeline stage (interleaved 1F1B)");
+                 "Layers per virtual pipeline stage (interleaved 1F1B)")
+      ->check(positive_integer());
   app.add_option("--num-virtual-stages-per-pipeline-rank", a.num_virtual_stages_per_pipeline_rank,
-                 "Model chunks per pipeline rank (interleaved 1F1B)");
+                 "Model chunks per pipeline rank (interleaved 1F1B)")
+      ->check(positive_integer());
   app.add_option("--decoder-first-pipeline-num-layers", a.decoder_first_pipeline_num_layers,
-                 "Layers of the first pipeline stage (the rest split evenly)");
+                 "Layers of the first pipeline stage (the rest split evenly)")
+      ->check(positive_integer());
   app.add_option("--decoder-last-pipeline-num-layers", a.decoder_last_pipeline_num_layers,
-                 "Layers of the last pipeline stage (the rest split evenly)");
+                 "Layers of the last pipeline stage (the rest split evenly)")
+      ->check(positive_integer());
   app.add_flag("--account-for-embedding-in-pipeline-split", a.account_for_embedding_in_pipeline_split,
                "Count the embedding as one layer when splitting layers over stages");
   app.add_flag("--account-for-loss-in-pipeline-split", a.account_for_loss_in_pipeline_split,
                "Count the loss as one layer when splitting layers over stages");
   app.add_option("--microbatch-group-size-per-virtual-pipeline-stage", a.microbatch_group_size_per_vp_stage,
-                 "Micro-batches run through each model chunk in turn (interleaved; default pp)");
+                 "Micro-batches run through each model chunk in turn (interleaved; default pp)")
+      ->check(positive_integer());
   app.add_flag("--use-distributed-optimizer", a.use_distributed_optimizer,
                "Shard the optimizer state over data-parallel ranks (ZeRO-1)");
   app.add_flag("--use-precision-aware-optimizer", a.use_precision_aware_optimizer,
@@ -339,9 +410,12 @@ void add_parallel_options(CLI::App& app, PretrainArgs& a) {
   app.add_option_function<int64_t>(
       "--ddp-bucket-size", [&a](const int64_t& v) { a.ddp_bucket_size = v; },
       "Elements per gradient bucket with --overlap-grad-reduce (default max(40M, 1M x data-parallel size); 0 = one "
-      "bucket)");
+      "bucket)")
+      ->check(integer_range(0));
   app.add_option("--distributed-timeout-minutes", a.distributed_timeout_minutes,
-                 "A collective that does not finish in this time is an error")->capture_default_str();
+                 "A collective that does not finish in this time is an error")
+      ->check(number_range(0, kNoMax, true))
+      ->capture_default_str();
   app.add_option("--nproc-per-node", a.nproc_per_node, "Start N ranks on this machine (local launcher)")
       ->check(positive_integer())
       ->capture_default_str();
@@ -359,11 +433,16 @@ void add_parallel_options(CLI::App& app, PretrainArgs& a) {
       ->check(CLI::IsMember({"full_iteration", "attn", "mlp", "moe", "moe_router", "moe_preprocess"}));
   app.add_option("--cuda-graph-warmup-steps", a.cuda_graph.warmup_steps,
                  "Eager training steps before the CUDA graphs are captured")
-      ->check(CLI::NonNegativeNumber)
+      ->check(integer_range(0))
       ->capture_default_str();
   app.add_flag("--cuda-graph-include-optimizer", a.cuda_graph.include_optimizer,
                "With a full-iteration graph: the optimizer step (clip, AdamW, loss scaler, parameter all-gather) "
                "is captured too, so a training step is one graph launch");
+  app.parse_complete_callback([&app, &a] {
+    a.flags_given.clear();
+    for (const CLI::Option* o : app.get_options())
+      if (o->count() > 0) a.flags_given.push_back(o->get_name());
+  });
 }
 
 }  // namespace
@@ -378,6 +457,55 @@ void add_pretrain_options(CLI::App& app, PretrainArgs& a) {
   add_checkpoint_options(app, a);
   add_parallel_options(app, a);
 }
+
+namespace {
+
+constexpr int64_t kMaxLogInterval = 100'000'000;  // 400 MB of buffered losses
+
+// Flags that apply only to a feature: given without it, an error where Megatron-LM refuses them
+// too or where its own scripts never pass them without the feature (the MoE flags: a dense model
+// would train without a word), a warning where Megatron-LM ignores them silently and scripts
+// copied from other configurations carry them (docs/flags.md "Flags of a feature not enabled").
+void check_feature_flags(const PretrainArgs& a) {
+  const auto given = [&](const std::string& f) {
+    return std::find(a.flags_given.begin(), a.flags_given.end(), f) != a.flags_given.end();
+  };
+  std::vector<std::string> moe;
+  for (const std::string& f : a.flags_given)
+    if (f.starts_with("--moe-") || f == "--expert-tensor-parallel-size") moe.push_back(f);
+  MT_REQUIRE(a.model.num_moe_experts > 0 || moe.empty(),
+             "{} given without --num-experts: {} appl{} only to a mixture-of-experts model (--num-experts > 0); "
+             "without it the model is dense",
+             fmt::join(moe, ", "), moe.size() == 1 ? "it" : "they", moe.size() == 1 ? "ies" : "y");
+  struct Ignored {
+    bool feature_on;
+    const char* feature;
+    std::vector<std::string> flags;
+  };
+  const Ignored ignored[] = {
+      {a.fp16, "--fp16 (dynamic loss scaling)",
+       {"--loss-scale", "--initial-loss-scale", "--min-loss-scale", "--loss-scale-window", "--hysteresis"}},
+      {a.model.position_embedding_type == PositionEmbeddingType::kRope, "--position-embedding-type rope",
+       {"--rotary-base", "--rotary-percent", "--rotary-interleaved"}},
+      {a.context_parallel_size > 1, "--context-parallel-size > 1",
+       {"--cp-comm-type", "--hierarchical-context-parallel-sizes"}},
+      {!a.tensorboard_dir.empty(), "--tensorboard-dir",
+       {"--tensorboard-log-interval", "--log-timers-to-tensorboard", "--log-memory-to-tensorboard",
+        "--log-validation-ppl-to-tensorboard"}},
+  };
+  if (read_launch_env().rank != 0) return;  // warnings once, from rank 0
+  for (const Ignored& i : ignored) {
+    if (i.feature_on) continue;
+    std::vector<std::string> found;
+    for (const std::string& f : i.flags)
+      if (given(f)) found.push_back(f);
+    if (!found.empty())
+      log_warn("{} ignored: {} appl{} only with {}", fmt::join(found, ", "), found.size() == 1 ? "it" : "they",
+               found.size() == 1 ? "ies" : "y", i.feature);
+  }
+}
+
+}  // namespace
 
 bool CudaGraphOptions::full_iteration() const {
   return impl == "full_iteration" ||
@@ -444,6 +572,7 @@ void validate_cuda_graph_args(const PretrainArgs& a) {
 }  // namespace
 
 void validate_pretrain_args(PretrainArgs& a) {
+  check_feature_flags(a);
   validate_cuda_graph_args(a);
   MT_REQUIRE(!(a.bf16 && a.fp16), "--bf16 and --fp16 are mutually exclusive");
   // Megatron: --num-query-groups only takes effect with --group-query-attention.
@@ -462,6 +591,9 @@ void validate_pretrain_args(PretrainArgs& a) {
                a.expert_model_parallel_size);
   }
   MT_REQUIRE(a.micro_batch_size > 0, "--micro-batch-size must be positive, got {}", a.micro_batch_size);
+  MT_REQUIRE(a.data_parallel_size >= 1 && a.micro_batch_size <= INT64_MAX / a.data_parallel_size,
+             "--micro-batch-size {} times data-parallel size {} overflows a 64-bit integer", a.micro_batch_size,
+             a.data_parallel_size);
   if (a.global_batch_size == 0) a.global_batch_size = a.micro_batch_size * a.data_parallel_size;
   MT_REQUIRE(a.global_batch_size > 0, "--global-batch-size must be positive, got {}", a.global_batch_size);
   MT_REQUIRE(a.global_batch_size % (a.micro_batch_size * a.data_parallel_size) == 0,
@@ -487,6 +619,14 @@ void validate_pretrain_args(PretrainArgs& a) {
   MT_REQUIRE(a.train_iters > 0, "--train-iters must be positive, got {}", a.train_iters);
   MT_REQUIRE(a.lr >= 0, "--lr must be >= 0, got {}", a.lr);
   MT_REQUIRE(a.log_interval > 0, "--log-interval must be positive, got {}", a.log_interval);
+  // The trainer keeps the loss of every iteration of a log interval on the device. An interval
+  // longer than the run logs as one of --train-iters does (at the last iteration only), so it is
+  // shortened to that; what remains is bounded (4 bytes per iteration).
+  MT_REQUIRE(std::min(a.log_interval, a.train_iters) <= kMaxLogInterval,
+             "--log-interval {} with --train-iters {}: at most {} iterations per log line (the losses of one "
+             "interval are kept on the device, 4 bytes per iteration)",
+             a.log_interval, a.train_iters, kMaxLogInterval);
+  a.log_interval = std::min(a.log_interval, a.train_iters);
   MT_REQUIRE(a.eval_interval > 0, "--eval-interval must be positive, got {}", a.eval_interval);
   MT_REQUIRE(a.eval_iters >= 0, "--eval-iters must be >= 0, got {}", a.eval_iters);
   Timers::check_level(a.timing_log_level);
@@ -529,24 +669,36 @@ void add_generate_options(CLI::App& app, GenerateArgs& a) {
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
   app.add_option("--prompt-file", a.prompt_file, "File with one prompt per line (added to --prompt)");
   app.add_option("--out-seq-length,--max-new-tokens", a.out_seq_length, "Tokens to generate per prompt")
+      ->check(positive_integer())
       ->capture_default_str();
   app.add_option("--micro-batch-size", a.micro_batch_size, "Prompts generated together (0 = all)")
+      ->check(integer_range(0))
       ->capture_default_str();
   app.add_option("--seq-length", a.seq_length,
                  "Context length: prompt + generated tokens (0 = the checkpoint's --seq-length)")
+      ->check(integer_range(0))
       ->capture_default_str();
   app.add_flag("--no-kv-cache", a.no_kv_cache, "Recompute the whole prefix for every token (reference path)");
   app.add_option("--tensor-model-parallel-size", a.tensor_model_parallel_size, "Tensor-parallel size")
+      ->check(positive_integer())
       ->capture_default_str();
   app.add_option("--pipeline-model-parallel-size", a.pipeline_model_parallel_size, "Pipeline-parallel size")
+      ->check(positive_integer())
       ->capture_default_str();
   app.add_option("--nproc-per-node", a.nproc_per_node, "Start N ranks on this machine (local launcher)")
+      ->check(positive_integer())
       ->capture_default_str();
   app.add_flag("--bf16", a.bf16, "bf16 weights and activations (CUDA)");
   app.add_flag("--fp16", a.fp16, "fp16 weights and activations (CUDA)");
-  app.add_option("--temperature", a.temperature, "Sampling temperature")->capture_default_str();
-  app.add_option("--top-k", a.top_k, "Sample from the k most likely tokens (0 = off)")->capture_default_str();
-  app.add_option("--top-p", a.top_p, "Nucleus sampling probability mass (0 = off)")->capture_default_str();
+  app.add_option("--temperature", a.temperature, "Sampling temperature")
+      ->check(number_range(0, kNoMax, true))
+      ->capture_default_str();
+  app.add_option("--top-k", a.top_k, "Sample from the k most likely tokens (0 = off)")
+      ->check(integer_range(0))
+      ->capture_default_str();
+  app.add_option("--top-p", a.top_p, "Nucleus sampling probability mass (0 = off)")
+      ->check(number_range(0, 1))
+      ->capture_default_str();
   app.add_flag("--greedy", a.greedy, "Greedy decoding (argmax)");
   app.add_option("--seed", a.seed, "Sampling seed")->capture_default_str();
   app.add_option("--device", a.device, "cpu, cuda, cuda:N or auto")->capture_default_str();

@@ -125,6 +125,9 @@ struct PretrainArgs {
   // ours
   std::string device = "auto";     ///< --device cpu|cuda|cuda:N|auto (auto = cuda when available)
   bool progress = true;            ///< --no-progress disables the terminal progress line
+  /// The options given on the command line (filled when parsing ends), for the flags that apply
+  /// only to a feature (validate_pretrain_args: docs/flags.md "Flags of a feature not enabled").
+  std::vector<std::string> flags_given;
 
   DType dtype() const { return bf16 ? DType::kBF16 : (fp16 ? DType::kF16 : DType::kF32); }
   /// Micro-batches per data-parallel rank per iteration.

@@ -1,13 +1,16 @@
 #include "train/checkpoint.h"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -19,6 +22,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "comm/launcher.h"
 #include "core/crc32c.h"
 #include "core/logging.h"
 
@@ -378,6 +382,23 @@ void write_file_durable(const fs::path& path, const std::string& text) {
 
 std::string crc_hex(uint32_t c) { return fmt::format("{:08x}", c); }
 
+// Bytes of one shard entry of metadata.json (fp32: 4 per element of its shape).
+uint64_t shard_bytes(const json& shard) {
+  uint64_t n = 4;
+  for (const json& d : shard.at("shape")) n *= d.get<uint64_t>();
+  return n;
+}
+
+// Format version 3: the CRC-32C of metadata.json's own content, stored in it under this key:
+// the checksum of the compact JSON text (keys sorted, as nlohmann::json orders them) of the
+// object without this key.
+const char* kMetadataCrcKey = "metadata_crc32c";
+std::string metadata_checksum(json meta) {
+  meta.erase(kMetadataCrcKey);
+  const std::string text = meta.dump();
+  return crc_hex(crc32c(text.data(), text.size()));
+}
+
 // "<file>.done": what one rank reports to the finalizing rank 0 once its file is complete (or
 // that it failed, with the reason), written atomically into the temporary directory.
 fs::path marker_path(const fs::path& tmp_dir, const std::string& file) { return tmp_dir / (file + ".done"); }
@@ -449,7 +470,8 @@ json merge_tensor_reports(const std::vector<std::pair<std::string, json>>& repor
                              {"file", file},
                              {"offset_bytes", e.at("offset_bytes")},
                              {"shape", e.at("shape")},
-                             {"global_offset", e.at("global_offset")}});
+                             {"global_offset", e.at("global_offset")},
+                             {"crc32c", e.at("crc32c")}});
     }
   }
   return tensors;
@@ -485,8 +507,22 @@ void finalize_save(CheckpointSaveJob& job) {
   for (const auto& f : job.files) fs::remove(marker_path(job.tmp_dir, f));
   job.meta["tensors"] = merge_tensor_reports(reports);
   job.meta["files"] = files;
+  job.meta[kMetadataCrcKey] = metadata_checksum(job.meta);
   write_file_durable(job.tmp_dir / "metadata.json", job.meta.dump(1));
   fsync_dir(job.tmp_dir);
+  if (const char* ms = std::getenv("MT_TEST_CHECKPOINT_PUBLISH_DELAY_MS")) {  // tests: a kill lands here
+    log_warn("test hook: publication of the checkpoint of iteration {} delayed by {} ms", job.iteration, ms);
+    std::this_thread::sleep_for(std::chrono::milliseconds(std::atol(ms)));
+  }
+  // Nothing is published once the launcher is gone: the ranks are being stopped, and a job
+  // started in its place may already be reading this directory (comm/launcher.h).
+  const auto require_launcher = [&] {
+    MT_REQUIRE(launcher_alive(),
+               "checkpoint of iteration {} not published: the launcher that started this rank (parent process {}) "
+               "has died",
+               job.iteration, guarded_parent_pid());
+  };
+  require_launcher();
   std::error_code ec;
   // Replace any previous checkpoint of the same iteration only after the new one is complete.
   if (fs::exists(job.final_dir)) {
@@ -499,6 +535,7 @@ void finalize_save(CheckpointSaveJob& job) {
     fs::rename(job.tmp_dir, job.final_dir);
   }
   fsync_dir(job.dir);
+  require_launcher();
   write_file_durable(job.dir / kTracker, std::to_string(job.iteration) + "\n");
   fsync_dir(job.dir);
 }
@@ -512,9 +549,13 @@ void run_save_job(CheckpointSaveJob& job, const std::function<void(OutFile&)>& s
       try {
         OutFile f(job.tmp_dir / job.file);
         if (stream_fn) {
-          stream_fn(f);
+          stream_fn(f);  // also records each shard's checksum in job.entries
         } else {
           f.write(job.snapshot, job.snapshot_bytes);
+          for (json& e : job.entries) {
+            const uint64_t off = e.at("offset_bytes").get<uint64_t>();
+            e["crc32c"] = crc_hex(crc32c(job.snapshot + off, shard_bytes(e)));
+          }
         }
         f.close_synced();
         write_marker(job.tmp_dir, job.file,
@@ -594,7 +635,7 @@ CheckpointSaveJob prepare_save(const std::string& dir, const CheckpointState& st
       if (flags[1] == 1) job.files.push_back(rank_file(r));
     }
     job.meta = json{{"format", "megatron.cpp-checkpoint"},
-                    {"version", 2},
+                    {"version", 3},
                     {"iteration", state.iteration},
                     {"consumed_train_samples", state.consumed_train_samples},
                     {"seed", state.seed},
@@ -648,7 +689,11 @@ void save_checkpoint(const std::string& dir, const CheckpointState& state, const
   std::string why;
   try {
     run_save_job(job, [&](OutFile& f) {
-      for_each_shard_bytes(refs, stream, [&](const char* p, size_t n) { f.write(p, n); });
+      size_t k = 0;  // the shards come in the order of job.entries
+      for_each_shard_bytes(refs, stream, [&](const char* p, size_t n) {
+        f.write(p, n);
+        job.entries.at(k++)["crc32c"] = crc_hex(crc32c(p, n));
+      });
     });
   } catch (const std::exception& e) {
     ok = false;
@@ -773,6 +818,88 @@ void AsyncCheckpointSaver::wait() {
   }
 }
 
+namespace {
+const char* kLockFile = ".megatron.lock";
+
+std::string lock_holder(int fd) {
+  char buf[256] = {};
+  const ssize_t n = ::pread(fd, buf, sizeof(buf) - 1, 0);
+  std::string s(buf, n > 0 ? static_cast<size_t>(n) : 0);
+  while (!s.empty() && (s.back() == '\n' || s.back() == '\0')) s.pop_back();
+  return s.empty() ? "another process (it has not recorded itself yet)" : s;
+}
+}  // namespace
+
+SaveDirectoryLock& SaveDirectoryLock::operator=(SaveDirectoryLock&& o) noexcept {
+  if (this != &o) {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = std::exchange(o.fd_, -1);
+  }
+  return *this;
+}
+
+SaveDirectoryLock::~SaveDirectoryLock() {
+  if (fd_ >= 0) ::close(fd_);  // releases the lock
+}
+
+SaveDirectoryLock SaveDirectoryLock::acquire(const std::string& dir, double wait_s) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  MT_REQUIRE(!ec && fs::is_directory(dir), "--save directory '{}' cannot be created: {}", dir,
+             ec ? ec.message() : "it is not a directory");
+  const fs::path path = fs::path(dir) / kLockFile;
+  SaveDirectoryLock lock;
+  lock.fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  MT_REQUIRE(lock.fd_ >= 0, "--save directory '{}' is not writable: cannot create its lock file '{}': {}", dir,
+             path.string(), std::strerror(errno));
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(wait_s);
+  while (::flock(lock.fd_, LOCK_EX | LOCK_NB) != 0) {
+    if (errno == EINTR) continue;
+    if (errno == ENOLCK || errno == EOPNOTSUPP || errno == ENOSYS) {
+      log_warn("the file system of --save '{}' does not support locks ({}): a second job writing into it would not be "
+               "detected",
+               dir, std::strerror(errno));
+      return {};
+    }
+    MT_REQUIRE(errno == EWOULDBLOCK, "cannot lock '{}': {}", path.string(), std::strerror(errno));
+    MT_REQUIRE(std::chrono::steady_clock::now() < deadline,
+               "--save directory '{}' is in use by another job: {} holds its lock '{}' (two jobs saving into one "
+               "directory would overwrite each other's checkpoints); wait for that job to end, or give another --save",
+               dir, lock_holder(lock.fd_), path.string());
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  char host[256] = "unknown";
+  ::gethostname(host, sizeof(host) - 1);
+  const std::time_t now = std::time(nullptr);
+  char when[64] = "";
+  std::strftime(when, sizeof(when), "%Y-%m-%d %H:%M:%S UTC", std::gmtime(&now));
+  const std::string who = fmt::format("pid {} on host {} since {}\n", ::getpid(), host, when);
+  if (::ftruncate(lock.fd_, 0) != 0 || ::pwrite(lock.fd_, who.data(), who.size(), 0) != static_cast<ssize_t>(who.size()))
+    log_warn("cannot record the holder in '{}': {}", path.string(), std::strerror(errno));
+  return lock;
+}
+
+SaveDirectoryLock lock_save_directory(const std::string& save, Communicator& world, Device device) {
+  if (save.empty()) return {};
+  SaveDirectoryLock lock;
+  std::exception_ptr failed;
+  if (world.rank() == 0) {
+    try {
+      lock = SaveDirectoryLock::acquire(save);
+    } catch (const Error&) {
+      failed = std::current_exception();
+    }
+  }
+  const int32_t ok = failed ? 0 : 1;
+  const Stream stream(device);
+  const std::vector<char> all = all_gather_host(world, &ok, sizeof(ok), stream);
+  if (failed) std::rethrow_exception(failed);
+  int32_t rank0 = 0;
+  std::memcpy(&rank0, all.data(), sizeof(rank0));
+  MT_REQUIRE(rank0 == 1, "the --save directory '{}' could not be locked (see rank 0's error)", save);
+  return lock;
+}
+
 uint64_t checkpoint_bytes(const std::string& dir, int64_t iteration) {
   uint64_t total = 0;
   std::error_code ec;
@@ -849,8 +976,48 @@ json read_metadata_at(const fs::path& iter_path) {
   return meta;
 }
 
-// Size check (cheap) of one data file against metadata "files"; with `crc` also its CRC-32C
-// (reads the whole file). Checkpoints of format version 1 carry no checksums: nothing to check.
+// The shards metadata.json places in `file` that carry a checksum (format version 3), by offset.
+struct ShardCheck {
+  std::string tensor;
+  uint64_t begin = 0, end = 0;  // byte range in the file
+  std::string want;             // recorded CRC-32C
+  uint32_t crc = 0;             // of the bytes read so far
+};
+std::vector<ShardCheck> shard_checks(const json& meta, const std::string& file) {
+  std::vector<ShardCheck> out;
+  for (const json& t : meta.at("tensors"))
+    for (const json& sh : t.at("shards"))
+      if (sh.at("file").get<std::string>() == file && sh.contains("crc32c")) {
+        const uint64_t off = sh.at("offset_bytes").get<uint64_t>();
+        out.push_back({t.at("name").get<std::string>(), off, off + shard_bytes(sh), sh.at("crc32c").get<std::string>()});
+      }
+  std::sort(out.begin(), out.end(), [](const ShardCheck& a, const ShardCheck& b) { return a.begin < b.begin; });
+  return out;
+}
+
+// The shards whose bytes do not match their recorded checksum or lie beyond the file's end, as
+// "'<tensor>' (bytes [a, b): CRC-32C x, metadata.json records y)", at most 4 named.
+std::string bad_shards(const std::vector<ShardCheck>& shards, uint64_t file_bytes) {
+  std::vector<std::string> bad;
+  size_t n = 0;
+  for (const ShardCheck& c : shards) {
+    const bool beyond = c.end > file_bytes;
+    if (!beyond && crc_hex(c.crc) == c.want) continue;
+    if (++n > 4) continue;
+    bad.push_back(beyond ? fmt::format("'{}' (bytes [{}, {}) lie beyond the file's {} bytes)", c.tensor, c.begin, c.end,
+                                       file_bytes)
+                         : fmt::format("'{}' (bytes [{}, {}): CRC-32C {}, metadata.json records {})", c.tensor, c.begin,
+                                       c.end, crc_hex(c.crc), c.want));
+  }
+  if (n > 4) bad.push_back(fmt::format("and {} more", n - 4));
+  return fmt::format("{}", fmt::join(bad, ", "));
+}
+
+// Size check (cheap) of one data file against metadata "files"; with `crc` also its CRC-32C and
+// the CRC-32C of every shard metadata.json places in it (one read of the whole file). A shard whose
+// bytes do not match names its tensor: with the file's checksum intact the index was edited (e.g.
+// two tensors' offsets swapped), else the file is damaged there. Checkpoints of format version 1
+// carry no checksums, version 2 none per shard: nothing more to check.
 void verify_file(const fs::path& iter_path, const json& meta, const std::string& file, bool crc) {
   const fs::path path = iter_path / file;
   MT_REQUIRE(fs::exists(path), "checkpoint data file '{}' is missing", path.string());
@@ -865,11 +1032,13 @@ void verify_file(const fs::path& iter_path, const json& meta, const std::string&
   MT_REQUIRE(have == want, "checkpoint data file '{}' is {}: {} bytes, metadata.json records {}", path.string(),
              have < want ? "truncated" : "too long", have, want);
   if (!crc) return;
+  std::vector<ShardCheck> shards = shard_checks(meta, file);
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   MT_REQUIRE(fd >= 0, "cannot read checkpoint data file '{}': {}", path.string(), std::strerror(errno));
   std::vector<char> buf(size_t{16} << 20);
   uint32_t c = 0;
   uint64_t total = 0;
+  size_t first = 0;  // shards before it are complete
   while (true) {
     const ssize_t n = ::read(fd, buf.data(), buf.size());
     if (n < 0 && errno == EINTR) continue;
@@ -880,12 +1049,27 @@ void verify_file(const fs::path& iter_path, const json& meta, const std::string&
       break;
     }
     c = crc32c_extend(c, buf.data(), static_cast<size_t>(n));
-    total += static_cast<uint64_t>(n);
+    const uint64_t lo = total, hi = total + static_cast<uint64_t>(n);
+    while (first < shards.size() && shards[first].end <= lo) ++first;
+    for (size_t i = first; i < shards.size() && shards[i].begin < hi; ++i) {  // shards overlapping [lo, hi)
+      ShardCheck& sh = shards[i];
+      const uint64_t b = std::max(sh.begin, lo), e = std::min(sh.end, hi);
+      if (b < e) sh.crc = crc32c_extend(sh.crc, buf.data() + (b - lo), e - b);
+    }
+    total = hi;
   }
   const std::string want_crc = files.at(file).at("crc32c").get<std::string>();
-  MT_REQUIRE(total == want && crc_hex(c) == want_crc,
-             "checkpoint data file '{}' is corrupt: its CRC-32C is {} but metadata.json records {}", path.string(),
-             crc_hex(c), want_crc);
+  const bool file_ok = total == want && crc_hex(c) == want_crc;
+  const std::string bad = bad_shards(shards, total);
+  MT_REQUIRE(file_ok || bad.empty(),
+             "checkpoint data file '{}' is corrupt: its CRC-32C is {} but metadata.json records {}; damaged tensors: {}",
+             path.string(), crc_hex(c), want_crc, bad);
+  MT_REQUIRE(file_ok, "checkpoint data file '{}' is corrupt: its CRC-32C is {} but metadata.json records {}",
+             path.string(), crc_hex(c), want_crc);
+  MT_REQUIRE(bad.empty(),
+             "checkpoint '{}': metadata.json does not match the data of {}: tensors {} (the file's own checksum "
+             "matches, so the index was edited or damaged)",
+             iter_path.string(), file, bad);
 }
 
 // Every data file the metadata names (in "files", or in the tensors' shards for version 1).
@@ -899,6 +1083,20 @@ std::vector<std::string> data_files(const json& meta) {
   for (const auto& t : meta.at("tensors"))
     for (const auto& sh : t.at("shards")) seen.insert(sh.at("file").get<std::string>());
   return {seen.begin(), seen.end()};
+}
+
+// Format version 3: metadata.json's checksum of itself (kMetadataCrcKey). On a mismatch every
+// data file is verified with its shards, so that the error names the tensors whose recorded
+// place or checksum no longer fits their bytes; when they all fit, the edit is elsewhere (the
+// model configuration, the iteration, the scalars). Older checkpoints have no such field.
+void verify_metadata_checksum(const fs::path& iter_path, const json& meta) {
+  if (!meta.contains(kMetadataCrcKey)) return;
+  const std::string want = meta.at(kMetadataCrcKey).get<std::string>(), have = metadata_checksum(meta);
+  if (have == want) return;
+  for (const auto& f : data_files(meta)) verify_file(iter_path, meta, f, /*crc=*/true);  // names the tensors
+  MT_FAIL("checkpoint metadata '{}' was edited or damaged: its checksum is {} but it records {} (the tensors' data "
+          "all match their checksums: a field outside them, e.g. the model configuration or the iteration, changed)",
+          (iter_path / "metadata.json").string(), have, want);
 }
 
 // Metadata of the checkpoint to load and its directory. Without a fallback: the tracker's
@@ -923,6 +1121,7 @@ json resolve_checkpoint(const std::string& dir, const LoadOptions& opt, fs::path
     *iter_path = iteration_path(dir, it);
     json meta = read_metadata_at(*iter_path);
     try {
+      verify_metadata_checksum(*iter_path, meta);
       MT_REQUIRE(meta.at("iteration").get<int64_t>() == it, "'{}' holds iteration {}",
                  (*iter_path / "metadata.json").string(), meta.at("iteration").get<int64_t>());
       for (const auto& f : data_files(meta)) verify_file(*iter_path, meta, f, crc);
@@ -991,6 +1190,14 @@ CheckpointState load_checkpoint(const std::string& dir, ParamStore& params, Adam
   fs::path iter_path;
   FullState full;
   json meta = resolve_checkpoint(dir, opt, &iter_path);
+  if (meta.value("version", 1) < 3)
+    log_warn("checkpoint '{}' (format version {}) was written without checksums of metadata.json and of each tensor: "
+             "an edited or damaged index cannot be detected; loading it unverified (the next save records them)",
+             iter_path.string(), meta.value("version", 1));
+  else if (!meta.contains(kMetadataCrcKey))
+    log_warn("checkpoint '{}' has no checksum of its metadata.json ('{}' removed): an edit outside the tensors' "
+             "shards cannot be detected; loading it (each tensor's checksum is still verified)",
+             iter_path.string(), kMetadataCrcKey);
   CheckpointState state;
   try {
     state = state_from_meta(meta);

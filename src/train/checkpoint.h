@@ -85,7 +85,11 @@ struct LoadOptions {
 };
 
 /// Writes <dir>/iter_%07d/ and updates the tracker file. Collective over `writer.world` (every
-/// rank must call it). Each writing rank fills rank_XXXXX.bin in <dir>/iter_%07d.tmp/, fsyncs
+/// rank must call it). Nothing is published (the directory renamed into place, the tracker
+/// updated) once the launcher of rank 0 has died (comm/launcher.h launcher_alive): the save fails
+/// with an mt::Error saying so and its temporary directory is removed. Test hook:
+/// MT_TEST_CHECKPOINT_PUBLISH_DELAY_MS=N makes rank 0 wait N ms, with a warning, just before it
+/// publishes (so that a test's kill lands inside a save). Each writing rank fills rank_XXXXX.bin in <dir>/iter_%07d.tmp/, fsyncs
 /// it and reports its size and CRC-32C; rank 0 then writes metadata.json (with those checksums
 /// under "files"), renames the directory, and updates the tracker last (all through fsync'ed
 /// temporary files and renames). Errors (on every rank): mt::Error naming the path and the
@@ -157,6 +161,36 @@ class AsyncCheckpointSaver {
   std::unique_ptr<AsyncSnapshot> snap_;  // kept from one save to the next
   const Event* last_copy_ = nullptr;
 };
+
+/// One job per --save directory (docs/checkpoints.md "One job per --save directory"): an exclusive
+/// flock(2) on <dir>/.megatron.lock, held for the object's life and released by the kernel when
+/// the process ends however it ends. The lock file records its holder ("pid 1234 on host node7
+/// since 2026-11-28 09:10:11 UTC"); it is never removed (removing it would let two processes lock
+/// two different files of that name). Across nodes it holds where the file system honours flock:
+/// local disks, NFS (Linux sends flock as NFS byte-range locks), Lustre mounted with -o flock,
+/// GPFS. Move-only.
+class SaveDirectoryLock {
+ public:
+  SaveDirectoryLock() = default;  ///< holds nothing
+  SaveDirectoryLock(SaveDirectoryLock&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
+  SaveDirectoryLock& operator=(SaveDirectoryLock&& o) noexcept;
+  ~SaveDirectoryLock();
+  /// Creates `dir` when missing and takes its lock. Held by another process: retried for wait_s
+  /// seconds (a job being killed may take a moment to end), then mt::Error naming the directory
+  /// and the holder. A file system without locks (ENOLCK, EOPNOTSUPP, ENOSYS): a warning, and
+  /// nothing is held. Errors: mt::Error when the directory or the lock file cannot be created.
+  static SaveDirectoryLock acquire(const std::string& dir, double wait_s = 2.0);
+  bool held() const { return fd_ >= 0; }
+
+ private:
+  int fd_ = -1;
+};
+
+/// The lock of `save` (nothing when it is empty) for a job of several ranks: rank 0 takes it, and
+/// every rank learns whether it did before it goes on (the same mt::Error on every rank when not,
+/// rank 0's naming the holder), so no rank reads the directory's checkpoints while another job
+/// may still publish into it. Collective over `world`; the result is held for the job's life.
+SaveDirectoryLock lock_save_directory(const std::string& save, Communicator& world, Device device);
 
 /// Removes what interrupted saves left in `dir` (iter_XXXXXXX.tmp directories; an
 /// iter_XXXXXXX.old beside a complete iter_XXXXXXX) and returns their names. An .old without its

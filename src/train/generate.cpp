@@ -16,6 +16,7 @@
 #include "train/checkpoint.h"
 #include "train/trainer.h"
 #include "train/inference.h"
+#include "train/memory_estimate.h"
 #include "comm/bootstrap.h"
 #include "parallel/parallel_config.h"
 #include "parallel/process_groups.h"
@@ -137,6 +138,7 @@ InferenceModel load_inference_model(const InferenceModelOptions& o) {
   pipeline::validate_pipeline_layout(layout);
   ModelLayout ml;
   for (const auto& range : pipeline::layers_of(r.groups.pp->rank(), layout)) ml.chunks.push_back({range, 1, 1});
+  check_inference_memory(cfg, o.tp, dt, r.device, "loading the model", layout);  // before anything is built
   r.stream = std::make_unique<Stream>(r.device);
   r.model = std::make_unique<GPTModel>(cfg, o.micro_batch, dt, r.device, r.groups, false, ParamLayout{}, ml);
   load_checkpoint(o.load, r.model->params(), nullptr, *r.stream, {}, r.model->persistent_state(*r.stream));
@@ -258,6 +260,7 @@ int run_logits(const LogitsArgs& a) {
   MT_REQUIRE(!position_embedding_kind(cfg.position_embedding_type).learned_table || T <= cfg.max_positions(),
              "{} tokens exceed the {} learned positions", T, cfg.max_positions());
   cfg.seq_length = T;
+  check_inference_memory(cfg, 1, DType::kF32, device, "logits");  // before anything is built
   Stream stream(device);
   GPTModel model(cfg, 1, DType::kF32, device, ProcessGroups::single());
   load_checkpoint(a.load, model.params(), nullptr, stream, {}, model.persistent_state(stream));

@@ -6,11 +6,13 @@
 #include <fstream>
 
 #include "comm/communicator.h"
+#include "core/cli_validators.h"
 #include "core/logging.h"
 #include "model/gpt_model.h"
 #include "model/hf/hf_convert.h"
 #include "optim/optimizer.h"
 #include "train/checkpoint.h"
+#include "train/memory_estimate.h"
 
 namespace mt {
 
@@ -22,10 +24,13 @@ void add_import_hf_options(CLI::App& app, ImportHfArgs& a) {
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   app.add_option("--hf-dir", a.hf_dir, "Hugging Face model directory (config.json, *.safetensors)")->required();
   app.add_option("--save", a.save, "Checkpoint directory to write")->required();
-  app.add_option("--seq-length", a.seq_length, "Sequence length of the checkpoint's model (default "
-                                               "min(max_position_embeddings, 4096))");
+  app.add_option("--seq-length", a.seq_length,
+                 "Sequence length of the checkpoint's model (default min(max_position_embeddings, 4096))")
+      ->check(positive_integer());
   app.add_option("--make-vocab-size-divisible-by", a.make_vocab_size_divisible_by,
-                 "Pad the vocabulary to a multiple of this (times TP)")->capture_default_str();
+                 "Pad the vocabulary to a multiple of this (times TP)")
+      ->check(positive_integer())
+      ->capture_default_str();
 }
 
 void add_export_hf_options(CLI::App& app, ExportHfArgs& a) {
@@ -36,7 +41,8 @@ void add_export_hf_options(CLI::App& app, ExportHfArgs& a) {
                  "GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM, "
                  "Qwen3MoeForCausalLM or Qwen2MoeForCausalLM (default: the imported one, else inferred from the model)");
   app.add_option("--hf-dtype", a.dtype, "fp32, bf16 or fp16")->capture_default_str();
-  app.add_option("--max-shard-size", a.max_shard_bytes, "Bytes per safetensors file (0 = one file)");
+  app.add_option("--max-shard-size", a.max_shard_bytes, "Bytes per safetensors file (0 = one file)")
+      ->check(integer_range(0));
 }
 
 namespace {
@@ -70,6 +76,18 @@ DType parse_hf_dtype(const std::string& s) {
   MT_FAIL("--hf-dtype '{}' is not supported: expected fp32, bf16 or fp16", s);
 }
 
+// import-hf / export-hf hold the whole model on the host in fp32 at least twice (the converted
+// tensors and the ParamStore's parameters): refused from the configuration before either exists.
+void check_host_model(const TransformerConfig& config, const std::string& command) {
+  ConfigMemoryOptions o;
+  o.training = false;
+  o.extra_fp32_copies = 1;
+  o.what = command;
+  pipeline::PipelineLayout layout;
+  layout.num_layers = config.num_layers;
+  check_config_memory(config, 1, 1, layout, o, Device::cpu());
+}
+
 CheckpointWriter single_rank_writer() {
   CheckpointWriter w;
   w.world = std::make_shared<SingleRankCommunicator>("world");
@@ -79,10 +97,12 @@ CheckpointWriter single_rank_writer() {
 }  // namespace
 
 int run_import_hf(const ImportHfArgs& a) {
+  const SaveDirectoryLock save_lock = SaveDirectoryLock::acquire(a.save);  // one writer per --save
   const hf::HfModel m = hf::read_hf_config(a.hf_dir, a.seq_length, a.make_vocab_size_divisible_by);
   const hf::SafetensorsCheckpoint ck = hf::SafetensorsCheckpoint::open(a.hf_dir);
   log_info("> importing {} from {}: {}, vocab {} (padded {})", hf::architecture_name(m.arch), a.hf_dir,
            m.config.summary(), m.config.vocab_size, m.config.padded_vocab_size());
+  check_host_model(m.config, "import-hf");  // before any tensor is read
   const hf::GlobalTensors t = hf::hf_to_megatron(m, ck);
   Stream stream(Device::cpu());
   ParamStore params(GPTModel::param_specs(m.config), DType::kF32, Device::cpu());
@@ -126,6 +146,7 @@ int run_export_hf(const ExportHfArgs& a) {
     m.arch = hf::infer_architecture(m.config);
   }
   hf::check_representable(m.arch, m.config);
+  check_host_model(m.config, "export-hf");
   // The whole model on one CPU rank, whatever layout wrote the checkpoint.
   Stream stream(Device::cpu());
   ParamStore params(GPTModel::param_specs(m.config), DType::kF32, Device::cpu());

@@ -3,8 +3,11 @@
 #include "ops/optimizer.h"
 
 #include <algorithm>
+#include <cmath>
 
+#include "core/buffer.h"
 #include "core/check.h"
+#include "core/host_memory.h"
 
 namespace mt {
 
@@ -90,6 +93,158 @@ void check_memory_fits(const MemoryEstimate& estimate, size_t available, size_t 
   MT_FAIL("out of memory at plan time on {}: training needs an estimated {:.2f} GiB ({:.2f} GiB of buffers + {:.2f} "
           "GiB already in use or reserved), {:.2f} GiB are available. Largest consumers:{}",
           device, gib(need), gib(estimate.total()), gib(reserved), gib(available), top);
+}
+
+namespace {
+
+using LD = long double;
+
+// Weight matrices of one transformer layer on one rank (model/layers: SelfAttention's linear_qkv
+// [(n + 2g)·d / tp, h] and linear_proj [h, n·d / tp]; MLP's linear_fc1 [glu·f / tp, h] and
+// linear_fc2 [h, f / tp]; MoELayer's router [E, h], its E / ep experts with expert TP = TP, the
+// shared expert), for a dense and for an MoE layer.
+struct LayerWeights {
+  LD attention = 0, dense_mlp = 0, moe_dense = 0, moe_expert = 0;
+};
+LayerWeights layer_weights(const TransformerConfig& c, LD tp, LD ep) {
+  const LD h = static_cast<LD>(c.hidden_size), n = static_cast<LD>(c.num_attention_heads);
+  const LD d = c.kv_channels > 0 ? static_cast<LD>(c.kv_channels) : std::floor(h / n);
+  const LD g = c.num_query_groups > 0 ? static_cast<LD>(c.num_query_groups) : n;
+  const LD glu = c.gated_linear_unit ? 2 : 1;
+  const auto mlp = [&](LD f) { return (glu * f * h + f * h) / tp; };
+  LayerWeights w;
+  w.attention = (n + 2 * g) * d * h / tp + n * d * h / tp;
+  w.dense_mlp = mlp(static_cast<LD>(c.ffn()));
+  if (c.num_moe_experts > 0) {
+    const LD experts = static_cast<LD>(c.num_moe_experts);
+    w.moe_dense = experts * h + mlp(static_cast<LD>(c.moe_shared_expert_intermediate_size));
+    w.moe_expert = std::floor(experts / ep) * mlp(static_cast<LD>(c.moe_ffn()));
+  }
+  return w;
+}
+
+// Adds the weights of layers [begin, end): MoE or dense as config.moe_layer_pattern says. An MoE
+// model whose pattern is not parsed yet (--moe-layer-freq, empty pattern) counts each layer as
+// the lighter of the two kinds (still a lower bound). Time: O(1) without a pattern.
+void add_layers(const TransformerConfig& c, const LayerWeights& lw, int64_t begin, int64_t end, StageWeights& w) {
+  const LD count = static_cast<LD>(end - begin);
+  w.dense += lw.attention * count;
+  if (c.num_moe_experts <= 0) {
+    w.dense += lw.dense_mlp * count;
+    return;
+  }
+  if (c.moe_layer_pattern.empty()) {
+    if (lw.dense_mlp <= lw.moe_dense + lw.moe_expert) {
+      w.dense += lw.dense_mlp * count;
+    } else {
+      w.dense += lw.moe_dense * count;
+      w.expert += lw.moe_expert * count;
+    }
+    return;
+  }
+  LD moe = 0;
+  for (int64_t l = begin; l < end; ++l) moe += c.is_moe_layer(l) ? 1 : 0;
+  w.dense += lw.dense_mlp * (count - moe) + lw.moe_dense * moe;
+  w.expert += lw.moe_expert * moe;
+}
+
+double gib_ld(LD bytes) { return static_cast<double>(bytes / (1024.0L * 1024.0L * 1024.0L)); }
+
+}  // namespace
+
+StageWeights largest_stage_weights(const TransformerConfig& c, int tp, int ep, const pipeline::PipelineLayout& layout) {
+  const LD h = static_cast<LD>(c.hidden_size), t = static_cast<LD>(std::max(tp, 1));
+  const LD m = static_cast<LD>(c.make_vocab_size_divisible_by) * t;
+  const LD vocab_rows = std::ceil(static_cast<LD>(c.vocab_size) / m) * m / t;  // padded, this rank's share
+  const LayerWeights lw = layer_weights(c, t, static_cast<LD>(std::max(ep, 1)));
+  StageWeights best;
+  for (int r = 0; r < layout.pp; ++r) {
+    StageWeights w;
+    w.pp_rank = r;
+    for (const pipeline::LayerRange& range : pipeline::layers_of(r, layout)) {
+      w.layers += range.size();
+      add_layers(c, lw, range.begin, range.end, w);
+      if (range.has_embedding) {
+        w.dense += vocab_rows * h;
+        if (c.position_embedding_type == PositionEmbeddingType::kLearnedAbsolute)
+          w.dense += static_cast<LD>(c.max_positions()) * h;
+      }
+      // the output layer, or on the last of several stages the tied embedding's copy
+      if (range.has_loss && (!c.tied_output() || layout.pp > 1)) w.dense += vocab_rows * h;
+    }
+    if (r == 0 || w.total() > best.total()) best = w;
+  }
+  return best;
+}
+
+void check_config_memory(const TransformerConfig& c, int tp, int ep, const pipeline::PipelineLayout& layout,
+                         const ConfigMemoryOptions& o, Device device) {
+  uint64_t available = 0;
+  std::string where;
+  if (device.is_cuda()) {
+    const size_t free_now = device_memory_free(device), reserved = size_t{64} << 20;
+    available = free_now > reserved ? free_now - reserved : 0;
+    where = device.str();
+  } else {
+    available = available_host_memory_bytes();  // 0: unknown
+    where = "the host";
+  }
+  if (available == 0 && !device.is_cuda()) return;
+  const StageWeights w = largest_stage_weights(c, tp, ep, layout);
+  // Bytes per parameter as estimate_training_memory counts them (its parameter parts).
+  const LD owned = o.training && o.distributed_optimizer
+                       ? w.dense / static_cast<LD>(std::max<int64_t>(o.data_parallel, 1)) +
+                             w.expert / static_cast<LD>(std::max<int64_t>(o.expert_data_parallel, 1))
+                       : w.total();
+  const bool separate_main = o.dtype != DType::kF32;
+  LD bytes = w.total() * static_cast<LD>(dtype_size(o.dtype)) + w.total() * 4 * o.extra_fp32_copies;
+  if (o.training) {
+    if (separate_main) bytes += owned * (o.store_param_remainders ? 2 : 4);  // main parameters
+    bytes += w.total() * 4 + owned * 8;                                       // gradients, Adam moments
+  }
+  if (bytes <= static_cast<LD>(available)) return;
+  std::string sizes = fmt::format("--num-layers {}, --hidden-size {}, --num-attention-heads {}, --ffn-hidden-size {}",
+                                  c.num_layers, c.hidden_size, c.num_attention_heads, c.ffn());
+  if (c.num_query_groups > 0) sizes += fmt::format(", --num-query-groups {}", c.num_query_groups);
+  if (c.kv_channels > 0) sizes += fmt::format(", --kv-channels {}", c.kv_channels);
+  sizes += fmt::format(", vocabulary {}", c.vocab_size);
+  if (c.position_embedding_type == PositionEmbeddingType::kLearnedAbsolute)
+    sizes += fmt::format(", --max-position-embeddings {}", c.max_positions());
+  if (c.num_moe_experts > 0)
+    sizes += fmt::format(", --num-experts {}, --moe-ffn-hidden-size {}", c.num_moe_experts, c.moe_ffn());
+  const std::string per_param = o.training ? "weights, gradients and optimizer state" : "weights";
+  MT_FAIL("{} cannot fit: the {} of the model ({}) need at least {:.2f} GiB on {} ({:.4g} billion weights on pipeline "
+          "stage {} of {}, {} layers, with tensor-parallel size {}, expert-parallel size {}{}), {:.2f} GiB are "
+          "available. Reduce the sizes, or spread the model: a larger --tensor-model-parallel-size or "
+          "--pipeline-model-parallel-size{}",
+          o.what, per_param, sizes, gib_ld(bytes), where, static_cast<double>(w.total() / 1e9L), w.pp_rank, layout.pp,
+          w.layers, tp, ep,
+          o.training ? fmt::format(", data-parallel size {}{}", o.data_parallel,
+                                   o.distributed_optimizer ? " with the distributed optimizer" : "")
+                     : std::string(),
+          gib_ld(static_cast<LD>(available)),
+          o.training && !o.distributed_optimizer ? ", or --use-distributed-optimizer" : "");
+}
+
+void check_inference_memory(const TransformerConfig& config, int tp, DType dtype, Device device, const std::string& what,
+                            pipeline::PipelineLayout layout) {
+  if (layout.num_layers == 0) layout.num_layers = config.num_layers;
+  ConfigMemoryOptions o;
+  o.dtype = dtype;
+  o.training = false;
+  o.what = what;
+  check_config_memory(config, tp, 1, layout, o, device);
+}
+
+void check_pretrain_memory(const PretrainArgs& args, const ParallelConfig& pc, const pipeline::PipelineLayout& layout,
+                           Device device) {
+  ConfigMemoryOptions o;
+  o.dtype = args.dtype();
+  o.distributed_optimizer = args.use_distributed_optimizer;
+  o.store_param_remainders = args.use_precision_aware_optimizer && args.bf16;
+  o.data_parallel = static_cast<int64_t>(pc.dp) * pc.cp;  // the trainer shards over dp-cp
+  o.expert_data_parallel = pc.edp;
+  check_config_memory(args.model, pc.tp, pc.ep, layout, o, device);
 }
 
 }  // namespace mt

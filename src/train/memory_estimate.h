@@ -12,8 +12,12 @@
 #include <string>
 #include <vector>
 
+#include "core/device.h"
 #include "core/dtype.h"
 #include "model/gpt_model.h"
+#include "parallel/parallel_config.h"
+#include "parallel/pipeline/layer_split.h"
+#include "train/arguments.h"
 
 namespace mt {
 
@@ -53,5 +57,59 @@ MemoryEstimate estimate_training_memory(const MemoryEstimateInputs& in);
 /// device, the totals, the three largest consumers with their sizes and the flags that shrink
 /// them. reserved: memory already in use or needed besides the buffers (CUDA context, workspaces).
 void check_memory_fits(const MemoryEstimate& estimate, size_t available, size_t reserved, const std::string& device);
+
+// ---- From the configuration alone (docs/flags.md "Memory estimate") ----
+// GPTModel::memory_plan builds the modules of every layer (about 0.3 ms each), so a configuration
+// of 100,000 layers would run for half a minute before its estimate. The functions below count
+// the weight matrices from the sizes in the configuration (long double arithmetic: no overflow,
+// whatever the values) and refuse what cannot fit in microseconds, before any dataset, layer or
+// buffer exists. They count only the weight matrices (embedding, position table, output layer,
+// attention QKV and projection, MLP, router, experts, shared experts; no norms, no biases, no
+// activations), so they give a lower bound of the memory and never refuse what would fit; the
+// exact estimate (estimate_training_memory) follows once the layout is known.
+
+/// Weights one rank holds on the pipeline stage that holds the most (lower bound, see above):
+/// weight matrices split over TP as the model splits them, experts over EP (E / EP per rank,
+/// expert TP = TP), the embedding on the first stage, the output layer (or the tied embedding's
+/// copy) on the last.
+struct StageWeights {
+  long double dense = 0;   ///< non-expert weights (sharded over DP by the distributed optimizer)
+  long double expert = 0;  ///< expert weights (sharded over expert DP)
+  int pp_rank = 0;         ///< the stage
+  int64_t layers = 0;      ///< its transformer layers
+  long double total() const { return dense + expert; }
+};
+StageWeights largest_stage_weights(const TransformerConfig& config, int tp, int ep,
+                                   const pipeline::PipelineLayout& layout);
+
+/// Options of check_config_memory: the parts of the training estimate that depend only on the
+/// number of parameters.
+struct ConfigMemoryOptions {
+  DType dtype = DType::kF32;           ///< model parameters (bf16 / fp16 add a copy)
+  bool training = true;                ///< gradients and Adam moments too (false: inference)
+  bool distributed_optimizer = false;  ///< main params (of bf16/fp16) and moments sharded over DP
+  bool store_param_remainders = false; ///< --use-precision-aware-optimizer
+  int64_t data_parallel = 1, expert_data_parallel = 1;
+  /// Host copies made besides the parameters (import-hf / export-hf keep the weights twice in fp32).
+  int extra_fp32_copies = 0;
+  std::string what = "training";       ///< in the message: "training", "generation", "export-hf", ...
+};
+
+/// Refuses (mt::Error) a model whose weights, with the gradients and optimizer state training adds
+/// (the bytes per parameter of estimate_training_memory), need more than the memory `device` has
+/// free (CUDA: free memory less 64 MiB; CPU: available host memory; unknown: no check). The message
+/// names the size flags with their values (--num-layers, --hidden-size, --ffn-hidden-size, heads,
+/// vocabulary, experts), the parallel sizes and the bytes. Microseconds for any configuration.
+void check_config_memory(const TransformerConfig& config, int tp, int ep, const pipeline::PipelineLayout& layout,
+                         const ConfigMemoryOptions& options, Device device);
+
+/// check_config_memory for a model that only runs forward (generate, serve, evaluate, logits): its
+/// weights in `dtype`, split over `tp` and the stages of `layout` (default: one stage).
+void check_inference_memory(const TransformerConfig& config, int tp, DType dtype, Device device,
+                            const std::string& what, pipeline::PipelineLayout layout = {});
+
+/// check_config_memory for `megatron pretrain` (args validated; pc derived; layout validated).
+void check_pretrain_memory(const PretrainArgs& args, const ParallelConfig& pc, const pipeline::PipelineLayout& layout,
+                           Device device);
 
 }  // namespace mt

@@ -98,7 +98,7 @@ TrainLogRecord TrainingLogger::log(int64_t iteration, int64_t consumed, float lr
   p.world_size = setup_.world().size();
   p.iteration_time_s = ms / 1e3;
   p.tokens_per_s = static_cast<double>(args_.global_batch_size * args_.model.seq_length) / (ms / 1e3);
-  p.tflops_per_gpu = setup_.model().config().flops_per_iteration(args_.global_batch_size) / (ms / 1e3) / 1e12 /
+  p.tflops_per_gpu = setup_.model().config().flops_per_iteration(args_.global_batch_size, args_.tensor_model_parallel_size) / (ms / 1e3) / 1e12 /
                      setup_.world().size();  // per GPU
   p.skipped_iterations = sc.skipped_iters - last_skipped_;
   p.nan_iterations = n_nan;
@@ -125,11 +125,14 @@ TrainLogRecord TrainingLogger::log(int64_t iteration, int64_t consumed, float lr
 std::string TrainingLogger::line(const TrainLogPoint& p, double ms, float lr, const OptimizerScalars& sc) const {
   return fmt::format(
       " [{}] iteration {:8d}/{:8d} | consumed samples: {:12d} | elapsed time per iteration (ms): {:.1f} | "
-      "throughput per GPU (TFLOP/s/GPU): {:.1f} | tokens per second: {:.0f} | learning rate: {:.6E} | "
+      "throughput per GPU (TFLOP/s/GPU): {:.1f} |{} tokens per second: {:.0f} | learning rate: {:.6E} | "
       "global batch size: {:5d} | lm loss: {:.6E} | loss scale: {:.1f} | grad norm: {:.3f} | "
       "number of skipped iterations: {:3d} | number of nan iterations: {:3d} | host time per iteration (ms): "
       "{:.2f} |",
-      timestamp(), p.iteration, args_.train_iters, p.consumed_samples, ms, p.tflops_per_gpu, p.tokens_per_s, lr,
+      timestamp(), p.iteration, args_.train_iters, p.consumed_samples, ms, p.tflops_per_gpu,
+      // MFU against the dense bf16 peak (docs/flags.md), on GPUs only
+      setup_.device().is_cuda() ? fmt::format(" MFU: {:.1f}% |", 100.0 * p.tflops_per_gpu / kMfuPeakTflops) : "",
+      p.tokens_per_s, lr,
       args_.global_batch_size, p.lm_loss, sc.loss_scale, sc.grad_norm, p.skipped_iterations, p.nan_iterations,
       host_issue_ms_ / static_cast<double>(iters_since_log_));
 }

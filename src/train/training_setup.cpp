@@ -162,6 +162,7 @@ std::unique_ptr<TrainingSetup> TrainingSetup::launch(PretrainArgs args) {
 
 TrainingSetup::TrainingSetup(PretrainArgs args, std::shared_ptr<Communicator> world, Device device)
     : args_(std::move(args)), world_(std::move(world)), device_(device) {
+  save_lock_ = lock_save_directory(args_.save, *world_, device_);  // one job per --save, for the job's life
   resolve_arguments();  // no communication: the errors are the same on every rank
   prepare_save_directory();
   build_datasets();
@@ -239,6 +240,7 @@ void TrainingSetup::resolve_arguments() {
                resume_->model.vocab_size, args.model.vocab_size);
     args.model.vocab_size = resume_->model.vocab_size;
   }
+  check_pretrain_memory(args, pc, layout, device_);  // absurd sizes: from the configuration, before anything is built
   validate_pretrain_args(args);
   MT_REQUIRE(!args.cuda_graph.enabled() || device_.is_cuda(),
              "--cuda-graph-impl {} needs a CUDA device; this run is on {}", args.cuda_graph.impl, device_.str());

@@ -161,6 +161,7 @@ class TrainingSetup {
   PretrainArgs args_;
   std::shared_ptr<Communicator> world_;
   Device device_;
+  SaveDirectoryLock save_lock_;  // held for the setup's (the job's) life
   std::unique_ptr<Stream> stream_;
   std::optional<CheckpointState> resume_;
   std::unique_ptr<data::Tokenizer> tokenizer_;

@@ -22,6 +22,7 @@
 #include "comm/bootstrap.h"
 #include "comm/launcher.h"
 #include "comm/tcp_store.h"
+#include "testing/testing.h"
 #include "core/stream.h"
 #ifdef MT_WITH_MPI
 #include "comm/mpi/mpi_communicator.h"
@@ -95,6 +96,22 @@ int helper_main(const std::string& mode) {
     std::ofstream(std::string(std::getenv("MT_COMM_TEST_DIR")) + "/rank" + std::to_string(rank) + ".txt")
         << "signal " << got.load() << "\n";
     return got.load() == SIGTERM ? 0 : 4;
+  }
+  if (mode == "guard" || mode == "alive") {
+    // guard: a rank that would sleep for a minute; it must die with its launcher.
+    // alive: without the signal (MT_TEST_NO_PARENT_DEATH_SIGNAL=1), launcher_alive() turns false.
+    guard_parent_death(rank);
+    const std::string d = std::getenv("MT_COMM_TEST_DIR");
+    std::ofstream(d + "/pid" + std::to_string(rank) + ".tmp") << ::getpid() << "\n";
+    std::filesystem::rename(d + "/pid" + std::to_string(rank) + ".tmp", d + "/pid" + std::to_string(rank));
+    for (int i = 0; i < 6000; ++i) {
+      if (mode == "alive" && !launcher_alive()) {
+        std::ofstream(d + "/gone" + std::to_string(rank)) << guarded_parent_pid() << "\n";
+        return 0;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return 0;
   }
   if (mode == "store") {
     TcpStore store(env.master_addr, env.master_port, env.world_size, rank == 0, 30.0);
@@ -355,6 +372,82 @@ TEST(Launcher, ForkPathForwardsSigterm) {
   t.join();
   EXPECT_EQ(result.first, 0) << result.second;
   for (int r = 0; r < 2; ++r) EXPECT_EQ(h.lines(r), (std::vector<std::string>{"signal 15"})) << "rank " << r;
+}
+
+// ---- Ranks that cannot outlive their launcher (guard_parent_death) ----
+
+bool ended(pid_t pid) { return testing::process_ended(pid); }
+
+// Starts a launcher (launch_local in a child process) of 2 helper ranks, waits for both ranks to
+// write their pid, and returns (launcher pid, rank pids).
+std::pair<pid_t, std::vector<pid_t>> start_launcher(const HelperEnv& h, Device device) {
+  const pid_t launcher = ::fork();
+  if (launcher == 0) {
+    std::vector<std::string> args{"megatron"};
+    std::vector<char*> argv{args[0].data(), nullptr};
+    ::_exit(launch_local(2, 1, argv.data(), device));
+  }
+  std::vector<pid_t> ranks;
+  for (int r = 0; r < 2; ++r) {
+    const auto file = h.dir / ("pid" + std::to_string(r));
+    for (int i = 0; i < 3000 && !std::filesystem::exists(file); ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    pid_t pid = -1;
+    std::ifstream(file) >> pid;
+    ranks.push_back(pid);
+  }
+  return {launcher, ranks};
+}
+
+// kill -9 of the launcher: no rank is left 2 s later (they end within milliseconds).
+void expect_ranks_die_with_launcher(Device device) {
+  HelperEnv h("guard");
+  auto [launcher, ranks] = start_launcher(h, device);
+  for (pid_t p : ranks) ASSERT_GT(p, 0) << "a rank did not start";
+  for (pid_t p : ranks) ASSERT_FALSE(ended(p));
+  ::kill(launcher, SIGKILL);
+  ::waitpid(launcher, nullptr, 0);
+  const auto t0 = Clock::now();
+  while (since(t0) < 2.0 && !(ended(ranks[0]) && ended(ranks[1])))
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  for (pid_t p : ranks) {
+    EXPECT_TRUE(ended(p)) << "rank pid " << p << " outlived its launcher by 2 s";
+    if (!ended(p)) ::kill(p, SIGKILL);  // leave nothing behind
+  }
+}
+
+TEST(Launcher, ForkPathRanksDieWithTheLauncher) { expect_ranks_die_with_launcher(Device::cuda(0)); }
+
+TEST(Launcher, MpiexecPathRanksDieWithTheLauncher) {
+  if (!have_mpiexec()) GTEST_SKIP() << "no mpiexec";
+  expect_ranks_die_with_launcher(Device::cpu());
+}
+
+// launcher_alive(): true while the launcher lives, false once the rank was re-parented. Here the
+// signal is not armed (test hook), so the rank lives on and reports what launcher_alive() says.
+TEST(Launcher, LauncherAliveTurnsFalseWhenTheLauncherDies) {
+  HelperEnv h("alive");
+  setenv("MT_TEST_NO_PARENT_DEATH_SIGNAL", "1", 1);
+  auto [launcher, ranks] = start_launcher(h, Device::cuda(0));
+  unsetenv("MT_TEST_NO_PARENT_DEATH_SIGNAL");
+  for (pid_t p : ranks) ASSERT_GT(p, 0) << "a rank did not start";
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_FALSE(std::filesystem::exists(h.dir / "gone0")) << "launcher_alive() false while the launcher lives";
+  ::kill(launcher, SIGKILL);
+  ::waitpid(launcher, nullptr, 0);
+  const auto t0 = Clock::now();
+  while (since(t0) < 2.0 && !(std::filesystem::exists(h.dir / "gone0") && std::filesystem::exists(h.dir / "gone1")))
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  for (int r = 0; r < 2; ++r) {
+    pid_t recorded = 0;
+    std::ifstream(h.dir / ("gone" + std::to_string(r))) >> recorded;
+    EXPECT_EQ(recorded, launcher) << "rank " << r << ": launcher_alive() did not turn false";
+  }
+  const auto t1 = Clock::now();
+  while (since(t1) < 2.0 && !(ended(ranks[0]) && ended(ranks[1])))
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  for (pid_t p : ranks)
+    if (!ended(p)) ::kill(p, SIGKILL);
 }
 
 TEST(Launcher, ForkPathRanksMeetInTheTcpStore) {

@@ -714,9 +714,10 @@ TEST(LayerGraphs, MoePreprocessNeedsMoeRouter) {
 TEST(Gpt, FlopsFormula) {
   TransformerConfig c;
   c.vocab_size = 50257;
-  // 72·B·s·L·h²·(1 + s/(6h) + V/(12·L·h)) for f = 4h (Megatron training.py).
+  // 72·B·s·L·h²·(1 + s/(12h) + V/(12·L·h)) for f = 4h (Megatron training.py; causal attention
+  // counts half of the s² term).
   const double B = 16, s = 1024, L = 12, h = 768, V = 50304;
-  const double expect = 72 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h));
+  const double expect = 72 * B * s * L * h * h * (1 + s / (12 * h) + V / (12 * L * h));
   EXPECT_NEAR(c.flops_per_iteration(16) / expect, 1.0, 1e-12);
 }
 
@@ -814,7 +815,8 @@ TEST(Gpt, LlamaDefaultsAndFlops) {
   c.seq_length = 2048;
   c.vocab_size = 50257;
   const double B = 8, s = 2048, L = 16, h = 2048, V = 50304;
-  const double expect = 12 * B * s * L * h * h * ((1 + 8.0 / 32 + s / h) * 1.0 + (8192 / h) * 1.5 + V / (2 * L * h));
+  const double expect =
+      12 * B * s * L * h * h * ((1 + 8.0 / 32 + s / (2 * h)) * 1.0 + (8192 / h) * 1.5 + V / (2 * L * h));
   EXPECT_NEAR(c.flops_per_iteration(8) / expect, 1.0, 1e-12);
 }
 

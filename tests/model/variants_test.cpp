@@ -361,7 +361,8 @@ TEST(Variants, EveryMlpActivationBuildsItsMlp) {
     const double B = 4, s = static_cast<double>(c.seq_length), L = static_cast<double>(c.num_layers);
     const double h = static_cast<double>(c.hidden_size), F = static_cast<double>(c.ffn());
     const double n = static_cast<double>(c.num_attention_heads), V = static_cast<double>(c.padded_vocab_size());
-    const double expect = 12 * B * s * L * h * h * ((1 + n / n + s / h) + F * kind.flops_factor / h + V / (2 * L * h));
+    const double expect =
+        12 * B * s * L * h * h * ((1 + n / n + s / (2 * h)) + F * kind.flops_factor / h + V / (2 * L * h));
     EXPECT_NEAR(c.flops_per_iteration(4) / expect, 1.0, 1e-12);
   }
   EXPECT_EQ(mlp_activation_kind(MlpActivation::kGelu).flops_factor, 1.0);

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <random>
@@ -147,6 +148,7 @@ struct Layout {
   char recompute = 0;
   int recompute_layers = 0;
   int64_t head_chunk = 0;  // rows per chunk of the LM head's logits (0: the default, all 16 rows)
+  bool tp_overlap = false;  // --tp-comm-overlap (with sp)
   // Reference only: each micro-batch is the union (along b) of `merge` consecutive sample groups,
   // i.e. of the DP ranks' micro-batches of one step (global_aux_loss: the global micro-batch).
   int merge = 1;
@@ -179,6 +181,7 @@ struct Layout {
     if (received > 0) s += fmt::format("_recv{}", received);
     if (slot_keys) s += "_slotkeys";
     if (head_chunk > 0) s += fmt::format("_headchunk{}", head_chunk);
+    if (tp_overlap) s += "_tpoverlap";
     if (preprocess) s += "_moe_preprocess";
     if (recompute == 's') s += "_rc_selective";
     if (recompute == 'm') s += "_rc_norm_act";
@@ -222,6 +225,7 @@ Result run_layout(const Layout& L, const std::vector<int32_t>& tokens, const std
   c.moe_enable_echo = L.echo > 0;
   c.moe_num_echo_experts = L.echo;
   c.moe_received_token_capacity = L.received;
+  c.tp_comm_overlap = L.tp_overlap;
   if (L.recompute == 's' || L.recompute == 'm' || L.recompute == 'M') {
     c.recompute_granularity = RecomputeGranularity::kSelective;
     if (L.recompute != 's')
@@ -806,6 +810,86 @@ std::vector<Layout> layouts() {
 INSTANTIATE_TEST_SUITE_P(Layouts, ParallelLayouts, ::testing::ValuesIn(layouts()),
                          [](const auto& info) { return info.param.name(); });
 
+// --tp-comm-overlap changes no bit (docs/parallelism.md "Tensor-parallel communication overlap"):
+// the same layout with and without it gives the same losses, gradients and parameters exactly —
+// the blocked GEMMs compute each row as the whole GEMM does, and the reduce-scatter's pieces are
+// summed in the thread communicator's order. (The plain layouts equal one rank in ParallelLayouts.)
+// TP 2 and 4 with SP for the GPT, Llama (GQA, SwiGLU, no biases) and Qwen 3 (QKV bias, QK-norm)
+// styles; combined with PP, VPP, DP and the distributed optimizer with overlapped reduction; the
+// LM head in chunks; selective recompute of the norms and MLP (the input all-gather redone) and
+// full recompute (the overlapped forward re-run); flash attention; MoE (the attention's linears;
+// the experts' dispatch is not a TP region).
+class TpCommOverlapLayouts : public ::testing::TestWithParam<Layout> {};
+
+TEST_P(TpCommOverlapLayouts, BitwiseEqualWithout) {
+  Layout L = GetParam();
+  const int64_t mb = 2;
+  std::mt19937_64 rng(std::hash<std::string>{}(L.name()));
+  std::uniform_int_distribution<int32_t> draw(0, 60);
+  std::vector<int32_t> tokens(static_cast<size_t>(L.micro_total * mb * config(L.arch).seq_length)),
+      labels(tokens.size());
+  for (auto& t : tokens) t = draw(rng);
+  for (auto& t : labels) t = draw(rng);
+  const Result overlapped = run_layout(L, tokens, labels, mb);
+  L.tp_overlap = false;
+  const Result plain = run_layout(L, tokens, labels, mb);
+  auto bits_equal = [](const std::vector<float>& a, const std::vector<float>& b, const std::string& what) {
+    ASSERT_EQ(a.size(), b.size()) << what;
+    size_t diff = 0, first = a.size();
+    for (size_t i = 0; i < a.size(); ++i)
+      if (std::memcmp(&a[i], &b[i], sizeof(float)) != 0 && diff++ == 0) first = i;
+    EXPECT_EQ(diff, 0u) << what << ": " << diff << " of " << a.size() << " elements differ, the first at " << first
+                        << " (" << (first < a.size() ? a[first] : 0.f) << " vs " << (first < a.size() ? b[first] : 0.f)
+                        << ")";
+  };
+  for (int it = 0; it < kIters; ++it) EXPECT_EQ(overlapped.losses[it], plain.losses[it]) << "loss " << it;
+  ASSERT_EQ(overlapped.grads.size(), plain.grads.size());
+  for (const auto& [name, g] : plain.grads) {
+    ASSERT_TRUE(overlapped.grads.count(name)) << name;
+    bits_equal(overlapped.grads.at(name), g, "grad " + name);
+    bits_equal(overlapped.params.at(name), plain.params.at(name), "param " + name);
+  }
+}
+
+std::vector<Layout> tp_overlap_layouts() {
+  std::vector<Layout> v;
+  auto add = [&v](Arch arch, int tp, int pp, int dp, int vpp) {
+    Layout L;
+    L.arch = arch;
+    L.tp = tp;
+    L.pp = pp;
+    L.dp = dp;
+    L.vpp = vpp;
+    L.sp = true;
+    L.tp_overlap = true;
+    L.micro_total = 2 * pp * dp;
+    v.push_back(L);
+  };
+  for (Arch arch : {Arch::kGpt, Arch::kLlama, Arch::kQwen})
+    for (int tp : {2, 4}) add(arch, tp, 1, 1, 0);
+  add(Arch::kGpt, 2, 2, 2, 2);  // with the distributed optimizer and overlapped bucket reduction
+  v.back().zero = v.back().overlap = true;
+  add(Arch::kLlama, 2, 2, 2, 0);
+  v.back().zero = true;
+  add(Arch::kGpt, 4, 1, 1, 0);  // the LM head in chunks of 5 rows, a padded vocabulary
+  v.back().head_chunk = 5;
+  v.back().odd_vocab = true;
+  add(Arch::kLlama, 2, 1, 2, 0);  // selective recompute: the norms (input all-gather redone) and MLP
+  v.back().recompute = 'M';
+  add(Arch::kGpt, 2, 1, 2, 0);  // the norms and the GELU (its bias gradient after the blocked dgrad)
+  v.back().recompute = 'm';
+  add(Arch::kGpt, 2, 2, 1, 0);  // full recompute: the overlapped forward re-run before the backward
+  v.back().recompute = 'u';
+  v.back().recompute_layers = 2;
+  add(Arch::kLlama, 4, 1, 1, 0);
+  v.back().flash = true;
+  add(Arch::kMoe, 2, 1, 2, 0);
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, TpCommOverlapLayouts, ::testing::ValuesIn(tp_overlap_layouts()),
+                         [](const auto& info) { return info.param.name(); });
+
 std::vector<pipeline::LayerRange> chunks_of(int pp_rank, int pp, int vpp, int64_t layers) {
   pipeline::PipelineLayout layout;
   layout.num_layers = layers;
@@ -897,7 +981,7 @@ TEST(PipelinePlan, MemoryBounds) {
     }
 }
 
-// The static-buffer reuse of the document on partial CUDA graphs (seeds/003): PP 4, VPP 2, 8
+// The static-buffer reuse of partial CUDA graphs (docs/cuda_graphs.md): PP 4, VPP 2, 8
 // micro-batches. Walking each rank's order, a forward takes an activation slot (its static input
 // and saved tensors) that no (micro-batch, chunk) still waiting for its backward holds, and a
 // slot is released by the backward of its forward; the number of slots is the schedule's

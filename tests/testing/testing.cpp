@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 
 #include "ops/elementwise.h"
 
@@ -239,6 +240,14 @@ RunResult run_command(const std::string& cmd) {
   const int status = pclose(p);
   // a shell killed by a signal reads as 128 + the signal, as shells report it (never as success)
   return {WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status), out};
+}
+
+bool process_ended(int pid) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
+  std::string stat;
+  if (!std::getline(f, stat)) return true;
+  const size_t close = stat.rfind(')');  // "<pid> (<comm>) <state> ..."
+  return close == std::string::npos || stat.substr(close + 2, 1) == "Z";
 }
 
 RunResult run_megatron(const std::string& args) {

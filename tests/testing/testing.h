@@ -82,6 +82,9 @@ RunResult run_command(const std::string& cmd);
 /// to the built binary), or `megatron args` from the PATH when it is unset.
 RunResult run_megatron(const std::string& args);
 
+/// Whether process `pid` has ended: gone, or a zombie nobody has reaped yet (/proc/<pid>/stat).
+bool process_ended(int pid);
+
 /// Fails the test unless f() throws an mt::Error whose message contains `needle`.
 inline void expect_error(const std::function<void()>& f, const std::string& needle) {
   try {

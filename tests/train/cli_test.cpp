@@ -3,12 +3,15 @@
 // test per documented input error (non-zero exit and a message naming the problem).
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <regex>
 #include <sstream>
+
+#include <sys/resource.h>
 
 #include "data/indexed_dataset.h"
 #include "model/variants.h"
@@ -311,9 +314,14 @@ TEST_F(CliTest, BadInputErrors) {
                    "moe_preprocess"),
        "needs a CUDA device"},
       {train_flags("--train-iters 2 --cuda-graph-impl local --cuda-graph-scope attn mlp"), "needs a CUDA device"},
-      // a model that cannot fit: refused before allocating, naming the largest consumers
+      // a model that cannot fit: its weights refused from the configuration, its activations (1 TB of
+      // attention scores) by the exact plan, before allocating, naming the largest consumers
       {train_flags("--train-iters 2 --num-layers 64 --hidden-size 65536 --num-attention-heads 64 "
                    "--max-position-embeddings 16"),
+       "training cannot fit: the weights, gradients and optimizer state of the model (--num-layers 64, "
+       "--hidden-size 65536"},
+      {train_flags("--train-iters 2 --num-layers 64 --seq-length 16384 --max-position-embeddings 16384 "
+                   "--micro-batch-size 8 --global-batch-size 8"),
        "out of memory at plan time on the host (CPU training)"},
       // activation recompute
       {train_flags("--train-iters 2 --recompute-granularity partial"), "--recompute-granularity 'partial'"},
@@ -337,6 +345,91 @@ TEST_F(CliTest, BadInputErrors) {
     EXPECT_NE(r.out.find(c.expect), std::string::npos) << "expected '" << c.expect << "' in:\n" << r.out;
     EXPECT_EQ(r.out.find("terminate called"), std::string::npos) << r.out;
   }
+}
+
+// Every numeric flag holds the number written or stops with a message naming the flag and the
+// value as given (docs/flags.md "Numbers"): no wraparound, no octal, no silent coercion of 0 to a
+// default, no flag of a feature that is not enabled.
+TEST_F(CliTest, BadNumbersNamed) {
+  struct Case {
+    std::string args, expect;
+  };
+  const std::vector<Case> cases = {
+      {train_flags("--train-iters 2 --micro-batch-size 99999999999999999999"),
+       "--micro-batch-size: '99999999999999999999' is out of range: expected an integer in [-9223372036854775808, "
+       "9223372036854775807]"},
+      {train_flags("--train-iters 2 --seed -1"), "--seed: '-1' is negative: expected an integer >= 0"},
+      {train_flags("--train-iters 2 --seed 4294967296"), "--seed: must be an integer in [0, 4294967295], got '4294967296'"},
+      {train_flags("--train-iters 2 --tensor-model-parallel-size 99999999999"),
+       "--tensor-model-parallel-size: '99999999999' is out of range: expected an integer in [-2147483648, 2147483647]"},
+      {train_flags("--train-iters 2 --kv-channels 0"), "--kv-channels: must be a positive integer (>= 1), got '0'"},
+      {train_flags("--train-iters 2 --global-batch-size 0"),
+       "--global-batch-size: must be a positive integer (>= 1), got '0'"},
+      {train_flags("--train-iters 2 --max-position-embeddings 0"),
+       "--max-position-embeddings: must be a positive integer (>= 1), got '0'"},
+      {train_flags("--train-iters 2 --num-layers 0x10"), "--num-layers: expected an integer, got '0x10'"},
+      {train_flags("--train-iters 2 --micro-batch-size 1.5"), "--micro-batch-size: expected an integer, got '1.5'"},
+      {train_flags("--train-iters 2 --lr 1e-3 --lr abc"), "--lr: expected a number, got 'abc'"},
+      {train_flags("--train-iters 2 --lr nan"), "--lr: expected a finite number, got 'nan'"},
+      {train_flags("--train-iters 2 --hidden-dropout 1e39"),
+       "--hidden-dropout: '1e39' is out of range: expected a number of magnitude at most 3.4028235e+38"},
+      {train_flags("--train-iters 2 --adam-beta2 1"), "--adam-beta2: must be in [0, 1), got '1'"},
+      {train_flags("--train-iters 2 --adam-eps 0"), "--adam-eps: must be > 0, got '0'"},
+      {train_flags("--train-iters 2 --moe-router-topk 2"),
+       "--moe-router-topk given without --num-experts: it applies only to a mixture-of-experts model"},
+      {train_flags("--train-iters 2 --moe-ffn-hidden-size 32 --moe-router-topk 1"),
+       "--moe-ffn-hidden-size, --moe-router-topk given without --num-experts"},
+      {train_flags("--train-iters 1000000000 --log-interval 1000000000000"),
+       "--log-interval 1000000000000 with --train-iters 1000000000: at most 100000000 iterations per log line"},
+      {train_flags("--train-iters 1000000000000000000 --global-batch-size 100"),
+       "--train-iters 1000000000000000000, --global-batch-size 100, --eval-interval 3 and --eval-iters 1 ask for "
+       "more than 2^63 samples"},
+      {"export-hf --load " + (dir / "nothing").string() + " --hf-dir " + (dir / "out").string() +
+           " --max-shard-size -1",
+       "--max-shard-size: must be an integer >= 0, got '-1'"},
+      {"generate --load " + (dir / "nothing").string() + " --top-k -1", "--top-k: must be an integer >= 0, got '-1'"},
+      {"generate --load " + (dir / "nothing").string() + " --seed 18446744073709551616",
+       "--seed: '18446744073709551616' is out of range: expected an integer in [0, 18446744073709551615]"},
+  };
+  for (const auto& c : cases) {
+    RunResult r = run_megatron(c.args);
+    EXPECT_NE(r.rc, 0) << c.args << "\n" << r.out;
+    EXPECT_NE(r.out.find(c.expect), std::string::npos) << "expected '" << c.expect << "' in:\n" << r.out;
+  }
+  // Accepted as written: "010" is 10 (decimal, as Python's int() reads it), a log interval longer
+  // than the run logs at its end, and a flag of a feature that is off (RoPE) is named in a warning.
+  RunResult ok = run_megatron(train_flags("--train-iters 2 --num-layers 010 --log-interval 1000000000000 "
+                                          "--rotary-base 5000"));
+  ASSERT_EQ(ok.rc, 0) << ok.out;
+  EXPECT_NE(ok.out.find("GPT 10 layers"), std::string::npos) << ok.out;
+  EXPECT_EQ(loss_lines(ok.out).size(), 1u) << ok.out;
+  EXPECT_NE(ok.out.find("iteration        2/"), std::string::npos) << ok.out;
+  EXPECT_NE(ok.out.find("warning: --rotary-base ignored: it applies only with --position-embedding-type rope"),
+            std::string::npos)
+      << ok.out;
+}
+
+// --num-layers 100000 is refused from the configuration alone, before any dataset, layer or
+// buffer exists (it used to build layers for minutes first): within a second of CPU time, naming
+// the flag. (CPU time of the child processes: wall time depends on the machine's load.)
+TEST_F(CliTest, AbsurdModelRefusedAtOnce) {
+  rusage before{}, after{};
+  getrusage(RUSAGE_CHILDREN, &before);
+  const auto t0 = std::chrono::steady_clock::now();
+  RunResult r = run_megatron(train_flags("--train-iters 2 --num-layers 100000 --hidden-size 256"));
+  const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  getrusage(RUSAGE_CHILDREN, &after);
+  const auto seconds = [](const timeval& t) { return static_cast<double>(t.tv_sec) + t.tv_usec * 1e-6; };
+  const double cpu = seconds(after.ru_utime) - seconds(before.ru_utime) + seconds(after.ru_stime) -
+                     seconds(before.ru_stime);
+  EXPECT_NE(r.rc, 0) << r.out;
+  EXPECT_NE(r.out.find("training cannot fit: the weights, gradients and optimizer state of the model (--num-layers "
+                       "100000, --hidden-size 256"),
+            std::string::npos)
+      << r.out;
+  EXPECT_EQ(r.out.find("> datasets"), std::string::npos) << "refused only after the datasets were built:\n" << r.out;
+  EXPECT_LT(cpu, 1.0) << r.out;
+  EXPECT_LT(wall, 30.0) << r.out;
 }
 
 }  // namespace

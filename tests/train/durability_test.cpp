@@ -22,6 +22,7 @@
 #include <regex>
 #include <thread>
 
+#include "testing/testing.h"
 #include "train/tensorboard.h"
 
 namespace fs = std::filesystem;
@@ -53,9 +54,12 @@ struct Child {
   }
 };
 
-Child spawn(const std::string& args, const fs::path& log, rlim_t fsize_limit = RLIM_INFINITY) {
+// in_shell: the shell stays the binary's parent (a stand-in for a launcher: killing c.pid
+// orphans the binary) instead of exec'ing it.
+Child spawn(const std::string& args, const fs::path& log, rlim_t fsize_limit = RLIM_INFINITY, bool in_shell = false) {
   const char* bin = std::getenv("MT_MEGATRON_BIN");
-  const std::string cmd = "exec " + std::string(bin ? bin : "megatron") + " " + args;
+  const std::string exe = std::string(bin ? bin : "megatron") + " " + args;
+  const std::string cmd = in_shell ? exe + " & wait" : "exec " + exe;
   Child c;
   c.log = log;
   c.pid = fork();
@@ -197,6 +201,83 @@ TEST_F(Durability, CorruptTruncatedOrMissingShardIsNamed) {
   EXPECT_TRUE(contains(ok.out, "loaded checkpoint from " + ck.string() + " at iteration 4")) << ok.out;
 }
 
+// metadata.json is the index of the data files: an edit or damage there is found by its own
+// checksum and by each shard's, and the error names the tensors (format version 3). Swapping the
+// offsets of two same-sized tensors used to load the wrong weights silently (issue 37 part 6).
+TEST_F(Durability, EditedMetadataNamesTheTensors) {
+  const fs::path ck = dir / "ck_meta";
+  RunResult r = run(train("--train-iters 2 --save " + ck.string()));
+  ASSERT_EQ(r.rc, 0) << r.out;
+  const fs::path meta_path = ck / "iter_0000002" / "metadata.json";
+  const std::string good = read_bytes(meta_path);
+  const nlohmann::json meta = nlohmann::json::parse(good);
+  ASSERT_EQ(meta.at("version").get<int>(), 3);
+  ASSERT_TRUE(meta.contains("metadata_crc32c"));
+  // Two tensors of the same size whose shards sit in one file: swap their offsets.
+  std::map<std::pair<std::string, uint64_t>, std::vector<size_t>> same;  // (file, bytes) -> tensors
+  for (size_t i = 0; i < meta.at("tensors").size(); ++i) {
+    const nlohmann::json& sh = meta.at("tensors")[i].at("shards")[0];
+    uint64_t bytes = 4;
+    for (const auto& d : sh.at("shape")) bytes *= d.get<uint64_t>();
+    same[{sh.at("file").get<std::string>(), bytes}].push_back(i);
+  }
+  std::vector<size_t> pair;
+  for (const auto& [key, v] : same)
+    if (v.size() >= 2) pair = {v[0], v[1]};
+  ASSERT_EQ(pair.size(), 2u);
+  nlohmann::json swapped = meta;
+  auto& a = swapped["tensors"][pair[0]]["shards"][0]["offset_bytes"];
+  auto& b = swapped["tensors"][pair[1]]["shards"][0]["offset_bytes"];
+  std::swap(a, b);
+  const std::string name_a = meta["tensors"][pair[0]]["name"], name_b = meta["tensors"][pair[1]]["name"];
+  const std::string resume = train("--train-iters 4 --load " + ck.string());
+  auto write = [&](const nlohmann::json& j) { std::ofstream(meta_path, std::ios::trunc) << j.dump(1); };
+  write(swapped);
+  RunResult e = run(resume);
+  EXPECT_NE(e.rc, 0) << e.out;
+  EXPECT_TRUE(contains(e.out, "metadata.json does not match the data of rank_00000.bin") &&
+              contains(e.out, "'" + name_a + "'") && contains(e.out, "'" + name_b + "'") &&
+              contains(e.out, "the index was edited or damaged"))
+      << e.out;
+  EXPECT_FALSE(contains(e.out, "loaded checkpoint")) << e.out;
+  // The same edit with metadata.json's own checksum dropped: each tensor's checksum still names them.
+  swapped.erase("metadata_crc32c");
+  write(swapped);
+  RunResult d = run(resume);
+  EXPECT_NE(d.rc, 0) << d.out;
+  EXPECT_TRUE(contains(d.out, "has no checksum of its metadata.json") && contains(d.out, "'" + name_a + "'") &&
+              contains(d.out, "'" + name_b + "'"))
+      << d.out;
+  // An edit outside the tensors (the seed) is found by metadata.json's checksum.
+  nlohmann::json seed = meta;
+  seed["seed"] = 4321;
+  write(seed);
+  RunResult s = run(resume);
+  EXPECT_NE(s.rc, 0) << s.out;
+  EXPECT_TRUE(contains(s.out, meta_path.string() + "' was edited or damaged: its checksum is") &&
+              contains(s.out, "a field outside them"))
+      << s.out;
+  // A checkpoint of format version 2 (no checksums of metadata.json or of the tensors) loads, with
+  // a warning that its index cannot be verified.
+  nlohmann::json v2 = meta;
+  v2["version"] = 2;
+  v2.erase("metadata_crc32c");
+  for (auto& t : v2["tensors"])
+    for (auto& sh : t["shards"]) sh.erase("crc32c");
+  write(v2);
+  RunResult old = run(resume);
+  EXPECT_EQ(old.rc, 0) << old.out;
+  EXPECT_TRUE(contains(old.out, "(format version 2) was written without checksums of metadata.json and of each "
+                                "tensor") &&
+              contains(old.out, "loaded checkpoint from " + ck.string() + " at iteration 2"))
+      << old.out;
+  // Restored, it loads without a warning.
+  std::ofstream(meta_path, std::ios::trunc) << good;
+  RunResult ok = run(resume);
+  EXPECT_EQ(ok.rc, 0) << ok.out;
+  EXPECT_FALSE(contains(ok.out, "checksum")) << ok.out;
+}
+
 TEST_F(Durability, FailedSaveLeavesNothingBehind) {
   const fs::path ck = dir / "ck_full";
   RunResult a = run(train("--train-iters 2 --save " + ck.string()));
@@ -307,6 +388,143 @@ TEST_F(Durability, SigkillDuringSavesAlwaysResumesBitwise) {
   EXPECT_TRUE(read_bytes(ck / "iter_0000030" / "rank_00000.bin") == read_bytes(ref / "iter_0000030" / "rank_00000.bin"))
       << "resumed after " << kills << " kills, the final checkpoint differs from the uninterrupted run";
   std::printf("%d kills, %d runs finished on their own\n", kills, finished);
+}
+
+// ---- Jobs and their launchers (issue 37 part 3) ----
+
+bool ended(pid_t pid) { return mt::testing::process_ended(pid); }
+
+// Processes named `comm` whose command line contains `needle`, or whose parent is `ppid` (> 0).
+std::vector<pid_t> find_processes(const std::string& comm, const std::string& needle, pid_t ppid = 0) {
+  std::vector<pid_t> out;
+  for (const auto& e : fs::directory_iterator("/proc")) {
+    const std::string name = e.path().filename().string();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::string c, stat;
+    std::getline(std::ifstream(e.path() / "comm"), c);
+    std::getline(std::ifstream(e.path() / "stat"), stat);
+    const std::string cmdline = read_bytes(e.path() / "cmdline");
+    if (c != comm || stat.empty() || ended(std::stoi(name))) continue;
+    const size_t close = stat.rfind(')');
+    const pid_t parent = std::atoi(stat.c_str() + close + 4);  // ") S <ppid>"
+    if ((ppid > 0 && parent == ppid) || (ppid == 0 && cmdline.find(needle) != std::string::npos))
+      out.push_back(std::stoi(name));
+  }
+  return out;
+}
+
+// Waits until `what` appears in the child's output (false after timeout_s or when it exited).
+bool wait_for_output(Child& c, const std::string& what, double timeout_s) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+  while (std::chrono::steady_clock::now() < until) {
+    if (contains(c.output(), what)) return true;
+    int rc = 0;
+    if (c.exited(&rc)) return contains(c.output(), what);
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return false;
+}
+
+bool all_ended_within(const std::vector<pid_t>& pids, double seconds) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  auto done = [&] { return std::all_of(pids.begin(), pids.end(), ended); };
+  while (!done() && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  return done();
+}
+
+const char* kPublishDelay = "MT_TEST_CHECKPOINT_PUBLISH_DELAY_MS";
+const char* kHookLine = "test hook: publication of the checkpoint of iteration 1 delayed";
+
+// kill -9 of `megatron pretrain --nproc-per-node 2` while rank 0 is about to publish a checkpoint
+// (held there by the test hook): no rank is left 2 s later, and nothing is published, ever. (The
+// launcher used to give mpiexec SIGTERM when it died, which mpiexec passed on to the ranks: with
+// --exit-signal-handler they finished the step, saved and published.)
+TEST_F(Durability, LauncherKilledDuringSaveLeavesNoRankAndPublishesNothing) {
+  if (std::system("command -v mpiexec > /dev/null 2>&1") != 0) GTEST_SKIP() << "no mpiexec";
+  const fs::path ck = dir / "ck_launcher_kill";
+  setenv(kPublishDelay, "3000", 1);
+  // --exit-signal-handler as supervised jobs run: a rank that got SIGTERM would save and publish.
+  Child launcher = spawn(train("--train-iters 50 --save-interval 1 --nproc-per-node 2 --exit-signal-handler --save " +
+                               ck.string()),
+                         dir / "launcher_kill.log");
+  unsetenv(kPublishDelay);
+  ASSERT_TRUE(wait_for_output(launcher, kHookLine, 120)) << launcher.output();
+  const auto hooked = std::chrono::steady_clock::now();
+  const std::vector<pid_t> ranks = find_processes("megatron", ck.string());  // cmdline: NUL-separated
+  std::vector<pid_t> rank_pids;
+  for (pid_t p : ranks)
+    if (p != launcher.pid) rank_pids.push_back(p);
+  ASSERT_EQ(rank_pids.size(), 2u) << launcher.output();
+  kill(launcher.pid, SIGKILL);
+  EXPECT_EQ(launcher.wait(), 128 + SIGKILL);
+  EXPECT_TRUE(all_ended_within(rank_pids, 2.0)) << "ranks outlived their launcher by 2 s";
+  for (pid_t p : rank_pids)
+    if (!ended(p)) kill(p, SIGKILL);
+  // Past the moment the held publication would have happened: nothing was published.
+  std::this_thread::sleep_until(hooked + std::chrono::milliseconds(4000));
+  EXPECT_FALSE(fs::exists(ck / "latest_checkpointed_iteration.txt")) << launcher.output();
+  EXPECT_FALSE(fs::exists(ck / "iter_0000001")) << launcher.output();
+  // The directory is free at once for the next job, which starts from scratch.
+  RunResult next = run(train("--train-iters 1 --save " + ck.string() + " --load " + ck.string()));
+  EXPECT_EQ(next.rc, 0) << next.out;
+  EXPECT_TRUE(contains(next.out, "starting from scratch")) << next.out;
+}
+
+// One rank whose launcher (a shell standing in for torchrun or mpiexec) is killed while the rank
+// is about to publish: it ends at once (the parent-death signal), and with that signal disarmed
+// (test hook) the check before publication still refuses to publish.
+TEST_F(Durability, RankWhoseLauncherDiedPublishesNothing) {
+  for (const bool signal : {true, false}) {
+    SCOPED_TRACE(signal ? "parent-death signal" : "no signal: the check before publication");
+    const fs::path ck = dir / (signal ? "ck_orphan_signal" : "ck_orphan_check");
+    setenv("RANK", "0", 1);
+    setenv("WORLD_SIZE", "1", 1);
+    setenv("LOCAL_RANK", "0", 1);
+    setenv(kPublishDelay, "1000", 1);
+    if (!signal) setenv("MT_TEST_NO_PARENT_DEATH_SIGNAL", "1", 1);
+    Child shell = spawn(train("--train-iters 3 --save-interval 1 --save " + ck.string()),
+                        dir / (signal ? "orphan_signal.log" : "orphan_check.log"), RLIM_INFINITY, /*in_shell=*/true);
+    for (const char* v : {"RANK", "WORLD_SIZE", "LOCAL_RANK", kPublishDelay, "MT_TEST_NO_PARENT_DEATH_SIGNAL"}) unsetenv(v);
+    ASSERT_TRUE(wait_for_output(shell, kHookLine, 120)) << shell.output();
+    const std::vector<pid_t> rank = find_processes("megatron", "", shell.pid);
+    ASSERT_EQ(rank.size(), 1u) << shell.output();
+    kill(shell.pid, SIGKILL);
+    shell.wait();
+    EXPECT_TRUE(all_ended_within(rank, signal ? 2.0 : 30.0)) << shell.output();
+    if (!ended(rank[0])) kill(rank[0], SIGKILL);
+    const std::string out = shell.output();
+    const std::string parent = "(parent process " + std::to_string(shell.pid) + ") has died";
+    if (signal)
+      EXPECT_TRUE(contains(out, "error (rank 0): its launcher " + parent + "; exiting at once, without saving")) << out;
+    else
+      EXPECT_TRUE(contains(out, "checkpoint of iteration 1 not published: the launcher that started this rank " + parent))
+          << out;
+    EXPECT_FALSE(fs::exists(ck / "latest_checkpointed_iteration.txt")) << out;
+    EXPECT_FALSE(fs::exists(ck / "iter_0000001")) << out;
+  }
+}
+
+// Two jobs on one --save directory: the second is refused at start, naming the directory and the
+// first job's pid and host; the first finishes untouched, and the directory is free after it.
+TEST_F(Durability, SecondJobOnOneSaveDirectoryIsRefused) {
+  const fs::path ck = dir / "ck_two_jobs";
+  setenv(kPublishDelay, "3000", 1);
+  Child first = spawn(train("--train-iters 2 --save-interval 1 --save " + ck.string()), dir / "first_job.log");
+  unsetenv(kPublishDelay);
+  ASSERT_TRUE(wait_for_output(first, kHookLine, 120)) << first.output();
+  RunResult second = run(train("--train-iters 4 --save " + ck.string() + " --load " + ck.string()));
+  EXPECT_NE(second.rc, 0) << second.out;
+  char host[256] = "";
+  gethostname(host, sizeof(host) - 1);
+  EXPECT_TRUE(contains(second.out, "--save directory '" + ck.string() + "' is in use by another job: pid " +
+                                       std::to_string(first.pid) + " on host " + host))
+      << second.out;
+  EXPECT_FALSE(contains(second.out, "> datasets")) << second.out;
+  EXPECT_EQ(first.wait(), 0) << first.output();
+  EXPECT_EQ(read_bytes(ck / "latest_checkpointed_iteration.txt"), "2\n");
+  RunResult third = run(train("--train-iters 3 --save " + ck.string() + " --load " + ck.string()));
+  EXPECT_EQ(third.rc, 0) << third.out;
+  EXPECT_TRUE(contains(third.out, "loaded checkpoint from " + ck.string() + " at iteration 2")) << third.out;
 }
 
 TEST_F(Durability, SignalHandlerSavesAndExitsZero) {
@@ -443,7 +661,8 @@ TEST_F(Durability, NewUserFaults) {
       {train("--train-iters 2 --nproc-per-node 0"), "--nproc-per-node: must be a positive integer (>= 1), got '0'"},
       {train("--train-iters 2 --nproc-per-node -1"), "--nproc-per-node: must be a positive integer (>= 1), got '-1'"},
       {"generate --load x --num-samples 0", "--num-samples: must be a positive integer (>= 1), got '0'"},
-      {train("--train-iters 2 --tensorboard-log-interval 0"), "--tensorboard-log-interval must be positive"},
+      {train("--train-iters 2 --tensorboard-log-interval 0"),
+       "--tensorboard-log-interval: must be a positive integer (>= 1), got '0'"},
       {train("--train-iters 2 --async-save"), "--async-save given without --save"},
   };
   for (const auto& c : cases) {

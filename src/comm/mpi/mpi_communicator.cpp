@@ -62,6 +62,8 @@ MPI_Datatype mpi_type(DType t) {
     case DType::kU8: return MPI_UINT8_T;
     case DType::kF64: return MPI_DOUBLE;
     case DType::kI16: return MPI_INT16_T;
+    case DType::kF8E4M3:
+    case DType::kF8E5M2: return MPI_UINT8_T;
   }
   return MPI_BYTE;
 }

@@ -31,6 +31,9 @@ ncclDataType_t nccl_type(DType t) {
     // NCCL has no 16-bit integer type: int16 moves as 16-bit words (all-gather, broadcast,
     // send/recv copy bits unchanged; reductions reject int16, comm_util.cpp).
     case DType::kI16: return ncclFloat16;
+    // FP8 moves as bytes (all-gather of FP8 weights); reductions reject it (comm_util.cpp).
+    case DType::kF8E4M3:
+    case DType::kF8E5M2: return ncclUint8;
   }
   return ncclUint8;
 }

@@ -1,5 +1,6 @@
 // The summation kernel of the copy-engine reduce-scatter (comm/nccl/peer_copy.h).
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 #include <cstdint>
 
@@ -17,11 +18,13 @@ struct Sources {
 
 __device__ __forceinline__ float load_f(const float* p, int64_t i) { return p[i]; }
 __device__ __forceinline__ float load_f(const __nv_bfloat16* p, int64_t i) { return __bfloat162float(p[i]); }
+__device__ __forceinline__ float load_f(const __half* p, int64_t i) { return __half2float(p[i]); }
 __device__ __forceinline__ void store_f(float* p, int64_t i, float v) { p[i] = v; }
 __device__ __forceinline__ void store_f(__nv_bfloat16* p, int64_t i, float v) { p[i] = __float2bfloat16_rn(v); }
+__device__ __forceinline__ void store_f(__half* p, int64_t i, float v) { p[i] = __float2half_rn(v); }
 
 // out[k] = src[0][k] + src[1][k] + ... in rank order, accumulated in fp32. Vectorised by 16 bytes
-// (4 fp32 or 8 bf16) when every pointer is 16-byte aligned, else element by element.
+// (4 fp32 or 8 bf16 / fp16) when every pointer is 16-byte aligned, else element by element.
 template <typename T, bool kVec>
 __global__ void sum_ranks_kernel(T* out, Sources<T> src, int n, int64_t count) {
   constexpr int kPer = 16 / sizeof(T);
@@ -83,7 +86,8 @@ void launch_sum_ranks(void* out, const std::array<const void*, PeerCopyGroup::kM
   switch (dtype) {
     case DType::kF32: launch<float>(out, src, n, count, stream); break;
     case DType::kBF16: launch<__nv_bfloat16>(out, src, n, count, stream); break;
-    default: MT_FAIL("launch_sum_ranks: fp32 or bf16 only, got {}", dtype_name(dtype));
+    case DType::kF16: launch<__half>(out, src, n, count, stream); break;
+    default: MT_FAIL("launch_sum_ranks: fp32, bf16 or fp16 only, got {}", dtype_name(dtype));
   }
 }
 

@@ -124,7 +124,7 @@ class PeerCopyGroup {
 };
 
 /// out[k] = Σ_{r < n} src[r][k] for k < count, summed in r order in fp32 and stored as `dtype`
-/// (fp32 or bf16, round to nearest even); out may alias a src. Launched on `stream`
+/// (fp32, bf16 or fp16, round to nearest even); out may alias a src. Launched on `stream`
 /// (peer_copy.cu).
 void launch_sum_ranks(void* out, const std::array<const void*, PeerCopyGroup::kMaxRanks>& src, int n, size_t count,
                       DType dtype, cudaStream_t stream);

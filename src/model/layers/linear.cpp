@@ -10,6 +10,17 @@ std::string last_component(const std::string& prefix) {
   const size_t dot = prefix.rfind('.');
   return dot == std::string::npos ? prefix : prefix.substr(dot + 1);
 }
+
+/// dst[k] += Σ_i src[i, k] (dst fp32 [k], src [m, k] in the act dtype), by the column sum that
+/// gelu_linear_backward runs after its dgrad GEMM (ops/matmul.h; the same kernel, so the same
+/// bits): linear_backward's bias gradient alone. With dx and dw empty it reads neither x nor w,
+/// so views of src with the shapes it checks ([m, 1] and [k, 1]) stand in for them.
+void add_column_sums(const Tensor& dst, const Tensor& src, const Stream& stream) {
+  const int64_t m = src.size(0), k = src.size(1);
+  const Tensor flat = src.view({m * k});
+  linear_backward(Tensor(), Tensor(), dst, src, flat.slice0(0, m).view({m, 1}), flat.slice0(0, k).view({k, 1}),
+                  stream);
+}
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -56,10 +67,21 @@ void ColumnParallelLinear::restore_input(const StepContext& ctx) {
 
 void ColumnParallelLinear::forward(const Tensor& y, const StepContext& ctx, const Tensor& pre_gelu, bool gather) {
   const Tensor& x = saved_.at(static_cast<size_t>(ctx.slot));
-  if (gather) tp_.enter_forward(x, input_local_, ctx.stream);
   const int64_t n = local_out();
-  linear_forward(y.view({y.numel() / n, n}), rows(x), weight().value(), value_or_empty(bias_),
-                 pre_gelu.empty() ? Tensor() : pre_gelu.view({pre_gelu.numel() / n, n}), ctx.stream);
+  const Tensor y2 = y.view({y.numel() / n, n});
+  const Tensor pre2 = pre_gelu.empty() ? Tensor() : pre_gelu.view({pre_gelu.numel() / n, n});
+  // y rows [first, first + count) from those rows of the gathered input (all of them at once
+  // unless --tp-comm-overlap pipelines the all-gather with the GEMM)
+  auto gemm = [&](const Tensor& x_rows, int64_t first) {
+    const int64_t end = first + x_rows.size(0);
+    linear_forward(y2.slice0(first, end), x_rows, weight().value(), value_or_empty(bias_),
+                   pre2.empty() ? Tensor() : pre2.slice0(first, end), ctx.stream);
+  };
+  if (gather) {
+    tp_.all_gather_gemm(x, input_local_, gemm, ctx.stream);
+  } else {
+    gemm(rows(x), 0);
+  }
 }
 
 Tensor ColumnParallelLinear::gather_input(const StepContext& ctx) {
@@ -87,16 +109,24 @@ void ColumnParallelLinear::reduce_input_grad(const Tensor& dx_local, const Tenso
 
 Tensor ColumnParallelLinear::backward(const Tensor& dy, const StepContext& ctx, WgradDeferral* defer,
                                       bool bias_grad_done) {
-  const Tensor& x = saved_.at(static_cast<size_t>(ctx.slot));
+  const Tensor x = rows(saved_.at(static_cast<size_t>(ctx.slot)));
   const Tensor dw = weight().grad(), db = bias_grad_done ? Tensor() : grad_or_empty(bias_);
   const Tensor dy2 = dy.view({dy.numel() / local_out(), local_out()});
-  if (defer) {
-    linear_backward(rows(dx_full_), Tensor(), Tensor(), dy2, rows(x), weight().value(), ctx.stream);
-    defer->add(dw, db, dy2, rows(x), weight().value(), weight().grad_write());
-  } else {
-    linear_backward(rows(dx_full_), dw, db, dy2, rows(x), weight().value(), ctx.stream, weight().grad_write());
-  }
-  tp_.enter_backward(dx_local_, dx_full_, ctx.stream);
+  // dgrad of rows [first, first + count) into dx_rows; the TP reduction of dx follows (in pieces
+  // pipelined with these GEMMs under --tp-comm-overlap), the weight gradient runs before it ends
+  auto dgrad = [&](const Tensor& dx_rows, int64_t first) {
+    const int64_t end = first + dx_rows.size(0);
+    linear_backward(dx_rows, Tensor(), Tensor(), dy2.slice0(first, end), x.slice0(first, end), weight().value(),
+                    ctx.stream);
+  };
+  auto wgrad = [&] {
+    if (defer) {
+      defer->add(dw, db, dy2, x, weight().value(), weight().grad_write());
+    } else {
+      linear_backward(Tensor(), dw, db, dy2, x, weight().value(), ctx.stream, weight().grad_write());
+    }
+  };
+  tp_.gemm_reduce_scatter(dx_local_, dx_full_, dgrad, wgrad, ctx.stream);
   return dx_local_;
 }
 
@@ -134,25 +164,42 @@ Tensor RowParallelLinear::forward(const StepContext& ctx, const ResidualAdd* add
                        ctx.stream);
     return add->out;
   }
-  linear_forward(rows(out_full_), rows(x), weight_.value(), Tensor(), Tensor(), ctx.stream);
-  tp_.exit_forward(out_local_, out_full_, ctx.stream);
+  const Tensor x2 = rows(x);
+  auto gemm = [&](const Tensor& out_rows, int64_t first) {  // partial sums of rows [first, first + count)
+    linear_forward(out_rows, x2.slice0(first, first + out_rows.size(0)), weight_.value(), Tensor(), Tensor(),
+                   ctx.stream);
+  };
+  tp_.gemm_reduce_scatter(out_local_, out_full_, gemm, {}, ctx.stream);
   return out_local_;
 }
 
 Tensor RowParallelLinear::backward(const Tensor& dy, const StepContext& ctx, WgradDeferral* defer,
                                    const GeluInput* gelu) {
-  const Tensor& x = saved_.at(static_cast<size_t>(ctx.slot));
+  const Tensor x = rows(saved_.at(static_cast<size_t>(ctx.slot)));
   const Tensor dy_full = tp_.sequence_parallel() ? dy_full_ : dy;
-  tp_.exit_backward(dy_full, dy, ctx.stream);
-  const Tensor dw = defer ? Tensor() : weight_.grad();
   const GradWrite dw_write = weight_.grad_write();  // taken now, also for the deferred GEMM
-  if (gelu) {
-    gelu_linear_backward(rows(dx_), gelu->dbias, dw, Tensor(), rows(dy_full), rows(x), rows(gelu->pre),
-                         weight_.value(), ctx.stream, dw_write);
+  const Tensor dx = rows(dx_), pre = gelu ? rows(gelu->pre) : Tensor();
+  // dgrad of rows [first, first + count) from those rows of the gathered output gradient (all of
+  // them at once unless --tp-comm-overlap pipelines the all-gather with the GEMM); with `gelu` the
+  // GELU backward rides on it, and the producer's bias gradient follows over all rows, as
+  // gelu_linear_backward computes it
+  auto dgrad = [&](const Tensor& dy_rows, int64_t first) {
+    const int64_t end = first + dy_rows.size(0);
+    if (gelu) {
+      gelu_linear_backward(dx.slice0(first, end), Tensor(), Tensor(), Tensor(), dy_rows, x.slice0(first, end),
+                           pre.slice0(first, end), weight_.value(), ctx.stream);
+    } else {
+      linear_backward(dx.slice0(first, end), Tensor(), Tensor(), dy_rows, x.slice0(first, end), weight_.value(),
+                      ctx.stream);
+    }
+  };
+  tp_.all_gather_gemm(dy_full, dy, dgrad, ctx.stream);
+  if (gelu && !gelu->dbias.empty()) add_column_sums(gelu->dbias, dx, ctx.stream);
+  if (defer) {
+    defer->add(weight_.grad(), Tensor(), rows(dy_full), x, weight_.value(), dw_write);
   } else {
-    linear_backward(rows(dx_), dw, Tensor(), rows(dy_full), rows(x), weight_.value(), ctx.stream, dw_write);
+    linear_backward(Tensor(), weight_.grad(), Tensor(), rows(dy_full), x, weight_.value(), ctx.stream, dw_write);
   }
-  if (defer) defer->add(weight_.grad(), Tensor(), rows(dy_full), rows(x), weight_.value(), dw_write);
   return dx_;
 }
 

@@ -12,6 +12,12 @@
 // Its bias [out] is replicated and NOT added here (Megatron's skip_bias_add): the caller fuses it
 // into bias-dropout-add.
 //
+// The sequence-parallel collectives run together with the GEMM beside them
+// (TensorParallelRegion::all_gather_gemm: the input all-gather with the forward GEMM, the output
+// gradient's all-gather with the dgrad GEMM; gemm_reduce_scatter: the output reduce-scatter with
+// the forward GEMM, the input gradient's with the dgrad GEMM, the wgrad GEMM before its end), so
+// that --tp-comm-overlap pipelines them block by block; the results are those of one GEMM.
+//
 // Scratch is shared by role across layers (docs/architecture.md): the gathered output-gradient
 // of every RowParallelLinear and the input-gradient of every ColumnParallelLinear share one
 // buffer each, a RowParallelLinear's input-gradient is shared per role (prefix's last

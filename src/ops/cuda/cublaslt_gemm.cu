@@ -18,6 +18,8 @@ cudaDataType_t lt_type(DType t) {
     case DType::kF32: return CUDA_R_32F;
     case DType::kBF16: return CUDA_R_16BF;
     case DType::kF16: return CUDA_R_16F;
+    case DType::kF8E4M3: return CUDA_R_8F_E4M3;
+    case DType::kF8E5M2: return CUDA_R_8F_E5M2;
     default: MT_FAIL("gemm: unsupported dtype {}", dtype_name(t));
   }
 }
@@ -32,7 +34,24 @@ uint32_t alignment_of(const void* p, int64_t stride_elems, DType t, int64_t batc
   return a;
 }
 
-constexpr int kKeyLen = 26;
+/// B's element type: GemmFp8::b_type for an FP8 GEMM that sets it, else ab_type.
+DType b_type_of(const GemmDesc& g) {
+  return is_fp8(g.ab_type) && g.fp8.b_type != DType::kF32 ? g.fp8.b_type : g.ab_type;
+}
+
+int32_t lt_scale_mode(GemmScaleMode m) {
+  switch (m) {
+    case GemmScaleMode::kScalar: return CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
+#if CUBLAS_VERSION >= 120900
+    case GemmScaleMode::kVec128: return CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+    case GemmScaleMode::kBlk128x128: return CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
+#endif
+    default: break;
+  }
+  MT_FAIL("gemm: FP8 block scaling needs cuBLAS >= 12.9 (built with {})", CUBLAS_VERSION);
+}
+
+constexpr int kKeyLen = 30;
 struct GemmKey {
   std::array<int64_t, kKeyLen> v{};
   bool operator==(const GemmKey&) const = default;
@@ -72,7 +91,8 @@ GemmKey make_key(const GemmDesc& g, cublasLtHandle_t lt, int device, const Align
          static_cast<int64_t>(g.ab_type), static_cast<int64_t>(g.c_type), g.lda, g.ldb, g.ldc,
          g.batch > 1 ? g.stride_a : 0, g.batch > 1 ? g.stride_b : 0, g.batch > 1 ? g.stride_c : 0,
          static_cast<int64_t>(g.epilogue), g.bias != nullptr, g.aux != nullptr, g.ld_aux, al.a, al.b, al.c, al.bias,
-         al.aux, 0};
+         al.aux, static_cast<int64_t>(g.fp8.b_type), static_cast<int64_t>(g.fp8.a_mode),
+         static_cast<int64_t>(g.fp8.b_mode), g.fp8.fast_accum, 0};
   return k;
 }
 
@@ -130,6 +150,12 @@ void set_pointers(const GemmPlan& plan, const GemmDesc& g) {
     MT_CUBLAS_CHECK(
         cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof(aux)));
   }
+  if (is_fp8(g.ab_type)) {  // swapped operands: cuBLASLt's A is our B
+    const void* sa = g.fp8.b_scale;
+    const void* sb = g.fp8.a_scale;
+    MT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sa, sizeof(sa)));
+    MT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sb, sizeof(sb)));
+  }
 }
 
 std::unique_ptr<GemmPlan> make_plan(const GemmDesc& g, cublasLtHandle_t lt, const Alignments& al) {
@@ -156,9 +182,18 @@ std::unique_ptr<GemmPlan> make_plan(const GemmDesc& g, cublasLtHandle_t lt, cons
     MT_CUBLAS_CHECK(
         cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ld_aux, sizeof(ld_aux)));
   }
+  if (is_fp8(g.ab_type)) {  // scale modes (swapped operands) and fast accumulation
+    int32_t mode_a = lt_scale_mode(g.fp8.b_mode), mode_b = lt_scale_mode(g.fp8.a_mode);
+    MT_CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode_a, sizeof(mode_a)));
+    MT_CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode_b, sizeof(mode_b)));
+    int8_t fast = g.fp8.fast_accum ? 1 : 0;
+    MT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof(fast)));
+  }
   set_pointers(*plan, g);  // the heuristic reads the pointers' alignment
 
-  plan->la = make_layout(g.ab_type, g.trans_b ? g.k : g.n, g.trans_b ? g.n : g.k, g.ldb, g.batch, g.stride_b);
+  plan->la = make_layout(b_type_of(g), g.trans_b ? g.k : g.n, g.trans_b ? g.n : g.k, g.ldb, g.batch, g.stride_b);
   plan->lb = make_layout(g.ab_type, g.trans_a ? g.m : g.k, g.trans_a ? g.k : g.m, g.lda, g.batch, g.stride_a);
   plan->lc = make_layout(g.c_type, g.n, g.m, g.ldc, g.batch, g.stride_c);
   plan->m = g.m;
@@ -228,10 +263,13 @@ void resize(GemmPlan& plan, const GemmDesc& g) {
 std::string describe(const GemmDesc& g) {
   return fmt::format(
       "gemm m={} n={} k={} batch={} trans_a={} trans_b={} ab={} c={} lda={} ldb={} ldc={} strides=({}, {}, {}) "
-      "epilogue={} bias={} bias_grad={} ld_aux={}",
+      "epilogue={} bias={} bias_grad={} ld_aux={}{}",
       g.m, g.n, g.k, g.batch, g.trans_a, g.trans_b, dtype_name(g.ab_type), dtype_name(g.c_type), g.lda, g.ldb, g.ldc,
       g.stride_a, g.stride_b, g.stride_c, static_cast<int>(g.epilogue), g.bias != nullptr, g.bias_grad != nullptr,
-      g.ld_aux);
+      g.ld_aux,
+      is_fp8(g.ab_type) ? fmt::format(" fp8 b={} scale_modes=({}, {}) fast_accum={}", dtype_name(b_type_of(g)),
+                                      static_cast<int>(g.fp8.a_mode), static_cast<int>(g.fp8.b_mode), g.fp8.fast_accum)
+                        : std::string());
 }
 
 std::mutex& cache_mutex() {
@@ -245,7 +283,18 @@ std::unordered_map<GemmKey, std::unique_ptr<GemmPlan>, GemmKeyHash>& cache() {
 
 void validate(const GemmDesc& g) {
   MT_CHECK(g.m > 0 && g.n > 0 && g.k > 0 && g.batch > 0, "{}: sizes must be positive", describe(g));
-  MT_CHECK(g.c_type == g.ab_type || g.c_type == DType::kF32, "{}: c must be the a/b dtype or fp32", describe(g));
+  if (is_fp8(g.ab_type)) {
+    MT_CHECK(is_fp8(b_type_of(g)) && !(g.ab_type == DType::kF8E5M2 && b_type_of(g) == DType::kF8E5M2),
+             "{}: FP8 GEMMs take e4m3 x e4m3, e4m3 x e5m2 or e5m2 x e4m3", describe(g));
+    MT_CHECK(!g.trans_a && g.trans_b && g.batch == 1 && g.epilogue == GemmEpilogue::kNone,
+             "{}: FP8 GEMMs need K-major operands (trans_a = false, trans_b = true), batch 1, no epilogue",
+             describe(g));
+    MT_CHECK(g.c_type == DType::kF32 || g.c_type == DType::kBF16 || g.c_type == DType::kF16,
+             "{}: an FP8 GEMM writes fp32, bf16 or fp16", describe(g));
+    MT_CHECK(g.fp8.a_scale != nullptr && g.fp8.b_scale != nullptr, "{}: FP8 operands need their scales", describe(g));
+  } else {
+    MT_CHECK(g.c_type == g.ab_type || g.c_type == DType::kF32, "{}: c must be the a/b dtype or fp32", describe(g));
+  }
   MT_CHECK(g.lda >= (g.trans_a ? g.m : g.k) && g.ldb >= (g.trans_b ? g.k : g.n) && g.ldc >= g.n,
            "{}: leading dimensions too small", describe(g));
   MT_CHECK(g.m <= INT32_MAX && g.n <= INT32_MAX && g.k <= INT32_MAX && g.batch <= INT32_MAX, "{}: sizes exceed int32",
@@ -266,7 +315,7 @@ bool run_gemm(const GemmDesc& g, const Stream& stream, int* status) {
   validate(g);
   CudaStreamResources* res = stream.cuda();
   MT_CHECK(res != nullptr, "{}: needs a CUDA stream, got {}", describe(g), stream.device().str());
-  Alignments al{alignment_of(g.a, g.stride_a, g.ab_type, g.batch), alignment_of(g.b, g.stride_b, g.ab_type, g.batch),
+  Alignments al{alignment_of(g.a, g.stride_a, g.ab_type, g.batch), alignment_of(g.b, g.stride_b, b_type_of(g), g.batch),
                 std::min(alignment_of(g.c, g.stride_c, g.c_type, g.batch),
                          g.d ? alignment_of(g.d, g.stride_c, g.c_type, g.batch) : 256u),
                 g.bias ? alignment_of(g.bias, 0, g.c_type, 1) : g.bias_grad ? alignment_of(g.bias_grad, 0, DType::kF32, 1) : 0u,

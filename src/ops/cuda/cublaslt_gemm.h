@@ -23,11 +23,29 @@ enum class GemmEpilogue : uint8_t {
               ///< no fp32 bias gradient with 16-bit D.)
 };
 
+/// How cuBLASLt reads an FP8 operand's dequantisation scales (cublasLtMatmulMatrixScale_t):
+/// kScalar one fp32 value (SCALAR_32F), kVec128 one per row and 128-wide k block (VEC128_32F),
+/// kBlk128x128 one per 128 x 128 block (BLK128x128_32F); layouts in ops/fp8_math.h.
+enum class GemmScaleMode : uint8_t { kScalar, kVec128, kBlk128x128 };
+
+/// The FP8 part of a GemmDesc (ab_type kF8E4M3/kF8E5M2): B's element type (hybrid FP8 multiplies
+/// e5m2 gradients by e4m3 operands; kF32 = ab_type), the operands' dequantisation scales (device
+/// fp32, required), their modes, and CUBLASLT_MATMUL_DESC_FAST_ACCUM. FP8 GEMMs need trans_a =
+/// false, trans_b = true (both operands K-major: cuBLASLt's "TN", the only FP8 layout on sm_90),
+/// batch 1, no epilogue, and C (= D) fp32/bf16/fp16.
+struct GemmFp8 {
+  DType b_type = DType::kF32;
+  const float* a_scale = nullptr;
+  const float* b_scale = nullptr;
+  GemmScaleMode a_mode = GemmScaleMode::kScalar, b_mode = GemmScaleMode::kScalar;
+  bool fast_accum = false;
+};
+
 /// One row-major (optionally strided-batched) GEMM: for each batch i,
 ///   C_i[m, n] = alpha · op(A_i) · op(B_i) + beta · C_i   (then the epilogue)
 /// A_i is [m, k] (or [k, m] when trans_a) with row stride lda, batch stride stride_a (elements);
 /// likewise B_i [k, n] / [n, k] and C_i [m, n] with ldc, stride_c. A and B share ab_type
-/// (fp32/bf16/fp16); C is c_type (ab_type or fp32). bias: [n] of c_type. aux: row-major [m, ld_aux]
+/// (fp32/bf16/fp16; or FP8, see GemmFp8); C is c_type (ab_type or fp32). bias: [n] of c_type. aux: row-major [m, ld_aux]
 /// of c_type, ld_aux % 8 == 0 (cuBLASLt's requirement for the GELU input matrix). bias_grad: fp32,
 /// 16-byte aligned. C may not alias A or B. Requires m, n, k >= 1. (cuBLASLt is column-major: our
 /// A is its B, so kBgradA is its BGRADB epilogue.)
@@ -50,6 +68,7 @@ struct GemmDesc {
   void* aux = nullptr;
   int64_t ld_aux = 0;
   float* bias_grad = nullptr;  ///< kBgradA's output
+  GemmFp8 fp8;                 ///< FP8 operands only
 };
 
 /// Enqueues the GEMM on `stream`. Returns false (enqueueing nothing) when cuBLASLt offers no

@@ -1,0 +1,391 @@
+// CUDA FP8 quantisation ops (ops/fp8.h). Every scale and amax is read from and written to device
+// memory (no host synchronisation; capturable). Conversions fp32 -> FP8 use the hardware's
+// cvt.rn.satfinite (round to nearest even, saturating to the largest finite value: the rule of
+// core/dtype.h's host conversion, which the CPU reference runs), NaN inputs write
+// fp8_math::kNaNCode, so that the two backends agree bit for bit.
+//
+// Cast + transpose: one kernel for every recipe. A CTA of 256 threads owns a 128 x 128 tile of x
+// (thread (warp w, lane l) holds rows w + 8i, i < 16, and columns l + 32j, j < 4, in registers:
+// every load instruction reads 32 consecutive elements), computes what its recipe needs — the
+// 1x128 row amaxes by warp shuffles, the column amaxes (the transpose's 1x128 blocks) through
+// shared memory, the 128x128 block amax — writes q straight from registers and stages the
+// transposed bytes in shared memory (row pitch 132: conflict-free writes) for 128-byte row
+// stores of q_t.
+#include <cuda_fp8.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "core/cuda_check.h"
+#include "core/cuda_resources.h"
+#include "ops/cuda/common.cuh"
+#include "ops/fp8.h"
+
+namespace mt::cuda {
+namespace {
+
+using fp8_math::abs_bits_for_max;
+using fp8_math::kBlock;
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kRowsPerThread = static_cast<int>(kBlock) / kWarps;  // 16
+constexpr int kPitch = static_cast<int>(kBlock) + 4;               // staging row pitch (bytes)
+
+/// fp8_math::quantize_value: x * s converted by the hardware (cvt.rn.satfinite: the rounding and
+/// saturation of core/dtype.h's host conversion), a NaN x as kNaNCode.
+template <bool kE4M3>
+__device__ __forceinline__ uint8_t to_fp8(float x, float s) {
+  if (isnan(x)) return fp8_math::kNaNCode;
+  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(x * s, __NV_SATFINITE, kE4M3 ? __NV_E4M3 : __NV_E5M2));
+}
+
+__device__ __forceinline__ uint32_t warp_max(uint32_t v) {
+  for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+/// Calls f(bool_constant<e4m3>) for an FP8 dtype.
+template <typename F>
+void dispatch_fp8(DType t, F&& f) {
+  if (t == DType::kF8E4M3) {
+    f(std::true_type{});
+  } else {
+    MT_CHECK(t == DType::kF8E5M2, "fp8: unsupported dtype {}", dtype_name(t));
+    f(std::false_type{});
+  }
+}
+
+int num_sms(const Stream& s) {
+  const CudaStreamResources* r = s.cuda();
+  return r && r->num_sms > 0 ? r->num_sms : 132;
+}
+
+// ---------------------------------------------------------------------------------------------
+// amax: grid-stride max of |x| as ordered float bits, then an atomic max into the (zeroed) amax.
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) amax_kernel(uint32_t* amax, const T* x, int64_t n, bool vec) {
+  constexpr int kV = 16 / sizeof(T);
+  uint32_t m = 0;
+  const int64_t tid = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  int64_t done = 0;
+  if (vec) {
+    const int64_t nv = n / kV;
+    const uint4* xv = reinterpret_cast<const uint4*>(x);
+    for (int64_t i = tid; i < nv; i += stride) {
+      const uint4 u = xv[i];
+      const T* e = reinterpret_cast<const T*>(&u);
+#pragma unroll
+      for (int j = 0; j < kV; ++j) m = max(m, abs_bits_for_max(to_f(e[j])));
+    }
+    done = nv * kV;
+  }
+  for (int64_t i = done + tid; i < n; i += stride) m = max(m, abs_bits_for_max(to_f(x[i])));
+  __shared__ uint32_t sh[kWarps];
+  m = warp_max(m);
+  if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = m;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kWarps; ++w) m = max(m, sh[w]);
+    atomicMax(amax, m);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Scales.
+
+__global__ void scale_from_amax_kernel(float* scale, float* scale_inv, const float* amax, int64_t n, float fmax,
+                                       bool pow2, float epsilon) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= n) return;
+  const float s = fp8_math::scale_from_amax(amax[i], fmax, pow2, epsilon);
+  scale[i] = s;
+  scale_inv[i] = 1.f / s;
+}
+
+__global__ void delayed_update_kernel(float* hist, int64_t len, int64_t n, float* scale, float* scale_inv,
+                                      float scaled_max, fp8_math::AmaxAlgo algo) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= n) return;
+  fp8_math::delayed_update(hist + i, len, n, scale + i, scale_inv + i, scaled_max, algo);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Cast (+ transpose) of one 128 x 128 tile.
+
+struct TileArgs {
+  const void* x;
+  int64_t rows, cols;
+  uint8_t* q;          // [rows, cols] or null
+  uint8_t* qt;         // [cols, rows] or null
+  const float* scale;  // Fp8Scaling::kTensor: the quantisation scale
+  uint32_t* amax;      // Fp8Scaling::kTensor: max-accumulated amax bits, or null
+  float* s_inv;        // block modes: q's scale layout
+  float* st_inv;       // block modes: q_t's scale layout
+  bool pow2;
+  bool qt_vec;  // q_t rows may be stored 4 bytes at a time (rows % 4 == 0, aligned)
+};
+
+template <typename T, bool kE4M3, Fp8Scaling kMode>
+__global__ void __launch_bounds__(kThreads) quantize_tile_kernel(TileArgs p) {
+  __shared__ __align__(16) uint8_t tq[kBlock][kPitch];  // transposed FP8 bytes
+  __shared__ uint32_t red[kWarps][kBlock];              // per-warp column amaxes
+  __shared__ float col_scale[kBlock];
+  __shared__ uint32_t warp_red[kWarps];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kBlock, c0 = static_cast<int64_t>(blockIdx.x) * kBlock;
+  const int64_t rows = p.rows, cols = p.cols;
+  const float fmax = kE4M3 ? kFp8E4M3Max : kFp8E5M2Max;
+  const T* x = static_cast<const T*>(p.x);
+
+  // This thread's elements (r0 + warp + 8i, c0 + lane + 32j) sit at base + i * rstride + 32j.
+  const int64_t base = (r0 + warp) * cols + c0 + lane, rstride = kWarps * cols;
+  const int64_t rows_left = rows - (r0 + warp), cols_left = cols - (c0 + lane);
+  const bool interior = r0 + kBlock <= rows && c0 + kBlock <= cols;
+  auto in_range = [&](int i, int j) { return interior || (kWarps * i < rows_left && 32 * j < cols_left); };
+  float v[kRowsPerThread][4];
+#pragma unroll
+  for (int i = 0; i < kRowsPerThread; ++i) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) v[i][j] = in_range(i, j) ? to_f(x[base + i * rstride + 32 * j]) : 0.f;
+  }
+
+  float srow[kRowsPerThread] = {};  // the quantisation scale of each held row (for q)
+  float scol[4] = {};               // ... of each held column (for q_t)
+  if constexpr (kMode == Fp8Scaling::kTensor || kMode == Fp8Scaling::kBlock128x128) {
+    float s = 0.f;
+    if constexpr (kMode == Fp8Scaling::kTensor) s = *p.scale;
+    if (kMode == Fp8Scaling::kBlock128x128 || p.amax) {
+      uint32_t m = 0;
+#pragma unroll
+      for (int i = 0; i < kRowsPerThread; ++i) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) m = max(m, abs_bits_for_max(v[i][j]));
+      }
+      m = warp_max(m);
+      if (lane == 0) warp_red[warp] = m;
+      __syncthreads();
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) m = max(m, warp_red[w]);
+      if constexpr (kMode == Fp8Scaling::kTensor) {
+        if (threadIdx.x == 0) atomicMax(p.amax, m);
+      } else {
+        s = fp8_math::scale_from_amax(bits_to_f32(m), fmax, p.pow2, 0.f);
+        if (threadIdx.x == 0) {
+          const int64_t nrb = (rows + kBlock - 1) / kBlock, ncb = (cols + kBlock - 1) / kBlock;
+          const int64_t rb = blockIdx.y, cb = blockIdx.x;
+          if (p.q) {
+            p.s_inv[rb * fp8_math::pad4(ncb) + cb] = 1.f / s;
+            if (cb == ncb - 1) {
+              for (int64_t e = ncb; e < fp8_math::pad4(ncb); ++e) p.s_inv[rb * fp8_math::pad4(ncb) + e] = 0.f;
+            }
+          }
+          if (p.qt) {
+            p.st_inv[cb * fp8_math::pad4(nrb) + rb] = 1.f / s;
+            if (rb == nrb - 1) {
+              for (int64_t e = nrb; e < fp8_math::pad4(nrb); ++e) p.st_inv[cb * fp8_math::pad4(nrb) + e] = 0.f;
+            }
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kRowsPerThread; ++i) srow[i] = s;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) scol[j] = s;
+  } else {  // 1x128
+    if (p.q) {
+#pragma unroll
+      for (int i = 0; i < kRowsPerThread; ++i) {
+        uint32_t m = 0;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) m = max(m, abs_bits_for_max(v[i][j]));
+        m = warp_max(m);
+        srow[i] = fp8_math::scale_from_amax(bits_to_f32(m), fmax, p.pow2, 0.f);
+        const int64_t r = r0 + warp + kWarps * i;
+        if (lane == 0 && r < fp8_math::pad4(rows)) {
+          p.s_inv[fp8_math::scale_index(Fp8Scaling::kBlock1x128, r, c0, rows, cols)] = r < rows ? 1.f / srow[i] : 0.f;
+        }
+      }
+    }
+    if (p.qt) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        uint32_t m = 0;
+#pragma unroll
+        for (int i = 0; i < kRowsPerThread; ++i) m = max(m, abs_bits_for_max(v[i][j]));
+        red[warp][lane + 32 * j] = m;
+      }
+      __syncthreads();
+      if (threadIdx.x < kBlock) {
+        uint32_t m = 0;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) m = max(m, red[w][threadIdx.x]);
+        const float s = fp8_math::scale_from_amax(bits_to_f32(m), fmax, p.pow2, 0.f);
+        col_scale[threadIdx.x] = s;
+        const int64_t c = c0 + threadIdx.x;  // a row of x^T [cols, rows]
+        if (c < fp8_math::pad4(cols)) {
+          p.st_inv[fp8_math::scale_index(Fp8Scaling::kBlock1x128, c, r0, cols, rows)] = c < cols ? 1.f / s : 0.f;
+        }
+      }
+      __syncthreads();
+#pragma unroll
+      for (int j = 0; j < 4; ++j) scol[j] = col_scale[lane + 32 * j];
+    }
+  }
+
+  if (p.q) {
+#pragma unroll
+    for (int i = 0; i < kRowsPerThread; ++i) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        if (in_range(i, j)) p.q[base + i * rstride + 32 * j] = to_fp8<kE4M3>(v[i][j], srow[i]);
+      }
+    }
+  }
+  if (p.qt) {
+#pragma unroll
+    for (int i = 0; i < kRowsPerThread; ++i) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) tq[lane + 32 * j][warp + kWarps * i] = to_fp8<kE4M3>(v[i][j], scol[j]);
+    }
+    __syncthreads();
+    const bool full = p.qt_vec && r0 + kBlock <= rows;
+    for (int tc = warp; tc < kBlock; tc += kWarps) {
+      const int64_t c = c0 + tc;
+      if (c >= cols) break;
+      uint8_t* dst = p.qt + c * rows + r0;
+      const int rr = lane * 4;
+      if (full) {
+        *reinterpret_cast<uint32_t*>(dst + rr) = *reinterpret_cast<const uint32_t*>(&tq[tc][rr]);
+      } else {
+        for (int b = 0; b < 4; ++b) {
+          if (r0 + rr + b < rows) dst[rr + b] = tq[tc][rr + b];
+        }
+      }
+    }
+  }
+}
+
+template <Fp8Scaling kMode>
+void launch_tile(const Tensor& x, TileArgs p, DType fp8, const Stream& stream) {
+  const int64_t row_tiles = (p.rows + kBlock - 1) / kBlock, col_tiles = (p.cols + kBlock - 1) / kBlock;
+  MT_CHECK(row_tiles <= 65535, "fp8 quantize: {} rows exceed the CUDA kernel's 65535 x 128", p.rows);
+  p.qt_vec = p.qt && p.rows % 4 == 0 && reinterpret_cast<uintptr_t>(p.qt) % 4 == 0;
+  const dim3 grid(static_cast<unsigned>(col_tiles), static_cast<unsigned>(row_tiles));
+  dispatch_float(x.dtype(), "fp8 quantize", [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    dispatch_fp8(fp8, [&](auto e4m3) {
+      quantize_tile_kernel<T, decltype(e4m3)::value, kMode><<<grid, kThreads, 0, cu(stream)>>>(p);
+      MT_CUDA_CHECK_LAUNCH();
+    });
+  });
+}
+
+TileArgs tile_args(const Tensor& q, const Tensor& q_t, const Tensor& x) {
+  TileArgs p{};
+  p.x = x.data();
+  p.cols = x.size(-1);
+  p.rows = x.numel() / p.cols;
+  p.q = q.empty() ? nullptr : q.data_as<uint8_t>();
+  p.qt = q_t.empty() ? nullptr : q_t.data_as<uint8_t>();
+  return p;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dequantisation.
+
+template <typename T, bool kE4M3>
+__global__ void dequantize_kernel(T* y, const uint8_t* q, const float* s_inv, int64_t rows, int64_t cols,
+                                  Fp8Scaling scaling) {
+  const int64_t n = rows * cols;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float s =
+        s_inv[scaling == Fp8Scaling::kTensor ? 0 : fp8_math::scale_index(scaling, i / cols, i % cols, rows, cols)];
+    const float f = kE4M3 ? e4m3_bits_to_f32(q[i]) : e5m2_bits_to_f32(q[i]);
+    y[i] = from_f<T>(f * s);
+  }
+}
+
+}  // namespace
+
+void fp8_amax(const Tensor& amax, const Tensor& x, const Stream& stream) {
+  MT_CUDA_CHECK(cudaMemsetAsync(amax.data(), 0, sizeof(float), cu(stream)));
+  const int64_t n = x.numel();
+  if (n == 0) return;
+  dispatch_float(x.dtype(), "fp8_amax", [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const bool vec = reinterpret_cast<uintptr_t>(x.data()) % 16 == 0;
+    const int64_t per_block = static_cast<int64_t>(kThreads) * (16 / sizeof(T));
+    const int64_t blocks = std::min<int64_t>((n + per_block - 1) / per_block, 4 * num_sms(stream));
+    amax_kernel<T>
+        <<<static_cast<unsigned>(blocks), kThreads, 0, cu(stream)>>>(amax.data_as<uint32_t>(), x.data_as<T>(), n, vec);
+    MT_CUDA_CHECK_LAUNCH();
+  });
+}
+
+void fp8_scale_from_amax(const Tensor& scale, const Tensor& scale_inv, const Tensor& amax, DType fp8, bool pow2,
+                         float epsilon, const Stream& stream) {
+  const int64_t n = amax.numel();
+  scale_from_amax_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, cu(stream)>>>(
+      scale.data_as<float>(), scale_inv.data_as<float>(), amax.data_as<float>(), n, fp8_max(fp8), pow2, epsilon);
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+void fp8_delayed_scale_update(const Tensor& amax_history, const Tensor& scale, const Tensor& scale_inv, DType fp8,
+                              int margin, fp8_math::AmaxAlgo algo, const Stream& stream) {
+  const int64_t len = amax_history.size(0), n = amax_history.size(1);
+  const float scaled_max = fp8_max(fp8) * std::ldexp(1.f, -margin);
+  delayed_update_kernel<<<static_cast<unsigned>((n + 127) / 128), 128, 0, cu(stream)>>>(
+      amax_history.data_as<float>(), len, n, scale.data_as<float>(), scale_inv.data_as<float>(), scaled_max, algo);
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+void fp8_quantize(const Tensor& q, const Tensor& q_t, const Tensor& x, const Tensor& scale, const Tensor& amax,
+                  const Stream& stream) {
+  TileArgs p = tile_args(q, q_t, x);
+  if (p.rows == 0) return;
+  p.scale = scale.data_as<float>();
+  p.amax = amax.empty() ? nullptr : amax.data_as<uint32_t>();
+  launch_tile<Fp8Scaling::kTensor>(x, p, q.empty() ? q_t.dtype() : q.dtype(), stream);
+}
+
+void fp8_quantize_blockwise(const Tensor& q, const Tensor& q_scale_inv, const Tensor& q_t, const Tensor& q_t_scale_inv,
+                            const Tensor& x, Fp8Scaling scaling, bool pow2, const Stream& stream) {
+  TileArgs p = tile_args(q, q_t, x);
+  if (p.rows == 0) return;
+  p.s_inv = q.empty() ? nullptr : q_scale_inv.data_as<float>();
+  p.st_inv = q_t.empty() ? nullptr : q_t_scale_inv.data_as<float>();
+  p.pow2 = pow2;
+  const DType t = q.empty() ? q_t.dtype() : q.dtype();
+  if (scaling == Fp8Scaling::kBlock1x128) {
+    launch_tile<Fp8Scaling::kBlock1x128>(x, p, t, stream);
+  } else {
+    launch_tile<Fp8Scaling::kBlock128x128>(x, p, t, stream);
+  }
+}
+
+void fp8_dequantize(const Tensor& y, const Tensor& q, const Tensor& scale_inv, Fp8Scaling scaling,
+                    const Stream& stream) {
+  const int64_t cols = q.size(-1), rows = q.numel() / cols;
+  if (rows == 0) return;
+  dispatch_float(y.dtype(), "fp8_dequantize", [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    dispatch_fp8(q.dtype(), [&](auto e4m3) {
+      constexpr bool kE = decltype(e4m3)::value;
+      const unsigned grid = grid_for(rows * cols, 256);
+      const float* s = scale_inv.data_as<float>();
+      T* yv = y.data_as<T>();
+      const uint8_t* qv = q.data_as<uint8_t>();
+      dequantize_kernel<T, kE><<<grid, 256, 0, cu(stream)>>>(yv, qv, s, rows, cols, scaling);
+      MT_CUDA_CHECK_LAUNCH();
+    });
+  });
+}
+
+}  // namespace mt::cuda

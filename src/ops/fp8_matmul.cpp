@@ -1,0 +1,76 @@
+// Argument validation and backend dispatch for ops/fp8_matmul.h.
+#include "ops/fp8_matmul.h"
+
+#include <cstdint>
+
+#include "ops/dispatch.h"
+#include "ops/op_checks.h"
+
+namespace mt {
+namespace {
+
+const char* scaling_name(Fp8Scaling s) {
+  switch (s) {
+    case Fp8Scaling::kTensor: return "tensorwise";
+    case Fp8Scaling::kBlock1x128: return "1x128";
+    case Fp8Scaling::kBlock128x128: return "128x128";
+  }
+  return "?";
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+/// An operand: FP8 [rows, k] contiguous, 16-byte aligned (when not empty), with its scales; returns rows.
+int64_t check_operand(const Fp8Operand& o, int64_t k, const char* name) {
+  const Tensor& t = o.data;
+  MT_CHECK(is_fp8(t.dtype()) && t.ndim() == 2 && t.is_contiguous(),
+           "fp8_matmul: {}.data must be a contiguous fp8_e4m3/fp8_e5m2 [rows, k] matrix, got {}", name, t.str());
+  MT_CHECK(t.size(1) == k, "fp8_matmul: {}.data {} must have k = {} columns (both operands are K-major)", name,
+           t.shape_str(), k);
+  MT_CHECK(t.numel() == 0 || aligned16(t.data()),
+           "fp8_matmul: {}.data {} must be 16-byte aligned (cuBLASLt's FP8 rule)", name, t.str());
+  const std::vector<int64_t> want = fp8_scale_shape(o.scaling, t.size(0), k);
+  MT_CHECK(o.scale_inv.dtype() == DType::kF32 && o.scale_inv.is_contiguous() && !o.scale_inv.empty() &&
+               (o.scaling == Fp8Scaling::kTensor ? o.scale_inv.numel() == 1 : o.scale_inv.shape() == want),
+           "fp8_matmul: {}.scale_inv {} must be contiguous fp32 of {} scaling for a [{}, {}] operand ({} element(s))",
+           name, o.scale_inv.str(), scaling_name(o.scaling), t.size(0), k,
+           o.scaling == Fp8Scaling::kTensor ? int64_t{1} : want[0] * want[1]);
+  MT_CHECK(o.scaling == Fp8Scaling::kTensor || aligned16(o.scale_inv.data()),
+           "fp8_matmul: {}.scale_inv {} must be 16-byte aligned", name, o.scale_inv.str());
+  return t.size(0);
+}
+
+}  // namespace
+
+void fp8_matmul(const Tensor& d, const Fp8Operand& a, const Fp8Operand& b, bool accumulate, bool fast_accum,
+                const Stream& stream) {
+  MT_CHECK(d.ndim() == 2 && d.is_contiguous(), "fp8_matmul: d {} must be a contiguous [m, n] matrix", d.str());
+  MT_CHECK(d.dtype() == DType::kF32 || (d.dtype() == DType::kBF16 && !d.device().is_cpu()),
+           "fp8_matmul: d {} must be fp32 (or bf16 on CUDA)", d.str());
+  MT_CHECK(!accumulate || d.dtype() == DType::kF32, "fp8_matmul: accumulate needs an fp32 d (main_grad), got {}",
+           d.str());
+  MT_CHECK(a.data.ndim() == 2, "fp8_matmul: a.data {} must be 2-D", a.data.str());
+  const int64_t k = a.data.size(1);
+  const int64_t m = check_operand(a, k, "a"), n = check_operand(b, k, "b");
+  MT_CHECK(d.size(0) == m && d.size(1) == n, "fp8_matmul: d {} must be [{}, {}] (a {}, b {})", d.shape_str(), m, n,
+           a.data.shape_str(), b.data.shape_str());
+  MT_CHECK(m % 16 == 0 && n % 16 == 0 && k % 16 == 0,
+           "fp8_matmul: m={} n={} k={} must be multiples of 16 (cuBLASLt's FP8 alignment; pad the tokens)", m, n, k);
+  MT_CHECK(d.numel() == 0 || aligned16(d.data()), "fp8_matmul: d {} must be 16-byte aligned", d.str());
+  MT_CHECK(!(a.data.dtype() == DType::kF8E5M2 && b.data.dtype() == DType::kF8E5M2),
+           "fp8_matmul: a and b are both fp8_e5m2 (cuBLASLt has no e5m2 x e5m2 GEMM; e5m2 is for gradients only)");
+  const bool a_block = a.scaling != Fp8Scaling::kTensor, b_block = b.scaling != Fp8Scaling::kTensor;
+  MT_CHECK(a_block == b_block, "fp8_matmul: a is {} but b is {}: both tensorwise or both blockwise",
+           scaling_name(a.scaling), scaling_name(b.scaling));
+  MT_CHECK(!(a.scaling == Fp8Scaling::kBlock128x128 && b.scaling == Fp8Scaling::kBlock128x128),
+           "fp8_matmul: a and b are both 128x128-block scaled (cuBLASLt has 1x128 x 1x128, 1x128 x 128x128 and "
+           "128x128 x 1x128 only)");
+  MT_CHECK(!fast_accum || !a_block,
+           "fp8_matmul: fast_accum applies to tensorwise scaling only (blockwise GEMMs "
+           "always promote the partial sums)");
+  check_same_device({&d, &a.data, &a.scale_inv, &b.data, &b.scale_inv});
+  op_checks::check_stream(stream, d, "fp8_matmul");
+  MT_DISPATCH(d.device(), fp8_matmul, d, a, b, accumulate, fast_accum, stream);
+}
+
+}  // namespace mt
