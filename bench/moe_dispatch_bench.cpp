@@ -60,7 +60,7 @@ int64_t off_rank_rows(const std::vector<int32_t>& top, int64_t local_experts, in
   return n;
 }
 
-int bench(int argc, char** argv) {
+int bench_main(int argc, char** argv) {
   Options o;
   for (int i = 1; i + 1 < argc; ++i) {
     if (std::strcmp(argv[i], "--tokens") == 0) o.tokens = std::atoll(argv[++i]);
@@ -194,7 +194,7 @@ int bench(int argc, char** argv) {
 
 }  // namespace
 
-int main(int argc, char** argv) { return mt::bench::run_main("moe_dispatch_bench", argc, argv, bench); }
+int main(int argc, char** argv) { return mt::bench::run_main("moe_dispatch_bench", argc, argv, bench_main); }
 #else
 #include <cstdio>
 int main() {

@@ -17,6 +17,10 @@
 // bf16-vs-fp32 comparison sees such flips too, so the bound scales with them. A missing expert, a
 // wrong shard, a lost or misrouted token, a clone gradient not returned is off by O(1).
 //
+// With ECHO and the static blocks the clones travel by the used-slot transfers over NCCL's
+// symmetric window (model/moe/echo_peers.h), inside the full-iteration graph: they must have sent
+// something.
+//
 // Overlapped communication (docs/moe.md "Overlapped communication": --moe-shared-expert-overlap,
 // --overlap-moe-expert-parallel-comm with --delay-wgrad-compute, --moe-permute-fusion) must change
 // no math: those layouts are compared with the same layout without the flags bitwise (losses,
@@ -94,6 +98,7 @@ struct RunResult {
   std::vector<ParamInfo> infos;                   // this rank's parameters
   std::vector<std::vector<float>> grads, params;  // local shards (params fp32 main)
   int64_t rerouted = 0;                           // ECHO (host placement): slots sent to clones
+  int64_t echo_bytes = 0;  // ECHO (static blocks): bytes the used-slot transfers wrote (EchoPeers)
 };
 
 RunResult train(const std::shared_ptr<Communicator>& world, const Layout& L, DType dtype, Device dev,
@@ -167,7 +172,9 @@ RunResult train(const std::shared_ptr<Communicator>& world, const Layout& L, DTy
     r.losses.push_back(testing::to_host(loss, st)[0]);
   }
   EXPECT_EQ(setup.optimizer().read_scalars_sync(st).skipped_iters, 0) << L.name;
-  r.rerouted = model.moe_dispatch_stats(st).rerouted;
+  const MoeDispatchStats ds = model.moe_dispatch_stats(st);
+  r.rerouted = ds.rerouted;
+  r.echo_bytes = ds.echo_bytes;
   setup.grad_sync().finish_param_sync(st);
   const ParamStore& P = model.params();
   for (size_t i = 0; i < P.size(); ++i) {
@@ -274,6 +281,11 @@ TEST(MoeLayoutsNccl, Bf16LayoutsMatchOneGpu) {
       EXPECT_NEAR(par.losses[it], ref.losses[it], 2e-3 * ref.losses[it]) << L.name << " iteration " << it;
     if (L.echo > 0 && L.capacity == 0)  // the host-placement path counts: clones must have been used
       EXPECT_GT(par.rerouted, 0) << L.name << ": ECHO rerouted no slot";
+    if (L.echo > 0 && L.capacity != 0) {  // the static blocks on one NVLink domain: the used-slot transfers
+      EXPECT_GT(par.echo_bytes, 0) << L.name << ": ECHO's used-slot transfers (NCCL window) sent nothing";
+      std::printf("[%s] rank %d: ECHO used-slot transfers wrote %lld bytes\n", L.name.c_str(), e.world->rank(),
+                  static_cast<long long>(par.echo_bytes));
+    }
     std::vector<float> all_par_g, all_ref_g, all_par_p, all_ref_p;
     for (size_t i = 0; i < par.infos.size(); ++i) {
       const auto& info = par.infos[i];

@@ -56,20 +56,15 @@ void EchoRouter::reroute(const Tensor& top_v, const Tensor& clone_expert, const 
 // EchoClones
 // ---------------------------------------------------------------------------------------------
 
-EchoClones::EchoClones(const ExpertParallel& ep, int64_t num_local, int64_t num_echo, bool device_exchange,
-                       bool peer_transfers)
-    : ep_(ep),
-      num_local_(num_local),
-      num_echo_(num_echo),
-      device_exchange_(device_exchange),
-      peer_transfers_(peer_transfers) {}
+EchoClones::EchoClones(const ExpertParallel& ep, int64_t num_local, int64_t num_echo, bool device_exchange)
+    : ep_(ep), num_local_(num_local), num_echo_(num_echo), device_exchange_(device_exchange) {}
 
 void EchoClones::plan(BufferPlanner& p, int64_t f1, int64_t f2, int64_t h) {
   const DType t = p.act_dtype();
   const int64_t S = num_echo_;
   sizes_ = EchoPeers::Sizes{S, f1, h, h, f2, t};
   device_ = p.device();
-  if (device_exchange_ && peer_transfers_ && ep_.ep_group) {
+  if (device_exchange_ && ep_.ep_group) {
     std::string why;
     use_peers_ = EchoPeers::available(ep_, p.device(), &why);  // the same answer on every EP rank
     if (!ep_.shared->echo_logged) {
@@ -123,7 +118,8 @@ void EchoClones::ensure_peers() {
 void EchoClones::fetch_weights(const MoeTokenDispatcher& d, int slot, MoeExperts& experts, const Stream& st) {
   if (const Tensor ce = d.echo_clone_expert(slot); !ce.empty()) {
     if (use_peers_) ensure_peers();  // before the experts' tables take the clones' addresses
-    // capturable: fixed-size all-to-alls of P·S expert blocks, packed and unpacked on the device
+    // capturable: the indices from the plan on the device; then the used-slot transfers, or
+    // fixed-size all-to-alls of P·S expert blocks packed and unpacked on the device
     const ExpertTables& t = experts.tables(st);
     moe_echo_exchange_index(x_.w_send, x_.w_recv, x_.g_send, x_.g_acc, ce, ep_.ep_rank, num_local_, num_echo_, st);
     if (peers_) {  // the used slots only, straight into the clone ranks' buffers (w1_ / w2_ there)

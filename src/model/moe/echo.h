@@ -74,9 +74,8 @@ class EchoClones {
   /// num_local: E_l; num_echo: S >= 1; device_exchange: the placement stays on the device
   /// (--moe-received-token-capacity, CUDA-graph capturable): the used slots' weights and gradients
   /// are written straight into the EP ranks' memory where the group allows it (EchoPeers,
-  /// model/moe/echo_peers.h; peer_transfers false: never), else fixed all-to-alls of all P·S blocks.
-  EchoClones(const ExpertParallel& ep, int64_t num_local, int64_t num_echo, bool device_exchange,
-             bool peer_transfers = true);
+  /// model/moe/echo_peers.h), else fixed all-to-alls of all P·S blocks.
+  EchoClones(const ExpertParallel& ep, int64_t num_local, int64_t num_echo, bool device_exchange);
   /// Scratch: S clones of fc1 [f1, h] and fc2 [h, f2] (act dtype), their fp32 gradients, the
   /// transfer scratch. With the device exchange, whether the used-slot transfers run is decided
   /// here (EchoPeers::available); their buffers, shared by the model's MoE layers, are made by the
@@ -114,7 +113,7 @@ class EchoClones {
   // the used-slot transfers (shared by the model's MoE layers), set up by the first fetch
   void ensure_peers();
 
-  bool device_exchange_, peer_transfers_;
+  bool device_exchange_;
   bool use_peers_ = false;
   EchoPeers::Sizes sizes_;
   Device device_{};

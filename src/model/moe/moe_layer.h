@@ -92,6 +92,8 @@ class MoELayer final : public MlpSlot {
   /// EP rank received in one dispatch, the slots overflowed at --moe-received-token-capacity; zeros
   /// for the allgather dispatcher). May synchronise `stream`.
   MoeDispatchStats dispatch_stats(const Stream& stream) const { return dispatcher_->stats(stream); }
+  /// What this layer shares with the model's other MoE layers (side streams, ECHO's transfers).
+  const MoeShared& shared_resources() const { return *shared_res_; }
 
   /// Aux-loss-free balancing (--moe-router-enable-expert-bias), once per step after the last
   /// backward (Megatron's finalize_model_grads): sums the step's token counts of the training

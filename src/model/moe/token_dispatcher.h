@@ -117,6 +117,9 @@ struct MoeDispatchStats {
   /// --moe-received-token-capacity: slots dropped because their EP pair's block was full, summed
   /// over the dispatches of this rank (read from the device; rerouted / max_received stay 0 there)
   int64_t overflowed = 0;
+  /// ECHO with the used-slot transfers (EchoPeers, model/moe/echo_peers.h): the bytes of clone
+  /// weights and gradients this rank wrote into the EP ranks' memory (read from the device)
+  int64_t echo_bytes = 0;
 };
 
 /// The rows of each local expert slot brought by one dispatch() (R = their sum, rows [0, R) of the
