@@ -1,6 +1,7 @@
 #include "model/moe/echo.h"
 
 #include <algorithm>
+#include <atomic>
 
 #include "core/check.h"
 #include "core/logging.h"
@@ -67,8 +68,8 @@ void EchoClones::plan(BufferPlanner& p, int64_t f1, int64_t f2, int64_t h) {
   if (device_exchange_ && ep_.ep_group) {
     std::string why;
     use_peers_ = EchoPeers::available(ep_, p.device(), &why);  // the same answer on every EP rank
-    if (!ep_.shared->echo_logged) {
-      ep_.shared->echo_logged = true;
+    static std::atomic<bool> logged{false};  // once per process (the models of a run plan alike)
+    if (ep_.ep_rank == 0 && ep_.etp_rank == 0 && !logged.exchange(true)) {
       if (use_peers_) {
         log_info("> ECHO: clone weights and gradients written straight into the EP ranks' memory, used slots only");
       } else {

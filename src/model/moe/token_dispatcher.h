@@ -50,9 +50,8 @@ class MoeShared {
   /// The exchanges' stream on `device` (created on the first call).
   const Stream& comm_stream(Device device);
   /// ECHO's used-slot transfers (model/moe/echo_peers.h) for every MoE layer: null until the first
-  /// layer's first transfer creates them; echo_logged: the way the clones travel has been logged.
+  /// layer's first transfer creates them.
   std::shared_ptr<EchoPeers> echo_peers;
-  bool echo_logged = false;
 
  private:
   std::unique_ptr<Stream> shared_, comm_;
