@@ -8,10 +8,13 @@
 #   grouped        the grouped-GEMM self-check and benchmark (bench/grouped_matmul_bench)
 #   fp8            the FP8 CUDA tests and the FP8 GEMM benchmark
 #   compare CFG..  bench/compare.sh CFG... (megatron.cpp against PyTorch compile, one GPU)
-# Logs under $OUT (or ./out); the last lines of each step are printed.
+# Logs in $OUT/logs.tgz (one file: the device tool returns at most 8) and every step's summary in
+# $OUT/summary.txt (also printed).
 # usage: bench/gpu_verify.sh STEP [STEP...]    (compare takes the rest of the arguments)
 set -uo pipefail
-OUT=${OUT:-out}; mkdir -p "$OUT"
+FINAL=${OUT:-out}; mkdir -p "$FINAL"
+OUT=$(mktemp -d); trap 'tar -C "$OUT" -czf "$FINAL/logs.tgz" . 2>/dev/null' EXIT
+exec > >(tee "$FINAL/summary.txt") 2>&1
 export NCCL_NVLS_ENABLE=0 OMP_NUM_THREADS=4
 t0=$(date +%s)
 gpus=$(nvidia-smi -L | wc -l)

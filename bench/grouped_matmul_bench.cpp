@@ -178,7 +178,7 @@ void bench_shape(const std::string& name, int64_t E, int64_t rows, int64_t hidde
              name, E, R, *mn, *mx, skew, hidden, ffn, st.device().str());
   fmt::print("{:>4} {:>6} {:>6} | {:>20} | {:>20} | {:>20} |\n", "proj", "n", "k", "forward ms TFLOP/s",
              "dgrad ms TFLOP/s", "wgrad ms TFLOP/s");
-  Times sum_wg, sum_mma, sum_loop;
+  Times sum_wg, sum_pp, sum_mma, sum_loop;
   bool have_wg = true;
   std::string why;
   for (int proj = 0; proj < 2; ++proj) {
@@ -191,6 +191,7 @@ void bench_shape(const std::string& name, int64_t E, int64_t rows, int64_t hidde
       fmt::print("{:>4} {:>6} {:>6} | {:>8.3f} {:>11.1f} | {:>8.3f} {:>11.1f} | {:>8.3f} {:>11.1f} | {}\n", pname, n,
                  k, t.f, flops / t.f * 1e-9, t.d, flops / t.d * 1e-9, t.w, flops / t.w * 1e-9, impl);
     };
+    Times pp;  // the ping-pong schedule
     Times wg;  // with the automatic tile width of each op's output columns (forward n, dgrad and wgrad k)
     if (have_wg) {
       try {
@@ -203,6 +204,9 @@ void bench_shape(const std::string& name, int64_t E, int64_t rows, int64_t hidde
         auto pick = [&](int64_t cols) { return cuda::grouped_sm90::auto_tile_width(cols) == 256 ? 0 : 1; };
         wg = {by_bn[pick(n)].f, by_bn[pick(k)].d, by_bn[pick(k)].w};
         row("wgmma, automatic width", wg);
+        const KernelScope scope(Kernel::kWgmmaPingPong);
+        pp = time_grouped(p, gw, gg, iters, st);
+        row("wgmma ping-pong 128x128", pp);
       } catch (const std::exception& e) {
         have_wg = false;
         why = e.what();
@@ -219,7 +223,10 @@ void bench_shape(const std::string& name, int64_t E, int64_t rows, int64_t hidde
     if (have_wg) {
       fmt::print("{:>4} {:>6} {:>6} | {:>20.3f} | {:>20.3f} | {:>20.3f} | wgmma / loop speed\n", pname, n, k,
                  loop.f / wg.f, loop.d / wg.d, loop.w / wg.w);
+      fmt::print("{:>4} {:>6} {:>6} | {:>20.3f} | {:>20.3f} | {:>20.3f} | ping-pong / loop speed\n", pname, n, k,
+                 loop.f / pp.f, loop.d / pp.d, loop.w / pp.w);
     }
+    sum_pp = {sum_pp.f + pp.f, sum_pp.d + pp.d, sum_pp.w + pp.w};
     sum_wg = {sum_wg.f + wg.f, sum_wg.d + wg.d, sum_wg.w + wg.w};
     sum_mma = {sum_mma.f + mma.f, sum_mma.d + mma.d, sum_mma.w + mma.w};
     sum_loop = {sum_loop.f + loop.f, sum_loop.d + loop.d, sum_loop.w + loop.w};
@@ -227,6 +234,10 @@ void bench_shape(const std::string& name, int64_t E, int64_t rows, int64_t hidde
   }
   auto total = [](const Times& t) { return t.f + t.d + t.w; };
   if (!have_wg) fmt::print("wgmma kernel not run: {}\n", why);
+  if (have_wg) {
+    fmt::print("MLP fc1 + fc2, forward + dgrad + wgrad: wgmma ping-pong {:.3f} ms (ping-pong / loop speed {:.3f})\n",
+               total(sum_pp), total(sum_loop) / total(sum_pp));
+  }
   fmt::print("MLP fc1 + fc2, forward + dgrad + wgrad: {}mma.sync {:.3f} ms, cuBLASLt loop {:.3f} ms{}\n",
              have_wg ? fmt::format("wgmma {:.3f} ms, ", total(sum_wg)) : std::string(), total(sum_mma),
              total(sum_loop),
@@ -303,7 +314,10 @@ bool check_case(const std::vector<int32_t>& counts, int64_t R, int64_t n, int64_
   // bf16 outputs of two fp32 reductions in different orders differ by about one bf16 rounding
   // (2^-8 of an element); the fp32 gradient increments by fp32 rounding.
   const bool ok = ef < 1e-2 && ed < 1e-2 && ew < 1e-4 && tails;
-  const char* kname = kernel == Kernel::kWgmma128 ? "128" : kernel == Kernel::kWgmma256 ? "256" : "auto";
+  const char* kname = kernel == Kernel::kWgmma128        ? "128"
+                      : kernel == Kernel::kWgmma256      ? "256"
+                      : kernel == Kernel::kWgmmaPingPong ? "ping-pong"
+                                                         : "auto";
   fmt::print("{:>3} groups R {:>6} (used {:>6}) n {:>5} k {:>5} tile {:>4} | max rel. err fwd {:.2e} dgrad {:.2e} "
              "wgrad {:.2e} | tails {} | {}\n",
              p.E, R, used, n, k, kname, ef, ed, ew, tails ? "zero" : "NOT ZERO", ok ? "PASS" : "FAIL");
@@ -322,7 +336,7 @@ int run_check(const Stream& st) {
   std::vector<int32_t> ds;  // 64 DeepSeek-style experts, skewed with empty ones
   for (int g = 0; g < 64; ++g) ds.push_back(g % 7 == 0 ? 0 : (g * 53) % 300);
   bool ok = true;
-  for (Kernel kern : {Kernel::kWgmma128, Kernel::kWgmma256, Kernel::kWgmma}) {
+  for (Kernel kern : {Kernel::kWgmma128, Kernel::kWgmma256, Kernel::kWgmma, Kernel::kWgmmaPingPong}) {
     ok &= check_case({100, 0, 57, 1, 130}, 300, 72, 40, kern, st);              // ragged, a tail of 12
     ok &= check_case({1, 0, 1900, 3, 0, 129, 200}, 2400, 328, 1032, kern, st);  // skewed, 17 K stages
     ok &= check_case({0, 0, 0}, 128, 256, 64, kern, st);                         // all empty

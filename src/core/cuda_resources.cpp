@@ -5,9 +5,11 @@
 
 namespace mt {
 
-CudaStreamResources::CudaStreamResources(Device d) : device(d) {
+CudaStreamResources::CudaStreamResources(Device d, bool high_priority) : device(d) {
   MT_CUDA_CHECK(cudaSetDevice(d.index));
-  MT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  int least = 0, greatest = 0;
+  if (high_priority) MT_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+  MT_CUDA_CHECK(cudaStreamCreateWithPriority(&stream, cudaStreamNonBlocking, high_priority ? greatest : least));
   MT_CUBLAS_CHECK(cublasLtCreate(&lt));
   MT_CUDA_CHECK(cudaMalloc(&workspace, kWorkspaceBytes));
   MT_CUDA_CHECK(cudaMalloc(&bias_grad_scratch, kBiasGradScratch * sizeof(float)));

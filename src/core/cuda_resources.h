@@ -11,7 +11,8 @@
 namespace mt {
 
 struct CudaStreamResources {
-  explicit CudaStreamResources(Device device);
+  /// high_priority: the stream at the device's greatest priority (cudaDeviceGetStreamPriorityRange).
+  explicit CudaStreamResources(Device device, bool high_priority = false);
   ~CudaStreamResources();
   CudaStreamResources(const CudaStreamResources&) = delete;
   CudaStreamResources& operator=(const CudaStreamResources&) = delete;

@@ -17,11 +17,11 @@ struct CudaStreamResources {};  // no CUDA backend: never instantiated
 
 namespace mt {
 
-Stream::Stream(Device device) : device_(device) {
+Stream::Stream(Device device, StreamPriority priority) : device_(device) {
   if (device.is_cuda()) {
 #ifdef MT_WITH_CUDA
     set_current_device(device);
-    cuda_ = std::make_unique<CudaStreamResources>(device);
+    cuda_ = std::make_unique<CudaStreamResources>(device, priority == StreamPriority::kHigh);
 #else
     MT_FAIL("device {} requested but this binary was built without CUDA", device.str());
 #endif

@@ -11,10 +11,16 @@ namespace mt {
 
 struct CudaStreamResources;  // defined in core/stream.cpp (cudaStream_t, cublasLt handle, workspace)
 
+/// CUDA stream priority: kHigh for communication that runs beside compute kernels (the context-
+/// parallel ring), so that the GPU's block scheduler starts its kernels as soon as an SM frees
+/// instead of after every queued block of the compute kernel. No effect on the CPU.
+enum class StreamPriority : uint8_t { kNormal, kHigh };
+
 class Stream {
  public:
-  /// Creates a new stream on `device` (CUDA: a non-blocking stream with its own cuBLASLt handle).
-  explicit Stream(Device device = Device::cpu());
+  /// Creates a new stream on `device` (CUDA: a non-blocking stream with its own cuBLASLt handle,
+  /// at the device's greatest priority for kHigh).
+  explicit Stream(Device device = Device::cpu(), StreamPriority priority = StreamPriority::kNormal);
   ~Stream();
   Stream(Stream&&) noexcept;
   Stream& operator=(Stream&&) noexcept;

@@ -1,15 +1,19 @@
 // Argument validation and backend dispatch for ops/context_attention.h.
 #include "ops/context_attention.h"
 
+#include <algorithm>
 #include <cstdint>
 
 #include <fmt/ranges.h>
 
 #include "ops/attention_checks.h"
+#include "ops/context_attention_impl.h"
 #include "ops/op_checks.h"
 
 namespace mt {
 namespace {
+
+void check_block(const ContextAttentionConfig& c, int64_t sq, int64_t sk, const char* fn);
 
 void check_shape(const Tensor& t, const std::vector<int64_t>& shape, const char* fn, const char* name) {
   MT_CHECK(!t.empty(), "{}: {} is missing", fn, name);
@@ -55,26 +59,95 @@ void check_args(const Tensor& out, const Tensor& lse, const Tensor& qkv, const T
   }
   for (const Tensor* t : {&out, &lse, &kv})
     MT_CHECK(t->device() == qkv.device(), "{}: {} on another device than qkv {}", fn, t->str(), qkv.str());
+  if (c.block != ContextBlockMask::kPositions && qkv.device().is_cpu()) check_block(c, sq, sk, fn);
 }
+
+/// The caller's ContextBlockMask against the positions (host memory only: the CUDA backend trusts it).
+void check_block(const ContextAttentionConfig& c, int64_t sq, int64_t sk, const char* fn) {
+  const int32_t* q = c.q_pos.data_as<int32_t>();
+  const int32_t* k = c.k_pos.data_as<int32_t>();
+  if (c.block == ContextBlockMask::kCausal) {
+    MT_CHECK(sq == sk, "{}: a causal block needs as many keys as queries, got sq={} sk={}", fn, sq, sk);
+    for (int64_t i = 0; i < sq; ++i)
+      MT_CHECK(q[i] == k[i] && (i == 0 || q[i] > q[i - 1]),
+               "{}: a causal block needs equal, ascending query and key positions; at row {}: q_pos {} k_pos {} "
+               "(previous q_pos {})",
+               fn, i, q[i], k[i], i > 0 ? q[i - 1] : -1);
+    return;
+  }
+  int32_t qmin = q[0], kmax = k[0];
+  for (int64_t i = 1; i < sq; ++i) qmin = std::min(qmin, q[i]);
+  for (int64_t j = 1; j < sk; ++j) kmax = std::max(kmax, k[j]);
+  MT_CHECK(kmax <= qmin, "{}: a full block needs every key at or before every query, got key position {} after query "
+           "position {}", fn, kmax, qmin);
+}
+
+/// A workspace of at least `need` bytes, 16-byte aligned, on the device of qkv.
+void check_workspace(const Tensor& ws, size_t need, const Tensor& qkv, const char* fn) {
+  const size_t have = ws.empty() ? 0 : static_cast<size_t>(ws.numel()) * dtype_size(ws.dtype());
+  MT_CHECK(!ws.empty() && ws.is_contiguous() && have >= need && reinterpret_cast<uintptr_t>(ws.data()) % 16 == 0 &&
+               ws.device() == qkv.device(),
+           "{}: workspace {} must be contiguous, 16-byte aligned, on {} and hold {} bytes (has {})", fn,
+           ws.empty() ? std::string("none") : ws.str(), qkv.device().str(), need, have);
+}
+
+size_t pad256(size_t n) { return (n + 255) / 256 * 256; }
 
 }  // namespace
 
+ContextAttentionWorkspace context_attention_forward_layout(const ContextAttentionConfig& c, int64_t sq) {
+  ContextAttentionWorkspace w;
+  if (!c.cudnn) return w;
+  const size_t rows = static_cast<size_t>(sq * c.batch * c.heads()), d = static_cast<size_t>(c.head_dim);
+  w.out = 0;
+  w.stats = pad256(rows * d * 2);
+  w.bytes = w.stats + pad256(rows * sizeof(float));
+  if (c.queries_per_group > 1) {
+    w.q = w.bytes;
+    w.bytes += pad256(rows * d * 2);
+  }
+  return w;
+}
+
+ContextAttentionWorkspace context_attention_backward_layout(const ContextAttentionConfig& c, int64_t sq,
+                                                            int64_t sk) {
+  ContextAttentionWorkspace w;
+  const size_t rows = static_cast<size_t>(sq * c.batch * c.heads()), d = static_cast<size_t>(c.head_dim);
+  w.delta = 0;
+  w.dq_accum = pad256(rows * sizeof(float));
+  w.bytes = w.dq_accum + rows * d * sizeof(float);
+  if (!c.cudnn) return w;
+  w.stats = pad256(w.bytes);
+  w.dq = w.stats + pad256(rows * sizeof(float));
+  w.dkv = w.dq + pad256(rows * d * 2);
+  w.bytes = w.dkv + pad256(static_cast<size_t>(sk * c.batch * c.groups * 2) * d * 2);
+  if (c.queries_per_group > 1) {
+    w.q = w.bytes;
+    w.bytes += pad256(rows * d * 2);
+  }
+  return w;
+}
+
 void context_attention_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, const Tensor& kv,
-                               const ContextAttentionConfig& cfg, bool merge, const Stream& stream) {
+                               const Tensor& workspace, const ContextAttentionConfig& cfg, bool merge,
+                               const Stream& stream) {
   constexpr const char* fn = "context_attention_forward";
   check_args(out, lse, qkv, kv, cfg, fn);
+  if (cfg.cudnn) check_workspace(workspace, context_attention_forward_workspace_bytes(cfg, qkv.size(0)), qkv, fn);
   op_checks::check_stream(stream, qkv, fn);
-  MT_DISPATCH(qkv.device(), context_attention_forward, out, lse, qkv, kv, cfg, merge, stream);
+  MT_DISPATCH(qkv.device(), context_attention_forward, out, lse, qkv, kv, workspace, cfg, merge, stream);
+}
+
+size_t context_attention_forward_workspace_bytes(const ContextAttentionConfig& cfg, int64_t sq) {
+  return context_attention_forward_layout(cfg, sq).bytes;
 }
 
 size_t context_attention_dq_accum_offset(const ContextAttentionConfig& cfg, int64_t sq) {
-  const size_t rows = static_cast<size_t>(sq * cfg.batch * cfg.heads());
-  return (rows * sizeof(float) + 255) / 256 * 256;
+  return context_attention_backward_layout(cfg, sq, 0).dq_accum;
 }
 
-size_t context_attention_workspace_bytes(const ContextAttentionConfig& cfg, int64_t sq) {
-  const size_t rows = static_cast<size_t>(sq * cfg.batch * cfg.heads());
-  return context_attention_dq_accum_offset(cfg, sq) + rows * static_cast<size_t>(cfg.head_dim) * sizeof(float);
+size_t context_attention_workspace_bytes(const ContextAttentionConfig& cfg, int64_t sq, int64_t sk) {
+  return context_attention_backward_layout(cfg, sq, sk).bytes;
 }
 
 void context_attention_backward(const Tensor& dqkv, const Tensor& dkv, const Tensor& dout, const Tensor& out,
@@ -87,14 +160,8 @@ void context_attention_backward(const Tensor& dqkv, const Tensor& dkv, const Ten
            "{}: dkv {} must match kv {}", fn, dkv.str(), kv.str());
   MT_CHECK(dout.numel() == out.numel() && dout.dtype() == out.dtype() && dout.is_contiguous(),
            "{}: dout {} must match out {}", fn, dout.str(), out.str());
-  if (!workspace.empty() || !qkv.device().is_cpu()) {  // CUDA: required (D_i, dQ partial sums); CPU: unused
-    const size_t need = context_attention_workspace_bytes(cfg, qkv.size(0));
-    const size_t have = static_cast<size_t>(workspace.numel()) * dtype_size(workspace.dtype());
-    MT_CHECK(!workspace.empty() && workspace.is_contiguous() && have >= need &&
-                 reinterpret_cast<uintptr_t>(workspace.data()) % 16 == 0 && workspace.device() == qkv.device(),
-             "{}: workspace {} must be contiguous, 16-byte aligned, on {} and hold {} bytes (has {})", fn,
-             workspace.str(), qkv.device().str(), need, have);
-  }
+  if (!workspace.empty() || !qkv.device().is_cpu() || cfg.cudnn)  // CUDA: required (D_i, dQ sums); CPU: unused
+    check_workspace(workspace, context_attention_workspace_bytes(cfg, qkv.size(0), kv.size(0)), qkv, fn);
   op_checks::check_stream(stream, qkv, fn);
   MT_DISPATCH(qkv.device(), context_attention_backward, dqkv, dkv, dout, out, lse, qkv, kv, workspace, cfg, stream);
 }
@@ -132,6 +199,26 @@ void transpose_blocks(const Tensor& y, const Tensor& x, int64_t a, int64_t b, co
                y.is_contiguous() && x.data() != y.data(),
            "{}: y {} and x {} must be contiguous, distinct, of the same numel, dtype and device", fn, y.str(), x.str());
   MT_DISPATCH(x.device(), transpose_blocks, y, x, a, b, stream);
+}
+
+void permute_blocks(const Tensor& y, const Tensor& x, int64_t outer, const std::vector<int>& perm, bool inverse,
+                    const Stream& stream) {
+  constexpr const char* fn = "permute_blocks";
+  const int64_t k = static_cast<int64_t>(perm.size());
+  MT_CHECK(k >= 1 && k <= 128 && outer >= 1 && x.numel() % (outer * k) == 0,
+           "{}: outer={} x {} blocks (at most 128) must divide the {} elements of x {}", fn, outer, k, x.numel(),
+           x.str());
+  std::vector<bool> seen(static_cast<size_t>(k), false);
+  for (int p : perm) {
+    MT_CHECK(p >= 0 && p < k && !seen[static_cast<size_t>(p)], "{}: perm [{}] is not a permutation of 0..{}", fn,
+             fmt::join(perm, ", "), k - 1);
+    seen[static_cast<size_t>(p)] = true;
+  }
+  MT_CHECK(y.numel() == x.numel() && y.dtype() == x.dtype() && y.device() == x.device() && x.is_contiguous() &&
+               y.is_contiguous() && x.data() != y.data(),
+           "{}: y {} and x {} must be contiguous, distinct, of the same numel, dtype and device", fn, y.str(), x.str());
+  op_checks::check_stream(stream, x, fn);
+  MT_DISPATCH(x.device(), permute_blocks, y, x, outer, perm, inverse, stream);
 }
 
 }  // namespace mt

@@ -1,5 +1,7 @@
 #include "parallel/context_parallel.h"
 
+#include <algorithm>
+
 #include <fmt/ranges.h>
 
 #include "core/check.h"
@@ -84,6 +86,20 @@ std::vector<int32_t> cp_positions(int64_t seq, int cp, int rank) {
   return p;
 }
 
+std::vector<int> cp_a2a_sort_order(int a2a) {
+  MT_REQUIRE(a2a >= 1, "the a2a level of context parallelism must be >= 1, got {}", a2a);
+  std::vector<int> perm(static_cast<size_t>(2 * a2a));
+  for (int k = 0; k < 2 * a2a; ++k) perm[static_cast<size_t>(k)] = k < a2a ? 2 * k : 2 * (2 * a2a - 1 - k) + 1;
+  return perm;
+}
+
+CpRingStep cp_ring_step(int p, int rank, int step) {
+  MT_REQUIRE(p >= 1 && rank >= 0 && rank < p && step >= 0 && step < p,
+             "ring step {} of ring rank {} out of range for a p2p ring of {} ranks", step, rank, p);
+  const int src = (rank - step + p) % p;
+  return {src, step == 0 ? CpBlockKind::kDiagonal : src < rank ? CpBlockKind::kEarlier : CpBlockKind::kLater};
+}
+
 void cp_shard_columns(int32_t* local, const int32_t* full, int64_t batch, int64_t seq, int cp, int rank) {
   const std::vector<int32_t> pos = cp_positions(seq, cp, rank);
   const int64_t sl = static_cast<int64_t>(pos.size());
@@ -111,15 +127,22 @@ ContextParallelRegion::ContextParallelRegion(std::shared_ptr<Communicator> cp, c
     p2p_ = cp_->split(rank_ % a, rank_ / a, "cp-p2p");
   }
   if (p > 1 && opts_.comm_type != CpCommType::kAllGather)
-    ring_.reset(new Ring{Stream(device), Event(device), Event(device)});
+    ring_.reset(new Ring{Stream(device, StreamPriority::kHigh), Event(device), Event(device)});
   std::vector<int32_t> all;
   for (int r = 0; r < size_; ++r) {
     const auto pr = cp_positions(seq, size_, r);
     all.insert(all.end(), pr.begin(), pr.end());
   }
+  std::vector<int32_t> ring;  // the P ring ranks' sorted layouts (cp_a2a_sort_order)
+  for (int r = 0; r < p; ++r) {
+    const auto pr = cp_positions(seq, p, r);
+    ring.insert(ring.end(), pr.begin(), pr.end());
+  }
   positions_ = Buffer(device, all.size() * sizeof(int32_t));
+  ring_positions_ = Buffer(device, ring.size() * sizeof(int32_t));
   Stream st(device);
   copy_bytes(positions_.data(), device, all.data(), Device::cpu(), all.size() * sizeof(int32_t), st);
+  copy_bytes(ring_positions_.data(), device, ring.data(), Device::cpu(), ring.size() * sizeof(int32_t), st);
   st.synchronize();
 }
 
@@ -132,6 +155,69 @@ Tensor ContextParallelRegion::positions(int first, int count) const {
   MT_CHECK(first >= 0 && count >= 1 && first + count <= size_, "positions of CP ranks [{}, {}) of {}", first,
            first + count, size_);
   return positions_.as(DType::kI32, {seq_}).flat_range(first * local_seq(), count * local_seq());
+}
+
+int CpRingTrace::begin(Kind kind, const Stream& stream) {
+  const size_t i = static_cast<size_t>(used_);
+  while (events_.size() < 2 * (i + 1)) events_.push_back(std::make_unique<Event>(device_));
+  if (kinds_.size() <= i) kinds_.resize(i + 1);
+  kinds_[i] = kind;
+  events_[2 * i]->record(stream);
+  return used_++;
+}
+
+void CpRingTrace::end(int span, const Stream& stream) {
+  MT_CHECK(span >= 0 && span < used_, "CpRingTrace::end of span {} of {}", span, used_);
+  events_[2 * static_cast<size_t>(span) + 1]->record(stream);
+}
+
+std::vector<CpRingTrace::Span> CpRingTrace::spans_ms() const {
+  std::vector<Span> out;
+  if (used_ == 0) return out;
+  // The origin: the earliest begin (the ring stream may start before the compute stream's first span).
+  float origin = 0;
+  for (int i = 0; i < used_; ++i) origin = std::min(origin, events_[2 * i]->elapsed_ms_since(*events_[0]));
+  for (int i = 0; i < used_; ++i) {
+    const float b = events_[2 * i]->elapsed_ms_since(*events_[0]) - origin;
+    const float e = events_[2 * i + 1]->elapsed_ms_since(*events_[0]) - origin;
+    out.push_back({kinds_[static_cast<size_t>(i)], b, e});
+  }
+  return out;
+}
+
+CpOverlap cp_overlap(const std::vector<CpRingTrace::Span>& spans) {
+  // The union of the compute spans as sorted disjoint intervals.
+  std::vector<std::pair<double, double>> comp;
+  CpOverlap o;
+  for (const auto& s : spans) {
+    MT_CHECK(s.end_ms >= s.begin_ms, "a ring trace span ends ({} ms) before it begins ({} ms)", s.end_ms, s.begin_ms);
+    if (s.kind == CpRingTrace::Kind::kCompute) {
+      comp.emplace_back(s.begin_ms, s.end_ms);
+      o.compute_ms += s.end_ms - s.begin_ms;
+    }
+  }
+  std::sort(comp.begin(), comp.end());
+  std::vector<std::pair<double, double>> merged;
+  for (const auto& c : comp) {
+    if (!merged.empty() && c.first <= merged.back().second) merged.back().second = std::max(merged.back().second, c.second);
+    else merged.push_back(c);
+  }
+  double hidden = 0;
+  for (const auto& s : spans) {
+    if (s.kind != CpRingTrace::Kind::kExchange) continue;
+    o.exchange_ms += s.end_ms - s.begin_ms;
+    for (const auto& [b, e] : merged)
+      hidden += std::max(0.0, std::min<double>(e, s.end_ms) - std::max<double>(b, s.begin_ms));
+  }
+  o.exposed_ms = o.exchange_ms - hidden;
+  return o;
+}
+
+Tensor ContextParallelRegion::ring_positions(int p) const {
+  const int n = p2p_size();
+  MT_CHECK(p >= 0 && p < n, "positions of ring rank {} of {}", p, n);
+  const int64_t rows = seq_ / n;
+  return ring_positions_.as(DType::kI32, {seq_}).flat_range(p * rows, rows);
 }
 
 }  // namespace mt

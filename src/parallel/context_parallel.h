@@ -56,6 +56,35 @@ int64_t cp_global_position(int64_t seq_length, int cp, int rank, int64_t t);
 /// The global positions of all local tokens of rank r, in local order.
 std::vector<int32_t> cp_positions(int64_t seq_length, int cp, int rank);
 
+/// The a2a levels (a2a, a2a+p2p) in ascending positions. After the all-to-all of the queries,
+/// keys and values, a rank holds the tokens of the A CP ranks of its a2a group in source order:
+/// 2A blocks of c = s/(2N) rows, source j's chunks oA + j and 2N−1−oA−j (o: the ring index of the
+/// group, N = A·P). Sorted by position these are the load-balanced layout of a P-rank ring with
+/// chunks of A·c tokens (cp_positions(s, P, o)): chunks [oA, oA + A) and [2N − (o + 1)A, 2N − oA).
+/// Returns perm with sorted block k = received block perm[k]: perm[k] = 2k for k < A, else
+/// 2(2A−1−k) + 1. Example A = 2: {0, 2, 3, 1}; A = 1: {0, 1} (p2p: already sorted).
+/// Errors: a2a < 1.
+std::vector<int> cp_a2a_sort_order(int a2a);
+
+/// The part of one ring step's key/value block that a rank attends to under the causal mask, with
+/// the load-balanced layout of a P-rank ring (chunks r and 2P−1−r of C = s/(2P) tokens each; for
+/// the a2a levels the sorted layout above).
+enum class CpBlockKind : uint8_t {
+  kDiagonal,  ///< step 0, the rank's own block: causal in local order (both chunks ascending)
+  kEarlier,   ///< a block of an earlier rank: its first chunk only, visible to every local query
+  kLater,     ///< a block of a later rank: all of it, visible to the second local chunk only
+};
+struct CpRingStep {
+  int src;  ///< the ring rank whose keys/values this step attends to
+  CpBlockKind kind;
+};
+/// Step i (0 <= i < P) of ring rank r: src = (r − i) mod P; kDiagonal at i = 0, else kEarlier
+/// when src < r, kLater when src > r (Megatron-Core / TransformerEngine's AttnFuncWithCPAndKVP2P
+/// load-balanced skipping: each later step computes half a block). Every kind is a plain
+/// attention block: causal (kDiagonal: local key j visible to local query i iff j <= i) or full.
+/// Errors: P < 1, r or i out of [0, P).
+CpRingStep cp_ring_step(int p2p_size, int rank, int step);
+
 /// Host-side get_batch_on_this_cp_rank: local[t, :] = full[pos(t), :] for rows of `row` elements
 /// ([s, ...] -> [s/N, ...]).
 template <typename T>
@@ -66,6 +95,42 @@ void cp_shard_rows(T* local, const T* full, int64_t seq_length, int64_t row, int
 }
 /// The same along the last dimension of [b, s] (doc_start): [b, s] -> [b, s/N].
 void cp_shard_columns(int32_t* local, const int32_t* full, int64_t batch, int64_t seq_length, int cp, int rank);
+
+/// Optional timing of the p2p ring (benchmarks only; nothing records in training): CUDA events
+/// around every ring exchange (on the ring stream, from the moment its wait for the compute stream
+/// is over) and every block computation (on the compute stream). Events are created on first use
+/// and reused after clear(); spans_ms() needs the recorded work to have finished (synchronize).
+class CpRingTrace {
+ public:
+  enum class Kind : uint8_t { kExchange, kCompute };
+  struct Span {
+    Kind kind;
+    float begin_ms, end_ms;  ///< from the first event recorded since clear()
+  };
+  explicit CpRingTrace(Device device) : device_(device) {}
+  /// Starts a span on `stream`; returns its handle for end().
+  int begin(Kind kind, const Stream& stream);
+  void end(int span, const Stream& stream);
+  void clear() { used_ = 0; }
+  std::vector<Span> spans_ms() const;
+
+ private:
+  Device device_;
+  std::vector<std::unique_ptr<Event>> events_;  // 2 per span
+  std::vector<Kind> kinds_;
+  int used_ = 0;
+};
+
+/// What a trace says about the overlap (pure; tests/parallel/context_parallel_test.cpp):
+/// exchange_ms and compute_ms sum the spans of each kind; exposed_ms is the exchange time outside
+/// every compute span (exchange spans minus the union of compute spans): the time the ring's
+/// communication adds to the attention. An exchange span runs from the ring stream's start to the
+/// end of its transfer, so it also covers time its kernels wait for SMs or for the peer: compare
+/// exposed_ms with the same exchanges timed alone (bench/cp_ring_bench.cpp) for the fraction hidden.
+struct CpOverlap {
+  double exchange_ms = 0, compute_ms = 0, exposed_ms = 0;
+};
+CpOverlap cp_overlap(const std::vector<CpRingTrace::Span>& spans);
 
 /// The CP group of this rank with what the core attention needs. Construction is collective over
 /// `cp` when a2a+p2p splits it.
@@ -90,6 +155,9 @@ class ContextParallelRegion {
   /// int32 [N·s/N] on the device: row r (s/N values) = the global positions of CP rank r's tokens.
   /// Positions of CP ranks [first, first + count): a contiguous range of it.
   Tensor positions(int first, int count) const;
+  /// int32 [A·s/N] on the device: the positions of ring rank p's tokens in the sorted layout of
+  /// cp_a2a_sort_order (cp_positions(s, P, p)); with A = 1 the same as positions(p, 1).
+  Tensor ring_positions(int p) const;
 
   /// The p2p ring's own stream (p2p_size() > 1): the K/V and dK/dV sends/receives of ring step
   /// i + 1 run on it while the compute stream attends to the block of step i (TransformerEngine's
@@ -100,19 +168,25 @@ class ContextParallelRegion {
   /// compute stream within the attention call, so the pattern is capturable in a CUDA graph. On
   /// the CPU streams run inline and events are no-ops: the ring is sequential, the results the
   /// same. One per region, used by the layers in turn. Errors: mt::Error when p2p_size() == 1.
+  /// The ring stream has the device's greatest priority (StreamPriority::kHigh): NCCL's kernels
+  /// start beside a long attention kernel instead of after all of its queued blocks.
   struct Ring {
     Stream stream;
     Event ready, done;
   };
   Ring& ring() const;
+  /// Benchmarks: the trace the layers record into (nullptr: none, the default).
+  void set_trace(CpRingTrace* trace) { trace_ = trace; }
+  CpRingTrace* trace() const { return trace_; }
 
  private:
   std::shared_ptr<Communicator> cp_, a2a_, p2p_;
   std::unique_ptr<Ring> ring_;
+  CpRingTrace* trace_ = nullptr;
   ContextParallelOptions opts_;
   int size_, rank_;
   int64_t seq_;
-  Buffer positions_;
+  Buffer positions_, ring_positions_;
   Device device_;
 };
 

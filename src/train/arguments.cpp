@@ -392,6 +392,9 @@ void add_parallel_options(CLI::App& app, PretrainArgs& a) {
   app.add_option("--microbatch-group-size-per-virtual-pipeline-stage", a.microbatch_group_size_per_vp_stage,
                  "Micro-batches run through each model chunk in turn (interleaved; default pp)")
       ->check(positive_integer());
+  app.add_flag("--overlap-p2p-communication,!--no-overlap-p2p-communication", a.overlap_p2p_comm,
+               "Pipeline sends and receives on a communication stream, each waited for only by the compute that "
+               "uses its data, so computes run while transfers are in flight (1F1B and interleaved; same results)");
   app.add_flag("--use-distributed-optimizer", a.use_distributed_optimizer,
                "Shard the optimizer state over data-parallel ranks (ZeRO-1)");
   app.add_flag("--use-precision-aware-optimizer", a.use_precision_aware_optimizer,

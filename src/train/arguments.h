@@ -107,6 +107,10 @@ struct PretrainArgs {
   bool account_for_embedding_in_pipeline_split = false;  ///< --account-for-embedding-in-pipeline-split
   bool account_for_loss_in_pipeline_split = false;       ///< --account-for-loss-in-pipeline-split
   int microbatch_group_size_per_vp_stage = 0;  ///< --microbatch-group-size-per-virtual-pipeline-stage (0 = pp)
+  /// --overlap-p2p-communication (--no-overlap-p2p-communication: off, the default): pipeline
+  /// transfers on a communication stream, waited for only where their data is used
+  /// (ScheduleConfig::overlap_p2p_comm). No effect without pipeline parallelism.
+  bool overlap_p2p_comm = false;
   bool use_distributed_optimizer = false;  ///< --use-distributed-optimizer
   /// --use-precision-aware-optimizer: with --bf16, fp32 main parameters stored as int16
   /// remainders beside the bf16 parameters (OptimizerConfig::store_param_remainders).

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <map>
+#include <tuple>
 
 namespace mt {
 
@@ -48,6 +49,15 @@ PipelinePlan plan_pipeline(const pipeline::ScheduleConfig& cfg, int pp_rank,
     int kind, chunk, index;
   };
   std::vector<Deferred> deferred;  // released when the current p2p batch has completed
+  // The last p2p batch that received into or sent from each buffer, keyed (kind, chunk, index)
+  // (chunk 0 for the shared slots and gradient buffers): what a compute using it waits for.
+  p.wait_batch.assign(n, -1);
+  std::map<std::tuple<int, int, int>, int> last_batch;
+  auto touched = [&](int kind, int chunk, int index, int batch) { last_batch[{kind, chunk, index}] = batch; };
+  auto batch_of = [&](int kind, int chunk, int index) {
+    auto it = last_batch.find({kind, chunk, index});
+    return it == last_batch.end() ? -1 : it->second;
+  };
   auto pool = [&](int kind, int chunk) -> Pool& {
     if (kind == kSlot) return slots;
     if (kind == kGrad) return grads;
@@ -117,6 +127,24 @@ PipelinePlan plan_pipeline(const pipeline::ScheduleConfig& cfg, int pp_rank,
       case ActionKind::kGradSync:
         break;
     }
+    switch (a.kind) {
+      case ActionKind::kRecvForward: touched(kInput, a.chunk, buf.input, a.batch); break;
+      case ActionKind::kSendForward:  // chunk_output: the slot's last layer output, or the input of an empty chunk
+        touched(kSlot, 0, buf.slot, a.batch);
+        touched(kInput, a.chunk, buf.input, a.batch);
+        break;
+      case ActionKind::kRecvBackward:
+      case ActionKind::kSendBackward: touched(kGrad, 0, p.grad_buffer[i], a.batch); break;
+      case ActionKind::kForward:
+      case ActionKind::kBackward: {
+        int w = std::max(batch_of(kInput, a.chunk, buf.input), batch_of(kSlot, 0, buf.slot));
+        if (p.grad_buffer[i] >= 0) w = std::max(w, batch_of(kGrad, 0, p.grad_buffer[i]));
+        p.wait_batch[i] = w;
+        break;
+      }
+      case ActionKind::kGradSync: break;
+    }
+    if (pipeline::is_p2p(a.kind)) p.num_batches = std::max(p.num_batches, a.batch + 1);
     const bool batch_ends = pipeline::is_p2p(a.kind) && (i + 1 == n || !pipeline::is_p2p(p.actions[i + 1].kind) ||
                                                          p.actions[i + 1].batch != a.batch);
     if (batch_ends) {
@@ -168,6 +196,20 @@ PipelineExecutor::PipelineExecutor(LanguageModel& model, std::shared_ptr<Communi
                mc.inputs, mc.loss_slots, p->inputs_per_chunk[c], p->loss_slots_per_chunk[c]);
     }
   }
+  bool overlap = false;
+  int batches = 0;
+  for (const PipelinePlan* p : plans) {
+    overlap = overlap || p->config.overlap_p2p_comm;
+    batches = std::max(batches, p->num_batches);
+  }
+  if (overlap && pp_->size() > 1) {
+    // The overlapped batches get a communicator of their own: one NCCL communicator is not used
+    // from two streams, and the caller keeps using pp on its stream (e.g. the loss reduction).
+    p2p_ = pp_->split(0, pp_->rank(), pp_->name() + "-p2p");
+    p2p_stream_ = std::make_unique<Stream>(model.device());
+    computed_ = std::make_unique<Event>(model.device());
+    for (int b = 0; b < batches; ++b) batch_done_.push_back(std::make_unique<Event>(model.device()));
+  }
   const std::vector<int64_t> shape = model.boundary_shape();
   const int64_t numel = shape[0] * shape[1] * shape[2];
   const size_t bytes = static_cast<size_t>(numel) * dtype_size(model.dtype());
@@ -175,6 +217,13 @@ PipelineExecutor::PipelineExecutor(LanguageModel& model, std::shared_ptr<Communi
   for (int k = 0; k < n; ++k)
     grads_.emplace_back(static_cast<char*>(grad_pool_.data()) + bytes * static_cast<size_t>(k), model.dtype(),
                         model.device(), shape);
+}
+
+PipelineExecutor::~PipelineExecutor() {
+  try {
+    if (p2p_stream_) p2p_stream_->synchronize();  // no transfer may still use the buffers
+  } catch (...) {
+  }
 }
 
 void PipelineExecutor::use_slot_keys() {
@@ -196,25 +245,29 @@ void PipelineExecutor::run(const PipelinePlan& plan, const std::vector<MicroBatc
     return a.kind == ActionKind::kBackward;
   });
   auto grad = [&](size_t i) { return plan.grad_buffer[i] < 0 ? Tensor() : grads_[plan.grad_buffer[i]]; };
+  // Overlapped p2p: batches on p2p_stream_ behind the computes listed before them; each compute
+  // waits for plan.wait_batch (the stream completes batches in order, so `waited` covers the earlier ones).
+  const bool overlap = plan.config.overlap_p2p_comm && p2p_ != nullptr;
+  MT_CHECK(!overlap || plan.num_batches <= static_cast<int>(batch_done_.size()),
+           "pipeline plan has {} p2p batches; the executor was built for {}", plan.num_batches, batch_done_.size());
+  int issued = -1, waited = -1;
   for (size_t i = 0; i < n;) {
     const Action& a = acts[i];
     if (pipeline::is_p2p(a.kind)) {
-      // One batch: all of its sends and receives issued together (Megatron's batched p2p).
-      pp_->group_start();
-      size_t j = i;
-      for (; j < n && pipeline::is_p2p(acts[j].kind) && acts[j].batch == a.batch; ++j) {
-        const Action& b = acts[j];
-        switch (b.kind) {
-          case ActionKind::kSendForward: pp_->send(model_.chunk_output(b.chunk, plan.buffers[j]), b.peer, st); break;
-          case ActionKind::kRecvForward: pp_->recv(model_.chunk_input(b.chunk, plan.buffers[j].input), b.peer, st); break;
-          case ActionKind::kSendBackward: pp_->send(grad(j), b.peer, st); break;
-          case ActionKind::kRecvBackward: pp_->recv(grad(j), b.peer, st); break;
-          default: break;
-        }
+      if (!overlap) {  // one batch on the compute stream (Megatron's batched p2p)
+        i = issue_batch(plan, i, *pp_, st);
+        continue;
       }
-      pp_->group_end();
-      i = j;
+      computed_->record(st);  // the sends read, the receives overwrite, what the computes so far left
+      computed_->wait(*p2p_stream_);
+      i = issue_batch(plan, i, *p2p_, *p2p_stream_);
+      batch_done_[static_cast<size_t>(a.batch)]->record(*p2p_stream_);
+      issued = a.batch;
       continue;
+    }
+    if (overlap && plan.wait_batch[i] > waited) {
+      batch_done_[static_cast<size_t>(plan.wait_batch[i])]->wait(st);
+      waited = plan.wait_batch[i];
     }
     if (a.kind == ActionKind::kForward || a.kind == ActionKind::kBackward) {
       const MicroBatch& mb = micro_batches[static_cast<size_t>(a.microbatch)];
@@ -244,6 +297,28 @@ void PipelineExecutor::run(const PipelinePlan& plan, const std::vector<MicroBatc
     }
     ++i;
   }
+  if (issued > waited) batch_done_[static_cast<size_t>(issued)]->wait(st);  // nothing in flight after the run
+}
+
+size_t PipelineExecutor::issue_batch(const PipelinePlan& plan, size_t i, Communicator& comm, const Stream& st) {
+  // One batch: all of its sends and receives issued together (NCCL group / MPI non-blocking + wait-all).
+  const auto& acts = plan.actions;
+  const int batch = acts[i].batch;
+  comm.group_start();
+  size_t j = i;
+  for (; j < acts.size() && pipeline::is_p2p(acts[j].kind) && acts[j].batch == batch; ++j) {
+    const Action& b = acts[j];
+    const Tensor grad = plan.grad_buffer[j] < 0 ? Tensor() : grads_[static_cast<size_t>(plan.grad_buffer[j])];
+    switch (b.kind) {
+      case ActionKind::kSendForward: comm.send(model_.chunk_output(b.chunk, plan.buffers[j]), b.peer, st); break;
+      case ActionKind::kRecvForward: comm.recv(model_.chunk_input(b.chunk, plan.buffers[j].input), b.peer, st); break;
+      case ActionKind::kSendBackward: comm.send(grad, b.peer, st); break;
+      case ActionKind::kRecvBackward: comm.recv(grad, b.peer, st); break;
+      default: break;
+    }
+  }
+  comm.group_end();
+  return j;
 }
 
 }  // namespace mt

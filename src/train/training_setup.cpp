@@ -50,6 +50,7 @@ ModelSetup::ModelSetup(std::shared_ptr<Communicator> world, ModelSetupOptions op
   layout.vpp = parallel_.vpp;
   pipeline::validate_pipeline_layout(layout);
   pipeline::ScheduleConfig sc = schedule_config(parallel_, o.num_microbatches, o.microbatch_group_size);
+  sc.overlap_p2p_comm = o.overlap_p2p_comm;
   pipeline::validate_schedule_config(sc);  // a mismatched layout fails before any collective
   GPTModel::validate_context_parallel(o.model, parallel_.cp, parallel_.tp);
   groups_ = build_process_groups(world, parallel_);
@@ -99,8 +100,10 @@ void ModelSetup::estimate_memory(const ModelLayout& layout) {
   in_use_before_ = device_memory_in_use(o.device);  // CUDA context, libraries, other processes
   log_info("> memory estimate per rank: {}", memory_estimate_.summary());
   if (o.device.is_cuda()) {
-    // the free memory now, less 32 MiB per stream of cuBLASLt workspace still to come
-    check_memory_fits(memory_estimate_, device_memory_free(o.device), size_t{64} << 20, o.device.str());
+    // the free memory now, less 32 MiB per stream of cuBLASLt workspace still to come (one more
+    // for the pipeline executor's overlapped p2p stream)
+    const size_t streams = o.overlap_p2p_comm && parallel_.pp > 1 ? 3 : 2;
+    check_memory_fits(memory_estimate_, device_memory_free(o.device), streams * (size_t{32} << 20), o.device.str());
   } else if (const uint64_t avail = available_host_memory_bytes(); avail > 0) {  // 0: unknown
     check_memory_fits(memory_estimate_, avail, 0, "the host (CPU training)");
   }
@@ -301,6 +304,7 @@ ModelSetupOptions TrainingSetup::model_options() const {
   o.pipeline = pipeline_;
   o.num_microbatches = num_microbatches();
   o.microbatch_group_size = args_.microbatch_group_size_per_vp_stage;
+  o.overlap_p2p_comm = args_.overlap_p2p_comm;
   o.micro_batch_size = args_.micro_batch_size;
   o.sequence_parallel = args_.sequence_parallel;
   o.dtype = args_.dtype();
@@ -336,10 +340,11 @@ void TrainingSetup::log_summary() {
   if (pc.pp > 1) {
     std::string stages;
     for (const auto& r : model_setup_->chunks()) stages += fmt::format(" [{}, {})", r.begin, r.end);
-    log_info("> pipeline: {} stages{}, {} schedule, {} micro-batches; rank 0 holds layers{}, {} activation slots "
+    log_info("> pipeline: {} stages{}, {} schedule{}, {} micro-batches; rank 0 holds layers{}, {} activation slots "
              "(theoretical bubble {:.1f}%)",
              pc.pp * pc.num_chunks(), pc.vpp > 1 ? fmt::format(" ({} per rank)", pc.vpp) : "",
-             pc.vpp > 1 ? "interleaved 1F1B" : "1F1B", num_microbatches(), stages, model_setup_->train_plan().activation_slots,
+             pc.vpp > 1 ? "interleaved 1F1B" : "1F1B", args_.overlap_p2p_comm ? " with overlapped p2p" : "",
+             num_microbatches(), stages, model_setup_->train_plan().activation_slots,
              100.0 * pipeline::bubble_fraction(pc.pp, pc.vpp, static_cast<int>(num_microbatches())));
   }
   const GradSync& grad_sync = model_setup_->grad_sync();

@@ -43,6 +43,7 @@ struct ModelSetupOptions {
   pipeline::PipelineLayout pipeline;
   int64_t num_microbatches = 1;  ///< per data-parallel rank and iteration
   int microbatch_group_size = 0;  ///< --microbatch-group-size-per-virtual-pipeline-stage (0 = pp)
+  bool overlap_p2p_comm = false;  ///< --overlap-p2p-communication (ScheduleConfig::overlap_p2p_comm)
   int64_t micro_batch_size = 1;
   bool sequence_parallel = false;
   DType dtype = DType::kF32;

@@ -3,7 +3,8 @@
 // dkv accumulated on top of random values), with global positions in the load-balanced CP order
 // or scrambled, with and without a document mask (given as a strided column slice), with and
 // without attention dropout (the one-rank mask by global positions and heads); kv_pack / kv_unpack
-// and transpose_blocks bit-exact. These are the PositionMask instances of the shared kernels
+// and transpose_blocks / permute_blocks bit-exact; cuDNN's fused attention for the ring's plain
+// (causal / full) blocks against the FlashAttention-2 kernels. These are the PositionMask instances of the shared kernels
 // (ops/cuda/flash_attention_kernels.cuh): every combination of {documents, none} x {dropout, none}
 // runs on the tensor cores (bf16/fp16, head_dim 64/128: forward, atomic and deterministic
 // backward) and on the simple kernels (fp32, other head dims, misaligned tensors). fp32 rel. err
@@ -17,7 +18,9 @@
 #include <cmath>
 
 #include "ops/context_attention.h"
+#include "ops/cuda/cudnn_attention.h"
 #include "ops/elementwise.h"
+#include "ops/flash_attention.h"
 #include "parallel/context_parallel.h"
 #include "testing/testing.h"
 
@@ -89,9 +92,9 @@ Out run(const Case& z, Device dev, const Stream& st, const std::vector<float>& h
   ContextAttentionConfig c1 = c, c2 = c;
   c1.k_pos = k_pos.t.flat_range(0, h);
   c2.k_pos = k_pos.t.flat_range(h, z.sk - h);
-  context_attention_forward(out, lse, qkv, kv.t.slice0(0, h), c1, false, st);
-  context_attention_forward(out, lse, qkv, kv.t.slice0(h, z.sk), c2, true, st);
-  OwnedTensor ws(DType::kU8, dev, {static_cast<int64_t>(context_attention_workspace_bytes(c, z.sq))});
+  context_attention_forward(out, lse, qkv, kv.t.slice0(0, h), Tensor(), c1, false, st);
+  context_attention_forward(out, lse, qkv, kv.t.slice0(h, z.sk), Tensor(), c2, true, st);
+  OwnedTensor ws(DType::kU8, dev, {static_cast<int64_t>(context_attention_workspace_bytes(c, z.sq, z.sk))});
   context_attention_backward(dqkv, dkv.t.slice0(0, h), dout, out, lse, qkv, kv.t.slice0(0, h), ws.t, c1, st);
   context_attention_backward(dqkv, dkv.t.slice0(h, z.sk), dout, out, lse, qkv, kv.t.slice0(h, z.sk), ws.t, c2, st);
   std::vector<float> l = testing::to_host(lse, st);
@@ -223,9 +226,9 @@ TEST(ContextAttentionCuda, Errors) {
   c.softmax_scale = 0.125f;
   c.q_pos = q_pos.t;
   c.k_pos = k_pos.t;
-  OwnedTensor ws(DType::kU8, dev, {static_cast<int64_t>(context_attention_workspace_bytes(c, z.sq))});
+  OwnedTensor ws(DType::kU8, dev, {static_cast<int64_t>(context_attention_workspace_bytes(c, z.sq, z.sk))});
   auto fwd = [&](const ContextAttentionConfig& cc, const Stream& s) {
-    context_attention_forward(out, lse, qkv, kv, cc, false, s);
+    context_attention_forward(out, lse, qkv, kv, Tensor(), cc, false, s);
   };
   auto bwd = [&](const ContextAttentionConfig& cc, const Tensor& w) {
     context_attention_backward(dqkv, dkv, dout, out, lse, qkv, kv, w, cc, st);
@@ -271,6 +274,111 @@ TEST(ContextAttentionCuda, PackUnpackTransposeExact) {
     for (int64_t i = 0; i < R; ++i)
       for (int64_t w = 0; w < qpg + 2; ++w)
         for (int64_t e = 0; e < d; ++e) ASSERT_EQ(hy[(w * R + i) * d + e], h[(i * (qpg + 2) + w) * d + e]);
+    // permute_blocks: [R, w, d] as outer R, w = 5 blocks of d; forward, then back (inverse).
+    const std::vector<int> perm{3, 0, 4, 2, 1};
+    OwnedTensor z(DType::kF32, dev, {R * (qpg + 2) * d});
+    permute_blocks(y, qkv, R, perm, false, st);
+    const auto hp = testing::to_host(y, st);
+    for (int64_t i = 0; i < R; ++i)
+      for (int64_t j = 0; j < qpg + 2; ++j)
+        for (int64_t e = 0; e < d; ++e) ASSERT_EQ(hp[(i * (qpg + 2) + j) * d + e], h[(i * (qpg + 2) + perm[j]) * d + e]);
+    permute_blocks(z, y, R, perm, true, st);
+    ASSERT_EQ(testing::to_host(z, st), h);
+  }
+}
+
+/// cuDNN's fused attention for the plain blocks of the ring (ContextAttentionConfig::cudnn with
+/// kCausal: equal ascending positions, the diagonal step; kFull: every key before every query, the
+/// half-block steps): out and lse (written, or merged into an earlier block's result) and dqkv,
+/// dkv (accumulated on top of random values) equal the FlashAttention-2 kernels' within bf16/fp16
+/// rounding (2e-2), MHA and GQA, d 64 and 128, ragged and CP-shaped sizes, and cuDNN ran: two
+/// executions per case (forward, backward). With a document mask or dropout the same config
+/// falls back to the kernels (no execution).
+TEST(ContextAttentionCuda, CudnnBlocksMatchKernels) {
+  if (!flash_attention_cudnn_available()) GTEST_SKIP() << "this build has no cuDNN (MT_WITH_CUDNN off)";
+  struct Blk {
+    int64_t sq, sk, b, g, qpg, d;
+    DType t;
+    ContextBlockMask mask;
+    bool merge;
+    bool fallback = false;  // with a document mask (and dropout): the kernels must run
+  };
+  const DType bf = DType::kBF16, hf = DType::kF16;
+  const auto causal = ContextBlockMask::kCausal, full = ContextBlockMask::kFull;
+  const Device dev = Device::cuda(0);
+  const Stream& st = testing::cuda_stream();
+  for (const Blk& z : {Blk{256, 256, 1, 2, 4, 64, bf, causal, false}, Blk{200, 200, 2, 3, 1, 128, bf, causal, false},
+                       Blk{128, 256, 1, 2, 4, 64, bf, full, true}, Blk{256, 128, 2, 1, 2, 64, hf, full, true},
+                       Blk{130, 77, 1, 2, 1, 128, bf, full, true}, Blk{96, 96, 1, 4, 2, 64, hf, causal, true},
+                       Blk{128, 128, 1, 2, 2, 64, bf, causal, false, true}}) {
+    SCOPED_TRACE(fmt::format("sq={} sk={} b={} g={} qpg={} d={} {} {} merge={} fallback={}", z.sq, z.sk, z.b, z.g,
+                             z.qpg, z.d, dtype_name(z.t), z.mask == causal ? "causal" : "full", z.merge, z.fallback));
+    const int64_t n = z.g * z.qpg;
+    auto r = [&](int64_t k) { return testing::rounded(testing::randn(k), z.t); };
+    const auto hq = r(z.sq * z.b * z.g * (z.qpg + 2) * z.d), hkv = r(z.sk * z.b * z.g * 2 * z.d),
+               hdo = r(z.sq * z.b * n * z.d), hdq0 = r(z.sq * z.b * z.g * (z.qpg + 2) * z.d),
+               hdkv0 = r(z.sk * z.b * z.g * 2 * z.d), ho0 = r(z.sq * z.b * n * z.d);
+    std::vector<float> hl0 = testing::randn(z.sq * z.b * n);
+    for (float& x : hl0) x += 4.f;  // an earlier block's LSE, comparable to this block's
+    std::vector<int32_t> qp(z.sq), kp(z.sk), doc(z.b * z.sq);
+    for (int64_t i = 0; i < z.sq; ++i)  // causal: chunks 0 and 3 of a CP 2 layout; full: after every key
+      qp[i] = static_cast<int32_t>(z.mask == causal ? cp_global_position(2 * z.sq, 2, 0, i) : z.sk + 3 + i);
+    for (int64_t j = 0; j < z.sk; ++j) kp[j] = z.mask == causal ? qp[j] : static_cast<int32_t>(j);
+    for (int64_t b = 0; b < z.b; ++b)
+      for (int64_t i = 0; i < z.sq; ++i) doc[b * z.sq + i] = qp[i] / 50 * 50;
+    auto run_blk = [&](bool cudnn) {
+      OwnedTensor qkv = testing::make_tensor(hq, z.t, dev, {z.sq, z.b, z.g, z.qpg + 2, z.d}, st);
+      OwnedTensor kv = testing::make_tensor(hkv, z.t, dev, {z.sk, z.b, z.g, 2, z.d}, st);
+      OwnedTensor dout = testing::make_tensor(hdo, z.t, dev, {z.sq, z.b, n, z.d}, st);
+      OwnedTensor dqkv = testing::make_tensor(hdq0, z.t, dev, {z.sq, z.b, z.g, z.qpg + 2, z.d}, st);
+      OwnedTensor dkv = testing::make_tensor(hdkv0, z.t, dev, {z.sk, z.b, z.g, 2, z.d}, st);
+      OwnedTensor out = testing::make_tensor(ho0, z.t, dev, {z.sq, z.b, n, z.d}, st);
+      OwnedTensor lse = testing::make_tensor(hl0, DType::kF32, dev, {z.sq, z.b, n}, st);
+      OwnedTensor q_pos = testing::make_int_tensor(qp, dev, {z.sq}, st);
+      OwnedTensor k_pos = testing::make_int_tensor(kp, dev, {z.sk}, st);
+      OwnedTensor docs = testing::make_int_tensor(doc, dev, {z.b, z.sq}, st);
+      if (!z.merge) {
+        testing::poison(out, st);
+        testing::poison(lse, st);
+      }
+      ContextAttentionConfig c;
+      c.batch = z.b;
+      c.groups = z.g;
+      c.queries_per_group = z.qpg;
+      c.head_dim = z.d;
+      c.softmax_scale = 1.f / std::sqrt(static_cast<float>(z.d));
+      c.q_pos = q_pos.t;
+      c.k_pos = k_pos.t;
+      c.block = z.mask;
+      c.cudnn = cudnn;
+      if (z.fallback) {
+        c.doc_start = docs.t;
+        c.dropout_p = 0.1f;
+        c.seq_length = 4 * z.sq + z.sk;
+        c.dropout_key = DropoutKey{99, 1, 2, 3};
+      }
+      OwnedTensor fws(DType::kU8, dev, {std::max<int64_t>(16, context_attention_forward_workspace_bytes(c, z.sq))});
+      OwnedTensor bws(DType::kU8, dev, {static_cast<int64_t>(context_attention_workspace_bytes(c, z.sq, z.sk))});
+      testing::poison(fws, st);
+      testing::poison(bws, st);
+      const int64_t before = cuda::cudnn_attention_executions();
+      context_attention_forward(out, lse, qkv, kv, fws, c, z.merge, st);
+      context_attention_backward(dqkv, dkv, dout, out, lse, qkv, kv, bws, c, st);
+      st.synchronize();
+      return std::tuple{Out{testing::to_host(out, st), testing::to_host(lse, st), testing::to_host(dqkv, st),
+                            testing::to_host(dkv, st)},
+                        cuda::cudnn_attention_executions() - before};
+    };
+    const auto [want, none] = run_blk(false);
+    const auto [got, ran] = run_blk(true);
+    EXPECT_EQ(none, 0);
+    EXPECT_EQ(ran, z.fallback ? 0 : 2);
+    ASSERT_TRUE(testing::all_finite(got.out) && testing::all_finite(got.lse) && testing::all_finite(got.dqkv) &&
+                testing::all_finite(got.dkv));
+    EXPECT_LT(testing::rel_err(got.out, want.out), 2e-2) << "out";
+    EXPECT_LT(testing::rel_err(got.lse, want.lse), 1e-4) << "lse";
+    EXPECT_LT(testing::rel_err(got.dqkv, want.dqkv), 2e-2) << "dqkv";
+    EXPECT_LT(testing::rel_err(got.dkv, want.dkv), 2e-2) << "dkv";
   }
 }
 

@@ -316,10 +316,10 @@ const std::vector<Case>& wgmma_cases() {
 
 TEST(GroupedMatmulCuda, WgmmaMatchesCpu) {
   MT_REQUIRE_HOPPER();
-  for (Kernel k : {Kernel::kWgmma128, Kernel::kWgmma256}) {
+  for (Kernel k : {Kernel::kWgmma128, Kernel::kWgmma256, Kernel::kWgmmaPingPong}) {
     const KernelScope scope(k);
     for (DType dt : {DType::kBF16, DType::kF16}) {
-      SCOPED_TRACE(::testing::Message() << "tile width " << (k == Kernel::kWgmma128 ? 128 : 256));
+      SCOPED_TRACE(::testing::Message() << "kernel " << static_cast<int>(k) << " (3: 128, 4: 256, 5: ping-pong)");
       for (const Case& c : wgmma_cases()) check(dt, c);
     }
   }
@@ -327,7 +327,7 @@ TEST(GroupedMatmulCuda, WgmmaMatchesCpu) {
 
 TEST(GroupedMatmulCuda, WgmmaCapturedGraphReplaysWithChangingCounts) {
   MT_REQUIRE_HOPPER();
-  for (Kernel k : {Kernel::kWgmma128, Kernel::kWgmma256}) {
+  for (Kernel k : {Kernel::kWgmma128, Kernel::kWgmma256, Kernel::kWgmmaPingPong}) {
     const KernelScope scope(k);
     check_replays(DType::kBF16, 1500, 200, 136, kReplaySets);
     check_replays(DType::kF16, 1500, 264, 520, kReplaySets);

@@ -55,6 +55,93 @@ TEST(ContextParallelLayout, ChunkAssignmentHandWorked) {
   EXPECT_THROW(cp_global_position(16, 2, 2, 0), Error);  // rank out of range
 }
 
+// The a2a levels' sorted layout: after the all-to-all a rank holds 2A chunks of c tokens in source
+// order; sorting them gives the load-balanced layout of a P-rank ring with chunks of A·c.
+TEST(ContextParallelLayout, A2aSortOrderHandWorked) {
+  EXPECT_EQ(cp_a2a_sort_order(1), (std::vector<int>{0, 1}));
+  EXPECT_EQ(cp_a2a_sort_order(2), (std::vector<int>{0, 2, 3, 1}));
+  EXPECT_EQ(cp_a2a_sort_order(4), (std::vector<int>{0, 2, 4, 6, 7, 5, 3, 1}));
+  EXPECT_THROW(cp_a2a_sort_order(0), Error);
+  // s = 32, N = 8 (c = 2), A = 4, P = 2: group o holds CP ranks 4o .. 4o + 3; sorted, they are
+  // the CP 2 layout of ring rank o (chunks of 8 tokens).
+  const int64_t s = 32;
+  const int n = 8, a = 4, p = 2;
+  for (int o = 0; o < p; ++o) {
+    std::vector<int32_t> received;  // source order
+    for (int j = 0; j < a; ++j) {
+      const auto pj = cp_positions(s, n, o * a + j);
+      received.insert(received.end(), pj.begin(), pj.end());
+    }
+    std::vector<int32_t> sorted;
+    for (int k : cp_a2a_sort_order(a))
+      sorted.insert(sorted.end(), received.begin() + 2 * k, received.begin() + 2 * k + 2);
+    EXPECT_EQ(sorted, cp_positions(s, p, o)) << "ring rank " << o;
+  }
+  // Pure a2a (P = 1): the whole sequence in order.
+  std::vector<int32_t> received, sorted;
+  for (int j = 0; j < 4; ++j) {
+    const auto pj = cp_positions(16, 4, j);
+    received.insert(received.end(), pj.begin(), pj.end());
+  }
+  for (int k : cp_a2a_sort_order(4)) sorted.insert(sorted.end(), received.begin() + 2 * k, received.begin() + 2 * k + 2);
+  EXPECT_EQ(sorted, cp_positions(16, 1, 0));
+}
+
+// The ring's schedule: which block each step attends to and which part of it (causal skipping).
+TEST(ContextParallelLayout, RingStepsHandWorked) {
+  using K = CpBlockKind;
+  auto steps = [](int p, int r) {
+    std::vector<std::pair<int, K>> v;
+    for (int i = 0; i < p; ++i) {
+      const CpRingStep st = cp_ring_step(p, r, i);
+      v.emplace_back(st.src, st.kind);
+    }
+    return v;
+  };
+  // CP 2: rank 0 sees its own block, then rank 1's (later: its second chunk sees all of it);
+  // rank 1 its own, then rank 0's (earlier: the first chunk of it, to both local chunks).
+  EXPECT_EQ(steps(2, 0), (std::vector<std::pair<int, K>>{{0, K::kDiagonal}, {1, K::kLater}}));
+  EXPECT_EQ(steps(2, 1), (std::vector<std::pair<int, K>>{{1, K::kDiagonal}, {0, K::kEarlier}}));
+  // CP 4, rank 2: blocks 2, 1, 0, 3.
+  EXPECT_EQ(steps(4, 2),
+            (std::vector<std::pair<int, K>>{{2, K::kDiagonal}, {1, K::kEarlier}, {0, K::kEarlier}, {3, K::kLater}}));
+  EXPECT_EQ(steps(1, 0), (std::vector<std::pair<int, K>>{{0, K::kDiagonal}}));
+  // The kinds are the causal mask: with s = 16, CP 4 (chunks of 2), rank 2 holds 4, 5, 10, 11;
+  // block 1 (2, 3, 12, 13) is visible through its first chunk to both local chunks, block 3
+  // (6, 7, 8, 9) in full to the second local chunk only.
+  const auto q = cp_positions(16, 4, 2);
+  for (int src : {1, 3}) {
+    const auto k = cp_positions(16, 4, src);
+    const K kind = cp_ring_step(4, 2, (2 - src + 4) % 4).kind;
+    for (size_t i = 0; i < q.size(); ++i)
+      for (size_t j = 0; j < k.size(); ++j) {
+        const bool part = kind == K::kEarlier ? j < 2 : i >= 2;  // the block's part the step computes
+        EXPECT_EQ(k[j] <= q[i], part) << "src " << src << " q " << q[i] << " k " << k[j];
+      }
+  }
+  EXPECT_THROW(cp_ring_step(4, 4, 0), Error);
+  EXPECT_THROW(cp_ring_step(4, 0, 4), Error);
+  EXPECT_THROW(cp_ring_step(0, 0, 0), Error);
+}
+
+// The overlap measure of the ring trace (bench/cp_ring_bench.cpp asserts on it): exchange time
+// outside every compute span is exposed.
+TEST(ContextParallelLayout, OverlapOfTraceSpans) {
+  using K = CpRingTrace::Kind;
+  // Compute [0, 4] and [5, 9]; exchanges [1, 3] (hidden), [3.5, 6] (1.5 exposed of 2.5), [9, 10].
+  const CpOverlap o = cp_overlap({{K::kCompute, 0, 4}, {K::kExchange, 1, 3}, {K::kCompute, 5, 9},
+                                  {K::kExchange, 3.5f, 6}, {K::kExchange, 9, 10}});
+  EXPECT_DOUBLE_EQ(o.compute_ms, 8);
+  EXPECT_DOUBLE_EQ(o.exchange_ms, 5.5);
+  EXPECT_DOUBLE_EQ(o.exposed_ms, 2);
+  // Overlapping compute spans count once; an exchange that outlasts its compute is exposed by
+  // the difference (a ring serialised behind the compute: its transfer after the compute's end).
+  const CpOverlap p = cp_overlap({{K::kCompute, 0, 4}, {K::kCompute, 2, 6}, {K::kExchange, 1, 7}});
+  EXPECT_DOUBLE_EQ(p.exposed_ms, 1);
+  EXPECT_DOUBLE_EQ(cp_overlap({{K::kCompute, 0, 1}}).exposed_ms, 0.0);
+  EXPECT_THROW(cp_overlap({{K::kExchange, 2, 1}}), Error);
+}
+
 TEST(ContextParallelLayout, ShardsTokensPositionsAndDocumentStarts) {
   // [s = 8, b = 2] tokens t = 10·i + b; CP 2 rank 1 holds positions 2, 3, 4, 5.
   std::vector<int32_t> full(16), local(8);
@@ -167,13 +254,13 @@ TEST(ContextAttentionOp, MergedBlocksEqualOneCall) {
   OwnedTensor out2(DType::kF32, Device::cpu(), {sq, b, n, d}), lse2(DType::kF32, Device::cpu(), {sq, b, n});
   testing::poison(out.t, st);
   testing::poison(out2.t, st);
-  context_attention_forward(out.t, lse.t, qkv.t, kv.t, c, false, st);
+  context_attention_forward(out.t, lse.t, qkv.t, kv.t, Tensor(), c, false, st);
   // Keys [0, 3) then [3, 7).
   ContextAttentionConfig c1 = c, c2 = c;
   c1.k_pos = kp.t.flat_range(0, 3);
   c2.k_pos = kp.t.flat_range(3, 4);
-  context_attention_forward(out2.t, lse2.t, qkv.t, kv.t.slice0(0, 3), c1, false, st);
-  context_attention_forward(out2.t, lse2.t, qkv.t, kv.t.slice0(3, 7), c2, true, st);
+  context_attention_forward(out2.t, lse2.t, qkv.t, kv.t.slice0(0, 3), Tensor(), c1, false, st);
+  context_attention_forward(out2.t, lse2.t, qkv.t, kv.t.slice0(3, 7), Tensor(), c2, true, st);
   EXPECT_LT(testing::rel_err(testing::to_host(out2.t, st), testing::to_host(out.t, st)), 1e-6);
   EXPECT_LT(testing::rel_err(testing::to_host(lse2.t, st), testing::to_host(lse.t, st)), 1e-6);
   // A float64 reference of one query row: sample 1, query 2 (position 8, doc start 4), head 3.
@@ -283,7 +370,7 @@ TEST(ContextAttentionOp, DropoutBlocksEqualFullAttention) {
     for (int k = 0; k < N; ++k) {  // this rank's block first, as the ring
       const int src = (r - k + N) % N;
       c.k_pos = pos_r[src].t;
-      context_attention_forward(o, l, q_r[r], kv_r[src], c, k > 0, st);
+      context_attention_forward(o, l, q_r[r], kv_r[src], Tensor(), c, k > 0, st);
     }
     for (int src = 0; src < N; ++src) {
       c.k_pos = pos_r[src].t;

@@ -10,7 +10,8 @@
 // Forward output and dqkv of each rank's shard must equal one rank's (CP 1) attention over the
 // whole sequence: CP 2 and 4, fp32 (simple kernels, rel. 1e-5) and bf16 (tensor-core kernels,
 // rel. 2e-2), causal, GQA, with and without document starts, with and without attention dropout
-// (the mask keyed by global positions: every layout draws the one-rank mask).
+// (the mask keyed by global positions: every layout draws the one-rank mask), and with the blocks
+// on cuDNN's fused attention (its execution count proves it ran: 2 per ring step of each rank).
 #include <gtest/gtest.h>
 #include <cuda_runtime.h>
 
@@ -24,6 +25,8 @@
 #include "model/gpt_model.h"
 #include "model/layers/cp_attention.h"
 #include "model/module.h"
+#include "ops/cuda/cudnn_attention.h"
+#include "ops/flash_attention.h"
 #include "parallel/mappings.h"
 #include "testing/testing.h"
 
@@ -141,6 +144,7 @@ struct Case {
   DType dtype;
   bool docs;
   float dropout = 0.f;  // --attention-dropout
+  bool cudnn = false;   // the blocks on cuDNN (--attention-backend fused) where it applies
 };
 
 constexpr int64_t kSeq = 512, kB = 2, kHeads = 4, kGroups = 2, kD = 64;
@@ -176,7 +180,7 @@ Shard run_rank(const Case& z, int cp, int rank, std::shared_ptr<Communicator> co
   const ContextParallelOptions o = GPTModel::validate_context_parallel(c, cp, 1);
   ContextParallelRegion region(comm, o, kSeq, dev);
   TensorParallelRegion tp(std::make_shared<SingleRankCommunicator>("tp"), false);
-  ContextParallelAttention attn(c, 0, tp, region);
+  ContextParallelAttention attn(c, 0, tp, region, z.cudnn);
   BufferPlanner planner(dev, z.dtype);
   for (int pass = 0; pass < 2; ++pass) {
     planner.begin_pass();
@@ -216,7 +220,10 @@ TEST_P(CpRingOnOneGpu, ShardsEqualOneRank) {
   std::vector<int32_t> doc(static_cast<size_t>(kB * kSeq));
   for (int64_t b = 0; b < kB; ++b)
     for (int64_t i = 0; i < kSeq; ++i) doc[b * kSeq + i] = static_cast<int32_t>(i / (97 + 60 * b) * (97 + 60 * b));
-  const Shard ref = run_rank(z, 1, 0, std::make_shared<SingleRankCommunicator>("cp"), qkv, dctx, doc);
+  Case one = z;
+  one.cudnn = false;  // the reference: one rank on the FlashAttention-2 kernels
+  const Shard ref = run_rank(one, 1, 0, std::make_shared<SingleRankCommunicator>("cp"), qkv, dctx, doc);
+  const int64_t cudnn_before = cuda::cudnn_attention_executions();
   std::vector<Shard> got(static_cast<size_t>(z.cp));
   auto boxes = std::make_shared<Mailboxes>();
   std::vector<std::thread> threads;
@@ -231,6 +238,10 @@ TEST_P(CpRingOnOneGpu, ShardsEqualOneRank) {
     });
   for (auto& t : threads) t.join();
   for (const auto& e : errors) ASSERT_TRUE(e.empty()) << e;
+  // cuDNN ran every block (forward and backward, each step of each rank) where it applies.
+  const bool cudnn_runs = z.cudnn && flash_attention_cudnn_available() && !z.docs && z.dropout == 0.f &&
+                          z.dtype != DType::kF32;
+  EXPECT_EQ(cuda::cudnn_attention_executions() - cudnn_before, cudnn_runs ? 2 * z.cp * z.cp : 0);
   const double tol = z.dtype == DType::kF32 ? 1e-5 : 2e-2;
   for (int r = 0; r < z.cp; ++r) {
     auto local = [&](const std::vector<float>& full, int64_t w) {
@@ -256,15 +267,19 @@ TEST_P(CpRingOnOneGpu, ShardsEqualOneRank) {
 
 std::string case_name(const ::testing::TestParamInfo<Case>& i) {
   const Case& z = i.param;
-  return fmt::format("cp{}_p2p_{}{}{}", z.cp, z.dtype == DType::kF32 ? "fp32" : "bf16", z.docs ? "_docs" : "",
-                     z.dropout > 0.f ? "_dropout" : "");
+  return fmt::format("cp{}_p2p_{}{}{}{}", z.cp, z.dtype == DType::kF32 ? "fp32" : "bf16", z.docs ? "_docs" : "",
+                     z.dropout > 0.f ? "_dropout" : "", z.cudnn ? "_cudnn" : "");
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, CpRingOnOneGpu,
                          ::testing::Values(Case{2, DType::kF32, false}, Case{4, DType::kF32, true},
                                            Case{2, DType::kBF16, true}, Case{4, DType::kBF16, false},
                                            Case{2, DType::kF32, true, 0.2f}, Case{4, DType::kBF16, true, 0.1f},
-                                           Case{2, DType::kBF16, false, 0.1f}),
+                                           Case{2, DType::kBF16, false, 0.1f},
+                                           // cuDNN blocks (and, with documents, the fallback)
+                                           Case{2, DType::kBF16, false, 0.f, true},
+                                           Case{4, DType::kBF16, false, 0.f, true},
+                                           Case{2, DType::kBF16, true, 0.f, true}),
                          case_name);
 
 }  // namespace

@@ -36,6 +36,7 @@
 #include "parallel/process_groups.h"
 #include "testing/testing.h"
 #include "train/pipeline.h"
+#include "train/step_runner.h"
 #include "train/train_step.h"
 #include "train/training_setup.h"
 
@@ -75,6 +76,9 @@ struct Layout {
   bool sp = false, zero = false, overlap = false;
   bool tp_overlap = false;  // --tp-comm-overlap
   bool llama = false;
+  bool p2p_overlap = false;    // --overlap-p2p-communication
+  bool graph = false;          // the full-iteration CUDA graph (optimizer included), captured after one step
+  bool deterministic = false;  // --deterministic-mode (no float atomics: two runs can agree bit for bit)
   std::string name() const {
     std::string s = fmt::format("{}tp{}_pp{}", llama ? "llama_" : "", tp, pp);
     if (vpp > 1) s += fmt::format("_vpp{}", vpp);
@@ -82,6 +86,8 @@ struct Layout {
     if (zero) s += "_distopt";
     if (overlap) s += "_overlap";
     if (tp_overlap) s += "_tpoverlap";
+    if (p2p_overlap) s += "_p2poverlap";
+    if (graph) s += "_graph";
     return s;
   }
 };
@@ -94,9 +100,10 @@ struct RunResult {
 
 RunResult train(const std::shared_ptr<Communicator>& world, const Layout& L, DType dtype, Device dev,
                 const std::vector<int32_t>& tokens, const std::vector<int32_t>& labels, int64_t mb,
-                int64_t num_micro_total) {
+                int64_t num_micro_total, int iters = kIters) {
   TransformerConfig c = config(L.llama);
   c.tp_comm_overlap = L.tp_overlap;
+  c.deterministic_mode = L.deterministic;
   const int64_t S = c.seq_length;
   ModelSetupOptions o;
   o.model = c;
@@ -106,6 +113,7 @@ RunResult train(const std::shared_ptr<Communicator>& world, const Layout& L, DTy
   const int dp = world->size() / (L.tp * L.pp);
   const int M = static_cast<int>(num_micro_total / dp);
   o.num_microbatches = M;
+  o.overlap_p2p_comm = L.p2p_overlap;
   o.micro_batch_size = mb;
   o.sequence_parallel = L.sp;
   o.dtype = dtype;
@@ -135,9 +143,21 @@ RunResult train(const std::shared_ptr<Communicator>& world, const Layout& L, DTy
   }
   OwnedTensor loss(DType::kF32, dev, {1});
   RunResult r;
-  for (int it = 0; it < kIters; ++it) {
+  CudaGraphOptions graphs;  // --cuda-graph-impl local --cuda-graph-scope full_iteration
+  graphs.impl = "local";
+  graphs.scope = {"full_iteration"};
+  graphs.warmup_steps = 1;
+  graphs.include_optimizer = true;
+  std::unique_ptr<StepRunner> runner;
+  if (L.graph) runner = std::make_unique<StepRunner>(setup, graphs, 99, nullptr, st);
+  for (int it = 0; it < iters; ++it) {
     fill(loss, 0.f, st);
-    train_step(model, setup.executor(), setup.train_plan(), setup.optimizer(), mbs, {99, it, 1e-3f, d, dp}, loss, st);
+    if (runner) {
+      runner->step(it, 1e-3f, mbs, loss, nullptr);
+    } else {
+      train_step(model, setup.executor(), setup.train_plan(), setup.optimizer(), mbs, {99, it, 1e-3f, d, dp}, loss,
+                 st);
+    }
     g.dp->all_reduce(loss, ReduceOp::kSum, st);
     g.pp->all_reduce(loss, ReduceOp::kSum, st);  // the loss lives on the last stage
     r.losses.push_back(testing::to_host(loss, st)[0]);
@@ -187,6 +207,14 @@ const GpuWorld& gpu_world() {
   return w;
 }
 
+// Random tokens and labels of `n` positions, the same on every rank (rank 0's, broadcast).
+std::pair<std::vector<int32_t>, std::vector<int32_t>> shared_random_batch(int64_t n) {
+  std::vector<int32_t> tokens = testing::randint(n, 0, 250), labels = testing::randint(n, 0, 250);
+  MPI_Bcast(tokens.data(), static_cast<int>(tokens.size()), MPI_INT32_T, 0, MPI_COMM_WORLD);
+  MPI_Bcast(labels.data(), static_cast<int>(labels.size()), MPI_INT32_T, 0, MPI_COMM_WORLD);
+  return {tokens, labels};
+}
+
 TEST(ParallelLayoutsNccl, Bf16LayoutsMatchOneGpu) {
   MT_REQUIRE_CUDA();
   if (!gpu_world().comm) GTEST_SKIP() << gpu_world().skip;
@@ -194,10 +222,7 @@ TEST(ParallelLayoutsNccl, Bf16LayoutsMatchOneGpu) {
   const std::shared_ptr<Communicator>& world = gpu_world().comm;
   const TransformerConfig c = config();
   const int64_t mb = 2, num_micro = 8;
-  std::vector<int32_t> tokens = testing::randint(num_micro * mb * c.seq_length, 0, 250);
-  std::vector<int32_t> labels = testing::randint(num_micro * mb * c.seq_length, 0, 250);
-  MPI_Bcast(tokens.data(), static_cast<int>(tokens.size()), MPI_INT32_T, 0, MPI_COMM_WORLD);
-  MPI_Bcast(labels.data(), static_cast<int>(labels.size()), MPI_INT32_T, 0, MPI_COMM_WORLD);
+  const auto [tokens, labels] = shared_random_batch(num_micro * mb * c.seq_length);
   const auto one = std::make_shared<SingleRankCommunicator>("one");
   const RunResult ref = train(one, Layout{}, DType::kBF16, dev, tokens, labels, mb, num_micro);
   const RunResult ref32 = train(one, Layout{}, DType::kF32, dev, tokens, labels, mb, num_micro);
@@ -250,6 +275,35 @@ TEST(ParallelLayoutsNccl, Bf16LayoutsMatchOneGpu) {
   }
 }
 
+// The losses, this rank's gradients (not with the distributed optimizer: reduced in the owned
+// ranges only) and parameters of two runs, bit for bit; returns the number of differing elements.
+size_t expect_bitwise(const RunResult& over, const RunResult& plain, const Layout& L, int rank) {
+  const std::string name = L.name();
+  for (size_t it = 0; it < plain.losses.size(); ++it)
+    EXPECT_EQ(over.losses.at(it), plain.losses[it]) << name << " loss " << it;
+  EXPECT_EQ(over.infos.size(), plain.infos.size());
+  size_t differing = 0;
+  for (size_t i = 0; i < std::min(over.infos.size(), plain.infos.size()); ++i) {
+    for (const auto& [what, a, b] : {std::tuple{"grad", &over.grads[i], &plain.grads[i]},
+                                     std::tuple{"param", &over.params[i], &plain.params[i]}}) {
+      if (L.zero && std::string(what) == "grad") continue;  // reduced in the owned ranges only
+      EXPECT_EQ(a->size(), b->size());
+      size_t diff = 0;
+      double max_rel = 0;
+      for (size_t e = 0; e < std::min(a->size(), b->size()); ++e) {
+        if (std::memcmp(&(*a)[e], &(*b)[e], sizeof(float)) == 0) continue;
+        ++diff;
+        const double d = std::abs(static_cast<double>((*a)[e]) - (*b)[e]);
+        max_rel = std::max(max_rel, d / std::max(std::abs(static_cast<double>((*b)[e])), 1e-30));
+      }
+      differing += diff;
+      EXPECT_EQ(diff, 0u) << name << " rank " << rank << " " << what << " " << over.infos[i].name << ": " << diff
+                          << " of " << a->size() << " elements differ (max rel " << max_rel << ")";
+    }
+  }
+  return differing;
+}
+
 // --tp-comm-overlap changes no bit at TP 2 + SP (docs/parallelism.md "Tensor-parallel communication
 // overlap"): both paths run the same block GEMMs, the gathered blocks are copies and two partial
 // sums add up the same in either order. Losses, this rank's gradients and parameters after two
@@ -261,10 +315,7 @@ TEST(ParallelLayoutsNccl, TpCommOverlapBitwise) {
   const Device dev = gpu_world().dev;
   const std::shared_ptr<Communicator>& world = gpu_world().comm;
   const int64_t mb = 2, num_micro = 8, S = config().seq_length;
-  std::vector<int32_t> tokens = testing::randint(num_micro * mb * S, 0, 250);
-  std::vector<int32_t> labels = testing::randint(num_micro * mb * S, 0, 250);
-  MPI_Bcast(tokens.data(), static_cast<int>(tokens.size()), MPI_INT32_T, 0, MPI_COMM_WORLD);
-  MPI_Bcast(labels.data(), static_cast<int>(labels.size()), MPI_INT32_T, 0, MPI_COMM_WORLD);
+  const auto [tokens, labels] = shared_random_batch(num_micro * mb * S);
   for (const bool llama : {false, true}) {
     Layout L;
     L.tp = 2;
@@ -276,29 +327,64 @@ TEST(ParallelLayoutsNccl, TpCommOverlapBitwise) {
     L.tp_overlap = false;
     const RunResult plain = train(world, L, DType::kBF16, dev, tokens, labels, mb, num_micro);
     const std::string name = L.name();
-    for (int it = 0; it < kIters; ++it) EXPECT_EQ(over.losses[it], plain.losses[it]) << name << " loss " << it;
-    ASSERT_EQ(over.infos.size(), plain.infos.size());
-    size_t differing = 0;
-    for (size_t i = 0; i < over.infos.size(); ++i) {
-      for (const auto& [what, a, b] : {std::tuple{"grad", &over.grads[i], &plain.grads[i]},
-                                       std::tuple{"param", &over.params[i], &plain.params[i]}}) {
-        if (L.zero && std::string(what) == "grad") continue;  // reduced in the owned ranges only
-        ASSERT_EQ(a->size(), b->size());
-        size_t diff = 0;
-        double max_rel = 0;
-        for (size_t e = 0; e < a->size(); ++e) {
-          if (std::memcmp(&(*a)[e], &(*b)[e], sizeof(float)) == 0) continue;
-          ++diff;
-          const double d = std::abs(static_cast<double>((*a)[e]) - (*b)[e]);
-          max_rel = std::max(max_rel, d / std::max(std::abs(static_cast<double>((*b)[e])), 1e-30));
-        }
-        differing += diff;
-        EXPECT_EQ(diff, 0u) << name << " rank " << world->rank() << " " << what << " " << over.infos[i].name << ": "
-                            << diff << " of " << a->size() << " elements differ (max rel " << max_rel << ")";
-      }
-    }
+    const size_t differing = expect_bitwise(over, plain, L, world->rank());
     std::printf("[%s] rank %d: %zu elements differ from the run without --tp-comm-overlap, loss %.8f vs %.8f\n",
                 name.c_str(), world->rank(), differing, over.losses.back(), plain.losses.back());
+  }
+}
+
+// --overlap-p2p-communication changes no bit (docs/parallelism.md "Overlapped p2p"): the same
+// tensors cross the same links; only the stream that carries them and the waits differ. A race
+// (a receive landing under a running compute, a compute overwriting a tensor still being sent)
+// would change bits. Under --deterministic-mode (no float atomics, so that two runs can agree bit
+// for bit), losses, gradients and parameters after two iterations equal those of the run without
+// the flag: on 2 GPUs PP 2 (1F1B) and PP 2 × VPP 2 with 8 micro-batches, GPT and Llama styles;
+// on 4 GPUs also PP 4 × VPP 2 and TP 2 + SP × PP 2 (Llama). The overlapped step is also run as a
+// full-iteration CUDA graph with the optimizer (captured after one eager step, replayed: three
+// iterations), equal to the eager run without the flag.
+TEST(ParallelLayoutsNccl, PipelineP2pOverlapBitwise) {
+  MT_REQUIRE_CUDA();
+  if (!gpu_world().comm) GTEST_SKIP() << gpu_world().skip;
+  const Device dev = gpu_world().dev;
+  const std::shared_ptr<Communicator>& world = gpu_world().comm;
+  const int64_t mb = 2, num_micro = 8, S = config().seq_length;
+  const auto [tokens, labels] = shared_random_batch(num_micro * mb * S);
+  std::vector<Layout> layouts;
+  for (const bool llama : {false, true})
+    for (const int vpp : {0, 2}) {
+      Layout L;
+      L.pp = 2;
+      L.vpp = vpp;
+      L.llama = llama;
+      layouts.push_back(L);  // DP 2 on 4 GPUs
+    }
+  if (world->size() == 4) {
+    Layout L;
+    L.pp = 4;
+    L.vpp = 2;
+    layouts.push_back(L);
+    L = Layout{};
+    L.tp = 2;
+    L.sp = true;
+    L.pp = 2;
+    L.llama = true;
+    layouts.push_back(L);
+  }
+  for (Layout L : layouts) {
+    L.deterministic = true;
+    for (const bool graph : {false, true}) {
+      const int iters = graph ? 3 : kIters;
+      L.p2p_overlap = false;
+      L.graph = false;
+      const RunResult plain = train(world, L, DType::kBF16, dev, tokens, labels, mb, num_micro, iters);
+      L.p2p_overlap = true;
+      L.graph = graph;
+      const RunResult over = train(world, L, DType::kBF16, dev, tokens, labels, mb, num_micro, iters);
+      const size_t differing = expect_bitwise(over, plain, L, world->rank());
+      std::printf("[%s] rank %d: %zu elements differ from the eager run without --overlap-p2p-communication, loss "
+                  "%.8f vs %.8f\n",
+                  L.name().c_str(), world->rank(), differing, over.losses.back(), plain.losses.back());
+    }
   }
 }
 

@@ -149,6 +149,7 @@ struct Layout {
   int recompute_layers = 0;
   int64_t head_chunk = 0;  // rows per chunk of the LM head's logits (0: the default, all 16 rows)
   bool tp_overlap = false;  // --tp-comm-overlap (with sp)
+  bool overlap_p2p = false;  // --overlap-p2p-communication (pipeline transfers on their own stream)
   // Reference only: each micro-batch is the union (along b) of `merge` consecutive sample groups,
   // i.e. of the DP ranks' micro-batches of one step (global_aux_loss: the global micro-batch).
   int merge = 1;
@@ -182,6 +183,7 @@ struct Layout {
     if (slot_keys) s += "_slotkeys";
     if (head_chunk > 0) s += fmt::format("_headchunk{}", head_chunk);
     if (tp_overlap) s += "_tpoverlap";
+    if (overlap_p2p) s += "_p2poverlap";
     if (preprocess) s += "_moe_preprocess";
     if (recompute == 's') s += "_rc_selective";
     if (recompute == 'm') s += "_rc_norm_act";
@@ -264,6 +266,7 @@ Result run_layout(const Layout& L, const std::vector<int32_t>& tokens, const std
     o.pipeline.last_stage_layers = L.last;
     o.num_microbatches = M;
     o.microbatch_group_size = L.group_size;
+    o.overlap_p2p_comm = L.overlap_p2p;
     o.micro_batch_size = B;
     o.sequence_parallel = L.sp;
     // With overlap: buckets of ~2 layers, reductions started by the model's grads_ready reports
@@ -285,6 +288,7 @@ Result run_layout(const Layout& L, const std::vector<int32_t>& tokens, const std
     const PipelinePlan& plan = setup.train_plan();
     GPTModel& model = setup.model();
     PipelineExecutor& executor = setup.executor();
+    EXPECT_EQ(executor.overlaps_p2p(), L.overlap_p2p && L.pp > 1);
     if (L.slot_keys || L.preprocess) executor.use_slot_keys();
     LayerGraphs graphs(false, false, false, /*moe_router=*/true, /*moe_preprocess=*/true);
     if (L.preprocess) {
@@ -539,6 +543,17 @@ std::vector<Layout> layouts() {
   o.micro_total = 8;
   o.overlap = true;
   v.push_back(o);
+  // --overlap-p2p-communication: interleaved PP 4, and TP 2 + SP x PP 2 x DP 2 with VPP, the
+  // distributed optimizer and overlapped reduction.
+  Layout q;
+  q.pp = 4;
+  q.vpp = 2;
+  q.micro_total = 8;
+  q.overlap_p2p = true;
+  v.push_back(q);
+  t.vpp = 2;
+  t.zero = t.overlap = t.overlap_p2p = true;
+  v.push_back(t);
   // Vocabulary padding that differs with the TP size (issue 21).
   for (const auto& [tp, sp, pp] : {std::tuple{2, false, 1}, std::tuple{4, true, 1}, std::tuple{2, true, 2}}) {
     Layout p;
@@ -825,49 +840,68 @@ INSTANTIATE_TEST_SUITE_P(Layouts, ParallelLayouts, ::testing::ValuesIn(layouts()
 // the experts' dispatch is not a TP region).
 class TpCommOverlapLayouts : public ::testing::TestWithParam<Layout> {};
 
-TEST_P(TpCommOverlapLayouts, BitwiseEqualWithout) {
-  Layout L = GetParam();
-  const int64_t mb = 2;
+// Losses, gradients and parameters of two runs equal bit for bit.
+void expect_bitwise_equal(const Result& a, const Result& b) {
+  auto bits_equal = [](const std::vector<float>& x, const std::vector<float>& y, const std::string& what) {
+    ASSERT_EQ(x.size(), y.size()) << what;
+    size_t diff = 0, first = x.size();
+    for (size_t i = 0; i < x.size(); ++i)
+      if (std::memcmp(&x[i], &y[i], sizeof(float)) != 0 && diff++ == 0) first = i;
+    EXPECT_EQ(diff, 0u) << what << ": " << diff << " of " << x.size() << " elements differ, the first at " << first
+                        << " (" << (first < x.size() ? x[first] : 0.f) << " vs " << (first < x.size() ? y[first] : 0.f)
+                        << ")";
+  };
+  for (int it = 0; it < kIters; ++it) EXPECT_EQ(a.losses[it], b.losses[it]) << "loss " << it;
+  ASSERT_EQ(a.grads.size(), b.grads.size());
+  for (const auto& [name, g] : b.grads) {
+    ASSERT_TRUE(a.grads.count(name)) << name;
+    bits_equal(a.grads.at(name), g, "grad " + name);
+    bits_equal(a.params.at(name), b.params.at(name), "param " + name);
+  }
+}
+
+// Random tokens and labels of a layout, a function of its name (as in MatchesSingleRank).
+std::pair<std::vector<int32_t>, std::vector<int32_t>> layout_data(const Layout& L, int64_t mb) {
   std::mt19937_64 rng(std::hash<std::string>{}(L.name()));
   std::uniform_int_distribution<int32_t> draw(0, 60);
   std::vector<int32_t> tokens(static_cast<size_t>(L.micro_total * mb * config(L.arch).seq_length)),
       labels(tokens.size());
   for (auto& t : tokens) t = draw(rng);
   for (auto& t : labels) t = draw(rng);
-  const Result overlapped = run_layout(L, tokens, labels, mb);
-  L.tp_overlap = false;
-  const Result plain = run_layout(L, tokens, labels, mb);
-  auto bits_equal = [](const std::vector<float>& a, const std::vector<float>& b, const std::string& what) {
-    ASSERT_EQ(a.size(), b.size()) << what;
-    size_t diff = 0, first = a.size();
-    for (size_t i = 0; i < a.size(); ++i)
-      if (std::memcmp(&a[i], &b[i], sizeof(float)) != 0 && diff++ == 0) first = i;
-    EXPECT_EQ(diff, 0u) << what << ": " << diff << " of " << a.size() << " elements differ, the first at " << first
-                        << " (" << (first < a.size() ? a[first] : 0.f) << " vs " << (first < a.size() ? b[first] : 0.f)
-                        << ")";
-  };
-  for (int it = 0; it < kIters; ++it) EXPECT_EQ(overlapped.losses[it], plain.losses[it]) << "loss " << it;
-  ASSERT_EQ(overlapped.grads.size(), plain.grads.size());
-  for (const auto& [name, g] : plain.grads) {
-    ASSERT_TRUE(overlapped.grads.count(name)) << name;
-    bits_equal(overlapped.grads.at(name), g, "grad " + name);
-    bits_equal(overlapped.params.at(name), plain.params.at(name), "param " + name);
-  }
+  return {tokens, labels};
+}
+
+// Layout L (with `flag` set) and L without it train to the same losses, gradients and parameters,
+// bit for bit.
+void expect_flag_changes_no_bit(Layout L, bool Layout::*flag) {
+  const int64_t mb = 2;
+  const auto [tokens, labels] = layout_data(L, mb);
+  const Result with = run_layout(L, tokens, labels, mb);
+  L.*flag = false;
+  const Result without = run_layout(L, tokens, labels, mb);
+  expect_bitwise_equal(with, without);
+}
+
+TEST_P(TpCommOverlapLayouts, BitwiseEqualWithout) { expect_flag_changes_no_bit(GetParam(), &Layout::tp_overlap); }
+
+// A layout of `arch` on a TP x PP x DP grid (interleaved when vpp > 1; sequence parallel when tp > 1).
+Layout grid_layout(Arch arch, int tp, int pp, int dp, int vpp, int micro_total) {
+  Layout L;
+  L.arch = arch;
+  L.tp = tp;
+  L.pp = pp;
+  L.dp = dp;
+  L.vpp = vpp;
+  L.sp = tp > 1;
+  L.micro_total = micro_total;
+  return L;
 }
 
 std::vector<Layout> tp_overlap_layouts() {
   std::vector<Layout> v;
   auto add = [&v](Arch arch, int tp, int pp, int dp, int vpp) {
-    Layout L;
-    L.arch = arch;
-    L.tp = tp;
-    L.pp = pp;
-    L.dp = dp;
-    L.vpp = vpp;
-    L.sp = true;
-    L.tp_overlap = true;
-    L.micro_total = 2 * pp * dp;
-    v.push_back(L);
+    v.push_back(grid_layout(arch, tp, pp, dp, vpp, 2 * pp * dp));
+    v.back().tp_overlap = true;
   };
   for (Arch arch : {Arch::kGpt, Arch::kLlama, Arch::kQwen})
     for (int tp : {2, 4}) add(arch, tp, 1, 1, 0);
@@ -892,6 +926,42 @@ std::vector<Layout> tp_overlap_layouts() {
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, TpCommOverlapLayouts, ::testing::ValuesIn(tp_overlap_layouts()),
+                         [](const auto& info) { return info.param.name(); });
+
+// --overlap-p2p-communication changes no bit (docs/parallelism.md "Overlapped p2p"): the same
+// transfers of the same tensors, only issued on the executor's communication stream and waited for
+// where their data is used. 1F1B at PP 2 and 4, interleaved (VPP 2) at PP 2 and 4 and with a
+// micro-batch group size other than pp, uneven first / last stages, TP 2 + SP x PP 2 x DP 2 with
+// the distributed optimizer and overlapped reduction and parameter gather (Llama style), full
+// recompute. (The layouts without the flag equal one rank in ParallelLayouts; two of the
+// overlapped ones are there too.)
+class P2pOverlapLayouts : public ::testing::TestWithParam<Layout> {};
+
+TEST_P(P2pOverlapLayouts, BitwiseEqualWithout) { expect_flag_changes_no_bit(GetParam(), &Layout::overlap_p2p); }
+
+std::vector<Layout> p2p_overlap_layouts() {
+  std::vector<Layout> v;
+  auto add = [&v](Arch arch, int tp, int pp, int dp, int vpp, int micro_total) {
+    v.push_back(grid_layout(arch, tp, pp, dp, vpp, micro_total));
+    v.back().overlap_p2p = true;
+  };
+  add(Arch::kGpt, 1, 2, 1, 0, 4);
+  add(Arch::kGpt, 1, 4, 1, 0, 8);
+  add(Arch::kGpt, 1, 2, 1, 2, 4);
+  add(Arch::kGpt, 1, 4, 1, 2, 8);
+  add(Arch::kGpt, 1, 2, 1, 2, 6);
+  v.back().group_size = 3;
+  add(Arch::kGpt, 1, 4, 1, 0, 4);  // uneven stages 1 + 3 + 3 + 1
+  v.back().first = v.back().last = 1;
+  add(Arch::kLlama, 2, 2, 2, 2, 8);
+  v.back().zero = v.back().overlap = true;
+  add(Arch::kGpt, 1, 2, 1, 0, 4);
+  v.back().recompute = 'u';
+  v.back().recompute_layers = 2;
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, P2pOverlapLayouts, ::testing::ValuesIn(p2p_overlap_layouts()),
                          [](const auto& info) { return info.param.name(); });
 
 std::vector<pipeline::LayerRange> chunks_of(int pp_rank, int pp, int vpp, int64_t layers) {

@@ -7,6 +7,7 @@
 // carries the same tensor (direction, micro-batch, producing stage). It detects deadlock,
 // use of data not yet received, duplicate or missing compute, wrong peers, and measures the
 // activation memory and the makespan against the theoretical bubble.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -21,6 +22,7 @@
 #include "testing/testing.h"
 #include "core/check.h"
 #include "parallel/pipeline/schedules.h"
+#include "train/pipeline.h"
 
 namespace mt::pipeline {
 namespace {
@@ -131,7 +133,11 @@ TEST(Schedules, OneFOneBActionListPp2) {
 // ---------------------------------------------------------------------------------------------
 // Discrete-event simulator
 
-enum class Mode { kBatched, kChannels };
+// kOverlapped: the executor's --overlap-p2p-communication (schedules.h mode (b)): batches posted
+// in list order on one communication queue per rank, each behind the computes listed before it
+// and behind the previous batch; a compute waits for the batch its plan names
+// (PipelinePlan::wait_batch, train/pipeline.h), which must cover the data it reads.
+enum class Mode { kBatched, kChannels, kOverlapped };
 
 struct Sim {
   struct PostedOp {
@@ -160,10 +166,33 @@ struct Sim {
   std::vector<std::vector<int>> input_op, grad_op;  // posted receive op ids, -1 = none
   std::vector<int> live, max_live;
   std::vector<std::string> errors;
+  double tc = 0;  // transfer time of one tensor (a matched pair completes tc after both are posted)
+  // Overlapped mode: per rank its plan (wait_batch), the batches the host has passed but not yet
+  // posted (action indices, time of the computes before them), and the posted ops per batch id.
+  struct Queued {
+    std::vector<size_t> acts;
+    double gate;
+  };
+  std::vector<PipelinePlan> plans;
+  std::vector<std::deque<Queued>> queued;
+  std::vector<std::vector<std::vector<int>>> batch_posted;
 
-  Sim(const PipelineSchedule& sched, Mode mode_, double tf_ = 1, double tb_ = 2, uint64_t seed = 1)
+  Sim(const PipelineSchedule& sched, Mode mode_, double tf_ = 1, double tb_ = 2, uint64_t seed = 1, double tc_ = 0)
       : s(sched), mode(mode_), P(sched.config.pp), V(sched.config.num_chunks()), S(P * V),
-        m(sched.config.num_microbatches), tf(tf_), tb(tb_), rng(seed) {
+        m(sched.config.num_microbatches), tf(tf_), tb(tb_), rng(seed), tc(tc_) {
+    if (mode == Mode::kOverlapped) {
+      PipelineLayout layout;  // one layer per virtual stage: the chunks' embedding / loss flags
+      layout.num_layers = S;
+      layout.pp = P;
+      layout.vpp = sched.config.vpp;
+      queued.resize(P);
+      batch_posted.resize(P);
+      for (int r = 0; r < P; ++r) {
+        plans.push_back(plan_pipeline(sched.config, r, layers_of(r, layout)));
+        EXPECT_EQ(plans[r].actions, sched.ranks[r].actions);
+        batch_posted[r].assign(plans[r].num_batches, {});
+      }
+    }
     pc.assign(P, 0);
     clock.assign(P, 0);
     batch_ops.assign(P, {});
@@ -208,13 +237,13 @@ struct Sim {
           errors.push_back("mismatched pair " + std::to_string(std::get<0>(key)) + "->" +
                            std::to_string(std::get<1>(key)) + ": " + to_string(snd.a) + " vs " + to_string(rcv.a));
         snd.matched = rcv.matched = true;
-        snd.done_time = rcv.done_time = std::max(snd.post_time, rcv.post_time);
+        snd.done_time = rcv.done_time = std::max(snd.post_time, rcv.post_time) + tc;
       }
     }
   }
 
   // Posts one p2p action of rank r (checks peers and that a send has something to send).
-  int post(int r, const Action& o) {
+  int post(int r, const Action& o, double time = -1) {
     const int st = stage(r, o.chunk);
     const bool to_next = o.kind == ActionKind::kSendForward || o.kind == ActionKind::kRecvBackward;
     const int want_peer = to_next ? (r + 1) % P : (r + P - 1) % P;
@@ -240,7 +269,7 @@ struct Sim {
       if (st == S - 1 || grad_op[r][k(o)] >= 0) err(r, to_string(o) + ": bad receive");
       grad_op[r][k(o)] = id;
     }
-    ops.push_back({r, o, clock[r]});
+    ops.push_back({r, o, time < 0 ? clock[r] : time});
     const int dir = mode == Mode::kChannels ? (is_fwd_dir(o.kind) ? 1 : 2) : 0;
     if (is_send(o.kind))
       sends[{r, o.peer, dir}].push_back(id);
@@ -270,10 +299,38 @@ struct Sim {
     return op.done_time;
   }
 
+  // Overlapped mode: completion time of rank r's batch b, -1 while not posted or not matched.
+  double batch_time(int r, int b) const {
+    const auto& ids = batch_posted[r][static_cast<size_t>(b)];
+    if (ids.empty()) return -1;
+    double t = 0;
+    for (int id : ids) {
+      if (!ops[id].matched) return -1;
+      t = std::max(t, ops[id].done_time);
+    }
+    return t;
+  }
+  // Overlapped mode: posts rank r's queued batches while the previous one has completed.
+  bool post_queued(int r) {
+    bool moved = false;
+    while (!queued[r].empty() && errors.empty()) {
+      int b = 0;
+      while (b < static_cast<int>(batch_posted[r].size()) && !batch_posted[r][b].empty()) ++b;
+      const double prev = b == 0 ? 0.0 : batch_time(r, b - 1);
+      if (prev < 0) break;
+      const Queued q = queued[r].front();
+      queued[r].pop_front();
+      for (size_t j : q.acts) batch_posted[r][b].push_back(post(r, s.ranks[r].actions[j], std::max(q.gate, prev)));
+      match();
+      moved = true;
+    }
+    return moved;
+  }
+
   // Runs rank r as far as it can; returns whether it moved.
   bool step(int r) {
     const auto& acts = s.ranks[r].actions;
-    bool moved = false;
+    bool moved = mode == Mode::kOverlapped && post_queued(r);
     while (pc[r] < acts.size() && errors.empty()) {
       if (!batch_ops[r].empty()) {  // batched mode: an open batch is done when every op met its peer
         double t = clock[r];
@@ -290,7 +347,14 @@ struct Sim {
       const Action& a = acts[pc[r]];
       if (is_p2p(a.kind)) {
         if (a.batch != next_batch[r]) err(r, "batch id " + std::to_string(a.batch) + " out of sequence");
-        if (mode == Mode::kChannels) {
+        if (mode == Mode::kOverlapped) {  // the host passes the batch; it is posted when its turn comes
+          ++next_batch[r];
+          Queued q{{}, clock[r]};
+          for (; pc[r] < acts.size() && is_p2p(acts[pc[r]].kind) && acts[pc[r]].batch == a.batch; ++pc[r])
+            q.acts.push_back(pc[r]);
+          queued[r].push_back(q);
+          post_queued(r);
+        } else if (mode == Mode::kChannels) {
           if (pc[r] + 1 == acts.size() || !is_p2p(acts[pc[r] + 1].kind) || acts[pc[r] + 1].batch != a.batch)
             ++next_batch[r];
           if (!is_send(a.kind)) post(r, a);  // sends were posted right after their compute
@@ -307,11 +371,24 @@ struct Sim {
       }
       // Compute and sync points.
       const int st = stage(r, a.chunk);
+      double waited = 0;  // overlapped mode: when the batch the plan waits for completed
+      if (mode == Mode::kOverlapped && plans[r].wait_batch[pc[r]] >= 0) {
+        waited = batch_time(r, plans[r].wait_batch[pc[r]]);
+        if (waited < 0) return moved;
+      }
+      // In overlapped mode the data must be there once the plan's wait is done.
+      auto not_covered = [&](int id) {
+        if (mode == Mode::kOverlapped && ready_time(id) < 0) {
+          err(r, to_string(a) + ": its wait_batch does not cover the data it reads");
+          return true;
+        }
+        return false;
+      };
       if (a.kind == ActionKind::kForward) {
         if (fwd[r][k(a)]) err(r, "forward twice");
-        double start = clock[r];
+        double start = std::max(clock[r], waited);
         if (st > 0) {
-          if (input_op[r][k(a)] < 0) {
+          if (input_op[r][k(a)] < 0 || not_covered(input_op[r][k(a)])) {
             err(r, to_string(a) + " before its input was received");
             return moved;
           }
@@ -325,9 +402,9 @@ struct Sim {
         if (mode == Mode::kChannels) post_send_of(r, ActionKind::kSendForward, a);
       } else if (a.kind == ActionKind::kBackward) {
         if (!fwd[r][k(a)] || bwd[r][k(a)]) err(r, to_string(a) + " without forward or twice");
-        double start = clock[r];
+        double start = std::max(clock[r], waited);
         if (st < S - 1) {
-          if (grad_op[r][k(a)] < 0) {
+          if (grad_op[r][k(a)] < 0 || not_covered(grad_op[r][k(a)])) {
             err(r, to_string(a) + " before its output gradient was received");
             return moved;
           }
@@ -363,9 +440,14 @@ struct Sim {
     }
     if (!errors.empty()) return errors.front();
     std::string stuck;
-    for (int r = 0; r < P; ++r)
+    for (int r = 0; r < P; ++r) {
       if (pc[r] < s.ranks[r].actions.size())
         stuck += " rank " + std::to_string(r) + " stuck at " + to_string(s.ranks[r].actions[pc[r]]) + ";";
+      if (mode != Mode::kOverlapped) continue;
+      if (!queued[r].empty()) stuck += " rank " + std::to_string(r) + " has batches never posted;";
+      // The run ends with the compute stream waiting for the last batch.
+      for (int b = 0; b < static_cast<int>(batch_posted[r].size()); ++b) clock[r] = std::max(clock[r], batch_time(r, b));
+    }
     if (!stuck.empty()) return "deadlock:" + stuck;
     for (auto& [key, q] : sends)
       if (!q.empty()) return "unmatched send";
@@ -490,6 +572,17 @@ void check_schedule(const ScheduleConfig& c, uint64_t seed) {
   Sim other_ch(s, Mode::kChannels, 1.0, 1.0 + (c.backward_cost % 3), seed + 3);
   ASSERT_EQ(other_ch.run(), "") << "channel mode, other durations";
   EXPECT_NEAR(other_ch.makespan(), dependency_makespan(c, 1.0, 1.0 + (c.backward_cost % 3)), 1e-9);
+  // Overlapped batches (--overlap-p2p-communication) with the executor's plans: every ordering
+  // edge is one of the batched execution's, so they run wherever batched execution does (any
+  // durations), never take longer, and the plans' waits cover every received tensor (checked in
+  // the simulation).
+  Sim over(s, Mode::kOverlapped, tf, tb, seed + 4);
+  ASSERT_EQ(over.run(), "") << "overlapped mode";
+  EXPECT_LE(over.makespan(), sim.makespan() + 1e-9);
+  EXPECT_GE(over.makespan(), bound - 1e-9);
+  Sim over_other(s, Mode::kOverlapped, 1.0, 1.0 + (c.backward_cost % 3), seed + 5);
+  ASSERT_EQ(over_other.run(), "") << "overlapped mode, other durations";
+  EXPECT_LE(over_other.makespan(), other.makespan() + 1e-9);
   for (int r = 0; r < c.pp; ++r) {
     // Activation memory: Megatron's bound min(warm-up + 1, m·V) (1F1B: min(pp − rank, m)),
     // attained exactly.
@@ -574,6 +667,105 @@ TEST(Schedules, MakespanMatchesTheoreticalBubble) {
       }
     }
   }
+}
+
+// With a transfer time per tensor, batched execution pays every batch's transfer on the compute
+// stream (a batch is a rendezvous the computes wait at); overlapped batches pay only the
+// transfers whose data the next compute reads, never more. The printed table is in
+// docs/parallelism.md ("Overlapped p2p").
+TEST(Schedules, OverlappedP2pHidesTransfers) {
+  for (auto [pp, vpp, m] : std::vector<std::tuple<int, int, int>>{
+           {2, 0, 8}, {2, 0, 32}, {4, 0, 16}, {2, 2, 8}, {4, 2, 16}, {8, 0, 32}, {8, 2, 32}}) {
+    const ScheduleConfig c = cfg(pp, vpp, m);
+    const PipelineSchedule s = build_schedule(c);
+    for (double tc : {0.01, 0.05}) {  // of a whole-model forward (tf = 1, tb = 2)
+      const double expected = m * 3.0 * (1.0 + bubble_fraction(pp, vpp, m));
+      Sim batched(s, Mode::kBatched, 1.0, 2.0, 1, tc), over(s, Mode::kOverlapped, 1.0, 2.0, 2, tc),
+          channels(s, Mode::kChannels, 1.0, 2.0, 3, tc);
+      ASSERT_EQ(batched.run(), "");
+      ASSERT_EQ(over.run(), "");
+      ASSERT_EQ(channels.run(), "");
+      std::printf("pp %d vpp %d m %2d transfer %.2f: no-transfer bound %.2f, batched %.2f (+%.1f%%), overlapped "
+                  "%.2f (+%.1f%%), channels %.2f (+%.1f%%)\n",
+                  pp, vpp, m, tc, expected, batched.makespan(), 100 * (batched.makespan() / expected - 1),
+                  over.makespan(), 100 * (over.makespan() / expected - 1), channels.makespan(),
+                  100 * (channels.makespan() / expected - 1));
+      EXPECT_LT(over.makespan(), batched.makespan()) << "pp " << pp << " vpp " << vpp << " m " << m << " tc " << tc;
+    }
+  }
+}
+
+// The executor's plans (train/pipeline.h) under --overlap-p2p-communication: transfers run on a
+// communication stream, in list order, each batch behind every compute listed before it; a compute
+// runs after the batches up to the largest wait_batch so far. So a transfer listed AFTER a compute
+// is ordered after it, and a transfer listed BEFORE a compute is ordered before it only if that
+// compute (or an earlier one) waited for its batch. Every buffer a compute uses (its input, slot,
+// head slot, gradient buffer; read or written) that an earlier transfer received into or sent from
+// must be covered, or a receive could land under a running compute or a compute overwrite a
+// tensor still being sent.
+TEST(Schedules, OverlappedPlanWaitsOrderEveryBufferReuse) {
+  int plans = 0;
+  for (int pp = 1; pp <= 5; ++pp)
+    for (int vpp : {0, 2, 3})
+      for (int m = 1; m <= 10; ++m)
+        for (const bool fo : {false, true}) {
+          ScheduleConfig c = cfg(pp, vpp, m, 0, fo);
+          c.overlap_p2p_comm = true;
+          try {
+            validate_schedule_config(c);
+          } catch (const Error&) {
+            continue;
+          }
+          PipelineLayout layout;
+          layout.num_layers = pp * c.num_chunks();
+          layout.pp = pp;
+          layout.vpp = vpp;
+          for (int r = 0; r < pp; ++r) {
+            const PipelinePlan p = plan_pipeline(c, r, layers_of(r, layout));
+            ++plans;
+            // Physical buffer -> batch of the last transfer that used it: (kind, chunk, index),
+            // kind 0 slot, 1 input (per chunk), 2 gradient buffer.
+            std::map<std::tuple<int, int, int>, int> last;
+            int waited = -1, batches = 0;
+            for (size_t i = 0; i < p.actions.size(); ++i) {
+              const Action& a = p.actions[i];
+              const ChunkBuffers& b = p.buffers[i];
+              const std::string where = fmt::format("pp {} vpp {} m {}{} rank {} action {} {}", pp, vpp, m,
+                                                    fo ? " forward-only" : "", r, i, to_string(a));
+              switch (a.kind) {
+                case ActionKind::kRecvForward: last[{1, a.chunk, b.input}] = a.batch; break;
+                case ActionKind::kSendForward:
+                  last[{0, 0, b.slot}] = a.batch;
+                  last[{1, a.chunk, b.input}] = a.batch;
+                  break;
+                case ActionKind::kRecvBackward:
+                case ActionKind::kSendBackward:
+                  ASSERT_GE(p.grad_buffer[i], 0) << where;
+                  last[{2, 0, p.grad_buffer[i]}] = a.batch;
+                  break;
+                case ActionKind::kForward:
+                case ActionKind::kBackward: {
+                  waited = std::max(waited, p.wait_batch[i]);
+                  std::vector<std::tuple<int, int, int>> used = {{0, 0, b.slot}, {1, a.chunk, b.input}};
+                  if (p.grad_buffer[i] >= 0) used.push_back({2, 0, p.grad_buffer[i]});
+                  for (const auto& key : used) {
+                    auto it = last.find(key);
+                    if (it != last.end())
+                      ASSERT_GE(waited, it->second) << where << ": buffer (" << std::get<0>(key) << ", "
+                                                    << std::get<1>(key) << ", " << std::get<2>(key)
+                                                    << ") was used by batch " << it->second;
+                  }
+                  break;
+                }
+                case ActionKind::kGradSync: EXPECT_EQ(p.wait_batch[i], -1); break;
+              }
+              if (is_p2p(a.kind)) batches = std::max(batches, a.batch + 1);
+            }
+            EXPECT_EQ(p.num_batches, batches);
+          }
+        }
+  std::printf("checked %d plans\n", plans);
+  EXPECT_GT(plans, 300);
 }
 
 TEST(Schedules, ActionListsDeterministicAndRankActions) {

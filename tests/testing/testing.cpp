@@ -186,6 +186,14 @@ std::vector<float> to_host(const Tensor& t, const Stream& stream) {
 
 void poison(const Tensor& t, const Stream& stream) {
   if (t.empty()) return;
+  const DType dt = t.dtype();
+  if (dt != DType::kF32 && dt != DType::kBF16 && dt != DType::kF16 && dt != DType::kF64) {
+    // byte buffers (workspaces), integers, FP8: every byte 0xFF (NaN in E4M3 and E5M2)
+    std::vector<uint8_t> ff(static_cast<size_t>(t.numel()) * dtype_size(t.dtype()), 0xFF);
+    copy_bytes(t.data(), t.device(), ff.data(), Device::cpu(), ff.size(), stream);
+    stream.synchronize();
+    return;
+  }
   std::vector<float> nan(t.numel(), std::nanf(""));
   upload(t, nan, stream);
 }

@@ -56,7 +56,8 @@ const Stream& cpu_stream();
 const Stream& cuda_stream();
 /// Overwrites host data into an existing tensor (rounding to its dtype).
 void upload(const Tensor& t, const std::vector<float>& host, const Stream& stream);
-/// Fills a float tensor with NaN (outputs are poisoned before each call under test).
+/// Fills a float tensor with NaN, any other with 0xFF bytes (outputs and workspaces are poisoned
+/// before each call under test).
 void poison(const Tensor& t, const Stream& stream);
 
 /// ||a - b|| / max(||b||, tiny), in double.

@@ -163,8 +163,9 @@ RowParallelLinear::Options proj_options(const TransformerConfig& c, int64_t laye
 
 std::unique_ptr<CoreAttention> make_core_attention(const TransformerConfig& c, const LayerSpec& spec, int64_t layer,
                                                    const TensorParallelRegion& tp) {
-  if (spec.context_parallel != nullptr)
-    return std::make_unique<ContextParallelAttention>(c, layer, tp, *spec.context_parallel);
+  if (spec.context_parallel != nullptr)  // the blocks on cuDNN where the resolved backend is fused
+    return std::make_unique<ContextParallelAttention>(c, layer, tp, *spec.context_parallel,
+                                                      spec.core_attention == AttentionBackend::kFused);
   const AttentionBackendKind& kind = attention_backend_kind(spec.core_attention);
   MT_REQUIRE(kind.make != nullptr, "--attention-backend {} builds no core attention: resolve it first",
              kind.names.name);

@@ -49,7 +49,7 @@ void for_each_row(const ContextAttentionConfig& c, int64_t sq, const AttnDropout
 }  // namespace
 
 void context_attention_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, const Tensor& kv,
-                               const ContextAttentionConfig& c, bool merge, const Stream&) {
+                               const Tensor&, const ContextAttentionConfig& c, bool merge, const Stream&) {
   const int64_t sk = kv.size(0), d = c.head_dim;
   const attn::Layout x = attn::kv_layout(c.batch, c.groups, c.queries_per_group, d);
   const float* Q = qkv.data_as<float>();
@@ -172,6 +172,19 @@ void transpose_blocks(const Tensor& y, const Tensor& x, int64_t a, int64_t b, co
   char* t = static_cast<char*>(y.data());
   for (int64_t i = 0; i < a; ++i)
     for (int64_t j = 0; j < b; ++j) std::memcpy(t + (j * a + i) * c, s + (i * b + j) * c, c);
+}
+
+void permute_blocks(const Tensor& y, const Tensor& x, int64_t outer, const std::vector<int>& perm, bool inverse,
+                    const Stream&) {
+  const int64_t k = static_cast<int64_t>(perm.size());
+  const size_t c = static_cast<size_t>(x.numel() / (outer * k)) * dtype_size(x.dtype());
+  const char* s = static_cast<const char*>(x.data());
+  char* t = static_cast<char*>(y.data());
+  for (int64_t o = 0; o < outer; ++o)
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t from = inverse ? j : perm[static_cast<size_t>(j)], to = inverse ? perm[static_cast<size_t>(j)] : j;
+      std::memcpy(t + static_cast<size_t>(o * k + to) * c, s + static_cast<size_t>(o * k + from) * c, c);
+    }
 }
 
 }  // namespace mt::cpu

@@ -1,4 +1,6 @@
-// CUDA implementation of ops/context_attention.h: the FlashAttention-2 kernels of
+// CUDA implementation of ops/context_attention.h: plain (causal / full) blocks on cuDNN's fused
+// attention when ContextAttentionConfig::cudnn asks for it and it applies (ops/cuda/cudnn_attention.h),
+// else the FlashAttention-2 kernels of
 // ops/cuda/flash_attention_kernels.cuh with the global-position mask policy (flash::PositionMask):
 // the query heads of qkv against the key block kv, (out, lse) written or merged by the LSE, dQ,
 // dK and dV added. bf16/fp16 with head_dim 64 or 128 and 16-byte aligned tensors run on the tensor
@@ -11,6 +13,7 @@
 
 #include "ops/context_attention.h"
 #include "ops/context_attention_impl.h"
+#include "ops/cuda/cudnn_attention.h"
 #include "ops/cuda/flash_attention_kernels.cuh"
 
 namespace mt::cuda {
@@ -31,6 +34,18 @@ __global__ void transpose_kernel(char* y, const char* x, int64_t a, int64_t b, i
   for (int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; k < total; k += int64_t(gridDim.x) * blockDim.x) {
     const int64_t e = k % c, j = (k / c) % b, i = k / (b * c);
     y[(j * a + i) * c + e] = x[k];
+  }
+}
+
+/// permute_blocks: target block j of each outer row comes from block src_of[j] (at most 128 blocks).
+struct BlockPerm {
+  uint8_t src_of[128];
+};
+
+__global__ void permute_kernel(char* y, const char* x, BlockPerm bp, int k, int64_t total, int64_t c) {
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < total; e += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t byte = e % c, blk = (e / c) % k, o = e / (c * k);
+    y[e] = x[(o * k + bp.src_of[blk]) * c + byte];
   }
 }
 
@@ -72,7 +87,11 @@ flash::Params make_params(const Tensor& qkv, const Tensor& kv, const ContextAtte
 }  // namespace
 
 void context_attention_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, const Tensor& kv,
-                               const ContextAttentionConfig& c, bool merge, const Stream& stream) {
+                               const Tensor& workspace, const ContextAttentionConfig& c, bool merge,
+                               const Stream& stream) {
+  if (cudnn_context_applies(c, qkv.dtype(), qkv.size(0), kv.size(0), {qkv.data(), kv.data(), out.data()}) &&
+      cudnn_context_forward(out, lse, qkv, kv, workspace, c, merge, stream))
+    return;
   flash::Params p = make_params(qkv, kv, c);
   p.out = out.data();
   p.lse = lse.data_as<float>();
@@ -84,6 +103,10 @@ void context_attention_forward(const Tensor& out, const Tensor& lse, const Tenso
 void context_attention_backward(const Tensor& dqkv, const Tensor& dkv, const Tensor& dout, const Tensor& out,
                                 const Tensor& lse, const Tensor& qkv, const Tensor& kv, const Tensor& workspace,
                                 const ContextAttentionConfig& c, const Stream& stream) {
+  if (cudnn_context_applies(c, qkv.dtype(), qkv.size(0), kv.size(0),
+                            {qkv.data(), kv.data(), out.data(), dout.data(), dqkv.data(), dkv.data()}) &&
+      cudnn_context_backward(dqkv, dkv, dout, out, lse, qkv, kv, workspace, c, stream))
+    return;
   flash::Params p = make_params(qkv, kv, c);
   p.out = out.data();
   p.lse = lse.data_as<float>();
@@ -117,6 +140,20 @@ void transpose_blocks(const Tensor& y, const Tensor& x, int64_t a, int64_t b, co
   const int64_t c = x.numel() / (a * b) * static_cast<int64_t>(dtype_size(x.dtype()));
   transpose_kernel<<<grid_for(a * b * c, 256), 256, 0, cu(stream)>>>(static_cast<char*>(y.data()),
                                                                      static_cast<const char*>(x.data()), a, b, c);
+  MT_CUDA_CHECK(cudaGetLastError());
+}
+
+void permute_blocks(const Tensor& y, const Tensor& x, int64_t outer, const std::vector<int>& perm, bool inverse,
+                    const Stream& stream) {
+  BlockPerm bp{};
+  const int k = static_cast<int>(perm.size());
+  for (int j = 0; j < k; ++j) {
+    const int from = inverse ? j : perm[static_cast<size_t>(j)], to = inverse ? perm[static_cast<size_t>(j)] : j;
+    bp.src_of[to] = static_cast<uint8_t>(from);
+  }
+  const int64_t c = x.numel() / (outer * k) * static_cast<int64_t>(dtype_size(x.dtype()));
+  permute_kernel<<<grid_for(outer * k * c, 256), 256, 0, cu(stream)>>>(
+      static_cast<char*>(y.data()), static_cast<const char*>(x.data()), bp, k, outer * k * c, c);
   MT_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -10,9 +10,13 @@
 #include <memory>
 #include <mutex>
 #include <tuple>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "core/cuda_check.h"
+#include "core/logging.h"
+#include "ops/context_attention_impl.h"
 #include "ops/cuda/common.cuh"
 
 #ifdef MT_WITH_CUDNN
@@ -36,6 +40,17 @@ void cudnn_attention_forward(const Tensor&, const Tensor&, const Tensor&, const 
 void cudnn_attention_backward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                               const FlashAttentionConfig&, const Stream&) {
   MT_FAIL("cudnn_attention_backward: this build has no cuDNN (MT_WITH_CUDNN is off)");
+}
+bool cudnn_context_applies(const ContextAttentionConfig&, DType, int64_t, int64_t, std::initializer_list<const void*>) {
+  return false;
+}
+bool cudnn_context_forward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                           const ContextAttentionConfig&, bool, const Stream&) {
+  return false;
+}
+bool cudnn_context_backward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                            const Tensor&, const Tensor&, const ContextAttentionConfig&, const Stream&) {
+  return false;
 }
 
 #else
@@ -227,9 +242,6 @@ struct Plan {
   }
 };
 
-/// The problem: direction, dtype, b, n, g, s, d, scale bits, device.
-using PlanKey = std::tuple<bool, int, int64_t, int64_t, int64_t, int64_t, int64_t, uint32_t, int>;
-
 cudnnHandle_t handle_for(int device) {
   static std::mutex m;
   static std::map<int, cudnnHandle_t> handles;
@@ -294,23 +306,36 @@ void finalize_plan(Plan& p, cudnnHandle_t h, GraphBuilder& gb) {
           tried.empty() ? std::string(" the heuristics returned no configuration") : tried);
 }
 
+/// One attention problem as cuDNN sees it: Q [b, h, sq, d], K and V [b, g, skv, d], O [b, h, sq, d]
+/// (h = g · qpg query heads), and where each lives. Every tensor is a view of a [rows, b, ...]
+/// buffer: width 0 = [rows, b, heads, d] packed (out, dout, a staging buffer), width w > 0 = the
+/// slots of [rows, b, g, w, d] (qkv: w = qpg + 2; the CP key/value blocks: w = 2), the pointer
+/// giving the slot.
 struct Shape {
-  int64_t b, h, g, s, d;  // h query heads, g key/value heads (h = g · qpg)
+  int64_t b, h, g, sq, skv, d;
   cudnnDataType_t io;
+  bool causal;                  // top-left causal (sq == skv), else no mask
+  int64_t q_w, dq_w, kv_w;      // widths of Q, dQ (0 or, with h == g, w) and of K, V, dK, dV (w > 0)
   int64_t qpg() const { return h / g; }
-  // [b, heads, s, d] strides: K and V in qkv [s, b, g, qpg + 2, d]; Q in qkv when qpg == 1, else
-  // gathered into [s, b, h, d] (the layout of out, dout and dQ's staging buffer); stats [b, h, s, 1].
-  Dims kv_strides() const { return {g * (qpg() + 2) * d, (qpg() + 2) * d, b * g * (qpg() + 2) * d, 1}; }
-  Dims out_strides() const { return {h * d, d, b * h * d, 1}; }
-  Dims q_strides() const { return qpg() == 1 ? kv_strides() : out_strides(); }
-  Dims qd() const { return {b, h, s, d}; }
-  Dims kvd() const { return {b, g, s, d}; }
-  Dims bhss() const { return {b, h, s, s}; }
-  Dims stats() const { return {b, h, s, 1}; }
-  Dims stats_strides() const { return {h * s, s, 1, 1}; }
+  Dims strides(int64_t heads, int64_t w) const {
+    return w == 0 ? Dims{heads * d, d, b * heads * d, 1} : Dims{g * w * d, w * d, b * g * w * d, 1};
+  }
+  Dims q_strides() const { return strides(h, q_w); }
+  Dims dq_strides() const { return strides(h, dq_w); }
+  Dims kv_strides() const { return strides(g, kv_w); }
+  Dims out_strides() const { return strides(h, 0); }
+  Dims qd() const { return {b, h, sq, d}; }
+  Dims kvd() const { return {b, g, skv, d}; }
+  Dims scores() const { return {b, h, sq, skv}; }
+  Dims stats() const { return {b, h, sq, 1}; }
+  Dims stats_strides() const { return {h * sq, sq, 1, 1}; }
+  auto key() const { return std::tuple{static_cast<int>(io), b, h, g, sq, skv, d, causal, q_w, dq_w, kv_w}; }
 };
 
-/// Kᵀ (or Vᵀ) as the B operand: dims [b, g, d, s], strides of K with the last two swapped.
+/// The problem: direction, shape, scale bits, device.
+using PlanKey = std::tuple<bool, decltype(std::declval<Shape>().key()), uint32_t, int>;
+
+/// Kᵀ (or Vᵀ) as the B operand: dims [b, g, d, skv], strides of K with the last two swapped.
 Dims transposed(Dims st) {
   std::swap(st[2], st[3]);
   return st;
@@ -322,38 +347,38 @@ std::unique_ptr<Plan> build_forward(const Shape& sh, float scale, cudnnHandle_t 
   GraphBuilder g;
   const Dims ks = sh.kv_strides();
   auto q = g.tensor(kQ, sh.io, sh.qd(), sh.q_strides());
-  auto kt = g.tensor(kK, sh.io, {sh.b, sh.g, sh.d, sh.s}, transposed(ks));
+  auto kt = g.tensor(kK, sh.io, {sh.b, sh.g, sh.d, sh.skv}, transposed(ks));
   auto v = g.tensor(kV, sh.io, sh.kvd(), ks);
   auto o = g.tensor(kO, sh.io, sh.qd(), sh.out_strides());
   auto stats = g.tensor(kStats, CUDNN_DATA_FLOAT, sh.stats(), sh.stats_strides());
   auto sc = g.scalar(kScale), ninf = g.scalar(kNegInf);
-  auto s0 = g.matmul_to(q, kt, sh.bhss());
-  auto s1 = g.pointwise_to(CUDNN_POINTWISE_MUL, s0, sc, sh.bhss());
-  auto s2 = g.causal_mask(s1, sh.bhss(), ninf);
+  auto s0 = g.matmul_to(q, kt, sh.scores());
+  auto s1 = g.pointwise_to(CUDNN_POINTWISE_MUL, s0, sc, sh.scores());
+  auto s2 = sh.causal ? g.causal_mask(s1, sh.scores(), ninf) : s1;
   auto mx = g.virt(CUDNN_DATA_FLOAT, sh.stats(), sh.stats_strides());
   g.reduction(CUDNN_REDUCE_TENSOR_MAX, s2, mx);
-  auto sub = g.pointwise_to(CUDNN_POINTWISE_SUB, s2, mx, sh.bhss());
-  auto ex = g.pointwise_to(CUDNN_POINTWISE_EXP, sub, nullptr, sh.bhss());
+  auto sub = g.pointwise_to(CUDNN_POINTWISE_SUB, s2, mx, sh.scores());
+  auto ex = g.pointwise_to(CUDNN_POINTWISE_EXP, sub, nullptr, sh.scores());
   auto sum = g.virt(CUDNN_DATA_FLOAT, sh.stats(), sh.stats_strides());
   g.reduction(CUDNN_REDUCE_TENSOR_ADD, ex, sum);
   auto lg = g.pointwise_to(CUDNN_POINTWISE_LOG, sum, nullptr, sh.stats(), sh.stats_strides());
   g.pointwise(CUDNN_POINTWISE_ADD, mx, lg, stats);
-  auto prob = g.virt(sh.io, sh.bhss());
+  auto prob = g.virt(sh.io, sh.scores());
   g.pointwise(CUDNN_POINTWISE_DIV, ex, sum, prob);
   g.matmul(prob, v, o);
   finalize_plan(*p, h, g);
   return p;
 }
 
-/// dK = dSᵀ·Q (or dV = Pᵀ·dO) into `out` [b, g, s, d]; with grouped queries the product is per
-/// query head ([b, h, s, d], virtual, io dtype) and summed over each group's heads by a reduction.
+/// dK = dSᵀ·Q (or dV = Pᵀ·dO) into `out` [b, g, skv, d]; with grouped queries the product is per
+/// query head ([b, h, skv, d], virtual, io dtype) and summed over each group's heads by a reduction.
 void kv_grad(GraphBuilder& g, const Shape& sh, cudnnBackendDescriptor_t a_t, cudnnBackendDescriptor_t b,
              cudnnBackendDescriptor_t out) {
   if (sh.qpg() == 1) {
     g.matmul(a_t, b, out);
     return;
   }
-  auto full = g.virt(sh.io, sh.qd());
+  auto full = g.virt(sh.io, {sh.b, sh.h, sh.skv, sh.d});
   g.matmul(a_t, b, full);
   g.reduction(CUDNN_REDUCE_TENSOR_ADD, full, out);
 }
@@ -362,17 +387,17 @@ std::unique_ptr<Plan> build_backward(const Shape& sh, float scale, cudnnHandle_t
   auto p = std::make_unique<Plan>();
   p->scale = scale;
   GraphBuilder g;
-  const Dims ks = sh.kv_strides(), qs = sh.q_strides(), os = sh.out_strides();
-  const Dims kvt{sh.b, sh.g, sh.d, sh.s};
-  const Dims sst{sh.b, sh.h, sh.s, sh.s};                            // [b, h, s_kv, s_q] (transposed scores)
-  const Dims sst_strides{sh.h * sh.s * sh.s, sh.s * sh.s, 1, sh.s};  // ... as a view of [b, h, s_q, s_kv]
-  auto q = g.tensor(kQ, sh.io, sh.qd(), qs);
+  const Dims ks = sh.kv_strides(), os = sh.out_strides();
+  const Dims kvt{sh.b, sh.g, sh.d, sh.skv};
+  const Dims sst{sh.b, sh.h, sh.skv, sh.sq};                                // [b, h, skv, sq] (transposed scores)
+  const Dims sst_strides{sh.h * sh.sq * sh.skv, sh.sq * sh.skv, 1, sh.skv};  // ... as a view of [b, h, sq, skv]
+  auto q = g.tensor(kQ, sh.io, sh.qd(), sh.q_strides());
   auto kt = g.tensor(kK, sh.io, kvt, transposed(ks));
   auto vt = g.tensor(kV, sh.io, kvt, transposed(ks));
   auto o = g.tensor(kO, sh.io, sh.qd(), os);
   auto dout = g.tensor(kDO, sh.io, sh.qd(), os);
   auto stats = g.tensor(kStats, CUDNN_DATA_FLOAT, sh.stats(), sh.stats_strides());
-  auto dq = g.tensor(kDQ, sh.io, sh.qd(), qs);
+  auto dq = g.tensor(kDQ, sh.io, sh.qd(), sh.dq_strides());
   auto dk = g.tensor(kDK, sh.io, sh.kvd(), ks);
   auto dv = g.tensor(kDV, sh.io, sh.kvd(), ks);
   auto softmax_sum = g.tensor(kSoftmaxSum, CUDNN_DATA_FLOAT, sh.stats(), sh.stats_strides());
@@ -380,26 +405,26 @@ std::unique_ptr<Plan> build_backward(const Shape& sh, float scale, cudnnHandle_t
   auto sc = g.scalar(kScale), ninf = g.scalar(kNegInf), one = g.scalar(kOne);
 
   // softmax_sum = rowsum(dO ∘ O)
-  auto dox =
-      g.pointwise_to(CUDNN_POINTWISE_MUL, dout, o, sh.qd(), {sh.h * sh.s * sh.d, sh.s * sh.d, sh.h * sh.d, 1});
+  auto dox = g.pointwise_to(CUDNN_POINTWISE_MUL, dout, o, sh.qd(),
+                            {sh.h * sh.sq * sh.d, sh.sq * sh.d, sh.h * sh.d, 1});
   auto rs = g.virt(CUDNN_DATA_FLOAT, sh.stats(), sh.stats_strides());
   g.reduction(CUDNN_REDUCE_TENSOR_ADD, dox, rs);
   g.pointwise(CUDNN_POINTWISE_MUL, rs, one, softmax_sum);
   // P = exp(S · scale − Stats), masked
-  auto s0 = g.matmul_to(q, kt, sh.bhss());
-  auto s1 = g.pointwise_to(CUDNN_POINTWISE_MUL, s0, sc, sh.bhss());
-  auto s2 = g.pointwise_to(CUDNN_POINTWISE_SUB, s1, stats, sh.bhss());
-  auto s3 = g.causal_mask(s2, sh.bhss(), ninf);
-  auto prob = g.pointwise_to(CUDNN_POINTWISE_EXP, s3, nullptr, sh.bhss());
+  auto s0 = g.matmul_to(q, kt, sh.scores());
+  auto s1 = g.pointwise_to(CUDNN_POINTWISE_MUL, s0, sc, sh.scores());
+  auto s2 = g.pointwise_to(CUDNN_POINTWISE_SUB, s1, stats, sh.scores());
+  auto s3 = sh.causal ? g.causal_mask(s2, sh.scores(), ninf) : s2;
+  auto prob = g.pointwise_to(CUDNN_POINTWISE_EXP, s3, nullptr, sh.scores());
   // dV = Pᵀ dO
   auto pt = g.virt(sh.io, sst, sst_strides);
   g.reshape(prob, pt);
   kv_grad(g, sh, pt, dout, dv);
   // dS = P ∘ (dO Vᵀ − softmax_sum) · scale
-  auto dp = g.matmul_to(dout, vt, sh.bhss());
-  auto t0 = g.pointwise_to(CUDNN_POINTWISE_SUB, dp, softmax_sum, sh.bhss());
-  auto t1 = g.pointwise_to(CUDNN_POINTWISE_MUL, t0, prob, sh.bhss());
-  auto ds = g.pointwise_to(CUDNN_POINTWISE_MUL, t1, sc, sh.bhss());
+  auto dp = g.matmul_to(dout, vt, sh.scores());
+  auto t0 = g.pointwise_to(CUDNN_POINTWISE_SUB, dp, softmax_sum, sh.scores());
+  auto t1 = g.pointwise_to(CUDNN_POINTWISE_MUL, t0, prob, sh.scores());
+  auto ds = g.pointwise_to(CUDNN_POINTWISE_MUL, t1, sc, sh.scores());
   // dK = dSᵀ Q
   auto dst = g.virt(sh.io, sst, sst_strides);
   g.reshape(ds, dst);
@@ -413,29 +438,43 @@ std::unique_ptr<Plan> build_backward(const Shape& sh, float scale, cudnnHandle_t
   return p;
 }
 
-Plan& plan_for(bool backward, const Shape& sh, float scale) {
+/// The cached plan of one problem; staging_bytes > 0: the plan also owns a staging buffer of that
+/// size (the one-GPU path's gathered Q and dQ), allocated with it. may_fail: a problem no engine
+/// supports returns nullptr (remembered, with one warning) instead of raising the error.
+Plan* plan_for(bool backward, const Shape& sh, float scale, size_t staging_bytes = 0, bool may_fail = false) {
   int device = 0;
   MT_CUDA_CHECK(cudaGetDevice(&device));
   uint32_t scale_bits = 0;
   std::memcpy(&scale_bits, &scale, sizeof(scale));
-  const PlanKey key{backward, static_cast<int>(sh.io), sh.b, sh.h, sh.g, sh.s, sh.d, scale_bits, device};
+  const PlanKey key{backward, sh.key(), scale_bits, device};
   static std::mutex m;
-  static std::map<PlanKey, std::unique_ptr<Plan>> plans;
+  static std::map<PlanKey, std::unique_ptr<Plan>> plans;  // nullptr: no engine (may_fail)
   std::lock_guard<std::mutex> lock(m);
   auto it = plans.find(key);
-  if (it != plans.end()) return *it->second;
+  if (it != plans.end()) return it->second.get();
   cudnnHandle_t h = handle_for(device);
-  auto p = backward ? build_backward(sh, scale, h) : build_forward(sh, scale, h);
-  p->handle = h;
-  if (sh.qpg() > 1) {
-    const size_t one = static_cast<size_t>(sh.b * sh.h * sh.s * sh.d) * 2;  // 16-bit elements
-    MT_CUDA_CHECK(cudaMalloc(&p->staging, backward ? 2 * one : one));
+  std::unique_ptr<Plan> p;
+  try {
+    p = backward ? build_backward(sh, scale, h) : build_forward(sh, scale, h);
+  } catch (const Error& e) {
+    if (!may_fail) throw;
+    log_warn("cuDNN fused attention: no {} plan for the context-parallel block sq={} sk={} b={} heads={}/{} d={} "
+             "{}; the FlashAttention-2 kernels run it instead ({})",
+             backward ? "backward" : "forward", sh.sq, sh.skv, sh.b, sh.h, sh.g, sh.d, sh.causal ? "causal" : "full",
+             e.what());
+    return plans.emplace(key, nullptr).first->second.get();
   }
-  return *plans.emplace(key, std::move(p)).first->second;
+  p->handle = h;
+  if (staging_bytes > 0) MT_CUDA_CHECK(cudaMalloc(&p->staging, staging_bytes));
+  return plans.emplace(key, std::move(p)).first->second.get();
 }
 
 void execute(Plan& p, const Stream& stream, std::vector<int64_t> uids, std::vector<void*> ptrs) {
   cudnnHandle_t h = p.handle;
+  // The handle is shared by the plans of a device: its stream and the launch are one step, so that
+  // threads driving one GPU (thread ranks in the tests) never launch on each other's streams.
+  static std::mutex m;
+  std::lock_guard<std::mutex> lock(m);
   MT_CUDNN(cudnnSetStream(h, cu(stream)));
   uids.insert(uids.end(), {kScale, kNegInf});
   ptrs.insert(ptrs.end(), {&p.scale, &p.neg_inf});
@@ -448,9 +487,13 @@ void execute(Plan& p, const Stream& stream, std::vector<int64_t> uids, std::vect
   g_executions.fetch_add(1);
 }
 
+cudnnDataType_t io_type(DType t) { return t == DType::kBF16 ? CUDNN_DATA_BFLOAT16 : CUDNN_DATA_HALF; }
+
+/// The one-GPU causal self-attention: Q, K, V in qkv (Q gathered into the plan's staging buffer
+/// with grouped queries), dQ, dK, dV in dqkv likewise.
 Shape shape_of(const FlashAttentionConfig& cfg, DType dtype) {
-  return Shape{cfg.batch, cfg.heads(), cfg.groups, cfg.seq, cfg.head_dim,
-               dtype == DType::kBF16 ? CUDNN_DATA_BFLOAT16 : CUDNN_DATA_HALF};
+  const int64_t w = cfg.queries_per_group + 2, qw = cfg.queries_per_group == 1 ? w : 0;
+  return Shape{cfg.batch, cfg.heads(), cfg.groups, cfg.seq, cfg.seq, cfg.head_dim, io_type(dtype), true, qw, qw, w};
 }
 
 /// Grouped queries: the qpg query slots of each (position, sample, group) of qkv [s, b, g, qpg + 2,
@@ -469,13 +512,113 @@ __global__ void query_slots_kernel(uint4* __restrict__ packed, uint4* __restrict
   }
 }
 
+/// The query slots of the sq query rows of qkv (sq · b · g groups' rows).
 void query_slots(bool gather, void* packed, void* qkv, const Shape& sh, const Stream& stream) {
-  const int64_t rows = sh.s * sh.b * sh.g, vecs = sh.d / 8, n = rows * sh.qpg() * vecs;
+  const int64_t rows = sh.sq * sh.b * sh.g, vecs = sh.d / 8, n = rows * sh.qpg() * vecs;
   const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, 65535));
   const auto kernel = gather ? query_slots_kernel<true> : query_slots_kernel<false>;
   kernel<<<blocks, 256, 0, cu(stream)>>>(static_cast<uint4*>(packed), static_cast<uint4*>(qkv), rows,
                                          static_cast<int>(sh.qpg()), static_cast<int>(vecs));
   MT_CUDA_CHECK_LAUNCH();
+}
+
+// --- context-parallel blocks: the LSE layout [sq, b, n] of ops/context_attention.h against
+// cuDNN's statistics [b, n, sq], the block output merged by the LSE, dQ and dK/dV added ---
+
+/// Per query row (i, bn) of lse [sq, B·n]: lse (and out) from cuDNN's block (stats [B·n, sq],
+/// blk [sq, B·n, d]): merge = false: lse = stats (out already written by cuDNN); merge = true:
+/// lse' = log(e^lse + e^stats), out' = out·e^(lse−lse') + blk·e^(stats−lse'), fp32 math, rows
+/// with no earlier result (lse −inf) taking the block's. One thread per row (it reads the old
+/// LSE before it writes the new one), 16 bytes at a time.
+template <typename T>
+__global__ void merge_block_kernel(T* __restrict__ out, float* __restrict__ lse, const T* __restrict__ blk,
+                                   const float* __restrict__ stats, int64_t sq, int64_t bn, int vecs, bool merge) {
+  const int64_t rows = sq * bn;
+  for (int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; r < rows;
+       r += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t i = r / bn, j = r % bn;
+    const float lb = stats[j * sq + i];
+    if (!merge) {
+      lse[r] = lb;
+      continue;
+    }
+    const float old = lse[r];
+    if (lb == -INFINITY) continue;  // nothing visible in this block
+    float ln = lb, wo = 0.f, wb = 1.f;
+    if (old != -INFINITY) {
+      ln = fmaxf(old, lb) + log1pf(expf(-fabsf(old - lb)));
+      wo = expf(old - ln);
+      wb = expf(lb - ln);
+    }
+    uint4* o = reinterpret_cast<uint4*>(out + r * vecs * 8);
+    const uint4* b = reinterpret_cast<const uint4*>(blk + r * vecs * 8);
+    for (int v = 0; v < vecs; ++v) {
+      uint4 ov = o[v];
+      const uint4 bv = b[v];
+      T* oe = reinterpret_cast<T*>(&ov);
+      const T* be = reinterpret_cast<const T*>(&bv);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) oe[e] = from_f<T>(to_f(oe[e]) * wo + to_f(be[e]) * wb);
+      o[v] = ov;
+    }
+    lse[r] = ln;
+  }
+}
+
+/// stats [B·n, sq] <- lse [sq, B·n] (the merged LSE as cuDNN's backward reads it).
+__global__ void stats_from_lse_kernel(float* __restrict__ stats, const float* __restrict__ lse, int64_t sq,
+                                      int64_t bn) {
+  const int64_t n = sq * bn;
+  for (int64_t k = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; k < n;
+       k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t j = k / sq, i = k % sq;  // stats index k = j·sq + i: coalesced writes
+    stats[k] = lse[i * bn + j];
+  }
+}
+
+/// dst[r, :len] += src[r, :len] for rows r (row strides in elements; len, strides multiples of 8;
+/// 16-byte aligned), fp32 math: cuDNN's dQ into the query slots of dqkv, its dK/dV into dkv.
+template <typename T>
+__global__ void add_rows_kernel(T* __restrict__ dst, int64_t dst_stride, const T* __restrict__ src,
+                                int64_t src_stride, int64_t rows, int vecs) {
+  const int64_t n = rows * vecs;
+  for (int64_t k = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; k < n;
+       k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = k / vecs, v = k % vecs;
+    uint4* d = reinterpret_cast<uint4*>(dst + r * dst_stride) + v;
+    const uint4 sv = reinterpret_cast<const uint4*>(src + r * src_stride)[v];
+    uint4 dv = *d;
+    T* de = reinterpret_cast<T*>(&dv);
+    const T* se = reinterpret_cast<const T*>(&sv);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) de[e] = from_f<T>(to_f(de[e]) + to_f(se[e]));
+    *d = dv;
+  }
+}
+
+template <typename F>
+void dispatch_half(DType t, F&& f) {
+  if (t == DType::kBF16) f(static_cast<__nv_bfloat16*>(nullptr));
+  else f(static_cast<__half*>(nullptr));
+}
+
+void add_rows(DType t, void* dst, int64_t dst_stride, const void* src, int64_t src_stride, int64_t rows, int64_t len,
+              const Stream& stream) {
+  dispatch_half(t, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const int vecs = static_cast<int>(len / 8);
+    add_rows_kernel<T><<<grid_for(rows * vecs, 256), 256, 0, cu(stream)>>>(
+        static_cast<T*>(dst), dst_stride, static_cast<const T*>(src), src_stride, rows, vecs);
+  });
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+/// A context block as cuDNN sees it: Q in qkv (w = qpg + 2) or gathered (grouped queries), K and V
+/// in kv (w = 2), dQ always staged (it is added to the caller's), the mask from cfg.block.
+Shape context_shape(const ContextAttentionConfig& c, DType dtype, int64_t sq, int64_t sk) {
+  const int64_t qw = c.queries_per_group == 1 ? 3 : 0;
+  return Shape{c.batch, c.heads(), c.groups, sq, sk, c.head_dim, io_type(dtype),
+               c.block == ContextBlockMask::kCausal, qw, 0, 2};
 }
 
 }  // namespace
@@ -492,7 +635,8 @@ bool cudnn_attention_applies(const FlashAttentionConfig& cfg, DType dtype, std::
 void cudnn_attention_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, const FlashAttentionConfig& cfg,
                              const Stream& stream) {
   const Shape sh = shape_of(cfg, qkv.dtype());
-  Plan& p = plan_for(false, sh, cfg.softmax_scale);
+  const size_t staging = sh.qpg() > 1 ? static_cast<size_t>(sh.b * sh.h * sh.sq * sh.d) * 2 : 0;
+  Plan& p = *plan_for(false, sh, cfg.softmax_scale, staging);
   char* base = static_cast<char*>(qkv.data());
   const size_t e = dtype_size(qkv.dtype()), d = static_cast<size_t>(sh.d), q = static_cast<size_t>(sh.qpg());
   void* qptr = base;
@@ -508,11 +652,11 @@ void cudnn_attention_backward(const Tensor& dqkv, const Tensor& dout, const Tens
                               const Tensor& qkv, const Tensor& workspace, const FlashAttentionConfig& cfg,
                               const Stream& stream) {
   const Shape sh = shape_of(cfg, qkv.dtype());
-  Plan& p = plan_for(true, sh, cfg.softmax_scale);
+  const size_t rows = static_cast<size_t>(sh.b * sh.h * sh.sq);
+  const size_t e = dtype_size(qkv.dtype()), d = static_cast<size_t>(sh.d), q = static_cast<size_t>(sh.qpg());
+  Plan& p = *plan_for(true, sh, cfg.softmax_scale, sh.qpg() > 1 ? 2 * rows * d * 2 : 0);
   char* base = static_cast<char*>(qkv.data());
   char* dbase = static_cast<char*>(dqkv.data());
-  const size_t e = dtype_size(qkv.dtype()), d = static_cast<size_t>(sh.d), q = static_cast<size_t>(sh.qpg());
-  const size_t rows = static_cast<size_t>(sh.b * sh.h * sh.s);
   char* ws = static_cast<char*>(workspace.data());
   void* softmax_sum = ws;
   void* dq_accum = ws + flash_attention_dq_accum_offset(cfg);
@@ -529,6 +673,84 @@ void cudnn_attention_backward(const Tensor& dqkv, const Tensor& dout, const Tens
           {qptr, base + q * d * e, base + (q + 1) * d * e, out.data(), dout.data(), lse.data(), dqptr,
            dbase + q * d * e, dbase + (q + 1) * d * e, softmax_sum, dq_accum, &p.one});
   if (sh.qpg() > 1) query_slots(false, dqptr, dbase, sh, stream);
+}
+
+bool cudnn_context_applies(const ContextAttentionConfig& c, DType dtype, int64_t sq, int64_t sk,
+                           std::initializer_list<const void*> ptrs) {
+  if (!c.cudnn || c.block == ContextBlockMask::kPositions) return false;
+  if (c.block == ContextBlockMask::kCausal && sq != sk) return false;
+  if (dtype != DType::kBF16 && dtype != DType::kF16) return false;
+  if (!c.doc_start.empty() || c.dropout_p > 0 || c.deterministic) return false;
+  if (c.head_dim % 8 != 0 || c.head_dim > 128) return false;
+  for (const void* q : ptrs)
+    if (reinterpret_cast<uintptr_t>(q) % 16 != 0) return false;
+  return true;
+}
+
+bool cudnn_context_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, const Tensor& kv,
+                           const Tensor& workspace, const ContextAttentionConfig& c, bool merge,
+                           const Stream& stream) {
+  const int64_t sq = qkv.size(0), sk = kv.size(0);
+  const Shape sh = context_shape(c, qkv.dtype(), sq, sk);
+  const ContextAttentionWorkspace w = context_attention_forward_layout(c, sq);
+  Plan* plan = plan_for(false, sh, c.softmax_scale, 0, true);
+  if (plan == nullptr) return false;
+  Plan& p = *plan;
+  char* ws = static_cast<char*>(workspace.data());
+  char* kvp = static_cast<char*>(kv.data());
+  const size_t head = static_cast<size_t>(c.head_dim) * dtype_size(qkv.dtype());
+  void* qptr = qkv.data();
+  if (sh.qpg() > 1) {
+    qptr = ws + w.q;
+    query_slots(true, qptr, qkv.data(), sh, stream);
+  }
+  void* o = merge ? ws + w.out : out.data();
+  float* stats = reinterpret_cast<float*>(ws + w.stats);
+  execute(p, stream, {kQ, kK, kV, kO, kStats}, {qptr, kvp, kvp + head, o, stats});
+  const int64_t bn = c.batch * c.heads();
+  dispatch_half(qkv.dtype(), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    merge_block_kernel<T><<<grid_for(sq * bn, 128), 128, 0, cu(stream)>>>(
+        static_cast<T*>(out.data()), lse.data_as<float>(), static_cast<const T*>(o), stats, sq, bn,
+        static_cast<int>(c.head_dim / 8), merge);
+  });
+  MT_CUDA_CHECK_LAUNCH();
+  return true;
+}
+
+bool cudnn_context_backward(const Tensor& dqkv, const Tensor& dkv, const Tensor& dout, const Tensor& out,
+                            const Tensor& lse, const Tensor& qkv, const Tensor& kv, const Tensor& workspace,
+                            const ContextAttentionConfig& c, const Stream& stream) {
+  const int64_t sq = qkv.size(0), sk = kv.size(0), d = c.head_dim, bn = c.batch * c.heads();
+  const Shape sh = context_shape(c, qkv.dtype(), sq, sk);
+  const ContextAttentionWorkspace w = context_attention_backward_layout(c, sq, sk);
+  Plan* plan = plan_for(true, sh, c.softmax_scale, 0, true);
+  if (plan == nullptr) return false;
+  Plan& p = *plan;
+  char* ws = static_cast<char*>(workspace.data());
+  char* kvp = static_cast<char*>(kv.data());
+  const size_t head = static_cast<size_t>(d) * dtype_size(qkv.dtype());
+  float* stats = reinterpret_cast<float*>(ws + w.stats);
+  stats_from_lse_kernel<<<grid_for(sq * bn, 256), 256, 0, cu(stream)>>>(stats, lse.data_as<float>(), sq, bn);
+  MT_CUDA_CHECK_LAUNCH();
+  void* dq_accum = ws + w.dq_accum;
+  if (cudnnGetVersion() < 90600)  // as cudnn_attention_backward
+    MT_CUDA_CHECK(cudaMemsetAsync(dq_accum, 0, static_cast<size_t>(sq * bn * d) * sizeof(float), cu(stream)));
+  void* qptr = qkv.data();
+  if (sh.qpg() > 1) {
+    qptr = ws + w.q;
+    query_slots(true, qptr, qkv.data(), sh, stream);
+  }
+  char* dq = ws + w.dq;
+  char* dkv_stage = ws + w.dkv;
+  execute(p, stream, {kQ, kK, kV, kO, kDO, kStats, kDQ, kDK, kDV, kSoftmaxSum, kDQAccum, kOne},
+          {qptr, kvp, kvp + head, out.data(), dout.data(), stats, dq, dkv_stage, dkv_stage + head, ws + w.delta,
+           dq_accum, &p.one});
+  // dQ [sq·b·g rows of qpg heads] into the query slots of dqkv [.., g, qpg + 2, d]; dK/dV into dkv.
+  const int64_t qpg = c.queries_per_group;
+  add_rows(qkv.dtype(), dqkv.data(), (qpg + 2) * d, dq, qpg * d, sq * c.batch * c.groups, qpg * d, stream);
+  add_rows(qkv.dtype(), dkv.data(), 2 * d, dkv_stage, 2 * d, sk * c.batch * c.groups, 2 * d, stream);
+  return true;
 }
 
 #endif  // MT_WITH_CUDNN

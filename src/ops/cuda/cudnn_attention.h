@@ -26,14 +26,27 @@
 // kernels' delta and dq_accum); the engine's own workspace (often 0 bytes) is allocated once per
 // plan, when the plan is built.
 //
-// Plans are built on first use per (direction, dtype, b, n, s, d, scale, device) — building
-// compiles the engine's kernels (NVRTC, up to seconds) — and cached for the process; execution
-// allocates nothing and does not synchronise with the host (capturable in CUDA graphs once built).
-// Errors: mt::Error naming the cuDNN call and cuDNN's last error message when no engine supports
-// the graph or a call fails.
+// Context-parallel blocks (ops/context_attention.h with ContextAttentionConfig::cudnn): the same
+// graphs with sq query rows against sk key rows, the causal mask for a kCausal block (sq == sk,
+// the ring's diagonal step) and none for a kFull one (its half-block steps), K and V read in place
+// from the block kv [sk, b, g, 2, d], Q from qkv [sq, b, g, qpg + 2, d] (gathered with grouped
+// queries). Forward: O straight into out (merge = false) or into the workspace, the statistics
+// [b, n, sq] into the workspace, then one kernel writes lse [sq, b, n] or merges (out, lse) with
+// the block by the LSE. Backward: the merged lse transposed into the statistics, cuDNN's dQ and
+// dK/dV (overwritten by cuDNN) into the workspace and then added to dqkv's query slots and to dkv
+// (the op accumulates). Workspace parts: ops/context_attention_impl.h ContextAttentionWorkspace.
+//
+// Plans are built on first use per (direction, dtype, b, n, g, sq, sk, d, mask, where Q / K / V
+// live, scale, device) — building compiles the engine's kernels (NVRTC, up to seconds) — and
+// cached for the process; execution allocates nothing and does not synchronise with the host
+// (capturable in CUDA graphs once built). A launch sets the shared handle's stream under a lock
+// (threads driving one GPU). Errors: mt::Error naming the cuDNN call and cuDNN's last error message
+// when a call fails or no engine supports the one-GPU graph (a context-parallel block without an
+// engine falls back instead, see cudnn_context_forward).
 #pragma once
 #include "core/stream.h"
 #include "core/tensor.h"
+#include "ops/context_attention.h"
 #include "ops/flash_attention.h"
 
 namespace mt::cuda {
@@ -55,5 +68,25 @@ void cudnn_attention_forward(const Tensor& out, const Tensor& lse, const Tensor&
 void cudnn_attention_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& out, const Tensor& lse,
                               const Tensor& qkv, const Tensor& workspace, const FlashAttentionConfig& cfg,
                               const Stream& stream);
+
+/// True when this build has cuDNN's graph API, cfg.cudnn is set, cfg.block is kCausal (with
+/// sq == sk) or kFull, and the rest of the case is in the supported set above (dtype is qkv's; no
+/// doc_start, no dropout, not deterministic; the pointers 16-byte aligned).
+bool cudnn_context_applies(const ContextAttentionConfig& cfg, DType dtype, int64_t sq, int64_t sk,
+                           std::initializer_list<const void*> ptrs);
+
+/// As context_attention_forward (merge or overwrite). Precondition: cudnn_context_applies and a
+/// workspace of context_attention_forward_workspace_bytes(cfg, sq). Returns false, having done
+/// nothing, when no cuDNN engine supports the block (logged once per shape): the caller runs the
+/// FlashAttention-2 kernels instead.
+bool cudnn_context_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, const Tensor& kv,
+                           const Tensor& workspace, const ContextAttentionConfig& cfg, bool merge,
+                           const Stream& stream);
+
+/// As context_attention_backward (dQ, dK, dV accumulated). Precondition: cudnn_context_applies and a
+/// workspace of context_attention_workspace_bytes(cfg, sq, sk). Returns false as the forward.
+bool cudnn_context_backward(const Tensor& dqkv, const Tensor& dkv, const Tensor& dout, const Tensor& out,
+                            const Tensor& lse, const Tensor& qkv, const Tensor& kv, const Tensor& workspace,
+                            const ContextAttentionConfig& cfg, const Stream& stream);
 
 }  // namespace mt::cuda

@@ -10,6 +10,13 @@
 // tile (BN x 64) in 128-byte-swizzled 64 x 64-element boxes (4 stages at BN = 256, 6 at 128);
 // `full` mbarriers (TMA transaction bytes) and `empty` mbarriers (one arrival per consumer warp
 // once its wgmma reading the stage completed) pass the stages around the ring.
+// Ping-pong (Kernel::kWgmmaPingPong, BN = 128): each consumer warpgroup owns whole 128 x 128 tiles,
+// the block's tiles alternating between the two (two m64n128k16 per k16 step, 128 accumulators
+// per thread), so that one warpgroup's epilogue runs while the other's main loop keeps the tensor
+// cores busy: the wgrad's short main loops (K = the rows of one expert) and its fp32
+// read-modify-write epilogue are what this hides. The ring order is the block's tile order, so
+// each warpgroup steps over the stages of the other's tiles, and the main loops take turns (named
+// barriers; see consume_pingpong); a stage is released by the 4 warps of the warpgroup that read it.
 //
 // Work: every block first builds the group tables of grouped_matmul_common.cuh from the device
 // counts (rows clipped at R, work tiles per group); block b then takes tiles b, b + grid, ... of
@@ -157,6 +164,15 @@ __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.
 __device__ __forceinline__ void consumers_sync() {
   asm volatile("bar.sync 1, %0;\n" ::"n"(128 * kConsumers) : "memory");
 }
+/// The 128 threads of consumer warpgroup cw (named barrier 2 + cw; ping-pong's stage zeroing).
+__device__ __forceinline__ void warpgroup_sync(int cw) {
+  asm volatile("bar.sync %0, 128;\n" ::"r"(2 + cw) : "memory");
+}
+/// Ping-pong's turn order (named barriers 4 + cw, 256 threads): warpgroup cw waits for its turn
+/// before its main loop; the other warpgroup gives it the turn once its own main loop has waited
+/// for all its stages.
+__device__ __forceinline__ void turn_wait(int cw) { asm volatile("bar.sync %0, 256;\n" ::"r"(4 + cw) : "memory"); }
+__device__ __forceinline__ void turn_give(int to) { asm volatile("bar.arrive %0, 256;\n" ::"r"(4 + to) : "memory"); }
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int kN>
@@ -337,6 +353,67 @@ __device__ __forceinline__ void produce(const Params& p, const Ring& ring) {
   }
 }
 
+/// Zeroes reduction rows [valid, 64) of the stage's boxes (A: 2, B: BN / 64; each row 128 bytes,
+/// which the swizzle only permutes within) with `threads` threads from `tid` (wgrad's last stage of
+/// a group: those rows belong to the next group or the tail), then hands them to the async proxy.
+template <int BN>
+__device__ __forceinline__ void zero_stage_tail(uint32_t a_s, int valid, int tid, int threads) {
+  constexpr int kChunks = kBM / kBox + BN / kBox;
+  const int per_box = (kBK - valid) * 8;
+  for (int i = tid; i < kChunks * per_box; i += threads) {
+    const int box = i / per_box, r = i - box * per_box;
+    const uint32_t addr = a_s + box * kBoxBytes + (valid + r / 8) * 128 + (r % 8) * 16;
+    asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0) : "memory");
+  }
+  fence_proxy_async();
+}
+
+/// The tail rows [Σc, R) of the output (forward, dgrad): zeros, in 16-byte stores spread over the
+/// 128 kConsumers consumer threads (ctid), after their tiles.
+__device__ __forceinline__ void zero_tail(const Params& p, const Ring& ring, int ctid) {
+  const int64_t per_row = p.N / 8;
+  uint4* c = static_cast<uint4*>(p.c);
+  const int64_t threads = 128 * kConsumers, end = static_cast<int64_t>(p.R) * per_row;
+  const int64_t first = static_cast<int64_t>(ring.off[p.G]) * per_row + blockIdx.x * threads + ctid;
+  for (int64_t i = first; i < end; i += gridDim.x * threads) {
+    c[i] = make_uint4(0, 0, 0, 0);
+  }
+}
+
+/// dW rows [r0, r0 + 8 h] x columns c0 + 8 j (+1) += the warpgroup accumulators acc (the wgmma
+/// m64nBN fragment of one thread: acc[4 j + 2 h + {0, 1}]), rows < M and columns < N only. The
+/// fp32 read-modify-write goes in chunks of 8 columns groups: the 16 loads of a chunk are issued
+/// before any store (one memory round trip per chunk instead of one per float2: the stores could
+/// alias the next loads, so the compiler keeps them in program order).
+template <int kAcc>
+__device__ __forceinline__ void add_to_dw(float* dw, const float (&acc)[kAcc], int r0, int c0, int M, int N) {
+  constexpr int kCols = kAcc / 4, kChunk = 8;
+#pragma unroll
+  for (int j0 = 0; j0 < kCols; j0 += kChunk) {
+    float2 o[kChunk][2];
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = r0 + 8 * h, col = c0 + 8 * (j0 + j);
+        if (r < M && col < N) o[j][h] = *reinterpret_cast<const float2*>(dw + static_cast<int64_t>(r) * N + col);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = r0 + 8 * h, col = c0 + 8 * (j0 + j);  // N is a multiple of 8: col + 1 < N too
+        if (r < M && col < N) {
+          o[j][h].x += acc[4 * (j0 + j) + 2 * h];
+          o[j][h].y += acc[4 * (j0 + j) + 2 * h + 1];
+          *reinterpret_cast<float2*>(dw + static_cast<int64_t>(r) * N + col) = o[j][h];
+        }
+      }
+    }
+  }
+}
+
 /// A consumer warpgroup (cw = 0, 1: rows [64 cw, 64 cw + 64) of each tile): the wgmma k-loop over
 /// the ring, then the epilogue; after the tiles (forward, dgrad) its share of the zeroed tail.
 template <typename T, Mode kMode, int BN>
@@ -364,16 +441,7 @@ __device__ __forceinline__ void consume(const Params& p, const Ring& ring) {
       if constexpr (kWgrad) {
         const int valid = w.rows - kt * kBK;  // rows of the group in this stage
         if (valid < kBK) {
-          // Zero reduction rows [valid, 64) of every 64-row box (A: 2, B: BN / 64; each row 128 bytes,
-          // which the swizzle only permutes within), then hand them to the async proxy.
-          constexpr int kChunks = kBM / kBox + BN / kBox;
-          const int per_box = (kBK - valid) * 8;
-          for (int i = ctid; i < kChunks * per_box; i += 128 * kConsumers) {
-            const int box = i / per_box, r = i - box * per_box;
-            const uint32_t addr = a_s + box * kBoxBytes + (valid + r / 8) * 128 + (r % 8) * 16;
-            asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0) : "memory");
-          }
-          fence_proxy_async();
+          zero_stage_tail<BN>(a_s, valid, ctid, 128 * kConsumers);
           consumers_sync();
         }
       }
@@ -401,22 +469,7 @@ __device__ __forceinline__ void consume(const Params& p, const Ring& ring) {
     // (+ 1) of the warpgroup's 64 x BN block, in acc[4 j + 2 h + {0, 1}].
     const int r0 = w.m0 + cw * 64 + warp * 16 + lane / 4, c0 = w.n0 + 2 * (lane % 4);
     if constexpr (kWgrad) {
-      float* dw = static_cast<float*>(p.dw[w.g]);
-#pragma unroll
-      for (int j = 0; j < BN / 8; ++j) {
-        const int col = c0 + 8 * j;
-        if (col >= p.N) continue;  // N is a multiple of 8: col + 1 < N too
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int r = r0 + 8 * h;
-          if (r >= p.M) continue;
-          float2* d = reinterpret_cast<float2*>(dw + static_cast<int64_t>(r) * p.N + col);
-          float2 o = *d;
-          o.x += acc[4 * j + 2 * h];
-          o.y += acc[4 * j + 2 * h + 1];
-          *d = o;
-        }
-      }
+      add_to_dw(static_cast<float*>(p.dw[w.g]), acc, r0, c0, p.M, p.N);
     } else {
       T* c = static_cast<T*>(p.c) + static_cast<int64_t>(w.off) * p.N;
 #pragma unroll
@@ -431,22 +484,103 @@ __device__ __forceinline__ void consume(const Params& p, const Ring& ring) {
       }
     }
   }
-  if constexpr (!kWgrad) {
-    // The tail rows [Σc, R) of the output: zeros, in 16-byte stores spread over every consumer thread.
-    const int64_t per_row = p.N / 8;
-    uint4* c = static_cast<uint4*>(p.c);
-    const int64_t threads = 128 * kConsumers, end = static_cast<int64_t>(p.R) * per_row;
-    const int64_t first = static_cast<int64_t>(ring.off[p.G]) * per_row + blockIdx.x * threads + ctid;
-    for (int64_t i = first; i < end; i += gridDim.x * threads) {
-      c[i] = make_uint4(0, 0, 0, 0);
+  if constexpr (!kWgrad) zero_tail(p, ring, ctid);
+}
+
+/// The ping-pong consumer warpgroup cw: tiles j = cw, cw + 2, ... of the block (t = blockIdx.x +
+/// j gridDim.x), each 128 x 128 in two m64 halves (acc[0]: rows 0-63, acc[1]: rows 64-127);
+/// then its share of the zeroed tail (forward, dgrad).
+template <typename T, Mode kMode>
+__device__ __forceinline__ void consume_pingpong(const Params& p, const Ring& ring) {
+  constexpr int BN = 128;
+  using Tl = Tiling<BN>;
+  constexpr int kStages = Tl::kStages;
+  constexpr bool kWgrad = kMode == Mode::kWgrad;
+  const int cw = threadIdx.x / 128 - 1, wtid = threadIdx.x % 128, ctid = threadIdx.x - 128;
+  const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+  constexpr int kTA = kWgrad ? 1 : 0, kTB = kMode == Mode::kForward ? 0 : 1;
+  constexpr uint32_t kStepA = kTA ? 2048 : 32, kStepB = kTB ? 2048 : 32;
+  constexpr uint32_t kLeadA = kTA ? kBoxBytes : 16, kLeadB = kTB ? kBoxBytes : 16;
+  float acc[2][Tl::kAcc];
+  int it = 0, j = 0;
+  for (int t = blockIdx.x; t < ring.total; t += gridDim.x, ++j) {
+    const Work w = decode<BN>(t, ring.off, ring.tile, p.G, ring.n_tiles, ring.m_tiles);
+    const int ktiles = ((kWgrad ? w.rows : p.K) + kBK - 1) / kBK;
+    if ((j & 1) != cw) {  // the other warpgroup's tile: step over its stages
+      it += ktiles;
+      continue;
+    }
+    // A stage's full barrier is waited by parity: this warpgroup, having stepped over the other's
+    // stages, may only wait once every earlier fill has completed, i.e. after the previous tile's
+    // main loop waited for its stages (else the parity of a fill two phases back would pass).
+    if (j > 0) turn_wait(cw);
+    int prev = -1;
+    fence_acc(acc[0]);
+    fence_acc(acc[1]);
+    for (int kt = 0; kt < ktiles; ++kt, ++it) {
+      const int s = it % kStages;
+      mbar_wait(smem_u32(&ring.full[s]), (it / kStages) & 1);
+      const uint32_t a_s = ring.base + s * Tl::kStageBytes, b_s = a_s + Tl::kABytes;
+      if constexpr (kWgrad) {
+        const int valid = w.rows - kt * kBK;
+        if (valid < kBK) {
+          zero_stage_tail<BN>(a_s, valid, wtid, 128);
+          warpgroup_sync(cw);
+        }
+      }
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBK / 16; ++kk) {
+        const uint64_t db = smem_desc(b_s + kk * kStepB, kLeadB, 1024);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const uint64_t da = smem_desc(a_s + h * kBoxBytes + kk * kStepA, kLeadA, 1024);
+          wgmma<T, BN, kTA, kTB>(acc[h], da, db, (kt | kk) != 0);
+        }
+      }
+      wgmma_commit();
+      if (prev >= 0) {
+        wgmma_wait<1>();
+        __syncwarp();
+        if (lane == 0) mbar_arrive(smem_u32(&ring.empty[prev]));
+      }
+      prev = s;
+    }
+    if (t + static_cast<int>(gridDim.x) < ring.total) turn_give(cw ^ 1);
+    wgmma_wait<0>();
+    fence_acc(acc[0]);
+    fence_acc(acc[1]);
+    __syncwarp();
+    if (lane == 0 && prev >= 0) mbar_arrive(smem_u32(&ring.empty[prev]));
+
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r0 = w.m0 + h * 64 + warp * 16 + lane / 4, c0 = w.n0 + 2 * (lane % 4);
+      if constexpr (kWgrad) {
+        add_to_dw(static_cast<float*>(p.dw[w.g]), acc[h], r0, c0, p.M, p.N);
+      } else {
+        T* c = static_cast<T*>(p.c) + static_cast<int64_t>(w.off) * p.N;
+#pragma unroll
+        for (int jj = 0; jj < BN / 8; ++jj) {
+          const int col = c0 + 8 * jj;
+          if (col >= p.N) continue;
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            const int r = r0 + 8 * hh;
+            if (r < w.rows) store2(c + static_cast<int64_t>(r) * p.N + col, acc[h][4 * jj + 2 * hh], acc[h][4 * jj + 2 * hh + 1]);
+          }
+        }
+      }
     }
   }
+  if constexpr (!kWgrad) zero_tail(p, ring, ctid);
 }
 
 #endif  // MT_GG_SM90A
 
-template <typename T, Mode kMode, int BN>
+template <typename T, Mode kMode, int BN, bool kPingPong>
 __global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(const __grid_constant__ Params p) {
+  static_assert(!kPingPong || BN == 128, "ping-pong tiles are 128 x 128");
 #ifdef MT_GG_SM90A
   using Tl = Tiling<BN>;
   constexpr int kStages = Tl::kStages;
@@ -467,7 +601,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(const __grid_constan
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
       mbar_init(smem_u32(&full[s]), 1);
-      mbar_init(smem_u32(&empty[s]), 4 * kConsumers);  // one arrival per consumer warp
+      mbar_init(smem_u32(&empty[s]), kPingPong ? 4 : 4 * kConsumers);  // one arrival per reading warp
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     fence_proxy_async();
@@ -479,7 +613,11 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(const __grid_constan
     if (threadIdx.x == 0) produce<T, kMode, BN>(p, ring);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
-    consume<T, kMode, BN>(p, ring);
+    if constexpr (kPingPong) {
+      consume_pingpong<T, kMode>(p, ring);
+    } else {
+      consume<T, kMode, BN>(p, ring);
+    }
   }
 #endif  // MT_GG_SM90A
 }
@@ -575,31 +713,37 @@ bool use_wgmma(const char* fn, const std::string& why) {
   return false;
 }
 
-template <typename T, Mode kMode, int BN>
+template <typename T, Mode kMode, int BN, bool kPingPong>
 void launch_typed(const char* fn, const Params& p, int64_t tiles_bound, const Stream& stream) {
   using Tl = Tiling<BN>;
   const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(sm_count(), tiles_bound)));
-  grouped::allow_smem(wgmma_kernel<T, kMode, BN>, Tl::kSmem, Tl::kStaticSmem, fn);
-  wgmma_kernel<T, kMode, BN><<<grid, kThreads, Tl::kSmem, raw(stream)>>>(p);
+  grouped::allow_smem(wgmma_kernel<T, kMode, BN, kPingPong>, Tl::kSmem, Tl::kStaticSmem, fn);
+  wgmma_kernel<T, kMode, BN, kPingPong><<<grid, kThreads, Tl::kSmem, raw(stream)>>>(p);
   MT_CUDA_CHECK_LAUNCH();
 }
 
-/// Launches mode kMode with `bn`-column tiles; tiles_per_bn(bn): an upper bound of the work tiles.
+template <typename T, Mode kMode>
+void launch_width(const char* fn, const Params& p, int bn, bool pingpong, int64_t tiles, const Stream& stream) {
+  if (pingpong) {
+    launch_typed<T, kMode, 128, true>(fn, p, tiles, stream);
+  } else if (bn == 256) {
+    launch_typed<T, kMode, 256, false>(fn, p, tiles, stream);
+  } else {
+    launch_typed<T, kMode, 128, false>(fn, p, tiles, stream);
+  }
+}
+
+/// Launches mode kMode: ping-pong 128 x 128 tiles where kernel() asks for them, else the
+/// cooperative kernel with pick_bn's width; tiles_bound(bn): an upper bound of the work tiles.
 template <Mode kMode, typename TilesBound>
-void launch(const char* fn, DType dt, const Params& p, int bn, TilesBound tiles_bound, const Stream& stream) {
+void launch(const char* fn, DType dt, const Params& p, TilesBound tiles_bound, const Stream& stream) {
+  const bool pingpong = kernel() == Kernel::kWgmmaPingPong;
+  const int bn = pingpong ? 128 : pick_bn(p.N);
   const int64_t tiles = tiles_bound(bn);
   if (dt == DType::kBF16) {
-    if (bn == 256) {
-      launch_typed<__nv_bfloat16, kMode, 256>(fn, p, tiles, stream);
-    } else {
-      launch_typed<__nv_bfloat16, kMode, 128>(fn, p, tiles, stream);
-    }
+    launch_width<__nv_bfloat16, kMode>(fn, p, bn, pingpong, tiles, stream);
   } else {
-    if (bn == 256) {
-      launch_typed<__half, kMode, 256>(fn, p, tiles, stream);
-    } else {
-      launch_typed<__half, kMode, 128>(fn, p, tiles, stream);
-    }
+    launch_width<__half, kMode>(fn, p, bn, pingpong, tiles, stream);
   }
 }
 
@@ -685,7 +829,7 @@ bool rows_op(const char* fn, const Tensor& out, const Tensor& in, const GroupedW
   p.c = out.data();
   p.N = static_cast<int>(N);
   p.K = static_cast<int>(K);
-  launch<kMode>(fn, in.dtype(), p, pick_bn(N),
+  launch<kMode>(fn, in.dtype(), p,
                 [&](int bn) { return (ceil_div(R, kBM) + w.groups()) * ceil_div(N, bn); }, stream);
   return true;
 }
@@ -710,7 +854,7 @@ bool wgrad(const GroupedWeights& dw, const Tensor& dy, const Tensor& x, const Te
   p.dw = dw.table();
   p.M = static_cast<int>(n);
   p.N = static_cast<int>(k);
-  launch<Mode::kWgrad>(fn, x.dtype(), p, pick_bn(k),
+  launch<Mode::kWgrad>(fn, x.dtype(), p,
                        [&](int bn) { return dw.groups() * ceil_div(n, kBM) * ceil_div(k, bn); }, stream);
   return true;
 }

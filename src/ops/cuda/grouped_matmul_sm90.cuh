@@ -19,8 +19,10 @@ namespace mt::cuda::grouped_sm90 {
 /// Which kernel the CUDA grouped GEMMs run (process-wide; a test and bench hook). kAuto: the
 /// wgmma kernel where it applies (below), else the mma.sync / SIMT kernels. kMmaSync: always the
 /// latter. kWgmma / kWgmma128 / kWgmma256: the wgmma kernel with the automatic / a 128- / a
-/// 256-column tile, and an mt::Error naming the reason where it does not apply.
-enum class Kernel { kAuto, kMmaSync, kWgmma, kWgmma128, kWgmma256 };
+/// 256-column tile; kWgmmaPingPong: its ping-pong schedule (128 x 128 tiles, each consumer
+/// warpgroup a whole tile, one's epilogue beside the other's main loop). Forced kinds raise an
+/// mt::Error naming the reason where the kernel does not apply.
+enum class Kernel { kAuto, kMmaSync, kWgmma, kWgmma128, kWgmma256, kWgmmaPingPong };
 void set_kernel(Kernel k);
 Kernel kernel();
 

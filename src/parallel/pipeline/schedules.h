@@ -31,7 +31,29 @@
 //        dependency bound, (m + (pp − 1)/V)·(tf + tb) for the standard configurations; at other
 //        ratios interleaved schedules lose time (1:2 construction at 1:1 or 1:3: up to 21% / 6%;
 //        a matched 1:3 construction: up to 7%). Non-interleaved schedules always reach the bound.
-//  (b) Channels (overlapped; the analogue of Megatron's --overlap-p2p-communication):
+//  (b) Overlapped batches (--overlap-p2p-communication; what train/pipeline.h runs when
+//      ScheduleConfig::overlap_p2p_comm is set; Megatron's overlap_p2p_comm: batched isend/irecv
+//      whose wait handles are waited on right before the data is used):
+//      * The batches of (a), in list order, are issued on a communication stream of their own
+//        (one 2-rank-or-more communicator split from the pipeline group, used only there); the
+//        compute stream never runs a transfer.
+//      * A batch starts once the computes listed before it have run (an event recorded on the
+//        compute stream at the batch's position): its sends read finished tensors and its
+//        receives overwrite buffers nothing reads any more.
+//      * A compute waits (stream event) only for the last batch that received into or sent from a
+//        buffer it uses (its input, activation slot, gradient buffer); batches complete in list
+//        order on the one stream, so that covers the earlier ones. The run ends with the compute
+//        stream waiting for the last batch (nothing is in flight after the step; CUDA graphs need
+//        the join).
+//      * Every ordering edge of this execution is also one of (a) (there, each batch also waits
+//        for everything before it and everything waits for each batch), so it is deadlock-free
+//        whenever (a) is, and never slower than (a) with the same transfers; what it gains is
+//        every compute that does not read a batch's data running while the batch is in flight
+//        (in (a) each batch is a rendezvous the compute stream waits at). Buffer lifetimes are
+//        those of (a): no extra buffers.
+//      * Batch ids (the order of the batches on the stream) must pair across ranks as in (a):
+//        the same issue order on every rank, as NCCL requires of one communicator.
+//  (c) Channels (a bound, simulated by the tests only; the limit of --overlap-p2p-communication):
 //      * Four channels per rank: activations to (rank+1) mod pp (kSendForward), activations
 //        from (rank−1) mod pp (kRecvForward), gradients to (rank−1) mod pp (kSendBackward),
 //        gradients from (rank+1) mod pp (kRecvBackward). Each directed link and direction needs
@@ -46,6 +68,11 @@
 //        gradient; a sent buffer is kept until its send completes.
 //      * Compute then waits only on data: with free communication the makespan is the
 //        dependency bound for any durations. Buffers: RankSchedule::max_pending_recv_*.
+//      * Not executed: a rank would drive four NCCL communicators concurrently, each from its
+//        own stream, in an order that differs from rank to rank, which NCCL documents as unsafe
+//        (operations on different communicators must be issued in the same order everywhere or
+//        not overlap); (b) keeps one communicator with a rank-consistent order. The tests compare
+//        (b)'s makespan with this bound (docs/parallelism.md).
 // Meaning of the actions:
 //  * kSendForward (mb, c): the output activation of forward (mb, c) of this rank, to `peer`
 //    = (rank+1) mod pp, where it is the input of chunk c (or c+1 when this is the last rank).
@@ -82,6 +109,9 @@ struct ScheduleConfig {
   int num_microbatches = 1;       ///< m: global batch / (micro batch · dp)
   int microbatch_group_size = 0;  ///< --microbatch-group-size-per-virtual-pipeline-stage; 0 = pp
   bool forward_only = false;      ///< evaluation: forwards only (no backward, no grad sync)
+  /// --overlap-p2p-communication: the executor runs the list as overlapped batches (mode (b)
+  /// above) instead of blocking batches (a). Changes how the list is run, never the list.
+  bool overlap_p2p_comm = false;
   /// Relative durations of one chunk's forward and backward that the placement of the p2p
   /// batches assumes (build_schedule). They change only where batches go, never the compute
   /// order. 1:2 fits training without recompute, 1:3 full recompute.
