@@ -14,7 +14,7 @@ const Stream& MoeShared::shared_stream(Device device) {
 }
 
 const Stream& MoeShared::comm_stream(Device device) {
-  if (!comm_) comm_ = std::make_unique<Stream>(device);
+  if (!comm_) comm_ = std::make_unique<Stream>(device, StreamPriority::kHigh);  // its kernels start as SMs free
   MT_CHECK(comm_->device() == device, "MoeShared: the exchange stream is on {}, asked for {}", comm_->device().str(),
            device.str());
   return *comm_;

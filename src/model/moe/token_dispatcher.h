@@ -47,7 +47,8 @@ class MoeShared {
  public:
   /// The shared experts' stream on `device` (created on the first call).
   const Stream& shared_stream(Device device);
-  /// The exchanges' stream on `device` (created on the first call).
+  /// The exchanges' stream on `device` (created on the first call; high priority, as the context-
+  /// parallel ring's: its NCCL kernels start as soon as an SM frees, beside the experts' GEMMs).
   const Stream& comm_stream(Device device);
   /// ECHO's used-slot transfers (model/moe/echo_peers.h) for every MoE layer: null until the first
   /// layer's first transfer creates them.
