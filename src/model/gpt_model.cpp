@@ -7,6 +7,7 @@
 #include "model/layers/embedding.h"
 #include "model/layers/output_head.h"
 #include "model/layers/transformer_layer.h"
+#include "model/moe/echo_peers.h"
 #include "model/moe/moe_metrics.h"
 #include "model/specs.h"
 
@@ -103,11 +104,23 @@ MoeDispatchStats GPTModel::moe_dispatch_stats(const Stream& stream) const {
     out.dispatches += s.dispatches;
     out.max_received = std::max(out.max_received, s.max_received);
   });
+  if (EchoPeers* p = echo_peers()) out.echo_bytes = p->bytes_sent_sync(stream);  // one for all layers
+  return out;
+}
+
+EchoPeers* GPTModel::echo_peers() const {
+  EchoPeers* out = nullptr;
+  for_each_moe([&](MoELayer& m) {
+    EchoPeers* p = m.shared_resources().echo_peers.get();
+    MT_CHECK(out == nullptr || p == nullptr || p == out, "GPTModel: the MoE layers hold different ECHO transfers");
+    if (p) out = p;
+  });
   return out;
 }
 
 void GPTModel::reset_moe_stats(const Stream& stream) {
   for_each_moe([&](MoELayer& m) { m.reset_stats(stream); });
+  if (EchoPeers* p = echo_peers()) p->reset_bytes(stream);
 }
 
 void GPTModel::update_expert_bias(const Stream& stream) {

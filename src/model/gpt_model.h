@@ -182,6 +182,8 @@ class GPTModel final : public LanguageModel {
   void grads_final(size_t first, size_t end, const Stream& stream);
   // Calls f on each MoE layer of this rank, in layer order.
   void for_each_moe(const std::function<void(MoELayer&)>& f) const;
+  // ECHO's used-slot transfers, shared by this rank's MoE layers (null: none, or not made yet).
+  EchoPeers* echo_peers() const;
   void finish_group(size_t group, const Stream& stream);  // TP all-reduce of partial grads + grads_ready
   // Full recompute: the output of layer i of a chunk for activation slot `slot` (its own saved
   // output, the checkpoint of the group it ends, or its output in the recompute area).

@@ -257,6 +257,27 @@ int64_t TransformerConfig::padded_vocab_size(int tp) const {
   return (vocab_size + m - 1) / m * m;
 }
 
+void TransformerConfig::validate_moe_comm_overlap() const {
+  // Megatron-Core's rules (TransformerConfig.__post_init__), and this implementation's: the chunked
+  // exchange and the fused permutation are those of the dropless alltoall dispatcher.
+  const bool a2a = moe_token_dispatcher_type == MoeDispatcher::kAllToAll;
+  const bool dropless_a2a = a2a && moe_received_token_capacity == 0;
+  MT_REQUIRE(!moe_shared_expert_overlap || moe_shared_expert_intermediate_size > 0,
+             "--moe-shared-expert-overlap needs shared experts (--moe-shared-expert-intermediate-size > 0, got {})",
+             moe_shared_expert_intermediate_size);
+  MT_REQUIRE(!overlap_moe_expert_parallel_comm || dropless_a2a,
+             "--overlap-moe-expert-parallel-comm needs --moe-token-dispatcher-type alltoall without "
+             "--moe-received-token-capacity (got {}, capacity {}): the exchange is chunked by the host split sizes",
+             a2a ? "alltoall" : "allgather", moe_received_token_capacity);
+  MT_REQUIRE(!delay_wgrad_compute || overlap_moe_expert_parallel_comm,
+             "--delay-wgrad-compute needs --overlap-moe-expert-parallel-comm (the weight gradients wait for the "
+             "chunked exchange)");
+  MT_REQUIRE(!moe_permute_fusion || dropless_a2a,
+             "--moe-permute-fusion needs --moe-token-dispatcher-type alltoall without --moe-received-token-capacity "
+             "(got {}, capacity {}): it fuses that dispatcher's permutation 2 into its exchanges",
+             a2a ? "alltoall" : "allgather", moe_received_token_capacity);
+}
+
 void TransformerConfig::validate(int tp) const {
   MT_REQUIRE(num_layers > 0, "--num-layers must be positive, got {}", num_layers);
   MT_REQUIRE(hidden_size > 0, "--hidden-size must be positive, got {}", hidden_size);
@@ -332,6 +353,10 @@ void TransformerConfig::validate(int tp) const {
     MT_REQUIRE(num_moe_experts == 0 || !moe_enable_echo,
                "--fp8-format {} with --moe-enable-echo is not supported (the expert clones have no FP8 weights)",
                fp8_format_name(fp8));
+    MT_REQUIRE(!delay_wgrad_compute,
+               "--fp8-format {} with --delay-wgrad-compute is not supported: an FP8 expert's weight gradient is "
+               "computed with its input gradient (the quantised dy is not kept for a later pass)",
+               fp8_format_name(fp8));
   }
   if (num_moe_experts == 0) return;
   MT_REQUIRE(!full || !moe_aux_loss_on(MoeLoadBalancing::kGlobalAuxLoss),
@@ -370,6 +395,7 @@ void TransformerConfig::validate(int tp) const {
              "drawn in fp32 (use --moe-router-dtype fp32)");
   MT_REQUIRE(moe_router_topk_scaling_factor > 0, "--moe-router-topk-scaling-factor must be positive, got {}",
              moe_router_topk_scaling_factor);
+  validate_moe_comm_overlap();
   {  // Megatron's list of load-balancing types: one coefficient per type, in the same order
     std::vector<std::string> types;
     for (MoeLoadBalancing t : moe_router_load_balancing_type) types.push_back(moe_load_balancing_name(t));
@@ -512,6 +538,11 @@ std::string TransformerConfig::summary() const {
     if (moe_received_token_capacity > 0)
       s += fmt::format(", static receive buffers of {} tokens per EP rank", moe_received_token_capacity);
     if (moe_enable_echo) s += fmt::format(", ECHO with {} spare expert slots per EP rank", moe_num_echo_experts);
+    if (moe_shared_expert_overlap) s += ", shared experts beside the exchange";
+    if (overlap_moe_expert_parallel_comm)
+      s += delay_wgrad_compute ? ", chunked exchange beside the experts (weight gradients delayed)"
+                               : ", chunked exchange beside the experts";
+    if (moe_permute_fusion) s += ", permutation fused into the exchange";
     if (moe_expert_capacity_set)
       s += fmt::format(", expert capacity factor {} (drop by {})", moe_expert_capacity_factor,
                        moe_token_drop_policy == MoeTokenDropPolicy::kProbs ? "probs" : "position");

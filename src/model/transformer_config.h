@@ -223,6 +223,22 @@ struct TransformerConfig {
   /// --moe-per-layer-logging (Megatron-Core's moe_per_layer_logging): the log line also gives each
   /// MoE layer's losses and imbalance (model/moe/moe_metrics.h). Logging only.
   bool moe_per_layer_logging = false;
+  /// Communication hidden behind computation (docs/moe.md "Overlapped communication"); the math is
+  /// unchanged (bitwise the same losses and gradients):
+  /// --moe-shared-expert-overlap (Megatron's moe_shared_expert_overlap): the shared experts run on a
+  /// side stream while the token dispatcher exchanges (forward and backward).
+  bool moe_shared_expert_overlap = false;
+  /// --overlap-moe-expert-parallel-comm (Megatron's overlap_moe_expert_parallel_comm; here within the
+  /// layer): the dropless alltoall dispatcher exchanges the local experts in chunks on a side stream,
+  /// pipelined with the experts of the chunks already received and the combine of those done.
+  bool overlap_moe_expert_parallel_comm = false;
+  /// --delay-wgrad-compute (Megatron's delay_wgrad_compute; needs the former): the experts' weight
+  /// gradients after every chunk's input gradients, beside the last chunks' backward exchanges.
+  bool delay_wgrad_compute = false;
+  /// --moe-permute-fusion (Megatron's moe_permute_fusion; the dropless alltoall dispatcher):
+  /// permutation 2 fused into the exchanges (every source's piece of every local expert travels to
+  /// its row of the expert input, and back from the expert output: no staging copies).
+  bool moe_permute_fusion = false;
 
   // --- FP8 training (Transformer Engine's recipes as Megatron drives them; docs/fp8.md) ---
   /// --fp8-format: every linear layer of the decoder (ColumnParallelLinear / RowParallelLinear
@@ -294,6 +310,8 @@ struct TransformerConfig {
   /// FP8: --fp8-amax-history-len < 1, --fp8-margin < 0, negative bf16 layer counts, FP8 with the
   /// grouped experts (--moe-grouped-gemm) or ECHO (not built).
   void validate(int tp = 1) const;
+  /// The MoE communication-overlap flags' rules (part of validate()).
+  void validate_moe_comm_overlap() const;
   /// Parameters of the model (a tied embedding counted once), with padded vocabulary.
   int64_t num_parameters(int tp = 1) const;
   /// FLOPs of one iteration of `global_batch` sequences, forward + backward, no recompute, as

@@ -231,6 +231,17 @@ void add_moe_options(CLI::App& app, PretrainArgs& a) {
                  "CUDA-graph capturable; overflow dropped and counted); 0 = dropless")
       ->check(integer_range(0));
   app.add_flag("--moe-per-layer-logging", a.model.moe_per_layer_logging, "Log the auxiliary losses of every MoE layer");
+  app.add_flag("--moe-shared-expert-overlap", m.moe_shared_expert_overlap,
+               "Run the shared experts on a side stream beside the token dispatcher's exchanges (same results)");
+  app.add_flag("--overlap-moe-expert-parallel-comm", m.overlap_moe_expert_parallel_comm,
+               "alltoall (dropless): exchange the local experts' tokens in chunks on a side stream, pipelined with "
+               "the experts (same results)");
+  app.add_flag("--delay-wgrad-compute", m.delay_wgrad_compute,
+               "With --overlap-moe-expert-parallel-comm: the experts' weight gradients after the chunks' input "
+               "gradients, beside the last exchanges (same results)");
+  app.add_flag("--moe-permute-fusion", m.moe_permute_fusion,
+               "alltoall (dropless): send every expert's piece straight to its row (no permutation-2 copies; same "
+               "results)");
   app.add_option("--expert-model-parallel-size", a.expert_model_parallel_size, "Expert-parallel size")
       ->check(positive_integer())
       ->capture_default_str();
