@@ -54,6 +54,8 @@ class TensorParallelRegion {
   static TensorParallelRegion layout_only(int size, int rank, bool sequence_parallel = false);
 
   Communicator& group() const;
+  /// False for a layout_only() region (no communicator: group() is an error).
+  bool has_group() const { return tp_ != nullptr; }
   int size() const { return size_; }
   int rank() const { return rank_; }
   bool sequence_parallel() const { return sp_; }

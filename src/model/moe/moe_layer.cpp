@@ -43,10 +43,12 @@ MoELayer::MoELayer(const TransformerConfig& c, int64_t layer, const TensorParall
   if (c.moe_shared_expert_intermediate_size > 0) shared_ = std::make_unique<SharedExpertMLP>(c, p, tp, reg);
   // The shared experts' TP collectives run beside the dispatcher's: only on another communicator
   // (without an expert grid the dispatcher's groups are the TP group itself; then no overlap).
-  const Communicator* tp_group = tp.size() > 1 ? &tp.group() : nullptr;
-  overlap_shared_ = shared_ && c.moe_shared_expert_overlap &&
-                    (tp_group == nullptr ||
-                     (tp_group != ep.dispatch.get() && tp_group != ep.ep_group.get() && tp_group != ep.etp_group.get()));
+  // A layout-only model (parameter specs: no communicators) never runs, so it needs no answer.
+  if (shared_ && c.moe_shared_expert_overlap && tp.has_group()) {
+    const Communicator* tp_group = tp.size() > 1 ? &tp.group() : nullptr;
+    overlap_shared_ = tp_group == nullptr || (tp_group != ep.dispatch.get() && tp_group != ep.ep_group.get() &&
+                                              tp_group != ep.etp_group.get());
+  }
 }
 
 void MoELayer::plan(BufferPlanner& p, int64_t s, int64_t b) {
