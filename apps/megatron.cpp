@@ -5,6 +5,7 @@
 //   megatron serve ...            text-generation HTTP server (train/serve.h; with cpp-httplib)
 //   megatron evaluate ...         validation loss, WIKITEXT103 perplexity, LAMBADA (train/evaluate.h)
 //   megatron import-hf / export-hf  Hugging Face checkpoints in and out (train/hf_commands.h)
+//   megatron plan ...             size a layout before renting GPUs: memory per rank, step time (plan/plan.h)
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <csignal>
@@ -20,6 +21,7 @@
 #include "core/check.h"
 #include "core/cli_validators.h"
 #include "data/preprocess_cli.h"
+#include "plan/plan.h"
 #include "train/arguments.h"
 #include "train/evaluate.h"
 #include "train/generate.h"
@@ -68,6 +70,11 @@ int main(int argc, char** argv) {
   mt::LogitsArgs logits_args;
   CLI::App* logits = app.add_subcommand("logits", "Write a checkpoint's fp32 logits for given token ids");
   mt::add_logits_options(*logits, logits_args);
+
+  mt::PlanCommandArgs plan_args;
+  CLI::App* plan = app.add_subcommand(
+      "plan", "Size a layout before renting GPUs: pretrain's flags + --world-size N --gpu h100|h200 [--search] [--json]");
+  mt::add_plan_options(*plan, plan_args);
 
   mt::data::add_preprocess_data_command(app);
   mt::data::add_merge_datasets_command(app);
@@ -123,6 +130,7 @@ int main(int argc, char** argv) {
     if (import_hf->parsed()) rc = mt::run_import_hf(import_args);
     if (logits->parsed()) rc = mt::run_logits(logits_args);
     if (export_hf->parsed()) rc = mt::run_export_hf(export_args);
+    if (plan->parsed()) rc = mt::run_plan(plan_args);
   } catch (const CLI::ConversionError& e) {
     // the syntax was checked (strict_numbers): an integer too large for a flag held in an int
     return app.exit(CLI::ConversionError(mt::conversion_error_message(e.what())));

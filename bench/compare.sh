@@ -28,7 +28,11 @@
 #                         mlp_act (the norms' and the MLP activation's outputs recomputed);
 #                         graph = --cuda-graph-impl full_iteration (forward + backward replayed
 #                         as one CUDA graph); fa2 = --attention-backend flash (the FlashAttention-2
-#                         kernels instead of the default cuDNN fused attention)
+#                         kernels instead of the default cuDNN fused attention); fp8 = --fp8-format
+#                         hybrid --fp8-recipe tensorwise (FP8 GEMMs in every decoder linear layer,
+#                         current scaling; docs/fp8.md), fp8_delayed = hybrid delayed scaling (amax
+#                         history 1024, max), fp8_block = e4m3 blockwise (1x128 / 128x128 scales),
+#                         fp8_graph = fp8 with the full-iteration CUDA graph
 #   moe_small             Mixtral-style MoE (12 layers, hidden 1024, GQA 16/8, 8 experts top-2, expert
 #                         SwiGLU 3584, aux loss 1e-2), micro-batch 8 (speed only)
 # Environment: ITERS (steps, default 40), WARMUP (steps left out of the timing, default 10), LR
@@ -143,6 +147,11 @@ for c in "$@"; do
     "$base:norm_act") mt+=(--recompute-granularity selective --recompute-modules layernorm mlp_act) ;;
     "$base:graph") mt+=(--cuda-graph-impl full_iteration) ;;
     "$base:fa2") mt+=(--attention-backend flash) ;;
+    "$base:fp8") mt+=(--fp8-format hybrid --fp8-recipe tensorwise) ;;
+    "$base:fp8_delayed") mt+=(--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 1024
+                              --fp8-amax-compute-algo max) ;;
+    "$base:fp8_block") mt+=(--fp8-format e4m3 --fp8-recipe blockwise) ;;
+    "$base:fp8_graph") mt+=(--fp8-format hybrid --fp8-recipe tensorwise --cuda-graph-impl full_iteration) ;;
     "$base:pao") mt+=(--use-precision-aware-optimizer) ;;
     "$base:pao_norm_act") mt+=(--use-precision-aware-optimizer --recompute-granularity selective
                                --recompute-modules layernorm mlp_act) ;;

@@ -12,13 +12,18 @@
 #   3. end to end (megatron pretrain, $ITERS iterations, the mean of the last log interval): one GPU
 #      and CP 2 at 32K; CP 2 p2p and a2a at 64K (one GPU: only if the estimate fits); CP 2 p2p at
 #      128K (with --recompute-modules mlp if the plain run's estimate does not fit); tokens/s,
-#      TFLOP/s per GPU (the log line's formula, docs/flags.md), the memory estimate printed at start
-#      and the measured memory per GPU, and CP 2's speed-up over one GPU.
-# Usage: bench/cp_bench.sh [build] [tests] [layer] [e2e] [long] [quick]   (logs in $OUT, default out/)
-#   the stages named (default: all four; each fits a 10-minute device call): e2e runs 32K, long
-#   64K and 128K; quick: the layer bench at 32K only.
+#      TFLOP/s per GPU (the log line's formula, docs/flags.md), the memory estimate printed at start,
+#      the buffers and memory in use at start (rank 0), the measured peak per GPU (nvidia-smi
+#      sampled during the run; GPUs 0..N-1 are the run's), and CP 2's speed-up over one GPU.
+# Usage: bench/cp_bench.sh [build] [tests] [layer] [e2e] [64k] [128k] [long] [quick]
+#   the stages named (default: tests layer e2e long; each a few minutes on 2 H200s after a build):
+#   e2e runs 32K, 64k and 128k the end-to-end runs at that sequence, long = 64k 128k; quick: the
+#   layer bench at 32K only. Logs in $OUT/logs.tgz (one file: the device tool returns at most 8)
+#   and the printed summary in $OUT/summary.txt ($OUT default out/).
 set -uo pipefail
-OUT=${OUT:-out}; mkdir -p "$OUT"
+FINAL=${OUT:-out}; mkdir -p "$FINAL"
+OUT=$(mktemp -d); trap 'tar -C "$OUT" -czf "$FINAL/logs.tgz" . 2>/dev/null' EXIT
+exec > >(tee "$FINAL/summary.txt") 2>&1
 export NCCL_NVLS_ENABLE=0
 source bench/common.sh
 if [ "${1:-}" = build ]; then
@@ -27,7 +32,8 @@ if [ "${1:-}" = build ]; then
   shift
 fi
 stages=" $* "
-[ -z "$(echo "$stages" | grep -oE 'tests|layer|e2e|long')" ] && stages="$stages tests layer e2e long "
+grep -qE 'tests|layer|e2e|64k|128k|long' <<<"$stages" || stages="$stages tests layer e2e long "
+[[ "$stages" == *" long "* ]] && stages="$stages 64k 128k "
 has() { [[ "$stages" == *" $1 "* ]]; }
 quick=$(has quick && echo quick)
 ITERS=${ITERS:-8}
@@ -48,9 +54,16 @@ run() {
   local log="$OUT/e2e_$name.log"
   local launch=()
   [ "$gpus" -gt 1 ] && launch=(--nproc-per-node "$gpus")
+  # the measured peak per GPU: nvidia-smi's memory.used every 200 ms during the run (everything on
+  # the GPU: buffers, CUDA context, cuBLASLt/cuDNN workspaces, NCCL), the max per GPU
+  nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 200 > "$OUT/e2e_$name.smi" 2>/dev/null &
+  local smi=$!
   timeout 1500 build/megatron "${model[@]}" --seq-length "$seq" --max-position-embeddings "$seq" \
     --global-batch-size 1 "${launch[@]}" "$@" > "$log" 2>&1
   local rc=$?
+  kill "$smi" 2>/dev/null; wait "$smi" 2>/dev/null
+  local peak
+  peak=$(awk -F', *' -v n="$gpus" '$1 < n && $2 > m[$1] { m[$1] = $2 } END { for (i = 0; i < n; ++i) printf "%s%.1f", (i ? " / " : ""), m[i] / 1024 }' "$OUT/e2e_$name.smi")
   local line
   line=$(grep -E "iteration +$ITERS/" "$log" | tail -1)
   local ms tok tf est mem
@@ -63,8 +76,8 @@ run() {
     printf "%-24s %7s %4s | did not run: %s\n" "$name" "$seq" "$gpus" "$(grep -m1 -oE '(error|out of memory).*' "$log" | cut -c1-160)"
     return 1
   fi
-  printf "%-24s %7s %4s | %9s ms %10s tok/s %7s TFLOP/s/GPU | estimate %s | buffers, in use (rank 0): %s\n" \
-    "$name" "$seq" "$gpus" "$ms" "$tok" "$tf" "$est" "$mem"
+  printf "%-24s %7s %4s | %9s ms %10s tok/s %7s TFLOP/s/GPU | estimate %s | buffers, in use at start (rank 0): %s| peak per GPU (nvidia-smi): %s GiB\n" \
+    "$name" "$seq" "$gpus" "$ms" "$tok" "$tf" "$est" "$mem" "$peak"
   echo "$tok" > "$OUT/e2e_$name.tok"
 }
 speedup() {  # speedup CP_NAME ONE_NAME
@@ -106,8 +119,8 @@ run cp2_a2a_32k 32768 2 --context-parallel-size 2 --cp-comm-type a2a
 run cp2_p2p_flash_32k 32768 2 --context-parallel-size 2 --cp-comm-type p2p --attention-backend flash
 speedup cp2_p2p_32k one_gpu_32k; speedup cp2_a2a_32k one_gpu_32k; speedup cp2_p2p_flash_32k one_gpu_32k
 fi
-if has long; then
-  echo "== 4. end to end at 64K and 128K =="
+if has 64k; then
+  echo "== 4. end to end at 64K =="
   rm -f "$OUT"/e2e_*64k*.tok
   run one_gpu_64k 65536 1 || run one_gpu_64k_recompute_mlp 65536 1 --recompute-granularity selective \
     --recompute-modules mlp
@@ -115,6 +128,9 @@ if has long; then
   run cp2_a2a_64k 65536 2 --context-parallel-size 2 --cp-comm-type a2a
   one64=one_gpu_64k; [ -s "$OUT/e2e_one_gpu_64k.tok" ] || one64=one_gpu_64k_recompute_mlp
   speedup cp2_p2p_64k $one64; speedup cp2_a2a_64k $one64
+fi
+if has 128k; then
+  echo "== 5. end to end at 128K, CP 2 =="
   run cp2_p2p_128k 131072 2 --context-parallel-size 2 --cp-comm-type p2p ||
     run cp2_p2p_128k_recompute_mlp 131072 2 --context-parallel-size 2 --cp-comm-type p2p \
       --recompute-granularity selective --recompute-modules mlp

@@ -7,7 +7,9 @@
 # balanced load (capturable) with and without ECHO, eager; and static + ECHO in a full-iteration
 # CUDA graph. Prints one markdown row per variant: step ms, host ms, the largest receive of an EP
 # rank (dropless) or the slots overflowed per iteration (static), ECHO's rerouted slots per layer,
-# the last loss. Logs under $OUT.
+# the MiB of clone weights and gradients the used-slot transfers sent (static + ECHO on one NVLink
+# domain; the fixed all-to-alls would send 3·ep·S expert blocks per MoE layer, micro-batch and
+# rank), the last loss. Logs under $OUT.
 #
 # usage: bench/echo_ep.sh [build] NGPU   Environment: ITERS (multiple of 10, default 60), CAP_FACTOR
 # (default 1.25).
@@ -40,14 +42,14 @@ row() {  # $1 tag, rest: flags
   local tag=$1; shift
   timeout 300 build/megatron pretrain "${model[@]}" "$@" > "$OUT/$tag.log" 2>&1
   local line; line=$(grep -E "iteration +$ITERS/" "$OUT/$tag.log")
-  if [ -z "$line" ]; then echo "| $tag | failed: $(grep -iE 'error' "$OUT/$tag.log" | head -1 | cut -c1-150) |||||"; return; fi
+  if [ -z "$line" ]; then echo "| $tag | failed: $(grep -iE 'error' "$OUT/$tag.log" | head -1 | cut -c1-150) ||||||"; return; fi
   local recv; recv=$(field "max tokens received per EP rank" "$line")
   [ -n "$recv" ] || recv="overflow $(field "tokens overflowed at the received capacity" "$line")"
-  echo "| $tag | $(field "elapsed time per iteration \(ms\)" "$line") | $(field "host time per iteration \(ms\)" "$line") | $recv | $(field "ECHO rerouted tokens per layer" "$line") | $(field "lm loss" "$line") |"
+  echo "| $tag | $(field "elapsed time per iteration \(ms\)" "$line") | $(field "host time per iteration \(ms\)" "$line") | $recv | $(field "ECHO rerouted tokens per layer" "$line") | $(field "ECHO clone MiB sent per iteration" "$line") | $(field "lm loss" "$line") |"
 }
 echo "EP $N, balanced receive $balanced slots per rank and layer, static capacity $cap" | tee "$OUT/echo_ep.md"
-echo "| variant | step ms | host ms | max received (dropless) / overflowed per iter (static) | ECHO rerouted per layer | lm loss |" | tee -a "$OUT/echo_ep.md"
-echo "|---|---|---|---|---|---|" | tee -a "$OUT/echo_ep.md"
+echo "| variant | step ms | host ms | max received (dropless) / overflowed per iter (static) | ECHO rerouted per layer | ECHO clone MiB per iter (used-slot transfers) | lm loss |" | tee -a "$OUT/echo_ep.md"
+echo "|---|---|---|---|---|---|---|" | tee -a "$OUT/echo_ep.md"
 {
   row dropless
   row dropless_echo --moe-enable-echo --moe-num-echo-experts 1

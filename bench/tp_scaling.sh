@@ -22,7 +22,8 @@
 # Usage: bench/tp_scaling.sh [weak] [heads] [llama7b]   (default: all three; needs 2 GPUs for the
 # TP rows). Env: OUT (logs, default out), MT_BUILD_DIR (use the megatron binary built there instead
 # of building build/), ITERS (default 30), WARM (default 10), ATTN (--attention-backend, default
-# fused: cuDNN for head dims other than 64 / 128), LLAMA_LAYERS.
+# fused: cuDNN for head dims other than 64 / 128), LLAMA_LAYERS, MT_EXTRA (flags added to every run,
+# e.g. "--fp8-format hybrid --fp8-recipe tensorwise" for the FP8 rows of issue 38).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -48,7 +49,8 @@ common=(--seq-length 1024 --max-position-embeddings 1024 --make-vocab-size-divis
 run() {
   local name=$1 n=$2; shift 2
   if [ "$n" -gt "$ngpu" ]; then ms=NA; tflops=NA; mfu=NA; mem=NA; err="needs $n GPUs"; return; fi
-  "$bin" pretrain --nproc-per-node "$n" "$@" > "$OUT/$name.log" 2>&1
+  # shellcheck disable=SC2086
+  "$bin" pretrain --nproc-per-node "$n" "$@" ${MT_EXTRA:-} > "$OUT/$name.log" 2>&1
   read -r ms tflops mfu <<< "$(python3 - "$OUT/$name.log" "$WARM" <<'EOF'
 import re, sys
 log, warm = open(sys.argv[1]).read(), int(sys.argv[2])

@@ -1,10 +1,13 @@
 #include "model/gpt_model.h"
 
 #include "ops/flash_attention.h"
+#include "ops/fp8.h"
 
+#include "model/fp8/fp8_model.h"
 #include "model/layers/embedding.h"
 #include "model/layers/output_head.h"
 #include "model/layers/transformer_layer.h"
+#include "model/moe/echo_peers.h"
 #include "model/moe/moe_metrics.h"
 #include "model/specs.h"
 
@@ -27,8 +30,9 @@ struct GPTModel::Parts {
   /// attention: --attention-backend resolved (resolve_attention_backend).
   Parts(const TransformerConfig& config, TensorParallelRegion tp_region, ExpertParallel expert_parallel,
         const std::vector<pipeline::LayerRange>& ranges, AttentionBackend attention,
-        const ContextParallelRegion* cp = nullptr)
+        const ContextParallelRegion* cp = nullptr, Fp8Model* fp8 = nullptr)
       : cfg(config), tp(std::move(tp_region)), ep(std::move(expert_parallel)) {
+    registry.set_fp8(fp8);
     bool has_embedding = false, has_loss = false;
     for (const auto& r : ranges) {
       has_embedding |= r.has_embedding;
@@ -100,11 +104,23 @@ MoeDispatchStats GPTModel::moe_dispatch_stats(const Stream& stream) const {
     out.dispatches += s.dispatches;
     out.max_received = std::max(out.max_received, s.max_received);
   });
+  if (EchoPeers* p = echo_peers()) out.echo_bytes = p->bytes_sent_sync(stream);  // one for all layers
+  return out;
+}
+
+EchoPeers* GPTModel::echo_peers() const {
+  EchoPeers* out = nullptr;
+  for_each_moe([&](MoELayer& m) {
+    EchoPeers* p = m.shared_resources().echo_peers.get();
+    MT_CHECK(out == nullptr || p == nullptr || p == out, "GPTModel: the MoE layers hold different ECHO transfers");
+    if (p) out = p;
+  });
   return out;
 }
 
 void GPTModel::reset_moe_stats(const Stream& stream) {
   for_each_moe([&](MoELayer& m) { m.reset_stats(stream); });
+  if (EchoPeers* p = echo_peers()) p->reset_bytes(stream);
 }
 
 void GPTModel::update_expert_bias(const Stream& stream) {
@@ -121,6 +137,7 @@ void GPTModel::reset_global_aux_loss_tracker(const Stream& stream) {
 void GPTModel::finish_step(const Stream& stream) {
   update_expert_bias(stream);             // aux-loss-free MoE balancing (Megatron's finalize_model_grads)
   reset_global_aux_loss_tracker(stream);  // global_aux_loss: the next step counts from zero (device)
+  if (fp8_) fp8_->finish_step(stream);    // delayed scaling: the step's amaxes reduced, the scales updated
 }
 
 std::string GPTModel::log_statistics(Communicator& world, int64_t iterations, const Stream& stream) {
@@ -139,6 +156,8 @@ std::vector<std::pair<std::string, Tensor>> GPTModel::persistent_state(const Str
     if (Tensor b = m.expert_bias(stream); !b.empty())
       out.emplace_back(fmt::format("decoder.layers.{}.mlp.router.expert_bias", m.layer()), b);
   });
+  if (fp8_)  // delayed scaling's amax histories and scales
+    for (auto& entry : fp8_->persistent_state()) out.push_back(std::move(entry));
   return out;
 }
 
@@ -185,11 +204,14 @@ std::unique_ptr<GPTModel> GPTModel::planned_for(int64_t seq_length, int64_t micr
   c.recompute_method_set = false;
   c.recompute_num_layers = 0;
   c.recompute_modules_set = false;
+  c.fp8 = Fp8Format::kNone;   // inference runs the bf16 GEMMs on the same weights
   c.tp_comm_overlap = false;  // no sequence parallelism to overlap
   std::unique_ptr<GPTModel> m(new GPTModel(c, micro_batch, dtype_, device_, groups_, /*sequence_parallel=*/false,
                                            params_->layout(), std::move(layout), params_));
   const auto src = persistent_state(stream), dst = m->persistent_state(stream);  // the expert biases
-  for (size_t i = 0; i < src.size(); ++i) copy(dst.at(i).second, src[i].second, stream);
+  for (const auto& [name, t] : dst)
+    for (const auto& [src_name, s] : src)
+      if (src_name == name) copy(t, s, stream);
   return m;
 }
 
@@ -213,7 +235,10 @@ GPTModel::GPTModel(const TransformerConfig& config, int64_t micro_batch, DType d
   config_.validate(tp_.size());
   if (groups_.cp && groups_.cp->size() > 1) {
     const ContextParallelOptions cpo = validate_context_parallel(config_, groups_.cp->size(), tp_.size());
-    cp_ = std::make_unique<ContextParallelRegion>(groups_.cp, cpo, config_.seq_length, device);
+    // measured only (memory_plan, `megatron plan`): its small position table on the host, so that a
+    // machine without the device can measure the model
+    cp_ = std::make_unique<ContextParallelRegion>(groups_.cp, cpo, config_.seq_length,
+                                                  measure_only ? Device::cpu() : device);
   }
   (void)tp_.local_seq(local_seq_length());  // errors when SP cannot split the sequence
   MT_REQUIRE(micro_batch > 0, "--micro-batch-size must be positive, got {}", micro_batch);
@@ -252,7 +277,13 @@ GPTModel::GPTModel(const TransformerConfig& config, int64_t micro_batch, DType d
     expert = ExpertParallel{groups_.ep->size(), groups_.ep->rank(), groups_.etp->size(), groups_.etp->rank(),
                             groups_.etp_ep, groups_.ep, groups_.etp};
   }
-  parts_ = std::make_unique<Parts>(config_, tp_, expert, ranges, attention_backend_, cp_.get());
+  if (config_.fp8 != Fp8Format::kNone) {  // docs/fp8.md: checked before anything is allocated
+    fp8_check_device(device, config_.fp8_recipe == Fp8Recipe::kBlockwise);
+    MT_REQUIRE(device.is_cpu() || dtype != DType::kF16,
+               "--fp8-format with --fp16 is not supported: the FP8 GEMMs write bf16 or fp32 (use --bf16)");
+    fp8_ = std::make_unique<Fp8Model>(config_, groups_);
+  }
+  parts_ = std::make_unique<Parts>(config_, tp_, expert, ranges, attention_backend_, cp_.get(), fp8_.get());
   // The router sums its token counts over TP × CP (Megatron's tp_cp_group), global_aux_loss then
   // over DP (together Megatron's tp_dp_cp_group).
   for (const auto& l : parts_->layers)
@@ -313,12 +344,14 @@ GPTModel::GPTModel(const TransformerConfig& config, int64_t micro_batch, DType d
     m.head_slots = planner_->area_count(Family::kHead);
     m.scratch_bytes = planner_->scratch_bytes();
     m.persistent_bytes = planner_->persistent_bytes();
+    m.fp8_bytes = fp8_ ? fp8_->planned_bytes() : 0;
     m.boundary_bytes = static_cast<size_t>(Tensor(nullptr, dtype_, device_, boundary_shape()).nbytes());
     return;
   }
   planner_->materialize();
   planner_->begin_pass();
   plan(*planner_);
+  if (fp8_) fp8_->initialize(device_);
 }
 
 GPTModel::~GPTModel() = default;
@@ -331,6 +364,7 @@ void GPTModel::plan(BufferPlanner& p) {
     ch.input.assign(static_cast<size_t>(chunk_specs_[c].inputs), Tensor());
     for (auto& in : ch.input) in = p.persistent(dtype_, {sl, b, h}, "chunk input");
   }
+  if (fp8_) fp8_->plan(p);  // the FP8 weight copies and scaling state
   // Activation slots: every chunk's layers fill a slot from its start (a slot holds one forward
   // of one chunk at a time). Full recompute: a slot keeps the groups' outputs; the recomputed
   // layers' saved tensors are planned in the recompute area, one group at a time.
@@ -441,6 +475,7 @@ void GPTModel::forward(const MicroBatch& mb, const DropoutContext& dc, const Ten
                        const Stream& st, bool compute_loss) {
   MT_REQUIRE(num_chunks() == 1 && chunks_[0].embedding && chunks_[0].head,
              "GPTModel::forward needs the whole model on this rank (use forward_chunk with pipeline parallelism)");
+  if (fp8_) fp8_->invalidate_weights();  // the weights may have changed since the last call
   forward_chunk(0, ChunkBuffers{}, mb, dc, loss_accum, loss_weight, st, /*first_forward=*/false, compute_loss);
 }
 
@@ -464,6 +499,7 @@ Tensor GPTModel::forward_chunk(int c, const ChunkBuffers& buf, const MicroBatch&
   ChunkState& ch = chunks_[static_cast<size_t>(c)];
   const Tensor in = ch.input[static_cast<size_t>(buf.input)];
   const StepContext ctx{mb, dc, buf.slot, st, Tensor(), layer_graphs_};
+  if (fp8_) fp8_->set_training(dc.training);  // delayed scaling records training forwards only
   auto needed = [&](size_t group) {
     const auto [first, end] = parts_->registry.group_range(group);
     if (first_forward && hooks_ != nullptr && first < end) hooks_->params_needed(first, end, st);
@@ -475,6 +511,8 @@ Tensor GPTModel::forward_chunk(int c, const ChunkBuffers& buf, const MicroBatch&
   Tensor x = in;
   for (size_t i = 0; i < ch.layers.size(); ++i) {
     needed(ch.layers[i]->param_group());
+    // FP8: the layer's weights quantised once per step, after their all-gather (needed)
+    if (fp8_) fp8_->quantize_weights(ch.range.begin + static_cast<int64_t>(i), first_forward, st);
     StepContext lctx = ctx;
     lctx.slot = ch.slot_of(i, buf.slot);
     x = ch.layers[i]->forward(x, lctx);

@@ -23,6 +23,7 @@
 
 namespace mt {
 
+class Fp8Model;
 class LanguageModelEmbedding;
 class LanguageModelHead;
 class TransformerLayer;
@@ -40,6 +41,7 @@ struct ModelMemoryPlan {
   size_t head_slot_bytes = 0;
   int head_slots = 0;
   size_t scratch_bytes = 0, persistent_bytes = 0;
+  size_t fp8_bytes = 0;  ///< of persistent_bytes: FP8 weight copies and scaling state (--fp8-format)
   size_t boundary_bytes = 0;  ///< one pipeline boundary tensor (boundary_shape(), activation dtype)
   size_t buffer_bytes() const {
     return persistent_bytes + activation_slot_bytes * static_cast<size_t>(activation_slots) + recompute_bytes +
@@ -149,6 +151,8 @@ class GPTModel final : public LanguageModel {
   void reset_global_aux_loss_tracker(const Stream& stream);
 
   bool sequence_parallel() const { return tp_.sequence_parallel(); }
+  /// The FP8 state of this rank's linear layers (--fp8-format; model/fp8/fp8_model.h), or nullptr.
+  const Fp8Model* fp8() const { return fp8_.get(); }
   /// Context-parallel size (the CP group of `groups`) and the tokens of a sequence on this rank:
   /// seq_length / cp (parallel/context_parallel.h). Micro-batches then carry this rank's tokens
   /// ([s/cp, b]) and, always, their global position_ids.
@@ -178,6 +182,8 @@ class GPTModel final : public LanguageModel {
   void grads_final(size_t first, size_t end, const Stream& stream);
   // Calls f on each MoE layer of this rank, in layer order.
   void for_each_moe(const std::function<void(MoELayer&)>& f) const;
+  // ECHO's used-slot transfers, shared by this rank's MoE layers (null: none, or not made yet).
+  EchoPeers* echo_peers() const;
   void finish_group(size_t group, const Stream& stream);  // TP all-reduce of partial grads + grads_ready
   // Full recompute: the output of layer i of a chunk for activation slot `slot` (its own saved
   // output, the checkpoint of the group it ends, or its output in the recompute area).
@@ -196,6 +202,7 @@ class GPTModel final : public LanguageModel {
   ProcessGroups groups_;
   TensorParallelRegion tp_;
   std::unique_ptr<ContextParallelRegion> cp_;  // CP > 1 only
+  std::unique_ptr<Fp8Model> fp8_;              // --fp8-format only (before parts_: the linears register with it)
   std::unique_ptr<Parts> parts_;
   std::shared_ptr<ParamStore> params_;  // shared with the models planned_for() makes
   std::unique_ptr<BufferPlanner> planner_;

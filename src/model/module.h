@@ -24,6 +24,7 @@
 namespace mt {
 
 class InferenceContext;  // model/inference_context.h
+class Fp8Model;          // model/fp8/fp8_model.h
 
 /// One micro-batch on the model's device. tokens, labels: int32 [s, b]; loss_mask: fp32 [s, b]
 /// or empty (all ones); position_ids: int32 [s, b] or empty (0..s-1, --reset-position-ids fills
@@ -129,6 +130,10 @@ class ParamRegistry {
   size_t num_groups() const { return groups_.size(); }
   /// Fills every declared ParamRef from the store built from specs().
   void bind(ParamStore& store);
+  /// FP8 training (--fp8-format): the model-wide FP8 state the linear layers register an
+  /// Fp8Linear with (model/fp8/fp8_model.h); nullptr when FP8 is off.
+  void set_fp8(Fp8Model* fp8) { fp8_ = fp8; }
+  Fp8Model* fp8() const { return fp8_; }
 
  private:
   struct Entry {
@@ -142,6 +147,7 @@ class ParamRegistry {
   std::vector<Group> ordered() const;
   std::vector<Group> groups_;
   std::unordered_set<std::string> names_;  // every declared name (duplicates found in O(1))
+  Fp8Model* fp8_ = nullptr;
 };
 
 /// Static buffer planning (docs/architecture.md principle 1). The model calls its modules' plan() twice: a

@@ -257,6 +257,27 @@ int64_t TransformerConfig::padded_vocab_size(int tp) const {
   return (vocab_size + m - 1) / m * m;
 }
 
+void TransformerConfig::validate_moe_comm_overlap() const {
+  // Megatron-Core's rules (TransformerConfig.__post_init__), and this implementation's: the chunked
+  // exchange and the fused permutation are those of the dropless alltoall dispatcher.
+  const bool a2a = moe_token_dispatcher_type == MoeDispatcher::kAllToAll;
+  const bool dropless_a2a = a2a && moe_received_token_capacity == 0;
+  MT_REQUIRE(!moe_shared_expert_overlap || moe_shared_expert_intermediate_size > 0,
+             "--moe-shared-expert-overlap needs shared experts (--moe-shared-expert-intermediate-size > 0, got {})",
+             moe_shared_expert_intermediate_size);
+  MT_REQUIRE(!overlap_moe_expert_parallel_comm || dropless_a2a,
+             "--overlap-moe-expert-parallel-comm needs --moe-token-dispatcher-type alltoall without "
+             "--moe-received-token-capacity (got {}, capacity {}): the exchange is chunked by the host split sizes",
+             a2a ? "alltoall" : "allgather", moe_received_token_capacity);
+  MT_REQUIRE(!delay_wgrad_compute || overlap_moe_expert_parallel_comm,
+             "--delay-wgrad-compute needs --overlap-moe-expert-parallel-comm (the weight gradients wait for the "
+             "chunked exchange)");
+  MT_REQUIRE(!moe_permute_fusion || dropless_a2a,
+             "--moe-permute-fusion needs --moe-token-dispatcher-type alltoall without --moe-received-token-capacity "
+             "(got {}, capacity {}): it fuses that dispatcher's permutation 2 into its exchanges",
+             a2a ? "alltoall" : "allgather", moe_received_token_capacity);
+}
+
 void TransformerConfig::validate(int tp) const {
   MT_REQUIRE(num_layers > 0, "--num-layers must be positive, got {}", num_layers);
   MT_REQUIRE(hidden_size > 0, "--hidden-size must be positive, got {}", hidden_size);
@@ -319,6 +340,24 @@ void TransformerConfig::validate(int tp) const {
   MT_REQUIRE(!full || recompute_method != RecomputeMethod::kUniform || recompute_num_layers <= num_layers,
              "--recompute-num-layers {} exceeds --num-layers {} (--recompute-method uniform)", recompute_num_layers,
              num_layers);
+  if (fp8 != Fp8Format::kNone) {  // docs/fp8.md
+    MT_REQUIRE(fp8_amax_history_len >= 1, "--fp8-amax-history-len must be >= 1, got {}", fp8_amax_history_len);
+    MT_REQUIRE(fp8_margin >= 0, "--fp8-margin must be >= 0, got {}", fp8_margin);
+    MT_REQUIRE(num_layers_at_start_in_bf16 >= 0 && num_layers_at_end_in_bf16 >= 0,
+               "--num-layers-at-start-in-bf16 {} and --num-layers-at-end-in-bf16 {} must be >= 0",
+               num_layers_at_start_in_bf16, num_layers_at_end_in_bf16);
+    MT_REQUIRE(num_moe_experts == 0 || !moe_grouped_gemm,
+               "--fp8-format {} with --moe-grouped-gemm is not supported: the grouped expert GEMM has no FP8 kernel "
+               "(the experts run FP8 one GEMM per expert; drop --moe-grouped-gemm)",
+               fp8_format_name(fp8));
+    MT_REQUIRE(num_moe_experts == 0 || !moe_enable_echo,
+               "--fp8-format {} with --moe-enable-echo is not supported (the expert clones have no FP8 weights)",
+               fp8_format_name(fp8));
+    MT_REQUIRE(!delay_wgrad_compute,
+               "--fp8-format {} with --delay-wgrad-compute is not supported: an FP8 expert's weight gradient is "
+               "computed with its input gradient (the quantised dy is not kept for a later pass)",
+               fp8_format_name(fp8));
+  }
   if (num_moe_experts == 0) return;
   MT_REQUIRE(!full || !moe_aux_loss_on(MoeLoadBalancing::kGlobalAuxLoss),
              "--moe-router-load-balancing-type global_aux_loss with --recompute-granularity full is not supported: "
@@ -356,6 +395,7 @@ void TransformerConfig::validate(int tp) const {
              "drawn in fp32 (use --moe-router-dtype fp32)");
   MT_REQUIRE(moe_router_topk_scaling_factor > 0, "--moe-router-topk-scaling-factor must be positive, got {}",
              moe_router_topk_scaling_factor);
+  validate_moe_comm_overlap();
   {  // Megatron's list of load-balancing types: one coefficient per type, in the same order
     std::vector<std::string> types;
     for (MoeLoadBalancing t : moe_router_load_balancing_type) types.push_back(moe_load_balancing_name(t));
@@ -447,6 +487,12 @@ double TransformerConfig::flops_per_iteration(int64_t global_batch, int tp) cons
   return 6.0 * B * s * (L * attention + h * F * ffn_factor + h * V);
 }
 
+bool TransformerConfig::fp8_layer(int64_t layer) const {
+  if (fp8 == Fp8Format::kNone) return false;
+  if (!first_last_layers_bf16) return true;
+  return layer >= num_layers_at_start_in_bf16 && layer < num_layers - num_layers_at_end_in_bf16;
+}
+
 std::string TransformerConfig::summary() const {
   std::string s = fmt::format("{} layers, hidden {}, heads {}", num_layers, hidden_size, num_attention_heads);
   if (query_groups() != num_attention_heads) s += fmt::format(" ({} query groups)", query_groups());
@@ -461,6 +507,11 @@ std::string TransformerConfig::summary() const {
   if (layernorm_zero_centered_gamma) s += ", zero-centred norm weights (--apply-layernorm-1p)";
   if (untie_embeddings_and_output_weights) s += ", untied output layer";
   if (deterministic_mode) s += ", deterministic mode";
+  if (fp8 != Fp8Format::kNone) {
+    s += ", FP8 " + fp8_settings().summary();
+    if (first_last_layers_bf16)
+      s += fmt::format(" (first {} / last {} layers bf16)", num_layers_at_start_in_bf16, num_layers_at_end_in_bf16);
+  }
   if (recompute_granularity == RecomputeGranularity::kSelective) {
     const RecomputeModules& r = recompute_modules;
     std::string mods;
@@ -488,6 +539,11 @@ std::string TransformerConfig::summary() const {
     if (moe_received_token_capacity > 0)
       s += fmt::format(", static receive buffers of {} tokens per EP rank", moe_received_token_capacity);
     if (moe_enable_echo) s += fmt::format(", ECHO with {} spare expert slots per EP rank", moe_num_echo_experts);
+    if (moe_shared_expert_overlap) s += ", shared experts beside the exchange";
+    if (overlap_moe_expert_parallel_comm)
+      s += delay_wgrad_compute ? ", chunked exchange beside the experts (weight gradients delayed)"
+                               : ", chunked exchange beside the experts";
+    if (moe_permute_fusion) s += ", permutation fused into the exchange";
     if (moe_expert_capacity_set)
       s += fmt::format(", expert capacity factor {} (drop by {})", moe_expert_capacity_factor,
                        moe_token_drop_policy == MoeTokenDropPolicy::kProbs ? "probs" : "position");

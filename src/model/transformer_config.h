@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "core/dtype.h"
+#include "model/fp8/fp8_recipe.h"
 #include "model/variants.h"
 
 namespace mt {
@@ -225,6 +226,46 @@ struct TransformerConfig {
   /// --moe-per-layer-logging (Megatron-Core's moe_per_layer_logging): the log line also gives each
   /// MoE layer's losses and imbalance (model/moe/moe_metrics.h). Logging only.
   bool moe_per_layer_logging = false;
+  /// Communication hidden behind computation (docs/moe.md "Overlapped communication"); the math is
+  /// unchanged (bitwise the same losses and gradients):
+  /// --moe-shared-expert-overlap (Megatron's moe_shared_expert_overlap): the shared experts run on a
+  /// side stream while the token dispatcher exchanges (forward and backward).
+  bool moe_shared_expert_overlap = false;
+  /// --overlap-moe-expert-parallel-comm (Megatron's overlap_moe_expert_parallel_comm; here within the
+  /// layer): the dropless alltoall dispatcher exchanges the local experts in chunks on a side stream,
+  /// pipelined with the experts of the chunks already received and the combine of those done.
+  bool overlap_moe_expert_parallel_comm = false;
+  /// --delay-wgrad-compute (Megatron's delay_wgrad_compute; needs the former): the experts' weight
+  /// gradients after every chunk's input gradients, beside the last chunks' backward exchanges.
+  bool delay_wgrad_compute = false;
+  /// --moe-permute-fusion (Megatron's moe_permute_fusion; the dropless alltoall dispatcher):
+  /// permutation 2 fused into the exchanges (every source's piece of every local expert travels to
+  /// its row of the expert input, and back from the expert output: no staging copies).
+  bool moe_permute_fusion = false;
+
+  // --- FP8 training (Transformer Engine's recipes as Megatron drives them; docs/fp8.md) ---
+  /// --fp8-format: every linear layer of the decoder (ColumnParallelLinear / RowParallelLinear
+  /// and the MoE experts) runs its three GEMMs in FP8; the embeddings, the LM head, norms,
+  /// attention and the optimizer stay in higher precision. kNone = off.
+  Fp8Format fp8 = Fp8Format::kNone;
+  Fp8Recipe fp8_recipe = Fp8Recipe::kDelayed;  ///< --fp8-recipe (Megatron's default: delayed)
+  int fp8_margin = 0;                          ///< --fp8-margin (delayed: scale = fp8_max / amax / 2^margin)
+  int64_t fp8_amax_history_len = 1;            ///< --fp8-amax-history-len (delayed)
+  fp8_math::AmaxAlgo fp8_amax_compute_algo = fp8_math::AmaxAlgo::kMostRecent;  ///< --fp8-amax-compute-algo
+  /// --first-last-layers-bf16: the first --num-layers-at-start-in-bf16 and the last
+  /// --num-layers-at-end-in-bf16 decoder layers (global numbering) keep bf16 GEMMs.
+  bool first_last_layers_bf16 = false;
+  int64_t num_layers_at_start_in_bf16 = 1;
+  int64_t num_layers_at_end_in_bf16 = 1;
+  /// --fp8-param-gather (Megatron's fp8_param): the distributed optimizer all-gathers FP8 weights.
+  bool fp8_param = false;
+  /// The FP8 settings of the linear layers (format kNone when FP8 is off).
+  Fp8Settings fp8_settings() const {
+    return Fp8Settings{fp8, fp8_recipe, fp8_margin, fp8_amax_history_len, fp8_amax_compute_algo};
+  }
+  /// Whether decoder layer `layer` (global, 0-based) runs its linear layers in FP8: FP8 on and the
+  /// layer not among the bf16 first / last layers of --first-last-layers-bf16.
+  bool fp8_layer(int64_t layer) const;
 
   // --- derived (Megatron's defaulting) ---
   /// The MLP activation (model/variants.h): kSwiGLU with --swiglu, else kGelu.
@@ -268,8 +309,12 @@ struct TransformerConfig {
   /// the wrong length, biases on experts (use --disable-bias-linear), a capacity factor <= 0 or
   /// padding to capacity without one; --recompute-method or --recompute-num-layers without full
   /// granularity, full granularity without a method or with --recompute-num-layers < 1; global
-  /// load balancing (its token counts accumulate over the step's forwards) under full recompute.
+  /// load balancing (its token counts accumulate over the step's forwards) under full recompute;
+  /// FP8: --fp8-amax-history-len < 1, --fp8-margin < 0, negative bf16 layer counts, FP8 with the
+  /// grouped experts (--moe-grouped-gemm) or ECHO (not built).
   void validate(int tp = 1) const;
+  /// The MoE communication-overlap flags' rules (part of validate()).
+  void validate_moe_comm_overlap() const;
   /// Parameters of the model (a tied embedding counted once), with padded vocabulary.
   int64_t num_parameters(int tp = 1) const;
   /// FLOPs of one iteration of `global_batch` sequences, forward + backward, no recompute, as

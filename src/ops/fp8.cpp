@@ -57,6 +57,23 @@ std::vector<int64_t> fp8_scale_shape(Fp8Scaling s, int64_t rows, int64_t cols) {
   return {fp8_math::scale_rows(s, rows, cols), fp8_math::scale_cols(s, rows, cols)};
 }
 
+void fp8_check_device(Device device, bool blockwise) {
+  if (device.is_cpu()) return;
+#ifdef MT_WITH_CUDA
+  const int cc = cuda::fp8_compute_capability(device.index);
+  MT_REQUIRE(cc >= 89,
+             "FP8 training (--fp8-format) needs a GPU with FP8 tensor cores (compute capability >= 8.9: Ada, Hopper, "
+             "Blackwell); {} has compute capability {}.{}",
+             device.str(), cc / 10, cc % 10);
+  MT_REQUIRE(!blockwise || cc / 10 == 9,
+             "--fp8-recipe blockwise needs a Hopper GPU (compute capability 9.x: cuBLASLt's 1x128 / 128x128 block "
+             "scaling); {} has compute capability {}.{} (use --fp8-recipe tensorwise or delayed)",
+             device.str(), cc / 10, cc % 10);
+#else
+  no_cuda_backend("fp8_check_device");
+#endif
+}
+
 void fp8_amax(const Tensor& amax, const Tensor& x, const Stream& stream) {
   op_checks::check_act(x, "fp8_amax", "x");
   check_f32_vec(amax, 1, "fp8_amax", "amax");

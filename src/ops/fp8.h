@@ -89,11 +89,23 @@ void fp8_quantize_blockwise(const Tensor& q, const Tensor& q_scale_inv, const Te
 void fp8_dequantize(const Tensor& y, const Tensor& q, const Tensor& scale_inv, Fp8Scaling scaling,
                     const Stream& stream);
 
+/// Errors (mt::Error naming the device, its compute capability and what is needed) unless
+/// `device` runs the FP8 GEMMs of fp8_matmul: the CPU always (the emulation); a GPU needs FP8
+/// tensor cores, compute capability >= 8.9 (Ada, Hopper, Blackwell), and for the block scalings
+/// (`blockwise`) Hopper, 9.x (cuBLASLt's VEC128_32F / BLK128x128_32F scale modes; Transformer
+/// Engine emulates the recipe with MXFP8 on later GPUs). Checked before any work (docs/fp8.md).
+void fp8_check_device(Device device, bool blockwise);
+
 MT_OP_BACKENDS(fp8_amax)
 MT_OP_BACKENDS(fp8_scale_from_amax)
 MT_OP_BACKENDS(fp8_delayed_scale_update)
 MT_OP_BACKENDS(fp8_quantize)
 MT_OP_BACKENDS(fp8_quantize_blockwise)
 MT_OP_BACKENDS(fp8_dequantize)
+
+namespace cuda {
+/// Compute capability of CUDA device `index` as major * 10 + minor (ops/cuda/fp8.cu).
+int fp8_compute_capability(int index);
+}  // namespace cuda
 
 }  // namespace mt

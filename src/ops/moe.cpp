@@ -193,13 +193,25 @@ void moe_shared_gate_backward(const Tensor& d_ys, const Tensor& d_logits, const 
   check_gate_rows(dy, ys, fn, "dy");
   check_gate_rows(d_ys, ys, fn, "d_ys");
   check_gate_rows(x, ys, fn, "x");
-  check_gate_rows(dx, ys, fn, "dx");
+  if (!dx.empty()) check_gate_rows(dx, ys, fn, "dx");
   check_2d(w, ys.dtype(), 1, ys.size(1), fn, "w");
   check_2d(dw, DType::kF32, 1, ys.size(1), fn, "dw");
   check_gate_logits(logits, ys.size(0), fn, "logits");
   check_gate_logits(d_logits, ys.size(0), fn, "d_logits");
-  check_devices(stream, ys, {&d_ys, &d_logits, &dx, &dw, &dy, &x, &w, &logits}, fn);
+  check_devices(stream, ys, {&d_ys, &d_logits, &dw, &dy, &x, &w, &logits}, fn);
+  if (!dx.empty()) check_devices(stream, ys, {&dx}, fn);
   MT_DISPATCH(ys.device(), moe_shared_gate_backward, d_ys, d_logits, dx, dw, dy, ys, x, w, logits, stream);
+}
+
+void moe_shared_gate_backward_dx(const Tensor& dx, const Tensor& d_logits, const Tensor& w, const Stream& stream) {
+  const char* fn = "moe_shared_gate_backward_dx";
+  op_checks::check_act(dx, fn, "dx");
+  MT_CHECK(dx.ndim() == 2, "{}: dx must be [T, h], got {}", fn, dx.str());
+  check_gate_rows(dx, dx, fn, "dx");
+  check_2d(w, dx.dtype(), 1, dx.size(1), fn, "w");
+  check_gate_logits(d_logits, dx.size(0), fn, "d_logits");
+  check_devices(stream, dx, {&d_logits, &w}, fn);
+  MT_DISPATCH(dx.device(), moe_shared_gate_backward_dx, dx, d_logits, w, stream);
 }
 
 void moe_tokens_per_expert(const Tensor& counts, const Tensor& top, const Stream& stream) {

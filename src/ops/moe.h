@@ -101,11 +101,18 @@ void moe_shared_gate_forward(const Tensor& y, const Tensor& logits, const Tensor
                              const Stream& stream);
 /// Its backward from dy [T, h], with σ_t = sigmoid(logits[t]): d_ys[t, :] = σ_t · dy[t, :] (act
 /// dtype, overwritten); d_logits[t] = σ_t(1 − σ_t) · Σ_i dy[t, i]·ys[t, i] (fp32 [T], overwritten
-/// scratch); dx[t, :] += d_logits[t] · w (act dtype, accumulate); dw[0, i] += Σ_t d_logits[t]·x[t, i]
-/// (fp32 main gradient [1, h], accumulate; summed in double in token order: deterministic).
+/// scratch); dx[t, :] += d_logits[t] · w (act dtype, accumulate; skipped when dx is empty);
+/// dw[0, i] += Σ_t d_logits[t]·x[t, i] (fp32 main gradient [1, h], accumulate; summed in double in
+/// token order: deterministic).
 void moe_shared_gate_backward(const Tensor& d_ys, const Tensor& d_logits, const Tensor& dx, const Tensor& dw,
                               const Tensor& dy, const Tensor& ys, const Tensor& x, const Tensor& w,
                               const Tensor& logits, const Stream& stream);
+/// The dx part of moe_shared_gate_backward on its own (the backward called with an empty dx, then
+/// this later: --moe-shared-expert-overlap runs the rest on a side stream): dx[t, :] += d_logits[t]
+/// · w, the same fp32 expression, so the result is bitwise that of the whole backward. dx [T, h]
+/// act dtype; d_logits fp32 [T] (moe_shared_gate_backward's); w [1, h] of dx's dtype.
+/// Errors: mt::Error on shapes, dtypes, devices.
+void moe_shared_gate_backward_dx(const Tensor& dx, const Tensor& d_logits, const Tensor& w, const Stream& stream);
 
 /// Tokens per expert: counts[g, e] (fp32 [G, E] or [E] for G = 1, overwritten) = the number of
 /// (token t, slot) with t mod G = g and top[t, slot] = e; top int32 [T, k], every entry in [0, E).
@@ -211,6 +218,7 @@ MT_OP_BACKENDS(moe_router_logits_fp64)
 MT_OP_BACKENDS(moe_router_logits_fp64_backward)
 MT_OP_BACKENDS(moe_shared_gate_forward)
 MT_OP_BACKENDS(moe_shared_gate_backward)
+MT_OP_BACKENDS(moe_shared_gate_backward_dx)
 MT_OP_BACKENDS(moe_tokens_per_expert)
 MT_OP_BACKENDS(moe_global_tokens_per_expert)
 MT_OP_BACKENDS(moe_expert_bias_update)

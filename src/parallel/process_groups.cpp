@@ -7,24 +7,38 @@
 
 namespace mt {
 
-namespace {
-std::shared_ptr<Communicator> split_kind(Communicator& world, const ParallelGroups& pg, GroupKind kind,
-                                         const char* name) {
-  const RankGroups groups = pg.groups(kind);
-  const int me = world.rank();
-  int color = -1, key = 0;
-  for (size_t g = 0; g < groups.size(); ++g) {
-    for (size_t i = 0; i < groups[g].size(); ++i) {
-      if (groups[g][i] == me) {
-        color = static_cast<int>(g);
-        key = static_cast<int>(i);
+ProcessGroups process_groups_of(const ParallelConfig& cfg, int rank, const GroupMaker& make) {
+  const ParallelGroups pg(cfg);
+  const auto kind = [&](GroupKind k, const char* name) {
+    const RankGroups groups = pg.groups(k);
+    int color = -1, key = 0;
+    for (size_t g = 0; g < groups.size(); ++g) {
+      for (size_t i = 0; i < groups[g].size(); ++i) {
+        if (groups[g][i] == rank) {
+          color = static_cast<int>(g);
+          key = static_cast<int>(i);
+        }
       }
     }
-  }
-  auto comm = world.split(color, key, name);
-  return comm ? comm : std::make_shared<SingleRankCommunicator>(std::string(name) + "(none)");
+    auto comm = make(name, color, key, color < 0 ? 0 : static_cast<int>(groups[static_cast<size_t>(color)].size()));
+    return comm ? comm : std::make_shared<SingleRankCommunicator>(std::string(name) + "(none)");
+  };
+  ProcessGroups g;
+  g.tp = kind(GroupKind::kTp, "tp");
+  g.cp = kind(GroupKind::kCp, "cp");
+  g.dp = kind(GroupKind::kDp, "dp");
+  g.pp = kind(GroupKind::kPp, "pp");
+  g.tp_cp = kind(GroupKind::kTpCp, "tp-cp");
+  g.dp_cp = kind(GroupKind::kDpCp, "dp-cp");
+  g.mp = kind(GroupKind::kMp, "mp");
+  g.ep = kind(GroupKind::kEp, "ep");
+  g.etp = kind(GroupKind::kEtp, "etp");
+  g.edp = kind(GroupKind::kEdp, "edp");
+  g.etp_ep = kind(GroupKind::kEtpEp, "etp-ep");
+  g.etp_ep_pp = kind(GroupKind::kEtpEpPp, "etp-ep-pp");
+  g.embedding = kind(GroupKind::kEmbedding, "embedding");
+  return g;
 }
-}  // namespace
 
 ProcessGroups build_process_groups(const std::shared_ptr<Communicator>& world, const ParallelConfig& cfg) {
   MT_CHECK(cfg.world == world->size(), "parallel config is for {} ranks but the world has {}", cfg.world,
@@ -34,22 +48,10 @@ ProcessGroups build_process_groups(const std::shared_ptr<Communicator>& world, c
     g.world = world;
     return g;
   }
-  const ParallelGroups pg(cfg);
-  ProcessGroups g;
+  ProcessGroups g = process_groups_of(cfg, world->rank(), [&](const char* name, int color, int key, int) {
+    return world->split(color, key, name);
+  });
   g.world = world;
-  g.tp = split_kind(*world, pg, GroupKind::kTp, "tp");
-  g.cp = split_kind(*world, pg, GroupKind::kCp, "cp");
-  g.dp = split_kind(*world, pg, GroupKind::kDp, "dp");
-  g.pp = split_kind(*world, pg, GroupKind::kPp, "pp");
-  g.tp_cp = split_kind(*world, pg, GroupKind::kTpCp, "tp-cp");
-  g.dp_cp = split_kind(*world, pg, GroupKind::kDpCp, "dp-cp");
-  g.mp = split_kind(*world, pg, GroupKind::kMp, "mp");
-  g.ep = split_kind(*world, pg, GroupKind::kEp, "ep");
-  g.etp = split_kind(*world, pg, GroupKind::kEtp, "etp");
-  g.edp = split_kind(*world, pg, GroupKind::kEdp, "edp");
-  g.etp_ep = split_kind(*world, pg, GroupKind::kEtpEp, "etp-ep");
-  g.etp_ep_pp = split_kind(*world, pg, GroupKind::kEtpEpPp, "etp-ep-pp");
-  g.embedding = split_kind(*world, pg, GroupKind::kEmbedding, "embedding");
   return g;
 }
 

@@ -240,6 +240,17 @@ void add_moe_options(CLI::App& app, PretrainArgs& a) {
                  "CUDA-graph capturable; overflow dropped and counted); 0 = dropless")
       ->check(integer_range(0));
   app.add_flag("--moe-per-layer-logging", a.model.moe_per_layer_logging, "Log the auxiliary losses of every MoE layer");
+  app.add_flag("--moe-shared-expert-overlap", m.moe_shared_expert_overlap,
+               "Run the shared experts on a side stream beside the token dispatcher's exchanges (same results)");
+  app.add_flag("--overlap-moe-expert-parallel-comm", m.overlap_moe_expert_parallel_comm,
+               "alltoall (dropless): exchange the local experts' tokens in chunks on a side stream, pipelined with "
+               "the experts (same results)");
+  app.add_flag("--delay-wgrad-compute", m.delay_wgrad_compute,
+               "With --overlap-moe-expert-parallel-comm: the experts' weight gradients after the chunks' input "
+               "gradients, beside the last exchanges (same results)");
+  app.add_flag("--moe-permute-fusion", m.moe_permute_fusion,
+               "alltoall (dropless): send every expert's piece straight to its row (no permutation-2 copies; same "
+               "results)");
   app.add_option("--expert-model-parallel-size", a.expert_model_parallel_size, "Expert-parallel size")
       ->check(positive_integer())
       ->capture_default_str();
@@ -296,6 +307,33 @@ void add_training_options(CLI::App& app, PretrainArgs& a) {
 
   app.add_flag("--bf16", a.bf16, "bf16 parameters and activations, fp32 main parameters and gradients");
   app.add_flag("--fp16", a.fp16, "fp16 parameters and activations with dynamic loss scaling");
+  // FP8 training (Megatron's _add_transformer_engine_args; docs/fp8.md)
+  app.add_option_function<std::string>(
+      "--fp8-format", [&a](const std::string& v) { a.model.fp8 = parse_fp8_format(v); },
+      "FP8 GEMMs in every decoder linear layer: e4m3 everywhere, or hybrid (e4m3 forward, e5m2 gradients)");
+  app.add_option_function<std::string>(
+         "--fp8-recipe", [&a](const std::string& v) { a.model.fp8_recipe = parse_fp8_recipe(v); },
+         "FP8 scaling: tensorwise (current scaling), delayed (amax history) or blockwise (1x128 / 128x128 blocks)")
+      ->default_str("delayed");
+  app.add_option("--fp8-margin", a.model.fp8_margin, "Delayed scaling: scale = fp8_max / amax / 2^margin")
+      ->capture_default_str();
+  app.add_option("--fp8-amax-history-len", a.model.fp8_amax_history_len, "Delayed scaling: amax history length")
+      ->capture_default_str();
+  app.add_option_function<std::string>(
+         "--fp8-amax-compute-algo",
+         [&a](const std::string& v) { a.model.fp8_amax_compute_algo = parse_fp8_amax_compute_algo(v); },
+         "Delayed scaling: the amax of the history, max or most_recent")
+      ->default_str("most_recent");
+  app.add_flag("--first-last-layers-bf16", a.model.first_last_layers_bf16,
+               "With --fp8-format: keep the first and last decoder layers in bf16");
+  app.add_option("--num-layers-at-start-in-bf16", a.model.num_layers_at_start_in_bf16,
+                 "--first-last-layers-bf16: decoder layers at the start kept in bf16")
+      ->capture_default_str();
+  app.add_option("--num-layers-at-end-in-bf16", a.model.num_layers_at_end_in_bf16,
+                 "--first-last-layers-bf16: decoder layers at the end kept in bf16")
+      ->capture_default_str();
+  app.add_flag("--fp8-param-gather", a.model.fp8_param,
+               "The distributed optimizer all-gathers FP8 weights (needs --use-distributed-optimizer; not built yet)");
   app.add_option("--loss-scale", a.loss_scale, "Static loss scale (fp16); default dynamic");
   app.add_option("--initial-loss-scale", a.initial_loss_scale, "Initial dynamic loss scale")->capture_default_str();
   app.add_option("--min-loss-scale", a.min_loss_scale, "Minimum dynamic loss scale")->capture_default_str();
@@ -511,6 +549,9 @@ void check_feature_flags(const PretrainArgs& a) {
        {"--rotary-base", "--rotary-percent", "--rotary-interleaved"}},
       {a.context_parallel_size > 1, "--context-parallel-size > 1",
        {"--cp-comm-type", "--hierarchical-context-parallel-sizes"}},
+      {a.model.fp8 != Fp8Format::kNone, "--fp8-format",
+       {"--fp8-recipe", "--fp8-margin", "--fp8-amax-history-len", "--fp8-amax-compute-algo",
+        "--first-last-layers-bf16", "--num-layers-at-start-in-bf16", "--num-layers-at-end-in-bf16"}},
       {!a.tensorboard_dir.empty(), "--tensorboard-dir",
        {"--tensorboard-log-interval", "--log-timers-to-tensorboard", "--log-memory-to-tensorboard",
         "--log-validation-ppl-to-tensorboard"}},
@@ -632,6 +673,10 @@ void validate_pretrain_args(PretrainArgs& a) {
              "distributed optimizer)");
   MT_REQUIRE(!a.overlap_param_gather || a.overlap_grad_reduce,
              "--overlap-param-gather requires --overlap-grad-reduce");
+  MT_REQUIRE(!a.model.fp8_param || a.use_distributed_optimizer,
+             "--fp8-param-gather requires --use-distributed-optimizer (the distributed optimizer gathers the FP8 "
+             "weights, as in Megatron)");
+  MT_REQUIRE(!a.model.fp8_param || a.model.fp8 != Fp8Format::kNone, "--fp8-param-gather needs --fp8-format");
   // Megatron: with bf16 and the default fp32 --main-params-dtype this stores the main parameters
   // as remainders (optimizer_config.py store_param_remainders). Unlike Megatron it does not need
   // --use-distributed-optimizer.

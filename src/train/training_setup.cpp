@@ -39,37 +39,81 @@ pipeline::ScheduleConfig schedule_config(const ParallelConfig& pc, int64_t num_m
   return sc;
 }
 
+pipeline::ScheduleConfig schedule_config(const ModelSetupOptions& o, const ParallelConfig& pc) {
+  pipeline::ScheduleConfig sc = schedule_config(pc, o.num_microbatches, o.microbatch_group_size);
+  sc.overlap_p2p_comm = o.overlap_p2p_comm;
+  return sc;
+}
+
+pipeline::PipelineLayout pipeline_layout_of(const ModelSetupOptions& o, const ParallelConfig& pc) {
+  pipeline::PipelineLayout layout = o.pipeline;
+  layout.num_layers = o.model.num_layers;
+  layout.pp = pc.pp;
+  layout.vpp = pc.vpp;
+  return layout;
+}
+
 }  // namespace
+
+void validate_rank_schedule(const ModelSetupOptions& o, const ParallelConfig& pc) {
+  pipeline::validate_pipeline_layout(pipeline_layout_of(o, pc));
+  pipeline::validate_schedule_config(schedule_config(o, pc));
+}
+
+RankSchedule plan_rank_schedule(const ModelSetupOptions& o, const ParallelConfig& pc, int pp_rank) {
+  validate_rank_schedule(o, pc);
+  pipeline::ScheduleConfig sc = schedule_config(o, pc);
+  RankSchedule s;
+  s.chunks = pipeline::layers_of(pp_rank, pipeline_layout_of(o, pc));
+  s.train = plan_pipeline(sc, pp_rank, s.chunks);
+  sc.forward_only = true;
+  s.eval = plan_pipeline(sc, pp_rank, s.chunks);
+  s.model_layout = model_layout(s.chunks, {&s.train, &s.eval});
+  if (o.head_chunk_bytes > 0) s.model_layout.head.chunk_bytes = o.head_chunk_bytes;
+  return s;
+}
+
+MemoryEstimate estimate_rank_memory(const ModelSetupOptions& o, const ProcessGroups& groups, const RankSchedule& s,
+                                    ModelMemoryPlan* model_plan) {
+  // Parameter gradients are reduced (and the distributed optimizer sharded) over dp-cp (Megatron).
+  ParamLayout param_layout = o.param_layout;
+  param_layout.data_parallel_size = groups.dp_cp->size();
+  param_layout.expert_data_parallel_size = groups.edp->size();
+  MemoryEstimateInputs in;
+  in.model = GPTModel::memory_plan(o.model, o.micro_batch_size, o.dtype, o.device, groups, o.sequence_parallel,
+                                   param_layout, s.model_layout);
+  in.dtype = o.dtype;
+  in.distributed_optimizer = o.ddp.use_distributed_optimizer;
+  in.store_param_remainders = o.optim.store_param_remainders;
+  in.data_parallel = groups.dp_cp->size();
+  in.expert_data_parallel = groups.edp->size();
+  in.grad_reduce_in_bf16 = o.ddp.grad_reduce_in_bf16 && (groups.dp_cp->size() > 1 || groups.edp->size() > 1);
+  in.pipeline_grad_bytes =
+      static_cast<size_t>(std::max(s.train.grad_buffers, s.eval.grad_buffers)) * in.model.boundary_bytes;
+  in.batch_bytes = o.batch_bytes;
+  if (model_plan) *model_plan = in.model;
+  return estimate_training_memory(in);
+}
 
 ModelSetup::ModelSetup(std::shared_ptr<Communicator> world, ModelSetupOptions options, const Stream& stream)
     : options_(std::move(options)), parallel_(options_.parallel) {
   const ModelSetupOptions& o = options_;
   validate_and_derive(parallel_, world->size());
-  pipeline::PipelineLayout layout = o.pipeline;
-  layout.num_layers = o.model.num_layers;
-  layout.pp = parallel_.pp;
-  layout.vpp = parallel_.vpp;
-  pipeline::validate_pipeline_layout(layout);
-  pipeline::ScheduleConfig sc = schedule_config(parallel_, o.num_microbatches, o.microbatch_group_size);
-  sc.overlap_p2p_comm = o.overlap_p2p_comm;
-  pipeline::validate_schedule_config(sc);  // a mismatched layout fails before any collective
+  validate_rank_schedule(o, parallel_);  // a mismatched layout fails before any collective
   GPTModel::validate_context_parallel(o.model, parallel_.cp, parallel_.tp);
   groups_ = build_process_groups(world, parallel_);
   // The pipeline schedule of this rank (no pipelining when pp == 1) for training and for
   // evaluation (forward only), and the model chunks and buffers they need.
-  const int pp_rank = groups_.pp->rank();
-  chunks_ = pipeline::layers_of(pp_rank, layout);
-  train_plan_ = plan_pipeline(sc, pp_rank, chunks_);
-  sc.forward_only = true;
-  eval_plan_ = plan_pipeline(sc, pp_rank, chunks_);
+  RankSchedule schedule = plan_rank_schedule(o, parallel_, groups_.pp->rank());
+  chunks_ = schedule.chunks;
+  train_plan_ = schedule.train;
+  eval_plan_ = schedule.eval;
   // Parameter gradients are reduced (and the distributed optimizer sharded) over dp-cp (Megatron).
   options_.param_layout.data_parallel_size = groups_.dp_cp->size();
   options_.param_layout.expert_data_parallel_size = parallel_.edp;
-  ModelLayout model_layout_needed = model_layout(chunks_, {&train_plan_, &eval_plan_});
-  if (o.head_chunk_bytes > 0) model_layout_needed.head.chunk_bytes = o.head_chunk_bytes;
-  if (o.check_memory) estimate_memory(model_layout_needed);
+  if (o.check_memory) estimate_memory(schedule);
   model_ = std::make_unique<GPTModel>(o.model, o.micro_batch_size, o.dtype, o.device, groups_, o.sequence_parallel,
-                                      options_.param_layout, model_layout_needed);
+                                      options_.param_layout, schedule.model_layout);
   executor_ = std::make_unique<PipelineExecutor>(*model_, groups_.pp,
                                                  std::vector<const PipelinePlan*>{&train_plan_, &eval_plan_});
   // Data-parallel gradient buckets (reduced as the backward finishes them with
@@ -83,21 +127,9 @@ ModelSetup::ModelSetup(std::shared_ptr<Communicator> world, ModelSetupOptions op
 ModelSetup::~ModelSetup() = default;
 
 // The memory estimate, before anything large is allocated (train/memory_estimate.h).
-void ModelSetup::estimate_memory(const ModelLayout& layout) {
+void ModelSetup::estimate_memory(const RankSchedule& schedule) {
   const ModelSetupOptions& o = options_;
-  MemoryEstimateInputs in;
-  in.model = GPTModel::memory_plan(o.model, o.micro_batch_size, o.dtype, o.device, groups_, o.sequence_parallel,
-                                   o.param_layout, layout);
-  in.dtype = o.dtype;
-  in.distributed_optimizer = o.ddp.use_distributed_optimizer;
-  in.store_param_remainders = o.optim.store_param_remainders;
-  in.data_parallel = groups_.dp_cp->size();
-  in.expert_data_parallel = groups_.edp->size();
-  in.grad_reduce_in_bf16 = o.ddp.grad_reduce_in_bf16 && (groups_.dp_cp->size() > 1 || groups_.edp->size() > 1);
-  in.pipeline_grad_bytes = static_cast<size_t>(std::max(train_plan_.grad_buffers, eval_plan_.grad_buffers)) *
-                           in.model.boundary_bytes;
-  in.batch_bytes = o.batch_bytes;
-  memory_estimate_ = estimate_training_memory(in);
+  memory_estimate_ = estimate_rank_memory(o, groups_, schedule);
   in_use_before_ = device_memory_in_use(o.device);  // CUDA context, libraries, other processes
   log_info("> memory estimate per rank: {}", memory_estimate_.summary());
   if (o.device.is_cuda()) {
@@ -155,6 +187,51 @@ void check_resume_config(const TransformerConfig& ck, const TransformerConfig& m
 }
 
 }  // namespace
+
+TrainingLayout resolve_training_layout(const PretrainArgs& args, int world_size) {
+  TrainingLayout out;
+  ParallelConfig& pc = out.parallel;
+  pc.tp = args.tensor_model_parallel_size;
+  pc.pp = args.pipeline_model_parallel_size;
+  pc.ep = args.expert_model_parallel_size;
+  pc.etp = args.expert_tensor_parallel_size;
+  pc.cp = args.context_parallel_size;
+  pipeline::PipelineLayout& layout = out.pipeline;
+  layout.num_layers = args.model.num_layers;
+  layout.pp = pc.pp;
+  layout.first_stage_layers = args.decoder_first_pipeline_num_layers;
+  layout.last_stage_layers = args.decoder_last_pipeline_num_layers;
+  layout.account_for_embedding = args.account_for_embedding_in_pipeline_split;
+  layout.account_for_loss = args.account_for_loss_in_pipeline_split;
+  MT_REQUIRE(pc.pp >= 1, "--pipeline-model-parallel-size must be >= 1, got {}", pc.pp);
+  layout.vpp = pipeline::resolve_virtual_pipeline_size(layout, args.num_layers_per_virtual_pipeline_stage,
+                                                       args.num_virtual_stages_per_pipeline_rank);
+  pc.vpp = layout.vpp;
+  validate_and_derive(pc, world_size);
+  pipeline::validate_pipeline_layout(layout);
+  return out;
+}
+
+ModelSetupOptions pretrain_model_options(const PretrainArgs& args, const TrainingLayout& layout, Device device) {
+  ModelSetupOptions o;
+  o.model = args.model;
+  o.parallel = layout.parallel;
+  o.pipeline = layout.pipeline;
+  o.num_microbatches = args.num_microbatches();
+  o.microbatch_group_size = args.microbatch_group_size_per_vp_stage;
+  o.overlap_p2p_comm = args.overlap_p2p_comm;
+  o.micro_batch_size = args.micro_batch_size;
+  o.sequence_parallel = args.sequence_parallel;
+  o.dtype = args.dtype();
+  o.device = device;
+  o.param_layout = args.param_layout();
+  o.ddp = args.ddp_config();
+  o.optim = args.optim;
+  o.check_memory = true;
+  o.batch_bytes =
+      BatchStager::device_bytes(o.num_microbatches, o.micro_batch_size, args.model.seq_length, layout.parallel.cp);
+  return o;
+}
 
 std::unique_ptr<TrainingSetup> TrainingSetup::launch(PretrainArgs args) {
   const LaunchEnv env = read_launch_env();
@@ -217,25 +294,11 @@ void TrainingSetup::resolve_arguments() {
     args.model = m;
     args.group_query_attention = m.num_query_groups > 0;
   }
-  ParallelConfig& pc = parallel_;
-  pc.tp = args.tensor_model_parallel_size;
-  pc.pp = args.pipeline_model_parallel_size;
-  pc.ep = args.expert_model_parallel_size;
-  pc.etp = args.expert_tensor_parallel_size;
-  pc.cp = args.context_parallel_size;
-  pipeline::PipelineLayout& layout = pipeline_;
-  layout.num_layers = args.model.num_layers;
-  layout.pp = pc.pp;
-  layout.first_stage_layers = args.decoder_first_pipeline_num_layers;
-  layout.last_stage_layers = args.decoder_last_pipeline_num_layers;
-  layout.account_for_embedding = args.account_for_embedding_in_pipeline_split;
-  layout.account_for_loss = args.account_for_loss_in_pipeline_split;
-  MT_REQUIRE(pc.pp >= 1, "--pipeline-model-parallel-size must be >= 1, got {}", pc.pp);
-  layout.vpp = pipeline::resolve_virtual_pipeline_size(layout, args.num_layers_per_virtual_pipeline_stage,
-                                                       args.num_virtual_stages_per_pipeline_rank);
-  pc.vpp = layout.vpp;
-  validate_and_derive(pc, world_->size());
-  pipeline::validate_pipeline_layout(layout);
+  const TrainingLayout resolved = resolve_training_layout(args, world_->size());
+  parallel_ = resolved.parallel;
+  pipeline_ = resolved.pipeline;
+  const ParallelConfig& pc = parallel_;
+  const pipeline::PipelineLayout& layout = pipeline_;
   args.data_parallel_size = pc.dp;
   args.expert_data_parallel_size = pc.edp;
   MT_REQUIRE(device_.is_cuda() || args.dtype() == DType::kF32,
@@ -305,24 +368,7 @@ void TrainingSetup::build_datasets() {
 }
 
 ModelSetupOptions TrainingSetup::model_options() const {
-  ModelSetupOptions o;
-  o.model = args_.model;
-  o.parallel = parallel_;
-  o.pipeline = pipeline_;
-  o.num_microbatches = num_microbatches();
-  o.microbatch_group_size = args_.microbatch_group_size_per_vp_stage;
-  o.overlap_p2p_comm = args_.overlap_p2p_comm;
-  o.micro_batch_size = args_.micro_batch_size;
-  o.sequence_parallel = args_.sequence_parallel;
-  o.dtype = args_.dtype();
-  o.device = device_;
-  o.param_layout = args_.param_layout();
-  o.ddp = args_.ddp_config();
-  o.optim = args_.optim;
-  o.check_memory = true;
-  o.batch_bytes = BatchStager::device_bytes(o.num_microbatches, o.micro_batch_size, args_.model.seq_length,
-                                            parallel_.cp);
-  return o;
+  return pretrain_model_options(args_, {parallel_, pipeline_}, device_);
 }
 
 void TrainingSetup::log_summary() {

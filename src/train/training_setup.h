@@ -61,6 +61,29 @@ struct ModelSetupOptions {
   size_t batch_bytes = 0;
 };
 
+/// What ModelSetup derives for one pipeline rank before it builds anything: its model chunks (one
+/// per virtual stage), the training and validation (forward-only) schedules, and the model layout
+/// (chunks and buffer counts) that runs both.
+struct RankSchedule {
+  std::vector<pipeline::LayerRange> chunks;
+  PipelinePlan train, eval;
+  ModelLayout model_layout;
+};
+
+/// Errors (mt::Error naming the values) of the pipeline split (validate_pipeline_layout) and the
+/// schedule (validate_schedule_config: micro-batches vs pp / vpp / group size) of `o` under the
+/// validated, derived `parallel`. No communication.
+void validate_rank_schedule(const ModelSetupOptions& o, const ParallelConfig& parallel);
+/// The RankSchedule of pipeline rank `pp_rank` (errors: validate_rank_schedule's).
+RankSchedule plan_rank_schedule(const ModelSetupOptions& o, const ParallelConfig& parallel, int pp_rank);
+/// The memory estimate (train/memory_estimate.h) of the rank whose process groups are `groups`
+/// (their sizes and ranks are read, nothing is communicated) running `schedule`: the model is
+/// measured (GPTModel::memory_plan), not allocated. ModelSetup logs and checks it; `megatron plan`
+/// (plan/plan.h) computes it for every kind of rank without running any. Bytes per part;
+/// *model_plan (when given): the measured model (parameter counts, buffer sizes).
+MemoryEstimate estimate_rank_memory(const ModelSetupOptions& o, const ProcessGroups& groups,
+                                    const RankSchedule& schedule, ModelMemoryPlan* model_plan = nullptr);
+
 /// One rank's model, schedules, gradient synchronisation and optimizer (see the file comment).
 /// Parameters are left uninitialised: params().initialize(seed) or load a checkpoint.
 class ModelSetup {
@@ -93,7 +116,7 @@ class ModelSetup {
   const ModelSetupOptions& options() const { return options_; }
 
  private:
-  void estimate_memory(const ModelLayout& layout);
+  void estimate_memory(const RankSchedule& schedule);
 
   ModelSetupOptions options_;
   ParallelConfig parallel_;
@@ -111,6 +134,20 @@ class ModelSetup {
 /// Resolves --device (auto = cuda:0 when available, else cpu). Errors: a CUDA device asked for
 /// where there is none.
 Device resolve_device(const std::string& flag);
+
+/// The parallel sizes and the pipeline split of `megatron pretrain`'s arguments over `world_size`
+/// ranks (--tensor-model-parallel-size ... --num-layers-per-virtual-pipeline-stage,
+/// --decoder-first/last-pipeline-num-layers, --account-for-*), validated and derived
+/// (validate_and_derive, validate_pipeline_layout; errors name the flags and values).
+struct TrainingLayout {
+  ParallelConfig parallel;
+  pipeline::PipelineLayout pipeline;
+};
+TrainingLayout resolve_training_layout(const PretrainArgs& args, int world_size);
+
+/// The ModelSetupOptions `megatron pretrain` builds each rank from (memory check on): `args`
+/// resolved (vocabulary size known, validate_pretrain_args passed), on `device`.
+ModelSetupOptions pretrain_model_options(const PretrainArgs& args, const TrainingLayout& layout, Device device);
 
 /// Everything `megatron pretrain` sets up before its loop (see the file comment).
 class TrainingSetup {

@@ -356,6 +356,24 @@ TEST(MoeCuda, SharedGateMatchesCpu) {
       EXPECT_LT(rel_err(got.dw, ref.dw), 1e-6);
       EXPECT_TRUE(same_bits(got.y, again.y) && same_bits(got.l, again.l) && same_bits(got.d_ys, again.d_ys) &&
                   same_bits(got.d_l, again.d_l) && same_bits(got.dx, again.dx) && same_bits(got.dw, again.dw));
+      // --moe-shared-expert-overlap's split: the backward without dx, then its dx part alone, gives the
+      // whole backward's bits
+      {
+        Stream s(Device::cuda());
+        auto yst = make_tensor(ys, dt, Device::cuda(), {T, h}, s);
+        auto dyt = make_tensor(dy, dt, Device::cuda(), {T, h}, s);
+        auto x = make_tensor(xv, dt, Device::cuda(), {T, h}, s);
+        auto w = make_tensor(wv, dt, Device::cuda(), {1, h}, s);
+        auto dx = make_tensor(dx0, dt, Device::cuda(), {T, h}, s);
+        auto dw = make_tensor(dw0, DType::kF32, Device::cuda(), {1, h}, s);
+        auto l = make_tensor(got.l, DType::kF32, Device::cuda(), {T}, s);
+        OwnedTensor dys(dt, Device::cuda(), {T, h}), dl(DType::kF32, Device::cuda(), {T});
+        moe_shared_gate_backward(dys, dl, Tensor(), dw, dyt, yst, x, w, l, s);
+        moe_shared_gate_backward_dx(dx, dl, w, s);
+        EXPECT_TRUE(same_bits(to_host(dys, s), got.d_ys) && same_bits(to_host(dl, s), got.d_l) &&
+                    same_bits(to_host(dx, s), got.dx) && same_bits(to_host(dw, s), got.dw))
+            << "the split backward differs from the whole";
+      }
     }
   }
 }

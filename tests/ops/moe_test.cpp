@@ -896,6 +896,41 @@ TEST(MoeSharedGate, ForwardMatchesReferenceBackwardMatchesFiniteDifferences) {
   EXPECT_THROW(moe_shared_gate_forward(ys, l, ys, x, w, st), Error);   // y aliases ys
   EXPECT_THROW(moe_shared_gate_forward(y, l, ys, x, w2, st), Error);   // w must be [1, h]
   EXPECT_THROW(moe_shared_gate_backward(dys, l2, dx, dw, dy, ys, x, w, l, st), Error);
+  EXPECT_THROW(moe_shared_gate_backward_dx(bad, dl, w, st), Error);  // w must be [1, h] of dx's width
+  EXPECT_THROW(moe_shared_gate_backward_dx(dx, l2, w, st), Error);   // d_logits must be [T]
+}
+
+// --moe-shared-expert-overlap splits the gate's backward: everything but dx (dx empty), then
+// moe_shared_gate_backward_dx. The same bits as the whole backward, every output.
+TEST(MoeSharedGate, BackwardWithoutDxThenItsDxPartIsBitwiseTheWholeBackward) {
+  const Stream& st = testing::cpu_stream();
+  const int64_t T = 13, h = 9;
+  const auto ysv = testing::randn(T * h), xv = testing::randn(T * h), wv = testing::randn(h, 0.5f),
+             dyv = testing::randn(T * h), dx0 = testing::randn(T * h), dw0 = testing::randn(h), lv = testing::randn(T);
+  auto run = [&](bool split) {
+    auto ys = testing::make_tensor(ysv, DType::kF32, kCpu, {T, h}, st);
+    auto x = testing::make_tensor(xv, DType::kF32, kCpu, {T, h}, st);
+    auto w = testing::make_tensor(wv, DType::kF32, kCpu, {1, h}, st);
+    auto dy = testing::make_tensor(dyv, DType::kF32, kCpu, {T, h}, st);
+    auto dx = testing::make_tensor(dx0, DType::kF32, kCpu, {T, h}, st);
+    auto dw = testing::make_tensor(dw0, DType::kF32, kCpu, {1, h}, st);
+    auto l = testing::make_tensor(lv, DType::kF32, kCpu, {T}, st);
+    OwnedTensor dys(DType::kF32, kCpu, {T, h}), dl(DType::kF32, kCpu, {T});
+    testing::poison(dys, st);
+    testing::poison(dl, st);
+    if (split) {
+      moe_shared_gate_backward(dys, dl, Tensor(), dw, dy, ys, x, w, l, st);
+      EXPECT_EQ(testing::to_host(dx, st), dx0) << "dx written by the backward without dx";
+      moe_shared_gate_backward_dx(dx, dl, w, st);
+    } else {
+      moe_shared_gate_backward(dys, dl, dx, dw, dy, ys, x, w, l, st);
+    }
+    return std::vector<std::vector<float>>{testing::to_host(dys, st), testing::to_host(dl, st),
+                                           testing::to_host(dx, st), testing::to_host(dw, st)};
+  };
+  const auto whole = run(false), split = run(true);
+  for (size_t i = 0; i < whole.size(); ++i) EXPECT_EQ(split[i], whole[i]) << "output " << i;
+  EXPECT_NE(whole[2], dx0);  // dx did change
 }
 
 TEST(MoeRouting, Errors) {

@@ -208,6 +208,7 @@ struct Result {
   std::vector<int> slots;                                 // per pipeline rank: activation slots
   int64_t rerouted = 0;    // ECHO: slots sent to clones, summed over the ranks and layers
   int64_t overflowed = 0;  // --moe-received-token-capacity: slots dropped, summed likewise
+  int64_t echo_bytes = 0;  // ECHO's used-slot transfers: bytes written, summed over the ranks
 };
 
 
@@ -364,6 +365,7 @@ Result run_layout(const Layout& L, const std::vector<int32_t>& tokens, const std
       const MoeDispatchStats ds = model.moe_dispatch_stats(st);
       out.rerouted += ds.rerouted;
       out.overflowed += ds.overflowed;
+      out.echo_bytes += ds.echo_bytes;
     }
     // Every rank reports (data-parallel replicas write identical values; with expert parallelism
     // the DP ranks hold different experts).
@@ -445,6 +447,8 @@ TEST_P(ParallelLayouts, MatchesSingleRank) {
     Layout twin = L;                   // twin routes the same first step and must have rerouted
     twin.received = 0;
     EXPECT_GT(run_layout(twin, tokens, labels, mb).rerouted, 0) << "ECHO rerouted nothing";
+    // thread ranks: the clones travel by the used-slot transfers (EchoPeers), which moved something
+    EXPECT_GT(par.echo_bytes, 0) << "ECHO's used-slot transfers sent nothing";
   }
   for (int it = 0; it < kIters; ++it) EXPECT_NEAR(par.losses[it], ref.losses[it], 1e-5 * ref.losses[it]) << it;
   ASSERT_EQ(par.grads.size(), ref.grads.size());

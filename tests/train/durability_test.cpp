@@ -335,8 +335,10 @@ TEST_F(Durability, AsyncSaveDoesNotChangeTraining) {
 }
 
 // SIGKILL at random moments of a run that saves every iteration (sync or async, alternating),
-// then restart from the same directory; repeated. Every restart must load the latest
-// checkpoint, and the final checkpoint must equal an uninterrupted run's bit for bit.
+// then restart from the same directory; repeated (12 kills: each costs a start and a verifying
+// load, and this test was 70% of durability_test's time at 20; the moments are random in every
+// run). Every restart must load the latest checkpoint, and the final checkpoint must equal an
+// uninterrupted run's bit for bit.
 TEST_F(Durability, SigkillDuringSavesAlwaysResumesBitwise) {
   const int kIters = 30;
   const fs::path ref = dir / "ck_ref", ck = dir / "ck_kill";
@@ -349,7 +351,7 @@ TEST_F(Durability, SigkillDuringSavesAlwaysResumesBitwise) {
       50, std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0).count());
   std::mt19937 rng(std::random_device{}());
   int kills = 0, attempts = 0, finished = 0;
-  while (attempts < 80 && kills < 20) {
+  while (attempts < 48 && kills < 12) {
     ++attempts;
     const bool async = attempts % 2 == 0;
     Child c = spawn(train(common + (async ? "--async-save " : "") + "--save " + ck.string() + " --load " + ck.string(), 64),
@@ -381,7 +383,7 @@ TEST_F(Durability, SigkillDuringSavesAlwaysResumesBitwise) {
       EXPECT_TRUE(contains(v.out, "loaded checkpoint from")) << v.out;
     }
   }
-  EXPECT_GE(kills, 10) << "too few kills landed during the runs";
+  EXPECT_GE(kills, 8) << "too few kills landed during the runs";
   // Finish the interrupted run and compare with the uninterrupted one.
   RunResult last = run(train(common + "--save " + ck.string() + " --load " + ck.string(), 64));
   ASSERT_EQ(last.rc, 0) << last.out;

@@ -18,8 +18,9 @@ set -euo pipefail
 BIN=$1
 WORK=$2
 HERE=$(cd "$(dirname "$0")" && pwd)
-PROBE="python3 $HERE/serve_probe.py"
 command -v python3 >/dev/null || { echo "python3 is required"; exit 1; }
+# The interpreter behind `python3` itself (a version manager's shim costs ~1 CPU second per start).
+PROBE="$(python3 -c 'import sys; print(sys.executable)') $HERE/serve_probe.py"
 "$BIN" --help | grep -q "serve" || { echo "megatron was built without cpp-httplib: no serve subcommand"; exit 1; }
 rm -rf "$WORK" && mkdir -p "$WORK"
 cd "$WORK"

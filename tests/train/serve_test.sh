@@ -30,14 +30,22 @@ fail() { echo "FAIL: $*"; cat serve.log; exit 1; }
 # status code and body of a request: req METHOD PATH BODY -> "<code> <body>"
 req() { curl -s -o body.$$ -w "%{http_code}" -X "$1" -H "Content-Type: application/json" --data-binary "$3" "$URL$2"; echo -n " "; cat body.$$; }
 
-# The reference continuation of each prompt from `megatron generate --greedy` (prompt ids + 6 new).
-expected() {
-  "$BIN" generate --load ckpt --tokenizer-type NullTokenizer --device cpu --greedy --out-seq-length 6 \
-    --prompt "$1" 2>/dev/null | sed -n 2p
-}
-python_field() { python3 -c "import json,sys; d=json.load(sys.stdin); print($1)"; }
-
+# The reference continuation of each prompt from `megatron generate --greedy` (prompt ids + 6 new),
+# generated once per prompt (P1 and the concurrent clients' PROMPTS).
 P1="5 9 2"
+declare -a PROMPTS=("1 2 3" "7" "40 41 42 43 44" "9 9" "13 31" "60 1 60" "2 4 8 16" "33")
+declare -A EXPECTED=()
+for p in "$P1" "${PROMPTS[@]}"; do
+  EXPECTED[$p]=$("$BIN" generate --load ckpt --tokenizer-type NullTokenizer --device cpu --greedy \
+    --out-seq-length 6 --prompt "$p" 2>/dev/null | sed -n 2p)
+  [ -n "${EXPECTED[$p]}" ] || { echo "FAIL: megatron generate gave nothing for '$p'"; exit 1; }
+done
+expected() { echo "${EXPECTED[$1]}"; }
+# The interpreter behind `python3` itself: a version manager's shim (pyenv) costs ~1 CPU second per
+# start, and the test starts ~45.
+PY=$(python3 -c 'import sys; print(sys.executable)')
+python_field() { "$PY" -c "import json,sys; d=json.load(sys.stdin); print($1)"; }
+
 E1=$(expected "$P1")
 out=$(req PUT /api "{\"prompts\": [\"$P1\"], \"tokens_to_generate\": 6, \"top_k\": 1}")
 [ "${out%% *}" = 200 ] || fail "PUT /api: $out"
@@ -54,7 +62,6 @@ echo "${out#* }" | python_field 'd["object"], d["usage"]["prompt_tokens"]' | gre
   || fail "completion fields: $out"
 
 # Concurrent clients, each with its own prompt: every answer equals the prompt's own continuation.
-declare -a PROMPTS=("1 2 3" "7" "40 41 42 43 44" "9 9" "13 31" "60 1 60" "2 4 8 16" "33")
 pids=()
 for i in "${!PROMPTS[@]}"; do
   ( curl -s -X PUT -H "Content-Type: application/json" \

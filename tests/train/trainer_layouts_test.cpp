@@ -28,33 +28,12 @@ namespace {
 using testing::expect_error_text;
 using testing::expect_same_losses;
 using testing::log_text;
+using testing::read_whole_tensor;
 using testing::SetupInfo;
 using testing::train_in_process;
 
 std::string bias_state_name(int layer) {
   return "state/decoder.layers." + std::to_string(layer) + ".mlp.router.expert_bias";
-}
-
-// The whole fp32 tensor `name` (stored as one shard) of checkpoint iteration `iter` in `ck`.
-std::vector<float> read_whole_tensor(const std::string& ck, int iter, const std::string& name) {
-  char it[16];
-  std::snprintf(it, sizeof(it), "iter_%07d", iter);
-  const fs::path d = fs::path(ck) / it;
-  std::ifstream meta(d / "metadata.json");
-  const nlohmann::json m = nlohmann::json::parse(meta);
-  for (const auto& t : m.at("tensors")) {
-    if (t.at("name") != name) continue;
-    int64_t n = 1;
-    for (int64_t v : t.at("global_shape").get<std::vector<int64_t>>()) n *= v;
-    const auto& sh = t.at("shards").at(0);
-    std::ifstream f(d / sh.at("file").get<std::string>(), std::ios::binary);
-    f.seekg(sh.at("offset_bytes").get<std::streamoff>());
-    std::vector<float> out(static_cast<size_t>(n));
-    f.read(reinterpret_cast<char*>(out.data()), n * 4);
-    if (!f.good()) return {};
-    return out;
-  }
-  return {};
 }
 
 class TrainerLayouts : public testing::CorpusFixture {

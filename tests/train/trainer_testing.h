@@ -6,8 +6,10 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <map>
 #include <mutex>
@@ -15,6 +17,8 @@
 #include <sstream>
 #include <string>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "comm/thread_comm.h"
 #include "core/logging.h"
@@ -134,6 +138,29 @@ inline void expect_same_losses(const TrainingResult& a, const TrainingResult& b,
   ASSERT_EQ(a.validation.size(), b.validation.size()) << what;
   for (const auto& [it, v] : b.validation)
     EXPECT_NEAR(a.validation.at(it).loss, v.loss, tol * std::abs(v.loss)) << what << " validation " << it;
+}
+
+/// The whole fp32 tensor `name` (stored as one shard) of checkpoint iteration `iter` in `ck`; empty
+/// when the checkpoint has no such tensor.
+inline std::vector<float> read_whole_tensor(const std::string& ck, int iter, const std::string& name) {
+  char it[16];
+  std::snprintf(it, sizeof(it), "iter_%07d", iter);
+  const std::filesystem::path d = std::filesystem::path(ck) / it;
+  std::ifstream meta(d / "metadata.json");
+  const nlohmann::json m = nlohmann::json::parse(meta);
+  for (const auto& t : m.at("tensors")) {
+    if (t.at("name") != name) continue;
+    int64_t n = 1;
+    for (int64_t v : t.at("global_shape").get<std::vector<int64_t>>()) n *= v;
+    const auto& sh = t.at("shards").at(0);
+    std::ifstream f(d / sh.at("file").get<std::string>(), std::ios::binary);
+    f.seekg(sh.at("offset_bytes").get<std::streamoff>());
+    std::vector<float> out(static_cast<size_t>(n));
+    f.read(reinterpret_cast<char*>(out.data()), n * 4);
+    if (!f.good()) return {};
+    return out;
+  }
+  return {};
 }
 
 /// Fails unless `f` throws an mt::Error (or a CLI11 parse error) containing `needle`.

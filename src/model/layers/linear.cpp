@@ -1,5 +1,6 @@
 #include "model/layers/linear.h"
 
+#include "model/fp8/fp8_model.h"
 #include "model/layers/parallel_params.h"
 #include "ops/matmul.h"
 
@@ -43,13 +44,18 @@ ColumnParallelLinear::ColumnParallelLinear(const Options& o, const TensorParalle
     reg.declare(std::move(w), &weight_);
   }
   if (o.bias) reg.declare(column_parallel_bias(o.prefix + ".bias", out_, tp.size(), tp.rank(), parts_), &bias_);
+  if (reg.fp8() && !o.shared_weight) fp8_ = reg.fp8()->tp_linear(o.prefix, /*row=*/false, &weight_, local_out(), in_);
 }
 
 void ColumnParallelLinear::plan(BufferPlanner& p, int64_t s, int64_t b) {
   const DType t = p.act_dtype();
   const size_t a = static_cast<size_t>(p.area());
   if (saved_.size() <= a) saved_.resize(a + 1);
-  saved_[a] = recompute_input_ ? p.scratch(role_ + ".input", t, {s, b, in_}) : p.saved(t, {s, b, in_}, "column-parallel input");
+  // FP8: the quantised transposed input is saved instead (Fp8Linear::plan)
+  saved_[a] = recompute_input_ || fp8_ ? p.scratch(role_ + ".input", t, {s, b, in_})
+                                       : p.saved(t, {s, b, in_}, "column-parallel input");
+  const int64_t blocks = tp_.sequence_parallel() ? tp_.size() : 1;  // the GEMM's row blocks (all_gather_gemm)
+  if (fp8_) fp8_->plan(p, s * b, /*save_input=*/!recompute_input_, /*variable_rows=*/false, blocks);
   const int64_t sl = tp_.local_seq(s);
   input_local_ = tp_.sequence_parallel() ? p.scratch("column_parallel.input_local", t, {sl, b, in_}) : Tensor();
   dx_full_ = p.scratch("column_parallel.dx", t, {s, b, in_});
@@ -70,18 +76,28 @@ void ColumnParallelLinear::forward(const Tensor& y, const StepContext& ctx, cons
   const int64_t n = local_out();
   const Tensor y2 = y.view({y.numel() / n, n});
   const Tensor pre2 = pre_gelu.empty() ? Tensor() : pre_gelu.view({pre_gelu.numel() / n, n});
+  const Tensor bias = value_or_empty(bias_);
+  // FP8: x's scale first (from this rank's sequence shard when the input is gathered block by
+  // block), the saved x_t from the whole gathered input after
+  const bool shard = gather && tp_.sequence_parallel();
+  if (fp8_) fp8_->begin_forward(rows(shard ? input_local_ : x), shard, ctx.slot, ctx.stream);
   // y rows [first, first + count) from those rows of the gathered input (all of them at once
   // unless --tp-comm-overlap pipelines the all-gather with the GEMM)
   auto gemm = [&](const Tensor& x_rows, int64_t first) {
     const int64_t end = first + x_rows.size(0);
-    linear_forward(y2.slice0(first, end), x_rows, weight().value(), value_or_empty(bias_),
-                   pre2.empty() ? Tensor() : pre2.slice0(first, end), ctx.stream);
+    const Tensor pre_rows = pre2.empty() ? Tensor() : pre2.slice0(first, end);
+    if (fp8_) {
+      fp8_->forward_rows(y2.slice0(first, end), x_rows, first, bias, pre_rows, ctx.slot, ctx.stream);
+    } else {
+      linear_forward(y2.slice0(first, end), x_rows, weight().value(), bias, pre_rows, ctx.stream);
+    }
   };
   if (gather) {
     tp_.all_gather_gemm(x, input_local_, gemm, ctx.stream);
   } else {
     gemm(rows(x), 0);
   }
+  if (fp8_) fp8_->end_forward(rows(x), ctx.slot, ctx.stream);
 }
 
 Tensor ColumnParallelLinear::gather_input(const StepContext& ctx) {
@@ -91,6 +107,7 @@ Tensor ColumnParallelLinear::gather_input(const StepContext& ctx) {
 }
 
 void ColumnParallelLinear::forward_rows(const Tensor& y, int64_t first, int64_t count, const StepContext& ctx) {
+  MT_CHECK(!fp8_, "{}: forward_rows has no FP8 path (the LM head stays in higher precision)", role_);
   const Tensor x = rows(saved_.at(static_cast<size_t>(ctx.slot)));
   linear_forward(y, x.slice0(first, first + count), weight().value(), value_or_empty(bias_), Tensor(), ctx.stream);
 }
@@ -114,13 +131,21 @@ Tensor ColumnParallelLinear::backward(const Tensor& dy, const StepContext& ctx, 
   const Tensor dy2 = dy.view({dy.numel() / local_out(), local_out()});
   // dgrad of rows [first, first + count) into dx_rows; the TP reduction of dx follows (in pieces
   // pipelined with these GEMMs under --tp-comm-overlap), the weight gradient runs before it ends
+  // (FP8: never deferred)
+  if (fp8_) fp8_->begin_backward(dy2, /*shard=*/false, ctx.stream);
   auto dgrad = [&](const Tensor& dx_rows, int64_t first) {
     const int64_t end = first + dx_rows.size(0);
-    linear_backward(dx_rows, Tensor(), Tensor(), dy2.slice0(first, end), x.slice0(first, end), weight().value(),
-                    ctx.stream);
+    if (fp8_) {
+      fp8_->dgrad_rows(dx_rows, dy2.slice0(first, end), first, Tensor(), ctx.stream);
+    } else {
+      linear_backward(dx_rows, Tensor(), Tensor(), dy2.slice0(first, end), x.slice0(first, end), weight().value(),
+                      ctx.stream);
+    }
   };
   auto wgrad = [&] {
-    if (defer) {
+    if (fp8_) {
+      fp8_->wgrad(dw, weight().grad_write(), db, dy2, x, ctx.slot, ctx.stream);
+    } else if (defer) {
       defer->add(dw, db, dy2, x, weight().value(), weight().grad_write());
     } else {
       linear_backward(Tensor(), dw, db, dy2, x, weight().value(), ctx.stream, weight().grad_write());
@@ -142,6 +167,7 @@ RowParallelLinear::RowParallelLinear(const Options& o, const TensorParallelRegio
   if (o.bias)
     reg.declare(replicated_param(o.prefix + ".bias", {out_}, InitKind::kZeros, 0.f, TpGradSum::kSequenceParallel),
                 &bias_);
+  if (reg.fp8()) fp8_ = reg.fp8()->tp_linear(o.prefix, /*row=*/true, &weight_, out_, in_ / tp.size());
 }
 
 void RowParallelLinear::plan(BufferPlanner& p, int64_t s, int64_t b) {
@@ -150,6 +176,7 @@ void RowParallelLinear::plan(BufferPlanner& p, int64_t s, int64_t b) {
   if (saved_.size() <= a) saved_.resize(a + 1);
   const int64_t in_l = in_ / tp_.size(), sl = tp_.local_seq(s);
   saved_[a] = recompute_input_ ? p.scratch(role_ + ".input", t, {s, b, in_l}) : p.saved(t, {s, b, in_l}, "row-parallel input");
+  if (fp8_) fp8_->plan(p, s * b, /*save_input=*/false, /*variable_rows=*/false, tp_.sequence_parallel() ? tp_.size() : 1);
   out_full_ = p.scratch("row_parallel.out", t, {s, b, out_});
   out_local_ = tp_.sequence_parallel() ? p.scratch("row_parallel.out_local", t, {sl, b, out_}) : out_full_;
   dy_full_ = tp_.sequence_parallel() ? p.scratch("row_parallel.dy", t, {s, b, out_}) : Tensor();
@@ -160,16 +187,26 @@ Tensor RowParallelLinear::forward(const StepContext& ctx, const ResidualAdd* add
   const Tensor& x = saved_.at(static_cast<size_t>(ctx.slot));
   if (add) {
     MT_CHECK(fuses_residual(), "{}: the residual add cannot be fused under tensor parallelism", role_);
-    linear_forward_add(rows(add->out), rows(x), weight_.value(), value_or_empty(bias_), rows(add->residual),
-                       ctx.stream);
+    if (fp8_) {
+      fp8_->forward_add(rows(add->out), rows(x), value_or_empty(bias_), rows(add->residual), ctx.slot, ctx.stream);
+    } else {
+      linear_forward_add(rows(add->out), rows(x), weight_.value(), value_or_empty(bias_), rows(add->residual),
+                         ctx.stream);
+    }
     return add->out;
   }
   const Tensor x2 = rows(x);
+  if (fp8_) fp8_->begin_forward(x2, /*shard=*/false, ctx.slot, ctx.stream);
   auto gemm = [&](const Tensor& out_rows, int64_t first) {  // partial sums of rows [first, first + count)
-    linear_forward(out_rows, x2.slice0(first, first + out_rows.size(0)), weight_.value(), Tensor(), Tensor(),
-                   ctx.stream);
+    const Tensor x_rows = x2.slice0(first, first + out_rows.size(0));
+    if (fp8_) {
+      fp8_->forward_rows(out_rows, x_rows, first, Tensor(), Tensor(), ctx.slot, ctx.stream);
+    } else {
+      linear_forward(out_rows, x_rows, weight_.value(), Tensor(), Tensor(), ctx.stream);
+    }
   };
   tp_.gemm_reduce_scatter(out_local_, out_full_, gemm, {}, ctx.stream);
+  if (fp8_) fp8_->end_forward(x2, ctx.slot, ctx.stream);
   return out_local_;
 }
 
@@ -179,13 +216,17 @@ Tensor RowParallelLinear::backward(const Tensor& dy, const StepContext& ctx, Wgr
   const Tensor dy_full = tp_.sequence_parallel() ? dy_full_ : dy;
   const GradWrite dw_write = weight_.grad_write();  // taken now, also for the deferred GEMM
   const Tensor dx = rows(dx_), pre = gelu ? rows(gelu->pre) : Tensor();
+  // FP8: dy's scale first (from this rank's sequence shard under sequence parallelism)
+  if (fp8_) fp8_->begin_backward(rows(dy), /*shard=*/tp_.sequence_parallel(), ctx.stream);
   // dgrad of rows [first, first + count) from those rows of the gathered output gradient (all of
   // them at once unless --tp-comm-overlap pipelines the all-gather with the GEMM); with `gelu` the
   // GELU backward rides on it, and the producer's bias gradient follows over all rows, as
   // gelu_linear_backward computes it
   auto dgrad = [&](const Tensor& dy_rows, int64_t first) {
     const int64_t end = first + dy_rows.size(0);
-    if (gelu) {
+    if (fp8_) {
+      fp8_->dgrad_rows(dx.slice0(first, end), dy_rows, first, gelu ? pre.slice0(first, end) : Tensor(), ctx.stream);
+    } else if (gelu) {
       gelu_linear_backward(dx.slice0(first, end), Tensor(), Tensor(), Tensor(), dy_rows, x.slice0(first, end),
                            pre.slice0(first, end), weight_.value(), ctx.stream);
     } else {
@@ -195,7 +236,9 @@ Tensor RowParallelLinear::backward(const Tensor& dy, const StepContext& ctx, Wgr
   };
   tp_.all_gather_gemm(dy_full, dy, dgrad, ctx.stream);
   if (gelu && !gelu->dbias.empty()) add_column_sums(gelu->dbias, dx, ctx.stream);
-  if (defer) {
+  if (fp8_) {  // the weight gradient now (never deferred)
+    fp8_->wgrad(weight_.grad(), dw_write, Tensor(), rows(dy_full), x, ctx.slot, ctx.stream);
+  } else if (defer) {
     defer->add(weight_.grad(), Tensor(), rows(dy_full), x, weight_.value(), dw_write);
   } else {
     linear_backward(Tensor(), weight_.grad(), Tensor(), rows(dy_full), x, weight_.value(), ctx.stream, dw_write);

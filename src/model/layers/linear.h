@@ -18,14 +18,23 @@
 // the forward GEMM, the input gradient's with the dgrad GEMM, the wgrad GEMM before its end), so
 // that --tp-comm-overlap pipelines them block by block; the results are those of one GEMM.
 //
+// With FP8 (--fp8-format; docs/fp8.md) a decoder layer's linear runs its three GEMMs through an
+// Fp8Linear (model/fp8/fp8_linear.h), block by block inside the same collectives (with or
+// without --tp-comm-overlap): a ColumnParallelLinear then saves its input quantised and
+// transposed (FP8 [in, s·b]) instead of the bf16 one, a RowParallelLinear keeps its bf16 input (the
+// core attention's backward reads linear_proj's) and quantises it again in the backward; the
+// weight gradients are never deferred.
+//
 // Scratch is shared by role across layers (docs/architecture.md): the gathered output-gradient
 // of every RowParallelLinear and the input-gradient of every ColumnParallelLinear share one
 // buffer each, a RowParallelLinear's input-gradient is shared per role (prefix's last
 // component, e.g. "linear_proj").
 #pragma once
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "model/fp8/fp8_linear.h"
 #include "model/module.h"
 #include "parallel/mappings.h"
 
@@ -106,6 +115,7 @@ class ColumnParallelLinear {
   std::vector<Tensor> saved_;  // per area: the gathered input [s, b, in] (recompute_input: one scratch)
   Tensor input_local_;         // SP: [s_l, b, in] scratch the producer writes
   Tensor dx_full_, dx_local_;  // [s, b, in], [s_l, b, in] (same memory without SP)
+  std::unique_ptr<Fp8Linear> fp8_;  // FP8 GEMMs (nullptr: bf16)
 };
 
 /// The residual add of a transformer block (TransformerLayer), fused into the block's output
@@ -168,6 +178,7 @@ class RowParallelLinear {
   Tensor out_full_, out_local_;  // [s, b, out], [s_l, b, out] (same memory without SP)
   Tensor dy_full_;               // SP: the gathered output gradient [s, b, out]
   Tensor dx_;                    // [s, b, in/tp]
+  std::unique_ptr<Fp8Linear> fp8_;  // FP8 GEMMs (nullptr: bf16)
 };
 
 /// A bias to add, or an empty tensor when the parameter is not declared.

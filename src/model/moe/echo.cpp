@@ -1,8 +1,10 @@
 #include "model/moe/echo.h"
 
 #include <algorithm>
+#include <atomic>
 
 #include "core/check.h"
+#include "core/logging.h"
 #include "model/moe/experts.h"
 #include "model/moe/moe_utils.h"
 #include "ops/elementwise.h"
@@ -61,8 +63,25 @@ EchoClones::EchoClones(const ExpertParallel& ep, int64_t num_local, int64_t num_
 void EchoClones::plan(BufferPlanner& p, int64_t f1, int64_t f2, int64_t h) {
   const DType t = p.act_dtype();
   const int64_t S = num_echo_;
-  w1_ = p.scratch("moe.echo.w1", t, {S, f1, h});
-  w2_ = p.scratch("moe.echo.w2", t, {S, h, f2});
+  sizes_ = EchoPeers::Sizes{S, f1, h, h, f2, t};
+  device_ = p.device();
+  if (device_exchange_ && ep_.ep_group) {
+    std::string why;
+    use_peers_ = EchoPeers::available(ep_, p.device(), &why);  // the same answer on every EP rank
+    static std::atomic<bool> logged{false};  // once per process (the models of a run plan alike)
+    if (ep_.ep_rank == 0 && ep_.etp_rank == 0 && !logged.exchange(true)) {
+      if (use_peers_) {
+        log_info("> ECHO: clone weights and gradients written straight into the EP ranks' memory, used slots only");
+      } else {
+        log_info("> ECHO: clone weights and gradients through fixed all-to-alls of {} expert blocks: {}",
+                 ep_.ep_size * S, why);
+      }
+    }
+  }
+  if (!use_peers_) {  // with the used-slot transfers the clones' weights live in EchoPeers' buffer
+    w1_ = p.scratch("moe.echo.w1", t, {S, f1, h});
+    w2_ = p.scratch("moe.echo.w2", t, {S, h, f2});
+  }
   g1_ = p.scratch("moe.echo.g1", DType::kF32, {S, f1, h});
   g2_ = p.scratch("moe.echo.g2", DType::kF32, {S, h, f2});
   ret_ = p.scratch("moe.echo.ret", DType::kF32, {f1 * h + h * f2});
@@ -73,6 +92,7 @@ void EchoClones::plan(BufferPlanner& p, int64_t f1, int64_t f2, int64_t h) {
   x_.g_send = idx.slice0(NS, 2 * NS);
   x_.g_acc = idx.slice0(2 * NS, 3 * NS);
   x_.w_recv = idx.slice0(3 * NS, 3 * NS + S);
+  if (use_peers_) return;
   x_.send1 = p.scratch("moe.echo.x.send1", t, {NS, f1, h});
   x_.recv1 = p.scratch("moe.echo.x.recv1", t, {NS, f1, h});
   x_.send2 = p.scratch("moe.echo.x.send2", t, {NS, h, f2});
@@ -83,11 +103,30 @@ void EchoClones::plan(BufferPlanner& p, int64_t f1, int64_t f2, int64_t h) {
   x_.grecv2 = p.scratch("moe.echo.x.grecv2", DType::kF32, {NS, h, f2});
 }
 
+void EchoClones::ensure_peers() {
+  if (peers_) return;
+  MoeShared& shared = *ep_.shared;
+  if (!shared.echo_peers) shared.echo_peers = EchoPeers::create(ep_, device_, sizes_);  // collective over EP
+  MT_CHECK(shared.echo_peers->sizes() == sizes_,
+           "ECHO: the MoE layers' expert shapes differ ({} slots of [{}, {}] / [{}, {}] against [{}, {}] / [{}, {}])",
+           sizes_.num_echo, sizes_.n1, sizes_.k1, sizes_.n2, sizes_.k2, shared.echo_peers->sizes().n1,
+           shared.echo_peers->sizes().k1, shared.echo_peers->sizes().n2, shared.echo_peers->sizes().k2);
+  peers_ = shared.echo_peers;
+  w1_ = peers_->clone_w1();  // the clones compute with the weights their home ranks write here
+  w2_ = peers_->clone_w2();
+}
+
 void EchoClones::fetch_weights(const MoeTokenDispatcher& d, int slot, MoeExperts& experts, const Stream& st) {
   if (const Tensor ce = d.echo_clone_expert(slot); !ce.empty()) {
-    // capturable: fixed-size all-to-alls of P·S expert blocks, packed and unpacked on the device
+    if (use_peers_) ensure_peers();  // before the experts' tables take the clones' addresses
+    // capturable: the indices from the plan on the device; then the used-slot transfers, or
+    // fixed-size all-to-alls of P·S expert blocks packed and unpacked on the device
     const ExpertTables& t = experts.tables(st);
     moe_echo_exchange_index(x_.w_send, x_.w_recv, x_.g_send, x_.g_acc, ce, ep_.ep_rank, num_local_, num_echo_, st);
+    if (peers_) {  // the used slots only, straight into the clone ranks' buffers (w1_ / w2_ there)
+      peers_->put_weights(t.w1, t.w2, x_.w_send, st);  // (its indices name local experts only)
+      return;
+    }
     moe_echo_gather_experts(x_.send1, t.w1, x_.w_send, st);
     moe_echo_gather_experts(x_.send2, t.w2, x_.w_send, st);
     ep_.ep_group->all_to_all(x_.recv1, x_.send1, st);
@@ -115,12 +154,19 @@ void EchoClones::return_grads(const MoeTokenDispatcher& d, int slot, MoeExperts&
   if (const Tensor ce = d.echo_clone_expert(slot); !ce.empty()) {
     // the indices of fetch_weights (this backward's refetch computed them for this slot)
     const ExpertTables& t = experts.tables(st);
-    moe_echo_gather_blocks(x_.gsend1, g1_, x_.g_send, st);
-    moe_echo_gather_blocks(x_.gsend2, g2_, x_.g_send, st);
-    ep_.ep_group->all_to_all(x_.grecv1, x_.gsend1, st);
-    ep_.ep_group->all_to_all(x_.grecv2, x_.gsend2, st);
-    moe_echo_accumulate_experts(t.g1, x_.grecv1, x_.g_acc, st);  // slots in order: deterministic
-    moe_echo_accumulate_experts(t.g2, x_.grecv2, x_.g_acc, st);
+    Tensor recv1 = x_.grecv1, recv2 = x_.grecv2;
+    if (peers_) {  // the used clones' gradients only, straight into their home ranks' buffers
+      peers_->put_grads(g1_, g2_, x_.g_send, st);
+      recv1 = peers_->grads_in1();
+      recv2 = peers_->grads_in2();
+    } else {
+      moe_echo_gather_blocks(x_.gsend1, g1_, x_.g_send, st);
+      moe_echo_gather_blocks(x_.gsend2, g2_, x_.g_send, st);
+      ep_.ep_group->all_to_all(x_.grecv1, x_.gsend1, st);
+      ep_.ep_group->all_to_all(x_.grecv2, x_.gsend2, st);
+    }
+    moe_echo_accumulate_experts(t.g1, recv1, x_.g_acc, st);  // slots in order: deterministic
+    moe_echo_accumulate_experts(t.g2, recv2, x_.g_acc, st);
     return;
   }
   const EchoPlacement* placement = d.echo_placement(slot);

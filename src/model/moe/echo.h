@@ -38,6 +38,7 @@
 #include "comm/communicator.h"
 #include "core/stream.h"
 #include "core/tensor.h"
+#include "model/moe/echo_peers.h"
 #include "model/moe/token_dispatcher.h"
 
 namespace mt {
@@ -71,11 +72,18 @@ class EchoRouter {
 class EchoClones {
  public:
   /// num_local: E_l; num_echo: S >= 1; device_exchange: the placement stays on the device
-  /// (--moe-received-token-capacity: fixed all-to-alls, CUDA-graph capturable).
+  /// (--moe-received-token-capacity, CUDA-graph capturable): the used slots' weights and gradients
+  /// are written straight into the EP ranks' memory where the group allows it (EchoPeers,
+  /// model/moe/echo_peers.h), else fixed all-to-alls of all P·S blocks.
   EchoClones(const ExpertParallel& ep, int64_t num_local, int64_t num_echo, bool device_exchange);
   /// Scratch: S clones of fc1 [f1, h] and fc2 [h, f2] (act dtype), their fp32 gradients, the
-  /// transfer scratch.
+  /// transfer scratch. With the device exchange, whether the used-slot transfers run is decided
+  /// here (EchoPeers::available); their buffers, shared by the model's MoE layers, are made by the
+  /// first transfer (EchoPeers::create, collective over the EP group).
   void plan(BufferPlanner& planner, int64_t f1, int64_t f2, int64_t h);
+  /// The used-slot transfers (nullptr: the host placement, the fixed all-to-alls, or before the
+  /// first transfer).
+  const EchoPeers* peers() const { return peers_.get(); }
   /// Clone slot j's weights (act dtype) and fp32 gradients: [f1, h], [h, f2].
   Tensor w1(int64_t j) const { return one(w1_, j); }
   Tensor w2(int64_t j) const { return one(w2_, j); }
@@ -102,8 +110,15 @@ class EchoClones {
 
   ExpertParallel ep_;
   int64_t num_local_, num_echo_;
+  // the used-slot transfers (shared by the model's MoE layers), set up by the first fetch
+  void ensure_peers();
+
   bool device_exchange_;
-  Tensor w1_, w2_, g1_, g2_;  // [S, f1, h], [S, h, f2]; the gradients fp32
+  bool use_peers_ = false;
+  EchoPeers::Sizes sizes_;
+  Device device_{};
+  std::shared_ptr<EchoPeers> peers_;
+  Tensor w1_, w2_, g1_, g2_;  // [S, f1, h], [S, h, f2]; the gradients fp32 (with peers_, w1_ / w2_ are theirs)
   Tensor ret_;                // fp32 [f1·h + h·f2]: one expert's returned gradients (host placement)
   Exchange x_;
 };

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <numeric>
 
+#include "model/fp8/fp8_model.h"
 #include "model/layers/mlp.h"
 #include "model/layers/parallel_params.h"
 #include "model/moe/moe_utils.h"
@@ -35,6 +36,26 @@ MoeExperts::MoeExperts(const TransformerConfig& c, const std::string& p, const E
   }
   if (num_echo_ > 0)
     clones_ = std::make_unique<EchoClones>(ep, num_local_, num_echo_, c.moe_received_token_capacity > 0);
+  if (Fp8Model* f = reg.fp8(); f && f->layer_on(Fp8Model::decoder_layer(p))) {
+    // columns of every global expert (the same in every EP layout); fc1 like a column-parallel
+    // linear over ETP (x replicated), fc2 like a row-parallel one (dy replicated)
+    const int64_t layer = Fp8Model::decoder_layer(p), base = f->reserve(layer, 2 * c.num_moe_experts);
+    Communicator* etp = ep.etp_group.get();
+    for (int64_t i = 0; i < num_local_; ++i) {
+      Expert& ex = experts_[static_cast<size_t>(i)];
+      const std::string e = fmt::format("{}experts.local_experts.{}.", p, first_expert + i);
+      const int64_t col = base + 2 * (first_expert + i);
+      ex.fp8_fc1 = f->make_linear(layer, col, e + "linear_fc1", &ex.fc1, (gated_ ? 2 : 1) * local_ffn_, h,
+                                  Fp8Groups{nullptr, etp, etp});
+      ex.fp8_fc2 = f->make_linear(layer, col + 1, e + "linear_fc2", &ex.fc2, h, local_ffn_, Fp8Groups{etp, etp, nullptr});
+    }
+  }
+}
+
+Fp8Linear* MoeExperts::fp8(int64_t e, int fc) const {
+  if (e >= num_local_) return nullptr;  // ECHO clone slots (not with FP8)
+  const Expert& ex = experts_[static_cast<size_t>(e)];
+  return fc == 1 ? ex.fp8_fc1.get() : ex.fp8_fc2.get();
 }
 
 void MoeExperts::plan(BufferPlanner& p, int64_t max_rows) {
@@ -50,6 +71,9 @@ void MoeExperts::plan(BufferPlanner& p, int64_t max_rows) {
   sv.act = recompute_act_ ? p.scratch("moe.act", t, {max_rows, f2}) : p.saved(t, {max_rows, f2}, "expert activations");
   sv.out = p.saved(t, {max_rows, h}, "expert outputs");
   if (clones_) clones_->plan(p, f1, f2, h);  // the clones' weights and gradients: fetched per use (scratch)
+  for (Expert& ex : experts_)  // FP8: each expert's rows vary per dispatch (padded to 16 inside)
+    for (Fp8Linear* l : {ex.fp8_fc1.get(), ex.fp8_fc2.get()})
+      if (l) l->plan(p, max_rows, /*save_input=*/false, /*variable_rows=*/true);
   d_out_ = p.scratch("moe.d_out", t, {max_rows, h});
   d_act_ = p.scratch("moe.d_act", t, {max_rows, f2});
   d_pre_ = p.scratch("moe.d_pre", t, {max_rows, f1});
@@ -57,13 +81,23 @@ void MoeExperts::plan(BufferPlanner& p, int64_t max_rows) {
 }
 
 Tensor MoeExperts::forward(MoeExpertCounts counts, const MoeTokenDispatcher& d, int slot, const Stream& st) {
+  begin_forward(std::move(counts), d, slot, st);
+  Saved& sv = saved_.at(static_cast<size_t>(slot));
+  compute_forward(sv, all(sv), st);
+  return output(slot);
+}
+
+void MoeExperts::begin_forward(MoeExpertCounts counts, const MoeTokenDispatcher& d, int slot, const Stream& st) {
   Saved& sv = saved_.at(static_cast<size_t>(slot));
   sv.counts = counts.device;
   sv.counts_host = std::move(counts.host);
   sv.rows = rows_of(sv);
+  sv.slot = slot;
   if (clones_) clones_->fetch_weights(d, slot, *this, st);  // the home experts' weights into the clone slots
-  compute_forward(sv, st);
-  return output(slot);
+}
+
+void MoeExperts::forward_range(int slot, const ExpertRange& r, const Stream& st) {
+  compute_forward(saved_.at(static_cast<size_t>(slot)), r, st);
 }
 
 Tensor MoeExperts::output(int slot) const {
@@ -81,11 +115,25 @@ Tensor MoeExperts::output_grad(int slot) const {
   return row_range(d_out_, 0, saved_.at(static_cast<size_t>(slot)).rows);
 }
 
+Tensor MoeExperts::input_grad(int slot) const { return row_range(d_xp_, 0, saved_.at(static_cast<size_t>(slot)).rows); }
+
 Tensor MoeExperts::backward(const MoeTokenDispatcher& d, int slot, const Stream& st) {
   Saved& sv = saved_.at(static_cast<size_t>(slot));
-  compute_backward(sv, st);
+  compute_backward(sv, all(sv), /*wgrad=*/true, st);
+  return finish_backward(d, slot, st);
+}
+
+void MoeExperts::backward_range(int slot, const ExpertRange& r, bool wgrad, const Stream& st) {
+  compute_backward(saved_.at(static_cast<size_t>(slot)), r, wgrad, st);
+}
+
+void MoeExperts::wgrad_range(int slot, const ExpertRange& r, const Stream& st) {
+  compute_wgrad(saved_.at(static_cast<size_t>(slot)), r, st);
+}
+
+Tensor MoeExperts::finish_backward(const MoeTokenDispatcher& d, int slot, const Stream& st) {
   if (clones_) clones_->return_grads(d, slot, *this, st);  // the clones' weight gradients added to their home experts
-  return row_range(d_xp_, 0, sv.rows);
+  return input_grad(slot);
 }
 
 ExpertSlot MoeExperts::expert(int64_t e) const {
@@ -114,6 +162,25 @@ const ExpertTables& MoeExperts::tables(const Stream& st) {
   return *tables_;
 }
 
+const ExpertTables& MoeExperts::tables(int64_t first, int64_t last, const Stream& st) {
+  if (first == 0 && last == num_slots()) return tables(st);
+  MT_CHECK(first >= 0 && first < last && last <= num_slots(), "MoeExperts: expert slots [{}, {}) of {}", first, last,
+           num_slots());
+  std::unique_ptr<ExpertTables>& t = range_tables_[{first, last}];
+  if (t) return *t;
+  std::vector<Tensor> w1, w2, g1, g2;
+  for (int64_t e = first; e < last; ++e) {
+    const ExpertSlot ex = expert(e);
+    w1.push_back(ex.w1);
+    w2.push_back(ex.w2);
+    g1.push_back(ex.g1);
+    g2.push_back(ex.g2);
+  }
+  t = std::make_unique<ExpertTables>(ExpertTables{GroupedWeights(std::move(w1), st), GroupedWeights(std::move(w2), st),
+                                                  GroupedWeights(std::move(g1), st), GroupedWeights(std::move(g2), st)});
+  return *t;
+}
+
 // ---------------------------------------------------------------------------------------------
 // SequentialMLP
 // ---------------------------------------------------------------------------------------------
@@ -122,43 +189,74 @@ int64_t SequentialMLP::rows_of(const Saved& sv) const {
   return std::accumulate(sv.counts_host.begin(), sv.counts_host.end(), int64_t{0});
 }
 
-// Calls fn(expert, slice) for every expert slot with rows in this dispatch, in slot order;
+// Calls fn(e, expert, slice) for every slot e of `r` with rows in this dispatch, in slot order;
 // slice(t) is that slot's row range [off, off + n) of a [R_max, ·] buffer.
 template <typename Fn>
-void SequentialMLP::for_each_expert(const Saved& sv, Fn&& fn) const {
-  int64_t off = 0;
-  for (int64_t e = 0; e < num_slots(); ++e) {
+void SequentialMLP::for_each_expert(const Saved& sv, const ExpertRange& r, Fn&& fn) const {
+  int64_t off = r.row_begin;
+  for (int64_t e = r.first; e < r.last; ++e) {
     const int64_t n = sv.counts_host[static_cast<size_t>(e)];
-    if (n > 0) fn(expert(e), [off, n](const Tensor& t) { return row_range(t, off, n); });
+    if (n > 0) fn(e, expert(e), [off, n](const Tensor& t) { return row_range(t, off, n); });
     off += n;
   }
 }
 
-void SequentialMLP::compute_forward(Saved& sv, const Stream& st) {
-  for_each_expert(sv, [&](const ExpertSlot& ex, const auto& slice) {
+namespace {
+// One expert projection y = x wᵀ (GELU epilogue with pre_gelu): FP8 when the layer runs FP8.
+void project(Fp8Linear* fp8, const Tensor& y, const Tensor& x, const Tensor& w, const Tensor& pre_gelu, int slot,
+             const Stream& st) {
+  if (fp8) {
+    fp8->forward(y, x, Tensor(), pre_gelu, slot, st);
+  } else {
+    linear_forward(y, x, w, Tensor(), pre_gelu, st);
+  }
+}
+// Its backward: dx = dy w, dw += dyᵀ x.
+void project_backward(Fp8Linear* fp8, const Tensor& dx, const Tensor& dw, const Tensor& dy, const Tensor& x,
+                      const Tensor& w, int slot, const Stream& st) {
+  if (fp8) {
+    fp8->backward({dx, dw, GradWrite::kAccumulate, Tensor(), Tensor(), Tensor()}, dy, x, slot, st);
+  } else {
+    linear_backward(dx, dw, Tensor(), dy, x, w, st);
+  }
+}
+}  // namespace
+
+void SequentialMLP::compute_forward(Saved& sv, const ExpertRange& r, const Stream& st) {
+  for_each_expert(sv, r, [&](int64_t e, const ExpertSlot& ex, const auto& slice) {
     const Tensor xe = slice(sv.xp), pre = slice(sv.pre), act = slice(sv.act);
     if (gated_) {
-      linear_forward(pre, xe, ex.w1, Tensor(), Tensor(), st);
+      project(fp8(e, 1), pre, xe, ex.w1, Tensor(), sv.slot, st);
       mlp_activation(act, pre, true, st);
     } else {
-      linear_forward(act, xe, ex.w1, Tensor(), pre, st);  // GELU epilogue
+      project(fp8(e, 1), act, xe, ex.w1, pre, sv.slot, st);  // GELU epilogue
     }
-    linear_forward(slice(sv.out), act, ex.w2, Tensor(), Tensor(), st);
+    project(fp8(e, 2), slice(sv.out), act, ex.w2, Tensor(), sv.slot, st);
   });
 }
 
-void SequentialMLP::compute_backward(Saved& sv, const Stream& st) {
-  for_each_expert(sv, [&](const ExpertSlot& ex, const auto& slice) {
+void SequentialMLP::compute_backward(Saved& sv, const ExpertRange& r, bool wgrad, const Stream& st) {
+  for_each_expert(sv, r, [&](int64_t e, const ExpertSlot& ex, const auto& slice) {
     const Tensor xe = slice(sv.xp), pre = slice(sv.pre), act = slice(sv.act);
     const Tensor dact = slice(d_act_), dpre = slice(d_pre_);
     if (recompute_act_) mlp_activation(act, pre, gated_, st);
-    linear_backward(dact, ex.g2, Tensor(), slice(d_out_), act, ex.w2, st);
+    // the input and weight gradients are separate GEMMs: the same bits with the weight's later
+    project_backward(fp8(e, 2), dact, wgrad ? ex.g2 : Tensor(), slice(d_out_), act, ex.w2, sv.slot, st);
     if (gated_) {
       swiglu_backward(dpre, dact, pre, st);
     } else {
       gelu_backward(dpre, dact, pre, st);
     }
-    linear_backward(slice(d_xp_), ex.g1, Tensor(), dpre, xe, ex.w1, st);
+    project_backward(fp8(e, 1), slice(d_xp_), wgrad ? ex.g1 : Tensor(), dpre, xe, ex.w1, sv.slot, st);
+  });
+}
+
+// Only with --delay-wgrad-compute, which FP8 refuses (TransformerConfig::validate): plain GEMMs.
+void SequentialMLP::compute_wgrad(Saved& sv, const ExpertRange& r, const Stream& st) {
+  for_each_expert(sv, r, [&](int64_t e, const ExpertSlot& ex, const auto& slice) {
+    MT_CHECK(fp8(e, 1) == nullptr, "SequentialMLP: delayed weight gradients of FP8 experts are not supported");
+    linear_backward(Tensor(), ex.g2, Tensor(), slice(d_out_), slice(sv.act), ex.w2, st);
+    linear_backward(Tensor(), ex.g1, Tensor(), slice(d_pre_), slice(sv.xp), ex.w1, st);
   });
 }
 
@@ -166,28 +264,41 @@ void SequentialMLP::compute_backward(Saved& sv, const Stream& st) {
 // GroupedMLP
 // ---------------------------------------------------------------------------------------------
 
-void GroupedMLP::compute_forward(Saved& sv, const Stream& st) {
-  const ExpertTables& t = tables(st);
+// With every slot (all()) the calls cover the whole [R_max, ·] buffers; a chunk's cover its rows.
+void GroupedMLP::compute_forward(Saved& sv, const ExpertRange& r, const Stream& st) {
+  const ExpertTables& t = tables(r.first, r.last, st);
+  const Tensor counts = sv.counts.slice0(r.first, r.last);
+  const auto rr = [&](const Tensor& x) { return row_range(x, r.row_begin, r.rows); };
   // Rows beyond Σ counts: the GEMMs write zeros there, so the activation gives zeros too.
-  grouped_linear_forward(sv.pre, sv.xp, t.w1, sv.counts, st);
-  mlp_activation(sv.act, sv.pre, gated_, st);
-  grouped_linear_forward(sv.out, sv.act, t.w2, sv.counts, st);
+  grouped_linear_forward(rr(sv.pre), rr(sv.xp), t.w1, counts, st);
+  mlp_activation(rr(sv.act), rr(sv.pre), gated_, st);
+  grouped_linear_forward(rr(sv.out), rr(sv.act), t.w2, counts, st);
 }
 
-void GroupedMLP::compute_backward(Saved& sv, const Stream& st) {
-  const ExpertTables& t = tables(st);
+void GroupedMLP::compute_backward(Saved& sv, const ExpertRange& r, bool wgrad, const Stream& st) {
+  const ExpertTables& t = tables(r.first, r.last, st);
+  const Tensor counts = sv.counts.slice0(r.first, r.last);
+  const auto rr = [&](const Tensor& x) { return row_range(x, r.row_begin, r.rows); };
   // d_out_ rows beyond Σ counts are stale (combine_backward writes the routed rows only) and never
   // read; the dgrads write zeros to their tails, so the activation backward gives zeros there.
-  if (recompute_act_) mlp_activation(sv.act, sv.pre, gated_, st);
-  grouped_linear_dgrad(d_act_, d_out_, t.w2, sv.counts, st);
-  grouped_linear_wgrad(t.g2, d_out_, sv.act, sv.counts, st);
+  if (recompute_act_) mlp_activation(rr(sv.act), rr(sv.pre), gated_, st);
+  grouped_linear_dgrad(rr(d_act_), rr(d_out_), t.w2, counts, st);
+  if (wgrad) grouped_linear_wgrad(t.g2, rr(d_out_), rr(sv.act), counts, st);
   if (gated_) {
-    swiglu_backward(d_pre_, d_act_, sv.pre, st);
+    swiglu_backward(rr(d_pre_), rr(d_act_), rr(sv.pre), st);
   } else {
-    gelu_backward(d_pre_, d_act_, sv.pre, st);
+    gelu_backward(rr(d_pre_), rr(d_act_), rr(sv.pre), st);
   }
-  grouped_linear_dgrad(d_xp_, d_pre_, t.w1, sv.counts, st);
-  grouped_linear_wgrad(t.g1, d_pre_, sv.xp, sv.counts, st);
+  grouped_linear_dgrad(rr(d_xp_), rr(d_pre_), t.w1, counts, st);
+  if (wgrad) grouped_linear_wgrad(t.g1, rr(d_pre_), rr(sv.xp), counts, st);
+}
+
+void GroupedMLP::compute_wgrad(Saved& sv, const ExpertRange& r, const Stream& st) {
+  const ExpertTables& t = tables(r.first, r.last, st);
+  const Tensor counts = sv.counts.slice0(r.first, r.last);
+  const auto rr = [&](const Tensor& x) { return row_range(x, r.row_begin, r.rows); };
+  grouped_linear_wgrad(t.g2, rr(d_out_), rr(sv.act), counts, st);
+  grouped_linear_wgrad(t.g1, rr(d_pre_), rr(sv.xp), counts, st);
 }
 
 std::unique_ptr<MoeExperts> make_moe_experts(const TransformerConfig& c, const std::string& prefix,

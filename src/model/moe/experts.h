@@ -19,13 +19,17 @@
 //     dispatch backward address rows through slot_row, which never points past R.
 //
 // Saved per area: the expert inputs, fc1 outputs, activations (scratch with --recompute-modules
-// moe_act: recomputed in the backward) and outputs, [R_max, ·] each. Weight gradients accumulate
+// moe_act: recomputed in the backward) and outputs, [R_max, ·] each. With FP8 (--fp8-format,
+// SequentialMLP only) each expert projection runs through an Fp8Linear (model/fp8/fp8_linear.h)
+// over its ragged row range (padded to 16 rows inside). Weight gradients accumulate
 // (+=) into the fp32 main gradients; the clones' into their scratch, returned to the home experts.
 #pragma once
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "model/fp8/fp8_linear.h"
 #include "model/moe/echo.h"
 #include "model/moe/token_dispatcher.h"
 #include "ops/grouped_matmul.h"
@@ -38,9 +42,16 @@ struct ExpertSlot {
   Tensor w1, w2, g1, g2;
 };
 
-/// The expert slots' tensors as address tables on the device (GroupedWeights): all E_l + S slots.
+/// The expert slots' tensors as address tables on the device (GroupedWeights): all E_l + S slots,
+/// or the slots of one chunk.
 struct ExpertTables {
   GroupedWeights w1, w2, g1, g2;
+};
+
+/// A run of expert slots [first, last) and their rows [row_begin, row_begin + rows) of the expert
+/// buffers: one chunk of --overlap-moe-expert-parallel-comm's pipeline, or every slot.
+struct ExpertRange {
+  int64_t first = 0, last = 0, row_begin = 0, rows = 0;
 };
 
 class MoeExperts {
@@ -63,6 +74,12 @@ class MoeExperts {
   /// fetched first, by the dispatcher's placement of `slot`). Returns the output rows the
   /// combine reads (output(slot)). Collective over the EP group with ECHO.
   Tensor forward(MoeExpertCounts counts, const MoeTokenDispatcher& dispatcher, int slot, const Stream& stream);
+  /// forward() in parts, for the chunked pipeline (--overlap-moe-expert-parallel-comm, host
+  /// counts): begin_forward() takes the counts and fetches the clones' weights (collective over
+  /// the EP group with ECHO), then forward_range() runs the slots of one chunk on their rows; the
+  /// chunks together compute what forward() does, bitwise (every slot's GEMMs see the same rows).
+  void begin_forward(MoeExpertCounts counts, const MoeTokenDispatcher& dispatcher, int slot, const Stream& stream);
+  void forward_range(int slot, const ExpertRange& range, const Stream& stream);
   /// The forward's output rows [R, h] (SequentialMLP) or [R_max, h] (GroupedMLP).
   Tensor output(int slot) const;
   /// Before the combine backward: with ECHO the clones' weights fetched again and their gradients
@@ -70,10 +87,21 @@ class MoeExperts {
   void prepare_backward(const MoeTokenDispatcher& dispatcher, int slot, const Stream& stream);
   /// Where the combine backward writes the output rows' gradients (rows as output()).
   Tensor output_grad(int slot) const;
+  /// Where the backward writes the input rows' gradients (rows as output()), which the dispatch
+  /// backward reads.
+  Tensor input_grad(int slot) const;
   /// The experts' backward from output_grad(): the weight gradients (+=; the clones' returned to
   /// their home experts), and returns the input rows' gradients (rows as output()), which the
   /// dispatch backward reads.
   Tensor backward(const MoeTokenDispatcher& dispatcher, int slot, const Stream& stream);
+  /// backward() in parts (the chunked pipeline): backward_range() computes the input gradients of
+  /// one chunk's rows and, with `wgrad`, its slots' weight gradients; wgrad_range() the weight
+  /// gradients alone (--delay-wgrad-compute: after every chunk's input gradients, their inputs
+  /// untouched meanwhile); finish_backward() returns the clones' gradients (collective over the
+  /// EP group with ECHO) and the input rows' gradients.
+  void backward_range(int slot, const ExpertRange& range, bool wgrad, const Stream& stream);
+  void wgrad_range(int slot, const ExpertRange& range, const Stream& stream);
+  Tensor finish_backward(const MoeTokenDispatcher& dispatcher, int slot, const Stream& stream);
 
   /// Expert slot e < E_l + S: a local expert, or ECHO clone slot e − E_l (valid after a fetch).
   ExpertSlot expert(int64_t e) const;
@@ -82,18 +110,29 @@ class MoeExperts {
   /// The address tables of all slots, built on first use (the ParamStore's and the scratch's
   /// addresses are fixed once planned).
   const ExpertTables& tables(const Stream& stream);
+  /// The tables of slots [first, last) (all of them: tables()), built on first use.
+  const ExpertTables& tables(int64_t first, int64_t last, const Stream& stream);
 
  protected:
   struct Saved {
     Tensor xp, pre, act, out;          // [R_max, h], [R_max, (2)f_l], [R_max, f_l], [R_max, h]
     std::vector<int64_t> counts_host;  // the forward's rows per expert slot (from the dispatcher)
+    int slot = 0;                      // the area (the FP8 linears' saved scales)
     Tensor counts;                     // the same, int32 [E_l + S] on the device
     int64_t rows = 0;                  // the rows the experts compute and the combine reads
   };
   // The rows of a dispatch the experts compute: Σ of the host counts, or all R_max planned rows.
   virtual int64_t rows_of(const Saved& sv) const = 0;
-  virtual void compute_forward(Saved& sv, const Stream& st) = 0;
-  virtual void compute_backward(Saved& sv, const Stream& st) = 0;
+  // The forward, backward (input gradients; weight gradients with `wgrad`) and weight gradients of
+  // the slots of `r` on their rows.
+  virtual void compute_forward(Saved& sv, const ExpertRange& r, const Stream& st) = 0;
+  virtual void compute_backward(Saved& sv, const ExpertRange& r, bool wgrad, const Stream& st) = 0;
+  virtual void compute_wgrad(Saved& sv, const ExpertRange& r, const Stream& st) = 0;
+  // Every slot and the rows a dispatch computes.
+  ExpertRange all(const Saved& sv) const { return {0, num_slots(), 0, sv.rows}; }
+
+  /// Local expert e's FP8 projection (fc 1 or 2), or nullptr when the layer runs bf16.
+  Fp8Linear* fp8(int64_t e, int fc) const;
 
   bool gated_;
   bool recompute_act_;  // --recompute-modules moe_act: sv.act is scratch, recomputed in the backward
@@ -103,11 +142,13 @@ class MoeExperts {
  private:
   struct Expert {
     ParamRef fc1, fc2;  // [(2)f_l, h], [h, f_l]
+    std::unique_ptr<Fp8Linear> fp8_fc1, fp8_fc2;  // FP8 (nullptr: bf16)
   };
   int64_t hidden_, num_local_, num_echo_, local_ffn_;
   std::vector<Expert> experts_;
   std::unique_ptr<EchoClones> clones_;  // with ECHO
   std::unique_ptr<ExpertTables> tables_;
+  std::map<std::pair<int64_t, int64_t>, std::unique_ptr<ExpertTables>> range_tables_;  // (first, last)
   std::vector<Saved> saved_;  // per area
 };
 
@@ -118,10 +159,11 @@ class SequentialMLP final : public MoeExperts {
 
  private:
   int64_t rows_of(const Saved& sv) const override;
-  void compute_forward(Saved& sv, const Stream& st) override;
-  void compute_backward(Saved& sv, const Stream& st) override;
+  void compute_forward(Saved& sv, const ExpertRange& r, const Stream& st) override;
+  void compute_backward(Saved& sv, const ExpertRange& r, bool wgrad, const Stream& st) override;
+  void compute_wgrad(Saved& sv, const ExpertRange& r, const Stream& st) override;
   template <typename Fn>
-  void for_each_expert(const Saved& sv, Fn&& fn) const;
+  void for_each_expert(const Saved& sv, const ExpertRange& r, Fn&& fn) const;
 };
 
 /// Megatron's GroupedMLP / TEGroupedMLP (--moe-grouped-gemm): one grouped GEMM per projection over
@@ -132,8 +174,9 @@ class GroupedMLP final : public MoeExperts {
 
  private:
   int64_t rows_of(const Saved&) const override { return max_rows_; }
-  void compute_forward(Saved& sv, const Stream& st) override;
-  void compute_backward(Saved& sv, const Stream& st) override;
+  void compute_forward(Saved& sv, const ExpertRange& r, const Stream& st) override;
+  void compute_backward(Saved& sv, const ExpertRange& r, bool wgrad, const Stream& st) override;
+  void compute_wgrad(Saved& sv, const ExpertRange& r, const Stream& st) override;
 };
 
 /// The experts of --moe-grouped-gemm: GroupedMLP, else SequentialMLP.

@@ -23,12 +23,28 @@
 // Buffers: planned for the worst case of the dropless routing, R_max = |G|·T_l·min(k, E_local)
 // expert rows per micro-batch (exactly |G|·T_l·k when every expert is local); with
 // --moe-received-token-capacity the dispatcher's fixed blocks.
+//
+// Communication beside computation (docs/moe.md "Overlapped communication"; the same operations on
+// the same data, so bitwise the same results):
+//   --moe-shared-expert-overlap: the shared experts' MLP runs on a side stream (MoeShared::shared_stream)
+//     from after the dispatcher's preprocessing to the combine (forward), and from the start of the
+//     backward to the router's backward; their output and input gradient are added on the layer's
+//     stream where the sequential order adds them.
+//   --overlap-moe-expert-parallel-comm: the dropless alltoall dispatcher's exchanges run in chunks
+//     of local expert slots on the exchange stream (MoeShared::comm_stream), the experts of chunk c on the
+//     layer's stream as soon as its rows are in, and its combine as soon as they are computed:
+//       exchange stream:  dispatch 0, dispatch 1, ..., combine 0, combine 1, ...
+//       layer stream:     (wait d0) experts 0 (wait d1) experts 1 ...  (wait the combines) unpermute
+//     The backward likewise (the output gradients in chunks, each chunk's input gradients back as
+//     soon as computed); with --delay-wgrad-compute the experts' weight gradients run after every
+//     chunk's input gradients, beside the last chunks' exchanges (Megatron's delay_wgrad_compute).
 #pragma once
 #include <functional>
 #include <memory>
 #include <vector>
 
 #include "model/layers/mlp.h"
+#include "model/moe/alltoall_dispatcher.h"
 #include "model/moe/experts.h"
 #include "model/moe/router.h"
 #include "model/moe/shared_experts.h"
@@ -38,6 +54,9 @@ namespace mt {
 
 class MoELayer final : public MlpSlot {
  public:
+  /// The chunks of --overlap-moe-expert-parallel-comm's pipeline (fewer with fewer local expert slots).
+  static constexpr int64_t kOverlapChunks = 4;
+
   /// prefix "decoder.layers.<layer>.mlp". Declares the router weight [E, h] (TopKRouter), the local
   /// experts' linear_fc1 / linear_fc2 (MoeExperts) and the shared experts' MLP (SharedExpertMLP);
   /// builds the token dispatcher of --moe-token-dispatcher-type. TP > 1 needs sequence
@@ -73,6 +92,8 @@ class MoELayer final : public MlpSlot {
   /// EP rank received in one dispatch, the slots overflowed at --moe-received-token-capacity; zeros
   /// for the allgather dispatcher). May synchronise `stream`.
   MoeDispatchStats dispatch_stats(const Stream& stream) const { return dispatcher_->stats(stream); }
+  /// What this layer shares with the model's other MoE layers (side streams, ECHO's transfers).
+  const MoeShared& shared_resources() const { return *shared_res_; }
 
   /// Aux-loss-free balancing (--moe-router-enable-expert-bias), once per step after the last
   /// backward (Megatron's finalize_model_grads): sums the step's token counts of the training
@@ -109,6 +130,19 @@ class MoELayer final : public MlpSlot {
   static bool preprocess_captured(const StepContext& ctx);  // moe_preprocess is scoped
   // The preprocessing's and the router's backward, then the shared experts'.
   Tensor router_backward(const Tensor& dy, const StepContext& ctx, WgradDeferral* defer);
+  // --overlap-moe-expert-parallel-comm: the chunked dispatch, experts and combine (forward), and
+  // the chunked combine backward, experts' backward and dispatch backward.
+  void pipelined_forward(const StepContext& ctx);
+  void pipelined_backward(const Tensor& dy, const StepContext& ctx);
+  // A StepContext like ctx on another stream.
+  static StepContext on_stream(const StepContext& ctx, const Stream& stream);
+
+  // The events of the overlapped schedules (created at plan time).
+  struct Events {
+    Events(Device device, int64_t chunks);
+    Event shared_fork, shared_join, start, end;
+    std::vector<std::unique_ptr<Event>> ready, done;  // per chunk: rows in; rows computed
+  };
 
   const TensorParallelRegion& tp_;
   int64_t layer_, hidden_;
@@ -117,6 +151,14 @@ class MoELayer final : public MlpSlot {
   std::unique_ptr<TopKRouter> router_;
   std::unique_ptr<MoeExperts> experts_;
   std::unique_ptr<SharedExpertMLP> shared_;  // --moe-shared-expert-intermediate-size > 0
+  std::shared_ptr<MoeShared> shared_res_;
+  bool overlap_shared_ = false;  // --moe-shared-expert-overlap (and a TP group other than the dispatcher's)
+  MoEAlltoAllTokenDispatcher* chunked_ = nullptr;  // --overlap-moe-expert-parallel-comm: the dispatcher
+  bool delay_wgrad_ = false;     // --delay-wgrad-compute
+  const Stream* shared_stream_ = nullptr;
+  const Stream* comm_stream_ = nullptr;
+  std::unique_ptr<Events> events_;
+  Tensor shared_out_, shared_dx_;  // the side stream's results (views of the MLP's scratch)
   std::vector<Tensor> x_;  // per area: the block's input [s_l, b, h] (router input), saved
   Tensor y_, dx_;          // scratch [s_l, b, h]
 };

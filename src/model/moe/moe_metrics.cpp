@@ -23,13 +23,14 @@ MoeWorldStatistics gather_moe_statistics(const TransformerConfig& cfg, const std
   // The alltoall dispatcher's counts are known on every rank of an EP group alike: the largest
   // receive over the world; ECHO's rerouted slots summed over the world count each EP group's total
   // once per member.
-  const int64_t v[3] = {dispatch.rerouted, dispatch.max_received, dispatch.overflowed};
+  const int64_t v[4] = {dispatch.rerouted, dispatch.max_received, dispatch.overflowed, dispatch.echo_bytes};
   const std::vector<char> d = all_gather_host(world, v, sizeof(v), stream);
   for (int r = 0; r < world.size(); ++r) {
     const int64_t* row = reinterpret_cast<const int64_t*>(d.data() + static_cast<size_t>(r) * sizeof(v));
     out.rerouted += row[0];
     out.max_received = std::max(out.max_received, row[1]);
     out.overflowed += row[2];
+    out.echo_bytes += row[3];
   }
   return out;
 }
@@ -87,6 +88,9 @@ std::string format_moe_statistics(const TransformerConfig& cfg, const MoeWorldSt
     if (cfg.moe_enable_echo && cfg.moe_received_token_capacity == 0)  // counted from the host counts only
       out += fmt::format(" ECHO rerouted tokens per layer: {:.1f} |",
                          static_cast<double>(stats.rerouted) / std::max(ep, 1) / n / L);
+    if (stats.echo_bytes > 0)  // the used-slot transfers (EchoPeers): weights and gradients, all ranks
+      out += fmt::format(" ECHO clone MiB sent per iteration: {:.3f} |",
+                         static_cast<double>(stats.echo_bytes) / (1 << 20) / n);
   }
   return out + layers;
 }

@@ -27,6 +27,8 @@ struct MoeWorldStatistics {
   /// alltoall dispatcher only (zeros otherwise): ECHO reroutes and received-capacity overflows
   /// summed over the world, the largest receive of any rank.
   int64_t rerouted = 0, max_received = 0, overflowed = 0;
+  /// ECHO's used-slot transfers: the bytes of clone weights and gradients written, over the world.
+  int64_t echo_bytes = 0;
 };
 
 /// Sums this rank's statistics (`local`: GPTModel::moe_loss_stats; `dispatch`: its dispatchers')

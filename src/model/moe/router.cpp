@@ -50,7 +50,7 @@ void TopKRouter::plan(BufferPlanner& p, int64_t tokens, int64_t batch) {
   if (global_aux()) {
     sv.global_tokens = p.saved(DType::kF32, {E}, "mean tokens per expert of the step (TP x DP group)");
     global_counts_ = p.scratch("moe.global_counts", DType::kF32, {E});
-    if (global_buffer_.bytes() == 0) {
+    if (p.placing() && global_buffer_.bytes() == 0) {  // not while the model is only measured
       global_buffer_ = Buffer(p.device(), static_cast<size_t>(E + 1) * sizeof(float));
       global_acc_ = global_buffer_.as(DType::kF32, {E + 1});
     }
@@ -60,11 +60,11 @@ void TopKRouter::plan(BufferPlanner& p, int64_t tokens, int64_t batch) {
   d_logits_ = p.scratch("moe.d_logits", rd, {tokens, E});
   if (t != DType::kF32 && rd == DType::kF32) d_logits_act_ = p.scratch("moe.d_logits_act", t, {tokens, E});
   scores_aux_ = p.scratch("moe.scores_aux", rd, {tokens, E});
-  if (stats_buffer_.bytes() == 0) {
+  if (p.placing() && stats_buffer_.bytes() == 0) {
     stats_buffer_ = Buffer(p.device(), static_cast<size_t>(kMoeStatLosses + E) * sizeof(float));
     stats_ = stats_buffer_.as(DType::kF32, {kMoeStatLosses + E});
   }
-  if (config_.moe_router_enable_expert_bias && bias_buffer_.bytes() == 0) {
+  if (p.placing() && config_.moe_router_enable_expert_bias && bias_buffer_.bytes() == 0) {
     bias_buffer_ = Buffer(p.device(), static_cast<size_t>(2 * E) * sizeof(float));
     const Tensor both = bias_buffer_.as(DType::kF32, {2 * E});
     expert_bias_ = both.slice0(0, E);

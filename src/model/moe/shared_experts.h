@@ -24,11 +24,25 @@ class SharedExpertMLP {
 
   void plan(BufferPlanner& planner, int64_t s, int64_t b);
   /// y [s_l, b, h] += the shared experts' output for x [s_l, b, h] (the layer's saved input), area
-  /// ctx.slot.
+  /// ctx.slot: compute(), then add_output().
   void forward(const Tensor& y, const Tensor& x, const StepContext& ctx);
+  /// The shared experts' MLP on x: returns their output ys [s_l, b, h] (a scratch view, valid until
+  /// the next MLP forward). With --moe-shared-expert-overlap it runs on a side stream (ctx.stream)
+  /// while the dispatcher exchanges; it touches only the MLP's buffers and the TP group.
+  Tensor compute(const Tensor& x, const StepContext& ctx);
+  /// y += ys, or with the gate y += sigmoid(x · w_gate) · ys per token (on the layer's stream).
+  void add_output(const Tensor& y, const Tensor& ys, const Tensor& x, const StepContext& ctx);
   /// dx [s_l, b, h] += the shared branch's input gradient from dy [s_l, b, h]; its weight gradients
   /// accumulate (linear_fc1's may be deferred into `defer`). x: the forward's input.
+  /// backward_compute(), then finish_backward().
   void backward(const Tensor& dx, const Tensor& dy, const Tensor& x, const StepContext& ctx, WgradDeferral* defer);
+  /// The branch's backward up to its input gradient (side stream with the overlap): the gate's
+  /// d ys, d logits and weight gradient, the MLP's backward; returns the MLP's input gradient
+  /// (a scratch view).
+  Tensor backward_compute(const Tensor& dy, const Tensor& x, const StepContext& ctx, WgradDeferral* defer);
+  /// dx += the gate's part (d logits · w_gate), then dx += d_mlp (backward_compute's result): the
+  /// additions into dx in backward()'s order (on the layer's stream).
+  void finish_backward(const Tensor& dx, const Tensor& d_mlp, const StepContext& ctx);
 
  private:
   struct Saved {

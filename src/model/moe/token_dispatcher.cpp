@@ -6,6 +6,20 @@
 
 namespace mt {
 
+const Stream& MoeShared::shared_stream(Device device) {
+  if (!shared_) shared_ = std::make_unique<Stream>(device);
+  MT_CHECK(shared_->device() == device, "MoeShared: the shared experts' stream is on {}, asked for {}",
+           shared_->device().str(), device.str());
+  return *shared_;
+}
+
+const Stream& MoeShared::comm_stream(Device device) {
+  if (!comm_) comm_ = std::make_unique<Stream>(device, StreamPriority::kHigh);  // its kernels start as SMs free
+  MT_CHECK(comm_->device() == device, "MoeShared: the exchange stream is on {}, asked for {}", comm_->device().str(),
+           device.str());
+  return *comm_;
+}
+
 std::string moe_preprocess_region(MoeDispatcher kind, const MoeDispatchSizes& sizes) {
   if (kind == MoeDispatcher::kAllGather) return "router, selection all-gather, routing map";
   const std::string echo = sizes.num_echo > 0 ? "ECHO plan and rerouting, " : "";

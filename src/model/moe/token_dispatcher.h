@@ -27,12 +27,36 @@
 #include <vector>
 
 #include "comm/communicator.h"
+#include "core/stream.h"
 #include "model/module.h"
 #include "model/transformer_config.h"
 
 namespace mt {
 
 struct EchoPlacement;  // model/moe/echo.h
+
+class EchoPeers;  // model/moe/echo_peers.h
+
+/// What the MoE layers of one model share, created on first use (at plan time, never inside a
+/// step): the side streams (--moe-shared-expert-overlap: the shared experts'; --overlap-moe-expert-
+/// parallel-comm: the exchanges') — a CUDA stream carries its own cuBLASLt handle and 33 MiB of
+/// workspace (core/cuda_resources.h) — and ECHO's used-slot transfer buffers (EchoClones creates
+/// them). On the CPU a stream runs its work inline, so the overlapped schedules run in their issue
+/// order there.
+class MoeShared {
+ public:
+  /// The shared experts' stream on `device` (created on the first call).
+  const Stream& shared_stream(Device device);
+  /// The exchanges' stream on `device` (created on the first call; high priority, as the context-
+  /// parallel ring's: its NCCL kernels start as soon as an SM frees, beside the experts' GEMMs).
+  const Stream& comm_stream(Device device);
+  /// ECHO's used-slot transfers (model/moe/echo_peers.h) for every MoE layer: null until the first
+  /// layer's first transfer creates them.
+  std::shared_ptr<EchoPeers> echo_peers;
+
+ private:
+  std::unique_ptr<Stream> shared_, comm_;
+};
 
 /// This rank's place in the expert grid (MoE parallel folding, arXiv:2504.14960): expert
 /// parallelism splits the experts (EP rank r holds experts [r·E/ep, (r+1)·E/ep)), expert tensor
@@ -45,6 +69,9 @@ struct ExpertParallel {
   int ep_size = 1, ep_rank = 0, etp_size = 1, etp_rank = 0;
   std::shared_ptr<Communicator> dispatch;
   std::shared_ptr<Communicator> ep_group, etp_group;
+  /// What the MoE layers share (side streams, ECHO's transfer buffers), shared by the copies of
+  /// this value (every MoE layer of a model).
+  std::shared_ptr<MoeShared> shared = std::make_shared<MoeShared>();
 };
 
 /// The static sizes a dispatcher is built for.
@@ -70,6 +97,15 @@ struct MoeDispatchSizes {
   /// nothing read on the host: CUDA-graph capturable); the slots beyond a block are dropped and
   /// counted (MoeDispatchStats::overflowed). 0 = off (the host-synchronised dropless dispatch).
   int64_t received_capacity = 0;
+  /// --overlap-moe-expert-parallel-comm (the dropless alltoall dispatcher): the local expert slots
+  /// are exchanged in this many chunks (MoEAlltoAllTokenDispatcher::chunk), so that the experts of
+  /// one chunk compute while the next chunk's rows travel; 1 = one exchange.
+  int64_t chunks = 1;
+  /// --moe-permute-fusion (the dropless alltoall dispatcher): permutation 2 fused into the
+  /// exchanges: every (source rank, local expert) piece travels straight to its row of the expert
+  /// input, and back from the expert output, instead of through a staging buffer and
+  /// moe_sort_chunks' copies.
+  bool permute_fusion = false;
 };
 
 /// Host-side dispatch statistics since the last reset (alltoall dispatcher; the allgather one
@@ -81,6 +117,9 @@ struct MoeDispatchStats {
   /// --moe-received-token-capacity: slots dropped because their EP pair's block was full, summed
   /// over the dispatches of this rank (read from the device; rerouted / max_received stay 0 there)
   int64_t overflowed = 0;
+  /// ECHO with the used-slot transfers (EchoPeers, model/moe/echo_peers.h): the bytes of clone
+  /// weights and gradients this rank wrote into the EP ranks' memory (read from the device)
+  int64_t echo_bytes = 0;
 };
 
 /// The rows of each local expert slot brought by one dispatch() (R = their sum, rows [0, R) of the

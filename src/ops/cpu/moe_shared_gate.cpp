@@ -6,6 +6,10 @@
 namespace mt::cpu {
 namespace {
 double sigmoid(float x) { return 1.0 / (1.0 + std::exp(-static_cast<double>(x))); }
+// dx[i] += d_logit · w[i]: one expression for the whole backward and its dx part alone (bitwise alike)
+void gate_dx_row(float* dx, float d_logit, const float* w, int64_t h) {
+  for (int64_t i = 0; i < h; ++i) dx[i] += d_logit * w[i];
+}
 }  // namespace
 
 void moe_shared_gate_forward(const Tensor& y, const Tensor& logits, const Tensor& ys, const Tensor& x, const Tensor& w,
@@ -32,7 +36,7 @@ void moe_shared_gate_backward(const Tensor& d_ys, const Tensor& d_logits, const 
   const int64_t T = ys.size(0), h = ys.size(1);
   float* dS = d_ys.data_as<float>();
   float* dL = d_logits.data_as<float>();
-  float* dX = dx.data_as<float>();
+  float* dX = dx.empty() ? nullptr : dx.data_as<float>();
   float* dW = dw.data_as<float>();
   const float* dY = dy.data_as<float>();
   const float* S = ys.data_as<float>();
@@ -49,7 +53,7 @@ void moe_shared_gate_backward(const Tensor& d_ys, const Tensor& d_logits, const 
       dS[t * h + i] = gf * dY[t * h + i];
     }
     dL[t] = static_cast<float>(g * (1.0 - g) * dot);
-    for (int64_t i = 0; i < h; ++i) dX[t * h + i] += dL[t] * W[i];
+    if (dX) gate_dx_row(dX + t * h, dL[t], W, h);
   }
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < h; ++i) {
@@ -57,6 +61,15 @@ void moe_shared_gate_backward(const Tensor& d_ys, const Tensor& d_logits, const 
     for (int64_t t = 0; t < T; ++t) s += static_cast<double>(dL[t]) * X[t * h + i];
     dW[i] = static_cast<float>(static_cast<double>(dW[i]) + s);
   }
+}
+
+void moe_shared_gate_backward_dx(const Tensor& dx, const Tensor& d_logits, const Tensor& w, const Stream&) {
+  const int64_t T = dx.size(0), h = dx.size(1);
+  float* dX = dx.data_as<float>();
+  const float* dL = d_logits.data_as<float>();
+  const float* W = w.data_as<float>();
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < T; ++t) gate_dx_row(dX + t * h, dL[t], W, h);
 }
 
 }  // namespace mt::cpu

@@ -235,6 +235,10 @@ struct Plan {
   // grouped queries only: the gathered Q [s, b, h, d] (and, backward, dQ's staging after it); owned
   void* staging = nullptr;
   float scale = 0, neg_inf = -std::numeric_limits<float>::infinity(), one = 1.f;  // by-value scalars
+  // Whether the graph has the causal mask, the only user of the -inf scalar: an unmasked graph
+  // (context parallelism's full blocks) must not be given that uid in its variant pack (cuDNN
+  // refuses the pack: CUDNN_STATUS_BAD_PARAM_NULL_POINTER, isCompatibleVariantPack).
+  bool masked = true;
   cudnnHandle_t handle = nullptr;  // of the plan's device (handle_for)
   ~Plan() {
     if (workspace) cudaFree(workspace);
@@ -344,6 +348,7 @@ Dims transposed(Dims st) {
 std::unique_ptr<Plan> build_forward(const Shape& sh, float scale, cudnnHandle_t h) {
   auto p = std::make_unique<Plan>();
   p->scale = scale;
+  p->masked = sh.causal;
   GraphBuilder g;
   const Dims ks = sh.kv_strides();
   auto q = g.tensor(kQ, sh.io, sh.qd(), sh.q_strides());
@@ -351,7 +356,7 @@ std::unique_ptr<Plan> build_forward(const Shape& sh, float scale, cudnnHandle_t 
   auto v = g.tensor(kV, sh.io, sh.kvd(), ks);
   auto o = g.tensor(kO, sh.io, sh.qd(), sh.out_strides());
   auto stats = g.tensor(kStats, CUDNN_DATA_FLOAT, sh.stats(), sh.stats_strides());
-  auto sc = g.scalar(kScale), ninf = g.scalar(kNegInf);
+  auto sc = g.scalar(kScale), ninf = sh.causal ? g.scalar(kNegInf) : nullptr;
   auto s0 = g.matmul_to(q, kt, sh.scores());
   auto s1 = g.pointwise_to(CUDNN_POINTWISE_MUL, s0, sc, sh.scores());
   auto s2 = sh.causal ? g.causal_mask(s1, sh.scores(), ninf) : s1;
@@ -386,6 +391,7 @@ void kv_grad(GraphBuilder& g, const Shape& sh, cudnnBackendDescriptor_t a_t, cud
 std::unique_ptr<Plan> build_backward(const Shape& sh, float scale, cudnnHandle_t h) {
   auto p = std::make_unique<Plan>();
   p->scale = scale;
+  p->masked = sh.causal;
   GraphBuilder g;
   const Dims ks = sh.kv_strides(), os = sh.out_strides();
   const Dims kvt{sh.b, sh.g, sh.d, sh.skv};
@@ -402,7 +408,7 @@ std::unique_ptr<Plan> build_backward(const Shape& sh, float scale, cudnnHandle_t
   auto dv = g.tensor(kDV, sh.io, sh.kvd(), ks);
   auto softmax_sum = g.tensor(kSoftmaxSum, CUDNN_DATA_FLOAT, sh.stats(), sh.stats_strides());
   auto dq_accum = g.tensor(kDQAccum, CUDNN_DATA_FLOAT, sh.qd(), packed_strides(sh.qd()));
-  auto sc = g.scalar(kScale), ninf = g.scalar(kNegInf), one = g.scalar(kOne);
+  auto sc = g.scalar(kScale), ninf = sh.causal ? g.scalar(kNegInf) : nullptr, one = g.scalar(kOne);
 
   // softmax_sum = rowsum(dO ∘ O)
   auto dox = g.pointwise_to(CUDNN_POINTWISE_MUL, dout, o, sh.qd(),
@@ -476,8 +482,12 @@ void execute(Plan& p, const Stream& stream, std::vector<int64_t> uids, std::vect
   static std::mutex m;
   std::lock_guard<std::mutex> lock(m);
   MT_CUDNN(cudnnSetStream(h, cu(stream)));
-  uids.insert(uids.end(), {kScale, kNegInf});
-  ptrs.insert(ptrs.end(), {&p.scale, &p.neg_inf});
+  uids.push_back(kScale);
+  ptrs.push_back(&p.scale);
+  if (p.masked) {
+    uids.push_back(kNegInf);
+    ptrs.push_back(&p.neg_inf);
+  }
   Desc pack(CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR);
   pack.set(CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, CUDNN_TYPE_INT64, static_cast<int64_t>(uids.size()), uids.data());
   pack.set(CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS, CUDNN_TYPE_VOID_PTR, static_cast<int64_t>(ptrs.size()), ptrs.data());

@@ -50,6 +50,14 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
 }
 
+/// One row of dx += d_logit · w, the lanes of a warp over the channels (one expression for the whole
+/// backward and its dx part alone: bitwise alike).
+template <typename T>
+__device__ __forceinline__ void gate_dx_row(T* __restrict__ dx, float dl, const T* __restrict__ w, int64_t h,
+                                            int lane) {
+  for (int64_t i = lane; i < h; i += 32) dx[i] = from_f32<T>(to_f32(dx[i]) + dl * to_f32(w[i]));
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kWarps * 32)
     shared_gate_backward_rows_kernel(T* __restrict__ d_ys, float* __restrict__ d_logits, T* __restrict__ dx,
@@ -68,8 +76,19 @@ __global__ void __launch_bounds__(kWarps * 32)
     }
     const float dl = static_cast<float>(g * (1.0 - g) * warp_sum_d(dot));
     if (lane == 0) d_logits[t] = dl;
-    for (int64_t i = lane; i < h; i += 32) dx[t * h + i] = from_f32<T>(to_f32(dx[t * h + i]) + dl * to_f32(w[i]));
+    if (dx != nullptr) gate_dx_row(dx + t * h, dl, w, h, lane);
   }
+}
+
+/// dx[t, :] += d_logits[t] · w alone (moe_shared_gate_backward_dx): the rows kernel's expression.
+template <typename T>
+__global__ void __launch_bounds__(kWarps * 32)
+    shared_gate_backward_dx_kernel(T* __restrict__ dx, const float* __restrict__ d_logits, const T* __restrict__ w,
+                                   int64_t rows, int64_t h) {
+  const int lane = threadIdx.x & 31;
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5); t < rows;
+       t += static_cast<int64_t>(gridDim.x) * kWarps)
+    gate_dx_row(dx + t * h, d_logits[t], w, h, lane);
 }
 
 /// dw[i] += Σ_t d_logits[t]·x[t, i] in token order (one thread per channel: coalesced over i).
@@ -105,12 +124,23 @@ void moe_shared_gate_backward(const Tensor& d_ys, const Tensor& d_logits, const 
   ew::dispatch_float(ys.dtype(), "moe_shared_gate_backward", [&](auto tag) {
     using A = typename decltype(tag)::type;
     shared_gate_backward_rows_kernel<A><<<ew::grid_for(T, kWarps, stream), kWarps * 32, 0, raw(stream)>>>(
-        d_ys.data_as<A>(), d_logits.data_as<float>(), dx.data_as<A>(), dy.data_as<A>(), ys.data_as<A>(),
+        d_ys.data_as<A>(), d_logits.data_as<float>(), dx.empty() ? nullptr : dx.data_as<A>(), dy.data_as<A>(), ys.data_as<A>(),
         w.data_as<A>(), logits.data_as<float>(), T, h);
     MT_CUDA_CHECK_LAUNCH();
     constexpr int kThreads = 128;
     shared_gate_wgrad_kernel<A><<<static_cast<unsigned>((h + kThreads - 1) / kThreads), kThreads, 0, raw(stream)>>>(
         dw.data_as<float>(), d_logits.data_as<float>(), x.data_as<A>(), T, h);
+  });
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+void moe_shared_gate_backward_dx(const Tensor& dx, const Tensor& d_logits, const Tensor& w, const Stream& stream) {
+  const int64_t T = dx.size(0), h = dx.size(1);
+  if (T == 0) return;
+  ew::dispatch_float(dx.dtype(), "moe_shared_gate_backward_dx", [&](auto tag) {
+    using A = typename decltype(tag)::type;
+    shared_gate_backward_dx_kernel<A><<<ew::grid_for(T, kWarps, stream), kWarps * 32, 0, raw(stream)>>>(
+        dx.data_as<A>(), d_logits.data_as<float>(), w.data_as<A>(), T, h);
   });
   MT_CUDA_CHECK_LAUNCH();
 }

@@ -68,6 +68,10 @@ TEST(MoeMetrics, FormatsTheAveragesOverLayersAndIterations) {
   const std::string fixed = format_moe_statistics(c, s, 2, 1, 2);
   EXPECT_NE(fixed.find(" tokens overflowed at the received capacity: 2.5 |"), std::string::npos) << fixed;
   EXPECT_EQ(fixed.find("ECHO"), std::string::npos) << fixed;
+  s.echo_bytes = 3 << 20;  // ECHO's used-slot transfers: MiB per iteration over the world
+  const std::string peers = format_moe_statistics(c, s, 2, 1, 2);
+  EXPECT_NE(peers.find(" ECHO clone MiB sent per iteration: 1.500 |"), std::string::npos) << peers;
+  s.echo_bytes = 0;
   // a type that is off is not named; Megatron's names of the others
   c = moe_config();
   c.moe_router_load_balancing_type = {MoeLoadBalancing::kSeqAuxLoss, MoeLoadBalancing::kGlobalAuxLoss};
@@ -93,6 +97,7 @@ TEST(MoeMetrics, GathersTheWorldSums) {
     d.rerouted = rank;
     d.max_received = 10 * (rank == 1 ? 5 : 1);
     d.overflowed = 2;
+    d.echo_bytes = 100 * rank;
     const MoeWorldStatistics s = gather_moe_statistics(c, local, d, *world, st);
     std::lock_guard<std::mutex> lock(mu);
     got[static_cast<size_t>(rank)] = s;
@@ -108,6 +113,7 @@ TEST(MoeMetrics, GathersTheWorldSums) {
     EXPECT_EQ(s.rerouted, 3);
     EXPECT_EQ(s.max_received, 50);
     EXPECT_EQ(s.overflowed, 6);
+    EXPECT_EQ(s.echo_bytes, 300);
   }
 }
 

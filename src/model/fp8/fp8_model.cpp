@@ -1,0 +1,170 @@
+#include "model/fp8/fp8_model.h"
+
+#include <cctype>
+
+#include "ops/fp8.h"
+
+namespace mt {
+
+Fp8Model::Fp8Model(const TransformerConfig& config, const ProcessGroups& groups)
+    : config_(config),
+      settings_(config.fp8_settings()),
+      tp_(groups.tp),
+      cp_(groups.cp),
+      tp_cp_(groups.tp_cp),
+      dp_cp_(groups.dp_cp) {
+  MT_REQUIRE(settings_.on(), "Fp8Model without --fp8-format");
+  MT_REQUIRE(!config.fp8_param,
+             "--fp8-param-gather is not implemented yet: the distributed optimizer gathers the bf16 parameters and "
+             "each layer quantises its weights once per step (drop --fp8-param-gather)");
+}
+
+int64_t Fp8Model::decoder_layer(const std::string& prefix) {
+  static const std::string kHead = "decoder.layers.";
+  if (prefix.compare(0, kHead.size(), kHead) != 0) return -1;
+  size_t i = kHead.size();
+  int64_t layer = 0;
+  bool digits = false;
+  for (; i < prefix.size() && std::isdigit(static_cast<unsigned char>(prefix[i])); ++i, digits = true)
+    layer = layer * 10 + (prefix[i] - '0');
+  return digits && (i == prefix.size() || prefix[i] == '.') ? layer : -1;
+}
+
+Fp8Model::LayerEntry& Fp8Model::entry(int64_t layer) {
+  for (LayerEntry& e : layers_)
+    if (e.layer == layer) return e;
+  MT_CHECK(layers_.empty() || layers_.back().layer < layer,
+           "fp8: layer {} registered after layer {} (layers are built in increasing order)", layer,
+           layers_.back().layer);
+  layers_.push_back(LayerEntry{});
+  layers_.back().layer = layer;
+  return layers_.back();
+}
+
+const Fp8Model::LayerEntry* Fp8Model::find(int64_t layer) const {
+  for (const LayerEntry& e : layers_)
+    if (e.layer == layer) return &e;
+  return nullptr;
+}
+
+int64_t Fp8Model::reserve(int64_t layer, int64_t count) {
+  MT_CHECK(layer_on(layer) && count >= 1, "fp8: reserve({}, {}) for a layer without FP8", layer, count);
+  LayerEntry& e = entry(layer);
+  const int64_t first = e.columns;
+  e.columns += count;
+  return first;
+}
+
+std::unique_ptr<Fp8Linear> Fp8Model::make_linear(int64_t layer, int64_t column, std::string name,
+                                                 const ParamRef* weight, int64_t out, int64_t in, Fp8Groups groups) {
+  LayerEntry& e = entry(layer);
+  MT_CHECK(column >= 0 && column < e.columns, "fp8: column {} of layer {} not reserved ({} columns)", column, layer,
+           e.columns);
+  auto linear = std::make_unique<Fp8Linear>(*this, std::move(name), weight, out, in, groups);
+  e.linears.push_back(linear.get());
+  e.linear_column.push_back(column);
+  return linear;
+}
+
+std::unique_ptr<Fp8Linear> Fp8Model::tp_linear(const std::string& prefix, bool row, const ParamRef* weight,
+                                               int64_t out, int64_t in) {
+  const int64_t layer = decoder_layer(prefix);
+  if (!layer_on(layer)) return nullptr;
+  return make_linear(layer, reserve(layer, 1), prefix, weight, out, in, row ? row_groups() : column_groups());
+}
+
+Fp8Groups Fp8Model::column_groups() const {
+  return Fp8Groups{cp_.get(), tp_.get(), tp_cp_.get(), /*x_shard=*/tp_cp_.get(), nullptr};
+}
+Fp8Groups Fp8Model::row_groups() const {
+  return Fp8Groups{tp_cp_.get(), tp_.get(), cp_.get(), nullptr, /*dy_shard=*/tp_cp_.get()};
+}
+
+Fp8TensorState Fp8Model::tensor_state(const Tensor& block, int64_t column) const {
+  const int64_t h = history_rows(), n = block.size(1);
+  auto at = [&](int64_t row) { return block.flat_range(row * n + column, 1); };
+  return Fp8TensorState{at(h), at(h + 1), at(h + 2), h > 0 ? at(0) : Tensor()};
+}
+
+void Fp8Model::plan(BufferPlanner& p) {
+  const size_t before = p.persistent_bytes();
+  const int64_t rows = state_rows();
+  int64_t total = 0;
+  for (const LayerEntry& e : layers_) total += rows * 3 * e.columns;
+  state_ = p.persistent(DType::kF32, {std::max<int64_t>(total, 1)}, "fp8 scaling state");
+  int64_t off = 0;
+  for (LayerEntry& e : layers_) {
+    const int64_t n = e.columns;
+    e.fwd = state_.flat_range(off, rows * 2 * n).view({rows, 2 * n});
+    e.bwd = state_.flat_range(off + rows * 2 * n, rows * n).view({rows, n});
+    off += rows * 3 * n;
+    for (size_t j = 0; j < e.linears.size(); ++j) {
+      const int64_t c = e.linear_column[j];
+      e.linears[j]->bind_state(tensor_state(e.fwd, 2 * c), tensor_state(e.fwd, 2 * c + 1), tensor_state(e.bwd, c));
+      e.linears[j]->plan_weights(p);
+    }
+  }
+  if (!p.placing()) planned_bytes_ = p.persistent_bytes() - before;
+}
+
+void Fp8Model::initialize(Device device) {
+  std::vector<float> host(static_cast<size_t>(state_.numel()), 0.f);
+  const int64_t h = history_rows();
+  int64_t off = 0;
+  for (const LayerEntry& e : layers_) {
+    for (const int64_t n : {2 * e.columns, e.columns}) {  // the fwd block, then the bwd block
+      for (int64_t r = h + 1; r < h + 3; ++r)             // scale and scale_inv rows
+        std::fill(host.begin() + off + r * n, host.begin() + off + (r + 1) * n, 1.f);
+      off += state_rows() * n;
+    }
+  }
+  Stream stream(device);
+  copy_bytes(state_.data(), device, host.data(), Device::cpu(), host.size() * sizeof(float), stream);
+  stream.synchronize();
+}
+
+void Fp8Model::quantize_weights(int64_t layer, bool force, const Stream& stream) {
+  for (LayerEntry& e : layers_) {
+    if (e.layer != layer || (e.weights_ready && !force)) continue;
+    for (Fp8Linear* l : e.linears) l->quantize_weight(training_, stream);
+    e.weights_ready = true;
+  }
+}
+
+void Fp8Model::invalidate_weights() {
+  for (LayerEntry& e : layers_) e.weights_ready = false;
+}
+
+void Fp8Model::finish_step(const Stream& stream) {
+  if (!settings_.delayed() || layers_.empty()) return;
+  // The records (history row 0) of every tensor: MAX over the stage's ranks. The other rows are
+  // the same on every rank of the stage already, so the whole buffer is reduced in one call each.
+  for (const std::shared_ptr<Communicator>& g : {tp_, dp_cp_})
+    if (g && g->size() > 1) g->all_reduce(state_, ReduceOp::kMax, stream);
+  const int64_t h = history_rows();
+  for (const LayerEntry& e : layers_) {
+    for (const auto& [block, dtype] : {std::pair{e.fwd, settings_.forward_dtype()}, {e.bwd, settings_.grad_dtype()}}) {
+      const int64_t n = block.size(1);
+      fp8_delayed_scale_update(block.slice0(0, h), block.slice0(h + 1, h + 2).view({n}),
+                               block.slice0(h + 2, h + 3).view({n}), dtype, settings_.margin,
+                               settings_.amax_compute_algo, stream);
+    }
+  }
+}
+
+std::vector<std::pair<std::string, Tensor>> Fp8Model::persistent_state() const {
+  std::vector<std::pair<std::string, Tensor>> out;
+  if (!settings_.delayed()) return out;
+  for (const LayerEntry& e : layers_) {
+    out.emplace_back(fmt::format("decoder.layers.{}.fp8_meta.scaling_fwd", e.layer), e.fwd);
+    out.emplace_back(fmt::format("decoder.layers.{}.fp8_meta.scaling_bwd", e.layer), e.bwd);
+  }
+  return out;
+}
+
+std::pair<Tensor, Tensor> Fp8Model::layer_state(int64_t layer) const {
+  const LayerEntry* e = find(layer);
+  return e ? std::pair{e->fwd, e->bwd} : std::pair{Tensor(), Tensor()};
+}
+
+}  // namespace mt

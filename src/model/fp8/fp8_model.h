@@ -1,0 +1,120 @@
+// The model-wide part of FP8 training (docs/fp8.md): which linear layers run in FP8, the scaling
+// state of all of this rank's FP8 tensors in one device buffer, the weights' quantisation once per
+// step, delayed scaling's per-step amax reduction and scale update, and the state checkpoints keep.
+// GPTModel owns one when --fp8-format is given; the linear layers find it through their
+// ParamRegistry (ParamRegistry::fp8) and register an Fp8Linear each.
+//
+// The state buffer holds, per decoder layer with FP8 linears on this rank, two fp32 blocks named as
+// Transformer Engine's fp8_meta: "scaling_fwd" [R, 2n] (columns 2j, 2j + 1: linear j's x and w,
+// FP8 e4m3) and "scaling_bwd" [R, n] (column j: linear j's dy, e4m3 or e5m2), n the layer's linear
+// count (the MoE experts count all E global experts, so that every layout has the same columns),
+// with the rows
+//   0 .. H-1  the amax history (delayed scaling, H = --fp8-amax-history-len; row 0 records the step),
+//   H         the last all-reduced amax (current scaling),
+//   H + 1     the scale, H + 2 its inverse.
+// Delayed scaling reduces the records over every rank of the pipeline stage (TP x CP x DP, which
+// holds the EP and expert-TP ranks too; Megatron's amax reduction group with CP) once per step,
+// after the last backward: the state is then the same on every rank of a stage, and checkpoints
+// store it once per layer as "decoder.layers.<L>.fp8_meta.scaling_fwd" / ".scaling_bwd" (resume is
+// bitwise). The other recipes carry nothing from step to step.
+#pragma once
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "model/fp8/fp8_linear.h"
+#include "model/transformer_config.h"
+
+namespace mt {
+
+class Fp8Model {
+ public:
+  /// config: fp8 on (TransformerConfig::fp8 != kNone). groups: this rank's process groups (tp, cp,
+  /// tp_cp, dp_cp). Errors: mt::Error for --fp8-param-gather (not built).
+  Fp8Model(const TransformerConfig& config, const ProcessGroups& groups);
+  Fp8Model(const Fp8Model&) = delete;
+  Fp8Model& operator=(const Fp8Model&) = delete;
+
+  const Fp8Settings& settings() const { return settings_; }
+
+  // --- registration (module constructors) ---
+  /// The decoder layer of a parameter prefix "decoder.layers.<L>[.…]", or -1 for any other prefix
+  /// (the embedding, the output layer: never FP8).
+  static int64_t decoder_layer(const std::string& prefix);
+  /// Whether the linear layers of decoder layer `layer` run in FP8 (TransformerConfig::fp8_layer).
+  bool layer_on(int64_t layer) const { return layer >= 0 && config_.fp8_layer(layer); }
+  /// Reserves `count` consecutive linear columns of `layer` (the MoE experts reserve 2·E at once)
+  /// and returns the first.
+  int64_t reserve(int64_t layer, int64_t count);
+  /// An FP8 linear for column `column` of `layer` (from reserve), registered for the state,
+  /// planning and the weights' quantisation; owned by the caller, which must not move it.
+  std::unique_ptr<Fp8Linear> make_linear(int64_t layer, int64_t column, std::string name, const ParamRef* weight,
+                                         int64_t out, int64_t in, Fp8Groups groups);
+  /// The Fp8Linear of a ColumnParallelLinear (row = false) or RowParallelLinear (row = true) with
+  /// parameter prefix `prefix` and local weight [out, in], over the model's TP group; nullptr when
+  /// that layer runs bf16 (not a decoder layer's, or a bf16 first / last layer).
+  std::unique_ptr<Fp8Linear> tp_linear(const std::string& prefix, bool row, const ParamRef* weight, int64_t out,
+                                       int64_t in);
+  /// The reduction groups of a ColumnParallelLinear / RowParallelLinear over the model's TP group
+  /// (docs/fp8.md table): column x over CP (gathered or replicated over TP), w over TP, dy over
+  /// TP x CP; row x over TP x CP, w over TP, dy over CP. The sequence-parallel shards of column x
+  /// and row dy (gathered block by block) over TP x CP.
+  Fp8Groups column_groups() const;
+  Fp8Groups row_groups() const;
+
+  // --- the model (GPTModel) ---
+  /// Persistent: the state buffer and every linear's FP8 weight copies; binds the linears' state
+  /// views. Once per planning pass, outside any area.
+  void plan(BufferPlanner& planner);
+  /// Bytes plan() requests (the memory estimate's "fp8 weights and scaling state").
+  size_t planned_bytes() const { return planned_bytes_; }
+  /// After the placing pass: scales 1, amaxes and histories 0. Synchronises a stream of its own.
+  void initialize(Device device);
+  /// Whether the forwards that follow are training forwards (delayed scaling records their
+  /// amaxes; evaluation forwards use the scales without recording).
+  void set_training(bool training) { training_ = training; }
+  bool training() const { return training_; }
+  /// Quantises the weights of decoder layer `layer`'s FP8 linears unless already done this step;
+  /// force: the step's first forward of the layer (the optimizer changed the weights since).
+  /// Current scaling all-reduces each weight's amax over its shards.
+  void quantize_weights(int64_t layer, bool force, const Stream& stream);
+  /// Marks every weight for quantisation at its next forward.
+  void invalidate_weights();
+  /// Once per training step after the last backward (GPTModel::finish_step): delayed scaling
+  /// all-reduces the recorded amaxes (MAX over tp, then dp_cp) and updates every history and scale
+  /// (fp8_delayed_scale_update); nothing for the other recipes. Collective over the stage.
+  void finish_step(const Stream& stream);
+  /// The checkpointed state (delayed scaling; empty otherwise): ("decoder.layers.<L>.fp8_meta.
+  /// scaling_fwd" / "scaling_bwd", fp32 [R, 2n] / [R, n]), replicated over the stage.
+  std::vector<std::pair<std::string, Tensor>> persistent_state() const;
+  /// The state blocks of decoder layer `layer` ({fwd, bwd}; empty tensors when the layer has no FP8
+  /// linear on this rank). For tests and logging.
+  std::pair<Tensor, Tensor> layer_state(int64_t layer) const;
+  /// Rows of a state block: history rows + amax + scale + scale_inv.
+  int64_t state_rows() const { return history_rows() + 3; }
+
+ private:
+  int64_t history_rows() const { return settings_.delayed() ? settings_.amax_history_len : 0; }
+  struct LayerEntry {
+    int64_t layer = 0, columns = 0;
+    std::vector<Fp8Linear*> linears;     // this rank's, registered
+    std::vector<int64_t> linear_column;  // their columns
+    Tensor fwd, bwd;                     // [R, 2·columns], [R, columns]
+    bool weights_ready = false;
+  };
+  LayerEntry& entry(int64_t layer);
+  const LayerEntry* find(int64_t layer) const;
+  Fp8TensorState tensor_state(const Tensor& block, int64_t column) const;
+
+  TransformerConfig config_;
+  Fp8Settings settings_;
+  std::shared_ptr<Communicator> tp_, cp_, tp_cp_, dp_cp_;
+  std::vector<LayerEntry> layers_;  // in registration (= layer) order
+  Tensor state_;                    // all blocks
+  size_t planned_bytes_ = 0;
+  bool training_ = true;
+};
+
+}  // namespace mt

@@ -1,0 +1,312 @@
+#include "plan/plan.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "core/check.h"
+#include "core/host_memory.h"
+#include "data/data_args.h"
+#include "parallel/pipeline/schedules.h"
+#include "parallel/process_groups.h"
+#include "parallel/rank_generator.h"
+#include "plan/plan_groups.h"
+#include "train/training_setup.h"
+
+namespace mt {
+
+namespace {
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+}  // namespace
+
+GpuSpec gpu_spec(const std::string& name) {
+  GpuSpec g;
+  g.name = name;
+  if (name == "h100" || name == "h200") {
+    // docs/plan.md "Cost model": capacities as cudaMemGetInfo reports them; the reserve measured
+    // (docs/benchmarks.md: the CUDA context ~0.6 GiB alone, 5.1-7.6 GiB more in use than the
+    // buffers with NCCL on 4 ranks); the compute efficiency calibrated on GPT 1.3B at micro-batch
+    // 8 on one GPU; the NCCL bus bandwidth measured on 4 H200 (NVLink NV18).
+    const bool h200 = name == "h200";
+    g.memory_gib = h200 ? 140.4 : 79.6;
+    g.reserved_gib = 0.7;
+    g.reserved_nccl_gib = 8.0;
+    g.peak_tflops = kMfuPeakTflops;
+    g.compute_efficiency = h200 ? 0.594 : 0.566;
+    g.hbm_gbps = h200 ? 4800 : 3350;
+    g.intra_bus_gbps = 320;
+    g.inter_bus_gbps = 40;
+    g.collective_latency_us = 10;
+    g.gpus_per_node = 8;
+    return g;
+  }
+  if (name == "cpu") {
+    // CPU ranks share the host: each gets its share of the available memory; no cost model.
+    g.memory_gib = static_cast<double>(available_host_memory_bytes()) / kGiB;
+    g.gpus_per_node = 1 << 20;
+    return g;
+  }
+  MT_FAIL("--gpu {}: expected h100, h200 or cpu", name);
+}
+
+namespace {
+
+// The pretrain arguments resolved as TrainingSetup::resolve_arguments resolves them, for
+// `world` ranks, without a checkpoint or data: the vocabulary from the tokenizer flags.
+struct Resolved {
+  PretrainArgs args;
+  TrainingLayout layout;
+};
+
+Resolved resolve(const PlanRequest& req, const GpuSpec& gpu) {
+  MT_REQUIRE(req.world_size >= 1, "--world-size must be >= 1, got {}", req.world_size);
+  Resolved r{req.args, {}};
+  PretrainArgs& a = r.args;
+  // What the plan does not read: data (the batch shapes are the flags'), the schedule's length.
+  if (a.data.data_path.empty() && a.data.train_data_path.empty()) a.data.mock_data = true;
+  if (a.train_iters == 0 && a.train_samples == 0) a.train_iters = 1;
+  if (a.lr < 0) a.lr = 0;
+  r.layout = resolve_training_layout(a, req.world_size);
+  a.data_parallel_size = r.layout.parallel.dp;
+  a.expert_data_parallel_size = r.layout.parallel.edp;
+  MT_REQUIRE(gpu.is_cuda() || a.dtype() == DType::kF32,
+             "--{} needs --gpu h100 or h200; the CPU backend trains in fp32", a.bf16 ? "bf16" : "fp16");
+  a.model.vocab_size = data::build_tokenizer(a.data)->vocab_size();
+  validate_pretrain_args(a);
+  GPTModel::validate_context_parallel(a.model, r.layout.parallel.cp, r.layout.parallel.tp);
+  return r;
+}
+
+std::string layer_ranges(const std::vector<pipeline::LayerRange>& chunks) {
+  std::string s;
+  for (const auto& c : chunks) s += fmt::format("{}[{}, {})", s.empty() ? "" : " ", c.begin, c.end);
+  return s;
+}
+
+// Time of one collective over `n` ranks moving `bytes` (the whole tensor: the all-reduced one, the
+// gathered one) at bus bandwidth `gbps`: NCCL's bus-bandwidth convention, factor 2(n-1)/n for an
+// all-reduce, (n-1)/n for an all-gather, a reduce-scatter or an all-to-all.
+double collective_s(double bytes, int n, double factor_of_n, double gbps, double latency_us) {
+  if (n <= 1) return 0;
+  return latency_us * 1e-6 + factor_of_n * (n - 1) / n * bytes / (gbps * 1e9);
+}
+
+// The bus bandwidth of a group whose consecutive members are `stride` ranks apart: NVLink when the
+// group lies within a node (RankGenerator order tp-cp-ep-dp-pp, nodes of gpus_per_node ranks).
+double group_gbps(const GpuSpec& g, int size, int stride) {
+  return static_cast<int64_t>(size) * stride <= g.gpus_per_node ? g.intra_bus_gbps : g.inter_bus_gbps;
+}
+
+struct StageWork {
+  int64_t layers = 0, moe_layers = 0, recomputed = 0;
+  bool has_loss = false;
+  ModelMemoryPlan model;
+};
+
+// The cost model (docs/plan.md "Cost model"). Per stage, for one iteration: its FLOPs (with the
+// recomputed forwards) at the calibrated rate, the TP / CP / EP collectives of its layers, then
+// the pipeline bubble over the slowest stage, the boundary sends, the data-parallel gradient
+// reduction not hidden by overlap and the optimizer's memory traffic.
+StepPrediction predict_step(const TrainingPlan& p, const PretrainArgs& a, const std::vector<StageWork>& stages) {
+  StepPrediction out;
+  const GpuSpec& g = p.gpu;
+  if (!g.is_cuda()) return out;
+  out.available = true;
+  const ParallelConfig& pc = p.parallel;
+  const TransformerConfig& c = a.model;
+  const double world = pc.world, m = static_cast<double>(p.num_microbatches);
+  const double act = static_cast<double>(dtype_size(a.dtype()));
+  const double rate = g.compute_efficiency * g.peak_tflops * 1e12;
+  const double lat = g.collective_latency_us;
+  // FLOPs: the LM head's share apart, the rest spread evenly over the layers.
+  const double mult = static_cast<double>(c.make_vocab_size_divisible_by) * pc.tp;
+  const double padded_vocab = std::ceil(static_cast<double>(c.vocab_size) / mult) * mult;
+  const double head = 6.0 * static_cast<double>(p.global_batch_size) * static_cast<double>(p.seq_length) *
+                      static_cast<double>(c.hidden_size) * padded_vocab;
+  const double per_layer = (p.flops_per_iteration - head) / static_cast<double>(c.num_layers);
+  // One micro-batch's activation tensor [s/cp, b, h] as TP and EP move it.
+  const double tokens = static_cast<double>(p.micro_batch_size) * static_cast<double>(p.seq_length) / pc.cp;
+  const double act_bytes = tokens * static_cast<double>(c.hidden_size) * act;
+  const double tp_gbps = group_gbps(g, pc.tp, 1);
+  // per layer, forward + backward: 4 all-reduces, or with SP 4 all-gathers + 4 reduce-scatters
+  const double tp_layer = p.sequence_parallel ? 8 * collective_s(act_bytes, pc.tp, 1, tp_gbps, lat)
+                                              : 4 * collective_s(act_bytes, pc.tp, 2, tp_gbps, lat);
+  // CP ring: (cp - 1) steps of this rank's K and V forward, K, V and their gradients backward
+  const double kv_bytes = 2.0 * tokens * static_cast<double>(c.query_groups() * c.head_dim()) * act / pc.tp;
+  const double cp_layer =
+      pc.cp > 1 ? 3.0 * (pc.cp - 1) * (lat * 1e-6 + kv_bytes / (group_gbps(g, pc.cp, pc.tp) * 1e9)) : 0;
+  // EP: each rank's tokens (1/tp of them with SP) times top-k rows, dispatched and combined,
+  // forward and backward
+  const double ep_bytes =
+      tokens / pc.tp * static_cast<double>(c.moe_router_topk) * static_cast<double>(c.hidden_size) * act;
+  const double ep_layer = 4 * collective_s(ep_bytes, pc.ep, 1, group_gbps(g, pc.ep, pc.tp * pc.cp), lat);
+  const double stage_gpus = world / pc.pp;
+  double slowest = -1;
+  for (const StageWork& s : stages) {
+    const double flops = (static_cast<double>(s.layers) * per_layer + (s.has_loss ? head : 0)) / stage_gpus;
+    const double recompute = static_cast<double>(s.recomputed) * per_layer / 3.0 / stage_gpus;
+    const double compute = (flops + recompute) / rate;
+    // a recomputed layer repeats its forward collectives (half of them)
+    const double tp = m * (static_cast<double>(s.layers) + 0.5 * static_cast<double>(s.recomputed)) * tp_layer;
+    const double cp = m * static_cast<double>(s.layers) * cp_layer;
+    const double ep = m * static_cast<double>(s.moe_layers) * ep_layer;
+    if (compute + tp + cp + ep > slowest) {
+      slowest = compute + tp + cp + ep;
+      out.compute_s = compute;
+      out.tp_comm_s = tp;
+      out.cp_comm_s = cp;
+      out.ep_comm_s = ep;
+    }
+  }
+  out.bubble_fraction = pipeline::bubble_fraction(pc.pp, pc.vpp, static_cast<int>(p.num_microbatches));
+  if (pc.pp > 1) {  // each boundary tensor sent forward and its gradient back, per micro-batch and chunk
+    const double b = static_cast<double>(stages.front().model.boundary_bytes);
+    out.pp_comm_s = m * pc.num_chunks() * 2 * (lat * 1e-6 + b / (group_gbps(g, 2, pc.tp * pc.cp * pc.dp) * 1e9));
+  }
+  // Data parallel over dp-cp (stride tp), the experts over edp; optimizer over the owned elements.
+  const bool distopt = a.use_distributed_optimizer;
+  const double grad_b = a.grad_reduce_in_bf16 ? 2 : 4;
+  for (const StageWork& s : stages) {
+    const double dense = static_cast<double>(s.model.params.total - s.model.params.expert);
+    const double expert = static_cast<double>(s.model.params.expert);
+    const auto reduce = [&](double elems, int n, int stride) {
+      const double gbps = group_gbps(g, n, stride);
+      const double grads = distopt ? collective_s(elems * grad_b, n, 1, gbps, lat) : collective_s(elems * grad_b, n, 2, gbps, lat);
+      const double params = distopt ? collective_s(elems * act, n, 1, gbps, lat) : 0;
+      // overlapped: what is left is the last bucket's reduction (and gather)
+      const double share = static_cast<double>(s.model.params.largest_bucket) / std::max(elems, 1.0);
+      return (a.overlap_grad_reduce ? grads * std::min(share, 1.0) : grads) +
+             (a.overlap_param_gather ? params * std::min(share, 1.0) : params);
+    };
+    const double dp = reduce(dense, pc.dp * pc.cp, pc.tp) + reduce(expert, pc.edp, pc.etp * pc.ep);
+    const double owned =
+        distopt ? dense / (pc.dp * pc.cp) + expert / std::max(pc.edp, 1) : dense + expert;
+    // AdamW: reads gradient, main parameter and both moments, writes all but the gradient and the
+    // model-dtype copy; the gradients are zeroed and their norm read (whole buffer)
+    const double bytes = owned * (4 * 4 + 3 * 4 + (a.dtype() == DType::kF32 ? 0 : act)) + (dense + expert) * 8;
+    const double opt = bytes / (g.hbm_gbps * 1e9);
+    out.dp_comm_s = std::max(out.dp_comm_s, dp);
+    out.optimizer_s = std::max(out.optimizer_s, opt);
+  }
+  out.step_s = slowest * (1 + out.bubble_fraction) + out.pp_comm_s + out.dp_comm_s + out.optimizer_s;
+  out.tflops_per_gpu = p.flops_per_iteration / (out.step_s * world) / 1e12;
+  out.mfu = out.tflops_per_gpu / g.peak_tflops;
+  out.tokens_per_s = static_cast<double>(p.global_batch_size * p.seq_length) / out.step_s;
+  return out;
+}
+
+}  // namespace
+
+TrainingPlan plan_training(const PlanRequest& req) {
+  TrainingPlan p;
+  p.gpu = gpu_spec(req.gpu);
+  if (req.memory_gib > 0) p.gpu.memory_gib = req.memory_gib;
+  const Resolved r = resolve(req, p.gpu);
+  const PretrainArgs& a = r.args;
+  const ParallelConfig& pc = r.layout.parallel;
+  p.parallel = pc;
+  p.sequence_parallel = a.sequence_parallel;
+  p.micro_batch_size = a.micro_batch_size;
+  p.global_batch_size = a.global_batch_size;
+  p.num_microbatches = a.num_microbatches();
+  p.seq_length = a.model.seq_length;
+  p.vocab_size = a.model.vocab_size;
+  p.total_parameters = a.model.num_parameters(pc.tp);
+  p.flops_per_iteration = a.model.flops_per_iteration(a.global_batch_size, pc.tp);
+  p.layout_table = layout_table(pc);
+  p.summary = fmt::format("tp={} pp={} vpp={} cp={} ep={} dp={}{}", pc.tp, pc.pp, pc.num_chunks(), pc.cp, pc.ep,
+                          pc.dp, a.sequence_parallel && pc.tp > 1 ? " sp" : "");
+  const Device device = p.gpu.is_cuda() ? Device::cuda(0) : Device::cpu();
+  ModelSetupOptions o = pretrain_model_options(a, r.layout, device);
+  // every stage: ranks, memory (its first rank's: the TP / CP / DP / EP ranks of a stage hold the
+  // same sizes), its layers for the cost model
+  const RankGroups pp_groups = ParallelGroups(pc).groups(GroupKind::kPp);
+  const double reserved =
+      (p.gpu.reserved_gib + (pc.world > 1 ? p.gpu.reserved_nccl_gib : 0)) * kGiB;
+  const double capacity = p.gpu.memory_gib * kGiB / (p.gpu.is_cuda() ? 1 : pc.world);
+  std::vector<StageWork> work;
+  p.fits = true;
+  for (int stage = 0; stage < pc.pp; ++stage) {
+    RankKindPlan k;
+    k.pp_rank = stage;
+    for (const auto& grp : pp_groups) k.ranks.push_back(grp[static_cast<size_t>(stage)]);
+    const RankSchedule schedule = plan_rank_schedule(o, pc, stage);
+    StageWork w;
+    k.memory = estimate_rank_memory(o, plan_process_groups(pc, k.ranks.front()), schedule, &w.model);
+    k.layers = layer_ranges(schedule.chunks);
+    k.parameters = w.model.params.total;
+    k.reserved_bytes = reserved;
+    k.fits = static_cast<double>(k.memory.total()) + reserved <= capacity;
+    p.fits = p.fits && k.fits;
+    for (const auto& ch : schedule.chunks) {
+      w.layers += ch.size();
+      w.has_loss = w.has_loss || ch.has_loss;
+      for (int64_t l = ch.begin; l < ch.end; ++l) w.moe_layers += a.model.is_moe_layer(l) ? 1 : 0;
+      if (a.model.recompute_granularity == RecomputeGranularity::kFull)
+        for (int64_t i = 0; i < ch.size(); ++i) w.recomputed += a.model.recompute_group(i, ch.size()) >= 0 ? 1 : 0;
+    }
+    p.recomputed_layers = std::max(p.recomputed_layers, static_cast<int>(w.recomputed));
+    work.push_back(w);
+    p.stages.push_back(std::move(k));
+  }
+  p.step = predict_step(p, a, work);
+  return p;
+}
+
+namespace {
+
+std::vector<int> divisors(int n) {
+  std::vector<int> d;
+  for (int i = 1; i <= n; ++i)
+    if (n % i == 0) d.push_back(i);
+  return d;
+}
+
+}  // namespace
+
+std::vector<TrainingPlan> search_layouts(const PlanRequest& req, int* refused) {
+  const GpuSpec gpu = gpu_spec(req.gpu);
+  const TransformerConfig& c = req.args.model;
+  std::vector<TrainingPlan> plans;
+  int skipped = 0;
+  for (int tp : divisors(req.world_size)) {
+    if (tp > gpu.gpus_per_node || c.num_attention_heads % tp != 0) continue;
+    for (int cp : divisors(req.world_size / tp)) {
+      if (cp > 1 && c.seq_length % (2 * cp * tp) != 0) continue;
+      for (int pp : divisors(req.world_size / (tp * cp))) {
+        if (c.num_layers % pp != 0) continue;
+        std::vector<int64_t> layers_per_vstage = {0};  // 0: no interleaving
+        for (int64_t v : {2, 4})
+          if (pp > 1 && c.num_layers % (pp * v) == 0) layers_per_vstage.push_back(c.num_layers / (pp * v));
+        for (int64_t lpv : layers_per_vstage) {
+          for (int ep : divisors(req.world_size / (tp * pp))) {
+            if (ep > 1 && (c.num_moe_experts == 0 || c.num_moe_experts % ep != 0)) continue;
+            PlanRequest r = req;
+            PretrainArgs& a = r.args;
+            a.tensor_model_parallel_size = tp;
+            a.context_parallel_size = cp;
+            a.pipeline_model_parallel_size = pp;
+            a.expert_model_parallel_size = ep;
+            a.num_layers_per_virtual_pipeline_stage = lpv;
+            a.num_virtual_stages_per_pipeline_rank = 0;
+            a.sequence_parallel = tp > 1;
+            a.decoder_first_pipeline_num_layers = -1;
+            a.decoder_last_pipeline_num_layers = -1;
+            try {
+              plans.push_back(plan_training(r));
+            } catch (const Error&) {
+              ++skipped;  // a layout the checks refuse (batch split, heads, experts, ...)
+            }
+          }
+        }
+      }
+    }
+  }
+  std::stable_sort(plans.begin(), plans.end(), [](const TrainingPlan& x, const TrainingPlan& y) {
+    if (x.fits != y.fits) return x.fits;
+    return x.step.step_s < y.step.step_s;
+  });
+  if (refused) *refused = skipped;
+  return plans;
+}
+
+}  // namespace mt

@@ -1,0 +1,136 @@
+// `megatron plan`: sizes a training layout before any GPU is rented (docs/plan.md).
+//
+// From `megatron pretrain`'s arguments and a machine (--world-size N --gpu h100|h200|cpu) it
+// computes, without running a rank:
+//   - the rank layout (Megatron-Core's RankGenerator, parallel/process_groups.h);
+//   - per kind of rank (each pipeline stage; TP / CP / DP / EP ranks of a stage hold the same
+//     sizes) the memory estimate `megatron pretrain` prints and checks at start
+//     (train/memory_estimate.h: estimate_rank_memory measures the model the rank would build,
+//     GPTModel::memory_plan, with groups that only know their sizes, plan/plan_groups.h), and
+//     whether it fits in the device memory less what the CUDA context and NCCL take;
+//   - the FLOPs of an iteration (TransformerConfig::flops_per_iteration, Megatron-Core's formula)
+//     and a predicted step time and MFU from a cost model whose rates are calibrated on the
+//     measurements of docs/benchmarks.md (compute rate, NCCL bus bandwidths, the pipeline bubble
+//     of the 1F1B schedules, the optimizer's memory traffic);
+//   - with search: every TP / PP / VPP / CP / EP layout of the world that passes the checks,
+//     ranked by predicted step time, with the ones that do not fit last.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "parallel/parallel_config.h"
+#include "train/arguments.h"
+#include "train/memory_estimate.h"
+
+namespace CLI {
+class App;
+}
+
+namespace mt {
+
+/// A machine kind: device memory, the bf16 dense peak (the MFU denominator) and the rates of the
+/// cost model (docs/plan.md "Cost model" gives where each number comes from).
+struct GpuSpec {
+  std::string name;              ///< "h100", "h200", "cpu"
+  double memory_gib = 0;         ///< device memory a process can allocate, GiB
+  double reserved_gib = 0;       ///< one rank alone: CUDA context + cuBLASLt workspaces, GiB
+  double reserved_nccl_gib = 0;  ///< added with several ranks: NCCL's buffers and streams, GiB
+  double peak_tflops = 0;        ///< dense bf16 TFLOP/s (kMfuPeakTflops for H100/H200)
+  double compute_efficiency = 0; ///< fraction of the peak the model FLOPs run at (whole step, one GPU)
+  double hbm_gbps = 0;           ///< device memory bandwidth, GB/s (the optimizer step)
+  double intra_bus_gbps = 0;     ///< NCCL bus bandwidth within a node (NVLink), GB/s
+  double inter_bus_gbps = 0;     ///< NCCL bus bandwidth between nodes (InfiniBand, per GPU), GB/s
+  double collective_latency_us = 0;  ///< fixed cost of one collective, µs
+  int gpus_per_node = 8;
+  bool is_cuda() const { return name != "cpu"; }
+};
+
+/// The GpuSpec of `name` (h100, h200, cpu). Errors: any other name, naming it and the known ones.
+GpuSpec gpu_spec(const std::string& name);
+
+/// What `megatron plan` is asked.
+struct PlanRequest {
+  PretrainArgs args;       ///< as parsed from the script's flags (not yet resolved)
+  int world_size = 1;      ///< --world-size
+  std::string gpu = "h100";  ///< --gpu
+  double memory_gib = 0;   ///< --gpu-memory-gib: overrides the GpuSpec's memory (0 = keep)
+};
+
+/// The memory of one kind of rank (one pipeline stage).
+struct RankKindPlan {
+  int pp_rank = 0;
+  std::vector<int> ranks;        ///< the global ranks of this stage
+  std::string layers;            ///< "[0, 16) [32, 48)": its layer ranges
+  int64_t parameters = 0;        ///< parameters held by one rank of this stage
+  MemoryEstimate memory;         ///< estimate_rank_memory: the buffers megatron.cpp allocates
+  double reserved_bytes = 0;     ///< CUDA context, workspaces, NCCL on top
+  bool fits = false;             ///< memory.total() + reserved within the device memory
+};
+
+/// The cost model's prediction of one iteration (seconds per iteration, for the slowest stage).
+struct StepPrediction {
+  bool available = false;        ///< false on the CPU: no cost model
+  double compute_s = 0;          ///< the rank's FLOPs (with recompute) at the calibrated rate
+  double tp_comm_s = 0;          ///< tensor-parallel all-reduces / SP all-gathers + reduce-scatters
+  double cp_comm_s = 0;          ///< context-parallel ring exchanges of K and V
+  double ep_comm_s = 0;          ///< expert-parallel token dispatch and combine
+  double pp_comm_s = 0;          ///< pipeline boundary sends and receives
+  double bubble_fraction = 0;    ///< (pp − 1) / (m · vpp) of the work above
+  double dp_comm_s = 0;          ///< gradient reduction + parameter gather not hidden by overlap
+  double optimizer_s = 0;        ///< AdamW over the owned parameters (memory bound)
+  double step_s = 0;             ///< the total
+  double tflops_per_gpu = 0;     ///< model FLOPs / (step · world), Megatron's throughput
+  double mfu = 0;                ///< tflops_per_gpu / peak
+  double tokens_per_s = 0;
+};
+
+/// A planned layout.
+struct TrainingPlan {
+  GpuSpec gpu;
+  ParallelConfig parallel;        ///< validated and derived
+  bool sequence_parallel = false;
+  int64_t micro_batch_size = 1, global_batch_size = 1, num_microbatches = 1, seq_length = 0;
+  int64_t vocab_size = 0;
+  int64_t total_parameters = 0;   ///< the whole model (padded vocabulary, tied embedding once)
+  double flops_per_iteration = 0; ///< Megatron-Core's formula, no recompute
+  int recomputed_layers = 0;      ///< of the stage that recomputes the most (full recompute)
+  std::vector<RankKindPlan> stages;
+  bool fits = false;              ///< every stage fits
+  StepPrediction step;
+  std::string layout_table;       ///< the rank groups (process_groups.h layout_table)
+  std::string summary;            ///< "tp=2 pp=4 vpp=2 cp=1 ep=1 dp=8"
+};
+
+/// Plans `request` (errors: mt::Error naming the flag and value, as `megatron pretrain` would
+/// refuse it, plus --world-size < 1 and an unknown --gpu). The vocabulary comes from the tokenizer
+/// flags (its files must exist) unless --vocab-size gives it.
+TrainingPlan plan_training(const PlanRequest& request);
+
+/// One row per layout of request.world_size GPUs (TP ≤ GPUs per node, dividing the heads; PP
+/// dividing the layers, with and without interleaving; CP and EP as the model allows; DP the
+/// rest, --global-batch-size kept) that passes the checks: fitting layouts first, by predicted
+/// step time. Layouts the checks refuse are counted in *refused.
+std::vector<TrainingPlan> search_layouts(const PlanRequest& request, int* refused = nullptr);
+
+/// The plan with its reasoning, as `megatron plan` prints it.
+std::string format_plan(const TrainingPlan& plan);
+/// The ranked table of search_layouts (at most `rows` rows).
+std::string format_search(const std::vector<TrainingPlan>& plans, int refused, size_t rows);
+/// The plan as one JSON object (every number of format_plan; bytes as integers).
+std::string plan_json(const TrainingPlan& plan);
+
+/// Options and run of the `megatron plan` subcommand (apps/megatron.cpp): the pretrain flags plus
+/// --world-size, --gpu, --gpu-memory-gib, --search, --json.
+struct PlanCommandArgs {
+  PlanRequest request;
+  bool search = false;
+  bool json = false;
+  int64_t top = 20;  ///< --top: rows of the search table
+};
+/// `megatron pretrain`'s options (--train-iters and --lr made optional: they size nothing) and the
+/// plan's own.
+void add_plan_options(CLI::App& app, PlanCommandArgs& args);
+/// Prints the plan (or the search table); returns 0 when the layout fits, 2 when it does not.
+int run_plan(PlanCommandArgs& args);
+}  // namespace mt

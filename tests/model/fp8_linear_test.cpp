@@ -1,0 +1,356 @@
+// Fp8Linear (model/fp8/fp8_linear.h) on the CPU against a float64 reference written here: for each
+// recipe the forward (with bias and the GELU epilogue), dgrad, wgrad (written and accumulated) and
+// bias gradient equal the products of the operands quantised as docs/fp8.md says — e4m3 / e5m2
+// with round-to-nearest-even and saturation (core/dtype.h), scales fp8_max / amax of the whole
+// tensor (tensorwise), of the stored scale (delayed; the amaxes recorded into the history's row 0
+// and turned into the next scale by Fp8Model::finish_step), or of each 1x128 tile / 128x128 block
+// rounded down to a power of two (blockwise) — within fp32 accumulation error. Row counts that are
+// not multiples of 16 (MoE experts) give the same results through the padded path, and the
+// saved transposed input gives the same weight gradient as quantising the bf16 input again.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+
+#include "comm/communicator.h"
+#include "model/fp8/fp8_model.h"
+#include "model/layers/parallel_params.h"
+#include "ops/elementwise.h"
+#include "ops/gelu_math.h"
+#include "testing/testing.h"
+
+namespace mt {
+namespace {
+
+using testing::to_host;
+
+/// A matrix [rows, cols] of doubles, row-major.
+struct Mat {
+  int64_t rows = 0, cols = 0;
+  std::vector<double> v;
+  double at(int64_t r, int64_t c) const { return v[static_cast<size_t>(r * cols + c)]; }
+};
+
+std::vector<float> transpose(const std::vector<float>& x, int64_t rows, int64_t cols) {
+  std::vector<float> t(x.size());
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) t[static_cast<size_t>(c * rows + r)] = x[static_cast<size_t>(r * cols + c)];
+  return t;
+}
+
+float pow2_floor(float s) {  // keeps sign and exponent
+  uint32_t b;
+  std::memcpy(&b, &s, 4);
+  b &= 0xff800000u;
+  std::memcpy(&s, &b, 4);
+  return s;
+}
+
+/// x [rows, cols] quantised along its rows and dequantised: q = fp8(x * s), value = q * (1 / s), with
+/// s = `scale` (tensorwise: > 0), or per block of `block_rows` x 128 (block_rows 1 or 128) from the
+/// block's amax as a power of two (1 for an all-zero block).
+Mat quantized(const std::vector<float>& x, int64_t rows, int64_t cols, DType t, float scale, int64_t block_rows = 0) {
+  Mat m{rows, cols, std::vector<double>(x.size())};
+  auto put = [&](int64_t r, int64_t c, float s) {
+    const float q = fp8_bits_to_f32(t, f32_to_fp8_bits(t, x[static_cast<size_t>(r * cols + c)] * s));
+    m.v[static_cast<size_t>(r * cols + c)] = static_cast<double>(q) * static_cast<double>(1.f / s);
+  };
+  if (block_rows == 0) {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) put(r, c, scale);
+    return m;
+  }
+  for (int64_t r0 = 0; r0 < rows; r0 += block_rows)
+    for (int64_t c0 = 0; c0 < cols; c0 += 128) {
+      float amax = 0;
+      const int64_t r1 = std::min(rows, r0 + block_rows), c1 = std::min(cols, c0 + 128);
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t c = c0; c < c1; ++c) amax = std::max(amax, std::fabs(x[static_cast<size_t>(r * cols + c)]));
+      const float s = amax == 0 ? 1.f : pow2_floor(fp8_max(t) / amax);
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t c = c0; c < c1; ++c) put(r, c, s);
+    }
+  return m;
+}
+
+float amax_of(const std::vector<float>& x) {
+  float a = 0;
+  for (float v : x) a = std::max(a, std::fabs(v));
+  return a;
+}
+
+/// Expects got[i, j] = Σ_k a[i, k] b[j, k] (+ base) within fp32 accumulation error of the products.
+void expect_product(const std::vector<float>& got, const Mat& a, const Mat& b, const char* what,
+                    const std::vector<float>& base = {}) {
+  ASSERT_EQ(static_cast<int64_t>(got.size()), a.rows * b.rows) << what;
+  int bad = 0;
+  for (int64_t i = 0; i < a.rows; ++i)
+    for (int64_t j = 0; j < b.rows; ++j) {
+      double s = 0, mag = 0;
+      for (int64_t k = 0; k < a.cols; ++k) {
+        s += a.at(i, k) * b.at(j, k);
+        mag += std::fabs(a.at(i, k) * b.at(j, k));
+      }
+      const size_t e = static_cast<size_t>(i * b.rows + j);
+      if (!base.empty()) {
+        s += base[e];
+        mag += std::fabs(base[e]);
+      }
+      if (!(std::fabs(got[e] - s) <= 1e-5 * mag + 1e-30) && ++bad <= 5)
+        ADD_FAILURE() << what << "[" << i << ", " << j << "] = " << got[e] << ", expected " << s << " (sum |products| "
+                      << mag << ")";
+    }
+}
+
+/// One FP8 linear [out, in] on the CPU with its model, weight and buffers.
+struct Harness {
+  Harness(Fp8Recipe recipe, Fp8Format format, int64_t out_, int64_t in_, int64_t rows_, bool save_input,
+           bool variable_rows, int64_t row_blocks = 1)
+      : out(out_), in(in_), rows(rows_) {
+    cfg.num_layers = 1;
+    cfg.fp8 = format;
+    cfg.fp8_recipe = recipe;
+    cfg.fp8_amax_history_len = 2;
+    model = std::make_unique<Fp8Model>(cfg, ProcessGroups::single());
+    store = std::make_unique<ParamStore>(
+        std::vector<ParamSpec>{column_parallel_weight("decoder.layers.0.test.weight", out, in, 0.02f, 1, 0)},
+        DType::kF32, Device::cpu());
+    weight = ParamRef{0, store.get()};
+    lin = model->make_linear(0, model->reserve(0, 1), "decoder.layers.0.test", &weight, out, in, Fp8Groups{});
+    for (int pass = 0; pass < 2; ++pass) {
+      planner.begin_pass();
+      planner.open_area(BufferPlanner::Family::kActivations, 0);
+      lin->plan(planner, rows, save_input, variable_rows, row_blocks);
+      planner.close_area();
+      model->plan(planner);
+      if (pass == 0) planner.materialize();
+    }
+    model->initialize(Device::cpu());
+  }
+  TransformerConfig cfg;
+  std::unique_ptr<Fp8Model> model;
+  std::unique_ptr<ParamStore> store;
+  ParamRef weight;
+  std::unique_ptr<Fp8Linear> lin;
+  BufferPlanner planner{Device::cpu(), DType::kF32};
+  int64_t out, in, rows;
+};
+
+struct Outputs {
+  std::vector<float> y, pre, dx, dw, dw2, db;
+};
+
+/// The weight w uploaded and quantised, the inputs x [m, in], bias, dy [m, out] on the CPU, the
+/// outputs poisoned (db zeroed).
+struct Io {
+  Io(Harness& h, int64_t m, const std::vector<float>& x, const std::vector<float>& w, const std::vector<float>& bias,
+     const std::vector<float>& dy)
+      : xt(make(x, {m, h.in})), bt(make(bias, {h.out})), dyt(make(dy, {m, h.out})),
+        y(DType::kF32, Device::cpu(), {m, h.out}), pre(DType::kF32, Device::cpu(), {m, h.out}),
+        dx(DType::kF32, Device::cpu(), {m, h.in}), db(DType::kF32, Device::cpu(), {h.out}) {
+    testing::upload(h.weight.value(), w, st);
+    h.model->quantize_weights(0, /*force=*/true, st);
+    for (const Tensor& t : {y.t, pre.t, dx.t, h.weight.grad()}) testing::poison(t, st);
+    fill(db, 0.f, st);
+  }
+  static testing::OwnedTensor make(const std::vector<float>& v, std::vector<int64_t> shape) {
+    return testing::make_tensor(v, DType::kF32, Device::cpu(), shape, testing::cpu_stream());
+  }
+  const Stream& st = testing::cpu_stream();
+  testing::OwnedTensor xt, bt, dyt, y, pre, dx, db;
+};
+
+/// forward (bias + GELU epilogue: pre = x wᵀ + b, y = gelu(pre)), backward (dx, dw written, db), then
+/// backward again accumulating into dw (dw2).
+Outputs run(Harness& h, int64_t m, const std::vector<float>& x, const std::vector<float>& w,
+            const std::vector<float>& bias, const std::vector<float>& dy) {
+  Io io(h, m, x, w, bias, dy);
+  const Stream& st = io.st;
+  const auto &xt = io.xt, &bt = io.bt, &dyt = io.dyt, &y = io.y, &pre = io.pre, &dx = io.dx, &db = io.db;
+  h.lin->forward(y, xt, bt, pre, 0, st);
+  h.lin->backward({dx, h.weight.grad(), GradWrite::kOverwrite, db, Tensor(), Tensor()}, dyt, xt, 0, st);
+  Outputs o{to_host(y, st), to_host(pre, st), to_host(dx, st), to_host(h.weight.grad(), st), {}, to_host(db, st)};
+  h.lin->backward({Tensor(), h.weight.grad(), GradWrite::kAccumulate, Tensor(), Tensor(), Tensor()}, dyt, xt, 0, st);
+  o.dw2 = to_host(h.weight.grad(), st);
+  return o;
+}
+
+/// The reference of run() for tensorwise scales sx, sw, sdy (blockwise: block scales from the data).
+void expect_reference(const Outputs& o, bool blockwise, DType gt, int64_t m, int64_t out, int64_t in,
+                      const std::vector<float>& x, const std::vector<float>& w, const std::vector<float>& bias,
+                      const std::vector<float>& dy, float sx, float sw, float sdy) {
+  const DType f = DType::kF8E4M3;
+  const int64_t act = blockwise ? 1 : 0, wb = blockwise ? 128 : 0;
+  // fprop: x rows, w rows; dgrad: dy rows, wᵀ rows (the same blocks transposed); wgrad: dyᵀ, xᵀ rows
+  const Mat xq = quantized(x, m, in, f, sx, act), wq = quantized(w, out, in, f, sw, wb);
+  const Mat dyq = quantized(dy, m, out, gt, sdy, act);
+  const Mat wtq = quantized(transpose(w, out, in), in, out, f, sw, wb);
+  const Mat dytq = quantized(transpose(dy, m, out), out, m, gt, sdy, act);
+  const Mat xtq = quantized(transpose(x, m, in), in, m, f, sx, act);
+  std::vector<float> pre_minus_bias(o.pre.size());
+  for (size_t i = 0; i < o.pre.size(); ++i) pre_minus_bias[i] = o.pre[i] - bias[i % static_cast<size_t>(out)];
+  expect_product(pre_minus_bias, xq, wq, "fprop");
+  for (size_t i = 0; i < o.y.size(); ++i) EXPECT_FLOAT_EQ(o.y[i], gelu_math::gelu(o.pre[i])) << "gelu " << i;
+  expect_product(o.dx, dyq, wtq, "dgrad");
+  expect_product(o.dw, dytq, xtq, "wgrad");
+  expect_product(o.dw2, dytq, xtq, "wgrad accumulated", o.dw);
+  for (int64_t j = 0; j < out; ++j) {
+    double s = 0;
+    for (int64_t i = 0; i < m; ++i) s += dy[static_cast<size_t>(i * out + j)];
+    EXPECT_NEAR(o.db[static_cast<size_t>(j)], s, 1e-5 * (std::fabs(s) + 1)) << "bias grad " << j;
+  }
+}
+
+struct Case {
+  Fp8Recipe recipe;
+  Fp8Format format;
+  int64_t rows;
+  bool save_input, variable_rows;
+};
+
+class Fp8LinearCpu : public ::testing::TestWithParam<Case> {};
+
+TEST_P(Fp8LinearCpu, MatchesQuantizedReference) {
+  const Case c = GetParam();
+  const int64_t out = 48, in = 144, m = c.rows;  // in: a full and a ragged 128-block
+  Harness h(c.recipe, c.format, out, in, c.variable_rows ? 40 : m, c.save_input, c.variable_rows);
+  const std::vector<float> x = testing::randn(m * in), w = testing::randn(out * in, 0.05f),
+                           bias = testing::randn(out, 0.1f), dy = testing::randn(m * out, 1e-3f);
+  const DType gt = c.format == Fp8Format::kHybrid ? DType::kF8E5M2 : DType::kF8E4M3;
+  const bool block = c.recipe == Fp8Recipe::kBlockwise;
+  const Outputs o = run(h, m, x, w, bias, dy);
+  if (c.recipe == Fp8Recipe::kDelayed) {  // the first step's scale is 1
+    expect_reference(o, false, gt, m, out, in, x, w, bias, dy, 1.f, 1.f, 1.f);
+    // the amaxes were recorded into the history's row 0 (fwd: x, w; bwd: dy)
+    const auto [fwd, bwd] = h.model->layer_state(0);
+    const std::vector<float> f = to_host(fwd, testing::cpu_stream()), b = to_host(bwd, testing::cpu_stream());
+    EXPECT_EQ(f[0], amax_of(x));
+    EXPECT_EQ(f[1], amax_of(w));
+    EXPECT_EQ(b[0], amax_of(dy));
+    // the update: scale = fp8_max / amax (most_recent, margin 0), used by the next step
+    h.model->finish_step(testing::cpu_stream());
+    const Outputs o2 = run(h, m, x, w, bias, dy);
+    expect_reference(o2, false, gt, m, out, in, x, w, bias, dy, 448.f / amax_of(x), 448.f / amax_of(w),
+                     fp8_max(gt) / amax_of(dy));
+    return;
+  }
+  expect_reference(o, block, gt, m, out, in, x, w, bias, dy, 448.f / amax_of(x), 448.f / amax_of(w),
+                   fp8_max(gt) / amax_of(dy));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Recipes, Fp8LinearCpu,
+    ::testing::Values(Case{Fp8Recipe::kTensorwise, Fp8Format::kE4M3, 32, true, false},
+                      Case{Fp8Recipe::kTensorwise, Fp8Format::kHybrid, 32, false, false},
+                      Case{Fp8Recipe::kTensorwise, Fp8Format::kE4M3, 13, false, true},
+                      Case{Fp8Recipe::kDelayed, Fp8Format::kHybrid, 32, true, false},
+                      Case{Fp8Recipe::kDelayed, Fp8Format::kE4M3, 21, false, true},
+                      Case{Fp8Recipe::kBlockwise, Fp8Format::kE4M3, 32, true, false},
+                      Case{Fp8Recipe::kBlockwise, Fp8Format::kHybrid, 29, false, true}),
+    [](const ::testing::TestParamInfo<Case>& i) {
+      const Case& c = i.param;
+      return std::string(fp8_recipe_name(c.recipe)) + "_" + fp8_format_name(c.format) + "_m" +
+             std::to_string(c.rows) + (c.save_input ? "_saved" : "") + (c.variable_rows ? "_padded" : "");
+    });
+
+/// run() through the phases a tensor-parallel region drives under sequence parallelism: the forward
+/// and the dgrad block by block of `block` rows, in the rotated orders all_gather_gemm /
+/// gemm_reduce_scatter use (from block `start` on), the saved x_t and the wgrad from the whole
+/// tensors after them; the accumulating backward runs the wgrad alone.
+Outputs run_blocks(Harness& h, int64_t m, int64_t block, int start, const std::vector<float>& x,
+                   const std::vector<float>& w, const std::vector<float>& bias, const std::vector<float>& dy) {
+  Io io(h, m, x, w, bias, dy);
+  const Stream& st = io.st;
+  const auto &xt = io.xt, &bt = io.bt, &dyt = io.dyt, &y = io.y, &pre = io.pre, &dx = io.dx, &db = io.db;
+  const int n = static_cast<int>(m / block);
+  auto rows = [&](const Tensor& t, int i) { return t.slice0(i * block, (i + 1) * block); };
+  h.lin->begin_forward(xt, /*shard=*/false, 0, st);
+  for (int k = 0; k < n; ++k) {
+    const int i = (start + k) % n;
+    h.lin->forward_rows(rows(y, i), rows(xt, i), i * block, bt, rows(pre, i), 0, st);
+  }
+  h.lin->end_forward(xt, 0, st);
+  h.lin->begin_backward(dyt, /*shard=*/false, st);
+  for (int k = 0; k < n; ++k) {
+    const int i = (start + n - k) % n;
+    h.lin->dgrad_rows(rows(dx, i), rows(dyt, i), i * block, Tensor(), st);
+  }
+  h.lin->wgrad(h.weight.grad(), GradWrite::kOverwrite, db, dyt, xt, 0, st);
+  Outputs o{to_host(y, st), to_host(pre, st), to_host(dx, st), to_host(h.weight.grad(), st), {}, to_host(db, st)};
+  h.lin->begin_backward(dyt, /*shard=*/false, st);
+  h.lin->wgrad(h.weight.grad(), GradWrite::kAccumulate, Tensor(), dyt, xt, 0, st);
+  o.dw2 = to_host(h.weight.grad(), st);
+  return o;
+}
+
+// ColumnParallelLinear / RowParallelLinear under sequence parallelism (with or without
+// --tp-comm-overlap) run the FP8 GEMMs once per TP block of rows, in a rotated order. Each block's
+// rows are quantised with the whole tensor's scale (blockwise: into the block's own packed 1x128
+// scales), so forward and dgrad match the reference of the whole tensor's quantised operands; the
+// wgrad (from the whole tensors: x_t saved after the blocks or quantised again), the bias gradient
+// and the recorded delayed-scaling amaxes are bitwise those of one block. (The block GEMMs' own
+// rounding depends on the row count on the CPU, so y and dx are compared with the reference.)
+TEST(Fp8Linear, RowBlocksMatchWholeRows) {
+  for (Fp8Recipe r : {Fp8Recipe::kTensorwise, Fp8Recipe::kDelayed, Fp8Recipe::kBlockwise})
+    for (bool save_input : {true, false}) {
+      SCOPED_TRACE(std::string(fp8_recipe_name(r)) + (save_input ? " saved" : ""));
+      const int64_t out = 48, in = 144, m = 64, block = 16;
+      Harness whole(r, Fp8Format::kHybrid, out, in, m, save_input, false),
+          split(r, Fp8Format::kHybrid, out, in, m, save_input, false, m / block);
+      const std::vector<float> x = testing::randn(m * in), w = testing::randn(out * in, 0.05f),
+                               bias = testing::randn(out, 0.1f), dy = testing::randn(m * out, 1e-3f);
+      const Outputs a = run(whole, m, x, w, bias, dy), b = run_blocks(split, m, block, 1, x, w, bias, dy);
+      const bool delayed = r == Fp8Recipe::kDelayed;  // the first step's scales are 1
+      const DType gt = DType::kF8E5M2;
+      expect_reference(b, r == Fp8Recipe::kBlockwise, gt, m, out, in, x, w, bias, dy, delayed ? 1.f : 448.f / amax_of(x),
+                       delayed ? 1.f : 448.f / amax_of(w), delayed ? 1.f : fp8_max(gt) / amax_of(dy));
+      EXPECT_EQ(a.dw, b.dw);
+      EXPECT_EQ(a.dw2, b.dw2);
+      EXPECT_EQ(a.db, b.db);
+      const auto [fa, ba] = whole.model->layer_state(0);
+      const auto [fb, bb] = split.model->layer_state(0);
+      EXPECT_EQ(to_host(fa, testing::cpu_stream()), to_host(fb, testing::cpu_stream()));
+      EXPECT_EQ(to_host(ba, testing::cpu_stream()), to_host(bb, testing::cpu_stream()));
+    }
+}
+
+// The saved transposed input (ColumnParallelLinear) and the input quantised again in the backward
+// (RowParallelLinear, experts) give the same bytes, hence the same weight gradient, bit for bit.
+TEST(Fp8Linear, SavedInputEqualsRequantizedInput) {
+  for (Fp8Recipe r : {Fp8Recipe::kTensorwise, Fp8Recipe::kDelayed, Fp8Recipe::kBlockwise}) {
+    const int64_t out = 32, in = 160, m = 48;
+    Harness saved(r, Fp8Format::kE4M3, out, in, m, true, false), again(r, Fp8Format::kE4M3, out, in, m, false, false);
+    const std::vector<float> x = testing::randn(m * in), w = testing::randn(out * in, 0.05f),
+                             bias = testing::randn(out, 0.1f), dy = testing::randn(m * out, 1e-3f);
+    const Outputs a = run(saved, m, x, w, bias, dy), b = run(again, m, x, w, bias, dy);
+    EXPECT_EQ(a.dw, b.dw) << fp8_recipe_name(r);
+    EXPECT_EQ(a.y, b.y) << fp8_recipe_name(r);
+  }
+}
+
+TEST(Fp8Linear, Errors) {
+  TransformerConfig cfg;
+  cfg.num_layers = 2;
+  cfg.fp8 = Fp8Format::kE4M3;
+  Fp8Model model(cfg, ProcessGroups::single());
+  ParamRef none;
+  testing::expect_error([&] { model.make_linear(0, model.reserve(0, 1), "decoder.layers.0.x", &none, 40, 64, {}); },
+                        "decoder.layers.0.x: FP8 GEMMs need this rank's weight shard [40, 64] to have both sizes "
+                        "multiples of 16");
+  auto lin = model.make_linear(1, model.reserve(1, 1), "decoder.layers.1.x", &none, 32, 64, {});
+  BufferPlanner p(Device::cpu(), DType::kF32);
+  p.begin_pass();
+  p.open_area(BufferPlanner::Family::kActivations, 0);
+  testing::expect_error([&] { lin->plan(p, 24, true); }, "to be a multiple of 16");
+  testing::expect_error([&] { lin->plan(p, 32, true, false, 4); },
+                        "per tensor-parallel block of rows (sequence length / context-parallel size / tensor-parallel "
+                        "size x micro-batch size = 32 / 4 = 8), which must be a multiple of 16");
+  EXPECT_EQ(Fp8Model::decoder_layer("decoder.layers.12.mlp.linear_fc1"), 12);
+  EXPECT_EQ(Fp8Model::decoder_layer("output_layer"), -1);
+  EXPECT_EQ(Fp8Model::decoder_layer("decoder.layers.x"), -1);
+  cfg.fp8_param = true;
+  testing::expect_error([&] { Fp8Model m(cfg, ProcessGroups::single()); }, "--fp8-param-gather is not implemented");
+}
+
+}  // namespace
+}  // namespace mt

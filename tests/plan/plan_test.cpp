@@ -1,0 +1,224 @@
+// `megatron plan` (plan/plan.h) on CPU ranks, where its numbers can be checked against the trainer:
+// the memory it plans for every kind of rank equals, part by part, the estimate every rank of the
+// real run computes (thread ranks through TrainingSetup), and the sum over the ranks equals the
+// bytes the allocator holds once the ranks are built; the plan groups communicate nothing; the
+// cost model's parts add up and follow the schedule; refusals name the value; --search ranks
+// layouts that fit first.
+#include <gtest/gtest.h>
+
+#include <mutex>
+
+#include "core/buffer.h"
+#include "plan/plan.h"
+#include "plan/plan_groups.h"
+#include "train/trainer_testing.h"
+
+namespace mt {
+namespace {
+
+using testing::expect_error_text;
+using testing::parse_pretrain_args;
+
+class Plan : public testing::CorpusFixture {
+ protected:
+  static PlanRequest request(const std::string& extra, int world, const std::string& gpu = "cpu") {
+    PlanRequest r;
+    r.args = parse_pretrain_args(flags(extra));
+    r.world_size = world;
+    r.gpu = gpu;
+    return r;
+  }
+};
+
+// Every rank's memory estimate (its parts, in order) and the allocator's bytes once all ranks are
+// built, from a real setup on `world` thread ranks.
+struct Measured {
+  std::vector<MemoryEstimate> per_rank;
+  size_t allocated = 0;        ///< device_bytes_allocated(cpu) growth with every rank built
+  size_t staging_bytes = 0;    ///< per rank: the batch stager's pinned host copies (2 batches)
+};
+Measured measure(const std::string& flags, int world) {
+  Measured m;
+  m.per_rank.resize(static_cast<size_t>(world));
+  std::mutex mu;
+  const size_t before = device_bytes_allocated(Device::cpu());
+  run_thread_ranks(world, [&](int rank, std::shared_ptr<Communicator> comm) {
+    TrainingSetup setup(parse_pretrain_args(flags), comm, Device::cpu());
+    comm->barrier();  // every rank built
+    if (rank == 0) {
+      m.allocated = device_bytes_allocated(Device::cpu()) - before;
+      m.staging_bytes = 2 * setup.model_setup().options().batch_bytes;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      m.per_rank[static_cast<size_t>(rank)] = setup.model_setup().memory_estimate();
+    }
+    comm->barrier();  // rank 0 has read the allocator before any rank frees
+  });
+  return m;
+}
+
+void expect_same_estimate(const MemoryEstimate& planned, const MemoryEstimate& run, const std::string& what) {
+  ASSERT_EQ(planned.parts.size(), run.parts.size()) << what << "\nplan: " << planned.summary()
+                                                    << "\nrun:  " << run.summary();
+  for (size_t i = 0; i < planned.parts.size(); ++i) {
+    EXPECT_EQ(planned.parts[i].name, run.parts[i].name) << what;
+    EXPECT_EQ(planned.parts[i].bytes, run.parts[i].bytes) << what << ": " << planned.parts[i].name;
+  }
+}
+
+// Layouts of the trainer's layout tests: each stage's planned memory equals the estimate of
+// every rank of that stage in the real run, and the planned total over the world equals what the
+// ranks allocated (the estimate counts every buffer but the staging copies on the host).
+TEST_F(Plan, MemoryEqualsTheTrainersEstimateAndTheAllocatorOnEveryRank) {
+  const std::string moe =
+      " --swiglu --ffn-hidden-size 64 --normalization RMSNorm --position-embedding-type rope --disable-bias-linear "
+      "--num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 32 --moe-layer-freq [0,1]*2";
+  const std::vector<std::pair<std::string, int>> layouts = {
+      {"", 1},
+      {"--recompute-granularity full --recompute-method uniform --recompute-num-layers 1", 1},
+      {"--tensor-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer", 4},
+      {"--pipeline-model-parallel-size 2 --use-distributed-optimizer", 4},
+      {"--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1", 2},
+      {"--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 --overlap-p2p-communication", 2},
+      {"--context-parallel-size 2 --use-distributed-optimizer", 2},
+      {"--expert-model-parallel-size 2 --use-distributed-optimizer" + moe, 2},
+  };
+  for (const auto& [extra, world] : layouts) {
+    const std::string f = flags("--train-iters 2 --nproc-per-node " + std::to_string(world) + " " + extra);
+    SCOPED_TRACE(extra + " on " + std::to_string(world) + " ranks");
+    PlanRequest req;
+    req.args = parse_pretrain_args(f);
+    req.world_size = world;
+    req.gpu = "cpu";
+    const TrainingPlan plan = plan_training(req);
+    const Measured run = measure(f, world);
+    size_t planned_total = 0;
+    std::vector<int> seen(static_cast<size_t>(world), 0);
+    for (const RankKindPlan& k : plan.stages) {
+      for (int r : k.ranks) {
+        ++seen.at(static_cast<size_t>(r));
+        expect_same_estimate(k.memory, run.per_rank[static_cast<size_t>(r)], "stage " + std::to_string(k.pp_rank) +
+                                                                                 ", rank " + std::to_string(r));
+        planned_total += k.memory.total();
+      }
+    }
+    EXPECT_EQ(seen, std::vector<int>(static_cast<size_t>(world), 1)) << "every rank in exactly one stage";
+    // the pinned staging copies of every rank on top, and the small state the estimate leaves
+    // out (loss and norm accumulators, the loss scale, MoE token counts): 2-5 KiB per rank here
+    const size_t expected = planned_total + run.staging_bytes * static_cast<size_t>(world);
+    const size_t slack = size_t{8192} * static_cast<size_t>(world);
+    EXPECT_GE(run.allocated, expected);
+    EXPECT_LE(run.allocated, expected + slack);
+  }
+}
+
+// The plan's groups have the sizes and ranks of Megatron-Core's layout and refuse to communicate.
+TEST_F(Plan, GroupsKnowTheirSizesAndRefuseCommunication) {
+  ParallelConfig pc;
+  pc.tp = 2;
+  pc.pp = 2;
+  validate_and_derive(pc, 8);  // dp 2
+  const ProcessGroups g = plan_process_groups(pc, 5);  // tp rank 1, dp rank 0, pp rank 1 (order tp-cp-ep-dp-pp)
+  EXPECT_EQ(g.tp->size(), 2);
+  EXPECT_EQ(g.tp->rank(), 1);
+  EXPECT_EQ(g.dp->size(), 2);
+  EXPECT_EQ(g.dp->rank(), 0);
+  EXPECT_EQ(g.pp->size(), 2);
+  EXPECT_EQ(g.pp->rank(), 1);
+  EXPECT_EQ(g.world->rank(), 5);
+  EXPECT_EQ(g.world->size(), 8);
+  expect_error_text([&] { g.tp->barrier(); }, "plan-only group 'tp'", "barrier");
+  expect_error_text([&] { (void)g.dp->split(0, 0, "x"); }, "plan-only group 'dp'", "split");
+  expect_error_text([&] { (void)plan_process_groups(pc, 8); }, "rank 8 is outside the world of 8", "rank");
+}
+
+// The cost model on an H100 plan: its parts add up to the step, MFU follows from the FLOPs, the
+// bubble is the 1F1B formula, and more micro-batches shrink the bubble's share.
+TEST_F(Plan, PredictedStepAddsUpAndFollowsTheSchedule) {
+  PlanRequest r = request("--bf16 --train-iters 2 --pipeline-model-parallel-size 4 --micro-batch-size 1 "
+                          "--global-batch-size 8 --num-layers 8",
+                          8, "h100");
+  const TrainingPlan p = plan_training(r);
+  const StepPrediction& s = p.step;
+  ASSERT_TRUE(s.available);
+  EXPECT_EQ(p.num_microbatches, 4);  // 8 sequences over dp 2, micro-batch 1
+  EXPECT_DOUBLE_EQ(s.bubble_fraction, 3.0 / 4.0);
+  EXPECT_NEAR(s.step_s, (s.compute_s + s.tp_comm_s + s.cp_comm_s + s.ep_comm_s) * (1 + s.bubble_fraction) +
+                            s.pp_comm_s + s.dp_comm_s + s.optimizer_s,
+              1e-12);
+  EXPECT_NEAR(s.mfu, p.flops_per_iteration / (s.step_s * 8) / (p.gpu.peak_tflops * 1e12), 1e-12);
+  EXPECT_GT(s.compute_s, 0);
+  EXPECT_GT(s.pp_comm_s, 0);
+  EXPECT_EQ(s.tp_comm_s, 0);  // tp 1
+  r.args.global_batch_size = 32;
+  const TrainingPlan more = plan_training(r);
+  EXPECT_DOUBLE_EQ(more.step.bubble_fraction, 3.0 / 16.0);
+  EXPECT_GT(more.step.mfu, s.mfu);
+  EXPECT_EQ(p.stages.size(), 4u);
+  EXPECT_EQ(p.stages[1].layers, "[2, 4)");
+}
+
+// A layout that does not fit says so and names its largest consumer; the JSON has every stage.
+TEST_F(Plan, DoesNotFitNamesTheLargestConsumer) {
+  PlanRequest r = request("--bf16 --train-iters 2", 1, "h200");
+  r.memory_gib = 0.5;  // less than the CUDA context's reserve alone
+  const TrainingPlan p = plan_training(r);
+  EXPECT_FALSE(p.fits);
+  const std::string text = format_plan(p);
+  EXPECT_NE(text.find("DOES NOT FIT"), std::string::npos) << text;
+  EXPECT_NE(text.find("does not fit: stage 0 needs"), std::string::npos) << text;
+  const std::string json = plan_json(p);
+  EXPECT_NE(json.find("\"fits\": false"), std::string::npos) << json;
+  EXPECT_NE(json.find("\"memory_parts\""), std::string::npos) << json;
+  r.memory_gib = 0;
+  EXPECT_TRUE(plan_training(r).fits);
+}
+
+// Refusals name the value: the machine, the world, and the layout checks `megatron pretrain` makes.
+TEST_F(Plan, RefusalsNameTheValue) {
+  expect_error_text([&] { plan_training(request("--train-iters 2", 1, "a100")); }, "--gpu a100: expected h100, h200 or cpu",
+                    "unknown gpu");
+  expect_error_text([&] { plan_training(request("--train-iters 2", 0)); }, "--world-size must be >= 1, got 0", "world");
+  expect_error_text([&] { plan_training(request("--train-iters 2 --tensor-model-parallel-size 2", 3)); },
+                    "world size 3 is not divisible by tp (2)", "world not divisible by tp");
+  expect_error_text([&] { plan_training(request("--train-iters 2 --bf16", 1, "cpu")); }, "--bf16 needs --gpu h100 or h200",
+                    "bf16 on cpu");
+  expect_error_text([&] { plan_training(request("--train-iters 2 --global-batch-size 6", 4)); },
+                    "--global-batch-size 6 is not divisible", "batch");
+}
+
+// --search: every layout it returns passes the checks; fitting ones come first, by step time.
+TEST_F(Plan, SearchRanksFittingLayoutsFirst) {
+  PlanRequest r = request("--bf16 --train-iters 2 --micro-batch-size 1 --global-batch-size 16", 8, "h100");
+  int refused = -1;
+  const std::vector<TrainingPlan> plans = search_layouts(r, &refused);
+  ASSERT_GE(plans.size(), 4u);
+  EXPECT_GE(refused, 0);
+  for (size_t i = 1; i < plans.size(); ++i) {
+    EXPECT_TRUE(plans[i - 1].fits || !plans[i].fits);
+    if (plans[i - 1].fits == plans[i].fits) EXPECT_LE(plans[i - 1].step.step_s, plans[i].step.step_s);
+  }
+  const std::string table = format_search(plans, refused, 5);
+  EXPECT_NE(table.find("tp=1 pp=1 vpp=1 cp=1 ep=1 dp=8"), std::string::npos) << table;
+}
+
+// The subcommand takes a script's flags without --train-iters and --lr (they size nothing) and
+// exits 0 when the layout fits, 2 when it does not.
+TEST_F(Plan, SubcommandNeedsNoScheduleFlagsAndExitsTwoWhenItDoesNotFit) {
+  const auto run = [](const std::string& args) {
+    CLI::App app;
+    PlanCommandArgs a;
+    add_plan_options(app, a);
+    app.parse(args, false);
+    return run_plan(a);
+  };
+  const std::string model = "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
+                            "--max-position-embeddings 32 --tokenizer-type NullTokenizer --vocab-size 96 --bf16 ";
+  EXPECT_EQ(run(model + "--world-size 2 --gpu h100 --json"), 0);
+  EXPECT_EQ(run(model + "--world-size 2 --gpu h100 --gpu-memory-gib 1"), 2);
+  EXPECT_EQ(run(model + "--world-size 2 --gpu h200 --search --top 3"), 0);
+}
+
+}  // namespace
+}  // namespace mt

@@ -1,0 +1,303 @@
+// FP8 training (docs/fp8.md) through the trainer, in-process on CPU thread ranks (the emulated
+// recipes): each recipe trains close to the fp32 run but not equal to it; every parallel layout
+// (TP with and without SP and --tp-comm-overlap, DP with the distributed optimizer, PP with VPP,
+// CP, TP x CP, MoE with expert parallelism) trains the one-rank FP8 model — the same losses and,
+// for delayed scaling, the same amax histories and scales in the checkpoint; --tp-comm-overlap
+// changes no bit; a delayed-scaling checkpoint resumes bitwise; --first-last-layers-bf16 keeps those layers out of FP8; bad flags fail before training.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <mutex>
+
+#include "model/fp8/fp8_model.h"
+#include "testing/testing.h"
+#include "train/trainer_testing.h"
+
+namespace fs = std::filesystem;
+
+namespace mt {
+namespace {
+
+using testing::expect_error_text;
+using testing::train_in_process;
+
+std::string state_name(int layer, const char* block) {
+  return fmt::format("state/decoder.layers.{}.fp8_meta.scaling_{}", layer, block);
+}
+
+// Largest relative difference of two runs' per-iteration and validation losses.
+double max_loss_diff(const TrainingResult& a, const TrainingResult& b) {
+  EXPECT_EQ(a.losses.size(), b.losses.size());
+  double d = 0;
+  for (const auto& [it, l] : b.losses)
+    if (a.losses.count(it)) d = std::max(d, std::fabs(double(a.losses.at(it)) - l) / std::fabs(double(l)));
+  for (const auto& [it, v] : b.validation)
+    if (a.validation.count(it)) d = std::max(d, std::fabs(double(a.validation.at(it).loss) - v.loss) / std::fabs(double(v.loss)));
+  return d;
+}
+
+// A 4-layer GPT of hidden 64 (every FP8 GEMM size a multiple of 16 under TP 2 and CP 2).
+const std::string kModel = "--hidden-size 64 --ffn-hidden-size 128 ";
+constexpr double kLossTol = 5e-4, kStateTol = 1e-5;
+constexpr double kLossTolEp = 5e-3;  // current scaling under EP: each expert GEMM's scale is its tokens'
+
+class Fp8Training : public testing::CorpusFixture {
+ protected:
+  static TrainingResult train(const std::string& extra) { return train_in_process(flags(kModel + extra)); }
+};
+
+// Each recipe trains: close to the fp32 run (FP8 noise is small for this model), but not equal to
+// it (the FP8 GEMMs ran).
+TEST_F(Fp8Training, RecipesTrainCloseToFp32) {
+  const TrainingResult ref = train("--train-iters 4");
+  for (const std::string recipe : {"--fp8-format e4m3 --fp8-recipe tensorwise", "--fp8-format hybrid --fp8-recipe tensorwise",
+                                   "--fp8-format e4m3 --fp8-recipe delayed --fp8-amax-history-len 4",
+                                   "--fp8-format hybrid --fp8-recipe delayed --fp8-amax-compute-algo max "
+                                   "--fp8-amax-history-len 3 --fp8-margin 1",
+                                   "--fp8-format e4m3 --fp8-recipe blockwise"}) {
+    SCOPED_TRACE(recipe);
+    const TrainingResult r = train("--train-iters 4 " + recipe);
+    const double d = max_loss_diff(r, ref);
+    std::printf("%s: max rel loss diff to fp32 %.3g\n", recipe.c_str(), d);
+    EXPECT_LT(d, 1e-2) << "FP8 losses far from fp32";
+    EXPECT_GT(d, 1e-7) << "FP8 losses equal to fp32: the FP8 GEMMs did not run";
+  }
+}
+
+// A training run with the FP8 scaling state of every decoder layer after it
+// (Fp8Model::layer_state: the fwd block, then the bwd block), merged over the ranks by element-wise
+// max (pipeline stages hold different layers; an EP rank's block has zeros in the current-scaling
+// amaxes of the experts it does not hold).
+struct Fp8Run {
+  TrainingResult result;
+  std::map<int64_t, std::vector<float>> state;
+};
+
+Fp8Run train_with_state(const std::string& flags) {
+  const PretrainArgs args = testing::parse_pretrain_args(flags);
+  Fp8Run out;
+  std::mutex mu;
+  run_thread_ranks(args.nproc_per_node, [&](int rank, std::shared_ptr<Communicator> world) {
+    TrainingSetup setup(testing::parse_pretrain_args(flags), std::move(world), Device::cpu());
+    Trainer trainer(setup);
+    TrainingResult r = trainer.train();
+    const Fp8Model* fp8 = setup.model().fp8();
+    std::lock_guard<std::mutex> lock(mu);
+    if (rank == 0) out.result = std::move(r);
+    if (!fp8) return;
+    for (int64_t l = 0; l < args.model.num_layers; ++l) {
+      const auto [fwd, bwd] = fp8->layer_state(l);
+      if (fwd.empty()) continue;
+      std::vector<float> v = testing::to_host(fwd, setup.stream()), b = testing::to_host(bwd, setup.stream());
+      v.insert(v.end(), b.begin(), b.end());
+      auto& dst = out.state[l];
+      if (dst.empty()) dst.assign(v.size(), 0.f);
+      ASSERT_EQ(dst.size(), v.size()) << "layer " << l;
+      for (size_t i = 0; i < v.size(); ++i) dst[i] = std::max(dst[i], v[i]);
+    }
+  });
+  return out;
+}
+
+// Largest relative difference of two runs' FP8 states (element-wise, relative to the larger
+// magnitude; both zero counts as equal).
+double max_state_diff(const Fp8Run& a, const Fp8Run& b) {
+  EXPECT_EQ(a.state.size(), b.state.size());
+  double d = 0;
+  for (const auto& [l, v] : b.state) {
+    if (!a.state.count(l)) {
+      ADD_FAILURE() << "layer " << l << " has no FP8 state";
+      continue;
+    }
+    const std::vector<float>& u = a.state.at(l);
+    EXPECT_EQ(u.size(), v.size()) << "layer " << l;
+    for (size_t i = 0; i < std::min(u.size(), v.size()); ++i) {
+      const double m = std::max(std::fabs(double(u[i])), std::fabs(double(v[i])));
+      if (m > 0) d = std::max(d, std::fabs(double(u[i]) - v[i]) / m);
+    }
+  }
+  return d;
+}
+
+// Every layout trains the one-rank FP8 model. Decisive: the scaling state after one iteration —
+// the amax of every x, w and dy, all-reduced over the ranks holding the tensor's shards (current
+// scaling: of the last micro-batch, the one-rank run's when DP is 1), and delayed scaling's
+// histories and scales (reduced over the stage and the step) — equals the one-rank run's up to
+// fp32 rounding (1e-7; dropping one tensor's TP reduction moves it by 1e-2 to 3e-1). Then the
+// losses of four iterations within FP8 noise (1e-4: an fp32-rounding difference between layouts
+// can move an element across an FP8 rounding boundary, 6 % of that element).
+TEST_F(Fp8Training, LayoutsMatchOneRank) {
+  const std::string kRecipes[] = {"--fp8-format e4m3 --fp8-recipe tensorwise",
+                                  "--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 4",
+                                  "--fp8-format e4m3 --fp8-recipe blockwise"};
+  const std::string kLayouts[] = {
+      "--nproc-per-node 2 --tensor-model-parallel-size 2",
+      "--nproc-per-node 2 --tensor-model-parallel-size 2 --sequence-parallel",
+      "--nproc-per-node 2 --tensor-model-parallel-size 2 --sequence-parallel --tp-comm-overlap",
+      "--nproc-per-node 2 --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1",
+      "--nproc-per-node 2 --context-parallel-size 2",
+      "--nproc-per-node 4 --tensor-model-parallel-size 2 --sequence-parallel --context-parallel-size 2",
+      "--nproc-per-node 2 --use-distributed-optimizer",
+      "--nproc-per-node 4 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel "
+      "--use-distributed-optimizer"};
+  for (const std::string& recipe : kRecipes) {
+    const bool tensorwise = recipe.find("tensorwise") != std::string::npos;
+    const Fp8Run ref = train_with_state(flags(kModel + "--train-iters 1 " + recipe));
+    const TrainingResult ref4 = train("--train-iters 4 " + recipe);
+    for (const std::string& layout : kLayouts) {
+      SCOPED_TRACE(recipe + " | " + layout);
+      const Fp8Run r = train_with_state(flags(kModel + "--train-iters 1 " + recipe + " " + layout));
+      const double ds = max_state_diff(r, ref);
+      const double dl = max_loss_diff(train("--train-iters 4 " + recipe + " " + layout), ref4);
+      std::printf("%s | %s: loss diff %.3g, state diff %.3g\n", recipe.c_str(), layout.c_str(), dl, ds);
+      EXPECT_LT(dl, kLossTol);
+      // current scaling leaves the last micro-batch's amaxes, another one per DP rank
+      if (!(tensorwise && layout.find("distributed-optimizer") != std::string::npos)) EXPECT_LT(ds, kStateTol);
+      // pipeline stages compute what one rank computes
+      if (layout.find("pipeline") != std::string::npos && layout.find("tensor") == std::string::npos)
+        EXPECT_EQ(ds, 0.0);
+    }
+  }
+}
+
+// --tp-comm-overlap (Transformer Engine runs it with FP8 too) pipelines the sequence-parallel
+// all-gathers and reduce-scatters with the FP8 GEMMs block by block: the same GEMM calls on the
+// same blocks as without it, and on CPU thread ranks the same reduction order, so every loss is
+// bitwise that of the run without the overlap, at TP 2 and TP 4.
+TEST_F(Fp8Training, TpCommOverlapIsBitwise) {
+  for (const std::string recipe : {"--fp8-format e4m3 --fp8-recipe tensorwise",
+                                   "--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 4",
+                                   "--fp8-format e4m3 --fp8-recipe blockwise"})
+    for (const std::string tp : {"--nproc-per-node 2 --tensor-model-parallel-size 2 --sequence-parallel",
+                                 "--nproc-per-node 4 --tensor-model-parallel-size 4 --sequence-parallel"}) {
+      SCOPED_TRACE(recipe + " | " + tp);
+      const TrainingResult plain = train("--train-iters 3 " + recipe + " " + tp);
+      const TrainingResult overlap = train("--train-iters 3 " + recipe + " " + tp + " --tp-comm-overlap");
+      ASSERT_EQ(plain.losses.size(), 3u);
+      ASSERT_EQ(overlap.losses.size(), 3u);
+      for (const auto& [it, l] : plain.losses) EXPECT_EQ(overlap.losses.at(it), l) << "iteration " << it;
+      for (const auto& [it, v] : plain.validation) EXPECT_EQ(overlap.validation.at(it).loss, v.loss) << it;
+    }
+}
+
+// Mixture of experts with expert parallelism: each expert's FP8 GEMM multiplies the tokens routed
+// to it from several DP ranks' micro-batches at once. Delayed scaling (scales of the whole step)
+// keeps every EP layout on the one-rank state; current scaling takes each expert GEMM's own amax,
+// which depends on the tokens it groups (docs/fp8.md), so only the losses are compared there.
+TEST_F(Fp8Training, ExpertParallelMatchesOneRank) {
+  const std::string moe = "--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 64 --disable-bias-linear "
+                          "--moe-aux-loss-coeff 0.01 ";
+  for (const std::string recipe : {"--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 4",
+                                   "--fp8-format e4m3 --fp8-recipe tensorwise"}) {
+    const bool delayed = recipe.find("delayed") != std::string::npos;
+    const Fp8Run ref = train_with_state(flags(kModel + moe + "--train-iters 1 " + recipe));
+    ASSERT_EQ(ref.state.size(), 4u);
+    const TrainingResult ref4 = train(moe + "--train-iters 4 " + recipe);
+    for (const std::string layout : {"--nproc-per-node 2 --expert-model-parallel-size 2",
+                                     "--nproc-per-node 2 --expert-model-parallel-size 2 --moe-token-dispatcher-type "
+                                     "alltoall",
+                                     "--nproc-per-node 4 --tensor-model-parallel-size 2 --sequence-parallel "
+                                     "--expert-model-parallel-size 2 --expert-tensor-parallel-size 1"}) {
+      SCOPED_TRACE(recipe + " | " + layout);
+      const Fp8Run r = train_with_state(flags(kModel + moe + "--train-iters 1 " + recipe + " " + layout));
+      const double ds = max_state_diff(r, ref);
+      const double dl = max_loss_diff(train(moe + "--train-iters 4 " + recipe + " " + layout), ref4);
+      std::printf("MoE %s | %s: loss diff %.3g, state diff %.3g\n", recipe.c_str(), layout.c_str(), dl, ds);
+      EXPECT_LT(dl, delayed ? kLossTol : kLossTolEp);
+      if (delayed) EXPECT_LT(ds, kStateTol);
+    }
+  }
+}
+
+// A checkpoint of a delayed-scaling run holds every layer's amax histories and scales
+// ("decoder.layers.<L>.fp8_meta.scaling_fwd/bwd"): a run resumed from it continues bitwise on the
+// uninterrupted run's losses. Without that state (renamed in the checkpoint: the resumed run
+// starts from scale 1) it does not. Current scaling resumes bitwise with no FP8 state at all.
+TEST_F(Fp8Training, CheckpointResumeIsBitwise) {
+  for (const std::string recipe : {"--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 4 "
+                                   "--fp8-amax-compute-algo max --fp8-margin 1",
+                                   "--fp8-format e4m3 --fp8-recipe tensorwise",
+                                   "--fp8-format e4m3 --fp8-recipe delayed --nproc-per-node 2 "
+                                   "--tensor-model-parallel-size 2 --sequence-parallel"}) {
+    SCOPED_TRACE(recipe);
+    const bool delayed = recipe.find("delayed") != std::string::npos;
+    const TrainingResult full = train("--train-iters 6 " + recipe);
+    const std::string ck = dir("fp8_resume");
+    fs::remove_all(ck);
+    const TrainingResult first = train("--train-iters 6 --exit-interval 3 --save " + ck + " " + recipe);
+    ASSERT_EQ(first.iteration, 3);
+    EXPECT_EQ(testing::read_whole_tensor(ck, 3, state_name(1, "fwd")).empty(), !delayed);
+    const TrainingResult second = train("--train-iters 6 --load " + ck + " " + recipe);
+    ASSERT_EQ(second.losses.count(1), 0u);
+    for (int it = 4; it <= 6; ++it) {
+      ASSERT_EQ(second.losses.count(it), 1u) << it;
+      EXPECT_EQ(second.losses.at(it), full.losses.at(it)) << "iteration " << it;
+    }
+    for (const auto& [it, v] : second.validation) EXPECT_EQ(v.loss, full.validation.at(it).loss) << it;
+    if (!delayed) continue;
+    // The negative control: the same checkpoint without its FP8 state.
+    const fs::path meta = fs::path(ck) / "iter_0000003" / "metadata.json";
+    std::ifstream in(meta);
+    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    in.close();
+    for (size_t p = text.find("fp8_meta"); p != std::string::npos; p = text.find("fp8_meta", p + 1))
+      text.replace(p, 8, "fp8_gone");
+    std::ofstream(meta) << text;
+    const TrainingResult lost = train("--train-iters 6 --load " + ck + " " + recipe);
+    EXPECT_NE(lost.losses.at(4), full.losses.at(4)) << "the FP8 state changes nothing: the test cannot see it";
+  }
+}
+
+// --first-last-layers-bf16: the first --num-layers-at-start-in-bf16 and last
+// --num-layers-at-end-in-bf16 decoder layers have no FP8 linear (no state), the others do.
+TEST_F(Fp8Training, FirstLastLayersBf16) {
+  const std::string fp8 = "--fp8-format e4m3 --fp8-recipe delayed --train-iters 2 ";
+  const Fp8Run all = train_with_state(flags(kModel + fp8 + "--num-layers 6"));
+  const Fp8Run some = train_with_state(flags(kModel + fp8 + "--num-layers 6 --first-last-layers-bf16"));
+  const Fp8Run more = train_with_state(flags(kModel + fp8 + "--num-layers 6 --first-last-layers-bf16 "
+                                                             "--num-layers-at-start-in-bf16 2 "
+                                                             "--num-layers-at-end-in-bf16 0"));
+  auto layers = [](const Fp8Run& r) {
+    std::vector<int64_t> v;
+    for (const auto& [l, s] : r.state) v.push_back(l);
+    return v;
+  };
+  EXPECT_EQ(layers(all), (std::vector<int64_t>{0, 1, 2, 3, 4, 5}));
+  EXPECT_EQ(layers(some), (std::vector<int64_t>{1, 2, 3, 4}));
+  EXPECT_EQ(layers(more), (std::vector<int64_t>{2, 3, 4, 5}));
+  EXPECT_GT(max_loss_diff(some.result, all.result), 1e-7);
+}
+
+// Bad FP8 flags fail before training with a message naming the value and what is expected.
+TEST_F(Fp8Training, BadFlagsFailBeforeTraining) {
+  for (const auto& [bad, msg] : std::vector<std::pair<std::string, std::string>>{
+           {"--fp8-format e5m2", "--fp8-format 'e5m2' is not supported: expected e4m3 or hybrid"},
+           {"--fp8-format e4m3 --fp8-recipe mxfp8", "--fp8-recipe mxfp8 is not built"},
+           {"--fp8-format e4m3 --fp8-recipe current", "--fp8-recipe 'current' is not supported: expected tensorwise"},
+           {"--fp8-format e4m3 --fp8-amax-compute-algo mean", "expected most_recent or max"},
+           {"--fp8-format e4m3 --fp8-param-gather", "--fp8-param-gather requires --use-distributed-optimizer"},
+           {"--fp8-param-gather --use-distributed-optimizer", "--fp8-param-gather needs --fp8-format"},
+           {"--fp8-format e4m3 --fp8-param-gather --use-distributed-optimizer", "--fp8-param-gather is not implemented"},
+           {"--fp8-format e4m3 --fp8-amax-history-len 0", "--fp8-amax-history-len must be >= 1, got 0"},
+           {"--fp8-format e4m3 --fp8-margin -1", "--fp8-margin must be >= 0, got -1"},
+           {"--fp8-format e4m3 --first-last-layers-bf16 --num-layers-at-end-in-bf16 -1",
+            "--num-layers-at-end-in-bf16 -1 must be >= 0"},
+           {"--fp8-format e4m3 --hidden-size 40", "decoder.layers.0.self_attention.linear_qkv: FP8 GEMMs need this "
+                                                  "rank's weight shard [120, 40]"},
+           {"--fp8-format e4m3 --seq-length 12 --micro-batch-size 1 --global-batch-size 4",
+            "(sequence length / context-parallel size x micro-batch size = 12) to be a multiple of 16"},
+           {"--fp8-format e4m3 --nproc-per-node 4 --tensor-model-parallel-size 4 --sequence-parallel "
+            "--micro-batch-size 1",
+            "per tensor-parallel block of rows (sequence length / context-parallel size / tensor-parallel size x "
+            "micro-batch size = 32 / 4 = 8), which must be a multiple of 16"},
+           {"--fp8-format e4m3 --num-experts 4 --disable-bias-linear --moe-grouped-gemm",
+            "--fp8-format e4m3 with --moe-grouped-gemm is not supported"}}) {
+    expect_error_text([&] { train("--train-iters 1 " + bad); }, msg, bad);
+  }
+}
+
+}  // namespace
+}  // namespace mt
