@@ -83,7 +83,6 @@ const CompatFlag kFlags[] = {
     {"--ckpt-format", kChoice, "torch|torch_dist|torch_dcp|fsdp_dtensor", kNoOp,
      "checkpoints are always megatron.cpp's sharded, checksummed format (docs/checkpoints.md); Megatron-LM's files "
      "are neither read nor written (import-hf / export-hf convert Hugging Face models)"},
-    {"--moe-permute-fusion", kSwitch, nullptr, kNoOp, kFusion},
     {"--use-nccl-ub", kSwitch, nullptr, kNoOp,
      "NCCL user-buffer registration (a performance option of Megatron-LM's NCCL setup) is not used"},
     {"--auto-detect-ckpt-format", kSwitch, nullptr, kNoOp, "there is one checkpoint format (docs/checkpoints.md)"},

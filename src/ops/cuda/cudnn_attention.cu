@@ -232,6 +232,11 @@ struct Plan {
   std::unique_ptr<Desc> graph, plan;
   int64_t workspace_bytes = 0;
   void* workspace = nullptr;  // device; owned (cudaMalloc once, when the plan is built)
+  // The engine's workspace is scratch of one execution: executions on different streams (thread
+  // ranks sharing a GPU, each with its own stream) must not share it. The first stream to execute
+  // the plan uses `workspace`; any other gets its own (allocated at its first, eager execution).
+  cudaStream_t workspace_stream = nullptr;
+  std::map<cudaStream_t, void*> stream_workspaces;
   // grouped queries only: the gathered Q [s, b, h, d] (and, backward, dQ's staging after it); owned
   void* staging = nullptr;
   float scale = 0, neg_inf = -std::numeric_limits<float>::infinity(), one = 1.f;  // by-value scalars
@@ -242,6 +247,7 @@ struct Plan {
   cudnnHandle_t handle = nullptr;  // of the plan's device (handle_for)
   ~Plan() {
     if (workspace) cudaFree(workspace);
+    for (auto& [st, w] : stream_workspaces) cudaFree(w);
     if (staging) cudaFree(staging);
   }
 };
@@ -491,7 +497,27 @@ void execute(Plan& p, const Stream& stream, std::vector<int64_t> uids, std::vect
   Desc pack(CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR);
   pack.set(CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, CUDNN_TYPE_INT64, static_cast<int64_t>(uids.size()), uids.data());
   pack.set(CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS, CUDNN_TYPE_VOID_PTR, static_cast<int64_t>(ptrs.size()), ptrs.data());
-  pack.set(CUDNN_ATTR_VARIANT_PACK_WORKSPACE, CUDNN_TYPE_VOID_PTR, 1, &p.workspace);
+  void* ws = p.workspace;
+  if (p.workspace_bytes > 0) {
+    const cudaStream_t s = cu(stream);
+    if (p.workspace_stream == nullptr) p.workspace_stream = s;
+    if (s != p.workspace_stream) {
+      auto it = p.stream_workspaces.find(s);
+      if (it == p.stream_workspaces.end()) {
+        cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+        MT_CUDA_CHECK(cudaStreamIsCapturing(s, &cap));
+        MT_CHECK(cap == cudaStreamCaptureStatusNone,
+                 "cuDNN fused attention: a second stream's first execution of a plan is inside a CUDA graph capture "
+                 "(its {}-byte workspace cannot be allocated there): run the step eagerly once first",
+                 p.workspace_bytes);
+        void* w = nullptr;
+        MT_CUDA_CHECK(cudaMalloc(&w, static_cast<size_t>(p.workspace_bytes)));
+        it = p.stream_workspaces.emplace(s, w).first;
+      }
+      ws = it->second;
+    }
+  }
+  pack.set(CUDNN_ATTR_VARIANT_PACK_WORKSPACE, CUDNN_TYPE_VOID_PTR, 1, &ws);
   pack.finalize("variant pack");
   MT_CUDNN(cudnnBackendExecute(h, p.plan->get(), pack.get()));
   g_executions.fetch_add(1);
