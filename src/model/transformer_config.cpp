@@ -504,6 +504,7 @@ std::string TransformerConfig::summary() const {
                    normalization_name(normalization), position_embedding_type_name(position_embedding_type));
   if (!add_bias_linear) s += add_qkv_bias ? ", QKV bias only" : ", no bias";
   if (qk_layernorm) s += ", QK-norm";
+  if (layernorm_zero_centered_gamma) s += ", zero-centred norm weights (--apply-layernorm-1p)";
   if (untie_embeddings_and_output_weights) s += ", untied output layer";
   if (deterministic_mode) s += ", deterministic mode";
   if (fp8 != Fp8Format::kNone) {

@@ -112,6 +112,9 @@ struct TransformerConfig {
   // --- architecture ---
   Normalization normalization = Normalization::kLayerNorm;  ///< --normalization
   float norm_epsilon = 1e-5f;           ///< --norm-epsilon (alias --layernorm-epsilon)
+  /// --apply-layernorm-1p (Megatron-Core's layernorm_zero_centered_gamma): every LayerNorm /
+  /// RMSNorm scales by 1 + weight, the weight initialised to 0 (model/layers/norm.h).
+  bool layernorm_zero_centered_gamma = false;
   /// --swiglu: gated linear unit with SiLU (Shazeer 2020): fc1 produces 2f (gate, up), f goes on.
   /// Megatron's field; activation() is the kind it selects.
   bool gated_linear_unit = false;

@@ -18,13 +18,13 @@ namespace {
 // --- the tables --------------------------------------------------------------------------------
 
 void rmsnorm_forward_entry(const Tensor& y, const Tensor&, const Tensor& rstd, const Tensor& x, const Tensor& weight,
-                           const Tensor&, float eps, const Stream& stream) {
-  rmsnorm_forward(y, rstd, x, weight, eps, stream);
+                           const Tensor&, float eps, const Stream& stream, bool zero_centered_gamma) {
+  rmsnorm_forward(y, rstd, x, weight, eps, stream, zero_centered_gamma);
 }
 void rmsnorm_backward_entry(const Tensor& dx, const Tensor& dweight, const Tensor&, const Tensor& dy, const Tensor& x,
                             const Tensor& weight, const Tensor&, const Tensor& rstd, bool accumulate_dx,
-                            const Stream& stream) {
-  rmsnorm_backward(dx, dweight, dy, x, weight, rstd, accumulate_dx, stream);
+                            const Stream& stream, bool zero_centered_gamma) {
+  rmsnorm_backward(dx, dweight, dy, x, weight, rstd, accumulate_dx, stream, zero_centered_gamma);
 }
 
 const std::array<NormKind, 2> kNormKinds{{

@@ -57,13 +57,14 @@ struct NormKind {
   /// normalises the q/k heads inside the fused QKV tensor.
   bool strided_rows;
   /// y = norm(x) (ops/layernorm.h, ops/rmsnorm.h): x, y [rows, h]; mean (empty unless
-  /// saves_mean), rstd fp32 [rows] written; bias empty unless has_bias.
+  /// saves_mean), rstd fp32 [rows] written; bias empty unless has_bias; zero_centered_gamma: the
+  /// scale is 1 + weight (--apply-layernorm-1p).
   void (*forward)(const Tensor& y, const Tensor& mean, const Tensor& rstd, const Tensor& x, const Tensor& weight,
-                  const Tensor& bias, float eps, const Stream& stream);
+                  const Tensor& bias, float eps, const Stream& stream, bool zero_centered_gamma);
   /// dx (overwrite, or += with accumulate_dx); dweight (and dbias) += (fp32 [h]).
   void (*backward)(const Tensor& dx, const Tensor& dweight, const Tensor& dbias, const Tensor& dy, const Tensor& x,
                    const Tensor& weight, const Tensor& mean, const Tensor& rstd, bool accumulate_dx,
-                   const Stream& stream);
+                   const Stream& stream, bool zero_centered_gamma);
   /// Parameters per channel of h (num_parameters): weight, plus the bias.
   int64_t params_per_channel() const { return has_bias ? 2 : 1; }
 };

@@ -14,7 +14,8 @@ using op_checks::rows_of;
 }  // namespace
 
 void layernorm_forward(const Tensor& y, const Tensor& mean, const Tensor& rstd, const Tensor& x,
-                       const Tensor& weight, const Tensor& bias, float eps, const Stream& stream) {
+                       const Tensor& weight, const Tensor& bias, float eps, const Stream& stream,
+                       bool zero_centered_gamma) {
   const char* fn = "layernorm_forward";
   check_act(x, fn, "x");
   auto [n, h] = rows_of(x, fn);
@@ -27,12 +28,12 @@ void layernorm_forward(const Tensor& y, const Tensor& mean, const Tensor& rstd, 
   MT_CHECK(eps >= 0.f, "{}: eps={} must be >= 0", fn, eps);
   check_same_device({&y, &mean, &rstd, &x, &weight, &bias});
   MT_CHECK(stream.device().type == x.device().type, "{}: stream on {} but x {}", fn, stream.device().str(), x.str());
-  MT_DISPATCH(x.device(), layernorm_forward, y, mean, rstd, x, weight, bias, eps, stream);
+  MT_DISPATCH(x.device(), layernorm_forward, y, mean, rstd, x, weight, bias, eps, stream, zero_centered_gamma);
 }
 
 void layernorm_backward(const Tensor& dx, const Tensor& dweight, const Tensor& dbias, const Tensor& dy,
                         const Tensor& x, const Tensor& weight, const Tensor& mean, const Tensor& rstd,
-                        bool accumulate_dx, const Stream& stream) {
+                        bool accumulate_dx, const Stream& stream, bool zero_centered_gamma) {
   const char* fn = "layernorm_backward";
   check_act(x, fn, "x");
   auto [n, h] = rows_of(x, fn);
@@ -47,7 +48,8 @@ void layernorm_backward(const Tensor& dx, const Tensor& dweight, const Tensor& d
   check_stats(rstd, n, fn, "rstd");
   check_same_device({&dx, &dweight, &dbias, &dy, &x, &weight, &mean, &rstd});
   MT_CHECK(stream.device().type == x.device().type, "{}: stream on {} but x {}", fn, stream.device().str(), x.str());
-  MT_DISPATCH(x.device(), layernorm_backward, dx, dweight, dbias, dy, x, weight, mean, rstd, accumulate_dx, stream);
+  MT_DISPATCH(x.device(), layernorm_backward, dx, dweight, dbias, dy, x, weight, mean, rstd, accumulate_dx, stream,
+              zero_centered_gamma);
 }
 
 }  // namespace mt

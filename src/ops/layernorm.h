@@ -7,14 +7,19 @@
 
 namespace mt {
 
-/// y = (x - mean) * rstd * weight + bias, rows of length h.
+/// zero_centered_gamma (Megatron's --apply-layernorm-1p, TransformerConfig::
+/// layernorm_zero_centered_gamma; TransformerEngine's zero_centered_gamma): the scale is 1 + weight,
+/// the 1 added in fp32 when the weight is read (not rounded to the weight's dtype); the gradients
+/// (dweight = d/d(1 + weight)) are the same expressions.
+/// y = (x - mean) * rstd * weight + bias, rows of length h (weight: 1 + weight with zero_centered_gamma).
 /// x, y: [n, h] (act dtype; any leading shape flattened to n rows); weight, bias: [h] (param
 /// dtype = act dtype); mean, rstd: fp32 [n] (any shape with n elements), written for backward.
 /// rstd = 1/sqrt(var + eps), var the biased variance (two-pass: mean, then centred sum).
 /// Act dtype: fp32 on CPU; fp32, bf16 or fp16 on CUDA (fp32 math). Errors: mt::Error on
 /// shape/dtype/device mismatch or eps < 0.
 void layernorm_forward(const Tensor& y, const Tensor& mean, const Tensor& rstd, const Tensor& x,
-                       const Tensor& weight, const Tensor& bias, float eps, const Stream& stream);
+                       const Tensor& weight, const Tensor& bias, float eps, const Stream& stream,
+                       bool zero_centered_gamma = false);
 
 /// dx = d/dx (overwrite, or += when accumulate_dx; act dtype [n, h]);
 /// dweight += sum_n dy * xhat, dbias += sum_n dy (fp32 [h] main grads). dx may alias dy.
@@ -24,7 +29,7 @@ void layernorm_forward(const Tensor& y, const Tensor& mean, const Tensor& rstd, 
 /// Errors (CUDA): mt::Error when 2·h fp32 exceed the stream's workspace (h > 4 Mi).
 void layernorm_backward(const Tensor& dx, const Tensor& dweight, const Tensor& dbias, const Tensor& dy,
                         const Tensor& x, const Tensor& weight, const Tensor& mean, const Tensor& rstd,
-                        bool accumulate_dx, const Stream& stream);
+                        bool accumulate_dx, const Stream& stream, bool zero_centered_gamma = false);
 
 MT_OP_BACKENDS(layernorm_forward)
 MT_OP_BACKENDS(layernorm_backward)

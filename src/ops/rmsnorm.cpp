@@ -25,7 +25,7 @@ void check_rows(const Tensor& t, const char* fn, const char* name) {
 }  // namespace
 
 void rmsnorm_forward(const Tensor& y, const Tensor& rstd, const Tensor& x, const Tensor& weight, float eps,
-                     const Stream& stream) {
+                     const Stream& stream, bool zero_centered_gamma) {
   const char* fn = "rmsnorm_forward";
   check_rows(x, fn, "x");
   auto [n, h] = rows_of(x, fn);
@@ -36,11 +36,12 @@ void rmsnorm_forward(const Tensor& y, const Tensor& rstd, const Tensor& x, const
   MT_CHECK(eps >= 0.f, "{}: eps={} must be >= 0", fn, eps);
   check_same_device({&y, &rstd, &x, &weight});
   MT_CHECK(stream.device().type == x.device().type, "{}: stream on {} but x {}", fn, stream.device().str(), x.str());
-  MT_DISPATCH(x.device(), rmsnorm_forward, y, rstd, x, weight, eps, stream);
+  MT_DISPATCH(x.device(), rmsnorm_forward, y, rstd, x, weight, eps, stream, zero_centered_gamma);
 }
 
 void rmsnorm_backward(const Tensor& dx, const Tensor& dweight, const Tensor& dy, const Tensor& x,
-                      const Tensor& weight, const Tensor& rstd, bool accumulate_dx, const Stream& stream) {
+                      const Tensor& weight, const Tensor& rstd, bool accumulate_dx, const Stream& stream,
+                      bool zero_centered_gamma) {
   const char* fn = "rmsnorm_backward";
   check_rows(x, fn, "x");
   auto [n, h] = rows_of(x, fn);
@@ -53,7 +54,8 @@ void rmsnorm_backward(const Tensor& dx, const Tensor& dweight, const Tensor& dy,
   check_stats(rstd, n, fn, "rstd");
   check_same_device({&dx, &dweight, &dy, &x, &weight, &rstd});
   MT_CHECK(stream.device().type == x.device().type, "{}: stream on {} but x {}", fn, stream.device().str(), x.str());
-  MT_DISPATCH(x.device(), rmsnorm_backward, dx, dweight, dy, x, weight, rstd, accumulate_dx, stream);
+  MT_DISPATCH(x.device(), rmsnorm_backward, dx, dweight, dy, x, weight, rstd, accumulate_dx, stream,
+              zero_centered_gamma);
 }
 
 }  // namespace mt

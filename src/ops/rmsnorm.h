@@ -13,7 +13,11 @@
 
 namespace mt {
 
-/// y = x · rstd · weight per row of length h, with rstd = 1 / sqrt(mean_c(x²) + eps) (fp32).
+/// zero_centered_gamma (Megatron's --apply-layernorm-1p, TransformerConfig::
+/// layernorm_zero_centered_gamma; TransformerEngine's zero_centered_gamma): the scale is 1 + weight,
+/// the 1 added in fp32 when the weight is read (not rounded to the weight's dtype); the gradients
+/// (dweight = d/d(1 + weight)) are the same expressions.
+/// y = x · rstd · weight per row of length h (1 + weight with zero_centered_gamma), with rstd = 1 / sqrt(mean_c(x²) + eps) (fp32).
 /// x, y: [..., h] rows (act dtype; last dim contiguous, rows possibly strided, see above; the
 ///   leading dims are flattened to n rows); y may alias x exactly (same view: normalise in
 ///   place); any other overlap is undefined.
@@ -23,7 +27,7 @@ namespace mt {
 /// Errors: mt::Error on shape/dtype/device mismatch, a last dimension that is not contiguous or
 /// leading dimensions that cannot be addressed as rows (ops/row_map.h), or eps < 0.
 void rmsnorm_forward(const Tensor& y, const Tensor& rstd, const Tensor& x, const Tensor& weight, float eps,
-                     const Stream& stream);
+                     const Stream& stream, bool zero_centered_gamma = false);
 
 /// Backward of rmsnorm_forward. With g = weight ∘ dy and xhat = x · rstd (per row):
 ///   dx = rstd · (g − xhat · mean_c(g ∘ xhat))  =  rstd · g − x · rstd³ · mean_c(g ∘ x)
@@ -39,7 +43,8 @@ void rmsnorm_forward(const Tensor& y, const Tensor& rstd, const Tensor& x, const
 /// Errors: as rmsnorm_forward, dweight not a contiguous fp32 [h] tensor, and on CUDA h > 8 Mi (the
 /// partial rows would not fit the stream's workspace).
 void rmsnorm_backward(const Tensor& dx, const Tensor& dweight, const Tensor& dy, const Tensor& x,
-                      const Tensor& weight, const Tensor& rstd, bool accumulate_dx, const Stream& stream);
+                      const Tensor& weight, const Tensor& rstd, bool accumulate_dx, const Stream& stream,
+                      bool zero_centered_gamma = false);
 
 MT_OP_BACKENDS(rmsnorm_forward)
 MT_OP_BACKENDS(rmsnorm_backward)

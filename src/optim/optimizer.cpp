@@ -30,6 +30,10 @@ AdamWOptimizer::AdamWOptimizer(GradSync& sync, const OptimizerConfig& config, co
   init(stream);
 }
 
+bool is_embedding_or_output_parameter(const ParamInfo& p) {
+  return p.name == "embedding.word_embeddings.weight" || p.name == "output_layer.weight";
+}
+
 std::vector<AdamWOptimizer::Piece> AdamWOptimizer::owned_pieces(const std::vector<ParamStore::Range>& ranges) const {
   // Intersections of `ranges` (ascending) with the owned ranges (ascending), in ascending order.
   std::vector<Piece> out;
@@ -68,19 +72,25 @@ void AdamWOptimizer::init(const Stream& stream) {
     expert_scalars_ = Buffer(params_.device(), sizeof(OptimizerScalars));
     memset_tensor(expert_scalars_.as(DType::kU8, {static_cast<int64_t>(sizeof(OptimizerScalars))}), 0, stream);
   }
-  const std::vector<Piece> decay_pieces = owned_pieces(params_.ranges([](const ParamInfo& p) { return p.weight_decay; }));
-  const std::vector<Piece> no_decay_pieces =
-      owned_pieces(params_.ranges([](const ParamInfo& p) { return !p.weight_decay; }));
-  // One multi-tensor AdamW launch per step over every owned run. The fp32 main parameters (or
-  // their remainders) are indexed by state index when sharded (the compact shard), else by flat
-  // index.
-  std::vector<AdamWRun> runs;
+  // One multi-tensor AdamW launch per step over every owned run (two with --decoupled-lr: one
+  // per learning rate). The fp32 main parameters (or their remainders) are indexed by state index
+  // when sharded (the compact shard), else by flat index.
   const bool sharded = params_.main_sharded();
-  for (const bool decay : {true, false}) {
-    for (const auto& p : decay ? decay_pieces : no_decay_pieces)
-      runs.push_back({p.begin, sharded ? p.state : p.begin, p.state, p.n, decay ? 1 : 0, 0});
+  auto plan = [&](bool decoupled) {
+    std::vector<AdamWRun> runs;
+    for (const bool decay : {true, false}) {
+      const auto pieces = owned_pieces(params_.ranges([&](const ParamInfo& p) {
+        return p.weight_decay == decay && (config.decoupled_lr && is_embedding_or_output_parameter(p)) == decoupled;
+      }));
+      for (const auto& p : pieces) runs.push_back({p.begin, sharded ? p.state : p.begin, p.state, p.n, decay ? 1 : 0, 0});
+    }
+    return runs;
+  };
+  adamw_plan_ = AdamWPlan(plan(false), params_.device(), stream);
+  if (config.decoupled_lr) {
+    const std::vector<AdamWRun> runs = plan(true);
+    if (!runs.empty()) decoupled_plan_ = AdamWPlan(runs, params_.device(), stream);
   }
-  adamw_plan_ = AdamWPlan(runs, params_.device(), stream);
   exp_avg_ = Buffer(params_.device(), static_cast<size_t>(owned_n_) * 4);
   exp_avg_sq_ = Buffer(params_.device(), static_cast<size_t>(owned_n_) * 4);
   scalars_ = Buffer(params_.device(), sizeof(OptimizerScalars));
@@ -110,7 +120,8 @@ Tensor AdamWOptimizer::loss_scale_tensor() const {
   return Tensor(p, DType::kF32, scalars_.device(), {1});
 }
 
-void AdamWOptimizer::step(float lr, const Stream& stream, Timers* timers, const float* lr_ptr) {
+void AdamWOptimizer::step(float lr, const Stream& stream, Timers* timers, const float* lr_ptr, float decoupled_lr,
+                          const float* decoupled_lr_ptr) {
   sync_->finish_grad_sync(stream);  // no-op when the step already called it
   ScopedTimer whole(timers, Timers::kOptimizer, stream);
   const Tensor sc = scalars();
@@ -150,6 +161,10 @@ void AdamWOptimizer::step(float lr, const Stream& stream, Timers* timers, const 
     const Tensor model = params_.has_separate_main() ? params_.params_flat() : Tensor();
     const AdamWHyper hp{lr, lr_ptr, config_.beta1, config_.beta2, config_.eps, config_.weight_decay};
     adamw_multi_step(main, grads, exp_avg(), exp_avg_sq(), model, adamw_plan_, hp, sc, stream);
+    if (!decoupled_plan_.chunks().empty()) {
+      const AdamWHyper dhp{decoupled_lr, decoupled_lr_ptr, config_.beta1, config_.beta2, config_.eps, config_.weight_decay};
+      adamw_multi_step(main, grads, exp_avg(), exp_avg_sq(), model, decoupled_plan_, dhp, sc, stream);
+    }
   }
   loss_scaler_update(sc, config_.scaler, stream);
   ScopedTimer gather(timers, Timers::kParamsAllGather, stream);

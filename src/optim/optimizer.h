@@ -24,8 +24,19 @@ struct OptimizerConfig {
   /// ParamStore::store_main_as_remainders), 2 bytes per element instead of 4. Needs bf16 model
   /// parameters (mt::Error naming the flag otherwise).
   bool store_param_remainders = false;
+  /// --decoupled-lr: the input embedding and the output layer (is_embedding_or_output_parameter)
+  /// are stepped at their own learning rate, AdamWOptimizer::step's decoupled_lr (Megatron's
+  /// param group with max_lr = --decoupled-lr, min_lr = --decoupled-min-lr;
+  /// megatron/core/optimizer/__init__.py get_standard_config_overrides). false = one rate.
+  bool decoupled_lr = false;
   LossScalerConfig scaler{};
 };
+
+/// Megatron's is_embedding_or_output_parameter (set in LanguageModule's
+/// setup_embeddings_and_output_layer): the word embedding (embedding.word_embeddings.weight,
+/// also its tied copy on the last pipeline stage) and the untied output layer's weight
+/// (output_layer.weight). Position embeddings are not.
+bool is_embedding_or_output_parameter(const ParamInfo& p);
 
 /// The groups the optimizer reduces over. dp: gradients are summed over it before the step
 /// (each rank's loss gradient already carries 1/dp). mp: the gradient norm's sum of squares is
@@ -76,7 +87,10 @@ class AdamWOptimizer {
   /// params-all-gather timers (core/timers.h) are recorded around those phases.
   /// lr_ptr: when set, the rate is read from this device fp32 when the step runs (StepValues,
   /// train/train_step.h; CUDA graph replay) and `lr` is only checked.
-  void step(float lr, const Stream& stream, Timers* timers = nullptr, const float* lr_ptr = nullptr);
+  /// decoupled_lr, decoupled_lr_ptr: the same for the embedding and output-layer parameters when
+  /// config().decoupled_lr (ignored otherwise).
+  void step(float lr, const Stream& stream, Timers* timers = nullptr, const float* lr_ptr = nullptr,
+            float decoupled_lr = 0.f, const float* decoupled_lr_ptr = nullptr);
   /// Device fp32 [1] view of the current loss scale (multiplies the loss gradient).
   Tensor loss_scale_tensor() const;
   /// Device struct as a uint8 tensor.
@@ -131,9 +145,10 @@ class AdamWOptimizer {
   Buffer exp_avg_, exp_avg_sq_, scalars_;
   int64_t owned_n_ = 0;
   // Planned once: owned pieces counted in the gradient norm on this rank; every owned piece with
-  // its weight-decay flag, chunked for adamw_multi_step.
+  // its weight-decay flag, chunked for adamw_multi_step (with config_.decoupled_lr the embedding
+  // and output-layer pieces in decoupled_plan_ instead, empty on ranks without them).
   std::vector<Piece> norm_pieces_, expert_norm_pieces_;
-  AdamWPlan adamw_plan_;
+  AdamWPlan adamw_plan_, decoupled_plan_;
   Buffer expert_scalars_;  // OptimizerScalars whose grad_sumsq accumulates the expert pieces
   Buffer host_scalars_;  // pinned
 };

@@ -35,6 +35,13 @@ LrScheduleConfig PretrainArgs::lr_schedule() const {
   return c;
 }
 
+LrScheduleConfig PretrainArgs::decoupled_lr_schedule() const {
+  LrScheduleConfig c = lr_schedule();
+  c.max_lr = decoupled_lr;
+  if (decoupled_min_lr >= 0) c.min_lr = decoupled_min_lr;
+  return c;
+}
+
 DdpConfig PretrainArgs::ddp_config() const {
   DdpConfig c;
   c.overlap_grad_reduce = overlap_grad_reduce;
@@ -89,6 +96,8 @@ void add_model_options(CLI::App& app, PretrainArgs& a) {
          "--normalization", [&m](const std::string& v) { m.normalization = parse_normalization(v); },
          normalization_help())
       ->default_str(normalization_name(m.normalization));
+  app.add_flag("--apply-layernorm-1p", m.layernorm_zero_centered_gamma,
+               "Zero-centred norm weights: LayerNorm / RMSNorm scale by 1 + weight, the weight initialised to 0");
   app.add_flag("--swiglu", m.gated_linear_unit,
                "Gated SiLU MLP (SwiGLU); --ffn-hidden-size defaults to int(8h/3 / 64) * 64");
   app.add_option_function<std::string>(
@@ -263,6 +272,13 @@ void add_training_options(CLI::App& app, PretrainArgs& a) {
   app.add_option("--min-lr", a.min_lr, "Minimum learning rate")
       ->check(number_range(0, kNoMax))
       ->capture_default_str();
+  app.add_option("--decoupled-lr", a.decoupled_lr,
+                 "Separate peak learning rate of the input embedding and the output layer (same schedule shape)")
+      ->check(number_range(0, kNoMax));
+  app.add_option("--decoupled-min-lr", a.decoupled_min_lr,
+                 "Minimum learning rate of the input embedding and the output layer (default --min-lr; only with "
+                 "--decoupled-lr)")
+      ->check(number_range(0, kNoMax));
   app.add_option("--lr-warmup-iters", a.lr_warmup_iters, "Linear warm-up iterations")
       ->check(integer_range(0))
       ->capture_default_str();
@@ -709,6 +725,17 @@ void validate_pretrain_args(PretrainArgs& a) {
   sc.hysteresis = a.hysteresis;
   a.model.validate(a.tensor_model_parallel_size);
   (void)learning_rate(a.lr_schedule(), 0);  // validates the schedule
+  // Megatron ignores --decoupled-min-lr without --decoupled-lr; so does this.
+  a.optim.decoupled_lr = a.decoupled_lr >= 0;
+  if (a.optim.decoupled_lr) {
+    try {
+      (void)learning_rate(a.decoupled_lr_schedule(), 0);
+    } catch (const Error& e) {
+      MT_FAIL("--decoupled-lr {} / --decoupled-min-lr {}: the embedding and output layer's schedule is invalid: {}",
+              a.decoupled_lr, a.decoupled_min_lr >= 0 ? fmt::format("{}", a.decoupled_min_lr) : "unset (--min-lr)",
+              e.what());
+    }
+  }
 }
 
 void add_generate_options(CLI::App& app, GenerateArgs& a) {

@@ -53,6 +53,9 @@ struct PretrainArgs {
   int64_t train_iters = 0;         ///< --train-iters
   double lr = -1;                  ///< --lr (required)
   double min_lr = 0;               ///< --min-lr
+  /// --decoupled-lr / --decoupled-min-lr: the embedding and output layer's max / min learning rate
+  /// (OptimizerConfig::decoupled_lr); -1 = unset (decoupled-min-lr unset: --min-lr).
+  double decoupled_lr = -1, decoupled_min_lr = -1;
   int64_t lr_warmup_iters = 0;     ///< --lr-warmup-iters
   std::string lr_decay_style = "linear";  ///< --lr-decay-style
   int64_t lr_decay_iters = 0;      ///< --lr-decay-iters (0 = train-iters)
@@ -158,6 +161,11 @@ struct PretrainArgs {
   /// The learning-rate schedule in Megatron's units: samples with --train-samples, iterations
   /// otherwise (the same rates for a constant global batch size).
   LrScheduleConfig lr_schedule() const;
+  /// With --decoupled-lr: the embedding and output layer's schedule, lr_schedule() with max_lr =
+  /// --decoupled-lr and min_lr = --decoupled-min-lr (--min-lr when unset); the warm-up start
+  /// (--lr-warmup-init) and the shape are shared (Megatron's param-group max_lr / min_lr in
+  /// OptimizerParamScheduler.get_lr).
+  LrScheduleConfig decoupled_lr_schedule() const;
   /// The schedule's step count before the step that starts from `iteration` completed iterations:
   /// consumed samples (iteration · global batch size) with --train-samples, else `iteration`.
   int64_t lr_step(int64_t iteration) const { return train_samples > 0 ? iteration * global_batch_size : iteration; }

@@ -97,6 +97,7 @@ json config_to_json(const TransformerConfig& c) {
               {"padded_vocab_size", c.padded_vocab_size()},
               {"normalization", normalization_name(c.normalization)},
               {"norm_epsilon", c.norm_epsilon},
+              {"layernorm_zero_centered_gamma", c.layernorm_zero_centered_gamma},
               {"swiglu", c.gated_linear_unit},
               {"position_embedding_type", position_embedding_type_name(c.position_embedding_type)},
               {"rotary_base", c.rotary_base},
@@ -128,6 +129,7 @@ TransformerConfig config_from_json(const json& j) {
   c.make_vocab_size_divisible_by = j.at("make_vocab_size_divisible_by").get<int64_t>();
   c.normalization = parse_normalization(j.value("normalization", std::string("LayerNorm")));
   c.norm_epsilon = j.contains("norm_epsilon") ? j.at("norm_epsilon").get<float>() : j.at("layernorm_epsilon").get<float>();
+  c.layernorm_zero_centered_gamma = j.value("layernorm_zero_centered_gamma", false);
   c.gated_linear_unit = j.value("swiglu", false);
   c.position_embedding_type =
       parse_position_embedding_type(j.value("position_embedding_type", std::string("learned_absolute")));

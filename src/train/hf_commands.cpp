@@ -31,6 +31,8 @@ void add_import_hf_options(CLI::App& app, ImportHfArgs& a) {
                  "Pad the vocabulary to a multiple of this (times TP)")
       ->check(positive_integer())
       ->capture_default_str();
+  app.add_flag("--apply-layernorm-1p", a.apply_layernorm_1p,
+               "Store the norm weights zero-centred (weight - 1) for training with --apply-layernorm-1p");
 }
 
 void add_export_hf_options(CLI::App& app, ExportHfArgs& a) {
@@ -98,7 +100,8 @@ CheckpointWriter single_rank_writer() {
 
 int run_import_hf(const ImportHfArgs& a) {
   const SaveDirectoryLock save_lock = SaveDirectoryLock::acquire(a.save);  // one writer per --save
-  const hf::HfModel m = hf::read_hf_config(a.hf_dir, a.seq_length, a.make_vocab_size_divisible_by);
+  hf::HfModel m = hf::read_hf_config(a.hf_dir, a.seq_length, a.make_vocab_size_divisible_by);
+  m.config.layernorm_zero_centered_gamma = a.apply_layernorm_1p;
   const hf::SafetensorsCheckpoint ck = hf::SafetensorsCheckpoint::open(a.hf_dir);
   log_info("> importing {} from {}: {}, vocab {} (padded {})", hf::architecture_name(m.arch), a.hf_dir,
            m.config.summary(), m.config.vocab_size, m.config.padded_vocab_size());

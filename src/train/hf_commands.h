@@ -18,6 +18,9 @@ struct ImportHfArgs {
   std::string save;                            ///< --save
   int64_t seq_length = 0;                      ///< --seq-length (0 = min(max_position_embeddings, 4096))
   int64_t make_vocab_size_divisible_by = 128;  ///< --make-vocab-size-divisible-by
+  /// --apply-layernorm-1p: store the norm weights zero-centred (the HF weight minus 1), for a run
+  /// with --apply-layernorm-1p (the checkpoint's config records it).
+  bool apply_layernorm_1p = false;
 };
 
 struct ExportHfArgs {

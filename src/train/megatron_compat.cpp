@@ -33,9 +33,6 @@ constexpr const char* kFusion =
 constexpr const char* kBatchRamp =
     "batch-size ramp-up is not built: a run has one global batch size (its step plans, static buffers and CUDA graphs "
     "are sized for it); train at --global-batch-size";
-constexpr const char* kDecoupledLr =
-    "a separate learning rate for the embedding and output layer is not built: the optimizer applies one schedule to "
-    "every parameter";
 constexpr const char* kWandb =
     "Weights & Biases logging is not built; use --tensorboard-dir (TensorBoard event files) or --metrics-file (JSON "
     "lines)";
@@ -96,11 +93,6 @@ const CompatFlag kFlags[] = {
     // features that are not built
     {"--rampup-batch-size", kList, nullptr, kRefused, kBatchRamp},
     {"--step-batch-size-schedule", kList, nullptr, kRefused, kBatchRamp},
-    {"--decoupled-lr", kNumber, nullptr, kRefused, kDecoupledLr},
-    {"--decoupled-min-lr", kNumber, nullptr, kRefused, kDecoupledLr},
-    {"--apply-layernorm-1p", kSwitch, nullptr, kRefused,
-     "zero-centred norm weights (the norm scales by 1 + weight, the weight initialised to 0) are not built: the norm "
-     "weight is the scale itself, initialised to 1 (the same function, but its bf16 copy near 1 is coarser)"},
     {"--use-torch-fsdp2", kSwitch, nullptr, kRefused, kFsdp},
     {"--use-megatron-fsdp", kSwitch, nullptr, kRefused, kFsdp},
     {"--use-pytorch-profiler", kSwitch, nullptr, kRefused,

@@ -41,11 +41,12 @@ std::string StepRunner::per_layer_scopes() const {
 }
 
 void StepRunner::step(int64_t iteration, float lr, const std::vector<MicroBatch>& micro_batches,
-                      const Tensor& loss_slot, const Event* snapshot_pending) {
+                      const Tensor& loss_slot, const Event* snapshot_pending, float decoupled_lr) {
   const auto host_t0 = std::chrono::steady_clock::now();  // the host's time to issue the step
-  step_values_.write(iteration, lr, stream_);
+  step_values_.write(iteration, lr, stream_, decoupled_lr);
   const ProcessGroups& g = setup_.groups();
   StepOptions so{seed_, iteration, lr, g.dp->rank(), g.dp->size(), timers_, &step_values_};
+  so.decoupled_lr = decoupled_lr;
   if (graphs_.full_iteration()) {
     step_full_iteration(micro_batches, so, loss_slot, snapshot_pending);
   } else {
@@ -107,7 +108,8 @@ void StepRunner::step_full_iteration(const std::vector<MicroBatch>& micro_batche
   } else {
     body();
   }
-  if (!graphs_.include_optimizer) setup_.optimizer().step(so.lr, stream_, nullptr, step_values_.lr());
+  if (!graphs_.include_optimizer)
+    setup_.optimizer().step(so.lr, stream_, nullptr, step_values_.lr(), so.decoupled_lr, step_values_.decoupled_lr());
   add(loss_slot, loss_slot, step_loss, stream_);
 }
 

@@ -39,13 +39,13 @@ class StepRunner {
   StepRunner& operator=(const StepRunner&) = delete;
 
   /// Training step `iteration` on `micro_batches` (this rank's, plan_pipeline's count) at learning
-  /// rate `lr`: its weighted loss is added into loss_slot (fp32 [1] on the device). snapshot_pending:
+  /// rate `lr` (the embedding and output layer at `decoupled_lr` with --decoupled-lr): its weighted loss is added into loss_slot (fp32 [1] on the device). snapshot_pending:
   /// an --async-save snapshot still being copied from the parameters and the optimizer state
   /// (AsyncCheckpointSaver::snapshot_copied; nullptr: none): the step waits for it on the device
   /// before its first update (a full-iteration step: before the graph launch). Errors: mt::Error
   /// from a capture that allocated, synchronised with the host or failed.
   void step(int64_t iteration, float lr, const std::vector<MicroBatch>& micro_batches, const Tensor& loss_slot,
-            const Event* snapshot_pending);
+            const Event* snapshot_pending, float decoupled_lr = 0.f);
   /// Writes the validation's iteration to the device (read by a captured validation forward) and
   /// returns it for RunContext::iteration_ptr. Call once per validation, before its forwards.
   const uint64_t* begin_validation(int64_t iteration);

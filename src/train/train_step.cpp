@@ -11,7 +11,7 @@ StepValues::StepValues(Device device) : device_(device, 16) {
   }
 }
 
-void StepValues::write(int64_t iteration, float lr, const Stream& stream) {
+void StepValues::write(int64_t iteration, float lr, const Stream& stream, float decoupled_lr) {
   const int k = next_;
   next_ = (next_ + 1) % kSlots;
   done_[k]->synchronize();  // the copy that last read slot k has run (no-op before the first record)
@@ -19,7 +19,8 @@ void StepValues::write(int64_t iteration, float lr, const Stream& stream) {
   const uint64_t it = static_cast<uint64_t>(iteration);
   std::memcpy(h, &it, 8);
   std::memcpy(h + 8, &lr, 4);
-  copy_bytes(device_.data(), device_.device(), h, Device::cpu(), 12, stream);
+  std::memcpy(h + 12, &decoupled_lr, 4);
+  copy_bytes(device_.data(), device_.device(), h, Device::cpu(), 16, stream);
   done_[k]->record(stream);
 }
 
@@ -58,7 +59,9 @@ void train_step(LanguageModel& model, PipelineExecutor& executor, const Pipeline
                 const std::vector<MicroBatch>& micro_batches, const StepOptions& opt, const Tensor& loss_slot,
                 const Stream& stream) {
   forward_backward_step(model, executor, plan, optimizer, micro_batches, opt, loss_slot, stream);
-  optimizer.step(opt.lr, stream, opt.timers, opt.values ? opt.values->lr() : nullptr);  // norm, AdamW, all-gather
+  // norm, AdamW, all-gather
+  optimizer.step(opt.lr, stream, opt.timers, opt.values ? opt.values->lr() : nullptr, opt.decoupled_lr,
+                 opt.values ? opt.values->decoupled_lr() : nullptr);
 }
 
 }  // namespace mt

@@ -28,13 +28,17 @@ namespace mt {
 class StepValues {
  public:
   explicit StepValues(Device device);
-  void write(int64_t iteration, float lr, const Stream& stream);
+  /// decoupled_lr: the embedding and output layer's rate (--decoupled-lr; 0 when unused).
+  void write(int64_t iteration, float lr, const Stream& stream, float decoupled_lr = 0.f);
   const uint64_t* iteration() const { return reinterpret_cast<const uint64_t*>(device_.data()); }
   const float* lr() const { return reinterpret_cast<const float*>(static_cast<const char*>(device_.data()) + 8); }
+  const float* decoupled_lr() const {
+    return reinterpret_cast<const float*>(static_cast<const char*>(device_.data()) + 12);
+  }
 
  private:
   static constexpr int kSlots = 4;
-  Buffer device_;              // {uint64 iteration, fp32 lr}
+  Buffer device_;              // {uint64 iteration, fp32 lr, fp32 decoupled lr}
   Buffer host_[kSlots];        // pinned
   std::unique_ptr<Event> done_[kSlots];
   int next_ = 0;
@@ -50,7 +54,7 @@ struct StepOptions {
   int dp_rank = 0, dp_size = 1;
   /// Megatron's level-1 training timers (core/timers.h), or null.
   Timers* timers = nullptr;
-  /// When set, the step's kernels read the iteration (dropout) and the learning rate from these
+  /// When set, the step's kernels read the iteration (dropout) and the learning rates from these
   /// device values (written beforehand by StepValues::write) instead of `iteration` and `lr`:
   /// the form a CUDA graph captures (docs/architecture.md principle 8).
   const StepValues* values = nullptr;
@@ -61,6 +65,8 @@ struct StepOptions {
   /// (AsyncCheckpointSaver::snapshot_copied). Not for a step captured in a CUDA graph (the event
   /// of a later save would not be the one captured): wait before the graph launch instead.
   const Event* wait_before_update = nullptr;
+  /// The embedding and output layer's learning rate with --decoupled-lr (AdamWOptimizer::step).
+  float decoupled_lr = 0;
 };
 
 /// Runs one iteration on this rank's micro-batches (each carrying its loss weight, see

@@ -39,6 +39,7 @@ TrainingResult Trainer::train() {
   TrainingSetup& s = setup_;
   const PretrainArgs& args = s.args();
   const LrScheduleConfig schedule = args.lr_schedule();
+  const LrScheduleConfig decoupled_schedule = args.optim.decoupled_lr ? args.decoupled_lr_schedule() : schedule;
   TrainingResult result;
   int64_t iteration = s.start_iteration(), consumed = s.start_consumed_samples();
   log_info("> training {} iterations from iteration {}: global batch {} = {} micro-batches of {}, seq {}",
@@ -54,10 +55,13 @@ TrainingResult Trainer::train() {
   ProfileWindow profile(args, s.world().rank(), s.device().is_cuda());
   while (iteration < args.train_iters) {
     const float lr = static_cast<float>(learning_rate(schedule, args.lr_step(iteration)));
+    const float decoupled_lr =
+        args.optim.decoupled_lr ? static_cast<float>(learning_rate(decoupled_schedule, args.lr_step(iteration))) : 0.f;
     profile.before_step(iteration);
     s.stager().stage(*s.data().train, consumed,
                      iteration + 1 < args.train_iters ? consumed + args.global_batch_size : -1, s.stream());
-    steps_.step(iteration, lr, s.stager().micro_batches(), logger_.loss_slot(), checkpointer_.take_snapshot_pending());
+    steps_.step(iteration, lr, s.stager().micro_batches(), logger_.loss_slot(), checkpointer_.take_snapshot_pending(),
+                decoupled_lr);
     ++iteration;
     consumed += args.global_batch_size;
     profile.after_step(iteration);

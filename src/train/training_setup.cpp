@@ -167,6 +167,8 @@ void check_resume_config(const TransformerConfig& ck, const TransformerConfig& m
   same_flag("bias in linear layers (--disable-bias-linear)", yes(ck.add_bias_linear), yes(m.add_bias_linear));
   same_flag("--add-qkv-bias", yes(ck.add_qkv_bias), yes(m.add_qkv_bias));
   same_flag("--qk-layernorm", yes(ck.qk_layernorm), yes(m.qk_layernorm));
+  same_flag("--apply-layernorm-1p (zero-centred norm weights)", yes(ck.layernorm_zero_centered_gamma),
+            yes(m.layernorm_zero_centered_gamma));
   same_flag("--untie-embeddings-and-output-weights", yes(ck.untie_embeddings_and_output_weights),
             yes(m.untie_embeddings_and_output_weights));
   // Mixture of experts: the experts and where they sit (the router and expert shapes follow).

@@ -415,6 +415,52 @@ TEST(HfConvert, ImportExportRoundTripIsBitwise) {
   }
 }
 
+// import-hf --apply-layernorm-1p stores every norm weight as the HF weight minus 1 (fp32) and
+// records the flag in the checkpoint's config; export-hf adds the 1 back. Other tensors unchanged.
+TEST(HfConvert, ApplyLayernorm1pShiftsNormWeights) {
+  for (HfArchitecture a : {HfArchitecture::kGpt2, HfArchitecture::kQwen3}) {  // LayerNorm; RMSNorm with q/k norms
+    SCOPED_TRACE(hf::architecture_name(a));
+    const Fixture fx = make_fixture(a, "onep");
+    const fs::path ck = temp_dir("onep_ck"), out = temp_dir("onep_out");
+    ImportHfArgs ia;
+    ia.hf_dir = fx.dir.string();
+    ia.save = ck.string();
+    ia.make_vocab_size_divisible_by = 8;
+    ia.apply_layernorm_1p = true;
+    ASSERT_EQ(run_import_hf(ia), 0);
+    const CheckpointState st = read_checkpoint_state(ck.string());
+    EXPECT_TRUE(st.model.layernorm_zero_centered_gamma);
+    hf::HfModel m = hf::read_hf_config(fx.dir.string(), 0, 8);
+    const hf::GlobalTensors plain = hf::hf_to_megatron(m, hf::SafetensorsCheckpoint::open(fx.dir.string()));
+    m.config.layernorm_zero_centered_gamma = true;
+    const hf::GlobalTensors shifted = hf::hf_to_megatron(m, hf::SafetensorsCheckpoint::open(fx.dir.string()));
+    int norms = 0;
+    for (const auto& [name, v] : plain) {
+      const bool norm = name.ends_with("layernorm.weight");
+      norms += norm;
+      std::vector<float> want = v;
+      if (norm)
+        for (float& x : want) x -= 1.f;
+      EXPECT_EQ(shifted.at(name), want) << name;
+    }
+    EXPECT_EQ(norms, 2 * kL + 1 + (a == HfArchitecture::kQwen3 ? 2 * kL : 0));
+    ExportHfArgs ea;
+    ea.load = ck.string();
+    ea.hf_dir = out.string();
+    ea.dtype = "fp32";
+    ASSERT_EQ(run_export_hf(ea), 0);
+    const hf::GlobalTensors back =
+        hf::hf_to_megatron(hf::read_hf_config(out.string(), 0, 8), hf::SafetensorsCheckpoint::open(out.string()));
+    for (const auto& [name, v] : shifted) {
+      std::vector<float> want = v;
+      if (name.ends_with("layernorm.weight"))
+        for (float& x : want) x += 1.f;
+      EXPECT_EQ(back.at(name), want) << name;
+    }
+    for (const auto& d : {fx.dir, ck, out}) fs::remove_all(d);
+  }
+}
+
 // The imported checkpoint is a model: its parameters load into GPTModel (here split over two
 // tensor-parallel shards' worth of specs through load_checkpoint) and equal the mapped tensors.
 TEST(HfConvert, ImportedCheckpointLoadsAsModel) {

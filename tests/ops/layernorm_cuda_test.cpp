@@ -172,5 +172,52 @@ TEST(LayerNormCuda, DweightDbiasBitwiseRepeatable) {
   }
 }
 
+// --apply-layernorm-1p: zero_centered_gamma on the GPU (weight w in the activation dtype, the 1
+// added in fp32) against the CPU op with the fp32 weight 1 + w, on each kernel path: scalar,
+// rows in registers (vectorised, one fused backward), long rows (two kernels).
+TEST(LayerNormCuda, ZeroCenteredGammaMatchesCpuOnePlusWeight) {
+  MT_REQUIRE_CUDA();
+  const Device gpu = Device::cuda(0);
+  Stream gs(gpu), cs;
+  for (DType t : {DType::kF32, DType::kBF16}) {
+    for (auto [n, h] : std::vector<std::pair<int64_t, int64_t>>{{5, 7}, {37, 1024}, {2, 16384}}) {
+      const std::string what = fmt::format("{} n={} h={}", dtype_name(t), n, h);
+      auto xv = testing::randn(n * h, 2.f);
+      for (auto& v : xv) v += 3.f;
+      const auto w0 = testing::randn(h, 0.1f), bv = testing::randn(h, 0.1f), dyv = testing::randn(n * h);
+      std::vector<float> w1 = rounded(w0, t);
+      for (auto& v : w1) v += 1.f;
+      auto xc = testing::make_tensor(rounded(xv, t), DType::kF32, kCpu, {n, h}, cs);
+      auto wc = testing::make_tensor(w1, DType::kF32, kCpu, {h}, cs);
+      auto bc = testing::make_tensor(rounded(bv, t), DType::kF32, kCpu, {h}, cs);
+      auto dyc = testing::make_tensor(rounded(dyv, t), DType::kF32, kCpu, {n, h}, cs);
+      OwnedTensor yc(DType::kF32, kCpu, {n, h}), mc(DType::kF32, kCpu, {n}), rc(DType::kF32, kCpu, {n}),
+          dxc(DType::kF32, kCpu, {n, h}), dwc(DType::kF32, kCpu, {h}), dbc(DType::kF32, kCpu, {h});
+      const std::vector<float> zeros(static_cast<size_t>(h), 0.f);
+      testing::upload(dwc, zeros, cs);
+      testing::upload(dbc, zeros, cs);
+      layernorm_forward(yc, mc, rc, xc, wc, bc, kEps, cs);
+      layernorm_backward(dxc, dwc, dbc, dyc, xc, wc, mc, rc, false, cs);
+
+      auto xg = testing::make_tensor(xv, t, gpu, {n, h}, gs);
+      auto wg = testing::make_tensor(w0, t, gpu, {h}, gs);
+      auto bg = testing::make_tensor(bv, t, gpu, {h}, gs);
+      auto dyg = testing::make_tensor(dyv, t, gpu, {n, h}, gs);
+      OwnedTensor yg(t, gpu, {n, h}), mg(DType::kF32, gpu, {n}), rg(DType::kF32, gpu, {n}), dxg(t, gpu, {n, h}),
+          dwg(DType::kF32, gpu, {h}), dbg(DType::kF32, gpu, {h});
+      testing::upload(dwg, zeros, gs);
+      testing::upload(dbg, zeros, gs);
+      layernorm_forward(yg, mg, rg, xg, wg, bg, kEps, gs, true);
+      EXPECT_LT(testing::rel_err(testing::to_host(yg, gs), testing::to_host(yc, cs)), tol(t)) << what;
+      testing::upload(mg, testing::to_host(mc, cs), gs);
+      testing::upload(rg, testing::to_host(rc, cs), gs);
+      layernorm_backward(dxg, dwg, dbg, dyg, xg, wg, mg, rg, false, gs, true);
+      EXPECT_LT(testing::rel_err(testing::to_host(dxg, gs), testing::to_host(dxc, cs)), tol(t)) << what;
+      EXPECT_LT(testing::rel_err(testing::to_host(dwg, gs), testing::to_host(dwc, cs)), 1e-4) << what;
+      EXPECT_LT(testing::rel_err(testing::to_host(dbg, gs), testing::to_host(dbc, cs)), 1e-4) << what;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace mt

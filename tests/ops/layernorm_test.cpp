@@ -4,6 +4,7 @@
 
 #include <cmath>
 
+#include "ops/elementwise.h"
 #include "ops/layernorm.h"
 #include "testing/testing.h"
 
@@ -180,6 +181,47 @@ TEST(LayerNorm, BackwardAnalyticFloat64AndAliasing) {
   layernorm_backward(dy, dw2, db2, dy, x, w, mean, rstd, false, st);
   EXPECT_EQ(testing::to_host(dy, st), dxv);
   EXPECT_EQ(testing::to_host(dw2, st), testing::to_host(dw, st));
+}
+
+// --apply-layernorm-1p: with zero_centered_gamma the op scales by 1 + w (the 1 added in fp32).
+// Forward against the float64 reference with weight 1 + w; forward and backward bitwise equal to
+// the plain op given the fp32 weight 1 + w (the gradient dweight is the same expression), and not
+// to the plain op given w.
+TEST(LayerNorm, ZeroCenteredGammaIsOnePlusWeight) {
+  Stream st;
+  const Device cpu = Device::cpu();
+  const int64_t n = 5, h = 100;
+  LnInputs in = make_inputs(n, h);
+  std::vector<float> w0 = testing::randn(h, 0.1f), w1(w0);  // zero-centred weight, and 1 + it
+  for (auto& v : w1) v += 1.f;
+  auto x = testing::make_tensor(in.x, DType::kF32, cpu, {n, h}, st);
+  auto b = testing::make_tensor(in.b, DType::kF32, cpu, {h}, st);
+  auto dy = testing::make_tensor(testing::randn(n * h, 1.f), DType::kF32, cpu, {n, h}, st);
+  struct Out {
+    std::vector<float> y, dx, dw, db;
+  };
+  auto run = [&](const std::vector<float>& wv, bool zc) {
+    auto w = testing::make_tensor(wv, DType::kF32, cpu, {h}, st);
+    OwnedTensor y(DType::kF32, cpu, {n, h}), mean(DType::kF32, cpu, {n}), rstd(DType::kF32, cpu, {n}),
+        dx(DType::kF32, cpu, {n, h}), dw(DType::kF32, cpu, {h}), db(DType::kF32, cpu, {h});
+    fill(dw, 0.f, st);
+    fill(db, 0.f, st);
+    layernorm_forward(y, mean, rstd, x, w, b, kEps, st, zc);
+    layernorm_backward(dx, dw, db, dy, x, w, mean, rstd, false, st, zc);
+    return Out{testing::to_host(y, st), testing::to_host(dx, st), testing::to_host(dw, st), testing::to_host(db, st)};
+  };
+  const Out zc = run(w0, true), plain = run(w1, false), wrong = run(w0, false);
+  EXPECT_EQ(zc.y, plain.y);
+  EXPECT_EQ(zc.dx, plain.dx);
+  EXPECT_EQ(zc.dw, plain.dw);
+  EXPECT_EQ(zc.db, plain.db);
+  EXPECT_NE(zc.y, wrong.y);
+  EXPECT_NE(zc.dx, wrong.dx);
+  auto xd = to_double(in.x), wd = to_double(w0), bd = to_double(in.b);
+  for (auto& v : wd) v += 1.0;
+  std::vector<double> yr(n * h);
+  for (int64_t r = 0; r < n; ++r) ln_row_ref(&xd[r * h], wd.data(), bd.data(), h, kEps, &yr[r * h]);
+  EXPECT_LT(testing::rel_err(zc.y, yr), 1e-5);
 }
 
 TEST(LayerNorm, BadInputThrows) {

@@ -284,5 +284,42 @@ TEST(RmsNormCuda, BadInputThrows) {
   EXPECT_THROW(rmsnorm_backward(x, dw, y, x, w, rstd_cpu, false, gs), Error);   // rstd on another device
 }
 
+// --apply-layernorm-1p: zero_centered_gamma on the GPU (weight w in the activation dtype, the 1
+// added in fp32) against the CPU op with the fp32 weight 1 + w, on each kernel path: scalar,
+// rows in registers (vectorised), long rows (the column-parallel dweight kernel).
+TEST(RmsNormCuda, ZeroCenteredGammaMatchesCpuOnePlusWeight) {
+  MT_REQUIRE_CUDA();
+  const Device gpu = Device::cuda(0);
+  Stream gs(gpu), cs;
+  for (DType t : {DType::kF32, DType::kBF16}) {
+    for (auto [n, h] : std::vector<std::pair<int64_t, int64_t>>{{5, 7}, {37, 1024}, {2, 16384}}) {
+      const std::string what = fmt::format("{} n={} h={}", dtype_name(t), n, h);
+      const auto xv = make_x(n * h), w0 = testing::randn(h, 0.1f), dyv = testing::randn(n * h);
+      std::vector<float> w1 = rounded(w0, t);
+      for (auto& v : w1) v += 1.f;
+      auto xc = testing::make_tensor(rounded(xv, t), DType::kF32, kCpu, {n, h}, cs);
+      auto wc = testing::make_tensor(w1, DType::kF32, kCpu, {h}, cs);
+      auto dyc = testing::make_tensor(rounded(dyv, t), DType::kF32, kCpu, {n, h}, cs);
+      OwnedTensor yc(DType::kF32, kCpu, {n, h}), rc(DType::kF32, kCpu, {n}), dxc(DType::kF32, kCpu, {n, h}),
+          dwc(DType::kF32, kCpu, {h});
+      testing::upload(dwc, std::vector<float>(static_cast<size_t>(h), 0.f), cs);
+      rmsnorm_forward(yc, rc, xc, wc, kEps, cs);
+      rmsnorm_backward(dxc, dwc, dyc, xc, wc, rc, false, cs);
+
+      auto xg = testing::make_tensor(xv, t, gpu, {n, h}, gs);
+      auto wg = testing::make_tensor(w0, t, gpu, {h}, gs);
+      auto dyg = testing::make_tensor(dyv, t, gpu, {n, h}, gs);
+      OwnedTensor yg(t, gpu, {n, h}), rg(DType::kF32, gpu, {n}), dxg(t, gpu, {n, h}), dwg(DType::kF32, gpu, {h});
+      testing::upload(dwg, std::vector<float>(static_cast<size_t>(h), 0.f), gs);
+      rmsnorm_forward(yg, rg, xg, wg, kEps, gs, true);
+      EXPECT_LT(testing::rel_err(testing::to_host(yg, gs), testing::to_host(yc, cs)), tol(t)) << what;
+      testing::upload(rg, testing::to_host(rc, cs), gs);
+      rmsnorm_backward(dxg, dwg, dyg, xg, wg, rg, false, gs, true);
+      EXPECT_LT(testing::rel_err(testing::to_host(dxg, gs), testing::to_host(dxc, cs)), tol(t)) << what;
+      EXPECT_LT(testing::rel_err(testing::to_host(dwg, gs), testing::to_host(dwc, cs)), 1e-4) << what;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace mt

@@ -5,6 +5,7 @@
 
 #include <cmath>
 
+#include "ops/elementwise.h"
 #include "ops/rmsnorm.h"
 #include "testing/testing.h"
 
@@ -81,6 +82,42 @@ TEST(RmsNorm, ForwardMatchesFloat64Reference) {
 // central differences of the float64 reference (tolerance 1e-4: dx is a difference of two terms).
 // h = 1 is left out: there dx = rstd * g * w * eps / (x^2 + eps) is ~1e-6 of its terms, and the
 // fp32 result is rounding noise of their difference.
+// --apply-layernorm-1p: with zero_centered_gamma the op scales by 1 + w (the 1 added in fp32).
+// Forward against the float64 reference with weight 1 + w; forward and backward bitwise equal to
+// the plain op given the fp32 weight 1 + w, and not to the plain op given w.
+TEST(RmsNorm, ZeroCenteredGammaIsOnePlusWeight) {
+  Stream st;
+  const int64_t n = 5, h = 100;
+  const std::vector<float> xv = make_x(n * h);
+  std::vector<float> w0 = testing::randn(h, 0.1f), w1(w0);
+  for (auto& v : w1) v += 1.f;
+  auto x = testing::make_tensor(xv, DType::kF32, kCpu, {n, h}, st);
+  auto dy = testing::make_tensor(testing::randn(n * h, 1.f), DType::kF32, kCpu, {n, h}, st);
+  struct Out {
+    std::vector<float> y, dx, dw;
+  };
+  auto run = [&](const std::vector<float>& wv, bool zc) {
+    auto w = testing::make_tensor(wv, DType::kF32, kCpu, {h}, st);
+    OwnedTensor y(DType::kF32, kCpu, {n, h}), rstd(DType::kF32, kCpu, {n}), dx(DType::kF32, kCpu, {n, h}),
+        dw(DType::kF32, kCpu, {h});
+    fill(dw, 0.f, st);
+    rmsnorm_forward(y, rstd, x, w, kEps, st, zc);
+    rmsnorm_backward(dx, dw, dy, x, w, rstd, false, st, zc);
+    return Out{testing::to_host(y, st), testing::to_host(dx, st), testing::to_host(dw, st)};
+  };
+  const Out zc = run(w0, true), plain = run(w1, false), wrong = run(w0, false);
+  EXPECT_EQ(zc.y, plain.y);
+  EXPECT_EQ(zc.dx, plain.dx);
+  EXPECT_EQ(zc.dw, plain.dw);
+  EXPECT_NE(zc.y, wrong.y);
+  EXPECT_NE(zc.dx, wrong.dx);
+  auto xd = to_double(xv), wd = to_double(w0);
+  for (auto& v : wd) v += 1.0;
+  std::vector<double> yr(n * h);
+  for (int64_t r = 0; r < n; ++r) rms_row_ref(&xd[r * h], wd.data(), h, kEps, &yr[r * h]);
+  EXPECT_LT(testing::rel_err(zc.y, yr), 1e-5);
+}
+
 TEST(RmsNorm, BackwardMatchesFiniteDifferences) {
   Stream st;
   const std::vector<std::pair<int64_t, int64_t>> sizes = {{6, 7}, {5, 100}, {3, 256}, {4, 2}};

@@ -117,6 +117,8 @@ TransformerConfig config(Arch arch = Arch::kGpt) {
   return c;
 }
 
+constexpr float kDecoupledLr = 3e-2f;  // --decoupled-lr of the layouts that set it (--lr: 1e-2)
+
 struct Layout {
   Arch arch = Arch::kGpt;
   /// Vocabulary 67 padded to a multiple of 8·TP (72, 80, 96 at TP 1, 2, 4): the padding differs
@@ -150,6 +152,8 @@ struct Layout {
   int64_t head_chunk = 0;  // rows per chunk of the LM head's logits (0: the default, all 16 rows)
   bool tp_overlap = false;  // --tp-comm-overlap (with sp)
   bool overlap_p2p = false;  // --overlap-p2p-communication (pipeline transfers on their own stream)
+  bool decoupled_lr = false;  // --decoupled-lr: the embedding and output layer step at kDecoupledLr
+  bool one_p = false;         // --apply-layernorm-1p: norm weights zero-centred (scale 1 + w)
   // Reference only: each micro-batch is the union (along b) of `merge` consecutive sample groups,
   // i.e. of the DP ranks' micro-batches of one step (global_aux_loss: the global micro-batch).
   int merge = 1;
@@ -184,6 +188,8 @@ struct Layout {
     if (head_chunk > 0) s += fmt::format("_headchunk{}", head_chunk);
     if (tp_overlap) s += "_tpoverlap";
     if (overlap_p2p) s += "_p2poverlap";
+    if (decoupled_lr) s += "_decoupledlr";
+    if (one_p) s += "_layernorm1p";
     if (preprocess) s += "_moe_preprocess";
     if (recompute == 's') s += "_rc_selective";
     if (recompute == 'm') s += "_rc_norm_act";
@@ -229,6 +235,7 @@ Result run_layout(const Layout& L, const std::vector<int32_t>& tokens, const std
   c.moe_num_echo_experts = L.echo;
   c.moe_received_token_capacity = L.received;
   c.tp_comm_overlap = L.tp_overlap;
+  c.layernorm_zero_centered_gamma = L.one_p;
   if (L.recompute == 's' || L.recompute == 'm' || L.recompute == 'M') {
     c.recompute_granularity = RecomputeGranularity::kSelective;
     if (L.recompute != 's')
@@ -280,6 +287,7 @@ Result run_layout(const Layout& L, const std::vector<int32_t>& tokens, const std
     // fp32 value is pure rounding noise); eps 1e-3 keeps updates proportional to the gradients,
     // so parameters compare at the gradients' precision.
     o.optim.eps = 1e-3f;
+    o.optim.decoupled_lr = L.decoupled_lr;
     if (L.head_chunk > 0) o.head_chunk_bytes = static_cast<size_t>(L.head_chunk * c.padded_vocab_size(L.tp) / L.tp) * 4;
     Stream st(Device::cpu());
     ModelSetup setup(world, o, st);
@@ -333,7 +341,9 @@ Result run_layout(const Layout& L, const std::vector<int32_t>& tokens, const std
     for (int it = 0; it < kIters; ++it) {
       fill(loss, 0.f, st);
       const uint64_t allocs = buffer_allocation_count(), syncs = host_sync_count();
-      train_step(model, executor, plan, opt, mbs, {77, it, 1e-2f, d, L.dp}, loss, st);
+      StepOptions so{77, it, 1e-2f, d, L.dp};
+      so.decoupled_lr = kDecoupledLr;  // ignored without L.decoupled_lr
+      train_step(model, executor, plan, opt, mbs, so, loss, st);
       if (it > 0) {
         EXPECT_EQ(buffer_allocation_count(), allocs) << "allocations in step " << it;
         if (!host_counts) EXPECT_EQ(host_sync_count(), syncs) << "host synchronisations in step " << it;
@@ -416,6 +426,8 @@ TEST_P(ParallelLayouts, MatchesSingleRank) {
   one.capacity = L.capacity;
   one.drop_position = L.drop_position;
   one.pad = L.pad;
+  one.decoupled_lr = L.decoupled_lr;
+  one.one_p = L.one_p;
   // global_aux_loss: the loss of each micro-batch step reads the counts of all DP ranks' micro-batches
   // of that step, so the reference runs their union as one micro-batch (as many steps, b·DP)
   if (L.arch == Arch::kMoeGlobal) one.merge = L.dp;
@@ -462,6 +474,8 @@ TEST_P(ParallelLayouts, MatchesSingleRank) {
     for (int r = 0; r < L.pp; ++r) EXPECT_LE(par.slots[r], L.pp - r) << "rank " << r;
 }
 
+Layout grid_layout(Arch arch, int tp, int pp, int dp, int vpp, int micro_total);
+
 std::vector<Layout> layouts() {
   std::vector<Layout> v;
   // Tensor x data parallelism (no pipeline): {tp, dp, sp, distributed optimizer}.
@@ -504,6 +518,25 @@ std::vector<Layout> layouts() {
     L.odd_vocab = arch == Arch::kGpt;
     L.micro_total = 4;
     L.head_chunk = 5;
+    v.push_back(L);
+  }
+  // --decoupled-lr: the embedding (first stage) and the output layer (last stage; GPT: the tied
+  // embedding's copy) at their own rate, with TP, PP and the distributed optimizer's shards.
+  for (const auto& [tp, pp, dp, zero, arch] :
+       {std::tuple{2, 2, 1, false, Arch::kLlama}, std::tuple{1, 2, 2, true, Arch::kLlama},
+        std::tuple{2, 1, 2, true, Arch::kGpt}, std::tuple{1, 2, 1, false, Arch::kGpt}}) {
+    Layout L = grid_layout(arch, tp, pp, dp, 0, 4);
+    L.zero = zero;
+    L.decoupled_lr = true;
+    v.push_back(L);
+  }
+  // --apply-layernorm-1p: LayerNorm (GPT: the weights' gradients summed over TP with SP) and
+  // RMSNorm with q/k norms (Qwen) under TP, PP and the distributed optimizer.
+  for (const auto& [tp, pp, dp, zero, arch] :
+       {std::tuple{2, 1, 2, true, Arch::kGpt}, std::tuple{2, 2, 1, false, Arch::kQwen}}) {
+    Layout L = grid_layout(arch, tp, pp, dp, 0, 4);
+    L.zero = zero;
+    L.one_p = true;
     v.push_back(L);
   }
   Layout u;  // uneven first / last stages: 1 + 3 + 3 + 1 -> first 1, last 1, middle 3 each

@@ -576,6 +576,17 @@ void moe_to_hf_impl(const HfModel& m, int64_t l, const Get& get, const Put& put)
   }
 }
 
+// --apply-layernorm-1p (TransformerConfig::layernorm_zero_centered_gamma): every norm weight
+// (names ending in "layernorm.weight": input, pre-MLP, final, q / k) stored as the scale minus 1.
+// delta -1: HF scale -> stored weight; +1: back. Nothing without the flag.
+void shift_norm_weights(GlobalTensors& t, const TransformerConfig& c, float delta) {
+  if (!c.layernorm_zero_centered_gamma) return;
+  const std::string suffix = "layernorm.weight";
+  for (auto& [name, v] : t)
+    if (name.size() >= suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0)
+      for (float& x : v) x += delta;
+}
+
 }  // namespace
 
 GlobalTensors hf_to_megatron(const HfModel& m, const SafetensorsCheckpoint& ck) {
@@ -610,6 +621,7 @@ GlobalTensors hf_to_megatron(const HfModel& m, const SafetensorsCheckpoint& ck) 
     }
     t["decoder.final_layernorm.weight"] = read(ck, p + "ln_f.weight", {h});
     t["decoder.final_layernorm.bias"] = read(ck, p + "ln_f.bias", {h});
+    shift_norm_weights(t, c, -1.f);
     return t;
   }
   t["embedding.word_embeddings.weight"] = pad_rows(read(ck, "model.embed_tokens.weight", {V, h}), Vp, h);
@@ -642,12 +654,19 @@ GlobalTensors hf_to_megatron(const HfModel& m, const SafetensorsCheckpoint& ck) 
   t["decoder.final_layernorm.weight"] = read(ck, "model.norm.weight", {h});
   if (c.untie_embeddings_and_output_weights)
     t["output_layer.weight"] = pad_rows(read(ck, "lm_head.weight", {V, h}), Vp, h);
+  shift_norm_weights(t, c, -1.f);
   return t;
 }
 
-std::vector<TensorToWrite> megatron_to_hf(const HfModel& m, const GlobalTensors& t, DType dtype) {
+std::vector<TensorToWrite> megatron_to_hf(const HfModel& m, const GlobalTensors& tensors, DType dtype) {
   const TransformerConfig& c = m.config;
   check_representable(m.arch, c);
+  GlobalTensors shifted;  // --apply-layernorm-1p: the HF norm weight is the scale 1 + weight
+  if (c.layernorm_zero_centered_gamma) {
+    shifted = tensors;
+    shift_norm_weights(shifted, c, 1.f);
+  }
+  const GlobalTensors& t = c.layernorm_zero_centered_gamma ? shifted : tensors;
   const int64_t h = c.hidden_size, n = c.num_attention_heads, g = c.query_groups(), d = c.head_dim(), f = c.ffn();
   const int64_t V = c.vocab_size;
   auto get = [&](const std::string& name) -> const std::vector<float>& {

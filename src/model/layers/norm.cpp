@@ -6,8 +6,12 @@
 namespace mt {
 
 Norm::Norm(const TransformerConfig& c, std::string prefix, int64_t h, TpGradSum grad_sum, ParamRegistry& reg)
-    : kind_(norm_kind(c.normalization)), eps_(c.norm_epsilon) {
-  reg.declare(replicated_param(prefix + ".weight", {h}, InitKind::kOnes, 0.f, grad_sum), &weight_);
+    : kind_(norm_kind(c.normalization)), eps_(c.norm_epsilon), zero_centered_gamma_(c.layernorm_zero_centered_gamma) {
+  // --apply-layernorm-1p: the weight is the scale minus 1, initialised to 0 (Megatron's
+  // FusedLayerNorm.reset_parameters with zero_centered_gamma).
+  reg.declare(replicated_param(prefix + ".weight", {h}, zero_centered_gamma_ ? InitKind::kZeros : InitKind::kOnes, 0.f,
+                               grad_sum),
+              &weight_);
   if (kind_.has_bias) reg.declare(replicated_param(prefix + ".bias", {h}, InitKind::kZeros, 0.f, grad_sum), &bias_);
 }
 
@@ -20,13 +24,14 @@ void Norm::plan(BufferPlanner& p, int64_t rows) {
 
 void Norm::forward(const Tensor& y, const Tensor& x, const StepContext& ctx) {
   const Saved& s = saved_.at(static_cast<size_t>(ctx.slot));
-  kind_.forward(y, s.mean, s.rstd, x, weight_.value(), value_or_empty(bias_), eps_, ctx.stream);
+  kind_.forward(y, s.mean, s.rstd, x, weight_.value(), value_or_empty(bias_), eps_, ctx.stream,
+                zero_centered_gamma_);
 }
 
 void Norm::backward(const Tensor& dx, const Tensor& dy, const Tensor& x, bool accumulate_dx, const StepContext& ctx) {
   const Saved& s = saved_.at(static_cast<size_t>(ctx.slot));
   kind_.backward(dx, weight_.grad(), grad_or_empty(bias_), dy, x, weight_.value(), s.mean, s.rstd, accumulate_dx,
-                 ctx.stream);
+                 ctx.stream, zero_centered_gamma_);
 }
 
 }  // namespace mt

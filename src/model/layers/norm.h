@@ -1,7 +1,7 @@
 // Normalisation submodule (Megatron-Core's FusedLayerNorm / RMSNorm as chosen by
 // TransformerConfig::normalization; Ba et al. 2016, Zhang & Sennrich 2019) over the last dimension
 // h, built from the kind's entry of model/variants.h (NormKind: parameters, saved statistics, ops).
-// Parameters: <prefix>.weight [h] (ones) and, when the kind has one (LayerNorm), <prefix>.bias [h]
+// Parameters: <prefix>.weight [h] (ones; zeros with --apply-layernorm-1p, the scale then 1 + weight) and, when the kind has one (LayerNorm), <prefix>.bias [h]
 // (zeros), both replicated over tensor parallelism. Saved: the fp32 row statistics (rstd, and the
 // mean for LayerNorm) per activation area. Rows may be a strided view (the q/k heads of the fused
 // QKV output) where the op allows it (NormKind::strided_rows).
@@ -35,6 +35,7 @@ class Norm {
   };
   const NormKind& kind_;
   float eps_;
+  bool zero_centered_gamma_;  // --apply-layernorm-1p: the scale is 1 + weight
   ParamRef weight_, bias_;
   std::vector<Saved> saved_;  // per area
 };

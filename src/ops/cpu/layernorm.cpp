@@ -7,11 +7,14 @@
 namespace mt::cpu {
 
 void layernorm_forward(const Tensor& y, const Tensor& mean, const Tensor& rstd, const Tensor& x,
-                       const Tensor& weight, const Tensor& bias, float eps, const Stream& stream) {
+                       const Tensor& weight, const Tensor& bias, float eps, const Stream& stream,
+                       bool zero_centered_gamma) {
   const int64_t h = x.size(-1);
   const int64_t n = x.numel() / h;
   const float* px = x.data_as<float>();
   const float* pw = weight.data_as<float>();
+  // The scale of column c: the weight, or 1 + weight (fp32) with zero_centered_gamma.
+  const auto w = [pw, zero_centered_gamma](int64_t c) { return zero_centered_gamma ? pw[c] + 1.f : pw[c]; };
   const float* pb = bias.data_as<float>();
   float* py = y.data_as<float>();
   float* pm = mean.data_as<float>();
@@ -29,7 +32,7 @@ void layernorm_forward(const Tensor& y, const Tensor& mean, const Tensor& rstd, 
     }
     const float rs = 1.0f / std::sqrt(v / static_cast<float>(h) + eps);
     float* yr = py + r * h;  // may alias x: each element is read before it is written
-    for (int64_t c = 0; c < h; ++c) yr[c] = (xr[c] - m) * rs * pw[c] + pb[c];
+    for (int64_t c = 0; c < h; ++c) yr[c] = (xr[c] - m) * rs * w(c) + pb[c];
     pm[r] = m;
     pr[r] = rs;
   }
@@ -37,12 +40,14 @@ void layernorm_forward(const Tensor& y, const Tensor& mean, const Tensor& rstd, 
 
 void layernorm_backward(const Tensor& dx, const Tensor& dweight, const Tensor& dbias, const Tensor& dy,
                         const Tensor& x, const Tensor& weight, const Tensor& mean, const Tensor& rstd,
-                        bool accumulate_dx, const Stream& stream) {
+                        bool accumulate_dx, const Stream& stream, bool zero_centered_gamma) {
   const int64_t h = x.size(-1);
   const int64_t n = x.numel() / h;
   const float* px = x.data_as<float>();
   const float* pdy = dy.data_as<float>();
   const float* pw = weight.data_as<float>();
+  // The scale of column c: the weight, or 1 + weight (fp32) with zero_centered_gamma.
+  const auto w = [pw, zero_centered_gamma](int64_t c) { return zero_centered_gamma ? pw[c] + 1.f : pw[c]; };
   const float* pm = mean.data_as<float>();
   const float* pr = rstd.data_as<float>();
   float* pdx = dx.data_as<float>();
@@ -82,7 +87,7 @@ void layernorm_backward(const Tensor& dx, const Tensor& dweight, const Tensor& d
     const float m = pm[r], rs = pr[r];
     float sum_g = 0.f, sum_gx = 0.f;
     for (int64_t c = 0; c < h; ++c) {
-      const float g = dyr[c] * pw[c];
+      const float g = dyr[c] * w(c);
       sum_g += g;
       sum_gx += g * ((xr[c] - m) * rs);
     }
@@ -90,7 +95,7 @@ void layernorm_backward(const Tensor& dx, const Tensor& dweight, const Tensor& d
     float* dxr = pdx + r * h;
     for (int64_t c = 0; c < h; ++c) {
       const float xhat = (xr[c] - m) * rs;
-      const float v = rs * (dyr[c] * pw[c] - mg - xhat * mgx);
+      const float v = rs * (dyr[c] * w(c) - mg - xhat * mgx);
       dxr[c] = accumulate_dx ? dxr[c] + v : v;
     }
   }

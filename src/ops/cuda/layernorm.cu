@@ -34,7 +34,7 @@ __device__ __forceinline__ void store_vec(T* p, const Vec<T, V>& v) {
 template <int V, typename T>
 __global__ void __launch_bounds__(kRowThreads)
     layernorm_forward_kernel(T* y, float* mean, float* rstd, const T* x, const T* w, const T* b, int64_t n, int h,
-                             float eps) {
+                             float eps, bool zc) {
   const int lane = threadIdx.x & 31;
   const int64_t warp_stride = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
   for (int64_t r = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5); r < n; r += warp_stride) {
@@ -64,7 +64,7 @@ __global__ void __launch_bounds__(kRowThreads)
       Vec<T, V> out;
 #pragma unroll
       for (int k = 0; k < V; ++k) {
-        out.v[k] = from_f32<T>((to_f32(v.v[k]) - m) * rs * to_f32(vw.v[k]) + to_f32(vb.v[k]));
+        out.v[k] = from_f32<T>((to_f32(v.v[k]) - m) * rs * norm_cached::gamma_f32(vw.v[k], zc) + to_f32(vb.v[k]));
       }
       store_vec<V>(yr + c, out);
     }
@@ -79,7 +79,7 @@ __global__ void __launch_bounds__(kRowThreads)
 template <int V, typename T>
 __global__ void __launch_bounds__(kRowThreads)
     layernorm_backward_dx_kernel(T* dx, const T* dy, const T* x, const T* w, const float* mean, const float* rstd,
-                                 int64_t n, int h, bool accumulate) {
+                                 int64_t n, int h, bool accumulate, bool zc) {
   const int lane = threadIdx.x & 31;
   const int64_t warp_stride = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
   for (int64_t r = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5); r < n; r += warp_stride) {
@@ -94,7 +94,7 @@ __global__ void __launch_bounds__(kRowThreads)
       const Vec<T, V> vw = load_vec<V>(w + c);
 #pragma unroll
       for (int k = 0; k < V; ++k) {
-        const float g = to_f32(vdy.v[k]) * to_f32(vw.v[k]);
+        const float g = to_f32(vdy.v[k]) * norm_cached::gamma_f32(vw.v[k], zc);
         sg += g;
         sgx += g * ((to_f32(vx.v[k]) - m) * rs);
       }
@@ -111,7 +111,7 @@ __global__ void __launch_bounds__(kRowThreads)
 #pragma unroll
       for (int k = 0; k < V; ++k) {
         const float xhat = (to_f32(vx.v[k]) - m) * rs;
-        float v = rs * (to_f32(vdy.v[k]) * to_f32(vw.v[k]) - mg - xhat * mgx);
+        float v = rs * (to_f32(vdy.v[k]) * norm_cached::gamma_f32(vw.v[k], zc) - mg - xhat * mgx);
         if (accumulate) v += to_f32(old.v[k]);
         out.v[k] = from_f32<T>(v);
       }
@@ -161,7 +161,8 @@ unsigned row_grid(int64_t n, const Stream& s) {
 }  // namespace
 
 void layernorm_forward(const Tensor& y, const Tensor& mean, const Tensor& rstd, const Tensor& x,
-                       const Tensor& weight, const Tensor& bias, float eps, const Stream& stream) {
+                       const Tensor& weight, const Tensor& bias, float eps, const Stream& stream,
+                       bool zero_centered_gamma) {
   const int64_t h64 = x.size(-1);
   MT_CHECK(h64 <= (int64_t{1} << 30), "layernorm_forward: h={} too large for the CUDA kernel", h64);
   const int h = static_cast<int>(h64);
@@ -178,10 +179,12 @@ void layernorm_forward(const Tensor& y, const Tensor& mean, const Tensor& rstd, 
     const unsigned grid = row_grid(n, stream);
     if (vec) {
       layernorm_forward_kernel<V><<<grid, kRowThreads, 0, raw(stream)>>>(py, mean.data_as<float>(),
-                                                                         rstd.data_as<float>(), px, pw, pb, n, h, eps);
+                                                                         rstd.data_as<float>(), px, pw, pb, n, h, eps,
+                                                                         zero_centered_gamma);
     } else {
       layernorm_forward_kernel<1><<<grid, kRowThreads, 0, raw(stream)>>>(py, mean.data_as<float>(),
-                                                                         rstd.data_as<float>(), px, pw, pb, n, h, eps);
+                                                                         rstd.data_as<float>(), px, pw, pb, n, h, eps,
+                                                                         zero_centered_gamma);
     }
     MT_CUDA_CHECK_LAUNCH();
   });
@@ -189,7 +192,7 @@ void layernorm_forward(const Tensor& y, const Tensor& mean, const Tensor& rstd, 
 
 void layernorm_backward(const Tensor& dx, const Tensor& dweight, const Tensor& dbias, const Tensor& dy,
                         const Tensor& x, const Tensor& weight, const Tensor& mean, const Tensor& rstd,
-                        bool accumulate_dx, const Stream& stream) {
+                        bool accumulate_dx, const Stream& stream, bool zero_centered_gamma) {
   const int64_t h64 = x.size(-1);
   MT_CHECK(h64 <= (int64_t{1} << 30), "layernorm_backward: h={} too large for the CUDA kernel", h64);
   const int h = static_cast<int>(h64);
@@ -218,7 +221,7 @@ void layernorm_backward(const Tensor& dx, const Tensor& dweight, const Tensor& d
     auto cached = [&](auto vtag) {
       return norm_cached::launch<true, decltype(vtag)::value>(pdx, rows, dweight.data_as<float>(),
                                                               dbias.data_as<float>(), pdy, rows, px, rows, pw, pm, pr,
-                                                              n, h, accumulate_dx, stream, fn);
+                                                              n, h, accumulate_dx, stream, fn, zero_centered_gamma);
     };
     if (!two_kernels &&
         (vec ? cached(std::integral_constant<int, V>{}) : cached(std::integral_constant<int, 1>{})))
@@ -239,10 +242,10 @@ void layernorm_backward(const Tensor& dx, const Tensor& dweight, const Tensor& d
     const unsigned grid = row_grid(n, stream);
     if (vec) {
       layernorm_backward_dx_kernel<V><<<grid, kRowThreads, 0, raw(stream)>>>(pdx, pdy, px, pw, pm, pr, n, h,
-                                                                             accumulate_dx);
+                                                                             accumulate_dx, zero_centered_gamma);
     } else {
       layernorm_backward_dx_kernel<1><<<grid, kRowThreads, 0, raw(stream)>>>(pdx, pdy, px, pw, pm, pr, n, h,
-                                                                             accumulate_dx);
+                                                                             accumulate_dx, zero_centered_gamma);
     }
     MT_CUDA_CHECK_LAUNCH();
   });

@@ -20,6 +20,13 @@
 
 namespace mt::cuda::norm_cached {
 
+/// The norm's scale from a weight element: the weight, or 1 + weight in fp32 with
+/// zero_centered_gamma (--apply-layernorm-1p; ops/layernorm.h, ops/rmsnorm.h).
+template <typename T>
+__device__ __forceinline__ float gamma_f32(T w, bool zero_centered_gamma) {
+  return zero_centered_gamma ? ew::to_f32(w) + 1.f : ew::to_f32(w);
+}
+
 constexpr int kIters = 2;  // vectors of a row held in registers per thread
 constexpr int kMaxTpr = 512;
 
@@ -126,7 +133,8 @@ __device__ __forceinline__ void write_partial_row(float* prow, const float (&acc
 template <bool kLayerNorm, int V, int TPR, typename T>
 __global__ void __launch_bounds__(block_threads<TPR>())
     backward_kernel(T* dx, RowMap mdx, float* part_w, float* part_b, const T* dy, RowMap mdy, const T* x, RowMap mx,
-                    const T* w, const float* mean, const float* rstd, int64_t n, int h, bool accumulate) {
+                    const T* w, const float* mean, const float* rstd, int64_t n, int h, bool accumulate,
+                    bool zero_centered_gamma) {
   using ew::from_f32;
   using ew::to_f32;
   using ew::Vec;
@@ -167,7 +175,7 @@ __global__ void __launch_bounds__(block_threads<TPR>())
 #pragma unroll
         for (int k = 0; k < V; ++k) {
           const float d = to_f32(dyv[it].v[k]), xs = (to_f32(xv[it].v[k]) - m) * rs;
-          const float g = d * to_f32(wv[it].v[k]);
+          const float g = d * gamma_f32(wv[it].v[k], zero_centered_gamma);
           sgx += g * xs;
           acc_w[it][k] += d * xs;
           if constexpr (kLayerNorm) {
@@ -194,7 +202,7 @@ __global__ void __launch_bounds__(block_threads<TPR>())
 #pragma unroll
           for (int k = 0; k < V; ++k) {
             const float xs = (to_f32(xv[it].v[k]) - m) * rs;
-            float v = rs * (to_f32(dyv[it].v[k]) * to_f32(wv[it].v[k]) - mg - xs * mgx);
+            float v = rs * (to_f32(dyv[it].v[k]) * gamma_f32(wv[it].v[k], zero_centered_gamma) - mg - xs * mgx);
             if (accumulate) v += to_f32(old[it].v[k]);
             out.v[k] = from_f32<T>(v);
           }
@@ -236,7 +244,7 @@ void dispatch_tpr(int tpr, F&& f) {
 template <bool kLayerNorm, int VV, typename T>
 bool launch(T* dx, RowMap mdx, float* dweight, float* dbias, const T* dy, RowMap mdy, const T* x, RowMap mx,
             const T* w, const float* mean, const float* rstd, int64_t n, int h, bool accumulate, const Stream& stream,
-            const char* fn) {
+            const char* fn, bool zero_centered_gamma) {
   const int tpr = threads_per_row(h, VV);
   if (tpr == 0) return false;
   float* part = column_partials_scratch(stream, fn);
@@ -255,7 +263,7 @@ bool launch(T* dx, RowMap mdx, float* dweight, float* dbias, const T* dy, RowMap
     const int64_t grid = column_partials_rows(ew::grid_for(n, kBlock / TPR, stream, per_sm), h, kLayerNorm ? 2 : 1, fn);
     float* part_b = kLayerNorm ? part + grid * h : nullptr;
     backward_kernel<kLayerNorm, VV, TPR><<<static_cast<unsigned>(grid), kBlock, 0, ew::raw(stream)>>>(
-        dx, mdx, part, part_b, dy, mdy, x, mx, w, mean, rstd, n, h, accumulate);
+        dx, mdx, part, part_b, dy, mdy, x, mx, w, mean, rstd, n, h, accumulate, zero_centered_gamma);
     MT_CUDA_CHECK_LAUNCH();
     add_column_partials(dweight, part, dbias, part_b, grid, h, stream);
   });

@@ -53,7 +53,7 @@ __device__ __forceinline__ float group_sum(float v) {
 template <int V, int TPR, typename T>
 __global__ void __launch_bounds__(kThreads)
     rmsnorm_forward_loop_kernel(T* y, RowMap my, float* rstd, const T* x, RowMap mx, const T* w, int64_t n, int h,
-                           float eps) {
+                           float eps, bool zc) {
   constexpr int kRowsPerBlock = kThreads / TPR;
   const int lane = threadIdx.x % TPR;
   const float inv_h = 1.0f / static_cast<float>(h);
@@ -82,7 +82,7 @@ __global__ void __launch_bounds__(kThreads)
       const Vec<T, V> vw = load_vec<V>(w + c);
       Vec<T, V> out;
 #pragma unroll
-      for (int k = 0; k < V; ++k) out.v[k] = from_f32<T>(to_f32(v.v[k]) * rs * to_f32(vw.v[k]));
+      for (int k = 0; k < V; ++k) out.v[k] = from_f32<T>(to_f32(v.v[k]) * rs * norm_cached::gamma_f32(vw.v[k], zc));
       store_vec<V>(yr + c, out);
     }
     if (lane == 0) rstd[r] = rs;
@@ -93,7 +93,7 @@ __global__ void __launch_bounds__(kThreads)
 template <int V, int TPR, typename T>
 __global__ void __launch_bounds__(kThreads)
     rmsnorm_backward_dx_loop_kernel(T* dx, RowMap mdx, const T* dy, RowMap mdy, const T* x, RowMap mx, const T* w,
-                               const float* rstd, int64_t n, int h, bool accumulate) {
+                               const float* rstd, int64_t n, int h, bool accumulate, bool zc) {
   constexpr int kRowsPerBlock = kThreads / TPR;
   const int lane = threadIdx.x % TPR;
   const float inv_h = 1.0f / static_cast<float>(h);
@@ -111,7 +111,7 @@ __global__ void __launch_bounds__(kThreads)
         const Vec<T, V> vdy = load_vec<V>(dyr + c);
         const Vec<T, V> vw = load_vec<V>(w + c);
 #pragma unroll
-        for (int k = 0; k < V; ++k) sgx += (to_f32(vdy.v[k]) * to_f32(vw.v[k])) * (to_f32(vx.v[k]) * rs);
+        for (int k = 0; k < V; ++k) sgx += (to_f32(vdy.v[k]) * norm_cached::gamma_f32(vw.v[k], zc)) * (to_f32(vx.v[k]) * rs);
       }
     }
     sgx = group_sum<TPR>(sgx);
@@ -127,7 +127,7 @@ __global__ void __launch_bounds__(kThreads)
       Vec<T, V> out;
 #pragma unroll
       for (int k = 0; k < V; ++k) {
-        float v = rs * (to_f32(vdy.v[k]) * to_f32(vw.v[k]) - (to_f32(vx.v[k]) * rs) * mgx);
+        float v = rs * (to_f32(vdy.v[k]) * norm_cached::gamma_f32(vw.v[k], zc) - (to_f32(vx.v[k]) * rs) * mgx);
         if (accumulate) v += to_f32(old.v[k]);
         out.v[k] = from_f32<T>(v);
       }
@@ -193,7 +193,7 @@ int checked_h(const Tensor& x, const char* fn) {
 }  // namespace
 
 void rmsnorm_forward(const Tensor& y, const Tensor& rstd, const Tensor& x, const Tensor& weight, float eps,
-                     const Stream& stream) {
+                     const Stream& stream, bool zero_centered_gamma) {
   const char* fn = "rmsnorm_forward";
   const int h = checked_h(x, fn);
   const RowMap mx = row_map(x, fn), my = row_map(y, fn);
@@ -213,7 +213,8 @@ void rmsnorm_forward(const Tensor& y, const Tensor& rstd, const Tensor& x, const
       norm_cached::dispatch_tpr<32>(threads_per_row(h, VV), [&](auto ttag) {
         constexpr int TPR = decltype(ttag)::value;
         const unsigned grid = ew::grid_for(n, kThreads / TPR, stream, /*per_sm=*/8);
-        rmsnorm_forward_loop_kernel<VV, TPR><<<grid, kThreads, 0, raw(stream)>>>(py, my, pr, px, mx, pw, n, h, eps);
+        rmsnorm_forward_loop_kernel<VV, TPR><<<grid, kThreads, 0, raw(stream)>>>(py, my, pr, px, mx, pw, n, h, eps,
+                                                                                  zero_centered_gamma);
         MT_CUDA_CHECK_LAUNCH();
       });
     };
@@ -226,7 +227,8 @@ void rmsnorm_forward(const Tensor& y, const Tensor& rstd, const Tensor& x, const
 }
 
 void rmsnorm_backward(const Tensor& dx, const Tensor& dweight, const Tensor& dy, const Tensor& x,
-                      const Tensor& weight, const Tensor& rstd, bool accumulate_dx, const Stream& stream) {
+                      const Tensor& weight, const Tensor& rstd, bool accumulate_dx, const Stream& stream,
+                      bool zero_centered_gamma) {
   const char* fn = "rmsnorm_backward";
   const int h = checked_h(x, fn);
   const RowMap mx = row_map(x, fn), mdx = row_map(dx, fn), mdy = row_map(dy, fn);
@@ -248,7 +250,8 @@ void rmsnorm_backward(const Tensor& dx, const Tensor& dweight, const Tensor& dy,
     // Rows that fit in registers: one fused kernel (dx and dweight; ops/cuda/norm_backward_cached.cuh).
     auto cached = [&](auto vtag) {
       return norm_cached::launch<false, decltype(vtag)::value>(pdx, mdx, pdw, nullptr, pdy, mdy, px, mx, pw, nullptr,
-                                                               pr, n, h, accumulate_dx, stream, fn);
+                                                               pr, n, h, accumulate_dx, stream, fn,
+                                                               zero_centered_gamma);
     };
     if (vec ? cached(std::integral_constant<int, V>{}) : cached(std::integral_constant<int, 1>{})) return;
     float* part = column_partials_scratch(stream, fn);
@@ -278,7 +281,8 @@ void rmsnorm_backward(const Tensor& dx, const Tensor& dweight, const Tensor& dy,
         constexpr int TPR = decltype(ttag)::value;
         const unsigned grid = ew::grid_for(n, kThreads / TPR, stream, /*per_sm=*/8);
         rmsnorm_backward_dx_loop_kernel<VV, TPR><<<grid, kThreads, 0, raw(stream)>>>(pdx, mdx, pdy, mdy, px, mx, pw,
-                                                                                     pr, n, h, accumulate_dx);
+                                                                                     pr, n, h, accumulate_dx,
+                                                                                     zero_centered_gamma);
         MT_CUDA_CHECK_LAUNCH();
       });
     };
