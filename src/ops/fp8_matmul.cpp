@@ -3,6 +3,7 @@
 
 #include <cstdint>
 
+#include "ops/cuda/cublaslt_gemm.h"
 #include "ops/dispatch.h"
 #include "ops/op_checks.h"
 
@@ -40,7 +41,30 @@ int64_t check_operand(const Fp8Operand& o, int64_t k, const char* name) {
   return t.size(0);
 }
 
+cuda::GemmScaleMode scale_mode(Fp8Scaling s) {
+  switch (s) {
+    case Fp8Scaling::kTensor: return cuda::GemmScaleMode::kScalar;
+    case Fp8Scaling::kBlock1x128: return cuda::GemmScaleMode::kVec128;
+    case Fp8Scaling::kBlock128x128: return cuda::GemmScaleMode::kBlk128x128;
+  }
+  MT_FAIL("fp8_matmul: unknown scaling {}", static_cast<int>(s));
+}
+
 }  // namespace
+
+cuda::GemmDesc fp8_gemm_desc(const Tensor& d, const Fp8Operand& a, const Fp8Operand& b, bool accumulate,
+                             bool fast_accum) {
+  const int64_t m = a.data.size(0), n = b.data.size(0), k = a.data.size(1);
+  cuda::GemmDesc g = cuda::contiguous_gemm(1, m, n, k, /*trans_a=*/false, /*trans_b=*/true, a.data.dtype(), d.dtype(),
+                                           a.data.data(), b.data.data(), d.data(), 1.f, accumulate ? 1.f : 0.f);
+  g.fp8.b_type = b.data.dtype();
+  g.fp8.a_scale = a.scale_inv.data_as<float>();
+  g.fp8.b_scale = b.scale_inv.data_as<float>();
+  g.fp8.a_mode = scale_mode(a.scaling);
+  g.fp8.b_mode = scale_mode(b.scaling);
+  g.fp8.fast_accum = fast_accum;
+  return g;
+}
 
 void fp8_matmul(const Tensor& d, const Fp8Operand& a, const Fp8Operand& b, bool accumulate, bool fast_accum,
                 const Stream& stream) {
@@ -68,6 +92,8 @@ void fp8_matmul(const Tensor& d, const Fp8Operand& a, const Fp8Operand& b, bool 
   MT_CHECK(!fast_accum || !a_block,
            "fp8_matmul: fast_accum applies to tensorwise scaling only (blockwise GEMMs "
            "always promote the partial sums)");
+  // cuBLASLt's view of the problem, checked on every backend (what a GPU run would reject)
+  if (m > 0 && n > 0 && k > 0) cuda::check_gemm_desc(fp8_gemm_desc(d, a, b, accumulate, fast_accum));
   check_same_device({&d, &a.data, &a.scale_inv, &b.data, &b.scale_inv});
   op_checks::check_stream(stream, d, "fp8_matmul");
   MT_DISPATCH(d.device(), fp8_matmul, d, a, b, accumulate, fast_accum, stream);

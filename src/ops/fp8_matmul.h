@@ -41,6 +41,16 @@ struct Fp8Operand {
 void fp8_matmul(const Tensor& d, const Fp8Operand& a, const Fp8Operand& b, bool accumulate, bool fast_accum,
                 const Stream& stream);
 
+namespace cuda {
+struct GemmDesc;
+}
+/// The cuBLASLt problem fp8_matmul runs on CUDA for these arguments (row-major TN: a [m, k], b
+/// [n, k], d [m, n], beta = accumulate, the scales and their modes). fp8_matmul checks it with
+/// cuda::check_gemm_desc on every backend, so a CPU run rejects what cuBLASLt would (e.g. a scale
+/// pointer not 16-byte aligned). Host-only: reads no data.
+cuda::GemmDesc fp8_gemm_desc(const Tensor& d, const Fp8Operand& a, const Fp8Operand& b, bool accumulate,
+                             bool fast_accum);
+
 MT_OP_BACKENDS(fp8_matmul)
 
 }  // namespace mt

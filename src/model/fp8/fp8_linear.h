@@ -147,7 +147,7 @@ class Fp8Linear {
 
  private:
   struct Saved {
-    Tensor x_scale;     // tensorwise: fp32 [2] = the forward's x scale and scale_inv
+    Tensor x_scale;     // tensorwise: fp32 [2] = the forward's x scale_inv (first: 16-byte aligned) and scale
     Tensor x_t, x_t_s;  // save_input: FP8 [in, m] (blockwise: its 1x128 scales)
   };
   // The quantised operand views of m rows, over the shared scratch.
@@ -179,6 +179,12 @@ class Fp8Linear {
   void quantize_dy(const Tensor& dyq, const Tensor& dyq_s, const Tensor& dyq_t, const Tensor& dyq_t_s,
                    const Tensor& dy, bool record, const Stream& stream);
   Scratch views(int64_t m) const;
+  // The per-tensor scale_inv a GEMM reads (tensorwise / delayed): a copy of the state's value in its
+  // own 16-byte aligned slot of gemm_scales_ (cuBLASLt rejects scale pointers at 4-byte offsets into
+  // Fp8Model's packed state with CUBLAS_STATUS_NOT_SUPPORTED). Written where the value is set:
+  // w in quantize_weight, x (delayed) in begin_forward, dy in begin_backward.
+  enum GemmScaleSlot : int64_t { kSlotX, kSlotW, kSlotDy, kGemmScaleSlots };
+  Tensor gemm_scale_inv(GemmScaleSlot slot) const { return gemm_scales_.flat_range(4 * slot, 1); }
 
   const Fp8Model& model_;
   std::string name_;
@@ -194,6 +200,7 @@ class Fp8Linear {
   bool x_t_ready_ = false, dy_t_ready_ = false, dy_recorded_ = false;
   std::vector<Saved> saved_;  // per area
   Tensor wq_, wq_t_, wq_s_, wq_t_s_;
+  Tensor gemm_scales_;  // fp32 [4 * kGemmScaleSlots]: gemm_scale_inv's slots, 16 bytes apart
   Scratch scratch_;  // planned at max_rows (padded), viewed per call
 };
 

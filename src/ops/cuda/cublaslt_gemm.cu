@@ -34,11 +34,6 @@ uint32_t alignment_of(const void* p, int64_t stride_elems, DType t, int64_t batc
   return a;
 }
 
-/// B's element type: GemmFp8::b_type for an FP8 GEMM that sets it, else ab_type.
-DType b_type_of(const GemmDesc& g) {
-  return is_fp8(g.ab_type) && g.fp8.b_type != DType::kF32 ? g.fp8.b_type : g.ab_type;
-}
-
 int32_t lt_scale_mode(GemmScaleMode m) {
   switch (m) {
     case GemmScaleMode::kScalar: return CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
@@ -193,7 +188,7 @@ std::unique_ptr<GemmPlan> make_plan(const GemmDesc& g, cublasLtHandle_t lt, cons
   }
   set_pointers(*plan, g);  // the heuristic reads the pointers' alignment
 
-  plan->la = make_layout(b_type_of(g), g.trans_b ? g.k : g.n, g.trans_b ? g.n : g.k, g.ldb, g.batch, g.stride_b);
+  plan->la = make_layout(gemm_b_type(g), g.trans_b ? g.k : g.n, g.trans_b ? g.n : g.k, g.ldb, g.batch, g.stride_b);
   plan->lb = make_layout(g.ab_type, g.trans_a ? g.m : g.k, g.trans_a ? g.k : g.m, g.lda, g.batch, g.stride_a);
   plan->lc = make_layout(g.c_type, g.n, g.m, g.ldc, g.batch, g.stride_c);
   plan->m = g.m;
@@ -260,18 +255,6 @@ void resize(GemmPlan& plan, const GemmDesc& g) {
   plan.k = g.k;
 }
 
-std::string describe(const GemmDesc& g) {
-  return fmt::format(
-      "gemm m={} n={} k={} batch={} trans_a={} trans_b={} ab={} c={} lda={} ldb={} ldc={} strides=({}, {}, {}) "
-      "epilogue={} bias={} bias_grad={} ld_aux={}{}",
-      g.m, g.n, g.k, g.batch, g.trans_a, g.trans_b, dtype_name(g.ab_type), dtype_name(g.c_type), g.lda, g.ldb, g.ldc,
-      g.stride_a, g.stride_b, g.stride_c, static_cast<int>(g.epilogue), g.bias != nullptr, g.bias_grad != nullptr,
-      g.ld_aux,
-      is_fp8(g.ab_type) ? fmt::format(" fp8 b={} scale_modes=({}, {}) fast_accum={}", dtype_name(b_type_of(g)),
-                                      static_cast<int>(g.fp8.a_mode), static_cast<int>(g.fp8.b_mode), g.fp8.fast_accum)
-                        : std::string());
-}
-
 std::mutex& cache_mutex() {
   static std::mutex m;
   return m;
@@ -281,41 +264,13 @@ std::unordered_map<GemmKey, std::unique_ptr<GemmPlan>, GemmKeyHash>& cache() {
   return c;
 }
 
-void validate(const GemmDesc& g) {
-  MT_CHECK(g.m > 0 && g.n > 0 && g.k > 0 && g.batch > 0, "{}: sizes must be positive", describe(g));
-  if (is_fp8(g.ab_type)) {
-    MT_CHECK(is_fp8(b_type_of(g)) && !(g.ab_type == DType::kF8E5M2 && b_type_of(g) == DType::kF8E5M2),
-             "{}: FP8 GEMMs take e4m3 x e4m3, e4m3 x e5m2 or e5m2 x e4m3", describe(g));
-    MT_CHECK(!g.trans_a && g.trans_b && g.batch == 1 && g.epilogue == GemmEpilogue::kNone,
-             "{}: FP8 GEMMs need K-major operands (trans_a = false, trans_b = true), batch 1, no epilogue",
-             describe(g));
-    MT_CHECK(g.c_type == DType::kF32 || g.c_type == DType::kBF16 || g.c_type == DType::kF16,
-             "{}: an FP8 GEMM writes fp32, bf16 or fp16", describe(g));
-    MT_CHECK(g.fp8.a_scale != nullptr && g.fp8.b_scale != nullptr, "{}: FP8 operands need their scales", describe(g));
-  } else {
-    MT_CHECK(g.c_type == g.ab_type || g.c_type == DType::kF32, "{}: c must be the a/b dtype or fp32", describe(g));
-  }
-  MT_CHECK(g.lda >= (g.trans_a ? g.m : g.k) && g.ldb >= (g.trans_b ? g.k : g.n) && g.ldc >= g.n,
-           "{}: leading dimensions too small", describe(g));
-  MT_CHECK(g.m <= INT32_MAX && g.n <= INT32_MAX && g.k <= INT32_MAX && g.batch <= INT32_MAX, "{}: sizes exceed int32",
-           describe(g));
-  if (g.epilogue == GemmEpilogue::kBias) MT_CHECK(g.bias != nullptr, "{}: bias epilogue without bias", describe(g));
-  if (g.epilogue == GemmEpilogue::kGeluAux || g.epilogue == GemmEpilogue::kDGelu) {
-    MT_CHECK(g.aux != nullptr && g.ld_aux >= g.n && g.ld_aux % 8 == 0,
-             "{}: the GELU epilogues need an aux matrix with ld_aux >= n and ld_aux % 8 == 0", describe(g));
-  }
-  const bool bgrad = g.epilogue == GemmEpilogue::kBgradA;
-  MT_CHECK(bgrad == (g.bias_grad != nullptr) && (!bgrad || g.batch == 1),
-           "{}: bias_grad goes with the bias-gradient epilogues (unbatched) only", describe(g));
-}
-
 /// Looks up (or builds) the plan and enqueues the GEMM; false when no algorithm exists, with the
 /// heuristic's status in *status.
 bool run_gemm(const GemmDesc& g, const Stream& stream, int* status) {
-  validate(g);
+  check_gemm_desc(g);
   CudaStreamResources* res = stream.cuda();
-  MT_CHECK(res != nullptr, "{}: needs a CUDA stream, got {}", describe(g), stream.device().str());
-  Alignments al{alignment_of(g.a, g.stride_a, g.ab_type, g.batch), alignment_of(g.b, g.stride_b, b_type_of(g), g.batch),
+  MT_CHECK(res != nullptr, "{}: needs a CUDA stream, got {}", describe_gemm(g), stream.device().str());
+  Alignments al{alignment_of(g.a, g.stride_a, g.ab_type, g.batch), alignment_of(g.b, g.stride_b, gemm_b_type(g), g.batch),
                 std::min(alignment_of(g.c, g.stride_c, g.c_type, g.batch),
                          g.d ? alignment_of(g.d, g.stride_c, g.c_type, g.batch) : 256u),
                 g.bias ? alignment_of(g.bias, 0, g.c_type, 1) : g.bias_grad ? alignment_of(g.bias_grad, 0, DType::kF32, 1) : 0u,
@@ -368,32 +323,7 @@ bool try_gemm(const GemmDesc& g, const Stream& stream) {
 void gemm(const GemmDesc& g, const Stream& stream) {
   int status = 0;
   if (run_gemm(g, stream, &status)) return;
-  MT_FAIL("cuBLASLt has no algorithm for {} (heuristic status {})", describe(g), status);
-}
-
-GemmDesc contiguous_gemm(int64_t batch, int64_t m, int64_t n, int64_t k, bool trans_a, bool trans_b, DType ab_type,
-                         DType c_type, const void* a, const void* b, void* c, float alpha, float beta) {
-  GemmDesc g;
-  g.m = m;
-  g.n = n;
-  g.k = k;
-  g.batch = batch;
-  g.trans_a = trans_a;
-  g.trans_b = trans_b;
-  g.ab_type = ab_type;
-  g.c_type = c_type;
-  g.a = a;
-  g.lda = trans_a ? m : k;
-  g.stride_a = m * k;
-  g.b = b;
-  g.ldb = trans_b ? k : n;
-  g.stride_b = k * n;
-  g.c = c;
-  g.ldc = n;
-  g.stride_c = m * n;
-  g.alpha = alpha;
-  g.beta = beta;
-  return g;
+  MT_FAIL("cuBLASLt has no algorithm for {} (heuristic status {})", describe_gemm(g), status);
 }
 
 }  // namespace mt::cuda

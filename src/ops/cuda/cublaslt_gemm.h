@@ -7,6 +7,7 @@
 // fp32; split-K reductions are restricted to the compute type for 16-bit outputs.
 #pragma once
 #include <cstdint>
+#include <string>
 
 #include "core/dtype.h"
 #include "core/stream.h"
@@ -30,9 +31,13 @@ enum class GemmScaleMode : uint8_t { kScalar, kVec128, kBlk128x128 };
 
 /// The FP8 part of a GemmDesc (ab_type kF8E4M3/kF8E5M2): B's element type (hybrid FP8 multiplies
 /// e5m2 gradients by e4m3 operands; kF32 = ab_type), the operands' dequantisation scales (device
-/// fp32, required), their modes, and CUBLASLT_MATMUL_DESC_FAST_ACCUM. FP8 GEMMs need trans_a =
-/// false, trans_b = true (both operands K-major: cuBLASLt's "TN", the only FP8 layout on sm_90),
-/// batch 1, no epilogue, and C (= D) fp32/bf16/fp16.
+/// fp32, required), their modes, and CUBLASLT_MATMUL_DESC_FAST_ACCUM. The requirements (cuBLASLt's
+/// FP8 rules on sm_90, checked by check_gemm_desc): trans_a = false, trans_b = true (both operands
+/// K-major: cuBLASLt's "TN", the only FP8 layout on sm_90); batch 1; no epilogue, bias or aux; C
+/// (= D) fp32/bf16/fp16; m, n, k multiples of 16; A, B, C, D and both scale pointers 16-byte
+/// aligned (a scale at a 4-byte offset into a state buffer is rejected by cublasLtMatmul with
+/// CUBLAS_STATUS_NOT_SUPPORTED although the heuristic offered an algorithm; cuBLAS >= 12.9);
+/// scale modes both scalar or both block, not both 128x128; fast_accum with scalar scales only.
 struct GemmFp8 {
   DType b_type = DType::kF32;
   const float* a_scale = nullptr;
@@ -70,6 +75,17 @@ struct GemmDesc {
   float* bias_grad = nullptr;  ///< kBgradA's output
   GemmFp8 fp8;                 ///< FP8 operands only
 };
+
+/// Host-side validation of a GemmDesc against what cuBLASLt can run (no GPU needed; the CUDA
+/// GEMM calls it before planning, fp8_matmul on every backend): sizes, leading dimensions,
+/// epilogue operands, and for FP8 every rule listed at GemmFp8. Errors: mt::Error naming the
+/// violated requirement and the problem (describe_gemm).
+void check_gemm_desc(const GemmDesc& g);
+/// One line describing the problem (sizes, transposes, dtypes, leading dimensions, epilogue, FP8
+/// modes), for error messages.
+std::string describe_gemm(const GemmDesc& g);
+/// B's element type: GemmFp8::b_type for an FP8 GEMM that sets it, else ab_type.
+DType gemm_b_type(const GemmDesc& g);
 
 /// Enqueues the GEMM on `stream`. Returns false (enqueueing nothing) when cuBLASLt offers no
 /// algorithm for this problem (possible with epilogues and odd alignments); throws mt::Error on
