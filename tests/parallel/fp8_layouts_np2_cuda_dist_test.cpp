@@ -114,12 +114,6 @@ RunResult train(const std::shared_ptr<Communicator>& world, TransformerConfig c,
   return r;
 }
 
-std::vector<float> slice(const std::vector<float>& full, const ParamInfo& shard) {
-  std::vector<float> out(static_cast<size_t>(shard.numel));
-  for (int64_t e = 0; e < shard.numel; ++e) out[e] = full[shard.box.global_index(e)];
-  return out;
-}
-
 TEST(Fp8LayoutsNccl, TensorParallelMatchesOneGpu) {
   MT_REQUIRE_CUDA();
   const LaunchEnv env = read_launch_env();
@@ -167,7 +161,7 @@ TEST(Fp8LayoutsNccl, TensorParallelMatchesOneGpu) {
       std::vector<float> pg, rg;
       for (size_t i = 0; i < par.infos.size(); ++i) {
         const size_t j = ref_index.at(par.infos[i].name);
-        const auto r = slice(ref.grads[j], par.infos[i]);
+        const auto r = testing::shard_slice(ref.grads[j], par.infos[i]);
         pg.insert(pg.end(), par.grads[i].begin(), par.grads[i].end());
         rg.insert(rg.end(), r.begin(), r.end());
       }

@@ -185,17 +185,6 @@ RunResult train(const std::shared_ptr<Communicator>& world, const Layout& L, DTy
   return r;
 }
 
-// The slice of a full (reference) tensor that a shard covers.
-std::vector<float> slice(const std::vector<float>& full, const ParamInfo& shard) {
-  std::vector<float> out(static_cast<size_t>(shard.numel));
-  for (int64_t e = 0; e < shard.numel; ++e) out[e] = full[shard.box.global_index(e)];
-  return out;
-}
-
-bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
-
 struct Environment {
   std::shared_ptr<Communicator> world;
   Device dev;
@@ -291,7 +280,7 @@ TEST(MoeLayoutsNccl, Bf16LayoutsMatchOneGpu) {
       const auto& info = par.infos[i];
       ASSERT_TRUE(ref_index.count(info.name)) << L.name << ": " << info.name;
       const size_t j = ref_index.at(info.name);
-      const auto rg = slice(ref.grads[j], info), rp = slice(ref.params[j], info);
+      const auto rg = testing::shard_slice(ref.grads[j], info), rp = testing::shard_slice(ref.params[j], info);
       all_par_g.insert(all_par_g.end(), par.grads[i].begin(), par.grads[i].end());
       all_ref_g.insert(all_ref_g.end(), rg.begin(), rg.end());
       all_par_p.insert(all_par_p.end(), par.params[i].begin(), par.params[i].end());
@@ -339,7 +328,7 @@ TEST(MoeLayoutsNccl, OverlappedCommunicationIsBitwiseTheSequentialLayer) {
       ASSERT_EQ(got.infos.size(), ref.infos.size()) << L.name;
       int differ = 0;
       for (size_t i = 0; i < ref.infos.size(); ++i) {
-        const bool g = same_bits(got.grads[i], ref.grads[i]), p = same_bits(got.params[i], ref.params[i]);
+        const bool g = testing::same_bits(got.grads[i], ref.grads[i]), p = testing::same_bits(got.params[i], ref.params[i]);
         if (!g || !p) ++differ;
         EXPECT_TRUE(g) << L.name << " rank " << e.world->rank() << ": gradient " << ref.infos[i].name
                        << " differs (rel " << testing::rel_err(got.grads[i], ref.grads[i]) << ")";

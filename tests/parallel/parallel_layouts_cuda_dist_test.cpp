@@ -172,13 +172,6 @@ RunResult train(const std::shared_ptr<Communicator>& world, const Layout& L, DTy
   return r;
 }
 
-// The slice of a full (reference) tensor that a shard covers.
-std::vector<float> slice(const std::vector<float>& full, const ParamInfo& shard) {
-  std::vector<float> out(static_cast<size_t>(shard.numel));
-  for (int64_t e = 0; e < shard.numel; ++e) out[e] = full[shard.box.global_index(e)];
-  return out;
-}
-
 /// The world of the mpiexec ranks, one GPU each (made once per process), or why the tests skip.
 struct GpuWorld {
   std::shared_ptr<Communicator> comm;
@@ -256,7 +249,7 @@ TEST(ParallelLayoutsNccl, Bf16LayoutsMatchOneGpu) {
       const auto& info = par.infos[i];
       ASSERT_TRUE(ref_index.count(info.name)) << info.name;
       const size_t j = ref_index.at(info.name);
-      const auto rg = slice(ref.grads[j], info), rp = slice(ref.params[j], info);
+      const auto rg = testing::shard_slice(ref.grads[j], info), rp = testing::shard_slice(ref.params[j], info);
       all_par_g.insert(all_par_g.end(), par.grads[i].begin(), par.grads[i].end());
       all_ref_g.insert(all_ref_g.end(), rg.begin(), rg.end());
       all_par_p.insert(all_par_p.end(), par.params[i].begin(), par.params[i].end());

@@ -46,10 +46,6 @@ std::vector<float> draw(uint64_t stream, int64_t n) {
   return v;
 }
 
-bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
-
 /// The TP groups under test: the world (TP 4 under mpiexec -np 4) and its halves (TP 2).
 std::vector<std::shared_ptr<Communicator>> groups() {
   std::vector<std::shared_ptr<Communicator>> v{world()};
@@ -83,9 +79,9 @@ TEST(TpCommOverlapMpi, AllGatherGemm) {
       const std::vector<float> x = draw(100 + j, sl * b * k);
       expect.insert(expect.end(), x.begin(), x.end());
     }
-    EXPECT_TRUE(same_bits(gathered[0], expect)) << "plain all-gather, rank " << r;
-    EXPECT_TRUE(same_bits(gathered[1], expect)) << "overlapped all-gather, rank " << r;
-    EXPECT_TRUE(same_bits(y[1], y[0])) << "rank " << r;
+    EXPECT_TRUE(testing::same_bits(gathered[0], expect)) << "plain all-gather, rank " << r;
+    EXPECT_TRUE(testing::same_bits(gathered[1], expect)) << "overlapped all-gather, rank " << r;
+    EXPECT_TRUE(testing::same_bits(y[1], y[0])) << "rank " << r;
   }
 }
 
@@ -124,9 +120,9 @@ TEST(TpCommOverlapMpi, GemmReduceScatter) {
     for (const auto& p : parts) pieces.push_back(p.t);
     OwnedTensor expect(DType::kF32, Device::cpu(), {rows, n});
     rank_order_sum(expect, pieces.data(), n_tp, st);
-    EXPECT_TRUE(same_bits(y[1], testing::to_host(expect, st))) << "rank " << r;
+    EXPECT_TRUE(testing::same_bits(y[1], testing::to_host(expect, st))) << "rank " << r;
     if (n_tp == 2) {
-      EXPECT_TRUE(same_bits(y[1], y[0])) << "rank " << r;
+      EXPECT_TRUE(testing::same_bits(y[1], y[0])) << "rank " << r;
     } else {
       EXPECT_LT(testing::rel_err(y[1], y[0]), 1e-6) << "rank " << r;
     }

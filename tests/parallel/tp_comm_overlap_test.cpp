@@ -49,10 +49,6 @@ class CountingCommunicator final : public ForwardingCommunicator {
   }
 };
 
-bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
-
 // Rows [first, first + count) of y = x·Wᵀ from those rows of x, as ColumnParallelLinear does. A
 // row's bits depend on the GEMM's row count (OpenBLAS), so both paths make the same block GEMMs.
 TEST(TpCommOverlap, AllGatherGemmEqualsAllGatherThenGemm) {
@@ -90,8 +86,8 @@ TEST(TpCommOverlap, AllGatherGemmEqualsAllGatherThenGemm) {
         EXPECT_EQ(counting->all_gathers, overlap == 1 ? 0 : 1);
       }
       EXPECT_TRUE(testing::all_finite(y[1]));
-      EXPECT_TRUE(same_bits(gathered[1], gathered[0])) << "rank " << rank << ": the gathered input";
-      EXPECT_TRUE(same_bits(y[1], y[0])) << "rank " << rank << ": the GEMM output";
+      EXPECT_TRUE(testing::same_bits(gathered[1], gathered[0])) << "rank " << rank << ": the gathered input";
+      EXPECT_TRUE(testing::same_bits(y[1], y[0])) << "rank " << rank << ": the GEMM output";
     });
   }
 }
@@ -131,7 +127,7 @@ TEST(TpCommOverlap, GemmReduceScatterEqualsGemmThenReduceScatter) {
         EXPECT_EQ(counting->reduce_scatters, overlap == 1 ? 0 : 1);
       }
       EXPECT_TRUE(testing::all_finite(y[1]));
-      EXPECT_TRUE(same_bits(y[1], y[0])) << "rank " << rank;
+      EXPECT_TRUE(testing::same_bits(y[1], y[0])) << "rank " << rank;
     });
   }
 }
@@ -167,7 +163,7 @@ TEST(RankOrderSum, IsTheThreadReduceScatter) {
       std::vector<Tensor> mine;
       for (int r = 0; r < n; ++r) mine.push_back(in[static_cast<size_t>(r)].t.slice0(rank * m, (rank + 1) * m));
       rank_order_sum(summed, mine.data(), n, s);
-      EXPECT_TRUE(same_bits(testing::to_host(summed, s), testing::to_host(scattered, s))) << n << " rank " << rank;
+      EXPECT_TRUE(testing::same_bits(testing::to_host(summed, s), testing::to_host(scattered, s))) << n << " rank " << rank;
     });
   }
 }

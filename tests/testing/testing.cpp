@@ -198,6 +198,16 @@ void poison(const Tensor& t, const Stream& stream) {
   upload(t, nan, stream);
 }
 
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+std::vector<float> shard_slice(const std::vector<float>& full, const ParamInfo& shard) {
+  std::vector<float> out(static_cast<size_t>(shard.numel));
+  for (int64_t e = 0; e < shard.numel; ++e) out[static_cast<size_t>(e)] = full[static_cast<size_t>(shard.box.global_index(e))];
+  return out;
+}
+
 double rel_err(const std::vector<float>& a, const std::vector<float>& b) {
   MT_CHECK(a.size() == b.size(), "rel_err size {} vs {}", a.size(), b.size());
   double num = 0, den = 0;

@@ -14,6 +14,7 @@
 #include "core/check.h"
 #include "core/stream.h"
 #include "core/tensor.h"
+#include "model/params.h"
 
 namespace mt::testing {
 
@@ -59,6 +60,13 @@ void upload(const Tensor& t, const std::vector<float>& host, const Stream& strea
 /// Fills a float tensor with NaN, any other with 0xFF bytes (outputs and workspaces are poisoned
 /// before each call under test).
 void poison(const Tensor& t, const Stream& stream);
+
+/// Whether a and b have the same size and the same bits (memcmp: -0 != +0, NaN payloads count).
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b);
+
+/// The elements of a full (one-rank) tensor that the parameter shard `shard` holds, in the
+/// shard's order (ParamInfo::box).
+std::vector<float> shard_slice(const std::vector<float>& full, const ParamInfo& shard);
 
 /// ||a - b|| / max(||b||, tiny), in double.
 double rel_err(const std::vector<float>& a, const std::vector<float>& b);
