@@ -30,9 +30,21 @@ LrScheduleConfig PretrainArgs::lr_schedule() const {
     c.decay_steps = lr_decay_iters > 0 ? lr_decay_iters : train_iters;
     c.warmup_steps = static_cast<double>(lr_warmup_iters);
     c.wsd_decay_steps = lr_wsd_decay_iters;
+    if (lr_counts_samples()) {  // a batch-size schedule: iterations x the (final) global batch size
+      c.decay_steps *= global_batch_size;
+      c.warmup_steps *= static_cast<double>(global_batch_size);
+      c.wsd_decay_steps *= global_batch_size;
+    }
   }
   if (lr_warmup_fraction >= 0) c.warmup_steps = lr_warmup_fraction * static_cast<double>(c.decay_steps);
   return c;
+}
+
+std::vector<int64_t> PretrainArgs::microbatch_counts() const {
+  std::vector<int64_t> out;
+  for (const int64_t b : batch_schedule.sizes_used(train_iters)) out.push_back(b / (micro_batch_size * data_parallel_size));
+  if (out.empty() || out.back() != num_microbatches()) out.push_back(num_microbatches());
+  return out;
 }
 
 LrScheduleConfig PretrainArgs::decoupled_lr_schedule() const {
@@ -267,6 +279,14 @@ void add_training_options(CLI::App& app, PretrainArgs& a) {
   app.add_option("--global-batch-size", a.global_batch_size,
                  "Sequences per iteration (gradient accumulation over micro-batches)")
       ->check(positive_integer());
+  app.add_option("--rampup-batch-size", a.rampup_batch_size,
+                 "<start> <increment> <ramp samples>: the global batch grows from <start> by <increment> every "
+                 "ramp-samples / ((global - start) / increment) consumed samples up to --global-batch-size")
+      ->expected(1, -1);
+  app.add_option("--step-batch-size-schedule", a.step_batch_size_schedule,
+                 "\"T0:B0 T1:B1 ...\": global batch B_k from T_k consumed tokens on (K/M/B/T suffixes; T0 = 0)")
+      ->expected(1, -1)
+      ->allow_extra_args();
   app.add_option("--train-iters", a.train_iters, "Training iterations (or --train-samples)")->check(positive_integer());
   app.add_option("--lr", a.lr, "Peak learning rate")->check(number_range(0, kNoMax))->required();
   app.add_option("--min-lr", a.min_lr, "Minimum learning rate")
@@ -665,6 +685,7 @@ void validate_pretrain_args(PretrainArgs& a) {
   MT_REQUIRE(a.global_batch_size % (a.micro_batch_size * a.data_parallel_size) == 0,
              "--global-batch-size {} is not divisible by --micro-batch-size {} times data-parallel size {}",
              a.global_batch_size, a.micro_batch_size, a.data_parallel_size);
+  resolve_batch_schedule(a);
   resolve_sample_based_training(a);
   MT_REQUIRE(a.distributed_timeout_minutes > 0, "--distributed-timeout-minutes must be positive, got {}",
              a.distributed_timeout_minutes);
