@@ -36,7 +36,6 @@ constexpr const char* kWandb =
 constexpr const char* kFsdp =
     "FSDP (sharded parameters) is not built; --use-distributed-optimizer shards the optimizer state over data-parallel "
     "ranks (ZeRO-1)";
-constexpr const char* kTikToken = "read only by --tokenizer-type TikTokenizer (not built)";
 
 const CompatFlag kFlags[] = {
     // implementation choices that are always one way here
@@ -85,8 +84,6 @@ const CompatFlag kFlags[] = {
     {"--auto-detect-ckpt-format", kSwitch, nullptr, kNoOp, "there is one checkpoint format (docs/checkpoints.md)"},
     {"--override-opt_param-scheduler,--override-opt-param-scheduler", kSwitch, nullptr, kNoOp,
      "checkpoints do not store the learning-rate schedule: it always comes from the command line"},
-    {"--tiktoken-pattern", kChoice, "v1|v2", kNoOp, kTikToken},
-    {"--tiktoken-num-special-tokens", kNonNegative, nullptr, kNoOp, kTikToken},
     // features that are not built
     {"--use-torch-fsdp2", kSwitch, nullptr, kRefused, kFsdp},
     {"--use-megatron-fsdp", kSwitch, nullptr, kRefused, kFsdp},
@@ -251,9 +248,6 @@ void check_megatron_compat(const PretrainArgs& a) {
   for (const CompatFlag& f : kFlags)
     MT_REQUIRE(f.handling != kRefused || !given(a, primary_name(f)), "{} is not supported: {}", primary_name(f),
                f.reason);
-  MT_REQUIRE(a.data.tokenizer_type != "TikTokenizer",
-             "--tokenizer-type TikTokenizer is not supported: tiktoken's base64 vocabulary files are not read here; "
-             "use --tokenizer-type HuggingFaceTokenizer with the model's tokenizer.json (Llama 3 ships one)");
   // Megatron-LM (validate_args) refuses it with learned positions; with rope there is no table anyway.
   MT_REQUIRE(!given(a, "--no-position-embedding") ||
                  a.model.position_embedding_type != PositionEmbeddingType::kLearnedAbsolute,

@@ -14,6 +14,9 @@
 #include <sstream>
 
 #include "data/gpt_window_dataset.h"
+#include "data/indexed_dataset.h"
+#include "data/preprocess.h"
+#include "data/tiktoken_tokenizer.h"
 #include "testing/testing.h"
 #include "train/megatron_compat.h"
 #include "train/trainer_testing.h"
@@ -243,8 +246,14 @@ TEST(MegatronScripts, EveryCompatFlag) {
   }
   EXPECT_GE(noops, 20);
   EXPECT_GE(refusals, 10);
-  expect_error([&] { validated(parse_words(words("--train-iters 2 --lr 1 --mock-data --tokenizer-type TikTokenizer")), 1); },
-               "--tokenizer-type TikTokenizer is not supported");
+  // TikTokenizer is built (its options parse; the tokenizer itself: TikTokenizerPreprocessesAndTrains)
+  const PretrainArgs tt = parse_words(words("--train-iters 2 --lr 1 --mock-data --tokenizer-type TikTokenizer "
+                                            "--tiktoken-pattern v1 --tiktoken-num-special-tokens 12 "
+                                            "--tiktoken-special-tokens <unk> <s> </s> <mask> <pad> <cls> <sep> <x>"));
+  EXPECT_EQ(compat_error(tt), "");
+  EXPECT_EQ(tt.data.tiktoken.pattern, "v1");
+  EXPECT_EQ(tt.data.tiktoken.num_special_tokens, 12);
+  EXPECT_EQ(tt.data.tiktoken.special_tokens.size(), 8u);
   expect_error([&] { validated(parse_words(words(base + "--no-position-embedding")), 1); },
                "--no-position-embedding with --position-embedding-type learned_absolute");
   EXPECT_NO_THROW(validated(parse_words(words(base + "--no-position-embedding --position-embedding-type rope")), 1));
@@ -474,6 +483,56 @@ TEST_F(MegatronScriptsRun, PerTokenLoss) {
   for (const auto& [i, l] : per_token) EXPECT_NEAR(l, per_mb.at(i), 0.05 * per_mb.at(i)) << i;
   EXPECT_EQ(losses("--eod-mask-loss --calculate-per-token-loss --global-batch-size 2"),
             losses("--eod-mask-loss --global-batch-size 2"));
+}
+
+
+// --tokenizer-type TikTokenizer through preprocess_data and pretraining, with the Llama 3 script's
+// --tiktoken-pattern v2 and the vocabulary of tests/data/fixtures/tiktoken_ref (Megatron's JSON
+// format; 10 special tokens, so 10 + its ranks ids in all).
+TEST_F(MegatronScriptsRun, TikTokenizerPreprocessesAndTrains) {
+  const char* src = std::getenv("MT_SOURCE_DIR");
+  const std::string vocab = std::string(src ? src : ".") + "/tests/data/fixtures/tiktoken_ref/vocab.json";
+  std::ifstream vf(vocab);
+  ASSERT_TRUE(vf) << vocab;
+  const int64_t ranks = static_cast<int64_t>(nlohmann::json::parse(vf).size());
+  {
+    std::ofstream j(dir("tt.jsonl"));
+    for (int d = 0; d < 200; ++d)
+      j << nlohmann::json{{"text", fmt::format("Document {} — naïve café 東京 👍🏽: the quick brown fox, {} times. "
+                                               "HelloWorld it's here.", d, d * 7)}}.dump()
+        << "\n";
+  }
+  data::PreprocessConfig c;
+  c.inputs = {dir("tt.jsonl")};
+  c.output_prefix = dir("tt");
+  c.append_eod = true;
+  c.tokenizer_type = "TikTokenizer";
+  c.tokenizer_model = vocab;
+  c.vocab_size = 10 + ranks;
+  c.tiktoken.num_special_tokens = 10;
+  const data::PreprocessStats st = data::preprocess_data(c);
+  EXPECT_EQ(st.documents, 200);
+  // the first document decodes back to its text, then EOD (</s> = 2)
+  const data::TikTokenizer tok = data::TikTokenizer::from_file(vocab, [&] {
+    data::TikTokenOptions o;
+    o.num_special_tokens = 10;
+    o.vocab_size = 10 + ranks;
+    return o;
+  }());
+  data::IndexedDataset ds(st.output_prefixes.at(0));
+  const std::vector<int32_t> doc0 = ds.get(0);
+  ASSERT_FALSE(doc0.empty());
+  EXPECT_EQ(doc0.back(), 2);
+  EXPECT_EQ(tok.decode(std::span(doc0).first(doc0.size() - 1)),
+            "Document 0 — naïve café 東京 👍🏽: the quick brown fox, 0 times. HelloWorld it's here.");
+  const std::string args = std::string(kSmall) + fmt::format(
+      "--tokenizer-type TikTokenizer --tokenizer-model {} --vocab-size {} --tiktoken-num-special-tokens 10 "
+      "--tiktoken-pattern v2 --data-path {} --split 90,8,2 --max-position-embeddings 32 --train-iters 4 --lr 3e-3",
+      vocab, 10 + ranks, st.output_prefixes.at(0));
+  testing::SetupInfo info;
+  const TrainingResult r = train_in_process(args, &info);
+  expect_trains(r, 4);
+  EXPECT_EQ(info.padded_vocab, ((10 + ranks + 63) / 64) * 64);
 }
 
 }  // namespace
