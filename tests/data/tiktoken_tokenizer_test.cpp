@@ -29,6 +29,21 @@ std::string fixture(const std::string& name) {
   return testing::source_dir() + "/tests/data/fixtures/tiktoken_ref/" + name;
 }
 
+std::string base64(const std::string& s) {
+  static const char* k = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+  std::string out;
+  uint32_t acc = 0;
+  int bits = 0;
+  for (unsigned char c : s) {
+    acc = (acc << 8) | c;
+    bits += 8;
+    while (bits >= 6) out += k[(acc >> (bits -= 6)) & 63];
+  }
+  if (bits > 0) out += k[(acc << (6 - bits)) & 63];
+  while (out.size() % 4) out += '=';
+  return out;
+}
+
 std::vector<std::string> bytes_and(const std::vector<std::string>& merged) {
   std::vector<std::string> t;
   for (int b = 0; b < 256; ++b) t.emplace_back(1, static_cast<char>(b));
@@ -114,28 +129,11 @@ TEST(TikTokenizer, ReadsBothVocabularyFormats) {
   const std::filesystem::path dir = std::filesystem::temp_directory_path() / ("mt_tiktoken_" + std::to_string(getpid()));
   std::filesystem::create_directories(dir);
   const std::vector<std::string> toks = bytes_and({"ab", "\xE4\xB8\xAD"});  // "中"
-  auto b64 = [](const std::string& s) {
-    static const char* k = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    std::string out;
-    size_t i = 0;
-    for (; i + 2 < s.size(); i += 3) {
-      const uint32_t v = (uint8_t(s[i]) << 16) | (uint8_t(s[i + 1]) << 8) | uint8_t(s[i + 2]);
-      for (int k6 = 18; k6 >= 0; k6 -= 6) out += k[(v >> k6) & 63];
-    }
-    if (i + 1 == s.size()) {
-      const uint32_t v = uint8_t(s[i]) << 16;
-      out += std::string{k[(v >> 18) & 63], k[(v >> 12) & 63], '=', '='};
-    } else if (i + 2 == s.size()) {
-      const uint32_t v = (uint8_t(s[i]) << 16) | (uint8_t(s[i + 1]) << 8);
-      out += std::string{k[(v >> 18) & 63], k[(v >> 12) & 63], k[(v >> 6) & 63], '='};
-    }
-    return out;
-  };
   nlohmann::json j = nlohmann::json::array();
   std::string lines;
   for (size_t r = 0; r < toks.size(); ++r) {
-    j.push_back({{"rank", r}, {"token_bytes", b64(toks[r])}, {"token_str", ""}});
-    lines += b64(toks[r]) + " " + std::to_string(r) + "\n";
+    j.push_back({{"rank", r}, {"token_bytes", base64(toks[r])}, {"token_str", ""}});
+    lines += base64(toks[r]) + " " + std::to_string(r) + "\n";
   }
   std::ofstream(dir / "vocab.json") << j.dump();
   std::ofstream(dir / "vocab.tiktoken") << lines;
@@ -229,20 +227,6 @@ std::vector<std::string> trained_vocabulary(int merges) {
 constexpr int kMerges = 300;
 constexpr int64_t kFixtureSpecials = 10;
 
-std::string base64(const std::string& s) {
-  static const char* k = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-  std::string out;
-  uint32_t acc = 0;
-  int bits = 0;
-  for (unsigned char c : s) {
-    acc = (acc << 8) | c;
-    bits += 8;
-    while (bits >= 6) out += k[(acc >> (bits -= 6)) & 63];
-  }
-  if (bits > 0) out += k[(acc << (6 - bits)) & 63];
-  while (out.size() % 4) out += '=';
-  return out;
-}
 
 nlohmann::json vocab_json(const std::vector<std::string>& vocab) {
   nlohmann::json j = nlohmann::json::array();
