@@ -13,6 +13,11 @@ then "<SPECIAL_{i}>" fillers, ranks shifted by num_special_tokens, as TikTokenTo
   python3 tools/tiktoken_ref.py ids      # ids.json: tiktoken.Encoding(...).encode(text,
                                          # allowed_special="all") per pattern and text (needs the
                                          # tiktoken package; run it where it is installed)
+  python3 tools/tiktoken_ref.py ids --educational PATH/tiktoken/_educational.py
+                                         # the same ids from tiktoken's pure-Python reference BPE
+                                         # (bpe_encode in the package's _educational.py, read from a
+                                         # tiktoken checkout; no Rust core needed), the pieces cut as
+                                         # `pieces` does and special tokens as their ids
 """
 import base64
 import json
@@ -76,15 +81,48 @@ def ids(ranks, texts, specials):
     return out
 
 
+def ids_educational(ranks, texts, specials, path):
+    import types
+
+    sys.modules.setdefault("tiktoken", types.ModuleType("tiktoken"))  # _educational imports it for from_tiktoken only
+    edu = types.ModuleType("tiktoken_educational")
+    with open(path, encoding="utf-8") as f:
+        exec(compile(f.read(), path, "exec"), edu.__dict__)
+    special_ids = {s: i for i, s in enumerate(specials)}
+    split = pieces(texts, specials)  # per pattern, per text: the pieces between special tokens
+    import regex
+
+    special_re = regex.compile("|".join(regex.escape(s) for s in sorted(specials, key=len, reverse=True)))
+    out = {}
+    for name, pat in PATTERNS.items():
+        r = regex.compile(pat)
+        per_text = []
+        for t in texts:
+            got, pos = [], 0
+            for m in list(special_re.finditer(t)) + [None]:
+                end = m.start() if m else len(t)
+                for p in r.finditer(t[pos:end]):
+                    got += edu.bpe_encode(ranks, p.group().encode("utf-8"), visualise=None)
+                if m:
+                    got.append(special_ids[m.group()])
+                    pos = m.end()
+            per_text.append(got)
+        out[name] = per_text
+        assert len(per_text) == len(split[name])
+    return out
+
+
 def main():
     what = sys.argv[1] if len(sys.argv) > 1 else ""
     ranks, texts, specials = load()
     if what == "pieces":
         result = pieces(texts, specials)
+    elif what == "ids" and len(sys.argv) == 4 and sys.argv[2] == "--educational":
+        result = ids_educational(ranks, texts, specials, sys.argv[3])
     elif what == "ids":
         result = ids(ranks, texts, specials)
     else:
-        sys.exit("usage: tiktoken_ref.py pieces|ids")
+        sys.exit("usage: tiktoken_ref.py pieces | ids [--educational PATH/_educational.py]")
     path = os.path.join(HERE, f"{what}.json")
     with open(path, "w", encoding="utf-8") as f:
         json.dump(result, f, ensure_ascii=False)

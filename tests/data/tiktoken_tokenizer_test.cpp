@@ -6,7 +6,8 @@
 // vocabulary and texts (ids.json). The fixture's inputs (vocab.json: a vocabulary trained here by
 // BPE on the texts; texts.json) are written by this test with MT_WRITE_TIKTOKEN_FIXTURES=1 and
 // kept in the repository; tools/tiktoken_ref.py makes pieces.json (needs `regex`) and ids.json
-// (needs `tiktoken`) from them.
+// (the tiktoken package, or its pure-Python reference BPE: `ids --educational
+// tiktoken/_educational.py`, which made the committed ids.json from openai/tiktoken 4e71bbe).
 #include "data/tiktoken_tokenizer.h"
 
 #include <gtest/gtest.h>
