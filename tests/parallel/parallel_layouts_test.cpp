@@ -921,13 +921,13 @@ std::vector<Layout> mla_layouts() {
     v.push_back(L);
   }
   for (const auto& [arch, tp, flash, rc, layers] :
-       {std::tuple{Arch::kMla, 2, true, 0, 0}, std::tuple{Arch::kMlaNoLora, 2, true, 0, 0},
+       {std::tuple{Arch::kMla, 2, true, '\0', 0}, std::tuple{Arch::kMlaNoLora, 2, true, '\0', 0},
         std::tuple{Arch::kMla, 2, false, 'L', 0}, std::tuple{Arch::kMla, 2, true, 'L', 0},
         std::tuple{Arch::kMla, 2, false, 'u', 2}}) {
     Layout L = grid_layout(arch, tp, 1, 1, 0, 2);
     L.sp = true;
     L.flash = flash;
-    L.recompute = static_cast<char>(rc);
+    L.recompute = rc;
     L.recompute_layers = layers;
     v.push_back(L);
   }

@@ -71,6 +71,7 @@ MLASelfAttention::MLASelfAttention(const TransformerConfig& c, const LayerSpec& 
       rq_(c.q_lora_rank),
       rkv_(c.kv_lora_rank),
       recompute_up_(c.selective_recompute().mla_up_proj),
+      context_parallel_(spec.context_parallel != nullptr),
       linear_kv_up_(up_options(c, layer, "linear_kv_up_proj", c.kv_lora_rank,
                                c.num_attention_heads * (c.qk_head_dim + c.v_head_dim)),
                     tp, reg),
@@ -117,7 +118,9 @@ void MLASelfAttention::plan(BufferPlanner& p, int64_t s, int64_t b) {
   if (core_attention_->reads_inputs_in_backward() && !recompute_up_) {
     *grow(qkv_saved_) = p.saved(t, packed, "MLA packed qkv (attention input)");
   }
-  if (core_attention_->reads_inputs_in_backward()) {
+  // The padded context outlives the forward when the core attention's backward reads it: flash's
+  // and (without a2a, from the context the caller keeps) ContextParallelAttention's.
+  if (core_attention_->reads_inputs_in_backward() || context_parallel_) {
     *grow(context_saved_) = p.saved(t, {s, b, heads_ * d_}, "MLA padded context");
   }
   core_attention_->plan(p, s, b);
@@ -138,35 +141,36 @@ void MLASelfAttention::plan(BufferPlanner& p, int64_t s, int64_t b) {
   dx_ = p.scratch("mla.dx", t, {s_l, b, h});
 }
 
-void MLASelfAttention::up_project(const Tensor& qkv, const StepContext& ctx, bool gather) {
-  const Stream& st = ctx.stream;
-  linear_q_->forward(q_, ctx, Tensor(), gather);
-  linear_kv_up_.forward(kv_, ctx, Tensor(), gather);
+void MLASelfAttention::pack_and_rotate(const Tensor& qkv, const StepContext& ctx) {
   const int64_t tokens = q_.size(0) * q_.size(1);
   mla_qkv_pack(qkv, q_.view({tokens, heads_, dn_ + dr_}), kv_.view({tokens, heads_, dn_ + dv_}),
-               k_pe_.at(static_cast<size_t>(ctx.slot)), st);
-  rope_forward(qkv, ctx.batch.position_ids, mla_rope_config(config_), st);
+               k_pe_.at(static_cast<size_t>(ctx.slot)), ctx.stream);
+  rope_forward(qkv, ctx.batch.position_ids, mla_rope_config(config_), ctx.stream);
 }
 
 Tensor MLASelfAttention::forward(const StepContext& ctx, const ResidualAdd* add) {
   const size_t a = static_cast<size_t>(ctx.slot);
   const Stream& st = ctx.stream;
   const Tensor x = x_.at(a);
-  // down-projections and latent norms on this rank's rows (replicated weights)
+  // Down-projections and latent norms on this rank's rows (replicated weights). Each latent goes
+  // through its up-projection before the next is written: with SP the column-parallel layers share
+  // the scratch their producer writes (model/layers/linear.h).
   if (rq_ > 0) {
     linear_forward(cq_.at(a), x, q_down_.value(), Tensor(), Tensor(), st);
     q_layernorm_->forward(rows(linear_q_->input(ctx.slot)), rows(cq_.at(a)), ctx);
   } else {
     copy(linear_q_->input(ctx.slot), x, st);
   }
+  linear_q_->forward(q_, ctx);
   const Tensor w_kv = kv_down_.value();
   linear_forward(ckv_.at(a), x, w_kv.slice0(0, rkv_), Tensor(), Tensor(), st);
   const Tensor k_pe_local = tp_.sequence_parallel() ? k_pe_local_ : k_pe_.at(a);
   linear_forward(k_pe_local, x, w_kv.slice0(rkv_, rkv_ + dr_), Tensor(), Tensor(), st);
   tp_.enter_forward(k_pe_.at(a), k_pe_local, st);  // with SP: all-gather along the sequence
   kv_layernorm_->forward(rows(linear_kv_up_.input(ctx.slot)), rows(ckv_.at(a)), ctx);
+  linear_kv_up_.forward(kv_, ctx);
   const Tensor qkv_in = qkv(ctx.slot);
-  up_project(qkv_in, ctx, /*gather=*/true);
+  pack_and_rotate(qkv_in, ctx);
   const Tensor ctx_pad = context(ctx.slot);
   if (const InferenceContext* inf = ctx.batch.inference) {
     latent_cache_attention(ctx_pad, qkv_in, *inf, ctx);
@@ -205,7 +209,11 @@ Tensor MLASelfAttention::backward(const Tensor& dy, const StepContext& ctx, Wgra
   const Tensor dcontext = linear_proj_.backward(dy, ctx, defer);  // [s, b, n_l·d_v]
   mla_context_unpack(dcontext, dcontext_, heads_, /*pad=*/true, st);
   const Tensor qkv_in = qkv(ctx.slot);
-  if (recompute_up_ && core_attention_->reads_inputs_in_backward()) up_project(qkv_in, ctx, /*gather=*/false);  // the same GEMMs on the kept latents
+  if (recompute_up_ && core_attention_->reads_inputs_in_backward()) {  // the same GEMMs on the kept latents
+    linear_q_->forward(q_, ctx, Tensor(), /*gather=*/false);
+    linear_kv_up_.forward(kv_, ctx, Tensor(), /*gather=*/false);
+    pack_and_rotate(qkv_in, ctx);
+  }
   core_attention_->backward(dqkv_, dcontext_, context(ctx.slot), qkv_in, ctx);
   rope_backward(dqkv_, ctx.batch.position_ids, mla_rope_config(config_), st);
   const int64_t tokens = dq_.size(0) * dq_.size(1);

@@ -57,9 +57,9 @@ class MLASelfAttention final : public AttentionSlot {
   const ParamRef& output_bias() const override { return linear_proj_.bias(); }
 
  private:
-  /// The up-projections, RoPE and the packing into qkv (forward, and the mla_up_proj recompute:
-  /// gather = false re-runs the GEMMs on the kept gathered latents).
-  void up_project(const Tensor& qkv, const StepContext& ctx, bool gather);
+  /// qkv [s, b, n_l, 3, D] from the up-projections' outputs q_, kv_ and k_pe: packed
+  /// (ops/mla.h) and rotated (forward, and the mla_up_proj recompute).
+  void pack_and_rotate(const Tensor& qkv, const StepContext& ctx);
   /// Generation: the attention of the new tokens' packed qkv [s, b, n_l, 3, D] over the cached
   /// tokens, whose keys and values are rebuilt from the layer's latent cache
   /// (model/inference_context.h) into the cache's shared buffers; then the new tokens' latents
@@ -76,6 +76,7 @@ class MLASelfAttention final : public AttentionSlot {
   int64_t heads_;  // n_l = n / tp
   int64_t dn_, dr_, dv_, d_, rq_, rkv_;
   bool recompute_up_;  // --recompute-modules mla_up_proj
+  bool context_parallel_;  // the core attention is ContextParallelAttention
   ParamRef q_down_, kv_down_;  // replicated [r_q, h], [r_kv + d_r, h]
   std::unique_ptr<Norm> q_layernorm_, kv_layernorm_;
   std::unique_ptr<ColumnParallelLinear> linear_q_;  // linear_q_up_proj, or linear_q_proj without r_q
