@@ -3,7 +3,7 @@
 // and without the distributed optimizer); pipeline parallelism PP in {2, 4} x VPP in {1, 2} x
 // micro-batches in {PP, 2·PP, 3·PP}, uneven first/last stages, a micro-batch group size; combined
 // TP·PP·DP layouts; overlapped bucket reduction and parameter all-gather; MoE with expert
-// parallelism and both token dispatchers. For each: three training iterations with
+// parallelism and both token dispatchers; multi-latent attention (Mla/*). For each: three training iterations with
 // dropout, weight decay and clipping; the losses of every iteration, the gradients of the last
 // iteration and the parameters after it, gathered from every stage and shard, equal the
 // single-rank run (rel. 1e-5). Also: the buffer plans' memory bounds, and errors for mismatched
@@ -1030,6 +1030,9 @@ std::vector<Layout> tp_overlap_layouts() {
   add(Arch::kLlama, 4, 1, 1, 0);
   v.back().flash = true;
   add(Arch::kMoe, 2, 1, 2, 0);
+  add(Arch::kMla, 2, 1, 1, 0);  // multi-latent attention: the latents' all-gathers in the up-projections
+  add(Arch::kMlaNoLora, 4, 1, 1, 0);
+  v.back().recompute = 'L';  // the up-projections re-run on the kept gathered latents
   return v;
 }
 
