@@ -1,15 +1,19 @@
 // Multi-latent attention on the CPU (docs/mla.md): YaRN's frequencies and concentration factor
 // against values computed by hand, the YaRN rotation against a float64 reference, the packing op
 // (ops/mla.h) against a naive float64 copy and its backward as its exact adjoint, the softmax scale,
-// and the configuration errors. The layer's forward/backward is checked against finite
+// a one-layer MLA model's loss against a float64 implementation of the formulas, and the
+// configuration errors. The layer's forward/backward is checked against finite
 // differences in tests/model/gpt_test.cpp (Gpt.Mla*) and under every parallel layout in
 // tests/parallel/parallel_layouts_test.cpp (Mla/ParallelLayouts.*).
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 
+#include "model/gpt_model.h"
 #include "model/transformer_config.h"
+#include "ops/elementwise.h"
 #include "ops/mla.h"
 #include "ops/rope.h"
 #include "ops/rope_math.h"
@@ -229,6 +233,162 @@ TEST(MlaOps, BadShapes) {
   testing::OwnedTensor kpe3(DType::kF32, Device::cpu(), {3, 4});
   testing::OwnedTensor qkv2(DType::kF32, Device::cpu(), {4, 2, 3, 10});
   expect_error([&] { mla_qkv_pack(qkv2, q, kv, kpe3, st); }, "shapes disagree");
+}
+
+// The loss of a one-layer MLA model (query latent, YaRN with both mscales beyond the original
+// context, value heads padded) on the CPU against a float64 implementation written from the
+// formulas of docs/mla.md with the model's own parameters (read by name): embedding, RMSNorm,
+// MLA, SwiGLU MLP, final norm, untied output layer, cross entropy over the real vocabulary.
+TEST(MlaModel, LossAgainstFloat64Reference) {
+  TransformerConfig c;
+  c.num_layers = 1;
+  c.hidden_size = 16;
+  c.num_attention_heads = 4;
+  c.ffn_hidden_size = 12;
+  c.gated_linear_unit = true;
+  c.normalization = Normalization::kRMSNorm;
+  c.position_embedding_type = PositionEmbeddingType::kRope;
+  c.untie_embeddings_and_output_weights = true;
+  c.add_bias_linear = false;
+  c.seq_length = 6;
+  c.vocab_size = 37;
+  c.make_vocab_size_divisible_by = 8;
+  c.hidden_dropout = c.attention_dropout = 0.f;
+  c.init_method_std = 0.3f;
+  c.multi_latent_attention = true;
+  c.q_lora_rank = 6;
+  c.kv_lora_rank = 5;
+  c.qk_head_dim = 3;
+  c.qk_pos_emb_head_dim = 4;
+  c.v_head_dim = 5;
+  c.rotary_base = 100.f;
+  c.rotary_scaling_factor = 3.f;
+  c.original_max_position_embeddings = 3;
+  c.beta_fast = 2.f;
+  c.beta_slow = 0.5f;
+  c.mscale = 0.8f;
+  c.mscale_all_dim = 0.6f;
+  const int64_t S = c.seq_length, B = 2, h = c.hidden_size, n = c.num_attention_heads, f = c.ffn_hidden_size;
+  const int64_t rq = c.q_lora_rank, rkv = c.kv_lora_rank, dn = c.qk_head_dim, dr = c.qk_pos_emb_head_dim;
+  const int64_t dv = c.v_head_dim, V = c.vocab_size;
+  const Stream& st = testing::cpu_stream();
+  GPTModel model(c, B, DType::kF32, Device::cpu(), ProcessGroups::single());
+  model.params().initialize(testing::test_seed(), st);
+  std::map<std::string, std::vector<double>> P;
+  for (size_t i = 0; i < model.params().size(); ++i) {
+    const std::vector<float> v = testing::to_host(model.params().main(i), st);
+    P[model.params().info(i).name] = std::vector<double>(v.begin(), v.end());
+  }
+  auto W = [&](const std::string& name) -> const std::vector<double>& {
+    const auto it = P.find(name);
+    EXPECT_NE(it, P.end()) << name;
+    return it->second;
+  };
+  const std::string a = "decoder.layers.0.self_attention.";
+  const std::vector<int32_t> tok = testing::randint(S * B, 0, 37), lab = testing::randint(S * B, 0, 37);
+  // float64 reference
+  const double eps = c.norm_epsilon;
+  auto rms = [&](const double* x, int64_t k, const std::vector<double>& w) {
+    double ss = 0;
+    for (int64_t i = 0; i < k; ++i) ss += x[i] * x[i];
+    const double r = 1.0 / std::sqrt(ss / static_cast<double>(k) + eps);
+    std::vector<double> y(static_cast<size_t>(k));
+    for (int64_t i = 0; i < k; ++i) y[i] = x[i] * r * w[i];
+    return y;
+  };
+  auto lin = [](const std::vector<double>& w, const double* x, int64_t out, int64_t in) {  // y = W x, W [out, in]
+    std::vector<double> y(static_cast<size_t>(out), 0.0);
+    for (int64_t o = 0; o < out; ++o)
+      for (int64_t i = 0; i < in; ++i) y[o] += w[o * in + i] * x[i];
+    return y;
+  };
+  // YaRN: the formulas of docs/mla.md in double
+  const double base = c.rotary_base, s_f = c.rotary_scaling_factor, two_pi = 2 * 3.141592653589793;
+  auto cdim = [&](double r) { return dr * std::log(c.original_max_position_embeddings / (r * two_pi)) / (2 * std::log(base)); };
+  const double low = std::max(std::floor(cdim(c.beta_fast)), 0.0);
+  double high = std::min(std::ceil(cdim(c.beta_slow)), static_cast<double>(dr - 1));
+  if (high == low) high += 0.001;
+  std::vector<double> inv(static_cast<size_t>(dr / 2));
+  for (int64_t p = 0; p < dr / 2; ++p) {
+    const double pf = std::pow(base, 2.0 * p / dr), ramp = std::clamp((p - low) / (high - low), 0.0, 1.0);
+    inv[p] = ramp / (s_f * pf) + (1 - ramp) / pf;
+  }
+  auto gm = [&](double m) { return s_f <= 1 ? 1.0 : 0.1 * m * std::log(s_f) + 1.0; };
+  const double amp = gm(c.mscale) / gm(c.mscale_all_dim);
+  const double scale = gm(c.mscale_all_dim) * gm(c.mscale_all_dim) / std::sqrt(static_cast<double>(dn + dr));
+  auto rope = [&](double* x, int64_t pos) {
+    for (int64_t p = 0; p < dr / 2; ++p) {
+      const double an = pos * inv[p], cs = amp * std::cos(an), sn = amp * std::sin(an);
+      const double x1 = x[2 * p], x2 = x[2 * p + 1];
+      x[2 * p] = x1 * cs - x2 * sn;
+      x[2 * p + 1] = x2 * cs + x1 * sn;
+    }
+  };
+  double loss = 0;
+  for (int64_t j = 0; j < B; ++j) {
+    std::vector<std::vector<double>> x(S), qn(S), qp(S), kn(S), kp(S), vv(S);
+    for (int64_t i = 0; i < S; ++i) {
+      const std::vector<double>& E = W("embedding.word_embeddings.weight");
+      x[i].assign(E.begin() + tok[i * B + j] * h, E.begin() + (tok[i * B + j] + 1) * h);
+      const std::vector<double> xn = rms(x[i].data(), h, W("decoder.layers.0.input_layernorm.weight"));
+      const std::vector<double> cq = lin(W(a + "linear_q_down_proj.weight"), xn.data(), rq, h);
+      const std::vector<double> cqn = rms(cq.data(), rq, W(a + "q_layernorm.weight"));
+      const std::vector<double> q = lin(W(a + "linear_q_up_proj.weight"), cqn.data(), n * (dn + dr), rq);
+      const std::vector<double> ckv = lin(W(a + "linear_kv_down_proj.weight"), xn.data(), rkv + dr, h);
+      const std::vector<double> ckvn = rms(ckv.data(), rkv, W(a + "kv_layernorm.weight"));
+      const std::vector<double> kv = lin(W(a + "linear_kv_up_proj.weight"), ckvn.data(), n * (dn + dv), rkv);
+      kp[i].assign(ckv.begin() + rkv, ckv.end());
+      rope(kp[i].data(), i);
+      for (int64_t hd = 0; hd < n; ++hd) {
+        const double* qh = q.data() + hd * (dn + dr);
+        const double* kvh = kv.data() + hd * (dn + dv);
+        qn[i].insert(qn[i].end(), qh, qh + dn);
+        std::vector<double> pe(qh + dn, qh + dn + dr);
+        rope(pe.data(), i);
+        qp[i].insert(qp[i].end(), pe.begin(), pe.end());
+        kn[i].insert(kn[i].end(), kvh, kvh + dn);
+        vv[i].insert(vv[i].end(), kvh + dn, kvh + dn + dv);
+      }
+    }
+    for (int64_t i = 0; i < S; ++i) {
+      std::vector<double> ctx(static_cast<size_t>(n * dv), 0.0);
+      for (int64_t hd = 0; hd < n; ++hd) {
+        std::vector<double> sc(static_cast<size_t>(i + 1));
+        double mx = -1e300, z = 0;
+        for (int64_t k = 0; k <= i; ++k) {
+          double d = 0;
+          for (int64_t e = 0; e < dn; ++e) d += qn[i][hd * dn + e] * kn[k][hd * dn + e];
+          for (int64_t e = 0; e < dr; ++e) d += qp[i][hd * dr + e] * kp[k][e];
+          sc[k] = d * scale;
+          mx = std::max(mx, sc[k]);
+        }
+        for (int64_t k = 0; k <= i; ++k) z += std::exp(sc[k] - mx);
+        for (int64_t k = 0; k <= i; ++k)
+          for (int64_t e = 0; e < dv; ++e) ctx[hd * dv + e] += std::exp(sc[k] - mx) / z * vv[k][hd * dv + e];
+      }
+      const std::vector<double> o = lin(W(a + "linear_proj.weight"), ctx.data(), h, n * dv);
+      std::vector<double> r1(static_cast<size_t>(h));
+      for (int64_t e = 0; e < h; ++e) r1[e] = x[i][e] + o[e];
+      const std::vector<double> r1n = rms(r1.data(), h, W("decoder.layers.0.pre_mlp_layernorm.weight"));
+      const std::vector<double> g = lin(W("decoder.layers.0.mlp.linear_fc1.weight"), r1n.data(), 2 * f, h);
+      std::vector<double> act(static_cast<size_t>(f));
+      for (int64_t e = 0; e < f; ++e) act[e] = g[e] / (1 + std::exp(-g[e])) * g[f + e];
+      const std::vector<double> m = lin(W("decoder.layers.0.mlp.linear_fc2.weight"), act.data(), h, f);
+      for (int64_t e = 0; e < h; ++e) r1[e] += m[e];
+      const std::vector<double> fin = rms(r1.data(), h, W("decoder.final_layernorm.weight"));
+      const std::vector<double> logits = lin(W("output_layer.weight"), fin.data(), V, h);  // the real rows
+      const double mx = *std::max_element(logits.begin(), logits.end());
+      double z = 0;
+      for (double l : logits) z += std::exp(l - mx);
+      loss += (std::log(z) + mx - logits[lab[i * B + j]]) / static_cast<double>(S * B);
+    }
+  }
+  testing::OwnedTensor T = testing::make_int_tensor(tok, Device::cpu(), {S, B}, st),
+                       L = testing::make_int_tensor(lab, Device::cpu(), {S, B}, st), out(DType::kF32, Device::cpu(), {1});
+  fill(out, 0.f, st);
+  model.forward(MicroBatch{T.t, L.t, Tensor()}, DropoutContext{1, 0, 0, false}, out, 1.0f / static_cast<float>(S * B), st);
+  const double got = testing::to_host(out, st)[0];
+  EXPECT_NEAR(got, loss, 2e-6 * std::fabs(loss)) << "float64 reference " << loss;
 }
 
 TransformerConfig mla_config() {
