@@ -1,7 +1,8 @@
 // Multi-latent attention, CUDA against CPU (docs/mla.md): the ops of ops/mla.h and the YaRN
 // rotation in fp32 (bitwise: copies and the same fp32 expressions) and bf16, and a whole MLA model
-// (query latent, YaRN, padded value heads; documents and dropout) with the local and the flash
-// core attention: loss and every gradient.
+// (query latent, YaRN, padded value heads; dropout) with the local and the flash core attention:
+// loss and every gradient; greedy generation with the latent cache on the GPU equals generation
+// without a cache and the CPU's tokens.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -11,6 +12,7 @@
 #include "ops/mla.h"
 #include "ops/rope.h"
 #include "testing/testing.h"
+#include "train/inference.h"
 
 namespace mt {
 namespace {
@@ -173,6 +175,55 @@ TEST(MlaCuda, Bf16LocalMatchesCpu) {
 TEST(MlaCuda, Bf16FlashMatchesCpu) {
   MT_REQUIRE_CUDA();
   compare(DType::kBF16, AttentionBackend::kFlash, 3e-2, 0.f);
+}
+
+TEST(MlaCuda, LatentCacheGenerationMatchesRecomputationAndCpu) {
+  MT_REQUIRE_CUDA();
+  TransformerConfig c;
+  c.num_layers = 3;
+  c.hidden_size = 32;
+  c.num_attention_heads = 4;
+  c.ffn_hidden_size = 48;
+  c.gated_linear_unit = true;
+  c.normalization = Normalization::kRMSNorm;
+  c.position_embedding_type = PositionEmbeddingType::kRope;
+  c.untie_embeddings_and_output_weights = true;
+  c.add_bias_linear = false;
+  c.seq_length = 24;
+  c.vocab_size = 61;
+  c.make_vocab_size_divisible_by = 8;
+  c.hidden_dropout = c.attention_dropout = 0.f;
+  c.init_method_std = 0.3f;
+  c.multi_latent_attention = true;
+  c.q_lora_rank = 12;
+  c.kv_lora_rank = 8;
+  c.qk_head_dim = 6;
+  c.qk_pos_emb_head_dim = 4;
+  c.v_head_dim = 5;
+  c.rotary_scaling_factor = 4.f;
+  c.original_max_position_embeddings = 8;
+  const std::vector<std::vector<int32_t>> prompts = {{3, 14, 15, 9, 2, 6}, {5}, {35, 8, 9, 7}};
+  std::vector<float> weights;  // the CPU model's, uploaded to the GPU model
+  {
+    GPTModel cpu(c, 1, DType::kF32, Device::cpu(), ProcessGroups::single());
+    cpu.params().initialize(99, testing::cpu_stream());
+    weights = testing::to_host(cpu.params().main_flat(), testing::cpu_stream());
+  }
+  auto run = [&](Device d, bool cache) {
+    Stream st(d);
+    GPTModel model(c, 1, DType::kF32, d, ProcessGroups::single());
+    testing::upload(model.params().main_flat(), weights, st);
+    model.params().sync_model_from_main(st);
+    TextGenerator gen(model, 3, c.seq_length, st);
+    GenerationOptions o;
+    o.max_new_tokens = 12;
+    o.sampling.greedy = true;
+    o.use_cache = cache;
+    return gen.generate(prompts, o).tokens;
+  };
+  const auto gpu_cached = run(Device::cuda(0), true);
+  EXPECT_EQ(gpu_cached, run(Device::cuda(0), false));
+  EXPECT_EQ(gpu_cached, run(Device::cpu(), true));
 }
 
 }  // namespace
