@@ -97,30 +97,43 @@ TEST(MlaCuda, OpsMatchCpu) {
   }
 }
 
-/// A two-layer MLA model on the GPU (dtype, core attention `backend`) against the CPU model (fp32,
-/// local attention) with the same (rounded) weights and batch: loss and every gradient.
-void compare(DType dtype, AttentionBackend backend, double tol, float dropout) {
+/// The Llama-style layer (SwiGLU, RMSNorm, RoPE, untied, no biases) with MLA: query latent 12,
+/// kv latent 8, d_n 6, d_r 4, d_v 5 (value heads padded), YaRN x4 beyond 8 original positions.
+TransformerConfig tiny_mla(int64_t layers, int64_t hidden, int64_t ffn, int64_t seq, int64_t vocab, int64_t divisible) {
   TransformerConfig c;
-  c.num_layers = 2;
-  c.hidden_size = 64;
+  c.num_layers = layers;
+  c.hidden_size = hidden;
   c.num_attention_heads = 4;
+  c.ffn_hidden_size = ffn;
   c.gated_linear_unit = true;
   c.normalization = Normalization::kRMSNorm;
   c.position_embedding_type = PositionEmbeddingType::kRope;
   c.untie_embeddings_and_output_weights = true;
   c.add_bias_linear = false;
+  c.seq_length = seq;
+  c.vocab_size = vocab;
+  c.make_vocab_size_divisible_by = divisible;
   c.multi_latent_attention = true;
+  c.q_lora_rank = 12;
+  c.kv_lora_rank = 8;
+  c.qk_head_dim = 6;
+  c.qk_pos_emb_head_dim = 4;
+  c.v_head_dim = 5;
+  c.rotary_scaling_factor = 4.f;
+  c.original_max_position_embeddings = 8;
+  return c;
+}
+
+/// A two-layer MLA model on the GPU (dtype, core attention `backend`) against the CPU model (fp32,
+/// local attention) with the same (rounded) weights and batch: loss and every gradient.
+void compare(DType dtype, AttentionBackend backend, double tol, float dropout) {
+  TransformerConfig c = tiny_mla(2, 64, 0, 32, 500, 64);  // SwiGLU default ffn: int(8·64/3 / 64)·64 = 128
   c.q_lora_rank = 24;
   c.kv_lora_rank = 16;
   c.qk_head_dim = 24;
   c.qk_pos_emb_head_dim = 8;
   c.v_head_dim = 16;  // D = 32: the value heads padded
-  c.rotary_scaling_factor = 4.f;
-  c.original_max_position_embeddings = 8;
   c.mscale_all_dim = 0.7f;
-  c.seq_length = 32;
-  c.vocab_size = 500;
-  c.make_vocab_size_divisible_by = 64;
   c.hidden_dropout = c.attention_dropout = dropout;
   const int64_t b = 3;
   Stream cs(Device::cpu()), gs(Device::cuda(0));
@@ -179,29 +192,9 @@ TEST(MlaCuda, Bf16FlashMatchesCpu) {
 
 TEST(MlaCuda, LatentCacheGenerationMatchesRecomputationAndCpu) {
   MT_REQUIRE_CUDA();
-  TransformerConfig c;
-  c.num_layers = 3;
-  c.hidden_size = 32;
-  c.num_attention_heads = 4;
-  c.ffn_hidden_size = 48;
-  c.gated_linear_unit = true;
-  c.normalization = Normalization::kRMSNorm;
-  c.position_embedding_type = PositionEmbeddingType::kRope;
-  c.untie_embeddings_and_output_weights = true;
-  c.add_bias_linear = false;
-  c.seq_length = 24;
-  c.vocab_size = 61;
-  c.make_vocab_size_divisible_by = 8;
+  TransformerConfig c = tiny_mla(3, 32, 48, 24, 61, 8);
   c.hidden_dropout = c.attention_dropout = 0.f;
   c.init_method_std = 0.3f;
-  c.multi_latent_attention = true;
-  c.q_lora_rank = 12;
-  c.kv_lora_rank = 8;
-  c.qk_head_dim = 6;
-  c.qk_pos_emb_head_dim = 4;
-  c.v_head_dim = 5;
-  c.rotary_scaling_factor = 4.f;
-  c.original_max_position_embeddings = 8;
   const std::vector<std::vector<int32_t>> prompts = {{3, 14, 15, 9, 2, 6}, {5}, {35, 8, 9, 7}};
   std::vector<float> weights;  // the CPU model's, uploaded to the GPU model
   {
