@@ -592,7 +592,8 @@ bool TransformerConfig::fp8_layer(int64_t layer) const {
 std::string TransformerConfig::summary() const {
   std::string s = fmt::format("{} layers, hidden {}, heads {}", num_layers, hidden_size, num_attention_heads);
   if (query_groups() != num_attention_heads) s += fmt::format(" ({} query groups)", query_groups());
-  if (head_dim() * num_attention_heads != hidden_size) s += fmt::format(", kv channels {}", head_dim());
+  if (!multi_latent_attention && head_dim() * num_attention_heads != hidden_size)  // MLA names its head dims
+    s += fmt::format(", kv channels {}", head_dim());
   // The GPT-2 defaults are not named (GELU), the other activations are: "ffn 704 (SwiGLU)".
   const MlpActivation act = activation();
   s += fmt::format(", ffn {}{}, {}, {} positions", ffn(),
