@@ -198,6 +198,14 @@ void check_resume_config(const TransformerConfig& ck, const TransformerConfig& m
   same_flag("bias in linear layers (--disable-bias-linear)", yes(ck.add_bias_linear), yes(m.add_bias_linear));
   same_flag("--add-qkv-bias", yes(ck.add_qkv_bias), yes(m.add_qkv_bias));
   same_flag("--qk-layernorm", yes(ck.qk_layernorm), yes(m.qk_layernorm));
+  same_flag("--multi-latent-attention", yes(ck.multi_latent_attention), yes(m.multi_latent_attention));
+  if (m.multi_latent_attention) {
+    same("--q-lora-rank", ck.q_lora_rank, m.q_lora_rank);
+    same("--kv-lora-rank", ck.kv_lora_rank, m.kv_lora_rank);
+    same("--qk-head-dim", ck.qk_head_dim, m.qk_head_dim);
+    same("--qk-pos-emb-head-dim", ck.qk_pos_emb_head_dim, m.qk_pos_emb_head_dim);
+    same("--v-head-dim", ck.v_head_dim, m.v_head_dim);
+  }
   same_flag("--apply-layernorm-1p (zero-centred norm weights)", yes(ck.layernorm_zero_centered_gamma),
             yes(m.layernorm_zero_centered_gamma));
   same_flag("--untie-embeddings-and-output-weights", yes(ck.untie_embeddings_and_output_weights),
