@@ -124,6 +124,14 @@ void add_model_options(CLI::App& app, PretrainArgs& a) {
          "--attention-backend", [&m](const std::string& v) { m.attention_backend = parse_attention_backend(v); },
          attention_backend_help())
       ->default_str(attention_backend_name(m.attention_backend));
+  app.add_option("--mtp-num-layers", m.mtp_num_layers,
+                 "Multi-token prediction depths on the last pipeline stage (DeepSeek-V3; 0 = off)")
+      ->check(integer_range(0))
+      ->capture_default_str();
+  app.add_option("--mtp-loss-scaling-factor", m.mtp_loss_scaling_factor,
+                 "Weight of the MTP loss: scaling factor / depths * the sum of the depths' losses")
+      ->check(number_range(0, kNoMax))
+      ->capture_default_str();
   app.add_flag("--deterministic-mode", m.deterministic_mode,
                "Choose code that has deterministic execution (usually slower; good for debugging and testing): "
                "bitwise repeatable losses and gradients on CUDA, also under CUDA graphs");

@@ -111,6 +111,10 @@ json config_to_json(const TransformerConfig& c) {
               {"hidden_dropout", c.hidden_dropout},
               {"attention_dropout", c.attention_dropout}};
   if (c.num_moe_experts > 0) j["moe"] = moe_config_to_json(c);
+  if (c.mtp_num_layers > 0) {
+    j["mtp_num_layers"] = c.mtp_num_layers;
+    j["mtp_loss_scaling_factor"] = c.mtp_loss_scaling_factor;
+  }
   return j;
 }
 
@@ -144,6 +148,8 @@ TransformerConfig config_from_json(const json& j) {
   c.hidden_dropout = j.at("hidden_dropout").get<float>();
   c.attention_dropout = j.at("attention_dropout").get<float>();
   if (j.contains("moe")) moe_config_from_json(j.at("moe"), c);
+  c.mtp_num_layers = j.value("mtp_num_layers", int64_t{0});
+  c.mtp_loss_scaling_factor = j.value("mtp_loss_scaling_factor", 0.1f);
   return c;
 }
 

@@ -69,6 +69,60 @@ TEST_F(TrainerTest, ResumeContinuesBitwise) {
   }
 }
 
+// The log line's " mtp_<k> loss: <value> |" (empty when absent).
+std::string logged(const std::string& line, const std::string& key) {
+  const size_t at = line.find(" " + key + ": ");
+  if (at == std::string::npos) return "";
+  const size_t begin = at + key.size() + 3;
+  return line.substr(begin, line.find(' ', begin) - begin);
+}
+
+// Multi-token prediction (--mtp-num-layers) on one rank and on the last of 2 pipeline stages (a
+// tied output layer: the last stage's embedding copy feeds the MTP): every log line carries each
+// depth's loss, and a run resumed from its checkpoint repeats the uninterrupted run's LM losses,
+// gradient norms and MTP losses bitwise (the MTP parameters and their optimizer state resume). With
+// --mtp-loss-scaling-factor 0 the LM losses equal those of a model without MTP bitwise: the MTP
+// changes neither the decoder's initialisation nor its dropout masks nor, at weight 0, its gradients.
+TEST_F(TrainerTest, MtpLogsItsLossesAndResumesBitwise) {
+  for (const std::string layout : {std::string(" --mtp-num-layers 2"),
+                                   std::string(" --mtp-num-layers 1 --nproc-per-node 2 --pipeline-model-parallel-size 2")}) {
+    SCOPED_TRACE(layout);
+    const std::string mtp = " --position-embedding-type rope" + layout;
+    const int depths = layout.find("layers 2") != std::string::npos ? 2 : 1;
+    const TrainingResult full = train("--train-iters 6" + mtp);
+    ASSERT_EQ(full.log.size(), 6u);
+    for (const auto& l : full.log)
+      for (int k = 1; k <= 3; ++k) {
+        const std::string v = logged(l.line, fmt::format("mtp_{} loss", k));
+        if (k > depths) {
+          EXPECT_EQ(v, "") << l.line;
+        } else {
+          ASSERT_NE(v, "") << l.line;
+          EXPECT_GT(std::stod(v), 1.0) << l.line;  // a cross entropy over 95 tokens, early in training
+        }
+      }
+    const std::string ck = dir("ck_mtp" + std::to_string(depths));
+    const TrainingResult first = train("--train-iters 6 --exit-interval 3 --save " + ck + mtp);
+    const TrainingResult second = train("--train-iters 6 --load " + ck + " --save " + ck + mtp);
+    std::map<int64_t, float> losses = first.losses;
+    for (const auto& [k, v] : second.losses) losses[k] = v;
+    EXPECT_EQ(losses, full.losses);
+    std::map<int64_t, double> norms = grad_norms(first);
+    for (const auto& [k, v] : grad_norms(second)) norms[k] = v;
+    EXPECT_EQ(norms, grad_norms(full));
+    for (const auto& l : second.log)
+      EXPECT_EQ(logged(l.line, "mtp_1 loss"), logged(full.log.at(static_cast<size_t>(l.point.iteration - 1)).line,
+                                                     "mtp_1 loss"))
+          << l.point.iteration;
+    const std::string pp =
+        layout.find("nproc") != std::string::npos ? " --nproc-per-node 2 --pipeline-model-parallel-size 2" : "";
+    const TrainingResult none = train("--train-iters 3 --position-embedding-type rope" + pp);
+    const TrainingResult zero = train("--train-iters 3 --mtp-loss-scaling-factor 0" + mtp);
+    EXPECT_EQ(zero.losses, none.losses);
+    EXPECT_NE(first.losses.at(3), none.losses.at(3)) << "the MTP loss changed nothing";
+  }
+}
+
 // --load == --save with nothing saved yet starts from scratch; --finetune loads the weights and
 // restarts the iteration count and the data at 0 (validating first, as a fresh run does).
 TEST_F(TrainerTest, AutoresumeAndFinetuneStartAtZero) {
