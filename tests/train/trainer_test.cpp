@@ -20,6 +20,7 @@ namespace mt {
 namespace {
 
 using testing::expect_error_text;
+using testing::logged;
 using testing::train_in_process;
 
 class TrainerTest : public testing::CorpusFixture {
@@ -67,14 +68,6 @@ TEST_F(TrainerTest, ResumeContinuesBitwise) {
     EXPECT_EQ(norms, grad_norms(full));
     for (int64_t it : {4, 6}) EXPECT_EQ(second.validation.at(it).loss, full.validation.at(it).loss) << it;
   }
-}
-
-// The log line's " mtp_<k> loss: <value> |" (empty when absent).
-std::string logged(const std::string& line, const std::string& key) {
-  const size_t at = line.find(" " + key + ": ");
-  if (at == std::string::npos) return "";
-  const size_t begin = at + key.size() + 3;
-  return line.substr(begin, line.find(' ', begin) - begin);
 }
 
 // Multi-token prediction (--mtp-num-layers) on one rank and on the last of 2 pipeline stages (a
