@@ -560,6 +560,7 @@ void check_feature_flags(const PretrainArgs& a) {
       {a.model.fp8 != Fp8Format::kNone, "--fp8-format",
        {"--fp8-recipe", "--fp8-margin", "--fp8-amax-history-len", "--fp8-amax-compute-algo",
         "--first-last-layers-bf16", "--num-layers-at-start-in-bf16", "--num-layers-at-end-in-bf16"}},
+      {a.model.mtp_num_layers > 0, "--mtp-num-layers > 0", {"--mtp-loss-scaling-factor"}},
       {!a.tensorboard_dir.empty(), "--tensorboard-dir",
        {"--tensorboard-log-interval", "--log-timers-to-tensorboard", "--log-memory-to-tensorboard",
         "--log-validation-ppl-to-tensorboard"}},

@@ -803,9 +803,8 @@ TEST(Gpt, InitialisationStatistics) {
 
 // Megatron-Core's parameter names and shapes for a Llama / Qwen 3 style layer, and the parameter
 // count of the configuration.
-TEST(Gpt, LlamaParameterNamesAndCount) {
-  const TransformerConfig c = tiny_llama_config(0.f, /*qwen3=*/true);
-  const auto specs = GPTModel::param_specs(c);
+// The elements of `specs` and each parameter's global shape by name.
+std::pair<int64_t, std::map<std::string, std::vector<int64_t>>> count_params(const std::vector<ParamSpec>& specs) {
   int64_t n = 0;
   std::map<std::string, std::vector<int64_t>> shapes;
   for (const auto& s : specs) {
@@ -814,6 +813,13 @@ TEST(Gpt, LlamaParameterNamesAndCount) {
     n += k;
     shapes[s.name] = s.global_shape.empty() ? s.shape : s.global_shape;
   }
+  return {n, shapes};
+}
+
+TEST(Gpt, LlamaParameterNamesAndCount) {
+  const TransformerConfig c = tiny_llama_config(0.f, /*qwen3=*/true);
+  const auto specs = GPTModel::param_specs(c);
+  const auto [n, shapes] = count_params(specs);
   EXPECT_EQ(n, c.num_parameters());
   const int64_t h = 16, d = 4, qkv = (4 + 2 * 2) * d;
   EXPECT_EQ(shapes.at("decoder.layers.1.self_attention.linear_qkv.weight"), (std::vector<int64_t>{qkv, h}));
@@ -1059,15 +1065,7 @@ TEST(Mtp, LossEqualsHandReference) {
 
 TEST(Mtp, ParameterNamesCountAndFlops) {
   TransformerConfig c = tiny_mtp_config(0.f, 2);
-  const std::vector<ParamSpec> specs = GPTModel::param_specs(c);
-  int64_t n = 0;
-  std::map<std::string, std::vector<int64_t>> shapes;
-  for (const ParamSpec& s : specs) {
-    int64_t k = 1;
-    for (auto d : s.shape) k *= d;
-    n += k;
-    shapes[s.name] = s.shape;
-  }
+  const auto [n, shapes] = count_params(GPTModel::param_specs(c));
   EXPECT_EQ(n, c.num_parameters());
   EXPECT_EQ(shapes.at("mtp.layers.1.eh_proj.weight"), (std::vector<int64_t>{16, 32}));
   for (const char* name : {"mtp.layers.0.enorm.weight", "mtp.layers.0.hnorm.weight", "mtp.layers.1.final_layernorm.weight",

@@ -37,6 +37,16 @@ std::map<int64_t, double> grad_norms(const TrainingResult& r) {
   return out;
 }
 
+// The losses and gradient norms of `first` then `second` (resumed from it) are `full`'s, bitwise.
+void expect_resumed_bitwise(const TrainingResult& first, const TrainingResult& second, const TrainingResult& full) {
+  std::map<int64_t, float> losses = first.losses;
+  for (const auto& [k, v] : second.losses) losses[k] = v;
+  EXPECT_EQ(losses, full.losses);
+  std::map<int64_t, double> norms = grad_norms(first);
+  for (const auto& [k, v] : grad_norms(second)) norms[k] = v;
+  EXPECT_EQ(norms, grad_norms(full));
+}
+
 // A run stopped after 3 iterations and resumed from its checkpoint (the same layout) repeats the
 // uninterrupted run's losses, gradient norms and validation losses bitwise: the parameters, the
 // optimizer state, the data position, the learning-rate schedule and the dropout keys all resume.
@@ -60,12 +70,7 @@ TEST_F(TrainerTest, ResumeContinuesBitwise) {
     EXPECT_EQ(second.exit_reason, "");
     EXPECT_EQ(latest_checkpoint_iteration(ck), 6);
     EXPECT_EQ(second.validation.count(0), 0u) << "a resumed run does not validate before its first step";
-    std::map<int64_t, float> losses = first.losses;
-    for (const auto& [k, v] : second.losses) losses[k] = v;
-    EXPECT_EQ(losses, full.losses);
-    std::map<int64_t, double> norms = grad_norms(first);
-    for (const auto& [k, v] : grad_norms(second)) norms[k] = v;
-    EXPECT_EQ(norms, grad_norms(full));
+    expect_resumed_bitwise(first, second, full);
     for (int64_t it : {4, 6}) EXPECT_EQ(second.validation.at(it).loss, full.validation.at(it).loss) << it;
   }
 }
@@ -97,12 +102,7 @@ TEST_F(TrainerTest, MtpLogsItsLossesAndResumesBitwise) {
     const std::string ck = dir("ck_mtp" + std::to_string(depths));
     const TrainingResult first = train("--train-iters 6 --exit-interval 3 --save " + ck + mtp);
     const TrainingResult second = train("--train-iters 6 --load " + ck + " --save " + ck + mtp);
-    std::map<int64_t, float> losses = first.losses;
-    for (const auto& [k, v] : second.losses) losses[k] = v;
-    EXPECT_EQ(losses, full.losses);
-    std::map<int64_t, double> norms = grad_norms(first);
-    for (const auto& [k, v] : grad_norms(second)) norms[k] = v;
-    EXPECT_EQ(norms, grad_norms(full));
+    expect_resumed_bitwise(first, second, full);
     for (const auto& l : second.log)
       EXPECT_EQ(logged(l.line, "mtp_1 loss"), logged(full.log.at(static_cast<size_t>(l.point.iteration - 1)).line,
                                                      "mtp_1 loss"))
