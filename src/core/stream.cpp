@@ -74,6 +74,30 @@ void copy(const Tensor& dst, const Tensor& src, const Stream& stream) {
   copy_bytes(dst.data(), dst.device(), src.data(), src.device(), dst.nbytes(), stream);
 }
 
+void copy_rows(const Tensor& dst, const Tensor& src, const Stream& stream) {
+  MT_CHECK(dst.dtype() == src.dtype() && dst.ndim() == 2 && src.ndim() == 2 && dst.size(0) == src.size(0) &&
+               dst.size(1) == src.size(1) && dst.stride(1) == 1 && src.stride(1) == 1 &&
+               dst.device() == src.device(),
+           "copy_rows needs two 2-D views of one device with contiguous rows and the same shape and dtype, got {} <- {}",
+           dst.str(), src.str());
+  const size_t es = dtype_size(dst.dtype()), width = static_cast<size_t>(dst.size(1)) * es;
+  const int64_t rows = dst.size(0);
+  if (rows == 0 || width == 0) return;
+  const size_t dpitch = static_cast<size_t>(dst.stride(0)) * es, spitch = static_cast<size_t>(src.stride(0)) * es;
+  if (dst.device().is_cpu()) {
+    char* d = static_cast<char*>(dst.data());
+    const char* s = static_cast<const char*>(src.data());
+    for (int64_t r = 0; r < rows; ++r) std::memcpy(d + r * dpitch, s + r * spitch, width);
+    return;
+  }
+#ifdef MT_WITH_CUDA
+  MT_CUDA_CHECK(cudaMemcpy2DAsync(dst.data(), dpitch, src.data(), spitch, width, static_cast<size_t>(rows),
+                                  cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream.cuda_stream())));
+#else
+  MT_FAIL("copy_rows on {} needs CUDA, this binary was built without it", dst.device().str());
+#endif
+}
+
 void memset_tensor(const Tensor& t, int byte, const Stream& stream) {
   MT_CHECK(t.is_contiguous(), "memset needs a contiguous tensor {}", t.str());
   if (t.nbytes() == 0) return;

@@ -43,6 +43,10 @@ class Stream {
 /// Copies src into dst (same numel and dtype, both contiguous; any device pair), ordered on
 /// `stream`. Host<->device copies with pageable memory may block.
 void copy(const Tensor& dst, const Tensor& src, const Stream& stream);
+/// dst[r, :] = src[r, :] for 2-D views [rows, cols] of one device whose rows are contiguous
+/// (stride(1) == 1) at any row stride, e.g. a column block of a matrix (x.slice(1, c0, c1)); same
+/// dtype and shape. CUDA: one cudaMemcpy2DAsync (capturable). Errors: mt::Error otherwise.
+void copy_rows(const Tensor& dst, const Tensor& src, const Stream& stream);
 /// Raw byte copy between devices, ordered on `stream`.
 void copy_bytes(void* dst, Device dst_dev, const void* src, Device src_dev, size_t n, const Stream& stream);
 /// Fills the bytes of `t` with `byte` (memset), ordered on `stream`.

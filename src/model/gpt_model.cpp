@@ -1,10 +1,12 @@
 #include "model/gpt_model.h"
 
 #include "ops/flash_attention.h"
+#include "ops/elementwise.h"
 #include "ops/fp8.h"
 
 #include "model/fp8/fp8_model.h"
 #include "model/layers/embedding.h"
+#include "model/layers/multi_token_prediction.h"
 #include "model/layers/output_head.h"
 #include "model/layers/transformer_layer.h"
 #include "model/moe/echo_peers.h"
@@ -47,6 +49,15 @@ struct GPTModel::Parts {
     if (has_loss)
       head = std::make_unique<LanguageModelHead>(cfg, tp, registry,
                                                  embedding && cfg.tied_output() ? &embedding->word_embeddings() : nullptr);
+    if (has_loss && cfg.mtp_num_layers > 0) {  // Megatron's placement: after the decoder on the last stage
+      MT_REQUIRE(embedding || cfg.tied_output(),
+                 "--mtp-num-layers {} with --untie-embeddings-and-output-weights under pipeline parallelism is not "
+                 "supported yet: the last stage holds no copy of the word embedding the MTP layers embed with",
+                 cfg.mtp_num_layers);
+      // the word embedding: the embedding's, or the last stage's copy of a tied one (the output layer's)
+      const ParamRef& word = embedding ? embedding->word_embeddings() : head->output_weight();
+      mtp = std::make_unique<MultiTokenPrediction>(cfg, specs.back(), tp, ep, registry, word, head->output_weight());
+    }
   }
   Parts(const Parts&) = delete;
   Parts& operator=(const Parts&) = delete;
@@ -58,6 +69,7 @@ struct GPTModel::Parts {
   std::unique_ptr<LanguageModelEmbedding> embedding;
   std::vector<std::unique_ptr<TransformerLayer>> layers;
   std::unique_ptr<LanguageModelHead> head;
+  std::unique_ptr<MultiTokenPrediction> mtp;  // --mtp-num-layers, with the head
 };
 
 // One model chunk: its layer range, its modules and its input buffers.
@@ -83,11 +95,13 @@ struct GPTModel::ChunkState {
 void GPTModel::for_each_moe(const std::function<void(MoELayer&)>& f) const {
   for (const auto& l : parts_->layers)
     if (MoELayer* m = l->moe()) f(*m);
+  for (int64_t d = 0; parts_->mtp && d < parts_->mtp->depths(); ++d)
+    if (MoELayer* m = parts_->mtp->layer(d).moe()) f(*m);
 }
 
 std::vector<double> GPTModel::moe_loss_stats(const Stream& stream) const {
   const size_t per = static_cast<size_t>(kMoeStatLosses + config_.num_moe_experts);
-  std::vector<double> out(per * static_cast<size_t>(config_.num_layers), 0.0);
+  std::vector<double> out(per * static_cast<size_t>(config_.num_layers_with_mtp()), 0.0);
   for_each_moe([&](MoELayer& m) {
     const std::vector<double> v = m.stats(stream);
     for (size_t i = 0; i < per; ++i) out[per * static_cast<size_t>(m.layer()) + i] += v[i];
@@ -140,21 +154,46 @@ void GPTModel::finish_step(const Stream& stream) {
   if (fp8_) fp8_->finish_step(stream);    // delayed scaling: the step's amaxes reduced, the scales updated
 }
 
+std::string GPTModel::mtp_statistics(Communicator& world, int64_t iterations, const Stream& stream) {
+  const size_t D = static_cast<size_t>(config_.mtp_num_layers);
+  std::vector<float> mine(D, 0.f);
+  if (!mtp_losses_.empty()) {
+    if (tp_.rank() == 0) copy_bytes(mine.data(), Device::cpu(), mtp_losses_.data(), device_, D * sizeof(float), stream);
+    stream.synchronize();
+    fill(mtp_losses_, 0.f, stream);
+  }
+  // Each last-stage TP rank 0 of each DP (and CP) rank holds its share of the mean: summed in rank order.
+  const std::vector<char> all = all_gather_host(world, mine.data(), D * sizeof(float), stream);
+  std::string out;
+  for (size_t d = 0; d < D; ++d) {
+    double sum = 0;
+    for (int r = 0; r < world.size(); ++r)
+      sum += reinterpret_cast<const float*>(all.data() + static_cast<size_t>(r) * D * sizeof(float))[d];
+    out += fmt::format(" mtp_{} loss: {:.6E} |", d + 1, sum / static_cast<double>(std::max<int64_t>(iterations, 1)));
+  }
+  return out;
+}
+
 std::string GPTModel::log_statistics(Communicator& world, int64_t iterations, const Stream& stream) {
-  if (config_.num_moe_experts == 0) return "";
+  const std::string mtp = config_.mtp_num_layers > 0 ? mtp_statistics(world, iterations, stream) : "";
+  if (config_.num_moe_experts == 0) return mtp;
   const std::vector<double> local = moe_loss_stats(stream);
   const MoeDispatchStats dispatch = moe_dispatch_stats(stream);
   reset_moe_stats(stream);
   const MoeWorldStatistics world_stats = gather_moe_statistics(config_, local, dispatch, world, stream);
   const int ep = groups_.ep ? groups_.ep->size() : 1;
-  return format_moe_statistics(config_, world_stats, iterations, tp_.size() * context_parallel_size(), ep);
+  return mtp + format_moe_statistics(config_, world_stats, iterations, tp_.size() * context_parallel_size(), ep);
 }
 
 std::vector<std::pair<std::string, Tensor>> GPTModel::persistent_state(const Stream& stream) const {
   std::vector<std::pair<std::string, Tensor>> out;
   for_each_moe([&](MoELayer& m) {
-    if (Tensor b = m.expert_bias(stream); !b.empty())
-      out.emplace_back(fmt::format("decoder.layers.{}.mlp.router.expert_bias", m.layer()), b);
+    if (Tensor b = m.expert_bias(stream); !b.empty()) {
+      const int64_t l = m.layer(), L = config_.num_layers;  // the MTP layers are numbered after the decoder's
+      out.emplace_back(l < L ? fmt::format("decoder.layers.{}.mlp.router.expert_bias", l)
+                             : fmt::format("mtp.layers.{}.transformer_layer.mlp.router.expert_bias", l - L),
+                       b);
+    }
   });
   if (fp8_)  // delayed scaling's amax histories and scales
     for (auto& entry : fp8_->persistent_state()) out.push_back(std::move(entry));
@@ -286,11 +325,10 @@ GPTModel::GPTModel(const TransformerConfig& config, int64_t micro_batch, DType d
   parts_ = std::make_unique<Parts>(config_, tp_, expert, ranges, attention_backend_, cp_.get(), fp8_.get());
   // The router sums its token counts over TP × CP (Megatron's tp_cp_group), global_aux_loss then
   // over DP (together Megatron's tp_dp_cp_group).
-  for (const auto& l : parts_->layers)
-    if (MoELayer* m = l->moe()) {
-      m->set_data_parallel(groups_.dp.get());
-      if (cp_) m->set_context_parallel(groups_.tp_cp.get(), groups_.cp->size(), groups_.cp->rank());
-    }
+  for_each_moe([&](MoELayer& m) {
+    m.set_data_parallel(groups_.dp.get());
+    if (cp_) m.set_context_parallel(groups_.tp_cp.get(), groups_.cp->size(), groups_.cp->rank());
+  });
   if (measure_only) {
     memory_plan_.params = ParamStore::plan(parts_->registry.specs(), param_layout);
   } else {
@@ -351,6 +389,11 @@ GPTModel::GPTModel(const TransformerConfig& config, int64_t micro_batch, DType d
   planner_->materialize();
   planner_->begin_pass();
   plan(*planner_);
+  if (!mtp_losses_.empty()) {
+    Stream st(device_);
+    fill(mtp_losses_, 0.f, st);
+    st.synchronize();
+  }
   if (fp8_) fp8_->initialize(device_);
 }
 
@@ -390,11 +433,13 @@ void GPTModel::plan(BufferPlanner& p) {
     for (int k = 0; k < chunk_specs_[c].loss_slots; ++k) {
       p.open_area(Family::kHead, k);
       chunks_[c].head->plan(p, s, b, head_options_);
+      if (parts_->mtp) parts_->mtp->plan(p, s, b, head_options_);
       p.close_area();
     }
   }
   if (parts_->embedding) parts_->embedding->plan(p, s, b);
   residual_grad_ = p.scratch("model.residual_grad", dtype_, {sl, b, h});
+  if (parts_->mtp) mtp_losses_ = p.persistent(DType::kF32, {parts_->mtp->depths()}, "MTP losses");
 }
 
 size_t GPTModel::activation_bytes() const { return planner_->bytes(); }
@@ -525,6 +570,16 @@ Tensor GPTModel::forward_chunk(int c, const ChunkBuffers& buf, const MicroBatch&
   if (!ch.head) return x;
   needed(ch.head->param_group());
   ch.head->forward(x, loss_accum, loss_weight, compute_loss, head_grad, StepContext{mb, dc, buf.head, st});
+  // Multi-token prediction: training forwards only (the validation loss is the LM loss, as Megatron's)
+  mtp_forwarded_.resize(static_cast<size_t>(chunk(c).loss_slots));
+  mtp_forwarded_[static_cast<size_t>(buf.head)] = parts_->mtp && dc.training && compute_loss;
+  if (!mtp_forwarded_[static_cast<size_t>(buf.head)]) return Tensor();
+  for (int64_t d = 0; d < parts_->mtp->depths(); ++d) {
+    needed(parts_->mtp->param_group(d));
+    needed(parts_->mtp->layer(d).param_group());
+  }
+  parts_->mtp->forward(ch.head->norm_output(buf.head), mtp_losses_, loss_weight, head_grad,
+                       StepContext{mb, dc, buf.head, st});
   return Tensor();
 }
 
@@ -548,7 +603,16 @@ void GPTModel::backward_chunk(int c, const ChunkBuffers& buf, const MicroBatch& 
     return layer_output(ch, i - 1, buf.slot);
   };
   if (ch.head) {
-    ch.head->backward(g, layer_input(nlayers), grad_scale, loss_scale, StepContext{mb, dc, buf.head, st});
+    Tensor dh0;  // the MTP's gradient of the final norm's output (its first depth reads it)
+    if (parts_->mtp) {
+      MT_REQUIRE(static_cast<size_t>(buf.head) < mtp_forwarded_.size() && mtp_forwarded_[static_cast<size_t>(buf.head)],
+                 "the backward of loss slot {} needs a training forward with the multi-token prediction", buf.head);
+      dh0 = parts_->mtp->backward(ch.head->norm_output(buf.head), grad_scale, loss_scale,
+                                  StepContext{mb, dc, buf.head, st}, [&](size_t group) {
+                                    if (last_backward) finish_group(group, st);
+                                  });
+    }
+    ch.head->backward(g, layer_input(nlayers), grad_scale, loss_scale, StepContext{mb, dc, buf.head, st}, dh0);
     if (last_backward) finish_group(ch.head->param_group(), st);
   }
   // The chunk's last backward with the embedding: the first layer's weight gradients wait until

@@ -123,7 +123,13 @@ class GPTModel final : public LanguageModel {
     params_->set_grad_overwrite(graphs == nullptr);
   }
   void finish_step(const Stream& stream) override;
+  /// The MoE statistics (moe_metrics.h) and, with --mtp-num-layers, Megatron's " mtp_<k> loss" per
+  /// depth: the mean over the iterations of the micro-batches' weighted depth-k cross entropy (the
+  /// LM loss's weighting; without the scaling factor).
   std::string log_statistics(Communicator& world, int64_t iterations, const Stream& stream) override;
+  /// The MTP losses summed since the last log_statistics on this rank (fp32 [D]; empty without MTP
+  /// on this rank). For tests.
+  Tensor mtp_losses() const { return mtp_losses_; }
   std::vector<std::pair<std::string, Tensor>> persistent_state(const Stream& stream) const override;
 
   // --- the MoE statistics and per-step pieces the hooks above compose (also for tests) ---
@@ -185,6 +191,8 @@ class GPTModel final : public LanguageModel {
   // ECHO's used-slot transfers, shared by this rank's MoE layers (null: none, or not made yet).
   EchoPeers* echo_peers() const;
   void finish_group(size_t group, const Stream& stream);  // TP all-reduce of partial grads + grads_ready
+  // The " mtp_<k> loss: ... |" part of log_statistics (collective over the world; restarts the sums).
+  std::string mtp_statistics(Communicator& world, int64_t iterations, const Stream& stream);
   // Full recompute: the output of layer i of a chunk for activation slot `slot` (its own saved
   // output, the checkpoint of the group it ends, or its output in the recompute area).
   Tensor layer_output(const ChunkState& ch, size_t i, int slot) const;
@@ -211,6 +219,10 @@ class GPTModel final : public LanguageModel {
   int activation_slots_ = 1;
   HeadOptions head_options_;
   Tensor residual_grad_;  // [s_l, b, h]: the running dL/d(residual stream) when no grad is given
+  // --mtp-num-layers: fp32 [D], each depth's weighted CE summed over the training forwards since the
+  // last log_statistics (persistent); per loss slot, whether its forward ran the MTP
+  Tensor mtp_losses_;
+  std::vector<bool> mtp_forwarded_;
   ParamGradHooks* hooks_ = nullptr;
   AttentionBackend attention_backend_ = AttentionBackend::kLocal;  ///< resolved: never kAuto
   WgradDeferral deferred_;

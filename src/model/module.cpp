@@ -15,6 +15,8 @@ void ParamRegistry::begin_group(bool sort_by_sharding) { groups_.push_back({{}, 
 
 void ParamRegistry::declare(ParamSpec spec, ParamRef* ref) {
   MT_CHECK(!groups_.empty(), "ParamRegistry::declare({}) before begin_group", spec.name);
+  if (!rename_.first.empty() && spec.name.rfind(rename_.first, 0) == 0)
+    spec.name = rename_.second + spec.name.substr(rename_.first.size());
   MT_CHECK(names_.insert(spec.name).second, "parameter {} declared twice", spec.name);
   groups_.back().entries.push_back({std::move(spec), ref});
 }

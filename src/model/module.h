@@ -12,6 +12,7 @@
 #include <map>
 #include <string>
 #include <unordered_set>
+#include <utility>
 #include <vector>
 
 #include "core/buffer.h"
@@ -40,6 +41,12 @@ struct MicroBatch {
   Tensor position_ids, doc_start;
   float loss_weight = 1.f;
   float aux_loss_weight = 1.f;
+  /// Multi-token prediction (--mtp-num-layers D > 0; training forwards of the loss chunk, model/
+  /// layers/multi_token_prediction.h): [D, s, b] with depth k = 1..D at index k − 1: the tokens and
+  /// labels rolled k positions left along s with zeros shifted in (Megatron's roll_tensor) int32,
+  /// and the loss weights fp32 (make_mtp_inputs: loss_mask rolled likewise, times unmasked / unmasked
+  /// after the roll).
+  Tensor mtp_tokens, mtp_labels, mtp_loss_mask;
   /// Inference (generation) only: the key/value cache the self-attention layers append to and
   /// attend over, and the position of the first token (model/inference_context.h); nullptr in
   /// training and plain evaluation.
@@ -130,6 +137,11 @@ class ParamRegistry {
   size_t num_groups() const { return groups_.size(); }
   /// Fills every declared ParamRef from the store built from specs().
   void bind(ParamStore& store);
+  /// Until clear_rename(): a name declared with the prefix `from` gets the prefix `to` instead (the
+  /// MTP layers are TransformerLayers, which name their parameters decoder.layers.<L>.*; Megatron
+  /// names them mtp.layers.<k>.transformer_layer.*).
+  void set_rename(std::string from, std::string to) { rename_ = {std::move(from), std::move(to)}; }
+  void clear_rename() { rename_ = {}; }
   /// FP8 training (--fp8-format): the model-wide FP8 state the linear layers register an
   /// Fp8Linear with (model/fp8/fp8_model.h); nullptr when FP8 is off.
   void set_fp8(Fp8Model* fp8) { fp8_ = fp8; }
@@ -147,6 +159,7 @@ class ParamRegistry {
   std::vector<Group> ordered() const;
   std::vector<Group> groups_;
   std::unordered_set<std::string> names_;  // every declared name (duplicates found in O(1))
+  std::pair<std::string, std::string> rename_;  // set_rename: (from, to); from empty = none
   Fp8Model* fp8_ = nullptr;
 };
 

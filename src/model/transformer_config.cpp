@@ -244,6 +244,7 @@ std::vector<uint8_t> parse_moe_layer_freq(const std::string& text, int64_t num_l
 bool TransformerConfig::is_moe_layer(int64_t layer) const {
   if (num_moe_experts <= 0) return false;
   if (moe_layer_pattern.empty()) return true;
+  if (layer >= num_layers && layer < num_layers_with_mtp()) layer = num_layers - 1;  // an MTP layer: the last one's kind
   return layer >= 0 && layer < static_cast<int64_t>(moe_layer_pattern.size()) &&
          moe_layer_pattern[static_cast<size_t>(layer)] != 0;
 }
@@ -354,6 +355,20 @@ void validate_mla(const TransformerConfig& c) {
 }
 }  // namespace
 
+void TransformerConfig::validate_mtp() const {
+  MT_REQUIRE(mtp_num_layers >= 0, "--mtp-num-layers must be >= 0, got {}", mtp_num_layers);
+  MT_REQUIRE(std::isfinite(mtp_loss_scaling_factor) && mtp_loss_scaling_factor >= 0,
+             "--mtp-loss-scaling-factor must be a finite number >= 0, got {}", mtp_loss_scaling_factor);
+  if (mtp_num_layers == 0) return;
+  MT_REQUIRE(!position_embedding_kind(position_embedding_type).learned_table,
+             "--mtp-num-layers {} with --position-embedding-type {} is not supported (as in Megatron: multi-token "
+             "prediction needs rope or none)",
+             mtp_num_layers, position_embedding_type_name(position_embedding_type));
+  MT_REQUIRE(fp8 == Fp8Format::kNone,
+             "--mtp-num-layers {} with --fp8-format {} is not supported yet (the MTP layers have no FP8 GEMMs)",
+             mtp_num_layers, fp8_format_name(fp8));
+}
+
 void TransformerConfig::validate(int tp) const {
   MT_REQUIRE(num_layers > 0, "--num-layers must be positive, got {}", num_layers);
   MT_REQUIRE(hidden_size > 0, "--hidden-size must be positive, got {}", hidden_size);
@@ -417,6 +432,7 @@ void TransformerConfig::validate(int tp) const {
   MT_REQUIRE(!full || recompute_method != RecomputeMethod::kUniform || recompute_num_layers <= num_layers,
              "--recompute-num-layers {} exceeds --num-layers {} (--recompute-method uniform)", recompute_num_layers,
              num_layers);
+  validate_mtp();
   if (fp8 != Fp8Format::kNone) {  // docs/fp8.md
     MT_REQUIRE(fp8_amax_history_len >= 1, "--fp8-amax-history-len must be >= 1, got {}", fp8_amax_history_len);
     MT_REQUIRE(fp8_margin >= 0, "--fp8-margin must be >= 0, got {}", fp8_margin);
@@ -547,6 +563,9 @@ int64_t TransformerConfig::num_parameters(int tp) const {
   int64_t total = V * h + num_layers * per_layer + (num_layers - L_moe) * dense_mlp + L_moe * moe_mlp + norm * h;
   if (position_embedding_kind(position_embedding_type).learned_table) total += max_positions() * h;
   if (untie_embeddings_and_output_weights) total += V * h;
+  // MTP depths: enorm, hnorm, final_layernorm, eh_proj [h, 2h] and a layer of the last layer's kind
+  // (the embedding and the output layer are shared)
+  total += mtp_num_layers * (3 * norm * h + 2 * h * h + per_layer + (is_moe_layer(num_layers - 1) ? moe_mlp : dense_mlp));
   return total;
 }
 
@@ -554,7 +573,8 @@ double TransformerConfig::flops_per_iteration(int64_t global_batch, int tp) cons
   // Megatron-Core's transformer_flops: per token, 3 GEMMs (forward, dgrad, wgrad) × 2 FLOPs per
   // multiply-add × the sizes of the GEMMs a token goes through.
   const double B = static_cast<double>(global_batch), s = static_cast<double>(seq_length);
-  const double L = static_cast<double>(num_layers), h = static_cast<double>(hidden_size);
+  double L = static_cast<double>(num_layers);
+  const double h = static_cast<double>(hidden_size);
   const double V = static_cast<double>(padded_vocab_size(tp));
   const double q = static_cast<double>(num_attention_heads * head_dim());  // n·d
   const double kv = static_cast<double>(query_groups() * head_dim());     // g·d
@@ -564,12 +584,16 @@ double TransformerConfig::flops_per_iteration(int64_t global_batch, int tp) cons
   // fc1 + fc2: 2·f·h, 3·f·h with SwiGLU (fc1 is 2f wide; the activation's flops_factor 3/2);
   // MoE layers: the top-k routed experts and the shared experts (the router GEMM is not counted)
   const double ffn_factor = 2.0 * mlp_activation_kind(activation()).flops_factor;
-  const double L_moe = static_cast<double>(num_moe_layers());
+  // MTP (Megatron's num_floating_point_operations): D more layers of the last layer's kind
+  const double D = static_cast<double>(mtp_num_layers);
+  const double L_moe = static_cast<double>(num_moe_layers()) + (is_moe_layer(num_layers - 1) ? D : 0.0);
+  L += D;
   const double F = static_cast<double>(ffn()) * (L - L_moe) +
                    (static_cast<double>(moe_ffn()) * static_cast<double>(moe_router_topk) +
                     static_cast<double>(moe_shared_expert_intermediate_size)) *
                        L_moe;
-  return 6.0 * B * s * (L * attention + h * F * ffn_factor + h * V);
+  // the MTP norms (enorm, hnorm, final_layernorm: 3h) and eh_proj (2h²); the LM head D + 1 times
+  return 6.0 * B * s * (L * attention + h * F * ffn_factor + D * (3.0 * h + 2.0 * h * h) + h * V * (D + 1.0));
 }
 
 double TransformerConfig::mla_flops_per_token() const {
@@ -608,6 +632,8 @@ std::string TransformerConfig::summary() const {
   if (layernorm_zero_centered_gamma) s += ", zero-centred norm weights (--apply-layernorm-1p)";
   if (untie_embeddings_and_output_weights) s += ", untied output layer";
   if (deterministic_mode) s += ", deterministic mode";
+  if (mtp_num_layers > 0)
+    s += fmt::format(", multi-token prediction: {} depth(s), loss scale {}", mtp_num_layers, mtp_loss_scaling_factor);
   if (fp8 != Fp8Format::kNone) {
     s += ", FP8 " + fp8_settings().summary();
     if (first_last_layers_bf16)

@@ -268,6 +268,15 @@ struct TransformerConfig {
   /// its row of the expert input, and back from the expert output: no staging copies).
   bool moe_permute_fusion = false;
 
+  // --- multi-token prediction (DeepSeek-V3, arXiv:2412.19437 §2.2; Megatron-Core
+  // transformer/multi_token_prediction.py; model/layers/multi_token_prediction.h) ---
+  /// --mtp-num-layers (D): MTP depths after the decoder on the last pipeline stage; depth k predicts
+  /// the token k + 1 positions ahead. 0 = off (Megatron's None).
+  int64_t mtp_num_layers = 0;
+  /// --mtp-loss-scaling-factor (λ): the MTP loss λ/D · Σ_k L_k is added to the LM loss for the
+  /// backward (logged separately, not part of "lm loss"). Megatron's default 0.1.
+  float mtp_loss_scaling_factor = 0.1f;
+
   // --- FP8 training (Transformer Engine's recipes as Megatron drives them; docs/fp8.md) ---
   /// --fp8-format: every linear layer of the decoder (ColumnParallelLinear / RowParallelLinear
   /// and the MoE experts) runs its three GEMMs in FP8; the embeddings, the LM head, norms,
@@ -317,9 +326,13 @@ struct TransformerConfig {
   /// `chunk_layers` layers, or -1 when that layer keeps its activations. Groups are numbered from 0
   /// in layer order; a group is a run of consecutive layers.
   int64_t recompute_group(int64_t index, int64_t chunk_layers) const;
-  /// Whether layer `layer` (0-based, global) has an MoE block in its MLP slot.
+  /// Whether layer `layer` (0-based, global) has an MoE block in its MLP slot. The MTP layers are
+  /// numbered num_layers + k (k = 0 .. D-1) and follow the last decoder layer (Megatron builds them
+  /// from the last layer's spec).
   bool is_moe_layer(int64_t layer) const;
   int64_t num_moe_layers() const;
+  /// The decoder layers and the MTP layers (the layer numbers keying dropout and MoE statistics).
+  int64_t num_layers_with_mtp() const { return num_layers + mtp_num_layers; }
   int64_t moe_ffn() const { return moe_ffn_hidden_size > 0 ? moe_ffn_hidden_size : ffn(); }
   /// The coefficient of load-balancing type t: its entry of moe_aux_loss_coeff, 0 when t is not
   /// listed or is kNone (Megatron's get_aux_loss_coeff). A type is on when its coefficient is > 0.
@@ -346,8 +359,12 @@ struct TransformerConfig {
   /// granularity, full granularity without a method or with --recompute-num-layers < 1; global
   /// load balancing (its token counts accumulate over the step's forwards) under full recompute;
   /// FP8: --fp8-amax-history-len < 1, --fp8-margin < 0, negative bf16 layer counts, FP8 with the
-  /// grouped experts (--moe-grouped-gemm) or ECHO (not built).
+  /// grouped experts (--moe-grouped-gemm) or ECHO (not built); MTP: --mtp-num-layers < 0, a
+  /// negative or non-finite --mtp-loss-scaling-factor, learned absolute positions (Megatron's rule:
+  /// rope or none), FP8.
   void validate(int tp = 1) const;
+  /// The multi-token prediction rules (part of validate()).
+  void validate_mtp() const;
   /// The MoE communication-overlap flags' rules (part of validate()).
   void validate_moe_comm_overlap() const;
   /// Parameters of the model (a tied embedding counted once), with padded vocabulary.
@@ -360,7 +377,9 @@ struct TransformerConfig {
   /// causal mask), the output projection, the MLP (c = 3 with SwiGLU, 2 with GELU; F = f·L_dense +
   /// (f_moe·k + f_shared)·L_moe: the top-k routed experts and the shared experts of MoE layers, the
   /// router not counted) and the LM head over the vocabulary V padded for `tp` ranks (Megatron's
-  /// padded_vocab_size). Until issue 41 the log counted the attention scores in full:
+  /// padded_vocab_size). With D = --mtp-num-layers, as Megatron: D more layers of the last layer's
+  /// kind (dense or MoE), 6·B·s·D·(3h + 2h²) for the MTP norms and eh_proj, and the LM head D + 1
+  /// times. Until issue 41 the log counted the attention scores in full:
   /// 12·B·s·L·h·n·d·(1 + g/n + s/h) instead of (1 + g/n + s/(2h)) (docs/flags.md "The log line").
   /// With --multi-latent-attention the attention term per token and layer is Megatron's MLA one:
   /// q_term + r_kv·(h + n·(d_n + d_v) + 1) + h·d_r + n·d_v·h + s·(n·(d_n + d_r) + n·d_v)/2, q_term =

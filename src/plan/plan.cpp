@@ -117,11 +117,15 @@ StepPrediction predict_step(const TrainingPlan& p, const PretrainArgs& a, const 
   const double act = static_cast<double>(dtype_size(a.dtype()));
   const double rate = g.compute_efficiency * g.peak_tflops * 1e12;
   const double lat = g.collective_latency_us;
-  // FLOPs: the LM head's share apart, the rest spread evenly over the layers.
+  // FLOPs: the LM head's share apart, the rest spread evenly over the layers; the multi-token
+  // prediction (its layers, projections and heads) on the last stage with the head.
   const double mult = static_cast<double>(c.make_vocab_size_divisible_by) * pc.tp;
   const double padded_vocab = std::ceil(static_cast<double>(c.vocab_size) / mult) * mult;
+  TransformerConfig no_mtp = c;
+  no_mtp.mtp_num_layers = 0;
+  const double mtp = p.flops_per_iteration - no_mtp.flops_per_iteration(p.global_batch_size, pc.tp);
   const double head = 6.0 * static_cast<double>(p.global_batch_size) * static_cast<double>(p.seq_length) *
-                      static_cast<double>(c.hidden_size) * padded_vocab;
+                          static_cast<double>(c.hidden_size) * padded_vocab + mtp;
   const double per_layer = (p.flops_per_iteration - head) / static_cast<double>(c.num_layers);
   // One micro-batch's activation tensor [s/cp, b, h] as TP and EP move it.
   const double tokens = static_cast<double>(p.micro_batch_size) * static_cast<double>(p.seq_length) / pc.cp;

@@ -178,6 +178,14 @@ void add_model_options(CLI::App& app, PretrainArgs& a) {
          "--attention-backend", [&m](const std::string& v) { m.attention_backend = parse_attention_backend(v); },
          attention_backend_help())
       ->default_str(attention_backend_name(m.attention_backend));
+  app.add_option("--mtp-num-layers", m.mtp_num_layers,
+                 "Multi-token prediction depths on the last pipeline stage (DeepSeek-V3; 0 = off)")
+      ->check(integer_range(0))
+      ->capture_default_str();
+  app.add_option("--mtp-loss-scaling-factor", m.mtp_loss_scaling_factor,
+                 "Weight of the MTP loss: scaling factor / depths * the sum of the depths' losses")
+      ->check(number_range(0, kNoMax))
+      ->capture_default_str();
   app.add_flag("--deterministic-mode", m.deterministic_mode,
                "Choose code that has deterministic execution (usually slower; good for debugging and testing): "
                "bitwise repeatable losses and gradients on CUDA, also under CUDA graphs");
@@ -620,6 +628,7 @@ void check_feature_flags(const PretrainArgs& a) {
       {a.model.fp8 != Fp8Format::kNone, "--fp8-format",
        {"--fp8-recipe", "--fp8-margin", "--fp8-amax-history-len", "--fp8-amax-compute-algo",
         "--first-last-layers-bf16", "--num-layers-at-start-in-bf16", "--num-layers-at-end-in-bf16"}},
+      {a.model.mtp_num_layers > 0, "--mtp-num-layers > 0", {"--mtp-loss-scaling-factor"}},
       {!a.tensorboard_dir.empty(), "--tensorboard-dir",
        {"--tensorboard-log-interval", "--log-timers-to-tensorboard", "--log-memory-to-tensorboard",
         "--log-validation-ppl-to-tensorboard"}},

@@ -2,6 +2,7 @@
 
 #include "core/check.h"
 #include "core/host_memory.h"
+#include "model/layers/multi_token_prediction.h"
 #include "parallel/context_parallel.h"
 
 namespace mt {
@@ -52,7 +53,7 @@ void BatchStager::stage(const data::SampleSource& src, Batch batch, Batch next, 
 
 MicroBatch BatchStager::micro_batch(int64_t m) const {
   const int64_t sl = o_.seq / o_.cp, sb = sl * o_.micro;
-  char* d = static_cast<char*>(dev_.data()) + m * 5 * sb * 4;
+  char* d = static_cast<char*>(dev_.data()) + m * arrays(o_.mtp) * sb * 4;
   auto t = [&](int i, DType dt, std::vector<int64_t> shape) { return Tensor(d + i * sb * 4, dt, device_, shape); };
   MicroBatch mb;
   mb.tokens = t(0, DType::kI32, {sl, o_.micro});
@@ -60,6 +61,12 @@ MicroBatch BatchStager::micro_batch(int64_t m) const {
   mb.loss_mask = t(2, DType::kF32, {sl, o_.micro});
   if (o_.positions || o_.cp > 1) mb.position_ids = t(3, DType::kI32, {sl, o_.micro});
   if (o_.doc_start) mb.doc_start = t(4, DType::kI32, {o_.micro, sl});
+  if (o_.mtp > 0) {
+    const int64_t D = o_.mtp;
+    mb.mtp_tokens = t(5, DType::kI32, {D, sl, o_.micro});
+    mb.mtp_labels = t(static_cast<int>(5 + D), DType::kI32, {D, sl, o_.micro});
+    mb.mtp_loss_mask = t(static_cast<int>(5 + 2 * D), DType::kF32, {D, sl, o_.micro});
+  }
   // The micro-batch's 1 / unmasked tokens is folded into its staged loss mask (device data, so
   // a captured step reads each step's value); what remains is the same for every step.
   mb.loss_weight = 1.f / static_cast<float>(staged_micro_ * o_.dp);
@@ -106,11 +113,13 @@ void BatchStager::fill(const data::SampleSource& src, Batch batch, int k) {
   }
   for (int64_t m = 0; m < num_micro; ++m) {
     read_samples(first + (m * o_.dp + o_.dp_rank) * B);
-    int32_t* dtok = reinterpret_cast<int32_t*>(h + (m * 5 + 0) * lsb * 4);
-    int32_t* dlab = reinterpret_cast<int32_t*>(h + (m * 5 + 1) * lsb * 4);
-    float* dmask = reinterpret_cast<float*>(h + (m * 5 + 2) * lsb * 4);
-    int32_t* dpos = reinterpret_cast<int32_t*>(h + (m * 5 + 3) * lsb * 4);
-    int32_t* ddoc = reinterpret_cast<int32_t*>(h + (m * 5 + 4) * lsb * 4);
+    const int64_t A = arrays(o_.mtp);
+    char* hm = h + m * A * lsb * 4;  // this micro-batch's arrays
+    int32_t* dtok = reinterpret_cast<int32_t*>(hm + 0 * lsb * 4);
+    int32_t* dlab = reinterpret_cast<int32_t*>(hm + 1 * lsb * 4);
+    float* dmask = reinterpret_cast<float*>(hm + 2 * lsb * 4);
+    int32_t* dpos = reinterpret_cast<int32_t*>(hm + 3 * lsb * 4);
+    int32_t* ddoc = reinterpret_cast<int32_t*>(hm + 4 * lsb * 4);
     data::prepare_ltor_batch(samples.data(), B, S, o_.ltor, tok.data(), lab.data(), mask.data(), pos.data(),
                              doc.data());
     double unmasked = 0;  // over the whole sequences: the loss weight is the one of a single rank
@@ -134,6 +143,17 @@ void BatchStager::fill(const data::SampleSource& src, Batch batch, int k) {
     cp_shard_rows(dmask, mask_sb.data(), S, B, o_.cp, o_.cp_rank);
     cp_shard_rows(dpos, pos_sb.data(), S, B, o_.cp, o_.cp_rank);
     cp_shard_columns(ddoc, doc.data(), B, S, o_.cp, o_.cp_rank);
+    if (o_.mtp > 0) {  // rolled over the whole sequences, then this CP rank's tokens of each depth
+      const MtpInputs in = make_mtp_inputs(o_.mtp, S, B, tok_sb.data(), lab_sb.data(), mask_sb.data());
+      for (int64_t k = 0; k < o_.mtp; ++k) {
+        cp_shard_rows(reinterpret_cast<int32_t*>(hm + (5 + k) * lsb * 4), in.tokens.data() + k * sb, S, B, o_.cp,
+                      o_.cp_rank);
+        cp_shard_rows(reinterpret_cast<int32_t*>(hm + (5 + o_.mtp + k) * lsb * 4), in.labels.data() + k * sb, S, B,
+                      o_.cp, o_.cp_rank);
+        cp_shard_rows(reinterpret_cast<float*>(hm + (5 + 2 * o_.mtp + k) * lsb * 4), in.loss_mask.data() + k * sb, S,
+                      B, o_.cp, o_.cp_rank);
+      }
+    }
   }
 }
 

@@ -4,7 +4,8 @@
 // (get_ltor_masks_and_position_ids) into one of two pinned host buffers while the device runs the
 // current one; stage() then issues one host-to-device copy. Per micro-batch the device buffer
 // holds, each s/cp·b values of 4 bytes: tokens [s/cp, b], labels [s/cp, b], loss_mask fp32
-// [s/cp, b], position_ids [s/cp, b], doc_start [b, s/cp]. Data-parallel rank d of DP takes, of
+// [s/cp, b], position_ids [s/cp, b], doc_start [b, s/cp], and with --mtp-num-layers D the MTP tokens,
+// labels and loss weights [D, s/cp, b]. Data-parallel rank d of DP takes, of
 // micro-batch step m, the samples [first + (m·DP + d)·b, first + (m·DP + d + 1)·b) (Megatron's
 // MegatronPretrainingSampler).
 #pragma once
@@ -33,10 +34,15 @@ class BatchStager {
     /// all DP ranks) weighs 1 / their count, instead of 1 / (its micro-batch's count) per
     /// micro-batch mean (Megatron's default). Reads the whole global batch's samples on every rank.
     bool per_token_loss = false;
+    /// --mtp-num-layers D: also the multi-token prediction inputs of each micro-batch (MicroBatch::
+    /// mtp_*, make_mtp_inputs over the whole sequences, then this CP rank's tokens of each depth).
+    int64_t mtp = 0;
   };
-  /// Bytes of the staged micro-batches on the device (5 int32/fp32 [s/cp, b] tensors each).
-  static size_t device_bytes(int64_t num_micro, int64_t micro, int64_t seq, int cp) {
-    return static_cast<size_t>(num_micro * 5 * (seq / cp) * micro) * 4;
+  /// Values of 4 bytes per token staged for a micro-batch: 5 [s/cp, b] tensors and 3 per MTP depth.
+  static int64_t arrays(int64_t mtp) { return 5 + 3 * mtp; }
+  /// Bytes of the staged micro-batches on the device.
+  static size_t device_bytes(int64_t num_micro, int64_t micro, int64_t seq, int cp, int64_t mtp = 0) {
+    return static_cast<size_t>(num_micro * arrays(mtp) * (seq / cp) * micro) * 4;
   }
   /// Allocates the device buffer and the two pinned host buffers.
   BatchStager(const Options& o, Device device);
@@ -61,7 +67,7 @@ class BatchStager {
   std::vector<MicroBatch> micro_batches() const;
 
  private:
-  size_t bytes(int64_t num_micro) const { return device_bytes(num_micro, o_.micro, o_.seq, o_.cp); }
+  size_t bytes(int64_t num_micro) const { return device_bytes(num_micro, o_.micro, o_.seq, o_.cp, o_.mtp); }
   void wait_free(int k);
   void fill(const data::SampleSource& src, Batch batch, int k);
 

@@ -124,6 +124,10 @@ json config_to_json(const TransformerConfig& c) {
                     {"original_max_position_embeddings", c.original_max_position_embeddings},
                     {"beta_fast", c.beta_fast},
                     {"beta_slow", c.beta_slow}};
+  if (c.mtp_num_layers > 0) {
+    j["mtp_num_layers"] = c.mtp_num_layers;
+    j["mtp_loss_scaling_factor"] = c.mtp_loss_scaling_factor;
+  }
   return j;
 }
 
@@ -175,6 +179,8 @@ TransformerConfig config_from_json(const json& j) {
     c.beta_fast = m.at("beta_fast").get<float>();
     c.beta_slow = m.at("beta_slow").get<float>();
   }
+  c.mtp_num_layers = j.value("mtp_num_layers", int64_t{0});
+  c.mtp_loss_scaling_factor = j.value("mtp_loss_scaling_factor", 0.1f);
   return c;
 }
 

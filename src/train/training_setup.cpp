@@ -210,6 +210,7 @@ void check_resume_config(const TransformerConfig& ck, const TransformerConfig& m
             yes(m.layernorm_zero_centered_gamma));
   same_flag("--untie-embeddings-and-output-weights", yes(ck.untie_embeddings_and_output_weights),
             yes(m.untie_embeddings_and_output_weights));
+  same("--mtp-num-layers", ck.mtp_num_layers, m.mtp_num_layers);  // the MTP parameters
   // Mixture of experts: the experts and where they sit (the router and expert shapes follow).
   same("--num-experts", ck.num_moe_experts, m.num_moe_experts);
   if (ck.num_moe_experts == 0) return;
@@ -270,7 +271,8 @@ ModelSetupOptions pretrain_model_options(const PretrainArgs& args, const Trainin
   o.optim = args.optim;
   o.check_memory = true;
   o.batch_bytes =
-      BatchStager::device_bytes(o.num_microbatches, o.micro_batch_size, args.model.seq_length, layout.parallel.cp);
+      BatchStager::device_bytes(o.num_microbatches, o.micro_batch_size, args.model.seq_length, layout.parallel.cp,
+                                args.model.mtp_num_layers);
   return o;
 }
 
@@ -304,7 +306,7 @@ TrainingSetup::TrainingSetup(PretrainArgs args, std::shared_ptr<Communicator> wo
       BatchStager::Options{num_microbatches(), args_.micro_batch_size, args_.model.seq_length, parallel_.dp,
                            g.dp->rank(), args_.model.vocab_size, ltor, parallel_.cp, g.cp->rank(),
                            args_.data.reset_position_ids, args_.data.reset_attention_mask,
-                           args_.calculate_per_token_loss},
+                           args_.calculate_per_token_loss, args_.model.mtp_num_layers},
       device_);
 }
 

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "model/gpt_model.h"
+#include "model/layers/multi_token_prediction.h"
 #include "model/layer_graphs.h"
 #include "model/moe/moe_layer.h"
 #include "ops/elementwise.h"
@@ -39,8 +40,9 @@ void set_llama(TransformerConfig& c) {
 /// with a large rate before the compared step, so that it changes the selection). The MoE
 /// statistics (loss values, token counts) are compared too. grad_tol: the gradients' tolerance
 /// (default tol). grouped: the GPU model runs --moe-grouped-gemm (the CPU model the per-expert loop).
+/// mtp: --mtp-num-layers (scaling factor 0.5), the MTP losses compared too.
 void compare(DType dtype, float dropout, double tol, bool documents = false, bool llama = false, bool flash = false,
-             Moe moe = Moe::kNone, double grad_tol = 0, bool grouped = false) {
+             Moe moe = Moe::kNone, double grad_tol = 0, bool grouped = false, int64_t mtp = 0) {
   if (grad_tol == 0) grad_tol = tol;
   TransformerConfig c;
   c.num_layers = 2;
@@ -84,6 +86,8 @@ void compare(DType dtype, float dropout, double tol, bool documents = false, boo
   c.make_vocab_size_divisible_by = 64;
   c.hidden_dropout = dropout;
   c.attention_dropout = dropout;
+  c.mtp_num_layers = mtp;
+  c.mtp_loss_scaling_factor = 0.5f;
   const int64_t b = 3;
   Stream cs(Device::cpu()), gs(Device::cuda(0));
   TransformerConfig cc = c, gc = c;
@@ -129,6 +133,21 @@ void compare(DType dtype, float dropout, double tol, bool documents = false, boo
     cmb = {ct.t, cl.t, cm.t, cp.t, cd.t};
     gmb = {gt.t, gl.t, gm.t, gp.t, gd.t};
   }
+  OwnedTensor mtp_t[2][3];  // [cpu, gpu][tokens, labels, weights]
+  if (mtp > 0) {
+    const MtpInputs in = make_mtp_inputs(mtp, c.seq_length, b, tok.data(), lab.data(), documents ? mask.data() : nullptr);
+    for (int k = 0; k < 2; ++k) {
+      const Device dev = k == 0 ? Device::cpu() : Device::cuda(0);
+      const Stream& st = k == 0 ? cs : gs;
+      mtp_t[k][0] = testing::make_int_tensor(in.tokens, dev, {mtp, c.seq_length, b}, st);
+      mtp_t[k][1] = testing::make_int_tensor(in.labels, dev, {mtp, c.seq_length, b}, st);
+      mtp_t[k][2] = testing::make_tensor(in.loss_mask, DType::kF32, dev, {mtp, c.seq_length, b}, st);
+      MicroBatch& m = k == 0 ? cmb : gmb;
+      m.mtp_tokens = mtp_t[k][0].t;
+      m.mtp_labels = mtp_t[k][1].t;
+      m.mtp_loss_mask = mtp_t[k][2].t;
+    }
+  }
   OwnedTensor closs(DType::kF32, Device::cpu(), {1}), gloss(DType::kF32, Device::cuda(0), {1});
   fill(closs, 0.f, cs);
   fill(gloss, 0.f, gs);
@@ -162,6 +181,11 @@ void compare(DType dtype, float dropout, double tol, bool documents = false, boo
   gpu.backward(gmb, dc, wgt, Tensor(), gs);
   const double lc = testing::to_host(closs, cs)[0], lg = testing::to_host(gloss, gs)[0];
   EXPECT_NEAR(lg, lc, tol * std::fabs(lc)) << "loss";
+  if (mtp > 0) {
+    const std::vector<float> mc = testing::to_host(cpu.mtp_losses(), cs), mg = testing::to_host(gpu.mtp_losses(), gs);
+    ASSERT_EQ(mc.size(), static_cast<size_t>(mtp));
+    for (size_t k = 0; k < mc.size(); ++k) EXPECT_NEAR(mg[k], mc[k], tol * std::fabs(mc[k])) << "MTP depth " << k + 1;
+  }
   // MoE in bf16: a near tie may select another expert than fp32 on the CPU, which changes that
   // expert's (and the router's) gradient entirely; the global gradient norm is compared instead.
   const bool per_tensor = moe == Moe::kNone || dtype == DType::kF32;
@@ -183,7 +207,8 @@ void compare(DType dtype, float dropout, double tol, bool documents = false, boo
       if (i % per >= kMoeStatLosses) routed += sc[i];
       if (dtype == DType::kF32) EXPECT_NEAR(sg[i], sc[i], tol * std::max(1.0, std::fabs(sc[i]))) << "MoE statistic " << i;
     }
-    const double slots = static_cast<double>(c.seq_length * b * c.moe_router_topk * c.num_moe_layers());
+    const int64_t moe_layers = c.num_moe_layers() + (c.is_moe_layer(c.num_layers - 1) ? c.mtp_num_layers : 0);
+    const double slots = static_cast<double>(c.seq_length * b * c.moe_router_topk * moe_layers);
     if (moe == Moe::kMixtralDrop) {  // the kept slots are counted: fewer than routed
       EXPECT_LT(routed, slots);
       EXPECT_GT(routed, 0.5 * slots);
@@ -191,6 +216,16 @@ void compare(DType dtype, float dropout, double tol, bool documents = false, boo
       EXPECT_EQ(routed, slots);
     }
   }
+}
+
+// Multi-token prediction (model/layers/multi_token_prediction.h) on the GPU against the CPU model:
+// the LM and MTP losses and every gradient, fp32 to 1e-5 and bf16 to 2e-2, with documents and
+// dropout (two depths), and an MoE MTP layer (Mixtral-style last layer).
+TEST(GptCuda, MultiTokenPredictionMatchesCpu) {
+  MT_REQUIRE_CUDA();
+  compare(DType::kF32, 0.1f, 1e-5, /*documents=*/true, /*llama=*/true, false, Moe::kNone, 0, false, /*mtp=*/2);
+  compare(DType::kBF16, 0.1f, 2e-2, /*documents=*/true, /*llama=*/true, false, Moe::kNone, 0, false, /*mtp=*/2);
+  compare(DType::kF32, 0.f, 1e-5, /*documents=*/false, /*llama=*/true, false, Moe::kMixtral, 0, false, /*mtp=*/1);
 }
 
 TEST(GptCuda, Fp32MatchesCpu) {

@@ -9,6 +9,7 @@
 
 #include "model/gpt_model.h"
 #include "model/layer_graphs.h"
+#include "model/layers/multi_token_prediction.h"
 #include "ops/elementwise.h"
 #include "testing/testing.h"
 
@@ -103,6 +104,7 @@ struct Harness {
   GPTModel model;
   OwnedTensor tokens, labels, loss;
   OwnedTensor positions, doc_start, loss_mask;  // set by with_documents()
+  OwnedTensor mtp_tokens, mtp_labels, mtp_mask;  // --mtp-num-layers: make_mtp_inputs of the above
   Harness(const TransformerConfig& c, int64_t b, uint64_t seed = testing::test_seed())
       : model(c, b, DType::kF32, Device::cpu(), ProcessGroups::single()),
         tokens(testing::make_int_tensor(testing::randint(c.seq_length * b, 0, static_cast<int32_t>(c.vocab_size)),
@@ -111,12 +113,36 @@ struct Harness {
                                         Device::cpu(), {c.seq_length, b}, stream)),
         loss(DType::kF32, Device::cpu(), {1}) {
     model.params().initialize(seed, stream);
+    make_mtp();
+  }
+  void make_mtp() {
+    const int64_t D = model.config().mtp_num_layers, S = model.config().seq_length, B = model.micro_batch();
+    if (D == 0) return;
+    const std::vector<int32_t> t = testing::to_host_ints(tokens.t, stream), l = testing::to_host_ints(labels.t, stream);
+    const std::vector<float> m = loss_mask.t.empty() ? std::vector<float>() : testing::to_host(loss_mask.t, stream);
+    const MtpInputs in = make_mtp_inputs(D, S, B, t.data(), l.data(), m.empty() ? nullptr : m.data());
+    mtp_tokens = testing::make_int_tensor(in.tokens, Device::cpu(), {D, S, B}, stream);
+    mtp_labels = testing::make_int_tensor(in.labels, Device::cpu(), {D, S, B}, stream);
+    mtp_mask = testing::make_tensor(in.loss_mask, DType::kF32, Device::cpu(), {D, S, B}, stream);
   }
   MicroBatch mb() const {
     MicroBatch m{tokens.t, labels.t, loss_mask.t};
     m.position_ids = positions.t;
     m.doc_start = doc_start.t;
+    m.mtp_tokens = mtp_tokens.t;
+    m.mtp_labels = mtp_labels.t;
+    m.mtp_loss_mask = mtp_mask.t;
     return m;
+  }
+  // λ/D · Σ_k of the MTP losses accumulated since the last call (then zeroed): the MTP's part of
+  // the objective.
+  double take_mtp_loss() {
+    const TransformerConfig& c = model.config();
+    if (c.mtp_num_layers == 0) return 0;
+    double sum = 0;
+    for (float v : testing::to_host(model.mtp_losses(), stream)) sum += v;
+    fill(model.mtp_losses(), 0.f, stream);
+    return c.mtp_loss_scaling_factor / static_cast<double>(c.mtp_num_layers) * sum;
   }
   // Two documents per sample (boundary after position 1 of 5): position ids restart, attention
   // stays inside a document, and the loss of the first position is masked.
@@ -135,6 +161,7 @@ struct Harness {
     positions = testing::make_int_tensor(pos, Device::cpu(), {S, B}, stream);
     doc_start = testing::make_int_tensor(ds, Device::cpu(), {B, S}, stream);
     loss_mask = testing::make_tensor(mask, DType::kF32, Device::cpu(), {S, B}, stream);
+    make_mtp();
   }
   // One training forward and backward from zero gradients (dropout key {7, 2, 1}): returns the
   // objective (loss_value) and appends every parameter's gradient to `grads`.
@@ -159,7 +186,7 @@ struct Harness {
     const size_t per = static_cast<size_t>(kMoeStatLosses + c.num_moe_experts);
     for (size_t i = 0; i < st.size(); ++i)
       if (i % per < kMoeStatLosses) aux += st[i];
-    return testing::to_host(loss, stream)[0] + aux;
+    return testing::to_host(loss, stream)[0] + aux + take_mtp_loss();
   }
 };
 
@@ -818,9 +845,8 @@ TEST(Gpt, InitialisationStatistics) {
 
 // Megatron-Core's parameter names and shapes for a Llama / Qwen 3 style layer, and the parameter
 // count of the configuration.
-TEST(Gpt, LlamaParameterNamesAndCount) {
-  const TransformerConfig c = tiny_llama_config(0.f, /*qwen3=*/true);
-  const auto specs = GPTModel::param_specs(c);
+// The elements of `specs` and each parameter's global shape by name.
+std::pair<int64_t, std::map<std::string, std::vector<int64_t>>> count_params(const std::vector<ParamSpec>& specs) {
   int64_t n = 0;
   std::map<std::string, std::vector<int64_t>> shapes;
   for (const auto& s : specs) {
@@ -829,6 +855,13 @@ TEST(Gpt, LlamaParameterNamesAndCount) {
     n += k;
     shapes[s.name] = s.global_shape.empty() ? s.shape : s.global_shape;
   }
+  return {n, shapes};
+}
+
+TEST(Gpt, LlamaParameterNamesAndCount) {
+  const TransformerConfig c = tiny_llama_config(0.f, /*qwen3=*/true);
+  const auto specs = GPTModel::param_specs(c);
+  const auto [n, shapes] = count_params(specs);
   EXPECT_EQ(n, c.num_parameters());
   const int64_t h = 16, d = 4, qkv = (4 + 2 * 2) * d;
   EXPECT_EQ(shapes.at("decoder.layers.1.self_attention.linear_qkv.weight"), (std::vector<int64_t>{qkv, h}));
@@ -928,6 +961,222 @@ TEST(Gpt, HeadInChunksEqualsWholeLogits) {
       ASSERT_EQ(got.grads.size(), ref.grads.size());
       for (size_t i = 0; i < ref.grads.size(); ++i) EXPECT_LT(testing::rel_err(got.grads[i], ref.grads[i]), 1e-5) << i;
     }
+  }
+}
+
+// --- multi-token prediction (--mtp-num-layers; model/layers/multi_token_prediction.h) ---
+
+TransformerConfig tiny_mtp_config(float dropout, int64_t depths) {
+  TransformerConfig c = tiny_llama_config(dropout);
+  c.mtp_num_layers = depths;
+  c.mtp_loss_scaling_factor = 0.5f;  // large enough that the MTP gradients matter
+  return c;
+}
+
+// Megatron's roll_tensor applied k times, and the weights m[i + k] · n0 / n_k, by hand: s = 3,
+// b = 2, the mask zero at (i 0, b 1) and (i 2, b 0).
+TEST(Mtp, InputsRollAndReweight) {
+  const std::vector<int32_t> tok = {10, 11, 12, 13, 14, 15}, lab = {20, 21, 22, 23, 24, 25};
+  const std::vector<float> mask = {1, 0, 1, 1, 0, 1};  // n0 = 4
+  const MtpInputs in = make_mtp_inputs(2, 3, 2, tok.data(), lab.data(), mask.data());
+  EXPECT_EQ(in.tokens, (std::vector<int32_t>{12, 13, 14, 15, 0, 0, /*k 2*/ 14, 15, 0, 0, 0, 0}));
+  EXPECT_EQ(in.labels, (std::vector<int32_t>{22, 23, 24, 25, 0, 0, 24, 25, 0, 0, 0, 0}));
+  // k 1: rolled mask {1, 1, 0, 1, 0, 0}, n_1 = 3 -> weights 4/3; k 2: {0, 1, 0, ...}, n_2 = 1 -> 4
+  const float a = 4.f / 3.f;
+  EXPECT_EQ(in.loss_mask, (std::vector<float>{a, a, 0, a, 0, 0, 0, 4, 0, 0, 0, 0}));
+  const MtpInputs ones = make_mtp_inputs(1, 3, 2, tok.data(), lab.data(), nullptr);  // no mask: 6 / 4
+  EXPECT_EQ(ones.loss_mask, (std::vector<float>{1.5f, 1.5f, 1.5f, 1.5f, 0, 0}));
+  EXPECT_THROW(make_mtp_inputs(0, 3, 2, tok.data(), lab.data(), nullptr), Error);
+}
+
+TEST(Mtp, GradientCheck) { gradient_check(tiny_mtp_config(0.f, 2)); }
+TEST(Mtp, GradientCheckTiedWithDropoutAndDocuments) {
+  TransformerConfig c = tiny_mtp_config(0.2f, 1);
+  c.untie_embeddings_and_output_weights = false;
+  gradient_check(c, /*documents=*/true);
+}
+TEST(Mtp, GradientCheckLayerNormGelu) {  // LayerNorm (norm bias) and the GELU MLP with biases, RoPE
+  TransformerConfig c = tiny_config(0.f);
+  c.position_embedding_type = PositionEmbeddingType::kRope;
+  c.mtp_num_layers = 1;
+  gradient_check(c);
+}
+// The MTP layer is an MoE layer (the last layer's kind), its load-balancing and z-losses counted.
+// Routing to every expert (top-4 of 4) leaves no selection to flip: the loss is smooth at any seed.
+// DeepSeek's router (sigmoid, groups, a shared expert) at the fixed seeds of moe_gradient_check
+// where no selection flips within the steps (the MTP's router adds near-ties of its own: at seeds
+// 104 and 113 only tensors upstream of a router disagreed, the signature of a jump).
+TEST(Mtp, MoEGradientCheck) {
+  TransformerConfig c = tiny_moe_config(false);
+  c.moe_router_topk = 4;
+  c.mtp_num_layers = 1;
+  c.mtp_loss_scaling_factor = 0.5f;
+  gradient_check(c, /*documents=*/true);
+  c = tiny_moe_config(true);
+  c.mtp_num_layers = 1;
+  c.mtp_loss_scaling_factor = 0.5f;
+  for (uint64_t seed : {106u, 109u, 112u}) {
+    SCOPED_TRACE(seed);
+    testing::test_rng().seed(seed);
+    gradient_check(c, false, seed);
+  }
+}
+
+double rms_norm_row(const float* x, const float* w, int64_t h, double eps, double* out) {
+  double ss = 0;
+  for (int64_t k = 0; k < h; ++k) ss += static_cast<double>(x[k]) * x[k];
+  const double r = 1.0 / std::sqrt(ss / static_cast<double>(h) + eps);
+  for (int64_t k = 0; k < h; ++k) out[k] = x[k] * r * w[k];
+  return r;
+}
+
+// The MTP loss against a float64 reference made by hand from the model's parameters: with every
+// layer's output projections (linear_proj, linear_fc2) zero, each transformer layer is the identity,
+// so h_0 = final_norm(E[t]) and, per depth, h_k = final_norm_k(W_eh [enorm(E[t rolled k]);
+// hnorm(h_{k−1})]); the losses are the weighted cross entropies of h_k W_outᵀ over the real
+// vocabulary against the rolled labels (documents: a loss mask, so the weights n0 / n_k matter).
+TEST(Mtp, LossEqualsHandReference) {
+  const TransformerConfig c = tiny_mtp_config(0.f, 2);
+  Harness h(c, 2);
+  h.with_documents();
+  ParamStore& P = h.model.params();
+  std::map<std::string, std::vector<float>> w;
+  for (size_t i = 0; i < P.size(); ++i) {
+    const std::string& name = P.info(i).name;
+    if (name.find("linear_proj.weight") != std::string::npos || name.find("linear_fc2.weight") != std::string::npos)
+      testing::upload(P.main(i), std::vector<float>(static_cast<size_t>(P.info(i).numel), 0.f), h.stream);
+    w[name] = testing::to_host(P.main(i), h.stream);
+  }
+  const int64_t S = c.seq_length, B = 2, H = c.hidden_size, V = c.vocab_size, D = c.mtp_num_layers;
+  const float lw = 1.0f / static_cast<float>(S * B);
+  fill(h.loss, 0.f, h.stream);
+  h.model.forward(h.mb(), {1, 0, 0, true}, h.loss, lw, h.stream);
+  const double main_loss = testing::to_host(h.loss.t, h.stream)[0];
+  const std::vector<float> mtp = testing::to_host(h.model.mtp_losses(), h.stream);
+  const std::vector<int32_t> tok = testing::to_host_ints(h.tokens.t, h.stream), lab = testing::to_host_ints(h.labels.t, h.stream);
+  const std::vector<int32_t> mtok = testing::to_host_ints(h.mtp_tokens.t, h.stream),
+                             mlab = testing::to_host_ints(h.mtp_labels.t, h.stream);
+  const std::vector<float> mask = testing::to_host(h.loss_mask.t, h.stream), mmask = testing::to_host(h.mtp_mask.t, h.stream);
+  const std::vector<float>& E = w.at("embedding.word_embeddings.weight");
+  const std::vector<float>& W = w.at("output_layer.weight");
+  auto ce = [&](const std::vector<double>& x, int32_t label) {  // over the real vocabulary
+    std::vector<double> z(static_cast<size_t>(V));
+    double mx = -INFINITY;
+    for (int64_t v = 0; v < V; ++v) {
+      double dot = 0;
+      for (int64_t k = 0; k < H; ++k) dot += x[k] * W[v * H + k];
+      z[v] = dot;
+      mx = std::max(mx, dot);
+    }
+    double se = 0;
+    for (double v : z) se += std::exp(v - mx);
+    return mx + std::log(se) - z[label];
+  };
+  const double eps = c.norm_epsilon;
+  std::vector<std::vector<double>> hidden(static_cast<size_t>(S * B), std::vector<double>(H));
+  double ref_main = 0;
+  std::vector<float> row(H);
+  for (int64_t t = 0; t < S * B; ++t) {
+    rms_norm_row(&E[tok[t] * H], w.at("decoder.final_layernorm.weight").data(), H, eps, hidden[t].data());
+    ref_main += lw * mask[t] * ce(hidden[t], lab[t]);
+  }
+  EXPECT_NEAR(main_loss, ref_main, 1e-5 * ref_main);
+  for (int64_t d = 0; d < D; ++d) {
+    const std::string p = fmt::format("mtp.layers.{}.", d);
+    const std::vector<float>& Weh = w.at(p + "eh_proj.weight");  // [h, 2h]
+    double ref = 0;
+    for (int64_t t = 0; t < S * B; ++t) {
+      std::vector<double> cat(2 * H), x(H), y(H);
+      rms_norm_row(&E[mtok[d * S * B + t] * H], w.at(p + "enorm.weight").data(), H, eps, cat.data());
+      for (int64_t k = 0; k < H; ++k) row[k] = static_cast<float>(hidden[t][k]);
+      rms_norm_row(row.data(), w.at(p + "hnorm.weight").data(), H, eps, cat.data() + H);
+      for (int64_t r = 0; r < H; ++r)
+        for (int64_t k = 0; k < 2 * H; ++k) x[r] += Weh[r * 2 * H + k] * cat[k];
+      for (int64_t k = 0; k < H; ++k) row[k] = static_cast<float>(x[k]);
+      rms_norm_row(row.data(), w.at(p + "final_layernorm.weight").data(), H, eps, y.data());
+      hidden[t] = y;
+      ref += lw * mmask[d * S * B + t] * ce(y, mlab[d * S * B + t]);
+    }
+    EXPECT_GT(ref, 0.5);
+    EXPECT_NEAR(mtp[d], ref, 1e-5 * ref) << "depth " << d + 1;
+  }
+  // Evaluation forwards run no MTP (the validation loss is the LM loss) and leave the sums alone.
+  h.model.forward(h.mb(), {1, 0, 0, false}, h.loss, lw, h.stream);
+  EXPECT_EQ(testing::to_host(h.model.mtp_losses(), h.stream), mtp);
+}
+
+TEST(Mtp, ParameterNamesCountAndFlops) {
+  TransformerConfig c = tiny_mtp_config(0.f, 2);
+  const auto [n, shapes] = count_params(GPTModel::param_specs(c));
+  EXPECT_EQ(n, c.num_parameters());
+  EXPECT_EQ(shapes.at("mtp.layers.1.eh_proj.weight"), (std::vector<int64_t>{16, 32}));
+  for (const char* name : {"mtp.layers.0.enorm.weight", "mtp.layers.0.hnorm.weight", "mtp.layers.1.final_layernorm.weight",
+                           "mtp.layers.1.transformer_layer.self_attention.linear_qkv.weight",
+                           "mtp.layers.0.transformer_layer.mlp.linear_fc2.weight"})
+    EXPECT_TRUE(shapes.count(name)) << name;
+  EXPECT_FALSE(shapes.count("decoder.layers.2.self_attention.linear_qkv.weight"));
+  // Megatron's num_floating_point_operations by hand: B 1, s 5, h 8, n·d 8, f 32 (GELU), V 40,
+  // L 2, D 1: per token attention 8·24 + 8·5 + 8·8 = 296 per layer (3 layers with the MTP's),
+  // MLP 2·8·32 per layer, MTP norms and eh_proj 3·8 + 2·64 = 152, logits 2 · 8·40.
+  TransformerConfig f = tiny_config(0.f);
+  f.ffn_hidden_size = 32;
+  const double base = 6.0 * 5 * (2 * 296 + 2 * 2 * 8 * 32 + 8 * 40);
+  EXPECT_DOUBLE_EQ(f.flops_per_iteration(1), base);
+  f.mtp_num_layers = 1;
+  EXPECT_DOUBLE_EQ(f.flops_per_iteration(1), 6.0 * 5 * (3 * 296 + 3 * 2 * 8 * 32 + 152 + 2 * 8 * 40));
+  // an MoE last layer makes the MTP layer an MoE one: top-2 of experts of 6 (SwiGLU: 3·h·f)
+  TransformerConfig m = tiny_moe_config(false);
+  const double without = m.flops_per_iteration(1);
+  m.mtp_num_layers = 1;
+  const double h = 16, s = 5, attention = h * (16 + 2 * 8) + 16 * s + 16 * h, V = 40;
+  EXPECT_NEAR(m.flops_per_iteration(1) - without,
+              6 * s * (attention + 3 * h * (6 * 2) + 3 * h + 2 * h * h + h * V), 1e-6 * without);
+}
+
+TEST(Mtp, ConfigErrors) {
+  auto expect_message = [](const TransformerConfig& bad, const std::string& what) {
+    try {
+      bad.validate();
+      ADD_FAILURE() << "no error; expected '" << what << "'";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+  };
+  TransformerConfig c = tiny_mtp_config(0.f, -1);
+  expect_message(c, "--mtp-num-layers must be >= 0, got -1");
+  c = tiny_mtp_config(0.f, 1);
+  c.mtp_loss_scaling_factor = -0.5f;
+  expect_message(c, "--mtp-loss-scaling-factor must be a finite number >= 0, got -0.5");
+  c = tiny_config(0.f);
+  c.mtp_num_layers = 1;
+  expect_message(c, "--mtp-num-layers 1 with --position-embedding-type learned_absolute is not supported");
+  c = tiny_mtp_config(0.f, 1);
+  c.fp8 = Fp8Format::kHybrid;
+  expect_message(c, "--mtp-num-layers 1 with --fp8-format hybrid is not supported yet");
+  // The last stage of an untied model has no word embedding to embed the MTP tokens with.
+  c = tiny_mtp_config(0.f, 1);
+  pipeline::LayerRange last;
+  last.begin = 1;
+  last.end = 2;
+  last.has_loss = true;
+  try {
+    GPTModel::param_specs(c, 1, 0, {last});
+    ADD_FAILURE() << "accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--untie-embeddings-and-output-weights under pipeline parallelism"),
+              std::string::npos) << e.what();
+  }
+  c.untie_embeddings_and_output_weights = false;  // tied: the last stage's copy is the MTP embedding
+  EXPECT_NO_THROW(GPTModel::param_specs(c, 1, 0, {last}));
+  // A training forward without the MTP inputs.
+  Harness h(tiny_mtp_config(0.f, 1), 2);
+  MicroBatch mb = h.mb();
+  mb.mtp_tokens = Tensor();
+  try {
+    h.model.forward(mb, {1, 0, 0, true}, h.loss, 1.f, h.stream);
+    ADD_FAILURE() << "accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("needs the micro-batch's mtp_tokens"), std::string::npos) << e.what();
   }
 }
 

@@ -672,6 +672,10 @@ TEST(HfConvert, MoeBadInputErrors) {
   x.moe_shared_expert_intermediate_size = 16;
   expect_error([&] { hf::check_representable(HfArchitecture::kQwen3Moe, x); }, "no shared experts");
   x = c;
+  x.mtp_num_layers = 1;  // MTP weights: no supported architecture holds them yet
+  expect_error([&] { hf::check_representable(HfArchitecture::kQwen3Moe, x); },
+               "it has 1 multi-token prediction layers (--mtp-num-layers)");
+  x = c;
   x.moe_shared_expert_intermediate_size = 16;
   x.moe_shared_expert_gate = true;
   x.add_qkv_bias = true;

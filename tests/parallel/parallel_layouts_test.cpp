@@ -21,6 +21,7 @@
 #include "core/cuda_graph.h"
 #include "model/gpt_model.h"
 #include "model/layer_graphs.h"
+#include "model/layers/multi_token_prediction.h"
 #include "optim/grad_sync.h"
 #include "ops/elementwise.h"
 #include "parallel/parallel_config.h"
@@ -180,6 +181,8 @@ struct Layout {
   bool overlap_p2p = false;  // --overlap-p2p-communication (pipeline transfers on their own stream)
   bool decoupled_lr = false;  // --decoupled-lr: the embedding and output layer step at kDecoupledLr
   bool one_p = false;         // --apply-layernorm-1p: norm weights zero-centred (scale 1 + w)
+  int mtp = 0;         // --mtp-num-layers (the MTP layers on the last stage)
+  bool tied = false;   // the Llama / MoE families with a tied output layer (MTP under PP needs one)
   // Reference only: each micro-batch is the union (along b) of `merge` consecutive sample groups,
   // i.e. of the DP ranks' micro-batches of one step (global_aux_loss: the global micro-batch).
   int merge = 1;
@@ -219,6 +222,8 @@ struct Layout {
     if (overlap_p2p) s += "_p2poverlap";
     if (decoupled_lr) s += "_decoupledlr";
     if (one_p) s += "_layernorm1p";
+    if (mtp > 0) s += fmt::format("_mtp{}", mtp);
+    if (tied) s += "_tied";
     if (preprocess) s += "_moe_preprocess";
     if (recompute == 's') s += "_rc_selective";
     if (recompute == 'm') s += "_rc_norm_act";
@@ -236,6 +241,7 @@ struct Result {
   std::map<std::string, std::vector<float>> grads, params;
   std::map<std::string, std::vector<float>> copy_params;  // the last stage's embedding copy
   std::vector<int> slots;                                 // per pipeline rank: activation slots
+  std::vector<double> mtp;  // per MTP depth: its losses over the iterations, summed over DP
   int64_t rerouted = 0;    // ECHO: slots sent to clones, summed over the ranks and layers
   int64_t overflowed = 0;  // --moe-received-token-capacity: slots dropped, summed likewise
   int64_t echo_bytes = 0;  // ECHO's used-slot transfers: bytes written, summed over the ranks
@@ -270,6 +276,9 @@ Result run_layout(const Layout& L, const std::vector<int32_t>& tokens, const std
     c.recompute_granularity = RecomputeGranularity::kSelective;
     c.recompute_modules = parse_recompute_modules({"core_attn", "mla_up_proj"});
   }
+  c.mtp_num_layers = L.mtp;
+  c.mtp_loss_scaling_factor = 0.5f;  // large enough that the MTP gradients matter
+  if (L.tied) c.untie_embeddings_and_output_weights = false;
   if (L.recompute == 's' || L.recompute == 'm' || L.recompute == 'M') {
     c.recompute_granularity = RecomputeGranularity::kSelective;
     if (L.recompute != 's')
@@ -294,6 +303,7 @@ Result run_layout(const Layout& L, const std::vector<int32_t>& tokens, const std
   Result out;
   out.losses.assign(kIters, 0.0);
   out.slots.resize(static_cast<size_t>(L.pp));
+  out.mtp.assign(static_cast<size_t>(L.mtp), 0.0);
   std::mutex mu;
   run_thread_ranks(world_size, [&](int, std::shared_ptr<Communicator> world) {
     ModelSetupOptions o;
@@ -344,7 +354,7 @@ Result run_layout(const Layout& L, const std::vector<int32_t>& tokens, const std
     model.params().initialize(1234, st);
     if (L.overlap && pp_rank == 0) EXPECT_GT(model.params().buckets().size(), 2u);
     const int d = g.dp->rank();
-    std::vector<OwnedTensor> tok, lab;
+    std::vector<OwnedTensor> tok, lab, mtp_tok, mtp_lab, mtp_mask;
     std::vector<MicroBatch> mbs;
     for (int m = 0; m < M; ++m) {
       const int64_t gm = static_cast<int64_t>(m) * L.dp + d;  // Megatron's sampler order
@@ -357,12 +367,23 @@ Result run_layout(const Layout& L, const std::vector<int32_t>& tokens, const std
           }
       tok.push_back(testing::make_int_tensor(t, Device::cpu(), {S, B}, st));
       lab.push_back(testing::make_int_tensor(l, Device::cpu(), {S, B}, st));
+      if (L.mtp > 0) {
+        const MtpInputs in = make_mtp_inputs(L.mtp, S, B, t.data(), l.data(), nullptr);
+        mtp_tok.push_back(testing::make_int_tensor(in.tokens, Device::cpu(), {L.mtp, S, B}, st));
+        mtp_lab.push_back(testing::make_int_tensor(in.labels, Device::cpu(), {L.mtp, S, B}, st));
+        mtp_mask.push_back(testing::make_tensor(in.loss_mask, DType::kF32, Device::cpu(), {L.mtp, S, B}, st));
+      }
     }
     OwnedTensor loss(DType::kF32, Device::cpu(), {1});
     for (int m = 0; m < M; ++m) {
       MicroBatch b{tok[m].t, lab[m].t, Tensor()};
       b.loss_weight = 1.0f / static_cast<float>(S * B * M * L.dp);
       b.aux_loss_weight = 1.0f / static_cast<float>(M * L.dp);
+      if (L.mtp > 0) {
+        b.mtp_tokens = mtp_tok[m].t;
+        b.mtp_labels = mtp_lab[m].t;
+        b.mtp_loss_mask = mtp_mask[m].t;
+      }
       mbs.push_back(b);
     }
     // docs/architecture.md principles 1 and 5: after the first step (first-use initialisation) a
@@ -396,6 +417,10 @@ Result run_layout(const Layout& L, const std::vector<int32_t>& tokens, const std
     {
       std::lock_guard<std::mutex> lock(mu);
       if (g.tp->rank() == 0 && d == 0) out.slots[static_cast<size_t>(pp_rank)] = plan.activation_slots;
+      if (const Tensor ml = model.mtp_losses(); !ml.empty() && g.tp->rank() == 0) {  // the last stage's
+        const std::vector<float> v = testing::to_host(ml, st);
+        for (size_t k = 0; k < v.size(); ++k) out.mtp[k] += v[k];
+      }
       const MoeDispatchStats ds = model.moe_dispatch_stats(st);
       out.rerouted += ds.rerouted;
       out.overflowed += ds.overflowed;
@@ -433,7 +458,8 @@ class ParallelLayouts : public ::testing::TestWithParam<Layout> {};
 
 TEST_P(ParallelLayouts, MatchesSingleRank) {
   const Layout L = GetParam();
-  const TransformerConfig c = config(L.arch);
+  TransformerConfig c = config(L.arch);
+  if (L.tied) c.untie_embeddings_and_output_weights = false;
   const int64_t mb = 2;
   // Vocabulary tensors compare on their real rows; their padding rows stay exactly zero.
   auto real_rows = [](const Result& r, const std::string& name, const std::vector<float>& v) {
@@ -462,6 +488,8 @@ TEST_P(ParallelLayouts, MatchesSingleRank) {
   one.pad = L.pad;
   one.decoupled_lr = L.decoupled_lr;
   one.one_p = L.one_p;
+  one.mtp = L.mtp;
+  one.tied = L.tied;
   // global_aux_loss: the loss of each micro-batch step reads the counts of all DP ranks' micro-batches
   // of that step, so the reference runs their union as one micro-batch (as many steps, b·DP)
   if (L.arch == Arch::kMoeGlobal) one.merge = L.dp;
@@ -485,6 +513,11 @@ TEST_P(ParallelLayouts, MatchesSingleRank) {
     EXPECT_GT(par.echo_bytes, 0) << "ECHO's used-slot transfers sent nothing";
   }
   for (int it = 0; it < kIters; ++it) EXPECT_NEAR(par.losses[it], ref.losses[it], 1e-5 * ref.losses[it]) << it;
+  ASSERT_EQ(par.mtp.size(), ref.mtp.size());
+  for (size_t k = 0; k < ref.mtp.size(); ++k) {
+    EXPECT_GT(ref.mtp[k], 0.0) << "MTP depth " << k + 1 << " logged no loss";
+    EXPECT_NEAR(par.mtp[k], ref.mtp[k], 1e-5 * ref.mtp[k]) << "MTP depth " << k + 1;
+  }
   ASSERT_EQ(par.grads.size(), ref.grads.size());
   for (const auto& [name, g] : ref.grads) {
     ASSERT_TRUE(par.grads.count(name)) << name << " missing";
@@ -700,6 +733,24 @@ std::vector<Layout> layouts() {
   add(Arch::kMoeFp64, 1, 1, 2, 0, false, false, false, 2, 0, true);
   add(Arch::kMoeFp64, 2, 1, 2, 0, true, false, false, 2, 1);
   add(Arch::kMoeFp64, 1, 2, 2, 0, false, true, false, 2, 0);
+  // Multi-token prediction (--mtp-num-layers, on the last stage): TP 2 with and without SP, DP 2
+  // with the distributed optimizer, PP 2 and PP 2 x VPP 2 (a tied output layer: the last stage's
+  // copy of the word embedding feeds the MTP embedding), EP 2 with MoE MTP layers (the last
+  // layer's kind; DeepSeek's router), and TP 2 + SP x PP 2 x DP 2 x EP 2 combined.
+  auto mtp = [&](Arch arch, int tp, int pp, int dp, int vpp, bool sp, bool zero, bool overlap, int ep, int depths,
+                 bool tied) {
+    add(arch, tp, pp, dp, vpp, sp, zero, overlap, ep);
+    v.back().mtp = depths;
+    v.back().tied = tied;
+  };
+  mtp(Arch::kLlama, 2, 1, 1, 0, true, false, false, 1, 2, false);
+  mtp(Arch::kLlama, 2, 1, 1, 0, false, false, false, 1, 1, false);
+  mtp(Arch::kLlama, 1, 1, 2, 0, false, true, false, 1, 2, false);
+  mtp(Arch::kQwen, 2, 1, 2, 0, true, true, true, 1, 1, true);
+  mtp(Arch::kLlama, 1, 2, 1, 0, false, false, false, 1, 1, true);
+  mtp(Arch::kLlama, 1, 2, 1, 2, false, false, false, 1, 2, true);
+  mtp(Arch::kMoeSigmoid, 1, 1, 2, 0, false, false, false, 2, 1, false);
+  mtp(Arch::kMoe, 2, 2, 2, 0, true, true, false, 2, 1, true);
   // Two load-balancing types at once (aux_loss + seq_aux_loss): TP 2 + SP (the per-sequence counts
   // summed over the TP pieces of each sequence), EP 2 with DP, PP 2, and TP 2 + SP with EP 2 / ETP 1.
   add(Arch::kMoeMultiLb, 2, 1, 1, 0, true, false, false);

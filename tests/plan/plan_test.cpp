@@ -83,6 +83,8 @@ TEST_F(Plan, MemoryEqualsTheTrainersEstimateAndTheAllocatorOnEveryRank) {
       {"--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 --overlap-p2p-communication", 2},
       {"--context-parallel-size 2 --use-distributed-optimizer", 2},
       {"--expert-model-parallel-size 2 --use-distributed-optimizer" + moe, 2},
+      // multi-token prediction: its parameters and activations on the last stage, its staged inputs
+      {"--position-embedding-type rope --mtp-num-layers 2 --pipeline-model-parallel-size 2", 2},
   };
   for (const auto& [extra, world] : layouts) {
     const std::string f = flags("--train-iters 2 --nproc-per-node " + std::to_string(world) + " " + extra);

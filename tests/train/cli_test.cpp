@@ -414,6 +414,11 @@ TEST_F(CliTest, BadNumbersNamed) {
        "--hidden-dropout: '1e39' is out of range: expected a number of magnitude at most 3.4028235e+38"},
       {train_flags("--train-iters 2 --adam-beta2 1"), "--adam-beta2: must be in [0, 1), got '1'"},
       {train_flags("--train-iters 2 --adam-eps 0"), "--adam-eps: must be > 0, got '0'"},
+      {train_flags("--train-iters 2 --mtp-num-layers -1"), "--mtp-num-layers: must be an integer >= 0, got '-1'"},
+      {train_flags("--train-iters 2 --mtp-num-layers 1 --mtp-loss-scaling-factor -0.1"),
+       "--mtp-loss-scaling-factor: must be >= 0, got '-0.1'"},
+      {train_flags("--train-iters 2 --mtp-num-layers 1"),  // Megatron's rule: rope or none
+       "--mtp-num-layers 1 with --position-embedding-type learned_absolute is not supported"},
       {train_flags("--train-iters 2 --moe-router-topk 2"),
        "--moe-router-topk given without --num-experts: it applies only to a mixture-of-experts model"},
       {train_flags("--train-iters 2 --kv-lora-rank 16 --v-head-dim 8"),

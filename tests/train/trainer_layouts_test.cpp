@@ -87,6 +87,31 @@ TEST_F(TrainerLayouts, ParallelLayoutsMatchOneRank) {
   }
 }
 
+// Multi-token prediction through the trainer (the BatchStager's MTP inputs, rolled over whole
+// sequences before the CP split; documents with reset position ids and --eod-mask-loss, so the
+// depths' weights n0 / n_k vary): CP 2 (p2p and a2a), CP 2 x TP 2 + SP, PP 2 and DP 2 with the
+// distributed optimizer give the one-rank LM losses and every depth's logged MTP loss.
+TEST_F(TrainerLayouts, MultiTokenPredictionMatchesOneRank) {
+  const std::string mtp = " --position-embedding-type rope --mtp-num-layers 2 --hidden-dropout 0 --attention-dropout 0 "
+                          "--reset-attention-mask --reset-position-ids --eod-mask-loss ";
+  const TrainingResult ref = train("--train-iters 4" + mtp);
+  for (const std::string layout :
+       {"--nproc-per-node 2 --context-parallel-size 2", "--nproc-per-node 2 --context-parallel-size 2 --cp-comm-type a2a",
+        "--nproc-per-node 4 --context-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel",
+        "--nproc-per-node 2 --pipeline-model-parallel-size 2", "--nproc-per-node 2 --use-distributed-optimizer"}) {
+    SCOPED_TRACE(layout);
+    const TrainingResult r = train("--train-iters 4" + mtp + layout);
+    expect_same_losses(r, ref, layout);
+    ASSERT_EQ(r.log.size(), ref.log.size());
+    for (size_t i = 0; i < ref.log.size(); ++i)
+      for (const char* key : {"mtp_1 loss", "mtp_2 loss"}) {
+        const std::string a = testing::logged(r.log[i].line, key), b = testing::logged(ref.log[i].line, key);
+        ASSERT_NE(b, "") << ref.log[i].line;
+        EXPECT_NEAR(std::stod(a), std::stod(b), 2e-5 * std::stod(b)) << key << " at log point " << i;
+      }
+  }
+}
+
 // Context parallelism (--context-parallel-size) with document masks and reset position ids: every
 // CP layout gives the one-rank losses (the trainer shards each sequence into the load-balanced
 // chunks of parallel/context_parallel.h), without and with dropout; a checkpoint written under

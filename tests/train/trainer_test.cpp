@@ -20,6 +20,7 @@ namespace mt {
 namespace {
 
 using testing::expect_error_text;
+using testing::logged;
 using testing::train_in_process;
 
 class TrainerTest : public testing::CorpusFixture {
@@ -34,6 +35,16 @@ std::map<int64_t, double> grad_norms(const TrainingResult& r) {
   std::map<int64_t, double> out;
   for (const auto& l : r.log) out[l.point.iteration] = l.point.grad_norm;
   return out;
+}
+
+// The losses and gradient norms of `first` then `second` (resumed from it) are `full`'s, bitwise.
+void expect_resumed_bitwise(const TrainingResult& first, const TrainingResult& second, const TrainingResult& full) {
+  std::map<int64_t, float> losses = first.losses;
+  for (const auto& [k, v] : second.losses) losses[k] = v;
+  EXPECT_EQ(losses, full.losses);
+  std::map<int64_t, double> norms = grad_norms(first);
+  for (const auto& [k, v] : grad_norms(second)) norms[k] = v;
+  EXPECT_EQ(norms, grad_norms(full));
 }
 
 // A run stopped after 3 iterations and resumed from its checkpoint (the same layout) repeats the
@@ -59,13 +70,49 @@ TEST_F(TrainerTest, ResumeContinuesBitwise) {
     EXPECT_EQ(second.exit_reason, "");
     EXPECT_EQ(latest_checkpoint_iteration(ck), 6);
     EXPECT_EQ(second.validation.count(0), 0u) << "a resumed run does not validate before its first step";
-    std::map<int64_t, float> losses = first.losses;
-    for (const auto& [k, v] : second.losses) losses[k] = v;
-    EXPECT_EQ(losses, full.losses);
-    std::map<int64_t, double> norms = grad_norms(first);
-    for (const auto& [k, v] : grad_norms(second)) norms[k] = v;
-    EXPECT_EQ(norms, grad_norms(full));
+    expect_resumed_bitwise(first, second, full);
     for (int64_t it : {4, 6}) EXPECT_EQ(second.validation.at(it).loss, full.validation.at(it).loss) << it;
+  }
+}
+
+// Multi-token prediction (--mtp-num-layers) on one rank and on the last of 2 pipeline stages (a
+// tied output layer: the last stage's embedding copy feeds the MTP): every log line carries each
+// depth's loss, and a run resumed from its checkpoint repeats the uninterrupted run's LM losses,
+// gradient norms and MTP losses bitwise (the MTP parameters and their optimizer state resume). With
+// --mtp-loss-scaling-factor 0 the LM losses equal those of a model without MTP bitwise: the MTP
+// changes neither the decoder's initialisation nor its dropout masks nor, at weight 0, its gradients.
+TEST_F(TrainerTest, MtpLogsItsLossesAndResumesBitwise) {
+  for (const std::string layout : {std::string(" --mtp-num-layers 2"),
+                                   std::string(" --mtp-num-layers 1 --nproc-per-node 2 --pipeline-model-parallel-size 2")}) {
+    SCOPED_TRACE(layout);
+    const std::string mtp = " --position-embedding-type rope" + layout;
+    const int depths = layout.find("layers 2") != std::string::npos ? 2 : 1;
+    const TrainingResult full = train("--train-iters 6" + mtp);
+    ASSERT_EQ(full.log.size(), 6u);
+    for (const auto& l : full.log)
+      for (int k = 1; k <= 3; ++k) {
+        const std::string v = logged(l.line, fmt::format("mtp_{} loss", k));
+        if (k > depths) {
+          EXPECT_EQ(v, "") << l.line;
+        } else {
+          ASSERT_NE(v, "") << l.line;
+          EXPECT_GT(std::stod(v), 1.0) << l.line;  // a cross entropy over 95 tokens, early in training
+        }
+      }
+    const std::string ck = dir("ck_mtp" + std::to_string(depths));
+    const TrainingResult first = train("--train-iters 6 --exit-interval 3 --save " + ck + mtp);
+    const TrainingResult second = train("--train-iters 6 --load " + ck + " --save " + ck + mtp);
+    expect_resumed_bitwise(first, second, full);
+    for (const auto& l : second.log)
+      EXPECT_EQ(logged(l.line, "mtp_1 loss"), logged(full.log.at(static_cast<size_t>(l.point.iteration - 1)).line,
+                                                     "mtp_1 loss"))
+          << l.point.iteration;
+    const std::string pp =
+        layout.find("nproc") != std::string::npos ? " --nproc-per-node 2 --pipeline-model-parallel-size 2" : "";
+    const TrainingResult none = train("--train-iters 3 --position-embedding-type rope" + pp);
+    const TrainingResult zero = train("--train-iters 3 --mtp-loss-scaling-factor 0" + mtp);
+    EXPECT_EQ(zero.losses, none.losses);
+    EXPECT_NE(first.losses.at(3), none.losses.at(3)) << "the MTP loss changed nothing";
   }
 }
 

@@ -127,6 +127,14 @@ class CorpusFixture : public ::testing::Test {
   static inline std::string corpus_;
 };
 
+/// The value of " <key>: <value> |" in a log line, e.g. "mtp_1 loss" (empty when absent).
+inline std::string logged(const std::string& line, const std::string& key) {
+  const size_t at = line.find(" " + key + ": ");
+  if (at == std::string::npos) return "";
+  const size_t begin = at + key.size() + 3;
+  return line.substr(begin, line.find(' ', begin) - begin);
+}
+
 /// Rel. `tol` agreement of two runs' per-iteration losses and validation losses.
 inline void expect_same_losses(const TrainingResult& a, const TrainingResult& b, const std::string& what,
                                double tol = 2e-5) {

@@ -248,6 +248,8 @@ void check_representable(HfArchitecture arch, const TransformerConfig& c) {
   auto need = [&](bool ok, const std::string& what) {
     MT_REQUIRE(ok, "the model cannot be exported as {}: {}", name, what);
   };
+  need(c.mtp_num_layers == 0, fmt::format("it has {} multi-token prediction layers (--mtp-num-layers), which no "
+                                          "supported architecture holds (not exported yet)", c.mtp_num_layers));
   if (!is_moe(arch)) need(c.num_moe_experts == 0, "it has mixture-of-experts layers (MixtralForCausalLM, "
                                                   "Qwen3MoeForCausalLM or Qwen2MoeForCausalLM can hold them)");
   need(!c.multi_latent_attention, "it has multi-latent attention (DeepseekV3ForCausalLM export is not built yet)");

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "ops/cross_entropy.h"
+#include "ops/elementwise.h"
 
 namespace mt {
 
@@ -33,14 +34,25 @@ const void* scale_ptr(const Tensor& loss_scale) { return loss_scale.empty() ? nu
 
 LanguageModelHead::LanguageModelHead(const TransformerConfig& c, const TensorParallelRegion& tp, ParamRegistry& reg,
                                      const ParamRef* tied_weight)
+    : LanguageModelHead(c, tp, (head_group(reg), reg), "decoder.final_layernorm", c.tied_output() ? tied_weight : nullptr) {
+  MT_CHECK(tied_weight == nullptr || c.tied_output(), "an untied output layer was given the word embedding");
+}
+
+LanguageModelHead::LanguageModelHead(const TransformerConfig& c, const TensorParallelRegion& tp, ParamRegistry& reg,
+                                     const std::string& norm_prefix, const ParamRef* shared_output)
     : config_(c),
       tp_(tp),
-      group_((head_group(reg), reg.num_groups() - 1)),
+      group_(reg.num_groups() - 1),
       vocab_start_(tp.rank() * (c.padded_vocab_size(tp.size()) / tp.size())),
       valid_cols_(std::clamp<int64_t>(c.vocab_size - vocab_start_, 0, c.padded_vocab_size(tp.size()) / tp.size())),
-      final_layernorm_(c, "decoder.final_layernorm", c.hidden_size, TpGradSum::kSequenceParallel, reg),
-      output_layer_(output_options(c, tp.size(), c.tied_output() ? tied_weight : nullptr), tp, reg) {
-  MT_CHECK(tied_weight == nullptr || c.tied_output(), "an untied output layer was given the word embedding");
+      final_layernorm_(c, norm_prefix, c.hidden_size, TpGradSum::kSequenceParallel, reg),
+      output_layer_(output_options(c, tp.size(), shared_output), tp, reg) {}
+
+Tensor LanguageModelHead::norm_output(int area) const {
+  const Tensor full = rows(output_layer_.input_full(area));  // [s·b, h]: gathered under SP
+  if (!tp_.sequence_parallel()) return full;
+  const int64_t n = full.size(0) / tp_.size();
+  return full.slice0(tp_.rank() * n, (tp_.rank() + 1) * n);
 }
 
 void LanguageModelHead::plan(BufferPlanner& p, int64_t s, int64_t b, const HeadOptions& o) {
@@ -147,7 +159,7 @@ void LanguageModelHead::forward(const Tensor& x, const Tensor& loss_accum, float
 }
 
 void LanguageModelHead::backward(const Tensor& dx, const Tensor& x, float grad_scale, const Tensor& loss_scale,
-                                 const StepContext& ctx) {
+                                 const StepContext& ctx, const Tensor& dln_add) {
   const Saved& H = saved_.at(static_cast<size_t>(ctx.slot));
   MT_REQUIRE(H.has_loss, "the language-model head's backward needs a forward that computed the loss");
   if (H.has_grad) {
@@ -163,6 +175,7 @@ void LanguageModelHead::backward(const Tensor& dx, const Tensor& x, float grad_s
     run_chunks(H, /*stats=*/false, Tensor(), 0.f, &g, dx_full, ctx);
     output_layer_.reduce_input_grad(H.dln, dx_full, ctx);
   }
+  if (!dln_add.empty()) add(H.dln, H.dln, rows(dln_add), ctx.stream);  // e.g. the MTP's gradient of the norm output
   final_layernorm_.backward(rows(dx), H.dln, rows(x), /*accumulate_dx=*/false, ctx);
 }
 

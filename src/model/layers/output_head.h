@@ -19,6 +19,7 @@
 // Vocabulary padding (columns beyond the tokenizer's vocabulary) takes no probability mass and no
 // gradient, so losses do not depend on the padding (docs/architecture.md, "Vocabulary padding").
 #pragma once
+#include <string>
 #include <vector>
 
 #include "model/layers/linear.h"
@@ -51,6 +52,11 @@ class LanguageModelHead {
   /// output_layer.weight). One registry group.
   LanguageModelHead(const TransformerConfig& config, const TensorParallelRegion& tp, ParamRegistry& registry,
                     const ParamRef* tied_weight);
+  /// The head of a multi-token prediction depth (model/layers/multi_token_prediction.h): its own
+  /// final norm <norm_prefix>.weight and the output layer weight `shared_output` of the main head
+  /// (tied or not), declared into the registry group open now (no group of its own).
+  LanguageModelHead(const TransformerConfig& config, const TensorParallelRegion& tp, ParamRegistry& registry,
+                    const std::string& norm_prefix, const ParamRef* shared_output);
   LanguageModelHead(const LanguageModelHead&) = delete;
   LanguageModelHead& operator=(const LanguageModelHead&) = delete;
 
@@ -68,9 +74,15 @@ class LanguageModelHead {
                const HeadGrad* grad, const StepContext& ctx);
   /// dx [s_l, b, h] (overwrite) of grad_scale · loss_scale[0] · Σ loss_mask · losses; x is the
   /// forward's input. loss_scale: fp32 [1] on the device or empty (1). After a forward with
-  /// HeadGrad only the final norm's backward runs here. Errors: mt::Error when that forward's
-  /// scales differ from these, or the forward computed no loss.
-  void backward(const Tensor& dx, const Tensor& x, float grad_scale, const Tensor& loss_scale, const StepContext& ctx);
+  /// HeadGrad only the final norm's backward runs here. dln_add [s_l, b, h] (or empty): a gradient of
+  /// the final norm's output from elsewhere (the MTP's first depth reads it), added before the norm's
+  /// backward. Errors: mt::Error when that forward's scales differ from these, or the forward
+  /// computed no loss.
+  void backward(const Tensor& dx, const Tensor& x, float grad_scale, const Tensor& loss_scale, const StepContext& ctx,
+                const Tensor& dln_add = Tensor());
+  /// This rank's rows of the final norm's output of `area` after a forward: [s_l·b, h] (a view of
+  /// the saved output layer input, valid until the area's next forward).
+  Tensor norm_output(int area) const;
   /// Logits [s·b, V/tp] of `area` (row = i_s·b + i_b; this rank's vocabulary shard) after a
   /// forward; keep_logits models only (empty otherwise).
   Tensor logits(int area) const;

@@ -46,8 +46,10 @@ std::string format_moe_statistics(const TransformerConfig& cfg, const MoeWorldSt
   double lb[kMoeStatZLoss] = {}, zl = 0, lo = std::numeric_limits<double>::infinity(), hi = 0, sum = 0, worst = 0;
   std::string layers;
   const double n = static_cast<double>(std::max<int64_t>(iterations, 1));
-  for (int64_t l = 0; l < cfg.num_layers; ++l) {
+  int64_t moe_layers = 0;  // the decoder's and the MTP layers' (Megatron tracks both)
+  for (int64_t l = 0; l < cfg.num_layers_with_mtp(); ++l) {
     if (!cfg.is_moe_layer(l)) continue;
+    ++moe_layers;
     const double* v = stats.layers.data() + per * static_cast<size_t>(l);
     const double b = v[kMoeStatZLoss] / n;
     for (MoeLoadBalancing t : lb_types) lb[static_cast<int>(t)] += v[static_cast<int>(t)] / n;
@@ -70,7 +72,7 @@ std::string format_moe_statistics(const TransformerConfig& cfg, const MoeWorldSt
       layers += fmt::format(" expert imbalance layer {}: {:.3f} |", l, imbalance);
     }
   }
-  const double L = static_cast<double>(std::max<int64_t>(cfg.num_moe_layers(), 1));
+  const double L = static_cast<double>(std::max<int64_t>(moe_layers, 1));
   std::string out;
   for (MoeLoadBalancing t : lb_types)
     out += fmt::format(" {}: {:.6E} |", moe_load_balancing_loss_name(t), lb[static_cast<int>(t)] / L);
