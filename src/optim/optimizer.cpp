@@ -55,6 +55,10 @@ void AdamWOptimizer::init(const Stream& stream) {
   MT_REQUIRE(config.eps > 0, "--adam-eps must be positive, got {}", config.eps);
   MT_REQUIRE(config.weight_decay >= 0, "--weight-decay must be >= 0, got {}", config.weight_decay);
   MT_REQUIRE(config.clip_grad >= 0, "--clip-grad must be >= 0, got {}", config.clip_grad);
+  MT_REQUIRE(config.optimizer == "adam" || config.optimizer == "muon", "--optimizer '{}' is not one of adam, muon",
+             config.optimizer);
+  const bool muon = config.optimizer == "muon";
+  if (muon) validate_muon_config(config.muon);
   owned_n_ = sync_->owned_elements();
   // Remainders before sharding (every rank still holds the whole fp32 copy, so every rank's bf16
   // parameters are the same split), and both before the moments are allocated (lower peak).
@@ -80,7 +84,8 @@ void AdamWOptimizer::init(const Stream& stream) {
     std::vector<AdamWRun> runs;
     for (const bool decay : {true, false}) {
       const auto pieces = owned_pieces(params_.ranges([&](const ParamInfo& p) {
-        return p.weight_decay == decay && (config.decoupled_lr && is_embedding_or_output_parameter(p)) == decoupled;
+        return p.weight_decay == decay && (config.decoupled_lr && is_embedding_or_output_parameter(p)) == decoupled &&
+               !(muon && is_muon_parameter(p));
       }));
       for (const auto& p : pieces) runs.push_back({p.begin, sharded ? p.state : p.begin, p.state, p.n, decay ? 1 : 0, 0});
     }
@@ -90,6 +95,21 @@ void AdamWOptimizer::init(const Stream& stream) {
   if (config.decoupled_lr) {
     const std::vector<AdamWRun> runs = plan(true);
     if (!runs.empty()) decoupled_plan_ = AdamWPlan(runs, params_.device(), stream);
+  }
+  if (muon) {
+    // Muon's updates applied as AdamW's runs are (every storage variant of the main parameters),
+    // with AdamWHyper::precomputed_update.
+    std::vector<AdamWRun> runs;
+    std::vector<MuonPiece> muon_pieces;
+    for (const bool decay : {true, false}) {
+      const auto pieces = owned_pieces(
+          params_.ranges([&](const ParamInfo& p) { return p.weight_decay == decay && is_muon_parameter(p); }));
+      for (const auto& p : pieces) runs.push_back({p.begin, sharded ? p.state : p.begin, p.state, p.n, decay ? 1 : 0, 0});
+    }
+    for (const auto& p : owned_pieces(params_.ranges(is_muon_parameter))) muon_pieces.push_back({p.begin, p.n, p.state});
+    if (!runs.empty()) muon_plan_ = AdamWPlan(runs, params_.device(), stream);
+    muon_ = std::make_unique<MuonStep>(params_, *sync_, config.muon, groups_.tp, groups_.etp, std::move(muon_pieces),
+                                       stream);
   }
   exp_avg_ = Buffer(params_.device(), static_cast<size_t>(owned_n_) * 4);
   exp_avg_sq_ = Buffer(params_.device(), static_cast<size_t>(owned_n_) * 4);
@@ -164,6 +184,14 @@ void AdamWOptimizer::step(float lr, const Stream& stream, Timers* timers, const 
     if (!decoupled_plan_.chunks().empty()) {
       const AdamWHyper dhp{decoupled_lr, decoupled_lr_ptr, config_.beta1, config_.beta2, config_.eps, config_.weight_decay};
       adamw_multi_step(main, grads, exp_avg(), exp_avg_sq(), model, decoupled_plan_, dhp, sc, stream);
+    }
+    if (muon_) {
+      // Momentum, Newton-Schulz and scale: the updates over the Muon parameters' gradients.
+      muon_->step(grads, exp_avg(), sc, stream);
+      AdamWHyper mhp{lr, lr_ptr, config_.beta1, config_.beta2, config_.eps, config_.weight_decay};
+      mhp.precomputed_update = true;
+      if (!muon_plan_.chunks().empty())
+        adamw_multi_step(main, grads, exp_avg(), exp_avg_sq(), model, muon_plan_, mhp, sc, stream);
     }
   }
   loss_scaler_update(sc, config_.scaler, stream);

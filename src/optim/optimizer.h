@@ -10,6 +10,7 @@
 #include "model/params.h"
 #include "ops/optimizer.h"
 #include "optim/grad_sync.h"
+#include "optim/muon.h"
 
 namespace mt {
 
@@ -30,6 +31,10 @@ struct OptimizerConfig {
   /// megatron/core/optimizer/__init__.py get_standard_config_overrides). false = one rate.
   bool decoupled_lr = false;
   LossScalerConfig scaler{};
+  /// --optimizer adam|muon (Megatron's names; "adam" is AdamW). muon: the Muon parameters
+  /// (is_muon_parameter) are stepped by Muon (optim/muon.h, options in `muon`), the rest by AdamW.
+  std::string optimizer = "adam";
+  MuonConfig muon{};
 };
 
 /// Megatron's is_embedding_or_output_parameter (set in LanguageModule's
@@ -56,6 +61,9 @@ struct OptimizerGroups {
   /// elements, summed over EDP first when sharded) is summed over it and added to the dense one.
   /// nullptr = a single rank.
   std::shared_ptr<Communicator> expert_mp;
+  /// --optimizer muon: the tensor-parallel groups of the dense and the expert parameters (their
+  /// shards are orthogonalised as --muon-tp-mode says). nullptr = a single rank.
+  std::shared_ptr<Communicator> tp, etp;
 };
 
 /// AdamW on the elements this rank owns (GradSync::owned_ranges: the whole flat buffer, or with
@@ -124,6 +132,8 @@ class AdamWOptimizer {
   void gather_main(const Tensor& full, const Stream& stream) const;
   void scatter_moments(const Tensor& m, const Tensor& v, const Stream& stream);
   const OptimizerConfig& config() const { return config_; }
+  /// The Muon part (nullptr with --optimizer adam).
+  const MuonStep* muon() const { return muon_.get(); }
 
  private:
   void init(const Stream& stream);
@@ -149,6 +159,10 @@ class AdamWOptimizer {
   // and output-layer pieces in decoupled_plan_ instead, empty on ranks without them).
   std::vector<Piece> norm_pieces_, expert_norm_pieces_;
   AdamWPlan adamw_plan_, decoupled_plan_;
+  // --optimizer muon: the Muon step and the plan applying its updates (the momentum lives in
+  // exp_avg_ at the Muon parameters' state indices; their exp_avg_sq stays zero).
+  std::unique_ptr<MuonStep> muon_;
+  AdamWPlan muon_plan_;
   Buffer expert_scalars_;  // OptimizerScalars whose grad_sumsq accumulates the expert pieces
   Buffer host_scalars_;  // pinned
 };

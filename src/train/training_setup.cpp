@@ -120,7 +120,7 @@ ModelSetup::ModelSetup(std::shared_ptr<Communicator> world, ModelSetupOptions op
   // --overlap-grad-reduce) and the optimizer over this rank's owned elements.
   grad_sync_ = std::make_unique<GradSync>(model_->params(), groups_.dp_cp, o.ddp, groups_.edp);
   optimizer_ = std::make_unique<AdamWOptimizer>(
-      *grad_sync_, o.optim, stream, OptimizerGroups{nullptr, groups_.mp, groups_.tp->rank(), false, groups_.etp_ep_pp});
+      *grad_sync_, o.optim, stream, OptimizerGroups{nullptr, groups_.mp, groups_.tp->rank(), false, groups_.etp_ep_pp, groups_.tp, groups_.etp});
   model_->set_hooks(grad_sync_.get());
 }
 

@@ -1,0 +1,578 @@
+// The Muon optimizer (optim/muon.h): Newton-Schulz against a float64 reference and the scalar
+// polynomial on the singular values, the Muon step against a hand-written float64 update, the
+// loss scale undone, MoE experts orthogonalised one by one, tensor-parallel modes (duplicated and
+// distributed == one rank, blockwise == its definition), the distributed optimizer == one rank,
+// bad input, and a CLI resume that is bitwise.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "comm/thread_comm.h"
+#include "model/layers/parallel_params.h"
+#include "ops/muon.h"
+#include "optim/muon.h"
+#include "optim/optimizer.h"
+#include "testing/testing.h"
+
+namespace mt {
+namespace {
+
+using testing::to_host;
+using testing::upload;
+using testing::OwnedTensor;
+using Mat = std::vector<double>;  // row-major
+
+// ---- float64 references ----------------------------------------------------------------------
+
+// C[m, n] = A[m, k] B[k, n]
+Mat mm(const Mat& a, const Mat& b, int64_t m, int64_t k, int64_t n) {
+  Mat c(static_cast<size_t>(m * n), 0.0);
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t p = 0; p < k; ++p)
+      for (int64_t j = 0; j < n; ++j) c[i * n + j] += a[i * k + p] * b[p * n + j];
+  return c;
+}
+Mat transpose(const Mat& a, int64_t r, int64_t c) {
+  Mat t(a.size());
+  for (int64_t i = 0; i < r; ++i)
+    for (int64_t j = 0; j < c; ++j) t[j * r + i] = a[i * c + j];
+  return t;
+}
+
+// Newton-Schulz in float64, written from the definition (always on the wide orientation).
+Mat ns_ref(Mat x, int64_t r, int64_t c, const std::vector<NsCoeff>& co) {
+  const bool tall = r > c;
+  if (tall) {
+    x = transpose(x, r, c);
+    std::swap(r, c);
+  }
+  double ss = 0;
+  for (double v : x) ss += v * v;
+  const double inv = 1.0 / std::max(std::sqrt(ss), 1e-7);
+  for (double& v : x) v *= inv;
+  for (const NsCoeff& s : co) {
+    const Mat a = mm(x, transpose(x, r, c), r, c, r);
+    const Mat a2 = mm(a, a, r, r, r);
+    Mat b(a.size());
+    for (size_t i = 0; i < b.size(); ++i) b[i] = s.b * a[i] + s.c * a2[i];
+    const Mat bx = mm(b, x, r, r, c);
+    for (size_t i = 0; i < x.size(); ++i) x[i] = s.a * x[i] + bx[i];
+  }
+  return tall ? transpose(x, r, c) : x;
+}
+
+// Eigenvalues of a symmetric [n, n] matrix (cyclic Jacobi), ascending.
+std::vector<double> sym_eig(Mat a, int64_t n) {
+  for (int sweep = 0; sweep < 100; ++sweep) {
+    double off = 0;
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = i + 1; j < n; ++j) off += a[i * n + j] * a[i * n + j];
+    if (off < 1e-30) break;
+    for (int64_t p = 0; p < n; ++p)
+      for (int64_t q = p + 1; q < n; ++q) {
+        const double apq = a[p * n + q];
+        if (std::abs(apq) < 1e-300) continue;
+        const double th = (a[q * n + q] - a[p * n + p]) / (2 * apq);
+        const double t = (th >= 0 ? 1 : -1) / (std::abs(th) + std::sqrt(th * th + 1));
+        const double cs = 1 / std::sqrt(t * t + 1), sn = t * cs;
+        for (int64_t k = 0; k < n; ++k) {  // columns p, q
+          const double akp = a[k * n + p], akq = a[k * n + q];
+          a[k * n + p] = cs * akp - sn * akq;
+          a[k * n + q] = sn * akp + cs * akq;
+        }
+        for (int64_t k = 0; k < n; ++k) {  // rows p, q
+          const double apk = a[p * n + k], aqk = a[q * n + k];
+          a[p * n + k] = cs * apk - sn * aqk;
+          a[q * n + k] = sn * apk + cs * aqk;
+        }
+      }
+  }
+  std::vector<double> e(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) e[i] = a[i * n + i];
+  std::sort(e.begin(), e.end());
+  return e;
+}
+
+// Singular values of [r, c] (ascending), from the Gram matrix of the shorter side.
+std::vector<double> singular_values(const Mat& x, int64_t r, int64_t c) {
+  const bool wide = r <= c;
+  const Mat g = wide ? mm(x, transpose(x, r, c), r, c, r) : mm(transpose(x, r, c), x, c, r, c);
+  std::vector<double> e = sym_eig(g, wide ? r : c);
+  for (double& v : e) v = std::sqrt(std::max(v, 0.0));
+  return e;
+}
+
+Mat to_double(const std::vector<float>& v) { return Mat(v.begin(), v.end()); }
+
+// ---- Newton-Schulz ---------------------------------------------------------------------------
+
+struct NsCase {
+  std::string type;
+  int steps;
+};
+
+class NewtonSchulzTest : public ::testing::TestWithParam<NsCase> {};
+
+// The CPU iteration against float64: the result, and its singular values against the scalar
+// polynomial iteration sigma -> a sigma + b sigma^3 + c sigma^5 applied to the input's normalised
+// singular values (NS acts on each singular value alone). Wide, tall and square matrices.
+TEST_P(NewtonSchulzTest, MatchesFloat64AndThePolynomialOnSingularValues) {
+  const NsCase nc = GetParam();
+  const std::vector<NsCoeff> co = ns_coefficients(nc.type, nc.steps);
+  const Stream& st = testing::cpu_stream();
+  for (const auto& [r, c] : {std::pair<int64_t, int64_t>{24, 40}, {40, 24}, {32, 32}}) {
+    const std::vector<float> g = testing::randn(r * c);
+    auto gt = testing::make_tensor(g, DType::kF32, Device::cpu(), {r * c}, testing::cpu_stream());
+    OwnedTensor out(DType::kF32, Device::cpu(), {r * c});
+    testing::poison(out.t, st);
+    NewtonSchulz ns(Device::cpu(), DType::kF32, r * c, std::min(r, c) * std::min(r, c), st);
+    ns.run(out.t, gt.t, r, c, co, st);
+    const std::vector<float> o = to_host(out.t, st);
+    const Mat ref = ns_ref(to_double(g), r, c, co);
+    EXPECT_LT(testing::rel_err(o, ref), 2e-5) << nc.type << " " << r << "x" << c;
+    // Singular values: the polynomial on the normalised input's singular values.
+    std::vector<double> s_in = singular_values(to_double(g), r, c);
+    double fro = 0;
+    for (double v : s_in) fro += v * v;
+    for (double& v : s_in) {
+      v /= std::sqrt(fro);
+      for (const NsCoeff& k : co) v = k.a * v + k.b * v * v * v + k.c * v * v * v * v * v;
+    }
+    std::sort(s_in.begin(), s_in.end());
+    const std::vector<double> s_out = singular_values(to_double(o), r, c);
+    double worst = 0, lo = 1e9, hi = 0;
+    for (size_t i = 0; i < s_out.size(); ++i) {
+      worst = std::max(worst, std::abs(s_out[i] - s_in[i]));
+      lo = std::min(lo, s_out[i]);
+      hi = std::max(hi, s_out[i]);
+    }
+    EXPECT_LT(worst, 1e-4) << nc.type << " " << r << "x" << c;
+    // The orthogonality the sets reach on a rectangular Gaussian matrix (well conditioned): every
+    // singular value near 1 (the classic quintic trades accuracy for speed: about [0.68, 1.13]). A
+    // square one has singular values near 0 that only polar_express lifts in its steps.
+    const bool precise = nc.type == "polar_express";
+    if (r != c || precise) {
+      EXPECT_GT(lo, precise ? 0.99 : (nc.type == "simple" ? 0.6 : 0.95)) << nc.type << " " << r << "x" << c;
+      EXPECT_LT(hi, precise ? 1.01 : (nc.type == "simple" ? 1.2 : 1.05)) << nc.type << " " << r << "x" << c;
+    }
+    std::printf("%s %s %ldx%ld: singular values in [%.4f, %.4f]\n", nc.type.c_str(), "cpu", static_cast<long>(r),
+                static_cast<long>(c), lo, hi);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Sets, NewtonSchulzTest,
+                         ::testing::Values(NsCase{"simple", 5}, NsCase{"quintic", 5}, NsCase{"polar_express", 8},
+                                           NsCase{"polar_express", 10}, NsCase{"aol", 4}),
+                         [](const auto& info) { return info.param.type + "_" + std::to_string(info.param.steps); });
+
+TEST(NewtonSchulz, CoefficientSetsAndErrors) {
+  const auto simple = ns_coefficients("simple", 3);
+  ASSERT_EQ(simple.size(), 3u);
+  EXPECT_EQ(simple[2].a, 3.4445f);
+  EXPECT_EQ(simple[2].b, -4.7750f);
+  EXPECT_EQ(simple[2].c, 2.0315f);
+  const auto pe = ns_coefficients("polar_express", 10);
+  ASSERT_EQ(pe.size(), 10u);
+  EXPECT_EQ(pe[0].a, 8.2051f);
+  EXPECT_EQ(pe[9].a, pe[7].a);  // the last step repeated
+  EXPECT_EQ(ns_coefficients("quintic", 10).size(), 10u);
+  testing::expect_error([] { ns_coefficients("cubic", 5); }, "--muon-coefficient-type 'cubic'");
+  testing::expect_error([] { ns_coefficients("quintic", 4); }, "multiple of 5");
+  testing::expect_error([] { ns_coefficients("polar_express", 5); }, ">= 8");
+  testing::expect_error([] { ns_coefficients("simple", 0); }, "--muon-num-ns-steps must be >= 1");
+  EXPECT_DOUBLE_EQ(muon_scale_factor("spectral", 16, 64), 8.0);
+  EXPECT_DOUBLE_EQ(muon_scale_factor("unit_rms_norm", 64, 16), 2.0);
+  EXPECT_DOUBLE_EQ(muon_scale_factor("shape_scaling", 16, 64), 1.0);
+  testing::expect_error([] { muon_scale_factor("rms", 1, 1); }, "--muon-scale-mode 'rms'");
+  MuonConfig c;
+  c.tp_mode = "sharded";
+  testing::expect_error([&] { validate_muon_config(c); }, "--muon-tp-mode 'sharded'");
+  c = MuonConfig{};
+  c.momentum = 1.f;
+  testing::expect_error([&] { validate_muon_config(c); }, "--muon-momentum");
+  OptimizerConfig oc;
+  oc.optimizer = "sgd";
+  ParamSpec w{"decoder.layers.0.mlp.linear_fc2.weight", {4, 4}};
+  ParamStore P({w}, DType::kF32, Device::cpu());
+  testing::expect_error([&] { AdamWOptimizer(P, oc, testing::cpu_stream()); }, "--optimizer 'sgd'");
+}
+
+// ---- The Muon step ---------------------------------------------------------------------------
+
+constexpr int64_t kH = 16, kHeads = 4, kGroups = 2, kD = 4, kF = 24, kV = 40, kE = 2;
+
+// A decoder layer's parameters at tensor-parallel size tp (rank `rank`): embeddings, norms and
+// biases (AdamW), QKV (GQA: 4 heads, 2 groups), proj, gated fc1, fc2, a router and two experts.
+std::vector<ParamSpec> layer_specs(int tp, int rank) {
+  std::vector<ParamSpec> s;
+  const std::string L = "decoder.layers.0.";
+  s.push_back(column_parallel_weight("embedding.word_embeddings.weight", kV, kH, 0.02f, tp, rank));
+  s.back().vocab_rows = kV;
+  s.push_back(replicated_param(L + "input_layernorm.weight", {kH}, InitKind::kOnes, 0.f, TpGradSum::kNone));
+  s.push_back(column_parallel_weight(L + "self_attention.linear_qkv.weight", (kHeads + 2 * kGroups) * kD, kH, 0.02f,
+                                     tp, rank));
+  s.push_back(column_parallel_bias(L + "self_attention.linear_qkv.bias", (kHeads + 2 * kGroups) * kD, tp, rank));
+  s.push_back(row_parallel_weight(L + "self_attention.linear_proj.weight", kH, kHeads * kD, 0.02f, tp, rank));
+  s.push_back(column_parallel_weight(L + "mlp.linear_fc1.weight", kF, kH, 0.02f, tp, rank, 2));
+  s.push_back(row_parallel_weight(L + "mlp.linear_fc2.weight", kH, kF, 0.02f, tp, rank));
+  s.push_back(replicated_param(L + "mlp.router.weight", {kE, kH}, InitKind::kNormal, 0.02f, TpGradSum::kNone));
+  for (int e = 0; e < kE; ++e) {
+    s.push_back(column_parallel_weight(L + "mlp.experts.local_experts." + std::to_string(e) + ".linear_fc1.weight", kF,
+                                       kH, 0.02f, tp, rank));
+    s.back().expert = true;
+  }
+  s.push_back(column_parallel_weight("output_layer.weight", kV, kH, 0.02f, tp, rank));
+  s.back().vocab_rows = kV;
+  return s;
+}
+
+MuonConfig muon_config(const std::string& tp_mode = "duplicated") {
+  MuonConfig m;
+  m.momentum = 0.9f;
+  m.nesterov = true;
+  m.coefficient_type = "quintic";
+  m.tp_mode = tp_mode;
+  m.extra_scale_factor = 0.2f;
+  m.qkv_q_rows = kHeads / kGroups * kD;
+  m.qkv_kv_rows = kD;
+  return m;
+}
+
+OptimizerConfig opt_config(const std::string& tp_mode = "duplicated") {
+  OptimizerConfig oc;
+  oc.optimizer = "muon";
+  oc.weight_decay = 0.1f;
+  oc.clip_grad = 1.0f;
+  oc.muon = muon_config(tp_mode);
+  return oc;
+}
+
+// The global gradient of element gi of parameter `name` at `step` (salted by the test seed).
+float grad_at(int step, const std::string& name, int64_t gi) {
+  uint64_t x = testing::test_seed() * 0x9e3779b97f4a7c15ULL ^ (static_cast<uint64_t>(step) << 56) ^
+               static_cast<uint64_t>(gi);
+  for (char c : name) x = (x ^ static_cast<uint8_t>(c)) * 0x100000001b3ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  x ^= x >> 31;
+  return static_cast<float>(static_cast<double>(x >> 40) / static_cast<double>(1ULL << 24) * 2.0 - 1.0);
+}
+
+void set_grads(const ParamStore& P, int step, float factor, const Stream& st) {
+  for (size_t i = 0; i < P.size(); ++i) {
+    const ParamInfo& p = P.info(i);
+    std::vector<float> g(static_cast<size_t>(p.numel));
+    for (int64_t e = 0; e < p.numel; ++e) g[e] = grad_at(step, p.name, p.box.global_index(e)) * factor;
+    upload(P.grad(i), g, st);
+  }
+}
+
+// The Muon update of one [r, c] momentum matrix, float64.
+Mat muon_update(const Mat& u, int64_t r, int64_t c, const MuonConfig& m) {
+  Mat o = ns_ref(u, r, c, ns_coefficients(m.coefficient_type, m.num_ns_steps));
+  const double s = muon_scale_factor(m.scale_mode, r, c) * m.extra_scale_factor;
+  for (double& v : o) v *= s;
+  return o;
+}
+
+// Two steps of Muon + AdamW on one rank against a float64 reference written from the definitions:
+// clipping over all gradients, Nesterov momentum, Q/K/V orthogonalised apart, the gated fc1 whole,
+// experts one by one, decoupled weight decay; AdamW parameters bitwise those of AdamW alone.
+TEST(MuonStep, MatchesHandWrittenReference) {
+  const Stream& st = testing::cpu_stream();
+  const auto specs = layer_specs(1, 0);
+  ParamStore P(specs, DType::kF32, Device::cpu());
+  P.initialize(7, st);
+  ParamStore A(specs, DType::kF32, Device::cpu());  // AdamW everywhere
+  A.initialize(7, st);
+  const OptimizerConfig oc = opt_config();
+  OptimizerConfig ac = oc;
+  ac.optimizer = "adam";
+  AdamWOptimizer opt(P, oc, st), adam(A, ac, st);
+  ASSERT_NE(opt.muon(), nullptr);
+  const float lr = 0.02f;
+  // reference state
+  std::vector<Mat> w(P.size()), m(P.size());
+  for (size_t i = 0; i < P.size(); ++i) {
+    w[i] = to_double(to_host(P.param(i), st));
+    m[i].assign(w[i].size(), 0.0);
+  }
+  for (int step = 0; step < 2; ++step) {
+    set_grads(P, step, 1.f, st);
+    set_grads(A, step, 1.f, st);
+    double ss = 0;
+    std::vector<Mat> g(P.size());
+    for (size_t i = 0; i < P.size(); ++i) {
+      g[i] = to_double(to_host(P.grad(i), st));
+      for (double v : g[i]) ss += v * v;
+    }
+    const double clip = std::min(1.0, oc.clip_grad / (std::sqrt(ss) + 1e-6));
+    ASSERT_LT(clip, 0.5) << "clipping must be active";
+    opt.step(lr, st);
+    adam.step(lr, st);
+    for (size_t i = 0; i < P.size(); ++i) {
+      const ParamInfo& p = P.info(i);
+      if (!is_muon_parameter(p)) continue;
+      const double beta = oc.muon.momentum;
+      Mat u(g[i].size());
+      for (size_t e = 0; e < u.size(); ++e) {
+        const double gg = g[i][e] * clip;
+        m[i][e] = beta * m[i][e] + (1 - beta) * gg;
+        u[e] = (1 - beta) * gg + beta * m[i][e];
+      }
+      const int64_t r = p.shape[0], c = p.shape[1];
+      Mat o(u.size());
+      if (p.name.find("linear_qkv") != std::string::npos) {  // [groups, 2 d + 2 d, h] -> Q, K, V
+        const int64_t q = kHeads / kGroups * kD, per = q + 2 * kD;
+        for (const auto& [row0, n] : {std::pair<int64_t, int64_t>{0, q}, {q, kD}, {q + kD, kD}}) {
+          Mat part;
+          for (int64_t gi = 0; gi < kGroups; ++gi)
+            part.insert(part.end(), u.begin() + (gi * per + row0) * c, u.begin() + (gi * per + row0 + n) * c);
+          const Mat op = muon_update(part, kGroups * n, c, oc.muon);
+          for (int64_t gi = 0; gi < kGroups; ++gi)
+            std::copy(op.begin() + gi * n * c, op.begin() + (gi + 1) * n * c, o.begin() + (gi * per + row0) * c);
+        }
+      } else {
+        o = muon_update(u, r, c, oc.muon);
+      }
+      for (size_t e = 0; e < o.size(); ++e) w[i][e] -= lr * (o[e] + oc.weight_decay * w[i][e]);
+      EXPECT_LT(testing::rel_err(to_host(P.param(i), st), w[i]), 2e-5) << p.name << " step " << step;
+    }
+  }
+  // AdamW parameters: bitwise the AdamW-only run; Muon ones moved differently; moments.
+  const std::vector<float> em = to_host(opt.exp_avg(), st), ev = to_host(opt.exp_avg_sq(), st);
+  for (size_t i = 0; i < P.size(); ++i) {
+    const ParamInfo& p = P.info(i);
+    const std::vector<float> a = to_host(A.param(i), st), b = to_host(P.param(i), st);
+    if (is_muon_parameter(p)) {
+      EXPECT_NE(a, b) << p.name;
+      for (int64_t e = 0; e < p.numel; ++e) ASSERT_EQ(ev[p.offset + e], 0.f) << p.name << " has an exp_avg_sq";
+      std::vector<float> mom(em.begin() + p.offset, em.begin() + p.offset + p.numel);
+      EXPECT_LT(testing::rel_err(mom, m[i]), 1e-6) << p.name << " momentum";
+    } else {
+      EXPECT_TRUE(testing::same_bits(a, b)) << p.name << " (AdamW parameter) differs from AdamW alone";
+    }
+  }
+  for (const char* n : {"embedding.word_embeddings.weight", "output_layer.weight", "decoder.layers.0.mlp.router.weight",
+                        "decoder.layers.0.input_layernorm.weight", "decoder.layers.0.self_attention.linear_qkv.bias"})
+    EXPECT_FALSE(is_muon_parameter(P.info(P.index(n)))) << n;
+}
+
+// The momentum op against its formula, found_inf leaving the momentum alone (CPU).
+TEST(MuonMomentum, FormulaAndSkippedStep) {
+  const Stream& st = testing::cpu_stream();
+  const int64_t n = 1000;
+  const std::vector<float> g = testing::randn(n), m0 = testing::randn(n);
+  auto gt = testing::make_tensor(g, DType::kF32, Device::cpu(), {n}, testing::cpu_stream());
+  auto mt = testing::make_tensor(m0, DType::kF32, Device::cpu(), {n}, testing::cpu_stream());
+  OwnedTensor u(DType::kF32, Device::cpu(), {n});
+  OwnedTensor sc(DType::kU8, Device::cpu(), {static_cast<int64_t>(sizeof(OptimizerScalars))});
+  OptimizerScalars s;
+  s.loss_scale = 8.f;
+  s.clip_coeff = 0.5f;
+  std::memcpy(sc.t.data(), &s, sizeof(s));
+  muon_momentum(u.t, gt.t, mt.t, 0.95f, true, sc.t, st);
+  const std::vector<float> uu = to_host(u.t, st), mm1 = to_host(mt.t, st);
+  for (int64_t i = 0; i < n; ++i) {
+    const double gg = g[i] / 8.0 * 0.5, m = 0.95 * m0[i] + 0.05 * gg;
+    ASSERT_NEAR(mm1[i], m, 1e-6);
+    ASSERT_NEAR(uu[i], 0.05 * gg + 0.95 * m, 1e-6);
+  }
+  s.found_inf = 1;
+  std::memcpy(sc.t.data(), &s, sizeof(s));
+  muon_momentum(gt.t, gt.t, mt.t, 0.95f, false, sc.t, st);
+  EXPECT_EQ(to_host(mt.t, st), mm1);
+  EXPECT_EQ(to_host(gt.t, st), std::vector<float>(n, 0.f));
+  testing::expect_error([&] { muon_momentum(mt.t, gt.t, mt.t, 0.9f, false, sc.t, st); }, "alias");
+  testing::expect_error([&] { muon_momentum(u.t, gt.t, mt.t, 1.f, false, sc.t, st); }, "beta");
+}
+
+// --fp16: the loss scale is undone before the momentum and Newton-Schulz: an fp16 model whose
+// gradients carry a static loss scale of 1024 takes the same steps as the fp32 model without one
+// (the main parameters bitwise: scaling by a power of two is exact).
+TEST(MuonStep, LossScaleUndone) {
+  const Stream& st = testing::cpu_stream();
+  const auto specs = layer_specs(1, 0);
+  ParamStore P(specs, DType::kF32, Device::cpu()), H(specs, DType::kF16, Device::cpu());
+  P.initialize(3, st);
+  H.initialize(3, st);
+  OptimizerConfig oc = opt_config(), hc = opt_config();
+  hc.scaler.initial_scale = 1024.f;
+  AdamWOptimizer po(P, oc, st), ho(H, hc, st);
+  for (int step = 0; step < 2; ++step) {
+    set_grads(P, step, 1.f, st);
+    set_grads(H, step, 1024.f, st);
+    po.step(0.02f, st);
+    ho.step(0.02f, st);
+  }
+  EXPECT_EQ(ho.read_scalars_sync(st).loss_scale, 1024.f);
+  OwnedTensor a(DType::kF32, Device::cpu(), {P.total_elements()}), b(DType::kF32, Device::cpu(), {H.total_elements()});
+  po.gather_main(a.t, st);
+  ho.gather_main(b.t, st);
+  EXPECT_TRUE(testing::same_bits(to_host(a.t, st), to_host(b.t, st)));
+}
+
+// MoE: each expert's matrix is orthogonalised on its own: changing expert 1's gradient leaves
+// expert 0's update bitwise unchanged, and each expert's update has the singular values of an
+// orthogonalised matrix of its own shape.
+TEST(MuonStep, ExpertsOrthogonalisedOneByOne) {
+  const Stream& st = testing::cpu_stream();
+  const auto specs = layer_specs(1, 0);
+  std::vector<std::vector<float>> after(2);
+  for (int run = 0; run < 2; ++run) {
+    ParamStore P(specs, DType::kF32, Device::cpu());
+    P.initialize(5, st);
+    OptimizerConfig oc = opt_config();
+    oc.weight_decay = 0.f;
+    AdamWOptimizer opt(P, oc, st);
+    set_grads(P, 0, 1.f, st);
+    const size_t e1 = P.index("decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight");
+    if (run == 1) upload(P.grad(e1), testing::randn(P.info(e1).numel), st);
+    const size_t e0 = P.index("decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight");
+    const std::vector<float> w0 = to_host(P.param(e0), st);
+    opt.step(0.02f, st);
+    const std::vector<float> w1 = to_host(P.param(e0), st);
+    after[static_cast<size_t>(run)].resize(w0.size());
+    for (size_t i = 0; i < w0.size(); ++i) after[run][i] = (w0[i] - w1[i]) / 0.02f;
+  }
+  // Clipping couples the experts through the global norm, and the orthogonalisation removes a
+  // common scale: the update of expert 0 is the same up to rounding.
+  EXPECT_LT(testing::rel_err(after[0], after[1]), 1e-5);
+  const double s = muon_scale_factor("spectral", kF, kH) * 0.2;
+  Mat o = to_double(after[0]);
+  for (double& v : o) v /= s;
+  for (double sv : singular_values(o, kF, kH)) {
+    EXPECT_GT(sv, 0.6);
+    EXPECT_LT(sv, 1.25);
+  }
+}
+
+// ---- Parallel layouts ------------------------------------------------------------------------
+
+// The global parameters after `steps` steps: gathered from every TP rank's shards (boxes).
+std::vector<std::vector<float>> global_params(const ParamStore& P, const Stream& st) {
+  std::vector<std::vector<float>> out(P.size());
+  for (size_t i = 0; i < P.size(); ++i) out[i] = to_host(P.param(i), st);
+  return out;
+}
+
+// One rank's reference: every parameter's global tensor after `steps` steps.
+std::vector<std::vector<float>> one_rank(const OptimizerConfig& oc, int steps) {
+  const Stream& st = testing::cpu_stream();
+  ParamStore P(layer_specs(1, 0), DType::kF32, Device::cpu());
+  P.initialize(11, st);
+  AdamWOptimizer opt(P, oc, st);
+  for (int s = 0; s < steps; ++s) {
+    set_grads(P, s, 1.f, st);
+    opt.step(0.02f, st);
+  }
+  return global_params(P, st);
+}
+
+// Compares a shard with the global reference through its box.
+double shard_err(const ParamInfo& p, const std::vector<float>& local, const std::vector<float>& global) {
+  std::vector<float> expect(local.size());
+  for (int64_t e = 0; e < p.numel; ++e) expect[e] = global[static_cast<size_t>(p.box.global_index(e))];
+  return testing::rel_err(local, expect);
+}
+
+class MuonTensorParallel : public ::testing::TestWithParam<std::string> {};
+
+// TP 2 (dense and expert TP groups = the two ranks): duplicated and distributed give one rank's
+// update (distributed within rounding of a different summation order).
+TEST_P(MuonTensorParallel, MatchesOneRank) {
+  const std::string mode = GetParam();
+  const OptimizerConfig oc = opt_config(mode);
+  const auto ref = one_rank(oc, 2);
+  run_thread_ranks(2, [&](int rank, std::shared_ptr<Communicator> world) {
+    Stream st;
+    ParamStore P(layer_specs(2, rank), DType::kF32, Device::cpu());
+    P.initialize(11, st);
+    OptimizerGroups g;
+    g.mp = g.expert_mp = g.tp = g.etp = world;
+    g.tp_rank = rank;
+    AdamWOptimizer opt(P, oc, st, g);
+    for (int s = 0; s < 2; ++s) {
+      set_grads(P, s, 1.f, st);
+      opt.step(0.02f, st);
+    }
+    for (size_t i = 0; i < P.size(); ++i) {
+      const double err = shard_err(P.info(i), to_host(P.param(i), st), ref[i]);
+      EXPECT_LT(err, mode == "duplicated" ? 1e-6 : 2e-4) << P.info(i).name << " rank " << rank;
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, MuonTensorParallel, ::testing::Values("duplicated", "distributed"));
+
+// blockwise: each TP shard orthogonalised alone, scaled by its own shape (Megatron's
+// partition_dim None): rank r's step is one-rank Muon on its shards taken as whole matrices
+// (clipping off, so that the global gradient norm does not enter).
+TEST(MuonTensorParallel, BlockwiseIsEachShardAlone) {
+  OptimizerConfig oc = opt_config("blockwise");
+  oc.clip_grad = 0.f;
+  run_thread_ranks(2, [&](int rank, std::shared_ptr<Communicator> world) {
+    Stream st;
+    const auto specs = layer_specs(2, rank);
+    ParamStore P(specs, DType::kF32, Device::cpu());
+    P.initialize(11, st);
+    OptimizerGroups g;
+    g.mp = g.expert_mp = g.tp = g.etp = world;
+    g.tp_rank = rank;
+    AdamWOptimizer opt(P, oc, st, g);
+    // The definition: the same shards as unsplit parameters of one rank.
+    std::vector<ParamSpec> alone = specs;
+    for (ParamSpec& s : alone) s.tensor_parallel = false;
+    ParamStore Q(alone, DType::kF32, Device::cpu());
+    for (size_t i = 0; i < P.size(); ++i) copy(Q.param(i), P.param(i), st);
+    AdamWOptimizer qo(Q, oc, st);
+    for (int step = 0; step < 2; ++step) {
+      set_grads(P, step, 1.f, st);
+      for (size_t i = 0; i < P.size(); ++i) copy(Q.grad(i), P.grad(i), st);
+      opt.step(0.02f, st);
+      qo.step(0.02f, st);
+    }
+    int checked = 0;
+    for (size_t i = 0; i < P.size(); ++i) {
+      if (!is_muon_parameter(P.info(i))) continue;
+      EXPECT_TRUE(testing::same_bits(to_host(P.param(i), st), to_host(Q.param(i), st)))
+          << P.info(i).name << " rank " << rank;
+      ++checked;
+    }
+    EXPECT_EQ(checked, 6);
+  });
+}
+
+// --use-distributed-optimizer over DP 2: whole matrices assigned to ranks (balanced), the momentum
+// in the owned slices, the updates broadcast: the parameters equal one rank's.
+TEST(MuonDataParallel, DistributedOptimizerMatchesOneRank) {
+  const OptimizerConfig oc = opt_config();
+  const auto ref = one_rank(oc, 3);
+  run_thread_ranks(2, [&](int rank, std::shared_ptr<Communicator> world) {
+    Stream st;
+    ParamStore P(layer_specs(1, 0), DType::kF32, Device::cpu(), ParamLayout{2, 300});
+    P.initialize(11, st);
+    DdpConfig dc;
+    dc.use_distributed_optimizer = true;
+    GradSync sync(P, world, dc);
+    AdamWOptimizer opt(sync, oc, st, {});
+    ASSERT_NE(opt.muon(), nullptr);
+    // both ranks own matrices; each Muon matrix on exactly one rank
+    EXPECT_FALSE(opt.muon()->owned_matrices().empty()) << "rank " << rank;
+    for (int s = 0; s < 3; ++s) {
+      // each rank half the gradient (the sum is the one-rank gradient, exact: halving is exact)
+      set_grads(P, s, 0.5f, st);
+      opt.step(0.02f, st);
+    }
+    sync.finish_param_sync(st);
+    for (size_t i = 0; i < P.size(); ++i)
+      EXPECT_LT(testing::rel_err(to_host(P.param(i), st), ref[i]), 1e-6) << P.info(i).name << " rank " << rank;
+  });
+}
+
+}  // namespace
+}  // namespace mt
