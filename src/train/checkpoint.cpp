@@ -649,6 +649,9 @@ CheckpointSaveJob prepare_save(const std::string& dir, const CheckpointState& st
                     {"model", config_to_json(state.model)},
                     {"scalars", scalars_to_json(state.scalars)},
                     {"has_optimizer", with_optim}};
+    // The optimizer whose state exp_avg / exp_avg_sq hold (Muon: exp_avg is the momentum of its
+    // matrices and their exp_avg_sq is zero; docs/optimizer.md).
+    if (with_optim) job.meta["optimizer"] = optimizer->config().optimizer;
   }
   return job;
 }
@@ -1207,6 +1210,12 @@ CheckpointState load_checkpoint(const std::string& dir, ParamStore& params, Adam
                "checkpoint '{}' has no optimizer state (e.g. written by import-hf): load its weights with --finetune "
                "or --no-load-optim",
                iter_path.string());
+    // Optimizer state of another optimizer (AdamW moments vs Muon momentum): switching is for
+    // --finetune (weights only) or --no-load-optim; checkpoints before the field are AdamW's.
+    MT_REQUIRE(!optimizer || meta.value("optimizer", std::string("adam")) == optimizer->config().optimizer,
+               "checkpoint '{}' holds the state of --optimizer {}, this run uses --optimizer {}: switch optimizers "
+               "with --finetune or --no-load-optim",
+               iter_path.string(), meta.value("optimizer", std::string("adam")), optimizer->config().optimizer);
     std::unordered_map<std::string, const json*> by_name;
     for (const auto& t : meta.at("tensors")) by_name[t.at("name").get<std::string>()] = &t;
     std::map<std::string, std::ifstream> files;

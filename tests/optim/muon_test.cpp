@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <unistd.h>
 
 #include "comm/thread_comm.h"
 #include "model/layers/parallel_params.h"
@@ -572,6 +573,77 @@ TEST(MuonDataParallel, DistributedOptimizerMatchesOneRank) {
     for (size_t i = 0; i < P.size(); ++i)
       EXPECT_LT(testing::rel_err(to_host(P.param(i), st), ref[i]), 1e-6) << P.info(i).name << " rank " << rank;
   });
+}
+
+
+// ---- The binary: resume, optimizer switch, bad flags -------------------------------------------
+
+namespace fs = std::filesystem;
+
+std::vector<std::string> loss_values(const std::string& out) {
+  std::vector<std::string> v;
+  std::istringstream in(out);
+  for (std::string line; std::getline(in, line);)
+    if (auto p = line.find("lm loss: "); p != std::string::npos) v.push_back(line.substr(p, 22));
+  return v;
+}
+
+std::string file_bytes(const fs::path& p) {
+  std::ifstream f(p, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), {});
+}
+
+std::string pretrain(const std::string& flags) {
+  return "pretrain --num-layers 2 --hidden-size 16 --num-attention-heads 4 --group-query-attention "
+         "--num-query-groups 2 --seq-length 16 --micro-batch-size 2 --lr 1e-2 --log-interval 1 --eval-iters 0 "
+         "--device cpu --no-progress --mock-data --tokenizer-type NullTokenizer --vocab-size 64 " + flags;
+}
+
+// Checkpoints carry the momentum: 4 iterations straight == 2, save, load, 2 (losses and the
+// final checkpoint's bytes). The optimizer is recorded: loading Muon state into AdamW is refused,
+// --finetune switches.
+TEST(MuonCli, ResumeBitwiseAndOptimizerSwitch) {
+  const fs::path dir = fs::temp_directory_path() / ("mt_muon_test_" + std::to_string(getpid()));
+  fs::remove_all(dir);
+  const std::string muon = " --optimizer muon --muon-nesterov --muon-coefficient-type polar_express "
+                           "--muon-num-ns-steps 8 --train-iters 4 ";
+  const auto full = testing::run_megatron(pretrain(muon + "--save " + (dir / "a").string() + " --save-interval 4"));
+  ASSERT_EQ(full.rc, 0) << full.out;
+  const auto first = testing::run_megatron(pretrain(muon + "--exit-interval 2 --save " + (dir / "b").string()));
+  ASSERT_EQ(first.rc, 0) << first.out;
+  const auto second = testing::run_megatron(
+      pretrain(muon + "--save " + (dir / "b").string() + " --load " + (dir / "b").string()));
+  ASSERT_EQ(second.rc, 0) << second.out;
+  auto l = loss_values(first.out);
+  const auto l2 = loss_values(second.out);
+  l.insert(l.end(), l2.begin(), l2.end());
+  ASSERT_EQ(loss_values(full.out).size(), 4u) << full.out;
+  EXPECT_EQ(l, loss_values(full.out)) << first.out << second.out;
+  const std::string fa = file_bytes(dir / "a" / "iter_0000004" / "rank_00000.bin");
+  ASSERT_FALSE(fa.empty());
+  EXPECT_TRUE(fa == file_bytes(dir / "b" / "iter_0000004" / "rank_00000.bin")) << "resumed Muon run diverged";
+  // AdamW from Muon's state: refused; with --finetune (weights only): trains.
+  const auto bad = testing::run_megatron(pretrain("--train-iters 6 --load " + (dir / "a").string()));
+  EXPECT_NE(bad.rc, 0);
+  EXPECT_NE(bad.out.find("holds the state of --optimizer muon, this run uses --optimizer adam"), std::string::npos)
+      << bad.out;
+  const auto ft = testing::run_megatron(pretrain("--train-iters 2 --finetune --load " + (dir / "a").string()));
+  EXPECT_EQ(ft.rc, 0) << ft.out;
+  EXPECT_EQ(loss_values(ft.out).size(), 2u) << ft.out;
+  fs::remove_all(dir);
+}
+
+TEST(MuonCli, BadFlags) {
+  for (const auto& [flags, needle] : std::vector<std::pair<std::string, std::string>>{
+           {"--optimizer sgd", "--optimizer 'sgd' is not one of adam, muon"},
+           {"--optimizer muon --muon-tp-mode sharded", "--muon-tp-mode 'sharded'"},
+           {"--optimizer muon --muon-coefficient-type cubic", "--muon-coefficient-type 'cubic'"},
+           {"--optimizer muon --muon-coefficient-type polar_express", ">= 8"},
+           {"--optimizer muon --muon-scale-mode rms", "--muon-scale-mode 'rms'"}}) {
+    const auto r = testing::run_megatron(pretrain("--train-iters 1 " + flags));
+    EXPECT_NE(r.rc, 0) << flags;
+    EXPECT_NE(r.out.find(needle), std::string::npos) << flags << "\n" << r.out;
+  }
 }
 
 }  // namespace
