@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# Muon against AdamW (issue 44, docs/optimizer.md), two parts:
+#   step  — the optimizer step's share of a training step: the Llama-style 1.18B (16 layers, hidden
+#           2048, GQA 32/8, SwiGLU 8192) on one GPU, micro-batch 4, ITERS iterations logged every
+#           iteration with --timing-log-level 1; medians over the iterations after the first 10 of
+#           the whole step, of the "optimizer" timer (clip + inner step + parameter gather) and
+#           tokens/s, AdamW vs Muon (--muon-coefficient-type quintic, 5 steps, bf16 Newton-Schulz).
+#   conv  — convergence: GPT-2 124M on the demo data, STEPS steps from the same seed, AdamW at each
+#           learning rate of ADAM_LRS and Muon (Nesterov, spectral scale, extra scale 0.2 — the update
+#           RMS of AdamW, Moonlight/Kimi's setting — so that one --lr serves both) at each of
+#           MUON_LRS; the validation curves side by side, the best final loss of each and the steps
+#           Muon needs to reach AdamW's best final validation loss (target <= 0.8 x STEPS).
+# Logs under $OUT, tables in $OUT/muon_step.md and $OUT/muon_convergence.md.
+# usage: bench/muon.sh [build] [step|conv|all (default all)]
+# Environment: ITERS (step part, default 30), STEPS (default 600), EVAL (default 50), GB (global
+# batch of the convergence runs, default 32), ADAM_LRS (default "6e-4 1.2e-3"), MUON_LRS (default
+# "1.2e-3 2.4e-3").
+set -uo pipefail
+OUT=${OUT:-out}; mkdir -p "$OUT"
+source "$(dirname "$0")/common.sh"
+if [ "${1:-}" = build ]; then
+  shift
+  bench_build megatron || exit 1
+fi
+PART=${1:-all}
+ITERS=${ITERS:-30}; STEPS=${STEPS:-600}; EVAL=${EVAL:-50}; GB=${GB:-32}
+ADAM_LRS=${ADAM_LRS:-"6e-4 1.2e-3"}; MUON_LRS=${MUON_LRS:-"1.2e-3 2.4e-3"}
+muon=(--optimizer muon --muon-momentum 0.95 --muon-nesterov --muon-coefficient-type quintic --muon-num-ns-steps 5
+      --muon-scale-mode spectral --muon-extra-scale-factor 0.2)
+
+if [ "$PART" = step ] || [ "$PART" = all ]; then
+  llama=(--num-layers 16 --hidden-size 2048 --num-attention-heads 32 --group-query-attention --num-query-groups 8
+         --ffn-hidden-size 8192 --swiglu --normalization RMSNorm --position-embedding-type rope
+         --untie-embeddings-and-output-weights --disable-bias-linear --micro-batch-size 4 --global-batch-size 4)
+  for opt in adam muon; do
+    f=(); [ $opt = muon ] && f=("${muon[@]}")
+    timeout 900 build/megatron pretrain "${llama[@]}" "${bench_train[@]}" "${f[@]}" --train-iters "$ITERS" \
+      --log-interval 1 --timing-log-level 1 > "$OUT/muon_step_$opt.log" 2>&1 ||
+      { echo "step $opt failed:"; tail -5 "$OUT/muon_step_$opt.log"; }
+  done
+  python3 - "$OUT" <<'PY' | tee "$OUT/muon_step.md"
+import re, statistics, sys
+out = sys.argv[1]
+print("| optimizer | step ms | optimizer ms | share | optimizer-inner-step ms | tokens/s |")
+print("|---|---|---|---|---|---|")
+rows = {}
+for opt in ("adam", "muon"):
+    log = open(f"{out}/muon_step_{opt}.log").read()
+    step = [float(x) for x in re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+)", log)][10:]
+    optim = [float(x) for x in re.findall(r"\n\s+optimizer \.+: \(([0-9.]+), [0-9.]+\)", log)][10:]
+    inner = [float(x) for x in re.findall(r"optimizer-inner-step \.+: \(([0-9.]+), [0-9.]+\)", log)][10:]
+    tok = [int(x) for x in re.findall(r"tokens per second: ([0-9]+)", log)][10:]
+    if not step or not optim:
+        print(f"| {opt} | (no timings in the log) | | | | |"); continue
+    s, o = statistics.median(step), statistics.median(optim)
+    rows[opt] = s
+    print(f"| {opt} | {s:.1f} | {o:.1f} | {100 * o / s:.1f}% | {statistics.median(inner):.1f} | {statistics.median(tok)} |")
+if len(rows) == 2:
+    print(f"\nMuon's step is {100 * (rows['muon'] / rows['adam'] - 1):+.1f}% vs AdamW end to end.")
+PY
+fi
+
+if [ "$PART" = conv ] || [ "$PART" = all ]; then
+  gpt2=(--num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 1024 --max-position-embeddings 1024
+        --micro-batch-size 16 --global-batch-size "$GB" --min-lr 0 --lr-decay-style cosine --lr-warmup-iters 50
+        --weight-decay 0.1 --clip-grad 1.0 --hidden-dropout 0 --attention-dropout 0 --bf16 --device cuda --no-progress
+        "${demo_data[@]}" --seed 1234 --train-iters "$STEPS" --log-interval 50 --eval-interval "$EVAL"
+        --eval-iters 10)
+  runs=()
+  for lr in $ADAM_LRS; do runs+=("adam_$lr"); done
+  for lr in $MUON_LRS; do runs+=("muon_$lr"); done
+  for r in "${runs[@]}"; do
+    opt=${r%%_*}; lr=${r#*_}
+    f=(); [ "$opt" = muon ] && f=("${muon[@]}")
+    timeout 1200 build/megatron pretrain "${gpt2[@]}" --lr "$lr" "${f[@]}" > "$OUT/muon_conv_$r.log" 2>&1 ||
+      { echo "$r failed:"; tail -5 "$OUT/muon_conv_$r.log"; }
+  done
+  python3 - "$OUT" "${runs[@]}" <<'PY' | tee "$OUT/muon_convergence.md"
+import re, sys
+out, runs = sys.argv[1], sys.argv[2:]
+val = {}
+for r in runs:
+    log = open(f"{out}/muon_conv_{r}.log").read()
+    val[r] = {int(a): float(b) for a, b in
+              re.findall(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.E+-]+)", log)}
+its = sorted(set().union(*[set(v) for v in val.values()]))
+print("| iteration | " + " | ".join(runs) + " |")
+print("|---|" + "---|" * len(runs))
+for it in its:
+    print(f"| {it} | " + " | ".join(f"{val[r][it]:.4f}" if it in val[r] else "-" for r in runs) + " |")
+def best(prefix):
+    c = [r for r in runs if r.startswith(prefix) and val[r]]
+    return min(c, key=lambda r: val[r][max(val[r])]) if c else None
+a, m = best("adam_"), best("muon_")
+if a and m:
+    target, last = val[a][max(val[a])], max(val[a])
+    reach = next((it for it in sorted(val[m]) if val[m][it] <= target), None)
+    print(f"\nbest AdamW: {a} final {target:.4f}; best Muon: {m} final {val[m][max(val[m])]:.4f}")
+    if reach is None:
+        print(f"Muon did not reach AdamW's final validation loss {target:.4f} in {max(val[m])} steps")
+    else:
+        print(f"Muon reaches AdamW's final validation loss {target:.4f} at step {reach} "
+              f"= {reach / last:.2f} x AdamW's {last} steps (target <= 0.80, eval every {its[1] - its[0] if len(its) > 1 else 0})")
+PY
+fi
