@@ -19,7 +19,9 @@
 # TFLOP/s and MFU are the log line's (Megatron-Core's current formula, causal attention counting half
 # of the s² term; MFU against 989.4 TFLOP/s, docs/flags.md). ms/iter is the mean of the log windows
 # after the first WARM iterations.
-# Usage: bench/tp_scaling.sh [weak] [heads] [llama7b]   (default: all three; needs 2 GPUs for the
+#   llama7b4 the same model on 4 GPUs (issue 46): TP 2 + SP × PP 2, TP 4 + SP, PP 4 + VPP 2, each
+#            with and without the communication overlaps (--tp-comm-overlap, --overlap-p2p-communication).
+# Usage: bench/tp_scaling.sh [weak] [heads] [llama7b] [llama7b4]   (default: all three; needs 2 GPUs for the
 # TP rows). Env: OUT (logs, default out), MT_BUILD_DIR (use the megatron binary built there instead
 # of building build/), ITERS (default 30), WARM (default 10), ATTN (--attention-backend, default
 # fused: cuDNN for head dims other than 64 / 128), LLAMA_LAYERS, MT_EXTRA (flags added to every run,
@@ -151,6 +153,34 @@ for step in "${steps[@]}"; do
         fi
         echo "| ${lay//--/} | $layers | $ms | $tflops | $mfu% | $mem | $err"
       done ;;
-    *) echo "unknown step '$step' (expected weak, heads, llama7b)"; exit 2 ;;
+    llama7b4)
+      # the 4-GPU layouts of issue 46 (global batch 32; the 2-GPU function's model otherwise)
+      llama() {
+        llama=(--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --ffn-hidden-size 11008 --swiglu
+               --normalization RMSNorm --position-embedding-type rope --disable-bias-linear
+               --untie-embeddings-and-output-weights --seq-length 4096 --max-position-embeddings 4096
+               --micro-batch-size 1 --global-batch-size 32 --use-distributed-optimizer --lr 1e-4 --min-lr 1e-5
+               --lr-warmup-iters 2 --hidden-dropout 0 --attention-dropout 0 --bf16 --device cuda --no-progress
+               "${demo_data[@]}" --seed 1234 --train-iters "$ITERS" --log-interval 5 --eval-interval 100000
+               --eval-iters 0)
+      }
+      llama
+      echo
+      echo "7B-class Llama on 4 GPUs (32 layers, h 4096, 32 heads, SwiGLU 11008, seq 4096, micro-batch 1, global batch 32, $gpu${MT_EXTRA:+, $MT_EXTRA}):"
+      echo
+      echo "| layout | ms/iter | TFLOP/s per GPU | MFU | peak GiB/GPU |"
+      echo "|---|---|---|---|---|"
+      for lay in "--tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2" \
+                 "--tensor-model-parallel-size 2 --sequence-parallel --tp-comm-overlap --pipeline-model-parallel-size 2 --overlap-p2p-communication" \
+                 "--tensor-model-parallel-size 4 --sequence-parallel" \
+                 "--tensor-model-parallel-size 4 --sequence-parallel --tp-comm-overlap" \
+                 "--pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 4" \
+                 "--pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 4 --overlap-p2p-communication"; do
+        tag=$(echo "$lay" | tr -d ' -' | cut -c1-60)
+        # shellcheck disable=SC2086
+        run "llama7b4_$tag" 4 "${llama[@]}" $lay
+        echo "| ${lay//--/} | $ms | $tflops | $mfu% | $mem | $err"
+      done ;;
+    *) echo "unknown step '$step' (expected weak, heads, llama7b, llama7b4)"; exit 2 ;;
   esac
 done

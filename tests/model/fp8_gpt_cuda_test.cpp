@@ -58,12 +58,45 @@ TransformerConfig fp8_config(Fp8Recipe recipe, Fp8Format format, bool llama, boo
 }
 
 struct Tol {
-  double loss, grad, state;
+  double loss, grad, state;  // floors of the relative bounds (grad and state: see compare())
 };
+
+/// FP8 state (amaxes, scales) of every layer, host copies.
+std::vector<float> fp8_state(GPTModel& m, int64_t layers, Stream& s) {
+  std::vector<float> out;
+  for (int64_t l = 0; l < layers; ++l) {
+    const auto [f, b] = m.fp8()->layer_state(l);
+    for (const Tensor& t : {f, b}) {
+      const auto v = testing::to_host(t, s);
+      out.insert(out.end(), v.begin(), v.end());
+    }
+  }
+  return out;
+}
+
+double max_element_rel(const std::vector<float>& a, const std::vector<float>& r) {
+  double d = 0;
+  for (size_t i = 0; i < r.size(); ++i) {
+    const double m = std::max(std::fabs(double(r[i])), std::fabs(double(a[i])));
+    if (m > 0) d = std::max(d, std::fabs(double(a[i]) - r[i]) / m);
+  }
+  return d;
+}
 
 /// One FP8 training step (forward, backward; for delayed scaling a first step and the update, so
 /// that the compared step uses scales from the history) on the CPU (fp32, emulated) and the GPU
 /// (`dtype`); compares loss, gradients (relative L2 per tensor) and the FP8 state (element-wise).
+///
+/// FP8 is chaotic: one element that lands on the neighbouring FP8 code (6-12 % of it) perturbs a
+/// whole row of the next GEMM's output by ~1 %, which moves more elements across rounding
+/// boundaries in the next quantiser, so differences of 1e-6 at the first quantiser become a few
+/// per cent in the gradients after two layers, while the loss (an average) agrees to 1e-5 (measured
+/// on an H200, 2026-11-28: gradients 1.2-2.6 % overall, 3-8 % in single tensors; amaxes 2-6 %).
+/// The bound is therefore measured in the same test: a second CPU emulation whose weights are
+/// perturbed by delta relative (2^-14 for fp32 activations: the accumulation precision of Hopper's
+/// FP8 tensor cores; 2^-9 for bf16: half a bf16 ulp) gives the noise, and the GPU must stay within
+/// 3x that noise (or the floor in `tol`). A wrong scale, dtype, operand or transposition is off by
+/// O(1), far outside either; the loss bound is not scaled.
 void compare(Fp8Recipe recipe, Fp8Format format, bool llama, bool moe, DType dtype, Tol tol) {
   SCOPED_TRACE(::testing::Message() << fp8_recipe_name(recipe) << " " << fp8_format_name(format) << (llama ? " llama" : " gpt")
                                     << (moe ? " moe " : " ") << dtype_name(dtype));
@@ -71,6 +104,7 @@ void compare(Fp8Recipe recipe, Fp8Format format, bool llama, bool moe, DType dty
   const int64_t b = 2;
   Stream cs(Device::cpu()), gs(Device::cuda(0));
   GPTModel cpu(c, b, DType::kF32, Device::cpu(), ProcessGroups::single());
+  GPTModel cpu2(c, b, DType::kF32, Device::cpu(), ProcessGroups::single());  // the noise reference
   GPTModel gpu(c, b, dtype, Device::cuda(0), ProcessGroups::single());
   cpu.params().initialize(testing::test_seed(), cs);
   std::vector<float> w = testing::to_host(cpu.params().main_flat(), cs);
@@ -78,69 +112,81 @@ void compare(Fp8Recipe recipe, Fp8Format format, bool llama, bool moe, DType dty
   testing::upload(cpu.params().main_flat(), w, cs);
   testing::upload(gpu.params().main_flat(), w, gs);
   gpu.params().sync_model_from_main(gs);
+  {
+    const double delta = dtype == DType::kF32 ? std::ldexp(1.0, -14) : std::ldexp(1.0, -9);
+    const auto r = testing::randu(static_cast<int64_t>(w.size()), -1.f, 1.f);
+    std::vector<float> w2(w);
+    for (size_t i = 0; i < w2.size(); ++i) w2[i] = float(w2[i] * (1.0 + delta * r[i]));
+    cpu2.params().initialize(testing::test_seed(), cs);
+    testing::upload(cpu2.params().main_flat(), w2, cs);
+  }
   const auto tok = testing::randint(c.seq_length * b, 0, 500), lab = testing::randint(c.seq_length * b, 0, 500);
   OwnedTensor ct = testing::make_int_tensor(tok, Device::cpu(), {c.seq_length, b}, cs);
   OwnedTensor cl = testing::make_int_tensor(lab, Device::cpu(), {c.seq_length, b}, cs);
   OwnedTensor gt = testing::make_int_tensor(tok, Device::cuda(0), {c.seq_length, b}, gs);
   OwnedTensor gl = testing::make_int_tensor(lab, Device::cuda(0), {c.seq_length, b}, gs);
   const MicroBatch cmb{ct.t, cl.t, Tensor()}, gmb{gt.t, gl.t, Tensor()};
-  OwnedTensor closs(DType::kF32, Device::cpu(), {1}), gloss(DType::kF32, Device::cuda(0), {1});
+  OwnedTensor closs(DType::kF32, Device::cpu(), {1}), closs2(DType::kF32, Device::cpu(), {1}),
+      gloss(DType::kF32, Device::cuda(0), {1});
   const DropoutContext dc{7, 11, 0, true};
   const float wgt = 1.0f / static_cast<float>(c.seq_length * b);
   auto step = [&] {
     fill(closs, 0.f, cs);
+    fill(closs2, 0.f, cs);
     fill(gloss, 0.f, gs);
     fill(cpu.params().grads_flat(), std::nanf(""), cs);
+    fill(cpu2.params().grads_flat(), std::nanf(""), cs);
     fill(gpu.params().grads_flat(), std::nanf(""), gs);
     cpu.params().zero_grads(cs);
+    cpu2.params().zero_grads(cs);
     gpu.params().zero_grads(gs);
     cpu.forward(cmb, dc, closs, wgt, cs);
+    cpu2.forward(cmb, dc, closs2, wgt, cs);
     gpu.forward(gmb, dc, gloss, wgt, gs);
     cpu.backward(cmb, dc, wgt, Tensor(), cs);
+    cpu2.backward(cmb, dc, wgt, Tensor(), cs);
     gpu.backward(gmb, dc, wgt, Tensor(), gs);
   };
   if (recipe == Fp8Recipe::kDelayed) {
     step();
     cpu.finish_step(cs);
+    cpu2.finish_step(cs);
     gpu.finish_step(gs);
   }
   step();
   const double lc = testing::to_host(closs, cs)[0], lg = testing::to_host(gloss, gs)[0];
   std::printf("  loss gpu %.6f cpu %.6f (rel %.2e)\n", lg, lc, std::fabs(lg - lc) / std::fabs(lc));
   EXPECT_NEAR(lg, lc, tol.loss * std::fabs(lc)) << "loss";
-  std::vector<float> ga, ra;
-  double worst = 0;
+  std::vector<float> ga, ra, na;
+  double worst = 0, worst_noise = 0;
+  std::vector<double> errs, noises;
   for (size_t i = 0; i < cpu.params().size(); ++i) {
-    const auto a = testing::to_host(gpu.params().grad(i), gs), r = testing::to_host(cpu.params().grad(i), cs);
+    const auto a = testing::to_host(gpu.params().grad(i), gs), r = testing::to_host(cpu.params().grad(i), cs),
+               n = testing::to_host(cpu2.params().grad(i), cs);
     ASSERT_TRUE(testing::all_finite(a)) << cpu.params().info(i).name;
     ga.insert(ga.end(), a.begin(), a.end());
     ra.insert(ra.end(), r.begin(), r.end());
-    const double e = testing::rel_err(a, r);
-    worst = std::max(worst, e);
-    // matrices per tensor; vectors (biases, norms: sums with cancellation) in the total below
-    if (cpu.params().info(i).shape.size() == 2) EXPECT_LT(e, tol.grad) << cpu.params().info(i).name;
+    na.insert(na.end(), n.begin(), n.end());
+    errs.push_back(testing::rel_err(a, r));
+    noises.push_back(testing::rel_err(n, r));
+    worst = std::max(worst, errs.back());
+    worst_noise = std::max(worst_noise, noises.back());
   }
-  const double all = testing::rel_err(ga, ra);
-  std::printf("  gradients: all rel %.2e, worst tensor %.2e\n", all, worst);
-  EXPECT_LT(all, tol.grad) << "all gradients";
+  const double all = testing::rel_err(ga, ra), noise_all = testing::rel_err(na, ra);
+  std::printf("  gradients: all rel %.2e (noise %.2e), worst tensor %.2e (noise %.2e)\n", all, noise_all, worst,
+              worst_noise);
+  for (size_t i = 0; i < cpu.params().size(); ++i)  // matrices per tensor; vectors (sums with cancellation) in the total
+    if (cpu.params().info(i).shape.size() == 2)
+      EXPECT_LT(errs[i], std::max(tol.grad, 3 * std::max(noises[i], noise_all))) << cpu.params().info(i).name;
+  EXPECT_LT(all, std::max(tol.grad, 3 * noise_all)) << "all gradients";
   if (recipe == Fp8Recipe::kBlockwise) return;  // no amax state
-  double sd = 0;
-  for (int64_t l = 0; l < c.num_layers; ++l) {
-    const auto [cf, cb] = cpu.fp8()->layer_state(l);
-    const auto [gf, gb] = gpu.fp8()->layer_state(l);
-    for (const auto& [cpu_block, gpu_block] : {std::pair{cf, gf}, {cb, gb}}) {
-      const auto r = testing::to_host(cpu_block, cs), a = testing::to_host(gpu_block, gs);
-      ASSERT_EQ(a.size(), r.size());
-      for (size_t i = 0; i < r.size(); ++i) {
-        const double m = std::max(std::fabs(double(r[i])), std::fabs(double(a[i])));
-        if (m > 0) sd = std::max(sd, std::fabs(double(a[i]) - r[i]) / m);
-      }
-      EXPECT_TRUE(std::any_of(r.begin(), r.end(), [](float v) { return v != 0.f && v != 1.f; }))
-          << "layer " << l << ": no amax recorded";
-    }
-  }
-  std::printf("  FP8 state: max element rel %.2e\n", sd);
-  EXPECT_LT(sd, tol.state) << "FP8 state (amaxes, scales)";
+  const auto sr = fp8_state(cpu, c.num_layers, cs), sa = fp8_state(gpu, c.num_layers, gs),
+             sn = fp8_state(cpu2, c.num_layers, cs);
+  ASSERT_EQ(sa.size(), sr.size());
+  EXPECT_TRUE(std::any_of(sr.begin(), sr.end(), [](float v) { return v != 0.f && v != 1.f; })) << "no amax recorded";
+  const double sd = max_element_rel(sa, sr), sdn = max_element_rel(sn, sr);
+  std::printf("  FP8 state: max element rel %.2e (noise %.2e)\n", sd, sdn);
+  EXPECT_LT(sd, std::max(tol.state, 3 * sdn)) << "FP8 state (amaxes, scales)";
 }
 
 // fp32 activations: the quantisers' inputs differ only by accumulation order.

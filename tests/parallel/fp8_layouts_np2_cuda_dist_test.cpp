@@ -13,6 +13,7 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <cmath>
 #include <map>
 
 #include "comm/bootstrap.h"
@@ -62,7 +63,7 @@ struct RunResult {
 
 RunResult train(const std::shared_ptr<Communicator>& world, TransformerConfig c, int tp, bool sp, Device dev,
                 const std::vector<int32_t>& tokens, const std::vector<int32_t>& labels, int64_t mb, int M,
-                bool tp_comm_overlap = false) {
+                bool tp_comm_overlap = false, double perturb = 0) {
   const int64_t S = c.seq_length;
   c.tp_comm_overlap = tp_comm_overlap;
   ModelSetupOptions o;
@@ -78,6 +79,13 @@ RunResult train(const std::shared_ptr<Communicator>& world, TransformerConfig c,
   ModelSetup setup(world, o, st);
   GPTModel& model = setup.model();
   model.params().initialize(4321, st);
+  if (perturb > 0) {  // every weight times (1 + perturb * u), u uniform in [-1, 1] (the noise reference)
+    std::vector<float> w = testing::to_host(model.params().main_flat(), st);
+    const auto u = testing::randu(static_cast<int64_t>(w.size()), -1.f, 1.f);
+    for (size_t i = 0; i < w.size(); ++i) w[i] = float(w[i] * (1.0 + perturb * u[i]));
+    testing::upload(model.params().main_flat(), w, st);
+    model.params().sync_model_from_main(st);
+  }
   std::vector<OwnedTensor> tok, lab;
   std::vector<MicroBatch> mbs;
   for (int m = 0; m < M; ++m) {
@@ -144,6 +152,18 @@ TEST(Fp8LayoutsNccl, TensorParallelMatchesOneGpu) {
       all16.insert(all16.end(), bf16.grads[j].begin(), bf16.grads[j].end());
     }
     const double noise = testing::rel_err(all8, all16);  // FP8 itself, one GPU
+    // The FP8 state's noise: one GPU again with every weight perturbed by half a bf16 ulp. FP8 is
+    // chaotic (an element on the neighbouring FP8 code perturbs a row of the next GEMM, which moves
+    // more elements across rounding boundaries), so the amaxes after a step differ by a few per cent
+    // between runs whose inputs differ by bf16 rounding (measured on H200 ×2, 2026-11-28: hybrid
+    // delayed TP 2 against one GPU 4.0e-2); a wrong amax reduction or scale is off by O(1).
+    const RunResult ref2 = train(one, c, 1, false, dev, tokens, labels, mb, M, false, std::ldexp(1.0, -9));
+    double state_noise = 0;
+    for (size_t l = 0; l < ref.state.size(); ++l)
+      for (size_t i = 0; i < ref.state[l].size(); ++i) {
+        const double m = std::max(std::fabs(double(ref.state[l][i])), std::fabs(double(ref2.state[l][i])));
+        if (m > 0) state_noise = std::max(state_noise, std::fabs(double(ref2.state[l][i]) - ref.state[l][i]) / m);
+      }
     std::map<std::string, size_t> ref_index;
     for (size_t i = 0; i < ref.infos.size(); ++i) ref_index[ref.infos[i].name] = i;
     for (const bool sp : {false, true}) {
@@ -176,10 +196,10 @@ TEST(Fp8LayoutsNccl, TensorParallelMatchesOneGpu) {
         }
       }
       std::printf("[%s] rank %d: loss %.6f vs %.6f, gradients rel %.2e (FP8 vs bf16 on one GPU %.2e), FP8 state max "
-                  "rel %.2e\n",
-                  what.c_str(), world->rank(), par.losses.back(), ref.losses.back(), eg, noise, es);
+                  "rel %.2e (noise %.2e)\n",
+                  what.c_str(), world->rank(), par.losses.back(), ref.losses.back(), eg, noise, es, state_noise);
       EXPECT_LT(eg, std::max(3e-2, 2 * noise)) << what << " gradients";
-      if (recipe != Fp8Recipe::kBlockwise) EXPECT_LT(es, 3e-2) << what << " FP8 state";
+      if (recipe != Fp8Recipe::kBlockwise) EXPECT_LT(es, std::max(3e-2, 3 * state_noise)) << what << " FP8 state";
     }
   }
 }
