@@ -10,7 +10,9 @@
 #           RMS of AdamW, Moonlight/Kimi's setting — so that one --lr serves both) at each of
 #           MUON_LRS; the validation curves side by side, the best final loss of each and the steps
 #           Muon needs to reach AdamW's best final validation loss (target <= 0.8 x STEPS).
-# Logs under $OUT, tables in $OUT/muon_step.md and $OUT/muon_convergence.md.
+# Logs under $OUT, tables in $OUT/muon_step.md and $OUT/muon_convergence.md (the convergence table
+# covers every muon_conv_*.log in $OUT: AdamW and Muon may run in separate invocations, e.g.
+# MUON_LRS= bench/muon.sh conv, then ADAM_LRS= bench/muon.sh conv).
 # usage: bench/muon.sh [build] [step|conv|all (default all)]
 # Environment: ITERS (step part, default 30), STEPS (default 600), EVAL (default 50), GB (global
 # batch of the convergence runs, default 32), ADAM_LRS (default "6e-4 1.2e-3"), MUON_LRS (default
@@ -24,7 +26,7 @@ if [ "${1:-}" = build ]; then
 fi
 PART=${1:-all}
 ITERS=${ITERS:-30}; STEPS=${STEPS:-600}; EVAL=${EVAL:-50}; GB=${GB:-32}
-ADAM_LRS=${ADAM_LRS:-"6e-4 1.2e-3"}; MUON_LRS=${MUON_LRS:-"1.2e-3 2.4e-3"}
+ADAM_LRS=${ADAM_LRS-"6e-4 1.2e-3"}; MUON_LRS=${MUON_LRS-"1.2e-3 2.4e-3"}
 muon=(--optimizer muon --muon-momentum 0.95 --muon-nesterov --muon-coefficient-type quintic --muon-num-ns-steps 5
       --muon-scale-mode spectral --muon-extra-scale-factor 0.2)
 
@@ -75,9 +77,11 @@ if [ "$PART" = conv ] || [ "$PART" = all ]; then
     timeout 1200 build/megatron pretrain "${gpt2[@]}" --lr "$lr" "${f[@]}" > "$OUT/muon_conv_$r.log" 2>&1 ||
       { echo "$r failed:"; tail -5 "$OUT/muon_conv_$r.log"; }
   done
-  python3 - "$OUT" "${runs[@]}" <<'PY' | tee "$OUT/muon_convergence.md"
-import re, sys
-out, runs = sys.argv[1], sys.argv[2:]
+  # the table over every run in $OUT (so that AdamW and Muon may run in separate invocations)
+  python3 - "$OUT" <<'PY' | tee "$OUT/muon_convergence.md"
+import glob, os, re, sys
+out = sys.argv[1]
+runs = sorted(os.path.basename(f)[len("muon_conv_"):-len(".log")] for f in glob.glob(f"{out}/muon_conv_*.log"))
 val = {}
 for r in runs:
     log = open(f"{out}/muon_conv_{r}.log").read()

@@ -167,7 +167,7 @@ MuonStep::~MuonStep() = default;
 
 namespace {
 // The local dimension a parameter's TP split runs along (0 rows, 1 columns), -1 when not split.
-int local_split_dim(const ParamInfo& p) {
+int local_split_dim(const ParamSpec& p) {
   if (!p.tensor_parallel || p.tp_split_dim < 0) return -1;
   // column-parallel weights split their rows (also the gated [parts, out, in] fc1), row-parallel
   // ones their columns (the last global dimension)
@@ -226,54 +226,84 @@ MuonStep::MuonStep(ParamStore& params, GradSync& sync, const MuonConfig& config,
     }
   }
   // Units of the owned matrices and the workspace sizes.
-  const bool blockwise = config_.tp_mode == "blockwise";
-  int64_t max_ns = 0, max_gram = 0, max_stage = 0, max_gather = 0, max_full = 0;
+  MuonWorkspace ws;
   for (size_t i : mine_) {
     const ParamInfo& p = params_.info(i);
     Communicator* group = p.expert ? etp_.get() : tp_.get();
-    const int tp_size = group ? group->size() : 1;
-    const int split = tp_size > 1 && !blockwise ? local_split_dim(p) : -1;
-    const int64_t r = p.shape[0], c = p.shape[1];
-    std::vector<Unit> parts;
-    const int64_t q = config_.qkv_q_rows, kv = config_.qkv_kv_rows, group_rows = q + 2 * kv;
-    if (config_.split_qkv && q > 0 && ends_with(p.name, "self_attention.linear_qkv.weight") && r % group_rows == 0) {
-      // Megatron's split_qkv: [groups, q + 2 kv, c] split along dim 1 into Q, K and V.
-      const int64_t g = r / group_rows;
-      for (const auto& [row0, n] : {std::pair{int64_t{0}, q}, {q, kv}, {q + kv, kv}})
-        parts.push_back(Unit{i, g * n, c, row0, n, group_rows, g, true});
-    } else {
-      parts.push_back(Unit{i, r, c, 0, r, r, 1, false});
-    }
-    for (Unit& u : parts) {
-      u.split_dim = split;
-      u.tp = split >= 0 ? group : nullptr;
-      // The scale of the global matrix (blockwise: of the shard, as Megatron's partition_dim None).
-      const int64_t gr = u.rows * (split == 0 ? tp_size : 1), gc = u.cols * (split == 1 ? tp_size : 1);
-      u.scale = static_cast<float>(muon_scale_factor(config_.scale_mode, gr, gc) * config_.extra_scale_factor);
-      const int64_t local = u.rows * u.cols;
-      if (u.staged) max_stage = std::max(max_stage, local);
-      if (split >= 0 && config_.tp_mode == "duplicated") {
-        max_gather = std::max(max_gather, local * tp_size);
-        if (split == 1) max_full = std::max(max_full, local * tp_size);
-        max_ns = std::max(max_ns, gr * gc);
-        max_gram = std::max(max_gram, std::min(gr, gc) * std::min(gr, gc));
-      } else if (split >= 0) {  // distributed: the Gram matrix of the unsplit side
-        max_ns = std::max(max_ns, local);
-        const int64_t k = split == 1 ? u.rows : u.cols;
-        max_gram = std::max(max_gram, k * k);
-      } else {
-        max_ns = std::max(max_ns, local);
-        max_gram = std::max(max_gram, std::min(u.rows, u.cols) * std::min(u.rows, u.cols));
-      }
-      units_.push_back(u);
-    }
+    const size_t first = units_.size();
+    plan_units(p, i, config_, group ? group->size() : 1, units_, ws);
+    for (size_t k = first; k < units_.size(); ++k) units_[k].tp = units_[k].split_dim >= 0 ? group : nullptr;
   }
   const Device dev = params_.device();
-  ns_ = std::make_unique<NewtonSchulz>(dev, dev.is_cuda() ? DType::kBF16 : DType::kF32, max_ns, max_gram, stream);
+  ns_ = std::make_unique<NewtonSchulz>(dev, dev.is_cuda() ? DType::kBF16 : DType::kF32, ws.ns, ws.gram, stream);
   auto f32 = [&](int64_t n) { return Buffer(dev, static_cast<size_t>(std::max<int64_t>(n, 1)) * 4); };
-  stage_ = f32(max_stage);
-  gather_ = f32(max_gather);
-  full_ = f32(max_full);
+  stage_ = f32(ws.stage);
+  gather_ = f32(ws.gather);
+  full_ = f32(ws.full);
+}
+
+void MuonStep::plan_units(const ParamSpec& p, size_t index, const MuonConfig& config, int tp_size,
+                          std::vector<Unit>& units, MuonWorkspace& ws) {
+  const int split = tp_size > 1 && config.tp_mode != "blockwise" ? local_split_dim(p) : -1;
+  const int64_t r = p.shape[0], c = p.shape[1];
+  std::vector<Unit> parts;
+  const int64_t q = config.qkv_q_rows, kv = config.qkv_kv_rows, group_rows = q + 2 * kv;
+  if (config.split_qkv && q > 0 && ends_with(p.name, "self_attention.linear_qkv.weight") && r % group_rows == 0) {
+    // Megatron's split_qkv: [groups, q + 2 kv, c] split along dim 1 into Q, K and V.
+    const int64_t g = r / group_rows;
+    for (const auto& [row0, n] : {std::pair{int64_t{0}, q}, {q, kv}, {q + kv, kv}})
+      parts.push_back(Unit{index, g * n, c, row0, n, group_rows, g, true});
+  } else {
+    parts.push_back(Unit{index, r, c, 0, r, r, 1, false});
+  }
+  for (Unit& u : parts) {
+    u.split_dim = split;
+    // The scale of the global matrix (blockwise: of the shard, as Megatron's partition_dim None).
+    const int64_t gr = u.rows * (split == 0 ? tp_size : 1), gc = u.cols * (split == 1 ? tp_size : 1);
+    u.scale = static_cast<float>(muon_scale_factor(config.scale_mode, gr, gc) * config.extra_scale_factor);
+    const int64_t local = u.rows * u.cols;
+    if (u.staged) ws.stage = std::max(ws.stage, local);
+    if (split >= 0 && config.tp_mode == "duplicated") {
+      ws.gather = std::max(ws.gather, local * tp_size);
+      if (split == 1) ws.full = std::max(ws.full, local * tp_size);
+      ws.ns = std::max(ws.ns, gr * gc);
+      ws.gram = std::max(ws.gram, std::min(gr, gc) * std::min(gr, gc));
+    } else if (split >= 0) {  // distributed: the Gram matrix of the unsplit side
+      ws.ns = std::max(ws.ns, local);
+      const int64_t k = split == 1 ? u.rows : u.cols;
+      ws.gram = std::max(ws.gram, k * k);
+    } else {
+      ws.ns = std::max(ws.ns, local);
+      ws.gram = std::max(ws.gram, std::min(u.rows, u.cols) * std::min(u.rows, u.cols));
+    }
+    units.push_back(u);
+  }
+}
+
+size_t MuonWorkspace::bytes(DType compute) const {
+  const size_t cs = dtype_size(compute);
+  auto at_least_1 = [](int64_t n) { return static_cast<size_t>(std::max<int64_t>(n, 1)); };
+  return 2 * at_least_1(ns) * cs + 2 * at_least_1(gram) * cs + static_cast<size_t>(kMuonNormScratch) * 4 +
+         4 * (at_least_1(stage) + at_least_1(gather) + at_least_1(full));
+}
+
+MuonMemory muon_memory(const std::vector<ParamSpec>& specs, const MuonConfig& config, int tp, int etp,
+                       Device device) {
+  MuonMemory m;
+  MuonWorkspace ws;
+  std::vector<MuonStep::Unit> units;
+  for (size_t i = 0; i < specs.size(); ++i) {
+    ParamInfo p;
+    static_cast<ParamSpec&>(p) = specs[i];
+    if (p.global_shape.empty()) p.global_shape = p.shape;
+    if (!is_muon_parameter(p)) continue;
+    int64_t n = 1;
+    for (int64_t d : p.shape) n *= d;
+    (p.expert ? m.expert_elements : m.dense_elements) += n;
+    MuonStep::plan_units(p, i, config, p.expert ? etp : tp, units, ws);
+  }
+  m.workspace_bytes = ws.bytes(device.is_cuda() ? DType::kBF16 : DType::kF32);
+  return m;
 }
 
 int MuonStep::owner_of(size_t i) const {

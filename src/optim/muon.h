@@ -90,6 +90,24 @@ class NewtonSchulz {
   Buffer x_, xn_, a_, b_, norm_;
 };
 
+/// Elements of the Newton-Schulz workspace: the matrix (compute dtype, two copies), the Gram
+/// matrix (two), and fp32 staging of a QKV component, the TP gather and the rearranged gather.
+struct MuonWorkspace {
+  int64_t ns = 0, gram = 0, stage = 0, gather = 0, full = 0;
+  size_t bytes(DType compute) const;
+};
+
+/// Muon's memory on one rank beyond AdamW's, for the memory estimate (train/memory_estimate.h):
+/// the elements of the Muon matrices (dense, expert; their exp_avg_sq is not allocated: one
+/// momentum buffer instead of two moments) and the Newton-Schulz workspace when the rank
+/// orthogonalises every matrix (an upper bound with the distributed optimizer). specs: the rank's
+/// parameters; tp, etp: the tensor-parallel sizes of the dense and expert parameters.
+struct MuonMemory {
+  int64_t dense_elements = 0, expert_elements = 0;
+  size_t workspace_bytes = 0;
+};
+MuonMemory muon_memory(const std::vector<ParamSpec>& specs, const MuonConfig& config, int tp, int etp, Device device);
+
 /// A run of owned elements of a Muon parameter: flat [begin, begin + n), state index `state`
 /// (where its momentum lives in the optimizer's exp_avg).
 struct MuonPiece {
@@ -119,6 +137,10 @@ class MuonStep {
   int owner_of(size_t i) const;
 
   struct Unit;  // one matrix to orthogonalise (a whole parameter or a QKV component)
+  /// Appends the units of parameter `index` (spec p, TP size tp_size of its group) and grows `ws`
+  /// to hold them.
+  static void plan_units(const ParamSpec& p, size_t index, const MuonConfig& config, int tp_size,
+                         std::vector<Unit>& units, MuonWorkspace& ws);
 
  private:
   void orthogonalise(const Unit& u, const Tensor& grads, const Stream& stream);

@@ -226,7 +226,7 @@ FullState& full_state(FullState& f, const ParamStore& params, const AdamWOptimiz
     f.main = params.main_flat();
   }
   if (!opt) return f;
-  if (!opt->distributed()) {  // one owned range [0, total): state index == flat index
+  if (opt->moments_flat()) {  // one owned range [0, total): state index == flat index (AdamW)
     f.m = opt->exp_avg();
     f.v = opt->exp_avg_sq();
     return f;
@@ -630,7 +630,7 @@ CheckpointSaveJob prepare_save(const std::string& dir, const CheckpointState& st
                "save_checkpoint: the main parameters are sharded or stored as remainders, the optimizer is needed");
     optimizer->gather_main(full.main, stream);
   }
-  if (with_optim && optimizer->distributed()) optimizer->gather_moments(full.m, full.v, stream);
+  if (with_optim && !optimizer->moments_flat()) optimizer->gather_moments(full.m, full.v, stream);
   if (job.rank0) {
     for (int r = 0; r < w.world->size(); ++r) {
       std::memcpy(flags, all.data() + r * sizeof(mine), sizeof(flags));
@@ -1223,7 +1223,7 @@ CheckpointState load_checkpoint(const std::string& dir, ParamStore& params, Adam
     if (optimizer) optimizer->grad_sync().finish_param_sync(stream);  // nothing may still write the parameters
     full_state(full, params, optimizer, stream);
     if (params.has_main_flat()) memset_tensor(full.main, 0, stream);  // padding (the loop fills the rest)
-    if (optimizer && !optimizer->distributed()) {
+    if (optimizer && optimizer->moments_flat()) {
       memset_tensor(full.m, 0, stream);
       memset_tensor(full.v, 0, stream);
     }
@@ -1332,7 +1332,7 @@ CheckpointState load_checkpoint(const std::string& dir, ParamStore& params, Adam
   } else {
     params.sync_model_from_main(stream);
   }
-  if (optimizer && optimizer->distributed()) optimizer->scatter_moments(full.m, full.v, stream);
+  if (optimizer && !optimizer->moments_flat()) optimizer->scatter_moments(full.m, full.v, stream);
   if (optimizer) optimizer->write_scalars(state.scalars, stream);
   stream.synchronize();
   return state;

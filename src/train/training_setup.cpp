@@ -91,6 +91,17 @@ MemoryEstimate estimate_rank_memory(const ModelSetupOptions& o, const ProcessGro
   in.pipeline_grad_bytes =
       static_cast<size_t>(std::max(s.train.grad_buffers, s.eval.grad_buffers)) * in.model.boundary_bytes;
   in.batch_bytes = o.batch_bytes;
+  if (o.optim.optimizer == "muon") {
+    const int ep = groups.ep ? groups.ep->size() : 1, ep_rank = groups.ep ? groups.ep->rank() : 0;
+    const int etp = groups.etp ? groups.etp->size() : groups.tp->size();
+    const MuonMemory mm = muon_memory(
+        GPTModel::param_specs(o.model, groups.tp->size(), groups.tp->rank(), s.chunks, ep, ep_rank), o.optim.muon,
+        groups.tp->size(), etp, o.device);
+    in.muon = true;
+    in.muon_dense_elements = mm.dense_elements;
+    in.muon_expert_elements = mm.expert_elements;
+    in.muon_workspace_bytes = mm.workspace_bytes;
+  }
   if (model_plan) *model_plan = in.model;
   return estimate_training_memory(in);
 }

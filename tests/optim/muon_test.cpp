@@ -9,6 +9,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <regex>
 #include <sstream>
 #include <unistd.h>
 
@@ -188,7 +189,21 @@ TEST(MuonStep, MatchesHandWrittenReference) {
     }
   }
   // AdamW parameters: bitwise the AdamW-only run; Muon ones moved differently; moments.
-  const std::vector<float> em = to_host(opt.exp_avg(), st), ev = to_host(opt.exp_avg_sq(), st);
+  // One buffer for Muon's matrices: exp_avg_sq holds the AdamW elements only.
+  int64_t muon_elements = 0;
+  for (size_t i = 0; i < P.size(); ++i) muon_elements += is_muon_parameter(P.info(i)) ? P.info(i).numel : 0;
+  EXPECT_EQ(opt.adamw_state_elements(), P.total_elements() - muon_elements);
+  EXPECT_EQ(opt.state_bytes(), 4 * (2 * P.total_elements() - muon_elements));
+  EXPECT_EQ(adam.state_bytes(), 8 * A.total_elements());
+  EXPECT_FALSE(opt.moments_flat());
+  OwnedTensor fm(DType::kF32, Device::cpu(), {P.total_elements()}), fv(DType::kF32, Device::cpu(), {P.total_elements()});
+  testing::poison(fv.t, st);
+  opt.gather_moments(fm.t, fv.t, st);
+  const std::vector<float> em = to_host(fm.t, st), ev = to_host(fv.t, st);
+  // ... and AdamW's moments where AdamW steps: bitwise the AdamW-only run's
+  OwnedTensor am(DType::kF32, Device::cpu(), {A.total_elements()}), av(DType::kF32, Device::cpu(), {A.total_elements()});
+  adam.gather_moments(am.t, av.t, st);
+  const std::vector<float> aem = to_host(am.t, st), aev = to_host(av.t, st);
   for (size_t i = 0; i < P.size(); ++i) {
     const ParamInfo& p = P.info(i);
     const std::vector<float> a = to_host(A.param(i), st), b = to_host(P.param(i), st);
@@ -199,6 +214,10 @@ TEST(MuonStep, MatchesHandWrittenReference) {
       EXPECT_LT(testing::rel_err(mom, m[i]), 1e-6) << p.name << " momentum";
     } else {
       EXPECT_TRUE(testing::same_bits(a, b)) << p.name << " (AdamW parameter) differs from AdamW alone";
+      for (int64_t e = 0; e < p.numel; ++e) {
+        ASSERT_EQ(em[p.offset + e], aem[p.offset + e]) << p.name;
+        ASSERT_EQ(ev[p.offset + e], aev[p.offset + e]) << p.name;
+      }
     }
   }
   for (const char* n : {"embedding.word_embeddings.weight", "output_layer.weight", "decoder.layers.0.mlp.router.weight",
@@ -474,6 +493,21 @@ TEST(MuonCli, ResumeBitwiseAndOptimizerSwitch) {
   EXPECT_EQ(ft.rc, 0) << ft.out;
   EXPECT_EQ(loss_values(ft.out).size(), 2u) << ft.out;
   fs::remove_all(dir);
+}
+
+// The memory estimate knows Muon's state (one momentum buffer for its matrices, the Newton-Schulz
+// workspace): within 2% of what the run allocates, as AdamW's.
+TEST(MuonCli, MemoryEstimateMatchesTheAllocation) {
+  for (const std::string flags : {"", "--optimizer muon", "--optimizer muon --hidden-size 64 --num-layers 1"}) {
+    const auto r = testing::run_megatron(pretrain("--train-iters 1 " + flags));
+    ASSERT_EQ(r.rc, 0) << r.out;
+    std::smatch m;
+    ASSERT_TRUE(std::regex_search(r.out, m, std::regex("memory estimate ([0-9.]+) MiB of buffers, ([+-][0-9.]+)% "
+                                                        "from the ([0-9.]+) MiB allocated")))
+        << r.out;
+    EXPECT_LT(std::fabs(std::stod(m[2].str())), 2.0) << flags << "\n" << r.out;
+    if (!flags.empty()) EXPECT_NE(r.out.find("Muon Newton-Schulz workspace"), std::string::npos) << r.out;
+  }
 }
 
 TEST(MuonCli, BadFlags) {
