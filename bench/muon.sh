@@ -10,11 +10,12 @@
 #           RMS of AdamW, Moonlight/Kimi's setting — so that one --lr serves both) at each of
 #           MUON_LRS; the validation curves side by side, the best final loss of each and the steps
 #           Muon needs to reach AdamW's best final validation loss (target <= 0.8 x STEPS).
-# Logs under $OUT, tables in $OUT/muon_step.md and $OUT/muon_convergence.md (the convergence table
+# Logs under $OUT, tables in $OUT/muon_llama1b.md, $OUT/muon_llama7b.md and $OUT/muon_convergence.md (the convergence table
 # covers every muon_conv_*.log in $OUT: AdamW and Muon may run in separate invocations, e.g.
 # MUON_LRS= bench/muon.sh conv, then ADAM_LRS= bench/muon.sh conv).
-# usage: bench/muon.sh [build] [step|conv|all (default all)]
-# Environment: ITERS (step part, default 30), STEPS (default 600), EVAL (default 50), GB (global
+#   step7b — the same for the 7B-class Llama on 2 GPUs (TP 2 + SP, distributed optimizer).
+# usage: bench/muon.sh [build] [step|step7b|conv|all (default: step and conv)]
+# Environment: ITERS (step parts, default 30), STEP_GB (1.18B global batch, default 64), LAYERS (7B), STEPS (default 600), EVAL (default 50), GB (global
 # batch of the convergence runs, default 32), ADAM_LRS (default "6e-4 1.2e-3"), MUON_LRS (default
 # "1.2e-3 2.4e-3").
 set -uo pipefail
@@ -30,36 +31,58 @@ ADAM_LRS=${ADAM_LRS-"6e-4 1.2e-3"}; MUON_LRS=${MUON_LRS-"1.2e-3 2.4e-3"}
 muon=(--optimizer muon --muon-momentum 0.95 --muon-nesterov --muon-coefficient-type quintic --muon-num-ns-steps 5
       --muon-scale-mode spectral --muon-extra-scale-factor 0.2)
 
-if [ "$PART" = step ] || [ "$PART" = all ]; then
-  llama=(--num-layers 16 --hidden-size 2048 --num-attention-heads 32 --group-query-attention --num-query-groups 8
-         --ffn-hidden-size 8192 --swiglu --normalization RMSNorm --position-embedding-type rope
-         --untie-embeddings-and-output-weights --disable-bias-linear --micro-batch-size 4 --global-batch-size 4)
+# step_share NAME NPROC FLAGS...: AdamW and Muon runs of the model, the table in $OUT/muon_NAME.md
+step_share() {
+  local name=$1 n=$2; shift 2
   for opt in adam muon; do
     f=(); [ $opt = muon ] && f=("${muon[@]}")
-    timeout 900 build/megatron pretrain "${llama[@]}" "${bench_train[@]}" "${f[@]}" --train-iters "$ITERS" \
-      --log-interval 1 --timing-log-level 1 > "$OUT/muon_step_$opt.log" 2>&1 ||
-      { echo "step $opt failed:"; tail -5 "$OUT/muon_step_$opt.log"; }
+    timeout 900 build/megatron pretrain --nproc-per-node "$n" "$@" "${f[@]}" --train-iters "$ITERS" \
+      --log-interval 1 --timing-log-level 1 > "$OUT/muon_${name}_$opt.log" 2>&1 ||
+      { echo "$name $opt failed:"; tail -5 "$OUT/muon_${name}_$opt.log"; }
   done
-  python3 - "$OUT" <<'PY' | tee "$OUT/muon_step.md"
+  python3 - "$OUT" "$name" <<'PY' | tee "$OUT/muon_$name.md"
 import re, statistics, sys
-out = sys.argv[1]
-print("| optimizer | step ms | optimizer ms | share | optimizer-inner-step ms | tokens/s |")
-print("|---|---|---|---|---|---|")
+out, name = sys.argv[1], sys.argv[2]
+print(f"{name}:\n")
+print("| optimizer | step ms | optimizer ms | share | optimizer-inner-step ms | tokens/s | estimated memory |")
+print("|---|---|---|---|---|---|---|")
 rows = {}
 for opt in ("adam", "muon"):
-    log = open(f"{out}/muon_step_{opt}.log").read()
+    log = open(f"{out}/muon_{name}_{opt}.log").read()
     step = [float(x) for x in re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+)", log)][10:]
     optim = [float(x) for x in re.findall(r"\n\s+optimizer \.+: \(([0-9.]+), [0-9.]+\)", log)][10:]
     inner = [float(x) for x in re.findall(r"optimizer-inner-step \.+: \(([0-9.]+), [0-9.]+\)", log)][10:]
     tok = [int(x) for x in re.findall(r"tokens per second: ([0-9]+)", log)][10:]
+    mem = re.findall(r"memory estimate per rank: .*?total ([0-9.]+ GiB)", log)
     if not step or not optim:
-        print(f"| {opt} | (no timings in the log) | | | | |"); continue
+        print(f"| {opt} | (no timings in the log) | | | | | |"); continue
     s, o = statistics.median(step), statistics.median(optim)
     rows[opt] = s
-    print(f"| {opt} | {s:.1f} | {o:.1f} | {100 * o / s:.1f}% | {statistics.median(inner):.1f} | {statistics.median(tok)} |")
+    print(f"| {opt} | {s:.1f} | {o:.1f} | {100 * o / s:.1f}% | {statistics.median(inner):.1f} | "
+          f"{statistics.median(tok)} | {mem[-1] if mem else '-'} |")
 if len(rows) == 2:
-    print(f"\nMuon's step is {100 * (rows['muon'] / rows['adam'] - 1):+.1f}% vs AdamW end to end.")
+    print(f"\nMuon's step is {100 * (rows['muon'] / rows['adam'] - 1):+.1f}% vs AdamW end to end.\n")
 PY
+}
+
+if [ "$PART" = step ] || [ "$PART" = all ]; then
+  # Llama-style 1.18B, one GPU, micro-batch 4, global batch STEP_GB (default 64: 16 micro-batches;
+  # the optimizer step's share shrinks as the batch grows)
+  step_share llama1b 1 --num-layers 16 --hidden-size 2048 --num-attention-heads 32 --group-query-attention \
+    --num-query-groups 8 --ffn-hidden-size 8192 --swiglu --normalization RMSNorm --position-embedding-type rope \
+    --untie-embeddings-and-output-weights --disable-bias-linear --micro-batch-size 4 \
+    --global-batch-size "${STEP_GB:-64}" "${bench_train[@]}"
+fi
+
+if [ "$PART" = step7b ]; then
+  # the 7B-class Llama of docs/benchmarks.md on 2 GPUs: TP 2 + SP, the distributed optimizer (Muon:
+  # layer-wise over DP = 1 here, TP duplicated), micro-batch 1, global batch 16, sequence 4096;
+  # LAYERS (default 32) layers
+  step_share llama7b 2 --num-layers "${LAYERS:-32}" --hidden-size 4096 --num-attention-heads 32 \
+    --ffn-hidden-size 11008 --swiglu --normalization RMSNorm --position-embedding-type rope --disable-bias-linear \
+    --untie-embeddings-and-output-weights --micro-batch-size 1 --global-batch-size 16 \
+    --tensor-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer "${bench_train[@]}" \
+    --seq-length 4096 --max-position-embeddings 4096
 fi
 
 if [ "$PART" = conv ] || [ "$PART" = all ]; then
