@@ -13,7 +13,10 @@
 #include <sstream>
 #include <unistd.h>
 
+#include <CLI/CLI.hpp>
+
 #include "comm/thread_comm.h"
+#include "train/arguments.h"
 #include "model/layers/parallel_params.h"
 #include "ops/muon.h"
 #include "optim/muon.h"
@@ -508,6 +511,39 @@ TEST(MuonCli, MemoryEstimateMatchesTheAllocation) {
     EXPECT_LT(std::fabs(std::stod(m[2].str())), 2.0) << flags << "\n" << r.out;
     if (!flags.empty()) EXPECT_NE(r.out.find("Muon Newton-Schulz workspace"), std::string::npos) << r.out;
   }
+}
+
+// Megatron's flag names reach MuonConfig (and the QKV split rows come from the model's GQA shape).
+TEST(MuonCli, FlagsParse) {
+  CLI::App app;
+  PretrainArgs a;
+  add_pretrain_options(app, a);
+  app.parse("--num-layers 1 --hidden-size 64 --num-attention-heads 8 --group-query-attention --num-query-groups 2 "
+            "--seq-length 16 --micro-batch-size 1 --lr 1e-3 --train-iters 1 --mock-data --optimizer muon "
+            "--muon-momentum 0.95 --muon-use-nesterov --muon-num-ns-steps 10 --muon-scale-mode unit_rms_norm "
+            "--muon-extra-scale-factor 0.2 --muon-coefficient-type quintic --muon-tp-mode distributed "
+            "--muon-no-split-qkv",
+            false);
+  validate_pretrain_args(a);
+  const MuonConfig& m = a.optim.muon;
+  EXPECT_EQ(a.optim.optimizer, "muon");
+  EXPECT_EQ(m.momentum, 0.95f);
+  EXPECT_TRUE(m.nesterov);
+  EXPECT_EQ(m.num_ns_steps, 10);
+  EXPECT_EQ(m.scale_mode, "unit_rms_norm");
+  EXPECT_EQ(m.extra_scale_factor, 0.2f);
+  EXPECT_EQ(m.tp_mode, "distributed");
+  EXPECT_FALSE(m.split_qkv);
+  EXPECT_EQ(m.qkv_q_rows, 4 * 8);  // 8 heads / 2 groups x head dim 8
+  EXPECT_EQ(m.qkv_kv_rows, 8);
+  CLI::App app2;
+  PretrainArgs b;
+  add_pretrain_options(app2, b);
+  app2.parse("--seq-length 16 --micro-batch-size 1 --lr 1e-3 --train-iters 1 --mock-data", false);
+  EXPECT_EQ(b.optim.optimizer, "adam");
+  EXPECT_TRUE(b.optim.muon.split_qkv);
+  EXPECT_FALSE(b.optim.muon.nesterov);
+  EXPECT_EQ(b.optim.muon.momentum, 0.9f);
 }
 
 TEST(MuonCli, BadFlags) {
