@@ -102,24 +102,37 @@ NewtonSchulz::NewtonSchulz(Device device, DType compute, int64_t max_elements, i
 
 void NewtonSchulz::run(const Tensor& out, const Tensor& g, int64_t rows, int64_t cols,
                        const std::vector<NsCoeff>& coeffs, const Stream& stream, Communicator* group, int split_dim) {
-  MT_REQUIRE(g.dtype() == DType::kF32 && out.dtype() == DType::kF32 && g.numel() == rows * cols &&
-                 out.numel() == rows * cols,
-             "NewtonSchulz: g {} and out {} must be fp32 [{} x {}]", g.str(), out.str(), rows, cols);
+  run_batch({out}, {g}, rows, cols, coeffs, stream, group, split_dim);
+}
+
+void NewtonSchulz::run_batch(const std::vector<Tensor>& outs, const std::vector<Tensor>& gs, int64_t rows,
+                             int64_t cols, const std::vector<NsCoeff>& coeffs, const Stream& stream,
+                             Communicator* group, int split_dim) {
+  const int64_t nb = static_cast<int64_t>(gs.size()), n = rows * cols;
+  MT_REQUIRE(nb >= 1 && outs.size() == gs.size() && (!group || nb == 1),
+             "NewtonSchulz: {} inputs, {} outputs (one with a group)", gs.size(), outs.size());
+  for (int64_t i = 0; i < nb; ++i)
+    MT_REQUIRE(gs[i].dtype() == DType::kF32 && outs[i].dtype() == DType::kF32 && gs[i].numel() == n &&
+                   outs[i].numel() == n,
+               "NewtonSchulz: g {} and out {} must be fp32 [{} x {}]", gs[i].str(), outs[i].str(), rows, cols);
   MT_REQUIRE(!group || split_dim == 0 || split_dim == 1, "NewtonSchulz: split_dim {} with a group (0 or 1)",
              split_dim);
   // The Gram matrix of the shorter side; sharded, of the side that is not split (its partial
   // products sum over the shards).
   const bool row_gram = group ? split_dim == 1 : rows <= cols;
   const int64_t k = row_gram ? rows : cols;
-  MT_REQUIRE(rows * cols <= max_elements_ && k * k <= max_gram_,
-             "NewtonSchulz: a [{} x {}] matrix (Gram {} x {}) exceeds the workspace ({} elements, Gram {})", rows,
-             cols, k, k, max_elements_, max_gram_);
+  MT_REQUIRE(nb * n <= max_elements_ && nb * k * k <= max_gram_,
+             "NewtonSchulz: {} [{} x {}] matrices (Gram {} x {}) exceed the workspace ({} elements, Gram {})", nb,
+             rows, cols, k, k, max_elements_, max_gram_);
   const Tensor norm = norm_.as(DType::kF32, {kMuonNormScratch});
-  Tensor x = x_.as(compute_, {rows, cols}), xn = xn_.as(compute_, {rows, cols});
-  const Tensor a = a_.as(compute_, {k, k}), b = b_.as(compute_, {k, k});
-  muon_sumsq(norm, g, stream);
-  if (group) group->all_reduce(norm.flat_range(0, 1), ReduceOp::kSum, stream);
-  muon_normalize(x.flat_range(0, rows * cols), g, norm, kNsEps, stream);
+  // [batch, r, c]: one strided-batched GEMM per product over equal shapes (ops/matmul.h)
+  Tensor x = x_.as(compute_, {nb, rows, cols}), xn = xn_.as(compute_, {nb, rows, cols});
+  const Tensor a = a_.as(compute_, {nb, k, k}), b = b_.as(compute_, {nb, k, k});
+  for (int64_t i = 0; i < nb; ++i) {
+    muon_sumsq(norm, gs[i], stream);
+    if (group) group->all_reduce(norm.flat_range(0, 1), ReduceOp::kSum, stream);
+    muon_normalize(x.flat_range(i * n, n), gs[i], norm, kNsEps, stream);
+  }
   for (const NsCoeff& s : coeffs) {
     if (row_gram) {
       matmul(a, x, x, false, true, 1.f, 0.f, stream);  // A = X X^T
@@ -137,11 +150,13 @@ void NewtonSchulz::run(const Tensor& out, const Tensor& g, int64_t rows, int64_t
     }
     std::swap(x, xn);
   }
-  const Tensor flat_out = out.flat_range(0, rows * cols);
-  if (compute_ == DType::kF32) {
-    copy(flat_out, x.flat_range(0, rows * cols), stream);
-  } else {
-    cast(flat_out, x.flat_range(0, rows * cols), stream);
+  for (int64_t i = 0; i < nb; ++i) {
+    const Tensor flat_out = outs[i].flat_range(0, n);
+    if (compute_ == DType::kF32) {
+      copy(flat_out, x.flat_range(i * n, n), stream);
+    } else {
+      cast(flat_out, x.flat_range(i * n, n), stream);
+    }
   }
 }
 
@@ -234,6 +249,7 @@ MuonStep::MuonStep(ParamStore& params, GradSync& sync, const MuonConfig& config,
     plan_units(p, i, config_, group ? group->size() : 1, units_, ws);
     for (size_t k = first; k < units_.size(); ++k) units_[k].tp = units_[k].split_dim >= 0 ? group : nullptr;
   }
+  batches_ = plan_batches(units_, ws);
   const Device dev = params_.device();
   ns_ = std::make_unique<NewtonSchulz>(dev, dev.is_cuda() ? DType::kBF16 : DType::kF32, ws.ns, ws.gram, stream);
   auto f32 = [&](int64_t n) { return Buffer(dev, static_cast<size_t>(std::max<int64_t>(n, 1)) * 4); };
@@ -280,6 +296,37 @@ void MuonStep::plan_units(const ParamSpec& p, size_t index, const MuonConfig& co
   }
 }
 
+std::vector<std::vector<size_t>> MuonStep::plan_batches(const std::vector<Unit>& units, MuonWorkspace& ws) {
+  std::vector<std::vector<size_t>> batches;
+  // Batches: the units without a TP collective, grouped by shape (in order), as many per batch as
+  // the workspace of the largest matrix holds (the Gram workspace may grow to half of it); the
+  // staged ones (QKV components) each get a staging slot.
+  const int64_t gram_cap = std::max(ws.gram, ws.ns / 2);
+  std::vector<bool> batched(units.size(), false);
+  for (size_t i = 0; i < units.size(); ++i) {
+    if (batched[i]) continue;
+    std::vector<size_t> batch{i};
+    batched[i] = true;
+    const Unit& u = units[i];
+    if (u.split_dim < 0) {
+      const int64_t n = u.rows * u.cols, k = std::min(u.rows, u.cols);
+      const int64_t most = std::max<int64_t>(1, std::min(ws.ns / n, gram_cap / (k * k)));
+      for (size_t j = i + 1; j < units.size() && static_cast<int64_t>(batch.size()) < most; ++j)
+        if (!batched[j] && units[j].split_dim < 0 && units[j].rows == u.rows && units[j].cols == u.cols) {
+          batch.push_back(j);
+          batched[j] = true;
+        }
+    }
+    int64_t staged = 0;
+    for (size_t j : batch) staged += units[j].staged ? units[j].rows * units[j].cols : 0;
+    ws.stage = std::max(ws.stage, staged);
+    const int64_t k = std::min(u.rows, u.cols);
+    ws.gram = std::max(ws.gram, static_cast<int64_t>(batch.size()) * k * k);
+    batches.push_back(std::move(batch));
+  }
+  return batches;
+}
+
 size_t MuonWorkspace::bytes(DType compute) const {
   const size_t cs = dtype_size(compute);
   auto at_least_1 = [](int64_t n) { return static_cast<size_t>(std::max<int64_t>(n, 1)); };
@@ -302,6 +349,7 @@ MuonMemory muon_memory(const std::vector<ParamSpec>& specs, const MuonConfig& co
     (p.expert ? m.expert_elements : m.dense_elements) += n;
     MuonStep::plan_units(p, i, config, p.expert ? etp : tp, units, ws);
   }
+  (void)MuonStep::plan_batches(units, ws);
   m.workspace_bytes = ws.bytes(device.is_cuda() ? DType::kBF16 : DType::kF32);
   return m;
 }
@@ -347,6 +395,41 @@ void MuonStep::orthogonalise(const Unit& u, const Tensor& grads, const Stream& s
                  u.block_rows * c, u.blocks, u.block_rows * c, stream);
 }
 
+void MuonStep::orthogonalise_batch(const std::vector<size_t>& batch, const Tensor& grads, const Stream& stream) {
+  // Equal shapes, no TP collective: the local matrices (QKV components staged to slots) through
+  // one batched iteration, scaled, back in place.
+  std::vector<Tensor> mats;
+  int64_t slot = 0;
+  for (size_t j : batch) {
+    const Unit& u = units_[j];
+    const ParamInfo& p = params_.info(u.param);
+    const int64_t c = u.cols, n = u.rows * c;
+    const Tensor whole = grads.flat_range(p.offset, p.numel);
+    if (u.staged) {
+      const Tensor loc = stage_.as(DType::kF32, {static_cast<int64_t>(stage_.bytes() / 4)}).flat_range(slot, n);
+      slot += n;
+      muon_copy_2d(loc, u.block_rows * c, whole.flat_range(u.row0 * c, whole.numel() - u.row0 * c),
+                   u.block_stride * c, u.blocks, u.block_rows * c, stream);
+      mats.push_back(loc);
+    } else {
+      mats.push_back(whole);
+    }
+  }
+  const Unit& first = units_[batch[0]];
+  ns_->run_batch(mats, mats, first.rows, first.cols, coeffs_, stream);
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const Unit& u = units_[batch[i]];
+    scale_inplace(mats[i], u.scale, stream);
+    if (u.staged) {
+      const ParamInfo& p = params_.info(u.param);
+      const Tensor whole = grads.flat_range(p.offset, p.numel);
+      const int64_t c = u.cols;
+      muon_copy_2d(whole.flat_range(u.row0 * c, whole.numel() - u.row0 * c), u.block_stride * c, mats[i],
+                   u.block_rows * c, u.blocks, u.block_rows * c, stream);
+    }
+  }
+}
+
 void MuonStep::step(const Tensor& grads, const Tensor& momentum, const Tensor& scalars, const Stream& stream) {
   // Momentum of the owned elements; U over the gradients.
   for (const MuonPiece& pc : pieces_) {
@@ -362,7 +445,13 @@ void MuonStep::step(const Tensor& grads, const Tensor& momentum, const Tensor& s
     g.all_gather(grads.flat_range(bks[b].begin, bks[b].numel()), grads.flat_range(own.begin, own.end - own.begin),
                  stream);
   }
-  for (const Unit& u : units_) orthogonalise(u, grads, stream);
+  for (const auto& batch : batches_) {
+    if (batch.size() == 1) {
+      orthogonalise(units_[batch[0]], grads, stream);
+    } else {
+      orthogonalise_batch(batch, grads, stream);
+    }
+  }
   // ... and each orthogonalised matrix from its owner back to the group.
   if (sync_.distributed()) {
     for (size_t i : muon_params_) {

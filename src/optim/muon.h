@@ -82,6 +82,12 @@ class NewtonSchulz {
   /// matrix or its Gram matrix exceeds the workspace, or split_dim is not 0/1 with a group.
   void run(const Tensor& out, const Tensor& g, int64_t rows, int64_t cols, const std::vector<NsCoeff>& coeffs,
            const Stream& stream, Communicator* group = nullptr, int split_dim = -1);
+  /// run() over several matrices of one shape at once (strided-batched GEMMs; ops/matmul.h):
+  /// outs[i] = NS(gs[i]), each normalised by its own norm. A group allows one matrix only. Errors:
+  /// as run(), and when the batch exceeds the workspace.
+  void run_batch(const std::vector<Tensor>& outs, const std::vector<Tensor>& gs, int64_t rows, int64_t cols,
+                 const std::vector<NsCoeff>& coeffs, const Stream& stream, Communicator* group = nullptr,
+                 int split_dim = -1);
   DType compute_dtype() const { return compute_; }
 
  private:
@@ -141,9 +147,14 @@ class MuonStep {
   /// to hold them.
   static void plan_units(const ParamSpec& p, size_t index, const MuonConfig& config, int tp_size,
                          std::vector<Unit>& units, MuonWorkspace& ws);
+  /// Groups the units without a TP collective by shape (in order) into batches the workspace
+  /// holds (growing the Gram workspace to at most half the matrix one), the others alone; grows
+  /// ws's staging for the batches' QKV components.
+  static std::vector<std::vector<size_t>> plan_batches(const std::vector<Unit>& units, MuonWorkspace& ws);
 
  private:
   void orthogonalise(const Unit& u, const Tensor& grads, const Stream& stream);
+  void orthogonalise_batch(const std::vector<size_t>& batch, const Tensor& grads, const Stream& stream);
 
   ParamStore& params_;
   GradSync& sync_;
@@ -152,6 +163,7 @@ class MuonStep {
   std::vector<MuonPiece> pieces_;
   std::vector<NsCoeff> coeffs_;
   std::vector<Unit> units_;                 // of the matrices this rank orthogonalises
+  std::vector<std::vector<size_t>> batches_;  // units_ indices orthogonalised together (equal shapes)
   std::vector<size_t> muon_params_, mine_;  // every Muon parameter; those this rank orthogonalises
   std::vector<int> owner_;                  // per ParamStore index: owning DP rank, -1 = not Muon
   std::vector<size_t> gather_buckets_;      // buckets holding Muon parameters (distributed)
