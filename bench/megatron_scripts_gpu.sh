@@ -5,6 +5,9 @@
 # and its twins that must give the same losses:
 #   te_vs_local    --cuda-graph-impl transformer_engine == local (the same per-layer graphs)
 #   samples_vs_iters   --train-samples/--lr-*-samples == --train-iters/--lr-*-iters (bitwise)
+#   ramp_graphs    --rampup-batch-size 4 4 32 (2, 4, 6, 8 micro-batches) with per-layer CUDA graphs ==
+#                  the same ramp eager, both under --deterministic-mode (the graphs of each slot replay
+#                  for every micro-batch count)
 # Prints one PASS/FAIL line per check; exit status = failures.
 # usage: bench/megatron_scripts_gpu.sh [BUILD_DIR]   (default build; DEVICE=cpu H=64 S=64 for a dry run)
 set -uo pipefail
@@ -57,5 +60,17 @@ fi
 run iters "$COMMON $ITERS ${GRAPHS[*]}"
 if [ -n "$(losses "$W/main.log")" ] && [ "$(losses "$W/main.log")" = "$(losses "$W/iters.log")" ]; then echo "PASS samples_vs_iters: same losses"
 else echo "FAIL samples_vs_iters: $(losses "$W/main.log") vs $(losses "$W/iters.log")"; fail=$((fail + 1)); fi
+if [ "$DEVICE" != cpu ]; then
+  RAMP="$COMMON $ITERS --rampup-batch-size 4 4 32 --deterministic-mode"
+  run ramp_graphs "$RAMP ${GRAPHS[*]}"
+  run ramp_eager "$RAMP"
+  sizes=$(grep -o "global batch size: *[0-9]*" "$W/ramp_graphs.log" | grep -o "[0-9]*$" | tr '\n' ' ')
+  if [ "$sizes" = "4 4 4 8 8 12 16 16 16 16 " ] && [ "$(losses "$W/ramp_graphs.log")" = "$(losses "$W/ramp_eager.log")" ]; then
+    echo "PASS ramp_graphs: batches $sizes; same losses as eager"
+  else
+    echo "FAIL ramp_graphs: batches '$sizes'; $(losses "$W/ramp_graphs.log") vs $(losses "$W/ramp_eager.log")"
+    fail=$((fail + 1))
+  fi
+fi
 echo "losses: $(losses "$W/main.log")"
 exit $fail

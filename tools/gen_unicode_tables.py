@@ -4,6 +4,8 @@ classes that GPT-2's pre-tokenizer regex needs:
 
   letter      \\p{L}  general categories Lu, Ll, Lt, Lm, Lo
   number      \\p{N}  general categories Nd, Nl, No
+  upper-ish   [\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]  and  lower-ish  [\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]: the letter
+              classes of tiktoken's o200k-style pattern (Megatron-LM's TikTokenizer pattern v2)
   whitespace  \\s     Unicode White_Space, which is what the `regex` module's \\s matches on str
                      patterns: Python's str.isspace() minus U+001C..U+001F (those four are
                      isspace() but not White_Space, and `regex` does not match them).
@@ -31,6 +33,14 @@ def ranges(pred):
 
 def is_letter(cp):
     return unicodedata.category(chr(cp)) in ("Lu", "Ll", "Lt", "Lm", "Lo")
+
+
+def is_upper_or_mark(cp):
+    return unicodedata.category(chr(cp)) in ("Lu", "Lt", "Lm", "Lo", "Mn", "Mc", "Me")
+
+
+def is_lower_or_mark(cp):
+    return unicodedata.category(chr(cp)) in ("Ll", "Lm", "Lo", "Mn", "Mc", "Me")
 
 
 def is_number(cp):
@@ -64,7 +74,8 @@ def main():
         f"// Unicode version {unicodedata.unidata_version} (Python {sys.version.split()[0]} unicodedata).",
         "// Sorted, non-overlapping, merged inclusive code point ranges for the character classes of",
         "// GPT-2's pre-tokenizer regex: letter = \\p{L} (Lu Ll Lt Lm Lo), number = \\p{N} (Nd Nl No),",
-        "// whitespace = \\s of the `regex` module = Unicode White_Space (str.isspace() minus U+001C..U+001F).",
+        "// whitespace = \\s of the `regex` module = Unicode White_Space (str.isspace() minus U+001C..U+001F);",
+        "// upper-or-mark = Lu Lt Lm Lo M*, lower-or-mark = Ll Lm Lo M* (tiktoken's o200k-style pattern).",
         '#include "data/unicode.h"',
         "",
         "namespace mt::data::unicode_detail {",
@@ -76,6 +87,10 @@ def main():
         emit("Number", ranges(is_number)),
         "",
         emit("Whitespace", ranges(is_whitespace)),
+        "",
+        emit("UpperOrMark", ranges(is_upper_or_mark)),
+        "",
+        emit("LowerOrMark", ranges(is_lower_or_mark)),
         "",
         "}  // namespace mt::data::unicode_detail",
         "",

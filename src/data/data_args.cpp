@@ -172,15 +172,30 @@ void add_data_options(CLI::App& app, DataArgs& a) {
   app.add_option("--vocab-file", a.vocab_file, "GPT-2 vocab.json / encoder.json");
   app.add_option("--merge-file", a.merge_file, "GPT-2 merges.txt / vocab.bpe");
   app.add_option("--tokenizer-model", a.tokenizer_model, "tokenizer.json (or its directory) / SentencePiece model");
-  app.add_option("--vocab-size", a.vocab_size, "Vocabulary size of the NullTokenizer")->check(positive_integer());
+  app.add_option("--vocab-size", a.vocab_size, "Vocabulary size of the NullTokenizer (TikTokenizer: ids in all)")
+      ->check(positive_integer());
+  add_tiktoken_options(app, a.tiktoken);
   app.add_option("--mid-level-dataset-surplus", a.mid_level_dataset_surplus,
                  "Sample surplus of the per-dataset indices of a weighted blend")
       ->check(number_range(0, kNoMax))
       ->capture_default_str();
 }
 
+void add_tiktoken_options(CLI::App& app, TikTokenOptions& o) {
+  app.add_option("--tiktoken-pattern", o.pattern, "TikTokenizer's pre-tokenizer pattern (Megatron-LM's v1 or v2)")
+      ->check(CLI::IsMember({"v1", "v2"}))
+      ->capture_default_str();
+  app.add_option("--tiktoken-num-special-tokens", o.num_special_tokens,
+                 "TikTokenizer: ids reserved for special tokens before the ranks")
+      ->check(integer_range(0))
+      ->capture_default_str();
+  app.add_option("--tokenizer-special-tokens,--tiktoken-special-tokens", o.special_tokens,
+                 "TikTokenizer's special tokens (must include <unk> <s> </s> <mask> <pad> <cls> <sep>)")
+      ->expected(1, -1);
+}
+
 std::unique_ptr<Tokenizer> build_tokenizer(const DataArgs& a) {
-  return make_tokenizer(a.tokenizer_type, a.vocab_file, a.merge_file, a.tokenizer_model, a.vocab_size);
+  return make_tokenizer(a.tokenizer_type, a.vocab_file, a.merge_file, a.tokenizer_model, a.vocab_size, a.tiktoken);
 }
 
 std::array<int64_t, 3> train_valid_test_num_samples(int64_t train_iters, int64_t global_batch_size,

@@ -31,7 +31,8 @@ struct DataArgs {
   std::string tokenizer_type = "GPT2BPETokenizer";  ///< --tokenizer-type
   std::string vocab_file, merge_file;        ///< --vocab-file, --merge-file (GPT2BPETokenizer)
   std::string tokenizer_model;               ///< --tokenizer-model (HuggingFace / SentencePiece)
-  int64_t vocab_size = 0;                    ///< --vocab-size (NullTokenizer)
+  int64_t vocab_size = 0;                    ///< --vocab-size (NullTokenizer, TikTokenizer)
+  TikTokenOptions tiktoken;                  ///< --tiktoken-pattern, ... (add_tiktoken_options)
   double mid_level_dataset_surplus = 0.005;  ///< --mid-level-dataset-surplus
   /// Index cache coordination for multi-rank runs: the rank that builds (Megatron: global rank 0)
   /// sets true, the others false and wait for the files (see data/index_cache.h).
@@ -44,6 +45,10 @@ struct DataArgs {
 /// --reset-position-ids, --reset-attention-mask, --eod-mask-loss, --tokenizer-type, --vocab-file,
 /// --merge-file, --tokenizer-model, --vocab-size, --mid-level-dataset-surplus).
 void add_data_options(CLI::App& app, DataArgs& args);
+
+/// --tiktoken-pattern v1|v2, --tiktoken-num-special-tokens N, --tokenizer-special-tokens (and
+/// Megatron-LM's older spelling --tiktoken-special-tokens) into `o` (TikTokenizer).
+void add_tiktoken_options(CLI::App& app, TikTokenOptions& o);
 
 /// Builds the tokenizer named by args (make_tokenizer).
 std::unique_ptr<Tokenizer> build_tokenizer(const DataArgs& args);

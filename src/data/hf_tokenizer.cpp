@@ -359,6 +359,11 @@ void HfTokenizer::Impl::encode_segment(std::string_view seg, std::vector<int32_t
 }
 
 std::vector<std::string_view> HfTokenizer::pretokenize_llama3(std::string_view text, int max_digits) {
+  return pretokenize_split(text, SplitPattern{true, max_digits, false, false});
+}
+
+std::vector<std::string_view> HfTokenizer::pretokenize_split(std::string_view text, const SplitPattern& pattern) {
+  const int max_digits = pattern.max_digits;
   std::vector<std::string_view> pieces;
   const size_t n = text.size();
   auto unit = [&](size_t p, char32_t* cp) { return utf8_decode(text, p, cp); };
@@ -373,8 +378,37 @@ std::vector<std::string_view> HfTokenizer::pretokenize_llama3(std::string_view t
     return p;
   };
   auto crlf_end = [&](size_t p) {
-    while (p < n && (text[p] == '\r' || text[p] == '\n')) ++p;
+    while (p < n && (text[p] == '\r' || text[p] == '\n' || (pattern.slash_after_punctuation && text[p] == '/'))) ++p;
     return p;
+  };
+  // The run of units from p that satisfy pred (invalid bytes never do).
+  auto run_of = [&](size_t p, bool (*pred)(char32_t)) {
+    char32_t cp;
+    while (p < n) {
+      const size_t l = unit(p, &cp);
+      if (cp == kInvalidCodepoint || !pred(cp)) break;
+      p += l;
+    }
+    return p;
+  };
+  constexpr size_t kNone = std::string_view::npos;
+  // U*W+ from j (U = upper-or-mark, W = lower-or-mark), with the regex's backtracking: W+ after the
+  // whole U run, else after the last W inside it (U* gives units back).
+  auto upper_star_lower_plus = [&](size_t j) {
+    const size_t k = run_of(j, is_upper_or_mark);
+    if (const size_t e = run_of(k, is_lower_or_mark); e > k) return e;
+    size_t end = kNone;
+    char32_t cp;
+    for (size_t p = j; p < k;) {
+      const size_t l = unit(p, &cp);
+      if (is_lower_or_mark(cp)) end = p + l;
+      p += l;
+    }
+    return end;
+  };
+  auto upper_plus_lower_star = [&](size_t j) {
+    const size_t k = run_of(j, is_upper_or_mark);
+    return k > j ? run_of(k, is_lower_or_mark) : kNone;
   };
   auto lower = [](char c) { return static_cast<char>(c >= 'A' && c <= 'Z' ? c + 32 : c); };
   size_t i = 0;
@@ -384,7 +418,7 @@ std::vector<std::string_view> HfTokenizer::pretokenize_llama3(std::string_view t
     const size_t l0 = unit(i, &c0);
     const CharClass k0 = cls(c0);
     // 1. (?i:'s|'t|'re|'ve|'m|'ll|'d)
-    if (text[i] == '\'' && i + 1 < n) {
+    if (pattern.contractions && text[i] == '\'' && i + 1 < n) {
       const char a = lower(text[i + 1]);
       const char b = i + 2 < n ? lower(text[i + 2]) : '\0';
       if (a == 's' || a == 't' || a == 'm' || a == 'd') {
@@ -396,8 +430,22 @@ std::vector<std::string_view> HfTokenizer::pretokenize_llama3(std::string_view t
         end = i + 3;  // U+017F LATIN SMALL LETTER LONG S case-folds to 's'
       }
     }
-    // 2. [^\r\n\p{L}\p{N}]?\p{L}+
-    if (end == 0) {
+    // 2. (cased) [^\r\n\p{L}\p{N}]?U*W+ | [^\r\n\p{L}\p{N}]?U+W*, each alternative with its optional
+    // prefix first (a mark is both a prefix and U / W)
+    const bool prefix = k0 != CharClass::kLetter && k0 != CharClass::kNumber && c0 != '\r' && c0 != '\n';
+    if (end == 0 && pattern.cased_letters) {
+      for (const auto& alt : {std::function<size_t(size_t)>(upper_star_lower_plus),
+                              std::function<size_t(size_t)>(upper_plus_lower_star)}) {
+        size_t e = prefix && i + l0 < n ? alt(i + l0) : kNone;
+        if (e == kNone) e = alt(i);
+        if (e != kNone) {
+          end = e;
+          break;
+        }
+      }
+    }
+    //    (plain) [^\r\n\p{L}\p{N}]?\p{L}+
+    if (end == 0 && !pattern.cased_letters) {
       if (k0 == CharClass::kLetter) {
         end = run_end(i, CharClass::kLetter);
       } else if (k0 != CharClass::kNumber && c0 != '\r' && c0 != '\n' && i + l0 < n) {

@@ -56,6 +56,22 @@ class HfTokenizer final : public Tokenizer {
   std::vector<std::string_view> pretokenize(std::string_view text) const;
   /// The Llama-3 (max_digits = 3) / Qwen-2 (max_digits = 1) split regex, by hand.
   static std::vector<std::string_view> pretokenize_llama3(std::string_view text, int max_digits);
+  /// The family of split regexes written by hand here (alternatives in this order):
+  ///   (?i:'s|'t|'re|'ve|'m|'ll|'d)                      when contractions
+  ///   [^\r\n\p{L}\p{N}]?\p{L}+                              plain letters, or when cased_letters
+  ///   [^\r\n\p{L}\p{N}]?U*W+|[^\r\n\p{L}\p{N}]?U+W*            U = [\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}],
+  ///                                                     W = [\p{Ll}\p{Lm}\p{Lo}\p{M}]
+  ///   \p{N}{1,max_digits}
+  ///   ' ?[^\s\p{L}\p{N}]+[\r\n]*'  ('[\r\n/]*' when slash_after_punctuation)
+  ///   \s*[\r\n]+|\s+(?!\S)|\s+
+  /// Llama 3: {true, 3, false, false}; Qwen 2: {true, 1, ...}; tiktoken patterns: TikTokenizer.
+  struct SplitPattern {
+    bool contractions = true;
+    int max_digits = 3;
+    bool cased_letters = false;
+    bool slash_after_punctuation = false;
+  };
+  static std::vector<std::string_view> pretokenize_split(std::string_view text, const SplitPattern& pattern);
 
  private:
   struct Impl;

@@ -257,7 +257,8 @@ PreprocessStats preprocess_data(const PreprocessConfig& cfg) {
              keys.size(), keys[0]);
 
   const std::unique_ptr<Tokenizer> tok_ptr =
-      make_tokenizer(cfg.tokenizer_type, cfg.vocab_file, cfg.merge_file, cfg.tokenizer_model, cfg.vocab_size);
+      make_tokenizer(cfg.tokenizer_type, cfg.vocab_file, cfg.merge_file, cfg.tokenizer_model, cfg.vocab_size,
+                     cfg.tiktoken);
   const Tokenizer& tok = *tok_ptr;
   if (cfg.append_eod) (void)tok.eod();  // fails early if the tokenizer has no end-of-document token
   const IndexDType dtype = index_dtype_for_vocab(tok.vocab_size());

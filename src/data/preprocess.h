@@ -17,6 +17,8 @@
 #include <string_view>
 #include <vector>
 
+#include "data/tokenizer.h"
+
 namespace mt::data {
 
 struct PreprocessConfig {
@@ -28,7 +30,8 @@ struct PreprocessConfig {
   int workers = 1;                      ///< --workers: tokenizer threads (output order is input order)
   std::string tokenizer_type = "GPT2BPETokenizer";  ///< --tokenizer-type (any of make_tokenizer's)
   std::string tokenizer_model;          ///< --tokenizer-model (HuggingFaceTokenizer, SentencePieceTokenizer)
-  int64_t vocab_size = 0;               ///< --vocab-size (NullTokenizer)
+  int64_t vocab_size = 0;               ///< --vocab-size (NullTokenizer, TikTokenizer)
+  TikTokenOptions tiktoken;             ///< --tiktoken-* (TikTokenizer)
   bool split_sentences = false;         ///< --split-sentences: one sequence per sentence (split_into_sentences),
                                         ///< outputs named {prefix}_{key}_sentence.bin/.idx as Megatron's
   int64_t log_interval = 1000;          ///< --log-interval: documents between progress lines (stderr)

@@ -5,6 +5,7 @@
 #include <CLI/CLI.hpp>
 #include <memory>
 
+#include "data/data_args.h"
 #include "data/preprocess.h"
 
 namespace mt::data {
@@ -31,7 +32,8 @@ void add_preprocess_data_command(CLI::App& app) {
   sub->add_option("--vocab-file", cfg->vocab_file, "GPT-2 vocabulary (vocab.json / encoder.json)");
   sub->add_option("--merge-file", cfg->merge_file, "GPT-2 merges (merges.txt / vocab.bpe)");
   sub->add_option("--tokenizer-model", cfg->tokenizer_model, "tokenizer.json (or its directory) / SentencePiece model");
-  sub->add_option("--vocab-size", cfg->vocab_size, "NullTokenizer vocabulary size");
+  sub->add_option("--vocab-size", cfg->vocab_size, "NullTokenizer vocabulary size (TikTokenizer: ids in all)");
+  add_tiktoken_options(*sub, cfg->tiktoken);
   sub->add_flag("--split-sentences", cfg->split_sentences,
                 "One sequence per sentence (rule-based splitter; Megatron uses NLTK punkt)");
   sub->add_option("--workers", cfg->workers, "Tokenizer threads")

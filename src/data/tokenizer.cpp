@@ -6,6 +6,7 @@
 #include "core/check.h"
 #include "data/gpt2_tokenizer.h"
 #include "data/hf_tokenizer.h"
+#include "data/tiktoken_tokenizer.h"
 
 #ifdef MT_WITH_SENTENCEPIECE
 #include <sentencepiece_processor.h>
@@ -100,14 +101,14 @@ bool sentencepiece_available() {
 }
 
 std::vector<std::string> supported_tokenizer_types() {
-  std::vector<std::string> t = {"GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer"};
+  std::vector<std::string> t = {"GPT2BPETokenizer", "HuggingFaceTokenizer", "TikTokenizer", "NullTokenizer"};
   if (sentencepiece_available()) t.push_back("SentencePieceTokenizer");
   return t;
 }
 
 std::unique_ptr<Tokenizer> make_tokenizer(const std::string& type, const std::string& vocab_file,
                                           const std::string& merge_file, const std::string& tokenizer_model,
-                                          int64_t vocab_size) {
+                                          int64_t vocab_size, const TikTokenOptions& tiktoken) {
   if (type == "GPT2BPETokenizer") {
     MT_REQUIRE(!vocab_file.empty() && !merge_file.empty(), "GPT2BPETokenizer needs --vocab-file and --merge-file");
     return std::make_unique<Gpt2Tokenizer>(Gpt2Tokenizer::from_files(vocab_file, merge_file));
@@ -116,6 +117,14 @@ std::unique_ptr<Tokenizer> make_tokenizer(const std::string& type, const std::st
     MT_REQUIRE(!tokenizer_model.empty(),
                "HuggingFaceTokenizer needs --tokenizer-model (a tokenizer.json or a directory containing one)");
     return std::make_unique<HfTokenizer>(HfTokenizer::from_file(tokenizer_model));
+  }
+  if (type == "TikTokenizer") {
+    MT_REQUIRE(!tokenizer_model.empty(),
+               "TikTokenizer needs --tokenizer-model (Megatron's JSON list of base64 tokens, or a tiktoken "
+               ".tiktoken / Llama 3 tokenizer.model file)");
+    TikTokenOptions o = tiktoken;
+    o.vocab_size = vocab_size;
+    return std::make_unique<TikTokenizer>(TikTokenizer::from_file(tokenizer_model, o));
   }
   if (type == "NullTokenizer") {
     MT_REQUIRE(vocab_size > 0, "NullTokenizer needs --vocab-size");

@@ -5,6 +5,8 @@
 //                          pre-tokenizer, or a directory holding one (data/hf_tokenizer.h)
 //   SentencePieceTokenizer --tokenizer-model: a SentencePiece .model file; only when built with
 //                          MT_WITH_SENTENCEPIECE (Debian's libsentencepiece-dev), else an error
+//   TikTokenizer           --tokenizer-model: Megatron's JSON list of base64 tokens or a tiktoken
+//                          .tiktoken / Llama 3 tokenizer.model file (data/tiktoken_tokenizer.h)
 //   NullTokenizer          --vocab-size: text is space-separated integer ids; EOD = vocab_size - 1
 //                          (megatron/core/tokenizers/text/libraries/null_tokenizer.py)
 #pragma once
@@ -38,6 +40,15 @@ class Tokenizer {
   virtual std::string name() const = 0;
 };
 
+/// --tiktoken-pattern, --tiktoken-num-special-tokens, --tokenizer-special-tokens (and the older
+/// --tiktoken-special-tokens), --vocab-size.
+struct TikTokenOptions {
+  std::string pattern = "v2";
+  int64_t num_special_tokens = 1000;
+  std::vector<std::string> special_tokens;  ///< empty: Megatron's SPECIAL_TOKENS
+  int64_t vocab_size = 0;                   ///< ids in all (0: Megatron's default 2^17 = 131072)
+};
+
 /// Megatron's NullTokenizer: encode("3 17 5") = {3, 17, 5}; decode joins ids with spaces;
 /// eod = vocab_size - 1 unless given.
 class NullTokenizer final : public Tokenizer {
@@ -64,8 +75,10 @@ bool sentencepiece_available();
 /// Builds the tokenizer named by `type` (Megatron's --tokenizer-type). Errors (mt::Error): an unknown
 /// type (listing the supported ones), a missing required file/flag for the type (naming the flag),
 /// SentencePieceTokenizer without MT_WITH_SENTENCEPIECE, and the tokenizers' own file errors.
+/// vocab_size: --vocab-size (NullTokenizer; TikTokenizer: ids in all, 0 = 131072); tiktoken: the
+/// TikTokenizer's other options.
 std::unique_ptr<Tokenizer> make_tokenizer(const std::string& type, const std::string& vocab_file,
                                           const std::string& merge_file, const std::string& tokenizer_model,
-                                          int64_t vocab_size);
+                                          int64_t vocab_size, const TikTokenOptions& tiktoken = {});
 
 }  // namespace mt::data

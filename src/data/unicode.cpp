@@ -78,6 +78,12 @@ bool is_number(char32_t cp) {
 bool is_whitespace(char32_t cp) {
   return in_ranges(unicode_detail::kWhitespaceRanges, unicode_detail::kNumWhitespaceRanges, cp);
 }
+bool is_upper_or_mark(char32_t cp) {
+  return in_ranges(unicode_detail::kUpperOrMarkRanges, unicode_detail::kNumUpperOrMarkRanges, cp);
+}
+bool is_lower_or_mark(char32_t cp) {
+  return in_ranges(unicode_detail::kLowerOrMarkRanges, unicode_detail::kNumLowerOrMarkRanges, cp);
+}
 
 CharClass char_class(char32_t cp) {
   static const AsciiClasses ascii;

@@ -26,6 +26,10 @@ size_t utf8_decode(std::string_view text, size_t pos, char32_t* cp);
 bool is_letter(char32_t cp);      ///< general category L*
 bool is_number(char32_t cp);      ///< general category N*
 bool is_whitespace(char32_t cp);  ///< Unicode White_Space
+/// [\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}] and [\p{Ll}\p{Lm}\p{Lo}\p{M}]: the letter classes of tiktoken's
+/// o200k-style pattern (Megatron-LM's TikTokenizer pattern v2; data/tiktoken_tokenizer.h).
+bool is_upper_or_mark(char32_t cp);
+bool is_lower_or_mark(char32_t cp);
 /// Class of a code point; kInvalidCodepoint -> kOther.
 CharClass char_class(char32_t cp);
 
@@ -43,6 +47,10 @@ extern const CodepointRange kNumberRanges[];
 extern const size_t kNumNumberRanges;
 extern const CodepointRange kWhitespaceRanges[];
 extern const size_t kNumWhitespaceRanges;
+extern const CodepointRange kUpperOrMarkRanges[];
+extern const size_t kNumUpperOrMarkRanges;
+extern const CodepointRange kLowerOrMarkRanges[];
+extern const size_t kNumLowerOrMarkRanges;
 }  // namespace unicode_detail
 
 }  // namespace mt::data

@@ -10,6 +10,7 @@ LayerSpec get_gpt_layer_local_spec(const TransformerConfig& c, AttentionBackend 
   LayerSpec s;
   s.core_attention = attention;
   s.qk_layernorm = c.qk_layernorm;
+  s.multi_latent_attention = c.multi_latent_attention;
   s.mlp = MlpKind::kDense;
   return s;
 }

@@ -26,6 +26,9 @@ struct LayerSpec {
   /// (resolve_attention_backend, never kAuto); its entry of model/variants.h builds it.
   AttentionBackend core_attention = AttentionBackend::kLocal;
   bool qk_layernorm = false;  ///< q_layernorm / k_layernorm submodules present
+  /// The self-attention slot is MLASelfAttention (--multi-latent-attention; Megatron's
+  /// get_gpt_layer_local_spec(multi_latent_attention=True)), else SelfAttention.
+  bool multi_latent_attention = false;
   MlpKind mlp = MlpKind::kDense;
   /// Set by the model when --context-parallel-size > 1: the core attention is then
   /// ContextParallelAttention (model/layers/cp_attention.h) over this region, whatever

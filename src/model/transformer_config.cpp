@@ -8,6 +8,7 @@
 #include <cmath>
 
 #include "core/check.h"
+#include "ops/rope_math.h"
 
 namespace mt {
 
@@ -66,6 +67,14 @@ MoeTokenDropPolicy parse_moe_token_drop_policy(const std::string& s) {
   MT_FAIL("--moe-token-drop-policy '{}' is not supported: expected probs or position", s);
 }
 
+RopeType parse_rope_type(const std::string& s) {
+  if (s == "rope") return RopeType::kRope;
+  if (s == "yarn") return RopeType::kYarn;
+  MT_FAIL("--rope-type '{}' is not supported: expected rope or yarn", s);
+}
+
+const char* rope_type_name(RopeType t) { return t == RopeType::kYarn ? "yarn" : "rope"; }
+
 RecomputeGranularity parse_recompute_granularity(const std::string& s) {
   if (s == "full") return RecomputeGranularity::kFull;
   if (s == "selective") return RecomputeGranularity::kSelective;
@@ -91,12 +100,15 @@ RecomputeModules parse_recompute_modules(const std::vector<std::string>& names) 
       m.mlp_act = true;
     } else if (n == "moe_act") {
       m.moe_act = true;
-    } else if (n == "moe" || n == "shared_experts" || n == "mla_up_proj") {
+    } else if (n == "mla_up_proj") {
+      m.mla_up_proj = true;
+    } else if (n == "moe" || n == "shared_experts") {
       MT_FAIL("--recompute-modules {}: Megatron's {} recompute is not implemented (implemented: core_attn, layernorm, "
-              "mlp, mlp_act, moe_act; --recompute-granularity full recomputes whole layers)",
+              "mlp, mlp_act, moe_act, mla_up_proj; --recompute-granularity full recomputes whole layers)",
               n, n);
     } else {
-      MT_FAIL("--recompute-modules {}: unknown module, expected core_attn, layernorm, mlp, mlp_act or moe_act", n);
+      MT_FAIL("--recompute-modules {}: unknown module, expected core_attn, layernorm, mlp, mlp_act, moe_act or "
+              "mla_up_proj", n);
     }
   }
   return m;
@@ -247,7 +259,19 @@ int64_t TransformerConfig::ffn() const {
   return mlp_activation_kind(activation()).default_ffn(hidden_size);
 }
 
+int64_t TransformerConfig::head_dim() const {
+  if (multi_latent_attention) return std::max(q_head_dim(), v_head_dim);
+  return kv_channels > 0 ? kv_channels : hidden_size / num_attention_heads;
+}
+
+float TransformerConfig::softmax_scale() const {
+  if (!multi_latent_attention) return 1.0f / std::sqrt(static_cast<float>(head_dim()));
+  const double m = rope_math::yarn_get_mscale(rotary_scaling_factor, mscale_all_dim);
+  return static_cast<float>(m * m / std::sqrt(static_cast<double>(q_head_dim())));
+}
+
 int64_t TransformerConfig::rotary_dim() const {
+  if (multi_latent_attention) return qk_pos_emb_head_dim;
   const int64_t r = static_cast<int64_t>(static_cast<double>(head_dim()) * rotary_percent);
   return r - r % 2;
 }
@@ -278,12 +302,65 @@ void TransformerConfig::validate_moe_comm_overlap() const {
              a2a ? "alltoall" : "allgather", moe_received_token_capacity);
 }
 
+namespace {
+/// The --multi-latent-attention rules (part of TransformerConfig::validate; docs/mla.md).
+void validate_mla(const TransformerConfig& c) {
+  const RecomputeModules rm = c.selective_recompute();
+  if (!c.multi_latent_attention) {
+    MT_REQUIRE(!rm.mla_up_proj, "--recompute-modules mla_up_proj needs --multi-latent-attention");
+    MT_REQUIRE(!c.rope_type_set, "--rope-type {} applies only to --multi-latent-attention (standard attention takes "
+               "--position-embedding-type rope)", rope_type_name(c.rope_type));
+    return;
+  }
+  MT_REQUIRE(c.q_lora_rank >= 0, "--q-lora-rank must be positive (or absent: a full query projection), got {}",
+             c.q_lora_rank);
+  MT_REQUIRE(c.kv_lora_rank > 0, "--kv-lora-rank must be positive, got {}", c.kv_lora_rank);
+  MT_REQUIRE(c.qk_head_dim > 0, "--qk-head-dim must be positive, got {}", c.qk_head_dim);
+  MT_REQUIRE(c.qk_pos_emb_head_dim >= 2 && c.qk_pos_emb_head_dim % 2 == 0,
+             "--qk-pos-emb-head-dim must be even and >= 2 (RoPE rotates channel pairs), got {}",
+             c.qk_pos_emb_head_dim);
+  MT_REQUIRE(c.v_head_dim > 0, "--v-head-dim must be positive, got {}", c.v_head_dim);
+  MT_REQUIRE(position_embedding_kind(c.position_embedding_type).rotary,
+             "--multi-latent-attention needs --position-embedding-type rope (its decoupled RoPE), got {}",
+             position_embedding_type_name(c.position_embedding_type));
+  MT_REQUIRE(c.num_query_groups == 0 || c.num_query_groups == c.num_attention_heads,
+             "--multi-latent-attention gives every head its own key and value: --num-query-groups {} (grouped-query "
+             "attention) is mutually exclusive with it",
+             c.num_query_groups);
+  MT_REQUIRE(c.kv_channels == 0,
+             "--kv-channels {} with --multi-latent-attention: the head dims are --qk-head-dim, --qk-pos-emb-head-dim "
+             "and --v-head-dim",
+             c.kv_channels);
+  MT_REQUIRE(c.rotary_percent == 1.f, "--rotary-percent {} with --multi-latent-attention: MLA rotates all "
+             "--qk-pos-emb-head-dim channels and none of the others", c.rotary_percent);
+  MT_REQUIRE(!c.rotary_interleaved, "--rotary-interleaved with --multi-latent-attention: MLA rotates the channel "
+             "pairs (2i, 2i+1) of its --qk-pos-emb-head-dim channels always (DeepSeek-V3)");
+  MT_REQUIRE(!c.qk_layernorm, "--qk-layernorm with --multi-latent-attention is not built (MLA normalises its "
+             "latents: q_layernorm, kv_layernorm)");
+  MT_REQUIRE(!c.add_qkv_bias, "--add-qkv-bias with --multi-latent-attention: MLA's projections have no bias");
+  MT_REQUIRE(c.fp8 == Fp8Format::kNone, "--fp8-format with --multi-latent-attention is not built (docs/mla.md)");
+  MT_REQUIRE(!rm.layernorm, "--recompute-modules layernorm with --multi-latent-attention is not built (use "
+             "mla_up_proj, core_attn or --recompute-granularity full)");
+  MT_REQUIRE(c.rotary_scaling_factor > 0 && std::isfinite(c.rotary_scaling_factor),
+             "--rotary-scaling-factor must be positive, got {}", c.rotary_scaling_factor);
+  MT_REQUIRE(std::isfinite(c.mscale) && std::isfinite(c.mscale_all_dim) && c.mscale >= 0 && c.mscale_all_dim >= 0,
+             "--mscale {} and --mscale-all-dim {} must be finite and >= 0", c.mscale, c.mscale_all_dim);
+  if (c.rope_type == RopeType::kYarn) {
+    MT_REQUIRE(c.original_max_position_embeddings > 0,
+               "--yarn-original-max-position-embeddings must be positive, got {}", c.original_max_position_embeddings);
+    MT_REQUIRE(c.beta_slow > 0 && c.beta_fast > c.beta_slow,
+               "--yarn-beta-fast {} must exceed --yarn-beta-slow {} > 0", c.beta_fast, c.beta_slow);
+  }
+}
+}  // namespace
+
 void TransformerConfig::validate(int tp) const {
   MT_REQUIRE(num_layers > 0, "--num-layers must be positive, got {}", num_layers);
   MT_REQUIRE(hidden_size > 0, "--hidden-size must be positive, got {}", hidden_size);
   MT_REQUIRE(num_attention_heads > 0, "--num-attention-heads must be positive, got {}", num_attention_heads);
   MT_REQUIRE(kv_channels >= 0, "--kv-channels must be positive, got {}", kv_channels);
-  MT_REQUIRE(kv_channels > 0 || hidden_size % num_attention_heads == 0,
+  validate_mla(*this);
+  MT_REQUIRE(multi_latent_attention || kv_channels > 0 || hidden_size % num_attention_heads == 0,
              "--hidden-size {} is not divisible by --num-attention-heads {} (give --kv-channels for another head "
              "size)",
              hidden_size, num_attention_heads);
@@ -450,9 +527,16 @@ int64_t TransformerConfig::num_parameters(int tp) const {
   const int64_t norm = norm_kind(normalization).params_per_channel();  // weight (+ bias)
   const int64_t bias = add_bias_linear ? 1 : 0;
   int64_t per_layer = 2 * norm * h;                                    // input and pre-MLP norms
-  per_layer += qkv_out * h + (qkv_bias() ? qkv_out : 0);                // linear_qkv
-  per_layer += qk_layernorm ? 2 * norm * d : 0;                        // q/k layernorm
-  per_layer += h * n * d + bias * h;                                   // linear_proj
+  if (multi_latent_attention) {  // model/layers/mla_attention.h
+    const int64_t rq = q_lora_rank, rkv = kv_lora_rank, dq = q_head_dim();
+    per_layer += rq > 0 ? h * rq + norm * rq + rq * n * dq : h * n * dq;                 // query path
+    per_layer += h * (rkv + qk_pos_emb_head_dim) + norm * rkv + rkv * n * (qk_head_dim + v_head_dim);  // kv
+    per_layer += h * n * v_head_dim + bias * h;                                          // linear_proj
+  } else {
+    per_layer += qkv_out * h + (qkv_bias() ? qkv_out : 0);                // linear_qkv
+    per_layer += qk_layernorm ? 2 * norm * d : 0;                        // q/k layernorm
+    per_layer += h * n * d + bias * h;                                   // linear_proj
+  }
   const int64_t glu = mlp_activation_kind(activation()).fc1_parts;
   const int64_t dense_mlp = glu * f * (h + bias) + f * h + bias * h;  // linear_fc1, linear_fc2
   const int64_t moe_mlp = num_moe_experts * h                                      // router
@@ -475,7 +559,8 @@ double TransformerConfig::flops_per_iteration(int64_t global_batch, int tp) cons
   const double q = static_cast<double>(num_attention_heads * head_dim());  // n·d
   const double kv = static_cast<double>(query_groups() * head_dim());     // g·d
   // linear_qkv, QKᵀ and PV (n·d·s each, halved by the causal mask), linear_proj
-  const double attention = h * (q + 2.0 * kv) + q * s + q * h;
+  double attention = h * (q + 2.0 * kv) + q * s + q * h;
+  if (multi_latent_attention) attention = mla_flops_per_token();
   // fc1 + fc2: 2·f·h, 3·f·h with SwiGLU (fc1 is 2f wide; the activation's flops_factor 3/2);
   // MoE layers: the top-k routed experts and the shared experts (the router GEMM is not counted)
   const double ffn_factor = 2.0 * mlp_activation_kind(activation()).flops_factor;
@@ -487,6 +572,17 @@ double TransformerConfig::flops_per_iteration(int64_t global_batch, int tp) cons
   return 6.0 * B * s * (L * attention + h * F * ffn_factor + h * V);
 }
 
+double TransformerConfig::mla_flops_per_token() const {
+  const double h = static_cast<double>(hidden_size), n = static_cast<double>(num_attention_heads);
+  const double s = static_cast<double>(seq_length), dq = static_cast<double>(q_head_dim());
+  const double dv = static_cast<double>(v_head_dim), rq = static_cast<double>(q_lora_rank);
+  const double rkv = static_cast<double>(kv_lora_rank), dr = static_cast<double>(qk_pos_emb_head_dim);
+  const double dn = static_cast<double>(qk_head_dim);
+  const double q_term = q_lora_rank > 0 ? rq * (h + n * dq + 1.0) : h * n * dq;
+  const double kv_term = rkv * (h + n * (dn + dv) + 1.0) + h * dr;
+  return q_term + kv_term + n * dv * h + s * (n * dq / 2.0 + n * dv / 2.0);
+}
+
 bool TransformerConfig::fp8_layer(int64_t layer) const {
   if (fp8 == Fp8Format::kNone) return false;
   if (!first_last_layers_bf16) return true;
@@ -496,7 +592,8 @@ bool TransformerConfig::fp8_layer(int64_t layer) const {
 std::string TransformerConfig::summary() const {
   std::string s = fmt::format("{} layers, hidden {}, heads {}", num_layers, hidden_size, num_attention_heads);
   if (query_groups() != num_attention_heads) s += fmt::format(" ({} query groups)", query_groups());
-  if (head_dim() * num_attention_heads != hidden_size) s += fmt::format(", kv channels {}", head_dim());
+  if (!multi_latent_attention && head_dim() * num_attention_heads != hidden_size)  // MLA names its head dims
+    s += fmt::format(", kv channels {}", head_dim());
   // The GPT-2 defaults are not named (GELU), the other activations are: "ffn 704 (SwiGLU)".
   const MlpActivation act = activation();
   s += fmt::format(", ffn {}{}, {}, {} positions", ffn(),
@@ -504,6 +601,10 @@ std::string TransformerConfig::summary() const {
                    normalization_name(normalization), position_embedding_type_name(position_embedding_type));
   if (!add_bias_linear) s += add_qkv_bias ? ", QKV bias only" : ", no bias";
   if (qk_layernorm) s += ", QK-norm";
+  if (multi_latent_attention)
+    s += fmt::format(", MLA (q-lora {}, kv-lora {}, qk {}+{}, v {}, {})", q_lora_rank > 0 ? fmt::format("{}", q_lora_rank)
+                     : std::string("none"), kv_lora_rank, qk_head_dim, qk_pos_emb_head_dim, v_head_dim,
+                     rope_type == RopeType::kYarn ? fmt::format("yarn x{}", rotary_scaling_factor) : std::string("rope"));
   if (layernorm_zero_centered_gamma) s += ", zero-centred norm weights (--apply-layernorm-1p)";
   if (untie_embeddings_and_output_weights) s += ", untied output layer";
   if (deterministic_mode) s += ", deterministic mode";
@@ -516,7 +617,8 @@ std::string TransformerConfig::summary() const {
     const RecomputeModules& r = recompute_modules;
     std::string mods;
     for (const auto& [on, name] : {std::pair{r.core_attn, "core_attn"}, {r.layernorm, "layernorm"}, {r.mlp, "mlp"},
-                                   {r.mlp_act, "mlp_act"}, {r.moe_act, "moe_act"}})
+                                   {r.mlp_act, "mlp_act"}, {r.moe_act, "moe_act"},
+                                   {r.mla_up_proj, "mla_up_proj"}})
       if (on) mods += std::string(mods.empty() ? "" : " ") + name;
     s += fmt::format(", selective recompute ({})", mods.empty() ? "nothing" : mods);
   }

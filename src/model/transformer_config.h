@@ -60,7 +60,16 @@ struct RecomputeModules {
   bool mlp_act = false;
   /// "moe_act": the experts' activation outputs, recomputed from their kept fc1 outputs.
   bool moe_act = false;
+  /// "mla_up_proj" (--multi-latent-attention): the up-projected, rotated query/key/value tensor of
+  /// multi-latent attention, recomputed from the kept latents (Megatron's qkv_up_checkpoint).
+  bool mla_up_proj = false;
 };
+
+/// --rope-type of multi-latent attention (Megatron-Core MLATransformerConfig.rope_type).
+enum class RopeType : uint8_t { kRope, kYarn };
+/// "rope" / "yarn". Errors: mt::Error naming the value.
+RopeType parse_rope_type(const std::string& s);
+const char* rope_type_name(RopeType t);
 
 /// "softmax" / "sigmoid"; "aux_loss" / "seq_aux_loss" / "global_aux_loss" / "none"; "allgather" /
 /// "alltoall". Errors: mt::Error naming the value and the accepted ones (sinkhorn is named as not
@@ -140,6 +149,22 @@ struct TransformerConfig {
   /// pieces pipelined with their GEMMs (parallel/mappings.h). Needs sequence parallelism with
   /// TP > 1; the same results (docs/parallelism.md "Tensor-parallel communication overlap").
   bool tp_comm_overlap = false;
+  // --- multi-latent attention (DeepSeek-V2 §2.1, arXiv:2405.04434; Megatron-Core
+  // transformer/multi_latent_attention.py, MLATransformerConfig; docs/mla.md) ---
+  bool multi_latent_attention = false;  ///< --multi-latent-attention: MLASelfAttention in every layer
+  int64_t q_lora_rank = 0;              ///< --q-lora-rank (r_q); 0 = none: a full query projection
+  int64_t kv_lora_rank = 32;            ///< --kv-lora-rank (r_kv)
+  int64_t qk_head_dim = 128;            ///< --qk-head-dim (d_n): the query/key channels without RoPE
+  int64_t qk_pos_emb_head_dim = 64;     ///< --qk-pos-emb-head-dim (d_r): the rotated channels
+  int64_t v_head_dim = 128;             ///< --v-head-dim (d_v)
+  RopeType rope_type = RopeType::kYarn;  ///< --rope-type (MLA's default: yarn, as Megatron)
+  bool rope_type_set = false;            ///< --rope-type was given
+  float rotary_scaling_factor = 1.f;     ///< --rotary-scaling-factor (YaRN's s; <= 1: no scaling)
+  float mscale = 1.f;                    ///< --mscale
+  float mscale_all_dim = 0.f;            ///< --mscale-all-dim
+  int64_t original_max_position_embeddings = 4096;  ///< --yarn-original-max-position-embeddings
+  float beta_fast = 32.f;                ///< --yarn-beta-fast
+  float beta_slow = 1.f;                 ///< --yarn-beta-slow
   // --- context parallelism (used when the CP group has more than one rank) ---
   std::string cp_comm_type = "p2p";  ///< --cp-comm-type: p2p, allgather, a2a, a2a+p2p
   std::vector<int> hierarchical_context_parallel_sizes;  ///< --hierarchical-context-parallel-sizes
@@ -271,10 +296,20 @@ struct TransformerConfig {
   /// The MLP activation (model/variants.h): kSwiGLU with --swiglu, else kGelu.
   MlpActivation activation() const { return mlp_activation_of(gated_linear_unit); }
   int64_t ffn() const;
-  int64_t head_dim() const { return kv_channels > 0 ? kv_channels : hidden_size / num_attention_heads; }
+  /// The core attention's head dim d: kv_channels (default h / n); with --multi-latent-attention
+  /// max(d_n + d_r, d_v): the value heads (or, when d_v is larger, the query/key heads) are
+  /// zero-padded to it for the core attention (docs/mla.md).
+  int64_t head_dim() const;
+  /// MLA's query/key head dim d_n + d_r (Megatron's q_head_dim).
+  int64_t q_head_dim() const { return qk_head_dim + qk_pos_emb_head_dim; }
+  /// The core attention's softmax scale: 1/sqrt(d); with MLA mscale^2 / sqrt(d_n + d_r), mscale =
+  /// yarn_get_mscale(--rotary-scaling-factor, --mscale-all-dim) (Megatron's MLASelfAttention,
+  /// DeepSeek-V3's modelling code).
+  float softmax_scale() const;
   int64_t query_groups() const { return num_query_groups > 0 ? num_query_groups : num_attention_heads; }
   int64_t max_positions() const { return max_position_embeddings > 0 ? max_position_embeddings : seq_length; }
-  /// Channels of each head that RoPE rotates: head_dim · rotary_percent, rounded down to even.
+  /// Channels of each head that RoPE rotates: head_dim · rotary_percent, rounded down to even; with
+  /// MLA d_r.
   int64_t rotary_dim() const;
   bool qkv_bias() const { return add_bias_linear || add_qkv_bias; }
   bool tied_output() const { return !untie_embeddings_and_output_weights; }
@@ -327,7 +362,12 @@ struct TransformerConfig {
   /// router not counted) and the LM head over the vocabulary V padded for `tp` ranks (Megatron's
   /// padded_vocab_size). Until issue 41 the log counted the attention scores in full:
   /// 12·B·s·L·h·n·d·(1 + g/n + s/h) instead of (1 + g/n + s/(2h)) (docs/flags.md "The log line").
+  /// With --multi-latent-attention the attention term per token and layer is Megatron's MLA one:
+  /// q_term + r_kv·(h + n·(d_n + d_v) + 1) + h·d_r + n·d_v·h + s·(n·(d_n + d_r) + n·d_v)/2, q_term =
+  /// r_q·(h + n·(d_n + d_r) + 1) with --q-lora-rank, else h·n·(d_n + d_r) (mla_flops_per_token).
   double flops_per_iteration(int64_t global_batch, int tp = 1) const;
+  /// MLA's attention multiply-adds per token and layer as flops_per_iteration counts them.
+  double mla_flops_per_token() const;
   /// One line naming the architecture ("GPT: 12 layers, hidden 768, ...").
   std::string summary() const;
 };

@@ -21,6 +21,12 @@ void check_rope(const Tensor& qkv, const Tensor& positions, const RopeConfig& cf
            "{}: rotary_dim={} must be even, >= 2 and <= head dim d={} ({} {})", fn, cfg.rotary_dim, d, name,
            qkv.str());
   MT_CHECK(cfg.base > 0.f && std::isfinite(cfg.base), "{}: base={} must be a positive finite number", fn, cfg.base);
+  if (cfg.yarn.on)
+    MT_CHECK(cfg.yarn.factor > 0 && cfg.yarn.original_max_positions > 0 && cfg.yarn.beta_fast > cfg.yarn.beta_slow &&
+                 cfg.yarn.beta_slow > 0,
+             "{}: YaRN needs factor > 0 (got {}), original max positions > 0 (got {}) and beta_fast > beta_slow > 0 "
+             "(got {}, {})",
+             fn, cfg.yarn.factor, cfg.yarn.original_max_positions, cfg.yarn.beta_fast, cfg.yarn.beta_slow);
   if (!positions.empty()) {
     MT_CHECK(positions.dtype() == DType::kI32 && positions.is_contiguous() && positions.ndim() == 2 &&
                  positions.size(0) == qkv.size(0) && positions.size(1) == qkv.size(1),

@@ -7,6 +7,7 @@
 #include "core/stream.h"
 #include "core/tensor.h"
 #include "ops/dispatch.h"
+#include "ops/rope_math.h"
 
 namespace mt {
 
@@ -16,6 +17,9 @@ struct RopeConfig {
                                   ///< (Megatron: d * --rotary-percent); channels [rotary_dim, d) pass through
   float base = 10000.f;           ///< --rotary-base (theta)
   bool interleaved = false;       ///< --rotary-interleaved: pairs (2i, 2i+1) instead of (i, i + rotary_dim/2)
+  /// YaRN (multi-latent attention's --rope-type yarn): the frequencies of rope_math::yarn_inv_freq,
+  /// and cos and sin multiplied by rope_math::yarn_concentration.
+  rope_math::Yarn yarn;
 };
 
 /// Rotates the query and key heads of qkv in place; value heads and channels >= rotary_dim are
@@ -28,7 +32,9 @@ struct RopeConfig {
 /// Per pair i < rotary_dim/2, in fp32 as HF/Megatron compute them:
 ///   inv_freq[i] = 1.0f / powf(base, (2i) / (float)rotary_dim)   (computed on the host by both
 ///   backends, so CPU and CUDA use bit-identical frequencies), angle = (float)pos * inv_freq[i]
-///   (fp32 product), cos/sin of that fp32 angle with accurate fp32 sincosf.
+///   (fp32 product), cos/sin of that fp32 angle with accurate fp32 sincosf. With cfg.yarn.on the
+///   frequencies are rope_math::yarn_inv_freq and cos/sin are multiplied by
+///   rope_math::yarn_concentration (fp32) before the rotation.
 ///   Non-interleaved (Llama's rotate_half): channels (i, i + rotary_dim/2);
 ///   interleaved: channels (2i, 2i + 1). For the pair (x1, x2):
 ///   x1' = x1·cos − x2·sin,  x2' = x2·cos + x1·sin.
@@ -36,7 +42,8 @@ struct RopeConfig {
 /// rotation is fp32 with a single rounding.)
 /// Errors: mt::Error when qkv is not a contiguous float [s, b, g, qpg + 2, d] tensor (or not fp32
 /// on the CPU), qpg < 1, rotary_dim odd, < 2 or > d, base <= 0, positions neither empty nor a
-/// contiguous int32 [s, b] tensor on qkv's device, or the stream on another device type.
+/// contiguous int32 [s, b] tensor on qkv's device, or the stream on another device type; YaRN with
+/// a scaling factor or original positions <= 0 or beta_fast <= beta_slow.
 void rope_forward(const Tensor& qkv, const Tensor& positions, const RopeConfig& cfg, const Stream& stream);
 
 /// Backward of rope_forward, in place on dqkv (same layout as qkv): the gradient of a rotation

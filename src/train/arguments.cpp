@@ -30,9 +30,21 @@ LrScheduleConfig PretrainArgs::lr_schedule() const {
     c.decay_steps = lr_decay_iters > 0 ? lr_decay_iters : train_iters;
     c.warmup_steps = static_cast<double>(lr_warmup_iters);
     c.wsd_decay_steps = lr_wsd_decay_iters;
+    if (lr_counts_samples()) {  // a batch-size schedule: iterations x the (final) global batch size
+      c.decay_steps *= global_batch_size;
+      c.warmup_steps *= static_cast<double>(global_batch_size);
+      c.wsd_decay_steps *= global_batch_size;
+    }
   }
   if (lr_warmup_fraction >= 0) c.warmup_steps = lr_warmup_fraction * static_cast<double>(c.decay_steps);
   return c;
+}
+
+std::vector<int64_t> PretrainArgs::microbatch_counts() const {
+  std::vector<int64_t> out;
+  for (const int64_t b : batch_schedule.sizes_used(train_iters)) out.push_back(b / (micro_batch_size * data_parallel_size));
+  if (out.empty() || out.back() != num_microbatches()) out.push_back(num_microbatches());
+  return out;
 }
 
 LrScheduleConfig PretrainArgs::decoupled_lr_schedule() const {
@@ -61,6 +73,47 @@ ParamLayout PretrainArgs::param_layout() const {
 }
 
 namespace {
+
+/// Megatron's _add_mla_args and the YaRN flags (docs/mla.md): only with --multi-latent-attention.
+const std::vector<std::string> kMlaFlags = {
+    "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim", "--v-head-dim", "--rope-type",
+    "--rotary-scaling-factor", "--mscale", "--mscale-all-dim", "--yarn-original-max-position-embeddings",
+    "--yarn-beta-fast", "--yarn-beta-slow"};
+
+void add_mla_args(CLI::App& app, TransformerConfig& m) {
+  app.add_flag("--multi-latent-attention", m.multi_latent_attention,
+               "Multi-latent attention (DeepSeek-V2/V3): low-rank query and key/value latents, decoupled RoPE");
+  app.add_option("--q-lora-rank", m.q_lora_rank, "Rank of the query latent (absent: a full query projection)")
+      ->check(positive_integer());
+  app.add_option("--kv-lora-rank", m.kv_lora_rank, "Rank of the key/value latent")
+      ->check(positive_integer())
+      ->capture_default_str();
+  app.add_option("--qk-head-dim", m.qk_head_dim, "Query/key head channels without RoPE")
+      ->check(positive_integer())
+      ->capture_default_str();
+  app.add_option("--qk-pos-emb-head-dim", m.qk_pos_emb_head_dim, "Query/key head channels with RoPE (decoupled)")
+      ->check(positive_integer())
+      ->capture_default_str();
+  app.add_option("--v-head-dim", m.v_head_dim, "Value head channels")->check(positive_integer())->capture_default_str();
+  app.add_option_function<std::string>(
+         "--rope-type",
+         [&m](const std::string& v) {
+           m.rope_type = parse_rope_type(v);
+           m.rope_type_set = true;
+         },
+         "RoPE of multi-latent attention: rope or yarn")
+      ->default_str("yarn");
+  app.add_option("--rotary-scaling-factor", m.rotary_scaling_factor, "YaRN scaling factor s")->capture_default_str();
+  app.add_option("--mscale", m.mscale, "YaRN mscale")->capture_default_str();
+  app.add_option("--mscale-all-dim", m.mscale_all_dim, "YaRN mscale_all_dim (softmax scale mscale^2)")
+      ->capture_default_str();
+  app.add_option("--yarn-original-max-position-embeddings", m.original_max_position_embeddings,
+                 "YaRN's original context length")
+      ->check(positive_integer())
+      ->capture_default_str();
+  app.add_option("--yarn-beta-fast", m.beta_fast, "YaRN beta_fast (rotations)")->capture_default_str();
+  app.add_option("--yarn-beta-slow", m.beta_slow, "YaRN beta_slow (rotations)")->capture_default_str();
+}
 
 // The architecture (Megatron's _add_network_size_args and friends) and activation recompute.
 void add_model_options(CLI::App& app, PretrainArgs& a) {
@@ -120,6 +173,7 @@ void add_model_options(CLI::App& app, PretrainArgs& a) {
   app.add_flag("!--disable-bias-linear", m.add_bias_linear, "No biases in the linear layers");
   app.add_flag("--add-qkv-bias", m.add_qkv_bias, "Bias on the QKV projection (with --disable-bias-linear, Qwen 2)");
   app.add_flag("--qk-layernorm", m.qk_layernorm, "Normalise each query and key head (Qwen 3)");
+  add_mla_args(app, m);
   app.add_option_function<std::string>(
          "--attention-backend", [&m](const std::string& v) { m.attention_backend = parse_attention_backend(v); },
          attention_backend_help())
@@ -267,6 +321,14 @@ void add_training_options(CLI::App& app, PretrainArgs& a) {
   app.add_option("--global-batch-size", a.global_batch_size,
                  "Sequences per iteration (gradient accumulation over micro-batches)")
       ->check(positive_integer());
+  app.add_option("--rampup-batch-size", a.rampup_batch_size,
+                 "<start> <increment> <ramp samples>: the global batch grows from <start> by <increment> every "
+                 "ramp-samples / ((global - start) / increment) consumed samples up to --global-batch-size")
+      ->expected(1, -1);
+  app.add_option("--step-batch-size-schedule", a.step_batch_size_schedule,
+                 "\"T0:B0 T1:B1 ...\": global batch B_k from T_k consumed tokens on (K/M/B/T suffixes; T0 = 0)")
+      ->expected(1, -1)
+      ->allow_extra_args();
   app.add_option("--train-iters", a.train_iters, "Training iterations (or --train-samples)")->check(positive_integer());
   app.add_option("--lr", a.lr, "Peak learning rate")->check(number_range(0, kNoMax))->required();
   app.add_option("--min-lr", a.min_lr, "Minimum learning rate")
@@ -564,6 +626,12 @@ void check_feature_flags(const PretrainArgs& a) {
              "{} given without --num-experts: {} appl{} only to a mixture-of-experts model (--num-experts > 0); "
              "without it the model is dense",
              fmt::join(moe, ", "), moe.size() == 1 ? "it" : "they", moe.size() == 1 ? "ies" : "y");
+  std::vector<std::string> mla;
+  for (const std::string& f : a.flags_given)
+    if (std::find(kMlaFlags.begin(), kMlaFlags.end(), f) != kMlaFlags.end()) mla.push_back(f);
+  MT_REQUIRE(a.model.multi_latent_attention || mla.empty(),
+             "{} given without --multi-latent-attention: {} appl{} only to multi-latent attention", fmt::join(mla, ", "),
+             mla.size() == 1 ? "it" : "they", mla.size() == 1 ? "ies" : "y");
   struct Ignored {
     bool feature_on;
     const char* feature;
@@ -669,6 +737,9 @@ void validate_pretrain_args(PretrainArgs& a) {
   validate_cuda_graph_args(a);
   MT_REQUIRE(!(a.bf16 && a.fp16), "--bf16 and --fp16 are mutually exclusive");
   // Megatron: --num-query-groups only takes effect with --group-query-attention.
+  MT_REQUIRE(!(a.model.multi_latent_attention && a.group_query_attention),
+             "--group-query-attention is mutually exclusive with --multi-latent-attention (Megatron's rule: MLA gives "
+             "every head its own key and value)");
   MT_REQUIRE(a.group_query_attention || a.model.num_query_groups == 0,
              "--num-query-groups {} given without --group-query-attention", a.model.num_query_groups);
   MT_REQUIRE(!a.group_query_attention || a.model.num_query_groups > 0,
@@ -692,6 +763,7 @@ void validate_pretrain_args(PretrainArgs& a) {
   MT_REQUIRE(a.global_batch_size % (a.micro_batch_size * a.data_parallel_size) == 0,
              "--global-batch-size {} is not divisible by --micro-batch-size {} times data-parallel size {}",
              a.global_batch_size, a.micro_batch_size, a.data_parallel_size);
+  resolve_batch_schedule(a);
   resolve_sample_based_training(a);
   MT_REQUIRE(a.distributed_timeout_minutes > 0, "--distributed-timeout-minutes must be positive, got {}",
              a.distributed_timeout_minutes);

@@ -11,6 +11,7 @@
 #include "model/transformer_config.h"
 #include "optim/lr_schedule.h"
 #include "optim/optimizer.h"
+#include "train/batch_schedule.h"
 
 namespace CLI {
 class App;
@@ -50,6 +51,12 @@ struct PretrainArgs {
   // batch / schedule
   int64_t micro_batch_size = 1;    ///< --micro-batch-size
   int64_t global_batch_size = 0;   ///< --global-batch-size (0 = micro-batch-size * data-parallel size)
+  /// --rampup-batch-size <start> <increment> <ramp samples>; --step-batch-size-schedule's words
+  /// (train/batch_schedule.h). Resolved by validate_pretrain_args into batch_schedule; with either,
+  /// global_batch_size is the final (largest) batch.
+  std::vector<int64_t> rampup_batch_size;
+  std::vector<std::string> step_batch_size_schedule;
+  BatchSizeSchedule batch_schedule;  ///< derived: the global batch size per consumed samples
   int64_t train_iters = 0;         ///< --train-iters
   double lr = -1;                  ///< --lr (required)
   double min_lr = 0;               ///< --min-lr
@@ -156,8 +163,11 @@ struct PretrainArgs {
   std::vector<std::string> flags_given;
 
   DType dtype() const { return bf16 ? DType::kBF16 : (fp16 ? DType::kF16 : DType::kF32); }
-  /// Micro-batches per data-parallel rank per iteration.
+  /// Micro-batches per data-parallel rank per iteration (of the final global batch: the most).
   int64_t num_microbatches() const { return global_batch_size / (micro_batch_size * data_parallel_size); }
+  /// The micro-batch counts per data-parallel rank the run's iterations use, increasing (one value
+  /// without a batch-size schedule; the last is num_microbatches()).
+  std::vector<int64_t> microbatch_counts() const;
   /// The learning-rate schedule in Megatron's units: samples with --train-samples, iterations
   /// otherwise (the same rates for a constant global batch size).
   LrScheduleConfig lr_schedule() const;
@@ -166,9 +176,13 @@ struct PretrainArgs {
   /// (--lr-warmup-init) and the shape are shared (Megatron's param-group max_lr / min_lr in
   /// OptimizerParamScheduler.get_lr).
   LrScheduleConfig decoupled_lr_schedule() const;
-  /// The schedule's step count before the step that starts from `iteration` completed iterations:
-  /// consumed samples (iteration · global batch size) with --train-samples, else `iteration`.
-  int64_t lr_step(int64_t iteration) const { return train_samples > 0 ? iteration * global_batch_size : iteration; }
+  /// Whether the learning-rate schedule counts samples: with --train-samples, and with a batch-size
+  /// schedule (Megatron's scheduler always counts samples: iteration lengths x --global-batch-size,
+  /// advanced by each iteration's batch; the same as counting iterations at a constant batch).
+  bool lr_counts_samples() const { return train_samples > 0 || !batch_schedule.is_constant(); }
+  /// The schedule's step count before the step that starts from `iteration` completed iterations
+  /// and `consumed` samples: `consumed` when lr_counts_samples(), else `iteration`.
+  int64_t lr_step(int64_t iteration, int64_t consumed) const { return lr_counts_samples() ? consumed : iteration; }
   /// GradSync options from --overlap-grad-reduce, --overlap-param-gather,
   /// --use-distributed-optimizer.
   DdpConfig ddp_config() const;

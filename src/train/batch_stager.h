@@ -24,7 +24,8 @@ namespace mt {
 class BatchStager {
  public:
   struct Options {
-    int64_t num_micro, micro, seq, dp, dp_rank, vocab;  // seq: the whole sequence
+    // num_micro: the most micro-batches of an iteration (buffers); seq: the whole sequence
+    int64_t num_micro, micro, seq, dp, dp_rank, vocab;
     data::LtorOptions ltor;
     int cp, cp_rank;  // context parallelism: this rank stages its seq / cp tokens
     bool positions, doc_start;  // pass position_ids / doc_start to the model
@@ -43,20 +44,26 @@ class BatchStager {
   BatchStager(const BatchStager&) = delete;
   BatchStager& operator=(const BatchStager&) = delete;
 
-  /// Copies the batch whose first global sample is `first` to the device (prepared by the loader
-  /// thread when the previous stage() prefetched it, else now) and prefetches `next_first` (-1:
-  /// nothing). Errors: mt::Error for a token id outside the vocabulary (naming the sample), and
+  /// A batch: its first global sample and its micro-batches per data-parallel rank (1 ..
+  /// Options::num_micro; fewer during a batch-size ramp-up).
+  struct Batch {
+    int64_t first = -1, num_micro = 0;
+  };
+  /// Copies `batch` to the device (prepared by the loader thread when the previous stage()
+  /// prefetched it, else now) and prefetches `next` (first -1: nothing). Errors: mt::Error for a
+  /// token id outside the vocabulary (naming the sample), a micro-batch count out of range, and
   /// the data source's errors (rethrown from the loader thread).
-  void stage(const data::SampleSource& src, int64_t first, int64_t next_first, const Stream& stream);
+  void stage(const data::SampleSource& src, Batch batch, Batch next, const Stream& stream);
   /// Micro-batch m of the staged batch (views of the device buffer, valid until the next stage()).
+  /// Its loss weight is 1 / (the staged batch's micro-batches · dp).
   MicroBatch micro_batch(int64_t m) const;
-  /// All Options::num_micro micro-batches of the staged batch.
+  /// All micro-batches of the staged batch.
   std::vector<MicroBatch> micro_batches() const;
 
  private:
-  size_t bytes() const { return device_bytes(o_.num_micro, o_.micro, o_.seq, o_.cp); }
+  size_t bytes(int64_t num_micro) const { return device_bytes(num_micro, o_.micro, o_.seq, o_.cp); }
   void wait_free(int k);
-  void fill(const data::SampleSource& src, int64_t first, int k);
+  void fill(const data::SampleSource& src, Batch batch, int k);
 
   Options o_;
   Device device_;
@@ -66,7 +73,8 @@ class BatchStager {
   bool used_[2] = {false, false};
   int last_ = -1;
   std::future<int> pending_;
-  int64_t pending_first_ = -1;
+  Batch pending_batch_;
+  int64_t staged_micro_ = 0;  // micro-batches of the staged batch
   const data::SampleSource* pending_src_ = nullptr;
 };
 

@@ -111,6 +111,19 @@ json config_to_json(const TransformerConfig& c) {
               {"hidden_dropout", c.hidden_dropout},
               {"attention_dropout", c.attention_dropout}};
   if (c.num_moe_experts > 0) j["moe"] = moe_config_to_json(c);
+  if (c.multi_latent_attention)  // docs/mla.md; kv_channels above is the core attention's padded head dim
+    j["mla"] = json{{"q_lora_rank", c.q_lora_rank},
+                    {"kv_lora_rank", c.kv_lora_rank},
+                    {"qk_head_dim", c.qk_head_dim},
+                    {"qk_pos_emb_head_dim", c.qk_pos_emb_head_dim},
+                    {"v_head_dim", c.v_head_dim},
+                    {"rope_type", rope_type_name(c.rope_type)},
+                    {"rotary_scaling_factor", c.rotary_scaling_factor},
+                    {"mscale", c.mscale},
+                    {"mscale_all_dim", c.mscale_all_dim},
+                    {"original_max_position_embeddings", c.original_max_position_embeddings},
+                    {"beta_fast", c.beta_fast},
+                    {"beta_slow", c.beta_slow}};
   return j;
 }
 
@@ -144,6 +157,24 @@ TransformerConfig config_from_json(const json& j) {
   c.hidden_dropout = j.at("hidden_dropout").get<float>();
   c.attention_dropout = j.at("attention_dropout").get<float>();
   if (j.contains("moe")) moe_config_from_json(j.at("moe"), c);
+  if (j.contains("mla")) {
+    const json& m = j.at("mla");
+    c.multi_latent_attention = true;
+    c.kv_channels = 0;  // derived from the MLA head dims
+    c.num_query_groups = 0;
+    c.q_lora_rank = m.at("q_lora_rank").get<int64_t>();
+    c.kv_lora_rank = m.at("kv_lora_rank").get<int64_t>();
+    c.qk_head_dim = m.at("qk_head_dim").get<int64_t>();
+    c.qk_pos_emb_head_dim = m.at("qk_pos_emb_head_dim").get<int64_t>();
+    c.v_head_dim = m.at("v_head_dim").get<int64_t>();
+    c.rope_type = parse_rope_type(m.at("rope_type").get<std::string>());
+    c.rotary_scaling_factor = m.at("rotary_scaling_factor").get<float>();
+    c.mscale = m.at("mscale").get<float>();
+    c.mscale_all_dim = m.at("mscale_all_dim").get<float>();
+    c.original_max_position_embeddings = m.at("original_max_position_embeddings").get<int64_t>();
+    c.beta_fast = m.at("beta_fast").get<float>();
+    c.beta_slow = m.at("beta_slow").get<float>();
+  }
   return c;
 }
 

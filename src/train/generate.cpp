@@ -95,7 +95,10 @@ std::unique_ptr<data::Tokenizer> inference_tokenizer(const std::string& load, co
   if (tokenizer_type == "NullTokenizer") return data::make_tokenizer("NullTokenizer", "", "", "", checkpoint_vocab);
   if (!vocab_file.empty() || !merge_file.empty())
     return data::make_tokenizer("GPT2BPETokenizer", vocab_file, merge_file, "", 0);
-  if (!tokenizer_model.empty()) return data::make_tokenizer(tokenizer_type, "", "", tokenizer_model, 0);
+  // TikTokenizer: Megatron's default pattern and special tokens, the checkpoint's vocabulary size
+  if (!tokenizer_model.empty())
+    return data::make_tokenizer(tokenizer_type, "", "", tokenizer_model,
+                                tokenizer_type == "TikTokenizer" ? checkpoint_vocab : 0);
   const fs::path assets = hf_assets_dir(load);
   if (fs::is_regular_file(assets / "tokenizer.json"))
     return data::make_tokenizer("HuggingFaceTokenizer", "", "", (assets / "tokenizer.json").string(), 0);

@@ -30,16 +30,12 @@ using enum CompatValue;
 
 constexpr const char* kFusion =
     "a fusion switch: each operation has one implementation here, fused where it is (results do not depend on it)";
-constexpr const char* kBatchRamp =
-    "batch-size ramp-up is not built: a run has one global batch size (its step plans, static buffers and CUDA graphs "
-    "are sized for it); train at --global-batch-size";
 constexpr const char* kWandb =
     "Weights & Biases logging is not built; use --tensorboard-dir (TensorBoard event files) or --metrics-file (JSON "
     "lines)";
 constexpr const char* kFsdp =
     "FSDP (sharded parameters) is not built; --use-distributed-optimizer shards the optimizer state over data-parallel "
     "ranks (ZeRO-1)";
-constexpr const char* kTikToken = "read only by --tokenizer-type TikTokenizer (not built)";
 
 const CompatFlag kFlags[] = {
     // implementation choices that are always one way here
@@ -88,11 +84,7 @@ const CompatFlag kFlags[] = {
     {"--auto-detect-ckpt-format", kSwitch, nullptr, kNoOp, "there is one checkpoint format (docs/checkpoints.md)"},
     {"--override-opt_param-scheduler,--override-opt-param-scheduler", kSwitch, nullptr, kNoOp,
      "checkpoints do not store the learning-rate schedule: it always comes from the command line"},
-    {"--tiktoken-pattern", kChoice, "v1|v2", kNoOp, kTikToken},
-    {"--tiktoken-num-special-tokens", kNonNegative, nullptr, kNoOp, kTikToken},
     // features that are not built
-    {"--rampup-batch-size", kList, nullptr, kRefused, kBatchRamp},
-    {"--step-batch-size-schedule", kList, nullptr, kRefused, kBatchRamp},
     {"--use-torch-fsdp2", kSwitch, nullptr, kRefused, kFsdp},
     {"--use-megatron-fsdp", kSwitch, nullptr, kRefused, kFsdp},
     {"--use-pytorch-profiler", kSwitch, nullptr, kRefused,
@@ -256,9 +248,6 @@ void check_megatron_compat(const PretrainArgs& a) {
   for (const CompatFlag& f : kFlags)
     MT_REQUIRE(f.handling != kRefused || !given(a, primary_name(f)), "{} is not supported: {}", primary_name(f),
                f.reason);
-  MT_REQUIRE(a.data.tokenizer_type != "TikTokenizer",
-             "--tokenizer-type TikTokenizer is not supported: tiktoken's base64 vocabulary files are not read here; "
-             "use --tokenizer-type HuggingFaceTokenizer with the model's tokenizer.json (Llama 3 ships one)");
   // Megatron-LM (validate_args) refuses it with learned positions; with rope there is no table anyway.
   MT_REQUIRE(!given(a, "--no-position-embedding") ||
                  a.model.position_embedding_type != PositionEmbeddingType::kLearnedAbsolute,
@@ -280,12 +269,49 @@ void log_megatron_compat(const PretrainArgs& a) {
              fmt::join(noop, " "));
 }
 
+void resolve_batch_schedule(PretrainArgs& a) {
+  MT_REQUIRE(a.rampup_batch_size.empty() || a.step_batch_size_schedule.empty(),
+             "Cannot specify both --step-batch-size-schedule and --rampup-batch-size (Megatron-LM refuses it too)");
+  const int64_t per_micro = a.micro_batch_size * a.data_parallel_size;
+  if (!a.step_batch_size_schedule.empty()) {
+    a.batch_schedule = BatchSizeSchedule::steps(a.step_batch_size_schedule, a.model.seq_length);
+    // Megatron-LM refuses --global-batch-size beside the schedule, though its GPT-3 175B example
+    // gives both; here it is accepted when it is the schedule's final batch.
+    MT_REQUIRE(!given(a, "--global-batch-size") || a.global_batch_size == a.batch_schedule.final_batch_size(),
+               "--global-batch-size {} with --step-batch-size-schedule, whose final batch size is {}: give the "
+               "schedule alone (or a --global-batch-size equal to its final batch)",
+               a.global_batch_size, a.batch_schedule.final_batch_size());
+    a.global_batch_size = a.batch_schedule.final_batch_size();
+  } else if (!a.rampup_batch_size.empty()) {
+    a.batch_schedule = BatchSizeSchedule::rampup(a.rampup_batch_size, a.global_batch_size);
+  } else {
+    a.batch_schedule = BatchSizeSchedule(a.global_batch_size);
+    return;
+  }
+  MT_REQUIRE(a.global_batch_size % per_micro == 0,
+             "--global-batch-size {} is not divisible by --micro-batch-size {} times data-parallel size {}",
+             a.global_batch_size, a.micro_batch_size, a.data_parallel_size);
+  MT_REQUIRE(a.train_samples > 0 || a.train_iters > 0,
+             "give --train-iters (iterations) or --train-samples (samples) for the length of training");
+  const int64_t iterations = a.train_samples > 0 ? a.batch_schedule.train_iters(a.train_samples) : a.train_iters;
+  // Every batch the run reaches is checked now (Megatron-LM asserts each one when it is reached).
+  for (const int64_t b : a.batch_schedule.sizes_used(iterations))
+    MT_REQUIRE(b % per_micro == 0,
+               "{}: the global batch size {} is not divisible by --micro-batch-size {} times data-parallel size {} "
+               "(the number of micro-batches changes, the micro-batch size does not)",
+               a.batch_schedule.describe(), b, a.micro_batch_size, a.data_parallel_size);
+  MT_REQUIRE(!a.cuda_graph.full_iteration(),
+             "--cuda-graph-scope full_iteration with {}: the captured iteration has a fixed number of micro-batches; "
+             "use the per-layer capture (--cuda-graph-impl local with attn/mlp scopes) or no CUDA graphs",
+             a.batch_schedule.describe());
+}
+
 void resolve_sample_based_training(PretrainArgs& a) {
   if (a.train_samples <= 0) return;
   MT_REQUIRE(a.global_batch_size > 0, "sample-based training needs the global batch size resolved");
-  a.train_iters = a.train_samples / a.global_batch_size;  // Megatron's update_train_iters (no ramp-up)
+  a.train_iters = a.batch_schedule.train_iters(a.train_samples);  // Megatron's update_train_iters
   MT_REQUIRE(a.train_iters > 0, "--train-samples {} is less than one global batch of {} samples", a.train_samples,
-             a.global_batch_size);
+             a.batch_schedule.at(0));
 }
 
 ProfileWindow::ProfileWindow(const PretrainArgs& a, int rank, bool cuda)

@@ -59,8 +59,18 @@ void check_megatron_compat(const PretrainArgs& args);
 /// The no-op flags given, in one info line (no line when none was given); call on one rank.
 void log_megatron_compat(const PretrainArgs& args);
 
+/// --rampup-batch-size / --step-batch-size-schedule into args.batch_schedule (train/batch_schedule.h;
+/// a constant one without them); with the step schedule the global batch size becomes its final
+/// batch. Needs the micro-batch and data-parallel sizes and (without a schedule) the global batch
+/// size resolved. Errors (mt::Error naming the values): both flags; the schedule's own errors;
+/// --global-batch-size other than the step schedule's final batch; a batch the run reaches that is
+/// not a multiple of micro-batch size x data-parallel size; --cuda-graph-scope full_iteration (one
+/// captured iteration has one number of micro-batches).
+void resolve_batch_schedule(PretrainArgs& args);
+
 /// Sample-based training (Megatron's update_train_iters): with --train-samples, --train-iters =
-/// train-samples / global-batch-size (floor; an error when that is 0). Needs the global batch size
+/// BatchSizeSchedule::train_iters(train-samples) (constant batch:
+/// floor of train-samples / global-batch-size; an error when that is 0). Needs the global batch size
 /// resolved. Without --train-samples nothing changes.
 void resolve_sample_based_training(PretrainArgs& args);
 

@@ -128,6 +128,13 @@ LayerWeights layer_weights(const TransformerConfig& c, LD tp, LD ep) {
   const auto mlp = [&](LD f) { return (glu * f * h + f * h) / tp; };
   LayerWeights w;
   w.attention = (n + 2 * g) * d * h / tp + n * d * h / tp;
+  if (c.multi_latent_attention) {  // model/layers/mla_attention.h: replicated down-projections
+    const LD rq = static_cast<LD>(c.q_lora_rank), rkv = static_cast<LD>(c.kv_lora_rank);
+    const LD dq = static_cast<LD>(c.q_head_dim()), dn = static_cast<LD>(c.qk_head_dim);
+    const LD dr = static_cast<LD>(c.qk_pos_emb_head_dim), dv = static_cast<LD>(c.v_head_dim);
+    w.attention = (rq > 0 ? rq * h + n * dq * rq / tp : n * dq * h / tp) + (rkv + dr) * h +
+                  n * (dn + dv) * rkv / tp + n * dv * h / tp;
+  }
   w.dense_mlp = mlp(static_cast<LD>(c.ffn()));
   if (c.num_moe_experts > 0) {
     const LD experts = static_cast<LD>(c.num_moe_experts);

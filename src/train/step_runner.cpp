@@ -64,14 +64,15 @@ void StepRunner::step_eager(const std::vector<MicroBatch>& micro_batches, const 
   const Device device = setup_.options().device;
   if (graphs_.per_layer() && steps_run_ >= graphs_.warmup_steps) layer_graphs_.set_capturing(true);
   const size_t before = graphs_.per_layer() ? device_memory_in_use(device) : 0;
-  train_step(setup_.model(), setup_.executor(), setup_.train_plan(), setup_.optimizer(), micro_batches, so, loss_slot,
+  const PipelinePlan& plan = setup_.train_plan(static_cast<int64_t>(micro_batches.size()));  // ramp-up: per count
+  train_step(setup_.model(), setup_.executor(), plan, setup_.optimizer(), micro_batches, so, loss_slot,
              stream_);
   if (layer_graphs_.graphs() <= layer_graphs_logged_) return;
   // a step captured new per-layer graphs
   log_info("> CUDA graph (per layer, scopes {}): {} graphs ({} nodes) over {} activation slots (the static "
            "buffer sets; the pipeline schedule's in-flight bound); graph memory {:.1f} MiB (device memory "
            "in use before and after the capturing step)",
-           per_layer_scopes(), layer_graphs_.graphs(), layer_graphs_.nodes(), setup_.train_plan().activation_slots,
+           per_layer_scopes(), layer_graphs_.graphs(), layer_graphs_.nodes(), plan.activation_slots,
            (static_cast<double>(device_memory_in_use(device)) - static_cast<double>(before)) / 1048576.0);
   layer_graphs_logged_ = layer_graphs_.graphs();
 }
@@ -84,12 +85,13 @@ void StepRunner::step_full_iteration(const std::vector<MicroBatch>& micro_batche
   if (snapshot_pending) snapshot_pending->wait(stream_);
   const Tensor step_loss = step_loss_.as(DType::kF32, {1});
   fill(step_loss, 0.f, stream_);
+  const PipelinePlan& plan = setup_.train_plan(static_cast<int64_t>(micro_batches.size()));
   auto body = [&] {
     if (graphs_.include_optimizer) {
-      train_step(setup_.model(), setup_.executor(), setup_.train_plan(), setup_.optimizer(), micro_batches, so,
+      train_step(setup_.model(), setup_.executor(), plan, setup_.optimizer(), micro_batches, so,
                  step_loss, stream_);
     } else {
-      forward_backward_step(setup_.model(), setup_.executor(), setup_.train_plan(), setup_.optimizer(), micro_batches,
+      forward_backward_step(setup_.model(), setup_.executor(), plan, setup_.optimizer(), micro_batches,
                             so, step_loss, stream_);
     }
   };

@@ -45,6 +45,11 @@ TrainingResult Trainer::train() {
   log_info("> training {} iterations from iteration {}: global batch {} = {} micro-batches of {}, seq {}",
            args.train_iters, iteration, args.global_batch_size, s.num_microbatches(), args.micro_batch_size,
            args.model.seq_length);
+  if (!args.batch_schedule.is_constant())
+    log_info("> {}: global batch {} at {} consumed samples", args.batch_schedule.describe(),
+             args.batch_schedule.at(consumed), consumed);
+  const int64_t per_micro = args.micro_batch_size * args.data_parallel_size;
+  int64_t batch = args.batch_schedule.at(consumed);  // this iteration's global batch size
   // Validation before the first iteration of a fresh run gives the starting point of the curve.
   if (!s.resumed())
     if (const auto r = evaluate(0, consumed)) result.validation[0] = *r;
@@ -54,18 +59,24 @@ TrainingResult Trainer::train() {
   g_training_started.store(true);
   ProfileWindow profile(args, s.world().rank(), s.device().is_cuda());
   while (iteration < args.train_iters) {
-    const float lr = static_cast<float>(learning_rate(schedule, args.lr_step(iteration)));
+    const float lr = static_cast<float>(learning_rate(schedule, args.lr_step(iteration, consumed)));
     const float decoupled_lr =
-        args.optim.decoupled_lr ? static_cast<float>(learning_rate(decoupled_schedule, args.lr_step(iteration))) : 0.f;
+        args.optim.decoupled_lr ? static_cast<float>(learning_rate(decoupled_schedule, args.lr_step(iteration, consumed)))
+                                : 0.f;
     profile.before_step(iteration);
-    s.stager().stage(*s.data().train, consumed,
-                     iteration + 1 < args.train_iters ? consumed + args.global_batch_size : -1, s.stream());
+    const int64_t next_batch = args.batch_schedule.at(consumed + batch);
+    s.stager().stage(*s.data().train, {consumed, batch / per_micro},
+                     iteration + 1 < args.train_iters ? BatchStager::Batch{consumed + batch, next_batch / per_micro}
+                                                      : BatchStager::Batch{},
+                     s.stream());
     steps_.step(iteration, lr, s.stager().micro_batches(), logger_.loss_slot(), checkpointer_.take_snapshot_pending(),
                 decoupled_lr);
     ++iteration;
-    consumed += args.global_batch_size;
+    consumed += batch;
     profile.after_step(iteration);
-    logger_.step_done(iteration, steps_.take_host_issue_ms());
+    logger_.step_done(iteration, steps_.take_host_issue_ms(), consumed - batch, batch);
+    const bool batch_changes = next_batch != batch;
+    batch = next_batch;
     if (logger_.due(iteration)) {
       TrainLogRecord& r = result.log.emplace_back(logger_.log(iteration, consumed, lr));
       for (size_t i = 0; i < r.losses.size(); ++i)
@@ -78,7 +89,8 @@ TrainingResult Trainer::train() {
       restart_clock = true;
     }
     const std::string exit_reason = exit_policy_.check(iteration);
-    if (checkpointer_.due(iteration, !exit_reason.empty())) {
+    // Megatron-LM saves a checkpoint before the first iteration of a new number of micro-batches.
+    if (checkpointer_.due(iteration, !exit_reason.empty()) || (batch_changes && !args.save.empty())) {
       logger_.clear_progress();
       logger_.check_nan(iteration);  // never save what a NaN produced
       checkpointer_.save(iteration, consumed);
@@ -123,7 +135,7 @@ std::optional<EvalResult> Trainer::evaluate(int64_t iteration, int64_t consumed)
   fill(eval_loss, 0.f, stream);
   const uint64_t* device_iteration = steps_.begin_validation(iteration);
   for (int64_t e = 0; e < args.eval_iters; ++e) {
-    s.stager().stage(*s.data().valid, e * args.global_batch_size, -1, stream);
+    s.stager().stage(*s.data().valid, {e * args.global_batch_size, s.num_microbatches()}, {}, stream);
     const std::vector<MicroBatch> mbs = s.stager().micro_batches();
     steps_.validation_forward([&] {
       const RunContext rc{args.seed, iteration, g.dp->rank(), g.dp->size(), false, device_iteration};

@@ -51,7 +51,8 @@ Tensor TrainingLogger::loss_slot() const {
   return losses_.as(DType::kF32, {args_.log_interval}).flat_range(iters_since_log_, 1);
 }
 
-void TrainingLogger::step_done(int64_t iteration, double host_issue_ms) {
+void TrainingLogger::step_done(int64_t iteration, double host_issue_ms, int64_t consumed_before, int64_t batch) {
+  steps_since_log_.push_back({consumed_before, batch});
   const Device device = setup_.device();
   copy_bytes(found_inf_.as(DType::kI32, {args_.log_interval}).flat_range(iters_since_log_, 1).data(), device,
              static_cast<const char*>(setup_.optimizer().scalars().data()) + offsetof(OptimizerScalars, found_inf),
@@ -92,14 +93,20 @@ TrainLogRecord TrainingLogger::log(int64_t iteration, int64_t consumed, float lr
   p.consumed_samples = consumed;
   p.lm_loss = n_ok ? loss_sum / n_ok : NAN;
   p.learning_rate = lr;
-  p.batch_size = args_.global_batch_size;
+  // The samples and FLOPs of the interval's iterations (their batches differ during a ramp-up).
+  double samples = 0, flops = 0;
+  for (const Step& st : steps_since_log_) {
+    samples += static_cast<double>(st.batch);
+    flops += setup_.model().config().flops_per_iteration(st.batch, args_.tensor_model_parallel_size);
+  }
+  const double n_steps = static_cast<double>(std::max<size_t>(steps_since_log_.size(), 1));
+  p.batch_size = steps_since_log_.empty() ? args_.global_batch_size : steps_since_log_.back().batch;
   p.grad_norm = sc.grad_norm;
   p.loss_scale = sc.loss_scale;
   p.world_size = setup_.world().size();
   p.iteration_time_s = ms / 1e3;
-  p.tokens_per_s = static_cast<double>(args_.global_batch_size * args_.model.seq_length) / (ms / 1e3);
-  p.tflops_per_gpu = setup_.model().config().flops_per_iteration(args_.global_batch_size, args_.tensor_model_parallel_size) / (ms / 1e3) / 1e12 /
-                     setup_.world().size();  // per GPU
+  p.tokens_per_s = samples / n_steps * static_cast<double>(args_.model.seq_length) / (ms / 1e3);
+  p.tflops_per_gpu = flops / n_steps / (ms / 1e3) / 1e12 / setup_.world().size();  // per GPU
   p.skipped_iterations = sc.skipped_iters - last_skipped_;
   p.nan_iterations = n_nan;
   p.mem_allocated_bytes = static_cast<double>(device_bytes_allocated(setup_.device()));
@@ -111,9 +118,10 @@ TrainLogRecord TrainingLogger::log(int64_t iteration, int64_t consumed, float lr
   const std::string timing =
       timing_report(timers_, timing_option_, setup_.world(), stream, iters_since_log_, &p.timers_max_ms);
   if (!timing.empty()) log_info("{}", timing);
-  if (metrics_) write_metrics(r, consumed);
+  if (metrics_) write_metrics(r);
   last_skipped_ = sc.skipped_iters;
   iters_since_log_ = 0;
+  steps_since_log_.clear();
   host_issue_ms_ = 0;
   fill(losses, 0.f, stream);
   fill(found_inf_.as(DType::kI32, {args_.log_interval}), 0.f, stream);
@@ -133,16 +141,17 @@ std::string TrainingLogger::line(const TrainLogPoint& p, double ms, float lr, co
       // MFU against the dense bf16 peak (docs/flags.md), on GPUs only
       setup_.device().is_cuda() ? fmt::format(" MFU: {:.1f}% |", 100.0 * p.tflops_per_gpu / kMfuPeakTflops) : "",
       p.tokens_per_s, lr,
-      args_.global_batch_size, p.lm_loss, sc.loss_scale, sc.grad_norm, p.skipped_iterations, p.nan_iterations,
+      p.batch_size, p.lm_loss, sc.loss_scale, sc.grad_norm, p.skipped_iterations, p.nan_iterations,
       host_issue_ms_ / static_cast<double>(iters_since_log_));
 }
 
-void TrainingLogger::write_metrics(const TrainLogRecord& r, int64_t consumed) {
+void TrainingLogger::write_metrics(const TrainLogRecord& r) {
   const int64_t iteration = r.point.iteration, n = static_cast<int64_t>(r.losses.size());
   for (int64_t i = 0; i < n; ++i) {
     const int64_t k = iteration - n + 1 + i;
-    metrics_->iteration_loss(k, consumed - (iteration - k) * args_.global_batch_size, r.losses[static_cast<size_t>(i)],
-                             learning_rate(schedule_, args_.lr_step(k - 1)), args_.global_batch_size);
+    const Step& st = steps_since_log_.at(static_cast<size_t>(i));
+    metrics_->iteration_loss(k, st.consumed_before + st.batch, r.losses[static_cast<size_t>(i)],
+                             learning_rate(schedule_, args_.lr_step(k - 1, st.consumed_before)), st.batch);
   }
   metrics_->train_point(r.point);
 }
@@ -169,11 +178,14 @@ void TrainingLogger::check_nan(int64_t iteration) {
     std::memcpy(b, all.data() + r * sizeof(bad), sizeof(bad));
     if (b[0] >= 0 && (bad[0] < 0 || b[0] < bad[0])) bad[0] = b[0], bad[1] = b[1];
   }
+  const int64_t consumed_before_bad =
+      bad[0] < 0 ? 0 : steps_since_log_.at(static_cast<size_t>(bad[0] - (iteration - n + 1))).consumed_before;
   MT_REQUIRE(bad[0] < 0,
              "iteration {}: the {} is NaN or Inf; stopping before anything more is saved "
              "(--check-for-nan-in-loss-and-grad; learning rate there {:.3E}: is --lr {} too high?). "
              "--no-check-for-nan-in-loss-and-grad skips such iterations instead",
-             bad[0], bad[1] == 1 ? "loss" : "gradient norm", learning_rate(schedule_, args_.lr_step(bad[0] - 1)), args_.lr);
+             bad[0], bad[1] == 1 ? "loss" : "gradient norm",
+             learning_rate(schedule_, args_.lr_step(bad[0] - 1, consumed_before_bad)), args_.lr);
 }
 
 void TrainingLogger::validation(int64_t iteration, int64_t consumed, const EvalResult& r) {

@@ -52,9 +52,10 @@ class TrainingLogger {
   Timers& timers() { return timers_; }
   /// fp32 [1] on the device: where the next training step adds its loss.
   Tensor loss_slot() const;
-  /// After training step `iteration` - 1 (`iteration` steps done): keeps its found_inf (a device
-  /// copy) and the host's time to issue it; advances the progress line.
-  void step_done(int64_t iteration, double host_issue_ms);
+  /// After training step `iteration` - 1 (`iteration` steps done), which started after
+  /// `consumed_before` samples and trained on `batch` (its global batch size): keeps its found_inf
+  /// (a device copy), the host's time to issue it and its batch; advances the progress line.
+  void step_done(int64_t iteration, double host_issue_ms, int64_t consumed_before, int64_t batch);
   /// A log line is due after `iteration` steps (every --log-interval, and at --train-iters).
   bool due(int64_t iteration) const;
   /// The log point after `iteration` steps (consumed samples, the last step's learning rate):
@@ -78,7 +79,7 @@ class TrainingLogger {
 
  private:
   std::string line(const TrainLogPoint& p, double ms, float lr, const OptimizerScalars& sc) const;
-  void write_metrics(const TrainLogRecord& record, int64_t consumed);
+  void write_metrics(const TrainLogRecord& record);
   void update_progress(int64_t iteration);
 
   TrainingSetup& setup_;
@@ -89,6 +90,10 @@ class TrainingLogger {
   TimingLogOption timing_option_;
   std::unique_ptr<MetricsLog> metrics_;  // rank 0 with --tensorboard-dir / --metrics-file
   int64_t iters_since_log_ = 0;
+  struct Step {
+    int64_t consumed_before, batch;
+  };
+  std::vector<Step> steps_since_log_;  // the iterations since the last log point
   int64_t last_skipped_ = 0;
   double host_issue_ms_ = 0;
   std::chrono::steady_clock::time_point t_last_;

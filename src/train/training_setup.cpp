@@ -55,9 +55,24 @@ pipeline::PipelineLayout pipeline_layout_of(const ModelSetupOptions& o, const Pa
 
 }  // namespace
 
+static std::vector<const PipelinePlan*> all_plans(const RankSchedule& s) {
+  std::vector<const PipelinePlan*> plans{&s.train, &s.eval};
+  for (const PipelinePlan& p : s.ramp) plans.push_back(&p);
+  return plans;
+}
+
 void validate_rank_schedule(const ModelSetupOptions& o, const ParallelConfig& pc) {
   pipeline::validate_pipeline_layout(pipeline_layout_of(o, pc));
   pipeline::validate_schedule_config(schedule_config(o, pc));
+  for (const int64_t m : o.ramp_microbatches) {
+    pipeline::ScheduleConfig sc = schedule_config(o, pc);
+    sc.num_microbatches = static_cast<int>(m);
+    try {
+      pipeline::validate_schedule_config(sc);
+    } catch (const Error& e) {
+      MT_FAIL("the batch-size schedule's iterations of {} micro-batches per data-parallel rank: {}", m, e.what());
+    }
+  }
 }
 
 RankSchedule plan_rank_schedule(const ModelSetupOptions& o, const ParallelConfig& pc, int pp_rank) {
@@ -68,7 +83,12 @@ RankSchedule plan_rank_schedule(const ModelSetupOptions& o, const ParallelConfig
   s.train = plan_pipeline(sc, pp_rank, s.chunks);
   sc.forward_only = true;
   s.eval = plan_pipeline(sc, pp_rank, s.chunks);
-  s.model_layout = model_layout(s.chunks, {&s.train, &s.eval});
+  sc.forward_only = false;
+  for (const int64_t m : o.ramp_microbatches) {
+    sc.num_microbatches = static_cast<int>(m);
+    s.ramp.push_back(plan_pipeline(sc, pp_rank, s.chunks));
+  }
+  s.model_layout = model_layout(s.chunks, all_plans(s));
   if (o.head_chunk_bytes > 0) s.model_layout.head.chunk_bytes = o.head_chunk_bytes;
   return s;
 }
@@ -88,8 +108,9 @@ MemoryEstimate estimate_rank_memory(const ModelSetupOptions& o, const ProcessGro
   in.data_parallel = groups.dp_cp->size();
   in.expert_data_parallel = groups.edp->size();
   in.grad_reduce_in_bf16 = o.ddp.grad_reduce_in_bf16 && (groups.dp_cp->size() > 1 || groups.edp->size() > 1);
-  in.pipeline_grad_bytes =
-      static_cast<size_t>(std::max(s.train.grad_buffers, s.eval.grad_buffers)) * in.model.boundary_bytes;
+  int grad_buffers = 0;
+  for (const PipelinePlan* p : all_plans(s)) grad_buffers = std::max(grad_buffers, p->grad_buffers);
+  in.pipeline_grad_bytes = static_cast<size_t>(grad_buffers) * in.model.boundary_bytes;
   in.batch_bytes = o.batch_bytes;
   if (o.optim.optimizer == "muon") {
     const int ep = groups.ep ? groups.ep->size() : 1, ep_rank = groups.ep ? groups.ep->rank() : 0;
@@ -119,14 +140,16 @@ ModelSetup::ModelSetup(std::shared_ptr<Communicator> world, ModelSetupOptions op
   chunks_ = schedule.chunks;
   train_plan_ = schedule.train;
   eval_plan_ = schedule.eval;
+  ramp_plans_ = schedule.ramp;
   // Parameter gradients are reduced (and the distributed optimizer sharded) over dp-cp (Megatron).
   options_.param_layout.data_parallel_size = groups_.dp_cp->size();
   options_.param_layout.expert_data_parallel_size = parallel_.edp;
   if (o.check_memory) estimate_memory(schedule);
   model_ = std::make_unique<GPTModel>(o.model, o.micro_batch_size, o.dtype, o.device, groups_, o.sequence_parallel,
                                       options_.param_layout, schedule.model_layout);
-  executor_ = std::make_unique<PipelineExecutor>(*model_, groups_.pp,
-                                                 std::vector<const PipelinePlan*>{&train_plan_, &eval_plan_});
+  std::vector<const PipelinePlan*> plans{&train_plan_, &eval_plan_};
+  for (const PipelinePlan& p : ramp_plans_) plans.push_back(&p);
+  executor_ = std::make_unique<PipelineExecutor>(*model_, groups_.pp, plans);
   // Data-parallel gradient buckets (reduced as the backward finishes them with
   // --overlap-grad-reduce) and the optimizer over this rank's owned elements.
   grad_sync_ = std::make_unique<GradSync>(model_->params(), groups_.dp_cp, o.ddp, groups_.edp);
@@ -136,6 +159,14 @@ ModelSetup::ModelSetup(std::shared_ptr<Communicator> world, ModelSetupOptions op
 }
 
 ModelSetup::~ModelSetup() = default;
+
+const PipelinePlan& ModelSetup::train_plan(int64_t num_microbatches) const {
+  if (num_microbatches == train_plan_.config.num_microbatches) return train_plan_;
+  for (const PipelinePlan& p : ramp_plans_)
+    if (p.config.num_microbatches == num_microbatches) return p;
+  MT_FAIL("no training schedule for {} micro-batches (this rank has {} and the batch-size ramp-up's)", num_microbatches,
+          train_plan_.config.num_microbatches);
+}
 
 // The memory estimate, before anything large is allocated (train/memory_estimate.h).
 void ModelSetup::estimate_memory(const RankSchedule& schedule) {
@@ -178,6 +209,14 @@ void check_resume_config(const TransformerConfig& ck, const TransformerConfig& m
   same_flag("bias in linear layers (--disable-bias-linear)", yes(ck.add_bias_linear), yes(m.add_bias_linear));
   same_flag("--add-qkv-bias", yes(ck.add_qkv_bias), yes(m.add_qkv_bias));
   same_flag("--qk-layernorm", yes(ck.qk_layernorm), yes(m.qk_layernorm));
+  same_flag("--multi-latent-attention", yes(ck.multi_latent_attention), yes(m.multi_latent_attention));
+  if (m.multi_latent_attention) {
+    same("--q-lora-rank", ck.q_lora_rank, m.q_lora_rank);
+    same("--kv-lora-rank", ck.kv_lora_rank, m.kv_lora_rank);
+    same("--qk-head-dim", ck.qk_head_dim, m.qk_head_dim);
+    same("--qk-pos-emb-head-dim", ck.qk_pos_emb_head_dim, m.qk_pos_emb_head_dim);
+    same("--v-head-dim", ck.v_head_dim, m.v_head_dim);
+  }
   same_flag("--apply-layernorm-1p (zero-centred norm weights)", yes(ck.layernorm_zero_centered_gamma),
             yes(m.layernorm_zero_centered_gamma));
   same_flag("--untie-embeddings-and-output-weights", yes(ck.untie_embeddings_and_output_weights),
@@ -229,6 +268,8 @@ ModelSetupOptions pretrain_model_options(const PretrainArgs& args, const Trainin
   o.parallel = layout.parallel;
   o.pipeline = layout.pipeline;
   o.num_microbatches = args.num_microbatches();
+  for (const int64_t m : args.microbatch_counts())
+    if (m != o.num_microbatches) o.ramp_microbatches.push_back(m);
   o.microbatch_group_size = args.microbatch_group_size_per_vp_stage;
   o.overlap_p2p_comm = args.overlap_p2p_comm;
   o.micro_batch_size = args.micro_batch_size;

@@ -41,7 +41,10 @@ struct ModelSetupOptions {
   /// --decoder-first/last-pipeline-num-layers and --account-for-* (num_layers, pp and vpp are
   /// taken from `model` and `parallel`).
   pipeline::PipelineLayout pipeline;
-  int64_t num_microbatches = 1;  ///< per data-parallel rank and iteration
+  int64_t num_microbatches = 1;  ///< per data-parallel rank and iteration (the most, with a batch-size ramp-up)
+  /// Smaller micro-batch counts that training iterations also run (a batch-size ramp-up,
+  /// train/batch_schedule.h): each gets a training schedule of its own; buffers are sized for all.
+  std::vector<int64_t> ramp_microbatches;
   int microbatch_group_size = 0;  ///< --microbatch-group-size-per-virtual-pipeline-stage (0 = pp)
   bool overlap_p2p_comm = false;  ///< --overlap-p2p-communication (ScheduleConfig::overlap_p2p_comm)
   int64_t micro_batch_size = 1;
@@ -67,6 +70,7 @@ struct ModelSetupOptions {
 struct RankSchedule {
   std::vector<pipeline::LayerRange> chunks;
   PipelinePlan train, eval;
+  std::vector<PipelinePlan> ramp;  ///< training schedules of ModelSetupOptions::ramp_microbatches
   ModelLayout model_layout;
 };
 
@@ -103,6 +107,9 @@ class ModelSetup {
   /// This rank's model chunks (layer ranges), one per virtual stage.
   const std::vector<pipeline::LayerRange>& chunks() const { return chunks_; }
   const PipelinePlan& train_plan() const { return train_plan_; }
+  /// The training schedule for `num_microbatches` (train_plan()'s count or one of
+  /// ModelSetupOptions::ramp_microbatches). Errors: mt::Error for another count.
+  const PipelinePlan& train_plan(int64_t num_microbatches) const;
   /// The forward-only schedule of the validation.
   const PipelinePlan& eval_plan() const { return eval_plan_; }
   GPTModel& model() { return *model_; }
@@ -123,6 +130,7 @@ class ModelSetup {
   ProcessGroups groups_;
   std::vector<pipeline::LayerRange> chunks_;
   PipelinePlan train_plan_, eval_plan_;
+  std::vector<PipelinePlan> ramp_plans_;
   MemoryEstimate memory_estimate_;
   size_t in_use_before_ = 0;
   std::unique_ptr<GPTModel> model_;

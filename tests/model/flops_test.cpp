@@ -66,6 +66,29 @@ TEST(Flops, MoeTopK) {
   expect_flops(m, 16, 1, 17420387352576.0);
 }
 
+// Multi-latent attention (Megatron's MLA branch of transformer_flops), per token and layer
+// 6·(q_term + r_kv·(h + n·(d_n + d_v) + 1) + h·d_r + n·d_v·h) + 6·s·(n·(d_n + d_r)/2 + n·d_v/2),
+// q_term = h·n·(d_n + d_r) without a query latent, r_q·(h + n·(d_n + d_r) + 1) with one. The
+// DeepSeek-V3-shaped model of issue 43: 16 layers, h 2048, 16 heads, d_n 128, d_r 64, d_v 128,
+// kv-lora 512, the first layer dense (SwiGLU 10944), then 64 experts of 1408 top-6 and a shared
+// 1408, s 4096, vocabulary 129280, 8 sequences (hand values in exact integer arithmetic).
+TEST(Flops, MultiLatentAttention) {
+  TransformerConfig c = llama_style(16, 2048, 16, 0, 10944, 4096, 129280);
+  c.multi_latent_attention = true;
+  c.kv_lora_rank = 512;
+  c.qk_head_dim = 128;
+  c.qk_pos_emb_head_dim = 64;
+  c.v_head_dim = 128;
+  c.num_moe_experts = 64;
+  c.moe_layer_pattern = parse_moe_layer_freq("[0]+[1]*15", 16);
+  c.moe_ffn_hidden_size = 1408;
+  c.moe_router_topk = 6;
+  c.moe_shared_expert_intermediate_size = 1408;
+  expect_flops(c, 8, 1, 320139882921984.0);
+  c.q_lora_rank = 1536;
+  expect_flops(c, 8, 1, 325092517085184.0);
+}
+
 // The count before issue 41 took the attention scores in full (1 + g/n + s/h instead of
 // 1 + g/n + s/(2h)): for the 7B-class Llama of the issue (32 layers, h 4096, MHA, SwiGLU 11008,
 // s 4096, GPT-2's vocabulary) the TFLOP/s it printed are 1/0.93078 of today's (docs/flags.md).

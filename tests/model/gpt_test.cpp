@@ -51,6 +51,32 @@ TransformerConfig tiny_llama_config(float dropout, bool qwen3 = false) {
   return c;
 }
 
+/// Multi-latent attention on the Llama layer (model/layers/mla_attention.h): a query latent,
+/// YaRN beyond its original 2 positions with both mscales, value heads padded (d_v 4 < d_n + d_r
+/// 5); or (no_lora) a full query projection, plain RoPE, query/key heads padded (d_v 7).
+TransformerConfig tiny_mla_config(float dropout, bool no_lora = false) {
+  TransformerConfig c = tiny_llama_config(dropout);
+  c.num_query_groups = 0;
+  c.rotary_percent = 1.f;
+  c.multi_latent_attention = true;
+  c.kv_lora_rank = 5;
+  c.qk_head_dim = 3;
+  c.qk_pos_emb_head_dim = 2;
+  if (no_lora) {
+    c.rope_type = RopeType::kRope;
+    c.v_head_dim = 7;
+  } else {
+    c.q_lora_rank = 6;
+    c.v_head_dim = 4;
+    c.rotary_scaling_factor = 3.f;
+    c.original_max_position_embeddings = 2;
+    c.beta_fast = 2.f;
+    c.mscale = 0.8f;
+    c.mscale_all_dim = 0.6f;
+  }
+  return c;
+}
+
 /// Mixtral / DeepSeek style MoE on the Llama layer: 4 experts, the first layer dense
 /// (--moe-layer-freq [0,1]), load-balancing loss and z-loss large enough to matter.
 TransformerConfig tiny_moe_config(bool sigmoid_router) {
@@ -196,6 +222,22 @@ TEST(Gpt, LlamaGradientCheck) { gradient_check(tiny_llama_config(0.f)); }
 TEST(Gpt, LlamaGradientCheckWithDropoutAndDocuments) {
   gradient_check(tiny_llama_config(0.2f), /*documents=*/true);  // RoPE follows the reset position ids
 }
+TEST(Gpt, MlaGradientCheck) { gradient_check(tiny_mla_config(0.f)); }
+TEST(Gpt, MlaGradientCheckWithDropoutAndDocuments) { gradient_check(tiny_mla_config(0.2f), /*documents=*/true); }
+TEST(Gpt, MlaNoQueryLoraGradientCheck) { gradient_check(tiny_mla_config(0.f, /*no_lora=*/true)); }
+TEST(Gpt, MlaFlashAttentionGradientCheck) {
+  TransformerConfig c = tiny_mla_config(0.f);
+  c.attention_backend = AttentionBackend::kFlash;
+  gradient_check(c, /*documents=*/true);
+}
+TEST(Gpt, MlaUpProjRecomputeGradientCheck) {
+  TransformerConfig c = tiny_mla_config(0.2f);
+  c.recompute_granularity = RecomputeGranularity::kSelective;
+  c.recompute_modules_set = true;
+  c.recompute_modules = parse_recompute_modules({"core_attn", "mla_up_proj"});
+  gradient_check(c);
+}
+
 TEST(Gpt, FlashAttentionGradientCheck) {
   TransformerConfig c = tiny_llama_config(0.2f);
   c.attention_backend = AttentionBackend::kFlash;  // the CPU reference of ops/flash_attention.h

@@ -491,7 +491,9 @@ constexpr int64_t kSeq = 16;
 // kMoeSigmoid: MoE in every layer, DeepSeek-style router (sigmoid, groups), seq_aux_loss, expert bias
 // and a shared expert; kMoeGlobal: kMoe with global_aux_loss; kMoeForced: kMoe with
 // --moe-router-force-load-balancing (random logits keyed by the token's row in the [s, b] layout).
-enum class Arch { kGpt, kLlama, kMoe, kMoeSigmoid, kMoeGlobal, kMoeForced };
+// kMla: the Llama style with multi-latent attention (query latent, YaRN, value heads padded; the
+// CP ranks rotate their chunks' positions, k_pe travels with the packed keys).
+enum class Arch { kGpt, kLlama, kMoe, kMoeSigmoid, kMoeGlobal, kMoeForced, kMla };
 
 bool is_moe(Arch a) {
   return a == Arch::kMoe || a == Arch::kMoeSigmoid || a == Arch::kMoeGlobal || a == Arch::kMoeForced;
@@ -519,6 +521,20 @@ TransformerConfig config(Arch arch) {
     c.rotary_percent = 0.5f;
     c.untie_embeddings_and_output_weights = true;
     c.add_bias_linear = false;
+  }
+  if (arch == Arch::kMla) {
+    c.num_attention_heads = 4;
+    c.num_query_groups = 0;
+    c.rotary_percent = 1.f;
+    c.multi_latent_attention = true;
+    c.q_lora_rank = 12;
+    c.kv_lora_rank = 8;
+    c.qk_head_dim = 6;
+    c.qk_pos_emb_head_dim = 4;
+    c.v_head_dim = 5;
+    c.rotary_scaling_factor = 4.f;
+    c.original_max_position_embeddings = 8;  // < kSeq
+    c.mscale_all_dim = 0.5f;
   }
   if (is_moe(arch)) {
     c.num_moe_experts = 4;
@@ -552,6 +568,7 @@ const char* arch_name(Arch a) {
     case Arch::kMoeSigmoid: return "moe_sigmoid_";
     case Arch::kMoeGlobal: return "moe_global_";
     case Arch::kMoeForced: return "moe_forced_";
+    case Arch::kMla: return "mla_";
   }
   return "";
 }
@@ -882,6 +899,12 @@ std::vector<Layout> layouts() {
   l = add(Arch::kMoeForced, 2, "p2p", {}, false);  // TP 4: a TP shard inside one chunk
   l->tp = 4;
   l->sp = true;
+  // Multi-latent attention (the packed, padded qkv through every comm type; TP + SP; dropout).
+  for (const char* type : {"p2p", "allgather", "a2a"}) add(Arch::kMla, 2, type, {}, true);
+  l = add(Arch::kMla, 2, "p2p", {}, false);
+  l->tp = 2;
+  l->sp = true;
+  l->dropout = 0.1f;
   return v;
 }
 

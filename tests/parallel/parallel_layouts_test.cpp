@@ -3,7 +3,7 @@
 // and without the distributed optimizer); pipeline parallelism PP in {2, 4} x VPP in {1, 2} x
 // micro-batches in {PP, 2·PP, 3·PP}, uneven first/last stages, a micro-batch group size; combined
 // TP·PP·DP layouts; overlapped bucket reduction and parameter all-gather; MoE with expert
-// parallelism and both token dispatchers. For each: three training iterations with
+// parallelism and both token dispatchers; multi-latent attention (Mla/*). For each: three training iterations with
 // dropout, weight decay and clipping; the losses of every iteration, the gradients of the last
 // iteration and the parameters after it, gathered from every stage and shard, equal the
 // single-rank run (rel. 1e-5). Also: the buffer plans' memory bounds, and errors for mismatched
@@ -52,7 +52,11 @@ constexpr int kIters = 3;
 /// router GEMM and the routing math in double); kMoeMultiLb: kMoe with two load-balancing types at once
 /// (aux_loss 0.1 and seq_aux_loss 0.05, Megatron's list) and a gated shared expert
 /// (--moe-shared-expert-gate).
-enum class Arch { kGpt, kLlama, kQwen, kMoe, kMoeSigmoid, kMoeForced, kMoeGlobal, kMoeFp64, kMoeMultiLb };
+/// kMla: the Llama style with multi-latent attention (query latent, YaRN with positions beyond
+/// the original context, mscale_all_dim, v heads padded to d_n + d_r); kMlaNoLora: a full query
+/// projection, plain RoPE, q/k heads padded to d_v; kMlaMoe: kMla with kMoe's MoE layers.
+enum class Arch { kGpt, kLlama, kQwen, kMoe, kMoeSigmoid, kMoeForced, kMoeGlobal, kMoeFp64, kMoeMultiLb,
+                  kMla, kMlaNoLora, kMlaMoe };
 
 TransformerConfig config(Arch arch = Arch::kGpt) {
   TransformerConfig c;
@@ -77,8 +81,30 @@ TransformerConfig config(Arch arch = Arch::kGpt) {
     c.untie_embeddings_and_output_weights = true;
     c.add_bias_linear = false;
   }
+  if (arch == Arch::kMla || arch == Arch::kMlaNoLora || arch == Arch::kMlaMoe) {
+    c.num_attention_heads = 4;  // TP 4 keeps one head per rank
+    c.num_query_groups = 0;
+    c.rotary_percent = 1.f;
+    c.multi_latent_attention = true;
+    c.kv_lora_rank = 8;
+    c.qk_head_dim = 6;
+    c.qk_pos_emb_head_dim = 4;
+    if (arch == Arch::kMlaNoLora) {
+      c.rope_type = RopeType::kRope;
+      c.v_head_dim = 12;  // > d_n + d_r = 10: the query/key heads padded
+    } else {
+      c.q_lora_rank = 12;
+      c.v_head_dim = 5;  // < 10: the value heads padded
+      c.rotary_scaling_factor = 4.f;
+      c.original_max_position_embeddings = 4;  // < seq_length 8
+      c.beta_fast = 4.f;
+      c.beta_slow = 1.f;
+      c.mscale = 0.9f;
+      c.mscale_all_dim = 0.7f;
+    }
+  }
   if (arch == Arch::kMoe || arch == Arch::kMoeSigmoid || arch == Arch::kMoeForced || arch == Arch::kMoeGlobal ||
-      arch == Arch::kMoeFp64 || arch == Arch::kMoeMultiLb) {
+      arch == Arch::kMoeFp64 || arch == Arch::kMoeMultiLb || arch == Arch::kMlaMoe) {
     c.num_moe_experts = 4;
     c.moe_ffn_hidden_size = 24;
     c.moe_router_topk = 2;
@@ -167,6 +193,9 @@ struct Layout {
                                 : arch == Arch::kMoeGlobal ? "moe_global_"
                                 : arch == Arch::kMoeFp64   ? "moe_fp64_"
                                 : arch == Arch::kMoeMultiLb ? "moe_multilb_"
+                                : arch == Arch::kMla        ? "mla_"
+                                : arch == Arch::kMlaNoLora  ? "mla_nolora_"
+                                : arch == Arch::kMlaMoe     ? "mla_moe_"
                                                        : "moe_sigmoid_",
                                 std::string(odd_vocab ? "vocab67_" : "") + (flash ? "flash_" : ""), tp, pp, dp, vpp,
                                 micro_total);
@@ -194,6 +223,7 @@ struct Layout {
     if (recompute == 's') s += "_rc_selective";
     if (recompute == 'm') s += "_rc_norm_act";
     if (recompute == 'M') s += "_rc_norm_mlp";
+    if (recompute == 'L') s += "_rc_mla_up_proj";
     if (recompute == 'u' || recompute == 'b')
       s += fmt::format("_rc_{}{}", recompute == 'u' ? "uniform" : "block", recompute_layers);
     return s;
@@ -236,6 +266,10 @@ Result run_layout(const Layout& L, const std::vector<int32_t>& tokens, const std
   c.moe_received_token_capacity = L.received;
   c.tp_comm_overlap = L.tp_overlap;
   c.layernorm_zero_centered_gamma = L.one_p;
+  if (L.recompute == 'L') {  // the local attention's recompute reads the packed qkv: re-made from the latents
+    c.recompute_granularity = RecomputeGranularity::kSelective;
+    c.recompute_modules = parse_recompute_modules({"core_attn", "mla_up_proj"});
+  }
   if (L.recompute == 's' || L.recompute == 'm' || L.recompute == 'M') {
     c.recompute_granularity = RecomputeGranularity::kSelective;
     if (L.recompute != 's')
@@ -862,6 +896,47 @@ std::vector<Layout> layouts() {
 INSTANTIATE_TEST_SUITE_P(Layouts, ParallelLayouts, ::testing::ValuesIn(layouts()),
                          [](const auto& info) { return info.param.name(); });
 
+// Multi-latent attention (model/layers/mla_attention.h) under TP (+ SP: the replicated
+// down-projections' gradients summed over TP, k_pe gathered), PP / VPP, DP with the distributed
+// optimizer, EP with MoE layers, flash attention (the saved packed qkv and padded context), and
+// recompute (core_attn + mla_up_proj; full).
+std::vector<Layout> mla_layouts() {
+  std::vector<Layout> v;
+  for (const auto& [arch, tp, pp, dp, vpp, sp, zero] :
+       {std::tuple{Arch::kMla, 2, 1, 1, 0, false, false}, std::tuple{Arch::kMla, 2, 1, 1, 0, true, false},
+        std::tuple{Arch::kMla, 4, 1, 1, 0, true, false}, std::tuple{Arch::kMla, 1, 2, 1, 0, false, false},
+        std::tuple{Arch::kMla, 1, 2, 1, 2, false, false}, std::tuple{Arch::kMla, 1, 1, 2, 0, false, true},
+        std::tuple{Arch::kMla, 2, 2, 2, 0, true, true}, std::tuple{Arch::kMlaNoLora, 2, 1, 1, 0, true, false},
+        std::tuple{Arch::kMlaNoLora, 1, 2, 2, 0, false, true}}) {
+    Layout L = grid_layout(arch, tp, pp, dp, vpp, 2 * pp * dp);
+    L.sp = sp;
+    L.zero = zero;
+    v.push_back(L);
+  }
+  for (const auto& [tp, dp, ep, sp] : {std::tuple{1, 2, 2, false}, std::tuple{2, 2, 2, true}}) {
+    Layout L = grid_layout(Arch::kMlaMoe, tp, 1, dp, 0, 2 * dp);
+    L.ep = ep;
+    L.etp = tp > 1 ? 1 : 0;
+    L.sp = sp;
+    v.push_back(L);
+  }
+  for (const auto& [arch, tp, flash, rc, layers] :
+       {std::tuple{Arch::kMla, 2, true, '\0', 0}, std::tuple{Arch::kMlaNoLora, 2, true, '\0', 0},
+        std::tuple{Arch::kMla, 2, false, 'L', 0}, std::tuple{Arch::kMla, 2, true, 'L', 0},
+        std::tuple{Arch::kMla, 2, false, 'u', 2}}) {
+    Layout L = grid_layout(arch, tp, 1, 1, 0, 2);
+    L.sp = true;
+    L.flash = flash;
+    L.recompute = rc;
+    L.recompute_layers = layers;
+    v.push_back(L);
+  }
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Mla, ParallelLayouts, ::testing::ValuesIn(mla_layouts()),
+                         [](const auto& info) { return info.param.name(); });
+
 // --tp-comm-overlap changes no bit (docs/parallelism.md "Tensor-parallel communication overlap"):
 // the same layout with and without it gives the same losses, gradients and parameters exactly —
 // the blocked GEMMs compute each row as the whole GEMM does, and the reduce-scatter's pieces are
@@ -955,6 +1030,9 @@ std::vector<Layout> tp_overlap_layouts() {
   add(Arch::kLlama, 4, 1, 1, 0);
   v.back().flash = true;
   add(Arch::kMoe, 2, 1, 2, 0);
+  add(Arch::kMla, 2, 1, 1, 0);  // multi-latent attention: the latents' all-gathers in the up-projections
+  add(Arch::kMlaNoLora, 4, 1, 1, 0);
+  v.back().recompute = 'L';  // the up-projections re-run on the kept gathered latents
   return v;
 }
 

@@ -146,6 +146,45 @@ TEST_F(CliTest, TrainsAndResumesBitwise) {
   EXPECT_NE(gen.out.find("the whale"), std::string::npos) << gen.out;
 }
 
+// Multi-latent attention (docs/mla.md) from the command line: an interrupted and resumed run
+// equals the uninterrupted one (the checkpoint's config carries the MLA fields), --recompute-modules
+// mla_up_proj trains the same model, a resume with another --kv-lora-rank is refused, and the
+// checkpoint generates text through the latent cache.
+TEST_F(CliTest, MultiLatentAttentionTrainsResumesAndGenerates) {
+  const std::string mla = "--normalization RMSNorm --swiglu --ffn-hidden-size 32 --position-embedding-type rope "
+                          "--disable-bias-linear "
+                          "--multi-latent-attention --q-lora-rank 12 --kv-lora-rank 8 --qk-head-dim 6 "
+                          "--qk-pos-emb-head-dim 4 --v-head-dim 5 --rotary-scaling-factor 4 "
+                          "--yarn-original-max-position-embeddings 8 --mscale-all-dim 0.5 --attention-backend local ";
+  const fs::path a = dir / "mla_a", b = dir / "mla_b";
+  RunResult full = run_megatron(train_flags("--train-iters 6 " + mla + "--save " + a.string() + " --save-interval 3"));
+  ASSERT_EQ(full.rc, 0) << full.out;
+  const auto full_losses = loss_lines(full.out);
+  ASSERT_EQ(full_losses.size(), 6u) << full.out;
+  EXPECT_NE(full.out.find(", MLA (q-lora 12, kv-lora 8, qk 6+4, v 5, yarn x4)"), std::string::npos) << full.out;
+  RunResult first = run_megatron(train_flags("--train-iters 6 --exit-interval 3 " + mla + "--save " + b.string()));
+  ASSERT_EQ(first.rc, 0) << first.out;
+  RunResult second =
+      run_megatron(train_flags("--train-iters 6 " + mla + "--save " + b.string() + " --load " + b.string()));
+  ASSERT_EQ(second.rc, 0) << second.out;
+  auto l1 = loss_lines(first.out), l2 = loss_lines(second.out);
+  l1.insert(l1.end(), l2.begin(), l2.end());
+  EXPECT_EQ(l1, full_losses) << first.out << second.out;
+  RunResult rc = run_megatron(train_flags("--train-iters 6 " + mla +
+                                          "--recompute-granularity selective --recompute-modules core_attn mla_up_proj"));
+  ASSERT_EQ(rc.rc, 0) << rc.out;
+  EXPECT_EQ(loss_lines(rc.out), full_losses) << rc.out;
+  const std::string other = std::regex_replace(mla, std::regex("--kv-lora-rank 8"), "--kv-lora-rank 4");
+  RunResult bad = run_megatron(train_flags("--train-iters 9 " + other + "--load " + a.string()));
+  EXPECT_NE(bad.rc, 0);
+  EXPECT_NE(bad.out.find("checkpoint has --kv-lora-rank 8 but the command line asks for 4"), std::string::npos)
+      << bad.out;
+  RunResult gen = run_megatron("generate --load " + a.string() + " " + tok +
+                               " --prompt \"the whale\" --out-seq-length 8 --top-k 5 --device cpu");
+  ASSERT_EQ(gen.rc, 0) << gen.out;
+  EXPECT_NE(gen.out.find("the whale"), std::string::npos) << gen.out;
+}
+
 // --recompute-granularity full / selective (also with --recompute-modules) trains the same model:
 // the loss lines are those of the run without recompute, and the log names the recompute.
 TEST_F(CliTest, ActivationRecomputeTrainsTheSameModel) {
@@ -377,6 +416,17 @@ TEST_F(CliTest, BadNumbersNamed) {
       {train_flags("--train-iters 2 --adam-eps 0"), "--adam-eps: must be > 0, got '0'"},
       {train_flags("--train-iters 2 --moe-router-topk 2"),
        "--moe-router-topk given without --num-experts: it applies only to a mixture-of-experts model"},
+      {train_flags("--train-iters 2 --kv-lora-rank 16 --v-head-dim 8"),
+       "--kv-lora-rank, --v-head-dim given without --multi-latent-attention: they apply only to multi-latent attention"},
+      {train_flags("--train-iters 2 --multi-latent-attention --position-embedding-type rope --group-query-attention "
+                   "--num-query-groups 1"),
+       "--group-query-attention is mutually exclusive with --multi-latent-attention"},
+      {train_flags("--train-iters 2 --multi-latent-attention"),
+       "--multi-latent-attention needs --position-embedding-type rope"},
+      {train_flags("--train-iters 2 --multi-latent-attention --position-embedding-type rope --rope-type ntk"),
+       "--rope-type 'ntk' is not supported: expected rope or yarn"},
+      {train_flags("--train-iters 2 --multi-latent-attention --position-embedding-type rope --qk-pos-emb-head-dim 3"),
+       "--qk-pos-emb-head-dim must be even and >= 2"},
       {train_flags("--train-iters 2 --moe-ffn-hidden-size 32 --moe-router-topk 1"),
        "--moe-ffn-hidden-size, --moe-router-topk given without --num-experts"},
       {train_flags("--train-iters 1000000000 --log-interval 1000000000000"),

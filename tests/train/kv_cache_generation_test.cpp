@@ -77,7 +77,10 @@ TEST(KvCacheAttention, EqualsCausalAttentionInOneShotAndStepByStep) {
   EXPECT_THROW(kv_cache_attention_forward(out.t, qkv.t, small.t, small.t, kcfg, st), Error);  // s > S_max
 }
 
-TransformerConfig config(bool llama) {
+/// 0: GPT-2 style; 1: Llama style; 2: Llama style with multi-latent attention (query latent, YaRN
+/// beyond the original context, value heads padded to d_n + d_r).
+TransformerConfig config(int arch) {
+  const bool llama = arch > 0;
   TransformerConfig c;
   c.num_layers = 4;
   c.hidden_size = 32;
@@ -96,6 +99,18 @@ TransformerConfig config(bool llama) {
     c.untie_embeddings_and_output_weights = true;
     c.add_bias_linear = false;
   }
+  if (arch == 2) {
+    c.num_query_groups = 0;
+    c.multi_latent_attention = true;
+    c.q_lora_rank = 12;
+    c.kv_lora_rank = 8;
+    c.qk_head_dim = 6;
+    c.qk_pos_emb_head_dim = 4;
+    c.v_head_dim = 5;
+    c.rotary_scaling_factor = 4.f;
+    c.original_max_position_embeddings = 8;
+    c.mscale_all_dim = 0.5f;
+  }
   return c;
 }
 
@@ -103,8 +118,8 @@ const std::vector<std::vector<int32_t>> kPrompts = {{3, 14, 15, 9, 2, 6}, {5}, {
 
 /// Generates greedily from kPrompts on tp x pp thread ranks; returns rank 0's result (and checks
 /// that every rank returned the same tokens).
-GenerationResult run(bool llama, int tp, int pp, bool cache, int64_t max_new = 12, int32_t eod = -1) {
-  const TransformerConfig c = config(llama);
+GenerationResult run(int arch, int tp, int pp, bool cache, int64_t max_new = 12, int32_t eod = -1) {
+  const TransformerConfig c = config(arch);
   GenerationResult out;
   std::mutex mu;
   std::vector<std::vector<std::vector<int32_t>>> all(static_cast<size_t>(tp * pp));
@@ -137,7 +152,7 @@ GenerationResult run(bool llama, int tp, int pp, bool cache, int64_t max_new = 1
   return out;
 }
 
-class Generation : public ::testing::TestWithParam<bool> {};
+class Generation : public ::testing::TestWithParam<int> {};
 
 TEST_P(Generation, KvCacheEqualsRecomputation) {
   const GenerationResult ref = run(GetParam(), 1, 1, false), kv = run(GetParam(), 1, 1, true);
@@ -160,15 +175,16 @@ TEST_P(Generation, TensorAndPipelineParallelEqualOneRank) {
   EXPECT_EQ(run(GetParam(), 2, 2, true).tokens, one.tokens);
 }
 
-INSTANTIATE_TEST_SUITE_P(Arch, Generation, ::testing::Values(false, true),
-                         [](const auto& info) { return info.param ? "Llama" : "Gpt"; });
+INSTANTIATE_TEST_SUITE_P(Arch, Generation, ::testing::Values(0, 1, 2), [](const auto& info) {
+  return info.param == 2 ? "Mla" : info.param == 1 ? "Llama" : "Gpt";
+});
 
 TEST(Generation, StopsAtEodAndAtTheContext) {
-  const GenerationResult ref = run(false, 1, 1, true);
+  const GenerationResult ref = run(0, 1, 1, true);
   // Take the 3rd generated token of prompt 1 as the end-of-document token: prompt 1 stops there
   // (the eod included); the others stop at it too if they produce it, else at max_new_tokens.
   const int32_t eod = ref.tokens[1][kPrompts[1].size() + 2];
-  const GenerationResult r = run(false, 1, 1, true, 12, eod);
+  const GenerationResult r = run(0, 1, 1, true, 12, eod);
   for (size_t i = 0; i < 3; ++i) {
     const auto& full = ref.tokens[i];
     auto it = std::find(full.begin() + static_cast<std::ptrdiff_t>(kPrompts[i].size()), full.end(), eod);
@@ -177,12 +193,12 @@ TEST(Generation, StopsAtEodAndAtTheContext) {
     EXPECT_TRUE(std::equal(r.tokens[i].begin(), r.tokens[i].end(), full.begin()));
   }
   // max_new_tokens beyond the context (24): every sequence ends at 24 tokens.
-  const GenerationResult longer = run(false, 1, 1, true, 100);
+  const GenerationResult longer = run(0, 1, 1, true, 100);
   for (const auto& t : longer.tokens) EXPECT_EQ(t.size(), 24u);
 }
 
 TEST(Generation, BadRequests) {
-  const TransformerConfig c = config(false);
+  const TransformerConfig c = config(0);
   Stream st(Device::cpu());
   GPTModel model(c, 1, DType::kF32, Device::cpu(), ProcessGroups::single());
   model.params().initialize(1, st);

@@ -14,6 +14,9 @@
 #include <sstream>
 
 #include "data/gpt_window_dataset.h"
+#include "data/indexed_dataset.h"
+#include "data/preprocess.h"
+#include "data/tiktoken_tokenizer.h"
 #include "testing/testing.h"
 #include "train/megatron_compat.h"
 #include "train/trainer_testing.h"
@@ -138,22 +141,27 @@ std::string compat_error(const PretrainArgs& a) {
   return "";
 }
 
-TEST(MegatronScripts, Gpt3175bParsesAndStopsAtTheBatchRamp) {
+TEST(MegatronScripts, Gpt3175bParsesWithItsStepBatchSchedule) {
   const PretrainArgs full = parse_words(words(kGpt3Script, kPaths));  // no unknown flag
-  EXPECT_NE(compat_error(full).find("--step-batch-size-schedule is not supported: batch-size ramp-up is not built"),
-            std::string::npos)
-      << compat_error(full);
-  // Without the ramp-up the script is accepted as it is (16 x 8 = 128 ranks: TP 8, PP 16, DP 1).
-  const PretrainArgs a = validated(parse_words(words(kGpt3Script, kPaths, {"--step-batch-size-schedule"})), 128);
+  EXPECT_EQ(compat_error(full), "");
+  // 16 x 8 = 128 ranks: TP 8, PP 16, DP 1.
+  const PretrainArgs a = validated(full, 128);
   EXPECT_TRUE(a.fp16);
   EXPECT_EQ(a.train_iters, 500000);
-  EXPECT_EQ(a.global_batch_size, 1536);
+  EXPECT_EQ(a.global_batch_size, 1536);  // = the schedule's final batch (Megatron-LM refuses both flags)
   EXPECT_EQ(a.num_microbatches(), 1536);
+  // 2.4B tokens // --seq-length 2048 = 1171875 samples per step of the schedule
+  EXPECT_EQ(a.batch_schedule.at(0), 16);
+  EXPECT_EQ(a.batch_schedule.at(1171874), 16);
+  EXPECT_EQ(a.batch_schedule.at(1171875), 320);
+  EXPECT_EQ(a.batch_schedule.at(5859375), 1536);
+  EXPECT_EQ(a.microbatch_counts(), (std::vector<int64_t>{16, 320, 624, 928, 1232, 1536}));
+  // With a batch schedule Megatron's scheduler counts samples: --lr-decay-iters x the global batch.
   const LrScheduleConfig s = a.lr_schedule();
-  EXPECT_EQ(s.decay_steps, 430000);
-  EXPECT_NEAR(s.warmup_steps, 430.0, 1e-9);  // Megatron: --lr-warmup-fraction x the decay length
+  EXPECT_EQ(s.decay_steps, int64_t{430000} * 1536);
+  EXPECT_NEAR(s.warmup_steps, 430.0 * 1536, 1e-6);  // Megatron: --lr-warmup-fraction x the decay length
   EXPECT_EQ(s.decay_style, "cosine");
-  EXPECT_DOUBLE_EQ(learning_rate(s, 215), 6.0e-5 * 215 / s.warmup_steps);
+  EXPECT_DOUBLE_EQ(learning_rate(s, a.lr_step(20, 215 * 1536)), 6.0e-5 * 215 * 1536 / s.warmup_steps);
 }
 
 TEST(MegatronScripts, Llama3_8bParsesAsItIs) {
@@ -173,7 +181,7 @@ TEST(MegatronScripts, Llama3_8bParsesAsItIs) {
   const LrScheduleConfig s = a.lr_schedule();  // in samples
   EXPECT_EQ(s.decay_steps, 1949218748);
   EXPECT_EQ(s.warmup_steps, 3906252);
-  EXPECT_EQ(a.lr_step(10), 1280);
+  EXPECT_EQ(a.lr_step(10, 1280), 1280);
   // --decoupled-lr 5.0e-4 --decoupled-min-lr 4.5e-5: the embedding and output layer's schedule.
   EXPECT_TRUE(a.optim.decoupled_lr);
   const LrScheduleConfig d = a.decoupled_lr_schedule();
@@ -238,8 +246,14 @@ TEST(MegatronScripts, EveryCompatFlag) {
   }
   EXPECT_GE(noops, 20);
   EXPECT_GE(refusals, 10);
-  expect_error([&] { validated(parse_words(words("--train-iters 2 --lr 1 --mock-data --tokenizer-type TikTokenizer")), 1); },
-               "--tokenizer-type TikTokenizer is not supported");
+  // TikTokenizer is built (its options parse; the tokenizer itself: TikTokenizerPreprocessesAndTrains)
+  const PretrainArgs tt = parse_words(words("--train-iters 2 --lr 1 --mock-data --tokenizer-type TikTokenizer "
+                                            "--tiktoken-pattern v1 --tiktoken-num-special-tokens 12 "
+                                            "--tiktoken-special-tokens <unk> <s> </s> <mask> <pad> <cls> <sep> <x>"));
+  EXPECT_EQ(compat_error(tt), "");
+  EXPECT_EQ(tt.data.tiktoken.pattern, "v1");
+  EXPECT_EQ(tt.data.tiktoken.num_special_tokens, 12);
+  EXPECT_EQ(tt.data.tiktoken.special_tokens.size(), 8u);
   expect_error([&] { validated(parse_words(words(base + "--no-position-embedding")), 1); },
                "--no-position-embedding with --position-embedding-type learned_absolute");
   EXPECT_NO_THROW(validated(parse_words(words(base + "--no-position-embedding --position-embedding-type rope")), 1));
@@ -265,7 +279,7 @@ TEST(MegatronScripts, IterationAndSampleFlagsDoNotMix) {
 // The learning rate before each iteration, as the trainer computes it.
 std::vector<double> rates(const PretrainArgs& a) {
   std::vector<double> r;
-  for (int64_t i = 0; i <= a.train_iters + 2; ++i) r.push_back(learning_rate(a.lr_schedule(), a.lr_step(i)));
+  for (int64_t i = 0; i <= a.train_iters + 2; ++i) r.push_back(learning_rate(a.lr_schedule(), a.lr_step(i, i * a.global_batch_size)));
   return r;
 }
 
@@ -365,9 +379,10 @@ TEST(MegatronScripts, TheBinaryTakesTheScriptsWords) {
   const auto run = [](const char* script, const std::vector<std::string>& drop = {}) {
     return testing::run_megatron("pretrain --device cpu" + shell_quoted(words(script, kPaths, drop)));
   };
-  testing::RunResult r = run(kGpt3Script);
+  testing::RunResult r = run(kGpt3Script);  // 128 ranks: TP 8 x PP 16
   EXPECT_NE(r.rc, 0);
-  EXPECT_NE(r.out.find("--step-batch-size-schedule is not supported"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("not supported"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("world size 1 is not divisible by tp (8) x cp (1) x pp (16)"), std::string::npos) << r.out;
   r = run(kLlama3Script);
   EXPECT_NE(r.rc, 0);
   EXPECT_EQ(r.out.find("not supported"), std::string::npos) << r.out;
@@ -403,12 +418,15 @@ class MegatronScriptsRun : public CorpusFixture {
   }
 };
 
+// The schedule shrunk with the model: batches of 4 then (from 64 tokens = 2 samples) 8.
 TEST_F(MegatronScriptsRun, Gpt3OnTpTwoPpTwo) {
   const std::string args =
       join(words(kGpt3Script, paths("gpt3"), {"--step-batch-size-schedule", "--fp16"})) + kSmall +
       "--max-position-embeddings 32 --train-iters 4 --lr-decay-iters 4 --lr 3e-3 --tensor-model-parallel-size 2 "
-      "--pipeline-model-parallel-size 2 --nproc-per-node 4";
-  expect_trains(train_in_process(args), 4);
+      "--pipeline-model-parallel-size 2 --nproc-per-node 4 --step-batch-size-schedule 0:4 64:8";
+  const TrainingResult r = train_in_process(args);
+  expect_trains(r, 4);
+  EXPECT_EQ(r.consumed_samples, 4 + 3 * 8);
 }
 
 TEST_F(MegatronScriptsRun, Llama3SampleBasedWithDistributedOptimizer) {
@@ -465,6 +483,56 @@ TEST_F(MegatronScriptsRun, PerTokenLoss) {
   for (const auto& [i, l] : per_token) EXPECT_NEAR(l, per_mb.at(i), 0.05 * per_mb.at(i)) << i;
   EXPECT_EQ(losses("--eod-mask-loss --calculate-per-token-loss --global-batch-size 2"),
             losses("--eod-mask-loss --global-batch-size 2"));
+}
+
+
+// --tokenizer-type TikTokenizer through preprocess_data and pretraining, with the Llama 3 script's
+// --tiktoken-pattern v2 and the vocabulary of tests/data/fixtures/tiktoken_ref (Megatron's JSON
+// format; 10 special tokens, so 10 + its ranks ids in all).
+TEST_F(MegatronScriptsRun, TikTokenizerPreprocessesAndTrains) {
+  const char* src = std::getenv("MT_SOURCE_DIR");
+  const std::string vocab = std::string(src ? src : ".") + "/tests/data/fixtures/tiktoken_ref/vocab.json";
+  std::ifstream vf(vocab);
+  ASSERT_TRUE(vf) << vocab;
+  const int64_t ranks = static_cast<int64_t>(nlohmann::json::parse(vf).size());
+  {
+    std::ofstream j(dir("tt.jsonl"));
+    for (int d = 0; d < 200; ++d)
+      j << nlohmann::json{{"text", fmt::format("Document {} — naïve café 東京 👍🏽: the quick brown fox, {} times. "
+                                               "HelloWorld it's here.", d, d * 7)}}.dump()
+        << "\n";
+  }
+  data::PreprocessConfig c;
+  c.inputs = {dir("tt.jsonl")};
+  c.output_prefix = dir("tt");
+  c.append_eod = true;
+  c.tokenizer_type = "TikTokenizer";
+  c.tokenizer_model = vocab;
+  c.vocab_size = 10 + ranks;
+  c.tiktoken.num_special_tokens = 10;
+  const data::PreprocessStats st = data::preprocess_data(c);
+  EXPECT_EQ(st.documents, 200);
+  // the first document decodes back to its text, then EOD (</s> = 2)
+  const data::TikTokenizer tok = data::TikTokenizer::from_file(vocab, [&] {
+    data::TikTokenOptions o;
+    o.num_special_tokens = 10;
+    o.vocab_size = 10 + ranks;
+    return o;
+  }());
+  data::IndexedDataset ds(st.output_prefixes.at(0));
+  const std::vector<int32_t> doc0 = ds.get(0);
+  ASSERT_FALSE(doc0.empty());
+  EXPECT_EQ(doc0.back(), 2);
+  EXPECT_EQ(tok.decode(std::span(doc0).first(doc0.size() - 1)),
+            "Document 0 — naïve café 東京 👍🏽: the quick brown fox, 0 times. HelloWorld it's here.");
+  const std::string args = std::string(kSmall) + fmt::format(
+      "--tokenizer-type TikTokenizer --tokenizer-model {} --vocab-size {} --tiktoken-num-special-tokens 10 "
+      "--tiktoken-pattern v2 --data-path {} --split 90,8,2 --max-position-embeddings 32 --train-iters 4 --lr 3e-3",
+      vocab, 10 + ranks, st.output_prefixes.at(0));
+  testing::SetupInfo info;
+  const TrainingResult r = train_in_process(args, &info);
+  expect_trains(r, 4);
+  EXPECT_EQ(info.padded_vocab, ((10 + ranks + 63) / 64) * 64);
 }
 
 }  // namespace

@@ -250,6 +250,7 @@ void check_representable(HfArchitecture arch, const TransformerConfig& c) {
   };
   if (!is_moe(arch)) need(c.num_moe_experts == 0, "it has mixture-of-experts layers (MixtralForCausalLM, "
                                                   "Qwen3MoeForCausalLM or Qwen2MoeForCausalLM can hold them)");
+  need(!c.multi_latent_attention, "it has multi-latent attention (DeepseekV3ForCausalLM export is not built yet)");
   const FamilyKinds k = family_kinds(arch);
   need(c.normalization == k.normalization, fmt::format("{} is required (--normalization, got {})",
                                                        normalization_name(k.normalization),

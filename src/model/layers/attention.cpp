@@ -53,7 +53,7 @@ AttentionConfig DotProductAttention::attention_config(const StepContext& ctx, in
   c.heads = heads_;
   c.groups = groups_;
   c.head_dim = config_.head_dim();
-  c.softmax_scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+  c.softmax_scale = config_.softmax_scale();
   c.dropout_p = ctx.dropout.training ? config_.attention_dropout : 0.f;
   c.dropout_key = dropout_key(ctx.dropout, layer_, kSiteAttentionProbs);
   c.head_offset = head_offset_;
@@ -96,7 +96,7 @@ FlashAttentionConfig FlashAttention::flash_config(const StepContext& ctx, int64_
   c.groups = groups_;
   c.queries_per_group = heads_ / groups_;
   c.head_dim = config_.head_dim();
-  c.softmax_scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+  c.softmax_scale = config_.softmax_scale();
   c.dropout_p = ctx.dropout.training ? config_.attention_dropout : 0.f;
   c.dropout_key = dropout_key(ctx.dropout, layer_, kSiteAttentionProbs);
   c.head_offset = head_offset_;
@@ -161,6 +161,8 @@ RowParallelLinear::Options proj_options(const TransformerConfig& c, int64_t laye
   return o;
 }
 
+}  // namespace
+
 std::unique_ptr<CoreAttention> make_core_attention(const TransformerConfig& c, const LayerSpec& spec, int64_t layer,
                                                    const TensorParallelRegion& tp) {
   if (spec.context_parallel != nullptr)  // the blocks on cuDNN where the resolved backend is fused
@@ -171,7 +173,6 @@ std::unique_ptr<CoreAttention> make_core_attention(const TransformerConfig& c, c
              kind.names.name);
   return kind.make(c, layer, tp);
 }
-}  // namespace
 
 SelfAttention::SelfAttention(const TransformerConfig& c, const LayerSpec& spec, int64_t layer,
                              const TensorParallelRegion& tp, ParamRegistry& reg)

@@ -37,6 +37,11 @@ class CoreAttention {
                         const StepContext& ctx) = 0;
 };
 
+/// The core attention of the layer spec: ContextParallelAttention under CP, else the entry of
+/// --attention-backend (model/variants.h). Shapes from config (head_dim(), query_groups()).
+std::unique_ptr<CoreAttention> make_core_attention(const TransformerConfig& config, const LayerSpec& spec,
+                                                   int64_t layer, const TensorParallelRegion& tp);
+
 /// Megatron's DotProductAttention ("local"): ops/attention.h, which saves q, k, v and the
 /// probabilities [b, n_l, s, s]. With --recompute-granularity selective (Megatron's core_attn
 /// recompute) it saves nothing: the caller keeps the qkv input and the backward re-runs the
@@ -83,7 +88,31 @@ class FlashAttention final : public CoreAttention {
   Tensor workspace_;         // scratch for the backward
 };
 
-class SelfAttention {
+/// The self-attention slot of a transformer layer (Megatron's self_attention submodule): SelfAttention,
+/// or MLASelfAttention (model/layers/mla_attention.h) with --multi-latent-attention. Shapes as
+/// SelfAttention's.
+class AttentionSlot {
+ public:
+  virtual ~AttentionSlot() = default;
+  virtual void plan(BufferPlanner& planner, int64_t s, int64_t b) = 0;
+  /// Where the input layernorm writes the block's input [s_l, b, h] for `area`.
+  virtual Tensor input(int area) const = 0;
+  /// Whether the input is not saved (--recompute-modules layernorm): before backward the input
+  /// layernorm must write input() again and restore_input() must run.
+  virtual bool recomputes_input() const { return false; }
+  virtual void restore_input(const StepContext&) {}
+  /// Returns the block's output [s_l, b, h] before the output bias (a scratch view); with `add`
+  /// (only when fuses_residual()) add->out = add->residual + (output + bias).
+  virtual Tensor forward(const StepContext& ctx, const ResidualAdd* add = nullptr) = 0;
+  virtual bool fuses_residual() const = 0;
+  /// From dy [s_l, b, h]: returns dL/d(input) [s_l, b, h] (a scratch view); with `defer`, weight
+  /// gradients whose inputs stay intact may be held back there.
+  virtual Tensor backward(const Tensor& dy, const StepContext& ctx, WgradDeferral* defer) = 0;
+  /// The output projection's bias (added by the layer's bias-dropout-add), unbound without biases.
+  virtual const ParamRef& output_bias() const = 0;
+};
+
+class SelfAttention final : public AttentionSlot {
  public:
   /// prefix: "decoder.layers.<layer>.self_attention".
   SelfAttention(const TransformerConfig& config, const LayerSpec& spec, int64_t layer, const TensorParallelRegion& tp,
@@ -91,25 +120,25 @@ class SelfAttention {
   SelfAttention(const SelfAttention&) = delete;
   SelfAttention& operator=(const SelfAttention&) = delete;
 
-  void plan(BufferPlanner& planner, int64_t s, int64_t b);
+  void plan(BufferPlanner& planner, int64_t s, int64_t b) override;
   /// Where the input layernorm writes the block's input [s_l, b, h] for `area`.
-  Tensor input(int area) const { return linear_qkv_.input(area); }
+  Tensor input(int area) const override { return linear_qkv_.input(area); }
   /// Whether the input is not saved (--recompute-modules layernorm): before backward the input
   /// layernorm must write input() again and restore_input() must run.
-  bool recomputes_input() const { return linear_qkv_.recomputes_input(); }
-  void restore_input(const StepContext& ctx) { linear_qkv_.restore_input(ctx); }
+  bool recomputes_input() const override { return linear_qkv_.recomputes_input(); }
+  void restore_input(const StepContext& ctx) override { linear_qkv_.restore_input(ctx); }
   /// Returns the block's output [s_l, b, h] before the output bias (a scratch view). With
   /// ctx.batch.inference (generation) the core attention is replaced by the key/value-cache
   /// attention (ops/kv_cache_attention.h): the new keys/values are appended to this layer's cache
   /// at the context's offset and the queries attend over the cache (no dropout, no backward).
-  Tensor forward(const StepContext& ctx, const ResidualAdd* add = nullptr);
+  Tensor forward(const StepContext& ctx, const ResidualAdd* add = nullptr) override;
   /// linear_proj's fuses_residual(): forward may take a ResidualAdd.
-  bool fuses_residual() const { return linear_proj_.fuses_residual(); }
+  bool fuses_residual() const override { return linear_proj_.fuses_residual(); }
   /// From dy [s_l, b, h]: returns dL/d(input) [s_l, b, h] (a scratch view). With `defer`, the
   /// weight gradients of linear_proj and linear_qkv are held back there.
-  Tensor backward(const Tensor& dy, const StepContext& ctx, WgradDeferral* defer);
+  Tensor backward(const Tensor& dy, const StepContext& ctx, WgradDeferral* defer) override;
   /// linear_proj's bias (added by the layer's bias-dropout-add), unbound without biases.
-  const ParamRef& output_bias() const { return linear_proj_.bias(); }
+  const ParamRef& output_bias() const override { return linear_proj_.bias(); }
 
  private:
   /// The query (or key) heads of a QKV tensor [s, b, g_l, qpg + 2, d] as rows [s·b·g_l, count, d].

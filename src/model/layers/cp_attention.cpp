@@ -81,7 +81,7 @@ ContextAttentionConfig ContextParallelAttention::op_config(const Tensor& q_pos, 
   c.groups = groups_a_;
   c.queries_per_group = qpg_;
   c.head_dim = d_;
-  c.softmax_scale = 1.0f / std::sqrt(static_cast<float>(d_));
+  c.softmax_scale = config_.softmax_scale();
   c.q_pos = q_pos;
   c.k_pos = k_pos;
   c.doc_start = doc;

@@ -3,6 +3,7 @@
 #include <functional>
 
 #include "model/layer_graphs.h"
+#include "model/layers/mla_attention.h"
 #include "ops/elementwise.h"
 
 namespace mt {
@@ -15,7 +16,11 @@ TransformerLayer::TransformerLayer(const TransformerConfig& c, const LayerSpec& 
   const std::string p = fmt::format("decoder.layers.{}.", layer);
   const int64_t h = c.hidden_size;
   input_layernorm_ = std::make_unique<Norm>(c, p + "input_layernorm", h, TpGradSum::kSequenceParallel, reg);
-  self_attention_ = std::make_unique<SelfAttention>(c, spec, layer, tp, reg);
+  if (spec.multi_latent_attention) {
+    self_attention_ = std::make_unique<MLASelfAttention>(c, spec, layer, tp, reg);
+  } else {
+    self_attention_ = std::make_unique<SelfAttention>(c, spec, layer, tp, reg);
+  }
   pre_mlp_layernorm_ = std::make_unique<Norm>(c, p + "pre_mlp_layernorm", h, TpGradSum::kSequenceParallel, reg);
   if (spec.mlp == MlpKind::kMoE) {
     mlp_ = std::make_unique<MoELayer>(c, layer, tp, ep, reg);

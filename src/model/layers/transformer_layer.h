@@ -54,7 +54,7 @@ class TransformerLayer {
   int64_t layer_;
   size_t group_;
   std::unique_ptr<Norm> input_layernorm_;
-  std::unique_ptr<SelfAttention> self_attention_;
+  std::unique_ptr<AttentionSlot> self_attention_;  // SelfAttention or MLASelfAttention
   std::unique_ptr<Norm> pre_mlp_layernorm_;
   std::unique_ptr<MlpSlot> mlp_;  // MLP or MoELayer (LayerSpec::mlp)
   std::vector<Saved> saved_;

@@ -14,7 +14,8 @@ void rope_apply(const Tensor& qkv, const Tensor& positions, const RopeConfig& cf
   const int64_t s = qkv.size(0), b = qkv.size(1), g = qkv.size(2), heads = qkv.size(3), d = qkv.size(4);
   const int64_t rotated = cfg.queries_per_group + 1;  // query heads, then the key head
   const int64_t half = cfg.rotary_dim / 2;
-  const std::vector<float> inv_freq = rope_math::inv_freq(cfg.rotary_dim, cfg.base);
+  const std::vector<float> inv_freq = rope_math::rope_inv_freq(cfg.rotary_dim, cfg.base, cfg.yarn);
+  const float amp = rope_math::yarn_concentration(cfg.yarn);
   const int32_t* pos = positions.empty() ? nullptr : positions.data_as<int32_t>();
   float* p = qkv.data_as<float>();
   const int64_t tokens = s * b;
@@ -28,8 +29,8 @@ void rope_apply(const Tensor& qkv, const Tensor& positions, const RopeConfig& cf
       const int32_t tp = pos ? pos[t] : static_cast<int32_t>(t / b);
       for (int64_t i = 0; i < half; ++i) {
         const float a = rope_math::angle(tp, inv_freq[i]);
-        cs[i] = std::cos(a);
-        sn[i] = sign * std::sin(a);
+        cs[i] = amp * std::cos(a);
+        sn[i] = sign * (amp * std::sin(a));
       }
       for (int64_t gi = 0; gi < g; ++gi) {
         for (int64_t hi = 0; hi < rotated; ++hi) {

@@ -44,7 +44,8 @@ struct RopeShape {
 /// NP pairs per thread; kInter: pairs (2i, 2i+1), else (i, i + half); kVec: vector loads.
 template <int NP, bool kInter, bool kVec, typename T>
 __global__ void __launch_bounds__(kThreads)
-    rope_kernel(T* p, const int32_t* positions, const __grid_constant__ InvFreqTable inv, RopeShape sh, float sign) {
+    rope_kernel(T* p, const int32_t* positions, const __grid_constant__ InvFreqTable inv, RopeShape sh, float sign,
+                float amp) {
   __shared__ float freq[kMaxPairs];
   for (int i = threadIdx.x; i < sh.half; i += kThreads) freq[i] = inv.f[i];
   __syncthreads();
@@ -64,7 +65,8 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int k = 0; k < NP; ++k) {
       sincosf(rope_math::angle(pos, freq[i0 + k]), &s[k], &c[k]);
-      s[k] *= sign;
+      c[k] *= amp;  // YaRN's concentration factor (1 otherwise: exact)
+      s[k] = sign * (amp * s[k]);
     }
     const int h_end = min(heads_total, (chunk + 1) * kHeadsPerItem);
     for (int hh = chunk * kHeadsPerItem; hh < h_end; ++hh) {
@@ -119,11 +121,12 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 template <int NP, bool kInter, bool kVec, typename T>
-void launch(T* p, const int32_t* positions, const InvFreqTable& inv, RopeShape sh, float sign, const Stream& stream) {
+void launch(T* p, const int32_t* positions, const InvFreqTable& inv, RopeShape sh, float sign, float amp,
+            const Stream& stream) {
   sh.pair_groups = sh.half / NP;
   const int64_t items = sh.tokens * sh.chunks * sh.pair_groups;
   rope_kernel<NP, kInter, kVec><<<ew::grid_for(items, kThreads, stream), kThreads, 0, raw(stream)>>>(p, positions, inv,
-                                                                                                     sh, sign);
+                                                                                                     sh, sign, amp);
   MT_CUDA_CHECK_LAUNCH();
 }
 
@@ -136,7 +139,8 @@ void rope_apply(const Tensor& qkv, const Tensor& positions, const RopeConfig& cf
            "{}: {} too large for the CUDA kernel", fn, qkv.str());
   if (qkv.numel() == 0) return;
   InvFreqTable inv{};
-  const std::vector<float> f = rope_math::inv_freq(cfg.rotary_dim, cfg.base);
+  const std::vector<float> f = rope_math::rope_inv_freq(cfg.rotary_dim, cfg.base, cfg.yarn);
+  const float amp = rope_math::yarn_concentration(cfg.yarn);
   std::copy(f.begin(), f.end(), inv.f);
   RopeShape sh{};
   sh.tokens = s * b;
@@ -155,15 +159,15 @@ void rope_apply(const Tensor& qkv, const Tensor& positions, const RopeConfig& cf
     const bool aligned = ew::aligned16(p) && d % V == 0;
     if (cfg.interleaved) {
       if (aligned && cfg.rotary_dim % V == 0) {
-        launch<V / 2, true, true>(p, pos, inv, sh, sign, stream);
+        launch<V / 2, true, true>(p, pos, inv, sh, sign, amp, stream);
       } else {
-        launch<1, true, false>(p, pos, inv, sh, sign, stream);
+        launch<1, true, false>(p, pos, inv, sh, sign, amp, stream);
       }
     } else {
       if (aligned && sh.half % V == 0) {
-        launch<V, false, true>(p, pos, inv, sh, sign, stream);
+        launch<V, false, true>(p, pos, inv, sh, sign, amp, stream);
       } else {
-        launch<1, false, false>(p, pos, inv, sh, sign, stream);
+        launch<1, false, false>(p, pos, inv, sh, sign, amp, stream);
       }
     }
   });

@@ -1,0 +1,223 @@
+// Multi-latent attention, CUDA against CPU (docs/mla.md): the ops of ops/mla.h and the YaRN
+// rotation in fp32 (bitwise: copies and the same fp32 expressions) and bf16, and a whole MLA model
+// (query latent, YaRN, padded value heads; dropout) with the local and the flash core attention:
+// loss and every gradient; greedy generation with the latent cache on the GPU equals generation
+// without a cache and the CPU's tokens.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "model/gpt_model.h"
+#include "ops/elementwise.h"
+#include "ops/mla.h"
+#include "ops/rope.h"
+#include "testing/testing.h"
+#include "train/inference.h"
+
+namespace mt {
+namespace {
+
+using testing::OwnedTensor;
+
+OwnedTensor on(const std::vector<float>& v, DType t, Device d, const std::vector<int64_t>& shape) {
+  return testing::make_tensor(v, t, d, shape, d.is_cpu() ? testing::cpu_stream() : testing::cuda_stream());
+}
+
+TEST(MlaCuda, OpsMatchCpu) {
+  MT_REQUIRE_CUDA();
+  const Stream &cs = testing::cpu_stream(), &gs = testing::cuda_stream();
+  const int64_t s = 5, b = 3, n = 4, dn = 6, dr = 4, dv = 5, D = 10, S = 8, B = 4, r = 7;
+  const std::vector<float> q = testing::randn(s * b * n * (dn + dr)), kv = testing::randn(s * b * n * (dn + dv)),
+                           kpe = testing::randn(s * b * dr), g = testing::randn(s * b * n * 3 * D),
+                           ckv = testing::randn(s * b * r), up = testing::randn(S * B * n * (dn + dv));
+  for (DType t : {DType::kF32, DType::kBF16}) {
+    const double tol = t == DType::kF32 ? 0 : 1e-2;  // copies are exact; bf16: the head sum and RoPE round once
+    // pack + RoPE (YaRN), on the GPU in t, on the CPU in fp32 from the same rounded inputs
+    auto rt = [&](const std::vector<float>& v) { return testing::rounded(v, t); };
+    OwnedTensor cq = on(rt(q), DType::kF32, Device::cpu(), {s * b, n, dn + dr}),
+                gq = on(q, t, Device::cuda(0), {s * b, n, dn + dr});
+    OwnedTensor ckv_t = on(rt(kv), DType::kF32, Device::cpu(), {s * b, n, dn + dv}),
+                gkv_t = on(kv, t, Device::cuda(0), {s * b, n, dn + dv});
+    OwnedTensor ck = on(rt(kpe), DType::kF32, Device::cpu(), {s * b, dr}), gk = on(kpe, t, Device::cuda(0), {s * b, dr});
+    OwnedTensor cqkv(DType::kF32, Device::cpu(), {s, b, n, 3, D}), gqkv(t, Device::cuda(0), {s, b, n, 3, D});
+    testing::poison(gqkv, gs);
+    mla_qkv_pack(cqkv.t.view({s * b, n, 3, D}), cq, ckv_t, ck, cs);
+    mla_qkv_pack(gqkv.t.view({s * b, n, 3, D}), gq, gkv_t, gk, gs);
+    RopeConfig rc;
+    rc.rotary_dim = dr;
+    rc.interleaved = true;
+    rc.yarn.on = true;
+    rc.yarn.factor = 4;
+    rc.yarn.original_max_positions = 2;
+    rc.yarn.beta_fast = 4;
+    rc.yarn.mscale_all_dim = 0.3;
+    rope_forward(cqkv, Tensor(), rc, cs);
+    rope_forward(gqkv, Tensor(), rc, gs);
+    EXPECT_LE(testing::rel_err(testing::to_host(gqkv, gs), testing::to_host(cqkv, cs)), tol + 1e-6) << "pack + rope";
+    // the backward pieces
+    OwnedTensor cg = on(rt(g), DType::kF32, Device::cpu(), {s * b, n, 3, D}), gg = on(g, t, Device::cuda(0), {s * b, n, 3, D});
+    mla_qkv_unpack_grad(cq, ckv_t, ck, cg, cs);
+    testing::poison(gq, gs);
+    testing::poison(gk, gs);
+    mla_qkv_unpack_grad(gq, gkv_t, gk, gg, gs);
+    EXPECT_LE(testing::rel_err(testing::to_host(gq, gs), testing::to_host(cq, cs)), tol) << "dq";
+    EXPECT_LE(testing::rel_err(testing::to_host(gkv_t, gs), testing::to_host(ckv_t, cs)), tol) << "dkv";
+    EXPECT_LE(testing::rel_err(testing::to_host(gk, gs), testing::to_host(ck, cs)), tol + 1e-6) << "dk_pe";
+    // context unpack (the first d_v channels of each head)
+    const std::vector<float> ctx(g.begin(), g.begin() + s * b * n * D);
+    OwnedTensor cctx = on(rt(ctx), DType::kF32, Device::cpu(), {s * b, n * D}), gctx = on(ctx, t, Device::cuda(0), {s * b, n * D});
+    OwnedTensor co(DType::kF32, Device::cpu(), {s * b, n * dv}), go(t, Device::cuda(0), {s * b, n * dv});
+    mla_context_unpack(co, cctx, n, false, cs);
+    mla_context_unpack(go, gctx, n, false, gs);
+    EXPECT_LE(testing::rel_err(testing::to_host(go, gs), testing::to_host(co, cs)), tol + 1e-6) << "context";
+    mla_context_unpack(co, cctx, n, true, cs);
+    mla_context_unpack(go, gctx, n, true, gs);
+    EXPECT_LE(testing::rel_err(testing::to_host(gctx, gs), testing::to_host(cctx, cs)), tol + 1e-6) << "padded";
+    // latent append / expand
+    OwnedTensor cc = on(rt(ckv), DType::kF32, Device::cpu(), {s, b, r}), gc = on(ckv, t, Device::cuda(0), {s, b, r});
+    OwnedTensor ccache(DType::kF32, Device::cpu(), {S, B, r}), gcache(t, Device::cuda(0), {S, B, r});
+    OwnedTensor cpe(DType::kF32, Device::cpu(), {S, B, dr}), gpe(t, Device::cuda(0), {S, B, dr});
+    fill(ccache, 0.f, cs);
+    fill(gcache, 0.f, gs);
+    fill(cpe, 0.f, cs);
+    fill(gpe, 0.f, gs);
+    mla_latent_append(ccache, cpe, cc, cqkv, 2, cs);
+    mla_latent_append(gcache, gpe, gc, gqkv, 2, gs);
+    EXPECT_LE(testing::rel_err(testing::to_host(gcache, gs), testing::to_host(ccache, cs)), tol) << "c_kv cache";
+    EXPECT_LE(testing::rel_err(testing::to_host(gpe, gs), testing::to_host(cpe, cs)), tol + 1e-6) << "k_pe cache";
+    OwnedTensor cu = on(rt(up), DType::kF32, Device::cpu(), {S, B, n, dn + dv}), gu = on(up, t, Device::cuda(0), {S, B, n, dn + dv});
+    OwnedTensor ckey(DType::kF32, Device::cpu(), {b, n, S, D}), cval(DType::kF32, Device::cpu(), {b, n, S, D});
+    OwnedTensor gkey(t, Device::cuda(0), {b, n, S, D}), gval(t, Device::cuda(0), {b, n, S, D});
+    for (auto* x : {&ckey, &cval}) fill(*x, 0.f, cs);
+    for (auto* x : {&gkey, &gval}) fill(*x, 0.f, gs);
+    mla_latent_expand(ckey, cval, cu, cpe, 7, dn, cs);
+    mla_latent_expand(gkey, gval, gu, gpe, 7, dn, gs);
+    EXPECT_LE(testing::rel_err(testing::to_host(gkey, gs), testing::to_host(ckey, cs)), tol + 1e-6) << "keys";
+    EXPECT_LE(testing::rel_err(testing::to_host(gval, gs), testing::to_host(cval, cs)), tol) << "values";
+  }
+}
+
+/// The Llama-style layer (SwiGLU, RMSNorm, RoPE, untied, no biases) with MLA: query latent 12,
+/// kv latent 8, d_n 6, d_r 4, d_v 5 (value heads padded), YaRN x4 beyond 8 original positions.
+TransformerConfig tiny_mla(int64_t layers, int64_t hidden, int64_t ffn, int64_t seq, int64_t vocab, int64_t divisible) {
+  TransformerConfig c;
+  c.num_layers = layers;
+  c.hidden_size = hidden;
+  c.num_attention_heads = 4;
+  c.ffn_hidden_size = ffn;
+  c.gated_linear_unit = true;
+  c.normalization = Normalization::kRMSNorm;
+  c.position_embedding_type = PositionEmbeddingType::kRope;
+  c.untie_embeddings_and_output_weights = true;
+  c.add_bias_linear = false;
+  c.seq_length = seq;
+  c.vocab_size = vocab;
+  c.make_vocab_size_divisible_by = divisible;
+  c.multi_latent_attention = true;
+  c.q_lora_rank = 12;
+  c.kv_lora_rank = 8;
+  c.qk_head_dim = 6;
+  c.qk_pos_emb_head_dim = 4;
+  c.v_head_dim = 5;
+  c.rotary_scaling_factor = 4.f;
+  c.original_max_position_embeddings = 8;
+  return c;
+}
+
+/// A two-layer MLA model on the GPU (dtype, core attention `backend`) against the CPU model (fp32,
+/// local attention) with the same (rounded) weights and batch: loss and every gradient.
+void compare(DType dtype, AttentionBackend backend, double tol, float dropout) {
+  TransformerConfig c = tiny_mla(2, 64, 0, 32, 500, 64);  // SwiGLU default ffn: int(8·64/3 / 64)·64 = 128
+  c.q_lora_rank = 24;
+  c.kv_lora_rank = 16;
+  c.qk_head_dim = 24;
+  c.qk_pos_emb_head_dim = 8;
+  c.v_head_dim = 16;  // D = 32: the value heads padded
+  c.mscale_all_dim = 0.7f;
+  c.hidden_dropout = c.attention_dropout = dropout;
+  const int64_t b = 3;
+  Stream cs(Device::cpu()), gs(Device::cuda(0));
+  TransformerConfig cc = c, gc = c;
+  cc.attention_backend = AttentionBackend::kLocal;
+  gc.attention_backend = backend;
+  GPTModel cpu(cc, b, DType::kF32, Device::cpu(), ProcessGroups::single());
+  GPTModel gpu(gc, b, dtype, Device::cuda(0), ProcessGroups::single());
+  cpu.params().initialize(testing::test_seed(), cs);
+  std::vector<float> w = testing::to_host(cpu.params().main_flat(), cs);
+  for (auto& x : w) x = round_through(dtype, x);
+  testing::upload(cpu.params().main_flat(), w, cs);
+  testing::upload(gpu.params().main_flat(), w, gs);
+  gpu.params().sync_model_from_main(gs);
+  auto tok = testing::randint(c.seq_length * b, 0, 500), lab = testing::randint(c.seq_length * b, 0, 500);
+  OwnedTensor ct = testing::make_int_tensor(tok, Device::cpu(), {c.seq_length, b}, cs);
+  OwnedTensor cl = testing::make_int_tensor(lab, Device::cpu(), {c.seq_length, b}, cs);
+  OwnedTensor gt = testing::make_int_tensor(tok, Device::cuda(0), {c.seq_length, b}, gs);
+  OwnedTensor gl = testing::make_int_tensor(lab, Device::cuda(0), {c.seq_length, b}, gs);
+  MicroBatch cmb{ct.t, cl.t, Tensor()}, gmb{gt.t, gl.t, Tensor()};
+  OwnedTensor closs(DType::kF32, Device::cpu(), {1}), gloss(DType::kF32, Device::cuda(0), {1});
+  fill(closs, 0.f, cs);
+  fill(gloss, 0.f, gs);
+  const DropoutContext dc{7, 11, 2, true};
+  const float wgt = 1.0f / (c.seq_length * b);
+  cpu.params().zero_grads(cs);
+  gpu.params().zero_grads(gs);
+  cpu.forward(cmb, dc, closs, wgt, cs);
+  gpu.forward(gmb, dc, gloss, wgt, gs);
+  cpu.backward(cmb, dc, wgt, Tensor(), cs);
+  gpu.backward(gmb, dc, wgt, Tensor(), gs);
+  const double lc = testing::to_host(closs, cs)[0], lg = testing::to_host(gloss, gs)[0];
+  EXPECT_NEAR(lg, lc, tol * std::fabs(lc)) << "loss";
+  for (size_t i = 0; i < cpu.params().size(); ++i)
+    EXPECT_LT(testing::rel_err(testing::to_host(gpu.params().grad(i), gs), testing::to_host(cpu.params().grad(i), cs)),
+              tol)
+        << cpu.params().info(i).name;
+}
+
+TEST(MlaCuda, Fp32LocalMatchesCpu) {
+  MT_REQUIRE_CUDA();
+  compare(DType::kF32, AttentionBackend::kLocal, 1e-5, 0.1f);
+}
+TEST(MlaCuda, Fp32FlashMatchesCpu) {
+  MT_REQUIRE_CUDA();
+  compare(DType::kF32, AttentionBackend::kFlash, 1e-5, 0.f);
+}
+TEST(MlaCuda, Bf16LocalMatchesCpu) {
+  MT_REQUIRE_CUDA();
+  compare(DType::kBF16, AttentionBackend::kLocal, 3e-2, 0.f);
+}
+TEST(MlaCuda, Bf16FlashMatchesCpu) {
+  MT_REQUIRE_CUDA();
+  compare(DType::kBF16, AttentionBackend::kFlash, 3e-2, 0.f);
+}
+
+TEST(MlaCuda, LatentCacheGenerationMatchesRecomputationAndCpu) {
+  MT_REQUIRE_CUDA();
+  TransformerConfig c = tiny_mla(3, 32, 48, 24, 61, 8);
+  c.hidden_dropout = c.attention_dropout = 0.f;
+  c.init_method_std = 0.3f;
+  const std::vector<std::vector<int32_t>> prompts = {{3, 14, 15, 9, 2, 6}, {5}, {35, 8, 9, 7}};
+  std::vector<float> weights;  // the CPU model's, uploaded to the GPU model
+  {
+    GPTModel cpu(c, 1, DType::kF32, Device::cpu(), ProcessGroups::single());
+    cpu.params().initialize(99, testing::cpu_stream());
+    weights = testing::to_host(cpu.params().main_flat(), testing::cpu_stream());
+  }
+  auto run = [&](Device d, bool cache) {
+    Stream st(d);
+    GPTModel model(c, 1, DType::kF32, d, ProcessGroups::single());
+    testing::upload(model.params().main_flat(), weights, st);
+    model.params().sync_model_from_main(st);
+    TextGenerator gen(model, 3, c.seq_length, st);
+    GenerationOptions o;
+    o.max_new_tokens = 12;
+    o.sampling.greedy = true;
+    o.use_cache = cache;
+    return gen.generate(prompts, o).tokens;
+  };
+  const auto gpu_cached = run(Device::cuda(0), true);
+  EXPECT_EQ(gpu_cached, run(Device::cuda(0), false));
+  EXPECT_EQ(gpu_cached, run(Device::cpu(), true));
+}
+
+}  // namespace
+}  // namespace mt
