@@ -61,6 +61,10 @@ struct AdamWHyper {
   float beta2 = 0.999f;
   float eps = 1e-8f;
   float weight_decay = 0.f;  ///< decoupled (Loshchilov & Hutter 2019): p -= lr * wd * p
+  /// The gradient buffer already holds the update (Muon's scaled orthogonalised momentum,
+  /// optim/muon.h): p = p - lr * (grad + wd * p), with no loss-scale, clipping or moments (exp_avg
+  /// and exp_avg_sq are left as they are). Same storage variants and found_inf skip as AdamW.
+  bool precomputed_update = false;
 };
 
 /// Host-side initial value of the struct for a scaler configuration.

@@ -74,6 +74,10 @@ MT_HD AdamWCoeffs adamw_coeffs(const AdamWHyper& h, const OptimizerScalars& s) {
 /// multiply-adds are explicit fmaf so that no compiler contracts them differently in the scalar
 /// and the vectorised kernel paths (or on the CPU): every path gives the same bits.
 MT_HD void adamw_element(float& p, float grad, float& m, float& v, const AdamWHyper& h, const AdamWCoeffs& c) {
+  if (h.precomputed_update) {  // Muon's update (AdamWHyper::precomputed_update)
+    p = fmaf(-c.lr, fmaf(h.weight_decay, p, grad), p);
+    return;
+  }
   const float g = grad * c.inv_scale * c.clip;
   m = fmaf(h.beta1, m, (1.f - h.beta1) * g);
   v = fmaf(h.beta2, v, ((1.f - h.beta2) * g) * g);

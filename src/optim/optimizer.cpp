@@ -48,6 +48,16 @@ std::vector<AdamWOptimizer::Piece> AdamWOptimizer::owned_pieces(const std::vecto
   return out;
 }
 
+int64_t AdamWOptimizer::moment_index(const Piece& p) const {
+  auto it = std::upper_bound(m_layout_.begin(), m_layout_.end(), p.begin,
+                             [](int64_t b, const Piece& l) { return b < l.begin; });
+  MT_CHECK(it != m_layout_.begin(), "optimizer: flat element {} is not owned", p.begin);
+  --it;
+  MT_CHECK(p.begin + p.n <= it->begin + it->n, "optimizer: run [{}, {}) crosses a state run [{}, {})", p.begin,
+           p.begin + p.n, it->begin, it->begin + it->n);
+  return it->state + (p.begin - it->begin);
+}
+
 void AdamWOptimizer::init(const Stream& stream) {
   const OptimizerConfig& config = config_;
   MT_REQUIRE(config.beta1 >= 0 && config.beta1 < 1, "--adam-beta1 must be in [0, 1), got {}", config.beta1);
@@ -55,6 +65,10 @@ void AdamWOptimizer::init(const Stream& stream) {
   MT_REQUIRE(config.eps > 0, "--adam-eps must be positive, got {}", config.eps);
   MT_REQUIRE(config.weight_decay >= 0, "--weight-decay must be >= 0, got {}", config.weight_decay);
   MT_REQUIRE(config.clip_grad >= 0, "--clip-grad must be >= 0, got {}", config.clip_grad);
+  MT_REQUIRE(config.optimizer == "adam" || config.optimizer == "muon", "--optimizer '{}' is not one of adam, muon",
+             config.optimizer);
+  const bool muon = config.optimizer == "muon";
+  if (muon) validate_muon_config(config.muon);
   owned_n_ = sync_->owned_elements();
   // Remainders before sharding (every rank still holds the whole fp32 copy, so every rank's bf16
   // parameters are the same split), and both before the moments are allocated (lower peak).
@@ -72,6 +86,36 @@ void AdamWOptimizer::init(const Stream& stream) {
     expert_scalars_ = Buffer(params_.device(), sizeof(OptimizerScalars));
     memset_tensor(expert_scalars_.as(DType::kU8, {static_cast<int64_t>(sizeof(OptimizerScalars))}), 0, stream);
   }
+  // Where the moments keep each owned run: the owned ranges in order (state index), or with Muon
+  // the runs outside the Muon matrices first (both moments) and the Muon runs after them (exp_avg
+  // only: the momentum).
+  m_layout_.clear();
+  v_layout_.clear();
+  {
+    const std::vector<Piece> muon_runs = muon ? owned_pieces(params_.ranges(is_muon_parameter)) : std::vector<Piece>{};
+    int64_t next = 0;
+    size_t k = 0;
+    for (const auto& o : sync_->owned_ranges()) {
+      int64_t at = o.begin;
+      for (; k < muon_runs.size() && muon_runs[k].begin < o.end; ++k) {
+        if (muon_runs[k].begin > at) v_layout_.push_back({at, muon_runs[k].begin - at, 0});
+        at = muon_runs[k].begin + muon_runs[k].n;
+      }
+      if (o.end > at) v_layout_.push_back({at, o.end - at, 0});
+    }
+    for (Piece& p : v_layout_) {
+      p.state = next;
+      next += p.n;
+    }
+    v_n_ = next;
+    m_layout_ = v_layout_;
+    for (const Piece& p : muon_runs) {
+      m_layout_.push_back({p.begin, p.n, next});
+      next += p.n;
+    }
+    MT_CHECK(next == owned_n_, "optimizer state layout covers {} of {} owned elements", next, owned_n_);
+    std::sort(m_layout_.begin(), m_layout_.end(), [](const Piece& a, const Piece& b) { return a.begin < b.begin; });
+  }
   // One multi-tensor AdamW launch per step over every owned run (two with --decoupled-lr: one
   // per learning rate). The fp32 main parameters (or their remainders) are indexed by state index
   // when sharded (the compact shard), else by flat index.
@@ -80,9 +124,11 @@ void AdamWOptimizer::init(const Stream& stream) {
     std::vector<AdamWRun> runs;
     for (const bool decay : {true, false}) {
       const auto pieces = owned_pieces(params_.ranges([&](const ParamInfo& p) {
-        return p.weight_decay == decay && (config.decoupled_lr && is_embedding_or_output_parameter(p)) == decoupled;
+        return p.weight_decay == decay && (config.decoupled_lr && is_embedding_or_output_parameter(p)) == decoupled &&
+               !(muon && is_muon_parameter(p));
       }));
-      for (const auto& p : pieces) runs.push_back({p.begin, sharded ? p.state : p.begin, p.state, p.n, decay ? 1 : 0, 0});
+      for (const auto& p : pieces)
+        runs.push_back({p.begin, sharded ? p.state : p.begin, moment_index(p), p.n, decay ? 1 : 0, 0});
     }
     return runs;
   };
@@ -91,8 +137,25 @@ void AdamWOptimizer::init(const Stream& stream) {
     const std::vector<AdamWRun> runs = plan(true);
     if (!runs.empty()) decoupled_plan_ = AdamWPlan(runs, params_.device(), stream);
   }
+  if (muon) {
+    // Muon's updates applied as AdamW's runs are (every storage variant of the main parameters),
+    // with AdamWHyper::precomputed_update.
+    std::vector<AdamWRun> runs;
+    std::vector<MuonPiece> muon_pieces;
+    for (const bool decay : {true, false}) {
+      const auto pieces = owned_pieces(
+          params_.ranges([&](const ParamInfo& p) { return p.weight_decay == decay && is_muon_parameter(p); }));
+      for (const auto& p : pieces)
+        runs.push_back({p.begin, sharded ? p.state : p.begin, moment_index(p), p.n, decay ? 1 : 0, 0});
+    }
+    for (const auto& p : owned_pieces(params_.ranges(is_muon_parameter)))
+      muon_pieces.push_back({p.begin, p.n, moment_index(p)});
+    if (!runs.empty()) muon_plan_ = AdamWPlan(runs, params_.device(), stream);
+    muon_ = std::make_unique<MuonStep>(params_, *sync_, config.muon, groups_.tp, groups_.etp, std::move(muon_pieces),
+                                       stream);
+  }
   exp_avg_ = Buffer(params_.device(), static_cast<size_t>(owned_n_) * 4);
-  exp_avg_sq_ = Buffer(params_.device(), static_cast<size_t>(owned_n_) * 4);
+  exp_avg_sq_ = Buffer(params_.device(), static_cast<size_t>(v_n_) * 4);
   scalars_ = Buffer(params_.device(), sizeof(OptimizerScalars));
   host_scalars_ = Buffer(Device::cpu(), sizeof(OptimizerScalars), HostMemory::kPinned);
   memset_tensor(exp_avg(), 0, stream);
@@ -165,6 +228,16 @@ void AdamWOptimizer::step(float lr, const Stream& stream, Timers* timers, const 
       const AdamWHyper dhp{decoupled_lr, decoupled_lr_ptr, config_.beta1, config_.beta2, config_.eps, config_.weight_decay};
       adamw_multi_step(main, grads, exp_avg(), exp_avg_sq(), model, decoupled_plan_, dhp, sc, stream);
     }
+    if (muon_) {
+      // Momentum, Newton-Schulz and scale: the updates over the Muon parameters' gradients.
+      muon_->step(grads, exp_avg(), sc, stream);
+      AdamWHyper mhp{lr, lr_ptr, config_.beta1, config_.beta2, config_.eps, config_.weight_decay};
+      mhp.precomputed_update = true;
+      if (!muon_plan_.chunks().empty())
+        // (the update reads and writes no moment: exp_avg stands for both, its Muon state indices
+      // lying beyond exp_avg_sq)
+      adamw_multi_step(main, grads, exp_avg(), exp_avg(), model, muon_plan_, mhp, sc, stream);
+    }
   }
   loss_scaler_update(sc, config_.scaler, stream);
   ScopedTimer gather(timers, Timers::kParamsAllGather, stream);
@@ -195,8 +268,15 @@ void AdamWOptimizer::all_gather_owned(const Tensor& full, const Stream& stream) 
 }
 
 void AdamWOptimizer::gather_moments(const Tensor& m, const Tensor& v, const Stream& stream) const {
-  gather_compact(m, exp_avg(), stream);
-  gather_compact(v, exp_avg_sq(), stream);
+  for (const Tensor* t : {&m, &v})
+    MT_REQUIRE(t->dtype() == DType::kF32 && t->numel() == params_.total_elements(),
+               "optimizer gather: expected fp32 [{}], got {}", params_.total_elements(), t->str());
+  sync_->finish_param_sync(stream);  // no collective of ours may be in flight on the comm stream
+  if (v_n_ < owned_n_) memset_tensor(v, 0, stream);  // Muon matrices: no second moment
+  for (const Piece& p : m_layout_) copy(m.flat_range(p.begin, p.n), exp_avg().flat_range(p.state, p.n), stream);
+  for (const Piece& p : v_layout_) copy(v.flat_range(p.begin, p.n), exp_avg_sq().flat_range(p.state, p.n), stream);
+  all_gather_owned(m, stream);
+  all_gather_owned(v, stream);
 }
 
 void AdamWOptimizer::gather_main(const Tensor& full, const Stream& stream) const {
@@ -227,12 +307,8 @@ void AdamWOptimizer::gather_main(const Tensor& full, const Stream& stream) const
 }
 
 void AdamWOptimizer::scatter_moments(const Tensor& m, const Tensor& v, const Stream& stream) {
-  int64_t state = 0;
-  for (const auto& o : sync_->owned_ranges()) {
-    copy(exp_avg().flat_range(state, o.end - o.begin), m.flat_range(o.begin, o.end - o.begin), stream);
-    copy(exp_avg_sq().flat_range(state, o.end - o.begin), v.flat_range(o.begin, o.end - o.begin), stream);
-    state += o.end - o.begin;
-  }
+  for (const Piece& p : m_layout_) copy(exp_avg().flat_range(p.state, p.n), m.flat_range(p.begin, p.n), stream);
+  for (const Piece& p : v_layout_) copy(exp_avg_sq().flat_range(p.state, p.n), v.flat_range(p.begin, p.n), stream);
 }
 
 }  // namespace mt

@@ -10,6 +10,7 @@
 #include "model/params.h"
 #include "ops/optimizer.h"
 #include "optim/grad_sync.h"
+#include "optim/muon.h"
 
 namespace mt {
 
@@ -30,6 +31,10 @@ struct OptimizerConfig {
   /// megatron/core/optimizer/__init__.py get_standard_config_overrides). false = one rate.
   bool decoupled_lr = false;
   LossScalerConfig scaler{};
+  /// --optimizer adam|muon (Megatron's names; "adam" is AdamW). muon: the Muon parameters
+  /// (is_muon_parameter) are stepped by Muon (optim/muon.h, options in `muon`), the rest by AdamW.
+  std::string optimizer = "adam";
+  MuonConfig muon{};
 };
 
 /// Megatron's is_embedding_or_output_parameter (set in LanguageModule's
@@ -56,6 +61,9 @@ struct OptimizerGroups {
   /// elements, summed over EDP first when sharded) is summed over it and added to the dense one.
   /// nullptr = a single rank.
   std::shared_ptr<Communicator> expert_mp;
+  /// --optimizer muon: the tensor-parallel groups of the dense and the expert parameters (their
+  /// shards are orthogonalised as --muon-tp-mode says). nullptr = a single rank.
+  std::shared_ptr<Communicator> tp, etp;
 };
 
 /// AdamW on the elements this rank owns (GradSync::owned_ranges: the whole flat buffer, or with
@@ -99,8 +107,17 @@ class AdamWOptimizer {
   OptimizerScalars read_scalars_sync(const Stream& stream) const;
   void write_scalars(const OptimizerScalars& s, const Stream& stream);
   /// AdamW moments of the owned elements: fp32 [owned_elements()], owned ranges concatenated.
+  /// With --optimizer muon the state is laid out differently (moments_flat() false): exp_avg holds
+  /// the AdamW elements' first moments (owned elements outside the Muon matrices, ascending) then
+  /// the Muon matrices' momentum (ascending); exp_avg_sq only the AdamW elements'
+  /// [adamw_state_elements()] (Muon keeps one buffer instead of two moments). Read them by
+  /// parameter through gather_moments.
   Tensor exp_avg() const { return exp_avg_.as(DType::kF32, {owned_n_}); }
-  Tensor exp_avg_sq() const { return exp_avg_sq_.as(DType::kF32, {owned_n_}); }
+  Tensor exp_avg_sq() const { return exp_avg_sq_.as(DType::kF32, {v_n_}); }
+  int64_t adamw_state_elements() const { return v_n_; }
+  /// exp_avg / exp_avg_sq are indexed by the flat index ([total], one owned range, AdamW only):
+  /// no distributed optimizer and no Muon. Otherwise use gather_moments / scatter_moments.
+  bool moments_flat() const { return !sync_->distributed() && !muon_; }
   /// Owned flat ranges, ascending (GradSync::owned_ranges).
   const std::vector<ParamStore::Range>& owned_ranges() const { return sync_->owned_ranges(); }
   int64_t owned_elements() const { return owned_n_; }
@@ -110,11 +127,12 @@ class AdamWOptimizer {
   /// parameters held beyond the model parameters (ParamStore::main_storage_elements: fp32, or
   /// int16 remainders). With N = total elements: 2·N (fp32 model) or 3·N (bf16/fp16), divided by
   /// DP with the distributed optimizer. For memory use state_bytes().
-  int64_t state_elements() const { return 2 * owned_n_ + params_.main_storage_elements(); }
+  /// With Muon: exp_avg for every owned element, exp_avg_sq for the AdamW ones only.
+  int64_t state_elements() const { return owned_n_ + v_n_ + params_.main_storage_elements(); }
   /// Bytes of that state: 8 per owned element for the moments plus ParamStore::main_storage_bytes
   /// (4 per stored main element, 2 with remainders): 12·N (bf16/fp16) or 10·N
   /// (--use-precision-aware-optimizer), divided by DP with the distributed optimizer.
-  int64_t state_bytes() const { return 8 * owned_n_ + params_.main_storage_bytes(); }
+  int64_t state_bytes() const { return 4 * (owned_n_ + v_n_) + params_.main_storage_bytes(); }
   /// Checkpoint support, outside a training step. gather_*: full-length fp32 [total] tensors on
   /// the device (copies, or all-gathered over DP per bucket with the distributed optimizer;
   /// collective). gather_main: the fp32 main parameters (waits for parameter all-gathers in
@@ -124,6 +142,8 @@ class AdamWOptimizer {
   void gather_main(const Tensor& full, const Stream& stream) const;
   void scatter_moments(const Tensor& m, const Tensor& v, const Stream& stream);
   const OptimizerConfig& config() const { return config_; }
+  /// The Muon part (nullptr with --optimizer adam).
+  const MuonStep* muon() const { return muon_.get(); }
 
  private:
   void init(const Stream& stream);
@@ -143,12 +163,21 @@ class AdamWOptimizer {
   std::unique_ptr<GradSync> own_sync_;
   GradSync* sync_ = nullptr;
   Buffer exp_avg_, exp_avg_sq_, scalars_;
-  int64_t owned_n_ = 0;
+  int64_t owned_n_ = 0, v_n_ = 0;
+  // Where exp_avg / exp_avg_sq keep each owned flat run (state = index in that buffer), ascending
+  // by flat index: with Muon the AdamW runs first, the Muon runs after (exp_avg_sq: AdamW only).
+  std::vector<Piece> m_layout_, v_layout_;
+  // The state index (in m_layout_) of an owned piece (its `state` is the owned-range index).
+  int64_t moment_index(const Piece& p) const;
   // Planned once: owned pieces counted in the gradient norm on this rank; every owned piece with
   // its weight-decay flag, chunked for adamw_multi_step (with config_.decoupled_lr the embedding
   // and output-layer pieces in decoupled_plan_ instead, empty on ranks without them).
   std::vector<Piece> norm_pieces_, expert_norm_pieces_;
   AdamWPlan adamw_plan_, decoupled_plan_;
+  // --optimizer muon: the Muon step and the plan applying its updates (the momentum lives in
+  // exp_avg_ at the Muon parameters' state indices; their exp_avg_sq stays zero).
+  std::unique_ptr<MuonStep> muon_;
+  AdamWPlan muon_plan_;
   Buffer expert_scalars_;  // OptimizerScalars whose grad_sumsq accumulates the expert pieces
   Buffer host_scalars_;  // pinned
 };

@@ -371,6 +371,33 @@ void add_training_options(CLI::App& app, PretrainArgs& a) {
   app.add_option("--adam-eps", a.optim.eps, "AdamW epsilon")
       ->check(number_range(0, kNoMax, true))
       ->capture_default_str();
+  // --optimizer muon (Megatron's _add_training_args / OptimizerConfig muon_*; docs/optimizer.md)
+  app.add_option("--optimizer", a.optim.optimizer,
+                 "adam (AdamW) or muon (Muon for the transformer layers' weight matrices, AdamW for the rest)")
+      ->capture_default_str();
+  app.add_option("--muon-momentum", a.optim.muon.momentum, "Muon momentum (EMA) factor")
+      ->check(number_range(0, 1, false, true))
+      ->capture_default_str();
+  app.add_flag("--muon-nesterov,--muon-use-nesterov", a.optim.muon.nesterov, "Muon: Nesterov-style momentum");
+  app.add_flag("!--muon-no-split-qkv", a.optim.muon.split_qkv,
+               "Muon: orthogonalise the fused QKV weight whole instead of Q, K and V apart");
+  app.add_option("--muon-num-ns-steps", a.optim.muon.num_ns_steps, "Muon: Newton-Schulz steps")
+      ->check(positive_integer())
+      ->capture_default_str();
+  app.add_option("--muon-scale-mode", a.optim.muon.scale_mode,
+                 "Muon update scale: spectral sqrt(max(r, c)), unit_rms_norm sqrt(r / c), shape_scaling "
+                 "sqrt(max(1, r / c))")
+      ->capture_default_str();
+  app.add_option("--muon-extra-scale-factor", a.optim.muon.extra_scale_factor, "Muon: extra update scale factor")
+      ->check(number_range(0, kNoMax))
+      ->capture_default_str();
+  app.add_option("--muon-coefficient-type", a.optim.muon.coefficient_type,
+                 "Muon Newton-Schulz coefficients: simple, quintic, polar_express or aol")
+      ->capture_default_str();
+  app.add_option("--muon-tp-mode", a.optim.muon.tp_mode,
+                 "Muon with tensor parallelism: duplicated (gather, orthogonalise, keep the shard), distributed "
+                 "(sharded iteration) or blockwise (each shard alone)")
+      ->capture_default_str();
   app.add_option("--seed", a.seed, "Random seed (init, dropout, data order)")
       ->check(integer_range(0, 4294967295))
       ->capture_default_str();
@@ -805,6 +832,14 @@ void validate_pretrain_args(PretrainArgs& a) {
   sc.growth_interval = a.loss_scale_window;
   sc.hysteresis = a.hysteresis;
   a.model.validate(a.tensor_model_parallel_size);
+  MT_REQUIRE(a.optim.optimizer == "adam" || a.optim.optimizer == "muon", "--optimizer '{}' is not one of adam, muon",
+             a.optim.optimizer);
+  if (a.optim.optimizer == "muon") {
+    // Megatron's _get_qkv_split_shapes: a query group's rows of Q, K and V in linear_qkv.
+    a.optim.muon.qkv_q_rows = a.model.num_attention_heads / a.model.query_groups() * a.model.head_dim();
+    a.optim.muon.qkv_kv_rows = a.model.head_dim();
+    validate_muon_config(a.optim.muon);
+  }
   (void)learning_rate(a.lr_schedule(), 0);  // validates the schedule
   // Megatron ignores --decoupled-min-lr without --decoupled-lr; so does this.
   a.optim.decoupled_lr = a.decoupled_lr >= 0;

@@ -263,7 +263,7 @@ FullState& full_state(FullState& f, const ParamStore& params, const AdamWOptimiz
     f.main = params.main_flat();
   }
   if (!opt) return f;
-  if (!opt->distributed()) {  // one owned range [0, total): state index == flat index
+  if (opt->moments_flat()) {  // one owned range [0, total): state index == flat index (AdamW)
     f.m = opt->exp_avg();
     f.v = opt->exp_avg_sq();
     return f;
@@ -667,7 +667,7 @@ CheckpointSaveJob prepare_save(const std::string& dir, const CheckpointState& st
                "save_checkpoint: the main parameters are sharded or stored as remainders, the optimizer is needed");
     optimizer->gather_main(full.main, stream);
   }
-  if (with_optim && optimizer->distributed()) optimizer->gather_moments(full.m, full.v, stream);
+  if (with_optim && !optimizer->moments_flat()) optimizer->gather_moments(full.m, full.v, stream);
   if (job.rank0) {
     for (int r = 0; r < w.world->size(); ++r) {
       std::memcpy(flags, all.data() + r * sizeof(mine), sizeof(flags));
@@ -686,6 +686,9 @@ CheckpointSaveJob prepare_save(const std::string& dir, const CheckpointState& st
                     {"model", config_to_json(state.model)},
                     {"scalars", scalars_to_json(state.scalars)},
                     {"has_optimizer", with_optim}};
+    // The optimizer whose state exp_avg / exp_avg_sq hold (Muon: exp_avg is the momentum of its
+    // matrices and their exp_avg_sq is zero; docs/optimizer.md).
+    if (with_optim) job.meta["optimizer"] = optimizer->config().optimizer;
   }
   return job;
 }
@@ -1244,6 +1247,12 @@ CheckpointState load_checkpoint(const std::string& dir, ParamStore& params, Adam
                "checkpoint '{}' has no optimizer state (e.g. written by import-hf): load its weights with --finetune "
                "or --no-load-optim",
                iter_path.string());
+    // Optimizer state of another optimizer (AdamW moments vs Muon momentum): switching is for
+    // --finetune (weights only) or --no-load-optim; checkpoints before the field are AdamW's.
+    MT_REQUIRE(!optimizer || meta.value("optimizer", std::string("adam")) == optimizer->config().optimizer,
+               "checkpoint '{}' holds the state of --optimizer {}, this run uses --optimizer {}: switch optimizers "
+               "with --finetune or --no-load-optim",
+               iter_path.string(), meta.value("optimizer", std::string("adam")), optimizer->config().optimizer);
     std::unordered_map<std::string, const json*> by_name;
     for (const auto& t : meta.at("tensors")) by_name[t.at("name").get<std::string>()] = &t;
     std::map<std::string, std::ifstream> files;
@@ -1251,7 +1260,7 @@ CheckpointState load_checkpoint(const std::string& dir, ParamStore& params, Adam
     if (optimizer) optimizer->grad_sync().finish_param_sync(stream);  // nothing may still write the parameters
     full_state(full, params, optimizer, stream);
     if (params.has_main_flat()) memset_tensor(full.main, 0, stream);  // padding (the loop fills the rest)
-    if (optimizer && !optimizer->distributed()) {
+    if (optimizer && optimizer->moments_flat()) {
       memset_tensor(full.m, 0, stream);
       memset_tensor(full.v, 0, stream);
     }
@@ -1360,7 +1369,7 @@ CheckpointState load_checkpoint(const std::string& dir, ParamStore& params, Adam
   } else {
     params.sync_model_from_main(stream);
   }
-  if (optimizer && optimizer->distributed()) optimizer->scatter_moments(full.m, full.v, stream);
+  if (optimizer && !optimizer->moments_flat()) optimizer->scatter_moments(full.m, full.v, stream);
   if (optimizer) optimizer->write_scalars(state.scalars, stream);
   stream.synchronize();
   return state;

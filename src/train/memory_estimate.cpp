@@ -63,8 +63,20 @@ MemoryEstimate estimate_training_memory(const MemoryEstimateInputs& in) {
   // the moments, and AdamW's chunk table (AdamWPlan: at most one partial chunk per owned piece,
   // a piece being a parameter's run cut by the owned range of its bucket)
   const size_t chunks = (owned + kAdamWChunk - 1) / kAdamWChunk + static_cast<size_t>(m.params.count + m.params.buckets);
-  e.parts.push_back({"optimizer state (Adam moments, fp32)", owned * 8 + chunks * sizeof(AdamWRun),
+  // Muon: no second moment for its matrices (the owned share of them with the distributed optimizer)
+  const size_t muon_owned =
+      !in.muon ? 0
+      : in.distributed_optimizer
+          ? static_cast<size_t>(in.muon_dense_elements) / static_cast<size_t>(std::max<int64_t>(in.data_parallel, 1)) +
+                static_cast<size_t>(in.muon_expert_elements) /
+                    static_cast<size_t>(std::max<int64_t>(in.expert_data_parallel, 1))
+          : static_cast<size_t>(in.muon_dense_elements + in.muon_expert_elements);
+  e.parts.push_back({in.muon ? "optimizer state (Adam moments, Muon momentum, fp32)" : "optimizer state (Adam moments, fp32)",
+                     owned * 8 - std::min(muon_owned, owned) * 4 + chunks * sizeof(AdamWRun),
                      std::string(kModelRemedy) + sharded});
+  if (in.muon)
+    e.parts.push_back({"Muon Newton-Schulz workspace", in.muon_workspace_bytes,
+                       "a larger --tensor-model-parallel-size with --muon-tp-mode distributed"});
   e.parts.push_back({fmt::format("activations ({} slot{} of {:.3f} GiB)", m.activation_slots,
                                  m.activation_slots == 1 ? "" : "s", gib(m.activation_slot_bytes)),
                      m.activation_slot_bytes * static_cast<size_t>(m.activation_slots), kActivationRemedy});

@@ -32,6 +32,11 @@ struct MemoryEstimateInputs {
   bool grad_reduce_in_bf16 = false;   ///< --grad-reduce-in-bf16: a bf16 copy of the largest bucket
   size_t pipeline_grad_bytes = 0;     ///< the pipeline executor's received-gradient buffers
   size_t batch_bytes = 0;             ///< the staged micro-batches on the device
+  /// --optimizer muon (optim/muon.h muon_memory): the rank's Muon matrix elements (dense, expert),
+  /// which keep one momentum buffer instead of AdamW's two moments, and the Newton-Schulz workspace.
+  bool muon = false;
+  int64_t muon_dense_elements = 0, muon_expert_elements = 0;
+  size_t muon_workspace_bytes = 0;
 };
 
 /// One consumer: name, bytes and the flags that shrink it (empty: none).

@@ -112,6 +112,17 @@ MemoryEstimate estimate_rank_memory(const ModelSetupOptions& o, const ProcessGro
   for (const PipelinePlan* p : all_plans(s)) grad_buffers = std::max(grad_buffers, p->grad_buffers);
   in.pipeline_grad_bytes = static_cast<size_t>(grad_buffers) * in.model.boundary_bytes;
   in.batch_bytes = o.batch_bytes;
+  if (o.optim.optimizer == "muon") {
+    const int ep = groups.ep ? groups.ep->size() : 1, ep_rank = groups.ep ? groups.ep->rank() : 0;
+    const int etp = groups.etp ? groups.etp->size() : groups.tp->size();
+    const MuonMemory mm = muon_memory(
+        GPTModel::param_specs(o.model, groups.tp->size(), groups.tp->rank(), s.chunks, ep, ep_rank), o.optim.muon,
+        groups.tp->size(), etp, o.device);
+    in.muon = true;
+    in.muon_dense_elements = mm.dense_elements;
+    in.muon_expert_elements = mm.expert_elements;
+    in.muon_workspace_bytes = mm.workspace_bytes;
+  }
   if (model_plan) *model_plan = in.model;
   return estimate_training_memory(in);
 }
@@ -143,7 +154,7 @@ ModelSetup::ModelSetup(std::shared_ptr<Communicator> world, ModelSetupOptions op
   // --overlap-grad-reduce) and the optimizer over this rank's owned elements.
   grad_sync_ = std::make_unique<GradSync>(model_->params(), groups_.dp_cp, o.ddp, groups_.edp);
   optimizer_ = std::make_unique<AdamWOptimizer>(
-      *grad_sync_, o.optim, stream, OptimizerGroups{nullptr, groups_.mp, groups_.tp->rank(), false, groups_.etp_ep_pp});
+      *grad_sync_, o.optim, stream, OptimizerGroups{nullptr, groups_.mp, groups_.tp->rank(), false, groups_.etp_ep_pp, groups_.tp, groups_.etp});
   model_->set_hooks(grad_sync_.get());
 }
 

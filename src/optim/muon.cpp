@@ -1,0 +1,464 @@
+#include "optim/muon.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "ops/elementwise.h"
+#include "ops/matmul.h"
+#include "ops/muon.h"
+#include "optim/grad_sync.h"
+
+namespace mt {
+
+namespace {
+constexpr float kNsEps = 1e-7f;  // emerging_optimizers newton_schulz's eps
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+}  // namespace
+
+std::vector<NsCoeff> ns_coefficients(const std::string& type, int steps) {
+  MT_REQUIRE(steps >= 1, "--muon-num-ns-steps must be >= 1, got {}", steps);
+  std::vector<NsCoeff> set;
+  if (type == "simple") {
+    set = {{3.4445f, -4.7750f, 2.0315f}};
+  } else if (type == "quintic") {
+    set = {{4.0848f, -6.8946f, 2.9270f},
+           {3.9505f, -6.3029f, 2.6377f},
+           {3.7418f, -5.5913f, 2.3037f},
+           {2.8769f, -3.1427f, 1.2046f},
+           {2.8366f, -3.0525f, 1.2012f}};
+  } else if (type == "polar_express") {
+    set = {{8.2051f, -22.9019f, 16.4607f}, {4.0664f, -2.8612f, 0.5184f}, {3.9096f, -2.8234f, 0.5250f},
+           {3.2856f, -2.4153f, 0.4853f},   {2.2779f, -1.6198f, 0.3985f}, {1.8726f, -1.2307f, 0.3585f},
+           {1.8564f, -1.2132f, 0.3568f},   {1.8750f, -1.2500f, 0.3750f}};
+  } else if (type == "aol") {
+    set = {{4.0098f, -7.0585f, 2.4635f},
+           {3.4585f, -5.5479f, 2.5959f},
+           {2.7573f, -3.2939f, 1.4254f},
+           {2.7215f, -3.0494f, 1.3169f}};
+  } else {
+    MT_FAIL("--muon-coefficient-type '{}' is not one of simple, quintic, polar_express, aol", type);
+  }
+  const int n = static_cast<int>(set.size());
+  std::vector<NsCoeff> out;
+  if (type == "simple") {
+    out.assign(static_cast<size_t>(steps), set[0]);
+  } else if (type == "polar_express") {
+    MT_REQUIRE(steps >= n, "--muon-coefficient-type polar_express needs --muon-num-ns-steps >= {}, got {}", n, steps);
+    out = set;
+    out.resize(static_cast<size_t>(steps), set.back());
+  } else {
+    MT_REQUIRE(steps % n == 0, "--muon-coefficient-type {} needs --muon-num-ns-steps a multiple of {}, got {}", type,
+               n, steps);
+    for (int i = 0; i < steps; ++i) out.push_back(set[static_cast<size_t>(i % n)]);
+  }
+  return out;
+}
+
+double muon_scale_factor(const std::string& mode, int64_t rows, int64_t cols) {
+  const double r = static_cast<double>(rows), c = static_cast<double>(cols);
+  if (mode == "spectral") return std::sqrt(std::max(r, c));
+  if (mode == "unit_rms_norm") return std::sqrt(r / c);
+  if (mode == "shape_scaling") return std::sqrt(std::max(1.0, r / c));
+  MT_FAIL("--muon-scale-mode '{}' is not one of spectral, unit_rms_norm, shape_scaling", mode);
+}
+
+void validate_muon_config(const MuonConfig& c) {
+  MT_REQUIRE(c.momentum >= 0.f && c.momentum < 1.f, "--muon-momentum must be in [0, 1), got {}", c.momentum);
+  MT_REQUIRE(c.extra_scale_factor >= 0.f, "--muon-extra-scale-factor must be >= 0, got {}", c.extra_scale_factor);
+  MT_REQUIRE(c.tp_mode == "duplicated" || c.tp_mode == "blockwise" || c.tp_mode == "distributed",
+             "--muon-tp-mode '{}' is not one of duplicated, blockwise, distributed", c.tp_mode);
+  MT_REQUIRE(c.qkv_q_rows >= 0 && c.qkv_kv_rows >= 0, "MuonConfig: QKV split rows {} / {} must be >= 0", c.qkv_q_rows,
+             c.qkv_kv_rows);
+  (void)muon_scale_factor(c.scale_mode, 1, 1);
+  (void)ns_coefficients(c.coefficient_type, c.num_ns_steps);
+}
+
+bool is_muon_parameter(const ParamInfo& p) {
+  return p.shape.size() == 2 && !p.shared_embedding_copy && p.vocab_rows == 0 &&
+         p.name.find("embedding") == std::string::npos && p.name != "output_layer.weight" &&
+         !ends_with(p.name, "router.weight");
+}
+
+// ---------------------------------------------------------------------------------------------
+// NewtonSchulz
+// ---------------------------------------------------------------------------------------------
+
+NewtonSchulz::NewtonSchulz(Device device, DType compute, int64_t max_elements, int64_t max_gram, const Stream& stream)
+    : compute_(compute), max_elements_(max_elements), max_gram_(max_gram) {
+  MT_REQUIRE(compute == DType::kF32 || (compute == DType::kBF16 && device.is_cuda()),
+             "NewtonSchulz: compute dtype {} on {} (fp32, or bf16 on CUDA)", dtype_name(compute), device.str());
+  const size_t es = dtype_size(compute);
+  x_ = Buffer(device, static_cast<size_t>(std::max<int64_t>(max_elements, 1)) * es);
+  xn_ = Buffer(device, static_cast<size_t>(std::max<int64_t>(max_elements, 1)) * es);
+  a_ = Buffer(device, static_cast<size_t>(std::max<int64_t>(max_gram, 1)) * es);
+  b_ = Buffer(device, static_cast<size_t>(std::max<int64_t>(max_gram, 1)) * es);
+  norm_ = Buffer(device, static_cast<size_t>(kMuonNormScratch) * 4);
+  memset_tensor(norm_.as(DType::kF32, {kMuonNormScratch}), 0, stream);
+}
+
+void NewtonSchulz::run(const Tensor& out, const Tensor& g, int64_t rows, int64_t cols,
+                       const std::vector<NsCoeff>& coeffs, const Stream& stream, Communicator* group, int split_dim) {
+  run_batch({out}, {g}, rows, cols, coeffs, stream, group, split_dim);
+}
+
+void NewtonSchulz::run_batch(const std::vector<Tensor>& outs, const std::vector<Tensor>& gs, int64_t rows,
+                             int64_t cols, const std::vector<NsCoeff>& coeffs, const Stream& stream,
+                             Communicator* group, int split_dim) {
+  const int64_t nb = static_cast<int64_t>(gs.size()), n = rows * cols;
+  MT_REQUIRE(nb >= 1 && outs.size() == gs.size() && (!group || nb == 1),
+             "NewtonSchulz: {} inputs, {} outputs (one with a group)", gs.size(), outs.size());
+  for (int64_t i = 0; i < nb; ++i)
+    MT_REQUIRE(gs[i].dtype() == DType::kF32 && outs[i].dtype() == DType::kF32 && gs[i].numel() == n &&
+                   outs[i].numel() == n,
+               "NewtonSchulz: g {} and out {} must be fp32 [{} x {}]", gs[i].str(), outs[i].str(), rows, cols);
+  MT_REQUIRE(!group || split_dim == 0 || split_dim == 1, "NewtonSchulz: split_dim {} with a group (0 or 1)",
+             split_dim);
+  // The Gram matrix of the shorter side; sharded, of the side that is not split (its partial
+  // products sum over the shards).
+  const bool row_gram = group ? split_dim == 1 : rows <= cols;
+  const int64_t k = row_gram ? rows : cols;
+  MT_REQUIRE(nb * n <= max_elements_ && nb * k * k <= max_gram_,
+             "NewtonSchulz: {} [{} x {}] matrices (Gram {} x {}) exceed the workspace ({} elements, Gram {})", nb,
+             rows, cols, k, k, max_elements_, max_gram_);
+  const Tensor norm = norm_.as(DType::kF32, {kMuonNormScratch});
+  // [batch, r, c]: one strided-batched GEMM per product over equal shapes (ops/matmul.h)
+  Tensor x = x_.as(compute_, {nb, rows, cols}), xn = xn_.as(compute_, {nb, rows, cols});
+  const Tensor a = a_.as(compute_, {nb, k, k}), b = b_.as(compute_, {nb, k, k});
+  for (int64_t i = 0; i < nb; ++i) {
+    muon_sumsq(norm, gs[i], stream);
+    if (group) group->all_reduce(norm.flat_range(0, 1), ReduceOp::kSum, stream);
+    muon_normalize(x.flat_range(i * n, n), gs[i], norm, kNsEps, stream);
+  }
+  for (const NsCoeff& s : coeffs) {
+    if (row_gram) {
+      matmul(a, x, x, false, true, 1.f, 0.f, stream);  // A = X X^T
+    } else {
+      matmul(a, x, x, true, false, 1.f, 0.f, stream);  // A = X^T X
+    }
+    if (group) group->all_reduce(a, ReduceOp::kSum, stream);
+    copy(b, a, stream);
+    matmul(b, a, a, false, false, s.c, s.b, stream);  // B = b A + c A A
+    copy(xn, x, stream);
+    if (row_gram) {
+      matmul(xn, b, x, false, false, 1.f, s.a, stream);  // X' = a X + B X
+    } else {
+      matmul(xn, x, b, false, false, 1.f, s.a, stream);  // X' = a X + X B
+    }
+    std::swap(x, xn);
+  }
+  for (int64_t i = 0; i < nb; ++i) {
+    const Tensor flat_out = outs[i].flat_range(0, n);
+    if (compute_ == DType::kF32) {
+      copy(flat_out, x.flat_range(i * n, n), stream);
+    } else {
+      cast(flat_out, x.flat_range(i * n, n), stream);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// MuonStep
+// ---------------------------------------------------------------------------------------------
+
+/// A matrix to orthogonalise: `rows` x `cols` local elements of parameter `param`, taken as
+/// `blocks` blocks of `block_rows` consecutive rows starting at row `row0` of every `block_stride`
+/// rows (a QKV component) or the whole parameter (blocks = 1, staged = false); split over `tp`
+/// along local dimension `split_dim` (-1: not split, or handled blockwise).
+struct MuonStep::Unit {
+  size_t param = 0;
+  int64_t rows = 0, cols = 0;
+  int64_t row0 = 0, block_rows = 0, block_stride = 0, blocks = 1;
+  bool staged = false;
+  int split_dim = -1;
+  Communicator* tp = nullptr;
+  float scale = 1.f;
+};
+
+MuonStep::~MuonStep() = default;
+
+namespace {
+// The local dimension a parameter's TP split runs along (0 rows, 1 columns), -1 when not split.
+int local_split_dim(const ParamSpec& p) {
+  if (!p.tensor_parallel || p.tp_split_dim < 0) return -1;
+  // column-parallel weights split their rows (also the gated [parts, out, in] fc1), row-parallel
+  // ones their columns (the last global dimension)
+  return p.tp_split_dim == static_cast<int>(p.global_shape.size()) - 1 ? 1 : 0;
+}
+}  // namespace
+
+MuonStep::MuonStep(ParamStore& params, GradSync& sync, const MuonConfig& config, std::shared_ptr<Communicator> tp,
+                   std::shared_ptr<Communicator> etp, std::vector<MuonPiece> pieces, const Stream& stream)
+    : params_(params), sync_(sync), config_(config), tp_(std::move(tp)), etp_(std::move(etp)),
+      pieces_(std::move(pieces)) {
+  validate_muon_config(config_);
+  coeffs_ = ns_coefficients(config_.coefficient_type, config_.num_ns_steps);
+  owner_.assign(params_.size(), -1);
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (is_muon_parameter(params_.info(i))) muon_params_.push_back(i);
+  // Owners: with the distributed optimizer, whole matrices go to data-parallel ranks, largest NS
+  // cost (r c min(r, c) of the global matrix) first to the least loaded rank (ties: lowest rank,
+  // then parameter order), separately for the dense (DP) and expert (EDP) groups. The same on
+  // every rank (global shapes only), so TP peers own the same matrices.
+  int my_dense = 0, my_expert = 0;
+  std::vector<double> dense_load(1, 0.0), expert_load(1, 0.0);
+  if (sync_.distributed()) {
+    dense_load.assign(static_cast<size_t>(sync_.dp()->size()), 0.0);
+    expert_load.assign(static_cast<size_t>(sync_.edp()->size()), 0.0);
+    my_dense = sync_.dp()->rank();
+    my_expert = sync_.edp()->rank();
+  }
+  auto cost = [&](size_t i) {
+    const ParamInfo& p = params_.info(i);
+    int64_t r = p.shape[0], c = p.shape[1];
+    const int split = local_split_dim(p);
+    const int64_t tp_size = p.expert ? (etp_ ? etp_->size() : 1) : (tp_ ? tp_->size() : 1);
+    if (split == 0) r *= tp_size;
+    if (split == 1) c *= tp_size;
+    return static_cast<double>(r) * static_cast<double>(c) * static_cast<double>(std::min(r, c));
+  };
+  std::vector<size_t> order = muon_params_;
+  std::stable_sort(order.begin(), order.end(), [&](size_t x, size_t y) { return cost(x) > cost(y); });
+  for (size_t i : order) {
+    std::vector<double>& load = params_.info(i).expert ? expert_load : dense_load;
+    const size_t r = static_cast<size_t>(std::min_element(load.begin(), load.end()) - load.begin());
+    load[r] += cost(i);
+    owner_[i] = static_cast<int>(r);
+  }
+  for (size_t i : muon_params_)
+    if (owner_[i] == (params_.info(i).expert ? my_expert : my_dense)) mine_.push_back(i);
+  if (sync_.distributed()) {
+    for (size_t b = 0; b < params_.buckets().size(); ++b) {
+      const ParamBucket& bk = params_.buckets()[b];
+      for (size_t i = bk.param_begin; i < bk.param_end; ++i)
+        if (owner_[i] >= 0) {
+          gather_buckets_.push_back(b);
+          break;
+        }
+    }
+  }
+  // Units of the owned matrices and the workspace sizes.
+  MuonWorkspace ws;
+  for (size_t i : mine_) {
+    const ParamInfo& p = params_.info(i);
+    Communicator* group = p.expert ? etp_.get() : tp_.get();
+    const size_t first = units_.size();
+    plan_units(p, i, config_, group ? group->size() : 1, units_, ws);
+    for (size_t k = first; k < units_.size(); ++k) units_[k].tp = units_[k].split_dim >= 0 ? group : nullptr;
+  }
+  batches_ = plan_batches(units_, ws);
+  const Device dev = params_.device();
+  ns_ = std::make_unique<NewtonSchulz>(dev, dev.is_cuda() ? DType::kBF16 : DType::kF32, ws.ns, ws.gram, stream);
+  auto f32 = [&](int64_t n) { return Buffer(dev, static_cast<size_t>(std::max<int64_t>(n, 1)) * 4); };
+  stage_ = f32(ws.stage);
+  gather_ = f32(ws.gather);
+  full_ = f32(ws.full);
+}
+
+void MuonStep::plan_units(const ParamSpec& p, size_t index, const MuonConfig& config, int tp_size,
+                          std::vector<Unit>& units, MuonWorkspace& ws) {
+  const int split = tp_size > 1 && config.tp_mode != "blockwise" ? local_split_dim(p) : -1;
+  const int64_t r = p.shape[0], c = p.shape[1];
+  std::vector<Unit> parts;
+  const int64_t q = config.qkv_q_rows, kv = config.qkv_kv_rows, group_rows = q + 2 * kv;
+  if (config.split_qkv && q > 0 && ends_with(p.name, "self_attention.linear_qkv.weight") && r % group_rows == 0) {
+    // Megatron's split_qkv: [groups, q + 2 kv, c] split along dim 1 into Q, K and V.
+    const int64_t g = r / group_rows;
+    for (const auto& [row0, n] : {std::pair{int64_t{0}, q}, {q, kv}, {q + kv, kv}})
+      parts.push_back(Unit{index, g * n, c, row0, n, group_rows, g, true});
+  } else {
+    parts.push_back(Unit{index, r, c, 0, r, r, 1, false});
+  }
+  for (Unit& u : parts) {
+    u.split_dim = split;
+    // The scale of the global matrix (blockwise: of the shard, as Megatron's partition_dim None).
+    const int64_t gr = u.rows * (split == 0 ? tp_size : 1), gc = u.cols * (split == 1 ? tp_size : 1);
+    u.scale = static_cast<float>(muon_scale_factor(config.scale_mode, gr, gc) * config.extra_scale_factor);
+    const int64_t local = u.rows * u.cols;
+    if (u.staged) ws.stage = std::max(ws.stage, local);
+    if (split >= 0 && config.tp_mode == "duplicated") {
+      ws.gather = std::max(ws.gather, local * tp_size);
+      if (split == 1) ws.full = std::max(ws.full, local * tp_size);
+      ws.ns = std::max(ws.ns, gr * gc);
+      ws.gram = std::max(ws.gram, std::min(gr, gc) * std::min(gr, gc));
+    } else if (split >= 0) {  // distributed: the Gram matrix of the unsplit side
+      ws.ns = std::max(ws.ns, local);
+      const int64_t k = split == 1 ? u.rows : u.cols;
+      ws.gram = std::max(ws.gram, k * k);
+    } else {
+      ws.ns = std::max(ws.ns, local);
+      ws.gram = std::max(ws.gram, std::min(u.rows, u.cols) * std::min(u.rows, u.cols));
+    }
+    units.push_back(u);
+  }
+}
+
+std::vector<std::vector<size_t>> MuonStep::plan_batches(const std::vector<Unit>& units, MuonWorkspace& ws) {
+  std::vector<std::vector<size_t>> batches;
+  // Batches: the units without a TP collective, grouped by shape (in order), as many per batch as
+  // the workspace of the largest matrix holds (the Gram workspace may grow to half of it); the
+  // staged ones (QKV components) each get a staging slot.
+  const int64_t gram_cap = std::max(ws.gram, ws.ns / 2);
+  std::vector<bool> batched(units.size(), false);
+  for (size_t i = 0; i < units.size(); ++i) {
+    if (batched[i]) continue;
+    std::vector<size_t> batch{i};
+    batched[i] = true;
+    const Unit& u = units[i];
+    if (u.split_dim < 0) {
+      const int64_t n = u.rows * u.cols, k = std::min(u.rows, u.cols);
+      const int64_t most = std::max<int64_t>(1, std::min(ws.ns / n, gram_cap / (k * k)));
+      for (size_t j = i + 1; j < units.size() && static_cast<int64_t>(batch.size()) < most; ++j)
+        if (!batched[j] && units[j].split_dim < 0 && units[j].rows == u.rows && units[j].cols == u.cols) {
+          batch.push_back(j);
+          batched[j] = true;
+        }
+    }
+    int64_t staged = 0;
+    for (size_t j : batch) staged += units[j].staged ? units[j].rows * units[j].cols : 0;
+    ws.stage = std::max(ws.stage, staged);
+    const int64_t k = std::min(u.rows, u.cols);
+    ws.gram = std::max(ws.gram, static_cast<int64_t>(batch.size()) * k * k);
+    batches.push_back(std::move(batch));
+  }
+  return batches;
+}
+
+size_t MuonWorkspace::bytes(DType compute) const {
+  const size_t cs = dtype_size(compute);
+  auto at_least_1 = [](int64_t n) { return static_cast<size_t>(std::max<int64_t>(n, 1)); };
+  return 2 * at_least_1(ns) * cs + 2 * at_least_1(gram) * cs + static_cast<size_t>(kMuonNormScratch) * 4 +
+         4 * (at_least_1(stage) + at_least_1(gather) + at_least_1(full));
+}
+
+MuonMemory muon_memory(const std::vector<ParamSpec>& specs, const MuonConfig& config, int tp, int etp,
+                       Device device) {
+  MuonMemory m;
+  MuonWorkspace ws;
+  std::vector<MuonStep::Unit> units;
+  for (size_t i = 0; i < specs.size(); ++i) {
+    ParamInfo p;
+    static_cast<ParamSpec&>(p) = specs[i];
+    if (p.global_shape.empty()) p.global_shape = p.shape;
+    if (!is_muon_parameter(p)) continue;
+    int64_t n = 1;
+    for (int64_t d : p.shape) n *= d;
+    (p.expert ? m.expert_elements : m.dense_elements) += n;
+    MuonStep::plan_units(p, i, config, p.expert ? etp : tp, units, ws);
+  }
+  (void)MuonStep::plan_batches(units, ws);
+  m.workspace_bytes = ws.bytes(device.is_cuda() ? DType::kBF16 : DType::kF32);
+  return m;
+}
+
+int MuonStep::owner_of(size_t i) const {
+  MT_REQUIRE(i < owner_.size() && owner_[i] >= 0, "MuonStep::owner_of: parameter {} is not a Muon parameter", i);
+  return owner_[i];
+}
+
+void MuonStep::orthogonalise(const Unit& u, const Tensor& grads, const Stream& stream) {
+  const ParamInfo& p = params_.info(u.param);
+  const int64_t r = u.rows, c = u.cols, n = r * c;
+  const Tensor whole = grads.flat_range(p.offset, p.numel);
+  // The unit's local matrix, contiguous.
+  const Tensor loc = u.staged ? stage_.as(DType::kF32, {n}) : whole;
+  if (u.staged) muon_copy_2d(loc, u.block_rows * c, whole.flat_range(u.row0 * c, whole.numel() - u.row0 * c),
+                             u.block_stride * c, u.blocks, u.block_rows * c, stream);
+  if (!u.tp) {
+    ns_->run(loc, loc, r, c, coeffs_, stream);
+  } else if (config_.tp_mode == "distributed") {
+    ns_->run(loc, loc, r, c, coeffs_, stream, u.tp, u.split_dim);
+  } else {  // duplicated: every TP rank orthogonalises the gathered matrix and keeps its shard
+    const int tp = u.tp->size(), rank = u.tp->rank();
+    const Tensor gathered = gather_.as(DType::kF32, {n * tp});
+    u.tp->all_gather(gathered, loc, stream);
+    if (u.split_dim == 0) {
+      // rank blocks of rows stacked: a row permutation of the global matrix at most (QKV
+      // components and the gated fc1 interleave per rank), and NS(P X) = P NS(X)
+      ns_->run(gathered, gathered, r * tp, c, coeffs_, stream);
+      copy(loc, gathered.flat_range(rank * n, n), stream);
+    } else {
+      // [tp, r, c] column blocks -> [r, tp c]
+      const Tensor full = full_.as(DType::kF32, {n * tp});
+      for (int k = 0; k < tp; ++k)
+        muon_copy_2d(full.flat_range(k * c, n * tp - k * c), tp * c, gathered.flat_range(k * n, n), c, r, c, stream);
+      ns_->run(full, full, r, c * tp, coeffs_, stream);
+      muon_copy_2d(loc, c, full.flat_range(rank * c, n * tp - rank * c), tp * c, r, c, stream);
+    }
+  }
+  scale_inplace(loc, u.scale, stream);
+  if (u.staged)
+    muon_copy_2d(whole.flat_range(u.row0 * c, whole.numel() - u.row0 * c), u.block_stride * c, loc,
+                 u.block_rows * c, u.blocks, u.block_rows * c, stream);
+}
+
+void MuonStep::orthogonalise_batch(const std::vector<size_t>& batch, const Tensor& grads, const Stream& stream) {
+  // Equal shapes, no TP collective: the local matrices (QKV components staged to slots) through
+  // one batched iteration, scaled, back in place.
+  std::vector<Tensor> mats;
+  int64_t slot = 0;
+  for (size_t j : batch) {
+    const Unit& u = units_[j];
+    const ParamInfo& p = params_.info(u.param);
+    const int64_t c = u.cols, n = u.rows * c;
+    const Tensor whole = grads.flat_range(p.offset, p.numel);
+    if (u.staged) {
+      const Tensor loc = stage_.as(DType::kF32, {static_cast<int64_t>(stage_.bytes() / 4)}).flat_range(slot, n);
+      slot += n;
+      muon_copy_2d(loc, u.block_rows * c, whole.flat_range(u.row0 * c, whole.numel() - u.row0 * c),
+                   u.block_stride * c, u.blocks, u.block_rows * c, stream);
+      mats.push_back(loc);
+    } else {
+      mats.push_back(whole);
+    }
+  }
+  const Unit& first = units_[batch[0]];
+  ns_->run_batch(mats, mats, first.rows, first.cols, coeffs_, stream);
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const Unit& u = units_[batch[i]];
+    scale_inplace(mats[i], u.scale, stream);
+    if (u.staged) {
+      const ParamInfo& p = params_.info(u.param);
+      const Tensor whole = grads.flat_range(p.offset, p.numel);
+      const int64_t c = u.cols;
+      muon_copy_2d(whole.flat_range(u.row0 * c, whole.numel() - u.row0 * c), u.block_stride * c, mats[i],
+                   u.block_rows * c, u.blocks, u.block_rows * c, stream);
+    }
+  }
+}
+
+void MuonStep::step(const Tensor& grads, const Tensor& momentum, const Tensor& scalars, const Stream& stream) {
+  // Momentum of the owned elements; U over the gradients.
+  for (const MuonPiece& pc : pieces_) {
+    const Tensor g = grads.flat_range(pc.begin, pc.n);
+    muon_momentum(g, g, momentum.flat_range(pc.state, pc.n), config_.momentum, config_.nesterov, scalars, stream);
+  }
+  // Distributed optimizer: every rank's owned U slices to every rank of the bucket's group.
+  const auto& bks = params_.buckets();
+  for (size_t b : gather_buckets_) {
+    Communicator& g = sync_.group(bks[b]);
+    if (g.size() < 2) continue;
+    const ParamStore::Range own = sync_.owned_range(b);
+    g.all_gather(grads.flat_range(bks[b].begin, bks[b].numel()), grads.flat_range(own.begin, own.end - own.begin),
+                 stream);
+  }
+  for (const auto& batch : batches_) {
+    if (batch.size() == 1) {
+      orthogonalise(units_[batch[0]], grads, stream);
+    } else {
+      orthogonalise_batch(batch, grads, stream);
+    }
+  }
+  // ... and each orthogonalised matrix from its owner back to the group.
+  if (sync_.distributed()) {
+    for (size_t i : muon_params_) {
+      Communicator& g = sync_.group(bks[params_.bucket_of(i)]);
+      if (g.size() > 1) g.broadcast(grads.flat_range(params_.info(i).offset, params_.info(i).numel), owner_[i], stream);
+    }
+  }
+}
+
+}  // namespace mt
