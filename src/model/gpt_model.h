@@ -125,6 +125,7 @@ class GPTModel final : public LanguageModel {
   void finish_step(const Stream& stream) override;
   std::string log_statistics(Communicator& world, int64_t iterations, const Stream& stream) override;
   std::vector<std::pair<std::string, Tensor>> persistent_state(const Stream& stream) const override;
+  void load_persistent_state(const Stream& stream) override;
 
   // --- the MoE statistics and per-step pieces the hooks above compose (also for tests) ---
   /// The MoE statistics of this rank's MoE layers accumulated by the training forwards since

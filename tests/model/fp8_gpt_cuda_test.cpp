@@ -126,8 +126,8 @@ void compare(Fp8Recipe recipe, Fp8Format format, bool llama, bool moe, DType dty
   if (recipe == Fp8Recipe::kBlockwise) return;  // no amax state
   double sd = 0;
   for (int64_t l = 0; l < c.num_layers; ++l) {
-    const auto [cf, cb] = cpu.fp8()->layer_state(l);
-    const auto [gf, gb] = gpu.fp8()->layer_state(l);
+    const auto [cf, cb] = cpu.fp8()->layer_state(l, cs);
+    const auto [gf, gb] = gpu.fp8()->layer_state(l, gs);
     for (const auto& [cpu_block, gpu_block] : {std::pair{cf, gf}, {cb, gb}}) {
       const auto r = testing::to_host(cpu_block, cs), a = testing::to_host(gpu_block, gs);
       ASSERT_EQ(a.size(), r.size());

@@ -222,7 +222,7 @@ TEST_P(Fp8LinearCpu, MatchesQuantizedReference) {
   if (c.recipe == Fp8Recipe::kDelayed) {  // the first step's scale is 1
     expect_reference(o, false, gt, m, out, in, x, w, bias, dy, 1.f, 1.f, 1.f);
     // the amaxes were recorded into the history's row 0 (fwd: x, w; bwd: dy)
-    const auto [fwd, bwd] = h.model->layer_state(0);
+    const auto [fwd, bwd] = h.model->layer_state(0, testing::cpu_stream());
     const std::vector<float> f = to_host(fwd, testing::cpu_stream()), b = to_host(bwd, testing::cpu_stream());
     EXPECT_EQ(f[0], amax_of(x));
     EXPECT_EQ(f[1], amax_of(w));
@@ -307,8 +307,8 @@ TEST(Fp8Linear, RowBlocksMatchWholeRows) {
       EXPECT_EQ(a.dw, b.dw);
       EXPECT_EQ(a.dw2, b.dw2);
       EXPECT_EQ(a.db, b.db);
-      const auto [fa, ba] = whole.model->layer_state(0);
-      const auto [fb, bb] = split.model->layer_state(0);
+      const auto [fa, ba] = whole.model->layer_state(0, testing::cpu_stream());
+      const auto [fb, bb] = split.model->layer_state(0, testing::cpu_stream());
       EXPECT_EQ(to_host(fa, testing::cpu_stream()), to_host(fb, testing::cpu_stream()));
       EXPECT_EQ(to_host(ba, testing::cpu_stream()), to_host(bb, testing::cpu_stream()));
     }

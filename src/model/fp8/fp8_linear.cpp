@@ -125,7 +125,6 @@ void Fp8Linear::plan_weights(BufferPlanner& p) {
   wq_ = p.persistent(f, {out_, in_}, "fp8 weight");
   wq_t_ = p.persistent(f, {in_, out_}, "fp8 transposed weight");
   const Fp8Scaling s = weight_scaling();
-  if (s == Fp8Scaling::kTensor) gemm_scales_ = p.persistent(DType::kF32, {4 * kGemmScaleSlots}, "fp8 GEMM scale_inv");
   if (s != Fp8Scaling::kTensor) {
     wq_s_ = p.persistent(DType::kF32, fp8_scale_shape(s, out_, in_), "fp8 weight scales");
     wq_t_s_ = p.persistent(DType::kF32, fp8_scale_shape(s, in_, out_), "fp8 transposed weight scales");
@@ -178,14 +177,13 @@ void Fp8Linear::quantize_weight(bool record, const Stream& st) {
       break;
     case Fp8Recipe::kBlockwise:
       fp8_quantize_blockwise(wq_, wq_s_, wq_t_, wq_t_s_, w, Fp8Scaling::kBlock128x128, /*pow2=*/true, st);
-      return;
+      break;
   }
-  copy(gemm_scale_inv(kSlotW), w_.scale_inv, st);  // the step's weight scale_inv, 16-byte aligned for cuBLASLt
 }
 
 Fp8Operand Fp8Linear::weight_operand(bool transposed) const {
   const Fp8Scaling s = weight_scaling();
-  if (s == Fp8Scaling::kTensor) return {transposed ? wq_t_ : wq_, gemm_scale_inv(kSlotW), s};
+  if (s == Fp8Scaling::kTensor) return {transposed ? wq_t_ : wq_, w_.scale_inv, s};
   return {transposed ? wq_t_ : wq_, transposed ? wq_t_s_ : wq_s_, s};
 }
 
@@ -209,7 +207,7 @@ void Fp8Linear::quantize_x(const Tensor& xq, const Tensor& xq_s, const Tensor& x
 Fp8Operand Fp8Linear::x_t_operand(const Saved& sv, const Tensor& x_t, const Tensor& x_t_s) const {
   switch (model_.settings().recipe) {
     case Fp8Recipe::kTensorwise: return {x_t, sv.x_scale.flat_range(0, 1), Fp8Scaling::kTensor};
-    case Fp8Recipe::kDelayed: return {x_t, gemm_scale_inv(kSlotX), Fp8Scaling::kTensor};
+    case Fp8Recipe::kDelayed: return {x_t, x_.scale_inv, Fp8Scaling::kTensor};
     case Fp8Recipe::kBlockwise: break;
   }
   return {x_t, x_t_s, Fp8Scaling::kBlock1x128};
@@ -251,7 +249,6 @@ void Fp8Linear::begin_forward(const Tensor& x, bool shard, int slot, const Strea
   MT_CHECK(fwd_rows_ <= pad16(max_rows_) && (variable_rows_ || fwd_rows_ == max_rows_) && fwd_rows_ % kAlign == 0,
            "{}: {} rows, planned for {}{}", name_, fwd_rows_, max_rows_, variable_rows_ ? " at most" : "");
   x_t_ready_ = false;
-  if (model_.settings().delayed()) copy(gemm_scale_inv(kSlotX), x_.scale_inv, st);  // the step's, aligned
   if (model_.settings().recipe != Fp8Recipe::kTensorwise) return;
   // this micro-batch's amax over x's shards (the sequence-parallel shards too); the backward
   // reuses the scale
@@ -329,7 +326,6 @@ void Fp8Linear::begin_backward(const Tensor& dy, bool shard, const Stream& st) {
     reduce_max(shard ? groups_.dy_shard : groups_.dy, dy_.amax, st);
     fp8_scale_from_amax(dy_.scale, dy_.scale_inv, dy_.amax, model_.settings().grad_dtype(), /*pow2=*/false, 0.f, st);
   }
-  copy(gemm_scale_inv(kSlotDy), dy_.scale_inv, st);  // this backward's dy scale_inv, aligned for cuBLASLt
 }
 
 void Fp8Linear::dgrad_rows(const Tensor& dx, const Tensor& dy, int64_t first, const Tensor& gelu_pre,
@@ -345,7 +341,7 @@ void Fp8Linear::dgrad_rows(const Tensor& dx, const Tensor& dy, int64_t first, co
   dy_recorded_ = true;  // the caller's blocks cover every row
   const bool block_scaled = model_.settings().blockwise();
   const Fp8Operand a = block_scaled ? Fp8Operand{b.q, b.q_s, Fp8Scaling::kBlock1x128}
-                                    : Fp8Operand{b.q, gemm_scale_inv(kSlotDy), Fp8Scaling::kTensor};
+                                    : Fp8Operand{b.q, dy_.scale_inv, Fp8Scaling::kTensor};
   fp8_matmul(dx, a, weight_operand(true), false, false, st);
   if (!gelu_pre.empty()) gelu_backward(dx, dx, gelu_pre, st);  // dL/dpre = gelu'(pre) * dL/dx
 }
@@ -369,7 +365,7 @@ void Fp8Linear::wgrad(const Tensor& dw, GradWrite dw_write, const Tensor& dbias,
     }
     const Fp8Operand dy_cols = model_.settings().blockwise()
                                    ? Fp8Operand{v.dyq_t, v.dyq_t_s, Fp8Scaling::kBlock1x128}
-                                   : Fp8Operand{v.dyq_t, gemm_scale_inv(kSlotDy), Fp8Scaling::kTensor};
+                                   : Fp8Operand{v.dyq_t, dy_.scale_inv, Fp8Scaling::kTensor};
     fp8_matmul(dw, dy_cols, x_t_operand(sv, x_t, x_t_s), dw_write == GradWrite::kAccumulate, false, st);
   }
   if (!dbias.empty()) bias_dropout_add_backward(Tensor(), dbias, dy, 0.f, DropoutKey{}, 0, st);

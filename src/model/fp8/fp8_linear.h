@@ -59,7 +59,8 @@ struct Fp8Groups {
   Communicator* dy_shard = nullptr;
 };
 
-/// One FP8 tensor's scaling state: fp32 one-element views into Fp8Model's state buffer.
+/// One FP8 tensor's scaling state: fp32 one-element views into Fp8Model's state buffer, each 16-byte
+/// aligned (the GEMMs read scale_inv in place: cuBLASLt's rule for scale pointers).
 /// amax: the last all-reduced amax (current scaling); scale / scale_inv: the quantisation scale
 /// and its inverse (current scaling: of the last quantisation; delayed: of this step); record:
 /// the amax history's row 0 (delayed; empty otherwise).
@@ -179,12 +180,6 @@ class Fp8Linear {
   void quantize_dy(const Tensor& dyq, const Tensor& dyq_s, const Tensor& dyq_t, const Tensor& dyq_t_s,
                    const Tensor& dy, bool record, const Stream& stream);
   Scratch views(int64_t m) const;
-  // The per-tensor scale_inv a GEMM reads (tensorwise / delayed): a copy of the state's value in its
-  // own 16-byte aligned slot of gemm_scales_ (cuBLASLt rejects scale pointers at 4-byte offsets into
-  // Fp8Model's packed state with CUBLAS_STATUS_NOT_SUPPORTED). Written where the value is set:
-  // w in quantize_weight, x (delayed) in begin_forward, dy in begin_backward.
-  enum GemmScaleSlot : int64_t { kSlotX, kSlotW, kSlotDy, kGemmScaleSlots };
-  Tensor gemm_scale_inv(GemmScaleSlot slot) const { return gemm_scales_.flat_range(4 * slot, 1); }
 
   const Fp8Model& model_;
   std::string name_;
@@ -200,7 +195,6 @@ class Fp8Linear {
   bool x_t_ready_ = false, dy_t_ready_ = false, dy_recorded_ = false;
   std::vector<Saved> saved_;  // per area
   Tensor wq_, wq_t_, wq_s_, wq_t_s_;
-  Tensor gemm_scales_;  // fp32 [4 * kGemmScaleSlots]: gemm_scale_inv's slots, 16 bytes apart
   Scratch scratch_;  // planned at max_rows (padded), viewed per call
 };
 
