@@ -3,6 +3,7 @@
 #include <fmt/ranges.h>
 
 #include "model/fp8/fp8_model.h"
+#include "ops/context_attention.h"  // transpose_blocks
 #include "ops/elementwise.h"
 #include "ops/fp8.h"
 #include "ops/fp8_epilogue.h"
@@ -88,6 +89,7 @@ void Fp8Linear::plan(BufferPlanner& p, int64_t max_rows, bool save_input, bool v
   save_input_ = save_input;
   variable_rows_ = variable_rows;
   max_rows_ = max_rows;
+  row_blocks_ = row_blocks;
   const size_t a = static_cast<size_t>(p.area());
   if (saved_.size() <= a) saved_.resize(a + 1);
   Saved& sv = saved_[a];
@@ -111,6 +113,7 @@ void Fp8Linear::plan(BufferPlanner& p, int64_t max_rows, bool save_input, bool v
   sc.dyq_s = bytes("fp8.dyq_s", DType::kF32, scale_numel(s, m, out_));
   sc.dyq_t = bytes("fp8.dyq_t", g, out_ * m);
   sc.dyq_t_s = bytes("fp8.dyq_t_s", DType::kF32, scale_numel(s, out_, m));
+  if (row_blocks > 1 && gathers_fp8()) sc.xq_local = bytes("fp8.xq_local", f, max_rows / row_blocks * in_);
   if (variable_rows) {
     const DType t = p.act_dtype();
     sc.pad_x = bytes("fp8.pad_x", t, m * in_);
@@ -273,10 +276,46 @@ void Fp8Linear::forward_rows(const Tensor& y, const Tensor& x, int64_t first, co
   x_t_ready_ = x_t_ready_ || fuse_t;
   const Fp8Operand a = model_.settings().blockwise() ? Fp8Operand{b.q, b.q_s, Fp8Scaling::kBlock1x128}
                                                      : x_t_operand(sv, b.q, Tensor());
+  fprop(y, a, bias, pre_gelu, st);
+}
+
+void Fp8Linear::fprop(const Tensor& y, const Fp8Operand& a, const Tensor& bias, const Tensor& pre_gelu,
+                      const Stream& st) {
   const Tensor out = pre_gelu.empty() ? y : pre_gelu;  // the GEMM's product
   // TE's fprop uses fast accumulation for the per-tensor recipes (no promotion of partial sums)
   fp8_matmul(out, a, weight_operand(false), /*accumulate=*/false, /*fast_accum=*/!model_.settings().blockwise(), st);
   if (!bias.empty() || !pre_gelu.empty()) fp8_bias_gelu(out, bias, pre_gelu.empty() ? Tensor() : y, st);
+}
+
+bool Fp8Linear::gathers_fp8() const { return save_input_ && !model_.settings().blockwise(); }
+
+std::pair<Tensor, Tensor> Fp8Linear::quantize_shard(const Tensor& x_local, int slot, const Stream& st) {
+  MT_CHECK(gathers_fp8() && row_blocks_ > 1 && !scratch_.xq_local.empty(),
+           "{}: the FP8 all-gather needs per-tensor scaling, the saved input and sequence-parallel blocks", name_);
+  const int64_t rl = max_rows_ / row_blocks_;
+  MT_CHECK(x_local.ndim() == 2 && x_local.size(0) == rl && x_local.size(1) == in_ && fwd_rows_ == max_rows_,
+           "{}: the sequence-parallel shard x {} must be [{}, {}] after begin_forward of a shard", name_, x_local.str(),
+           rl, in_);
+  const Tensor local = view_as(scratch_.xq_local, model_.settings().forward_dtype(), {rl, in_});
+  quantize_x(local, Tensor(), Tensor(), Tensor(), x_local, saved_.at(static_cast<size_t>(slot)), model_.training(),
+             st);
+  return {views(fwd_rows_).xq, local};
+}
+
+void Fp8Linear::forward_fp8_rows(const Tensor& y, const Tensor& q, int64_t first, const Tensor& bias,
+                                 const Tensor& pre_gelu, int slot, const Stream& st) {
+  const int64_t rows = q.size(0);
+  MT_CHECK(q.ndim() == 2 && q.size(1) == in_ && q.dtype() == model_.settings().forward_dtype() && y.ndim() == 2 &&
+               y.size(0) == rows && y.size(1) == out_ && first >= 0 && first + rows <= fwd_rows_,
+           "{}: FP8 forward of the gathered rows [{}, {}) q {} into y {}: expected [m, {}] and [m, {}] within {} rows",
+           name_, first, first + rows, q.str(), y.str(), in_, out_, fwd_rows_);
+  fprop(y, x_t_operand(saved_.at(static_cast<size_t>(slot)), q, Tensor()), bias, pre_gelu, st);
+}
+
+void Fp8Linear::end_forward_fp8(int slot, const Stream& st) {
+  const Saved& sv = saved_.at(static_cast<size_t>(slot));
+  transpose_blocks(sv.x_t, views(fwd_rows_).xq, fwd_rows_, in_, st);
+  x_t_ready_ = true;
 }
 
 void Fp8Linear::end_forward(const Tensor& x, int slot, const Stream& st) {
