@@ -196,8 +196,12 @@ std::vector<std::pair<std::string, Tensor>> GPTModel::persistent_state(const Str
     }
   });
   if (fp8_)  // delayed scaling's amax histories and scales
-    for (auto& entry : fp8_->persistent_state()) out.push_back(std::move(entry));
+    for (auto& entry : fp8_->persistent_state(stream)) out.push_back(std::move(entry));
   return out;
+}
+
+void GPTModel::load_persistent_state(const Stream& stream) {
+  if (fp8_) fp8_->load_state(stream);  // the expert biases were written in place
 }
 
 std::vector<ParamSpec> GPTModel::param_specs(const TransformerConfig& c, int tp, int tp_rank,

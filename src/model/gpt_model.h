@@ -131,6 +131,7 @@ class GPTModel final : public LanguageModel {
   /// on this rank). For tests.
   Tensor mtp_losses() const { return mtp_losses_; }
   std::vector<std::pair<std::string, Tensor>> persistent_state(const Stream& stream) const override;
+  void load_persistent_state(const Stream& stream) override;
 
   // --- the MoE statistics and per-step pieces the hooks above compose (also for tests) ---
   /// The MoE statistics of this rank's MoE layers accumulated by the training forwards since

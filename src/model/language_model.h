@@ -132,8 +132,14 @@ class LanguageModel {
   /// Model state that is not a parameter but belongs in checkpoints (Megatron's persistent
   /// buffers). GPTModel: for each MoE layer of this rank with --moe-router-enable-expert-bias,
   /// ("decoder.layers.<L>.mlp.router.expert_bias", fp32 [E] on the device), replicated over
-  /// TP, DP and EP. The tensors may be written in place (checkpoint load). Ordered on `stream`.
+  /// TP, DP and EP; with FP8 delayed scaling each layer's fp8_meta blocks (model/fp8/fp8_model.h).
+  /// The tensors may be written in place (checkpoint load: then call load_persistent_state).
+  /// Ordered on `stream` (may synchronise it).
   virtual std::vector<std::pair<std::string, Tensor>> persistent_state(const Stream& stream) const = 0;
+  /// After a checkpoint load wrote persistent_state's tensors: the model takes them over (the FP8
+  /// state is stored packed and used in a 16-byte strided layout). Ordered on `stream` (may
+  /// synchronise it).
+  virtual void load_persistent_state(const Stream& stream) = 0;
 };
 
 }  // namespace mt

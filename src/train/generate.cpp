@@ -145,6 +145,7 @@ InferenceModel load_inference_model(const InferenceModelOptions& o) {
   r.stream = std::make_unique<Stream>(r.device);
   r.model = std::make_unique<GPTModel>(cfg, o.micro_batch, dt, r.device, r.groups, false, ParamLayout{}, ml);
   load_checkpoint(o.load, r.model->params(), nullptr, *r.stream, {}, r.model->persistent_state(*r.stream));
+  r.model->load_persistent_state(*r.stream);
   r.config = cfg;
   return r;
 }
@@ -267,6 +268,7 @@ int run_logits(const LogitsArgs& a) {
   Stream stream(device);
   GPTModel model(cfg, 1, DType::kF32, device, ProcessGroups::single());
   load_checkpoint(a.load, model.params(), nullptr, stream, {}, model.persistent_state(stream));
+  model.load_persistent_state(stream);
   Buffer tok(device, static_cast<size_t>(T) * 4);
   copy_bytes(tok.data(), device, ids.data(), Device::cpu(), static_cast<size_t>(T) * 4, stream);
   MicroBatch mb;

@@ -491,6 +491,7 @@ void TrainingSetup::load_or_initialize() {
   // The expert bias (persistent_state) is model state: loaded for --finetune / --no-load-optim too.
   CheckpointState st = load_checkpoint(args.load, model.params(), weights_only ? nullptr : &model_setup_->optimizer(),
                                        *stream_, {false, resume_->iteration}, model.persistent_state(*stream_));
+  model.load_persistent_state(*stream_);
   const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count();
   const double load_gb = static_cast<double>(checkpoint_bytes(args.load, st.iteration)) / 1e9;
   log_info("> checkpoint read and verified: {:.3f} GB in {:.2f} s ({:.2f} GB/s; this rank's share of the files)",

@@ -65,7 +65,7 @@ struct Tol {
 std::vector<float> fp8_state(GPTModel& m, int64_t layers, Stream& s) {
   std::vector<float> out;
   for (int64_t l = 0; l < layers; ++l) {
-    const auto [f, b] = m.fp8()->layer_state(l);
+    const auto [f, b] = m.fp8()->layer_state(l, s);
     for (const Tensor& t : {f, b}) {
       const auto v = testing::to_host(t, s);
       out.insert(out.end(), v.begin(), v.end());

@@ -222,7 +222,7 @@ TEST_P(Fp8LinearCpu, MatchesQuantizedReference) {
   if (c.recipe == Fp8Recipe::kDelayed) {  // the first step's scale is 1
     expect_reference(o, false, gt, m, out, in, x, w, bias, dy, 1.f, 1.f, 1.f);
     // the amaxes were recorded into the history's row 0 (fwd: x, w; bwd: dy)
-    const auto [fwd, bwd] = h.model->layer_state(0);
+    const auto [fwd, bwd] = h.model->layer_state(0, testing::cpu_stream());
     const std::vector<float> f = to_host(fwd, testing::cpu_stream()), b = to_host(bwd, testing::cpu_stream());
     EXPECT_EQ(f[0], amax_of(x));
     EXPECT_EQ(f[1], amax_of(w));
@@ -307,11 +307,81 @@ TEST(Fp8Linear, RowBlocksMatchWholeRows) {
       EXPECT_EQ(a.dw, b.dw);
       EXPECT_EQ(a.dw2, b.dw2);
       EXPECT_EQ(a.db, b.db);
-      const auto [fa, ba] = whole.model->layer_state(0);
-      const auto [fb, bb] = split.model->layer_state(0);
+      const auto [fa, ba] = whole.model->layer_state(0, testing::cpu_stream());
+      const auto [fb, bb] = split.model->layer_state(0, testing::cpu_stream());
       EXPECT_EQ(to_host(fa, testing::cpu_stream()), to_host(fb, testing::cpu_stream()));
       EXPECT_EQ(to_host(ba, testing::cpu_stream()), to_host(bb, testing::cpu_stream()));
     }
+}
+
+/// run_blocks with the input gathered in FP8 (Fp8Linear::quantize_shard, forward_fp8_rows,
+/// end_forward_fp8): each "rank" quantises its shard with the whole tensor's scale, the all-gather
+/// copies the bytes into its block, the GEMMs run per block in the same order.
+Outputs run_fp8_gather(Harness& h, int64_t m, int64_t block, int start, const std::vector<float>& x,
+                       const std::vector<float>& w, const std::vector<float>& bias, const std::vector<float>& dy) {
+  Io io(h, m, x, w, bias, dy);
+  const Stream& st = io.st;
+  const auto &xt = io.xt, &bt = io.bt, &dyt = io.dyt, &y = io.y, &pre = io.pre, &dx = io.dx, &db = io.db;
+  const int n = static_cast<int>(m / block);
+  auto rows = [&](const Tensor& t, int i) { return t.slice0(i * block, (i + 1) * block); };
+  h.lin->begin_forward(xt, /*shard=*/false, 0, st);  // the scale of the whole x (the shards' amaxes reduced)
+  Tensor full;
+  for (int i = 0; i < n; ++i) {
+    const auto [f, local] = h.lin->quantize_shard(rows(xt, i), 0, st);
+    if (i == 0) memset_tensor(f, 0x7f, st);  // poisoned: every block is written by the "gather"
+    copy(rows(f, i), local, st);
+    full = f;
+  }
+  for (int k = 0; k < n; ++k) {
+    const int i = (start + k) % n;
+    h.lin->forward_fp8_rows(rows(y, i), rows(full, i), i * block, bt, rows(pre, i), 0, st);
+  }
+  h.lin->end_forward_fp8(0, st);
+  h.lin->begin_backward(dyt, /*shard=*/false, st);
+  for (int k = 0; k < n; ++k) {
+    const int i = (start + n - k) % n;
+    h.lin->dgrad_rows(rows(dx, i), rows(dyt, i), i * block, Tensor(), st);
+  }
+  h.lin->wgrad(h.weight.grad(), GradWrite::kOverwrite, db, dyt, xt, 0, st);
+  Outputs o{to_host(y, st), to_host(pre, st), to_host(dx, st), to_host(h.weight.grad(), st), {}, to_host(db, st)};
+  h.lin->begin_backward(dyt, /*shard=*/false, st);
+  h.lin->wgrad(h.weight.grad(), GradWrite::kAccumulate, Tensor(), dyt, xt, 0, st);
+  o.dw2 = to_host(h.weight.grad(), st);
+  return o;
+}
+
+// The FP8 all-gather of a sequence-parallel input (per-tensor scaling) is bitwise the bf16 gather
+// quantised block by block: every output, the saved x_t (through dw) and the recorded state.
+// Delayed scaling records each shard's amax (max-accumulated: the whole tensor's). Blockwise keeps
+// the bf16 gather.
+TEST(Fp8Linear, Fp8GatherEqualsBlockQuantisation) {
+  for (Fp8Recipe r : {Fp8Recipe::kTensorwise, Fp8Recipe::kDelayed}) {
+    SCOPED_TRACE(fp8_recipe_name(r));
+    const int64_t out = 48, in = 144, m = 64, block = 16;
+    Harness a(r, Fp8Format::kHybrid, out, in, m, true, false, m / block),
+        b(r, Fp8Format::kHybrid, out, in, m, true, false, m / block);
+    ASSERT_TRUE(b.lin->gathers_fp8());
+    const std::vector<float> x = testing::randn(m * in), w = testing::randn(out * in, 0.05f),
+                             bias = testing::randn(out, 0.1f), dy = testing::randn(m * out, 1e-3f);
+    const Outputs bf = run_blocks(a, m, block, 1, x, w, bias, dy), f8 = run_fp8_gather(b, m, block, 1, x, w, bias, dy);
+    EXPECT_EQ(bf.y, f8.y);
+    EXPECT_EQ(bf.pre, f8.pre);
+    EXPECT_EQ(bf.dx, f8.dx);
+    EXPECT_EQ(bf.dw, f8.dw);
+    EXPECT_EQ(bf.dw2, f8.dw2);
+    EXPECT_EQ(bf.db, f8.db);
+    const auto [fa, ba] = a.model->layer_state(0, testing::cpu_stream());
+    const std::vector<float> sa = to_host(fa, testing::cpu_stream()), da = to_host(ba, testing::cpu_stream());
+    const auto [fb, bb] = b.model->layer_state(0, testing::cpu_stream());
+    EXPECT_EQ(sa, to_host(fb, testing::cpu_stream()));
+    EXPECT_EQ(da, to_host(bb, testing::cpu_stream()));
+    if (r == Fp8Recipe::kDelayed) EXPECT_EQ(sa[0], amax_of(x)) << "x's record: the max of the shards' amaxes";
+  }
+  Harness blockwise(Fp8Recipe::kBlockwise, Fp8Format::kE4M3, 48, 144, 64, true, false, 4);
+  EXPECT_FALSE(blockwise.lin->gathers_fp8());
+  const testing::OwnedTensor x16(DType::kF32, Device::cpu(), {16, 144});
+  testing::expect_error([&] { blockwise.lin->quantize_shard(x16, 0, testing::cpu_stream()); },
+                        "decoder.layers.0.test: the FP8 all-gather needs per-tensor scaling");
 }
 
 // The saved transposed input (ColumnParallelLinear) and the input quantised again in the backward

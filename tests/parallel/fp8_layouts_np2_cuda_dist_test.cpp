@@ -107,7 +107,7 @@ RunResult train(const std::shared_ptr<Communicator>& world, TransformerConfig c,
     r.losses.push_back(testing::to_host(loss, st)[0]);
     if (it == 0 && model.fp8()) {
       for (int64_t l = 0; l < c.num_layers; ++l) {
-        const auto [f, b] = model.fp8()->layer_state(l);
+        const auto [f, b] = model.fp8()->layer_state(l, st);
         std::vector<float> v = testing::to_host(f, st), w = testing::to_host(b, st);
         v.insert(v.end(), w.begin(), w.end());
         r.state.push_back(std::move(v));

@@ -90,7 +90,7 @@ Fp8Run train_with_state(const std::string& flags) {
     if (rank == 0) out.result = std::move(r);
     if (!fp8) return;
     for (int64_t l = 0; l < args.model.num_layers; ++l) {
-      const auto [fwd, bwd] = fp8->layer_state(l);
+      const auto [fwd, bwd] = fp8->layer_state(l, setup.stream());
       if (fwd.empty()) continue;
       std::vector<float> v = testing::to_host(fwd, setup.stream()), b = testing::to_host(bwd, setup.stream());
       v.insert(v.end(), b.begin(), b.end());
@@ -217,6 +217,28 @@ TEST_F(Fp8Training, ExpertParallelMatchesOneRank) {
 // ("decoder.layers.<L>.fp8_meta.scaling_fwd/bwd"): a run resumed from it continues bitwise on the
 // uninterrupted run's losses. Without that state (renamed in the checkpoint: the resumed run
 // starts from scale 1) it does not. Current scaling resumes bitwise with no FP8 state at all.
+// The checkpoint format of the delayed-scaling state is the packed one of TE's fp8_meta (as before
+// the live state moved to 16-byte strides): per layer, scaling_fwd [H + 3, 2n] and scaling_bwd
+// [H + 3, n] with n = 4 linears (qkv, proj, fc1, fc2), every column a real tensor's: amaxes
+// in the history window, the amax row 0 (delayed scaling keeps none), scale · scale_inv = 1 and
+// scale > 1 (this model's amaxes are far below the FP8 maxima).
+void expect_packed_state(const std::string& ck, int64_t history) {
+  const int64_t n = 4, rows = history + 3;
+  for (const auto& [block, cols] : {std::pair{"fwd", 2 * n}, {"bwd", n}}) {
+    const std::vector<float> s = testing::read_whole_tensor(ck, 3, state_name(1, block));
+    ASSERT_EQ(static_cast<int64_t>(s.size()), rows * cols) << block;
+    for (int64_t c = 0; c < cols; ++c) {
+      SCOPED_TRACE(fmt::format("{} column {}", block, c));
+      if (history > 1) EXPECT_GT(s[(history - 1) * cols + c], 0.f) << "the newest amax of the window";
+      EXPECT_EQ(s[c], 0.f) << "row 0 is cleared for the next record";
+      EXPECT_EQ(s[history * cols + c], 0.f) << "the current-scaling amax row";
+      const float scale = s[(history + 1) * cols + c], scale_inv = s[(history + 2) * cols + c];
+      EXPECT_GT(scale, 1.f);
+      EXPECT_EQ(scale_inv, 1.f / scale);
+    }
+  }
+}
+
 TEST_F(Fp8Training, CheckpointResumeIsBitwise) {
   for (const std::string recipe : {"--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 4 "
                                    "--fp8-amax-compute-algo max --fp8-margin 1",
@@ -231,6 +253,7 @@ TEST_F(Fp8Training, CheckpointResumeIsBitwise) {
     const TrainingResult first = train("--train-iters 6 --exit-interval 3 --save " + ck + " " + recipe);
     ASSERT_EQ(first.iteration, 3);
     EXPECT_EQ(testing::read_whole_tensor(ck, 3, state_name(1, "fwd")).empty(), !delayed);
+    if (delayed) expect_packed_state(ck, recipe.find("history-len 4") != std::string::npos ? 4 : 1);
     const TrainingResult second = train("--train-iters 6 --load " + ck + " " + recipe);
     ASSERT_EQ(second.losses.count(1), 0u);
     for (int it = 4; it <= 6; ++it) {

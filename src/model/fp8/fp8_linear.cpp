@@ -3,6 +3,7 @@
 #include <fmt/ranges.h>
 
 #include "model/fp8/fp8_model.h"
+#include "ops/context_attention.h"  // transpose_blocks
 #include "ops/elementwise.h"
 #include "ops/fp8.h"
 #include "ops/fp8_epilogue.h"
@@ -88,6 +89,7 @@ void Fp8Linear::plan(BufferPlanner& p, int64_t max_rows, bool save_input, bool v
   save_input_ = save_input;
   variable_rows_ = variable_rows;
   max_rows_ = max_rows;
+  row_blocks_ = row_blocks;
   const size_t a = static_cast<size_t>(p.area());
   if (saved_.size() <= a) saved_.resize(a + 1);
   Saved& sv = saved_[a];
@@ -111,6 +113,7 @@ void Fp8Linear::plan(BufferPlanner& p, int64_t max_rows, bool save_input, bool v
   sc.dyq_s = bytes("fp8.dyq_s", DType::kF32, scale_numel(s, m, out_));
   sc.dyq_t = bytes("fp8.dyq_t", g, out_ * m);
   sc.dyq_t_s = bytes("fp8.dyq_t_s", DType::kF32, scale_numel(s, out_, m));
+  if (row_blocks > 1 && gathers_fp8()) sc.xq_local = bytes("fp8.xq_local", f, max_rows / row_blocks * in_);
   if (variable_rows) {
     const DType t = p.act_dtype();
     sc.pad_x = bytes("fp8.pad_x", t, m * in_);
@@ -125,7 +128,6 @@ void Fp8Linear::plan_weights(BufferPlanner& p) {
   wq_ = p.persistent(f, {out_, in_}, "fp8 weight");
   wq_t_ = p.persistent(f, {in_, out_}, "fp8 transposed weight");
   const Fp8Scaling s = weight_scaling();
-  if (s == Fp8Scaling::kTensor) gemm_scales_ = p.persistent(DType::kF32, {4 * kGemmScaleSlots}, "fp8 GEMM scale_inv");
   if (s != Fp8Scaling::kTensor) {
     wq_s_ = p.persistent(DType::kF32, fp8_scale_shape(s, out_, in_), "fp8 weight scales");
     wq_t_s_ = p.persistent(DType::kF32, fp8_scale_shape(s, in_, out_), "fp8 transposed weight scales");
@@ -178,14 +180,13 @@ void Fp8Linear::quantize_weight(bool record, const Stream& st) {
       break;
     case Fp8Recipe::kBlockwise:
       fp8_quantize_blockwise(wq_, wq_s_, wq_t_, wq_t_s_, w, Fp8Scaling::kBlock128x128, /*pow2=*/true, st);
-      return;
+      break;
   }
-  copy(gemm_scale_inv(kSlotW), w_.scale_inv, st);  // the step's weight scale_inv, 16-byte aligned for cuBLASLt
 }
 
 Fp8Operand Fp8Linear::weight_operand(bool transposed) const {
   const Fp8Scaling s = weight_scaling();
-  if (s == Fp8Scaling::kTensor) return {transposed ? wq_t_ : wq_, gemm_scale_inv(kSlotW), s};
+  if (s == Fp8Scaling::kTensor) return {transposed ? wq_t_ : wq_, w_.scale_inv, s};
   return {transposed ? wq_t_ : wq_, transposed ? wq_t_s_ : wq_s_, s};
 }
 
@@ -209,7 +210,7 @@ void Fp8Linear::quantize_x(const Tensor& xq, const Tensor& xq_s, const Tensor& x
 Fp8Operand Fp8Linear::x_t_operand(const Saved& sv, const Tensor& x_t, const Tensor& x_t_s) const {
   switch (model_.settings().recipe) {
     case Fp8Recipe::kTensorwise: return {x_t, sv.x_scale.flat_range(0, 1), Fp8Scaling::kTensor};
-    case Fp8Recipe::kDelayed: return {x_t, gemm_scale_inv(kSlotX), Fp8Scaling::kTensor};
+    case Fp8Recipe::kDelayed: return {x_t, x_.scale_inv, Fp8Scaling::kTensor};
     case Fp8Recipe::kBlockwise: break;
   }
   return {x_t, x_t_s, Fp8Scaling::kBlock1x128};
@@ -251,7 +252,6 @@ void Fp8Linear::begin_forward(const Tensor& x, bool shard, int slot, const Strea
   MT_CHECK(fwd_rows_ <= pad16(max_rows_) && (variable_rows_ || fwd_rows_ == max_rows_) && fwd_rows_ % kAlign == 0,
            "{}: {} rows, planned for {}{}", name_, fwd_rows_, max_rows_, variable_rows_ ? " at most" : "");
   x_t_ready_ = false;
-  if (model_.settings().delayed()) copy(gemm_scale_inv(kSlotX), x_.scale_inv, st);  // the step's, aligned
   if (model_.settings().recipe != Fp8Recipe::kTensorwise) return;
   // this micro-batch's amax over x's shards (the sequence-parallel shards too); the backward
   // reuses the scale
@@ -276,10 +276,46 @@ void Fp8Linear::forward_rows(const Tensor& y, const Tensor& x, int64_t first, co
   x_t_ready_ = x_t_ready_ || fuse_t;
   const Fp8Operand a = model_.settings().blockwise() ? Fp8Operand{b.q, b.q_s, Fp8Scaling::kBlock1x128}
                                                      : x_t_operand(sv, b.q, Tensor());
+  fprop(y, a, bias, pre_gelu, st);
+}
+
+void Fp8Linear::fprop(const Tensor& y, const Fp8Operand& a, const Tensor& bias, const Tensor& pre_gelu,
+                      const Stream& st) {
   const Tensor out = pre_gelu.empty() ? y : pre_gelu;  // the GEMM's product
   // TE's fprop uses fast accumulation for the per-tensor recipes (no promotion of partial sums)
   fp8_matmul(out, a, weight_operand(false), /*accumulate=*/false, /*fast_accum=*/!model_.settings().blockwise(), st);
   if (!bias.empty() || !pre_gelu.empty()) fp8_bias_gelu(out, bias, pre_gelu.empty() ? Tensor() : y, st);
+}
+
+bool Fp8Linear::gathers_fp8() const { return save_input_ && !model_.settings().blockwise(); }
+
+std::pair<Tensor, Tensor> Fp8Linear::quantize_shard(const Tensor& x_local, int slot, const Stream& st) {
+  MT_CHECK(gathers_fp8() && row_blocks_ > 1 && !scratch_.xq_local.empty(),
+           "{}: the FP8 all-gather needs per-tensor scaling, the saved input and sequence-parallel blocks", name_);
+  const int64_t rl = max_rows_ / row_blocks_;
+  MT_CHECK(x_local.ndim() == 2 && x_local.size(0) == rl && x_local.size(1) == in_ && fwd_rows_ == max_rows_,
+           "{}: the sequence-parallel shard x {} must be [{}, {}] after begin_forward of a shard", name_, x_local.str(),
+           rl, in_);
+  const Tensor local = view_as(scratch_.xq_local, model_.settings().forward_dtype(), {rl, in_});
+  quantize_x(local, Tensor(), Tensor(), Tensor(), x_local, saved_.at(static_cast<size_t>(slot)), model_.training(),
+             st);
+  return {views(fwd_rows_).xq, local};
+}
+
+void Fp8Linear::forward_fp8_rows(const Tensor& y, const Tensor& q, int64_t first, const Tensor& bias,
+                                 const Tensor& pre_gelu, int slot, const Stream& st) {
+  const int64_t rows = q.size(0);
+  MT_CHECK(q.ndim() == 2 && q.size(1) == in_ && q.dtype() == model_.settings().forward_dtype() && y.ndim() == 2 &&
+               y.size(0) == rows && y.size(1) == out_ && first >= 0 && first + rows <= fwd_rows_,
+           "{}: FP8 forward of the gathered rows [{}, {}) q {} into y {}: expected [m, {}] and [m, {}] within {} rows",
+           name_, first, first + rows, q.str(), y.str(), in_, out_, fwd_rows_);
+  fprop(y, x_t_operand(saved_.at(static_cast<size_t>(slot)), q, Tensor()), bias, pre_gelu, st);
+}
+
+void Fp8Linear::end_forward_fp8(int slot, const Stream& st) {
+  const Saved& sv = saved_.at(static_cast<size_t>(slot));
+  transpose_blocks(sv.x_t, views(fwd_rows_).xq, fwd_rows_, in_, st);
+  x_t_ready_ = true;
 }
 
 void Fp8Linear::end_forward(const Tensor& x, int slot, const Stream& st) {
@@ -329,7 +365,6 @@ void Fp8Linear::begin_backward(const Tensor& dy, bool shard, const Stream& st) {
     reduce_max(shard ? groups_.dy_shard : groups_.dy, dy_.amax, st);
     fp8_scale_from_amax(dy_.scale, dy_.scale_inv, dy_.amax, model_.settings().grad_dtype(), /*pow2=*/false, 0.f, st);
   }
-  copy(gemm_scale_inv(kSlotDy), dy_.scale_inv, st);  // this backward's dy scale_inv, aligned for cuBLASLt
 }
 
 void Fp8Linear::dgrad_rows(const Tensor& dx, const Tensor& dy, int64_t first, const Tensor& gelu_pre,
@@ -345,7 +380,7 @@ void Fp8Linear::dgrad_rows(const Tensor& dx, const Tensor& dy, int64_t first, co
   dy_recorded_ = true;  // the caller's blocks cover every row
   const bool block_scaled = model_.settings().blockwise();
   const Fp8Operand a = block_scaled ? Fp8Operand{b.q, b.q_s, Fp8Scaling::kBlock1x128}
-                                    : Fp8Operand{b.q, gemm_scale_inv(kSlotDy), Fp8Scaling::kTensor};
+                                    : Fp8Operand{b.q, dy_.scale_inv, Fp8Scaling::kTensor};
   fp8_matmul(dx, a, weight_operand(true), false, false, st);
   if (!gelu_pre.empty()) gelu_backward(dx, dx, gelu_pre, st);  // dL/dpre = gelu'(pre) * dL/dx
 }
@@ -369,7 +404,7 @@ void Fp8Linear::wgrad(const Tensor& dw, GradWrite dw_write, const Tensor& dbias,
     }
     const Fp8Operand dy_cols = model_.settings().blockwise()
                                    ? Fp8Operand{v.dyq_t, v.dyq_t_s, Fp8Scaling::kBlock1x128}
-                                   : Fp8Operand{v.dyq_t, gemm_scale_inv(kSlotDy), Fp8Scaling::kTensor};
+                                   : Fp8Operand{v.dyq_t, dy_.scale_inv, Fp8Scaling::kTensor};
     fp8_matmul(dw, dy_cols, x_t_operand(sv, x_t, x_t_s), dw_write == GradWrite::kAccumulate, false, st);
   }
   if (!dbias.empty()) bias_dropout_add_backward(Tensor(), dbias, dy, 0.f, DropoutKey{}, 0, st);

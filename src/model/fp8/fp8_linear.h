@@ -59,7 +59,8 @@ struct Fp8Groups {
   Communicator* dy_shard = nullptr;
 };
 
-/// One FP8 tensor's scaling state: fp32 one-element views into Fp8Model's state buffer.
+/// One FP8 tensor's scaling state: fp32 one-element views into Fp8Model's state buffer, each 16-byte
+/// aligned (the GEMMs read scale_inv in place: cuBLASLt's rule for scale pointers).
 /// amax: the last all-reduced amax (current scaling); scale / scale_inv: the quantisation scale
 /// and its inverse (current scaling: of the last quantisation; delayed: of this step); record:
 /// the amax history's row 0 (delayed; empty otherwise).
@@ -117,6 +118,26 @@ class Fp8Linear {
   /// Phase 3, after every block: x [m, in] the whole input; with save_input, x_t quantised from it
   /// unless one block covered all rows (then it was written in that block's pass).
   void end_forward(const Tensor& x, int slot, const Stream& stream);
+  /// Under sequence parallelism: whether the forward all-gathers x in FP8 (Transformer Engine's FP8
+  /// all-gather of a sequence-parallel input: half the bytes of bf16) — per-tensor scaling with the
+  /// transposed input saved (plan's save_input). Blockwise keeps the bf16 gather: x_t's 1x128 tiles
+  /// run along the tokens, across the shards, and are quantised from the high-precision x.
+  bool gathers_fp8() const;
+  /// The FP8 gather, after begin_forward(x_local, shard = true): quantises this rank's shard
+  /// x_local [m / row_blocks, in] with the tensor's scale (delayed: its amax recorded in training
+  /// forwards; the stage's MAX reduction makes it the whole tensor's) into the FP8 `local`; returns
+  /// {full, local}: full = the FP8 x [m, in] the all-gather fills (TensorParallelRegion::
+  /// all_gather_gemm), local = this rank's block of it. The bytes are those the bf16 gather would
+  /// quantise (elementwise, one scale). Errors: mt::Error unless gathers_fp8 and planned with
+  /// row_blocks > 1, or on a wrong shape.
+  std::pair<Tensor, Tensor> quantize_shard(const Tensor& x_local, int slot, const Stream& stream);
+  /// Phase 2 of the FP8 gather, per block: y [rows, out] = the forward of the gathered FP8 rows
+  /// q [rows, in] (input rows [first, first + rows)); bias, pre_gelu as forward_rows.
+  void forward_fp8_rows(const Tensor& y, const Tensor& q, int64_t first, const Tensor& bias, const Tensor& pre_gelu,
+                        int slot, const Stream& stream);
+  /// Phase 3 of the FP8 gather, after every block: the saved x_t = the gathered bytes transposed
+  /// (per-tensor scaling: the bytes of quantising xᵀ).
+  void end_forward_fp8(int slot, const Stream& stream);
   /// The block's residual add fused after the GEMM (RowParallelLinear without a TP reduction):
   /// out [m, out] = residual + (x · wᵀ + bias); out may not alias x or residual.
   void forward_add(const Tensor& out, const Tensor& x, const Tensor& bias, const Tensor& residual, int slot,
@@ -154,6 +175,7 @@ class Fp8Linear {
   struct Scratch {
     Tensor xq, xq_s, x_t, x_t_s, dyq, dyq_s, dyq_t, dyq_t_s;
     Tensor pad_x, pad_y, pad_dy, pad_dx;  // variable_rows: [max_pad, in / out] act dtype
+    Tensor xq_local;                      // gathers_fp8 under SP: this rank's FP8 shard of x
   };
   Fp8Scaling act_scaling() const;
   Fp8Scaling weight_scaling() const;
@@ -175,16 +197,12 @@ class Fp8Linear {
                   const Saved& sv, bool record, const Stream& stream);
   Fp8Operand x_t_operand(const Saved& sv, const Tensor& x_t, const Tensor& x_t_s) const;
   Fp8Operand weight_operand(bool transposed) const;
+  // The fprop GEMM of a block (a: its quantised rows) and its epilogue (bias, GELU).
+  void fprop(const Tensor& y, const Fp8Operand& a, const Tensor& bias, const Tensor& pre_gelu, const Stream& stream);
   // Quantises dy [m, out] into dyq and / or dyq_t with begin_backward's scale.
   void quantize_dy(const Tensor& dyq, const Tensor& dyq_s, const Tensor& dyq_t, const Tensor& dyq_t_s,
                    const Tensor& dy, bool record, const Stream& stream);
   Scratch views(int64_t m) const;
-  // The per-tensor scale_inv a GEMM reads (tensorwise / delayed): a copy of the state's value in its
-  // own 16-byte aligned slot of gemm_scales_ (cuBLASLt rejects scale pointers at 4-byte offsets into
-  // Fp8Model's packed state with CUBLAS_STATUS_NOT_SUPPORTED). Written where the value is set:
-  // w in quantize_weight, x (delayed) in begin_forward, dy in begin_backward.
-  enum GemmScaleSlot : int64_t { kSlotX, kSlotW, kSlotDy, kGemmScaleSlots };
-  Tensor gemm_scale_inv(GemmScaleSlot slot) const { return gemm_scales_.flat_range(4 * slot, 1); }
 
   const Fp8Model& model_;
   std::string name_;
@@ -193,14 +211,13 @@ class Fp8Linear {
   Fp8Groups groups_;
   Fp8TensorState x_, w_, dy_;
   bool save_input_ = false, variable_rows_ = false;
-  int64_t max_rows_ = 0;
+  int64_t max_rows_ = 0, row_blocks_ = 1;
   // the phases' state: rows of the current forward / backward, which transposes are written,
   // whether dy's delayed-scaling amax is recorded
   int64_t fwd_rows_ = 0, bwd_rows_ = 0;
   bool x_t_ready_ = false, dy_t_ready_ = false, dy_recorded_ = false;
   std::vector<Saved> saved_;  // per area
   Tensor wq_, wq_t_, wq_s_, wq_t_s_;
-  Tensor gemm_scales_;  // fp32 [4 * kGemmScaleSlots]: gemm_scale_inv's slots, 16 bytes apart
   Scratch scratch_;  // planned at max_rows (padded), viewed per call
 };
 

@@ -82,7 +82,7 @@ Fp8Groups Fp8Model::row_groups() const {
 
 Fp8TensorState Fp8Model::tensor_state(const Tensor& block, int64_t column) const {
   const int64_t h = history_rows(), n = block.size(1);
-  auto at = [&](int64_t row) { return block.flat_range(row * n + column, 1); };
+  auto at = [&](int64_t row) { return block.flat_range(row * n + kStateStride * column, 1); };
   return Fp8TensorState{at(h), at(h + 1), at(h + 2), h > 0 ? at(0) : Tensor()};
 }
 
@@ -91,12 +91,15 @@ void Fp8Model::plan(BufferPlanner& p) {
   const int64_t rows = state_rows();
   int64_t total = 0;
   for (const LayerEntry& e : layers_) total += rows * 3 * e.columns;
-  state_ = p.persistent(DType::kF32, {std::max<int64_t>(total, 1)}, "fp8 scaling state");
+  state_ = p.persistent(DType::kF32, {std::max<int64_t>(kStateStride * total, 1)}, "fp8 scaling state");
+  packed_ = p.persistent(DType::kF32, {std::max<int64_t>(total, 1)}, "fp8 scaling state (packed: checkpoints)");
   int64_t off = 0;
   for (LayerEntry& e : layers_) {
-    const int64_t n = e.columns;
-    e.fwd = state_.flat_range(off, rows * 2 * n).view({rows, 2 * n});
-    e.bwd = state_.flat_range(off + rows * 2 * n, rows * n).view({rows, n});
+    const int64_t n = e.columns, s = kStateStride;
+    e.fwd = state_.flat_range(s * off, rows * s * 2 * n).view({rows, s * 2 * n});
+    e.bwd = state_.flat_range(s * (off + rows * 2 * n), rows * s * n).view({rows, s * n});
+    e.fwd_packed = packed_.flat_range(off, rows * 2 * n).view({rows, 2 * n});
+    e.bwd_packed = packed_.flat_range(off + rows * 2 * n, rows * n).view({rows, n});
     off += rows * 3 * n;
     for (size_t j = 0; j < e.linears.size(); ++j) {
       const int64_t c = e.linear_column[j];
@@ -108,19 +111,36 @@ void Fp8Model::plan(BufferPlanner& p) {
 }
 
 void Fp8Model::initialize(Device device) {
+  // scale and scale_inv 1 (padding columns too: never read), amaxes and histories 0
   std::vector<float> host(static_cast<size_t>(state_.numel()), 0.f);
   const int64_t h = history_rows();
-  int64_t off = 0;
   for (const LayerEntry& e : layers_) {
-    for (const int64_t n : {2 * e.columns, e.columns}) {  // the fwd block, then the bwd block
-      for (int64_t r = h + 1; r < h + 3; ++r)             // scale and scale_inv rows
-        std::fill(host.begin() + off + r * n, host.begin() + off + (r + 1) * n, 1.f);
-      off += state_rows() * n;
+    for (const Tensor& block : {e.fwd, e.bwd}) {
+      const int64_t n = block.size(1);
+      float* b = host.data() + (block.data_as<float>() - state_.data_as<float>());
+      std::fill(b + (h + 1) * n, b + (h + 3) * n, 1.f);
     }
   }
   Stream stream(device);
   copy_bytes(state_.data(), device, host.data(), Device::cpu(), host.size() * sizeof(float), stream);
   stream.synchronize();
+}
+
+void Fp8Model::repack(bool pack, const Stream& stream) const {
+  if (layers_.empty()) return;
+  std::vector<float> live(static_cast<size_t>(state_.numel())), packed(static_cast<size_t>(packed_.numel()));
+  const Device dev = state_.device(), host = Device::cpu();
+  copy_bytes(live.data(), host, state_.data(), dev, state_.nbytes(), stream);
+  copy_bytes(packed.data(), host, packed_.data(), dev, packed_.nbytes(), stream);
+  stream.synchronize();
+  // element i of the packed array is element kStateStride·i of the live one (blocks and rows alike)
+  for (size_t i = 0; i < packed.size(); ++i) {
+    float& l = live[static_cast<size_t>(kStateStride) * i];
+    if (pack) packed[i] = l; else l = packed[i];
+  }
+  if (pack) copy_bytes(packed_.data(), dev, packed.data(), host, packed_.nbytes(), stream);
+  else copy_bytes(state_.data(), dev, live.data(), host, state_.nbytes(), stream);
+  stream.synchronize();  // the host vectors go out of scope
 }
 
 void Fp8Model::quantize_weights(int64_t layer, bool force, const Stream& stream) {
@@ -152,19 +172,26 @@ void Fp8Model::finish_step(const Stream& stream) {
   }
 }
 
-std::vector<std::pair<std::string, Tensor>> Fp8Model::persistent_state() const {
+std::vector<std::pair<std::string, Tensor>> Fp8Model::persistent_state(const Stream& stream) const {
   std::vector<std::pair<std::string, Tensor>> out;
   if (!settings_.delayed()) return out;
+  repack(/*pack=*/true, stream);
   for (const LayerEntry& e : layers_) {
-    out.emplace_back(fmt::format("decoder.layers.{}.fp8_meta.scaling_fwd", e.layer), e.fwd);
-    out.emplace_back(fmt::format("decoder.layers.{}.fp8_meta.scaling_bwd", e.layer), e.bwd);
+    out.emplace_back(fmt::format("decoder.layers.{}.fp8_meta.scaling_fwd", e.layer), e.fwd_packed);
+    out.emplace_back(fmt::format("decoder.layers.{}.fp8_meta.scaling_bwd", e.layer), e.bwd_packed);
   }
   return out;
 }
 
-std::pair<Tensor, Tensor> Fp8Model::layer_state(int64_t layer) const {
+void Fp8Model::load_state(const Stream& stream) {
+  if (settings_.delayed()) repack(/*pack=*/false, stream);
+}
+
+std::pair<Tensor, Tensor> Fp8Model::layer_state(int64_t layer, const Stream& stream) const {
   const LayerEntry* e = find(layer);
-  return e ? std::pair{e->fwd, e->bwd} : std::pair{Tensor(), Tensor()};
+  if (!e) return {Tensor(), Tensor()};
+  repack(/*pack=*/true, stream);
+  return {e->fwd_packed, e->bwd_packed};
 }
 
 }  // namespace mt

@@ -12,6 +12,11 @@
 //   0 .. H-1  the amax history (delayed scaling, H = --fp8-amax-history-len; row 0 records the step),
 //   H         the last all-reduced amax (current scaling),
 //   H + 1     the scale, H + 2 its inverse.
+// Live, a block's column c is column kStateStride·c of an fp32 [R, kStateStride·columns] array (the
+// columns between are padding: zero histories, which fp8_delayed_scale_update leaves alone), so that
+// every value starts 16 bytes after its row neighbour: the FP8 GEMMs read the scale_inv row in place
+// (cuBLASLt rejects scale pointers that are not 16-byte aligned; docs/fp8.md). Checkpoints and
+// layer_state see the blocks packed, [R, 2n] / [R, n], as before (format unchanged).
 // Delayed scaling reduces the records over every rank of the pipeline stage (TP x CP x DP, which
 // holds the EP and expert-TP ranks too; Megatron's amax reduction group with CP) once per step,
 // after the last backward: the state is then the same on every rank of a stage, and checkpoints
@@ -65,8 +70,9 @@ class Fp8Model {
   Fp8Groups row_groups() const;
 
   // --- the model (GPTModel) ---
-  /// Persistent: the state buffer and every linear's FP8 weight copies; binds the linears' state
-  /// views. Once per planning pass, outside any area.
+  /// Persistent: the state buffer (live, strided), its packed checkpoint copy (delayed scaling) and
+  /// every linear's FP8 weight copies; binds the linears' state views. Once per planning pass,
+  /// outside any area.
   void plan(BufferPlanner& planner);
   /// Bytes plan() requests (the memory estimate's "fp8 weights and scaling state").
   size_t planned_bytes() const { return planned_bytes_; }
@@ -87,13 +93,22 @@ class Fp8Model {
   /// (fp8_delayed_scale_update); nothing for the other recipes. Collective over the stage.
   void finish_step(const Stream& stream);
   /// The checkpointed state (delayed scaling; empty otherwise): ("decoder.layers.<L>.fp8_meta.
-  /// scaling_fwd" / "scaling_bwd", fp32 [R, 2n] / [R, n]), replicated over the stage.
-  std::vector<std::pair<std::string, Tensor>> persistent_state() const;
-  /// The state blocks of decoder layer `layer` ({fwd, bwd}; empty tensors when the layer has no FP8
-  /// linear on this rank). For tests and logging.
-  std::pair<Tensor, Tensor> layer_state(int64_t layer) const;
+  /// scaling_fwd" / "scaling_bwd", fp32 [R, 2n] / [R, n]), replicated over the stage: the packed
+  /// copy, written from the live state here (a host round trip; synchronises `stream`). A
+  /// checkpoint load writes these tensors; load_state then makes them live.
+  std::vector<std::pair<std::string, Tensor>> persistent_state(const Stream& stream) const;
+  /// After a checkpoint load wrote persistent_state's tensors: unpacks them into the live state
+  /// (a host round trip; synchronises `stream`). Nothing for the recipes without state.
+  void load_state(const Stream& stream);
+  /// The state blocks of decoder layer `layer` ({fwd, bwd}: packed [R, 2n] / [R, n] copies, written
+  /// from the live state here; synchronises `stream`; empty tensors when the layer has no FP8
+  /// linear on this rank). For tests and logging: valid until the next call.
+  std::pair<Tensor, Tensor> layer_state(int64_t layer, const Stream& stream) const;
   /// Rows of a state block: history rows + amax + scale + scale_inv.
   int64_t state_rows() const { return history_rows() + 3; }
+  /// fp32 elements from one column of the live state to the next (16 bytes: cuBLASLt's alignment
+  /// of scale pointers).
+  static constexpr int64_t kStateStride = 4;
 
  private:
   int64_t history_rows() const { return settings_.delayed() ? settings_.amax_history_len : 0; }
@@ -101,18 +116,22 @@ class Fp8Model {
     int64_t layer = 0, columns = 0;
     std::vector<Fp8Linear*> linears;     // this rank's, registered
     std::vector<int64_t> linear_column;  // their columns
-    Tensor fwd, bwd;                     // [R, 2·columns], [R, columns]
+    Tensor fwd, bwd;                     // live: [R, kStateStride·2·columns], [R, kStateStride·columns]
+    Tensor fwd_packed, bwd_packed;       // [R, 2·columns], [R, columns]: the checkpoint layout
     bool weights_ready = false;
   };
   LayerEntry& entry(int64_t layer);
   const LayerEntry* find(int64_t layer) const;
   Fp8TensorState tensor_state(const Tensor& block, int64_t column) const;
+  // Copies the live state into the packed blocks (pack) or back (!pack), through the host.
+  void repack(bool pack, const Stream& stream) const;
 
   TransformerConfig config_;
   Fp8Settings settings_;
   std::shared_ptr<Communicator> tp_, cp_, tp_cp_, dp_cp_;
   std::vector<LayerEntry> layers_;  // in registration (= layer) order
-  Tensor state_;                    // all blocks
+  Tensor state_;                    // all live blocks
+  Tensor packed_;                   // all packed blocks (the checkpoint layout)
   size_t planned_bytes_ = 0;
   bool training_ = true;
 };

@@ -21,6 +21,7 @@
 #include "core/cuda_check.h"
 #include "core/cuda_resources.h"
 #include "ops/cuda/common.cuh"
+#include "ops/cuda/fp8_out.cuh"
 #include "ops/fp8.h"
 
 namespace mt::cuda {
@@ -33,14 +34,6 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kRowsPerThread = static_cast<int>(kBlock) / kWarps;  // 16
 constexpr int kPitch = static_cast<int>(kBlock) + 4;               // staging row pitch (bytes)
-
-/// fp8_math::quantize_value: x * s converted by the hardware (cvt.rn.satfinite: the rounding and
-/// saturation of core/dtype.h's host conversion), a NaN x as kNaNCode.
-template <bool kE4M3>
-__device__ __forceinline__ uint8_t to_fp8(float x, float s) {
-  if (isnan(x)) return fp8_math::kNaNCode;
-  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(x * s, __NV_SATFINITE, kE4M3 ? __NV_E4M3 : __NV_E5M2));
-}
 
 __device__ __forceinline__ uint32_t warp_max(uint32_t v) {
   for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));

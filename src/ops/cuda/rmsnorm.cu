@@ -17,8 +17,11 @@
 
 #include "ops/rmsnorm.h"  // first: ops/cuda/elementwise_common.cuh needs Tensor, Stream, DType
 
+#include "ops/fp8_fused.h"
+
 #include "ops/cuda/column_partials.cuh"
 #include "ops/cuda/elementwise_common.cuh"
+#include "ops/cuda/fp8_out.cuh"
 #include "ops/cuda/norm_backward_cached.cuh"
 #include "ops/row_map.h"
 
@@ -50,11 +53,14 @@ __device__ __forceinline__ float group_sum(float v) {
   return v;
 }
 
-template <int V, int TPR, typename T>
+/// kQ != 0 (fp8_rmsnorm_forward; contiguous rows): also q[r, c] = fp8(y[r, c] · scale) of the stored
+/// y and the amax record (ops/cuda/fp8_out.cuh); y and rstd are the same either way.
+template <int V, int TPR, int kQ, typename T>
 __global__ void __launch_bounds__(kThreads)
     rmsnorm_forward_loop_kernel(T* y, RowMap my, float* rstd, const T* x, RowMap mx, const T* w, int64_t n, int h,
-                           float eps, bool zc) {
+                           float eps, bool zc, Fp8Out fo) {
   constexpr int kRowsPerBlock = kThreads / TPR;
+  Fp8Epilogue<kQ> ep(fo);
   const int lane = threadIdx.x % TPR;
   const float inv_h = 1.0f / static_cast<float>(h);
   for (int64_t r0 = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock; r0 < n;
@@ -84,9 +90,14 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int k = 0; k < V; ++k) out.v[k] = from_f32<T>(to_f32(v.v[k]) * rs * norm_cached::gamma_f32(vw.v[k], zc));
       store_vec<V>(yr + c, out);
+      if constexpr (kQ != 0) {
+#pragma unroll
+        for (int k = 0; k < V; ++k) fo.q[r * h + c + k] = ep.put(to_f32(out.v[k]));
+      }
     }
     if (lane == 0) rstd[r] = rs;
   }
+  ep.finish(fo.amax);
 }
 
 /// dx = rstd * (g - xhat * mean(g * xhat)), g = dy * w, xhat = x * rstd.
@@ -192,9 +203,12 @@ int checked_h(const Tensor& x, const char* fn) {
 
 }  // namespace
 
-void rmsnorm_forward(const Tensor& y, const Tensor& rstd, const Tensor& x, const Tensor& weight, float eps,
-                     const Stream& stream, bool zero_centered_gamma) {
-  const char* fn = "rmsnorm_forward";
+namespace {
+
+/// rmsnorm_forward's launch; with kQ != 0 the FP8 epilogue of fp8_rmsnorm_forward.
+template <int kQ>
+void launch_forward(const Tensor& y, const Tensor& rstd, const Tensor& x, const Tensor& weight, float eps,
+                    const Stream& stream, bool zero_centered_gamma, const Fp8Out& fo, const char* fn) {
   const int h = checked_h(x, fn);
   const RowMap mx = row_map(x, fn), my = row_map(y, fn);
   const int64_t n = mx.rows;
@@ -213,8 +227,8 @@ void rmsnorm_forward(const Tensor& y, const Tensor& rstd, const Tensor& x, const
       norm_cached::dispatch_tpr<32>(threads_per_row(h, VV), [&](auto ttag) {
         constexpr int TPR = decltype(ttag)::value;
         const unsigned grid = ew::grid_for(n, kThreads / TPR, stream, /*per_sm=*/8);
-        rmsnorm_forward_loop_kernel<VV, TPR><<<grid, kThreads, 0, raw(stream)>>>(py, my, pr, px, mx, pw, n, h, eps,
-                                                                                  zero_centered_gamma);
+        rmsnorm_forward_loop_kernel<VV, TPR, kQ><<<grid, kThreads, 0, raw(stream)>>>(py, my, pr, px, mx, pw, n, h, eps,
+                                                                                      zero_centered_gamma, fo);
         MT_CUDA_CHECK_LAUNCH();
       });
     };
@@ -223,6 +237,23 @@ void rmsnorm_forward(const Tensor& y, const Tensor& rstd, const Tensor& x, const
     } else {
       launch(std::integral_constant<int, 1>{});
     }
+  });
+}
+
+}  // namespace
+
+void rmsnorm_forward(const Tensor& y, const Tensor& rstd, const Tensor& x, const Tensor& weight, float eps,
+                     const Stream& stream, bool zero_centered_gamma) {
+  launch_forward<0>(y, rstd, x, weight, eps, stream, zero_centered_gamma, Fp8Out{}, "rmsnorm_forward");
+}
+
+void fp8_rmsnorm_forward(const Tensor& y, const Tensor& q, const Tensor& rstd, const Tensor& x, const Tensor& weight,
+                         float eps, const Tensor& scale, const Tensor& amax, const Stream& stream,
+                         bool zero_centered_gamma) {
+  const Fp8Out fo{q.data_as<uint8_t>(), scale.data_as<float>(), amax.empty() ? nullptr : amax.data_as<uint32_t>()};
+  dispatch_fp8_out(q.dtype(), [&](auto qtag) {
+    launch_forward<decltype(qtag)::value>(y, rstd, x, weight, eps, stream, zero_centered_gamma, fo,
+                                          "fp8_rmsnorm_forward");
   });
 }
 

@@ -1,0 +1,80 @@
+// Fused FP8 quantisation on CUDA (ops/fp8_fused.h) against the unfused CUDA path and the CPU
+// reference: for RMSNorm (with and without zero-centred gamma) and SwiGLU, fp32 / bf16 / fp16
+// activations, e4m3 / e5m2, ragged shapes (scalar and 16-byte vector kernels), with and without
+// the amax record:
+//  * the fused kernel equals the unfused CUDA composition (the forward op, then fp8_quantize)
+//    bit for bit — y, rstd, the FP8 bytes and the amax record (what wiring it into the layers
+//    needs: the FP8 layouts' results do not move);
+//  * its FP8 bytes and amax are the CPU quantiser's (fp8_quantize, the emulation) of its own y,
+//    bit for bit;
+//  * its y agrees with the CPU forward op within the op's CPU / CUDA tolerance (the reductions
+//    and expf differ in the last bits between the backends).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+
+#include "fp8_fused_util.h"
+
+namespace mt {
+namespace {
+
+using fp8_fused_test::Inputs;
+using fp8_fused_test::Op;
+using fp8_fused_test::Outputs;
+using fp8_fused_test::run;
+using testing::cpu_stream;
+using testing::cuda_stream;
+
+const Device kCpu = Device::cpu(), kGpu = Device::cuda(0);
+
+/// The CPU quantiser's bytes and record for values y (fp32, exact copies of the GPU's stored y).
+std::pair<std::vector<uint8_t>, float> cpu_quantize(const std::vector<float>& y, int64_t rows, DType fp8, float scale,
+                                                    float amax0) {
+  const auto& st = cpu_stream();
+  const int64_t cols = static_cast<int64_t>(y.size()) / rows;
+  const testing::OwnedTensor t = testing::make_tensor(y, DType::kF32, kCpu, {rows, cols}, st);
+  const testing::OwnedTensor q(fp8, kCpu, {rows, cols});
+  const testing::OwnedTensor s = testing::make_tensor({scale}, DType::kF32, kCpu, {1}, st);
+  const testing::OwnedTensor a = testing::make_tensor({amax0 < 0 ? 0.f : amax0}, DType::kF32, kCpu, {1}, st);
+  fp8_quantize(q, Tensor(), t, s, amax0 < 0 ? Tensor() : a.t, st);
+  return {fp8_test::to_bytes(q, st), testing::to_host(a, st)[0]};
+}
+
+TEST(Fp8FusedCuda, EqualsUnfusedAndCpuQuantizer) {
+  for (const Op op : {Op::kRmsNorm, Op::kSwiglu})
+    for (const DType act : {DType::kF32, DType::kBF16, DType::kF16})
+      for (const DType fp8 : {DType::kF8E4M3, DType::kF8E5M2})
+        for (const auto [rows, cols] : {std::pair<int64_t, int64_t>{1, 16}, {7, 34}, {33, 256}, {300, 4096}})
+          for (const float amax0 : {-1.f, 0.f}) {
+            const bool zc = rows == 7;
+            SCOPED_TRACE(fmt::format("{} {} {} [{}, {}] amax0 {} zc {}", op == Op::kRmsNorm ? "rmsnorm" : "swiglu",
+                                     dtype_name(act), dtype_name(fp8), rows, cols, amax0, zc));
+            Inputs in = fp8_fused_test::inputs(rows, cols, fp8, amax0, /*nan_row=*/true);
+            in.x = testing::rounded(in.x, act);
+            in.weight = testing::rounded(in.weight, act);
+            const Outputs f = run(op, true, in, rows, cols, act, fp8, kGpu, cuda_stream(), zc);
+            const Outputs u = run(op, false, in, rows, cols, act, fp8, kGpu, cuda_stream(), zc);
+            EXPECT_TRUE(testing::same_bits(f.y, u.y)) << "y";
+            EXPECT_TRUE(testing::same_bits(f.rstd, u.rstd)) << "rstd";
+            EXPECT_EQ(f.q, u.q) << "FP8 bytes";
+            EXPECT_TRUE(testing::same_bits(f.amax, u.amax)) << "amax record";
+            const auto [cq, camax] = cpu_quantize(f.y, rows, fp8, in.scale, amax0);
+            EXPECT_EQ(f.q, cq) << "FP8 bytes against the CPU quantiser of the same y";
+            EXPECT_EQ(f.amax[0], camax) << "amax against the CPU";
+            // y against the CPU op (fp32 reference on the act-rounded inputs), NaN rows excluded
+            const Outputs c = run(op, false, in, rows, cols, DType::kF32, fp8, kCpu, cpu_stream(), zc);
+            double worst = 0;
+            for (size_t i = 0; i < c.y.size(); ++i) {
+              if (std::isnan(c.y[i])) {
+                EXPECT_TRUE(std::isnan(f.y[i])) << i;
+                continue;
+              }
+              worst = std::max(worst, std::fabs(double(f.y[i]) - c.y[i]) / std::max(1.0, std::fabs(double(c.y[i]))));
+            }
+            EXPECT_LT(worst, act == DType::kF32 ? 1e-5 : 1e-2) << "y against the CPU op";
+          }
+}
+
+}  // namespace
+}  // namespace mt

@@ -1,0 +1,79 @@
+// Fused FP8 quantisation on the CPU (ops/fp8_fused.h): RMSNorm and SwiGLU with FP8 output equal
+// the unfused composition (the forward op, then fp8_quantize of its output) bit for bit — y, rstd,
+// the FP8 bytes and the amax record — at ragged shapes, for both formats, with saturation, a NaN
+// and a previous record above and below the tensor's amax; the bytes are the host conversion of
+// y · scale element by element; every documented error.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+
+#include "fp8_fused_util.h"
+
+namespace mt {
+namespace {
+
+using fp8_fused_test::Inputs;
+using fp8_fused_test::Op;
+using fp8_fused_test::Outputs;
+using fp8_fused_test::run;
+using testing::cpu_stream;
+using testing::expect_error;
+
+const Device kCpu = Device::cpu();
+
+TEST(Fp8Fused, EqualsUnfusedComposition) {
+  for (const Op op : {Op::kRmsNorm, Op::kSwiglu})
+    for (const DType fp8 : {DType::kF8E4M3, DType::kF8E5M2})
+      for (const auto [rows, cols] : {std::pair<int64_t, int64_t>{1, 16}, {7, 34}, {33, 256}})
+        for (const float amax0 : {-1.f, 0.f, 1e6f}) {
+          SCOPED_TRACE(fmt::format("{} {} [{}, {}] amax0 {}", op == Op::kRmsNorm ? "rmsnorm" : "swiglu",
+                                   dtype_name(fp8), rows, cols, amax0));
+          const Inputs in = fp8_fused_test::inputs(rows, cols, fp8, amax0, /*nan_row=*/true);
+          const Outputs f = run(op, true, in, rows, cols, DType::kF32, fp8, kCpu, cpu_stream(), rows == 7);
+          const Outputs u = run(op, false, in, rows, cols, DType::kF32, fp8, kCpu, cpu_stream(), rows == 7);
+          EXPECT_TRUE(testing::same_bits(f.y, u.y));
+          EXPECT_TRUE(testing::same_bits(f.rstd, u.rstd));
+          EXPECT_EQ(f.q, u.q);
+          EXPECT_TRUE(testing::same_bits(f.amax, u.amax));
+          // the bytes: the host conversion of y · scale (NaN -> 0x7f); the record: max(amax0, max |y|)
+          float m = 0.f;
+          bool saturated = false;
+          for (size_t i = 0; i < f.y.size(); ++i) {
+            const float v = f.y[i];
+            EXPECT_EQ(f.q[i], std::isnan(v) ? 0x7f : f32_to_fp8_bits(fp8, v * in.scale)) << i;
+            if (!std::isnan(v)) m = std::max(m, std::fabs(v));
+            saturated = saturated || (std::fabs(v * in.scale) > fp8_max(fp8));
+          }
+          EXPECT_TRUE(saturated || rows == 1) << "no element saturates: the case tests less than it says";
+          EXPECT_EQ(f.amax[0], amax0 < 0 ? 0.f : std::max(amax0, m));
+        }
+}
+
+TEST(Fp8Fused, Errors) {
+  const auto& st = cpu_stream();
+  const testing::OwnedTensor x(DType::kF32, kCpu, {4, 32}), y(DType::kF32, kCpu, {4, 32}), w(DType::kF32, kCpu, {32});
+  const testing::OwnedTensor rstd(DType::kF32, kCpu, {4}), q(DType::kF8E4M3, kCpu, {4, 32});
+  const testing::OwnedTensor s(DType::kF32, kCpu, {1}), s2(DType::kF32, kCpu, {2}), qb(DType::kBF16, kCpu, {4, 32});
+  const testing::OwnedTensor qs(DType::kF8E4M3, kCpu, {4, 16}), ys(DType::kF32, kCpu, {4, 16});
+  expect_error([&] { fp8_rmsnorm_forward(y, qb, rstd, x, w, 1e-5f, s, Tensor(), st); },
+               "fp8_rmsnorm_forward: q bf16[4, 32]@cpu must be a contiguous fp8_e4m3 / fp8_e5m2 tensor of y's shape");
+  expect_error([&] { fp8_rmsnorm_forward(y, qs, rstd, x, w, 1e-5f, s, Tensor(), st); }, "of y's shape [4, 32]");
+  expect_error([&] { fp8_rmsnorm_forward(y, q, rstd, x, w, 1e-5f, s2, Tensor(), st); },
+               "scale must be a contiguous fp32 tensor of 1 element, got fp32[2]");
+  expect_error([&] { fp8_rmsnorm_forward(y, q, rstd, x, w, 1e-5f, s, s2, st); },
+               "amax must be empty or a contiguous fp32 tensor of 1 element, got fp32[2]");
+  expect_error([&] { fp8_rmsnorm_forward(y, q, rstd, x, w, -1.f, s, Tensor(), st); }, "eps=-1 must be >= 0");
+  expect_error([&] { fp8_rmsnorm_forward(y, q, rstd, x.t.slice(1, 0, 16), w, 1e-5f, s, Tensor(), st); },
+               "must be contiguous");
+  const testing::OwnedTensor xo(DType::kF32, kCpu, {4, 33});
+  expect_error([&] { fp8_swiglu_forward(ys, qs, xo, s, Tensor(), st); },
+               "fp8_swiglu_forward: the last dimension of x fp32[4, 33]@cpu must be even");
+  expect_error([&] { fp8_swiglu_forward(y, q, x, s, Tensor(), st); },
+               "y fp32[4, 32]@cpu must be x fp32[4, 32]@cpu with the last dimension halved");
+  expect_error([&] { fp8_swiglu_forward(ys, q, x, s, Tensor(), st); }, "of y's shape [4, 16]");
+  fp8_swiglu_forward(ys, qs, x, s, Tensor(), st);  // well-formed
+}
+
+}  // namespace
+}  // namespace mt

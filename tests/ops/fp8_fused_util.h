@@ -1,0 +1,82 @@
+// Helpers of the fused FP8 quantisation tests (fp8_fused_test.cpp, fp8_fused_cuda_test.cpp): one
+// run of RMSNorm or SwiGLU with FP8 output, fused (ops/fp8_fused.h) or unfused (the forward op,
+// then fp8_quantize of its output), on any device and act dtype, outputs poisoned before the call.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "fp8_test_util.h"
+#include "ops/fp8.h"
+#include "ops/fp8_fused.h"
+#include "ops/rmsnorm.h"
+#include "ops/swiglu.h"
+#include "testing/testing.h"
+
+namespace mt::fp8_fused_test {
+
+using testing::make_tensor;
+using testing::OwnedTensor;
+using testing::to_host;
+
+/// The outputs of one run: y (act dtype, as floats), rstd (RMSNorm), q (FP8 bytes), amax record.
+struct Outputs {
+  std::vector<float> y, rstd, amax;
+  std::vector<uint8_t> q;
+};
+
+struct Inputs {
+  std::vector<float> x, weight;  // weight: RMSNorm only
+  float scale = 1.f;             // the quantisation scale
+  float amax0 = -1.f;            // the amax record's value before the call; < 0: no record
+};
+
+enum class Op { kRmsNorm, kSwiglu };
+
+/// x: [rows, cols] (SwiGLU: [rows, 2f], cols = 2f); the op in act dtype `act`, FP8 output `fp8`.
+inline Outputs run(Op op, bool fused, const Inputs& in, int64_t rows, int64_t cols, DType act, DType fp8,
+                   Device dev, const Stream& st, bool zero_centered_gamma = false) {
+  const int64_t ycols = op == Op::kSwiglu ? cols / 2 : cols;
+  const OwnedTensor x = make_tensor(in.x, act, dev, {rows, cols}, st);
+  const OwnedTensor y(act, dev, {rows, ycols}), rstd(DType::kF32, dev, {rows});
+  const OwnedTensor q(fp8, dev, {rows, ycols});
+  const OwnedTensor scale = make_tensor({in.scale}, DType::kF32, dev, {1}, st);
+  const OwnedTensor amax = make_tensor({in.amax0 < 0 ? 0.f : in.amax0}, DType::kF32, dev, {1}, st);
+  const Tensor rec = in.amax0 < 0 ? Tensor() : amax.t;
+  testing::poison(y, st);
+  testing::poison(rstd, st);
+  fp8_test::poison_bytes(q, st);
+  if (op == Op::kRmsNorm) {
+    const OwnedTensor w = make_tensor(in.weight, act, dev, {cols}, st);
+    if (fused) {
+      fp8_rmsnorm_forward(y, q, rstd, x, w, 1e-5f, scale, rec, st, zero_centered_gamma);
+    } else {
+      rmsnorm_forward(y, rstd, x, w, 1e-5f, st, zero_centered_gamma);
+      fp8_quantize(q, Tensor(), y, scale, rec, st);
+    }
+  } else if (fused) {
+    fp8_swiglu_forward(y, q, x, scale, rec, st);
+  } else {
+    swiglu_forward(y, x, st);
+    fp8_quantize(q, Tensor(), y, scale, rec, st);
+  }
+  Outputs o;
+  o.y = to_host(y, st);
+  if (op == Op::kRmsNorm) o.rstd = to_host(rstd, st);
+  o.q = fp8_test::to_bytes(q, st);
+  o.amax = to_host(amax, st);
+  return o;
+}
+
+/// Random inputs with a scale that saturates some elements (the largest |y| times scale above the
+/// FP8 maximum) and, with nan_row, a NaN in row 0 (RMSNorm: the whole row NaN; SwiGLU: one element).
+inline Inputs inputs(int64_t rows, int64_t cols, DType fp8, float amax0, bool nan_row) {
+  Inputs in;
+  in.x = testing::randn(rows * cols, 2.f);
+  in.weight = testing::randn(cols, 0.5f);
+  if (nan_row && rows > 1) in.x[1] = std::numeric_limits<float>::quiet_NaN();
+  in.scale = fp8_max(fp8) / 3.f;  // |y| > 3 saturates
+  in.amax0 = amax0;
+  return in;
+}
+
+}  // namespace mt::fp8_fused_test
