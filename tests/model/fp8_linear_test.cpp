@@ -253,6 +253,26 @@ INSTANTIATE_TEST_SUITE_P(
              std::to_string(c.rows) + (c.save_input ? "_saved" : "") + (c.variable_rows ? "_padded" : "");
     });
 
+/// The backward half of run_blocks / run_fp8_gather: dgrad per block of rows in the reverse rotated
+/// order, then the wgrad (overwrite, then accumulate) from the whole tensors.
+Outputs backward_blocks(Harness& h, const Io& io, int64_t m, int64_t block, int start) {
+  const Stream& st = io.st;
+  const auto &xt = io.xt, &dyt = io.dyt, &y = io.y, &pre = io.pre, &dx = io.dx, &db = io.db;
+  const int n = static_cast<int>(m / block);
+  auto rows = [&](const Tensor& t, int i) { return t.slice0(i * block, (i + 1) * block); };
+  h.lin->begin_backward(dyt, /*shard=*/false, st);
+  for (int k = 0; k < n; ++k) {
+    const int i = (start + n - k) % n;
+    h.lin->dgrad_rows(rows(dx, i), rows(dyt, i), i * block, Tensor(), st);
+  }
+  h.lin->wgrad(h.weight.grad(), GradWrite::kOverwrite, db, dyt, xt, 0, st);
+  Outputs o{to_host(y, st), to_host(pre, st), to_host(dx, st), to_host(h.weight.grad(), st), {}, to_host(db, st)};
+  h.lin->begin_backward(dyt, /*shard=*/false, st);
+  h.lin->wgrad(h.weight.grad(), GradWrite::kAccumulate, Tensor(), dyt, xt, 0, st);
+  o.dw2 = to_host(h.weight.grad(), st);
+  return o;
+}
+
 /// run() through the phases a tensor-parallel region drives under sequence parallelism: the forward
 /// and the dgrad block by block of `block` rows, in the rotated orders all_gather_gemm /
 /// gemm_reduce_scatter use (from block `start` on), the saved x_t and the wgrad from the whole
@@ -270,17 +290,7 @@ Outputs run_blocks(Harness& h, int64_t m, int64_t block, int start, const std::v
     h.lin->forward_rows(rows(y, i), rows(xt, i), i * block, bt, rows(pre, i), 0, st);
   }
   h.lin->end_forward(xt, 0, st);
-  h.lin->begin_backward(dyt, /*shard=*/false, st);
-  for (int k = 0; k < n; ++k) {
-    const int i = (start + n - k) % n;
-    h.lin->dgrad_rows(rows(dx, i), rows(dyt, i), i * block, Tensor(), st);
-  }
-  h.lin->wgrad(h.weight.grad(), GradWrite::kOverwrite, db, dyt, xt, 0, st);
-  Outputs o{to_host(y, st), to_host(pre, st), to_host(dx, st), to_host(h.weight.grad(), st), {}, to_host(db, st)};
-  h.lin->begin_backward(dyt, /*shard=*/false, st);
-  h.lin->wgrad(h.weight.grad(), GradWrite::kAccumulate, Tensor(), dyt, xt, 0, st);
-  o.dw2 = to_host(h.weight.grad(), st);
-  return o;
+  return backward_blocks(h, io, m, block, start);
 }
 
 // ColumnParallelLinear / RowParallelLinear under sequence parallelism (with or without
@@ -337,17 +347,7 @@ Outputs run_fp8_gather(Harness& h, int64_t m, int64_t block, int start, const st
     h.lin->forward_fp8_rows(rows(y, i), rows(full, i), i * block, bt, rows(pre, i), 0, st);
   }
   h.lin->end_forward_fp8(0, st);
-  h.lin->begin_backward(dyt, /*shard=*/false, st);
-  for (int k = 0; k < n; ++k) {
-    const int i = (start + n - k) % n;
-    h.lin->dgrad_rows(rows(dx, i), rows(dyt, i), i * block, Tensor(), st);
-  }
-  h.lin->wgrad(h.weight.grad(), GradWrite::kOverwrite, db, dyt, xt, 0, st);
-  Outputs o{to_host(y, st), to_host(pre, st), to_host(dx, st), to_host(h.weight.grad(), st), {}, to_host(db, st)};
-  h.lin->begin_backward(dyt, /*shard=*/false, st);
-  h.lin->wgrad(h.weight.grad(), GradWrite::kAccumulate, Tensor(), dyt, xt, 0, st);
-  o.dw2 = to_host(h.weight.grad(), st);
-  return o;
+  return backward_blocks(h, io, m, block, start);
 }
 
 // The FP8 all-gather of a sequence-parallel input (per-tensor scaling) is bitwise the bf16 gather
