@@ -74,6 +74,10 @@ inline Inputs inputs(int64_t rows, int64_t cols, DType fp8, float amax0, bool na
   in.x = testing::randn(rows * cols, 2.f);
   in.weight = testing::randn(cols, 0.5f);
   if (nan_row && rows > 1) in.x[1] = std::numeric_limits<float>::quiet_NaN();
+  // Saturation by construction, not by chance: the last row's columns 0 and cols/2 at 20 (SwiGLU:
+  // silu(20)·20 = 400; RMSNorm: 20 / rms >= 2.7 for cols >= 16, times weight 2) exceed 3.
+  in.x[(rows - 1) * cols] = in.x[(rows - 1) * cols + cols / 2] = 20.f;
+  in.weight[0] = 2.f;
   in.scale = fp8_max(fp8) / 3.f;  // |y| > 3 saturates
   in.amax0 = amax0;
   return in;
