@@ -9,6 +9,7 @@
 #include <unordered_map>
 
 #include "core/check.h"
+#include "data/bpe_util.h"
 #include "data/file_util.h"
 #include "data/unicode.h"
 
@@ -64,15 +65,6 @@ std::string printable(std::string_view s) {
     }
   }
   return r;
-}
-
-struct StringHash {
-  using is_transparent = void;
-  size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
-};
-
-uint64_t pair_key(int32_t a, int32_t b) {
-  return (static_cast<uint64_t>(static_cast<uint32_t>(a)) << 32) | static_cast<uint32_t>(b);
 }
 
 struct Merge {

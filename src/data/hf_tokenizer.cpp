@@ -10,6 +10,7 @@
 #include <unordered_map>
 
 #include "core/check.h"
+#include "data/bpe_util.h"
 #include "data/file_util.h"
 #include "data/gpt2_tokenizer.h"
 #include "data/unicode.h"
@@ -40,15 +41,7 @@ struct AddedToken {
   bool lstrip, rstrip, normalized;
 };
 
-struct StringHash {
-  using is_transparent = void;
-  size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
-};
 using StrMap = std::unordered_map<std::string, int32_t, StringHash, std::equal_to<>>;
-
-uint64_t pair_key(int32_t a, int32_t b) {
-  return (static_cast<uint64_t>(static_cast<uint32_t>(a)) << 32) | static_cast<uint32_t>(b);
-}
 
 // GPT-2 byte-level alphabet (bytes_to_unicode) inverse: code point -> byte.
 bool byte_level_decode(std::string_view s, std::string* out) {

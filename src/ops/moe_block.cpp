@@ -11,14 +11,6 @@
 namespace mt {
 namespace {
 
-// A contiguous int32 tensor of `n` elements (any shape when ndim < 0), on ref's device.
-void check_ints(const Tensor& t, const Tensor& ref, int ndim, int64_t n, const char* fn, const char* name) {
-  MT_CHECK(t.dtype() == DType::kI32 && (ndim < 0 || t.ndim() == ndim) && t.is_contiguous() && t.numel() == n,
-           "{}: {} must be a contiguous int32 tensor of {} elements{}, got {}", fn, name, n,
-           ndim < 0 ? "" : fmt::format(" and {} dimension(s)", ndim), t.str());
-  MT_CHECK(t.device() == ref.device(), "{}: {} {} is not on {} like the others", fn, name, t.str(), ref.device().str());
-}
-
 // No output shares bytes with an input or another output (the kernels read inputs while writing).
 void check_disjoint(std::initializer_list<std::pair<const Tensor*, const char*>> outs,
                     std::initializer_list<std::pair<const Tensor*, const char*>> ins, const char* fn) {
@@ -52,10 +44,10 @@ void moe_block_send_layout(const Tensor& send_index, const Tensor& slot_send, co
   MT_CHECK(row_index.dtype() == DType::kI32 && row_index.is_contiguous() && row_index.numel() <= INT32_MAX,
            "{}: row_index must be a contiguous int32 tensor of at most 2^31 - 1 slots, got {}", fn, row_index.str());
   const int64_t n = row_index.numel();
-  check_ints(row_index, counts, -1, n, fn, "row_index");
-  check_ints(slot_send, counts, -1, n, fn, "slot_send");
-  check_ints(send_index, counts, 1, num_dest * block, fn, "send_index");
-  check_ints(sent, counts, 1, Ev, fn, "sent");
+  op_checks::check_ints(row_index, counts, -1, n, fn, "row_index");
+  op_checks::check_ints(slot_send, counts, -1, n, fn, "slot_send");
+  op_checks::check_ints(send_index, counts, 1, num_dest * block, fn, "send_index");
+  op_checks::check_ints(sent, counts, 1, Ev, fn, "sent");
   if (!overflow.empty()) {
     MT_CHECK(overflow.dtype() == DType::kF32 && overflow.numel() == 1 && overflow.is_contiguous(),
              "{}: overflow must be an fp32 [1] tensor or empty, got {}", fn, overflow.str());
@@ -82,9 +74,9 @@ void moe_block_receive_layout(const Tensor& gather_index, const Tensor& scatter_
            Ev);
   MT_CHECK(block >= 0 && block <= INT32_MAX && C * block <= INT32_MAX,
            "{}: block {} must be >= 0 and {} sources x block must fit int32", fn, block, C);
-  check_ints(gather_index, sent_all, 1, C * block, fn, "gather_index");
-  check_ints(scatter_index, sent_all, 1, C * block, fn, "scatter_index");
-  check_ints(local_counts, sent_all, 1, num_local, fn, "local_counts");
+  op_checks::check_ints(gather_index, sent_all, 1, C * block, fn, "gather_index");
+  op_checks::check_ints(scatter_index, sent_all, 1, C * block, fn, "scatter_index");
+  op_checks::check_ints(local_counts, sent_all, 1, num_local, fn, "local_counts");
   check_disjoint({{&gather_index, "gather_index"}, {&scatter_index, "scatter_index"}, {&local_counts, "local_counts"}},
                  {{&sent_all, "sent_all"}}, fn);
   op_checks::check_stream(stream, sent_all, fn);

@@ -7,17 +7,6 @@
 #include "ops/op_checks.h"
 
 namespace mt {
-namespace {
-
-// A contiguous int32 tensor of `n` elements with the given number of dimensions, on ref's device.
-void check_ints(const Tensor& t, const Tensor& ref, int ndim, int64_t n, const char* fn, const char* name) {
-  MT_CHECK(t.dtype() == DType::kI32 && t.ndim() == ndim && t.is_contiguous() && t.numel() == n,
-           "{}: {} must be a contiguous int32 tensor of {} dimension(s) and {} elements, got {}", fn, name, ndim, n,
-           t.str());
-  MT_CHECK(t.device() == ref.device(), "{}: {} {} is not on {} like the others", fn, name, t.str(), ref.device().str());
-}
-
-}  // namespace
 
 void moe_echo_plan(const Tensor& clone_expert, const Tensor& clone_quota, const Tensor& quota, const Tensor& counts,
                    int64_t ep, int64_t num_echo, const Stream& stream) {
@@ -30,9 +19,9 @@ void moe_echo_plan(const Tensor& clone_expert, const Tensor& clone_quota, const 
   MT_CHECK(E % ep == 0, "{}: {} experts are not divisible by {} EP ranks", fn, E, ep);
   MT_CHECK(num_echo >= 1, "{}: num_echo {} must be >= 1", fn, num_echo);
   const int64_t NS = ep * num_echo;
-  check_ints(clone_expert, counts, 1, NS, fn, "clone_expert");
-  check_ints(clone_quota, counts, 1, NS, fn, "clone_quota");
-  check_ints(quota, counts, 2, R * NS, fn, "quota");
+  op_checks::check_ints(clone_expert, counts, 1, NS, fn, "clone_expert");
+  op_checks::check_ints(clone_quota, counts, 1, NS, fn, "clone_quota");
+  op_checks::check_ints(quota, counts, 2, R * NS, fn, "quota");
   MT_CHECK(quota.size(0) == R, "{}: quota must be [{}, {}], got {}", fn, R, NS, quota.str());
   op_checks::check_stream(stream, counts, fn);
   MT_DISPATCH(counts.device(), moe_echo_plan, clone_expert, clone_quota, quota, counts, ep, num_echo, stream);
@@ -43,12 +32,12 @@ void moe_echo_reroute(const Tensor& rerouted, const Tensor& top, const Tensor& c
   const char* fn = "moe_echo_reroute";
   MT_CHECK(top.dtype() == DType::kI32 && top.ndim() == 2 && top.is_contiguous(),
            "{}: top must be a contiguous int32 [T, k] tensor, got {}", fn, top.str());
-  check_ints(rerouted, top, 2, top.numel(), fn, "rerouted");
+  op_checks::check_ints(rerouted, top, 2, top.numel(), fn, "rerouted");
   MT_CHECK(rerouted.size(0) == top.size(0), "{}: rerouted {} must have top's shape {}", fn, rerouted.str(), top.str());
   MT_CHECK(clone_expert.ndim() == 1 && clone_expert.numel() >= 1,
            "{}: clone_expert must be a non-empty int32 [NS] tensor, got {}", fn, clone_expert.str());
-  check_ints(clone_expert, top, 1, clone_expert.numel(), fn, "clone_expert");
-  check_ints(quota_row, top, 1, clone_expert.numel(), fn, "quota_row");
+  op_checks::check_ints(clone_expert, top, 1, clone_expert.numel(), fn, "clone_expert");
+  op_checks::check_ints(quota_row, top, 1, clone_expert.numel(), fn, "quota_row");
   MT_CHECK(num_experts >= 1 && num_experts + clone_expert.numel() <= INT32_MAX,
            "{}: {} experts and {} clones do not fit int32 expert ids", fn, num_experts, clone_expert.numel());
   MT_CHECK(top.numel() == 0 || rerouted.data() != top.data(), "{}: rerouted must not alias top", fn);
@@ -61,7 +50,7 @@ void moe_echo_virtual_experts(const Tensor& out, const Tensor& in, int64_t num_e
   const char* fn = "moe_echo_virtual_experts";
   MT_CHECK(in.dtype() == DType::kI32 && in.is_contiguous(), "{}: in must be a contiguous int32 tensor, got {}", fn,
            in.str());
-  check_ints(out, in, out.ndim(), in.numel(), fn, "out");
+  op_checks::check_ints(out, in, out.ndim(), in.numel(), fn, "out");
   MT_CHECK(ep >= 1 && num_experts >= ep && num_experts % ep == 0 && num_echo >= 1 &&
                num_experts + ep * num_echo <= INT32_MAX,
            "{}: {} experts, {} EP ranks and {} echo slots per rank do not fit (E % ep == 0, S >= 1)", fn, num_experts,

@@ -49,4 +49,13 @@ inline void check_stats(const Tensor& t, int64_t n, const char* fn, const char* 
            "{}: {} must be a contiguous fp32 tensor of {} elements, got {}", fn, name, n, t.str());
 }
 
+/// A contiguous int32 tensor of `n` elements on ref's device, with `ndim` dimensions (any shape
+/// when ndim < 0).
+inline void check_ints(const Tensor& t, const Tensor& ref, int ndim, int64_t n, const char* fn, const char* name) {
+  MT_CHECK(t.dtype() == DType::kI32 && (ndim < 0 || t.ndim() == ndim) && t.is_contiguous() && t.numel() == n,
+           "{}: {} must be a contiguous int32 tensor of {} elements{}, got {}", fn, name, n,
+           ndim < 0 ? "" : fmt::format(" and {} dimension(s)", ndim), t.str());
+  MT_CHECK(t.device() == ref.device(), "{}: {} {} is not on {} like the others", fn, name, t.str(), ref.device().str());
+}
+
 }  // namespace mt::op_checks

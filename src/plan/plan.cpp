@@ -14,10 +14,6 @@
 
 namespace mt {
 
-namespace {
-constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
-}  // namespace
-
 GpuSpec gpu_spec(const std::string& name) {
   GpuSpec g;
   g.name = name;

@@ -29,6 +29,9 @@ class App;
 
 namespace mt {
 
+/// Bytes per GiB (the plan prints memory in GiB).
+inline constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+
 /// A machine kind: device memory, the bf16 dense peak (the MFU denominator) and the rates of the
 /// cost model (docs/plan.md "Cost model" gives where each number comes from).
 struct GpuSpec {

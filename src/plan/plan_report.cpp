@@ -13,7 +13,6 @@
 namespace mt {
 
 namespace {
-constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 double gib(double bytes) { return bytes / kGiB; }
 double ms(double s) { return s * 1e3; }
 }  // namespace
