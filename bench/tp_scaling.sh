@@ -79,6 +79,16 @@ gpt() {  # gpt H HEADS LAYERS: sets model=(...), micro-batch 8 and global batch 
   model=(--num-layers "$3" --hidden-size "$1" --num-attention-heads "$2" --micro-batch-size 8 --global-batch-size 8)
 }
 base_tflops=NA  # the 1.2B one-GPU run of `weak`
+# llama LAYERS [GLOBAL_BATCH]: sets llama=(...), the 7B-class Llama of llama7b / llama7b4
+llama() {
+  llama=(--num-layers "$1" --hidden-size 4096 --num-attention-heads 32 --ffn-hidden-size 11008 --swiglu
+         --normalization RMSNorm --position-embedding-type rope --disable-bias-linear
+         --untie-embeddings-and-output-weights --seq-length 4096 --max-position-embeddings 4096
+         --micro-batch-size 1 --global-batch-size "${2:-16}" --use-distributed-optimizer --lr 1e-4 --min-lr 1e-5
+         --lr-warmup-iters 2 --hidden-dropout 0 --attention-dropout 0 --bf16 --device cuda --no-progress
+         "${demo_data[@]}" --seed 1234 --train-iters "$ITERS" --log-interval 5 --eval-interval 100000
+         --eval-iters 0)
+}
 
 for step in "${steps[@]}"; do
   case $step in
@@ -121,16 +131,6 @@ for step in "${steps[@]}"; do
         done
       done ;;
     llama7b)
-      # llama LAYERS: sets llama=(...)
-      llama() {
-        llama=(--num-layers "$1" --hidden-size 4096 --num-attention-heads 32 --ffn-hidden-size 11008 --swiglu
-               --normalization RMSNorm --position-embedding-type rope --disable-bias-linear
-               --untie-embeddings-and-output-weights --seq-length 4096 --max-position-embeddings 4096
-               --micro-batch-size 1 --global-batch-size 16 --use-distributed-optimizer --lr 1e-4 --min-lr 1e-5
-               --lr-warmup-iters 2 --hidden-dropout 0 --attention-dropout 0 --bf16 --device cuda --no-progress
-               "${demo_data[@]}" --seed 1234 --train-iters "$ITERS" --log-interval 5 --eval-interval 100000
-               --eval-iters 0)
-      }
       echo
       echo "7B-class Llama on 2 GPUs (h 4096, 32 heads, SwiGLU 11008, seq 4096, micro-batch 1, global batch 16, $gpu):"
       echo
@@ -154,17 +154,8 @@ for step in "${steps[@]}"; do
         echo "| ${lay//--/} | $layers | $ms | $tflops | $mfu% | $mem | $err"
       done ;;
     llama7b4)
-      # the 4-GPU layouts of issue 46 (global batch 32; the 2-GPU function's model otherwise)
-      llama() {
-        llama=(--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --ffn-hidden-size 11008 --swiglu
-               --normalization RMSNorm --position-embedding-type rope --disable-bias-linear
-               --untie-embeddings-and-output-weights --seq-length 4096 --max-position-embeddings 4096
-               --micro-batch-size 1 --global-batch-size 32 --use-distributed-optimizer --lr 1e-4 --min-lr 1e-5
-               --lr-warmup-iters 2 --hidden-dropout 0 --attention-dropout 0 --bf16 --device cuda --no-progress
-               "${demo_data[@]}" --seed 1234 --train-iters "$ITERS" --log-interval 5 --eval-interval 100000
-               --eval-iters 0)
-      }
-      llama
+      # the 4-GPU layouts of issue 46: global batch 32
+      llama 32 32
       echo
       echo "7B-class Llama on 4 GPUs (32 layers, h 4096, 32 heads, SwiGLU 11008, seq 4096, micro-batch 1, global batch 32, $gpu${MT_EXTRA:+, $MT_EXTRA}):"
       echo

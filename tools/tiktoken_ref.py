@@ -50,24 +50,30 @@ def load():
     return ranks, texts, specials
 
 
+def split(text, pattern, special_re):
+    """The text cut at special tokens, the parts between split by the pattern: yields (piece, is_special)."""
+    pos = 0
+    for m in list(special_re.finditer(text)) + [None]:
+        end = m.start() if m else len(text)
+        for p in pattern.finditer(text[pos:end]):
+            yield p.group(), False
+        if m:
+            yield m.group(), True
+            pos = m.end()
+
+
+def special_regex(specials):
+    import regex
+
+    return regex.compile("|".join(regex.escape(s) for s in sorted(specials, key=len, reverse=True)))
+
+
 def pieces(texts, specials):
     import regex
 
-    special_re = regex.compile("|".join(regex.escape(s) for s in sorted(specials, key=len, reverse=True)))
-    out = {}
-    for name, pat in PATTERNS.items():
-        r = regex.compile(pat)
-        per_text = []
-        for t in texts:
-            got, pos = [], 0
-            for m in list(special_re.finditer(t)) + [None]:
-                end = m.start() if m else len(t)
-                got += [p.group() for p in r.finditer(t[pos:end])]
-                if m:
-                    pos = m.end()
-            per_text.append(got)
-        out[name] = per_text
-    return out
+    special_re = special_regex(specials)
+    return {name: [[p for p, special in split(t, regex.compile(pat), special_re) if not special] for t in texts]
+            for name, pat in PATTERNS.items()}
 
 
 def ids(ranks, texts, specials):
@@ -84,31 +90,20 @@ def ids(ranks, texts, specials):
 def ids_educational(ranks, texts, specials, path):
     import types
 
+    import regex
+
     sys.modules.setdefault("tiktoken", types.ModuleType("tiktoken"))  # _educational imports it for from_tiktoken only
     edu = types.ModuleType("tiktoken_educational")
     with open(path, encoding="utf-8") as f:
         exec(compile(f.read(), path, "exec"), edu.__dict__)
     special_ids = {s: i for i, s in enumerate(specials)}
-    split = pieces(texts, specials)  # per pattern, per text: the pieces between special tokens
-    import regex
-
-    special_re = regex.compile("|".join(regex.escape(s) for s in sorted(specials, key=len, reverse=True)))
+    special_re = special_regex(specials)
     out = {}
     for name, pat in PATTERNS.items():
         r = regex.compile(pat)
-        per_text = []
-        for t in texts:
-            got, pos = [], 0
-            for m in list(special_re.finditer(t)) + [None]:
-                end = m.start() if m else len(t)
-                for p in r.finditer(t[pos:end]):
-                    got += edu.bpe_encode(ranks, p.group().encode("utf-8"), visualise=None)
-                if m:
-                    got.append(special_ids[m.group()])
-                    pos = m.end()
-            per_text.append(got)
-        out[name] = per_text
-        assert len(per_text) == len(split[name])
+        out[name] = [[i for p, special in split(t, r, special_re)
+                      for i in ([special_ids[p]] if special else edu.bpe_encode(ranks, p.encode("utf-8"), visualise=None))]
+                     for t in texts]
     return out
 
 

@@ -122,6 +122,17 @@ RunResult train(const std::shared_ptr<Communicator>& world, TransformerConfig c,
   return r;
 }
 
+/// The largest element-wise relative difference of two runs' FP8 states (same sizes).
+double state_rel(const RunResult& a, const RunResult& r) {
+  double d = 0;
+  for (size_t l = 0; l < r.state.size(); ++l)
+    for (size_t i = 0; i < r.state[l].size(); ++i) {
+      const double m = std::max(std::fabs(double(r.state[l][i])), std::fabs(double(a.state[l][i])));
+      if (m > 0) d = std::max(d, std::fabs(double(a.state[l][i]) - r.state[l][i]) / m);
+    }
+  return d;
+}
+
 TEST(Fp8LayoutsNccl, TensorParallelMatchesOneGpu) {
   MT_REQUIRE_CUDA();
   const LaunchEnv env = read_launch_env();
@@ -158,12 +169,7 @@ TEST(Fp8LayoutsNccl, TensorParallelMatchesOneGpu) {
     // between runs whose inputs differ by bf16 rounding (measured on H200 ×2, 2026-11-28: hybrid
     // delayed TP 2 against one GPU 4.0e-2); a wrong amax reduction or scale is off by O(1).
     const RunResult ref2 = train(one, c, 1, false, dev, tokens, labels, mb, M, false, std::ldexp(1.0, -9));
-    double state_noise = 0;
-    for (size_t l = 0; l < ref.state.size(); ++l)
-      for (size_t i = 0; i < ref.state[l].size(); ++i) {
-        const double m = std::max(std::fabs(double(ref.state[l][i])), std::fabs(double(ref2.state[l][i])));
-        if (m > 0) state_noise = std::max(state_noise, std::fabs(double(ref2.state[l][i]) - ref.state[l][i]) / m);
-      }
+    const double state_noise = state_rel(ref2, ref);
     std::map<std::string, size_t> ref_index;
     for (size_t i = 0; i < ref.infos.size(); ++i) ref_index[ref.infos[i].name] = i;
     for (const bool sp : {false, true}) {
@@ -186,15 +192,10 @@ TEST(Fp8LayoutsNccl, TensorParallelMatchesOneGpu) {
         rg.insert(rg.end(), r.begin(), r.end());
       }
       const double eg = testing::rel_err(pg, rg);
-      double es = 0;
       ASSERT_EQ(par.state.size(), ref.state.size()) << what;
-      for (size_t l = 0; l < ref.state.size(); ++l) {
+      for (size_t l = 0; l < ref.state.size(); ++l)
         ASSERT_EQ(par.state[l].size(), ref.state[l].size()) << what << " layer " << l;
-        for (size_t i = 0; i < ref.state[l].size(); ++i) {
-          const double m = std::max(std::fabs(double(ref.state[l][i])), std::fabs(double(par.state[l][i])));
-          if (m > 0) es = std::max(es, std::fabs(double(par.state[l][i]) - ref.state[l][i]) / m);
-        }
-      }
+      const double es = state_rel(par, ref);
       std::printf("[%s] rank %d: loss %.6f vs %.6f, gradients rel %.2e (FP8 vs bf16 on one GPU %.2e), FP8 state max "
                   "rel %.2e (noise %.2e)\n",
                   what.c_str(), world->rank(), par.losses.back(), ref.losses.back(), eg, noise, es, state_noise);
