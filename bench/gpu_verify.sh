@@ -3,7 +3,8 @@
 # between back-to-back calls, so later steps reuse the build):
 #   build          configure (preset default) and build everything with all cores
 #   ctest          ctest -L cuda (the multi-GPU tests run at their own rank counts; those that need
-#                  more GPUs than the machine has say so and skip)
+#                  more GPUs than the machine has say so and skip); CTEST_ARGS adds ctest arguments
+#                  (e.g. CTEST_ARGS="-R 'mla|muon'" or "-E 'mla|muon'")
 #   dist2          the CUDA dist tests under mpiexec -np 2 (2-GPU machines)
 #   grouped        the grouped-GEMM self-check and benchmark (bench/grouped_matmul_bench)
 #   fp8            the FP8 CUDA tests and the FP8 GEMM benchmark
@@ -27,7 +28,7 @@ while [ $# -gt 0 ]; do
       cmake --build build -j "$(nproc)" -- -k > "$OUT/build.log" 2>&1 || { grep -E "error|\*\*\*" "$OUT/build.log" | head -40; }
       echo "build: $(( $(date +%s) - t0 )) s" ;;
     ctest)
-      (cd build && timeout "${CTEST_TIMEOUT:-540}" ctest -L cuda --output-on-failure -j "$gpus" 2>&1) > "$OUT/ctest_cuda.log"
+      (cd build && timeout "${CTEST_TIMEOUT:-540}" eval ctest -L cuda --output-on-failure -j "$gpus" ${CTEST_ARGS:-} 2>&1) > "$OUT/ctest_cuda.log"
       grep -E "tests passed|Failed|\*\*\*|Not Run|Timeout" "$OUT/ctest_cuda.log" | tail -40
       grep -h "SKIPPED\|Skipped" -A1 "$OUT/ctest_cuda.log" | head -20 ;;
     dist2)
