@@ -28,7 +28,7 @@ while [ $# -gt 0 ]; do
       cmake --build build -j "$(nproc)" -- -k > "$OUT/build.log" 2>&1 || { grep -E "error|\*\*\*" "$OUT/build.log" | head -40; }
       echo "build: $(( $(date +%s) - t0 )) s" ;;
     ctest)
-      (cd build && timeout "${CTEST_TIMEOUT:-540}" eval ctest -L cuda --output-on-failure -j "$gpus" ${CTEST_ARGS:-} 2>&1) > "$OUT/ctest_cuda.log"
+      (cd build && timeout "${CTEST_TIMEOUT:-540}" bash -c "ctest -L cuda --output-on-failure -j $gpus ${CTEST_ARGS:-}" 2>&1) > "$OUT/ctest_cuda.log"
       grep -E "tests passed|Failed|\*\*\*|Not Run|Timeout" "$OUT/ctest_cuda.log" | tail -40
       grep -h "SKIPPED\|Skipped" -A1 "$OUT/ctest_cuda.log" | head -20 ;;
     dist2)
