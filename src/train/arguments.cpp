@@ -863,6 +863,7 @@ void add_generate_options(CLI::App& app, GenerateArgs& a) {
   app.add_option("--tokenizer-model", a.tokenizer_model,
                  "tokenizer.json (HuggingFaceTokenizer) or SentencePiece model; default: the files import-hf "
                  "stored beside the checkpoint");
+  data::add_tiktoken_options(app, a.tiktoken);
   app.add_option("--prompt", a.prompts, "Text to continue (repeat for a batch of prompts)")
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
   app.add_option("--prompt-file", a.prompt_file, "File with one prompt per line (added to --prompt)");

@@ -204,6 +204,7 @@ struct GenerateArgs {
   std::string vocab_file, merge_file;  ///< --vocab-file --merge-file (GPT-2 BPE)
   std::string tokenizer_type = "HuggingFaceTokenizer";  ///< --tokenizer-type (with --tokenizer-model)
   std::string tokenizer_model;      ///< --tokenizer-model
+  data::TikTokenOptions tiktoken;   ///< --tiktoken-pattern, ... (TikTokenizer; add_tiktoken_options)
   std::vector<std::string> prompts;  ///< --prompt (repeatable: one batch row each)
   std::string prompt_file;          ///< --prompt-file: one prompt per line
   int64_t out_seq_length = 64;      ///< --out-seq-length / --max-new-tokens: tokens to generate

@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/logging.h"
+#include "data/data_args.h"
 #include "data/detokenizer.h"
 #include "data/gpt_window_dataset.h"
 #include "data/indexed_dataset.h"
@@ -202,6 +203,7 @@ void add_evaluate_options(CLI::App& app, EvaluateArgs& a) {
   app.add_option("--merge-file", a.merge_file, "GPT-2 merges.txt");
   app.add_option("--tokenizer-type", a.tokenizer_type, "Tokenizer of --tokenizer-model")->capture_default_str();
   app.add_option("--tokenizer-model", a.tokenizer_model, "tokenizer.json or SentencePiece model");
+  data::add_tiktoken_options(app, a.tiktoken);
   app.add_option("--device", a.device, "cpu, cuda, cuda:N or auto")->capture_default_str();
   app.add_option("--tensor-model-parallel-size", a.tensor_model_parallel_size, "Tensor-parallel size")
       ->capture_default_str();
@@ -278,7 +280,7 @@ int run_evaluate(const EvaluateArgs& a) {
   }
   const std::unique_ptr<data::Tokenizer> tok = inference_tokenizer(a.load, a.vocab_file, a.merge_file,
                                                                    a.tokenizer_type, a.tokenizer_model,
-                                                                   im.state.model.vocab_size);
+                                                                   im.state.model.vocab_size, a.tiktoken);
   if (a.task == "WIKITEXT103") {
     // Megatron: the word count of the original text, the tokens of the detokenized one (the
     // detokenizer chosen by the file's path, data/detokenizer.h).

@@ -62,6 +62,7 @@ struct EvaluateArgs {
   int64_t seq_length = 0;              ///< --seq-length (0 = the checkpoint's)
   int64_t micro_batch_size = 1;        ///< --micro-batch-size
   std::string vocab_file, merge_file, tokenizer_type = "HuggingFaceTokenizer", tokenizer_model;
+  data::TikTokenOptions tiktoken;  ///< --tiktoken-pattern, ... (TikTokenizer; add_tiktoken_options)
   std::string device = "auto";
   int tensor_model_parallel_size = 1, pipeline_model_parallel_size = 1, nproc_per_node = 1;
   bool bf16 = false, fp16 = false;

@@ -72,7 +72,7 @@ namespace {
 /// import-hf stored beside the checkpoint.
 std::unique_ptr<data::Tokenizer> generation_tokenizer(const GenerateArgs& a, int64_t checkpoint_vocab) {
   return inference_tokenizer(a.load, a.vocab_file, a.merge_file, a.tokenizer_type, a.tokenizer_model,
-                             checkpoint_vocab);
+                             checkpoint_vocab, a.tiktoken);
 }
 
 std::vector<std::string> read_prompts(const GenerateArgs& a) {
@@ -90,15 +90,17 @@ std::vector<std::string> read_prompts(const GenerateArgs& a) {
 
 std::unique_ptr<data::Tokenizer> inference_tokenizer(const std::string& load, const std::string& vocab_file,
                                                      const std::string& merge_file, const std::string& tokenizer_type,
-                                                     const std::string& tokenizer_model, int64_t checkpoint_vocab) {
+                                                     const std::string& tokenizer_model, int64_t checkpoint_vocab,
+                                                     const data::TikTokenOptions& tiktoken) {
   namespace fs = std::filesystem;
   if (tokenizer_type == "NullTokenizer") return data::make_tokenizer("NullTokenizer", "", "", "", checkpoint_vocab);
   if (!vocab_file.empty() || !merge_file.empty())
     return data::make_tokenizer("GPT2BPETokenizer", vocab_file, merge_file, "", 0);
-  // TikTokenizer: Megatron's default pattern and special tokens, the checkpoint's vocabulary size
+  // TikTokenizer: --tiktoken-pattern / --tiktoken-num-special-tokens / --tokenizer-special-tokens as
+  // given (Megatron's defaults otherwise), the checkpoint's vocabulary size
   if (!tokenizer_model.empty())
     return data::make_tokenizer(tokenizer_type, "", "", tokenizer_model,
-                                tokenizer_type == "TikTokenizer" ? checkpoint_vocab : 0);
+                                tokenizer_type == "TikTokenizer" ? checkpoint_vocab : 0, tiktoken);
   const fs::path assets = hf_assets_dir(load);
   if (fs::is_regular_file(assets / "tokenizer.json"))
     return data::make_tokenizer("HuggingFaceTokenizer", "", "", (assets / "tokenizer.json").string(), 0);

@@ -56,7 +56,8 @@ InferenceModel load_inference_model(const InferenceModelOptions& options);
 /// import-hf stored beside the checkpoint. Errors: mt::Error when none is found.
 std::unique_ptr<data::Tokenizer> inference_tokenizer(const std::string& load, const std::string& vocab_file,
                                                      const std::string& merge_file, const std::string& tokenizer_type,
-                                                     const std::string& tokenizer_model, int64_t checkpoint_vocab);
+                                                     const std::string& tokenizer_model, int64_t checkpoint_vocab,
+                                                     const data::TikTokenOptions& tiktoken = {});
 
 /// `megatron logits`: the model's fp32 logits for one sequence of token ids (for checks against
 /// other implementations, e.g. tools/hf_check.py). Writes [T, vocab_size] little-endian fp32 (no

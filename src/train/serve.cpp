@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "core/logging.h"
+#include "data/data_args.h"
 #include "train/generate.h"
 #include "train/inference.h"
 #include "train/serve_request.h"
@@ -347,6 +348,7 @@ void add_serve_options(CLI::App& app, ServeArgs& a) {
   app.add_option("--merge-file", a.merge_file, "GPT-2 merges.txt");
   app.add_option("--tokenizer-type", a.tokenizer_type, "Tokenizer of --tokenizer-model")->capture_default_str();
   app.add_option("--tokenizer-model", a.tokenizer_model, "tokenizer.json or SentencePiece model");
+  data::add_tiktoken_options(app, a.tiktoken);
   app.add_option("--host", a.host, "Address to listen on")->capture_default_str();
   app.add_option("--port", a.port, "Port (0 = any free port)")->capture_default_str()->check(CLI::Range(0, 65535));
   app.add_option("--port-file", a.port_file, "Write the bound port to this file once listening");
@@ -390,7 +392,7 @@ int run_serve(const ServeArgs& a) {
   o.pp = a.pipeline_model_parallel_size;
   InferenceModel im = load_inference_model(o);
   std::unique_ptr<data::Tokenizer> tok = inference_tokenizer(a.load, a.vocab_file, a.merge_file, a.tokenizer_type,
-                                                             a.tokenizer_model, im.state.model.vocab_size);
+                                                             a.tokenizer_model, im.state.model.vocab_size, a.tiktoken);
   TextGenerator gen(*im.model, a.micro_batch_size, im.config.seq_length, *im.stream);
   JobChannel jobs(*im.world, im.device, *im.stream);
   if (im.world->rank() != 0) {  // the other ranks generate what rank 0 broadcasts

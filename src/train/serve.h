@@ -23,11 +23,14 @@
 
 #include <CLI/CLI.hpp>
 
+#include "data/tokenizer.h"
+
 namespace mt {
 
 struct ServeArgs {
   std::string load;
   std::string vocab_file, merge_file, tokenizer_type = "HuggingFaceTokenizer", tokenizer_model;
+  data::TikTokenOptions tiktoken;  ///< --tiktoken-pattern, ... (TikTokenizer; add_tiktoken_options)
   std::string host = "127.0.0.1";  ///< --host
   int port = 5000;                 ///< --port (Megatron's default); 0 = any free port
   std::string port_file;           ///< --port-file: write the bound port there once listening

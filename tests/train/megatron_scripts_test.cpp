@@ -18,7 +18,10 @@
 #include "data/preprocess.h"
 #include "data/tiktoken_tokenizer.h"
 #include "testing/testing.h"
+#include "train/evaluate.h"
+#include "train/generate.h"
 #include "train/megatron_compat.h"
+#include "train/serve.h"
 #include "train/trainer_testing.h"
 
 namespace mt {
@@ -533,6 +536,74 @@ TEST_F(MegatronScriptsRun, TikTokenizerPreprocessesAndTrains) {
   const TrainingResult r = train_in_process(args, &info);
   expect_trains(r, 4);
   EXPECT_EQ(info.padded_vocab, ((10 + ranks + 63) / 64) * 64);
+}
+
+
+// generate, serve and evaluate take the TikTokenizer options of the pretraining script
+// (--tiktoken-pattern, --tiktoken-num-special-tokens, --tokenizer-special-tokens) and build the
+// tokenizer with them: ids shift with the number of special tokens, v1 and v2 cut combining marks
+// differently, and a pattern that is neither is refused by each command's parser.
+TEST(MegatronScripts, InferenceCommandsTakeTikTokenOptions) {
+  const char* src = std::getenv("MT_SOURCE_DIR");
+  const std::string vocab = std::string(src ? src : ".") + "/tests/data/fixtures/tiktoken_ref/vocab.json";
+  std::ifstream vf(vocab);
+  ASSERT_TRUE(vf) << vocab;
+  const int64_t ranks = static_cast<int64_t>(nlohmann::json::parse(vf).size());
+  const std::string flags = fmt::format(
+      "--load ck --tokenizer-type TikTokenizer --tokenizer-model {} --tiktoken-pattern v1 "
+      "--tiktoken-num-special-tokens 10",
+      vocab);
+  GenerateArgs g;
+  {
+    CLI::App app;
+    add_generate_options(app, g);
+    app.parse(flags, false);
+  }
+  ServeArgs sv;
+  {
+    CLI::App app;
+    add_serve_options(app, sv);
+    app.parse(flags, false);
+  }
+  EvaluateArgs ev;
+  {
+    CLI::App app;
+    add_evaluate_options(app, ev);
+    app.parse(flags, false);
+  }
+  for (const data::TikTokenOptions* o : {&g.tiktoken, &sv.tiktoken, &ev.tiktoken}) {
+    EXPECT_EQ(o->pattern, "v1");
+    EXPECT_EQ(o->num_special_tokens, 10);
+  }
+  // combining marks: v1 and v2 cut them into different pieces (text 7 of the fixture corpus)
+  const std::string text =
+      "e\xCC\x81t\xC3\xA9 co\xCC\x88operate a\xCC\x8A \xE0\xA4\xB9\xE0\xA4\xBF\xE0\xA4\xA8\xE0\xA5\x8D\xE0\xA4"
+      "\xA6\xE0\xA5\x80";
+  const auto encode = [&](const data::TikTokenOptions& o) {
+    return inference_tokenizer("ck", "", "", "TikTokenizer", vocab, 10 + ranks, o)->encode(text);
+  };
+  data::TikTokenOptions want = g.tiktoken;
+  want.vocab_size = 10 + ranks;
+  EXPECT_EQ(encode(g.tiktoken), data::TikTokenizer::from_file(vocab, want).encode(text));
+  data::TikTokenOptions v2 = g.tiktoken;
+  v2.pattern = "v2";
+  EXPECT_NE(encode(g.tiktoken), encode(v2));
+  data::TikTokenOptions more_special = g.tiktoken;
+  more_special.num_special_tokens = 11;
+  EXPECT_NE(encode(g.tiktoken), encode(more_special));
+  const std::string bad = "--load ck --tiktoken-pattern v3";
+  {
+    CLI::App app;
+    GenerateArgs a;
+    add_generate_options(app, a);
+    EXPECT_THROW(app.parse(bad, false), CLI::ValidationError);
+  }
+  {
+    CLI::App app;
+    ServeArgs a;
+    add_serve_options(app, a);
+    EXPECT_THROW(app.parse(bad, false), CLI::ValidationError);
+  }
 }
 
 }  // namespace
