@@ -451,7 +451,11 @@ void TransformerConfig::validate(int tp) const {
                "computed with its input gradient (the quantised dy is not kept for a later pass)",
                fp8_format_name(fp8));
   }
-  if (num_moe_experts == 0) return;
+  if (num_moe_experts > 0) validate_moe();
+}
+
+void TransformerConfig::validate_moe() const {
+  const bool full = recompute_granularity == RecomputeGranularity::kFull;
   MT_REQUIRE(!full || !moe_aux_loss_on(MoeLoadBalancing::kGlobalAuxLoss),
              "--moe-router-load-balancing-type global_aux_loss with --recompute-granularity full is not supported: "
              "its token counts accumulate over the step's forwards, so a recomputed forward would see other counts");

@@ -365,6 +365,8 @@ struct TransformerConfig {
   void validate(int tp = 1) const;
   /// The multi-token prediction rules (part of validate()).
   void validate_mtp() const;
+  /// The MoE flags (validate's part when --num-experts > 0).
+  void validate_moe() const;
   /// The MoE communication-overlap flags' rules (part of validate()).
   void validate_moe_comm_overlap() const;
   /// Parameters of the model (a tied embedding counted once), with padded vocabulary.

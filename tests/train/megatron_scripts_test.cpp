@@ -489,15 +489,19 @@ TEST_F(MegatronScriptsRun, PerTokenLoss) {
 }
 
 
+// The TikTokenizer vocabulary of tests/data/fixtures/tiktoken_ref (Megatron's JSON format).
+std::string tiktoken_fixture_vocab() {
+  const char* src = std::getenv("MT_SOURCE_DIR");
+  return std::string(src ? src : ".") + "/tests/data/fixtures/tiktoken_ref/vocab.json";
+}
+
 // --tokenizer-type TikTokenizer through preprocess_data and pretraining, with the Llama 3 script's
 // --tiktoken-pattern v2 and the vocabulary of tests/data/fixtures/tiktoken_ref (Megatron's JSON
 // format; 10 special tokens, so 10 + its ranks ids in all).
 TEST_F(MegatronScriptsRun, TikTokenizerPreprocessesAndTrains) {
-  const char* src = std::getenv("MT_SOURCE_DIR");
-  const std::string vocab = std::string(src ? src : ".") + "/tests/data/fixtures/tiktoken_ref/vocab.json";
-  std::ifstream vf(vocab);
-  ASSERT_TRUE(vf) << vocab;
-  const int64_t ranks = static_cast<int64_t>(nlohmann::json::parse(vf).size());
+  const std::string vocab = tiktoken_fixture_vocab();
+  ASSERT_TRUE(std::filesystem::is_regular_file(vocab)) << vocab;
+  const int64_t ranks = static_cast<int64_t>(nlohmann::json::parse(std::ifstream(vocab)).size());
   {
     std::ofstream j(dir("tt.jsonl"));
     for (int d = 0; d < 200; ++d)
@@ -544,11 +548,9 @@ TEST_F(MegatronScriptsRun, TikTokenizerPreprocessesAndTrains) {
 // tokenizer with them: ids shift with the number of special tokens, v1 and v2 cut combining marks
 // differently, and a pattern that is neither is refused by each command's parser.
 TEST(MegatronScripts, InferenceCommandsTakeTikTokenOptions) {
-  const char* src = std::getenv("MT_SOURCE_DIR");
-  const std::string vocab = std::string(src ? src : ".") + "/tests/data/fixtures/tiktoken_ref/vocab.json";
-  std::ifstream vf(vocab);
-  ASSERT_TRUE(vf) << vocab;
-  const int64_t ranks = static_cast<int64_t>(nlohmann::json::parse(vf).size());
+  const std::string vocab = tiktoken_fixture_vocab();
+  ASSERT_TRUE(std::filesystem::is_regular_file(vocab)) << vocab;
+  const int64_t ranks = static_cast<int64_t>(nlohmann::json::parse(std::ifstream(vocab)).size());
   const std::string flags = fmt::format(
       "--load ck --tokenizer-type TikTokenizer --tokenizer-model {} --tiktoken-pattern v1 "
       "--tiktoken-num-special-tokens 10",
