@@ -81,28 +81,26 @@ void ColumnParallelLinear::forward(const Tensor& y, const StepContext& ctx, cons
   // block), the saved x_t from the whole gathered input after
   const bool shard = gather && tp_.sequence_parallel();
   if (fp8_) fp8_->begin_forward(rows(shard ? input_local_ : x), shard, ctx.slot, ctx.stream);
-  if (fp8_ && shard && fp8_->gathers_fp8()) {  // the input all-gathered in FP8 (docs/fp8.md)
-    const auto [full, local] = fp8_->quantize_shard(rows(input_local_), ctx.slot, ctx.stream);
-    auto gemm = [&](const Tensor& q_rows, int64_t first) {
-      const int64_t end = first + q_rows.size(0);
-      fp8_->forward_fp8_rows(y2.slice0(first, end), q_rows, first, bias, pre2.empty() ? Tensor() : pre2.slice0(first, end),
-                             ctx.slot, ctx.stream);
-    };
-    tp_.all_gather_gemm(full, local, gemm, ctx.stream);
-    fp8_->end_forward_fp8(ctx.slot, ctx.stream);
-    return;
-  }
+  const bool fp8_gather = fp8_ && shard && fp8_->gathers_fp8();  // the input all-gathered in FP8 (docs/fp8.md)
   // y rows [first, first + count) from those rows of the gathered input (all of them at once
   // unless --tp-comm-overlap pipelines the all-gather with the GEMM)
   auto gemm = [&](const Tensor& x_rows, int64_t first) {
     const int64_t end = first + x_rows.size(0);
     const Tensor pre_rows = pre2.empty() ? Tensor() : pre2.slice0(first, end);
-    if (fp8_) {
+    if (fp8_gather) {
+      fp8_->forward_fp8_rows(y2.slice0(first, end), x_rows, first, bias, pre_rows, ctx.slot, ctx.stream);
+    } else if (fp8_) {
       fp8_->forward_rows(y2.slice0(first, end), x_rows, first, bias, pre_rows, ctx.slot, ctx.stream);
     } else {
       linear_forward(y2.slice0(first, end), x_rows, weight().value(), bias, pre_rows, ctx.stream);
     }
   };
+  if (fp8_gather) {
+    const auto [full, local] = fp8_->quantize_shard(rows(input_local_), ctx.slot, ctx.stream);
+    tp_.all_gather_gemm(full, local, gemm, ctx.stream);
+    fp8_->end_forward_fp8(ctx.slot, ctx.stream);
+    return;
+  }
   if (gather) {
     tp_.all_gather_gemm(x, input_local_, gemm, ctx.stream);
   } else {
