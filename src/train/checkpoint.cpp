@@ -55,7 +55,10 @@ json moe_config_to_json(const TransformerConfig& c) {
               {"moe_router_dtype", std::string(dtype_name(c.moe_router_dtype))},
               {"moe_router_load_balancing_type", lb_types},
               {"moe_aux_loss_coeff", c.moe_aux_loss_coeff},
-              {"moe_z_loss_coeff", c.moe_z_loss_coeff}};
+              {"moe_z_loss_coeff", c.moe_z_loss_coeff},
+              // the routing reads the expert bias (state/...expert_bias): inference must know it
+              {"moe_router_enable_expert_bias", c.moe_router_enable_expert_bias},
+              {"moe_router_bias_update_rate", c.moe_router_bias_update_rate}};
 }
 
 void moe_config_from_json(const json& j, TransformerConfig& c) {
@@ -81,6 +84,8 @@ void moe_config_from_json(const json& j, TransformerConfig& c) {
   c.moe_aux_loss_coeff.clear();
   for (const json& v : coeffs.is_array() ? coeffs : json::array({coeffs})) c.moe_aux_loss_coeff.push_back(v.get<float>());
   c.moe_z_loss_coeff = j.value("moe_z_loss_coeff", 0.f);
+  c.moe_router_enable_expert_bias = j.value("moe_router_enable_expert_bias", false);
+  c.moe_router_bias_update_rate = j.value("moe_router_bias_update_rate", 1e-3f);
 }
 
 json config_to_json(const TransformerConfig& c) {

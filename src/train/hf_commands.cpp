@@ -41,7 +41,8 @@ void add_export_hf_options(CLI::App& app, ExportHfArgs& a) {
   app.add_option("--hf-dir", a.hf_dir, "Output directory")->required();
   app.add_option("--hf-architecture", a.architecture,
                  "GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM, "
-                 "Qwen3MoeForCausalLM or Qwen2MoeForCausalLM (default: the imported one, else inferred from the model)");
+                 "Qwen3MoeForCausalLM, Qwen2MoeForCausalLM or DeepseekV3ForCausalLM (default: the imported one, else "
+                 "inferred from the model)");
   app.add_option("--hf-dtype", a.dtype, "fp32, bf16 or fp16")->capture_default_str();
   app.add_option("--max-shard-size", a.max_shard_bytes, "Bytes per safetensors file (0 = one file)")
       ->check(integer_range(0));
@@ -90,6 +91,19 @@ void check_host_model(const TransformerConfig& config, const std::string& comman
   check_config_memory(config, 1, 1, layout, o, Device::cpu());
 }
 
+// The model state beside the parameters (hf::expert_bias_state_names) as views of t's vectors:
+// what save_checkpoint writes and load_checkpoint fills in place.
+CheckpointExtra state_tensors(const TransformerConfig& config, hf::GlobalTensors& t) {
+  CheckpointExtra extra;
+  for (const std::string& name : hf::expert_bias_state_names(config)) {
+    auto it = t.find(name);
+    MT_CHECK(it != t.end() && static_cast<int64_t>(it->second.size()) == config.num_moe_experts,
+             "model state '{}' was not mapped with {} values", name, config.num_moe_experts);
+    extra.emplace_back(name, Tensor(it->second.data(), DType::kF32, Device::cpu(), {config.num_moe_experts}));
+  }
+  return extra;
+}
+
 CheckpointWriter single_rank_writer() {
   CheckpointWriter w;
   w.world = std::make_shared<SingleRankCommunicator>("world");
@@ -103,10 +117,11 @@ int run_import_hf(const ImportHfArgs& a) {
   hf::HfModel m = hf::read_hf_config(a.hf_dir, a.seq_length, a.make_vocab_size_divisible_by);
   m.config.layernorm_zero_centered_gamma = a.apply_layernorm_1p;
   const hf::SafetensorsCheckpoint ck = hf::SafetensorsCheckpoint::open(a.hf_dir);
+  hf::drop_absent_mtp_layers(m, ck);
   log_info("> importing {} from {}: {}, vocab {} (padded {})", hf::architecture_name(m.arch), a.hf_dir,
            m.config.summary(), m.config.vocab_size, m.config.padded_vocab_size());
   check_host_model(m.config, "import-hf");  // before any tensor is read
-  const hf::GlobalTensors t = hf::hf_to_megatron(m, ck);
+  hf::GlobalTensors t = hf::hf_to_megatron(m, ck);
   Stream stream(Device::cpu());
   ParamStore params(GPTModel::param_specs(m.config), DType::kF32, Device::cpu());
   memset_tensor(params.main_flat(), 0, stream);
@@ -120,7 +135,7 @@ int run_import_hf(const ImportHfArgs& a) {
     copy_bytes(params.main(i).data(), Device::cpu(), it->second.data(), Device::cpu(), it->second.size() * 4, stream);
   }
   CheckpointState st{false, 0, 0, 0, m.config, initial_optimizer_scalars(LossScalerConfig{})};
-  save_checkpoint(a.save, st, params, nullptr, single_rank_writer(), stream);
+  save_checkpoint(a.save, st, params, nullptr, single_rank_writer(), stream, state_tensors(m.config, t));
   const fs::path assets = hf_assets_dir(a.save);
   fs::create_directories(assets);
   write_text(assets / "config.json", m.config_json.dump(2) + "\n");
@@ -153,8 +168,10 @@ int run_export_hf(const ExportHfArgs& a) {
   // The whole model on one CPU rank, whatever layout wrote the checkpoint.
   Stream stream(Device::cpu());
   ParamStore params(GPTModel::param_specs(m.config), DType::kF32, Device::cpu());
-  load_checkpoint(a.load, params, nullptr, stream);
   hf::GlobalTensors t;
+  for (const std::string& name : hf::expert_bias_state_names(m.config))  // read in place by load_checkpoint
+    t[name].assign(static_cast<size_t>(m.config.num_moe_experts), 0.f);
+  load_checkpoint(a.load, params, nullptr, stream, {}, state_tensors(m.config, t));
   for (size_t i = 0; i < params.size(); ++i) {
     const Tensor v = params.main(i);
     const float* p = v.data_as<float>();

@@ -7,11 +7,19 @@
 #include <fmt/ranges.h>
 
 #include "core/check.h"
+#include "core/logging.h"
+#include "model/hf/hf_deepseek.h"
+#include "model/hf/hf_mapping.h"
 
 namespace mt::hf {
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;
+using detail::decimal;
+using detail::Fields;
+using detail::layer;
+using detail::pad_rows;
+using detail::read;
 
 const char* architecture_name(HfArchitecture a) {
   switch (a) {
@@ -22,16 +30,18 @@ const char* architecture_name(HfArchitecture a) {
     case HfArchitecture::kMixtral: return "MixtralForCausalLM";
     case HfArchitecture::kQwen3Moe: return "Qwen3MoeForCausalLM";
     case HfArchitecture::kQwen2Moe: return "Qwen2MoeForCausalLM";
+    case HfArchitecture::kDeepseekV3: return "DeepseekV3ForCausalLM";
   }
   return "?";
 }
 
 HfArchitecture parse_architecture(const std::string& name) {
   for (HfArchitecture a : {HfArchitecture::kGpt2, HfArchitecture::kLlama, HfArchitecture::kQwen2, HfArchitecture::kQwen3,
-                           HfArchitecture::kMixtral, HfArchitecture::kQwen3Moe, HfArchitecture::kQwen2Moe})
+                           HfArchitecture::kMixtral, HfArchitecture::kQwen3Moe, HfArchitecture::kQwen2Moe,
+                           HfArchitecture::kDeepseekV3})
     if (name == architecture_name(a)) return a;
   MT_FAIL("unsupported Hugging Face architecture '{}': expected GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM, "
-          "Qwen3ForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM or Qwen2MoeForCausalLM",
+          "Qwen3ForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM or DeepseekV3ForCausalLM",
           name);
 }
 
@@ -62,25 +72,6 @@ void set_family_kinds(HfArchitecture a, TransformerConfig& c) {
 }
 
 // --- config.json fields ---------------------------------------------------------------------
-
-struct Fields {
-  const json& j;
-  std::string file;
-  bool has(const char* k) const { return j.contains(k) && !j.at(k).is_null(); }
-  template <typename T>
-  T get(const char* k) const {
-    MT_REQUIRE(has(k), "{}: field '{}' is missing", file, k);
-    try {
-      return j.at(k).get<T>();
-    } catch (const json::exception&) {
-      MT_FAIL("{}: field '{}' has the wrong type ({})", file, k, j.at(k).dump());
-    }
-  }
-  template <typename T>
-  T get_or(const char* k, T dflt) const {
-    return has(k) ? get<T>(k) : dflt;
-  }
-};
 
 /// RoPE base from rope_theta (transformers 4) or rope_parameters.rope_theta (transformers 5);
 /// scaled RoPE variants are not implemented.
@@ -229,6 +220,8 @@ HfModel read_hf_config(const std::string& dir, int64_t seq_length, int64_t make_
   TransformerConfig& c = m.config;
   if (m.arch == HfArchitecture::kGpt2) {
     gpt2_config(f, c);
+  } else if (m.arch == HfArchitecture::kDeepseekV3) {
+    detail::deepseek_v3_config(f, c);
   } else {
     llama_like_config(f, m.arch, c);
   }
@@ -244,15 +237,19 @@ HfModel read_hf_config(const std::string& dir, int64_t seq_length, int64_t make_
 }
 
 void check_representable(HfArchitecture arch, const TransformerConfig& c) {
+  if (arch == HfArchitecture::kDeepseekV3) {
+    detail::check_deepseek_v3_representable(c);
+    return;
+  }
   const char* name = architecture_name(arch);
   auto need = [&](bool ok, const std::string& what) {
     MT_REQUIRE(ok, "the model cannot be exported as {}: {}", name, what);
   };
-  need(c.mtp_num_layers == 0, fmt::format("it has {} multi-token prediction layers (--mtp-num-layers), which no "
-                                          "supported architecture holds (not exported yet)", c.mtp_num_layers));
+  need(c.mtp_num_layers == 0, fmt::format("it has {} multi-token prediction layers (--mtp-num-layers), which only "
+                                          "DeepseekV3ForCausalLM holds", c.mtp_num_layers));
   if (!is_moe(arch)) need(c.num_moe_experts == 0, "it has mixture-of-experts layers (MixtralForCausalLM, "
                                                   "Qwen3MoeForCausalLM or Qwen2MoeForCausalLM can hold them)");
-  need(!c.multi_latent_attention, "it has multi-latent attention (DeepseekV3ForCausalLM export is not built yet)");
+  need(!c.multi_latent_attention, "it has multi-latent attention (DeepseekV3ForCausalLM holds it)");
   const FamilyKinds k = family_kinds(arch);
   need(c.normalization == k.normalization, fmt::format("{} is required (--normalization, got {})",
                                                        normalization_name(k.normalization),
@@ -294,6 +291,7 @@ void check_representable(HfArchitecture arch, const TransformerConfig& c) {
 }
 
 HfArchitecture infer_architecture(const TransformerConfig& c) {
+  if (c.multi_latent_attention) return HfArchitecture::kDeepseekV3;
   if (c.num_moe_experts > 0) {
     if (c.qk_layernorm) return HfArchitecture::kQwen3Moe;
     return c.moe_shared_expert_intermediate_size > 0 || c.add_qkv_bias ? HfArchitecture::kQwen2Moe
@@ -307,10 +305,6 @@ HfArchitecture infer_architecture(const TransformerConfig& c) {
 
 namespace {
 
-/// A float field of config.json as the shortest decimal that reads back as the same float (1e-06,
-/// not 9.999999974752427e-07): a float read at import is written back as it was.
-json decimal(float v) { return std::stod(fmt::format("{}", v)); }
-
 const char* model_type(HfArchitecture a) {
   switch (a) {
     case HfArchitecture::kGpt2: return "gpt2";
@@ -320,6 +314,7 @@ const char* model_type(HfArchitecture a) {
     case HfArchitecture::kMixtral: return "mixtral";
     case HfArchitecture::kQwen3Moe: return "qwen3_moe";
     case HfArchitecture::kQwen2Moe: return "qwen2_moe";
+    case HfArchitecture::kDeepseekV3: return "deepseek_v3";
   }
   return "?";
 }
@@ -366,6 +361,7 @@ void moe_hf_config(HfArchitecture arch, const TransformerConfig& c, const json& 
 }  // namespace
 
 json make_hf_config(HfArchitecture arch, const TransformerConfig& c, const json& base, DType dtype) {
+  if (arch == HfArchitecture::kDeepseekV3) return detail::deepseek_v3_hf_config(c, base, dtype);
   check_representable(arch, c);
   json j = base.is_object() ? base : json::object();
   // Drop fields of another architecture a base config may carry.
@@ -424,15 +420,6 @@ namespace {
 
 // --- tensors --------------------------------------------------------------------------------
 
-/// Reads an HF tensor, checking its shape against what config.json implies.
-std::vector<float> read(const SafetensorsCheckpoint& ck, const std::string& name, const std::vector<int64_t>& shape) {
-  MT_REQUIRE(ck.has(name), "Hugging Face checkpoint '{}' has no tensor '{}'", ck.dir(), name);
-  const SafetensorsTensorInfo info = ck.info(name);
-  MT_REQUIRE(info.shape == shape, "tensor '{}' in '{}' has shape [{}] but config.json implies [{}]", name, ck.dir(),
-             fmt::join(info.shape, ", "), fmt::join(shape, ", "));
-  return ck.read_f32(name);
-}
-
 /// [rows, cols] -> [cols, rows].
 std::vector<float> transpose(const std::vector<float>& a, int64_t rows, int64_t cols) {
   std::vector<float> t(a.size());
@@ -474,14 +461,6 @@ void unpack_qkv(const std::vector<float>& qkv, int64_t n, int64_t g, int64_t d, 
   }
 }
 
-/// Vocabulary rows padded with zeros to `padded` rows (rows of width h).
-std::vector<float> pad_rows(std::vector<float> a, int64_t padded, int64_t h) {
-  a.resize(static_cast<size_t>(padded * h), 0.f);
-  return a;
-}
-
-std::string layer(int64_t l) { return fmt::format("decoder.layers.{}.", l); }
-
 /// GPT-2 tensor names come with or without the "transformer." prefix (save_pretrained of
 /// GPT2LMHeadModel vs. the original hub files).
 std::string gpt2_prefix(const SafetensorsCheckpoint& ck) {
@@ -491,106 +470,82 @@ std::string gpt2_prefix(const SafetensorsCheckpoint& ck) {
 // --- mixture of experts ---------------------------------------------------------------------
 //
 // Per layer l (transformers' on-disk "Hub" names; Mixtral's module is block_sparse_moe, Qwen 3
-// MoE's mlp):
-//   router       <prefix>.gate.weight [E, h]             -> mlp.router.weight [E, h]
-//   expert e     <prefix>.experts.e.{w1|gate_proj}.weight [f, h] and {w3|up_proj} [f, h]
-//                                                         -> mlp.experts.local_experts.e.linear_fc1.weight [2, f, h]
-//                <prefix>.experts.e.{w2|down_proj}.weight [h, f]
-//                                                         -> mlp.experts.local_experts.e.linear_fc2.weight [h, f]
-// transformers 5 models hold the experts fused (experts.gate_up_proj [E, 2f, h], gate rows first;
-// experts.down_proj [E, h, f]) under model.layers.l.mlp, and save_pretrained writes the per-expert
-// Hub names above; both are read, the Hub names are written.
+// MoE's mlp): the router and routed experts of hf_mapping.h's routed_experts_to_megatron, with
+// Mixtral's w1 / w3 / w2 for gate_proj / up_proj / down_proj. transformers 5 models hold the
+// experts fused under model.layers.l.mlp; both are read, the Hub names are written.
 
 struct MoeNames {
-  std::string prefix, gate, up, down;  // prefix ends with '.'
+  std::string prefix;  // ends with '.'
+  detail::SwigluNames expert;
 };
 MoeNames moe_names(HfArchitecture a, int64_t l) {
-  if (a == HfArchitecture::kMixtral) return {fmt::format("model.layers.{}.block_sparse_moe.", l), "w1", "w3", "w2"};
-  return {fmt::format("model.layers.{}.mlp.", l), "gate_proj", "up_proj", "down_proj"};
+  if (a == HfArchitecture::kMixtral) return {fmt::format("model.layers.{}.block_sparse_moe.", l), {"w1", "w3", "w2"}};
+  return {fmt::format("model.layers.{}.mlp.", l), {}};
 }
 
 // Qwen 2 MoE's shared expert and its gate (the same names in transformers 4 and 5):
 //   <prefix>.shared_expert.{gate_proj,up_proj}.weight [f_s, h] -> mlp.shared_experts.linear_fc1.weight [2, f_s, h]
 //   <prefix>.shared_expert.down_proj.weight [h, f_s]           -> mlp.shared_experts.linear_fc2.weight [h, f_s]
 //   <prefix>.shared_expert_gate.weight [1, h]                  -> mlp.shared_experts.gate_weight [1, h]
-void shared_expert_to_megatron(const HfModel& m, const SafetensorsCheckpoint& ck, int64_t l, GlobalTensors& t) {
-  const TransformerConfig& c = m.config;
-  if (c.moe_shared_expert_intermediate_size == 0) return;
-  const int64_t h = c.hidden_size, fs = c.moe_shared_expert_intermediate_size;
-  const std::string p = moe_names(m.arch, l).prefix, o = layer(l) + "mlp.shared_experts.";
-  std::vector<float> fc1 = read(ck, p + "shared_expert.gate_proj.weight", {fs, h});
-  const std::vector<float> up = read(ck, p + "shared_expert.up_proj.weight", {fs, h});
-  fc1.insert(fc1.end(), up.begin(), up.end());
-  t[o + "linear_fc1.weight"] = std::move(fc1);
-  t[o + "linear_fc2.weight"] = read(ck, p + "shared_expert.down_proj.weight", {h, fs});
-  if (c.moe_shared_expert_gate) t[o + "gate_weight"] = read(ck, p + "shared_expert_gate.weight", {1, h});
-}
-
 void moe_to_megatron(const HfModel& m, const SafetensorsCheckpoint& ck, int64_t l, GlobalTensors& t) {
-  shared_expert_to_megatron(m, ck, l, t);
   const TransformerConfig& c = m.config;
-  const int64_t h = c.hidden_size, f = c.moe_ffn(), E = c.num_moe_experts;
+  const int64_t h = c.hidden_size;
   const MoeNames n = moe_names(m.arch, l);
   const std::string o = layer(l) + "mlp.";
-  auto expert = [&](int64_t e) { return fmt::format("{}experts.local_experts.{}.", o, e); };
-  const std::string fused = fmt::format("model.layers.{}.mlp.", l);  // transformers 5's module names
-  if (ck.has(fused + "experts.gate_up_proj")) {
-    t[o + "router.weight"] = read(ck, fused + "gate.weight", {E, h});
-    const std::vector<float> gu = read(ck, fused + "experts.gate_up_proj", {E, 2 * f, h});
-    const std::vector<float> dn = read(ck, fused + "experts.down_proj", {E, h, f});
-    for (int64_t e = 0; e < E; ++e) {
-      t[expert(e) + "linear_fc1.weight"].assign(gu.begin() + e * 2 * f * h, gu.begin() + (e + 1) * 2 * f * h);
-      t[expert(e) + "linear_fc2.weight"].assign(dn.begin() + e * h * f, dn.begin() + (e + 1) * h * f);
-    }
-    return;
+  if (const int64_t fs = c.moe_shared_expert_intermediate_size; fs > 0) {
+    detail::swiglu_to_megatron(ck, n.prefix + "shared_expert.", o + "shared_experts.", fs, h, t);
+    if (c.moe_shared_expert_gate) t[o + "shared_experts.gate_weight"] = read(ck, n.prefix + "shared_expert_gate.weight", {1, h});
   }
-  t[o + "router.weight"] = read(ck, n.prefix + "gate.weight", {E, h});
-  for (int64_t e = 0; e < E; ++e) {
-    const std::string s = fmt::format("{}experts.{}.", n.prefix, e);
-    std::vector<float> fc1 = read(ck, s + n.gate + ".weight", {f, h});
-    const std::vector<float> up = read(ck, s + n.up + ".weight", {f, h});
-    fc1.insert(fc1.end(), up.begin(), up.end());  // [gate; up] = [2, f, h]
-    t[expert(e) + "linear_fc1.weight"] = std::move(fc1);
-    t[expert(e) + "linear_fc2.weight"] = read(ck, s + n.down + ".weight", {h, f});
-  }
+  detail::routed_experts_to_megatron(ck, n.prefix, fmt::format("model.layers.{}.mlp.", l), o, c.num_moe_experts,
+                                     c.moe_ffn(), h, t, n.expert);
 }
 
-template <typename Get, typename Put>
-void moe_to_hf_impl(const HfModel& m, int64_t l, const Get& get, const Put& put) {
+void moe_to_hf(const HfModel& m, int64_t l, const detail::GetTensor& get, const detail::PutTensor& put) {
   const TransformerConfig& c = m.config;
-  const int64_t h = c.hidden_size, f = c.moe_ffn(), E = c.num_moe_experts;
+  const int64_t h = c.hidden_size;
   const MoeNames n = moe_names(m.arch, l);
   const std::string o = layer(l) + "mlp.";
-  put(n.prefix + "gate.weight", {E, h}, get(o + "router.weight"));
   if (const int64_t fs = c.moe_shared_expert_intermediate_size; fs > 0) {
-    const auto& fc1 = get(o + "shared_experts.linear_fc1.weight");
-    put(n.prefix + "shared_expert.gate_proj.weight", {fs, h}, std::vector<float>(fc1.begin(), fc1.begin() + fs * h));
-    put(n.prefix + "shared_expert.up_proj.weight", {fs, h}, std::vector<float>(fc1.begin() + fs * h, fc1.end()));
-    put(n.prefix + "shared_expert.down_proj.weight", {h, fs}, get(o + "shared_experts.linear_fc2.weight"));
+    detail::swiglu_to_hf(get, put, o + "shared_experts.", n.prefix + "shared_expert.", fs, h);
     if (c.moe_shared_expert_gate) put(n.prefix + "shared_expert_gate.weight", {1, h}, get(o + "shared_experts.gate_weight"));
   }
-  for (int64_t e = 0; e < E; ++e) {
-    const std::string s = fmt::format("{}experts.{}.", n.prefix, e);
-    const std::string x = fmt::format("{}experts.local_experts.{}.", o, e);
-    const auto& fc1 = get(x + "linear_fc1.weight");
-    put(s + n.gate + ".weight", {f, h}, std::vector<float>(fc1.begin(), fc1.begin() + f * h));
-    put(s + n.up + ".weight", {f, h}, std::vector<float>(fc1.begin() + f * h, fc1.end()));
-    put(s + n.down + ".weight", {h, f}, get(x + "linear_fc2.weight"));
-  }
+  detail::routed_experts_to_hf(get, put, o, n.prefix, c.num_moe_experts, c.moe_ffn(), h, n.expert);
 }
 
 // --apply-layernorm-1p (TransformerConfig::layernorm_zero_centered_gamma): every norm weight
-// (names ending in "layernorm.weight": input, pre-MLP, final, q / k) stored as the scale minus 1.
-// delta -1: HF scale -> stored weight; +1: back. Nothing without the flag.
+// (names ending in "norm.weight": input, pre-MLP, final, q / k, MLA's latent norms, MTP's enorm /
+// hnorm) stored as the scale minus 1. delta -1: HF scale -> stored weight; +1: back. Nothing
+// without the flag.
 void shift_norm_weights(GlobalTensors& t, const TransformerConfig& c, float delta) {
   if (!c.layernorm_zero_centered_gamma) return;
-  const std::string suffix = "layernorm.weight";
+  const std::string suffix = "norm.weight";
   for (auto& [name, v] : t)
     if (name.size() >= suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0)
       for (float& x : v) x += delta;
 }
 
 }  // namespace
+
+std::vector<std::string> expert_bias_state_names(const TransformerConfig& c) {
+  std::vector<std::string> names;
+  if (c.num_moe_experts == 0 || !c.moe_router_enable_expert_bias) return names;
+  for (int64_t l = 0; l < c.num_layers; ++l)
+    if (c.is_moe_layer(l)) names.push_back(fmt::format("decoder.layers.{}.mlp.router.expert_bias", l));
+  if (c.is_moe_layer(c.num_layers - 1))  // the MTP layers take the last decoder layer's kind
+    for (int64_t d = 0; d < c.mtp_num_layers; ++d)
+      names.push_back(fmt::format("mtp.layers.{}.transformer_layer.mlp.router.expert_bias", d));
+  return names;
+}
+
+void drop_absent_mtp_layers(HfModel& m, const SafetensorsCheckpoint& ck) {
+  TransformerConfig& c = m.config;
+  if (m.arch != HfArchitecture::kDeepseekV3 || c.mtp_num_layers == 0) return;
+  const std::string first = fmt::format("model.layers.{}.eh_proj.weight", c.num_layers);
+  if (ck.has(first)) return;
+  log_info("> {} holds no '{}': importing without the {} multi-token prediction layer(s) of "
+           "num_nextn_predict_layers (transformers does not keep them)", ck.dir(), first, c.mtp_num_layers);
+  c.mtp_num_layers = 0;
+}
 
 GlobalTensors hf_to_megatron(const HfModel& m, const SafetensorsCheckpoint& ck) {
   const TransformerConfig& c = m.config;
@@ -627,6 +582,11 @@ GlobalTensors hf_to_megatron(const HfModel& m, const SafetensorsCheckpoint& ck) 
     shift_norm_weights(t, c, -1.f);
     return t;
   }
+  if (m.arch == HfArchitecture::kDeepseekV3) {
+    detail::deepseek_v3_to_megatron(m, ck, t);
+    shift_norm_weights(t, c, -1.f);
+    return t;
+  }
   t["embedding.word_embeddings.weight"] = pad_rows(read(ck, "model.embed_tokens.weight", {V, h}), Vp, h);
   for (int64_t l = 0; l < c.num_layers; ++l) {
     const std::string s = fmt::format("model.layers.{}.", l), o = layer(l);
@@ -648,11 +608,7 @@ GlobalTensors hf_to_megatron(const HfModel& m, const SafetensorsCheckpoint& ck) 
       moe_to_megatron(m, ck, l, t);
       continue;
     }
-    std::vector<float> fc1 = read(ck, s + "mlp.gate_proj.weight", {f, h});
-    const std::vector<float> up = read(ck, s + "mlp.up_proj.weight", {f, h});
-    fc1.insert(fc1.end(), up.begin(), up.end());  // [gate; up] = [2, f, h]
-    t[o + "mlp.linear_fc1.weight"] = std::move(fc1);
-    t[o + "mlp.linear_fc2.weight"] = read(ck, s + "mlp.down_proj.weight", {h, f});
+    detail::swiglu_to_megatron(ck, s + "mlp.", o + "mlp.", f, h, t);
   }
   t["decoder.final_layernorm.weight"] = read(ck, "model.norm.weight", {h});
   if (c.untie_embeddings_and_output_weights)
@@ -681,6 +637,12 @@ std::vector<TensorToWrite> megatron_to_hf(const HfModel& m, const GlobalTensors&
   auto put = [&](std::string name, std::vector<int64_t> shape, std::vector<float> data) {
     out.push_back({std::move(name), dtype, std::move(shape), std::move(data)});
   };
+  if (m.arch == HfArchitecture::kDeepseekV3) {
+    detail::deepseek_v3_to_hf(m, get, put, [&](std::string name, std::vector<int64_t> shape, std::vector<float> data) {
+      out.push_back({std::move(name), DType::kF32, std::move(shape), std::move(data)});
+    });
+    return out;
+  }
   auto vocab = [&](const std::string& name) {
     const auto& a = get(name);
     return std::vector<float>(a.begin(), a.begin() + V * h);  // without the padding rows
@@ -738,13 +700,10 @@ std::vector<TensorToWrite> megatron_to_hf(const HfModel& m, const GlobalTensors&
     put(s + "self_attn.o_proj.weight", {h, n * d}, get(o + "self_attention.linear_proj.weight"));
     put(s + "post_attention_layernorm.weight", {h}, get(o + "pre_mlp_layernorm.weight"));
     if (c.is_moe_layer(l)) {
-      moe_to_hf_impl(m, l, get, put);
+      moe_to_hf(m, l, get, put);
       continue;
     }
-    const auto& fc1 = get(o + "mlp.linear_fc1.weight");
-    put(s + "mlp.gate_proj.weight", {f, h}, std::vector<float>(fc1.begin(), fc1.begin() + f * h));
-    put(s + "mlp.up_proj.weight", {f, h}, std::vector<float>(fc1.begin() + f * h, fc1.end()));
-    put(s + "mlp.down_proj.weight", {h, f}, get(o + "mlp.linear_fc2.weight"));
+    detail::swiglu_to_hf(get, put, o + "mlp.", s + "mlp.", f, h);
   }
   put("model.norm.weight", {h}, get("decoder.final_layernorm.weight"));
   if (c.untie_embeddings_and_output_weights) put("lm_head.weight", {V, h}, vocab("output_layer.weight"));

@@ -1,7 +1,9 @@
 // Hugging Face interchange (docs/huggingface.md): config.json <-> TransformerConfig and the
 // per-layer weight mapping between a transformers checkpoint and Megatron-Core's parameter names
-// and layouts, for GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM and the
-// mixture-of-experts MixtralForCausalLM, Qwen3MoeForCausalLM and Qwen2MoeForCausalLM.
+// and layouts, for GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, the
+// mixture-of-experts MixtralForCausalLM, Qwen3MoeForCausalLM and Qwen2MoeForCausalLM, and
+// DeepseekV3ForCausalLM (multi-latent attention, sigmoid routing with expert bias, MTP;
+// model/hf/hf_deepseek.h).
 //
 // Layout conversions (facts from transformers' modeling files and Megatron-Core's checkpoint
 // converters):
@@ -39,14 +41,14 @@
 
 namespace mt::hf {
 
-enum class HfArchitecture { kGpt2, kLlama, kQwen2, kQwen3, kMixtral, kQwen3Moe, kQwen2Moe };
+enum class HfArchitecture { kGpt2, kLlama, kQwen2, kQwen3, kMixtral, kQwen3Moe, kQwen2Moe, kDeepseekV3 };
 
 /// "GPT2LMHeadModel", "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-/// "MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM".
+/// "MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "DeepseekV3ForCausalLM".
 const char* architecture_name(HfArchitecture a);
 /// Errors: mt::Error naming the value and the supported architectures.
 HfArchitecture parse_architecture(const std::string& name);
-/// Mixtral, Qwen 3 MoE or Qwen 2 MoE.
+/// Mixtral, Qwen 3 MoE or Qwen 2 MoE (the Llama-like MoE families; DeepSeek-V3 is mapped apart).
 bool is_moe(HfArchitecture a);
 
 struct HfModel {
@@ -62,10 +64,10 @@ struct HfModel {
 /// projections, non-tanh GELU for GPT-2, router jitter, shared experts, ...).
 HfModel read_hf_config(const std::string& dir, int64_t seq_length = 0, int64_t make_vocab_size_divisible_by = 128);
 
-/// The architecture that represents `config`: GPT-2 (LayerNorm, learned positions, biases,
-/// GELU, tied), Llama (RMSNorm, RoPE, SwiGLU, no biases), Qwen 2 (Llama + QKV bias), Qwen 3
-/// (Llama + QK-norm); with experts Qwen 3 MoE (QK-norm) or Mixtral. Errors: a configuration none
-/// of them represents, naming the mismatch.
+/// The architecture that represents `config`: DeepSeek-V3 (multi-latent attention), GPT-2
+/// (LayerNorm, learned positions, biases, GELU, tied), Llama (RMSNorm, RoPE, SwiGLU, no biases),
+/// Qwen 2 (Llama + QKV bias), Qwen 3 (Llama + QK-norm); with experts Qwen 3 MoE (QK-norm), Qwen 2
+/// MoE (shared expert or QKV bias) or Mixtral. check_representable then names what does not fit.
 HfArchitecture infer_architecture(const TransformerConfig& config);
 /// Checks that `arch` can represent `config`; errors name the first field that differs.
 void check_representable(HfArchitecture arch, const TransformerConfig& config);
@@ -76,8 +78,21 @@ nlohmann::json make_hf_config(HfArchitecture arch, const TransformerConfig& conf
                               DType dtype);
 
 /// Global (unsharded) fp32 tensors under Megatron-Core's names, in the global shapes of
-/// GPTModel::param_specs at TP 1 (vocabulary tensors with their padding rows).
+/// GPTModel::param_specs at TP 1 (vocabulary tensors with their padding rows), plus the model
+/// state of expert_bias_state_names.
 using GlobalTensors = std::map<std::string, std::vector<float>>;
+
+/// The model state import-hf and export-hf carry beside the parameters: the expert bias of every
+/// MoE layer when --moe-router-enable-expert-bias (DeepSeek-V3's e_score_correction_bias), named
+/// as GPTModel::persistent_state names it ("decoder.layers.<l>.mlp.router.expert_bias",
+/// "mtp.layers.<d>.transformer_layer.mlp.router.expert_bias"), each fp32 [num_moe_experts].
+std::vector<std::string> expert_bias_state_names(const TransformerConfig& config);
+
+/// DeepseekV3ForCausalLM: num_nextn_predict_layers counts the MTP layers DeepSeek's checkpoints
+/// hold as model.layers.<num_hidden_layers + d>, but transformers drops them (a model saved by
+/// transformers keeps the field without the weights). Sets config.mtp_num_layers to 0, with a log
+/// line, when the checkpoint holds no MTP tensors; other architectures are left alone.
+void drop_absent_mtp_layers(HfModel& model, const SafetensorsCheckpoint& ckpt);
 
 /// Maps a transformers checkpoint onto GlobalTensors. Errors: a tensor missing (naming it and the
 /// directory) or with a shape that disagrees with config.json (naming both shapes).

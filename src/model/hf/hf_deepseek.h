@@ -1,0 +1,53 @@
+// DeepseekV3ForCausalLM (DeepSeek-V3/R1, Kimi K2 and their small cousins) <-> megatron.cpp's
+// multi-latent attention, sigmoid-routed MoE with expert bias and shared experts, and MTP
+// (docs/huggingface.md "DeepSeek-V3"). Facts from transformers 5's modeling_deepseek_v3.py /
+// configuration_deepseek_v3.py / modeling_rope_utils.py and DeepSeek-V3's released checkpoint
+// layout (arXiv:2412.19437):
+//   * attention, per layer (model.layers.l.self_attn.):
+//       q_a_proj [r_q, h] -> linear_q_down_proj, q_a_layernorm [r_q] -> q_layernorm,
+//       q_b_proj [n(d_n + d_r), r_q] -> linear_q_up_proj (q_proj [n(d_n + d_r), h] -> linear_q_proj
+//       when q_lora_rank is null), kv_a_proj_with_mqa [r_kv + d_r, h] -> linear_kv_down_proj,
+//       kv_a_layernorm [r_kv] -> kv_layernorm, kv_b_proj [n(d_n + d_v), r_kv] -> linear_kv_up_proj,
+//       o_proj [h, n d_v] -> linear_proj: the same row orders (per head [nope | rope], [c_kv | k_pe],
+//       per head [k_nope | v]).
+//   * RoPE: with rope_interleave (transformers' default, DeepSeek's own layout) the d_r channels
+//     rotate in pairs (2i, 2i+1) with frequency i, as megatron.cpp's MLA: no permutation. Without
+//     it transformers rotates pairs (i, i + d_r/2): the rope rows of q_b_proj / q_proj and
+//     kv_a_proj_with_mqa are permuted on import (ours 2i <- HF i, 2i+1 <- HF i + d_r/2) and back.
+//   * MoE (layers >= first_k_dense_replace): mlp.gate.weight [E, h] -> router.weight,
+//     mlp.gate.e_score_correction_bias [E] (fp32) -> the expert bias (checkpoint state
+//     "<layer>.mlp.router.expert_bias"), mlp.experts.e.{gate,up,down}_proj -> the experts,
+//     mlp.shared_experts.{gate,up,down}_proj -> shared_experts (f_s = n_shared_experts ·
+//     moe_intermediate_size, no gate).
+//   * MTP depth d = model.layers.<num_hidden_layers + d>: enorm, hnorm, eh_proj [h, 2h],
+//     shared_head.norm -> mtp.layers.d.final_layernorm, the layer's own tensors ->
+//     mtp.layers.d.transformer_layer.*; its embed_tokens and shared_head.head are copies of the
+//     shared embedding and output layer (checked equal on import, written on export).
+#pragma once
+#include <nlohmann/json.hpp>
+
+#include "model/hf/hf_mapping.h"
+
+namespace mt::hf::detail {
+
+/// config.json of DeepseekV3ForCausalLM -> `c`. Errors (naming the file, the field and the
+/// reason): what megatron.cpp cannot represent exactly (scoring_func other than sigmoid,
+/// topk_method other than noaux_tc, norm_topk_prob false with top-k > 1, a group scoring that is
+/// not Megatron's (num_experts_per_tok != 2 · topk_group), rope types other than default / yarn,
+/// YaRN's attention_factor, grouped keys, attention biases, moe_layer_freq, quantized weights).
+void deepseek_v3_config(const Fields& f, TransformerConfig& c);
+/// Errors: the first property of `c` DeepseekV3ForCausalLM cannot hold.
+void check_deepseek_v3_representable(const TransformerConfig& c);
+/// The config.json of `c`; `base` (the imported config.json) keeps its other fields and, when they
+/// describe the same RoPE, its rope_theta / rope_scaling / rope_parameters as written.
+nlohmann::json deepseek_v3_hf_config(const TransformerConfig& c, const nlohmann::json& base, DType dtype);
+
+/// The checkpoint's tensors -> Megatron-Core names (expert biases included under their state
+/// names). Errors: a missing tensor or wrong shape (naming it), an MTP embed_tokens /
+/// shared_head.head that differs from the shared one.
+void deepseek_v3_to_megatron(const HfModel& m, const SafetensorsCheckpoint& ck, GlobalTensors& t);
+/// The inverse; `put_f32` writes the expert biases in fp32 whatever the export dtype (as
+/// transformers keeps e_score_correction_bias, _keep_in_fp32_modules_strict).
+void deepseek_v3_to_hf(const HfModel& m, const GetTensor& get, const PutTensor& put, const PutTensor& put_f32);
+
+}  // namespace mt::hf::detail
