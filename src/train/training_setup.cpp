@@ -186,6 +186,13 @@ void ModelSetup::estimate_memory(const RankSchedule& schedule) {
 
 namespace {
 
+/// --moe-layer-freq's list form of a model's MoE layers, e.g. "[0,1,1]".
+std::string moe_layer_freq_list(const TransformerConfig& c) {
+  std::string p = "[";
+  for (int64_t l = 0; l < c.num_layers; ++l) p += fmt::format("{}{}", l ? "," : "", c.is_moe_layer(l) ? 1 : 0);
+  return p + "]";
+}
+
 void check_resume_config(const TransformerConfig& ck, const TransformerConfig& m) {
   auto same = [](const char* flag, int64_t a, int64_t b) {
     MT_REQUIRE(a == b, "checkpoint has {} {} but the command line asks for {}", flag, a, b);
@@ -225,12 +232,7 @@ void check_resume_config(const TransformerConfig& ck, const TransformerConfig& m
   // Mixture of experts: the experts and where they sit (the router and expert shapes follow).
   same("--num-experts", ck.num_moe_experts, m.num_moe_experts);
   if (ck.num_moe_experts == 0) return;
-  auto pattern = [](const TransformerConfig& c) {
-    std::string p = "[";
-    for (int64_t l = 0; l < c.num_layers; ++l) p += fmt::format("{}{}", l ? "," : "", c.is_moe_layer(l) ? 1 : 0);
-    return p + "]";
-  };
-  same_flag("--moe-layer-freq", pattern(ck), pattern(m));
+  same_flag("--moe-layer-freq", moe_layer_freq_list(ck), moe_layer_freq_list(m));
   same("--moe-ffn-hidden-size", ck.moe_ffn(), m.moe_ffn());
   same("--moe-shared-expert-intermediate-size", ck.moe_shared_expert_intermediate_size,
        m.moe_shared_expert_intermediate_size);
@@ -347,6 +349,7 @@ void TrainingSetup::resolve_arguments() {
     m.moe_per_layer_logging = args.model.moe_per_layer_logging;
     args.model = m;
     args.group_query_attention = m.num_query_groups > 0;
+    if (m.num_moe_experts > 0) args.moe_layer_freq = moe_layer_freq_list(m);  // validate_pretrain_args re-reads it
   }
   const TrainingLayout resolved = resolve_training_layout(args, world_->size());
   parallel_ = resolved.parallel;

@@ -593,6 +593,50 @@ TEST(HfDeepseekV3, LogitsMatchTransformersSemantics) {
   }
 }
 
+// The reverse direction on a trained model, through the binary: import-hf -> pretrain --finetune
+// (3 steps: the weights, the MTP layer and the expert biases move) -> export-hf; the exported
+// tensors, read as transformers would (the float64 forward above), give megatron.cpp's logits of
+// the trained checkpoint, and the MTP and bias tensors differ from the imported ones.
+TEST(HfDeepseekV3, FinetunedCheckpointExportsWhatItComputes) {
+  if (!std::getenv("MT_MEGATRON_BIN")) GTEST_SKIP() << "MT_MEGATRON_BIN not set (run through ctest)";
+  Ds d;
+  d.mtp = 1;
+  const Fixture fx = make_fixture(d, "ft");
+  const fs::path ck = fx.dir / "ck", ck2 = fx.dir / "ck2", out = fx.dir / "out";
+  testing::RunResult r = testing::run_megatron("import-hf --hf-dir " + fx.dir.string() + " --save " + ck.string() +
+                                               " --make-vocab-size-divisible-by 8");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  r = testing::run_megatron(
+      "pretrain --use-checkpoint-args --finetune --mock-data --tokenizer-type NullTokenizer --vocab-size " +
+      std::to_string(d.V) + " --seq-length 16 --micro-batch-size 2 --global-batch-size 2 --train-iters 3 --lr 1e-2 "
+      "--moe-router-bias-update-rate 0.05 --log-interval 1 --eval-interval 3 --eval-iters 1 --device cpu --no-progress "
+      "--load " + ck.string() + " --save " + ck2.string());
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_NE(r.out.find("mtp_1 loss"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("iteration        3/       3"), std::string::npos) << r.out;
+  r = testing::run_megatron("export-hf --load " + ck2.string() + " --hf-dir " + out.string());
+  ASSERT_EQ(r.rc, 0) << r.out;
+  r = testing::run_megatron("logits --load " + ck2.string() + " --token-ids \"3 17 0 36 11 5\" --device cpu --output " +
+                            (fx.dir / "ours.bin").string());
+  ASSERT_EQ(r.rc, 0) << r.out;
+  std::map<std::string, std::vector<float>> w;
+  const auto exported = hf::SafetensorsCheckpoint::open(out.string());
+  for (const std::string& n : exported.names()) w[n] = exported.read_f32(n);
+  for (const char* n : {"model.layers.1.mlp.gate.e_score_correction_bias", "model.layers.3.eh_proj.weight",
+                        "model.layers.3.mlp.gate.e_score_correction_bias", "model.norm.weight"})
+    EXPECT_NE(w.at(n), fx.w.at(n)) << n << " did not change in training";
+  EXPECT_EQ(w.at("model.layers.3.embed_tokens.weight"), w.at("model.embed_tokens.weight"));
+  const std::vector<int32_t> tokens = {3, 17, 0, 36, 11, 5};
+  HfReference ref{d, w, d.interleave};
+  const std::vector<Vec> want = ref.forward(tokens);
+  std::vector<float> ours(tokens.size() * static_cast<size_t>(d.V));
+  std::ifstream(fx.dir / "ours.bin", std::ios::binary).read(reinterpret_cast<char*>(ours.data()), ours.size() * 4);
+  if (ref.margin > 1e-4) EXPECT_LT(max_rel_diff(ours, want), 2e-5);  // else a routing near-tie: nothing to compare
+  std::printf("trained checkpoint: max |ours - exported (fp64 transformers forward)| / max |logit| = %.3g (routing "
+              "margin %.2g)\n", max_rel_diff(ours, want), ref.margin);
+  fs::remove_all(fx.dir);
+}
+
 // What DeepseekV3ForCausalLM and megatron.cpp cannot both express is refused with the field named.
 TEST(HfDeepseekV3, BadConfigErrors) {
   const Ds d;
