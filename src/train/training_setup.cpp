@@ -347,6 +347,7 @@ void TrainingSetup::resolve_arguments() {
     m.init_method_std = args.model.init_method_std;
     m.make_vocab_size_divisible_by = args.model.make_vocab_size_divisible_by;
     m.moe_per_layer_logging = args.model.moe_per_layer_logging;
+    m.moe_router_bias_update_rate = args.model.moe_router_bias_update_rate;
     args.model = m;
     args.group_query_attention = m.num_query_groups > 0;
     if (m.num_moe_experts > 0) args.moe_layer_freq = moe_layer_freq_list(m);  // validate_pretrain_args re-reads it

@@ -613,6 +613,8 @@ TEST(HfDeepseekV3, FinetunedCheckpointExportsWhatItComputes) {
       "--load " + ck.string() + " --save " + ck2.string());
   ASSERT_EQ(r.rc, 0) << r.out;
   EXPECT_NE(r.out.find("mtp_1 loss"), std::string::npos) << r.out;
+  // the checkpoint's architecture (expert bias on) with the command line's training choice (rate)
+  EXPECT_NE(r.out.find("expert bias (rate 0.05)"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("iteration        3/       3"), std::string::npos) << r.out;
   r = testing::run_megatron("export-hf --load " + ck2.string() + " --hf-dir " + out.string());
   ASSERT_EQ(r.rc, 0) << r.out;
