@@ -187,30 +187,42 @@ int64_t first_moe_layer(const TransformerConfig& c) {
 
 // --- tensors --------------------------------------------------------------------------------
 
+/// A layer's attention sizes, and its rope rows between the checkpoint's layout and ours.
+struct MlaDims {
+  int64_t h, n, dn, dr, dv, rq, rkv, nq;
+  bool interleave;  ///< the checkpoint's rope_interleave
+  MlaDims(const TransformerConfig& c, bool interleave_)
+      : h(c.hidden_size), n(c.num_attention_heads), dn(c.qk_head_dim), dr(c.qk_pos_emb_head_dim), dv(c.v_head_dim),
+        rq(c.q_lora_rank), rkv(c.kv_lora_rank), nq(n * (dn + dr)), interleave(interleave_) {}
+  /// q_b_proj / q_proj (`query`: the rope rows of every head) or kv_a_proj_with_mqa (its last d_r
+  /// rows), [rows, cols], permuted when the checkpoint rotates halves.
+  std::vector<float> rope_rows(std::vector<float> w, int64_t cols, bool query, bool to_interleaved) const {
+    if (!interleave)
+      for (int64_t head = 0; head < (query ? n : 1); ++head)
+        permute_rope_rows(w, query ? head * (dn + dr) + dn : rkv, dr, cols, to_interleaved);
+    return w;
+  }
+};
+
 /// One decoder (or MTP) layer: HF names under `hf` ("model.layers.l."), ours under `mt`.
 void layer_to_megatron(const SafetensorsCheckpoint& ck, const TransformerConfig& c, bool interleave,
                        const std::string& hf, const std::string& mt, bool moe, GlobalTensors& t) {
-  const int64_t h = c.hidden_size, n = c.num_attention_heads, dn = c.qk_head_dim, dr = c.qk_pos_emb_head_dim;
-  const int64_t dv = c.v_head_dim, rq = c.q_lora_rank, rkv = c.kv_lora_rank, nq = n * (dn + dr);
+  const MlaDims d(c, interleave);
+  const int64_t h = d.h, rq = d.rq, rkv = d.rkv, dr = d.dr;
   const std::string a = hf + "self_attn.", o = mt + "self_attention.";
-  auto rope_rows = [&](std::vector<float> w, int64_t cols, bool query) {
-    if (!interleave)
-      for (int64_t head = 0; head < (query ? n : 1); ++head)
-        permute_rope_rows(w, query ? head * (dn + dr) + dn : rkv, dr, cols, /*to_interleaved=*/true);
-    return w;
-  };
   t[mt + "input_layernorm.weight"] = read(ck, hf + "input_layernorm.weight", {h});
   if (rq > 0) {
     t[o + "linear_q_down_proj.weight"] = read(ck, a + "q_a_proj.weight", {rq, h});
     t[o + "q_layernorm.weight"] = read(ck, a + "q_a_layernorm.weight", {rq});
-    t[o + "linear_q_up_proj.weight"] = rope_rows(read(ck, a + "q_b_proj.weight", {nq, rq}), rq, true);
+    t[o + "linear_q_up_proj.weight"] = d.rope_rows(read(ck, a + "q_b_proj.weight", {d.nq, rq}), rq, true, true);
   } else {
-    t[o + "linear_q_proj.weight"] = rope_rows(read(ck, a + "q_proj.weight", {nq, h}), h, true);
+    t[o + "linear_q_proj.weight"] = d.rope_rows(read(ck, a + "q_proj.weight", {d.nq, h}), h, true, true);
   }
-  t[o + "linear_kv_down_proj.weight"] = rope_rows(read(ck, a + "kv_a_proj_with_mqa.weight", {rkv + dr, h}), h, false);
+  t[o + "linear_kv_down_proj.weight"] =
+      d.rope_rows(read(ck, a + "kv_a_proj_with_mqa.weight", {rkv + dr, h}), h, false, true);
   t[o + "kv_layernorm.weight"] = read(ck, a + "kv_a_layernorm.weight", {rkv});
-  t[o + "linear_kv_up_proj.weight"] = read(ck, a + "kv_b_proj.weight", {n * (dn + dv), rkv});
-  t[o + "linear_proj.weight"] = read(ck, a + "o_proj.weight", {h, n * dv});
+  t[o + "linear_kv_up_proj.weight"] = read(ck, a + "kv_b_proj.weight", {d.n * (d.dn + d.dv), rkv});
+  t[o + "linear_proj.weight"] = read(ck, a + "o_proj.weight", {h, d.n * d.dv});
   t[mt + "pre_mlp_layernorm.weight"] = read(ck, hf + "post_attention_layernorm.weight", {h});
   if (!moe) {
     swiglu_to_megatron(ck, hf + "mlp.", mt + "mlp.", c.ffn(), h, t);
@@ -225,27 +237,22 @@ void layer_to_megatron(const SafetensorsCheckpoint& ck, const TransformerConfig&
 
 void layer_to_hf(const TransformerConfig& c, bool interleave, const GetTensor& get, const PutTensor& put,
                  const PutTensor& put_f32, const std::string& mt, const std::string& hf, bool moe) {
-  const int64_t h = c.hidden_size, n = c.num_attention_heads, dn = c.qk_head_dim, dr = c.qk_pos_emb_head_dim;
-  const int64_t dv = c.v_head_dim, rq = c.q_lora_rank, rkv = c.kv_lora_rank, nq = n * (dn + dr);
+  const MlaDims d(c, interleave);
+  const int64_t h = d.h, rq = d.rq, rkv = d.rkv, dr = d.dr;
   const std::string a = hf + "self_attn.", o = mt + "self_attention.";
-  auto rope_rows = [&](std::vector<float> w, int64_t cols, bool query) {
-    if (!interleave)
-      for (int64_t head = 0; head < (query ? n : 1); ++head)
-        permute_rope_rows(w, query ? head * (dn + dr) + dn : rkv, dr, cols, /*to_interleaved=*/false);
-    return w;
-  };
   put(hf + "input_layernorm.weight", {h}, get(mt + "input_layernorm.weight"));
   if (rq > 0) {
     put(a + "q_a_proj.weight", {rq, h}, get(o + "linear_q_down_proj.weight"));
     put(a + "q_a_layernorm.weight", {rq}, get(o + "q_layernorm.weight"));
-    put(a + "q_b_proj.weight", {nq, rq}, rope_rows(get(o + "linear_q_up_proj.weight"), rq, true));
+    put(a + "q_b_proj.weight", {d.nq, rq}, d.rope_rows(get(o + "linear_q_up_proj.weight"), rq, true, false));
   } else {
-    put(a + "q_proj.weight", {nq, h}, rope_rows(get(o + "linear_q_proj.weight"), h, true));
+    put(a + "q_proj.weight", {d.nq, h}, d.rope_rows(get(o + "linear_q_proj.weight"), h, true, false));
   }
-  put(a + "kv_a_proj_with_mqa.weight", {rkv + dr, h}, rope_rows(get(o + "linear_kv_down_proj.weight"), h, false));
+  put(a + "kv_a_proj_with_mqa.weight", {rkv + dr, h},
+      d.rope_rows(get(o + "linear_kv_down_proj.weight"), h, false, false));
   put(a + "kv_a_layernorm.weight", {rkv}, get(o + "kv_layernorm.weight"));
-  put(a + "kv_b_proj.weight", {n * (dn + dv), rkv}, get(o + "linear_kv_up_proj.weight"));
-  put(a + "o_proj.weight", {h, n * dv}, get(o + "linear_proj.weight"));
+  put(a + "kv_b_proj.weight", {d.n * (d.dn + d.dv), rkv}, get(o + "linear_kv_up_proj.weight"));
+  put(a + "o_proj.weight", {h, d.n * d.dv}, get(o + "linear_proj.weight"));
   put(hf + "post_attention_layernorm.weight", {h}, get(mt + "pre_mlp_layernorm.weight"));
   if (!moe) {
     swiglu_to_hf(get, put, mt + "mlp.", hf + "mlp.", c.ffn(), h);
