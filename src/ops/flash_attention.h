@@ -63,13 +63,19 @@ struct FlashAttentionConfig {
   /// simple kernels and the CPU (all deterministic).
   bool deterministic = false;
   /// --attention-backend fused (and auto): on CUDA, cuDNN's fused attention (ops/cuda/cudnn_attention.h)
-  /// where it applies (bf16/fp16, head_dim % 8 == 0 and <= 128, no doc_start, no dropout, not
-  /// deterministic), else the FlashAttention-2 kernels. Same outputs within bf16
+  /// where it applies (bf16/fp16, head_dim % 8 == 0 and <= 128, <= 256 on Hopper, no doc_start, no
+  /// dropout, not deterministic) and an engine exists, else the FlashAttention-2 kernels. Same outputs within bf16
   /// rounding; the LSE has the same meaning, so either backward accepts either forward's outputs.
   /// Ignored on the CPU.
   bool cudnn = false;
+  /// The value head dim when smaller than head_dim (0 = head_dim): only the first v_head_dim
+  /// channels of each value head are real, the others zero (multi-latent attention's padding,
+  /// ops/mla.h). cuDNN's engines then skip the padding (ops/cuda/cudnn_attention.h); the other
+  /// backends compute every channel (zero context and value-gradient channels there).
+  int64_t v_head_dim = 0;
 
   int64_t heads() const { return groups * queries_per_group; }  ///< n
+  int64_t v_dim() const { return v_head_dim > 0 ? v_head_dim : head_dim; }
 };
 
 /// Bytes of the backward's workspace (host function, for static memory planning). Layout, from the

@@ -6,8 +6,10 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 
 #include "model/gpt_model.h"
+#include "ops/cuda/cudnn_attention.h"
 #include "ops/elementwise.h"
 #include "ops/mla.h"
 #include "ops/rope.h"
@@ -125,14 +127,15 @@ TransformerConfig tiny_mla(int64_t layers, int64_t hidden, int64_t ffn, int64_t 
 }
 
 /// A two-layer MLA model on the GPU (dtype, core attention `backend`) against the CPU model (fp32,
-/// local attention) with the same (rounded) weights and batch: loss and every gradient.
-void compare(DType dtype, AttentionBackend backend, double tol, float dropout) {
+/// local attention) with the same (rounded) weights and batch: loss and every gradient. deepseek:
+/// DeepSeek-V3's head dims (d_n 128, d_r 64, d_v 128: D = 192).
+void compare(DType dtype, AttentionBackend backend, double tol, float dropout, bool deepseek = false) {
   TransformerConfig c = tiny_mla(2, 64, 0, 32, 500, 64);  // SwiGLU default ffn: int(8·64/3 / 64)·64 = 128
   c.q_lora_rank = 24;
   c.kv_lora_rank = 16;
-  c.qk_head_dim = 24;
-  c.qk_pos_emb_head_dim = 8;
-  c.v_head_dim = 16;  // D = 32: the value heads padded
+  c.qk_head_dim = deepseek ? 128 : 24;
+  c.qk_pos_emb_head_dim = deepseek ? 64 : 8;
+  c.v_head_dim = deepseek ? 128 : 16;  // D = 32 (192): the value heads padded
   c.mscale_all_dim = 0.7f;
   c.hidden_dropout = c.attention_dropout = dropout;
   const int64_t b = 3;
@@ -188,6 +191,19 @@ TEST(MlaCuda, Bf16LocalMatchesCpu) {
 TEST(MlaCuda, Bf16FlashMatchesCpu) {
   MT_REQUIRE_CUDA();
   compare(DType::kBF16, AttentionBackend::kFlash, 3e-2, 0.f);
+}
+/// --attention-backend fused: cuDNN with FlashAttentionConfig::v_head_dim = d_v (P·V on the real
+/// value channels only; DeepSeek-V3's d_qk 192 / d_v 128 on Hopper), or the fallback kernels where
+/// no cuDNN engine takes the shape; either way the CPU's loss and gradients. Prints which ran.
+TEST(MlaCuda, Bf16FusedMatchesCpu) {
+  MT_REQUIRE_CUDA();
+  for (bool deepseek : {false, true}) {
+    const int64_t before = cuda::cudnn_attention_executions();
+    compare(DType::kBF16, AttentionBackend::kFused, 3e-2, 0.f, deepseek);
+    std::printf("[MlaCuda.Bf16FusedMatchesCpu] D=%d d_v=%d: %lld cuDNN executions (4 = cuDNN forward and backward "
+                "in both layers)\n", deepseek ? 192 : 32, deepseek ? 128 : 16,
+                static_cast<long long>(cuda::cudnn_attention_executions() - before));
+  }
 }
 
 TEST(MlaCuda, LatentCacheGenerationMatchesRecomputationAndCpu) {

@@ -9,8 +9,11 @@
 // same bits on every run, matches the CPU, and equals the atomic path within rounding.
 #include <gtest/gtest.h>
 
+#include <cuda_runtime.h>
+
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 
 #include "core/rng.h"
 #include "ops/attention_test_util.h"
@@ -203,6 +206,62 @@ TEST(FlashAttentionCuda, CudnnFused) {
   check({200, 2, 2, 1, 128}, DType::kBF16, 2e-2, 0.f, true, 0, 0, true);       // documents
   check({65, 2, 2, 1, 64}, DType::kF32, 1e-5, 0.f, false, 0, 0, true);         // fp32
   EXPECT_EQ(cuda::cudnn_attention_executions(), before) << "cuDNN ran on a case it does not support";
+}
+
+/// Multi-latent attention's core attention with --attention-backend fused: every head its own key
+/// and value (qpg 1), query/key head dim D = 192 (DeepSeek-V3: d_n 128 + d_r 64) and the values
+/// zero-padded from d_v = 128 to D (ops/mla.h), as MLASelfAttention packs them, with
+/// FlashAttentionConfig::v_head_dim = 128 (cuDNN computes P·V on the 128 real channels: its Hopper
+/// support matrix lists d_qk = 192, d_v = 128) and without it (cuDNN at d = 192 throughout), and a
+/// small MLA shape (D 24, d_v 16) — against the CPU (which ignores v_head_dim) with the padding
+/// channels of out and dV zero. Prints whether cuDNN or the fallback kernels ran (on Hopper cuDNN
+/// should: 2 executions per case; an older cuDNN without the engine falls back with a warning).
+TEST(FlashAttentionCuda, CudnnMlaHeadDims) {
+  MT_REQUIRE_CUDA();
+  if (!flash_attention_cudnn_available()) GTEST_SKIP() << "built without cuDNN";
+  int device = 0, major = 0;
+  ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), cudaSuccess);
+  struct Case {
+    Dims z;
+    int64_t dv, v_head_dim;
+  };
+  const Case cases[] = {{{130, 2, 4, 1, 192}, 128, 128}, {{65, 1, 2, 1, 192}, 128, 0}, {{200, 2, 3, 1, 24}, 16, 16},
+                        {{1000, 1, 2, 1, 192}, 128, 128}};
+  for (const Case& cs : cases) {
+    const Dims z = cs.z;
+    for (DType t : {DType::kBF16, DType::kF16}) {
+      auto cfg = make_cfg(z, 0.f, 0, 0);
+      cfg.softmax_scale = 1.f / std::sqrt(192.f);
+      cfg.cudnn = true;
+      cfg.v_head_dim = cs.v_head_dim;
+      const std::string what = fmt::format("{} s={} b={} heads={} D={} d_v={} v_head_dim={}", dtype_name(t), z.s, z.b,
+                                           z.g, z.d, cs.dv, cs.v_head_dim);
+      std::vector<float> hqkv = rounded(randn(z.qkv_numel()), t), hg = rounded(randn(z.out_numel()), t);
+      for (int64_t r = 0; r < z.s * z.b * z.g; ++r)  // value channels >= d_v: MLA's zero padding
+        std::fill(hqkv.begin() + (r * 3 + 2) * z.d + cs.dv, hqkv.begin() + (r * 3 + 3) * z.d, 0.f);
+      for (int64_t r = 0; r < z.s * z.b * z.g; ++r)  // and of the context's gradient
+        std::fill(hg.begin() + r * z.d + cs.dv, hg.begin() + (r + 1) * z.d, 0.f);
+      const FaRun c = run(z, cfg, DType::kF32, Device::cpu(), cpu_stream(), hqkv, hg);
+      const int64_t before = cuda::cudnn_attention_executions();
+      const FaRun g = run(z, cfg, t, Device::cuda(0), cuda_stream(), hqkv, hg);
+      const int64_t ran = cuda::cudnn_attention_executions() - before;
+      std::printf("[CudnnMlaHeadDims] %s sm%d: cuDNN ran %lld of 2 (%s)\n", what.c_str(), major * 10,
+                  static_cast<long long>(ran), ran == 2 ? "fused" : "fallback kernels");
+      EXPECT_TRUE(testing::all_finite(g.out) && testing::all_finite(g.dqkv)) << what;
+      EXPECT_LT(rel_err(g.out, c.out), 2e-2) << what;
+      EXPECT_LT(rel_err(g.lse, c.lse), 2e-2) << what;
+      for (int w = 0; w < 3; ++w)
+        EXPECT_LT(rel_err_floor(component(g.dqkv, z, w), component(c.dqkv, z, w), 0.0), 2e-2)
+            << what << " component " << "qkv"[w];
+      for (int64_t r = 0; r < z.s * z.b * z.g; ++r)  // the padding channels of out and dV are exactly zero
+        for (int64_t e = cs.dv; e < z.d; ++e) {
+          ASSERT_EQ(g.out[r * z.d + e], 0.f) << what << " out row " << r << " channel " << e;
+          ASSERT_EQ(g.dqkv[(r * 3 + 2) * z.d + e], 0.f) << what << " dV row " << r << " channel " << e;
+        }
+      if (major < 9 && z.d > 128) EXPECT_EQ(ran, 0) << what << ": head dim > 128 is Hopper's only";
+    }
+  }
 }
 
 /// Dropout masks, element by element: q = 0 makes the probabilities uniform over the visible keys

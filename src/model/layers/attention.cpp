@@ -104,6 +104,7 @@ FlashAttentionConfig FlashAttention::flash_config(const StepContext& ctx, int64_
   c.doc_start = ctx.batch.doc_start;
   c.deterministic = config_.deterministic_mode;
   c.cudnn = cudnn_;
+  if (config_.multi_latent_attention) c.v_head_dim = config_.v_head_dim;  // the values' zero padding (ops/mla.h)
   return c;
 }
 

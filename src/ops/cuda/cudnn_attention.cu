@@ -34,10 +34,10 @@ int64_t cudnn_attention_executions() { return g_executions.load(); }
 #ifndef MT_WITH_CUDNN
 
 bool cudnn_attention_applies(const FlashAttentionConfig&, DType, std::initializer_list<const void*>) { return false; }
-void cudnn_attention_forward(const Tensor&, const Tensor&, const Tensor&, const FlashAttentionConfig&, const Stream&) {
+bool cudnn_attention_forward(const Tensor&, const Tensor&, const Tensor&, const FlashAttentionConfig&, const Stream&) {
   MT_FAIL("cudnn_attention_forward: this build has no cuDNN (MT_WITH_CUDNN is off)");
 }
-void cudnn_attention_backward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+bool cudnn_attention_backward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                               const FlashAttentionConfig&, const Stream&) {
   MT_FAIL("cudnn_attention_backward: this build has no cuDNN (MT_WITH_CUDNN is off)");
 }
@@ -316,13 +316,14 @@ void finalize_plan(Plan& p, cudnnHandle_t h, GraphBuilder& gb) {
           tried.empty() ? std::string(" the heuristics returned no configuration") : tried);
 }
 
-/// One attention problem as cuDNN sees it: Q [b, h, sq, d], K and V [b, g, skv, d], O [b, h, sq, d]
-/// (h = g · qpg query heads), and where each lives. Every tensor is a view of a [rows, b, ...]
+/// One attention problem as cuDNN sees it: Q [b, h, sq, d], K [b, g, skv, d], V [b, g, skv, dvo],
+/// O [b, h, sq, dvo] (h = g · qpg query heads; dvo <= d: V and O are the first dvo channels of their
+/// d-channel slots, as MLA packs them), and where each lives. Every tensor is a view of a [rows, b, ...]
 /// buffer: width 0 = [rows, b, heads, d] packed (out, dout, a staging buffer), width w > 0 = the
 /// slots of [rows, b, g, w, d] (qkv: w = qpg + 2; the CP key/value blocks: w = 2), the pointer
 /// giving the slot.
 struct Shape {
-  int64_t b, h, g, sq, skv, d;
+  int64_t b, h, g, sq, skv, d, dvo;
   cudnnDataType_t io;
   bool causal;                  // top-left causal (sq == skv), else no mask
   int64_t q_w, dq_w, kv_w;      // widths of Q, dQ (0 or, with h == g, w) and of K, V, dK, dV (w > 0)
@@ -336,10 +337,12 @@ struct Shape {
   Dims out_strides() const { return strides(h, 0); }
   Dims qd() const { return {b, h, sq, d}; }
   Dims kvd() const { return {b, g, skv, d}; }
+  Dims vd() const { return {b, g, skv, dvo}; }
+  Dims od() const { return {b, h, sq, dvo}; }
   Dims scores() const { return {b, h, sq, skv}; }
   Dims stats() const { return {b, h, sq, 1}; }
   Dims stats_strides() const { return {h * sq, sq, 1, 1}; }
-  auto key() const { return std::tuple{static_cast<int>(io), b, h, g, sq, skv, d, causal, q_w, dq_w, kv_w}; }
+  auto key() const { return std::tuple{static_cast<int>(io), b, h, g, sq, skv, d, dvo, causal, q_w, dq_w, kv_w}; }
 };
 
 /// The problem: direction, shape, scale bits, device.
@@ -359,8 +362,8 @@ std::unique_ptr<Plan> build_forward(const Shape& sh, float scale, cudnnHandle_t 
   const Dims ks = sh.kv_strides();
   auto q = g.tensor(kQ, sh.io, sh.qd(), sh.q_strides());
   auto kt = g.tensor(kK, sh.io, {sh.b, sh.g, sh.d, sh.skv}, transposed(ks));
-  auto v = g.tensor(kV, sh.io, sh.kvd(), ks);
-  auto o = g.tensor(kO, sh.io, sh.qd(), sh.out_strides());
+  auto v = g.tensor(kV, sh.io, sh.vd(), ks);
+  auto o = g.tensor(kO, sh.io, sh.od(), sh.out_strides());
   auto stats = g.tensor(kStats, CUDNN_DATA_FLOAT, sh.stats(), sh.stats_strides());
   auto sc = g.scalar(kScale), ninf = sh.causal ? g.scalar(kNegInf) : nullptr;
   auto s0 = g.matmul_to(q, kt, sh.scores());
@@ -381,15 +384,16 @@ std::unique_ptr<Plan> build_forward(const Shape& sh, float scale, cudnnHandle_t 
   return p;
 }
 
-/// dK = dSᵀ·Q (or dV = Pᵀ·dO) into `out` [b, g, skv, d]; with grouped queries the product is per
-/// query head ([b, h, skv, d], virtual, io dtype) and summed over each group's heads by a reduction.
+/// dK = dSᵀ·Q (width d) or dV = Pᵀ·dO (width dvo) into `out` [b, g, skv, width]; with grouped
+/// queries the product is per query head ([b, h, skv, width], virtual, io dtype) and summed over
+/// each group's heads by a reduction.
 void kv_grad(GraphBuilder& g, const Shape& sh, cudnnBackendDescriptor_t a_t, cudnnBackendDescriptor_t b,
-             cudnnBackendDescriptor_t out) {
+             cudnnBackendDescriptor_t out, int64_t width) {
   if (sh.qpg() == 1) {
     g.matmul(a_t, b, out);
     return;
   }
-  auto full = g.virt(sh.io, {sh.b, sh.h, sh.skv, sh.d});
+  auto full = g.virt(sh.io, {sh.b, sh.h, sh.skv, width});
   g.matmul(a_t, b, full);
   g.reduction(CUDNN_REDUCE_TENSOR_ADD, full, out);
 }
@@ -400,25 +404,25 @@ std::unique_ptr<Plan> build_backward(const Shape& sh, float scale, cudnnHandle_t
   p->masked = sh.causal;
   GraphBuilder g;
   const Dims ks = sh.kv_strides(), os = sh.out_strides();
-  const Dims kvt{sh.b, sh.g, sh.d, sh.skv};
+  const Dims kvt{sh.b, sh.g, sh.d, sh.skv}, vt_dims{sh.b, sh.g, sh.dvo, sh.skv};
   const Dims sst{sh.b, sh.h, sh.skv, sh.sq};                                // [b, h, skv, sq] (transposed scores)
   const Dims sst_strides{sh.h * sh.sq * sh.skv, sh.sq * sh.skv, 1, sh.skv};  // ... as a view of [b, h, sq, skv]
   auto q = g.tensor(kQ, sh.io, sh.qd(), sh.q_strides());
   auto kt = g.tensor(kK, sh.io, kvt, transposed(ks));
-  auto vt = g.tensor(kV, sh.io, kvt, transposed(ks));
-  auto o = g.tensor(kO, sh.io, sh.qd(), os);
-  auto dout = g.tensor(kDO, sh.io, sh.qd(), os);
+  auto vt = g.tensor(kV, sh.io, vt_dims, transposed(ks));
+  auto o = g.tensor(kO, sh.io, sh.od(), os);
+  auto dout = g.tensor(kDO, sh.io, sh.od(), os);
   auto stats = g.tensor(kStats, CUDNN_DATA_FLOAT, sh.stats(), sh.stats_strides());
   auto dq = g.tensor(kDQ, sh.io, sh.qd(), sh.dq_strides());
   auto dk = g.tensor(kDK, sh.io, sh.kvd(), ks);
-  auto dv = g.tensor(kDV, sh.io, sh.kvd(), ks);
+  auto dv = g.tensor(kDV, sh.io, sh.vd(), ks);
   auto softmax_sum = g.tensor(kSoftmaxSum, CUDNN_DATA_FLOAT, sh.stats(), sh.stats_strides());
   auto dq_accum = g.tensor(kDQAccum, CUDNN_DATA_FLOAT, sh.qd(), packed_strides(sh.qd()));
   auto sc = g.scalar(kScale), ninf = sh.causal ? g.scalar(kNegInf) : nullptr, one = g.scalar(kOne);
 
   // softmax_sum = rowsum(dO ∘ O)
-  auto dox = g.pointwise_to(CUDNN_POINTWISE_MUL, dout, o, sh.qd(),
-                            {sh.h * sh.sq * sh.d, sh.sq * sh.d, sh.h * sh.d, 1});
+  auto dox = g.pointwise_to(CUDNN_POINTWISE_MUL, dout, o, sh.od(),
+                            {sh.h * sh.sq * sh.dvo, sh.sq * sh.dvo, sh.h * sh.dvo, 1});
   auto rs = g.virt(CUDNN_DATA_FLOAT, sh.stats(), sh.stats_strides());
   g.reduction(CUDNN_REDUCE_TENSOR_ADD, dox, rs);
   g.pointwise(CUDNN_POINTWISE_MUL, rs, one, softmax_sum);
@@ -431,7 +435,7 @@ std::unique_ptr<Plan> build_backward(const Shape& sh, float scale, cudnnHandle_t
   // dV = Pᵀ dO
   auto pt = g.virt(sh.io, sst, sst_strides);
   g.reshape(prob, pt);
-  kv_grad(g, sh, pt, dout, dv);
+  kv_grad(g, sh, pt, dout, dv, sh.dvo);
   // dS = P ∘ (dO Vᵀ − softmax_sum) · scale
   auto dp = g.matmul_to(dout, vt, sh.scores());
   auto t0 = g.pointwise_to(CUDNN_POINTWISE_SUB, dp, softmax_sum, sh.scores());
@@ -440,7 +444,7 @@ std::unique_ptr<Plan> build_backward(const Shape& sh, float scale, cudnnHandle_t
   // dK = dSᵀ Q
   auto dst = g.virt(sh.io, sst, sst_strides);
   g.reshape(ds, dst);
-  kv_grad(g, sh, dst, q, dk);
+  kv_grad(g, sh, dst, q, dk, sh.d);
   // dQ = dS K (fp32 accumulator, then converted)
   auto kr = g.virt(CUDNN_DATA_FLOAT, sh.kvd(), ks);
   g.reshape(kt, kr);
@@ -470,10 +474,10 @@ Plan* plan_for(bool backward, const Shape& sh, float scale, size_t staging_bytes
     p = backward ? build_backward(sh, scale, h) : build_forward(sh, scale, h);
   } catch (const Error& e) {
     if (!may_fail) throw;
-    log_warn("cuDNN fused attention: no {} plan for the context-parallel block sq={} sk={} b={} heads={}/{} d={} "
-             "{}; the FlashAttention-2 kernels run it instead ({})",
-             backward ? "backward" : "forward", sh.sq, sh.skv, sh.b, sh.h, sh.g, sh.d, sh.causal ? "causal" : "full",
-             e.what());
+    log_warn("cuDNN fused attention: no {} plan for sq={} sk={} b={} heads={}/{} d={} d_v={} {}; the "
+             "FlashAttention-2 kernels run it instead ({})",
+             backward ? "backward" : "forward", sh.sq, sh.skv, sh.b, sh.h, sh.g, sh.d, sh.dvo,
+             sh.causal ? "causal" : "full", e.what());
     return plans.emplace(key, nullptr).first->second.get();
   }
   p->handle = h;
@@ -529,7 +533,26 @@ cudnnDataType_t io_type(DType t) { return t == DType::kBF16 ? CUDNN_DATA_BFLOAT1
 /// with grouped queries), dQ, dK, dV in dqkv likewise.
 Shape shape_of(const FlashAttentionConfig& cfg, DType dtype) {
   const int64_t w = cfg.queries_per_group + 2, qw = cfg.queries_per_group == 1 ? w : 0;
-  return Shape{cfg.batch, cfg.heads(), cfg.groups, cfg.seq, cfg.seq, cfg.head_dim, io_type(dtype), true, qw, qw, w};
+  return Shape{cfg.batch, cfg.heads(), cfg.groups, cfg.seq, cfg.seq, cfg.head_dim, cfg.v_dim(), io_type(dtype),
+               true, qw, qw, w};
+}
+
+/// The one-GPU cases that engines may lack (head dims over 128, Hopper and newer only; d_v < d):
+/// a plan that no engine supports falls back to the FlashAttention-2 kernels instead of failing.
+bool may_lack_engine(const Shape& sh) { return sh.d > 128 || sh.dvo != sh.d; }
+
+/// Hopper or newer (the head dims up to 256 of cuDNN's support matrix), per device, cached.
+bool sm90_or_newer() {
+  static std::mutex m;
+  static std::map<int, bool> known;
+  int device = 0;
+  MT_CUDA_CHECK(cudaGetDevice(&device));
+  std::lock_guard<std::mutex> lock(m);
+  auto it = known.find(device);
+  if (it != known.end()) return it->second;
+  int major = 0;
+  MT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  return known.emplace(device, major >= 9).first->second;
 }
 
 /// Grouped queries: the qpg query slots of each (position, sample, group) of qkv [s, b, g, qpg + 2,
@@ -653,7 +676,7 @@ void add_rows(DType t, void* dst, int64_t dst_stride, const void* src, int64_t s
 /// in kv (w = 2), dQ always staged (it is added to the caller's), the mask from cfg.block.
 Shape context_shape(const ContextAttentionConfig& c, DType dtype, int64_t sq, int64_t sk) {
   const int64_t qw = c.queries_per_group == 1 ? 3 : 0;
-  return Shape{c.batch, c.heads(), c.groups, sq, sk, c.head_dim, io_type(dtype),
+  return Shape{c.batch, c.heads(), c.groups, sq, sk, c.head_dim, c.head_dim, io_type(dtype),
                c.block == ContextBlockMask::kCausal, qw, 0, 2};
 }
 
@@ -662,17 +685,23 @@ Shape context_shape(const ContextAttentionConfig& c, DType dtype, int64_t sq, in
 bool cudnn_attention_applies(const FlashAttentionConfig& cfg, DType dtype, std::initializer_list<const void*> ptrs) {
   if (dtype != DType::kBF16 && dtype != DType::kF16) return false;
   if (!cfg.doc_start.empty() || cfg.dropout_p > 0 || cfg.deterministic) return false;
-  if (cfg.head_dim % 8 != 0 || cfg.head_dim > 128) return false;
+  if (cfg.head_dim % 8 != 0 || cfg.v_dim() % 8 != 0 || cfg.v_dim() > cfg.head_dim || cfg.head_dim > 256) return false;
+  if (cfg.head_dim > 128 && !sm90_or_newer()) return false;
   for (const void* q : ptrs)
     if (reinterpret_cast<uintptr_t>(q) % 16 != 0) return false;
   return true;
 }
 
-void cudnn_attention_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, const FlashAttentionConfig& cfg,
+bool cudnn_attention_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, const FlashAttentionConfig& cfg,
                              const Stream& stream) {
   const Shape sh = shape_of(cfg, qkv.dtype());
   const size_t staging = sh.qpg() > 1 ? static_cast<size_t>(sh.b * sh.h * sh.sq * sh.d) * 2 : 0;
-  Plan& p = *plan_for(false, sh, cfg.softmax_scale, staging);
+  Plan* plan = plan_for(false, sh, cfg.softmax_scale, staging, may_lack_engine(sh));
+  if (plan == nullptr) return false;
+  Plan& p = *plan;
+  // d_v < d: cuDNN writes the first d_v channels of each head; the others are zero, as the other
+  // backends compute them from the zero value channels.
+  if (sh.dvo != sh.d) MT_CUDA_CHECK(cudaMemsetAsync(out.data(), 0, out.nbytes(), cu(stream)));
   char* base = static_cast<char*>(qkv.data());
   const size_t e = dtype_size(qkv.dtype()), d = static_cast<size_t>(sh.d), q = static_cast<size_t>(sh.qpg());
   void* qptr = base;
@@ -682,15 +711,20 @@ void cudnn_attention_forward(const Tensor& out, const Tensor& lse, const Tensor&
   }
   execute(p, stream, {kQ, kK, kV, kO, kStats},
           {qptr, base + q * d * e, base + (q + 1) * d * e, out.data(), lse.data()});
+  return true;
 }
 
-void cudnn_attention_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& out, const Tensor& lse,
+bool cudnn_attention_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& out, const Tensor& lse,
                               const Tensor& qkv, const Tensor& workspace, const FlashAttentionConfig& cfg,
                               const Stream& stream) {
   const Shape sh = shape_of(cfg, qkv.dtype());
   const size_t rows = static_cast<size_t>(sh.b * sh.h * sh.sq);
   const size_t e = dtype_size(qkv.dtype()), d = static_cast<size_t>(sh.d), q = static_cast<size_t>(sh.qpg());
-  Plan& p = *plan_for(true, sh, cfg.softmax_scale, sh.qpg() > 1 ? 2 * rows * d * 2 : 0);
+  Plan* plan = plan_for(true, sh, cfg.softmax_scale, sh.qpg() > 1 ? 2 * rows * d * 2 : 0, may_lack_engine(sh));
+  if (plan == nullptr) return false;
+  Plan& p = *plan;
+  // d_v < d: dV's channels beyond d_v are zero (cuDNN writes dQ, dK and the first d_v of dV).
+  if (sh.dvo != sh.d) MT_CUDA_CHECK(cudaMemsetAsync(dqkv.data(), 0, dqkv.nbytes(), cu(stream)));
   char* base = static_cast<char*>(qkv.data());
   char* dbase = static_cast<char*>(dqkv.data());
   char* ws = static_cast<char*>(workspace.data());
@@ -709,6 +743,7 @@ void cudnn_attention_backward(const Tensor& dqkv, const Tensor& dout, const Tens
           {qptr, base + q * d * e, base + (q + 1) * d * e, out.data(), dout.data(), lse.data(), dqptr,
            dbase + q * d * e, dbase + (q + 1) * d * e, softmax_sum, dq_accum, &p.one});
   if (sh.qpg() > 1) query_slots(false, dqptr, dbase, sh, stream);
+  return true;
 }
 
 bool cudnn_context_applies(const ContextAttentionConfig& c, DType dtype, int64_t sq, int64_t sk,

@@ -9,7 +9,9 @@
 // between the forward and the backward and the model does not see which one ran.
 //
 // Applies (cudnn_attention_applies) to: bf16/fp16 tensors, 16-byte aligned, head_dim a multiple of 8
-// up to 128, no document mask (--reset-attention-mask), no attention dropout (cuDNN's Philox stream
+// up to 128 (up to 256 on Hopper and newer, cuDNN's support matrix: "d <= 256", its MLA case
+// d_qk = 192 with d_v = 128), FlashAttentionConfig::v_head_dim a multiple of 8 up to head_dim, no
+// document mask (--reset-attention-mask), no attention dropout (cuDNN's Philox stream
 // is not ours, and the mask must not depend on the backend), not --deterministic-mode (cuDNN's dQ
 // uses atomics). The caller falls back to the FlashAttention-2 kernels otherwise. Grouped queries
 // (queries_per_group > 1): cuDNN's 4-D tensors cannot address the query slots of Megatron's
@@ -60,12 +62,18 @@ int64_t cudnn_attention_executions();
 bool cudnn_attention_applies(const FlashAttentionConfig& cfg, DType dtype, std::initializer_list<const void*> ptrs);
 
 /// As flash_attention_forward (out, lse overwritten). Precondition: cudnn_attention_applies.
-void cudnn_attention_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, const FlashAttentionConfig& cfg,
+/// With v_head_dim < head_dim (MLA: values zero-padded to the query/key head dim) cuDNN computes
+/// P·V over the first v_head_dim channels only and the others of out are zeroed. Returns false,
+/// having done nothing, when no cuDNN engine supports a head dim over 128 or v_head_dim < head_dim
+/// (logged once per shape; the caller runs the FlashAttention-2 kernels); other cases without an
+/// engine are an error.
+bool cudnn_attention_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, const FlashAttentionConfig& cfg,
                              const Stream& stream);
 
 /// As flash_attention_backward (dqkv overwritten; workspace of flash_attention_workspace_bytes(cfg)).
-/// Precondition: cudnn_attention_applies.
-void cudnn_attention_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& out, const Tensor& lse,
+/// Precondition: cudnn_attention_applies. With v_head_dim < head_dim only the first v_head_dim
+/// channels of dout and out are read, dV's others are zeroed. Returns false as the forward does.
+bool cudnn_attention_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& out, const Tensor& lse,
                               const Tensor& qkv, const Tensor& workspace, const FlashAttentionConfig& cfg,
                               const Stream& stream);
 

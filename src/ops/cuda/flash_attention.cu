@@ -37,10 +37,9 @@ flash::Params make_params(const FlashAttentionConfig& cfg, const Tensor& qkv) {
 
 void flash_attention_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, const FlashAttentionConfig& cfg,
                              const Stream& stream) {
-  if (cfg.cudnn && cudnn_attention_applies(cfg, qkv.dtype(), {qkv.data(), out.data()})) {
-    cudnn_attention_forward(out, lse, qkv, cfg, stream);
+  if (cfg.cudnn && cudnn_attention_applies(cfg, qkv.dtype(), {qkv.data(), out.data()}) &&
+      cudnn_attention_forward(out, lse, qkv, cfg, stream))
     return;
-  }
   flash::Params p = make_params(cfg, qkv);
   p.out = out.data();
   p.lse = lse.data_as<float>();
@@ -51,10 +50,9 @@ void flash_attention_forward(const Tensor& out, const Tensor& lse, const Tensor&
 void flash_attention_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& out, const Tensor& lse,
                               const Tensor& qkv, const Tensor& workspace, const FlashAttentionConfig& cfg,
                               const Stream& stream) {
-  if (cfg.cudnn && cudnn_attention_applies(cfg, qkv.dtype(), {qkv.data(), out.data(), dout.data(), dqkv.data()})) {
-    cudnn_attention_backward(dqkv, dout, out, lse, qkv, workspace, cfg, stream);
+  if (cfg.cudnn && cudnn_attention_applies(cfg, qkv.dtype(), {qkv.data(), out.data(), dout.data(), dqkv.data()}) &&
+      cudnn_attention_backward(dqkv, dout, out, lse, qkv, workspace, cfg, stream))
     return;
-  }
   flash::Params p = make_params(cfg, qkv);
   p.out = out.data();
   p.lse = lse.data_as<float>();
