@@ -14,8 +14,19 @@
 // matrix and over all gradients, the loss within 2e-3, the parameters after the updates within 2e-2
 // per matrix and 1e-2 overall. With MoE the noise also contains the router's near-tied top-k choices
 // that bf16 rounding flips (a flipped slot moves one token's contribution between two experts): the
-// bf16-vs-fp32 comparison sees such flips too, so the bound scales with them. A missing expert, a
-// wrong shard, a lost or misrouted token, a clone gradient not returned is off by O(1).
+// bf16-vs-fp32 comparison sees such flips too, so the bound scales with them. One expert's tensors
+// are the exception: a flip moves one token's share of that expert's gradient, about 1/sqrt(n) of it
+// with n slots per expert (n = 128 here: ~9 %), and which experts flip differs from run to run (a
+// layout that adds partial sums in bf16 -- the allgather dispatcher's reduce-scatter, ETP's row-
+// parallel fc2 -- flips others than the one-GPU bf16 run). So each expert tensor is held to
+// kExpertGradBound (a few flips; a missing expert, a wrong shard or slice is off by O(1)) and its
+// parameters after the updates to kExpertParamBound (AdamW's first steps move every element by about
+// lr whatever the gradient's size, so a flip-dominated element lands 2·lr away), while the sum over
+// all experts of one layer and linear (fc1 or fc2), where flips average out, keeps the bf16-noise
+// bound. A missing expert, a wrong shard, a lost or misrouted token, a clone gradient not returned is
+// off by O(1).
+//
+// MT_MOE_LAYOUTS=name,name,... runs only the layouts named (both tests), for a short GPU session.
 //
 // With ECHO and the static blocks the clones travel by the used-slot transfers over NCCL's
 // symmetric window (model/moe/echo_peers.h), inside the full-iteration graph: they must have sent
@@ -30,6 +41,9 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <optional>
@@ -55,6 +69,7 @@ using testing::OwnedTensor;
 constexpr int kIters = 3;  // with graphs: step 0 eager (warm-up), 1 captured, 2 replayed
 constexpr int64_t kMicroBatch = 2, kNumMicro = 8;
 constexpr int64_t kFits = -1;  // --moe-received-token-capacity that holds every slot
+constexpr double kExpertGradBound = 0.25, kExpertParamBound = 0.1;  // one expert's tensors (see above)
 
 TransformerConfig config() {
   TransformerConfig c;
@@ -96,7 +111,8 @@ struct Layout {
 struct RunResult {
   std::vector<double> losses;
   std::vector<ParamInfo> infos;                   // this rank's parameters
-  std::vector<std::vector<float>> grads, params;  // local shards (params fp32 main)
+  std::vector<std::vector<float>> grads, params;  // local shards (params in the model dtype: the fp32 main
+                                                  // copies are sharded by the distributed optimizer)
   int64_t rerouted = 0;                           // ECHO (host placement): slots sent to clones
   int64_t echo_bytes = 0;  // ECHO (static blocks): bytes the used-slot transfers wrote (EchoPeers)
 };
@@ -180,9 +196,46 @@ RunResult train(const std::shared_ptr<Communicator>& world, const Layout& L, DTy
   for (size_t i = 0; i < P.size(); ++i) {
     r.infos.push_back(P.info(i));
     r.grads.push_back(testing::to_host(P.grad(i), st));
-    r.params.push_back(testing::to_host(P.main(i), st));
+    r.params.push_back(testing::to_host(P.param(i), st));
   }
   return r;
+}
+
+double l2(const std::vector<float>& v) {
+  double s = 0;
+  for (const float x : v) s += static_cast<double>(x) * x;
+  return std::sqrt(s);
+}
+
+// "decoder.layers.2.mlp.experts.local_experts.5.linear_fc2.weight" -> "decoder.layers.2.mlp.experts.*.linear_fc2.weight";
+// "" for a tensor of no expert.
+std::string expert_group(const std::string& name) {
+  const std::string tag = ".experts.local_experts.";
+  const size_t at = name.find(tag);
+  if (at == std::string::npos) return "";
+  const size_t dot = name.find('.', at + tag.size());
+  return name.substr(0, at) + ".experts.*" + name.substr(dot);
+}
+
+// The layouts MT_MOE_LAYOUTS names (all of them when it is unset); an unknown name is an error.
+std::vector<Layout> selected(std::vector<Layout> layouts) {
+  const char* only = std::getenv("MT_MOE_LAYOUTS");
+  if (only == nullptr || *only == 0) return layouts;
+  std::vector<Layout> out;
+  std::string list = only;
+  for (size_t b = 0; b <= list.size();) {
+    const size_t e = std::min(list.find(',', b), list.size());
+    const std::string name = list.substr(b, e - b);
+    b = e + 1;
+    if (name.empty()) continue;
+    const auto it = std::find_if(layouts.begin(), layouts.end(), [&](const Layout& L) { return L.name == name; });
+    if (it == layouts.end()) {
+      ADD_FAILURE() << "MT_MOE_LAYOUTS names '" << name << "', not a layout of this world size";
+      continue;
+    }
+    out.push_back(*it);
+  }
+  return out;
 }
 
 struct Environment {
@@ -242,6 +295,7 @@ TEST(MoeLayoutsNccl, Bf16LayoutsMatchOneGpu) {
     layouts = {
         {"ep2_allgather", 1, 1, 0, 2},
         {"ep2_alltoall", 1, 1, 0, 2, 0, false, true},
+        {"ep2_alltoall_gg_static", 1, 1, 0, 2, 0, false, true, true, false, kFits},
         {"ep2_alltoall_gg_static_full_graph", 1, 1, 0, 2, 0, false, true, true, false, kFits, 0, 'f'},
         {"ep2_alltoall_gg_static_echo_full_graph", 1, 1, 0, 2, 0, false, true, true, false, kFits, 1, 'f'},
         {"ep2_alltoall_echo", 1, 1, 0, 2, 0, false, true, false, false, 0, 1},
@@ -264,7 +318,7 @@ TEST(MoeLayoutsNccl, Bf16LayoutsMatchOneGpu) {
         {"ep4_allgather_gg_distopt_full_graph", 1, 1, 0, 4, 0, false, false, true, true, 0, 0, 'f'},
     };
   }
-  for (const Layout& L : layouts) {
+  for (const Layout& L : selected(layouts)) {
     const RunResult par = train(e.world, L, DType::kBF16, e.dev, e.tokens, e.labels);
     for (int it = 0; it < kIters; ++it)
       EXPECT_NEAR(par.losses[it], ref.losses[it], 2e-3 * ref.losses[it]) << L.name << " iteration " << it;
@@ -276,6 +330,9 @@ TEST(MoeLayoutsNccl, Bf16LayoutsMatchOneGpu) {
                   static_cast<long long>(par.echo_bytes));
     }
     std::vector<float> all_par_g, all_ref_g, all_par_p, all_ref_p;
+    // per layer and linear, all this rank's experts together: gradients, parameters (layout, one GPU
+    // bf16), the gradients of the one-GPU fp32 run
+    std::map<std::string, std::array<std::vector<float>, 5>> pooled;
     for (size_t i = 0; i < par.infos.size(); ++i) {
       const auto& info = par.infos[i];
       ASSERT_TRUE(ref_index.count(info.name)) << L.name << ": " << info.name;
@@ -286,14 +343,34 @@ TEST(MoeLayoutsNccl, Bf16LayoutsMatchOneGpu) {
       all_par_p.insert(all_par_p.end(), par.params[i].begin(), par.params[i].end());
       all_ref_p.insert(all_ref_p.end(), rp.begin(), rp.end());
       if (info.shape.size() != 2) continue;
+      const std::string group = expert_group(info.name);
+      if (!group.empty()) {
+        auto& pool = pooled[group];
+        const auto rg32 = testing::shard_slice(ref32.grads[j], info);
+        pool[0].insert(pool[0].end(), par.grads[i].begin(), par.grads[i].end());
+        pool[1].insert(pool[1].end(), rg.begin(), rg.end());
+        pool[2].insert(pool[2].end(), par.params[i].begin(), par.params[i].end());
+        pool[3].insert(pool[3].end(), rp.begin(), rp.end());
+        pool[4].insert(pool[4].end(), rg32.begin(), rg32.end());
+      }
+      const double grad_bound = group.empty() ? std::max(2e-2, 3 * noise[j]) : kExpertGradBound;
       if (!L.zero)
-        EXPECT_LT(testing::rel_err(par.grads[i], rg), std::max(2e-2, 3 * noise[j]))
+        EXPECT_LT(testing::rel_err(par.grads[i], rg), grad_bound)
             << L.name << " grad " << info.name << " (bf16 noise " << noise[j] << ")";
-      EXPECT_LT(testing::rel_err(par.params[i], rp), 2e-2) << L.name << " param " << info.name;
+      EXPECT_LT(testing::rel_err(par.params[i], rp), group.empty() ? 2e-2 : kExpertParamBound)
+          << L.name << " param " << info.name;
+    }
+    for (const auto& [group, pool] : pooled) {
+      const double pooled_noise = testing::rel_err(pool[1], pool[4]);
+      if (!L.zero)
+        EXPECT_LT(testing::rel_err(pool[0], pool[1]), std::max(2e-2, 3 * pooled_noise))
+            << L.name << " grad " << group << " (bf16 noise " << pooled_noise << ")";
+      EXPECT_LT(testing::rel_err(pool[2], pool[3]), 2e-2) << L.name << " param " << group;
     }
     const double eg = testing::rel_err(all_par_g, all_ref_g), ep = testing::rel_err(all_par_p, all_ref_p);
-    std::printf("[%s] rank %d: all gradients rel err %.2e, all parameters %.2e, loss %.6f vs %.6f\n", L.name.c_str(),
-                e.world->rank(), eg, ep, par.losses.back(), ref.losses.back());
+    std::printf("[%s] rank %d: all gradients rel err %.2e (norm ratio %.4f), all parameters %.2e, loss %.6f vs %.6f\n",
+                L.name.c_str(), e.world->rank(), eg, l2(all_par_g) / l2(all_ref_g), ep,
+                par.losses.back(), ref.losses.back());
     if (!L.zero) EXPECT_LT(eg, std::max(2e-2, 3 * noise_all)) << L.name << " (bf16 noise " << noise_all << ")";
     EXPECT_LT(ep, 1e-2) << L.name;
   }
@@ -314,7 +391,7 @@ TEST(MoeLayoutsNccl, OverlappedCommunicationIsBitwiseTheSequentialLayer) {
              {"ep2_etp2_tp2sp_alltoall_gg", 2, 1, 0, 2, 2, true, true, true},
              {"ep2_pp2_alltoall", 1, 2, 0, 2, 0, false, true}};
   }
-  for (const Layout& base : bases) {
+  for (const Layout& base : selected(bases)) {
     const RunResult ref = train(e.world, base, DType::kBF16, e.dev, e.tokens, e.labels);
     for (int v = 0; v < 4; ++v) {
       Layout L = base;
