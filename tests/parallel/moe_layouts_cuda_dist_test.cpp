@@ -208,16 +208,6 @@ double l2(const std::vector<float>& v) {
   return std::sqrt(s);
 }
 
-// "decoder.layers.2.mlp.experts.local_experts.5.linear_fc2.weight" -> "decoder.layers.2.mlp.experts.*.linear_fc2.weight";
-// "" for a tensor of no expert.
-std::string expert_group(const std::string& name) {
-  const std::string tag = ".experts.local_experts.";
-  const size_t at = name.find(tag);
-  if (at == std::string::npos) return "";
-  const size_t dot = name.find('.', at + tag.size());
-  return name.substr(0, at) + ".experts.*" + name.substr(dot);
-}
-
 // The layouts MT_MOE_LAYOUTS names (all of them when it is unset); an unknown name is an error.
 std::vector<Layout> selected(std::vector<Layout> layouts) {
   const char* only = std::getenv("MT_MOE_LAYOUTS");
@@ -341,12 +331,12 @@ TEST(MoeLayoutsNccl, Bf16LayoutsMatchOneGpu) {
       all_par_p.insert(all_par_p.end(), par.params[i].begin(), par.params[i].end());
       all_ref_p.insert(all_ref_p.end(), rp.begin(), rp.end());
       if (info.shape.size() != 2) continue;
-      const std::string group = expert_group(info.name);
-      const double grad_bound = group.empty() ? std::max(2e-2, 3 * noise[j]) : kExpertGradBound;
+      const bool expert = info.name.find(".experts.local_experts.") != std::string::npos;
+      const double grad_bound = expert ? kExpertGradBound : std::max(2e-2, 3 * noise[j]);
       if (!L.zero)
         EXPECT_LT(testing::rel_err(par.grads[i], rg), grad_bound)
             << L.name << " grad " << info.name << " (bf16 noise " << noise[j] << ")";
-      EXPECT_LT(testing::rel_err(par.params[i], rp), group.empty() ? 2e-2 : kExpertParamBound)
+      EXPECT_LT(testing::rel_err(par.params[i], rp), expert ? kExpertParamBound : 2e-2)
           << L.name << " param " << info.name;
     }
     const double eg = testing::rel_err(all_par_g, all_ref_g), ep = testing::rel_err(all_par_p, all_ref_p);
