@@ -246,18 +246,23 @@ std::string cannot_run(const LaunchEnv& env) {
   return "";
 }
 
-// The world (initialised once per process) and the data (rank 0's, broadcast).
+// The world (initialised once per process) and the data (rank 0's, broadcast). The static is
+// complete only after MPI was initialised, so it is destroyed first at exit: the NCCL world goes
+// before MPI_Finalize (a default-constructed static filled in later outlived MPI_Finalize, and
+// mpiexec did not return after the tests had ended).
 const Environment& setup_environment(const LaunchEnv& env) {
-  static Environment e;
-  if (e.world) return e;
-  e.dev = local_device(DeviceType::kCUDA, env);
-  set_current_device(e.dev);
-  e.world = init_world(e.dev, env, 5.0);
-  const TransformerConfig c = config();
-  e.tokens = testing::randint(kNumMicro * kMicroBatch * c.seq_length, 0, 250);
-  e.labels = testing::randint(kNumMicro * kMicroBatch * c.seq_length, 0, 250);
-  MPI_Bcast(e.tokens.data(), static_cast<int>(e.tokens.size()), MPI_INT32_T, 0, MPI_COMM_WORLD);
-  MPI_Bcast(e.labels.data(), static_cast<int>(e.labels.size()), MPI_INT32_T, 0, MPI_COMM_WORLD);
+  static const Environment e = [&env] {
+    Environment r;
+    r.dev = local_device(DeviceType::kCUDA, env);
+    set_current_device(r.dev);
+    r.world = init_world(r.dev, env, 5.0);
+    const TransformerConfig c = config();
+    r.tokens = testing::randint(kNumMicro * kMicroBatch * c.seq_length, 0, 250);
+    r.labels = testing::randint(kNumMicro * kMicroBatch * c.seq_length, 0, 250);
+    MPI_Bcast(r.tokens.data(), static_cast<int>(r.tokens.size()), MPI_INT32_T, 0, MPI_COMM_WORLD);
+    MPI_Bcast(r.labels.data(), static_cast<int>(r.labels.size()), MPI_INT32_T, 0, MPI_COMM_WORLD);
+    return r;
+  }();
   return e;
 }
 
