@@ -414,9 +414,53 @@ __device__ __forceinline__ void add_to_dw(float* dw, const float (&acc)[kAcc], i
   }
 }
 
+/// WgradEpilogue::kPreload, before the main loop: acc = dW at the accumulators' positions (as in
+/// add_to_dw; 0 outside [M, N]), every load issued before any is used.
+template <int kAcc>
+__device__ __forceinline__ void load_dw(const float* dw, float (&acc)[kAcc], int r0, int c0, int M, int N) {
+#pragma unroll
+  for (int j = 0; j < kAcc / 4; ++j) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = r0 + 8 * h, col = c0 + 8 * j;
+      float2 v = make_float2(0.f, 0.f);
+      if (r < M && col < N) v = *reinterpret_cast<const float2*>(dw + static_cast<int64_t>(r) * N + col);
+      acc[4 * j + 2 * h] = v.x;
+      acc[4 * j + 2 * h + 1] = v.y;
+    }
+  }
+}
+
+/// WgradEpilogue::kPreload, after the main loop: dW = acc (rows < M, columns < N).
+template <int kAcc>
+__device__ __forceinline__ void store_dw(float* dw, const float (&acc)[kAcc], int r0, int c0, int M, int N) {
+#pragma unroll
+  for (int j = 0; j < kAcc / 4; ++j) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = r0 + 8 * h, col = c0 + 8 * j;
+      if (r < M && col < N) {
+        *reinterpret_cast<float2*>(dw + static_cast<int64_t>(r) * N + col) =
+            make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+      }
+    }
+  }
+}
+
+/// The wgrad epilogue of one m64 x BN accumulator block: dW += acc (kPreload: dW = acc, the
+/// accumulators having started from dW).
+template <bool kPreload, int kAcc>
+__device__ __forceinline__ void finish_dw(float* dw, const float (&acc)[kAcc], int r0, int c0, int M, int N) {
+  if constexpr (kPreload) {
+    store_dw(dw, acc, r0, c0, M, N);
+  } else {
+    add_to_dw(dw, acc, r0, c0, M, N);
+  }
+}
+
 /// A consumer warpgroup (cw = 0, 1: rows [64 cw, 64 cw + 64) of each tile): the wgmma k-loop over
 /// the ring, then the epilogue; after the tiles (forward, dgrad) its share of the zeroed tail.
-template <typename T, Mode kMode, int BN>
+template <typename T, Mode kMode, int BN, bool kPreload>
 __device__ __forceinline__ void consume(const Params& p, const Ring& ring) {
   using Tl = Tiling<BN>;
   constexpr int kStages = Tl::kStages;
@@ -432,6 +476,10 @@ __device__ __forceinline__ void consume(const Params& p, const Ring& ring) {
   for (int t = blockIdx.x; t < ring.total; t += gridDim.x) {
     const Work w = decode<BN>(t, ring.off, ring.tile, p.G, ring.n_tiles, ring.m_tiles);
     const int ktiles = ((kWgrad ? w.rows : p.K) + kBK - 1) / kBK;
+    // Thread (warp, lane) holds rows 16 warp + lane / 4 (+ 8) and columns 8 j + 2 (lane % 4) (+ 1)
+    // of the warpgroup's 64 x BN block, in acc[4 j + 2 h + {0, 1}].
+    const int r0 = w.m0 + cw * 64 + warp * 16 + lane / 4, c0 = w.n0 + 2 * (lane % 4);
+    if constexpr (kPreload) load_dw(static_cast<const float*>(p.dw[w.g]), acc, r0, c0, p.M, p.N);
     int prev = -1;
     fence_acc(acc);
     for (int kt = 0; kt < ktiles; ++kt, ++it) {
@@ -450,7 +498,7 @@ __device__ __forceinline__ void consume(const Params& p, const Ring& ring) {
       for (int kk = 0; kk < kBK / 16; ++kk) {
         const uint64_t da = smem_desc(a_s + cw * kBoxBytes + kk * kStepA, kLeadA, 1024);
         const uint64_t db = smem_desc(b_s + kk * kStepB, kLeadB, 1024);
-        wgmma<T, BN, kTA, kTB>(acc, da, db, (kt | kk) != 0);
+        wgmma<T, BN, kTA, kTB>(acc, da, db, kPreload || (kt | kk) != 0);
       }
       wgmma_commit();
       if (prev >= 0) {
@@ -465,11 +513,8 @@ __device__ __forceinline__ void consume(const Params& p, const Ring& ring) {
     __syncwarp();
     if (lane == 0 && prev >= 0) mbar_arrive(smem_u32(&ring.empty[prev]));
 
-    // Epilogue: thread (warp, lane) holds rows 16 warp + lane / 4 (+ 8) and columns 8 j + 2 (lane % 4)
-    // (+ 1) of the warpgroup's 64 x BN block, in acc[4 j + 2 h + {0, 1}].
-    const int r0 = w.m0 + cw * 64 + warp * 16 + lane / 4, c0 = w.n0 + 2 * (lane % 4);
     if constexpr (kWgrad) {
-      add_to_dw(static_cast<float*>(p.dw[w.g]), acc, r0, c0, p.M, p.N);
+      finish_dw<kPreload>(static_cast<float*>(p.dw[w.g]), acc, r0, c0, p.M, p.N);
     } else {
       T* c = static_cast<T*>(p.c) + static_cast<int64_t>(w.off) * p.N;
 #pragma unroll
@@ -490,7 +535,7 @@ __device__ __forceinline__ void consume(const Params& p, const Ring& ring) {
 /// The ping-pong consumer warpgroup cw: tiles j = cw, cw + 2, ... of the block (t = blockIdx.x +
 /// j gridDim.x), each 128 x 128 in two m64 halves (acc[0]: rows 0-63, acc[1]: rows 64-127);
 /// then its share of the zeroed tail (forward, dgrad).
-template <typename T, Mode kMode>
+template <typename T, Mode kMode, bool kPreload>
 __device__ __forceinline__ void consume_pingpong(const Params& p, const Ring& ring) {
   constexpr int BN = 128;
   using Tl = Tiling<BN>;
@@ -509,6 +554,11 @@ __device__ __forceinline__ void consume_pingpong(const Params& p, const Ring& ri
     if ((j & 1) != cw) {  // the other warpgroup's tile: step over its stages
       it += ktiles;
       continue;
+    }
+    const int r0 = w.m0 + warp * 16 + lane / 4, c0 = w.n0 + 2 * (lane % 4);  // + 64 h: acc[h]
+    if constexpr (kPreload) {  // in flight while the other warpgroup's main loop runs
+#pragma unroll
+      for (int h = 0; h < 2; ++h) load_dw(static_cast<const float*>(p.dw[w.g]), acc[h], r0 + 64 * h, c0, p.M, p.N);
     }
     // A stage's full barrier is waited by parity: this warpgroup, having stepped over the other's
     // stages, may only wait once every earlier fill has completed, i.e. after the previous tile's
@@ -535,7 +585,7 @@ __device__ __forceinline__ void consume_pingpong(const Params& p, const Ring& ri
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const uint64_t da = smem_desc(a_s + h * kBoxBytes + kk * kStepA, kLeadA, 1024);
-          wgmma<T, BN, kTA, kTB>(acc[h], da, db, (kt | kk) != 0);
+          wgmma<T, BN, kTA, kTB>(acc[h], da, db, kPreload || (kt | kk) != 0);
         }
       }
       wgmma_commit();
@@ -555,9 +605,9 @@ __device__ __forceinline__ void consume_pingpong(const Params& p, const Ring& ri
 
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int r0 = w.m0 + h * 64 + warp * 16 + lane / 4, c0 = w.n0 + 2 * (lane % 4);
+      const int rh = r0 + 64 * h;
       if constexpr (kWgrad) {
-        add_to_dw(static_cast<float*>(p.dw[w.g]), acc[h], r0, c0, p.M, p.N);
+        finish_dw<kPreload>(static_cast<float*>(p.dw[w.g]), acc[h], rh, c0, p.M, p.N);
       } else {
         T* c = static_cast<T*>(p.c) + static_cast<int64_t>(w.off) * p.N;
 #pragma unroll
@@ -566,7 +616,7 @@ __device__ __forceinline__ void consume_pingpong(const Params& p, const Ring& ri
           if (col >= p.N) continue;
 #pragma unroll
           for (int hh = 0; hh < 2; ++hh) {
-            const int r = r0 + 8 * hh;
+            const int r = rh + 8 * hh;
             if (r < w.rows) store2(c + static_cast<int64_t>(r) * p.N + col, acc[h][4 * jj + 2 * hh], acc[h][4 * jj + 2 * hh + 1]);
           }
         }
@@ -578,9 +628,11 @@ __device__ __forceinline__ void consume_pingpong(const Params& p, const Ring& ri
 
 #endif  // MT_GG_SM90A
 
-template <typename T, Mode kMode, int BN, bool kPingPong>
+/// kPreload (wgrad only): WgradEpilogue::kPreload.
+template <typename T, Mode kMode, int BN, bool kPingPong, bool kPreload>
 __global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(const __grid_constant__ Params p) {
   static_assert(!kPingPong || BN == 128, "ping-pong tiles are 128 x 128");
+  static_assert(!kPreload || kMode == Mode::kWgrad, "the dW preload is the wgrad's");
 #ifdef MT_GG_SM90A
   using Tl = Tiling<BN>;
   constexpr int kStages = Tl::kStages;
@@ -614,9 +666,9 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(const __grid_constan
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
     if constexpr (kPingPong) {
-      consume_pingpong<T, kMode>(p, ring);
+      consume_pingpong<T, kMode, kPreload>(p, ring);
     } else {
-      consume<T, kMode, BN>(p, ring);
+      consume<T, kMode, BN, kPreload>(p, ring);
     }
   }
 #endif  // MT_GG_SM90A
@@ -634,6 +686,7 @@ __global__ void probe_kernel(int* out) {
 // ---- host side ---------------------------------------------------------------------------------
 
 std::atomic<int> g_kernel{static_cast<int>(Kernel::kAuto)};
+std::atomic<int> g_wgrad_epilogue{static_cast<int>(WgradEpilogue::kReadModifyWrite)};
 
 using EncodeTiled = decltype(&cuTensorMapEncodeTiled);
 
@@ -713,24 +766,36 @@ bool use_wgmma(const char* fn, const std::string& why) {
   return false;
 }
 
-template <typename T, Mode kMode, int BN, bool kPingPong>
+template <typename T, Mode kMode, int BN, bool kPingPong, bool kPreload>
 void launch_typed(const char* fn, const Params& p, int64_t tiles_bound, const Stream& stream) {
   using Tl = Tiling<BN>;
   const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(sm_count(), tiles_bound)));
-  grouped::allow_smem(wgmma_kernel<T, kMode, BN, kPingPong>, Tl::kSmem, Tl::kStaticSmem, fn);
-  wgmma_kernel<T, kMode, BN, kPingPong><<<grid, kThreads, Tl::kSmem, raw(stream)>>>(p);
+  grouped::allow_smem(wgmma_kernel<T, kMode, BN, kPingPong, kPreload>, Tl::kSmem, Tl::kStaticSmem, fn);
+  wgmma_kernel<T, kMode, BN, kPingPong, kPreload><<<grid, kThreads, Tl::kSmem, raw(stream)>>>(p);
   MT_CUDA_CHECK_LAUNCH();
 }
 
-template <typename T, Mode kMode>
+template <typename T, Mode kMode, bool kPreload>
 void launch_width(const char* fn, const Params& p, int bn, bool pingpong, int64_t tiles, const Stream& stream) {
   if (pingpong) {
-    launch_typed<T, kMode, 128, true>(fn, p, tiles, stream);
+    launch_typed<T, kMode, 128, true, kPreload>(fn, p, tiles, stream);
   } else if (bn == 256) {
-    launch_typed<T, kMode, 256, false>(fn, p, tiles, stream);
+    launch_typed<T, kMode, 256, false, kPreload>(fn, p, tiles, stream);
   } else {
-    launch_typed<T, kMode, 128, false>(fn, p, tiles, stream);
+    launch_typed<T, kMode, 128, false, kPreload>(fn, p, tiles, stream);
   }
+}
+
+/// launch_width with the wgrad's epilogue of wgrad_epilogue() (forward, dgrad: the only one).
+template <typename T, Mode kMode>
+void launch_epilogue(const char* fn, const Params& p, int bn, bool pingpong, int64_t tiles, const Stream& stream) {
+  if constexpr (kMode == Mode::kWgrad) {
+    if (wgrad_epilogue() == WgradEpilogue::kPreload) {
+      launch_width<T, kMode, true>(fn, p, bn, pingpong, tiles, stream);
+      return;
+    }
+  }
+  launch_width<T, kMode, false>(fn, p, bn, pingpong, tiles, stream);
 }
 
 /// Launches mode kMode: ping-pong 128 x 128 tiles where kernel() asks for them, else the
@@ -741,9 +806,9 @@ void launch(const char* fn, DType dt, const Params& p, TilesBound tiles_bound, c
   const int bn = pingpong ? 128 : pick_bn(p.N);
   const int64_t tiles = tiles_bound(bn);
   if (dt == DType::kBF16) {
-    launch_width<__nv_bfloat16, kMode>(fn, p, bn, pingpong, tiles, stream);
+    launch_epilogue<__nv_bfloat16, kMode>(fn, p, bn, pingpong, tiles, stream);
   } else {
-    launch_width<__half, kMode>(fn, p, bn, pingpong, tiles, stream);
+    launch_epilogue<__half, kMode>(fn, p, bn, pingpong, tiles, stream);
   }
 }
 
@@ -761,6 +826,8 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 void set_kernel(Kernel k) { g_kernel.store(static_cast<int>(k)); }
 Kernel kernel() { return static_cast<Kernel>(g_kernel.load()); }
+void set_wgrad_epilogue(WgradEpilogue e) { g_wgrad_epilogue.store(static_cast<int>(e)); }
+WgradEpilogue wgrad_epilogue() { return static_cast<WgradEpilogue>(g_wgrad_epilogue.load()); }
 
 int auto_tile_width(int64_t N) {
   const int64_t w256 = (N + 255) / 256 * 256, w128 = (N + 127) / 128 * 128;
