@@ -154,6 +154,12 @@ __device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, i
       : "memory");
 }
 
+/// Asks for `bytes` (a multiple of 16) at `p` (16-byte aligned) in L2, without waiting.
+__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(reinterpret_cast<uint64_t>(p)), "r"(bytes)
+               : "memory");
+}
+
 /// A tensor map in global memory, written by the host before the launch, read by the TMA unit.
 __device__ __forceinline__ void tensormap_acquire(const CUtensorMap* map) {
   asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(reinterpret_cast<uint64_t>(map))
@@ -310,8 +316,9 @@ struct Ring {
 #ifdef MT_GG_SM90A
 
 /// The producer (one thread): for every k-stage of every work tile of the block, waits for the
-/// stage to be free and issues its TMA loads (A: 2 boxes, B: BN / 64 boxes).
-template <typename T, Mode kMode, int BN>
+/// stage to be free and issues its TMA loads (A: 2 boxes, B: BN / 64 boxes). kPrefetchDw (wgrad):
+/// with a tile's first stage, the L2 prefetch of the tile's dW rows.
+template <typename T, Mode kMode, int BN, bool kPrefetchDw>
 __device__ __forceinline__ void produce(const Params& p, const Ring& ring) {
   using Tl = Tiling<BN>;
   constexpr int kStages = Tl::kStages;
@@ -331,6 +338,13 @@ __device__ __forceinline__ void produce(const Params& p, const Ring& ring) {
       const uint32_t bar = smem_u32(&ring.full[s]), a_s = ring.base + s * Tl::kStageBytes, b_s = a_s + Tl::kABytes;
       mbar_arrive_expect_tx(bar, Tl::kStageBytes);
       const int k0 = kt * kBK;
+      if constexpr (kPrefetchDw) {
+        if (kt == 0) {
+          const float* dw = static_cast<const float*>(p.dw[w.g]) + static_cast<int64_t>(w.m0) * p.N + w.n0;
+          const uint32_t bytes = static_cast<uint32_t>(min(BN, p.N - w.n0)) * 4;  // N % 8 == 0: 32-byte multiple
+          for (int r = 0; r < min(kBM, p.M - w.m0); ++r) prefetch_l2(dw + static_cast<int64_t>(r) * p.N, bytes);
+        }
+      }
 #pragma unroll
       for (int h = 0; h < kBM / kBox; ++h) {
         if constexpr (kWgrad) {
@@ -628,11 +642,14 @@ __device__ __forceinline__ void consume_pingpong(const Params& p, const Ring& ri
 
 #endif  // MT_GG_SM90A
 
-/// kPreload (wgrad only): WgradEpilogue::kPreload.
-template <typename T, Mode kMode, int BN, bool kPingPong, bool kPreload>
+/// kEpi (wgrad only): the WgradEpilogue.
+template <typename T, Mode kMode, int BN, bool kPingPong, WgradEpilogue kEpi>
 __global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(const __grid_constant__ Params p) {
   static_assert(!kPingPong || BN == 128, "ping-pong tiles are 128 x 128");
-  static_assert(!kPreload || kMode == Mode::kWgrad, "the dW preload is the wgrad's");
+  static_assert(kEpi == WgradEpilogue::kReadModifyWrite || kMode == Mode::kWgrad, "the dW epilogues are the wgrad's");
+  constexpr bool kPreload = kEpi == WgradEpilogue::kPreload || kEpi == WgradEpilogue::kPreloadL2Prefetch;
+  constexpr bool kPrefetchDw =
+      kEpi == WgradEpilogue::kReadModifyWriteL2Prefetch || kEpi == WgradEpilogue::kPreloadL2Prefetch;
 #ifdef MT_GG_SM90A
   using Tl = Tiling<BN>;
   constexpr int kStages = Tl::kStages;
@@ -662,7 +679,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(const __grid_constan
   const Ring ring{full, empty, base, s_off, s_tile, s_tile[p.G], n_tiles, m_tiles};
   if (threadIdx.x < 128) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
-    if (threadIdx.x == 0) produce<T, kMode, BN>(p, ring);
+    if (threadIdx.x == 0) produce<T, kMode, BN, kPrefetchDw>(p, ring);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
     if constexpr (kPingPong) {
@@ -766,36 +783,43 @@ bool use_wgmma(const char* fn, const std::string& why) {
   return false;
 }
 
-template <typename T, Mode kMode, int BN, bool kPingPong, bool kPreload>
+template <typename T, Mode kMode, int BN, bool kPingPong, WgradEpilogue kEpi>
 void launch_typed(const char* fn, const Params& p, int64_t tiles_bound, const Stream& stream) {
   using Tl = Tiling<BN>;
   const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(sm_count(), tiles_bound)));
-  grouped::allow_smem(wgmma_kernel<T, kMode, BN, kPingPong, kPreload>, Tl::kSmem, Tl::kStaticSmem, fn);
-  wgmma_kernel<T, kMode, BN, kPingPong, kPreload><<<grid, kThreads, Tl::kSmem, raw(stream)>>>(p);
+  grouped::allow_smem(wgmma_kernel<T, kMode, BN, kPingPong, kEpi>, Tl::kSmem, Tl::kStaticSmem, fn);
+  wgmma_kernel<T, kMode, BN, kPingPong, kEpi><<<grid, kThreads, Tl::kSmem, raw(stream)>>>(p);
   MT_CUDA_CHECK_LAUNCH();
 }
 
-template <typename T, Mode kMode, bool kPreload>
+template <typename T, Mode kMode, WgradEpilogue kEpi>
 void launch_width(const char* fn, const Params& p, int bn, bool pingpong, int64_t tiles, const Stream& stream) {
   if (pingpong) {
-    launch_typed<T, kMode, 128, true, kPreload>(fn, p, tiles, stream);
+    launch_typed<T, kMode, 128, true, kEpi>(fn, p, tiles, stream);
   } else if (bn == 256) {
-    launch_typed<T, kMode, 256, false, kPreload>(fn, p, tiles, stream);
+    launch_typed<T, kMode, 256, false, kEpi>(fn, p, tiles, stream);
   } else {
-    launch_typed<T, kMode, 128, false, kPreload>(fn, p, tiles, stream);
+    launch_typed<T, kMode, 128, false, kEpi>(fn, p, tiles, stream);
   }
 }
 
-/// launch_width with the wgrad's epilogue of wgrad_epilogue() (forward, dgrad: the only one).
+/// launch_width with the wgrad's epilogue of wgrad_epilogue() (forward, dgrad: none).
 template <typename T, Mode kMode>
 void launch_epilogue(const char* fn, const Params& p, int bn, bool pingpong, int64_t tiles, const Stream& stream) {
+  using E = WgradEpilogue;
   if constexpr (kMode == Mode::kWgrad) {
-    if (wgrad_epilogue() == WgradEpilogue::kPreload) {
-      launch_width<T, kMode, true>(fn, p, bn, pingpong, tiles, stream);
-      return;
+    switch (wgrad_epilogue()) {
+      case E::kReadModifyWriteL2Prefetch:
+        return launch_width<T, kMode, E::kReadModifyWriteL2Prefetch>(fn, p, bn, pingpong, tiles, stream);
+      case E::kPreload:
+        return launch_width<T, kMode, E::kPreload>(fn, p, bn, pingpong, tiles, stream);
+      case E::kPreloadL2Prefetch:
+        return launch_width<T, kMode, E::kPreloadL2Prefetch>(fn, p, bn, pingpong, tiles, stream);
+      case E::kReadModifyWrite:
+        break;
     }
   }
-  launch_width<T, kMode, false>(fn, p, bn, pingpong, tiles, stream);
+  launch_width<T, kMode, E::kReadModifyWrite>(fn, p, bn, pingpong, tiles, stream);
 }
 
 /// Launches mode kMode: ping-pong 128 x 128 tiles where kernel() asks for them, else the

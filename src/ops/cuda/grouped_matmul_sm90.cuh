@@ -32,8 +32,11 @@ Kernel kernel();
 /// thread loads its dW elements into its accumulators before the main loop (all of them in flight
 /// at once; in the ping-pong schedule before it waits for its turn, i.e. behind the other
 /// warpgroup's main loop), the wgmmas accumulate onto them and the epilogue only stores. The sums
-/// differ by fp32 rounding (dW + Σ instead of Σ then + dW). Forward and dgrad ignore it.
-enum class WgradEpilogue { kReadModifyWrite, kPreload };
+/// differ by fp32 rounding (dW + Σ instead of Σ then + dW). The *L2Prefetch kinds: besides, the
+/// producer thread asks for the tile's dW rows in L2 (cp.async.bulk.prefetch.L2) when it starts
+/// loading the tile's first stage, so that the consumers' dW loads find them there. Forward and
+/// dgrad ignore it.
+enum class WgradEpilogue { kReadModifyWrite, kReadModifyWriteL2Prefetch, kPreload, kPreloadL2Prefetch };
 void set_wgrad_epilogue(WgradEpilogue e);
 WgradEpilogue wgrad_epilogue();
 
