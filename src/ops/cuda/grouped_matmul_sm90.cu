@@ -27,6 +27,11 @@
 //   wgrad    dW_g += dy_gᵀ · x_g: A = dy_g (M-major), B = x_g (N-major), the group's rows being the
 //            reduction: in the last, partial stage the consumers zero the rows beyond the group
 //            in shared memory (they belong to the next group or the tail) before the wgmma.
+// The wgrad adds to the fp32 dW (WgradEpilogue): by default each consumer thread reads its dW
+// elements after the main loop in chunks, adds and stores; kPreload starts the accumulators from
+// dW (loaded before the main loop: its latency behind the producer's first stages, in ping-pong
+// behind the other warpgroup's main loop) and only stores; the *L2Prefetch kinds have the producer
+// prefetch the tile's dW rows into L2 (cp.async.bulk.prefetch.L2) with the tile's first stage.
 // The activations' tensor maps span all R rows (kernel parameters, built per call); the A rows
 // beyond a group in the forward / dgrad only reach output rows that are not stored. The weights'
 // maps are per group in device memory (GroupedWeights, built once). Tail rows [Σc, R) of y / dx
@@ -338,13 +343,6 @@ __device__ __forceinline__ void produce(const Params& p, const Ring& ring) {
       const uint32_t bar = smem_u32(&ring.full[s]), a_s = ring.base + s * Tl::kStageBytes, b_s = a_s + Tl::kABytes;
       mbar_arrive_expect_tx(bar, Tl::kStageBytes);
       const int k0 = kt * kBK;
-      if constexpr (kPrefetchDw) {
-        if (kt == 0) {
-          const float* dw = static_cast<const float*>(p.dw[w.g]) + static_cast<int64_t>(w.m0) * p.N + w.n0;
-          const uint32_t bytes = static_cast<uint32_t>(min(BN, p.N - w.n0)) * 4;  // N % 8 == 0: 32-byte multiple
-          for (int r = 0; r < min(kBM, p.M - w.m0); ++r) prefetch_l2(dw + static_cast<int64_t>(r) * p.N, bytes);
-        }
-      }
 #pragma unroll
       for (int h = 0; h < kBM / kBox; ++h) {
         if constexpr (kWgrad) {
@@ -361,6 +359,13 @@ __device__ __forceinline__ void produce(const Params& p, const Ring& ring) {
           tma_load(b_s + c * kBoxBytes, bmap, w.n0 + c * kBox, k0, bar);  // W_g[k0.., n0..]
         } else {
           tma_load(b_s + c * kBoxBytes, bmap, w.n0 + c * kBox, w.off + k0, bar);  // x_g[k0.., n0..]
+        }
+      }
+      if constexpr (kPrefetchDw) {
+        if (kt == 0) {  // after the first stage's loads
+          const float* dw = static_cast<const float*>(p.dw[w.g]) + static_cast<int64_t>(w.m0) * p.N + w.n0;
+          const uint32_t bytes = static_cast<uint32_t>(min(BN, p.N - w.n0)) * 4;  // N % 8 == 0: 32-byte multiple
+          for (int r = 0; r < min(kBM, p.M - w.m0); ++r) prefetch_l2(dw + static_cast<int64_t>(r) * p.N, bytes);
         }
       }
     }
