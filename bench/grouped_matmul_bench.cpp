@@ -15,15 +15,16 @@
 // wgrad alone with each WgradEpilogue of grouped_matmul_sm90.cuh (rmw: the read-modify-write,
 // rmw+l2pf, preload, preload+l2pf) on each tile kind (128x256, 128x128, ping-pong), and per shape
 // the fc1 + fc2 wgrad of every variant against the loop's, the MLP's speed against the loop's with
-// that variant as its wgrad, and the BEST wgrad variant. --skew s
+// that variant as its wgrad (per tile kind, and "auto": each projection at its automatic width),
+// and the BEST (each projection's fastest variant). --skew s
 // gives expert e rows·(1 + s·(e − (E−1)/2)/(E−1)) rows (same total; s = 0: balanced; the suite's
 // skewed rows use s = 1.5: 0.25× to 1.75× the mean). The grouped calls read the counts from the
 // device; the loop reads them on the host (its cost of the host round trip is not included).
 // Times: median over --iters of CUDA events around one call, after 3 warm-ups.
 // --check: random bf16 inputs with NaN rows beyond Σc, NaN-poisoned outputs, ragged / skewed /
-// empty counts, every tile kind and wgrad epilogue; prints per op the largest |wgmma − mma.sync| over the largest
-// |mma.sync| (the weight gradients: their increments), whether the tails are zero and the
-// outputs finite, and PASS / FAIL (exit status 1 on a failure).
+// empty counts, every tile kind and wgrad epilogue; prints per op the largest |wgmma − mma.sync|
+// over the largest |mma.sync| (the weight gradients: their increments), whether the tails are zero
+// and the outputs finite, and PASS / FAIL (exit status 1 on a failure).
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -219,8 +220,10 @@ void bench_shape(const std::string& name, int64_t E, int64_t rows, int64_t hidde
   fmt::print("{:>4} {:>6} {:>6} | {:>20} | {:>20} | {:>20} |\n", "proj", "n", "k", "forward ms TFLOP/s",
              "dgrad ms TFLOP/s", "wgrad ms TFLOP/s");
   Times sum_wg, sum_pp, sum_mma, sum_loop;
-  double sum_var[3][3] = {};  // wgrad ms of kTileKinds x kNewEpilogues, fc1 + fc2
-  double sum_rmw[3] = {};     // wgrad ms of kTileKinds with the read-modify-write
+  // wgrad ms per projection, tile kind (kTileKinds) and epilogue (0: rmw, 1 + i: kNewEpilogues[i]);
+  // auto_kind: each projection's automatic width (index into kTileKinds).
+  double wms[2][3][4] = {};
+  int auto_kind[2] = {0, 0};
   bool have_wg = true;
   std::string why;
   for (int proj = 0; proj < 2; ++proj) {
@@ -252,12 +255,13 @@ void bench_shape(const std::string& name, int64_t E, int64_t rows, int64_t hidde
           row("wgmma ping-pong 128x128", pp);
         }
         const double rmw[3] = {by_bn[0].w, by_bn[1].w, pp.w};
+        auto_kind[proj] = pick(k);
         for (int ki = 0; ki < 3; ++ki) {
-          sum_rmw[ki] += rmw[ki];
+          wms[proj][ki][0] = rmw[ki];
           for (int ei = 0; ei < 3; ++ei) {
             const KernelScope scope(kTileKinds[ki], kNewEpilogues[ei]);
             const double ms = time_ms(st, iters, [&] { grouped_linear_wgrad(gg, p.dy, p.x, p.dcounts, st); });
-            sum_var[ki][ei] += ms;
+            wms[proj][ki][1 + ei] = ms;
             fmt::print("{:>4} {:>6} {:>6} | {:>20} | {:>20} | {:>8.3f} {:>11.1f} | wgrad {} {} ({:.3f}x the rmw)\n",
                        pname, n, k, "", "", ms, flops / ms * 1e-9, kernel_name(kTileKinds[ki]),
                        epilogue_name(kNewEpilogues[ei]), rmw[ki] / ms);
@@ -297,25 +301,35 @@ void bench_shape(const std::string& name, int64_t E, int64_t rows, int64_t hidde
     fmt::print("wgrad fc1 + fc2, loop {:.3f} ms; per variant: ms, wgrad / loop speed, MLP total / loop speed with "
                "it as the wgrad\n",
                sum_loop.w);
-    int best_k = 0, best_e = -1;
-    double best = INFINITY;
-    for (int ki = 0; ki < 3; ++ki) {
-      for (int ei = -1; ei < 3; ++ei) {
-        const double w = ei < 0 ? sum_rmw[ki] : sum_var[ki][ei];
-        const double mlp = total(sum_wg) - sum_wg.w + w;
-        fmt::print("  wgrad {:>9} {:>12}: {:>8.3f} ms  wgrad/loop {:.3f}  MLP/loop {:.3f}\n", kernel_name(kTileKinds[ki]),
-                   ei < 0 ? "rmw" : epilogue_name(kNewEpilogues[ei]), w, sum_loop.w / w, total(sum_loop) / mlp);
-        if (w < best) {
-          best = w;
-          best_k = ki;
-          best_e = ei;
+    auto ename = [](int ei) { return ei == 0 ? "rmw" : epilogue_name(kNewEpilogues[ei - 1]); };
+    auto line = [&](const char* kind, int ei, double w) {
+      fmt::print("  wgrad {:>9} {:>12}: {:>8.3f} ms  wgrad/loop {:.3f}  MLP/loop {:.3f}\n", kind, ename(ei), w,
+                 sum_loop.w / w, total(sum_loop) / (total(sum_wg) - sum_wg.w + w));
+    };
+    for (int ei = 0; ei < 4; ++ei) {
+      for (int ki = 0; ki < 3; ++ki) line(kernel_name(kTileKinds[ki]), ei, wms[0][ki][ei] + wms[1][ki][ei]);
+      line("auto", ei, wms[0][auto_kind[0]][ei] + wms[1][auto_kind[1]][ei]);
+    }
+    double best = 0;
+    std::string best_names;
+    for (int proj = 0; proj < 2; ++proj) {
+      int bk = 0, be = 0;
+      for (int ki = 0; ki < 3; ++ki) {
+        for (int ei = 0; ei < 4; ++ei) {
+          if (wms[proj][ki][ei] < wms[proj][bk][be]) {
+            bk = ki;
+            be = ei;
+          }
         }
       }
+      best += wms[proj][bk][be];
+      best_names += fmt::format("{}{} {} {}", proj == 0 ? "" : ", ", proj == 0 ? "fc1" : "fc2",
+                                kernel_name(kTileKinds[bk]), ename(be));
     }
-    fmt::print("BEST wgrad: {} {} {:.3f} ms (rmw at the automatic width {:.3f} ms, loop {:.3f} ms); MLP / loop speed "
-               "{:.3f} with it\n",
-               kernel_name(kTileKinds[best_k]), best_e < 0 ? "rmw" : epilogue_name(kNewEpilogues[best_e]), best,
-               sum_wg.w, sum_loop.w, total(sum_loop) / (total(sum_wg) - sum_wg.w + best));
+    fmt::print("BEST wgrad ({}): {:.3f} ms (rmw at the automatic width {:.3f} ms, loop {:.3f} ms): wgrad / loop "
+               "{:.3f}, MLP / loop {:.3f} with it\n",
+               best_names, best, sum_wg.w, sum_loop.w, sum_loop.w / best,
+               total(sum_loop) / (total(sum_wg) - sum_wg.w + best));
   }
   fmt::print("MLP fc1 + fc2, forward + dgrad + wgrad: {}mma.sync {:.3f} ms, cuBLASLt loop {:.3f} ms{}\n",
              have_wg ? fmt::format("wgmma {:.3f} ms, ", total(sum_wg)) : std::string(), total(sum_mma),
