@@ -52,18 +52,7 @@ using bench::time_ms;
 using Kernel = cuda::grouped_sm90::Kernel;
 
 using WgradEpilogue = cuda::grouped_sm90::WgradEpilogue;
-
-/// The wgmma kernel `k` with the wgrad epilogue `e` while in scope.
-struct KernelScope {
-  explicit KernelScope(Kernel k, WgradEpilogue e = WgradEpilogue::kReadModifyWrite) {
-    cuda::grouped_sm90::set_kernel(k);
-    cuda::grouped_sm90::set_wgrad_epilogue(e);
-  }
-  ~KernelScope() {
-    cuda::grouped_sm90::set_kernel(Kernel::kAuto);
-    cuda::grouped_sm90::set_wgrad_epilogue(WgradEpilogue::kReadModifyWrite);
-  }
-};
+using cuda::grouped_sm90::KernelScope;
 
 const char* kernel_name(Kernel k) {
   switch (k) {

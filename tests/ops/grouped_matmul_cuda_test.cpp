@@ -37,17 +37,7 @@ using Kernel = cuda::grouped_sm90::Kernel;
 using WgradEpilogue = cuda::grouped_sm90::WgradEpilogue;
 const Device kCpu = Device::cpu();
 
-/// Runs the CUDA grouped GEMMs on `k` (the wgrad with epilogue `e`) while in scope.
-struct KernelScope {
-  explicit KernelScope(Kernel k, WgradEpilogue e = WgradEpilogue::kReadModifyWrite) {
-    cuda::grouped_sm90::set_kernel(k);
-    cuda::grouped_sm90::set_wgrad_epilogue(e);
-  }
-  ~KernelScope() {
-    cuda::grouped_sm90::set_kernel(Kernel::kAuto);
-    cuda::grouped_sm90::set_wgrad_epilogue(WgradEpilogue::kReadModifyWrite);
-  }
-};
+using cuda::grouped_sm90::KernelScope;
 
 /// The wgrad epilogues beside the default read-modify-write (each tile kind, bf16).
 constexpr WgradEpilogue kOtherEpilogues[] = {WgradEpilogue::kReadModifyWriteL2Prefetch, WgradEpilogue::kPreload,

@@ -40,6 +40,22 @@ enum class WgradEpilogue { kReadModifyWrite, kReadModifyWriteL2Prefetch, kPreloa
 void set_wgrad_epilogue(WgradEpilogue e);
 WgradEpilogue wgrad_epilogue();
 
+/// kernel() = k and wgrad_epilogue() = e while in scope; then kAuto and kReadModifyWrite (the
+/// defaults) again. For tests and benchmarks.
+class KernelScope {
+ public:
+  explicit KernelScope(Kernel k, WgradEpilogue e = WgradEpilogue::kReadModifyWrite) {
+    set_kernel(k);
+    set_wgrad_epilogue(e);
+  }
+  ~KernelScope() {
+    set_kernel(Kernel::kAuto);
+    set_wgrad_epilogue(WgradEpilogue::kReadModifyWrite);
+  }
+  KernelScope(const KernelScope&) = delete;
+  KernelScope& operator=(const KernelScope&) = delete;
+};
+
 /// The wgmma kernel's output-tile width for N output columns when not forced: 256, unless it
 /// pads the columns by more than 4% beyond what 128 pads (N = 1408: 128).
 int auto_tile_width(int64_t N);
