@@ -31,7 +31,9 @@
 // elements after the main loop in chunks, adds and stores; kPreload starts the accumulators from
 // dW (loaded before the main loop: its latency behind the producer's first stages, in ping-pong
 // behind the other warpgroup's main loop) and only stores; the *L2Prefetch kinds have the producer
-// prefetch the tile's dW rows into L2 (cp.async.bulk.prefetch.L2) with the tile's first stage.
+// prefetch the tile's dW rows into L2 (cp.async.bulk.prefetch.L2) with the tile's first stage
+// (preload) or its last (read-modify-write): whole 512- or 1024-byte rows in place of the
+// consumers' scattered 32-byte sectors from DRAM.
 // The activations' tensor maps span all R rows (kernel parameters, built per call); the A rows
 // beyond a group in the forward / dgrad only reach output rows that are not stored. The weights'
 // maps are per group in device memory (GroupedWeights, built once). Tail rows [Σc, R) of y / dx
@@ -322,8 +324,11 @@ struct Ring {
 
 /// The producer (one thread): for every k-stage of every work tile of the block, waits for the
 /// stage to be free and issues its TMA loads (A: 2 boxes, B: BN / 64 boxes). kPrefetchDw (wgrad):
-/// with a tile's first stage, the L2 prefetch of the tile's dW rows.
-template <typename T, Mode kMode, int BN, bool kPrefetchDw>
+/// the L2 prefetch of the tile's dW rows, after the loads of the tile's first stage where the
+/// consumers load dW before their main loop (kPreloadDw), else after those of its last stage (the
+/// producer runs kStages ahead of the consumers: the rows arrive by the epilogue, and a long main
+/// loop cannot evict them first).
+template <typename T, Mode kMode, int BN, bool kPrefetchDw, bool kPreloadDw>
 __device__ __forceinline__ void produce(const Params& p, const Ring& ring) {
   using Tl = Tiling<BN>;
   constexpr int kStages = Tl::kStages;
@@ -362,7 +367,7 @@ __device__ __forceinline__ void produce(const Params& p, const Ring& ring) {
         }
       }
       if constexpr (kPrefetchDw) {
-        if (kt == 0) {  // after the first stage's loads
+        if (kt == (kPreloadDw ? 0 : ktiles - 1)) {
           const float* dw = static_cast<const float*>(p.dw[w.g]) + static_cast<int64_t>(w.m0) * p.N + w.n0;
           const uint32_t bytes = static_cast<uint32_t>(min(BN, p.N - w.n0)) * 4;  // N % 8 == 0: 32-byte multiple
           for (int r = 0; r < min(kBM, p.M - w.m0); ++r) prefetch_l2(dw + static_cast<int64_t>(r) * p.N, bytes);
@@ -684,7 +689,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(const __grid_constan
   const Ring ring{full, empty, base, s_off, s_tile, s_tile[p.G], n_tiles, m_tiles};
   if (threadIdx.x < 128) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
-    if (threadIdx.x == 0) produce<T, kMode, BN, kPrefetchDw>(p, ring);
+    if (threadIdx.x == 0) produce<T, kMode, BN, kPrefetchDw, kPreload>(p, ring);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
     if constexpr (kPingPong) {

@@ -33,9 +33,9 @@ Kernel kernel();
 /// at once; in the ping-pong schedule before it waits for its turn, i.e. behind the other
 /// warpgroup's main loop), the wgmmas accumulate onto them and the epilogue only stores. The sums
 /// differ by fp32 rounding (dW + Σ instead of Σ then + dW). The *L2Prefetch kinds: besides, the
-/// producer thread asks for the tile's dW rows in L2 (cp.async.bulk.prefetch.L2) when it starts
-/// loading the tile's first stage, so that the consumers' dW loads find them there. Forward and
-/// dgrad ignore it.
+/// producer thread asks for the tile's dW rows in L2 (cp.async.bulk.prefetch.L2) with the loads
+/// of the tile's first (preload) or last (read-modify-write) stage, so that the consumers' dW
+/// loads find them there. Forward and dgrad ignore it.
 enum class WgradEpilogue { kReadModifyWrite, kReadModifyWriteL2Prefetch, kPreload, kPreloadL2Prefetch };
 void set_wgrad_epilogue(WgradEpilogue e);
 WgradEpilogue wgrad_epilogue();
