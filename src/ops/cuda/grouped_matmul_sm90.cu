@@ -657,10 +657,10 @@ template <typename T, Mode kMode, int BN, bool kPingPong, WgradEpilogue kEpi>
 __global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(const __grid_constant__ Params p) {
   static_assert(!kPingPong || BN == 128, "ping-pong tiles are 128 x 128");
   static_assert(kEpi == WgradEpilogue::kReadModifyWrite || kMode == Mode::kWgrad, "the dW epilogues are the wgrad's");
+#ifdef MT_GG_SM90A
   constexpr bool kPreload = kEpi == WgradEpilogue::kPreload || kEpi == WgradEpilogue::kPreloadL2Prefetch;
   constexpr bool kPrefetchDw =
       kEpi == WgradEpilogue::kReadModifyWriteL2Prefetch || kEpi == WgradEpilogue::kPreloadL2Prefetch;
-#ifdef MT_GG_SM90A
   using Tl = Tiling<BN>;
   constexpr int kStages = Tl::kStages;
   constexpr bool kWgrad = kMode == Mode::kWgrad;
