@@ -11,15 +11,20 @@
 // For each projection of an expert MLP — fc1 (n = ffn, k = hidden) and fc2 (n = hidden, k = ffn)
 // — prints the time and TFLOP/s of forward (y = x Wᵀ), dgrad (dx = dy W) and wgrad (dW += dyᵀ x,
 // fp32 main gradients), 2·R·n·k FLOPs each, R = Σ rows, for the Hopper wgmma kernel (where the
-// device runs it), the mma.sync kernel and the loop, then the wgmma / loop speed ratio. --skew s
+// device runs it), the mma.sync kernel and the loop, then the wgmma / loop speed ratio; then the
+// wgrad alone with each WgradEpilogue of grouped_matmul_sm90.cuh (rmw: the read-modify-write,
+// rmw+l2pf, preload, preload+l2pf) on each tile kind (128x256, 128x128, ping-pong), and per shape
+// the fc1 + fc2 wgrad of every variant against the loop's, the MLP's speed against the loop's with
+// that variant as its wgrad (per tile kind, and "auto": each projection at its automatic width),
+// and the BEST (each projection's fastest variant). --skew s
 // gives expert e rows·(1 + s·(e − (E−1)/2)/(E−1)) rows (same total; s = 0: balanced; the suite's
 // skewed rows use s = 1.5: 0.25× to 1.75× the mean). The grouped calls read the counts from the
 // device; the loop reads them on the host (its cost of the host round trip is not included).
 // Times: median over --iters of CUDA events around one call, after 3 warm-ups.
 // --check: random bf16 inputs with NaN rows beyond Σc, NaN-poisoned outputs, ragged / skewed /
-// empty counts, both tile widths; prints per op the largest |wgmma − mma.sync| over the largest
-// |mma.sync| (the weight gradients: their increments), whether the tails are zero and the
-// outputs finite, and PASS / FAIL (exit status 1 on a failure).
+// empty counts, every tile kind and wgrad epilogue; prints per op the largest |wgmma − mma.sync|
+// over the largest |mma.sync| (the weight gradients: their increments), whether the tails are zero
+// and the outputs finite, and PASS / FAIL (exit status 1 on a failure).
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -46,10 +51,35 @@ using namespace mt;
 using bench::time_ms;
 using Kernel = cuda::grouped_sm90::Kernel;
 
-struct KernelScope {
-  explicit KernelScope(Kernel k) { cuda::grouped_sm90::set_kernel(k); }
-  ~KernelScope() { cuda::grouped_sm90::set_kernel(Kernel::kAuto); }
-};
+using WgradEpilogue = cuda::grouped_sm90::WgradEpilogue;
+using cuda::grouped_sm90::KernelScope;
+
+const char* kernel_name(Kernel k) {
+  switch (k) {
+    case Kernel::kWgmma128: return "128x128";
+    case Kernel::kWgmma256: return "128x256";
+    case Kernel::kWgmmaPingPong: return "ping-pong";
+    case Kernel::kWgmma: return "auto";
+    case Kernel::kMmaSync: return "mma.sync";
+    case Kernel::kAuto: break;
+  }
+  return "auto";
+}
+
+const char* epilogue_name(WgradEpilogue e) {
+  switch (e) {
+    case WgradEpilogue::kReadModifyWrite: return "rmw";
+    case WgradEpilogue::kReadModifyWriteL2Prefetch: return "rmw+l2pf";
+    case WgradEpilogue::kPreload: return "preload";
+    case WgradEpilogue::kPreloadL2Prefetch: return "preload+l2pf";
+  }
+  return "?";
+}
+
+/// The wgrad variants timed beside the read-modify-write of every tile kind (wgrad only).
+constexpr WgradEpilogue kNewEpilogues[] = {WgradEpilogue::kReadModifyWriteL2Prefetch, WgradEpilogue::kPreload,
+                                           WgradEpilogue::kPreloadL2Prefetch};
+constexpr Kernel kTileKinds[] = {Kernel::kWgmma256, Kernel::kWgmma128, Kernel::kWgmmaPingPong};
 
 std::vector<int32_t> skewed_counts(int64_t E, int64_t rows, double skew) {
   std::vector<int32_t> counts(static_cast<size_t>(E));
@@ -179,6 +209,10 @@ void bench_shape(const std::string& name, int64_t E, int64_t rows, int64_t hidde
   fmt::print("{:>4} {:>6} {:>6} | {:>20} | {:>20} | {:>20} |\n", "proj", "n", "k", "forward ms TFLOP/s",
              "dgrad ms TFLOP/s", "wgrad ms TFLOP/s");
   Times sum_wg, sum_pp, sum_mma, sum_loop;
+  // wgrad ms per projection, tile kind (kTileKinds) and epilogue (0: rmw, 1 + i: kNewEpilogues[i]);
+  // auto_kind: each projection's automatic width (index into kTileKinds).
+  double wms[2][3][4] = {};
+  int auto_kind[2] = {0, 0};
   bool have_wg = true;
   std::string why;
   for (int proj = 0; proj < 2; ++proj) {
@@ -204,9 +238,24 @@ void bench_shape(const std::string& name, int64_t E, int64_t rows, int64_t hidde
         auto pick = [&](int64_t cols) { return cuda::grouped_sm90::auto_tile_width(cols) == 256 ? 0 : 1; };
         wg = {by_bn[pick(n)].f, by_bn[pick(k)].d, by_bn[pick(k)].w};
         row("wgmma, automatic width", wg);
-        const KernelScope scope(Kernel::kWgmmaPingPong);
-        pp = time_grouped(p, gw, gg, iters, st);
-        row("wgmma ping-pong 128x128", pp);
+        {
+          const KernelScope scope(Kernel::kWgmmaPingPong);
+          pp = time_grouped(p, gw, gg, iters, st);
+          row("wgmma ping-pong 128x128", pp);
+        }
+        const double rmw[3] = {by_bn[0].w, by_bn[1].w, pp.w};
+        auto_kind[proj] = pick(k);
+        for (int ki = 0; ki < 3; ++ki) {
+          wms[proj][ki][0] = rmw[ki];
+          for (int ei = 0; ei < 3; ++ei) {
+            const KernelScope scope(kTileKinds[ki], kNewEpilogues[ei]);
+            const double ms = time_ms(st, iters, [&] { grouped_linear_wgrad(gg, p.dy, p.x, p.dcounts, st); });
+            wms[proj][ki][1 + ei] = ms;
+            fmt::print("{:>4} {:>6} {:>6} | {:>20} | {:>20} | {:>8.3f} {:>11.1f} | wgrad {} {} ({:.3f}x the rmw)\n",
+                       pname, n, k, "", "", ms, flops / ms * 1e-9, kernel_name(kTileKinds[ki]),
+                       epilogue_name(kNewEpilogues[ei]), rmw[ki] / ms);
+          }
+        }
       } catch (const std::exception& e) {
         have_wg = false;
         why = e.what();
@@ -237,6 +286,39 @@ void bench_shape(const std::string& name, int64_t E, int64_t rows, int64_t hidde
   if (have_wg) {
     fmt::print("MLP fc1 + fc2, forward + dgrad + wgrad: wgmma ping-pong {:.3f} ms (ping-pong / loop speed {:.3f})\n",
                total(sum_pp), total(sum_loop) / total(sum_pp));
+    // Each wgrad variant in place of the automatic width's wgrad, forward and dgrad unchanged.
+    fmt::print("wgrad fc1 + fc2, loop {:.3f} ms; per variant: ms, wgrad / loop speed, MLP total / loop speed with "
+               "it as the wgrad\n",
+               sum_loop.w);
+    auto ename = [](int ei) { return ei == 0 ? "rmw" : epilogue_name(kNewEpilogues[ei - 1]); };
+    auto line = [&](const char* kind, int ei, double w) {
+      fmt::print("  wgrad {:>9} {:>12}: {:>8.3f} ms  wgrad/loop {:.3f}  MLP/loop {:.3f}\n", kind, ename(ei), w,
+                 sum_loop.w / w, total(sum_loop) / (total(sum_wg) - sum_wg.w + w));
+    };
+    for (int ei = 0; ei < 4; ++ei) {
+      for (int ki = 0; ki < 3; ++ki) line(kernel_name(kTileKinds[ki]), ei, wms[0][ki][ei] + wms[1][ki][ei]);
+      line("auto", ei, wms[0][auto_kind[0]][ei] + wms[1][auto_kind[1]][ei]);
+    }
+    double best = 0;
+    std::string best_names;
+    for (int proj = 0; proj < 2; ++proj) {
+      int bk = 0, be = 0;
+      for (int ki = 0; ki < 3; ++ki) {
+        for (int ei = 0; ei < 4; ++ei) {
+          if (wms[proj][ki][ei] < wms[proj][bk][be]) {
+            bk = ki;
+            be = ei;
+          }
+        }
+      }
+      best += wms[proj][bk][be];
+      best_names += fmt::format("{}{} {} {}", proj == 0 ? "" : ", ", proj == 0 ? "fc1" : "fc2",
+                                kernel_name(kTileKinds[bk]), ename(be));
+    }
+    fmt::print("BEST wgrad ({}): {:.3f} ms (rmw at the automatic width {:.3f} ms, loop {:.3f} ms): wgrad / loop "
+               "{:.3f}, MLP / loop {:.3f} with it\n",
+               best_names, best, sum_wg.w, sum_loop.w, sum_loop.w / best,
+               total(sum_loop) / (total(sum_wg) - sum_wg.w + best));
   }
   fmt::print("MLP fc1 + fc2, forward + dgrad + wgrad: {}mma.sync {:.3f} ms, cuBLASLt loop {:.3f} ms{}\n",
              have_wg ? fmt::format("wgmma {:.3f} ms, ", total(sum_wg)) : std::string(), total(sum_mma),
@@ -278,10 +360,16 @@ struct Outputs {
   std::vector<float> y, dx, dw;  // dw: the increments over the initial gradients
 };
 
-/// Runs the three ops on `kernel` from NaN-poisoned outputs and the given initial gradients.
+/// A kernel and wgrad epilogue to check.
+struct Variant {
+  Kernel kernel;
+  WgradEpilogue epilogue;
+};
+
+/// Runs the three ops on `v` from NaN-poisoned outputs and the given initial gradients.
 Outputs run_ops(const Problem& p, const GroupedWeights& gw, const GroupedWeights& gg,
-                const std::vector<float>& g0, Kernel kernel, const Stream& st) {
-  const KernelScope scope(kernel);
+                const std::vector<float>& g0, Variant v, const Stream& st) {
+  const KernelScope scope(v.kernel, v.epilogue);
   fill(p.y, NAN, st);
   fill(p.dx, NAN, st);
   copy_bytes(p.gall.data(), st.device(), g0.data(), Device::cpu(), g0.size() * 4, st);
@@ -293,7 +381,9 @@ Outputs run_ops(const Problem& p, const GroupedWeights& gw, const GroupedWeights
   return o;
 }
 
-bool check_case(const std::vector<int32_t>& counts, int64_t R, int64_t n, int64_t k, Kernel kernel, const Stream& st) {
+/// Every variant of `vs` against the mma.sync kernel on one case.
+bool check_case(const std::vector<int32_t>& counts, int64_t R, int64_t n, int64_t k, const std::vector<Variant>& vs,
+                const Stream& st) {
   Problem p(counts, R, n, k, st);
   const int64_t used = p.used();
   if (used < R) {  // never read: NaN rows beyond the routed ones
@@ -303,9 +393,11 @@ bool check_case(const std::vector<int32_t>& counts, int64_t R, int64_t n, int64_
   const GroupedWeights gw(p.ws, st), gg(p.gs, st);
   std::vector<float> g0(static_cast<size_t>(p.E * n * k));
   for (size_t i = 0; i < g0.size(); ++i) g0[i] = static_cast<float>((i * 2654435761u) % 1000) / 1000.f - 0.5f;
-  const Outputs ref = run_ops(p, gw, gg, g0, Kernel::kMmaSync, st);
-  const Outputs got = run_ops(p, gw, gg, g0, kernel, st);
-  const double ef = max_rel(got.y, ref.y, static_cast<size_t>(used * n));
+  const Outputs ref = run_ops(p, gw, gg, g0, {Kernel::kMmaSync, WgradEpilogue::kReadModifyWrite}, st);
+  bool all = true;
+  for (const Variant& v : vs) {
+    const Outputs got = run_ops(p, gw, gg, g0, v, st);
+    const double ef = max_rel(got.y, ref.y, static_cast<size_t>(used * n));
   const double ed = max_rel(got.dx, ref.dx, static_cast<size_t>(used * k));
   const double ew = max_rel(got.dw, ref.dw, got.dw.size());
   bool tails = true;
@@ -313,16 +405,15 @@ bool check_case(const std::vector<int32_t>& counts, int64_t R, int64_t n, int64_
   for (size_t i = static_cast<size_t>(used * k); i < got.dx.size(); ++i) tails = tails && got.dx[i] == 0.f;
   // bf16 outputs of two fp32 reductions in different orders differ by about one bf16 rounding
   // (2^-8 of an element); the fp32 gradient increments by fp32 rounding.
-  const bool ok = ef < 1e-2 && ed < 1e-2 && ew < 1e-4 && tails;
-  const char* kname = kernel == Kernel::kWgmma128        ? "128"
-                      : kernel == Kernel::kWgmma256      ? "256"
-                      : kernel == Kernel::kWgmmaPingPong ? "ping-pong"
-                                                         : "auto";
-  fmt::print("{:>3} groups R {:>6} (used {:>6}) n {:>5} k {:>5} tile {:>4} | max rel. err fwd {:.2e} dgrad {:.2e} "
-             "wgrad {:.2e} | tails {} | {}\n",
-             p.E, R, used, n, k, kname, ef, ed, ew, tails ? "zero" : "NOT ZERO", ok ? "PASS" : "FAIL");
-  std::fflush(stdout);
-  return ok;
+    const bool ok = ef < 1e-2 && ed < 1e-2 && ew < 1e-4 && tails;
+    fmt::print("{:>3} groups R {:>6} (used {:>6}) n {:>5} k {:>5} tile {:>9} wgrad {:>12} | max rel. err fwd {:.2e} "
+               "dgrad {:.2e} wgrad {:.2e} | tails {} | {}\n",
+               p.E, R, used, n, k, kernel_name(v.kernel), epilogue_name(v.epilogue), ef, ed, ew,
+               tails ? "zero" : "NOT ZERO", ok ? "PASS" : "FAIL");
+    std::fflush(stdout);
+    all = all && ok;
+  }
+  return all;
 }
 
 int run_check(const Stream& st) {
@@ -335,16 +426,21 @@ int run_check(const Stream& st) {
   fmt::print("--check: the wgmma kernel against the mma.sync kernel (bf16, {})\n", st.device().str());
   std::vector<int32_t> ds;  // 64 DeepSeek-style experts, skewed with empty ones
   for (int g = 0; g < 64; ++g) ds.push_back(g % 7 == 0 ? 0 : (g * 53) % 300);
-  bool ok = true;
+  std::vector<Variant> vs;
   for (Kernel kern : {Kernel::kWgmma128, Kernel::kWgmma256, Kernel::kWgmma, Kernel::kWgmmaPingPong}) {
-    ok &= check_case({100, 0, 57, 1, 130}, 300, 72, 40, kern, st);              // ragged, a tail of 12
-    ok &= check_case({1, 0, 1900, 3, 0, 129, 200}, 2400, 328, 1032, kern, st);  // skewed, 17 K stages
-    ok &= check_case({0, 0, 0}, 128, 256, 64, kern, st);                         // all empty
-    ok &= check_case(ds, 12000, 1408, 512, kern, st);                            // fc1-shaped (n = 1408)
-    ok &= check_case(ds, 12000, 512, 1408, kern, st);                            // fc2-shaped (k = 1408)
-    ok &= check_case({3000, 2500, 0, 2700}, 9000, 4096, 1024, kern, st);         // large, a tail of 800
-    ok &= check_case({5000, 5000}, 8192, 512, 512, kern, st);                    // Σc > R: the second group clipped
+    vs.push_back({kern, WgradEpilogue::kReadModifyWrite});
   }
+  for (Kernel kern : kTileKinds) {
+    for (WgradEpilogue e : kNewEpilogues) vs.push_back({kern, e});
+  }
+  bool ok = true;
+  ok &= check_case({100, 0, 57, 1, 130}, 300, 72, 40, vs, st);              // ragged, a tail of 12
+  ok &= check_case({1, 0, 1900, 3, 0, 129, 200}, 2400, 328, 1032, vs, st);  // skewed, 17 K stages
+  ok &= check_case({0, 0, 0}, 128, 256, 64, vs, st);                         // all empty
+  ok &= check_case(ds, 12000, 1408, 512, vs, st);                            // fc1-shaped (n = 1408)
+  ok &= check_case(ds, 12000, 512, 1408, vs, st);                            // fc2-shaped (k = 1408)
+  ok &= check_case({3000, 2500, 0, 2700}, 9000, 4096, 1024, vs, st);         // large, a tail of 800
+  ok &= check_case({5000, 5000}, 8192, 512, 512, vs, st);                    // Σc > R: the second group clipped
   fmt::print("--check: {}\n", ok ? "PASS" : "FAIL");
   return ok ? 0 : 1;
 }

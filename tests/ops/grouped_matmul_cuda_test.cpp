@@ -1,12 +1,13 @@
 // CUDA tests of ops/grouped_matmul.h against the CPU backend on the same (dtype-rounded) random
 // inputs: fp32 (SIMT kernel, rel. err < 1e-5), bf16/fp16 (< 2e-2) on the mma.sync tensor-core
 // kernel (n, k multiples of 8, pointers 16-byte aligned; else the SIMT fallback) and, on Hopper,
-// the wgmma kernel (ops/cuda/grouped_matmul_sm90.cu, forced with both tile widths) over ragged
-// shapes that are not multiples of the tiles, uneven counts (empty groups, one group with every
-// row, skewed, 64 small experts), a tail beyond Σ counts (zeroed outputs that were poisoned with
-// NaN; NaN tail inputs never read), accumulation into the fp32 gradients (empty groups
-// untouched), bitwise repeatability, and capture of all three calls in a CUDA graph replayed with
-// counts that change between replays (including counts clipped at row R).
+// the wgmma kernel (ops/cuda/grouped_matmul_sm90.cu, forced with both tile widths, the ping-pong
+// schedule and every wgrad epilogue) over ragged shapes that are not multiples of the tiles,
+// uneven counts (empty groups, one group with every row, skewed, 64 small experts), a tail
+// beyond Σ counts (zeroed outputs that were poisoned with NaN; NaN tail inputs never read),
+// accumulation into the fp32 gradients (empty groups untouched), bitwise repeatability, and
+// capture of all three calls in a CUDA graph replayed with counts that change between replays
+// (including counts clipped at row R).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -33,13 +34,14 @@ using testing::rel_err;
 using testing::rounded;
 using testing::to_host;
 using Kernel = cuda::grouped_sm90::Kernel;
+using WgradEpilogue = cuda::grouped_sm90::WgradEpilogue;
 const Device kCpu = Device::cpu();
 
-/// Runs the CUDA grouped GEMMs on `k` while in scope.
-struct KernelScope {
-  explicit KernelScope(Kernel k) { cuda::grouped_sm90::set_kernel(k); }
-  ~KernelScope() { cuda::grouped_sm90::set_kernel(Kernel::kAuto); }
-};
+using cuda::grouped_sm90::KernelScope;
+
+/// The wgrad epilogues beside the default read-modify-write (each tile kind, bf16).
+constexpr WgradEpilogue kOtherEpilogues[] = {WgradEpilogue::kReadModifyWriteL2Prefetch, WgradEpilogue::kPreload,
+                                             WgradEpilogue::kPreloadL2Prefetch};
 
 /// cuda:0 has compute capability 9.0 (the wgmma kernel's device).
 bool hopper_device() {
@@ -321,6 +323,31 @@ TEST(GroupedMatmulCuda, WgmmaMatchesCpu) {
     for (DType dt : {DType::kBF16, DType::kF16}) {
       SCOPED_TRACE(::testing::Message() << "kernel " << static_cast<int>(k) << " (3: 128, 4: 256, 5: ping-pong)");
       for (const Case& c : wgmma_cases()) check(dt, c);
+    }
+  }
+}
+
+TEST(GroupedMatmulCuda, WgmmaWgradEpiloguesMatchCpu) {
+  MT_REQUIRE_HOPPER();
+  for (Kernel k : {Kernel::kWgmma128, Kernel::kWgmma256, Kernel::kWgmmaPingPong}) {
+    for (WgradEpilogue e : kOtherEpilogues) {
+      const KernelScope scope(k, e);
+      SCOPED_TRACE(::testing::Message() << "kernel " << static_cast<int>(k) << " (3: 128, 4: 256, 5: ping-pong), wgrad "
+                                        << "epilogue " << static_cast<int>(e) << " (1: rmw+l2pf, 2: preload, 3: both)");
+      for (const Case& c : wgmma_cases()) check(DType::kBF16, c);
+    }
+  }
+}
+
+TEST(GroupedMatmulCuda, WgmmaWgradEpiloguesCapturedReplaysWithChangingCounts) {
+  MT_REQUIRE_HOPPER();
+  for (Kernel k : {Kernel::kWgmma128, Kernel::kWgmma256, Kernel::kWgmmaPingPong}) {
+    for (WgradEpilogue e : kOtherEpilogues) {
+      const KernelScope scope(k, e);
+      SCOPED_TRACE(::testing::Message() << "kernel " << static_cast<int>(k) << ", wgrad epilogue "
+                                        << static_cast<int>(e));
+      check_replays(DType::kBF16, 1500, 200, 136, kReplaySets);
+      check_replays(DType::kF16, 1500, 264, 520, kReplaySets);
     }
   }
 }

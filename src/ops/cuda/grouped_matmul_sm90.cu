@@ -27,6 +27,13 @@
 //   wgrad    dW_g += dy_gᵀ · x_g: A = dy_g (M-major), B = x_g (N-major), the group's rows being the
 //            reduction: in the last, partial stage the consumers zero the rows beyond the group
 //            in shared memory (they belong to the next group or the tail) before the wgmma.
+// The wgrad adds to the fp32 dW (WgradEpilogue): by default each consumer thread reads its dW
+// elements after the main loop in chunks, adds and stores; kPreload starts the accumulators from
+// dW (loaded before the main loop: its latency behind the producer's first stages, in ping-pong
+// behind the other warpgroup's main loop) and only stores; the *L2Prefetch kinds have the producer
+// prefetch the tile's dW rows into L2 (cp.async.bulk.prefetch.L2) with the tile's first stage
+// (preload) or its last (read-modify-write): whole 512- or 1024-byte rows in place of the
+// consumers' scattered 32-byte sectors from DRAM.
 // The activations' tensor maps span all R rows (kernel parameters, built per call); the A rows
 // beyond a group in the forward / dgrad only reach output rows that are not stored. The weights'
 // maps are per group in device memory (GroupedWeights, built once). Tail rows [Σc, R) of y / dx
@@ -152,6 +159,12 @@ __device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, i
       "[%4];\n" ::"r"(dst),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
       : "memory");
+}
+
+/// Asks for `bytes` (a multiple of 16) at `p` (16-byte aligned) in L2, without waiting.
+__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(reinterpret_cast<uint64_t>(p)), "r"(bytes)
+               : "memory");
 }
 
 /// A tensor map in global memory, written by the host before the launch, read by the TMA unit.
@@ -310,8 +323,12 @@ struct Ring {
 #ifdef MT_GG_SM90A
 
 /// The producer (one thread): for every k-stage of every work tile of the block, waits for the
-/// stage to be free and issues its TMA loads (A: 2 boxes, B: BN / 64 boxes).
-template <typename T, Mode kMode, int BN>
+/// stage to be free and issues its TMA loads (A: 2 boxes, B: BN / 64 boxes). kPrefetchDw (wgrad):
+/// the L2 prefetch of the tile's dW rows, after the loads of the tile's first stage where the
+/// consumers load dW before their main loop (kPreloadDw), else after those of its last stage (the
+/// producer runs kStages ahead of the consumers: the rows arrive by the epilogue, and a long main
+/// loop cannot evict them first).
+template <typename T, Mode kMode, int BN, bool kPrefetchDw, bool kPreloadDw>
 __device__ __forceinline__ void produce(const Params& p, const Ring& ring) {
   using Tl = Tiling<BN>;
   constexpr int kStages = Tl::kStages;
@@ -347,6 +364,13 @@ __device__ __forceinline__ void produce(const Params& p, const Ring& ring) {
           tma_load(b_s + c * kBoxBytes, bmap, w.n0 + c * kBox, k0, bar);  // W_g[k0.., n0..]
         } else {
           tma_load(b_s + c * kBoxBytes, bmap, w.n0 + c * kBox, w.off + k0, bar);  // x_g[k0.., n0..]
+        }
+      }
+      if constexpr (kPrefetchDw) {
+        if (kt == (kPreloadDw ? 0 : ktiles - 1)) {
+          const float* dw = static_cast<const float*>(p.dw[w.g]) + static_cast<int64_t>(w.m0) * p.N + w.n0;
+          const uint32_t bytes = static_cast<uint32_t>(min(BN, p.N - w.n0)) * 4;  // N % 8 == 0: 32-byte multiple
+          for (int r = 0; r < min(kBM, p.M - w.m0); ++r) prefetch_l2(dw + static_cast<int64_t>(r) * p.N, bytes);
         }
       }
     }
@@ -414,9 +438,53 @@ __device__ __forceinline__ void add_to_dw(float* dw, const float (&acc)[kAcc], i
   }
 }
 
+/// WgradEpilogue::kPreload, before the main loop: acc = dW at the accumulators' positions (as in
+/// add_to_dw; 0 outside [M, N]), every load issued before any is used.
+template <int kAcc>
+__device__ __forceinline__ void load_dw(const float* dw, float (&acc)[kAcc], int r0, int c0, int M, int N) {
+#pragma unroll
+  for (int j = 0; j < kAcc / 4; ++j) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = r0 + 8 * h, col = c0 + 8 * j;
+      float2 v = make_float2(0.f, 0.f);
+      if (r < M && col < N) v = *reinterpret_cast<const float2*>(dw + static_cast<int64_t>(r) * N + col);
+      acc[4 * j + 2 * h] = v.x;
+      acc[4 * j + 2 * h + 1] = v.y;
+    }
+  }
+}
+
+/// WgradEpilogue::kPreload, after the main loop: dW = acc (rows < M, columns < N).
+template <int kAcc>
+__device__ __forceinline__ void store_dw(float* dw, const float (&acc)[kAcc], int r0, int c0, int M, int N) {
+#pragma unroll
+  for (int j = 0; j < kAcc / 4; ++j) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = r0 + 8 * h, col = c0 + 8 * j;
+      if (r < M && col < N) {
+        *reinterpret_cast<float2*>(dw + static_cast<int64_t>(r) * N + col) =
+            make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+      }
+    }
+  }
+}
+
+/// The wgrad epilogue of one m64 x BN accumulator block: dW += acc (kPreload: dW = acc, the
+/// accumulators having started from dW).
+template <bool kPreload, int kAcc>
+__device__ __forceinline__ void finish_dw(float* dw, const float (&acc)[kAcc], int r0, int c0, int M, int N) {
+  if constexpr (kPreload) {
+    store_dw(dw, acc, r0, c0, M, N);
+  } else {
+    add_to_dw(dw, acc, r0, c0, M, N);
+  }
+}
+
 /// A consumer warpgroup (cw = 0, 1: rows [64 cw, 64 cw + 64) of each tile): the wgmma k-loop over
 /// the ring, then the epilogue; after the tiles (forward, dgrad) its share of the zeroed tail.
-template <typename T, Mode kMode, int BN>
+template <typename T, Mode kMode, int BN, bool kPreload>
 __device__ __forceinline__ void consume(const Params& p, const Ring& ring) {
   using Tl = Tiling<BN>;
   constexpr int kStages = Tl::kStages;
@@ -432,6 +500,10 @@ __device__ __forceinline__ void consume(const Params& p, const Ring& ring) {
   for (int t = blockIdx.x; t < ring.total; t += gridDim.x) {
     const Work w = decode<BN>(t, ring.off, ring.tile, p.G, ring.n_tiles, ring.m_tiles);
     const int ktiles = ((kWgrad ? w.rows : p.K) + kBK - 1) / kBK;
+    // Thread (warp, lane) holds rows 16 warp + lane / 4 (+ 8) and columns 8 j + 2 (lane % 4) (+ 1)
+    // of the warpgroup's 64 x BN block, in acc[4 j + 2 h + {0, 1}].
+    const int r0 = w.m0 + cw * 64 + warp * 16 + lane / 4, c0 = w.n0 + 2 * (lane % 4);
+    if constexpr (kPreload) load_dw(static_cast<const float*>(p.dw[w.g]), acc, r0, c0, p.M, p.N);
     int prev = -1;
     fence_acc(acc);
     for (int kt = 0; kt < ktiles; ++kt, ++it) {
@@ -450,7 +522,7 @@ __device__ __forceinline__ void consume(const Params& p, const Ring& ring) {
       for (int kk = 0; kk < kBK / 16; ++kk) {
         const uint64_t da = smem_desc(a_s + cw * kBoxBytes + kk * kStepA, kLeadA, 1024);
         const uint64_t db = smem_desc(b_s + kk * kStepB, kLeadB, 1024);
-        wgmma<T, BN, kTA, kTB>(acc, da, db, (kt | kk) != 0);
+        wgmma<T, BN, kTA, kTB>(acc, da, db, kPreload || (kt | kk) != 0);
       }
       wgmma_commit();
       if (prev >= 0) {
@@ -465,11 +537,8 @@ __device__ __forceinline__ void consume(const Params& p, const Ring& ring) {
     __syncwarp();
     if (lane == 0 && prev >= 0) mbar_arrive(smem_u32(&ring.empty[prev]));
 
-    // Epilogue: thread (warp, lane) holds rows 16 warp + lane / 4 (+ 8) and columns 8 j + 2 (lane % 4)
-    // (+ 1) of the warpgroup's 64 x BN block, in acc[4 j + 2 h + {0, 1}].
-    const int r0 = w.m0 + cw * 64 + warp * 16 + lane / 4, c0 = w.n0 + 2 * (lane % 4);
     if constexpr (kWgrad) {
-      add_to_dw(static_cast<float*>(p.dw[w.g]), acc, r0, c0, p.M, p.N);
+      finish_dw<kPreload>(static_cast<float*>(p.dw[w.g]), acc, r0, c0, p.M, p.N);
     } else {
       T* c = static_cast<T*>(p.c) + static_cast<int64_t>(w.off) * p.N;
 #pragma unroll
@@ -490,7 +559,7 @@ __device__ __forceinline__ void consume(const Params& p, const Ring& ring) {
 /// The ping-pong consumer warpgroup cw: tiles j = cw, cw + 2, ... of the block (t = blockIdx.x +
 /// j gridDim.x), each 128 x 128 in two m64 halves (acc[0]: rows 0-63, acc[1]: rows 64-127);
 /// then its share of the zeroed tail (forward, dgrad).
-template <typename T, Mode kMode>
+template <typename T, Mode kMode, bool kPreload>
 __device__ __forceinline__ void consume_pingpong(const Params& p, const Ring& ring) {
   constexpr int BN = 128;
   using Tl = Tiling<BN>;
@@ -509,6 +578,11 @@ __device__ __forceinline__ void consume_pingpong(const Params& p, const Ring& ri
     if ((j & 1) != cw) {  // the other warpgroup's tile: step over its stages
       it += ktiles;
       continue;
+    }
+    const int r0 = w.m0 + warp * 16 + lane / 4, c0 = w.n0 + 2 * (lane % 4);  // + 64 h: acc[h]
+    if constexpr (kPreload) {  // in flight while the other warpgroup's main loop runs
+#pragma unroll
+      for (int h = 0; h < 2; ++h) load_dw(static_cast<const float*>(p.dw[w.g]), acc[h], r0 + 64 * h, c0, p.M, p.N);
     }
     // A stage's full barrier is waited by parity: this warpgroup, having stepped over the other's
     // stages, may only wait once every earlier fill has completed, i.e. after the previous tile's
@@ -535,7 +609,7 @@ __device__ __forceinline__ void consume_pingpong(const Params& p, const Ring& ri
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const uint64_t da = smem_desc(a_s + h * kBoxBytes + kk * kStepA, kLeadA, 1024);
-          wgmma<T, BN, kTA, kTB>(acc[h], da, db, (kt | kk) != 0);
+          wgmma<T, BN, kTA, kTB>(acc[h], da, db, kPreload || (kt | kk) != 0);
         }
       }
       wgmma_commit();
@@ -555,9 +629,9 @@ __device__ __forceinline__ void consume_pingpong(const Params& p, const Ring& ri
 
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int r0 = w.m0 + h * 64 + warp * 16 + lane / 4, c0 = w.n0 + 2 * (lane % 4);
+      const int rh = r0 + 64 * h;
       if constexpr (kWgrad) {
-        add_to_dw(static_cast<float*>(p.dw[w.g]), acc[h], r0, c0, p.M, p.N);
+        finish_dw<kPreload>(static_cast<float*>(p.dw[w.g]), acc[h], rh, c0, p.M, p.N);
       } else {
         T* c = static_cast<T*>(p.c) + static_cast<int64_t>(w.off) * p.N;
 #pragma unroll
@@ -566,7 +640,7 @@ __device__ __forceinline__ void consume_pingpong(const Params& p, const Ring& ri
           if (col >= p.N) continue;
 #pragma unroll
           for (int hh = 0; hh < 2; ++hh) {
-            const int r = r0 + 8 * hh;
+            const int r = rh + 8 * hh;
             if (r < w.rows) store2(c + static_cast<int64_t>(r) * p.N + col, acc[h][4 * jj + 2 * hh], acc[h][4 * jj + 2 * hh + 1]);
           }
         }
@@ -578,10 +652,15 @@ __device__ __forceinline__ void consume_pingpong(const Params& p, const Ring& ri
 
 #endif  // MT_GG_SM90A
 
-template <typename T, Mode kMode, int BN, bool kPingPong>
+/// kEpi (wgrad only): the WgradEpilogue.
+template <typename T, Mode kMode, int BN, bool kPingPong, WgradEpilogue kEpi>
 __global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(const __grid_constant__ Params p) {
   static_assert(!kPingPong || BN == 128, "ping-pong tiles are 128 x 128");
+  static_assert(kEpi == WgradEpilogue::kReadModifyWrite || kMode == Mode::kWgrad, "the dW epilogues are the wgrad's");
 #ifdef MT_GG_SM90A
+  constexpr bool kPreload = kEpi == WgradEpilogue::kPreload || kEpi == WgradEpilogue::kPreloadL2Prefetch;
+  constexpr bool kPrefetchDw =
+      kEpi == WgradEpilogue::kReadModifyWriteL2Prefetch || kEpi == WgradEpilogue::kPreloadL2Prefetch;
   using Tl = Tiling<BN>;
   constexpr int kStages = Tl::kStages;
   constexpr bool kWgrad = kMode == Mode::kWgrad;
@@ -610,13 +689,13 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(const __grid_constan
   const Ring ring{full, empty, base, s_off, s_tile, s_tile[p.G], n_tiles, m_tiles};
   if (threadIdx.x < 128) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
-    if (threadIdx.x == 0) produce<T, kMode, BN>(p, ring);
+    if (threadIdx.x == 0) produce<T, kMode, BN, kPrefetchDw, kPreload>(p, ring);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
     if constexpr (kPingPong) {
-      consume_pingpong<T, kMode>(p, ring);
+      consume_pingpong<T, kMode, kPreload>(p, ring);
     } else {
-      consume<T, kMode, BN>(p, ring);
+      consume<T, kMode, BN, kPreload>(p, ring);
     }
   }
 #endif  // MT_GG_SM90A
@@ -634,6 +713,7 @@ __global__ void probe_kernel(int* out) {
 // ---- host side ---------------------------------------------------------------------------------
 
 std::atomic<int> g_kernel{static_cast<int>(Kernel::kAuto)};
+std::atomic<int> g_wgrad_epilogue{static_cast<int>(WgradEpilogue::kReadModifyWrite)};
 
 using EncodeTiled = decltype(&cuTensorMapEncodeTiled);
 
@@ -713,24 +793,43 @@ bool use_wgmma(const char* fn, const std::string& why) {
   return false;
 }
 
-template <typename T, Mode kMode, int BN, bool kPingPong>
+template <typename T, Mode kMode, int BN, bool kPingPong, WgradEpilogue kEpi>
 void launch_typed(const char* fn, const Params& p, int64_t tiles_bound, const Stream& stream) {
   using Tl = Tiling<BN>;
   const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(sm_count(), tiles_bound)));
-  grouped::allow_smem(wgmma_kernel<T, kMode, BN, kPingPong>, Tl::kSmem, Tl::kStaticSmem, fn);
-  wgmma_kernel<T, kMode, BN, kPingPong><<<grid, kThreads, Tl::kSmem, raw(stream)>>>(p);
+  grouped::allow_smem(wgmma_kernel<T, kMode, BN, kPingPong, kEpi>, Tl::kSmem, Tl::kStaticSmem, fn);
+  wgmma_kernel<T, kMode, BN, kPingPong, kEpi><<<grid, kThreads, Tl::kSmem, raw(stream)>>>(p);
   MT_CUDA_CHECK_LAUNCH();
 }
 
-template <typename T, Mode kMode>
+template <typename T, Mode kMode, WgradEpilogue kEpi>
 void launch_width(const char* fn, const Params& p, int bn, bool pingpong, int64_t tiles, const Stream& stream) {
   if (pingpong) {
-    launch_typed<T, kMode, 128, true>(fn, p, tiles, stream);
+    launch_typed<T, kMode, 128, true, kEpi>(fn, p, tiles, stream);
   } else if (bn == 256) {
-    launch_typed<T, kMode, 256, false>(fn, p, tiles, stream);
+    launch_typed<T, kMode, 256, false, kEpi>(fn, p, tiles, stream);
   } else {
-    launch_typed<T, kMode, 128, false>(fn, p, tiles, stream);
+    launch_typed<T, kMode, 128, false, kEpi>(fn, p, tiles, stream);
   }
+}
+
+/// launch_width with the wgrad's epilogue of wgrad_epilogue() (forward, dgrad: none).
+template <typename T, Mode kMode>
+void launch_epilogue(const char* fn, const Params& p, int bn, bool pingpong, int64_t tiles, const Stream& stream) {
+  using E = WgradEpilogue;
+  if constexpr (kMode == Mode::kWgrad) {
+    switch (wgrad_epilogue()) {
+      case E::kReadModifyWriteL2Prefetch:
+        return launch_width<T, kMode, E::kReadModifyWriteL2Prefetch>(fn, p, bn, pingpong, tiles, stream);
+      case E::kPreload:
+        return launch_width<T, kMode, E::kPreload>(fn, p, bn, pingpong, tiles, stream);
+      case E::kPreloadL2Prefetch:
+        return launch_width<T, kMode, E::kPreloadL2Prefetch>(fn, p, bn, pingpong, tiles, stream);
+      case E::kReadModifyWrite:
+        break;
+    }
+  }
+  launch_width<T, kMode, E::kReadModifyWrite>(fn, p, bn, pingpong, tiles, stream);
 }
 
 /// Launches mode kMode: ping-pong 128 x 128 tiles where kernel() asks for them, else the
@@ -741,9 +840,9 @@ void launch(const char* fn, DType dt, const Params& p, TilesBound tiles_bound, c
   const int bn = pingpong ? 128 : pick_bn(p.N);
   const int64_t tiles = tiles_bound(bn);
   if (dt == DType::kBF16) {
-    launch_width<__nv_bfloat16, kMode>(fn, p, bn, pingpong, tiles, stream);
+    launch_epilogue<__nv_bfloat16, kMode>(fn, p, bn, pingpong, tiles, stream);
   } else {
-    launch_width<__half, kMode>(fn, p, bn, pingpong, tiles, stream);
+    launch_epilogue<__half, kMode>(fn, p, bn, pingpong, tiles, stream);
   }
 }
 
@@ -761,6 +860,8 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 void set_kernel(Kernel k) { g_kernel.store(static_cast<int>(k)); }
 Kernel kernel() { return static_cast<Kernel>(g_kernel.load()); }
+void set_wgrad_epilogue(WgradEpilogue e) { g_wgrad_epilogue.store(static_cast<int>(e)); }
+WgradEpilogue wgrad_epilogue() { return static_cast<WgradEpilogue>(g_wgrad_epilogue.load()); }
 
 int auto_tile_width(int64_t N) {
   const int64_t w256 = (N + 255) / 256 * 256, w128 = (N + 127) / 128 * 128;

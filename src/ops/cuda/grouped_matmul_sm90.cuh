@@ -26,6 +26,36 @@ enum class Kernel { kAuto, kMmaSync, kWgmma, kWgmma128, kWgmma256, kWgmmaPingPon
 void set_kernel(Kernel k);
 Kernel kernel();
 
+/// How the wgmma wgrad adds a tile's product to the fp32 dW (process-wide; a test and bench hook,
+/// with any Kernel above). kReadModifyWrite: after the main loop each consumer thread loads its dW
+/// elements in chunks of 16 float2, adds its accumulators and stores them. kPreload: each consumer
+/// thread loads its dW elements into its accumulators before the main loop (all of them in flight
+/// at once; in the ping-pong schedule before it waits for its turn, i.e. behind the other
+/// warpgroup's main loop), the wgmmas accumulate onto them and the epilogue only stores. The sums
+/// differ by fp32 rounding (dW + Σ instead of Σ then + dW). The *L2Prefetch kinds: besides, the
+/// producer thread asks for the tile's dW rows in L2 (cp.async.bulk.prefetch.L2) with the loads
+/// of the tile's first (preload) or last (read-modify-write) stage, so that the consumers' dW
+/// loads find them there. Forward and dgrad ignore it.
+enum class WgradEpilogue { kReadModifyWrite, kReadModifyWriteL2Prefetch, kPreload, kPreloadL2Prefetch };
+void set_wgrad_epilogue(WgradEpilogue e);
+WgradEpilogue wgrad_epilogue();
+
+/// kernel() = k and wgrad_epilogue() = e while in scope; then kAuto and kReadModifyWrite (the
+/// defaults) again. For tests and benchmarks.
+class KernelScope {
+ public:
+  explicit KernelScope(Kernel k, WgradEpilogue e = WgradEpilogue::kReadModifyWrite) {
+    set_kernel(k);
+    set_wgrad_epilogue(e);
+  }
+  ~KernelScope() {
+    set_kernel(Kernel::kAuto);
+    set_wgrad_epilogue(WgradEpilogue::kReadModifyWrite);
+  }
+  KernelScope(const KernelScope&) = delete;
+  KernelScope& operator=(const KernelScope&) = delete;
+};
+
 /// The wgmma kernel's output-tile width for N output columns when not forced: 256, unless it
 /// pads the columns by more than 4% beyond what 128 pads (N = 1408: 128).
 int auto_tile_width(int64_t N);
