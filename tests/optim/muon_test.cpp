@@ -77,12 +77,13 @@ TEST_P(NewtonSchulzTest, MatchesFloat64AndThePolynomialOnSingularValues) {
     EXPECT_LT(worst, 1e-4) << nc.type << " " << r << "x" << c;
     // The orthogonality the sets reach on a rectangular Gaussian matrix (well conditioned): every
     // singular value near 1 (the classic quintic trades accuracy for speed: about [0.68, 1.13]). A
-    // square one has singular values near 0 that only polar_express lifts in its steps.
+    // square one has singular values near 0 (a Gaussian square matrix's smallest one may be
+    // arbitrarily small: with 1 seed in ~7 polar_express leaves one below 0.99), so there only
+    // the upper bound of polar_express (the per-value polynomial is checked above for all).
     const bool precise = nc.type == "polar_express";
-    if (r != c || precise) {
-      EXPECT_GT(lo, precise ? 0.99 : (nc.type == "simple" ? 0.6 : 0.95)) << nc.type << " " << r << "x" << c;
+    if (r != c) EXPECT_GT(lo, precise ? 0.99 : (nc.type == "simple" ? 0.6 : 0.95)) << nc.type << " " << r << "x" << c;
+    if (r != c || precise)
       EXPECT_LT(hi, precise ? 1.01 : (nc.type == "simple" ? 1.2 : 1.05)) << nc.type << " " << r << "x" << c;
-    }
     std::printf("%s %s %ldx%ld: singular values in [%.4f, %.4f]\n", nc.type.c_str(), "cpu", static_cast<long>(r),
                 static_cast<long>(c), lo, hi);
   }
