@@ -48,7 +48,8 @@ struct MuonConfig {
   int num_ns_steps = 5;                         ///< --muon-num-ns-steps
   MuonScaleMode scale_mode = MuonScaleMode::kSpectral;  ///< --muon-scale-mode spectral|unit_rms_norm|shape_scaling
   float extra_scale_factor = 1.f;               ///< --muon-extra-scale-factor
-  MuonCoefficientType coefficient_type = MuonCoefficientType::kQuintic;  ///< --muon-coefficient-type simple|quintic|polar_express|aol
+  /// --muon-coefficient-type simple|quintic|polar_express|aol
+  MuonCoefficientType coefficient_type = MuonCoefficientType::kQuintic;
   MuonTpMode tp_mode = MuonTpMode::kDuplicated;  ///< --muon-tp-mode duplicated|blockwise|distributed
   bool split_qkv = true;                        ///< false with --muon-no-split-qkv
   /// Rows of one query group's Q, K and V in the fused linear_qkv weight (heads per group · head
