@@ -41,7 +41,7 @@ muon=(--optimizer muon --muon-momentum 0.95 --muon-nesterov --muon-coefficient-t
 # plan_of NPROC FLAGS...: `megatron plan` of a run on NPROC H200s (PLAN=1), its step-time line
 plan_of() {
   local n=$1; shift
-  build/megatron plan --world-size "$n" --gpu h200 "$@" 2>&1 | grep -E "predicted step|rror" ||
+  build/megatron plan --world-size "$n" --gpu h200 "$@" 2>&1 | grep -E "predicted step|fits|does not fit|rror" ||
     echo "plan failed: build/megatron plan --world-size $n --gpu h200 $*"
 }
 
