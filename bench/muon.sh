@@ -1,23 +1,29 @@
 #!/usr/bin/env bash
-# Muon against AdamW (issue 44, docs/optimizer.md), two parts:
-#   step  — the optimizer step's share of a training step: the Llama-style 1.18B (16 layers, hidden
-#           2048, GQA 32/8, SwiGLU 8192) on one GPU, micro-batch 4, ITERS iterations logged every
-#           iteration with --timing-log-level 1; medians over the iterations after the first 10 of
-#           the whole step, of the "optimizer" timer (clip + inner step + parameter gather) and
-#           tokens/s, AdamW vs Muon (--muon-coefficient-type quintic, 5 steps, bf16 Newton-Schulz).
-#   conv  — convergence: GPT-2 124M on the demo data, STEPS steps from the same seed, AdamW at each
-#           learning rate of ADAM_LRS and Muon (Nesterov, spectral scale, extra scale 0.2 — the update
-#           RMS of AdamW, Moonlight/Kimi's setting — so that one --lr serves both) at each of
-#           MUON_LRS; the validation curves side by side, the best final loss of each and the steps
-#           Muon needs to reach AdamW's best final validation loss (target <= 0.8 x STEPS).
-# Logs under $OUT, tables in $OUT/muon_llama1b.md, $OUT/muon_llama7b.md and $OUT/muon_convergence.md (the convergence table
-# covers every muon_conv_*.log in $OUT: AdamW and Muon may run in separate invocations, e.g.
-# MUON_LRS= bench/muon.sh conv, then ADAM_LRS= bench/muon.sh conv).
-#   step7b — the same for the 7B-class Llama on 2 GPUs (TP 2 + SP, distributed optimizer).
-# usage: bench/muon.sh [build] [step|step7b|conv|all (default: step and conv)]
-# Environment: ITERS (step parts, default 30), STEP_GB (1.18B global batch, default 64), LAYERS (7B), STEPS (default 600), EVAL (default 50), GB (global
-# batch of the convergence runs, default 32), ADAM_LRS (default "6e-4 1.2e-3"), MUON_LRS (default
-# "1.2e-3 2.4e-3").
+# Muon against AdamW (issue 44, docs/optimizer.md), in parts that each run in under 4 minutes on
+# an H200 (the GPU times below are `megatron plan` estimates plus start-up):
+#   step   — the optimizer step's share of a training step: the Llama-style 1.18B (16 layers, hidden
+#            2048, GQA 32/8, SwiGLU 8192) on one GPU, micro-batch 4, global batch STEP_GB (64),
+#            ITERS (30) iterations logged every iteration with --timing-log-level 1; medians over
+#            the iterations after the first SKIP (10) of the whole step, of the "optimizer" timer
+#            (clip + inner step + parameter gather) and tokens/s, AdamW vs Muon
+#            (--muon-coefficient-type quintic, 5 steps, bf16 Newton-Schulz). ~2.5 min.
+#   step7b — the same for the 7B-class Llama on 2 GPUs with the distributed optimizer (DP 2;
+#            LAYOUT=tp2: TP 2 + SP), ITERS 15, SKIP 5. ~3 min.
+#   conv-adam, conv-muon — convergence: GPT-2 124M on the demo data, STEPS (600) steps from the
+#            same seed, AdamW at each learning rate of ADAM_LRS, Muon (Nesterov, spectral scale,
+#            extra scale 0.2 — the update RMS of AdamW, Moonlight/Kimi's setting — so that one --lr
+#            serves both) at each of MUON_LRS. ~1.2 min per run (2 runs each by default).
+#   conv   — both conv parts (the table alone when ADAM_LRS and MUON_LRS are empty).
+# After each conv part, the table over every muon_conv_*.log in $OUT: the validation curves side by
+# side, the best final loss of each and the steps Muon needs to reach AdamW's best final
+# validation loss (target <= 0.8 x STEPS), in $OUT/muon_convergence.md; the step parts write
+# $OUT/muon_llama1b.md and $OUT/muon_llama7b.md.
+# usage: bench/muon.sh [build] [step|step7b|conv-adam|conv-muon|conv (default: step)]
+# PLAN=1: instead of training, `megatron plan --gpu h200` of every run (checks that the flags parse
+# and validate, and prints the predicted step time; runs on a CPU-only machine).
+# Environment: ITERS, SKIP (step parts), STEP_GB (1.18B global batch, default 64), LAYERS (7B,
+# default 32), STEPS (default 600), EVAL (default 50), GB (global batch of the convergence runs,
+# default 32), ADAM_LRS (default "6e-4 1.2e-3"), MUON_LRS (default "1.2e-3 2.4e-3").
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 source "$(dirname "$0")/common.sh"
@@ -25,34 +31,46 @@ if [ "${1:-}" = build ]; then
   shift
   bench_build megatron || exit 1
 fi
-PART=${1:-all}
-ITERS=${ITERS:-30}; STEPS=${STEPS:-600}; EVAL=${EVAL:-50}; GB=${GB:-32}
+PART=${1:-step}
+STEPS=${STEPS:-600}; EVAL=${EVAL:-50}; GB=${GB:-32}
+PLAN=${PLAN:-0}
 ADAM_LRS=${ADAM_LRS-"6e-4 1.2e-3"}; MUON_LRS=${MUON_LRS-"1.2e-3 2.4e-3"}
 muon=(--optimizer muon --muon-momentum 0.95 --muon-nesterov --muon-coefficient-type quintic --muon-num-ns-steps 5
       --muon-scale-mode spectral --muon-extra-scale-factor 0.2)
+
+# plan_of NPROC FLAGS...: `megatron plan` of a run on NPROC H200s (PLAN=1), its step-time line
+plan_of() {
+  local n=$1; shift
+  build/megatron plan --world-size "$n" --gpu h200 "$@" 2>&1 | grep -E "predicted step|fits|does not fit|rror" ||
+    echo "plan failed: build/megatron plan --world-size $n --gpu h200 $*"
+}
 
 # step_share NAME NPROC FLAGS...: AdamW and Muon runs of the model, the table in $OUT/muon_NAME.md
 step_share() {
   local name=$1 n=$2; shift 2
   for opt in adam muon; do
     f=(); [ $opt = muon ] && f=("${muon[@]}")
-    timeout 900 build/megatron pretrain --nproc-per-node "$n" "$@" "${f[@]}" --train-iters "$ITERS" \
+    if [ "$PLAN" = 1 ]; then
+      echo "$name $opt: $(plan_of "$n" "$@" "${f[@]}" --train-iters "$ITERS")"; continue
+    fi
+    timeout 600 build/megatron pretrain --nproc-per-node "$n" "$@" "${f[@]}" --train-iters "$ITERS" \
       --log-interval 1 --timing-log-level 1 > "$OUT/muon_${name}_$opt.log" 2>&1 ||
       { echo "$name $opt failed:"; tail -5 "$OUT/muon_${name}_$opt.log"; }
   done
-  python3 - "$OUT" "$name" <<'PY' | tee "$OUT/muon_$name.md"
+  [ "$PLAN" = 1 ] && return
+  python3 - "$OUT" "$name" "$SKIP" <<'PY' | tee "$OUT/muon_$name.md"
 import re, statistics, sys
-out, name = sys.argv[1], sys.argv[2]
+out, name, skip = sys.argv[1], sys.argv[2], int(sys.argv[3])
 print(f"{name}:\n")
 print("| optimizer | step ms | optimizer ms | share | optimizer-inner-step ms | tokens/s | estimated memory |")
 print("|---|---|---|---|---|---|---|")
 rows = {}
 for opt in ("adam", "muon"):
     log = open(f"{out}/muon_{name}_{opt}.log").read()
-    step = [float(x) for x in re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+)", log)][10:]
-    optim = [float(x) for x in re.findall(r"\n\s+optimizer \.+: \(([0-9.]+), [0-9.]+\)", log)][10:]
-    inner = [float(x) for x in re.findall(r"optimizer-inner-step \.+: \(([0-9.]+), [0-9.]+\)", log)][10:]
-    tok = [int(x) for x in re.findall(r"tokens per second: ([0-9]+)", log)][10:]
+    step = [float(x) for x in re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+)", log)][skip:]
+    optim = [float(x) for x in re.findall(r"\n\s+optimizer \.+: \(([0-9.]+), [0-9.]+\)", log)][skip:]
+    inner = [float(x) for x in re.findall(r"optimizer-inner-step \.+: \(([0-9.]+), [0-9.]+\)", log)][skip:]
+    tok = [int(x) for x in re.findall(r"tokens per second: ([0-9]+)", log)][skip:]
     mem = re.findall(r"memory estimate per rank: .*?total ([0-9.]+ GiB)", log)
     if not step or not optim:
         print(f"| {opt} | (no timings in the log) | | | | | |"); continue
@@ -65,7 +83,8 @@ if len(rows) == 2:
 PY
 }
 
-if [ "$PART" = step ] || [ "$PART" = all ]; then
+if [ "$PART" = step ]; then
+  ITERS=${ITERS:-30}; SKIP=${SKIP:-10}
   # Llama-style 1.18B, one GPU, micro-batch 4, global batch STEP_GB (default 64: 16 micro-batches;
   # the optimizer step's share shrinks as the batch grows)
   step_share llama1b 1 --num-layers 16 --hidden-size 2048 --num-attention-heads 32 --group-query-attention \
@@ -75,17 +94,25 @@ if [ "$PART" = step ] || [ "$PART" = all ]; then
 fi
 
 if [ "$PART" = step7b ]; then
-  # the 7B-class Llama of docs/benchmarks.md on 2 GPUs: TP 2 + SP, the distributed optimizer (Muon:
-  # layer-wise over DP = 1 here, TP duplicated), micro-batch 1, global batch 16, sequence 4096;
-  # LAYERS (default 32) layers
+  ITERS=${ITERS:-15}; SKIP=${SKIP:-5}
+  # the 7B-class Llama of docs/benchmarks.md on 2 GPUs with the distributed optimizer, micro-batch
+  # 1, global batch 16, sequence 4096, LAYERS (default 32) layers. LAYOUT=dp2 (default): DP 2 with
+  # overlapped reduce-scatter and parameter gather — Muon's layer-wise sharding, each GPU
+  # orthogonalises half the matrices (`megatron plan`: 102.5 GiB of 140 with AdamW). LAYOUT=tp2:
+  # TP 2 + SP, DP 1 (every matrix on both GPUs, --muon-tp-mode duplicated).
+  layout=(--overlap-grad-reduce --overlap-param-gather)
+  [ "${LAYOUT:-dp2}" = tp2 ] && layout=(--tensor-model-parallel-size 2 --sequence-parallel)
   step_share llama7b 2 --num-layers "${LAYERS:-32}" --hidden-size 4096 --num-attention-heads 32 \
     --ffn-hidden-size 11008 --swiglu --normalization RMSNorm --position-embedding-type rope --disable-bias-linear \
     --untie-embeddings-and-output-weights --micro-batch-size 1 --global-batch-size 16 \
-    --tensor-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer "${bench_train[@]}" \
-    --seq-length 4096 --max-position-embeddings 4096
+    --use-distributed-optimizer "${layout[@]}" "${bench_train[@]}" --seq-length 4096 --max-position-embeddings 4096
 fi
 
-if [ "$PART" = conv ] || [ "$PART" = all ]; then
+case $PART in
+  conv-adam) MUON_LRS= ;;
+  conv-muon) ADAM_LRS= ;;
+esac
+if [ "$PART" = conv ] || [ "$PART" = conv-adam ] || [ "$PART" = conv-muon ]; then
   gpt2=(--num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 1024 --max-position-embeddings 1024
         --micro-batch-size 16 --global-batch-size "$GB" --min-lr 0 --lr-decay-style cosine --lr-warmup-iters 50
         --weight-decay 0.1 --clip-grad 1.0 --hidden-dropout 0 --attention-dropout 0 --bf16 --device cuda --no-progress
@@ -97,9 +124,11 @@ if [ "$PART" = conv ] || [ "$PART" = all ]; then
   for r in "${runs[@]}"; do
     opt=${r%%_*}; lr=${r#*_}
     f=(); [ "$opt" = muon ] && f=("${muon[@]}")
-    timeout 1200 build/megatron pretrain "${gpt2[@]}" --lr "$lr" "${f[@]}" > "$OUT/muon_conv_$r.log" 2>&1 ||
+    if [ "$PLAN" = 1 ]; then echo "conv $r: $(plan_of 1 "${gpt2[@]}" --lr "$lr" "${f[@]}")"; continue; fi
+    timeout 300 build/megatron pretrain "${gpt2[@]}" --lr "$lr" "${f[@]}" > "$OUT/muon_conv_$r.log" 2>&1 ||
       { echo "$r failed:"; tail -5 "$OUT/muon_conv_$r.log"; }
   done
+  [ "$PLAN" = 1 ] && exit 0
   # the table over every run in $OUT (so that AdamW and Muon may run in separate invocations)
   python3 - "$OUT" <<'PY' | tee "$OUT/muon_convergence.md"
 import glob, os, re, sys

@@ -1,8 +1,11 @@
 #include "optim/muon.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <numeric>
+
+#include <fmt/ranges.h>
 
 #include "ops/elementwise.h"
 #include "ops/matmul.h"
@@ -19,61 +22,89 @@ bool ends_with(const std::string& s, const std::string& suffix) {
 }
 }  // namespace
 
-std::vector<NsCoeff> ns_coefficients(const std::string& type, int steps) {
+namespace {
+// One enum's flag spellings, in enum order; parse and name through the same table.
+template <typename E, size_t N>
+E parse_flag(const char* flag, const std::array<const char*, N>& names, const std::string& s) {
+  for (size_t i = 0; i < N; ++i)
+    if (s == names[i]) return static_cast<E>(i);
+  MT_FAIL("{} '{}' is not one of {}", flag, s, fmt::join(names, ", "));
+}
+constexpr std::array<const char*, 3> kScaleModes{"spectral", "unit_rms_norm", "shape_scaling"};
+constexpr std::array<const char*, 4> kCoefficientTypes{"simple", "quintic", "polar_express", "aol"};
+constexpr std::array<const char*, 3> kTpModes{"duplicated", "blockwise", "distributed"};
+}  // namespace
+
+MuonScaleMode parse_muon_scale_mode(const std::string& s) {
+  return parse_flag<MuonScaleMode>("--muon-scale-mode", kScaleModes, s);
+}
+MuonCoefficientType parse_muon_coefficient_type(const std::string& s) {
+  return parse_flag<MuonCoefficientType>("--muon-coefficient-type", kCoefficientTypes, s);
+}
+MuonTpMode parse_muon_tp_mode(const std::string& s) { return parse_flag<MuonTpMode>("--muon-tp-mode", kTpModes, s); }
+const char* muon_scale_mode_name(MuonScaleMode m) { return kScaleModes.at(static_cast<size_t>(m)); }
+const char* muon_coefficient_type_name(MuonCoefficientType t) {
+  return kCoefficientTypes.at(static_cast<size_t>(t));
+}
+const char* muon_tp_mode_name(MuonTpMode m) { return kTpModes.at(static_cast<size_t>(m)); }
+
+std::vector<NsCoeff> ns_coefficients(MuonCoefficientType type, int steps) {
   MT_REQUIRE(steps >= 1, "--muon-num-ns-steps must be >= 1, got {}", steps);
   std::vector<NsCoeff> set;
-  if (type == "simple") {
-    set = {{3.4445f, -4.7750f, 2.0315f}};
-  } else if (type == "quintic") {
-    set = {{4.0848f, -6.8946f, 2.9270f},
-           {3.9505f, -6.3029f, 2.6377f},
-           {3.7418f, -5.5913f, 2.3037f},
-           {2.8769f, -3.1427f, 1.2046f},
-           {2.8366f, -3.0525f, 1.2012f}};
-  } else if (type == "polar_express") {
-    set = {{8.2051f, -22.9019f, 16.4607f}, {4.0664f, -2.8612f, 0.5184f}, {3.9096f, -2.8234f, 0.5250f},
-           {3.2856f, -2.4153f, 0.4853f},   {2.2779f, -1.6198f, 0.3985f}, {1.8726f, -1.2307f, 0.3585f},
-           {1.8564f, -1.2132f, 0.3568f},   {1.8750f, -1.2500f, 0.3750f}};
-  } else if (type == "aol") {
-    set = {{4.0098f, -7.0585f, 2.4635f},
-           {3.4585f, -5.5479f, 2.5959f},
-           {2.7573f, -3.2939f, 1.4254f},
-           {2.7215f, -3.0494f, 1.3169f}};
-  } else {
-    MT_FAIL("--muon-coefficient-type '{}' is not one of simple, quintic, polar_express, aol", type);
+  switch (type) {
+    case MuonCoefficientType::kSimple:
+      set = {{3.4445f, -4.7750f, 2.0315f}};
+      break;
+    case MuonCoefficientType::kQuintic:
+      set = {{4.0848f, -6.8946f, 2.9270f},
+             {3.9505f, -6.3029f, 2.6377f},
+             {3.7418f, -5.5913f, 2.3037f},
+             {2.8769f, -3.1427f, 1.2046f},
+             {2.8366f, -3.0525f, 1.2012f}};
+      break;
+    case MuonCoefficientType::kPolarExpress:
+      set = {{8.2051f, -22.9019f, 16.4607f}, {4.0664f, -2.8612f, 0.5184f}, {3.9096f, -2.8234f, 0.5250f},
+             {3.2856f, -2.4153f, 0.4853f},   {2.2779f, -1.6198f, 0.3985f}, {1.8726f, -1.2307f, 0.3585f},
+             {1.8564f, -1.2132f, 0.3568f},   {1.8750f, -1.2500f, 0.3750f}};
+      break;
+    case MuonCoefficientType::kAol:
+      set = {{4.0098f, -7.0585f, 2.4635f},
+             {3.4585f, -5.5479f, 2.5959f},
+             {2.7573f, -3.2939f, 1.4254f},
+             {2.7215f, -3.0494f, 1.3169f}};
+      break;
   }
   const int n = static_cast<int>(set.size());
   std::vector<NsCoeff> out;
-  if (type == "simple") {
+  if (type == MuonCoefficientType::kSimple) {
     out.assign(static_cast<size_t>(steps), set[0]);
-  } else if (type == "polar_express") {
+  } else if (type == MuonCoefficientType::kPolarExpress) {
     MT_REQUIRE(steps >= n, "--muon-coefficient-type polar_express needs --muon-num-ns-steps >= {}, got {}", n, steps);
     out = set;
     out.resize(static_cast<size_t>(steps), set.back());
   } else {
-    MT_REQUIRE(steps % n == 0, "--muon-coefficient-type {} needs --muon-num-ns-steps a multiple of {}, got {}", type,
-               n, steps);
+    MT_REQUIRE(steps % n == 0, "--muon-coefficient-type {} needs --muon-num-ns-steps a multiple of {}, got {}",
+               muon_coefficient_type_name(type), n, steps);
     for (int i = 0; i < steps; ++i) out.push_back(set[static_cast<size_t>(i % n)]);
   }
   return out;
 }
 
-double muon_scale_factor(const std::string& mode, int64_t rows, int64_t cols) {
+double muon_scale_factor(MuonScaleMode mode, int64_t rows, int64_t cols) {
   const double r = static_cast<double>(rows), c = static_cast<double>(cols);
-  if (mode == "spectral") return std::sqrt(std::max(r, c));
-  if (mode == "unit_rms_norm") return std::sqrt(r / c);
-  if (mode == "shape_scaling") return std::sqrt(std::max(1.0, r / c));
-  MT_FAIL("--muon-scale-mode '{}' is not one of spectral, unit_rms_norm, shape_scaling", mode);
+  switch (mode) {
+    case MuonScaleMode::kSpectral: return std::sqrt(std::max(r, c));
+    case MuonScaleMode::kUnitRmsNorm: return std::sqrt(r / c);
+    case MuonScaleMode::kShapeScaling: return std::sqrt(std::max(1.0, r / c));
+  }
+  MT_FAIL("muon_scale_factor: invalid MuonScaleMode {}", static_cast<int>(mode));
 }
 
 void validate_muon_config(const MuonConfig& c) {
   MT_REQUIRE(c.momentum >= 0.f && c.momentum < 1.f, "--muon-momentum must be in [0, 1), got {}", c.momentum);
   MT_REQUIRE(c.extra_scale_factor >= 0.f, "--muon-extra-scale-factor must be >= 0, got {}", c.extra_scale_factor);
-  MT_REQUIRE(c.tp_mode == "duplicated" || c.tp_mode == "blockwise" || c.tp_mode == "distributed",
-             "--muon-tp-mode '{}' is not one of duplicated, blockwise, distributed", c.tp_mode);
   MT_REQUIRE(c.qkv_q_rows >= 0 && c.qkv_kv_rows >= 0, "MuonConfig: QKV split rows {} / {} must be >= 0", c.qkv_q_rows,
              c.qkv_kv_rows);
-  (void)muon_scale_factor(c.scale_mode, 1, 1);
   (void)ns_coefficients(c.coefficient_type, c.num_ns_steps);
 }
 
@@ -260,7 +291,7 @@ MuonStep::MuonStep(ParamStore& params, GradSync& sync, const MuonConfig& config,
 
 void MuonStep::plan_units(const ParamSpec& p, size_t index, const MuonConfig& config, int tp_size,
                           std::vector<Unit>& units, MuonWorkspace& ws) {
-  const int split = tp_size > 1 && config.tp_mode != "blockwise" ? local_split_dim(p) : -1;
+  const int split = tp_size > 1 && config.tp_mode != MuonTpMode::kBlockwise ? local_split_dim(p) : -1;
   const int64_t r = p.shape[0], c = p.shape[1];
   std::vector<Unit> parts;
   const int64_t q = config.qkv_q_rows, kv = config.qkv_kv_rows, group_rows = q + 2 * kv;
@@ -279,7 +310,7 @@ void MuonStep::plan_units(const ParamSpec& p, size_t index, const MuonConfig& co
     u.scale = static_cast<float>(muon_scale_factor(config.scale_mode, gr, gc) * config.extra_scale_factor);
     const int64_t local = u.rows * u.cols;
     if (u.staged) ws.stage = std::max(ws.stage, local);
-    if (split >= 0 && config.tp_mode == "duplicated") {
+    if (split >= 0 && config.tp_mode == MuonTpMode::kDuplicated) {
       ws.gather = std::max(ws.gather, local * tp_size);
       if (split == 1) ws.full = std::max(ws.full, local * tp_size);
       ws.ns = std::max(ws.ns, gr * gc);
@@ -327,6 +358,19 @@ std::vector<std::vector<size_t>> MuonStep::plan_batches(const std::vector<Unit>&
   return batches;
 }
 
+double MuonStep::ns_step_flops(const Unit& u, const MuonConfig& config, int tp_size) {
+  // The matrix NewtonSchulz::run iterates on this rank and its Gram side (as orthogonalise()).
+  double r = static_cast<double>(u.rows), c = static_cast<double>(u.cols), k = std::min(r, c);
+  if (u.split_dim >= 0 && config.tp_mode == MuonTpMode::kDuplicated) {
+    (u.split_dim == 0 ? r : c) *= tp_size;  // the gathered global matrix
+    k = std::min(r, c);
+  } else if (u.split_dim >= 0) {
+    k = u.split_dim == 1 ? r : c;  // distributed: the Gram matrix of the unsplit side
+  }
+  const double n = r * c / k;
+  return 4 * k * k * n + 2 * k * k * k;
+}
+
 size_t MuonWorkspace::bytes(DType compute) const {
   const size_t cs = dtype_size(compute);
   auto at_least_1 = [](int64_t n) { return static_cast<size_t>(std::max<int64_t>(n, 1)); };
@@ -347,7 +391,12 @@ MuonMemory muon_memory(const std::vector<ParamSpec>& specs, const MuonConfig& co
     int64_t n = 1;
     for (int64_t d : p.shape) n *= d;
     (p.expert ? m.expert_elements : m.dense_elements) += n;
-    MuonStep::plan_units(p, i, config, p.expert ? etp : tp, units, ws);
+    const size_t first = units.size();
+    const int tp_size = p.expert ? etp : tp;
+    MuonStep::plan_units(p, i, config, tp_size, units, ws);
+    for (size_t k = first; k < units.size(); ++k)
+      (p.expert ? m.expert_ns_flops : m.dense_ns_flops) +=
+          config.num_ns_steps * MuonStep::ns_step_flops(units[k], config, tp_size);
   }
   (void)MuonStep::plan_batches(units, ws);
   m.workspace_bytes = ws.bytes(device.is_cuda() ? DType::kBF16 : DType::kF32);
@@ -369,7 +418,7 @@ void MuonStep::orthogonalise(const Unit& u, const Tensor& grads, const Stream& s
                              u.block_stride * c, u.blocks, u.block_rows * c, stream);
   if (!u.tp) {
     ns_->run(loc, loc, r, c, coeffs_, stream);
-  } else if (config_.tp_mode == "distributed") {
+  } else if (config_.tp_mode == MuonTpMode::kDistributed) {
     ns_->run(loc, loc, r, c, coeffs_, stream, u.tp, u.split_dim);
   } else {  // duplicated: every TP rank orthogonalises the gathered matrix and keeps its shard
     const int tp = u.tp->size(), rank = u.tp->rank();

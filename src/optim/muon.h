@@ -24,15 +24,33 @@ namespace mt {
 
 class GradSync;
 
+/// --muon-scale-mode: the update scale of a [rows, cols] matrix (muon_scale_factor).
+enum class MuonScaleMode : uint8_t { kSpectral, kUnitRmsNorm, kShapeScaling };
+/// --muon-coefficient-type: the Newton-Schulz coefficient set (ns_coefficients).
+enum class MuonCoefficientType : uint8_t { kSimple, kQuintic, kPolarExpress, kAol };
+/// --muon-tp-mode: how a tensor-parallel shard is orthogonalised (MuonStep).
+enum class MuonTpMode : uint8_t { kDuplicated, kBlockwise, kDistributed };
+
+/// Parse a flag value (Megatron's spelling, e.g. "unit_rms_norm", "polar_express", "distributed").
+/// Errors: mt::Error naming the flag, the bad value and the accepted ones.
+MuonScaleMode parse_muon_scale_mode(const std::string& s);
+MuonCoefficientType parse_muon_coefficient_type(const std::string& s);
+MuonTpMode parse_muon_tp_mode(const std::string& s);
+/// The flag spelling of a value (inverse of the parse_* functions).
+const char* muon_scale_mode_name(MuonScaleMode m);
+const char* muon_coefficient_type_name(MuonCoefficientType t);
+const char* muon_tp_mode_name(MuonTpMode m);
+
 /// Megatron-LM's --muon-* options (megatron/training/arguments.py, OptimizerConfig).
 struct MuonConfig {
   float momentum = 0.9f;                        ///< --muon-momentum (Megatron's flag default)
   bool nesterov = false;                        ///< --muon-nesterov (alias --muon-use-nesterov)
   int num_ns_steps = 5;                         ///< --muon-num-ns-steps
-  std::string scale_mode = "spectral";          ///< --muon-scale-mode spectral|unit_rms_norm|shape_scaling
+  MuonScaleMode scale_mode = MuonScaleMode::kSpectral;  ///< --muon-scale-mode spectral|unit_rms_norm|shape_scaling
   float extra_scale_factor = 1.f;               ///< --muon-extra-scale-factor
-  std::string coefficient_type = "quintic";     ///< --muon-coefficient-type simple|quintic|polar_express|aol
-  std::string tp_mode = "duplicated";           ///< --muon-tp-mode duplicated|blockwise|distributed
+  /// --muon-coefficient-type simple|quintic|polar_express|aol
+  MuonCoefficientType coefficient_type = MuonCoefficientType::kQuintic;
+  MuonTpMode tp_mode = MuonTpMode::kDuplicated;  ///< --muon-tp-mode duplicated|blockwise|distributed
   bool split_qkv = true;                        ///< false with --muon-no-split-qkv
   /// Rows of one query group's Q, K and V in the fused linear_qkv weight (heads per group · head
   /// dim, head dim, head dim; Megatron's _get_qkv_split_shapes), set from the model configuration.
@@ -40,9 +58,8 @@ struct MuonConfig {
   int64_t qkv_q_rows = 0, qkv_kv_rows = 0;
 };
 
-/// Errors (mt::Error naming the flag and value): an unknown scale mode, coefficient type or TP
-/// mode, momentum outside [0, 1), num_ns_steps < 1 or a step count the coefficient set does not
-/// allow (ns_coefficients), a negative extra scale factor.
+/// Errors (mt::Error naming the flag and value): momentum outside [0, 1), num_ns_steps < 1 or a
+/// step count the coefficient set does not allow (ns_coefficients), a negative extra scale factor.
 void validate_muon_config(const MuonConfig& c);
 
 /// One Newton-Schulz step's quintic coefficients: X = a X + (b A + c A²) X with A = X X^T.
@@ -56,13 +73,13 @@ struct NsCoeff {
 ///   polar_express: the 8 steps of Amsel et al. 2025 (arXiv:2505.16932), steps >= 8, the last
 ///     repeated beyond 8;
 ///   aol: 4 steps, steps % 4 == 0.
-/// Errors: mt::Error for an unknown type or a step count the set does not allow.
-std::vector<NsCoeff> ns_coefficients(const std::string& type, int steps);
+/// Errors: mt::Error for a step count the set does not allow.
+std::vector<NsCoeff> ns_coefficients(MuonCoefficientType type, int steps);
 
 /// The update scale of a [rows, cols] matrix (emerging_optimizers get_muon_scale_factor):
 /// spectral sqrt(max(rows, cols)); unit_rms_norm sqrt(rows / cols); shape_scaling
-/// sqrt(max(1, rows / cols)). Errors: mt::Error for an unknown mode.
-double muon_scale_factor(const std::string& mode, int64_t rows, int64_t cols);
+/// sqrt(max(1, rows / cols)).
+double muon_scale_factor(MuonScaleMode mode, int64_t rows, int64_t cols);
 
 /// Muon takes the 2-D weight matrices of the transformer layers: every 2-D parameter except the
 /// embeddings (word and position), the output layer, its tied copy and the MoE router (Megatron
@@ -108,9 +125,15 @@ struct MuonWorkspace {
 /// momentum buffer instead of two moments) and the Newton-Schulz workspace when the rank
 /// orthogonalises every matrix (an upper bound with the distributed optimizer). specs: the rank's
 /// parameters; tp, etp: the tensor-parallel sizes of the dense and expert parameters.
+/// Also the Newton-Schulz FLOPs of one optimizer step on this rank when it orthogonalises every
+/// matrix (dense, expert; `megatron plan` divides them over the DP / EDP ranks with the
+/// distributed optimizer): per matrix num_ns_steps x (4 k^2 n + 2 k^3), k the Gram side and n the
+/// other of the matrix the rank iterates (MuonStep::plan_units: duplicated the global matrix,
+/// distributed the shard with the Gram matrix of the unsplit side, blockwise the shard).
 struct MuonMemory {
   int64_t dense_elements = 0, expert_elements = 0;
   size_t workspace_bytes = 0;
+  double dense_ns_flops = 0, expert_ns_flops = 0;
 };
 MuonMemory muon_memory(const std::vector<ParamSpec>& specs, const MuonConfig& config, int tp, int etp, Device device);
 
@@ -145,6 +168,9 @@ class MuonStep {
   struct Unit;  // one matrix to orthogonalise (a whole parameter or a QKV component)
   /// Appends the units of parameter `index` (spec p, TP size tp_size of its group) and grows `ws`
   /// to hold them.
+  /// The FLOPs of one Newton-Schulz step of unit u on its rank (X X^T, b A + c A A, a X + B X:
+  /// 4 k^2 n + 2 k^3 with k the Gram side, n the other side of the matrix iterated).
+  static double ns_step_flops(const Unit& u, const MuonConfig& config, int tp_size);
   static void plan_units(const ParamSpec& p, size_t index, const MuonConfig& config, int tp_size,
                          std::vector<Unit>& units, MuonWorkspace& ws);
   /// Groups the units without a TP collective by shape (in order) into batches the workspace

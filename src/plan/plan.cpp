@@ -6,6 +6,7 @@
 #include "core/check.h"
 #include "core/host_memory.h"
 #include "data/data_args.h"
+#include "optim/muon.h"
 #include "parallel/pipeline/schedules.h"
 #include "parallel/process_groups.h"
 #include "parallel/rank_generator.h"
@@ -96,6 +97,7 @@ struct StageWork {
   int64_t layers = 0, moe_layers = 0, recomputed = 0;
   bool has_loss = false;
   ModelMemoryPlan model;
+  double muon_dense_flops = 0, muon_expert_flops = 0;  // one rank's Newton-Schulz FLOPs (muon_memory)
 };
 
 // The cost model (docs/plan.md "Cost model"). Per stage, for one iteration: its FLOPs (with the
@@ -184,10 +186,17 @@ StepPrediction predict_step(const TrainingPlan& p, const PretrainArgs& a, const 
     // model-dtype copy; the gradients are zeroed and their norm read (whole buffer)
     const double bytes = owned * (4 * 4 + 3 * 4 + (a.dtype() == DType::kF32 ? 0 : act)) + (dense + expert) * 8;
     const double opt = bytes / (g.hbm_gbps * 1e9);
+    // Muon: the Newton-Schulz GEMMs at the model's compute rate, each matrix on one DP (EDP) rank
+    // with the distributed optimizer (balanced by FLOPs: the even share), on every rank without
+    const double muon = (distopt ? s.muon_dense_flops / (pc.dp * pc.cp) + s.muon_expert_flops / std::max(pc.edp, 1)
+                                 : s.muon_dense_flops + s.muon_expert_flops) /
+                        rate;
     out.dp_comm_s = std::max(out.dp_comm_s, dp);
     out.optimizer_s = std::max(out.optimizer_s, opt);
+    out.muon_s = std::max(out.muon_s, muon);
   }
-  out.step_s = slowest * (1 + out.bubble_fraction) + out.pp_comm_s + out.dp_comm_s + out.optimizer_s;
+  out.step_s =
+      slowest * (1 + out.bubble_fraction) + out.pp_comm_s + out.dp_comm_s + out.optimizer_s + out.muon_s;
   out.tflops_per_gpu = p.flops_per_iteration / (out.step_s * world) / 1e12;
   out.mfu = out.tflops_per_gpu / g.peak_tflops;
   out.tokens_per_s = static_cast<double>(p.global_batch_size * p.seq_length) / out.step_s;
@@ -243,6 +252,12 @@ TrainingPlan plan_training(const PlanRequest& req) {
       for (int64_t l = ch.begin; l < ch.end; ++l) w.moe_layers += a.model.is_moe_layer(l) ? 1 : 0;
       if (a.model.recompute_granularity == RecomputeGranularity::kFull)
         for (int64_t i = 0; i < ch.size(); ++i) w.recomputed += a.model.recompute_group(i, ch.size()) >= 0 ? 1 : 0;
+    }
+    if (a.optim.optimizer == "muon") {
+      const MuonMemory mm = muon_memory(GPTModel::param_specs(a.model, pc.tp, 0, schedule.chunks, pc.ep, 0),
+                                        a.optim.muon, pc.tp, pc.etp, device);
+      w.muon_dense_flops = mm.dense_ns_flops;
+      w.muon_expert_flops = mm.expert_ns_flops;
     }
     p.recomputed_layers = std::max(p.recomputed_layers, static_cast<int>(w.recomputed));
     work.push_back(w);

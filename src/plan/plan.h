@@ -82,6 +82,8 @@ struct StepPrediction {
   double bubble_fraction = 0;    ///< (pp − 1) / (m · vpp) of the work above
   double dp_comm_s = 0;          ///< gradient reduction + parameter gather not hidden by overlap
   double optimizer_s = 0;        ///< AdamW over the owned parameters (memory bound)
+  double muon_s = 0;             ///< --optimizer muon: the Newton-Schulz GEMMs of the rank's matrices
+                                 ///< (all, or 1/DP of them with the distributed optimizer)
   double step_s = 0;             ///< the total
   double tflops_per_gpu = 0;     ///< model FLOPs / (step · world), Megatron's throughput
   double mfu = 0;                ///< tflops_per_gpu / peak

@@ -58,9 +58,10 @@ std::string format_plan(const TrainingPlan& p) {
   if (!s.available) return o + "> step time: no cost model for CPU ranks\n";
   o += fmt::format(
       "> predicted step: {:.1f} ms = (compute {:.1f} + TP {:.1f} + CP {:.1f} + EP {:.1f} ms on the slowest stage) x "
-      "(1 + bubble {:.1f}%) + pipeline sends {:.1f} + data-parallel exposed {:.1f} + optimizer {:.1f} ms\n",
+      "(1 + bubble {:.1f}%) + pipeline sends {:.1f} + data-parallel exposed {:.1f} + optimizer {:.1f} ms{}\n",
       ms(s.step_s), ms(s.compute_s), ms(s.tp_comm_s), ms(s.cp_comm_s), ms(s.ep_comm_s), 100 * s.bubble_fraction,
-      ms(s.pp_comm_s), ms(s.dp_comm_s), ms(s.optimizer_s));
+      ms(s.pp_comm_s), ms(s.dp_comm_s), ms(s.optimizer_s),
+      s.muon_s > 0 ? fmt::format(" + Muon Newton-Schulz {:.1f} ms", ms(s.muon_s)) : std::string());
   o += fmt::format("> predicted throughput: {:.1f} TFLOP/s per GPU, MFU {:.1f}% (of {:.1f}), {:.1f}K tokens/s\n",
                    s.tflops_per_gpu, 100 * s.mfu, p.gpu.peak_tflops, s.tokens_per_s / 1e3);
   return o;
@@ -120,7 +121,7 @@ std::string plan_json(const TrainingPlan& p) {
   if (s.available)
     j["step"] = {{"step_s", s.step_s},         {"compute_s", s.compute_s},     {"tp_comm_s", s.tp_comm_s},
                  {"cp_comm_s", s.cp_comm_s},   {"ep_comm_s", s.ep_comm_s},     {"pp_comm_s", s.pp_comm_s},
-                 {"bubble_fraction", s.bubble_fraction}, {"dp_comm_s", s.dp_comm_s}, {"optimizer_s", s.optimizer_s},
+                 {"bubble_fraction", s.bubble_fraction}, {"dp_comm_s", s.dp_comm_s}, {"optimizer_s", s.optimizer_s}, {"muon_s", s.muon_s},
                  {"tflops_per_gpu", s.tflops_per_gpu},   {"mfu", s.mfu},             {"tokens_per_s", s.tokens_per_s}};
   else
     j["step"] = nullptr;

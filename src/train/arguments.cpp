@@ -384,20 +384,24 @@ void add_training_options(CLI::App& app, PretrainArgs& a) {
   app.add_option("--muon-num-ns-steps", a.optim.muon.num_ns_steps, "Muon: Newton-Schulz steps")
       ->check(positive_integer())
       ->capture_default_str();
-  app.add_option("--muon-scale-mode", a.optim.muon.scale_mode,
-                 "Muon update scale: spectral sqrt(max(r, c)), unit_rms_norm sqrt(r / c), shape_scaling "
-                 "sqrt(max(1, r / c))")
-      ->capture_default_str();
+  app.add_option_function<std::string>(
+         "--muon-scale-mode", [&a](const std::string& v) { a.optim.muon.scale_mode = parse_muon_scale_mode(v); },
+         "Muon update scale: spectral sqrt(max(r, c)), unit_rms_norm sqrt(r / c), shape_scaling "
+         "sqrt(max(1, r / c))")
+      ->default_str(muon_scale_mode_name(a.optim.muon.scale_mode));
   app.add_option("--muon-extra-scale-factor", a.optim.muon.extra_scale_factor, "Muon: extra update scale factor")
       ->check(number_range(0, kNoMax))
       ->capture_default_str();
-  app.add_option("--muon-coefficient-type", a.optim.muon.coefficient_type,
-                 "Muon Newton-Schulz coefficients: simple, quintic, polar_express or aol")
-      ->capture_default_str();
-  app.add_option("--muon-tp-mode", a.optim.muon.tp_mode,
-                 "Muon with tensor parallelism: duplicated (gather, orthogonalise, keep the shard), distributed "
-                 "(sharded iteration) or blockwise (each shard alone)")
-      ->capture_default_str();
+  app.add_option_function<std::string>(
+         "--muon-coefficient-type",
+         [&a](const std::string& v) { a.optim.muon.coefficient_type = parse_muon_coefficient_type(v); },
+         "Muon Newton-Schulz coefficients: simple, quintic, polar_express or aol")
+      ->default_str(muon_coefficient_type_name(a.optim.muon.coefficient_type));
+  app.add_option_function<std::string>(
+         "--muon-tp-mode", [&a](const std::string& v) { a.optim.muon.tp_mode = parse_muon_tp_mode(v); },
+         "Muon with tensor parallelism: duplicated (gather, orthogonalise, keep the shard), distributed "
+         "(sharded iteration) or blockwise (each shard alone)")
+      ->default_str(muon_tp_mode_name(a.optim.muon.tp_mode));
   app.add_option("--seed", a.seed, "Random seed (init, dropout, data order)")
       ->check(integer_range(0, 4294967295))
       ->capture_default_str();

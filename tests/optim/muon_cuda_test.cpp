@@ -70,7 +70,7 @@ TEST(MuonCuda, Copy2dMatchesCpu) {
 TEST(MuonCuda, NewtonSchulzBf16MatchesCpu) {
   for (const auto& [type, steps] : std::vector<std::pair<std::string, int>>{
            {"simple", 5}, {"quintic", 5}, {"polar_express", 8}, {"aol", 4}}) {
-    const auto co = ns_coefficients(type, steps);
+    const auto co = ns_coefficients(parse_muon_coefficient_type(type), steps);
     for (const auto& [r, c] : {std::pair<int64_t, int64_t>{96, 256}, {256, 96}, {512, 512}}) {
       const std::vector<float> g = testing::randn(r * c);
       std::vector<std::vector<float>> o(2);

@@ -46,7 +46,7 @@ class NewtonSchulzTest : public ::testing::TestWithParam<NsCase> {};
 // singular values (NS acts on each singular value alone). Wide, tall and square matrices.
 TEST_P(NewtonSchulzTest, MatchesFloat64AndThePolynomialOnSingularValues) {
   const NsCase nc = GetParam();
-  const std::vector<NsCoeff> co = ns_coefficients(nc.type, nc.steps);
+  const std::vector<NsCoeff> co = ns_coefficients(parse_muon_coefficient_type(nc.type), nc.steps);
   const Stream& st = testing::cpu_stream();
   for (const auto& [r, c] : {std::pair<int64_t, int64_t>{24, 40}, {40, 24}, {32, 32}}) {
     const std::vector<float> g = testing::randn(r * c);
@@ -77,12 +77,13 @@ TEST_P(NewtonSchulzTest, MatchesFloat64AndThePolynomialOnSingularValues) {
     EXPECT_LT(worst, 1e-4) << nc.type << " " << r << "x" << c;
     // The orthogonality the sets reach on a rectangular Gaussian matrix (well conditioned): every
     // singular value near 1 (the classic quintic trades accuracy for speed: about [0.68, 1.13]). A
-    // square one has singular values near 0 that only polar_express lifts in its steps.
+    // square one has singular values near 0 (a Gaussian square matrix's smallest one may be
+    // arbitrarily small: with 1 seed in ~7 polar_express leaves one below 0.99), so there only
+    // the upper bound of polar_express (the per-value polynomial is checked above for all).
     const bool precise = nc.type == "polar_express";
-    if (r != c || precise) {
-      EXPECT_GT(lo, precise ? 0.99 : (nc.type == "simple" ? 0.6 : 0.95)) << nc.type << " " << r << "x" << c;
+    if (r != c) EXPECT_GT(lo, precise ? 0.99 : (nc.type == "simple" ? 0.6 : 0.95)) << nc.type << " " << r << "x" << c;
+    if (r != c || precise)
       EXPECT_LT(hi, precise ? 1.01 : (nc.type == "simple" ? 1.2 : 1.05)) << nc.type << " " << r << "x" << c;
-    }
     std::printf("%s %s %ldx%ld: singular values in [%.4f, %.4f]\n", nc.type.c_str(), "cpu", static_cast<long>(r),
                 static_cast<long>(c), lo, hi);
   }
@@ -94,28 +95,36 @@ INSTANTIATE_TEST_SUITE_P(Sets, NewtonSchulzTest,
                          [](const auto& info) { return info.param.type + "_" + std::to_string(info.param.steps); });
 
 TEST(NewtonSchulz, CoefficientSetsAndErrors) {
-  const auto simple = ns_coefficients("simple", 3);
+  const auto simple = ns_coefficients(MuonCoefficientType::kSimple, 3);
   ASSERT_EQ(simple.size(), 3u);
   EXPECT_EQ(simple[2].a, 3.4445f);
   EXPECT_EQ(simple[2].b, -4.7750f);
   EXPECT_EQ(simple[2].c, 2.0315f);
-  const auto pe = ns_coefficients("polar_express", 10);
+  const auto pe = ns_coefficients(MuonCoefficientType::kPolarExpress, 10);
   ASSERT_EQ(pe.size(), 10u);
   EXPECT_EQ(pe[0].a, 8.2051f);
   EXPECT_EQ(pe[9].a, pe[7].a);  // the last step repeated
-  EXPECT_EQ(ns_coefficients("quintic", 10).size(), 10u);
-  testing::expect_error([] { ns_coefficients("cubic", 5); }, "--muon-coefficient-type 'cubic'");
-  testing::expect_error([] { ns_coefficients("quintic", 4); }, "multiple of 5");
-  testing::expect_error([] { ns_coefficients("polar_express", 5); }, ">= 8");
-  testing::expect_error([] { ns_coefficients("simple", 0); }, "--muon-num-ns-steps must be >= 1");
-  EXPECT_DOUBLE_EQ(muon_scale_factor("spectral", 16, 64), 8.0);
-  EXPECT_DOUBLE_EQ(muon_scale_factor("unit_rms_norm", 64, 16), 2.0);
-  EXPECT_DOUBLE_EQ(muon_scale_factor("shape_scaling", 16, 64), 1.0);
-  testing::expect_error([] { muon_scale_factor("rms", 1, 1); }, "--muon-scale-mode 'rms'");
+  EXPECT_EQ(ns_coefficients(MuonCoefficientType::kQuintic, 10).size(), 10u);
+  testing::expect_error([] { parse_muon_coefficient_type("cubic"); },
+                        "--muon-coefficient-type 'cubic' is not one of simple, quintic, polar_express, aol");
+  testing::expect_error([] { ns_coefficients(MuonCoefficientType::kQuintic, 4); }, "multiple of 5");
+  testing::expect_error([] { ns_coefficients(MuonCoefficientType::kPolarExpress, 5); }, ">= 8");
+  testing::expect_error([] { ns_coefficients(MuonCoefficientType::kSimple, 0); }, "--muon-num-ns-steps must be >= 1");
+  EXPECT_DOUBLE_EQ(muon_scale_factor(MuonScaleMode::kSpectral, 16, 64), 8.0);
+  EXPECT_DOUBLE_EQ(muon_scale_factor(MuonScaleMode::kUnitRmsNorm, 64, 16), 2.0);
+  EXPECT_DOUBLE_EQ(muon_scale_factor(MuonScaleMode::kShapeScaling, 16, 64), 1.0);
+  testing::expect_error([] { parse_muon_scale_mode("rms"); },
+                        "--muon-scale-mode 'rms' is not one of spectral, unit_rms_norm, shape_scaling");
+  testing::expect_error([] { parse_muon_tp_mode("sharded"); },
+                        "--muon-tp-mode 'sharded' is not one of duplicated, blockwise, distributed");
+  // Every spelling round-trips through its enum.
+  for (const char* n : {"spectral", "unit_rms_norm", "shape_scaling"})
+    EXPECT_STREQ(muon_scale_mode_name(parse_muon_scale_mode(n)), n);
+  for (const char* n : {"simple", "quintic", "polar_express", "aol"})
+    EXPECT_STREQ(muon_coefficient_type_name(parse_muon_coefficient_type(n)), n);
+  for (const char* n : {"duplicated", "blockwise", "distributed"})
+    EXPECT_STREQ(muon_tp_mode_name(parse_muon_tp_mode(n)), n);
   MuonConfig c;
-  c.tp_mode = "sharded";
-  testing::expect_error([&] { validate_muon_config(c); }, "--muon-tp-mode 'sharded'");
-  c = MuonConfig{};
   c.momentum = 1.f;
   testing::expect_error([&] { validate_muon_config(c); }, "--muon-momentum");
   OptimizerConfig oc;
@@ -308,7 +317,7 @@ TEST(MuonStep, ExpertsOrthogonalisedOneByOne) {
   // Clipping couples the experts through the global norm, and the orthogonalisation removes a
   // common scale: the update of expert 0 is the same up to rounding.
   EXPECT_LT(testing::rel_err(after[0], after[1]), 1e-5);
-  const double s = muon_scale_factor("spectral", kF, kH) * 0.2;
+  const double s = muon_scale_factor(MuonScaleMode::kSpectral, kF, kH) * 0.2;
   Mat o = to_double(after[0]);
   for (double& v : o) v /= s;
   for (double sv : singular_values(o, kF, kH)) {
@@ -521,7 +530,7 @@ TEST(MuonCli, FlagsParse) {
   app.parse("--num-layers 1 --hidden-size 64 --num-attention-heads 8 --group-query-attention --num-query-groups 2 "
             "--seq-length 16 --micro-batch-size 1 --lr 1e-3 --train-iters 1 --mock-data --optimizer muon "
             "--muon-momentum 0.95 --muon-use-nesterov --muon-num-ns-steps 10 --muon-scale-mode unit_rms_norm "
-            "--muon-extra-scale-factor 0.2 --muon-coefficient-type quintic --muon-tp-mode distributed "
+            "--muon-extra-scale-factor 0.2 --muon-coefficient-type polar_express --muon-tp-mode distributed "
             "--muon-no-split-qkv",
             false);
   validate_pretrain_args(a);
@@ -530,9 +539,10 @@ TEST(MuonCli, FlagsParse) {
   EXPECT_EQ(m.momentum, 0.95f);
   EXPECT_TRUE(m.nesterov);
   EXPECT_EQ(m.num_ns_steps, 10);
-  EXPECT_EQ(m.scale_mode, "unit_rms_norm");
+  EXPECT_EQ(m.scale_mode, MuonScaleMode::kUnitRmsNorm);
   EXPECT_EQ(m.extra_scale_factor, 0.2f);
-  EXPECT_EQ(m.tp_mode, "distributed");
+  EXPECT_EQ(m.tp_mode, MuonTpMode::kDistributed);
+  EXPECT_EQ(m.coefficient_type, MuonCoefficientType::kPolarExpress);
   EXPECT_FALSE(m.split_qkv);
   EXPECT_EQ(m.qkv_q_rows, 4 * 8);  // 8 heads / 2 groups x head dim 8
   EXPECT_EQ(m.qkv_kv_rows, 8);
@@ -549,10 +559,13 @@ TEST(MuonCli, FlagsParse) {
 TEST(MuonCli, BadFlags) {
   for (const auto& [flags, needle] : std::vector<std::pair<std::string, std::string>>{
            {"--optimizer sgd", "--optimizer 'sgd' is not one of adam, muon"},
-           {"--optimizer muon --muon-tp-mode sharded", "--muon-tp-mode 'sharded'"},
-           {"--optimizer muon --muon-coefficient-type cubic", "--muon-coefficient-type 'cubic'"},
+           {"--optimizer muon --muon-tp-mode sharded",
+            "--muon-tp-mode 'sharded' is not one of duplicated, blockwise, distributed"},
+           {"--optimizer muon --muon-coefficient-type cubic",
+            "--muon-coefficient-type 'cubic' is not one of simple, quintic, polar_express, aol"},
            {"--optimizer muon --muon-coefficient-type polar_express", ">= 8"},
-           {"--optimizer muon --muon-scale-mode rms", "--muon-scale-mode 'rms'"}}) {
+           {"--optimizer muon --muon-scale-mode rms",
+            "--muon-scale-mode 'rms' is not one of spectral, unit_rms_norm, shape_scaling"}}) {
     const auto r = testing::run_megatron(pretrain("--train-iters 1 " + flags));
     EXPECT_NE(r.rc, 0) << flags;
     EXPECT_NE(r.out.find(needle), std::string::npos) << flags << "\n" << r.out;

@@ -129,8 +129,8 @@ inline MuonConfig muon_config(const std::string& tp_mode = "duplicated") {
   MuonConfig m;
   m.momentum = 0.9f;
   m.nesterov = true;
-  m.coefficient_type = "quintic";
-  m.tp_mode = tp_mode;
+  m.coefficient_type = MuonCoefficientType::kQuintic;
+  m.tp_mode = parse_muon_tp_mode(tp_mode);
   m.extra_scale_factor = 0.2f;
   m.qkv_q_rows = kHeads / kGroups * kD;
   m.qkv_kv_rows = kD;

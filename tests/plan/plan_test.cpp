@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <mutex>
+#include <tuple>
 
 #include "core/buffer.h"
 #include "plan/plan.h"
@@ -147,7 +148,7 @@ TEST_F(Plan, PredictedStepAddsUpAndFollowsTheSchedule) {
   EXPECT_EQ(p.num_microbatches, 4);  // 8 sequences over dp 2, micro-batch 1
   EXPECT_DOUBLE_EQ(s.bubble_fraction, 3.0 / 4.0);
   EXPECT_NEAR(s.step_s, (s.compute_s + s.tp_comm_s + s.cp_comm_s + s.ep_comm_s) * (1 + s.bubble_fraction) +
-                            s.pp_comm_s + s.dp_comm_s + s.optimizer_s,
+                            s.pp_comm_s + s.dp_comm_s + s.optimizer_s + s.muon_s,
               1e-12);
   EXPECT_NEAR(s.mfu, p.flops_per_iteration / (s.step_s * 8) / (p.gpu.peak_tflops * 1e12), 1e-12);
   EXPECT_GT(s.compute_s, 0);
@@ -159,6 +160,31 @@ TEST_F(Plan, PredictedStepAddsUpAndFollowsTheSchedule) {
   EXPECT_GT(more.step.mfu, s.mfu);
   EXPECT_EQ(p.stages.size(), 4u);
   EXPECT_EQ(p.stages[1].layers, "[2, 4)");
+}
+
+// --optimizer muon adds the Newton-Schulz GEMMs to the step, at the compute rate, by hand: 4
+// layers of Q, K, V, proj [32, 32] (4 k^2 n + 2 k^3 = 6 * 32^3 each) and fc1 [128, 32], fc2
+// [32, 128] (k 32, n 128: 4 * 32^2 * 128 + 2 * 32^3), 5 steps; half of it per rank with the
+// distributed optimizer over DP 2; TP 2 in the duplicated mode iterates the global matrices.
+TEST_F(Plan, MuonAddsTheNewtonSchulzFlopsToTheStep) {
+  const double square = 6.0 * 32 * 32 * 32, mlp = 4.0 * 32 * 32 * 128 + 2.0 * 32 * 32 * 32;
+  const double flops = 5 * 4 * (4 * square + 2 * mlp);  // 39321600
+  EXPECT_DOUBLE_EQ(flops, 39321600.0);
+  const std::string base = "--bf16 --train-iters 2 ";
+  for (const auto& [extra, world, share] : std::vector<std::tuple<std::string, int, double>>{
+           {"", 1, 1.0},
+           {"--use-distributed-optimizer", 2, 0.5},
+           {"", 2, 1.0},
+           {"--tensor-model-parallel-size 2 --muon-tp-mode duplicated", 2, 1.0}}) {
+    const TrainingPlan adam = plan_training(request(base + extra, world, "h200"));
+    const TrainingPlan muon = plan_training(request(base + extra + " --optimizer muon", world, "h200"));
+    ASSERT_TRUE(muon.step.available);
+    const double rate = muon.gpu.compute_efficiency * muon.gpu.peak_tflops * 1e12;
+    EXPECT_DOUBLE_EQ(muon.step.muon_s, share * flops / rate) << extra << " world " << world;
+    EXPECT_EQ(adam.step.muon_s, 0.0);
+    EXPECT_NEAR(muon.step.step_s - adam.step.step_s, muon.step.muon_s, 1e-15) << extra;
+    EXPECT_NE(format_plan(muon).find("Muon Newton-Schulz"), std::string::npos);
+  }
 }
 
 // A layout that does not fit says so and names its largest consumer; the JSON has every stage.

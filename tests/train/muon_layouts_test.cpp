@@ -44,6 +44,33 @@ TEST_F(MuonLayouts, ParallelLayoutsMatchOneRank) {
   }
 }
 
+// The distributed optimizer's overlapped gradient reduce-scatter and parameter all-gather
+// (--overlap-grad-reduce --overlap-param-gather, several buckets) leave Muon's step bitwise
+// unchanged (the same collectives in the same order on CPU ranks): every loss, grad norm and
+// validation loss (the one after the last step reads the final parameters), DP 2 and DP 2 x TP 2.
+TEST_F(MuonLayouts, OverlapIsBitwiseTheSame) {
+  for (const std::string layout :
+       {"--nproc-per-node 2 --use-distributed-optimizer --ddp-bucket-size 20000",
+        "--nproc-per-node 4 --tensor-model-parallel-size 2 --use-distributed-optimizer --ddp-bucket-size 20000",
+        "--nproc-per-node 4 --tensor-model-parallel-size 2 --use-distributed-optimizer --ddp-bucket-size 20000 "
+        "--muon-tp-mode distributed"}) {
+    SCOPED_TRACE(layout);
+    const TrainingResult plain = train(layout);
+    const TrainingResult overlap = train(layout + " --overlap-grad-reduce --overlap-param-gather");
+    ASSERT_EQ(plain.losses.size(), 4u);
+    EXPECT_EQ(overlap.losses, plain.losses);
+    ASSERT_EQ(overlap.log.size(), plain.log.size());
+    for (size_t i = 0; i < plain.log.size(); ++i) {
+      const std::string norm = testing::logged(plain.log[i].line, "grad norm");
+      EXPECT_FALSE(norm.empty()) << plain.log[i].line;
+      EXPECT_EQ(testing::logged(overlap.log[i].line, "grad norm"), norm) << i;
+    }
+    ASSERT_EQ(overlap.validation.size(), plain.validation.size());
+    ASSERT_TRUE(plain.validation.count(4));
+    for (const auto& [it, v] : plain.validation) EXPECT_EQ(overlap.validation.at(it).loss, v.loss) << it;
+  }
+}
+
 TEST_F(MuonLayouts, MixtureOfExpertsMatchesOneRank) {
   const std::string moe = "--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 48 --disable-bias-linear ";
   const TrainingResult ref = train(moe);
