@@ -137,6 +137,12 @@ class GradSync final : public ParamGradHooks {
   /// mt::Error naming a grad_overwrite parameter whose gradient no write of the step has taken
   /// (ParamStore::untaken_first_write: it would hold the last step's values).
   void finish_grad_sync(const Stream& stream);
+  /// The host-side state of a step whose zero_grad_buffer ... finish_grad_sync ran inside a CUDA
+  /// graph just replayed (StepRunner, full-iteration graph without the optimizer): the replay did
+  /// the reductions, so this marks every bucket reduced and the step finished without launching
+  /// anything. Without it the optimizer step's finish_grad_sync would reduce every bucket a
+  /// second time (the replay does not run the host code that records what was launched).
+  void mark_replayed_grad_sync();
   /// After the optimizer updated the owned parameters on `stream`: with the distributed
   /// optimizer, all-gathers each bucket's model-dtype parameters from the owned slices, in
   /// forward bucket order (on the communication stream with overlap_param_gather, else on

@@ -107,6 +107,8 @@ void StepRunner::step_full_iteration(const std::vector<MicroBatch>& micro_batche
   }
   if (train_graph_.captured()) {
     train_graph_.launch(stream_);
+    // the replay reduced the gradients; the optimizer step below must not reduce them again
+    if (!graphs_.include_optimizer) setup_.optimizer().grad_sync().mark_replayed_grad_sync();
   } else {
     body();
   }

@@ -401,6 +401,35 @@ TEST(DataParallel, OverlapOnOffBitwise) {
   EXPECT_EQ(out[0], out[2]);
 }
 
+// A full-iteration CUDA graph without the optimizer replays zero_grad_buffer ... finish_grad_sync
+// on the device but none of their host bookkeeping (StepRunner::step_full_iteration). Emulated on
+// CPU ranks: after a step reduced as usual, the gradients are set to their reduced values (what
+// the replay leaves) and mark_replayed_grad_sync() records the step as finished: the optimizer's
+// own finish_grad_sync must then reduce nothing (it used to sum the reduced gradients over DP a
+// second time: twice the gradients on 2 ranks), and the next step starts normally.
+TEST(DataParallel, ReplayedGradSyncIsNotReducedAgain) {
+  const Model m = ddp_test::gpt_like(2);
+  run_thread_ranks(2, [&](int rank, std::shared_ptr<Communicator> w) {
+    Stream st;
+    ParamStore P(m.specs, DType::kF32, Device::cpu(), ParamLayout{2, 500});
+    P.initialize(5, st);
+    GradSync sync(P, w, DdpConfig{});
+    sync.zero_grad_buffer(st);
+    ddp_test::backward(m, P, sync, Pattern::kInOrder, 0, rank, st);
+    sync.finish_grad_sync(st);
+    const std::vector<float> reduced = testing::to_host(P.grads_flat(), st);
+    sync.start_param_sync(st);  // the optimizer step ends the step: host state reset
+    // the "replayed" step: the graph leaves the reduced gradients, the host marks it finished
+    sync.mark_replayed_grad_sync();
+    EXPECT_EQ(sync.grad_reductions_launched(), P.buckets().size());
+    sync.finish_grad_sync(st);
+    EXPECT_EQ(testing::to_host(P.grads_flat(), st), reduced) << "rank " << rank << ": reduced a second time";
+    expect_error([&] { sync.grads_ready(0, 1, st); }, "after finish_grad_sync");
+    sync.zero_grad_buffer(st);  // a new step
+    EXPECT_EQ(sync.grad_reductions_launched(), 0u);
+  });
+}
+
 // --grad-reduce-in-bf16: every bucket's gradients are rounded to bf16, summed over DP by the
 // communicator (the thread communicator sums in double in rank order and rounds once), and
 // widened back: the reduced (owned) gradients equal that formula bitwise, for DP 2 and 4, one or

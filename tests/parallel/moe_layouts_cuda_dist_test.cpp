@@ -14,8 +14,21 @@
 // matrix and over all gradients, the loss within 2e-3, the parameters after the updates within 2e-2
 // per matrix and 1e-2 overall. With MoE the noise also contains the router's near-tied top-k choices
 // that bf16 rounding flips (a flipped slot moves one token's contribution between two experts): the
-// bf16-vs-fp32 comparison sees such flips too, so the bound scales with them. A missing expert, a
-// wrong shard, a lost or misrouted token, a clone gradient not returned is off by O(1).
+// bf16-vs-fp32 comparison sees such flips too, so the bound scales with them. One expert's tensors
+// are the exception: a flip moves one token's share of that expert's gradient, about 1/sqrt(n) of it
+// with n slots per expert (n = 128 here: ~9 %), and which experts flip differs from run to run (a
+// layout that adds partial sums in bf16 -- the allgather dispatcher's reduce-scatter, ETP's row-
+// parallel fc2 -- flips others than the one-GPU bf16 run). So each expert tensor is held to
+// kExpertGradBound (a few flips; a missing expert, a wrong shard or slice is off by O(1)) and its
+// parameters after the updates to kExpertParamBound (AdamW's first steps move every element by about
+// lr whatever the gradient's size, so a flip-dominated element lands 2·lr away); the gradients and
+// parameters of all tensors together keep the bf16-noise bounds. (Measured on 2 H200s, 2026-11-28:
+// the experts of one layer and linear taken together differed by up to 9.8 % from the one-GPU bf16
+// run under the allgather dispatcher, whose combine adds in bf16, against 1.5-2.5 % bf16-vs-fp32 in
+// the one-GPU runs, which flipped no slot there; all gradients together 0.03-1.1 %, within that
+// noise.) A missing expert, a wrong shard or slice, a clone gradient not returned is off by O(1).
+//
+// MT_MOE_LAYOUTS=name,name,... runs only the layouts named (both tests), for a short GPU session.
 //
 // With ECHO and the static blocks the clones travel by the used-slot transfers over NCCL's
 // symmetric window (model/moe/echo_peers.h), inside the full-iteration graph: they must have sent
@@ -30,6 +43,8 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <optional>
@@ -55,6 +70,7 @@ using testing::OwnedTensor;
 constexpr int kIters = 3;  // with graphs: step 0 eager (warm-up), 1 captured, 2 replayed
 constexpr int64_t kMicroBatch = 2, kNumMicro = 8;
 constexpr int64_t kFits = -1;  // --moe-received-token-capacity that holds every slot
+constexpr double kExpertGradBound = 0.25, kExpertParamBound = 0.1;  // one expert's tensors (see above)
 
 TransformerConfig config() {
   TransformerConfig c;
@@ -96,7 +112,8 @@ struct Layout {
 struct RunResult {
   std::vector<double> losses;
   std::vector<ParamInfo> infos;                   // this rank's parameters
-  std::vector<std::vector<float>> grads, params;  // local shards (params fp32 main)
+  std::vector<std::vector<float>> grads, params;  // local shards (params in the model dtype: the fp32 main
+                                                  // copies are sharded by the distributed optimizer)
   int64_t rerouted = 0;                           // ECHO (host placement): slots sent to clones
   int64_t echo_bytes = 0;  // ECHO (static blocks): bytes the used-slot transfers wrote (EchoPeers)
 };
@@ -180,9 +197,36 @@ RunResult train(const std::shared_ptr<Communicator>& world, const Layout& L, DTy
   for (size_t i = 0; i < P.size(); ++i) {
     r.infos.push_back(P.info(i));
     r.grads.push_back(testing::to_host(P.grad(i), st));
-    r.params.push_back(testing::to_host(P.main(i), st));
+    r.params.push_back(testing::to_host(P.param(i), st));
   }
   return r;
+}
+
+double l2(const std::vector<float>& v) {
+  double s = 0;
+  for (const float x : v) s += static_cast<double>(x) * x;
+  return std::sqrt(s);
+}
+
+// The layouts MT_MOE_LAYOUTS names (all of them when it is unset); an unknown name is an error.
+std::vector<Layout> selected(std::vector<Layout> layouts) {
+  const char* only = std::getenv("MT_MOE_LAYOUTS");
+  if (only == nullptr || *only == 0) return layouts;
+  std::vector<Layout> out;
+  std::string list = only;
+  for (size_t b = 0; b <= list.size();) {
+    const size_t e = std::min(list.find(',', b), list.size());
+    const std::string name = list.substr(b, e - b);
+    b = e + 1;
+    if (name.empty()) continue;
+    const auto it = std::find_if(layouts.begin(), layouts.end(), [&](const Layout& L) { return L.name == name; });
+    if (it == layouts.end()) {
+      ADD_FAILURE() << "MT_MOE_LAYOUTS names '" << name << "', not a layout of this world size";
+      continue;
+    }
+    out.push_back(*it);
+  }
+  return out;
 }
 
 struct Environment {
@@ -202,18 +246,23 @@ std::string cannot_run(const LaunchEnv& env) {
   return "";
 }
 
-// The world (initialised once per process) and the data (rank 0's, broadcast).
+// The world (initialised once per process) and the data (rank 0's, broadcast). The static is
+// complete only after MPI was initialised, so it is destroyed first at exit: the NCCL world goes
+// before MPI_Finalize (a default-constructed static filled in later outlived MPI_Finalize, and
+// mpiexec did not return after the tests had ended).
 const Environment& setup_environment(const LaunchEnv& env) {
-  static Environment e;
-  if (e.world) return e;
-  e.dev = local_device(DeviceType::kCUDA, env);
-  set_current_device(e.dev);
-  e.world = init_world(e.dev, env, 5.0);
-  const TransformerConfig c = config();
-  e.tokens = testing::randint(kNumMicro * kMicroBatch * c.seq_length, 0, 250);
-  e.labels = testing::randint(kNumMicro * kMicroBatch * c.seq_length, 0, 250);
-  MPI_Bcast(e.tokens.data(), static_cast<int>(e.tokens.size()), MPI_INT32_T, 0, MPI_COMM_WORLD);
-  MPI_Bcast(e.labels.data(), static_cast<int>(e.labels.size()), MPI_INT32_T, 0, MPI_COMM_WORLD);
+  static const Environment e = [&env] {
+    Environment r;
+    r.dev = local_device(DeviceType::kCUDA, env);
+    set_current_device(r.dev);
+    r.world = init_world(r.dev, env, 5.0);
+    const TransformerConfig c = config();
+    r.tokens = testing::randint(kNumMicro * kMicroBatch * c.seq_length, 0, 250);
+    r.labels = testing::randint(kNumMicro * kMicroBatch * c.seq_length, 0, 250);
+    MPI_Bcast(r.tokens.data(), static_cast<int>(r.tokens.size()), MPI_INT32_T, 0, MPI_COMM_WORLD);
+    MPI_Bcast(r.labels.data(), static_cast<int>(r.labels.size()), MPI_INT32_T, 0, MPI_COMM_WORLD);
+    return r;
+  }();
   return e;
 }
 
@@ -242,6 +291,7 @@ TEST(MoeLayoutsNccl, Bf16LayoutsMatchOneGpu) {
     layouts = {
         {"ep2_allgather", 1, 1, 0, 2},
         {"ep2_alltoall", 1, 1, 0, 2, 0, false, true},
+        {"ep2_alltoall_gg_static", 1, 1, 0, 2, 0, false, true, true, false, kFits},
         {"ep2_alltoall_gg_static_full_graph", 1, 1, 0, 2, 0, false, true, true, false, kFits, 0, 'f'},
         {"ep2_alltoall_gg_static_echo_full_graph", 1, 1, 0, 2, 0, false, true, true, false, kFits, 1, 'f'},
         {"ep2_alltoall_echo", 1, 1, 0, 2, 0, false, true, false, false, 0, 1},
@@ -264,7 +314,7 @@ TEST(MoeLayoutsNccl, Bf16LayoutsMatchOneGpu) {
         {"ep4_allgather_gg_distopt_full_graph", 1, 1, 0, 4, 0, false, false, true, true, 0, 0, 'f'},
     };
   }
-  for (const Layout& L : layouts) {
+  for (const Layout& L : selected(layouts)) {
     const RunResult par = train(e.world, L, DType::kBF16, e.dev, e.tokens, e.labels);
     for (int it = 0; it < kIters; ++it)
       EXPECT_NEAR(par.losses[it], ref.losses[it], 2e-3 * ref.losses[it]) << L.name << " iteration " << it;
@@ -286,14 +336,18 @@ TEST(MoeLayoutsNccl, Bf16LayoutsMatchOneGpu) {
       all_par_p.insert(all_par_p.end(), par.params[i].begin(), par.params[i].end());
       all_ref_p.insert(all_ref_p.end(), rp.begin(), rp.end());
       if (info.shape.size() != 2) continue;
+      const bool expert = info.name.find(".experts.local_experts.") != std::string::npos;
+      const double grad_bound = expert ? kExpertGradBound : std::max(2e-2, 3 * noise[j]);
       if (!L.zero)
-        EXPECT_LT(testing::rel_err(par.grads[i], rg), std::max(2e-2, 3 * noise[j]))
+        EXPECT_LT(testing::rel_err(par.grads[i], rg), grad_bound)
             << L.name << " grad " << info.name << " (bf16 noise " << noise[j] << ")";
-      EXPECT_LT(testing::rel_err(par.params[i], rp), 2e-2) << L.name << " param " << info.name;
+      EXPECT_LT(testing::rel_err(par.params[i], rp), expert ? kExpertParamBound : 2e-2)
+          << L.name << " param " << info.name;
     }
     const double eg = testing::rel_err(all_par_g, all_ref_g), ep = testing::rel_err(all_par_p, all_ref_p);
-    std::printf("[%s] rank %d: all gradients rel err %.2e, all parameters %.2e, loss %.6f vs %.6f\n", L.name.c_str(),
-                e.world->rank(), eg, ep, par.losses.back(), ref.losses.back());
+    std::printf("[%s] rank %d: all gradients rel err %.2e (norm ratio %.4f), all parameters %.2e, loss %.6f vs %.6f\n",
+                L.name.c_str(), e.world->rank(), eg, l2(all_par_g) / l2(all_ref_g), ep,
+                par.losses.back(), ref.losses.back());
     if (!L.zero) EXPECT_LT(eg, std::max(2e-2, 3 * noise_all)) << L.name << " (bf16 noise " << noise_all << ")";
     EXPECT_LT(ep, 1e-2) << L.name;
   }
@@ -314,7 +368,7 @@ TEST(MoeLayoutsNccl, OverlappedCommunicationIsBitwiseTheSequentialLayer) {
              {"ep2_etp2_tp2sp_alltoall_gg", 2, 1, 0, 2, 2, true, true, true},
              {"ep2_pp2_alltoall", 1, 2, 0, 2, 0, false, true}};
   }
-  for (const Layout& base : bases) {
+  for (const Layout& base : selected(bases)) {
     const RunResult ref = train(e.world, base, DType::kBF16, e.dev, e.tokens, e.labels);
     for (int v = 0; v < 4; ++v) {
       Layout L = base;
