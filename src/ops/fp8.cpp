@@ -7,15 +7,8 @@
 namespace mt {
 namespace {
 
-/// A contiguous fp32 tensor of n elements (any shape).
-void check_f32_vec(const Tensor& t, int64_t n, const char* fn, const char* name) {
-  MT_CHECK(t.dtype() == DType::kF32 && t.numel() == n && t.is_contiguous(),
-           "{}: {} must be a contiguous fp32 tensor of {} element(s), got {}", fn, name, n, t.str());
-}
-
-void check_fp8_dtype(DType t, const char* fn, const char* name) {
-  MT_CHECK(is_fp8(t), "{}: {} must be fp8_e4m3 or fp8_e5m2, got {}", fn, name, dtype_name(t));
-}
+using op_checks::check_fp8_dtype;
+using op_checks::check_stats;
 
 /// x [..., cols] as [rows, cols] (op_checks::check_act), with q (x's shape) and q_t ([cols, rows])
 /// FP8 of one dtype where given; at least one given. Returns {rows, cols}.
@@ -24,9 +17,7 @@ std::pair<int64_t, int64_t> check_quantize_io(const Tensor& q, const Tensor& q_t
   const auto [rows, cols] = op_checks::rows_of(x, fn);
   MT_CHECK(!q.empty() || !q_t.empty(), "{}: q and q_t are both empty: nothing to write", fn);
   if (!q.empty()) {
-    check_fp8_dtype(q.dtype(), fn, "q");
-    MT_CHECK(q.shape() == x.shape() && q.is_contiguous(), "{}: q {} must be contiguous with x's shape {}", fn, q.str(),
-             x.shape_str());
+    op_checks::check_fp8_like(q, x, fn, "q", "x");
   }
   if (!q_t.empty()) {
     check_fp8_dtype(q_t.dtype(), fn, "q_t");
@@ -41,7 +32,7 @@ void check_scale_tensor(const Tensor& s, Fp8Scaling scaling, int64_t rows, int64
                         const char* name) {
   const std::vector<int64_t> want = fp8_scale_shape(scaling, rows, cols);
   if (scaling == Fp8Scaling::kTensor) {
-    check_f32_vec(s, 1, fn, name);
+    check_stats(s, 1, fn, name);
     return;
   }
   MT_CHECK(s.dtype() == DType::kF32 && s.shape() == want && s.is_contiguous(),
@@ -76,7 +67,7 @@ void fp8_check_device(Device device, bool blockwise) {
 
 void fp8_amax(const Tensor& amax, const Tensor& x, const Stream& stream) {
   op_checks::check_act(x, "fp8_amax", "x");
-  check_f32_vec(amax, 1, "fp8_amax", "amax");
+  check_stats(amax, 1, "fp8_amax", "amax");
   check_same_device({&amax, &x});
   op_checks::check_stream(stream, amax, "fp8_amax");
   MT_DISPATCH(amax.device(), fp8_amax, amax, x, stream);
@@ -89,9 +80,9 @@ void fp8_scale_from_amax(const Tensor& scale, const Tensor& scale_inv, const Ten
   MT_CHECK(epsilon >= 0.f, "{}: epsilon must be >= 0, got {}", fn, epsilon);
   const int64_t n = amax.numel();
   MT_CHECK(n >= 1, "{}: amax {} is empty", fn, amax.str());
-  check_f32_vec(amax, n, fn, "amax");
-  check_f32_vec(scale, n, fn, "scale");
-  check_f32_vec(scale_inv, n, fn, "scale_inv");
+  check_stats(amax, n, fn, "amax");
+  check_stats(scale, n, fn, "scale");
+  check_stats(scale_inv, n, fn, "scale_inv");
   check_same_device({&scale, &scale_inv, &amax});
   op_checks::check_stream(stream, amax, fn);
   MT_DISPATCH(amax.device(), fp8_scale_from_amax, scale, scale_inv, amax, fp8, pow2, epsilon, stream);
@@ -108,8 +99,8 @@ void fp8_delayed_scale_update(const Tensor& amax_history, const Tensor& scale, c
                amax_history.size(1) >= 1 && amax_history.is_contiguous(),
            "{}: amax_history must be a contiguous fp32 [len >= 1, n >= 1], got {}", fn, amax_history.str());
   const int64_t n = amax_history.size(1);
-  check_f32_vec(scale, n, fn, "scale");
-  check_f32_vec(scale_inv, n, fn, "scale_inv");
+  check_stats(scale, n, fn, "scale");
+  check_stats(scale_inv, n, fn, "scale_inv");
   check_same_device({&amax_history, &scale, &scale_inv});
   op_checks::check_stream(stream, amax_history, fn);
   MT_DISPATCH(amax_history.device(), fp8_delayed_scale_update, amax_history, scale, scale_inv, fp8, margin, algo,
@@ -120,8 +111,7 @@ void fp8_quantize(const Tensor& q, const Tensor& q_t, const Tensor& x, const Ten
                   const Stream& stream) {
   const char* fn = "fp8_quantize";
   check_quantize_io(q, q_t, x, fn);
-  check_f32_vec(scale, 1, fn, "scale");
-  if (!amax.empty()) check_f32_vec(amax, 1, fn, "amax");
+  op_checks::check_fp8_scale_amax(scale, amax, fn);
   check_same_device({&q, &q_t, &x, &scale, &amax});
   op_checks::check_stream(stream, x, fn);
   MT_DISPATCH(x.device(), fp8_quantize, q, q_t, x, scale, amax, stream);
@@ -147,9 +137,7 @@ void fp8_dequantize(const Tensor& y, const Tensor& q, const Tensor& scale_inv, F
                     const Stream& stream) {
   const char* fn = "fp8_dequantize";
   op_checks::check_act(y, fn, "y");
-  check_fp8_dtype(q.dtype(), fn, "q");
-  MT_CHECK(q.shape() == y.shape() && q.is_contiguous(), "{}: q {} must be contiguous with y's shape {}", fn, q.str(),
-           y.shape_str());
+  op_checks::check_fp8_like(q, y, fn, "q", "y");
   const auto [rows, cols] = op_checks::rows_of(q, fn);
   check_scale_tensor(scale_inv, scaling, rows, cols, fn, "scale_inv");
   check_same_device({&y, &q, &scale_inv});

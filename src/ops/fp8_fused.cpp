@@ -13,14 +13,10 @@ using op_checks::check_act;
 using op_checks::check_like;
 using op_checks::check_stats;
 
-/// q: FP8, contiguous, y's shape; scale: fp32 [1]; amax: fp32 [1] or empty.
+/// q: the FP8 copy of y; scale: fp32 [1]; amax: fp32 [1] or empty (op_checks, as fp8_quantize).
 void check_fp8_out(const Tensor& q, const Tensor& y, const Tensor& scale, const Tensor& amax, const char* fn) {
-  MT_CHECK(is_fp8(q.dtype()) && q.is_contiguous() && q.shape() == y.shape(),
-           "{}: q {} must be a contiguous fp8_e4m3 / fp8_e5m2 tensor of y's shape {}", fn, q.str(), y.shape_str());
-  MT_CHECK(scale.dtype() == DType::kF32 && scale.numel() == 1 && scale.is_contiguous(),
-           "{}: scale must be a contiguous fp32 tensor of 1 element, got {}", fn, scale.str());
-  MT_CHECK(amax.empty() || (amax.dtype() == DType::kF32 && amax.numel() == 1 && amax.is_contiguous()),
-           "{}: amax must be empty or a contiguous fp32 tensor of 1 element, got {}", fn, amax.str());
+  op_checks::check_fp8_like(q, y, fn, "q", "y");
+  op_checks::check_fp8_scale_amax(scale, amax, fn);
 }
 
 }  // namespace

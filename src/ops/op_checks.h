@@ -43,10 +43,30 @@ inline std::pair<int64_t, int64_t> rows_of(const Tensor& x, const char* fn) {
   return {x.numel() / h, h};
 }
 
-/// A contiguous fp32 vector of n elements (any shape), e.g. per-row norm statistics.
+/// A contiguous fp32 vector of n elements (any shape): per-row norm statistics, FP8 scales and amaxes.
 inline void check_stats(const Tensor& t, int64_t n, const char* fn, const char* name) {
   MT_CHECK(t.dtype() == DType::kF32 && t.numel() == n && t.is_contiguous(),
-           "{}: {} must be a contiguous fp32 tensor of {} elements, got {}", fn, name, n, t.str());
+           "{}: {} must be a contiguous fp32 tensor of {} element(s), got {}", fn, name, n, t.str());
+}
+
+/// An FP8 dtype: kF8E4M3 or kF8E5M2.
+inline void check_fp8_dtype(DType t, const char* fn, const char* name) {
+  MT_CHECK(is_fp8(t), "{}: {} must be fp8_e4m3 or fp8_e5m2, got {}", fn, name, dtype_name(t));
+}
+
+/// q: the FP8 copy of `ref`: an FP8 dtype, contiguous, ref's shape.
+inline void check_fp8_like(const Tensor& q, const Tensor& ref, const char* fn, const char* name,
+                           const char* ref_name) {
+  check_fp8_dtype(q.dtype(), fn, name);
+  MT_CHECK(q.shape() == ref.shape() && q.is_contiguous(), "{}: {} {} must be contiguous with {}'s shape {}", fn, name,
+           q.str(), ref_name, ref.shape_str());
+}
+
+/// A tensorwise quantiser's scale (fp32, one element) and optional amax record (empty, or fp32,
+/// one element).
+inline void check_fp8_scale_amax(const Tensor& scale, const Tensor& amax, const char* fn) {
+  check_stats(scale, 1, fn, "scale");
+  if (!amax.empty()) check_stats(amax, 1, fn, "amax");
 }
 
 /// A contiguous int32 tensor of `n` elements on ref's device, with `ndim` dimensions (any shape

@@ -16,6 +16,8 @@
 #include "model/fp8/fp8_model.h"
 #include "model/layers/parallel_params.h"
 #include "ops/elementwise.h"
+#include "ops/fp8_fused.h"
+#include "ops/swiglu.h"
 #include "ops/gelu_math.h"
 #include "testing/testing.h"
 
@@ -396,6 +398,55 @@ TEST(Fp8Linear, SavedInputEqualsRequantizedInput) {
     EXPECT_EQ(a.dw, b.dw) << fp8_recipe_name(r);
     EXPECT_EQ(a.y, b.y) << fp8_recipe_name(r);
   }
+}
+
+// A fused producer (SwiGLU -> FP8, delayed scaling) writing the linear's xq, then forward_fused:
+// every output, the saved x_t (through dw) and the recorded state bitwise the unfused forward of
+// the producer's stored output.
+TEST(Fp8Linear, FusedProducerEqualsUnfused) {
+  for (bool save_input : {true, false}) {
+    SCOPED_TRACE(save_input ? "saved" : "requantised");
+    const int64_t out = 32, in = 160, m = 48;
+    const Stream& st = testing::cpu_stream();
+    Harness a(Fp8Recipe::kDelayed, Fp8Format::kHybrid, out, in, m, save_input, false),
+        b(Fp8Recipe::kDelayed, Fp8Format::kHybrid, out, in, m, save_input, false);
+    a.model->set_training(true);
+    b.model->set_training(true);
+    const std::vector<float> x2 = testing::randn(m * 2 * in, 3.f), w = testing::randn(out * in, 0.05f),
+                             bias = testing::randn(out, 0.1f), dy = testing::randn(m * out, 1e-3f);
+    const testing::OwnedTensor x2t = Io::make(x2, {m, 2 * in}), act(DType::kF32, Device::cpu(), {m, in});
+    swiglu_forward(act, x2t, st);
+    const std::vector<float> x = to_host(act, st);
+    const Outputs ref = run(a, m, x, w, bias, dy);
+    Io io(b, m, x, w, bias, dy);
+    const testing::OwnedTensor act2(DType::kF32, Device::cpu(), {m, in});
+    const Fp8Linear::FusedInput fi = b.lin->fused_input(m);
+    ASSERT_FALSE(fi.record.empty());
+    fp8_swiglu_forward(act2, fi.xq, x2t, fi.scale, fi.record, st);
+    b.lin->forward_fused(io.y, io.bt, io.pre, 0, st);
+    b.lin->backward({io.dx, b.weight.grad(), GradWrite::kOverwrite, io.db, Tensor(), Tensor()}, io.dyt, act2, 0, st);
+    Outputs o{to_host(io.y, st), to_host(io.pre, st), to_host(io.dx, st), to_host(b.weight.grad(), st), {},
+              to_host(io.db, st)};
+    b.lin->backward({Tensor(), b.weight.grad(), GradWrite::kAccumulate, Tensor(), Tensor(), Tensor()}, io.dyt, act2,
+                    0, st);
+    o.dw2 = to_host(b.weight.grad(), st);
+    EXPECT_EQ(to_host(act2, st), x);
+    EXPECT_EQ(ref.y, o.y);
+    EXPECT_EQ(ref.pre, o.pre);
+    EXPECT_EQ(ref.dx, o.dx);
+    EXPECT_EQ(ref.dw, o.dw);
+    EXPECT_EQ(ref.dw2, o.dw2);
+    EXPECT_EQ(ref.db, o.db);
+    const auto [fa, ba] = a.model->layer_state(0, st);
+    const auto [fb, bb] = b.model->layer_state(0, st);
+    const std::vector<float> sa = to_host(fa, st);
+    EXPECT_EQ(sa, to_host(fb, st));
+    EXPECT_EQ(to_host(ba, st), to_host(bb, st));
+    EXPECT_EQ(sa[0], amax_of(x)) << "x's record";
+  }
+  Harness tw(Fp8Recipe::kTensorwise, Fp8Format::kE4M3, 32, 160, 48, true, false);
+  testing::expect_error([&] { tw.lin->fused_input(48); },
+                        "decoder.layers.0.test: a fused FP8 producer needs delayed scaling");
 }
 
 TEST(Fp8Linear, Errors) {

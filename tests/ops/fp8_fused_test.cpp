@@ -57,12 +57,12 @@ TEST(Fp8Fused, Errors) {
   const testing::OwnedTensor s(DType::kF32, kCpu, {1}), s2(DType::kF32, kCpu, {2}), qb(DType::kBF16, kCpu, {4, 32});
   const testing::OwnedTensor qs(DType::kF8E4M3, kCpu, {4, 16}), ys(DType::kF32, kCpu, {4, 16});
   expect_error([&] { fp8_rmsnorm_forward(y, qb, rstd, x, w, 1e-5f, s, Tensor(), st); },
-               "fp8_rmsnorm_forward: q bf16[4, 32]@cpu must be a contiguous fp8_e4m3 / fp8_e5m2 tensor of y's shape");
-  expect_error([&] { fp8_rmsnorm_forward(y, qs, rstd, x, w, 1e-5f, s, Tensor(), st); }, "of y's shape [4, 32]");
+               "fp8_rmsnorm_forward: q must be fp8_e4m3 or fp8_e5m2, got bf16");
+  expect_error([&] { fp8_rmsnorm_forward(y, qs, rstd, x, w, 1e-5f, s, Tensor(), st); }, "must be contiguous with y's shape [4, 32]");
   expect_error([&] { fp8_rmsnorm_forward(y, q, rstd, x, w, 1e-5f, s2, Tensor(), st); },
-               "scale must be a contiguous fp32 tensor of 1 element, got fp32[2]");
+               "scale must be a contiguous fp32 tensor of 1 element(s), got fp32[2]");
   expect_error([&] { fp8_rmsnorm_forward(y, q, rstd, x, w, 1e-5f, s, s2, st); },
-               "amax must be empty or a contiguous fp32 tensor of 1 element, got fp32[2]");
+               "amax must be a contiguous fp32 tensor of 1 element(s), got fp32[2]");
   expect_error([&] { fp8_rmsnorm_forward(y, q, rstd, x, w, -1.f, s, Tensor(), st); }, "eps=-1 must be >= 0");
   expect_error([&] { fp8_rmsnorm_forward(y, q, rstd, x.t.slice(1, 0, 16), w, 1e-5f, s, Tensor(), st); },
                "must be contiguous");
@@ -71,7 +71,7 @@ TEST(Fp8Fused, Errors) {
                "fp8_swiglu_forward: the last dimension of x fp32[4, 33]@cpu must be even");
   expect_error([&] { fp8_swiglu_forward(y, q, x, s, Tensor(), st); },
                "y fp32[4, 32]@cpu must be x fp32[4, 32]@cpu with the last dimension halved");
-  expect_error([&] { fp8_swiglu_forward(ys, q, x, s, Tensor(), st); }, "of y's shape [4, 16]");
+  expect_error([&] { fp8_swiglu_forward(ys, q, x, s, Tensor(), st); }, "must be contiguous with y's shape [4, 16]");
   fp8_swiglu_forward(ys, qs, x, s, Tensor(), st);  // well-formed
 }
 

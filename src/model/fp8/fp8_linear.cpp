@@ -318,6 +318,23 @@ void Fp8Linear::end_forward_fp8(int slot, const Stream& st) {
   x_t_ready_ = true;
 }
 
+Fp8Linear::FusedInput Fp8Linear::fused_input(int64_t m) {
+  MT_CHECK(model_.settings().recipe == Fp8Recipe::kDelayed && row_blocks_ == 1 && m % kAlign == 0 && m > 0 &&
+               (variable_rows_ ? m <= pad16(max_rows_) : m == max_rows_),
+           "{}: a fused FP8 producer needs delayed scaling, one row block and a multiple of 16 rows within the "
+           "planned {}; got {} rows ({} row blocks, recipe {})",
+           name_, max_rows_, m, row_blocks_, fp8_recipe_name(model_.settings().recipe));
+  fwd_rows_ = m;
+  x_t_ready_ = false;
+  return {views(m).xq, x_.scale, model_.training() ? x_.record : Tensor()};
+}
+
+void Fp8Linear::forward_fused(const Tensor& y, const Tensor& bias, const Tensor& pre_gelu, int slot,
+                              const Stream& st) {
+  forward_fp8_rows(y, views(fwd_rows_).xq, 0, bias, pre_gelu, slot, st);
+  if (save_input_) end_forward_fp8(slot, st);
+}
+
 void Fp8Linear::end_forward(const Tensor& x, int slot, const Stream& st) {
   if (!save_input_ || x_t_ready_) return;
   MT_CHECK(x.ndim() == 2 && x.size(0) == fwd_rows_ && x.size(1) == in_, "{}: x {} must be [{}, {}]", name_, x.str(),

@@ -138,6 +138,19 @@ class Fp8Linear {
   /// Phase 3 of the FP8 gather, after every block: the saved x_t = the gathered bytes transposed
   /// (per-tensor scaling: the bytes of quantising xᵀ).
   void end_forward_fp8(int slot, const Stream& stream);
+  /// What a fused producer of x (ops/fp8_fused.h: the norm or the activation before this linear)
+  /// writes under delayed scaling: xq [m, in] (this linear's FP8 scratch), the step's scale of x
+  /// and its amax record (empty outside training forwards). Starts a forward of m rows (as
+  /// begin_forward). Errors: mt::Error unless delayed scaling, m a multiple of 16 within plan's
+  /// rows and one row block.
+  struct FusedInput {
+    Tensor xq, scale, record;
+  };
+  FusedInput fused_input(int64_t m);
+  /// After the producer filled fused_input(m).xq: the forward of those bytes (y, bias, pre_gelu as
+  /// forward) and, with save_input, the saved x_t = the bytes transposed — bitwise forward() of the
+  /// producer's stored output (docs/fp8.md "Fused quantisation").
+  void forward_fused(const Tensor& y, const Tensor& bias, const Tensor& pre_gelu, int slot, const Stream& stream);
   /// The block's residual add fused after the GEMM (RowParallelLinear without a TP reduction):
   /// out [m, out] = residual + (x · wᵀ + bias); out may not alias x or residual.
   void forward_add(const Tensor& out, const Tensor& x, const Tensor& bias, const Tensor& residual, int slot,
