@@ -713,7 +713,7 @@ __global__ void probe_kernel(int* out) {
 // ---- host side ---------------------------------------------------------------------------------
 
 std::atomic<int> g_kernel{static_cast<int>(Kernel::kAuto)};
-std::atomic<int> g_wgrad_epilogue{static_cast<int>(WgradEpilogue::kReadModifyWrite)};
+std::atomic<int> g_wgrad_epilogue{static_cast<int>(kDefaultWgradEpilogue)};
 
 using EncodeTiled = decltype(&cuTensorMapEncodeTiled);
 

@@ -37,20 +37,25 @@ Kernel kernel();
 /// of the tile's first (preload) or last (read-modify-write) stage, so that the consumers' dW
 /// loads find them there. Forward and dgrad ignore it.
 enum class WgradEpilogue { kReadModifyWrite, kReadModifyWriteL2Prefetch, kPreload, kPreloadL2Prefetch };
+/// The default: preload + L2 prefetch. H200, 2026-11-28, bench/grouped_matmul_bench, MLP (fc1 + fc2,
+/// forward + dgrad + wgrad) against the per-expert cuBLASLt loop, read-modify-write -> this:
+/// Mixtral-style balanced 0.881 -> 0.922, skewed 0.894 -> 0.929; DeepSeek-style (64 experts)
+/// balanced 0.871 -> 1.308, skewed 1.004 -> 1.471 (docs/benchmarks.md).
+inline constexpr WgradEpilogue kDefaultWgradEpilogue = WgradEpilogue::kPreloadL2Prefetch;
 void set_wgrad_epilogue(WgradEpilogue e);
 WgradEpilogue wgrad_epilogue();
 
-/// kernel() = k and wgrad_epilogue() = e while in scope; then kAuto and kReadModifyWrite (the
+/// kernel() = k and wgrad_epilogue() = e while in scope; then kAuto and kDefaultWgradEpilogue (the
 /// defaults) again. For tests and benchmarks.
 class KernelScope {
  public:
-  explicit KernelScope(Kernel k, WgradEpilogue e = WgradEpilogue::kReadModifyWrite) {
+  explicit KernelScope(Kernel k, WgradEpilogue e = kDefaultWgradEpilogue) {
     set_kernel(k);
     set_wgrad_epilogue(e);
   }
   ~KernelScope() {
     set_kernel(Kernel::kAuto);
-    set_wgrad_epilogue(WgradEpilogue::kReadModifyWrite);
+    set_wgrad_epilogue(kDefaultWgradEpilogue);
   }
   KernelScope(const KernelScope&) = delete;
   KernelScope& operator=(const KernelScope&) = delete;
