@@ -74,6 +74,8 @@ ParamLayout PretrainArgs::param_layout() const {
 
 namespace {
 
+void resolve_megatron_fsdp(PretrainArgs& a);  // below
+
 /// Megatron's _add_mla_args and the YaRN flags (docs/mla.md): only with --multi-latent-attention.
 const std::vector<std::string> kMlaFlags = {
     "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim", "--v-head-dim", "--rope-type",
@@ -563,6 +565,25 @@ void add_parallel_options(CLI::App& app, PretrainArgs& a) {
                "--use-distributed-optimizer and --overlap-grad-reduce)");
   app.add_flag("--grad-reduce-in-bf16", a.grad_reduce_in_bf16,
                "Reduce gradients over data-parallel ranks in bfloat16 (half the traffic; accumulation stays fp32)");
+  app.add_flag("--use-megatron-fsdp", a.use_megatron_fsdp,
+               "Megatron-FSDP: shard over data-parallel ranks as --data-parallel-sharding-strategy says "
+               "(docs/fsdp.md)");
+  app.add_option("--data-parallel-sharding-strategy", a.data_parallel_sharding_strategy,
+                 "With --use-megatron-fsdp: no_shard (plain DDP), optim (the distributed optimizer, ZeRO-1); "
+                 "optim_grads (ZeRO-2) and optim_grads_params (ZeRO-3) are not built yet")
+      ->check(CLI::IsMember({"no_shard", "optim", "optim_grads", "optim_grads_params"}));
+  app.add_option("--outer-dp-sharding-strategy", a.outer_dp_sharding_strategy,
+                 "Megatron-FSDP's hybrid sharding across groups of ranks: only no_shard (one group) is built")
+      ->check(CLI::IsMember({"no_shard", "optim"}));
+  app.add_option("--num-distributed-optimizer-instances", a.num_distributed_optimizer_instances,
+                 "Replicas of the sharded optimizer (hybrid sharding): only 1 is built")
+      ->check(positive_integer());
+  app.add_flag("--fsdp-double-buffer", a.fsdp_double_buffer,
+               "Megatron-FSDP's persistent double buffers: the communication buffers here are always static "
+               "(planned once), so this changes nothing");
+  app.add_option("--megatron-fsdp-grad-comm-dtype", a.megatron_fsdp_grad_comm_dtype,
+                 "Gradient reduction dtype under --use-megatron-fsdp: fp32, or bf16 (== --grad-reduce-in-bf16)")
+      ->check(CLI::IsMember({"fp32", "bf16"}));
   app.add_flag("--ddp-copy-engine", a.ddp_copy_engine,
                "Data-parallel bucket collectives as copy-engine transfers between the GPUs of one host (no SMs "
                "taken from the compute; falls back to NCCL where the group does not allow it)");
@@ -602,6 +623,7 @@ void add_parallel_options(CLI::App& app, PretrainArgs& a) {
     a.flags_given.clear();
     for (const CLI::Option* o : app.get_options())
       if (o->count() > 0) a.flags_given.push_back(o->get_name());
+    resolve_megatron_fsdp(a);  // at parse: the memory check before validation sees the resolved flags
   });
 }
 
@@ -738,6 +760,40 @@ void validate_cuda_graph_args(const PretrainArgs& a) {
                "--cuda-graph-impl {} with MoE needs --moe-grouped-gemm: without it the experts' row counts are "
                "read on the host (one synchronisation per MoE layer)", g.impl);
   }
+}
+
+// --use-megatron-fsdp and its options (docs/fsdp.md): the built strategies become today's flags
+// (no_shard: plain DDP; optim: --use-distributed-optimizer); the rest is refused, naming it.
+void resolve_megatron_fsdp(PretrainArgs& a) {
+  const auto given = [&](const std::string& f) {
+    return std::find(a.flags_given.begin(), a.flags_given.end(), f) != a.flags_given.end();
+  };
+  if (!a.use_megatron_fsdp) {
+    for (const char* f : {"--data-parallel-sharding-strategy", "--outer-dp-sharding-strategy", "--fsdp-double-buffer",
+                          "--megatron-fsdp-grad-comm-dtype"})
+      MT_REQUIRE(!given(f), "{} given without --use-megatron-fsdp: it applies only to Megatron-FSDP", f);
+  }
+  const std::string& s = a.data_parallel_sharding_strategy;
+  MT_REQUIRE(s == "no_shard" || s == "optim",
+             "--data-parallel-sharding-strategy {} is not built yet (docs/fsdp.md); built: no_shard (plain DDP) and "
+             "optim (the distributed optimizer, ZeRO-1)",
+             s);
+  MT_REQUIRE(a.outer_dp_sharding_strategy == "no_shard",
+             "--outer-dp-sharding-strategy {} (hybrid sharding) is not built yet; built: no_shard",
+             a.outer_dp_sharding_strategy);
+  MT_REQUIRE(a.num_distributed_optimizer_instances == 1,
+             "--num-distributed-optimizer-instances {} (hybrid sharding) is not built yet; built: 1",
+             a.num_distributed_optimizer_instances);
+  if (!a.use_megatron_fsdp) return;
+  // Megatron-FSDP's scripts pass --use-distributed-optimizer beside every strategy; it is the
+  // strategy that decides here, so only no_shard with it is a contradiction.
+  MT_REQUIRE(s != "no_shard" || !a.use_distributed_optimizer,
+             "--use-distributed-optimizer contradicts --data-parallel-sharding-strategy no_shard (optimizer state "
+             "not sharded); use --data-parallel-sharding-strategy optim");
+  a.use_distributed_optimizer = s == "optim";
+  if (a.megatron_fsdp_grad_comm_dtype == "bf16") a.grad_reduce_in_bf16 = true;
+  MT_REQUIRE(a.megatron_fsdp_grad_comm_dtype != "fp32" || !a.grad_reduce_in_bf16,
+             "--megatron-fsdp-grad-comm-dtype fp32 contradicts --grad-reduce-in-bf16");
 }
 
 }  // namespace

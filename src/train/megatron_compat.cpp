@@ -34,8 +34,8 @@ constexpr const char* kWandb =
     "Weights & Biases logging is not built; use --tensorboard-dir (TensorBoard event files) or --metrics-file (JSON "
     "lines)";
 constexpr const char* kFsdp =
-    "FSDP (sharded parameters) is not built; --use-distributed-optimizer shards the optimizer state over data-parallel "
-    "ranks (ZeRO-1)";
+    "PyTorch FSDP2 is not built; --use-megatron-fsdp --data-parallel-sharding-strategy optim (or "
+    "--use-distributed-optimizer) shards the optimizer state over data-parallel ranks (ZeRO-1), docs/fsdp.md";
 
 const CompatFlag kFlags[] = {
     // implementation choices that are always one way here
@@ -86,7 +86,6 @@ const CompatFlag kFlags[] = {
      "checkpoints do not store the learning-rate schedule: it always comes from the command line"},
     // features that are not built
     {"--use-torch-fsdp2", kSwitch, nullptr, kRefused, kFsdp},
-    {"--use-megatron-fsdp", kSwitch, nullptr, kRefused, kFsdp},
     {"--use-pytorch-profiler", kSwitch, nullptr, kRefused,
      "there is no PyTorch profiler; --profile marks its steps for nsys (--capture-range=cudaProfilerApi)"},
     {"--use-checkpoint-opt_param-scheduler,--use-checkpoint-opt-param-scheduler", kSwitch, nullptr, kRefused,

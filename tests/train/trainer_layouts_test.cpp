@@ -87,6 +87,50 @@ TEST_F(TrainerLayouts, ParallelLayoutsMatchOneRank) {
   }
 }
 
+// --use-megatron-fsdp (docs/fsdp.md): the built strategies are aliases of today's paths, so
+// every loss and gradient norm is bitwise equal to the flags they stand for (DP 2, and DP 4 with
+// TP 2 + SP for optim); the strategies and hybrid options not built are refused, naming the value.
+TEST_F(TrainerLayouts, MegatronFsdpStrategiesAliasTodaysPaths) {
+  const auto expect_identical = [](const TrainingResult& a, const TrainingResult& b, const std::string& what) {
+    ASSERT_EQ(a.losses.size(), 4u) << what;
+    EXPECT_EQ(a.losses, b.losses) << what;  // bitwise: the same code path
+    ASSERT_EQ(a.log.size(), b.log.size()) << what;
+    for (size_t i = 0; i < a.log.size(); ++i) {
+      const std::string na = testing::logged(a.log[i].line, "grad norm");
+      ASSERT_NE(na, "") << a.log[i].line;
+      EXPECT_EQ(na, testing::logged(b.log[i].line, "grad norm")) << what << " log point " << i;
+    }
+  };
+  const std::string fsdp = " --use-megatron-fsdp --data-parallel-sharding-strategy ";
+  for (const auto& [today, alias] : std::vector<std::pair<std::string, std::string>>{
+           {"--nproc-per-node 2", "--nproc-per-node 2" + fsdp + "no_shard"},
+           {"--nproc-per-node 2 --use-distributed-optimizer", "--nproc-per-node 2" + fsdp + "optim"},
+           // Megatron-FSDP's scripts pass --use-distributed-optimizer beside the strategy
+           {"--nproc-per-node 2 --use-distributed-optimizer",
+            "--nproc-per-node 2 --use-distributed-optimizer" + fsdp + "optim"},
+           {"--nproc-per-node 2 --use-distributed-optimizer --grad-reduce-in-bf16",
+            "--nproc-per-node 2" + fsdp + "optim --megatron-fsdp-grad-comm-dtype bf16"},
+           {"--nproc-per-node 4 --tensor-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer",
+            "--nproc-per-node 4 --tensor-model-parallel-size 2 --sequence-parallel" + fsdp + "optim"}}) {
+    SCOPED_TRACE(alias);
+    expect_identical(train("--train-iters 4 " + alias), train("--train-iters 4 " + today), alias);
+  }
+  // The strategy decides whether the optimizer state is sharded (what the aliases above stand for).
+  EXPECT_FALSE(testing::parse_pretrain_args(flags("--nproc-per-node 2" + fsdp + "no_shard")).use_distributed_optimizer);
+  EXPECT_TRUE(testing::parse_pretrain_args(flags("--nproc-per-node 2" + fsdp + "optim")).use_distributed_optimizer);
+  for (const auto& [bad, msg] : std::vector<std::pair<std::string, std::string>>{
+           {fsdp + "optim_grads", "--data-parallel-sharding-strategy optim_grads is not built yet"},
+           {fsdp + "optim_grads_params", "--data-parallel-sharding-strategy optim_grads_params is not built yet"},
+           {fsdp + "zero3", "zero3"},
+           {" --data-parallel-sharding-strategy optim", "given without --use-megatron-fsdp"},
+           {fsdp + "no_shard --use-distributed-optimizer", "contradicts --data-parallel-sharding-strategy no_shard"},
+           {fsdp + "optim --num-distributed-optimizer-instances 2",
+            "--num-distributed-optimizer-instances 2 (hybrid sharding) is not built yet"},
+           {fsdp + "optim --outer-dp-sharding-strategy optim", "--outer-dp-sharding-strategy optim"},
+           {fsdp + "optim --megatron-fsdp-grad-comm-dtype fp32 --grad-reduce-in-bf16", "contradicts"}})
+    expect_error_text([&] { train("--train-iters 1 --nproc-per-node 2" + bad); }, msg, bad);
+}
+
 // Multi-token prediction through the trainer (the BatchStager's MTP inputs, rolled over whole
 // sequences before the CP split; documents with reset position ids and --eod-mask-loss, so the
 // depths' weights n0 / n_k vary): CP 2 (p2p and a2a), CP 2 x TP 2 + SP, PP 2 and DP 2 with the
