@@ -321,7 +321,8 @@ GPTModel::GPTModel(const TransformerConfig& config, int64_t micro_batch, DType d
                             groups_.etp_ep, groups_.ep, groups_.etp};
   }
   if (config_.fp8 != Fp8Format::kNone) {  // docs/fp8.md: checked before anything is allocated
-    fp8_check_device(device, config_.fp8_recipe == Fp8Recipe::kBlockwise);
+    // (not when only measured: `megatron plan` sizes GPU runs on a machine without the GPU)
+    if (!measure_only) fp8_check_device(device, config_.fp8_recipe == Fp8Recipe::kBlockwise);
     MT_REQUIRE(device.is_cpu() || dtype != DType::kF16,
                "--fp8-format with --fp16 is not supported: the FP8 GEMMs write bf16 or fp32 (use --bf16)");
     fp8_ = std::make_unique<Fp8Model>(config_, groups_);

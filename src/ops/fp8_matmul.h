@@ -28,7 +28,8 @@ struct Fp8Operand {
 ///   wgrad  dw[n, k] += (dyᵀ)[n, m] · (xᵀ)[k, m]ᵀ (a = dy_t, b = x_t, accumulate into main_grad)
 /// Tensorwise: d = (sa · sb) · Σ_k a·b; blockwise: d = Σ_kb (Σ_{k in kb} a·b) · sa(i, kb) · sb(j, kb)
 /// (fused multiply-add per 128-wide k block). Products accumulate in fp32. accumulate: d += the
-/// product (d fp32, beta = 1: the fp32 main gradient), else d is written without being read.
+/// product (beta = 1: the fp32 main gradient, or — tensorwise only — a bf16 d holding the residual:
+/// one rounding of d + product), else d is written without being read.
 /// fast_accum: cuBLASLt's CUBLASLT_MATMUL_DESC_FAST_ACCUM (TE uses it for the tensorwise fprop
 /// GEMM; no promotion of the tensor cores' partial sums; the CPU ignores it), tensorwise only.
 /// m = 0 or n = 0 does nothing; k = 0 gives d = 0 (d unchanged with accumulate).

@@ -473,5 +473,31 @@ TEST(Fp8Linear, Errors) {
   testing::expect_error([&] { Fp8Model m(cfg, ProcessGroups::single()); }, "--fp8-param-gather is not implemented");
 }
 
+// forward_add (a RowParallelLinear's residual add): the residual as the GEMM's C for the per-tensor
+// recipes without a bias, a separate add otherwise — both out = residual + forward's y, bitwise on
+// the CPU (fp32: acc + residual is one addition either way); the residual itself is left unchanged.
+TEST(Fp8Linear, ForwardAddEqualsForwardPlusResidual) {
+  for (Fp8Recipe r : {Fp8Recipe::kTensorwise, Fp8Recipe::kDelayed, Fp8Recipe::kBlockwise}) {
+    for (bool with_bias : {false, true}) {
+      SCOPED_TRACE(std::string(fp8_recipe_name(r)) + (with_bias ? " with bias" : ""));
+      const int64_t out = 32, in = 160, m = 48;
+      const Stream& st = testing::cpu_stream();
+      Harness a(r, Fp8Format::kHybrid, out, in, m, false, false), b(r, Fp8Format::kHybrid, out, in, m, false, false);
+      const std::vector<float> x = testing::randn(m * in), w = testing::randn(out * in, 0.05f),
+                               bias = with_bias ? testing::randn(out, 0.1f) : std::vector<float>(out, 0.f),
+                               res = testing::randn(m * out), dy = testing::randn(m * out, 1e-3f);
+      Io ia(a, m, x, w, bias, dy), ib(b, m, x, w, bias, dy);
+      a.lin->forward(ia.y, ia.xt, with_bias ? Tensor(ia.bt) : Tensor(), Tensor(), 0, st);
+      const testing::OwnedTensor rt = Io::make(res, {m, out});
+      b.lin->forward_add(ib.y, ib.xt, with_bias ? Tensor(ib.bt) : Tensor(), rt, 0, st);
+      const std::vector<float> y = to_host(ia.y, st), got = to_host(ib.y, st);
+      std::vector<float> want(y.size());
+      for (size_t i = 0; i < y.size(); ++i) want[i] = res[i] + y[i];
+      EXPECT_EQ(got, want);
+      EXPECT_EQ(to_host(rt, st), res);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace mt

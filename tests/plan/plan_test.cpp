@@ -86,6 +86,8 @@ TEST_F(Plan, MemoryEqualsTheTrainersEstimateAndTheAllocatorOnEveryRank) {
       {"--expert-model-parallel-size 2 --use-distributed-optimizer" + moe, 2},
       // multi-token prediction: its parameters and activations on the last stage, its staged inputs
       {"--position-embedding-type rope --mtp-num-layers 2 --pipeline-model-parallel-size 2", 2},
+      // FP8: the weights' FP8 copies, the scaling state, the FP8 saved inputs
+      {"--fp8-format hybrid --fp8-recipe delayed --tensor-model-parallel-size 2 --sequence-parallel", 2},
   };
   for (const auto& [extra, world] : layouts) {
     const std::string f = flags("--train-iters 2 --nproc-per-node " + std::to_string(world) + " " + extra);
@@ -214,6 +216,19 @@ TEST_F(Plan, RefusalsNameTheValue) {
                     "bf16 on cpu");
   expect_error_text([&] { plan_training(request("--train-iters 2 --global-batch-size 6", 4)); },
                     "--global-batch-size 6 is not divisible", "batch");
+}
+
+// FP8 runs are planned for a GPU on a machine without one (the CPU-only binary of a laptop or of
+// CI): the plan measures the model without asking the device for FP8 tensor cores.
+TEST_F(Plan, Fp8IsPlannedWithoutTheGpu) {
+  const TrainingPlan plan =
+      plan_training(request("--bf16 --train-iters 2 --fp8-format hybrid --fp8-recipe tensorwise", 1, "h100"));
+  ASSERT_EQ(plan.stages.size(), 1u);
+  size_t fp8_bytes = 0;
+  for (const MemoryPart& p : plan.stages[0].memory.parts)
+    if (p.name.find("FP8 weights") != std::string::npos) fp8_bytes = p.bytes;
+  EXPECT_GT(fp8_bytes, 0u) << plan.stages[0].memory.summary();
+  EXPECT_TRUE(plan.fits);
 }
 
 // --search: every layout it returns passes the checks; fitting ones come first, by step time.

@@ -264,6 +264,11 @@ void Fp8Linear::begin_forward(const Tensor& x, bool shard, int slot, const Strea
 
 void Fp8Linear::forward_rows(const Tensor& y, const Tensor& x, int64_t first, const Tensor& bias,
                              const Tensor& pre_gelu, int slot, const Stream& st) {
+  forward_rows_into(y, x, first, bias, pre_gelu, slot, st, /*accumulate=*/false);
+}
+
+void Fp8Linear::forward_rows_into(const Tensor& y, const Tensor& x, int64_t first, const Tensor& bias,
+                                  const Tensor& pre_gelu, int slot, const Stream& st, bool accumulate) {
   const int64_t rows = x.size(0);
   MT_CHECK(x.ndim() == 2 && x.size(1) == in_ && y.ndim() == 2 && y.size(0) == rows && y.size(1) == out_ &&
                (pre_gelu.empty() || pre_gelu.shape() == y.shape()),
@@ -276,14 +281,14 @@ void Fp8Linear::forward_rows(const Tensor& y, const Tensor& x, int64_t first, co
   x_t_ready_ = x_t_ready_ || fuse_t;
   const Fp8Operand a = model_.settings().blockwise() ? Fp8Operand{b.q, b.q_s, Fp8Scaling::kBlock1x128}
                                                      : x_t_operand(sv, b.q, Tensor());
-  fprop(y, a, bias, pre_gelu, st);
+  fprop(y, a, bias, pre_gelu, st, accumulate);
 }
 
 void Fp8Linear::fprop(const Tensor& y, const Fp8Operand& a, const Tensor& bias, const Tensor& pre_gelu,
-                      const Stream& st) {
+                      const Stream& st, bool accumulate) {
   const Tensor out = pre_gelu.empty() ? y : pre_gelu;  // the GEMM's product
   // TE's fprop uses fast accumulation for the per-tensor recipes (no promotion of partial sums)
-  fp8_matmul(out, a, weight_operand(false), /*accumulate=*/false, /*fast_accum=*/!model_.settings().blockwise(), st);
+  fp8_matmul(out, a, weight_operand(false), accumulate, /*fast_accum=*/!model_.settings().blockwise(), st);
   if (!bias.empty() || !pre_gelu.empty()) fp8_bias_gelu(out, bias, pre_gelu.empty() ? Tensor() : y, st);
 }
 
@@ -365,6 +370,15 @@ void Fp8Linear::forward(const Tensor& y, const Tensor& x, const Tensor& bias, co
 
 void Fp8Linear::forward_add(const Tensor& out, const Tensor& x, const Tensor& bias, const Tensor& residual, int slot,
                             const Stream& st) {
+  const int64_t m = x.size(0);
+  if (bias.empty() && m % kAlign == 0 && !model_.settings().blockwise() && out.shape() == residual.shape()) {
+    // the residual as the GEMM's C (beta = 1): out = residual + x · wᵀ in one rounding, no separate
+    // add pass over out (per-tensor recipes; with a bias, padding or blocks the add stays separate)
+    copy(out, residual, st);
+    begin_forward(x, /*shard=*/false, slot, st);
+    forward_rows_into(out, x, 0, Tensor(), Tensor(), slot, st, /*accumulate=*/true);
+    return;
+  }
   forward(out, x, Tensor(), Tensor(), slot, st);
   bias_dropout_add_forward(out, out, bias, residual, 0.f, DropoutKey{}, 0, st);  // p = 0: residual + (y + bias)
 }

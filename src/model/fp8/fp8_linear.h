@@ -152,7 +152,9 @@ class Fp8Linear {
   /// producer's stored output (docs/fp8.md "Fused quantisation").
   void forward_fused(const Tensor& y, const Tensor& bias, const Tensor& pre_gelu, int slot, const Stream& stream);
   /// The block's residual add fused after the GEMM (RowParallelLinear without a TP reduction):
-  /// out [m, out] = residual + (x · wᵀ + bias); out may not alias x or residual.
+  /// out [m, out] = residual + (x · wᵀ + bias); out may not alias x or residual. Per-tensor
+  /// recipes without a bias and with m a multiple of 16: the residual is copied into out and the
+  /// GEMM adds to it (beta = 1, one rounding); otherwise a separate add after the GEMM.
   void forward_add(const Tensor& out, const Tensor& x, const Tensor& bias, const Tensor& residual, int slot,
                    const Stream& stream);
   /// What backward writes. dx [m, in]: dy · w (overwrite; empty: not computed). dw fp32 [out, in]:
@@ -211,7 +213,12 @@ class Fp8Linear {
   Fp8Operand x_t_operand(const Saved& sv, const Tensor& x_t, const Tensor& x_t_s) const;
   Fp8Operand weight_operand(bool transposed) const;
   // The fprop GEMM of a block (a: its quantised rows) and its epilogue (bias, GELU).
-  void fprop(const Tensor& y, const Fp8Operand& a, const Tensor& bias, const Tensor& pre_gelu, const Stream& stream);
+  // accumulate: y += the product (y holds the residual; no bias or pre_gelu then).
+  void fprop(const Tensor& y, const Fp8Operand& a, const Tensor& bias, const Tensor& pre_gelu, const Stream& stream,
+             bool accumulate = false);
+  // forward_rows, the product written (accumulate = false) or added to y.
+  void forward_rows_into(const Tensor& y, const Tensor& x, int64_t first, const Tensor& bias, const Tensor& pre_gelu,
+                         int slot, const Stream& stream, bool accumulate);
   // Quantises dy [m, out] into dyq and / or dyq_t with begin_backward's scale.
   void quantize_dy(const Tensor& dyq, const Tensor& dyq_s, const Tensor& dyq_t, const Tensor& dyq_t_s,
                    const Tensor& dy, bool record, const Stream& stream);
