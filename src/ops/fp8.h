@@ -103,9 +103,5 @@ MT_OP_BACKENDS(fp8_quantize)
 MT_OP_BACKENDS(fp8_quantize_blockwise)
 MT_OP_BACKENDS(fp8_dequantize)
 
-namespace cuda {
-/// Compute capability of CUDA device `index` as major * 10 + minor (ops/cuda/fp8.cu).
-int fp8_compute_capability(int index);
-}  // namespace cuda
 
 }  // namespace mt

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "core/cuda_check.h"
+#include "core/cuda_resources.h"
 #include "core/logging.h"
 #include "ops/context_attention_impl.h"
 #include "ops/cuda/common.cuh"
@@ -542,17 +543,17 @@ Shape shape_of(const FlashAttentionConfig& cfg, DType dtype) {
 bool may_lack_engine(const Shape& sh) { return sh.d > 128 || sh.dvo != sh.d; }
 
 /// Hopper or newer (the head dims up to 256 of cuDNN's support matrix), per device, cached.
+/// Zeroes bytes [from, to) of `rows` rows `pitch` bytes apart starting at `base` (one 2-D memset).
+void zero_columns(void* base, int64_t rows, size_t pitch, size_t from, size_t to, const Stream& stream) {
+  if (rows <= 0 || to <= from) return;
+  MT_CUDA_CHECK(cudaMemset2DAsync(static_cast<char*>(base) + from, pitch, 0, to - from, static_cast<size_t>(rows),
+                                  cu(stream)));
+}
+
 bool sm90_or_newer() {
-  static std::mutex m;
-  static std::map<int, bool> known;
   int device = 0;
   MT_CUDA_CHECK(cudaGetDevice(&device));
-  std::lock_guard<std::mutex> lock(m);
-  auto it = known.find(device);
-  if (it != known.end()) return it->second;
-  int major = 0;
-  MT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  return known.emplace(device, major >= 9).first->second;
+  return compute_capability(device) >= 90;
 }
 
 /// Grouped queries: the qpg query slots of each (position, sample, group) of qkv [s, b, g, qpg + 2,
@@ -699,11 +700,11 @@ bool cudnn_attention_forward(const Tensor& out, const Tensor& lse, const Tensor&
   Plan* plan = plan_for(false, sh, cfg.softmax_scale, staging, may_lack_engine(sh));
   if (plan == nullptr) return false;
   Plan& p = *plan;
-  // d_v < d: cuDNN writes the first d_v channels of each head; the others are zero, as the other
-  // backends compute them from the zero value channels.
-  if (sh.dvo != sh.d) MT_CUDA_CHECK(cudaMemsetAsync(out.data(), 0, out.nbytes(), cu(stream)));
   char* base = static_cast<char*>(qkv.data());
   const size_t e = dtype_size(qkv.dtype()), d = static_cast<size_t>(sh.d), q = static_cast<size_t>(sh.qpg());
+  // d_v < d: cuDNN writes the first d_v channels of each head; the others are zero, as the other
+  // backends compute them from the zero value channels (only those columns are cleared).
+  if (sh.dvo != sh.d) zero_columns(out.data(), out.numel() / sh.d, d * e, static_cast<size_t>(sh.dvo) * e, d * e, stream);
   void* qptr = base;
   if (sh.qpg() > 1) {
     query_slots(true, p.staging, base, sh, stream);
@@ -723,8 +724,11 @@ bool cudnn_attention_backward(const Tensor& dqkv, const Tensor& dout, const Tens
   Plan* plan = plan_for(true, sh, cfg.softmax_scale, sh.qpg() > 1 ? 2 * rows * d * 2 : 0, may_lack_engine(sh));
   if (plan == nullptr) return false;
   Plan& p = *plan;
-  // d_v < d: dV's channels beyond d_v are zero (cuDNN writes dQ, dK and the first d_v of dV).
-  if (sh.dvo != sh.d) MT_CUDA_CHECK(cudaMemsetAsync(dqkv.data(), 0, dqkv.nbytes(), cu(stream)));
+  // d_v < d: dV's channels beyond d_v are zero (cuDNN writes dQ, dK and the first d_v of dV): the
+  // value slot's columns [d_v, d) of every (position, sample, group) row of dqkv [s, b, g, qpg + 2, d]
+  if (sh.dvo != sh.d)
+    zero_columns(static_cast<char*>(dqkv.data()) + (q + 1) * d * e, dqkv.numel() / ((q + 2) * d), (q + 2) * d * e,
+                 static_cast<size_t>(sh.dvo) * e, d * e, stream);
   char* base = static_cast<char*>(qkv.data());
   char* dbase = static_cast<char*>(dqkv.data());
   char* ws = static_cast<char*>(workspace.data());

@@ -425,11 +425,4 @@ void fp8_dequantize(const Tensor& y, const Tensor& q, const Tensor& scale_inv, F
   });
 }
 
-int fp8_compute_capability(int index) {
-  int major = 0, minor = 0;
-  MT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, index));
-  MT_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, index));
-  return major * 10 + minor;
-}
-
 }  // namespace mt::cuda

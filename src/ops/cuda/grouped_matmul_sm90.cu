@@ -59,6 +59,7 @@
 #include "ops/grouped_matmul.h"  // first: elementwise_common.cuh needs Tensor, Stream, DType
 
 #include "core/cuda_check.h"
+#include "core/cuda_resources.h"
 #include "ops/cuda/elementwise_common.cuh"
 #include "ops/cuda/grouped_matmul_common.cuh"
 #include "ops/cuda/grouped_matmul_sm90.cuh"
@@ -875,11 +876,8 @@ bool device_ready(const Stream& stream) {
   MT_CUDA_CHECK(cudaGetDevice(&dev));
   std::lock_guard<std::mutex> lock(mu);
   if (auto it = ready.find(dev); it != ready.end()) return it->second;
-  int major = 0, minor = 0;
-  MT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-  MT_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
   bool ok = false;
-  if (major == 9 && minor == 0) {
+  if (compute_capability(dev) == 90) {
     cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
     MT_CUDA_CHECK(cudaStreamIsCapturing(raw(stream), &cap));
     MT_CHECK(cap == cudaStreamCaptureStatusNone,
