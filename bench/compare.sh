@@ -32,7 +32,8 @@
 #                         hybrid --fp8-recipe tensorwise (FP8 GEMMs in every decoder linear layer,
 #                         current scaling; docs/fp8.md), fp8_delayed = hybrid delayed scaling (amax
 #                         history 1024, max), fp8_block = e4m3 blockwise (1x128 / 128x128 scales),
-#                         fp8_graph = fp8 with the full-iteration CUDA graph
+#                         fp8_graph = fp8 with the full-iteration CUDA graph, fp8_delayed_graph =
+#                         fp8_delayed with it
 #   moe_small             Mixtral-style MoE (12 layers, hidden 1024, GQA 16/8, 8 experts top-2, expert
 #                         SwiGLU 3584, aux loss 1e-2), micro-batch 8 (speed only)
 # Environment: ITERS (steps, default 40), WARMUP (steps left out of the timing, default 10), LR
@@ -152,6 +153,8 @@ for c in "$@"; do
                               --fp8-amax-compute-algo max) ;;
     "$base:fp8_block") mt+=(--fp8-format e4m3 --fp8-recipe blockwise) ;;
     "$base:fp8_graph") mt+=(--fp8-format hybrid --fp8-recipe tensorwise --cuda-graph-impl full_iteration) ;;
+    "$base:fp8_delayed_graph") mt+=(--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 1024
+                                    --fp8-amax-compute-algo max --cuda-graph-impl full_iteration) ;;
     "$base:pao") mt+=(--use-precision-aware-optimizer) ;;
     "$base:pao_norm_act") mt+=(--use-precision-aware-optimizer --recompute-granularity selective
                                --recompute-modules layernorm mlp_act) ;;
