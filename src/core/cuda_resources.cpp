@@ -1,9 +1,6 @@
 #ifdef MT_WITH_CUDA
 #include "core/cuda_resources.h"
 
-#include <map>
-#include <mutex>
-
 #include "core/cuda_check.h"
 
 namespace mt {
@@ -24,17 +21,6 @@ CudaStreamResources::~CudaStreamResources() {
   if (workspace) cudaFree(workspace);
   if (lt) cublasLtDestroy(lt);
   if (stream) cudaStreamDestroy(stream);
-}
-
-int compute_capability(int index) {
-  static std::mutex mu;
-  static std::map<int, int> known;
-  std::lock_guard<std::mutex> lock(mu);
-  if (auto it = known.find(index); it != known.end()) return it->second;
-  int major = 0, minor = 0;
-  MT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, index));
-  MT_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, index));
-  return known.emplace(index, major * 10 + minor).first->second;
 }
 
 }  // namespace mt

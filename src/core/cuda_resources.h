@@ -29,9 +29,5 @@ struct CudaStreamResources {
   int num_sms = 0;
 };
 
-/// Compute capability of CUDA device `index` as major * 10 + minor (90: Hopper), queried once per
-/// device and cached; thread-safe. Errors: mt::Error from the CUDA runtime for an invalid index.
-int compute_capability(int index);
-
 }  // namespace mt
 #endif

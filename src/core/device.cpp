@@ -2,6 +2,9 @@
 
 #include <fmt/format.h>
 
+#include <map>
+#include <mutex>
+
 #include "core/check.h"
 #ifdef MT_WITH_CUDA
 #include "core/cuda_check.h"
@@ -35,6 +38,22 @@ bool cuda_available() {
   return n > 0;
 #else
   return false;
+#endif
+}
+
+int compute_capability(Device d) {
+  if (d.is_cpu()) return 0;
+#ifdef MT_WITH_CUDA
+  static std::mutex mu;
+  static std::map<int, int> known;
+  std::lock_guard<std::mutex> lock(mu);
+  if (auto it = known.find(d.index); it != known.end()) return it->second;
+  int major = 0, minor = 0;
+  MT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, d.index));
+  MT_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, d.index));
+  return known.emplace(d.index, major * 10 + minor).first->second;
+#else
+  MT_FAIL("device {} requested but this binary was built without CUDA", d.str());
 #endif
 }
 

@@ -23,6 +23,10 @@ struct Device {
 Device parse_device(const std::string& s);
 /// True when this binary has the CUDA backend and at least one GPU is visible.
 bool cuda_available();
+/// Compute capability of a CUDA device as major * 10 + minor (90: Hopper), queried once per device
+/// and cached (thread-safe); 0 for the CPU. Errors: mt::Error for a CUDA device in a binary
+/// without CUDA, or from the CUDA runtime (no such device).
+int compute_capability(Device d);
 /// Makes `d` the current CUDA device of the calling thread (no-op for CPU).
 void set_current_device(Device d);
 

@@ -312,8 +312,10 @@ GPTModel::GPTModel(const TransformerConfig& config, int64_t micro_batch, DType d
     ranges.push_back(r);
   }
   chunk_specs_ = chunks;
+  // measured only (`megatron plan`, for H100/H200 on a machine that may have no GPU): Hopper
+  const bool hopper = device.is_cuda() && (measure_only || compute_capability(device) >= 90);
   attention_backend_ = resolve_attention_backend(config_.attention_backend, config_.head_dim(),
-                                                 {device.is_cuda(), dtype, flash_attention_cudnn_available()});
+                                                 {device.is_cuda(), dtype, flash_attention_cudnn_available(), hopper});
   // Without an expert grid (no etp-ep group): EP 1 and expert TP = TP over the TP group.
   ExpertParallel expert{1, 0, tp_.size(), tp_.rank(), groups_.tp, nullptr, groups_.tp};
   if (groups_.etp_ep) {

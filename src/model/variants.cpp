@@ -157,8 +157,9 @@ AttentionBackend resolve_attention_backend(AttentionBackend requested, int64_t h
   const bool half = p.dtype == DType::kBF16 || p.dtype == DType::kF16;
   const bool cudnn_runs = p.cuda && half && p.cudnn;
   const bool flash_fast_path = p.cuda && half && (head_dim == 64 || head_dim == 128);
+  const bool cudnn_wide_heads = cudnn_runs && p.hopper && head_dim <= 256 && head_dim % 8 == 0;
   if (requested == AttentionBackend::kAuto)
-    requested = flash_fast_path ? AttentionBackend::kFused : AttentionBackend::kLocal;
+    requested = flash_fast_path || cudnn_wide_heads ? AttentionBackend::kFused : AttentionBackend::kLocal;
   if (requested == AttentionBackend::kFused && !cudnn_runs) return AttentionBackend::kFlash;
   return requested;
 }

@@ -148,6 +148,7 @@ struct AttentionPlatform {
   bool cuda = false;           ///< the model runs on a GPU
   DType dtype = DType::kF32;   ///< activation dtype
   bool cudnn = false;          ///< the build has cuDNN's fused attention (flash_attention_cudnn_available())
+  bool hopper = false;         ///< compute capability >= 9.0: cuDNN's head dims up to 256 (MLA's 192)
 };
 
 /// --attention-backend resolved for a model, once (GPTModel: the layer specs and the log's name):
@@ -155,7 +156,8 @@ struct AttentionPlatform {
 ///   fused -> fused where cuDNN can run (CUDA, bf16/fp16, a cuDNN build; the op still falls back
 ///            to the FlashAttention-2 kernels per call where cuDNN does not apply), else flash;
 ///   auto  -> as fused where the FlashAttention-2 fast path applies (CUDA, bf16/fp16, head dim 64
-///            or 128), else local.
+///            or 128) or where cuDNN runs on Hopper or newer at a head dim up to 256 that is a
+///            multiple of 8 (MLA's 192: cuDNN's support matrix), else local.
 /// Never returns kAuto.
 AttentionBackend resolve_attention_backend(AttentionBackend requested, int64_t head_dim, const AttentionPlatform& p);
 

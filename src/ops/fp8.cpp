@@ -2,9 +2,6 @@
 #include "ops/fp8.h"
 
 #include "ops/dispatch.h"
-#ifdef MT_WITH_CUDA
-#include "core/cuda_resources.h"
-#endif
 #include "ops/op_checks.h"
 
 namespace mt {
@@ -54,7 +51,7 @@ std::vector<int64_t> fp8_scale_shape(Fp8Scaling s, int64_t rows, int64_t cols) {
 void fp8_check_device(Device device, bool blockwise) {
   if (device.is_cpu()) return;
 #ifdef MT_WITH_CUDA
-  const int cc = compute_capability(device.index);
+  const int cc = compute_capability(device);
   MT_REQUIRE(cc >= 89,
              "FP8 training (--fp8-format) needs a GPU with FP8 tensor cores (compute capability >= 8.9: Ada, Hopper, "
              "Blackwell); {} has compute capability {}.{}",

@@ -402,7 +402,8 @@ TEST(Variants, AttentionBackendResolution) {
     A expect;
   };
   const AttentionPlatform cpu{}, gpu_bf16{true, DType::kBF16, true}, gpu_f16_no_cudnn{true, DType::kF16, false},
-      gpu_f32{true, DType::kF32, true};
+      gpu_f32{true, DType::kF32, true}, hopper_bf16{true, DType::kBF16, true, true},
+      hopper_no_cudnn{true, DType::kBF16, false, true};
   const std::vector<Case> cases{
       {A::kAuto, 64, cpu, A::kLocal},           {A::kFlash, 64, cpu, A::kFlash},
       {A::kFused, 64, cpu, A::kFlash},          {A::kLocal, 64, cpu, A::kLocal},
@@ -411,13 +412,18 @@ TEST(Variants, AttentionBackendResolution) {
       {A::kFlash, 64, gpu_bf16, A::kFlash},     {A::kLocal, 64, gpu_bf16, A::kLocal},
       {A::kAuto, 64, gpu_f16_no_cudnn, A::kFlash}, {A::kFused, 64, gpu_f16_no_cudnn, A::kFlash},
       {A::kAuto, 64, gpu_f32, A::kLocal},       {A::kFused, 64, gpu_f32, A::kFlash},
+      // Hopper: cuDNN takes head dims up to 256 (multiples of 8), MLA's 192 among them
+      {A::kAuto, 192, hopper_bf16, A::kFused},  {A::kAuto, 96, hopper_bf16, A::kFused},
+      {A::kAuto, 256, hopper_bf16, A::kFused},  {A::kAuto, 264, hopper_bf16, A::kLocal},
+      {A::kAuto, 100, hopper_bf16, A::kLocal},  {A::kAuto, 192, gpu_bf16, A::kLocal},
+      {A::kAuto, 192, hopper_no_cudnn, A::kLocal}, {A::kAuto, 64, hopper_no_cudnn, A::kFlash},
   };
   for (const Case& k : cases)
     EXPECT_EQ(resolve_attention_backend(k.requested, k.head_dim, k.p), k.expect)
         << attention_backend_name(k.requested) << " head dim " << k.head_dim << " cuda " << k.p.cuda << " "
-        << dtype_name(k.p.dtype) << " cudnn " << k.p.cudnn;
+        << dtype_name(k.p.dtype) << " cudnn " << k.p.cudnn << " hopper " << k.p.hopper;
   for (const AttentionBackendKind& kind : attention_backend_kinds())
-    for (const AttentionPlatform& p : {cpu, gpu_bf16, gpu_f16_no_cudnn, gpu_f32})
+    for (const AttentionPlatform& p : {cpu, gpu_bf16, gpu_f16_no_cudnn, gpu_f32, hopper_bf16})
       EXPECT_NE(resolve_attention_backend(kind.kind, 64, p), A::kAuto);
   const std::string err = error_of([] { get_gpt_layer_local_spec(tiny_config(), A::kAuto); });
   EXPECT_NE(err.find("must be resolved first"), std::string::npos) << err;

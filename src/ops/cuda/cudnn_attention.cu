@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "core/cuda_check.h"
-#include "core/cuda_resources.h"
+#include "core/device.h"
 #include "core/logging.h"
 #include "ops/context_attention_impl.h"
 #include "ops/cuda/common.cuh"
@@ -553,7 +553,7 @@ void zero_columns(void* base, int64_t rows, size_t pitch, size_t from, size_t to
 bool sm90_or_newer() {
   int device = 0;
   MT_CUDA_CHECK(cudaGetDevice(&device));
-  return compute_capability(device) >= 90;
+  return compute_capability(Device::cuda(device)) >= 90;
 }
 
 /// Grouped queries: the qpg query slots of each (position, sample, group) of qkv [s, b, g, qpg + 2,

@@ -59,7 +59,7 @@
 #include "ops/grouped_matmul.h"  // first: elementwise_common.cuh needs Tensor, Stream, DType
 
 #include "core/cuda_check.h"
-#include "core/cuda_resources.h"
+#include "core/device.h"
 #include "ops/cuda/elementwise_common.cuh"
 #include "ops/cuda/grouped_matmul_common.cuh"
 #include "ops/cuda/grouped_matmul_sm90.cuh"
@@ -877,7 +877,7 @@ bool device_ready(const Stream& stream) {
   std::lock_guard<std::mutex> lock(mu);
   if (auto it = ready.find(dev); it != ready.end()) return it->second;
   bool ok = false;
-  if (compute_capability(dev) == 90) {
+  if (compute_capability(Device::cuda(dev)) == 90) {
     cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
     MT_CUDA_CHECK(cudaStreamIsCapturing(raw(stream), &cap));
     MT_CHECK(cap == cudaStreamCaptureStatusNone,
