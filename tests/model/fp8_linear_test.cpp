@@ -16,6 +16,7 @@
 #include "model/fp8/fp8_model.h"
 #include "model/layers/parallel_params.h"
 #include "ops/elementwise.h"
+#include "ops/fp8.h"
 #include "ops/fp8_fused.h"
 #include "ops/swiglu.h"
 #include "ops/gelu_math.h"
@@ -476,6 +477,7 @@ TEST(Fp8Linear, Errors) {
 // forward_add (a RowParallelLinear's residual add): the residual as the GEMM's C for the per-tensor
 // recipes without a bias, a separate add otherwise — both out = residual + forward's y, bitwise on
 // the CPU (fp32: acc + residual is one addition either way); the residual itself is left unchanged.
+// Delayed scaling: forward_fused_add of the producer's FP8 bytes is the same.
 TEST(Fp8Linear, ForwardAddEqualsForwardPlusResidual) {
   for (Fp8Recipe r : {Fp8Recipe::kTensorwise, Fp8Recipe::kDelayed, Fp8Recipe::kBlockwise}) {
     for (bool with_bias : {false, true}) {
@@ -495,6 +497,14 @@ TEST(Fp8Linear, ForwardAddEqualsForwardPlusResidual) {
       for (size_t i = 0; i < y.size(); ++i) want[i] = res[i] + y[i];
       EXPECT_EQ(got, want);
       EXPECT_EQ(to_host(rt, st), res);
+      if (r != Fp8Recipe::kDelayed) continue;
+      // the producer's FP8 bytes (a fused producer writes exactly fp8_quantize's) into forward_fused_add
+      Harness c(r, Fp8Format::kHybrid, out, in, m, false, false);
+      Io ic(c, m, x, w, bias, dy);
+      const Fp8Linear::FusedInput fi = c.lin->fused_input(m);
+      fp8_quantize(fi.xq, Tensor(), ic.xt, fi.scale, fi.record, st);
+      c.lin->forward_fused_add(ic.y, with_bias ? Tensor(ic.bt) : Tensor(), rt, 0, st);
+      EXPECT_EQ(to_host(ic.y, st), want) << "forward_fused_add";
     }
   }
 }

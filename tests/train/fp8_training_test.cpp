@@ -72,23 +72,30 @@ TEST_F(Fp8Training, RecipesTrainCloseToFp32) {
 // (Fp8Model::layer_state: the fwd block, then the bwd block), merged over the ranks by element-wise
 // max (pipeline stages hold different layers; an EP rank's block has zeros in the current-scaling
 // amaxes of the experts it does not hold).
+// fused_inputs: rank 0's forwards that took a fused producer's FP8 input (Fp8Model::fused_inputs).
 struct Fp8Run {
   TrainingResult result;
   std::map<int64_t, std::vector<float>> state;
+  int64_t fused_inputs = 0;
 };
 
-Fp8Run train_with_state(const std::string& flags) {
+// fused_producers = false: delayed scaling's producers do not write the FP8 inputs
+// (TransformerConfig::fp8_fused_producers, not a flag).
+Fp8Run train_with_state(const std::string& flags, bool fused_producers = true) {
   const PretrainArgs args = testing::parse_pretrain_args(flags);
   Fp8Run out;
   std::mutex mu;
   run_thread_ranks(args.nproc_per_node, [&](int rank, std::shared_ptr<Communicator> world) {
-    TrainingSetup setup(testing::parse_pretrain_args(flags), std::move(world), Device::cpu());
+    PretrainArgs rank_args = testing::parse_pretrain_args(flags);
+    rank_args.model.fp8_fused_producers = fused_producers;
+    TrainingSetup setup(std::move(rank_args), std::move(world), Device::cpu());
     Trainer trainer(setup);
     TrainingResult r = trainer.train();
     const Fp8Model* fp8 = setup.model().fp8();
     std::lock_guard<std::mutex> lock(mu);
     if (rank == 0) out.result = std::move(r);
     if (!fp8) return;
+    if (rank == 0) out.fused_inputs = fp8->fused_inputs();
     for (int64_t l = 0; l < args.model.num_layers; ++l) {
       const auto [fwd, bwd] = fp8->layer_state(l, setup.stream());
       if (fwd.empty()) continue;
@@ -182,6 +189,48 @@ TEST_F(Fp8Training, TpCommOverlapIsBitwise) {
       for (const auto& [it, l] : plain.losses) EXPECT_EQ(overlap.losses.at(it), l) << "iteration " << it;
       for (const auto& [it, v] : plain.validation) EXPECT_EQ(overlap.validation.at(it).loss, v.loss) << it;
     }
+}
+
+// Delayed scaling's fused producers (docs/fp8.md "Fused quantisation"): in a Llama-style model
+// (RMSNorm, SwiGLU) the input_layernorm writes linear_qkv's FP8 input, the pre_mlp_layernorm
+// linear_fc1's and the SwiGLU linear_fc2's, each in its own pass — bitwise the separate
+// quantisation of the stored output: the same losses, grad norms and FP8 state (every amax
+// history and scale) with and without the fusion. Layouts: one rank without hidden dropout
+// (fc2's GEMM adds the residual), the same with biases (the bias and residual added after fc2's
+// GEMM), TP 2 with dropout and without sequence parallelism (fc2's partial sums all-reduced);
+// under SP the norm writes a shard and the fusion is off (no fused input).
+TEST_F(Fp8Training, FusedProducersAreBitwise) {
+  const std::string llama = "--normalization RMSNorm --swiglu --position-embedding-type rope --train-iters 3 "
+                            "--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 4 ";
+  for (const auto& [layout, fused] : std::vector<std::pair<std::string, bool>>{
+           {"--disable-bias-linear --hidden-dropout 0.0 --attention-dropout 0.0", true},
+           {"--hidden-dropout 0.0", true},
+           {"--disable-bias-linear --nproc-per-node 2 --tensor-model-parallel-size 2", true},
+           {"--nproc-per-node 2 --tensor-model-parallel-size 2 --sequence-parallel", false}}) {
+    SCOPED_TRACE(layout);
+    const std::string f = flags(kModel + llama + layout);
+    const Fp8Run on = train_with_state(f), off = train_with_state(f, /*fused_producers=*/false);
+    EXPECT_EQ(off.fused_inputs, 0);
+    if (fused) {  // every forward of every layer: linear_qkv, linear_fc1 and linear_fc2
+      EXPECT_GT(on.fused_inputs, 0);
+      EXPECT_EQ(on.fused_inputs % (3 * 4), 0) << on.fused_inputs;
+    } else {
+      EXPECT_EQ(on.fused_inputs, 0);
+    }
+    ASSERT_EQ(on.result.losses.size(), 3u);
+    ASSERT_EQ(on.result.log.size(), off.result.log.size());
+    for (const auto& [it, l] : off.result.losses) EXPECT_EQ(on.result.losses.at(it), l) << "iteration " << it;
+    for (const auto& [it, v] : off.result.validation) EXPECT_EQ(on.result.validation.at(it).loss, v.loss) << it;
+    int norms = 0;
+    for (size_t i = 0; i < on.result.log.size(); ++i) {
+      const std::string norm = testing::logged(off.result.log[i].line, "grad norm");
+      if (norm.empty()) continue;
+      ++norms;
+      EXPECT_EQ(testing::logged(on.result.log[i].line, "grad norm"), norm) << off.result.log[i].line;
+    }
+    EXPECT_EQ(norms, 3);
+    EXPECT_EQ(max_state_diff(on, off), 0.0);
+  }
 }
 
 // Mixture of experts with expert parallelism: each expert's FP8 GEMM multiplies the tokens routed

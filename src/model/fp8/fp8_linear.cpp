@@ -331,13 +331,35 @@ Fp8Linear::FusedInput Fp8Linear::fused_input(int64_t m) {
            name_, max_rows_, m, row_blocks_, fp8_recipe_name(model_.settings().recipe));
   fwd_rows_ = m;
   x_t_ready_ = false;
+  ++fused_inputs_;
   return {views(m).xq, x_.scale, model_.training() ? x_.record : Tensor()};
+}
+
+bool Fp8Linear::takes_fused_input(int64_t m) const {
+  return model_.settings().fused_producers && model_.settings().recipe == Fp8Recipe::kDelayed && row_blocks_ == 1 &&
+         m % kAlign == 0 && m > 0 && (variable_rows_ ? m <= pad16(max_rows_) : m == max_rows_);
 }
 
 void Fp8Linear::forward_fused(const Tensor& y, const Tensor& bias, const Tensor& pre_gelu, int slot,
                               const Stream& st) {
   forward_fp8_rows(y, views(fwd_rows_).xq, 0, bias, pre_gelu, slot, st);
   if (save_input_) end_forward_fp8(slot, st);
+}
+
+void Fp8Linear::forward_fused_add(const Tensor& out, const Tensor& bias, const Tensor& residual, int slot,
+                                  const Stream& st) {
+  if (bias.empty() && out.shape() == residual.shape()) {  // forward_add's GEMM with C (delayed: per-tensor)
+    const Tensor xq = views(fwd_rows_).xq;
+    MT_CHECK(out.ndim() == 2 && out.size(0) == fwd_rows_ && out.size(1) == out_, "{}: out {} must be [{}, {}]", name_,
+             out.str(), fwd_rows_, out_);
+    copy(out, residual, st);
+    fprop(out, x_t_operand(saved_.at(static_cast<size_t>(slot)), xq, Tensor()), Tensor(), Tensor(), st,
+          /*accumulate=*/true);
+    if (save_input_) end_forward_fp8(slot, st);
+    return;
+  }
+  forward_fused(out, Tensor(), Tensor(), slot, st);
+  bias_dropout_add_forward(out, out, bias, residual, 0.f, DropoutKey{}, 0, st);  // p = 0: residual + (y + bias)
 }
 
 void Fp8Linear::end_forward(const Tensor& x, int slot, const Stream& st) {

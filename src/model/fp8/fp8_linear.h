@@ -147,10 +147,20 @@ class Fp8Linear {
     Tensor xq, scale, record;
   };
   FusedInput fused_input(int64_t m);
+  /// Whether the owner's producer writes fused_input(m) in a forward of m rows: delayed scaling
+  /// with Fp8Settings::fused_producers, one row block (no sequence parallelism) and m as
+  /// fused_input requires. Otherwise the forward quantises the producer's output itself.
+  bool takes_fused_input(int64_t m) const;
+  /// How many forwards took a fused producer's input (fused_input calls; tests).
+  int64_t fused_inputs() const { return fused_inputs_; }
   /// After the producer filled fused_input(m).xq: the forward of those bytes (y, bias, pre_gelu as
   /// forward) and, with save_input, the saved x_t = the bytes transposed — bitwise forward() of the
   /// producer's stored output (docs/fp8.md "Fused quantisation").
   void forward_fused(const Tensor& y, const Tensor& bias, const Tensor& pre_gelu, int slot, const Stream& stream);
+  /// forward_add (out = residual + (x · wᵀ + bias)) of the bytes fused_input(m).xq: bitwise
+  /// forward_add of the producer's stored output.
+  void forward_fused_add(const Tensor& out, const Tensor& bias, const Tensor& residual, int slot,
+                         const Stream& stream);
   /// The block's residual add fused after the GEMM (RowParallelLinear without a TP reduction):
   /// out [m, out] = residual + (x · wᵀ + bias); out may not alias x or residual. Per-tensor
   /// recipes without a bias and with m a multiple of 16: the residual is copied into out and the
@@ -236,6 +246,7 @@ class Fp8Linear {
   // whether dy's delayed-scaling amax is recorded
   int64_t fwd_rows_ = 0, bwd_rows_ = 0;
   bool x_t_ready_ = false, dy_t_ready_ = false, dy_recorded_ = false;
+  int64_t fused_inputs_ = 0;
   std::vector<Saved> saved_;  // per area
   Tensor wq_, wq_t_, wq_s_, wq_t_s_;
   Scratch scratch_;  // planned at max_rows (padded), viewed per call

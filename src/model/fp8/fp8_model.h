@@ -106,6 +106,13 @@ class Fp8Model {
   std::pair<Tensor, Tensor> layer_state(int64_t layer, const Stream& stream) const;
   /// Rows of a state block: history rows + amax + scale + scale_inv.
   int64_t state_rows() const { return history_rows() + 3; }
+  /// Forwards of this rank's FP8 linears that took a fused producer's input (Fp8Linear::fused_inputs).
+  int64_t fused_inputs() const {
+    int64_t n = 0;
+    for (const LayerEntry& e : layers_)
+      for (const Fp8Linear* l : e.linears) n += l->fused_inputs();
+    return n;
+  }
   /// fp32 elements from one column of the live state to the next (16 bytes: cuBLASLt's alignment
   /// of scale pointers).
   static constexpr int64_t kStateStride = 4;

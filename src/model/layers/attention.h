@@ -101,6 +101,10 @@ class AttentionSlot {
   /// layernorm must write input() again and restore_input() must run.
   virtual bool recomputes_input() const { return false; }
   virtual void restore_input(const StepContext&) {}
+  /// The linear whose FP8 input the input layernorm writes in its own pass in a forward of `rows`
+  /// (= s·b) rows (ColumnParallelLinear::fuses_fp8_input; docs/fp8.md "Fused quantisation"), or
+  /// nullptr (also when more than one linear reads the input: MLA).
+  virtual ColumnParallelLinear* fp8_input_linear(int64_t /*rows*/) { return nullptr; }
   /// Returns the block's output [s_l, b, h] before the output bias (a scratch view); with `add`
   /// (only when fuses_residual()) add->out = add->residual + (output + bias).
   virtual Tensor forward(const StepContext& ctx, const ResidualAdd* add = nullptr) = 0;
@@ -127,6 +131,9 @@ class SelfAttention final : public AttentionSlot {
   /// layernorm must write input() again and restore_input() must run.
   bool recomputes_input() const override { return linear_qkv_.recomputes_input(); }
   void restore_input(const StepContext& ctx) override { linear_qkv_.restore_input(ctx); }
+  ColumnParallelLinear* fp8_input_linear(int64_t rows) override {
+    return linear_qkv_.fuses_fp8_input(rows) ? &linear_qkv_ : nullptr;
+  }
   /// Returns the block's output [s_l, b, h] before the output bias (a scratch view). With
   /// ctx.batch.inference (generation) the core attention is replaced by the key/value-cache
   /// attention (ops/kv_cache_attention.h): the new keys/values are appended to this layer's cache

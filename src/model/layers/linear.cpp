@@ -71,12 +71,23 @@ void ColumnParallelLinear::restore_input(const StepContext& ctx) {
   tp_.enter_forward(saved_.at(static_cast<size_t>(ctx.slot)), input_local_, ctx.stream);
 }
 
+Fp8Linear::FusedInput ColumnParallelLinear::fp8_input(int64_t rows) {
+  MT_CHECK(fuses_fp8_input(rows), "{}: the producer cannot write the FP8 input of {} rows", role_, rows);
+  fp8_input_ready_ = true;
+  return fp8_->fused_input(rows);
+}
+
 void ColumnParallelLinear::forward(const Tensor& y, const StepContext& ctx, const Tensor& pre_gelu, bool gather) {
   const Tensor& x = saved_.at(static_cast<size_t>(ctx.slot));
   const int64_t n = local_out();
   const Tensor y2 = y.view({y.numel() / n, n});
   const Tensor pre2 = pre_gelu.empty() ? Tensor() : pre_gelu.view({pre_gelu.numel() / n, n});
   const Tensor bias = value_or_empty(bias_);
+  if (fp8_input_ready_) {  // the producer wrote the FP8 input (no sequence parallelism: nothing to gather)
+    fp8_input_ready_ = false;
+    fp8_->forward_fused(y2, bias, pre2, ctx.slot, ctx.stream);
+    return;
+  }
   // FP8: x's scale first (from this rank's sequence shard when the input is gathered block by
   // block), the saved x_t from the whole gathered input after
   const bool shard = gather && tp_.sequence_parallel();
@@ -192,11 +203,21 @@ void RowParallelLinear::plan(BufferPlanner& p, int64_t s, int64_t b) {
   dx_ = p.scratch(role_ + ".dx", t, {s, b, in_l});
 }
 
+Fp8Linear::FusedInput RowParallelLinear::fp8_input(int64_t rows) {
+  MT_CHECK(fuses_fp8_input(rows), "{}: the producer cannot write the FP8 input of {} rows", role_, rows);
+  fp8_input_ready_ = true;
+  return fp8_->fused_input(rows);
+}
+
 Tensor RowParallelLinear::forward(const StepContext& ctx, const ResidualAdd* add) {
   const Tensor& x = saved_.at(static_cast<size_t>(ctx.slot));
+  const bool fused = fp8_input_ready_;  // the producer wrote the FP8 input (one row block)
+  fp8_input_ready_ = false;
   if (add) {
     MT_CHECK(fuses_residual(), "{}: the residual add cannot be fused under tensor parallelism", role_);
-    if (fp8_) {
+    if (fused) {
+      fp8_->forward_fused_add(rows(add->out), value_or_empty(bias_), rows(add->residual), ctx.slot, ctx.stream);
+    } else if (fp8_) {
       fp8_->forward_add(rows(add->out), rows(x), value_or_empty(bias_), rows(add->residual), ctx.slot, ctx.stream);
     } else {
       linear_forward_add(rows(add->out), rows(x), weight_.value(), value_or_empty(bias_), rows(add->residual),
@@ -205,17 +226,19 @@ Tensor RowParallelLinear::forward(const StepContext& ctx, const ResidualAdd* add
     return add->out;
   }
   const Tensor x2 = rows(x);
-  if (fp8_) fp8_->begin_forward(x2, /*shard=*/false, ctx.slot, ctx.stream);
+  if (fp8_ && !fused) fp8_->begin_forward(x2, /*shard=*/false, ctx.slot, ctx.stream);
   auto gemm = [&](const Tensor& out_rows, int64_t first) {  // partial sums of rows [first, first + count)
     const Tensor x_rows = x2.slice0(first, first + out_rows.size(0));
-    if (fp8_) {
+    if (fused) {  // one block of all rows (no sequence parallelism)
+      fp8_->forward_fused(out_rows, Tensor(), Tensor(), ctx.slot, ctx.stream);
+    } else if (fp8_) {
       fp8_->forward_rows(out_rows, x_rows, first, Tensor(), Tensor(), ctx.slot, ctx.stream);
     } else {
       linear_forward(out_rows, x_rows, weight_.value(), Tensor(), Tensor(), ctx.stream);
     }
   };
   tp_.gemm_reduce_scatter(out_local_, out_full_, gemm, {}, ctx.stream);
-  if (fp8_) fp8_->end_forward(x2, ctx.slot, ctx.stream);
+  if (fp8_ && !fused) fp8_->end_forward(x2, ctx.slot, ctx.stream);
   return out_local_;
 }
 

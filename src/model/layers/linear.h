@@ -76,6 +76,14 @@ class ColumnParallelLinear {
   Tensor input(int area) const;
   /// The gathered input [s, b, in] of `area` (valid after forward).
   Tensor input_full(int area) const { return saved_.at(static_cast<size_t>(area)); }
+  /// Delayed-scaling FP8 (docs/fp8.md "Fused quantisation"): whether the producer of input()
+  /// (the RMSNorm) writes this layer's FP8 input in its own pass for a forward of `rows` = s·b rows
+  /// — Fp8Linear::takes_fused_input and the input saved in FP8 (not recomputed: the recomputing
+  /// backward re-runs the producer alone). Otherwise forward quantises input() itself.
+  bool fuses_fp8_input(int64_t rows) const { return fp8_ && !recompute_input_ && fp8_->takes_fused_input(rows); }
+  /// Where that producer writes (Fp8Linear::fused_input of `rows` rows), besides input(area);
+  /// the next forward multiplies those bytes. Errors: mt::Error unless fuses_fp8_input(rows).
+  Fp8Linear::FusedInput fp8_input(int64_t rows);
   /// y [s, b, parts·out/tp] = x Wᵀ (+ b); with pre_gelu given (same shape), the GELU epilogue:
   /// pre_gelu = x Wᵀ + b, y = gelu(pre_gelu) (ops/matmul.h). gather = false: the gathered
   /// input is already in place (a recomputing backward re-running the GEMM).
@@ -116,6 +124,7 @@ class ColumnParallelLinear {
   Tensor input_local_;         // SP: [s_l, b, in] scratch the producer writes
   Tensor dx_full_, dx_local_;  // [s, b, in], [s_l, b, in] (same memory without SP)
   std::unique_ptr<Fp8Linear> fp8_;  // FP8 GEMMs (nullptr: bf16)
+  bool fp8_input_ready_ = false;    // fp8_input was written for the next forward
 };
 
 /// The residual add of a transformer block (TransformerLayer), fused into the block's output
@@ -146,6 +155,13 @@ class RowParallelLinear {
   /// Where the producer writes this layer's input [s, b, in/tp] for `area` (saved unless
   /// recompute_input).
   Tensor input(int area) const { return saved_.at(static_cast<size_t>(area)); }
+  /// Delayed-scaling FP8 (docs/fp8.md "Fused quantisation"): whether the producer of input()
+  /// (the SwiGLU) writes this layer's FP8 input in its own pass for a forward of `rows` = s·b rows
+  /// (Fp8Linear::takes_fused_input; the bf16 input() is still written: the backward reads it).
+  bool fuses_fp8_input(int64_t rows) const { return fp8_ && fp8_->takes_fused_input(rows); }
+  /// Where that producer writes (Fp8Linear::fused_input of `rows` rows), besides input(area);
+  /// the next forward multiplies those bytes. Errors: mt::Error unless fuses_fp8_input(rows).
+  Fp8Linear::FusedInput fp8_input(int64_t rows);
   /// Returns y [s_l, b, out] = reduce over TP of x Wᵀ, without the bias (a scratch view, valid
   /// until the next RowParallelLinear forward). With `add` (only when fuses_residual()): writes
   /// and returns add->out = add->residual + (x Wᵀ + bias) (ops/matmul.h linear_forward_add).
@@ -179,6 +195,7 @@ class RowParallelLinear {
   Tensor dy_full_;               // SP: the gathered output gradient [s, b, out]
   Tensor dx_;                    // [s, b, in/tp]
   std::unique_ptr<Fp8Linear> fp8_;  // FP8 GEMMs (nullptr: bf16)
+  bool fp8_input_ready_ = false;    // fp8_input was written for the next forward
 };
 
 /// A bias to add, or an empty tensor when the parameter is not declared.

@@ -2,6 +2,8 @@
 
 #include <cmath>
 
+#include "ops/fp8_fused.h"
+
 namespace mt {
 
 namespace {
@@ -76,7 +78,16 @@ void MLP::forward_fc1(const StepContext& ctx, bool gather) {
 }
 
 Tensor MLP::forward(const StepContext& ctx, const ResidualAdd* add) {
-  forward_fc1(ctx, /*gather=*/true);
+  const Tensor& pre = pre_.at(static_cast<size_t>(ctx.slot));
+  const int64_t m = pre.numel() / pre.size(-1);
+  if (act_.kind == MlpActivation::kSwiGLU && linear_fc2_.fuses_fp8_input(m)) {
+    // the SwiGLU writes fc2's input (read by its backward) and its FP8 bytes in one pass
+    linear_fc1_.forward(pre, ctx);
+    const Fp8Linear::FusedInput q = linear_fc2_.fp8_input(m);
+    fp8_swiglu_forward(rows(linear_fc2_.input(ctx.slot)), q.xq, rows(pre), q.scale, q.record, ctx.stream);
+  } else {
+    forward_fc1(ctx, /*gather=*/true);
+  }
   return linear_fc2_.forward(ctx, add);
 }
 

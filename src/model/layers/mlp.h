@@ -24,6 +24,10 @@ class MlpSlot {
   /// pre-MLP layernorm must write input() again and restore_input() must run.
   virtual bool recomputes_input() const { return false; }
   virtual void restore_input(const StepContext&) {}
+  /// The linear whose FP8 input the pre-MLP layernorm writes in its own pass in a forward of
+  /// `rows` (= s·b) rows (ColumnParallelLinear::fuses_fp8_input; docs/fp8.md "Fused
+  /// quantisation"), or nullptr (the MoE layer: its router reads the input too).
+  virtual ColumnParallelLinear* fp8_input_linear(int64_t /*rows*/) { return nullptr; }
   /// Returns the block's output [s_l, b, h] before its output bias (a scratch view). With `add`
   /// (only when fuses_residual()): returns add->out = add->residual + (output + bias) instead.
   virtual Tensor forward(const StepContext& ctx, const ResidualAdd* add = nullptr) = 0;
@@ -66,6 +70,11 @@ class MLP final : public MlpSlot {
   Tensor input(int area) const override { return linear_fc1_.input(area); }
   bool recomputes_input() const override { return linear_fc1_.recomputes_input(); }
   void restore_input(const StepContext& ctx) override { linear_fc1_.restore_input(ctx); }
+  ColumnParallelLinear* fp8_input_linear(int64_t rows) override {
+    return linear_fc1_.fuses_fp8_input(rows) ? &linear_fc1_ : nullptr;
+  }
+  /// fc1, the activation and fc2; under delayed-scaling FP8 the SwiGLU writes fc2's FP8 input in
+  /// its own pass (RowParallelLinear::fuses_fp8_input).
   Tensor forward(const StepContext& ctx, const ResidualAdd* add = nullptr) override;
   bool fuses_residual() const override { return linear_fc2_.fuses_residual(); }
   /// linear_fc1's weight gradient may be deferred (linear_fc2's is computed at once: its gathered

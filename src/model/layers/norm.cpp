@@ -2,6 +2,7 @@
 
 #include "model/layers/linear.h"
 #include "model/layers/parallel_params.h"
+#include "ops/fp8_fused.h"
 
 namespace mt {
 
@@ -26,6 +27,15 @@ void Norm::forward(const Tensor& y, const Tensor& x, const StepContext& ctx) {
   const Saved& s = saved_.at(static_cast<size_t>(ctx.slot));
   kind_.forward(y, s.mean, s.rstd, x, weight_.value(), value_or_empty(bias_), eps_, ctx.stream,
                 zero_centered_gamma_);
+}
+
+bool Norm::writes_fp8() const { return kind_.kind == Normalization::kRMSNorm; }
+
+void Norm::forward_fp8(const Tensor& y, const Tensor& q, const Tensor& scale, const Tensor& record, const Tensor& x,
+                       const StepContext& ctx) {
+  MT_CHECK(writes_fp8(), "a {} has no FP8 output (only RMSNorm's is fused)", kind_.names.name);
+  const Saved& s = saved_.at(static_cast<size_t>(ctx.slot));
+  fp8_rmsnorm_forward(y, q, s.rstd, x, weight_.value(), eps_, scale, record, ctx.stream, zero_centered_gamma_);
 }
 
 void Norm::backward(const Tensor& dx, const Tensor& dy, const Tensor& x, bool accumulate_dx, const StepContext& ctx) {

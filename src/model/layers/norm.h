@@ -25,6 +25,14 @@ class Norm {
   void plan(BufferPlanner& planner, int64_t rows);
   /// y = norm(x): x, y [rows, h] (act dtype; y may alias x where the op allows).
   void forward(const Tensor& y, const Tensor& x, const StepContext& ctx);
+  /// Whether forward_fp8 applies: RMSNorm (LayerNorm with an FP8 output is not built).
+  bool writes_fp8() const;
+  /// forward and, in the same pass, q = fp8(y · scale) of the stored y with its amax recorded
+  /// (ops/fp8_fused.h fp8_rmsnorm_forward: the delayed-scaling input of the next FP8 linear,
+  /// Fp8Linear::FusedInput). q: y's shape; scale, record: fp32 [1] (record empty: none).
+  /// Errors: mt::Error unless writes_fp8().
+  void forward_fp8(const Tensor& y, const Tensor& q, const Tensor& scale, const Tensor& record, const Tensor& x,
+                   const StepContext& ctx);
   /// dx = d/dx (overwrite, or += with accumulate_dx) from dy and the forward's input x; weight
   /// (and bias) gradients accumulate.
   void backward(const Tensor& dx, const Tensor& dy, const Tensor& x, bool accumulate_dx, const StepContext& ctx);

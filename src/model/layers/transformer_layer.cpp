@@ -67,6 +67,17 @@ void region(const StepContext& ctx, int64_t layer, Region r, bool backward, cons
 bool captured(const StepContext& ctx, Region r) {
   return ctx.graphs != nullptr && ctx.graphs->capturing() && ctx.graphs->scoped(r);
 }
+// y = norm(x), the block's input; under delayed-scaling FP8 an RMSNorm also writes the FP8 input
+// of the block's first linear (`fused`, when it takes one) in the same pass (docs/fp8.md "Fused
+// quantisation").
+void norm_forward(Norm& norm, const Tensor& y, const Tensor& x, ColumnParallelLinear* fused, const StepContext& ctx) {
+  if (fused != nullptr && norm.writes_fp8()) {
+    const Fp8Linear::FusedInput q = fused->fp8_input(y.size(0));
+    norm.forward_fp8(y, q.xq, q.scale, q.record, x, ctx);
+    return;
+  }
+  norm.forward(y, x, ctx);
+}
 }  // namespace
 
 Tensor TransformerLayer::forward(const Tensor& x, const StepContext& ctx) {
@@ -78,7 +89,8 @@ Tensor TransformerLayer::forward(const Tensor& x, const StepContext& ctx) {
   // Without dropout the residual add (bias-dropout-add) happens in the output projection's GEMM
   // where no tensor-parallel reduction follows it (ResidualAdd).
   region(ctx, layer_, Region::kAttention, false, attn_in, [&] {
-    input_layernorm_->forward(rows(self_attention_->input(ctx.slot)), rows(x), ctx);
+    const Tensor ln = rows(self_attention_->input(ctx.slot));
+    norm_forward(*input_layernorm_, ln, rows(x), self_attention_->fp8_input_linear(ln.size(0)), ctx);
     if (pd == 0.f && self_attention_->fuses_residual()) {
       const ResidualAdd add{s.resid1, x};
       self_attention_->forward(ctx, &add);
@@ -89,7 +101,8 @@ Tensor TransformerLayer::forward(const Tensor& x, const StepContext& ctx) {
                              dropout_key(ctx.dropout, layer_, kSiteAttentionOut), off, ctx.stream);
   });
   region(ctx, layer_, mlp_region(), false, {}, [&] {
-    pre_mlp_layernorm_->forward(rows(mlp_->input(ctx.slot)), rows(s.resid1), ctx);
+    const Tensor ln = rows(mlp_->input(ctx.slot));
+    norm_forward(*pre_mlp_layernorm_, ln, rows(s.resid1), mlp_->fp8_input_linear(ln.size(0)), ctx);
     if (pd == 0.f && mlp_->fuses_residual()) {
       const ResidualAdd add{s.out, s.resid1};
       mlp_->forward(ctx, &add);
