@@ -8,8 +8,9 @@
 //   build/grouped_matmul_bench --experts 8 --rows 4096 --hidden 1024 --ffn 3584 [--skew 0]
 //   build/grouped_matmul_bench --check         the wgmma kernel against the mma.sync kernel
 //   build/grouped_matmul_bench --fp8 [shape options]  FP8 (e4m3, tensorwise): the grouped FP8
-//                                              kernel, the grouped bf16 kernel and the per-expert
-//                                              cuBLASLt FP8 loop, counts rounded down to 16
+//                                              kernels (automatic; mma.sync), the grouped bf16
+//                                              kernel and the per-expert cuBLASLt FP8 loop, counts
+//                                              rounded down to 16
 //   [--iters 10]
 // For each projection of an expert MLP — fc1 (n = ffn, k = hidden) and fc2 (n = hidden, k = ffn)
 // — prints the time and TFLOP/s of forward (y = x Wᵀ), dgrad (dx = dy W) and wgrad (dW += dyᵀ x,
@@ -418,8 +419,9 @@ Times time_fp8_loop(const Problem& p, const Fp8Problem& q, int iters, const Stre
   return t;
 }
 
-/// One MoE shape in FP8 (e4m3, tensorwise): the grouped FP8 kernel, the grouped bf16 kernel (its
-/// automatic choice) and the per-expert cuBLASLt FP8 loop, both projections. The counts are
+/// One MoE shape in FP8 (e4m3, tensorwise): the grouped FP8 kernels (automatic, and mma.sync
+/// alone), the grouped bf16 kernel (its automatic choice) and the per-expert cuBLASLt FP8 loop,
+/// both projections. The counts are
 /// rounded down to multiples of 16 (Megatron's --moe-router-padding-for-fp8; the loop's cuBLASLt
 /// GEMMs need m % 16 == 0).
 void bench_fp8_shape(const std::string& name, int64_t E, int64_t rows, int64_t hidden, int64_t ffn, double skew,
@@ -448,7 +450,11 @@ void bench_fp8_shape(const std::string& name, int64_t E, int64_t rows, int64_t h
                  k, t.f, flops / t.f * 1e-9, t.d, flops / t.d * 1e-9, t.w, flops / t.w * 1e-9, impl);
     };
     const Times f8 = time_fp8_grouped(p, q, gwq, gwt, gg, iters, st);
-    row("FP8 grouped", f8);
+    row("FP8 grouped (automatic: wgmma fwd/dgrad on Hopper, mma.sync wgrad)", f8);
+    {
+      const KernelScope scope(Kernel::kMmaSync);
+      row("FP8 grouped mma.sync", time_fp8_grouped(p, q, gwq, gwt, gg, iters, st));
+    }
     const Times bf = time_grouped(p, gw, gg, iters, st);
     row("bf16 grouped", bf);
     const Times loop = time_fp8_loop(p, q, iters, st);

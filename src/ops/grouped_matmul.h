@@ -58,8 +58,9 @@ class GroupedWeights {
   /// True when the Hopper wgmma kernel may use these tensors: a CUDA device of compute capability
   /// 9.0 running the sm_90a code, every address 16-byte aligned, n and k multiples of 8.
   bool hopper() const { return hopper_; }
-  /// With hopper() and bf16/fp16 tensors: G TMA tensor maps of them on device() (128 bytes each:
-  /// 2-D [n, k], 64 x 64-element boxes, 128-byte swizzle), built once at construction; else null.
+  /// With hopper() and bf16/fp16/fp8_e4m3 tensors: G TMA tensor maps of them on device() (128
+  /// bytes each: 2-D [n, k], 64 x 64-element boxes (FP8: 128 x 64), 128-byte swizzle), built once
+  /// at construction; else null.
   const void* tensor_maps() const { return maps_.data(); }
 
  private:

@@ -1,5 +1,7 @@
 // CUDA tests of ops/grouped_matmul.h's FP8 ops (the mma.sync m16n8k32 FP8 kernel of
-// ops/cuda/grouped_matmul.cu) against the CPU emulation on the same FP8 operands: small-integer
+// ops/cuda/grouped_matmul.cu, and on Hopper the FP8 wgmma kernel of grouped_matmul_sm90.cu for the
+// forward: automatic, forced 128- and 256-wide tiles, ping-pong) against the CPU emulation on the
+// same FP8 operands: small-integer
 // operands with power-of-two scales bit for bit (bf16 y equal to the CPU's fp32 y rounded to bf16;
 // the fp32 gradients equal), random FP8 values within the FP8 tensor cores' accumulation
 // tolerance; ragged, empty and skewed counts, wgrad segments on and off 16-byte boundaries,
@@ -12,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "ops/cuda/grouped_matmul_sm90.cuh"
 #include "ops/grouped_fp8_test_util.h"
 
 namespace mt {
@@ -120,12 +123,32 @@ void compare(const Case& c, const grouped_fp8_test::Rows& r, const grouped_fp8_t
   }
 }
 
+using Kernel = cuda::grouped_sm90::Kernel;
+
+/// The kernels that run the forward: mma.sync always; on a Hopper device running the sm_90a code
+/// the wgmma kernel too (automatic, and forced where it applies: fp8_e4m3 weights).
+std::vector<Kernel> kernels(const Case& c) {
+  std::vector<Kernel> k = {Kernel::kMmaSync};
+  if (!cuda::grouped_sm90::device_ready(cuda_stream())) return k;
+  k.push_back(Kernel::kAuto);
+  if (c.b_dt == DType::kF8E4M3) {
+    for (Kernel f : {Kernel::kWgmma128, Kernel::kWgmma256, Kernel::kWgmmaPingPong}) k.push_back(f);
+  }
+  return k;
+}
+
 void check(Case c) {
-  for (bool ints : {true, false}) {
+  for (const auto& [ints, kern] : [&] {
+         std::vector<std::pair<bool, Kernel>> v;
+         for (bool i : {true, false})
+           for (Kernel k : kernels(c)) v.emplace_back(i, k);
+         return v;
+       }()) {
     c.ints = ints;
+    const cuda::grouped_sm90::KernelScope scope(kern);
     SCOPED_TRACE(::testing::Message() << "R=" << c.R << " N=" << c.N << " K=" << c.K << " G=" << c.groups()
                                       << (ints ? " ints" : " random") << " " << dtype_name(c.a_dt) << " x "
-                                      << dtype_name(c.b_dt));
+                                      << dtype_name(c.b_dt) << " kernel " << static_cast<int>(kern));
     const grouped_fp8_test::Rows r = grouped_fp8_test::make_rows(c);
     const grouped_fp8_test::Cols k = grouped_fp8_test::make_cols(c);
     const Outputs gpu = run_on(c, r, k, Device::cuda()), cpu = run_on(c, r, k, kCpu);
@@ -166,7 +189,9 @@ TEST(GroupedFp8MatmulCuda, CapturedGraphReplaysWithChangingCounts) {
   MT_REQUIRE_FP8_GPU();
   const std::vector<std::vector<int32_t>> sets = {
       {100, 0, 57, 1, 130}, {0, 0, 0, 0, 0}, {288, 0, 0, 0, 0}, {16, 32, 48, 64, 128}, {1, 2, 3, 4, 5}};
-  for (bool ints : {true, false}) {
+  for (const auto& [ints, kern] : {std::pair{true, Kernel::kAuto}, std::pair{false, Kernel::kAuto},
+                                   std::pair{false, Kernel::kMmaSync}}) {
+    const cuda::grouped_sm90::KernelScope scope(kern);
     Case c{288, 144, 208, sets.front()};
     c.ints = ints;
     // the first set uses all 288 rows: no NaN tail, every later set reads real rows (tails: above)
@@ -184,7 +209,8 @@ TEST(GroupedFp8MatmulCuda, CapturedGraphReplaysWithChangingCounts) {
     cudaGraphExec_t exec = nullptr;
     ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
     for (size_t i = 0; i < sets.size(); ++i) {
-      SCOPED_TRACE(::testing::Message() << "replay " << i << (ints ? " ints" : " random"));
+      SCOPED_TRACE(::testing::Message() << "replay " << i << (ints ? " ints" : " random") << " kernel "
+                                        << static_cast<int>(kern));
       c.counts = sets[i];
       copy_bytes(st.counts.t.data(), Device::cuda(), sets[i].data(), kCpu, sets[i].size() * sizeof(int32_t), s);
       st.reset(k, s);

@@ -776,6 +776,7 @@ void grouped_fp8_linear_forward(const Tensor& y, const Tensor& aq, const Tensor&
   const int64_t R = aq.size(0), N = wq.rows(), K = wq.cols();
   fp8_check_device(aq.device(), /*blockwise=*/false);
   if (R == 0 || N == 0) return;
+  if (grouped_sm90::fp8_forward(y, aq, a_scale_inv, wq, w_scale_inv, counts, stream)) return;
   Fp8Params p = fp8_params(a_scale_inv, w_scale_inv, wq, counts, R, N, K, fn);
   p.a = aq.data_as<uint8_t>();
   p.c = y.data_as<__nv_bfloat16>();
