@@ -110,8 +110,9 @@ void grouped_linear_wgrad(const GroupedWeights& dw, const Tensor& dy, const Tens
 /// grouped_linear_forward (CUDA clips at row R). N and K multiples of 16, pointers 16-byte aligned
 /// (the kernels' 16-byte loads; cuBLASLt's FP8 rule). CPU: per group cpu::fp8_matmul (the FP8
 /// emulation). CUDA (compute capability >= 8.9): mma.sync m16n8k32 with FP8 operands
-/// (ops/cuda/grouped_matmul.cu), the scales applied in the epilogue, counts read on the device
-/// (capturable). Errors: mt::Error on mismatched shapes/dtypes/devices, a violated requirement,
+/// (ops/cuda/grouped_matmul.cu); on Hopper, with fp8_e4m3 weights, the wgmma kernel (wgmma
+/// m64nNk32, ops/cuda/grouped_matmul_sm90.cu); the scales applied in the epilogue, counts read on
+/// the device (capturable). Errors: mt::Error on mismatched shapes/dtypes/devices, a violated requirement,
 /// Σc > R on CPU, a GPU below compute capability 8.9.
 void grouped_fp8_linear_forward(const Tensor& y, const Tensor& aq, const Tensor& a_scale_inv, const GroupedWeights& wq,
                                 const Tensor& w_scale_inv, const Tensor& counts, const Stream& stream);
