@@ -245,6 +245,57 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const unsigned (&a)[4], 
   }
 }
 
+/// The cp.async k loop of the tensor-core kernels: kStages - 1 k tiles in flight. load(stage, kt)
+/// issues the loads of k tile kt into ring slot `stage`; compute(stage) consumes a landed slot.
+template <int kStages, typename Load, typename Compute>
+__device__ __forceinline__ void k_pipeline(int ktiles, Load&& load, Compute&& compute) {
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < ktiles) load(s, s);
+    cp_async_commit();
+  }
+  for (int kt = 0; kt < ktiles; ++kt) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();  // stage kt landed for every thread (byte stores visible); stage kt - 1 is free
+    {
+      const int next = kt + kStages - 1;
+      if (next < ktiles) load(next % kStages, next);
+      cp_async_commit();
+    }
+    compute(kt % kStages);
+  }
+  cp_async_wait<0>();
+}
+
+/// The epilogue walk of a warp's 64x32 block at (m0, n0) held as 4x4 m16n8 fragments (thread
+/// (g = lane / 4, t = lane % 4) holds rows g, g + 8 and columns 2t, 2t + 1 of each): fn(m, col, v0,
+/// v1) for the rows m < M and the column pairs col < N (N even: col + 1 < N too).
+template <typename Fn>
+__device__ __forceinline__ void for_each_pair(const float (&acc)[4][4][4], int m0, int n0, int M, int N, Fn&& fn) {
+  const int lane = threadIdx.x & 31, gr = lane >> 2, tc = (lane & 3) * 2;
+#pragma unroll
+  for (int mi = 0; mi < 4; ++mi) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int m = m0 + mi * 16 + gr + h * 8;
+      if (m >= M) continue;
+#pragma unroll
+      for (int ni = 0; ni < 4; ++ni) {
+        const int col = n0 + ni * 8 + tc;
+        if (col < N) fn(m, col, acc[mi][ni][2 * h], acc[mi][ni][2 * h + 1]);
+      }
+    }
+  }
+}
+
+/// d[0..1] += (v0, v1): the fp32 weight gradient's read-modify-write of a column pair.
+__device__ __forceinline__ void add_pair(float* d, float v0, float v1) {
+  float2 o = *reinterpret_cast<float2*>(d);
+  o.x += v0;
+  o.y += v1;
+  *reinterpret_cast<float2*>(d) = o;
+}
+
 /// One operand tile in shared memory: kOuter rows of kInner contiguous elements (+ kPad), filled
 /// by cp.async from a matrix with `ld` elements per row, rows < outer_lim and columns < inner_lim
 /// valid (inner_lim a multiple of 8), the rest zero.
@@ -350,21 +401,9 @@ __global__ void __launch_bounds__(kThreads) tc_kernel(Params p) {
       for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.f;
 
   const int ktiles = (Kr + kBK - 1) / kBK;
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < ktiles) load_stage(s, s * kBK);
-    cp_async_commit();
-  }
-  for (int kt = 0; kt < ktiles; ++kt) {
-    cp_async_wait<kStages - 2>();
-    __syncthreads();  // stage kt landed for every thread; stage kt - 1 is free for the prefetch
-    {
-      const int next = kt + kStages - 1;
-      if (next < ktiles) load_stage(next % kStages, next * kBK);
-      cp_async_commit();
-    }
-    const T* a = sA + (kt % kStages) * TileA::kElems;
-    const T* b = sB + (kt % kStages) * TileB::kElems;
+  k_pipeline<kStages>(ktiles, [&](int stage, int kt) { load_stage(stage, kt * kBK); }, [&](int stage) {
+    const T* a = sA + stage * TileA::kElems;
+    const T* b = sB + stage * TileB::kElems;
 #pragma unroll
     for (int kk = 0; kk < kBK; kk += 16) {
       unsigned af[4][4], bf[4][2];
@@ -396,40 +435,20 @@ __global__ void __launch_bounds__(kThreads) tc_kernel(Params p) {
 #pragma unroll
         for (int ni = 0; ni < 4; ++ni) mma16816<T>(acc[mi][ni], af[mi], bf[ni][0], bf[ni][1]);
     }
-  }
-  cp_async_wait<0>();
+  });
 
-  // Epilogue: thread (g = lane / 4, t = lane % 4) holds rows g, g + 8 and columns 2t, 2t + 1 of
-  // each 16x8 tile.
-  const int gr = lane >> 2, tc = (lane & 3) * 2;
-#pragma unroll
-  for (int mi = 0; mi < 4; ++mi) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int m = m0 + wm + mi * 16 + gr + h * 8;
-      if (m >= M) continue;
-#pragma unroll
-      for (int ni = 0; ni < 4; ++ni) {
-        const int col = n0 + wn + ni * 8 + tc;
-        if (col >= N) continue;  // N is even: col + 1 < N too
-        const float v0 = acc[mi][ni][2 * h], v1 = acc[mi][ni][2 * h + 1];
-        if constexpr (kWgrad) {
-          float2* d = reinterpret_cast<float2*>(static_cast<float*>(p.table[g]) + static_cast<int64_t>(m) * N + col);
-          float2 o = *d;
-          o.x += v0;
-          o.y += v1;
-          *d = o;
-        } else {
-          T* d = static_cast<T*>(p.c) + static_cast<int64_t>(off + m) * N + col;
-          if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-            *reinterpret_cast<__nv_bfloat162*>(d) = __floats2bfloat162_rn(v0, v1);
-          } else {
-            *reinterpret_cast<__half2*>(d) = __floats2half2_rn(v0, v1);
-          }
-        }
+  for_each_pair(acc, m0 + wm, n0 + wn, M, N, [&](int m, int col, float v0, float v1) {
+    if constexpr (kWgrad) {
+      add_pair(static_cast<float*>(p.table[g]) + static_cast<int64_t>(m) * N + col, v0, v1);
+    } else {
+      T* d = static_cast<T*>(p.c) + static_cast<int64_t>(off + m) * N + col;
+      if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+        *reinterpret_cast<__nv_bfloat162*>(d) = __floats2bfloat162_rn(v0, v1);
+      } else {
+        *reinterpret_cast<__half2*>(d) = __floats2half2_rn(v0, v1);
       }
     }
-  }
+  });
 }
 
 // ---- the FP8 tensor-core kernel (grouped_fp8_linear_forward / _wgrad) ---------------------------
@@ -561,30 +580,11 @@ __global__ void __launch_bounds__(kThreads) fp8_kernel(Fp8Params p) {
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int wm = (warp / 4) * 64, wn = (warp % 4) * 32;
-  float acc[4][4][4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.f;
-
+  float acc[4][4][4] = {};
   const int ktiles = (Kr + kF8BK - 1) / kF8BK;
-#pragma unroll
-  for (int s = 0; s < kF8Stages - 1; ++s) {
-    if (s < ktiles) load_stage(s, s * kF8BK);
-    cp_async_commit();
-  }
-  for (int kt = 0; kt < ktiles; ++kt) {
-    cp_async_wait<kF8Stages - 2>();
-    __syncthreads();  // stage kt landed (and the byte stores are visible); stage kt - 1 is free
-    {
-      const int next = kt + kF8Stages - 1;
-      if (next < ktiles) load_stage(next % kF8Stages, next * kF8BK);
-      cp_async_commit();
-    }
-    const uint8_t* a = sA + (kt % kF8Stages) * kF8TileBytes;
-    const uint8_t* b = sB + (kt % kF8Stages) * kF8TileBytes;
+  k_pipeline<kF8Stages>(ktiles, [&](int stage, int kt) { load_stage(stage, kt * kF8BK); }, [&](int stage) {
+    const uint8_t* a = sA + stage * kF8TileBytes;
+    const uint8_t* b = sB + stage * kF8TileBytes;
 #pragma unroll
     for (int kk = 0; kk < kF8BK; kk += 32) {
       unsigned af[4][4], bf[4][2];
@@ -605,37 +605,18 @@ __global__ void __launch_bounds__(kThreads) fp8_kernel(Fp8Params p) {
 #pragma unroll
         for (int ni = 0; ni < 4; ++ni) mma_fp8<kA5, kB5>(acc[mi][ni], af[mi], bf[ni][0], bf[ni][1]);
     }
-  }
-  cp_async_wait<0>();
+  });
 
-  // Epilogue (fragment layout of m16n8: rows lane/4 and +8, columns 2(lane%4) and +1), the scales
-  // as fp8_matmul applies them: acc · (sa · sb).
+  // The scales as fp8_matmul applies them: acc · (sa · sb).
   const float scale = p.sa[g * p.sa_stride] * p.sb[g * p.sb_stride];
-  const int gr = lane >> 2, tc = (lane & 3) * 2;
-#pragma unroll
-  for (int mi = 0; mi < 4; ++mi) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int m = m0 + wm + mi * 16 + gr + h * 8;
-      if (m >= M) continue;
-#pragma unroll
-      for (int ni = 0; ni < 4; ++ni) {
-        const int col = n0 + wn + ni * 8 + tc;
-        if (col >= N) continue;  // N is a multiple of 16: col + 1 < N too
-        const float v0 = acc[mi][ni][2 * h] * scale, v1 = acc[mi][ni][2 * h + 1] * scale;
-        if constexpr (kWgrad) {
-          float2* d = reinterpret_cast<float2*>(static_cast<float*>(p.table[g]) + static_cast<int64_t>(m) * N + col);
-          float2 o = *d;
-          o.x += v0;
-          o.y += v1;
-          *d = o;
-        } else {
-          *reinterpret_cast<__nv_bfloat162*>(p.c + static_cast<int64_t>(off + m) * N + col) =
-              __floats2bfloat162_rn(v0, v1);
-        }
-      }
+  for_each_pair(acc, m0 + wm, n0 + wn, M, N, [&](int m, int col, float v0, float v1) {
+    if constexpr (kWgrad) {
+      add_pair(static_cast<float*>(p.table[g]) + static_cast<int64_t>(m) * N + col, v0 * scale, v1 * scale);
+    } else {
+      *reinterpret_cast<__nv_bfloat162*>(p.c + static_cast<int64_t>(off + m) * N + col) =
+          __floats2bfloat162_rn(v0 * scale, v1 * scale);
     }
-  }
+  });
 }
 
 // ---- launchers ---------------------------------------------------------------------------------
