@@ -450,7 +450,7 @@ void bench_fp8_shape(const std::string& name, int64_t E, int64_t rows, int64_t h
                  k, t.f, flops / t.f * 1e-9, t.d, flops / t.d * 1e-9, t.w, flops / t.w * 1e-9, impl);
     };
     const Times f8 = time_fp8_grouped(p, q, gwq, gwt, gg, iters, st);
-    row("FP8 grouped (automatic: wgmma fwd/dgrad on Hopper, mma.sync wgrad)", f8);
+    row("FP8 grouped (automatic: wgmma on Hopper)", f8);
     {
       const KernelScope scope(Kernel::kMmaSync);
       row("FP8 grouped mma.sync", time_fp8_grouped(p, q, gwq, gwt, gg, iters, st));

@@ -123,9 +123,12 @@ void grouped_fp8_linear_forward(const Tensor& y, const Tensor& aq, const Tensor&
 /// [R, *] tensors, exactly what fp8_quantize's q_t writes for dy [R, n] and x [R, k] in its
 /// cast + transpose pass: dyq_t [n, R], xq_t [k, R] (tokens contiguous, i.e. K-major for this
 /// GEMM; group g's segment is columns [off_g, off_g + c_g), so no per-group copy or padding is
-/// needed; columns >= Σc are not read). dw: G fp32 [n, k]; dyq_t, xq_t FP8, not both e5m2;
+/// needed; columns >= Σc are not read). CPU: cpu::fp8_matmul per group on copies of the segments.
+/// CUDA: on Hopper with xq_t e4m3 the wgmma kernel (TMA reads a segment from any column; the
+/// columns beyond it zeroed in shared memory), else the mma.sync FP8 kernel.
+/// dw: G fp32 [n, k]; dyq_t, xq_t FP8, not both e5m2;
 /// dy_scale_inv, x_scale_inv: fp32 of 1 or G elements. n and k multiples of 16; R a multiple of 16
-/// (the transposes' rows 16-byte aligned). Counts need not be multiples of 16: the CUDA kernel
+/// (the transposes' rows 16-byte aligned). Counts need not be multiples of 16: the mma.sync kernel
 /// loads a segment that starts off a 16-byte boundary byte by byte (slower; Megatron's
 /// --moe-router-padding-for-fp8 gives aligned segments). Errors: as grouped_fp8_linear_forward.
 void grouped_fp8_linear_wgrad(const GroupedWeights& dw, const Tensor& dyq_t, const Tensor& dy_scale_inv,

@@ -1,6 +1,7 @@
 // CUDA tests of ops/grouped_matmul.h's FP8 ops (the mma.sync m16n8k32 FP8 kernel of
-// ops/cuda/grouped_matmul.cu, and on Hopper the FP8 wgmma kernel of grouped_matmul_sm90.cu for the
-// forward: automatic, forced 128- and 256-wide tiles, ping-pong) against the CPU emulation on the
+// ops/cuda/grouped_matmul.cu, and on Hopper the FP8 wgmma kernel of grouped_matmul_sm90.cu:
+// automatic, forced 128- and 256-wide tiles, ping-pong, the wgrad's read-modify-write with and
+// without the L2 prefetch) against the CPU emulation on the
 // same FP8 operands: small-integer
 // operands with power-of-two scales bit for bit (bf16 y equal to the CPU's fp32 y rounded to bf16;
 // the fp32 gradients equal), random FP8 values within the FP8 tensor cores' accumulation
@@ -124,31 +125,36 @@ void compare(const Case& c, const grouped_fp8_test::Rows& r, const grouped_fp8_t
 }
 
 using Kernel = cuda::grouped_sm90::Kernel;
+using Epilogue = cuda::grouped_sm90::WgradEpilogue;
+using Variant = std::pair<Kernel, Epilogue>;
 
-/// The kernels that run the forward: mma.sync always; on a Hopper device running the sm_90a code
-/// the wgmma kernel too (automatic, and forced where it applies: fp8_e4m3 weights).
-std::vector<Kernel> kernels(const Case& c) {
-  std::vector<Kernel> k = {Kernel::kMmaSync};
+/// The kernels to run: mma.sync always; on a Hopper device running the sm_90a code the wgmma
+/// kernel too (automatic, and forced where it applies: fp8_e4m3 weights and x).
+std::vector<Variant> kernels(const Case& c) {
+  const Epilogue def = cuda::grouped_sm90::kDefaultWgradEpilogue;
+  std::vector<Variant> k = {{Kernel::kMmaSync, def}};
   if (!cuda::grouped_sm90::device_ready(cuda_stream())) return k;
-  k.push_back(Kernel::kAuto);
+  k.push_back({Kernel::kAuto, def});
   if (c.b_dt == DType::kF8E4M3) {
-    for (Kernel f : {Kernel::kWgmma128, Kernel::kWgmma256, Kernel::kWgmmaPingPong}) k.push_back(f);
+    for (Kernel f : {Kernel::kWgmma128, Kernel::kWgmma256, Kernel::kWgmmaPingPong}) k.push_back({f, def});
+    k.push_back({Kernel::kWgmma, Epilogue::kReadModifyWrite});
   }
   return k;
 }
 
 void check(Case c) {
   for (const auto& [ints, kern] : [&] {
-         std::vector<std::pair<bool, Kernel>> v;
+         std::vector<std::pair<bool, Variant>> v;
          for (bool i : {true, false})
-           for (Kernel k : kernels(c)) v.emplace_back(i, k);
+           for (const Variant& k : kernels(c)) v.emplace_back(i, k);
          return v;
        }()) {
     c.ints = ints;
-    const cuda::grouped_sm90::KernelScope scope(kern);
+    const cuda::grouped_sm90::KernelScope scope(kern.first, kern.second);
     SCOPED_TRACE(::testing::Message() << "R=" << c.R << " N=" << c.N << " K=" << c.K << " G=" << c.groups()
                                       << (ints ? " ints" : " random") << " " << dtype_name(c.a_dt) << " x "
-                                      << dtype_name(c.b_dt) << " kernel " << static_cast<int>(kern));
+                                      << dtype_name(c.b_dt) << " kernel " << static_cast<int>(kern.first)
+                                      << " wgrad epilogue " << static_cast<int>(kern.second));
     const grouped_fp8_test::Rows r = grouped_fp8_test::make_rows(c);
     const grouped_fp8_test::Cols k = grouped_fp8_test::make_cols(c);
     const Outputs gpu = run_on(c, r, k, Device::cuda()), cpu = run_on(c, r, k, kCpu);

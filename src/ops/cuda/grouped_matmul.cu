@@ -774,6 +774,7 @@ void grouped_fp8_linear_wgrad(const GroupedWeights& dw, const Tensor& dyq_t, con
   const int64_t R = xq_t.size(1), n = dw.rows(), k = dw.cols();
   fp8_check_device(xq_t.device(), /*blockwise=*/false);
   if (R == 0 || n == 0 || k == 0) return;
+  if (grouped_sm90::fp8_wgrad(dw, dyq_t, dy_scale_inv, xq_t, x_scale_inv, counts, stream)) return;
   Fp8Params p = fp8_params(dy_scale_inv, x_scale_inv, dw, counts, R, n, k, fn);
   p.a = dyq_t.data_as<uint8_t>();
   p.b = xq_t.data_as<uint8_t>();

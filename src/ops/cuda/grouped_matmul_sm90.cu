@@ -87,10 +87,14 @@ constexpr int kBand = 8;  // row tiles per raster band
 
 enum class Mode { kForward, kDgrad, kWgrad };
 
-/// The FP8 forward (grouped_fp8_linear_forward: fprop, and dgrad with the wᵀ copies) runs as
-/// Mode::kForward with one of these as the kernel's type T: both operands K-major FP8 (A e4m3 or
+/// The FP8 ops run with one of these as the kernel's type T: both operands K-major FP8 (A e4m3 or
 /// e5m2, B e4m3), wgmma m64nBNk32, a stage of 128 reduction elements (the same 128-byte swizzled
-/// rows, 128 x 64-element boxes of bytes), the output bf16 scaled by sa_g · sb_g in the epilogue.
+/// rows, 128 x 64-element boxes of bytes). grouped_fp8_linear_forward (fprop, and dgrad with the
+/// wᵀ copies) as Mode::kForward: the output bf16 scaled by sa_g · sb_g. grouped_fp8_linear_wgrad as
+/// Mode::kWgrad over the transposes dyq_t [n, R] (A) and xq_t [k, R] (B): the group's tokens are
+/// the reduction, columns [off_g, off_g + c_g) (TMA boxes from column off_g + k0, at any byte);
+/// in the last stage of a group the consumers zero the columns beyond it (the next group's or the
+/// tail) in shared memory; dW += (sa_g · sb_g) · acc by the read-modify-write epilogue.
 struct Fp8E4M3 {};  // A e4m3
 struct Fp8E5M2 {};  // A e5m2 (hybrid's dgrad: dy)
 template <typename T>
@@ -341,6 +345,14 @@ __device__ __forceinline__ float out_scale(const Params& p, int g) {
     return 1.f;
   }
 }
+/// FP8: acc *= s (the wgrad's product before it is added to dW); nothing otherwise.
+template <typename T, int kAcc>
+__device__ __forceinline__ void scale_acc(float (&acc)[kAcc], float s) {
+  if constexpr (kIsFp8<T>) {
+#pragma unroll
+    for (int i = 0; i < kAcc; ++i) acc[i] *= s;
+  }
+}
 template <typename T>
 __device__ __forceinline__ float scaled(float v, float s) {
   if constexpr (kIsFp8<T>) {
@@ -419,7 +431,9 @@ __device__ __forceinline__ void produce(const Params& p, const Ring& ring) {
       const int k0 = kt * kStageK<T>;
 #pragma unroll
       for (int h = 0; h < kBM / kBox; ++h) {
-        if constexpr (kWgrad) {
+        if constexpr (kWgrad && kIsFp8<T>) {
+          tma_load(a_s + h * kBoxBytes, &p.a, w.off + k0, w.m0 + h * kBox, bar);  // dyq_t[m0.., off + k0..]
+        } else if constexpr (kWgrad) {
           tma_load(a_s + h * kBoxBytes, &p.a, w.m0 + h * kBox, w.off + k0, bar);  // dy_g[k0.., m0..]
         } else {
           tma_load(a_s + h * kBoxBytes, &p.a, k0, w.off + w.m0 + h * kBox, bar);  // rows [m0.., k0..]
@@ -431,6 +445,8 @@ __device__ __forceinline__ void produce(const Params& p, const Ring& ring) {
           tma_load(b_s + c * kBoxBytes, bmap, k0, w.n0 + c * kBox, bar);  // W_g[n0.., k0..]
         } else if constexpr (kMode == Mode::kDgrad) {
           tma_load(b_s + c * kBoxBytes, bmap, w.n0 + c * kBox, k0, bar);  // W_g[k0.., n0..]
+        } else if constexpr (kIsFp8<T>) {
+          tma_load(b_s + c * kBoxBytes, bmap, w.off + k0, w.n0 + c * kBox, bar);  // xq_t[n0.., off + k0..]
         } else {
           tma_load(b_s + c * kBoxBytes, bmap, w.n0 + c * kBox, w.off + k0, bar);  // x_g[k0.., n0..]
         }
@@ -457,6 +473,26 @@ __device__ __forceinline__ void zero_stage_tail(uint32_t a_s, int valid, int tid
     const int box = i / per_box, r = i - box * per_box;
     const uint32_t addr = a_s + box * kBoxBytes + (valid + r / 8) * 128 + (r % 8) * 16;
     asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0) : "memory");
+  }
+  fence_proxy_async();
+}
+
+/// The FP8 wgrad's zero_stage_tail: the stage's rows are K-major (A: 128 rows, B: BN, each 128
+/// bytes = 128 tokens, 16-byte chunks swizzled: logical chunk j of row r at chunk j ^ (r % 8));
+/// zeroes tokens [valid, 128) of every row (a partial chunk byte by byte), then hands them to the
+/// async proxy.
+template <int BN>
+__device__ __forceinline__ void zero_stage_cols(uint32_t a_s, int valid, int tid, int threads) {
+  constexpr int kRows = kBM + BN;  // A's rows, then B's: contiguous 128-byte rows
+  const int first = valid / 16, chunks = 8 - first;
+  for (int i = tid; i < kRows * chunks; i += threads) {
+    const int r = i / chunks, j = first + i - (i / chunks) * chunks;
+    const uint32_t addr = a_s + r * 128 + ((j ^ (r % 8)) * 16);
+    if (j * 16 >= valid) {
+      asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0) : "memory");
+    } else {
+      for (int b = valid % 16; b < 16; ++b) asm volatile("st.shared.u8 [%0], %1;\n" ::"r"(addr + b), "r"(0) : "memory");
+    }
   }
   fence_proxy_async();
 }
@@ -560,7 +596,7 @@ __device__ __forceinline__ void consume(const Params& p, const Ring& ring) {
   constexpr bool kWgrad = kMode == Mode::kWgrad;
   const int cw = threadIdx.x / 128 - 1, ctid = threadIdx.x - 128;
   const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
-  constexpr int kTA = kWgrad ? 1 : 0, kTB = kMode == Mode::kForward ? 0 : 1;
+  constexpr int kTA = kWgrad && !kIsFp8<T> ? 1 : 0, kTB = kMode == Mode::kForward || kIsFp8<T> ? 0 : 1;
   // Per k16 step: +32 bytes along a K-major row, +16 rows of 128 bytes in an MN-major chunk.
   constexpr uint32_t kStepA = kTA ? 2048 : 32, kStepB = kTB ? 2048 : 32;
   constexpr uint32_t kLeadA = kTA ? kBoxBytes : 16, kLeadB = kTB ? kBoxBytes : 16;
@@ -580,9 +616,13 @@ __device__ __forceinline__ void consume(const Params& p, const Ring& ring) {
       mbar_wait(smem_u32(&ring.full[s]), (it / kStages) & 1);
       const uint32_t a_s = ring.base + s * Tl::kStageBytes, b_s = a_s + Tl::kABytes;
       if constexpr (kWgrad) {
-        const int valid = w.rows - kt * kBK;  // rows of the group in this stage
-        if (valid < kBK) {
-          zero_stage_tail<BN>(a_s, valid, ctid, 128 * kConsumers);
+        const int valid = w.rows - kt * kStageK<T>;  // rows (FP8: tokens) of the group in this stage
+        if (valid < kStageK<T>) {
+          if constexpr (kIsFp8<T>) {
+            zero_stage_cols<BN>(a_s, valid, ctid, 128 * kConsumers);
+          } else {
+            zero_stage_tail<BN>(a_s, valid, ctid, 128 * kConsumers);
+          }
           consumers_sync();
         }
       }
@@ -607,6 +647,7 @@ __device__ __forceinline__ void consume(const Params& p, const Ring& ring) {
     if (lane == 0 && prev >= 0) mbar_arrive(smem_u32(&ring.empty[prev]));
 
     if constexpr (kWgrad) {
+      scale_acc<T>(acc, out_scale<T>(p, w.g));
       finish_dw<kPreload>(static_cast<float*>(p.dw[w.g]), acc, r0, c0, p.M, p.N);
     } else {
       OutT<T>* c = static_cast<OutT<T>*>(p.c) + static_cast<int64_t>(w.off) * p.N;
@@ -639,7 +680,7 @@ __device__ __forceinline__ void consume_pingpong(const Params& p, const Ring& ri
   constexpr bool kWgrad = kMode == Mode::kWgrad;
   const int cw = threadIdx.x / 128 - 1, wtid = threadIdx.x % 128, ctid = threadIdx.x - 128;
   const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
-  constexpr int kTA = kWgrad ? 1 : 0, kTB = kMode == Mode::kForward ? 0 : 1;
+  constexpr int kTA = kWgrad && !kIsFp8<T> ? 1 : 0, kTB = kMode == Mode::kForward || kIsFp8<T> ? 0 : 1;
   constexpr uint32_t kStepA = kTA ? 2048 : 32, kStepB = kTB ? 2048 : 32;
   constexpr uint32_t kLeadA = kTA ? kBoxBytes : 16, kLeadB = kTB ? kBoxBytes : 16;
   float acc[2][Tl::kAcc];
@@ -668,9 +709,13 @@ __device__ __forceinline__ void consume_pingpong(const Params& p, const Ring& ri
       mbar_wait(smem_u32(&ring.full[s]), (it / kStages) & 1);
       const uint32_t a_s = ring.base + s * Tl::kStageBytes, b_s = a_s + Tl::kABytes;
       if constexpr (kWgrad) {
-        const int valid = w.rows - kt * kBK;
-        if (valid < kBK) {
-          zero_stage_tail<BN>(a_s, valid, wtid, 128);
+        const int valid = w.rows - kt * kStageK<T>;
+        if (valid < kStageK<T>) {
+          if constexpr (kIsFp8<T>) {
+            zero_stage_cols<BN>(a_s, valid, wtid, 128);
+          } else {
+            zero_stage_tail<BN>(a_s, valid, wtid, 128);
+          }
           warpgroup_sync(cw);
         }
       }
@@ -703,6 +748,7 @@ __device__ __forceinline__ void consume_pingpong(const Params& p, const Ring& ri
     for (int h = 0; h < 2; ++h) {
       const int rh = r0 + 64 * h;
       if constexpr (kWgrad) {
+        scale_acc<T>(acc[h], out_scale<T>(p, w.g));
         finish_dw<kPreload>(static_cast<float*>(p.dw[w.g]), acc[h], rh, c0, p.M, p.N);
       } else {
         OutT<T>* c = static_cast<OutT<T>*>(p.c) + static_cast<int64_t>(w.off) * p.N;
@@ -732,6 +778,8 @@ template <typename T, Mode kMode, int BN, bool kPingPong, WgradEpilogue kEpi>
 __global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(const __grid_constant__ Params p) {
   static_assert(!kPingPong || BN == 128, "ping-pong tiles are 128 x 128");
   static_assert(kEpi == WgradEpilogue::kReadModifyWrite || kMode == Mode::kWgrad, "the dW epilogues are the wgrad's");
+  static_assert(!kIsFp8<T> || kEpi == WgradEpilogue::kReadModifyWrite || kEpi == WgradEpilogue::kReadModifyWriteL2Prefetch,
+                "the FP8 wgrad scales its product before adding it to dW: no preload");
 #ifdef MT_GG_SM90A
   constexpr bool kPreload = kEpi == WgradEpilogue::kPreload || kEpi == WgradEpilogue::kPreloadL2Prefetch;
   constexpr bool kPrefetchDw =
@@ -926,17 +974,38 @@ void launch(const char* fn, DType dt, const Params& p, TilesBound tiles_bound, c
   }
 }
 
-/// The FP8 forward (Mode::kForward with an FP8 type; a: e4m3 or e5m2, the weights e4m3).
-template <typename TilesBound>
+/// An FP8 op (an FP8 kernel type; a: e4m3 or e5m2, b e4m3): the forward, or the wgrad with the
+/// read-modify-write epilogue (with the L2 prefetch where wgrad_epilogue() has it: the FP8 product
+/// is scaled before it is added, so the preload kinds run as their read-modify-write ones).
+template <Mode kMode, typename TilesBound>
 void launch_fp8(const char* fn, DType a_dt, const Params& p, TilesBound tiles_bound, const Stream& stream) {
   const bool pingpong = kernel() == Kernel::kWgmmaPingPong;
   const int bn = pingpong ? 128 : pick_bn(p.N);
   const int64_t tiles = tiles_bound(bn);
+  using E = WgradEpilogue;
+  const E e = wgrad_epilogue();
+  const bool l2 = kMode == Mode::kWgrad && (e == E::kReadModifyWriteL2Prefetch || e == E::kPreloadL2Prefetch);
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    if (l2) {
+      if constexpr (kMode == Mode::kWgrad) launch_width<T, kMode, E::kReadModifyWriteL2Prefetch>(fn, p, bn, pingpong, tiles, stream);
+    } else {
+      launch_width<T, kMode, E::kReadModifyWrite>(fn, p, bn, pingpong, tiles, stream);
+    }
+  };
   if (a_dt == DType::kF8E4M3) {
-    launch_epilogue<Fp8E4M3, Mode::kForward>(fn, p, bn, pingpong, tiles, stream);
+    run(Fp8E4M3{});
   } else {
-    launch_epilogue<Fp8E5M2, Mode::kForward>(fn, p, bn, pingpong, tiles, stream);
+    run(Fp8E5M2{});
   }
+}
+
+/// The FP8 scales of Params (1 or G entries each).
+void set_scales(Params& p, const Tensor& a_scale_inv, const Tensor& b_scale_inv) {
+  p.sa = a_scale_inv.data_as<float>();
+  p.sb = b_scale_inv.data_as<float>();
+  p.sa_stride = a_scale_inv.numel() == 1 ? 0 : 1;
+  p.sb_stride = b_scale_inv.numel() == 1 ? 0 : 1;
 }
 
 Params base_params(const Tensor& counts, const GroupedWeights& w, int64_t R) {
@@ -1049,11 +1118,29 @@ bool fp8_forward(const Tensor& y, const Tensor& aq, const Tensor& a_scale_inv, c
   p.c = y.data();
   p.N = static_cast<int>(N);
   p.K = static_cast<int>(K);
-  p.sa = a_scale_inv.data_as<float>();
-  p.sb = w_scale_inv.data_as<float>();
-  p.sa_stride = a_scale_inv.numel() == 1 ? 0 : 1;
-  p.sb_stride = w_scale_inv.numel() == 1 ? 0 : 1;
-  launch_fp8(fn, aq.dtype(), p, [&](int bn) { return (ceil_div(R, kBM) + wq.groups()) * ceil_div(N, bn); }, stream);
+  set_scales(p, a_scale_inv, w_scale_inv);
+  launch_fp8<Mode::kForward>(fn, aq.dtype(), p,
+                             [&](int bn) { return (ceil_div(R, kBM) + wq.groups()) * ceil_div(N, bn); }, stream);
+  return true;
+}
+
+bool fp8_wgrad(const GroupedWeights& dw, const Tensor& dyq_t, const Tensor& dy_scale_inv, const Tensor& xq_t,
+               const Tensor& x_scale_inv, const Tensor& counts, const Stream& stream) {
+  const char* fn = "grouped_fp8_linear_wgrad";
+  const int64_t R = xq_t.size(1), n = dw.rows(), k = dw.cols();
+  std::string why = xq_t.dtype() != DType::kF8E4M3
+                        ? fmt::format("xq_t is {} (it takes fp8_e4m3 for x)", dtype_name(xq_t.dtype()))
+                        : why_not(dyq_t.dtype(), dw, false, R, {dyq_t.data(), xq_t.data()});
+  if (!use_wgmma(fn, why)) return false;
+  Params p = base_params(counts, dw, R);
+  encode(&p.a, dyq_t.dtype(), dyq_t.data(), R, n, fn);
+  encode(&p.b, xq_t.dtype(), xq_t.data(), R, k, fn);
+  p.dw = dw.table();
+  p.M = static_cast<int>(n);
+  p.N = static_cast<int>(k);
+  set_scales(p, dy_scale_inv, x_scale_inv);
+  launch_fp8<Mode::kWgrad>(fn, dyq_t.dtype(), p,
+                           [&](int bn) { return dw.groups() * ceil_div(n, kBM) * ceil_div(k, bn); }, stream);
   return true;
 }
 

@@ -91,5 +91,9 @@ bool wgrad(const GroupedWeights& dw, const Tensor& dy, const Tensor& x, const Te
 /// or e5m2, their maps built by GroupedWeights); false / an error as above.
 bool fp8_forward(const Tensor& y, const Tensor& aq, const Tensor& a_scale_inv, const GroupedWeights& wq,
                  const Tensor& w_scale_inv, const Tensor& counts, const Stream& stream);
+/// grouped_fp8_linear_wgrad on the wgmma kernel (xq_t e4m3, dyq_t e4m3 or e5m2; the fp32 gradients
+/// as `hopper()`; the read-modify-write epilogue, see WgradEpilogue); false / an error as above.
+bool fp8_wgrad(const GroupedWeights& dw, const Tensor& dyq_t, const Tensor& dy_scale_inv, const Tensor& xq_t,
+               const Tensor& x_scale_inv, const Tensor& counts, const Stream& stream);
 
 }  // namespace mt::cuda::grouped_sm90
