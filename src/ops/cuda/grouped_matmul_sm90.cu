@@ -34,6 +34,9 @@
 // prefetch the tile's dW rows into L2 (cp.async.bulk.prefetch.L2) with the tile's first stage
 // (preload) or its last (read-modify-write): whole 512- or 1024-byte rows in place of the
 // consumers' scattered 32-byte sectors from DRAM.
+// FP8 (grouped_fp8_linear_forward / _wgrad): both operands K-major (wgmma m64nBNk32 has no
+// transposed FP8 operands), 128 reduction elements per stage; the wgrad over the transposes
+// dyq_t / xq_t with the tokens beyond the group zeroed in shared memory (see Fp8E4M3 below).
 // The activations' tensor maps span all R rows (kernel parameters, built per call); the A rows
 // beyond a group in the forward / dgrad only reach output rows that are not stored. The weights'
 // maps are per group in device memory (GroupedWeights, built once). Tail rows [Σc, R) of y / dx
