@@ -95,7 +95,7 @@ double g_worst = 0;
 void compare(const Case& c, const grouped_fp8_test::Rows& r, const grouped_fp8_test::Cols& k, const Outputs& gpu,
              const Outputs& cpu) {
   const std::vector<float> cpu_y = testing::rounded(cpu.y, DType::kBF16);
-  const grouped_fp8_test::Ref ry = grouped_fp8_test::rows_ref(c, r);
+  const grouped_fp8_test::Ref ry = c.ints ? grouped_fp8_test::Ref{} : grouped_fp8_test::rows_ref(c, r);
   for (size_t i = 0; i < cpu_y.size(); ++i) {
     ASSERT_TRUE(std::isfinite(gpu.y[i])) << "y at " << i;
     if (c.ints) {
