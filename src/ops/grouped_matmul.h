@@ -34,8 +34,8 @@ namespace mt {
 /// The weights (or fp32 main gradients) of G groups: G contiguous tensors of one dtype, device and
 /// shape [n, k], plus a table of their G addresses on that device (a Buffer filled once at
 /// construction: on CUDA one host-to-device copy ordered on `stream`, so build it outside a
-/// captured region; fp32/bf16/fp16, or FP8 for grouped_fp8_linear_forward; the tensors' addresses must stay valid and fixed while it is used — the
-/// ParamStore's are). Move-only. Errors: mt::Error when the list is empty or the tensors differ in
+/// captured region; fp32/bf16/fp16, or FP8 for grouped_fp8_linear_forward; the tensors' addresses
+/// must stay valid and fixed while it is used — the ParamStore's are). Move-only. Errors: mt::Error when the list is empty or the tensors differ in
 /// dtype, device or shape, are not 2-D or not contiguous.
 class GroupedWeights {
  public:
