@@ -253,6 +253,48 @@ TEST(Fp8GptCuda, StepIsCapturable) {
   }
 }
 
+// Delayed scaling's fused producers on the GPU (docs/fp8.md "Fused quantisation"): the RMSNorms
+// and the SwiGLU writing the FP8 inputs of linear_qkv, linear_fc1 and linear_fc2 (the CUDA kernels
+// with the FP8 epilogue) give the unfused model's loss, gradients and FP8 state bitwise over two
+// steps (bf16, deterministic: no float atomics).
+TEST(Fp8GptCuda, FusedProducersAreBitwise) {
+  MT_REQUIRE_CUDA();
+  TransformerConfig c = fp8_config(Fp8Recipe::kDelayed, Fp8Format::kHybrid, true, false);
+  c.deterministic_mode = true;
+  TransformerConfig cu = c;
+  cu.fp8_fused_producers = false;
+  const int64_t b = 2;
+  Stream gs(Device::cuda(0));
+  GPTModel fused(c, b, DType::kBF16, Device::cuda(0), ProcessGroups::single());
+  GPTModel plain(cu, b, DType::kBF16, Device::cuda(0), ProcessGroups::single());
+  fused.params().initialize(testing::test_seed(), gs);
+  plain.params().initialize(testing::test_seed(), gs);
+  const auto tok = testing::randint(c.seq_length * b, 0, 500), lab = testing::randint(c.seq_length * b, 0, 500);
+  OwnedTensor gt = testing::make_int_tensor(tok, Device::cuda(0), {c.seq_length, b}, gs);
+  OwnedTensor gl = testing::make_int_tensor(lab, Device::cuda(0), {c.seq_length, b}, gs);
+  const MicroBatch gmb{gt.t, gl.t, Tensor()};
+  OwnedTensor lf(DType::kF32, Device::cuda(0), {1}), lp(DType::kF32, Device::cuda(0), {1});
+  const DropoutContext dc{7, 11, 0, true};
+  for (int it = 0; it < 2; ++it) {
+    SCOPED_TRACE(it);
+    for (auto [m, loss] : {std::pair<GPTModel*, Tensor>{&fused, lf.t}, {&plain, lp.t}}) {
+      fill(loss, 0.f, gs);
+      m->params().zero_grads(gs);
+      m->forward(gmb, dc, loss, 1.f / 64, gs);
+      m->backward(gmb, dc, 1.f / 64, Tensor(), gs);
+    }
+    EXPECT_EQ(testing::to_host(lf, gs)[0], testing::to_host(lp, gs)[0]) << "loss";
+    const auto gf = testing::to_host(fused.params().grads_flat(), gs);
+    ASSERT_TRUE(testing::all_finite(gf));
+    EXPECT_EQ(gf, testing::to_host(plain.params().grads_flat(), gs)) << "gradients";
+    fused.finish_step(gs);
+    plain.finish_step(gs);
+    EXPECT_EQ(fp8_state(fused, c.num_layers, gs), fp8_state(plain, c.num_layers, gs)) << "FP8 state";
+  }
+  EXPECT_EQ(fused.fp8()->fused_inputs(), 2 * 3 * c.num_layers);  // qkv, fc1, fc2 of each layer, each step
+  EXPECT_EQ(plain.fp8()->fused_inputs(), 0);
+}
+
 TEST(Fp8GptCuda, Fp16IsRefused) {
   MT_REQUIRE_CUDA();
   const TransformerConfig c = fp8_config(Fp8Recipe::kTensorwise, Fp8Format::kE4M3, false, false);
