@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""DeepseekV3ForCausalLM round trip against transformers (issue 43; docs/huggingface.md "DeepSeek-V3").
+"""DeepseekV3ForCausalLM and DeepseekV2ForCausalLM round trips against transformers (issue 43;
+docs/huggingface.md "DeepSeek-V3", "DeepSeek-V2").
 
 For each small random configuration below, made here with transformers and saved with
 save_pretrained (fp32):
@@ -10,6 +11,9 @@ save_pretrained (fp32):
   3. trained: (first configuration) `megatron pretrain --finetune` 3 steps on mock data (the weights,
               the expert biases and the MTP layer move), exported, loaded by transformers: its logits
               against `megatron logits` of the trained checkpoint.
+The dsv2-* configurations (--families v2) are DeepseekV2ForCausalLM: softmax routing ('greedy'; and
+'group_limited_greedy' with top-k = topk_group), routed_scaling_factor 1.5, two shared experts, YaRN
+with mscale = mscale_all_dim (DeepSeek-V2's released configs), no q-lora, tied; steps 1 and 2 only.
 The "+mtp" configuration adds DeepSeek's MTP layer (model.layers.<num_hidden_layers>.{enorm, hnorm,
 eh_proj, shared_head.*, embed_tokens, the layer's own tensors}) to the saved safetensors, as
 DeepSeek's checkpoints hold it (transformers itself drops it); the exported MTP tensors must equal
@@ -24,7 +28,7 @@ with itself on the same fp32 weights and passes below 1e-6 (expected: 0). The ro
 smallest gap between a chosen and a rejected expert or group score, from transformers' router) is
 printed: below 1e-5 a FAIL may be an fp32 near-tie rather than a mapping error.
 
-usage: python3 bench/hf_deepseek_check.py BUILD/megatron WORKDIR [--devices cpu cuda]
+usage: python3 bench/hf_deepseek_check.py BUILD/megatron WORKDIR [--devices cpu cuda] [--families v3 v2]
 Prints one line per check, then PASS or FAIL; exit status 1 on any FAIL. About 1 minute.
 """
 import argparse
@@ -61,14 +65,24 @@ def config(label):
                  num_experts_per_tok=2, rope_parameters=dict(rope_type="default", rope_theta=50000.0))
     if label == "dsv3-yarn+mtp":
         c.update(num_nextn_predict_layers=1)
+    if label.startswith("dsv2"):
+        # DeepseekV2Config has neither rope_interleave (always interleaved) nor norm_topk_prob's effect
+        c.pop("rope_interleave")
+        c.update(topk_method="greedy", norm_topk_prob=False, n_group=None, topk_group=None, num_experts_per_tok=2,
+                 n_shared_experts=2, routed_scaling_factor=1.5,
+                 rope_parameters=dict(yarn, mscale=0.707, mscale_all_dim=0.707))
+    if label == "dsv2-group-limited-no-q-lora-default-rope-tied":
+        c.update(topk_method="group_limited_greedy", n_group=4, topk_group=2, q_lora_rank=None,
+                 tie_word_embeddings=True, rope_parameters=dict(rope_type="default", rope_theta=50000.0))
     if int(transformers.__version__.split(".")[0]) < 5:  # transformers 4: rope_scaling + rope_theta
         rp = dict(c.pop("rope_parameters"))
         c["rope_theta"] = rp.pop("rope_theta")
         c["rope_scaling"] = None if rp["rope_type"] == "default" else dict(rp, type=rp["rope_type"])
-    return transformers.DeepseekV3Config(**c)
+    return (transformers.DeepseekV2Config if label.startswith("dsv2") else transformers.DeepseekV3Config)(**c)
 
 
-LABELS = ["dsv3-yarn", "dsv3-no-q-lora-rotate-half-default-rope-tied", "dsv3-yarn+mtp"]
+LABELS = {"v3": ["dsv3-yarn", "dsv3-no-q-lora-rotate-half-default-rope-tied", "dsv3-yarn+mtp"],
+          "v2": ["dsv2-greedy-yarn", "dsv2-group-limited-no-q-lora-default-rope-tied"]}
 
 
 def randomize(model, gen):
@@ -86,6 +100,30 @@ def randomize(model, gen):
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(torch.rand(b.shape, generator=gen))
+
+
+class RoutingMarginV2:
+    """The same for DeepseekV2Moe.route_tokens_to_experts (softmax probabilities; a group scored by its
+    best one), recomputed from the MoE block's input (its gate weight is applied functionally)."""
+
+    def __init__(self, model):
+        self.margin = float("inf")
+        self.cfg = model.config
+        for layer in model.model.layers:
+            if hasattr(layer.mlp, "gate"):
+                layer.mlp.register_forward_pre_hook(self.hook)
+
+    def hook(self, module, inputs):
+        c = self.cfg
+        x = inputs[0]
+        p = (x.reshape(-1, x.shape[-1]).float() @ module.gate.weight.float().t()).softmax(dim=-1)
+        if c.topk_method == "group_limited_greedy":
+            groups = p.view(-1, c.n_group, c.n_routed_experts // c.n_group)
+            group_score = groups.max(dim=-1).values
+            self.margin = min(self.margin, RoutingMargin.gap(group_score, c.topk_group))
+            keep = torch.zeros_like(group_score).scatter_(1, group_score.topk(c.topk_group, dim=-1).indices, 1)
+            p = (groups * keep.unsqueeze(-1)).view(-1, c.n_routed_experts)
+        self.margin = min(self.margin, RoutingMargin.gap(p, c.num_experts_per_tok))
 
 
 class RoutingMargin:
@@ -209,6 +247,7 @@ def main():
     ap.add_argument("megatron")
     ap.add_argument("workdir")
     ap.add_argument("--devices", nargs="+", default=["cpu", "cuda"])
+    ap.add_argument("--families", nargs="+", default=["v3", "v2"], choices=["v3", "v2"])
     args = ap.parse_args()
     shutil.rmtree(args.workdir, ignore_errors=True)
     os.makedirs(args.workdir)
@@ -223,13 +262,15 @@ def main():
         results.append(ok)
         print(f"  {what:58s} rel {rel:.2e}  max|diff| {mx:.2e}  (tol {tol:g}) {extra}{'PASS' if ok else 'FAIL'}")
 
-    for label in LABELS:
+    labels = [label for family in args.families for label in LABELS[family]]
+    for label in labels:
         cfg = config(label)
-        cfg.architectures = ["DeepseekV3ForCausalLM"]
-        model = transformers.DeepseekV3ForCausalLM(cfg).float().eval()
+        arch = transformers.DeepseekV2ForCausalLM if label.startswith("dsv2") else transformers.DeepseekV3ForCausalLM
+        cfg.architectures = [arch.__name__]
+        model = arch(cfg).float().eval()
         randomize(model, gen)
         model.tie_weights()
-        margin = RoutingMargin(model)
+        margin = (RoutingMarginV2 if label.startswith("dsv2") else RoutingMargin)(model)
         ref = hf_logits(model, tokens)
         hf_dir = os.path.join(args.workdir, label)
         model.save_pretrained(hf_dir, safe_serialization=True)
@@ -251,7 +292,7 @@ def main():
         exp = os.path.join(args.workdir, label + "_export")
         run([args.megatron, "export-hf", "--load", ck, "--hf-dir", exp, "--hf-dtype", "fp32", "--max-shard-size",
              "200000"])
-        back = transformers.DeepseekV3ForCausalLM.from_pretrained(exp, torch_dtype=torch.float32).eval()
+        back = arch.from_pretrained(exp, torch_dtype=torch.float32).eval()
         check("export: transformers(exported) vs transformers(original)", compare(hf_logits(back, tokens), ref), 1e-6)
         if mtp:
             got = exported_tensors(exp)
@@ -259,7 +300,7 @@ def main():
             same = all(n in got and torch.equal(got[n], v) for n, v in want.items())
             results.append(same)
             print(f"  export: {len(want)} MTP tensors bitwise equal to the injected ones: {'PASS' if same else 'FAIL'}")
-        if label != LABELS[0]:
+        if label != LABELS["v3"][0]:
             continue
         ck2 = os.path.join(args.workdir, label + "_trained")
         run([args.megatron, "pretrain", "--use-checkpoint-args", "--finetune", "--mock-data", "--tokenizer-type",

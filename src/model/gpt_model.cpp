@@ -16,6 +16,11 @@
 namespace mt {
 
 namespace {
+// The last pipeline stage holds the word embedding too (a copy of the first stage's, its gradient
+// all-reduced over the embedding group): as the tied output layer, or for the multi-token
+// prediction's embedding of an untied model (Megatron-Core's post-process embedding for MTP).
+bool word_embedding_on_last_stage(const TransformerConfig& c) { return c.tied_output() || c.mtp_num_layers > 0; }
+
 std::vector<pipeline::LayerRange> whole_model(const TransformerConfig& c) {
   pipeline::LayerRange r;
   r.begin = 0;
@@ -50,12 +55,11 @@ struct GPTModel::Parts {
       head = std::make_unique<LanguageModelHead>(cfg, tp, registry,
                                                  embedding && cfg.tied_output() ? &embedding->word_embeddings() : nullptr);
     if (has_loss && cfg.mtp_num_layers > 0) {  // Megatron's placement: after the decoder on the last stage
-      MT_REQUIRE(embedding || cfg.tied_output(),
-                 "--mtp-num-layers {} with --untie-embeddings-and-output-weights under pipeline parallelism is not "
-                 "supported yet: the last stage holds no copy of the word embedding the MTP layers embed with",
-                 cfg.mtp_num_layers);
-      // the word embedding: the embedding's, or the last stage's copy of a tied one (the output layer's)
-      const ParamRef& word = embedding ? embedding->word_embeddings() : head->output_weight();
+      // the word embedding: the embedding's, the last stage's copy of a tied one (the output
+      // layer's), or (untied, the last of several stages) a copy the MTP declares
+      const ParamRef* word = embedding ? &embedding->word_embeddings()
+                             : cfg.tied_output() ? &head->output_weight()
+                                                 : nullptr;
       mtp = std::make_unique<MultiTokenPrediction>(cfg, specs.back(), tp, ep, registry, word, head->output_weight());
     }
   }
@@ -343,10 +347,11 @@ GPTModel::GPTModel(const TransformerConfig& config, int64_t micro_batch, DType d
                      : std::make_shared<ParamStore>(parts_->registry.specs(), dtype, device, param_layout);
     parts_->registry.bind(*params_);
   }
-  if (config_.tied_output()) {
+  if (word_embedding_on_last_stage(config_)) {
     word_embedding_index_ = parts_->embedding ? parts_->embedding->word_embeddings().index
-                                              : (parts_->head ? parts_->head->output_weight().index
-                                                              : ParamStore::kNoParam);
+                            : parts_->mtp     ? parts_->mtp->word_embedding().index
+                            : parts_->head    ? parts_->head->output_weight().index
+                                              : ParamStore::kNoParam;
   }
   // Per registry group: the replicated parameters whose gradients are partial sums over TP.
   for (size_t g = 0; g < parts_->registry.num_groups() && params_; ++g) {
@@ -500,7 +505,7 @@ Tensor GPTModel::logits(int head) const {
 }
 
 bool GPTModel::embedding_shared_across_stages() const {
-  return config_.tied_output() && groups_.embedding && groups_.embedding->size() > 1;
+  return word_embedding_on_last_stage(config_) && groups_.embedding && groups_.embedding->size() > 1;
 }
 
 void GPTModel::grads_final(size_t first, size_t end, const Stream& st) {

@@ -79,8 +79,9 @@ class GPTModel final : public LanguageModel {
 
   /// The parameter specs of TP rank `tp_rank` of `tp` for the given chunks (empty = whole model),
   /// in ParamStore order, with Megatron-Core's names (global layer numbers), local shapes and
-  /// shard boxes. A rank with the loss but not the embedding of a tied model holds a copy of the
-  /// word embedding under the same name, flagged shared_embedding_copy.
+  /// shard boxes. A rank with the loss but not the embedding of a tied model, or of an untied one
+  /// with --mtp-num-layers, holds a copy of the word embedding under the same name, flagged
+  /// shared_embedding_copy.
   /// ep, ep_rank: expert parallelism (the experts of EP rank ep_rank; expert TP = TP).
   static std::vector<ParamSpec> param_specs(const TransformerConfig& config, int tp = 1, int tp_rank = 0,
                                             const std::vector<pipeline::LayerRange>& chunks = {}, int ep = 1,

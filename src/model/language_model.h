@@ -104,8 +104,9 @@ class LanguageModel {
   // --- data-parallel hooks and the tied embedding ---
   virtual ParamGradHooks* hooks() const = 0;
   virtual void set_hooks(ParamGradHooks* hooks) = 0;
-  /// Index in params() of the word embedding (or the last stage's copy of it) when the output
-  /// layer is tied to it; ParamStore::kNoParam when untied or this rank holds neither.
+  /// Index in params() of the word embedding (or the last stage's copy of it) when the last stage
+  /// holds it too (a tied output layer, or multi-token prediction); ParamStore::kNoParam otherwise
+  /// or when this rank holds neither.
   virtual size_t word_embedding_index() const = 0;
 
   // --- per-layer CUDA graphs ---

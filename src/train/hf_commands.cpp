@@ -41,7 +41,8 @@ void add_export_hf_options(CLI::App& app, ExportHfArgs& a) {
   app.add_option("--hf-dir", a.hf_dir, "Output directory")->required();
   app.add_option("--hf-architecture", a.architecture,
                  "GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM, "
-                 "Qwen3MoeForCausalLM, Qwen2MoeForCausalLM or DeepseekV3ForCausalLM (default: the imported one, else "
+                 "Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, DeepseekV3ForCausalLM or DeepseekV2ForCausalLM (default: the "
+                 "imported one, else "
                  "inferred from the model)");
   app.add_option("--hf-dtype", a.dtype, "fp32, bf16 or fp16")->capture_default_str();
   app.add_option("--max-shard-size", a.max_shard_bytes, "Bytes per safetensors file (0 = one file)")

@@ -192,6 +192,8 @@ StageWeights largest_stage_weights(const TransformerConfig& c, int tp, int ep, c
       }
       // the output layer, or on the last of several stages the tied embedding's copy
       if (range.has_loss && (!c.tied_output() || layout.pp > 1)) w.dense += vocab_rows * h;
+      // and the word embedding's copy for the multi-token prediction of an untied model
+      if (range.has_loss && layout.pp > 1 && !c.tied_output() && c.mtp_num_layers > 0) w.dense += vocab_rows * h;
     }
     if (r == 0 || w.total() > best.total()) best = w;
   }

@@ -1,4 +1,6 @@
-// DeepseekV3ForCausalLM interchange (model/hf/hf_deepseek.h) on tiny checkpoints the test writes:
+// DeepseekV3ForCausalLM and DeepseekV2ForCausalLM interchange (model/hf/hf_deepseek.h) on tiny
+// checkpoints the test writes (DeepseekV2: config mapping, bitwise round trips, logits against its
+// softmax-routed forward, errors, at the end). DeepseekV3:
 // the config mapping, the weight mapping element by element (with and without rope_interleave),
 // import -> export bitwise round trips (with and without MTP, q_lora_rank set and null, fp32 and
 // bf16), megatron.cpp's logits of the imported model against a float64 re-implementation of
@@ -38,7 +40,23 @@ struct Ds {
           group_topk = 2, fe = 6, shared = 1, f = 20, V = 37, P = 64, mtp = 0, original = 16;
   bool interleave = true, yarn = true, tied = false, hf5_rope = false;
   double theta = 10000, factor = 4, mscale = 0.9, mscale_all = 0.7, scaling = 2.5;
+  // DeepseekV2ForCausalLM (ds_v2()): softmax routing, 'greedy' or 'group_limited_greedy'
+  bool v2 = false, group_limited = false;
 };
+
+/// A DeepseekV2 fixture: 8 experts, top-2 ('greedy'; with group_limited 'group_limited_greedy' of
+/// 4 groups, the best 2 compete: top-k = topk_group), two shared experts, routed_scaling_factor
+/// 1.5, YaRN with mscale = mscale_all_dim (DeepSeek-V2's released configs: cos and sin unscaled).
+Ds ds_v2(bool group_limited) {
+  Ds d;
+  d.v2 = true;
+  d.group_limited = group_limited;
+  d.k = 2;
+  d.shared = 2;
+  d.scaling = 1.5;
+  d.mscale = d.mscale_all = 0.707;
+  return d;
+}
 
 fs::path temp_dir(const std::string& name) {
   const fs::path d = fs::temp_directory_path() / fmt::format("mt_hfds_{}_{}_{}", name, getpid(), testing::test_seed());
@@ -60,6 +78,15 @@ json ds_config(const Ds& d) {
             {"tie_word_embeddings", d.tied}, {"rope_interleave", d.interleave}, {"attention_bias", false},
             {"bos_token_id", 0}, {"eos_token_id", 1}, {"aux_loss_alpha", 0.001}, {"seq_aux", true}};
   if (d.mtp > 0) j["num_nextn_predict_layers"] = d.mtp;
+  if (d.v2) {
+    j["architectures"] = {"DeepseekV2ForCausalLM"};
+    j["model_type"] = "deepseek_v2";
+    j["scoring_func"] = "softmax";
+    j["topk_method"] = d.group_limited ? "group_limited_greedy" : "greedy";
+    j["norm_topk_prob"] = false;
+    if (!d.group_limited) j["n_group"] = j["topk_group"] = nullptr;
+    j.erase("rope_interleave");
+  }
   json rope = json::object();
   if (d.yarn)
     rope = {{"factor", d.factor}, {"original_max_position_embeddings", d.original}, {"beta_fast", 32},
@@ -118,9 +145,11 @@ Fixture make_fixture(const Ds& d, const std::string& name, DType dtype = DType::
     if (!moe) return mlp(p + "mlp.", d.f);
     add(p + "mlp.gate.weight", {d.E, d.h}, 1.f);  // well separated router logits
     // Non-negative biases keep every score + bias > 0 (transformers masks the other groups with 0);
-    // as large as the sigmoid scores' range, so that they move the selection.
-    fx.w[p + "mlp.gate.e_score_correction_bias"] = testing::randu(d.E, 0.f, 1.f);
-    fx.shapes[p + "mlp.gate.e_score_correction_bias"] = {d.E};
+    // as large as the sigmoid scores' range, so that they move the selection. DeepSeek-V2 has none.
+    if (!d.v2) {
+      fx.w[p + "mlp.gate.e_score_correction_bias"] = testing::randu(d.E, 0.f, 1.f);
+      fx.shapes[p + "mlp.gate.e_score_correction_bias"] = {d.E};
+    }
     for (int64_t e = 0; e < d.E; ++e) mlp(fmt::format("{}mlp.experts.{}.", p, e), d.fe);
     mlp(p + "mlp.shared_experts.", d.fe * d.shared);
   };
@@ -161,6 +190,9 @@ struct HfReference {
   const std::map<std::string, std::vector<float>>& w;
   bool interleave;
   bool with_bias = true;
+  // DeepseekV2: DeepSeek's own code scales the softmax by get_mscale(factor, mscale_all_dim)² too,
+  // transformers' DeepseekV2 does not (a negative control)
+  bool v2_softmax_mscale = false;
   double margin = 1e30;
 
   Vec lin(const std::string& name, const Vec& x, int64_t rows) const {
@@ -237,7 +269,8 @@ struct HfReference {
       k_rot[t] = rotate(Vec(ckv.begin() + d.rkv, ckv.end()), t);
     }
     double scaling = 1.0 / std::sqrt(static_cast<double>(qd));
-    if (d.yarn && d.mscale_all != 0) scaling *= get_mscale(d.factor, d.mscale_all) * get_mscale(d.factor, d.mscale_all);
+    if (d.yarn && d.mscale_all != 0 && (!d.v2 || v2_softmax_mscale))
+      scaling *= get_mscale(d.factor, d.mscale_all) * get_mscale(d.factor, d.mscale_all);
     std::vector<Vec> out(T);
     for (int64_t t = 0; t < T; ++t) {
       Vec ctx(static_cast<size_t>(d.n * d.dv), 0.0);
@@ -271,9 +304,41 @@ struct HfReference {
     idx.resize(static_cast<size_t>(k));
     return idx;
   }
-  /// DeepseekV3MoE: route_tokens_to_experts, the experts, the shared experts.
+  /// DeepseekV2Moe.route_tokens_to_experts: softmax over all experts, the top-k probabilities
+  /// ('greedy') or those of the best topk_group groups scored by their best probability
+  /// ('group_limited_greedy', the others masked with 0), times routed_scaling_factor.
+  std::vector<std::pair<int64_t, double>> route_v2(const Vec& logits) {
+    const double mx = *std::max_element(logits.begin(), logits.end());
+    Vec p(d.E);
+    double z = 0;
+    for (int64_t e = 0; e < d.E; ++e) z += (p[e] = std::exp(logits[e] - mx));
+    for (double& v : p) v /= z;
+    Vec masked = p;
+    if (d.group_limited) {
+      const int64_t per = d.E / d.groups;
+      Vec group_score(d.groups);
+      for (int64_t g = 0; g < d.groups; ++g)
+        group_score[g] = *std::max_element(p.begin() + g * per, p.begin() + (g + 1) * per);
+      std::fill(masked.begin(), masked.end(), 0.0);
+      for (int64_t g : topk(group_score, d.group_topk))
+        for (int64_t e = g * per; e < (g + 1) * per; ++e) masked[e] = p[e];
+    }
+    std::vector<std::pair<int64_t, double>> out;
+    for (int64_t e : topk(masked, d.k)) out.emplace_back(e, p[e] * d.scaling);
+    return out;
+  }
+  /// DeepseekV3MoE: route_tokens_to_experts, the experts, the shared experts (DeepseekV2Moe with
+  /// route_v2).
   Vec moe(const std::string& p, const Vec& x) {
     const Vec logits = lin(p + "mlp.gate.weight", x, d.E);
+    if (d.v2) {
+      Vec y = mlp(p + "mlp.shared_experts.", x, d.fe * d.shared);
+      for (const auto& [e, wgt] : route_v2(logits)) {
+        const Vec o = mlp(fmt::format("{}mlp.experts.{}.", p, e), x, d.fe);
+        for (int64_t i = 0; i < d.h; ++i) y[i] += wgt * o[i];
+      }
+      return y;
+    }
     const auto& bias = w.at(p + "mlp.gate.e_score_correction_bias");
     Vec s(d.E), choice(d.E);
     for (int64_t e = 0; e < d.E; ++e) {
@@ -684,9 +749,189 @@ TEST(HfDeepseekV3, BadConfigErrors) {
          "--mscale 0.9 without --mscale-all-dim");
   refuse([](TransformerConfig& x) { x.moe_shared_expert_intermediate_size = 7; }, hf::HfArchitecture::kDeepseekV3,
          "shared experts must be ungated");
-  refuse([](TransformerConfig&) {}, hf::HfArchitecture::kMixtral, "multi-latent attention (DeepseekV3ForCausalLM holds it)");
+  refuse([](TransformerConfig&) {}, hf::HfArchitecture::kMixtral, "multi-latent attention (DeepseekV3ForCausalLM or");
   refuse([](TransformerConfig& x) { x.multi_latent_attention = false; x.mtp_num_layers = 1; },
          hf::HfArchitecture::kMixtral, "only DeepseekV3ForCausalLM holds");
+  fs::remove_all(fx.dir);
+}
+
+// --- DeepseekV2ForCausalLM -----------------------------------------------------------------------
+
+// DeepseekV2's config.json: a softmax router taking the top-k probabilities (--moe-router-pre-softmax)
+// times routed_scaling_factor, groups only for 'group_limited_greedy', no expert bias; YaRN with
+// mscale = mscale_all_dim: cos and sin unscaled and no softmax mscale (--mscale 0
+// --mscale-all-dim 0), mscale alone: get_mscale(factor) (--mscale 1).
+TEST(HfDeepseekV2, ConfigMapsToTransformerConfig) {
+  for (bool group_limited : {false, true}) {
+    SCOPED_TRACE(group_limited ? "group_limited_greedy" : "greedy");
+    const Ds d = ds_v2(group_limited);
+    const Fixture fx = make_fixture(d, "v2config");
+    const hf::HfModel m = hf::read_hf_config(fx.dir.string(), 0, 8);
+    const TransformerConfig& c = m.config;
+    EXPECT_EQ(m.arch, hf::HfArchitecture::kDeepseekV2);
+    EXPECT_EQ(hf::infer_architecture(c), hf::HfArchitecture::kDeepseekV2);
+    EXPECT_TRUE(c.multi_latent_attention);
+    EXPECT_EQ(c.q_lora_rank, d.rq);
+    EXPECT_EQ(c.num_moe_experts, d.E);
+    EXPECT_EQ(c.moe_router_topk, 2);
+    EXPECT_EQ(c.moe_shared_expert_intermediate_size, 2 * d.fe);
+    EXPECT_EQ(c.moe_router_score_function, MoeScoreFunction::kSoftmax);
+    EXPECT_TRUE(c.moe_router_pre_softmax);
+    EXPECT_FALSE(c.moe_router_enable_expert_bias);
+    EXPECT_TRUE(hf::expert_bias_state_names(c).empty());
+    EXPECT_FLOAT_EQ(c.moe_router_topk_scaling_factor, 1.5f);
+    EXPECT_EQ(c.moe_router_num_groups, group_limited ? d.groups : 0);
+    EXPECT_EQ(c.moe_router_group_topk, group_limited ? d.group_topk : 0);
+    EXPECT_EQ(c.mtp_num_layers, 0);
+    for (int64_t l = 0; l < d.L; ++l) EXPECT_EQ(c.is_moe_layer(l), l >= d.dense) << l;
+    EXPECT_EQ(c.rope_type, RopeType::kYarn);
+    EXPECT_FLOAT_EQ(c.rotary_scaling_factor, 4.f);
+    EXPECT_EQ(c.mscale, 0.f);
+    EXPECT_EQ(c.mscale_all_dim, 0.f);
+    EXPECT_NEAR(c.softmax_scale(), 1 / std::sqrt(8.0), 1e-7);  // transformers' DeepseekV2: no mscale²
+    fs::remove_all(fx.dir);
+  }
+  Ds d = ds_v2(false);
+  d.mscale_all = 0;  // mscale alone: transformers' "else" branch, cos and sin by get_mscale(factor)
+  const Fixture fx = make_fixture(d, "v2config2");
+  const TransformerConfig c = hf::read_hf_config(fx.dir.string(), 0, 8).config;
+  EXPECT_EQ(c.mscale, 1.f);
+  EXPECT_EQ(c.mscale_all_dim, 0.f);
+  fs::remove_all(fx.dir);
+}
+
+// import-hf -> export-hf: the same tensors bit for bit (no e_score_correction_bias written) and
+// config.json's fields unchanged; a fresh config.json describes the same model.
+TEST(HfDeepseekV2, ImportExportRoundTripIsBitwise) {
+  struct Case {
+    const char* name;
+    bool group_limited;
+    std::function<void(Ds&)> set;
+  };
+  const Case cases[] = {{"greedy, q-lora, yarn", false, [](Ds&) {}},
+                        {"group-limited, no q-lora, hf5 rope, mscale alone", true,
+                         [](Ds& d) { d.rq = 0; d.hf5_rope = true; d.mscale_all = 0; }},
+                        {"greedy, default rope, tied", false, [](Ds& d) { d.yarn = false; d.tied = true; }}};
+  for (const Case& cs : cases) {
+    for (DType dtype : {DType::kF32, DType::kBF16}) {
+      SCOPED_TRACE(fmt::format("{} {}", cs.name, dtype_name(dtype)));
+      Ds d = ds_v2(cs.group_limited);
+      cs.set(d);
+      const Fixture fx = make_fixture(d, "v2rt", dtype);
+      const std::string ck = import(fx, "ck");
+      const CheckpointState st = read_checkpoint_state(ck);
+      const fs::path out = fx.dir / "out";
+      ExportHfArgs ea;
+      ea.load = ck;
+      ea.hf_dir = out.string();
+      ea.dtype = dtype == DType::kBF16 ? "bf16" : "fp32";
+      ea.max_shard_bytes = dtype == DType::kBF16 ? 8192 : 0;
+      ASSERT_EQ(run_export_hf(ea), 0);
+      EXPECT_EQ(raw_tensors(out), raw_tensors(fx.dir));
+      const hf::HfModel back = hf::read_hf_config(out.string(), 0, 8);
+      EXPECT_EQ(back.arch, hf::HfArchitecture::kDeepseekV2);
+      EXPECT_EQ(back.config.summary(), st.model.summary());
+      const json in = ds_config(d);
+      for (const auto& [k, v] : in.items()) EXPECT_EQ(back.config_json.at(k), v) << k;
+      EXPECT_FALSE(back.config_json.contains("rope_interleave"));
+      const json fresh = hf::make_hf_config(hf::HfArchitecture::kDeepseekV2, st.model, json(), dtype);
+      const fs::path fresh_dir = fx.dir / "fresh";
+      fs::create_directories(fresh_dir);
+      std::ofstream(fresh_dir / "config.json") << fresh.dump();
+      const TransformerConfig again = hf::read_hf_config(fresh_dir.string(), 0, 8).config;
+      EXPECT_EQ(again.summary(), st.model.summary());
+      EXPECT_EQ(again.moe_router_num_groups, st.model.moe_router_num_groups);
+      EXPECT_EQ(again.mscale, st.model.mscale);
+      EXPECT_EQ(again.mscale_all_dim, st.model.mscale_all_dim);
+      EXPECT_TRUE(again.moe_router_pre_softmax);
+      fs::remove_all(fx.dir);
+    }
+  }
+}
+
+// megatron.cpp's logits of an imported DeepseekV2 against transformers' DeepseekV2 forward (the
+// float64 re-implementation above with route_v2). Negative controls: the rotate-half pairing, and
+// DeepSeek's own softmax mscale² that transformers' DeepseekV2 leaves out.
+TEST(HfDeepseekV2, LogitsMatchTransformersSemantics) {
+  struct Case {
+    const char* name;
+    bool group_limited;
+    std::function<void(Ds&)> set;
+  };
+  const Case cases[] = {{"greedy, q-lora, yarn mscale = mscale_all_dim", false, [](Ds&) {}},
+                        {"group-limited, no q-lora, yarn mscale alone", true, [](Ds& d) { d.rq = 0; d.mscale_all = 0; }},
+                        {"group-limited, default rope, tied", true, [](Ds& d) { d.yarn = false; d.tied = true; }}};
+  const std::vector<int32_t> tokens = {3, 17, 0, 36, 11, 5};
+  for (const Case& cs : cases) {
+    SCOPED_TRACE(cs.name);
+    Ds d = ds_v2(cs.group_limited);
+    cs.set(d);
+    Fixture fx;
+    std::vector<Vec> ref;
+    for (int attempt = 0;; ++attempt) {
+      ASSERT_LT(attempt, 20) << "no fixture without a routing near-tie";
+      fx = make_fixture(d, "v2logits");
+      HfReference r{d, fx.w, true};
+      ref = r.forward(tokens);
+      if (r.margin > 1e-3) break;
+      fs::remove_all(fx.dir);
+    }
+    const std::string ck = import(fx, "ck");
+    LogitsArgs la;
+    la.load = ck;
+    la.token_ids = "3 17 0 36 11 5";
+    la.output = (fx.dir / "logits.bin").string();
+    la.device = "cpu";
+    ASSERT_EQ(run_logits(la), 0);
+    std::vector<float> ours(tokens.size() * static_cast<size_t>(d.V));
+    std::ifstream(la.output, std::ios::binary).read(reinterpret_cast<char*>(ours.data()), ours.size() * 4);
+    const double err = max_rel_diff(ours, ref);
+    std::printf("[v2 %s] max |ours - transformers (fp64)| / max |logit| = %.3g\n", cs.name, err);
+    EXPECT_LT(err, 2e-5);
+    HfReference swapped{d, fx.w, false};
+    EXPECT_GT(max_rel_diff(ours, swapped.forward(tokens)), 1e-3);
+    if (d.yarn && d.mscale_all != 0) {
+      HfReference deepseek{d, fx.w, true};
+      deepseek.v2_softmax_mscale = true;
+      EXPECT_GT(max_rel_diff(ours, deepseek.forward(tokens)), 1e-3);
+    }
+    fs::remove_all(fx.dir);
+  }
+}
+
+// What DeepseekV2ForCausalLM and megatron.cpp cannot both express is refused with the field named.
+TEST(HfDeepseekV2, BadConfigErrors) {
+  const Ds d = ds_v2(true);
+  const Fixture fx = make_fixture(d, "v2bad");
+  auto expect = [&](const std::function<void(json&)>& edit, const std::string& needle) {
+    json j = ds_config(d);
+    edit(j);
+    std::ofstream(fx.dir / "config.json") << j.dump();
+    testing::expect_error([&] { hf::read_hf_config(fx.dir.string(), 0, 8); }, needle);
+  };
+  expect([](json& j) { j["scoring_func"] = "sigmoid"; }, "scoring_func 'sigmoid' is not supported for DeepseekV2ForCausalLM");
+  expect([](json& j) { j["topk_method"] = "noaux_tc"; }, "topk_method 'noaux_tc' is not supported for DeepseekV2ForCausalLM");
+  expect([](json& j) { j["norm_topk_prob"] = true; }, "norm_topk_prob true with num_experts_per_tok 2");
+  expect([](json& j) { j["topk_group"] = 1; }, "group_limited_greedy with topk_group 1 and num_experts_per_tok 2");
+  expect([](json& j) { j["topk_group"] = nullptr; }, "needs n_group and topk_group");
+  expect([](json& j) { j["n_shared_experts"] = nullptr; }, "n_shared_experts null is not supported");
+  expect([](json& j) { j["num_nextn_predict_layers"] = 1; }, "num_nextn_predict_layers 1 is not supported for DeepseekV2");
+  expect([](json& j) { j["rope_scaling"]["mscale"] = 1.0; }, "mscale 1 != mscale_all_dim 0.707");
+  expect([](json& j) { j["mlp_bias"] = true; }, "mlp_bias is not supported for DeepseekV2ForCausalLM");
+  expect([](json& j) { j["rope_scaling"]["attention_factor"] = 1.2; }, "attention_factor 1.2 is not supported");
+  // Export: what DeepseekV2ForCausalLM cannot hold.
+  std::ofstream(fx.dir / "config.json") << ds_config(d).dump();
+  const TransformerConfig c = hf::read_hf_config(fx.dir.string(), 0, 8).config;
+  auto refuse = [&](const std::function<void(TransformerConfig&)>& edit, const std::string& needle) {
+    TransformerConfig x = c;
+    edit(x);
+    testing::expect_error([&] { hf::check_representable(hf::HfArchitecture::kDeepseekV2, x); }, needle);
+  };
+  refuse([](TransformerConfig& x) { x.moe_router_pre_softmax = false; }, "--moe-router-pre-softmax");
+  refuse([](TransformerConfig& x) { x.moe_router_enable_expert_bias = true; }, "no expert bias");
+  refuse([](TransformerConfig& x) { x.moe_router_group_topk = 1; }, "--moe-router-group-topk 1 with --moe-router-topk 2");
+  refuse([](TransformerConfig& x) { x.mscale_all_dim = 0.7f; }, "--mscale 0 / --mscale-all-dim 0.7");
+  refuse([](TransformerConfig& x) { x.mtp_num_layers = 1; }, "only DeepseekV3ForCausalLM holds");
   fs::remove_all(fx.dir);
 }
 

@@ -182,7 +182,7 @@ struct Layout {
   bool decoupled_lr = false;  // --decoupled-lr: the embedding and output layer step at kDecoupledLr
   bool one_p = false;         // --apply-layernorm-1p: norm weights zero-centred (scale 1 + w)
   int mtp = 0;         // --mtp-num-layers (the MTP layers on the last stage)
-  bool tied = false;   // the Llama / MoE families with a tied output layer (MTP under PP needs one)
+  bool tied = false;   // the Llama / MoE families with a tied output layer
   // Reference only: each micro-batch is the union (along b) of `merge` consecutive sample groups,
   // i.e. of the DP ranks' micro-batches of one step (global_aux_loss: the global micro-batch).
   int merge = 1;
@@ -528,8 +528,9 @@ TEST_P(ParallelLayouts, MatchesSingleRank) {
     EXPECT_LT(eg, 1e-5) << "grad " << name;
     EXPECT_LT(ep, 1e-5) << "param " << name;
   }
-  // The last stage's copy of the tied embedding stays identical to the first stage's.
-  if (L.pp > 1 && c.tied_output()) {
+  // The last stage's copy of the word embedding (a tied output layer's, or the MTP's of an untied
+  // model) stays identical to the first stage's.
+  if (L.pp > 1 && (c.tied_output() || L.mtp > 0)) {
     ASSERT_EQ(par.copy_params.size(), 1u);
     const auto& cp = par.copy_params.begin()->second;
     EXPECT_EQ(cp, par.params.at(par.copy_params.begin()->first));
@@ -734,9 +735,11 @@ std::vector<Layout> layouts() {
   add(Arch::kMoeFp64, 2, 1, 2, 0, true, false, false, 2, 1);
   add(Arch::kMoeFp64, 1, 2, 2, 0, false, true, false, 2, 0);
   // Multi-token prediction (--mtp-num-layers, on the last stage): TP 2 with and without SP, DP 2
-  // with the distributed optimizer, PP 2 and PP 2 x VPP 2 (a tied output layer: the last stage's
-  // copy of the word embedding feeds the MTP embedding), EP 2 with MoE MTP layers (the last
-  // layer's kind; DeepSeek's router), and TP 2 + SP x PP 2 x DP 2 x EP 2 combined.
+  // with the distributed optimizer, PP 2 and PP 2 x VPP 2 (the last stage's copy of the word
+  // embedding feeds the MTP embedding: a tied output layer's, or with an untied output layer a copy
+  // of its own, all-reduced with the first stage's; also with DP 2, the distributed optimizer and
+  // overlapped reduction), EP 2 with MoE MTP layers (the last layer's kind; DeepSeek's router),
+  // and TP 2 + SP x PP 2 x DP 2 x EP 2 combined.
   auto mtp = [&](Arch arch, int tp, int pp, int dp, int vpp, bool sp, bool zero, bool overlap, int ep, int depths,
                  bool tied) {
     add(arch, tp, pp, dp, vpp, sp, zero, overlap, ep);
@@ -749,6 +752,9 @@ std::vector<Layout> layouts() {
   mtp(Arch::kQwen, 2, 1, 2, 0, true, true, true, 1, 1, true);
   mtp(Arch::kLlama, 1, 2, 1, 0, false, false, false, 1, 1, true);
   mtp(Arch::kLlama, 1, 2, 1, 2, false, false, false, 1, 2, true);
+  mtp(Arch::kLlama, 1, 2, 1, 0, false, false, false, 1, 1, false);
+  mtp(Arch::kLlama, 1, 2, 1, 2, false, false, false, 1, 2, false);
+  mtp(Arch::kLlama, 1, 2, 2, 0, false, true, true, 1, 1, false);
   mtp(Arch::kMoeSigmoid, 1, 1, 2, 0, false, false, false, 2, 1, false);
   mtp(Arch::kMoe, 2, 2, 2, 0, true, true, false, 2, 1, true);
   // Two load-balancing types at once (aux_loss + seq_aux_loss): TP 2 + SP (the per-sequence counts

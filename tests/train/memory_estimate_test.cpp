@@ -90,6 +90,12 @@ TEST(MemoryFromConfig, WeightsAreALowerBoundOfTheDeclaredParameters) {
     EXPECT_GE(w.total(), 0.95L * declared);  // only norms and biases are left out
     EXPECT_EQ(w.expert, declared_expert);   // experts have no biases: exact
   }
+  // Multi-token prediction of an untied model under PP: the last stage also holds a copy of the
+  // word embedding (padded to 1024 rows), the most loaded stage then.
+  TransformerConfig with_mtp = llama();
+  with_mtp.mtp_num_layers = 1;
+  EXPECT_EQ(estimated(with_mtp, {1, 2, 1}).total() - estimated(llama(), {1, 2, 1}).total(), 1024.0L * 64);
+  EXPECT_GT(declared_largest(with_mtp, {1, 2, 1}).first - declared_largest(llama(), {1, 2, 1}).first, 1024.0L * 64);
   // Before --moe-layer-freq is parsed (an empty pattern) each layer counts as the lighter kind.
   TransformerConfig unparsed = moe();
   unparsed.moe_layer_pattern.clear();

@@ -156,6 +156,43 @@ TEST_F(TrainerLayouts, MultiTokenPredictionMatchesOneRank) {
   }
 }
 
+// Multi-token prediction with an untied output layer: the last pipeline stage holds a copy of the
+// word embedding for the MTP (not written to checkpoints). A checkpoint written under PP 2 resumes
+// on one rank, and one written on one rank resumes under PP 2 x VPP 2, on the one-rank curve (LM
+// losses and every depth's MTP loss).
+TEST_F(TrainerLayouts, MultiTokenPredictionUntiedCheckpointsReshard) {
+  const std::string mtp = " --position-embedding-type rope --untie-embeddings-and-output-weights --mtp-num-layers 2 ";
+  const std::string pp2 = " --nproc-per-node 2 --pipeline-model-parallel-size 2";
+  const TrainingResult full = train("--train-iters 6" + mtp);
+  auto expect_same_mtp = [&](const TrainingResult& r, const std::string& what) {
+    ASSERT_FALSE(r.log.empty()) << what;
+    for (const auto& l : r.log)
+      for (const char* key : {"mtp_1 loss", "mtp_2 loss"}) {
+        const std::string a = testing::logged(l.line, key);
+        const std::string b = testing::logged(full.log.at(static_cast<size_t>(l.point.iteration - 1)).line, key);
+        ASSERT_NE(b, "") << key;
+        ASSERT_NE(a, "") << what << " " << key;
+        EXPECT_NEAR(std::stod(a), std::stod(b), 2e-5 * std::stod(b)) << what << " " << key << " " << l.point.iteration;
+      }
+  };
+  for (const auto& [save, load, what] :
+       {std::tuple{pp2, std::string(), "pp2 -> 1 rank"},
+        std::tuple{std::string(), pp2 + " --num-layers-per-virtual-pipeline-stage 1", "1 rank -> pp2 vpp2"}}) {
+    SCOPED_TRACE(what);
+    const std::string ck = dir(std::string("ck_mtp_untied_") + (save.empty() ? "pp1" : "pp2"));
+    TrainingResult first;
+    ASSERT_NO_FATAL_FAILURE(save_half(ck, mtp + save, &first));
+    expect_same_mtp(first, what);
+    const TrainingResult r = train("--train-iters 6 --load " + ck + mtp + load);
+    ASSERT_EQ(r.losses.count(1), 0u);  // resumed, not restarted
+    expect_same_mtp(r, what);
+    TrainingResult curve = first;
+    for (auto [k, v] : r.losses) curve.losses[k] = v;
+    for (auto [k, v] : r.validation) curve.validation[k] = v;
+    expect_same_losses(curve, full, what);
+  }
+}
+
 // Context parallelism (--context-parallel-size) with document masks and reset position ids: every
 // CP layout gives the one-rank losses (the trainer shards each sequence into the load-balanced
 // chunks of parallel/context_parallel.h), without and with dropout; a checkpoint written under

@@ -76,16 +76,21 @@ TEST_F(TrainerTest, ResumeContinuesBitwise) {
 }
 
 // Multi-token prediction (--mtp-num-layers) on one rank and on the last of 2 pipeline stages (a
-// tied output layer: the last stage's embedding copy feeds the MTP): every log line carries each
-// depth's loss, and a run resumed from its checkpoint repeats the uninterrupted run's LM losses,
-// gradient norms and MTP losses bitwise (the MTP parameters and their optimizer state resume). With
+// tied output layer: the last stage's embedding copy feeds the MTP; an untied one: the last stage
+// holds a copy of the word embedding for the MTP): every log line carries each depth's loss, and a
+// run resumed from its checkpoint repeats the uninterrupted run's LM losses, gradient norms and MTP
+// losses bitwise (the MTP parameters and their optimizer state resume). With
 // --mtp-loss-scaling-factor 0 the LM losses equal those of a model without MTP bitwise: the MTP
 // changes neither the decoder's initialisation nor its dropout masks nor, at weight 0, its gradients.
 TEST_F(TrainerTest, MtpLogsItsLossesAndResumesBitwise) {
-  for (const std::string layout : {std::string(" --mtp-num-layers 2"),
-                                   std::string(" --mtp-num-layers 1 --nproc-per-node 2 --pipeline-model-parallel-size 2")}) {
-    SCOPED_TRACE(layout);
-    const std::string mtp = " --position-embedding-type rope" + layout;
+  const std::string pp2 = " --nproc-per-node 2 --pipeline-model-parallel-size 2";
+  const std::string untied = " --untie-embeddings-and-output-weights";
+  int run = 0;
+  for (const auto& [model, layout] : {std::pair{std::string(), std::string(" --mtp-num-layers 2")},
+                                      std::pair{std::string(), " --mtp-num-layers 1" + pp2},
+                                      std::pair{untied, " --mtp-num-layers 1" + pp2}}) {
+    SCOPED_TRACE(model + layout);
+    const std::string mtp = " --position-embedding-type rope" + model + layout;
     const int depths = layout.find("layers 2") != std::string::npos ? 2 : 1;
     const TrainingResult full = train("--train-iters 6" + mtp);
     ASSERT_EQ(full.log.size(), 6u);
@@ -99,7 +104,7 @@ TEST_F(TrainerTest, MtpLogsItsLossesAndResumesBitwise) {
           EXPECT_GT(std::stod(v), 1.0) << l.line;  // a cross entropy over 95 tokens, early in training
         }
       }
-    const std::string ck = dir("ck_mtp" + std::to_string(depths));
+    const std::string ck = dir("ck_mtp" + std::to_string(run++));
     const TrainingResult first = train("--train-iters 6 --exit-interval 3 --save " + ck + mtp);
     const TrainingResult second = train("--train-iters 6 --load " + ck + " --save " + ck + mtp);
     expect_resumed_bitwise(first, second, full);
@@ -107,9 +112,8 @@ TEST_F(TrainerTest, MtpLogsItsLossesAndResumesBitwise) {
       EXPECT_EQ(logged(l.line, "mtp_1 loss"), logged(full.log.at(static_cast<size_t>(l.point.iteration - 1)).line,
                                                      "mtp_1 loss"))
           << l.point.iteration;
-    const std::string pp =
-        layout.find("nproc") != std::string::npos ? " --nproc-per-node 2 --pipeline-model-parallel-size 2" : "";
-    const TrainingResult none = train("--train-iters 3 --position-embedding-type rope" + pp);
+    const std::string pp = layout.find("nproc") != std::string::npos ? pp2 : "";
+    const TrainingResult none = train("--train-iters 3 --position-embedding-type rope" + model + pp);
     const TrainingResult zero = train("--train-iters 3 --mtp-loss-scaling-factor 0" + mtp);
     EXPECT_EQ(zero.losses, none.losses);
     EXPECT_NE(first.losses.at(3), none.losses.at(3)) << "the MTP loss changed nothing";

@@ -31,6 +31,7 @@ const char* architecture_name(HfArchitecture a) {
     case HfArchitecture::kQwen3Moe: return "Qwen3MoeForCausalLM";
     case HfArchitecture::kQwen2Moe: return "Qwen2MoeForCausalLM";
     case HfArchitecture::kDeepseekV3: return "DeepseekV3ForCausalLM";
+    case HfArchitecture::kDeepseekV2: return "DeepseekV2ForCausalLM";
   }
   return "?";
 }
@@ -38,10 +39,11 @@ const char* architecture_name(HfArchitecture a) {
 HfArchitecture parse_architecture(const std::string& name) {
   for (HfArchitecture a : {HfArchitecture::kGpt2, HfArchitecture::kLlama, HfArchitecture::kQwen2, HfArchitecture::kQwen3,
                            HfArchitecture::kMixtral, HfArchitecture::kQwen3Moe, HfArchitecture::kQwen2Moe,
-                           HfArchitecture::kDeepseekV3})
+                           HfArchitecture::kDeepseekV3, HfArchitecture::kDeepseekV2})
     if (name == architecture_name(a)) return a;
   MT_FAIL("unsupported Hugging Face architecture '{}': expected GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM, "
-          "Qwen3ForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM or DeepseekV3ForCausalLM",
+          "Qwen3ForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, DeepseekV3ForCausalLM or "
+          "DeepseekV2ForCausalLM",
           name);
 }
 
@@ -220,8 +222,8 @@ HfModel read_hf_config(const std::string& dir, int64_t seq_length, int64_t make_
   TransformerConfig& c = m.config;
   if (m.arch == HfArchitecture::kGpt2) {
     gpt2_config(f, c);
-  } else if (m.arch == HfArchitecture::kDeepseekV3) {
-    detail::deepseek_v3_config(f, c);
+  } else if (detail::is_deepseek(m.arch)) {
+    detail::deepseek_config(f, m.arch, c);
   } else {
     llama_like_config(f, m.arch, c);
   }
@@ -237,8 +239,8 @@ HfModel read_hf_config(const std::string& dir, int64_t seq_length, int64_t make_
 }
 
 void check_representable(HfArchitecture arch, const TransformerConfig& c) {
-  if (arch == HfArchitecture::kDeepseekV3) {
-    detail::check_deepseek_v3_representable(c);
+  if (detail::is_deepseek(arch)) {
+    detail::check_deepseek_representable(arch, c);
     return;
   }
   const char* name = architecture_name(arch);
@@ -249,7 +251,7 @@ void check_representable(HfArchitecture arch, const TransformerConfig& c) {
                                           "DeepseekV3ForCausalLM holds", c.mtp_num_layers));
   if (!is_moe(arch)) need(c.num_moe_experts == 0, "it has mixture-of-experts layers (MixtralForCausalLM, "
                                                   "Qwen3MoeForCausalLM or Qwen2MoeForCausalLM can hold them)");
-  need(!c.multi_latent_attention, "it has multi-latent attention (DeepseekV3ForCausalLM holds it)");
+  need(!c.multi_latent_attention, "it has multi-latent attention (DeepseekV3ForCausalLM or DeepseekV2ForCausalLM holds it)");
   const FamilyKinds k = family_kinds(arch);
   need(c.normalization == k.normalization, fmt::format("{} is required (--normalization, got {})",
                                                        normalization_name(k.normalization),
@@ -291,7 +293,10 @@ void check_representable(HfArchitecture arch, const TransformerConfig& c) {
 }
 
 HfArchitecture infer_architecture(const TransformerConfig& c) {
-  if (c.multi_latent_attention) return HfArchitecture::kDeepseekV3;
+  if (c.multi_latent_attention)  // DeepSeek-V2 routes with softmax scores, V3 with sigmoid ones
+    return c.num_moe_experts > 0 && c.moe_router_score_function == MoeScoreFunction::kSoftmax
+               ? HfArchitecture::kDeepseekV2
+               : HfArchitecture::kDeepseekV3;
   if (c.num_moe_experts > 0) {
     if (c.qk_layernorm) return HfArchitecture::kQwen3Moe;
     return c.moe_shared_expert_intermediate_size > 0 || c.add_qkv_bias ? HfArchitecture::kQwen2Moe
@@ -315,6 +320,7 @@ const char* model_type(HfArchitecture a) {
     case HfArchitecture::kQwen3Moe: return "qwen3_moe";
     case HfArchitecture::kQwen2Moe: return "qwen2_moe";
     case HfArchitecture::kDeepseekV3: return "deepseek_v3";
+    case HfArchitecture::kDeepseekV2: return "deepseek_v2";
   }
   return "?";
 }
@@ -361,7 +367,7 @@ void moe_hf_config(HfArchitecture arch, const TransformerConfig& c, const json& 
 }  // namespace
 
 json make_hf_config(HfArchitecture arch, const TransformerConfig& c, const json& base, DType dtype) {
-  if (arch == HfArchitecture::kDeepseekV3) return detail::deepseek_v3_hf_config(c, base, dtype);
+  if (detail::is_deepseek(arch)) return detail::deepseek_hf_config(arch, c, base, dtype);
   check_representable(arch, c);
   json j = base.is_object() ? base : json::object();
   // Drop fields of another architecture a base config may carry.
@@ -582,8 +588,8 @@ GlobalTensors hf_to_megatron(const HfModel& m, const SafetensorsCheckpoint& ck) 
     shift_norm_weights(t, c, -1.f);
     return t;
   }
-  if (m.arch == HfArchitecture::kDeepseekV3) {
-    detail::deepseek_v3_to_megatron(m, ck, t);
+  if (detail::is_deepseek(m.arch)) {
+    detail::deepseek_to_megatron(m, ck, t);
     shift_norm_weights(t, c, -1.f);
     return t;
   }
@@ -637,8 +643,8 @@ std::vector<TensorToWrite> megatron_to_hf(const HfModel& m, const GlobalTensors&
   auto put = [&](std::string name, std::vector<int64_t> shape, std::vector<float> data) {
     out.push_back({std::move(name), dtype, std::move(shape), std::move(data)});
   };
-  if (m.arch == HfArchitecture::kDeepseekV3) {
-    detail::deepseek_v3_to_hf(m, get, put, [&](std::string name, std::vector<int64_t> shape, std::vector<float> data) {
+  if (detail::is_deepseek(m.arch)) {
+    detail::deepseek_to_hf(m, get, put, [&](std::string name, std::vector<int64_t> shape, std::vector<float> data) {
       out.push_back({std::move(name), DType::kF32, std::move(shape), std::move(data)});
     });
     return out;

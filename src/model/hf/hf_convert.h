@@ -2,8 +2,8 @@
 // per-layer weight mapping between a transformers checkpoint and Megatron-Core's parameter names
 // and layouts, for GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, the
 // mixture-of-experts MixtralForCausalLM, Qwen3MoeForCausalLM and Qwen2MoeForCausalLM, and
-// DeepseekV3ForCausalLM (multi-latent attention, sigmoid routing with expert bias, MTP;
-// model/hf/hf_deepseek.h).
+// DeepseekV3ForCausalLM (multi-latent attention, sigmoid routing with expert bias, MTP) and
+// DeepseekV2ForCausalLM (multi-latent attention, softmax routing; model/hf/hf_deepseek.h).
 //
 // Layout conversions (facts from transformers' modeling files and Megatron-Core's checkpoint
 // converters):
@@ -41,14 +41,15 @@
 
 namespace mt::hf {
 
-enum class HfArchitecture { kGpt2, kLlama, kQwen2, kQwen3, kMixtral, kQwen3Moe, kQwen2Moe, kDeepseekV3 };
+enum class HfArchitecture { kGpt2, kLlama, kQwen2, kQwen3, kMixtral, kQwen3Moe, kQwen2Moe, kDeepseekV3, kDeepseekV2 };
 
 /// "GPT2LMHeadModel", "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-/// "MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "DeepseekV3ForCausalLM".
+/// "MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "DeepseekV3ForCausalLM",
+/// "DeepseekV2ForCausalLM".
 const char* architecture_name(HfArchitecture a);
 /// Errors: mt::Error naming the value and the supported architectures.
 HfArchitecture parse_architecture(const std::string& name);
-/// Mixtral, Qwen 3 MoE or Qwen 2 MoE (the Llama-like MoE families; DeepSeek-V3 is mapped apart).
+/// Mixtral, Qwen 3 MoE or Qwen 2 MoE (the Llama-like MoE families; DeepSeek-V2/V3 are mapped apart).
 bool is_moe(HfArchitecture a);
 
 struct HfModel {
@@ -64,7 +65,8 @@ struct HfModel {
 /// projections, non-tanh GELU for GPT-2, router jitter, shared experts, ...).
 HfModel read_hf_config(const std::string& dir, int64_t seq_length = 0, int64_t make_vocab_size_divisible_by = 128);
 
-/// The architecture that represents `config`: DeepSeek-V3 (multi-latent attention), GPT-2
+/// The architecture that represents `config`: DeepSeek-V2 (multi-latent attention with a softmax
+/// MoE router), DeepSeek-V3 (any other multi-latent attention model), GPT-2
 /// (LayerNorm, learned positions, biases, GELU, tied), Llama (RMSNorm, RoPE, SwiGLU, no biases),
 /// Qwen 2 (Llama + QKV bias), Qwen 3 (Llama + QK-norm); with experts Qwen 3 MoE (QK-norm), Qwen 2
 /// MoE (shared expert or QKV bias) or Mixtral. check_representable then names what does not fit.

@@ -1,6 +1,12 @@
 // DeepseekV3ForCausalLM (DeepSeek-V3/R1, Kimi K2 and their small cousins) <-> megatron.cpp's
 // multi-latent attention, sigmoid-routed MoE with expert bias and shared experts, and MTP
-// (docs/huggingface.md "DeepSeek-V3"). Facts from transformers 5's modeling_deepseek_v3.py /
+// (docs/huggingface.md "DeepSeek-V3"); DeepseekV2ForCausalLM (DeepSeek-V2, V2-Lite) the same
+// layout with softmax routing and no MTP (docs/huggingface.md "DeepSeek-V2"; facts from
+// transformers 5's modeling_deepseek_v2.py / configuration_deepseek_v2.py): the router is
+// --moe-router-pre-softmax (top-k of the softmax probabilities, 'greedy'; 'group_limited_greedy'
+// scores a group by its best probability, Megatron's group score for top-k = topk_group) times
+// routed_scaling_factor, no e_score_correction_bias; RoPE always on interleaved pairs; YaRN scales
+// cos and sin as DeepSeek-V3 but not the softmax (--mscale-all-dim 0). Facts from transformers 5's modeling_deepseek_v3.py /
 // configuration_deepseek_v3.py / modeling_rope_utils.py and DeepSeek-V3's released checkpoint
 // layout (arXiv:2412.19437):
 //   * attention, per layer (model.layers.l.self_attn.):
@@ -30,24 +36,32 @@
 
 namespace mt::hf::detail {
 
-/// config.json of DeepseekV3ForCausalLM -> `c`. Errors (naming the file, the field and the
-/// reason): what megatron.cpp cannot represent exactly (scoring_func other than sigmoid,
-/// topk_method other than noaux_tc, norm_topk_prob false with top-k > 1, a group scoring that is
-/// not Megatron's (num_experts_per_tok != 2 · topk_group), rope types other than default / yarn,
-/// YaRN's attention_factor, grouped keys, attention biases, moe_layer_freq, quantized weights).
-void deepseek_v3_config(const Fields& f, TransformerConfig& c);
-/// Errors: the first property of `c` DeepseekV3ForCausalLM cannot hold.
-void check_deepseek_v3_representable(const TransformerConfig& c);
+/// DeepseekV3ForCausalLM or DeepseekV2ForCausalLM (the functions below map both).
+inline bool is_deepseek(HfArchitecture a) { return a == HfArchitecture::kDeepseekV3 || a == HfArchitecture::kDeepseekV2; }
+
+/// config.json of `arch` -> `c`. Errors (naming the file, the field and the reason): what
+/// megatron.cpp cannot represent exactly. DeepseekV3: scoring_func other than sigmoid, topk_method
+/// other than noaux_tc, norm_topk_prob false with top-k > 1, a group scoring that is not
+/// Megatron's (num_experts_per_tok != 2 · topk_group), mscale_all_dim without mscale. DeepseekV2:
+/// scoring_func other than softmax, topk_method other than greedy / group_limited_greedy,
+/// norm_topk_prob true with top-k > 1, group_limited_greedy with num_experts_per_tok != topk_group,
+/// mscale != mscale_all_dim (both set), n_shared_experts null, num_nextn_predict_layers. Both: rope
+/// types other than default / yarn, YaRN's attention_factor, grouped keys, attention or MLP biases,
+/// moe_layer_freq, quantized weights.
+void deepseek_config(const Fields& f, HfArchitecture arch, TransformerConfig& c);
+/// Errors: the first property of `c` the architecture cannot hold.
+void check_deepseek_representable(HfArchitecture arch, const TransformerConfig& c);
 /// The config.json of `c`; `base` (the imported config.json) keeps its other fields and, when they
 /// describe the same RoPE, its rope_theta / rope_scaling / rope_parameters as written.
-nlohmann::json deepseek_v3_hf_config(const TransformerConfig& c, const nlohmann::json& base, DType dtype);
+nlohmann::json deepseek_hf_config(HfArchitecture arch, const TransformerConfig& c, const nlohmann::json& base,
+                                  DType dtype);
 
-/// The checkpoint's tensors -> Megatron-Core names (expert biases included under their state
-/// names). Errors: a missing tensor or wrong shape (naming it), an MTP embed_tokens /
-/// shared_head.head that differs from the shared one.
-void deepseek_v3_to_megatron(const HfModel& m, const SafetensorsCheckpoint& ck, GlobalTensors& t);
-/// The inverse; `put_f32` writes the expert biases in fp32 whatever the export dtype (as
+/// The checkpoint's tensors (of m.arch) -> Megatron-Core names (DeepSeek-V3's expert biases
+/// included under their state names). Errors: a missing tensor or wrong shape (naming it), an MTP
+/// embed_tokens / shared_head.head that differs from the shared one.
+void deepseek_to_megatron(const HfModel& m, const SafetensorsCheckpoint& ck, GlobalTensors& t);
+/// The inverse; `put_f32` writes DeepSeek-V3's expert biases in fp32 whatever the export dtype (as
 /// transformers keeps e_score_correction_bias, _keep_in_fp32_modules_strict).
-void deepseek_v3_to_hf(const HfModel& m, const GetTensor& get, const PutTensor& put, const PutTensor& put_f32);
+void deepseek_to_hf(const HfModel& m, const GetTensor& get, const PutTensor& put, const PutTensor& put_f32);
 
 }  // namespace mt::hf::detail

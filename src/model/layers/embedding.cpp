@@ -7,15 +7,19 @@
 
 namespace mt {
 
+ParamSpec word_embedding_spec(const TransformerConfig& c, const TensorParallelRegion& tp) {
+  ParamSpec word = column_parallel_weight("embedding.word_embeddings.weight", c.padded_vocab_size(tp.size()),
+                                          c.hidden_size, c.init_method_std, tp.size(), tp.rank());
+  word.vocab_rows = c.vocab_size;
+  return word;
+}
+
 LanguageModelEmbedding::LanguageModelEmbedding(const TransformerConfig& c, const TensorParallelRegion& tp,
                                                ParamRegistry& reg)
     : config_(c), tp_(tp), vocab_start_(tp.rank() * (c.padded_vocab_size(tp.size()) / tp.size())) {
   reg.begin_group(/*sort_by_sharding=*/false);
   group_ = reg.num_groups() - 1;
-  ParamSpec word = column_parallel_weight("embedding.word_embeddings.weight", c.padded_vocab_size(tp.size()),
-                                          c.hidden_size, c.init_method_std, tp.size(), tp.rank());
-  word.vocab_rows = c.vocab_size;
-  reg.declare(std::move(word), &word_);
+  reg.declare(word_embedding_spec(c, tp), &word_);
   if (position_embedding_kind(c.position_embedding_type).learned_table)
     reg.declare(replicated_param("embedding.position_embeddings.weight", {c.max_positions(), c.hidden_size},
                                  InitKind::kNormal, c.init_method_std, TpGradSum::kNone),

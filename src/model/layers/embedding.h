@@ -11,6 +11,12 @@
 
 namespace mt {
 
+/// The declaration of embedding.word_embeddings.weight: this rank's vocabulary shard [V/tp, h] of
+/// the padded [V, h] table (vocab_rows = V), N(0, --init-method-std). Also declared, flagged
+/// shared_embedding_copy, by the last pipeline stage's multi-token prediction of an untied model
+/// (model/layers/multi_token_prediction.h). Errors: the padded vocabulary not divisible by tp.
+ParamSpec word_embedding_spec(const TransformerConfig& config, const TensorParallelRegion& tp);
+
 class LanguageModelEmbedding {
  public:
   LanguageModelEmbedding(const TransformerConfig& config, const TensorParallelRegion& tp, ParamRegistry& registry);

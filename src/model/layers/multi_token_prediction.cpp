@@ -1,6 +1,7 @@
 #include "model/layers/multi_token_prediction.h"
 
 #include "core/check.h"
+#include "model/layers/embedding.h"
 #include "ops/elementwise.h"
 #include "ops/embedding.h"
 
@@ -56,9 +57,9 @@ ColumnParallelLinear::Options eh_proj_options(const TransformerConfig& c, const 
 
 MultiTokenPrediction::MultiTokenPrediction(const TransformerConfig& c, const LayerSpec& spec,
                                            const TensorParallelRegion& tp, const ExpertParallel& ep,
-                                           ParamRegistry& reg, const ParamRef& word_embedding,
+                                           ParamRegistry& reg, const ParamRef* word_embedding,
                                            const ParamRef& output_weight)
-    : config_(c), tp_(tp), word_(word_embedding),
+    : config_(c), tp_(tp), word_(word_embedding ? word_embedding : &word_copy_),
       vocab_start_(tp.rank() * (c.padded_vocab_size(tp.size()) / tp.size())) {
   const int64_t h = c.hidden_size;
   MT_REQUIRE(h % tp.size() == 0, "multi-token prediction: --hidden-size {} is not divisible by tensor parallel size {} "
@@ -68,6 +69,11 @@ MultiTokenPrediction::MultiTokenPrediction(const TransformerConfig& c, const Lay
     const std::string p = fmt::format("mtp.layers.{}.", d);
     reg.begin_group(/*sort_by_sharding=*/true);
     dp->group = reg.num_groups() - 1;
+    if (d == 0 && word_embedding == nullptr) {  // the first stage's embedding, copied (same name and init)
+      ParamSpec word = word_embedding_spec(c, tp);
+      word.shared_embedding_copy = true;
+      reg.declare(std::move(word), &word_copy_);
+    }
     dp->enorm = std::make_unique<Norm>(c, p + "enorm", h, TpGradSum::kSequenceParallel, reg);
     dp->hnorm = std::make_unique<Norm>(c, p + "hnorm", h, TpGradSum::kSequenceParallel, reg);
     dp->eh_proj = std::make_unique<ColumnParallelLinear>(eh_proj_options(c, p + "eh_proj"), tp, reg);
@@ -138,7 +144,7 @@ void MultiTokenPrediction::embed(const Depth&, const MicroBatch& mb, int64_t d, 
   // LanguageModelEmbedding's forward on the rolled tokens (no position table: MTP needs rope or
   // none), with the dropout site of this depth's layer number.
   const Tensor full = tp_.sequence_parallel() ? embed_full_ : out;
-  embedding_forward(full, mb.tokens, word_.value(), Tensor(), Tensor(), vocab_start_, ctx.stream);
+  embedding_forward(full, mb.tokens, word_->value(), Tensor(), Tensor(), vocab_start_, ctx.stream);
   tp_.exit_forward(out, full, ctx.stream);
   if (ctx.dropout.training && config_.hidden_dropout > 0.f)
     dropout_forward(out, out, config_.hidden_dropout, dropout_key(ctx.dropout, config_.num_layers + d, kSiteEmbedding),
@@ -155,8 +161,8 @@ void MultiTokenPrediction::embed_backward(int64_t d, const MicroBatch& mb, const
   tp_.exit_backward(d_full, d_out, ctx.stream);
   // The last stage's copy of a tied embedding is declared by the output layer (grad_overwrite),
   // whose GEMMs write it first; should this be the step's first write, start from zero.
-  if (word_.grad_write() == GradWrite::kOverwrite) fill(word_.grad(), 0.f, ctx.stream);
-  embedding_backward(word_.grad(), Tensor(), d_full, mb.tokens, Tensor(), vocab_start_, config_.deterministic_mode,
+  if (word_->grad_write() == GradWrite::kOverwrite) fill(word_->grad(), 0.f, ctx.stream);
+  embedding_backward(word_->grad(), Tensor(), d_full, mb.tokens, Tensor(), vocab_start_, config_.deterministic_mode,
                      ctx.stream);
 }
 

@@ -51,17 +51,22 @@ MtpInputs make_mtp_inputs(int64_t depths, int64_t s, int64_t b, const int32_t* t
 class MultiTokenPrediction {
  public:
   /// spec: the last decoder layer's; word_embedding: this rank's vocabulary shard [V/tp, h] of the
-  /// word embedding (the embedding's, or the last stage's copy of a tied one); output_weight: the
-  /// main head's output layer weight. Declares, per depth, a registry group (norms, eh_proj, final
-  /// norm) and the layer's group.
+  /// word embedding (the embedding's, or the last stage's copy of a tied one, the output layer's
+  /// weight), or nullptr: an untied model's last pipeline stage, where the MTP declares the copy
+  /// itself (embedding.word_embeddings.weight flagged shared_embedding_copy, in depth 0's group;
+  /// Megatron-Core's post-process embedding for MTP, its gradient all-reduced with the first
+  /// stage's over the embedding group); output_weight: the main head's output layer weight.
+  /// Declares, per depth, a registry group (norms, eh_proj, final norm) and the layer's group.
   MultiTokenPrediction(const TransformerConfig& config, const LayerSpec& spec, const TensorParallelRegion& tp,
-                       const ExpertParallel& ep, ParamRegistry& registry, const ParamRef& word_embedding,
+                       const ExpertParallel& ep, ParamRegistry& registry, const ParamRef* word_embedding,
                        const ParamRef& output_weight);
   ~MultiTokenPrediction();
   MultiTokenPrediction(const MultiTokenPrediction&) = delete;
   MultiTokenPrediction& operator=(const MultiTokenPrediction&) = delete;
 
   int64_t depths() const { return static_cast<int64_t>(depth_.size()); }
+  /// The word embedding the depths embed with (the one given, or the copy declared).
+  const ParamRef& word_embedding() const { return *word_; }
   /// The registry groups of depth d: its norms, eh_proj and final norm; its transformer layer.
   size_t param_group(int64_t d) const;
   TransformerLayer& layer(int64_t d) const;
@@ -92,7 +97,8 @@ class MultiTokenPrediction {
   void embed_backward(int64_t d, const MicroBatch& mb, const Tensor& d_out, const StepContext& ctx);
   const TransformerConfig& config_;
   const TensorParallelRegion& tp_;
-  const ParamRef& word_;
+  ParamRef word_copy_;     // declared when no word embedding is given (untied, last stage)
+  const ParamRef* word_;   // the given word embedding or word_copy_
   int64_t vocab_start_;
   std::vector<std::unique_ptr<Depth>> depth_;
   std::vector<std::vector<Saved>> saved_;  // [area][depth]
