@@ -293,8 +293,9 @@ struct TransformerConfig {
   int64_t num_layers_at_end_in_bf16 = 1;
   /// --fp8-param-gather (Megatron's fp8_param): the distributed optimizer all-gathers FP8 weights.
   bool fp8_param = false;
-  /// Not a flag (tests only): delayed scaling's fused producers (Fp8Settings::fused_producers).
-  bool fp8_fused_producers = true;
+  /// Not a flag (off; the tests turn it on): delayed scaling's fused producers
+  /// (Fp8Settings::fused_producers).
+  bool fp8_fused_producers = false;
   /// The FP8 settings of the linear layers (format kNone when FP8 is off).
   Fp8Settings fp8_settings() const {
     return Fp8Settings{fp8, fp8_recipe, fp8_margin, fp8_amax_history_len, fp8_amax_compute_algo, fp8_fused_producers};

@@ -261,6 +261,7 @@ TEST(Fp8GptCuda, FusedProducersAreBitwise) {
   MT_REQUIRE_CUDA();
   TransformerConfig c = fp8_config(Fp8Recipe::kDelayed, Fp8Format::kHybrid, true, false);
   c.deterministic_mode = true;
+  c.fp8_fused_producers = true;
   TransformerConfig cu = c;
   cu.fp8_fused_producers = false;
   const int64_t b = 2;

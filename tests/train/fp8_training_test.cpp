@@ -79,9 +79,9 @@ struct Fp8Run {
   int64_t fused_inputs = 0;
 };
 
-// fused_producers = false: delayed scaling's producers do not write the FP8 inputs
-// (TransformerConfig::fp8_fused_producers, not a flag).
-Fp8Run train_with_state(const std::string& flags, bool fused_producers = true) {
+// fused_producers: delayed scaling's producers write the FP8 inputs (TransformerConfig::
+// fp8_fused_producers, not a flag; off by default, as in a run).
+Fp8Run train_with_state(const std::string& flags, bool fused_producers = false) {
   const PretrainArgs args = testing::parse_pretrain_args(flags);
   Fp8Run out;
   std::mutex mu;
@@ -209,7 +209,7 @@ TEST_F(Fp8Training, FusedProducersAreBitwise) {
            {"--nproc-per-node 2 --tensor-model-parallel-size 2 --sequence-parallel", false}}) {
     SCOPED_TRACE(layout);
     const std::string f = flags(kModel + llama + layout);
-    const Fp8Run on = train_with_state(f), off = train_with_state(f, /*fused_producers=*/false);
+    const Fp8Run on = train_with_state(f, /*fused_producers=*/true), off = train_with_state(f);
     EXPECT_EQ(off.fused_inputs, 0);
     if (fused) {  // every forward of every layer: linear_qkv, linear_fc1 and linear_fc2
       EXPECT_GT(on.fused_inputs, 0);
