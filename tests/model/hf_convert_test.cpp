@@ -705,8 +705,8 @@ TEST(HfConvert, BadInputErrors) {
     ia.save = (fx.dir / "ck").string();
     run_import_hf(ia);
   };
-  rewrite_config([](json& j) { j["architectures"] = {"DeepseekV2ForCausalLM"}; });
-  expect_error(import, "unsupported Hugging Face architecture 'DeepseekV2ForCausalLM'");
+  rewrite_config([](json& j) { j["architectures"] = {"GemmaForCausalLM"}; });
+  expect_error(import, "unsupported Hugging Face architecture 'GemmaForCausalLM'");
   rewrite_config([](json& j) { j.erase("hidden_size"); });
   expect_error(import, "field 'hidden_size' is missing");
   rewrite_config([](json& j) { j["rope_scaling"] = {{"rope_type", "llama3"}, {"factor", 8.0}}; });
