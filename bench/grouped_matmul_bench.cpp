@@ -7,6 +7,10 @@
 //                                              top-6: 768 rows per expert), balanced and skewed
 //   build/grouped_matmul_bench --experts 8 --rows 4096 --hidden 1024 --ffn 3584 [--skew 0]
 //   build/grouped_matmul_bench --check         the wgmma kernel against the mma.sync kernel
+//   build/grouped_matmul_bench --fp8 [shape options]  FP8 (e4m3, tensorwise): the grouped FP8
+//                                              kernels (automatic; mma.sync), the grouped bf16
+//                                              kernel and the per-expert cuBLASLt FP8 loop, counts
+//                                              rounded down to 16
 //   [--iters 10]
 // For each projection of an expert MLP — fc1 (n = ffn, k = hidden) and fc2 (n = hidden, k = ffn)
 // — prints the time and TFLOP/s of forward (y = x Wᵀ), dgrad (dx = dy W) and wgrad (dW += dyᵀ x,
@@ -41,6 +45,8 @@
 #include "core/stream.h"
 #include "ops/cuda/grouped_matmul_sm90.cuh"
 #include "ops/elementwise.h"
+#include "ops/fp8.h"
+#include "ops/fp8_matmul.h"
 #include "ops/grouped_matmul.h"
 #include "ops/init.h"
 #include "ops/matmul.h"
@@ -327,6 +333,147 @@ void bench_shape(const std::string& name, int64_t E, int64_t rows, int64_t hidde
   std::fflush(stdout);
 }
 
+// ---- --fp8 --------------------------------------------------------------------------------------
+
+/// The FP8 operands of a Problem (tensorwise, scale 1: x, dy and the weights cast to e4m3 by
+/// fp8_quantize, with the transposes the wgrad reads), and the per-expert copies the cuBLASLt loop
+/// reads (each expert's dyᵀ [n, c_e] and xᵀ [k, c_e] contiguous, as a per-expert Fp8Linear holds
+/// them; their bytes are not initialised: the timing does not depend on them).
+struct Fp8Problem {
+  Buffer bxq, bxt, bdyq, bdyt, bwq, bwt, bscale, bloop_t, bloop_scales;
+  Tensor xq, xt, dyq, dyt, one;
+  std::vector<Tensor> wq, wt, loop_dyt, loop_xt, loop_scale;
+  Tensor w_scales;
+  Fp8Problem(const Problem& p, const Stream& st) {
+    const Device dev = st.device();
+    const int64_t R = p.R, n = p.n, k = p.k, E = p.E;
+    bxq = Buffer(dev, R * k);
+    bxt = Buffer(dev, R * k);
+    bdyq = Buffer(dev, R * n);
+    bdyt = Buffer(dev, R * n);
+    bwq = Buffer(dev, E * n * k);
+    bwt = Buffer(dev, E * n * k);
+    bscale = Buffer(dev, static_cast<size_t>(E + 4) * 4);
+    bloop_t = Buffer(dev, R * (n + k));
+    bloop_scales = Buffer(dev, static_cast<size_t>(E) * 16);
+    xq = bxq.as(DType::kF8E4M3, {R, k});
+    xt = bxt.as(DType::kF8E4M3, {k, R});
+    dyq = bdyq.as(DType::kF8E4M3, {R, n});
+    dyt = bdyt.as(DType::kF8E4M3, {n, R});
+    one = bscale.as(DType::kF32, {E + 4}).slice0(0, 1);
+    w_scales = bscale.as(DType::kF32, {E + 4}).slice0(4, 4 + E);
+    fill(bscale.as(DType::kF32, {E + 4}), 1.f, st);
+    fill(bloop_scales.as(DType::kF32, {E * 4}), 1.f, st);
+    const Tensor none;
+    fp8_quantize(xq, xt, p.x, one, none, st);
+    fp8_quantize(dyq, dyt, p.dy, one, none, st);
+    const Tensor wall_q = bwq.as(DType::kF8E4M3, {E * n, k});
+    fp8_quantize(wall_q, Tensor(), p.wall, one, none, st);
+    int64_t off = 0;
+    for (int64_t e = 0; e < E; ++e) {
+      wq.push_back(wall_q.slice0(e * n, (e + 1) * n));
+      const Tensor wte = bwt.as(DType::kF8E4M3, {E * k, n}).slice0(e * k, (e + 1) * k);
+      fp8_quantize(Tensor(), wte, p.ws[static_cast<size_t>(e)], one, none, st);
+      wt.push_back(wte);
+      const int64_t c = p.counts[static_cast<size_t>(e)];
+      uint8_t* base = static_cast<uint8_t*>(bloop_t.data()) + off * (n + k);
+      loop_dyt.emplace_back(base, DType::kF8E4M3, dev, std::vector<int64_t>{n, c});
+      loop_xt.emplace_back(base + n * c, DType::kF8E4M3, dev, std::vector<int64_t>{k, c});
+      loop_scale.push_back(bloop_scales.as(DType::kF32, {E * 4}).slice0(e * 4, e * 4 + 1));  // 16-byte aligned
+      off += c;
+    }
+    st.synchronize();
+  }
+};
+
+Times time_fp8_grouped(const Problem& p, const Fp8Problem& q, const GroupedWeights& gw, const GroupedWeights& gwt,
+                       const GroupedWeights& gg, int iters, const Stream& st) {
+  Times t;
+  t.f = time_ms(st, iters, [&] { grouped_fp8_linear_forward(p.y, q.xq, q.one, gw, q.w_scales, p.dcounts, st); });
+  t.d = time_ms(st, iters, [&] { grouped_fp8_linear_forward(p.dx, q.dyq, q.one, gwt, q.w_scales, p.dcounts, st); });
+  t.w = time_ms(st, iters, [&] { grouped_fp8_linear_wgrad(gg, q.dyt, q.one, q.xt, q.one, p.dcounts, st); });
+  return t;
+}
+
+/// The per-expert cuBLASLt FP8 loop (fp8_matmul over host row ranges: the counts on the host, so
+/// not capturable), TE's accumulation modes (fast accumulation for the forward only).
+Times time_fp8_loop(const Problem& p, const Fp8Problem& q, int iters, const Stream& st) {
+  Times t;
+  t.f = time_ms(st, iters, [&] {
+    each_expert(p, [&](int64_t e, int64_t off, int64_t c) {
+      fp8_matmul(p.y.slice0(off, off + c), {q.xq.slice0(off, off + c), q.one}, {q.wq[e], q.loop_scale[e]}, false,
+                 true, st);
+    });
+  });
+  t.d = time_ms(st, iters, [&] {
+    each_expert(p, [&](int64_t e, int64_t off, int64_t c) {
+      fp8_matmul(p.dx.slice0(off, off + c), {q.dyq.slice0(off, off + c), q.one}, {q.wt[e], q.loop_scale[e]}, false,
+                 false, st);
+    });
+  });
+  t.w = time_ms(st, iters, [&] {
+    each_expert(p, [&](int64_t e, int64_t, int64_t) {
+      fp8_matmul(p.gs[e], {q.loop_dyt[e], q.one}, {q.loop_xt[e], q.loop_scale[e]}, true, false, st);
+    });
+  });
+  return t;
+}
+
+/// One MoE shape in FP8 (e4m3, tensorwise): the grouped FP8 kernels (automatic, and mma.sync
+/// alone), the grouped bf16 kernel (its automatic choice) and the per-expert cuBLASLt FP8 loop,
+/// both projections. The counts are
+/// rounded down to multiples of 16 (Megatron's --moe-router-padding-for-fp8; the loop's cuBLASLt
+/// GEMMs need m % 16 == 0).
+void bench_fp8_shape(const std::string& name, int64_t E, int64_t rows, int64_t hidden, int64_t ffn, double skew,
+                     int iters, const Stream& st) {
+  std::vector<int32_t> counts = skewed_counts(E, rows, skew);
+  int64_t R = 0;
+  for (int32_t& c : counts) {
+    c = c / 16 * 16;
+    R += c;
+  }
+  const auto [mn, mx] = std::minmax_element(counts.begin(), counts.end());
+  fmt::print("\n== FP8 {}: {} experts, {} rows in all (per expert {} to {}, skew {}), hidden {}, ffn {}, {}\n", name,
+             E, R, *mn, *mx, skew, hidden, ffn, st.device().str());
+  fmt::print("{:>4} {:>6} {:>6} | {:>20} | {:>20} | {:>20} |\n", "proj", "n", "k", "forward ms TFLOP/s",
+             "dgrad ms TFLOP/s", "wgrad ms TFLOP/s");
+  Times sum_f8, sum_bf, sum_loop;
+  for (int proj = 0; proj < 2; ++proj) {
+    const int64_t n = proj == 0 ? ffn : hidden, k = proj == 0 ? hidden : ffn;
+    const Problem p(counts, R, n, k, st);
+    const Fp8Problem q(p, st);
+    const GroupedWeights gw(p.ws, st), gg(p.gs, st), gwq(q.wq, st), gwt(q.wt, st);
+    const double flops = 2.0 * static_cast<double>(R) * n * k;
+    const char* pname = proj == 0 ? "fc1" : "fc2";
+    auto row = [&](const char* impl, const Times& t) {
+      fmt::print("{:>4} {:>6} {:>6} | {:>8.3f} {:>11.1f} | {:>8.3f} {:>11.1f} | {:>8.3f} {:>11.1f} | {}\n", pname, n,
+                 k, t.f, flops / t.f * 1e-9, t.d, flops / t.d * 1e-9, t.w, flops / t.w * 1e-9, impl);
+    };
+    const Times f8 = time_fp8_grouped(p, q, gwq, gwt, gg, iters, st);
+    row("FP8 grouped (automatic: wgmma on Hopper)", f8);
+    {
+      const KernelScope scope(Kernel::kMmaSync);
+      row("FP8 grouped mma.sync", time_fp8_grouped(p, q, gwq, gwt, gg, iters, st));
+    }
+    const Times bf = time_grouped(p, gw, gg, iters, st);
+    row("bf16 grouped", bf);
+    const Times loop = time_fp8_loop(p, q, iters, st);
+    row("FP8 cuBLASLt loop", loop);
+    fmt::print("{:>4} {:>6} {:>6} | {:>20.3f} | {:>20.3f} | {:>20.3f} | FP8 grouped / FP8 loop speed\n", pname, n, k,
+               loop.f / f8.f, loop.d / f8.d, loop.w / f8.w);
+    sum_f8 = {sum_f8.f + f8.f, sum_f8.d + f8.d, sum_f8.w + f8.w};
+    sum_bf = {sum_bf.f + bf.f, sum_bf.d + bf.d, sum_bf.w + bf.w};
+    sum_loop = {sum_loop.f + loop.f, sum_loop.d + loop.d, sum_loop.w + loop.w};
+    std::fflush(stdout);
+  }
+  auto total = [](const Times& t) { return t.f + t.d + t.w; };
+  fmt::print("MLP fc1 + fc2, forward + dgrad + wgrad: FP8 grouped {:.3f} ms, bf16 grouped {:.3f} ms, FP8 cuBLASLt "
+             "loop {:.3f} ms (FP8 grouped / loop speed {:.3f}, / bf16 grouped {:.3f})\n",
+             total(sum_f8), total(sum_bf), total(sum_loop), total(sum_loop) / total(sum_f8),
+             total(sum_bf) / total(sum_f8));
+  std::fflush(stdout);
+}
+
 // ---- --check ------------------------------------------------------------------------------------
 
 std::vector<float> to_host_bf16(const Tensor& t, const Stream& st) {
@@ -449,11 +596,15 @@ int bench_main(int argc, char** argv) {
   int iters = 10;
   int64_t E = 0, rows = 4096, hidden = 1024, ffn = 3584;
   double skew = 0;
-  bool check = false;
+  bool check = false, fp8 = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--check") {
       check = true;
+      continue;
+    }
+    if (a == "--fp8") {
+      fp8 = true;
       continue;
     }
     MT_CHECK(i + 1 < argc, "option {} needs a value", a);
@@ -470,8 +621,16 @@ int bench_main(int argc, char** argv) {
   const Device dev = Device::cuda(0);
   Stream st(dev);
   if (check) return run_check(st);
+  const auto shape = fp8 ? bench_fp8_shape : bench_shape;
   if (E > 0) {
-    bench_shape("custom", E, rows, hidden, ffn, skew, iters, st);
+    shape("custom", E, rows, hidden, ffn, skew, iters, st);
+    return 0;
+  }
+  if (fp8) {
+    bench_fp8_shape("Mixtral-style, balanced", 8, 8192, 4096, 14336, 0, iters, st);
+    bench_fp8_shape("Mixtral-style, skewed", 8, 8192, 4096, 14336, 1.5, iters, st);
+    bench_fp8_shape("DeepSeek-style, balanced", 64, 768, 2048, 1408, 0, iters, st);
+    bench_fp8_shape("DeepSeek-style, skewed", 64, 768, 2048, 1408, 1.5, iters, st);
     return 0;
   }
   bench_shape("Mixtral-style, balanced", 8, 8192, 4096, 14336, 0, iters, st);

@@ -440,8 +440,8 @@ void TransformerConfig::validate(int tp) const {
                "--num-layers-at-start-in-bf16 {} and --num-layers-at-end-in-bf16 {} must be >= 0",
                num_layers_at_start_in_bf16, num_layers_at_end_in_bf16);
     MT_REQUIRE(num_moe_experts == 0 || !moe_grouped_gemm,
-               "--fp8-format {} with --moe-grouped-gemm is not supported: the grouped expert GEMM has no FP8 kernel "
-               "(the experts run FP8 one GEMM per expert; drop --moe-grouped-gemm)",
+               "--fp8-format {} with --moe-grouped-gemm is not supported yet: the grouped expert MLP does not "
+               "quantise its inputs (the experts run FP8 one GEMM per expert; drop --moe-grouped-gemm)",
                fp8_format_name(fp8));
     MT_REQUIRE(num_moe_experts == 0 || !moe_enable_echo,
                "--fp8-format {} with --moe-enable-echo is not supported (the expert clones have no FP8 weights)",

@@ -34,8 +34,8 @@ namespace mt {
 /// The weights (or fp32 main gradients) of G groups: G contiguous tensors of one dtype, device and
 /// shape [n, k], plus a table of their G addresses on that device (a Buffer filled once at
 /// construction: on CUDA one host-to-device copy ordered on `stream`, so build it outside a
-/// captured region; the tensors' addresses must stay valid and fixed while it is used — the
-/// ParamStore's are). Move-only. Errors: mt::Error when the list is empty or the tensors differ in
+/// captured region; fp32/bf16/fp16, or FP8 for grouped_fp8_linear_forward; the tensors' addresses
+/// must stay valid and fixed while it is used — the ParamStore's are). Move-only. Errors: mt::Error when the list is empty or the tensors differ in
 /// dtype, device or shape, are not 2-D or not contiguous.
 class GroupedWeights {
  public:
@@ -58,8 +58,9 @@ class GroupedWeights {
   /// True when the Hopper wgmma kernel may use these tensors: a CUDA device of compute capability
   /// 9.0 running the sm_90a code, every address 16-byte aligned, n and k multiples of 8.
   bool hopper() const { return hopper_; }
-  /// With hopper() and bf16/fp16 tensors: G TMA tensor maps of them on device() (128 bytes each:
-  /// 2-D [n, k], 64 x 64-element boxes, 128-byte swizzle), built once at construction; else null.
+  /// With hopper() and bf16/fp16/fp8_e4m3 tensors: G TMA tensor maps of them on device() (128
+  /// bytes each: 2-D [n, k], 64 x 64-element boxes (FP8: 128 x 64), 128-byte swizzle), built once
+  /// at construction; else null.
   const void* tensor_maps() const { return maps_.data(); }
 
  private:
@@ -94,8 +95,50 @@ void grouped_linear_dgrad(const Tensor& dx, const Tensor& dy, const GroupedWeigh
 void grouped_linear_wgrad(const GroupedWeights& dw, const Tensor& dy, const Tensor& x, const Tensor& counts,
                           const Stream& stream);
 
+/// FP8 grouped GEMM of the rows, tensorwise scales (docs/fp8.md "The MoE experts' grouped GEMM";
+/// Transformer Engine's GroupedLinear under Float8CurrentScaling / DelayedScaling): for g < G and
+/// i < c_g,  y[off_g + i, j] = (sa_g · sb_g) · Σ_r aq[off_g + i, r] · wq_g[j, r]
+/// (the FP8 values multiplied exactly, fp32 accumulation, then the product of the two
+/// dequantisation scales sa_g, sb_g of the group, as fp8_matmul). The
+/// tail rows [Σc, R) of y are set to 0. Both operands are K-major (Hopper's FP8 rule), so:
+///   fprop: y [R, n] from aq = xq [R, k] and wq = the experts' FP8 weights [n, k];
+///   dgrad: dx [R, k] from aq = dyq [R, n] and wq = their transposed FP8 copies wᵀ [k, n].
+/// y: [R, N] contiguous, fp32 (CPU) or bf16 (CUDA); aq: [R, K] contiguous, kF8E4M3 or kF8E5M2
+/// (tail rows not read); wq: G FP8 tensors [N, K]; aq and wq not both e5m2. a_scale_inv,
+/// w_scale_inv: contiguous fp32 dequantisation scales of 1 element (one for every group) or G
+/// (group g's at entry g: TE's per-GEMM quantizers), read on the device. counts: int32 [G] as in
+/// grouped_linear_forward (CUDA clips at row R). N and K multiples of 16, pointers 16-byte aligned
+/// (the kernels' 16-byte loads; cuBLASLt's FP8 rule). CPU: per group cpu::fp8_matmul (the FP8
+/// emulation). CUDA (compute capability >= 8.9): mma.sync m16n8k32 with FP8 operands
+/// (ops/cuda/grouped_matmul.cu); on Hopper, with fp8_e4m3 weights, the wgmma kernel (wgmma
+/// m64nNk32, ops/cuda/grouped_matmul_sm90.cu); the scales applied in the epilogue, counts read on
+/// the device (capturable). Errors: mt::Error on mismatched shapes/dtypes/devices, a violated requirement,
+/// Σc > R on CPU, a GPU below compute capability 8.9.
+void grouped_fp8_linear_forward(const Tensor& y, const Tensor& aq, const Tensor& a_scale_inv, const GroupedWeights& wq,
+                                const Tensor& w_scale_inv, const Tensor& counts, const Stream& stream);
+
+/// FP8 grouped weight gradient (accumulate into the fp32 main gradients, beta = 1): for g < G
+///   dW_g[i, j] += (s_dy,g · s_x,g) · Σ_{r in [off_g, off_g + c_g)} dyq_t[i, r] · xq_t[j, r]
+/// (a group with c_g = 0 leaves dW_g unchanged). The operands are the transposes of the whole
+/// [R, *] tensors, exactly what fp8_quantize's q_t writes for dy [R, n] and x [R, k] in its
+/// cast + transpose pass: dyq_t [n, R], xq_t [k, R] (tokens contiguous, i.e. K-major for this
+/// GEMM; group g's segment is columns [off_g, off_g + c_g), so no per-group copy or padding is
+/// needed; columns >= Σc are not read). CPU: cpu::fp8_matmul per group on copies of the segments.
+/// CUDA: on Hopper with xq_t e4m3 the wgmma kernel (TMA reads a segment from any column; the
+/// columns beyond it zeroed in shared memory), else the mma.sync FP8 kernel.
+/// dw: G fp32 [n, k]; dyq_t, xq_t FP8, not both e5m2;
+/// dy_scale_inv, x_scale_inv: fp32 of 1 or G elements. n and k multiples of 16; R a multiple of 16
+/// (the transposes' rows 16-byte aligned). Counts need not be multiples of 16: the mma.sync kernel
+/// loads a segment that starts off a 16-byte boundary byte by byte (slower; Megatron's
+/// --moe-router-padding-for-fp8 gives aligned segments). Errors: as grouped_fp8_linear_forward.
+void grouped_fp8_linear_wgrad(const GroupedWeights& dw, const Tensor& dyq_t, const Tensor& dy_scale_inv,
+                              const Tensor& xq_t, const Tensor& x_scale_inv, const Tensor& counts,
+                              const Stream& stream);
+
 MT_OP_BACKENDS(grouped_linear_forward)
 MT_OP_BACKENDS(grouped_linear_dgrad)
 MT_OP_BACKENDS(grouped_linear_wgrad)
+MT_OP_BACKENDS(grouped_fp8_linear_forward)
+MT_OP_BACKENDS(grouped_fp8_linear_wgrad)
 
 }  // namespace mt

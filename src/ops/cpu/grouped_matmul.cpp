@@ -1,10 +1,11 @@
 // CPU reference of ops/grouped_matmul.h: fp32, one OpenBLAS sgemm per non-empty group, the
-// counts read from host memory.
+// counts read from host memory. The FP8 ops run the FP8 emulation (cpu::fp8_matmul) per group.
 #include <cblas.h>
 
 #include <algorithm>
 #include <vector>
 
+#include "ops/fp8_matmul.h"
 #include "ops/grouped_matmul.h"
 
 namespace mt::cpu {
@@ -28,6 +29,21 @@ std::vector<int64_t> offsets(const Tensor& counts, int64_t R, const char* fn) {
 }
 
 blasint bi(int64_t v) { return static_cast<blasint>(v); }
+
+/// Group g's dequantisation scale: entry g of a G-element scale tensor, or its only element.
+Fp8Operand group_operand(const Tensor& data, const Tensor& scale_inv, int64_t g) {
+  const int64_t i = scale_inv.numel() == 1 ? 0 : g;
+  return Fp8Operand{data, scale_inv.slice0(i, i + 1), Fp8Scaling::kTensor};
+}
+
+/// Columns [c0, c0 + c) of a byte matrix t [rows, R], copied into `buf` and viewed as [rows, c].
+Tensor column_segment(const Tensor& t, int64_t c0, int64_t c, std::vector<uint8_t>& buf) {
+  const int64_t rows = t.size(0), R = t.size(1);
+  buf.resize(static_cast<size_t>(rows * c));
+  const uint8_t* src = t.data_as<uint8_t>();
+  for (int64_t r = 0; r < rows; ++r) std::copy_n(src + r * R + c0, c, buf.data() + r * c);
+  return Tensor(buf.data(), t.dtype(), Device::cpu(), {rows, c});
+}
 
 }  // namespace
 
@@ -92,6 +108,36 @@ void grouped_linear_wgrad(const GroupedWeights& dw, const Tensor& dy, const Tens
     cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, bi(n), bi(k), bi(m), 1.f,
                 DY + off[static_cast<size_t>(g)] * n, bi(n), X + off[static_cast<size_t>(g)] * k, bi(k), 1.f,
                 dw[g].data_as<float>(), bi(k));
+  }
+}
+
+void grouped_fp8_linear_forward(const Tensor& y, const Tensor& aq, const Tensor& a_scale_inv, const GroupedWeights& wq,
+                                const Tensor& w_scale_inv, const Tensor& counts, const Stream& stream) {
+  const int64_t R = aq.size(0), N = wq.rows();
+  const std::vector<int64_t> off = offsets(counts, R, "grouped_fp8_linear_forward");
+  for (int64_t g = 0; g < wq.groups(); ++g) {
+    const int64_t r0 = off[static_cast<size_t>(g)], r1 = off[static_cast<size_t>(g + 1)];
+    if (r1 == r0) continue;
+    // y_g[c_g, N] = (sa · sb) · aq_g[c_g, K] · wq_g[N, K]ᵀ
+    cpu::fp8_matmul(y.slice0(r0, r1), group_operand(aq.slice0(r0, r1), a_scale_inv, g),
+                    group_operand(wq[g], w_scale_inv, g), /*accumulate=*/false, /*fast_accum=*/false, stream);
+  }
+  float* Y = y.data_as<float>();
+  std::fill(Y + off.back() * N, Y + R * N, 0.f);
+}
+
+void grouped_fp8_linear_wgrad(const GroupedWeights& dw, const Tensor& dyq_t, const Tensor& dy_scale_inv,
+                              const Tensor& xq_t, const Tensor& x_scale_inv, const Tensor& counts,
+                              const Stream& stream) {
+  const std::vector<int64_t> off = offsets(counts, xq_t.size(1), "grouped_fp8_linear_wgrad");
+  std::vector<uint8_t> a_buf, b_buf;
+  for (int64_t g = 0; g < dw.groups(); ++g) {
+    const int64_t r0 = off[static_cast<size_t>(g)], c = off[static_cast<size_t>(g + 1)] - r0;
+    if (c == 0) continue;
+    // dW_g[n, k] += (s_dy · s_x) · dyq_t[:, segment] · xq_t[:, segment]ᵀ
+    const Tensor a = column_segment(dyq_t, r0, c, a_buf), b = column_segment(xq_t, r0, c, b_buf);
+    cpu::fp8_matmul(dw[g], group_operand(a, dy_scale_inv, g), group_operand(b, x_scale_inv, g),
+                    /*accumulate=*/true, /*fast_accum=*/false, stream);
   }
 }
 

@@ -29,6 +29,8 @@
 
 #include "ops/grouped_matmul.h"  // first: elementwise_common.cuh needs Tensor, Stream, DType
 
+#include "ops/fp8.h"
+
 #include "core/cuda_check.h"
 #include "ops/cuda/elementwise_common.cuh"
 #include "ops/cuda/grouped_matmul_common.cuh"
@@ -243,6 +245,57 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const unsigned (&a)[4], 
   }
 }
 
+/// The cp.async k loop of the tensor-core kernels: kStages - 1 k tiles in flight. load(stage, kt)
+/// issues the loads of k tile kt into ring slot `stage`; compute(stage) consumes a landed slot.
+template <int kStages, typename Load, typename Compute>
+__device__ __forceinline__ void k_pipeline(int ktiles, Load&& load, Compute&& compute) {
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < ktiles) load(s, s);
+    cp_async_commit();
+  }
+  for (int kt = 0; kt < ktiles; ++kt) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();  // stage kt landed for every thread (byte stores visible); stage kt - 1 is free
+    {
+      const int next = kt + kStages - 1;
+      if (next < ktiles) load(next % kStages, next);
+      cp_async_commit();
+    }
+    compute(kt % kStages);
+  }
+  cp_async_wait<0>();
+}
+
+/// The epilogue walk of a warp's 64x32 block at (m0, n0) held as 4x4 m16n8 fragments (thread
+/// (g = lane / 4, t = lane % 4) holds rows g, g + 8 and columns 2t, 2t + 1 of each): fn(m, col, v0,
+/// v1) for the rows m < M and the column pairs col < N (N even: col + 1 < N too).
+template <typename Fn>
+__device__ __forceinline__ void for_each_pair(const float (&acc)[4][4][4], int m0, int n0, int M, int N, Fn&& fn) {
+  const int lane = threadIdx.x & 31, gr = lane >> 2, tc = (lane & 3) * 2;
+#pragma unroll
+  for (int mi = 0; mi < 4; ++mi) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int m = m0 + mi * 16 + gr + h * 8;
+      if (m >= M) continue;
+#pragma unroll
+      for (int ni = 0; ni < 4; ++ni) {
+        const int col = n0 + ni * 8 + tc;
+        if (col < N) fn(m, col, acc[mi][ni][2 * h], acc[mi][ni][2 * h + 1]);
+      }
+    }
+  }
+}
+
+/// d[0..1] += (v0, v1): the fp32 weight gradient's read-modify-write of a column pair.
+__device__ __forceinline__ void add_pair(float* d, float v0, float v1) {
+  float2 o = *reinterpret_cast<float2*>(d);
+  o.x += v0;
+  o.y += v1;
+  *reinterpret_cast<float2*>(d) = o;
+}
+
 /// One operand tile in shared memory: kOuter rows of kInner contiguous elements (+ kPad), filled
 /// by cp.async from a matrix with `ld` elements per row, rows < outer_lim and columns < inner_lim
 /// valid (inner_lim a multiple of 8), the rest zero.
@@ -348,21 +401,9 @@ __global__ void __launch_bounds__(kThreads) tc_kernel(Params p) {
       for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.f;
 
   const int ktiles = (Kr + kBK - 1) / kBK;
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < ktiles) load_stage(s, s * kBK);
-    cp_async_commit();
-  }
-  for (int kt = 0; kt < ktiles; ++kt) {
-    cp_async_wait<kStages - 2>();
-    __syncthreads();  // stage kt landed for every thread; stage kt - 1 is free for the prefetch
-    {
-      const int next = kt + kStages - 1;
-      if (next < ktiles) load_stage(next % kStages, next * kBK);
-      cp_async_commit();
-    }
-    const T* a = sA + (kt % kStages) * TileA::kElems;
-    const T* b = sB + (kt % kStages) * TileB::kElems;
+  k_pipeline<kStages>(ktiles, [&](int stage, int kt) { load_stage(stage, kt * kBK); }, [&](int stage) {
+    const T* a = sA + stage * TileA::kElems;
+    const T* b = sB + stage * TileB::kElems;
 #pragma unroll
     for (int kk = 0; kk < kBK; kk += 16) {
       unsigned af[4][4], bf[4][2];
@@ -394,40 +435,188 @@ __global__ void __launch_bounds__(kThreads) tc_kernel(Params p) {
 #pragma unroll
         for (int ni = 0; ni < 4; ++ni) mma16816<T>(acc[mi][ni], af[mi], bf[ni][0], bf[ni][1]);
     }
-  }
-  cp_async_wait<0>();
+  });
 
-  // Epilogue: thread (g = lane / 4, t = lane % 4) holds rows g, g + 8 and columns 2t, 2t + 1 of
-  // each 16x8 tile.
-  const int gr = lane >> 2, tc = (lane & 3) * 2;
-#pragma unroll
-  for (int mi = 0; mi < 4; ++mi) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int m = m0 + wm + mi * 16 + gr + h * 8;
-      if (m >= M) continue;
-#pragma unroll
-      for (int ni = 0; ni < 4; ++ni) {
-        const int col = n0 + wn + ni * 8 + tc;
-        if (col >= N) continue;  // N is even: col + 1 < N too
-        const float v0 = acc[mi][ni][2 * h], v1 = acc[mi][ni][2 * h + 1];
-        if constexpr (kWgrad) {
-          float2* d = reinterpret_cast<float2*>(static_cast<float*>(p.table[g]) + static_cast<int64_t>(m) * N + col);
-          float2 o = *d;
-          o.x += v0;
-          o.y += v1;
-          *d = o;
-        } else {
-          T* d = static_cast<T*>(p.c) + static_cast<int64_t>(off + m) * N + col;
-          if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-            *reinterpret_cast<__nv_bfloat162*>(d) = __floats2bfloat162_rn(v0, v1);
-          } else {
-            *reinterpret_cast<__half2*>(d) = __floats2half2_rn(v0, v1);
-          }
-        }
+  for_each_pair(acc, m0 + wm, n0 + wn, M, N, [&](int m, int col, float v0, float v1) {
+    if constexpr (kWgrad) {
+      add_pair(static_cast<float*>(p.table[g]) + static_cast<int64_t>(m) * N + col, v0, v1);
+    } else {
+      T* d = static_cast<T*>(p.c) + static_cast<int64_t>(off + m) * N + col;
+      if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+        *reinterpret_cast<__nv_bfloat162*>(d) = __floats2bfloat162_rn(v0, v1);
+      } else {
+        *reinterpret_cast<__half2*>(d) = __floats2half2_rn(v0, v1);
       }
     }
+  });
+}
+
+// ---- the FP8 tensor-core kernel (grouped_fp8_linear_forward / _wgrad) ---------------------------
+//
+// Both operands K-major FP8 bytes (the rows' op: a = aq [rows, K], b = W_g [N, K]; the wgrad: a =
+// dyq_t [n, R], b = xq_t [k, R] over the group's column segment), staged by cp.async in 16-byte
+// chunks (a partial chunk zero-filled through cp.async's source size) into rows of kF8BK bytes +
+// 16 of padding (ldmatrix conflict-free), 128x128 block tiles, 8 warps of 64x32, mma.sync
+// m16n8k32 with e4m3/e5m2 operands (sm_89+) and fp32 accumulators. An FP8 fragment of 4 bytes per
+// register has the layout of a 16-bit fragment of 2 elements, so ldmatrix (b16, no .trans) loads
+// both operands. A wgrad segment that starts off a 16-byte boundary is loaded byte by byte.
+// Epilogue: acc · (sa_g · sb_g), stored as bf16 (rows) or added to the fp32 gradient (wgrad).
+
+constexpr int kF8BK = 64, kF8Ld = kF8BK + 16, kF8Stages = 4;
+constexpr int kF8TileBytes = kBM * kF8Ld;  // one operand's stage (kBM == kBN)
+
+struct Fp8Params {
+  const uint8_t* a;       // rows: aq [R, K]; wgrad: dyq_t [n, R]
+  const uint8_t* b;       // wgrad: xq_t [k, R]; rows: unused (the weights come from `table`)
+  __nv_bfloat16* c;       // rows: y [R, N]; wgrad: unused
+  void* const* table;     // rows: G FP8 weights [N, K]; wgrad: G fp32 gradients [n, k]
+  const float* sa;        // the row operand's scales (sa_stride 0: one; 1: per group)
+  const float* sb;        // the weights' (rows) or x's (wgrad) scales
+  int sa_stride, sb_stride;
+  const int32_t* counts;  // [G]
+  int G, R, N, K;         // rows: y [R, N] from K; wgrad: dW [N, K] = [n, k], R columns of the transposes
+};
+
+__device__ __forceinline__ void cp_async16_n(void* smem, const void* gmem, int bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem), "r"(bytes));
+}
+
+/// Rows [outer0, outer0 + kBM) x bytes [inner0, inner0 + kF8BK) of a byte matrix g (ld bytes per
+/// row) into s (kF8Ld bytes per row); rows >= outer_lim and bytes >= inner_lim are zero. aligned:
+/// g, ld and inner0 are multiples of 16 (cp.async); else byte loads.
+__device__ __forceinline__ void fp8_load_tile(uint8_t* s, const uint8_t* g, int64_t ld, int outer0, int inner0,
+                                              int outer_lim, int inner_lim, bool aligned) {
+  constexpr int kChunks = kF8BK / 16;
+#pragma unroll
+  for (int i = 0; i < kBM * kChunks / kThreads; ++i) {
+    const int q = threadIdx.x + i * kThreads, o = q / kChunks, c = (q % kChunks) * 16;
+    const int go = outer0 + o, gi = inner0 + c;
+    const int bytes = go < outer_lim ? max(0, min(16, inner_lim - gi)) : 0;
+    const uint8_t* src = bytes > 0 ? g + static_cast<int64_t>(go) * ld + gi : g;
+    if (aligned) {
+      cp_async16_n(s + o * kF8Ld + c, src, bytes);
+    } else {
+      unsigned w[4] = {0, 0, 0, 0};
+      for (int e = 0; e < bytes; ++e) w[e / 4] |= static_cast<unsigned>(src[e]) << (8 * (e % 4));
+      *reinterpret_cast<uint4*>(s + o * kF8Ld + c) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
   }
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#define MT_MMA_FP8(AT, BT)                                                                                   \
+  asm volatile("mma.sync.aligned.m16n8k32.row.col.f32." AT "." BT                                            \
+               ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"                                \
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                              \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
+#endif
+
+/// c += a (16x32 FP8, row) · b (32x8 FP8, col); kA5 / kB5: the operand is e5m2 (else e4m3).
+template <bool kA5, bool kB5>
+__device__ __forceinline__ void mma_fp8(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  if constexpr (!kA5 && !kB5) {
+    MT_MMA_FP8("e4m3", "e4m3");
+  } else if constexpr (kA5 && !kB5) {
+    MT_MMA_FP8("e5m2", "e4m3");
+  } else if constexpr (!kA5 && kB5) {
+    MT_MMA_FP8("e4m3", "e5m2");
+  } else {
+    MT_MMA_FP8("e5m2", "e5m2");
+  }
+#else
+  __trap();  // the host refuses devices below compute capability 8.9
+#endif
+}
+#undef MT_MMA_FP8
+
+template <bool kWgrad, bool kA5, bool kB5>
+__global__ void __launch_bounds__(kThreads) fp8_kernel(Fp8Params p) {
+  __shared__ int s_off[kMaxGroups + 1], s_tile[kMaxGroups + 1];
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  uint8_t* sA = smem_raw;
+  uint8_t* sB = sA + kF8Stages * kF8TileBytes;
+
+  group_tables(p.counts, p.G, p.R, RowTiles{kWgrad ? 0 : kBM, 1}, s_off, s_tile);
+  // This block: C[M, N] (+)= A[M, Kr] · B[N, Kr]ᵀ over its 128x128 tile, A and B K-major.
+  int g, M, Kr, m0, off;
+  const uint8_t* A;
+  const uint8_t* B;
+  int64_t ld;  // bytes per row of A and B
+  int k0 = 0;  // first reduction byte (the wgrad's segment)
+  if constexpr (kWgrad) {
+    g = blockIdx.z;
+    off = s_off[g];
+    Kr = s_off[g + 1] - off;
+    if (Kr == 0) return;
+    M = p.N;
+    m0 = blockIdx.y * kBM;
+    A = p.a;
+    B = p.b;
+    ld = p.R;
+    k0 = off;
+  } else {
+    const RowTile t = row_tile(s_off, s_tile, p.G, p.R, kBM);
+    if (t.g < 0) {
+      zero_tile(p.c, t.tail_row, p.R, p.N, blockIdx.x * kBN, kBM, kBN);
+      return;
+    }
+    g = t.g;
+    off = t.off;
+    M = t.rows;
+    m0 = t.m0;
+    Kr = p.K;
+    A = p.a + static_cast<int64_t>(off) * p.K;
+    B = static_cast<const uint8_t*>(p.table[g]);
+    ld = p.K;
+  }
+  const int N = kWgrad ? p.K : p.N;
+  const int n0 = blockIdx.x * kBN;
+  const bool aligned = k0 % 16 == 0;
+  auto load_stage = [&](int stage, int r0) {
+    fp8_load_tile(sA + stage * kF8TileBytes, A, ld, m0, k0 + r0, M, k0 + Kr, aligned);
+    fp8_load_tile(sB + stage * kF8TileBytes, B, ld, n0, k0 + r0, N, k0 + Kr, aligned);
+  };
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int wm = (warp / 4) * 64, wn = (warp % 4) * 32;
+  float acc[4][4][4] = {};
+  const int ktiles = (Kr + kF8BK - 1) / kF8BK;
+  k_pipeline<kF8Stages>(ktiles, [&](int stage, int kt) { load_stage(stage, kt * kF8BK); }, [&](int stage) {
+    const uint8_t* a = sA + stage * kF8TileBytes;
+    const uint8_t* b = sB + stage * kF8TileBytes;
+#pragma unroll
+    for (int kk = 0; kk < kF8BK; kk += 32) {
+      unsigned af[4][4], bf[4][2];
+#pragma unroll
+      for (int mi = 0; mi < 4; ++mi)
+        ldsm_x4<false>(af[mi], a + (wm + mi * 16 + (lane & 15)) * kF8Ld + kk + (lane >> 4) * 16);
+#pragma unroll
+      for (int nj = 0; nj < 2; ++nj) {
+        unsigned r[4];
+        ldsm_x4<false>(r, b + (wn + nj * 16 + (lane & 7) + (lane >> 4) * 8) * kF8Ld + kk + ((lane >> 3) & 1) * 16);
+        bf[2 * nj][0] = r[0];
+        bf[2 * nj][1] = r[1];
+        bf[2 * nj + 1][0] = r[2];
+        bf[2 * nj + 1][1] = r[3];
+      }
+#pragma unroll
+      for (int mi = 0; mi < 4; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < 4; ++ni) mma_fp8<kA5, kB5>(acc[mi][ni], af[mi], bf[ni][0], bf[ni][1]);
+    }
+  });
+
+  // The scales as fp8_matmul applies them: acc · (sa · sb).
+  const float scale = p.sa[g * p.sa_stride] * p.sb[g * p.sb_stride];
+  for_each_pair(acc, m0 + wm, n0 + wn, M, N, [&](int m, int col, float v0, float v1) {
+    if constexpr (kWgrad) {
+      add_pair(static_cast<float*>(p.table[g]) + static_cast<int64_t>(m) * N + col, v0 * scale, v1 * scale);
+    } else {
+      *reinterpret_cast<__nv_bfloat162*>(p.c + static_cast<int64_t>(off + m) * N + col) =
+          __floats2bfloat162_rn(v0 * scale, v1 * scale);
+    }
+  });
 }
 
 // ---- launchers ---------------------------------------------------------------------------------
@@ -520,6 +709,79 @@ void grouped_linear_wgrad(const GroupedWeights& dw, const Tensor& dy, const Tens
   const bool tc = x.dtype() != DType::kF32 && n % 8 == 0 && k % 8 == 0 && dw.aligned16() && aligned16(dy.data()) &&
                   aligned16(x.data());
   launch<Mode::kWgrad>(fn, x.dtype(), p, tc, R, k, n, stream);
+}
+
+namespace {
+
+template <bool kWgrad>
+void launch_fp8(const char* fn, DType a_dt, DType b_dt, const Fp8Params& p, dim3 grid, const Stream& stream) {
+  MT_CHECK(p.G <= kMaxGroups, "{}: {} groups, more than the kernel's {}", fn, p.G, kMaxGroups);
+  MT_CHECK(grid.y <= 65535 && grid.z <= 65535 && grid.x >= 1, "{}: grid {}x{}x{} out of range", fn, grid.x, grid.y,
+           grid.z);
+  constexpr size_t smem = 2 * kF8Stages * kF8TileBytes;
+  auto run = [&](auto kernel) {
+    grouped::allow_smem(kernel, smem, 2 * (kMaxGroups + 1) * sizeof(int), fn);
+    kernel<<<grid, kThreads, smem, raw(stream)>>>(p);
+  };
+  const bool a5 = a_dt == DType::kF8E5M2, b5 = b_dt == DType::kF8E5M2;
+  if (!a5 && !b5) run(fp8_kernel<kWgrad, false, false>);
+  if (a5 && !b5) run(fp8_kernel<kWgrad, true, false>);
+  if (!a5 && b5) run(fp8_kernel<kWgrad, false, true>);
+  MT_CHECK(!(a5 && b5), "{}: both operands fp8_e5m2", fn);
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+Fp8Params fp8_params(const Tensor& a_scale_inv, const Tensor& b_scale_inv, const GroupedWeights& w,
+                     const Tensor& counts, int64_t R, int64_t N, int64_t K, const char* fn) {
+  MT_CHECK(R <= INT32_MAX && N <= INT32_MAX && K <= INT32_MAX && w.groups() <= INT32_MAX,
+           "{}: {} rows of [{}, {}] exceed the kernel's int32 range", fn, R, N, K);
+  Fp8Params p{};
+  p.table = w.table();
+  p.sa = a_scale_inv.data_as<float>();
+  p.sb = b_scale_inv.data_as<float>();
+  p.sa_stride = a_scale_inv.numel() == 1 ? 0 : 1;
+  p.sb_stride = b_scale_inv.numel() == 1 ? 0 : 1;
+  p.counts = counts.data_as<int32_t>();
+  p.G = static_cast<int>(w.groups());
+  p.R = static_cast<int>(R);
+  p.N = static_cast<int>(N);
+  p.K = static_cast<int>(K);
+  return p;
+}
+
+}  // namespace
+
+void grouped_fp8_linear_forward(const Tensor& y, const Tensor& aq, const Tensor& a_scale_inv, const GroupedWeights& wq,
+                                const Tensor& w_scale_inv, const Tensor& counts, const Stream& stream) {
+  const char* fn = "grouped_fp8_linear_forward";
+  const int64_t R = aq.size(0), N = wq.rows(), K = wq.cols();
+  fp8_check_device(aq.device(), /*blockwise=*/false);
+  if (R == 0 || N == 0) return;
+  if (grouped_sm90::fp8_forward(y, aq, a_scale_inv, wq, w_scale_inv, counts, stream)) return;
+  Fp8Params p = fp8_params(a_scale_inv, w_scale_inv, wq, counts, R, N, K, fn);
+  p.a = aq.data_as<uint8_t>();
+  p.c = y.data_as<__nv_bfloat16>();
+  const int64_t slots = (R + kBM - 1) / kBM + p.G;
+  MT_CHECK(slots <= 65535, "{}: {} rows need {} row-tile slots, more than the grid's 65535", fn, R, slots);
+  launch_fp8<false>(fn, aq.dtype(), wq.dtype(), p,
+                    dim3(static_cast<unsigned>((N + kBN - 1) / kBN), static_cast<unsigned>(slots)), stream);
+}
+
+void grouped_fp8_linear_wgrad(const GroupedWeights& dw, const Tensor& dyq_t, const Tensor& dy_scale_inv,
+                              const Tensor& xq_t, const Tensor& x_scale_inv, const Tensor& counts,
+                              const Stream& stream) {
+  const char* fn = "grouped_fp8_linear_wgrad";
+  const int64_t R = xq_t.size(1), n = dw.rows(), k = dw.cols();
+  fp8_check_device(xq_t.device(), /*blockwise=*/false);
+  if (R == 0 || n == 0 || k == 0) return;
+  if (grouped_sm90::fp8_wgrad(dw, dyq_t, dy_scale_inv, xq_t, x_scale_inv, counts, stream)) return;
+  Fp8Params p = fp8_params(dy_scale_inv, x_scale_inv, dw, counts, R, n, k, fn);
+  p.a = dyq_t.data_as<uint8_t>();
+  p.b = xq_t.data_as<uint8_t>();
+  launch_fp8<true>(fn, dyq_t.dtype(), xq_t.dtype(), p,
+                   dim3(static_cast<unsigned>((k + kBN - 1) / kBN), static_cast<unsigned>((n + kBM - 1) / kBM),
+                        static_cast<unsigned>(p.G)),
+                   stream);
 }
 
 }  // namespace mt::cuda

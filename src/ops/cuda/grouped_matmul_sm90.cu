@@ -34,6 +34,9 @@
 // prefetch the tile's dW rows into L2 (cp.async.bulk.prefetch.L2) with the tile's first stage
 // (preload) or its last (read-modify-write): whole 512- or 1024-byte rows in place of the
 // consumers' scattered 32-byte sectors from DRAM.
+// FP8 (grouped_fp8_linear_forward / _wgrad): both operands K-major (wgmma m64nBNk32 has no
+// transposed FP8 operands), 128 reduction elements per stage; the wgrad over the transposes
+// dyq_t / xq_t with the tokens beyond the group zeroed in shared memory (see Fp8E4M3 below).
 // The activations' tensor maps span all R rows (kernel parameters, built per call); the A rows
 // beyond a group in the forward / dgrad only reach output rows that are not stored. The weights'
 // maps are per group in device memory (GroupedWeights, built once). Tail rows [Σc, R) of y / dx
@@ -87,6 +90,25 @@ constexpr int kBand = 8;  // row tiles per raster band
 
 enum class Mode { kForward, kDgrad, kWgrad };
 
+/// The FP8 ops run with one of these as the kernel's type T: both operands K-major FP8 (A e4m3 or
+/// e5m2, B e4m3), wgmma m64nBNk32, a stage of 128 reduction elements (the same 128-byte swizzled
+/// rows, 128 x 64-element boxes of bytes). grouped_fp8_linear_forward (fprop, and dgrad with the
+/// wᵀ copies) as Mode::kForward: the output bf16 scaled by sa_g · sb_g. grouped_fp8_linear_wgrad as
+/// Mode::kWgrad over the transposes dyq_t [n, R] (A) and xq_t [k, R] (B): the group's tokens are
+/// the reduction, columns [off_g, off_g + c_g) (TMA boxes from column off_g + k0, at any byte);
+/// in the last stage of a group the consumers zero the columns beyond it (the next group's or the
+/// tail) in shared memory; dW += (sa_g · sb_g) · acc by the read-modify-write epilogue.
+struct Fp8E4M3 {};  // A e4m3
+struct Fp8E5M2 {};  // A e5m2 (hybrid's dgrad: dy)
+template <typename T>
+inline constexpr bool kIsFp8 = std::is_same_v<T, Fp8E4M3> || std::is_same_v<T, Fp8E5M2>;
+/// Reduction elements per stage (one 128-byte row): 64 of 16 bits, 128 of FP8.
+template <typename T>
+inline constexpr int kStageK = kIsFp8<T> ? 2 * kBK : kBK;
+/// The output element type: T, or bf16 for FP8.
+template <typename T>
+using OutT = std::conditional_t<kIsFp8<T>, __nv_bfloat16, T>;
+
 template <int BN>
 struct Tiling {
   static constexpr int kStages = BN == 256 ? 4 : 6;
@@ -108,6 +130,10 @@ struct Params {
   int M;  // wgrad: n (the output rows of every group)
   int N;  // output columns: forward n, dgrad k, wgrad k
   int K;  // reduction: forward k, dgrad n (wgrad: the group's rows)
+  // FP8: the dequantisation scales of A (the rows) and of the weights, 1 or G entries (stride 0 / 1)
+  const float* sa;
+  const float* sb;
+  int sa_stride, sb_stride;
 };
 
 // ---- device primitives (sm_90a) ----------------------------------------------------------------
@@ -254,11 +280,41 @@ __device__ __forceinline__ void fence_acc(float (&d)[kAcc]) {
                : MT_WGMMA_ACC_0_63, MT_WGMMA_ACC_64_127                                                     \
                : "l"(da), "l"(db), "r"(scale_d), "n"(kTA), "n"(kTB))
 
-/// d (+)= A · B over one k16 slice, the warpgroup's m64 x BN accumulators (scale_d = 0: d = A · B).
+// wgmma m64nNk32 f32 += TA x TB (FP8, both operands K-major: no transpose operands).
+#define MT_WGMMA_M64N128K32(TA, TB)                                                                         \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                                \
+               "wgmma.mma_async.sync.aligned.m64n128k32.f32." TA "." TB " {" MT_WGMMA_REGS_0_63              \
+               "}, %64, %65, p, 1, 1;\n}\n"                                                                 \
+               : MT_WGMMA_ACC_0_63                                                                          \
+               : "l"(da), "l"(db), "r"(scale_d))
+#define MT_WGMMA_M64N256K32(TA, TB)                                                                         \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"                                               \
+               "wgmma.mma_async.sync.aligned.m64n256k32.f32." TA "." TB " {" MT_WGMMA_REGS_0_63 ", "         \
+               MT_WGMMA_REGS_64_127 "}, %128, %129, p, 1, 1;\n}\n"                                          \
+               : MT_WGMMA_ACC_0_63, MT_WGMMA_ACC_64_127                                                     \
+               : "l"(da), "l"(db), "r"(scale_d))
+
+/// d (+)= A · B over one k16 slice (FP8: k32), the warpgroup's m64 x BN accumulators (scale_d = 0:
+/// d = A · B).
 /// kTA / kTB = 1: A / B stored M- / N-major (wgmma's transposed operands, 16-bit types only).
 template <typename T, int BN, int kTA, int kTB>
 __device__ __forceinline__ void wgmma(float (&d)[BN / 2], uint64_t da, uint64_t db, int scale_d) {
-  if constexpr (BN == 256) {
+  if constexpr (kIsFp8<T>) {  // one k32 slice: the same 32 bytes of a K-major row
+    static_assert(kTA == 0 && kTB == 0, "FP8 wgmma reads K-major operands only");
+    if constexpr (BN == 256) {
+      if constexpr (std::is_same_v<T, Fp8E4M3>) {
+        MT_WGMMA_M64N256K32("e4m3", "e4m3");
+      } else {
+        MT_WGMMA_M64N256K32("e5m2", "e4m3");
+      }
+    } else {
+      if constexpr (std::is_same_v<T, Fp8E4M3>) {
+        MT_WGMMA_M64N128K32("e4m3", "e4m3");
+      } else {
+        MT_WGMMA_M64N128K32("e5m2", "e4m3");
+      }
+    }
+  } else if constexpr (BN == 256) {
     if constexpr (std::is_same_v<T, __nv_bfloat16>) {
       MT_WGMMA_M64N256K16("bf16");
     } else {
@@ -279,6 +335,33 @@ __device__ __forceinline__ void store2(T* p, float a, float b) {
     *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
   } else {
     *reinterpret_cast<__half2*>(p) = __floats2half2_rn(a, b);
+  }
+}
+
+/// The output scale of group g: sa_g · sb_g for FP8 (as fp8_matmul: the product of the two
+/// dequantisation scales, then one multiply per element), unused otherwise.
+template <typename T>
+__device__ __forceinline__ float out_scale(const Params& p, int g) {
+  if constexpr (kIsFp8<T>) {
+    return p.sa[g * p.sa_stride] * p.sb[g * p.sb_stride];
+  } else {
+    return 1.f;
+  }
+}
+/// FP8: acc *= s (the wgrad's product before it is added to dW); nothing otherwise.
+template <typename T, int kAcc>
+__device__ __forceinline__ void scale_acc(float (&acc)[kAcc], float s) {
+  if constexpr (kIsFp8<T>) {
+#pragma unroll
+    for (int i = 0; i < kAcc; ++i) acc[i] *= s;
+  }
+}
+template <typename T>
+__device__ __forceinline__ float scaled(float v, float s) {
+  if constexpr (kIsFp8<T>) {
+    return v * s;
+  } else {
+    return v;
   }
 }
 
@@ -342,16 +425,18 @@ __device__ __forceinline__ void produce(const Params& p, const Ring& ring) {
       tensormap_acquire(bmap);
       last_g = w.g;
     }
-    const int ktiles = ((kWgrad ? w.rows : p.K) + kBK - 1) / kBK;
+    const int ktiles = ((kWgrad ? w.rows : p.K) + kStageK<T> - 1) / kStageK<T>;
     for (int kt = 0; kt < ktiles; ++kt, ++it) {
       const int s = it % kStages;
       mbar_wait(smem_u32(&ring.empty[s]), ((it / kStages) & 1) ^ 1);
       const uint32_t bar = smem_u32(&ring.full[s]), a_s = ring.base + s * Tl::kStageBytes, b_s = a_s + Tl::kABytes;
       mbar_arrive_expect_tx(bar, Tl::kStageBytes);
-      const int k0 = kt * kBK;
+      const int k0 = kt * kStageK<T>;
 #pragma unroll
       for (int h = 0; h < kBM / kBox; ++h) {
-        if constexpr (kWgrad) {
+        if constexpr (kWgrad && kIsFp8<T>) {
+          tma_load(a_s + h * kBoxBytes, &p.a, w.off + k0, w.m0 + h * kBox, bar);  // dyq_t[m0.., off + k0..]
+        } else if constexpr (kWgrad) {
           tma_load(a_s + h * kBoxBytes, &p.a, w.m0 + h * kBox, w.off + k0, bar);  // dy_g[k0.., m0..]
         } else {
           tma_load(a_s + h * kBoxBytes, &p.a, k0, w.off + w.m0 + h * kBox, bar);  // rows [m0.., k0..]
@@ -363,6 +448,8 @@ __device__ __forceinline__ void produce(const Params& p, const Ring& ring) {
           tma_load(b_s + c * kBoxBytes, bmap, k0, w.n0 + c * kBox, bar);  // W_g[n0.., k0..]
         } else if constexpr (kMode == Mode::kDgrad) {
           tma_load(b_s + c * kBoxBytes, bmap, w.n0 + c * kBox, k0, bar);  // W_g[k0.., n0..]
+        } else if constexpr (kIsFp8<T>) {
+          tma_load(b_s + c * kBoxBytes, bmap, w.off + k0, w.n0 + c * kBox, bar);  // xq_t[n0.., off + k0..]
         } else {
           tma_load(b_s + c * kBoxBytes, bmap, w.n0 + c * kBox, w.off + k0, bar);  // x_g[k0.., n0..]
         }
@@ -389,6 +476,26 @@ __device__ __forceinline__ void zero_stage_tail(uint32_t a_s, int valid, int tid
     const int box = i / per_box, r = i - box * per_box;
     const uint32_t addr = a_s + box * kBoxBytes + (valid + r / 8) * 128 + (r % 8) * 16;
     asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0) : "memory");
+  }
+  fence_proxy_async();
+}
+
+/// The FP8 wgrad's zero_stage_tail: the stage's rows are K-major (A: 128 rows, B: BN, each 128
+/// bytes = 128 tokens, 16-byte chunks swizzled: logical chunk j of row r at chunk j ^ (r % 8));
+/// zeroes tokens [valid, 128) of every row (a partial chunk byte by byte), then hands them to the
+/// async proxy.
+template <int BN>
+__device__ __forceinline__ void zero_stage_cols(uint32_t a_s, int valid, int tid, int threads) {
+  constexpr int kRows = kBM + BN;  // A's rows, then B's: contiguous 128-byte rows
+  const int first = valid / 16, chunks = 8 - first;
+  for (int i = tid; i < kRows * chunks; i += threads) {
+    const int r = i / chunks, j = first + i - (i / chunks) * chunks;
+    const uint32_t addr = a_s + r * 128 + ((j ^ (r % 8)) * 16);
+    if (j * 16 >= valid) {
+      asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0) : "memory");
+    } else {
+      for (int b = valid % 16; b < 16; ++b) asm volatile("st.shared.u8 [%0], %1;\n" ::"r"(addr + b), "r"(0) : "memory");
+    }
   }
   fence_proxy_async();
 }
@@ -492,7 +599,7 @@ __device__ __forceinline__ void consume(const Params& p, const Ring& ring) {
   constexpr bool kWgrad = kMode == Mode::kWgrad;
   const int cw = threadIdx.x / 128 - 1, ctid = threadIdx.x - 128;
   const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
-  constexpr int kTA = kWgrad ? 1 : 0, kTB = kMode == Mode::kForward ? 0 : 1;
+  constexpr int kTA = kWgrad && !kIsFp8<T> ? 1 : 0, kTB = kMode == Mode::kForward || kIsFp8<T> ? 0 : 1;
   // Per k16 step: +32 bytes along a K-major row, +16 rows of 128 bytes in an MN-major chunk.
   constexpr uint32_t kStepA = kTA ? 2048 : 32, kStepB = kTB ? 2048 : 32;
   constexpr uint32_t kLeadA = kTA ? kBoxBytes : 16, kLeadB = kTB ? kBoxBytes : 16;
@@ -500,7 +607,7 @@ __device__ __forceinline__ void consume(const Params& p, const Ring& ring) {
   int it = 0;
   for (int t = blockIdx.x; t < ring.total; t += gridDim.x) {
     const Work w = decode<BN>(t, ring.off, ring.tile, p.G, ring.n_tiles, ring.m_tiles);
-    const int ktiles = ((kWgrad ? w.rows : p.K) + kBK - 1) / kBK;
+    const int ktiles = ((kWgrad ? w.rows : p.K) + kStageK<T> - 1) / kStageK<T>;
     // Thread (warp, lane) holds rows 16 warp + lane / 4 (+ 8) and columns 8 j + 2 (lane % 4) (+ 1)
     // of the warpgroup's 64 x BN block, in acc[4 j + 2 h + {0, 1}].
     const int r0 = w.m0 + cw * 64 + warp * 16 + lane / 4, c0 = w.n0 + 2 * (lane % 4);
@@ -512,15 +619,19 @@ __device__ __forceinline__ void consume(const Params& p, const Ring& ring) {
       mbar_wait(smem_u32(&ring.full[s]), (it / kStages) & 1);
       const uint32_t a_s = ring.base + s * Tl::kStageBytes, b_s = a_s + Tl::kABytes;
       if constexpr (kWgrad) {
-        const int valid = w.rows - kt * kBK;  // rows of the group in this stage
-        if (valid < kBK) {
-          zero_stage_tail<BN>(a_s, valid, ctid, 128 * kConsumers);
+        const int valid = w.rows - kt * kStageK<T>;  // rows (FP8: tokens) of the group in this stage
+        if (valid < kStageK<T>) {
+          if constexpr (kIsFp8<T>) {
+            zero_stage_cols<BN>(a_s, valid, ctid, 128 * kConsumers);
+          } else {
+            zero_stage_tail<BN>(a_s, valid, ctid, 128 * kConsumers);
+          }
           consumers_sync();
         }
       }
       wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < kBK / 16; ++kk) {
+      for (int kk = 0; kk < kBK / 16; ++kk) {  // 32 bytes per step (k16, FP8 k32)
         const uint64_t da = smem_desc(a_s + cw * kBoxBytes + kk * kStepA, kLeadA, 1024);
         const uint64_t db = smem_desc(b_s + kk * kStepB, kLeadB, 1024);
         wgmma<T, BN, kTA, kTB>(acc, da, db, kPreload || (kt | kk) != 0);
@@ -539,9 +650,11 @@ __device__ __forceinline__ void consume(const Params& p, const Ring& ring) {
     if (lane == 0 && prev >= 0) mbar_arrive(smem_u32(&ring.empty[prev]));
 
     if constexpr (kWgrad) {
+      scale_acc<T>(acc, out_scale<T>(p, w.g));
       finish_dw<kPreload>(static_cast<float*>(p.dw[w.g]), acc, r0, c0, p.M, p.N);
     } else {
-      T* c = static_cast<T*>(p.c) + static_cast<int64_t>(w.off) * p.N;
+      OutT<T>* c = static_cast<OutT<T>*>(p.c) + static_cast<int64_t>(w.off) * p.N;
+      const float sc = out_scale<T>(p, w.g);
 #pragma unroll
       for (int j = 0; j < BN / 8; ++j) {
         const int col = c0 + 8 * j;
@@ -549,7 +662,9 @@ __device__ __forceinline__ void consume(const Params& p, const Ring& ring) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int r = r0 + 8 * h;
-          if (r < w.rows) store2(c + static_cast<int64_t>(r) * p.N + col, acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+          if (r < w.rows)
+            store2(c + static_cast<int64_t>(r) * p.N + col, scaled<T>(acc[4 * j + 2 * h], sc),
+                   scaled<T>(acc[4 * j + 2 * h + 1], sc));
         }
       }
     }
@@ -568,14 +683,14 @@ __device__ __forceinline__ void consume_pingpong(const Params& p, const Ring& ri
   constexpr bool kWgrad = kMode == Mode::kWgrad;
   const int cw = threadIdx.x / 128 - 1, wtid = threadIdx.x % 128, ctid = threadIdx.x - 128;
   const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
-  constexpr int kTA = kWgrad ? 1 : 0, kTB = kMode == Mode::kForward ? 0 : 1;
+  constexpr int kTA = kWgrad && !kIsFp8<T> ? 1 : 0, kTB = kMode == Mode::kForward || kIsFp8<T> ? 0 : 1;
   constexpr uint32_t kStepA = kTA ? 2048 : 32, kStepB = kTB ? 2048 : 32;
   constexpr uint32_t kLeadA = kTA ? kBoxBytes : 16, kLeadB = kTB ? kBoxBytes : 16;
   float acc[2][Tl::kAcc];
   int it = 0, j = 0;
   for (int t = blockIdx.x; t < ring.total; t += gridDim.x, ++j) {
     const Work w = decode<BN>(t, ring.off, ring.tile, p.G, ring.n_tiles, ring.m_tiles);
-    const int ktiles = ((kWgrad ? w.rows : p.K) + kBK - 1) / kBK;
+    const int ktiles = ((kWgrad ? w.rows : p.K) + kStageK<T> - 1) / kStageK<T>;
     if ((j & 1) != cw) {  // the other warpgroup's tile: step over its stages
       it += ktiles;
       continue;
@@ -597,15 +712,19 @@ __device__ __forceinline__ void consume_pingpong(const Params& p, const Ring& ri
       mbar_wait(smem_u32(&ring.full[s]), (it / kStages) & 1);
       const uint32_t a_s = ring.base + s * Tl::kStageBytes, b_s = a_s + Tl::kABytes;
       if constexpr (kWgrad) {
-        const int valid = w.rows - kt * kBK;
-        if (valid < kBK) {
-          zero_stage_tail<BN>(a_s, valid, wtid, 128);
+        const int valid = w.rows - kt * kStageK<T>;
+        if (valid < kStageK<T>) {
+          if constexpr (kIsFp8<T>) {
+            zero_stage_cols<BN>(a_s, valid, wtid, 128);
+          } else {
+            zero_stage_tail<BN>(a_s, valid, wtid, 128);
+          }
           warpgroup_sync(cw);
         }
       }
       wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < kBK / 16; ++kk) {
+      for (int kk = 0; kk < kBK / 16; ++kk) {  // 32 bytes per step (k16, FP8 k32)
         const uint64_t db = smem_desc(b_s + kk * kStepB, kLeadB, 1024);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -632,9 +751,11 @@ __device__ __forceinline__ void consume_pingpong(const Params& p, const Ring& ri
     for (int h = 0; h < 2; ++h) {
       const int rh = r0 + 64 * h;
       if constexpr (kWgrad) {
+        scale_acc<T>(acc[h], out_scale<T>(p, w.g));
         finish_dw<kPreload>(static_cast<float*>(p.dw[w.g]), acc[h], rh, c0, p.M, p.N);
       } else {
-        T* c = static_cast<T*>(p.c) + static_cast<int64_t>(w.off) * p.N;
+        OutT<T>* c = static_cast<OutT<T>*>(p.c) + static_cast<int64_t>(w.off) * p.N;
+        const float sc = out_scale<T>(p, w.g);
 #pragma unroll
         for (int jj = 0; jj < BN / 8; ++jj) {
           const int col = c0 + 8 * jj;
@@ -642,7 +763,9 @@ __device__ __forceinline__ void consume_pingpong(const Params& p, const Ring& ri
 #pragma unroll
           for (int hh = 0; hh < 2; ++hh) {
             const int r = rh + 8 * hh;
-            if (r < w.rows) store2(c + static_cast<int64_t>(r) * p.N + col, acc[h][4 * jj + 2 * hh], acc[h][4 * jj + 2 * hh + 1]);
+            if (r < w.rows)
+              store2(c + static_cast<int64_t>(r) * p.N + col, scaled<T>(acc[h][4 * jj + 2 * hh], sc),
+                     scaled<T>(acc[h][4 * jj + 2 * hh + 1], sc));
           }
         }
       }
@@ -658,6 +781,8 @@ template <typename T, Mode kMode, int BN, bool kPingPong, WgradEpilogue kEpi>
 __global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(const __grid_constant__ Params p) {
   static_assert(!kPingPong || BN == 128, "ping-pong tiles are 128 x 128");
   static_assert(kEpi == WgradEpilogue::kReadModifyWrite || kMode == Mode::kWgrad, "the dW epilogues are the wgrad's");
+  static_assert(!kIsFp8<T> || kEpi == WgradEpilogue::kReadModifyWrite || kEpi == WgradEpilogue::kReadModifyWriteL2Prefetch,
+                "the FP8 wgrad scales its product before adding it to dW: no preload");
 #ifdef MT_GG_SM90A
   constexpr bool kPreload = kEpi == WgradEpilogue::kPreload || kEpi == WgradEpilogue::kPreloadL2Prefetch;
   constexpr bool kPrefetchDw =
@@ -731,13 +856,18 @@ EncodeTiled encoder() {
 }
 
 /// The map of a row-major [outer, inner] bf16/fp16 matrix at `ptr` (16-byte aligned, inner a
-/// multiple of 8): 64 x 64-element boxes, 128-byte swizzle, zeros outside.
+/// multiple of 8): 64 x 64-element boxes, 128-byte swizzle, zeros outside. FP8 (bytes; inner a
+/// multiple of 16): 128 x 64-element boxes, the same 128-byte rows.
 void encode(CUtensorMap* map, DType dt, const void* ptr, int64_t inner, int64_t outer, const char* fn) {
+  const bool f8 = is_fp8(dt);
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(inner), static_cast<cuuint64_t>(outer)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(inner) * 2};
-  const cuuint32_t box[2] = {kBox, kBox}, elem_strides[2] = {1, 1};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(inner) * (f8 ? 1 : 2)};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(f8 ? 2 * kBox : kBox), kBox}, elem_strides[2] = {1, 1};
+  const CUtensorMapDataType type = f8                    ? CU_TENSOR_MAP_DATA_TYPE_UINT8
+                                   : dt == DType::kBF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                                        : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
   const CUresult r =
-      encoder()(map, dt == DType::kBF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2,
+      encoder()(map, type, 2,
                 const_cast<void*>(ptr), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
                 CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   MT_CHECK(r == CUDA_SUCCESS, "{}: cuTensorMapEncodeTiled failed ({}) for a [{}, {}] {} matrix at {}", fn,
@@ -771,8 +901,8 @@ int pick_bn(int64_t N) {
 /// Why the wgmma kernel does not apply ("" when it does).
 std::string why_not(DType dt, const GroupedWeights& w, bool need_maps, int64_t R,
                     std::initializer_list<const void*> ptrs) {
-  if (dt != DType::kBF16 && dt != DType::kF16) {
-    return fmt::format("the dtype is {} (it takes bf16, fp16)", dtype_name(dt));
+  if (dt != DType::kBF16 && dt != DType::kF16 && !is_fp8(dt)) {
+    return fmt::format("the dtype is {} (it takes bf16, fp16, FP8)", dtype_name(dt));
   }
   if (!w.hopper())
     return "the weights are not usable by it (a device of compute capability 9.0 running the sm_90a code, 16-byte "
@@ -847,6 +977,40 @@ void launch(const char* fn, DType dt, const Params& p, TilesBound tiles_bound, c
   }
 }
 
+/// An FP8 op (an FP8 kernel type; a: e4m3 or e5m2, b e4m3): the forward, or the wgrad with the
+/// read-modify-write epilogue (with the L2 prefetch where wgrad_epilogue() has it: the FP8 product
+/// is scaled before it is added, so the preload kinds run as their read-modify-write ones).
+template <Mode kMode, typename TilesBound>
+void launch_fp8(const char* fn, DType a_dt, const Params& p, TilesBound tiles_bound, const Stream& stream) {
+  const bool pingpong = kernel() == Kernel::kWgmmaPingPong;
+  const int bn = pingpong ? 128 : pick_bn(p.N);
+  const int64_t tiles = tiles_bound(bn);
+  using E = WgradEpilogue;
+  const E e = wgrad_epilogue();
+  const bool l2 = kMode == Mode::kWgrad && (e == E::kReadModifyWriteL2Prefetch || e == E::kPreloadL2Prefetch);
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    if (l2) {
+      if constexpr (kMode == Mode::kWgrad) launch_width<T, kMode, E::kReadModifyWriteL2Prefetch>(fn, p, bn, pingpong, tiles, stream);
+    } else {
+      launch_width<T, kMode, E::kReadModifyWrite>(fn, p, bn, pingpong, tiles, stream);
+    }
+  };
+  if (a_dt == DType::kF8E4M3) {
+    run(Fp8E4M3{});
+  } else {
+    run(Fp8E5M2{});
+  }
+}
+
+/// The FP8 scales of Params (1 or G entries each).
+void set_scales(Params& p, const Tensor& a_scale_inv, const Tensor& b_scale_inv) {
+  p.sa = a_scale_inv.data_as<float>();
+  p.sb = b_scale_inv.data_as<float>();
+  p.sa_stride = a_scale_inv.numel() == 1 ? 0 : 1;
+  p.sb_stride = b_scale_inv.numel() == 1 ? 0 : 1;
+}
+
 Params base_params(const Tensor& counts, const GroupedWeights& w, int64_t R) {
   Params p{};
   p.counts = counts.data_as<int32_t>();
@@ -905,7 +1069,7 @@ WeightMaps build_weight_maps(const std::vector<Tensor>& w, const Stream& stream)
   for (const Tensor& t : w) ok = ok && aligned16(t.data());
   if (!ok || !device_ready(stream)) return r;
   r.hopper = true;
-  if (w0.dtype() != DType::kBF16 && w0.dtype() != DType::kF16) return r;
+  if (w0.dtype() != DType::kBF16 && w0.dtype() != DType::kF16 && w0.dtype() != DType::kF8E4M3) return r;
   std::vector<CUtensorMap> host(w.size());
   for (size_t g = 0; g < w.size(); ++g) encode(&host[g], w0.dtype(), w[g].data(), k, n, "GroupedWeights");
   r.maps = Buffer(w0.device(), host.size() * sizeof(CUtensorMap));
@@ -941,6 +1105,46 @@ bool forward(const Tensor& y, const Tensor& x, const GroupedWeights& w, const Te
 
 bool dgrad(const Tensor& dx, const Tensor& dy, const GroupedWeights& w, const Tensor& counts, const Stream& stream) {
   return rows_op<Mode::kDgrad>("grouped_linear_dgrad", dx, dy, w, counts, w.cols(), w.rows(), stream);
+}
+
+bool fp8_forward(const Tensor& y, const Tensor& aq, const Tensor& a_scale_inv, const GroupedWeights& wq,
+                 const Tensor& w_scale_inv, const Tensor& counts, const Stream& stream) {
+  const char* fn = "grouped_fp8_linear_forward";
+  const int64_t R = aq.size(0), N = wq.rows(), K = wq.cols();
+  std::string why = wq.dtype() != DType::kF8E4M3
+                        ? fmt::format("the weights are {} (it takes fp8_e4m3 weights)", dtype_name(wq.dtype()))
+                        : why_not(aq.dtype(), wq, true, R, {aq.data(), y.data()});
+  if (!use_wgmma(fn, why)) return false;
+  Params p = base_params(counts, wq, R);
+  encode(&p.a, aq.dtype(), aq.data(), K, R, fn);
+  p.wmaps = static_cast<const CUtensorMap*>(wq.tensor_maps());
+  p.c = y.data();
+  p.N = static_cast<int>(N);
+  p.K = static_cast<int>(K);
+  set_scales(p, a_scale_inv, w_scale_inv);
+  launch_fp8<Mode::kForward>(fn, aq.dtype(), p,
+                             [&](int bn) { return (ceil_div(R, kBM) + wq.groups()) * ceil_div(N, bn); }, stream);
+  return true;
+}
+
+bool fp8_wgrad(const GroupedWeights& dw, const Tensor& dyq_t, const Tensor& dy_scale_inv, const Tensor& xq_t,
+               const Tensor& x_scale_inv, const Tensor& counts, const Stream& stream) {
+  const char* fn = "grouped_fp8_linear_wgrad";
+  const int64_t R = xq_t.size(1), n = dw.rows(), k = dw.cols();
+  std::string why = xq_t.dtype() != DType::kF8E4M3
+                        ? fmt::format("xq_t is {} (it takes fp8_e4m3 for x)", dtype_name(xq_t.dtype()))
+                        : why_not(dyq_t.dtype(), dw, false, R, {dyq_t.data(), xq_t.data()});
+  if (!use_wgmma(fn, why)) return false;
+  Params p = base_params(counts, dw, R);
+  encode(&p.a, dyq_t.dtype(), dyq_t.data(), R, n, fn);
+  encode(&p.b, xq_t.dtype(), xq_t.data(), R, k, fn);
+  p.dw = dw.table();
+  p.M = static_cast<int>(n);
+  p.N = static_cast<int>(k);
+  set_scales(p, dy_scale_inv, x_scale_inv);
+  launch_fp8<Mode::kWgrad>(fn, dyq_t.dtype(), p,
+                           [&](int bn) { return dw.groups() * ceil_div(n, kBM) * ceil_div(k, bn); }, stream);
+  return true;
 }
 
 bool wgrad(const GroupedWeights& dw, const Tensor& dy, const Tensor& x, const Tensor& counts, const Stream& stream) {

@@ -71,9 +71,9 @@ int auto_tile_width(int64_t N);
 bool device_ready(const Stream& stream);
 
 /// What GroupedWeights keeps for the wgmma kernel: `hopper` when the device is ready, every
-/// tensor 16-byte aligned and n, k multiples of 8; then, for bf16/fp16 tensors, `maps` holds one
-/// TMA tensor map per tensor (128 bytes each, on the device: 2-D [n, k], boxes of 64 x 64
-/// elements, 128-byte swizzle), built once (synchronises `stream`).
+/// tensor 16-byte aligned and n, k multiples of 8; then, for bf16/fp16 (and fp8_e4m3) tensors,
+/// `maps` holds one TMA tensor map per tensor (128 bytes each, on the device: 2-D [n, k], boxes of
+/// 64 x 64 elements (FP8: 128 x 64), 128-byte swizzle), built once (synchronises `stream`).
 struct WeightMaps {
   Buffer maps;
   bool hopper = false;
@@ -87,5 +87,13 @@ WeightMaps build_weight_maps(const std::vector<Tensor>& w, const Stream& stream)
 bool forward(const Tensor& y, const Tensor& x, const GroupedWeights& w, const Tensor& counts, const Stream& stream);
 bool dgrad(const Tensor& dx, const Tensor& dy, const GroupedWeights& w, const Tensor& counts, const Stream& stream);
 bool wgrad(const GroupedWeights& dw, const Tensor& dy, const Tensor& x, const Tensor& counts, const Stream& stream);
+/// grouped_fp8_linear_forward on the wgmma kernel (FP8 wgmma m64nBNk32; the weights e4m3, aq e4m3
+/// or e5m2, their maps built by GroupedWeights); false / an error as above.
+bool fp8_forward(const Tensor& y, const Tensor& aq, const Tensor& a_scale_inv, const GroupedWeights& wq,
+                 const Tensor& w_scale_inv, const Tensor& counts, const Stream& stream);
+/// grouped_fp8_linear_wgrad on the wgmma kernel (xq_t e4m3, dyq_t e4m3 or e5m2; the fp32 gradients
+/// as `hopper()`; the read-modify-write epilogue, see WgradEpilogue); false / an error as above.
+bool fp8_wgrad(const GroupedWeights& dw, const Tensor& dyq_t, const Tensor& dy_scale_inv, const Tensor& xq_t,
+               const Tensor& x_scale_inv, const Tensor& counts, const Stream& stream);
 
 }  // namespace mt::cuda::grouped_sm90
