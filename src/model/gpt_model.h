@@ -161,6 +161,7 @@ class GPTModel final : public LanguageModel {
   bool sequence_parallel() const { return tp_.sequence_parallel(); }
   /// The FP8 state of this rank's linear layers (--fp8-format; model/fp8/fp8_model.h), or nullptr.
   const Fp8Model* fp8() const { return fp8_.get(); }
+  Fp8Model* fp8() { return fp8_.get(); }
   /// Context-parallel size (the CP group of `groups`) and the tokens of a sequence on this rank:
   /// seq_length / cp (parallel/context_parallel.h). Micro-batches then carry this rank's tokens
   /// ([s/cp, b]) and, always, their global position_ids.

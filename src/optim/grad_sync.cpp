@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "model/fp8/fp8_model.h"
 #include "ops/elementwise.h"
 
 #ifdef MT_WITH_NCCL
@@ -186,14 +187,25 @@ void GradSync::launch_param_gather(size_t b, const Stream& stream, bool exposed)
   const Tensor p = params_.params_flat().flat_range(bk.begin, bk.numel());
   const ParamStore::Range r = owned_range(b);
 #ifdef MT_WITH_NCCL
-  if (peer_copy_ && !exposed && !bk.expert) {
+  if (peer_copy_ && !exposed && !bk.expert && (fp8_buckets_.empty() || fp8_buckets_[b].pieces.empty())) {
     const size_t es = dtype_size(p.dtype());
     peer_copy_->all_gather(1, static_cast<size_t>(bk.begin) * es, static_cast<size_t>(r.end - r.begin) * es, stream);
     ++copy_engine_collectives_;
     return;
   }
 #endif
+  if (!fp8_buckets_.empty() && !fp8_buckets_[b].pieces.empty()) {
+    launch_fp8_gather(b, stream);
+    return;
+  }
   grp.all_gather(p, p.flat_range(r.begin - bk.begin, r.end - r.begin), stream);
+}
+
+void GradSync::launch_model_gather(size_t b, const Stream& stream) {
+  const ParamBucket& bk = params_.buckets()[b];
+  const Tensor p = params_.params_flat().flat_range(bk.begin, bk.numel());
+  const ParamStore::Range r = owned_range(b);
+  group(bk).all_gather(p, p.flat_range(r.begin - bk.begin, r.end - r.begin), stream);
 }
 
 void GradSync::zero_grad_buffer(const Stream& stream) {
@@ -278,6 +290,11 @@ void GradSync::start_param_sync(const Stream& stream) {
   reset_grad_state();  // the step's gradients have been consumed
   if (!distributed_) return;
   const size_t nb = params_.buckets().size();
+  if (fp8_param_gather_active()) {
+    fp8_weight_scales(stream);  // before the gathers: their quantisation reads the scales
+    fp8_->set_weights_gathered(true);
+    model_params_stale_ = true;
+  }
   if (config_.overlap_param_gather) {
     compute_ready_.record(stream);  // the optimizer's updates of the owned slices
     compute_ready_.wait(comm_);
@@ -309,6 +326,126 @@ void GradSync::finish_param_sync(const Stream& stream) {
     gathered_[b]->wait(stream);
     gather_pending_[b] = 0;
   }
+}
+
+void GradSync::set_fp8_param_gather(Fp8Model& fp8) {
+  MT_REQUIRE(config_.use_distributed_optimizer,
+             "--fp8-param-gather requires --use-distributed-optimizer (its parameter all-gather carries the FP8 "
+             "weights)");
+  fp8_ = &fp8;
+  fp8_linears_.clear();
+  fp8_buckets_.assign(params_.buckets().size(), Fp8Bucket{});
+  if (!distributed_) return;  // nothing gathered: each layer quantises its weights
+  std::vector<std::vector<std::pair<int64_t, Fp8Linear*>>> weights(params_.buckets().size());
+  for (Fp8Linear* l : fp8.linears()) {
+    const size_t i = l->weight_index(), b = params_.bucket_of(i);
+    const ParamBucket& bk = params_.buckets()[b];
+    if (bk.expert || group(bk).size() < 2) continue;  // the experts keep the model-dtype gather
+    MT_CHECK(params_.param(i).numel() == l->out() * l->in(), "{}: weight {} is not the FP8 linear's [{}, {}]",
+             l->name(), params_.param(i).str(), l->out(), l->in());
+    weights[b].emplace_back(params_.info(i).offset, l);
+    fp8_linears_.push_back(l);
+  }
+  fp8.set_param_gather(fp8_linears_);
+  int64_t largest = 0;
+  for (size_t b = 0; b < weights.size(); ++b) {
+    if (weights[b].empty()) continue;
+    plan_fp8_bucket(b, std::move(weights[b]));
+    largest = std::max(largest, fp8_buckets_[b].segment * group(params_.buckets()[b]).size());
+  }
+  if (fp8_linears_.empty()) return;
+  fp8_comm_ = Buffer(params_.device(), static_cast<size_t>(largest));
+  fp8_amax_ = Buffer(params_.device(), fp8_linears_.size() * sizeof(float));
+}
+
+void GradSync::plan_fp8_bucket(size_t b, std::vector<std::pair<int64_t, Fp8Linear*>> weights) {
+  const ParamBucket& bk = params_.buckets()[b];
+  const int ranks = group(bk).size();
+  const int64_t slice = bk.numel() / ranks, es = static_cast<int64_t>(dtype_size(params_.params_flat().dtype()));
+  std::sort(weights.begin(), weights.end(), [](const auto& x, const auto& y) { return x.first < y.first; });
+  Fp8Bucket& fb = fp8_buckets_[b];
+  std::vector<int64_t> bytes(static_cast<size_t>(ranks), 0);
+  for (int d = 0; d < ranks; ++d) {
+    const int64_t lo = bk.begin + d * slice, hi = lo + slice;
+    std::vector<Fp8Piece> fp8_pieces;
+    int64_t at = lo, byte = 0;  // model-dtype pieces first (their bytes stay aligned), FP8 pieces after
+    for (const auto& [offset, l] : weights) {
+      const int64_t b0 = std::max(lo, offset), b1 = std::min(hi, offset + l->out() * l->in());
+      if (b0 >= b1) continue;
+      if (b0 > at) fb.pieces.push_back(Fp8Piece{d, at, b0 - at, nullptr, 0, byte, 0}), byte += (b0 - at) * es;
+      const size_t k = static_cast<size_t>(std::find(fp8_linears_.begin(), fp8_linears_.end(), l) - fp8_linears_.begin());
+      fp8_pieces.push_back(Fp8Piece{d, b0, b1 - b0, l, b0 - offset, 0, k});
+      at = b1;
+    }
+    if (hi > at) fb.pieces.push_back(Fp8Piece{d, at, hi - at, nullptr, 0, byte, 0}), byte += (hi - at) * es;
+    for (Fp8Piece& p : fp8_pieces) {
+      p.byte = byte;
+      byte += p.n;
+      fb.pieces.push_back(p);
+    }
+    bytes[static_cast<size_t>(d)] = byte;
+  }
+  fb.segment = (*std::max_element(bytes.begin(), bytes.end()) + 15) / 16 * 16;
+  for (Fp8Piece& p : fb.pieces) p.byte += p.rank * fb.segment;
+  for (const auto& w : weights) fb.linears.push_back(w.second);
+}
+
+void GradSync::fp8_weight_scales(const Stream& stream) {
+  if (fp8_->settings().recipe != Fp8Recipe::kTensorwise) return;  // delayed: the step's stored scales
+  const Tensor amax = fp8_amax_.as(DType::kF32, {static_cast<int64_t>(fp8_linears_.size())});
+  memset_tensor(amax, 0, stream);  // a weight none of whose elements this rank owns
+  for (size_t b = 0; b < fp8_buckets_.size(); ++b) {
+    const int me = group(params_.buckets()[b]).rank();
+    for (const Fp8Piece& p : fp8_buckets_[b].pieces)
+      if (p.linear && p.rank == me)
+        p.linear->weight_piece_amax(amax.flat_range(static_cast<int64_t>(p.amax), 1), p.weight_begin, p.n, stream);
+  }
+  fp8_->reduce_weight_amaxes(amax, stream);
+  for (size_t k = 0; k < fp8_linears_.size(); ++k)
+    fp8_linears_[k]->set_weight_scale(amax.flat_range(static_cast<int64_t>(k), 1), stream);
+}
+
+void GradSync::launch_fp8_gather(size_t b, const Stream& stream) {
+  const ParamBucket& bk = params_.buckets()[b];
+  Communicator& grp = group(bk);
+  const Fp8Bucket& fb = fp8_buckets_[b];
+  const int me = grp.rank();
+  const Tensor all = fp8_comm_.as(DType::kU8, {fb.segment * grp.size()});
+  const Tensor params = params_.params_flat();
+  const DType md = params.dtype(), f = fp8_->settings().forward_dtype();
+  auto at = [&](const Fp8Piece& p, DType dt) {
+    return Tensor(static_cast<char*>(all.data()) + p.byte, dt, all.device(), {p.n});
+  };
+  for (const Fp8Piece& p : fb.pieces) {  // this rank's part: its owned values, the weights' quantised
+    if (p.rank != me) continue;
+    if (p.linear) p.linear->quantize_weight_piece(at(p, f), p.weight_begin, p.n, stream);
+    else copy(at(p, md), params.flat_range(p.begin, p.n), stream);
+  }
+  grp.all_gather(all, all.flat_range(me * fb.segment, fb.segment), stream);
+  for (const Fp8Piece& p : fb.pieces) {
+    if (p.linear) copy(p.linear->fp8_weight().flat_range(p.weight_begin, p.n), at(p, f), stream);
+    else if (p.rank != me) copy(params.flat_range(p.begin, p.n), at(p, md), stream);
+  }
+  for (Fp8Linear* l : fb.linears) l->finish_weight_gather(stream);
+}
+
+std::pair<int64_t, int64_t> GradSync::fp8_gather_bytes() const {
+  int64_t fp8 = 0, model = 0;
+  const int64_t es = static_cast<int64_t>(dtype_size(params_.params_flat().dtype()));
+  for (size_t b = 0; b < fp8_buckets_.size(); ++b) {
+    if (fp8_buckets_[b].pieces.empty()) continue;
+    fp8 += fp8_buckets_[b].segment * group(params_.buckets()[b]).size();
+    model += params_.buckets()[b].numel() * es;
+  }
+  return {fp8, model};
+}
+
+void GradSync::sync_model_params(const Stream& stream) {
+  if (!model_params_stale_) return;
+  finish_param_sync(stream);
+  for (size_t b = fp8_buckets_.size(); b-- > 0;)
+    if (!fp8_buckets_[b].pieces.empty()) launch_model_gather(b, stream);
+  model_params_stale_ = false;
 }
 
 }  // namespace mt

@@ -71,6 +71,8 @@
 namespace mt {
 
 class PeerCopyGroup;  // comm/nccl/peer_copy.h (CUDA + NCCL builds)
+class Fp8Model;       // model/fp8/fp8_model.h
+class Fp8Linear;
 
 /// Megatron's DistributedDataParallelConfig (the fields implemented here). The bucket size is
 /// part of the ParamStore's layout (ParamLayout::bucket_size, --ddp-bucket-size).
@@ -155,6 +157,30 @@ class GradSync final : public ParamGradHooks {
   /// Makes `stream` wait for every parameter all-gather still in flight (checkpointing,
   /// evaluation without params_needed, the next optimizer step).
   void finish_param_sync(const Stream& stream);
+
+  /// --fp8-param-gather (Megatron's fp8_param; docs/fp8.md "FP8 parameter gather"): from the next
+  /// start_param_sync on, every bucket holding FP8 linear weights (dense buckets over a group of
+  /// 2+ ranks; the expert buckets keep the model-dtype gather) is gathered as one byte buffer per
+  /// rank: its owned slice's other parameters in the model dtype, its pieces of the FP8 weights
+  /// quantised to FP8 (1 byte an element instead of 2), each rank's part padded to the largest.
+  /// The FP8 bytes land in the linears' persistent wq (wq_t transposed from them), so the forward
+  /// quantises nothing for these weights (Fp8Model::weights_gathered); the scale is the whole
+  /// weight's: tensorwise from the owned slices' amaxes all-reduced MAX over TP and DP x CP
+  /// (on the compute stream, before the gathers), delayed the step's stored scale with the slices'
+  /// amaxes recorded. The model-dtype copies of the FP8 weights then hold only this rank's slice
+  /// up to date until sync_model_params. Nothing with one data-parallel rank (each layer quantises
+  /// its weights). Errors: mt::Error without use_distributed_optimizer.
+  void set_fp8_param_gather(Fp8Model& fp8);
+  /// Whether buckets are gathered in FP8 (set_fp8_param_gather with DP > 1 and FP8 weights in a
+  /// dense bucket).
+  bool fp8_param_gather_active() const { return !fp8_linears_.empty(); }
+  /// Bytes one FP8 parameter all-gather of every bucket moves into each rank (received, own part
+  /// included), and what the model-dtype gather of the same buckets moves (tests, logging).
+  std::pair<int64_t, int64_t> fp8_gather_bytes() const;
+  /// After FP8 gathers: the model-dtype all-gather of the buckets that were gathered in FP8, so
+  /// that every rank's model parameters are whole again (checkpoint saves read them). Waits for
+  /// the gathers in flight first; nothing when no FP8 gather ran since the last call.
+  void sync_model_params(const Stream& stream);
   /// Whether the bucket collectives run as copy-engine transfers (DdpConfig::copy_engine and a
   /// DP group that qualifies); why_not_copy_engine() says why not otherwise.
   bool copy_engine_active() const { return peer_copy_ != nullptr; }
@@ -178,8 +204,33 @@ class GradSync final : public ParamGradHooks {
   // Bucket indices covering parameters [first, end) (non-empty range): [lo, hi] ascending.
   std::pair<size_t, size_t> bucket_span(size_t first, size_t end) const;
 
+  // --fp8-param-gather: one contiguous element range [begin, begin + n) of a rank's owned slice
+  // of a bucket, sent as model-dtype values (linear == nullptr) or as the FP8 bytes of linear's
+  // weight elements [weight_begin, weight_begin + n); byte: its offset in the gathered buffer.
+  struct Fp8Piece {
+    int rank = 0;
+    int64_t begin = 0, n = 0;
+    Fp8Linear* linear = nullptr;
+    int64_t weight_begin = 0, byte = 0;
+    size_t amax = 0;  // the linear's index in fp8_linears_
+  };
+  struct Fp8Bucket {
+    std::vector<Fp8Piece> pieces;    // empty: the model-dtype gather
+    std::vector<Fp8Linear*> linears;  // whose weights lie in the bucket
+    int64_t segment = 0;             // bytes per rank
+  };
+  void plan_fp8_bucket(size_t b, std::vector<std::pair<int64_t, Fp8Linear*>> weights);
+  void fp8_weight_scales(const Stream& stream);
+  void launch_fp8_gather(size_t b, const Stream& stream);
+  void launch_model_gather(size_t b, const Stream& stream);
+
   ParamStore& params_;
   std::shared_ptr<Communicator> dp_, edp_;
+  Fp8Model* fp8_ = nullptr;
+  std::vector<Fp8Linear*> fp8_linears_;  // gathered in FP8, in Fp8Model::linears order
+  std::vector<Fp8Bucket> fp8_buckets_;   // per bucket (empty: none gathered in FP8)
+  Buffer fp8_comm_, fp8_amax_;           // the gathered bytes (largest bucket), the weights' amaxes
+  bool model_params_stale_ = false;      // FP8 gathers ran since sync_model_params
   DdpConfig config_;
   std::unique_ptr<PeerCopyGroup> peer_copy_;  // copy-engine collectives (null: NCCL / CPU path)
   Buffer bf16_comm_;                          // --grad-reduce-in-bf16: largest bucket, bf16

@@ -654,7 +654,10 @@ CheckpointSaveJob prepare_save(const std::string& dir, const CheckpointState& st
   }
   const bool with_optim = optimizer != nullptr && w.save_optim;
   // Whole fp32 main parameters and moments (views, or temporaries filled below when sharded).
-  if (optimizer) optimizer->grad_sync().finish_param_sync(stream);
+  if (optimizer) {
+    optimizer->grad_sync().finish_param_sync(stream);
+    optimizer->grad_sync().sync_model_params(stream);  // --fp8-param-gather: whole model parameters
+  }
   full_state(full, params, with_optim ? optimizer : nullptr, stream);
   *refs = file_tensors(params, full, with_optim, w, extra);
   job.entries = shard_entries(*refs);

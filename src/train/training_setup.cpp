@@ -156,6 +156,7 @@ ModelSetup::ModelSetup(std::shared_ptr<Communicator> world, ModelSetupOptions op
   optimizer_ = std::make_unique<AdamWOptimizer>(
       *grad_sync_, o.optim, stream, OptimizerGroups{nullptr, groups_.mp, groups_.tp->rank(), false, groups_.etp_ep_pp, groups_.tp, groups_.etp});
   model_->set_hooks(grad_sync_.get());
+  if (o.model.fp8_param) grad_sync_->set_fp8_param_gather(*model_->fp8());  // the FP8 weight all-gather
 }
 
 ModelSetup::~ModelSetup() = default;

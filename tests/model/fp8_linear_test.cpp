@@ -470,8 +470,11 @@ TEST(Fp8Linear, Errors) {
   EXPECT_EQ(Fp8Model::decoder_layer("decoder.layers.12.mlp.linear_fc1"), 12);
   EXPECT_EQ(Fp8Model::decoder_layer("output_layer"), -1);
   EXPECT_EQ(Fp8Model::decoder_layer("decoder.layers.x"), -1);
-  cfg.fp8_param = true;
-  testing::expect_error([&] { Fp8Model m(cfg, ProcessGroups::single()); }, "--fp8-param-gather is not implemented");
+  cfg.fp8_param = true;  // --fp8-param-gather: per-tensor recipes only
+  { Fp8Model m(cfg, ProcessGroups::single()); }
+  cfg.fp8_recipe = Fp8Recipe::kBlockwise;
+  testing::expect_error([&] { Fp8Model m(cfg, ProcessGroups::single()); },
+                        "--fp8-param-gather needs a per-tensor recipe (--fp8-recipe tensorwise or delayed), got blockwise");
 }
 
 // forward_add (a RowParallelLinear's residual add): the residual as the GEMM's C for the per-tensor

@@ -184,6 +184,41 @@ void Fp8Linear::quantize_weight(bool record, const Stream& st) {
   }
 }
 
+size_t Fp8Linear::weight_index() const {
+  MT_CHECK(weight_ != nullptr && weight_->bound(), "{}: the FP8 weight's parameter is not bound", name_);
+  return weight_->index;
+}
+
+namespace {
+/// The flat elements [begin, begin + n) of w [out, in] as a [1, n] view.
+Tensor weight_piece(const Tensor& w, int64_t begin, int64_t n, const std::string& name) {
+  MT_CHECK(begin >= 0 && n > 0 && begin + n <= w.numel(), "{}: weight piece [{}, {}) outside its {} elements", name,
+           begin, begin + n, w.numel());
+  return w.flat_range(begin, n).view({1, n});
+}
+}  // namespace
+
+void Fp8Linear::weight_piece_amax(const Tensor& amax, int64_t begin, int64_t n, const Stream& st) const {
+  fp8_amax(amax, weight_piece(weight_->value(), begin, n, name_), st);
+}
+
+void Fp8Linear::set_weight_scale(const Tensor& amax, const Stream& st) {
+  MT_CHECK(!model_.settings().blockwise(), "{}: --fp8-param-gather with blockwise scaling", name_);
+  if (model_.settings().recipe != Fp8Recipe::kTensorwise) return;
+  copy(w_.amax, amax, st);
+  fp8_scale_from_amax(w_.scale, w_.scale_inv, w_.amax, model_.settings().forward_dtype(), /*pow2=*/false, 0.f, st);
+}
+
+void Fp8Linear::quantize_weight_piece(const Tensor& q, int64_t begin, int64_t n, const Stream& st) {
+  MT_CHECK(!model_.settings().blockwise(), "{}: --fp8-param-gather with blockwise scaling", name_);
+  MT_CHECK(q.numel() == n && q.dtype() == model_.settings().forward_dtype(), "{}: FP8 piece {} must be {} [{}]",
+           name_, q.str(), dtype_name(model_.settings().forward_dtype()), n);
+  fp8_quantize(q.view({1, n}), Tensor(), weight_piece(weight_->value(), begin, n, name_), w_.scale,
+               model_.settings().delayed() ? w_.record : Tensor(), st);
+}
+
+void Fp8Linear::finish_weight_gather(const Stream& st) { transpose_blocks(wq_t_, wq_, out_, in_, st); }
+
 Fp8Operand Fp8Linear::weight_operand(bool transposed) const {
   const Fp8Scaling s = weight_scaling();
   if (s == Fp8Scaling::kTensor) return {transposed ? wq_t_ : wq_, w_.scale_inv, s};

@@ -101,6 +101,26 @@ class Fp8Linear {
   /// before the layer's first forward of a step.
   void quantize_weight(bool record, const Stream& stream);
 
+  // --- --fp8-param-gather (per-tensor recipes; optim/grad_sync.h drives these, docs/fp8.md) ---
+  /// The weight's ParamStore index. Errors: mt::Error when the weight is not bound.
+  size_t weight_index() const;
+  /// The persistent FP8 weight wq [out, in] that the distributed optimizer's FP8 all-gather fills.
+  const Tensor& fp8_weight() const { return wq_; }
+  /// amax (fp32, one element) = max |w| over the flat elements [begin, begin + n) of the weight
+  /// (row-major [out, in], model dtype): this rank's owned slice of it.
+  void weight_piece_amax(const Tensor& amax, int64_t begin, int64_t n, const Stream& stream) const;
+  /// Tensorwise: the weight's amax (fp32, one element: the slices' amaxes all-reduced MAX over the
+  /// weight's DP (x CP) and TP ranks) becomes the state's amax, scale and scale_inv, as
+  /// quantize_weight sets them from the whole weight. Delayed: nothing (the step's stored scale).
+  void set_weight_scale(const Tensor& amax, const Stream& stream);
+  /// q (FP8 [n], the forward dtype) = the flat elements [begin, begin + n) of the weight quantised
+  /// with the weight's scale, the bytes quantize_weight writes there (delayed: their amax recorded
+  /// into the history's row 0, the stage's MAX reduction making it the whole weight's).
+  void quantize_weight_piece(const Tensor& q, int64_t begin, int64_t n, const Stream& stream);
+  /// After the all-gather filled wq: wq_t = wqᵀ from the gathered bytes (per-tensor: the bytes of
+  /// quantising wᵀ).
+  void finish_weight_gather(const Stream& stream);
+
   /// fprop: y [m, out] = x [m, in] · wᵀ (+ bias [out]); with pre_gelu ([m, out], y's shape):
   /// pre_gelu = x · wᵀ + bias and y = gelu(pre_gelu) (ops/fp8_epilogue.h). x, y, bias, pre_gelu of
   /// the act dtype, 2-D views. slot: the activation area (plan's). Delayed scaling records x's

@@ -1,5 +1,6 @@
 #include "model/fp8/fp8_model.h"
 
+#include <algorithm>
 #include <cctype>
 
 #include "ops/fp8.h"
@@ -14,9 +15,10 @@ Fp8Model::Fp8Model(const TransformerConfig& config, const ProcessGroups& groups)
       tp_cp_(groups.tp_cp),
       dp_cp_(groups.dp_cp) {
   MT_REQUIRE(settings_.on(), "Fp8Model without --fp8-format");
-  MT_REQUIRE(!config.fp8_param,
-             "--fp8-param-gather is not implemented yet: the distributed optimizer gathers the bf16 parameters and "
-             "each layer quantises its weights once per step (drop --fp8-param-gather)");
+  MT_REQUIRE(!config.fp8_param || !settings_.blockwise(),
+             "--fp8-param-gather needs a per-tensor recipe (--fp8-recipe tensorwise or delayed), got blockwise: its "
+             "128x128 weight blocks span the distributed optimizer's flat slices, so no rank can quantise its slice "
+             "alone");
 }
 
 int64_t Fp8Model::decoder_layer(const std::string& prefix) {
@@ -63,6 +65,7 @@ std::unique_ptr<Fp8Linear> Fp8Model::make_linear(int64_t layer, int64_t column, 
   auto linear = std::make_unique<Fp8Linear>(*this, std::move(name), weight, out, in, groups);
   e.linears.push_back(linear.get());
   e.linear_column.push_back(column);
+  e.gathered.push_back(0);
   return linear;
 }
 
@@ -146,9 +149,28 @@ void Fp8Model::repack(bool pack, const Stream& stream) const {
 void Fp8Model::quantize_weights(int64_t layer, bool force, const Stream& stream) {
   for (LayerEntry& e : layers_) {
     if (e.layer != layer || (e.weights_ready && !force)) continue;
-    for (Fp8Linear* l : e.linears) l->quantize_weight(training_, stream);
+    for (size_t j = 0; j < e.linears.size(); ++j)
+      if (!(weights_gathered_ && e.gathered[j])) e.linears[j]->quantize_weight(training_, stream);
     e.weights_ready = true;
   }
+}
+
+std::vector<Fp8Linear*> Fp8Model::linears() const {
+  std::vector<Fp8Linear*> out;
+  for (const LayerEntry& e : layers_) out.insert(out.end(), e.linears.begin(), e.linears.end());
+  return out;
+}
+
+void Fp8Model::reduce_weight_amaxes(const Tensor& amaxes, const Stream& stream) {
+  for (const std::shared_ptr<Communicator>& g : {tp_, dp_cp_})
+    if (g && g->size() > 1) g->all_reduce(amaxes, ReduceOp::kMax, stream);
+}
+
+void Fp8Model::set_param_gather(const std::vector<Fp8Linear*>& linears) {
+  MT_CHECK(!settings_.blockwise(), "fp8: --fp8-param-gather with blockwise scaling");
+  for (LayerEntry& e : layers_)
+    for (size_t j = 0; j < e.linears.size(); ++j)
+      e.gathered[j] = std::find(linears.begin(), linears.end(), e.linears[j]) != linears.end();
 }
 
 void Fp8Model::invalidate_weights() {
@@ -184,6 +206,7 @@ std::vector<std::pair<std::string, Tensor>> Fp8Model::persistent_state(const Str
 }
 
 void Fp8Model::load_state(const Stream& stream) {
+  weights_gathered_ = false;  // the loaded parameters: quantised by their next forward
   if (settings_.delayed()) repack(/*pack=*/false, stream);
 }
 

@@ -37,7 +37,8 @@ namespace mt {
 class Fp8Model {
  public:
   /// config: fp8 on (TransformerConfig::fp8 != kNone). groups: this rank's process groups (tp, cp,
-  /// tp_cp, dp_cp). Errors: mt::Error for --fp8-param-gather (not built).
+  /// tp_cp, dp_cp). Errors: mt::Error for --fp8-param-gather with the blockwise recipe (its 128x128
+  /// weight blocks cross the distributed optimizer's flat slices).
   Fp8Model(const TransformerConfig& config, const ProcessGroups& groups);
   Fp8Model(const Fp8Model&) = delete;
   Fp8Model& operator=(const Fp8Model&) = delete;
@@ -88,6 +89,20 @@ class Fp8Model {
   void quantize_weights(int64_t layer, bool force, const Stream& stream);
   /// Marks every weight for quantisation at its next forward.
   void invalidate_weights();
+
+  // --- --fp8-param-gather (optim/grad_sync.h: GradSync::set_fp8_param_gather) ---
+  /// This rank's FP8 linears, in registration order.
+  std::vector<Fp8Linear*> linears() const;
+  /// The weights' amaxes (fp32 [n], one per gathered weight, each the max over this rank's owned
+  /// slice): all-reduced MAX over the TP group, then DP x CP — every rank of the stage holds a part
+  /// of each weight (docs/fp8.md "Layout invariance"). Collective over the stage.
+  void reduce_weight_amaxes(const Tensor& amaxes, const Stream& stream);
+  /// `linears` get their wq / wq_t from the distributed optimizer's FP8 all-gather from now on:
+  /// quantize_weights skips them while weights_gathered (set after each gather; cleared by
+  /// load_state, whose parameters the gather has not seen: the next forward quantises them).
+  void set_param_gather(const std::vector<Fp8Linear*>& linears);
+  void set_weights_gathered(bool gathered) { weights_gathered_ = gathered; }
+  bool weights_gathered() const { return weights_gathered_; }
   /// Once per training step after the last backward (GPTModel::finish_step): delayed scaling
   /// all-reduces the recorded amaxes (MAX over tp, then dp_cp) and updates every history and scale
   /// (fp8_delayed_scale_update); nothing for the other recipes. Collective over the stage.
@@ -123,6 +138,7 @@ class Fp8Model {
     int64_t layer = 0, columns = 0;
     std::vector<Fp8Linear*> linears;     // this rank's, registered
     std::vector<int64_t> linear_column;  // their columns
+    std::vector<uint8_t> gathered;       // per linear: filled by the FP8 parameter all-gather
     Tensor fwd, bwd;                     // live: [R, kStateStride·2·columns], [R, kStateStride·columns]
     Tensor fwd_packed, bwd_packed;       // [R, 2·columns], [R, columns]: the checkpoint layout
     bool weights_ready = false;
@@ -141,6 +157,7 @@ class Fp8Model {
   Tensor packed_;                   // all packed blocks (the checkpoint layout)
   size_t planned_bytes_ = 0;
   bool training_ = true;
+  bool weights_gathered_ = false;
 };
 
 }  // namespace mt
