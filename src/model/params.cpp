@@ -155,7 +155,13 @@ void ParamStore::use_grad_slots(int slots, const Stream& stream) {
   MT_REQUIRE(!grads_staged(), "use_grad_slots: the gradients are already staged ({} slots)", grad_slots());
   for (const ParamBucket& b : buckets_) grad_slot_len_ = std::max(grad_slot_len_, b.numel());
   stream.synchronize();  // nothing may still write the whole buffer
-  grads_ = Buffer();
+  // Expert buckets are not staged: MoeExperts caches its experts' gradient addresses (grouped
+  // GEMM tables, built in the forward), so their gradients stay in a persistent buffer (grads_,
+  // now the expert buckets only, in ascending offset order); they are still reduce-scattered
+  // into the shard per micro-batch.
+  int64_t expert = 0;
+  for (const ParamBucket& b : buckets_) expert += b.expert ? b.numel() : 0;
+  grads_ = expert > 0 ? Buffer(device_, static_cast<size_t>(expert) * 4) : Buffer();
   for (int s = 0; s < slots; ++s) grad_slot_buf_.emplace_back(device_, static_cast<size_t>(grad_slot_len_) * 4);
   slot_of_bucket_.assign(buckets_.size(), -1);
   bucket_of_slot_.assign(static_cast<size_t>(slots), -1);
@@ -166,6 +172,11 @@ void ParamStore::use_grad_slots(int slots, const Stream& stream) {
 Tensor ParamStore::bucket_grads(size_t b) const {
   const ParamBucket& bk = buckets_.at(b);
   if (!grads_staged()) return grads_flat().flat_range(bk.begin, bk.numel());
+  if (bk.expert) {  // the persistent expert buffer (use_grad_slots)
+    int64_t off = 0;
+    for (size_t k = b + 1; k < buckets_.size(); ++k) off += buckets_[k].expert ? buckets_[k].numel() : 0;
+    return Tensor(static_cast<float*>(grads_.data()) + off, DType::kF32, device_, {bk.numel()});
+  }
   int& s = slot_of_bucket_[b];
   if (s < 0) {
     const auto it = std::find(bucket_of_slot_.begin(), bucket_of_slot_.end(), -1);
@@ -197,7 +208,7 @@ Tensor ParamStore::grads_range(int64_t begin, int64_t n) const {
 }
 
 void ParamStore::release_grad_slot(size_t b) {
-  if (!grads_staged()) return;
+  if (!grads_staged() || buckets_.at(b).expert) return;
   int& s = slot_of_bucket_.at(b);
   if (s < 0) return;
   bucket_of_slot_[static_cast<size_t>(s)] = -1;
@@ -212,20 +223,22 @@ int ParamStore::grad_slots_needed() const {
     if (l != std::string::npos) return n.substr(0, n.find('.', l + 7));
     return n.substr(0, n.find('.'));
   };
-  size_t most = 1;
+  size_t most = 1, dense = 0;  // expert buckets are not staged (use_grad_slots)
+  for (const ParamBucket& b : buckets_) dense += b.expert ? 0 : 1;
   for (size_t i = 0; i < infos_.size();) {
     const std::string u = unit(infos_[i].name);
     std::vector<size_t> bks;
-    for (; i < infos_.size() && unit(infos_[i].name) == u; ++i) bks.push_back(bucket_of_[i]);
+    for (; i < infos_.size() && unit(infos_[i].name) == u; ++i)
+      if (!buckets_[bucket_of_[i]].expert) bks.push_back(bucket_of_[i]);
     std::sort(bks.begin(), bks.end());
     most = std::max<size_t>(most, static_cast<size_t>(std::unique(bks.begin(), bks.end()) - bks.begin()));
   }
-  return static_cast<int>(std::min(most + 2, buckets_.size()));
+  return static_cast<int>(std::max<size_t>(1, std::min(most + 2, dense)));
 }
 
 int64_t ParamStore::grad_storage_bytes() const {
   if (!grads_staged()) return static_cast<int64_t>(grads_.bytes());
-  int64_t n = 0;
+  int64_t n = static_cast<int64_t>(grads_.bytes());  // the expert buckets
   for (const Buffer& b : grad_slot_buf_) n += static_cast<int64_t>(b.bytes());
   return n;
 }
@@ -438,6 +451,8 @@ void ParamStore::zero_grads(const Stream& stream) {
   first_writes_pending_ = marks ? grad_overwrite_params_ : 0;
   if (grads_staged()) {
     for (const Buffer& s : grad_slot_buf_) memset_tensor(s.as(DType::kF32, {grad_slot_len_}), 0, stream);
+    if (grads_.bytes() > 0)
+      memset_tensor(Tensor(grads_.data(), DType::kF32, device_, {static_cast<int64_t>(grads_.bytes() / 4)}), 0, stream);
     std::fill(slot_of_bucket_.begin(), slot_of_bucket_.end(), -1);
     std::fill(bucket_of_slot_.begin(), bucket_of_slot_.end(), -1);
     return;

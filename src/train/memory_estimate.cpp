@@ -62,7 +62,8 @@ MemoryEstimate estimate_training_memory(const MemoryEstimateInputs& in) {
   // optim_grads: the owned shard (GradSync::grad_shard) and the staging slots (ParamStore::use_grad_slots)
   if (in.grad_slots > 0)
     e.parts.push_back({fmt::format("gradients (fp32 shard and {} staging slots)", in.grad_slots),
-                       owned * 4 + static_cast<size_t>(in.grad_slots) * static_cast<size_t>(m.params.largest_bucket) * 4,
+                       owned * 4 + static_cast<size_t>(in.grad_slots) * static_cast<size_t>(m.params.largest_bucket) * 4 +
+                           expert * 4,  // expert buckets are not staged (ParamStore::use_grad_slots)
                        "a smaller --ddp-bucket-size"});
   else
     e.parts.push_back({"gradients (fp32)", total * 4,
