@@ -269,6 +269,8 @@ class ParamStore {
   /// binding sequence depends only on the order of the calls, so the addresses are the same in
   /// every step). A free slot always holds zeros (release_grad_slot's caller re-zeroes it), so
   /// every write accumulates: grad_overwrite is turned off. grads_flat() is an error afterwards.
+  /// Expert buckets are not staged: they keep a persistent buffer (MoeExperts caches its
+  /// gradient addresses in the forward), always bound; release_grad_slot leaves them alone.
   /// Outside a training step. Errors: slots < 1, or called twice.
   void use_grad_slots(int slots, const Stream& stream);
   bool grads_staged() const { return !grad_slot_buf_.empty(); }
