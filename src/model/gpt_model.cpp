@@ -513,8 +513,17 @@ void GPTModel::grads_final(size_t first, size_t end, const Stream& st) {
 }
 
 void GPTModel::finish_group(size_t group, const Stream& st) {
-  for (const ParamStore::Range& r : tp_partial_[group])
-    tp_.all_reduce_grads(params_->grads_flat().flat_range(r.begin, r.end - r.begin), st);
+  for (const ParamStore::Range& r : tp_partial_[group]) {
+    if (!params_->grads_staged()) {
+      tp_.all_reduce_grads(params_->grads_flat().flat_range(r.begin, r.end - r.begin), st);
+      continue;
+    }
+    for (int64_t b = r.begin; b < r.end;) {  // staged gradients: one piece per bucket
+      const int64_t e = std::min(r.end, params_->buckets()[params_->bucket_at(b)].end);
+      tp_.all_reduce_grads(params_->grads_range(b, e - b), st);
+      b = e;
+    }
+  }
   auto [first, end] = parts_->registry.group_range(group);
   // The last stage's copy of a tied embedding is reported by the step executor after the
   // embedding-group all-reduce (train/train_step.h) when that group spans stages.
@@ -599,6 +608,8 @@ void GPTModel::backward_chunk(int c, const ChunkBuffers& buf, const MicroBatch& 
                               const Tensor& grad, float grad_scale, const Tensor& loss_scale, const Stream& st,
                               bool last_backward) {
   check_buffers(c, buf);
+  // Sharded gradients report every backward (param_hooks.h grads_every_backward).
+  const bool report = last_backward || (hooks_ != nullptr && hooks_->grads_every_backward());
   const DropoutContext dc = cp_dropout(dc_in);
   ChunkState& ch = chunks_[static_cast<size_t>(c)];
   const Tensor in = ch.input[static_cast<size_t>(buf.input)];
@@ -621,18 +632,18 @@ void GPTModel::backward_chunk(int c, const ChunkBuffers& buf, const MicroBatch& 
                  "the backward of loss slot {} needs a training forward with the multi-token prediction", buf.head);
       dh0 = parts_->mtp->backward(ch.head->norm_output(buf.head), grad_scale, loss_scale,
                                   StepContext{mb, dc, buf.head, st}, [&](size_t group) {
-                                    if (last_backward) finish_group(group, st);
+                                    if (report) finish_group(group, st);
                                   });
     }
     ch.head->backward(g, layer_input(nlayers), grad_scale, loss_scale, StepContext{mb, dc, buf.head, st}, dh0);
-    if (last_backward) finish_group(ch.head->param_group(), st);
+    if (report) finish_group(ch.head->param_group(), st);
   }
   // The chunk's last backward with the embedding: the first layer's weight gradients wait until
   // the embedding backward has made the word embedding's gradient final, so that its reduction
   // (the largest bucket, the last one to complete otherwise) runs beside them instead of after
   // the backward. Same operations on the same buffers, only later: bitwise identical gradients.
   deferred_.clear();
-  const bool defer_first = last_backward && ch.embedding && nlayers > 0;
+  const bool defer_first = report && ch.embedding && nlayers > 0;
   for (size_t i = nlayers; i-- > 0;) {
     const bool defer = defer_first && i == 0;
     if (ch.ends_group(i))  // full recompute: the group's saved tensors again, before its backward
@@ -640,11 +651,11 @@ void GPTModel::backward_chunk(int c, const ChunkBuffers& buf, const MicroBatch& 
     StepContext lctx = ctx;
     lctx.slot = ch.slot_of(i, buf.slot);
     ch.layers[i]->backward(layer_input(i), g, lctx, defer ? &deferred_ : nullptr);
-    if (last_backward && !defer) finish_group(ch.layers[i]->param_group(), st);
+    if (report && !defer) finish_group(ch.layers[i]->param_group(), st);
   }
   if (!ch.embedding) return;
   ch.embedding->backward(g, ctx);
-  if (last_backward) {
+  if (report) {
     // Report the position embedding first, then the word embedding unless the step executor does
     // (a tied embedding shared with the last stage).
     const auto [first, end] = parts_->registry.group_range(ch.embedding->param_group());

@@ -18,6 +18,11 @@
 //    rank (pipeline parallelism): it is reported by the step executor after the embedding-group
 //    all-reduce. An implementation that reduces gradients asynchronously (--overlap-grad-reduce)
 //    records an event on `stream` and starts the reduction of every bucket now complete.
+//  * grads_every_backward() true (a sharded gradient, --data-parallel-sharding-strategy
+//    optim_grads): grads_ready is called in EVERY backward of the chunk, not only the last one of
+//    the step, each parameter once per backward (the sequence-parallel all-reduce too), so the
+//    implementation reduces each micro-batch's gradients and frees their staging buffers. The tied
+//    word embedding shared across stages is still reported once per step, by the step executor.
 #pragma once
 #include <cstddef>
 
@@ -30,6 +35,7 @@ class ParamGradHooks {
   virtual ~ParamGradHooks() = default;
   virtual void params_needed(size_t first, size_t end, const Stream& stream) = 0;
   virtual void grads_ready(size_t first, size_t end, const Stream& stream) = 0;
+  virtual bool grads_every_backward() const { return false; }
 };
 
 }  // namespace mt

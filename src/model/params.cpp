@@ -21,6 +21,7 @@ ParamStore::Plan ParamStore::plan(std::vector<ParamSpec> specs, const ParamLayou
   Plan p;
   p.total = laid_out.total_;
   p.count = static_cast<int64_t>(laid_out.infos_.size());
+  p.grad_slots = laid_out.grad_slots_needed();
   p.buckets = static_cast<int64_t>(laid_out.buckets_.size());
   for (const ParamBucket& b : laid_out.buckets_) {
     if (b.expert) p.expert += b.end - b.begin;
@@ -66,7 +67,8 @@ ParamStore::ParamStore(std::vector<ParamSpec> specs, DType model_dtype, Device d
   for (size_t i = n; i-- > 0;) {
     const ParamInfo& p = infos_[i];
     // close the open bucket before a parameter that needs its own, or of the other domain
-    const bool own = p.shared_embedding_copy || (bs > 0 && aligned(p) >= bs);
+    const bool own = p.shared_embedding_copy || (bs > 0 && aligned(p) >= bs) ||
+                     (layout.isolate_word_embedding && p.name == "embedding.word_embeddings.weight");
     if (end > i + 1 && (own || p.expert != infos_[i + 1].expert)) close(i + 1);
     open_elems += aligned(p);
     if (own || (bs > 0 && open_elems >= bs)) close(i);
@@ -141,7 +143,104 @@ Tensor ParamStore::main(size_t i) const {
 
 Tensor ParamStore::grad(size_t i) const {
   const auto& p = infos_.at(i);
+  if (grads_staged()) {
+    const size_t b = bucket_of_[i];
+    return bucket_grads(b).flat_range(p.offset - buckets_[b].begin, p.numel).view(p.shape);
+  }
   return Tensor(static_cast<float*>(grads_.data()) + p.offset, DType::kF32, device_, p.shape);
+}
+
+void ParamStore::use_grad_slots(int slots, const Stream& stream) {
+  MT_REQUIRE(slots >= 1, "use_grad_slots: {} gradient staging slots; need at least 1", slots);
+  MT_REQUIRE(!grads_staged(), "use_grad_slots: the gradients are already staged ({} slots)", grad_slots());
+  for (const ParamBucket& b : buckets_) grad_slot_len_ = std::max(grad_slot_len_, b.numel());
+  stream.synchronize();  // nothing may still write the whole buffer
+  // Expert buckets are not staged: MoeExperts caches its experts' gradient addresses (grouped
+  // GEMM tables, built in the forward), so their gradients stay in a persistent buffer (grads_,
+  // now the expert buckets only, in ascending offset order); they are still reduce-scattered
+  // into the shard per micro-batch.
+  int64_t expert = 0;
+  for (const ParamBucket& b : buckets_) expert += b.expert ? b.numel() : 0;
+  grads_ = expert > 0 ? Buffer(device_, static_cast<size_t>(expert) * 4) : Buffer();
+  for (int s = 0; s < slots; ++s) grad_slot_buf_.emplace_back(device_, static_cast<size_t>(grad_slot_len_) * 4);
+  slot_of_bucket_.assign(buckets_.size(), -1);
+  bucket_of_slot_.assign(static_cast<size_t>(slots), -1);
+  grad_overwrite_ = false;
+  zero_grads(stream);
+}
+
+Tensor ParamStore::bucket_grads(size_t b) const {
+  const ParamBucket& bk = buckets_.at(b);
+  if (!grads_staged()) return grads_flat().flat_range(bk.begin, bk.numel());
+  if (bk.expert) {  // the persistent expert buffer (use_grad_slots)
+    int64_t off = 0;
+    for (size_t k = b + 1; k < buckets_.size(); ++k) off += buckets_[k].expert ? buckets_[k].numel() : 0;
+    return Tensor(static_cast<float*>(grads_.data()) + off, DType::kF32, device_, {bk.numel()});
+  }
+  int& s = slot_of_bucket_[b];
+  if (s < 0) {
+    const auto it = std::find(bucket_of_slot_.begin(), bucket_of_slot_.end(), -1);
+    MT_CHECK(it != bucket_of_slot_.end(),
+             "gradient staging: bucket {} (parameters '{}'..) needs a slot but all {} are bound (to buckets {}); the "
+             "backward writes more buckets before reporting them than planned (docs/fsdp.md)",
+             b, infos_[bk.param_begin].name, grad_slots(), fmt::join(bucket_of_slot_, ", "));
+    s = static_cast<int>(it - bucket_of_slot_.begin());
+    *it = static_cast<int>(b);
+  }
+  return grad_slot_buf_[static_cast<size_t>(s)].as(DType::kF32, {bk.numel()});
+}
+
+size_t ParamStore::bucket_at(int64_t e) const {
+  MT_REQUIRE(e >= 0 && e < total_, "bucket_at: flat element {} outside [0, {})", e, total_);
+  // buckets_ descend in offset: the first bucket whose begin <= e
+  const auto it = std::partition_point(buckets_.begin(), buckets_.end(),
+                                       [e](const ParamBucket& bk) { return bk.begin > e; });
+  return static_cast<size_t>(it - buckets_.begin());
+}
+
+Tensor ParamStore::grads_range(int64_t begin, int64_t n) const {
+  if (!grads_staged()) return grads_flat().flat_range(begin, n);
+  const size_t b = bucket_at(begin);
+  const ParamBucket& bk = buckets_[b];
+  MT_REQUIRE(begin + n <= bk.end, "grads_range: elements [{}, {}) cross the end of bucket {} ([{}, {})) while staged",
+             begin, begin + n, b, bk.begin, bk.end);
+  return bucket_grads(b).flat_range(begin - bk.begin, n);
+}
+
+void ParamStore::release_grad_slot(size_t b) {
+  if (!grads_staged() || buckets_.at(b).expert) return;
+  int& s = slot_of_bucket_.at(b);
+  if (s < 0) return;
+  bucket_of_slot_[static_cast<size_t>(s)] = -1;
+  s = -1;
+}
+
+int ParamStore::grad_slots_needed() const {
+  // The unit a parameter is reported with: its name up to the layer number for layers, else
+  // its first component.
+  auto unit = [](const std::string& n) {
+    const size_t l = n.find("layers.");
+    if (l != std::string::npos) return n.substr(0, n.find('.', l + 7));
+    return n.substr(0, n.find('.'));
+  };
+  size_t most = 1, dense = 0;  // expert buckets are not staged (use_grad_slots)
+  for (const ParamBucket& b : buckets_) dense += b.expert ? 0 : 1;
+  for (size_t i = 0; i < infos_.size();) {
+    const std::string u = unit(infos_[i].name);
+    std::vector<size_t> bks;
+    for (; i < infos_.size() && unit(infos_[i].name) == u; ++i)
+      if (!buckets_[bucket_of_[i]].expert) bks.push_back(bucket_of_[i]);
+    std::sort(bks.begin(), bks.end());
+    most = std::max<size_t>(most, static_cast<size_t>(std::unique(bks.begin(), bks.end()) - bks.begin()));
+  }
+  return static_cast<int>(std::max<size_t>(1, std::min(most + 2, dense)));
+}
+
+int64_t ParamStore::grad_storage_bytes() const {
+  if (!grads_staged()) return static_cast<int64_t>(grads_.bytes());
+  int64_t n = static_cast<int64_t>(grads_.bytes());  // the expert buckets
+  for (const Buffer& b : grad_slot_buf_) n += static_cast<int64_t>(b.bytes());
+  return n;
 }
 
 Tensor ParamStore::params_flat() const {
@@ -154,7 +253,12 @@ Tensor ParamStore::main_flat() const {
   MT_REQUIRE(!main_sharded_, "the fp32 main parameters are sharded by the distributed optimizer (no whole copy)");
   return Tensor(main_.data(), DType::kF32, device_, {total_});
 }
-Tensor ParamStore::grads_flat() const { return Tensor(grads_.data(), DType::kF32, device_, {total_}); }
+Tensor ParamStore::grads_flat() const {
+  MT_REQUIRE(!grads_staged(),
+             "the gradients are staged per bucket (--data-parallel-sharding-strategy optim_grads): there is no whole "
+             "gradient buffer; use bucket_grads or the gradient shard");
+  return Tensor(grads_.data(), DType::kF32, device_, {total_});
+}
 
 int64_t ParamStore::num_parameters() const {
   int64_t n = 0;
@@ -290,7 +394,7 @@ void ParamStore::initialize(uint64_t seed, const Stream& stream) {
     fill(main_flat(), 0.f, stream);  // alignment padding stays zero
     for (size_t i = 0; i < infos_.size(); ++i) init_one(infos_[i], main(i));
     sync_model_from_main(stream);
-    memset_tensor(grads_flat(), 0, stream);  // every element defined, whatever writes come first
+    if (!grads_staged()) memset_tensor(grads_flat(), 0, stream);  // every element defined, whatever writes come first
     zero_grads(stream);
     return;
   }
@@ -328,7 +432,7 @@ void ParamStore::initialize(uint64_t seed, const Stream& stream) {
       c += r.end - r.begin;
     }
   }
-  memset_tensor(grads_flat(), 0, stream);
+  if (!grads_staged()) memset_tensor(grads_flat(), 0, stream);
   zero_grads(stream);
   stream.synchronize();  // before the scratch buffer is freed
 }
@@ -345,6 +449,14 @@ void ParamStore::zero_grads(const Stream& stream) {
   const bool marks = grad_overwrite_ && grad_overwrite_params_ > 0;
   for (size_t i = 0; i < infos_.size(); ++i) first_write_[i] = marks && infos_[i].grad_overwrite ? 1 : 0;
   first_writes_pending_ = marks ? grad_overwrite_params_ : 0;
+  if (grads_staged()) {
+    for (const Buffer& s : grad_slot_buf_) memset_tensor(s.as(DType::kF32, {grad_slot_len_}), 0, stream);
+    if (grads_.bytes() > 0)
+      memset_tensor(Tensor(grads_.data(), DType::kF32, device_, {static_cast<int64_t>(grads_.bytes() / 4)}), 0, stream);
+    std::fill(slot_of_bucket_.begin(), slot_of_bucket_.end(), -1);
+    std::fill(bucket_of_slot_.begin(), bucket_of_slot_.end(), -1);
+    return;
+  }
   if (!marks) {
     memset_tensor(grads_flat(), 0, stream);
     return;

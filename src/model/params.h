@@ -104,6 +104,10 @@ struct ParamLayout {
   /// Expert-data-parallel size: expert buckets are padded to a multiple of kAlign · this (0 = the
   /// data-parallel size).
   int64_t expert_data_parallel_size = 0;
+  /// The word embedding ('embedding.word_embeddings.weight') gets a bucket of its own, as a
+  /// shared_embedding_copy does: with sharded gradients under pipeline parallelism it is reported
+  /// once per step (after the embedding-group all-reduce) while the rest is reported every backward.
+  bool isolate_word_embedding = false;
   int64_t edp() const { return expert_data_parallel_size > 0 ? expert_data_parallel_size : data_parallel_size; }
 };
 
@@ -137,6 +141,7 @@ class ParamStore {
   struct Plan {
     int64_t total = 0, expert = 0, largest_bucket = 0;
     int64_t count = 0, buckets = 0;  ///< parameters, gradient buckets
+    int grad_slots = 0;              ///< grad_slots_needed()
   };
   static Plan plan(std::vector<ParamSpec> specs, const ParamLayout& layout);
   /// One bucket, padded to a multiple of kAlign · pad_multiple (the data-parallel size, so the
@@ -169,7 +174,7 @@ class ParamStore {
   Tensor grad(const std::string& n) const { return grad(index(n)); }
   Tensor params_flat() const;    ///< model dtype [total]
   Tensor main_flat() const;      ///< fp32 [total]; error as main()
-  Tensor grads_flat() const;     ///< fp32 [total]
+  Tensor grads_flat() const;     ///< fp32 [total]; error when grads_staged()
   int64_t total_elements() const { return total_; }
   int64_t num_parameters() const;  ///< sum of numel (no alignment padding)
   const ParamLayout& layout() const { return layout_; }
@@ -239,6 +244,7 @@ class ParamStore {
   /// stored as remainders (the model parameters are part of the main ones).
   void sync_model_from_main(const Stream& stream);
   /// Start of a step's gradients: afterwards every gradient reads as zero to its first writer.
+  /// Staged (use_grad_slots): zeroes every slot and unbinds them.
   /// Zeroes every element of the gradient buffer (padding included) except those of the
   /// grad_overwrite parameters (ParamSpec), which are marked instead: their first writer of the
   /// step overwrites them (take_first_grad_write). With set_grad_overwrite(false), or when no
@@ -252,6 +258,43 @@ class ParamStore {
   /// this step (its buffer still holds the last step's values), or kNoParam. GradSync's
   /// finish_grad_sync raises an error naming it.
   size_t untaken_first_write() const;
+  // --- Gradient staging slots (--data-parallel-sharding-strategy optim_grads, docs/fsdp.md
+  // "optim_grads (ZeRO-2)"): the whole gradient buffer is never held, only a few bucket-sized
+  // slots that GradSync reduce-scatters into its gradient shard. ---
+
+  /// Replaces the whole fp32 gradient buffer by `slots` zeroed buffers of the largest bucket's
+  /// length, allocated once. Afterwards grad(i) is a view into the slot bound to parameter i's
+  /// bucket; a bucket is bound to the lowest free slot at the first grad(i) / bucket_grads of one
+  /// of its parameters and stays bound until release_grad_slot (host-side bookkeeping; the
+  /// binding sequence depends only on the order of the calls, so the addresses are the same in
+  /// every step). A free slot always holds zeros (release_grad_slot's caller re-zeroes it), so
+  /// every write accumulates: grad_overwrite is turned off. grads_flat() is an error afterwards.
+  /// Expert buckets are not staged: they keep a persistent buffer (MoeExperts caches its
+  /// gradient addresses in the forward), always bound; release_grad_slot leaves them alone.
+  /// Outside a training step. Errors: slots < 1, or called twice.
+  void use_grad_slots(int slots, const Stream& stream);
+  bool grads_staged() const { return !grad_slot_buf_.empty(); }
+  int grad_slots() const { return static_cast<int>(grad_slot_buf_.size()); }
+  /// fp32 [bucket b's numel]: the bucket's gradients: a range of the whole buffer, or (staged) the
+  /// slot it is bound to, binding it. Error (staged): every slot bound to another bucket (named).
+  Tensor bucket_grads(size_t b) const;
+  /// fp32 [n]: flat gradient elements [begin, begin + n); staged, they must lie in one bucket.
+  Tensor grads_range(int64_t begin, int64_t n) const;
+  /// The bucket holding flat element `e` (0 <= e < total).
+  size_t bucket_at(int64_t e) const;
+  /// Staged: unbinds bucket b's slot, which the caller has zeroed (in stream order). No-op when unbound.
+  void release_grad_slot(size_t b);
+  /// Whether bucket b is bound to a slot now (staged), or always (whole buffer).
+  bool grad_bound(size_t b) const { return !grads_staged() || slot_of_bucket_.at(b) >= 0; }
+  /// Staging slots the model's backward needs (DdpConfig::grad_slots' default): the most buckets
+  /// one reported unit of the backward writes before it is reported (a layer: the name up to
+  /// 'layers.<i>'; else the first name component, e.g. 'embedding', 'output_layer'), plus one for
+  /// the bucket it shares with the unit reported before and one for the tied word embedding (bound
+  /// from the output layer's backward to the embedding's); at most the number of buckets.
+  int grad_slots_needed() const;
+  /// Bytes of gradient storage this store holds: the whole buffer, or the slots.
+  int64_t grad_storage_bytes() const;
+
   /// Off: zero_grads zeroes every gradient and marks none (per-layer CUDA graphs replay one
   /// captured backward for every micro-batch, so the first write of a step cannot differ from the
   /// others). On by default.
@@ -287,6 +330,11 @@ class ParamStore {
   std::vector<ParamBucket> buckets_;
   std::vector<size_t> bucket_of_;
   Buffer params_, main_, grads_;
+  // Staging slots (use_grad_slots): the buffers, the slot bound to each bucket (-1: none) and the
+  // bucket bound to each slot (-1: free). Mutable: grad() binds on first use.
+  std::vector<Buffer> grad_slot_buf_;
+  mutable std::vector<int> slot_of_bucket_, bucket_of_slot_;
+  int64_t grad_slot_len_ = 0;
   bool main_sharded_ = false;
   bool main_remainders_ = false;  // main_ holds int16 remainders (store_main_as_remainders)
   std::vector<Range> main_ranges_;

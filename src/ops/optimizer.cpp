@@ -110,18 +110,21 @@ void adamw_step(const Tensor& main_param, const Tensor& grad, const Tensor& exp_
 
 AdamWPlan::AdamWPlan(const std::vector<AdamWRun>& runs, Device device, const Stream& stream) {
   std::vector<std::pair<int64_t, int64_t>> mains;
-  for (const AdamWRun& r : runs) {
+  for (AdamWRun r : runs) {
+    if (r.grad < 0) r.grad = r.param;
     MT_CHECK(r.param >= 0 && r.main >= 0 && r.state >= 0 && r.n >= 0,
              "AdamWPlan: run (param {}, main {}, state {}, n {}) has a negative offset or size", r.param, r.main,
              r.state, r.n);
     if (r.n == 0) continue;
     mains.emplace_back(r.main, r.main + r.n);
     param_end_ = std::max(param_end_, r.param + r.n);
+    grad_end_ = std::max(grad_end_, r.grad + r.n);
     main_end_ = std::max(main_end_, r.main + r.n);
     state_end_ = std::max(state_end_, r.state + r.n);
     for (int64_t o = 0; o < r.n; o += kAdamWChunk) {
       AdamWRun c = r;
       c.param += o;
+      c.grad += o;
       c.main += o;
       c.state += o;
       c.n = std::min(kAdamWChunk, r.n - o);
@@ -149,11 +152,11 @@ void adamw_multi_step(const Tensor& main_param, const Tensor& grad, const Tensor
   check_scalars(scalars, stream, "adamw_multi_step");
   check_main_param(main_param, model_param, "adamw_multi_step");
   for (const Tensor* t : {&grad, &exp_avg, &exp_avg_sq}) check_tensor(*t, DType::kF32, {-1}, "adamw_multi_step");
-  MT_CHECK(main_param.numel() >= plan.main_end() && grad.numel() >= plan.param_end() &&
+  MT_CHECK(main_param.numel() >= plan.main_end() && grad.numel() >= plan.grad_end() &&
                exp_avg.numel() >= plan.state_end() && exp_avg_sq.numel() >= plan.state_end(),
            "adamw_multi_step: buffers (main {}, grad {}, exp_avg {}, exp_avg_sq {}) shorter than the plan's ranges "
-           "(main {}, param {}, state {})",
-           main_param.numel(), grad.numel(), exp_avg.numel(), exp_avg_sq.numel(), plan.main_end(), plan.param_end(),
+           "(main {}, grad {}, state {})",
+           main_param.numel(), grad.numel(), exp_avg.numel(), exp_avg_sq.numel(), plan.main_end(), plan.grad_end(),
            plan.state_end());
   if (!model_param.empty()) {
     MT_CHECK(model_param.dtype() == DType::kBF16 || model_param.dtype() == DType::kF16,

@@ -101,12 +101,15 @@ void adamw_step(const Tensor& main_param, const Tensor& grad, const Tensor& exp_
                 const Tensor& model_param, const AdamWHyper& hyper, const Tensor& scalars, const Stream& stream);
 
 /// One run of elements of a multi-tensor AdamW step: flat elements [param, param + n) of the
-/// gradients (and of the model-parameter copy), [main, main + n) of the fp32 main parameters and
-/// [state, state + n) of the moments; decay != 0 applies AdamWHyper::weight_decay, else none.
+/// model-parameter copy, [grad, grad + n) of the gradients (grad < 0: = param; a sharded
+/// gradient, --data-parallel-sharding-strategy optim_grads, is indexed like the moments),
+/// [main, main + n) of the fp32 main parameters and [state, state + n) of the moments; decay != 0
+/// applies AdamWHyper::weight_decay, else none.
 struct AdamWRun {
   int64_t param = 0, main = 0, state = 0, n = 0;
   int32_t decay = 0;
   int32_t pad_ = 0;
+  int64_t grad = -1;
 };
 
 /// Elements per chunk of an AdamWPlan (one CUDA block each; a multiple of 4, so that a chunk
@@ -124,13 +127,14 @@ class AdamWPlan {
   Tensor table() const;
   const std::vector<AdamWRun>& chunks() const { return chunks_; }
   int64_t param_end() const { return param_end_; }  ///< largest param + n
+  int64_t grad_end() const { return grad_end_; }    ///< largest grad + n
   int64_t main_end() const { return main_end_; }
   int64_t state_end() const { return state_end_; }
 
  private:
   std::vector<AdamWRun> chunks_;
   Buffer table_;
-  int64_t param_end_ = 0, main_end_ = 0, state_end_ = 0;
+  int64_t param_end_ = 0, grad_end_ = 0, main_end_ = 0, state_end_ = 0;
 };
 
 /// adamw_step over every run of `plan` in one launch (multi-tensor apply, as apex's

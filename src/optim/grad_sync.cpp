@@ -38,6 +38,11 @@ GradSync::GradSync(ParamStore& params, std::shared_ptr<Communicator> dp, const D
       comm_done_(params.device()) {
   MT_REQUIRE(!config.overlap_param_gather || config.use_distributed_optimizer,
              "--overlap-param-gather requires --use-distributed-optimizer");
+  MT_REQUIRE(!config.shard_grads || config.use_distributed_optimizer,
+             "sharded gradients (--data-parallel-sharding-strategy optim_grads) need the distributed optimizer");
+  MT_REQUIRE(!config.shard_grads || !config.copy_engine,
+             "--ddp-copy-engine with --data-parallel-sharding-strategy optim_grads is not built (docs/fsdp.md)");
+  MT_REQUIRE(config.grad_slots >= 0, "DdpConfig::grad_slots must be >= 0, got {}", config.grad_slots);
   const int n_dp = dp_->size();
   // With overlap the bucket collectives run on this object's communication stream while the
   // caller keeps using its DP communicator on its own stream (loss logging, evaluation). One NCCL
@@ -68,6 +73,19 @@ GradSync::GradSync(ParamStore& params, std::shared_ptr<Communicator> dp, const D
   }
   if (config.grad_reduce_in_bf16 && (n_dp > 1 || n_edp > 1))
     bf16_comm_ = Buffer(params.device(), static_cast<size_t>(largest_bucket(bks)) * 2);
+  if (config.shard_grads) {
+    Stream s(params.device());
+    params.use_grad_slots(config.grad_slots > 0 ? config.grad_slots : params.grad_slots_needed(), s);
+    shard_offset_.assign(bks.size(), 0);
+    int64_t off = 0;
+    for (size_t b = bks.size(); b-- > 0;) {  // ascending offsets, as owned_
+      shard_offset_[b] = off;
+      off += owned_range(b).end - owned_range(b).begin;
+    }
+    shard_ = Buffer(params.device(), static_cast<size_t>(std::max<int64_t>(owned_elements_, 1)) * 4);
+    memset_tensor(grad_shard(), 0, s);
+    s.synchronize();
+  }
   setup_copy_engine();
   for (size_t b = 0; b < bks.size(); ++b) gathered_.push_back(std::make_unique<Event>(params.device()));
   ready_.assign(params.size(), 0);
@@ -143,6 +161,42 @@ void GradSync::reset_grad_state() {
 
 size_t GradSync::grad_reductions_launched() const { return n_launched_; }
 
+Tensor GradSync::grad_shard() const {
+  MT_REQUIRE(config_.shard_grads, "grad_shard: the gradients are not sharded (--data-parallel-sharding-strategy)");
+  return shard_.as(DType::kF32, {owned_elements_});
+}
+
+int64_t GradSync::grad_bytes() const {
+  return params_.grad_storage_bytes() + static_cast<int64_t>(shard_.bytes());
+}
+
+
+void GradSync::reduce_into_shard(size_t b, const Stream& stream) {
+  const ParamBucket& bk = params_.buckets()[b];
+  Communicator& grp = group(bk);
+  const Tensor g = params_.bucket_grads(b);
+  const ParamStore::Range r = owned_range(b);
+  const int64_t o = r.begin - bk.begin, n = r.end - r.begin;
+  if (grp.size() > 1) {
+    if (bf16_comm_.data() != nullptr) {
+      const Tensor c = bf16_comm_.as(DType::kBF16, {bk.numel()});
+      cast(c, g, stream);
+      grp.reduce_scatter(c.flat_range(o, n), c, ReduceOp::kSum, stream);
+      cast(g.flat_range(o, n), c.flat_range(o, n), stream);
+    } else {
+      grp.reduce_scatter(g.flat_range(o, n), g, ReduceOp::kSum, stream);
+    }
+  }
+  const Tensor dst = grad_shard().flat_range(shard_offset_[b], n);
+  add(dst, dst, g.flat_range(o, n), stream);
+  memset_tensor(g, 0, stream);  // a free slot holds zeros
+  params_.release_grad_slot(b);
+  for (size_t i = bk.param_begin; i < bk.param_end; ++i) ready_[i] = 0;
+  waiting_[b] = bk.param_end - bk.param_begin;
+  if (!launched_[b]) ++n_launched_;
+  launched_[b] = 1;
+}
+
 std::pair<size_t, size_t> GradSync::bucket_span(size_t first, size_t end) const {
   return {params_.bucket_of(end - 1), params_.bucket_of(first)};
 }
@@ -214,6 +268,7 @@ void GradSync::zero_grad_buffer(const Stream& stream) {
     comm_done_.wait(stream);
   }
   params_.zero_grads(stream);
+  if (config_.shard_grads) memset_tensor(grad_shard(), 0, stream);
   reset_grad_state();
 }
 
@@ -226,12 +281,18 @@ void GradSync::grads_ready(size_t first, size_t end, const Stream& stream) {
              first, end);
   if (first == end) return;
   for (size_t i = first; i < end; ++i) {
-    MT_REQUIRE(!ready_[i], "grads_ready: parameter {} ('{}') reported twice in one step", i, params_.info(i).name);
+    MT_REQUIRE(!ready_[i], "grads_ready: parameter {} ('{}') reported twice in one {}", i, params_.info(i).name,
+               config_.shard_grads ? "backward (before its bucket was reduced)" : "step");
     ready_[i] = 1;
     --waiting_[params_.bucket_of(i)];
   }
-  if (!config_.overlap_grad_reduce) return;
   const auto [lo, hi] = bucket_span(first, end);
+  if (config_.shard_grads) {
+    for (size_t b = lo; b <= hi; ++b)
+      if (waiting_[b] == 0) reduce_into_shard(b, stream);
+    return;
+  }
+  if (!config_.overlap_grad_reduce) return;
   bool recorded = false;
   for (size_t b = lo; b <= hi; ++b) {
     if (waiting_[b] != 0 || launched_[b]) continue;
@@ -255,6 +316,21 @@ void GradSync::finish_grad_sync(const Stream& stream) {
            params_.info(unwritten).name);
   finish_param_sync(stream);
   const size_t nb = params_.buckets().size();
+  if (config_.shard_grads) {
+    // Every bucket was reduced when its last parameter was reported; one partly reported now
+    // means a backward that did not report all its parameters.
+    for (size_t b = 0; b < nb; ++b) {
+      const ParamBucket& bk = params_.buckets()[b];
+      for (size_t i = bk.param_begin; i < bk.param_end; ++i)
+        MT_CHECK(!ready_[i] || waiting_[b] == 0,
+                 "finish_grad_sync: bucket {} is partly reported ('{}' reported, not all of [{}, {})): its gradients "
+                 "were never reduced into the shard",
+                 b, params_.info(i).name, bk.param_begin, bk.param_end);
+      if (!launched_[b]) reduce_into_shard(b, stream);  // nothing reported (no backward): zeros, collectives matched
+    }
+    finished_ = true;
+    return;
+  }
   if (config_.overlap_grad_reduce) {
     bool recorded = false;
     for (size_t b = 0; b < nb; ++b) {
@@ -279,6 +355,7 @@ void GradSync::finish_grad_sync(const Stream& stream) {
 }
 
 void GradSync::mark_replayed_grad_sync() {
+  MT_REQUIRE(!config_.shard_grads, "CUDA graphs of the whole step with sharded gradients (optim_grads) are not built");
   std::fill(ready_.begin(), ready_.end(), 1);
   std::fill(waiting_.begin(), waiting_.end(), 0);
   std::fill(launched_.begin(), launched_.end(), 1);

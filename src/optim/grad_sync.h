@@ -57,6 +57,19 @@
 // (fp32 reduce-scatter 317 vs 212 GB/s bus bandwidth on 4 H200, docs/benchmarks.md). Where the
 // group does not qualify (CPU, one rank, several hosts, no peer access) the NCCL path is used;
 // copy_engine_active() says whether the group exists.
+//
+// Sharded gradients (DdpConfig::shard_grads, --data-parallel-sharding-strategy optim_grads,
+// Megatron-FSDP's ZeRO-2; docs/fsdp.md): the ParamStore holds no whole gradient buffer, only a
+// few bucket-sized staging slots (ParamStore::use_grad_slots), and this object holds the fp32
+// gradient shard: the owned slice of every bucket, concatenated in ascending flat order (the
+// optimizer state's order, so the shard is indexed like the moments). The model reports every
+// parameter in every backward (grads_every_backward); when a bucket's parameters are all reported
+// its slot is reduce-scattered over the bucket's group (in bf16 with grad_reduce_in_bf16), the
+// owned slice is ADDED into the shard (accumulation over micro-batches), the slot is re-zeroed
+// and unbound. All on the compute stream: the reduce-scatter does not overlap the backward yet
+// (overlap_grad_reduce only splits the communicator). With one micro-batch the shard is bitwise
+// the owned gradient of the distributed optimizer; with several, the sum over micro-batches of
+// DP sums instead of the DP sum of micro-batch sums (same values up to fp32 rounding).
 #pragma once
 #include <memory>
 #include <string>
@@ -85,6 +98,11 @@ struct DdpConfig {
   bool copy_engine = false;
   /// --grad-reduce-in-bf16: the gradient reduction in bf16 (see above).
   bool grad_reduce_in_bf16 = false;
+  /// --data-parallel-sharding-strategy optim_grads (ZeRO-2; needs use_distributed_optimizer): see
+  /// "Sharded gradients" above.
+  bool shard_grads = false;
+  /// Staging slots with shard_grads; 0 = grad_slots_needed(the store).
+  int grad_slots = 0;
 };
 
 class GradSync final : public ParamGradHooks {
@@ -191,11 +209,23 @@ class GradSync final : public ParamGradHooks {
   /// Number of bucket reductions launched in the current step (tests, logging).
   size_t grad_reductions_launched() const;
 
+  /// Sharded gradients (DdpConfig::shard_grads): fp32 [owned_elements()], the owned ranges'
+  /// reduced gradients concatenated in ascending order. Error without shard_grads.
+  bool grads_sharded() const { return config_.shard_grads; }
+  Tensor grad_shard() const;
+  /// Bytes of gradient memory this rank holds: the shard plus the store's staging slots
+  /// (shard_grads), else the store's whole buffer.
+  int64_t grad_bytes() const;
+  bool grads_every_backward() const override { return config_.shard_grads; }
+
  private:
   // exposed: nothing computes beside this collective (see "Copy-engine collectives" above), so
   // NCCL, which has the higher bandwidth, runs it even when the copy engine is active.
   void launch_grad_reduce(size_t b, const Stream& stream, bool exposed);
   void launch_param_gather(size_t b, const Stream& stream, bool exposed);
+  // shard_grads: reduce-scatter bucket b's slot, add the owned slice into the shard, re-zero
+  // and release the slot, and make its parameters reportable again.
+  void reduce_into_shard(size_t b, const Stream& stream);
   void reset_grad_state();
   void setup_copy_engine();
   // The first bucket whose length is not a multiple of kAlign · DP (cannot be split into equal
@@ -234,6 +264,8 @@ class GradSync final : public ParamGradHooks {
   DdpConfig config_;
   std::unique_ptr<PeerCopyGroup> peer_copy_;  // copy-engine collectives (null: NCCL / CPU path)
   Buffer bf16_comm_;                          // --grad-reduce-in-bf16: largest bucket, bf16
+  Buffer shard_;                              // shard_grads: fp32 [owned_elements_]
+  std::vector<int64_t> shard_offset_;         // per bucket: where its owned slice starts in shard_
   std::string why_not_copy_engine_;
   size_t copy_engine_collectives_ = 0;
   bool distributed_ = false;

@@ -68,6 +68,9 @@ void AdamWOptimizer::init(const Stream& stream) {
   MT_REQUIRE(config.optimizer == "adam" || config.optimizer == "muon", "--optimizer '{}' is not one of adam, muon",
              config.optimizer);
   const bool muon = config.optimizer == "muon";
+  MT_REQUIRE(!(muon && sync_->grads_sharded()),
+             "--optimizer muon with sharded gradients (--data-parallel-sharding-strategy optim_grads) is not built: "
+             "Muon reads whole gradient matrices");
   if (muon) validate_muon_config(config.muon);
   owned_n_ = sync_->owned_elements();
   // Remainders before sharding (every rank still holds the whole fp32 copy, so every rank's bf16
@@ -128,7 +131,8 @@ void AdamWOptimizer::init(const Stream& stream) {
                !(muon && is_muon_parameter(p));
       }));
       for (const auto& p : pieces)
-        runs.push_back({p.begin, sharded ? p.state : p.begin, moment_index(p), p.n, decay ? 1 : 0, 0});
+        runs.push_back({p.begin, sharded ? p.state : p.begin, moment_index(p), p.n, decay ? 1 : 0, 0,
+                        sync_->grads_sharded() ? p.state : p.begin});
     }
     return runs;
   };
@@ -188,10 +192,12 @@ void AdamWOptimizer::step(float lr, const Stream& stream, Timers* timers, const 
   sync_->finish_grad_sync(stream);  // no-op when the step already called it
   ScopedTimer whole(timers, Timers::kOptimizer, stream);
   const Tensor sc = scalars();
-  const Tensor grads = params_.grads_flat();
+  // Sharded gradients (optim_grads) are indexed like the moments (Piece::state), else by flat index.
+  const bool gs = sync_->grads_sharded();
+  const Tensor grads = gs ? sync_->grad_shard() : params_.grads_flat();
   {
     ScopedTimer clip(timers, Timers::kOptimizerClipMainGrad, stream);
-    for (const auto& p : norm_pieces_) grad_sumsq_accumulate(sc, grads.flat_range(p.begin, p.n), stream);
+    for (const auto& p : norm_pieces_) grad_sumsq_accumulate(sc, grads.flat_range(gs ? p.state : p.begin, p.n), stream);
     const Tensor sumsq(static_cast<char*>(scalars_.data()) + offsetof(OptimizerScalars, grad_sumsq), DType::kF32,
                        scalars_.device(), {1});
     if (sync_->distributed()) sync_->dp()->all_reduce(sumsq, ReduceOp::kSum, stream);
@@ -204,7 +210,8 @@ void AdamWOptimizer::step(float lr, const Stream& stream, Timers* timers, const 
       copy(Tensor(static_cast<char*>(expert_scalars_.data()) + offsetof(OptimizerScalars, loss_scale), DType::kF32,
                   expert_scalars_.device(), {1}),
            loss_scale_tensor(), stream);
-      for (const auto& p : expert_norm_pieces_) grad_sumsq_accumulate(esc, grads.flat_range(p.begin, p.n), stream);
+      for (const auto& p : expert_norm_pieces_)
+        grad_sumsq_accumulate(esc, grads.flat_range(gs ? p.state : p.begin, p.n), stream);
       if (sync_->distributed()) sync_->edp()->all_reduce(esumsq, ReduceOp::kSum, stream);
       if (groups_.expert_mp && groups_.expert_mp->size() > 1)
         groups_.expert_mp->all_reduce(esumsq, ReduceOp::kSum, stream);

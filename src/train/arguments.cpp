@@ -61,6 +61,7 @@ DdpConfig PretrainArgs::ddp_config() const {
   c.copy_engine = ddp_copy_engine;
   c.grad_reduce_in_bf16 = grad_reduce_in_bf16;
   c.use_distributed_optimizer = use_distributed_optimizer;
+  c.shard_grads = shard_grads();
   return c;
 }
 
@@ -68,7 +69,11 @@ ParamLayout PretrainArgs::param_layout() const {
   ParamLayout l;
   l.data_parallel_size = std::max(data_parallel_size, 1);
   l.expert_data_parallel_size = std::max(expert_data_parallel_size, 1);
-  l.bucket_size = overlap_grad_reduce ? ddp_bucket_size.value_or(default_ddp_bucket_size(l.data_parallel_size)) : 0;
+  // optim_grads stages the gradients per bucket: one bucket would hold the whole gradient.
+  l.bucket_size = overlap_grad_reduce || shard_grads()
+                      ? ddp_bucket_size.value_or(default_ddp_bucket_size(l.data_parallel_size))
+                      : 0;
+  l.isolate_word_embedding = shard_grads() && pipeline_model_parallel_size > 1;
   return l;
 }
 
@@ -570,7 +575,7 @@ void add_parallel_options(CLI::App& app, PretrainArgs& a) {
                "(docs/fsdp.md)");
   app.add_option("--data-parallel-sharding-strategy", a.data_parallel_sharding_strategy,
                  "With --use-megatron-fsdp: no_shard (plain DDP), optim (the distributed optimizer, ZeRO-1); "
-                 "optim_grads (ZeRO-2) and optim_grads_params (ZeRO-3) are not built yet")
+                 "optim_grads (ZeRO-2: gradients reduce-scattered per micro-batch into shards); optim_grads_params (ZeRO-3) is not built yet")
       ->check(CLI::IsMember({"no_shard", "optim", "optim_grads", "optim_grads_params"}));
   app.add_option("--outer-dp-sharding-strategy", a.outer_dp_sharding_strategy,
                  "Megatron-FSDP's hybrid sharding across groups of ranks: only no_shard (one group) is built")
@@ -774,9 +779,9 @@ void resolve_megatron_fsdp(PretrainArgs& a) {
       MT_REQUIRE(!given(f), "{} given without --use-megatron-fsdp: it applies only to Megatron-FSDP", f);
   }
   const std::string& s = a.data_parallel_sharding_strategy;
-  MT_REQUIRE(s == "no_shard" || s == "optim",
-             "--data-parallel-sharding-strategy {} is not built yet (docs/fsdp.md); built: no_shard (plain DDP) and "
-             "optim (the distributed optimizer, ZeRO-1)",
+  MT_REQUIRE(s == "no_shard" || s == "optim" || s == "optim_grads",
+             "--data-parallel-sharding-strategy {} is not built yet (docs/fsdp.md); built: no_shard (plain DDP), "
+             "optim (the distributed optimizer, ZeRO-1) and optim_grads (ZeRO-2)",
              s);
   MT_REQUIRE(a.outer_dp_sharding_strategy == "no_shard",
              "--outer-dp-sharding-strategy {} (hybrid sharding) is not built yet; built: no_shard",
@@ -790,7 +795,20 @@ void resolve_megatron_fsdp(PretrainArgs& a) {
   MT_REQUIRE(s != "no_shard" || !a.use_distributed_optimizer,
              "--use-distributed-optimizer contradicts --data-parallel-sharding-strategy no_shard (optimizer state "
              "not sharded); use --data-parallel-sharding-strategy optim");
-  a.use_distributed_optimizer = s == "optim";
+  a.use_distributed_optimizer = s == "optim" || s == "optim_grads";
+  if (s == "optim_grads") {
+    // What the gradient staging (docs/fsdp.md "optim_grads") does not support yet.
+    MT_REQUIRE(a.num_layers_per_virtual_pipeline_stage == 0,
+               "--data-parallel-sharding-strategy optim_grads with the interleaved pipeline schedule "
+               "(--num-layers-per-virtual-pipeline-stage {}) is not built: a bucket may span model chunks whose "
+               "backwards interleave (docs/fsdp.md)",
+               a.num_layers_per_virtual_pipeline_stage);
+    MT_REQUIRE(!a.cuda_graph.enabled(),
+               "--data-parallel-sharding-strategy optim_grads with --cuda-graph-impl {} is not built (the staging "
+               "slots are bound on the host per backward; docs/fsdp.md)",
+               a.cuda_graph.impl);
+    MT_REQUIRE(!a.ddp_copy_engine, "--data-parallel-sharding-strategy optim_grads with --ddp-copy-engine is not built");
+  }
   if (a.megatron_fsdp_grad_comm_dtype == "bf16") a.grad_reduce_in_bf16 = true;
   MT_REQUIRE(a.megatron_fsdp_grad_comm_dtype != "fp32" || !a.grad_reduce_in_bf16,
              "--megatron-fsdp-grad-comm-dtype fp32 contradicts --grad-reduce-in-bf16");

@@ -143,16 +143,19 @@ struct PretrainArgs {
   bool ddp_copy_engine = false;            ///< --ddp-copy-engine (DdpConfig::copy_engine)
   bool grad_reduce_in_bf16 = false;        ///< --grad-reduce-in-bf16 (DdpConfig::grad_reduce_in_bf16)
   /// --use-megatron-fsdp: Megatron-FSDP's sharding strategies (docs/fsdp.md). Built:
-  /// --data-parallel-sharding-strategy no_shard (plain DDP) and optim (== --use-distributed-
-  /// optimizer); optim_grads and optim_grads_params are refused by validate_pretrain_args.
+  /// --data-parallel-sharding-strategy no_shard (plain DDP), optim (== --use-distributed-
+  /// optimizer) and optim_grads (the distributed optimizer with sharded gradients,
+  /// DdpConfig::shard_grads); optim_grads_params is refused at parse.
   bool use_megatron_fsdp = false;
+  /// --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads.
+  bool shard_grads() const { return use_megatron_fsdp && data_parallel_sharding_strategy == "optim_grads"; }
   std::string data_parallel_sharding_strategy = "no_shard";  ///< --data-parallel-sharding-strategy
   std::string outer_dp_sharding_strategy = "no_shard";       ///< --outer-dp-sharding-strategy
   int num_distributed_optimizer_instances = 1;               ///< --num-distributed-optimizer-instances
   bool fsdp_double_buffer = false;                           ///< --fsdp-double-buffer
   std::string megatron_fsdp_grad_comm_dtype;                 ///< --megatron-fsdp-grad-comm-dtype ("" = fp32)
   /// --ddp-bucket-size in elements; unset = Megatron's max(40M, 1M · DP). Only used with
-  /// --overlap-grad-reduce (without it there is one bucket, as in Megatron).
+  /// --overlap-grad-reduce or optim_grads (otherwise there is one bucket, as in Megatron).
   std::optional<int64_t> ddp_bucket_size;
   double distributed_timeout_minutes = 10;  ///< --distributed-timeout-minutes
   int nproc_per_node = 1;                  ///< --nproc-per-node (ours; the local launcher)

@@ -59,7 +59,16 @@ MemoryEstimate estimate_training_memory(const MemoryEstimateInputs& in) {
                          (separate_main && !remainders && in.dtype == DType::kBF16
                               ? "; --use-precision-aware-optimizer halves it"
                               : "")});
-  e.parts.push_back({"gradients (fp32)", total * 4, kModelRemedy});
+  // optim_grads: the owned shard (GradSync::grad_shard) and the staging slots (ParamStore::use_grad_slots)
+  if (in.grad_slots > 0)
+    e.parts.push_back({fmt::format("gradients (fp32 shard and {} staging slots)", in.grad_slots),
+                       owned * 4 + static_cast<size_t>(in.grad_slots) * static_cast<size_t>(m.params.largest_bucket) * 4 +
+                           expert * 4,  // expert buckets are not staged (ParamStore::use_grad_slots)
+                       "a smaller --ddp-bucket-size"});
+  else
+    e.parts.push_back({"gradients (fp32)", total * 4,
+                       std::string(kModelRemedy) + "; --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads "
+                                                   "shards it over DP"});
   // the moments, and AdamW's chunk table (AdamWPlan: at most one partial chunk per owned piece,
   // a piece being a parameter's run cut by the owned range of its bucket)
   const size_t chunks = (owned + kAdamWChunk - 1) / kAdamWChunk + static_cast<size_t>(m.params.count + m.params.buckets);
@@ -223,7 +232,7 @@ void check_config_memory(const TransformerConfig& c, int tp, int ep, const pipel
   LD bytes = w.total() * static_cast<LD>(dtype_size(o.dtype)) + w.total() * 4 * o.extra_fp32_copies;
   if (o.training) {
     if (separate_main) bytes += owned * (o.store_param_remainders ? 2 : 4);  // main parameters
-    bytes += w.total() * 4 + owned * 8;                                       // gradients, Adam moments
+    bytes += (o.shard_grads ? owned : w.total()) * 4 + owned * 8;  // gradients (staging not counted), Adam moments
   }
   if (bytes <= static_cast<LD>(available)) return;
   std::string sizes = fmt::format("--num-layers {}, --hidden-size {}, --num-attention-heads {}, --ffn-hidden-size {}",
@@ -264,6 +273,7 @@ void check_pretrain_memory(const PretrainArgs& args, const ParallelConfig& pc, c
   ConfigMemoryOptions o;
   o.dtype = args.dtype();
   o.distributed_optimizer = args.use_distributed_optimizer;
+  o.shard_grads = args.shard_grads();
   o.store_param_remainders = args.use_precision_aware_optimizer && args.bf16;
   o.data_parallel = static_cast<int64_t>(pc.dp) * pc.cp;  // the trainer shards over dp-cp
   o.expert_data_parallel = pc.edp;

@@ -30,6 +30,9 @@ struct MemoryEstimateInputs {
   int64_t data_parallel = 1;          ///< ranks the dense parameters are sharded over (dp-cp)
   int64_t expert_data_parallel = 1;   ///< ranks the expert parameters are sharded over (edp)
   bool grad_reduce_in_bf16 = false;   ///< --grad-reduce-in-bf16: a bf16 copy of the largest bucket
+  /// optim_grads (DdpConfig::shard_grads): gradients are the owned shard plus this many staging
+  /// slots of the largest bucket (0: the whole fp32 gradient buffer)
+  int grad_slots = 0;
   size_t pipeline_grad_bytes = 0;     ///< the pipeline executor's received-gradient buffers
   size_t batch_bytes = 0;             ///< the staged micro-batches on the device
   /// --optimizer muon (optim/muon.h muon_memory): the rank's Muon matrix elements (dense, expert),
@@ -94,6 +97,7 @@ struct ConfigMemoryOptions {
   bool training = true;                ///< gradients and Adam moments too (false: inference)
   bool distributed_optimizer = false;  ///< main params (of bf16/fp16) and moments sharded over DP
   bool store_param_remainders = false; ///< --use-precision-aware-optimizer
+  bool shard_grads = false;            ///< optim_grads: fp32 gradients sharded too (staging not counted)
   int64_t data_parallel = 1, expert_data_parallel = 1;
   /// Host copies made besides the parameters (import-hf / export-hf keep the weights twice in fp32).
   int extra_fp32_copies = 0;

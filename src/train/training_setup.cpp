@@ -104,6 +104,7 @@ MemoryEstimate estimate_rank_memory(const ModelSetupOptions& o, const ProcessGro
                                    param_layout, s.model_layout);
   in.dtype = o.dtype;
   in.distributed_optimizer = o.ddp.use_distributed_optimizer;
+  if (o.ddp.shard_grads) in.grad_slots = o.ddp.grad_slots > 0 ? o.ddp.grad_slots : in.model.params.grad_slots;
   in.store_param_remainders = o.optim.store_param_remainders;
   in.data_parallel = groups.dp_cp->size();
   in.expert_data_parallel = groups.edp->size();

@@ -79,6 +79,7 @@ struct Layout {
   bool p2p_overlap = false;    // --overlap-p2p-communication
   bool graph = false;          // the full-iteration CUDA graph (optimizer included), captured after one step
   bool deterministic = false;  // --deterministic-mode (no float atomics: two runs can agree bit for bit)
+  bool shard_grads = false;    // optim_grads (ZeRO-2; with zero): gradients reduce-scattered per micro-batch
   std::string name() const {
     std::string s = fmt::format("{}tp{}_pp{}", llama ? "llama_" : "", tp, pp);
     if (vpp > 1) s += fmt::format("_vpp{}", vpp);
@@ -88,6 +89,7 @@ struct Layout {
     if (tp_overlap) s += "_tpoverlap";
     if (p2p_overlap) s += "_p2poverlap";
     if (graph) s += "_graph";
+    if (shard_grads) s += "_optim_grads";
     return s;
   }
 };
@@ -118,8 +120,9 @@ RunResult train(const std::shared_ptr<Communicator>& world, const Layout& L, DTy
   o.sequence_parallel = L.sp;
   o.dtype = dtype;
   o.device = dev;
-  o.param_layout.bucket_size = L.overlap ? 30000 : 0;
+  o.param_layout.bucket_size = L.overlap || L.shard_grads ? 30000 : 0;
   o.ddp = DdpConfig{L.overlap, L.overlap && L.zero, L.zero};
+  o.ddp.shard_grads = L.shard_grads;
   o.optim.eps = 1e-5f;
   Stream st(dev);
   ModelSetup setup(world, o, st);
@@ -166,7 +169,8 @@ RunResult train(const std::shared_ptr<Communicator>& world, const Layout& L, DTy
   const ParamStore& P = model.params();
   for (size_t i = 0; i < P.size(); ++i) {
     r.infos.push_back(P.info(i));
-    r.grads.push_back(testing::to_host(P.grad(i), st));
+    // optim_grads holds no whole gradient (only the owned shard): the parameters are compared
+    r.grads.push_back(L.shard_grads ? std::vector<float>{} : testing::to_host(P.grad(i), st));
     r.params.push_back(testing::to_host(P.param(i), st));
   }
   return r;
@@ -238,6 +242,16 @@ TEST(ParallelLayoutsNccl, Bf16LayoutsMatchOneGpu) {
   } else {
     layouts = {{4, 1, 0, true}, {2, 1, 0, true, true, true}, {2, 2, 0, true}, {1, 4, 0}, {1, 2, 2, false, false, true},
                {1, 1, 0, false, true, true}};
+  }
+  {  // optim_grads (ZeRO-2): DP over every rank, and TP 2 + SP x DP 2 on 4 GPUs
+    Layout z;
+    z.zero = z.shard_grads = true;
+    layouts.push_back(z);
+    if (world->size() == 4) {
+      z.tp = 2;
+      z.sp = true;
+      layouts.push_back(z);
+    }
   }
   for (const Layout& L : layouts) {
     const RunResult par = train(world, L, DType::kBF16, dev, tokens, labels, mb, num_micro);

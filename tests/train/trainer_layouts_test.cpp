@@ -119,7 +119,6 @@ TEST_F(TrainerLayouts, MegatronFsdpStrategiesAliasTodaysPaths) {
   EXPECT_FALSE(testing::parse_pretrain_args(flags("--nproc-per-node 2" + fsdp + "no_shard")).use_distributed_optimizer);
   EXPECT_TRUE(testing::parse_pretrain_args(flags("--nproc-per-node 2" + fsdp + "optim")).use_distributed_optimizer);
   for (const auto& [bad, msg] : std::vector<std::pair<std::string, std::string>>{
-           {fsdp + "optim_grads", "--data-parallel-sharding-strategy optim_grads is not built yet"},
            {fsdp + "optim_grads_params", "--data-parallel-sharding-strategy optim_grads_params is not built yet"},
            {fsdp + "zero3", "zero3"},
            {" --data-parallel-sharding-strategy optim", "given without --use-megatron-fsdp"},
@@ -609,6 +608,84 @@ TEST_F(TrainerLayouts, BadLayoutErrors) {
             "--global-batch-size 6",
             "number of micro-batches (3)"}})
     expect_error_text([&] { train("--train-iters 2 " + extra); }, message, extra);
+}
+
+// --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads (ZeRO-2, docs/fsdp.md): the
+// gradients are reduce-scattered per micro-batch into a shard through staging slots. Bitwise equal
+// to optim (the distributed optimizer with the same buckets) where each rank runs one micro-batch
+// (the sums are then taken in the same order; fp32 and bf16 reduction, TP 2 + SP); with gradient
+// accumulation (DP 2: 2 micro-batches per rank) and under TP+SP, PP (tied embedding), CP and EP the
+// one-rank losses and gradient norms within the layout tolerances; checkpoints written under
+// optim_grads resume under optim and back on the same curve; the memory estimate's gradient term
+// is the bytes the ranks allocate for gradients (shard + slots), less than a whole buffer.
+TEST_F(TrainerLayouts, MegatronFsdpOptimGrads) {
+  const std::string og = " --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads --ddp-bucket-size 3000";
+  const std::string optim = " --use-distributed-optimizer --overlap-grad-reduce --ddp-bucket-size 3000";
+  const auto expect_identical = [](const TrainingResult& a, const TrainingResult& b, const std::string& what) {
+    ASSERT_EQ(a.losses.size(), 4u) << what;
+    EXPECT_EQ(a.losses, b.losses) << what;
+    ASSERT_EQ(a.log.size(), b.log.size()) << what;
+    for (size_t i = 0; i < a.log.size(); ++i) EXPECT_EQ(a.log[i].point.grad_norm, b.log[i].point.grad_norm) << what;
+  };
+  for (const std::string layout : {"--nproc-per-node 4", "--nproc-per-node 4 --megatron-fsdp-grad-comm-dtype bf16",
+                                   "--nproc-per-node 4 --tensor-model-parallel-size 2 --sequence-parallel "
+                                   "--global-batch-size 4"}) {
+    SCOPED_TRACE(layout);
+    std::string today = layout;
+    if (const size_t at = today.find(" --megatron-fsdp-grad-comm-dtype bf16"); at != std::string::npos)
+      today.replace(at, 37, " --grad-reduce-in-bf16");
+    expect_identical(train("--train-iters 4 " + layout + og), train("--train-iters 4 " + today + optim), layout);
+  }
+  const auto expect_near_one_rank = [](const TrainingResult& a, const TrainingResult& ref, const std::string& what) {
+    expect_same_losses(a, ref, what);
+    ASSERT_EQ(a.log.size(), ref.log.size()) << what;
+    for (size_t i = 0; i < a.log.size(); ++i)
+      EXPECT_NEAR(a.log[i].point.grad_norm, ref.log[i].point.grad_norm, 1e-4 * ref.log[i].point.grad_norm) << what;
+  };
+  const TrainingResult ref = train("--train-iters 4");
+  for (const std::string layout : {"--nproc-per-node 2", "--nproc-per-node 4",
+                                   "--nproc-per-node 4 --tensor-model-parallel-size 2 --sequence-parallel",
+                                   "--nproc-per-node 4 --pipeline-model-parallel-size 2",
+                                   "--nproc-per-node 4 --context-parallel-size 2"}) {
+    SCOPED_TRACE(layout);
+    expect_near_one_rank(train("--train-iters 4 " + layout + og), ref, layout);
+  }
+  const std::string moe = kTinyMoe;
+  expect_near_one_rank(train("--train-iters 4 --nproc-per-node 4 --expert-model-parallel-size 2" + moe + og),
+                       train("--train-iters 4" + moe), "EP 2 x DP 4");
+  // Checkpoints: optim_grads -> optim and optim -> optim_grads on the one-layout curve.
+  const TrainingResult whole = train("--train-iters 6 --nproc-per-node 2" + og);
+  for (const auto& [from, to, name] : std::vector<std::tuple<std::string, std::string, std::string>>{
+           {og, optim, "og_to_optim"}, {optim, og, "optim_to_og"}}) {
+    SCOPED_TRACE(name);
+    TrainingResult first, curve;
+    ASSERT_NO_FATAL_FAILURE(save_half(dir(name), "--nproc-per-node 2" + from, &first));
+    ASSERT_NO_FATAL_FAILURE(resume(first, dir(name), "--nproc-per-node 2" + to, &curve));
+    expect_same_losses(curve, whole, name);
+  }
+  // Memory: the estimate's gradient term == the gradient bytes allocated (shard + staging slots),
+  // less than a whole gradient once the model has more than a few buckets (8 layers, DP 4; the
+  // slots are as large as the largest bucket, here the word embedding's).
+  const std::string f = flags("--train-iters 1 --num-layers 8 --nproc-per-node 4" + og);
+  run_thread_ranks(4, [&](int, std::shared_ptr<Communicator> world) {
+    TrainingSetup setup(testing::parse_pretrain_args(f), std::move(world), Device::cpu());
+    const GradSync& gs = setup.model_setup().grad_sync();
+    const ParamStore& ps = gs.params();
+    EXPECT_TRUE(gs.grads_sharded());
+    EXPECT_LT(ps.grad_slots(), static_cast<int>(ps.buckets().size()));
+    int64_t largest = 0;
+    for (const ParamBucket& b : ps.buckets()) largest = std::max(largest, b.numel());
+    EXPECT_EQ(gs.grad_bytes(), (gs.owned_elements() + ps.grad_slots() * largest) * 4);
+    EXPECT_LT(gs.grad_bytes(), ps.total_elements() * 4);
+    size_t estimated = 0;
+    for (const MemoryPart& p : setup.model_setup().memory_estimate().parts)
+      if (p.name.rfind("gradients", 0) == 0) estimated = p.bytes;
+    EXPECT_EQ(estimated, static_cast<size_t>(gs.grad_bytes()));
+  });
+  for (const auto& [bad, msg] : std::vector<std::pair<std::string, std::string>>{
+           {" --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1", "interleaved pipeline"},
+           {" --optimizer muon", "--optimizer muon with sharded gradients"}})
+    expect_error_text([&] { train("--train-iters 1 --nproc-per-node 2" + og + bad); }, msg, bad);
 }
 
 }  // namespace

@@ -71,14 +71,14 @@ void adamw_runs(const Tensor& main_param, const Tensor& grad, const Tensor& exp_
     if (remainders) {
       for (int64_t i = 0; i < r.n; ++i) {
         float pi = detail::merge_f32_remainder(mp[r.param + i], rem[r.main + i]);
-        detail::adamw_element(pi, g[r.param + i], m[r.state + i], v[r.state + i], h, c);
+        detail::adamw_element(pi, g[r.grad + i], m[r.state + i], v[r.state + i], h, c);
         detail::split_f32_remainder(pi, mp[r.param + i], rem[r.main + i]);
       }
       continue;
     }
     for (int64_t i = 0; i < r.n; ++i) {
       float& pi = p[r.main + i];
-      detail::adamw_element(pi, g[r.param + i], m[r.state + i], v[r.state + i], h, c);
+      detail::adamw_element(pi, g[r.grad + i], m[r.state + i], v[r.state + i], h, c);
       if (mp) mp[r.param + i] = md == DType::kBF16 ? f32_to_bf16_bits(pi) : f32_to_f16_bits(pi);
     }
   }

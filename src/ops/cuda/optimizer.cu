@@ -204,11 +204,11 @@ __global__ void __launch_bounds__(kAdamThreads)
   const AdamWRun r = chunks[blockIdx.x];
   if (!r.decay) h.weight_decay = 0.f;
   const detail::AdamWCoeffs c = detail::adamw_coeffs(h, *s);
-  if (kVec && r.param % 4 == 0 && r.main % 4 == 0 && r.state % 4 == 0) {
-    adamw_rem_range<true>(model + r.param, rem + r.main, g + r.param, m + r.state, v + r.state, r.n, h, c,
+  if (kVec && r.param % 4 == 0 && r.grad % 4 == 0 && r.main % 4 == 0 && r.state % 4 == 0) {
+    adamw_rem_range<true>(model + r.param, rem + r.main, g + r.grad, m + r.state, v + r.state, r.n, h, c,
                           threadIdx.x, blockDim.x);
   } else {
-    adamw_rem_range<false>(model + r.param, rem + r.main, g + r.param, m + r.state, v + r.state, r.n, h, c,
+    adamw_rem_range<false>(model + r.param, rem + r.main, g + r.grad, m + r.state, v + r.state, r.n, h, c,
                            threadIdx.x, blockDim.x);
   }
 }
@@ -290,10 +290,10 @@ __global__ void __launch_bounds__(kAdamThreads)
   const detail::AdamWCoeffs c = detail::adamw_coeffs(h, *s);
   P* mo = nullptr;
   if constexpr (!std::is_void_v<P>) mo = model + r.param;
-  if (kVec && r.param % 4 == 0 && r.main % 4 == 0 && r.state % 4 == 0) {
-    adamw_range<P, true>(p + r.main, g + r.param, m + r.state, v + r.state, mo, r.n, h, c, threadIdx.x, blockDim.x);
+  if (kVec && r.param % 4 == 0 && r.grad % 4 == 0 && r.main % 4 == 0 && r.state % 4 == 0) {
+    adamw_range<P, true>(p + r.main, g + r.grad, m + r.state, v + r.state, mo, r.n, h, c, threadIdx.x, blockDim.x);
   } else {
-    adamw_range<P, false>(p + r.main, g + r.param, m + r.state, v + r.state, mo, r.n, h, c, threadIdx.x, blockDim.x);
+    adamw_range<P, false>(p + r.main, g + r.grad, m + r.state, v + r.state, mo, r.n, h, c, threadIdx.x, blockDim.x);
   }
 }
 
