@@ -147,7 +147,10 @@ Fixture make_fixture(const Ds& d, const std::string& name, DType dtype = DType::
     // Non-negative biases keep every score + bias > 0 (transformers masks the other groups with 0);
     // as large as the sigmoid scores' range, so that they move the selection. DeepSeek-V2 has none.
     if (!d.v2) {
-      fx.w[p + "mlp.gate.e_score_correction_bias"] = testing::randu(d.E, 0.f, 1.f);
+      // (up to 4, beyond the sigmoid scores' (0, 1): the bias decides the choice, so the negative
+      // control that drops it always routes differently; with biases below 1 some seeds routed
+      // the few test tokens the same way with and without them)
+      fx.w[p + "mlp.gate.e_score_correction_bias"] = testing::randu(d.E, 0.f, 4.f);
       fx.shapes[p + "mlp.gate.e_score_correction_bias"] = {d.E};
     }
     for (int64_t e = 0; e < d.E; ++e) mlp(fmt::format("{}mlp.experts.{}.", p, e), d.fe);

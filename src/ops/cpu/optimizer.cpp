@@ -89,7 +89,7 @@ void adamw_step(const Tensor& main_param, const Tensor& grad, const Tensor& exp_
                 const Tensor& model_param, const AdamWHyper& hyper, const Tensor& scalars, const Stream&) {
   std::vector<AdamWRun> chunks;
   for (int64_t o = 0; o < main_param.numel(); o += kAdamWChunk)
-    chunks.push_back({o, o, o, std::min(kAdamWChunk, main_param.numel() - o), 1, 0});
+    chunks.push_back({o, o, o, std::min(kAdamWChunk, main_param.numel() - o), 1, 0, o});
   adamw_runs(main_param, grad, exp_avg, exp_avg_sq, model_param, chunks, hyper, scalars, "adamw_step");
 }
 
