@@ -163,6 +163,17 @@ bool rope_interleave(const json& config, HfArchitecture arch) {
 
 // --- MoE ------------------------------------------------------------------------------------
 
+/// DeepSeek's training-only fields (its released config.json; transformers ignores them):
+/// aux_loss_alpha with seq_aux -> the sequence-level or the batch aux loss, else none.
+void load_balancing(const Fields& f, TransformerConfig& c) {
+  const float alpha = f.get_or<float>("aux_loss_alpha", 0.f);
+  if (alpha > 0.f)
+    c.set_moe_load_balancing(f.get_or<bool>("seq_aux", true) ? MoeLoadBalancing::kSeqAuxLoss : MoeLoadBalancing::kAuxLoss,
+                             alpha);
+  else
+    c.set_moe_load_balancing(MoeLoadBalancing::kNone, 0.f);
+}
+
 /// The routing fields: transformers' DeepseekV3MoE.route_tokens_to_experts (sigmoid scores s,
 /// selection on s + e_score_correction_bias, group score = sum of a group's best 2, the best
 /// topk_group groups compete, weights s[top] normalised when norm_topk_prob, times
@@ -196,13 +207,7 @@ void moe_routing(const Fields& f, TransformerConfig& c) {
     c.moe_router_num_groups = groups;
     c.moe_router_group_topk = group_topk;
   }
-  // DeepSeek's training-only fields (its released config.json; transformers ignores them).
-  const float alpha = f.get_or<float>("aux_loss_alpha", 0.f);
-  if (alpha > 0.f)
-    c.set_moe_load_balancing(f.get_or<bool>("seq_aux", true) ? MoeLoadBalancing::kSeqAuxLoss : MoeLoadBalancing::kAuxLoss,
-                             alpha);
-  else
-    c.set_moe_load_balancing(MoeLoadBalancing::kNone, 0.f);
+  load_balancing(f, c);
 }
 
 /// DeepseekV2MoE.route_tokens_to_experts: softmax over all experts (fp32), then topk_method
@@ -244,12 +249,7 @@ void moe_routing_v2(const Fields& f, TransformerConfig& c) {
       c.moe_router_group_topk = group_topk;
     }
   }
-  const float alpha = f.get_or<float>("aux_loss_alpha", 0.f);
-  if (alpha > 0.f)
-    c.set_moe_load_balancing(f.get_or<bool>("seq_aux", true) ? MoeLoadBalancing::kSeqAuxLoss : MoeLoadBalancing::kAuxLoss,
-                             alpha);
-  else
-    c.set_moe_load_balancing(MoeLoadBalancing::kNone, 0.f);
+  load_balancing(f, c);
 }
 
 /// The families' defaults (configuration_deepseek_v2.py / configuration_deepseek_v3.py).
