@@ -113,9 +113,7 @@ def main():
     torch.backends.cuda.matmul.allow_tf32 = True
     dev = "cuda"
     cfg = make_config(a)
-    print(f"config: transformers {transformers.__version__}, torch {torch.__version__}, "
-          f"experts implementation {getattr(cfg, '_experts_implementation', None) or 'default'}, "
-          f"attention {getattr(cfg, '_attn_implementation', None) or 'default'}; {a.layers} layers, hidden {a.hidden}, "
+    print(f"config: transformers {transformers.__version__}, torch {torch.__version__}; {a.layers} layers, hidden {a.hidden}, "
           f"{a.heads} heads, MLA kv-lora {a.kv_lora} qk {a.qk_head}+{a.qk_pos} v {a.v_head}, dense ffn {a.ffn}, "
           f"{a.experts} experts top-{a.topk} (4 groups, top-2) + 1 shared, moe ffn {a.moe_ffn}, seq {a.seq}, "
           f"micro-batch {a.micro_batch_size}, global batch {a.global_batch_size}")
@@ -131,7 +129,10 @@ def main():
         model = transformers.DeepseekV3ForCausalLM(cfg)
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"parameters: {n_params / 1e9:.3f} B (fp32)")
+    mc = model.config
+    print(f"parameters: {n_params / 1e9:.3f} B (fp32); attention implementation "
+          f"{getattr(mc, '_attn_implementation', None) or 'default'}, experts implementation "
+          f"{getattr(mc, '_experts_implementation', None) or 'default'}")
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
