@@ -497,7 +497,26 @@ void GPTModel::recompute_forward(const ChunkState& ch, size_t first, size_t last
   StepContext ctx{mb, dc, /*slot=*/0, st};
   ctx.recompute = true;
   Tensor x = first == 0 ? in : layer_output(ch, first - 1, slot);
-  for (size_t i = first; i <= last; ++i) x = ch.layers[i]->forward(x, ctx);
+  for (size_t i = first; i <= last; ++i) {
+    param_use(ch.layers[i]->param_group(), false, /*backward=*/true, /*begin=*/true, st);
+    x = ch.layers[i]->forward(x, ctx);
+    param_use(ch.layers[i]->param_group(), false, true, /*begin=*/false, st);
+  }
+}
+
+void GPTModel::param_use(size_t group, bool head, bool backward, bool begin, const Stream& st) {
+  if (hooks_ == nullptr || !hooks_->params_every_use()) return;
+  const auto [first, end] = parts_->registry.group_range(group);
+  // Without pipeline parallelism a tied output layer reads the embedding's word embedding.
+  const size_t word = head && parts_->embedding && config_.tied_output() ? parts_->embedding->word_embeddings().index
+                                                                         : ParamStore::kNoParam;
+  if (begin) {
+    hooks_->params_begin(first, end, backward, /*prefetch=*/true, st);
+    if (word != ParamStore::kNoParam) hooks_->params_begin(word, word + 1, backward, /*prefetch=*/false, st);
+  } else {
+    if (word != ParamStore::kNoParam) hooks_->params_end(word, word + 1, backward, st);
+    hooks_->params_end(first, end, backward, st);
+  }
 }
 
 Tensor GPTModel::logits(int head) const {
@@ -566,22 +585,28 @@ Tensor GPTModel::forward_chunk(int c, const ChunkBuffers& buf, const MicroBatch&
   const Tensor in = ch.input[static_cast<size_t>(buf.input)];
   const StepContext ctx{mb, dc, buf.slot, st, Tensor(), layer_graphs_};
   if (fp8_) fp8_->set_training(dc.training);  // delayed scaling records training forwards only
+  // Sharded parameters: params_begin / params_end around each unit (param_use) instead.
+  const bool per_use = hooks_ != nullptr && hooks_->params_every_use();
   auto needed = [&](size_t group) {
     const auto [first, end] = parts_->registry.group_range(group);
-    if (first_forward && hooks_ != nullptr && first < end) hooks_->params_needed(first, end, st);
+    if (first_forward && !per_use && hooks_ != nullptr && first < end) hooks_->params_needed(first, end, st);
   };
   if (ch.embedding) {
     needed(ch.embedding->param_group());
+    param_use(ch.embedding->param_group(), false, false, /*begin=*/true, st);
     ch.embedding->forward(in, ctx);
+    param_use(ch.embedding->param_group(), false, false, /*begin=*/false, st);
   }
   Tensor x = in;
   for (size_t i = 0; i < ch.layers.size(); ++i) {
     needed(ch.layers[i]->param_group());
+    param_use(ch.layers[i]->param_group(), false, false, /*begin=*/true, st);
     // FP8: the layer's weights quantised once per step, after their all-gather (needed)
     if (fp8_) fp8_->quantize_weights(ch.range.begin + static_cast<int64_t>(i), first_forward, st);
     StepContext lctx = ctx;
     lctx.slot = ch.slot_of(i, buf.slot);
     x = ch.layers[i]->forward(x, lctx);
+    param_use(ch.layers[i]->param_group(), false, false, /*begin=*/false, st);
     if (ch.ends_group(i)) {  // full recompute: keep the group's output, the next group's input
       const Tensor kept = layer_output(ch, i, buf.slot);
       copy(kept, x, st);
@@ -590,7 +615,9 @@ Tensor GPTModel::forward_chunk(int c, const ChunkBuffers& buf, const MicroBatch&
   }
   if (!ch.head) return x;
   needed(ch.head->param_group());
+  param_use(ch.head->param_group(), true, false, /*begin=*/true, st);
   ch.head->forward(x, loss_accum, loss_weight, compute_loss, head_grad, StepContext{mb, dc, buf.head, st});
+  param_use(ch.head->param_group(), true, false, /*begin=*/false, st);
   // Multi-token prediction: training forwards only (the validation loss is the LM loss, as Megatron's)
   mtp_forwarded_.resize(static_cast<size_t>(chunk(c).loss_slots));
   mtp_forwarded_[static_cast<size_t>(buf.head)] = parts_->mtp && dc.training && compute_loss;
@@ -635,7 +662,9 @@ void GPTModel::backward_chunk(int c, const ChunkBuffers& buf, const MicroBatch& 
                                     if (report) finish_group(group, st);
                                   });
     }
+    param_use(ch.head->param_group(), true, true, /*begin=*/true, st);
     ch.head->backward(g, layer_input(nlayers), grad_scale, loss_scale, StepContext{mb, dc, buf.head, st}, dh0);
+    param_use(ch.head->param_group(), true, true, /*begin=*/false, st);
     if (report) finish_group(ch.head->param_group(), st);
   }
   // The chunk's last backward with the embedding: the first layer's weight gradients wait until
@@ -650,11 +679,13 @@ void GPTModel::backward_chunk(int c, const ChunkBuffers& buf, const MicroBatch& 
       recompute_forward(ch, ch.groups[static_cast<size_t>(ch.group[i])].first, i, in, buf.slot, mb, dc, st);
     StepContext lctx = ctx;
     lctx.slot = ch.slot_of(i, buf.slot);
+    param_use(ch.layers[i]->param_group(), false, true, /*begin=*/true, st);
     ch.layers[i]->backward(layer_input(i), g, lctx, defer ? &deferred_ : nullptr);
+    param_use(ch.layers[i]->param_group(), false, true, /*begin=*/false, st);
     if (report && !defer) finish_group(ch.layers[i]->param_group(), st);
   }
   if (!ch.embedding) return;
-  ch.embedding->backward(g, ctx);
+  ch.embedding->backward(g, ctx);  // reads no parameter (sharded parameters: no param_use)
   if (report) {
     // Report the position embedding first, then the word embedding unless the step executor does
     // (a tied embedding shared with the last stage).
