@@ -728,8 +728,8 @@ TEST_F(TrainerLayouts, MegatronFsdpOptimGradsParams) {
     expect_near_one_rank(train("--train-iters 4 " + layout + ogp), ref, layout);
   }
   const std::string moe = kTinyMoe;
-  expect_near_one_rank(train("--train-iters 4 --nproc-per-node 2 --expert-model-parallel-size 2" + moe + ogp),
-                       train("--train-iters 4" + moe), "EP 2 x DP 2");
+  expect_near_one_rank(train("--train-iters 4 --nproc-per-node 4 --expert-model-parallel-size 2" + moe + ogp),
+                       train("--train-iters 4" + moe), "EP 2 x DP 4");
   // Checkpoints: optim_grads_params -> optim and optim -> optim_grads_params on the one-layout curve.
   const TrainingResult whole = train("--train-iters 6 --nproc-per-node 2" + ogp);
   for (const auto& [from, to, name] : std::vector<std::tuple<std::string, std::string, std::string>>{
