@@ -52,9 +52,12 @@ MemoryEstimate estimate_training_memory(const MemoryEstimateInputs& in) {
   const size_t staged = static_cast<size_t>(in.param_slots) * static_cast<size_t>(m.params.largest_dense_bucket);
   const size_t model_elements = in.param_slots == 0 ? total : (separate_main ? owned : 0) + expert + staged;
   if (separate_main || in.param_slots > 0)
-    e.parts.push_back({in.param_slots > 0 ? fmt::format("model parameters ({}; owned slices and {} staging slots)",
-                                                        dtype_name(in.dtype), in.param_slots)
-                                          : fmt::format("model parameters ({})", dtype_name(in.dtype)),
+    e.parts.push_back({in.param_slots == 0 ? fmt::format("model parameters ({})", dtype_name(in.dtype))
+                       : separate_main
+                           ? fmt::format("model parameters ({}; owned slices and {} staging slots)", dtype_name(in.dtype),
+                                         in.param_slots)
+                           : fmt::format("parameter staging slots ({}; {} slots{})", dtype_name(in.dtype),
+                                         in.param_slots, expert > 0 ? " and the expert buckets" : ""),
                        model_elements * dtype_size(in.dtype),
                        in.param_slots > 0 ? "a smaller --ddp-bucket-size"
                                           : std::string(kModelRemedy) +

@@ -758,7 +758,8 @@ TEST_F(TrainerLayouts, MegatronFsdpOptimGradsParams) {
       EXPECT_LT(model_bytes, ps.total_elements() * es);
       size_t estimated = 0;
       for (const MemoryPart& p : setup.model_setup().memory_estimate().parts)
-        if (p.name.rfind("model parameters", 0) == 0 || p.name.rfind("parameters (fp32)", 0) == 0) estimated += p.bytes;
+        if (p.name.rfind("parameter staging slots", 0) == 0 || p.name.rfind("parameters (fp32)", 0) == 0)
+          estimated += p.bytes;
       EXPECT_EQ(estimated, static_cast<size_t>(model_bytes));
     });
   }
