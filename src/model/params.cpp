@@ -191,13 +191,11 @@ Tensor ParamStore::bucket_grads(size_t b) const {
   }
   int& s = slot_of_bucket_[b];
   if (s < 0) {
-    const auto it = std::find(bucket_of_slot_.begin(), bucket_of_slot_.end(), -1);
-    MT_CHECK(it != bucket_of_slot_.end(),
+    s = take_free_slot(bucket_of_slot_, b);
+    MT_CHECK(s >= 0,
              "gradient staging: bucket {} (parameters '{}'..) needs a slot but all {} are bound (to buckets {}); the "
              "backward writes more buckets before reporting them than planned (docs/fsdp.md)",
              b, infos_[bk.param_begin].name, grad_slots(), fmt::join(bucket_of_slot_, ", "));
-    s = static_cast<int>(it - bucket_of_slot_.begin());
-    *it = static_cast<int>(b);
   }
   return grad_slot_buf_[static_cast<size_t>(s)].as(DType::kF32, {bk.numel()});
 }
@@ -227,25 +225,37 @@ void ParamStore::release_grad_slot(size_t b) {
   s = -1;
 }
 
-int ParamStore::grad_slots_needed() const {
-  // The unit a parameter is reported with: its name up to the layer number for layers, else
-  // its first component.
-  auto unit = [](const std::string& n) {
-    const size_t l = n.find("layers.");
-    if (l != std::string::npos) return n.substr(0, n.find('.', l + 7));
-    return n.substr(0, n.find('.'));
-  };
-  size_t most = 1, dense = 0;  // expert buckets are not staged (use_grad_slots)
+int ParamStore::slots_needed(const std::function<std::string(size_t)>& unit) const {
+  size_t most = 1, dense = 0;  // expert buckets are not staged
   for (const ParamBucket& b : buckets_) dense += b.expert ? 0 : 1;
+  // Units are runs of consecutive parameters (a layer's parameters are consecutive).
   for (size_t i = 0; i < infos_.size();) {
-    const std::string u = unit(infos_[i].name);
+    const std::string u = unit(i);
     std::vector<size_t> bks;
-    for (; i < infos_.size() && unit(infos_[i].name) == u; ++i)
+    for (; i < infos_.size() && unit(i) == u; ++i)
       if (!buckets_[bucket_of_[i]].expert) bks.push_back(bucket_of_[i]);
     std::sort(bks.begin(), bks.end());
     most = std::max<size_t>(most, static_cast<size_t>(std::unique(bks.begin(), bks.end()) - bks.begin()));
   }
   return static_cast<int>(std::max<size_t>(1, std::min(most + 2, dense)));
+}
+
+int ParamStore::grad_slots_needed() const {
+  // The unit a parameter is reported with: its name up to the layer number for layers, else
+  // its first component.
+  return slots_needed([this](size_t i) {
+    const std::string& n = infos_[i].name;
+    const size_t l = n.find("layers.");
+    if (l != std::string::npos) return n.substr(0, n.find('.', l + 7));
+    return n.substr(0, n.find('.'));
+  });
+}
+
+int ParamStore::take_free_slot(std::vector<int>& bucket_of_slot, size_t b) {
+  const auto it = std::find(bucket_of_slot.begin(), bucket_of_slot.end(), -1);
+  if (it == bucket_of_slot.end()) return -1;
+  *it = static_cast<int>(b);
+  return static_cast<int>(it - bucket_of_slot.begin());
 }
 
 int64_t ParamStore::grad_storage_bytes() const {
@@ -270,19 +280,7 @@ int64_t ParamStore::largest_dense_bucket() const {
 }
 
 int ParamStore::param_slots_needed() const {
-  size_t most = 1, dense = 0;
-  for (const ParamBucket& b : buckets_) dense += b.expert ? 0 : 1;
-  // Units are runs of consecutive parameters (a layer's parameters are consecutive); the head's
-  // parameters follow the last layer's.
-  for (size_t i = 0; i < infos_.size();) {
-    const std::string u = unit_of(i);
-    std::vector<size_t> bks;
-    for (; i < infos_.size() && unit_of(i) == u; ++i)
-      if (!buckets_[bucket_of_[i]].expert) bks.push_back(bucket_of_[i]);
-    std::sort(bks.begin(), bks.end());
-    most = std::max<size_t>(most, static_cast<size_t>(std::unique(bks.begin(), bks.end()) - bks.begin()));
-  }
-  return static_cast<int>(std::max<size_t>(1, std::min(most + 2, dense)));
+  return slots_needed([this](size_t i) { return unit_of(i); });
 }
 
 void ParamStore::use_param_slots(const std::vector<Range>& owned, int slots, const Stream& stream) {
@@ -370,13 +368,11 @@ Tensor ParamStore::bind_param_slot(size_t b) {
   MT_REQUIRE(params_staged_ && !buckets_.at(b).expert, "bind_param_slot: bucket {} is not staged", b);
   int& s = slot_of_param_bucket_[b];
   if (s < 0) {
-    const auto it = std::find(bucket_of_param_slot_.begin(), bucket_of_param_slot_.end(), -1);
-    MT_CHECK(it != bucket_of_param_slot_.end(),
+    s = take_free_slot(bucket_of_param_slot_, b);
+    MT_CHECK(s >= 0,
              "parameter staging: bucket {} (parameters '{}'..) needs a slot but all {} are bound (to buckets {}); a "
              "unit reads more buckets than planned (docs/fsdp.md)",
              b, infos_[buckets_[b].param_begin].name, param_slots(), fmt::join(bucket_of_param_slot_, ", "));
-    s = static_cast<int>(it - bucket_of_param_slot_.begin());
-    *it = static_cast<int>(b);
   }
   return bucket_params(b);
 }

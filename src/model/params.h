@@ -8,6 +8,7 @@
 // (ParamLayout, ParamBucket): contiguous ranges reduced as one collective each.
 #pragma once
 #include <algorithm>
+#include <functional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -400,6 +401,11 @@ class ParamStore {
   // ('...layers.<n>'), else the embedding, else the head (final norm, output layer, and the last
   // stage's copy of a tied embedding).
   std::string unit_of(size_t i) const;
+  // Staging slots a backward or forward pass needs when `unit` names the unit of each parameter
+  // index: the most non-expert buckets of one unit + 2, at most the non-expert bucket count.
+  int slots_needed(const std::function<std::string(size_t)>& unit) const;
+  // Binds the lowest free slot (-1 in bucket_of_slot) to bucket b; its index, or -1 when none.
+  static int take_free_slot(std::vector<int>& bucket_of_slot, size_t b);
   // Writes parameter i's stored elements (its bucket's owned slice, or the whole resident bucket)
   // from `model` (model dtype [numel]).
   void write_stored_params(size_t i, const Tensor& model, const Stream& stream);

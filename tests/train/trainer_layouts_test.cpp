@@ -58,7 +58,40 @@ class TrainerLayouts : public testing::CorpusFixture {
     for (auto [k, v] : r.losses) curve->losses[k] = v;
     for (auto [k, v] : r.validation) curve->validation[k] = v;
   }
+  // On 2 ranks: a checkpoint written under `strategy` resumes under `other` and one written under
+  // `other` under `strategy`, both on the curve of an uninterrupted `strategy` run.
+  static void expect_checkpoints_cross_load(const std::string& strategy, const std::string& other,
+                                            const std::string& tag) {
+    const TrainingResult whole = train("--train-iters 6 --nproc-per-node 2" + strategy);
+    for (const auto& [from, to, name] : std::vector<std::tuple<std::string, std::string, std::string>>{
+             {strategy, other, tag + "_to_other"}, {other, strategy, "other_to_" + tag}}) {
+      SCOPED_TRACE(name);
+      TrainingResult first, curve;
+      ASSERT_NO_FATAL_FAILURE(save_half(dir(name), "--nproc-per-node 2" + from, &first));
+      ASSERT_NO_FATAL_FAILURE(resume(first, dir(name), "--nproc-per-node 2" + to, &curve));
+      expect_same_losses(curve, whole, name);
+    }
+  }
 };
+
+// Two runs whose gradients are summed in the same order: losses, gradient norms and validation
+// losses bit for bit.
+void expect_identical_runs(const TrainingResult& a, const TrainingResult& b, const std::string& what) {
+  ASSERT_EQ(a.losses.size(), 4u) << what;
+  EXPECT_EQ(a.losses, b.losses) << what;
+  ASSERT_EQ(a.log.size(), b.log.size()) << what;
+  for (size_t i = 0; i < a.log.size(); ++i) EXPECT_EQ(a.log[i].point.grad_norm, b.log[i].point.grad_norm) << what;
+  ASSERT_EQ(a.validation.size(), b.validation.size()) << what;
+  for (const auto& [it, v] : b.validation) EXPECT_EQ(a.validation.at(it).loss, v.loss) << what << " validation";
+}
+
+// A sharded run against one rank: losses within expect_same_losses' tolerance, gradient norms 1e-4.
+void expect_near_one_rank(const TrainingResult& a, const TrainingResult& ref, const std::string& what) {
+  expect_same_losses(a, ref, what);
+  ASSERT_EQ(a.log.size(), ref.log.size()) << what;
+  for (size_t i = 0; i < a.log.size(); ++i)
+    EXPECT_NEAR(a.log[i].point.grad_norm, ref.log[i].point.grad_norm, 1e-4 * ref.log[i].point.grad_norm) << what;
+}
 
 TEST_F(TrainerLayouts, ParallelLayoutsMatchOneRank) {
   const TrainingResult ref = train("--train-iters 4");
@@ -620,12 +653,6 @@ TEST_F(TrainerLayouts, BadLayoutErrors) {
 TEST_F(TrainerLayouts, MegatronFsdpOptimGrads) {
   const std::string og = " --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads --ddp-bucket-size 3000";
   const std::string optim = " --use-distributed-optimizer --overlap-grad-reduce --ddp-bucket-size 3000";
-  const auto expect_identical = [](const TrainingResult& a, const TrainingResult& b, const std::string& what) {
-    ASSERT_EQ(a.losses.size(), 4u) << what;
-    EXPECT_EQ(a.losses, b.losses) << what;
-    ASSERT_EQ(a.log.size(), b.log.size()) << what;
-    for (size_t i = 0; i < a.log.size(); ++i) EXPECT_EQ(a.log[i].point.grad_norm, b.log[i].point.grad_norm) << what;
-  };
   for (const std::string layout : {"--nproc-per-node 4", "--nproc-per-node 4 --megatron-fsdp-grad-comm-dtype bf16",
                                    "--nproc-per-node 4 --tensor-model-parallel-size 2 --sequence-parallel "
                                    "--global-batch-size 4"}) {
@@ -633,14 +660,8 @@ TEST_F(TrainerLayouts, MegatronFsdpOptimGrads) {
     std::string today = layout;
     if (const size_t at = today.find(" --megatron-fsdp-grad-comm-dtype bf16"); at != std::string::npos)
       today.replace(at, 37, " --grad-reduce-in-bf16");
-    expect_identical(train("--train-iters 4 " + layout + og), train("--train-iters 4 " + today + optim), layout);
+    expect_identical_runs(train("--train-iters 4 " + layout + og), train("--train-iters 4 " + today + optim), layout);
   }
-  const auto expect_near_one_rank = [](const TrainingResult& a, const TrainingResult& ref, const std::string& what) {
-    expect_same_losses(a, ref, what);
-    ASSERT_EQ(a.log.size(), ref.log.size()) << what;
-    for (size_t i = 0; i < a.log.size(); ++i)
-      EXPECT_NEAR(a.log[i].point.grad_norm, ref.log[i].point.grad_norm, 1e-4 * ref.log[i].point.grad_norm) << what;
-  };
   const TrainingResult ref = train("--train-iters 4");
   for (const std::string layout : {"--nproc-per-node 2", "--nproc-per-node 4",
                                    "--nproc-per-node 4 --tensor-model-parallel-size 2 --sequence-parallel",
@@ -653,15 +674,7 @@ TEST_F(TrainerLayouts, MegatronFsdpOptimGrads) {
   expect_near_one_rank(train("--train-iters 4 --nproc-per-node 4 --expert-model-parallel-size 2" + moe + og),
                        train("--train-iters 4" + moe), "EP 2 x DP 4");
   // Checkpoints: optim_grads -> optim and optim -> optim_grads on the one-layout curve.
-  const TrainingResult whole = train("--train-iters 6 --nproc-per-node 2" + og);
-  for (const auto& [from, to, name] : std::vector<std::tuple<std::string, std::string, std::string>>{
-           {og, optim, "og_to_optim"}, {optim, og, "optim_to_og"}}) {
-    SCOPED_TRACE(name);
-    TrainingResult first, curve;
-    ASSERT_NO_FATAL_FAILURE(save_half(dir(name), "--nproc-per-node 2" + from, &first));
-    ASSERT_NO_FATAL_FAILURE(resume(first, dir(name), "--nproc-per-node 2" + to, &curve));
-    expect_same_losses(curve, whole, name);
-  }
+  expect_checkpoints_cross_load(og, optim, "og");
   // Memory: the estimate's gradient term == the gradient bytes allocated (shard + staging slots),
   // less than a whole gradient once the model has more than a few buckets (8 layers, DP 4; the
   // slots are as large as the largest bucket, here the word embedding's).
@@ -698,27 +711,15 @@ TEST_F(TrainerLayouts, MegatronFsdpOptimGradsParams) {
   const std::string ogp =
       " --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --ddp-bucket-size 3000";
   const std::string optim = " --use-distributed-optimizer --overlap-grad-reduce --ddp-bucket-size 3000";
-  const auto expect_identical = [](const TrainingResult& a, const TrainingResult& b, const std::string& what) {
-    ASSERT_EQ(a.losses.size(), 4u) << what;
-    EXPECT_EQ(a.losses, b.losses) << what;
-    ASSERT_EQ(a.log.size(), b.log.size()) << what;
-    for (size_t i = 0; i < a.log.size(); ++i) EXPECT_EQ(a.log[i].point.grad_norm, b.log[i].point.grad_norm) << what;
-    ASSERT_EQ(a.validation.size(), b.validation.size()) << what;
-    for (const auto& [it, v] : b.validation) EXPECT_EQ(a.validation.at(it).loss, v.loss) << what << " validation";
-  };
   for (const std::string layout :
        {"--nproc-per-node 4", "--nproc-per-node 2 --global-batch-size 4",
         "--nproc-per-node 4 --recompute-granularity full --recompute-method uniform --recompute-num-layers 2",
+        "--nproc-per-node 2 --global-batch-size 4 --overlap-grad-reduce",
         "--nproc-per-node 4 --tensor-model-parallel-size 2 --sequence-parallel --global-batch-size 4"}) {
     SCOPED_TRACE(layout);
-    expect_identical(train("--train-iters 4 " + layout + ogp), train("--train-iters 4 " + layout + optim), layout);
+    expect_identical_runs(train("--train-iters 4 " + layout + ogp), train("--train-iters 4 " + layout + optim),
+                          layout);
   }
-  const auto expect_near_one_rank = [](const TrainingResult& a, const TrainingResult& ref, const std::string& what) {
-    expect_same_losses(a, ref, what);
-    ASSERT_EQ(a.log.size(), ref.log.size()) << what;
-    for (size_t i = 0; i < a.log.size(); ++i)
-      EXPECT_NEAR(a.log[i].point.grad_norm, ref.log[i].point.grad_norm, 1e-4 * ref.log[i].point.grad_norm) << what;
-  };
   const TrainingResult ref = train("--train-iters 4");
   for (const std::string layout : {"--nproc-per-node 2", "--nproc-per-node 4",
                                    "--nproc-per-node 4 --tensor-model-parallel-size 2 --sequence-parallel",
@@ -731,15 +732,7 @@ TEST_F(TrainerLayouts, MegatronFsdpOptimGradsParams) {
   expect_near_one_rank(train("--train-iters 4 --nproc-per-node 4 --expert-model-parallel-size 2" + moe + ogp),
                        train("--train-iters 4" + moe), "EP 2 x DP 4");
   // Checkpoints: optim_grads_params -> optim and optim -> optim_grads_params on the one-layout curve.
-  const TrainingResult whole = train("--train-iters 6 --nproc-per-node 2" + ogp);
-  for (const auto& [from, to, name] : std::vector<std::tuple<std::string, std::string, std::string>>{
-           {ogp, optim, "ogp_to_optim"}, {optim, ogp, "optim_to_ogp"}}) {
-    SCOPED_TRACE(name);
-    TrainingResult first, curve;
-    ASSERT_NO_FATAL_FAILURE(save_half(dir(name), "--nproc-per-node 2" + from, &first));
-    ASSERT_NO_FATAL_FAILURE(resume(first, dir(name), "--nproc-per-node 2" + to, &curve));
-    expect_same_losses(curve, whole, name);
-  }
+  expect_checkpoints_cross_load(ogp, optim, "ogp");
   // Memory: the estimate's parameter terms == the bytes allocated (owned slices + staging slots;
   // an fp32 model's owned slices are its main shard), less than whole parameters (8 layers, DP 4).
   {  // (the CPU backend trains in fp32: the bf16 terms are checked in grad_sync_test)
