@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 
 #include <nlohmann/json.hpp>
@@ -650,6 +651,23 @@ TEST_F(TrainerLayouts, BadLayoutErrors) {
 // one-rank losses and gradient norms within the layout tolerances; checkpoints written under
 // optim_grads resume under optim and back on the same curve; the memory estimate's gradient term
 // is the bytes the ranks allocate for gradients (shard + slots), less than a whole buffer.
+// `strategy` against one rank within fp32 rounding (gradient accumulation): DP 2, DP 4, TP 2 + SP x
+// DP 2, PP 2 x DP 2 (the tied embedding across stages), CP 2 x DP 2, and the tiny MoE at EP 2 x DP 4.
+void expect_layouts_near_one_rank(const std::function<TrainingResult(const std::string&)>& train,
+                                  const std::string& strategy) {
+  const TrainingResult ref = train("--train-iters 4");
+  for (const std::string layout : {"--nproc-per-node 2", "--nproc-per-node 4",
+                                   "--nproc-per-node 4 --tensor-model-parallel-size 2 --sequence-parallel",
+                                   "--nproc-per-node 4 --pipeline-model-parallel-size 2",
+                                   "--nproc-per-node 4 --context-parallel-size 2"}) {
+    SCOPED_TRACE(layout);
+    expect_near_one_rank(train("--train-iters 4 " + layout + strategy), ref, layout);
+  }
+  const std::string moe = kTinyMoe;
+  expect_near_one_rank(train("--train-iters 4 --nproc-per-node 4 --expert-model-parallel-size 2" + moe + strategy),
+                       train("--train-iters 4" + moe), "EP 2 x DP 4");
+}
+
 TEST_F(TrainerLayouts, MegatronFsdpOptimGrads) {
   const std::string og = " --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads --ddp-bucket-size 3000";
   const std::string optim = " --use-distributed-optimizer --overlap-grad-reduce --ddp-bucket-size 3000";
@@ -662,17 +680,7 @@ TEST_F(TrainerLayouts, MegatronFsdpOptimGrads) {
       today.replace(at, 37, " --grad-reduce-in-bf16");
     expect_identical_runs(train("--train-iters 4 " + layout + og), train("--train-iters 4 " + today + optim), layout);
   }
-  const TrainingResult ref = train("--train-iters 4");
-  for (const std::string layout : {"--nproc-per-node 2", "--nproc-per-node 4",
-                                   "--nproc-per-node 4 --tensor-model-parallel-size 2 --sequence-parallel",
-                                   "--nproc-per-node 4 --pipeline-model-parallel-size 2",
-                                   "--nproc-per-node 4 --context-parallel-size 2"}) {
-    SCOPED_TRACE(layout);
-    expect_near_one_rank(train("--train-iters 4 " + layout + og), ref, layout);
-  }
-  const std::string moe = kTinyMoe;
-  expect_near_one_rank(train("--train-iters 4 --nproc-per-node 4 --expert-model-parallel-size 2" + moe + og),
-                       train("--train-iters 4" + moe), "EP 2 x DP 4");
+  expect_layouts_near_one_rank([](const std::string& f) { return train(f); }, og);
   // Checkpoints: optim_grads -> optim and optim -> optim_grads on the one-layout curve.
   expect_checkpoints_cross_load(og, optim, "og");
   // Memory: the estimate's gradient term == the gradient bytes allocated (shard + staging slots),
@@ -720,17 +728,7 @@ TEST_F(TrainerLayouts, MegatronFsdpOptimGradsParams) {
     expect_identical_runs(train("--train-iters 4 " + layout + ogp), train("--train-iters 4 " + layout + optim),
                           layout);
   }
-  const TrainingResult ref = train("--train-iters 4");
-  for (const std::string layout : {"--nproc-per-node 2", "--nproc-per-node 4",
-                                   "--nproc-per-node 4 --tensor-model-parallel-size 2 --sequence-parallel",
-                                   "--nproc-per-node 4 --pipeline-model-parallel-size 2",
-                                   "--nproc-per-node 4 --context-parallel-size 2"}) {
-    SCOPED_TRACE(layout);
-    expect_near_one_rank(train("--train-iters 4 " + layout + ogp), ref, layout);
-  }
-  const std::string moe = kTinyMoe;
-  expect_near_one_rank(train("--train-iters 4 --nproc-per-node 4 --expert-model-parallel-size 2" + moe + ogp),
-                       train("--train-iters 4" + moe), "EP 2 x DP 4");
+  expect_layouts_near_one_rank([](const std::string& f) { return train(f); }, ogp);
   // Checkpoints: optim_grads_params -> optim and optim -> optim_grads_params on the one-layout curve.
   expect_checkpoints_cross_load(ogp, optim, "ogp");
   // Memory: the estimate's parameter terms == the bytes allocated (owned slices + staging slots;
