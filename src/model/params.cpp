@@ -225,7 +225,7 @@ void ParamStore::release_grad_slot(size_t b) {
   s = -1;
 }
 
-int ParamStore::slots_needed(const std::function<std::string(size_t)>& unit) const {
+int ParamStore::slots_needed(const std::function<std::string(size_t)>& unit, size_t units, size_t extra) const {
   size_t most = 1, dense = 0;  // expert buckets are not staged
   for (const ParamBucket& b : buckets_) dense += b.expert ? 0 : 1;
   // Units are runs of consecutive parameters (a layer's parameters are consecutive).
@@ -237,7 +237,7 @@ int ParamStore::slots_needed(const std::function<std::string(size_t)>& unit) con
     std::sort(bks.begin(), bks.end());
     most = std::max<size_t>(most, static_cast<size_t>(std::unique(bks.begin(), bks.end()) - bks.begin()));
   }
-  return static_cast<int>(std::max<size_t>(1, std::min(most + 2, dense)));
+  return static_cast<int>(std::max<size_t>(1, std::min(units * most + extra, dense)));
 }
 
 int ParamStore::grad_slots_needed() const {
@@ -248,7 +248,7 @@ int ParamStore::grad_slots_needed() const {
     const size_t l = n.find("layers.");
     if (l != std::string::npos) return n.substr(0, n.find('.', l + 7));
     return n.substr(0, n.find('.'));
-  });
+  }, 1, 2);
 }
 
 int ParamStore::take_free_slot(std::vector<int>& bucket_of_slot, size_t b) {
@@ -280,7 +280,7 @@ int64_t ParamStore::largest_dense_bucket() const {
 }
 
 int ParamStore::param_slots_needed() const {
-  return slots_needed([this](size_t i) { return unit_of(i); });
+  return slots_needed([this](size_t i) { return unit_of(i); }, 2, 1);
 }
 
 void ParamStore::use_param_slots(const std::vector<Range>& owned, int slots, const Stream& stream) {

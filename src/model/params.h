@@ -336,10 +336,9 @@ class ParamStore {
   void release_param_slot(size_t b);
   bool param_bound(size_t b) const { return param_resident(b) || slot_of_param_bucket_.at(b) >= 0; }
   /// Parameter slots the model needs with GradSync's prefetch (DdpConfig::param_slots' default):
-  /// the most non-expert buckets one unit reads (a layer; the embedding; the final norm and
-  /// output layer, with the tied word embedding's bucket), plus one for the next unit's prefetched
-  /// bucket and one spare (the tied embedding, a bucket shared by two units); at most the number
-  /// of non-expert buckets.
+  /// twice the most non-expert buckets one unit reads (a layer; the embedding; the final norm and
+  /// output layer) — the unit in use and the next one prefetched — plus one for the tied word
+  /// embedding's bucket the head reads; at most the number of non-expert buckets.
   int param_slots_needed() const;
   /// The largest non-expert bucket's length (the parameter slots' length), 0 when none.
   int64_t largest_dense_bucket() const;
@@ -401,9 +400,9 @@ class ParamStore {
   // ('...layers.<n>'), else the embedding, else the head (final norm, output layer, and the last
   // stage's copy of a tied embedding).
   std::string unit_of(size_t i) const;
-  // Staging slots a backward or forward pass needs when `unit` names the unit of each parameter
-  // index: the most non-expert buckets of one unit + 2, at most the non-expert bucket count.
-  int slots_needed(const std::function<std::string(size_t)>& unit) const;
+  // Staging slots when `unit` names the unit of each parameter index: `units` times the most
+  // non-expert buckets of one unit, plus `extra`; at least 1, at most the non-expert bucket count.
+  int slots_needed(const std::function<std::string(size_t)>& unit, size_t units, size_t extra) const;
   // Binds the lowest free slot (-1 in bucket_of_slot) to bucket b; its index, or -1 when none.
   static int take_free_slot(std::vector<int>& bucket_of_slot, size_t b);
   // Writes parameter i's stored elements (its bucket's owned slice, or the whole resident bucket)

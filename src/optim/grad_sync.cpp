@@ -400,39 +400,28 @@ void GradSync::gather_into_slot(size_t b, const Stream& stream) {
   ++param_gathers_;
 }
 
-void GradSync::release_idle_params(size_t keep_lo, size_t keep_hi, size_t keep) {
+void GradSync::release_idle_params(size_t keep_lo, size_t keep_hi, size_t keep_lo2, size_t keep_hi2) {
   for (size_t b = 0; b < param_refs_.size(); ++b) {
-    if (param_refs_[b] > 0 || (b >= keep_lo && b <= keep_hi) || b == keep || params_.param_resident(b)) continue;
+    if (param_refs_[b] > 0 || (b >= keep_lo && b <= keep_hi) || (b >= keep_lo2 && b <= keep_hi2) ||
+        params_.param_resident(b))
+      continue;
     params_.release_param_slot(b);
     param_pending_[b] = 0;  // a gather still in flight: the next one into the slot is ordered after it on comm_
   }
 }
 
-void GradSync::params_begin(size_t first, size_t end, bool backward, bool prefetch, const Stream& stream) {
-  MT_REQUIRE(first <= end && end <= params_.size(), "params_begin: parameter range [{}, {}) outside [0, {})", first,
-             end, params_.size());
+void GradSync::params_begin(size_t first, size_t end, bool backward, size_t next_first, size_t next_end,
+                            const Stream& stream) {
+  MT_REQUIRE(first <= end && end <= params_.size() && next_first <= next_end && next_end <= params_.size(),
+             "params_begin: parameter ranges [{}, {}) and next [{}, {}) outside [0, {})", first, end, next_first,
+             next_end, params_.size());
   if (!config_.shard_params || first == end) return;
   const auto [lo, hi] = bucket_span(first, end);
-  const size_t nb = param_refs_.size();
-  size_t next = kNone;  // the next staged bucket of the pass
-  if (prefetch) {
-    if (!backward) {
-      for (size_t b = lo; b-- > 0;)
-        if (!params_.param_resident(b)) {
-          next = b;
-          break;
-        }
-    } else {
-      for (size_t b = hi + 1; b < nb; ++b)
-        if (!params_.param_resident(b)) {
-          next = b;
-          break;
-        }
-    }
-  }
+  const bool prefetch = next_first < next_end;
+  const auto [plo, phi] = prefetch ? bucket_span(next_first, next_end) : std::pair{prefetch_lo_, prefetch_hi_};
   // Slots of buckets neither this unit nor the prefetch reads go back first (the last unit's
   // shared bucket, an earlier prefetch the pass did not reach).
-  release_idle_params(lo, hi, prefetch ? next : prefetched_);
+  release_idle_params(lo, hi, plo, phi);
   for (size_t b = lo; b <= hi; ++b) {
     if (params_.param_resident(b)) continue;
     gather_into_slot(b, stream);
@@ -444,8 +433,12 @@ void GradSync::params_begin(size_t first, size_t end, bool backward, bool prefet
     param_pending_[b] = 0;
   }
   if (!prefetch) return;
-  prefetched_ = next;
-  if (next != kNone) gather_into_slot(next, stream);  // beside this unit's compute
+  prefetch_lo_ = plo;
+  prefetch_hi_ = phi;
+  for (size_t k = 0; k <= phi - plo; ++k) {  // beside this unit's compute, in the pass's order
+    const size_t b = backward ? plo + k : phi - k;
+    if (!params_.param_resident(b)) gather_into_slot(b, stream);
+  }
 }
 
 void GradSync::params_end(size_t first, size_t end, bool backward, const Stream& /*stream*/) {
@@ -459,7 +452,7 @@ void GradSync::params_end(size_t first, size_t end, bool backward, const Stream&
   for (size_t b = lo; b <= hi; ++b) {
     if (params_.param_resident(b)) continue;
     MT_REQUIRE(param_refs_[b] > 0, "params_end({}, {}): bucket {} was not begun (params_begin)", first, end, b);
-    if (--param_refs_[b] > 0 || b == boundary || b == prefetched_) continue;
+    if (--param_refs_[b] > 0 || b == boundary || (b >= prefetch_lo_ && b <= prefetch_hi_)) continue;
     params_.release_param_slot(b);  // freed after the unit's kernels (the next gather into it waits for them)
   }
 }
@@ -472,8 +465,8 @@ void GradSync::start_param_sync(const Stream& stream) {
     for (size_t b = 0; b < param_refs_.size(); ++b)
       MT_CHECK(param_refs_[b] == 0, "start_param_sync: bucket {} is still in use (params_begin without params_end)",
                b);
-    release_idle_params(1, 0, kNone);
-    prefetched_ = kNone;
+    prefetch_lo_ = prefetch_hi_ = kNone;
+    release_idle_params(kNone, kNone, kNone, kNone);
     for (size_t b = params_.buckets().size(); b-- > 0;) {
       const ParamBucket& bk = params_.buckets()[b];
       if (!bk.expert) continue;

@@ -80,9 +80,9 @@
 // params_begin / params_end (params_every_use): params_begin binds each bucket of the unit to a
 // slot and all-gathers the owned slices into it on this object's communication stream (a
 // communicator of its own), makes the compute stream wait for them, then issues the all-gather of
-// the next bucket in the pass's direction (prefetch: it runs beside the unit's compute).
+// the buckets of the next unit the model names (prefetch: they run beside the unit's compute).
 // params_end returns the slots of buckets no other active unit reads, except the prefetched
-// bucket and the one the unit shares with the next unit, which the next params_begin returns if
+// buckets and the one the unit shares with the next unit, which the next params_begin returns if
 // it does not read them. Expert buckets stay resident (whole, as their gradients with
 // shard_grads): start_param_sync all-gathers them after the optimizer step as with the
 // distributed optimizer; no other bucket is gathered there. A gather waits (an event on the
@@ -245,10 +245,13 @@ class GradSync final : public ParamGradHooks {
   bool params_sharded() const { return config_.shard_params; }
   bool params_every_use() const override { return config_.shard_params; }
   /// ParamGradHooks: gathers the staged buckets holding parameters [first, end) (bound buckets
-  /// are reused), makes `stream` wait for them, and (prefetch) starts the gather of the next
-  /// bucket in forward (backward: reverse) order. No-op without shard_params. Errors: a range
-  /// outside [0, params.size()); more buckets in use than slots (ParamStore::bind_param_slot).
-  void params_begin(size_t first, size_t end, bool backward, bool prefetch, const Stream& stream) override;
+  /// are reused), makes `stream` wait for them, then (prefetch) starts the gathers of the buckets
+  /// holding [next_first, next_end) in the pass's order, which the compute stream waits for at
+  /// their own params_begin. First returns the slots of idle buckets neither range reads (a nested
+  /// use without a next range keeps the current prefetch). No-op without shard_params. Errors: a
+  /// range outside [0, params.size()); more buckets in use than slots (ParamStore::bind_param_slot).
+  void params_begin(size_t first, size_t end, bool backward, size_t next_first, size_t next_end,
+                    const Stream& stream) override;
   /// ParamGradHooks: the end of a params_begin's use (same range and direction). Errors: a range
   /// not begun.
   void params_end(size_t first, size_t end, bool backward, const Stream& stream) override;
@@ -269,7 +272,7 @@ class GradSync final : public ParamGradHooks {
   // shard_params: binds staged bucket b to a slot and all-gathers its owned slices into it on
   // comm_ (nothing when bound); releases every bound bucket no unit uses.
   void gather_into_slot(size_t b, const Stream& stream);
-  void release_idle_params(size_t keep_lo, size_t keep_hi, size_t keep);
+  void release_idle_params(size_t keep_lo, size_t keep_hi, size_t keep_lo2, size_t keep_hi2);
   void setup_copy_engine();
   // The first bucket whose length is not a multiple of kAlign · DP (cannot be split into equal
   // aligned slices), or nullptr.
@@ -327,12 +330,12 @@ class GradSync final : public ParamGradHooks {
   bool finished_ = false;             // finish_grad_sync ran this step
   // shard_params: per bucket, the units using it now (params_begin without params_end) and
   // whether its slot's gather on comm_ has not been waited for by the compute stream; the
-  // prefetched bucket (kNone: none); the communicator of the gathers; gathers issued; whether
-  // comm_ ran a gather the compute stream has not waited for.
+  // prefetched buckets [prefetch_lo_, prefetch_hi_] (kNone: none); the communicator of the
+  // gathers; gathers issued; whether comm_ ran a gather the compute stream has not waited for.
   static constexpr size_t kNone = SIZE_MAX;
   std::vector<int> param_refs_;
   std::vector<uint8_t> param_pending_;
-  size_t prefetched_ = kNone;
+  size_t prefetch_lo_ = kNone, prefetch_hi_ = kNone;
   std::shared_ptr<Communicator> gather_dp_;
   size_t param_gathers_ = 0;
   bool param_comm_used_ = false;

@@ -522,8 +522,8 @@ TEST(DataParallel, ShardedMainParamsBf16) {
 
 // optim_grads_params (ZeRO-3) with bf16 parameters: each rank stores its owned slice of the bf16
 // parameters, written by the optimizer from its fp32 main slice; a unit's buckets gathered by
-// params_begin hold the rounding of the reference's main parameters; the next bucket of the pass
-// is prefetched and reused, so a forward or backward pass over the layers gathers every bucket
+// params_begin hold the rounding of the reference's main parameters; the next unit's buckets are
+// prefetched and reused, so a forward or backward pass over the layers gathers every bucket
 // exactly once; slots are returned after use; the storage is the owned slices plus the slots.
 TEST(DataParallel, ShardedParamsBf16) {
   const Model m = ddp_test::gpt_like(4);
@@ -563,23 +563,28 @@ TEST(DataParallel, ShardedParamsBf16) {
       EXPECT_EQ(bound, backward ? 1u : 0u);
       const size_t before = sync.param_gathers();
       for (size_t n = 0; n < m.layers.size(); ++n) {
-        const ddp_test::LayerRange r = m.layers[backward ? m.layers.size() - 1 - n : n];
-        sync.params_begin(r.first, r.end, backward, true, st);
+        const auto at_step = [&](size_t k) { return m.layers[backward ? m.layers.size() - 1 - k : k]; };
+        const ddp_test::LayerRange r = at_step(n);
+        const ddp_test::LayerRange next = n + 1 < m.layers.size() ? at_step(n + 1) : ddp_test::LayerRange{0, 0};
+        sync.params_begin(r.first, r.end, backward, next.first, next.end, st);
         for (size_t i = r.first; i < r.end; ++i) {
           const std::vector<float> got = testing::to_host(P.param(i), st);
           const auto at = want.begin() + P.info(i).offset;
           ASSERT_EQ(got, std::vector<float>(at, at + P.info(i).numel)) << P.info(i).name;
         }
         const size_t lo = P.bucket_of(r.end - 1), hi = P.bucket_of(r.first);
-        const size_t next = backward ? hi + 1 : lo - 1;  // prefetched
-        if (next < P.buckets().size()) EXPECT_TRUE(P.param_bound(next)) << "layer " << n;
+        for (size_t i = next.first; i < next.end; ++i)  // the next unit's buckets: prefetched
+          EXPECT_TRUE(P.param_bound(P.bucket_of(i))) << "layer " << n << " prefetching " << P.info(i).name;
         sync.params_end(r.first, r.end, backward, st);
         for (size_t b = lo; b <= hi; ++b)  // returned, but for the bucket the next unit may share
-          if (b != (backward ? hi : lo)) EXPECT_FALSE(P.param_bound(b)) << "bucket " << b;
+          if (b != (backward ? hi : lo) && (next.first == next.end || b < P.bucket_of(next.end - 1) ||
+                                            b > P.bucket_of(next.first)))
+            EXPECT_FALSE(P.param_bound(b)) << "bucket " << b;
       }
       EXPECT_EQ(sync.param_gathers() - before, P.buckets().size() - bound);
     }
     expect_error([&] { sync.params_end(0, 1, false, st); }, "was not begun");
+    expect_error([&] { sync.params_begin(0, 1, false, 0, P.size() + 1, st); }, "outside");
   });
 }
 

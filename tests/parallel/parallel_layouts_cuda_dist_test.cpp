@@ -174,7 +174,7 @@ RunResult train(const std::shared_ptr<Communicator>& world, const Layout& L, DTy
     // optim_grads holds no whole gradient (only the owned shard): the parameters are compared
     r.grads.push_back(L.shard_grads ? std::vector<float>{} : testing::to_host(P.grad(i), st));
     // optim_grads_params keeps the owned slices only: each parameter's bucket gathered to read it
-    if (L.shard_params) setup.grad_sync().params_begin(i, i + 1, false, false, st);
+    if (L.shard_params) setup.grad_sync().params_begin(i, i + 1, false, 0, 0, st);
     r.params.push_back(testing::to_host(P.param(i), st));
     if (L.shard_params) setup.grad_sync().params_end(i, i + 1, false, st);
   }
