@@ -7,12 +7,11 @@
 namespace mt {
 namespace {
 
-int64_t pad4(int64_t n) { return (n + 3) / 4 * 4; }
-int64_t pad16(int64_t n) { return (n + 15) / 16 * 16; }
+int64_t round_up_to(int64_t n, int64_t a) { return (n + a - 1) / a * a; }
 
 // The one-element state tensors of G linears, which Fp8Model lays out at a constant stride in one
 // row of its state block (the experts' columns are consecutive): one [G, 1] view of them.
-Tensor strided(const std::vector<Tensor>& vals, const char* what) {
+Tensor strided_values(const std::vector<Tensor>& vals, const char* what) {
   const int64_t G = static_cast<int64_t>(vals.size());
   float* p0 = vals.front().data_as<float>();
   const int64_t stride = G > 1 ? vals[1].data_as<float>() - p0 : 1;
@@ -23,7 +22,7 @@ Tensor strided(const std::vector<Tensor>& vals, const char* what) {
   return Tensor(p0, DType::kF32, vals.front().device(), {G, stride}).slice(1, 0, 1);
 }
 
-void reduce_max(Communicator* group, const Tensor& t, const Stream& stream) {
+void reduce_group_max(Communicator* group, const Tensor& t, const Stream& stream) {
   if (group != nullptr && group->size() > 1) group->all_reduce(t, ReduceOp::kMax, stream);
 }
 
@@ -64,10 +63,10 @@ void GroupedFp8Experts::plan(BufferPlanner& planner, int64_t max_rows) {
   max_rows_ = max_rows;
   const size_t a = static_cast<size_t>(planner.area());
   if (saved_.size() <= a) saved_.resize(a + 1);
-  saved_[a] = planner.saved(DType::kF32, {4, pad4(groups_)}, "expert FP8 input scales");
-  values_ = planner.scratch("moe.fp8.values", DType::kF32, {4, pad4(groups_)});
+  saved_[a] = planner.saved(DType::kF32, {4, round_up_to(groups_, 4)}, "expert FP8 input scales");
+  values_ = planner.scratch("moe.fp8.values", DType::kF32, {4, round_up_to(groups_, 4)});
   const DType f = model_.settings().forward_dtype(), g = model_.settings().grad_dtype();
-  const int64_t rt = pad16(max_rows);
+  const int64_t rt = round_up_to(max_rows, 16);
   for (int i = 0; i < 2; ++i) {
     Proj& p = fc_[i];
     const std::string key = "moe.fp8." + std::to_string(i + 1);
@@ -79,7 +78,7 @@ void GroupedFp8Experts::plan(BufferPlanner& planner, int64_t max_rows) {
 }
 
 Tensor GroupedFp8Experts::x_scale(int fc, int slot, int row) const {
-  return saved_.at(static_cast<size_t>(slot)).slice0(2 * (fc - 1) + row, 2 * (fc - 1) + row + 1).view({pad4(groups_)})
+  return saved_.at(static_cast<size_t>(slot)).slice0(2 * (fc - 1) + row, 2 * (fc - 1) + row + 1).view({round_up_to(groups_, 4)})
       .slice0(0, groups_);
 }
 
@@ -102,10 +101,10 @@ void GroupedFp8Experts::prepare(Proj& p, const Stream& st) {
   p.wq_t = GroupedWeights(std::move(wq_t), st);
   Values* out[3] = {&p.x, &p.w, &p.dy};
   for (int r = 0; r < 3; ++r) {
-    out[r]->amax = strided(v[r][0], "amax");
-    out[r]->scale = strided(v[r][1], "scale");
-    out[r]->scale_inv = strided(v[r][2], "scale_inv");
-    if (model_.settings().delayed()) out[r]->record = strided(v[r][3], "amax record");
+    out[r]->amax = strided_values(v[r][0], "amax");
+    out[r]->scale = strided_values(v[r][1], "scale");
+    out[r]->scale_inv = strided_values(v[r][2], "scale_inv");
+    if (model_.settings().delayed()) out[r]->record = strided_values(v[r][3], "amax record");
   }
   p.ready = true;
 }
@@ -115,8 +114,8 @@ void GroupedFp8Experts::forward(int fc, const Tensor& y, const Tensor& x, const 
   Proj& p = proj(fc);
   prepare(p, st);
   const Tensor scale = x_scale(fc, slot, 0), scale_inv = x_scale(fc, slot, 1);
-  const Tensor amax = values_.slice0(0, 1).view({pad4(groups_)}).slice0(0, groups_);
-  const Tensor w_sinv = values_.slice0(3, 4).view({pad4(groups_)}).slice0(0, groups_);
+  const Tensor amax = values_.slice0(0, 1).view({round_up_to(groups_, 4)}).slice0(0, groups_);
+  const Tensor w_sinv = values_.slice0(3, 4).view({round_up_to(groups_, 4)}).slice0(0, groups_);
   Tensor record;
   if (model_.settings().delayed()) {  // the step's scales; the amaxes recorded in training forwards
     copy_values(scale, p.x.scale, st);
@@ -124,7 +123,7 @@ void GroupedFp8Experts::forward(int fc, const Tensor& y, const Tensor& x, const 
     if (model_.training()) record = p.x.record;
   } else {  // this micro-batch's per-expert amax over x's shards
     fp8_grouped_amax(amax, x, counts, st);
-    reduce_max(p.x_group, amax, st);
+    reduce_group_max(p.x_group, amax, st);
     copy_values(p.x.amax, amax, st);
     fp8_scale_from_amax(scale, scale_inv, amax, model_.settings().forward_dtype(), /*pow2=*/false, 0.f, st);
   }
@@ -139,14 +138,14 @@ void GroupedFp8Experts::backward(int fc, const Tensor& dx, const GroupedWeights&
   Proj& p = proj(fc);
   prepare(p, st);
   const int64_t R = dy.size(0);
-  const auto row = [&](int64_t i) { return values_.slice0(i, i + 1).view({pad4(groups_)}).slice0(0, groups_); };
+  const auto row = [&](int64_t i) { return values_.slice0(i, i + 1).view({round_up_to(groups_, 4)}).slice0(0, groups_); };
   const Tensor amax = row(0), dy_scale = row(1), dy_sinv = row(2), w_sinv = row(3);
   if (model_.settings().delayed()) {
     copy_values(dy_scale, p.dy.scale, st);
     copy_values(dy_sinv, p.dy.scale_inv, st);
   } else {
     fp8_grouped_amax(amax, dy, counts, st);
-    reduce_max(p.dy_group, amax, st);
+    reduce_group_max(p.dy_group, amax, st);
     fp8_scale_from_amax(dy_scale, dy_sinv, amax, model_.settings().grad_dtype(), /*pow2=*/false, 0.f, st);
     copy_values(p.dy.amax, amax, st);
     copy_values(p.dy.scale, dy_scale, st);

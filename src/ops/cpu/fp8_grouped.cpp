@@ -7,23 +7,11 @@
 #include <cstdint>
 
 #include "core/dtype.h"
+#include "ops/cpu/group_offsets.h"
 #include "ops/fp8_math.h"
 
 namespace mt::cpu {
 namespace {
-
-// The group offsets (G + 1 entries) of the host counts, checked against R.
-std::vector<int64_t> offsets(const Tensor& counts, int64_t R, const char* fn) {
-  const int64_t G = counts.size(0);
-  std::vector<int64_t> off(static_cast<size_t>(G + 1), 0);
-  const int32_t* c = counts.data_as<int32_t>();
-  for (int64_t g = 0; g < G; ++g) {
-    MT_CHECK(c[g] >= 0, "{}: counts[{}] = {} is negative", fn, g, c[g]);
-    off[static_cast<size_t>(g + 1)] = off[static_cast<size_t>(g)] + c[g];
-  }
-  MT_CHECK(off.back() <= R, "{}: the counts sum to {} rows, more than the {} of x", fn, off.back(), R);
-  return off;
-}
 
 uint32_t rows_amax_bits(const float* x, int64_t r0, int64_t r1, int64_t k) {
   uint32_t m = 0;
@@ -35,7 +23,7 @@ uint32_t rows_amax_bits(const float* x, int64_t r0, int64_t r1, int64_t k) {
 
 void fp8_grouped_amax(const Tensor& amax, const Tensor& x, const Tensor& counts, const Stream&) {
   const int64_t G = counts.size(0), k = x.size(1);
-  const std::vector<int64_t> off = offsets(counts, x.size(0), "fp8_grouped_amax");
+  const std::vector<int64_t> off = group_offsets(counts, x.size(0), "fp8_grouped_amax");
   const int64_t as = fp8_grouped::value_stride(amax, G, "fp8_grouped_amax", "amax");
   for (int64_t g = 0; g < G; ++g)
     amax.data_as<float>()[g * as] =
@@ -46,7 +34,7 @@ void fp8_grouped_quantize(const Tensor& q, const Tensor& q_t, const Tensor& x, c
                           const Tensor& record, const Tensor& counts, const Stream&) {
   const char* fn = "fp8_grouped_quantize";
   const int64_t G = counts.size(0), R = x.size(0), k = x.size(1);
-  const std::vector<int64_t> off = offsets(counts, R, fn);
+  const std::vector<int64_t> off = group_offsets(counts, R, fn);
   const int64_t ss = fp8_grouped::value_stride(scale, G, fn, "scale");
   const DType t = q.empty() ? q_t.dtype() : q.dtype();
   const float* xv = x.data_as<float>();
