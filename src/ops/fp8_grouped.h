@@ -19,7 +19,8 @@ namespace mt {
 /// infinities count; 0 for an empty group), written over amax (fp8_amax per group). x: [R, k]
 /// contiguous, fp32 (CPU) or fp32/bf16/fp16 (CUDA); amax: fp32 G elements (see above); counts:
 /// int32 [G] on x's device, c_g >= 0, Σc <= R (checked on CPU; CUDA stops at row R).
-/// Errors: mt::Error on wrong dtypes, shapes or devices, Σc > R on CPU.
+/// Errors: mt::Error on wrong dtypes, shapes or devices, Σc > R on CPU, more than 1024 groups on
+/// CUDA (the grouped GEMMs' limit).
 void fp8_grouped_amax(const Tensor& amax, const Tensor& x, const Tensor& counts, const Stream& stream);
 
 /// Tensorwise quantisation with group g's scale (fp8_quantize per group, in one pass):

@@ -269,7 +269,8 @@ TEST_F(Fp8Training, ExpertParallelMatchesOneRank) {
 // 2026-11-29: both bitwise equal for this model; the bound allows the fp32-rounding differences
 // of the allgather dispatcher's sync-free path, tests/model/fp8_grouped_moe_test.cpp) — and
 // the grouped run with EP 2, and with expert TP 2 (fc2's x and fc1's dy amaxes all-reduced over
-// ETP), trains the one-rank grouped model (current scaling under EP: kLossTolEp, as above).
+// ETP: the state within kStateTol for every recipe), trains the one-rank grouped model (current
+// scaling under EP: losses within kLossTolEp and no state comparison, as above).
 TEST_F(Fp8Training, GroupedExpertsMatchSequentialAndOneRank) {
   const std::string moe = "--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 64 --disable-bias-linear "
                           "--moe-aux-loss-coeff 0.01 ";
@@ -297,7 +298,9 @@ TEST_F(Fp8Training, GroupedExpertsMatchSequentialAndOneRank) {
       std::printf("grouped FP8 experts %s | %s: loss diff %.3g, state diff %.3g\n", recipe.c_str(), layout.c_str(),
                   dll, dsl);
       EXPECT_LT(dll, delayed ? kLossTol : kLossTolEp);
-      if (delayed) EXPECT_LT(dsl, kStateTol);
+      // expert TP alone keeps each expert's tokens: its current-scaling amaxes (fc2's x, fc1's dy
+      // reduced over ETP) are the one-rank ones too
+      if (delayed || layout.find("expert-model-parallel") == std::string::npos) EXPECT_LT(dsl, kStateTol);
     }
   }
 }

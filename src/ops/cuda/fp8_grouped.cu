@@ -1,6 +1,7 @@
 // CUDA backend of ops/fp8_grouped.h. Every CTA loads the counts (int32 [G], device memory) and
-// forms the group offsets in shared memory, so nothing passes through the host (capturable).
-// A CTA of 32 x 8 threads owns a 32 x 32 tile of x: warp w holds rows w + 8i (i < 4), lane l
+// forms the group offsets in shared memory (the grouped GEMMs' group_tables / find_group,
+// ops/cuda/grouped_matmul_common.cuh), so nothing passes through the host (capturable).
+// A CTA of 8 warps owns a 32 x 32 tile of x: warp w holds rows w + 8i (i < 4), lane l
 // column l, so a row's 32 elements are one warp (its group's amax: a warp max, one atomic max of
 // the ordered float bits per row and tile — order-independent, bit-identical to the CPU); q is
 // written from registers, q_t through a shared-memory transpose. Not tuned: the grouped expert
@@ -12,6 +13,7 @@
 
 #include "core/cuda_check.h"
 #include "ops/cuda/common.cuh"
+#include "ops/cuda/grouped_matmul_common.cuh"
 #include "ops/cuda/fp8_out.cuh"
 #include "ops/fp8_grouped.h"
 #include "ops/fp8_math.h"
@@ -21,7 +23,7 @@ namespace {
 
 constexpr int kTile = 32;
 constexpr int kRowsPerWarp = 4;  // 8 warps x 4 rows = the tile's 32 rows
-constexpr int kMaxGroups = 4096;
+using grouped::kMaxGroups;  // the grouped GEMMs' shared-memory group tables (1024 groups)
 
 struct GroupArgs {
   const int32_t* counts = nullptr;
@@ -40,33 +42,6 @@ __device__ __forceinline__ uint32_t warp_max(uint32_t v) {
   return v;
 }
 
-// off[0 .. G] in shared memory (inclusive prefix from thread 0: G is small, at most kMaxGroups).
-__device__ void load_offsets(int64_t* off, const int32_t* counts, int64_t G) {
-  if (threadIdx.x == 0 && threadIdx.y == 0) {
-    int64_t s = 0;
-    off[0] = 0;
-    for (int64_t g = 0; g < G; ++g) {
-      s += max(counts[g], 0);
-      off[g + 1] = s;
-    }
-  }
-  __syncthreads();
-}
-
-// The group of row r < off[G]: the last g with off[g] <= r (binary search).
-__device__ __forceinline__ int64_t group_of(const int64_t* off, int64_t G, int64_t r) {
-  int64_t lo = 0, hi = G - 1;
-  while (lo < hi) {
-    const int64_t mid = (lo + hi + 1) / 2;
-    if (off[mid] <= r) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  return lo;
-}
-
 __global__ void zero_values_kernel(uint32_t* v, int64_t stride, int64_t n) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i < n) v[i * stride] = 0u;
@@ -75,11 +50,12 @@ __global__ void zero_values_kernel(uint32_t* v, int64_t stride, int64_t n) {
 // kQ: 0 amax only, 1 e4m3, 2 e5m2.
 template <typename T, int kQ>
 __global__ void __launch_bounds__(kTile * 8) grouped_tile_kernel(const T* __restrict__ x, GroupArgs p) {
-  __shared__ int64_t off[kMaxGroups + 1];
+  __shared__ int off[kMaxGroups + 1], tile[kMaxGroups + 1];  // group g's rows [off[g], off[g + 1])
   __shared__ uint8_t tq[kTile][kTile + 4];
-  load_offsets(off, p.counts, p.groups);
-  const int64_t G = p.groups, used = min(off[G], p.rows);
-  const int lane = threadIdx.x, warp = threadIdx.y;
+  const int G = static_cast<int>(p.groups);
+  grouped::group_tables(p.counts, G, static_cast<int>(p.rows), grouped::RowTiles{1, 1}, off, tile);
+  const int64_t used = off[G];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kTile, c0 = static_cast<int64_t>(blockIdx.x) * kTile;
   const int64_t c = c0 + lane;
 #pragma unroll
@@ -88,7 +64,7 @@ __global__ void __launch_bounds__(kTile * 8) grouped_tile_kernel(const T* __rest
     const int64_t r = r0 + ri;
     uint8_t b = 0;
     if (r < used) {  // the whole warp agrees (one row)
-      const int64_t g = group_of(off, G, r);
+      const int64_t g = grouped::find_group(off, G, static_cast<int>(r));
       const float v = c < p.cols ? to_f(x[r * p.cols + c]) : 0.f;
       if constexpr (kQ != 0) b = c < p.cols ? to_fp8<kQ == 1>(v, p.scale[g * p.scale_stride]) : uint8_t{0};
       if (p.amax) {
@@ -123,7 +99,7 @@ void launch(const Tensor& x, const GroupArgs& p, int64_t grid_rows, const Stream
   MT_CHECK(grid.y <= 65535u, "fp8_grouped: {} rows exceed the grid ({} at most)", grid_rows, 65535 * kTile);
   dispatch_float(x.dtype(), "fp8_grouped", [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    grouped_tile_kernel<T, kQ><<<grid, dim3(kTile, 8), 0, cu(stream)>>>(x.data_as<T>(), p);
+    grouped_tile_kernel<T, kQ><<<grid, kTile * 8, 0, cu(stream)>>>(x.data_as<T>(), p);
     MT_CUDA_CHECK_LAUNCH();
   });
 }
@@ -134,6 +110,7 @@ GroupArgs base_args(const Tensor& x, const Tensor& counts) {
   p.groups = counts.size(0);
   MT_CHECK(p.groups <= kMaxGroups, "fp8_grouped: {} groups, at most {}", p.groups, kMaxGroups);
   p.rows = x.size(0);
+  MT_CHECK(p.rows <= (int64_t{1} << 30), "fp8_grouped: {} rows, at most 2^30", p.rows);
   p.cols = x.size(1);
   return p;
 }
