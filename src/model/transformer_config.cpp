@@ -439,9 +439,13 @@ void TransformerConfig::validate(int tp) const {
     MT_REQUIRE(num_layers_at_start_in_bf16 >= 0 && num_layers_at_end_in_bf16 >= 0,
                "--num-layers-at-start-in-bf16 {} and --num-layers-at-end-in-bf16 {} must be >= 0",
                num_layers_at_start_in_bf16, num_layers_at_end_in_bf16);
-    MT_REQUIRE(num_moe_experts == 0 || !moe_grouped_gemm,
-               "--fp8-format {} with --moe-grouped-gemm is not supported yet: the grouped expert MLP does not "
-               "quantise its inputs (the experts run FP8 one GEMM per expert; drop --moe-grouped-gemm)",
+    MT_REQUIRE(num_moe_experts == 0 || !moe_grouped_gemm || fp8_recipe != Fp8Recipe::kBlockwise,
+               "--fp8-recipe blockwise with --moe-grouped-gemm is not supported: the grouped expert GEMM takes "
+               "tensorwise scales (one per expert); use --fp8-recipe tensorwise or delayed, or drop "
+               "--moe-grouped-gemm (the per-expert path runs blockwise)");
+    MT_REQUIRE(num_moe_experts == 0 || !moe_grouped_gemm || !overlap_moe_expert_parallel_comm,
+               "--fp8-format {} with --moe-grouped-gemm and --overlap-moe-expert-parallel-comm is not supported: "
+               "the grouped FP8 experts run every expert at once, not the pipeline's chunks",
                fp8_format_name(fp8));
     MT_REQUIRE(num_moe_experts == 0 || !moe_enable_echo,
                "--fp8-format {} with --moe-enable-echo is not supported (the expert clones have no FP8 weights)",

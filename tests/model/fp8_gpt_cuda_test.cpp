@@ -27,7 +27,7 @@ namespace {
 
 using testing::OwnedTensor;
 
-TransformerConfig fp8_config(Fp8Recipe recipe, Fp8Format format, bool llama, bool moe) {
+TransformerConfig fp8_config(Fp8Recipe recipe, Fp8Format format, bool llama, bool moe, bool grouped = false) {
   TransformerConfig c;
   c.num_layers = 2;
   c.hidden_size = 64;
@@ -51,6 +51,7 @@ TransformerConfig fp8_config(Fp8Recipe recipe, Fp8Format format, bool llama, boo
     c.moe_ffn_hidden_size = 64;
     c.moe_router_topk = 2;
     c.moe_layer_pattern = {0, 1};
+    c.moe_grouped_gemm = grouped;  // the grouped FP8 experts (per-expert scales, device counts)
   }
   c.fp8 = format;
   c.fp8_recipe = recipe;
@@ -103,10 +104,10 @@ double max_element_rel(const std::vector<float>& a, const std::vector<float>& r)
 /// where one perturbed run moved it 6 %: with MoE, a token whose top-2 choice is a near tie may
 /// route differently in some runs and not in others). A wrong scale, dtype, operand or transposition is off by
 /// O(1), far outside either; the loss bound is not scaled.
-void compare(Fp8Recipe recipe, Fp8Format format, bool llama, bool moe, DType dtype, Tol tol) {
+void compare(Fp8Recipe recipe, Fp8Format format, bool llama, bool moe, DType dtype, Tol tol, bool grouped = false) {
   SCOPED_TRACE(::testing::Message() << fp8_recipe_name(recipe) << " " << fp8_format_name(format) << (llama ? " llama" : " gpt")
-                                    << (moe ? " moe " : " ") << dtype_name(dtype));
-  const TransformerConfig c = fp8_config(recipe, format, llama, moe);
+                                    << (moe ? " moe " : " ") << (grouped ? "grouped " : "") << dtype_name(dtype));
+  const TransformerConfig c = fp8_config(recipe, format, llama, moe, grouped);
   const int64_t b = 2;
   Stream cs(Device::cpu()), gs(Device::cuda(0));
   GPTModel cpu(c, b, DType::kF32, Device::cpu(), ProcessGroups::single());
@@ -218,6 +219,19 @@ TEST(Fp8GptCuda, Fp32MatchesCpuEmulation) {
   compare(Fp8Recipe::kTensorwise, Fp8Format::kE4M3, true, true, DType::kF32, t);  // FP8 experts
 }
 
+// --moe-grouped-gemm: the experts' grouped FP8 GEMMs (ops/grouped_matmul.h, per-expert scales from
+// ops/fp8_grouped.h, counts on the device) against the CPU emulation of the same grouped experts
+// (bitwise the sequential FP8 experts on the CPU: tests/model/fp8_grouped_moe_test.cpp), fp32 and
+// bf16 activations, tensorwise and delayed, e4m3 and hybrid (e5m2 gradients).
+TEST(Fp8GptCuda, GroupedExpertsMatchCpuEmulation) {
+  MT_REQUIRE_CUDA();
+  const Tol f{2e-3, 2e-2, 2e-2}, b{2e-2, 6e-2, 5e-2};
+  compare(Fp8Recipe::kTensorwise, Fp8Format::kHybrid, true, true, DType::kF32, f, /*grouped=*/true);
+  compare(Fp8Recipe::kDelayed, Fp8Format::kE4M3, true, true, DType::kF32, f, true);
+  compare(Fp8Recipe::kTensorwise, Fp8Format::kE4M3, true, true, DType::kBF16, b, true);
+  compare(Fp8Recipe::kDelayed, Fp8Format::kHybrid, true, true, DType::kBF16, b, true);
+}
+
 // bf16 activations (the production setting): bf16 rounding on top (gpt_cuda_test's bf16 bound 2e-2).
 TEST(Fp8GptCuda, Bf16MatchesCpuEmulation) {
   MT_REQUIRE_CUDA();
@@ -229,13 +243,21 @@ TEST(Fp8GptCuda, Bf16MatchesCpuEmulation) {
 }
 
 // The FP8 forward and backward (weight quantisation, amaxes, scales, quantisers, FP8 GEMMs, the
-// delayed records) captured in a CUDA graph after an eager step: the capture fails on any host
-// synchronisation or allocation; the replay gives the eager loss and gradients bitwise.
+// delayed records; and an MoE model with the grouped FP8 experts) captured in a CUDA graph after an
+// eager step: the capture fails on any host synchronisation or allocation; the replay gives the
+// eager loss and gradients bitwise.
 TEST(Fp8GptCuda, StepIsCapturable) {
   MT_REQUIRE_CUDA();
-  for (Fp8Recipe recipe : {Fp8Recipe::kTensorwise, Fp8Recipe::kDelayed, Fp8Recipe::kBlockwise}) {
-    SCOPED_TRACE(fp8_recipe_name(recipe));
-    TransformerConfig c = fp8_config(recipe, Fp8Format::kHybrid, true, false);
+  struct Case {
+    Fp8Recipe recipe;
+    bool grouped_moe;  // an MoE layer with the grouped FP8 experts (device counts)
+  };
+  for (const Case cs : {Case{Fp8Recipe::kTensorwise, false}, Case{Fp8Recipe::kDelayed, false},
+                        Case{Fp8Recipe::kBlockwise, false}, Case{Fp8Recipe::kTensorwise, true},
+                        Case{Fp8Recipe::kDelayed, true}}) {
+    const Fp8Recipe recipe = cs.recipe;
+    SCOPED_TRACE(::testing::Message() << fp8_recipe_name(recipe) << (cs.grouped_moe ? " grouped moe" : ""));
+    TransformerConfig c = fp8_config(recipe, Fp8Format::kHybrid, true, cs.grouped_moe, cs.grouped_moe);
     c.deterministic_mode = true;  // no float atomics: the replay must equal the eager step bitwise
     const int64_t b = 2;
     Stream gs(Device::cuda(0));

@@ -95,6 +95,12 @@ class Fp8Linear {
   void plan_weights(BufferPlanner& planner);
   /// The state views of x, w and dy (Fp8Model::plan).
   void bind_state(const Fp8TensorState& x, const Fp8TensorState& w, const Fp8TensorState& dy);
+  /// The bound state views of x, w and dy, and the transposed FP8 weight copy wq_t [in, out]: the
+  /// grouped expert MLP (model/moe/grouped_fp8_experts.h) runs its experts' GEMMs on them itself.
+  const Fp8TensorState& x_state() const { return x_; }
+  const Fp8TensorState& w_state() const { return w_; }
+  const Fp8TensorState& dy_state() const { return dy_; }
+  const Tensor& fp8_weight_t() const { return wq_t_; }
 
   /// Quantises the weight into wq and wq_t with this step's scale (tensorwise: from its amax over
   /// the weight's shards; delayed: recorded when `record`). Fp8Model::quantize_weights calls it

@@ -36,7 +36,9 @@ MoeExperts::MoeExperts(const TransformerConfig& c, const std::string& p, const E
   }
   if (num_echo_ > 0)
     clones_ = std::make_unique<EchoClones>(ep, num_local_, num_echo_, c.moe_received_token_capacity > 0);
+  etp_ = ep.etp_group.get();
   if (Fp8Model* f = reg.fp8(); f && f->layer_on(Fp8Model::decoder_layer(p))) {
+    fp8_model_ = f;
     // columns of every global expert (the same in every EP layout); fc1 like a column-parallel
     // linear over ETP (x replicated), fc2 like a row-parallel one (dy replicated)
     const int64_t layer = Fp8Model::decoder_layer(p), base = f->reserve(layer, 2 * c.num_moe_experts);
@@ -58,6 +60,12 @@ Fp8Linear* MoeExperts::fp8(int64_t e, int fc) const {
   return fc == 1 ? ex.fp8_fc1.get() : ex.fp8_fc2.get();
 }
 
+void MoeExperts::plan_fp8(BufferPlanner& p, int64_t max_rows) {
+  for (Expert& ex : experts_)  // each expert's rows vary per dispatch (padded to 16 inside)
+    for (Fp8Linear* l : {ex.fp8_fc1.get(), ex.fp8_fc2.get()})
+      l->plan(p, max_rows, /*save_input=*/false, /*variable_rows=*/true);
+}
+
 void MoeExperts::plan(BufferPlanner& p, int64_t max_rows) {
   const DType t = p.act_dtype();
   const int64_t h = hidden_, f1 = (gated_ ? 2 : 1) * local_ffn_, f2 = local_ffn_;
@@ -71,9 +79,7 @@ void MoeExperts::plan(BufferPlanner& p, int64_t max_rows) {
   sv.act = recompute_act_ ? p.scratch("moe.act", t, {max_rows, f2}) : p.saved(t, {max_rows, f2}, "expert activations");
   sv.out = p.saved(t, {max_rows, h}, "expert outputs");
   if (clones_) clones_->plan(p, f1, f2, h);  // the clones' weights and gradients: fetched per use (scratch)
-  for (Expert& ex : experts_)  // FP8: each expert's rows vary per dispatch (padded to 16 inside)
-    for (Fp8Linear* l : {ex.fp8_fc1.get(), ex.fp8_fc2.get()})
-      if (l) l->plan(p, max_rows, /*save_input=*/false, /*variable_rows=*/true);
+  if (fp8_model_) plan_fp8(p, max_rows);
   d_out_ = p.scratch("moe.d_out", t, {max_rows, h});
   d_act_ = p.scratch("moe.d_act", t, {max_rows, f2});
   d_pre_ = p.scratch("moe.d_pre", t, {max_rows, f1});
@@ -264,12 +270,37 @@ void SequentialMLP::compute_wgrad(Saved& sv, const ExpertRange& r, const Stream&
 // GroupedMLP
 // ---------------------------------------------------------------------------------------------
 
+void GroupedMLP::plan_fp8(BufferPlanner& p, int64_t max_rows) {
+  if (!fp8_) {
+    std::vector<Fp8Linear*> fc1, fc2;
+    for (int64_t e = 0; e < num_local(); ++e) {
+      fc1.push_back(fp8(e, 1));
+      fc2.push_back(fp8(e, 2));
+    }
+    fp8_ = std::make_unique<GroupedFp8Experts>(*fp8_model_, std::move(fc1), std::move(fc2), etp_);
+  }
+  fp8_->plan(p, max_rows);
+}
+
+void GroupedMLP::check_fp8_range(const Saved& sv, const ExpertRange& r) const {
+  MT_CHECK(r.first == 0 && r.last == num_slots() && r.row_begin == 0 && r.rows == sv.rows,
+           "GroupedMLP: FP8 experts run every slot at once, got slots [{}, {}) rows [{}, +{})", r.first, r.last,
+           r.row_begin, r.rows);
+}
+
 // With every slot (all()) the calls cover the whole [R_max, ·] buffers; a chunk's cover its rows.
 void GroupedMLP::compute_forward(Saved& sv, const ExpertRange& r, const Stream& st) {
-  const ExpertTables& t = tables(r.first, r.last, st);
   const Tensor counts = sv.counts.slice0(r.first, r.last);
   const auto rr = [&](const Tensor& x) { return row_range(x, r.row_begin, r.rows); };
   // Rows beyond Σ counts: the GEMMs write zeros there, so the activation gives zeros too.
+  if (fp8_) {
+    check_fp8_range(sv, r);
+    fp8_->forward(1, sv.pre, sv.xp, counts, sv.slot, st);
+    mlp_activation(sv.act, sv.pre, gated_, st);
+    fp8_->forward(2, sv.out, sv.act, counts, sv.slot, st);
+    return;
+  }
+  const ExpertTables& t = tables(r.first, r.last, st);
   grouped_linear_forward(rr(sv.pre), rr(sv.xp), t.w1, counts, st);
   mlp_activation(rr(sv.act), rr(sv.pre), gated_, st);
   grouped_linear_forward(rr(sv.out), rr(sv.act), t.w2, counts, st);
@@ -282,18 +313,31 @@ void GroupedMLP::compute_backward(Saved& sv, const ExpertRange& r, bool wgrad, c
   // d_out_ rows beyond Σ counts are stale (combine_backward writes the routed rows only) and never
   // read; the dgrads write zeros to their tails, so the activation backward gives zeros there.
   if (recompute_act_) mlp_activation(rr(sv.act), rr(sv.pre), gated_, st);
-  grouped_linear_dgrad(rr(d_act_), rr(d_out_), t.w2, counts, st);
-  if (wgrad) grouped_linear_wgrad(t.g2, rr(d_out_), rr(sv.act), counts, st);
+  if (fp8_) {
+    check_fp8_range(sv, r);
+    const GroupedWeights none;
+    fp8_->backward(2, d_act_, wgrad ? t.g2 : none, d_out_, sv.act, counts, sv.slot, st);
+  } else {
+    grouped_linear_dgrad(rr(d_act_), rr(d_out_), t.w2, counts, st);
+    if (wgrad) grouped_linear_wgrad(t.g2, rr(d_out_), rr(sv.act), counts, st);
+  }
   if (gated_) {
     swiglu_backward(rr(d_pre_), rr(d_act_), rr(sv.pre), st);
   } else {
     gelu_backward(rr(d_pre_), rr(d_act_), rr(sv.pre), st);
   }
+  if (fp8_) {
+    const GroupedWeights none;
+    fp8_->backward(1, d_xp_, wgrad ? t.g1 : none, d_pre_, sv.xp, counts, sv.slot, st);
+    return;
+  }
   grouped_linear_dgrad(rr(d_xp_), rr(d_pre_), t.w1, counts, st);
   if (wgrad) grouped_linear_wgrad(t.g1, rr(d_pre_), rr(sv.xp), counts, st);
 }
 
+// Only with --delay-wgrad-compute, which FP8 refuses (TransformerConfig::validate).
 void GroupedMLP::compute_wgrad(Saved& sv, const ExpertRange& r, const Stream& st) {
+  MT_CHECK(!fp8_, "GroupedMLP: delayed weight gradients of FP8 experts are not supported");
   const ExpertTables& t = tables(r.first, r.last, st);
   const Tensor counts = sv.counts.slice0(r.first, r.last);
   const auto rr = [&](const Tensor& x) { return row_range(x, r.row_begin, r.rows); };

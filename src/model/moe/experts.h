@@ -19,9 +19,11 @@
 //     dispatch backward address rows through slot_row, which never points past R.
 //
 // Saved per area: the expert inputs, fc1 outputs, activations (scratch with --recompute-modules
-// moe_act: recomputed in the backward) and outputs, [R_max, ·] each. With FP8 (--fp8-format,
-// SequentialMLP only) each expert projection runs through an Fp8Linear (model/fp8/fp8_linear.h)
-// over its ragged row range (padded to 16 rows inside). Weight gradients accumulate
+// moe_act: recomputed in the backward) and outputs, [R_max, ·] each. With FP8 (--fp8-format) each
+// expert projection has an Fp8Linear (model/fp8/fp8_linear.h: its scaling state and FP8 weight
+// copies); SequentialMLP runs it over the expert's ragged row range (padded to 16 rows inside),
+// GroupedMLP runs all experts' projections as grouped FP8 GEMMs with per-expert scales
+// (model/moe/grouped_fp8_experts.h), the same numerics. Weight gradients accumulate
 // (+=) into the fp32 main gradients; the clones' into their scratch, returned to the home experts.
 #pragma once
 #include <map>
@@ -31,6 +33,7 @@
 
 #include "model/fp8/fp8_linear.h"
 #include "model/moe/echo.h"
+#include "model/moe/grouped_fp8_experts.h"
 #include "model/moe/token_dispatcher.h"
 #include "ops/grouped_matmul.h"
 
@@ -133,11 +136,16 @@ class MoeExperts {
 
   /// Local expert e's FP8 projection (fc 1 or 2), or nullptr when the layer runs bf16.
   Fp8Linear* fp8(int64_t e, int fc) const;
+  /// Plans the FP8 projections' buffers in the open area (plan()): each expert's Fp8Linear for
+  /// up to max_rows rows (SequentialMLP; GroupedMLP overrides it).
+  virtual void plan_fp8(BufferPlanner& planner, int64_t max_rows);
 
   bool gated_;
   bool recompute_act_;  // --recompute-modules moe_act: sv.act is scratch, recomputed in the backward
   int64_t max_rows_ = 0;
   Tensor d_out_, d_act_, d_pre_, d_xp_;  // scratch [R_max, ·]
+  const Fp8Model* fp8_model_ = nullptr;  // with FP8 experts
+  Communicator* etp_ = nullptr;          // the expert TP group
 
  private:
   struct Expert {
@@ -167,16 +175,20 @@ class SequentialMLP final : public MoeExperts {
 };
 
 /// Megatron's GroupedMLP / TEGroupedMLP (--moe-grouped-gemm): one grouped GEMM per projection over
-/// all R_max rows with the device counts.
+/// all R_max rows with the device counts; with FP8 the grouped FP8 GEMMs (GroupedFp8Experts, every
+/// slot at once: --overlap-moe-expert-parallel-comm's chunks are refused with FP8 here).
 class GroupedMLP final : public MoeExperts {
  public:
   using MoeExperts::MoeExperts;
 
  private:
   int64_t rows_of(const Saved&) const override { return max_rows_; }
+  void plan_fp8(BufferPlanner& planner, int64_t max_rows) override;
   void compute_forward(Saved& sv, const ExpertRange& r, const Stream& st) override;
   void compute_backward(Saved& sv, const ExpertRange& r, bool wgrad, const Stream& st) override;
   void compute_wgrad(Saved& sv, const ExpertRange& r, const Stream& st) override;
+  void check_fp8_range(const Saved& sv, const ExpertRange& r) const;
+  std::unique_ptr<GroupedFp8Experts> fp8_;  // FP8 (nullptr: bf16)
 };
 
 /// The experts of --moe-grouped-gemm: GroupedMLP, else SequentialMLP.

@@ -7,25 +7,13 @@
 
 #include "ops/fp8_matmul.h"
 #include "ops/grouped_matmul.h"
+#include "ops/cpu/group_offsets.h"
 
 namespace mt::cpu {
 namespace {
 
 void require_f32(const char* fn, const Tensor& t) {
   MT_CHECK(t.dtype() == DType::kF32, "{}: the CPU backend supports fp32 only, got {}", fn, t.str());
-}
-
-// The groups' first rows (G + 1 entries, the last = Σc), checked against the R rows.
-std::vector<int64_t> offsets(const Tensor& counts, int64_t R, const char* fn) {
-  const int32_t* c = counts.data_as<int32_t>();
-  const int64_t G = counts.numel();
-  std::vector<int64_t> off(static_cast<size_t>(G + 1), 0);
-  for (int64_t g = 0; g < G; ++g) {
-    MT_CHECK(c[g] >= 0, "{}: count {} of group {} is negative", fn, c[g], g);
-    off[static_cast<size_t>(g + 1)] = off[static_cast<size_t>(g)] + c[g];
-  }
-  MT_CHECK(off.back() <= R, "{}: the counts sum to {} rows, more than the {} planned", fn, off.back(), R);
-  return off;
 }
 
 blasint bi(int64_t v) { return static_cast<blasint>(v); }
@@ -37,12 +25,15 @@ Fp8Operand group_operand(const Tensor& data, const Tensor& scale_inv, int64_t g)
 }
 
 /// Columns [c0, c0 + c) of a byte matrix t [rows, R], copied into `buf` and viewed as [rows, c].
+// The copy is padded with zero columns (FP8 +0: exact zero products) to a multiple of 16: the
+// reduction length of the per-expert FP8 path (Fp8Linear pads each expert's rows to 16), so that
+// sgemm sums in its order and the grouped and sequential FP8 experts agree bitwise on the CPU.
 Tensor column_segment(const Tensor& t, int64_t c0, int64_t c, std::vector<uint8_t>& buf) {
-  const int64_t rows = t.size(0), R = t.size(1);
-  buf.resize(static_cast<size_t>(rows * c));
+  const int64_t rows = t.size(0), R = t.size(1), cp = (c + 15) / 16 * 16;
+  buf.assign(static_cast<size_t>(rows * cp), uint8_t{0});
   const uint8_t* src = t.data_as<uint8_t>();
-  for (int64_t r = 0; r < rows; ++r) std::copy_n(src + r * R + c0, c, buf.data() + r * c);
-  return Tensor(buf.data(), t.dtype(), Device::cpu(), {rows, c});
+  for (int64_t r = 0; r < rows; ++r) std::copy_n(src + r * R + c0, c, buf.data() + r * cp);
+  return Tensor(buf.data(), t.dtype(), Device::cpu(), {rows, cp});
 }
 
 }  // namespace
@@ -52,7 +43,7 @@ void grouped_linear_forward(const Tensor& y, const Tensor& x, const GroupedWeigh
   const char* fn = "grouped_linear_forward";
   require_f32(fn, x);
   const int64_t R = x.size(0), n = w.rows(), k = w.cols();
-  const std::vector<int64_t> off = offsets(counts, R, fn);
+  const std::vector<int64_t> off = group_offsets(counts, R, fn);
   const float* X = x.data_as<float>();
   float* Y = y.data_as<float>();
   for (int64_t g = 0; g < w.groups(); ++g) {
@@ -75,7 +66,7 @@ void grouped_linear_dgrad(const Tensor& dx, const Tensor& dy, const GroupedWeigh
   const char* fn = "grouped_linear_dgrad";
   require_f32(fn, dy);
   const int64_t R = dy.size(0), n = w.rows(), k = w.cols();
-  const std::vector<int64_t> off = offsets(counts, R, fn);
+  const std::vector<int64_t> off = group_offsets(counts, R, fn);
   const float* DY = dy.data_as<float>();
   float* DX = dx.data_as<float>();
   for (int64_t g = 0; g < w.groups(); ++g) {
@@ -98,7 +89,7 @@ void grouped_linear_wgrad(const GroupedWeights& dw, const Tensor& dy, const Tens
   const char* fn = "grouped_linear_wgrad";
   require_f32(fn, x);
   const int64_t R = x.size(0), n = dw.rows(), k = dw.cols();
-  const std::vector<int64_t> off = offsets(counts, R, fn);
+  const std::vector<int64_t> off = group_offsets(counts, R, fn);
   const float* DY = dy.data_as<float>();
   const float* X = x.data_as<float>();
   for (int64_t g = 0; g < dw.groups(); ++g) {
@@ -114,7 +105,7 @@ void grouped_linear_wgrad(const GroupedWeights& dw, const Tensor& dy, const Tens
 void grouped_fp8_linear_forward(const Tensor& y, const Tensor& aq, const Tensor& a_scale_inv, const GroupedWeights& wq,
                                 const Tensor& w_scale_inv, const Tensor& counts, const Stream& stream) {
   const int64_t R = aq.size(0), N = wq.rows();
-  const std::vector<int64_t> off = offsets(counts, R, "grouped_fp8_linear_forward");
+  const std::vector<int64_t> off = group_offsets(counts, R, "grouped_fp8_linear_forward");
   for (int64_t g = 0; g < wq.groups(); ++g) {
     const int64_t r0 = off[static_cast<size_t>(g)], r1 = off[static_cast<size_t>(g + 1)];
     if (r1 == r0) continue;
@@ -129,7 +120,7 @@ void grouped_fp8_linear_forward(const Tensor& y, const Tensor& aq, const Tensor&
 void grouped_fp8_linear_wgrad(const GroupedWeights& dw, const Tensor& dyq_t, const Tensor& dy_scale_inv,
                               const Tensor& xq_t, const Tensor& x_scale_inv, const Tensor& counts,
                               const Stream& stream) {
-  const std::vector<int64_t> off = offsets(counts, xq_t.size(1), "grouped_fp8_linear_wgrad");
+  const std::vector<int64_t> off = group_offsets(counts, xq_t.size(1), "grouped_fp8_linear_wgrad");
   std::vector<uint8_t> a_buf, b_buf;
   for (int64_t g = 0; g < dw.groups(); ++g) {
     const int64_t r0 = off[static_cast<size_t>(g)], c = off[static_cast<size_t>(g + 1)] - r0;
