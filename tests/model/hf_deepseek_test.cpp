@@ -613,6 +613,37 @@ TEST(HfDeepseekV3, MtpLayersFollowTheCheckpoint) {
   fs::remove_all(fx.dir);
 }
 
+/// A fixture of `d` whose routing is at least 1e-3 away from a tie (so that fp32 and fp64 agree on
+/// every choice; a few draws at most), imported and run through `megatron logits` on the CPU:
+/// our logits of `tokens` and transformers' forward re-implemented in float64 (RoPE pairs
+/// interleaved or rotate-half).
+struct ImportedLogits {
+  Fixture fx;
+  std::vector<Vec> ref;
+  std::vector<float> ours;
+};
+
+void imported_logits(const Ds& d, const std::string& tag, bool interleave, const std::vector<int32_t>& tokens,
+                     ImportedLogits& out) {
+  for (int attempt = 0;; ++attempt) {
+    ASSERT_LT(attempt, 20) << "no fixture without a routing near-tie";
+    out.fx = make_fixture(d, tag);
+    HfReference r{d, out.fx.w, interleave};
+    out.ref = r.forward(tokens);
+    if (r.margin > 1e-3) break;
+    fs::remove_all(out.fx.dir);
+  }
+  const std::string ck = import(out.fx, "ck");
+  LogitsArgs la;
+  la.load = ck;
+  for (int32_t t : tokens) la.token_ids += (la.token_ids.empty() ? "" : " ") + std::to_string(t);
+  la.output = (out.fx.dir / "logits.bin").string();
+  la.device = "cpu";
+  ASSERT_EQ(run_logits(la), 0);
+  out.ours.assign(tokens.size() * static_cast<size_t>(d.V), 0.f);
+  std::ifstream(la.output, std::ios::binary).read(reinterpret_cast<char*>(out.ours.data()), out.ours.size() * 4);
+}
+
 // megatron.cpp's logits of the imported model (`megatron logits` on the CPU) against transformers'
 // DeepseekV3 forward re-implemented above in float64. The negative controls show the check would
 // catch a wrong RoPE pairing and an expert bias that was not loaded.
@@ -629,27 +660,11 @@ TEST(HfDeepseekV3, LogitsMatchTransformersSemantics) {
     SCOPED_TRACE(cs.name);
     Ds d;
     cs.set(d);
-    // Random weights whose routing is at least 1e-3 away from a tie, so that fp32 and fp64 agree
-    // on every choice (a few draws at most).
-    Fixture fx;
-    std::vector<Vec> ref;
-    for (int attempt = 0;; ++attempt) {
-      ASSERT_LT(attempt, 20) << "no fixture without a routing near-tie";
-      fx = make_fixture(d, "logits");
-      HfReference r{d, fx.w, d.interleave};
-      ref = r.forward(tokens);
-      if (r.margin > 1e-3) break;
-      fs::remove_all(fx.dir);
-    }
-    const std::string ck = import(fx, "ck");
-    LogitsArgs la;
-    la.load = ck;
-    la.token_ids = "3 17 0 36 11 5";
-    la.output = (fx.dir / "logits.bin").string();
-    la.device = "cpu";
-    ASSERT_EQ(run_logits(la), 0);
-    std::vector<float> ours(tokens.size() * static_cast<size_t>(d.V));
-    std::ifstream(la.output, std::ios::binary).read(reinterpret_cast<char*>(ours.data()), ours.size() * 4);
+    ImportedLogits il;
+    ASSERT_NO_FATAL_FAILURE(imported_logits(d, "logits", d.interleave, tokens, il));
+    const Fixture& fx = il.fx;
+    const std::vector<float>& ours = il.ours;
+    const std::vector<Vec>& ref = il.ref;
     const double err = max_rel_diff(ours, ref);
     std::printf("[%s] max |ours - transformers (fp64)| / max |logit| = %.3g\n", cs.name, err);
     EXPECT_LT(err, 2e-5);
@@ -869,25 +884,11 @@ TEST(HfDeepseekV2, LogitsMatchTransformersSemantics) {
     SCOPED_TRACE(cs.name);
     Ds d = ds_v2(cs.group_limited);
     cs.set(d);
-    Fixture fx;
-    std::vector<Vec> ref;
-    for (int attempt = 0;; ++attempt) {
-      ASSERT_LT(attempt, 20) << "no fixture without a routing near-tie";
-      fx = make_fixture(d, "v2logits");
-      HfReference r{d, fx.w, true};
-      ref = r.forward(tokens);
-      if (r.margin > 1e-3) break;
-      fs::remove_all(fx.dir);
-    }
-    const std::string ck = import(fx, "ck");
-    LogitsArgs la;
-    la.load = ck;
-    la.token_ids = "3 17 0 36 11 5";
-    la.output = (fx.dir / "logits.bin").string();
-    la.device = "cpu";
-    ASSERT_EQ(run_logits(la), 0);
-    std::vector<float> ours(tokens.size() * static_cast<size_t>(d.V));
-    std::ifstream(la.output, std::ios::binary).read(reinterpret_cast<char*>(ours.data()), ours.size() * 4);
+    ImportedLogits il;
+    ASSERT_NO_FATAL_FAILURE(imported_logits(d, "v2logits", true, tokens, il));
+    const Fixture& fx = il.fx;
+    const std::vector<float>& ours = il.ours;
+    const std::vector<Vec>& ref = il.ref;
     const double err = max_rel_diff(ours, ref);
     std::printf("[v2 %s] max |ours - transformers (fp64)| / max |logit| = %.3g\n", cs.name, err);
     EXPECT_LT(err, 2e-5);

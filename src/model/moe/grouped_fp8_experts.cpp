@@ -9,6 +9,11 @@ namespace {
 
 int64_t round_up_to(int64_t n, int64_t a) { return (n + a - 1) / a * a; }
 
+// Row i of a [rows, round_up_to(groups, 4)] fp32 block as G contiguous values.
+Tensor group_row(const Tensor& block, int64_t i, int64_t groups) {
+  return block.slice0(i, i + 1).view({round_up_to(groups, 4)}).slice0(0, groups);
+}
+
 // The one-element state tensors of G linears, which Fp8Model lays out at a constant stride in one
 // row of its state block (the experts' columns are consecutive): one [G, 1] view of them.
 Tensor strided_values(const std::vector<Tensor>& vals, const char* what) {
@@ -78,8 +83,7 @@ void GroupedFp8Experts::plan(BufferPlanner& planner, int64_t max_rows) {
 }
 
 Tensor GroupedFp8Experts::x_scale(int fc, int slot, int row) const {
-  return saved_.at(static_cast<size_t>(slot)).slice0(2 * (fc - 1) + row, 2 * (fc - 1) + row + 1).view({round_up_to(groups_, 4)})
-      .slice0(0, groups_);
+  return group_row(saved_.at(static_cast<size_t>(slot)), 2 * (fc - 1) + row, groups_);
 }
 
 void GroupedFp8Experts::prepare(Proj& p, const Stream& st) {
@@ -114,8 +118,7 @@ void GroupedFp8Experts::forward(int fc, const Tensor& y, const Tensor& x, const 
   Proj& p = proj(fc);
   prepare(p, st);
   const Tensor scale = x_scale(fc, slot, 0), scale_inv = x_scale(fc, slot, 1);
-  const Tensor amax = values_.slice0(0, 1).view({round_up_to(groups_, 4)}).slice0(0, groups_);
-  const Tensor w_sinv = values_.slice0(3, 4).view({round_up_to(groups_, 4)}).slice0(0, groups_);
+  const Tensor amax = group_row(values_, 0, groups_), w_sinv = group_row(values_, 3, groups_);
   Tensor record;
   if (model_.settings().delayed()) {  // the step's scales; the amaxes recorded in training forwards
     copy_values(scale, p.x.scale, st);
@@ -138,8 +141,8 @@ void GroupedFp8Experts::backward(int fc, const Tensor& dx, const GroupedWeights&
   Proj& p = proj(fc);
   prepare(p, st);
   const int64_t R = dy.size(0);
-  const auto row = [&](int64_t i) { return values_.slice0(i, i + 1).view({round_up_to(groups_, 4)}).slice0(0, groups_); };
-  const Tensor amax = row(0), dy_scale = row(1), dy_sinv = row(2), w_sinv = row(3);
+  const Tensor amax = group_row(values_, 0, groups_), dy_scale = group_row(values_, 1, groups_),
+               dy_sinv = group_row(values_, 2, groups_), w_sinv = group_row(values_, 3, groups_);
   if (model_.settings().delayed()) {
     copy_values(dy_scale, p.dy.scale, st);
     copy_values(dy_sinv, p.dy.scale_inv, st);

@@ -35,11 +35,6 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kRowsPerThread = static_cast<int>(kBlock) / kWarps;  // 16
 constexpr int kPitch = static_cast<int>(kBlock) + 4;               // staging row pitch (bytes)
 
-__device__ __forceinline__ uint32_t warp_max(uint32_t v) {
-  for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
-
 /// Calls f(bool_constant<e4m3>) for an FP8 dtype.
 template <typename F>
 void dispatch_fp8(DType t, F&& f) {

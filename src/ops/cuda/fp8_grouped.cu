@@ -37,11 +37,6 @@ struct GroupArgs {
   int64_t rows = 0, cols = 0, rows_t = 0;  // x [rows, cols], q_t [cols, rows_t]
 };
 
-__device__ __forceinline__ uint32_t warp_max(uint32_t v) {
-  for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
-
 __global__ void zero_values_kernel(uint32_t* v, int64_t stride, int64_t n) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i < n) v[i * stride] = 0u;

@@ -22,6 +22,12 @@ __device__ __forceinline__ uint8_t to_fp8(float x, float s) {
   return static_cast<uint8_t>(__nv_cvt_float_to_fp8(x * s, __NV_SATFINITE, kE4M3 ? __NV_E4M3 : __NV_E5M2));
 }
 
+/// The largest of a warp's 32 values (amax bits, fp8_math::abs_bits_for_max), in every lane.
+__device__ __forceinline__ uint32_t warp_max(uint32_t v) {
+  for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
 /// What a producer kernel writes besides its output (ops/fp8_fused.h): q (contiguous, the
 /// output's element order), the scale it reads, the amax record (null: none).
 struct Fp8Out {
