@@ -475,7 +475,7 @@ void GradSync::fp8_weight_scales(const Stream& stream) {
     const int me = group(params_.buckets()[b]).rank();
     for (const Fp8Piece& p : fp8_buckets_[b].pieces)
       if (p.linear && p.rank == me)
-        p.linear->weight_piece_amax(amax.flat_range(static_cast<int64_t>(p.amax), 1), p.weight_begin, p.n, stream);
+        p.linear->weight_piece_amax(amax.flat_range(static_cast<int64_t>(p.amax), 1), fp8_piece_values(p), stream);
   }
   fp8_->reduce_weight_amaxes(amax, stream);
   for (size_t k = 0; k < fp8_linears_.size(); ++k)
@@ -495,7 +495,7 @@ void GradSync::launch_fp8_gather(size_t b, const Stream& stream) {
   };
   for (const Fp8Piece& p : fb.pieces) {  // this rank's part: its owned values, the weights' quantised
     if (p.rank != me) continue;
-    if (p.linear) p.linear->quantize_weight_piece(at(p, f), p.weight_begin, p.n, stream);
+    if (p.linear) p.linear->quantize_weight_piece(at(p, f), fp8_piece_values(p), stream);
     else copy(at(p, md), params.flat_range(p.begin, p.n), stream);
   }
   grp.all_gather(all, all.flat_range(me * fb.segment, fb.segment), stream);
@@ -504,6 +504,22 @@ void GradSync::launch_fp8_gather(size_t b, const Stream& stream) {
     else if (p.rank != me) copy(params.flat_range(p.begin, p.n), at(p, md), stream);
   }
   for (Fp8Linear* l : fb.linears) l->finish_weight_gather(stream);
+}
+
+Tensor GradSync::fp8_piece_values(const Fp8Piece& p) const {
+  if (!p.linear->in_params()) return p.linear->weight_piece(Tensor(), p.weight_begin, p.n);
+  MT_CHECK(params_.main_sharded() && !params_.main_remainders_stored(),
+           "{}: an FP8 weight kept in its parameter storage is gathered from fp32 main parameter shards, but the main "
+           "parameters are {}",
+           p.linear->name(), params_.main_remainders_stored() ? "int16 remainders" : "not sharded");
+  int64_t at = 0;  // the shard holds the owned ranges concatenated in ascending order
+  for (const ParamStore::Range& r : params_.main_shard_ranges()) {
+    if (p.begin >= r.begin && p.begin + p.n <= r.end)
+      return p.linear->weight_piece(params_.main_shard().flat_range(at + p.begin - r.begin, p.n), p.weight_begin, p.n);
+    at += r.end - r.begin;
+  }
+  MT_FAIL("{}: weight piece at flat [{}, {}) outside this rank's main parameter shard", p.linear->name(), p.begin,
+          p.begin + p.n);
 }
 
 std::pair<int64_t, int64_t> GradSync::fp8_gather_bytes() const {
@@ -518,7 +534,7 @@ std::pair<int64_t, int64_t> GradSync::fp8_gather_bytes() const {
 }
 
 void GradSync::sync_model_params(const Stream& stream) {
-  if (!model_params_stale_) return;
+  if (!model_params_stale_ || params_.has_separate_main()) return;
   finish_param_sync(stream);
   for (size_t b = fp8_buckets_.size(); b-- > 0;)
     if (!fp8_buckets_[b].pieces.empty()) launch_model_gather(b, stream);

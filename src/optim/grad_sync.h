@@ -196,8 +196,10 @@ class GradSync final : public ParamGradHooks {
   /// included), and what the model-dtype gather of the same buckets moves (tests, logging).
   std::pair<int64_t, int64_t> fp8_gather_bytes() const;
   /// After FP8 gathers: the model-dtype all-gather of the buckets that were gathered in FP8, so
-  /// that every rank's model parameters are whole again (checkpoint saves read them). Waits for
-  /// the gathers in flight first; nothing when no FP8 gather ran since the last call.
+  /// that every rank's model parameters are whole again (checkpoint saves read them: with an fp32
+  /// model they are the main parameters). Waits for the gathers in flight first; nothing when no
+  /// FP8 gather ran since the last call, or when the main parameters are a separate fp32 copy
+  /// (checkpoints read those; the bf16 storage of a weight kept in FP8 holds its FP8 bytes).
   void sync_model_params(const Stream& stream);
   /// Whether the bucket collectives run as copy-engine transfers (DdpConfig::copy_engine and a
   /// DP group that qualifies); why_not_copy_engine() says why not otherwise.
@@ -250,6 +252,9 @@ class GradSync final : public ParamGradHooks {
     int64_t segment = 0;             // bytes per rank
   };
   void plan_fp8_bucket(size_t b, std::vector<std::pair<int64_t, Fp8Linear*>> weights);
+  // The values this rank quantises of piece p (its own): Fp8Linear::weight_piece of the fp32 main
+  // shard's elements for a weight kept in its parameter storage, else of the model parameters.
+  Tensor fp8_piece_values(const Fp8Piece& p) const;
   void fp8_weight_scales(const Stream& stream);
   void launch_fp8_gather(size_t b, const Stream& stream);
   void launch_model_gather(size_t b, const Stream& stream);

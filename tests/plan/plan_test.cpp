@@ -88,6 +88,9 @@ TEST_F(Plan, MemoryEqualsTheTrainersEstimateAndTheAllocatorOnEveryRank) {
       {"--position-embedding-type rope --mtp-num-layers 2 --pipeline-model-parallel-size 2", 2},
       // FP8: the weights' FP8 copies, the scaling state, the FP8 saved inputs
       {"--fp8-format hybrid --fp8-recipe delayed --tensor-model-parallel-size 2 --sequence-parallel", 2},
+      {"--fp8-format hybrid --fp8-recipe tensorwise", 1},
+      {"--fp8-format e4m3 --fp8-recipe blockwise", 1},
+      {"--fp8-format hybrid --fp8-recipe tensorwise --use-distributed-optimizer --fp8-param-gather", 2},
   };
   for (const auto& [extra, world] : layouts) {
     const std::string f = flags("--train-iters 2 --nproc-per-node " + std::to_string(world) + " " + extra);
@@ -229,6 +232,43 @@ TEST_F(Plan, Fp8IsPlannedWithoutTheGpu) {
     if (p.name.find("FP8 weights") != std::string::npos) fp8_bytes = p.bytes;
   EXPECT_GT(fp8_bytes, 0u) << plan.stages[0].memory.summary();
   EXPECT_TRUE(plan.fits);
+}
+
+// FP8 training plans no more memory than bf16 (docs/fp8.md "Memory"): the weights' FP8 copies live
+// in their bf16 storage (only the bf16 staging of the largest weight and the scaling state are
+// added) and the column-parallel linears save FP8 inputs. For a GPT and a Llama model, each recipe,
+// one rank and DP 2 with the distributed optimizer and --fp8-param-gather; the FP8 part is below the
+// 2 bytes per linear weight element that separate copies take.
+TEST_F(Plan, Fp8PlansNoMoreMemoryThanBf16) {
+  const std::string llama =
+      " --swiglu --ffn-hidden-size 96 --normalization RMSNorm --position-embedding-type rope --disable-bias-linear "
+      "--untie-embeddings-and-output-weights --num-query-groups 2";
+  const std::vector<std::pair<std::string, std::string>> fp8s = {
+      {"--fp8-format hybrid --fp8-recipe tensorwise", ""},
+      {"--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 16", ""},
+      {"--fp8-format e4m3 --fp8-recipe blockwise", ""},
+      {"--fp8-format hybrid --fp8-recipe tensorwise --fp8-param-gather", " --use-distributed-optimizer"},
+      {"--fp8-format hybrid --fp8-recipe delayed --fp8-param-gather", " --use-distributed-optimizer"}};
+  for (const std::string& model : {std::string(), llama}) {  // hidden 32, 4 heads, 4 layers (flags())
+    for (const auto& [fp8, dp] : fp8s) {
+      const int world = dp.empty() ? 1 : 2;
+      const std::string base = "--bf16 --train-iters 2" + model + dp;
+      SCOPED_TRACE(fp8 + (model == llama ? " llama" : " gpt") + dp);
+      const TrainingPlan bf16 = plan_training(request(base, world, "h100"));
+      const TrainingPlan f8 = plan_training(request(base + " " + fp8, world, "h100"));
+      ASSERT_EQ(f8.stages.size(), 1u);
+      const MemoryEstimate &b = bf16.stages[0].memory, &f = f8.stages[0].memory;
+      EXPECT_LE(f.total(), b.total()) << "fp8: " << f.summary() << "\nbf16: " << b.summary();
+      size_t fp8_part = 0, linear_weights = 0;
+      for (const MemoryPart& p : f.parts)
+        if (p.name.find("FP8 weights") != std::string::npos) fp8_part = p.bytes;
+      // the decoder's linear weights: 4 layers x (qkv + proj + fc1 + fc2) elements
+      const int64_t h = 32, ffn = model == llama ? 96 : 4 * h, qkv = model == llama ? h + 2 * 2 * (h / 4) : 3 * h;
+      linear_weights = static_cast<size_t>(4 * (qkv * h + h * h + (model == llama ? 2 : 1) * ffn * h + ffn * h));
+      EXPECT_GT(fp8_part, 0u);
+      EXPECT_LT(fp8_part, 2 * linear_weights) << f.summary();
+    }
+  }
 }
 
 // --search: every layout it returns passes the checks; fitting ones come first, by step time.
