@@ -98,6 +98,9 @@ MemoryEstimate estimate_training_memory(const MemoryEstimateInputs& in) {
   e.parts.push_back({"FP8 weights (w and w^T beside the model weights, or their bf16 staging) and scaling state",
                      m.fp8_bytes,
                      "--first-last-layers-bf16, or a larger --tensor-model-parallel-size"});
+  if (in.fp8_gather_bytes > 0)
+    e.parts.push_back({"FP8 parameter all-gather buffer (--fp8-param-gather)", in.fp8_gather_bytes,
+                       "a smaller --ddp-bucket-size"});
   if (in.grad_reduce_in_bf16)
     e.parts.push_back({"bf16 gradient reduction buffer", static_cast<size_t>(m.params.largest_bucket) * 2,
                        "a smaller --ddp-bucket-size"});

@@ -500,8 +500,9 @@ TEST(Fp8Linear, WeightCopiesInParamsEqualSeparateCopies) {
     const testing::OwnedTensor whole =
         testing::make_tensor({std::max(am[0], am[1])}, DType::kF32, Device::cpu(), {1}, st);
     a.lin->set_weight_scale(whole.t, st);
-    a.lin->quantize_weight_piece(q.t.flat_range(0, k), p0, st);
-    a.lin->quantize_weight_piece(q.t.flat_range(k, n - k), p1, st);
+    const testing::OwnedTensor stage(DType::kU8, Device::cpu(), {static_cast<int64_t>(a.lin->piece_stage_bytes(n))});
+    a.lin->quantize_weight_piece(q.t.flat_range(0, k), p0, stage.t, st);
+    a.lin->quantize_weight_piece(q.t.flat_range(k, n - k), p1, stage.t, st);
     EXPECT_EQ(WeightCopies::bytes(q.t, 0, static_cast<size_t>(n)), b.wq()) << "pieces";
     if (r == Fp8Recipe::kTensorwise) EXPECT_EQ(a.state(), b.state()) << "the pieces' scale";
     // sharded main parameters: the loaded bf16 storage is the source, once

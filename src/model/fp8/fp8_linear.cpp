@@ -230,13 +230,15 @@ void Fp8Linear::set_weight_scale(const Tensor& amax, const Stream& st) {
   fp8_scale_from_amax(w_.scale, w_.scale_inv, w_.amax, model_.settings().forward_dtype(), /*pow2=*/false, 0.f, st);
 }
 
-void Fp8Linear::quantize_weight_piece(const Tensor& q, const Tensor& piece, const Stream& st) {
+size_t Fp8Linear::piece_stage_bytes(int64_t n) const { return in_params_ ? model_.stage_bytes(n) : 0; }
+
+void Fp8Linear::quantize_weight_piece(const Tensor& q, const Tensor& piece, const Tensor& stage, const Stream& st) {
   MT_CHECK(!model_.settings().blockwise(), "{}: --fp8-param-gather with blockwise scaling", name_);
   const int64_t n = piece.numel();
   MT_CHECK(q.numel() == n && q.dtype() == model_.settings().forward_dtype(), "{}: FP8 piece {} must be {} [{}]",
            name_, q.str(), dtype_name(model_.settings().forward_dtype()), n);
   // in_params: the fp32 main parameters rounded to bf16 (the optimizer's rounding), then quantised
-  const Tensor x = in_params_ ? model_.stage_bf16(piece, st).view({1, n}) : piece.view({1, n});
+  const Tensor x = in_params_ ? model_.stage_bf16(piece, st, stage).view({1, n}) : piece.view({1, n});
   fp8_quantize(q.view({1, n}), Tensor(), x, w_.scale, model_.settings().delayed() ? w_.record : Tensor(), st);
 }
 

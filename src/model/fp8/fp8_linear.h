@@ -136,9 +136,11 @@ class Fp8Linear {
   void set_weight_scale(const Tensor& amax, const Stream& stream);
   /// q (FP8 [n], the forward dtype) = a piece (weight_piece, [n]) quantised with the weight's
   /// scale, the bytes quantize_weight writes there (in_params: the fp32 values rounded to bf16
-  /// first; delayed: their amax recorded into the history's row 0, the stage's MAX reduction
-  /// making it the whole weight's).
-  void quantize_weight_piece(const Tensor& q, const Tensor& piece, const Stream& stream);
+  /// first, staged in `stage`: Fp8Model::stage_bf16; delayed: their amax recorded into the
+  /// history's row 0, the stage's MAX reduction making it the whole weight's).
+  void quantize_weight_piece(const Tensor& q, const Tensor& piece, const Tensor& stage, const Stream& stream);
+  /// Bytes quantize_weight_piece stages for n elements (0 unless in_params).
+  size_t piece_stage_bytes(int64_t n) const;
   /// After the all-gather filled wq: wq_t = wqᵀ from the gathered bytes (per-tensor: the bytes of
   /// quantising wᵀ).
   void finish_weight_gather(const Stream& stream);

@@ -104,9 +104,10 @@ void Fp8Model::plan(BufferPlanner& p) {
     for (const Fp8Linear* l : e.linears)
       if (l->in_params()) stage = std::max(stage, l->out() * l->in());
   weight_stage_ = bf16_temp_ = Tensor();
-  if (stage > 0) {  // bf16 values in the activation dtype: bf16 (GPU), fp32 (the CPU's ops)
-    weight_stage_ = p.persistent(p.act_dtype(), {stage}, "fp8 weight staging (bf16 values)");
-    bf16_temp_ = p.persistent(DType::kBF16, {p.act_dtype() == DType::kBF16 ? 8 : stage}, "fp8 weight bf16 rounding");
+  act_dtype_ = p.act_dtype();
+  if (stage > 0) {  // in the linears' dyq_t scratch (stage_bf16); the amax rounding's two bytes persistent
+    weight_stage_ = p.scratch("fp8.dyq_t", DType::kU8, {static_cast<int64_t>(stage_bytes(stage))});
+    bf16_temp_ = p.persistent(DType::kBF16, {8}, "fp8 amax bf16 rounding");
   }
   int64_t off = 0;
   for (LayerEntry& e : layers_) {
@@ -125,19 +126,23 @@ void Fp8Model::plan(BufferPlanner& p) {
   if (!p.placing()) planned_bytes_ = p.persistent_bytes() - before;
 }
 
-Tensor Fp8Model::stage_bf16(const Tensor& src, const Stream& stream) const {
+Tensor Fp8Model::stage_bf16(const Tensor& src, const Stream& stream, const Tensor& region) const {
+  const Tensor& r = region.empty() ? weight_stage_ : region;
   const int64_t n = src.numel();
-  MT_CHECK(n >= 1 && n <= weight_stage_.numel(), "fp8: weight staging of {} elements, {} planned", n,
-           weight_stage_.numel());
-  const Tensor stage = weight_stage_.flat_range(0, n), x = src.view({n});
-  if (stage.dtype() == DType::kBF16) {
+  MT_CHECK(n >= 1 && !r.empty() && stage_bytes(n) <= r.nbytes(), "fp8: weight staging of {} elements needs {} bytes, has {}",
+           n, stage_bytes(n), r.empty() ? 0 : r.nbytes());
+  char* base = static_cast<char*>(r.data());
+  const Tensor x = src.view({n});
+  if (act_dtype_ == DType::kBF16) {
+    const Tensor stage(base, DType::kBF16, r.device(), {n});
     if (x.dtype() == DType::kBF16) copy(stage, x, stream);
     else cast(stage, x, stream);  // round to nearest even: the optimizer's rounding
     return stage;
   }
+  const Tensor stage(base, DType::kF32, r.device(), {n});
   Tensor b = x;
   if (x.dtype() != DType::kBF16) {
-    b = bf16_temp_.flat_range(0, n);
+    b = Tensor(base + 4 * n, DType::kBF16, r.device(), {n});
     cast(b, x, stream);
   }
   cast(stage, b, stream);  // widened: exact
@@ -219,6 +224,12 @@ void Fp8Model::quantize_weights(int64_t layer, bool force, const Stream& stream)
 std::vector<Fp8Linear*> Fp8Model::linears() const {
   std::vector<Fp8Linear*> out;
   for (const LayerEntry& e : layers_) out.insert(out.end(), e.linears.begin(), e.linears.end());
+  return out;
+}
+
+std::vector<std::string> Fp8Model::weight_names() const {
+  std::vector<std::string> out;
+  for (const Fp8Linear* l : linears()) out.push_back(l->name() + ".weight");
   return out;
 }
 

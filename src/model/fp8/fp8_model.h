@@ -89,12 +89,17 @@ class Fp8Model {
   /// (tp_linear) or expert weight: the experts keep the model-dtype gather, so only without the
   /// distributed optimizer (TransformerConfig::fp8_param off under weights_in_params).
   bool linear_in_params(bool dense) const { return config_.fp8_weights_in_params && (dense || !config_.fp8_param); }
-  /// The bf16 rounding of src (fp32 main parameters, or bf16 values copied as they are; [n], n <= the
-  /// largest in-parameter weight), staged for the quantiser of a weight kept in its parameter
-  /// storage (Fp8Linear::in_params): [n] bf16 on the GPU; on the CPU, whose ops are fp32, the bf16
-  /// values widened to fp32 (exact) through a bf16 buffer. Persistent buffers (plan). Errors:
-  /// mt::Error for n beyond the plan.
-  Tensor stage_bf16(const Tensor& src, const Stream& stream) const;
+  /// The bf16 rounding of src (fp32 main parameters, or bf16 values copied as they are; [n]), staged
+  /// in `region` (bytes, at least stage_bytes(n)) for the quantiser of a weight kept in its
+  /// parameter storage (Fp8Linear::in_params): [n] bf16 with bf16 activations (GPU); else (the
+  /// CPU's fp32 ops) the bf16 values widened to fp32 (exact), through a bf16 copy after them.
+  /// Without a region: the scratch planned for the largest in-parameter weight (the key
+  /// "fp8.dyq_t", a backward temporary of the linears, free between layers: the weights are
+  /// quantised before a layer's forward, so no memory is added unless the weight needs more).
+  /// Errors: mt::Error for a region too small.
+  Tensor stage_bf16(const Tensor& src, const Stream& stream, const Tensor& region = Tensor()) const;
+  /// Bytes stage_bf16 needs for n elements: 2 n with bf16 activations, 6 n otherwise.
+  size_t stage_bytes(int64_t n) const { return static_cast<size_t>(n) * (act_dtype_ == DType::kBF16 ? 2 : 6); }
   /// x (fp32 [1]) rounded to bf16 in place (round to nearest even, as the optimizer rounds).
   void round_to_bf16(const Tensor& x, const Stream& stream) const;
 
@@ -126,6 +131,8 @@ class Fp8Model {
   // --- --fp8-param-gather (optim/grad_sync.h: GradSync::set_fp8_param_gather) ---
   /// This rank's FP8 linears, in registration order.
   std::vector<Fp8Linear*> linears() const;
+  /// Their weights' parameter names ("<linear>.weight"), in the same order.
+  std::vector<std::string> weight_names() const;
   /// The weights' amaxes (fp32 [n], one per gathered weight, each the max over this rank's owned
   /// slice): all-reduced MAX over the TP group, then DP x CP — every rank of the stage holds a part
   /// of each weight (docs/fp8.md "Layout invariance"). Collective over the stage.
@@ -193,8 +200,9 @@ class Fp8Model {
   bool training_ = true;
   bool weights_gathered_ = false;
   bool stepped_ = false;  // finish_step ran since initialize / load_state
-  Tensor weight_stage_;   // the largest in-parameter weight, in the activation dtype (stage_bf16)
-  Tensor bf16_temp_;      // bf16: the rounding when the stage is fp32 (CPU), else one element
+  Tensor weight_stage_;   // scratch bytes: the largest in-parameter weight's staging (stage_bf16)
+  Tensor bf16_temp_;      // bf16 [8]: round_to_bf16
+  DType act_dtype_ = DType::kBF16;
 };
 
 }  // namespace mt
