@@ -486,7 +486,7 @@ int64_t GradSync::fp8_param_gather_bytes(const ParamStore& store, const std::vec
     largest = std::max(largest, fp8_segment_bytes(bk.begin, bk.numel(), ranks, es, weights[b]) * ranks);
   }
   if (gathered == 0) return 0;
-  const int64_t comm = (largest + 15) / 16 * 16 + stage_per_element * widest;
+  const int64_t comm = (largest + 15) / 16 * 16 + stage_per_element * std::min(widest, Fp8Linear::kPieceStageChunk);
   return (fp8_gather_in_grads(config) ? 0 : comm) + gathered * static_cast<int64_t>(sizeof(float));
 }
 

@@ -185,9 +185,13 @@ class GradSync final : public ParamGradHooks {
   /// quantises nothing for these weights (Fp8Model::weights_gathered); the scale is the whole
   /// weight's: tensorwise from the owned slices' amaxes all-reduced MAX over TP and DP x CP
   /// (on the compute stream, before the gathers), delayed the step's stored scale with the slices'
-  /// amaxes recorded. The model-dtype copies of the FP8 weights then hold only this rank's slice
-  /// up to date until sync_model_params. Nothing with one data-parallel rank (each layer quantises
-  /// its weights). Errors: mt::Error without use_distributed_optimizer.
+  /// amaxes recorded. A weight kept in its bf16 storage (Fp8Linear::in_params) is quantised from
+  /// the fp32 main shard, rounded to bf16 first; otherwise the model-dtype copies of the FP8
+  /// weights hold only this rank's slice up to date until sync_model_params. Without
+  /// overlap_param_gather (and shard_grads) the gathered bytes use the bucket's fp32 gradients,
+  /// which the optimizer step has consumed; else one buffer of the largest bucket. Nothing with one
+  /// data-parallel rank (each layer quantises its weights). Errors: mt::Error without
+  /// use_distributed_optimizer.
   void set_fp8_param_gather(Fp8Model& fp8);
   /// Whether buckets are gathered in FP8 (set_fp8_param_gather with DP > 1 and FP8 weights in a
   /// dense bucket).

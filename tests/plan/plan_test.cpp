@@ -91,6 +91,10 @@ TEST_F(Plan, MemoryEqualsTheTrainersEstimateAndTheAllocatorOnEveryRank) {
       {"--fp8-format hybrid --fp8-recipe tensorwise", 1},
       {"--fp8-format e4m3 --fp8-recipe blockwise", 1},
       {"--fp8-format hybrid --fp8-recipe tensorwise --use-distributed-optimizer --fp8-param-gather", 2},
+      // the FP8 gather beside the next step: its own buffer (without the overlap it runs in the gradients)
+      {"--fp8-format hybrid --fp8-recipe delayed --use-distributed-optimizer --fp8-param-gather --overlap-grad-reduce "
+       "--overlap-param-gather --ddp-bucket-size 20000",
+       2},
   };
   for (const auto& [extra, world] : layouts) {
     const std::string f = flags("--train-iters 2 --nproc-per-node " + std::to_string(world) + " " + extra);

@@ -1,5 +1,7 @@
 #include "model/fp8/fp8_linear.h"
 
+#include <algorithm>
+
 #include <fmt/ranges.h>
 
 #include "model/fp8/fp8_model.h"
@@ -230,16 +232,27 @@ void Fp8Linear::set_weight_scale(const Tensor& amax, const Stream& st) {
   fp8_scale_from_amax(w_.scale, w_.scale_inv, w_.amax, model_.settings().forward_dtype(), /*pow2=*/false, 0.f, st);
 }
 
-size_t Fp8Linear::piece_stage_bytes(int64_t n) const { return in_params_ ? model_.stage_bytes(n) : 0; }
+size_t Fp8Linear::piece_stage_bytes(int64_t n) const {
+  return in_params_ ? model_.stage_bytes(std::min(n, kPieceStageChunk)) : 0;
+}
 
 void Fp8Linear::quantize_weight_piece(const Tensor& q, const Tensor& piece, const Tensor& stage, const Stream& st) {
   MT_CHECK(!model_.settings().blockwise(), "{}: --fp8-param-gather with blockwise scaling", name_);
   const int64_t n = piece.numel();
   MT_CHECK(q.numel() == n && q.dtype() == model_.settings().forward_dtype(), "{}: FP8 piece {} must be {} [{}]",
            name_, q.str(), dtype_name(model_.settings().forward_dtype()), n);
-  // in_params: the fp32 main parameters rounded to bf16 (the optimizer's rounding), then quantised
-  const Tensor x = in_params_ ? model_.stage_bf16(piece, st, stage).view({1, n}) : piece.view({1, n});
-  fp8_quantize(q.view({1, n}), Tensor(), x, w_.scale, model_.settings().delayed() ? w_.record : Tensor(), st);
+  const Tensor record = model_.settings().delayed() ? w_.record : Tensor();
+  if (!in_params_) {
+    fp8_quantize(q.view({1, n}), Tensor(), piece.view({1, n}), w_.scale, record, st);
+    return;
+  }
+  // the fp32 main parameters rounded to bf16 (the optimizer's rounding), then quantised, a chunk at a time
+  const Tensor qf = q.view({n}), pf = piece.view({n});
+  for (int64_t at = 0; at < n; at += kPieceStageChunk) {
+    const int64_t c = std::min(kPieceStageChunk, n - at);
+    const Tensor x = model_.stage_bf16(pf.flat_range(at, c), st, stage).view({1, c});
+    fp8_quantize(qf.flat_range(at, c).view({1, c}), Tensor(), x, w_.scale, record, st);
+  }
 }
 
 void Fp8Linear::finish_weight_gather(const Stream& st) { transpose_blocks(wq_t_, wq_, out_, in_, st); }

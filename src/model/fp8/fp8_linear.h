@@ -139,8 +139,10 @@ class Fp8Linear {
   /// first, staged in `stage`: Fp8Model::stage_bf16; delayed: their amax recorded into the
   /// history's row 0, the stage's MAX reduction making it the whole weight's).
   void quantize_weight_piece(const Tensor& q, const Tensor& piece, const Tensor& stage, const Stream& stream);
-  /// Bytes quantize_weight_piece stages for n elements (0 unless in_params).
+  /// Bytes quantize_weight_piece stages for n elements (0 unless in_params): a piece is staged
+  /// kPieceStageChunk elements at a time (per-tensor scales: elementwise, the same bytes).
   size_t piece_stage_bytes(int64_t n) const;
+  static constexpr int64_t kPieceStageChunk = int64_t{1} << 20;
   /// After the all-gather filled wq: wq_t = wqᵀ from the gathered bytes (per-tensor: the bytes of
   /// quantising wᵀ).
   void finish_weight_gather(const Stream& stream);
