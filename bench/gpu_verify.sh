@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device session's checks, in steps that each fit one device call (the machine stays warm
 # between back-to-back calls, so later steps reuse the build):
-#   build          configure (preset default) and build everything with all cores
+#   build          configure (preset default) and build everything with all cores (BUILD_TARGETS:
+#                  only those targets — a fresh 16-core machine takes ~460 s for everything)
 #   ctest          ctest -L cuda (the multi-GPU tests run at their own rank counts; those that need
 #                  more GPUs than the machine has say so and skip); CTEST_ARGS adds ctest arguments
 #                  (e.g. CTEST_ARGS="-R 'mla|muon'" or "-E 'mla|muon'")
@@ -25,7 +26,8 @@ while [ $# -gt 0 ]; do
     build)
       nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
       cmake --preset default -DMT_BUILD_BENCH=ON > "$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }
-      cmake --build build -j "$(nproc)" -- -k > "$OUT/build.log" 2>&1 || { grep -E "error|\*\*\*" "$OUT/build.log" | head -40; }
+      targets=(); for t in ${BUILD_TARGETS:-}; do targets+=(--target "$t"); done
+      cmake --build build -j "$(nproc)" "${targets[@]}" -- -k > "$OUT/build.log" 2>&1 || { grep -E "error|\*\*\*" "$OUT/build.log" | head -40; }
       echo "build: $(( $(date +%s) - t0 )) s" ;;
     ctest)
       (cd build && timeout "${CTEST_TIMEOUT:-540}" bash -c "ctest -L cuda --output-on-failure -j $gpus ${CTEST_ARGS:-}" 2>&1) > "$OUT/ctest_cuda.log"

@@ -498,7 +498,35 @@ void GPTModel::recompute_forward(const ChunkState& ch, size_t first, size_t last
   StepContext ctx{mb, dc, /*slot=*/0, st};
   ctx.recompute = true;
   Tensor x = first == 0 ? in : layer_output(ch, first - 1, slot);
-  for (size_t i = first; i <= last; ++i) x = ch.layers[i]->forward(x, ctx);
+  for (size_t i = first; i <= last; ++i) {
+    // next: the following recomputed layer, and after the last its own backward
+    params_begin(ch.layers[i]->param_group(), ch.layers[std::min(i + 1, last)]->param_group(), false, true, st);
+    x = ch.layers[i]->forward(x, ctx);
+    params_end(ch.layers[i]->param_group(), false, true, st);
+  }
+}
+
+void GPTModel::params_begin(size_t group, size_t next, bool head, bool backward, const Stream& st) {
+  if (hooks_ == nullptr || !hooks_->params_every_use()) return;
+  const auto [first, end] = parts_->registry.group_range(group);
+  const auto [next_first, next_end] = next == kNoGroup ? std::pair<size_t, size_t>{0, 0}
+                                                       : parts_->registry.group_range(next);
+  hooks_->params_begin(first, end, backward, next_first, next_end, st);
+  // Without pipeline parallelism a tied output layer reads the embedding's word embedding.
+  if (head && parts_->embedding && config_.tied_output()) {
+    const size_t word = parts_->embedding->word_embeddings().index;
+    hooks_->params_begin(word, word + 1, backward, 0, 0, st);
+  }
+}
+
+void GPTModel::params_end(size_t group, bool head, bool backward, const Stream& st) {
+  if (hooks_ == nullptr || !hooks_->params_every_use()) return;
+  if (head && parts_->embedding && config_.tied_output()) {
+    const size_t word = parts_->embedding->word_embeddings().index;
+    hooks_->params_end(word, word + 1, backward, st);
+  }
+  const auto [first, end] = parts_->registry.group_range(group);
+  hooks_->params_end(first, end, backward, st);
 }
 
 Tensor GPTModel::logits(int head) const {
@@ -567,22 +595,32 @@ Tensor GPTModel::forward_chunk(int c, const ChunkBuffers& buf, const MicroBatch&
   const Tensor in = ch.input[static_cast<size_t>(buf.input)];
   const StepContext ctx{mb, dc, buf.slot, st, Tensor(), layer_graphs_};
   if (fp8_) fp8_->set_training(dc.training);  // delayed scaling records training forwards only
+  // Sharded parameters: params_begin / params_end around each unit instead.
+  const bool per_use = hooks_ != nullptr && hooks_->params_every_use();
   auto needed = [&](size_t group) {
     const auto [first, end] = parts_->registry.group_range(group);
-    if (first_forward && hooks_ != nullptr && first < end) hooks_->params_needed(first, end, st);
+    if (first_forward && !per_use && hooks_ != nullptr && first < end) hooks_->params_needed(first, end, st);
+  };
+  // The unit the forward uses after layer i - 1 (the embedding for i = 0): layer i, or the head.
+  auto forward_next = [&](size_t i) {
+    return i < ch.layers.size() ? ch.layers[i]->param_group() : ch.head ? ch.head->param_group() : kNoGroup;
   };
   if (ch.embedding) {
     needed(ch.embedding->param_group());
+    params_begin(ch.embedding->param_group(), forward_next(0), false, false, st);
     ch.embedding->forward(in, ctx);
+    params_end(ch.embedding->param_group(), false, false, st);
   }
   Tensor x = in;
   for (size_t i = 0; i < ch.layers.size(); ++i) {
     needed(ch.layers[i]->param_group());
+    params_begin(ch.layers[i]->param_group(), forward_next(i + 1), false, false, st);
     // FP8: the layer's weights quantised once per step, after their all-gather (needed)
     if (fp8_) fp8_->quantize_weights(ch.range.begin + static_cast<int64_t>(i), first_forward, st);
     StepContext lctx = ctx;
     lctx.slot = ch.slot_of(i, buf.slot);
     x = ch.layers[i]->forward(x, lctx);
+    params_end(ch.layers[i]->param_group(), false, false, st);
     if (ch.ends_group(i)) {  // full recompute: keep the group's output, the next group's input
       const Tensor kept = layer_output(ch, i, buf.slot);
       copy(kept, x, st);
@@ -591,7 +629,9 @@ Tensor GPTModel::forward_chunk(int c, const ChunkBuffers& buf, const MicroBatch&
   }
   if (!ch.head) return x;
   needed(ch.head->param_group());
+  params_begin(ch.head->param_group(), kNoGroup, true, false, st);
   ch.head->forward(x, loss_accum, loss_weight, compute_loss, head_grad, StepContext{mb, dc, buf.head, st});
+  params_end(ch.head->param_group(), true, false, st);
   // Multi-token prediction: training forwards only (the validation loss is the LM loss, as Megatron's)
   mtp_forwarded_.resize(static_cast<size_t>(chunk(c).loss_slots));
   mtp_forwarded_[static_cast<size_t>(buf.head)] = parts_->mtp && dc.training && compute_loss;
@@ -626,6 +666,14 @@ void GPTModel::backward_chunk(int c, const ChunkBuffers& buf, const MicroBatch& 
     if (i < nlayers && ch.group[i] >= 0 && ch.group[i - 1] == ch.group[i]) return ch.layers[i - 1]->output(0);
     return layer_output(ch, i - 1, buf.slot);
   };
+  // The unit the backward uses after layer i's (the head's for i = nlayers): layer i - 1's
+  // backward, or the recomputed forward of the full-recompute group ending at layer i - 1; none
+  // before the embedding (whose backward reads no parameter).
+  auto backward_next = [&](size_t i) {
+    if (i == 0) return kNoGroup;
+    const size_t j = ch.ends_group(i - 1) ? ch.groups[static_cast<size_t>(ch.group[i - 1])].first : i - 1;
+    return ch.layers[j]->param_group();
+  };
   if (ch.head) {
     Tensor dh0;  // the MTP's gradient of the final norm's output (its first depth reads it)
     if (parts_->mtp) {
@@ -636,7 +684,9 @@ void GPTModel::backward_chunk(int c, const ChunkBuffers& buf, const MicroBatch& 
                                     if (report) finish_group(group, st);
                                   });
     }
+    params_begin(ch.head->param_group(), backward_next(nlayers), true, true, st);
     ch.head->backward(g, layer_input(nlayers), grad_scale, loss_scale, StepContext{mb, dc, buf.head, st}, dh0);
+    params_end(ch.head->param_group(), true, true, st);
     if (report) finish_group(ch.head->param_group(), st);
   }
   // The chunk's last backward with the embedding: the first layer's weight gradients wait until
@@ -651,11 +701,13 @@ void GPTModel::backward_chunk(int c, const ChunkBuffers& buf, const MicroBatch& 
       recompute_forward(ch, ch.groups[static_cast<size_t>(ch.group[i])].first, i, in, buf.slot, mb, dc, st);
     StepContext lctx = ctx;
     lctx.slot = ch.slot_of(i, buf.slot);
+    params_begin(ch.layers[i]->param_group(), backward_next(i), false, true, st);
     ch.layers[i]->backward(layer_input(i), g, lctx, defer ? &deferred_ : nullptr);
+    params_end(ch.layers[i]->param_group(), false, true, st);
     if (report && !defer) finish_group(ch.layers[i]->param_group(), st);
   }
   if (!ch.embedding) return;
-  ch.embedding->backward(g, ctx);
+  ch.embedding->backward(g, ctx);  // reads no parameter (sharded parameters: no params_begin)
   if (report) {
     // Report the position embedding first, then the word embedding unless the step executor does
     // (a tied embedding shared with the last stage).

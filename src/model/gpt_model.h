@@ -195,6 +195,12 @@ class GPTModel final : public LanguageModel {
   // ECHO's used-slot transfers, shared by this rank's MoE layers (null: none, or not made yet).
   EchoPeers* echo_peers() const;
   void finish_group(size_t group, const Stream& stream);  // TP all-reduce of partial grads + grads_ready
+  // Sharded parameters (param_hooks.h params_every_use): params_begin of parameter group
+  // `group`'s use (prefetching group `next`'s parameters; kNoGroup: none) and params_end, with the
+  // tied word embedding's range when `head` reads it; nothing otherwise.
+  static constexpr size_t kNoGroup = SIZE_MAX;
+  void params_begin(size_t group, size_t next, bool head, bool backward, const Stream& stream);
+  void params_end(size_t group, bool head, bool backward, const Stream& stream);
   // The " mtp_<k> loss: ... |" part of log_statistics (collective over the world; restarts the sums).
   std::string mtp_statistics(Communicator& world, int64_t iterations, const Stream& stream);
   // Full recompute: the output of layer i of a chunk for activation slot `slot` (its own saved

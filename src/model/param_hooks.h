@@ -23,6 +23,17 @@
 //    the step, each parameter once per backward (the sequence-parallel all-reduce too), so the
 //    implementation reduces each micro-batch's gradients and frees their staging buffers. The tied
 //    word embedding shared across stages is still reported once per step, by the step executor.
+//  * params_every_use() true (sharded parameters, --data-parallel-sharding-strategy
+//    optim_grads_params): every use of a unit's parameters is bracketed by params_begin(first,
+//    end, backward, next_first, next_end) before its first kernel and params_end(first, end,
+//    backward) after its last: a layer's forward, its recomputed forward (backward = true), its
+//    backward; the embedding's forward; the head's forward and backward (with the tied word
+//    embedding's range, no next range, when the head reads it). Between them the parameters are
+//    readable; outside, a staged parameter is not (ParamStore::param raises). Ranges may nest
+//    (the tied embedding inside the head's) but each params_end matches a params_begin.
+//    [next_first, next_end): the parameters the next use of the pass reads (empty: none, or
+//    unknown), which the implementation may start gathering now (prefetch). params_needed is not
+//    called then.
 #pragma once
 #include <cstddef>
 
@@ -36,6 +47,10 @@ class ParamGradHooks {
   virtual void params_needed(size_t first, size_t end, const Stream& stream) = 0;
   virtual void grads_ready(size_t first, size_t end, const Stream& stream) = 0;
   virtual bool grads_every_backward() const { return false; }
+  virtual bool params_every_use() const { return false; }
+  virtual void params_begin(size_t /*first*/, size_t /*end*/, bool /*backward*/, size_t /*next_first*/,
+                            size_t /*next_end*/, const Stream& /*stream*/) {}
+  virtual void params_end(size_t /*first*/, size_t /*end*/, bool /*backward*/, const Stream& /*stream*/) {}
 };
 
 }  // namespace mt

@@ -22,6 +22,8 @@ ParamStore::Plan ParamStore::plan(std::vector<ParamSpec> specs, const ParamLayou
   p.total = laid_out.total_;
   p.count = static_cast<int64_t>(laid_out.infos_.size());
   p.grad_slots = laid_out.grad_slots_needed();
+  p.param_slots = laid_out.param_slots_needed();
+  p.largest_dense_bucket = laid_out.largest_dense_bucket();
   p.buckets = static_cast<int64_t>(laid_out.buckets_.size());
   for (const ParamBucket& b : laid_out.buckets_) {
     if (b.expert) p.expert += b.end - b.begin;
@@ -123,6 +125,16 @@ size_t ParamStore::find(const std::string& name) const {
 }
 
 Tensor ParamStore::param(size_t i) const {
+  if (params_staged_) {
+    const auto& p = infos_.at(i);
+    const size_t b = bucket_of_[i];
+    MT_REQUIRE(param_bound(b),
+               "parameter '{}' read while its bucket {} is not gathered (--data-parallel-sharding-strategy "
+               "optim_grads_params keeps only this rank's slice; the model requests a unit's parameters with the "
+               "params_begin hook, model/param_hooks.h)",
+               p.name, b);
+    return bucket_params(b).flat_range(p.offset - buckets_[b].begin, p.numel).view(p.shape);
+  }
   if (!has_separate_main()) return main(i);
   const auto& p = infos_.at(i);
   char* base = static_cast<char*>(params_.data()) + p.offset * static_cast<int64_t>(dtype_size(model_dtype_));
@@ -184,13 +196,11 @@ Tensor ParamStore::bucket_grads(size_t b) const {
   }
   int& s = slot_of_bucket_[b];
   if (s < 0) {
-    const auto it = std::find(bucket_of_slot_.begin(), bucket_of_slot_.end(), -1);
-    MT_CHECK(it != bucket_of_slot_.end(),
+    s = take_free_slot(bucket_of_slot_, b);
+    MT_CHECK(s >= 0,
              "gradient staging: bucket {} (parameters '{}'..) needs a slot but all {} are bound (to buckets {}); the "
              "backward writes more buckets before reporting them than planned (docs/fsdp.md)",
              b, infos_[bk.param_begin].name, grad_slots(), fmt::join(bucket_of_slot_, ", "));
-    s = static_cast<int>(it - bucket_of_slot_.begin());
-    *it = static_cast<int>(b);
   }
   return grad_slot_buf_[static_cast<size_t>(s)].as(DType::kF32, {bk.numel()});
 }
@@ -220,25 +230,37 @@ void ParamStore::release_grad_slot(size_t b) {
   s = -1;
 }
 
-int ParamStore::grad_slots_needed() const {
-  // The unit a parameter is reported with: its name up to the layer number for layers, else
-  // its first component.
-  auto unit = [](const std::string& n) {
-    const size_t l = n.find("layers.");
-    if (l != std::string::npos) return n.substr(0, n.find('.', l + 7));
-    return n.substr(0, n.find('.'));
-  };
-  size_t most = 1, dense = 0;  // expert buckets are not staged (use_grad_slots)
+int ParamStore::slots_needed(const std::function<std::string(size_t)>& unit, size_t units, size_t extra) const {
+  size_t most = 1, dense = 0;  // expert buckets are not staged
   for (const ParamBucket& b : buckets_) dense += b.expert ? 0 : 1;
+  // Units are runs of consecutive parameters (a layer's parameters are consecutive).
   for (size_t i = 0; i < infos_.size();) {
-    const std::string u = unit(infos_[i].name);
+    const std::string u = unit(i);
     std::vector<size_t> bks;
-    for (; i < infos_.size() && unit(infos_[i].name) == u; ++i)
+    for (; i < infos_.size() && unit(i) == u; ++i)
       if (!buckets_[bucket_of_[i]].expert) bks.push_back(bucket_of_[i]);
     std::sort(bks.begin(), bks.end());
     most = std::max<size_t>(most, static_cast<size_t>(std::unique(bks.begin(), bks.end()) - bks.begin()));
   }
-  return static_cast<int>(std::max<size_t>(1, std::min(most + 2, dense)));
+  return static_cast<int>(std::max<size_t>(1, std::min(units * most + extra, dense)));
+}
+
+int ParamStore::grad_slots_needed() const {
+  // The unit a parameter is reported with: its name up to the layer number for layers, else
+  // its first component.
+  return slots_needed([this](size_t i) {
+    const std::string& n = infos_[i].name;
+    const size_t l = n.find("layers.");
+    if (l != std::string::npos) return n.substr(0, n.find('.', l + 7));
+    return n.substr(0, n.find('.'));
+  }, 1, 2);
+}
+
+int ParamStore::take_free_slot(std::vector<int>& bucket_of_slot, size_t b) {
+  const auto it = std::find(bucket_of_slot.begin(), bucket_of_slot.end(), -1);
+  if (it == bucket_of_slot.end()) return -1;
+  *it = static_cast<int>(b);
+  return static_cast<int>(it - bucket_of_slot.begin());
 }
 
 int64_t ParamStore::grad_storage_bytes() const {
@@ -248,7 +270,150 @@ int64_t ParamStore::grad_storage_bytes() const {
   return n;
 }
 
+std::string ParamStore::unit_of(size_t i) const {
+  const ParamInfo& p = infos_[i];
+  if (const size_t l = p.name.find("layers."); l != std::string::npos) return p.name.substr(0, p.name.find('.', l + 7));
+  if (p.name.rfind("embedding.", 0) == 0 && !p.shared_embedding_copy) return "embedding";
+  return "head";
+}
+
+int64_t ParamStore::largest_dense_bucket() const {
+  int64_t n = 0;
+  for (const ParamBucket& b : buckets_)
+    if (!b.expert) n = std::max(n, b.numel());
+  return n;
+}
+
+int ParamStore::param_slots_needed() const {
+  return slots_needed([this](size_t i) { return unit_of(i); }, 2, 1);
+}
+
+void ParamStore::use_param_slots(const std::vector<Range>& owned, int slots, const Stream& stream) {
+  MT_REQUIRE(slots >= 1, "use_param_slots: {} parameter staging slots; need at least 1", slots);
+  MT_REQUIRE(!params_staged_, "use_param_slots: the parameters are already staged ({} slots)", param_slots());
+  MT_REQUIRE(!main_remainders_ && !main_sharded_,
+             "use_param_slots: the main parameters are already {} (stage the parameters first)",
+             main_remainders_ ? "stored as remainders" : "sharded");
+  MT_REQUIRE(owned.size() == buckets_.size(), "use_param_slots: {} owned ranges for {} buckets", owned.size(),
+             buckets_.size());
+  param_owned_ = owned;
+  param_shard_off_.assign(buckets_.size(), 0);
+  resident_off_.assign(buckets_.size(), 0);
+  std::vector<Range> ascending;
+  for (size_t b = buckets_.size(); b-- > 0;) {  // ascending offsets: the optimizer state's order
+    const ParamBucket& bk = buckets_[b];
+    const Range r = owned[b];
+    MT_REQUIRE(r.begin >= bk.begin && r.begin <= r.end && r.end <= bk.end,
+               "use_param_slots: owned range [{}, {}) of bucket {} outside it ([{}, {}))", r.begin, r.end, b, bk.begin,
+               bk.end);
+    param_shard_off_[b] = param_shard_n_;
+    param_shard_n_ += r.end - r.begin;
+    if (r.end > r.begin) ascending.push_back(r);
+    if (bk.expert) {
+      resident_off_[b] = resident_n_;
+      resident_n_ += bk.numel();
+    }
+  }
+  param_slot_len_ = largest_dense_bucket();
+  const size_t es = dtype_size(model_dtype_);
+  stream.synchronize();  // nothing may still write the whole buffers
+  // The owned slices and the resident buckets, copied from the whole parameters.
+  const Tensor whole = params_flat();
+  Buffer shard(device_, static_cast<size_t>(std::max<int64_t>(param_shard_n_, 1)) * es);
+  Buffer resident = resident_n_ > 0 ? Buffer(device_, static_cast<size_t>(resident_n_) * es) : Buffer();
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    const ParamBucket& bk = buckets_[b];
+    const Range r = owned[b];
+    copy(shard.as(model_dtype_, {param_shard_n_}).flat_range(param_shard_off_[b], r.end - r.begin),
+         whole.flat_range(r.begin, r.end - r.begin), stream);
+    if (bk.expert)
+      copy(resident.as(model_dtype_, {resident_n_}).flat_range(resident_off_[b], bk.numel()),
+           whole.flat_range(bk.begin, bk.numel()), stream);
+  }
+  stream.synchronize();  // the whole buffer is freed next
+  if (has_separate_main()) {
+    param_shard_ = std::move(shard);
+  } else {  // fp32: the shard is the main shard
+    main_ = std::move(shard);
+    main_ranges_ = ascending;
+    main_shard_n_ = param_shard_n_;
+    main_sharded_ = true;
+  }
+  params_ = std::move(resident);
+  for (int k = 0; k < slots; ++k) param_slot_buf_.emplace_back(device_, static_cast<size_t>(param_slot_len_) * es);
+  slot_of_param_bucket_.assign(buckets_.size(), -1);
+  bucket_of_param_slot_.assign(static_cast<size_t>(slots), -1);
+  params_staged_ = true;
+}
+
+Tensor ParamStore::param_shard() const {
+  MT_REQUIRE(params_staged_, "param_shard: the parameters are not staged (use_param_slots)");
+  const Buffer& b = has_separate_main() ? param_shard_ : main_;
+  return Tensor(b.data(), model_dtype_, device_, {param_shard_n_});
+}
+
+Tensor ParamStore::bucket_param_shard(size_t b) const {
+  const Range r = param_owned_.at(b);
+  return param_shard().flat_range(param_shard_off_[b], r.end - r.begin);
+}
+
+Tensor ParamStore::bucket_params(size_t b) const {
+  const ParamBucket& bk = buckets_.at(b);
+  if (!params_staged_) return params_flat().flat_range(bk.begin, bk.numel());
+  if (bk.expert)
+    return Tensor(static_cast<char*>(params_.data()) + resident_off_[b] * static_cast<int64_t>(dtype_size(model_dtype_)),
+                  model_dtype_, device_, {bk.numel()});
+  const int s = slot_of_param_bucket_[b];
+  MT_REQUIRE(s >= 0, "bucket {} (parameters '{}'..) is not gathered into a parameter slot", b,
+             infos_[bk.param_begin].name);
+  return param_slot_buf_[static_cast<size_t>(s)].as(model_dtype_, {bk.numel()});
+}
+
+Tensor ParamStore::bind_param_slot(size_t b) {
+  MT_REQUIRE(params_staged_ && !buckets_.at(b).expert, "bind_param_slot: bucket {} is not staged", b);
+  int& s = slot_of_param_bucket_[b];
+  if (s < 0) {
+    s = take_free_slot(bucket_of_param_slot_, b);
+    MT_CHECK(s >= 0,
+             "parameter staging: bucket {} (parameters '{}'..) needs a slot but all {} are bound (to buckets {}); a "
+             "unit reads more buckets than planned (docs/fsdp.md)",
+             b, infos_[buckets_[b].param_begin].name, param_slots(), fmt::join(bucket_of_param_slot_, ", "));
+  }
+  return bucket_params(b);
+}
+
+void ParamStore::release_param_slot(size_t b) {
+  if (param_resident(b)) return;
+  int& s = slot_of_param_bucket_.at(b);
+  if (s < 0) return;
+  bucket_of_param_slot_[static_cast<size_t>(s)] = -1;
+  s = -1;
+}
+
+int64_t ParamStore::param_storage_bytes() const {
+  if (!params_staged_) return has_separate_main() ? static_cast<int64_t>(params_.bytes()) : 0;
+  // the shard (an fp32 model's is its main shard), the resident buckets, the slots
+  int64_t n = param_shard_n_ * static_cast<int64_t>(dtype_size(model_dtype_)) + static_cast<int64_t>(params_.bytes());
+  for (const Buffer& b : param_slot_buf_) n += static_cast<int64_t>(b.bytes());
+  return n;
+}
+
+void ParamStore::write_stored_params(size_t i, const Tensor& model, const Stream& stream) {
+  const ParamInfo& p = infos_[i];
+  const size_t b = bucket_of_[i];
+  if (buckets_[b].expert) {
+    copy(bucket_params(b).flat_range(p.offset - buckets_[b].begin, p.numel), model.flat_range(0, p.numel), stream);
+    return;
+  }
+  const Range r = param_owned_[b];
+  const int64_t lo = std::max(r.begin, p.offset), hi = std::min(r.end, p.offset + p.numel);
+  if (lo < hi) copy(bucket_param_shard(b).flat_range(lo - r.begin, hi - lo), model.flat_range(lo - p.offset, hi - lo), stream);
+}
+
 Tensor ParamStore::params_flat() const {
+  MT_REQUIRE(!params_staged_,
+             "the model parameters are sharded (--data-parallel-sharding-strategy optim_grads_params): there is no "
+             "whole parameter buffer; use param_shard or the gathered buckets");
   if (!has_separate_main()) return Tensor(main_.data(), DType::kF32, device_, {total_});
   return Tensor(params_.data(), model_dtype_, device_, {total_});
 }
@@ -325,6 +490,9 @@ void ParamStore::store_main_as_remainders(const Stream& stream) {
              "--use-precision-aware-optimizer stores the fp32 main parameters as int16 remainders beside bf16 "
              "parameters: it needs --bf16 (the parameters are {})",
              dtype_name(model_dtype_));
+  MT_REQUIRE(!params_staged_,
+             "--use-precision-aware-optimizer with --data-parallel-sharding-strategy optim_grads_params is not built "
+             "(the remainders split whole bf16 parameters)");
   MT_REQUIRE(!main_sharded_,
              "ParamStore::store_main_as_remainders: the main parameters are already sharded (call it before "
              "shard_main, while every rank holds the whole fp32 copy)");
@@ -347,9 +515,32 @@ int64_t ParamStore::main_storage_elements() const {
   return main_sharded_ ? main_shard_n_ : total_;
 }
 
+void ParamStore::set_stored_params(const Tensor& full, const Stream& stream) {
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    const Range r = param_owned_[b];
+    cast(bucket_param_shard(b), full.flat_range(r.begin, r.end - r.begin), stream);
+    if (buckets_[b].expert) cast(bucket_params(b), full.flat_range(buckets_[b].begin, buckets_[b].numel()), stream);
+  }
+}
+
 void ParamStore::set_main_from_full(const Tensor& full, const Stream& stream) {
   MT_REQUIRE(full.dtype() == DType::kF32 && full.numel() == total_ && full.device() == device_,
              "set_main_from_full: expected fp32 [{}] on {}, got {}", total_, device_.str(), full.str());
+  if (params_staged_) {  // the owned slices and resident buckets (fp32: the main shard itself)
+    set_stored_params(full, stream);
+    if (!has_separate_main()) return;
+    if (!main_sharded_) {
+      copy(main_flat(), full, stream);
+      return;
+    }
+    const Tensor compact = main_shard();
+    int64_t c = 0;
+    for (const auto& r : main_ranges_) {
+      copy(compact.flat_range(c, r.end - r.begin), full.flat_range(r.begin, r.end - r.begin), stream);
+      c += r.end - r.begin;
+    }
+    return;
+  }
   if (main_remainders_) {
     // Every model element from the split's rounding, with the stored elements' remainders (when
     // sharded, their bf16 halves are written again, identically).
@@ -409,7 +600,18 @@ void ParamStore::initialize(uint64_t seed, const Stream& stream) {
   int64_t max_numel = 0;
   for (const auto& p : infos_) max_numel = std::max(max_numel, p.numel);
   Buffer scratch(device_, static_cast<size_t>(std::max<int64_t>(max_numel, 1)) * 4);
-  memset_tensor(params_flat(), 0, stream);
+  // Staged parameters (use_param_slots): each parameter rounded into a model-dtype scratch, its
+  // stored elements kept (the owned slice, or the whole resident bucket).
+  Buffer model_scratch =
+      params_staged_ && has_separate_main()
+          ? Buffer(device_, static_cast<size_t>(std::max<int64_t>(max_numel, 1)) * dtype_size(model_dtype_))
+          : Buffer();
+  if (params_staged_) {
+    memset_tensor(param_shard(), 0, stream);
+    if (resident_n_ > 0) memset_tensor(Tensor(params_.data(), model_dtype_, device_, {resident_n_}), 0, stream);
+  } else {
+    memset_tensor(params_flat(), 0, stream);
+  }
   const Tensor compact = main_storage();
   memset_tensor(compact, 0, stream);
   const std::vector<Range> stored = stored_ranges();
@@ -417,12 +619,15 @@ void ParamStore::initialize(uint64_t seed, const Stream& stream) {
     const auto& p = infos_[i];
     const Tensor m = scratch.as(DType::kF32, p.shape);
     init_one(p, m);
-    const Tensor model = param(i);
+    const Tensor model = !params_staged_      ? param(i)
+                         : has_separate_main() ? model_scratch.as(model_dtype_, p.shape)
+                                               : m;
     if (main_remainders_) {
       split_param_remainders(m.flat_range(0, p.numel), model.flat_range(0, p.numel), Tensor(), stream);
-    } else {
+    } else if (model.data() != m.data()) {
       cast(model, m, stream);
     }
+    if (params_staged_) write_stored_params(i, model, stream);
     int64_t c = 0;
     for (const auto& r : stored) {
       const int64_t b = std::max(r.begin, p.offset), e = std::min(r.end, p.offset + p.numel);
@@ -447,6 +652,10 @@ void ParamStore::sync_model_from_main(const Stream& stream) {
   MT_REQUIRE(!main_sharded_,
              "sync_model_from_main: the fp32 main parameters are sharded by the distributed optimizer; use "
              "set_main_from_full or the optimizer's parameter all-gather");
+  if (params_staged_) {  // the main copy is whole (one data-parallel rank): the stored elements from it
+    set_stored_params(main_flat(), stream);
+    return;
+  }
   if (has_separate_main()) cast(params_flat(), main_flat(), stream);
 }
 

@@ -8,6 +8,7 @@
 // (ParamLayout, ParamBucket): contiguous ranges reduced as one collective each.
 #pragma once
 #include <algorithm>
+#include <functional>
 #include <memory>
 #include <string>
 #include <unordered_map>
@@ -143,6 +144,8 @@ class ParamStore {
     int64_t total = 0, expert = 0, largest_bucket = 0;
     int64_t count = 0, buckets = 0;  ///< parameters, gradient buckets
     int grad_slots = 0;              ///< grad_slots_needed()
+    int param_slots = 0;             ///< param_slots_needed()
+    int64_t largest_dense_bucket = 0;  ///< the parameter slots' length
   };
   static Plan plan(std::vector<ParamSpec> specs, const ParamLayout& layout);
   /// The store these specs and layout give (infos, buckets, model dtype) without its buffers: for
@@ -301,6 +304,55 @@ class ParamStore {
   /// Bytes of gradient storage this store holds: the whole buffer, or the slots.
   int64_t grad_storage_bytes() const;
 
+  // --- Parameter staging (--data-parallel-sharding-strategy optim_grads_params, ZeRO-3;
+  // docs/fsdp.md "optim_grads_params (ZeRO-3): as built"): each rank keeps only its owned slice of
+  // every bucket's model-dtype parameters; a bucket's whole parameters exist only while GradSync
+  // has gathered them into one of a few bucket-sized slots. ---
+
+  /// Replaces the whole model-dtype parameter buffer by the owned slices: owned[b] (b indexes
+  /// buckets(); a kAlign-aligned sub-range of the bucket, GradSync::owned_range) of every bucket,
+  /// concatenated in ascending offset order (the optimizer state's order: param_shard() is
+  /// indexed like the moments), plus `slots` buffers of the largest non-expert bucket's length,
+  /// allocated once. For an fp32 model the shard is the main shard (main_sharded() afterwards,
+  /// over the non-empty owned ranges). Expert buckets stay resident: their whole parameters keep a
+  /// persistent buffer (MoeExperts caches its weight addresses, as for use_grad_slots), refreshed
+  /// from the owned slices by GradSync after each optimizer step. Afterwards param(i) of a staged
+  /// bucket is a view into the slot it is bound to (bind_param_slot) and an mt::Error naming the
+  /// parameter when it is not bound; params_flat(), sync_model_from_main and
+  /// store_main_as_remainders are errors. Outside a training step, before shard_main. Errors:
+  /// slots < 1, called twice, owned not one range per bucket inside it, or the main parameters
+  /// already sharded or stored as remainders.
+  void use_param_slots(const std::vector<Range>& owned, int slots, const Stream& stream);
+  bool params_staged() const { return params_staged_; }
+  int param_slots() const { return static_cast<int>(param_slot_buf_.size()); }
+  /// Model dtype [sum of the owned ranges]: the owned slices (requires params_staged()).
+  Tensor param_shard() const;
+  /// Bucket b's owned slice of the model-dtype parameters: a view into param_shard().
+  Tensor bucket_param_shard(size_t b) const;
+  /// Whether bucket b's whole parameters are always addressable (not staged, or an expert bucket).
+  bool param_resident(size_t b) const { return !params_staged_ || buckets_.at(b).expert; }
+  /// Model dtype [bucket b's numel]: its whole parameters (the resident buffer, or the slot it is
+  /// bound to). Error (mt::Error) when staged and not bound.
+  Tensor bucket_params(size_t b) const;
+  /// Binds staged bucket b to the lowest free slot (no-op when bound) and returns its view; the
+  /// caller fills it. Error: every slot bound (the buckets named). Host-side bookkeeping only.
+  Tensor bind_param_slot(size_t b);
+  /// Unbinds bucket b's slot (no-op when unbound or resident); the caller orders later writes of
+  /// the slot after the readers of this binding.
+  void release_param_slot(size_t b);
+  bool param_bound(size_t b) const { return param_resident(b) || slot_of_param_bucket_.at(b) >= 0; }
+  /// Parameter slots the model needs with GradSync's prefetch (DdpConfig::param_slots' default):
+  /// twice the most non-expert buckets one unit reads (a layer; the embedding; the final norm and
+  /// output layer) — the unit in use and the next one prefetched — plus one for the tied word
+  /// embedding's bucket the head reads; at most the number of non-expert buckets.
+  int param_slots_needed() const;
+  /// The largest non-expert bucket's length (the parameter slots' length), 0 when none.
+  int64_t largest_dense_bucket() const;
+  /// Bytes of model-dtype parameter storage this store holds: the whole buffer (0 for an fp32
+  /// model: the main parameters), or (staged) the shard (an fp32 model's main shard), the resident
+  /// expert buckets and the slots.
+  int64_t param_storage_bytes() const;
+
   /// Off: zero_grads zeroes every gradient and marks none (per-layer CUDA graphs replay one
   /// captured backward for every micro-batch, so the first write of a step cannot differ from the
   /// others). On by default.
@@ -341,6 +393,29 @@ class ParamStore {
   std::vector<Buffer> grad_slot_buf_;
   mutable std::vector<int> slot_of_bucket_, bucket_of_slot_;
   int64_t grad_slot_len_ = 0;
+  // Parameter staging (use_param_slots): params_ then holds the resident (expert) buckets only,
+  // ascending; param_shard_ the owned slices (the main shard for an fp32 model: empty here).
+  bool params_staged_ = false;
+  Buffer param_shard_;
+  std::vector<Buffer> param_slot_buf_;
+  std::vector<int> slot_of_param_bucket_, bucket_of_param_slot_;
+  std::vector<Range> param_owned_;            // per bucket
+  std::vector<int64_t> param_shard_off_, resident_off_;  // per bucket
+  int64_t param_shard_n_ = 0, param_slot_len_ = 0, resident_n_ = 0;
+  // The unit of the model's forward that reads parameter i (param_slots_needed): its layer
+  // ('...layers.<n>'), else the embedding, else the head (final norm, output layer, and the last
+  // stage's copy of a tied embedding).
+  std::string unit_of(size_t i) const;
+  // Staging slots when `unit` names the unit of each parameter index: `units` times the most
+  // non-expert buckets of one unit, plus `extra`; at least 1, at most the non-expert bucket count.
+  int slots_needed(const std::function<std::string(size_t)>& unit, size_t units, size_t extra) const;
+  // Binds the lowest free slot (-1 in bucket_of_slot) to bucket b; its index, or -1 when none.
+  static int take_free_slot(std::vector<int>& bucket_of_slot, size_t b);
+  // Writes parameter i's stored elements (its bucket's owned slice, or the whole resident bucket)
+  // from `model` (model dtype [numel]).
+  void write_stored_params(size_t i, const Tensor& model, const Stream& stream);
+  // The stored elements of every bucket from an fp32 [total] tensor (rounded to the model dtype).
+  void set_stored_params(const Tensor& full, const Stream& stream);
   bool main_sharded_ = false;
   bool main_remainders_ = false;  // main_ holds int16 remainders (store_main_as_remainders)
   std::vector<Range> main_ranges_;

@@ -124,8 +124,9 @@ void grouped_fp8_linear_forward(const Tensor& y, const Tensor& aq, const Tensor&
 /// cast + transpose pass: dyq_t [n, R], xq_t [k, R] (tokens contiguous, i.e. K-major for this
 /// GEMM; group g's segment is columns [off_g, off_g + c_g), so no per-group copy or padding is
 /// needed; columns >= Σc are not read). CPU: cpu::fp8_matmul per group on copies of the segments.
-/// CUDA: on Hopper with xq_t e4m3 the wgmma kernel (TMA reads a segment from any column; the
-/// columns beyond it zeroed in shared memory), else the mma.sync FP8 kernel.
+/// CUDA: on Hopper with xq_t e4m3 the wgmma kernel (TMA boxes start on a 16-byte boundary, so a
+/// segment is read from the 16-column boundary at or before it; the columns before and beyond it
+/// are zeroed in shared memory), else the mma.sync FP8 kernel.
 /// dw: G fp32 [n, k]; dyq_t, xq_t FP8, not both e5m2;
 /// dy_scale_inv, x_scale_inv: fp32 of 1 or G elements. n and k multiples of 16; R a multiple of 16
 /// (the transposes' rows 16-byte aligned). Counts need not be multiples of 16: the mma.sync kernel

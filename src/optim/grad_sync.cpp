@@ -51,6 +51,12 @@ GradSync::GradSync(ParamStore& params, std::shared_ptr<Communicator> dp, const D
   MT_REQUIRE(!config.shard_grads || !config.copy_engine,
              "--ddp-copy-engine with --data-parallel-sharding-strategy optim_grads is not built (docs/fsdp.md)");
   MT_REQUIRE(config.grad_slots >= 0, "DdpConfig::grad_slots must be >= 0, got {}", config.grad_slots);
+  MT_REQUIRE(!config.shard_params || config.shard_grads,
+             "sharded parameters (--data-parallel-sharding-strategy optim_grads_params) need sharded gradients");
+  MT_REQUIRE(!config.shard_params || !config.overlap_param_gather,
+             "--overlap-param-gather with --data-parallel-sharding-strategy optim_grads_params: the parameters are "
+             "all-gathered per unit before use (prefetched) instead of after the optimizer step; drop the flag");
+  MT_REQUIRE(config.param_slots >= 0, "DdpConfig::param_slots must be >= 0, got {}", config.param_slots);
   const int n_dp = dp_->size();
   // With overlap the bucket collectives run on this object's communication stream while the
   // caller keeps using its DP communicator on its own stream (loss logging, evaluation). One NCCL
@@ -93,6 +99,18 @@ GradSync::GradSync(ParamStore& params, std::shared_ptr<Communicator> dp, const D
     shard_ = Buffer(params.device(), static_cast<size_t>(std::max<int64_t>(owned_elements_, 1)) * 4);
     memset_tensor(grad_shard(), 0, s);
     s.synchronize();
+  }
+  if (config.shard_params) {
+    std::vector<ParamStore::Range> owned(bks.size());
+    for (size_t b = 0; b < bks.size(); ++b) owned[b] = owned_range(b);
+    Stream s(params.device());
+    params.use_param_slots(owned, config.param_slots > 0 ? config.param_slots : params.param_slots_needed(), s);
+    s.synchronize();
+    param_refs_.assign(bks.size(), 0);
+    param_pending_.assign(bks.size(), 0);
+    // The gathers run on comm_ beside the compute stream's collectives (the gradient
+    // reduce-scatters on dp_): a communicator of their own.
+    gather_dp_ = distributed_ && dp_->size() > 1 ? dp_->split(0, dp_->rank(), dp_->name() + "-params") : dp_;
   }
   setup_copy_engine();
   for (size_t b = 0; b < bks.size(); ++b) gathered_.push_back(std::make_unique<Event>(params.device()));
@@ -371,8 +389,101 @@ void GradSync::mark_replayed_grad_sync() {
   finished_ = true;
 }
 
+void GradSync::gather_into_slot(size_t b, const Stream& stream) {
+  if (params_.param_bound(b)) return;
+  const Tensor slot = params_.bind_param_slot(b), shard = params_.bucket_param_shard(b);
+  // After every kernel enqueued so far: the readers of the slot's previous binding, the
+  // optimizer's writes of the shard.
+  compute_ready_.record(stream);
+  compute_ready_.wait(comm_);
+  Communicator& g = *gather_dp_;
+  if (distributed_ && g.size() > 1) {
+    g.all_gather(slot, shard, comm_);
+  } else {
+    copy(slot, shard, comm_);  // one rank owns the whole bucket
+  }
+  gathered_[b]->record(comm_);
+  param_pending_[b] = 1;
+  param_comm_used_ = true;
+  ++param_gathers_;
+}
+
+void GradSync::release_idle_params(size_t keep_lo, size_t keep_hi, size_t keep_lo2, size_t keep_hi2) {
+  for (size_t b = 0; b < param_refs_.size(); ++b) {
+    if (param_refs_[b] > 0 || (b >= keep_lo && b <= keep_hi) || (b >= keep_lo2 && b <= keep_hi2) ||
+        params_.param_resident(b))
+      continue;
+    params_.release_param_slot(b);
+    param_pending_[b] = 0;  // a gather still in flight: the next one into the slot is ordered after it on comm_
+  }
+}
+
+void GradSync::params_begin(size_t first, size_t end, bool backward, size_t next_first, size_t next_end,
+                            const Stream& stream) {
+  MT_REQUIRE(first <= end && end <= params_.size() && next_first <= next_end && next_end <= params_.size(),
+             "params_begin: parameter ranges [{}, {}) and next [{}, {}) outside [0, {})", first, end, next_first,
+             next_end, params_.size());
+  if (!config_.shard_params || first == end) return;
+  const auto [lo, hi] = bucket_span(first, end);
+  const bool prefetch = next_first < next_end;
+  const auto [plo, phi] = prefetch ? bucket_span(next_first, next_end) : std::pair{prefetch_lo_, prefetch_hi_};
+  // Slots of buckets neither this unit nor the prefetch reads go back first (the last unit's
+  // shared bucket, an earlier prefetch the pass did not reach).
+  release_idle_params(lo, hi, plo, phi);
+  for (size_t b = lo; b <= hi; ++b) {
+    if (params_.param_resident(b)) continue;
+    gather_into_slot(b, stream);
+    ++param_refs_[b];
+  }
+  for (size_t b = lo; b <= hi; ++b) {
+    if (!param_pending_[b]) continue;
+    gathered_[b]->wait(stream);
+    param_pending_[b] = 0;
+  }
+  if (!prefetch) return;
+  prefetch_lo_ = plo;
+  prefetch_hi_ = phi;
+  for (size_t k = 0; k <= phi - plo; ++k) {  // beside this unit's compute, in the pass's order
+    const size_t b = backward ? plo + k : phi - k;
+    if (!params_.param_resident(b)) gather_into_slot(b, stream);
+  }
+}
+
+void GradSync::params_end(size_t first, size_t end, bool backward, const Stream& /*stream*/) {
+  MT_REQUIRE(first <= end && end <= params_.size(), "params_end: parameter range [{}, {}) outside [0, {})", first, end,
+             params_.size());
+  if (!config_.shard_params || first == end) return;
+  const auto [lo, hi] = bucket_span(first, end);
+  // The bucket this unit may share with the next unit of the pass: forward, the one holding its
+  // last parameters (lowest index); backward, its first parameters (highest index).
+  const size_t boundary = backward ? hi : lo;
+  for (size_t b = lo; b <= hi; ++b) {
+    if (params_.param_resident(b)) continue;
+    MT_REQUIRE(param_refs_[b] > 0, "params_end({}, {}): bucket {} was not begun (params_begin)", first, end, b);
+    if (--param_refs_[b] > 0 || b == boundary || (b >= prefetch_lo_ && b <= prefetch_hi_)) continue;
+    params_.release_param_slot(b);  // freed after the unit's kernels (the next gather into it waits for them)
+  }
+}
+
 void GradSync::start_param_sync(const Stream& stream) {
   reset_grad_state();  // the step's gradients have been consumed
+  if (config_.shard_params) {
+    // The slots hold the old parameters: every one goes back; the next use gathers the updated
+    // owned slices. Expert buckets stay resident: gathered whole now.
+    for (size_t b = 0; b < param_refs_.size(); ++b)
+      MT_CHECK(param_refs_[b] == 0, "start_param_sync: bucket {} is still in use (params_begin without params_end)",
+               b);
+    prefetch_lo_ = prefetch_hi_ = kNone;
+    release_idle_params(kNone, kNone, kNone, kNone);
+    for (size_t b = params_.buckets().size(); b-- > 0;) {
+      const ParamBucket& bk = params_.buckets()[b];
+      if (!bk.expert) continue;
+      const Tensor whole = params_.bucket_params(b), shard = params_.bucket_param_shard(b);
+      if (distributed_ && group(bk).size() > 1) group(bk).all_gather(whole, shard, stream);
+      else copy(whole, shard, stream);
+    }
+    return;
+  }
   if (!distributed_) return;
   const size_t nb = params_.buckets().size();
   if (fp8_param_gather_active()) {
@@ -406,6 +517,11 @@ void GradSync::params_needed(size_t first, size_t end, const Stream& stream) {
 }
 
 void GradSync::finish_param_sync(const Stream& stream) {
+  if (param_comm_used_) {  // parameter gathers (prefetches) still in flight on comm_
+    comm_done_.record(comm_);
+    comm_done_.wait(stream);
+    param_comm_used_ = false;
+  }
   for (size_t b = 0; b < gather_pending_.size(); ++b) {
     if (!gather_pending_[b]) continue;
     gathered_[b]->wait(stream);
@@ -414,6 +530,8 @@ void GradSync::finish_param_sync(const Stream& stream) {
 }
 
 void GradSync::set_fp8_param_gather(Fp8Model& fp8) {
+  MT_REQUIRE(!config_.shard_params,
+             "--fp8-param-gather with --data-parallel-sharding-strategy optim_grads_params is not built");
   MT_REQUIRE(config_.use_distributed_optimizer,
              "--fp8-param-gather requires --use-distributed-optimizer (its parameter all-gather carries the FP8 "
              "weights)");

@@ -70,6 +70,24 @@
 // (overlap_grad_reduce only splits the communicator). With one micro-batch the shard is bitwise
 // the owned gradient of the distributed optimizer; with several, the sum over micro-batches of
 // DP sums instead of the DP sum of micro-batch sums (same values up to fp32 rounding).
+//
+// Sharded parameters (DdpConfig::shard_params, --data-parallel-sharding-strategy
+// optim_grads_params, Megatron-FSDP's ZeRO-3; docs/fsdp.md): on top of the sharded gradients the
+// ParamStore keeps only the owned slice of every bucket's model-dtype parameters
+// (ParamStore::use_param_slots; the optimizer writes it from the fp32 main slice) and a few
+// bucket-sized slots. The model brackets every use of a unit's parameters (a layer's forward, its
+// recomputed forward, its backward; the embedding's and the head's forward and backward) with
+// params_begin / params_end (params_every_use): params_begin binds each bucket of the unit to a
+// slot and all-gathers the owned slices into it on this object's communication stream (a
+// communicator of its own), makes the compute stream wait for them, then issues the all-gather of
+// the buckets of the next unit the model names (prefetch: they run beside the unit's compute).
+// params_end returns the slots of buckets no other active unit reads, except the prefetched
+// buckets and the one the unit shares with the next unit, which the next params_begin returns if
+// it does not read them. Expert buckets stay resident (whole, as their gradients with
+// shard_grads): start_param_sync all-gathers them after the optimizer step as with the
+// distributed optimizer; no other bucket is gathered there. A gather waits (an event on the
+// compute stream) for every kernel enqueued before it, so a slot is overwritten only after the
+// readers of its previous binding and the shard only read after the optimizer wrote it.
 #pragma once
 #include <memory>
 #include <string>
@@ -103,6 +121,11 @@ struct DdpConfig {
   bool shard_grads = false;
   /// Staging slots with shard_grads; 0 = grad_slots_needed(the store).
   int grad_slots = 0;
+  /// --data-parallel-sharding-strategy optim_grads_params (ZeRO-3; needs shard_grads): see
+  /// "Sharded parameters" above.
+  bool shard_params = false;
+  /// Parameter slots with shard_params; 0 = param_slots_needed(the store).
+  int param_slots = 0;
 };
 
 class GradSync final : public ParamGradHooks {
@@ -236,6 +259,25 @@ class GradSync final : public ParamGradHooks {
   int64_t grad_bytes() const;
   bool grads_every_backward() const override { return config_.shard_grads; }
 
+  /// Sharded parameters (DdpConfig::shard_params): see "Sharded parameters" above.
+  bool params_sharded() const { return config_.shard_params; }
+  bool params_every_use() const override { return config_.shard_params; }
+  /// ParamGradHooks: gathers the staged buckets holding parameters [first, end) (bound buckets
+  /// are reused), makes `stream` wait for them, then (prefetch) starts the gathers of the buckets
+  /// holding [next_first, next_end) in the pass's order, which the compute stream waits for at
+  /// their own params_begin. First returns the slots of idle buckets neither range reads (a nested
+  /// use without a next range keeps the current prefetch). No-op without shard_params. Errors: a
+  /// range outside [0, params.size()); more buckets in use than slots (ParamStore::bind_param_slot).
+  void params_begin(size_t first, size_t end, bool backward, size_t next_first, size_t next_end,
+                    const Stream& stream) override;
+  /// ParamGradHooks: the end of a params_begin's use (same range and direction). Errors: a range
+  /// not begun.
+  void params_end(size_t first, size_t end, bool backward, const Stream& stream) override;
+  /// Parameter all-gathers into slots issued since construction (tests: prefetch and reuse).
+  size_t param_gathers() const { return param_gathers_; }
+  /// Bytes of model-dtype parameter memory this rank holds (ParamStore::param_storage_bytes).
+  int64_t param_bytes() const { return params_.param_storage_bytes(); }
+
  private:
   // exposed: nothing computes beside this collective (see "Copy-engine collectives" above), so
   // NCCL, which has the higher bandwidth, runs it even when the copy engine is active.
@@ -245,6 +287,10 @@ class GradSync final : public ParamGradHooks {
   // and release the slot, and make its parameters reportable again.
   void reduce_into_shard(size_t b, const Stream& stream);
   void reset_grad_state();
+  // shard_params: binds staged bucket b to a slot and all-gathers its owned slices into it on
+  // comm_ (nothing when bound); releases every bound bucket no unit uses.
+  void gather_into_slot(size_t b, const Stream& stream);
+  void release_idle_params(size_t keep_lo, size_t keep_hi, size_t keep_lo2, size_t keep_hi2);
   void setup_copy_engine();
   // The first bucket whose length is not a multiple of kAlign · DP (cannot be split into equal
   // aligned slices), or nullptr.
@@ -305,6 +351,17 @@ class GradSync final : public ParamGradHooks {
   std::vector<uint8_t> gather_pending_;  // per bucket: all-gather on comm_ not yet waited for
   bool comm_used_ = false;            // a reduction of this step runs on comm_
   bool finished_ = false;             // finish_grad_sync ran this step
+  // shard_params: per bucket, the units using it now (params_begin without params_end) and
+  // whether its slot's gather on comm_ has not been waited for by the compute stream; the
+  // prefetched buckets [prefetch_lo_, prefetch_hi_] (kNone: none); the communicator of the
+  // gathers; gathers issued; whether comm_ ran a gather the compute stream has not waited for.
+  static constexpr size_t kNone = SIZE_MAX;
+  std::vector<int> param_refs_;
+  std::vector<uint8_t> param_pending_;
+  size_t prefetch_lo_ = kNone, prefetch_hi_ = kNone;
+  std::shared_ptr<Communicator> gather_dp_;
+  size_t param_gathers_ = 0;
+  bool param_comm_used_ = false;
 };
 
 }  // namespace mt

@@ -131,8 +131,8 @@ void AdamWOptimizer::init(const Stream& stream) {
                !(muon && is_muon_parameter(p));
       }));
       for (const auto& p : pieces)
-        runs.push_back({p.begin, sharded ? p.state : p.begin, moment_index(p), p.n, decay ? 1 : 0, 0,
-                        sync_->grads_sharded() ? p.state : p.begin});
+        runs.push_back({sync_->params_sharded() ? p.state : p.begin, sharded ? p.state : p.begin, moment_index(p), p.n,
+                        decay ? 1 : 0, 0, sync_->grads_sharded() ? p.state : p.begin});
     }
     return runs;
   };
@@ -228,7 +228,10 @@ void AdamWOptimizer::step(float lr, const Stream& stream, Timers* timers, const 
     const Tensor main = params_.main_remainders_stored() ? params_.main_remainders()
                         : params_.main_sharded()         ? params_.main_shard()
                                                          : params_.main_flat();
-    const Tensor model = params_.has_separate_main() ? params_.params_flat() : Tensor();
+    // The model parameters: the owned slices by state index with sharded parameters (optim_grads_params).
+    const Tensor model = !params_.has_separate_main() ? Tensor()
+                         : sync_->params_sharded()    ? params_.param_shard()
+                                                      : params_.params_flat();
     const AdamWHyper hp{lr, lr_ptr, config_.beta1, config_.beta2, config_.eps, config_.weight_decay};
     adamw_multi_step(main, grads, exp_avg(), exp_avg_sq(), model, adamw_plan_, hp, sc, stream);
     if (!decoupled_plan_.chunks().empty()) {

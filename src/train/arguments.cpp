@@ -62,6 +62,7 @@ DdpConfig PretrainArgs::ddp_config() const {
   c.grad_reduce_in_bf16 = grad_reduce_in_bf16;
   c.use_distributed_optimizer = use_distributed_optimizer;
   c.shard_grads = shard_grads();
+  c.shard_params = shard_params();
   return c;
 }
 
@@ -575,7 +576,8 @@ void add_parallel_options(CLI::App& app, PretrainArgs& a) {
                "(docs/fsdp.md)");
   app.add_option("--data-parallel-sharding-strategy", a.data_parallel_sharding_strategy,
                  "With --use-megatron-fsdp: no_shard (plain DDP), optim (the distributed optimizer, ZeRO-1); "
-                 "optim_grads (ZeRO-2: gradients reduce-scattered per micro-batch into shards); optim_grads_params (ZeRO-3) is not built yet")
+                 "optim_grads (ZeRO-2: gradients reduce-scattered per micro-batch into shards); optim_grads_params (ZeRO-3: "
+                 "also the parameters, all-gathered per layer before use)")
       ->check(CLI::IsMember({"no_shard", "optim", "optim_grads", "optim_grads_params"}));
   app.add_option("--outer-dp-sharding-strategy", a.outer_dp_sharding_strategy,
                  "Megatron-FSDP's hybrid sharding across groups of ranks: only no_shard (one group) is built")
@@ -779,9 +781,9 @@ void resolve_megatron_fsdp(PretrainArgs& a) {
       MT_REQUIRE(!given(f), "{} given without --use-megatron-fsdp: it applies only to Megatron-FSDP", f);
   }
   const std::string& s = a.data_parallel_sharding_strategy;
-  MT_REQUIRE(s == "no_shard" || s == "optim" || s == "optim_grads",
-             "--data-parallel-sharding-strategy {} is not built yet (docs/fsdp.md); built: no_shard (plain DDP), "
-             "optim (the distributed optimizer, ZeRO-1) and optim_grads (ZeRO-2)",
+  MT_REQUIRE(s == "no_shard" || s == "optim" || s == "optim_grads" || s == "optim_grads_params",
+             "--data-parallel-sharding-strategy {} is not built (docs/fsdp.md); built: no_shard (plain DDP), "
+             "optim (the distributed optimizer, ZeRO-1), optim_grads (ZeRO-2) and optim_grads_params (ZeRO-3)",
              s);
   MT_REQUIRE(a.outer_dp_sharding_strategy == "no_shard",
              "--outer-dp-sharding-strategy {} (hybrid sharding) is not built yet; built: no_shard",
@@ -795,19 +797,38 @@ void resolve_megatron_fsdp(PretrainArgs& a) {
   MT_REQUIRE(s != "no_shard" || !a.use_distributed_optimizer,
              "--use-distributed-optimizer contradicts --data-parallel-sharding-strategy no_shard (optimizer state "
              "not sharded); use --data-parallel-sharding-strategy optim");
-  a.use_distributed_optimizer = s == "optim" || s == "optim_grads";
-  if (s == "optim_grads") {
-    // What the gradient staging (docs/fsdp.md "optim_grads") does not support yet.
+  a.use_distributed_optimizer = s == "optim" || s == "optim_grads" || s == "optim_grads_params";
+  if (s == "optim_grads" || s == "optim_grads_params") {
+    // What the gradient (and parameter) staging (docs/fsdp.md) does not support yet.
     MT_REQUIRE(a.num_layers_per_virtual_pipeline_stage == 0,
-               "--data-parallel-sharding-strategy optim_grads with the interleaved pipeline schedule "
+               "--data-parallel-sharding-strategy {} with the interleaved pipeline schedule "
                "(--num-layers-per-virtual-pipeline-stage {}) is not built: a bucket may span model chunks whose "
                "backwards interleave (docs/fsdp.md)",
-               a.num_layers_per_virtual_pipeline_stage);
+               s, a.num_layers_per_virtual_pipeline_stage);
     MT_REQUIRE(!a.cuda_graph.enabled(),
-               "--data-parallel-sharding-strategy optim_grads with --cuda-graph-impl {} is not built (the staging "
+               "--data-parallel-sharding-strategy {} with --cuda-graph-impl {} is not built (the staging "
                "slots are bound on the host per backward; docs/fsdp.md)",
-               a.cuda_graph.impl);
-    MT_REQUIRE(!a.ddp_copy_engine, "--data-parallel-sharding-strategy optim_grads with --ddp-copy-engine is not built");
+               s, a.cuda_graph.impl);
+    MT_REQUIRE(!a.ddp_copy_engine, "--data-parallel-sharding-strategy {} with --ddp-copy-engine is not built", s);
+  }
+  if (s == "optim_grads_params") {
+    // What the parameter staging (docs/fsdp.md "optim_grads_params") does not support.
+    MT_REQUIRE(a.model.fp8 == Fp8Format::kNone,
+               "--data-parallel-sharding-strategy optim_grads_params with --fp8-format is not built (the FP8 weights "
+               "are quantised from whole parameters once per step; docs/fsdp.md)");
+    MT_REQUIRE(a.model.mtp_num_layers == 0,
+               "--data-parallel-sharding-strategy optim_grads_params with --mtp-num-layers {} is not built (the "
+               "multi-token prediction reads the embedding and output layer outside their units)",
+               a.model.mtp_num_layers);
+    MT_REQUIRE(!a.use_precision_aware_optimizer,
+               "--data-parallel-sharding-strategy optim_grads_params with --use-precision-aware-optimizer is not built "
+               "(the int16 remainders split whole bf16 parameters)");
+    MT_REQUIRE(!a.overlap_param_gather,
+               "--overlap-param-gather with --data-parallel-sharding-strategy optim_grads_params: the parameters are "
+               "all-gathered per layer before use (prefetched), not after the optimizer step; drop the flag");
+    MT_REQUIRE(a.optim.optimizer != "muon",
+               "--optimizer muon with --data-parallel-sharding-strategy optim_grads_params is not built (Muon reads "
+               "whole gradient matrices)");
   }
   if (a.megatron_fsdp_grad_comm_dtype == "bf16") a.grad_reduce_in_bf16 = true;
   MT_REQUIRE(a.megatron_fsdp_grad_comm_dtype != "fp32" || !a.grad_reduce_in_bf16,

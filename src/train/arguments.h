@@ -145,10 +145,15 @@ struct PretrainArgs {
   /// --use-megatron-fsdp: Megatron-FSDP's sharding strategies (docs/fsdp.md). Built:
   /// --data-parallel-sharding-strategy no_shard (plain DDP), optim (== --use-distributed-
   /// optimizer) and optim_grads (the distributed optimizer with sharded gradients,
-  /// DdpConfig::shard_grads); optim_grads_params is refused at parse.
+  /// DdpConfig::shard_grads) and optim_grads_params (also the parameters, DdpConfig::shard_params).
   bool use_megatron_fsdp = false;
-  /// --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads.
-  bool shard_grads() const { return use_megatron_fsdp && data_parallel_sharding_strategy == "optim_grads"; }
+  /// --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads or optim_grads_params.
+  bool shard_grads() const {
+    return use_megatron_fsdp &&
+           (data_parallel_sharding_strategy == "optim_grads" || data_parallel_sharding_strategy == "optim_grads_params");
+  }
+  /// --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params.
+  bool shard_params() const { return use_megatron_fsdp && data_parallel_sharding_strategy == "optim_grads_params"; }
   std::string data_parallel_sharding_strategy = "no_shard";  ///< --data-parallel-sharding-strategy
   std::string outer_dp_sharding_strategy = "no_shard";       ///< --outer-dp-sharding-strategy
   int num_distributed_optimizer_instances = 1;               ///< --num-distributed-optimizer-instances

@@ -46,15 +46,29 @@ MemoryEstimate estimate_training_memory(const MemoryEstimateInputs& in) {
   const bool separate_main = in.dtype != DType::kF32;
   const std::string sharded = in.distributed_optimizer ? "" : "; --use-distributed-optimizer shards it over DP";
   MemoryEstimate e;
-  if (separate_main)
-    e.parts.push_back({fmt::format("model parameters ({})", dtype_name(in.dtype)), total * dtype_size(in.dtype),
-                       kModelRemedy});
+  // optim_grads_params (ParamStore::use_param_slots): the owned slices, the resident expert
+  // buckets and the staging slots, in the model dtype; an fp32 model's owned slices are its main
+  // shard.
+  const size_t staged = static_cast<size_t>(in.param_slots) * static_cast<size_t>(m.params.largest_dense_bucket);
+  const size_t model_elements = in.param_slots == 0 ? total : (separate_main ? owned : 0) + expert + staged;
+  if (separate_main || in.param_slots > 0)
+    e.parts.push_back({in.param_slots == 0 ? fmt::format("model parameters ({})", dtype_name(in.dtype))
+                       : separate_main
+                           ? fmt::format("model parameters ({}; owned slices and {} staging slots)", dtype_name(in.dtype),
+                                         in.param_slots)
+                           : fmt::format("parameter staging slots ({}; {} slots{})", dtype_name(in.dtype),
+                                         in.param_slots, expert > 0 ? " and the expert buckets" : ""),
+                       model_elements * dtype_size(in.dtype),
+                       in.param_slots > 0 ? "a smaller --ddp-bucket-size"
+                                          : std::string(kModelRemedy) +
+                                                "; --use-megatron-fsdp --data-parallel-sharding-strategy "
+                                                "optim_grads_params shards it over DP"});
   // ParamStore::main_storage_bytes: 4 bytes per stored main element, 2 as int16 remainders
   const bool remainders = separate_main && in.store_param_remainders;
   e.parts.push_back({!separate_main ? "parameters (fp32)"
                      : remainders   ? "main parameters (int16 remainders of fp32)"
                                     : "main parameters (fp32)",
-                     separate_main ? owned * (remainders ? 2 : 4) : total * 4,
+                     separate_main || in.param_slots > 0 ? owned * (remainders ? 2 : 4) : total * 4,
                      std::string(kModelRemedy) + (separate_main ? sharded : "") +
                          (separate_main && !remainders && in.dtype == DType::kBF16
                               ? "; --use-precision-aware-optimizer halves it"
@@ -233,7 +247,9 @@ void check_config_memory(const TransformerConfig& c, int tp, int ep, const pipel
                              w.expert / static_cast<LD>(std::max<int64_t>(o.expert_data_parallel, 1))
                        : w.total();
   const bool separate_main = o.dtype != DType::kF32;
-  LD bytes = w.total() * static_cast<LD>(dtype_size(o.dtype)) + w.total() * 4 * o.extra_fp32_copies;
+  // optim_grads_params: the owned slices of the model parameters (staging slots not counted)
+  const LD model = o.training && o.shard_params ? owned : w.total();
+  LD bytes = model * static_cast<LD>(dtype_size(o.dtype)) + w.total() * 4 * o.extra_fp32_copies;
   if (o.training) {
     if (separate_main) bytes += owned * (o.store_param_remainders ? 2 : 4);  // main parameters
     bytes += (o.shard_grads ? owned : w.total()) * 4 + owned * 8;  // gradients (staging not counted), Adam moments
@@ -278,6 +294,7 @@ void check_pretrain_memory(const PretrainArgs& args, const ParallelConfig& pc, c
   o.dtype = args.dtype();
   o.distributed_optimizer = args.use_distributed_optimizer;
   o.shard_grads = args.shard_grads();
+  o.shard_params = args.shard_params();
   o.store_param_remainders = args.use_precision_aware_optimizer && args.bf16;
   o.data_parallel = static_cast<int64_t>(pc.dp) * pc.cp;  // the trainer shards over dp-cp
   o.expert_data_parallel = pc.edp;

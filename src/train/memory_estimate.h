@@ -33,6 +33,10 @@ struct MemoryEstimateInputs {
   /// optim_grads (DdpConfig::shard_grads): gradients are the owned shard plus this many staging
   /// slots of the largest bucket (0: the whole fp32 gradient buffer)
   int grad_slots = 0;
+  /// optim_grads_params (DdpConfig::shard_params): the model-dtype parameters are the owned slices,
+  /// the whole expert buckets and this many staging slots of the largest non-expert bucket (0: the
+  /// whole parameters)
+  int param_slots = 0;
   size_t pipeline_grad_bytes = 0;     ///< the pipeline executor's received-gradient buffers
   size_t batch_bytes = 0;             ///< the staged micro-batches on the device
   /// --fp8-param-gather: the distributed optimizer's FP8 gather buffer and weight amaxes
@@ -101,6 +105,7 @@ struct ConfigMemoryOptions {
   bool distributed_optimizer = false;  ///< main params (of bf16/fp16) and moments sharded over DP
   bool store_param_remainders = false; ///< --use-precision-aware-optimizer
   bool shard_grads = false;            ///< optim_grads: fp32 gradients sharded too (staging not counted)
+  bool shard_params = false;           ///< optim_grads_params: model parameters sharded too (staging not counted)
   int64_t data_parallel = 1, expert_data_parallel = 1;
   /// Host copies made besides the parameters (import-hf / export-hf keep the weights twice in fp32).
   int extra_fp32_copies = 0;

@@ -106,6 +106,7 @@ MemoryEstimate estimate_rank_memory(const ModelSetupOptions& o, const ProcessGro
   in.dtype = o.dtype;
   in.distributed_optimizer = o.ddp.use_distributed_optimizer;
   if (o.ddp.shard_grads) in.grad_slots = o.ddp.grad_slots > 0 ? o.ddp.grad_slots : in.model.params.grad_slots;
+  if (o.ddp.shard_params) in.param_slots = o.ddp.param_slots > 0 ? o.ddp.param_slots : in.model.params.param_slots;
   in.store_param_remainders = o.optim.store_param_remainders;
   in.data_parallel = groups.dp_cp->size();
   in.expert_data_parallel = groups.edp->size();

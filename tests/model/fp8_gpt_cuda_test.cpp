@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <memory>
 #include <tuple>
 
 #include "core/cuda_graph.h"
@@ -59,6 +60,8 @@ TransformerConfig fp8_config(Fp8Recipe recipe, Fp8Format format, bool llama, boo
   return c;
 }
 
+constexpr int kNoiseRuns = 3;
+
 struct Tol {
   double loss, grad, state;  // floors of the relative bounds (grad and state: see compare())
 };
@@ -97,7 +100,10 @@ double max_element_rel(const std::vector<float>& a, const std::vector<float>& r)
 /// The bound is therefore measured in the same test: a second CPU emulation whose weights are
 /// perturbed by delta relative (2^-14 for fp32 activations: the accumulation precision of Hopper's
 /// FP8 tensor cores; 2^-9 for bf16: half a bf16 ulp) gives the noise, and the GPU must stay within
-/// 3x that noise (or the floor in `tol`). A wrong scale, dtype, operand or transposition is off by
+/// 3x that noise (or the floor in `tol`). The noise is the largest of kNoiseRuns such emulations:
+/// one sample alone undershot it (an H200 run, 2026-11-29: a MoE router's gradient 30 % off
+/// where one perturbed run moved it 6 %: with MoE, a token whose top-2 choice is a near tie may
+/// route differently in some runs and not in others). A wrong scale, dtype, operand or transposition is off by
 /// O(1), far outside either; the loss bound is not scaled.
 void compare(Fp8Recipe recipe, Fp8Format format, bool llama, bool moe, DType dtype, Tol tol) {
   SCOPED_TRACE(::testing::Message() << fp8_recipe_name(recipe) << " " << fp8_format_name(format) << (llama ? " llama" : " gpt")
@@ -106,7 +112,10 @@ void compare(Fp8Recipe recipe, Fp8Format format, bool llama, bool moe, DType dty
   const int64_t b = 2;
   Stream cs(Device::cpu()), gs(Device::cuda(0));
   GPTModel cpu(c, b, DType::kF32, Device::cpu(), ProcessGroups::single());
-  GPTModel cpu2(c, b, DType::kF32, Device::cpu(), ProcessGroups::single());  // the noise reference
+  // the noise references: kNoiseRuns emulations with independently perturbed weights
+  std::vector<std::unique_ptr<GPTModel>> noise;
+  for (int k = 0; k < kNoiseRuns; ++k)
+    noise.push_back(std::make_unique<GPTModel>(c, b, DType::kF32, Device::cpu(), ProcessGroups::single()));
   GPTModel gpu(c, b, dtype, Device::cuda(0), ProcessGroups::single());
   cpu.params().initialize(testing::test_seed(), cs);
   std::vector<float> w = testing::to_host(cpu.params().main_flat(), cs);
@@ -116,11 +125,13 @@ void compare(Fp8Recipe recipe, Fp8Format format, bool llama, bool moe, DType dty
   gpu.params().sync_model_from_main(gs);
   {
     const double delta = dtype == DType::kF32 ? std::ldexp(1.0, -14) : std::ldexp(1.0, -9);
-    const auto r = testing::randu(static_cast<int64_t>(w.size()), -1.f, 1.f);
-    std::vector<float> w2(w);
-    for (size_t i = 0; i < w2.size(); ++i) w2[i] = float(w2[i] * (1.0 + delta * r[i]));
-    cpu2.params().initialize(testing::test_seed(), cs);
-    testing::upload(cpu2.params().main_flat(), w2, cs);
+    for (auto& m : noise) {
+      const auto r = testing::randu(static_cast<int64_t>(w.size()), -1.f, 1.f);
+      std::vector<float> w2(w);
+      for (size_t i = 0; i < w2.size(); ++i) w2[i] = float(w2[i] * (1.0 + delta * r[i]));
+      m->params().initialize(testing::test_seed(), cs);
+      testing::upload(m->params().main_flat(), w2, cs);
+    }
   }
   const auto tok = testing::randint(c.seq_length * b, 0, 500), lab = testing::randint(c.seq_length * b, 0, 500);
   OwnedTensor ct = testing::make_int_tensor(tok, Device::cpu(), {c.seq_length, b}, cs);
@@ -130,51 +141,56 @@ void compare(Fp8Recipe recipe, Fp8Format format, bool llama, bool moe, DType dty
   const MicroBatch cmb{ct.t, cl.t, Tensor()}, gmb{gt.t, gl.t, Tensor()};
   OwnedTensor closs(DType::kF32, Device::cpu(), {1}), closs2(DType::kF32, Device::cpu(), {1}),
       gloss(DType::kF32, Device::cuda(0), {1});
+  std::vector<GPTModel*> cpus = {&cpu};
+  for (auto& m : noise) cpus.push_back(m.get());
   const DropoutContext dc{7, 11, 0, true};
   const float wgt = 1.0f / static_cast<float>(c.seq_length * b);
   auto step = [&] {
-    fill(closs, 0.f, cs);
-    fill(closs2, 0.f, cs);
     fill(gloss, 0.f, gs);
-    fill(cpu.params().grads_flat(), std::nanf(""), cs);
-    fill(cpu2.params().grads_flat(), std::nanf(""), cs);
     fill(gpu.params().grads_flat(), std::nanf(""), gs);
-    cpu.params().zero_grads(cs);
-    cpu2.params().zero_grads(cs);
     gpu.params().zero_grads(gs);
-    cpu.forward(cmb, dc, closs, wgt, cs);
-    cpu2.forward(cmb, dc, closs2, wgt, cs);
     gpu.forward(gmb, dc, gloss, wgt, gs);
-    cpu.backward(cmb, dc, wgt, Tensor(), cs);
-    cpu2.backward(cmb, dc, wgt, Tensor(), cs);
     gpu.backward(gmb, dc, wgt, Tensor(), gs);
+    for (GPTModel* m : cpus) {
+      OwnedTensor& l = m == &cpu ? closs : closs2;
+      fill(l, 0.f, cs);
+      fill(m->params().grads_flat(), std::nanf(""), cs);
+      m->params().zero_grads(cs);
+      m->forward(cmb, dc, l, wgt, cs);
+      m->backward(cmb, dc, wgt, Tensor(), cs);
+    }
   };
   if (recipe == Fp8Recipe::kDelayed) {
     step();
-    cpu.finish_step(cs);
-    cpu2.finish_step(cs);
+    for (GPTModel* m : cpus) m->finish_step(cs);
     gpu.finish_step(gs);
   }
   step();
   const double lc = testing::to_host(closs, cs)[0], lg = testing::to_host(gloss, gs)[0];
   std::printf("  loss gpu %.6f cpu %.6f (rel %.2e)\n", lg, lc, std::fabs(lg - lc) / std::fabs(lc));
   EXPECT_NEAR(lg, lc, tol.loss * std::fabs(lc)) << "loss";
-  std::vector<float> ga, ra, na;
+  std::vector<float> ga, ra;
+  std::vector<std::vector<float>> na(noise.size());
   double worst = 0, worst_noise = 0;
   std::vector<double> errs, noises;
   for (size_t i = 0; i < cpu.params().size(); ++i) {
-    const auto a = testing::to_host(gpu.params().grad(i), gs), r = testing::to_host(cpu.params().grad(i), cs),
-               n = testing::to_host(cpu2.params().grad(i), cs);
+    const auto a = testing::to_host(gpu.params().grad(i), gs), r = testing::to_host(cpu.params().grad(i), cs);
     ASSERT_TRUE(testing::all_finite(a)) << cpu.params().info(i).name;
     ga.insert(ga.end(), a.begin(), a.end());
     ra.insert(ra.end(), r.begin(), r.end());
-    na.insert(na.end(), n.begin(), n.end());
     errs.push_back(testing::rel_err(a, r));
-    noises.push_back(testing::rel_err(n, r));
+    noises.push_back(0);
+    for (size_t k = 0; k < noise.size(); ++k) {
+      const auto n = testing::to_host(noise[k]->params().grad(i), cs);
+      na[k].insert(na[k].end(), n.begin(), n.end());
+      noises.back() = std::max(noises.back(), testing::rel_err(n, r));
+    }
     worst = std::max(worst, errs.back());
     worst_noise = std::max(worst_noise, noises.back());
   }
-  const double all = testing::rel_err(ga, ra), noise_all = testing::rel_err(na, ra);
+  const double all = testing::rel_err(ga, ra);
+  double noise_all = 0;
+  for (const auto& n : na) noise_all = std::max(noise_all, testing::rel_err(n, ra));
   std::printf("  gradients: all rel %.2e (noise %.2e), worst tensor %.2e (noise %.2e)\n", all, noise_all, worst,
               worst_noise);
   for (size_t i = 0; i < cpu.params().size(); ++i)  // matrices per tensor; vectors (sums with cancellation) in the total
@@ -182,11 +198,12 @@ void compare(Fp8Recipe recipe, Fp8Format format, bool llama, bool moe, DType dty
       EXPECT_LT(errs[i], std::max(tol.grad, 3 * std::max(noises[i], noise_all))) << cpu.params().info(i).name;
   EXPECT_LT(all, std::max(tol.grad, 3 * noise_all)) << "all gradients";
   if (recipe == Fp8Recipe::kBlockwise) return;  // no amax state
-  const auto sr = fp8_state(cpu, c.num_layers, cs), sa = fp8_state(gpu, c.num_layers, gs),
-             sn = fp8_state(cpu2, c.num_layers, cs);
+  const auto sr = fp8_state(cpu, c.num_layers, cs), sa = fp8_state(gpu, c.num_layers, gs);
   ASSERT_EQ(sa.size(), sr.size());
   EXPECT_TRUE(std::any_of(sr.begin(), sr.end(), [](float v) { return v != 0.f && v != 1.f; })) << "no amax recorded";
-  const double sd = max_element_rel(sa, sr), sdn = max_element_rel(sn, sr);
+  const double sd = max_element_rel(sa, sr);
+  double sdn = 0;
+  for (auto& m : noise) sdn = std::max(sdn, max_element_rel(fp8_state(*m, c.num_layers, cs), sr));
   std::printf("  FP8 state: max element rel %.2e (noise %.2e)\n", sd, sdn);
   EXPECT_LT(sd, std::max(tol.state, 3 * sdn)) << "FP8 state (amaxes, scales)";
 }

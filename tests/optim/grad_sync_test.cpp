@@ -520,6 +520,74 @@ TEST(DataParallel, ShardedMainParamsBf16) {
   });
 }
 
+// optim_grads_params (ZeRO-3) with bf16 parameters: each rank stores its owned slice of the bf16
+// parameters, written by the optimizer from its fp32 main slice; a unit's buckets gathered by
+// params_begin hold the rounding of the reference's main parameters; the next unit's buckets are
+// prefetched and reused, so a forward or backward pass over the layers gathers every bucket
+// exactly once; slots are returned after use; the storage is the owned slices plus the slots.
+TEST(DataParallel, ShardedParamsBf16) {
+  const Model m = ddp_test::gpt_like(4);
+  const int dp = 2;
+  const ParamLayout layout{dp, 700};
+  const Reference ref = reference(m, layout, dp, DType::kBF16);
+  run_thread_ranks(dp, [&](int rank, std::shared_ptr<Communicator> w) {
+    Stream st;
+    ParamStore P(m.specs, DType::kBF16, Device::cpu(), layout);
+    DdpConfig dc;
+    dc.use_distributed_optimizer = dc.shard_grads = dc.shard_params = true;
+    GradSync sync(P, w, dc);
+    AdamWOptimizer opt(sync, opt_config(), st);  // before initialize, as the trainer does
+    P.initialize(99, st);
+    ASSERT_TRUE(P.params_staged());
+    EXPECT_EQ(P.param_slots(), P.param_slots_needed());
+    EXPECT_LT(P.param_slots(), static_cast<int>(P.buckets().size()));
+    EXPECT_EQ(sync.param_bytes(), (sync.owned_elements() + P.param_slots() * P.largest_dense_bucket()) * 2);
+    expect_error([&] { (void)P.params_flat(); }, "sharded");
+    expect_error([&] { (void)P.param(0); }, "is not gathered");
+    for (int step = 0; step < kSteps; ++step) {
+      sync.zero_grad_buffer(st);
+      ddp_test::backward(m, P, sync, Pattern::kInOrder, step, rank, st);
+      opt.step(kLr, st);
+    }
+    const int64_t total = P.total_elements();
+    OwnedTensor full(DType::kF32, Device::cpu(), {total});
+    opt.gather_main(full, st);
+    EXPECT_LT(testing::rel_err(testing::to_host(full.t, st), ref.main), 1e-6);
+    OwnedTensor rounded(DType::kBF16, Device::cpu(), {total});
+    cast(rounded.t, full.t, st);
+    const std::vector<float> want = testing::to_host(rounded.t, st);
+    for (const bool backward : {false, true}) {
+      SCOPED_TRACE(backward ? "backward" : "forward");
+      size_t bound = 0;  // kept from the last pass (the forward's last bucket): not gathered again
+      for (size_t b = 0; b < P.buckets().size(); ++b) bound += P.param_bound(b) ? 1 : 0;
+      EXPECT_EQ(bound, backward ? 1u : 0u);
+      const size_t before = sync.param_gathers();
+      for (size_t n = 0; n < m.layers.size(); ++n) {
+        const auto at_step = [&](size_t k) { return m.layers[backward ? m.layers.size() - 1 - k : k]; };
+        const ddp_test::LayerRange r = at_step(n);
+        const ddp_test::LayerRange next = n + 1 < m.layers.size() ? at_step(n + 1) : ddp_test::LayerRange{0, 0};
+        sync.params_begin(r.first, r.end, backward, next.first, next.end, st);
+        for (size_t i = r.first; i < r.end; ++i) {
+          const std::vector<float> got = testing::to_host(P.param(i), st);
+          const auto at = want.begin() + P.info(i).offset;
+          ASSERT_EQ(got, std::vector<float>(at, at + P.info(i).numel)) << P.info(i).name;
+        }
+        const size_t lo = P.bucket_of(r.end - 1), hi = P.bucket_of(r.first);
+        for (size_t i = next.first; i < next.end; ++i)  // the next unit's buckets: prefetched
+          EXPECT_TRUE(P.param_bound(P.bucket_of(i))) << "layer " << n << " prefetching " << P.info(i).name;
+        sync.params_end(r.first, r.end, backward, st);
+        for (size_t b = lo; b <= hi; ++b)  // returned, but for the bucket the next unit may share
+          if (b != (backward ? hi : lo) && (next.first == next.end || b < P.bucket_of(next.end - 1) ||
+                                            b > P.bucket_of(next.first)))
+            EXPECT_FALSE(P.param_bound(b)) << "bucket " << b;
+      }
+      EXPECT_EQ(sync.param_gathers() - before, P.buckets().size() - bound);
+    }
+    expect_error([&] { sync.params_end(0, 1, false, st); }, "was not begun");
+    expect_error([&] { sync.params_begin(0, 1, false, 0, P.size() + 1, st); }, "outside");
+  });
+}
+
 // Tensor x data parallelism (TP 2 x DP 2, distributed optimizer, overlapped buckets): every rank's
 // parameter shards after three clipped steps equal the matching slices of one rank's run.
 TEST(DataParallel, TensorParallelTimesDataParallel) {

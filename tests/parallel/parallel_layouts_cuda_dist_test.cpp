@@ -80,6 +80,7 @@ struct Layout {
   bool graph = false;          // the full-iteration CUDA graph (optimizer included), captured after one step
   bool deterministic = false;  // --deterministic-mode (no float atomics: two runs can agree bit for bit)
   bool shard_grads = false;    // optim_grads (ZeRO-2; with zero): gradients reduce-scattered per micro-batch
+  bool shard_params = false;   // optim_grads_params (ZeRO-3; with shard_grads): parameters gathered per layer
   std::string name() const {
     std::string s = fmt::format("{}tp{}_pp{}", llama ? "llama_" : "", tp, pp);
     if (vpp > 1) s += fmt::format("_vpp{}", vpp);
@@ -89,7 +90,7 @@ struct Layout {
     if (tp_overlap) s += "_tpoverlap";
     if (p2p_overlap) s += "_p2poverlap";
     if (graph) s += "_graph";
-    if (shard_grads) s += "_optim_grads";
+    if (shard_grads) s += shard_params ? "_optim_grads_params" : "_optim_grads";
     return s;
   }
 };
@@ -123,6 +124,7 @@ RunResult train(const std::shared_ptr<Communicator>& world, const Layout& L, DTy
   o.param_layout.bucket_size = L.overlap || L.shard_grads ? 30000 : 0;
   o.ddp = DdpConfig{L.overlap, L.overlap && L.zero, L.zero};
   o.ddp.shard_grads = L.shard_grads;
+  o.ddp.shard_params = L.shard_params;
   o.optim.eps = 1e-5f;
   Stream st(dev);
   ModelSetup setup(world, o, st);
@@ -171,7 +173,10 @@ RunResult train(const std::shared_ptr<Communicator>& world, const Layout& L, DTy
     r.infos.push_back(P.info(i));
     // optim_grads holds no whole gradient (only the owned shard): the parameters are compared
     r.grads.push_back(L.shard_grads ? std::vector<float>{} : testing::to_host(P.grad(i), st));
+    // optim_grads_params keeps the owned slices only: each parameter's bucket gathered to read it
+    if (L.shard_params) setup.grad_sync().params_begin(i, i + 1, false, 0, 0, st);
     r.params.push_back(testing::to_host(P.param(i), st));
+    if (L.shard_params) setup.grad_sync().params_end(i, i + 1, false, st);
   }
   return r;
 }
@@ -243,13 +248,21 @@ TEST(ParallelLayoutsNccl, Bf16LayoutsMatchOneGpu) {
     layouts = {{4, 1, 0, true}, {2, 1, 0, true, true, true}, {2, 2, 0, true}, {1, 4, 0}, {1, 2, 2, false, false, true},
                {1, 1, 0, false, true, true}};
   }
-  {  // optim_grads (ZeRO-2): DP over every rank, and TP 2 + SP x DP 2 on 4 GPUs
+  // optim_grads (ZeRO-2) and optim_grads_params (ZeRO-3): DP over every rank, and TP 2 + SP x DP 2
+  // on 4 GPUs; ZeRO-3 also PP 2 (x DP 2 on 4 GPUs)
+  for (const bool params : {false, true}) {
     Layout z;
     z.zero = z.shard_grads = true;
+    z.shard_params = params;
     layouts.push_back(z);
     if (world->size() == 4) {
-      z.tp = 2;
-      z.sp = true;
+      Layout t = z;
+      t.tp = 2;
+      t.sp = true;
+      layouts.push_back(t);
+    }
+    if (params) {
+      z.pp = 2;
       layouts.push_back(z);
     }
   }

@@ -86,6 +86,15 @@ TEST_F(Plan, MemoryEqualsTheTrainersEstimateAndTheAllocatorOnEveryRank) {
       {"--expert-model-parallel-size 2 --use-distributed-optimizer" + moe, 2},
       // multi-token prediction: its parameters and activations on the last stage, its staged inputs
       {"--position-embedding-type rope --mtp-num-layers 2 --pipeline-model-parallel-size 2", 2},
+      // optim_grads_params (ZeRO-3): owned parameter slices, staging slots, resident expert buckets
+      {"--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --ddp-bucket-size 3000", 2},
+      {"--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --ddp-bucket-size 3000 "
+       "--pipeline-model-parallel-size 2",
+       4},
+      {"--expert-model-parallel-size 2 --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params "
+       "--ddp-bucket-size 3000" +
+           moe,
+       4},
       // FP8: the weights' FP8 copies, the scaling state, the FP8 saved inputs
       {"--fp8-format hybrid --fp8-recipe delayed --tensor-model-parallel-size 2 --sequence-parallel", 2},
       {"--fp8-format hybrid --fp8-recipe tensorwise", 1},

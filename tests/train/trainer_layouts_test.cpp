@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 
 #include <nlohmann/json.hpp>
@@ -58,7 +59,40 @@ class TrainerLayouts : public testing::CorpusFixture {
     for (auto [k, v] : r.losses) curve->losses[k] = v;
     for (auto [k, v] : r.validation) curve->validation[k] = v;
   }
+  // On 2 ranks: a checkpoint written under `strategy` resumes under `other` and one written under
+  // `other` under `strategy`, both on the curve of an uninterrupted `strategy` run.
+  static void expect_checkpoints_cross_load(const std::string& strategy, const std::string& other,
+                                            const std::string& tag) {
+    const TrainingResult whole = train("--train-iters 6 --nproc-per-node 2" + strategy);
+    for (const auto& [from, to, name] : std::vector<std::tuple<std::string, std::string, std::string>>{
+             {strategy, other, tag + "_to_other"}, {other, strategy, "other_to_" + tag}}) {
+      SCOPED_TRACE(name);
+      TrainingResult first, curve;
+      ASSERT_NO_FATAL_FAILURE(save_half(dir(name), "--nproc-per-node 2" + from, &first));
+      ASSERT_NO_FATAL_FAILURE(resume(first, dir(name), "--nproc-per-node 2" + to, &curve));
+      expect_same_losses(curve, whole, name);
+    }
+  }
 };
+
+// Two runs whose gradients are summed in the same order: losses, gradient norms and validation
+// losses bit for bit.
+void expect_identical_runs(const TrainingResult& a, const TrainingResult& b, const std::string& what) {
+  ASSERT_EQ(a.losses.size(), 4u) << what;
+  EXPECT_EQ(a.losses, b.losses) << what;
+  ASSERT_EQ(a.log.size(), b.log.size()) << what;
+  for (size_t i = 0; i < a.log.size(); ++i) EXPECT_EQ(a.log[i].point.grad_norm, b.log[i].point.grad_norm) << what;
+  ASSERT_EQ(a.validation.size(), b.validation.size()) << what;
+  for (const auto& [it, v] : b.validation) EXPECT_EQ(a.validation.at(it).loss, v.loss) << what << " validation";
+}
+
+// A sharded run against one rank: losses within expect_same_losses' tolerance, gradient norms 1e-4.
+void expect_near_one_rank(const TrainingResult& a, const TrainingResult& ref, const std::string& what) {
+  expect_same_losses(a, ref, what);
+  ASSERT_EQ(a.log.size(), ref.log.size()) << what;
+  for (size_t i = 0; i < a.log.size(); ++i)
+    EXPECT_NEAR(a.log[i].point.grad_norm, ref.log[i].point.grad_norm, 1e-4 * ref.log[i].point.grad_norm) << what;
+}
 
 TEST_F(TrainerLayouts, ParallelLayoutsMatchOneRank) {
   const TrainingResult ref = train("--train-iters 4");
@@ -119,7 +153,6 @@ TEST_F(TrainerLayouts, MegatronFsdpStrategiesAliasTodaysPaths) {
   EXPECT_FALSE(testing::parse_pretrain_args(flags("--nproc-per-node 2" + fsdp + "no_shard")).use_distributed_optimizer);
   EXPECT_TRUE(testing::parse_pretrain_args(flags("--nproc-per-node 2" + fsdp + "optim")).use_distributed_optimizer);
   for (const auto& [bad, msg] : std::vector<std::pair<std::string, std::string>>{
-           {fsdp + "optim_grads_params", "--data-parallel-sharding-strategy optim_grads_params is not built yet"},
            {fsdp + "zero3", "zero3"},
            {" --data-parallel-sharding-strategy optim", "given without --use-megatron-fsdp"},
            {fsdp + "no_shard --use-distributed-optimizer", "contradicts --data-parallel-sharding-strategy no_shard"},
@@ -618,15 +651,26 @@ TEST_F(TrainerLayouts, BadLayoutErrors) {
 // one-rank losses and gradient norms within the layout tolerances; checkpoints written under
 // optim_grads resume under optim and back on the same curve; the memory estimate's gradient term
 // is the bytes the ranks allocate for gradients (shard + slots), less than a whole buffer.
+// `strategy` against one rank within fp32 rounding (gradient accumulation): DP 2, DP 4, TP 2 + SP x
+// DP 2, PP 2 x DP 2 (the tied embedding across stages), CP 2 x DP 2, and the tiny MoE at EP 2 x DP 4.
+void expect_layouts_near_one_rank(const std::function<TrainingResult(const std::string&)>& train,
+                                  const std::string& strategy) {
+  const TrainingResult ref = train("--train-iters 4");
+  for (const std::string layout : {"--nproc-per-node 2", "--nproc-per-node 4",
+                                   "--nproc-per-node 4 --tensor-model-parallel-size 2 --sequence-parallel",
+                                   "--nproc-per-node 4 --pipeline-model-parallel-size 2",
+                                   "--nproc-per-node 4 --context-parallel-size 2"}) {
+    SCOPED_TRACE(layout);
+    expect_near_one_rank(train("--train-iters 4 " + layout + strategy), ref, layout);
+  }
+  const std::string moe = kTinyMoe;
+  expect_near_one_rank(train("--train-iters 4 --nproc-per-node 4 --expert-model-parallel-size 2" + moe + strategy),
+                       train("--train-iters 4" + moe), "EP 2 x DP 4");
+}
+
 TEST_F(TrainerLayouts, MegatronFsdpOptimGrads) {
   const std::string og = " --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads --ddp-bucket-size 3000";
   const std::string optim = " --use-distributed-optimizer --overlap-grad-reduce --ddp-bucket-size 3000";
-  const auto expect_identical = [](const TrainingResult& a, const TrainingResult& b, const std::string& what) {
-    ASSERT_EQ(a.losses.size(), 4u) << what;
-    EXPECT_EQ(a.losses, b.losses) << what;
-    ASSERT_EQ(a.log.size(), b.log.size()) << what;
-    for (size_t i = 0; i < a.log.size(); ++i) EXPECT_EQ(a.log[i].point.grad_norm, b.log[i].point.grad_norm) << what;
-  };
   for (const std::string layout : {"--nproc-per-node 4", "--nproc-per-node 4 --megatron-fsdp-grad-comm-dtype bf16",
                                    "--nproc-per-node 4 --tensor-model-parallel-size 2 --sequence-parallel "
                                    "--global-batch-size 4"}) {
@@ -634,35 +678,11 @@ TEST_F(TrainerLayouts, MegatronFsdpOptimGrads) {
     std::string today = layout;
     if (const size_t at = today.find(" --megatron-fsdp-grad-comm-dtype bf16"); at != std::string::npos)
       today.replace(at, 37, " --grad-reduce-in-bf16");
-    expect_identical(train("--train-iters 4 " + layout + og), train("--train-iters 4 " + today + optim), layout);
+    expect_identical_runs(train("--train-iters 4 " + layout + og), train("--train-iters 4 " + today + optim), layout);
   }
-  const auto expect_near_one_rank = [](const TrainingResult& a, const TrainingResult& ref, const std::string& what) {
-    expect_same_losses(a, ref, what);
-    ASSERT_EQ(a.log.size(), ref.log.size()) << what;
-    for (size_t i = 0; i < a.log.size(); ++i)
-      EXPECT_NEAR(a.log[i].point.grad_norm, ref.log[i].point.grad_norm, 1e-4 * ref.log[i].point.grad_norm) << what;
-  };
-  const TrainingResult ref = train("--train-iters 4");
-  for (const std::string layout : {"--nproc-per-node 2", "--nproc-per-node 4",
-                                   "--nproc-per-node 4 --tensor-model-parallel-size 2 --sequence-parallel",
-                                   "--nproc-per-node 4 --pipeline-model-parallel-size 2",
-                                   "--nproc-per-node 4 --context-parallel-size 2"}) {
-    SCOPED_TRACE(layout);
-    expect_near_one_rank(train("--train-iters 4 " + layout + og), ref, layout);
-  }
-  const std::string moe = kTinyMoe;
-  expect_near_one_rank(train("--train-iters 4 --nproc-per-node 4 --expert-model-parallel-size 2" + moe + og),
-                       train("--train-iters 4" + moe), "EP 2 x DP 4");
+  expect_layouts_near_one_rank([](const std::string& f) { return train(f); }, og);
   // Checkpoints: optim_grads -> optim and optim -> optim_grads on the one-layout curve.
-  const TrainingResult whole = train("--train-iters 6 --nproc-per-node 2" + og);
-  for (const auto& [from, to, name] : std::vector<std::tuple<std::string, std::string, std::string>>{
-           {og, optim, "og_to_optim"}, {optim, og, "optim_to_og"}}) {
-    SCOPED_TRACE(name);
-    TrainingResult first, curve;
-    ASSERT_NO_FATAL_FAILURE(save_half(dir(name), "--nproc-per-node 2" + from, &first));
-    ASSERT_NO_FATAL_FAILURE(resume(first, dir(name), "--nproc-per-node 2" + to, &curve));
-    expect_same_losses(curve, whole, name);
-  }
+  expect_checkpoints_cross_load(og, optim, "og");
   // Memory: the estimate's gradient term == the gradient bytes allocated (shard + staging slots),
   // less than a whole gradient once the model has more than a few buckets (8 layers, DP 4; the
   // slots are as large as the largest bucket, here the word embedding's).
@@ -686,6 +706,64 @@ TEST_F(TrainerLayouts, MegatronFsdpOptimGrads) {
            {" --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1", "interleaved pipeline"},
            {" --optimizer muon", "--optimizer muon with sharded gradients"}})
     expect_error_text([&] { train("--train-iters 1 --nproc-per-node 2" + og + bad); }, msg, bad);
+}
+
+// --data-parallel-sharding-strategy optim_grads_params (ZeRO-3, docs/fsdp.md): each rank keeps its
+// owned slice of the parameters, gathered per unit into staging slots. With one micro-batch per
+// rank the gradients are summed in the same order as the distributed optimizer's (same buckets),
+// so losses and gradient norms are bitwise those of optim (fp32 and bf16 models, recompute);
+// with gradient accumulation and under every composition (TP + SP, PP with the tied embedding, CP,
+// EP) they equal one rank within fp32 rounding; checkpoints load across strategies; the memory
+// estimate counts the allocated parameter bytes exactly; what is not built is refused.
+TEST_F(TrainerLayouts, MegatronFsdpOptimGradsParams) {
+  const std::string ogp =
+      " --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --ddp-bucket-size 3000";
+  const std::string optim = " --use-distributed-optimizer --overlap-grad-reduce --ddp-bucket-size 3000";
+  for (const std::string layout :
+       {"--nproc-per-node 4", "--nproc-per-node 2 --global-batch-size 4",
+        "--nproc-per-node 4 --recompute-granularity full --recompute-method uniform --recompute-num-layers 2",
+        "--nproc-per-node 2 --global-batch-size 4 --overlap-grad-reduce",
+        "--nproc-per-node 4 --tensor-model-parallel-size 2 --sequence-parallel --global-batch-size 4"}) {
+    SCOPED_TRACE(layout);
+    expect_identical_runs(train("--train-iters 4 " + layout + ogp), train("--train-iters 4 " + layout + optim),
+                          layout);
+  }
+  expect_layouts_near_one_rank([](const std::string& f) { return train(f); }, ogp);
+  // Checkpoints: optim_grads_params -> optim and optim -> optim_grads_params on the one-layout curve.
+  expect_checkpoints_cross_load(ogp, optim, "ogp");
+  // Memory: the estimate's parameter terms == the bytes allocated (owned slices + staging slots;
+  // an fp32 model's owned slices are its main shard), less than whole parameters (8 layers, DP 4).
+  {  // (the CPU backend trains in fp32: the bf16 terms are checked in grad_sync_test)
+    const std::string dtype;
+    const std::string f = flags("--train-iters 1 --num-layers 8 --nproc-per-node 4" + ogp);
+    run_thread_ranks(4, [&](int, std::shared_ptr<Communicator> world) {
+      TrainingSetup setup(testing::parse_pretrain_args(f), std::move(world), Device::cpu());
+      const GradSync& gs = setup.model_setup().grad_sync();
+      const ParamStore& ps = gs.params();
+      EXPECT_TRUE(gs.params_sharded());
+      EXPECT_TRUE(ps.params_staged());
+      EXPECT_LT(ps.param_slots(), static_cast<int>(ps.buckets().size()));
+      const int64_t es = dtype.empty() ? 4 : 2;
+      const int64_t model_bytes = gs.param_bytes();  // an fp32 model's shard is its main shard
+      EXPECT_EQ(model_bytes, (gs.owned_elements() + ps.param_slots() * ps.largest_dense_bucket()) * es);
+      EXPECT_LT(model_bytes, ps.total_elements() * es);
+      size_t estimated = 0;
+      for (const MemoryPart& p : setup.model_setup().memory_estimate().parts)
+        if (p.name.rfind("parameter staging slots", 0) == 0 || p.name.rfind("parameters (fp32)", 0) == 0)
+          estimated += p.bytes;
+      EXPECT_EQ(estimated, static_cast<size_t>(model_bytes));
+    });
+  }
+  for (const auto& [bad, msg] : std::vector<std::pair<std::string, std::string>>{
+           {" --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1", "interleaved pipeline"},
+           {" --optimizer muon", "--optimizer muon with --data-parallel-sharding-strategy optim_grads_params"},
+           {" --fp8-format hybrid", "optim_grads_params with --fp8-format is not built"},
+           {" --mtp-num-layers 1", "optim_grads_params with --mtp-num-layers 1 is not built"},
+           {" --use-precision-aware-optimizer", "with --use-precision-aware-optimizer is not built"},
+           {" --overlap-grad-reduce --overlap-param-gather", "drop the flag"},
+           {" --cuda-graph-impl full_iteration", "optim_grads_params with --cuda-graph-impl"},
+           {" --ddp-copy-engine", "optim_grads_params with --ddp-copy-engine is not built"}})
+    expect_error_text([&] { train("--train-iters 1 --nproc-per-node 2" + ogp + bad); }, msg, bad);
 }
 
 }  // namespace

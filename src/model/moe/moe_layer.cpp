@@ -1,9 +1,21 @@
 #include "model/moe/moe_layer.h"
 
 #include "model/layer_graphs.h"
+#include "model/moe/moe_phase_timer.h"
 #include "ops/elementwise.h"
 
 namespace mt {
+
+namespace {
+// The backward pass being timed on this thread (MT_MOE_PHASE_TIMING), so that router_backward
+// times its phases in it; set for the duration of MoELayer::backward.
+thread_local MoePhasePass* t_backward_timing = nullptr;
+struct BackwardTiming {
+  explicit BackwardTiming(MoePhasePass& p) : saved(t_backward_timing) { t_backward_timing = &p; }
+  ~BackwardTiming() { t_backward_timing = saved; }
+  MoePhasePass* saved;
+};
+}  // namespace
 
 MoELayer::Events::Events(Device device, int64_t chunks)
     : shared_fork(device), shared_join(device), start(device), end(device) {
@@ -83,16 +95,23 @@ Tensor MoELayer::forward(const StepContext& ctx, const ResidualAdd* add) {
   MT_CHECK(add == nullptr, "MoELayer: the residual add is not fused into the MoE block");
   const Stream& st = ctx.stream;
   const Tensor xs = x_.at(static_cast<size_t>(ctx.slot)), x = rows(xs);
+  MoePhasePass timing(MoePhaseTimer::current(), ctx, /*backward=*/false, layer_);  // MT_MOE_PHASE_TIMING
   // --- router (local tokens) and the auxiliary losses, then the dispatcher's preprocessing (the
   // routing metadata on the device): the moe_router region of per-layer graphs, or both the
   // moe_preprocess region ---
   dispatcher_->count_stats(!ctx.recompute);
   const bool pre = preprocess_captured(ctx);
   router_region(ctx, false, [&] {
-    router_->forward(x, dispatcher_->top(ctx.slot), dispatcher_->probs(ctx.slot), ctx);
+    {
+      const auto t = timing.phase(MoePhase::kRouter);
+      router_->forward(x, dispatcher_->top(ctx.slot), dispatcher_->probs(ctx.slot), ctx);
+    }
     if (pre) dispatcher_->preprocess(x, ctx.slot, st);
   });
-  if (!pre) dispatcher_->preprocess(x, ctx.slot, st);
+  if (!pre) {
+    const auto t = timing.phase(MoePhase::kPermute);
+    dispatcher_->preprocess(x, ctx.slot, st);
+  }
   // --- the shared experts beside the exchanges (--moe-shared-expert-overlap) ---
   if (overlap_shared_) {
     events_->shared_fork.record(st);
@@ -104,18 +123,31 @@ Tensor MoELayer::forward(const StepContext& ctx, const ResidualAdd* add) {
   // where there is one, then the token exchange); the experts (with ECHO also the clones);
   // combine: weighted sum per token, back on the token's rank ---
   if (chunked_) {
+    const auto t = timing.phase(MoePhase::kPipelined);
     pipelined_forward(ctx);
   } else {
-    MoeExpertCounts counts = dispatcher_->dispatch(experts_->input(ctx.slot), x, ctx.slot, st);
-    const Tensor out = experts_->forward(std::move(counts), *dispatcher_, ctx.slot, st);
+    MoeExpertCounts counts;
+    Tensor out;
+    {
+      const auto t = timing.phase(MoePhase::kDispatch);
+      counts = dispatcher_->dispatch(experts_->input(ctx.slot), x, ctx.slot, st);
+    }
+    {
+      const auto t = timing.phase(MoePhase::kExperts);
+      out = experts_->forward(std::move(counts), *dispatcher_, ctx.slot, st);
+    }
+    const auto t = timing.phase(MoePhase::kCombine);
     dispatcher_->combine(rows(y_), out, ctx.slot, st);
   }
   // --- the shared experts ---
-  if (overlap_shared_) {
-    events_->shared_join.wait(st);
-    shared_->add_output(y_, shared_out_, xs, ctx);
-  } else if (shared_) {
-    shared_->forward(y_, xs, ctx);
+  if (shared_) {
+    const auto t = timing.phase(MoePhase::kSharedExperts);
+    if (overlap_shared_) {
+      events_->shared_join.wait(st);
+      shared_->add_output(y_, shared_out_, xs, ctx);
+    } else {
+      shared_->forward(y_, xs, ctx);
+    }
   }
   return y_;
 }
@@ -152,6 +184,8 @@ void MoELayer::pipelined_forward(const StepContext& ctx) {
 Tensor MoELayer::backward(const Tensor& dy, const StepContext& ctx, WgradDeferral* defer) {
   const Stream& st = ctx.stream;
   const int slot = ctx.slot;
+  MoePhasePass timing(MoePhaseTimer::current(), ctx, /*backward=*/true, layer_);  // MT_MOE_PHASE_TIMING
+  const BackwardTiming current(timing);
   // --- the shared experts' backward beside the exchanges (--moe-shared-expert-overlap) ---
   if (overlap_shared_) {
     events_->shared_fork.record(st);
@@ -160,15 +194,27 @@ Tensor MoELayer::backward(const Tensor& dy, const StepContext& ctx, WgradDeferra
                                            defer);
     events_->shared_join.record(*shared_stream_);
   }
-  experts_->prepare_backward(*dispatcher_, slot, st);
+  {
+    const auto t = timing.phase(MoePhase::kExperts);
+    experts_->prepare_backward(*dispatcher_, slot, st);
+  }
   // --- combine backward: row gradients and d probs; the experts' backward; the dispatch
   // backward: token gradients back to their ranks ---
   if (chunked_) {
+    const auto t = timing.phase(MoePhase::kPipelined);
     pipelined_backward(dy, ctx);
   } else {
-    dispatcher_->combine_backward(experts_->output_grad(slot), router_->d_probs(), rows(dy), experts_->output(slot),
-                                  slot, st);
-    const Tensor d_xp = experts_->backward(*dispatcher_, slot, st);
+    Tensor d_xp;
+    {
+      const auto t = timing.phase(MoePhase::kCombine);
+      dispatcher_->combine_backward(experts_->output_grad(slot), router_->d_probs(), rows(dy),
+                                    experts_->output(slot), slot, st);
+    }
+    {
+      const auto t = timing.phase(MoePhase::kExperts);
+      d_xp = experts_->backward(*dispatcher_, slot, st);
+    }
+    const auto t = timing.phase(MoePhase::kDispatch);
     dispatcher_->dispatch_backward(rows(dx_), d_xp, slot, st);
   }
   return router_backward(dy, ctx, defer);
@@ -229,17 +275,26 @@ Tensor MoELayer::router_backward(const Tensor& dy, const StepContext& ctx, Wgrad
   const Tensor dx = rows(dx_);
   // --- the preprocessing's backward (alltoall: permutation 1 undone into dx), then the router's:
   // probs path, load-balancing loss, z-loss (the moe_router or moe_preprocess region) ---
+  MT_CHECK(t_backward_timing != nullptr, "MoELayer::router_backward outside MoELayer::backward (layer {})", layer_);
+  MoePhasePass& timing = *t_backward_timing;
   const bool pre = preprocess_captured(ctx);
-  if (!pre) dispatcher_->preprocess_backward(dx, ctx.slot, st);
+  if (!pre) {
+    const auto t = timing.phase(MoePhase::kPermute);
+    dispatcher_->preprocess_backward(dx, ctx.slot, st);
+  }
   router_region(ctx, true, [&] {
     if (pre) dispatcher_->preprocess_backward(dx, ctx.slot, st);
+    const auto t = timing.phase(MoePhase::kRouter);
     router_->backward(dx, x, dispatcher_->top(ctx.slot), ctx);
   });
-  if (overlap_shared_) {
-    events_->shared_join.wait(st);
-    shared_->finish_backward(dx_, shared_dx_, ctx);
-  } else if (shared_) {
-    shared_->backward(dx_, dy, xs, ctx, defer);
+  if (shared_) {
+    const auto t = timing.phase(MoePhase::kSharedExperts);
+    if (overlap_shared_) {
+      events_->shared_join.wait(st);
+      shared_->finish_backward(dx_, shared_dx_, ctx);
+    } else {
+      shared_->backward(dx_, dy, xs, ctx, defer);
+    }
   }
   return dx_;
 }

@@ -228,6 +228,15 @@ __device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const void* p) {
   }
 }
 
+/// The four 8x8 matrices of one ldsm_x4 of B (n rows 16 nj.. +16) as the b operands of the two
+/// mma n-tiles 2 nj and 2 nj + 1.
+__device__ __forceinline__ void split_b_x4(unsigned (&bf)[4][2], int nj, const unsigned (&r)[4]) {
+  bf[2 * nj][0] = r[0];
+  bf[2 * nj][1] = r[1];
+  bf[2 * nj + 1][0] = r[2];
+  bf[2 * nj + 1][1] = r[3];
+}
+
 template <typename T>
 __device__ __forceinline__ void mma16816(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
@@ -425,10 +434,7 @@ __global__ void __launch_bounds__(kThreads) tc_kernel(Params p) {
         } else {  // b[k][n]
           ldsm_x4<true>(r, b + (kk + (lane & 7) + ((lane >> 3) & 1) * 8) * TileB::kLd + nb + (lane >> 4) * 8);
         }
-        bf[2 * nj][0] = r[0];
-        bf[2 * nj][1] = r[1];
-        bf[2 * nj + 1][0] = r[2];
-        bf[2 * nj + 1][1] = r[3];
+        split_b_x4(bf, nj, r);
       }
 #pragma unroll
       for (int mi = 0; mi < 4; ++mi)
@@ -595,10 +601,7 @@ __global__ void __launch_bounds__(kThreads) fp8_kernel(Fp8Params p) {
       for (int nj = 0; nj < 2; ++nj) {
         unsigned r[4];
         ldsm_x4<false>(r, b + (wn + nj * 16 + (lane & 7) + (lane >> 4) * 8) * kF8Ld + kk + ((lane >> 3) & 1) * 16);
-        bf[2 * nj][0] = r[0];
-        bf[2 * nj][1] = r[1];
-        bf[2 * nj + 1][0] = r[2];
-        bf[2 * nj + 1][1] = r[3];
+        split_b_x4(bf, nj, r);
       }
 #pragma unroll
       for (int mi = 0; mi < 4; ++mi)

@@ -373,6 +373,7 @@ __device__ __forceinline__ float scaled(float v, float s) {
 /// to the group in the forward / dgrad, rows of dW_g in the wgrad) and columns from n0.
 struct Work {
   int g, off, rows, m0, n0;
+  int lead = 0;  ///< FP8 wgrad: tokens [off, off + lead) belong to the group before (kernel_view)
 };
 
 /// Work tile t (< tile[G]) of the group tables; m_tiles > 0: every group has that many row tiles
@@ -390,6 +391,21 @@ __device__ __forceinline__ Work decode(int t, const int* off, const int* tile, i
   const int band_rows = min(kBand, mt - band * kBand);
   w.m0 = (band * kBand + in_band % band_rows) * kBM;
   w.n0 = (in_band / band_rows) * BN;
+  return w;
+}
+
+/// The FP8 wgrad's view of a group: its tokens are the innermost (K-major) dimension of dyq_t and
+/// xq_t, and a TMA box must start on a 16-byte boundary of that dimension (a group at token 100
+/// faulted with an illegal instruction on an H200). So the boxes start at off rounded down to 16
+/// tokens; the `lead` tokens before the group's first are zeroed in its first stage like the tail
+/// ones in its last (zero_stage_cols). Other modes: unchanged.
+template <typename T, Mode kMode>
+__device__ __forceinline__ Work kernel_view(Work w) {
+  if constexpr (kMode == Mode::kWgrad && kIsFp8<T>) {
+    w.lead = w.off % 16;
+    w.off -= w.lead;
+    if (w.rows > 0) w.rows += w.lead;  // an empty group stays empty: no stage
+  }
   return w;
 }
 
@@ -419,7 +435,7 @@ __device__ __forceinline__ void produce(const Params& p, const Ring& ring) {
   constexpr bool kWgrad = kMode == Mode::kWgrad;
   int it = 0, last_g = -1;
   for (int t = blockIdx.x; t < ring.total; t += gridDim.x) {
-    const Work w = decode<BN>(t, ring.off, ring.tile, p.G, ring.n_tiles, ring.m_tiles);
+    const Work w = kernel_view<T, kMode>(decode<BN>(t, ring.off, ring.tile, p.G, ring.n_tiles, ring.m_tiles));
     const CUtensorMap* bmap = kWgrad ? &p.b : p.wmaps + w.g;
     if (!kWgrad && w.g != last_g) {
       tensormap_acquire(bmap);
@@ -482,19 +498,20 @@ __device__ __forceinline__ void zero_stage_tail(uint32_t a_s, int valid, int tid
 
 /// The FP8 wgrad's zero_stage_tail: the stage's rows are K-major (A: 128 rows, B: BN, each 128
 /// bytes = 128 tokens, 16-byte chunks swizzled: logical chunk j of row r at chunk j ^ (r % 8));
-/// zeroes tokens [valid, 128) of every row (a partial chunk byte by byte), then hands them to the
-/// async proxy.
+/// zeroes tokens [0, lo) and [hi, 128) of every row (a partial chunk byte by byte; lo < 16 is the
+/// group's lead in its first stage, hi the end of its last), then hands them to the async proxy.
 template <int BN>
-__device__ __forceinline__ void zero_stage_cols(uint32_t a_s, int valid, int tid, int threads) {
+__device__ __forceinline__ void zero_stage_cols(uint32_t a_s, int lo, int hi, int tid, int threads) {
   constexpr int kRows = kBM + BN;  // A's rows, then B's: contiguous 128-byte rows
-  const int first = valid / 16, chunks = 8 - first;
-  for (int i = tid; i < kRows * chunks; i += threads) {
-    const int r = i / chunks, j = first + i - (i / chunks) * chunks;
+  for (int i = tid; i < kRows * 8; i += threads) {
+    const int r = i / 8, j = i % 8, t0 = j * 16;
+    if (t0 >= lo && t0 + 16 <= hi) continue;  // only the group's tokens
     const uint32_t addr = a_s + r * 128 + ((j ^ (r % 8)) * 16);
-    if (j * 16 >= valid) {
+    if (t0 + 16 <= lo || t0 >= hi) {
       asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0) : "memory");
     } else {
-      for (int b = valid % 16; b < 16; ++b) asm volatile("st.shared.u8 [%0], %1;\n" ::"r"(addr + b), "r"(0) : "memory");
+      for (int b = 0; b < 16; ++b)
+        if (t0 + b < lo || t0 + b >= hi) asm volatile("st.shared.u8 [%0], %1;\n" ::"r"(addr + b), "r"(0) : "memory");
     }
   }
   fence_proxy_async();
@@ -606,7 +623,7 @@ __device__ __forceinline__ void consume(const Params& p, const Ring& ring) {
   float acc[Tl::kAcc];
   int it = 0;
   for (int t = blockIdx.x; t < ring.total; t += gridDim.x) {
-    const Work w = decode<BN>(t, ring.off, ring.tile, p.G, ring.n_tiles, ring.m_tiles);
+    const Work w = kernel_view<T, kMode>(decode<BN>(t, ring.off, ring.tile, p.G, ring.n_tiles, ring.m_tiles));
     const int ktiles = ((kWgrad ? w.rows : p.K) + kStageK<T> - 1) / kStageK<T>;
     // Thread (warp, lane) holds rows 16 warp + lane / 4 (+ 8) and columns 8 j + 2 (lane % 4) (+ 1)
     // of the warpgroup's 64 x BN block, in acc[4 j + 2 h + {0, 1}].
@@ -620,9 +637,10 @@ __device__ __forceinline__ void consume(const Params& p, const Ring& ring) {
       const uint32_t a_s = ring.base + s * Tl::kStageBytes, b_s = a_s + Tl::kABytes;
       if constexpr (kWgrad) {
         const int valid = w.rows - kt * kStageK<T>;  // rows (FP8: tokens) of the group in this stage
-        if (valid < kStageK<T>) {
+        const int lo = kt == 0 ? w.lead : 0;  // FP8: the tokens before the group's first
+        if (valid < kStageK<T> || lo > 0) {
           if constexpr (kIsFp8<T>) {
-            zero_stage_cols<BN>(a_s, valid, ctid, 128 * kConsumers);
+            zero_stage_cols<BN>(a_s, lo, min(valid, kStageK<T>), ctid, 128 * kConsumers);
           } else {
             zero_stage_tail<BN>(a_s, valid, ctid, 128 * kConsumers);
           }
@@ -689,7 +707,7 @@ __device__ __forceinline__ void consume_pingpong(const Params& p, const Ring& ri
   float acc[2][Tl::kAcc];
   int it = 0, j = 0;
   for (int t = blockIdx.x; t < ring.total; t += gridDim.x, ++j) {
-    const Work w = decode<BN>(t, ring.off, ring.tile, p.G, ring.n_tiles, ring.m_tiles);
+    const Work w = kernel_view<T, kMode>(decode<BN>(t, ring.off, ring.tile, p.G, ring.n_tiles, ring.m_tiles));
     const int ktiles = ((kWgrad ? w.rows : p.K) + kStageK<T> - 1) / kStageK<T>;
     if ((j & 1) != cw) {  // the other warpgroup's tile: step over its stages
       it += ktiles;
@@ -713,9 +731,10 @@ __device__ __forceinline__ void consume_pingpong(const Params& p, const Ring& ri
       const uint32_t a_s = ring.base + s * Tl::kStageBytes, b_s = a_s + Tl::kABytes;
       if constexpr (kWgrad) {
         const int valid = w.rows - kt * kStageK<T>;
-        if (valid < kStageK<T>) {
+        const int lo = kt == 0 ? w.lead : 0;  // FP8: the tokens before the group's first
+        if (valid < kStageK<T> || lo > 0) {
           if constexpr (kIsFp8<T>) {
-            zero_stage_cols<BN>(a_s, valid, wtid, 128);
+            zero_stage_cols<BN>(a_s, lo, min(valid, kStageK<T>), wtid, 128);
           } else {
             zero_stage_tail<BN>(a_s, valid, wtid, 128);
           }
