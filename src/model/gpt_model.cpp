@@ -395,6 +395,7 @@ GPTModel::GPTModel(const TransformerConfig& config, int64_t micro_batch, DType d
     m.scratch_bytes = planner_->scratch_bytes();
     m.persistent_bytes = planner_->persistent_bytes();
     m.fp8_bytes = fp8_ ? fp8_->planned_bytes() : 0;
+    if (fp8_) m.fp8_weights = fp8_->weight_names();
     m.boundary_bytes = static_cast<size_t>(Tensor(nullptr, dtype_, device_, boundary_shape()).nbytes());
     return;
   }

@@ -42,6 +42,7 @@ struct ModelMemoryPlan {
   int head_slots = 0;
   size_t scratch_bytes = 0, persistent_bytes = 0;
   size_t fp8_bytes = 0;  ///< of persistent_bytes: FP8 weight copies and scaling state (--fp8-format)
+  std::vector<std::string> fp8_weights;  ///< the FP8 linears' weight names (Fp8Model::weight_names)
   size_t boundary_bytes = 0;  ///< one pipeline boundary tensor (boundary_shape(), activation dtype)
   size_t buffer_bytes() const {
     return persistent_bytes + activation_slot_bytes * static_cast<size_t>(activation_slots) + recompute_bytes +

@@ -32,6 +32,11 @@ ParamStore::Plan ParamStore::plan(std::vector<ParamSpec> specs, const ParamLayou
   return p;
 }
 
+std::unique_ptr<const ParamStore> ParamStore::laid_out(std::vector<ParamSpec> specs, DType model_dtype,
+                                                      const ParamLayout& layout) {
+  return std::unique_ptr<const ParamStore>(new ParamStore(std::move(specs), model_dtype, Device::cpu(), layout, false));
+}
+
 ParamStore::ParamStore(std::vector<ParamSpec> specs, DType model_dtype, Device device, const ParamLayout& layout,
                        bool allocate)
     : model_dtype_(model_dtype), device_(device), layout_(layout) {

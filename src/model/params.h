@@ -9,6 +9,7 @@
 #pragma once
 #include <algorithm>
 #include <functional>
+#include <memory>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -147,6 +148,11 @@ class ParamStore {
     int64_t largest_dense_bucket = 0;  ///< the parameter slots' length
   };
   static Plan plan(std::vector<ParamSpec> specs, const ParamLayout& layout);
+  /// The store these specs and layout give (infos, buckets, model dtype) without its buffers: for
+  /// sizing what depends on the layout (GradSync::fp8_param_gather_bytes); param(), grad() and the
+  /// other buffer accessors must not be used. Errors: as the constructor.
+  static std::unique_ptr<const ParamStore> laid_out(std::vector<ParamSpec> specs, DType model_dtype,
+                                                    const ParamLayout& layout);
   /// One bucket, padded to a multiple of kAlign · pad_multiple (the data-parallel size, so the
   /// distributed optimizer can shard it evenly): ParamLayout{pad_multiple, 0}.
   ParamStore(std::vector<ParamSpec> specs, DType model_dtype, Device device, int64_t pad_multiple = 1)

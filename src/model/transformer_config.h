@@ -296,6 +296,10 @@ struct TransformerConfig {
   /// Not a flag (off; the tests turn it on): delayed scaling's fused producers
   /// (Fp8Settings::fused_producers).
   bool fp8_fused_producers = false;
+  /// Not a flag (the trainer sets it: Fp8Model::weights_in_params): the FP8 weight copies wq and
+  /// wq_t live in the bytes of their weight's bf16 parameter storage, which then holds no bf16 copy
+  /// of the weight (docs/fp8.md "Memory"); off: separate copies beside the model-dtype weights.
+  bool fp8_weights_in_params = false;
   /// The FP8 settings of the linear layers (format kNone when FP8 is off).
   Fp8Settings fp8_settings() const {
     return Fp8Settings{fp8, fp8_recipe, fp8_margin, fp8_amax_history_len, fp8_amax_compute_algo, fp8_fused_producers};

@@ -9,6 +9,14 @@
 #include "comm/nccl/peer_copy.h"
 #else
 namespace mt {
+
+namespace {
+// The FP8 gather writes its bytes into the bucket's fp32 gradients (consumed by the optimizer step
+// that precedes it on the same stream) unless the gathers overlap the next step, whose
+// zero_grad_buffer and backward write them, or the gradients are staged (shard_grads).
+bool fp8_gather_in_grads(const DdpConfig& c) { return !c.overlap_param_gather && !c.shard_grads; }
+}  // namespace
+
 // Without NCCL there are no copy-engine collectives: peer_copy_ stays null, but its deleter
 // needs a complete type.
 class PeerCopyGroup {};
@@ -549,8 +557,55 @@ void GradSync::set_fp8_param_gather(Fp8Model& fp8) {
     largest = std::max(largest, fp8_buckets_[b].segment * group(params_.buckets()[b]).size());
   }
   if (fp8_linears_.empty()) return;
-  fp8_comm_ = Buffer(params_.device(), static_cast<size_t>(largest));
+  fp8_in_grads_ = fp8_gather_in_grads(config_);
+  size_t stage = 0;  // the widest gathered weight's staging (a piece is at most the weight)
+  for (const Fp8Linear* l : fp8_linears_) stage = std::max(stage, l->piece_stage_bytes(l->out() * l->in()));
+  fp8_comm_gather_ = (largest + 15) / 16 * 16;
+  if (!fp8_in_grads_) fp8_comm_ = Buffer(params_.device(), static_cast<size_t>(fp8_comm_gather_) + stage);
   fp8_amax_ = Buffer(params_.device(), fp8_linears_.size() * sizeof(float));
+}
+
+namespace {
+/// Bytes per rank of a bucket's FP8 gather buffer (GradSync::plan_fp8_bucket's segment): each rank's
+/// slice of [begin, begin + numel) as model-dtype bytes (es each) outside the FP8 weights
+/// [offset, offset + n) (sorted) and one byte per FP8 element inside, the largest rank's, rounded up
+/// to 16.
+int64_t fp8_segment_bytes(int64_t begin, int64_t numel, int ranks, int64_t es,
+                          const std::vector<std::pair<int64_t, int64_t>>& weights) {
+  const int64_t slice = numel / ranks;
+  int64_t largest = 0;
+  for (int d = 0; d < ranks; ++d) {
+    const int64_t lo = begin + d * slice, hi = lo + slice;
+    int64_t fp8 = 0;
+    for (const auto& [offset, n] : weights) fp8 += std::max<int64_t>(0, std::min(hi, offset + n) - std::max(lo, offset));
+    largest = std::max(largest, (slice - fp8) * es + fp8);
+  }
+  return (largest + 15) / 16 * 16;
+}
+}  // namespace
+
+int64_t GradSync::fp8_param_gather_bytes(const ParamStore& store, const std::vector<std::string>& fp8_weights,
+                                         int ranks, const DdpConfig& config, int64_t stage_per_element) {
+  if (ranks < 2) return 0;
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> weights(store.buckets().size());
+  int64_t gathered = 0, largest = 0, widest = 0;
+  for (const std::string& name : fp8_weights) {
+    const size_t i = store.find(name);
+    if (i == ParamStore::kNoParam || store.buckets()[store.bucket_of(i)].expert) continue;
+    weights[store.bucket_of(i)].emplace_back(store.info(i).offset, store.info(i).numel);
+    widest = std::max(widest, store.info(i).numel);
+    ++gathered;
+  }
+  const int64_t es = static_cast<int64_t>(dtype_size(store.model_dtype()));
+  for (size_t b = 0; b < weights.size(); ++b) {
+    if (weights[b].empty()) continue;
+    std::sort(weights[b].begin(), weights[b].end());
+    const ParamBucket& bk = store.buckets()[b];
+    largest = std::max(largest, fp8_segment_bytes(bk.begin, bk.numel(), ranks, es, weights[b]) * ranks);
+  }
+  if (gathered == 0) return 0;
+  const int64_t comm = (largest + 15) / 16 * 16 + stage_per_element * std::min(widest, Fp8Linear::kPieceStageChunk);
+  return (fp8_gather_in_grads(config) ? 0 : comm) + gathered * static_cast<int64_t>(sizeof(float));
 }
 
 void GradSync::plan_fp8_bucket(size_t b, std::vector<std::pair<int64_t, Fp8Linear*>> weights) {
@@ -581,6 +636,10 @@ void GradSync::plan_fp8_bucket(size_t b, std::vector<std::pair<int64_t, Fp8Linea
     bytes[static_cast<size_t>(d)] = byte;
   }
   fb.segment = (*std::max_element(bytes.begin(), bytes.end()) + 15) / 16 * 16;
+  std::vector<std::pair<int64_t, int64_t>> spans;
+  for (const auto& [offset, l] : weights) spans.emplace_back(offset, l->out() * l->in());
+  MT_CHECK(fb.segment == fp8_segment_bytes(bk.begin, bk.numel(), ranks, es, spans),
+           "fp8 gather: bucket {}'s segment {} differs from the memory estimate's", b, fb.segment);
   for (Fp8Piece& p : fb.pieces) p.byte += p.rank * fb.segment;
   for (const auto& w : weights) fb.linears.push_back(w.second);
 }
@@ -593,7 +652,7 @@ void GradSync::fp8_weight_scales(const Stream& stream) {
     const int me = group(params_.buckets()[b]).rank();
     for (const Fp8Piece& p : fp8_buckets_[b].pieces)
       if (p.linear && p.rank == me)
-        p.linear->weight_piece_amax(amax.flat_range(static_cast<int64_t>(p.amax), 1), p.weight_begin, p.n, stream);
+        p.linear->weight_piece_amax(amax.flat_range(static_cast<int64_t>(p.amax), 1), fp8_piece_values(p), stream);
   }
   fp8_->reduce_weight_amaxes(amax, stream);
   for (size_t k = 0; k < fp8_linears_.size(); ++k)
@@ -605,7 +664,16 @@ void GradSync::launch_fp8_gather(size_t b, const Stream& stream) {
   Communicator& grp = group(bk);
   const Fp8Bucket& fb = fp8_buckets_[b];
   const int me = grp.rank();
-  const Tensor all = fp8_comm_.as(DType::kU8, {fb.segment * grp.size()});
+  const int64_t bytes = fb.segment * grp.size();
+  // The gathered bytes, then the pieces' bf16 staging (weights kept in their parameter storage): in
+  // the bucket's fp32 gradients, consumed by the optimizer step before this gather, or fp8_comm_.
+  const Tensor g = fp8_in_grads_ ? params_.grads_flat().flat_range(bk.begin, bk.numel()) : Tensor();
+  const Tensor region = fp8_in_grads_ ? Tensor(g.data(), DType::kU8, g.device(), {static_cast<int64_t>(g.nbytes())})
+                                      : fp8_comm_.as(DType::kU8, {static_cast<int64_t>(fp8_comm_.bytes())});
+  const int64_t at_stage = fp8_in_grads_ ? (bytes + 15) / 16 * 16 : fp8_comm_gather_;
+  MT_CHECK(at_stage <= region.numel(), "fp8 gather: bucket {} needs {} bytes, has {}", b, bytes, region.numel());
+  const Tensor all = region.flat_range(0, bytes);
+  const Tensor stage = at_stage < region.numel() ? region.flat_range(at_stage, region.numel() - at_stage) : Tensor();
   const Tensor params = params_.params_flat();
   const DType md = params.dtype(), f = fp8_->settings().forward_dtype();
   auto at = [&](const Fp8Piece& p, DType dt) {
@@ -613,7 +681,7 @@ void GradSync::launch_fp8_gather(size_t b, const Stream& stream) {
   };
   for (const Fp8Piece& p : fb.pieces) {  // this rank's part: its owned values, the weights' quantised
     if (p.rank != me) continue;
-    if (p.linear) p.linear->quantize_weight_piece(at(p, f), p.weight_begin, p.n, stream);
+    if (p.linear) p.linear->quantize_weight_piece(at(p, f), fp8_piece_values(p), stage, stream);
     else copy(at(p, md), params.flat_range(p.begin, p.n), stream);
   }
   grp.all_gather(all, all.flat_range(me * fb.segment, fb.segment), stream);
@@ -622,6 +690,22 @@ void GradSync::launch_fp8_gather(size_t b, const Stream& stream) {
     else if (p.rank != me) copy(params.flat_range(p.begin, p.n), at(p, md), stream);
   }
   for (Fp8Linear* l : fb.linears) l->finish_weight_gather(stream);
+}
+
+Tensor GradSync::fp8_piece_values(const Fp8Piece& p) const {
+  if (!p.linear->in_params()) return p.linear->weight_piece(Tensor(), p.weight_begin, p.n);
+  MT_CHECK(params_.main_sharded() && !params_.main_remainders_stored(),
+           "{}: an FP8 weight kept in its parameter storage is gathered from fp32 main parameter shards, but the main "
+           "parameters are {}",
+           p.linear->name(), params_.main_remainders_stored() ? "int16 remainders" : "not sharded");
+  int64_t at = 0;  // the shard holds the owned ranges concatenated in ascending order
+  for (const ParamStore::Range& r : params_.main_shard_ranges()) {
+    if (p.begin >= r.begin && p.begin + p.n <= r.end)
+      return p.linear->weight_piece(params_.main_shard().flat_range(at + p.begin - r.begin, p.n), p.weight_begin, p.n);
+    at += r.end - r.begin;
+  }
+  MT_FAIL("{}: weight piece at flat [{}, {}) outside this rank's main parameter shard", p.linear->name(), p.begin,
+          p.begin + p.n);
 }
 
 std::pair<int64_t, int64_t> GradSync::fp8_gather_bytes() const {
@@ -636,7 +720,7 @@ std::pair<int64_t, int64_t> GradSync::fp8_gather_bytes() const {
 }
 
 void GradSync::sync_model_params(const Stream& stream) {
-  if (!model_params_stale_) return;
+  if (!model_params_stale_ || params_.has_separate_main()) return;
   finish_param_sync(stream);
   for (size_t b = fp8_buckets_.size(); b-- > 0;)
     if (!fp8_buckets_[b].pieces.empty()) launch_model_gather(b, stream);

@@ -208,19 +208,37 @@ class GradSync final : public ParamGradHooks {
   /// quantises nothing for these weights (Fp8Model::weights_gathered); the scale is the whole
   /// weight's: tensorwise from the owned slices' amaxes all-reduced MAX over TP and DP x CP
   /// (on the compute stream, before the gathers), delayed the step's stored scale with the slices'
-  /// amaxes recorded. The model-dtype copies of the FP8 weights then hold only this rank's slice
-  /// up to date until sync_model_params. Nothing with one data-parallel rank (each layer quantises
-  /// its weights). Errors: mt::Error without use_distributed_optimizer.
+  /// amaxes recorded. A weight kept in its bf16 storage (Fp8Linear::in_params) is quantised from
+  /// the fp32 main shard, rounded to bf16 first; otherwise the model-dtype copies of the FP8
+  /// weights hold only this rank's slice up to date until sync_model_params. Without
+  /// overlap_param_gather (and shard_grads) the gathered bytes use the bucket's fp32 gradients,
+  /// which the optimizer step has consumed; else one buffer of the largest bucket. Nothing with one
+  /// data-parallel rank (each layer quantises its weights). Errors: mt::Error without
+  /// use_distributed_optimizer.
   void set_fp8_param_gather(Fp8Model& fp8);
   /// Whether buckets are gathered in FP8 (set_fp8_param_gather with DP > 1 and FP8 weights in a
   /// dense bucket).
   bool fp8_param_gather_active() const { return !fp8_linears_.empty(); }
+  /// Bytes set_fp8_param_gather allocates for a store laid out as `store` (ParamStore::laid_out)
+  /// whose parameters named in `fp8_weights` are the FP8 linears' weights, its dense buckets over
+  /// `ranks` data-parallel ranks, under `config` (the memory estimate): one fp32 amax per gathered
+  /// weight and, with overlap_param_gather or shard_grads, the byte buffer of the largest gathered
+  /// bucket (every rank's part padded to the largest, a multiple of 16 bytes; otherwise the gather
+  /// runs in the bucket's fp32 gradients, which the optimizer step has consumed); 0 when nothing is
+  /// gathered in FP8 (ranks < 2, no FP8 weight in a dense bucket).
+  /// stage_per_element: the bytes a gathered weight's piece is staged in per element
+  /// (Fp8Linear::piece_stage_bytes: 2 for weights kept in their bf16 storage, else 0), after the
+  /// buffer's gathered bytes (the gradients' free part without a buffer).
+  static int64_t fp8_param_gather_bytes(const ParamStore& store, const std::vector<std::string>& fp8_weights, int ranks,
+                                        const DdpConfig& config, int64_t stage_per_element);
   /// Bytes one FP8 parameter all-gather of every bucket moves into each rank (received, own part
   /// included), and what the model-dtype gather of the same buckets moves (tests, logging).
   std::pair<int64_t, int64_t> fp8_gather_bytes() const;
   /// After FP8 gathers: the model-dtype all-gather of the buckets that were gathered in FP8, so
-  /// that every rank's model parameters are whole again (checkpoint saves read them). Waits for
-  /// the gathers in flight first; nothing when no FP8 gather ran since the last call.
+  /// that every rank's model parameters are whole again (checkpoint saves read them: with an fp32
+  /// model they are the main parameters). Waits for the gathers in flight first; nothing when no
+  /// FP8 gather ran since the last call, or when the main parameters are a separate fp32 copy
+  /// (checkpoints read those; the bf16 storage of a weight kept in FP8 holds its FP8 bytes).
   void sync_model_params(const Stream& stream);
   /// Whether the bucket collectives run as copy-engine transfers (DdpConfig::copy_engine and a
   /// DP group that qualifies); why_not_copy_engine() says why not otherwise.
@@ -296,6 +314,9 @@ class GradSync final : public ParamGradHooks {
     int64_t segment = 0;             // bytes per rank
   };
   void plan_fp8_bucket(size_t b, std::vector<std::pair<int64_t, Fp8Linear*>> weights);
+  // The values this rank quantises of piece p (its own): Fp8Linear::weight_piece of the fp32 main
+  // shard's elements for a weight kept in its parameter storage, else of the model parameters.
+  Tensor fp8_piece_values(const Fp8Piece& p) const;
   void fp8_weight_scales(const Stream& stream);
   void launch_fp8_gather(size_t b, const Stream& stream);
   void launch_model_gather(size_t b, const Stream& stream);
@@ -306,6 +327,8 @@ class GradSync final : public ParamGradHooks {
   std::vector<Fp8Linear*> fp8_linears_;  // gathered in FP8, in Fp8Model::linears order
   std::vector<Fp8Bucket> fp8_buckets_;   // per bucket (empty: none gathered in FP8)
   Buffer fp8_comm_, fp8_amax_;           // the gathered bytes (largest bucket), the weights' amaxes
+  bool fp8_in_grads_ = false;            // the gathered bytes in the bucket's fp32 gradients (no fp8_comm_)
+  int64_t fp8_comm_gather_ = 0;          // bytes of fp8_comm_ before the pieces' staging
   bool model_params_stale_ = false;      // FP8 gathers ran since sync_model_params
   DdpConfig config_;
   std::unique_ptr<PeerCopyGroup> peer_copy_;  // copy-engine collectives (null: NCCL / CPU path)

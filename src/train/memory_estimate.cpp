@@ -109,8 +109,12 @@ MemoryEstimate estimate_training_memory(const MemoryEstimateInputs& in) {
   e.parts.push_back({"scratch (temporaries shared by the layers and the loss head)", m.scratch_bytes,
                      "a smaller --micro-batch-size or a larger --tensor-model-parallel-size"});
   e.parts.push_back({"pipeline buffers", m.persistent_bytes - m.fp8_bytes + in.pipeline_grad_bytes, ""});
-  e.parts.push_back({"FP8 weights (w and w^T) and scaling state", m.fp8_bytes,
+  e.parts.push_back({"FP8 weights (w and w^T beside the model weights, or their bf16 staging) and scaling state",
+                     m.fp8_bytes,
                      "--first-last-layers-bf16, or a larger --tensor-model-parallel-size"});
+  if (in.fp8_gather_bytes > 0)
+    e.parts.push_back({"FP8 parameter all-gather buffer (--fp8-param-gather)", in.fp8_gather_bytes,
+                       "a smaller --ddp-bucket-size"});
   if (in.grad_reduce_in_bf16)
     e.parts.push_back({"bf16 gradient reduction buffer", static_cast<size_t>(m.params.largest_bucket) * 2,
                        "a smaller --ddp-bucket-size"});

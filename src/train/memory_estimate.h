@@ -39,6 +39,9 @@ struct MemoryEstimateInputs {
   int param_slots = 0;
   size_t pipeline_grad_bytes = 0;     ///< the pipeline executor's received-gradient buffers
   size_t batch_bytes = 0;             ///< the staged micro-batches on the device
+  /// --fp8-param-gather: the distributed optimizer's FP8 gather buffer and weight amaxes
+  /// (GradSync::fp8_param_gather_bytes)
+  size_t fp8_gather_bytes = 0;
   /// --optimizer muon (optim/muon.h muon_memory): the rank's Muon matrix elements (dense, expert),
   /// which keep one momentum buffer instead of AdamW's two moments, and the Newton-Schulz workspace.
   bool muon = false;

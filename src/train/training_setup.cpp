@@ -9,6 +9,7 @@
 #include "core/host_memory.h"
 #include "core/logging.h"
 #include "data/masks.h"
+#include "model/fp8/fp8_model.h"
 #include "parallel/pipeline/schedules.h"
 #include "parallel/process_groups.h"
 #include "train/megatron_compat.h"
@@ -114,6 +115,15 @@ MemoryEstimate estimate_rank_memory(const ModelSetupOptions& o, const ProcessGro
   for (const PipelinePlan* p : all_plans(s)) grad_buffers = std::max(grad_buffers, p->grad_buffers);
   in.pipeline_grad_bytes = static_cast<size_t>(grad_buffers) * in.model.boundary_bytes;
   in.batch_bytes = o.batch_bytes;
+  if (o.model.fp8 != Fp8Format::kNone && o.model.fp8_param && o.ddp.use_distributed_optimizer) {
+    const int ep = groups.ep ? groups.ep->size() : 1, ep_rank = groups.ep ? groups.ep->rank() : 0;
+    const auto store = ParamStore::laid_out(
+        GPTModel::param_specs(o.model, groups.tp->size(), groups.tp->rank(), s.chunks, ep, ep_rank), o.dtype,
+        param_layout);
+    in.fp8_gather_bytes = static_cast<size_t>(
+        GradSync::fp8_param_gather_bytes(*store, in.model.fp8_weights, groups.dp_cp->size(), o.ddp,
+                                         /*stage_per_element=*/o.model.fp8_weights_in_params ? 2 : 0));
+  }
   if (o.optim.optimizer == "muon") {
     const int ep = groups.ep ? groups.ep->size() : 1, ep_rank = groups.ep ? groups.ep->rank() : 0;
     const int etp = groups.etp ? groups.etp->size() : groups.tp->size();
@@ -285,6 +295,10 @@ ModelSetupOptions pretrain_model_options(const PretrainArgs& args, const Trainin
   o.param_layout = args.param_layout();
   o.ddp = args.ddp_config();
   o.optim = args.optim;
+  // FP8: the weight copies in the bf16 parameters' storage where the fp32 main weights allow it
+  o.model.fp8_weights_in_params =
+      o.model.fp8 != Fp8Format::kNone && Fp8Model::weights_in_params(o.dtype, o.optim.store_param_remainders,
+                                                                      o.ddp.use_distributed_optimizer, o.model.fp8_param);
   o.check_memory = true;
   o.batch_bytes =
       BatchStager::device_bytes(o.num_microbatches, o.micro_batch_size, args.model.seq_length, layout.parallel.cp,

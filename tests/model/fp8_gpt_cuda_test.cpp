@@ -15,11 +15,13 @@
 #include <cmath>
 #include <cstdio>
 #include <memory>
+#include <tuple>
 
 #include "core/cuda_graph.h"
 #include "model/fp8/fp8_model.h"
 #include "model/gpt_model.h"
 #include "ops/elementwise.h"
+#include "ops/optimizer.h"
 #include "testing/testing.h"
 
 namespace mt {
@@ -333,6 +335,81 @@ TEST(Fp8GptCuda, FusedProducersAreBitwise) {
   }
   EXPECT_EQ(fused.fp8()->fused_inputs(), 2 * 3 * c.num_layers);  // qkv, fc1, fc2 of each layer, each step
   EXPECT_EQ(plain.fp8()->fused_inputs(), 0);
+}
+
+// The FP8 weight copies kept in the bytes of the bf16 weights (TransformerConfig::
+// fp8_weights_in_params, docs/fp8.md "Memory"): quantised from the fp32 main parameters rounded to
+// bf16 (staged), they give the run with separate copies beside the bf16 weights bitwise — loss,
+// gradients, FP8 state and main parameters over three AdamW steps (the optimizer kernel writes
+// the bf16 weights into the same bytes, which the next quantisation overwrites), with an evaluation
+// forward between the step and the next training forward (it quantises the weights first) — for
+// every recipe; and the copies are the weights' own storage.
+TEST(Fp8GptCuda, WeightsInParamsAreBitwise) {
+  MT_REQUIRE_CUDA();
+  for (const Fp8Recipe recipe : {Fp8Recipe::kTensorwise, Fp8Recipe::kDelayed, Fp8Recipe::kBlockwise}) {
+    for (const bool llama : {false, true}) {
+      SCOPED_TRACE(std::string(fp8_recipe_name(recipe)) + (llama ? " llama" : " gpt"));
+      TransformerConfig c = fp8_config(recipe, Fp8Format::kHybrid, llama, false);
+      c.deterministic_mode = true;
+      TransformerConfig cs = c;
+      c.fp8_weights_in_params = true;
+      const int64_t b = 2;
+      Stream gs(Device::cuda(0));
+      GPTModel inp(c, b, DType::kBF16, Device::cuda(0), ProcessGroups::single());
+      GPTModel sep(cs, b, DType::kBF16, Device::cuda(0), ProcessGroups::single());
+      inp.params().initialize(testing::test_seed(), gs);
+      sep.params().initialize(testing::test_seed(), gs);
+      int in_storage = 0;
+      for (const Fp8Linear* l : inp.fp8()->linears()) {
+        ASSERT_TRUE(l->in_params());
+        EXPECT_EQ(l->fp8_weight().data(), inp.params().param(l->weight_index()).data()) << l->name();
+        ++in_storage;
+      }
+      EXPECT_EQ(in_storage, 4 * c.num_layers);
+      for (const Fp8Linear* l : sep.fp8()->linears()) EXPECT_FALSE(l->in_params());
+      const int64_t n = inp.params().total_elements();
+      OwnedTensor m1(DType::kF32, Device::cuda(0), {n}), v1(DType::kF32, Device::cuda(0), {n});
+      OwnedTensor m2(DType::kF32, Device::cuda(0), {n}), v2(DType::kF32, Device::cuda(0), {n});
+      for (const Tensor& t : {m1.t, v1.t, m2.t, v2.t}) fill(t, 0.f, gs);
+      OwnedTensor sc(DType::kU8, Device::cuda(0), {static_cast<int64_t>(sizeof(OptimizerScalars))});
+      const auto tok = testing::randint(c.seq_length * b, 0, 500), lab = testing::randint(c.seq_length * b, 0, 500);
+      OwnedTensor gt = testing::make_int_tensor(tok, Device::cuda(0), {c.seq_length, b}, gs);
+      OwnedTensor gl = testing::make_int_tensor(lab, Device::cuda(0), {c.seq_length, b}, gs);
+      const MicroBatch gmb{gt.t, gl.t, Tensor()};
+      OwnedTensor li(DType::kF32, Device::cuda(0), {1}), ls(DType::kF32, Device::cuda(0), {1});
+      for (int it = 0; it < 3; ++it) {
+        SCOPED_TRACE(it);
+        const DropoutContext dc{7, static_cast<uint64_t>(it), 0, true};
+        for (auto [m, loss, ea, eas] : {std::tuple<GPTModel*, Tensor, Tensor, Tensor>{&inp, li.t, m1.t, v1.t},
+                                        {&sep, ls.t, m2.t, v2.t}}) {
+          if (it > 0) {  // an evaluation forward after the optimizer step: it quantises the new weights
+            fill(loss, 0.f, gs);
+            m->forward(gmb, DropoutContext{7, 0, 0, false}, loss, 1.f / 64, gs);
+          }
+          fill(loss, 0.f, gs);
+          m->params().zero_grads(gs);
+          m->forward(gmb, dc, loss, 1.f / 64, gs);
+          m->backward(gmb, dc, 1.f / 64, Tensor(), gs);
+          m->finish_step(gs);
+          OptimizerScalars host;
+          host.step = it;
+          copy_bytes(sc.t.data(), Device::cuda(0), &host, Device::cpu(), sizeof(host), gs);
+          grad_sumsq_accumulate(sc.t, m->params().grads_flat(), gs);
+          optimizer_prepare(sc.t, 1.f, gs);
+          adamw_step(m->params().main_flat(), m->params().grads_flat(), ea, eas, m->params().params_flat(),
+                     AdamWHyper{1e-3f}, sc.t, gs);
+          gs.synchronize();  // `host` goes out of scope
+        }
+        EXPECT_EQ(testing::to_host(li, gs)[0], testing::to_host(ls, gs)[0]) << "loss";
+        const auto gi = testing::to_host(inp.params().grads_flat(), gs);
+        ASSERT_TRUE(testing::all_finite(gi));
+        EXPECT_EQ(gi, testing::to_host(sep.params().grads_flat(), gs)) << "gradients";
+        EXPECT_EQ(fp8_state(inp, c.num_layers, gs), fp8_state(sep, c.num_layers, gs)) << "FP8 state";
+        EXPECT_EQ(testing::to_host(inp.params().main_flat(), gs), testing::to_host(sep.params().main_flat(), gs))
+            << "main parameters";
+      }
+    }
+  }
 }
 
 TEST(Fp8GptCuda, Fp16IsRefused) {

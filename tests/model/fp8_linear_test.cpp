@@ -387,6 +387,144 @@ TEST(Fp8Linear, Fp8GatherEqualsBlockQuantisation) {
                         "decoder.layers.0.test: the FP8 all-gather needs per-tensor scaling");
 }
 
+/// One FP8 linear over a weight [out, in] on the CPU: a bf16 weight with its copies wq / wq_t in the
+/// weight's own storage (in_params), or the reference: an fp32 weight holding the bf16 values, with
+/// separate copies — quantising a bf16 weight is quantising its (exact) fp32 values, which is how the
+/// separate copies of a bf16 run are made (the CPU's ops are fp32).
+struct WeightCopies {
+  WeightCopies(Fp8Recipe recipe, bool in_params, int64_t out_, int64_t in_) : out(out_), in(in_) {
+    cfg.num_layers = 1;
+    cfg.fp8 = Fp8Format::kHybrid;
+    cfg.fp8_recipe = recipe;
+    cfg.fp8_amax_history_len = 2;
+    cfg.fp8_weights_in_params = in_params;
+    model = std::make_unique<Fp8Model>(cfg, ProcessGroups::single());
+    store = std::make_unique<ParamStore>(
+        std::vector<ParamSpec>{column_parallel_weight("decoder.layers.0.test.weight", out, in, 0.02f, 1, 0)},
+        in_params ? DType::kBF16 : DType::kF32, Device::cpu());
+    weight = ParamRef{0, store.get()};
+    lin = model->tp_linear("decoder.layers.0.test", /*row=*/false, &weight, out, in);
+    for (int pass = 0; pass < 2; ++pass) {
+      planner.begin_pass();
+      model->plan(planner);
+      if (pass == 0) planner.materialize();
+    }
+    model->initialize(Device::cpu());
+  }
+  /// New main parameters (fp32 [out·in]): the bf16 weight's are `full` (its storage then holds their
+  /// bf16 rounding, as after an optimizer step), the reference's their bf16 rounding.
+  void set_main(std::vector<float> full) {
+    if (!in_params()) for (float& v : full) v = bf16_bits_to_f32(f32_to_bf16_bits(v));
+    const testing::OwnedTensor t = testing::make_tensor(full, DType::kF32, Device::cpu(), {out * in}, st);
+    store->set_main_from_full(t.t, st);
+  }
+  bool in_params() const { return cfg.fp8_weights_in_params; }
+  /// The bytes [begin, begin + n) of a tensor on the CPU.
+  static std::vector<uint8_t> bytes(const Tensor& t, size_t begin, size_t n) {
+    const uint8_t* p = static_cast<const uint8_t*>(t.data()) + begin;
+    return std::vector<uint8_t>(p, p + n);
+  }
+  std::vector<uint8_t> wq() const { return bytes(lin->fp8_weight(), 0, static_cast<size_t>(out * in)); }
+  std::vector<float> state() const {
+    const auto [f, b] = model->layer_state(0, st);
+    std::vector<float> v = to_host(f, st), w = to_host(b, st);
+    v.insert(v.end(), w.begin(), w.end());
+    return v;
+  }
+  const Stream& st = testing::cpu_stream();
+  TransformerConfig cfg;
+  std::unique_ptr<Fp8Model> model;
+  std::unique_ptr<ParamStore> store;
+  ParamRef weight;
+  std::unique_ptr<Fp8Linear> lin;
+  BufferPlanner planner{Device::cpu(), DType::kF32};
+  int64_t out, in;
+};
+
+// The FP8 weight copies kept in the bytes of the bf16 weight (Fp8Linear::in_params, docs/fp8.md
+// "Memory"): quantised from the fp32 main parameters rounded to bf16, they are bitwise the copies
+// quantised from the bf16 weight — wq, wq_t (the transposed bytes) and the scaling state — for
+// every recipe, initially and after new main parameters overwrote the storage with their bf16
+// rounding (as the optimizer step does); --fp8-param-gather's owned pieces quantised from fp32 main
+// slices (their amaxes rounded to bf16) give the same bytes and scale; with sharded main parameters
+// the freshly loaded bf16 storage is quantised once (an evaluation forward first changes nothing)
+// and an optimizer step that no FP8 gather followed is an error. Negative control: quantising the
+// fp32 values without the bf16 rounding gives other bytes, which the comparison would catch.
+TEST(Fp8Linear, WeightCopiesInParamsEqualSeparateCopies) {
+  const int64_t out = 96, in = 160, n = out * in;
+  for (const Fp8Recipe r : {Fp8Recipe::kTensorwise, Fp8Recipe::kDelayed, Fp8Recipe::kBlockwise}) {
+    SCOPED_TRACE(fp8_recipe_name(r));
+    WeightCopies a(r, true, out, in), b(r, false, out, in);
+    const Stream& st = a.st;
+    ASSERT_TRUE(a.lin->in_params());
+    ASSERT_FALSE(b.lin->in_params());
+    ASSERT_EQ(a.lin->fp8_weight().data(), a.store->param(0).data()) << "wq is the weight's storage";
+    ASSERT_NE(b.lin->fp8_weight().data(), b.store->param(0).data());
+    for (int round = 0; round < 3; ++round) {
+      SCOPED_TRACE(round);
+      const std::vector<float> full = testing::randn(n, 0.02f * (round + 1));
+      a.set_main(full);
+      b.set_main(full);
+      a.model->quantize_weights(0, /*force=*/true, st);
+      b.model->quantize_weights(0, /*force=*/true, st);
+      const std::vector<uint8_t> wq = a.wq();
+      EXPECT_EQ(wq, b.wq()) << "wq";
+      const std::vector<uint8_t> wq_t = WeightCopies::bytes(a.store->param(0), static_cast<size_t>(n),
+                                                             static_cast<size_t>(n));
+      int bad = 0;
+      for (int64_t i = 0; i < out; ++i)
+        for (int64_t k = 0; k < in; ++k)
+          bad += wq_t[static_cast<size_t>(k * out + i)] != wq[static_cast<size_t>(i * in + k)];
+      EXPECT_EQ(bad, 0) << "wq_t, the rest of the storage, is wq transposed";
+      EXPECT_EQ(a.state(), b.state()) << "scaling state";
+      if (r == Fp8Recipe::kTensorwise) {  // negative control: no bf16 rounding
+        const Tensor main = a.store->main(0);
+        testing::OwnedTensor amax(DType::kF32, Device::cpu(), {1}), s(DType::kF32, Device::cpu(), {1}),
+            si(DType::kF32, Device::cpu(), {1}), q(DType::kF8E4M3, Device::cpu(), {out, in});
+        fp8_amax(amax.t, main, st);
+        fp8_scale_from_amax(s.t, si.t, amax.t, DType::kF8E4M3, false, 0.f, st);
+        fp8_quantize(q.t, Tensor(), main, s.t, Tensor(), st);
+        EXPECT_NE(WeightCopies::bytes(q.t, 0, static_cast<size_t>(n)), wq);
+      }
+    }
+    if (r == Fp8Recipe::kBlockwise) continue;  // --fp8-param-gather refuses it
+    // --fp8-param-gather's pieces from fp32 main slices (two ranks' slices of this weight)
+    const int64_t k = 5000;
+    testing::OwnedTensor amax(DType::kF32, Device::cpu(), {2}), q(DType::kF8E4M3, Device::cpu(), {n});
+    const Tensor main = a.store->main(0).view({n});
+    const Tensor p0 = a.lin->weight_piece(main.flat_range(0, k), 0, k),
+                 p1 = a.lin->weight_piece(main.flat_range(k, n - k), k, n - k);
+    a.lin->weight_piece_amax(amax.t.flat_range(0, 1), p0, st);
+    a.lin->weight_piece_amax(amax.t.flat_range(1, 1), p1, st);
+    const std::vector<float> am = to_host(amax.t, st);
+    const testing::OwnedTensor whole =
+        testing::make_tensor({std::max(am[0], am[1])}, DType::kF32, Device::cpu(), {1}, st);
+    a.lin->set_weight_scale(whole.t, st);
+    const testing::OwnedTensor stage(DType::kU8, Device::cpu(), {static_cast<int64_t>(a.lin->piece_stage_bytes(n))});
+    a.lin->quantize_weight_piece(q.t.flat_range(0, k), p0, stage.t, st);
+    a.lin->quantize_weight_piece(q.t.flat_range(k, n - k), p1, stage.t, st);
+    EXPECT_EQ(WeightCopies::bytes(q.t, 0, static_cast<size_t>(n)), b.wq()) << "pieces";
+    if (r == Fp8Recipe::kTensorwise) EXPECT_EQ(a.state(), b.state()) << "the pieces' scale";
+    // sharded main parameters: the loaded bf16 storage is the source, once
+    a.store->shard_main({{0, k}}, st);
+    ASSERT_FALSE(a.lin->main_whole());
+    const std::vector<float> full = testing::randn(n, 0.02f);
+    a.set_main(full);
+    b.set_main(full);
+    a.model->load_state(st);
+    a.model->set_training(false);  // an evaluation forward, then the training forward: quantised once
+    a.model->quantize_weights(0, true, st);
+    a.model->set_training(true);
+    a.model->quantize_weights(0, true, st);
+    b.model->quantize_weights(0, true, st);
+    EXPECT_EQ(a.wq(), b.wq()) << "from the loaded storage";
+    if (r == Fp8Recipe::kDelayed) EXPECT_EQ(a.state(), b.state()) << "the weight's amax recorded once, in the evaluation";
+    a.model->finish_step(st);
+    testing::expect_error([&] { a.model->quantize_weights(0, true, st); },
+                          "was not refilled by the FP8 parameter all-gather");
+  }
+}
+
 // The saved transposed input (ColumnParallelLinear) and the input quantised again in the backward
 // (RowParallelLinear, experts) give the same bytes, hence the same weight gradient, bit for bit.
 TEST(Fp8Linear, SavedInputEqualsRequantizedInput) {

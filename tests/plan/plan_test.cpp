@@ -97,6 +97,13 @@ TEST_F(Plan, MemoryEqualsTheTrainersEstimateAndTheAllocatorOnEveryRank) {
        4},
       // FP8: the weights' FP8 copies, the scaling state, the FP8 saved inputs
       {"--fp8-format hybrid --fp8-recipe delayed --tensor-model-parallel-size 2 --sequence-parallel", 2},
+      {"--fp8-format hybrid --fp8-recipe tensorwise", 1},
+      {"--fp8-format e4m3 --fp8-recipe blockwise", 1},
+      {"--fp8-format hybrid --fp8-recipe tensorwise --use-distributed-optimizer --fp8-param-gather", 2},
+      // the FP8 gather beside the next step: its own buffer (without the overlap it runs in the gradients)
+      {"--fp8-format hybrid --fp8-recipe delayed --use-distributed-optimizer --fp8-param-gather --overlap-grad-reduce "
+       "--overlap-param-gather --ddp-bucket-size 20000",
+       2},
   };
   for (const auto& [extra, world] : layouts) {
     const std::string f = flags("--train-iters 2 --nproc-per-node " + std::to_string(world) + " " + extra);
@@ -238,6 +245,66 @@ TEST_F(Plan, Fp8IsPlannedWithoutTheGpu) {
     if (p.name.find("FP8 weights") != std::string::npos) fp8_bytes = p.bytes;
   EXPECT_GT(fp8_bytes, 0u) << plan.stages[0].memory.summary();
   EXPECT_TRUE(plan.fits);
+}
+
+// FP8 training plans no more memory than bf16 (docs/fp8.md "Memory"): the weights' FP8 copies live
+// in their bf16 storage (only the bf16 staging of the largest weight and the scaling state are
+// added) and the column-parallel linears save FP8 inputs, which outweighs the FP8 scratch of one
+// linear's operands once the model has a few layers. For a GPT and a Llama model (16 layers, hidden
+// 128, 512 tokens a micro-batch), each recipe, one rank and DP 2 with the distributed optimizer and
+// --fp8-param-gather; the FP8 part is below the 2 bytes per linear weight element that separate
+// copies take.
+TEST_F(Plan, Fp8PlansNoMoreMemoryThanBf16) {
+  auto resized = [](std::string f) {
+    for (const auto& [from, to] : {std::pair<std::string, std::string>{"--num-layers 4 ", "--num-layers 16 "},
+                                   {"--hidden-size 32 ", "--hidden-size 128 "},
+                                   {"--seq-length 32 --max-position-embeddings 32 ",
+                                    "--seq-length 256 --max-position-embeddings 256 "}}) {
+      const size_t at = f.find(from);
+      EXPECT_NE(at, std::string::npos) << from;
+      if (at != std::string::npos) f.replace(at, from.size(), to);
+    }
+    return f;
+  };
+  const std::string llama =
+      " --swiglu --ffn-hidden-size 384 --normalization RMSNorm --position-embedding-type rope --disable-bias-linear "
+      "--untie-embeddings-and-output-weights --group-query-attention --num-query-groups 2";
+  const std::vector<std::pair<std::string, std::string>> fp8s = {
+      {"--fp8-format hybrid --fp8-recipe tensorwise", ""},
+      {"--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 16", ""},
+      {"--fp8-format e4m3 --fp8-recipe blockwise", ""},
+      {"--fp8-format hybrid --fp8-recipe tensorwise --fp8-param-gather", " --use-distributed-optimizer"},
+      {"--fp8-format hybrid --fp8-recipe delayed --fp8-param-gather", " --use-distributed-optimizer"}};
+  for (const bool is_llama : {false, true}) {
+    for (const auto& [fp8, dp] : fp8s) {
+      const int world = dp.empty() ? 1 : 2;
+      SCOPED_TRACE(fp8 + (is_llama ? " llama" : " gpt") + dp);
+      auto plan = [&](const std::string& extra) {
+        PlanRequest r;
+        r.args = parse_pretrain_args(resized(flags("--bf16 --train-iters 2 --nproc-per-node " + std::to_string(world) +
+                                                   (is_llama ? llama : std::string()) + dp + " " + extra)));
+        r.world_size = world;
+        r.gpu = "h100";
+        return plan_training(r);
+      };
+      const TrainingPlan bf16 = plan(""), f8 = plan(fp8);
+      ASSERT_EQ(f8.stages.size(), 1u);
+      const MemoryEstimate &b = bf16.stages[0].memory, &f = f8.stages[0].memory;
+      std::string parts;
+      for (const MemoryEstimate* e : {&f, &b})
+        for (const MemoryPart& p : e->parts)
+          parts += (e == &f ? "fp8  " : "bf16 ") + p.name + ": " + std::to_string(p.bytes) + "\n";
+      EXPECT_LE(f.total(), b.total()) << parts;
+      size_t fp8_part = 0;
+      for (const MemoryPart& p : f.parts)
+        if (p.name.find("FP8 weights") != std::string::npos) fp8_part = p.bytes;
+      // the decoder's linear weights: 16 layers x (qkv + proj + fc1 + fc2) elements
+      const int64_t h = 128, ffn = is_llama ? 384 : 4 * h, qkv = is_llama ? h + 2 * 2 * (h / 4) : 3 * h;
+      const size_t linear_weights = static_cast<size_t>(16 * (qkv * h + h * h + (is_llama ? 2 : 1) * ffn * h + ffn * h));
+      EXPECT_GT(fp8_part, 0u);
+      EXPECT_LT(fp8_part, linear_weights / 4) << parts;  // separate copies: 2 · linear_weights
+    }
+  }
 }
 
 // --search: every layout it returns passes the checks; fitting ones come first, by step time.

@@ -1,5 +1,7 @@
 #include "model/fp8/fp8_linear.h"
 
+#include <algorithm>
+
 #include <fmt/ranges.h>
 
 #include "model/fp8/fp8_model.h"
@@ -57,8 +59,9 @@ void reduce_max(Communicator* group, const Tensor& t, const Stream& stream) {
 }  // namespace
 
 Fp8Linear::Fp8Linear(const Fp8Model& model, std::string name, const ParamRef* weight, int64_t out, int64_t in,
-                     Fp8Groups groups)
-    : model_(model), name_(std::move(name)), weight_(weight), out_(out), in_(in), groups_(groups) {
+                     Fp8Groups groups, bool in_params)
+    : model_(model), name_(std::move(name)), weight_(weight), out_(out), in_(in), groups_(groups),
+      in_params_(in_params) {
   MT_REQUIRE(out % kAlign == 0 && in % kAlign == 0,
              "{}: FP8 GEMMs need this rank's weight shard [{}, {}] to have both sizes multiples of 16 (cuBLASLt's FP8 "
              "rule): choose hidden / ffn sizes (divided by the tensor-parallel size) that are",
@@ -125,8 +128,19 @@ void Fp8Linear::plan(BufferPlanner& p, int64_t max_rows, bool save_input, bool v
 
 void Fp8Linear::plan_weights(BufferPlanner& p) {
   const DType f = model_.settings().forward_dtype();
-  wq_ = p.persistent(f, {out_, in_}, "fp8 weight");
-  wq_t_ = p.persistent(f, {in_, out_}, "fp8 transposed weight");
+  if (!in_params_) {
+    wq_ = p.persistent(f, {out_, in_}, "fp8 weight");
+    wq_t_ = p.persistent(f, {in_, out_}, "fp8 transposed weight");
+  } else if (weight_ != nullptr && weight_->bound()) {  // unbound: a measuring pass (memory_plan)
+    const Tensor w = weight_->value();
+    MT_REQUIRE(w.dtype() == DType::kBF16 && w.numel() == out_ * in_,
+               "{}: FP8 weight copies in the parameter storage need a bf16 [{}, {}] weight (2 bytes an element for "
+               "wq and wq_t), got {}",
+               name_, out_, in_, w.str());
+    char* bytes = static_cast<char*>(w.data());  // 128-byte aligned (ParamStore::kAlign); out·in a multiple of 256
+    wq_ = Tensor(bytes, f, w.device(), {out_, in_});
+    wq_t_ = Tensor(bytes + out_ * in_, f, w.device(), {in_, out_});
+  }
   const Fp8Scaling s = weight_scaling();
   if (s != Fp8Scaling::kTensor) {
     wq_s_ = p.persistent(DType::kF32, fp8_scale_shape(s, out_, in_), "fp8 weight scales");
@@ -163,10 +177,18 @@ Fp8Linear::Scratch Fp8Linear::views(int64_t m) const {
   return v;
 }
 
+bool Fp8Linear::main_whole() const {
+  MT_CHECK(weight_ != nullptr && weight_->bound(), "{}: the FP8 weight's parameter is not bound", name_);
+  return weight_->store->has_main_flat();
+}
+
 void Fp8Linear::quantize_weight(bool record, const Stream& st) {
   MT_CHECK(weight_ != nullptr && weight_->bound(), "{}: the FP8 weight is quantised before its parameter is bound",
            name_);
-  const Tensor w = weight_->value();
+  Tensor w = weight_->value();
+  if (in_params_)  // staged: the storage is about to receive the FP8 bytes. The optimizer's rounding of the
+    // fp32 main parameters, or (sharded main) the bf16 weight initialisation or a checkpoint load wrote
+    w = model_.stage_bf16(main_whole() ? weight_->store->main(weight_->index) : w, st).view({out_, in_});
   const DType f = model_.settings().forward_dtype();
   switch (model_.settings().recipe) {
     case Fp8Recipe::kTensorwise:
@@ -189,32 +211,48 @@ size_t Fp8Linear::weight_index() const {
   return weight_->index;
 }
 
-namespace {
-/// The flat elements [begin, begin + n) of w [out, in] as a [1, n] view.
-Tensor weight_piece(const Tensor& w, int64_t begin, int64_t n, const std::string& name) {
-  MT_CHECK(begin >= 0 && n > 0 && begin + n <= w.numel(), "{}: weight piece [{}, {}) outside its {} elements", name,
-           begin, begin + n, w.numel());
-  return w.flat_range(begin, n).view({1, n});
+Tensor Fp8Linear::weight_piece(const Tensor& main, int64_t begin, int64_t n) const {
+  MT_CHECK(begin >= 0 && n > 0 && begin + n <= out_ * in_, "{}: weight piece [{}, {}) outside its {} elements", name_,
+           begin, begin + n, out_ * in_);
+  if (!in_params_) return weight_->value().flat_range(begin, n).view({1, n});
+  MT_CHECK(main.dtype() == DType::kF32 && main.numel() == n, "{}: the main parameters of a weight piece of {} must be "
+           "fp32 [{}], got {}", name_, n, n, main.str());
+  return main.view({1, n});
 }
-}  // namespace
 
-void Fp8Linear::weight_piece_amax(const Tensor& amax, int64_t begin, int64_t n, const Stream& st) const {
-  fp8_amax(amax, weight_piece(weight_->value(), begin, n, name_), st);
+void Fp8Linear::weight_piece_amax(const Tensor& amax, const Tensor& piece, const Stream& st) const {
+  fp8_amax(amax, piece, st);
 }
 
 void Fp8Linear::set_weight_scale(const Tensor& amax, const Stream& st) {
   MT_CHECK(!model_.settings().blockwise(), "{}: --fp8-param-gather with blockwise scaling", name_);
   if (model_.settings().recipe != Fp8Recipe::kTensorwise) return;
   copy(w_.amax, amax, st);
+  if (in_params_) model_.round_to_bf16(w_.amax, st);  // the fp32 values' amax: the rounded values' is its rounding
   fp8_scale_from_amax(w_.scale, w_.scale_inv, w_.amax, model_.settings().forward_dtype(), /*pow2=*/false, 0.f, st);
 }
 
-void Fp8Linear::quantize_weight_piece(const Tensor& q, int64_t begin, int64_t n, const Stream& st) {
+size_t Fp8Linear::piece_stage_bytes(int64_t n) const {
+  return in_params_ ? model_.stage_bytes(std::min(n, kPieceStageChunk)) : 0;
+}
+
+void Fp8Linear::quantize_weight_piece(const Tensor& q, const Tensor& piece, const Tensor& stage, const Stream& st) {
   MT_CHECK(!model_.settings().blockwise(), "{}: --fp8-param-gather with blockwise scaling", name_);
+  const int64_t n = piece.numel();
   MT_CHECK(q.numel() == n && q.dtype() == model_.settings().forward_dtype(), "{}: FP8 piece {} must be {} [{}]",
            name_, q.str(), dtype_name(model_.settings().forward_dtype()), n);
-  fp8_quantize(q.view({1, n}), Tensor(), weight_piece(weight_->value(), begin, n, name_), w_.scale,
-               model_.settings().delayed() ? w_.record : Tensor(), st);
+  const Tensor record = model_.settings().delayed() ? w_.record : Tensor();
+  if (!in_params_) {
+    fp8_quantize(q.view({1, n}), Tensor(), piece.view({1, n}), w_.scale, record, st);
+    return;
+  }
+  // the fp32 main parameters rounded to bf16 (the optimizer's rounding), then quantised, a chunk at a time
+  const Tensor qf = q.view({n}), pf = piece.view({n});
+  for (int64_t at = 0; at < n; at += kPieceStageChunk) {
+    const int64_t c = std::min(kPieceStageChunk, n - at);
+    const Tensor x = model_.stage_bf16(pf.flat_range(at, c), st, stage).view({1, c});
+    fp8_quantize(qf.flat_range(at, c).view({1, c}), Tensor(), x, w_.scale, record, st);
+  }
 }
 
 void Fp8Linear::finish_weight_gather(const Stream& st) { transpose_blocks(wq_t_, wq_, out_, in_, st); }

@@ -72,8 +72,10 @@ class Fp8Linear {
  public:
   /// name: the layer's parameter prefix (for messages); weight: the owner's weight ([out, in],
   /// model dtype; bound before the first quantisation); out, in: this rank's weight shard, both
-  /// multiples of 16. Errors: mt::Error naming the layer and sizes otherwise.
-  Fp8Linear(const Fp8Model& model, std::string name, const ParamRef* weight, int64_t out, int64_t in, Fp8Groups groups);
+  /// multiples of 16. in_params: wq and wq_t live in the bytes of the weight's bf16 storage
+  /// (Fp8Model::weights_in_params; in_params()). Errors: mt::Error naming the layer and sizes otherwise.
+  Fp8Linear(const Fp8Model& model, std::string name, const ParamRef* weight, int64_t out, int64_t in, Fp8Groups groups,
+            bool in_params = false);
   Fp8Linear(const Fp8Linear&) = delete;
   Fp8Linear& operator=(const Fp8Linear&) = delete;
 
@@ -91,8 +93,20 @@ class Fp8Linear {
   void plan(BufferPlanner& planner, int64_t max_rows, bool save_input, bool variable_rows = false,
             int64_t row_blocks = 1);
   /// Persistent: the FP8 weight copies wq [out, in] and wq_t [in, out] (blockwise: with their
-  /// 128x128 scales). Called once per planning pass by Fp8Model::plan.
+  /// 128x128 scales). Called once per planning pass by Fp8Model::plan. in_params: wq and wq_t are
+  /// the weight's own bf16 storage instead (2 bytes an element: wq its first out·in bytes, wq_t the
+  /// rest), bound here once the weight is (nothing planned for them). Errors: mt::Error when such a
+  /// weight is not bf16 [out, in].
   void plan_weights(BufferPlanner& planner);
+  /// wq and wq_t live in the weight's parameter storage, which then holds FP8 bytes once the weight
+  /// is quantised (the optimizer's bf16 write of the weight is overwritten by the next quantisation):
+  /// no bf16 copy of the weight is kept. The weight is quantised from its fp32 main parameters,
+  /// each rounded to bf16 first as the optimizer rounds it (staged in Fp8Model::weight_stage), so
+  /// that the FP8 bytes are those of quantising the bf16 weight (docs/fp8.md "Memory").
+  bool in_params() const { return in_params_; }
+  /// Whether this rank holds the weight's whole fp32 main parameters (not sharded by the
+  /// distributed optimizer, not remainders). Requires the weight bound.
+  bool main_whole() const;
   /// The state views of x, w and dy (Fp8Model::plan).
   void bind_state(const Fp8TensorState& x, const Fp8TensorState& w, const Fp8TensorState& dy);
   /// The bound state views of x, w and dy, and the transposed FP8 weight copy wq_t [in, out]: the
@@ -104,7 +118,8 @@ class Fp8Linear {
 
   /// Quantises the weight into wq and wq_t with this step's scale (tensorwise: from its amax over
   /// the weight's shards; delayed: recorded when `record`). Fp8Model::quantize_weights calls it
-  /// before the layer's first forward of a step.
+  /// before the layer's first forward of a step. in_params: from the fp32 main parameters rounded
+  /// to bf16 (main_whole), else from the bf16 storage (freshly initialised or loaded).
   void quantize_weight(bool record, const Stream& stream);
 
   // --- --fp8-param-gather (per-tensor recipes; optim/grad_sync.h drives these, docs/fp8.md) ---
@@ -112,17 +127,28 @@ class Fp8Linear {
   size_t weight_index() const;
   /// The persistent FP8 weight wq [out, in] that the distributed optimizer's FP8 all-gather fills.
   const Tensor& fp8_weight() const { return wq_; }
-  /// amax (fp32, one element) = max |w| over the flat elements [begin, begin + n) of the weight
-  /// (row-major [out, in], model dtype): this rank's owned slice of it.
-  void weight_piece_amax(const Tensor& amax, int64_t begin, int64_t n, const Stream& stream) const;
+  /// The values this rank quantises of the flat elements [begin, begin + n) of the weight
+  /// (row-major [out, in]), its owned slice: in_params, the fp32 main parameters `main` ([n], this
+  /// rank's shard of them); else the model-dtype weight (main unused).
+  Tensor weight_piece(const Tensor& main, int64_t begin, int64_t n) const;
+  /// amax (fp32, one element) = max |w| over a piece (weight_piece). From fp32 main parameters of
+  /// a bf16 weight it is the amax of the fp32 values: set_weight_scale rounds it to bf16, which
+  /// gives the amax of the rounded values (rounding is monotonic and symmetric).
+  void weight_piece_amax(const Tensor& amax, const Tensor& piece, const Stream& stream) const;
   /// Tensorwise: the weight's amax (fp32, one element: the slices' amaxes all-reduced MAX over the
-  /// weight's DP (x CP) and TP ranks) becomes the state's amax, scale and scale_inv, as
-  /// quantize_weight sets them from the whole weight. Delayed: nothing (the step's stored scale).
+  /// weight's DP (x CP) and TP ranks; in_params rounded to bf16 here) becomes the state's amax,
+  /// scale and scale_inv, as quantize_weight sets them from the whole weight. Delayed: nothing (the
+  /// step's stored scale).
   void set_weight_scale(const Tensor& amax, const Stream& stream);
-  /// q (FP8 [n], the forward dtype) = the flat elements [begin, begin + n) of the weight quantised
-  /// with the weight's scale, the bytes quantize_weight writes there (delayed: their amax recorded
-  /// into the history's row 0, the stage's MAX reduction making it the whole weight's).
-  void quantize_weight_piece(const Tensor& q, int64_t begin, int64_t n, const Stream& stream);
+  /// q (FP8 [n], the forward dtype) = a piece (weight_piece, [n]) quantised with the weight's
+  /// scale, the bytes quantize_weight writes there (in_params: the fp32 values rounded to bf16
+  /// first, staged in `stage`: Fp8Model::stage_bf16; delayed: their amax recorded into the
+  /// history's row 0, the stage's MAX reduction making it the whole weight's).
+  void quantize_weight_piece(const Tensor& q, const Tensor& piece, const Tensor& stage, const Stream& stream);
+  /// Bytes quantize_weight_piece stages for n elements (0 unless in_params): a piece is staged
+  /// kPieceStageChunk elements at a time (per-tensor scales: elementwise, the same bytes).
+  size_t piece_stage_bytes(int64_t n) const;
+  static constexpr int64_t kPieceStageChunk = int64_t{1} << 20;
   /// After the all-gather filled wq: wq_t = wqᵀ from the gathered bytes (per-tensor: the bytes of
   /// quantising wᵀ).
   void finish_weight_gather(const Stream& stream);
@@ -273,6 +299,7 @@ class Fp8Linear {
   int64_t fwd_rows_ = 0, bwd_rows_ = 0;
   bool x_t_ready_ = false, dy_t_ready_ = false, dy_recorded_ = false;
   int64_t fused_inputs_ = 0;
+  bool in_params_ = false;
   std::vector<Saved> saved_;  // per area
   Tensor wq_, wq_t_, wq_s_, wq_t_s_;
   Scratch scratch_;  // planned at max_rows (padded), viewed per call

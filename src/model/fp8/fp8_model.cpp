@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cctype>
 
+#include "ops/elementwise.h"
 #include "ops/fp8.h"
 
 namespace mt {
@@ -58,11 +59,12 @@ int64_t Fp8Model::reserve(int64_t layer, int64_t count) {
 }
 
 std::unique_ptr<Fp8Linear> Fp8Model::make_linear(int64_t layer, int64_t column, std::string name,
-                                                 const ParamRef* weight, int64_t out, int64_t in, Fp8Groups groups) {
+                                                 const ParamRef* weight, int64_t out, int64_t in, Fp8Groups groups,
+                                                 bool dense) {
   LayerEntry& e = entry(layer);
   MT_CHECK(column >= 0 && column < e.columns, "fp8: column {} of layer {} not reserved ({} columns)", column, layer,
            e.columns);
-  auto linear = std::make_unique<Fp8Linear>(*this, std::move(name), weight, out, in, groups);
+  auto linear = std::make_unique<Fp8Linear>(*this, std::move(name), weight, out, in, groups, linear_in_params(dense));
   e.linears.push_back(linear.get());
   e.linear_column.push_back(column);
   e.gathered.push_back(0);
@@ -73,7 +75,8 @@ std::unique_ptr<Fp8Linear> Fp8Model::tp_linear(const std::string& prefix, bool r
                                                int64_t out, int64_t in) {
   const int64_t layer = decoder_layer(prefix);
   if (!layer_on(layer)) return nullptr;
-  return make_linear(layer, reserve(layer, 1), prefix, weight, out, in, row ? row_groups() : column_groups());
+  return make_linear(layer, reserve(layer, 1), prefix, weight, out, in, row ? row_groups() : column_groups(),
+                     /*dense=*/true);
 }
 
 Fp8Groups Fp8Model::column_groups() const {
@@ -96,6 +99,16 @@ void Fp8Model::plan(BufferPlanner& p) {
   for (const LayerEntry& e : layers_) total += rows * 3 * e.columns;
   state_ = p.persistent(DType::kF32, {std::max<int64_t>(kStateStride * total, 1)}, "fp8 scaling state");
   packed_ = p.persistent(DType::kF32, {std::max<int64_t>(total, 1)}, "fp8 scaling state (packed: checkpoints)");
+  int64_t stage = 0;  // the largest weight quantised into its parameter storage
+  for (const LayerEntry& e : layers_)
+    for (const Fp8Linear* l : e.linears)
+      if (l->in_params()) stage = std::max(stage, l->out() * l->in());
+  weight_stage_ = bf16_temp_ = Tensor();
+  act_dtype_ = p.act_dtype();
+  if (stage > 0) {  // in the linears' dyq_t scratch (stage_bf16); the amax rounding's two bytes persistent
+    weight_stage_ = p.scratch("fp8.dyq_t", DType::kU8, {static_cast<int64_t>(stage_bytes(stage))});
+    bf16_temp_ = p.persistent(DType::kBF16, {8}, "fp8 amax bf16 rounding");
+  }
   int64_t off = 0;
   for (LayerEntry& e : layers_) {
     const int64_t n = e.columns, s = kStateStride;
@@ -113,7 +126,39 @@ void Fp8Model::plan(BufferPlanner& p) {
   if (!p.placing()) planned_bytes_ = p.persistent_bytes() - before;
 }
 
+Tensor Fp8Model::stage_bf16(const Tensor& src, const Stream& stream, const Tensor& region) const {
+  const Tensor& r = region.empty() ? weight_stage_ : region;
+  const int64_t n = src.numel();
+  MT_CHECK(n >= 1 && !r.empty() && stage_bytes(n) <= r.nbytes(), "fp8: weight staging of {} elements needs {} bytes, has {}",
+           n, stage_bytes(n), r.empty() ? 0 : r.nbytes());
+  char* base = static_cast<char*>(r.data());
+  const Tensor x = src.view({n});
+  if (act_dtype_ == DType::kBF16) {
+    const Tensor stage(base, DType::kBF16, r.device(), {n});
+    if (x.dtype() == DType::kBF16) copy(stage, x, stream);
+    else cast(stage, x, stream);  // round to nearest even: the optimizer's rounding
+    return stage;
+  }
+  const Tensor stage(base, DType::kF32, r.device(), {n});
+  Tensor b = x;
+  if (x.dtype() != DType::kBF16) {
+    b = Tensor(base + 4 * n, DType::kBF16, r.device(), {n});
+    cast(b, x, stream);
+  }
+  cast(stage, b, stream);  // widened: exact
+  return stage;
+}
+
+void Fp8Model::round_to_bf16(const Tensor& x, const Stream& stream) const {
+  MT_CHECK(x.numel() == 1 && !bf16_temp_.empty(), "fp8: round_to_bf16 of {} (planned: {})", x.str(), bf16_temp_.str());
+  const Tensor b = bf16_temp_.flat_range(0, 1);
+  cast(b, x.view({1}), stream);
+  cast(x.view({1}), b, stream);
+}
+
 void Fp8Model::initialize(Device device) {
+  stepped_ = false;
+  for (LayerEntry& e : layers_) e.storage_fresh = true;
   // scale and scale_inv 1 (padding columns too: never read), amaxes and histories 0
   std::vector<float> host(static_cast<size_t>(state_.numel()), 0.f);
   const int64_t h = history_rows();
@@ -148,9 +193,30 @@ void Fp8Model::repack(bool pack, const Stream& stream) const {
 
 void Fp8Model::quantize_weights(int64_t layer, bool force, const Stream& stream) {
   for (LayerEntry& e : layers_) {
-    if (e.layer != layer || (e.weights_ready && !force)) continue;
-    for (size_t j = 0; j < e.linears.size(); ++j)
-      if (!(weights_gathered_ && e.gathered[j])) e.linears[j]->quantize_weight(training_, stream);
+    if (e.layer != layer) continue;
+    bool consumed = false;
+    for (size_t j = 0; j < e.linears.size(); ++j) {
+      Fp8Linear& l = *e.linears[j];
+      if (weights_gathered_ && e.gathered[j]) continue;  // the FP8 all-gather filled wq and wq_t
+      if (l.in_params() && !l.main_whole()) {
+        // The storage is the only whole copy of the weight: bf16 until its first quantisation, which
+        // every later forward (another micro-batch, an evaluation) reuses; its amax is recorded
+        // whatever the forward, since the training forward after an evaluation skips it.
+        if (!e.storage_fresh) {
+          MT_CHECK(!stepped_,
+                   "fp8: {}'s weight changed in an optimizer step, but its FP8 copy, kept in its parameter storage, "
+                   "was not refilled by the FP8 parameter all-gather (--fp8-param-gather): its main parameters are "
+                   "sharded, so nothing else can quantise it",
+                   l.name());
+          continue;
+        }
+        l.quantize_weight(/*record=*/true, stream);
+        consumed = true;
+      } else if (force || !e.weights_ready) {
+        l.quantize_weight(training_, stream);
+      }
+    }
+    if (consumed) e.storage_fresh = false;
     e.weights_ready = true;
   }
 }
@@ -158,6 +224,12 @@ void Fp8Model::quantize_weights(int64_t layer, bool force, const Stream& stream)
 std::vector<Fp8Linear*> Fp8Model::linears() const {
   std::vector<Fp8Linear*> out;
   for (const LayerEntry& e : layers_) out.insert(out.end(), e.linears.begin(), e.linears.end());
+  return out;
+}
+
+std::vector<std::string> Fp8Model::weight_names() const {
+  std::vector<std::string> out;
+  for (const Fp8Linear* l : linears()) out.push_back(l->name() + ".weight");
   return out;
 }
 
@@ -178,6 +250,7 @@ void Fp8Model::invalidate_weights() {
 }
 
 void Fp8Model::finish_step(const Stream& stream) {
+  stepped_ = true;  // the optimizer step follows
   if (!settings_.delayed() || layers_.empty()) return;
   // The records (history row 0) of every tensor: MAX over the stage's ranks. The other rows are
   // the same on every rank of the stage already, so the whole buffer is reduced in one call each.
@@ -207,6 +280,8 @@ std::vector<std::pair<std::string, Tensor>> Fp8Model::persistent_state(const Str
 
 void Fp8Model::load_state(const Stream& stream) {
   weights_gathered_ = false;  // the loaded parameters: quantised by their next forward
+  stepped_ = false;
+  for (LayerEntry& e : layers_) e.storage_fresh = true;  // set_main_from_full wrote every bf16 weight
   if (settings_.delayed()) repack(/*pack=*/false, stream);
 }
 

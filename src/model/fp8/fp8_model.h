@@ -56,8 +56,11 @@ class Fp8Model {
   int64_t reserve(int64_t layer, int64_t count);
   /// An FP8 linear for column `column` of `layer` (from reserve), registered for the state,
   /// planning and the weights' quantisation; owned by the caller, which must not move it.
+  /// dense: a ColumnParallelLinear / RowParallelLinear (tp_linear); else a MoE expert's, whose
+  /// weights keep the model-dtype gather of the distributed optimizer and so keep their own FP8
+  /// copies when the optimizer shards the main parameters (weights_in_params).
   std::unique_ptr<Fp8Linear> make_linear(int64_t layer, int64_t column, std::string name, const ParamRef* weight,
-                                         int64_t out, int64_t in, Fp8Groups groups);
+                                         int64_t out, int64_t in, Fp8Groups groups, bool dense = false);
   /// The Fp8Linear of a ColumnParallelLinear (row = false) or RowParallelLinear (row = true) with
   /// parameter prefix `prefix` and local weight [out, in], over the model's TP group; nullptr when
   /// that layer runs bf16 (not a decoder layer's, or a bf16 first / last layer).
@@ -70,12 +73,42 @@ class Fp8Model {
   Fp8Groups column_groups() const;
   Fp8Groups row_groups() const;
 
+  /// Whether the FP8 linears keep their weight copies wq, wq_t in the bytes of their bf16 weights'
+  /// storage (TransformerConfig::fp8_weights_in_params; docs/fp8.md "Memory"): a bf16 model whose
+  /// fp32 main parameters are a separate copy (not int16 remainders beside the bf16 ones:
+  /// --use-precision-aware-optimizer), quantised from those main parameters (rounded to bf16 as the
+  /// optimizer rounds them), which every rank holds whole without the distributed optimizer and
+  /// whose owned slices --fp8-param-gather quantises and all-gathers with it. Otherwise (an fp32
+  /// model, remainders, the distributed optimizer without --fp8-param-gather: the whole weight
+  /// exists only as the bf16 all-gather) the copies are separate.
+  static bool weights_in_params(DType model_dtype, bool store_param_remainders, bool distributed_optimizer,
+                                bool fp8_param) {
+    return model_dtype == DType::kBF16 && !store_param_remainders && (!distributed_optimizer || fp8_param);
+  }
+  /// A linear whose weight copies live in its parameter storage (weights_in_params) for a dense
+  /// (tp_linear) or expert weight: the experts keep the model-dtype gather, so only without the
+  /// distributed optimizer (TransformerConfig::fp8_param off under weights_in_params).
+  bool linear_in_params(bool dense) const { return config_.fp8_weights_in_params && (dense || !config_.fp8_param); }
+  /// The bf16 rounding of src (fp32 main parameters, or bf16 values copied as they are; [n]), staged
+  /// in `region` (bytes, at least stage_bytes(n)) for the quantiser of a weight kept in its
+  /// parameter storage (Fp8Linear::in_params): [n] bf16 with bf16 activations (GPU); else (the
+  /// CPU's fp32 ops) the bf16 values widened to fp32 (exact), through a bf16 copy after them.
+  /// Without a region: the scratch planned for the largest in-parameter weight (the key
+  /// "fp8.dyq_t", a backward temporary of the linears, free between layers: the weights are
+  /// quantised before a layer's forward, so no memory is added unless the weight needs more).
+  /// Errors: mt::Error for a region too small.
+  Tensor stage_bf16(const Tensor& src, const Stream& stream, const Tensor& region = Tensor()) const;
+  /// Bytes stage_bf16 needs for n elements: 2 n with bf16 activations, 6 n otherwise.
+  size_t stage_bytes(int64_t n) const { return static_cast<size_t>(n) * (act_dtype_ == DType::kBF16 ? 2 : 6); }
+  /// x (fp32 [1]) rounded to bf16 in place (round to nearest even, as the optimizer rounds).
+  void round_to_bf16(const Tensor& x, const Stream& stream) const;
+
   // --- the model (GPTModel) ---
   /// Persistent: the state buffer (live, strided), its packed checkpoint copy (delayed scaling) and
   /// every linear's FP8 weight copies; binds the linears' state views. Once per planning pass,
   /// outside any area.
   void plan(BufferPlanner& planner);
-  /// Bytes plan() requests (the memory estimate's "fp8 weights and scaling state").
+  /// Bytes plan() requests (the memory estimate's "FP8 weights, staging and scaling state").
   size_t planned_bytes() const { return planned_bytes_; }
   /// After the placing pass: scales 1, amaxes and histories 0. Synchronises a stream of its own.
   void initialize(Device device);
@@ -85,7 +118,12 @@ class Fp8Model {
   bool training() const { return training_; }
   /// Quantises the weights of decoder layer `layer`'s FP8 linears unless already done this step;
   /// force: the step's first forward of the layer (the optimizer changed the weights since).
-  /// Current scaling all-reduces each weight's amax over its shards.
+  /// Current scaling all-reduces each weight's amax over its shards. A weight in its parameter
+  /// storage (Fp8Linear::in_params) is quantised from its whole fp32 main parameters; when those
+  /// are sharded (--fp8-param-gather) the FP8 gather fills it, and only a freshly initialised or
+  /// loaded storage (bf16) is quantised here, once (its amax recorded, delayed scaling, whatever
+  /// the forward: the next forwards skip it). Errors: mt::Error for such a weight that the
+  /// optimizer changed and no FP8 gather filled.
   void quantize_weights(int64_t layer, bool force, const Stream& stream);
   /// Marks every weight for quantisation at its next forward.
   void invalidate_weights();
@@ -93,6 +131,8 @@ class Fp8Model {
   // --- --fp8-param-gather (optim/grad_sync.h: GradSync::set_fp8_param_gather) ---
   /// This rank's FP8 linears, in registration order.
   std::vector<Fp8Linear*> linears() const;
+  /// Their weights' parameter names ("<linear>.weight"), in the same order.
+  std::vector<std::string> weight_names() const;
   /// The weights' amaxes (fp32 [n], one per gathered weight, each the max over this rank's owned
   /// slice): all-reduced MAX over the TP group, then DP x CP — every rank of the stage holds a part
   /// of each weight (docs/fp8.md "Layout invariance"). Collective over the stage.
@@ -142,6 +182,7 @@ class Fp8Model {
     Tensor fwd, bwd;                     // live: [R, kStateStride·2·columns], [R, kStateStride·columns]
     Tensor fwd_packed, bwd_packed;       // [R, 2·columns], [R, columns]: the checkpoint layout
     bool weights_ready = false;
+    bool storage_fresh = true;  // the in-parameter weights' storage holds bf16 (initialise / load)
   };
   LayerEntry& entry(int64_t layer);
   const LayerEntry* find(int64_t layer) const;
@@ -158,6 +199,10 @@ class Fp8Model {
   size_t planned_bytes_ = 0;
   bool training_ = true;
   bool weights_gathered_ = false;
+  bool stepped_ = false;  // finish_step ran since initialize / load_state
+  Tensor weight_stage_;   // scratch bytes: the largest in-parameter weight's staging (stage_bf16)
+  Tensor bf16_temp_;      // bf16 [8]: round_to_bf16
+  DType act_dtype_ = DType::kBF16;
 };
 
 }  // namespace mt
