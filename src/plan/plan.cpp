@@ -5,6 +5,7 @@
 
 #include "core/check.h"
 #include "core/host_memory.h"
+#include "model/variants.h"
 #include "data/data_args.h"
 #include "optim/muon.h"
 #include "parallel/pipeline/schedules.h"
@@ -69,6 +70,14 @@ Resolved resolve(const PlanRequest& req, const GpuSpec& gpu) {
              "--{} needs --gpu h100 or h200; the CPU backend trains in fp32", a.bf16 ? "bf16" : "fp16");
   a.model.vocab_size = data::build_tokenizer(a.data)->vocab_size();
   validate_pretrain_args(a);
+  // --attention-backend auto as the GPU run resolves it (GPTModel): on an H100 / H200 (Hopper) with
+  // a CUDA build that has cuDNN (the build's default where cuDNN is installed, as on the machines of
+  // docs/benchmarks.md), not as this machine's build would — a CPU-only build resolves MLA's head
+  // dim 192 to the unfused attention, whose [b, n, s, s] probabilities the plan then sized
+  // (docs/plan.md "Memory": 8.6 GiB too many for bench/deepseek_v3.sh).
+  if (gpu.is_cuda())
+    a.model.attention_backend = resolve_attention_backend(a.model.attention_backend, a.model.head_dim(),
+                                                          {true, a.dtype(), /*cudnn=*/true, /*hopper=*/true});
   GPTModel::validate_context_parallel(a.model, r.layout.parallel.cp, r.layout.parallel.tp);
   return r;
 }
