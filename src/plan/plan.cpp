@@ -6,8 +6,8 @@
 
 #include "core/check.h"
 #include "core/host_memory.h"
-#include "model/variants.h"
 #include "data/data_args.h"
+#include "model/variants.h"
 #include "optim/muon.h"
 #include "parallel/pipeline/schedules.h"
 #include "parallel/process_groups.h"
@@ -155,12 +155,13 @@ StepPrediction predict_step(const TrainingPlan& p, const PretrainArgs& a, const 
   const double h = static_cast<double>(c.hidden_size), topk = static_cast<double>(c.moe_router_topk);
   const double iter_tokens = static_cast<double>(p.global_batch_size) * static_cast<double>(p.seq_length);
   const double mlp_factor = 6.0 * iter_tokens * h * 2.0 * mlp_activation_kind(c.activation()).flops_factor;
-  const double routed = c.num_moe_experts > 0 ? mlp_factor * static_cast<double>(c.moe_ffn()) * topk : 0;
-  const double shared = c.num_moe_experts > 0 ? mlp_factor * static_cast<double>(c.moe_shared_expert_intermediate_size) : 0;
-  const double mtp_moe = c.num_moe_experts > 0 && c.is_moe_layer(c.num_layers - 1) ? static_cast<double>(c.mtp_num_layers) : 0;
-  const double moe_layer_s =
-      routed / (expert_mlp_tflops(static_cast<double>(c.moe_ffn()) / pc.etp) * 1e12) +
-      (shared > 0 ? shared / (expert_mlp_tflops(static_cast<double>(c.moe_shared_expert_intermediate_size) / pc.tp) * 1e12) : 0);
+  const bool moe = c.num_moe_experts > 0;
+  const double moe_ffn = static_cast<double>(c.moe_ffn());
+  const double shared_ffn = static_cast<double>(c.moe_shared_expert_intermediate_size);
+  const double routed = moe ? mlp_factor * moe_ffn * topk : 0, shared = moe ? mlp_factor * shared_ffn : 0;
+  const double mtp_moe = moe && c.is_moe_layer(c.num_layers - 1) ? static_cast<double>(c.mtp_num_layers) : 0;
+  const double moe_layer_s = routed / (expert_mlp_tflops(moe_ffn / pc.etp) * 1e12) +
+                             (shared > 0 ? shared / (expert_mlp_tflops(shared_ffn / pc.tp) * 1e12) : 0);
   const double dense_head = head - mtp_moe * (routed + shared);
   const double per_layer =
       (p.flops_per_iteration - head - static_cast<double>(c.num_moe_layers()) * (routed + shared)) /
@@ -183,8 +184,7 @@ StepPrediction predict_step(const TrainingPlan& p, const PretrainArgs& a, const 
   const double ep_layer = 4 * collective_s(ep_bytes, pc.ep, 1, group_gbps(g, pc.ep, pc.tp * pc.cp), lat);
   const double stage_gpus = world / pc.pp;
   // one MoE layer's token passes per micro-batch: this rank's tokens (1/tp of them with SP) times top-k rows
-  const double token_pass_s =
-      c.num_moe_experts > 0 ? kMoeTokenPasses * tokens / pc.tp * topk * h * act / (g.hbm_gbps * 1e9) : 0;
+  const double token_pass_s = moe ? kMoeTokenPasses * tokens / pc.tp * topk * h * act / (g.hbm_gbps * 1e9) : 0;
   double slowest = -1;
   for (const StageWork& s : stages) {
     const double moe_layers = static_cast<double>(s.moe_layers) + (s.has_loss ? mtp_moe : 0);
