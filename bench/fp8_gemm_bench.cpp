@@ -15,7 +15,11 @@
 // cast + transpose kernels). Then the quantisation kernels (ops/fp8.h) on each activation and
 // weight shape from bf16: amax, tensorwise cast + transpose, blockwise 1x128 and 128x128 cast +
 // transpose, and a device-to-device copy of the bf16 tensor for the memory roof; GB/s counts the
-// bytes each kernel must move (read bf16, write FP8 and its transpose, and the scales).
+// bytes each kernel must move (read bf16, write FP8 and its transpose, and the scales). Last, the
+// per-step quantisation of the weights kept in their bf16 storage from the fp32 main parameters
+// (Fp8Linear::quantize_weight) at each weight shape: staged as before (cast to bf16, then the bf16
+// cast + transpose: 6 + 4 bytes an element) against fp8_quantize_bf16_rounded (6 bytes), and the
+// fp32 amax current scaling adds (4 bytes).
 // Times: median over --iters of CUDA events around one call, after 3 warm-ups.
 #include <fmt/format.h>
 
@@ -199,6 +203,35 @@ void bench_quantisers(const std::vector<std::pair<int64_t, int64_t>>& shapes, in
   }
 }
 
+/// The weights kept in their bf16 storage, quantised from fp32 main parameters [rows, cols] each
+/// step: staged (cast to bf16, then cast + transpose of the bf16) against the fused
+/// fp8_quantize_bf16_rounded, and current scaling's fp32 amax; GB/s of the bytes each moves.
+void bench_weight_quantisers(const std::vector<std::pair<int64_t, int64_t>>& shapes, int iters, const Stream& st) {
+  const Device dev = st.device();
+  fmt::print("\nweight quantisation from fp32 main parameters (GB/s of the bytes moved; ms)\n");
+  fmt::print("{:>6} {:>6} | {:>16} | {:>16} | {:>16} | {:>16}\n", "rows", "cols", "cast to bf16", "staged cast+T",
+             "fused cast+T", "fp32 amax");
+  Dev amax(DType::kF32, {1}, dev), scale(DType::kF32, {1}, dev);
+  fill(scale, 64.f, st);
+  for (const auto& [rows, cols] : shapes) {
+    const double e = static_cast<double>(rows) * cols;
+    Dev main(DType::kF32, {rows, cols}, dev), stage(DType::kBF16, {rows, cols}, dev);
+    init_normal(main, 0.02f, 13, 1, ShardBox::whole({rows, cols}), st);
+    Quantised tw(rows, cols, DType::kF8E4M3, Fp8Scaling::kTensor, dev);
+    const double t_stage = time_ms(st, iters, [&] { cast(stage, main, st); });
+    const double t_staged = time_ms(st, iters, [&] {
+      cast(stage, main, st);
+      fp8_quantize(tw.q, tw.qt, stage, scale, Tensor(), st);
+    });
+    const double t_fused =
+        time_ms(st, iters, [&] { fp8_quantize_bf16_rounded(tw.q, tw.qt, main, scale, Tensor(), st); });
+    const double t_amax = time_ms(st, iters, [&] { fp8_amax(amax, main, st); });
+    auto c = [](double bytes, double ms) { return fmt::format("{:>7.0f} {:>8.4f}", bytes / ms * 1e-6, ms); };
+    fmt::print("{:>6} {:>6} | {} | {} | {} | {}\n", rows, cols, c(6 * e, t_stage), c(10 * e, t_staged),
+               c(6 * e, t_fused), c(4 * e, t_amax));
+  }
+}
+
 int bench_main(int argc, char** argv) {
   int iters = 20;
   std::string which = "all";
@@ -219,7 +252,7 @@ int bench_main(int argc, char** argv) {
   MT_CHECK(cuda_available(), "fp8_gemm_bench needs a CUDA device");
   const Stream st(Device::cuda(0));
   fmt::print("fp8_gemm_bench on {}: median of {} runs\n", st.device().str(), iters);
-  std::vector<std::pair<int64_t, int64_t>> qshapes;
+  std::vector<std::pair<int64_t, int64_t>> qshapes, wshapes;
   bool found = false;
   for (const Model& m : kModels) {
     if (which != "all" && which != m.name) continue;
@@ -230,10 +263,13 @@ int bench_main(int argc, char** argv) {
       for (std::pair<int64_t, int64_t> s : {std::pair{T, l.k}, std::pair{l.n, l.k}}) {  // activation x, weight
         if (std::find(qshapes.begin(), qshapes.end(), s) == qshapes.end()) qshapes.push_back(s);
       }
+      const std::pair<int64_t, int64_t> w{l.n, l.k};
+      if (std::find(wshapes.begin(), wshapes.end(), w) == wshapes.end()) wshapes.push_back(w);
     }
   }
   MT_CHECK(found, "--model {}: expected gpt2, llama_1b, llama_7b or all", which);
   bench_quantisers(qshapes, iters, st);
+  bench_weight_quantisers(wshapes, iters, st);
   return 0;
 }
 

@@ -117,6 +117,17 @@ void fp8_quantize(const Tensor& q, const Tensor& q_t, const Tensor& x, const Ten
   MT_DISPATCH(x.device(), fp8_quantize, q, q_t, x, scale, amax, stream);
 }
 
+void fp8_quantize_bf16_rounded(const Tensor& q, const Tensor& q_t, const Tensor& x, const Tensor& scale,
+                               const Tensor& amax, const Stream& stream) {
+  const char* fn = "fp8_quantize_bf16_rounded";
+  MT_CHECK(x.dtype() == DType::kF32, "{}: x must be fp32 (the values rounded to bf16), got {}", fn, x.str());
+  check_quantize_io(q, q_t, x, fn);
+  op_checks::check_fp8_scale_amax(scale, amax, fn);
+  check_same_device({&q, &q_t, &x, &scale, &amax});
+  op_checks::check_stream(stream, x, fn);
+  MT_DISPATCH(x.device(), fp8_quantize_bf16_rounded, q, q_t, x, scale, amax, stream);
+}
+
 void fp8_quantize_blockwise(const Tensor& q, const Tensor& q_scale_inv, const Tensor& q_t, const Tensor& q_t_scale_inv,
                             const Tensor& x, Fp8Scaling scaling, bool pow2, const Stream& stream) {
   const char* fn = "fp8_quantize_blockwise";

@@ -68,6 +68,18 @@ void fp8_delayed_scale_update(const Tensor& amax_history, const Tensor& scale, c
 void fp8_quantize(const Tensor& q, const Tensor& q_t, const Tensor& x, const Tensor& scale, const Tensor& amax,
                   const Stream& stream);
 
+/// fp8_quantize of the bf16 rounding of fp32 values, in one pass: each element of x is rounded to
+/// bf16 (nearest even, as the optimizer rounds the fp32 main parameters into bf16 weights) before
+/// it is scaled, so q, q_t and the amax record are bit for bit those of fp8_quantize(q, q_t,
+/// bf16(x), scale, amax) — without the bf16 copy (docs/fp8.md "Memory": the FP8 weight copies kept
+/// in the bf16 weights' storage are quantised from the fp32 main parameters). Current scaling
+/// takes its scale from fp8_amax(x) rounded to bf16: rounding is monotonic and symmetric, so that
+/// is the amax of the rounded values. x: fp32 [..., cols] viewed as [rows, cols], contiguous, on
+/// either backend; q, q_t, scale, amax as fp8_quantize. Errors: mt::Error as fp8_quantize, and for
+/// a non-fp32 x.
+void fp8_quantize_bf16_rounded(const Tensor& q, const Tensor& q_t, const Tensor& x, const Tensor& scale,
+                               const Tensor& amax, const Stream& stream);
+
 /// Blockwise quantisation (Megatron's --fp8-recipe blockwise; TE's Float8BlockScaling, DeepSeek-V3
 /// style) with the scales computed from each block's amax in the same pass: for every block B of
 /// x [rows, cols] (`scaling` kBlock1x128: 1 row x 128 columns; kBlock128x128: 128 x 128; ragged
@@ -100,6 +112,7 @@ MT_OP_BACKENDS(fp8_amax)
 MT_OP_BACKENDS(fp8_scale_from_amax)
 MT_OP_BACKENDS(fp8_delayed_scale_update)
 MT_OP_BACKENDS(fp8_quantize)
+MT_OP_BACKENDS(fp8_quantize_bf16_rounded)
 MT_OP_BACKENDS(fp8_quantize_blockwise)
 MT_OP_BACKENDS(fp8_dequantize)
 

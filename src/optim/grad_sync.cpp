@@ -556,10 +556,7 @@ void GradSync::set_fp8_param_gather(Fp8Model& fp8) {
   }
   if (fp8_linears_.empty()) return;
   fp8_in_grads_ = fp8_gather_in_grads(config_);
-  size_t stage = 0;  // the widest gathered weight's staging (a piece is at most the weight)
-  for (const Fp8Linear* l : fp8_linears_) stage = std::max(stage, l->piece_stage_bytes(l->out() * l->in()));
-  fp8_comm_gather_ = (largest + 15) / 16 * 16;
-  if (!fp8_in_grads_) fp8_comm_ = Buffer(params_.device(), static_cast<size_t>(fp8_comm_gather_) + stage);
+  if (!fp8_in_grads_) fp8_comm_ = Buffer(params_.device(), static_cast<size_t>((largest + 15) / 16 * 16));
   fp8_amax_ = Buffer(params_.device(), fp8_linears_.size() * sizeof(float));
 }
 
@@ -583,15 +580,14 @@ int64_t fp8_segment_bytes(int64_t begin, int64_t numel, int ranks, int64_t es,
 }  // namespace
 
 int64_t GradSync::fp8_param_gather_bytes(const ParamStore& store, const std::vector<std::string>& fp8_weights,
-                                         int ranks, const DdpConfig& config, int64_t stage_per_element) {
+                                         int ranks, const DdpConfig& config) {
   if (ranks < 2) return 0;
   std::vector<std::vector<std::pair<int64_t, int64_t>>> weights(store.buckets().size());
-  int64_t gathered = 0, largest = 0, widest = 0;
+  int64_t gathered = 0, largest = 0;
   for (const std::string& name : fp8_weights) {
     const size_t i = store.find(name);
     if (i == ParamStore::kNoParam || store.buckets()[store.bucket_of(i)].expert) continue;
     weights[store.bucket_of(i)].emplace_back(store.info(i).offset, store.info(i).numel);
-    widest = std::max(widest, store.info(i).numel);
     ++gathered;
   }
   const int64_t es = static_cast<int64_t>(dtype_size(store.model_dtype()));
@@ -602,7 +598,7 @@ int64_t GradSync::fp8_param_gather_bytes(const ParamStore& store, const std::vec
     largest = std::max(largest, fp8_segment_bytes(bk.begin, bk.numel(), ranks, es, weights[b]) * ranks);
   }
   if (gathered == 0) return 0;
-  const int64_t comm = (largest + 15) / 16 * 16 + stage_per_element * std::min(widest, Fp8Linear::kPieceStageChunk);
+  const int64_t comm = (largest + 15) / 16 * 16;
   return (fp8_gather_in_grads(config) ? 0 : comm) + gathered * static_cast<int64_t>(sizeof(float));
 }
 
@@ -663,15 +659,13 @@ void GradSync::launch_fp8_gather(size_t b, const Stream& stream) {
   const Fp8Bucket& fb = fp8_buckets_[b];
   const int me = grp.rank();
   const int64_t bytes = fb.segment * grp.size();
-  // The gathered bytes, then the pieces' bf16 staging (weights kept in their parameter storage): in
-  // the bucket's fp32 gradients, consumed by the optimizer step before this gather, or fp8_comm_.
+  // The gathered bytes: in the bucket's fp32 gradients, consumed by the optimizer step before this
+  // gather, or fp8_comm_.
   const Tensor g = fp8_in_grads_ ? params_.grads_flat().flat_range(bk.begin, bk.numel()) : Tensor();
   const Tensor region = fp8_in_grads_ ? Tensor(g.data(), DType::kU8, g.device(), {static_cast<int64_t>(g.nbytes())})
                                       : fp8_comm_.as(DType::kU8, {static_cast<int64_t>(fp8_comm_.bytes())});
-  const int64_t at_stage = fp8_in_grads_ ? (bytes + 15) / 16 * 16 : fp8_comm_gather_;
-  MT_CHECK(at_stage <= region.numel(), "fp8 gather: bucket {} needs {} bytes, has {}", b, bytes, region.numel());
+  MT_CHECK(bytes <= region.numel(), "fp8 gather: bucket {} needs {} bytes, has {}", b, bytes, region.numel());
   const Tensor all = region.flat_range(0, bytes);
-  const Tensor stage = at_stage < region.numel() ? region.flat_range(at_stage, region.numel() - at_stage) : Tensor();
   const Tensor params = params_.params_flat();
   const DType md = params.dtype(), f = fp8_->settings().forward_dtype();
   auto at = [&](const Fp8Piece& p, DType dt) {
@@ -679,7 +673,7 @@ void GradSync::launch_fp8_gather(size_t b, const Stream& stream) {
   };
   for (const Fp8Piece& p : fb.pieces) {  // this rank's part: its owned values, the weights' quantised
     if (p.rank != me) continue;
-    if (p.linear) p.linear->quantize_weight_piece(at(p, f), fp8_piece_values(p), stage, stream);
+    if (p.linear) p.linear->quantize_weight_piece(at(p, f), fp8_piece_values(p), stream);
     else copy(at(p, md), params.flat_range(p.begin, p.n), stream);
   }
   grp.all_gather(all, all.flat_range(me * fb.segment, fb.segment), stream);

@@ -226,11 +226,8 @@ class GradSync final : public ParamGradHooks {
   /// bucket (every rank's part padded to the largest, a multiple of 16 bytes; otherwise the gather
   /// runs in the bucket's fp32 gradients, which the optimizer step has consumed); 0 when nothing is
   /// gathered in FP8 (ranks < 2, no FP8 weight in a dense bucket).
-  /// stage_per_element: the bytes a gathered weight's piece is staged in per element
-  /// (Fp8Linear::piece_stage_bytes: 2 for weights kept in their bf16 storage, else 0), after the
-  /// buffer's gathered bytes (the gradients' free part without a buffer).
   static int64_t fp8_param_gather_bytes(const ParamStore& store, const std::vector<std::string>& fp8_weights, int ranks,
-                                        const DdpConfig& config, int64_t stage_per_element);
+                                        const DdpConfig& config);
   /// Bytes one FP8 parameter all-gather of every bucket moves into each rank (received, own part
   /// included), and what the model-dtype gather of the same buckets moves (tests, logging).
   std::pair<int64_t, int64_t> fp8_gather_bytes() const;
@@ -328,7 +325,6 @@ class GradSync final : public ParamGradHooks {
   std::vector<Fp8Bucket> fp8_buckets_;   // per bucket (empty: none gathered in FP8)
   Buffer fp8_comm_, fp8_amax_;           // the gathered bytes (largest bucket), the weights' amaxes
   bool fp8_in_grads_ = false;            // the gathered bytes in the bucket's fp32 gradients (no fp8_comm_)
-  int64_t fp8_comm_gather_ = 0;          // bytes of fp8_comm_ before the pieces' staging
   bool model_params_stale_ = false;      // FP8 gathers ran since sync_model_params
   DdpConfig config_;
   std::unique_ptr<PeerCopyGroup> peer_copy_;  // copy-engine collectives (null: NCCL / CPU path)

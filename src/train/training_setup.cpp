@@ -121,8 +121,7 @@ MemoryEstimate estimate_rank_memory(const ModelSetupOptions& o, const ProcessGro
         GPTModel::param_specs(o.model, groups.tp->size(), groups.tp->rank(), s.chunks, ep, ep_rank), o.dtype,
         param_layout);
     in.fp8_gather_bytes = static_cast<size_t>(
-        GradSync::fp8_param_gather_bytes(*store, in.model.fp8_weights, groups.dp_cp->size(), o.ddp,
-                                         /*stage_per_element=*/o.model.fp8_weights_in_params ? 2 : 0));
+        GradSync::fp8_param_gather_bytes(*store, in.model.fp8_weights, groups.dp_cp->size(), o.ddp));
   }
   if (o.optim.optimizer == "muon") {
     const int ep = groups.ep ? groups.ep->size() : 1, ep_rank = groups.ep ? groups.ep->rank() : 0;

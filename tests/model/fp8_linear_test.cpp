@@ -398,6 +398,8 @@ struct WeightCopies {
     cfg.fp8_recipe = recipe;
     cfg.fp8_amax_history_len = 2;
     cfg.fp8_weights_in_params = in_params;
+    // --fp8-param-gather: its sharded main parameters, the storage staged (per-tensor recipes only)
+    cfg.fp8_param = in_params && recipe != Fp8Recipe::kBlockwise;
     model = std::make_unique<Fp8Model>(cfg, ProcessGroups::single());
     store = std::make_unique<ParamStore>(
         std::vector<ParamSpec>{column_parallel_weight("decoder.layers.0.test.weight", out, in, 0.02f, 1, 0)},
@@ -500,9 +502,8 @@ TEST(Fp8Linear, WeightCopiesInParamsEqualSeparateCopies) {
     const testing::OwnedTensor whole =
         testing::make_tensor({std::max(am[0], am[1])}, DType::kF32, Device::cpu(), {1}, st);
     a.lin->set_weight_scale(whole.t, st);
-    const testing::OwnedTensor stage(DType::kU8, Device::cpu(), {static_cast<int64_t>(a.lin->piece_stage_bytes(n))});
-    a.lin->quantize_weight_piece(q.t.flat_range(0, k), p0, stage.t, st);
-    a.lin->quantize_weight_piece(q.t.flat_range(k, n - k), p1, stage.t, st);
+    a.lin->quantize_weight_piece(q.t.flat_range(0, k), p0, st);
+    a.lin->quantize_weight_piece(q.t.flat_range(k, n - k), p1, st);
     EXPECT_EQ(WeightCopies::bytes(q.t, 0, static_cast<size_t>(n)), b.wq()) << "pieces";
     if (r == Fp8Recipe::kTensorwise) EXPECT_EQ(a.state(), b.state()) << "the pieces' scale";
     // sharded main parameters: the loaded bf16 storage is the source, once

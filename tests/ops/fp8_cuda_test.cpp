@@ -2,7 +2,8 @@
 // quantisers are bit-identical to the CPU: the fp32 -> FP8 conversion over every code, the
 // midpoints between codes, signed zeros, subnormals, saturation, infinities and NaNs; amax, current
 // and delayed scales; tensorwise cast + transpose and both blockwise layouts (scales and their
-// padding) at ragged shapes, from fp32, bf16 and fp16 inputs, with aligned and unaligned outputs.
+// padding) at ragged shapes, from fp32, bf16 and fp16 inputs, with aligned and unaligned outputs;
+// the fused fp32 -> bf16 -> FP8 quantiser of the weights kept in their bf16 storage.
 // The FP8 GEMM (cuBLASLt) against the CPU emulation: bit for bit where the products are exact in
 // any accumulation order (small-integer operands, power-of-two scales), within an
 // accumulation-order tolerance on random operands, for every operand-format / scaling / output
@@ -268,6 +269,38 @@ TEST(Fp8Cuda, TensorwiseCastTransposeMatchesCpu) {
           poison_bytes(gq.t, cuda_stream());
           fp8_quantize(gq.t, Tensor(), gx, gs, Tensor(), cuda_stream());
           EXPECT_TRUE(same_bytes(to_bytes(gq.t, cuda_stream()), to_bytes(cq, cpu_stream())));
+        }
+      }
+    }
+  }
+}
+
+// fp8_quantize_bf16_rounded (the weights kept in their bf16 storage, quantised from the fp32 main
+// parameters): the CUDA kernel bit for bit the CPU's at ragged shapes, both formats, tensorwise (amax
+// rounded to bf16, scale, scale_inv, q, q_t) and delayed (the record, q, q_t), on values at and
+// around bf16 ties, NaN, infinities and values that saturate or round to bf16 infinity; and the
+// GPU path it replaced (the fp32 values cast to bf16, then fp8_amax / fp8_quantize of the bf16).
+TEST(Fp8Cuda, Bf16RoundedQuantizeMatchesCpuAndStagedBf16) {
+  MT_REQUIRE_CUDA();
+  const float delayed = 37.5f;
+  for (const auto& [rows, cols] : kShapes) {
+    for (DType t : kFormats) {
+      for (const bool specials : {false, true}) {
+        for (const float* scale : {static_cast<const float*>(nullptr), &delayed}) {
+          if (specials && rows * cols < 12) continue;
+          SCOPED_TRACE(::testing::Message() << rows << "x" << cols << " " << dtype_name(t) << " specials " << specials
+                                            << (scale ? " delayed" : " tensorwise"));
+          const std::vector<float> x = fp8_test::bf16_rounding_values(rows * cols, 3.f, specials);
+          const auto g = fp8_test::quantize_weight_values(x, rows, cols, t, scale, true, kGpu, cuda_stream());
+          for (const auto& want :
+               {fp8_test::quantize_weight_values(x, rows, cols, t, scale, true, kCpu, cpu_stream()),
+                fp8_test::quantize_weight_values(x, rows, cols, t, scale, false, kGpu, cuda_stream())}) {
+            EXPECT_TRUE(same_bits(g.amax, want.amax));
+            EXPECT_TRUE(same_bits(g.scale, want.scale));
+            EXPECT_TRUE(same_bits(g.scale_inv, want.scale_inv));
+            EXPECT_TRUE(same_bytes(g.q, want.q));
+            EXPECT_TRUE(same_bytes(g.q_t, want.q_t));
+          }
         }
       }
     }

@@ -328,6 +328,49 @@ TEST(Fp8Quantize, TensorwiseWithTransposeAndAmaxRecord) {
   }
 }
 
+// fp8_quantize_bf16_rounded (the FP8 weight copies kept in the bf16 weights' storage, quantised
+// from the fp32 main parameters) against the path it replaces — the values cast to bf16 (widened
+// again: the CPU ops are fp32), then fp8_amax / fp8_quantize — bit for bit at ragged shapes, both
+// formats, tensorwise (amax, scale, scale_inv, q, q_t) and delayed (the record, q, q_t), on values
+// at, above and below bf16 ties and with NaN, infinities, values that saturate FP8 and that round to
+// bf16 infinity. Negative control: quantising the fp32 values themselves gives other bytes.
+TEST(Fp8Quantize, Bf16RoundedEqualsStagedBf16) {
+  const Stream& st = cpu_stream();
+  const float delayed = 37.5f;
+  const std::pair<int64_t, int64_t> shapes[] = {{37, 53}, {130, 257}, {1, 1000}, {129, 1}};
+  for (const auto& [rows, cols] : shapes) {
+    for (const DType t : {DType::kF8E4M3, DType::kF8E5M2}) {
+      for (const bool specials : {false, true}) {
+        for (const float* scale : {static_cast<const float*>(nullptr), &delayed}) {
+          SCOPED_TRACE(::testing::Message() << rows << "x" << cols << " " << dtype_name(t) << " specials " << specials
+                                            << (scale ? " delayed" : " tensorwise"));
+          const std::vector<float> x = fp8_test::bf16_rounding_values(rows * cols, 3.f, specials);
+          const auto a = fp8_test::quantize_weight_values(x, rows, cols, t, scale, true, kCpu, st);
+          const auto b = fp8_test::quantize_weight_values(x, rows, cols, t, scale, false, kCpu, st);
+          EXPECT_EQ(a.amax, b.amax);
+          EXPECT_EQ(a.scale, b.scale);
+          EXPECT_EQ(a.scale_inv, b.scale_inv);
+          EXPECT_EQ(a.q, b.q);
+          EXPECT_EQ(a.q_t, b.q_t);
+          if (specials) {
+            EXPECT_EQ(a.q[0], fp8_math::kNaNCode);
+            EXPECT_EQ(a.q[8], t == DType::kF8E4M3 ? 0x7e : 0x7b) << "FLT_MAX: bf16 inf, saturated";
+          }
+          // negative control: the fp32 values quantised with the same scale
+          auto xf = make_tensor(x, DType::kF32, kCpu, {rows, cols}, st);
+          auto s = make_tensor(a.scale, DType::kF32, kCpu, {1}, st);
+          OwnedTensor q(t, kCpu, {rows, cols});
+          fp8_quantize(q, Tensor(), xf, s, Tensor(), st);
+          const std::vector<uint8_t> raw = to_bytes(q, st);
+          int differ = 0;
+          for (size_t i = 0; i < raw.size(); ++i) differ += raw[i] != a.q[i];
+          if (rows * cols >= 1000) EXPECT_GT(differ, 0) << "no value rounded across an FP8 code through bf16";
+        }
+      }
+    }
+  }
+}
+
 TEST(Fp8Quantize, ScaleShapesAndIndicesHandWorked) {
   EXPECT_EQ(fp8_scale_shape(Fp8Scaling::kTensor, 7, 9), (std::vector<int64_t>{1}));
   EXPECT_EQ(fp8_scale_shape(Fp8Scaling::kBlock1x128, 300, 200), (std::vector<int64_t>{2, 300}));
@@ -655,6 +698,9 @@ TEST(Fp8Errors, QuantizeAndScales) {
   testing::expect_error([&] { fp8_quantize(q, q5t, x, s, Tensor(), st); }, "one FP8 dtype");
   testing::expect_error([&] { fp8_quantize(qi, Tensor(), x, s, Tensor(), st); }, "fp8_e4m3 or fp8_e5m2");
   testing::expect_error([&] { fp8_quantize(q, Tensor(), x, s2, Tensor(), st); }, "scale");
+  OwnedTensor xb(DType::kBF16, kCpu, {6, 10});
+  testing::expect_error([&] { fp8_quantize_bf16_rounded(q, Tensor(), xb, s, Tensor(), st); }, "must be fp32");
+  testing::expect_error([&] { fp8_quantize_bf16_rounded(q, qt_bad, x, s, Tensor(), st); }, "q_t");
   testing::expect_error([&] { fp8_quantize_blockwise(q, s, Tensor(), Tensor(), x, Fp8Scaling::kTensor, true, st); },
                         "1x128 or 128x128");
   testing::expect_error([&] { fp8_quantize_blockwise(q, s, Tensor(), Tensor(), x, Fp8Scaling::kBlock1x128, true, st); },

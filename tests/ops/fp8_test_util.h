@@ -2,12 +2,14 @@
 // device, random FP8 operands, the float64 reference of a scaled FP8 GEMM and its fp32
 // accumulation bound.
 #pragma once
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <random>
 #include <vector>
 
+#include "ops/elementwise.h"
 #include "ops/fp8.h"
 #include "ops/fp8_matmul.h"
 #include "testing/testing.h"
@@ -122,6 +124,71 @@ inline std::vector<float> random_scales(Fp8Scaling sc, int64_t rows, int64_t k, 
       s[static_cast<size_t>(fp8_math::scale_index(sc, r, c, rows, k))] = draw();
   }
   return s;
+}
+
+/// n fp32 values (normal, std `std`) that exercise the rounding to bf16 before FP8
+/// (fp8_quantize_bf16_rounded): every third one moved onto a bf16 tie (the lower half of its
+/// bits 0x8000: nearest even decides), just above or just below one; with `specials` the first
+/// ones are NaN of either sign, +-inf, -0, a subnormal, values that saturate FP8 (1e6) and that
+/// round to bf16 infinity (FLT_MAX, the tie at bf16's largest value); n >= 12 then.
+inline std::vector<float> bf16_rounding_values(int64_t n, float std, bool specials) {
+  std::vector<float> x = testing::randn(n, std);
+  for (int64_t i = 0; i < n; i += 3) {
+    const uint32_t hi = f32_to_bits(x[static_cast<size_t>(i)]) & 0xffff0000u;
+    const uint32_t off = (i / 3) % 3 == 0 ? 0x8000u : (i / 3) % 3 == 1 ? 0x8001u : 0x7fffu;
+    x[static_cast<size_t>(i)] = bits_to_f32(hi | off);
+  }
+  if (specials) {
+    MT_CHECK(n >= 12, "bf16_rounding_values: {} values leave no room for the 12 specials", n);
+    const float sp[] = {NAN, -NAN, INFINITY, -INFINITY, -0.f, 1e-40f, 1e6f, -1e6f, FLT_MAX, -FLT_MAX,
+                        bits_to_f32(0x7f7f8000u), bits_to_f32(0xff7f7fffu)};
+    for (size_t i = 0; i < 12; ++i) x[i] = sp[i];
+  }
+  return x;
+}
+
+/// What the quantisation of a weight kept in its bf16 parameter storage gives (Fp8Linear::
+/// quantize_weight) for fp32 main values x [rows, cols] on `device`: tensorwise (scale == nullptr:
+/// the amax, all that follows from it, then q and q_t) or delayed (q and q_t with *scale, the amax
+/// recorded into a record holding 0.5). fused: fp8_quantize_bf16_rounded of x (tensorwise: with
+/// fp8_amax of x rounded to bf16); else staged as before it: x cast to bf16 (widened to fp32 again
+/// on the CPU, whose ops are fp32) through fp8_amax and fp8_quantize.
+struct WeightQuant {
+  std::vector<float> amax, scale, scale_inv;  // tensorwise: the state; delayed: the record
+  std::vector<uint8_t> q, q_t;
+};
+inline WeightQuant quantize_weight_values(const std::vector<float>& x, int64_t rows, int64_t cols, DType t,
+                                          const float* scale, bool fused, Device device, const Stream& st) {
+  const OwnedTensor xf = testing::make_tensor(x, DType::kF32, device, {rows, cols}, st);
+  OwnedTensor xb(DType::kBF16, device, {rows, cols}), xw(DType::kF32, device, {rows, cols});
+  Tensor in = xf.t;
+  if (!fused) {
+    cast(xb.t, xf.t, st);
+    in = xb.t;
+    if (device.is_cpu()) {
+      cast(xw.t, xb.t, st);
+      in = xw.t;
+    }
+  }
+  OwnedTensor q(t, device, {rows, cols}), q_t(t, device, {cols, rows}), b1(DType::kBF16, device, {1});
+  poison_bytes(q.t, st);
+  poison_bytes(q_t.t, st);
+  OwnedTensor amax = testing::make_tensor({0.5f}, DType::kF32, device, {1}, st);
+  OwnedTensor s = testing::make_tensor({scale ? *scale : 0.f}, DType::kF32, device, {1}, st);
+  OwnedTensor si = testing::make_tensor({0.f}, DType::kF32, device, {1}, st);
+  if (!scale) {
+    fp8_amax(amax.t, in, st);
+    if (fused) {  // Fp8Model::round_to_bf16
+      cast(b1.t, amax.t, st);
+      cast(amax.t, b1.t, st);
+    }
+    fp8_scale_from_amax(s.t, si.t, amax.t, t, /*pow2=*/false, 0.f, st);
+  }
+  const Tensor record = scale ? amax.t : Tensor();
+  if (fused) fp8_quantize_bf16_rounded(q.t, q_t.t, in, s.t, record, st);
+  else fp8_quantize(q.t, q_t.t, in, s.t, record, st);
+  return {testing::to_host(amax.t, st), testing::to_host(s.t, st), testing::to_host(si.t, st), to_bytes(q.t, st),
+          to_bytes(q_t.t, st)};
 }
 
 }  // namespace mt::fp8_test

@@ -186,19 +186,32 @@ void Fp8Linear::quantize_weight(bool record, const Stream& st) {
   MT_CHECK(weight_ != nullptr && weight_->bound(), "{}: the FP8 weight is quantised before its parameter is bound",
            name_);
   Tensor w = weight_->value();
-  if (in_params_)  // staged: the storage is about to receive the FP8 bytes. The optimizer's rounding of the
-    // fp32 main parameters, or (sharded main) the bf16 weight initialisation or a checkpoint load wrote
-    w = model_.stage_bf16(main_whole() ? weight_->store->main(weight_->index) : w, st).view({out_, in_});
+  // in_params: the storage is about to receive the FP8 bytes. The fp32 main parameters, rounded to
+  // bf16 as the optimizer rounds them into the storage, in the quantiser's pass (rounded); staged:
+  // blockwise (no such quantiser), and the storage itself when the main parameters are sharded (the
+  // bf16 weight initialisation or a checkpoint load wrote it)
+  bool rounded = false;
+  if (in_params_) {
+    const bool main = main_whole();
+    if (main) w = weight_->store->main(weight_->index).view({out_, in_});
+    rounded = main && !model_.settings().blockwise();
+    if (!rounded) w = model_.stage_weight(w, st).view({out_, in_});
+  }
+  const auto quantize = [&](const Tensor& amax) {
+    if (rounded) fp8_quantize_bf16_rounded(wq_, wq_t_, w, w_.scale, amax, st);
+    else fp8_quantize(wq_, wq_t_, w, w_.scale, amax, st);
+  };
   const DType f = model_.settings().forward_dtype();
   switch (model_.settings().recipe) {
     case Fp8Recipe::kTensorwise:
       fp8_amax(w_.amax, w, st);
       reduce_max(groups_.w, w_.amax, st);
+      if (rounded) model_.round_to_bf16(w_.amax, st);  // the rounded values' amax (rounding is monotonic)
       fp8_scale_from_amax(w_.scale, w_.scale_inv, w_.amax, f, /*pow2=*/false, 0.f, st);
-      fp8_quantize(wq_, wq_t_, w, w_.scale, Tensor(), st);
+      quantize(Tensor());
       break;
     case Fp8Recipe::kDelayed:
-      fp8_quantize(wq_, wq_t_, w, w_.scale, record ? w_.record : Tensor(), st);
+      quantize(record ? w_.record : Tensor());
       break;
     case Fp8Recipe::kBlockwise:
       fp8_quantize_blockwise(wq_, wq_s_, wq_t_, wq_t_s_, w, Fp8Scaling::kBlock128x128, /*pow2=*/true, st);
@@ -232,27 +245,26 @@ void Fp8Linear::set_weight_scale(const Tensor& amax, const Stream& st) {
   fp8_scale_from_amax(w_.scale, w_.scale_inv, w_.amax, model_.settings().forward_dtype(), /*pow2=*/false, 0.f, st);
 }
 
-size_t Fp8Linear::piece_stage_bytes(int64_t n) const {
-  return in_params_ ? model_.stage_bytes(std::min(n, kPieceStageChunk)) : 0;
-}
-
-void Fp8Linear::quantize_weight_piece(const Tensor& q, const Tensor& piece, const Tensor& stage, const Stream& st) {
+void Fp8Linear::quantize_weight_piece(const Tensor& q, const Tensor& piece, const Stream& st) {
   MT_CHECK(!model_.settings().blockwise(), "{}: --fp8-param-gather with blockwise scaling", name_);
   const int64_t n = piece.numel();
   MT_CHECK(q.numel() == n && q.dtype() == model_.settings().forward_dtype(), "{}: FP8 piece {} must be {} [{}]",
            name_, q.str(), dtype_name(model_.settings().forward_dtype()), n);
   const Tensor record = model_.settings().delayed() ? w_.record : Tensor();
-  if (!in_params_) {
-    fp8_quantize(q.view({1, n}), Tensor(), piece.view({1, n}), w_.scale, record, st);
-    return;
-  }
-  // the fp32 main parameters rounded to bf16 (the optimizer's rounding), then quantised, a chunk at a time
+  // Elementwise (one scale): as [n / kWidth, kWidth] and the rest as one row, which fills the
+  // quantiser's 128 x 128 tiles ([1, n] would leave 127 of their 128 rows empty). in_params: the fp32
+  // main parameters rounded to bf16 (the optimizer's rounding) in the quantiser's pass.
+  constexpr int64_t kWidth = 1024;
   const Tensor qf = q.view({n}), pf = piece.view({n});
-  for (int64_t at = 0; at < n; at += kPieceStageChunk) {
-    const int64_t c = std::min(kPieceStageChunk, n - at);
-    const Tensor x = model_.stage_bf16(pf.flat_range(at, c), st, stage).view({1, c});
-    fp8_quantize(qf.flat_range(at, c).view({1, c}), Tensor(), x, w_.scale, record, st);
-  }
+  const auto part = [&](int64_t at, int64_t len, int64_t cols) {
+    if (len == 0) return;
+    const Tensor qp = qf.flat_range(at, len).view({len / cols, cols}), xp = pf.flat_range(at, len).view(qp.shape());
+    if (in_params_) fp8_quantize_bf16_rounded(qp, Tensor(), xp, w_.scale, record, st);
+    else fp8_quantize(qp, Tensor(), xp, w_.scale, record, st);
+  };
+  const int64_t body = n / kWidth * kWidth;
+  part(0, body, kWidth);
+  part(body, n - body, n - body);
 }
 
 void Fp8Linear::finish_weight_gather(const Stream& st) { transpose_blocks(wq_t_, wq_, out_, in_, st); }

@@ -119,7 +119,8 @@ class Fp8Linear {
   /// Quantises the weight into wq and wq_t with this step's scale (tensorwise: from its amax over
   /// the weight's shards; delayed: recorded when `record`). Fp8Model::quantize_weights calls it
   /// before the layer's first forward of a step. in_params: from the fp32 main parameters rounded
-  /// to bf16 (main_whole), else from the bf16 storage (freshly initialised or loaded).
+  /// to bf16 (main_whole; fp8_quantize_bf16_rounded, blockwise staged: Fp8Model::stage_weight), else
+  /// from a staged copy of the bf16 storage (freshly initialised or loaded).
   void quantize_weight(bool record, const Stream& stream);
 
   // --- --fp8-param-gather (per-tensor recipes; optim/grad_sync.h drives these, docs/fp8.md) ---
@@ -141,14 +142,10 @@ class Fp8Linear {
   /// step's stored scale).
   void set_weight_scale(const Tensor& amax, const Stream& stream);
   /// q (FP8 [n], the forward dtype) = a piece (weight_piece, [n]) quantised with the weight's
-  /// scale, the bytes quantize_weight writes there (in_params: the fp32 values rounded to bf16
-  /// first, staged in `stage`: Fp8Model::stage_bf16; delayed: their amax recorded into the
+  /// scale, the bytes quantize_weight writes there (in_params: the fp32 values rounded to bf16 in
+  /// the quantiser's pass, fp8_quantize_bf16_rounded; delayed: their amax recorded into the
   /// history's row 0, the stage's MAX reduction making it the whole weight's).
-  void quantize_weight_piece(const Tensor& q, const Tensor& piece, const Tensor& stage, const Stream& stream);
-  /// Bytes quantize_weight_piece stages for n elements (0 unless in_params): a piece is staged
-  /// kPieceStageChunk elements at a time (per-tensor scales: elementwise, the same bytes).
-  size_t piece_stage_bytes(int64_t n) const;
-  static constexpr int64_t kPieceStageChunk = int64_t{1} << 20;
+  void quantize_weight_piece(const Tensor& q, const Tensor& piece, const Stream& stream);
   /// After the all-gather filled wq: wq_t = wqᵀ from the gathered bytes (per-tensor: the bytes of
   /// quantising wᵀ).
   void finish_weight_gather(const Stream& stream);

@@ -99,16 +99,20 @@ void Fp8Model::plan(BufferPlanner& p) {
   for (const LayerEntry& e : layers_) total += rows * 3 * e.columns;
   state_ = p.persistent(DType::kF32, {std::max<int64_t>(kStateStride * total, 1)}, "fp8 scaling state");
   packed_ = p.persistent(DType::kF32, {std::max<int64_t>(total, 1)}, "fp8 scaling state (packed: checkpoints)");
-  int64_t stage = 0;  // the largest weight quantised into its parameter storage
+  // The weights kept in their parameter storage: the amax rounding's two bytes persistent; staged
+  // (stage_weight) in the linears' dyq_t scratch: blockwise, and the sharded main parameters of
+  // --fp8-param-gather (the others quantise their fp32 main parameters: fp8_quantize_bf16_rounded)
+  bool in_params = false;
+  int64_t stage = 0;
   for (const LayerEntry& e : layers_)
-    for (const Fp8Linear* l : e.linears)
-      if (l->in_params()) stage = std::max(stage, l->out() * l->in());
+    for (const Fp8Linear* l : e.linears) {
+      in_params = in_params || l->in_params();
+      if (l->in_params() && (settings_.blockwise() || config_.fp8_param)) stage = std::max(stage, l->out() * l->in());
+    }
   weight_stage_ = bf16_temp_ = Tensor();
   act_dtype_ = p.act_dtype();
-  if (stage > 0) {  // in the linears' dyq_t scratch (stage_bf16); the amax rounding's two bytes persistent
-    weight_stage_ = p.scratch("fp8.dyq_t", DType::kU8, {static_cast<int64_t>(stage_bytes(stage))});
-    bf16_temp_ = p.persistent(DType::kBF16, {8}, "fp8 amax bf16 rounding");
-  }
+  if (stage > 0) weight_stage_ = p.scratch("fp8.dyq_t", DType::kU8, {static_cast<int64_t>(stage_bytes(stage))});
+  if (in_params) bf16_temp_ = p.persistent(DType::kBF16, {8}, "fp8 amax bf16 rounding");
   int64_t off = 0;
   for (LayerEntry& e : layers_) {
     const int64_t n = e.columns, s = kStateStride;
@@ -126,23 +130,29 @@ void Fp8Model::plan(BufferPlanner& p) {
   if (!p.placing()) planned_bytes_ = p.persistent_bytes() - before;
 }
 
-Tensor Fp8Model::stage_bf16(const Tensor& src, const Stream& stream, const Tensor& region) const {
-  const Tensor& r = region.empty() ? weight_stage_ : region;
+size_t Fp8Model::stage_bytes(int64_t n) const {
+  return static_cast<size_t>(n) * (act_dtype_ == DType::kBF16 ? 2 : 6);  // CPU: the bf16 values, then widened
+}
+
+Tensor Fp8Model::stage_weight(const Tensor& src, const Stream& stream) const {
   const int64_t n = src.numel();
-  MT_CHECK(n >= 1 && !r.empty() && stage_bytes(n) <= r.nbytes(), "fp8: weight staging of {} elements needs {} bytes, has {}",
-           n, stage_bytes(n), r.empty() ? 0 : r.nbytes());
-  char* base = static_cast<char*>(r.data());
+  MT_CHECK(n >= 1 && !weight_stage_.empty() && stage_bytes(n) <= weight_stage_.nbytes(),
+           "fp8: staging a weight of {} elements needs {} bytes, {} planned (staged: blockwise scaling, or sharded "
+           "main parameters under --fp8-param-gather)",
+           n, stage_bytes(n), weight_stage_.empty() ? 0 : weight_stage_.nbytes());
+  char* base = static_cast<char*>(weight_stage_.data());
+  const Device dev = weight_stage_.device();
   const Tensor x = src.view({n});
   if (act_dtype_ == DType::kBF16) {
-    const Tensor stage(base, DType::kBF16, r.device(), {n});
+    const Tensor stage(base, DType::kBF16, dev, {n});
     if (x.dtype() == DType::kBF16) copy(stage, x, stream);
     else cast(stage, x, stream);  // round to nearest even: the optimizer's rounding
     return stage;
   }
-  const Tensor stage(base, DType::kF32, r.device(), {n});
+  const Tensor stage(base, DType::kF32, dev, {n});
   Tensor b = x;
   if (x.dtype() != DType::kBF16) {
-    b = Tensor(base + 4 * n, DType::kBF16, r.device(), {n});
+    b = Tensor(base + 4 * n, DType::kBF16, dev, {n});
     cast(b, x, stream);
   }
   cast(stage, b, stream);  // widened: exact

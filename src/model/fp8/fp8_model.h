@@ -89,17 +89,17 @@ class Fp8Model {
   /// (tp_linear) or expert weight: the experts keep the model-dtype gather, so only without the
   /// distributed optimizer (TransformerConfig::fp8_param off under weights_in_params).
   bool linear_in_params(bool dense) const { return config_.fp8_weights_in_params && (dense || !config_.fp8_param); }
-  /// The bf16 rounding of src (fp32 main parameters, or bf16 values copied as they are; [n]), staged
-  /// in `region` (bytes, at least stage_bytes(n)) for the quantiser of a weight kept in its
-  /// parameter storage (Fp8Linear::in_params): [n] bf16 with bf16 activations (GPU); else (the
-  /// CPU's fp32 ops) the bf16 values widened to fp32 (exact), through a bf16 copy after them.
-  /// Without a region: the scratch planned for the largest in-parameter weight (the key
-  /// "fp8.dyq_t", a backward temporary of the linears, free between layers: the weights are
+  /// A copy of src for the quantiser of a weight kept in its parameter storage (Fp8Linear::in_params)
+  /// when the storage is about to receive its FP8 copies and no fp32 main parameters hold the whole
+  /// weight (sharded by --fp8-param-gather's distributed optimizer: the bf16 storage the weight
+  /// initialisation or a checkpoint load wrote is the source), or (blockwise) the bf16 rounding of
+  /// the fp32 main parameters. src: [n] bf16 (copied as it is) or fp32 (rounded to nearest even, the
+  /// optimizer's rounding); returns [n] bf16 with bf16 activations (GPU), else (the CPU's fp32 ops)
+  /// the bf16 values widened to fp32 (exact). In the scratch planned for the largest such weight (the
+  /// key "fp8.dyq_t", a backward temporary of the linears, free between layers: the weights are
   /// quantised before a layer's forward, so no memory is added unless the weight needs more).
-  /// Errors: mt::Error for a region too small.
-  Tensor stage_bf16(const Tensor& src, const Stream& stream, const Tensor& region = Tensor()) const;
-  /// Bytes stage_bf16 needs for n elements: 2 n with bf16 activations, 6 n otherwise.
-  size_t stage_bytes(int64_t n) const { return static_cast<size_t>(n) * (act_dtype_ == DType::kBF16 ? 2 : 6); }
+  /// Errors: mt::Error for a weight larger than planned, or when nothing was planned.
+  Tensor stage_weight(const Tensor& src, const Stream& stream) const;
   /// x (fp32 [1]) rounded to bf16 in place (round to nearest even, as the optimizer rounds).
   void round_to_bf16(const Tensor& x, const Stream& stream) const;
 
@@ -189,6 +189,8 @@ class Fp8Model {
   Fp8TensorState tensor_state(const Tensor& block, int64_t column) const;
   // Copies the live state into the packed blocks (pack) or back (!pack), through the host.
   void repack(bool pack, const Stream& stream) const;
+  // Bytes stage_weight needs for n elements: 2 n with bf16 activations, 6 n otherwise.
+  size_t stage_bytes(int64_t n) const;
 
   TransformerConfig config_;
   Fp8Settings settings_;
@@ -200,7 +202,7 @@ class Fp8Model {
   bool training_ = true;
   bool weights_gathered_ = false;
   bool stepped_ = false;  // finish_step ran since initialize / load_state
-  Tensor weight_stage_;   // scratch bytes: the largest in-parameter weight's staging (stage_bf16)
+  Tensor weight_stage_;   // scratch bytes: the largest staged in-parameter weight (stage_weight)
   Tensor bf16_temp_;      // bf16 [8]: round_to_bf16
   DType act_dtype_ = DType::kBF16;
 };

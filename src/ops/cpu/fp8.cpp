@@ -14,11 +14,20 @@ namespace {
 using fp8_math::abs_bits_for_max;
 using fp8_math::kBlock;
 
-/// Max of abs_bits_for_max over x[0, n).
+/// An input element as the quantisers read it: as it is, or rounded to bf16 (kRoundBf16:
+/// fp8_quantize_bf16_rounded).
+template <bool kRoundBf16>
+float load(float x) {
+  if constexpr (kRoundBf16) return bf16_bits_to_f32(f32_to_bf16_bits(x));
+  return x;
+}
+
+/// Max of abs_bits_for_max over load<kRoundBf16>(x[i]), i < n.
+template <bool kRoundBf16 = false>
 uint32_t amax_bits(const float* x, int64_t n) {
   uint32_t m = 0;
 #pragma omp parallel for reduction(max : m) schedule(static)
-  for (int64_t i = 0; i < n; ++i) m = std::max(m, abs_bits_for_max(x[i]));
+  for (int64_t i = 0; i < n; ++i) m = std::max(m, abs_bits_for_max(load<kRoundBf16>(x[i])));
   return m;
 }
 
@@ -67,6 +76,31 @@ void require_f32(const Tensor& t, const char* fn, const char* name) {
   MT_CHECK(t.dtype() == DType::kF32, "{}: the CPU backend takes fp32 {}, got {}", fn, name, t.str());
 }
 
+/// Tensorwise cast + transpose of x (fp8_quantize; kRoundBf16: fp8_quantize_bf16_rounded).
+template <bool kRoundBf16>
+void quantize_tensorwise(const Tensor& q, const Tensor& q_t, const Tensor& x, const Tensor& scale,
+                         const Tensor& amax) {
+  const auto [rows, cols] = rows_cols(x);
+  const DType t = q.empty() ? q_t.dtype() : q.dtype();
+  const float s = *scale.data_as<float>();
+  const float* xv = x.data_as<float>();
+  uint8_t* qv = q.empty() ? nullptr : q.data_as<uint8_t>();
+  uint8_t* qt = q_t.empty() ? nullptr : q_t.data_as<uint8_t>();
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      const uint8_t b = fp8_math::quantize_value(t, load<kRoundBf16>(xv[r * cols + c]), s);
+      if (qv) qv[r * cols + c] = b;
+      if (qt) qt[c * rows + r] = b;
+    }
+  }
+  if (!amax.empty()) {
+    float* a = amax.data_as<float>();
+    const uint32_t m = std::max(f32_to_bits(*a), amax_bits<kRoundBf16>(xv, x.numel()));
+    *a = bits_to_f32(m);
+  }
+}
+
 }  // namespace
 
 void fp8_amax(const Tensor& amax, const Tensor& x, const Stream&) {
@@ -98,25 +132,12 @@ void fp8_delayed_scale_update(const Tensor& amax_history, const Tensor& scale, c
 void fp8_quantize(const Tensor& q, const Tensor& q_t, const Tensor& x, const Tensor& scale, const Tensor& amax,
                   const Stream&) {
   require_f32(x, "fp8_quantize", "x");
-  const auto [rows, cols] = rows_cols(x);
-  const DType t = q.empty() ? q_t.dtype() : q.dtype();
-  const float s = *scale.data_as<float>();
-  const float* xv = x.data_as<float>();
-  uint8_t* qv = q.empty() ? nullptr : q.data_as<uint8_t>();
-  uint8_t* qt = q_t.empty() ? nullptr : q_t.data_as<uint8_t>();
-#pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t c = 0; c < cols; ++c) {
-      const uint8_t b = fp8_math::quantize_value(t, xv[r * cols + c], s);
-      if (qv) qv[r * cols + c] = b;
-      if (qt) qt[c * rows + r] = b;
-    }
-  }
-  if (!amax.empty()) {
-    float* a = amax.data_as<float>();
-    const uint32_t m = std::max(f32_to_bits(*a), amax_bits(xv, x.numel()));
-    *a = bits_to_f32(m);
-  }
+  quantize_tensorwise<false>(q, q_t, x, scale, amax);
+}
+
+void fp8_quantize_bf16_rounded(const Tensor& q, const Tensor& q_t, const Tensor& x, const Tensor& scale,
+                               const Tensor& amax, const Stream&) {
+  quantize_tensorwise<true>(q, q_t, x, scale, amax);
 }
 
 void fp8_quantize_blockwise(const Tensor& q, const Tensor& q_scale_inv, const Tensor& q_t, const Tensor& q_t_scale_inv,

@@ -160,7 +160,10 @@ struct TileArgs {
   bool qt_vec;  // q_t rows may be stored 4 bytes at a time (rows % 4 == 0, aligned)
 };
 
-template <typename T, bool kE4M3, Fp8Scaling kMode>
+// T: x's element type; R: the type each element is rounded through when loaded (float: none;
+// __nv_bfloat16: fp8_quantize_bf16_rounded), so that everything after the load — amaxes, scales,
+// bytes — is what the kernel gives for x rounded to R.
+template <typename T, typename R, bool kE4M3, Fp8Scaling kMode>
 __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(TileArgs p) {
   __shared__ __align__(16) uint8_t tq[kBlock][kPitch];  // transposed FP8 bytes
   __shared__ uint32_t red[kWarps][kBlock];              // per-warp column amaxes
@@ -181,7 +184,9 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(TileArgs p) {
 #pragma unroll
   for (int i = 0; i < kRowsPerThread; ++i) {
 #pragma unroll
-    for (int j = 0; j < 4; ++j) v[i][j] = in_range(i, j) ? to_f(x[base + i * rstride + 32 * j]) : 0.f;
+    for (int j = 0; j < 4; ++j) {
+      v[i][j] = in_range(i, j) ? to_f(from_f<R>(to_f(x[base + i * rstride + 32 * j]))) : 0.f;
+    }
   }
 
   float srow[kRowsPerThread] = {};  // the quantisation scale of each held row (for q)
@@ -301,16 +306,25 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(TileArgs p) {
   }
 }
 
+/// The cast + transpose kernel for x's dtype and `fp8`; round_bf16: fp32 x rounded to bf16 on load.
 template <Fp8Scaling kMode>
-void launch_tile(const Tensor& x, TileArgs p, DType fp8, const Stream& stream) {
+void launch_tile(const Tensor& x, TileArgs p, DType fp8, const Stream& stream, bool round_bf16 = false) {
   const int64_t row_tiles = (p.rows + kBlock - 1) / kBlock, col_tiles = (p.cols + kBlock - 1) / kBlock;
   MT_CHECK(row_tiles <= 65535, "fp8 quantize: {} rows exceed the CUDA kernel's 65535 x 128", p.rows);
   p.qt_vec = p.qt && p.rows % 4 == 0 && reinterpret_cast<uintptr_t>(p.qt) % 4 == 0;
   const dim3 grid(static_cast<unsigned>(col_tiles), static_cast<unsigned>(row_tiles));
+  if (round_bf16) {
+    MT_CHECK(x.dtype() == DType::kF32, "fp8 quantize: bf16 rounding of {} (fp32 only)", x.str());
+    dispatch_fp8(fp8, [&](auto e4m3) {
+      quantize_tile_kernel<float, __nv_bfloat16, decltype(e4m3)::value, kMode><<<grid, kThreads, 0, cu(stream)>>>(p);
+      MT_CUDA_CHECK_LAUNCH();
+    });
+    return;
+  }
   dispatch_float(x.dtype(), "fp8 quantize", [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     dispatch_fp8(fp8, [&](auto e4m3) {
-      quantize_tile_kernel<T, decltype(e4m3)::value, kMode><<<grid, kThreads, 0, cu(stream)>>>(p);
+      quantize_tile_kernel<T, float, decltype(e4m3)::value, kMode><<<grid, kThreads, 0, cu(stream)>>>(p);
       MT_CUDA_CHECK_LAUNCH();
     });
   });
@@ -324,6 +338,16 @@ TileArgs tile_args(const Tensor& q, const Tensor& q_t, const Tensor& x) {
   p.q = q.empty() ? nullptr : q.data_as<uint8_t>();
   p.qt = q_t.empty() ? nullptr : q_t.data_as<uint8_t>();
   return p;
+}
+
+/// fp8_quantize (round_bf16: fp8_quantize_bf16_rounded).
+void quantize_tensorwise(const Tensor& q, const Tensor& q_t, const Tensor& x, const Tensor& scale, const Tensor& amax,
+                         const Stream& stream, bool round_bf16) {
+  TileArgs p = tile_args(q, q_t, x);
+  if (p.rows == 0) return;
+  p.scale = scale.data_as<float>();
+  p.amax = amax.empty() ? nullptr : amax.data_as<uint32_t>();
+  launch_tile<Fp8Scaling::kTensor>(x, p, q.empty() ? q_t.dtype() : q.dtype(), stream, round_bf16);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -380,11 +404,12 @@ void fp8_delayed_scale_update(const Tensor& amax_history, const Tensor& scale, c
 
 void fp8_quantize(const Tensor& q, const Tensor& q_t, const Tensor& x, const Tensor& scale, const Tensor& amax,
                   const Stream& stream) {
-  TileArgs p = tile_args(q, q_t, x);
-  if (p.rows == 0) return;
-  p.scale = scale.data_as<float>();
-  p.amax = amax.empty() ? nullptr : amax.data_as<uint32_t>();
-  launch_tile<Fp8Scaling::kTensor>(x, p, q.empty() ? q_t.dtype() : q.dtype(), stream);
+  quantize_tensorwise(q, q_t, x, scale, amax, stream, /*round_bf16=*/false);
+}
+
+void fp8_quantize_bf16_rounded(const Tensor& q, const Tensor& q_t, const Tensor& x, const Tensor& scale,
+                               const Tensor& amax, const Stream& stream) {
+  quantize_tensorwise(q, q_t, x, scale, amax, stream, /*round_bf16=*/true);
 }
 
 void fp8_quantize_blockwise(const Tensor& q, const Tensor& q_scale_inv, const Tensor& q_t, const Tensor& q_t_scale_inv,
