@@ -95,6 +95,10 @@ TEST_F(Plan, MemoryEqualsTheTrainersEstimateAndTheAllocatorOnEveryRank) {
        "--ddp-bucket-size 3000" +
            moe,
        4},
+      // hybrid sharding: 2 instances of 2 ranks, every shard over the instance
+      {"--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --ddp-bucket-size 3000 "
+       "--num-distributed-optimizer-instances 2",
+       4},
       // FP8: the weights' FP8 copies, the scaling state, the FP8 saved inputs
       {"--fp8-format hybrid --fp8-recipe delayed --tensor-model-parallel-size 2 --sequence-parallel", 2},
       {"--fp8-format hybrid --fp8-recipe tensorwise", 1},
