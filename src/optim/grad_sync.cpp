@@ -10,13 +10,6 @@
 #else
 namespace mt {
 
-namespace {
-// The FP8 gather writes its bytes into the bucket's fp32 gradients (consumed by the optimizer step
-// that precedes it on the same stream) unless the gathers overlap the next step, whose
-// zero_grad_buffer and backward write them, or the gradients are staged (shard_grads).
-bool fp8_gather_in_grads(const DdpConfig& c) { return !c.overlap_param_gather && !c.shard_grads; }
-}  // namespace
-
 // Without NCCL there are no copy-engine collectives: peer_copy_ stays null, but its deleter
 // needs a complete type.
 class PeerCopyGroup {};
@@ -26,6 +19,11 @@ class PeerCopyGroup {};
 namespace mt {
 
 namespace {
+
+// The FP8 gather writes its bytes into the bucket's fp32 gradients (consumed by the optimizer step
+// that precedes it on the same stream) unless the gathers overlap the next step, whose
+// zero_grad_buffer and backward write them, or the gradients are staged (shard_grads).
+bool fp8_gather_in_grads(const DdpConfig& c) { return !c.overlap_param_gather && !c.shard_grads; }
 
 int64_t largest_bucket(const std::vector<ParamBucket>& bks) {
   int64_t n = 0;
