@@ -22,6 +22,7 @@
 #   gpt_350m              GPT 350M (24 layers, hidden 1024, 16 heads), micro-batch 16
 #   gpt_1p3b              GPT 1.3B (24 layers, hidden 2048, 16 heads), micro-batch 8
 #   llama_1b              Llama-style 1.2B (16 layers, hidden 2048, GQA 32/8, SwiGLU 8192), micro-batch 4
+#   llama_1b_mb8          the same at micro-batch 8
 #   CONFIG:VARIANT        the same configuration, megatron.cpp with other flags (the reference run,
 #                         the weights and the samples of CONFIG are reused within one invocation):
 #                         norm_act = --recompute-granularity selective --recompute-modules layernorm
@@ -65,8 +66,8 @@ config() {  # sets mt (megatron flags), pt (pytorch flags), mb and loss (1: comp
       mb=8
       mt=(--num-layers 24 --hidden-size 2048 --num-attention-heads 16)
       pt=(--layers 24 --hidden 2048 --heads 16) ;;
-    llama_1b)
-      mb=4
+    llama_1b | llama_1b_mb8)
+      mb=4; [ "$1" = llama_1b_mb8 ] && mb=8
       mt=("${llama[@]}" --num-layers 16 --hidden-size 2048 --num-attention-heads 32 --num-query-groups 8
           --ffn-hidden-size 8192)
       pt=(--arch llama --layers 16 --hidden 2048 --heads 32 --kv-heads 8 --ffn 8192) ;;

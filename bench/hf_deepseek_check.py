@@ -11,9 +11,17 @@ save_pretrained (fp32):
   3. trained: (first configuration) `megatron pretrain --finetune` 3 steps on mock data (the weights,
               the expert biases and the MTP layer move), exported, loaded by transformers: its logits
               against `megatron logits` of the trained checkpoint.
-The dsv2-* configurations (--families v2) are DeepseekV2ForCausalLM: softmax routing ('greedy'; and
-'group_limited_greedy' with top-k = topk_group), routed_scaling_factor 1.5, two shared experts, YaRN
-with mscale = mscale_all_dim (DeepSeek-V2's released configs), no q-lora, tied; steps 1 and 2 only.
+The dsv2-* configurations (--families v2) are DeepseekV2ForCausalLM, steps 1 and 2 only: routed
+scaling factor 1.5, two shared experts, top-2, and one feature at a time on a base model
+(dsv2-base: 'group_limited_greedy' with top-k = topk_group, no q-lora, default RoPE, tied) so that
+a failure names its feature: dsv2+greedy ('greedy' routing), dsv2+q-lora (q_a_proj / q_a_layernorm
+/ q_b_proj), dsv2+yarn (YaRN with mscale = mscale_all_dim = 0.707, DeepSeek-V2's released configs:
+cos and sin unscaled, the softmax by get_mscale(4, 0.707)² = 1.206), dsv2+yarn-ratio (mscale 0.9 /
+mscale_all_dim 0.7: cos and sin scaled too), dsv2+untied (lm_head); dsv2-all has greedy + q-lora +
+YaRN + untied. transformers' DeepseekV2 scales the softmax by get_mscale² only from 5.17
+(huggingface/transformers#47435); megatron.cpp follows that (and DeepSeek's code), so with an older
+transformers the YaRN cases FAIL: the script prints transformers' softmax scale for each YaRN case
+and says which convention it follows. --labels runs a subset (e.g. --labels dsv2+yarn dsv2-all).
 The "+mtp" configuration adds DeepSeek's MTP layer (model.layers.<num_hidden_layers>.{enorm, hnorm,
 eh_proj, shared_head.*, embed_tokens, the layer's own tensors}) to the saved safetensors, as
 DeepSeek's checkpoints hold it (transformers itself drops it); the exported MTP tensors must equal
@@ -29,7 +37,9 @@ smallest gap between a chosen and a rejected expert or group score, from transfo
 printed: below 1e-5 a FAIL may be an fp32 near-tie rather than a mapping error.
 
 usage: python3 bench/hf_deepseek_check.py BUILD/megatron WORKDIR [--devices cpu cuda] [--families v3 v2]
-Prints one line per check, then PASS or FAIL; exit status 1 on any FAIL. About 1 minute.
+                                         [--labels LABEL ...]
+Prints one line per check, then PASS or FAIL; exit status 1 on any FAIL. About 1 minute (v3) plus
+about 1 minute (the seven v2 models).
 """
 import argparse
 import os
@@ -66,14 +76,24 @@ def config(label):
     if label == "dsv3-yarn+mtp":
         c.update(num_nextn_predict_layers=1)
     if label.startswith("dsv2"):
-        # DeepseekV2Config has neither rope_interleave (always interleaved) nor norm_topk_prob's effect
+        # DeepseekV2Config has neither rope_interleave (always interleaved) nor norm_topk_prob's effect.
+        # The base: group-limited (top-k = topk_group), no q-lora, default RoPE, tied; then the
+        # label's features.
         c.pop("rope_interleave")
-        c.update(topk_method="greedy", norm_topk_prob=False, n_group=None, topk_group=None, num_experts_per_tok=2,
-                 n_shared_experts=2, routed_scaling_factor=1.5,
-                 rope_parameters=dict(yarn, mscale=0.707, mscale_all_dim=0.707))
-    if label == "dsv2-group-limited-no-q-lora-default-rope-tied":
-        c.update(topk_method="group_limited_greedy", n_group=4, topk_group=2, q_lora_rank=None,
+        c.update(topk_method="group_limited_greedy", n_group=4, topk_group=2, norm_topk_prob=False,
+                 num_experts_per_tok=2, n_shared_experts=2, routed_scaling_factor=1.5, q_lora_rank=None,
                  tie_word_embeddings=True, rope_parameters=dict(rope_type="default", rope_theta=50000.0))
+        features = V2_FEATURES[label]
+        if "greedy" in features:
+            c.update(topk_method="greedy", n_group=None, topk_group=None)
+        if "q-lora" in features:
+            c.update(q_lora_rank=32)
+        if "yarn" in features:
+            c.update(rope_parameters=dict(yarn, mscale=0.707, mscale_all_dim=0.707))
+        if "yarn-ratio" in features:
+            c.update(rope_parameters=dict(yarn, mscale=0.9, mscale_all_dim=0.7))
+        if "untied" in features:
+            c.update(tie_word_embeddings=False)
     if int(transformers.__version__.split(".")[0]) < 5:  # transformers 4: rope_scaling + rope_theta
         rp = dict(c.pop("rope_parameters"))
         c["rope_theta"] = rp.pop("rope_theta")
@@ -81,8 +101,30 @@ def config(label):
     return (transformers.DeepseekV2Config if label.startswith("dsv2") else transformers.DeepseekV3Config)(**c)
 
 
+V2_FEATURES = {"dsv2-base": (), "dsv2+greedy": ("greedy",), "dsv2+q-lora": ("q-lora",), "dsv2+yarn": ("yarn",),
+               "dsv2+yarn-ratio": ("yarn-ratio",), "dsv2+untied": ("untied",),
+               "dsv2-all": ("greedy", "q-lora", "yarn", "untied")}
 LABELS = {"v3": ["dsv3-yarn", "dsv3-no-q-lora-rotate-half-default-rope-tied", "dsv3-yarn+mtp"],
-          "v2": ["dsv2-greedy-yarn", "dsv2-group-limited-no-q-lora-default-rope-tied"]}
+          "v2": list(V2_FEATURES)}
+
+
+def v2_softmax_note(model, cfg):
+    """For a YaRN DeepseekV2: transformers' softmax scale against 1/sqrt(d_n + d_r) · get_mscale(factor,
+    mscale_all_dim)² (what megatron.cpp imports) and 1/sqrt(d_n + d_r) (transformers <= 5.16)."""
+    rp = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    if rp.get("rope_type", rp.get("type", "default")) == "default":
+        return ""
+    plain = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
+    f, m = rp["factor"], rp.get("mscale_all_dim") or 0
+    ms = 1.0 if f <= 1 or not m else 0.1 * m * np.log(f) + 1.0
+    got = model.model.layers[0].self_attn.scaling
+    if abs(got - plain * ms * ms) < 1e-6 * plain:
+        which = "x get_mscale^2, as megatron.cpp"
+    elif abs(got - plain) < 1e-6 * plain:
+        which = "WITHOUT get_mscale^2 (transformers < 5.17): the import check is expected to FAIL"
+    else:
+        which = "neither convention"
+    return f", transformers' softmax scale {got:.6f} ({which})"
 
 
 def randomize(model, gen):
@@ -248,6 +290,8 @@ def main():
     ap.add_argument("workdir")
     ap.add_argument("--devices", nargs="+", default=["cpu", "cuda"])
     ap.add_argument("--families", nargs="+", default=["v3", "v2"], choices=["v3", "v2"])
+    ap.add_argument("--labels", nargs="+", default=None, choices=[x for v in LABELS.values() for x in v],
+                    help="only these configurations (of the chosen families)")
     args = ap.parse_args()
     shutil.rmtree(args.workdir, ignore_errors=True)
     os.makedirs(args.workdir)
@@ -262,7 +306,10 @@ def main():
         results.append(ok)
         print(f"  {what:58s} rel {rel:.2e}  max|diff| {mx:.2e}  (tol {tol:g}) {extra}{'PASS' if ok else 'FAIL'}")
 
-    labels = [label for family in args.families for label in LABELS[family]]
+    labels = [label for family in args.families for label in LABELS[family]
+              if args.labels is None or label in args.labels]
+    if not labels:
+        raise SystemExit(f"no configuration selected: --labels {args.labels} not in --families {args.families}")
     for label in labels:
         cfg = config(label)
         arch = transformers.DeepseekV2ForCausalLM if label.startswith("dsv2") else transformers.DeepseekV3ForCausalLM
@@ -275,7 +322,8 @@ def main():
         hf_dir = os.path.join(args.workdir, label)
         model.save_pretrained(hf_dir, safe_serialization=True)
         mtp = inject_mtp(hf_dir, cfg, gen) if getattr(cfg, "num_nextn_predict_layers", 0) else {}
-        print(f"{label}: routing margin {margin.margin:.2e}, {len(mtp)} MTP tensors injected")
+        note = v2_softmax_note(model, cfg) if label.startswith("dsv2") else ""
+        print(f"{label}: routing margin {margin.margin:.2e}, {len(mtp)} MTP tensors injected{note}")
         ck = os.path.join(args.workdir, label + "_ckpt")
         log = run([args.megatron, "import-hf", "--hf-dir", hf_dir, "--save", ck])
         if mtp:  # the model summary of the import log names the MTP depth

@@ -53,10 +53,13 @@ cuda::GemmScaleMode scale_mode(Fp8Scaling s) {
 }  // namespace
 
 cuda::GemmDesc fp8_gemm_desc(const Tensor& d, const Fp8Operand& a, const Fp8Operand& b, bool accumulate,
-                             bool fast_accum) {
+                             bool fast_accum, const Tensor& c) {
   const int64_t m = a.data.size(0), n = b.data.size(0), k = a.data.size(1);
+  const bool separate_c = accumulate && !c.empty() && c.data() != d.data();
   cuda::GemmDesc g = cuda::contiguous_gemm(1, m, n, k, /*trans_a=*/false, /*trans_b=*/true, a.data.dtype(), d.dtype(),
-                                           a.data.data(), b.data.data(), d.data(), 1.f, accumulate ? 1.f : 0.f);
+                                           a.data.data(), b.data.data(), separate_c ? c.data() : d.data(), 1.f,
+                                           accumulate ? 1.f : 0.f);
+  if (separate_c) g.d = d.data();
   g.fp8.b_type = b.data.dtype();
   g.fp8.a_scale = a.scale_inv.data_as<float>();
   g.fp8.b_scale = b.scale_inv.data_as<float>();
@@ -67,7 +70,7 @@ cuda::GemmDesc fp8_gemm_desc(const Tensor& d, const Fp8Operand& a, const Fp8Oper
 }
 
 void fp8_matmul(const Tensor& d, const Fp8Operand& a, const Fp8Operand& b, bool accumulate, bool fast_accum,
-                const Stream& stream) {
+                const Stream& stream, const Tensor& c) {
   MT_CHECK(d.ndim() == 2 && d.is_contiguous(), "fp8_matmul: d {} must be a contiguous [m, n] matrix", d.str());
   MT_CHECK(d.dtype() == DType::kF32 || (d.dtype() == DType::kBF16 && !d.device().is_cpu()),
            "fp8_matmul: d {} must be fp32 (or bf16 on CUDA)", d.str());
@@ -95,11 +98,18 @@ void fp8_matmul(const Tensor& d, const Fp8Operand& a, const Fp8Operand& b, bool 
   MT_CHECK(!fast_accum || !a_block,
            "fp8_matmul: fast_accum applies to tensorwise scaling only (blockwise GEMMs "
            "always promote the partial sums)");
+  if (!c.empty()) {
+    MT_CHECK(accumulate, "fp8_matmul: an addend c {} needs accumulate", c.str());
+    MT_CHECK(c.dtype() == d.dtype() && c.shape() == d.shape() && c.is_contiguous() &&
+                 (c.numel() == 0 || aligned16(c.data())),
+             "fp8_matmul: the addend c {} must be contiguous, 16-byte aligned and like d {}", c.str(), d.str());
+    check_same_device({&d, &c});
+  }
   // cuBLASLt's view of the problem, checked on every backend (what a GPU run would reject)
-  if (m > 0 && n > 0 && k > 0) cuda::check_gemm_desc(fp8_gemm_desc(d, a, b, accumulate, fast_accum));
+  if (m > 0 && n > 0 && k > 0) cuda::check_gemm_desc(fp8_gemm_desc(d, a, b, accumulate, fast_accum, c));
   check_same_device({&d, &a.data, &a.scale_inv, &b.data, &b.scale_inv});
   op_checks::check_stream(stream, d, "fp8_matmul");
-  MT_DISPATCH(d.device(), fp8_matmul, d, a, b, accumulate, fast_accum, stream);
+  MT_DISPATCH(d.device(), fp8_matmul, d, a, b, accumulate, fast_accum, stream, c);
 }
 
 }  // namespace mt

@@ -32,7 +32,10 @@ struct Fp8Operand {
 /// one rounding of d + product), else d is written without being read.
 /// fast_accum: cuBLASLt's CUBLASLT_MATMUL_DESC_FAST_ACCUM (TE uses it for the tensorwise fprop
 /// GEMM; no promotion of the tensor cores' partial sums; the CPU ignores it), tensorwise only.
-/// m = 0 or n = 0 does nothing; k = 0 gives d = 0 (d unchanged with accumulate).
+/// c: with accumulate, the addend when it is not d itself (cuBLASLt's C ≠ D): d = c + product in
+/// one rounding, c only read — [m, n] contiguous, d's dtype, 16-byte aligned (forward_add's
+/// residual, saving the copy of it into d). Empty: the addend is d.
+/// m = 0 or n = 0 does nothing; k = 0 gives d = 0 (d unchanged, or = c, with accumulate).
 /// d: [m, n] contiguous, fp32 (CPU) or fp32/bf16 (CUDA). Requirements (cuBLASLt's FP8 rules on
 /// sm_90, checked on every backend so that a CPU run catches what a GPU run would reject): m, n, k
 /// multiples of 16; 16-byte aligned data pointers; not both operands e5m2; both tensorwise, or both
@@ -40,7 +43,7 @@ struct Fp8Operand {
 /// and gradients, 128x128 weights). Errors: mt::Error for any violation, or when cuBLASLt offers no
 /// algorithm (e.g. block scaling on a GPU or cuBLAS without it).
 void fp8_matmul(const Tensor& d, const Fp8Operand& a, const Fp8Operand& b, bool accumulate, bool fast_accum,
-                const Stream& stream);
+                const Stream& stream, const Tensor& c = Tensor());
 
 namespace cuda {
 struct GemmDesc;
@@ -50,7 +53,7 @@ struct GemmDesc;
 /// cuda::check_gemm_desc on every backend, so a CPU run rejects what cuBLASLt would (e.g. a scale
 /// pointer not 16-byte aligned). Host-only: reads no data.
 cuda::GemmDesc fp8_gemm_desc(const Tensor& d, const Fp8Operand& a, const Fp8Operand& b, bool accumulate,
-                             bool fast_accum);
+                             bool fast_accum, const Tensor& c = Tensor());
 
 MT_OP_BACKENDS(fp8_matmul)
 

@@ -2,10 +2,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <span>
 
 #include "core/check.h"
 #include "core/host_memory.h"
 #include "data/data_args.h"
+#include "model/variants.h"
 #include "optim/muon.h"
 #include "parallel/pipeline/schedules.h"
 #include "parallel/process_groups.h"
@@ -69,6 +71,14 @@ Resolved resolve(const PlanRequest& req, const GpuSpec& gpu) {
              "--{} needs --gpu h100 or h200; the CPU backend trains in fp32", a.bf16 ? "bf16" : "fp16");
   a.model.vocab_size = data::build_tokenizer(a.data)->vocab_size();
   validate_pretrain_args(a);
+  // --attention-backend auto as the GPU run resolves it (GPTModel): on an H100 / H200 (Hopper) with
+  // a CUDA build that has cuDNN (the build's default where cuDNN is installed, as on the machines of
+  // docs/benchmarks.md), not as this machine's build would — a CPU-only build resolves MLA's head
+  // dim 192 to the unfused attention, whose [b, n, s, s] probabilities the plan then sized
+  // (docs/plan.md "Memory": 8.6 GiB too many for bench/deepseek_v3.sh).
+  if (gpu.is_cuda())
+    a.model.attention_backend = resolve_attention_backend(a.model.attention_backend, a.model.head_dim(),
+                                                          {true, a.dtype(), /*cudnn=*/true, /*hopper=*/true});
   GPTModel::validate_context_parallel(a.model, r.layout.parallel.cp, r.layout.parallel.tp);
   return r;
 }
@@ -93,8 +103,22 @@ double group_gbps(const GpuSpec& g, int size, int stride) {
   return static_cast<int64_t>(size) * stride <= g.gpus_per_node ? g.intra_bus_gbps : g.inter_bus_gbps;
 }
 
+}  // namespace
+
+double expert_mlp_tflops(double ffn) {
+  const std::span<const ExpertMlpRate> t = kExpertMlpRates;
+  if (ffn <= t.front().ffn) return t.front().tflops;
+  if (ffn >= t.back().ffn) return t.back().tflops;
+  size_t i = 1;
+  while (t[i].ffn < ffn) ++i;
+  const double w = std::log(ffn / t[i - 1].ffn) / std::log(t[i].ffn / t[i - 1].ffn);
+  return t[i - 1].tflops + w * (t[i].tflops - t[i - 1].tflops);
+}
+
+namespace {
+
 struct StageWork {
-  int64_t layers = 0, moe_layers = 0, recomputed = 0;
+  int64_t layers = 0, moe_layers = 0, recomputed = 0, recomputed_moe = 0;
   bool has_loss = false;
   ModelMemoryPlan model;
   double muon_dense_flops = 0, muon_expert_flops = 0;  // one rank's Newton-Schulz FLOPs (muon_memory)
@@ -124,7 +148,24 @@ StepPrediction predict_step(const TrainingPlan& p, const PretrainArgs& a, const 
   const double mtp = p.flops_per_iteration - no_mtp.flops_per_iteration(p.global_batch_size, pc.tp);
   const double head = 6.0 * static_cast<double>(p.global_batch_size) * static_cast<double>(p.seq_length) *
                           static_cast<double>(c.hidden_size) * padded_vocab + mtp;
-  const double per_layer = (p.flops_per_iteration - head) / static_cast<double>(c.num_layers);
+  // MoE layers: their experts' MLPs (top-k routed and shared; Megatron's h·F terms of them) apart,
+  // at the expert-MLP rate of their intermediate size per GPU (kExpertMlpRates), and the MoE
+  // layer's memory-bound passes over its top-k token rows (kMoeTokenPasses); the MTP's MoE layer
+  // with the last stage's.
+  const double h = static_cast<double>(c.hidden_size), topk = static_cast<double>(c.moe_router_topk);
+  const double iter_tokens = static_cast<double>(p.global_batch_size) * static_cast<double>(p.seq_length);
+  const double mlp_factor = 6.0 * iter_tokens * h * 2.0 * mlp_activation_kind(c.activation()).flops_factor;
+  const bool moe = c.num_moe_experts > 0;
+  const double moe_ffn = static_cast<double>(c.moe_ffn());
+  const double shared_ffn = static_cast<double>(c.moe_shared_expert_intermediate_size);
+  const double routed = moe ? mlp_factor * moe_ffn * topk : 0, shared = moe ? mlp_factor * shared_ffn : 0;
+  const double mtp_moe = moe && c.is_moe_layer(c.num_layers - 1) ? static_cast<double>(c.mtp_num_layers) : 0;
+  const double moe_layer_s = routed / (expert_mlp_tflops(moe_ffn / pc.etp) * 1e12) +
+                             (shared > 0 ? shared / (expert_mlp_tflops(shared_ffn / pc.tp) * 1e12) : 0);
+  const double dense_head = head - mtp_moe * (routed + shared);
+  const double per_layer =
+      (p.flops_per_iteration - head - static_cast<double>(c.num_moe_layers()) * (routed + shared)) /
+      static_cast<double>(c.num_layers);
   // One micro-batch's activation tensor [s/cp, b, h] as TP and EP move it.
   const double tokens = static_cast<double>(p.micro_batch_size) * static_cast<double>(p.seq_length) / pc.cp;
   const double act_bytes = tokens * static_cast<double>(c.hidden_size) * act;
@@ -142,11 +183,18 @@ StepPrediction predict_step(const TrainingPlan& p, const PretrainArgs& a, const 
       tokens / pc.tp * static_cast<double>(c.moe_router_topk) * static_cast<double>(c.hidden_size) * act;
   const double ep_layer = 4 * collective_s(ep_bytes, pc.ep, 1, group_gbps(g, pc.ep, pc.tp * pc.cp), lat);
   const double stage_gpus = world / pc.pp;
+  // one MoE layer's token passes per micro-batch: this rank's tokens (1/tp of them with SP) times top-k rows
+  const double token_pass_s = moe ? kMoeTokenPasses * tokens / pc.tp * topk * h * act / (g.hbm_gbps * 1e9) : 0;
   double slowest = -1;
   for (const StageWork& s : stages) {
-    const double flops = (static_cast<double>(s.layers) * per_layer + (s.has_loss ? head : 0)) / stage_gpus;
+    const double moe_layers = static_cast<double>(s.moe_layers) + (s.has_loss ? mtp_moe : 0);
+    const double flops = (static_cast<double>(s.layers) * per_layer + (s.has_loss ? dense_head : 0)) / stage_gpus;
     const double recompute = static_cast<double>(s.recomputed) * per_layer / 3.0 / stage_gpus;
-    const double compute = (flops + recompute) / rate;
+    // a recomputed MoE layer repeats its experts' forward (a third) and the forward token passes (half)
+    const double rec_moe = static_cast<double>(s.recomputed_moe);
+    const double experts = (moe_layers + rec_moe / 3.0) * moe_layer_s / stage_gpus;
+    const double token_passes = m * (moe_layers + rec_moe / 2.0) * token_pass_s;
+    const double compute = (flops + recompute) / rate + experts + token_passes;
     // a recomputed layer repeats its forward collectives (half of them)
     const double tp = m * (static_cast<double>(s.layers) + 0.5 * static_cast<double>(s.recomputed)) * tp_layer;
     const double cp = m * static_cast<double>(s.layers) * cp_layer;
@@ -154,6 +202,8 @@ StepPrediction predict_step(const TrainingPlan& p, const PretrainArgs& a, const 
     if (compute + tp + cp + ep > slowest) {
       slowest = compute + tp + cp + ep;
       out.compute_s = compute;
+      out.moe_experts_s = experts;
+      out.moe_token_passes_s = token_passes;
       out.tp_comm_s = tp;
       out.cp_comm_s = cp;
       out.ep_comm_s = ep;
@@ -257,7 +307,11 @@ TrainingPlan plan_training(const PlanRequest& req) {
       w.has_loss = w.has_loss || ch.has_loss;
       for (int64_t l = ch.begin; l < ch.end; ++l) w.moe_layers += a.model.is_moe_layer(l) ? 1 : 0;
       if (a.model.recompute_granularity == RecomputeGranularity::kFull)
-        for (int64_t i = 0; i < ch.size(); ++i) w.recomputed += a.model.recompute_group(i, ch.size()) >= 0 ? 1 : 0;
+        for (int64_t i = 0; i < ch.size(); ++i) {
+          const int r = a.model.recompute_group(i, ch.size()) >= 0 ? 1 : 0;
+          w.recomputed += r;
+          w.recomputed_moe += a.model.is_moe_layer(ch.begin + i) ? r : 0;
+        }
     }
     if (a.optim.optimizer == "muon") {
       const MuonMemory mm = muon_memory(GPTModel::param_specs(a.model, pc.tp, 0, schedule.chunks, pc.ep, 0),

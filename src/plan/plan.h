@@ -52,6 +52,36 @@ struct GpuSpec {
 /// The GpuSpec of `name` (h100, h200, cpu). Errors: any other name, naming it and the known ones.
 GpuSpec gpu_spec(const std::string& name);
 
+/// One measured rate of an MoE layer's expert MLPs: fc1 + fc2 (SwiGLU's fc1 2·ffn wide), forward +
+/// dgrad + wgrad, bf16, --moe-grouped-gemm, in TFLOP/s, at an intermediate size `ffn` per GPU.
+struct ExpertMlpRate {
+  double ffn;
+  double tflops;
+};
+/// The expert MLPs' rates measured on an H200 (docs/plan.md "Cost model"; H100s are given the
+/// same, their bf16 peak being the H200's). What sets the rate is the intermediate size (fc1's N,
+/// fc2's K: a short main loop per output tile), much less the rows per expert: the shared expert
+/// of bench/deepseek_v3.sh (one 4096-row GEMM pair at ffn 512) ran at 413.6 TFLOP/s, its routed
+/// experts (64 × ~384 rows at ffn 512) at 422.7.
+inline constexpr ExpertMlpRate kExpertMlpRates[] = {
+    // bench/deepseek_v3.sh 1gpu, H200, 2026-11-29, MT_MOE_PHASE_TIMING: the "experts" phase (grouped
+    // GEMMs + SwiGLU) of 15 layers, h 2048, top-6 of 64, 8 × 4096 tokens: 55.66 TFLOP in 131.69 ms
+    {512, 422.7},
+    // build/grouped_matmul_bench DeepSeek-style, H200, 2026-11-28: 64 × 768 rows, h 2048, 1.701 TFLOP in 3.64 ms
+    {1408, 467.3},
+    // build/grouped_matmul_bench Mixtral-style, H200, 2026-11-28: 8 × 8192 rows, h 4096, 46.18 TFLOP in 73.84 ms
+    {14336, 625.4},
+};
+/// The expert-MLP rate (TFLOP/s) at intermediate size `ffn` per GPU: kExpertMlpRates interpolated
+/// linearly in log(ffn), the end points' rates outside them.
+double expert_mlp_tflops(double ffn);
+/// The MoE layer's memory-bound work (router, permutation, dispatch, combine and what lies between
+/// them, forward + backward) in units of one HBM pass over the layer's top-k token rows
+/// (tokens · top-k · hidden · 2 bytes at the HBM bandwidth): bench/deepseek_v3.sh 1gpu, H200,
+/// 2026-11-29, 9.35 + 3.02 + 9.84 + 13.58 + 2.87 = 38.68 ms per iteration over 15 layers × 8
+/// micro-batches of 4096 tokens, top-6, hidden 2048 (one pass: 100.7 MB, 20.97 µs at 4.8 TB/s).
+inline constexpr double kMoeTokenPasses = 15.37;
+
 /// What `megatron plan` is asked.
 struct PlanRequest {
   PretrainArgs args;       ///< as parsed from the script's flags (not yet resolved)
@@ -74,7 +104,10 @@ struct RankKindPlan {
 /// The cost model's prediction of one iteration (seconds per iteration, for the slowest stage).
 struct StepPrediction {
   bool available = false;        ///< false on the CPU: no cost model
-  double compute_s = 0;          ///< the rank's FLOPs (with recompute) at the calibrated rate
+  double compute_s = 0;          ///< the rank's FLOPs (with recompute) at the calibrated rate, the
+                                 ///< MoE layers' experts and token passes included
+  double moe_experts_s = 0;      ///< of compute_s: the experts' MLPs at kExpertMlpRates
+  double moe_token_passes_s = 0; ///< of compute_s: the MoE layers' router / permute / dispatch / combine
   double tp_comm_s = 0;          ///< tensor-parallel all-reduces / SP all-gathers + reduce-scatters
   double cp_comm_s = 0;          ///< context-parallel ring exchanges of K and V
   double ep_comm_s = 0;          ///< expert-parallel token dispatch and combine

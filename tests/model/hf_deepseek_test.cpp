@@ -46,7 +46,8 @@ struct Ds {
 
 /// A DeepseekV2 fixture: 8 experts, top-2 ('greedy'; with group_limited 'group_limited_greedy' of
 /// 4 groups, the best 2 compete: top-k = topk_group), two shared experts, routed_scaling_factor
-/// 1.5, YaRN with mscale = mscale_all_dim (DeepSeek-V2's released configs: cos and sin unscaled).
+/// 1.5, YaRN with mscale = mscale_all_dim (DeepSeek-V2's released configs: cos and sin unscaled,
+/// the softmax by get_mscale(factor, mscale_all_dim)²).
 Ds ds_v2(bool group_limited) {
   Ds d;
   d.v2 = true;
@@ -193,9 +194,9 @@ struct HfReference {
   const std::map<std::string, std::vector<float>>& w;
   bool interleave;
   bool with_bias = true;
-  // DeepseekV2: DeepSeek's own code scales the softmax by get_mscale(factor, mscale_all_dim)² too,
-  // transformers' DeepseekV2 does not (a negative control)
-  bool v2_softmax_mscale = false;
+  // yarn_apply_mscale (below); false: transformers <= 5.16's DeepseekV2, which left it out (a
+  // negative control)
+  bool softmax_mscale = true;
   double margin = 1e30;
 
   Vec lin(const std::string& name, const Vec& x, int64_t rows) const {
@@ -220,7 +221,11 @@ struct HfReference {
     for (int64_t i = 0; i < f; ++i) a[i] = g[i] / (1 + std::exp(-g[i])) * u[i];
     return lin(p + "down_proj.weight", a, d.h);
   }
-  /// _compute_yarn_parameters (or the default inverse frequencies) and the attention_factor.
+  /// modeling_rope_utils._compute_yarn_parameters (or the default inverse frequencies) and the
+  /// attention_factor: dim = config.head_dim, which DeepseekV2Config / DeepseekV3Config set to
+  /// qk_rope_head_dim; the correction range from original_max_position_embeddings (truncated);
+  /// attention_factor get_mscale(f, mscale) / get_mscale(f, mscale_all_dim) when both are set, else
+  /// get_mscale(f).
   std::pair<Vec, double> rope_parameters() const {
     const int64_t dim = d.dr;
     Vec inv(static_cast<size_t>(dim / 2));
@@ -240,10 +245,23 @@ struct HfReference {
                                                           : get_mscale(d.factor, 1);
     return {inv, att};
   }
-  /// apply_rotary_pos_emb_interleave (rope_interleave) or apply_rotary_pos_emb on the d_r channels.
+  /// DeepseekV3: apply_rotary_pos_emb_interleave (rope_interleave) or apply_rotary_pos_emb on the
+  /// d_r channels, cos and sin times attention_factor. DeepseekV2 (modeling_deepseek_v2.py
+  /// apply_rotary_emb, DeepseekV2RotaryEmbedding.forward): the channels as complex numbers
+  /// x[2i] + i·x[2i+1], times torch.polar(1, pos · inv_freq[i]) · attention_factor, kept in place
+  /// (`interleave` false: the rotate-half pairs instead, a negative control).
   Vec rotate(const Vec& x, int64_t pos) const {
     const auto [inv, att] = rope_parameters();
     const int64_t half = d.dr / 2;
+    if (d.v2 && interleave) {
+      Vec out(static_cast<size_t>(d.dr));
+      for (int64_t i = 0; i < half; ++i) {
+        const double ang = static_cast<double>(pos) * inv[i], c = std::cos(ang) * att, s = std::sin(ang) * att;
+        out[2 * i] = x[2 * i] * c - x[2 * i + 1] * s;
+        out[2 * i + 1] = x[2 * i + 1] * c + x[2 * i] * s;
+      }
+      return out;
+    }
     Vec y = x;
     if (interleave)
       for (int64_t j = 0; j < half; ++j) {
@@ -271,8 +289,12 @@ struct HfReference {
                   d.n * (d.dn + d.dv));
       k_rot[t] = rotate(Vec(ckv.begin() + d.rkv, ckv.end()), t);
     }
+    // yarn_apply_mscale(rope_parameters, qk_head_dim^-0.5): times get_mscale(factor, mscale_all_dim)²
+    // when rope_type is not default and mscale_all_dim is set; DeepseekV3Attention.__init__, and
+    // DeepseekV2Attention.__init__ since transformers 5.17 (huggingface/transformers#47435; DeepSeek's
+    // own modeling_deepseek.py for V2 always did).
     double scaling = 1.0 / std::sqrt(static_cast<double>(qd));
-    if (d.yarn && d.mscale_all != 0 && (!d.v2 || v2_softmax_mscale))
+    if (d.yarn && d.mscale_all != 0 && softmax_mscale)
       scaling *= get_mscale(d.factor, d.mscale_all) * get_mscale(d.factor, d.mscale_all);
     std::vector<Vec> out(T);
     for (int64_t t = 0; t < T; ++t) {
@@ -765,6 +787,8 @@ TEST(HfDeepseekV3, BadConfigErrors) {
          "layer 1 is dense after MoE layer 0");
   refuse([](TransformerConfig& x) { x.mscale_all_dim = 0.f; }, hf::HfArchitecture::kDeepseekV3,
          "--mscale 0.9 without --mscale-all-dim");
+  refuse([](TransformerConfig& x) { x.rope_type = RopeType::kRope; }, hf::HfArchitecture::kDeepseekV3,
+         "--mscale-all-dim 0.7 with --rotary-scaling-factor 4 scales the softmax under --rope-type rope");
   refuse([](TransformerConfig& x) { x.moe_shared_expert_intermediate_size = 7; }, hf::HfArchitecture::kDeepseekV3,
          "shared experts must be ungated");
   refuse([](TransformerConfig&) {}, hf::HfArchitecture::kMixtral, "multi-latent attention (DeepseekV3ForCausalLM or");
@@ -776,9 +800,11 @@ TEST(HfDeepseekV3, BadConfigErrors) {
 // --- DeepseekV2ForCausalLM -----------------------------------------------------------------------
 
 // DeepseekV2's config.json: a softmax router taking the top-k probabilities (--moe-router-pre-softmax)
-// times routed_scaling_factor, groups only for 'group_limited_greedy', no expert bias; YaRN with
-// mscale = mscale_all_dim: cos and sin unscaled and no softmax mscale (--mscale 0
-// --mscale-all-dim 0), mscale alone: get_mscale(factor) (--mscale 1).
+// times routed_scaling_factor, groups only for 'group_limited_greedy', no expert bias; YaRN as
+// DeepSeek-V3: mscale = mscale_all_dim leaves cos and sin unscaled and scales the softmax by
+// get_mscale(factor, mscale_all_dim)² (transformers >= 5.17, DeepSeek's code; the import before
+// this test's revision mapped it to --mscale 0 --mscale-all-dim 0, no softmax factor), mscale
+// alone: get_mscale(factor) on cos and sin, no softmax factor (--mscale 1 --mscale-all-dim 0).
 TEST(HfDeepseekV2, ConfigMapsToTransformerConfig) {
   for (bool group_limited : {false, true}) {
     SCOPED_TRACE(group_limited ? "group_limited_greedy" : "greedy");
@@ -804,9 +830,10 @@ TEST(HfDeepseekV2, ConfigMapsToTransformerConfig) {
     for (int64_t l = 0; l < d.L; ++l) EXPECT_EQ(c.is_moe_layer(l), l >= d.dense) << l;
     EXPECT_EQ(c.rope_type, RopeType::kYarn);
     EXPECT_FLOAT_EQ(c.rotary_scaling_factor, 4.f);
-    EXPECT_EQ(c.mscale, 0.f);
-    EXPECT_EQ(c.mscale_all_dim, 0.f);
-    EXPECT_NEAR(c.softmax_scale(), 1 / std::sqrt(8.0), 1e-7);  // transformers' DeepseekV2: no mscale²
+    EXPECT_FLOAT_EQ(c.mscale, 0.707f);
+    EXPECT_FLOAT_EQ(c.mscale_all_dim, 0.707f);
+    const double m2 = get_mscale(4, 0.707) * get_mscale(4, 0.707);  // 1.2056
+    EXPECT_NEAR(c.softmax_scale(), m2 / std::sqrt(8.0), 1e-6);
     fs::remove_all(fx.dir);
   }
   Ds d = ds_v2(false);
@@ -815,6 +842,14 @@ TEST(HfDeepseekV2, ConfigMapsToTransformerConfig) {
   const TransformerConfig c = hf::read_hf_config(fx.dir.string(), 0, 8).config;
   EXPECT_EQ(c.mscale, 1.f);
   EXPECT_EQ(c.mscale_all_dim, 0.f);
+  EXPECT_NEAR(c.softmax_scale(), 1 / std::sqrt(8.0), 1e-7);
+  // mscale != mscale_all_dim: their ratio on cos and sin (an error before)
+  d.mscale = 0.9;
+  d.mscale_all = 0.7;
+  std::ofstream(fx.dir / "config.json") << ds_config(d).dump();
+  const TransformerConfig c2 = hf::read_hf_config(fx.dir.string(), 0, 8).config;
+  EXPECT_FLOAT_EQ(c2.mscale, 0.9f);
+  EXPECT_FLOAT_EQ(c2.mscale_all_dim, 0.7f);
   fs::remove_all(fx.dir);
 }
 
@@ -829,7 +864,9 @@ TEST(HfDeepseekV2, ImportExportRoundTripIsBitwise) {
   const Case cases[] = {{"greedy, q-lora, yarn", false, [](Ds&) {}},
                         {"group-limited, no q-lora, hf5 rope, mscale alone", true,
                          [](Ds& d) { d.rq = 0; d.hf5_rope = true; d.mscale_all = 0; }},
-                        {"greedy, default rope, tied", false, [](Ds& d) { d.yarn = false; d.tied = true; }}};
+                        {"greedy, default rope, tied", false, [](Ds& d) { d.yarn = false; d.tied = true; }},
+                        {"greedy, yarn mscale 0.9 / mscale_all_dim 0.7", false,
+                         [](Ds& d) { d.mscale = 0.9; d.mscale_all = 0.7; }}};
   for (const Case& cs : cases) {
     for (DType dtype : {DType::kF32, DType::kBF16}) {
       SCOPED_TRACE(fmt::format("{} {}", cs.name, dtype_name(dtype)));
@@ -868,8 +905,10 @@ TEST(HfDeepseekV2, ImportExportRoundTripIsBitwise) {
 }
 
 // megatron.cpp's logits of an imported DeepseekV2 against transformers' DeepseekV2 forward (the
-// float64 re-implementation above with route_v2). Negative controls: the rotate-half pairing, and
-// DeepSeek's own softmax mscale² that transformers' DeepseekV2 leaves out.
+// float64 re-implementation above: complex-pair RoPE, route_v2, the softmax mscale²). Negative
+// controls: the rotate-half pairing, and the softmax without get_mscale(factor, mscale_all_dim)²
+// (transformers <= 5.16's DeepseekV2, which the import followed before: the first and last cases
+// failed then).
 TEST(HfDeepseekV2, LogitsMatchTransformersSemantics) {
   struct Case {
     const char* name;
@@ -878,7 +917,9 @@ TEST(HfDeepseekV2, LogitsMatchTransformersSemantics) {
   };
   const Case cases[] = {{"greedy, q-lora, yarn mscale = mscale_all_dim", false, [](Ds&) {}},
                         {"group-limited, no q-lora, yarn mscale alone", true, [](Ds& d) { d.rq = 0; d.mscale_all = 0; }},
-                        {"group-limited, default rope, tied", true, [](Ds& d) { d.yarn = false; d.tied = true; }}};
+                        {"group-limited, default rope, tied", true, [](Ds& d) { d.yarn = false; d.tied = true; }},
+                        {"greedy, no q-lora, yarn mscale 0.9 / mscale_all_dim 0.7", false,
+                         [](Ds& d) { d.rq = 0; d.mscale = 0.9; d.mscale_all = 0.7; }}};
   const std::vector<int32_t> tokens = {3, 17, 0, 36, 11, 5};
   for (const Case& cs : cases) {
     SCOPED_TRACE(cs.name);
@@ -895,9 +936,11 @@ TEST(HfDeepseekV2, LogitsMatchTransformersSemantics) {
     HfReference swapped{d, fx.w, false};
     EXPECT_GT(max_rel_diff(ours, swapped.forward(tokens)), 1e-3);
     if (d.yarn && d.mscale_all != 0) {
-      HfReference deepseek{d, fx.w, true};
-      deepseek.v2_softmax_mscale = true;
-      EXPECT_GT(max_rel_diff(ours, deepseek.forward(tokens)), 1e-3);
+      HfReference old_v2{d, fx.w, true};
+      old_v2.softmax_mscale = false;
+      const double old_err = max_rel_diff(ours, old_v2.forward(tokens));
+      std::printf("[v2 %s] without the softmax mscale^2 (transformers <= 5.16): %.3g\n", cs.name, old_err);
+      EXPECT_GT(old_err, 1e-3);
     }
     fs::remove_all(fx.dir);
   }
@@ -920,7 +963,7 @@ TEST(HfDeepseekV2, BadConfigErrors) {
   expect([](json& j) { j["topk_group"] = nullptr; }, "needs n_group and topk_group");
   expect([](json& j) { j["n_shared_experts"] = nullptr; }, "n_shared_experts null is not supported");
   expect([](json& j) { j["num_nextn_predict_layers"] = 1; }, "num_nextn_predict_layers 1 is not supported for DeepseekV2");
-  expect([](json& j) { j["rope_scaling"]["mscale"] = 1.0; }, "mscale 1 != mscale_all_dim 0.707");
+  expect([](json& j) { j["rope_scaling"].erase("mscale"); }, "mscale_all_dim 0.707 without mscale is not supported");
   expect([](json& j) { j["mlp_bias"] = true; }, "mlp_bias is not supported for DeepseekV2ForCausalLM");
   expect([](json& j) { j["rope_scaling"]["attention_factor"] = 1.2; }, "attention_factor 1.2 is not supported");
   // Export: what DeepseekV2ForCausalLM cannot hold.
@@ -934,7 +977,9 @@ TEST(HfDeepseekV2, BadConfigErrors) {
   refuse([](TransformerConfig& x) { x.moe_router_pre_softmax = false; }, "--moe-router-pre-softmax");
   refuse([](TransformerConfig& x) { x.moe_router_enable_expert_bias = true; }, "no expert bias");
   refuse([](TransformerConfig& x) { x.moe_router_group_topk = 1; }, "--moe-router-group-topk 1 with --moe-router-topk 2");
-  refuse([](TransformerConfig& x) { x.mscale_all_dim = 0.7f; }, "--mscale 0 / --mscale-all-dim 0.7");
+  refuse([](TransformerConfig& x) { x.mscale_all_dim = 0.f; }, "--mscale 0.707 without --mscale-all-dim");
+  refuse([](TransformerConfig& x) { x.rope_type = RopeType::kRope; },
+         "--mscale-all-dim 0.707 with --rotary-scaling-factor 4 scales the softmax under --rope-type rope");
   refuse([](TransformerConfig& x) { x.mtp_num_layers = 1; }, "only DeepseekV3ForCausalLM holds");
   fs::remove_all(fx.dir);
 }

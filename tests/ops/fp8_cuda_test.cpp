@@ -372,17 +372,28 @@ GemmOperands make_operands(const GemmCase& g, bool exact) {
   return o;
 }
 
-/// Runs the case on `dev` (out dtype g.out on CUDA, fp32 on the CPU) with codes `a`, `b`.
+/// Runs the case on `dev` (out dtype g.out on CUDA, fp32 on the CPU) with codes `a`, `b`;
+/// separate_c (with accumulate): the addend c0 in its own tensor (cuBLASLt's C != D), d poisoned,
+/// c checked unchanged.
 std::vector<float> run_gemm(const GemmCase& g, const GemmOperands& o, const std::vector<uint8_t>& a,
-                            const std::vector<uint8_t>& b, const std::vector<float>& c0, Device dev) {
+                            const std::vector<uint8_t>& b, const std::vector<float>& c0, Device dev,
+                            bool separate_c = false) {
   const Stream& st = dev.is_cpu() ? cpu_stream() : cuda_stream();
   auto at = bytes_tensor(a, g.at, dev, {g.m, g.k}, st);
   auto bt = bytes_tensor(b, g.bt, dev, {g.n, g.k}, st);
   auto sat = make_tensor(o.sa, DType::kF32, dev, fp8_scale_shape(g.sa, g.m, g.k), st);
   auto sbt = make_tensor(o.sb, DType::kF32, dev, fp8_scale_shape(g.sb, g.n, g.k), st);
   auto d = make_tensor(c0, dev.is_cpu() ? DType::kF32 : g.out, dev, {g.m, g.n}, st);
+  OwnedTensor c;
+  std::vector<float> c_before;
+  if (separate_c) {
+    c = make_tensor(c0, dev.is_cpu() ? DType::kF32 : g.out, dev, {g.m, g.n}, st);
+    c_before = to_host(c, st);
+    poison(d, st);
+  }
   if (!g.accumulate) poison(d, st);
-  fp8_matmul(d, {at, sat, g.sa}, {bt, sbt, g.sb}, g.accumulate, g.fast_accum, st);
+  fp8_matmul(d, {at, sat, g.sa}, {bt, sbt, g.sb}, g.accumulate, g.fast_accum, st, separate_c ? c.t : Tensor());
+  if (separate_c) EXPECT_EQ(to_host(c, st), c_before) << "the addend c was written";
   return to_host(d, st);
 }
 
@@ -390,12 +401,25 @@ std::vector<float> run_gemm(const GemmCase& g, const GemmOperands& o, const std:
 /// the tolerances from a GPU run).
 double g_worst_split = 0, g_worst_fast = 0;
 
+void check_gemm_result(const GemmCase& g, const GemmOperands& o, const std::vector<float>& c0,
+                       const std::vector<float>& cpu, const std::vector<float>& gpu, bool exact);
+
 void check_gemm(const GemmCase& g, bool exact) {
   SCOPED_TRACE(describe(g) + (exact ? " exact" : " random"));
   const GemmOperands o = make_operands(g, exact);
   const std::vector<float> c0 = g.accumulate ? o.c0 : std::vector<float>(static_cast<size_t>(g.m * g.n), 0.f);
-  const std::vector<float> gpu = run_gemm(g, o, o.a, o.b, c0, kGpu);
+  const std::vector<float> gpu_in_place = run_gemm(g, o, o.a, o.b, c0, kGpu);
   const std::vector<float> cpu = run_gemm(g, o, o.a, o.b, c0, kCpu);
+  // with accumulate, also C != D (forward_add's residual read from its own tensor)
+  for (bool separate_c : {false, true}) {
+    if (separate_c && !g.accumulate) break;
+    SCOPED_TRACE(separate_c ? "C != D" : "C = D");
+    check_gemm_result(g, o, c0, cpu, separate_c ? run_gemm(g, o, o.a, o.b, c0, kGpu, true) : gpu_in_place, exact);
+  }
+}
+
+void check_gemm_result(const GemmCase& g, const GemmOperands& o, const std::vector<float>& c0,
+                       const std::vector<float>& cpu, const std::vector<float>& gpu, bool exact) {
   ASSERT_TRUE(testing::all_finite(gpu));
   if (exact) {  // exact in any order: fp32 bit for bit, bf16 within its rounding (one ulp)
     // A bf16 C: cuBLASLt rounds D = AB + C once, or (some of its FP8 algorithms, seen on an H200

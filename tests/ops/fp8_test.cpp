@@ -533,6 +533,15 @@ TEST(Fp8Matmul, HandWorkedProduct) {
   EXPECT_EQ(to_host(d, cpu_stream()), std::vector<float>(16 * 32, -184.f));
   fp8_matmul(d, {a, sa}, {b, sb}, false, false, cpu_stream());
   EXPECT_EQ(to_host(d, cpu_stream()), std::vector<float>(16 * 32, -192.f));
+  // C != D: the addend 8 read from c (left as it is) into a poisoned d
+  auto c = make_tensor(std::vector<float>(16 * 32, 8.f), DType::kF32, kCpu, {16, 32}, cpu_stream());
+  testing::poison(d, cpu_stream());
+  fp8_matmul(d, {a, sa}, {b, sb}, true, false, cpu_stream(), c);
+  EXPECT_EQ(to_host(d, cpu_stream()), std::vector<float>(16 * 32, -184.f));
+  EXPECT_EQ(to_host(c, cpu_stream()), std::vector<float>(16 * 32, 8.f));
+  testing::expect_error([&] { fp8_matmul(d, {a, sa}, {b, sb}, false, false, cpu_stream(), c); }, "needs accumulate");
+  auto c_wrong = make_tensor(std::vector<float>(16 * 16, 8.f), DType::kF32, kCpu, {16, 16}, cpu_stream());
+  testing::expect_error([&] { fp8_matmul(d, {a, sa}, {b, sb}, true, false, cpu_stream(), c_wrong); }, "like d");
 }
 
 TEST(Fp8Matmul, QuantisedLinearApproximatesFp32) {

@@ -6,6 +6,7 @@
 // layouts that fit first.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <mutex>
 #include <tuple>
 
@@ -207,6 +208,71 @@ TEST_F(Plan, MuonAddsTheNewtonSchulzFlopsToTheStep) {
     EXPECT_NEAR(muon.step.step_s - adam.step.step_s, muon.step.muon_s, 1e-15) << extra;
     EXPECT_NE(format_plan(muon).find("Muon Newton-Schulz"), std::string::npos);
   }
+}
+
+// bench/deepseek_v3.sh's model (docs/benchmarks.md "DeepSeek-V3-shaped MoE") on one H200, set
+// beside what that run logged and measured there (2026-11-29):
+// - memory: the trainer's estimate on the GPU was 74525.6 MiB of buffers (74525.8 allocated) with
+//   MTP 1, 69748.5 without, activations 7.622 GiB. MLA's head dim 192 runs cuDNN's fused
+//   attention there; the plan must not size the unfused attention's [b, n, s, s] probabilities
+//   because the machine it runs on has no cuDNN (it did: 81.4 GiB). With the fused attention the
+//   activations are linear in the sequence; the probabilities would make them quadratic.
+// - time: the experts' MLPs by hand, Megatron's h·F terms (SwiGLU: 3 h·ffn multiply-adds per token
+//   and expert, ×6 for forward + backward, ×2 FLOPs) at the expert-MLP rate of ffn 512 (422.7
+//   TFLOP/s, the routed experts' measured rate), against the measured experts + shared experts
+//   phases 131.69 + 22.43 ms (the shared expert's 22.43 ms is not in the table: 413.6 TFLOP/s);
+//   the token passes against the measured router + permute + dispatch + combine + between phases.
+TEST_F(Plan, DeepSeekV3ShapedMoeAgainstTheH200Run) {
+  const std::string model =
+      "--train-iters 2 --num-layers 16 --hidden-size 2048 --num-attention-heads 16 --ffn-hidden-size 8192 --swiglu "
+      "--normalization RMSNorm --position-embedding-type rope --untie-embeddings-and-output-weights "
+      "--disable-bias-linear --multi-latent-attention --kv-lora-rank 512 --qk-head-dim 128 --qk-pos-emb-head-dim 64 "
+      "--v-head-dim 128 --rope-type rope --num-experts 64 --moe-router-topk 6 --moe-ffn-hidden-size 512 "
+      "--moe-shared-expert-intermediate-size 512 --moe-layer-freq ([0]+[1]*15) --moe-router-score-function sigmoid "
+      "--moe-router-enable-expert-bias --moe-router-bias-update-rate 1e-3 --moe-router-num-groups 4 "
+      "--moe-router-group-topk 2 --moe-router-topk-scaling-factor 2.5 --moe-grouped-gemm --micro-batch-size 1 "
+      "--global-batch-size 8 --bf16 --hidden-dropout 0 --attention-dropout 0 --vocab-size 50257 ";
+  const double MiB = 1048576.0;
+  const auto plan_of = [&](const std::string& extra) { return plan_training(request(model + extra, 1, "h200")); };
+  const TrainingPlan mtp = plan_of("--seq-length 4096 --max-position-embeddings 4096 --mtp-num-layers 1");
+  const TrainingPlan plain = plan_of("--seq-length 4096 --max-position-embeddings 4096");
+  ASSERT_EQ(mtp.stages.size(), 1u);
+  EXPECT_NEAR(static_cast<double>(mtp.stages[0].memory.total()) / MiB, 74525.6, 0.1);
+  EXPECT_NEAR(static_cast<double>(plain.stages[0].memory.total()) / MiB, 69748.5, 0.1);
+  const auto activations = [](const TrainingPlan& p) {
+    for (const MemoryPart& part : p.stages[0].memory.parts)
+      if (part.name.rfind("activations", 0) == 0) return static_cast<double>(part.bytes);
+    return -1.0;
+  };
+  EXPECT_NEAR(activations(plain) / kGiB, 7.622, 0.0005);
+  const TrainingPlan half = plan_of("--seq-length 2048 --max-position-embeddings 4096");
+  EXPECT_NEAR(activations(plain) / activations(half), 2.0, 1e-3);
+  // time, the no-MTP run (the one with the phase timing): 15 MoE layers, 8 × 4096 tokens
+  const double flops_per_ffn = 15 * 6.0 * 8 * 4096 * 2048 * 3;  // × the experts' ffn widths a token goes through
+  const double routed_s = flops_per_ffn * 512 * 6 / 422.7e12, shared_s = flops_per_ffn * 512 / 422.7e12;
+  const StepPrediction& s = plain.step;
+  EXPECT_NEAR(s.moe_experts_s, routed_s + shared_s, 1e-9);
+  EXPECT_NEAR(routed_s / 131.69e-3, 1.0, 1e-3);  // the table's point
+  EXPECT_NEAR(s.moe_experts_s / (131.69e-3 + 22.43e-3), 1.0, 0.01);
+  const double token_rows_s = 4096.0 * 6 * 2048 * 2 / 4.8e12;  // one HBM pass over a micro-batch's top-k rows
+  EXPECT_NEAR(s.moe_token_passes_s, 15 * 8 * kMoeTokenPasses * token_rows_s, 1e-9);
+  EXPECT_NEAR(s.moe_token_passes_s / ((9.35 + 3.02 + 9.84 + 13.58 + 2.87) * 1e-3), 1.0, 0.005);
+  EXPECT_LT(s.moe_experts_s + s.moe_token_passes_s, s.compute_s);
+  // the MTP layer is an MoE layer: 16 of them with MTP
+  EXPECT_NEAR(mtp.step.moe_experts_s, s.moe_experts_s * 16 / 15, 1e-9);
+  // a dense model has none
+  EXPECT_EQ(plan_training(request("--bf16 --train-iters 2", 1, "h200")).step.moe_experts_s, 0.0);
+}
+
+// The expert-MLP rate: the measured points, linear in log(ffn) between them, the end points outside.
+TEST(PlanRates, ExpertMlpRateInterpolatesInLogFfn) {
+  EXPECT_DOUBLE_EQ(expert_mlp_tflops(512), 422.7);
+  EXPECT_DOUBLE_EQ(expert_mlp_tflops(1408), 467.3);
+  EXPECT_DOUBLE_EQ(expert_mlp_tflops(14336), 625.4);
+  EXPECT_DOUBLE_EQ(expert_mlp_tflops(64), 422.7);
+  EXPECT_DOUBLE_EQ(expert_mlp_tflops(65536), 625.4);
+  EXPECT_NEAR(expert_mlp_tflops(std::sqrt(1408.0 * 14336.0)), (467.3 + 625.4) / 2, 1e-9);
+  EXPECT_NEAR(expert_mlp_tflops(std::sqrt(512.0 * 1408.0)), (422.7 + 467.3) / 2, 1e-9);
 }
 
 // A layout that does not fit says so and names its largest consumer; the JSON has every stage.

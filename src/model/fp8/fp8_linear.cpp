@@ -337,11 +337,11 @@ void Fp8Linear::begin_forward(const Tensor& x, bool shard, int slot, const Strea
 
 void Fp8Linear::forward_rows(const Tensor& y, const Tensor& x, int64_t first, const Tensor& bias,
                              const Tensor& pre_gelu, int slot, const Stream& st) {
-  forward_rows_into(y, x, first, bias, pre_gelu, slot, st, /*accumulate=*/false);
+  forward_rows_into(y, x, first, bias, pre_gelu, slot, st, Tensor());
 }
 
 void Fp8Linear::forward_rows_into(const Tensor& y, const Tensor& x, int64_t first, const Tensor& bias,
-                                  const Tensor& pre_gelu, int slot, const Stream& st, bool accumulate) {
+                                  const Tensor& pre_gelu, int slot, const Stream& st, const Tensor& residual) {
   const int64_t rows = x.size(0);
   MT_CHECK(x.ndim() == 2 && x.size(1) == in_ && y.ndim() == 2 && y.size(0) == rows && y.size(1) == out_ &&
                (pre_gelu.empty() || pre_gelu.shape() == y.shape()),
@@ -354,14 +354,16 @@ void Fp8Linear::forward_rows_into(const Tensor& y, const Tensor& x, int64_t firs
   x_t_ready_ = x_t_ready_ || fuse_t;
   const Fp8Operand a = model_.settings().blockwise() ? Fp8Operand{b.q, b.q_s, Fp8Scaling::kBlock1x128}
                                                      : x_t_operand(sv, b.q, Tensor());
-  fprop(y, a, bias, pre_gelu, st, accumulate);
+  fprop(y, a, bias, pre_gelu, st, residual);
 }
 
 void Fp8Linear::fprop(const Tensor& y, const Fp8Operand& a, const Tensor& bias, const Tensor& pre_gelu,
-                      const Stream& st, bool accumulate) {
+                      const Stream& st, const Tensor& residual) {
   const Tensor out = pre_gelu.empty() ? y : pre_gelu;  // the GEMM's product
+  MT_CHECK(residual.empty() || (bias.empty() && pre_gelu.empty()), "{}: a residual GEMM has no bias or GELU", name_);
   // TE's fprop uses fast accumulation for the per-tensor recipes (no promotion of partial sums)
-  fp8_matmul(out, a, weight_operand(false), accumulate, /*fast_accum=*/!model_.settings().blockwise(), st);
+  fp8_matmul(out, a, weight_operand(false), /*accumulate=*/!residual.empty(),
+             /*fast_accum=*/!model_.settings().blockwise(), st, residual);
   if (!bias.empty() || !pre_gelu.empty()) fp8_bias_gelu(out, bias, pre_gelu.empty() ? Tensor() : y, st);
 }
 
@@ -425,9 +427,7 @@ void Fp8Linear::forward_fused_add(const Tensor& out, const Tensor& bias, const T
     const Tensor xq = views(fwd_rows_).xq;
     MT_CHECK(out.ndim() == 2 && out.size(0) == fwd_rows_ && out.size(1) == out_, "{}: out {} must be [{}, {}]", name_,
              out.str(), fwd_rows_, out_);
-    copy(out, residual, st);
-    fprop(out, x_t_operand(saved_.at(static_cast<size_t>(slot)), xq, Tensor()), Tensor(), Tensor(), st,
-          /*accumulate=*/true);
+    fprop(out, x_t_operand(saved_.at(static_cast<size_t>(slot)), xq, Tensor()), Tensor(), Tensor(), st, residual);
     if (save_input_) end_forward_fp8(slot, st);
     return;
   }
@@ -467,11 +467,10 @@ void Fp8Linear::forward_add(const Tensor& out, const Tensor& x, const Tensor& bi
                             const Stream& st) {
   const int64_t m = x.size(0);
   if (bias.empty() && m % kAlign == 0 && !model_.settings().blockwise() && out.shape() == residual.shape()) {
-    // the residual as the GEMM's C (beta = 1): out = residual + x · wᵀ in one rounding, no separate
-    // add pass over out (per-tensor recipes; with a bias, padding or blocks the add stays separate)
-    copy(out, residual, st);
+    // the residual as the GEMM's C (beta = 1, C ≠ D): out = residual + x · wᵀ in one rounding, no
+    // copy or add pass over out (per-tensor recipes; with a bias, padding or blocks the add stays separate)
     begin_forward(x, /*shard=*/false, slot, st);
-    forward_rows_into(out, x, 0, Tensor(), Tensor(), slot, st, /*accumulate=*/true);
+    forward_rows_into(out, x, 0, Tensor(), Tensor(), slot, st, residual);
     return;
   }
   forward(out, x, Tensor(), Tensor(), slot, st);

@@ -275,12 +275,12 @@ class Fp8Linear {
   Fp8Operand x_t_operand(const Saved& sv, const Tensor& x_t, const Tensor& x_t_s) const;
   Fp8Operand weight_operand(bool transposed) const;
   // The fprop GEMM of a block (a: its quantised rows) and its epilogue (bias, GELU).
-  // accumulate: y += the product (y holds the residual; no bias or pre_gelu then).
+  // residual: y = residual + the product in the GEMM (cuBLASLt's C; no bias or pre_gelu then).
   void fprop(const Tensor& y, const Fp8Operand& a, const Tensor& bias, const Tensor& pre_gelu, const Stream& stream,
-             bool accumulate = false);
-  // forward_rows, the product written (accumulate = false) or added to y.
+             const Tensor& residual = Tensor());
+  // forward_rows, the product written (residual empty) or added to the residual.
   void forward_rows_into(const Tensor& y, const Tensor& x, int64_t first, const Tensor& bias, const Tensor& pre_gelu,
-                         int slot, const Stream& stream, bool accumulate);
+                         int slot, const Stream& stream, const Tensor& residual);
   // Quantises dy [m, out] into dyq and / or dyq_t with begin_backward's scale.
   void quantize_dy(const Tensor& dyq, const Tensor& dyq_s, const Tensor& dyq_t, const Tensor& dyq_t_s,
                    const Tensor& dy, bool record, const Stream& stream);

@@ -1,10 +1,9 @@
 #include "model/hf/hf_deepseek.h"
 
-#include <cmath>
-
 #include <fmt/format.h>
 
 #include "core/logging.h"
+#include "ops/rope_math.h"
 
 namespace mt::hf::detail {
 
@@ -32,12 +31,11 @@ struct Rope {
 /// original_max_position_embeddings, beta_fast / beta_slow to 32 / 1 (also when 0), cos and sin
 /// scaled by get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim) when both are
 /// non-zero, else by get_mscale(factor); the softmax scale by get_mscale(factor, mscale_all_dim)²
-/// (DeepseekV3Attention). Megatron's YaRN scales cos and sin by the ratio always, so mscale 1 is
-/// HF's "else" branch, exact unless mscale_all_dim is set without mscale.
-/// DeepseekV2 (modeling_deepseek_v2.py) scales cos and sin the same way but leaves the softmax
-/// scale at 1/sqrt(d_n + d_r): megatron.cpp's --mscale-all-dim 0 (softmax factor 1) with --mscale
-/// 1 (cos and sin by get_mscale(factor): HF's "else" branch) or 0 (factor 1: mscale =
-/// mscale_all_dim, DeepSeek-V2's released configs); other mscale ratios are errors.
+/// when rope_type is not default (yarn_apply_mscale in DeepseekV3Attention.__init__, and in
+/// DeepseekV2Attention.__init__ since transformers 5.17, huggingface/transformers#47435: DeepSeek's
+/// own V2 code always did; transformers <= 5.16's DeepseekV2 used 1/sqrt(d_n + d_r) alone).
+/// Both families alike. Megatron's YaRN scales cos and sin by the ratio always, so mscale 1 is
+/// HF's "else" branch, exact unless mscale_all_dim is set without mscale (an error).
 Rope parse_rope(const Fields& f, int64_t max_positions, HfArchitecture arch) {
   const char* arch_name = architecture_name(arch);
   Rope r;
@@ -66,21 +64,6 @@ Rope parse_rope(const Fields& f, int64_t max_positions, HfArchitecture arch) {
   r.beta_fast = bf != 0.f ? bf : 32.f;
   r.beta_slow = bs != 0.f ? bs : 1.f;
   const float ms = rf.get_or<float>("mscale", 0.f), msa = rf.get_or<float>("mscale_all_dim", 0.f);
-  if (v2(arch)) {
-    MT_REQUIRE(ms == 0.f || msa == 0.f || ms == msa || r.factor <= 1.f,
-               "{}: mscale {} != mscale_all_dim {} is not supported for {}: transformers scales cos and sin by "
-               "get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim), which megatron.cpp's YaRN with "
-               "--mscale-all-dim 0 (transformers' DeepseekV2 has no softmax mscale) expresses only for a ratio of 1 "
-               "or get_mscale(factor)", rf.file, ms, msa, arch_name);
-    if (msa != 0.f && r.factor > 1.f)
-      log_warn("{}: mscale_all_dim {}: transformers' {} does not scale the softmax by get_mscale(factor, "
-               "mscale_all_dim)^2 = {} as DeepSeek's own code does; the imported model computes what transformers "
-               "computes", rf.file, msa, arch_name,
-               std::pow(0.1 * msa * std::log(static_cast<double>(r.factor)) + 1.0, 2.0));
-    r.mscale = ms != 0.f && msa != 0.f ? 0.f : 1.f;
-    r.mscale_all_dim = 0.f;
-    return r;
-  }
   MT_REQUIRE(ms != 0.f || msa == 0.f || r.factor <= 1.f,
              "{}: mscale_all_dim {} without mscale is not supported: transformers then scales cos and sin by "
              "get_mscale(factor), which megatron.cpp's YaRN (get_mscale(factor, mscale) / get_mscale(factor, "
@@ -106,18 +89,13 @@ Rope rope_of(const TransformerConfig& c) {
 }
 
 /// The rope fields of a fresh config.json for `r` (transformers 5's rope_parameters and, for
-/// transformers 4 and DeepSeek's code, rope_scaling). DeepseekV2: --mscale 0 is written as
-/// mscale = mscale_all_dim = 1 (a ratio of 1), --mscale 1 without either (get_mscale(factor)).
-void put_rope(const Rope& r, HfArchitecture arch, json& j) {
+/// transformers 4 and DeepSeek's code, rope_scaling); the same for both families.
+void put_rope(const Rope& r, json& j) {
   json params = {{"rope_type", r.yarn ? "yarn" : "default"}, {"rope_theta", decimal(r.theta)}};
-  if (r.yarn) {
+  if (r.yarn)
     params.update({{"factor", decimal(r.factor)}, {"original_max_position_embeddings", r.original},
-                   {"beta_fast", decimal(r.beta_fast)}, {"beta_slow", decimal(r.beta_slow)}});
-    if (!v2(arch))
-      params.update({{"mscale", decimal(r.mscale)}, {"mscale_all_dim", decimal(r.mscale_all_dim)}});
-    else if (r.mscale == 0.f)
-      params.update({{"mscale", 1.0}, {"mscale_all_dim", 1.0}});
-  }
+                   {"beta_fast", decimal(r.beta_fast)}, {"beta_slow", decimal(r.beta_slow)},
+                   {"mscale", decimal(r.mscale)}, {"mscale_all_dim", decimal(r.mscale_all_dim)}});
   j["rope_theta"] = decimal(r.theta);
   j["rope_parameters"] = params;
   json scaling = nullptr;
@@ -447,18 +425,17 @@ void check_deepseek_representable(HfArchitecture arch, const TransformerConfig& 
   need(c.activation() == MlpActivation::kSwiGLU, "a SwiGLU MLP is required (--swiglu)");
   need(!c.add_bias_linear, "no biases on the projections (--disable-bias-linear)");
   const Rope r = rope_of(c);
-  if (v2(arch)) {
-    need(c.mtp_num_layers == 0, fmt::format("it has {} multi-token prediction layers (--mtp-num-layers), which only "
-                                            "DeepseekV3ForCausalLM holds", c.mtp_num_layers));
-    need(!r.yarn || r.factor <= 1.f || (r.mscale_all_dim == 0.f && (r.mscale == 0.f || r.mscale == 1.f)),
-         fmt::format("--mscale {} / --mscale-all-dim {}: transformers' DeepseekV2 has no softmax mscale "
-                     "(--mscale-all-dim 0) and scales cos and sin by 1 (--mscale 0) or get_mscale(factor) (--mscale 1)",
-                     r.mscale, r.mscale_all_dim));
-  } else {
-    need(!r.yarn || r.mscale_all_dim != 0.f || r.mscale == 1.f || r.factor <= 1.f,
-         fmt::format("--mscale {} without --mscale-all-dim: transformers ignores mscale unless mscale_all_dim is set",
-                     r.mscale));
-  }
+  need(!v2(arch) || c.mtp_num_layers == 0, fmt::format("it has {} multi-token prediction layers (--mtp-num-layers), "
+                                                       "which only DeepseekV3ForCausalLM holds", c.mtp_num_layers));
+  need(!r.yarn || r.mscale_all_dim != 0.f || r.mscale == 1.f || r.factor <= 1.f,
+       fmt::format("--mscale {} without --mscale-all-dim: transformers ignores mscale unless mscale_all_dim is set",
+                   r.mscale));
+  // Megatron scales the softmax by get_mscale(s, --mscale-all-dim)² under plain RoPE too;
+  // transformers' yarn_apply_mscale only when rope_type is not default.
+  need(r.yarn || rope_math::yarn_get_mscale(c.rotary_scaling_factor, c.mscale_all_dim) == 1.0,
+       fmt::format("--mscale-all-dim {} with --rotary-scaling-factor {} scales the softmax under --rope-type rope, "
+                   "which transformers does only for YaRN (--rope-type yarn)", c.mscale_all_dim,
+                   c.rotary_scaling_factor));
   if (c.num_moe_experts == 0) return;
   const int64_t first = first_moe_layer(c), k = c.moe_router_topk;
   for (int64_t l = first; l < c.num_layers; ++l)
@@ -523,7 +500,7 @@ json deepseek_hf_config(HfArchitecture arch, const TransformerConfig& c, const j
   } catch (const Error&) {
     same = false;
   }
-  if (!same) put_rope(rope_of(c), arch, j);
+  if (!same) put_rope(rope_of(c), j);
   const int64_t L = c.num_layers, D = c.mtp_num_layers;
   if (D > 0 || j.contains("num_nextn_predict_layers")) j["num_nextn_predict_layers"] = D;
   j.erase("moe_layer_freq");

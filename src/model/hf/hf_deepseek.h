@@ -5,8 +5,10 @@
 // transformers 5's modeling_deepseek_v2.py / configuration_deepseek_v2.py): the router is
 // --moe-router-pre-softmax (top-k of the softmax probabilities, 'greedy'; 'group_limited_greedy'
 // scores a group by its best probability, Megatron's group score for top-k = topk_group) times
-// routed_scaling_factor, no e_score_correction_bias; RoPE always on interleaved pairs; YaRN scales
-// cos and sin as DeepSeek-V3 but not the softmax (--mscale-all-dim 0). Facts from transformers 5's modeling_deepseek_v3.py /
+// routed_scaling_factor, no e_score_correction_bias; RoPE always on interleaved pairs; YaRN as
+// DeepSeek-V3 (cos and sin by the mscale ratio, the softmax by get_mscale(factor, mscale_all_dim)²:
+// transformers >= 5.17's DeepseekV2Attention, DeepSeek's own code; transformers <= 5.16 left the
+// softmax factor out). Facts from transformers 5's modeling_deepseek_v3.py /
 // configuration_deepseek_v3.py / modeling_rope_utils.py and DeepSeek-V3's released checkpoint
 // layout (arXiv:2412.19437):
 //   * attention, per layer (model.layers.l.self_attn.):
@@ -42,12 +44,12 @@ inline bool is_deepseek(HfArchitecture a) { return a == HfArchitecture::kDeepsee
 /// config.json of `arch` -> `c`. Errors (naming the file, the field and the reason): what
 /// megatron.cpp cannot represent exactly. DeepseekV3: scoring_func other than sigmoid, topk_method
 /// other than noaux_tc, norm_topk_prob false with top-k > 1, a group scoring that is not
-/// Megatron's (num_experts_per_tok != 2 · topk_group), mscale_all_dim without mscale. DeepseekV2:
-/// scoring_func other than softmax, topk_method other than greedy / group_limited_greedy,
-/// norm_topk_prob true with top-k > 1, group_limited_greedy with num_experts_per_tok != topk_group,
-/// mscale != mscale_all_dim (both set), n_shared_experts null, num_nextn_predict_layers. Both: rope
-/// types other than default / yarn, YaRN's attention_factor, grouped keys, attention or MLP biases,
-/// moe_layer_freq, quantized weights.
+/// Megatron's (num_experts_per_tok != 2 · topk_group). DeepseekV2: scoring_func other than softmax,
+/// topk_method other than greedy / group_limited_greedy, norm_topk_prob true with top-k > 1,
+/// group_limited_greedy with num_experts_per_tok != topk_group, n_shared_experts null,
+/// num_nextn_predict_layers. Both: rope types other than default / yarn, YaRN's attention_factor,
+/// mscale_all_dim without mscale, grouped keys, attention or MLP biases, moe_layer_freq, quantized
+/// weights.
 void deepseek_config(const Fields& f, HfArchitecture arch, TransformerConfig& c);
 /// Errors: the first property of `c` the architecture cannot hold.
 void check_deepseek_representable(HfArchitecture arch, const TransformerConfig& c);

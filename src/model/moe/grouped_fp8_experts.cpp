@@ -65,6 +65,11 @@ GroupedFp8Experts::Proj& GroupedFp8Experts::proj(int fc) {
 }
 
 void GroupedFp8Experts::plan(BufferPlanner& planner, int64_t max_rows) {
+  // the CUDA grouped FP8 kernels write bf16 (ops/grouped_matmul.h); the CPU emulation fp32
+  MT_CHECK(planner.device().is_cpu() || planner.act_dtype() == DType::kBF16,
+           "--fp8-format with --moe-grouped-gemm on a GPU needs bf16 activations (--bf16), got {}: the grouped "
+           "FP8 expert kernels write bf16; drop --moe-grouped-gemm for {} activations",
+           dtype_name(planner.act_dtype()), dtype_name(planner.act_dtype()));
   max_rows_ = max_rows;
   const size_t a = static_cast<size_t>(planner.area());
   if (saved_.size() <= a) saved_.resize(a + 1);

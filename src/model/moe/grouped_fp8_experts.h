@@ -45,6 +45,7 @@ class GroupedFp8Experts {
 
   /// Plans, in the open area, the x scales kept for the backward, and the scratch: the FP8 x / dy
   /// of both projections [R_max, ·], their transposes [·, pad16(R_max)], per-expert values.
+  /// Errors: mt::Error for non-bf16 activations on a GPU (the grouped FP8 kernels write bf16).
   void plan(BufferPlanner& planner, int64_t max_rows);
   /// Projection fc (1 or 2): y [R_max, n] = the grouped FP8 product of x [R_max, k] (act dtype)
   /// with the experts' FP8 weights, rows per expert from counts (int32 [G], device); y's tail

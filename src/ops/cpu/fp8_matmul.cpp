@@ -33,10 +33,11 @@ void partial_product(float* p, const float* a, const float* b, int64_t m, int64_
 }  // namespace
 
 void fp8_matmul(const Tensor& d, const Fp8Operand& a, const Fp8Operand& b, bool accumulate, bool fast_accum,
-                const Stream&) {
+                const Stream&, const Tensor& c) {
   const int64_t m = a.data.size(0), n = b.data.size(0), k = a.data.size(1);
   if (m == 0 || n == 0) return;
   float* dv = d.data_as<float>();
+  if (accumulate && !c.empty() && c.data() != d.data()) std::copy_n(c.data_as<float>(), m * n, dv);  // d = c + ...
   if (k == 0) {
     if (!accumulate) std::fill(dv, dv + m * n, 0.f);
     return;

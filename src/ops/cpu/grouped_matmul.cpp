@@ -111,7 +111,8 @@ void grouped_fp8_linear_forward(const Tensor& y, const Tensor& aq, const Tensor&
     if (r1 == r0) continue;
     // y_g[c_g, N] = (sa · sb) · aq_g[c_g, K] · wq_g[N, K]ᵀ
     cpu::fp8_matmul(y.slice0(r0, r1), group_operand(aq.slice0(r0, r1), a_scale_inv, g),
-                    group_operand(wq[g], w_scale_inv, g), /*accumulate=*/false, /*fast_accum=*/false, stream);
+                    group_operand(wq[g], w_scale_inv, g), /*accumulate=*/false,
+                    /*fast_accum=*/false, stream, Tensor());
   }
   float* Y = y.data_as<float>();
   std::fill(Y + off.back() * N, Y + R * N, 0.f);
@@ -128,7 +129,7 @@ void grouped_fp8_linear_wgrad(const GroupedWeights& dw, const Tensor& dyq_t, con
     // dW_g[n, k] += (s_dy · s_x) · dyq_t[:, segment] · xq_t[:, segment]ᵀ
     const Tensor a = column_segment(dyq_t, r0, c, a_buf), b = column_segment(xq_t, r0, c, b_buf);
     cpu::fp8_matmul(dw[g], group_operand(a, dy_scale_inv, g), group_operand(b, x_scale_inv, g),
-                    /*accumulate=*/true, /*fast_accum=*/false, stream);
+                    /*accumulate=*/true, /*fast_accum=*/false, stream, Tensor());
   }
 }
 

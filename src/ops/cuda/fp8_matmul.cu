@@ -10,14 +10,17 @@
 namespace mt::cuda {
 
 void fp8_matmul(const Tensor& d, const Fp8Operand& a, const Fp8Operand& b, bool accumulate, bool fast_accum,
-                const Stream& stream) {
+                const Stream& stream, const Tensor& c) {
   const int64_t m = a.data.size(0), n = b.data.size(0), k = a.data.size(1);
   if (m == 0 || n == 0) return;
   if (k == 0) {
-    if (!accumulate) MT_CUDA_CHECK(cudaMemsetAsync(d.data(), 0, d.nbytes(), cu(stream)));
+    if (!accumulate)
+      MT_CUDA_CHECK(cudaMemsetAsync(d.data(), 0, d.nbytes(), cu(stream)));
+    else if (!c.empty() && c.data() != d.data())
+      MT_CUDA_CHECK(cudaMemcpyAsync(d.data(), c.data(), d.nbytes(), cudaMemcpyDeviceToDevice, cu(stream)));
     return;
   }
-  gemm(mt::fp8_gemm_desc(d, a, b, accumulate, fast_accum), stream);
+  gemm(mt::fp8_gemm_desc(d, a, b, accumulate, fast_accum, c), stream);
 }
 
 }  // namespace mt::cuda
