@@ -771,8 +771,10 @@ TEST_F(TrainerLayouts, MegatronFsdpOptimGradsParams) {
 // gradients all-reduced across the instances. For the distributed optimizer and every Megatron-FSDP
 // strategy: DP 4 as 2 instances equals one rank and k = 1 within fp32 rounding (the sums are taken
 // in another order: within the instance, then across); DP 2 as 2 instances of one rank is plain
-// DDP's reduction (the all-reduce over the 2 ranks, the norm over whole gradients), bitwise; TP 2 +
-// SP x DP 4 and the tiny MoE at EP 2 x DP 4 equal one rank; checkpoints written with k = 2 resume
+// DDP's reduction (the all-reduce over the 2 ranks, the norm over whole gradients), bitwise; with one
+// micro-batch per rank optim_grads(_params) with k = 2 are bitwise the distributed optimizer with
+// k = 2 (fp32 and bf16 reduction); TP 2 + SP x DP 4, PP 2 x DP 2, CP 2 x DP 2 (the dp-cp group split)
+// and the tiny MoE at EP 2 x DP 4 equal one rank; checkpoints written with k = 2 resume
 // with k = 1 and back; the memory estimate's parameter and gradient terms are the bytes allocated;
 // bad values are refused, naming them. (The negative control, a dropped cross-instance all-reduce
 // caught, is grad_sync_test's HybridShardingNeedsTheCrossInstanceAllReduce.)
@@ -789,9 +791,21 @@ TEST_F(TrainerLayouts, MegatronFsdpHybridSharding) {
     expect_identical_runs(train("--train-iters 4 --nproc-per-node 2" + strategy + k2),
                           train("--train-iters 4 --nproc-per-node 2"), "DP 2, k 2 against plain DDP");
   }
-  expect_near_one_rank(train("--train-iters 4 --nproc-per-node 8 --tensor-model-parallel-size 2 --sequence-parallel" +
-                             fsdp + "optim_grads_params" + k2),
-                       ref, "TP 2 + SP x DP 4, k 2");
+  // One micro-batch per rank (DP 4): optim_grads and optim_grads_params sum in the distributed
+  // optimizer's order with the same buckets (the reduce-scatter in the instance, then the
+  // all-reduce across instances), so with k = 2 they are bitwise the distributed optimizer's, in
+  // fp32 and with the bf16 reduction (the shard's bf16 all-reduce sees the bf16-reduced values).
+  const std::string distopt = " --use-distributed-optimizer --overlap-grad-reduce --ddp-bucket-size 3000" + k2;
+  for (const std::string bf16 : {"", " --megatron-fsdp-grad-comm-dtype bf16"})
+    for (const std::string strategy : {"optim_grads", "optim_grads_params"})
+      expect_identical_runs(train("--train-iters 4 --nproc-per-node 4" + fsdp + strategy + bf16 + k2),
+                            train("--train-iters 4 --nproc-per-node 4" + distopt +
+                                  (bf16.empty() ? "" : " --grad-reduce-in-bf16")),
+                            strategy + bf16 + ", k 2 against the distributed optimizer");
+  for (const std::string layout : {"--nproc-per-node 8 --tensor-model-parallel-size 2 --sequence-parallel",
+                                   "--nproc-per-node 4 --pipeline-model-parallel-size 2",
+                                   "--nproc-per-node 4 --context-parallel-size 2"})
+    expect_near_one_rank(train("--train-iters 4 " + layout + fsdp + "optim_grads_params" + k2), ref, layout + ", k 2");
   const std::string moe = kTinyMoe;
   expect_near_one_rank(
       train("--train-iters 4 --nproc-per-node 4 --expert-model-parallel-size 2" + moe + fsdp + "optim_grads" + k2),
