@@ -498,6 +498,10 @@ void TrainingSetup::log_summary() {
     log_info("> data-parallel gradient buckets: {} (--ddp-bucket-size {}), overlap grad reduce {}, param gather {}",
              model.params().buckets().size(), model.params().layout().bucket_size, args_.overlap_grad_reduce,
              args_.overlap_param_gather);
+  if (const int k = args_.num_distributed_optimizer_instances; k > 1)
+    log_info("> hybrid sharding (--num-distributed-optimizer-instances {}): the data-parallel group of {} ranks as {} "
+             "instances of {} (sharded within an instance, gradients all-reduced across instances)",
+             k, groups().dp_cp->size(), k, grad_sync.dp()->size());
 }
 
 // The checkpoint of --load (weights, and unless --finetune / --no-load-optim the optimizer and the
