@@ -843,7 +843,9 @@ TEST_F(TrainerLayouts, MegatronFsdpHybridSharding) {
             "instances of equal size (4 is not divisible by 3)"},
            {" --nproc-per-node 2" + k2, "--num-distributed-optimizer-instances 2 needs the distributed optimizer"},
            {" --nproc-per-node 2 --use-distributed-optimizer --ddp-copy-engine" + k2, "with --ddp-copy-engine is not built"},
-           {" --nproc-per-node 2 --use-distributed-optimizer --optimizer muon" + k2, "with --optimizer muon is not built"}})
+           {" --nproc-per-node 2 --use-distributed-optimizer --optimizer muon" + k2, "with --optimizer muon is not built"},
+           {" --nproc-per-node 2 --use-distributed-optimizer --fp8-format hybrid --fp8-param-gather" + k2,
+            "with --fp8-param-gather is not built"}})
     expect_error_text([&] { train("--train-iters 1" + bad); }, msg, bad);
 }
 
