@@ -99,8 +99,8 @@
 // of D/k; the gradients are reduce-scattered within the instance and the owned slice then
 // all-reduced over the replica group (replicas()), so every instance holds the sum over all D
 // ranks. With shard_grads the replica all-reduce runs once per step, on the accumulated shard,
-// in finish_grad_sync (the sum is linear: the same sum as per micro-batch, k-1 fewer collectives
-// per step). The layout must be ParamLayout::data_parallel_size = D/k (edp: EDP/k).
+// in finish_grad_sync (the sum is linear: the same sum as per micro-batch, one all-reduce per
+// bucket and step instead of one per micro-batch; not overlapped with the backward). The layout must be ParamLayout::data_parallel_size = D/k (edp: EDP/k).
 #pragma once
 #include <memory>
 #include <string>
