@@ -55,18 +55,45 @@ GradSync::GradSync(ParamStore& params, std::shared_ptr<Communicator> dp, const D
              "--overlap-param-gather with --data-parallel-sharding-strategy optim_grads_params: the parameters are "
              "all-gathered per unit before use (prefetched) instead of after the optimizer step; drop the flag");
   MT_REQUIRE(config.param_slots >= 0, "DdpConfig::param_slots must be >= 0, got {}", config.param_slots);
+  const int k = config.num_distributed_optimizer_instances;
+  MT_REQUIRE(k == 1 || config.use_distributed_optimizer,
+             "--num-distributed-optimizer-instances {} needs the distributed optimizer (--use-distributed-optimizer): "
+             "the instances are replicas of the sharded optimizer state",
+             k);
+  MT_REQUIRE(k == 1 || !config.copy_engine,
+             "--ddp-copy-engine with --num-distributed-optimizer-instances {} is not built (docs/fsdp.md)", k);
+  const bool same = edp_ == dp_;
+  if (k != 1) {
+    // Hybrid sharding: this rank's instance (contiguous group ranks, the shard group) and its
+    // replica group (the same position in every instance). Both are communicators of our own.
+    const auto split = [k](std::shared_ptr<Communicator>& g, std::shared_ptr<Communicator>& inter) {
+      const int n = instance_group_size(g->size(), k, g->name()), r = g->rank();
+      auto intra = g->split(r / n, r % n, g->name() + "-instance");
+      inter = g->split(r % n, r / n, g->name() + "-replicas");
+      g = std::move(intra);
+    };
+    split(dp_, inter_dp_);
+    if (same) {
+      edp_ = dp_;
+      inter_edp_ = inter_dp_;
+    } else {
+      split(edp_, inter_edp_);
+    }
+  } else {
+    inter_dp_ = std::make_shared<SingleRankCommunicator>("dp-replicas");
+    inter_edp_ = inter_dp_;
+  }
   const int n_dp = dp_->size();
   // With overlap the bucket collectives run on this object's communication stream while the
   // caller keeps using its DP communicator on its own stream (loss logging, evaluation). One NCCL
   // communicator must not be used from two streams concurrently, so take a communicator of our
-  // own (a collective split over the DP group).
-  const bool same = edp_ == dp_;
+  // own (a collective split over the DP group; hybrid sharding's groups are already our own).
   const int n_edp = edp_->size();
-  if ((config.overlap_grad_reduce || config.overlap_param_gather) && n_dp > 1)
-    dp_ = dp_->split(0, dp_->rank(), dp_->name() + "-buckets");
+  const bool own = k == 1 && (config.overlap_grad_reduce || config.overlap_param_gather);
+  if (own && n_dp > 1) dp_ = dp_->split(0, dp_->rank(), dp_->name() + "-buckets");
   if (same) {
     edp_ = dp_;
-  } else if ((config.overlap_grad_reduce || config.overlap_param_gather) && n_edp > 1) {
+  } else if (own && n_edp > 1) {
     edp_ = edp_->split(0, edp_->rank(), edp_->name() + "-buckets");
   }
   distributed_ = config.use_distributed_optimizer && (n_dp > 1 || n_edp > 1);
@@ -83,7 +110,7 @@ GradSync::GradSync(ParamStore& params, std::shared_ptr<Communicator> dp, const D
     if (r.end > r.begin) owned_.push_back(r);
     owned_elements_ += r.end - r.begin;
   }
-  if (config.grad_reduce_in_bf16 && (n_dp > 1 || n_edp > 1))
+  if (config.grad_reduce_in_bf16 && (n_dp > 1 || n_edp > 1 || inter_dp_->size() > 1 || inter_edp_->size() > 1))
     bf16_comm_ = Buffer(params.device(), static_cast<size_t>(largest_bucket(bks)) * 2);
   if (config.shard_grads) {
     Stream s(params.device());
@@ -158,6 +185,15 @@ const ParamBucket* GradSync::unshardable_bucket() const {
   return nullptr;
 }
 
+int instance_group_size(int group_size, int instances, const std::string& group) {
+  MT_REQUIRE(instances >= 1, "--num-distributed-optimizer-instances must be >= 1, got {}", instances);
+  MT_REQUIRE(group_size % instances == 0,
+             "--num-distributed-optimizer-instances {}: the data-parallel group '{}' of {} ranks does not split into "
+             "{} instances of equal size ({} is not divisible by {})",
+             instances, group, group_size, instances, group_size, instances);
+  return group_size / instances;
+}
+
 GradSync::~GradSync() {
   try {
     comm_.synchronize();  // no collective may still write into the buffers
@@ -201,7 +237,7 @@ void GradSync::reduce_into_shard(size_t b, const Stream& stream) {
   const Tensor g = params_.bucket_grads(b);
   const ParamStore::Range r = owned_range(b);
   const int64_t o = r.begin - bk.begin, n = r.end - r.begin;
-  if (grp.size() > 1) {
+  if (grp.size() > 1) {  // (hybrid sharding: the replicas' all-reduce follows in finish_grad_sync)
     if (bf16_comm_.data() != nullptr) {
       const Tensor c = bf16_comm_.as(DType::kBF16, {bk.numel()});
       cast(c, g, stream);
@@ -221,6 +257,25 @@ void GradSync::reduce_into_shard(size_t b, const Stream& stream) {
   launched_[b] = 1;
 }
 
+void GradSync::all_reduce_shard_over_instances(const Stream& stream) {
+  const auto& bks = params_.buckets();
+  for (size_t b = bks.size(); b-- > 0;) {  // ascending offsets
+    Communicator& rep = replicas(bks[b]);
+    const ParamStore::Range r = owned_range(b);
+    const int64_t n = r.end - r.begin;
+    if (rep.size() < 2 || n == 0) continue;
+    const Tensor s = grad_shard().flat_range(shard_offset_[b], n);
+    if (bf16_comm_.data() != nullptr) {  // in the reduction dtype, as the reduce-scatter
+      const Tensor c = bf16_comm_.as(DType::kBF16, {n});
+      cast(c, s, stream);
+      rep.all_reduce(c, ReduceOp::kSum, stream);
+      cast(s, c, stream);
+    } else {
+      rep.all_reduce(s, ReduceOp::kSum, stream);
+    }
+  }
+}
+
 std::pair<size_t, size_t> GradSync::bucket_span(size_t first, size_t end) const {
   return {params_.bucket_of(end - 1), params_.bucket_of(first)};
 }
@@ -230,7 +285,8 @@ void GradSync::launch_grad_reduce(size_t b, const Stream& stream, bool exposed) 
   ++n_launched_;
   const ParamBucket& bk = params_.buckets()[b];
   Communicator& grp = group(bk);
-  if (grp.size() < 2) return;
+  Communicator& rep = replicas(bk);
+  if (grp.size() < 2 && rep.size() < 2) return;
   const Tensor g = params_.grads_flat().flat_range(bk.begin, bk.numel());
   // What is reduced: the fp32 gradients in place, or (--grad-reduce-in-bf16) their bf16 rounding
   // in the communication buffer, widened back afterwards.
@@ -251,10 +307,11 @@ void GradSync::launch_grad_reduce(size_t b, const Stream& stream, bool exposed) 
     ++copy_engine_collectives_;
   }
 #endif
-  if (!copy_engine) {
+  if (!copy_engine && grp.size() > 1) {
     if (distributed_) grp.reduce_scatter(owned, c, ReduceOp::kSum, stream);
     else grp.all_reduce(c, ReduceOp::kSum, stream);
   }
+  if (rep.size() > 1) rep.all_reduce(owned, ReduceOp::kSum, stream);  // hybrid sharding: over the instances
   if (bf16) cast(g.flat_range(r.begin - bk.begin, r.end - r.begin), owned, stream);
 }
 
@@ -352,6 +409,7 @@ void GradSync::finish_grad_sync(const Stream& stream) {
                  b, params_.info(i).name, bk.param_begin, bk.param_end);
       if (!launched_[b]) reduce_into_shard(b, stream);  // nothing reported (no backward): zeros, collectives matched
     }
+    all_reduce_shard_over_instances(stream);
     finished_ = true;
     return;
   }

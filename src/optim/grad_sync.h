@@ -88,6 +88,19 @@
 // distributed optimizer; no other bucket is gathered there. A gather waits (an event on the
 // compute stream) for every kernel enqueued before it, so a slot is overwritten only after the
 // readers of its previous binding and the shard only read after the optimizer wrote it.
+//
+// Hybrid sharding (DdpConfig::num_distributed_optimizer_instances k > 1, Megatron's
+// --num-distributed-optimizer-instances; docs/fsdp.md): the data-parallel group of D ranks (and
+// the expert one of EDP ranks) is split at construction into k instances of D/k contiguous ranks
+// (Megatron's intra-partial data-parallel group: group ranks [i·D/k, (i+1)·D/k)) and D/k replica
+// groups of k ranks (the inter-instance group: ranks j, j + D/k, ...). dp() / edp() are then the
+// instance groups: everything sharded (owned ranges, the gradient shard, the optimizer state, the
+// parameter all-gathers, the norm's sum) is sharded over D/k ranks, as with a data-parallel group
+// of D/k; the gradients are reduce-scattered within the instance and the owned slice then
+// all-reduced over the replica group (replicas()), so every instance holds the sum over all D
+// ranks. With shard_grads the replica all-reduce runs once per step, on the accumulated shard,
+// in finish_grad_sync (the sum is linear: the same sum as per micro-batch, one all-reduce per
+// bucket and step instead of one per micro-batch; not overlapped with the backward). The layout must be ParamLayout::data_parallel_size = D/k (edp: EDP/k).
 #pragma once
 #include <memory>
 #include <string>
@@ -126,13 +139,24 @@ struct DdpConfig {
   bool shard_params = false;
   /// Parameter slots with shard_params; 0 = param_slots_needed(the store).
   int param_slots = 0;
+  /// --num-distributed-optimizer-instances k (needs use_distributed_optimizer): see "Hybrid
+  /// sharding" above.
+  int num_distributed_optimizer_instances = 1;
 };
+
+/// Ranks of one distributed-optimizer instance of a data-parallel group of `group_size` ranks
+/// split into `instances` replicas (--num-distributed-optimizer-instances): group_size /
+/// instances. Errors (mt::Error naming both values and `group`, e.g. "dp-cp"): instances < 1, or
+/// group_size not divisible by instances.
+int instance_group_size(int group_size, int instances, const std::string& group);
 
 class GradSync final : public ParamGradHooks {
  public:
   /// params: the store whose buckets are reduced (not owned; must outlive this). dp: the
   /// data-parallel group (nullptr = a single rank). Errors (mt::Error): overlap_param_gather
-  /// without use_distributed_optimizer; with the distributed optimizer and DP > 1, a bucket
+  /// without use_distributed_optimizer; num_distributed_optimizer_instances > 1 without
+  /// use_distributed_optimizer, with copy_engine, or not dividing DP or EDP (instance_group_size);
+  /// with the distributed optimizer and DP > 1, a bucket
   /// whose length is not a multiple of kAlign · DP (the ParamStore was laid out for another
   /// data-parallel size: ParamLayout::data_parallel_size).
   /// edp: the expert-data-parallel group, over which the buckets of expert parameters
@@ -145,11 +169,17 @@ class GradSync final : public ParamGradHooks {
 
   const DdpConfig& config() const { return config_; }
   ParamStore& params() const { return params_; }
+  /// The group the distributed optimizer shards over: the data-parallel group given, or with
+  /// hybrid sharding this rank's instance of it (D/k ranks).
   const std::shared_ptr<Communicator>& dp() const { return dp_; }
-  /// The expert-data-parallel group (== dp() when none was given).
+  /// The expert-data-parallel group (== dp() when none was given; with hybrid sharding the
+  /// instance, EDP/k ranks).
   const std::shared_ptr<Communicator>& edp() const { return edp_; }
   /// The group bucket `bk` is reduced over: edp() for expert buckets, else dp().
   Communicator& group(const ParamBucket& bk) const { return bk.expert ? *edp_ : *dp_; }
+  /// Hybrid sharding: the group over which bucket `bk`'s owned slice is all-reduced after the
+  /// reduce-scatter within group(bk) (one rank: no hybrid sharding).
+  Communicator& replicas(const ParamBucket& bk) const { return bk.expert ? *inter_edp_ : *inter_dp_; }
   /// Gradients reduce-scattered and parameters sharded: use_distributed_optimizer and DP > 1 (or
   /// EDP > 1); a bucket whose group has one rank stays whole.
   bool distributed() const { return distributed_; }
@@ -283,6 +313,8 @@ class GradSync final : public ParamGradHooks {
   // shard_grads: reduce-scatter bucket b's slot, add the owned slice into the shard, re-zero
   // and release the slot, and make its parameters reportable again.
   void reduce_into_shard(size_t b, const Stream& stream);
+  // Hybrid sharding: all-reduces each bucket's slice of the gradient shard over replicas().
+  void all_reduce_shard_over_instances(const Stream& stream);
   void reset_grad_state();
   // shard_params: binds staged bucket b to a slot and all-gathers its owned slices into it on
   // comm_ (nothing when bound); releases every bound bucket no unit uses.
@@ -320,6 +352,7 @@ class GradSync final : public ParamGradHooks {
 
   ParamStore& params_;
   std::shared_ptr<Communicator> dp_, edp_;
+  std::shared_ptr<Communicator> inter_dp_, inter_edp_;  // hybrid sharding's replica groups (else one rank)
   Fp8Model* fp8_ = nullptr;
   std::vector<Fp8Linear*> fp8_linears_;  // gathered in FP8, in Fp8Model::linears order
   std::vector<Fp8Bucket> fp8_buckets_;   // per bucket (empty: none gathered in FP8)

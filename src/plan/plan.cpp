@@ -217,12 +217,15 @@ StepPrediction predict_step(const TrainingPlan& p, const PretrainArgs& a, const 
   // Data parallel over dp-cp (stride tp), the experts over edp; optimizer over the owned elements.
   const bool distopt = a.use_distributed_optimizer;
   const double grad_b = a.grad_reduce_in_bf16 ? 2 : 4;
+  const int k = a.num_distributed_optimizer_instances;  // hybrid sharding: instances of n / k ranks
   for (const StageWork& s : stages) {
     const double dense = static_cast<double>(s.model.params.total - s.model.params.expert);
     const double expert = static_cast<double>(s.model.params.expert);
-    const auto reduce = [&](double elems, int n, int stride) {
+    const auto reduce = [&](double elems, int group, int stride) {
+      const int n = std::max(group / k, 1);  // the instance; its owned slices all-reduced over the k instances
       const double gbps = group_gbps(g, n, stride);
-      const double grads = distopt ? collective_s(elems * grad_b, n, 1, gbps, lat) : collective_s(elems * grad_b, n, 2, gbps, lat);
+      const double grads = (distopt ? collective_s(elems * grad_b, n, 1, gbps, lat) : collective_s(elems * grad_b, n, 2, gbps, lat)) +
+                           collective_s(elems / n * grad_b, k, 2, group_gbps(g, k, stride * n), lat);
       const double params = distopt ? collective_s(elems * act, n, 1, gbps, lat) : 0;
       // overlapped: what is left is the last bucket's reduction (and gather)
       const double share = static_cast<double>(s.model.params.largest_bucket) / std::max(elems, 1.0);
@@ -231,7 +234,7 @@ StepPrediction predict_step(const TrainingPlan& p, const PretrainArgs& a, const 
     };
     const double dp = reduce(dense, pc.dp * pc.cp, pc.tp) + reduce(expert, pc.edp, pc.etp * pc.ep);
     const double owned =
-        distopt ? dense / (pc.dp * pc.cp) + expert / std::max(pc.edp, 1) : dense + expert;
+        distopt ? dense / (pc.dp * pc.cp / k) + expert / std::max(pc.edp / k, 1) : dense + expert;
     // AdamW: reads gradient, main parameter and both moments, writes all but the gradient and the
     // model-dtype copy; the gradients are zeroed and their norm read (whole buffer)
     const double bytes = owned * (4 * 4 + 3 * 4 + (a.dtype() == DType::kF32 ? 0 : act)) + (dense + expert) * 8;
@@ -272,8 +275,11 @@ TrainingPlan plan_training(const PlanRequest& req) {
   p.total_parameters = a.model.num_parameters(pc.tp);
   p.flops_per_iteration = a.model.flops_per_iteration(a.global_batch_size, pc.tp);
   p.layout_table = layout_table(pc);
-  p.summary = fmt::format("tp={} pp={} vpp={} cp={} ep={} dp={}{}", pc.tp, pc.pp, pc.num_chunks(), pc.cp, pc.ep,
-                          pc.dp, a.sequence_parallel && pc.tp > 1 ? " sp" : "");
+  p.summary = fmt::format("tp={} pp={} vpp={} cp={} ep={} dp={}{}{}", pc.tp, pc.pp, pc.num_chunks(), pc.cp, pc.ep,
+                          pc.dp, a.sequence_parallel && pc.tp > 1 ? " sp" : "",
+                          a.num_distributed_optimizer_instances > 1
+                              ? fmt::format(" (optimizer instances {})", a.num_distributed_optimizer_instances)
+                              : "");
   const Device device = p.gpu.is_cuda() ? Device::cuda(0) : Device::cpu();
   ModelSetupOptions o = pretrain_model_options(a, r.layout, device);
   // every stage: ranks, memory (its first rank's: the TP / CP / DP / EP ranks of a stage hold the

@@ -63,6 +63,7 @@ DdpConfig PretrainArgs::ddp_config() const {
   c.use_distributed_optimizer = use_distributed_optimizer;
   c.shard_grads = shard_grads();
   c.shard_params = shard_params();
+  c.num_distributed_optimizer_instances = num_distributed_optimizer_instances;
   return c;
 }
 
@@ -580,10 +581,14 @@ void add_parallel_options(CLI::App& app, PretrainArgs& a) {
                  "also the parameters, all-gathered per layer before use)")
       ->check(CLI::IsMember({"no_shard", "optim", "optim_grads", "optim_grads_params"}));
   app.add_option("--outer-dp-sharding-strategy", a.outer_dp_sharding_strategy,
-                 "Megatron-FSDP's hybrid sharding across groups of ranks: only no_shard (one group) is built")
+                 "Megatron-FSDP's sharding across the --num-distributed-optimizer-instances instances: only no_shard "
+                 "(the instances are replicas) is built")
       ->check(CLI::IsMember({"no_shard", "optim"}));
   app.add_option("--num-distributed-optimizer-instances", a.num_distributed_optimizer_instances,
-                 "Replicas of the sharded optimizer (hybrid sharding): only 1 is built")
+                 "Replicas of the distributed optimizer (hybrid sharding): the data-parallel group splits into this "
+                 "many instances of contiguous ranks, each sharding the optimizer state (and with optim_grads / "
+                 "optim_grads_params the gradients and parameters) over its ranks; gradients are all-reduced "
+                 "across the instances (docs/fsdp.md)")
       ->check(positive_integer());
   app.add_flag("--fsdp-double-buffer", a.fsdp_double_buffer,
                "Megatron-FSDP's persistent double buffers: the communication buffers here are always static "
@@ -770,7 +775,8 @@ void validate_cuda_graph_args(const PretrainArgs& a) {
 }
 
 // --use-megatron-fsdp and its options (docs/fsdp.md): the built strategies become today's flags
-// (no_shard: plain DDP; optim: --use-distributed-optimizer); the rest is refused, naming it.
+// (no_shard: plain DDP; optim: --use-distributed-optimizer); --num-distributed-optimizer-instances
+// (hybrid sharding, also with the plain distributed optimizer); the rest is refused, naming it.
 void resolve_megatron_fsdp(PretrainArgs& a) {
   const auto given = [&](const std::string& f) {
     return std::find(a.flags_given.begin(), a.flags_given.end(), f) != a.flags_given.end();
@@ -786,18 +792,32 @@ void resolve_megatron_fsdp(PretrainArgs& a) {
              "optim (the distributed optimizer, ZeRO-1), optim_grads (ZeRO-2) and optim_grads_params (ZeRO-3)",
              s);
   MT_REQUIRE(a.outer_dp_sharding_strategy == "no_shard",
-             "--outer-dp-sharding-strategy {} (hybrid sharding) is not built yet; built: no_shard",
+             "--outer-dp-sharding-strategy {} (the optimizer state sharded across instances too) is not built yet; "
+             "built: no_shard (the --num-distributed-optimizer-instances instances are replicas)",
              a.outer_dp_sharding_strategy);
-  MT_REQUIRE(a.num_distributed_optimizer_instances == 1,
-             "--num-distributed-optimizer-instances {} (hybrid sharding) is not built yet; built: 1",
-             a.num_distributed_optimizer_instances);
+  if (a.use_megatron_fsdp) {
+    // Megatron-FSDP's scripts pass --use-distributed-optimizer beside every strategy; it is the
+    // strategy that decides here, so only no_shard with it is a contradiction.
+    MT_REQUIRE(s != "no_shard" || !a.use_distributed_optimizer,
+               "--use-distributed-optimizer contradicts --data-parallel-sharding-strategy no_shard (optimizer state "
+               "not sharded); use --data-parallel-sharding-strategy optim");
+    a.use_distributed_optimizer = s == "optim" || s == "optim_grads" || s == "optim_grads_params";
+  }
+  // Hybrid sharding (docs/fsdp.md): k replicas of the distributed optimizer, each sharded over
+  // DP/k ranks (the division is checked where the group sizes are known: instance_group_size).
+  if (const int k = a.num_distributed_optimizer_instances; k != 1) {
+    MT_REQUIRE(a.use_distributed_optimizer,
+               "--num-distributed-optimizer-instances {} needs the distributed optimizer (--use-distributed-optimizer, "
+               "or --use-megatron-fsdp with --data-parallel-sharding-strategy optim, optim_grads or "
+               "optim_grads_params): the instances are replicas of the sharded optimizer state",
+               k);
+    MT_REQUIRE(!a.ddp_copy_engine, "--num-distributed-optimizer-instances {} with --ddp-copy-engine is not built", k);
+    MT_REQUIRE(!a.model.fp8_param, "--num-distributed-optimizer-instances {} with --fp8-param-gather is not built",
+               k);
+    MT_REQUIRE(a.optim.optimizer != "muon", "--num-distributed-optimizer-instances {} with --optimizer muon is not built",
+               k);
+  }
   if (!a.use_megatron_fsdp) return;
-  // Megatron-FSDP's scripts pass --use-distributed-optimizer beside every strategy; it is the
-  // strategy that decides here, so only no_shard with it is a contradiction.
-  MT_REQUIRE(s != "no_shard" || !a.use_distributed_optimizer,
-             "--use-distributed-optimizer contradicts --data-parallel-sharding-strategy no_shard (optimizer state "
-             "not sharded); use --data-parallel-sharding-strategy optim");
-  a.use_distributed_optimizer = s == "optim" || s == "optim_grads" || s == "optim_grads_params";
   if (s == "optim_grads" || s == "optim_grads_params") {
     // What the gradient (and parameter) staging (docs/fsdp.md) does not support yet.
     MT_REQUIRE(a.num_layers_per_virtual_pipeline_stage == 0,

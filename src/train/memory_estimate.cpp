@@ -8,6 +8,7 @@
 #include "core/buffer.h"
 #include "core/check.h"
 #include "core/host_memory.h"
+#include "optim/grad_sync.h"
 
 namespace mt {
 
@@ -296,8 +297,10 @@ void check_pretrain_memory(const PretrainArgs& args, const ParallelConfig& pc, c
   o.shard_grads = args.shard_grads();
   o.shard_params = args.shard_params();
   o.store_param_remainders = args.use_precision_aware_optimizer && args.bf16;
-  o.data_parallel = static_cast<int64_t>(pc.dp) * pc.cp;  // the trainer shards over dp-cp
-  o.expert_data_parallel = pc.edp;
+  // the trainer shards over dp-cp (one instance of it with --num-distributed-optimizer-instances)
+  const int k = args.num_distributed_optimizer_instances;
+  o.data_parallel = instance_group_size(pc.dp * pc.cp, k, "dp-cp");
+  o.expert_data_parallel = instance_group_size(pc.edp, k, "edp");
   check_config_memory(args.model, pc.tp, pc.ep, layout, o, device);
 }
 

@@ -27,8 +27,9 @@ struct MemoryEstimateInputs {
   bool distributed_optimizer = false; ///< --use-distributed-optimizer: main params and moments sharded
   /// --use-precision-aware-optimizer (bf16): main parameters as int16 remainders, 2 bytes each
   bool store_param_remainders = false;
-  int64_t data_parallel = 1;          ///< ranks the dense parameters are sharded over (dp-cp)
-  int64_t expert_data_parallel = 1;   ///< ranks the expert parameters are sharded over (edp)
+  int64_t data_parallel = 1;          ///< ranks the dense parameters are sharded over (dp-cp; one instance of it
+                                      ///< with --num-distributed-optimizer-instances: dp-cp / k)
+  int64_t expert_data_parallel = 1;   ///< ranks the expert parameters are sharded over (edp; edp / k)
   bool grad_reduce_in_bf16 = false;   ///< --grad-reduce-in-bf16: a bf16 copy of the largest bucket
   /// optim_grads (DdpConfig::shard_grads): gradients are the owned shard plus this many staging
   /// slots of the largest bucket (0: the whole fp32 gradient buffer)

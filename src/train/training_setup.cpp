@@ -96,10 +96,14 @@ RankSchedule plan_rank_schedule(const ModelSetupOptions& o, const ParallelConfig
 
 MemoryEstimate estimate_rank_memory(const ModelSetupOptions& o, const ProcessGroups& groups, const RankSchedule& s,
                                     ModelMemoryPlan* model_plan) {
-  // Parameter gradients are reduced (and the distributed optimizer sharded) over dp-cp (Megatron).
+  // Parameter gradients are reduced (and the distributed optimizer sharded) over dp-cp (Megatron),
+  // the shards over one instance of it with hybrid sharding.
+  const int k = o.ddp.num_distributed_optimizer_instances;
+  const int shard_dp = instance_group_size(groups.dp_cp->size(), k, "dp-cp");
+  const int shard_edp = instance_group_size(groups.edp->size(), k, "edp");
   ParamLayout param_layout = o.param_layout;
-  param_layout.data_parallel_size = groups.dp_cp->size();
-  param_layout.expert_data_parallel_size = groups.edp->size();
+  param_layout.data_parallel_size = shard_dp;
+  param_layout.expert_data_parallel_size = shard_edp;
   MemoryEstimateInputs in;
   in.model = GPTModel::memory_plan(o.model, o.micro_batch_size, o.dtype, o.device, groups, o.sequence_parallel,
                                    param_layout, s.model_layout);
@@ -108,8 +112,8 @@ MemoryEstimate estimate_rank_memory(const ModelSetupOptions& o, const ProcessGro
   if (o.ddp.shard_grads) in.grad_slots = o.ddp.grad_slots > 0 ? o.ddp.grad_slots : in.model.params.grad_slots;
   if (o.ddp.shard_params) in.param_slots = o.ddp.param_slots > 0 ? o.ddp.param_slots : in.model.params.param_slots;
   in.store_param_remainders = o.optim.store_param_remainders;
-  in.data_parallel = groups.dp_cp->size();
-  in.expert_data_parallel = groups.edp->size();
+  in.data_parallel = shard_dp;
+  in.expert_data_parallel = shard_edp;
   in.grad_reduce_in_bf16 = o.ddp.grad_reduce_in_bf16 && (groups.dp_cp->size() > 1 || groups.edp->size() > 1);
   int grad_buffers = 0;
   for (const PipelinePlan* p : all_plans(s)) grad_buffers = std::max(grad_buffers, p->grad_buffers);
@@ -121,7 +125,7 @@ MemoryEstimate estimate_rank_memory(const ModelSetupOptions& o, const ProcessGro
         GPTModel::param_specs(o.model, groups.tp->size(), groups.tp->rank(), s.chunks, ep, ep_rank), o.dtype,
         param_layout);
     in.fp8_gather_bytes = static_cast<size_t>(
-        GradSync::fp8_param_gather_bytes(*store, in.model.fp8_weights, groups.dp_cp->size(), o.ddp));
+        GradSync::fp8_param_gather_bytes(*store, in.model.fp8_weights, shard_dp, o.ddp));
   }
   if (o.optim.optimizer == "muon") {
     const int ep = groups.ep ? groups.ep->size() : 1, ep_rank = groups.ep ? groups.ep->rank() : 0;
@@ -152,9 +156,11 @@ ModelSetup::ModelSetup(std::shared_ptr<Communicator> world, ModelSetupOptions op
   train_plan_ = schedule.train;
   eval_plan_ = schedule.eval;
   ramp_plans_ = schedule.ramp;
-  // Parameter gradients are reduced (and the distributed optimizer sharded) over dp-cp (Megatron).
-  options_.param_layout.data_parallel_size = groups_.dp_cp->size();
-  options_.param_layout.expert_data_parallel_size = parallel_.edp;
+  // Parameter gradients are reduced (and the distributed optimizer sharded) over dp-cp (Megatron),
+  // the shards over one instance of it with hybrid sharding (GradSync splits the groups).
+  const int k = o.ddp.num_distributed_optimizer_instances;
+  options_.param_layout.data_parallel_size = instance_group_size(groups_.dp_cp->size(), k, "dp-cp");
+  options_.param_layout.expert_data_parallel_size = instance_group_size(parallel_.edp, k, "edp");
   if (o.check_memory) estimate_memory(schedule);
   model_ = std::make_unique<GPTModel>(o.model, o.micro_batch_size, o.dtype, o.device, groups_, o.sequence_parallel,
                                       options_.param_layout, schedule.model_layout);
@@ -491,6 +497,10 @@ void TrainingSetup::log_summary() {
     log_info("> data-parallel gradient buckets: {} (--ddp-bucket-size {}), overlap grad reduce {}, param gather {}",
              model.params().buckets().size(), model.params().layout().bucket_size, args_.overlap_grad_reduce,
              args_.overlap_param_gather);
+  if (const int k = args_.num_distributed_optimizer_instances; k > 1)
+    log_info("> hybrid sharding (--num-distributed-optimizer-instances {}): the data-parallel group of {} ranks as {} "
+             "instances of {} (sharded within an instance, gradients all-reduced across instances)",
+             k, groups().dp_cp->size(), k, grad_sync.dp()->size());
 }
 
 // The checkpoint of --load (weights, and unless --finetune / --no-load-optim the optimizer and the

@@ -102,18 +102,29 @@ inline int64_t global_index(const ParamInfo& p, int64_t e) { return p.box.global
 
 /// Local gradient of parameter i of `P` for (step, rank); the sum over `ranks` ranks (fp32,
 /// in rank order, as the thread communicator reduces) when ranks > 0 and rank < 0.
-inline std::vector<float> local_grad(const ParamStore& P, size_t i, int step, int rank, int ranks = 0) {
+/// rank < 0: the sum over `ranks` ranks in the order the reductions take it: rank order within
+/// each of `instances` instances of contiguous ranks, then the instances' sums in order (hybrid
+/// sharding's reduce-scatter within an instance and all-reduce across instances); `only_instance`
+/// >= 0: that instance's sum alone (what a skipped cross-instance all-reduce would leave).
+inline std::vector<float> local_grad(const ParamStore& P, size_t i, int step, int rank, int ranks = 0,
+                                     int instances = 1, int only_instance = -1) {
   const ParamInfo& p = P.info(i);
   std::vector<float> g(static_cast<size_t>(p.numel));
+  const int n = ranks / std::max(instances, 1);
   for (int64_t e = 0; e < p.numel; ++e) {
     const int64_t gi = global_index(p, e);
     if (rank >= 0) {
       g[e] = grad_value(step, rank, p.name, gi);
-    } else {
-      float a = grad_value(step, 0, p.name, gi);
-      for (int r = 1; r < ranks; ++r) a += grad_value(step, r, p.name, gi);
-      g[e] = a;
+      continue;
     }
+    float total = 0;
+    for (int k = 0; k < instances; ++k) {
+      if (only_instance >= 0 && k != only_instance) continue;
+      float a = grad_value(step, k * n, p.name, gi);
+      for (int r = k * n + 1; r < (k + 1) * n; ++r) a += grad_value(step, r, p.name, gi);
+      total = k == 0 || only_instance >= 0 ? a : total + a;
+    }
+    g[e] = total;
   }
   return g;
 }
@@ -176,6 +187,8 @@ class CountingCommunicator final : public ForwardingCommunicator {
   explicit CountingCommunicator(std::shared_ptr<Communicator> inner, CountingCommunicator* root = nullptr)
       : ForwardingCommunicator(std::move(inner)), root_(root ? root : this) {}
   void all_reduce(const Tensor& t, ReduceOp op, const Stream& s) override {
+    if (root_->drop_replica_all_reduce && name().size() > 9 && name().substr(name().size() - 9) == "-replicas")
+      return;  // a negative control: GradSync's cross-instance all-reduce skipped
     if (t.numel() > 1) ++root_->reductions;
     inner().all_reduce(t, op, s);
   }
@@ -188,6 +201,7 @@ class CountingCommunicator final : public ForwardingCommunicator {
     inner().reduce_scatter(out, in, op, s);
   }
   int reductions = 0, gathers = 0;
+  bool drop_replica_all_reduce = false;  // set on the root: all-reduces over "*-replicas" groups do nothing
 
  protected:
   std::shared_ptr<Communicator> wrap(std::shared_ptr<Communicator> split) override {

@@ -221,8 +221,9 @@ struct Reference {
   OptimizerScalars scalars{};
 };
 
-// One rank, the gradients of `dp` ranks summed, the same layout (so the same offsets).
-Reference reference(const Model& m, const ParamLayout& layout, int dp, DType dtype = DType::kF32) {
+// One rank, the gradients of `dp` ranks summed (in `instances` instances first: hybrid sharding's
+// order), the same layout (so the same offsets).
+Reference reference(const Model& m, const ParamLayout& layout, int dp, DType dtype = DType::kF32, int instances = 1) {
   Stream st;
   ParamStore P(m.specs, dtype, Device::cpu(), layout);
   P.initialize(99, st);
@@ -230,7 +231,8 @@ Reference reference(const Model& m, const ParamLayout& layout, int dp, DType dty
   Reference r;
   for (int step = 0; step < kSteps; ++step) {
     P.zero_grads(st);
-    for (size_t i = 0; i < P.size(); ++i) testing::upload(P.grad(i), ddp_test::local_grad(P, i, step, -1, dp), st);
+    for (size_t i = 0; i < P.size(); ++i)
+      testing::upload(P.grad(i), ddp_test::local_grad(P, i, step, -1, dp, instances), st);
     r.grads.push_back(testing::to_host(P.grads_flat(), st));
     opt.step(kLr, st);
   }
@@ -250,11 +252,12 @@ struct DpCase {
   int dp;
   bool overlap, distributed;
   int64_t bucket_size;  // 0 = one bucket
+  int instances = 1;    // --num-distributed-optimizer-instances (hybrid sharding)
 };
 
 void PrintTo(const DpCase& c, std::ostream* os) {
   *os << "dp " << c.dp << (c.overlap ? " overlap" : " sync") << (c.distributed ? " distopt" : " allreduce")
-      << " bucket_size " << c.bucket_size;
+      << " bucket_size " << c.bucket_size << " instances " << c.instances;
 }
 
 class DataParallel : public ::testing::TestWithParam<DpCase> {};
@@ -262,8 +265,9 @@ class DataParallel : public ::testing::TestWithParam<DpCase> {};
 TEST_P(DataParallel, MatchesSingleRankOnSummedGradients) {
   const DpCase c = GetParam();
   const Model m = ddp_test::gpt_like(4);
-  const ParamLayout layout{c.dp, c.bucket_size};
-  const Reference ref = reference(m, layout, c.dp);
+  const int shard = c.dp / c.instances;  // ranks of one instance: the shard group
+  const ParamLayout layout{shard, c.bucket_size};
+  const Reference ref = reference(m, layout, c.dp, DType::kF32, c.instances);
   ASSERT_LT(ref.scalars.clip_coeff, 0.5f) << "clipping must be active";
   run_thread_ranks(c.dp, [&](int rank, std::shared_ptr<Communicator> world) {
     Stream st;
@@ -274,19 +278,27 @@ TEST_P(DataParallel, MatchesSingleRankOnSummedGradients) {
     dc.overlap_grad_reduce = c.overlap;
     dc.use_distributed_optimizer = c.distributed;
     dc.overlap_param_gather = c.distributed && c.overlap;
+    dc.num_distributed_optimizer_instances = c.instances;
     GradSync sync(P, dp, dc);
     AdamWOptimizer opt(sync, opt_config(), st, {});
+    // Hybrid sharding: the instance is contiguous ranks (Megatron's intra-partial group), the
+    // replica group the same position in each instance.
+    EXPECT_EQ(sync.dp()->size(), shard);
+    EXPECT_EQ(sync.dp()->rank(), rank % shard);
+    EXPECT_EQ(sync.replicas(P.buckets()[0]).size(), c.instances);
+    EXPECT_EQ(sync.replicas(P.buckets()[0]).rank(), rank / shard);
     const size_t nb = P.buckets().size();
     const int64_t total = P.total_elements();
-    // Ownership: one slice of every bucket, total/DP elements; optimizer state accordingly.
+    // Ownership: one slice of every bucket, total/DP elements (DP/k: the instance); optimizer
+    // state accordingly.
     if (c.distributed) {
       ASSERT_EQ(sync.owned_ranges().size(), nb);
       for (size_t b = 0; b < nb; ++b) {
         const auto r = sync.owned_range(b);
-        EXPECT_EQ(r.end - r.begin, P.buckets()[b].numel() / c.dp);
-        EXPECT_EQ(r.begin, P.buckets()[b].begin + rank * (r.end - r.begin));
+        EXPECT_EQ(r.end - r.begin, P.buckets()[b].numel() / shard);
+        EXPECT_EQ(r.begin, P.buckets()[b].begin + (rank % shard) * (r.end - r.begin));
       }
-      EXPECT_EQ(sync.owned_elements() * c.dp, total);
+      EXPECT_EQ(sync.owned_elements() * shard, total);
     } else {
       EXPECT_EQ(sync.owned_elements(), total);
     }
@@ -311,7 +323,10 @@ TEST_P(DataParallel, MatchesSingleRankOnSummedGradients) {
       sync.finish_grad_sync(st);
       sync.finish_grad_sync(st);
       EXPECT_EQ(sync.grad_reductions_launched(), nb);
-      EXPECT_EQ(dp->reductions, static_cast<int>(nb)) << "each bucket reduced exactly once, step " << step;
+      // each bucket reduced exactly once (hybrid: a reduce-scatter in the instance, an all-reduce
+      // over the instances)
+      const int per_bucket = (shard > 1 ? 1 : 0) + (c.instances > 1 ? 1 : 0);
+      EXPECT_EQ(dp->reductions, per_bucket * static_cast<int>(nb)) << "step " << step;
       // Reduced gradients: bitwise the summed ones, in the owned ranges.
       const std::vector<float> g = testing::to_host(P.grads_flat(), st);
       int64_t bad = 0;
@@ -320,7 +335,7 @@ TEST_P(DataParallel, MatchesSingleRankOnSummedGradients) {
       EXPECT_EQ(bad, 0) << "reduced gradient elements differing from the sum, step " << step;
       dp->gathers = 0;
       opt.step(kLr, st);
-      EXPECT_EQ(dp->gathers, c.distributed ? static_cast<int>(nb) : 0);
+      EXPECT_EQ(dp->gathers, c.distributed && shard > 1 ? static_cast<int>(nb) : 0);
     }
     sync.finish_param_sync(st);
     const std::vector<float> p = testing::to_host(P.params_flat(), st);
@@ -354,14 +369,61 @@ std::vector<DpCase> dp_cases() {
     for (bool overlap : {false, true})
       for (bool dist : {false, true})
         for (int64_t bs : {int64_t{0}, int64_t{700}}) v.push_back({dp, overlap, dist, bs});
+  // Hybrid sharding: DP 4 as 2 instances of 2 ranks; DP 2 as 2 instances of one rank (no shard).
+  for (bool overlap : {false, true})
+    for (int64_t bs : {int64_t{0}, int64_t{700}}) v.push_back({4, overlap, true, bs, 2});
+  v.push_back({2, false, true, 700, 2});
   return v;
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, DataParallel, ::testing::ValuesIn(dp_cases()), [](const auto& info) {
   const DpCase& c = info.param;
-  return fmt::format("dp{}_{}_{}_{}", c.dp, c.overlap ? "overlap" : "sync", c.distributed ? "distopt" : "allreduce",
-                     c.bucket_size ? "buckets" : "onebucket");
+  return fmt::format("dp{}_{}_{}_{}{}", c.dp, c.overlap ? "overlap" : "sync", c.distributed ? "distopt" : "allreduce",
+                     c.bucket_size ? "buckets" : "onebucket",
+                     c.instances > 1 ? fmt::format("_instances{}", c.instances) : "");
 });
+
+// Hybrid sharding's negative control: with GradSync's cross-instance all-reduce dropped (the
+// counting communicator skips all-reduces over "*-replicas" groups), each instance keeps only the
+// sum over its own ranks, which MatchesSingleRankOnSummedGradients' check (every owned element ==
+// the sum over all DP ranks) catches; with it, the check passes. DP 4 as 2 instances of 2 ranks.
+TEST(DataParallel, HybridShardingNeedsTheCrossInstanceAllReduce) {
+  const Model m = ddp_test::gpt_like(4);
+  const ParamLayout layout{2, 700};
+  for (const bool drop : {false, true}) {
+    SCOPED_TRACE(drop ? "all-reduce over the instances dropped" : "as built");
+    run_thread_ranks(4, [&](int rank, std::shared_ptr<Communicator> world) {
+      Stream st;
+      auto dp = std::make_shared<ddp_test::CountingCommunicator>(world);
+      dp->drop_replica_all_reduce = drop;
+      ParamStore P(m.specs, DType::kF32, Device::cpu(), layout);
+      P.initialize(99, st);
+      DdpConfig dc;
+      dc.use_distributed_optimizer = true;
+      dc.num_distributed_optimizer_instances = 2;
+      GradSync sync(P, dp, dc);
+      sync.zero_grad_buffer(st);
+      ddp_test::backward(m, P, sync, Pattern::kInOrder, 0, rank, st);
+      sync.finish_grad_sync(st);
+      const std::vector<float> g = testing::to_host(P.grads_flat(), st);
+      int64_t owned_n = 0, differ_all = 0, differ_instance = 0;
+      for (size_t i = 0; i < P.size(); ++i) {
+        const std::vector<float> all = ddp_test::local_grad(P, i, 0, -1, 4, 2);
+        const std::vector<float> mine = ddp_test::local_grad(P, i, 0, -1, 4, 2, rank / 2);
+        const int64_t off = P.info(i).offset;
+        for (int64_t e = 0; e < P.info(i).numel; ++e) {
+          if (!owned(sync.owned_ranges(), off + e)) continue;
+          ++owned_n;
+          differ_all += g[off + e] != all[e];
+          differ_instance += g[off + e] != mine[e];
+        }
+      }
+      ASSERT_GT(owned_n, 100);
+      EXPECT_EQ(drop ? differ_instance : differ_all, 0);
+      EXPECT_GT(drop ? differ_all : differ_instance, owned_n * 9 / 10);
+    });
+  }
+}
 
 // Overlap on and off give bitwise identical parameters (the same collectives in the same order).
 // Asking for the copy-engine collectives on CPU ranks falls back to the communicator (the

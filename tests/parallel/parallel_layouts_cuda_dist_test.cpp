@@ -81,6 +81,7 @@ struct Layout {
   bool deterministic = false;  // --deterministic-mode (no float atomics: two runs can agree bit for bit)
   bool shard_grads = false;    // optim_grads (ZeRO-2; with zero): gradients reduce-scattered per micro-batch
   bool shard_params = false;   // optim_grads_params (ZeRO-3; with shard_grads): parameters gathered per layer
+  int instances = 1;           // --num-distributed-optimizer-instances (hybrid sharding; with zero)
   std::string name() const {
     std::string s = fmt::format("{}tp{}_pp{}", llama ? "llama_" : "", tp, pp);
     if (vpp > 1) s += fmt::format("_vpp{}", vpp);
@@ -91,6 +92,7 @@ struct Layout {
     if (p2p_overlap) s += "_p2poverlap";
     if (graph) s += "_graph";
     if (shard_grads) s += shard_params ? "_optim_grads_params" : "_optim_grads";
+    if (instances > 1) s += fmt::format("_instances{}", instances);
     return s;
   }
 };
@@ -125,6 +127,7 @@ RunResult train(const std::shared_ptr<Communicator>& world, const Layout& L, DTy
   o.ddp = DdpConfig{L.overlap, L.overlap && L.zero, L.zero};
   o.ddp.shard_grads = L.shard_grads;
   o.ddp.shard_params = L.shard_params;
+  o.ddp.num_distributed_optimizer_instances = L.instances;
   o.optim.eps = 1e-5f;
   Stream st(dev);
   ModelSetup setup(world, o, st);
@@ -265,6 +268,18 @@ TEST(ParallelLayoutsNccl, Bf16LayoutsMatchOneGpu) {
       z.pp = 2;
       layouts.push_back(z);
     }
+  }
+  // Hybrid sharding (--num-distributed-optimizer-instances 2): on 2 GPUs two instances of one rank
+  // (the cross-instance all-reduce alone), on 4 GPUs two of 2 ranks; the distributed optimizer
+  // with overlapped reduction, optim_grads and optim_grads_params.
+  for (int s = 0; s < 3; ++s) {
+    Layout h;
+    h.zero = true;
+    h.overlap = s == 0;
+    h.shard_grads = s > 0;
+    h.shard_params = s == 2;
+    h.instances = 2;
+    layouts.push_back(h);
   }
   for (const Layout& L : layouts) {
     const RunResult par = train(world, L, DType::kBF16, dev, tokens, labels, mb, num_micro);

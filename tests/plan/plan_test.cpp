@@ -96,6 +96,10 @@ TEST_F(Plan, MemoryEqualsTheTrainersEstimateAndTheAllocatorOnEveryRank) {
        "--ddp-bucket-size 3000" +
            moe,
        4},
+      // hybrid sharding: 2 instances of 2 ranks, every shard over the instance
+      {"--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --ddp-bucket-size 3000 "
+       "--num-distributed-optimizer-instances 2",
+       4},
       // FP8: the weights' FP8 copies, the scaling state, the FP8 saved inputs
       {"--fp8-format hybrid --fp8-recipe delayed --tensor-model-parallel-size 2 --sequence-parallel", 2},
       {"--fp8-format hybrid --fp8-recipe tensorwise", 1},
@@ -179,6 +183,38 @@ TEST_F(Plan, PredictedStepAddsUpAndFollowsTheSchedule) {
   EXPECT_GT(more.step.mfu, s.mfu);
   EXPECT_EQ(p.stages.size(), 4u);
   EXPECT_EQ(p.stages[1].layers, "[2, 4)");
+}
+
+// --num-distributed-optimizer-instances 2 on 16 H200s (2 nodes, DP 16): the gradients are
+// reduce-scattered and the parameters gathered within an instance of 8 (one node, NVLink), the
+// owned eighth all-reduced over the 2 instances (between the nodes); by hand from the GpuSpec.
+// The optimizer state per rank doubles (sharded over 8 instead of 16). (The expert groups' collectives
+// of this dense model move no bytes but count their latency: 2 of them, 3 with the instances.)
+TEST_F(Plan, HybridShardingReducesWithinTheInstanceThenAcrossInstances) {
+  PlanRequest r = request("--bf16 --train-iters 2 --use-distributed-optimizer --micro-batch-size 1 "
+                          "--global-batch-size 16 --hidden-size 1024 --num-attention-heads 16 --num-layers 8",
+                          16, "h200");
+  const TrainingPlan one = plan_training(r);
+  r.args.num_distributed_optimizer_instances = 2;
+  const TrainingPlan two = plan_training(r);
+  const GpuSpec& g = two.gpu;
+  const auto coll = [&](double bytes, int n, double f, double gbps) {
+    return g.collective_latency_us * 1e-6 + f * (n - 1) / n * bytes / (gbps * 1e9);
+  };
+  const double e = static_cast<double>(two.stages.at(0).parameters);  // dense: no experts
+  const double lat = g.collective_latency_us * 1e-6;
+  EXPECT_NEAR(one.step.dp_comm_s,
+              coll(e * 4, 16, 1, g.inter_bus_gbps) + coll(e * 2, 16, 1, g.inter_bus_gbps) + 2 * lat, 1e-12);
+  EXPECT_NEAR(two.step.dp_comm_s,
+              coll(e * 4, 8, 1, g.intra_bus_gbps) + coll(e / 8 * 4, 2, 2, g.inter_bus_gbps) +
+                  coll(e * 2, 8, 1, g.intra_bus_gbps) + 3 * lat,
+              1e-12);
+  EXPECT_LT(two.step.dp_comm_s, one.step.dp_comm_s);
+  EXPECT_GT(two.stages[0].memory.total(), one.stages[0].memory.total());
+  EXPECT_NE(two.summary.find("optimizer instances 2"), std::string::npos) << two.summary;
+  r.args.num_distributed_optimizer_instances = 3;
+  expect_error_text([&] { plan_training(r); }, "the data-parallel group 'dp-cp' of 16 ranks does not split into 3",
+                    "k 3");
 }
 
 // --optimizer muon adds the Newton-Schulz GEMMs to the step, at the compute rate, by hand: 4

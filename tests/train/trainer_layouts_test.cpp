@@ -62,14 +62,14 @@ class TrainerLayouts : public testing::CorpusFixture {
   // On 2 ranks: a checkpoint written under `strategy` resumes under `other` and one written under
   // `other` under `strategy`, both on the curve of an uninterrupted `strategy` run.
   static void expect_checkpoints_cross_load(const std::string& strategy, const std::string& other,
-                                            const std::string& tag) {
-    const TrainingResult whole = train("--train-iters 6 --nproc-per-node 2" + strategy);
+                                            const std::string& tag, const std::string& ranks = "--nproc-per-node 2") {
+    const TrainingResult whole = train("--train-iters 6 " + ranks + strategy);
     for (const auto& [from, to, name] : std::vector<std::tuple<std::string, std::string, std::string>>{
              {strategy, other, tag + "_to_other"}, {other, strategy, "other_to_" + tag}}) {
       SCOPED_TRACE(name);
       TrainingResult first, curve;
-      ASSERT_NO_FATAL_FAILURE(save_half(dir(name), "--nproc-per-node 2" + from, &first));
-      ASSERT_NO_FATAL_FAILURE(resume(first, dir(name), "--nproc-per-node 2" + to, &curve));
+      ASSERT_NO_FATAL_FAILURE(save_half(dir(name), ranks + from, &first));
+      ASSERT_NO_FATAL_FAILURE(resume(first, dir(name), ranks + to, &curve));
       expect_same_losses(curve, whole, name);
     }
   }
@@ -156,8 +156,8 @@ TEST_F(TrainerLayouts, MegatronFsdpStrategiesAliasTodaysPaths) {
            {fsdp + "zero3", "zero3"},
            {" --data-parallel-sharding-strategy optim", "given without --use-megatron-fsdp"},
            {fsdp + "no_shard --use-distributed-optimizer", "contradicts --data-parallel-sharding-strategy no_shard"},
-           {fsdp + "optim --num-distributed-optimizer-instances 2",
-            "--num-distributed-optimizer-instances 2 (hybrid sharding) is not built yet"},
+           {fsdp + "no_shard --num-distributed-optimizer-instances 2",
+            "--num-distributed-optimizer-instances 2 needs the distributed optimizer"},
            {fsdp + "optim --outer-dp-sharding-strategy optim", "--outer-dp-sharding-strategy optim"},
            {fsdp + "optim --megatron-fsdp-grad-comm-dtype fp32 --grad-reduce-in-bf16", "contradicts"}})
     expect_error_text([&] { train("--train-iters 1 --nproc-per-node 2" + bad); }, msg, bad);
@@ -764,6 +764,89 @@ TEST_F(TrainerLayouts, MegatronFsdpOptimGradsParams) {
            {" --cuda-graph-impl full_iteration", "optim_grads_params with --cuda-graph-impl"},
            {" --ddp-copy-engine", "optim_grads_params with --ddp-copy-engine is not built"}})
     expect_error_text([&] { train("--train-iters 1 --nproc-per-node 2" + ogp + bad); }, msg, bad);
+}
+
+// --num-distributed-optimizer-instances k (hybrid sharding, docs/fsdp.md): the DP group splits
+// into k instances of DP/k contiguous ranks, each sharding as a DP group of DP/k would, the owned
+// gradients all-reduced across the instances. For the distributed optimizer and every Megatron-FSDP
+// strategy: DP 4 as 2 instances equals one rank and k = 1 within fp32 rounding (the sums are taken
+// in another order: within the instance, then across); DP 2 as 2 instances of one rank is plain
+// DDP's reduction (the all-reduce over the 2 ranks, the norm over whole gradients), bitwise; with one
+// micro-batch per rank optim_grads(_params) with k = 2 are bitwise the distributed optimizer with
+// k = 2 (fp32 and bf16 reduction); TP 2 + SP x DP 4, PP 2 x DP 2, CP 2 x DP 2 (the dp-cp group split)
+// and the tiny MoE at EP 2 x DP 4 equal one rank; checkpoints written with k = 2 resume
+// with k = 1 and back; the memory estimate's parameter and gradient terms are the bytes allocated;
+// bad values are refused, naming them. (The negative control, a dropped cross-instance all-reduce
+// caught, is grad_sync_test's HybridShardingNeedsTheCrossInstanceAllReduce.)
+TEST_F(TrainerLayouts, MegatronFsdpHybridSharding) {
+  const std::string k2 = " --num-distributed-optimizer-instances 2";
+  const std::string fsdp = " --use-megatron-fsdp --ddp-bucket-size 3000 --data-parallel-sharding-strategy ";
+  const TrainingResult ref = train("--train-iters 4");
+  for (const std::string strategy : {std::string(" --use-distributed-optimizer"), fsdp + "optim",
+                                     fsdp + "optim_grads", fsdp + "optim_grads_params"}) {
+    SCOPED_TRACE(strategy);
+    const TrainingResult hybrid = train("--train-iters 4 --nproc-per-node 4" + strategy + k2);
+    expect_near_one_rank(hybrid, ref, "DP 4, k 2");
+    expect_near_one_rank(hybrid, train("--train-iters 4 --nproc-per-node 4" + strategy), "DP 4, k 2 against k 1");
+    expect_identical_runs(train("--train-iters 4 --nproc-per-node 2" + strategy + k2),
+                          train("--train-iters 4 --nproc-per-node 2"), "DP 2, k 2 against plain DDP");
+  }
+  // One micro-batch per rank (DP 4): optim_grads and optim_grads_params sum in the distributed
+  // optimizer's order with the same buckets (the reduce-scatter in the instance, then the
+  // all-reduce across instances), so with k = 2 they are bitwise the distributed optimizer's, in
+  // fp32 and with the bf16 reduction (the shard's bf16 all-reduce sees the bf16-reduced values).
+  const std::string distopt = " --use-distributed-optimizer --overlap-grad-reduce --ddp-bucket-size 3000" + k2;
+  for (const std::string bf16 : {"", " --megatron-fsdp-grad-comm-dtype bf16"})
+    for (const std::string strategy : {"optim_grads", "optim_grads_params"})
+      expect_identical_runs(train("--train-iters 4 --nproc-per-node 4" + fsdp + strategy + bf16 + k2),
+                            train("--train-iters 4 --nproc-per-node 4" + distopt +
+                                  (bf16.empty() ? "" : " --grad-reduce-in-bf16")),
+                            strategy + bf16 + ", k 2 against the distributed optimizer");
+  for (const std::string layout : {"--nproc-per-node 8 --tensor-model-parallel-size 2 --sequence-parallel",
+                                   "--nproc-per-node 4 --pipeline-model-parallel-size 2",
+                                   "--nproc-per-node 4 --context-parallel-size 2"})
+    expect_near_one_rank(train("--train-iters 4 " + layout + fsdp + "optim_grads_params" + k2), ref, layout + ", k 2");
+  const std::string moe = kTinyMoe;
+  expect_near_one_rank(
+      train("--train-iters 4 --nproc-per-node 4 --expert-model-parallel-size 2" + moe + fsdp + "optim_grads" + k2),
+      train("--train-iters 4" + moe), "EP 2 x DP 4, k 2");
+  // Checkpoints: k = 2 -> k = 1 and k = 1 -> k = 2 (DP 4) on the curve of an uninterrupted k = 2 run.
+  expect_checkpoints_cross_load(fsdp + "optim_grads_params" + k2, fsdp + "optim_grads_params", "hybrid",
+                                "--nproc-per-node 4");
+  // Memory: the estimate's gradient and parameter terms == the bytes allocated with k = 2 (8
+  // layers, DP 4: shards over 2 ranks), and the shards are those of DP 2.
+  const std::string f = flags("--train-iters 1 --num-layers 8 --nproc-per-node 4" + fsdp + "optim_grads_params" + k2);
+  run_thread_ranks(4, [&](int rank, std::shared_ptr<Communicator> world) {
+    TrainingSetup setup(testing::parse_pretrain_args(f), std::move(world), Device::cpu());
+    const GradSync& gs = setup.model_setup().grad_sync();
+    const ParamStore& ps = gs.params();
+    EXPECT_EQ(gs.dp()->size(), 2);
+    EXPECT_EQ(gs.dp()->rank(), rank % 2);
+    EXPECT_EQ(ps.layout().data_parallel_size, 2);
+    EXPECT_EQ(gs.owned_elements() * 2, ps.total_elements());
+    int64_t largest = 0;
+    for (const ParamBucket& b : ps.buckets()) largest = std::max(largest, b.numel());
+    EXPECT_EQ(gs.grad_bytes(), (gs.owned_elements() + ps.grad_slots() * largest) * 4);
+    EXPECT_EQ(gs.param_bytes(), (gs.owned_elements() + ps.param_slots() * ps.largest_dense_bucket()) * 4);
+    size_t grads = 0, params = 0;
+    for (const MemoryPart& p : setup.model_setup().memory_estimate().parts) {
+      if (p.name.rfind("gradients", 0) == 0) grads = p.bytes;
+      if (p.name.rfind("parameter staging slots", 0) == 0 || p.name.rfind("parameters (fp32)", 0) == 0)
+        params += p.bytes;
+    }
+    EXPECT_EQ(grads, static_cast<size_t>(gs.grad_bytes()));
+    EXPECT_EQ(params, static_cast<size_t>(gs.param_bytes()));
+  });
+  for (const auto& [bad, msg] : std::vector<std::pair<std::string, std::string>>{
+           {" --nproc-per-node 4 --use-distributed-optimizer --num-distributed-optimizer-instances 3",
+            "--num-distributed-optimizer-instances 3: the data-parallel group 'dp-cp' of 4 ranks does not split into 3 "
+            "instances of equal size (4 is not divisible by 3)"},
+           {" --nproc-per-node 2" + k2, "--num-distributed-optimizer-instances 2 needs the distributed optimizer"},
+           {" --nproc-per-node 2 --use-distributed-optimizer --ddp-copy-engine" + k2, "with --ddp-copy-engine is not built"},
+           {" --nproc-per-node 2 --use-distributed-optimizer --optimizer muon" + k2, "with --optimizer muon is not built"},
+           {" --nproc-per-node 2 --use-distributed-optimizer --fp8-format hybrid --fp8-param-gather" + k2,
+            "with --fp8-param-gather is not built"}})
+    expect_error_text([&] { train("--train-iters 1" + bad); }, msg, bad);
 }
 
 }  // namespace
