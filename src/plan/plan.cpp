@@ -166,11 +166,15 @@ StepPrediction predict_step(const TrainingPlan& p, const PretrainArgs& a, const 
   // rates (kMlaAttention*Tflops: Q·Kᵀ and P·V at the packed head dim D, causal; backward 2.5 times
   // the forward) in place of Megatron's count of it at η, and the pack / RoPE / unpack passes over
   // the packed [T, n, 3, D] tensor (kMlaPasses*). Both per layer, for the whole global batch.
+  // (cuDNN's kernels: the rates apply to the resolved fused backend; with another the core
+  // attention stays in Megatron's count at η, as nothing else was measured)
   const bool mla = c.multi_latent_attention;
+  const bool mla_cudnn = mla && c.attention_backend == AttentionBackend::kFused;
   const double s_len = static_cast<double>(p.seq_length), heads = static_cast<double>(c.num_attention_heads);
   const double mla_megatron =
-      mla ? 6.0 * iter_tokens * s_len * heads * static_cast<double>(c.q_head_dim() + c.v_head_dim) / 2.0 : 0;
-  const double mla_forward = mla ? 4.0 * iter_tokens * s_len / 2.0 * heads * static_cast<double>(c.head_dim()) : 0;
+      mla_cudnn ? 6.0 * iter_tokens * s_len * heads * static_cast<double>(c.q_head_dim() + c.v_head_dim) / 2.0 : 0;
+  const double mla_forward =
+      mla_cudnn ? 4.0 * iter_tokens * s_len / 2.0 * heads * static_cast<double>(c.head_dim()) : 0;
   const double mla_fwd_s = mla_forward / (kMlaAttentionForwardTflops * 1e12);
   const double mla_bwd_s = 2.5 * mla_forward / (kMlaAttentionBackwardTflops * 1e12);
   const double mtp_layers = static_cast<double>(c.mtp_num_layers);

@@ -305,6 +305,12 @@ TEST_F(Plan, DeepSeekV3ShapedMlaAgainstTheH200Profile) {
   EXPECT_NEAR((s.compute_s - s.moe_experts_s - s.moe_token_passes_s - s.mla_attention_s - s.mla_passes_s) * rate,
               plain.flops_per_iteration - experts - mla_megatron, 1e3);
   EXPECT_NEAR(s.step_s / 508.5e-3, 1.0, 0.03);
+  // the rates are cuDNN's: with the unfused attention the core attention stays at η, the passes stay
+  const StepPrediction local = plan_of("--attention-backend local").step;
+  EXPECT_EQ(local.mla_attention_s, 0.0);
+  EXPECT_NEAR(local.mla_passes_s, s.mla_passes_s, 1e-12);
+  EXPECT_NEAR((local.compute_s - local.moe_experts_s - local.moe_token_passes_s - local.mla_passes_s) * rate,
+              plain.flops_per_iteration - experts, 1e3);
   // a model without MLA has neither term
   const StepPrediction dense = plan_training(request("--bf16 --train-iters 2", 1, "h200")).step;
   EXPECT_EQ(dense.mla_attention_s, 0.0);
