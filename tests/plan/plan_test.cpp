@@ -206,6 +206,17 @@ TEST_F(Plan, MuonAddsTheNewtonSchulzFlopsToTheStep) {
   }
 }
 
+// bench/deepseek_v3.sh's model without its sequence length (docs/benchmarks.md "DeepSeek-V3-shaped MoE").
+constexpr const char* kDeepSeekV3Model =
+    "--train-iters 2 --num-layers 16 --hidden-size 2048 --num-attention-heads 16 --ffn-hidden-size 8192 --swiglu "
+    "--normalization RMSNorm --position-embedding-type rope --untie-embeddings-and-output-weights "
+    "--disable-bias-linear --multi-latent-attention --kv-lora-rank 512 --qk-head-dim 128 --qk-pos-emb-head-dim 64 "
+    "--v-head-dim 128 --rope-type rope --num-experts 64 --moe-router-topk 6 --moe-ffn-hidden-size 512 "
+    "--moe-shared-expert-intermediate-size 512 --moe-layer-freq ([0]+[1]*15) --moe-router-score-function sigmoid "
+    "--moe-router-enable-expert-bias --moe-router-bias-update-rate 1e-3 --moe-router-num-groups 4 "
+    "--moe-router-group-topk 2 --moe-router-topk-scaling-factor 2.5 --moe-grouped-gemm --micro-batch-size 1 "
+    "--global-batch-size 8 --bf16 --hidden-dropout 0 --attention-dropout 0 --vocab-size 50257 ";
+
 // bench/deepseek_v3.sh's model (docs/benchmarks.md "DeepSeek-V3-shaped MoE") on one H200, set
 // beside what that run logged and measured there (2026-11-29):
 // - memory: the trainer's estimate on the GPU was 74525.6 MiB of buffers (74525.8 allocated) with
@@ -219,15 +230,7 @@ TEST_F(Plan, MuonAddsTheNewtonSchulzFlopsToTheStep) {
 //   phases 131.69 + 22.43 ms (the shared expert's 22.43 ms is not in the table: 413.6 TFLOP/s);
 //   the token passes against the measured router + permute + dispatch + combine + between phases.
 TEST_F(Plan, DeepSeekV3ShapedMoeAgainstTheH200Run) {
-  const std::string model =
-      "--train-iters 2 --num-layers 16 --hidden-size 2048 --num-attention-heads 16 --ffn-hidden-size 8192 --swiglu "
-      "--normalization RMSNorm --position-embedding-type rope --untie-embeddings-and-output-weights "
-      "--disable-bias-linear --multi-latent-attention --kv-lora-rank 512 --qk-head-dim 128 --qk-pos-emb-head-dim 64 "
-      "--v-head-dim 128 --rope-type rope --num-experts 64 --moe-router-topk 6 --moe-ffn-hidden-size 512 "
-      "--moe-shared-expert-intermediate-size 512 --moe-layer-freq ([0]+[1]*15) --moe-router-score-function sigmoid "
-      "--moe-router-enable-expert-bias --moe-router-bias-update-rate 1e-3 --moe-router-num-groups 4 "
-      "--moe-router-group-topk 2 --moe-router-topk-scaling-factor 2.5 --moe-grouped-gemm --micro-batch-size 1 "
-      "--global-batch-size 8 --bf16 --hidden-dropout 0 --attention-dropout 0 --vocab-size 50257 ";
+  const std::string model = kDeepSeekV3Model;
   const double MiB = 1048576.0;
   const auto plan_of = [&](const std::string& extra) { return plan_training(request(model + extra, 1, "h200")); };
   const TrainingPlan mtp = plan_of("--seq-length 4096 --max-position-embeddings 4096 --mtp-num-layers 1");
@@ -272,16 +275,7 @@ TEST_F(Plan, DeepSeekV3ShapedMoeAgainstTheH200Run) {
 // 16 layers × 8 micro-batches without MTP, 17 with it; a recomputed layer repeats the forwards. The
 // step: 508.5 ms measured without the phase timing (iteration 20; docs/benchmarks.md).
 TEST_F(Plan, DeepSeekV3ShapedMlaAgainstTheH200Profile) {
-  const std::string model =
-      "--train-iters 2 --num-layers 16 --hidden-size 2048 --num-attention-heads 16 --ffn-hidden-size 8192 --swiglu "
-      "--normalization RMSNorm --position-embedding-type rope --untie-embeddings-and-output-weights "
-      "--disable-bias-linear --multi-latent-attention --kv-lora-rank 512 --qk-head-dim 128 --qk-pos-emb-head-dim 64 "
-      "--v-head-dim 128 --rope-type rope --num-experts 64 --moe-router-topk 6 --moe-ffn-hidden-size 512 "
-      "--moe-shared-expert-intermediate-size 512 --moe-layer-freq ([0]+[1]*15) --moe-router-score-function sigmoid "
-      "--moe-router-enable-expert-bias --moe-router-bias-update-rate 1e-3 --moe-router-num-groups 4 "
-      "--moe-router-group-topk 2 --moe-router-topk-scaling-factor 2.5 --moe-grouped-gemm --micro-batch-size 1 "
-      "--global-batch-size 8 --bf16 --hidden-dropout 0 --attention-dropout 0 --vocab-size 50257 "
-      "--seq-length 4096 --max-position-embeddings 4096 ";
+  const std::string model = std::string(kDeepSeekV3Model) + "--seq-length 4096 --max-position-embeddings 4096 ";
   const auto plan_of = [&](const std::string& extra) { return plan_training(request(model + extra, 1, "h200")); };
   const TrainingPlan plain = plan_of(""), mtp = plan_of("--mtp-num-layers 1");
   const TrainingPlan rec = plan_of("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1");
