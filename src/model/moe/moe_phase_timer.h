@@ -28,20 +28,12 @@
 #pragma once
 #include <array>
 #include <cstdint>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <exception>
 #include <memory>
-#include <mutex>
 #include <set>
 #include <string>
 #include <thread>
 #include <vector>
 
-#include "core/check.h"
-#include "core/cuda_check.h"
-#include "core/logging.h"
 #include "core/stream.h"
 #include "model/module.h"
 
@@ -51,18 +43,7 @@ enum class MoePhase : uint8_t { kRouter, kPermute, kDispatch, kExperts, kCombine
 inline constexpr int kMoePhases = 7;
 
 /// The phase's name in the table ("router", "permute", ...).
-inline const char* moe_phase_name(MoePhase p) {
-  switch (p) {
-    case MoePhase::kRouter: return "router";
-    case MoePhase::kPermute: return "permute";
-    case MoePhase::kDispatch: return "dispatch";
-    case MoePhase::kExperts: return "experts";
-    case MoePhase::kCombine: return "combine";
-    case MoePhase::kSharedExperts: return "shared experts";
-    case MoePhase::kPipelined: return "pipelined dispatch+experts+combine";
-  }
-  return "?";
-}
+const char* moe_phase_name(MoePhase p);
 
 /// What the table shows: ms per measured iteration, summed over the MoE layers.
 struct MoePhaseTimes {
@@ -81,29 +62,12 @@ class MoePhaseTimer {
   /// From the environment: nullptr when MT_MOE_PHASE_TIMING is unset, empty or "0"; a timer when it
   /// is "1", leaving out the first MT_MOE_PHASE_TIMING_WARMUP (a non-negative integer, default 1)
   /// iterations it sees. Errors: mt::Error naming the variable and its value otherwise.
-  static std::unique_ptr<MoePhaseTimer> from_environment() {
-    const char* on = std::getenv("MT_MOE_PHASE_TIMING");
-    if (on == nullptr || *on == '\0' || std::strcmp(on, "0") == 0) return nullptr;
-    MT_REQUIRE(std::strcmp(on, "1") == 0, "MT_MOE_PHASE_TIMING={}: expected 0 or 1", on);
-    int64_t warmup = 1;
-    if (const char* w = std::getenv("MT_MOE_PHASE_TIMING_WARMUP"); w != nullptr && *w != '\0') {
-      char* end = nullptr;
-      const long long x = std::strtoll(w, &end, 10);
-      MT_REQUIRE(end != w && *end == '\0' && x >= 0, "MT_MOE_PHASE_TIMING_WARMUP={}: expected a non-negative integer",
-                 w);
-      warmup = x;
-    }
-    return std::make_unique<MoePhaseTimer>(warmup);
-  }
+  static std::unique_ptr<MoePhaseTimer> from_environment();
 
   /// The timer the MoE layers of this thread record into: a ScopedForTesting one, else the
   /// process's (from_environment(), read once; its destructor prints the table at the end of the
   /// process); nullptr when timing is off.
-  static MoePhaseTimer* current() {
-    if (MoePhaseTimer* t = thread_override()) return t;
-    static const std::unique_ptr<MoePhaseTimer> timer = from_environment();
-    return timer.get();
-  }
+  static MoePhaseTimer* current();
   /// Tests: the MoE layers of this thread record into `timer` while this object lives.
   class ScopedForTesting {
    public:
@@ -116,63 +80,20 @@ class MoePhaseTimer {
     MoePhaseTimer* saved_;
   };
 
-  explicit MoePhaseTimer(int64_t warmup_iterations) : warmup_(warmup_iterations) {
-    MT_REQUIRE(warmup_iterations >= 0, "MoE phase timing: warm-up iterations {} < 0", warmup_iterations);
-  }
+  /// Errors: mt::Error when `warmup_iterations` < 0.
+  explicit MoePhaseTimer(int64_t warmup_iterations);
   /// Prints report() (log_info) when anything was measured; never throws.
-  ~MoePhaseTimer() {
-    try {
-      const std::string r = report();
-      if (!r.empty()) log_info("{}", r);
-    } catch (const std::exception& e) {  // e.g. a device already failed: say so, never throw here
-      std::fprintf(stderr, "MoE phase timing: no report (%s)\n", e.what());
-    }
-  }
+  ~MoePhaseTimer();
   MoePhaseTimer(const MoePhaseTimer&) = delete;
   MoePhaseTimer& operator=(const MoePhaseTimer&) = delete;
 
   /// The times so far, per measured iteration (reads the recorded events back: synchronises).
-  MoePhaseTimes times() {
-    resolve();
-    MoePhaseTimes t = sums_;
-    t.iterations = static_cast<int64_t>(iterations_.size());
-    t.layers = static_cast<int64_t>(layers_.size());
-    const double n = t.iterations > 0 ? static_cast<double>(t.iterations) : 1.0;
-    for (double& v : t.forward_ms) v /= n;
-    for (double& v : t.backward_ms) v /= n;
-    t.layer_forward_ms /= n;
-    t.layer_backward_ms /= n;
-    return t;
-  }
+  MoePhaseTimes times();
 
   /// The table: a header line, then "phase forward backward total % of layer" (ms per iteration)
   /// for each phase that ran, "between phases" and "MoE layers (total)". Empty when nothing was
   /// measured.
-  std::string report() {
-    const MoePhaseTimes t = times();
-    if (t.forward_passes + t.backward_passes == 0) return "";
-    const double layer = t.layer_forward_ms + t.layer_backward_ms;
-    const auto line = [&](const char* name, double f, double b) {
-      return fmt::format("  {:<36} {:>10.3f} {:>10.3f} {:>10.3f} {:>10.1f}%\n", name, f, b, f + b,
-                         layer > 0 ? 100.0 * (f + b) / layer : 0.0);
-    };
-    std::string s = fmt::format(
-        "MoE phase timing (MT_MOE_PHASE_TIMING, {}): {} MoE layer(s), {} iteration(s) measured after {} warm-up, "
-        "{} forward / {} backward layer passes; ms per iteration, summed over the layers\n",
-        clock_, t.layers, t.iterations, warmup_, t.forward_passes, t.backward_passes);
-    s += fmt::format("  {:<36} {:>10} {:>10} {:>10} {:>11}\n", "phase", "forward", "backward", "total", "% of layer");
-    double fsum = 0, bsum = 0;
-    for (int p = 0; p < kMoePhases; ++p) {
-      const double f = t.forward_ms[static_cast<size_t>(p)], b = t.backward_ms[static_cast<size_t>(p)];
-      fsum += f;
-      bsum += b;
-      if (f > 0 || b > 0) s += line(moe_phase_name(static_cast<MoePhase>(p)), f, b);  // the phases that ran
-    }
-    s += line("between phases", t.layer_forward_ms - fsum, t.layer_backward_ms - bsum);
-    s += line("MoE layers (total)", t.layer_forward_ms, t.layer_backward_ms);
-    s.pop_back();  // the last newline
-    return s;
-  }
+  std::string report();
 
  private:
   friend class MoePhasePass;
@@ -184,60 +105,19 @@ class MoePhaseTimer {
   // The most events one pass records: its start and end, and a start and end per phase scope.
   static constexpr size_t kMaxEventsPerPass = 2 + 2 * (kMoePhases + 2);
 
-  static MoePhaseTimer*& thread_override() {
-    thread_local MoePhaseTimer* t = nullptr;
-    return t;
-  }
-  static bool capturing(const Stream& s) {
-#ifdef MT_WITH_CUDA
-    if (!s.is_cpu()) {
-      cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
-      MT_CUDA_CHECK(cudaStreamIsCapturing(static_cast<cudaStream_t>(s.cuda_stream()), &cs));
-      return cs != cudaStreamCaptureStatusNone;
-    }
-#endif
-    (void)s;
-    return false;
-  }
+  static MoePhaseTimer*& thread_override();  // this thread's ScopedForTesting timer, or nullptr
+  static bool capturing(const Stream& s);    // whether `s` is under CUDA-graph capture
 
   // Whether a pass with this context is measured; reads the previous iteration's events back at
   // the first pass of a new one (no pass is open then: the MoE layers of a rank run one at a time).
-  bool begin_pass(const StepContext& ctx, int64_t layer) {
-    if (!ctx.dropout.training || ctx.graphs != nullptr) return false;
-    if (!have_first_) {
-      have_first_ = true;
-      first_iteration_ = ctx.dropout.iteration;
-      thread_ = std::this_thread::get_id();
-    }
-    if (std::this_thread::get_id() != thread_ || capturing(ctx.stream)) return false;
-    const uint64_t it = ctx.dropout.iteration;
-    if (it < first_iteration_ + static_cast<uint64_t>(warmup_)) return false;
-    if (iterations_.insert(it).second || used_ + kMaxEventsPerPass > kEventPoolSize) resolve();
-    layers_.insert(layer);
-    return true;
-  }
-  uint32_t record(const Stream& stream) {
-    MT_CHECK(used_ < kEventPoolSize, "MoE phase timing: event pool exhausted ({} events)", used_);
-    if (used_ == events_.size()) {
-      events_.push_back(std::make_unique<Event>(stream.device()));
-      clock_ = stream.is_cpu() ? "the host's steady clock" : "CUDA events";
-    }
-    events_[used_]->record(stream);
-    return static_cast<uint32_t>(used_++);
-  }
-  void resolve() {
-    for (const Record& r : pending_) {
-      const Event& e = *events_[r.end];
-      e.synchronize();
-      const double ms = e.elapsed_ms_since(*events_[r.begin]);
-      if (r.phase < 0)
-        (r.backward ? sums_.layer_backward_ms : sums_.layer_forward_ms) += ms;
-      else
-        (r.backward ? sums_.backward_ms : sums_.forward_ms)[static_cast<size_t>(r.phase)] += ms;
-    }
-    pending_.clear();
-    used_ = 0;
-  }
+  bool begin_pass(const StepContext& ctx, int64_t layer);
+  // Records an event on `stream`; returns its index into events_.
+  uint32_t record(const Stream& stream);
+  // Records the end of a pass (phase -1) or phase that began at event `begin`, unless an exception
+  // is unwinding the pass.
+  void end_scope(uint32_t begin, const Stream& stream, int8_t phase, bool backward);
+  // Reads the pending events back into sums_ and frees the pool.
+  void resolve();
 
   int64_t warmup_;
   bool have_first_ = false;
@@ -259,17 +139,10 @@ class MoePhasePass {
  public:
   MoePhasePass(MoePhaseTimer* timer, const StepContext& ctx, bool backward, int64_t layer)
       : timer_(timer), stream_(&ctx.stream), backward_(backward) {
-    if (timer_ == nullptr) return;
-    if (!timer_->begin_pass(ctx, layer)) {
-      timer_ = nullptr;
-      return;
-    }
-    ++(backward ? timer_->sums_.backward_passes : timer_->sums_.forward_passes);
-    begin_ = timer_->record(*stream_);
+    if (timer_ != nullptr) begin(ctx, layer);
   }
   ~MoePhasePass() {
-    if (timer_ != nullptr && std::uncaught_exceptions() == 0)
-      timer_->pending_.push_back({begin_, timer_->record(*stream_), -1, backward_});
+    if (timer_ != nullptr) timer_->end_scope(begin_, *stream_, -1, backward_);
   }
   MoePhasePass(const MoePhasePass&) = delete;
   MoePhasePass& operator=(const MoePhasePass&) = delete;
@@ -281,9 +154,8 @@ class MoePhasePass {
       if (pass_ != nullptr) begin_ = pass_->timer_->record(*pass_->stream_);
     }
     ~Phase() {
-      if (pass_ != nullptr && std::uncaught_exceptions() == 0)
-        pass_->timer_->pending_.push_back(
-            {begin_, pass_->timer_->record(*pass_->stream_), static_cast<int8_t>(phase_), pass_->backward_});
+      if (pass_ != nullptr)
+        pass_->timer_->end_scope(begin_, *pass_->stream_, static_cast<int8_t>(phase_), pass_->backward_);
     }
     Phase(const Phase&) = delete;
     Phase& operator=(const Phase&) = delete;
@@ -296,6 +168,9 @@ class MoePhasePass {
   Phase phase(MoePhase p) { return Phase(timer_ != nullptr ? this : nullptr, p); }
 
  private:
+  // The active start: whether timer_ measures this pass (else timer_ = nullptr), its first event.
+  void begin(const StepContext& ctx, int64_t layer);
+
   MoePhaseTimer* timer_;  // nullptr: inactive
   const Stream* stream_;
   bool backward_;
