@@ -124,7 +124,8 @@ struct RankKindPlan {
 struct StepPrediction {
   bool available = false;        ///< false on the CPU: no cost model
   double compute_s = 0;          ///< the rank's FLOPs (with recompute) at the calibrated rate, the
-                                 ///< MoE layers' experts and token passes included
+                                 ///< MoE layers' experts and token passes and MLA's attention and
+                                 ///< passes included
   double moe_experts_s = 0;      ///< of compute_s: the experts' MLPs at kExpertMlpRates
   double moe_token_passes_s = 0; ///< of compute_s: the MoE layers' router / permute / dispatch / combine
   double mla_attention_s = 0;    ///< of compute_s: MLA's core attention at kMlaAttention*Tflops
