@@ -162,10 +162,27 @@ StepPrediction predict_step(const TrainingPlan& p, const PretrainArgs& a, const 
   const double mtp_moe = moe && c.is_moe_layer(c.num_layers - 1) ? static_cast<double>(c.mtp_num_layers) : 0;
   const double moe_layer_s = routed / (expert_mlp_tflops(moe_ffn / pc.etp) * 1e12) +
                              (shared > 0 ? shared / (expert_mlp_tflops(shared_ffn / pc.tp) * 1e12) : 0);
-  const double dense_head = head - mtp_moe * (routed + shared);
+  // MLA layers (the MTP's with the last stage's): the core attention apart, at its kernels' measured
+  // rates (kMlaAttention*Tflops: Q·Kᵀ and P·V at the packed head dim D, causal; backward 2.5 times
+  // the forward) in place of Megatron's count of it at η, and the pack / RoPE / unpack passes over
+  // the packed [T, n, 3, D] tensor (kMlaPasses*). Both per layer, for the whole global batch.
+  // (cuDNN's kernels: the rates apply to the resolved fused backend; with another the core
+  // attention stays in Megatron's count at η, as nothing else was measured)
+  const bool mla = c.multi_latent_attention;
+  const bool mla_cudnn = mla && c.attention_backend == AttentionBackend::kFused;
+  const double s_len = static_cast<double>(p.seq_length), heads = static_cast<double>(c.num_attention_heads);
+  const double mla_megatron =
+      mla_cudnn ? 6.0 * iter_tokens * s_len * heads * static_cast<double>(c.q_head_dim() + c.v_head_dim) / 2.0 : 0;
+  const double mla_forward =
+      mla_cudnn ? 4.0 * iter_tokens * s_len / 2.0 * heads * static_cast<double>(c.head_dim()) : 0;
+  const double mla_fwd_s = mla_forward / (kMlaAttentionForwardTflops * 1e12);
+  const double mla_bwd_s = 2.5 * mla_forward / (kMlaAttentionBackwardTflops * 1e12);
+  const double mtp_layers = static_cast<double>(c.mtp_num_layers);
+  const double dense_head = head - mtp_moe * (routed + shared) - mtp_layers * mla_megatron;
   const double per_layer =
       (p.flops_per_iteration - head - static_cast<double>(c.num_moe_layers()) * (routed + shared)) /
-      static_cast<double>(c.num_layers);
+          static_cast<double>(c.num_layers) -
+      mla_megatron;
   // One micro-batch's activation tensor [s/cp, b, h] as TP and EP move it.
   const double tokens = static_cast<double>(p.micro_batch_size) * static_cast<double>(p.seq_length) / pc.cp;
   const double act_bytes = tokens * static_cast<double>(c.hidden_size) * act;
@@ -185,6 +202,9 @@ StepPrediction predict_step(const TrainingPlan& p, const PretrainArgs& a, const 
   const double stage_gpus = world / pc.pp;
   // one MoE layer's token passes per micro-batch: this rank's tokens (1/tp of them with SP) times top-k rows
   const double token_pass_s = moe ? kMoeTokenPasses * tokens / pc.tp * topk * h * act / (g.hbm_gbps * 1e9) : 0;
+  // one MLA layer's pass over this rank's packed [T, n/tp, 3, D] per micro-batch
+  const double mla_pass_s =
+      mla ? tokens * heads / pc.tp * 3.0 * static_cast<double>(c.head_dim()) * act / (g.hbm_gbps * 1e9) : 0;
   double slowest = -1;
   for (const StageWork& s : stages) {
     const double moe_layers = static_cast<double>(s.moe_layers) + (s.has_loss ? mtp_moe : 0);
@@ -194,7 +214,13 @@ StepPrediction predict_step(const TrainingPlan& p, const PretrainArgs& a, const 
     const double rec_moe = static_cast<double>(s.recomputed_moe);
     const double experts = (moe_layers + rec_moe / 3.0) * moe_layer_s / stage_gpus;
     const double token_passes = m * (moe_layers + rec_moe / 2.0) * token_pass_s;
-    const double compute = (flops + recompute) / rate + experts + token_passes;
+    // MLA: a recomputed layer repeats the attention's and the passes' forward
+    const double attn_layers = static_cast<double>(s.layers) + (s.has_loss ? mtp_layers : 0);
+    const double rec = static_cast<double>(s.recomputed);
+    const double mla_attention = ((attn_layers + rec) * mla_fwd_s + attn_layers * mla_bwd_s) / stage_gpus;
+    const double mla_passes =
+        m * ((attn_layers + rec) * kMlaPassesForward + attn_layers * kMlaPassesBackward) * mla_pass_s;
+    const double compute = (flops + recompute) / rate + experts + token_passes + mla_attention + mla_passes;
     // a recomputed layer repeats its forward collectives (half of them)
     const double tp = m * (static_cast<double>(s.layers) + 0.5 * static_cast<double>(s.recomputed)) * tp_layer;
     const double cp = m * static_cast<double>(s.layers) * cp_layer;
@@ -204,6 +230,8 @@ StepPrediction predict_step(const TrainingPlan& p, const PretrainArgs& a, const 
       out.compute_s = compute;
       out.moe_experts_s = experts;
       out.moe_token_passes_s = token_passes;
+      out.mla_attention_s = mla_attention;
+      out.mla_passes_s = mla_passes;
       out.tp_comm_s = tp;
       out.cp_comm_s = cp;
       out.ep_comm_s = ep;

@@ -82,6 +82,25 @@ double expert_mlp_tflops(double ffn);
 /// micro-batches of 4096 tokens, top-6, hidden 2048 (one pass: 100.7 MB, 20.97 µs at 4.8 TB/s).
 inline constexpr double kMoeTokenPasses = 15.37;
 
+/// Multi-latent attention's core attention, cuDNN's fused SDPA, at the packed head dim D = max(d_qk,
+/// d_v) (ops/mla.h: the value heads zero-padded to D), causal, in TFLOP/s of the kernels' own count:
+/// forward Q·Kᵀ and P·V at D, 4 · s²/2 · n · D per sequence; backward 2.5 times that (5 GEMMs,
+/// FlashAttention-2's count), its dO·O and dQ-conversion kernels included. Per-kernel profile of
+/// bench/deepseek_v3.sh's model (2 layers, micro-batch 1, s 4096, 16 heads, D 192; ncu, one H200,
+/// 2026-11-29, docs/plan.md "The DeepSeek-V3-shaped MoE"): forward 103.1 GFLOP in 183.4 µs,
+/// backward 257.7 GFLOP in 600.9 µs per layer and micro-batch. Used at every sequence length, and
+/// for H100s (the same bf16 peak; not measured there).
+inline constexpr double kMlaAttentionForwardTflops = 562.1;
+inline constexpr double kMlaAttentionBackwardTflops = 428.8;
+/// MLA's tensor plumbing around the core attention in units of one HBM pass over the packed
+/// [T, n, 3, D] query/key/value tensor (tokens · heads · 3 · D · 2 bytes at the HBM bandwidth):
+/// forward mla_qkv_pack, RoPE, the context unpack; backward the context pad, RoPE, the unpack and
+/// dk_pe's head sum. The same profile: forward 208.1 + 11.8 + 23.0 = 242.8 µs, backward 33.4 + 11.8
+/// + 90.9 + 6.1 = 142.1 µs per layer and micro-batch; one pass 75.5 MB, 15.73 µs at 4.8 TB/s. The
+/// pack runs at 0.65 TB/s, far from the bandwidth: a faster kernel lowers these counts.
+inline constexpr double kMlaPassesForward = 15.44;
+inline constexpr double kMlaPassesBackward = 9.03;
+
 /// What `megatron plan` is asked.
 struct PlanRequest {
   PretrainArgs args;       ///< as parsed from the script's flags (not yet resolved)
@@ -105,9 +124,12 @@ struct RankKindPlan {
 struct StepPrediction {
   bool available = false;        ///< false on the CPU: no cost model
   double compute_s = 0;          ///< the rank's FLOPs (with recompute) at the calibrated rate, the
-                                 ///< MoE layers' experts and token passes included
+                                 ///< MoE layers' experts and token passes and MLA's attention and
+                                 ///< passes included
   double moe_experts_s = 0;      ///< of compute_s: the experts' MLPs at kExpertMlpRates
   double moe_token_passes_s = 0; ///< of compute_s: the MoE layers' router / permute / dispatch / combine
+  double mla_attention_s = 0;    ///< of compute_s: MLA's core attention at kMlaAttention*Tflops
+  double mla_passes_s = 0;       ///< of compute_s: MLA's pack / RoPE / unpack passes (kMlaPasses*)
   double tp_comm_s = 0;          ///< tensor-parallel all-reduces / SP all-gathers + reduce-scatters
   double cp_comm_s = 0;          ///< context-parallel ring exchanges of K and V
   double ep_comm_s = 0;          ///< expert-parallel token dispatch and combine

@@ -242,6 +242,17 @@ TEST_F(Plan, MuonAddsTheNewtonSchulzFlopsToTheStep) {
   }
 }
 
+// bench/deepseek_v3.sh's model without its sequence length (docs/benchmarks.md "DeepSeek-V3-shaped MoE").
+constexpr const char* kDeepSeekV3Model =
+    "--train-iters 2 --num-layers 16 --hidden-size 2048 --num-attention-heads 16 --ffn-hidden-size 8192 --swiglu "
+    "--normalization RMSNorm --position-embedding-type rope --untie-embeddings-and-output-weights "
+    "--disable-bias-linear --multi-latent-attention --kv-lora-rank 512 --qk-head-dim 128 --qk-pos-emb-head-dim 64 "
+    "--v-head-dim 128 --rope-type rope --num-experts 64 --moe-router-topk 6 --moe-ffn-hidden-size 512 "
+    "--moe-shared-expert-intermediate-size 512 --moe-layer-freq ([0]+[1]*15) --moe-router-score-function sigmoid "
+    "--moe-router-enable-expert-bias --moe-router-bias-update-rate 1e-3 --moe-router-num-groups 4 "
+    "--moe-router-group-topk 2 --moe-router-topk-scaling-factor 2.5 --moe-grouped-gemm --micro-batch-size 1 "
+    "--global-batch-size 8 --bf16 --hidden-dropout 0 --attention-dropout 0 --vocab-size 50257 ";
+
 // bench/deepseek_v3.sh's model (docs/benchmarks.md "DeepSeek-V3-shaped MoE") on one H200, set
 // beside what that run logged and measured there (2026-11-29):
 // - memory: the trainer's estimate on the GPU was 74525.6 MiB of buffers (74525.8 allocated) with
@@ -255,15 +266,7 @@ TEST_F(Plan, MuonAddsTheNewtonSchulzFlopsToTheStep) {
 //   phases 131.69 + 22.43 ms (the shared expert's 22.43 ms is not in the table: 413.6 TFLOP/s);
 //   the token passes against the measured router + permute + dispatch + combine + between phases.
 TEST_F(Plan, DeepSeekV3ShapedMoeAgainstTheH200Run) {
-  const std::string model =
-      "--train-iters 2 --num-layers 16 --hidden-size 2048 --num-attention-heads 16 --ffn-hidden-size 8192 --swiglu "
-      "--normalization RMSNorm --position-embedding-type rope --untie-embeddings-and-output-weights "
-      "--disable-bias-linear --multi-latent-attention --kv-lora-rank 512 --qk-head-dim 128 --qk-pos-emb-head-dim 64 "
-      "--v-head-dim 128 --rope-type rope --num-experts 64 --moe-router-topk 6 --moe-ffn-hidden-size 512 "
-      "--moe-shared-expert-intermediate-size 512 --moe-layer-freq ([0]+[1]*15) --moe-router-score-function sigmoid "
-      "--moe-router-enable-expert-bias --moe-router-bias-update-rate 1e-3 --moe-router-num-groups 4 "
-      "--moe-router-group-topk 2 --moe-router-topk-scaling-factor 2.5 --moe-grouped-gemm --micro-batch-size 1 "
-      "--global-batch-size 8 --bf16 --hidden-dropout 0 --attention-dropout 0 --vocab-size 50257 ";
+  const std::string model = kDeepSeekV3Model;
   const double MiB = 1048576.0;
   const auto plan_of = [&](const std::string& extra) { return plan_training(request(model + extra, 1, "h200")); };
   const TrainingPlan mtp = plan_of("--seq-length 4096 --max-position-embeddings 4096 --mtp-num-layers 1");
@@ -294,6 +297,54 @@ TEST_F(Plan, DeepSeekV3ShapedMoeAgainstTheH200Run) {
   EXPECT_NEAR(mtp.step.moe_experts_s, s.moe_experts_s * 16 / 15, 1e-9);
   // a dense model has none
   EXPECT_EQ(plan_training(request("--bf16 --train-iters 2", 1, "h200")).step.moe_experts_s, 0.0);
+}
+
+// The same model's MLA layers against the per-kernel profile of the H200 (ncu, 2 layers, one micro-batch
+// of 4096 tokens, 2026-11-29; docs/plan.md "The DeepSeek-V3-shaped MoE"), by hand:
+// - the core attention: cuDNN's kernels at the packed head dim D = 192 (the value heads zero-padded),
+//   causal: forward Q·Kᵀ + P·V = 4 · s²/2 · n · D FLOPs per layer and micro-batch, backward 2.5 times
+//   that; measured 183.4 µs forward, 600.9 µs backward (bprop + dO·O + the dQ conversion);
+// - the pack / RoPE / context / unpack kernels: 242.8 µs forward, 142.1 µs backward, counted in passes
+//   over the packed [T, n, 3, D] bf16 tensor at 4.8 TB/s;
+// - what stays at the calibrated η: Megatron's FLOPs less the experts' and the MLA core attention's
+//   (Megatron's count, 3 · s² · n · (d_qk + d_v) per layer and sequence, d_v not padded).
+// 16 layers × 8 micro-batches without MTP, 17 with it; a recomputed layer repeats the forwards. The
+// step: 508.5 ms measured without the phase timing (iteration 20; docs/benchmarks.md).
+TEST_F(Plan, DeepSeekV3ShapedMlaAgainstTheH200Profile) {
+  const std::string model = std::string(kDeepSeekV3Model) + "--seq-length 4096 --max-position-embeddings 4096 ";
+  const auto plan_of = [&](const std::string& extra) { return plan_training(request(model + extra, 1, "h200")); };
+  const TrainingPlan plain = plan_of(""), mtp = plan_of("--mtp-num-layers 1");
+  const TrainingPlan rec = plan_of("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1");
+  const double fwd = 4.0 * 4096 * 4096 / 2 * 16 * 192;  // 103.08 GFLOP per layer and micro-batch
+  const double attention_s = fwd / 562.1e12 + 2.5 * fwd / 428.8e12;
+  EXPECT_NEAR(attention_s / (183.376e-6 + 600.944e-6), 1.0, 1e-3);  // the profile's kernels
+  const double pass_s = 4096.0 * 16 * 3 * 192 * 2 / 4.8e12;
+  EXPECT_NEAR((15.44 + 9.03) * pass_s / (242.784e-6 + 142.064e-6), 1.0, 1e-3);
+  const StepPrediction& s = plain.step;
+  EXPECT_NEAR(s.mla_attention_s, 16 * 8 * attention_s, 1e-9);
+  EXPECT_NEAR(s.mla_passes_s, 16 * 8 * (15.44 + 9.03) * pass_s, 1e-9);
+  EXPECT_NEAR(mtp.step.mla_attention_s, 17 * 8 * attention_s, 1e-9);
+  EXPECT_NEAR(mtp.step.mla_passes_s, 17 * 8 * (15.44 + 9.03) * pass_s, 1e-9);
+  EXPECT_NEAR(rec.step.mla_attention_s - s.mla_attention_s, 16 * 8 * fwd / 562.1e12, 1e-9);
+  EXPECT_NEAR(rec.step.mla_passes_s - s.mla_passes_s, 16 * 8 * 15.44 * pass_s, 1e-9);
+  // the rest at η: Megatron's FLOPs less the experts' (15 MoE layers, SwiGLU 512, top-6 + 1 shared)
+  // and the MLA core attention's
+  const double experts = 15 * 6.0 * 8 * 4096 * 2048 * 3 * 512 * 7;
+  const double mla_megatron = 16 * 3.0 * 8 * 4096.0 * 4096 * 16 * (192 + 128);
+  const double rate = plain.gpu.compute_efficiency * plain.gpu.peak_tflops * 1e12;
+  EXPECT_NEAR((s.compute_s - s.moe_experts_s - s.moe_token_passes_s - s.mla_attention_s - s.mla_passes_s) * rate,
+              plain.flops_per_iteration - experts - mla_megatron, 1e3);
+  EXPECT_NEAR(s.step_s / 508.5e-3, 1.0, 0.03);
+  // the rates are cuDNN's: with the unfused attention the core attention stays at η, the passes stay
+  const StepPrediction local = plan_of("--attention-backend local").step;
+  EXPECT_EQ(local.mla_attention_s, 0.0);
+  EXPECT_NEAR(local.mla_passes_s, s.mla_passes_s, 1e-12);
+  EXPECT_NEAR((local.compute_s - local.moe_experts_s - local.moe_token_passes_s - local.mla_passes_s) * rate,
+              plain.flops_per_iteration - experts, 1e3);
+  // a model without MLA has neither term
+  const StepPrediction dense = plan_training(request("--bf16 --train-iters 2", 1, "h200")).step;
+  EXPECT_EQ(dense.mla_attention_s, 0.0);
+  EXPECT_EQ(dense.mla_passes_s, 0.0);
 }
 
 // The expert-MLP rate: the measured points, linear in log(ffn) between them, the end points outside.
