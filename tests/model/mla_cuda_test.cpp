@@ -154,7 +154,8 @@ TEST(MlaCuda, PackBitwiseMatchesCpu) {
       const std::vector<float> w_qkv = want(cqkv), w_dq = want(cdq), w_dkv = want(cdkv), w_dk = want(cdk),
                                w_pad = want(cpad), w_unpad = want(cunpad);
       OwnedTensor own_q, own_kv, own_k, own_g, own_ctx, own_out;
-      const Tensor gq = gpu_view(own_q, q, t, {T, n, dq_w}, k.shifted), gkv = gpu_view(own_kv, kv, t, {T, n, dkv_w}, false),
+      const Tensor gq = gpu_view(own_q, q, t, {T, n, dq_w}, k.shifted),
+                   gkv = gpu_view(own_kv, kv, t, {T, n, dkv_w}, false),
                    gk = gpu_view(own_k, kpe, t, {T, k.dr}, false), gg = gpu_view(own_g, g, t, {T, n, 3, D}, false),
                    gctx = gpu_view(own_ctx, ctx, t, {T, n * D}, false),
                    gout = gpu_view(own_out, out, t, {T, n * k.dv}, false);

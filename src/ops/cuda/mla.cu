@@ -4,8 +4,9 @@
 // at any head dims that are multiples of 8), so a warp reads and writes contiguous 512-byte runs
 // of a row; flat indices in 32 bits while they fit (the divisions by the row widths are most of a
 // thread's instructions). Zero channels are the zero word: the results are bitwise those of the
-// CPU reference at every width (tests/model/mla_cuda_test.cpp `MlaCuda.PackBitwiseMatchesCpu`). The head
-// sum of dk_pe in fp32 in head order, as the CPU reference. bench/mla_pack_bench.cpp times them.
+// CPU reference at every width (tests/model/mla_cuda_test.cpp `MlaCuda.PackBitwiseMatchesCpu`).
+// The head sum of dk_pe in fp32 in head order, as the CPU reference. bench/mla_pack_bench.cpp
+// times them.
 #include "ops/mla.h"  // first: ops/cuda/elementwise_common.cuh needs Tensor, Stream, DType
 
 #include "ops/cuda/elementwise_common.cuh"
