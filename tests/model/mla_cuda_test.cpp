@@ -1,5 +1,7 @@
 // Multi-latent attention, CUDA against CPU (docs/mla.md): the ops of ops/mla.h and the YaRN
-// rotation in fp32 (bitwise: copies and the same fp32 expressions) and bf16, and a whole MLA model
+// rotation in fp32 (bitwise: copies and the same fp32 expressions) and bf16, the packing copies
+// bitwise at every access width of their kernels (ragged token counts, several head counts and
+// head dims, a misaligned input), and a whole MLA model
 // (query latent, YaRN, padded value heads; dropout) with the local and the flash core attention:
 // loss and every gradient; greedy generation with the latent cache on the GPU equals generation
 // without a cache and the CPU's tokens.
@@ -7,9 +9,13 @@
 
 #include <cmath>
 #include <cstdio>
+#include <string>
+
+#include <fmt/format.h>
 
 #include "model/gpt_model.h"
 #include "ops/cuda/cudnn_attention.h"
+#include "ops/cuda/mla_widths.h"
 #include "ops/elementwise.h"
 #include "ops/mla.h"
 #include "ops/rope.h"
@@ -96,6 +102,89 @@ TEST(MlaCuda, OpsMatchCpu) {
     mla_latent_expand(gkey, gval, gu, gpe, 7, dn, gs);
     EXPECT_LE(testing::rel_err(testing::to_host(gkey, gs), testing::to_host(ckey, cs)), tol + 1e-6) << "keys";
     EXPECT_LE(testing::rel_err(testing::to_host(gval, gs), testing::to_host(cval, cs)), tol) << "values";
+  }
+}
+
+/// `host` as a [shape] tensor of `t` on the GPU, starting one element past an allocation (so off
+/// 16-byte alignment) when `shifted`; the view is returned, `own` keeps the memory.
+Tensor gpu_view(OwnedTensor& own, const std::vector<float>& host, DType t, const std::vector<int64_t>& shape,
+                bool shifted) {
+  std::vector<float> h = host;
+  if (shifted) h.insert(h.begin(), 0.f);
+  own = on(h, t, Device::cuda(0), {static_cast<int64_t>(h.size())});
+  return own.t.slice0(shifted ? 1 : 0, static_cast<int64_t>(h.size())).view(shape);
+}
+
+/// mla_qkv_pack, mla_qkv_unpack_grad and mla_context_unpack (both directions) bitwise against the
+/// CPU reference on the same rounded inputs (copies are exact; dk_pe's fp32 head sum, in head
+/// order, rounds once on both), through the ops and at every access width of the kernels
+/// (ops/cuda/mla_widths.h: 16, 8, 4, 2 bytes), outputs poisoned before each call: ragged token
+/// counts, 1 to 16 heads, DeepSeek-V3's head dims (16-byte words in bf16), dims that allow only
+/// 8-byte words or single elements, d_v > d_n + d_r, and a query one element off alignment.
+TEST(MlaCuda, PackBitwiseMatchesCpu) {
+  MT_REQUIRE_CUDA();
+  const Stream &cs = testing::cpu_stream(), &gs = testing::cuda_stream();
+  struct Case {
+    int64_t T, n, dn, dr, dv, D;
+    bool shifted;  // q one element past 16-byte alignment
+  };
+  const Case cases[] = {{37, 16, 128, 64, 128, 192, false}, {37, 3, 128, 64, 128, 192, true},
+                        {5, 1, 24, 8, 16, 32, false},       {11, 4, 12, 4, 8, 16, false},
+                        {13, 2, 6, 4, 5, 10, false},        {9, 5, 8, 8, 24, 24, false}};
+  for (const Case& k : cases) {
+    const int64_t T = k.T, n = k.n, dq_w = k.dn + k.dr, dkv_w = k.dn + k.dv, D = k.D;
+    const std::vector<float> q = testing::randn(T * n * dq_w), kv = testing::randn(T * n * dkv_w),
+                             kpe = testing::randn(T * k.dr), g = testing::randn(T * n * 3 * D),
+                             ctx = testing::randn(T * n * D), out = testing::randn(T * n * k.dv);
+    for (DType t : {DType::kBF16, DType::kF32}) {
+      auto cpu = [&](const std::vector<float>& v, const std::vector<int64_t>& shape) {
+        return on(testing::rounded(v, t), DType::kF32, Device::cpu(), shape);
+      };
+      // the CPU reference, its results rounded to t (exact: they are values t holds, or dk_pe's sum)
+      OwnedTensor cq = cpu(q, {T, n, dq_w}), ckv = cpu(kv, {T, n, dkv_w}), ck = cpu(kpe, {T, k.dr});
+      OwnedTensor cg = cpu(g, {T, n, 3, D}), cctx = cpu(ctx, {T, n * D}), cout = cpu(out, {T, n * k.dv});
+      OwnedTensor cqkv(DType::kF32, Device::cpu(), {T, n, 3, D}), cdq(DType::kF32, Device::cpu(), {T, n, dq_w}),
+          cdkv(DType::kF32, Device::cpu(), {T, n, dkv_w}), cdk(DType::kF32, Device::cpu(), {T, k.dr}),
+          cpad(DType::kF32, Device::cpu(), {T, n * D}), cunpad(DType::kF32, Device::cpu(), {T, n * k.dv});
+      mla_qkv_pack(cqkv, cq, ckv, ck, cs);
+      mla_qkv_unpack_grad(cdq, cdkv, cdk, cg, cs);
+      mla_context_unpack(cunpad, cctx, n, false, cs);
+      mla_context_unpack(cout, cpad, n, true, cs);
+      auto want = [&](const Tensor& x) { return testing::rounded(testing::to_host(x, cs), t); };
+      const std::vector<float> w_qkv = want(cqkv), w_dq = want(cdq), w_dkv = want(cdkv), w_dk = want(cdk),
+                               w_pad = want(cpad), w_unpad = want(cunpad);
+      OwnedTensor own_q, own_kv, own_k, own_g, own_ctx, own_out;
+      const Tensor gq = gpu_view(own_q, q, t, {T, n, dq_w}, k.shifted),
+                   gkv = gpu_view(own_kv, kv, t, {T, n, dkv_w}, false),
+                   gk = gpu_view(own_k, kpe, t, {T, k.dr}, false), gg = gpu_view(own_g, g, t, {T, n, 3, D}, false),
+                   gctx = gpu_view(own_ctx, ctx, t, {T, n * D}, false),
+                   gout = gpu_view(own_out, out, t, {T, n * k.dv}, false);
+      OwnedTensor gqkv(t, Device::cuda(0), {T, n, 3, D}), gdq(t, Device::cuda(0), {T, n, dq_w}),
+          gdkv(t, Device::cuda(0), {T, n, dkv_w}), gdk(t, Device::cuda(0), {T, k.dr}),
+          gpad(t, Device::cuda(0), {T, n * D}), gunpad(t, Device::cuda(0), {T, n * k.dv});
+      for (int width : {0, 16, 8, 4, 2}) {  // 0: the ops of ops/mla.h
+        const std::string what = fmt::format("T {} n {} d_n {} d_r {} d_v {} D {}{} {} width {}", T, n, k.dn, k.dr,
+                                             k.dv, D, k.shifted ? " (q misaligned)" : "", dtype_name(t), width);
+        for (const Tensor* x : {&gqkv.t, &gdq.t, &gdkv.t, &gdk.t, &gpad.t, &gunpad.t}) testing::poison(*x, gs);
+        if (width == 0) {
+          mla_qkv_pack(gqkv, gq, gkv, gk, gs);
+          mla_qkv_unpack_grad(gdq, gdkv, gdk, gg, gs);
+          mla_context_unpack(gunpad, gctx, n, false, gs);
+          mla_context_unpack(gout, gpad, n, true, gs);
+        } else {
+          cuda::mla_qkv_pack(gqkv, gq, gkv, gk, gs, width);
+          cuda::mla_qkv_unpack_grad(gdq, gdkv, gdk, gg, gs, width);
+          cuda::mla_context_unpack(gunpad, gctx, n, false, gs, width);
+          cuda::mla_context_unpack(gout, gpad, n, true, gs, width);
+        }
+        EXPECT_TRUE(testing::same_bits(testing::to_host(gqkv, gs), w_qkv)) << "qkv, " << what;
+        EXPECT_TRUE(testing::same_bits(testing::to_host(gdq, gs), w_dq)) << "dq, " << what;
+        EXPECT_TRUE(testing::same_bits(testing::to_host(gdkv, gs), w_dkv)) << "dkv, " << what;
+        EXPECT_TRUE(testing::same_bits(testing::to_host(gdk, gs), w_dk)) << "dk_pe, " << what;
+        EXPECT_TRUE(testing::same_bits(testing::to_host(gunpad, gs), w_unpad)) << "context, " << what;
+        EXPECT_TRUE(testing::same_bits(testing::to_host(gpad, gs), w_pad)) << "padded context, " << what;
+      }
+    }
   }
 }
 
