@@ -34,7 +34,9 @@
 #                         current scaling; docs/fp8.md), fp8_delayed = hybrid delayed scaling (amax
 #                         history 1024, max), fp8_block = e4m3 blockwise (1x128 / 128x128 scales),
 #                         fp8_graph = fp8 with the full-iteration CUDA graph, fp8_delayed_graph =
-#                         fp8_delayed with it
+#                         fp8_delayed with it, fp8_delayed_fused = fp8_delayed with the fused FP8
+#                         producers (MT_FP8_FUSED_PRODUCERS=1: the norms and SwiGLU write the FP8
+#                         inputs; docs/fp8.md "What fuses")
 #   moe_small             Mixtral-style MoE (12 layers, hidden 1024, GQA 16/8, 8 experts top-2, expert
 #                         SwiGLU 3584, aux loss 1e-2), micro-batch 8 (speed only)
 # Environment: ITERS (steps, default 40), WARMUP (steps left out of the timing, default 10), LR
@@ -144,6 +146,7 @@ declare -A torch_done=()
 for c in "$@"; do
   base=${c%%:*}
   config "$base" || continue
+  fused=0
   case $c in
     "$base") ;;
     "$base:norm_act") mt+=(--recompute-granularity selective --recompute-modules layernorm mlp_act) ;;
@@ -154,6 +157,8 @@ for c in "$@"; do
                               --fp8-amax-compute-algo max) ;;
     "$base:fp8_block") mt+=(--fp8-format e4m3 --fp8-recipe blockwise) ;;
     "$base:fp8_graph") mt+=(--fp8-format hybrid --fp8-recipe tensorwise --cuda-graph-impl full_iteration) ;;
+    "$base:fp8_delayed_fused") mt+=(--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 1024
+                                    --fp8-amax-compute-algo max); fused=1 ;;
     "$base:fp8_delayed_graph") mt+=(--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 1024
                                     --fp8-amax-compute-algo max --cuda-graph-impl full_iteration) ;;
     "$base:pao") mt+=(--use-precision-aware-optimizer) ;;
@@ -177,8 +182,8 @@ for c in "$@"; do
       { echo "| $base | the shared weights or samples failed: $(tail -1 "$OUT/$base.init.log" "$OUT/$base.export.log" 2>/dev/null | tail -1) |" | tee -a "$OUT/compare.md"; continue; }
   fi
   c=${c/:/_}  # file names
-  timeout 300 build/megatron pretrain "${train[@]}" "${mt[@]}" --lr "$LR" --train-iters "$ITERS" --log-interval 1 \
-    > "$OUT/$c.megatron.log" 2>&1
+  MT_FP8_FUSED_PRODUCERS=$fused timeout 300 build/megatron pretrain "${train[@]}" "${mt[@]}" --lr "$LR" \
+    --train-iters "$ITERS" --log-interval 1 > "$OUT/$c.megatron.log" 2>&1
   if [ -z "${torch_done[$base]:-}" ]; then
     timeout 400 python3 bench/pytorch_gpt2.py "${pt[@]}" "${ref_init[@]}" --steps $((ITERS - WARMUP)) \
       --warmup "$WARMUP" --compile > "$OUT/$base.torch.log" 2>&1

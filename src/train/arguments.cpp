@@ -5,6 +5,7 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <cstdlib>
 
 #include "comm/bootstrap.h"
 #include "core/cli_validators.h"
@@ -904,6 +905,9 @@ void validate_pretrain_args(PretrainArgs& a) {
              "--fp8-param-gather requires --use-distributed-optimizer (the distributed optimizer gathers the FP8 "
              "weights, as in Megatron)");
   MT_REQUIRE(!a.model.fp8_param || a.model.fp8 != Fp8Format::kNone, "--fp8-param-gather needs --fp8-format");
+  // Not a flag: delayed scaling's fused FP8 producers (docs/fp8.md "What fuses"), off until they are
+  // the faster step; MT_FP8_FUSED_PRODUCERS=1 turns them on for bench/fp8_profile.sh's comparison.
+  if (const char* e = std::getenv("MT_FP8_FUSED_PRODUCERS")) a.model.fp8_fused_producers = std::string(e) == "1";
   // Megatron: with bf16 and the default fp32 --main-params-dtype this stores the main parameters
   // as remainders (optimizer_config.py store_param_remainders). Unlike Megatron it does not need
   // --use-distributed-optimizer.

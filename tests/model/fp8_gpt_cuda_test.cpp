@@ -104,12 +104,16 @@ double max_element_rel(const std::vector<float>& a, const std::vector<float>& r)
 /// 3x that noise (or the floor in `tol`). The noise is the largest of kNoiseRuns such emulations:
 /// one sample alone undershot it (an H200 run, 2026-11-29: a MoE router's gradient 30 % off
 /// where one perturbed run moved it 6 %: with MoE, a token whose top-2 choice is a near tie may
-/// route differently in some runs and not in others). A wrong scale, dtype, operand or transposition is off by
-/// O(1), far outside either; the loss bound is not scaled.
+/// route differently in some runs and not in others). With MoE the bounds are 4x (gradients) and 5x
+/// (the FP8 state): three noise runs still undershot the routing flips' tail (H200, 2026-11-29, bf16
+/// delayed e4m3 experts: in 3 of 6 runs an expert tensor's gradient at 3.2-3.4x its noise, once an
+/// expert's amax at 4.4x). A wrong scale, dtype, operand or transposition is off by O(1), far outside
+/// either; the loss bound is not scaled.
 void compare(Fp8Recipe recipe, Fp8Format format, bool llama, bool moe, DType dtype, Tol tol, bool grouped = false) {
   SCOPED_TRACE(::testing::Message() << fp8_recipe_name(recipe) << " " << fp8_format_name(format) << (llama ? " llama" : " gpt")
                                     << (moe ? " moe " : " ") << (grouped ? "grouped " : "") << dtype_name(dtype));
   const TransformerConfig c = fp8_config(recipe, format, llama, moe, grouped);
+  const double k = moe ? 4.0 : 3.0, k_state = moe ? 5.0 : 3.0;  // the noise multiples (above)
   const int64_t b = 2;
   Stream cs(Device::cpu()), gs(Device::cuda(0));
   GPTModel cpu(c, b, DType::kF32, Device::cpu(), ProcessGroups::single());
@@ -196,8 +200,8 @@ void compare(Fp8Recipe recipe, Fp8Format format, bool llama, bool moe, DType dty
               worst_noise);
   for (size_t i = 0; i < cpu.params().size(); ++i)  // matrices per tensor; vectors (sums with cancellation) in the total
     if (cpu.params().info(i).shape.size() == 2)
-      EXPECT_LT(errs[i], std::max(tol.grad, 3 * std::max(noises[i], noise_all))) << cpu.params().info(i).name;
-  EXPECT_LT(all, std::max(tol.grad, 3 * noise_all)) << "all gradients";
+      EXPECT_LT(errs[i], std::max(tol.grad, k * std::max(noises[i], noise_all))) << cpu.params().info(i).name;
+  EXPECT_LT(all, std::max(tol.grad, k * noise_all)) << "all gradients";
   if (recipe == Fp8Recipe::kBlockwise) return;  // no amax state
   const auto sr = fp8_state(cpu, c.num_layers, cs), sa = fp8_state(gpu, c.num_layers, gs);
   ASSERT_EQ(sa.size(), sr.size());
@@ -206,7 +210,7 @@ void compare(Fp8Recipe recipe, Fp8Format format, bool llama, bool moe, DType dty
   double sdn = 0;
   for (auto& m : noise) sdn = std::max(sdn, max_element_rel(fp8_state(*m, c.num_layers, cs), sr));
   std::printf("  FP8 state: max element rel %.2e (noise %.2e)\n", sd, sdn);
-  EXPECT_LT(sd, std::max(tol.state, 3 * sdn)) << "FP8 state (amaxes, scales)";
+  EXPECT_LT(sd, std::max(tol.state, k_state * sdn)) << "FP8 state (amaxes, scales)";
 }
 
 // fp32 activations: the quantisers' inputs differ only by accumulation order.

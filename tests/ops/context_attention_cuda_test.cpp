@@ -12,10 +12,14 @@
 // skipped by position (ordered keys), partly masked and fully visible. The deterministic backward
 // (ContextAttentionConfig::deterministic: dQ by its own kernel) gives the same bits on every run,
 // matches the CPU, and equals the atomic path within rounding. Bad arguments on CUDA throw.
+#include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
 
 #include "ops/context_attention.h"
 #include "ops/cuda/cudnn_attention.h"
@@ -284,6 +288,48 @@ TEST(ContextAttentionCuda, PackUnpackTransposeExact) {
         for (int64_t e = 0; e < d; ++e) ASSERT_EQ(hp[(i * (qpg + 2) + j) * d + e], h[(i * (qpg + 2) + perm[j]) * d + e]);
     permute_blocks(z, y, R, perm, true, st);
     ASSERT_EQ(testing::to_host(z, st), h);
+  }
+}
+
+/// transpose_blocks of one-byte elements (the FP8 transposes: x_t of the fused producers, wᵀ after
+/// --fp8-param-gather): the tiled 16-byte kernel (a, b multiples of 16, aligned pointers; partial
+/// 64 x 64 tiles) and the element-wise fallback (ragged sizes, a misaligned pointer) bitwise the CPU.
+TEST(ContextAttentionCuda, ByteTransposeMatchesCpu) {
+  std::mt19937 rng(7);
+  struct Case {
+    int64_t a, b, offset;
+  };
+  for (const Case cs : {Case{16, 16, 0}, Case{48, 80, 0}, Case{144, 400, 0}, Case{4096, 2048, 0}, Case{2048, 8192, 0},
+                        Case{37, 53, 0}, Case{64, 48, 1}}) {
+    SCOPED_TRACE(::testing::Message() << cs.a << " x " << cs.b << " offset " << cs.offset);
+    const int64_t n = cs.a * cs.b;
+    std::vector<uint8_t> h(static_cast<size_t>(n));
+    for (auto& v : h) v = static_cast<uint8_t>(rng());
+    std::vector<std::vector<uint8_t>> out;
+    for (Device dev : {Device::cpu(), Device::cuda(0)}) {
+      const Stream& st = dev.is_cpu() ? testing::cpu_stream() : testing::cuda_stream();
+      OwnedTensor xs(DType::kU8, dev, {n + 16}), ys(DType::kU8, dev, {n + 16});
+      const Tensor x = xs.t.flat_range(cs.offset, n), y = ys.t.flat_range(cs.offset, n);
+      std::vector<uint8_t> r(static_cast<size_t>(n), 0xAB);
+      if (dev.is_cpu()) {
+        std::memcpy(x.data(), h.data(), h.size());
+        std::memcpy(y.data(), r.data(), r.size());
+      } else {
+        ASSERT_EQ(cudaMemcpy(x.data(), h.data(), h.size(), cudaMemcpyHostToDevice), cudaSuccess);
+        ASSERT_EQ(cudaMemcpy(y.data(), r.data(), r.size(), cudaMemcpyHostToDevice), cudaSuccess);
+      }
+      transpose_blocks(y, x, cs.a, cs.b, st);
+      st.synchronize();
+      if (dev.is_cpu())
+        std::memcpy(r.data(), y.data(), r.size());
+      else
+        ASSERT_EQ(cudaMemcpy(r.data(), y.data(), r.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+      out.push_back(r);
+    }
+    for (int64_t i = 0; i < cs.a; ++i)
+      for (int64_t j = 0; j < cs.b; ++j)
+        ASSERT_EQ(out[0][static_cast<size_t>(j * cs.a + i)], h[static_cast<size_t>(i * cs.b + j)]) << i << "," << j;
+    ASSERT_TRUE(out[1] == out[0]) << "the CUDA transpose differs from the CPU's";
   }
 }
 

@@ -37,6 +37,28 @@ __global__ void transpose_kernel(char* y, const char* x, int64_t a, int64_t b, i
   }
 }
 
+// transpose_blocks with one-byte blocks (c = 1: an FP8 matrix [a, b] -> [b, a]) when a and b are
+// multiples of 16 and both pointers 16-byte aligned: 64 x 64 byte tiles through shared memory, 16-byte
+// loads and stores (the element-wise kernel above writes single bytes with a stride of a).
+constexpr int kByteTile = 64;
+__global__ void transpose_bytes_kernel(uint8_t* y, const uint8_t* x, int64_t a, int64_t b) {
+  __shared__ __align__(16) uint8_t tile[kByteTile][kByteTile + 16];  // row stride 80: 16-byte aligned rows
+  const int64_t i0 = int64_t(blockIdx.y) * kByteTile, j0 = int64_t(blockIdx.x) * kByteTile;
+  const int r = threadIdx.x / 4, q = threadIdx.x % 4;  // 256 threads: tile row r, 16-byte chunk q
+  if (i0 + r < a && j0 + 16 * q < b)
+    *reinterpret_cast<uint4*>(&tile[r][16 * q]) = *reinterpret_cast<const uint4*>(x + (i0 + r) * b + j0 + 16 * q);
+  __syncthreads();
+  if (j0 + r < b && i0 + 16 * q < a) {  // y[j0 + r, i0 + 16q .. +16) = x[i0 + 16q .. +16, j0 + r]
+    union {
+      uint4 v;
+      uint8_t e[16];
+    } out;
+#pragma unroll
+    for (int k = 0; k < 16; ++k) out.e[k] = tile[16 * q + k][r];
+    *reinterpret_cast<uint4*>(y + (j0 + r) * a + i0 + 16 * q) = out.v;
+  }
+}
+
 /// permute_blocks: target block j of each outer row comes from block src_of[j] (at most 128 blocks).
 struct BlockPerm {
   uint8_t src_of[128];
@@ -138,6 +160,16 @@ void kv_unpack(const Tensor& dqkv, const Tensor& dkv, int64_t qpg, const Stream&
 
 void transpose_blocks(const Tensor& y, const Tensor& x, int64_t a, int64_t b, const Stream& stream) {
   const int64_t c = x.numel() / (a * b) * static_cast<int64_t>(dtype_size(x.dtype()));
+  const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  if (c == 1 && a % 16 == 0 && b % 16 == 0 && aligned(x.data()) && aligned(y.data()) &&
+      (a + kByteTile - 1) / kByteTile <= 65535) {
+    const dim3 grid(static_cast<unsigned>((b + kByteTile - 1) / kByteTile),
+                    static_cast<unsigned>((a + kByteTile - 1) / kByteTile));
+    transpose_bytes_kernel<<<grid, 256, 0, cu(stream)>>>(static_cast<uint8_t*>(y.data()),
+                                                         static_cast<const uint8_t*>(x.data()), a, b);
+    MT_CUDA_CHECK(cudaGetLastError());
+    return;
+  }
   transpose_kernel<<<grid_for(a * b * c, 256), 256, 0, cu(stream)>>>(static_cast<char*>(y.data()),
                                                                      static_cast<const char*>(x.data()), a, b, c);
   MT_CUDA_CHECK(cudaGetLastError());
