@@ -252,13 +252,15 @@ StepPrediction predict_step(const TrainingPlan& p, const PretrainArgs& a, const 
     const auto reduce = [&](double elems, int group, int stride) {
       const int n = std::max(group / k, 1);  // the instance; its owned slices all-reduced over the k instances
       const double gbps = group_gbps(g, n, stride);
-      const double grads = (distopt ? collective_s(elems * grad_b, n, 1, gbps, lat) : collective_s(elems * grad_b, n, 2, gbps, lat)) +
-                           collective_s(elems / n * grad_b, k, 2, group_gbps(g, k, stride * n), lat);
+      const double grads = collective_s(elems * grad_b, n, distopt ? 1 : 2, gbps, lat);
+      const double replicas = collective_s(elems / n * grad_b, k, 2, group_gbps(g, k, stride * n), lat);
       const double params = distopt ? collective_s(elems * act, n, 1, gbps, lat) : 0;
-      // overlapped: what is left is the last bucket's reduction (and gather)
-      const double share = static_cast<double>(s.model.params.largest_bucket) / std::max(elems, 1.0);
-      return (a.overlap_grad_reduce ? grads * std::min(share, 1.0) : grads) +
-             (a.overlap_param_gather ? params * std::min(share, 1.0) : params);
+      // overlapped: what is left is the last bucket's reduction (and gather); with sharded gradients
+      // the replica all-reduce runs once after the backward (GradSync::finish_grad_sync), not hidden
+      const double share = std::min(static_cast<double>(s.model.params.largest_bucket) / std::max(elems, 1.0), 1.0);
+      const double replicas_left = a.shard_grads() ? replicas : replicas * share;
+      return (a.overlap_grad_reduce ? grads * share + replicas_left : grads + replicas) +
+             (a.overlap_param_gather ? params * share : params);
     };
     const double dp = reduce(dense, pc.dp * pc.cp, pc.tp) + reduce(expert, pc.edp, pc.etp * pc.ep);
     const double owned =

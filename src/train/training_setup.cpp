@@ -302,8 +302,9 @@ ModelSetupOptions pretrain_model_options(const PretrainArgs& args, const Trainin
   o.optim = args.optim;
   // FP8: the weight copies in the bf16 parameters' storage where the fp32 main weights allow it
   o.model.fp8_weights_in_params =
-      o.model.fp8 != Fp8Format::kNone && Fp8Model::weights_in_params(o.dtype, o.optim.store_param_remainders,
-                                                                      o.ddp.use_distributed_optimizer, o.model.fp8_param);
+      o.model.fp8 != Fp8Format::kNone &&
+      Fp8Model::weights_in_params(o.dtype, o.optim.store_param_remainders, o.ddp.use_distributed_optimizer,
+                                  o.model.fp8_param, layout.parallel.dp * layout.parallel.cp, layout.parallel.edp);
   o.check_memory = true;
   o.batch_bytes =
       BatchStager::device_bytes(o.num_microbatches, o.micro_batch_size, args.model.seq_length, layout.parallel.cp,

@@ -452,6 +452,23 @@ struct WeightCopies {
 // the freshly loaded bf16 storage is quantised once (an evaluation forward first changes nothing)
 // and an optimizer step that no FP8 gather followed is an error. Negative control: quantising the
 // fp32 values without the bf16 rounding gives other bytes, which the comparison would catch.
+// When the FP8 copies may live in the bf16 weights' storage (Fp8Model::weights_in_params): only where
+// every rank can requantise each dense weight after the step — whole fp32 main parameters, or the
+// FP8 all-gather of --fp8-param-gather over a DP x CP group of more than one rank. With DP x CP = 1 but
+// an expert-data-parallel group > 1 the distributed optimizer shards the main parameters while no FP8
+// gather refills the dense weights (a review found the run refused at its second iteration).
+TEST(Fp8Linear, WeightsInParamsOnlyWhereTheyCanBeRefilled) {
+  const DType bf = DType::kBF16;
+  EXPECT_TRUE(Fp8Model::weights_in_params(bf, false, false, false, 1, 1));   // no distributed optimizer
+  EXPECT_TRUE(Fp8Model::weights_in_params(bf, false, false, false, 4, 8));
+  EXPECT_FALSE(Fp8Model::weights_in_params(bf, false, true, false, 4, 4));   // distopt without the FP8 gather
+  EXPECT_TRUE(Fp8Model::weights_in_params(bf, false, true, true, 2, 2));     // --fp8-param-gather over DP 2
+  EXPECT_TRUE(Fp8Model::weights_in_params(bf, false, true, true, 1, 1));     // distopt on one rank: not sharded
+  EXPECT_FALSE(Fp8Model::weights_in_params(bf, false, true, true, 1, 2));    // TP 2, ETP 1: EDP 2, DP 1
+  EXPECT_FALSE(Fp8Model::weights_in_params(bf, true, false, false, 1, 1));   // int16 remainders
+  EXPECT_FALSE(Fp8Model::weights_in_params(DType::kF32, false, false, false, 1, 1));
+}
+
 TEST(Fp8Linear, WeightCopiesInParamsEqualSeparateCopies) {
   const int64_t out = 96, in = 160, n = out * in;
   for (const Fp8Recipe r : {Fp8Recipe::kTensorwise, Fp8Recipe::kDelayed, Fp8Recipe::kBlockwise}) {

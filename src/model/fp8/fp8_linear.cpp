@@ -1,6 +1,7 @@
 #include "model/fp8/fp8_linear.h"
 
 #include <algorithm>
+#include <cstdint>
 
 #include <fmt/ranges.h>
 
@@ -176,6 +177,15 @@ Fp8Linear::Scratch Fp8Linear::views(int64_t m) const {
   }
   return v;
 }
+
+namespace {
+// The residual can be cuBLASLt's C of the fprop GEMM (fp8_matmul's addend): shaped, typed and laid
+// out like the output, 16-byte aligned; otherwise forward_add adds it in a separate pass.
+bool residual_as_c(const Tensor& out, const Tensor& residual) {
+  return out.shape() == residual.shape() && residual.dtype() == out.dtype() && residual.is_contiguous() &&
+         reinterpret_cast<uintptr_t>(residual.data()) % 16 == 0;
+}
+}  // namespace
 
 bool Fp8Linear::main_whole() const {
   MT_CHECK(weight_ != nullptr && weight_->bound(), "{}: the FP8 weight's parameter is not bound", name_);
@@ -435,7 +445,7 @@ void Fp8Linear::forward_fused(const Tensor& y, const Tensor& bias, const Tensor&
 
 void Fp8Linear::forward_fused_add(const Tensor& out, const Tensor& bias, const Tensor& residual, int slot,
                                   const Stream& st) {
-  if (bias.empty() && out.shape() == residual.shape()) {  // forward_add's GEMM with C (delayed: per-tensor)
+  if (bias.empty() && residual_as_c(out, residual)) {  // forward_add's GEMM with C (delayed: per-tensor)
     const Tensor xq = views(fwd_rows_).xq;
     MT_CHECK(out.ndim() == 2 && out.size(0) == fwd_rows_ && out.size(1) == out_, "{}: out {} must be [{}, {}]", name_,
              out.str(), fwd_rows_, out_);
@@ -478,7 +488,7 @@ void Fp8Linear::forward(const Tensor& y, const Tensor& x, const Tensor& bias, co
 void Fp8Linear::forward_add(const Tensor& out, const Tensor& x, const Tensor& bias, const Tensor& residual, int slot,
                             const Stream& st) {
   const int64_t m = x.size(0);
-  if (bias.empty() && m % kAlign == 0 && !model_.settings().blockwise() && out.shape() == residual.shape()) {
+  if (bias.empty() && m % kAlign == 0 && !model_.settings().blockwise() && residual_as_c(out, residual)) {
     // the residual as the GEMM's C (beta = 1, C ≠ D): out = residual + x · wᵀ in one rounding, no
     // copy or add pass over out (per-tensor recipes; with a bias, padding or blocks the add stays separate)
     begin_forward(x, /*shard=*/false, slot, st);

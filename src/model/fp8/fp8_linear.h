@@ -101,8 +101,9 @@ class Fp8Linear {
   /// wq and wq_t live in the weight's parameter storage, which then holds FP8 bytes once the weight
   /// is quantised (the optimizer's bf16 write of the weight is overwritten by the next quantisation):
   /// no bf16 copy of the weight is kept. The weight is quantised from its fp32 main parameters,
-  /// each rounded to bf16 first as the optimizer rounds it (staged in Fp8Model::weight_stage), so
-  /// that the FP8 bytes are those of quantising the bf16 weight (docs/fp8.md "Memory").
+  /// each rounded to bf16 first as the optimizer rounds it (in one pass: fp8_quantize_bf16_rounded;
+  /// blockwise, or a sharded main's first quantisation, through Fp8Model::stage_weight), so that the
+  /// FP8 bytes are those of quantising the bf16 weight (docs/fp8.md "Memory").
   bool in_params() const { return in_params_; }
   /// Whether this rank holds the weight's whole fp32 main parameters (not sharded by the
   /// distributed optimizer, not remainders). Requires the weight bound.

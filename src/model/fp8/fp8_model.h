@@ -80,10 +80,14 @@ class Fp8Model {
   /// optimizer rounds them), which every rank holds whole without the distributed optimizer and
   /// whose owned slices --fp8-param-gather quantises and all-gathers with it. Otherwise (an fp32
   /// model, remainders, the distributed optimizer without --fp8-param-gather: the whole weight
-  /// exists only as the bf16 all-gather) the copies are separate.
+  /// exists only as the bf16 all-gather) the copies are separate. dp_cp, edp: the data-parallel ×
+  /// context-parallel and expert-data-parallel sizes — with dp_cp = 1 < edp the optimizer shards the
+  /// main parameters (over the experts' group) but no FP8 gather refills the dense weights, so the
+  /// copies are separate there too.
   static bool weights_in_params(DType model_dtype, bool store_param_remainders, bool distributed_optimizer,
-                                bool fp8_param) {
-    return model_dtype == DType::kBF16 && !store_param_remainders && (!distributed_optimizer || fp8_param);
+                                bool fp8_param, int dp_cp, int edp) {
+    return model_dtype == DType::kBF16 && !store_param_remainders &&
+           (!distributed_optimizer || (fp8_param && (dp_cp > 1 || edp <= 1)));
   }
   /// A linear whose weight copies live in its parameter storage (weights_in_params) for a dense
   /// (tp_linear) or expert weight: the experts keep the model-dtype gather, so only without the

@@ -52,7 +52,9 @@ int access_bytes(int64_t elem, int max_bytes, std::initializer_list<int64_t> siz
 }
 
 /// Calls f(W{}, I{}) with W the unsigned word of `bytes` bytes and I uint32_t when `items` (the
-/// largest flat index, in words) and the grid stride fit in 32 bits, else int64_t.
+/// largest flat index, in words) is below 2^31, else int64_t: an index plus the grid stride then stays
+/// below 2^32 because grid_for caps the grid (4096 blocks of 256 threads per SM here: with 132 SMs a
+/// stride of ~2^27).
 template <typename F>
 void dispatch_word(int bytes, int64_t items, F&& f) {
   auto with_index = [&](auto w) {
