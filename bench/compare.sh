@@ -68,8 +68,8 @@ config() {  # sets mt (megatron flags), pt (pytorch flags), mb and loss (1: comp
       mb=8
       mt=(--num-layers 24 --hidden-size 2048 --num-attention-heads 16)
       pt=(--layers 24 --hidden 2048 --heads 16) ;;
-    llama_1b | llama_1b_mb8)
-      mb=4; [ "$1" = llama_1b_mb8 ] && mb=8
+    llama_1b|llama_1b_mb8)
+      mb=4; [ "$1" = llama_1b ] || mb=${1#llama_1b_mb}
       mt=("${llama[@]}" --num-layers 16 --hidden-size 2048 --num-attention-heads 32 --num-query-groups 8
           --ffn-hidden-size 8192)
       pt=(--arch llama --layers 16 --hidden 2048 --heads 32 --kv-heads 8 --ffn 8192) ;;

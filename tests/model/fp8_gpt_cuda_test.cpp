@@ -302,6 +302,26 @@ TEST(Fp8GptCuda, StepIsCapturable) {
   }
 }
 
+// Two bf16 GPU models (micro-batch 2) of configurations that must train bitwise alike, initialised
+// from the same seed, and one random micro-batch for both.
+struct GpuTwins {
+  static constexpr int64_t kBatch = 2;
+  GpuTwins(const TransformerConfig& a, const TransformerConfig& b)
+      : first(a, kBatch, DType::kBF16, Device::cuda(0), ProcessGroups::single()),
+        second(b, kBatch, DType::kBF16, Device::cuda(0), ProcessGroups::single()) {
+    first.params().initialize(testing::test_seed(), gs);
+    second.params().initialize(testing::test_seed(), gs);
+    const int64_t n = a.seq_length * kBatch;
+    tokens = testing::make_int_tensor(testing::randint(n, 0, 500), Device::cuda(0), {a.seq_length, kBatch}, gs);
+    labels = testing::make_int_tensor(testing::randint(n, 0, 500), Device::cuda(0), {a.seq_length, kBatch}, gs);
+    mb = MicroBatch{tokens.t, labels.t, Tensor()};
+  }
+  Stream gs{Device::cuda(0)};
+  GPTModel first, second;
+  OwnedTensor tokens, labels;
+  MicroBatch mb;
+};
+
 // Delayed scaling's fused producers on the GPU (docs/fp8.md "Fused quantisation"): the RMSNorms
 // and the SwiGLU writing the FP8 inputs of linear_qkv, linear_fc1 and linear_fc2 (the CUDA kernels
 // with the FP8 epilogue) give the unfused model's loss, gradients and FP8 state bitwise over two
@@ -313,16 +333,10 @@ TEST(Fp8GptCuda, FusedProducersAreBitwise) {
   c.fp8_fused_producers = true;
   TransformerConfig cu = c;
   cu.fp8_fused_producers = false;
-  const int64_t b = 2;
-  Stream gs(Device::cuda(0));
-  GPTModel fused(c, b, DType::kBF16, Device::cuda(0), ProcessGroups::single());
-  GPTModel plain(cu, b, DType::kBF16, Device::cuda(0), ProcessGroups::single());
-  fused.params().initialize(testing::test_seed(), gs);
-  plain.params().initialize(testing::test_seed(), gs);
-  const auto tok = testing::randint(c.seq_length * b, 0, 500), lab = testing::randint(c.seq_length * b, 0, 500);
-  OwnedTensor gt = testing::make_int_tensor(tok, Device::cuda(0), {c.seq_length, b}, gs);
-  OwnedTensor gl = testing::make_int_tensor(lab, Device::cuda(0), {c.seq_length, b}, gs);
-  const MicroBatch gmb{gt.t, gl.t, Tensor()};
+  GpuTwins tw(c, cu);
+  Stream& gs = tw.gs;
+  GPTModel &fused = tw.first, &plain = tw.second;
+  const MicroBatch& gmb = tw.mb;
   OwnedTensor lf(DType::kF32, Device::cuda(0), {1}), lp(DType::kF32, Device::cuda(0), {1});
   const DropoutContext dc{7, 11, 0, true};
   for (int it = 0; it < 2; ++it) {
@@ -361,12 +375,10 @@ TEST(Fp8GptCuda, WeightsInParamsAreBitwise) {
       c.deterministic_mode = true;
       TransformerConfig cs = c;
       c.fp8_weights_in_params = true;
-      const int64_t b = 2;
-      Stream gs(Device::cuda(0));
-      GPTModel inp(c, b, DType::kBF16, Device::cuda(0), ProcessGroups::single());
-      GPTModel sep(cs, b, DType::kBF16, Device::cuda(0), ProcessGroups::single());
-      inp.params().initialize(testing::test_seed(), gs);
-      sep.params().initialize(testing::test_seed(), gs);
+      GpuTwins tw(c, cs);
+      Stream& gs = tw.gs;
+      GPTModel &inp = tw.first, &sep = tw.second;
+      const MicroBatch& gmb = tw.mb;
       int in_storage = 0;
       for (const Fp8Linear* l : inp.fp8()->linears()) {
         ASSERT_TRUE(l->in_params());
@@ -380,10 +392,6 @@ TEST(Fp8GptCuda, WeightsInParamsAreBitwise) {
       OwnedTensor m2(DType::kF32, Device::cuda(0), {n}), v2(DType::kF32, Device::cuda(0), {n});
       for (const Tensor& t : {m1.t, v1.t, m2.t, v2.t}) fill(t, 0.f, gs);
       OwnedTensor sc(DType::kU8, Device::cuda(0), {static_cast<int64_t>(sizeof(OptimizerScalars))});
-      const auto tok = testing::randint(c.seq_length * b, 0, 500), lab = testing::randint(c.seq_length * b, 0, 500);
-      OwnedTensor gt = testing::make_int_tensor(tok, Device::cuda(0), {c.seq_length, b}, gs);
-      OwnedTensor gl = testing::make_int_tensor(lab, Device::cuda(0), {c.seq_length, b}, gs);
-      const MicroBatch gmb{gt.t, gl.t, Tensor()};
       OwnedTensor li(DType::kF32, Device::cuda(0), {1}), ls(DType::kF32, Device::cuda(0), {1});
       for (int it = 0; it < 3; ++it) {
         SCOPED_TRACE(it);
