@@ -23,6 +23,10 @@
 #   gpt_1p3b              GPT 1.3B (24 layers, hidden 2048, 16 heads), micro-batch 8
 #   llama_1b              Llama-style 1.2B (16 layers, hidden 2048, GQA 32/8, SwiGLU 8192), micro-batch 4
 #   llama_1b_mb8          the same at micro-batch 8
+#   <config>_gaN          any of the above with N micro-batches accumulated per step (global batch =
+#                         N x micro-batch on both sides: megatron.cpp's --global-batch-size, the
+#                         reference's --grad-accum), as Megatron's users train; tok/s and step times
+#                         per step of N micro-batches (the optimizer and FP8's weight casts once per step)
 #   CONFIG:VARIANT        the same configuration, megatron.cpp with other flags (the reference run,
 #                         the weights and the samples of CONFIG are reused within one invocation):
 #                         norm_act = --recompute-granularity selective --recompute-modules layernorm
@@ -53,11 +57,13 @@ train=(--seq-length $SEQ --max-position-embeddings $SEQ --lr-decay-style constan
 llama=(--swiglu --normalization RMSNorm --position-embedding-type rope --untie-embeddings-and-output-weights
        --disable-bias-linear --group-query-attention)
 
-config() {  # sets mt (megatron flags), pt (pytorch flags), mb and loss (1: compare losses) for $1
-  loss=1
-  case $1 in
+config() {  # sets mt (megatron flags), pt (pytorch flags), mb, ga and loss (1: compare losses) for $1
+  loss=1; ga=1
+  local name=$1
+  if [[ $name =~ ^(.*)_ga([0-9]+)$ ]]; then name=${BASH_REMATCH[1]}; ga=${BASH_REMATCH[2]}; fi
+  case $name in
     gpt2_mb16|gpt2_mb32)
-      mb=${1#gpt2_mb}
+      mb=${name#gpt2_mb}
       mt=(--num-layers 12 --hidden-size 768 --num-attention-heads 12)
       pt=() ;;
     gpt_350m)
@@ -69,7 +75,7 @@ config() {  # sets mt (megatron flags), pt (pytorch flags), mb and loss (1: comp
       mt=(--num-layers 24 --hidden-size 2048 --num-attention-heads 16)
       pt=(--layers 24 --hidden 2048 --heads 16) ;;
     llama_1b|llama_1b_mb8)
-      mb=4; [ "$1" = llama_1b ] || mb=${1#llama_1b_mb}
+      mb=4; [ "$name" = llama_1b ] || mb=${name#llama_1b_mb}
       mt=("${llama[@]}" --num-layers 16 --hidden-size 2048 --num-attention-heads 32 --num-query-groups 8
           --ffn-hidden-size 8192)
       pt=(--arch llama --layers 16 --hidden 2048 --heads 32 --kv-heads 8 --ffn 8192) ;;
@@ -82,8 +88,8 @@ config() {  # sets mt (megatron flags), pt (pytorch flags), mb and loss (1: comp
           --moe-ffn 3584 --aux-loss-coeff 1e-2) ;;
     *) echo "unknown configuration $1" >&2; return 1 ;;
   esac
-  mt+=(--micro-batch-size "$mb" --global-batch-size "$mb")
-  pt+=(--micro-batch-size "$mb" --seq-length $SEQ --lr "$LR")
+  mt+=(--micro-batch-size "$mb" --global-batch-size $((mb * ga)))
+  pt+=(--micro-batch-size "$mb" --grad-accum "$ga" --seq-length $SEQ --lr "$LR")
 }
 
 if [ "${1:-}" = build ]; then
@@ -176,7 +182,7 @@ for c in "$@"; do
       --save-interval 1 > "$OUT/$base.init.log" 2>&1 &&
     timeout 300 build/megatron export-hf --load "$OUT/$base.init" --hf-dir "$OUT/$base.hf" --hf-dtype fp32 \
       > "$OUT/$base.export.log" 2>&1 &&
-    timeout 300 build/train_samples_bench "$OUT/$base.samples.bin" $((ITERS * mb)) $SEQ 1234 "$ITERS" "$mb" 100000 0 \
+    timeout 300 build/train_samples_bench "$OUT/$base.samples.bin" $((ITERS * mb * ga)) $SEQ 1234 "$ITERS" $((mb * ga)) 100000 0 \
       "${demo_data[@]}" > "$OUT/$base.samples.log" 2>&1 &&
     ref_init=(--init-hf "$OUT/$base.hf" --samples "$OUT/$base.samples.bin" --loss-vocab 50257) ||
       { echo "| $base | the shared weights or samples failed: $(tail -1 "$OUT/$base.init.log" "$OUT/$base.export.log" 2>/dev/null | tail -1) |" | tee -a "$OUT/compare.md"; continue; }

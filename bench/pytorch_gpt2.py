@@ -266,6 +266,8 @@ def main():
     ap.add_argument("--topk", type=int, default=2)
     ap.add_argument("--moe-ffn", type=int, default=0, help="expert SwiGLU hidden size (0 = --ffn)")
     ap.add_argument("--aux-loss-coeff", type=float, default=1e-2)
+    ap.add_argument("--grad-accum", type=int, default=1,
+                    help="micro-batches accumulated per optimizer step (global batch = grad-accum x micro-batch)")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--init-hf", default="",
@@ -305,26 +307,30 @@ def main():
     step_fn = model
     if a.compile:
         step_fn = torch.compile(model, mode=a.compile_mode)
-    B, S = a.micro_batch_size, a.seq_length
+    B, S, G = a.micro_batch_size, a.seq_length, a.grad_accum
     times = []
     for i in range(a.warmup + a.steps):
-        if samples is not None:
-            batch = samples[i * B:(i + 1) * B]
-            x, y = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
-        else:
-            x = torch.randint(0, 50257, (B, S), device=dev)
-            y = torch.randint(0, 50257, (B, S), device=dev)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = step_fn(x, y)
-        loss.backward()
+        step_loss = 0.0
+        for k in range(G):  # Megatron's loss: the mean over the step's micro-batches
+            j = i * G + k
+            if samples is not None:
+                batch = samples[j * B:(j + 1) * B]
+                x, y = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+            else:
+                x = torch.randint(0, 50257, (B, S), device=dev)
+                y = torch.randint(0, 50257, (B, S), device=dev)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = step_fn(x, y) / G
+            loss.backward()
+            step_loss = step_loss + loss.detach()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         if samples is not None:
-            print(f"step {i + 1} loss {loss.item():.6f}")
+            print(f"step {i + 1} loss {float(step_loss):.6f}")
         if i >= a.warmup:
             times.append(time.perf_counter() - t0)
     print("step times ms: " + " ".join(f"{t * 1e3:.2f}" for t in times))
@@ -333,7 +339,7 @@ def main():
     moe = f" experts={a.experts} topk={a.topk} grouped_mm={GROUPED_MM}" if a.experts else ""
     print(f"pytorch {a.arch} layers={a.layers} hidden={a.hidden}{moe} mb={B} seq={S} compile={a.compile}"
           f"{'/' + a.compile_mode if a.compile else ''}: "
-          f"{med*1e3:.1f} ms/step, {B*S/med:.0f} tok/s, peak mem {torch.cuda.max_memory_allocated()/2**30:.1f} GiB")
+          f" grad_accum={G}: {med*1e3:.1f} ms/step, {G*B*S/med:.0f} tok/s, peak mem {torch.cuda.max_memory_allocated()/2**30:.1f} GiB")
 
 
 if __name__ == "__main__":
