@@ -31,6 +31,7 @@
 
 #include "comm/bootstrap.h"
 #include "model/gpt_model.h"
+#include "model/layers/multi_token_prediction.h"
 #include "ops/elementwise.h"
 #include "optim/grad_sync.h"
 #include "parallel/process_groups.h"
@@ -48,8 +49,10 @@ using testing::OwnedTensor;
 constexpr int kIters = 2;
 
 /// llama: the Llama style (GQA, RoPE, SwiGLU, RMSNorm, no biases, untied output layer); else GPT-2
-/// style (biases, GELU: the fc1 bias gradient after the blocked dgrad).
-TransformerConfig config(bool llama = false) {
+/// style (biases, GELU: the fc1 bias gradient after the blocked dgrad). mla: the Llama style with
+/// DeepSeek-V3's multi-latent attention (query latent 24, key/value latent 16, d_n 24, d_r 8, d_v
+/// 16: the value heads padded to 32; YaRN ×4 beyond 8 original positions).
+TransformerConfig config(bool llama = false, bool mla = false) {
   TransformerConfig c;
   c.num_layers = 4;
   c.hidden_size = 64;
@@ -68,6 +71,18 @@ TransformerConfig config(bool llama = false) {
     c.untie_embeddings_and_output_weights = true;
     c.add_bias_linear = false;
   }
+  if (mla) {
+    c.num_query_groups = 0;
+    c.multi_latent_attention = true;
+    c.q_lora_rank = 24;
+    c.kv_lora_rank = 16;
+    c.qk_head_dim = 24;
+    c.qk_pos_emb_head_dim = 8;
+    c.v_head_dim = 16;
+    c.rotary_scaling_factor = 4.f;
+    c.original_max_position_embeddings = 8;
+    c.mscale_all_dim = 0.7f;
+  }
   return c;
 }
 
@@ -76,6 +91,8 @@ struct Layout {
   bool sp = false, zero = false, overlap = false;
   bool tp_overlap = false;  // --tp-comm-overlap
   bool llama = false;
+  bool mla = false;            // multi-latent attention (config(): the Llama style with MLA)
+  int mtp = 0;                 // --mtp-num-layers (on the last stage; loss scaling 0.5)
   bool p2p_overlap = false;    // --overlap-p2p-communication
   bool graph = false;          // the full-iteration CUDA graph (optimizer included), captured after one step
   bool deterministic = false;  // --deterministic-mode (no float atomics: two runs can agree bit for bit)
@@ -83,7 +100,8 @@ struct Layout {
   bool shard_params = false;   // optim_grads_params (ZeRO-3; with shard_grads): parameters gathered per layer
   int instances = 1;           // --num-distributed-optimizer-instances (hybrid sharding; with zero)
   std::string name() const {
-    std::string s = fmt::format("{}tp{}_pp{}", llama ? "llama_" : "", tp, pp);
+    std::string s = fmt::format("{}tp{}_pp{}", mla ? "mla_" : llama ? "llama_" : "", tp, pp);
+    if (mtp > 0) s += fmt::format("_mtp{}", mtp);
     if (vpp > 1) s += fmt::format("_vpp{}", vpp);
     if (sp) s += "_sp";
     if (zero) s += "_distopt";
@@ -106,7 +124,9 @@ struct RunResult {
 RunResult train(const std::shared_ptr<Communicator>& world, const Layout& L, DType dtype, Device dev,
                 const std::vector<int32_t>& tokens, const std::vector<int32_t>& labels, int64_t mb,
                 int64_t num_micro_total, int iters = kIters) {
-  TransformerConfig c = config(L.llama);
+  TransformerConfig c = config(L.llama, L.mla);
+  c.mtp_num_layers = L.mtp;
+  c.mtp_loss_scaling_factor = 0.5f;  // large enough that the MTP gradients matter
   c.tp_comm_overlap = L.tp_overlap;
   c.deterministic_mode = L.deterministic;
   const int64_t S = c.seq_length;
@@ -135,7 +155,7 @@ RunResult train(const std::shared_ptr<Communicator>& world, const Layout& L, DTy
   const int d = g.dp->rank();
   GPTModel& model = setup.model();
   model.params().initialize(4321, st);
-  std::vector<OwnedTensor> tok, lab;
+  std::vector<OwnedTensor> tok, lab, mtp_tok, mtp_lab, mtp_mask;
   std::vector<MicroBatch> mbs;
   for (int m = 0; m < M; ++m) {
     const int64_t gm = static_cast<int64_t>(m) * dp + d;
@@ -143,10 +163,21 @@ RunResult train(const std::shared_ptr<Communicator>& world, const Layout& L, DTy
     std::vector<int32_t> l(labels.begin() + gm * S * mb, labels.begin() + (gm + 1) * S * mb);
     tok.push_back(testing::make_int_tensor(t, dev, {S, mb}, st));
     lab.push_back(testing::make_int_tensor(l, dev, {S, mb}, st));
+    if (L.mtp > 0) {
+      const MtpInputs in = make_mtp_inputs(L.mtp, S, mb, t.data(), l.data(), nullptr);
+      mtp_tok.push_back(testing::make_int_tensor(in.tokens, dev, {L.mtp, S, mb}, st));
+      mtp_lab.push_back(testing::make_int_tensor(in.labels, dev, {L.mtp, S, mb}, st));
+      mtp_mask.push_back(testing::make_tensor(in.loss_mask, DType::kF32, dev, {L.mtp, S, mb}, st));
+    }
   }
   for (int m = 0; m < M; ++m) {
     MicroBatch b{tok[m].t, lab[m].t, Tensor()};
     b.loss_weight = 1.0f / static_cast<float>(S * mb * M * dp);
+    if (L.mtp > 0) {
+      b.mtp_tokens = mtp_tok[m].t;
+      b.mtp_labels = mtp_lab[m].t;
+      b.mtp_loss_mask = mtp_mask[m].t;
+    }
     mbs.push_back(b);
   }
   OwnedTensor loss(DType::kF32, dev, {1});
@@ -220,17 +251,17 @@ std::pair<std::vector<int32_t>, std::vector<int32_t>> shared_random_batch(int64_
   return {tokens, labels};
 }
 
-TEST(ParallelLayoutsNccl, Bf16LayoutsMatchOneGpu) {
-  MT_REQUIRE_CUDA();
-  if (!gpu_world().comm) GTEST_SKIP() << gpu_world().skip;
+// Every layout of `layouts` (with `base`'s model flags: llama, mla, mtp) against one GPU: losses
+// within 2e-3, gradients and parameters within the measured bf16 noise (the file's comment).
+void expect_layouts_match_one_gpu(const Layout& base, std::vector<Layout> layouts) {
   const Device dev = gpu_world().dev;
   const std::shared_ptr<Communicator>& world = gpu_world().comm;
-  const TransformerConfig c = config();
+  const TransformerConfig c = config(base.llama, base.mla);
   const int64_t mb = 2, num_micro = 8;
   const auto [tokens, labels] = shared_random_batch(num_micro * mb * c.seq_length);
   const auto one = std::make_shared<SingleRankCommunicator>("one");
-  const RunResult ref = train(one, Layout{}, DType::kBF16, dev, tokens, labels, mb, num_micro);
-  const RunResult ref32 = train(one, Layout{}, DType::kF32, dev, tokens, labels, mb, num_micro);
+  const RunResult ref = train(one, base, DType::kBF16, dev, tokens, labels, mb, num_micro);
+  const RunResult ref32 = train(one, base, DType::kF32, dev, tokens, labels, mb, num_micro);
   // bf16 rounding noise per tensor and overall (one GPU, bf16 against fp32).
   std::vector<double> noise(ref.infos.size());
   std::vector<float> all16, all32;
@@ -240,9 +271,46 @@ TEST(ParallelLayoutsNccl, Bf16LayoutsMatchOneGpu) {
     all32.insert(all32.end(), ref32.grads[j].begin(), ref32.grads[j].end());
   }
   const double noise_all = testing::rel_err(all16, all32);
-  if (world->rank() == 0) std::printf("[bf16 vs fp32, one GPU] all gradients rel err %.2e\n", noise_all);
+  if (world->rank() == 0)
+    std::printf("[%s bf16 vs fp32, one GPU] all gradients rel err %.2e\n", base.name().c_str(), noise_all);
   std::map<std::string, size_t> ref_index;
   for (size_t i = 0; i < ref.infos.size(); ++i) ref_index[ref.infos[i].name] = i;
+  for (Layout L : layouts) {
+    L.llama = base.llama;
+    L.mla = base.mla;
+    L.mtp = base.mtp;
+    const RunResult par = train(world, L, DType::kBF16, dev, tokens, labels, mb, num_micro);
+    const std::string name = L.name();
+    for (int it = 0; it < kIters; ++it)
+      EXPECT_NEAR(par.losses[it], ref.losses[it], 2e-3 * ref.losses[it]) << name << " iteration " << it;
+    std::vector<float> all_par_g, all_ref_g, all_par_p, all_ref_p;
+    for (size_t i = 0; i < par.infos.size(); ++i) {
+      const auto& info = par.infos[i];
+      ASSERT_TRUE(ref_index.count(info.name)) << info.name;
+      const size_t j = ref_index.at(info.name);
+      const auto rg = testing::shard_slice(ref.grads[j], info), rp = testing::shard_slice(ref.params[j], info);
+      all_par_g.insert(all_par_g.end(), par.grads[i].begin(), par.grads[i].end());
+      all_ref_g.insert(all_ref_g.end(), rg.begin(), rg.end());
+      all_par_p.insert(all_par_p.end(), par.params[i].begin(), par.params[i].end());
+      all_ref_p.insert(all_ref_p.end(), rp.begin(), rp.end());
+      if (info.shape.size() != 2) continue;
+      if (!L.zero)
+        EXPECT_LT(testing::rel_err(par.grads[i], rg), std::max(2e-2, 3 * noise[j]))
+            << name << " grad " << info.name << " (bf16 noise " << noise[j] << ")";
+      EXPECT_LT(testing::rel_err(par.params[i], rp), 2e-2) << name << " param " << info.name;
+    }
+    const double eg = testing::rel_err(all_par_g, all_ref_g), ep = testing::rel_err(all_par_p, all_ref_p);
+    std::printf("[%s] rank %d: all gradients rel err %.2e, all parameters %.2e, loss %.6f vs %.6f\n", name.c_str(),
+                world->rank(), eg, ep, par.losses.back(), ref.losses.back());
+    if (!L.zero) EXPECT_LT(eg, std::max(2e-2, 3 * noise_all)) << name << " (bf16 noise " << noise_all << ")";
+    EXPECT_LT(ep, 1e-2) << name;
+  }
+}
+
+TEST(ParallelLayoutsNccl, Bf16LayoutsMatchOneGpu) {
+  MT_REQUIRE_CUDA();
+  if (!gpu_world().comm) GTEST_SKIP() << gpu_world().skip;
+  const std::shared_ptr<Communicator>& world = gpu_world().comm;
   std::vector<Layout> layouts;
   if (world->size() == 2) {
     layouts = {{2, 1, 0, false}, {2, 1, 0, true}, {1, 1, 0, false}, {1, 1, 0, false, true, true},
@@ -281,33 +349,26 @@ TEST(ParallelLayoutsNccl, Bf16LayoutsMatchOneGpu) {
     h.instances = 2;
     layouts.push_back(h);
   }
-  for (const Layout& L : layouts) {
-    const RunResult par = train(world, L, DType::kBF16, dev, tokens, labels, mb, num_micro);
-    const std::string name = L.name();
-    for (int it = 0; it < kIters; ++it)
-      EXPECT_NEAR(par.losses[it], ref.losses[it], 2e-3 * ref.losses[it]) << name << " iteration " << it;
-    std::vector<float> all_par_g, all_ref_g, all_par_p, all_ref_p;
-    for (size_t i = 0; i < par.infos.size(); ++i) {
-      const auto& info = par.infos[i];
-      ASSERT_TRUE(ref_index.count(info.name)) << info.name;
-      const size_t j = ref_index.at(info.name);
-      const auto rg = testing::shard_slice(ref.grads[j], info), rp = testing::shard_slice(ref.params[j], info);
-      all_par_g.insert(all_par_g.end(), par.grads[i].begin(), par.grads[i].end());
-      all_ref_g.insert(all_ref_g.end(), rg.begin(), rg.end());
-      all_par_p.insert(all_par_p.end(), par.params[i].begin(), par.params[i].end());
-      all_ref_p.insert(all_ref_p.end(), rp.begin(), rp.end());
-      if (info.shape.size() != 2) continue;
-      if (!L.zero)
-        EXPECT_LT(testing::rel_err(par.grads[i], rg), std::max(2e-2, 3 * noise[j]))
-            << name << " grad " << info.name << " (bf16 noise " << noise[j] << ")";
-      EXPECT_LT(testing::rel_err(par.params[i], rp), 2e-2) << name << " param " << info.name;
-    }
-    const double eg = testing::rel_err(all_par_g, all_ref_g), ep = testing::rel_err(all_par_p, all_ref_p);
-    std::printf("[%s] rank %d: all gradients rel err %.2e, all parameters %.2e, loss %.6f vs %.6f\n", name.c_str(),
-                world->rank(), eg, ep, par.losses.back(), ref.losses.back());
-    if (!L.zero) EXPECT_LT(eg, std::max(2e-2, 3 * noise_all)) << name << " (bf16 noise " << noise_all << ")";
-    EXPECT_LT(ep, 1e-2) << name;
+  expect_layouts_match_one_gpu(Layout{}, layouts);
+}
+
+// Multi-latent attention with multi-token prediction (DeepSeek-V3's attention and MTP, issue 43)
+// over NCCL against one GPU: on 2 GPUs TP 2 (heads split), TP 2 + SP, DP 2 with the distributed
+// optimizer and overlapped reduction, PP 2 (the MTP layer on the last stage); on 4 GPUs TP 2 + SP ×
+// DP 2, PP 2 × DP 2 and TP 2 + SP × PP 2.
+TEST(ParallelLayoutsNccl, MlaMtpLayoutsMatchOneGpu) {
+  MT_REQUIRE_CUDA();
+  if (!gpu_world().comm) GTEST_SKIP() << gpu_world().skip;
+  Layout base;
+  base.mla = true;
+  base.mtp = 1;
+  std::vector<Layout> layouts;
+  if (gpu_world().comm->size() == 2) {
+    layouts = {{2, 1, 0, false}, {2, 1, 0, true}, {1, 1, 0, false, true, true}, {1, 2, 0}};
+  } else {
+    layouts = {{2, 1, 0, true}, {1, 2, 0}, {2, 2, 0, true}};
   }
+  expect_layouts_match_one_gpu(base, layouts);
 }
 
 // The losses, this rank's gradients (not with the distributed optimizer: reduced in the owned
