@@ -205,6 +205,52 @@ StepPrediction predict_step(const TrainingPlan& p, const PretrainArgs& a, const 
   // one MLA layer's pass over this rank's packed [T, n/tp, 3, D] per micro-batch
   const double mla_pass_s =
       mla ? tokens * heads / pc.tp * 3.0 * static_cast<double>(c.head_dim()) * act / (g.hbm_gbps * 1e9) : 0;
+  // FP8 (docs/plan.md "FP8"): the dense FP8 layers' linear GEMMs (qkv, proj, fc1, fc2; in MoE
+  // layers only qkv and proj: the experts keep their measured rates) run kFp8GemmSpeedup faster than
+  // at their bf16 rate, and pay the casts of each linear's input and output gradient per micro-batch
+  // and of the weights once per step (FP8 with MLA is refused by the trainer). Not modelled:
+  // recompute's extra forward GEMMs (at bf16's rate), the placement of --first-last-layers-bf16's
+  // layers (their share spread over the stages).
+  const bool fp8 = c.fp8 != Fp8Format::kNone;
+  double fp8_layer_gemm_s = 0, fp8_layer_cast_s = 0, fp8_moe_layer_gemm_s = 0, fp8_moe_layer_cast_s = 0;
+  double fp8_weight_cast_s = 0, fp8_moe_weight_cast_s = 0, fp8_fraction = 0;
+  if (fp8) {
+    const double hbm = g.hbm_gbps / 4800.0;  // the H200's bandwidths scaled to the machine's HBM
+    const bool block = c.fp8_recipe == Fp8Recipe::kBlockwise, tw = c.fp8_recipe == Fp8Recipe::kTensorwise;
+    const double speedup = block ? kFp8BlockGemmSpeedup : kFp8GemmSpeedup;
+    const double proj_in = heads * static_cast<double>(c.head_dim());
+    const double qkv_out = proj_in + 2.0 * static_cast<double>(c.query_groups() * c.head_dim());
+    const double ffn = static_cast<double>(c.ffn());
+    const double fc1_out = ffn * (c.gated_linear_unit ? 2.0 : 1.0);
+    const double attn_params = h * qkv_out + proj_in * h, mlp_params = h * fc1_out + ffn * h;
+    const double gemm_rate = kBf16LinearGemmEfficiency * g.peak_tflops * 1e12;
+    const double saved = 1.0 - 1.0 / speedup;
+    // per layer and iteration, this rank's share (1/tp of each GEMM; the stage's GPUs split the batch)
+    fp8_layer_gemm_s = 6.0 * iter_tokens * (attn_params + mlp_params) / gemm_rate * saved;
+    fp8_moe_layer_gemm_s = 6.0 * iter_tokens * attn_params / gemm_rate * saved;
+    // per layer and micro-batch: this rank's x and dy elements of the four linears (1/tp of them)
+    const double act_factor = (block ? kFp8BlockActCastFactor : 1.0) * 4.0 / (kFp8ActCastGBps * 1e9 * hbm) +
+                              (tw ? 2.0 / (kFp8ActAmaxGBps * 1e9 * hbm) : 0.0);
+    const double scale_s = tw ? kFp8TensorwiseScaleS : block ? 0.0 : kFp8DelayedScaleS;
+    const double attn_elems = tokens / pc.tp * (h + proj_in + qkv_out + h);
+    const double mlp_elems = tokens / pc.tp * (h + ffn + fc1_out + h);
+    // GPT style: the bias gradients of qkv, proj and fc2 (2 bytes per output element) and the GELU
+    // backward over fc1's output (6 bytes), fused into bf16's GEMM epilogues, separate passes in FP8
+    const double bias_bytes = c.add_bias_linear ? 2.0 * tokens / pc.tp * (qkv_out + h + h) : 0.0;
+    const double gelu_bytes = c.activation() == MlpActivation::kGelu ? 6.0 * tokens / pc.tp * ffn : 0.0;
+    const double extra_s = (bias_bytes + gelu_bytes) / (kFp8ActCastGBps * 1e9 * hbm);
+    fp8_layer_cast_s = (attn_elems + mlp_elems) * act_factor + scale_s + extra_s;
+    fp8_moe_layer_cast_s = attn_elems * act_factor + scale_s + (c.add_bias_linear ? 2.0 * tokens / pc.tp *
+                                                                 (qkv_out + h) / (kFp8ActCastGBps * 1e9 * hbm) : 0.0);
+    // per layer and step: the weights from the fp32 main parameters (this rank's 1/tp)
+    const double per_weight = (block ? kFp8BlockWeightCastFactor : 1.0) * 6.0 / (kFp8WeightCastGBps * 1e9 * hbm) +
+                              (tw ? 4.0 / (kFp8WeightAmaxGBps * 1e9 * hbm) : 0.0);
+    fp8_weight_cast_s = (attn_params + mlp_params) / pc.tp * per_weight;
+    fp8_moe_weight_cast_s = attn_params / pc.tp * per_weight;
+    int64_t fp8_layers = 0;
+    for (int64_t l = 0; l < c.num_layers; ++l) fp8_layers += c.fp8_layer(l) ? 1 : 0;
+    fp8_fraction = static_cast<double>(fp8_layers) / static_cast<double>(c.num_layers);
+  }
   double slowest = -1;
   for (const StageWork& s : stages) {
     const double moe_layers = static_cast<double>(s.moe_layers) + (s.has_loss ? mtp_moe : 0);
@@ -220,7 +266,14 @@ StepPrediction predict_step(const TrainingPlan& p, const PretrainArgs& a, const 
     const double mla_attention = ((attn_layers + rec) * mla_fwd_s + attn_layers * mla_bwd_s) / stage_gpus;
     const double mla_passes =
         m * ((attn_layers + rec) * kMlaPassesForward + attn_layers * kMlaPassesBackward) * mla_pass_s;
-    const double compute = (flops + recompute) / rate + experts + token_passes + mla_attention + mla_passes;
+    // FP8: the stage's FP8 layers (dense and MoE), the GEMM time saved and the casts
+    const double dense_layers = (static_cast<double>(s.layers) - static_cast<double>(s.moe_layers)) * fp8_fraction;
+    const double moe_fp8_layers = static_cast<double>(s.moe_layers) * fp8_fraction;
+    const double fp8_saved = (dense_layers * fp8_layer_gemm_s + moe_fp8_layers * fp8_moe_layer_gemm_s) / stage_gpus;
+    const double fp8_casts = m * (dense_layers * fp8_layer_cast_s + moe_fp8_layers * fp8_moe_layer_cast_s) +
+                             dense_layers * fp8_weight_cast_s + moe_fp8_layers * fp8_moe_weight_cast_s;
+    const double compute =
+        (flops + recompute) / rate + experts + token_passes + mla_attention + mla_passes - fp8_saved + fp8_casts;
     // a recomputed layer repeats its forward collectives (half of them)
     const double tp = m * (static_cast<double>(s.layers) + 0.5 * static_cast<double>(s.recomputed)) * tp_layer;
     const double cp = m * static_cast<double>(s.layers) * cp_layer;
@@ -232,6 +285,8 @@ StepPrediction predict_step(const TrainingPlan& p, const PretrainArgs& a, const 
       out.moe_token_passes_s = token_passes;
       out.mla_attention_s = mla_attention;
       out.mla_passes_s = mla_passes;
+      out.fp8_gemm_saved_s = fp8_saved;
+      out.fp8_casts_s = fp8_casts;
       out.tp_comm_s = tp;
       out.cp_comm_s = cp;
       out.ep_comm_s = ep;

@@ -101,6 +101,40 @@ inline constexpr double kMlaAttentionBackwardTflops = 428.8;
 inline constexpr double kMlaPassesForward = 15.44;
 inline constexpr double kMlaPassesBackward = 9.03;
 
+/// FP8 linear layers (--fp8-format; docs/plan.md "FP8"), from the H200 profile of the Llama-style
+/// 1.18B (bench/fp8_profile.sh, 4 layers, micro-batch 4, Nsight Compute with cold caches, 2026-11-29;
+/// docs/benchmarks.md "Where an FP8 step's time goes") and fp8_gemm_bench:
+/// - kBf16LinearGemmEfficiency: the decoder's linear GEMMs in bf16 ran at this fraction of the
+///   989.4 TFLOP/s peak (6 · 4096 · 60,817,408 · 4 = 5.98 TFLOP in 10.78 − 2.10 (LM head) = 8.68 ms);
+/// - kFp8GemmSpeedup: the same GEMMs in FP8 with one scale per tensor, 8.68 → 5.50 ms (tensorwise)
+///   and 5.52 ms (delayed); with 1×128 / 128×128 blocks the middle of fp8_gemm_bench's 1.22–1.57×
+///   at the 1.18B's shapes;
+/// - kFp8ActCastGBps / kFp8WeightCastGBps: the cast (+ transpose) passes, counted as 4 bytes per
+///   element of each linear's input and output gradient (bf16 read, FP8 and its transpose written)
+///   and 6 per weight element once per step (fp32 main parameter read, w and wᵀ written): activations
+///   9.93 GB per 4 layers in 1.51 − 0.46 = 1.05 ms (delayed), weights 1.46 GB in 0.46 ms;
+/// - kFp8BlockActCastFactor / kFp8BlockWeightCastFactor: blockwise casts against tensorwise ones
+///   (fp8_gemm_bench, 4096 × 11008: 1×128 blocks 0.143 ms, 128×128 0.073 ms, one scale 0.067 ms);
+/// - tensorwise's amax passes: 2 bytes per activation element at kFp8ActAmaxGBps, 4 per weight
+///   element at kFp8WeightAmaxGBps (0.40 and 0.27 ms in the profile), and the scale computations
+///   (kFp8TensorwiseScaleS / kFp8DelayedScaleS per FP8 layer and micro-batch: 0.10 / 0.04 ms per
+///   4 layers);
+/// - with biases (GPT style) the FP8 path adds the passes cuBLASLt's bf16 epilogues fuse: each
+///   bias gradient but fc1's from its output gradient (2 bytes per element), and with GELU the
+///   GELU backward (6 bytes per fc1 output element), at kFp8ActCastGBps.
+/// H100s: the bandwidths scaled by the HBM ratio (not measured there).
+inline constexpr double kBf16LinearGemmEfficiency = 0.696;
+inline constexpr double kFp8GemmSpeedup = 1.575;
+inline constexpr double kFp8BlockGemmSpeedup = 1.40;
+inline constexpr double kFp8ActCastGBps = 2370;
+inline constexpr double kFp8WeightCastGBps = 3170;
+inline constexpr double kFp8BlockActCastFactor = 2.13;
+inline constexpr double kFp8BlockWeightCastFactor = 1.09;
+inline constexpr double kFp8ActAmaxGBps = 3100;
+inline constexpr double kFp8WeightAmaxGBps = 3600;
+inline constexpr double kFp8TensorwiseScaleS = 25e-6;
+inline constexpr double kFp8DelayedScaleS = 10e-6;
+
 /// What `megatron plan` is asked.
 struct PlanRequest {
   PretrainArgs args;       ///< as parsed from the script's flags (not yet resolved)
@@ -137,6 +171,10 @@ struct StepPrediction {
   double bubble_fraction = 0;    ///< (pp − 1) / (m · vpp) of the work above
   double dp_comm_s = 0;          ///< gradient reduction + parameter gather not hidden by overlap
   double optimizer_s = 0;        ///< AdamW over the owned parameters (memory bound)
+  double fp8_gemm_saved_s = 0;   ///< of compute_s (subtracted): --fp8-format, the FP8 layers' linear
+                                 ///< GEMMs' time saved against bf16 (dense layers; see kFp8GemmSpeedup)
+  double fp8_casts_s = 0;        ///< of compute_s (added): the FP8 casts, amax passes, scale updates
+                                 ///< and unfused bias / GELU passes
   double muon_s = 0;             ///< --optimizer muon: the Newton-Schulz GEMMs of the rank's matrices
                                  ///< (all, or 1/DP of them with the distributed optimizer)
   double step_s = 0;             ///< the total

@@ -62,7 +62,7 @@ std::string format_plan(const TrainingPlan& p) {
       ms(s.step_s), ms(s.compute_s), ms(s.tp_comm_s), ms(s.cp_comm_s), ms(s.ep_comm_s), 100 * s.bubble_fraction,
       ms(s.pp_comm_s), ms(s.dp_comm_s), ms(s.optimizer_s),
       s.muon_s > 0 ? fmt::format(" + Muon Newton-Schulz {:.1f} ms", ms(s.muon_s)) : std::string());
-  if (s.moe_experts_s > 0 || s.mla_passes_s > 0) {
+  if (s.moe_experts_s > 0 || s.mla_passes_s > 0 || s.fp8_gemm_saved_s > 0) {
     std::string parts;
     if (s.moe_experts_s > 0)
       parts += fmt::format("MoE experts' MLPs {:.1f} ms, MoE token passes (router, permute, dispatch, combine) "
@@ -70,9 +70,13 @@ std::string format_plan(const TrainingPlan& p) {
                            ms(s.moe_experts_s), ms(s.moe_token_passes_s));
     if (s.mla_attention_s > 0) parts += fmt::format("MLA core attention {:.1f} ms, ", ms(s.mla_attention_s));
     if (s.mla_passes_s > 0) parts += fmt::format("MLA pack / RoPE / unpack passes {:.1f} ms, ", ms(s.mla_passes_s));
+    if (s.fp8_gemm_saved_s > 0)
+      parts += fmt::format("FP8: linear GEMMs -{:.1f} ms against bf16, casts and amax passes +{:.1f} ms, ",
+                           ms(s.fp8_gemm_saved_s), ms(s.fp8_casts_s));
     o += fmt::format("> of the compute: {}the rest at {:.1f}% of the peak {:.1f} ms\n", parts,
                      100 * p.gpu.compute_efficiency,
-                     ms(s.compute_s - s.moe_experts_s - s.moe_token_passes_s - s.mla_attention_s - s.mla_passes_s));
+                     ms(s.compute_s - s.moe_experts_s - s.moe_token_passes_s - s.mla_attention_s - s.mla_passes_s +
+                        s.fp8_gemm_saved_s - s.fp8_casts_s));
   }
   o += fmt::format("> predicted throughput: {:.1f} TFLOP/s per GPU, MFU {:.1f}% (of {:.1f}), {:.1f}K tokens/s\n",
                    s.tflops_per_gpu, 100 * s.mfu, p.gpu.peak_tflops, s.tokens_per_s / 1e3);
@@ -136,6 +140,7 @@ std::string plan_json(const TrainingPlan& p) {
                  {"bubble_fraction", s.bubble_fraction}, {"dp_comm_s", s.dp_comm_s}, {"optimizer_s", s.optimizer_s}, {"muon_s", s.muon_s},
                  {"moe_experts_s", s.moe_experts_s}, {"moe_token_passes_s", s.moe_token_passes_s},
                  {"mla_attention_s", s.mla_attention_s}, {"mla_passes_s", s.mla_passes_s},
+                 {"fp8_gemm_saved_s", s.fp8_gemm_saved_s}, {"fp8_casts_s", s.fp8_casts_s},
                  {"tflops_per_gpu", s.tflops_per_gpu},   {"mfu", s.mfu},             {"tokens_per_s", s.tokens_per_s}};
   else
     j["step"] = nullptr;

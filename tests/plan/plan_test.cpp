@@ -253,6 +253,69 @@ constexpr const char* kDeepSeekV3Model =
     "--moe-router-group-topk 2 --moe-router-topk-scaling-factor 2.5 --moe-grouped-gemm --micro-batch-size 1 "
     "--global-batch-size 8 --bf16 --hidden-dropout 0 --attention-dropout 0 --vocab-size 50257 ";
 
+// FP8's terms by hand (plan.h kFp8*; docs/plan.md "FP8"), for a Llama-style model of 4 layers, h 256,
+// 4 heads of 64 in 2 query groups, SwiGLU 512, 128 tokens per sequence, 2 micro-batches of 2 on one
+// H200: per layer the four linears hold 256·512 + 256·256 + 256·1024 + 512·256 = 589,824 weights;
+// per micro-batch and layer their inputs and output gradients are 256 tokens × (256 + 256 + 256 + 512)
+// and × (512 + 256 + 1024 + 256) elements. Then the whole models of the FP8 runs measured on an H200
+// (2026-11-29, docs/benchmarks.md "FP8 training": 4 micro-batches of 8 accumulated per step).
+TEST_F(Plan, Fp8TermsByHandAndAgainstTheH200Runs) {
+  const std::string model =
+      "--train-iters 2 --num-layers 4 --hidden-size 256 --num-attention-heads 4 --group-query-attention "
+      "--num-query-groups 2 --ffn-hidden-size 512 --swiglu --disable-bias-linear --normalization RMSNorm "
+      "--position-embedding-type rope --seq-length 128 --max-position-embeddings 128 --micro-batch-size 2 "
+      "--global-batch-size 4 --bf16 --vocab-size 1000 ";
+  const auto step = [&](const std::string& extra) { return plan_training(request(model + extra, 1, "h200")).step; };
+  const StepPrediction bf16 = step(""), delayed = step("--fp8-format hybrid --fp8-recipe delayed");
+  const StepPrediction tw = step("--fp8-format hybrid --fp8-recipe tensorwise");
+  const StepPrediction block = step("--fp8-format e4m3 --fp8-recipe blockwise");
+  const double weights = 589824, elems = 256.0 * (1280 + 2048);
+  const double gemm_s = 6.0 * 512 * weights / (0.696 * 989.4e12);  // per layer, bf16, the iteration
+  EXPECT_EQ(bf16.fp8_gemm_saved_s, 0.0);
+  EXPECT_EQ(bf16.fp8_casts_s, 0.0);
+  EXPECT_NEAR(delayed.fp8_gemm_saved_s, 4 * gemm_s * (1 - 1 / 1.575), 1e-15);
+  EXPECT_NEAR(delayed.fp8_casts_s, 2 * 4 * (elems * 4 / 2370e9 + 10e-6) + 4 * weights * 6 / 3170e9, 1e-15);
+  EXPECT_NEAR(tw.fp8_gemm_saved_s, delayed.fp8_gemm_saved_s, 1e-18);
+  EXPECT_NEAR(tw.fp8_casts_s,
+              2 * 4 * (elems * (4 / 2370e9 + 2 / 3100e9) + 25e-6) + 4 * weights * (6 / 3170e9 + 4 / 3600e9), 1e-15);
+  EXPECT_NEAR(block.fp8_gemm_saved_s, 4 * gemm_s * (1 - 1 / 1.40), 1e-15);
+  EXPECT_NEAR(block.fp8_casts_s, 2 * 4 * elems * 2.13 * 4 / 2370e9 + 4 * weights * 1.09 * 6 / 3170e9, 1e-15);
+  // the step: bf16's, less the GEMM time saved, plus the casts
+  EXPECT_NEAR(delayed.step_s - bf16.step_s, delayed.fp8_casts_s - delayed.fp8_gemm_saved_s, 1e-15);
+  // --first-last-layers-bf16: 2 of the 4 layers in FP8
+  const StepPrediction half = step("--fp8-format hybrid --fp8-recipe delayed --first-last-layers-bf16");
+  EXPECT_NEAR(half.fp8_gemm_saved_s, delayed.fp8_gemm_saved_s / 2, 1e-15);
+  EXPECT_NEAR(half.fp8_casts_s, delayed.fp8_casts_s / 2, 1e-15);
+  // GPT style (biases, GELU 512): fc1 512 wide; the bias gradients of qkv, proj and fc2 and the GELU
+  // backward as passes of their own
+  const std::string gpt = "--train-iters 2 --num-layers 4 --hidden-size 256 --num-attention-heads 4 "
+                          "--ffn-hidden-size 512 --seq-length 128 --max-position-embeddings 128 --micro-batch-size 2 "
+                          "--global-batch-size 4 --bf16 --vocab-size 1000 --fp8-format hybrid --fp8-recipe delayed";
+  const StepPrediction g = plan_training(request(gpt, 1, "h200")).step;
+  const double g_weights = 256.0 * 768 + 256 * 256 + 256 * 512 + 512 * 256;
+  const double g_elems = 256.0 * ((256 + 256 + 256 + 512) + (768 + 256 + 512 + 256));
+  const double g_extra = (2.0 * 256 * (768 + 256 + 256) + 6.0 * 256 * 512) / 2370e9;
+  EXPECT_NEAR(g.fp8_casts_s, 2 * 4 * (g_elems * 4 / 2370e9 + 10e-6 + g_extra) + 4 * g_weights * 6 / 3170e9, 1e-15);
+  EXPECT_NE(format_plan(plan_training(request(model + "--fp8-format hybrid --fp8-recipe delayed", 1, "h200")))
+                .find("FP8: linear GEMMs"),
+            std::string::npos);
+  // the H200 runs: Llama-style 1.18B and GPT 1.3B, 4 micro-batches of 8, sequence 1024, delayed
+  const std::string seq = "--train-iters 2 --seq-length 1024 --max-position-embeddings 1024 --micro-batch-size 8 "
+                          "--global-batch-size 32 --bf16 --vocab-size 50257 --fp8-format hybrid --fp8-recipe delayed ";
+  const StepPrediction llama =
+      plan_training(request(seq + "--num-layers 16 --hidden-size 2048 --num-attention-heads 32 --group-query-attention "
+                                  "--num-query-groups 8 --ffn-hidden-size 8192 --swiglu --normalization RMSNorm "
+                                  "--position-embedding-type rope --untie-embeddings-and-output-weights "
+                                  "--disable-bias-linear",
+                            1, "h200"))
+          .step;
+  EXPECT_NEAR(llama.step_s / 308.8e-3, 1.0, 0.03);
+  const StepPrediction gpt13 =
+      plan_training(request(seq + "--num-layers 24 --hidden-size 2048 --num-attention-heads 16", 1, "h200")).step;
+  EXPECT_NEAR(gpt13.step_s / 410.3e-3, 1.0, 0.03);
+}
+
+
 // bench/deepseek_v3.sh's model (docs/benchmarks.md "DeepSeek-V3-shaped MoE") on one H200, set
 // beside what that run logged and measured there (2026-11-29):
 // - memory: the trainer's estimate on the GPU was 74525.6 MiB of buffers (74525.8 allocated) with
