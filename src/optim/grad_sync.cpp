@@ -136,6 +136,10 @@ GradSync::GradSync(ParamStore& params, std::shared_ptr<Communicator> dp, const D
     // The gathers run on comm_ beside the compute stream's collectives (the gradient
     // reduce-scatters on dp_): a communicator of their own.
     gather_dp_ = distributed_ && dp_->size() > 1 ? dp_->split(0, dp_->rank(), dp_->name() + "-params") : dp_;
+    // The expert buckets' gathers over the expert-data-parallel group, likewise.
+    gather_edp_ = edp_ == dp_ ? gather_dp_
+                  : distributed_ && edp_->size() > 1 ? edp_->split(0, edp_->rank(), edp_->name() + "-params")
+                                                     : edp_;
   }
   setup_copy_engine();
   for (size_t b = 0; b < bks.size(); ++b) gathered_.push_back(std::make_unique<Event>(params.device()));
@@ -452,7 +456,7 @@ void GradSync::gather_into_slot(size_t b, const Stream& stream) {
   // optimizer's writes of the shard.
   compute_ready_.record(stream);
   compute_ready_.wait(comm_);
-  Communicator& g = *gather_dp_;
+  Communicator& g = params_.buckets()[b].expert ? *gather_edp_ : *gather_dp_;
   if (distributed_ && g.size() > 1) {
     g.all_gather(slot, shard, comm_);
   } else {
@@ -524,20 +528,13 @@ void GradSync::params_end(size_t first, size_t end, bool backward, const Stream&
 void GradSync::start_param_sync(const Stream& stream) {
   reset_grad_state();  // the step's gradients have been consumed
   if (config_.shard_params) {
-    // The slots hold the old parameters: every one goes back; the next use gathers the updated
-    // owned slices. Expert buckets stay resident: gathered whole now.
+    // The slots (the expert slots too) hold the old parameters: every one goes back; the next use
+    // gathers the updated owned slices.
     for (size_t b = 0; b < param_refs_.size(); ++b)
       MT_CHECK(param_refs_[b] == 0, "start_param_sync: bucket {} is still in use (params_begin without params_end)",
                b);
     prefetch_lo_ = prefetch_hi_ = kNone;
     release_idle_params(kNone, kNone, kNone, kNone);
-    for (size_t b = params_.buckets().size(); b-- > 0;) {
-      const ParamBucket& bk = params_.buckets()[b];
-      if (!bk.expert) continue;
-      const Tensor whole = params_.bucket_params(b), shard = params_.bucket_param_shard(b);
-      if (distributed_ && group(bk).size() > 1) group(bk).all_gather(whole, shard, stream);
-      else copy(whole, shard, stream);
-    }
     return;
   }
   if (!distributed_) return;

@@ -83,9 +83,10 @@
 // the buckets of the next unit the model names (prefetch: they run beside the unit's compute).
 // params_end returns the slots of buckets no other active unit reads, except the prefetched
 // buckets and the one the unit shares with the next unit, which the next params_begin returns if
-// it does not read them. Expert buckets stay resident (whole, as their gradients with
-// shard_grads): start_param_sync all-gathers them after the optimizer step as with the
-// distributed optimizer; no other bucket is gathered there. A gather waits (an event on the
+// it does not read them. Expert buckets are staged the same way over the expert-data-parallel
+// group (a communicator of their own), into the store's expert slots (MoE layer k always in slot
+// k mod 2 at a fixed offset: docs/fsdp.md "Expert buckets"); nothing is gathered after the
+// optimizer step. A gather waits (an event on the
 // compute stream) for every kernel enqueued before it, so a slot is overwritten only after the
 // readers of its previous binding and the shard only read after the optimizer wrote it.
 //
@@ -388,7 +389,7 @@ class GradSync final : public ParamGradHooks {
   std::vector<int> param_refs_;
   std::vector<uint8_t> param_pending_;
   size_t prefetch_lo_ = kNone, prefetch_hi_ = kNone;
-  std::shared_ptr<Communicator> gather_dp_;
+  std::shared_ptr<Communicator> gather_dp_, gather_edp_;
   size_t param_gathers_ = 0;
   bool param_comm_used_ = false;
 };
