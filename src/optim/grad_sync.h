@@ -60,7 +60,8 @@
 //
 // Sharded gradients (DdpConfig::shard_grads, --data-parallel-sharding-strategy optim_grads,
 // Megatron-FSDP's ZeRO-2; docs/fsdp.md): the ParamStore holds no whole gradient buffer, only a
-// few bucket-sized staging slots (ParamStore::use_grad_slots), and this object holds the fp32
+// few bucket-sized staging slots and an expert slot of the largest MoE layer's experts
+// (ParamStore::use_grad_slots; docs/fsdp.md "Expert buckets"), and this object holds the fp32
 // gradient shard: the owned slice of every bucket, concatenated in ascending flat order (the
 // optimizer state's order, so the shard is indexed like the moments). The model reports every
 // parameter in every backward (grads_every_backward); when a bucket's parameters are all reported

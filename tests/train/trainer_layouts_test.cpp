@@ -802,6 +802,15 @@ TEST_F(TrainerLayouts, MegatronFsdpShardedExperts) {
                            echo + " " + strategy + experts);
     }
   }
+  // FP8 grouped experts (optim_grads: their weight gradients through the tables into the expert
+  // slot) against the distributed optimizer with the same layout and buckets.
+  for (const std::string experts : {"", " --moe-grouped-gemm"}) {
+    const std::string fp8 = "--nproc-per-node 4 --expert-model-parallel-size 2 --fp8-format hybrid" + moe + experts;
+    expect_near_one_rank(train("--train-iters 4 " + fp8 + fsdp + "optim_grads"),
+                         train("--train-iters 4 " + fp8 + " --use-distributed-optimizer --overlap-grad-reduce "
+                                                         "--ddp-bucket-size 3000"),
+                         "FP8 experts, optim_grads" + experts);
+  }
   // Checkpoints: optim_grads_params (sharded experts) -> the distributed optimizer and back.
   expect_checkpoints_cross_load(moe + " --moe-grouped-gemm" + fsdp + "optim_grads_params",
                                 moe + " --moe-grouped-gemm --use-distributed-optimizer --overlap-grad-reduce "
