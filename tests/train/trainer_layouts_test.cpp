@@ -772,7 +772,8 @@ TEST_F(TrainerLayouts, MegatronFsdpOptimGradsParams) {
 // group like the dense buckets. The tiny MoE equals one rank within fp32 rounding with the
 // sequential and the grouped-GEMM experts at EP 2 x EDP 2 (DP 4), EP 1 x DP 2, EP 2 x EDP 2 with
 // full recompute, and PP 2 (1F1B) x DP 2 with MoE in every layer (two MoE layers per stage, both
-// expert parameter slots in turn); checkpoints written under optim_grads_params with sharded
+// expert parameter slots in turn), ECHO clones, the chunked expert pipeline with delayed weight
+// gradients; FP8 experts under optim_grads equal the distributed optimizer; checkpoints written under optim_grads_params with sharded
 // experts load under the distributed optimizer and back; the memory estimate's parameter and
 // gradient terms are the bytes allocated, the experts' share E/EDP plus the slots instead of E.
 // (The negative controls, experts not gathered again and two live MoE layers on one slot, are
@@ -800,6 +801,11 @@ TEST_F(TrainerLayouts, MegatronFsdpShardedExperts) {
                                (experts.empty() ? "" : " --moe-received-token-capacity 100000");
       expect_near_one_rank(train("--train-iters 4 " + echo + moe + experts + fsdp + strategy), ref,
                            echo + " " + strategy + experts);
+      // the chunked expert pipeline with delayed weight gradients (still inside the layer's backward)
+      const std::string chunked = "--nproc-per-node 4 --expert-model-parallel-size 2 --moe-token-dispatcher-type "
+                                  "alltoall --overlap-moe-expert-parallel-comm --delay-wgrad-compute";
+      if (experts.empty())
+        expect_near_one_rank(train("--train-iters 4 " + chunked + moe + fsdp + strategy), ref, chunked + " " + strategy);
     }
   }
   // FP8 grouped experts (optim_grads: their weight gradients through the tables into the expert
