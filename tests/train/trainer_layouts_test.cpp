@@ -773,7 +773,8 @@ TEST_F(TrainerLayouts, MegatronFsdpOptimGradsParams) {
 // sequential and the grouped-GEMM experts at EP 2 x EDP 2 (DP 4), EP 1 x DP 2, EP 2 x EDP 2 with
 // full recompute, and PP 2 (1F1B) x DP 2 with MoE in every layer (two MoE layers per stage, both
 // expert parameter slots in turn), ECHO clones, the chunked expert pipeline with delayed weight
-// gradients; FP8 experts under optim_grads equal the distributed optimizer; checkpoints written under optim_grads_params with sharded
+// gradients, hybrid sharding (k = 2); FP8 experts under optim_grads equal the distributed
+// optimizer; checkpoints written under optim_grads_params with sharded
 // experts load under the distributed optimizer and back; the memory estimate's parameter and
 // gradient terms are the bytes allocated, the experts' share E/EDP plus the slots instead of E.
 // (The negative controls, experts not gathered again and two live MoE layers on one slot, are
@@ -808,6 +809,12 @@ TEST_F(TrainerLayouts, MegatronFsdpShardedExperts) {
         expect_near_one_rank(train("--train-iters 4 " + chunked + moe + fsdp + strategy), ref, chunked + " " + strategy);
     }
   }
+  // Hybrid sharding (DP 8 = 2 instances of 4, EDP 4 = 2 instances of 2): the experts sharded and
+  // gathered over the expert instance.
+  expect_near_one_rank(train("--train-iters 4 --micro-batch-size 1 --nproc-per-node 8 --expert-model-parallel-size 2" +
+                             moe + " --moe-grouped-gemm" + fsdp +
+                             "optim_grads_params --num-distributed-optimizer-instances 2"),
+                       train("--train-iters 4 --micro-batch-size 1" + moe + " --moe-grouped-gemm"), "EP 2 x EDP 4, k 2");
   // FP8 grouped experts (optim_grads: their weight gradients through the tables into the expert
   // slot) against the distributed optimizer with the same layout and buckets.
   for (const std::string experts : {"", " --moe-grouped-gemm"}) {
