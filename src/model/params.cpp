@@ -458,6 +458,12 @@ Tensor ParamStore::bind_param_slot(size_t b) {
   return bucket_params(b);
 }
 
+int ParamStore::expert_param_slot_holder(size_t b) const {
+  MT_REQUIRE(params_staged_ && buckets_.at(b).expert && expert_param_pool_n_ > 0,
+             "expert_param_slot_holder: bucket {} is not a staged expert bucket", b);
+  return expert_params_.owner[static_cast<size_t>(moe_layer_of_bucket_[b] % expert_param_pool_n_)];
+}
+
 void ParamStore::release_param_slot(size_t b) {
   if (param_resident(b)) return;
   if (buckets_.at(b).expert) {

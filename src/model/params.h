@@ -375,6 +375,9 @@ class ParamStore {
   /// the slot after the readers of this binding.
   void release_param_slot(size_t b);
   bool param_bound(size_t b) const { return param_resident(b) || slot_of_param_bucket_.at(b) >= 0; }
+  /// Staged expert bucket b: the MoE layer (moe_layer_of) holding the expert parameter slot b binds
+  /// to, -1 when free.
+  int expert_param_slot_holder(size_t b) const;
   /// Parameter slots the model needs with GradSync's prefetch (DdpConfig::param_slots' default):
   /// twice the most non-expert buckets one unit reads (a layer; the embedding; the final norm and
   /// output layer) — the unit in use and the next one prefetched — plus one for the tied word

@@ -492,6 +492,7 @@ void GradSync::params_begin(size_t first, size_t end, bool backward, size_t next
   release_idle_params(lo, hi, plo, phi);
   for (size_t b = lo; b <= hi; ++b) {
     if (params_.param_resident(b)) continue;
+    if (params_.buckets()[b].expert) free_expert_slot(b);
     gather_into_slot(b, stream);
     ++param_refs_[b];
   }
@@ -505,7 +506,28 @@ void GradSync::params_begin(size_t first, size_t end, bool backward, size_t next
   prefetch_hi_ = phi;
   for (size_t k = 0; k <= phi - plo; ++k) {  // beside this unit's compute, in the pass's order
     const size_t b = backward ? plo + k : phi - k;
-    if (!params_.param_resident(b)) gather_into_slot(b, stream);
+    if (params_.param_resident(b)) continue;
+    // An expert bucket whose slot another MoE layer holds (the unit in use: with full recompute
+    // the backward of a group's first layer names the previous group's first layer, n layers
+    // earlier) is gathered at its own params_begin instead.
+    if (params_.buckets()[b].expert && !params_.param_bound(b)) {
+      const int holder = params_.expert_param_slot_holder(b);
+      if (holder >= 0 && holder != params_.moe_layer_of(b)) continue;
+    }
+    gather_into_slot(b, stream);
+  }
+}
+
+void GradSync::free_expert_slot(size_t b) {
+  if (params_.param_bound(b)) return;
+  const int holder = params_.expert_param_slot_holder(b);
+  if (holder < 0 || holder == params_.moe_layer_of(b)) return;
+  // The holder's buckets no unit uses (a prefetch the pass did not reach, a kept boundary) go back;
+  // one in use stays, and binding b is then an error naming both layers.
+  for (size_t c = 0; c < param_refs_.size(); ++c) {
+    if (params_.moe_layer_of(c) != holder || param_refs_[c] > 0) continue;
+    params_.release_param_slot(c);
+    param_pending_[c] = 0;  // a gather still in flight: the next one into the slot is ordered after it on comm_
   }
 }
 

@@ -86,7 +86,8 @@
 // buckets and the one the unit shares with the next unit, which the next params_begin returns if
 // it does not read them. Expert buckets are staged the same way over the expert-data-parallel
 // group (a communicator of their own), into the store's expert slots (MoE layer k always in slot
-// k mod 2 at a fixed offset: docs/fsdp.md "Expert buckets"); nothing is gathered after the
+// k mod 2 at a fixed offset: docs/fsdp.md "Expert buckets"); a prefetch onto an expert slot the
+// unit in use holds is skipped (gathered at its own params_begin); nothing is gathered after the
 // optimizer step. A gather waits (an event on the
 // compute stream) for every kernel enqueued before it, so a slot is overwritten only after the
 // readers of its previous binding and the shard only read after the optimizer wrote it.
@@ -322,6 +323,9 @@ class GradSync final : public ParamGradHooks {
   // comm_ (nothing when bound); releases every bound bucket no unit uses.
   void gather_into_slot(size_t b, const Stream& stream);
   void release_idle_params(size_t keep_lo, size_t keep_hi, size_t keep_lo2, size_t keep_hi2);
+  // Expert bucket b (not bound): returns the buckets of the MoE layer holding b's expert slot
+  // that no unit uses.
+  void free_expert_slot(size_t b);
   void setup_copy_engine();
   // The first bucket whose length is not a multiple of kAlign · DP (cannot be split into equal
   // aligned slices), or nullptr.

@@ -767,6 +767,21 @@ TEST(DataParallel, ShardedExpertsBf16) {
     sync.params_end(l1.first, l1.end, false, st);
     sync.start_param_sync(st);
     pass(false);
+    // A prefetch onto a slot the unit in use holds (full recompute: the backward of a group's first
+    // layer names the previous group's, here MoE layer 2 -> 0) is skipped; the layer is gathered
+    // at its own params_begin, after MoE layer 2 went back.
+    {
+      const ddp_test::LayerRange l3 = m.layers[4], l1 = m.layers[2];
+      sync.params_begin(l3.first, l3.end, true, l1.first, l1.end, st);
+      EXPECT_FALSE(P.param_bound(P.bucket_of(first_expert(1))));
+      EXPECT_TRUE(P.param_bound(P.bucket_of(l1.first)));  // its dense buckets are prefetched
+      sync.params_end(l3.first, l3.end, true, st);
+      sync.params_begin(l1.first, l1.end, true, 0, 0, st);
+      const size_t i = first_expert(1);
+      const auto at = want.begin() + P.info(i).offset;
+      EXPECT_EQ(testing::to_host(P.param(i), st), std::vector<float>(at, at + P.info(i).numel));
+      sync.params_end(l1.first, l1.end, true, st);
+    }
     // Gradients: MoE layer 0 holds the one expert gradient slot until its buckets are reduced.
     sync.zero_grad_buffer(st);
     (void)P.grad(first_expert(1));

@@ -770,9 +770,9 @@ TEST_F(TrainerLayouts, MegatronFsdpOptimGradsParams) {
 // MoE experts' gradients (and parameters) are staged per MoE layer in expert slots at fixed
 // addresses (the grouped-GEMM tables are built once) and sharded over the expert-data-parallel
 // group like the dense buckets. The tiny MoE equals one rank within fp32 rounding with the
-// sequential and the grouped-GEMM experts at EP 2 x EDP 2 (DP 4), EP 1 x DP 2, EP 2 x EDP 2 with
-// full recompute, and PP 2 (1F1B) x DP 2 with MoE in every layer (two MoE layers per stage, both
-// expert parameter slots in turn), ECHO clones, the chunked expert pipeline with delayed weight
+// sequential and the grouped-GEMM experts at EP 2 x EDP 2 (DP 4) and EP 1 x DP 2, and with six
+// MoE layers (slots reused: MoE layers k and k + 2 share one) at EP 2 x EDP 2, with full
+// recompute, and PP 2 (1F1B) x DP 2 (three MoE layers per stage), ECHO clones, the chunked expert pipeline with delayed weight
 // gradients, hybrid sharding (k = 2); FP8 experts under optim_grads equal the distributed
 // optimizer; checkpoints written under optim_grads_params with sharded
 // experts load under the distributed optimizer and back; the memory estimate's parameter and
@@ -782,20 +782,24 @@ TEST_F(TrainerLayouts, MegatronFsdpOptimGradsParams) {
 TEST_F(TrainerLayouts, MegatronFsdpShardedExperts) {
   const std::string moe = kTinyMoe;
   const std::string fsdp = " --use-megatron-fsdp --ddp-bucket-size 3000 --data-parallel-sharding-strategy ";
+  // six MoE layers: three per stage under PP 2, so MoE layers 0 and 2 of a stage share an expert
+  // parameter slot (and every MoE layer the one gradient slot)
+  const std::string every = " --num-layers 6 --moe-layer-freq 1";
   for (const std::string experts : {"", " --moe-grouped-gemm"}) {
     SCOPED_TRACE(experts);
     const TrainingResult ref = train("--train-iters 4" + moe + experts);
-    const TrainingResult ref_every = train("--train-iters 4" + moe + " --moe-layer-freq 1" + experts);
+    const TrainingResult ref_every = train("--train-iters 4" + moe + every + experts);
     for (const std::string strategy : {"optim_grads", "optim_grads_params"}) {
-      for (const std::string layout :
-           {"--nproc-per-node 4 --expert-model-parallel-size 2", "--nproc-per-node 2",
-            "--nproc-per-node 4 --expert-model-parallel-size 2 --recompute-granularity full --recompute-method "
-            "uniform --recompute-num-layers 2"})
+      for (const std::string layout : {"--nproc-per-node 4 --expert-model-parallel-size 2", "--nproc-per-node 2"})
         expect_near_one_rank(train("--train-iters 4 " + layout + moe + experts + fsdp + strategy), ref,
                              layout + " " + strategy + experts);
-      const std::string pp = "--nproc-per-node 4 --pipeline-model-parallel-size 2";
-      expect_near_one_rank(train("--train-iters 4 " + pp + moe + " --moe-layer-freq 1" + experts + fsdp + strategy),
-                           ref_every, pp + " " + strategy + experts);
+      for (const std::string layout :
+           {"--nproc-per-node 4 --expert-model-parallel-size 2",
+            "--nproc-per-node 4 --expert-model-parallel-size 2 --recompute-granularity full --recompute-method "
+            "uniform --recompute-num-layers 2",
+            "--nproc-per-node 4 --pipeline-model-parallel-size 2"})
+        expect_near_one_rank(train("--train-iters 4 " + layout + moe + every + experts + fsdp + strategy), ref_every,
+                             layout + every + " " + strategy + experts);
       // ECHO: the clones fetch their home experts' weights from the slots and return gradients into them
       const std::string echo = std::string("--nproc-per-node 4 --expert-model-parallel-size 2 ") +
                                "--moe-token-dispatcher-type alltoall --moe-enable-echo --moe-num-echo-experts 1" +
