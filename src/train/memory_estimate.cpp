@@ -58,8 +58,8 @@ MemoryEstimate estimate_training_memory(const MemoryEstimateInputs& in) {
   if (separate_main || in.param_slots > 0)
     e.parts.push_back({in.param_slots == 0 ? fmt::format("model parameters ({})", dtype_name(in.dtype))
                        : separate_main
-                           ? fmt::format("model parameters ({}; owned slices and {} staging slots)", dtype_name(in.dtype),
-                                         in.param_slots)
+                           ? fmt::format("model parameters ({}; owned slices and {} staging slots{})",
+                                         dtype_name(in.dtype), in.param_slots, expert > 0 ? " and the expert slots" : "")
                            : fmt::format("parameter staging slots ({}; {} slots{})", dtype_name(in.dtype),
                                          in.param_slots, expert > 0 ? " and the expert slots" : ""),
                        model_elements * dtype_size(in.dtype),
