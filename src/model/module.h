@@ -110,6 +110,8 @@ struct ParamRef {
   bool bound() const { return store != nullptr && index != ParamStore::kNoParam; }
   Tensor value() const { return store->param(index); }  ///< model dtype
   Tensor grad() const { return store->grad(index); }    ///< fp32 main gradient
+  /// The gradient's address without binding a staging slot (ParamStore::grad_view).
+  Tensor grad_view() const { return store->grad_view(index); }
   /// Whether this write of the gradient is the step's first to a grad_overwrite parameter
   /// (ParamStore::take_first_grad_write, consumed by this call): write it, else add to it.
   GradWrite grad_write() const {

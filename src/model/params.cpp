@@ -24,6 +24,9 @@ ParamStore::Plan ParamStore::plan(std::vector<ParamSpec> specs, const ParamLayou
   p.grad_slots = laid_out.grad_slots_needed();
   p.param_slots = laid_out.param_slots_needed();
   p.largest_dense_bucket = laid_out.largest_dense_bucket();
+  p.expert_slot = laid_out.expert_slot_length();
+  p.expert_param_slots = laid_out.expert_param_slots_needed();
+  p.expert_grad_slots = laid_out.expert_grad_slots_needed();
   p.buckets = static_cast<int64_t>(laid_out.buckets_.size());
   for (const ParamBucket& b : laid_out.buckets_) {
     if (b.expert) p.expert += b.end - b.begin;
@@ -76,7 +79,9 @@ ParamStore::ParamStore(std::vector<ParamSpec> specs, DType model_dtype, Device d
     // close the open bucket before a parameter that needs its own, or of the other domain
     const bool own = p.shared_embedding_copy || (bs > 0 && aligned(p) >= bs) ||
                      (layout.isolate_word_embedding && p.name == "embedding.word_embeddings.weight");
-    if (end > i + 1 && (own || p.expert != infos_[i + 1].expert)) close(i + 1);
+    // an expert bucket holds one layer's experts (the MoE layers' expert slots, use_grad_slots)
+    const bool other_layer = end > i + 1 && p.expert && infos_[i + 1].expert && unit_of(i) != unit_of(i + 1);
+    if (end > i + 1 && (own || other_layer || p.expert != infos_[i + 1].expert)) close(i + 1);
     open_elems += aligned(p);
     if (own || (bs > 0 && open_elems >= bs)) close(i);
   }
@@ -97,6 +102,22 @@ ParamStore::ParamStore(std::vector<ParamSpec> specs, DType model_dtype, Device d
     bk.end = off;
   }
   total_ = off;
+  // The MoE layers: consecutive runs of expert buckets of one layer, ascending.
+  moe_layer_of_bucket_.assign(buckets_.size(), -1);
+  std::string last_unit;
+  for (size_t b = buckets_.size(); b-- > 0;) {
+    const ParamBucket& bk = buckets_[b];
+    if (!bk.expert) continue;
+    const std::string u = unit_of(bk.param_begin);
+    const bool extends = !expert_regions_.empty() && expert_regions_.back().end == bk.begin && u == last_unit;
+    if (extends) {
+      expert_regions_.back().end = bk.end;
+    } else {
+      expert_regions_.push_back({bk.begin, bk.end});
+    }
+    last_unit = u;
+    moe_layer_of_bucket_[b] = static_cast<int>(expert_regions_.size()) - 1;
+  }
   // What zero_grads clears when parameters are grad_overwrite: everything but their elements.
   first_write_.assign(infos_.size(), 0);
   int64_t from = 0;
@@ -167,18 +188,31 @@ Tensor ParamStore::grad(size_t i) const {
   return Tensor(static_cast<float*>(grads_.data()) + p.offset, DType::kF32, device_, p.shape);
 }
 
+Tensor ParamStore::grad_view(size_t i) const {
+  const auto& p = infos_.at(i);
+  const size_t b = bucket_of_[i];
+  if (!grads_staged() || !buckets_[b].expert || slot_of_bucket_[b] >= 0) return grad(i);
+  // where bind_expert puts it
+  const int s = moe_layer_of_bucket_[b] % static_cast<int>(expert_grads_.owner.size());
+  return expert_view(expert_grads_, s, b, DType::kF32)
+      .flat_range(p.offset - buckets_[b].begin, p.numel)
+      .view(p.shape);
+}
+
 void ParamStore::use_grad_slots(int slots, const Stream& stream) {
   MT_REQUIRE(slots >= 1, "use_grad_slots: {} gradient staging slots; need at least 1", slots);
   MT_REQUIRE(!grads_staged(), "use_grad_slots: the gradients are already staged ({} slots)", grad_slots());
-  for (const ParamBucket& b : buckets_) grad_slot_len_ = std::max(grad_slot_len_, b.numel());
+  grad_slot_len_ = std::max<int64_t>(largest_dense_bucket(), 1);
   stream.synchronize();  // nothing may still write the whole buffer
-  // Expert buckets are not staged: MoeExperts caches its experts' gradient addresses (grouped
-  // GEMM tables, built in the forward), so their gradients stay in a persistent buffer (grads_,
-  // now the expert buckets only, in ascending offset order); they are still reduce-scattered
-  // into the shard per micro-batch.
-  int64_t expert = 0;
-  for (const ParamBucket& b : buckets_) expert += b.expert ? b.numel() : 0;
-  grads_ = expert > 0 ? Buffer(device_, static_cast<size_t>(expert) * 4) : Buffer();
+  // Expert buckets: a pool of their own, MoE layer k in slot k mod n at fixed offsets
+  // (MoeExperts caches its experts' gradient addresses in grouped-GEMM tables).
+  grads_ = Buffer();
+  expert_grad_pool_n_ = expert_grad_slots_needed();
+  expert_grads_.len = expert_slot_length();
+  expert_grads_.owner.assign(static_cast<size_t>(expert_grad_pool_n_), -1);
+  expert_grads_.bound.assign(static_cast<size_t>(expert_grad_pool_n_), 0);
+  if (expert_grad_pool_n_ > 0)
+    expert_grads_.buf = Buffer(device_, static_cast<size_t>(expert_grad_pool_n_ * expert_grads_.len) * 4);
   for (int s = 0; s < slots; ++s) grad_slot_buf_.emplace_back(device_, static_cast<size_t>(grad_slot_len_) * 4);
   slot_of_bucket_.assign(buckets_.size(), -1);
   bucket_of_slot_.assign(static_cast<size_t>(slots), -1);
@@ -189,10 +223,9 @@ void ParamStore::use_grad_slots(int slots, const Stream& stream) {
 Tensor ParamStore::bucket_grads(size_t b) const {
   const ParamBucket& bk = buckets_.at(b);
   if (!grads_staged()) return grads_flat().flat_range(bk.begin, bk.numel());
-  if (bk.expert) {  // the persistent expert buffer (use_grad_slots)
-    int64_t off = 0;
-    for (size_t k = b + 1; k < buckets_.size(); ++k) off += buckets_[k].expert ? buckets_[k].numel() : 0;
-    return Tensor(static_cast<float*>(grads_.data()) + off, DType::kF32, device_, {bk.numel()});
+  if (bk.expert) {  // its place in its MoE layer's expert slot (use_grad_slots)
+    bind_expert(expert_grads_, slot_of_bucket_, b, "gradient");
+    return expert_view(expert_grads_, slot_of_bucket_[b], b, DType::kF32);
   }
   int& s = slot_of_bucket_[b];
   if (s < 0) {
@@ -223,7 +256,11 @@ Tensor ParamStore::grads_range(int64_t begin, int64_t n) const {
 }
 
 void ParamStore::release_grad_slot(size_t b) {
-  if (!grads_staged() || buckets_.at(b).expert) return;
+  if (!grads_staged()) return;
+  if (buckets_.at(b).expert) {
+    unbind_expert(expert_grads_, slot_of_bucket_, b);
+    return;
+  }
   int& s = slot_of_bucket_.at(b);
   if (s < 0) return;
   bucket_of_slot_[static_cast<size_t>(s)] = -1;
@@ -231,7 +268,7 @@ void ParamStore::release_grad_slot(size_t b) {
 }
 
 int ParamStore::slots_needed(const std::function<std::string(size_t)>& unit, size_t units, size_t extra) const {
-  size_t most = 1, dense = 0;  // expert buckets are not staged
+  size_t most = 1, dense = 0;  // expert buckets have slots of their own
   for (const ParamBucket& b : buckets_) dense += b.expert ? 0 : 1;
   // Units are runs of consecutive parameters (a layer's parameters are consecutive).
   for (size_t i = 0; i < infos_.size();) {
@@ -256,6 +293,47 @@ int ParamStore::grad_slots_needed() const {
   }, 1, 2);
 }
 
+int64_t ParamStore::expert_slot_length() const {
+  int64_t n = 0;
+  for (const Range& r : expert_regions_) n = std::max(n, r.end - r.begin);
+  return n;
+}
+
+void ParamStore::bind_expert(ExpertPool& pool, std::vector<int>& slot_of, size_t b, const char* what) const {
+  if (slot_of[b] >= 0) return;
+  const int k = moe_layer_of_bucket_[b], n = static_cast<int>(pool.owner.size());
+  MT_CHECK(k >= 0 && n > 0, "bucket {} is not an expert bucket of a staged store", b);
+  const int s = k % n;
+  const int held = pool.owner[static_cast<size_t>(s)];
+  MT_CHECK(held < 0 || held == k,
+           "expert {} staging: MoE layer {} ('{}', bucket {}) needs expert slot {} of {}, which MoE layer {} ('{}') "
+           "still holds (its buckets not released): two live MoE layers map to one slot (docs/fsdp.md \"Expert "
+           "buckets\")",
+           what, k, unit_of(buckets_[b].param_begin), b, s, n, held,
+           [&] {
+             for (size_t c = 0; c < buckets_.size(); ++c)
+               if (moe_layer_of_bucket_[c] == held) return unit_of(buckets_[c].param_begin);
+             return std::string("?");
+           }());
+  pool.owner[static_cast<size_t>(s)] = k;
+  ++pool.bound[static_cast<size_t>(s)];
+  slot_of[b] = s;
+}
+
+void ParamStore::unbind_expert(ExpertPool& pool, std::vector<int>& slot_of, size_t b) const {
+  const int s = slot_of[b];
+  if (s < 0) return;
+  slot_of[b] = -1;
+  if (--pool.bound[static_cast<size_t>(s)] == 0) pool.owner[static_cast<size_t>(s)] = -1;
+}
+
+Tensor ParamStore::expert_view(const ExpertPool& pool, int s, size_t b, DType dt) const {
+  const ParamBucket& bk = buckets_[b];
+  const int64_t off = s * pool.len + (bk.begin - expert_regions_[static_cast<size_t>(moe_layer_of_bucket_[b])].begin);
+  return Tensor(static_cast<char*>(pool.buf.data()) + off * static_cast<int64_t>(dtype_size(dt)), dt, device_,
+                {bk.numel()});
+}
+
 int ParamStore::take_free_slot(std::vector<int>& bucket_of_slot, size_t b) {
   const auto it = std::find(bucket_of_slot.begin(), bucket_of_slot.end(), -1);
   if (it == bucket_of_slot.end()) return -1;
@@ -265,7 +343,7 @@ int ParamStore::take_free_slot(std::vector<int>& bucket_of_slot, size_t b) {
 
 int64_t ParamStore::grad_storage_bytes() const {
   if (!grads_staged()) return static_cast<int64_t>(grads_.bytes());
-  int64_t n = static_cast<int64_t>(grads_.bytes());  // the expert buckets
+  int64_t n = static_cast<int64_t>(expert_grads_.buf.bytes());  // the expert slots
   for (const Buffer& b : grad_slot_buf_) n += static_cast<int64_t>(b.bytes());
   return n;
 }
@@ -298,7 +376,6 @@ void ParamStore::use_param_slots(const std::vector<Range>& owned, int slots, con
              buckets_.size());
   param_owned_ = owned;
   param_shard_off_.assign(buckets_.size(), 0);
-  resident_off_.assign(buckets_.size(), 0);
   std::vector<Range> ascending;
   for (size_t b = buckets_.size(); b-- > 0;) {  // ascending offsets: the optimizer state's order
     const ParamBucket& bk = buckets_[b];
@@ -309,26 +386,17 @@ void ParamStore::use_param_slots(const std::vector<Range>& owned, int slots, con
     param_shard_off_[b] = param_shard_n_;
     param_shard_n_ += r.end - r.begin;
     if (r.end > r.begin) ascending.push_back(r);
-    if (bk.expert) {
-      resident_off_[b] = resident_n_;
-      resident_n_ += bk.numel();
-    }
   }
   param_slot_len_ = largest_dense_bucket();
   const size_t es = dtype_size(model_dtype_);
   stream.synchronize();  // nothing may still write the whole buffers
-  // The owned slices and the resident buckets, copied from the whole parameters.
+  // The owned slices, copied from the whole parameters.
   const Tensor whole = params_flat();
   Buffer shard(device_, static_cast<size_t>(std::max<int64_t>(param_shard_n_, 1)) * es);
-  Buffer resident = resident_n_ > 0 ? Buffer(device_, static_cast<size_t>(resident_n_) * es) : Buffer();
   for (size_t b = 0; b < buckets_.size(); ++b) {
-    const ParamBucket& bk = buckets_[b];
     const Range r = owned[b];
     copy(shard.as(model_dtype_, {param_shard_n_}).flat_range(param_shard_off_[b], r.end - r.begin),
          whole.flat_range(r.begin, r.end - r.begin), stream);
-    if (bk.expert)
-      copy(resident.as(model_dtype_, {resident_n_}).flat_range(resident_off_[b], bk.numel()),
-           whole.flat_range(bk.begin, bk.numel()), stream);
   }
   stream.synchronize();  // the whole buffer is freed next
   if (has_separate_main()) {
@@ -339,7 +407,13 @@ void ParamStore::use_param_slots(const std::vector<Range>& owned, int slots, con
     main_shard_n_ = param_shard_n_;
     main_sharded_ = true;
   }
-  params_ = std::move(resident);
+  params_ = Buffer();
+  expert_param_pool_n_ = expert_param_slots_needed();
+  expert_params_.len = expert_slot_length();
+  expert_params_.owner.assign(static_cast<size_t>(expert_param_pool_n_), -1);
+  expert_params_.bound.assign(static_cast<size_t>(expert_param_pool_n_), 0);
+  if (expert_param_pool_n_ > 0)
+    expert_params_.buf = Buffer(device_, static_cast<size_t>(expert_param_pool_n_ * expert_params_.len) * es);
   for (int k = 0; k < slots; ++k) param_slot_buf_.emplace_back(device_, static_cast<size_t>(param_slot_len_) * es);
   slot_of_param_bucket_.assign(buckets_.size(), -1);
   bucket_of_param_slot_.assign(static_cast<size_t>(slots), -1);
@@ -360,17 +434,19 @@ Tensor ParamStore::bucket_param_shard(size_t b) const {
 Tensor ParamStore::bucket_params(size_t b) const {
   const ParamBucket& bk = buckets_.at(b);
   if (!params_staged_) return params_flat().flat_range(bk.begin, bk.numel());
-  if (bk.expert)
-    return Tensor(static_cast<char*>(params_.data()) + resident_off_[b] * static_cast<int64_t>(dtype_size(model_dtype_)),
-                  model_dtype_, device_, {bk.numel()});
   const int s = slot_of_param_bucket_[b];
   MT_REQUIRE(s >= 0, "bucket {} (parameters '{}'..) is not gathered into a parameter slot", b,
              infos_[bk.param_begin].name);
+  if (bk.expert) return expert_view(expert_params_, s, b, model_dtype_);
   return param_slot_buf_[static_cast<size_t>(s)].as(model_dtype_, {bk.numel()});
 }
 
 Tensor ParamStore::bind_param_slot(size_t b) {
-  MT_REQUIRE(params_staged_ && !buckets_.at(b).expert, "bind_param_slot: bucket {} is not staged", b);
+  MT_REQUIRE(params_staged_, "bind_param_slot: bucket {} is not staged", b);
+  if (buckets_.at(b).expert) {
+    bind_expert(expert_params_, slot_of_param_bucket_, b, "parameter");
+    return bucket_params(b);
+  }
   int& s = slot_of_param_bucket_[b];
   if (s < 0) {
     s = take_free_slot(bucket_of_param_slot_, b);
@@ -382,8 +458,18 @@ Tensor ParamStore::bind_param_slot(size_t b) {
   return bucket_params(b);
 }
 
+int ParamStore::expert_param_slot_holder(size_t b) const {
+  MT_REQUIRE(params_staged_ && buckets_.at(b).expert && expert_param_pool_n_ > 0,
+             "expert_param_slot_holder: bucket {} is not a staged expert bucket", b);
+  return expert_params_.owner[static_cast<size_t>(moe_layer_of_bucket_[b] % expert_param_pool_n_)];
+}
+
 void ParamStore::release_param_slot(size_t b) {
   if (param_resident(b)) return;
+  if (buckets_.at(b).expert) {
+    unbind_expert(expert_params_, slot_of_param_bucket_, b);
+    return;
+  }
   int& s = slot_of_param_bucket_.at(b);
   if (s < 0) return;
   bucket_of_param_slot_[static_cast<size_t>(s)] = -1;
@@ -392,8 +478,9 @@ void ParamStore::release_param_slot(size_t b) {
 
 int64_t ParamStore::param_storage_bytes() const {
   if (!params_staged_) return has_separate_main() ? static_cast<int64_t>(params_.bytes()) : 0;
-  // the shard (an fp32 model's is its main shard), the resident buckets, the slots
-  int64_t n = param_shard_n_ * static_cast<int64_t>(dtype_size(model_dtype_)) + static_cast<int64_t>(params_.bytes());
+  // the shard (an fp32 model's is its main shard), the expert slots, the slots
+  int64_t n = param_shard_n_ * static_cast<int64_t>(dtype_size(model_dtype_)) +
+              static_cast<int64_t>(expert_params_.buf.bytes());
   for (const Buffer& b : param_slot_buf_) n += static_cast<int64_t>(b.bytes());
   return n;
 }
@@ -401,10 +488,6 @@ int64_t ParamStore::param_storage_bytes() const {
 void ParamStore::write_stored_params(size_t i, const Tensor& model, const Stream& stream) {
   const ParamInfo& p = infos_[i];
   const size_t b = bucket_of_[i];
-  if (buckets_[b].expert) {
-    copy(bucket_params(b).flat_range(p.offset - buckets_[b].begin, p.numel), model.flat_range(0, p.numel), stream);
-    return;
-  }
   const Range r = param_owned_[b];
   const int64_t lo = std::max(r.begin, p.offset), hi = std::min(r.end, p.offset + p.numel);
   if (lo < hi) copy(bucket_param_shard(b).flat_range(lo - r.begin, hi - lo), model.flat_range(lo - p.offset, hi - lo), stream);
@@ -519,14 +602,13 @@ void ParamStore::set_stored_params(const Tensor& full, const Stream& stream) {
   for (size_t b = 0; b < buckets_.size(); ++b) {
     const Range r = param_owned_[b];
     cast(bucket_param_shard(b), full.flat_range(r.begin, r.end - r.begin), stream);
-    if (buckets_[b].expert) cast(bucket_params(b), full.flat_range(buckets_[b].begin, buckets_[b].numel()), stream);
   }
 }
 
 void ParamStore::set_main_from_full(const Tensor& full, const Stream& stream) {
   MT_REQUIRE(full.dtype() == DType::kF32 && full.numel() == total_ && full.device() == device_,
              "set_main_from_full: expected fp32 [{}] on {}, got {}", total_, device_.str(), full.str());
-  if (params_staged_) {  // the owned slices and resident buckets (fp32: the main shard itself)
+  if (params_staged_) {  // the owned slices (fp32: the main shard itself)
     set_stored_params(full, stream);
     if (!has_separate_main()) return;
     if (!main_sharded_) {
@@ -601,14 +683,13 @@ void ParamStore::initialize(uint64_t seed, const Stream& stream) {
   for (const auto& p : infos_) max_numel = std::max(max_numel, p.numel);
   Buffer scratch(device_, static_cast<size_t>(std::max<int64_t>(max_numel, 1)) * 4);
   // Staged parameters (use_param_slots): each parameter rounded into a model-dtype scratch, its
-  // stored elements kept (the owned slice, or the whole resident bucket).
+  // stored elements kept (the owned slice).
   Buffer model_scratch =
       params_staged_ && has_separate_main()
           ? Buffer(device_, static_cast<size_t>(std::max<int64_t>(max_numel, 1)) * dtype_size(model_dtype_))
           : Buffer();
   if (params_staged_) {
     memset_tensor(param_shard(), 0, stream);
-    if (resident_n_ > 0) memset_tensor(Tensor(params_.data(), model_dtype_, device_, {resident_n_}), 0, stream);
   } else {
     memset_tensor(params_flat(), 0, stream);
   }
@@ -665,8 +746,10 @@ void ParamStore::zero_grads(const Stream& stream) {
   first_writes_pending_ = marks ? grad_overwrite_params_ : 0;
   if (grads_staged()) {
     for (const Buffer& s : grad_slot_buf_) memset_tensor(s.as(DType::kF32, {grad_slot_len_}), 0, stream);
-    if (grads_.bytes() > 0)
-      memset_tensor(Tensor(grads_.data(), DType::kF32, device_, {static_cast<int64_t>(grads_.bytes() / 4)}), 0, stream);
+    if (expert_grad_pool_n_ > 0)
+      memset_tensor(expert_grads_.buf.as(DType::kF32, {expert_grad_pool_n_ * expert_grads_.len}), 0, stream);
+    std::fill(expert_grads_.owner.begin(), expert_grads_.owner.end(), -1);
+    std::fill(expert_grads_.bound.begin(), expert_grads_.bound.end(), 0);
     std::fill(slot_of_bucket_.begin(), slot_of_bucket_.end(), -1);
     std::fill(bucket_of_slot_.begin(), bucket_of_slot_.end(), -1);
     return;

@@ -91,7 +91,9 @@ int64_t default_ddp_bucket_size(int64_t data_parallel_size);
 /// the last parameters' gradients first): a bucket is closed once it holds >= bucket_size
 /// elements (Megatron's rule); a parameter of >= bucket_size elements, and a
 /// shared_embedding_copy parameter (reported late, after the embedding-group all-reduce), get a
-/// bucket of their own; expert and non-expert parameters never share a bucket. Each bucket is padded to a multiple of kAlign · data_parallel_size
+/// bucket of their own; expert and non-expert parameters never share a bucket, nor do the expert
+/// parameters of two layers (the MoE layers' expert slots of sharded strategies, see
+/// ParamStore::use_grad_slots). Each bucket is padded to a multiple of kAlign · data_parallel_size
 /// elements, so that every data-parallel rank owns an equal, kAlign-aligned 1/DP slice of it
 /// (Megatron pads to lcm(128, DP)).
 struct ParamLayout {
@@ -145,7 +147,12 @@ class ParamStore {
     int64_t count = 0, buckets = 0;  ///< parameters, gradient buckets
     int grad_slots = 0;              ///< grad_slots_needed()
     int param_slots = 0;             ///< param_slots_needed()
-    int64_t largest_dense_bucket = 0;  ///< the parameter slots' length
+    int64_t largest_dense_bucket = 0;  ///< the parameter and gradient slots' length
+    /// The expert slots (docs/fsdp.md "Expert buckets"): their length (the largest MoE layer's
+    /// expert elements, expert_slot_length()) and counts (expert_param_slots_needed(),
+    /// expert_grad_slots_needed()); 0 without expert parameters.
+    int64_t expert_slot = 0;
+    int expert_param_slots = 0, expert_grad_slots = 0;
   };
   static Plan plan(std::vector<ParamSpec> specs, const ParamLayout& layout);
   /// The store these specs and layout give (infos, buckets, model dtype) without its buffers: for
@@ -179,6 +186,10 @@ class ParamStore {
   /// remainders (has_main_flat() false).
   Tensor main(size_t i) const;
   Tensor grad(size_t i) const;   ///< fp32 main gradient
+  /// grad(i), except that an expert parameter's staged gradient (use_grad_slots) is returned at its
+  /// fixed address in its MoE layer's expert slot without binding the slot (its writers bind it
+  /// first with grad(i): MoeExperts' address tables, built in the forward, hold these views).
+  Tensor grad_view(size_t i) const;
   Tensor param(const std::string& n) const { return param(index(n)); }
   Tensor grad(const std::string& n) const { return grad(index(n)); }
   Tensor params_flat() const;    ///< model dtype [total]
@@ -278,9 +289,12 @@ class ParamStore {
   /// binding sequence depends only on the order of the calls, so the addresses are the same in
   /// every step). A free slot always holds zeros (release_grad_slot's caller re-zeroes it), so
   /// every write accumulates: grad_overwrite is turned off. grads_flat() is an error afterwards.
-  /// Expert buckets are not staged: they keep a persistent buffer (MoeExperts caches its
-  /// gradient addresses in the forward), always bound; release_grad_slot leaves them alone.
-  /// Outside a training step. Errors: slots < 1, or called twice.
+  /// Expert buckets (docs/fsdp.md "Expert buckets") are staged in a pool of their own:
+  /// expert_grad_slots_needed() slots of expert_slot_length() elements; MoE layer k (the k-th run of
+  /// expert buckets, moe_layer_of) always binds slot k mod the pool size, at a fixed offset, so the
+  /// gradient addresses MoeExperts caches in its grouped-GEMM tables are the same in every backward.
+  /// Binding an expert bucket whose slot another MoE layer still holds is an mt::Error naming both
+  /// (never a silent overwrite). Outside a training step. Errors: slots < 1, or called twice.
   void use_grad_slots(int slots, const Stream& stream);
   bool grads_staged() const { return !grad_slot_buf_.empty(); }
   int grad_slots() const { return static_cast<int>(grad_slot_buf_.size()); }
@@ -291,7 +305,8 @@ class ParamStore {
   Tensor grads_range(int64_t begin, int64_t n) const;
   /// The bucket holding flat element `e` (0 <= e < total).
   size_t bucket_at(int64_t e) const;
-  /// Staged: unbinds bucket b's slot, which the caller has zeroed (in stream order). No-op when unbound.
+  /// Staged: unbinds bucket b's slot (an expert bucket: its part of its layer's expert slot, freed
+  /// with the layer's last bucket), which the caller has zeroed (in stream order). No-op when unbound.
   void release_grad_slot(size_t b);
   /// Whether bucket b is bound to a slot now (staged), or always (whole buffer).
   bool grad_bound(size_t b) const { return !grads_staged() || slot_of_bucket_.at(b) >= 0; }
@@ -299,8 +314,23 @@ class ParamStore {
   /// one reported unit of the backward writes before it is reported (a layer: the name up to
   /// 'layers.<i>'; else the first name component, e.g. 'embedding', 'output_layer'), plus one for
   /// the bucket it shares with the unit reported before and one for the tied word embedding (bound
-  /// from the output layer's backward to the embedding's); at most the number of buckets.
+  /// from the output layer's backward to the embedding's); at most the number of non-expert buckets.
   int grad_slots_needed() const;
+  /// Expert gradient slots (use_grad_slots): 1 when the store has expert parameters (a MoE layer's
+  /// expert gradients are written and reported within its backward, and the backwards of one
+  /// stage's layers do not interleave), else 0.
+  int expert_grad_slots_needed() const { return expert_regions_.empty() ? 0 : 1; }
+  /// Expert parameter slots (use_param_slots): 2 (the MoE layer in use and the next one prefetched,
+  /// whose MoE-layer indices differ by one in every pass), at most the number of MoE layers.
+  int expert_param_slots_needed() const { return static_cast<int>(std::min<size_t>(2, expert_regions_.size())); }
+  /// The MoE layers of this store in flat order: each one's expert buckets' flat range [begin, end).
+  const std::vector<Range>& expert_regions() const { return expert_regions_; }
+  /// The MoE-layer index (into expert_regions()) of expert bucket b, -1 for a non-expert bucket.
+  int moe_layer_of(size_t b) const { return moe_layer_of_bucket_.at(b); }
+  /// The expert slots' length: the largest MoE layer's expert elements (0: none).
+  int64_t expert_slot_length() const;
+  int expert_grad_slots() const { return expert_grad_pool_n_; }
+  int expert_param_slots() const { return expert_param_pool_n_; }
   /// Bytes of gradient storage this store holds: the whole buffer, or the slots.
   int64_t grad_storage_bytes() const;
 
@@ -314,9 +344,11 @@ class ParamStore {
   /// concatenated in ascending offset order (the optimizer state's order: param_shard() is
   /// indexed like the moments), plus `slots` buffers of the largest non-expert bucket's length,
   /// allocated once. For an fp32 model the shard is the main shard (main_sharded() afterwards,
-  /// over the non-empty owned ranges). Expert buckets stay resident: their whole parameters keep a
-  /// persistent buffer (MoeExperts caches its weight addresses, as for use_grad_slots), refreshed
-  /// from the owned slices by GradSync after each optimizer step. Afterwards param(i) of a staged
+  /// over the non-empty owned ranges). Expert buckets are staged in a pool of their own,
+  /// expert_param_slots_needed() slots of expert_slot_length() elements, MoE layer k always in slot
+  /// k mod the pool size at a fixed offset (MoeExperts caches its weight addresses, as for
+  /// use_grad_slots); binding one whose slot another MoE layer holds is an mt::Error naming both.
+  /// Afterwards param(i) of a staged
   /// bucket is a view into the slot it is bound to (bind_param_slot) and an mt::Error naming the
   /// parameter when it is not bound; params_flat(), sync_model_from_main and
   /// store_main_as_remainders are errors. Outside a training step, before shard_main. Errors:
@@ -329,18 +361,23 @@ class ParamStore {
   Tensor param_shard() const;
   /// Bucket b's owned slice of the model-dtype parameters: a view into param_shard().
   Tensor bucket_param_shard(size_t b) const;
-  /// Whether bucket b's whole parameters are always addressable (not staged, or an expert bucket).
-  bool param_resident(size_t b) const { return !params_staged_ || buckets_.at(b).expert; }
+  /// Whether bucket b's whole parameters are always addressable (not staged).
+  bool param_resident(size_t /*b*/) const { return !params_staged_; }
   /// Model dtype [bucket b's numel]: its whole parameters (the resident buffer, or the slot it is
   /// bound to). Error (mt::Error) when staged and not bound.
   Tensor bucket_params(size_t b) const;
-  /// Binds staged bucket b to the lowest free slot (no-op when bound) and returns its view; the
-  /// caller fills it. Error: every slot bound (the buckets named). Host-side bookkeeping only.
+  /// Binds staged bucket b to the lowest free slot (an expert bucket: its place in its MoE layer's
+  /// expert slot) (no-op when bound) and returns its view; the caller fills it. Error: every slot
+  /// bound (the buckets named), or the expert slot held by another MoE layer (both named).
+  /// Host-side bookkeeping only.
   Tensor bind_param_slot(size_t b);
   /// Unbinds bucket b's slot (no-op when unbound or resident); the caller orders later writes of
   /// the slot after the readers of this binding.
   void release_param_slot(size_t b);
   bool param_bound(size_t b) const { return param_resident(b) || slot_of_param_bucket_.at(b) >= 0; }
+  /// Staged expert bucket b: the MoE layer (moe_layer_of) holding the expert parameter slot b binds
+  /// to, -1 when free.
+  int expert_param_slot_holder(size_t b) const;
   /// Parameter slots the model needs with GradSync's prefetch (DdpConfig::param_slots' default):
   /// twice the most non-expert buckets one unit reads (a layer; the embedding; the final norm and
   /// output layer) — the unit in use and the next one prefetched — plus one for the tied word
@@ -349,8 +386,8 @@ class ParamStore {
   /// The largest non-expert bucket's length (the parameter slots' length), 0 when none.
   int64_t largest_dense_bucket() const;
   /// Bytes of model-dtype parameter storage this store holds: the whole buffer (0 for an fp32
-  /// model: the main parameters), or (staged) the shard (an fp32 model's main shard), the resident
-  /// expert buckets and the slots.
+  /// model: the main parameters), or (staged) the shard (an fp32 model's main shard), the slots and
+  /// the expert slots.
   int64_t param_storage_bytes() const;
 
   /// Off: zero_grads zeroes every gradient and marks none (per-layer CUDA graphs replay one
@@ -393,15 +430,35 @@ class ParamStore {
   std::vector<Buffer> grad_slot_buf_;
   mutable std::vector<int> slot_of_bucket_, bucket_of_slot_;
   int64_t grad_slot_len_ = 0;
-  // Parameter staging (use_param_slots): params_ then holds the resident (expert) buckets only,
-  // ascending; param_shard_ the owned slices (the main shard for an fp32 model: empty here).
+  // The MoE layers' expert regions (ascending) and each bucket's MoE layer (-1: dense).
+  std::vector<Range> expert_regions_;
+  std::vector<int> moe_layer_of_bucket_;
+  // Expert slot pools (use_grad_slots / use_param_slots): one buffer of n slots of
+  // expert_slot_length() elements each; per slot the MoE layer holding it (-1: free) and how many of
+  // its buckets are bound.
+  struct ExpertPool {
+    Buffer buf;
+    std::vector<int> owner, bound;
+    int64_t len = 0;
+  };
+  mutable ExpertPool expert_grads_, expert_params_;
+  int expert_grad_pool_n_ = 0, expert_param_pool_n_ = 0;
+  // Binds expert bucket b in `pool` (n slots; slot_of: the per-bucket slot table): MoE layer k's
+  // slot k mod n; error (what: "gradient" / "parameter") when another layer holds it. Unbinds.
+  void bind_expert(ExpertPool& pool, std::vector<int>& slot_of, size_t b, const char* what) const;
+  void unbind_expert(ExpertPool& pool, std::vector<int>& slot_of, size_t b) const;
+  // Expert bucket b's view in pool slot s, as dtype dt.
+  Tensor expert_view(const ExpertPool& pool, int s, size_t b, DType dt) const;
+  // Parameter staging (use_param_slots): params_ is freed; param_shard_ the owned slices (the main
+  // shard for an fp32 model: empty here).
   bool params_staged_ = false;
   Buffer param_shard_;
   std::vector<Buffer> param_slot_buf_;
-  std::vector<int> slot_of_param_bucket_, bucket_of_param_slot_;
+  mutable std::vector<int> slot_of_param_bucket_;
+  std::vector<int> bucket_of_param_slot_;
   std::vector<Range> param_owned_;            // per bucket
-  std::vector<int64_t> param_shard_off_, resident_off_;  // per bucket
-  int64_t param_shard_n_ = 0, param_slot_len_ = 0, resident_n_ = 0;
+  std::vector<int64_t> param_shard_off_;      // per bucket
+  int64_t param_shard_n_ = 0, param_slot_len_ = 0;
   // The unit of the model's forward that reads parameter i (param_slots_needed): its layer
   // ('...layers.<n>'), else the embedding, else the head (final norm, output layer, and the last
   // stage's copy of a tied embedding).
@@ -411,8 +468,7 @@ class ParamStore {
   int slots_needed(const std::function<std::string(size_t)>& unit, size_t units, size_t extra) const;
   // Binds the lowest free slot (-1 in bucket_of_slot) to bucket b; its index, or -1 when none.
   static int take_free_slot(std::vector<int>& bucket_of_slot, size_t b);
-  // Writes parameter i's stored elements (its bucket's owned slice, or the whole resident bucket)
-  // from `model` (model dtype [numel]).
+  // Writes parameter i's stored elements (its bucket's owned slice) from `model` (model dtype [numel]).
   void write_stored_params(size_t i, const Tensor& model, const Stream& stream);
   // The stored elements of every bucket from an fp32 [total] tensor (rounded to the model dtype).
   void set_stored_params(const Tensor& full, const Stream& stream);

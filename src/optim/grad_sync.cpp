@@ -136,6 +136,10 @@ GradSync::GradSync(ParamStore& params, std::shared_ptr<Communicator> dp, const D
     // The gathers run on comm_ beside the compute stream's collectives (the gradient
     // reduce-scatters on dp_): a communicator of their own.
     gather_dp_ = distributed_ && dp_->size() > 1 ? dp_->split(0, dp_->rank(), dp_->name() + "-params") : dp_;
+    // The expert buckets' gathers over the expert-data-parallel group, likewise.
+    gather_edp_ = edp_ == dp_ ? gather_dp_
+                  : distributed_ && edp_->size() > 1 ? edp_->split(0, edp_->rank(), edp_->name() + "-params")
+                                                     : edp_;
   }
   setup_copy_engine();
   for (size_t b = 0; b < bks.size(); ++b) gathered_.push_back(std::make_unique<Event>(params.device()));
@@ -452,7 +456,7 @@ void GradSync::gather_into_slot(size_t b, const Stream& stream) {
   // optimizer's writes of the shard.
   compute_ready_.record(stream);
   compute_ready_.wait(comm_);
-  Communicator& g = *gather_dp_;
+  Communicator& g = params_.buckets()[b].expert ? *gather_edp_ : *gather_dp_;
   if (distributed_ && g.size() > 1) {
     g.all_gather(slot, shard, comm_);
   } else {
@@ -488,6 +492,7 @@ void GradSync::params_begin(size_t first, size_t end, bool backward, size_t next
   release_idle_params(lo, hi, plo, phi);
   for (size_t b = lo; b <= hi; ++b) {
     if (params_.param_resident(b)) continue;
+    if (params_.buckets()[b].expert) free_expert_slot(b);
     gather_into_slot(b, stream);
     ++param_refs_[b];
   }
@@ -501,7 +506,28 @@ void GradSync::params_begin(size_t first, size_t end, bool backward, size_t next
   prefetch_hi_ = phi;
   for (size_t k = 0; k <= phi - plo; ++k) {  // beside this unit's compute, in the pass's order
     const size_t b = backward ? plo + k : phi - k;
-    if (!params_.param_resident(b)) gather_into_slot(b, stream);
+    if (params_.param_resident(b)) continue;
+    // An expert bucket whose slot another MoE layer holds (the unit in use: with full recompute
+    // the backward of a group's first layer names the previous group's first layer, n layers
+    // earlier) is gathered at its own params_begin instead.
+    if (params_.buckets()[b].expert && !params_.param_bound(b)) {
+      const int holder = params_.expert_param_slot_holder(b);
+      if (holder >= 0 && holder != params_.moe_layer_of(b)) continue;
+    }
+    gather_into_slot(b, stream);
+  }
+}
+
+void GradSync::free_expert_slot(size_t b) {
+  if (params_.param_bound(b)) return;
+  const int holder = params_.expert_param_slot_holder(b);
+  if (holder < 0 || holder == params_.moe_layer_of(b)) return;
+  // The holder's buckets no unit uses (a prefetch the pass did not reach, a kept boundary) go back;
+  // one in use stays, and binding b is then an error naming both layers.
+  for (size_t c = 0; c < param_refs_.size(); ++c) {
+    if (params_.moe_layer_of(c) != holder || param_refs_[c] > 0) continue;
+    params_.release_param_slot(c);
+    param_pending_[c] = 0;  // a gather still in flight: the next one into the slot is ordered after it on comm_
   }
 }
 
@@ -524,20 +550,13 @@ void GradSync::params_end(size_t first, size_t end, bool backward, const Stream&
 void GradSync::start_param_sync(const Stream& stream) {
   reset_grad_state();  // the step's gradients have been consumed
   if (config_.shard_params) {
-    // The slots hold the old parameters: every one goes back; the next use gathers the updated
-    // owned slices. Expert buckets stay resident: gathered whole now.
+    // The slots (the expert slots too) hold the old parameters: every one goes back; the next use
+    // gathers the updated owned slices.
     for (size_t b = 0; b < param_refs_.size(); ++b)
       MT_CHECK(param_refs_[b] == 0, "start_param_sync: bucket {} is still in use (params_begin without params_end)",
                b);
     prefetch_lo_ = prefetch_hi_ = kNone;
     release_idle_params(kNone, kNone, kNone, kNone);
-    for (size_t b = params_.buckets().size(); b-- > 0;) {
-      const ParamBucket& bk = params_.buckets()[b];
-      if (!bk.expert) continue;
-      const Tensor whole = params_.bucket_params(b), shard = params_.bucket_param_shard(b);
-      if (distributed_ && group(bk).size() > 1) group(bk).all_gather(whole, shard, stream);
-      else copy(whole, shard, stream);
-    }
     return;
   }
   if (!distributed_) return;

@@ -60,7 +60,8 @@
 //
 // Sharded gradients (DdpConfig::shard_grads, --data-parallel-sharding-strategy optim_grads,
 // Megatron-FSDP's ZeRO-2; docs/fsdp.md): the ParamStore holds no whole gradient buffer, only a
-// few bucket-sized staging slots (ParamStore::use_grad_slots), and this object holds the fp32
+// few bucket-sized staging slots and an expert slot of the largest MoE layer's experts
+// (ParamStore::use_grad_slots; docs/fsdp.md "Expert buckets"), and this object holds the fp32
 // gradient shard: the owned slice of every bucket, concatenated in ascending flat order (the
 // optimizer state's order, so the shard is indexed like the moments). The model reports every
 // parameter in every backward (grads_every_backward); when a bucket's parameters are all reported
@@ -83,9 +84,11 @@
 // the buckets of the next unit the model names (prefetch: they run beside the unit's compute).
 // params_end returns the slots of buckets no other active unit reads, except the prefetched
 // buckets and the one the unit shares with the next unit, which the next params_begin returns if
-// it does not read them. Expert buckets stay resident (whole, as their gradients with
-// shard_grads): start_param_sync all-gathers them after the optimizer step as with the
-// distributed optimizer; no other bucket is gathered there. A gather waits (an event on the
+// it does not read them. Expert buckets are staged the same way over the expert-data-parallel
+// group (a communicator of their own), into the store's expert slots (MoE layer k always in slot
+// k mod 2 at a fixed offset: docs/fsdp.md "Expert buckets"); a prefetch onto an expert slot the
+// unit in use holds is skipped (gathered at its own params_begin); nothing is gathered after the
+// optimizer step. A gather waits (an event on the
 // compute stream) for every kernel enqueued before it, so a slot is overwritten only after the
 // readers of its previous binding and the shard only read after the optimizer wrote it.
 //
@@ -320,6 +323,9 @@ class GradSync final : public ParamGradHooks {
   // comm_ (nothing when bound); releases every bound bucket no unit uses.
   void gather_into_slot(size_t b, const Stream& stream);
   void release_idle_params(size_t keep_lo, size_t keep_hi, size_t keep_lo2, size_t keep_hi2);
+  // Expert bucket b (not bound): returns the buckets of the MoE layer holding b's expert slot
+  // that no unit uses.
+  void free_expert_slot(size_t b);
   void setup_copy_engine();
   // The first bucket whose length is not a multiple of kAlign · DP (cannot be split into equal
   // aligned slices), or nullptr.
@@ -388,7 +394,7 @@ class GradSync final : public ParamGradHooks {
   std::vector<int> param_refs_;
   std::vector<uint8_t> param_pending_;
   size_t prefetch_lo_ = kNone, prefetch_hi_ = kNone;
-  std::shared_ptr<Communicator> gather_dp_;
+  std::shared_ptr<Communicator> gather_dp_, gather_edp_;
   size_t param_gathers_ = 0;
   bool param_comm_used_ = false;
 };

@@ -47,18 +47,21 @@ MemoryEstimate estimate_training_memory(const MemoryEstimateInputs& in) {
   const bool separate_main = in.dtype != DType::kF32;
   const std::string sharded = in.distributed_optimizer ? "" : "; --use-distributed-optimizer shards it over DP";
   MemoryEstimate e;
-  // optim_grads_params (ParamStore::use_param_slots): the owned slices, the resident expert
-  // buckets and the staging slots, in the model dtype; an fp32 model's owned slices are its main
-  // shard.
-  const size_t staged = static_cast<size_t>(in.param_slots) * static_cast<size_t>(m.params.largest_dense_bucket);
-  const size_t model_elements = in.param_slots == 0 ? total : (separate_main ? owned : 0) + expert + staged;
+  // optim_grads_params (ParamStore::use_param_slots): the owned slices, the staging slots and the
+  // expert slots (the largest MoE layer's experts each), in the model dtype; an fp32 model's owned
+  // slices are its main shard.
+  const size_t staged = static_cast<size_t>(in.param_slots) * static_cast<size_t>(m.params.largest_dense_bucket) +
+                        (in.param_slots > 0 ? static_cast<size_t>(m.params.expert_param_slots) *
+                                                  static_cast<size_t>(m.params.expert_slot)
+                                            : 0);
+  const size_t model_elements = in.param_slots == 0 ? total : (separate_main ? owned : 0) + staged;
   if (separate_main || in.param_slots > 0)
     e.parts.push_back({in.param_slots == 0 ? fmt::format("model parameters ({})", dtype_name(in.dtype))
                        : separate_main
-                           ? fmt::format("model parameters ({}; owned slices and {} staging slots)", dtype_name(in.dtype),
-                                         in.param_slots)
+                           ? fmt::format("model parameters ({}; owned slices and {} staging slots{})",
+                                         dtype_name(in.dtype), in.param_slots, expert > 0 ? " and the expert slots" : "")
                            : fmt::format("parameter staging slots ({}; {} slots{})", dtype_name(in.dtype),
-                                         in.param_slots, expert > 0 ? " and the expert buckets" : ""),
+                                         in.param_slots, expert > 0 ? " and the expert slots" : ""),
                        model_elements * dtype_size(in.dtype),
                        in.param_slots > 0 ? "a smaller --ddp-bucket-size"
                                           : std::string(kModelRemedy) +
@@ -74,12 +77,15 @@ MemoryEstimate estimate_training_memory(const MemoryEstimateInputs& in) {
                          (separate_main && !remainders && in.dtype == DType::kBF16
                               ? "; --use-precision-aware-optimizer halves it"
                               : "")});
-  // optim_grads: the owned shard (GradSync::grad_shard) and the staging slots (ParamStore::use_grad_slots)
+  // optim_grads: the owned shard (GradSync::grad_shard), the staging slots of the largest
+  // non-expert bucket and the expert slots (ParamStore::use_grad_slots)
   if (in.grad_slots > 0)
-    e.parts.push_back({fmt::format("gradients (fp32 shard and {} staging slots)", in.grad_slots),
-                       owned * 4 + static_cast<size_t>(in.grad_slots) * static_cast<size_t>(m.params.largest_bucket) * 4 +
-                           expert * 4,  // expert buckets are not staged (ParamStore::use_grad_slots)
-                       "a smaller --ddp-bucket-size"});
+    e.parts.push_back(
+        {fmt::format("gradients (fp32 shard and {} staging slots)", in.grad_slots),
+         owned * 4 +
+             static_cast<size_t>(in.grad_slots) * static_cast<size_t>(std::max<int64_t>(m.params.largest_dense_bucket, 1)) * 4 +
+             static_cast<size_t>(m.params.expert_grad_slots) * static_cast<size_t>(m.params.expert_slot) * 4,
+         "a smaller --ddp-bucket-size"});
   else
     e.parts.push_back({"gradients (fp32)", total * 4,
                        std::string(kModelRemedy) + "; --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads "

@@ -32,11 +32,12 @@ struct MemoryEstimateInputs {
   int64_t expert_data_parallel = 1;   ///< ranks the expert parameters are sharded over (edp; edp / k)
   bool grad_reduce_in_bf16 = false;   ///< --grad-reduce-in-bf16: a bf16 copy of the largest bucket
   /// optim_grads (DdpConfig::shard_grads): gradients are the owned shard plus this many staging
-  /// slots of the largest bucket (0: the whole fp32 gradient buffer)
+  /// slots of the largest non-expert bucket and the expert slots (ModelMemoryPlan's
+  /// params.expert_grad_slots of params.expert_slot elements) (0: the whole fp32 gradient buffer)
   int grad_slots = 0;
   /// optim_grads_params (DdpConfig::shard_params): the model-dtype parameters are the owned slices,
-  /// the whole expert buckets and this many staging slots of the largest non-expert bucket (0: the
-  /// whole parameters)
+  /// this many staging slots of the largest non-expert bucket and the expert slots
+  /// (params.expert_param_slots of params.expert_slot elements) (0: the whole parameters)
   int param_slots = 0;
   size_t pipeline_grad_bytes = 0;     ///< the pipeline executor's received-gradient buffers
   size_t batch_bytes = 0;             ///< the staged micro-batches on the device

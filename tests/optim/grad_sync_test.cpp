@@ -7,6 +7,8 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <cmath>
+#include <map>
 #include <mutex>
 
 #include "testing/testing.h"
@@ -647,6 +649,150 @@ TEST(DataParallel, ShardedParamsBf16) {
     }
     expect_error([&] { sync.params_end(0, 1, false, st); }, "was not begun");
     expect_error([&] { sync.params_begin(0, 1, false, 0, P.size() + 1, st); }, "outside");
+  });
+}
+
+// gpt_like(num_layers) whose decoder layers 1.. end with two experts' fc1 weights (expert, as
+// MoeExperts declares them; sizes differ per layer): MoE layers 0, 1, 2 for num_layers 4.
+Model moe_like(int num_layers) {
+  const Model g = ddp_test::gpt_like(num_layers);
+  Model m;
+  for (size_t k = 0; k < g.layers.size(); ++k) {
+    const size_t first = m.specs.size();
+    for (size_t i = g.layers[k].first; i < g.layers[k].end; ++i) m.specs.push_back(g.specs[i]);
+    if (k >= 2 && k + 1 < g.layers.size()) {  // layers[0] is the embedding, the last the final norm
+      for (int e = 0; e < 2; ++e) {
+        ParamSpec p;
+        p.name = "decoder.layers." + std::to_string(k - 1) + ".mlp.experts.local_experts." + std::to_string(e) +
+                 ".linear_fc1.weight";
+        p.shape = {static_cast<int64_t>(20 + 3 * e + 4 * k), 16};
+        p.init_std = 0.2f;
+        p.expert = true;
+        m.specs.push_back(p);
+      }
+    }
+    m.layers.push_back({first, m.specs.size()});
+  }
+  return m;
+}
+
+// optim_grads_params with MoE expert parameters (docs/fsdp.md "Expert buckets"): the experts are
+// sharded like the dense parameters (EP 1 x DP 2, the expert group the data-parallel one) and
+// staged in expert slots: 2 for parameters, 1 for gradients, each of the largest MoE layer's
+// expert elements, MoE layer k always in slot k mod n at the same address (what the grouped-GEMM
+// tables cache). Three steps equal one rank on the summed gradients; a pass gathers every bucket
+// once; storage is the owned slices plus the slots (less than whole experts); a layer whose slot
+// another live layer holds is an error (parameters and gradients); experts overwritten in their
+// slot are gathered again after the optimizer step (the negative control: a slot kept across the
+// step would show the garbage).
+TEST(DataParallel, ShardedExpertsBf16) {
+  const Model m = moe_like(4);
+  const int dp = 2;
+  const ParamLayout layout{dp, 500};  // an expert of >= 500 elements gets a bucket of its own
+  const Reference ref = reference(m, layout, dp, DType::kBF16);
+  run_thread_ranks(dp, [&](int rank, std::shared_ptr<Communicator> w) {
+    Stream st;
+    ParamStore P(m.specs, DType::kBF16, Device::cpu(), layout);
+    ASSERT_EQ(P.expert_regions().size(), 3u);
+    int64_t experts = 0;
+    size_t expert_buckets = 0;
+    for (size_t b = 0; b < P.buckets().size(); ++b) {
+      if (!P.buckets()[b].expert) continue;
+      experts += P.buckets()[b].numel();
+      ++expert_buckets;
+      EXPECT_GE(P.moe_layer_of(b), 0);
+    }
+    EXPECT_GT(expert_buckets, 3u);  // some MoE layer's experts span two buckets
+    DdpConfig dc;
+    dc.use_distributed_optimizer = dc.shard_grads = dc.shard_params = true;
+    GradSync sync(P, w, dc);
+    AdamWOptimizer opt(sync, opt_config(), st);
+    P.initialize(99, st);
+    EXPECT_EQ(P.expert_param_slots(), 2);
+    EXPECT_EQ(P.expert_grad_slots(), 1);
+    const int64_t slot = P.expert_slot_length();
+    EXPECT_EQ(sync.param_bytes(),
+              (sync.owned_elements() + P.param_slots() * P.largest_dense_bucket() + 2 * slot) * 2);
+    EXPECT_EQ(sync.grad_bytes(), (sync.owned_elements() + P.grad_slots() * P.largest_dense_bucket() + slot) * 4);
+    EXPECT_LT(2 * slot, experts);  // less than the whole experts the resident buffer held
+    for (int step = 0; step < kSteps; ++step) {
+      sync.zero_grad_buffer(st);
+      ddp_test::backward(m, P, sync, Pattern::kInOrder, step, rank, st);
+      opt.step(kLr, st);
+    }
+    const int64_t total = P.total_elements();
+    OwnedTensor full(DType::kF32, Device::cpu(), {total});
+    opt.gather_main(full, st);
+    EXPECT_LT(testing::rel_err(testing::to_host(full.t, st), ref.main), 1e-6);
+    OwnedTensor rounded(DType::kBF16, Device::cpu(), {total});
+    cast(rounded.t, full.t, st);
+    const std::vector<float> want = testing::to_host(rounded.t, st);
+    std::map<size_t, const void*> address;  // expert parameter -> its address in the slot
+    const auto pass = [&](bool backward) {
+      SCOPED_TRACE(backward ? "backward" : "forward");
+      for (size_t n = 0; n < m.layers.size(); ++n) {
+        const auto at_step = [&](size_t k) { return m.layers[backward ? m.layers.size() - 1 - k : k]; };
+        const ddp_test::LayerRange r = at_step(n);
+        const ddp_test::LayerRange next = n + 1 < m.layers.size() ? at_step(n + 1) : ddp_test::LayerRange{0, 0};
+        sync.params_begin(r.first, r.end, backward, next.first, next.end, st);
+        for (size_t i = r.first; i < r.end; ++i) {
+          const Tensor t = P.param(i);
+          const std::vector<float> got = testing::to_host(t, st);
+          const auto at = want.begin() + P.info(i).offset;
+          ASSERT_EQ(got, std::vector<float>(at, at + P.info(i).numel)) << P.info(i).name;
+          if (!P.info(i).expert) continue;
+          const auto [it, fresh] = address.emplace(i, t.data());
+          EXPECT_EQ(it->second, t.data()) << P.info(i).name << ": the expert's address moved";
+        }
+        sync.params_end(r.first, r.end, backward, st);
+      }
+    };
+    for (const bool backward : {false, true}) {
+      const size_t before = sync.param_gathers();
+      pass(backward);
+      EXPECT_LE(sync.param_gathers() - before, P.buckets().size());
+      EXPECT_GE(sync.param_gathers() - before, P.buckets().size() - 1);  // the last bucket kept
+    }
+    // MoE layers 0 and 2 share expert slot 0, layer 1 has slot 1.
+    const auto first_expert = [&](int layer) {
+      return P.index("decoder.layers." + std::to_string(layer) + ".mlp.experts.local_experts.0.linear_fc1.weight");
+    };
+    EXPECT_EQ(address.at(first_expert(1)), address.at(first_expert(3)));
+    EXPECT_NE(address.at(first_expert(1)), address.at(first_expert(2)));
+    // Garbage written into MoE layer 0's slot: the next use after the optimizer step's end
+    // (start_param_sync) gathers the owned slices again.
+    const ddp_test::LayerRange l1 = m.layers[2];
+    sync.params_begin(l1.first, l1.end, false, 0, 0, st);
+    fill(P.param(first_expert(1)), std::nanf(""), st);
+    sync.params_end(l1.first, l1.end, false, st);
+    sync.start_param_sync(st);
+    pass(false);
+    // A prefetch onto a slot the unit in use holds (full recompute: the backward of a group's first
+    // layer names the previous group's, here MoE layer 2 -> 0) is skipped; the layer is gathered
+    // at its own params_begin, after MoE layer 2 went back.
+    {
+      const ddp_test::LayerRange l3 = m.layers[4], l1 = m.layers[2];
+      sync.params_begin(l3.first, l3.end, true, l1.first, l1.end, st);
+      EXPECT_FALSE(P.param_bound(P.bucket_of(first_expert(1))));
+      EXPECT_TRUE(P.param_bound(P.bucket_of(l1.first)));  // its dense buckets are prefetched
+      sync.params_end(l3.first, l3.end, true, st);
+      sync.params_begin(l1.first, l1.end, true, 0, 0, st);
+      const size_t i = first_expert(1);
+      const auto at = want.begin() + P.info(i).offset;
+      EXPECT_EQ(testing::to_host(P.param(i), st), std::vector<float>(at, at + P.info(i).numel));
+      sync.params_end(l1.first, l1.end, true, st);
+    }
+    // Gradients: MoE layer 0 holds the one expert gradient slot until its buckets are reduced.
+    sync.zero_grad_buffer(st);
+    (void)P.grad(first_expert(1));
+    expect_error([&] { (void)P.grad(first_expert(2)); }, "MoE layer 1 ('decoder.layers.2'");
+    sync.zero_grad_buffer(st);
+    (void)P.grad(first_expert(2));  // released by zero_grad_buffer
+    // Parameters: MoE layer 0 in use, MoE layer 2 (the same slot) cannot be gathered.
+    const ddp_test::LayerRange l3 = m.layers[4];
+    sync.params_begin(l1.first, l1.end, false, 0, 0, st);
+    expect_error([&] { sync.params_begin(l3.first, l3.end, false, 0, 0, st); },
+                 "which MoE layer 0 ('decoder.layers.1') still holds");
   });
 }
 

@@ -87,13 +87,18 @@ TEST_F(Plan, MemoryEqualsTheTrainersEstimateAndTheAllocatorOnEveryRank) {
       {"--expert-model-parallel-size 2 --use-distributed-optimizer" + moe, 2},
       // multi-token prediction: its parameters and activations on the last stage, its staged inputs
       {"--position-embedding-type rope --mtp-num-layers 2 --pipeline-model-parallel-size 2", 2},
-      // optim_grads_params (ZeRO-3): owned parameter slices, staging slots, resident expert buckets
+      // optim_grads_params (ZeRO-3): owned parameter slices, staging slots, expert slots
       {"--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --ddp-bucket-size 3000", 2},
       {"--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --ddp-bucket-size 3000 "
        "--pipeline-model-parallel-size 2",
        4},
       {"--expert-model-parallel-size 2 --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params "
        "--ddp-bucket-size 3000" +
+           moe,
+       4},
+      // optim_grads (ZeRO-2) with MoE: the experts' gradient shard and expert gradient slot
+      {"--expert-model-parallel-size 2 --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads "
+       "--ddp-bucket-size 3000 --moe-grouped-gemm" +
            moe,
        4},
       // hybrid sharding: 2 instances of 2 ranks, every shard over the instance

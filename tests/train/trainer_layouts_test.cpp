@@ -766,6 +766,109 @@ TEST_F(TrainerLayouts, MegatronFsdpOptimGradsParams) {
     expect_error_text([&] { train("--train-iters 1 --nproc-per-node 2" + ogp + bad); }, msg, bad);
 }
 
+// Sharded experts (docs/fsdp.md "Expert buckets"): under optim_grads and optim_grads_params the
+// MoE experts' gradients (and parameters) are staged per MoE layer in expert slots at fixed
+// addresses (the grouped-GEMM tables are built once) and sharded over the expert-data-parallel
+// group like the dense buckets. The tiny MoE equals one rank within fp32 rounding with the
+// sequential and the grouped-GEMM experts at EP 2 x EDP 2 (DP 4) and EP 1 x DP 2, and with six
+// MoE layers (slots reused: MoE layers k and k + 2 share one) at EP 2 x EDP 2, with full
+// recompute, and PP 2 (1F1B) x DP 2 (three MoE layers per stage), ECHO clones, the chunked expert pipeline with delayed weight
+// gradients, hybrid sharding (k = 2); FP8 experts under optim_grads equal the distributed
+// optimizer; checkpoints written under optim_grads_params with sharded
+// experts load under the distributed optimizer and back; the memory estimate's parameter and
+// gradient terms are the bytes allocated, the experts' share E/EDP plus the slots instead of E.
+// (The negative controls, experts not gathered again and two live MoE layers on one slot, are
+// grad_sync_test's ShardedExpertsBf16.)
+TEST_F(TrainerLayouts, MegatronFsdpShardedExperts) {
+  const std::string moe = kTinyMoe;
+  const std::string fsdp = " --use-megatron-fsdp --ddp-bucket-size 3000 --data-parallel-sharding-strategy ";
+  // six MoE layers: three per stage under PP 2, so MoE layers 0 and 2 of a stage share an expert
+  // parameter slot (and every MoE layer the one gradient slot)
+  const std::string every = " --num-layers 6 --moe-layer-freq 1";
+  for (const std::string experts : {"", " --moe-grouped-gemm"}) {
+    SCOPED_TRACE(experts);
+    const TrainingResult ref = train("--train-iters 4" + moe + experts);
+    const TrainingResult ref_every = train("--train-iters 4" + moe + every + experts);
+    for (const std::string strategy : {"optim_grads", "optim_grads_params"}) {
+      for (const std::string layout : {"--nproc-per-node 4 --expert-model-parallel-size 2", "--nproc-per-node 2"})
+        expect_near_one_rank(train("--train-iters 4 " + layout + moe + experts + fsdp + strategy), ref,
+                             layout + " " + strategy + experts);
+      for (const std::string layout :
+           {"--nproc-per-node 4 --expert-model-parallel-size 2",
+            "--nproc-per-node 4 --expert-model-parallel-size 2 --recompute-granularity full --recompute-method "
+            "uniform --recompute-num-layers 2",
+            "--nproc-per-node 4 --pipeline-model-parallel-size 2"})
+        expect_near_one_rank(train("--train-iters 4 " + layout + moe + every + experts + fsdp + strategy), ref_every,
+                             layout + every + " " + strategy + experts);
+      // ECHO: the clones fetch their home experts' weights from the slots and return gradients into them
+      const std::string echo = std::string("--nproc-per-node 4 --expert-model-parallel-size 2 ") +
+                               "--moe-token-dispatcher-type alltoall --moe-enable-echo --moe-num-echo-experts 1" +
+                               (experts.empty() ? "" : " --moe-received-token-capacity 100000");
+      expect_near_one_rank(train("--train-iters 4 " + echo + moe + experts + fsdp + strategy), ref,
+                           echo + " " + strategy + experts);
+      // the chunked expert pipeline with delayed weight gradients (still inside the layer's backward)
+      const std::string chunked = "--nproc-per-node 4 --expert-model-parallel-size 2 --moe-token-dispatcher-type "
+                                  "alltoall --overlap-moe-expert-parallel-comm --delay-wgrad-compute";
+      if (experts.empty())
+        expect_near_one_rank(train("--train-iters 4 " + chunked + moe + fsdp + strategy), ref, chunked + " " + strategy);
+    }
+  }
+  // Hybrid sharding (DP 8 = 2 instances of 4, EDP 4 = 2 instances of 2): the experts sharded and
+  // gathered over the expert instance.
+  expect_near_one_rank(train("--train-iters 4 --micro-batch-size 1 --nproc-per-node 8 --expert-model-parallel-size 2" +
+                             moe + " --moe-grouped-gemm" + fsdp +
+                             "optim_grads_params --num-distributed-optimizer-instances 2"),
+                       train("--train-iters 4 --micro-batch-size 1" + moe + " --moe-grouped-gemm"), "EP 2 x EDP 4, k 2");
+  // FP8 grouped experts (optim_grads: their weight gradients through the tables into the expert
+  // slot) against the distributed optimizer with the same layout and buckets.
+  for (const std::string experts : {"", " --moe-grouped-gemm"}) {
+    const std::string fp8 = "--nproc-per-node 4 --expert-model-parallel-size 2 --fp8-format hybrid" + moe + experts;
+    expect_near_one_rank(train("--train-iters 4 " + fp8 + fsdp + "optim_grads"),
+                         train("--train-iters 4 " + fp8 + " --use-distributed-optimizer --overlap-grad-reduce "
+                                                         "--ddp-bucket-size 3000"),
+                         "FP8 experts, optim_grads" + experts);
+  }
+  // Checkpoints: optim_grads_params (sharded experts) -> the distributed optimizer and back.
+  expect_checkpoints_cross_load(moe + " --moe-grouped-gemm" + fsdp + "optim_grads_params",
+                                moe + " --moe-grouped-gemm --use-distributed-optimizer --overlap-grad-reduce "
+                                      "--ddp-bucket-size 3000",
+                                "experts", "--nproc-per-node 4 --expert-model-parallel-size 2");
+  // Memory (8 MoE layers, EP 2 x EDP 2): the expert slots are 2 (parameters) and 1 (gradients) of
+  // the largest MoE layer's experts; the estimate counts exactly the bytes allocated; the experts'
+  // parameters take E/EDP + 2 layers' worth, less than the whole E the resident buffer held.
+  const std::string f = flags("--train-iters 1 --num-layers 8 --nproc-per-node 4 --expert-model-parallel-size 2" +
+                              moe + " --moe-layer-freq 1 --moe-grouped-gemm" + fsdp + "optim_grads_params");
+  run_thread_ranks(4, [&](int, std::shared_ptr<Communicator> world) {
+    TrainingSetup setup(testing::parse_pretrain_args(f), std::move(world), Device::cpu());
+    const GradSync& gs = setup.model_setup().grad_sync();
+    const ParamStore& ps = gs.params();
+    ASSERT_EQ(ps.expert_regions().size(), 8u);
+    EXPECT_EQ(gs.edp()->size(), 2);
+    EXPECT_EQ(ps.expert_param_slots(), 2);
+    EXPECT_EQ(ps.expert_grad_slots(), 1);
+    int64_t experts = 0, owned_experts = 0;
+    for (size_t b = 0; b < ps.buckets().size(); ++b) {
+      if (!ps.buckets()[b].expert) continue;
+      experts += ps.buckets()[b].numel();
+      owned_experts += gs.owned_range(b).end - gs.owned_range(b).begin;
+    }
+    const int64_t slot = ps.expert_slot_length();
+    EXPECT_EQ(slot * 8, experts);  // every MoE layer's experts alike
+    EXPECT_EQ(owned_experts * 2, experts);
+    EXPECT_EQ(gs.param_bytes(), (gs.owned_elements() + ps.param_slots() * ps.largest_dense_bucket() + 2 * slot) * 4);
+    EXPECT_EQ(gs.grad_bytes(), (gs.owned_elements() + ps.grad_slots() * ps.largest_dense_bucket() + slot) * 4);
+    EXPECT_LT(owned_experts + 2 * slot, experts);  // 3/4 E
+    size_t grads = 0, params = 0;
+    for (const MemoryPart& p : setup.model_setup().memory_estimate().parts) {
+      if (p.name.rfind("gradients", 0) == 0) grads = p.bytes;
+      if (p.name.rfind("parameter staging slots", 0) == 0 || p.name.rfind("parameters (fp32)", 0) == 0)
+        params += p.bytes;
+    }
+    EXPECT_EQ(grads, static_cast<size_t>(gs.grad_bytes()));
+    EXPECT_EQ(params, static_cast<size_t>(gs.param_bytes()));
+  });
+}
+
 // --num-distributed-optimizer-instances k (hybrid sharding, docs/fsdp.md): the DP group splits
 // into k instances of DP/k contiguous ranks, each sharding as a DP group of DP/k would, the owned
 // gradients all-reduced across the instances. For the distributed optimizer and every Megatron-FSDP

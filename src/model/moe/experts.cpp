@@ -93,7 +93,21 @@ Tensor MoeExperts::forward(MoeExpertCounts counts, const MoeTokenDispatcher& d, 
   return output(slot);
 }
 
+void MoeExperts::claim(bool grads) const {
+  if (experts_.empty()) return;
+  const ParamStore& store = *experts_.front().fc1.store;
+  if (!store.params_staged() && !store.grads_staged()) return;
+  for (const Expert& ex : experts_) {
+    (void)ex.fc1.value();
+    (void)ex.fc2.value();
+    if (!grads) continue;
+    (void)ex.fc1.grad();
+    (void)ex.fc2.grad();
+  }
+}
+
 void MoeExperts::begin_forward(MoeExpertCounts counts, const MoeTokenDispatcher& d, int slot, const Stream& st) {
+  claim(/*grads=*/false);
   Saved& sv = saved_.at(static_cast<size_t>(slot));
   sv.counts = counts.device;
   sv.counts_host = std::move(counts.host);
@@ -112,6 +126,7 @@ Tensor MoeExperts::output(int slot) const {
 }
 
 void MoeExperts::prepare_backward(const MoeTokenDispatcher& d, int slot, const Stream& st) {
+  claim(/*grads=*/true);
   if (!clones_) return;
   clones_->fetch_weights(d, slot, *this, st);  // the clones' weights again (scratch), their gradients from zero
   clones_->zero_grads(st);
@@ -124,16 +139,19 @@ Tensor MoeExperts::output_grad(int slot) const {
 Tensor MoeExperts::input_grad(int slot) const { return row_range(d_xp_, 0, saved_.at(static_cast<size_t>(slot)).rows); }
 
 Tensor MoeExperts::backward(const MoeTokenDispatcher& d, int slot, const Stream& st) {
+  claim(/*grads=*/true);
   Saved& sv = saved_.at(static_cast<size_t>(slot));
   compute_backward(sv, all(sv), /*wgrad=*/true, st);
   return finish_backward(d, slot, st);
 }
 
 void MoeExperts::backward_range(int slot, const ExpertRange& r, bool wgrad, const Stream& st) {
+  claim(/*grads=*/true);
   compute_backward(saved_.at(static_cast<size_t>(slot)), r, wgrad, st);
 }
 
 void MoeExperts::wgrad_range(int slot, const ExpertRange& r, const Stream& st) {
+  claim(/*grads=*/true);
   compute_wgrad(saved_.at(static_cast<size_t>(slot)), r, st);
 }
 
@@ -145,7 +163,9 @@ Tensor MoeExperts::finish_backward(const MoeTokenDispatcher& d, int slot, const 
 ExpertSlot MoeExperts::expert(int64_t e) const {
   if (e < num_local_) {
     const Expert& ex = experts_[static_cast<size_t>(e)];
-    return {ex.fc1.value(), ex.fc2.value(), ex.fc1.grad(), ex.fc2.grad()};
+    // the gradients' addresses: bound by claim() in the backward, not here (the forward builds the
+    // tables)
+    return {ex.fc1.value(), ex.fc2.value(), ex.fc1.grad_view(), ex.fc2.grad_view()};
   }
   const int64_t j = e - num_local_;  // ECHO clone slot
   return {clones_->w1(j), clones_->w2(j), clones_->g1(j), clones_->g2(j)};

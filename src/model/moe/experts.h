@@ -158,6 +158,13 @@ class MoeExperts {
   std::unique_ptr<ExpertTables> tables_;
   std::map<std::pair<int64_t, int64_t>, std::unique_ptr<ExpertTables>> range_tables_;  // (first, last)
   std::vector<Saved> saved_;  // per area
+  // Asks the ParamStore for every local expert's parameters (and with `grads` their gradients)
+  // when they are staged (--data-parallel-sharding-strategy optim_grads / optim_grads_params):
+  // an mt::Error when the layer's expert buckets are not gathered, and the gradients bind the
+  // layer's expert gradient slot (an mt::Error when another MoE layer holds it). The grouped GEMMs
+  // and ECHO read the cached tables(), whose addresses the store keeps fixed (docs/fsdp.md
+  // "Expert buckets"), and would otherwise never ask.
+  void claim(bool grads) const;
 };
 
 /// Megatron's SequentialMLP: one GEMM per expert slot and projection over its host row range.
