@@ -193,8 +193,7 @@ Tensor ParamStore::grad_view(size_t i) const {
   const size_t b = bucket_of_[i];
   if (!grads_staged() || !buckets_[b].expert || slot_of_bucket_[b] >= 0) return grad(i);
   // where bind_expert puts it
-  const int s = moe_layer_of_bucket_[b] % static_cast<int>(expert_grads_.owner.size());
-  return expert_view(expert_grads_, s, b, DType::kF32)
+  return expert_view(expert_grads_, expert_slot(expert_grads_, b), b, DType::kF32)
       .flat_range(p.offset - buckets_[b].begin, p.numel)
       .view(p.shape);
 }
@@ -303,7 +302,7 @@ void ParamStore::bind_expert(ExpertPool& pool, std::vector<int>& slot_of, size_t
   if (slot_of[b] >= 0) return;
   const int k = moe_layer_of_bucket_[b], n = static_cast<int>(pool.owner.size());
   MT_CHECK(k >= 0 && n > 0, "bucket {} is not an expert bucket of a staged store", b);
-  const int s = k % n;
+  const int s = expert_slot(pool, b);
   const int held = pool.owner[static_cast<size_t>(s)];
   MT_CHECK(held < 0 || held == k,
            "expert {} staging: MoE layer {} ('{}', bucket {}) needs expert slot {} of {}, which MoE layer {} ('{}') "
@@ -461,7 +460,7 @@ Tensor ParamStore::bind_param_slot(size_t b) {
 int ParamStore::expert_param_slot_holder(size_t b) const {
   MT_REQUIRE(params_staged_ && buckets_.at(b).expert && expert_param_pool_n_ > 0,
              "expert_param_slot_holder: bucket {} is not a staged expert bucket", b);
-  return expert_params_.owner[static_cast<size_t>(moe_layer_of_bucket_[b] % expert_param_pool_n_)];
+  return expert_params_.owner[static_cast<size_t>(expert_slot(expert_params_, b))];
 }
 
 void ParamStore::release_param_slot(size_t b) {

@@ -321,7 +321,9 @@ class ParamStore {
   /// stage's layers do not interleave), else 0.
   int expert_grad_slots_needed() const { return expert_regions_.empty() ? 0 : 1; }
   /// Expert parameter slots (use_param_slots): 2 (the MoE layer in use and the next one prefetched,
-  /// whose MoE-layer indices differ by one in every pass), at most the number of MoE layers.
+  /// whose MoE-layer indices differ by one in every pass — except under full recompute, where a
+  /// group's first backward would prefetch a layer an even distance away: GradSync::params_begin
+  /// skips that prefetch), at most the number of MoE layers.
   int expert_param_slots_needed() const { return static_cast<int>(std::min<size_t>(2, expert_regions_.size())); }
   /// The MoE layers of this store in flat order: each one's expert buckets' flat range [begin, end).
   const std::vector<Range>& expert_regions() const { return expert_regions_; }
@@ -447,6 +449,11 @@ class ParamStore {
   // slot k mod n; error (what: "gradient" / "parameter") when another layer holds it. Unbinds.
   void bind_expert(ExpertPool& pool, std::vector<int>& slot_of, size_t b, const char* what) const;
   void unbind_expert(ExpertPool& pool, std::vector<int>& slot_of, size_t b) const;
+  // The slot of `pool` expert bucket b always binds to: its MoE layer k's k mod n (the one rule that
+  // bind_expert, grad_view and expert_param_slot_holder share: the grouped-GEMM tables cache it).
+  int expert_slot(const ExpertPool& pool, size_t b) const {
+    return moe_layer_of_bucket_[b] % static_cast<int>(pool.owner.size());
+  }
   // Expert bucket b's view in pool slot s, as dtype dt.
   Tensor expert_view(const ExpertPool& pool, int s, size_t b, DType dt) const;
   // Parameter staging (use_param_slots): params_ is freed; param_shard_ the owned slices (the main

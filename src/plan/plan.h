@@ -112,7 +112,7 @@ inline constexpr double kMlaPassesBackward = 9.03;
 /// - kFp8ActCastGBps / kFp8WeightCastGBps: the cast (+ transpose) passes, counted as 4 bytes per
 ///   element of each linear's input and output gradient (bf16 read, FP8 and its transpose written)
 ///   and 6 per weight element once per step (fp32 main parameter read, w and wᵀ written): activations
-///   9.93 GB per 4 layers in 1.51 − 0.46 = 1.05 ms (delayed), weights 1.46 GB in 0.46 ms;
+///   2.48 GB per 4 layers in 1.51 − 0.46 = 1.05 ms (delayed), weights 1.46 GB in 0.46 ms;
 /// - kFp8BlockActCastFactor / kFp8BlockWeightCastFactor: blockwise casts against tensorwise ones
 ///   (fp8_gemm_bench, 4096 × 11008: 1×128 blocks 0.143 ms, 128×128 0.073 ms, one scale 0.067 ms);
 /// - tensorwise's amax passes: 2 bytes per activation element at kFp8ActAmaxGBps, 4 per weight
@@ -172,7 +172,8 @@ struct StepPrediction {
   double dp_comm_s = 0;          ///< gradient reduction + parameter gather not hidden by overlap
   double optimizer_s = 0;        ///< AdamW over the owned parameters (memory bound)
   double fp8_gemm_saved_s = 0;   ///< of compute_s (subtracted): --fp8-format, the FP8 layers' linear
-                                 ///< GEMMs' time saved against bf16 (dense layers; see kFp8GemmSpeedup)
+                                 ///< GEMMs' time saved against bf16 (qkv and proj; fc1 and fc2 of
+                                 ///< dense layers; kFp8GemmSpeedup)
   double fp8_casts_s = 0;        ///< of compute_s (added): the FP8 casts, amax passes, scale updates
                                  ///< and unfused bias / GELU passes
   double muon_s = 0;             ///< --optimizer muon: the Newton-Schulz GEMMs of the rank's matrices

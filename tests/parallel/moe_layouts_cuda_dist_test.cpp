@@ -4,7 +4,9 @@
 // with and without EP), EP × TP × DP, EP with pipeline parallelism (1F1B and interleaved), both token
 // dispatchers (allgather, alltoall), the static receive blocks of --moe-received-token-capacity, ECHO
 // (host placement with the dropless dispatcher; device placement with the static blocks), the
-// distributed optimizer, full-iteration CUDA graphs and per-layer graph capture under pipeline
+// distributed optimizer, Megatron-FSDP's optim_grads / optim_grads_params with the experts sharded
+// over the expert-data-parallel group (4 MoE layers in 2 expert slots: the slots' reuse ordered on
+// the GPU's streams), full-iteration CUDA graphs and per-layer graph capture under pipeline
 // parallelism — each layout against a single-GPU run of the same model and data computed on every
 // rank (allgather dispatcher, dropless, no graphs). Each rank compares its own shards (its expert
 // and TP slices of its stage's parameters) with the matching slices of the reference.
@@ -107,6 +109,9 @@ struct Layout {
   char graphs = 'n';     // 'n' eager, 'f' full iteration, 'l' per layer (attn, moe)
   // overlapped communication
   bool shared_overlap = false, ep_overlap = false, delay_wgrad = false, fusion = false;
+  // Megatron-FSDP (with zero): optim_grads (ZeRO-2) and optim_grads_params (ZeRO-3); the experts
+  // sharded over the expert-data-parallel group in expert slots that MoE layers k and k + 2 share
+  bool shard_grads = false, shard_params = false;
 };
 
 struct RunResult {
@@ -147,6 +152,9 @@ RunResult train(const std::shared_ptr<Communicator>& world, const Layout& L, DTy
   o.dtype = dtype;
   o.device = dev;
   o.ddp = DdpConfig{false, false, L.zero};
+  o.ddp.shard_grads = L.shard_grads;
+  o.ddp.shard_params = L.shard_params;
+  if (L.shard_grads) o.param_layout.bucket_size = 30000;
   o.optim.eps = 1e-5f;
   Stream st(dev);
   ModelSetup setup(world, o, st);
@@ -196,8 +204,12 @@ RunResult train(const std::shared_ptr<Communicator>& world, const Layout& L, DTy
   const ParamStore& P = model.params();
   for (size_t i = 0; i < P.size(); ++i) {
     r.infos.push_back(P.info(i));
-    r.grads.push_back(testing::to_host(P.grad(i), st));
+    // optim_grads holds no whole gradient (the owned shard only): the parameters are compared
+    r.grads.push_back(L.shard_grads ? std::vector<float>{} : testing::to_host(P.grad(i), st));
+    // optim_grads_params keeps the owned slices only: each parameter's bucket gathered to read it
+    if (L.shard_params) setup.grad_sync().params_begin(i, i + 1, false, 0, 0, st);
     r.params.push_back(testing::to_host(P.param(i), st));
+    if (L.shard_params) setup.grad_sync().params_end(i, i + 1, false, st);
   }
   return r;
 }
@@ -302,6 +314,15 @@ TEST(MoeLayoutsNccl, Bf16LayoutsMatchOneGpu) {
         {"pp2_gg_per_layer_graphs", 1, 2, 0, 1, 0, false, false, true, false, 0, 0, 'l'},
         {"pp2_vpp2_gg_full_graph", 1, 2, 2, 1, 0, false, false, true, false, 0, 0, 'f'},
     };
+    // Megatron-FSDP: EP 1 x DP 2, the 4 MoE layers' experts sharded over EDP 2 in 2 slots
+    for (const bool grouped : {false, true})
+      for (const bool params : {false, true}) {
+        Layout z{std::string("dp2_") + (grouped ? "gg_" : "") + (params ? "optim_grads_params" : "optim_grads"), 1, 1,
+                 0, 1, 0, false, false, grouped, true};
+        z.shard_grads = true;
+        z.shard_params = params;
+        layouts.push_back(z);
+      }
   } else {
     layouts = {
         {"tp2sp_ep2_dp2_alltoall", 2, 1, 0, 2, 1, true, true},
@@ -313,6 +334,14 @@ TEST(MoeLayoutsNccl, Bf16LayoutsMatchOneGpu) {
         {"ep2_pp2_gg_per_layer_graphs", 1, 2, 0, 2, 0, false, false, true, false, 0, 0, 'l'},
         {"ep4_allgather_gg_distopt_full_graph", 1, 1, 0, 4, 0, false, false, true, true, 0, 0, 'f'},
     };
+    // Megatron-FSDP: EP 2 x EDP 2 (alltoall, grouped GEMM), optim_grads and optim_grads_params
+    for (const bool params : {false, true}) {
+      Layout z{std::string("ep2_alltoall_gg_") + (params ? "optim_grads_params" : "optim_grads"), 1, 1, 0, 2, 0,
+               false, true, true, true};
+      z.shard_grads = true;
+      z.shard_params = params;
+      layouts.push_back(z);
+    }
   }
   for (const Layout& L : selected(layouts)) {
     const RunResult par = train(e.world, L, DType::kBF16, e.dev, e.tokens, e.labels);

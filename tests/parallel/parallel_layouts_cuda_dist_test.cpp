@@ -360,6 +360,7 @@ TEST(ParallelLayoutsNccl, MlaMtpLayoutsMatchOneGpu) {
   MT_REQUIRE_CUDA();
   if (!gpu_world().comm) GTEST_SKIP() << gpu_world().skip;
   Layout base;
+  base.llama = true;  // MLA needs RoPE, and MTP the Llama style's untied output layer here
   base.mla = true;
   base.mtp = 1;
   std::vector<Layout> layouts;

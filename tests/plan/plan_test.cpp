@@ -304,6 +304,12 @@ TEST_F(Plan, Fp8TermsByHandAndAgainstTheH200Runs) {
   EXPECT_NE(format_plan(plan_training(request(model + "--fp8-format hybrid --fp8-recipe delayed", 1, "h200")))
                 .find("FP8: linear GEMMs"),
             std::string::npos);
+  // MoE layers (all 4, 4 experts top-2): only qkv and proj are counted (the experts keep their
+  // measured bf16 rates)
+  const StepPrediction moe = step("--num-experts 4 --moe-router-topk 2 --fp8-format hybrid --fp8-recipe delayed");
+  const double attn_weights = 256.0 * 512 + 256 * 256, attn_elems = 256.0 * ((256 + 256) + (512 + 256));
+  EXPECT_NEAR(moe.fp8_gemm_saved_s, 4 * 6.0 * 512 * attn_weights / (0.696 * 989.4e12) * (1 - 1 / 1.575), 1e-15);
+  EXPECT_NEAR(moe.fp8_casts_s, 2 * 4 * (attn_elems * 4 / 2370e9 + 10e-6) + 4 * attn_weights * 6 / 3170e9, 1e-15);
   // the H200 runs: Llama-style 1.18B and GPT 1.3B, 4 micro-batches of 8, sequence 1024, delayed
   const std::string seq = "--train-iters 2 --seq-length 1024 --max-position-embeddings 1024 --micro-batch-size 8 "
                           "--global-batch-size 32 --bf16 --vocab-size 50257 --fp8-format hybrid --fp8-recipe delayed ";

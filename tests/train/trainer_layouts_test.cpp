@@ -77,11 +77,18 @@ class TrainerLayouts : public testing::CorpusFixture {
 
 // Two runs whose gradients are summed in the same order: losses, gradient norms and validation
 // losses bit for bit.
-void expect_identical_runs(const TrainingResult& a, const TrainingResult& b, const std::string& what) {
+// norm_rel: 0 = the gradient norms bitwise too, else within that relative difference.
+void expect_identical_runs(const TrainingResult& a, const TrainingResult& b, const std::string& what,
+                           double norm_rel = 0) {
   ASSERT_EQ(a.losses.size(), 4u) << what;
   EXPECT_EQ(a.losses, b.losses) << what;
   ASSERT_EQ(a.log.size(), b.log.size()) << what;
-  for (size_t i = 0; i < a.log.size(); ++i) EXPECT_EQ(a.log[i].point.grad_norm, b.log[i].point.grad_norm) << what;
+  for (size_t i = 0; i < a.log.size(); ++i) {
+    if (norm_rel == 0)
+      EXPECT_EQ(a.log[i].point.grad_norm, b.log[i].point.grad_norm) << what;
+    else
+      EXPECT_NEAR(a.log[i].point.grad_norm, b.log[i].point.grad_norm, norm_rel * b.log[i].point.grad_norm) << what;
+  }
   ASSERT_EQ(a.validation.size(), b.validation.size()) << what;
   for (const auto& [it, v] : b.validation) EXPECT_EQ(a.validation.at(it).loss, v.loss) << what << " validation";
 }
@@ -874,7 +881,8 @@ TEST_F(TrainerLayouts, MegatronFsdpShardedExperts) {
 // gradients all-reduced across the instances. For the distributed optimizer and every Megatron-FSDP
 // strategy: DP 4 as 2 instances equals one rank and k = 1 within fp32 rounding (the sums are taken
 // in another order: within the instance, then across); DP 2 as 2 instances of one rank is plain
-// DDP's reduction (the all-reduce over the 2 ranks, the norm over whole gradients), bitwise; with one
+// DDP's reduction (the all-reduce over the 2 ranks, the norm over whole gradients), bitwise (under
+// optim_grads(_params) the losses bitwise, the norm, summed over the owned shard, within 1e-6); with one
 // micro-batch per rank optim_grads(_params) with k = 2 are bitwise the distributed optimizer with
 // k = 2 (fp32 and bf16 reduction); TP 2 + SP x DP 4, PP 2 x DP 2, CP 2 x DP 2 (the dp-cp group split)
 // and the tiny MoE at EP 2 x DP 4 equal one rank; checkpoints written with k = 2 resume
@@ -891,8 +899,13 @@ TEST_F(TrainerLayouts, MegatronFsdpHybridSharding) {
     const TrainingResult hybrid = train("--train-iters 4 --nproc-per-node 4" + strategy + k2);
     expect_near_one_rank(hybrid, ref, "DP 4, k 2");
     expect_near_one_rank(hybrid, train("--train-iters 4 --nproc-per-node 4" + strategy), "DP 4, k 2 against k 1");
+    // optim_grads(_params) hold the gradients as the owned shard (every bucket's owned slice,
+    // concatenated), whose squared norm sums in another grouping than over the whole gradient
+    // buffer: the norms agree to the last bits only (measured here: equal to 6 digits, not bitwise)
+    const bool shard = strategy.find("optim_grads") != std::string::npos;
     expect_identical_runs(train("--train-iters 4 --nproc-per-node 2" + strategy + k2),
-                          train("--train-iters 4 --nproc-per-node 2"), "DP 2, k 2 against plain DDP");
+                          train("--train-iters 4 --nproc-per-node 2"), "DP 2, k 2 against plain DDP",
+                          shard ? 1e-6 : 0.0);
   }
   // One micro-batch per rank (DP 4): optim_grads and optim_grads_params sum in the distributed
   // optimizer's order with the same buckets (the reduce-scatter in the instance, then the
