@@ -127,7 +127,10 @@ TEST(MoeEchoExperts, RandomPlans) {
       const int64_t L = 3, E = ep * L;
       std::vector<int32_t> counts(static_cast<size_t>(ep * E));
       std::uniform_int_distribution<int32_t> d(0, 50);
-      for (size_t i = 0; i < counts.size(); ++i) counts[i] = d(rng) * (i % static_cast<size_t>(E) == 1 ? 8 : 1);
+      // expert 1 hot on every rank (8 x at least 50 tokens: at 8 x 0-50 a seed could leave it cold
+      // and no expert cloned, MT_TEST_SEED=14961495931686798955)
+      for (size_t i = 0; i < counts.size(); ++i)
+        counts[i] = i % static_cast<size_t>(E) == 1 ? 8 * (50 + d(rng)) : d(rng);
       SCOPED_TRACE(fmt::format("ep={} S={}", ep, S));
       const EchoPlacement p = placement_of(counts, ep, E, S);
       EXPECT_TRUE(std::any_of(p.clone_expert.begin(), p.clone_expert.end(), [](int64_t e) { return e >= 0; }));
