@@ -206,12 +206,7 @@ void ParamStore::use_grad_slots(int slots, const Stream& stream) {
   // Expert buckets: a pool of their own, MoE layer k in slot k mod n at fixed offsets
   // (MoeExperts caches its experts' gradient addresses in grouped-GEMM tables).
   grads_ = Buffer();
-  expert_grad_pool_n_ = expert_grad_slots_needed();
-  expert_grads_.len = expert_slot_length();
-  expert_grads_.owner.assign(static_cast<size_t>(expert_grad_pool_n_), -1);
-  expert_grads_.bound.assign(static_cast<size_t>(expert_grad_pool_n_), 0);
-  if (expert_grad_pool_n_ > 0)
-    expert_grads_.buf = Buffer(device_, static_cast<size_t>(expert_grad_pool_n_ * expert_grads_.len) * 4);
+  allocate_expert_pool(expert_grads_, expert_grad_slots_needed(), 4);
   for (int s = 0; s < slots; ++s) grad_slot_buf_.emplace_back(device_, static_cast<size_t>(grad_slot_len_) * 4);
   slot_of_bucket_.assign(buckets_.size(), -1);
   bucket_of_slot_.assign(static_cast<size_t>(slots), -1);
@@ -292,6 +287,13 @@ int ParamStore::grad_slots_needed() const {
   }, 1, 2);
 }
 
+void ParamStore::allocate_expert_pool(ExpertPool& pool, int n, size_t elem_bytes) {
+  pool.len = expert_slot_length();
+  pool.owner.assign(static_cast<size_t>(n), -1);
+  pool.bound.assign(static_cast<size_t>(n), 0);
+  pool.buf = n > 0 ? Buffer(device_, static_cast<size_t>(n * pool.len) * elem_bytes) : Buffer();
+}
+
 int64_t ParamStore::expert_slot_length() const {
   int64_t n = 0;
   for (const Range& r : expert_regions_) n = std::max(n, r.end - r.begin);
@@ -300,7 +302,7 @@ int64_t ParamStore::expert_slot_length() const {
 
 void ParamStore::bind_expert(ExpertPool& pool, std::vector<int>& slot_of, size_t b, const char* what) const {
   if (slot_of[b] >= 0) return;
-  const int k = moe_layer_of_bucket_[b], n = static_cast<int>(pool.owner.size());
+  const int k = moe_layer_of_bucket_[b], n = pool.slots();
   MT_CHECK(k >= 0 && n > 0, "bucket {} is not an expert bucket of a staged store", b);
   const int s = expert_slot(pool, b);
   const int held = pool.owner[static_cast<size_t>(s)];
@@ -407,12 +409,7 @@ void ParamStore::use_param_slots(const std::vector<Range>& owned, int slots, con
     main_sharded_ = true;
   }
   params_ = Buffer();
-  expert_param_pool_n_ = expert_param_slots_needed();
-  expert_params_.len = expert_slot_length();
-  expert_params_.owner.assign(static_cast<size_t>(expert_param_pool_n_), -1);
-  expert_params_.bound.assign(static_cast<size_t>(expert_param_pool_n_), 0);
-  if (expert_param_pool_n_ > 0)
-    expert_params_.buf = Buffer(device_, static_cast<size_t>(expert_param_pool_n_ * expert_params_.len) * es);
+  allocate_expert_pool(expert_params_, expert_param_slots_needed(), es);
   for (int k = 0; k < slots; ++k) param_slot_buf_.emplace_back(device_, static_cast<size_t>(param_slot_len_) * es);
   slot_of_param_bucket_.assign(buckets_.size(), -1);
   bucket_of_param_slot_.assign(static_cast<size_t>(slots), -1);
@@ -458,7 +455,7 @@ Tensor ParamStore::bind_param_slot(size_t b) {
 }
 
 int ParamStore::expert_param_slot_holder(size_t b) const {
-  MT_REQUIRE(params_staged_ && buckets_.at(b).expert && expert_param_pool_n_ > 0,
+  MT_REQUIRE(params_staged_ && buckets_.at(b).expert && expert_params_.slots() > 0,
              "expert_param_slot_holder: bucket {} is not a staged expert bucket", b);
   return expert_params_.owner[static_cast<size_t>(expert_slot(expert_params_, b))];
 }
@@ -745,8 +742,8 @@ void ParamStore::zero_grads(const Stream& stream) {
   first_writes_pending_ = marks ? grad_overwrite_params_ : 0;
   if (grads_staged()) {
     for (const Buffer& s : grad_slot_buf_) memset_tensor(s.as(DType::kF32, {grad_slot_len_}), 0, stream);
-    if (expert_grad_pool_n_ > 0)
-      memset_tensor(expert_grads_.buf.as(DType::kF32, {expert_grad_pool_n_ * expert_grads_.len}), 0, stream);
+    if (expert_grads_.slots() > 0)
+      memset_tensor(expert_grads_.buf.as(DType::kF32, {expert_grads_.slots() * expert_grads_.len}), 0, stream);
     std::fill(expert_grads_.owner.begin(), expert_grads_.owner.end(), -1);
     std::fill(expert_grads_.bound.begin(), expert_grads_.bound.end(), 0);
     std::fill(slot_of_bucket_.begin(), slot_of_bucket_.end(), -1);

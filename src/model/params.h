@@ -331,8 +331,8 @@ class ParamStore {
   int moe_layer_of(size_t b) const { return moe_layer_of_bucket_.at(b); }
   /// The expert slots' length: the largest MoE layer's expert elements (0: none).
   int64_t expert_slot_length() const;
-  int expert_grad_slots() const { return expert_grad_pool_n_; }
-  int expert_param_slots() const { return expert_param_pool_n_; }
+  int expert_grad_slots() const { return expert_grads_.slots(); }
+  int expert_param_slots() const { return expert_params_.slots(); }
   /// Bytes of gradient storage this store holds: the whole buffer, or the slots.
   int64_t grad_storage_bytes() const;
 
@@ -442,9 +442,11 @@ class ParamStore {
     Buffer buf;
     std::vector<int> owner, bound;
     int64_t len = 0;
+    int slots() const { return static_cast<int>(owner.size()); }
   };
   mutable ExpertPool expert_grads_, expert_params_;
-  int expert_grad_pool_n_ = 0, expert_param_pool_n_ = 0;
+  // Allocates `pool`: n free slots of expert_slot_length() elements of elem_bytes each.
+  void allocate_expert_pool(ExpertPool& pool, int n, size_t elem_bytes);
   // Binds expert bucket b in `pool` (n slots; slot_of: the per-bucket slot table): MoE layer k's
   // slot k mod n; error (what: "gradient" / "parameter") when another layer holds it. Unbinds.
   void bind_expert(ExpertPool& pool, std::vector<int>& slot_of, size_t b, const char* what) const;
@@ -452,7 +454,7 @@ class ParamStore {
   // The slot of `pool` expert bucket b always binds to: its MoE layer k's k mod n (the one rule that
   // bind_expert, grad_view and expert_param_slot_holder share: the grouped-GEMM tables cache it).
   int expert_slot(const ExpertPool& pool, size_t b) const {
-    return moe_layer_of_bucket_[b] % static_cast<int>(pool.owner.size());
+    return moe_layer_of_bucket_[b] % pool.slots();
   }
   // Expert bucket b's view in pool slot s, as dtype dt.
   Tensor expert_view(const ExpertPool& pool, int s, size_t b, DType dt) const;

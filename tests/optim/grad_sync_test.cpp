@@ -584,6 +584,24 @@ TEST(DataParallel, ShardedMainParamsBf16) {
   });
 }
 
+// kSteps steps of a sharded bf16 store (in-order backward), the gathered fp32 main parameters
+// against the reference's; returns their bf16 rounding (what a gathered bucket must hold).
+std::vector<float> train_sharded_bf16(const Model& m, ParamStore& P, GradSync& sync, AdamWOptimizer& opt,
+                                      const Reference& ref, int rank, const Stream& st) {
+  for (int step = 0; step < kSteps; ++step) {
+    sync.zero_grad_buffer(st);
+    ddp_test::backward(m, P, sync, Pattern::kInOrder, step, rank, st);
+    opt.step(kLr, st);
+  }
+  const int64_t total = P.total_elements();
+  OwnedTensor full(DType::kF32, Device::cpu(), {total});
+  opt.gather_main(full, st);
+  EXPECT_LT(testing::rel_err(testing::to_host(full.t, st), ref.main), 1e-6);
+  OwnedTensor rounded(DType::kBF16, Device::cpu(), {total});
+  cast(rounded.t, full.t, st);
+  return testing::to_host(rounded.t, st);
+}
+
 // optim_grads_params (ZeRO-3) with bf16 parameters: each rank stores its owned slice of the bf16
 // parameters, written by the optimizer from its fp32 main slice; a unit's buckets gathered by
 // params_begin hold the rounding of the reference's main parameters; the next unit's buckets are
@@ -608,18 +626,7 @@ TEST(DataParallel, ShardedParamsBf16) {
     EXPECT_EQ(sync.param_bytes(), (sync.owned_elements() + P.param_slots() * P.largest_dense_bucket()) * 2);
     expect_error([&] { (void)P.params_flat(); }, "sharded");
     expect_error([&] { (void)P.param(0); }, "is not gathered");
-    for (int step = 0; step < kSteps; ++step) {
-      sync.zero_grad_buffer(st);
-      ddp_test::backward(m, P, sync, Pattern::kInOrder, step, rank, st);
-      opt.step(kLr, st);
-    }
-    const int64_t total = P.total_elements();
-    OwnedTensor full(DType::kF32, Device::cpu(), {total});
-    opt.gather_main(full, st);
-    EXPECT_LT(testing::rel_err(testing::to_host(full.t, st), ref.main), 1e-6);
-    OwnedTensor rounded(DType::kBF16, Device::cpu(), {total});
-    cast(rounded.t, full.t, st);
-    const std::vector<float> want = testing::to_host(rounded.t, st);
+    const std::vector<float> want = train_sharded_bf16(m, P, sync, opt, ref, rank, st);
     for (const bool backward : {false, true}) {
       SCOPED_TRACE(backward ? "backward" : "forward");
       size_t bound = 0;  // kept from the last pass (the forward's last bucket): not gathered again
@@ -715,18 +722,7 @@ TEST(DataParallel, ShardedExpertsBf16) {
               (sync.owned_elements() + P.param_slots() * P.largest_dense_bucket() + 2 * slot) * 2);
     EXPECT_EQ(sync.grad_bytes(), (sync.owned_elements() + P.grad_slots() * P.largest_dense_bucket() + slot) * 4);
     EXPECT_LT(2 * slot, experts);  // less than the whole experts the resident buffer held
-    for (int step = 0; step < kSteps; ++step) {
-      sync.zero_grad_buffer(st);
-      ddp_test::backward(m, P, sync, Pattern::kInOrder, step, rank, st);
-      opt.step(kLr, st);
-    }
-    const int64_t total = P.total_elements();
-    OwnedTensor full(DType::kF32, Device::cpu(), {total});
-    opt.gather_main(full, st);
-    EXPECT_LT(testing::rel_err(testing::to_host(full.t, st), ref.main), 1e-6);
-    OwnedTensor rounded(DType::kBF16, Device::cpu(), {total});
-    cast(rounded.t, full.t, st);
-    const std::vector<float> want = testing::to_host(rounded.t, st);
+    const std::vector<float> want = train_sharded_bf16(m, P, sync, opt, ref, rank, st);
     std::map<size_t, const void*> address;  // expert parameter -> its address in the slot
     const auto pass = [&](bool backward) {
       SCOPED_TRACE(backward ? "backward" : "forward");

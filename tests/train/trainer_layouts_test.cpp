@@ -93,6 +93,19 @@ void expect_identical_runs(const TrainingResult& a, const TrainingResult& b, con
   for (const auto& [it, v] : b.validation) EXPECT_EQ(a.validation.at(it).loss, v.loss) << what << " validation";
 }
 
+// The memory estimate's gradient and parameter parts (staging slots and shards) are the bytes
+// GradSync allocated.
+void expect_estimate_matches_sync(const MemoryEstimate& estimate, const GradSync& gs) {
+  size_t grads = 0, params = 0;
+  for (const MemoryPart& p : estimate.parts) {
+    if (p.name.rfind("gradients", 0) == 0) grads = p.bytes;
+    if (p.name.rfind("parameter staging slots", 0) == 0 || p.name.rfind("parameters (fp32)", 0) == 0)
+      params += p.bytes;
+  }
+  EXPECT_EQ(grads, static_cast<size_t>(gs.grad_bytes()));
+  EXPECT_EQ(params, static_cast<size_t>(gs.param_bytes()));
+}
+
 // A sharded run against one rank: losses within expect_same_losses' tolerance, gradient norms 1e-4.
 void expect_near_one_rank(const TrainingResult& a, const TrainingResult& ref, const std::string& what) {
   expect_same_losses(a, ref, what);
@@ -865,14 +878,7 @@ TEST_F(TrainerLayouts, MegatronFsdpShardedExperts) {
     EXPECT_EQ(gs.param_bytes(), (gs.owned_elements() + ps.param_slots() * ps.largest_dense_bucket() + 2 * slot) * 4);
     EXPECT_EQ(gs.grad_bytes(), (gs.owned_elements() + ps.grad_slots() * ps.largest_dense_bucket() + slot) * 4);
     EXPECT_LT(owned_experts + 2 * slot, experts);  // 3/4 E
-    size_t grads = 0, params = 0;
-    for (const MemoryPart& p : setup.model_setup().memory_estimate().parts) {
-      if (p.name.rfind("gradients", 0) == 0) grads = p.bytes;
-      if (p.name.rfind("parameter staging slots", 0) == 0 || p.name.rfind("parameters (fp32)", 0) == 0)
-        params += p.bytes;
-    }
-    EXPECT_EQ(grads, static_cast<size_t>(gs.grad_bytes()));
-    EXPECT_EQ(params, static_cast<size_t>(gs.param_bytes()));
+    expect_estimate_matches_sync(setup.model_setup().memory_estimate(), gs);
   });
 }
 
@@ -944,14 +950,7 @@ TEST_F(TrainerLayouts, MegatronFsdpHybridSharding) {
     for (const ParamBucket& b : ps.buckets()) largest = std::max(largest, b.numel());
     EXPECT_EQ(gs.grad_bytes(), (gs.owned_elements() + ps.grad_slots() * largest) * 4);
     EXPECT_EQ(gs.param_bytes(), (gs.owned_elements() + ps.param_slots() * ps.largest_dense_bucket()) * 4);
-    size_t grads = 0, params = 0;
-    for (const MemoryPart& p : setup.model_setup().memory_estimate().parts) {
-      if (p.name.rfind("gradients", 0) == 0) grads = p.bytes;
-      if (p.name.rfind("parameter staging slots", 0) == 0 || p.name.rfind("parameters (fp32)", 0) == 0)
-        params += p.bytes;
-    }
-    EXPECT_EQ(grads, static_cast<size_t>(gs.grad_bytes()));
-    EXPECT_EQ(params, static_cast<size_t>(gs.param_bytes()));
+    expect_estimate_matches_sync(setup.model_setup().memory_estimate(), gs);
   });
   for (const auto& [bad, msg] : std::vector<std::pair<std::string, std::string>>{
            {" --nproc-per-node 4 --use-distributed-optimizer --num-distributed-optimizer-instances 3",
