@@ -38,9 +38,11 @@
 #                         current scaling; docs/fp8.md), fp8_delayed = hybrid delayed scaling (amax
 #                         history 1024, max), fp8_block = e4m3 blockwise (1x128 / 128x128 scales),
 #                         fp8_graph = fp8 with the full-iteration CUDA graph, fp8_delayed_graph =
-#                         fp8_delayed with it, fp8_delayed_fused = fp8_delayed with the fused FP8
-#                         producers (MT_FP8_FUSED_PRODUCERS=1: the norms and SwiGLU write the FP8
-#                         inputs; docs/fp8.md "What fuses")
+#                         fp8_delayed with it (fp8_delayed: the SwiGLU writes fc2's FP8 input and
+#                         fc1's FP8 output gradient, the default; docs/fp8.md "What fuses"),
+#                         fp8_delayed_fused = with the norms' fused FP8 outputs as well
+#                         (MT_FP8_FUSED_PRODUCERS=1), fp8_delayed_unfused = no fused producer
+#                         (MT_FP8_FUSED_PRODUCERS=0)
 #   moe_small             Mixtral-style MoE (12 layers, hidden 1024, GQA 16/8, 8 experts top-2, expert
 #                         SwiGLU 3584, aux loss 1e-2), micro-batch 8 (speed only)
 # Environment: ITERS (steps, default 40), WARMUP (steps left out of the timing, default 10), LR
@@ -152,7 +154,7 @@ declare -A torch_done=()
 for c in "$@"; do
   base=${c%%:*}
   config "$base" || continue
-  fused=0
+  fused=act
   case $c in
     "$base") ;;
     "$base:norm_act") mt+=(--recompute-granularity selective --recompute-modules layernorm mlp_act) ;;
@@ -165,6 +167,8 @@ for c in "$@"; do
     "$base:fp8_graph") mt+=(--fp8-format hybrid --fp8-recipe tensorwise --cuda-graph-impl full_iteration) ;;
     "$base:fp8_delayed_fused") mt+=(--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 1024
                                     --fp8-amax-compute-algo max); fused=1 ;;
+    "$base:fp8_delayed_unfused") mt+=(--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 1024
+                                      --fp8-amax-compute-algo max); fused=0 ;;
     "$base:fp8_delayed_graph") mt+=(--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 1024
                                     --fp8-amax-compute-algo max --cuda-graph-impl full_iteration) ;;
     "$base:pao") mt+=(--use-precision-aware-optimizer) ;;

@@ -19,7 +19,11 @@
 // per-step quantisation of the weights kept in their bf16 storage from the fp32 main parameters
 // (Fp8Linear::quantize_weight) at each weight shape: staged as before (cast to bf16, then the bf16
 // cast + transpose: 6 + 4 bytes an element) against fp8_quantize_bf16_rounded (6 bytes), and the
-// fp32 amax current scaling adds (4 bytes).
+// fp32 amax current scaling adds (4 bytes). Then, for SwiGLU models at T tokens, the delayed-scaling
+// fused SwiGLU quantisers (ops/fp8_fused.h) against the unfused ops: forward swiglu_forward + the
+// cast + transpose of its output (10 bytes per output element) against fp8_swiglu_forward without
+// y (6), backward swiglu_backward + the cast + transpose of the gradient (18 bytes per f-column)
+// against fp8_swiglu_backward (10).
 // Times: median over --iters of CUDA events around one call, after 3 warm-ups.
 #include <fmt/format.h>
 
@@ -35,9 +39,11 @@
 #include "core/stream.h"
 #include "ops/elementwise.h"
 #include "ops/fp8.h"
+#include "ops/fp8_fused.h"
 #include "ops/fp8_matmul.h"
 #include "ops/init.h"
 #include "ops/matmul.h"
+#include "ops/swiglu.h"
 
 namespace {
 
@@ -232,6 +238,50 @@ void bench_weight_quantisers(const std::vector<std::pair<int64_t, int64_t>>& sha
   }
 }
 
+/// The fused SwiGLU quantisers against the unfused ops at [tokens, f] (bf16 inputs, e4m3 forward,
+/// e5m2 backward, delayed scaling's known scale with the amax record); GB/s of the bytes each must
+/// move, as in the header.
+void bench_swiglu_quantisers(int64_t tokens, int64_t f, int iters, const Stream& st) {
+  const Device dev = st.device();
+  fmt::print("\nSwiGLU -> FP8 at {} x {} (GB/s of the bytes moved; ms)\n", tokens, f);
+  fmt::print("{:>18} | {:>16} | {:>16}\n", "", "unfused", "fused");
+  Dev x(DType::kBF16, {tokens, 2 * f}, dev), y(DType::kBF16, {tokens, f}, dev), dy(DType::kBF16, {tokens, f}, dev),
+      dx(DType::kBF16, {tokens, 2 * f}, dev);
+  Dev amax(DType::kF32, {1}, dev), scale(DType::kF32, {1}, dev);
+  {
+    Dev x32(DType::kF32, {tokens, 2 * f}, dev), dy32(DType::kF32, {tokens, f}, dev);
+    init_normal(x32, 1.f, 3, 1, ShardBox::whole({tokens, 2 * f}), st);
+    init_normal(dy32, 1e-3f, 5, 1, ShardBox::whole({tokens, f}), st);
+    cast(x.t.view({x.t.numel()}), x32.t.view({x32.t.numel()}), st);
+    cast(dy.t.view({dy.t.numel()}), dy32.t.view({dy32.t.numel()}), st);
+  }
+  fill(scale, 64.f, st);
+  fill(amax, 0.f, st);
+  Quantised q(tokens, f, DType::kF8E4M3, Fp8Scaling::kTensor, dev), g(tokens, 2 * f, DType::kF8E5M2,
+                                                                     Fp8Scaling::kTensor, dev);
+  const double t_fu = time_ms(st, iters, [&] {
+    swiglu_forward(y, x, st);
+    fp8_quantize(q.q, q.qt, y, scale, amax, st);
+  });
+  const double t_ff = time_ms(st, iters, [&] { fp8_swiglu_forward(Tensor(), q.q, q.qt, x, scale, amax, st); });
+  const double t_bu = time_ms(st, iters, [&] {
+    swiglu_backward(dx, dy, x, st);
+    fp8_quantize(g.q, g.qt, dx, scale, amax, st);
+  });
+  const double t_bf = time_ms(st, iters, [&] { fp8_swiglu_backward(g.q, g.qt, dy, x, scale, amax, st); });
+  // the unfused parts alone
+  const double t_sf = time_ms(st, iters, [&] { swiglu_forward(y, x, st); });
+  const double t_cf = time_ms(st, iters, [&] { fp8_quantize(q.q, q.qt, y, scale, amax, st); });
+  const double t_sb = time_ms(st, iters, [&] { swiglu_backward(dx, dy, x, st); });
+  const double t_cb = time_ms(st, iters, [&] { fp8_quantize(g.q, g.qt, dx, scale, amax, st); });
+  const double e = static_cast<double>(tokens) * f;
+  auto c = [](double bytes, double ms) { return fmt::format("{:>7.0f} {:>8.4f}", bytes / ms * 1e-6, ms); };
+  fmt::print("{:>18} | {} | {}\n", "forward", c(10 * e, t_fu), c(6 * e, t_ff));
+  fmt::print("{:>18} | {} | {}\n", "backward", c(18 * e, t_bu), c(10 * e, t_bf));
+  fmt::print("unfused parts: swiglu_forward {} | cast+T {} | swiglu_backward {} | cast+T {}\n", c(6 * e, t_sf),
+             c(4 * e, t_cf), c(10 * e, t_sb), c(8 * e, t_cb));
+}
+
 int bench_main(int argc, char** argv) {
   int iters = 20;
   std::string which = "all";
@@ -270,6 +320,10 @@ int bench_main(int argc, char** argv) {
   MT_CHECK(found, "--model {}: expected gpt2, llama_1b, llama_7b or all", which);
   bench_quantisers(qshapes, iters, st);
   bench_weight_quantisers(wshapes, iters, st);
+  for (const Model& m : kModels) {
+    if ((which != "all" && which != m.name) || std::string(m.name) == "gpt2") continue;  // GELU: no SwiGLU
+    bench_swiglu_quantisers(tokens > 0 ? tokens : m.tokens, m.linears[3].k, iters, st);
+  }
   return 0;
 }
 

@@ -3,9 +3,10 @@
 # LAYERS decoder layers, default 4: the per-layer kernels are the same, the profile shorter), in
 # bf16 and under each FP8 recipe, through bench/kernel_profile.sh (Nsight Compute, kernels
 # serialised). What the quantisation costs and where the FP8 step's time goes (issue 38).
-# usage: [LAYERS=N] [TOP=N] bench/fp8_profile.sh [bf16|fp8|fp8_delayed|fp8_delayed_fused|fp8_block]...
-#   (default: bf16 fp8 fp8_delayed fp8_block; fp8_delayed_fused = fp8_delayed with the fused FP8
-#   producers, MT_FP8_FUSED_PRODUCERS=1, docs/fp8.md "What fuses")
+# usage: [LAYERS=N] [TOP=N] bench/fp8_profile.sh [bf16|fp8|fp8_delayed|fp8_delayed_fused|fp8_delayed_unfused|fp8_block]...
+#   (default: bf16 fp8 fp8_delayed fp8_block; fp8_delayed: the SwiGLU's fused FP8 output and
+#   gradient, the default; fp8_delayed_fused: the norms' too, MT_FP8_FUSED_PRODUCERS=1;
+#   fp8_delayed_unfused: none, =0; docs/fp8.md "What fuses")
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 source "$(dirname "$0")/common.sh"
@@ -21,13 +22,13 @@ for v in "$@"; do
     bf16) extra=() ;;
     fp8) extra=(--fp8-format hybrid --fp8-recipe tensorwise) ;;
     fp8_delayed) extra=(--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 1024 --fp8-amax-compute-algo max) ;;
-    fp8_delayed_fused) extra=(--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 1024
-                              --fp8-amax-compute-algo max) ;;  # + MT_FP8_FUSED_PRODUCERS=1 (below)
+    fp8_delayed_fused|fp8_delayed_unfused) extra=(--fp8-format hybrid --fp8-recipe delayed
+                              --fp8-amax-history-len 1024 --fp8-amax-compute-algo max) ;;  # + MT_FP8_FUSED_PRODUCERS (below)
     fp8_block) extra=(--fp8-format e4m3 --fp8-recipe blockwise) ;;
     *) echo "unknown variant $v" >&2; exit 2 ;;
   esac
   echo "== $v"
-  fused=0; [ "$v" = fp8_delayed_fused ] && fused=1
+  fused=act; [ "$v" = fp8_delayed_fused ] && fused=1; [ "$v" = fp8_delayed_unfused ] && fused=0
   MT_FP8_FUSED_PRODUCERS=$fused OUT="$OUT/$v" TOP=${TOP:-30} bash "$(dirname "$0")/kernel_profile.sh" "${args[@]}" \
     "${extra[@]}"
 done

@@ -293,16 +293,18 @@ struct TransformerConfig {
   int64_t num_layers_at_end_in_bf16 = 1;
   /// --fp8-param-gather (Megatron's fp8_param): the distributed optimizer all-gathers FP8 weights.
   bool fp8_param = false;
-  /// Not a flag (off; the tests turn it on): delayed scaling's fused producers
-  /// (Fp8Settings::fused_producers).
-  bool fp8_fused_producers = false;
+  /// Not flags: delayed scaling's fused producers (Fp8Settings::fused_norm / fused_activation;
+  /// MT_FP8_FUSED_PRODUCERS in a run, train/arguments.cpp).
+  bool fp8_fused_norm = false;
+  bool fp8_fused_activation = true;
   /// Not a flag (the trainer sets it: Fp8Model::weights_in_params): the FP8 weight copies wq and
   /// wq_t live in the bytes of their weight's bf16 parameter storage, which then holds no bf16 copy
   /// of the weight (docs/fp8.md "Memory"); off: separate copies beside the model-dtype weights.
   bool fp8_weights_in_params = false;
   /// The FP8 settings of the linear layers (format kNone when FP8 is off).
   Fp8Settings fp8_settings() const {
-    return Fp8Settings{fp8, fp8_recipe, fp8_margin, fp8_amax_history_len, fp8_amax_compute_algo, fp8_fused_producers};
+    return Fp8Settings{fp8, fp8_recipe, fp8_margin, fp8_amax_history_len, fp8_amax_compute_algo, fp8_fused_norm,
+                       fp8_fused_activation};
   }
   /// Whether decoder layer `layer` (global, 0-based) runs its linear layers in FP8: FP8 on and the
   /// layer not among the bf16 first / last layers of --first-last-layers-bf16.

@@ -1,6 +1,8 @@
 // Argument validation and backend dispatch for ops/fp8_fused.h.
 #include "ops/fp8_fused.h"
 
+#include <fmt/ranges.h>
+
 #include <vector>
 
 #include "ops/dispatch.h"
@@ -17,6 +19,38 @@ using op_checks::check_stats;
 void check_fp8_out(const Tensor& q, const Tensor& y, const Tensor& scale, const Tensor& amax, const char* fn) {
   op_checks::check_fp8_like(q, y, fn, "q", "y");
   op_checks::check_fp8_scale_amax(scale, amax, fn);
+}
+
+/// x: [..., 2f] (gate half, then linear half); returns [..., f].
+std::vector<int64_t> halved(const Tensor& x, const char* fn) {
+  check_act(x, fn, "x");
+  MT_CHECK(x.ndim() >= 1 && x.size(-1) >= 2 && x.size(-1) % 2 == 0,
+           "{}: the last dimension of x {} must be even and >= 2 (gate half, then linear half)", fn, x.str());
+  std::vector<int64_t> half = x.shape();
+  half.back() /= 2;
+  return half;
+}
+
+/// The FP8 copies of a tensor of `shape` ([..., cols], rows = the product of the rest): q (its
+/// shape, contiguous) and q_t ([cols, rows]), either empty but not both, one FP8 dtype.
+void check_fp8_pair(const Tensor& q, const Tensor& q_t, const std::vector<int64_t>& shape, const char* fn,
+                    const char* qname, const char* tname) {
+  MT_CHECK(!q.empty() || !q_t.empty(), "{}: {} and {} are both empty: nothing to write", fn, qname, tname);
+  const int64_t cols = shape.back();
+  int64_t rows = 1;
+  for (size_t i = 0; i + 1 < shape.size(); ++i) rows *= shape[i];
+  if (!q.empty()) {
+    op_checks::check_fp8_dtype(q.dtype(), fn, qname);
+    MT_CHECK(q.shape() == shape && q.is_contiguous(), "{}: {} {} must be contiguous of shape [{}]", fn, qname,
+             q.str(), fmt::join(shape, ", "));
+  }
+  if (!q_t.empty()) {
+    op_checks::check_fp8_dtype(q_t.dtype(), fn, tname);
+    MT_CHECK(q_t.ndim() == 2 && q_t.size(0) == cols && q_t.size(1) == rows && q_t.is_contiguous(),
+             "{}: {} {} must be a contiguous [{}, {}] (the transpose)", fn, tname, q_t.str(), cols, rows);
+    MT_CHECK(q.empty() || q.dtype() == q_t.dtype(), "{}: {} {} and {} {} need one FP8 dtype", fn, qname, q.str(),
+             tname, q_t.str());
+  }
 }
 
 }  // namespace
@@ -38,21 +72,34 @@ void fp8_rmsnorm_forward(const Tensor& y, const Tensor& q, const Tensor& rstd, c
   MT_DISPATCH(x.device(), fp8_rmsnorm_forward, y, q, rstd, x, weight, eps, scale, amax, stream, zero_centered_gamma);
 }
 
-void fp8_swiglu_forward(const Tensor& y, const Tensor& q, const Tensor& x, const Tensor& scale, const Tensor& amax,
-                        const Stream& stream) {
+void fp8_swiglu_forward(const Tensor& y, const Tensor& q, const Tensor& q_t, const Tensor& x, const Tensor& scale,
+                        const Tensor& amax, const Stream& stream) {
   const char* fn = "fp8_swiglu_forward";
-  check_act(x, fn, "x");
-  check_act(y, fn, "y");
-  MT_CHECK(x.ndim() >= 1 && x.size(-1) >= 2 && x.size(-1) % 2 == 0,
-           "{}: the last dimension of x {} must be even and >= 2 (gate half, then linear half)", fn, x.str());
-  std::vector<int64_t> half = x.shape();
-  half.back() /= 2;
-  MT_CHECK(y.shape() == half && y.dtype() == x.dtype(), "{}: y {} must be x {} with the last dimension halved", fn,
-           y.str(), x.str());
-  check_fp8_out(q, y, scale, amax, fn);
-  check_same_device({&y, &q, &x, &scale, &amax});
+  const std::vector<int64_t> half = halved(x, fn);
+  if (!y.empty()) {
+    check_act(y, fn, "y");
+    MT_CHECK(y.shape() == half && y.dtype() == x.dtype(), "{}: y {} must be x {} with the last dimension halved", fn,
+             y.str(), x.str());
+  }
+  check_fp8_pair(q, q_t, half, fn, "q", "q_t");
+  op_checks::check_fp8_scale_amax(scale, amax, fn);
+  check_same_device({&y, &q, &q_t, &x, &scale, &amax});
   op_checks::check_stream(stream, x, fn);
-  MT_DISPATCH(x.device(), fp8_swiglu_forward, y, q, x, scale, amax, stream);
+  MT_DISPATCH(x.device(), fp8_swiglu_forward, y, q, q_t, x, scale, amax, stream);
+}
+
+void fp8_swiglu_backward(const Tensor& dq, const Tensor& dq_t, const Tensor& dy, const Tensor& x, const Tensor& scale,
+                         const Tensor& amax, const Stream& stream) {
+  const char* fn = "fp8_swiglu_backward";
+  const std::vector<int64_t> half = halved(x, fn);
+  check_act(dy, fn, "dy");
+  MT_CHECK(dy.shape() == half && dy.dtype() == x.dtype(), "{}: dy {} must be x {} with the last dimension halved", fn,
+           dy.str(), x.str());
+  check_fp8_pair(dq, dq_t, x.shape(), fn, "dq", "dq_t");
+  op_checks::check_fp8_scale_amax(scale, amax, fn);
+  check_same_device({&dq, &dq_t, &dy, &x, &scale, &amax});
+  op_checks::check_stream(stream, x, fn);
+  MT_DISPATCH(x.device(), fp8_swiglu_backward, dq, dq_t, dy, x, scale, amax, stream);
 }
 
 }  // namespace mt

@@ -7,14 +7,18 @@
 // quantised, and blockwise scaling is out of this op's scope, so those recipes keep the separate
 // pass (as TE's current scaling does).
 //
+// The SwiGLU's backward writes linear_fc1's FP8 output gradient the same way.
+//
 // The result is defined as the unfused composition on the same backend, bit for bit:
-//   op_forward(y, ..., x)                       (rmsnorm_forward / swiglu_forward: y in the act dtype)
-//   fp8_quantize(q, {}, y, scale, amax)         (q = fp8(y · scale) of the STORED y; amax record)
+//   op(y, ..., x)                               (rmsnorm_forward / swiglu_forward / swiglu_backward:
+//                                                y in the act dtype)
+//   fp8_quantize(q, q_t, y, scale, amax)        (q = fp8(y · scale) of the STORED y; amax record)
 // i.e. the value quantised is y after its rounding to the act dtype, the value the unfused
-// quantiser reads back. The CPU backend runs that composition (the reference); the CUDA kernels
-// are the forward kernels of ops/cuda/rmsnorm.cu and swiglu.cu with an FP8 epilogue, so y and rstd
-// are those of the unfused CUDA op and q, amax those of the CPU quantiser applied to that y
-// (tests/ops/fp8_fused_cuda_test.cpp).
+// quantiser reads back. The CPU backend runs that composition (the reference). On CUDA the RMSNorm
+// is the forward kernel of ops/cuda/rmsnorm.cu with an FP8 epilogue; the SwiGLU ops are
+// fp8_quantize's cast + transpose kernel (ops/cuda/fp8.cu) computing the activation (or its
+// gradient) where it loads its input; y, rstd, dx are those of the unfused CUDA op and q, q_t, amax
+// those of the CPU quantiser applied to them (tests/ops/fp8_fused_cuda_test.cpp).
 #pragma once
 #include "core/stream.h"
 #include "core/tensor.h"
@@ -33,13 +37,27 @@ void fp8_rmsnorm_forward(const Tensor& y, const Tensor& q, const Tensor& rstd, c
                          float eps, const Tensor& scale, const Tensor& amax, const Stream& stream,
                          bool zero_centered_gamma = false);
 
-/// swiglu_forward(y, x) (ops/swiglu.h) and, in the same pass, q = fp8(y · scale[0]) of the stored y
-/// and the amax record, as fp8_rmsnorm_forward. x: [..., 2f], y and q: [..., f]. Errors: as
-/// swiglu_forward, and q / scale / amax as fp8_rmsnorm_forward.
-void fp8_swiglu_forward(const Tensor& y, const Tensor& q, const Tensor& x, const Tensor& scale, const Tensor& amax,
-                        const Stream& stream);
+/// swiglu_forward(y, x) (ops/swiglu.h) and, in the same pass, the FP8 copies of its stored output
+/// with scale[0] — q [..., f] = fp8(y · scale) and its transpose q_t [f, rows] (the cast +
+/// transpose of fp8_quantize, rows = numel(y) / f) — and the amax record, as fp8_rmsnorm_forward.
+/// y may be empty: not written (the value quantised is still y rounded to x's dtype, what y would
+/// hold), e.g. for linear_fc2, whose backward reads only the saved q_t. q or q_t may be empty (not
+/// written), not both. x: [..., 2f] (gate half, then linear half). Errors: as swiglu_forward, and
+/// q / q_t / scale / amax as fp8_quantize; CUDA: more than 65535 · 128 rows.
+void fp8_swiglu_forward(const Tensor& y, const Tensor& q, const Tensor& q_t, const Tensor& x, const Tensor& scale,
+                        const Tensor& amax, const Stream& stream);
+
+/// swiglu_backward(dx, dy, x) (ops/swiglu.h) stored in x's dtype, then quantised as fp8_quantize
+/// (dq, dq_t, dx, scale, amax) — in one pass, without writing dx: the output gradient of
+/// linear_fc1 in FP8 (its dgrad reads dq, its wgrad dq_t; Transformer Engine's dswiglu with FP8
+/// output). dy: [..., f]; x: [..., 2f]; dq: x's shape, dq_t: [2f, rows] (either may be empty, not
+/// both), kF8E4M3 or kF8E5M2; scale, amax as fp8_quantize. Errors: as swiglu_backward and
+/// fp8_quantize.
+void fp8_swiglu_backward(const Tensor& dq, const Tensor& dq_t, const Tensor& dy, const Tensor& x, const Tensor& scale,
+                         const Tensor& amax, const Stream& stream);
 
 MT_OP_BACKENDS(fp8_rmsnorm_forward)
 MT_OP_BACKENDS(fp8_swiglu_forward)
+MT_OP_BACKENDS(fp8_swiglu_backward)
 
 }  // namespace mt

@@ -905,9 +905,15 @@ void validate_pretrain_args(PretrainArgs& a) {
              "--fp8-param-gather requires --use-distributed-optimizer (the distributed optimizer gathers the FP8 "
              "weights, as in Megatron)");
   MT_REQUIRE(!a.model.fp8_param || a.model.fp8 != Fp8Format::kNone, "--fp8-param-gather needs --fp8-format");
-  // Not a flag: delayed scaling's fused FP8 producers (docs/fp8.md "What fuses"), off until they are
-  // the faster step; MT_FP8_FUSED_PRODUCERS=1 turns them on for bench/fp8_profile.sh's comparison.
-  if (const char* e = std::getenv("MT_FP8_FUSED_PRODUCERS")) a.model.fp8_fused_producers = std::string(e) == "1";
+  // Not a flag: delayed scaling's fused FP8 producers (docs/fp8.md "What fuses") for measurements
+  // (bench/fp8_profile.sh): MT_FP8_FUSED_PRODUCERS=1 the norms' and the SwiGLU's, =act the SwiGLU's
+  // (the default), =0 none.
+  if (const char* e = std::getenv("MT_FP8_FUSED_PRODUCERS")) {
+    const std::string v(e);
+    MT_REQUIRE(v == "1" || v == "act" || v == "0", "MT_FP8_FUSED_PRODUCERS={}: expected 1, act or 0", v);
+    a.model.fp8_fused_norm = v == "1";
+    a.model.fp8_fused_activation = v != "0";
+  }
   // Megatron: with bf16 and the default fp32 --main-params-dtype this stores the main parameters
   // as remainders (optimizer_config.py store_param_remainders). Unlike Megatron it does not need
   // --use-distributed-optimizer.

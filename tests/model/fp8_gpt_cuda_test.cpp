@@ -327,16 +327,17 @@ struct GpuTwins {
 };
 
 // Delayed scaling's fused producers on the GPU (docs/fp8.md "Fused quantisation"): the RMSNorms
-// and the SwiGLU writing the FP8 inputs of linear_qkv, linear_fc1 and linear_fc2 (the CUDA kernels
-// with the FP8 epilogue) give the unfused model's loss, gradients and FP8 state bitwise over two
-// steps (bf16, deterministic: no float atomics).
+// and the SwiGLU writing the FP8 inputs of linear_qkv, linear_fc1 and linear_fc2 (the norms' FP8
+// epilogue; the SwiGLU's cast + transpose kernel, with fc2's saved transpose) and the SwiGLU's
+// backward writing linear_fc1's FP8 output gradient give the unfused model's loss, gradients and
+// FP8 state bitwise over two steps (bf16, deterministic: no float atomics).
 TEST(Fp8GptCuda, FusedProducersAreBitwise) {
   MT_REQUIRE_CUDA();
   TransformerConfig c = fp8_config(Fp8Recipe::kDelayed, Fp8Format::kHybrid, true, false);
   c.deterministic_mode = true;
-  c.fp8_fused_producers = true;
+  c.fp8_fused_norm = c.fp8_fused_activation = true;
   TransformerConfig cu = c;
-  cu.fp8_fused_producers = false;
+  cu.fp8_fused_norm = cu.fp8_fused_activation = false;
   GpuTwins tw(c, cu);
   Stream& gs = tw.gs;
   GPTModel &fused = tw.first, &plain = tw.second;
@@ -360,7 +361,9 @@ TEST(Fp8GptCuda, FusedProducersAreBitwise) {
     EXPECT_EQ(fp8_state(fused, c.num_layers, gs), fp8_state(plain, c.num_layers, gs)) << "FP8 state";
   }
   EXPECT_EQ(fused.fp8()->fused_inputs(), 2 * 3 * c.num_layers);  // qkv, fc1, fc2 of each layer, each step
+  EXPECT_EQ(fused.fp8()->fused_grads(), 2 * c.num_layers);       // fc1 of each layer, each step
   EXPECT_EQ(plain.fp8()->fused_inputs(), 0);
+  EXPECT_EQ(plain.fp8()->fused_grads(), 0);
 }
 
 // The FP8 weight copies kept in the bytes of the bf16 weights (TransformerConfig::

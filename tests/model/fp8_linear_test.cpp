@@ -557,53 +557,110 @@ TEST(Fp8Linear, SavedInputEqualsRequantizedInput) {
   }
 }
 
-// A fused producer (SwiGLU -> FP8, delayed scaling) writing the linear's xq, then forward_fused:
-// every output, the saved x_t (through dw) and the recorded state bitwise the unfused forward of
-// the producer's stored output.
+// A fused producer (SwiGLU -> FP8, delayed scaling) writing the linear's xq — with the saved input
+// also its transpose x_t, with or without its bf16 output — then forward_fused: every output, the
+// saved x_t (through dw) and the recorded state bitwise the unfused forward of the producer's
+// stored output.
 TEST(Fp8Linear, FusedProducerEqualsUnfused) {
-  for (bool save_input : {true, false}) {
-    SCOPED_TRACE(save_input ? "saved" : "requantised");
-    const int64_t out = 32, in = 160, m = 48;
-    const Stream& st = testing::cpu_stream();
-    Harness a(Fp8Recipe::kDelayed, Fp8Format::kHybrid, out, in, m, save_input, false),
-        b(Fp8Recipe::kDelayed, Fp8Format::kHybrid, out, in, m, save_input, false);
-    a.model->set_training(true);
-    b.model->set_training(true);
-    const std::vector<float> x2 = testing::randn(m * 2 * in, 3.f), w = testing::randn(out * in, 0.05f),
-                             bias = testing::randn(out, 0.1f), dy = testing::randn(m * out, 1e-3f);
-    const testing::OwnedTensor x2t = Io::make(x2, {m, 2 * in}), act(DType::kF32, Device::cpu(), {m, in});
-    swiglu_forward(act, x2t, st);
-    const std::vector<float> x = to_host(act, st);
-    const Outputs ref = run(a, m, x, w, bias, dy);
-    Io io(b, m, x, w, bias, dy);
-    const testing::OwnedTensor act2(DType::kF32, Device::cpu(), {m, in});
-    const Fp8Linear::FusedInput fi = b.lin->fused_input(m);
-    ASSERT_FALSE(fi.record.empty());
-    fp8_swiglu_forward(act2, fi.xq, x2t, fi.scale, fi.record, st);
-    b.lin->forward_fused(io.y, io.bt, io.pre, 0, st);
-    b.lin->backward({io.dx, b.weight.grad(), GradWrite::kOverwrite, io.db, Tensor(), Tensor()}, io.dyt, act2, 0, st);
-    Outputs o{to_host(io.y, st), to_host(io.pre, st), to_host(io.dx, st), to_host(b.weight.grad(), st), {},
-              to_host(io.db, st)};
-    b.lin->backward({Tensor(), b.weight.grad(), GradWrite::kAccumulate, Tensor(), Tensor(), Tensor()}, io.dyt, act2,
-                    0, st);
-    o.dw2 = to_host(b.weight.grad(), st);
-    EXPECT_EQ(to_host(act2, st), x);
-    EXPECT_EQ(ref.y, o.y);
-    EXPECT_EQ(ref.pre, o.pre);
-    EXPECT_EQ(ref.dx, o.dx);
-    EXPECT_EQ(ref.dw, o.dw);
-    EXPECT_EQ(ref.dw2, o.dw2);
-    EXPECT_EQ(ref.db, o.db);
-    const auto [fa, ba] = a.model->layer_state(0, st);
-    const auto [fb, bb] = b.model->layer_state(0, st);
-    const std::vector<float> sa = to_host(fa, st);
-    EXPECT_EQ(sa, to_host(fb, st));
-    EXPECT_EQ(to_host(ba, st), to_host(bb, st));
-    EXPECT_EQ(sa[0], amax_of(x)) << "x's record";
-  }
+  for (bool save_input : {true, false})
+    for (bool transposed : {false, true}) {
+      if (transposed && !save_input) continue;
+      SCOPED_TRACE(save_input ? (transposed ? "saved, written by the producer" : "saved") : "requantised");
+      const int64_t out = 32, in = 160, m = 48;
+      const Stream& st = testing::cpu_stream();
+      Harness a(Fp8Recipe::kDelayed, Fp8Format::kHybrid, out, in, m, save_input, false),
+          b(Fp8Recipe::kDelayed, Fp8Format::kHybrid, out, in, m, save_input, false);
+      a.model->set_training(true);
+      b.model->set_training(true);
+      const std::vector<float> x2 = testing::randn(m * 2 * in, 3.f), w = testing::randn(out * in, 0.05f),
+                               bias = testing::randn(out, 0.1f), dy = testing::randn(m * out, 1e-3f);
+      const testing::OwnedTensor x2t = Io::make(x2, {m, 2 * in}), act(DType::kF32, Device::cpu(), {m, in});
+      swiglu_forward(act, x2t, st);
+      const std::vector<float> x = to_host(act, st);
+      const Outputs ref = run(a, m, x, w, bias, dy);
+      Io io(b, m, x, w, bias, dy);
+      const testing::OwnedTensor act2(DType::kF32, Device::cpu(), {m, in});
+      const Fp8Linear::FusedInput fi = b.lin->fused_input(m, 0, transposed);
+      ASSERT_FALSE(fi.record.empty());
+      ASSERT_EQ(fi.x_t.empty(), !transposed);
+      // with x_t written by the producer nothing reads the bf16 input: the producer skips it
+      fp8_swiglu_forward(transposed ? Tensor() : Tensor(act2), fi.xq, fi.x_t, x2t, fi.scale, fi.record, st);
+      b.lin->forward_fused(io.y, io.bt, io.pre, 0, st);
+      const Tensor xin = transposed ? Tensor(act) : Tensor(act2);  // read by the backward only when not saved
+      b.lin->backward({io.dx, b.weight.grad(), GradWrite::kOverwrite, io.db, Tensor(), Tensor()}, io.dyt, xin, 0, st);
+      Outputs o{to_host(io.y, st), to_host(io.pre, st), to_host(io.dx, st), to_host(b.weight.grad(), st), {},
+                to_host(io.db, st)};
+      b.lin->backward({Tensor(), b.weight.grad(), GradWrite::kAccumulate, Tensor(), Tensor(), Tensor()}, io.dyt, xin,
+                      0, st);
+      o.dw2 = to_host(b.weight.grad(), st);
+      if (!transposed) EXPECT_EQ(to_host(act2, st), x);
+      EXPECT_EQ(ref.y, o.y);
+      EXPECT_EQ(ref.pre, o.pre);
+      EXPECT_EQ(ref.dx, o.dx);
+      EXPECT_EQ(ref.dw, o.dw);
+      EXPECT_EQ(ref.dw2, o.dw2);
+      EXPECT_EQ(ref.db, o.db);
+      const auto [fa, ba] = a.model->layer_state(0, st);
+      const auto [fb, bb] = b.model->layer_state(0, st);
+      const std::vector<float> sa = to_host(fa, st);
+      EXPECT_EQ(sa, to_host(fb, st));
+      EXPECT_EQ(to_host(ba, st), to_host(bb, st));
+      EXPECT_EQ(sa[0], amax_of(x)) << "x's record";
+    }
   Harness tw(Fp8Recipe::kTensorwise, Fp8Format::kE4M3, 32, 160, 48, true, false);
-  testing::expect_error([&] { tw.lin->fused_input(48); },
+  testing::expect_error([&] { tw.lin->fused_input(48, 0); },
                         "decoder.layers.0.test: a fused FP8 producer needs delayed scaling");
+}
+
+// A fused producer of dy (SwiGLU's backward -> FP8, delayed scaling: linear_fc1's output gradient)
+// writing the linear's dyq and dyq_t, then backward: dx, dw and the recorded dy amax bitwise the
+// unfused backward of the producer's stored gradient; the next (unfused) backward is unaffected; a
+// bias gradient, another recipe or row count are refused.
+TEST(Fp8Linear, FusedGradEqualsUnfused) {
+  const int64_t out = 160, in = 32, m = 48;  // out = 2f: the SwiGLU's input width
+  const Stream& st = testing::cpu_stream();
+  Harness a(Fp8Recipe::kDelayed, Fp8Format::kHybrid, out, in, m, true, false),
+      b(Fp8Recipe::kDelayed, Fp8Format::kHybrid, out, in, m, true, false);
+  a.model->set_training(true);
+  b.model->set_training(true);
+  const std::vector<float> x = testing::randn(m * in), w = testing::randn(out * in, 0.05f),
+                           pre = testing::randn(m * out, 3.f), dact = testing::randn(m * out / 2, 1e-3f);
+  const testing::OwnedTensor pret = Io::make(pre, {m, out}), dactt = Io::make(dact, {m, out / 2});
+  const testing::OwnedTensor dyt(DType::kF32, Device::cpu(), {m, out}), junk(DType::kF32, Device::cpu(), {m, out});
+  swiglu_backward(dyt, dactt, pret, st);
+  const std::vector<float> dy = to_host(dyt, st), zeros(out, 0.f);
+  testing::poison(junk, st);  // the fused backward must not read its dy argument
+  Io ia(a, m, x, w, zeros, dy), ib(b, m, x, w, zeros, dy);
+  a.lin->forward(ia.y, ia.xt, Tensor(), Tensor(), 0, st);
+  b.lin->forward(ib.y, ib.xt, Tensor(), Tensor(), 0, st);
+  a.lin->backward({ia.dx, a.weight.grad(), GradWrite::kOverwrite, Tensor(), Tensor(), Tensor()}, dyt, ia.xt, 0, st);
+  ASSERT_TRUE(b.lin->takes_fused_grad(m));
+  const Fp8Linear::FusedGrad g = b.lin->fused_grad(m);
+  ASSERT_FALSE(g.record.empty());
+  fp8_swiglu_backward(g.dyq, g.dyq_t, dactt, pret, g.scale, g.record, st);
+  b.lin->backward({ib.dx, b.weight.grad(), GradWrite::kOverwrite, Tensor(), Tensor(), Tensor()}, junk, ib.xt, 0, st);
+  EXPECT_EQ(to_host(ia.dx, st), to_host(ib.dx, st));
+  EXPECT_EQ(to_host(a.weight.grad(), st), to_host(b.weight.grad(), st));
+  const auto [fa, ba] = a.model->layer_state(0, st);
+  const auto [fb, bb] = b.model->layer_state(0, st);
+  const std::vector<float> dba = to_host(ba, st);
+  EXPECT_EQ(dba, to_host(bb, st));
+  EXPECT_EQ(dba[0], amax_of(dy)) << "dy's record";
+  // the next backward quantises its dy again
+  a.lin->backward({Tensor(), a.weight.grad(), GradWrite::kAccumulate, Tensor(), Tensor(), Tensor()}, dyt, ia.xt, 0, st);
+  b.lin->backward({Tensor(), b.weight.grad(), GradWrite::kAccumulate, Tensor(), Tensor(), Tensor()}, dyt, ib.xt, 0, st);
+  EXPECT_EQ(to_host(a.weight.grad(), st), to_host(b.weight.grad(), st));
+  // refused: a bias gradient from the FP8 dy, other recipes, other row counts
+  b.lin->fused_grad(m);
+  testing::expect_error(
+      [&] { b.lin->backward({Tensor(), b.weight.grad(), GradWrite::kAccumulate, ib.db, Tensor(), Tensor()}, junk,
+                            ib.xt, 0, st); },
+      "decoder.layers.0.test: a bias gradient needs the high-precision dy");
+  EXPECT_FALSE(b.lin->takes_fused_grad(32));
+  testing::expect_error([&] { b.lin->fused_grad(32); }, "needs delayed scaling and the planned 48 rows");
+  Harness tw(Fp8Recipe::kTensorwise, Fp8Format::kHybrid, out, in, m, true, false);
+  EXPECT_FALSE(tw.lin->takes_fused_grad(m));
+  testing::expect_error([&] { tw.lin->fused_grad(m); }, "got 48 rows (recipe tensorwise)");
 }
 
 TEST(Fp8Linear, Errors) {
@@ -660,7 +717,7 @@ TEST(Fp8Linear, ForwardAddEqualsForwardPlusResidual) {
       // the producer's FP8 bytes (a fused producer writes exactly fp8_quantize's) into forward_fused_add
       Harness c(r, Fp8Format::kHybrid, out, in, m, false, false);
       Io ic(c, m, x, w, bias, dy);
-      const Fp8Linear::FusedInput fi = c.lin->fused_input(m);
+      const Fp8Linear::FusedInput fi = c.lin->fused_input(m, 0);
       fp8_quantize(fi.xq, Tensor(), ic.xt, fi.scale, fi.record, st);
       c.lin->forward_fused_add(ic.y, with_bias ? Tensor(ic.bt) : Tensor(), rt, 0, st);
       EXPECT_EQ(to_host(ic.y, st), want) << "forward_fused_add";

@@ -1,9 +1,10 @@
 // Fused FP8 quantisation on CUDA (ops/fp8_fused.h) against the unfused CUDA path and the CPU
-// reference: for RMSNorm (with and without zero-centred gamma) and SwiGLU, fp32 / bf16 / fp16
+// reference: for RMSNorm (with and without zero-centred gamma), SwiGLU (with and without its bf16
+// output, with the transposed bytes) and SwiGLU's backward, fp32 / bf16 / fp16
 // activations, e4m3 / e5m2, ragged shapes (scalar and 16-byte vector kernels), with and without
 // the amax record:
-//  * the fused kernel equals the unfused CUDA composition (the forward op, then fp8_quantize)
-//    bit for bit — y, rstd, the FP8 bytes and the amax record (what wiring it into the layers
+//  * the fused kernel equals the unfused CUDA composition (the op, then fp8_quantize)
+//    bit for bit — y, rstd, the FP8 bytes, their transpose and the amax record (what wiring it into the layers
 //    needs: the FP8 layouts' results do not move);
 //  * its FP8 bytes and amax are the CPU quantiser's (fp8_quantize, the emulation) of its own y,
 //    bit for bit;
@@ -42,35 +43,49 @@ std::pair<std::vector<uint8_t>, float> cpu_quantize(const std::vector<float>& y,
 }
 
 TEST(Fp8FusedCuda, EqualsUnfusedAndCpuQuantizer) {
-  for (const Op op : {Op::kRmsNorm, Op::kSwiglu})
+  for (const Op op : {Op::kRmsNorm, Op::kSwiglu, Op::kSwigluGrad})
     for (const DType act : {DType::kF32, DType::kBF16, DType::kF16})
       for (const DType fp8 : {DType::kF8E4M3, DType::kF8E5M2})
         for (const auto [rows, cols] : {std::pair<int64_t, int64_t>{1, 16}, {7, 34}, {33, 256}, {300, 4096}})
           for (const float amax0 : {-1.f, 0.f}) {
             const bool zc = rows == 7;
-            SCOPED_TRACE(fmt::format("{} {} {} [{}, {}] amax0 {} zc {}", op == Op::kRmsNorm ? "rmsnorm" : "swiglu",
+            SCOPED_TRACE(fmt::format("{} {} {} [{}, {}] amax0 {} zc {}", fp8_fused_test::op_name(op),
                                      dtype_name(act), dtype_name(fp8), rows, cols, amax0, zc));
             Inputs in = fp8_fused_test::inputs(rows, cols, fp8, amax0, /*nan_row=*/true);
             in.x = testing::rounded(in.x, act);
             in.weight = testing::rounded(in.weight, act);
+            in.dy = testing::rounded(in.dy, act);
             const Outputs f = run(op, true, in, rows, cols, act, fp8, kGpu, cuda_stream(), zc);
             const Outputs u = run(op, false, in, rows, cols, act, fp8, kGpu, cuda_stream(), zc);
-            EXPECT_TRUE(testing::same_bits(f.y, u.y)) << "y";
+            if (op != Op::kSwigluGrad) EXPECT_TRUE(testing::same_bits(f.y, u.y)) << "y";  // the backward writes no dx
             EXPECT_TRUE(testing::same_bits(f.rstd, u.rstd)) << "rstd";
             EXPECT_EQ(f.q, u.q) << "FP8 bytes";
+            EXPECT_EQ(f.qt, u.qt) << "transposed FP8 bytes";
             EXPECT_TRUE(testing::same_bits(f.amax, u.amax)) << "amax record";
-            const auto [cq, camax] = cpu_quantize(f.y, rows, fp8, in.scale, amax0);
+            if (op == Op::kSwiglu) {  // without y: the same bytes and record
+              const Outputs n = run(op, true, in, rows, cols, act, fp8, kGpu, cuda_stream(), zc, false);
+              EXPECT_EQ(n.q, u.q) << "FP8 bytes without y";
+              EXPECT_EQ(n.qt, u.qt) << "transposed FP8 bytes without y";
+              EXPECT_TRUE(testing::same_bits(n.amax, u.amax)) << "amax record without y";
+            }
+            const auto [cq, camax] = cpu_quantize(u.y, rows, fp8, in.scale, amax0);
             EXPECT_EQ(f.q, cq) << "FP8 bytes against the CPU quantiser of the same y";
             EXPECT_EQ(f.amax[0], camax) << "amax against the CPU";
+            if (op != Op::kRmsNorm) {
+              const size_t ycols = f.q.size() / static_cast<size_t>(rows);
+              size_t bad = 0;
+              for (size_t i = 0; i < f.q.size(); ++i) bad += f.qt[(i % ycols) * rows + i / ycols] != f.q[i];
+              EXPECT_EQ(bad, 0u) << "q_t is not the transpose of q";
+            }
             // y against the CPU op (fp32 reference on the act-rounded inputs), NaN rows excluded
             const Outputs c = run(op, false, in, rows, cols, DType::kF32, fp8, kCpu, cpu_stream(), zc);
             double worst = 0;
             for (size_t i = 0; i < c.y.size(); ++i) {
               if (std::isnan(c.y[i])) {
-                EXPECT_TRUE(std::isnan(f.y[i])) << i;
+                EXPECT_TRUE(std::isnan(u.y[i])) << i;
                 continue;
               }
-              worst = std::max(worst, std::fabs(double(f.y[i]) - c.y[i]) / std::max(1.0, std::fabs(double(c.y[i]))));
+              worst = std::max(worst, std::fabs(double(u.y[i]) - c.y[i]) / std::max(1.0, std::fabs(double(c.y[i]))));
             }
             EXPECT_LT(worst, act == DType::kF32 ? 1e-5 : 1e-2) << "y against the CPU op";
           }

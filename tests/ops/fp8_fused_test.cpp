@@ -1,8 +1,8 @@
-// Fused FP8 quantisation on the CPU (ops/fp8_fused.h): RMSNorm and SwiGLU with FP8 output equal
-// the unfused composition (the forward op, then fp8_quantize of its output) bit for bit — y, rstd,
-// the FP8 bytes and the amax record — at ragged shapes, for both formats, with saturation, a NaN
-// and a previous record above and below the tensor's amax; the bytes are the host conversion of
-// y · scale element by element; every documented error.
+// Fused FP8 quantisation on the CPU (ops/fp8_fused.h): RMSNorm, SwiGLU and SwiGLU's backward with
+// FP8 output equal the unfused composition (the op, then fp8_quantize of its output) bit for bit —
+// y, rstd, the FP8 bytes (and their transpose) and the amax record — at ragged shapes, for both
+// formats, with saturation, a NaN and a previous record above and below the tensor's amax; the
+// bytes are the host conversion of y · scale element by element; every documented error.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -23,25 +23,35 @@ using testing::expect_error;
 const Device kCpu = Device::cpu();
 
 TEST(Fp8Fused, EqualsUnfusedComposition) {
-  for (const Op op : {Op::kRmsNorm, Op::kSwiglu})
+  for (const Op op : {Op::kRmsNorm, Op::kSwiglu, Op::kSwigluGrad})
     for (const DType fp8 : {DType::kF8E4M3, DType::kF8E5M2})
       for (const auto [rows, cols] : {std::pair<int64_t, int64_t>{1, 16}, {7, 34}, {33, 256}})
         for (const float amax0 : {-1.f, 0.f, 1e6f}) {
-          SCOPED_TRACE(fmt::format("{} {} [{}, {}] amax0 {}", op == Op::kRmsNorm ? "rmsnorm" : "swiglu",
-                                   dtype_name(fp8), rows, cols, amax0));
+          SCOPED_TRACE(fmt::format("{} {} [{}, {}] amax0 {}", fp8_fused_test::op_name(op), dtype_name(fp8), rows,
+                                   cols, amax0));
           const Inputs in = fp8_fused_test::inputs(rows, cols, fp8, amax0, /*nan_row=*/true);
           const Outputs f = run(op, true, in, rows, cols, DType::kF32, fp8, kCpu, cpu_stream(), rows == 7);
           const Outputs u = run(op, false, in, rows, cols, DType::kF32, fp8, kCpu, cpu_stream(), rows == 7);
-          EXPECT_TRUE(testing::same_bits(f.y, u.y));
+          if (op != Op::kSwigluGrad) EXPECT_TRUE(testing::same_bits(f.y, u.y));  // the backward writes no dx
           EXPECT_TRUE(testing::same_bits(f.rstd, u.rstd));
           EXPECT_EQ(f.q, u.q);
+          EXPECT_EQ(f.qt, u.qt);
           EXPECT_TRUE(testing::same_bits(f.amax, u.amax));
-          // the bytes: the host conversion of y · scale (NaN -> 0x7f); the record: max(amax0, max |y|)
+          if (op == Op::kSwiglu) {  // without y: the same bytes and record
+            const Outputs n = run(op, true, in, rows, cols, DType::kF32, fp8, kCpu, cpu_stream(), false, false);
+            EXPECT_EQ(n.q, u.q);
+            EXPECT_EQ(n.qt, u.qt);
+            EXPECT_TRUE(testing::same_bits(n.amax, u.amax));
+          }
+          // the bytes: the host conversion of y · scale (NaN -> 0x7f), q_t their transpose; the
+          // record: max(amax0, max |y|)
           float m = 0.f;
           bool saturated = false;
-          for (size_t i = 0; i < f.y.size(); ++i) {
-            const float v = f.y[i];
+          const size_t ycols = u.y.size() / static_cast<size_t>(rows);
+          for (size_t i = 0; i < u.y.size(); ++i) {
+            const float v = u.y[i];
             EXPECT_EQ(f.q[i], std::isnan(v) ? 0x7f : f32_to_fp8_bits(fp8, v * in.scale)) << i;
+            if (op != Op::kRmsNorm) EXPECT_EQ(f.qt[(i % ycols) * rows + i / ycols], f.q[i]) << i;
             if (!std::isnan(v)) m = std::max(m, std::fabs(v));
             saturated = saturated || (std::fabs(v * in.scale) > fp8_max(fp8));
           }
@@ -67,12 +77,30 @@ TEST(Fp8Fused, Errors) {
   expect_error([&] { fp8_rmsnorm_forward(y, q, rstd, x.t.slice(1, 0, 16), w, 1e-5f, s, Tensor(), st); },
                "must be contiguous");
   const testing::OwnedTensor xo(DType::kF32, kCpu, {4, 33});
-  expect_error([&] { fp8_swiglu_forward(ys, qs, xo, s, Tensor(), st); },
+  const testing::OwnedTensor qts(DType::kF8E4M3, kCpu, {16, 4}), qt5(DType::kF8E5M2, kCpu, {16, 4});
+  const testing::OwnedTensor qt(DType::kF8E4M3, kCpu, {32, 4});
+  expect_error([&] { fp8_swiglu_forward(ys, qs, Tensor(), xo, s, Tensor(), st); },
                "fp8_swiglu_forward: the last dimension of x fp32[4, 33]@cpu must be even");
-  expect_error([&] { fp8_swiglu_forward(y, q, x, s, Tensor(), st); },
+  expect_error([&] { fp8_swiglu_forward(y, q, Tensor(), x, s, Tensor(), st); },
                "y fp32[4, 32]@cpu must be x fp32[4, 32]@cpu with the last dimension halved");
-  expect_error([&] { fp8_swiglu_forward(ys, q, x, s, Tensor(), st); }, "must be contiguous with y's shape [4, 16]");
-  fp8_swiglu_forward(ys, qs, x, s, Tensor(), st);  // well-formed
+  expect_error([&] { fp8_swiglu_forward(ys, q, Tensor(), x, s, Tensor(), st); },
+               "q fp8_e4m3[4, 32]@cpu must be contiguous of shape [4, 16]");
+  expect_error([&] { fp8_swiglu_forward(ys, Tensor(), q, x, s, Tensor(), st); },
+               "q_t fp8_e4m3[4, 32]@cpu must be a contiguous [16, 4] (the transpose)");
+  expect_error([&] { fp8_swiglu_forward(ys, qs, qt5, x, s, Tensor(), st); }, "need one FP8 dtype");
+  expect_error([&] { fp8_swiglu_forward(ys, Tensor(), Tensor(), x, s, Tensor(), st); },
+               "q and q_t are both empty: nothing to write");
+  fp8_swiglu_forward(ys, qs, qts, x, s, Tensor(), st);        // well-formed
+  fp8_swiglu_forward(Tensor(), qs, Tensor(), x, s, s, st);    // without y
+  expect_error([&] { fp8_swiglu_backward(q, qt, y, x, s, Tensor(), st); },
+               "fp8_swiglu_backward: dy fp32[4, 32]@cpu must be x fp32[4, 32]@cpu with the last dimension halved");
+  expect_error([&] { fp8_swiglu_backward(qs, qt, ys, x, s, Tensor(), st); },
+               "dq fp8_e4m3[4, 16]@cpu must be contiguous of shape [4, 32]");
+  expect_error([&] { fp8_swiglu_backward(q, qts, ys, x, s, Tensor(), st); },
+               "dq_t fp8_e4m3[16, 4]@cpu must be a contiguous [32, 4] (the transpose)");
+  expect_error([&] { fp8_swiglu_backward(q, qt, ys, x, s2, Tensor(), st); },
+               "scale must be a contiguous fp32 tensor of 1 element(s), got fp32[2]");
+  fp8_swiglu_backward(q, qt, ys, x, s, Tensor(), st);  // well-formed
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 // Helpers of the fused FP8 quantisation tests (fp8_fused_test.cpp, fp8_fused_cuda_test.cpp): one
-// run of RMSNorm or SwiGLU with FP8 output, fused (ops/fp8_fused.h) or unfused (the forward op,
-// then fp8_quantize of its output), on any device and act dtype, outputs poisoned before the call.
+// run of RMSNorm, SwiGLU or SwiGLU's backward with FP8 output, fused (ops/fp8_fused.h) or unfused
+// (the op, then fp8_quantize of its output), on any device and act dtype, outputs poisoned before
+// the call.
 #pragma once
 #include <cstdint>
 #include <vector>
@@ -18,34 +19,52 @@ using testing::make_tensor;
 using testing::OwnedTensor;
 using testing::to_host;
 
-/// The outputs of one run: y (act dtype, as floats), rstd (RMSNorm), q (FP8 bytes), amax record.
+/// The outputs of one run: y (act dtype, as floats; the backward's dx; empty where the fused op
+/// does not write it), rstd (RMSNorm), q and q_t (FP8 bytes; q_t: the SwiGLU ops), amax record.
 struct Outputs {
   std::vector<float> y, rstd, amax;
-  std::vector<uint8_t> q;
+  std::vector<uint8_t> q, qt;
 };
 
 struct Inputs {
   std::vector<float> x, weight;  // weight: RMSNorm only
+  std::vector<float> dy;         // the backward's output gradient [rows, cols / 2]
   float scale = 1.f;             // the quantisation scale
   float amax0 = -1.f;            // the amax record's value before the call; < 0: no record
 };
 
-enum class Op { kRmsNorm, kSwiglu };
+enum class Op { kRmsNorm, kSwiglu, kSwigluGrad };
+
+inline const char* op_name(Op op) {
+  return op == Op::kRmsNorm ? "rmsnorm" : op == Op::kSwiglu ? "swiglu" : "swiglu backward";
+}
 
 /// x: [rows, cols] (SwiGLU: [rows, 2f], cols = 2f); the op in act dtype `act`, FP8 output `fp8`.
+/// write_y = false: the fused SwiGLU forward without y (its bytes must not change).
 inline Outputs run(Op op, bool fused, const Inputs& in, int64_t rows, int64_t cols, DType act, DType fp8,
-                   Device dev, const Stream& st, bool zero_centered_gamma = false) {
+                   Device dev, const Stream& st, bool zero_centered_gamma = false, bool write_y = true) {
   const int64_t ycols = op == Op::kSwiglu ? cols / 2 : cols;
   const OwnedTensor x = make_tensor(in.x, act, dev, {rows, cols}, st);
   const OwnedTensor y(act, dev, {rows, ycols}), rstd(DType::kF32, dev, {rows});
-  const OwnedTensor q(fp8, dev, {rows, ycols});
+  const OwnedTensor q(fp8, dev, {rows, ycols}), qt(fp8, dev, {ycols, rows});
+  const Tensor q_t = op == Op::kRmsNorm ? Tensor() : qt.t;  // the norm writes q only
   const OwnedTensor scale = make_tensor({in.scale}, DType::kF32, dev, {1}, st);
   const OwnedTensor amax = make_tensor({in.amax0 < 0 ? 0.f : in.amax0}, DType::kF32, dev, {1}, st);
   const Tensor rec = in.amax0 < 0 ? Tensor() : amax.t;
   testing::poison(y, st);
   testing::poison(rstd, st);
   fp8_test::poison_bytes(q, st);
-  if (op == Op::kRmsNorm) {
+  fp8_test::poison_bytes(qt, st);
+  const bool y_written = !(fused && (op == Op::kSwigluGrad || !write_y));
+  if (op == Op::kSwigluGrad) {
+    const OwnedTensor dy = make_tensor(in.dy, act, dev, {rows, cols / 2}, st);
+    if (fused) {
+      fp8_swiglu_backward(q, q_t, dy, x, scale, rec, st);
+    } else {
+      swiglu_backward(y, dy, x, st);
+      fp8_quantize(q, q_t, y, scale, rec, st);
+    }
+  } else if (op == Op::kRmsNorm) {
     const OwnedTensor w = make_tensor(in.weight, act, dev, {cols}, st);
     if (fused) {
       fp8_rmsnorm_forward(y, q, rstd, x, w, 1e-5f, scale, rec, st, zero_centered_gamma);
@@ -54,15 +73,16 @@ inline Outputs run(Op op, bool fused, const Inputs& in, int64_t rows, int64_t co
       fp8_quantize(q, Tensor(), y, scale, rec, st);
     }
   } else if (fused) {
-    fp8_swiglu_forward(y, q, x, scale, rec, st);
+    fp8_swiglu_forward(write_y ? y.t : Tensor(), q, q_t, x, scale, rec, st);
   } else {
     swiglu_forward(y, x, st);
-    fp8_quantize(q, Tensor(), y, scale, rec, st);
+    fp8_quantize(q, q_t, y, scale, rec, st);
   }
   Outputs o;
-  o.y = to_host(y, st);
+  if (y_written) o.y = to_host(y, st);
   if (op == Op::kRmsNorm) o.rstd = to_host(rstd, st);
   o.q = fp8_test::to_bytes(q, st);
+  if (!q_t.empty()) o.qt = fp8_test::to_bytes(qt, st);
   o.amax = to_host(amax, st);
   return o;
 }
@@ -78,6 +98,8 @@ inline Inputs inputs(int64_t rows, int64_t cols, DType fp8, float amax0, bool na
   // silu(20)·20 = 400; RMSNorm: 20 / rms >= 2.7 for cols >= 16, times weight 2) exceed 3.
   in.x[(rows - 1) * cols] = in.x[(rows - 1) * cols + cols / 2] = 20.f;
   in.weight[0] = 2.f;
+  in.dy = testing::randn(rows * cols / 2, 2.f);
+  in.dy[(rows - 1) * cols / 2] = 20.f;  // the backward saturates too: dy · silu(20) = 400
   in.scale = fp8_max(fp8) / 3.f;  // |y| > 3 saturates
   in.amax0 = amax0;
   return in;

@@ -73,22 +73,24 @@ TEST_F(Fp8Training, RecipesTrainCloseToFp32) {
 // (Fp8Model::layer_state: the fwd block, then the bwd block), merged over the ranks by element-wise
 // max (pipeline stages hold different layers; an EP rank's block has zeros in the current-scaling
 // amaxes of the experts it does not hold).
-// fused_inputs: rank 0's forwards that took a fused producer's FP8 input (Fp8Model::fused_inputs).
+// fused_inputs / fused_grads: rank 0's forwards / backwards that took a fused producer's FP8 input
+// / output gradient (Fp8Model::fused_inputs, fused_grads).
 struct Fp8Run {
   TrainingResult result;
   std::map<int64_t, std::vector<float>> state;
-  int64_t fused_inputs = 0;
+  int64_t fused_inputs = 0, fused_grads = 0;
 };
 
-// fused_producers: delayed scaling's producers write the FP8 inputs (TransformerConfig::
-// fp8_fused_producers, not a flag; off by default, as in a run).
+// fused_producers: delayed scaling's producers write the FP8 inputs and gradients (TransformerConfig::
+// fp8_fused_norm and fp8_fused_activation, not flags); false: neither (a run's default fuses the
+// activation's).
 Fp8Run train_with_state(const std::string& flags, bool fused_producers = false) {
   const PretrainArgs args = testing::parse_pretrain_args(flags);
   Fp8Run out;
   std::mutex mu;
   run_thread_ranks(args.nproc_per_node, [&](int rank, std::shared_ptr<Communicator> world) {
     PretrainArgs rank_args = testing::parse_pretrain_args(flags);
-    rank_args.model.fp8_fused_producers = fused_producers;
+    rank_args.model.fp8_fused_norm = rank_args.model.fp8_fused_activation = fused_producers;
     TrainingSetup setup(std::move(rank_args), std::move(world), Device::cpu());
     Trainer trainer(setup);
     TrainingResult r = trainer.train();
@@ -97,6 +99,7 @@ Fp8Run train_with_state(const std::string& flags, bool fused_producers = false) 
     if (rank == 0) out.result = std::move(r);
     if (!fp8) return;
     if (rank == 0) out.fused_inputs = fp8->fused_inputs();
+    if (rank == 0) out.fused_grads = fp8->fused_grads();
     for (int64_t l = 0; l < args.model.num_layers; ++l) {
       const auto [fwd, bwd] = fp8->layer_state(l, setup.stream());
       if (fwd.empty()) continue;
@@ -194,29 +197,47 @@ TEST_F(Fp8Training, TpCommOverlapIsBitwise) {
 
 // Delayed scaling's fused producers (docs/fp8.md "Fused quantisation"): in a Llama-style model
 // (RMSNorm, SwiGLU) the input_layernorm writes linear_qkv's FP8 input, the pre_mlp_layernorm
-// linear_fc1's and the SwiGLU linear_fc2's, each in its own pass — bitwise the separate
-// quantisation of the stored output: the same losses, grad norms and FP8 state (every amax
-// history and scale) with and without the fusion. Layouts: one rank without hidden dropout
-// (fc2's GEMM adds the residual), the same with biases (the bias and residual added after fc2's
-// GEMM), TP 2 with dropout and without sequence parallelism (fc2's partial sums all-reduced);
-// under SP the norm writes a shard and the fusion is off (no fused input).
+// linear_fc1's and the SwiGLU linear_fc2's (and its saved transpose), each in its own pass, and
+// the SwiGLU's backward linear_fc1's FP8 output gradient — bitwise the separate quantisation of
+// the stored output: the same losses, grad norms and FP8 state (every amax history and scale)
+// with and without the fusion. Layouts: one rank without hidden dropout (fc2's GEMM adds the
+// residual), the same with biases (the bias and residual added after fc2's GEMM; fc1's bias
+// gradient needs the bf16 dy: no fused gradient), TP 2 with dropout and without sequence
+// parallelism (fc2's partial sums all-reduced); under SP the norm and the SwiGLU write a shard of
+// the gathered input and the forward fusion is off (no fused input) while fc1's dy, not
+// sharded, still fuses; with --recompute-modules mlp_act the SwiGLU's output is recomputed
+// for fc2's backward (fc2 keeps no FP8 input) and the fusions stay bitwise.
 TEST_F(Fp8Training, FusedProducersAreBitwise) {
   const std::string llama = "--normalization RMSNorm --swiglu --position-embedding-type rope --train-iters 3 "
                             "--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 4 ";
-  for (const auto& [layout, fused] : std::vector<std::pair<std::string, bool>>{
-           {"--disable-bias-linear --hidden-dropout 0.0 --attention-dropout 0.0", true},
-           {"--hidden-dropout 0.0", true},
-           {"--disable-bias-linear --nproc-per-node 2 --tensor-model-parallel-size 2", true},
-           {"--nproc-per-node 2 --tensor-model-parallel-size 2 --sequence-parallel", false}}) {
-    SCOPED_TRACE(layout);
-    const std::string f = flags(kModel + llama + layout);
+  struct Case {
+    std::string layout;
+    bool fused_inputs, fused_grads;
+  };
+  for (const Case& c : std::vector<Case>{
+           {"--disable-bias-linear --hidden-dropout 0.0 --attention-dropout 0.0", true, true},
+           {"--hidden-dropout 0.0", true, false},
+           {"--disable-bias-linear --nproc-per-node 2 --tensor-model-parallel-size 2", true, true},
+           {"--disable-bias-linear --nproc-per-node 2 --tensor-model-parallel-size 2 --sequence-parallel", false,
+            true},
+           {"--disable-bias-linear --recompute-granularity selective --recompute-modules mlp_act", true, true}}) {
+    SCOPED_TRACE(c.layout);
+    const std::string f = flags(kModel + llama + c.layout);
     const Fp8Run on = train_with_state(f, /*fused_producers=*/true), off = train_with_state(f);
     EXPECT_EQ(off.fused_inputs, 0);
-    if (fused) {  // every forward of every layer: linear_qkv, linear_fc1 and linear_fc2
+    EXPECT_EQ(off.fused_grads, 0);
+    if (c.fused_inputs) {  // every forward of every layer: linear_qkv, linear_fc1 and linear_fc2
       EXPECT_GT(on.fused_inputs, 0);
       EXPECT_EQ(on.fused_inputs % (3 * 4), 0) << on.fused_inputs;
     } else {
       EXPECT_EQ(on.fused_inputs, 0);
+    }
+    if (c.fused_grads) {  // every backward of every layer's linear_fc1 (validation forwards have none)
+      EXPECT_GT(on.fused_grads, 0);
+      EXPECT_EQ(on.fused_grads % 4, 0) << on.fused_grads;
+      if (c.fused_inputs) EXPECT_LT(3 * on.fused_grads, on.fused_inputs);
+    } else {
+      EXPECT_EQ(on.fused_grads, 0);
     }
     ASSERT_EQ(on.result.losses.size(), 3u);
     ASSERT_EQ(on.result.log.size(), off.result.log.size());

@@ -420,27 +420,48 @@ void Fp8Linear::end_forward_fp8(int slot, const Stream& st) {
   x_t_ready_ = true;
 }
 
-Fp8Linear::FusedInput Fp8Linear::fused_input(int64_t m) {
-  MT_CHECK(model_.settings().recipe == Fp8Recipe::kDelayed && row_blocks_ == 1 && m % kAlign == 0 && m > 0 &&
-               (variable_rows_ ? m <= pad16(max_rows_) : m == max_rows_),
+const Fp8Settings& Fp8Linear::settings() const { return model_.settings(); }
+
+Fp8Linear::FusedInput Fp8Linear::fused_input(int64_t m, int slot, bool transposed) {
+  MT_CHECK(takes_fused_input(m),
            "{}: a fused FP8 producer needs delayed scaling, one row block and a multiple of 16 rows within the "
            "planned {}; got {} rows ({} row blocks, recipe {})",
            name_, max_rows_, m, row_blocks_, fp8_recipe_name(model_.settings().recipe));
   fwd_rows_ = m;
-  x_t_ready_ = false;
+  const bool with_t = transposed && save_input_;  // the producer writes the saved x_t too
+  x_t_ready_ = with_t;
   ++fused_inputs_;
-  return {views(m).xq, x_.scale, model_.training() ? x_.record : Tensor()};
+  const Saved& sv = saved_.at(static_cast<size_t>(slot));
+  return {views(m).xq, with_t ? view_as(sv.x_t, model_.settings().forward_dtype(), {in_, m}) : Tensor(), x_.scale,
+          model_.training() ? x_.record : Tensor()};
 }
 
 bool Fp8Linear::takes_fused_input(int64_t m) const {
-  return model_.settings().fused_producers && model_.settings().recipe == Fp8Recipe::kDelayed && row_blocks_ == 1 &&
-         m % kAlign == 0 && m > 0 && (variable_rows_ ? m <= pad16(max_rows_) : m == max_rows_);
+  return model_.settings().recipe == Fp8Recipe::kDelayed && row_blocks_ == 1 && m % kAlign == 0 && m > 0 &&
+         (variable_rows_ ? m <= pad16(max_rows_) : m == max_rows_);
+}
+
+Fp8Linear::FusedGrad Fp8Linear::fused_grad(int64_t m) {
+  MT_CHECK(takes_fused_grad(m),
+           "{}: a fused FP8 producer of dy needs delayed scaling and the planned {} rows (a multiple of 16); got {} "
+           "rows (recipe {}{})",
+           name_, max_rows_, m, fp8_recipe_name(model_.settings().recipe), variable_rows_ ? ", variable rows" : "");
+  bwd_rows_ = m;
+  dy_t_ready_ = dy_recorded_ = dy_fused_ = true;
+  ++fused_grads_;
+  const Scratch v = views(m);
+  return {v.dyq, v.dyq_t, dy_.scale, dy_.record};
+}
+
+bool Fp8Linear::takes_fused_grad(int64_t m) const {
+  return model_.settings().recipe == Fp8Recipe::kDelayed && !variable_rows_ && m == max_rows_ && m % kAlign == 0 &&
+         m > 0;
 }
 
 void Fp8Linear::forward_fused(const Tensor& y, const Tensor& bias, const Tensor& pre_gelu, int slot,
                               const Stream& st) {
   forward_fp8_rows(y, views(fwd_rows_).xq, 0, bias, pre_gelu, slot, st);
-  if (save_input_) end_forward_fp8(slot, st);
+  if (save_input_ && !x_t_ready_) end_forward_fp8(slot, st);
 }
 
 void Fp8Linear::forward_fused_add(const Tensor& out, const Tensor& bias, const Tensor& residual, int slot,
@@ -450,7 +471,7 @@ void Fp8Linear::forward_fused_add(const Tensor& out, const Tensor& bias, const T
     MT_CHECK(out.ndim() == 2 && out.size(0) == fwd_rows_ && out.size(1) == out_, "{}: out {} must be [{}, {}]", name_,
              out.str(), fwd_rows_, out_);
     fprop(out, x_t_operand(saved_.at(static_cast<size_t>(slot)), xq, Tensor()), Tensor(), Tensor(), st, residual);
-    if (save_input_) end_forward_fp8(slot, st);
+    if (save_input_ && !x_t_ready_) end_forward_fp8(slot, st);
     return;
   }
   forward_fused(out, Tensor(), Tensor(), slot, st);
@@ -505,7 +526,7 @@ void Fp8Linear::begin_backward(const Tensor& dy, bool shard, const Stream& st) {
   bwd_rows_ = shard ? max_rows_ : dy.size(0);
   MT_CHECK(bwd_rows_ <= pad16(max_rows_) && (variable_rows_ || bwd_rows_ == max_rows_) && bwd_rows_ % kAlign == 0,
            "{}: {} rows, planned for {}", name_, bwd_rows_, max_rows_);
-  dy_t_ready_ = dy_recorded_ = false;
+  dy_t_ready_ = dy_recorded_ = dy_fused_ = false;
   if (model_.settings().blockwise()) return;
   if (model_.settings().recipe == Fp8Recipe::kTensorwise) {
     fp8_amax(dy_.amax, dy, st);
@@ -522,7 +543,7 @@ void Fp8Linear::dgrad_rows(const Tensor& dx, const Tensor& dy, int64_t first, co
            "{}: FP8 dgrad of dy {} into dx {} (gelu_pre {}): expected [m, {}] and [m, {}]", name_, dy.str(), dx.str(),
            gelu_pre.str(), out_, in_);
   const Block b = block(rows, first, bwd_rows_, /*grad=*/true);
-  quantize_dy(b.q, b.q_s, b.q_t, b.q_t_s, dy, /*record=*/true, st);
+  if (!dy_fused_) quantize_dy(b.q, b.q_s, b.q_t, b.q_t_s, dy, /*record=*/true, st);
   dy_t_ready_ = dy_t_ready_ || b.whole;
   dy_recorded_ = true;  // the caller's blocks cover every row
   const bool block_scaled = model_.settings().blockwise();
@@ -537,6 +558,8 @@ void Fp8Linear::wgrad(const Tensor& dw, GradWrite dw_write, const Tensor& dbias,
   const int64_t m = bwd_rows_;
   MT_CHECK(dy.ndim() == 2 && dy.size(0) == m && dy.size(1) == out_, "{}: dy {} must be [{}, {}]", name_, dy.str(), m,
            out_);
+  MT_CHECK(!dy_fused_ || dbias.empty(), "{}: a bias gradient needs the high-precision dy (not fused_grad's)", name_);
+  dy_fused_ = false;  // the backward's last phase
   const Saved& sv = saved_.at(static_cast<size_t>(slot));
   const Scratch v = views(m);
   if (!dw.empty()) {
@@ -563,7 +586,8 @@ void Fp8Linear::backward(const Grads& g, const Tensor& dy, const Tensor& x, int 
   const bool padded = mp != m;
   const Scratch v = views(mp);
   const Tensor dyin = padded_rows(dy, v.pad_dy, m, mp, st);
-  begin_backward(dyin, /*shard=*/false, st);
+  MT_CHECK(!dy_fused_ || g.dbias.empty(), "{}: a bias gradient needs the high-precision dy (not fused_grad's)", name_);
+  if (!dy_fused_) begin_backward(dyin, /*shard=*/false, st);  // else fused_grad began it
   if (!g.dx.empty()) {
     MT_CHECK(g.dx.ndim() == 2 && g.dx.size(0) == m && g.dx.size(1) == in_, "{}: dx {} must be [{}, {}]", name_,
              g.dx.str(), m, in_);

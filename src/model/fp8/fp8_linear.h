@@ -188,21 +188,39 @@ class Fp8Linear {
   /// Phase 3 of the FP8 gather, after every block: the saved x_t = the gathered bytes transposed
   /// (per-tensor scaling: the bytes of quantising xᵀ).
   void end_forward_fp8(int slot, const Stream& stream);
+  const Fp8Settings& settings() const;
   /// What a fused producer of x (ops/fp8_fused.h: the norm or the activation before this linear)
-  /// writes under delayed scaling: xq [m, in] (this linear's FP8 scratch), the step's scale of x
-  /// and its amax record (empty outside training forwards). Starts a forward of m rows (as
-  /// begin_forward). Errors: mt::Error unless delayed scaling, m a multiple of 16 within plan's
-  /// rows and one row block.
+  /// writes under delayed scaling: xq [m, in] (this linear's FP8 scratch), with `transposed` and
+  /// plan's save_input also x_t [in, m] (the saved transposed input of `slot`; else empty: the
+  /// forward transposes xq), the step's scale of x and its amax record (empty outside training
+  /// forwards). Starts a forward of m rows (as begin_forward). Errors: mt::Error unless delayed
+  /// scaling, m a multiple of 16 within plan's rows and one row block.
   struct FusedInput {
-    Tensor xq, scale, record;
+    Tensor xq, x_t, scale, record;
   };
-  FusedInput fused_input(int64_t m);
-  /// Whether the owner's producer writes fused_input(m) in a forward of m rows: delayed scaling
-  /// with Fp8Settings::fused_producers, one row block (no sequence parallelism) and m as
-  /// fused_input requires. Otherwise the forward quantises the producer's output itself.
+  FusedInput fused_input(int64_t m, int slot, bool transposed = false);
+  /// Whether a producer can write fused_input(m) in a forward of m rows: delayed scaling, one row
+  /// block (no sequence parallelism) and m as fused_input requires (the owner decides whether its
+  /// producer does: Fp8Settings::fused_norm / fused_activation). Otherwise the forward quantises
+  /// the producer's output itself.
   bool takes_fused_input(int64_t m) const;
+  /// What a fused producer of dy (ops/fp8_fused.h fp8_swiglu_backward: the activation after this
+  /// linear) writes under delayed scaling: dyq [m, out] and dyq_t [out, m] (this linear's FP8
+  /// scratch), dy's scale of the step and its amax record. Starts a backward of m rows in place of
+  /// begin_backward: dgrad_rows and wgrad then multiply those bytes (their dy argument gives only
+  /// the shape; its values are not read) and wgrad takes no bias gradient. Errors: mt::Error
+  /// unless takes_fused_grad(m).
+  struct FusedGrad {
+    Tensor dyq, dyq_t, scale, record;
+  };
+  FusedGrad fused_grad(int64_t m);
+  /// Whether a producer can write fused_grad(m): delayed scaling and the planned fixed row count m
+  /// (any row blocks: dgrad_rows slices the whole quantised dy).
+  bool takes_fused_grad(int64_t m) const;
   /// How many forwards took a fused producer's input (fused_input calls; tests).
   int64_t fused_inputs() const { return fused_inputs_; }
+  /// How many backwards took a fused producer's dy (fused_grad calls; tests).
+  int64_t fused_grads() const { return fused_grads_; }
   /// After the producer filled fused_input(m).xq: the forward of those bytes (y, bias, pre_gelu as
   /// forward) and, with save_input, the saved x_t = the bytes transposed — bitwise forward() of the
   /// producer's stored output (docs/fp8.md "Fused quantisation").
@@ -296,7 +314,8 @@ class Fp8Linear {
   // whether dy's delayed-scaling amax is recorded
   int64_t fwd_rows_ = 0, bwd_rows_ = 0;
   bool x_t_ready_ = false, dy_t_ready_ = false, dy_recorded_ = false;
-  int64_t fused_inputs_ = 0;
+  bool dy_fused_ = false;  // this backward's dyq / dyq_t were written by a producer (fused_grad)
+  int64_t fused_inputs_ = 0, fused_grads_ = 0;
   bool in_params_ = false;
   std::vector<Saved> saved_;  // per area
   Tensor wq_, wq_t_, wq_s_, wq_t_s_;

@@ -172,6 +172,13 @@ class Fp8Model {
       for (const Fp8Linear* l : e.linears) n += l->fused_inputs();
     return n;
   }
+  /// Backwards of this rank's FP8 linears that took a fused producer's dy (Fp8Linear::fused_grads).
+  int64_t fused_grads() const {
+    int64_t n = 0;
+    for (const LayerEntry& e : layers_)
+      for (const Fp8Linear* l : e.linears) n += l->fused_grads();
+    return n;
+  }
   /// fp32 elements from one column of the live state to the next (16 bytes: cuBLASLt's alignment
   /// of scale pointers).
   static constexpr int64_t kStateStride = 4;

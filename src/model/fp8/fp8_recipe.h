@@ -36,12 +36,15 @@ struct Fp8Settings {
   int margin = 0;                    ///< --fp8-margin (delayed)
   int64_t amax_history_len = 1;      ///< --fp8-amax-history-len (delayed)
   fp8_math::AmaxAlgo amax_compute_algo = fp8_math::AmaxAlgo::kMostRecent;  ///< --fp8-amax-compute-algo
-  /// Delayed scaling: the RMSNorm before linear_qkv / linear_fc1 and the SwiGLU before linear_fc2
-  /// write the linear's FP8 input in their own pass (ops/fp8_fused.h; docs/fp8.md "Fused
-  /// quantisation"), bitwise the separate quantisation. Not a flag, and off by default: on an
-  /// H200 the fused step measured slower (docs/fp8.md "What fuses"); the tests turn it on
-  /// (TransformerConfig::fp8_fused_producers).
-  bool fused_producers = false;
+  /// Delayed scaling's fused producers (ops/fp8_fused.h; docs/fp8.md "Fused quantisation"), each
+  /// bitwise the separate quantisation; not flags (TransformerConfig::fp8_fused_norm /
+  /// fp8_fused_activation). fused_norm: the RMSNorm before linear_qkv / linear_fc1 writes the
+  /// linear's FP8 input (off by default: on an H200 that step measured slower, docs/fp8.md "What
+  /// fuses"). fused_activation: the SwiGLU before linear_fc2 writes its FP8 input and saved
+  /// transpose (no bf16 output), and the SwiGLU's backward linear_fc1's FP8 output gradient (no
+  /// bf16 gradient).
+  bool fused_norm = false;
+  bool fused_activation = true;
   bool on() const { return format != Fp8Format::kNone; }
   /// The FP8 dtype of activations and weights (e4m3) and of output gradients (e5m2 for hybrid).
   DType forward_dtype() const { return DType::kF8E4M3; }

@@ -35,6 +35,7 @@ ColumnParallelLinear::ColumnParallelLinear(const Options& o, const TensorParalle
       parts_(o.parts),
       role_(last_component(o.prefix)),
       recompute_input_(o.recompute_input),
+      has_bias_(o.bias),
       weight_ptr_(o.shared_weight ? o.shared_weight : &weight_) {
   if (!o.shared_weight) {
     ParamSpec w = column_parallel_weight(o.prefix + ".weight", out_, in_, o.init_std, tp.size(), tp.rank(), parts_);
@@ -71,10 +72,16 @@ void ColumnParallelLinear::restore_input(const StepContext& ctx) {
   tp_.enter_forward(saved_.at(static_cast<size_t>(ctx.slot)), input_local_, ctx.stream);
 }
 
-Fp8Linear::FusedInput ColumnParallelLinear::fp8_input(int64_t rows) {
+Fp8Linear::FusedInput ColumnParallelLinear::fp8_input(int64_t rows, int area) {
   MT_CHECK(fuses_fp8_input(rows), "{}: the producer cannot write the FP8 input of {} rows", role_, rows);
   fp8_input_ready_ = true;
-  return fp8_->fused_input(rows);
+  return fp8_->fused_input(rows, area);
+}
+
+Fp8Linear::FusedGrad ColumnParallelLinear::fp8_grad(int64_t rows) {
+  MT_CHECK(fuses_fp8_grad(rows), "{}: the consumer cannot write the FP8 output gradient of {} rows", role_, rows);
+  fp8_grad_ready_ = true;
+  return fp8_->fused_grad(rows);
 }
 
 void ColumnParallelLinear::forward(const Tensor& y, const StepContext& ctx, const Tensor& pre_gelu, bool gather) {
@@ -152,7 +159,9 @@ Tensor ColumnParallelLinear::backward(const Tensor& dy, const StepContext& ctx, 
   // dgrad of rows [first, first + count) into dx_rows; the TP reduction of dx follows (in pieces
   // pipelined with these GEMMs under --tp-comm-overlap), the weight gradient runs before it ends
   // (FP8: never deferred)
-  if (fp8_) fp8_->begin_backward(dy2, /*shard=*/false, ctx.stream);
+  // (fp8_grad: the consumer wrote the FP8 dy and began the backward)
+  if (fp8_ && !fp8_grad_ready_) fp8_->begin_backward(dy2, /*shard=*/false, ctx.stream);
+  fp8_grad_ready_ = false;
   auto dgrad = [&](const Tensor& dx_rows, int64_t first) {
     const int64_t end = first + dx_rows.size(0);
     if (fp8_) {
@@ -180,7 +189,12 @@ Tensor ColumnParallelLinear::backward(const Tensor& dy, const StepContext& ctx, 
 // ---------------------------------------------------------------------------------------------
 
 RowParallelLinear::RowParallelLinear(const Options& o, const TensorParallelRegion& tp, ParamRegistry& reg)
-    : tp_(tp), in_(o.in), out_(o.out), role_(last_component(o.prefix)), recompute_input_(o.recompute_input) {
+    : tp_(tp),
+      in_(o.in),
+      out_(o.out),
+      role_(last_component(o.prefix)),
+      recompute_input_(o.recompute_input),
+      fp8_save_input_(o.fp8_save_input) {
   ParamSpec w = row_parallel_weight(o.prefix + ".weight", out_, in_, o.init_std, tp.size(), tp.rank());
   w.grad_overwrite = true;  // written by backward only, every step
   reg.declare(std::move(w), &weight_);
@@ -195,18 +209,22 @@ void RowParallelLinear::plan(BufferPlanner& p, int64_t s, int64_t b) {
   const size_t a = static_cast<size_t>(p.area());
   if (saved_.size() <= a) saved_.resize(a + 1);
   const int64_t in_l = in_ / tp_.size(), sl = tp_.local_seq(s);
-  saved_[a] = recompute_input_ ? p.scratch(role_ + ".input", t, {s, b, in_l}) : p.saved(t, {s, b, in_l}, "row-parallel input");
-  if (fp8_) fp8_->plan(p, s * b, /*save_input=*/false, /*variable_rows=*/false, tp_.sequence_parallel() ? tp_.size() : 1);
+  // FP8 with fp8_save_input: the quantised transposed input is saved instead (Fp8Linear::plan)
+  saved_[a] = recompute_input_ || fp8_saves_input() ? p.scratch(role_ + ".input", t, {s, b, in_l})
+                                                    : p.saved(t, {s, b, in_l}, "row-parallel input");
+  if (fp8_)
+    fp8_->plan(p, s * b, /*save_input=*/fp8_saves_input(), /*variable_rows=*/false,
+               tp_.sequence_parallel() ? tp_.size() : 1);
   out_full_ = p.scratch("row_parallel.out", t, {s, b, out_});
   out_local_ = tp_.sequence_parallel() ? p.scratch("row_parallel.out_local", t, {sl, b, out_}) : out_full_;
   dy_full_ = tp_.sequence_parallel() ? p.scratch("row_parallel.dy", t, {s, b, out_}) : Tensor();
   dx_ = p.scratch(role_ + ".dx", t, {s, b, in_l});
 }
 
-Fp8Linear::FusedInput RowParallelLinear::fp8_input(int64_t rows) {
+Fp8Linear::FusedInput RowParallelLinear::fp8_input(int64_t rows, int area) {
   MT_CHECK(fuses_fp8_input(rows), "{}: the producer cannot write the FP8 input of {} rows", role_, rows);
   fp8_input_ready_ = true;
-  return fp8_->fused_input(rows);
+  return fp8_->fused_input(rows, area, /*transposed=*/true);
 }
 
 Tensor RowParallelLinear::forward(const StepContext& ctx, const ResidualAdd* add) {

@@ -78,12 +78,25 @@ class ColumnParallelLinear {
   Tensor input_full(int area) const { return saved_.at(static_cast<size_t>(area)); }
   /// Delayed-scaling FP8 (docs/fp8.md "Fused quantisation"): whether the producer of input()
   /// (the RMSNorm) writes this layer's FP8 input in its own pass for a forward of `rows` = s·b rows
-  /// — Fp8Linear::takes_fused_input and the input saved in FP8 (not recomputed: the recomputing
-  /// backward re-runs the producer alone). Otherwise forward quantises input() itself.
-  bool fuses_fp8_input(int64_t rows) const { return fp8_ && !recompute_input_ && fp8_->takes_fused_input(rows); }
+  /// — Fp8Settings::fused_norm, Fp8Linear::takes_fused_input and the input saved in FP8 (not
+  /// recomputed: the recomputing backward re-runs the producer alone). Otherwise forward
+  /// quantises input() itself.
+  bool fuses_fp8_input(int64_t rows) const {
+    return fp8_ && fp8_->settings().fused_norm && !recompute_input_ && fp8_->takes_fused_input(rows);
+  }
   /// Where that producer writes (Fp8Linear::fused_input of `rows` rows), besides input(area);
   /// the next forward multiplies those bytes. Errors: mt::Error unless fuses_fp8_input(rows).
-  Fp8Linear::FusedInput fp8_input(int64_t rows);
+  Fp8Linear::FusedInput fp8_input(int64_t rows, int area);
+  /// Delayed-scaling FP8: whether the consumer of this layer's output (the SwiGLU after
+  /// linear_fc1) writes the FP8 output gradient in its backward pass (Fp8Settings::
+  /// fused_activation, Fp8Linear::takes_fused_grad, no bias: its gradient sums the bf16 dy).
+  bool fuses_fp8_grad(int64_t rows) const {
+    return fp8_ && fp8_->settings().fused_activation && !has_bias_ && fp8_->takes_fused_grad(rows);
+  }
+  /// Where that consumer writes dy (Fp8Linear::fused_grad of `rows` rows); the next backward
+  /// multiplies those bytes (its dy argument gives the shape only). Errors: mt::Error unless
+  /// fuses_fp8_grad(rows).
+  Fp8Linear::FusedGrad fp8_grad(int64_t rows);
   /// y [s, b, parts·out/tp] = x Wᵀ (+ b); with pre_gelu given (same shape), the GELU epilogue:
   /// pre_gelu = x Wᵀ + b, y = gelu(pre_gelu) (ops/matmul.h). gather = false: the gathered
   /// input is already in place (a recomputing backward re-running the GEMM).
@@ -118,6 +131,7 @@ class ColumnParallelLinear {
   int64_t in_, out_, parts_;
   std::string role_;
   bool recompute_input_;
+  bool has_bias_;
   ParamRef weight_, bias_;
   const ParamRef* weight_ptr_;
   std::vector<Tensor> saved_;  // per area: the gathered input [s, b, in] (recompute_input: one scratch)
@@ -125,6 +139,7 @@ class ColumnParallelLinear {
   Tensor dx_full_, dx_local_;  // [s, b, in], [s_l, b, in] (same memory without SP)
   std::unique_ptr<Fp8Linear> fp8_;  // FP8 GEMMs (nullptr: bf16)
   bool fp8_input_ready_ = false;    // fp8_input was written for the next forward
+  bool fp8_grad_ready_ = false;     // fp8_grad was written for the next backward
 };
 
 /// The residual add of a transformer block (TransformerLayer), fused into the block's output
@@ -144,6 +159,11 @@ class RowParallelLinear {
     /// mlp / mlp_act): input() is scratch shared by the layers of this role, which the producer
     /// must write again before backward.
     bool recompute_input = false;
+    /// FP8: nothing but this layer's weight gradient reads the input in the backward (linear_fc2;
+    /// not linear_proj, whose input the core attention's backward reads), so the FP8 transposed
+    /// input is saved for it instead (written in the forward's cast + transpose or by the fused
+    /// SwiGLU) and the bf16 input() is scratch. Ignored without FP8 or with recompute_input.
+    bool fp8_save_input = false;
   };
   RowParallelLinear(const Options& o, const TensorParallelRegion& tp, ParamRegistry& registry);
   RowParallelLinear(const RowParallelLinear&) = delete;
@@ -157,11 +177,17 @@ class RowParallelLinear {
   Tensor input(int area) const { return saved_.at(static_cast<size_t>(area)); }
   /// Delayed-scaling FP8 (docs/fp8.md "Fused quantisation"): whether the producer of input()
   /// (the SwiGLU) writes this layer's FP8 input in its own pass for a forward of `rows` = s·b rows
-  /// (Fp8Linear::takes_fused_input; the bf16 input() is still written: the backward reads it).
-  bool fuses_fp8_input(int64_t rows) const { return fp8_ && fp8_->takes_fused_input(rows); }
-  /// Where that producer writes (Fp8Linear::fused_input of `rows` rows), besides input(area);
-  /// the next forward multiplies those bytes. Errors: mt::Error unless fuses_fp8_input(rows).
-  Fp8Linear::FusedInput fp8_input(int64_t rows);
+  /// (Fp8Settings::fused_activation, Fp8Linear::takes_fused_input).
+  bool fuses_fp8_input(int64_t rows) const {
+    return fp8_ && fp8_->settings().fused_activation && fp8_->takes_fused_input(rows);
+  }
+  /// Whether the FP8 transposed input is saved (Options::fp8_save_input, not recomputed): then
+  /// the backward does not read the bf16 input().
+  bool fp8_saves_input() const { return fp8_ && fp8_save_input_ && !recompute_input_; }
+  /// Where that producer writes (Fp8Linear::fused_input of `rows` rows, with the saved x_t of
+  /// `area` when fp8_saves_input): the next forward multiplies those bytes; the producer writes
+  /// input(area) too unless fp8_saves_input. Errors: mt::Error unless fuses_fp8_input(rows).
+  Fp8Linear::FusedInput fp8_input(int64_t rows, int area);
   /// Returns y [s_l, b, out] = reduce over TP of x Wᵀ, without the bias (a scratch view, valid
   /// until the next RowParallelLinear forward). With `add` (only when fuses_residual()): writes
   /// and returns add->out = add->residual + (x Wᵀ + bias) (ops/matmul.h linear_forward_add).
@@ -188,7 +214,7 @@ class RowParallelLinear {
   const TensorParallelRegion& tp_;
   int64_t in_, out_;
   std::string role_;
-  bool recompute_input_;
+  bool recompute_input_, fp8_save_input_;
   ParamRef weight_, bias_;
   std::vector<Tensor> saved_;   // per area: input [s, b, in/tp] (recompute_input: one scratch)
   Tensor out_full_, out_local_;  // [s, b, out], [s_l, b, out] (same memory without SP)

@@ -31,6 +31,7 @@ RowParallelLinear::Options fc2_options(const TransformerConfig& c, const std::st
   o.bias = c.add_bias_linear;
   o.init_std = c.init_method_std / std::sqrt(2.0f * static_cast<float>(c.num_layers));
   o.recompute_input = r.mlp || r.act;
+  o.fp8_save_input = true;  // only its weight gradient reads the activation in the backward
   return o;
 }
 
@@ -81,10 +82,12 @@ Tensor MLP::forward(const StepContext& ctx, const ResidualAdd* add) {
   const Tensor& pre = pre_.at(static_cast<size_t>(ctx.slot));
   const int64_t m = pre.numel() / pre.size(-1);
   if (act_.kind == MlpActivation::kSwiGLU && linear_fc2_.fuses_fp8_input(m)) {
-    // the SwiGLU writes fc2's input (read by its backward) and its FP8 bytes in one pass
+    // the SwiGLU writes fc2's FP8 input and its saved transpose in one pass (and the bf16 input
+    // only where fc2's backward reads it: not saved in FP8 under recompute)
     linear_fc1_.forward(pre, ctx);
-    const Fp8Linear::FusedInput q = linear_fc2_.fp8_input(m);
-    fp8_swiglu_forward(rows(linear_fc2_.input(ctx.slot)), q.xq, rows(pre), q.scale, q.record, ctx.stream);
+    const Fp8Linear::FusedInput q = linear_fc2_.fp8_input(m, ctx.slot);
+    const Tensor y = linear_fc2_.fp8_saves_input() ? Tensor() : rows(linear_fc2_.input(ctx.slot));
+    fp8_swiglu_forward(y, q.xq, q.x_t, rows(pre), q.scale, q.record, ctx.stream);
   } else {
     forward_fc1(ctx, /*gather=*/true);
   }
@@ -109,6 +112,14 @@ Tensor MLP::backward(const Tensor& dy, const StepContext& ctx, WgradDeferral* de
     return linear_fc1_.backward(d_pre, ctx, defer, /*bias_grad_done=*/true);
   }
   const Tensor d_act = linear_fc2_.backward(dy, ctx);
+  const int64_t m = pre.numel() / pre.size(-1);
+  if (act_.kind == MlpActivation::kSwiGLU && linear_fc1_.fuses_fp8_grad(m)) {
+    // the SwiGLU's backward writes fc1's FP8 output gradient (and its transpose) in one pass; no
+    // bf16 gradient (d_pre_ gives fc1's backward the shape only)
+    const Fp8Linear::FusedGrad g = linear_fc1_.fp8_grad(m);
+    fp8_swiglu_backward(g.dyq, g.dyq_t, rows(d_act), rows(pre), g.scale, g.record, ctx.stream);
+    return linear_fc1_.backward(d_pre_, ctx, defer);
+  }
   act_.backward(d_pre_, d_act, pre, ctx.stream);
   return linear_fc1_.backward(d_pre_, ctx, defer);
 }

@@ -72,7 +72,7 @@ bool captured(const StepContext& ctx, Region r) {
 // quantisation").
 void norm_forward(Norm& norm, const Tensor& y, const Tensor& x, ColumnParallelLinear* fused, const StepContext& ctx) {
   if (fused != nullptr && norm.writes_fp8()) {
-    const Fp8Linear::FusedInput q = fused->fp8_input(y.size(0));
+    const Fp8Linear::FusedInput q = fused->fp8_input(y.size(0), ctx.slot);
     norm.forward_fp8(y, q.xq, q.scale, q.record, x, ctx);
     return;
   }

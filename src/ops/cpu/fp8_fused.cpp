@@ -1,12 +1,25 @@
 // CPU reference of the fused FP8 quantisation (ops/fp8_fused.h): by definition the unfused
-// composition — the forward op, then fp8_quantize of its stored output with the amax record.
+// composition — the op, then fp8_quantize of its stored output with the amax record.
 #include "ops/fp8_fused.h"
+
+#include <vector>
 
 #include "ops/fp8.h"
 #include "ops/rmsnorm.h"
 #include "ops/swiglu.h"
 
 namespace mt::cpu {
+
+namespace {
+/// A host fp32 tensor of `shape` over `buf` (the stored output the quantiser reads when the caller
+/// does not keep it).
+Tensor host_f32(std::vector<float>& buf, const std::vector<int64_t>& shape, Device dev) {
+  int64_t n = 1;
+  for (const int64_t d : shape) n *= d;
+  buf.assign(static_cast<size_t>(n), 0.f);
+  return Tensor(buf.data(), DType::kF32, dev, shape);
+}
+}  // namespace
 
 void fp8_rmsnorm_forward(const Tensor& y, const Tensor& q, const Tensor& rstd, const Tensor& x, const Tensor& weight,
                          float eps, const Tensor& scale, const Tensor& amax, const Stream& stream,
@@ -15,10 +28,22 @@ void fp8_rmsnorm_forward(const Tensor& y, const Tensor& q, const Tensor& rstd, c
   cpu::fp8_quantize(q, Tensor(), y, scale, amax, stream);
 }
 
-void fp8_swiglu_forward(const Tensor& y, const Tensor& q, const Tensor& x, const Tensor& scale, const Tensor& amax,
-                        const Stream& stream) {
-  cpu::swiglu_forward(y, x, stream);
-  cpu::fp8_quantize(q, Tensor(), y, scale, amax, stream);
+void fp8_swiglu_forward(const Tensor& y, const Tensor& q, const Tensor& q_t, const Tensor& x, const Tensor& scale,
+                        const Tensor& amax, const Stream& stream) {
+  std::vector<float> buf;
+  std::vector<int64_t> half = x.shape();
+  half.back() /= 2;
+  const Tensor out = y.empty() ? host_f32(buf, half, x.device()) : y;
+  cpu::swiglu_forward(out, x, stream);
+  cpu::fp8_quantize(q, q_t, out, scale, amax, stream);
+}
+
+void fp8_swiglu_backward(const Tensor& dq, const Tensor& dq_t, const Tensor& dy, const Tensor& x, const Tensor& scale,
+                         const Tensor& amax, const Stream& stream) {
+  std::vector<float> buf;
+  const Tensor dx = host_f32(buf, x.shape(), x.device());
+  cpu::swiglu_backward(dx, dy, x, stream);
+  cpu::fp8_quantize(dq, dq_t, dx, scale, amax, stream);
 }
 
 }  // namespace mt::cpu

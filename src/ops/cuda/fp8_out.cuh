@@ -1,5 +1,5 @@
 // The fp32 -> FP8 conversion of the CUDA quantisers (ops/cuda/fp8.cu) and the FP8 epilogue that
-// producer kernels (RMSNorm, SwiGLU: ops/fp8_fused.h) run on each value they store: the same
+// producer kernels (RMSNorm: ops/fp8_fused.h) run on each value they store: the same
 // conversion as fp8_quantize, the amax record by an atomic max of the ordered float bits (as
 // fp8_amax: order-independent, bit-identical to the CPU). nvcc only.
 #pragma once

@@ -6,8 +6,6 @@
 #include "ops/swiglu.h"  // first: ops/cuda/elementwise_common.cuh needs Tensor, Stream, DType
 
 #include "ops/cuda/elementwise_common.cuh"
-#include "ops/cuda/fp8_out.cuh"
-#include "ops/fp8_fused.h"
 #include "ops/swiglu_math.h"
 
 namespace mt::cuda {
@@ -21,11 +19,9 @@ using ew::Vec;
 constexpr int kThreads = 256;
 
 /// y[r, j] = swiglu(x[r, j], x[r, f + j]); items are vectors of V elements, fv = f / V per row.
-/// kQ != 0 (fp8_swiglu_forward): also q = fp8(y · scale) of the stored y and the amax record
-/// (ops/cuda/fp8_out.cuh); y is the same either way.
-template <int V, int kQ, typename I, typename T>
-__global__ void __launch_bounds__(kThreads) swiglu_forward_kernel(T* y, const T* x, I items, I fv, Fp8Out fo) {
-  Fp8Epilogue<kQ> ep(fo);
+/// (With FP8 output: fp8_swiglu_forward, ops/cuda/fp8.cu.)
+template <int V, typename I, typename T>
+__global__ void __launch_bounds__(kThreads) swiglu_forward_kernel(T* y, const T* x, I items, I fv) {
   const I stride = static_cast<I>(gridDim.x) * kThreads;
   for (I i = static_cast<I>(blockIdx.x) * kThreads + threadIdx.x; i < items; i += stride) {
     const I r = i / fv;
@@ -37,12 +33,7 @@ __global__ void __launch_bounds__(kThreads) swiglu_forward_kernel(T* y, const T*
 #pragma unroll
     for (int k = 0; k < V; ++k) out.v[k] = from_f32<T>(swiglu_math::swiglu(to_f32(va.v[k]), to_f32(vb.v[k])));
     reinterpret_cast<Vec<T, V>*>(y)[i] = out;
-    if constexpr (kQ != 0) {
-#pragma unroll
-      for (int k = 0; k < V; ++k) fo.q[static_cast<int64_t>(i) * V + k] = ep.put(to_f32(out.v[k]));
-    }
   }
-  ep.finish(fo.amax);
 }
 
 /// dx[r, j] = dy * x[r, f + j] * silu'(x[r, j]); dx[r, f + j] = dy * silu(x[r, j]).
@@ -84,15 +75,11 @@ void dispatch_layout(bool vec, int64_t y_numel, F&& f) {
 
 }  // namespace
 
-namespace {
-
-/// swiglu_forward's launch; with kQ != 0 the FP8 epilogue of fp8_swiglu_forward.
-template <int kQ>
-void launch_forward(const Tensor& y, const Tensor& x, const Fp8Out& fo, const Stream& stream, const char* fn) {
+void swiglu_forward(const Tensor& y, const Tensor& x, const Stream& stream) {
   const int64_t f = y.size(-1);
   const int64_t numel = y.numel();
   if (numel == 0) return;
-  ew::dispatch_float(x.dtype(), fn, [&](auto tag) {
+  ew::dispatch_float(x.dtype(), "swiglu_forward", [&](auto tag) {
     using T = typename decltype(tag)::type;
     constexpr int V = ew::kVec16<T>;
     T* py = static_cast<T*>(y.data());
@@ -102,24 +89,11 @@ void launch_forward(const Tensor& y, const Tensor& x, const Fp8Out& fo, const St
       constexpr int VV = decltype(vtag)::value;
       using I = decltype(itag);
       const int64_t items = numel / VV;
-      swiglu_forward_kernel<VV, kQ, I><<<ew::grid_for(items, kThreads, stream), kThreads, 0, raw(stream)>>>(
-          py, px, static_cast<I>(items), static_cast<I>(f / VV), fo);
+      swiglu_forward_kernel<VV, I><<<ew::grid_for(items, kThreads, stream), kThreads, 0, raw(stream)>>>(
+          py, px, static_cast<I>(items), static_cast<I>(f / VV));
       MT_CUDA_CHECK_LAUNCH();
     });
   });
-}
-
-}  // namespace
-
-void swiglu_forward(const Tensor& y, const Tensor& x, const Stream& stream) {
-  launch_forward<0>(y, x, Fp8Out{}, stream, "swiglu_forward");
-}
-
-void fp8_swiglu_forward(const Tensor& y, const Tensor& q, const Tensor& x, const Tensor& scale, const Tensor& amax,
-                        const Stream& stream) {
-  const Fp8Out fo{q.data_as<uint8_t>(), scale.data_as<float>(), amax.empty() ? nullptr : amax.data_as<uint32_t>()};
-  dispatch_fp8_out(q.dtype(),
-                   [&](auto qtag) { launch_forward<decltype(qtag)::value>(y, x, fo, stream, "fp8_swiglu_forward"); });
 }
 
 void swiglu_backward(const Tensor& dx, const Tensor& dy, const Tensor& x, const Stream& stream) {
