@@ -233,7 +233,11 @@ StepPrediction predict_step(const TrainingPlan& p, const PretrainArgs& a, const 
                               (tw ? 2.0 / (kFp8ActAmaxGBps * 1e9 * hbm) : 0.0);
     const double scale_s = tw ? kFp8TensorwiseScaleS : block ? 0.0 : kFp8DelayedScaleS;
     const double attn_elems = tokens / pc.tp * (h + proj_in + qkv_out + h);
-    const double mlp_elems = tokens / pc.tp * (h + ffn + fc1_out + h);
+    // delayed scaling's fused SwiGLU: fc2's input (not under SP) and fc1's output gradient (no bias)
+    const bool swiglu = !tw && !block && c.activation() == MlpActivation::kSwiGLU;
+    const double fc2_x = swiglu && !(pc.tp > 1 && p.sequence_parallel) ? kFp8FusedSwigluFwdFactor : 1.0;
+    const double fc1_dy = swiglu && !c.add_bias_linear ? kFp8FusedSwigluBwdFactor : 1.0;
+    const double mlp_elems = tokens / pc.tp * (h + ffn * fc2_x + fc1_out * fc1_dy + h);
     // GPT style: the bias gradients of qkv, proj and fc2 (2 bytes per output element) and the GELU
     // backward over fc1's output (6 bytes), fused into bf16's GEMM epilogues, separate passes in FP8
     const double bias_bytes = c.add_bias_linear ? 2.0 * tokens / pc.tp * (qkv_out + h + h) : 0.0;

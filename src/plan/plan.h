@@ -121,10 +121,17 @@ inline constexpr double kMlaPassesBackward = 9.03;
 ///   4 layers);
 /// - with biases (GPT style) the FP8 path adds the passes cuBLASLt's bf16 epilogues fuse: each
 ///   bias gradient but fc1's from its output gradient (2 bytes per element), and with GELU the
-///   GELU backward (6 bytes per fc1 output element), at kFp8ActCastGBps.
+///   GELU backward (6 bytes per fc1 output element), at kFp8ActCastGBps;
+/// - delayed scaling's fused SwiGLU (docs/fp8.md "Fused quantisation"): fc2's input cast costs
+///   kFp8FusedSwigluFwdFactor of a cast (the fused kernel's time beyond the bf16 SwiGLU's, over the
+///   cast's: fp8_gemm_bench at 8192 × 8192 on an H200, (0.158 − 0.113) / 0.104 ms) when there is
+///   no sequence parallelism, fc1's output gradient cast kFp8FusedSwigluBwdFactor ((0.247 − 0.179)
+///   / 0.198 ms) when fc1 has no bias.
 /// H100s: the bandwidths scaled by the HBM ratio (not measured there).
 inline constexpr double kBf16LinearGemmEfficiency = 0.696;
 inline constexpr double kFp8GemmSpeedup = 1.575;
+inline constexpr double kFp8FusedSwigluFwdFactor = 0.43;
+inline constexpr double kFp8FusedSwigluBwdFactor = 0.34;
 inline constexpr double kFp8BlockGemmSpeedup = 1.40;
 inline constexpr double kFp8ActCastGBps = 2370;
 inline constexpr double kFp8WeightCastGBps = 3170;
