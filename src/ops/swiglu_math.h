@@ -1,5 +1,7 @@
 // The scalar SwiGLU formulas, shared verbatim by the CPU and CUDA code so both compute the same
-// fp32 expressions (Shazeer 2020, "GLU Variants Improve Transformer"; Megatron's
+// fp32 expressions (the CUDA SwiGLU kernels and the fused FP8 SwiGLU of ops/cuda/fp8.cu must
+// compile them alike — the same flags, no --use_fast_math in one only — for the fused ops to stay
+// bitwise the unfused ones, tests/ops/fp8_fused_cuda_test.cpp) (Shazeer 2020, "GLU Variants Improve Transformer"; Megatron's
 // bias_swiglu_impl / swiglu_back without bias).
 #pragma once
 #include <cmath>

@@ -234,7 +234,7 @@ StepPrediction predict_step(const TrainingPlan& p, const PretrainArgs& a, const 
     const double scale_s = tw ? kFp8TensorwiseScaleS : block ? 0.0 : kFp8DelayedScaleS;
     const double attn_elems = tokens / pc.tp * (h + proj_in + qkv_out + h);
     // delayed scaling's fused SwiGLU: fc2's input (not under SP) and fc1's output gradient (no bias)
-    const bool swiglu = !tw && !block && c.activation() == MlpActivation::kSwiGLU;
+    const bool swiglu = !tw && !block && c.fp8_fused_activation && c.activation() == MlpActivation::kSwiGLU;
     const double fc2_x = swiglu && !(pc.tp > 1 && p.sequence_parallel) ? kFp8FusedSwigluFwdFactor : 1.0;
     const double fc1_dy = swiglu && !c.add_bias_linear ? kFp8FusedSwigluBwdFactor : 1.0;
     const double mlp_elems = tokens / pc.tp * (h + ffn * fc2_x + fc1_out * fc1_dy + h);

@@ -143,6 +143,16 @@ struct Outputs {
   std::vector<float> y, pre, dx, dw, dw2, db;
 };
 
+/// Every output of two runs bitwise equal.
+void expect_same_outputs(const Outputs& a, const Outputs& b) {
+  EXPECT_EQ(a.y, b.y);
+  EXPECT_EQ(a.pre, b.pre);
+  EXPECT_EQ(a.dx, b.dx);
+  EXPECT_EQ(a.dw, b.dw);
+  EXPECT_EQ(a.dw2, b.dw2);
+  EXPECT_EQ(a.db, b.db);
+}
+
 /// The weight w uploaded and quantised, the inputs x [m, in], bias, dy [m, out] on the CPU, the
 /// outputs poisoned (db zeroed).
 struct Io {
@@ -367,12 +377,7 @@ TEST(Fp8Linear, Fp8GatherEqualsBlockQuantisation) {
     const std::vector<float> x = testing::randn(m * in), w = testing::randn(out * in, 0.05f),
                              bias = testing::randn(out, 0.1f), dy = testing::randn(m * out, 1e-3f);
     const Outputs bf = run_blocks(a, m, block, 1, x, w, bias, dy), f8 = run_fp8_gather(b, m, block, 1, x, w, bias, dy);
-    EXPECT_EQ(bf.y, f8.y);
-    EXPECT_EQ(bf.pre, f8.pre);
-    EXPECT_EQ(bf.dx, f8.dx);
-    EXPECT_EQ(bf.dw, f8.dw);
-    EXPECT_EQ(bf.dw2, f8.dw2);
-    EXPECT_EQ(bf.db, f8.db);
+    expect_same_outputs(bf, f8);
     const auto [fa, ba] = a.model->layer_state(0, testing::cpu_stream());
     const std::vector<float> sa = to_host(fa, testing::cpu_stream()), da = to_host(ba, testing::cpu_stream());
     const auto [fb, bb] = b.model->layer_state(0, testing::cpu_stream());
@@ -594,12 +599,7 @@ TEST(Fp8Linear, FusedProducerEqualsUnfused) {
                       0, st);
       o.dw2 = to_host(b.weight.grad(), st);
       if (!transposed) EXPECT_EQ(to_host(act2, st), x);
-      EXPECT_EQ(ref.y, o.y);
-      EXPECT_EQ(ref.pre, o.pre);
-      EXPECT_EQ(ref.dx, o.dx);
-      EXPECT_EQ(ref.dw, o.dw);
-      EXPECT_EQ(ref.dw2, o.dw2);
-      EXPECT_EQ(ref.db, o.db);
+      expect_same_outputs(ref, o);
       const auto [fa, ba] = a.model->layer_state(0, st);
       const auto [fb, bb] = b.model->layer_state(0, st);
       const std::vector<float> sa = to_host(fa, st);

@@ -255,6 +255,39 @@ TEST_F(Fp8Training, FusedProducersAreBitwise) {
   }
 }
 
+// Full activation recompute under FP8 re-runs each layer's forward (its quantisations with the same
+// scales) right before the layer's backward: losses and grad norms bitwise those of the run
+// without recompute, for every recipe, Llama style (SwiGLU: delayed scaling's fused activation, on
+// by default) and GPT style. It also guards what the backwards read: linear_fc2 saves its input as
+// FP8 xᵀ and its bf16 input is scratch shared by the layers, which without recompute holds the last
+// layer's activation when an earlier layer's backward runs — a backward reading it would differ.
+TEST_F(Fp8Training, FullRecomputeIsBitwise) {
+  const std::string llama = "--normalization RMSNorm --swiglu --position-embedding-type rope --disable-bias-linear ";
+  for (const std::string style : {llama, std::string()})
+    for (const std::string recipe : {"--fp8-format hybrid --fp8-recipe tensorwise",
+                                     "--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 4",
+                                     "--fp8-format e4m3 --fp8-recipe blockwise"}) {
+      SCOPED_TRACE(style + recipe);
+      const std::string f = "--train-iters 3 " + style + recipe;
+      const TrainingResult plain = train(f);
+      const TrainingResult rc = train(f + " --recompute-granularity full --recompute-method uniform "
+                                          "--recompute-num-layers 1");
+      ASSERT_EQ(plain.losses.size(), 3u);
+      ASSERT_EQ(rc.losses.size(), 3u);
+      for (const auto& [it, l] : plain.losses) EXPECT_EQ(rc.losses.at(it), l) << "iteration " << it;
+      for (const auto& [it, v] : plain.validation) EXPECT_EQ(rc.validation.at(it).loss, v.loss) << it;
+      ASSERT_EQ(plain.log.size(), rc.log.size());
+      int norms = 0;
+      for (size_t i = 0; i < plain.log.size(); ++i) {
+        const std::string norm = testing::logged(plain.log[i].line, "grad norm");
+        if (norm.empty()) continue;
+        ++norms;
+        EXPECT_EQ(testing::logged(rc.log[i].line, "grad norm"), norm) << plain.log[i].line;
+      }
+      EXPECT_EQ(norms, 3);
+    }
+}
+
 // Mixture of experts with expert parallelism: each expert's FP8 GEMM multiplies the tokens routed
 // to it from several DP ranks' micro-batches at once. Delayed scaling (scales of the whole step)
 // keeps every EP layout on the one-rank state; current scaling takes each expert GEMM's own amax,

@@ -77,7 +77,8 @@ Fp8Scaling Fp8Linear::weight_scaling() const {
   return model_.settings().blockwise() ? Fp8Scaling::kBlock128x128 : Fp8Scaling::kTensor;
 }
 
-void Fp8Linear::plan(BufferPlanner& p, int64_t max_rows, bool save_input, bool variable_rows, int64_t row_blocks) {
+void Fp8Linear::plan(BufferPlanner& p, int64_t max_rows, bool save_input, bool variable_rows, int64_t row_blocks,
+                     bool gathered_input) {
   MT_CHECK(!(save_input && variable_rows), "{}: save_input needs a fixed row count", name_);
   MT_CHECK(row_blocks >= 1 && max_rows % row_blocks == 0 && (row_blocks == 1 || !variable_rows),
            "{}: {} rows in {} blocks", name_, max_rows, row_blocks);
@@ -92,6 +93,7 @@ void Fp8Linear::plan(BufferPlanner& p, int64_t max_rows, bool save_input, bool v
              name_, max_rows, row_blocks, max_rows / row_blocks);
   save_input_ = save_input;
   variable_rows_ = variable_rows;
+  gathered_input_ = gathered_input;
   max_rows_ = max_rows;
   row_blocks_ = row_blocks;
   const size_t a = static_cast<size_t>(p.area());
@@ -389,7 +391,7 @@ void Fp8Linear::fprop(const Tensor& y, const Fp8Operand& a, const Tensor& bias, 
   if (!bias.empty() || !pre_gelu.empty()) fp8_bias_gelu(out, bias, pre_gelu.empty() ? Tensor() : y, st);
 }
 
-bool Fp8Linear::gathers_fp8() const { return save_input_ && !model_.settings().blockwise(); }
+bool Fp8Linear::gathers_fp8() const { return save_input_ && gathered_input_ && !model_.settings().blockwise(); }
 
 std::pair<Tensor, Tensor> Fp8Linear::quantize_shard(const Tensor& x_local, int slot, const Stream& st) {
   MT_CHECK(gathers_fp8() && row_blocks_ > 1 && !scratch_.xq_local.empty(),

@@ -88,10 +88,12 @@ class Fp8Linear {
   /// "fp8.*") for up to max_rows rows. variable_rows: forward / backward may get any m <= max_rows
   /// (padded to 16); else exactly max_rows, which must be a multiple of 16. row_blocks: the TP
   /// blocks forward_rows / dgrad_rows are called with (the TP size under sequence parallelism),
-  /// each max_rows / row_blocks rows, a multiple of 16. Errors: mt::Error naming the rows
+  /// each max_rows / row_blocks rows, a multiple of 16. gathered_input: the owner gathers x over
+  /// those blocks (a ColumnParallelLinear under SP; not a RowParallelLinear, whose blocks split its
+  /// output): only then can the gather run in FP8 (gathers_fp8). Errors: mt::Error naming the rows
   /// otherwise, or save_input with variable_rows.
   void plan(BufferPlanner& planner, int64_t max_rows, bool save_input, bool variable_rows = false,
-            int64_t row_blocks = 1);
+            int64_t row_blocks = 1, bool gathered_input = true);
   /// Persistent: the FP8 weight copies wq [out, in] and wq_t [in, out] (blockwise: with their
   /// 128x128 scales). Called once per planning pass by Fp8Model::plan. in_params: wq and wq_t are
   /// the weight's own bf16 storage instead (2 bytes an element: wq its first out·in bytes, wq_t the
@@ -170,7 +172,7 @@ class Fp8Linear {
   void end_forward(const Tensor& x, int slot, const Stream& stream);
   /// Under sequence parallelism: whether the forward all-gathers x in FP8 (Transformer Engine's FP8
   /// all-gather of a sequence-parallel input: half the bytes of bf16) — per-tensor scaling with the
-  /// transposed input saved (plan's save_input). Blockwise keeps the bf16 gather: x_t's 1x128 tiles
+  /// transposed input saved (plan's save_input) and a gathered input (plan's gathered_input). Blockwise keeps the bf16 gather: x_t's 1x128 tiles
   /// run along the tokens, across the shards, and are quantised from the high-precision x.
   bool gathers_fp8() const;
   /// The FP8 gather, after begin_forward(x_local, shard = true): quantises this rank's shard
@@ -222,8 +224,9 @@ class Fp8Linear {
   /// How many backwards took a fused producer's dy (fused_grad calls; tests).
   int64_t fused_grads() const { return fused_grads_; }
   /// After the producer filled fused_input(m).xq: the forward of those bytes (y, bias, pre_gelu as
-  /// forward) and, with save_input, the saved x_t = the bytes transposed — bitwise forward() of the
-  /// producer's stored output (docs/fp8.md "Fused quantisation").
+  /// forward) and, with save_input, the saved x_t = the bytes transposed unless the producer wrote
+  /// it (fused_input's transposed) — bitwise forward() of the producer's stored output (docs/fp8.md
+  /// "Fused quantisation").
   void forward_fused(const Tensor& y, const Tensor& bias, const Tensor& pre_gelu, int slot, const Stream& stream);
   /// forward_add (out = residual + (x · wᵀ + bias)) of the bytes fused_input(m).xq: bitwise
   /// forward_add of the producer's stored output.
@@ -308,7 +311,7 @@ class Fp8Linear {
   int64_t out_, in_;
   Fp8Groups groups_;
   Fp8TensorState x_, w_, dy_;
-  bool save_input_ = false, variable_rows_ = false;
+  bool save_input_ = false, variable_rows_ = false, gathered_input_ = true;
   int64_t max_rows_ = 0, row_blocks_ = 1;
   // the phases' state: rows of the current forward / backward, which transposes are written,
   // whether dy's delayed-scaling amax is recorded

@@ -214,7 +214,7 @@ void RowParallelLinear::plan(BufferPlanner& p, int64_t s, int64_t b) {
                                                     : p.saved(t, {s, b, in_l}, "row-parallel input");
   if (fp8_)
     fp8_->plan(p, s * b, /*save_input=*/fp8_saves_input(), /*variable_rows=*/false,
-               tp_.sequence_parallel() ? tp_.size() : 1);
+               tp_.sequence_parallel() ? tp_.size() : 1, /*gathered_input=*/false);
   out_full_ = p.scratch("row_parallel.out", t, {s, b, out_});
   out_local_ = tp_.sequence_parallel() ? p.scratch("row_parallel.out_local", t, {sl, b, out_}) : out_full_;
   dy_full_ = tp_.sequence_parallel() ? p.scratch("row_parallel.dy", t, {s, b, out_}) : Tensor();

@@ -21,9 +21,10 @@
 // With FP8 (--fp8-format; docs/fp8.md) a decoder layer's linear runs its three GEMMs through an
 // Fp8Linear (model/fp8/fp8_linear.h), block by block inside the same collectives (with or
 // without --tp-comm-overlap): a ColumnParallelLinear then saves its input quantised and
-// transposed (FP8 [in, s·b]) instead of the bf16 one, a RowParallelLinear keeps its bf16 input (the
-// core attention's backward reads linear_proj's) and quantises it again in the backward; the
-// weight gradients are never deferred.
+// transposed (FP8 [in, s·b]) instead of the bf16 one, and so does a RowParallelLinear with
+// Options::fp8_save_input (linear_fc2); otherwise it keeps its bf16 input (the core attention's
+// backward reads linear_proj's) and quantises it again in the backward; the weight gradients are
+// never deferred.
 //
 // Scratch is shared by role across layers (docs/architecture.md): the gathered output-gradient
 // of every RowParallelLinear and the input-gradient of every ColumnParallelLinear share one
@@ -169,11 +170,11 @@ class RowParallelLinear {
   RowParallelLinear(const RowParallelLinear&) = delete;
   RowParallelLinear& operator=(const RowParallelLinear&) = delete;
 
-  /// Plans the saved input [s, b, in/tp] in the open area (scratch with recompute_input) and the
-  /// shared scratch.
+  /// Plans the saved input [s, b, in/tp] in the open area (scratch with recompute_input or
+  /// fp8_saves_input) and the shared scratch.
   void plan(BufferPlanner& planner, int64_t s, int64_t b);
   /// Where the producer writes this layer's input [s, b, in/tp] for `area` (saved unless
-  /// recompute_input).
+  /// recompute_input or fp8_saves_input).
   Tensor input(int area) const { return saved_.at(static_cast<size_t>(area)); }
   /// Delayed-scaling FP8 (docs/fp8.md "Fused quantisation"): whether the producer of input()
   /// (the SwiGLU) writes this layer's FP8 input in its own pass for a forward of `rows` = s·b rows

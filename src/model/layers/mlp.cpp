@@ -82,12 +82,12 @@ Tensor MLP::forward(const StepContext& ctx, const ResidualAdd* add) {
   const Tensor& pre = pre_.at(static_cast<size_t>(ctx.slot));
   const int64_t m = pre.numel() / pre.size(-1);
   if (act_.kind == MlpActivation::kSwiGLU && linear_fc2_.fuses_fp8_input(m)) {
-    // the SwiGLU writes fc2's FP8 input and its saved transpose in one pass (and the bf16 input
-    // only where fc2's backward reads it: not saved in FP8 under recompute)
+    // the SwiGLU writes fc2's FP8 input and its saved transpose in one pass, and no bf16 output:
+    // fc2 multiplies the bytes, and where it saves no FP8 input (mlp / mlp_act recompute) the
+    // backward writes the activation again before fc2's weight gradient reads it
     linear_fc1_.forward(pre, ctx);
     const Fp8Linear::FusedInput q = linear_fc2_.fp8_input(m, ctx.slot);
-    const Tensor y = linear_fc2_.fp8_saves_input() ? Tensor() : rows(linear_fc2_.input(ctx.slot));
-    fp8_swiglu_forward(y, q.xq, q.x_t, rows(pre), q.scale, q.record, ctx.stream);
+    fp8_swiglu_forward(Tensor(), q.xq, q.x_t, rows(pre), q.scale, q.record, ctx.stream);
   } else {
     forward_fc1(ctx, /*gather=*/true);
   }

@@ -3,7 +3,10 @@
 // -> activation (GELU tanh, or SiLU(gate) ∘ up: the config's MlpActivationKind, model/variants.h)
 // -> linear_fc2 (RowParallelLinear). Saved per area:
 // the fc1 output before the activation [s, b, (2)f/tp] and, as linear_fc2's input, the activation
-// output [s, b, f/tp]. Selective recompute (--recompute-modules) drops some of them: Recompute.
+// output [s, b, f/tp] (with FP8 its quantised transpose instead). Selective recompute
+// (--recompute-modules) drops some of them: Recompute. Under delayed-scaling FP8 with SwiGLU the
+// activation writes fc2's FP8 input, and its backward fc1's FP8 output gradient (docs/fp8.md
+// "Fused quantisation").
 #pragma once
 #include <vector>
 
@@ -73,12 +76,14 @@ class MLP final : public MlpSlot {
   ColumnParallelLinear* fp8_input_linear(int64_t rows) override {
     return linear_fc1_.fuses_fp8_input(rows) ? &linear_fc1_ : nullptr;
   }
-  /// fc1, the activation and fc2; under delayed-scaling FP8 the SwiGLU writes fc2's FP8 input in
-  /// its own pass (RowParallelLinear::fuses_fp8_input).
+  /// fc1, the activation and fc2; under delayed-scaling FP8 the SwiGLU writes fc2's FP8 input and
+  /// its saved transpose in its own pass, no bf16 output (RowParallelLinear::fuses_fp8_input).
   Tensor forward(const StepContext& ctx, const ResidualAdd* add = nullptr) override;
   bool fuses_residual() const override { return linear_fc2_.fuses_residual(); }
   /// linear_fc1's weight gradient may be deferred (linear_fc2's is computed at once: its gathered
-  /// output gradient is shared with the attention block's linear_proj).
+  /// output gradient is shared with the attention block's linear_proj). Under delayed-scaling FP8
+  /// the SwiGLU's backward writes fc1's FP8 output gradient and its transpose, no bf16 gradient
+  /// (ColumnParallelLinear::fuses_fp8_grad).
   Tensor backward(const Tensor& dy, const StepContext& ctx, WgradDeferral* defer) override;
   const ParamRef& output_bias() const override { return linear_fc2_.bias(); }
 

@@ -11,12 +11,13 @@
 namespace mt::cpu {
 
 namespace {
-/// A host fp32 tensor of `shape` over `buf` (the stored output the quantiser reads when the caller
-/// does not keep it).
-Tensor host_f32(std::vector<float>& buf, const std::vector<int64_t>& shape, Device dev) {
+/// A host fp32 tensor of `shape`: the stored output the quantiser reads when the caller does not
+/// keep it, in a per-thread buffer that only grows (the first step's size; no allocation after).
+Tensor host_f32(const std::vector<int64_t>& shape, Device dev) {
+  thread_local std::vector<float> buf;
   int64_t n = 1;
   for (const int64_t d : shape) n *= d;
-  buf.assign(static_cast<size_t>(n), 0.f);
+  if (buf.size() < static_cast<size_t>(n)) buf.resize(static_cast<size_t>(n));
   return Tensor(buf.data(), DType::kF32, dev, shape);
 }
 }  // namespace
@@ -30,18 +31,16 @@ void fp8_rmsnorm_forward(const Tensor& y, const Tensor& q, const Tensor& rstd, c
 
 void fp8_swiglu_forward(const Tensor& y, const Tensor& q, const Tensor& q_t, const Tensor& x, const Tensor& scale,
                         const Tensor& amax, const Stream& stream) {
-  std::vector<float> buf;
   std::vector<int64_t> half = x.shape();
   half.back() /= 2;
-  const Tensor out = y.empty() ? host_f32(buf, half, x.device()) : y;
+  const Tensor out = y.empty() ? host_f32(half, x.device()) : y;
   cpu::swiglu_forward(out, x, stream);
   cpu::fp8_quantize(q, q_t, out, scale, amax, stream);
 }
 
 void fp8_swiglu_backward(const Tensor& dq, const Tensor& dq_t, const Tensor& dy, const Tensor& x, const Tensor& scale,
                          const Tensor& amax, const Stream& stream) {
-  std::vector<float> buf;
-  const Tensor dx = host_f32(buf, x.shape(), x.device());
+  const Tensor dx = host_f32(x.shape(), x.device());
   cpu::swiglu_backward(dx, dy, x, stream);
   cpu::fp8_quantize(dq, dq_t, dx, scale, amax, stream);
 }
