@@ -41,16 +41,23 @@ struct GPTModel::Parts {
       : cfg(config), tp(std::move(tp_region)), ep(std::move(expert_parallel)) {
     registry.set_fp8(fp8);
     bool has_embedding = false, has_loss = false;
-    for (const auto& r : ranges) {
-      has_embedding |= r.has_embedding;
-      has_loss |= r.has_loss;
+    int embedding_chunk = 0, loss_chunk = 0;  // ParamSpec::model_chunk of the embedding, the head
+    for (size_t c = 0; c < ranges.size(); ++c) {
+      if (ranges[c].has_embedding) embedding_chunk = static_cast<int>(c);
+      if (ranges[c].has_loss) loss_chunk = static_cast<int>(c);
+      has_embedding |= ranges[c].has_embedding;
+      has_loss |= ranges[c].has_loss;
     }
+    registry.set_model_chunk(embedding_chunk);
     if (has_embedding) embedding = std::make_unique<LanguageModelEmbedding>(cfg, tp, registry);
     std::vector<LayerSpec> specs = get_gpt_decoder_layer_specs(cfg, attention);
     for (LayerSpec& spec : specs) spec.context_parallel = cp;
-    for (const auto& r : ranges)
-      for (int64_t l = r.begin; l < r.end; ++l)
+    for (size_t c = 0; c < ranges.size(); ++c) {
+      registry.set_model_chunk(static_cast<int>(c));
+      for (int64_t l = ranges[c].begin; l < ranges[c].end; ++l)
         layers.push_back(std::make_unique<TransformerLayer>(cfg, specs[static_cast<size_t>(l)], l, tp, ep, registry));
+    }
+    registry.set_model_chunk(loss_chunk);
     if (has_loss)
       head = std::make_unique<LanguageModelHead>(cfg, tp, registry,
                                                  embedding && cfg.tied_output() ? &embedding->word_embeddings() : nullptr);

@@ -18,6 +18,7 @@ void ParamRegistry::declare(ParamSpec spec, ParamRef* ref) {
   if (!rename_.first.empty() && spec.name.rfind(rename_.first, 0) == 0)
     spec.name = rename_.second + spec.name.substr(rename_.first.size());
   MT_CHECK(names_.insert(spec.name).second, "parameter {} declared twice", spec.name);
+  spec.model_chunk = chunk_;
   groups_.back().entries.push_back({std::move(spec), ref});
 }
 

@@ -144,6 +144,8 @@ class ParamRegistry {
   /// names them mtp.layers.<k>.transformer_layer.*).
   void set_rename(std::string from, std::string to) { rename_ = {std::move(from), std::move(to)}; }
   void clear_rename() { rename_ = {}; }
+  /// Parameters declared from now on belong to model chunk `c` (ParamSpec::model_chunk).
+  void set_model_chunk(int c) { chunk_ = c; }
   /// FP8 training (--fp8-format): the model-wide FP8 state the linear layers register an
   /// Fp8Linear with (model/fp8/fp8_model.h); nullptr when FP8 is off.
   void set_fp8(Fp8Model* fp8) { fp8_ = fp8; }
@@ -163,6 +165,7 @@ class ParamRegistry {
   std::unordered_set<std::string> names_;  // every declared name (duplicates found in O(1))
   std::pair<std::string, std::string> rename_;  // set_rename: (from, to); from empty = none
   Fp8Model* fp8_ = nullptr;
+  int chunk_ = 0;  // set_model_chunk
 };
 
 /// Static buffer planning (docs/architecture.md principle 1). The model calls its modules' plan() twice: a

@@ -81,7 +81,9 @@ ParamStore::ParamStore(std::vector<ParamSpec> specs, DType model_dtype, Device d
                      (layout.isolate_word_embedding && p.name == "embedding.word_embeddings.weight");
     // an expert bucket holds one layer's experts (the MoE layers' expert slots, use_grad_slots)
     const bool other_layer = end > i + 1 && p.expert && infos_[i + 1].expert && unit_of(i) != unit_of(i + 1);
-    if (end > i + 1 && (own || other_layer || p.expert != infos_[i + 1].expert)) close(i + 1);
+    // with split_model_chunks a bucket holds one model chunk's parameters
+    const bool other_chunk = end > i + 1 && layout.split_model_chunks && p.model_chunk != infos_[i + 1].model_chunk;
+    if (end > i + 1 && (own || other_layer || other_chunk || p.expert != infos_[i + 1].expert)) close(i + 1);
     open_elems += aligned(p);
     if (own || (bs > 0 && open_elems >= bs)) close(i);
   }

@@ -74,6 +74,11 @@ struct ParamSpec {
   /// layers/linear.h): zero_grads leaves its gradient alone and the step's first write overwrites
   /// it (PyTorch's gradients set to None; no zeroing pass over most of the gradient buffer).
   bool grad_overwrite = false;
+  /// The model chunk of this rank (virtual pipeline stage, in ParamStore order: 0 .. chunks - 1)
+  /// whose forward and backward use the parameter (GPTModel::param_specs; the embedding belongs
+  /// to the chunk with the embedding, the head and the multi-token prediction to the chunk with the
+  /// loss). 0 without the interleaved schedule. ParamLayout::split_model_chunks keeps buckets per chunk.
+  int model_chunk = 0;
 };
 
 struct ParamInfo : ParamSpec {
@@ -93,7 +98,8 @@ int64_t default_ddp_bucket_size(int64_t data_parallel_size);
 /// shared_embedding_copy parameter (reported late, after the embedding-group all-reduce), get a
 /// bucket of their own; expert and non-expert parameters never share a bucket, nor do the expert
 /// parameters of two layers (the MoE layers' expert slots of sharded strategies, see
-/// ParamStore::use_grad_slots). Each bucket is padded to a multiple of kAlign · data_parallel_size
+/// ParamStore::use_grad_slots), and with split_model_chunks no bucket holds parameters of two
+/// model chunks (ParamSpec::model_chunk). Each bucket is padded to a multiple of kAlign · data_parallel_size
 /// elements, so that every data-parallel rank owns an equal, kAlign-aligned 1/DP slice of it
 /// (Megatron pads to lcm(128, DP)).
 struct ParamLayout {
@@ -112,6 +118,11 @@ struct ParamLayout {
   /// shared_embedding_copy does: with sharded gradients under pipeline parallelism it is reported
   /// once per step (after the embedding-group all-reduce) while the rest is reported every backward.
   bool isolate_word_embedding = false;
+  /// No bucket holds parameters of two model chunks (ParamSpec::model_chunk; Megatron builds the
+  /// buckets of each chunk in a buffer of its own): with sharded gradients under the interleaved
+  /// pipeline schedule a chunk's backward must complete every bucket it writes (the backwards of
+  /// different chunks and micro-batches interleave; docs/fsdp.md "Interleaved pipeline schedule").
+  bool split_model_chunks = false;
   int64_t edp() const { return expert_data_parallel_size > 0 ? expert_data_parallel_size : data_parallel_size; }
 };
 

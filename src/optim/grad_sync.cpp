@@ -113,6 +113,17 @@ GradSync::GradSync(ParamStore& params, std::shared_ptr<Communicator> dp, const D
   if (config.grad_reduce_in_bf16 && (n_dp > 1 || n_edp > 1 || inter_dp_->size() > 1 || inter_edp_->size() > 1))
     bf16_comm_ = Buffer(params.device(), static_cast<size_t>(largest_bucket(bks)) * 2);
   if (config.shard_grads) {
+    // The interleaved schedule runs the backwards of several model chunks (and micro-batches) in
+    // turn: a staged bucket must be completed by the backward of the one chunk that writes it.
+    for (size_t b = 0; b < bks.size(); ++b) {
+      const ParamBucket& bk = bks[b];
+      const int c0 = params.info(bk.param_begin).model_chunk, c1 = params.info(bk.param_end - 1).model_chunk;
+      MT_REQUIRE(c0 == c1,
+                 "sharded gradients (--data-parallel-sharding-strategy optim_grads): bucket {} holds parameters of "
+                 "model chunks {} ('{}') and {} ('{}'), whose backwards interleave; lay the store out with "
+                 "ParamLayout::split_model_chunks (docs/fsdp.md)",
+                 b, c0, params.info(bk.param_begin).name, c1, params.info(bk.param_end - 1).name);
+    }
     Stream s(params.device());
     params.use_grad_slots(config.grad_slots > 0 ? config.grad_slots : params.grad_slots_needed(), s);
     shard_offset_.assign(bks.size(), 0);

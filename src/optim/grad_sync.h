@@ -162,6 +162,8 @@ class GradSync final : public ParamGradHooks {
   /// with the distributed optimizer and DP > 1, a bucket
   /// whose length is not a multiple of kAlign · DP (the ParamStore was laid out for another
   /// data-parallel size: ParamLayout::data_parallel_size).
+  /// With shard_grads, a bucket holding parameters of two model chunks (ParamSpec::model_chunk; lay
+  /// the store out with ParamLayout::split_model_chunks) is an mt::Error naming both.
   /// edp: the expert-data-parallel group, over which the buckets of expert parameters
   /// (ParamBucket::expert) are reduced and sharded (nullptr = dp; MoE parallel folding).
   GradSync(ParamStore& params, std::shared_ptr<Communicator> dp, const DdpConfig& config,

@@ -77,6 +77,8 @@ ParamLayout PretrainArgs::param_layout() const {
                       ? ddp_bucket_size.value_or(default_ddp_bucket_size(l.data_parallel_size))
                       : 0;
   l.isolate_word_embedding = shard_grads() && pipeline_model_parallel_size > 1;
+  // the interleaved schedule's chunks complete their buckets in their own backwards (docs/fsdp.md)
+  l.split_model_chunks = shard_grads();
   return l;
 }
 
@@ -820,12 +822,8 @@ void resolve_megatron_fsdp(PretrainArgs& a) {
   }
   if (!a.use_megatron_fsdp) return;
   if (s == "optim_grads" || s == "optim_grads_params") {
-    // What the gradient (and parameter) staging (docs/fsdp.md) does not support yet.
-    MT_REQUIRE(a.num_layers_per_virtual_pipeline_stage == 0,
-               "--data-parallel-sharding-strategy {} with the interleaved pipeline schedule "
-               "(--num-layers-per-virtual-pipeline-stage {}) is not built: a bucket may span model chunks whose "
-               "backwards interleave (docs/fsdp.md)",
-               s, a.num_layers_per_virtual_pipeline_stage);
+    // What the gradient (and parameter) staging (docs/fsdp.md) does not support yet. (The
+    // interleaved schedule is built: buckets per model chunk, ParamLayout::split_model_chunks.)
     MT_REQUIRE(!a.cuda_graph.enabled(),
                "--data-parallel-sharding-strategy {} with --cuda-graph-impl {} is not built (the staging "
                "slots are bound on the host per backward; docs/fsdp.md)",

@@ -153,6 +153,57 @@ TEST(BucketPlan, Errors) {
   });
 }
 
+// ParamLayout::split_model_chunks (the interleaved pipeline schedule under optim_grads, docs/fsdp.md):
+// a bucket never holds parameters of two model chunks, and sharded gradients refuse a store laid
+// out without the rule (negative control: its one bucket spans both chunks). On 2 ranks the
+// backwards of the two chunks and two micro-batches run interleaved (chunk 1 of micro-batches 0
+// and 1, then chunk 0 of both), each completing its chunk's bucket: the shard is the sum.
+TEST(BucketPlan, SplitModelChunks) {
+  auto specs = [] {
+    std::vector<ParamSpec> s = sized({100, 64, 300, 1});
+    s[2].model_chunk = s[3].model_chunk = 1;
+    return s;
+  };
+  ParamLayout split{2, 0};
+  split.split_model_chunks = true;
+  ParamStore whole(specs(), DType::kF32, Device::cpu(), ParamLayout{2, 0});
+  ParamStore per_chunk(specs(), DType::kF32, Device::cpu(), split);
+  check_plan(per_chunk, 2);
+  using V = std::vector<std::pair<size_t, size_t>>;
+  EXPECT_EQ(param_ranges(whole), (V{{0, 4}}));
+  EXPECT_EQ(param_ranges(per_chunk), (V{{2, 4}, {0, 2}}));
+  DdpConfig c;
+  c.use_distributed_optimizer = c.shard_grads = true;
+  expect_error([&] { GradSync g(whole, nullptr, c); }, "bucket 0 holds parameters of model chunks 0 ('p0') and 1 ('p3')");
+  run_thread_ranks(2, [&](int rank, std::shared_ptr<Communicator> w) {
+    Stream st;
+    ParamStore P(specs(), DType::kF32, Device::cpu(), split);
+    P.initialize(1, st);
+    GradSync g(P, w, c);
+    EXPECT_EQ(P.grad_slots(), 2);  // one bucket per unit ('p0'...: every parameter its own unit) + 2, at most 2
+    g.zero_grad_buffer(st);
+    for (const auto& [chunk, mb] : std::vector<std::pair<int, int>>{{1, 0}, {1, 1}, {0, 0}, {0, 1}}) {
+      const size_t first = chunk == 0 ? 0 : 2;
+      for (size_t i = first + 2; i-- > first;) {  // backward: reverse parameter order
+        fill(P.grad(i), static_cast<float>((rank + 1) * (mb + 1) * (i + 1)), st);
+        g.grads_ready(i, i + 1, st);
+      }
+      EXPECT_FALSE(P.grad_bound(P.bucket_of(first))) << "chunk " << chunk << " left its bucket staged";
+    }
+    g.finish_grad_sync(st);
+    // sum over ranks (1 + 2) and micro-batches (1 + 2): 9 (i + 1) on the parameters, 0 on padding
+    std::vector<float> expected(static_cast<size_t>(P.total_elements()), 0.f);
+    for (size_t i = 0; i < P.size(); ++i)
+      for (int64_t e = 0; e < P.info(i).numel; ++e)
+        expected[static_cast<size_t>(P.info(i).offset + e)] = 9.f * static_cast<float>(i + 1);
+    const float* shard = static_cast<const float*>(g.grad_shard().data());
+    int64_t at = 0;
+    for (const ParamStore::Range& r : g.owned_ranges())
+      for (int64_t e = r.begin; e < r.end; ++e) EXPECT_EQ(shard[at++], expected[static_cast<size_t>(e)]) << e;
+    EXPECT_EQ(at, g.owned_elements());
+  });
+}
+
 TEST(GradSync, ProtocolErrorsAndIdempotentFinish) {
   const Model m = ddp_test::gpt_like(2);
   Stream st;

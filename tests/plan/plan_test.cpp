@@ -92,6 +92,14 @@ TEST_F(Plan, MemoryEqualsTheTrainersEstimateAndTheAllocatorOnEveryRank) {
       {"--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --ddp-bucket-size 3000 "
        "--pipeline-model-parallel-size 2",
        4},
+      // ... under the interleaved schedule: buckets per model chunk (docs/fsdp.md)
+      {"--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --ddp-bucket-size 3000 "
+       "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1",
+       4},
+      {"--expert-model-parallel-size 2 --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads "
+       "--ddp-bucket-size 3000 --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1" +
+           moe,
+       4},
       {"--expert-model-parallel-size 2 --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params "
        "--ddp-bucket-size 3000" +
            moe,

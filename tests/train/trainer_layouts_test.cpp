@@ -723,7 +723,6 @@ TEST_F(TrainerLayouts, MegatronFsdpOptimGrads) {
     EXPECT_EQ(estimated, static_cast<size_t>(gs.grad_bytes()));
   });
   for (const auto& [bad, msg] : std::vector<std::pair<std::string, std::string>>{
-           {" --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1", "interleaved pipeline"},
            {" --optimizer muon", "--optimizer muon with sharded gradients"}})
     expect_error_text([&] { train("--train-iters 1 --nproc-per-node 2" + og + bad); }, msg, bad);
 }
@@ -775,7 +774,6 @@ TEST_F(TrainerLayouts, MegatronFsdpOptimGradsParams) {
     });
   }
   for (const auto& [bad, msg] : std::vector<std::pair<std::string, std::string>>{
-           {" --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1", "interleaved pipeline"},
            {" --optimizer muon", "--optimizer muon with --data-parallel-sharding-strategy optim_grads_params"},
            {" --fp8-format hybrid", "optim_grads_params with --fp8-format is not built"},
            {" --mtp-num-layers 1", "optim_grads_params with --mtp-num-layers 1 is not built"},
@@ -784,6 +782,80 @@ TEST_F(TrainerLayouts, MegatronFsdpOptimGradsParams) {
            {" --cuda-graph-impl full_iteration", "optim_grads_params with --cuda-graph-impl"},
            {" --ddp-copy-engine", "optim_grads_params with --ddp-copy-engine is not built"}})
     expect_error_text([&] { train("--train-iters 1 --nproc-per-node 2" + ogp + bad); }, msg, bad);
+}
+
+// The interleaved pipeline schedule (--num-layers-per-virtual-pipeline-stage, docs/fsdp.md
+// "Interleaved pipeline schedule: as built") under optim_grads and optim_grads_params: the buckets
+// never span two model chunks (ParamLayout::split_model_chunks), so each chunk's backward completes
+// the buckets it writes while the backwards and forwards of the chunks and micro-batches interleave.
+// PP 2 x VPP 2 x DP 2 (2 micro-batches per rank: accumulation) equals one rank and the distributed
+// optimizer with the same layout within fp32 rounding, for the dense GPT (the tied embedding across
+// the first and last virtual stages), the Llama style (untied), full recompute, and the tiny MoE with
+// its experts sharded over EDP (six MoE layers, three per rank in three chunks: MoE layers 0 and 2 of
+// a rank share an expert parameter slot; EP 2 too); the memory estimate counts the bytes allocated
+// and no bucket spans two chunks. (The negative control, a store whose bucket spans two chunks
+// refused, is grad_sync_test's BucketPlan.SplitModelChunks.)
+TEST_F(TrainerLayouts, MegatronFsdpInterleavedPipeline) {
+  const std::string vpp = "--nproc-per-node 4 --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1";
+  const std::string fsdp = " --use-megatron-fsdp --ddp-bucket-size 3000 --data-parallel-sharding-strategy ";
+  const std::string optim = " --use-distributed-optimizer --overlap-grad-reduce --ddp-bucket-size 3000";
+  const std::string llama = " --swiglu --ffn-hidden-size 64 --normalization RMSNorm --position-embedding-type rope "
+                            "--disable-bias-linear --untie-embeddings-and-output-weights";
+  const std::string recompute = " --recompute-granularity full --recompute-method uniform --recompute-num-layers 1";
+  for (const std::string model : {std::string(), llama}) {
+    SCOPED_TRACE(model);
+    const TrainingResult ref = train("--train-iters 4" + model);
+    const TrainingResult today = train("--train-iters 4 " + vpp + model + optim);
+    expect_near_one_rank(today, ref, "optim" + model);
+    for (const std::string strategy : {"optim_grads", "optim_grads_params"}) {
+      for (const std::string extra : {std::string(), recompute}) {
+        const TrainingResult r = train("--train-iters 4 " + vpp + model + extra + fsdp + strategy);
+        expect_near_one_rank(r, ref, strategy + model + extra);
+        expect_near_one_rank(r, today, strategy + " vs optim" + model + extra);
+      }
+    }
+  }
+  // One bucket per model chunk (the bucket size above the whole model): without the chunk rule
+  // the one bucket would span both chunks of a rank (the gradients reported twice before it
+  // completes: the negative control, by hand, fails here).
+  {
+    const std::string big = " --use-megatron-fsdp --ddp-bucket-size 1000000 --data-parallel-sharding-strategy ";
+    const TrainingResult ref = train("--train-iters 4");
+    for (const std::string strategy : {"optim_grads", "optim_grads_params"})
+      expect_near_one_rank(train("--train-iters 4 " + vpp + big + strategy), ref, strategy + " one bucket per chunk");
+  }
+  const std::string moe = std::string(kTinyMoe) + " --num-layers 6 --moe-layer-freq 1";
+  const TrainingResult ref_moe = train("--train-iters 4" + moe);
+  for (const std::string strategy : {"optim_grads", "optim_grads_params"})
+    for (const std::string ep : {"", " --expert-model-parallel-size 2"})
+      expect_near_one_rank(train("--train-iters 4 " + vpp + ep + moe + fsdp + strategy), ref_moe,
+                           "MoE " + strategy + ep);
+  // Memory and layout: 8 layers, 2 per virtual stage (two chunks per rank).
+  for (const std::string strategy : {"optim_grads", "optim_grads_params"}) {
+    const std::string f = flags("--train-iters 1 --num-layers 8 --nproc-per-node 4 --pipeline-model-parallel-size 2 "
+                                "--num-layers-per-virtual-pipeline-stage 2" +
+                                fsdp + strategy);
+    run_thread_ranks(4, [&](int, std::shared_ptr<Communicator> world) {
+      TrainingSetup setup(testing::parse_pretrain_args(f), std::move(world), Device::cpu());
+      const GradSync& gs = setup.model_setup().grad_sync();
+      const ParamStore& ps = gs.params();
+      EXPECT_TRUE(ps.layout().split_model_chunks);
+      EXPECT_EQ(ps.info(ps.size() - 1).model_chunk, 1) << strategy;  // two chunks on every rank
+      for (const ParamBucket& b : ps.buckets())
+        EXPECT_EQ(ps.info(b.param_begin).model_chunk, ps.info(b.param_end - 1).model_chunk)
+            << strategy << ": bucket of '" << ps.info(b.param_begin).name << "'..";
+      EXPECT_LT(ps.grad_slots(), static_cast<int>(ps.buckets().size()));
+      if (gs.params_sharded()) {
+        expect_estimate_matches_sync(setup.model_setup().memory_estimate(), gs);
+      } else {  // (an fp32 model without parameter staging: its parameters are the main ones)
+        size_t estimated = 0;
+        for (const MemoryPart& p : setup.model_setup().memory_estimate().parts)
+          if (p.name.rfind("gradients", 0) == 0) estimated = p.bytes;
+        EXPECT_EQ(estimated, static_cast<size_t>(gs.grad_bytes()));
+        EXPECT_EQ(gs.grad_bytes(), (gs.owned_elements() + ps.grad_slots() * ps.largest_dense_bucket()) * 4);
+      }
+    });
+  }
 }
 
 // Sharded experts (docs/fsdp.md "Expert buckets"): under optim_grads and optim_grads_params the
