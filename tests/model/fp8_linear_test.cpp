@@ -663,6 +663,42 @@ TEST(Fp8Linear, FusedGradEqualsUnfused) {
   testing::expect_error([&] { tw.lin->fused_grad(m); }, "got 48 rows (recipe tensorwise)");
 }
 
+// --moe-shared-expert-overlap runs the shared experts on a side stream beside the routed experts'
+// FP8 GEMMs: their linears' FP8 scratch must be their own (otherwise every linear shares it).
+TEST(Fp8Linear, SharedExpertsScratchOfTheirOwnUnderOverlap) {
+  for (const bool overlap : {false, true}) {
+    TransformerConfig cfg;
+    cfg.num_layers = 1;
+    cfg.fp8 = Fp8Format::kHybrid;
+    cfg.fp8_recipe = Fp8Recipe::kDelayed;
+    cfg.moe_shared_expert_overlap = overlap;
+    Fp8Model model(cfg, ProcessGroups::single());
+    const std::string shared = "decoder.layers.0.mlp.shared_experts.linear_fc1",
+                      routed = "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1";
+    EXPECT_EQ(model.scratch_prefix(shared), overlap ? "fp8.shared_experts." : "fp8.");
+    EXPECT_EQ(model.scratch_prefix(routed), "fp8.");
+    ParamRef none;
+    auto a = model.make_linear(0, model.reserve(0, 2), shared, &none, 32, 64, {});
+    auto b = model.make_linear(0, model.reserve(0, 2), routed, &none, 32, 64, {});
+    BufferPlanner planner(Device::cpu(), DType::kF32);
+    for (int pass = 0; pass < 2; ++pass) {
+      planner.begin_pass();
+      planner.open_area(BufferPlanner::Family::kActivations, 0);
+      a->plan(planner, 32, true);
+      b->plan(planner, 32, true);
+      planner.close_area();
+      if (pass == 0) planner.materialize();
+    }
+    const void* xa = a->fused_input(32, 0).xq.data();
+    const void* xb = b->fused_input(32, 0).xq.data();
+    if (overlap) {
+      EXPECT_NE(xa, xb) << "the shared experts' FP8 scratch is the routed experts'";
+    } else {
+      EXPECT_EQ(xa, xb) << "the linears' FP8 scratch is shared";
+    }
+  }
+}
+
 TEST(Fp8Linear, Errors) {
   TransformerConfig cfg;
   cfg.num_layers = 2;

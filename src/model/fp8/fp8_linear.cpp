@@ -107,7 +107,12 @@ void Fp8Linear::plan(BufferPlanner& p, int64_t max_rows, bool save_input, bool v
     if (s != Fp8Scaling::kTensor) sv.x_t_s = p.saved(DType::kF32, fp8_scale_shape(s, in_, max_rows), "fp8 input scales");
   }
   const int64_t m = pad16(max_rows);
-  auto bytes = [&](const char* key, DType t, int64_t n) { return n > 0 ? p.scratch(key, t, {n}) : Tensor(); };
+  // the shared experts' linears under --moe-shared-expert-overlap run on a side stream beside the
+  // routed experts' FP8 GEMMs: scratch of their own (Fp8Model::scratch_prefix)
+  const std::string prefix = model_.scratch_prefix(name_);
+  auto bytes = [&](const char* key, DType t, int64_t n) {
+    return n > 0 ? p.scratch(prefix + (key + 4), t, {n}) : Tensor();  // key: "fp8." + name
+  };
   Scratch& sc = scratch_;
   sc.xq = bytes("fp8.xq", f, m * in_);
   sc.xq_s = bytes("fp8.xq_s", DType::kF32, scale_numel(s, m, in_));

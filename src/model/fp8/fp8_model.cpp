@@ -22,6 +22,11 @@ Fp8Model::Fp8Model(const TransformerConfig& config, const ProcessGroups& groups)
              "alone");
 }
 
+std::string Fp8Model::scratch_prefix(const std::string& name) const {
+  const bool side = config_.moe_shared_expert_overlap && name.find(".shared_experts.") != std::string::npos;
+  return side ? "fp8.shared_experts." : "fp8.";
+}
+
 int64_t Fp8Model::decoder_layer(const std::string& prefix) {
   static const std::string kHead = "decoder.layers.";
   if (prefix.compare(0, kHead.size(), kHead) != 0) return -1;

@@ -44,6 +44,11 @@ class Fp8Model {
   Fp8Model& operator=(const Fp8Model&) = delete;
 
   const Fp8Settings& settings() const { return settings_; }
+  /// The prefix of the shared scratch keys of the linear `name` (a parameter prefix): "fp8." for
+  /// every linear but the shared experts' under --moe-shared-expert-overlap, which run on a side
+  /// stream beside the routed experts' FP8 GEMMs and get scratch of their own
+  /// ("fp8.shared_experts.").
+  std::string scratch_prefix(const std::string& name) const;
 
   // --- registration (module constructors) ---
   /// The decoder layer of a parameter prefix "decoder.layers.<L>[.…]", or -1 for any other prefix
