@@ -117,12 +117,14 @@ GradSync::GradSync(ParamStore& params, std::shared_ptr<Communicator> dp, const D
     // turn: a staged bucket must be completed by the backward of the one chunk that writes it.
     for (size_t b = 0; b < bks.size(); ++b) {
       const ParamBucket& bk = bks[b];
-      const int c0 = params.info(bk.param_begin).model_chunk, c1 = params.info(bk.param_end - 1).model_chunk;
-      MT_REQUIRE(c0 == c1,
-                 "sharded gradients (--data-parallel-sharding-strategy optim_grads): bucket {} holds parameters of "
-                 "model chunks {} ('{}') and {} ('{}'), whose backwards interleave; lay the store out with "
-                 "ParamLayout::split_model_chunks (docs/fsdp.md)",
-                 b, c0, params.info(bk.param_begin).name, c1, params.info(bk.param_end - 1).name);
+      for (size_t i = bk.param_begin; i + 1 < bk.param_end; ++i) {  // every neighbouring pair
+        const int c0 = params.info(i).model_chunk, c1 = params.info(i + 1).model_chunk;
+        MT_REQUIRE(c0 == c1,
+                   "sharded gradients (--data-parallel-sharding-strategy optim_grads): bucket {} holds parameters of "
+                   "model chunks {} ('{}') and {} ('{}'), whose backwards interleave; lay the store out with "
+                   "ParamLayout::split_model_chunks (docs/fsdp.md)",
+                   b, c0, params.info(i).name, c1, params.info(i + 1).name);
+      }
     }
     Stream s(params.device());
     params.use_grad_slots(config.grad_slots > 0 ? config.grad_slots : params.grad_slots_needed(), s);

@@ -174,7 +174,7 @@ TEST(BucketPlan, SplitModelChunks) {
   EXPECT_EQ(param_ranges(per_chunk), (V{{2, 4}, {0, 2}}));
   DdpConfig c;
   c.use_distributed_optimizer = c.shard_grads = true;
-  expect_error([&] { GradSync g(whole, nullptr, c); }, "bucket 0 holds parameters of model chunks 0 ('p0') and 1 ('p3')");
+  expect_error([&] { GradSync g(whole, nullptr, c); }, "bucket 0 holds parameters of model chunks 0 ('p1') and 1 ('p2')");
   run_thread_ranks(2, [&](int rank, std::shared_ptr<Communicator> w) {
     Stream st;
     ParamStore P(specs(), DType::kF32, Device::cpu(), split);

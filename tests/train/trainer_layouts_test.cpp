@@ -823,6 +823,20 @@ TEST_F(TrainerLayouts, MegatronFsdpInterleavedPipeline) {
     const TrainingResult ref = train("--train-iters 4");
     for (const std::string strategy : {"optim_grads", "optim_grads_params"})
       expect_near_one_rank(train("--train-iters 4 " + vpp + big + strategy), ref, strategy + " one bucket per chunk");
+    // Llama (an untied output layer, in the loss chunk's bucket) with micro-batch groups of 3 over 5
+    // micro-batches per rank: the loss chunk's forward writes the output layer's gradient, and its
+    // bucket stays bound across the other chunk's actions until that micro-batch's backward
+    // (docs/fsdp.md "Interleaved pipeline schedule"); under optim_grads also with multi-token
+    // prediction in that chunk (optim_grads_params refuses MTP).
+    const std::string groups = " --global-batch-size 20 --microbatch-group-size-per-virtual-pipeline-stage 3";
+    for (const std::string mtp : {std::string(), std::string(" --mtp-num-layers 1")}) {
+      const TrainingResult ref_l = train("--train-iters 4 --global-batch-size 20" + llama + mtp);
+      for (const std::string strategy : {"optim_grads", "optim_grads_params"}) {
+        if (!mtp.empty() && strategy == "optim_grads_params") continue;
+        expect_near_one_rank(train("--train-iters 4 " + vpp + llama + mtp + groups + big + strategy), ref_l,
+                             strategy + " llama, groups of 3" + mtp);
+      }
+    }
   }
   const std::string moe = std::string(kTinyMoe) + " --num-layers 6 --moe-layer-freq 1";
   const TrainingResult ref_moe = train("--train-iters 4" + moe);

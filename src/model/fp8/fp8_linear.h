@@ -85,8 +85,9 @@ class Fp8Linear {
 
   /// In the open area: the x scale (tensorwise) and, with save_input, x_t [in, max_rows] (blockwise
   /// with its 1x128 scales) kept from the forward to the backward; the shared FP8 scratch (keys
-  /// "fp8.*") for up to max_rows rows. variable_rows: forward / backward may get any m <= max_rows
-  /// (padded to 16); else exactly max_rows, which must be a multiple of 16. row_blocks: the TP
+  /// "fp8.*", the shared experts' under overlap their own: Fp8Model::scratch_prefix) for up to
+  /// max_rows rows. variable_rows: forward / backward may get any m <= max_rows (padded to 16);
+  /// else exactly max_rows, which must be a multiple of 16. row_blocks: the TP
   /// blocks forward_rows / dgrad_rows are called with (the TP size under sequence parallelism),
   /// each max_rows / row_blocks rows, a multiple of 16. gathered_input: the owner gathers x over
   /// those blocks (a ColumnParallelLinear under SP; not a RowParallelLinear, whose blocks split its
