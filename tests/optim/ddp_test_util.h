@@ -38,6 +38,15 @@ struct Model {
   std::vector<LayerRange> layers;  // forward order: embedding, decoder layers, final norm
 };
 
+/// The units of one pass over m.layers (forward order, reversed for the backward), each with the
+/// pass's next unit ({0, 0} after the last): f(k, unit, next) for k = 0, 1, ...
+template <typename F>
+void for_each_unit(const Model& m, bool backward, F&& f) {
+  const size_t n = m.layers.size();
+  const auto at = [&](size_t k) { return m.layers[backward ? n - 1 - k : k]; };
+  for (size_t k = 0; k < n; ++k) f(k, at(k), k + 1 < n ? at(k + 1) : LayerRange{0, 0});
+}
+
 /// A GPT-shaped list: word embedding [V, h] (vocab-parallel with tp > 1), per layer a norm weight
 /// [h] (replicated, no decay), QKV weight [3h, h] and bias [3h] (column-parallel), fc1 weight
 /// [f, h] (column-parallel) and bias, and the final norm. Sizes are odd on purpose so that the

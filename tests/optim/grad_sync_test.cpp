@@ -684,10 +684,7 @@ TEST(DataParallel, ShardedParamsBf16) {
       for (size_t b = 0; b < P.buckets().size(); ++b) bound += P.param_bound(b) ? 1 : 0;
       EXPECT_EQ(bound, backward ? 1u : 0u);
       const size_t before = sync.param_gathers();
-      for (size_t n = 0; n < m.layers.size(); ++n) {
-        const auto at_step = [&](size_t k) { return m.layers[backward ? m.layers.size() - 1 - k : k]; };
-        const ddp_test::LayerRange r = at_step(n);
-        const ddp_test::LayerRange next = n + 1 < m.layers.size() ? at_step(n + 1) : ddp_test::LayerRange{0, 0};
+      ddp_test::for_each_unit(m, backward, [&](size_t n, ddp_test::LayerRange r, ddp_test::LayerRange next) {
         sync.params_begin(r.first, r.end, backward, next.first, next.end, st);
         for (size_t i = r.first; i < r.end; ++i) {
           const std::vector<float> got = testing::to_host(P.param(i), st);
@@ -702,7 +699,7 @@ TEST(DataParallel, ShardedParamsBf16) {
           if (b != (backward ? hi : lo) && (next.first == next.end || b < P.bucket_of(next.end - 1) ||
                                             b > P.bucket_of(next.first)))
             EXPECT_FALSE(P.param_bound(b)) << "bucket " << b;
-      }
+      });
       EXPECT_EQ(sync.param_gathers() - before, P.buckets().size() - bound);
     }
     expect_error([&] { sync.params_end(0, 1, false, st); }, "was not begun");
@@ -777,10 +774,7 @@ TEST(DataParallel, ShardedExpertsBf16) {
     std::map<size_t, const void*> address;  // expert parameter -> its address in the slot
     const auto pass = [&](bool backward) {
       SCOPED_TRACE(backward ? "backward" : "forward");
-      for (size_t n = 0; n < m.layers.size(); ++n) {
-        const auto at_step = [&](size_t k) { return m.layers[backward ? m.layers.size() - 1 - k : k]; };
-        const ddp_test::LayerRange r = at_step(n);
-        const ddp_test::LayerRange next = n + 1 < m.layers.size() ? at_step(n + 1) : ddp_test::LayerRange{0, 0};
+      ddp_test::for_each_unit(m, backward, [&](size_t, ddp_test::LayerRange r, ddp_test::LayerRange next) {
         sync.params_begin(r.first, r.end, backward, next.first, next.end, st);
         for (size_t i = r.first; i < r.end; ++i) {
           const Tensor t = P.param(i);
@@ -792,7 +786,7 @@ TEST(DataParallel, ShardedExpertsBf16) {
           EXPECT_EQ(it->second, t.data()) << P.info(i).name << ": the expert's address moved";
         }
         sync.params_end(r.first, r.end, backward, st);
-      }
+      });
     };
     for (const bool backward : {false, true}) {
       const size_t before = sync.param_gathers();

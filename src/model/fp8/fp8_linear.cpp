@@ -110,27 +110,25 @@ void Fp8Linear::plan(BufferPlanner& p, int64_t max_rows, bool save_input, bool v
   // the shared experts' linears under --moe-shared-expert-overlap run on a side stream beside the
   // routed experts' FP8 GEMMs: scratch of their own (Fp8Model::scratch_prefix)
   const std::string prefix = model_.scratch_prefix(name_);
-  auto bytes = [&](const char* key, DType t, int64_t n) {
-    return n > 0 ? p.scratch(prefix + (key + 4), t, {n}) : Tensor();  // key: "fp8." + name
-  };
+  auto bytes = [&](const char* key, DType t, int64_t n) { return n > 0 ? p.scratch(prefix + key, t, {n}) : Tensor(); };
   Scratch& sc = scratch_;
-  sc.xq = bytes("fp8.xq", f, m * in_);
-  sc.xq_s = bytes("fp8.xq_s", DType::kF32, scale_numel(s, m, in_));
+  sc.xq = bytes("xq", f, m * in_);
+  sc.xq_s = bytes("xq_s", DType::kF32, scale_numel(s, m, in_));
   if (!save_input) {
-    sc.x_t = bytes("fp8.x_t", f, in_ * m);
-    sc.x_t_s = bytes("fp8.x_t_s", DType::kF32, scale_numel(s, in_, m));
+    sc.x_t = bytes("x_t", f, in_ * m);
+    sc.x_t_s = bytes("x_t_s", DType::kF32, scale_numel(s, in_, m));
   }
-  sc.dyq = bytes("fp8.dyq", g, m * out_);
-  sc.dyq_s = bytes("fp8.dyq_s", DType::kF32, scale_numel(s, m, out_));
-  sc.dyq_t = bytes("fp8.dyq_t", g, out_ * m);
-  sc.dyq_t_s = bytes("fp8.dyq_t_s", DType::kF32, scale_numel(s, out_, m));
-  if (row_blocks > 1 && gathers_fp8()) sc.xq_local = bytes("fp8.xq_local", f, max_rows / row_blocks * in_);
+  sc.dyq = bytes("dyq", g, m * out_);
+  sc.dyq_s = bytes("dyq_s", DType::kF32, scale_numel(s, m, out_));
+  sc.dyq_t = bytes("dyq_t", g, out_ * m);
+  sc.dyq_t_s = bytes("dyq_t_s", DType::kF32, scale_numel(s, out_, m));
+  if (row_blocks > 1 && gathers_fp8()) sc.xq_local = bytes("xq_local", f, max_rows / row_blocks * in_);
   if (variable_rows) {
     const DType t = p.act_dtype();
-    sc.pad_x = bytes("fp8.pad_x", t, m * in_);
-    sc.pad_y = bytes("fp8.pad_y", t, m * out_);
-    sc.pad_dy = bytes("fp8.pad_dy", t, m * out_);
-    sc.pad_dx = bytes("fp8.pad_dx", t, m * in_);
+    sc.pad_x = bytes("pad_x", t, m * in_);
+    sc.pad_y = bytes("pad_y", t, m * out_);
+    sc.pad_dy = bytes("pad_dy", t, m * out_);
+    sc.pad_dx = bytes("pad_dx", t, m * in_);
   }
 }
 

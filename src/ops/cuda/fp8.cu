@@ -149,6 +149,27 @@ __global__ void delayed_update_kernel(float* hist, int64_t len, int64_t n, float
 // ---------------------------------------------------------------------------------------------
 // Cast (+ transpose) of one 128 x 128 tile.
 
+/// The block's staged transposed bytes tq (row tc: source column c0 + tc, byte r: source row
+/// r0 + r) stored into q_t [cols, rows]: one warp per row of q_t, 4 bytes per lane (one 4-byte
+/// store when `full`: the whole 128 rows exist and q_t rows are 4-byte aligned).
+__device__ __forceinline__ void store_transposed_tile(const uint8_t (*tq)[kPitch], uint8_t* qt, int64_t rows,
+                                                      int64_t cols, int64_t r0, int64_t c0, bool full) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int tc = warp; tc < kBlock; tc += kWarps) {
+    const int64_t c = c0 + tc;
+    if (c >= cols) break;
+    uint8_t* dst = qt + c * rows + r0;
+    const int rr = lane * 4;
+    if (full) {
+      *reinterpret_cast<uint32_t*>(dst + rr) = *reinterpret_cast<const uint32_t*>(&tq[tc][rr]);
+    } else {
+      for (int b = 0; b < 4; ++b) {
+        if (r0 + rr + b < rows) dst[rr + b] = tq[tc][rr + b];
+      }
+    }
+  }
+}
+
 struct TileArgs {
   const void* x;
   int64_t rows, cols;
@@ -291,20 +312,7 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(TileArgs p) {
       for (int j = 0; j < 4; ++j) tq[lane + 32 * j][warp + kWarps * i] = to_fp8<kE4M3>(v[i][j], scol[j]);
     }
     __syncthreads();
-    const bool full = p.qt_vec && r0 + kBlock <= rows;
-    for (int tc = warp; tc < kBlock; tc += kWarps) {
-      const int64_t c = c0 + tc;
-      if (c >= cols) break;
-      uint8_t* dst = p.qt + c * rows + r0;
-      const int rr = lane * 4;
-      if (full) {
-        *reinterpret_cast<uint32_t*>(dst + rr) = *reinterpret_cast<const uint32_t*>(&tq[tc][rr]);
-      } else {
-        for (int b = 0; b < 4; ++b) {
-          if (r0 + rr + b < rows) dst[rr + b] = tq[tc][rr + b];
-        }
-      }
-    }
+    store_transposed_tile(tq, p.qt, rows, cols, r0, c0, p.qt_vec && r0 + kBlock <= rows);
   }
 }
 
@@ -442,21 +450,7 @@ __global__ void __launch_bounds__(kThreads, 4)
   if (p.qt == nullptr) return;
   const bool full = p.qt_vec && r0 + kBlock <= rows;
 #pragma unroll
-  for (int h = 0; h < kOut; ++h) {
-    for (int tc = warp; tc < kBlock; tc += kWarps) {
-      const int64_t c = c0 + tc;
-      if (c >= f) break;
-      uint8_t* dst = p.qt + (h * f + c) * rows + r0;
-      const int rr = lane * 4;
-      if (full) {
-        *reinterpret_cast<uint32_t*>(dst + rr) = *reinterpret_cast<const uint32_t*>(&tq[h][tc][rr]);
-      } else {
-        for (int b = 0; b < 4; ++b) {
-          if (r0 + rr + b < rows) dst[rr + b] = tq[h][tc][rr + b];
-        }
-      }
-    }
-  }
+  for (int h = 0; h < kOut; ++h) store_transposed_tile(tq[h], p.qt + h * f * rows, rows, f, r0, c0, full);
 }
 
 /// fp8_swiglu_forward (kGrad false: y may be empty) / fp8_swiglu_backward (dy).
