@@ -1,9 +1,10 @@
 // FP8 against bf16 GEMMs at the linear-layer shapes of the benchmark models, and the FP8
 // quantisation kernels' bandwidth, on cuda:0:
-//   build/fp8_gemm_bench [--iters 20] [--model gpt2|llama_1b|llama_7b|all] [--tokens T]
+//   build/fp8_gemm_bench [--iters 20] [--model gpt2|llama_1b|llama_7b|gpt_1p3b|all] [--tokens T]
 // Models (tokens = micro-batch x sequence, overridable with --tokens): GPT-2 124M (h 768, MLP
 // 3072; 16 x 1024 tokens), the Llama-style 1.18B (h 2048, GQA 32/8 -> qkv 3072, SwiGLU f 8192;
-// 4 x 1024), a Llama-2-7B-class layer (h 4096, qkv 12288, SwiGLU f 11008; 4 x 1024). For each
+// 4 x 1024), a Llama-2-7B-class layer (h 4096, qkv 12288, SwiGLU f 11008; 4 x 1024), GPT 1.3B
+// (h 2048, MLP 8192; 8 x 1024). For each
 // linear y[T, n] = x[T, k] wᵀ: fprop (M=T, N=n, K=k), dgrad dx = dy w (M=T, N=k, K=n) and wgrad
 // dw += dyᵀ x (M=n, N=k, K=T, fp32 main_grad, beta = 1), 2·M·N·K FLOPs each, as
 //   bf16      ops/matmul.h matmul (cuBLASLt, fp32 accumulation), bf16 out (wgrad: fp32);
@@ -23,7 +24,11 @@
 // fused SwiGLU quantisers (ops/fp8_fused.h) against the unfused ops: forward swiglu_forward + the
 // cast + transpose of its output (10 bytes per output element) against fp8_swiglu_forward without
 // y (6), backward swiglu_backward + the cast + transpose of the gradient (18 bytes per f-column)
-// against fp8_swiglu_backward (10).
+// against fp8_swiglu_backward (10); for GELU models the fused bias + GELU quantisers: forward
+// fp8_bias_gelu + the cast + transpose (10 bytes per fc1 output element) against fp8_gelu_forward
+// without y (6), backward gelu_backward + the bias gradient's column sum + the cast + transpose
+// (12) against fp8_gelu_backward with the bias gradient (6), and the unfused FP8 path as the model
+// runs it (fp8_gelu_backward writing dx and the bias gradient, then the cast: 10).
 // Times: median over --iters of CUDA events around one call, after 3 warm-ups.
 #include <fmt/format.h>
 
@@ -39,9 +44,11 @@
 #include "core/stream.h"
 #include "ops/elementwise.h"
 #include "ops/fp8.h"
+#include "ops/fp8_epilogue.h"
 #include "ops/fp8_fused.h"
 #include "ops/fp8_matmul.h"
 #include "ops/init.h"
+#include "ops/gelu.h"
 #include "ops/matmul.h"
 #include "ops/swiglu.h"
 
@@ -64,6 +71,7 @@ const std::vector<Model> kModels = {
     {"gpt2", 16 * 1024, {{"qkv", 2304, 768}, {"proj", 768, 768}, {"fc1", 3072, 768}, {"fc2", 768, 3072}}},
     {"llama_1b", 4 * 1024, {{"qkv", 3072, 2048}, {"proj", 2048, 2048}, {"fc1", 16384, 2048}, {"fc2", 2048, 8192}}},
     {"llama_7b", 4 * 1024, {{"qkv", 12288, 4096}, {"proj", 4096, 4096}, {"fc1", 22016, 4096}, {"fc2", 4096, 11008}}},
+    {"gpt_1p3b", 8 * 1024, {{"qkv", 6144, 2048}, {"proj", 2048, 2048}, {"fc1", 8192, 2048}, {"fc2", 2048, 8192}}},
 };
 
 /// A device tensor that owns its buffer.
@@ -282,6 +290,55 @@ void bench_swiglu_quantisers(int64_t tokens, int64_t f, int iters, const Stream&
              c(4 * e, t_cf), c(10 * e, t_sb), c(8 * e, t_cb));
 }
 
+/// The fused bias + GELU quantisers against the unfused ops at [tokens, f] (bf16, e4m3 forward,
+/// e5m2 backward, delayed scaling's known scale with the amax record; the backward with fc1's fp32
+/// bias gradient); GB/s of the bytes each must move, as in the header.
+void bench_gelu_quantisers(int64_t tokens, int64_t f, int iters, const Stream& st) {
+  const Device dev = st.device();
+  fmt::print("\nbias + GELU -> FP8 at {} x {} (GB/s of the bytes moved; ms)\n", tokens, f);
+  fmt::print("{:>18} | {:>16} | {:>16} | {:>16}\n", "", "unfused", "fused", "model's unfused");
+  Dev pre(DType::kBF16, {tokens, f}, dev), y(DType::kBF16, {tokens, f}, dev), dy(DType::kBF16, {tokens, f}, dev),
+      dx(DType::kBF16, {tokens, f}, dev), bias(DType::kBF16, {f}, dev), dbias(DType::kF32, {f}, dev);
+  Dev amax(DType::kF32, {1}, dev), scale(DType::kF32, {1}, dev);
+  {
+    Dev x32(DType::kF32, {tokens, f}, dev), dy32(DType::kF32, {tokens, f}, dev), b32(DType::kF32, {f}, dev);
+    init_normal(x32, 1.f, 3, 1, ShardBox::whole({tokens, f}), st);
+    init_normal(dy32, 1e-3f, 5, 1, ShardBox::whole({tokens, f}), st);
+    init_normal(b32, 1e-3f, 7, 1, ShardBox::whole({f}), st);
+    cast(pre.t.view({pre.t.numel()}), x32.t.view({x32.t.numel()}), st);
+    cast(dy.t.view({dy.t.numel()}), dy32.t.view({dy32.t.numel()}), st);
+    cast(bias.t, b32.t, st);
+  }
+  fill(scale, 64.f, st);
+  fill(amax, 0.f, st);
+  fill(dbias, 0.f, st);
+  Quantised q(tokens, f, DType::kF8E4M3, Fp8Scaling::kTensor, dev), g(tokens, f, DType::kF8E5M2,
+                                                                     Fp8Scaling::kTensor, dev);
+  const double t_fu = time_ms(st, iters, [&] {
+    fp8_bias_gelu(pre, bias, y, st);
+    fp8_quantize(q.q, q.qt, y, scale, amax, st);
+  });
+  const double t_ff = time_ms(st, iters, [&] { fp8_gelu_forward(Tensor(), q.q, q.qt, pre, bias, scale, amax, st); });
+  const double t_bu = time_ms(st, iters, [&] {
+    gelu_backward(dx, dy, pre, st);
+    bias_dropout_add_backward(Tensor(), dbias, dx, 0.f, DropoutKey{}, 0, st);
+    fp8_quantize(g.q, g.qt, dx, scale, amax, st);
+  });
+  const double t_bf = time_ms(st, iters, [&] {
+    fp8_gelu_backward(Tensor(), g.q, g.qt, dbias, dy, pre, scale, amax, st);
+  });
+  const double t_bm = time_ms(st, iters, [&] {
+    fp8_gelu_backward(dx, Tensor(), Tensor(), dbias, dy, pre, Tensor(), Tensor(), st);
+    fp8_quantize(g.q, g.qt, dx, scale, amax, st);
+  });
+  const double t_cf = time_ms(st, iters, [&] { fp8_quantize(q.q, q.qt, y, scale, amax, st); });
+  const double e = static_cast<double>(tokens) * f;
+  auto c = [](double bytes, double ms) { return fmt::format("{:>7.0f} {:>8.4f}", bytes / ms * 1e-6, ms); };
+  fmt::print("{:>18} | {} | {} |\n", "forward", c(10 * e, t_fu), c(6 * e, t_ff));
+  fmt::print("{:>18} | {} | {} | {}\n", "backward", c(12 * e, t_bu), c(6 * e, t_bf), c(10 * e, t_bm));
+  fmt::print("cast+T alone {}\n", c(4 * e, t_cf));
+}
+
 int bench_main(int argc, char** argv) {
   int iters = 20;
   std::string which = "all";
@@ -317,12 +374,17 @@ int bench_main(int argc, char** argv) {
       if (std::find(wshapes.begin(), wshapes.end(), w) == wshapes.end()) wshapes.push_back(w);
     }
   }
-  MT_CHECK(found, "--model {}: expected gpt2, llama_1b, llama_7b or all", which);
+  MT_CHECK(found, "--model {}: expected gpt2, llama_1b, llama_7b, gpt_1p3b or all", which);
   bench_quantisers(qshapes, iters, st);
   bench_weight_quantisers(wshapes, iters, st);
   for (const Model& m : kModels) {
-    if ((which != "all" && which != m.name) || std::string(m.name) == "gpt2") continue;  // GELU: no SwiGLU
-    bench_swiglu_quantisers(tokens > 0 ? tokens : m.tokens, m.linears[3].k, iters, st);
+    if (which != "all" && which != m.name) continue;
+    const bool gelu = std::string(m.name).rfind("gpt", 0) == 0;  // fc1's output is the MLP width
+    if (gelu) {
+      bench_gelu_quantisers(tokens > 0 ? tokens : m.tokens, m.linears[3].k, iters, st);
+    } else {
+      bench_swiglu_quantisers(tokens > 0 ? tokens : m.tokens, m.linears[3].k, iters, st);
+    }
   }
   return 0;
 }

@@ -102,4 +102,52 @@ void fp8_swiglu_backward(const Tensor& dq, const Tensor& dq_t, const Tensor& dy,
   MT_DISPATCH(x.device(), fp8_swiglu_backward, dq, dq_t, dy, x, scale, amax, stream);
 }
 
+void fp8_gelu_forward(const Tensor& y, const Tensor& q, const Tensor& q_t, const Tensor& pre, const Tensor& bias,
+                      const Tensor& scale, const Tensor& amax, const Stream& stream) {
+  const char* fn = "fp8_gelu_forward";
+  check_act(pre, fn, "pre");
+  const int64_t f = op_checks::rows_of(pre, fn).second;
+  if (!y.empty()) {
+    check_act(y, fn, "y");
+    check_like(y, pre, fn, "y", "pre");
+    MT_CHECK(y.data() != pre.data(), "{}: y {} must not alias pre (pre keeps the GELU's input)", fn, y.str());
+  }
+  if (!bias.empty()) {
+    MT_CHECK(bias.shape() == std::vector<int64_t>{f} && bias.dtype() == pre.dtype() && bias.is_contiguous(),
+             "{}: bias {} must be a contiguous [{}] of pre's dtype {}", fn, bias.str(), f, dtype_name(pre.dtype()));
+  }
+  check_fp8_pair(q, q_t, pre.shape(), fn, "q", "q_t");
+  op_checks::check_fp8_scale_amax(scale, amax, fn);
+  check_same_device({&y, &q, &q_t, &pre, &bias, &scale, &amax});
+  op_checks::check_stream(stream, pre, fn);
+  MT_DISPATCH(pre.device(), fp8_gelu_forward, y, q, q_t, pre, bias, scale, amax, stream);
+}
+
+void fp8_gelu_backward(const Tensor& dx, const Tensor& dq, const Tensor& dq_t, const Tensor& dbias, const Tensor& dy,
+                       const Tensor& pre, const Tensor& scale, const Tensor& amax, const Stream& stream) {
+  const char* fn = "fp8_gelu_backward";
+  check_act(pre, fn, "pre");
+  check_act(dy, fn, "dy");
+  check_like(dy, pre, fn, "dy", "pre");
+  const int64_t f = op_checks::rows_of(pre, fn).second;
+  if (!dx.empty()) {
+    check_act(dx, fn, "dx");
+    check_like(dx, pre, fn, "dx", "pre");
+    MT_CHECK(dx.data() != pre.data(), "{}: dx {} must not alias pre", fn, dx.str());
+  }
+  if (!dbias.empty()) check_stats(dbias, f, fn, "dbias");
+  const bool quantised = !dq.empty() || !dq_t.empty();
+  MT_CHECK(quantised || !dx.empty() || !dbias.empty(), "{}: dx, dbias, dq and dq_t are all empty: nothing to write", fn);
+  if (quantised) {
+    check_fp8_pair(dq, dq_t, pre.shape(), fn, "dq", "dq_t");
+    op_checks::check_fp8_scale_amax(scale, amax, fn);
+  } else {
+    MT_CHECK(scale.empty() && amax.empty(), "{}: scale {} / amax {} given without dq or dq_t", fn, scale.str(),
+             amax.str());
+  }
+  check_same_device({&dx, &dq, &dq_t, &dbias, &dy, &pre, &scale, &amax});
+  op_checks::check_stream(stream, pre, fn);
+  MT_DISPATCH(pre.device(), fp8_gelu_backward, dx, dq, dq_t, dbias, dy, pre, scale, amax, stream);
+}
+
 }  // namespace mt

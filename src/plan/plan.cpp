@@ -233,16 +233,25 @@ StepPrediction predict_step(const TrainingPlan& p, const PretrainArgs& a, const 
                               (tw ? 2.0 / (kFp8ActAmaxGBps * 1e9 * hbm) : 0.0);
     const double scale_s = tw ? kFp8TensorwiseScaleS : block ? 0.0 : kFp8DelayedScaleS;
     const double attn_elems = tokens / pc.tp * (h + proj_in + qkv_out + h);
-    // delayed scaling's fused SwiGLU: fc2's input (not under SP) and fc1's output gradient (no bias)
-    const bool swiglu = !tw && !block && c.fp8_fused_activation && c.activation() == MlpActivation::kSwiGLU;
-    const double fc2_x = swiglu && !(pc.tp > 1 && p.sequence_parallel) ? kFp8FusedSwigluFwdFactor : 1.0;
+    // delayed scaling's fused SwiGLU / GELU: fc2's input (not under SP) and fc1's output gradient
+    // (the SwiGLU's without a bias; the GELU's with fc1's bias gradient and its own backward)
+    const bool fused_act = !tw && !block && c.fp8_fused_activation;
+    const bool swiglu = fused_act && c.activation() == MlpActivation::kSwiGLU;
+    const bool gelu = c.activation() == MlpActivation::kGelu, fused_gelu = fused_act && gelu;
+    const bool fc2_fused = !(pc.tp > 1 && p.sequence_parallel);
+    const double fc2_x = swiglu && fc2_fused ? kFp8FusedSwigluFwdFactor : 1.0;
     const double fc1_dy = swiglu && !c.add_bias_linear ? kFp8FusedSwigluBwdFactor : 1.0;
     const double mlp_elems = tokens / pc.tp * (h + ffn * fc2_x + fc1_out * fc1_dy + h);
     // GPT style: the bias gradients of qkv, proj and fc2 (2 bytes per output element) and the GELU
-    // backward over fc1's output (6 bytes), fused into bf16's GEMM epilogues, separate passes in FP8
+    // backward over fc1's output (6 bytes), fused into bf16's GEMM epilogues, separate passes in
+    // FP8; the fused GELU saves its measured time per fc1 output element
     const double bias_bytes = c.add_bias_linear ? 2.0 * tokens / pc.tp * (qkv_out + h + h) : 0.0;
-    const double gelu_bytes = c.activation() == MlpActivation::kGelu ? 6.0 * tokens / pc.tp * ffn : 0.0;
-    const double extra_s = (bias_bytes + gelu_bytes) / (kFp8ActCastGBps * 1e9 * hbm);
+    const double gelu_bytes = gelu ? 6.0 * tokens / pc.tp * ffn : 0.0;
+    const double gelu_saved_s =
+        fused_gelu ? tokens / pc.tp * ffn * ((fc2_fused ? kFp8FusedGeluFwdSavedPs : 0.0) + kFp8FusedGeluBwdSavedPs) *
+                         1e-12 / hbm
+                   : 0.0;
+    const double extra_s = (bias_bytes + gelu_bytes) / (kFp8ActCastGBps * 1e9 * hbm) - gelu_saved_s;
     fp8_layer_cast_s = (attn_elems + mlp_elems) * act_factor + scale_s + extra_s;
     fp8_moe_layer_cast_s = attn_elems * act_factor + scale_s + (c.add_bias_linear ? 2.0 * tokens / pc.tp *
                                                                  (qkv_out + h) / (kFp8ActCastGBps * 1e9 * hbm) : 0.0);

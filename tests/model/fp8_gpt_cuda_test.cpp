@@ -330,40 +330,46 @@ struct GpuTwins {
 // and the SwiGLU writing the FP8 inputs of linear_qkv, linear_fc1 and linear_fc2 (the norms' FP8
 // epilogue; the SwiGLU's cast + transpose kernel, with fc2's saved transpose) and the SwiGLU's
 // backward writing linear_fc1's FP8 output gradient give the unfused model's loss, gradients and
-// FP8 state bitwise over two steps (bf16, deterministic: no float atomics).
+// FP8 state bitwise over two steps (bf16, deterministic: no float atomics); in a GPT-style model
+// the GELU adding fc1's bias and writing fc2's FP8 input, and its backward writing fc1's FP8 output
+// gradient and bias gradient, likewise.
 TEST(Fp8GptCuda, FusedProducersAreBitwise) {
   MT_REQUIRE_CUDA();
-  TransformerConfig c = fp8_config(Fp8Recipe::kDelayed, Fp8Format::kHybrid, true, false);
-  c.deterministic_mode = true;
-  c.fp8_fused_norm = c.fp8_fused_activation = true;
-  TransformerConfig cu = c;
-  cu.fp8_fused_norm = cu.fp8_fused_activation = false;
-  GpuTwins tw(c, cu);
-  Stream& gs = tw.gs;
-  GPTModel &fused = tw.first, &plain = tw.second;
-  const MicroBatch& gmb = tw.mb;
-  OwnedTensor lf(DType::kF32, Device::cuda(0), {1}), lp(DType::kF32, Device::cuda(0), {1});
-  const DropoutContext dc{7, 11, 0, true};
-  for (int it = 0; it < 2; ++it) {
-    SCOPED_TRACE(it);
-    for (auto [m, loss] : {std::pair<GPTModel*, Tensor>{&fused, lf.t}, {&plain, lp.t}}) {
-      fill(loss, 0.f, gs);
-      m->params().zero_grads(gs);
-      m->forward(gmb, dc, loss, 1.f / 64, gs);
-      m->backward(gmb, dc, 1.f / 64, Tensor(), gs);
+  for (const bool llama : {true, false}) {  // RMSNorm + SwiGLU; LayerNorm + biases + GELU
+    SCOPED_TRACE(llama ? "llama" : "gpt");
+    TransformerConfig c = fp8_config(Fp8Recipe::kDelayed, Fp8Format::kHybrid, llama, false);
+    c.deterministic_mode = true;
+    c.fp8_fused_norm = c.fp8_fused_activation = true;
+    TransformerConfig cu = c;
+    cu.fp8_fused_norm = cu.fp8_fused_activation = false;
+    GpuTwins tw(c, cu);
+    Stream& gs = tw.gs;
+    GPTModel &fused = tw.first, &plain = tw.second;
+    const MicroBatch& gmb = tw.mb;
+    OwnedTensor lf(DType::kF32, Device::cuda(0), {1}), lp(DType::kF32, Device::cuda(0), {1});
+    const DropoutContext dc{7, 11, 0, true};
+    for (int it = 0; it < 2; ++it) {
+      SCOPED_TRACE(it);
+      for (auto [m, loss] : {std::pair<GPTModel*, Tensor>{&fused, lf.t}, {&plain, lp.t}}) {
+        fill(loss, 0.f, gs);
+        m->params().zero_grads(gs);
+        m->forward(gmb, dc, loss, 1.f / 64, gs);
+        m->backward(gmb, dc, 1.f / 64, Tensor(), gs);
+      }
+      EXPECT_EQ(testing::to_host(lf, gs)[0], testing::to_host(lp, gs)[0]) << "loss";
+      const auto gf = testing::to_host(fused.params().grads_flat(), gs);
+      ASSERT_TRUE(testing::all_finite(gf));
+      EXPECT_EQ(gf, testing::to_host(plain.params().grads_flat(), gs)) << "gradients";
+      fused.finish_step(gs);
+      plain.finish_step(gs);
+      EXPECT_EQ(fp8_state(fused, c.num_layers, gs), fp8_state(plain, c.num_layers, gs)) << "FP8 state";
     }
-    EXPECT_EQ(testing::to_host(lf, gs)[0], testing::to_host(lp, gs)[0]) << "loss";
-    const auto gf = testing::to_host(fused.params().grads_flat(), gs);
-    ASSERT_TRUE(testing::all_finite(gf));
-    EXPECT_EQ(gf, testing::to_host(plain.params().grads_flat(), gs)) << "gradients";
-    fused.finish_step(gs);
-    plain.finish_step(gs);
-    EXPECT_EQ(fp8_state(fused, c.num_layers, gs), fp8_state(plain, c.num_layers, gs)) << "FP8 state";
+    // Llama: qkv, fc1 (the norms) and fc2 (the SwiGLU) of each layer, each step; GPT: fc2 (the GELU)
+    EXPECT_EQ(fused.fp8()->fused_inputs(), 2 * (llama ? 3 : 1) * c.num_layers);
+    EXPECT_EQ(fused.fp8()->fused_grads(), 2 * c.num_layers);  // fc1 of each layer, each step
+    EXPECT_EQ(plain.fp8()->fused_inputs(), 0);
+    EXPECT_EQ(plain.fp8()->fused_grads(), 0);
   }
-  EXPECT_EQ(fused.fp8()->fused_inputs(), 2 * 3 * c.num_layers);  // qkv, fc1, fc2 of each layer, each step
-  EXPECT_EQ(fused.fp8()->fused_grads(), 2 * c.num_layers);       // fc1 of each layer, each step
-  EXPECT_EQ(plain.fp8()->fused_inputs(), 0);
-  EXPECT_EQ(plain.fp8()->fused_grads(), 0);
 }
 
 // The FP8 weight copies kept in the bytes of the bf16 weights (TransformerConfig::

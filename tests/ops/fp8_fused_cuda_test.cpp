@@ -1,6 +1,7 @@
 // Fused FP8 quantisation on CUDA (ops/fp8_fused.h) against the unfused CUDA path and the CPU
 // reference: for RMSNorm (with and without zero-centred gamma), SwiGLU (with and without its bf16
-// output, with the transposed bytes) and SwiGLU's backward, fp32 / bf16 / fp16
+// output, with the transposed bytes), SwiGLU's backward, bias + GELU (with and without the bias
+// and y) and GELU's backward (with and without dx and the bias gradient), fp32 / bf16 / fp16
 // activations, e4m3 / e5m2, ragged shapes (scalar and 16-byte vector kernels), with and without
 // the amax record:
 //  * the fused kernel equals the unfused CUDA composition (the op, then fp8_quantize)
@@ -9,7 +10,9 @@
 //  * its FP8 bytes and amax are the CPU quantiser's (fp8_quantize, the emulation) of its own y,
 //    bit for bit;
 //  * its y agrees with the CPU forward op within the op's CPU / CUDA tolerance (the reductions
-//    and expf differ in the last bits between the backends).
+//    and expf differ in the last bits between the backends);
+//  * the GELU backward's bias gradient: bit for bit that of fp8_gelu_backward without FP8 outputs
+//    (the model's unfused path), within fp32 summation order of the unfused column sum.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -42,8 +45,36 @@ std::pair<std::vector<uint8_t>, float> cpu_quantize(const std::vector<float>& y,
   return {fp8_test::to_bytes(q, st), testing::to_host(a, st)[0]};
 }
 
+/// The GELU backward's bias gradient (from 0.5 per column): the fused call's equals
+/// fp8_gelu_backward's without FP8 outputs bit for bit (dx too), and the unfused column sum of
+/// the same dx within fp32 summation order (NaN columns NaN in all three).
+void expect_gelu_dbias(const Outputs& f, const Outputs& u, const Inputs& in, int64_t rows, int64_t cols, DType act) {
+  const auto& st = cuda_stream();
+  const testing::OwnedTensor pre = testing::make_tensor(in.x, act, kGpu, {rows, cols}, st);
+  const testing::OwnedTensor dy = testing::make_tensor(in.dy, act, kGpu, {rows, cols}, st);
+  const testing::OwnedTensor db =
+      testing::make_tensor(std::vector<float>(static_cast<size_t>(cols), 0.5f), DType::kF32, kGpu, {cols}, st);
+  // dx aliasing dy, as the model's unfused path calls it
+  fp8_gelu_backward(dy, Tensor(), Tensor(), db, dy, pre, Tensor(), Tensor(), st);
+  EXPECT_TRUE(testing::same_bits(testing::to_host(dy, st), f.y)) << "dx without FP8 outputs";
+  const std::vector<float> plain = testing::to_host(db, st);
+  EXPECT_TRUE(testing::same_bits(plain, f.dbias)) << "bias gradient without FP8 outputs";
+  ASSERT_EQ(f.dbias.size(), u.dbias.size());
+  double worst = 0;
+  for (size_t c = 0; c < f.dbias.size(); ++c) {
+    if (std::isnan(u.dbias[c])) {
+      EXPECT_TRUE(std::isnan(f.dbias[c])) << c;
+      continue;
+    }
+    double mag = 1.0;  // the sum's scale: Σ |dx| of the column
+    for (int64_t r = 0; r < rows; ++r) mag += std::fabs(double(u.y[static_cast<size_t>(r * cols) + c]));
+    worst = std::max(worst, std::fabs(double(f.dbias[c]) - u.dbias[c]) / mag);
+  }
+  EXPECT_LT(worst, 1e-6) << "bias gradient against the unfused column sum";
+}
+
 TEST(Fp8FusedCuda, EqualsUnfusedAndCpuQuantizer) {
-  for (const Op op : {Op::kRmsNorm, Op::kSwiglu, Op::kSwigluGrad})
+  for (const Op op : {Op::kRmsNorm, Op::kSwiglu, Op::kSwigluGrad, Op::kGelu, Op::kGeluGrad})
     for (const DType act : {DType::kF32, DType::kBF16, DType::kF16})
       for (const DType fp8 : {DType::kF8E4M3, DType::kF8E5M2})
         for (const auto [rows, cols] : {std::pair<int64_t, int64_t>{1, 16}, {7, 34}, {33, 256}, {300, 4096}})
@@ -59,11 +90,14 @@ TEST(Fp8FusedCuda, EqualsUnfusedAndCpuQuantizer) {
             const Outputs u = run(op, false, in, rows, cols, act, fp8, kGpu, cuda_stream(), zc);
             if (op != Op::kSwigluGrad) EXPECT_TRUE(testing::same_bits(f.y, u.y)) << "y";  // the backward writes no dx
             EXPECT_TRUE(testing::same_bits(f.rstd, u.rstd)) << "rstd";
+            EXPECT_TRUE(testing::same_bits(f.pre, u.pre)) << "pre with the bias";
             EXPECT_EQ(f.q, u.q) << "FP8 bytes";
             EXPECT_EQ(f.qt, u.qt) << "transposed FP8 bytes";
             EXPECT_TRUE(testing::same_bits(f.amax, u.amax)) << "amax record";
-            if (op == Op::kSwiglu) {  // without y: the same bytes and record
+            if (op == Op::kGeluGrad && !zc) expect_gelu_dbias(f, u, in, rows, cols, act);
+            if (op != Op::kRmsNorm && op != Op::kSwigluGrad) {  // without y (dx): the same bytes and record
               const Outputs n = run(op, true, in, rows, cols, act, fp8, kGpu, cuda_stream(), zc, false);
+              EXPECT_TRUE(testing::same_bits(n.dbias, f.dbias)) << "bias gradient without dx";
               EXPECT_EQ(n.q, u.q) << "FP8 bytes without y";
               EXPECT_EQ(n.qt, u.qt) << "transposed FP8 bytes without y";
               EXPECT_TRUE(testing::same_bits(n.amax, u.amax)) << "amax record without y";

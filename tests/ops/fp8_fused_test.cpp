@@ -1,8 +1,9 @@
-// Fused FP8 quantisation on the CPU (ops/fp8_fused.h): RMSNorm, SwiGLU and SwiGLU's backward with
-// FP8 output equal the unfused composition (the op, then fp8_quantize of its output) bit for bit —
-// y, rstd, the FP8 bytes (and their transpose) and the amax record — at ragged shapes, for both
-// formats, with saturation, a NaN and a previous record above and below the tensor's amax; the
-// bytes are the host conversion of y · scale element by element; every documented error.
+// Fused FP8 quantisation on the CPU (ops/fp8_fused.h): RMSNorm, SwiGLU, SwiGLU's backward, bias +
+// GELU and GELU's backward with FP8 output equal the unfused composition (the op, then fp8_quantize
+// of its output) bit for bit — y, rstd, the biased pre, the bias gradient, the FP8 bytes (and their
+// transpose) and the amax record — at ragged shapes, for both formats, with saturation, a NaN and a
+// previous record above and below the tensor's amax; the bytes are the host conversion of y ·
+// scale element by element; every documented error.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -23,7 +24,7 @@ using testing::expect_error;
 const Device kCpu = Device::cpu();
 
 TEST(Fp8Fused, EqualsUnfusedComposition) {
-  for (const Op op : {Op::kRmsNorm, Op::kSwiglu, Op::kSwigluGrad})
+  for (const Op op : {Op::kRmsNorm, Op::kSwiglu, Op::kSwigluGrad, Op::kGelu, Op::kGeluGrad})
     for (const DType fp8 : {DType::kF8E4M3, DType::kF8E5M2})
       for (const auto [rows, cols] : {std::pair<int64_t, int64_t>{1, 16}, {7, 34}, {33, 256}})
         for (const float amax0 : {-1.f, 0.f, 1e6f}) {
@@ -34,11 +35,16 @@ TEST(Fp8Fused, EqualsUnfusedComposition) {
           const Outputs u = run(op, false, in, rows, cols, DType::kF32, fp8, kCpu, cpu_stream(), rows == 7);
           if (op != Op::kSwigluGrad) EXPECT_TRUE(testing::same_bits(f.y, u.y));  // the backward writes no dx
           EXPECT_TRUE(testing::same_bits(f.rstd, u.rstd));
+          EXPECT_TRUE(testing::same_bits(f.pre, u.pre));
+          EXPECT_TRUE(testing::same_bits(f.dbias, u.dbias));
+          EXPECT_EQ(f.dbias.empty(), !fp8_fused_test::is_gelu(op) || rows == 7 || op == Op::kGelu);
           EXPECT_EQ(f.q, u.q);
           EXPECT_EQ(f.qt, u.qt);
           EXPECT_TRUE(testing::same_bits(f.amax, u.amax));
-          if (op == Op::kSwiglu) {  // without y: the same bytes and record
-            const Outputs n = run(op, true, in, rows, cols, DType::kF32, fp8, kCpu, cpu_stream(), false, false);
+          if (op != Op::kRmsNorm && op != Op::kSwigluGrad) {  // without y (dx): the same bytes and record
+            const Outputs n = run(op, true, in, rows, cols, DType::kF32, fp8, kCpu, cpu_stream(), rows == 7, false);
+            EXPECT_TRUE(n.y.empty());
+            EXPECT_TRUE(testing::same_bits(n.dbias, u.dbias));
             EXPECT_EQ(n.q, u.q);
             EXPECT_EQ(n.qt, u.qt);
             EXPECT_TRUE(testing::same_bits(n.amax, u.amax));
@@ -101,6 +107,34 @@ TEST(Fp8Fused, Errors) {
   expect_error([&] { fp8_swiglu_backward(q, qt, ys, x, s2, Tensor(), st); },
                "scale must be a contiguous fp32 tensor of 1 element(s), got fp32[2]");
   fp8_swiglu_backward(q, qt, ys, x, s, Tensor(), st);  // well-formed
+  // the GELU ops: pre x [4, 32], bias w [32]
+  const testing::OwnedTensor pre(DType::kF32, kCpu, {4, 32}), db(DType::kF32, kCpu, {32});
+  expect_error([&] { fp8_gelu_forward(y, q, qt, pre, ys.t.slice0(0, 1).view({16}), s, Tensor(), st); },
+               "fp8_gelu_forward: bias fp32[16]@cpu must be a contiguous [32] of pre's dtype fp32");
+  expect_error([&] { fp8_gelu_forward(pre, q, qt, pre, w, s, Tensor(), st); },
+               "fp8_gelu_forward: y fp32[4, 32]@cpu must not alias pre");
+  expect_error([&] { fp8_gelu_forward(ys, q, qt, pre, w, s, Tensor(), st); }, "y fp32[4, 16]@cpu must match pre");
+  expect_error([&] { fp8_gelu_forward(y, qs, Tensor(), pre, w, s, Tensor(), st); },
+               "q fp8_e4m3[4, 16]@cpu must be contiguous of shape [4, 32]");
+  expect_error([&] { fp8_gelu_forward(y, Tensor(), Tensor(), pre, w, s, Tensor(), st); },
+               "q and q_t are both empty: nothing to write");
+  fp8_gelu_forward(y, q, qt, pre, w, s, s, st);              // well-formed
+  fp8_gelu_forward(Tensor(), Tensor(), qt, pre, Tensor(), s, Tensor(), st);  // no y, no bias
+  expect_error([&] { fp8_gelu_backward(Tensor(), Tensor(), Tensor(), Tensor(), y, pre, Tensor(), Tensor(), st); },
+               "fp8_gelu_backward: dx, dbias, dq and dq_t are all empty: nothing to write");
+  expect_error([&] { fp8_gelu_backward(y, Tensor(), Tensor(), db, y, pre, s, Tensor(), st); },
+               "given without dq or dq_t");
+  expect_error([&] { fp8_gelu_backward(Tensor(), q, qt, s, y, pre, s, Tensor(), st); },
+               "dbias must be a contiguous fp32 tensor of 32 element(s), got fp32[1]");
+  expect_error([&] { fp8_gelu_backward(Tensor(), q, qt, db, ys, pre, s, Tensor(), st); },
+               "dy fp32[4, 16]@cpu must match pre");
+  expect_error([&] { fp8_gelu_backward(pre, q, qt, db, y, pre, s, Tensor(), st); }, "dx fp32[4, 32]@cpu must not alias pre");
+  expect_error([&] { fp8_gelu_backward(Tensor(), q, qts, db, y, pre, s, Tensor(), st); },
+               "dq_t fp8_e4m3[16, 4]@cpu must be a contiguous [32, 4] (the transpose)");
+  expect_error([&] { fp8_gelu_backward(Tensor(), q, qt, db, y, pre, Tensor(), Tensor(), st); },
+               "scale must be a contiguous fp32 tensor of 1 element(s)");
+  fp8_gelu_backward(y, q, qt, db, y, pre, s, s, st);                      // well-formed, dx aliasing dy
+  fp8_gelu_backward(y, Tensor(), Tensor(), db, y, pre, Tensor(), Tensor(), st);  // no FP8 copies
 }
 
 }  // namespace

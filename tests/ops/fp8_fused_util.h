@@ -1,14 +1,17 @@
 // Helpers of the fused FP8 quantisation tests (fp8_fused_test.cpp, fp8_fused_cuda_test.cpp): one
-// run of RMSNorm, SwiGLU or SwiGLU's backward with FP8 output, fused (ops/fp8_fused.h) or unfused
-// (the op, then fp8_quantize of its output), on any device and act dtype, outputs poisoned before
-// the call.
+// run of RMSNorm, SwiGLU, SwiGLU's backward, bias + GELU or GELU's backward (with the bias
+// gradient) with FP8 output, fused (ops/fp8_fused.h) or unfused (the op, then fp8_quantize of its
+// output), on any device and act dtype, outputs poisoned before the call.
 #pragma once
 #include <cstdint>
 #include <vector>
 
 #include "fp8_test_util.h"
+#include "ops/elementwise.h"
 #include "ops/fp8.h"
+#include "ops/fp8_epilogue.h"
 #include "ops/fp8_fused.h"
+#include "ops/gelu.h"
 #include "ops/rmsnorm.h"
 #include "ops/swiglu.h"
 #include "testing/testing.h"
@@ -20,29 +23,43 @@ using testing::OwnedTensor;
 using testing::to_host;
 
 /// The outputs of one run: y (act dtype, as floats; the backward's dx; empty where the fused op
-/// does not write it), rstd (RMSNorm), q and q_t (FP8 bytes; q_t: the SwiGLU ops), amax record.
+/// does not write it), rstd (RMSNorm), q and q_t (FP8 bytes; q_t: all but RMSNorm), amax record;
+/// the GELU forward's pre after the bias add, the GELU backward's bias gradient (from 0.5).
 struct Outputs {
-  std::vector<float> y, rstd, amax;
+  std::vector<float> y, rstd, amax, pre, dbias;
   std::vector<uint8_t> q, qt;
 };
 
 struct Inputs {
-  std::vector<float> x, weight;  // weight: RMSNorm only
-  std::vector<float> dy;         // the backward's output gradient [rows, cols / 2]
+  std::vector<float> x, weight;  // weight: RMSNorm's, the GELU's bias
+  std::vector<float> dy;         // the backward's output gradient [rows, cols] (SwiGLU: the first half)
   float scale = 1.f;             // the quantisation scale
   float amax0 = -1.f;            // the amax record's value before the call; < 0: no record
 };
 
-enum class Op { kRmsNorm, kSwiglu, kSwigluGrad };
+enum class Op { kRmsNorm, kSwiglu, kSwigluGrad, kGelu, kGeluGrad };
 
 inline const char* op_name(Op op) {
-  return op == Op::kRmsNorm ? "rmsnorm" : op == Op::kSwiglu ? "swiglu" : "swiglu backward";
+  switch (op) {
+    case Op::kRmsNorm: return "rmsnorm";
+    case Op::kSwiglu: return "swiglu";
+    case Op::kSwigluGrad: return "swiglu backward";
+    case Op::kGelu: return "bias gelu";
+    case Op::kGeluGrad: return "gelu backward";
+  }
+  return "?";
 }
 
-/// x: [rows, cols] (SwiGLU: [rows, 2f], cols = 2f); the op in act dtype `act`, FP8 output `fp8`.
-/// write_y = false: the fused SwiGLU forward without y (its bytes must not change).
+inline bool is_gelu(Op op) { return op == Op::kGelu || op == Op::kGeluGrad; }
+
+/// x: [rows, cols] (SwiGLU: [rows, 2f], cols = 2f; the GELU ops: pre); the op in act dtype `act`,
+/// FP8 output `fp8`. variant: RMSNorm with zero-centred gamma, the GELU ops without a bias (the
+/// forward) / bias gradient (the backward). write_y = false: the fused SwiGLU / GELU forward
+/// without y, the fused GELU backward without dx (the bytes must not change); the fused SwiGLU
+/// backward never writes dx.
 inline Outputs run(Op op, bool fused, const Inputs& in, int64_t rows, int64_t cols, DType act, DType fp8,
-                   Device dev, const Stream& st, bool zero_centered_gamma = false, bool write_y = true) {
+                   Device dev, const Stream& st, bool variant = false, bool write_y = true) {
+  const bool zero_centered_gamma = variant;
   const int64_t ycols = op == Op::kSwiglu ? cols / 2 : cols;
   const OwnedTensor x = make_tensor(in.x, act, dev, {rows, cols}, st);
   const OwnedTensor y(act, dev, {rows, ycols}), rstd(DType::kF32, dev, {rows});
@@ -56,8 +73,34 @@ inline Outputs run(Op op, bool fused, const Inputs& in, int64_t rows, int64_t co
   fp8_test::poison_bytes(q, st);
   fp8_test::poison_bytes(qt, st);
   const bool y_written = !(fused && (op == Op::kSwigluGrad || !write_y));
-  if (op == Op::kSwigluGrad) {
-    const OwnedTensor dy = make_tensor(in.dy, act, dev, {rows, cols / 2}, st);
+  Outputs o;
+  if (is_gelu(op)) {
+    const OwnedTensor bias = make_tensor(std::vector<float>(in.weight.begin(), in.weight.begin() + cols), act, dev,
+                                         {cols}, st);
+    const OwnedTensor db = make_tensor(std::vector<float>(static_cast<size_t>(cols), 0.5f), DType::kF32, dev, {cols},
+                                       st);
+    const Tensor b = variant ? Tensor() : bias.t, dbias = variant ? Tensor() : db.t;
+    const Tensor yw = y_written ? y.t : Tensor();
+    if (op == Op::kGelu && fused) {
+      fp8_gelu_forward(yw, q, q_t, x, b, scale, rec, st);
+    } else if (op == Op::kGelu) {
+      fp8_bias_gelu(x, b, y, st);
+      fp8_quantize(q, q_t, y, scale, rec, st);
+    } else {
+      const OwnedTensor dy = make_tensor(in.dy, act, dev, {rows, cols}, st);
+      if (fused) {
+        fp8_gelu_backward(yw, q, q_t, dbias, dy, x, scale, rec, st);
+      } else {
+        gelu_backward(y, dy, x, st);
+        if (!dbias.empty()) bias_dropout_add_backward(Tensor(), dbias, y, 0.f, DropoutKey{}, 0, st);
+        fp8_quantize(q, q_t, y, scale, rec, st);
+      }
+    }
+    if (op == Op::kGelu) o.pre = to_host(x, st);
+    if (op == Op::kGeluGrad && !dbias.empty()) o.dbias = to_host(db, st);
+  } else if (op == Op::kSwigluGrad) {
+    const std::vector<float> dyh(in.dy.begin(), in.dy.begin() + rows * cols / 2);
+    const OwnedTensor dy = make_tensor(dyh, act, dev, {rows, cols / 2}, st);
     if (fused) {
       fp8_swiglu_backward(q, q_t, dy, x, scale, rec, st);
     } else {
@@ -78,7 +121,6 @@ inline Outputs run(Op op, bool fused, const Inputs& in, int64_t rows, int64_t co
     swiglu_forward(y, x, st);
     fp8_quantize(q, q_t, y, scale, rec, st);
   }
-  Outputs o;
   if (y_written) o.y = to_host(y, st);
   if (op == Op::kRmsNorm) o.rstd = to_host(rstd, st);
   o.q = fp8_test::to_bytes(q, st);
@@ -98,8 +140,9 @@ inline Inputs inputs(int64_t rows, int64_t cols, DType fp8, float amax0, bool na
   // silu(20)·20 = 400; RMSNorm: 20 / rms >= 2.7 for cols >= 16, times weight 2) exceed 3.
   in.x[(rows - 1) * cols] = in.x[(rows - 1) * cols + cols / 2] = 20.f;
   in.weight[0] = 2.f;
-  in.dy = testing::randn(rows * cols / 2, 2.f);
+  in.dy = testing::randn(rows * cols, 2.f);
   in.dy[(rows - 1) * cols / 2] = 20.f;  // the backward saturates too: dy · silu(20) = 400
+  in.dy[(rows - 1) * cols] = 20.f;      // ... the GELU's: dy · gelu'(20 + bias 2) = 20
   in.scale = fp8_max(fp8) / 3.f;  // |y| > 3 saturates
   in.amax0 = amax0;
   return in;

@@ -206,36 +206,45 @@ TEST_F(Fp8Training, TpCommOverlapIsBitwise) {
 // parallelism (fc2's partial sums all-reduced); under SP the norm and the SwiGLU write a shard of
 // the gathered input and the forward fusion is off (no fused input) while fc1's dy, not
 // sharded, still fuses; with --recompute-modules mlp_act the SwiGLU's output is recomputed
-// for fc2's backward (fc2 keeps no FP8 input) and the fusions stay bitwise.
+// for fc2's backward (fc2 keeps no FP8 input) and the fusions stay bitwise. In a GPT-style model
+// (LayerNorm, biases, GELU) the GELU adds fc1's bias and writes linear_fc2's FP8 input, and its
+// backward writes fc1's FP8 output gradient and fc1's bias gradient (the unfused FP8 path sums
+// that gradient in the same order): one rank with dropout, TP 2, TP 2 + SP (gradient only), and
+// mlp_act recompute.
 TEST_F(Fp8Training, FusedProducersAreBitwise) {
-  const std::string llama = "--normalization RMSNorm --swiglu --position-embedding-type rope --train-iters 3 "
-                            "--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 4 ";
+  const std::string llama = "--normalization RMSNorm --swiglu --position-embedding-type rope ";
+  const std::string delayed = "--train-iters 3 --fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 4 ";
   struct Case {
     std::string layout;
-    bool fused_inputs, fused_grads;
+    int inputs_per_layer;  // fused FP8 inputs per layer forward: qkv, fc1, fc2 (Llama); fc2 (GPT); 0 under SP
+    bool fused_grads;
   };
+  const std::string tp2 = "--nproc-per-node 2 --tensor-model-parallel-size 2";
   for (const Case& c : std::vector<Case>{
-           {"--disable-bias-linear --hidden-dropout 0.0 --attention-dropout 0.0", true, true},
-           {"--hidden-dropout 0.0", true, false},
-           {"--disable-bias-linear --nproc-per-node 2 --tensor-model-parallel-size 2", true, true},
-           {"--disable-bias-linear --nproc-per-node 2 --tensor-model-parallel-size 2 --sequence-parallel", false,
-            true},
-           {"--disable-bias-linear --recompute-granularity selective --recompute-modules mlp_act", true, true}}) {
+           {llama + "--disable-bias-linear --hidden-dropout 0.0 --attention-dropout 0.0", 3, true},
+           {llama + "--hidden-dropout 0.0", 3, false},
+           {llama + "--disable-bias-linear " + tp2, 3, true},
+           {llama + "--disable-bias-linear " + tp2 + " --sequence-parallel", 0, true},
+           {llama + "--disable-bias-linear --recompute-granularity selective --recompute-modules mlp_act", 3, true},
+           {"", 1, true},
+           {tp2, 1, true},
+           {tp2 + " --sequence-parallel", 0, true},
+           {"--recompute-granularity selective --recompute-modules mlp_act", 1, true}}) {
     SCOPED_TRACE(c.layout);
-    const std::string f = flags(kModel + llama + c.layout);
+    const std::string f = flags(kModel + delayed + c.layout);
     const Fp8Run on = train_with_state(f, /*fused_producers=*/true), off = train_with_state(f);
     EXPECT_EQ(off.fused_inputs, 0);
     EXPECT_EQ(off.fused_grads, 0);
-    if (c.fused_inputs) {  // every forward of every layer: linear_qkv, linear_fc1 and linear_fc2
+    if (c.inputs_per_layer > 0) {  // every forward of every layer (4 layers)
       EXPECT_GT(on.fused_inputs, 0);
-      EXPECT_EQ(on.fused_inputs % (3 * 4), 0) << on.fused_inputs;
+      EXPECT_EQ(on.fused_inputs % (c.inputs_per_layer * 4), 0) << on.fused_inputs;
     } else {
       EXPECT_EQ(on.fused_inputs, 0);
     }
     if (c.fused_grads) {  // every backward of every layer's linear_fc1 (validation forwards have none)
       EXPECT_GT(on.fused_grads, 0);
       EXPECT_EQ(on.fused_grads % 4, 0) << on.fused_grads;
-      if (c.fused_inputs) EXPECT_LT(3 * on.fused_grads, on.fused_inputs);
+      if (c.inputs_per_layer > 0) EXPECT_LT(c.inputs_per_layer * on.fused_grads, on.fused_inputs);
     } else {
       EXPECT_EQ(on.fused_grads, 0);
     }

@@ -2,6 +2,7 @@
 
 #include "model/fp8/fp8_model.h"
 #include "model/layers/parallel_params.h"
+#include "ops/fp8_fused.h"
 #include "ops/matmul.h"
 
 namespace mt {
@@ -78,18 +79,28 @@ Fp8Linear::FusedInput ColumnParallelLinear::fp8_input(int64_t rows, int area) {
   return fp8_->fused_input(rows, area);
 }
 
-Fp8Linear::FusedGrad ColumnParallelLinear::fp8_grad(int64_t rows) {
-  MT_CHECK(fuses_fp8_grad(rows), "{}: the consumer cannot write the FP8 output gradient of {} rows", role_, rows);
+Fp8Linear::FusedGrad ColumnParallelLinear::fp8_grad(int64_t rows, bool consumer_sums_bias) {
+  MT_CHECK(fuses_fp8_grad(rows, consumer_sums_bias),
+           "{}: the consumer cannot write the FP8 output gradient of {} rows{}", role_, rows,
+           has_bias_ && !consumer_sums_bias ? " (the layer has a bias and the consumer does not sum its gradient)" : "");
   fp8_grad_ready_ = true;
   return fp8_->fused_grad(rows);
 }
 
 void ColumnParallelLinear::forward(const Tensor& y, const StepContext& ctx, const Tensor& pre_gelu, bool gather) {
+  forward_impl(y, ctx, pre_gelu, gather, value_or_empty(bias_));
+}
+
+void ColumnParallelLinear::forward_product(const Tensor& y, const StepContext& ctx) {
+  forward_impl(y, ctx, Tensor(), /*gather=*/true, Tensor());
+}
+
+void ColumnParallelLinear::forward_impl(const Tensor& y, const StepContext& ctx, const Tensor& pre_gelu, bool gather,
+                                        const Tensor& bias) {
   const Tensor& x = saved_.at(static_cast<size_t>(ctx.slot));
   const int64_t n = local_out();
   const Tensor y2 = y.view({y.numel() / n, n});
   const Tensor pre2 = pre_gelu.empty() ? Tensor() : pre_gelu.view({pre_gelu.numel() / n, n});
-  const Tensor bias = value_or_empty(bias_);
   if (fp8_input_ready_) {  // the producer wrote the FP8 input (no sequence parallelism: nothing to gather)
     fp8_input_ready_ = false;
     fp8_->forward_fused(y2, bias, pre2, ctx.slot, ctx.stream);
@@ -270,12 +281,13 @@ Tensor RowParallelLinear::backward(const Tensor& dy, const StepContext& ctx, Wgr
   if (fp8_) fp8_->begin_backward(rows(dy), /*shard=*/tp_.sequence_parallel(), ctx.stream);
   // dgrad of rows [first, first + count) from those rows of the gathered output gradient (all of
   // them at once unless --tp-comm-overlap pipelines the all-gather with the GEMM); with `gelu` the
-  // GELU backward rides on it, and the producer's bias gradient follows over all rows, as
-  // gelu_linear_backward computes it
+  // GELU backward rides on it (bf16: the GEMM's epilogue) and the producer's bias gradient follows
+  // over all rows, as gelu_linear_backward computes it (FP8: both after the GEMMs, in one pass —
+  // the pass that the MLP's fused path runs with FP8 output, so that the two give the same bits)
   auto dgrad = [&](const Tensor& dy_rows, int64_t first) {
     const int64_t end = first + dy_rows.size(0);
     if (fp8_) {
-      fp8_->dgrad_rows(dx.slice0(first, end), dy_rows, first, gelu ? pre.slice0(first, end) : Tensor(), ctx.stream);
+      fp8_->dgrad_rows(dx.slice0(first, end), dy_rows, first, Tensor(), ctx.stream);
     } else if (gelu) {
       gelu_linear_backward(dx.slice0(first, end), Tensor(), Tensor(), Tensor(), dy_rows, x.slice0(first, end),
                            pre.slice0(first, end), weight_.value(), ctx.stream);
@@ -285,7 +297,11 @@ Tensor RowParallelLinear::backward(const Tensor& dy, const StepContext& ctx, Wgr
     }
   };
   tp_.all_gather_gemm(dy_full, dy, dgrad, ctx.stream);
-  if (gelu && !gelu->dbias.empty()) add_column_sums(gelu->dbias, dx, ctx.stream);
+  if (gelu && fp8_) {  // the GELU backward and the producer's bias gradient in one pass over all rows
+    fp8_gelu_backward(dx, Tensor(), Tensor(), gelu->dbias, dx, pre, Tensor(), Tensor(), ctx.stream);
+  } else if (gelu && !gelu->dbias.empty()) {
+    add_column_sums(gelu->dbias, dx, ctx.stream);
+  }
   if (fp8_) {  // the weight gradient now (never deferred)
     fp8_->wgrad(weight_.grad(), dw_write, Tensor(), rows(dy_full), x, ctx.slot, ctx.stream);
   } else if (defer) {

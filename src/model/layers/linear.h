@@ -88,20 +88,26 @@ class ColumnParallelLinear {
   /// Where that producer writes (Fp8Linear::fused_input of `rows` rows), besides input(area);
   /// the next forward multiplies those bytes. Errors: mt::Error unless fuses_fp8_input(rows).
   Fp8Linear::FusedInput fp8_input(int64_t rows, int area);
-  /// Delayed-scaling FP8: whether the consumer of this layer's output (the SwiGLU after
-  /// linear_fc1) writes the FP8 output gradient in its backward pass (Fp8Settings::
-  /// fused_activation, Fp8Linear::takes_fused_grad, no bias: its gradient sums the bf16 dy).
-  bool fuses_fp8_grad(int64_t rows) const {
-    return fp8_ && fp8_->settings().fused_activation && !has_bias_ && fp8_->takes_fused_grad(rows);
+  /// Delayed-scaling FP8: whether the consumer of this layer's output (the SwiGLU or the GELU
+  /// after linear_fc1) writes the FP8 output gradient in its backward pass (Fp8Settings::
+  /// fused_activation, Fp8Linear::takes_fused_grad) — with a bias only when the consumer sums its
+  /// gradient too (consumer_sums_bias: fp8_gelu_backward; backward is then called with
+  /// bias_grad_done), since no high-precision dy is left to sum.
+  bool fuses_fp8_grad(int64_t rows, bool consumer_sums_bias = false) const {
+    return fp8_ && fp8_->settings().fused_activation && (!has_bias_ || consumer_sums_bias) &&
+           fp8_->takes_fused_grad(rows);
   }
   /// Where that consumer writes dy (Fp8Linear::fused_grad of `rows` rows); the next backward
   /// multiplies those bytes (its dy argument gives the shape only). Errors: mt::Error unless
-  /// fuses_fp8_grad(rows).
-  Fp8Linear::FusedGrad fp8_grad(int64_t rows);
+  /// fuses_fp8_grad(rows, consumer_sums_bias).
+  Fp8Linear::FusedGrad fp8_grad(int64_t rows, bool consumer_sums_bias = false);
   /// y [s, b, parts·out/tp] = x Wᵀ (+ b); with pre_gelu given (same shape), the GELU epilogue:
   /// pre_gelu = x Wᵀ + b, y = gelu(pre_gelu) (ops/matmul.h). gather = false: the gathered
   /// input is already in place (a recomputing backward re-running the GEMM).
   void forward(const Tensor& y, const StepContext& ctx, const Tensor& pre_gelu = Tensor(), bool gather = true);
+  /// y = x Wᵀ without the bias: the consumer's pass adds it (fp8_gelu_forward, which also applies
+  /// the GELU and writes linear_fc2's FP8 input). Otherwise as forward.
+  void forward_product(const Tensor& y, const StepContext& ctx);
   /// From dy [s, b, parts·out/tp]: returns dL/dx [s_l, b, in] (a scratch view, valid until the next
   /// ColumnParallelLinear backward); dW (+= dyᵀ x) and db (+= Σ dy) now, or appended to `defer`.
   /// bias_grad_done: db was already accumulated by the consumer's fused backward
@@ -141,6 +147,8 @@ class ColumnParallelLinear {
   std::unique_ptr<Fp8Linear> fp8_;  // FP8 GEMMs (nullptr: bf16)
   bool fp8_input_ready_ = false;    // fp8_input was written for the next forward
   bool fp8_grad_ready_ = false;     // fp8_grad was written for the next backward
+
+  void forward_impl(const Tensor& y, const StepContext& ctx, const Tensor& pre_gelu, bool gather, const Tensor& bias);
 };
 
 /// The residual add of a transformer block (TransformerLayer), fused into the block's output

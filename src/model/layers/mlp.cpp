@@ -88,6 +88,12 @@ Tensor MLP::forward(const StepContext& ctx, const ResidualAdd* add) {
     linear_fc1_.forward(pre, ctx);
     const Fp8Linear::FusedInput q = linear_fc2_.fp8_input(m, ctx.slot);
     fp8_swiglu_forward(Tensor(), q.xq, q.x_t, rows(pre), q.scale, q.record, ctx.stream);
+  } else if (act_.gelu_epilogue && linear_fc2_.fuses_fp8_input(m)) {
+    // likewise the GELU, which also adds fc1's bias to the bare product (the value kept in pre)
+    linear_fc1_.forward_product(pre, ctx);
+    const Fp8Linear::FusedInput q = linear_fc2_.fp8_input(m, ctx.slot);
+    fp8_gelu_forward(Tensor(), q.xq, q.x_t, rows(pre), value_or_empty(linear_fc1_.bias()), q.scale, q.record,
+                     ctx.stream);
   } else {
     forward_fc1(ctx, /*gather=*/true);
   }
@@ -105,6 +111,16 @@ Tensor MLP::backward(const Tensor& dy, const StepContext& ctx, WgradDeferral* de
   } else if (recompute_.act) {  // from the kept fc1 output (GELU: rounded; the forward's epilogue used fp32)
     act_.forward(linear_fc2_.input(ctx.slot), pre, ctx.stream);
   }
+  const int64_t m = pre.numel() / pre.size(-1);
+  if (act_.gelu_epilogue && linear_fc1_.fuses_fp8_grad(m, /*consumer_sums_bias=*/true)) {
+    // the GELU's backward writes fc1's FP8 output gradient (and its transpose) and fc1's bias
+    // gradient in one pass, no bf16 gradient (d_act gives fc1's backward the shape only)
+    const Tensor d_act = linear_fc2_.backward(dy, ctx);
+    const Fp8Linear::FusedGrad g = linear_fc1_.fp8_grad(m, /*consumer_sums_bias=*/true);
+    fp8_gelu_backward(Tensor(), g.dyq, g.dyq_t, grad_or_empty(linear_fc1_.bias()), rows(d_act), rows(pre), g.scale,
+                      g.record, ctx.stream);
+    return linear_fc1_.backward(d_act, ctx, defer, /*bias_grad_done=*/true);
+  }
   if (act_.gelu_epilogue) {
     // fc2's dgrad applies the GELU backward and takes fc1's bias gradient (one fused GEMM on CUDA)
     const RowParallelLinear::GeluInput gelu{pre, grad_or_empty(linear_fc1_.bias())};
@@ -112,7 +128,6 @@ Tensor MLP::backward(const Tensor& dy, const StepContext& ctx, WgradDeferral* de
     return linear_fc1_.backward(d_pre, ctx, defer, /*bias_grad_done=*/true);
   }
   const Tensor d_act = linear_fc2_.backward(dy, ctx);
-  const int64_t m = pre.numel() / pre.size(-1);
   if (act_.kind == MlpActivation::kSwiGLU && linear_fc1_.fuses_fp8_grad(m)) {
     // the SwiGLU's backward writes fc1's FP8 output gradient (and its transpose) in one pass; no
     // bf16 gradient (d_pre_ gives fc1's backward the shape only)

@@ -76,14 +76,15 @@ class MLP final : public MlpSlot {
   ColumnParallelLinear* fp8_input_linear(int64_t rows) override {
     return linear_fc1_.fuses_fp8_input(rows) ? &linear_fc1_ : nullptr;
   }
-  /// fc1, the activation and fc2; under delayed-scaling FP8 the SwiGLU writes fc2's FP8 input and
-  /// its saved transpose in its own pass, no bf16 output (RowParallelLinear::fuses_fp8_input).
+  /// fc1, the activation and fc2; under delayed-scaling FP8 the SwiGLU (or fc1's bias and the
+  /// GELU) writes fc2's FP8 input and its saved transpose in its own pass, no bf16 output
+  /// (RowParallelLinear::fuses_fp8_input; ops/fp8_fused.h).
   Tensor forward(const StepContext& ctx, const ResidualAdd* add = nullptr) override;
   bool fuses_residual() const override { return linear_fc2_.fuses_residual(); }
   /// linear_fc1's weight gradient may be deferred (linear_fc2's is computed at once: its gathered
   /// output gradient is shared with the attention block's linear_proj). Under delayed-scaling FP8
-  /// the SwiGLU's backward writes fc1's FP8 output gradient and its transpose, no bf16 gradient
-  /// (ColumnParallelLinear::fuses_fp8_grad).
+  /// the SwiGLU's (or the GELU's, with fc1's bias gradient) backward writes fc1's FP8 output
+  /// gradient and its transpose, no bf16 gradient (ColumnParallelLinear::fuses_fp8_grad).
   Tensor backward(const Tensor& dy, const StepContext& ctx, WgradDeferral* defer) override;
   const ParamRef& output_bias() const override { return linear_fc2_.bias(); }
 

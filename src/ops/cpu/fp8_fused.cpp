@@ -4,7 +4,10 @@
 
 #include <vector>
 
+#include "ops/elementwise.h"
 #include "ops/fp8.h"
+#include "ops/fp8_epilogue.h"
+#include "ops/gelu.h"
 #include "ops/rmsnorm.h"
 #include "ops/swiglu.h"
 
@@ -43,6 +46,21 @@ void fp8_swiglu_backward(const Tensor& dq, const Tensor& dq_t, const Tensor& dy,
   const Tensor dx = host_f32(x.shape(), x.device());
   cpu::swiglu_backward(dx, dy, x, stream);
   cpu::fp8_quantize(dq, dq_t, dx, scale, amax, stream);
+}
+
+void fp8_gelu_forward(const Tensor& y, const Tensor& q, const Tensor& q_t, const Tensor& pre, const Tensor& bias,
+                      const Tensor& scale, const Tensor& amax, const Stream& stream) {
+  const Tensor out = y.empty() ? host_f32(pre.shape(), pre.device()) : y;
+  cpu::fp8_bias_gelu(pre, bias, out, stream);
+  cpu::fp8_quantize(q, q_t, out, scale, amax, stream);
+}
+
+void fp8_gelu_backward(const Tensor& dx, const Tensor& dq, const Tensor& dq_t, const Tensor& dbias, const Tensor& dy,
+                       const Tensor& pre, const Tensor& scale, const Tensor& amax, const Stream& stream) {
+  const Tensor d = dx.empty() ? host_f32(pre.shape(), pre.device()) : dx;
+  cpu::gelu_backward(d, dy, pre, stream);
+  if (!dbias.empty()) cpu::bias_dropout_add_backward(Tensor(), dbias, d, 0.f, DropoutKey{}, 0, stream);
+  if (!dq.empty() || !dq_t.empty()) cpu::fp8_quantize(dq, dq_t, d, scale, amax, stream);
 }
 
 }  // namespace mt::cpu
