@@ -1,5 +1,5 @@
 // Fused FP8 quantisation (docs/fp8.md "Fused quantisation"): the producer of an FP8 GEMM's input
-// — RMSNorm before linear_qkv / linear_fc1, SwiGLU or bias + GELU before linear_fc2 — writes the tensor's FP8
+// — RMSNorm before linear_qkv / linear_fc1, SwiGLU or GELU before linear_fc2 — writes the tensor's FP8
 // bytes and records its amax in the pass that computes it, instead of a second pass
 // (fp8_quantize) over its output (Transformer Engine's norm and activation kernels with FP8
 // output). The scale must be known before the pass: delayed scaling's scale of the step. Current
@@ -12,7 +12,7 @@
 //
 // The result is defined as the unfused composition on the same backend, bit for bit:
 //   op(y, ..., x)                               (rmsnorm_forward / swiglu_forward / swiglu_backward /
-//                                                fp8_bias_gelu / gelu_backward: y in the act dtype)
+//                                                gelu_forward / gelu_backward: y in the act dtype)
 //   fp8_quantize(q, q_t, y, scale, amax)        (q = fp8(y · scale) of the STORED y; amax record)
 // i.e. the value quantised is y after its rounding to the act dtype, the value the unfused
 // quantiser reads back. The CPU backend runs that composition (the reference). On CUDA the RMSNorm
@@ -59,17 +59,17 @@ void fp8_swiglu_forward(const Tensor& y, const Tensor& q, const Tensor& q_t, con
 void fp8_swiglu_backward(const Tensor& dq, const Tensor& dq_t, const Tensor& dy, const Tensor& x, const Tensor& scale,
                          const Tensor& amax, const Stream& stream);
 
-/// fp8_bias_gelu(pre, bias, y) (ops/fp8_epilogue.h: pre += bias in place, y = gelu(pre) of the
-/// stored pre) and, in the same pass, the FP8 copies of the stored y with scale[0] — q [..., f] and
-/// q_t [f, rows] — and the amax record, as fp8_swiglu_forward: a GPT-style MLP's linear_fc1 bias and
-/// GELU and linear_fc2's FP8 input, from fc1's bare product in pre (Transformer Engine's bias-GELU
-/// with FP8 output). pre: [..., f], act dtype, contiguous, read and written; bias: [f] of pre's
-/// dtype, or empty (pre is not written); y: pre's shape and dtype, or empty (not written; the
-/// value quantised is still y rounded to pre's dtype); q / q_t as fp8_swiglu_forward (either may be
-/// empty, not both); scale, amax as fp8_quantize. Errors: mt::Error on shape, dtype, device or
-/// contiguity mismatches; CUDA: more than 65535 · 128 rows.
-void fp8_gelu_forward(const Tensor& y, const Tensor& q, const Tensor& q_t, const Tensor& pre, const Tensor& bias,
-                      const Tensor& scale, const Tensor& amax, const Stream& stream);
+/// y = gelu(pre) (ops/gelu.h, of the stored pre) and, in the same pass, the FP8 copies of the stored
+/// y with scale[0] — q [..., f] and q_t [f, rows] — and the amax record, as fp8_swiglu_forward: a
+/// GPT-style MLP's GELU writing linear_fc2's FP8 input from linear_fc1's output (its bias added in
+/// fc1's GEMM epilogue; Transformer Engine's GELU with FP8 output). Bitwise fp8_bias_gelu(pre, {},
+/// y) then fp8_quantize. pre: [..., f], act dtype, contiguous, read only; y: pre's shape and dtype,
+/// or empty (not written; the value quantised is still y rounded to pre's dtype); q / q_t as
+/// fp8_swiglu_forward (either may be empty, not both); scale, amax as fp8_quantize. Errors:
+/// mt::Error on shape, dtype, device or contiguity mismatches, y aliasing pre; CUDA: more than
+/// 65535 · 128 rows.
+void fp8_gelu_forward(const Tensor& y, const Tensor& q, const Tensor& q_t, const Tensor& pre, const Tensor& scale,
+                      const Tensor& amax, const Stream& stream);
 
 /// The GELU's backward for an FP8 linear_fc1 (Transformer Engine's dbias-dGELU with FP8 output), in
 /// one pass: d = gelu_backward(dy, pre) (ops/gelu.h: dy · gelu'(pre)) stored in pre's dtype, written

@@ -53,7 +53,7 @@ cuda::GemmScaleMode scale_mode(Fp8Scaling s) {
 }  // namespace
 
 cuda::GemmDesc fp8_gemm_desc(const Tensor& d, const Fp8Operand& a, const Fp8Operand& b, bool accumulate,
-                             bool fast_accum, const Tensor& c) {
+                             bool fast_accum, const Tensor& c, const Tensor& bias) {
   const int64_t m = a.data.size(0), n = b.data.size(0), k = a.data.size(1);
   const bool separate_c = accumulate && !c.empty() && c.data() != d.data();
   cuda::GemmDesc g = cuda::contiguous_gemm(1, m, n, k, /*trans_a=*/false, /*trans_b=*/true, a.data.dtype(), d.dtype(),
@@ -66,11 +66,15 @@ cuda::GemmDesc fp8_gemm_desc(const Tensor& d, const Fp8Operand& a, const Fp8Oper
   g.fp8.a_mode = scale_mode(a.scaling);
   g.fp8.b_mode = scale_mode(b.scaling);
   g.fp8.fast_accum = fast_accum;
+  if (!bias.empty()) {
+    g.epilogue = cuda::GemmEpilogue::kBias;
+    g.bias = bias.data();
+  }
   return g;
 }
 
 void fp8_matmul(const Tensor& d, const Fp8Operand& a, const Fp8Operand& b, bool accumulate, bool fast_accum,
-                const Stream& stream, const Tensor& c) {
+                const Stream& stream, const Tensor& c, const Tensor& bias) {
   MT_CHECK(d.ndim() == 2 && d.is_contiguous(), "fp8_matmul: d {} must be a contiguous [m, n] matrix", d.str());
   MT_CHECK(d.dtype() == DType::kF32 || (d.dtype() == DType::kBF16 && !d.device().is_cpu()),
            "fp8_matmul: d {} must be fp32 (or bf16 on CUDA)", d.str());
@@ -105,11 +109,18 @@ void fp8_matmul(const Tensor& d, const Fp8Operand& a, const Fp8Operand& b, bool 
              "fp8_matmul: the addend c {} must be contiguous, 16-byte aligned and like d {}", c.str(), d.str());
     check_same_device({&d, &c});
   }
+  if (!bias.empty()) {
+    MT_CHECK(!a_block, "fp8_matmul: a bias epilogue needs tensorwise scaling, got {} x {}", scaling_name(a.scaling),
+             scaling_name(b.scaling));
+    MT_CHECK(bias.dtype() == d.dtype() && bias.ndim() == 1 && bias.size(0) == n && bias.is_contiguous(),
+             "fp8_matmul: bias {} must be a contiguous [{}] of d's dtype {}", bias.str(), n, dtype_name(d.dtype()));
+    check_same_device({&d, &bias});
+  }
   // cuBLASLt's view of the problem, checked on every backend (what a GPU run would reject)
-  if (m > 0 && n > 0 && k > 0) cuda::check_gemm_desc(fp8_gemm_desc(d, a, b, accumulate, fast_accum, c));
+  if (m > 0 && n > 0 && k > 0) cuda::check_gemm_desc(fp8_gemm_desc(d, a, b, accumulate, fast_accum, c, bias));
   check_same_device({&d, &a.data, &a.scale_inv, &b.data, &b.scale_inv});
   op_checks::check_stream(stream, d, "fp8_matmul");
-  MT_DISPATCH(d.device(), fp8_matmul, d, a, b, accumulate, fast_accum, stream, c);
+  MT_DISPATCH(d.device(), fp8_matmul, d, a, b, accumulate, fast_accum, stream, c, bias);
 }
 
 }  // namespace mt

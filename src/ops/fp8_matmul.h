@@ -35,7 +35,11 @@ struct Fp8Operand {
 /// c: with accumulate, the addend when it is not d itself (cuBLASLt's C ≠ D): d = c + product in
 /// one rounding, c only read — [m, n] contiguous, d's dtype, 16-byte aligned (forward_add's
 /// residual, saving the copy of it into d). Empty: the addend is d.
-/// m = 0 or n = 0 does nothing; k = 0 gives d = 0 (d unchanged, or = c, with accumulate).
+/// bias: [n] of d's dtype, contiguous, or empty: d = product (+ c or d) + bias[j] in the same one
+/// rounding (cuBLASLt's BIAS epilogue: the linear layers' biases, which otherwise take a pass of
+/// their own; the CPU adds it in fp32 last). Tensorwise only. CUDA: where cuBLASLt offers no bias
+/// kernel for the problem, the bias is added after the GEMM (for a bf16 d a second rounding).
+/// m = 0 or n = 0 does nothing; k = 0 gives d = 0 (d unchanged, or = c, with accumulate), + bias.
 /// d: [m, n] contiguous, fp32 (CPU) or fp32/bf16 (CUDA). Requirements (cuBLASLt's FP8 rules on
 /// sm_90, checked on every backend so that a CPU run catches what a GPU run would reject): m, n, k
 /// multiples of 16; 16-byte aligned data pointers; not both operands e5m2; both tensorwise, or both
@@ -43,17 +47,17 @@ struct Fp8Operand {
 /// and gradients, 128x128 weights). Errors: mt::Error for any violation, or when cuBLASLt offers no
 /// algorithm (e.g. block scaling on a GPU or cuBLAS without it).
 void fp8_matmul(const Tensor& d, const Fp8Operand& a, const Fp8Operand& b, bool accumulate, bool fast_accum,
-                const Stream& stream, const Tensor& c = Tensor());
+                const Stream& stream, const Tensor& c = Tensor(), const Tensor& bias = Tensor());
 
 namespace cuda {
 struct GemmDesc;
 }
 /// The cuBLASLt problem fp8_matmul runs on CUDA for these arguments (row-major TN: a [m, k], b
-/// [n, k], d [m, n], beta = accumulate, the scales and their modes). fp8_matmul checks it with
+/// [n, k], d [m, n], beta = accumulate, the scales and their modes, the bias epilogue). fp8_matmul checks it with
 /// cuda::check_gemm_desc on every backend, so a CPU run rejects what cuBLASLt would (e.g. a scale
 /// pointer not 16-byte aligned). Host-only: reads no data.
 cuda::GemmDesc fp8_gemm_desc(const Tensor& d, const Fp8Operand& a, const Fp8Operand& b, bool accumulate,
-                             bool fast_accum, const Tensor& c = Tensor());
+                             bool fast_accum, const Tensor& c = Tensor(), const Tensor& bias = Tensor());
 
 MT_OP_BACKENDS(fp8_matmul)
 

@@ -251,10 +251,21 @@ StepPrediction predict_step(const TrainingPlan& p, const PretrainArgs& a, const 
         fused_gelu ? tokens / pc.tp * ffn * ((fc2_fused ? kFp8FusedGeluFwdSavedPs : 0.0) + kFp8FusedGeluBwdSavedPs) *
                          1e-12 / hbm
                    : 0.0;
-    const double extra_s = (bias_bytes + gelu_bytes) / (kFp8ActCastGBps * 1e9 * hbm) - gelu_saved_s;
+    // the per-tensor recipes add the biases in the fprop GEMMs' epilogues: the separate passes the
+    // GPT rows were calibrated with no longer run — qkv's bias (4 bytes per output element) and,
+    // at TP 1 (the residual in the GEMM's C), proj's and fc2's bias + residual adds (6 bytes)
+    const bool bias_epilogue = c.add_bias_linear && !block;
+    const double fwd_bias_saved_s =
+        bias_epilogue ? tokens / pc.tp * 4.0 * qkv_out / (kFp8BiasPassGBps * 1e9 * hbm) : 0.0;
+    const double fwd_residual_saved_s =
+        bias_epilogue && pc.tp == 1 ? tokens * 6.0 * h / (kFp8BiasPassGBps * 1e9 * hbm) : 0.0;
+    const double extra_s = (bias_bytes + gelu_bytes) / (kFp8ActCastGBps * 1e9 * hbm) - gelu_saved_s -
+                           fwd_bias_saved_s - 2.0 * fwd_residual_saved_s;
     fp8_layer_cast_s = (attn_elems + mlp_elems) * act_factor + scale_s + extra_s;
-    fp8_moe_layer_cast_s = attn_elems * act_factor + scale_s + (c.add_bias_linear ? 2.0 * tokens / pc.tp *
-                                                                 (qkv_out + h) / (kFp8ActCastGBps * 1e9 * hbm) : 0.0);
+    fp8_moe_layer_cast_s = attn_elems * act_factor + scale_s +
+                           (c.add_bias_linear ? 2.0 * tokens / pc.tp * (qkv_out + h) / (kFp8ActCastGBps * 1e9 * hbm)
+                                              : 0.0) -
+                           fwd_bias_saved_s - fwd_residual_saved_s;
     // per layer and step: the weights from the fp32 main parameters (this rank's 1/tp)
     const double per_weight = (block ? kFp8BlockWeightCastFactor : 1.0) * 6.0 / (kFp8WeightCastGBps * 1e9 * hbm) +
                               (tw ? 4.0 / (kFp8WeightAmaxGBps * 1e9 * hbm) : 0.0);

@@ -127,18 +127,23 @@ inline constexpr double kMlaPassesBackward = 9.03;
 ///   cast's: fp8_gemm_bench at 8192 × 8192 on an H200, (0.158 − 0.113) / 0.104 ms) when there is
 ///   no sequence parallelism, fc1's output gradient cast kFp8FusedSwigluBwdFactor ((0.247 − 0.179)
 ///   / 0.198 ms) when fc1 has no bias;
-/// - delayed scaling's fused bias + GELU (GPT style): per fc1 output element the forward saves
+/// - delayed scaling's fused GELU (GPT style): per fc1 output element the forward saves
 ///   kFp8FusedGeluFwdSavedPs (without sequence parallelism) and the backward kFp8FusedGeluBwdSavedPs
 ///   picoseconds against the unfused passes the GPT rows were calibrated on (fp8_gemm_bench --model
-///   gpt_1p3b, 8192 x 8192, H200, 2026-11-29: fp8_bias_gelu + the cast + transpose 0.379 ms against
-///   fp8_gelu_forward's 0.188; gelu_backward + the bias gradient + the cast 0.252 against
-///   fp8_gelu_backward's 0.201).
+///   gpt_1p3b, 8192 x 8192, H200, 2026-11-29: fp8_bias_gelu with the bias + the cast + transpose
+///   0.379 ms against fp8_gelu_forward's 0.152; gelu_backward + the bias gradient + the cast 0.250
+///   against fp8_gelu_backward's 0.200);
+/// - the per-tensor recipes' bias epilogue: the separate bias passes it replaced ran at
+///   kFp8BiasPassGBps (MODEL=gpt_1p3b bench/fp8_profile.sh, H200, 2026-11-29: linear_qkv's bias
+///   and the bias + residual adds of linear_proj and linear_fc2, 403 MB per layer at micro-batch 8,
+///   1.04 ms per 4 layers).
 /// H100s: the bandwidths scaled by the HBM ratio (not measured there).
 inline constexpr double kBf16LinearGemmEfficiency = 0.696;
 inline constexpr double kFp8GemmSpeedup = 1.575;
 inline constexpr double kFp8FusedSwigluFwdFactor = 0.43;
 inline constexpr double kFp8FusedSwigluBwdFactor = 0.34;
-inline constexpr double kFp8FusedGeluFwdSavedPs = 2.85;
+inline constexpr double kFp8FusedGeluFwdSavedPs = 3.38;
+inline constexpr double kFp8BiasPassGBps = 1550;
 inline constexpr double kFp8FusedGeluBwdSavedPs = 0.76;
 inline constexpr double kFp8BlockGemmSpeedup = 1.40;
 inline constexpr double kFp8ActCastGBps = 2370;

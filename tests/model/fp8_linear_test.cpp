@@ -726,10 +726,12 @@ TEST(Fp8Linear, Errors) {
                         "--fp8-param-gather needs a per-tensor recipe (--fp8-recipe tensorwise or delayed), got blockwise");
 }
 
-// forward_add (a RowParallelLinear's residual add): the residual as the GEMM's C for the per-tensor
-// recipes without a bias, a separate add otherwise — both out = residual + forward's y, bitwise on
-// the CPU (fp32: acc + residual is one addition either way); the residual itself is left unchanged.
-// Delayed scaling: forward_fused_add of the producer's FP8 bytes is the same.
+// forward_add (a RowParallelLinear's residual add): for the per-tensor recipes the residual is the
+// GEMM's C and the bias its epilogue, out = (residual + product) + bias (cuBLASLt's order; the CPU
+// emulation adds in that order), for blockwise a separate add, out = residual + (product + bias) —
+// each bitwise on the CPU against the forward's product without the bias (and forward's y = product
+// + bias); the residual itself is left unchanged. Delayed scaling: forward_fused_add of the
+// producer's FP8 bytes is the same.
 TEST(Fp8Linear, ForwardAddEqualsForwardPlusResidual) {
   for (Fp8Recipe r : {Fp8Recipe::kTensorwise, Fp8Recipe::kDelayed, Fp8Recipe::kBlockwise}) {
     for (bool with_bias : {false, true}) {
@@ -741,12 +743,19 @@ TEST(Fp8Linear, ForwardAddEqualsForwardPlusResidual) {
                                bias = with_bias ? testing::randn(out, 0.1f) : std::vector<float>(out, 0.f),
                                res = testing::randn(m * out), dy = testing::randn(m * out, 1e-3f);
       Io ia(a, m, x, w, bias, dy), ib(b, m, x, w, bias, dy);
+      a.lin->forward(ia.y, ia.xt, Tensor(), Tensor(), 0, st);  // the product alone
+      const std::vector<float> p = to_host(ia.y, st);
       a.lin->forward(ia.y, ia.xt, with_bias ? Tensor(ia.bt) : Tensor(), Tensor(), 0, st);
+      const std::vector<float> y = to_host(ia.y, st);
       const testing::OwnedTensor rt = Io::make(res, {m, out});
       b.lin->forward_add(ib.y, ib.xt, with_bias ? Tensor(ib.bt) : Tensor(), rt, 0, st);
-      const std::vector<float> y = to_host(ia.y, st), got = to_host(ib.y, st);
+      const std::vector<float> got = to_host(ib.y, st);
       std::vector<float> want(y.size());
-      for (size_t i = 0; i < y.size(); ++i) want[i] = res[i] + y[i];
+      for (size_t i = 0; i < y.size(); ++i) {
+        const float bi = bias[i % static_cast<size_t>(out)];
+        ASSERT_EQ(y[i], p[i] + bi) << i;  // forward: product + bias, one addition
+        want[i] = r == Fp8Recipe::kBlockwise ? res[i] + (p[i] + bi) : (res[i] + p[i]) + bi;
+      }
       EXPECT_EQ(got, want);
       EXPECT_EQ(to_host(rt, st), res);
       if (r != Fp8Recipe::kDelayed) continue;

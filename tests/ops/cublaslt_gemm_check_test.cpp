@@ -53,6 +53,9 @@ TEST(CublasLtGemmCheck, ValidFp8DescriptionsPass) {
   g.fp8.b_type = DType::kF8E4M3;
   g.beta = 1.f;
   EXPECT_NO_THROW(cuda::check_gemm_desc(g));
+  g.epilogue = GemmEpilogue::kBias;  // the linear layers' bias, tensorwise
+  g.bias = g_c;
+  EXPECT_NO_THROW(cuda::check_gemm_desc(g));
   g = valid_fp8();
   g.fp8.a_mode = GemmScaleMode::kVec128;
   g.fp8.b_mode = GemmScaleMode::kBlk128x128;
@@ -74,15 +77,17 @@ TEST(CublasLtGemmCheck, EachFp8RequirementIsNamed) {
       [](GemmDesc& g) {
         g.epilogue = GemmEpilogue::kBias;
         g.bias = g_c;
+        g.fp8.a_mode = GemmScaleMode::kVec128;
+        g.fp8.b_mode = GemmScaleMode::kBlk128x128;
       },
-      "FP8 GEMMs take no epilogue, bias or aux");
+      "FP8 GEMMs take the bias epilogue (tensorwise scaling) and no other epilogue");
   expect_rejected(
       [](GemmDesc& g) {
         g.epilogue = GemmEpilogue::kGeluAux;
         g.aux = g_c;
         g.ld_aux = 32;
       },
-      "FP8 GEMMs take no epilogue, bias or aux");
+      "FP8 GEMMs take the bias epilogue (tensorwise scaling) and no other epilogue");
   expect_rejected([](GemmDesc& g) { g.c_type = DType::kF8E4M3; }, "an FP8 GEMM writes fp32, bf16 or fp16");
   expect_rejected(
       [](GemmDesc& g) {

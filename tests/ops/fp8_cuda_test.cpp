@@ -410,7 +410,7 @@ GemmOperands make_operands(const GemmCase& g, bool exact) {
 /// c checked unchanged.
 std::vector<float> run_gemm(const GemmCase& g, const GemmOperands& o, const std::vector<uint8_t>& a,
                             const std::vector<uint8_t>& b, const std::vector<float>& c0, Device dev,
-                            bool separate_c = false) {
+                            bool separate_c = false, const std::vector<float>& bias = {}) {
   const Stream& st = dev.is_cpu() ? cpu_stream() : cuda_stream();
   auto at = bytes_tensor(a, g.at, dev, {g.m, g.k}, st);
   auto bt = bytes_tensor(b, g.bt, dev, {g.n, g.k}, st);
@@ -425,7 +425,10 @@ std::vector<float> run_gemm(const GemmCase& g, const GemmOperands& o, const std:
     poison(d, st);
   }
   if (!g.accumulate) poison(d, st);
-  fp8_matmul(d, {at, sat, g.sa}, {bt, sbt, g.sb}, g.accumulate, g.fast_accum, st, separate_c ? c.t : Tensor());
+  OwnedTensor bt_bias;
+  if (!bias.empty()) bt_bias = make_tensor(bias, dev.is_cpu() ? DType::kF32 : g.out, dev, {g.n}, st);
+  fp8_matmul(d, {at, sat, g.sa}, {bt, sbt, g.sb}, g.accumulate, g.fast_accum, st, separate_c ? c.t : Tensor(),
+             bias.empty() ? Tensor() : bt_bias.t);
   if (separate_c) EXPECT_EQ(to_host(c, st), c_before) << "the addend c was written";
   return to_host(d, st);
 }
@@ -520,6 +523,38 @@ TEST(Fp8Cuda, TensorwiseGemmMatchesCpuEmulation) {
   }
   std::printf("[fp8] tensorwise GEMM: worst |gpu - cpu| / sum|p| = %.3g (split accumulator), %.3g (fast)\n",
               g_worst_split, g_worst_fast);
+}
+
+// The bias epilogue (tensorwise; the linear layers' biases): d = product (+ c) + bias on the GPU
+// (cuBLASLt's BIAS epilogue, or the fallback pass where it has no kernel) against the CPU emulation,
+// on exact operands: fp32 d bit for bit, bf16 d within its rounding; with C = D, C != D and without
+// accumulation; the bias large enough that a missing or misplaced one fails the bound.
+TEST(Fp8Cuda, GemmBiasEpilogueMatchesCpuEmulation) {
+  MT_REQUIRE_CUDA();
+  for (const DType out : {DType::kBF16, DType::kF32})
+    for (const bool accumulate : {false, true})
+      for (const bool separate_c : {false, true}) {
+        if (separate_c && !accumulate) continue;
+        const GemmCase g{48, 80, 96, DType::kF8E4M3, DType::kF8E4M3, Fp8Scaling::kTensor, Fp8Scaling::kTensor, out,
+                         accumulate, false};
+        SCOPED_TRACE(describe(g) + (separate_c ? " C != D" : ""));
+        const GemmOperands o = make_operands(g, /*exact=*/true);
+        const std::vector<float> c0 = accumulate ? o.c0 : std::vector<float>(static_cast<size_t>(g.m * g.n), 0.f);
+        std::vector<float> bias = rounded(testing::randn(g.n, 64.f), DType::kBF16);
+        for (auto& b : bias) b = std::round(b);
+        const std::vector<float> cpu = run_gemm(g, o, o.a, o.b, c0, kCpu, false, bias);
+        const std::vector<float> nobias = run_gemm(g, o, o.a, o.b, c0, kCpu);
+        const std::vector<float> gpu = run_gemm(g, o, o.a, o.b, c0, kGpu, separate_c, bias);
+        ASSERT_TRUE(testing::all_finite(gpu));
+        for (size_t i = 0; i < cpu.size(); ++i) {
+          ASSERT_EQ(cpu[i], (nobias[i]) + bias[i % static_cast<size_t>(g.n)]) << "CPU: (product + c) + bias, " << i;
+          if (out == DType::kF32) {
+            ASSERT_EQ(gpu[i], cpu[i]) << "element " << i;
+          } else {
+            ASSERT_LE(std::fabs(gpu[i] - cpu[i]), std::ldexp(std::fabs(cpu[i]), -7)) << "element " << i;
+          }
+        }
+      }
 }
 
 TEST(Fp8Cuda, BlockwiseGemmMatchesCpuEmulation) {

@@ -1,7 +1,7 @@
 // Fused FP8 quantisation on CUDA (ops/fp8_fused.h) against the unfused CUDA path and the CPU
 // reference: for RMSNorm (with and without zero-centred gamma), SwiGLU (with and without its bf16
-// output, with the transposed bytes), SwiGLU's backward, bias + GELU (with and without the bias
-// and y) and GELU's backward (with and without dx and the bias gradient), fp32 / bf16 / fp16
+// output, with the transposed bytes), SwiGLU's backward, GELU (with and without y) and GELU's
+// backward (with and without dx and the bias gradient), fp32 / bf16 / fp16
 // activations, e4m3 / e5m2, ragged shapes (scalar and 16-byte vector kernels), with and without
 // the amax record:
 //  * the fused kernel equals the unfused CUDA composition (the op, then fp8_quantize)
@@ -90,7 +90,7 @@ TEST(Fp8FusedCuda, EqualsUnfusedAndCpuQuantizer) {
             const Outputs u = run(op, false, in, rows, cols, act, fp8, kGpu, cuda_stream(), zc);
             if (op != Op::kSwigluGrad) EXPECT_TRUE(testing::same_bits(f.y, u.y)) << "y";  // the backward writes no dx
             EXPECT_TRUE(testing::same_bits(f.rstd, u.rstd)) << "rstd";
-            EXPECT_TRUE(testing::same_bits(f.pre, u.pre)) << "pre with the bias";
+            EXPECT_TRUE(testing::same_bits(f.pre, u.pre)) << "pre (read only)";
             EXPECT_EQ(f.q, u.q) << "FP8 bytes";
             EXPECT_EQ(f.qt, u.qt) << "transposed FP8 bytes";
             EXPECT_TRUE(testing::same_bits(f.amax, u.amax)) << "amax record";

@@ -1,6 +1,6 @@
-// Fused FP8 quantisation on the CPU (ops/fp8_fused.h): RMSNorm, SwiGLU, SwiGLU's backward, bias +
-// GELU and GELU's backward with FP8 output equal the unfused composition (the op, then fp8_quantize
-// of its output) bit for bit — y, rstd, the biased pre, the bias gradient, the FP8 bytes (and their
+// Fused FP8 quantisation on the CPU (ops/fp8_fused.h): RMSNorm, SwiGLU, SwiGLU's backward, GELU and
+// GELU's backward with FP8 output equal the unfused composition (the op, then fp8_quantize of its
+// output) bit for bit — y, rstd, pre left unchanged, the bias gradient, the FP8 bytes (and their
 // transpose) and the amax record — at ragged shapes, for both formats, with saturation, a NaN and a
 // previous record above and below the tensor's amax; the bytes are the host conversion of y ·
 // scale element by element; every documented error.
@@ -36,6 +36,7 @@ TEST(Fp8Fused, EqualsUnfusedComposition) {
           if (op != Op::kSwigluGrad) EXPECT_TRUE(testing::same_bits(f.y, u.y));  // the backward writes no dx
           EXPECT_TRUE(testing::same_bits(f.rstd, u.rstd));
           EXPECT_TRUE(testing::same_bits(f.pre, u.pre));
+          if (op == Op::kGelu) EXPECT_TRUE(testing::same_bits(f.pre, in.x)) << "pre is read only";
           EXPECT_TRUE(testing::same_bits(f.dbias, u.dbias));
           EXPECT_EQ(f.dbias.empty(), !fp8_fused_test::is_gelu(op) || rows == 7 || op == Op::kGelu);
           EXPECT_EQ(f.q, u.q);
@@ -107,19 +108,19 @@ TEST(Fp8Fused, Errors) {
   expect_error([&] { fp8_swiglu_backward(q, qt, ys, x, s2, Tensor(), st); },
                "scale must be a contiguous fp32 tensor of 1 element(s), got fp32[2]");
   fp8_swiglu_backward(q, qt, ys, x, s, Tensor(), st);  // well-formed
-  // the GELU ops: pre x [4, 32], bias w [32]
+  // the GELU ops: pre [4, 32]
   const testing::OwnedTensor pre(DType::kF32, kCpu, {4, 32}), db(DType::kF32, kCpu, {32});
-  expect_error([&] { fp8_gelu_forward(y, q, qt, pre, ys.t.slice0(0, 1).view({16}), s, Tensor(), st); },
-               "fp8_gelu_forward: bias fp32[16]@cpu must be a contiguous [32] of pre's dtype fp32");
-  expect_error([&] { fp8_gelu_forward(pre, q, qt, pre, w, s, Tensor(), st); },
+  expect_error([&] { fp8_gelu_forward(pre, q, qt, pre, s, Tensor(), st); },
                "fp8_gelu_forward: y fp32[4, 32]@cpu must not alias pre");
-  expect_error([&] { fp8_gelu_forward(ys, q, qt, pre, w, s, Tensor(), st); }, "y fp32[4, 16]@cpu must match pre");
-  expect_error([&] { fp8_gelu_forward(y, qs, Tensor(), pre, w, s, Tensor(), st); },
+  expect_error([&] { fp8_gelu_forward(ys, q, qt, pre, s, Tensor(), st); }, "y fp32[4, 16]@cpu must match pre");
+  expect_error([&] { fp8_gelu_forward(y, qs, Tensor(), pre, s, Tensor(), st); },
                "q fp8_e4m3[4, 16]@cpu must be contiguous of shape [4, 32]");
-  expect_error([&] { fp8_gelu_forward(y, Tensor(), Tensor(), pre, w, s, Tensor(), st); },
+  expect_error([&] { fp8_gelu_forward(y, Tensor(), Tensor(), pre, s, Tensor(), st); },
                "q and q_t are both empty: nothing to write");
-  fp8_gelu_forward(y, q, qt, pre, w, s, s, st);              // well-formed
-  fp8_gelu_forward(Tensor(), Tensor(), qt, pre, Tensor(), s, Tensor(), st);  // no y, no bias
+  expect_error([&] { fp8_gelu_forward(y, q, qt, pre, s2, Tensor(), st); },
+               "scale must be a contiguous fp32 tensor of 1 element(s), got fp32[2]");
+  fp8_gelu_forward(y, q, qt, pre, s, s, st);              // well-formed
+  fp8_gelu_forward(Tensor(), Tensor(), qt, pre, s, Tensor(), st);  // no y
   expect_error([&] { fp8_gelu_backward(Tensor(), Tensor(), Tensor(), Tensor(), y, pre, Tensor(), Tensor(), st); },
                "fp8_gelu_backward: dx, dbias, dq and dq_t are all empty: nothing to write");
   expect_error([&] { fp8_gelu_backward(y, Tensor(), Tensor(), db, y, pre, s, Tensor(), st); },

@@ -1,6 +1,5 @@
 // Helpers of the fused FP8 quantisation tests (fp8_fused_test.cpp, fp8_fused_cuda_test.cpp): one
-// run of RMSNorm, SwiGLU, SwiGLU's backward, bias + GELU or GELU's backward (with the bias
-// gradient) with FP8 output, fused (ops/fp8_fused.h) or unfused (the op, then fp8_quantize of its
+// run of RMSNorm, SwiGLU, SwiGLU's backward, GELU or GELU's backward (with the bias gradient) with FP8 output, fused (ops/fp8_fused.h) or unfused (the op, then fp8_quantize of its
 // output), on any device and act dtype, outputs poisoned before the call.
 #pragma once
 #include <cstdint>
@@ -24,14 +23,14 @@ using testing::to_host;
 
 /// The outputs of one run: y (act dtype, as floats; the backward's dx; empty where the fused op
 /// does not write it), rstd (RMSNorm), q and q_t (FP8 bytes; q_t: all but RMSNorm), amax record;
-/// the GELU forward's pre after the bias add, the GELU backward's bias gradient (from 0.5).
+/// pre after the GELU forward (unchanged), the GELU backward's bias gradient (from 0.5).
 struct Outputs {
   std::vector<float> y, rstd, amax, pre, dbias;
   std::vector<uint8_t> q, qt;
 };
 
 struct Inputs {
-  std::vector<float> x, weight;  // weight: RMSNorm's, the GELU's bias
+  std::vector<float> x, weight;  // weight: RMSNorm only
   std::vector<float> dy;         // the backward's output gradient [rows, cols] (SwiGLU: the first half)
   float scale = 1.f;             // the quantisation scale
   float amax0 = -1.f;            // the amax record's value before the call; < 0: no record
@@ -44,7 +43,7 @@ inline const char* op_name(Op op) {
     case Op::kRmsNorm: return "rmsnorm";
     case Op::kSwiglu: return "swiglu";
     case Op::kSwigluGrad: return "swiglu backward";
-    case Op::kGelu: return "bias gelu";
+    case Op::kGelu: return "gelu";
     case Op::kGeluGrad: return "gelu backward";
   }
   return "?";
@@ -53,8 +52,8 @@ inline const char* op_name(Op op) {
 inline bool is_gelu(Op op) { return op == Op::kGelu || op == Op::kGeluGrad; }
 
 /// x: [rows, cols] (SwiGLU: [rows, 2f], cols = 2f; the GELU ops: pre); the op in act dtype `act`,
-/// FP8 output `fp8`. variant: RMSNorm with zero-centred gamma, the GELU ops without a bias (the
-/// forward) / bias gradient (the backward). write_y = false: the fused SwiGLU / GELU forward
+/// FP8 output `fp8`. variant: RMSNorm with zero-centred gamma, the GELU backward without the bias
+/// gradient. write_y = false: the fused SwiGLU / GELU forward
 /// without y, the fused GELU backward without dx (the bytes must not change); the fused SwiGLU
 /// backward never writes dx.
 inline Outputs run(Op op, bool fused, const Inputs& in, int64_t rows, int64_t cols, DType act, DType fp8,
@@ -75,16 +74,14 @@ inline Outputs run(Op op, bool fused, const Inputs& in, int64_t rows, int64_t co
   const bool y_written = !(fused && (op == Op::kSwigluGrad || !write_y));
   Outputs o;
   if (is_gelu(op)) {
-    const OwnedTensor bias = make_tensor(std::vector<float>(in.weight.begin(), in.weight.begin() + cols), act, dev,
-                                         {cols}, st);
     const OwnedTensor db = make_tensor(std::vector<float>(static_cast<size_t>(cols), 0.5f), DType::kF32, dev, {cols},
                                        st);
-    const Tensor b = variant ? Tensor() : bias.t, dbias = variant ? Tensor() : db.t;
+    const Tensor dbias = variant ? Tensor() : db.t;
     const Tensor yw = y_written ? y.t : Tensor();
     if (op == Op::kGelu && fused) {
-      fp8_gelu_forward(yw, q, q_t, x, b, scale, rec, st);
+      fp8_gelu_forward(yw, q, q_t, x, scale, rec, st);
     } else if (op == Op::kGelu) {
-      fp8_bias_gelu(x, b, y, st);
+      fp8_bias_gelu(x, Tensor(), y, st);
       fp8_quantize(q, q_t, y, scale, rec, st);
     } else {
       const OwnedTensor dy = make_tensor(in.dy, act, dev, {rows, cols}, st);
@@ -142,7 +139,7 @@ inline Inputs inputs(int64_t rows, int64_t cols, DType fp8, float amax0, bool na
   in.weight[0] = 2.f;
   in.dy = testing::randn(rows * cols, 2.f);
   in.dy[(rows - 1) * cols / 2] = 20.f;  // the backward saturates too: dy · silu(20) = 400
-  in.dy[(rows - 1) * cols] = 20.f;      // ... the GELU's: dy · gelu'(20 + bias 2) = 20
+  in.dy[(rows - 1) * cols] = 20.f;      // ... the GELU's: dy · gelu'(20) = 20
   in.scale = fp8_max(fp8) / 3.f;  // |y| > 3 saturates
   in.amax0 = amax0;
   return in;

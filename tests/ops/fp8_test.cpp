@@ -585,6 +585,22 @@ TEST(Fp8Matmul, HandWorkedProduct) {
   testing::expect_error([&] { fp8_matmul(d, {a, sa}, {b, sb}, false, false, cpu_stream(), c); }, "needs accumulate");
   auto c_wrong = make_tensor(std::vector<float>(16 * 16, 8.f), DType::kF32, kCpu, {16, 16}, cpu_stream());
   testing::expect_error([&] { fp8_matmul(d, {a, sa}, {b, sb}, true, false, cpu_stream(), c_wrong); }, "like d");
+  // the bias epilogue: d = (product + c) + bias[j], column j's bias 0.25 j
+  std::vector<float> bias(32);
+  for (int j = 0; j < 32; ++j) bias[static_cast<size_t>(j)] = 0.25f * static_cast<float>(j);
+  auto bt = make_tensor(bias, DType::kF32, kCpu, {32}, cpu_stream());
+  fp8_matmul(d, {a, sa}, {b, sb}, false, false, cpu_stream(), Tensor(), bt);
+  std::vector<float> want(16 * 32), want_c(16 * 32);
+  for (size_t i = 0; i < want.size(); ++i) {
+    want[i] = -192.f + bias[i % 32];
+    want_c[i] = -184.f + bias[i % 32];
+  }
+  EXPECT_EQ(to_host(d, cpu_stream()), want);
+  fp8_matmul(d, {a, sa}, {b, sb}, true, false, cpu_stream(), c, bt);
+  EXPECT_EQ(to_host(d, cpu_stream()), want_c);
+  auto bias_wrong = make_tensor(std::vector<float>(16, 1.f), DType::kF32, kCpu, {16}, cpu_stream());
+  testing::expect_error([&] { fp8_matmul(d, {a, sa}, {b, sb}, false, false, cpu_stream(), Tensor(), bias_wrong); },
+                        "fp8_matmul: bias fp32[16]@cpu must be a contiguous [32] of d's dtype fp32");
 }
 
 TEST(Fp8Matmul, QuantisedLinearApproximatesFp32) {
@@ -684,6 +700,13 @@ TEST(Fp8Errors, MatmulScalings) {
       },
       "a.scale_inv");
   testing::expect_error([&] { fp8_matmul(d, {a, a1, Fp8Scaling::kTensor}, {b, s}, false, false, st); }, "a.scale_inv");
+  OwnedTensor bias(DType::kF32, kCpu, {48});
+  testing::expect_error(
+      [&] {
+        fp8_matmul(d, {a, a1, Fp8Scaling::kBlock1x128}, {b, b2, Fp8Scaling::kBlock128x128}, false, false, st, Tensor(),
+                   bias);
+      },
+      "fp8_matmul: a bias epilogue needs tensorwise scaling, got 1x128 x 128x128");
 }
 
 TEST(Fp8Errors, QuantizeAndScales) {

@@ -386,12 +386,16 @@ void Fp8Linear::forward_rows_into(const Tensor& y, const Tensor& x, int64_t firs
 
 void Fp8Linear::fprop(const Tensor& y, const Fp8Operand& a, const Tensor& bias, const Tensor& pre_gelu,
                       const Stream& st, const Tensor& residual) {
-  const Tensor out = pre_gelu.empty() ? y : pre_gelu;  // the GEMM's product
-  MT_CHECK(residual.empty() || (bias.empty() && pre_gelu.empty()), "{}: a residual GEMM has no bias or GELU", name_);
-  // TE's fprop uses fast accumulation for the per-tensor recipes (no promotion of partial sums)
-  fp8_matmul(out, a, weight_operand(false), /*accumulate=*/!residual.empty(),
-             /*fast_accum=*/!model_.settings().blockwise(), st, residual);
-  if (!bias.empty() || !pre_gelu.empty()) fp8_bias_gelu(out, bias, pre_gelu.empty() ? Tensor() : y, st);
+  const Tensor out = pre_gelu.empty() ? y : pre_gelu;  // the GEMM's product (+ the bias)
+  const bool block = model_.settings().blockwise();
+  MT_CHECK(residual.empty() || (pre_gelu.empty() && (bias.empty() || !block)),
+           "{}: a residual GEMM has no GELU, and a bias only under per-tensor scaling", name_);
+  // TE's fprop uses fast accumulation for the per-tensor recipes (no promotion of partial sums);
+  // their bias rides in the GEMM's epilogue (blockwise: a pass of its own, fp8_bias_gelu)
+  fp8_matmul(out, a, weight_operand(false), /*accumulate=*/!residual.empty(), /*fast_accum=*/!block, st, residual,
+             block ? Tensor() : bias);
+  const Tensor rest = block ? bias : Tensor();
+  if (!rest.empty() || !pre_gelu.empty()) fp8_bias_gelu(out, rest, pre_gelu.empty() ? Tensor() : y, st);
 }
 
 bool Fp8Linear::gathers_fp8() const { return save_input_ && gathered_input_ && !model_.settings().blockwise(); }
@@ -471,11 +475,11 @@ void Fp8Linear::forward_fused(const Tensor& y, const Tensor& bias, const Tensor&
 
 void Fp8Linear::forward_fused_add(const Tensor& out, const Tensor& bias, const Tensor& residual, int slot,
                                   const Stream& st) {
-  if (bias.empty() && residual_as_c(out, residual)) {  // forward_add's GEMM with C (delayed: per-tensor)
+  if (residual_as_c(out, residual)) {  // forward_add's GEMM with C and the bias (delayed: per-tensor)
     const Tensor xq = views(fwd_rows_).xq;
     MT_CHECK(out.ndim() == 2 && out.size(0) == fwd_rows_ && out.size(1) == out_, "{}: out {} must be [{}, {}]", name_,
              out.str(), fwd_rows_, out_);
-    fprop(out, x_t_operand(saved_.at(static_cast<size_t>(slot)), xq, Tensor()), Tensor(), Tensor(), st, residual);
+    fprop(out, x_t_operand(saved_.at(static_cast<size_t>(slot)), xq, Tensor()), bias, Tensor(), st, residual);
     if (save_input_ && !x_t_ready_) end_forward_fp8(slot, st);
     return;
   }
@@ -503,22 +507,24 @@ void Fp8Linear::forward(const Tensor& y, const Tensor& x, const Tensor& bias, co
   begin_forward(xin, /*shard=*/false, slot, st);
   if (mp == m) {
     forward_rows(y, xin, 0, bias, pre_gelu, slot, st);
-  } else {  // the GEMM into the padded scratch, its first m rows copied out; the epilogue after
-    forward_rows(v.pad_y, xin, 0, Tensor(), Tensor(), slot, st);
+  } else {  // the GEMM (+ bias) into the padded scratch, its first m rows copied out; the rest after
+    const Tensor rest = model_.settings().blockwise() ? bias : Tensor();
+    forward_rows(v.pad_y, xin, 0, rest.empty() ? bias : Tensor(), Tensor(), slot, st);
     const Tensor out = pre_gelu.empty() ? y : pre_gelu;
     copy(out, v.pad_y.slice0(0, m), st);
-    if (!bias.empty() || !pre_gelu.empty()) fp8_bias_gelu(out, bias, pre_gelu.empty() ? Tensor() : y, st);
+    if (!rest.empty() || !pre_gelu.empty()) fp8_bias_gelu(out, rest, pre_gelu.empty() ? Tensor() : y, st);
   }
 }
 
 void Fp8Linear::forward_add(const Tensor& out, const Tensor& x, const Tensor& bias, const Tensor& residual, int slot,
                             const Stream& st) {
   const int64_t m = x.size(0);
-  if (bias.empty() && m % kAlign == 0 && !model_.settings().blockwise() && residual_as_c(out, residual)) {
-    // the residual as the GEMM's C (beta = 1, C ≠ D): out = residual + x · wᵀ in one rounding, no
-    // copy or add pass over out (per-tensor recipes; with a bias, padding or blocks the add stays separate)
+  if (m % kAlign == 0 && !model_.settings().blockwise() && residual_as_c(out, residual)) {
+    // the residual as the GEMM's C (beta = 1, C ≠ D) and the bias in its epilogue: out = (residual +
+    // x · wᵀ) + bias in one rounding, no copy or add pass over out (per-tensor recipes; with padding
+    // or blocks the add stays separate)
     begin_forward(x, /*shard=*/false, slot, st);
-    forward_rows_into(out, x, 0, Tensor(), Tensor(), slot, st, residual);
+    forward_rows_into(out, x, 0, bias, Tensor(), slot, st, residual);
     return;
   }
   forward(out, x, Tensor(), Tensor(), slot, st);

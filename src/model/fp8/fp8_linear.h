@@ -155,8 +155,9 @@ class Fp8Linear {
   void finish_weight_gather(const Stream& stream);
 
   /// fprop: y [m, out] = x [m, in] · wᵀ (+ bias [out]); with pre_gelu ([m, out], y's shape):
-  /// pre_gelu = x · wᵀ + bias and y = gelu(pre_gelu) (ops/fp8_epilogue.h). x, y, bias, pre_gelu of
-  /// the act dtype, 2-D views. slot: the activation area (plan's). Delayed scaling records x's
+  /// pre_gelu = x · wᵀ + bias and y = gelu(pre_gelu) (ops/fp8_epilogue.h). The per-tensor recipes
+  /// add the bias in the GEMM's epilogue (one rounding: fp8_matmul's bias), blockwise in a pass
+  /// after it. x, y, bias, pre_gelu of the act dtype, 2-D views. slot: the activation area (plan's). Delayed scaling records x's
   /// amax in training forwards (Fp8Model::training). The three phases below over all m rows.
   void forward(const Tensor& y, const Tensor& x, const Tensor& bias, const Tensor& pre_gelu, int slot,
                const Stream& stream);
@@ -235,8 +236,8 @@ class Fp8Linear {
                          const Stream& stream);
   /// The block's residual add fused after the GEMM (RowParallelLinear without a TP reduction):
   /// out [m, out] = residual + (x · wᵀ + bias); out may not alias x or residual. Per-tensor
-  /// recipes without a bias and with m a multiple of 16: the residual is copied into out and the
-  /// GEMM adds to it (beta = 1, one rounding); otherwise a separate add after the GEMM.
+  /// recipes with m a multiple of 16: the residual is the GEMM's C and the bias its epilogue, out =
+  /// (residual + x · wᵀ) + bias in one rounding; otherwise a separate add after the GEMM.
   void forward_add(const Tensor& out, const Tensor& x, const Tensor& bias, const Tensor& residual, int slot,
                    const Stream& stream);
   /// What backward writes. dx [m, in]: dy · w (overwrite; empty: not computed). dw fp32 [out, in]:
@@ -295,7 +296,7 @@ class Fp8Linear {
   Fp8Operand x_t_operand(const Saved& sv, const Tensor& x_t, const Tensor& x_t_s) const;
   Fp8Operand weight_operand(bool transposed) const;
   // The fprop GEMM of a block (a: its quantised rows) and its epilogue (bias, GELU).
-  // residual: y = residual + the product in the GEMM (cuBLASLt's C; no bias or pre_gelu then).
+  // residual: y = residual + the product (+ bias) in the GEMM (cuBLASLt's C; per-tensor, no pre_gelu).
   void fprop(const Tensor& y, const Fp8Operand& a, const Tensor& bias, const Tensor& pre_gelu, const Stream& stream,
              const Tensor& residual = Tensor());
   // forward_rows, the product written (residual empty) or added to the residual.

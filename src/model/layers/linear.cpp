@@ -88,19 +88,11 @@ Fp8Linear::FusedGrad ColumnParallelLinear::fp8_grad(int64_t rows, bool consumer_
 }
 
 void ColumnParallelLinear::forward(const Tensor& y, const StepContext& ctx, const Tensor& pre_gelu, bool gather) {
-  forward_impl(y, ctx, pre_gelu, gather, value_or_empty(bias_));
-}
-
-void ColumnParallelLinear::forward_product(const Tensor& y, const StepContext& ctx) {
-  forward_impl(y, ctx, Tensor(), /*gather=*/true, Tensor());
-}
-
-void ColumnParallelLinear::forward_impl(const Tensor& y, const StepContext& ctx, const Tensor& pre_gelu, bool gather,
-                                        const Tensor& bias) {
   const Tensor& x = saved_.at(static_cast<size_t>(ctx.slot));
   const int64_t n = local_out();
   const Tensor y2 = y.view({y.numel() / n, n});
   const Tensor pre2 = pre_gelu.empty() ? Tensor() : pre_gelu.view({pre_gelu.numel() / n, n});
+  const Tensor bias = value_or_empty(bias_);
   if (fp8_input_ready_) {  // the producer wrote the FP8 input (no sequence parallelism: nothing to gather)
     fp8_input_ready_ = false;
     fp8_->forward_fused(y2, bias, pre2, ctx.slot, ctx.stream);

@@ -105,9 +105,6 @@ class ColumnParallelLinear {
   /// pre_gelu = x Wᵀ + b, y = gelu(pre_gelu) (ops/matmul.h). gather = false: the gathered
   /// input is already in place (a recomputing backward re-running the GEMM).
   void forward(const Tensor& y, const StepContext& ctx, const Tensor& pre_gelu = Tensor(), bool gather = true);
-  /// y = x Wᵀ without the bias: the consumer's pass adds it (fp8_gelu_forward, which also applies
-  /// the GELU and writes linear_fc2's FP8 input). Otherwise as forward.
-  void forward_product(const Tensor& y, const StepContext& ctx);
   /// From dy [s, b, parts·out/tp]: returns dL/dx [s_l, b, in] (a scratch view, valid until the next
   /// ColumnParallelLinear backward); dW (+= dyᵀ x) and db (+= Σ dy) now, or appended to `defer`.
   /// bias_grad_done: db was already accumulated by the consumer's fused backward
@@ -147,8 +144,6 @@ class ColumnParallelLinear {
   std::unique_ptr<Fp8Linear> fp8_;  // FP8 GEMMs (nullptr: bf16)
   bool fp8_input_ready_ = false;    // fp8_input was written for the next forward
   bool fp8_grad_ready_ = false;     // fp8_grad was written for the next backward
-
-  void forward_impl(const Tensor& y, const StepContext& ctx, const Tensor& pre_gelu, bool gather, const Tensor& bias);
 };
 
 /// The residual add of a transformer block (TransformerLayer), fused into the block's output

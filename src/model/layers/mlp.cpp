@@ -89,11 +89,10 @@ Tensor MLP::forward(const StepContext& ctx, const ResidualAdd* add) {
     const Fp8Linear::FusedInput q = linear_fc2_.fp8_input(m, ctx.slot);
     fp8_swiglu_forward(Tensor(), q.xq, q.x_t, rows(pre), q.scale, q.record, ctx.stream);
   } else if (act_.gelu_epilogue && linear_fc2_.fuses_fp8_input(m)) {
-    // likewise the GELU, which also adds fc1's bias to the bare product (the value kept in pre)
-    linear_fc1_.forward_product(pre, ctx);
+    // likewise the GELU, from fc1's output (its bias added in fc1's GEMM epilogue)
+    linear_fc1_.forward(pre, ctx);
     const Fp8Linear::FusedInput q = linear_fc2_.fp8_input(m, ctx.slot);
-    fp8_gelu_forward(Tensor(), q.xq, q.x_t, rows(pre), value_or_empty(linear_fc1_.bias()), q.scale, q.record,
-                     ctx.stream);
+    fp8_gelu_forward(Tensor(), q.xq, q.x_t, rows(pre), q.scale, q.record, ctx.stream);
   } else {
     forward_fc1(ctx, /*gather=*/true);
   }

@@ -76,8 +76,8 @@ class MLP final : public MlpSlot {
   ColumnParallelLinear* fp8_input_linear(int64_t rows) override {
     return linear_fc1_.fuses_fp8_input(rows) ? &linear_fc1_ : nullptr;
   }
-  /// fc1, the activation and fc2; under delayed-scaling FP8 the SwiGLU (or fc1's bias and the
-  /// GELU) writes fc2's FP8 input and its saved transpose in its own pass, no bf16 output
+  /// fc1, the activation and fc2; under delayed-scaling FP8 the SwiGLU (or the GELU) writes fc2's
+  /// FP8 input and its saved transpose in its own pass, no bf16 output
   /// (RowParallelLinear::fuses_fp8_input; ops/fp8_fused.h).
   Tensor forward(const StepContext& ctx, const ResidualAdd* add = nullptr) override;
   bool fuses_residual() const override { return linear_fc2_.fuses_residual(); }

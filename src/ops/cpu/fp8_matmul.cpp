@@ -33,19 +33,22 @@ void partial_product(float* p, const float* a, const float* b, int64_t m, int64_
 }  // namespace
 
 void fp8_matmul(const Tensor& d, const Fp8Operand& a, const Fp8Operand& b, bool accumulate, bool fast_accum,
-                const Stream&, const Tensor& c) {
+                const Stream&, const Tensor& c, const Tensor& bias) {
   const int64_t m = a.data.size(0), n = b.data.size(0), k = a.data.size(1);
   if (m == 0 || n == 0) return;
   float* dv = d.data_as<float>();
+  const float* bv = bias.empty() ? nullptr : bias.data_as<float>();
   if (accumulate && !c.empty() && c.data() != d.data()) std::copy_n(c.data_as<float>(), m * n, dv);  // d = c + ...
   if (k == 0) {
     if (!accumulate) std::fill(dv, dv + m * n, 0.f);
+    if (bv)
+      for (int64_t i = 0; i < m * n; ++i) dv[i] += bv[i % n];
     return;
   }
-  const std::vector<float> av = decode(a.data), bv = decode(b.data);
+  const std::vector<float> av = decode(a.data), bq = decode(b.data);
   std::vector<float> acc(static_cast<size_t>(m * n), 0.f);
   if (a.scaling == Fp8Scaling::kTensor) {
-    partial_product(acc.data(), av.data(), bv.data(), m, n, k, 0, k);
+    partial_product(acc.data(), av.data(), bq.data(), m, n, k, 0, k);
     const float s = *a.scale_inv.data_as<float>() * *b.scale_inv.data_as<float>();
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < m * n; ++i) acc[static_cast<size_t>(i)] *= s;
@@ -54,7 +57,7 @@ void fp8_matmul(const Tensor& d, const Fp8Operand& a, const Fp8Operand& b, bool 
     const float* sb = b.scale_inv.data_as<float>();
     std::vector<float> p(static_cast<size_t>(m * n));
     for (int64_t k0 = 0; k0 < k; k0 += fp8_math::kBlock) {
-      partial_product(p.data(), av.data(), bv.data(), m, n, k, k0, std::min(fp8_math::kBlock, k - k0));
+      partial_product(p.data(), av.data(), bq.data(), m, n, k, k0, std::min(fp8_math::kBlock, k - k0));
 #pragma omp parallel for schedule(static)
       for (int64_t i = 0; i < m; ++i) {
         const float si = sa[fp8_math::scale_index(a.scaling, i, k0, m, k)];
@@ -65,9 +68,12 @@ void fp8_matmul(const Tensor& d, const Fp8Operand& a, const Fp8Operand& b, bool 
       }
     }
   }
+  // cuBLASLt's order: alpha · product + beta · C, then the bias epilogue
 #pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < m * n; ++i)
-    dv[i] = accumulate ? acc[static_cast<size_t>(i)] + dv[i] : acc[static_cast<size_t>(i)];
+  for (int64_t i = 0; i < m * n; ++i) {
+    const float v = accumulate ? acc[static_cast<size_t>(i)] + dv[i] : acc[static_cast<size_t>(i)];
+    dv[i] = bv ? v + bv[i % n] : v;
+  }
 }
 
 }  // namespace mt::cpu

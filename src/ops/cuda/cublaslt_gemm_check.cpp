@@ -34,8 +34,11 @@ void check_fp8(const GemmDesc& g) {
            "only FP8 layout on sm_90)",
            describe_gemm(g));
   MT_CHECK(g.batch == 1, "{}: FP8 GEMMs are unbatched here (batch {})", describe_gemm(g), g.batch);
-  MT_CHECK(g.epilogue == GemmEpilogue::kNone && g.bias == nullptr && g.aux == nullptr && g.bias_grad == nullptr,
-           "{}: FP8 GEMMs take no epilogue, bias or aux here (fp8_bias_gelu runs after the GEMM)", describe_gemm(g));
+  MT_CHECK((g.epilogue == GemmEpilogue::kNone || (g.epilogue == GemmEpilogue::kBias && !is_block(g.fp8.a_mode))) &&
+               g.aux == nullptr && g.bias_grad == nullptr,
+           "{}: FP8 GEMMs take the bias epilogue (tensorwise scaling) and no other epilogue, aux or bias gradient "
+           "here (fp8_bias_gelu runs after the GEMM)",
+           describe_gemm(g));
   MT_CHECK(g.c_type == DType::kF32 || g.c_type == DType::kBF16 || g.c_type == DType::kF16,
            "{}: an FP8 GEMM writes fp32, bf16 or fp16 (C = D of that type: cuBLASLt's FP8 type table)",
            describe_gemm(g));

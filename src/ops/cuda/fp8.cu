@@ -487,20 +487,19 @@ void launch_swiglu_fp8(const Tensor& y, const Tensor& dy, const Tensor& q, const
 
 // ---------------------------------------------------------------------------------------------
 // The fused GELU quantisers (ops/fp8_fused.h), in the SwiGLU kernel's layout (a CTA owns 128 rows x
-// 128 columns, thread (warp w, lane l) rows w + 8i and columns l + 32j, row by row). Forward: pre
-// [rows, f] += bias in place, y = gelu(pre), the FP8 copies of y. Backward: d = dy · gelu'(pre),
+// 128 columns, thread (warp w, lane l) rows w + 8i and columns l + 32j, row by row). Forward: y =
+// gelu(pre), the FP8 copies of y. Backward: d = dy · gelu'(pre),
 // dx = d (may alias dy: read and written by the same thread, dy not __restrict__), the FP8 copies
 // of d, and the bias gradient's partial row of the tile: each thread sums its 16 rows in row order,
 // the 8 row lanes are added in order through shared memory, one fp32 row per tile into `part`
 // (add_column_partials adds the tiles after). kGeluRows = 2 rows are loaded before either is computed:
-// fp8_gemm_bench at 8192 x 8192 (H200, 2026-11-29; forward with the bias written back, backward with
-// the bias gradient) ran kGeluRows = 1 / 2 / 4 / 8 / 16 in 0.198 / 0.188 / 0.195 / 0.228 / 0.229 ms
+// fp8_gemm_bench at 8192 x 8192 (H200, 2026-11-29; the forward then also added the bias in place,
+// the backward with the bias gradient) ran kGeluRows = 1 / 2 / 4 / 8 / 16 in 0.198 / 0.188 / 0.195 / 0.228 / 0.229 ms
 // (forward) and 0.210 / 0.201 / 0.200 / 0.228 / 0.270 ms (backward; 8 and 16 at 2 CTAs per SM).
 constexpr int kGeluRows = 2;
 
 template <typename T>
 struct GeluFp8Args {
-  const T* bias;   // forward: [f] or null
   const T* dy;     // backward: [rows, f]
   T* out;          // forward: y; backward: dx; or null (not written)
   uint8_t* qt;     // the transpose of q, or null
@@ -514,7 +513,7 @@ struct GeluFp8Args {
 
 template <typename T, bool kE4M3, bool kGrad>
 __global__ void __launch_bounds__(kThreads, 4)
-    gelu_fp8_tile_kernel(GeluFp8Args<T> p, T* __restrict__ pre, uint8_t* __restrict__ q) {
+    gelu_fp8_tile_kernel(GeluFp8Args<T> p, const T* __restrict__ pre, uint8_t* __restrict__ q) {
   __shared__ __align__(16) uint8_t tq[kBlock][kPitch];
   __shared__ uint32_t warp_red[kWarps];
   __shared__ float col_red[kGrad ? kWarps : 1][kGrad ? kBlock : 1];
@@ -524,16 +523,7 @@ __global__ void __launch_bounds__(kThreads, 4)
   const bool quant = q != nullptr || p.qt != nullptr;
   const float s = quant ? *p.scale : 0.f;
   const bool interior = r0 + kBlock <= rows && c0 + kBlock <= f;
-  float b[4] = {}, acc[4] = {};
-  if constexpr (!kGrad) {
-    if (p.bias != nullptr) {
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int64_t c = c0 + lane + 32 * j;
-        b[j] = c < f ? to_f(p.bias[c]) : 0.f;
-      }
-    }
-  }
+  float acc[4] = {};
   uint32_t m = 0;
 #pragma unroll
   for (int i0 = 0; i0 < kRowsPerThread; i0 += kGeluRows) {
@@ -558,18 +548,8 @@ __global__ void __launch_bounds__(kThreads, 4)
       for (int j = 0; j < 4; ++j) {
         const int64_t c = c0 + lane + 32 * j;
         const bool ok = interior || (r < rows && c < f);
-        T t;
-        if constexpr (kGrad) {
-          t = from_f<T>(vg[k][j] * gelu_math::gelu_grad(va[k][j]));  // gelu_backward's expression
-        } else {
-          float v = va[k][j];
-          if (p.bias != nullptr) {  // fp8_bias_gelu: the GELU of the stored biased value
-            const T rb = from_f<T>(v + b[j]);
-            if (ok) pre[r * f + c] = rb;
-            v = to_f(rb);
-          }
-          t = from_f<T>(gelu_math::gelu(v));
-        }
+        // gelu_backward's / gelu_forward's expression
+        const T t = kGrad ? from_f<T>(vg[k][j] * gelu_math::gelu_grad(va[k][j])) : from_f<T>(gelu_math::gelu(va[k][j]));
         if (ok && p.out != nullptr) p.out[r * f + c] = t;
         const float v = ok ? to_f(t) : 0.f;
         if constexpr (kGrad) acc[j] += v;
@@ -607,13 +587,13 @@ __global__ void __launch_bounds__(kThreads, 4)
   store_transposed_tile(tq, p.qt, rows, f, r0, c0, p.qt_vec && r0 + kBlock <= rows);
 }
 
-/// fp8_gelu_forward (kGrad false: pre, bias, y) / fp8_gelu_backward (pre, dy, dx, dbias). The bias
+/// fp8_gelu_forward (kGrad false: pre, y) / fp8_gelu_backward (pre, dy, dx, dbias). The bias
 /// gradient runs in chunks of row tiles whose partial rows fit the stream's workspace, each chunk's
 /// added to dbias in turn (the order depends on the shape only).
 template <bool kGrad>
 void launch_gelu_fp8(const Tensor& out, const Tensor& dy, const Tensor& q, const Tensor& q_t, const Tensor& pre,
-                     const Tensor& bias, const Tensor& dbias, const Tensor& scale, const Tensor& amax,
-                     const Stream& stream, const char* fn) {
+                     const Tensor& dbias, const Tensor& scale, const Tensor& amax, const Stream& stream,
+                     const char* fn) {
   const int64_t f = pre.size(-1), rows = pre.numel() / f;
   if (rows == 0) return;
   const int64_t row_tiles = (rows + kBlock - 1) / kBlock, col_tiles = (f + kBlock - 1) / kBlock;
@@ -624,8 +604,7 @@ void launch_gelu_fp8(const Tensor& out, const Tensor& dy, const Tensor& q, const
   const int64_t chunk = part ? column_partials_rows(row_tiles, f, 1, fn) : row_tiles;
   dispatch_float(pre.dtype(), fn, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    GeluFp8Args<T> a{bias.empty() ? nullptr : bias.data_as<T>(),
-                     kGrad ? dy.data_as<T>() : nullptr,
+    GeluFp8Args<T> a{kGrad ? dy.data_as<T>() : nullptr,
                      out.empty() ? nullptr : out.data_as<T>(),
                      qt,
                      quant ? scale.data_as<float>() : nullptr,
@@ -678,14 +657,14 @@ void fp8_swiglu_backward(const Tensor& dq, const Tensor& dq_t, const Tensor& dy,
   launch_swiglu_fp8<true>(Tensor(), dy, dq, dq_t, x, scale, amax, stream, "fp8_swiglu_backward");
 }
 
-void fp8_gelu_forward(const Tensor& y, const Tensor& q, const Tensor& q_t, const Tensor& pre, const Tensor& bias,
-                      const Tensor& scale, const Tensor& amax, const Stream& stream) {
-  launch_gelu_fp8<false>(y, Tensor(), q, q_t, pre, bias, Tensor(), scale, amax, stream, "fp8_gelu_forward");
+void fp8_gelu_forward(const Tensor& y, const Tensor& q, const Tensor& q_t, const Tensor& pre, const Tensor& scale,
+                      const Tensor& amax, const Stream& stream) {
+  launch_gelu_fp8<false>(y, Tensor(), q, q_t, pre, Tensor(), scale, amax, stream, "fp8_gelu_forward");
 }
 
 void fp8_gelu_backward(const Tensor& dx, const Tensor& dq, const Tensor& dq_t, const Tensor& dbias, const Tensor& dy,
                        const Tensor& pre, const Tensor& scale, const Tensor& amax, const Stream& stream) {
-  launch_gelu_fp8<true>(dx, dy, dq, dq_t, pre, Tensor(), dbias, scale, amax, stream, "fp8_gelu_backward");
+  launch_gelu_fp8<true>(dx, dy, dq, dq_t, pre, dbias, scale, amax, stream, "fp8_gelu_backward");
 }
 
 void fp8_amax(const Tensor& amax, const Tensor& x, const Stream& stream) {

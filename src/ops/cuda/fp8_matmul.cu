@@ -5,12 +5,13 @@
 #include "core/cuda_check.h"
 #include "ops/cuda/common.cuh"
 #include "ops/cuda/cublaslt_gemm.h"
+#include "ops/fp8_epilogue.h"
 #include "ops/fp8_matmul.h"
 
 namespace mt::cuda {
 
 void fp8_matmul(const Tensor& d, const Fp8Operand& a, const Fp8Operand& b, bool accumulate, bool fast_accum,
-                const Stream& stream, const Tensor& c) {
+                const Stream& stream, const Tensor& c, const Tensor& bias) {
   const int64_t m = a.data.size(0), n = b.data.size(0), k = a.data.size(1);
   if (m == 0 || n == 0) return;
   if (k == 0) {
@@ -18,9 +19,15 @@ void fp8_matmul(const Tensor& d, const Fp8Operand& a, const Fp8Operand& b, bool 
       MT_CUDA_CHECK(cudaMemsetAsync(d.data(), 0, d.nbytes(), cu(stream)));
     else if (!c.empty() && c.data() != d.data())
       MT_CUDA_CHECK(cudaMemcpyAsync(d.data(), c.data(), d.nbytes(), cudaMemcpyDeviceToDevice, cu(stream)));
+    if (!bias.empty()) cuda::fp8_bias_gelu(d, bias, Tensor(), stream);
     return;
   }
+  if (try_gemm(mt::fp8_gemm_desc(d, a, b, accumulate, fast_accum, c, bias), stream)) return;
+  MT_CHECK(!bias.empty(), "{}: cuBLASLt has no algorithm for this FP8 GEMM",
+           describe_gemm(mt::fp8_gemm_desc(d, a, b, accumulate, fast_accum, c)));
+  // no bias kernel for this problem (e.g. an fp32 d): the product, then the bias in a pass of its own
   gemm(mt::fp8_gemm_desc(d, a, b, accumulate, fast_accum, c), stream);
+  cuda::fp8_bias_gelu(d, bias, Tensor(), stream);
 }
 
 }  // namespace mt::cuda
