@@ -1,6 +1,6 @@
-// The epilogue of an FP8 linear layer's forward GEMM, run after fp8_matmul (which writes the bare
-// product): the bias add and the GELU that the bf16 GEMMs fuse into cuBLASLt's epilogues
-// (ops/matmul.h linear_forward). docs/fp8.md "What runs in FP8".
+// The epilogue of an FP8 linear layer's forward GEMM that runs after fp8_matmul: fc1's GELU (the
+// bf16 GEMMs fuse it into cuBLASLt's epilogue, ops/matmul.h linear_forward) and the bias where the
+// GEMM did not add it (blockwise scaling; fp8_matmul's fallback). docs/fp8.md "What runs in FP8".
 #pragma once
 #include "core/stream.h"
 #include "core/tensor.h"

@@ -52,6 +52,10 @@ cuda::GemmScaleMode scale_mode(Fp8Scaling s) {
 
 }  // namespace
 
+bool fp8_bias_epilogue(const Tensor& d, const Tensor& bias) {
+  return !bias.empty() && (d.dtype() == DType::kBF16 || d.dtype() == DType::kF16) && aligned16(bias.data());
+}
+
 cuda::GemmDesc fp8_gemm_desc(const Tensor& d, const Fp8Operand& a, const Fp8Operand& b, bool accumulate,
                              bool fast_accum, const Tensor& c, const Tensor& bias) {
   const int64_t m = a.data.size(0), n = b.data.size(0), k = a.data.size(1);
@@ -116,8 +120,11 @@ void fp8_matmul(const Tensor& d, const Fp8Operand& a, const Fp8Operand& b, bool 
              "fp8_matmul: bias {} must be a contiguous [{}] of d's dtype {}", bias.str(), n, dtype_name(d.dtype()));
     check_same_device({&d, &bias});
   }
-  // cuBLASLt's view of the problem, checked on every backend (what a GPU run would reject)
-  if (m > 0 && n > 0 && k > 0) cuda::check_gemm_desc(fp8_gemm_desc(d, a, b, accumulate, fast_accum, c, bias));
+  // cuBLASLt's view of the problem, checked on every backend (what a GPU run would reject); the
+  // bias as the CUDA backend would pass it
+  if (m > 0 && n > 0 && k > 0)
+    cuda::check_gemm_desc(
+        fp8_gemm_desc(d, a, b, accumulate, fast_accum, c, fp8_bias_epilogue(d, bias) ? bias : Tensor()));
   check_same_device({&d, &a.data, &a.scale_inv, &b.data, &b.scale_inv});
   op_checks::check_stream(stream, d, "fp8_matmul");
   MT_DISPATCH(d.device(), fp8_matmul, d, a, b, accumulate, fast_accum, stream, c, bias);

@@ -37,7 +37,8 @@ struct Fp8Operand {
 /// residual, saving the copy of it into d). Empty: the addend is d.
 /// bias: [n] of d's dtype, contiguous, or empty: d = product (+ c or d) + bias[j] in the same one
 /// rounding (cuBLASLt's BIAS epilogue: the linear layers' biases, which otherwise take a pass of
-/// their own; the CPU adds it in fp32 last). Tensorwise only. CUDA: where cuBLASLt offers no bias
+/// their own; the CPU adds it in fp32 last). Tensorwise only. CUDA: the epilogue for a bf16 / fp16
+/// d and a 16-byte aligned bias (fp8_bias_epilogue); otherwise, or where cuBLASLt offers no bias
 /// kernel for the problem, the bias is added after the GEMM (for a bf16 d a second rounding).
 /// m = 0 or n = 0 does nothing; k = 0 gives d = 0 (d unchanged, or = c, with accumulate), + bias.
 /// d: [m, n] contiguous, fp32 (CPU) or fp32/bf16 (CUDA). Requirements (cuBLASLt's FP8 rules on
@@ -49,6 +50,9 @@ struct Fp8Operand {
 void fp8_matmul(const Tensor& d, const Fp8Operand& a, const Fp8Operand& b, bool accumulate, bool fast_accum,
                 const Stream& stream, const Tensor& c = Tensor(), const Tensor& bias = Tensor());
 
+/// Whether fp8_matmul on CUDA adds `bias` in cuBLASLt's epilogue: a bf16 / fp16 d (cuBLASLt's FP8
+/// bias type rules) and a 16-byte aligned bias (its bias kernels' loads).
+bool fp8_bias_epilogue(const Tensor& d, const Tensor& bias);
 namespace cuda {
 struct GemmDesc;
 }

@@ -253,12 +253,14 @@ StepPrediction predict_step(const TrainingPlan& p, const PretrainArgs& a, const 
                    : 0.0;
     // the per-tensor recipes add the biases in the fprop GEMMs' epilogues: the separate passes the
     // GPT rows were calibrated with no longer run — qkv's bias (4 bytes per output element) and,
-    // at TP 1 (the residual in the GEMM's C), proj's and fc2's bias + residual adds (6 bytes)
+    // at TP 1 without hidden dropout (the residual in the GEMM's C), proj's and fc2's bias +
+    // residual adds (6 bytes)
     const bool bias_epilogue = c.add_bias_linear && !block;
     const double fwd_bias_saved_s =
         bias_epilogue ? tokens / pc.tp * 4.0 * qkv_out / (kFp8BiasPassGBps * 1e9 * hbm) : 0.0;
-    const double fwd_residual_saved_s =
-        bias_epilogue && pc.tp == 1 ? tokens * 6.0 * h / (kFp8BiasPassGBps * 1e9 * hbm) : 0.0;
+    const double fwd_residual_saved_s = bias_epilogue && pc.tp == 1 && c.hidden_dropout == 0.f
+                                            ? tokens * 6.0 * h / (kFp8BiasPassGBps * 1e9 * hbm)
+                                            : 0.0;
     const double extra_s = (bias_bytes + gelu_bytes) / (kFp8ActCastGBps * 1e9 * hbm) - gelu_saved_s -
                            fwd_bias_saved_s - 2.0 * fwd_residual_saved_s;
     fp8_layer_cast_s = (attn_elems + mlp_elems) * act_factor + scale_s + extra_s;

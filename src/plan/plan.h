@@ -132,7 +132,7 @@ inline constexpr double kMlaPassesBackward = 9.03;
 ///   picoseconds against the unfused passes the GPT rows were calibrated on (fp8_gemm_bench --model
 ///   gpt_1p3b, 8192 x 8192, H200, 2026-11-29: fp8_bias_gelu with the bias + the cast + transpose
 ///   0.379 ms against fp8_gelu_forward's 0.152; gelu_backward + the bias gradient + the cast 0.250
-///   against fp8_gelu_backward's 0.200);
+///   against fp8_gelu_backward's 0.200, per 8192² elements);
 /// - the per-tensor recipes' bias epilogue: the separate bias passes it replaced ran at
 ///   kFp8BiasPassGBps (MODEL=gpt_1p3b bench/fp8_profile.sh, H200, 2026-11-29: linear_qkv's bias
 ///   and the bias + residual adds of linear_proj and linear_fc2, 403 MB per layer at micro-batch 8,
@@ -144,7 +144,7 @@ inline constexpr double kFp8FusedSwigluFwdFactor = 0.43;
 inline constexpr double kFp8FusedSwigluBwdFactor = 0.34;
 inline constexpr double kFp8FusedGeluFwdSavedPs = 3.38;
 inline constexpr double kFp8BiasPassGBps = 1550;
-inline constexpr double kFp8FusedGeluBwdSavedPs = 0.76;
+inline constexpr double kFp8FusedGeluBwdSavedPs = 0.75;
 inline constexpr double kFp8BlockGemmSpeedup = 1.40;
 inline constexpr double kFp8ActCastGBps = 2370;
 inline constexpr double kFp8WeightCastGBps = 3170;

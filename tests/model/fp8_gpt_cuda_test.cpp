@@ -252,6 +252,7 @@ TEST(Fp8GptCuda, Bf16MatchesCpuEmulation) {
   const Tol t{2e-2, 6e-2, 5e-2};
   compare(Fp8Recipe::kTensorwise, Fp8Format::kE4M3, false, false, DType::kBF16, t);
   compare(Fp8Recipe::kDelayed, Fp8Format::kHybrid, true, false, DType::kBF16, t);
+  compare(Fp8Recipe::kDelayed, Fp8Format::kHybrid, false, false, DType::kBF16, t);  // GPT: fused GELU, bias epilogues
   compare(Fp8Recipe::kBlockwise, Fp8Format::kE4M3, true, false, DType::kBF16, t);
   compare(Fp8Recipe::kDelayed, Fp8Format::kE4M3, true, true, DType::kBF16, t);  // FP8 experts
 }
@@ -265,13 +266,16 @@ TEST(Fp8GptCuda, StepIsCapturable) {
   struct Case {
     Fp8Recipe recipe;
     bool grouped_moe;  // an MoE layer with the grouped FP8 experts (device counts)
+    bool llama = true;  // false: GPT style (biases in the GEMM epilogue, the fused GELU under delayed)
   };
   for (const Case cs : {Case{Fp8Recipe::kTensorwise, false}, Case{Fp8Recipe::kDelayed, false},
                         Case{Fp8Recipe::kBlockwise, false}, Case{Fp8Recipe::kTensorwise, true},
-                        Case{Fp8Recipe::kDelayed, true}}) {
+                        Case{Fp8Recipe::kDelayed, true}, Case{Fp8Recipe::kDelayed, false, false},
+                        Case{Fp8Recipe::kTensorwise, false, false}}) {
     const Fp8Recipe recipe = cs.recipe;
-    SCOPED_TRACE(::testing::Message() << fp8_recipe_name(recipe) << (cs.grouped_moe ? " grouped moe" : ""));
-    TransformerConfig c = fp8_config(recipe, Fp8Format::kHybrid, true, cs.grouped_moe, cs.grouped_moe);
+    SCOPED_TRACE(::testing::Message() << fp8_recipe_name(recipe) << (cs.grouped_moe ? " grouped moe" : "")
+                                      << (cs.llama ? "" : " gpt"));
+    TransformerConfig c = fp8_config(recipe, Fp8Format::kHybrid, cs.llama, cs.grouped_moe, cs.grouped_moe);
     c.deterministic_mode = true;  // no float atomics: the replay must equal the eager step bitwise
     const int64_t b = 2;
     Stream gs(Device::cuda(0));
@@ -331,8 +335,8 @@ struct GpuTwins {
 // epilogue; the SwiGLU's cast + transpose kernel, with fc2's saved transpose) and the SwiGLU's
 // backward writing linear_fc1's FP8 output gradient give the unfused model's loss, gradients and
 // FP8 state bitwise over two steps (bf16, deterministic: no float atomics); in a GPT-style model
-// the GELU adding fc1's bias and writing fc2's FP8 input, and its backward writing fc1's FP8 output
-// gradient and bias gradient, likewise.
+// the GELU writing fc2's FP8 input from fc1's output, and its backward writing fc1's FP8 output
+// gradient and bias gradient, likewise (fc1's bias added in its GEMM's epilogue).
 TEST(Fp8GptCuda, FusedProducersAreBitwise) {
   MT_REQUIRE_CUDA();
   for (const bool llama : {true, false}) {  // RMSNorm + SwiGLU; LayerNorm + biases + GELU

@@ -526,9 +526,11 @@ TEST(Fp8Cuda, TensorwiseGemmMatchesCpuEmulation) {
 }
 
 // The bias epilogue (tensorwise; the linear layers' biases): d = product (+ c) + bias on the GPU
-// (cuBLASLt's BIAS epilogue, or the fallback pass where it has no kernel) against the CPU emulation,
-// on exact operands: fp32 d bit for bit, bf16 d within its rounding; with C = D, C != D and without
-// accumulation; the bias large enough that a missing or misplaced one fails the bound.
+// (cuBLASLt's BIAS epilogue for a bf16 d, the pass after the GEMM for an fp32 d) against the CPU
+// emulation, on exact operands: fp32 d bit for bit, bf16 d within its rounding; with C = D, C != D
+// and without accumulation; the bias large enough that a missing or misplaced one fails the bound.
+// Without C the bf16 d is the exact value rounded once — the epilogue's; the fallback (the product
+// rounded, then the bias added and rounded again) differs from it in some elements, checked.
 TEST(Fp8Cuda, GemmBiasEpilogueMatchesCpuEmulation) {
   MT_REQUIRE_CUDA();
   for (const DType out : {DType::kBF16, DType::kF32})
@@ -538,7 +540,11 @@ TEST(Fp8Cuda, GemmBiasEpilogueMatchesCpuEmulation) {
         const GemmCase g{48, 80, 96, DType::kF8E4M3, DType::kF8E4M3, Fp8Scaling::kTensor, Fp8Scaling::kTensor, out,
                          accumulate, false};
         SCOPED_TRACE(describe(g) + (separate_c ? " C != D" : ""));
-        const GemmOperands o = make_operands(g, /*exact=*/true);
+        GemmOperands o = make_operands(g, /*exact=*/true);
+        // integers up to 16: sums of 96 products need more bits than bf16's 8, so rounding the
+        // product before the bias (the fallback) differs from the epilogue's one rounding
+        o.a = fp8_test::integer_codes(g.m * g.k, g.at, 16);
+        o.b = fp8_test::integer_codes(g.n * g.k, g.bt, 16);
         const std::vector<float> c0 = accumulate ? o.c0 : std::vector<float>(static_cast<size_t>(g.m * g.n), 0.f);
         std::vector<float> bias = rounded(testing::randn(g.n, 64.f), DType::kBF16);
         for (auto& b : bias) b = std::round(b);
@@ -546,14 +552,23 @@ TEST(Fp8Cuda, GemmBiasEpilogueMatchesCpuEmulation) {
         const std::vector<float> nobias = run_gemm(g, o, o.a, o.b, c0, kCpu);
         const std::vector<float> gpu = run_gemm(g, o, o.a, o.b, c0, kGpu, separate_c, bias);
         ASSERT_TRUE(testing::all_finite(gpu));
+        const std::vector<float> once = rounded(cpu, DType::kBF16);
+        std::vector<float> twice = rounded(nobias, DType::kBF16);
+        for (size_t i = 0; i < twice.size(); ++i) twice[i] += bias[i % static_cast<size_t>(g.n)];
+        twice = rounded(twice, DType::kBF16);
+        size_t differ = 0;
         for (size_t i = 0; i < cpu.size(); ++i) {
           ASSERT_EQ(cpu[i], (nobias[i]) + bias[i % static_cast<size_t>(g.n)]) << "CPU: (product + c) + bias, " << i;
+          differ += once[i] != twice[i];
           if (out == DType::kF32) {
             ASSERT_EQ(gpu[i], cpu[i]) << "element " << i;
+          } else if (!accumulate) {
+            ASSERT_EQ(gpu[i], once[i]) << "element " << i << " (rounded twice: " << twice[i] << ")";
           } else {
             ASSERT_LE(std::fabs(gpu[i] - cpu[i]), std::ldexp(std::fabs(cpu[i]), -7)) << "element " << i;
           }
         }
+        if (out == DType::kBF16 && !accumulate) EXPECT_GT(differ, 0u) << "the case cannot tell one rounding from two";
       }
 }
 

@@ -19,6 +19,7 @@
 #include <limits>
 
 #include "fp8_fused_util.h"
+#include "ops/cuda/fp8_fused_chunks.h"
 
 namespace mt {
 namespace {
@@ -123,6 +124,62 @@ TEST(Fp8FusedCuda, EqualsUnfusedAndCpuQuantizer) {
             }
             EXPECT_LT(worst, act == DType::kF32 ? 1e-5 : 1e-2) << "y against the CPU op";
           }
+}
+
+// The GELU backward's bias gradient in chunks of row tiles (what the op does when the tiles' partial
+// rows outgrow the stream's workspace, at ~1G elements): chunks of 1 and 2 of 3 tiles give the
+// unchunked call's dx, FP8 bytes and amax bit for bit and its bias gradient within fp32 summation
+// order; a chunk of 3 (all tiles) its bias gradient bit for bit.
+TEST(Fp8FusedCuda, GeluBiasGradientInChunks) {
+  const auto& st = cuda_stream();
+  const int64_t rows = 300, f = 4096;
+  const std::vector<float> pre = testing::rounded(testing::randn(rows * f, 2.f), DType::kBF16);
+  const std::vector<float> dy = testing::rounded(testing::randn(rows * f, 1.f), DType::kBF16);
+  const testing::OwnedTensor tp = testing::make_tensor(pre, DType::kBF16, kGpu, {rows, f}, st);
+  const testing::OwnedTensor td = testing::make_tensor(dy, DType::kBF16, kGpu, {rows, f}, st);
+  const testing::OwnedTensor scale = testing::make_tensor({16.f}, DType::kF32, kGpu, {1}, st);
+  struct Out {
+    std::vector<float> dx, dbias, amax;
+    std::vector<uint8_t> q, qt;
+  };
+  auto run = [&](int64_t chunk) {
+    const testing::OwnedTensor dx(DType::kBF16, kGpu, {rows, f}), q(DType::kF8E5M2, kGpu, {rows, f}),
+        qt(DType::kF8E5M2, kGpu, {f, rows});
+    const testing::OwnedTensor db =
+        testing::make_tensor(std::vector<float>(static_cast<size_t>(f), 0.5f), DType::kF32, kGpu, {f}, st);
+    const testing::OwnedTensor amax = testing::make_tensor({0.f}, DType::kF32, kGpu, {1}, st);
+    testing::poison(dx, st);
+    if (chunk == 0) {
+      fp8_gelu_backward(dx, q, qt, db, td, tp, scale, amax, st);
+    } else {
+      cuda::fp8_gelu_backward_in_chunks(dx, q, qt, db, td, tp, scale, amax, chunk, st);
+    }
+    return Out{testing::to_host(dx, st), testing::to_host(db, st), testing::to_host(amax, st),
+               fp8_test::to_bytes(q, st), fp8_test::to_bytes(qt, st)};
+  };
+  const Out ref = run(0);
+  for (const int64_t chunk : {1, 2, 3}) {
+    SCOPED_TRACE(chunk);
+    const Out o = run(chunk);
+    EXPECT_TRUE(testing::same_bits(o.dx, ref.dx));
+    EXPECT_EQ(o.q, ref.q);
+    EXPECT_EQ(o.qt, ref.qt);
+    EXPECT_TRUE(testing::same_bits(o.amax, ref.amax));
+    if (chunk == 3) {
+      EXPECT_TRUE(testing::same_bits(o.dbias, ref.dbias));
+      continue;
+    }
+    double worst = 0;
+    for (int64_t c = 0; c < f; ++c) {
+      double mag = 1.0;
+      for (int64_t r = 0; r < rows; ++r) mag += std::fabs(double(ref.dx[static_cast<size_t>(r * f + c)]));
+      worst = std::max(worst, std::fabs(double(o.dbias[static_cast<size_t>(c)]) - ref.dbias[static_cast<size_t>(c)]) / mag);
+    }
+    EXPECT_LT(worst, 1e-6);
+    EXPECT_GT(worst, 0.0) << "the chunked sums should differ somewhere in the last bits: the chunking did not run";
+  }
+  EXPECT_ANY_THROW(cuda::fp8_gelu_backward_in_chunks(Tensor(), Tensor(), Tensor(), Tensor(), td, tp, Tensor(),
+                                                     Tensor(), 0, st));
 }
 
 }  // namespace

@@ -317,11 +317,15 @@ TEST_F(Plan, Fp8TermsByHandAndAgainstTheH200Runs) {
   const std::string gpt = "--train-iters 2 --num-layers 4 --hidden-size 256 --num-attention-heads 4 "
                           "--ffn-hidden-size 512 --seq-length 128 --max-position-embeddings 128 --micro-batch-size 2 "
                           "--global-batch-size 4 --bf16 --vocab-size 1000 --fp8-format hybrid --fp8-recipe delayed";
-  const StepPrediction g = plan_training(request(gpt, 1, "h200")).step;
+  const StepPrediction g = plan_training(request(gpt + " --hidden-dropout 0", 1, "h200")).step;
   const double g_weights = 256.0 * 768 + 256 * 256 + 256 * 512 + 512 * 256;
   const double g_elems = 256.0 * ((256 + 256 + 256 + 512) + (768 + 256 + 512 + 256));
+  // with hidden dropout the bias + residual adds stay passes of their own (bias_dropout_add)
+  const StepPrediction gd = plan_training(request(gpt, 1, "h200")).step;  // the default 0.1
+  EXPECT_NEAR(gd.fp8_casts_s - plan_training(request(gpt + " --hidden-dropout 0", 1, "h200")).step.fp8_casts_s,
+              2 * 4 * 2 * 256.0 * 6 * 256 / 1550e9, 1e-15);
   const double g_extra = (2.0 * 256 * (768 + 256 + 256) + 6.0 * 256 * 512) / 2370e9 -
-                         256.0 * 512 * (3.38 + 0.76) * 1e-12 - 256.0 * (4 * 768 + 2 * 6 * 256) / 1550e9;
+                         256.0 * 512 * (3.38 + 0.75) * 1e-12 - 256.0 * (4 * 768 + 2 * 6 * 256) / 1550e9;
   EXPECT_NEAR(g.fp8_casts_s, 2 * 4 * (g_elems * 4 / 2370e9 + 10e-6 + g_extra) + 4 * g_weights * 6 / 3170e9, 1e-15);
   EXPECT_NE(format_plan(plan_training(request(model + "--fp8-format hybrid --fp8-recipe delayed", 1, "h200")))
                 .find("FP8: linear GEMMs"),
@@ -334,7 +338,8 @@ TEST_F(Plan, Fp8TermsByHandAndAgainstTheH200Runs) {
   EXPECT_NEAR(moe.fp8_casts_s, 2 * 4 * (attn_elems * 4 / 2370e9 + 10e-6) + 4 * attn_weights * 6 / 3170e9, 1e-15);
   // the H200 runs: Llama-style 1.18B and GPT 1.3B, 4 micro-batches of 8, sequence 1024, delayed
   const std::string seq = "--train-iters 2 --seq-length 1024 --max-position-embeddings 1024 --micro-batch-size 8 "
-                          "--global-batch-size 32 --bf16 --vocab-size 50257 --fp8-format hybrid --fp8-recipe delayed ";
+                          "--global-batch-size 32 --bf16 --vocab-size 50257 --fp8-format hybrid --fp8-recipe delayed "
+                          "--hidden-dropout 0 --attention-dropout 0 ";  // as bench/compare.sh runs them
   const StepPrediction llama =
       plan_training(request(seq + "--num-layers 16 --hidden-size 2048 --num-attention-heads 32 --group-query-attention "
                                   "--num-query-groups 8 --ffn-hidden-size 8192 --swiglu --normalization RMSNorm "

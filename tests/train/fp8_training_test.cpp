@@ -207,10 +207,11 @@ TEST_F(Fp8Training, TpCommOverlapIsBitwise) {
 // the gathered input and the forward fusion is off (no fused input) while fc1's dy, not
 // sharded, still fuses; with --recompute-modules mlp_act the SwiGLU's output is recomputed
 // for fc2's backward (fc2 keeps no FP8 input) and the fusions stay bitwise. In a GPT-style model
-// (LayerNorm, biases, GELU) the GELU adds fc1's bias and writes linear_fc2's FP8 input, and its
-// backward writes fc1's FP8 output gradient and fc1's bias gradient (the unfused FP8 path sums
-// that gradient in the same order): one rank with dropout, TP 2, TP 2 + SP (gradient only), and
-// mlp_act recompute.
+// (LayerNorm, biases, GELU) the GELU writes linear_fc2's FP8 input from fc1's output (its bias in
+// fc1's GEMM epilogue), and its backward writes fc1's FP8 output gradient and fc1's bias gradient
+// (the unfused FP8 path sums that gradient in the same order): one rank with and without dropout
+// (without: fc2's fused input into the GEMM with the residual as C and the bias epilogue), TP 2,
+// TP 2 + SP (gradient only), and mlp_act recompute.
 TEST_F(Fp8Training, FusedProducersAreBitwise) {
   const std::string llama = "--normalization RMSNorm --swiglu --position-embedding-type rope ";
   const std::string delayed = "--train-iters 3 --fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 4 ";
@@ -227,6 +228,7 @@ TEST_F(Fp8Training, FusedProducersAreBitwise) {
            {llama + "--disable-bias-linear " + tp2 + " --sequence-parallel", 0, true},
            {llama + "--disable-bias-linear --recompute-granularity selective --recompute-modules mlp_act", 3, true},
            {"", 1, true},
+           {"--hidden-dropout 0.0 --attention-dropout 0.0", 1, true},  // fc2: residual as C + bias epilogue
            {tp2, 1, true},
            {tp2 + " --sequence-parallel", 0, true},
            {"--recompute-granularity selective --recompute-modules mlp_act", 1, true}}) {

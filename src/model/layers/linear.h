@@ -206,8 +206,9 @@ class RowParallelLinear {
   };
   /// From dy [s_l, b, out]: returns dL/dx [s, b, in/tp] (a scratch view of this role); dW += dyᵀ x
   /// now or appended to `defer` (then dy's gathered copy must stay intact until it runs). With
-  /// `gelu`: returns dL/dpre instead, and adds Σ dL/dpre to gelu->dbias (ops/matmul.h
-  /// gelu_linear_backward: the GELU backward and the producer's bias gradient in the dgrad GEMM).
+  /// `gelu`: returns dL/dpre instead, and adds Σ dL/dpre to gelu->dbias (bf16: ops/matmul.h
+  /// gelu_linear_backward, the GELU backward and the producer's bias gradient in the dgrad GEMM;
+  /// FP8: fp8_gelu_backward after the dgrad GEMMs, the order the MLP's fused path shares).
   Tensor backward(const Tensor& dy, const StepContext& ctx, WgradDeferral* defer = nullptr,
                   const GeluInput* gelu = nullptr);
   const ParamRef& weight() const { return weight_; }

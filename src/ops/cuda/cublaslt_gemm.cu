@@ -167,7 +167,7 @@ std::unique_ptr<GemmPlan> make_plan(const GemmDesc& g, cublasLtHandle_t lt, cons
   if (g.epilogue == GemmEpilogue::kBgradA) epi = CUBLASLT_EPILOGUE_BGRADB;  // cuBLASLt's B is our A
   if (g.epilogue == GemmEpilogue::kDGelu) epi = CUBLASLT_EPILOGUE_DGELU;
   MT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)));
-  if (g.bias && is_fp8(g.ab_type)) {  // an FP8 GEMM's bias is of D's type (bf16 / fp16 / fp32)
+  if (g.bias && is_fp8(g.ab_type)) {  // an FP8 GEMM's bias is of D's type (bf16 / fp16 only here)
     int32_t bias_type = lt_type(g.c_type);
     MT_CUBLAS_CHECK(
         cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof(bias_type)));

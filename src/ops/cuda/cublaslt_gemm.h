@@ -33,7 +33,8 @@ enum class GemmScaleMode : uint8_t { kScalar, kVec128, kBlk128x128 };
 /// e5m2 gradients by e4m3 operands; kF32 = ab_type), the operands' dequantisation scales (device
 /// fp32, required), their modes, and CUBLASLT_MATMUL_DESC_FAST_ACCUM. The requirements (cuBLASLt's
 /// FP8 rules on sm_90, checked by check_gemm_desc): trans_a = false, trans_b = true (both operands
-/// K-major: cuBLASLt's "TN", the only FP8 layout on sm_90); batch 1; no epilogue, bias or aux; C
+/// K-major: cuBLASLt's "TN", the only FP8 layout on sm_90); batch 1; no epilogue but kBias (scalar
+/// scales, a 16-byte aligned bias of a bf16 / fp16 C), no aux; C
 /// (= D) fp32/bf16/fp16; m, n, k multiples of 16; A, B, C, D and both scale pointers 16-byte
 /// aligned (a scale at a 4-byte offset into a state buffer is rejected by cublasLtMatmul with
 /// CUBLAS_STATUS_NOT_SUPPORTED although the heuristic offered an algorithm; cuBLAS >= 12.9);

@@ -35,10 +35,15 @@ void check_fp8(const GemmDesc& g) {
            describe_gemm(g));
   MT_CHECK(g.batch == 1, "{}: FP8 GEMMs are unbatched here (batch {})", describe_gemm(g), g.batch);
   MT_CHECK((g.epilogue == GemmEpilogue::kNone || (g.epilogue == GemmEpilogue::kBias && !is_block(g.fp8.a_mode))) &&
-               g.aux == nullptr && g.bias_grad == nullptr,
+               (g.bias != nullptr) == (g.epilogue == GemmEpilogue::kBias) && g.aux == nullptr &&
+               g.bias_grad == nullptr,
            "{}: FP8 GEMMs take the bias epilogue (tensorwise scaling) and no other epilogue, aux or bias gradient "
-           "here (fp8_bias_gelu runs after the GEMM)",
+           "here (the GELU and blockwise scaling's bias run after the GEMM: fp8_bias_gelu)",
            describe_gemm(g));
+  MT_CHECK(g.bias == nullptr || (aligned(g.bias) && g.c_type != DType::kF32),
+           "{}: an FP8 GEMM's bias must be 16-byte aligned and of a bf16 / fp16 d (got bias={}); fp8_matmul adds "
+           "any other after the GEMM",
+           describe_gemm(g), g.bias);
   MT_CHECK(g.c_type == DType::kF32 || g.c_type == DType::kBF16 || g.c_type == DType::kF16,
            "{}: an FP8 GEMM writes fp32, bf16 or fp16 (C = D of that type: cuBLASLt's FP8 type table)",
            describe_gemm(g));

@@ -25,6 +25,7 @@
 #include "ops/cuda/fp8_out.cuh"
 #include "ops/fp8.h"
 #include "ops/fp8_fused.h"
+#include "ops/cuda/fp8_fused_chunks.h"
 #include "ops/gelu_math.h"
 #include "ops/swiglu_math.h"
 
@@ -169,6 +170,22 @@ __device__ __forceinline__ void store_transposed_tile(const uint8_t (*tq)[kPitch
         if (r0 + rr + b < rows) dst[rr + b] = tq[tc][rr + b];
       }
     }
+  }
+}
+
+/// The CTA's amax record of an activation tile kernel: each warp's max of m into warp_red, one
+/// barrier (which also publishes the shared memory every thread wrote before the call), then thread
+/// 0 max-accumulates the CTA's into *amax (null: no record; the barrier still runs).
+__device__ __forceinline__ void cta_amax_record(uint32_t m, uint32_t* warp_red, uint32_t* amax) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (amax != nullptr) {
+    m = warp_max(m);
+    if (lane == 0) warp_red[warp] = m;
+  }
+  __syncthreads();
+  if (amax != nullptr && threadIdx.x == 0) {
+    for (int w = 1; w < kWarps; ++w) m = max(m, warp_red[w]);
+    atomicMax(amax, m);
   }
 }
 
@@ -440,15 +457,7 @@ __global__ void __launch_bounds__(kThreads, 4)
       }
     }
   }
-  if (p.amax != nullptr) {
-    m = warp_max(m);
-    if (lane == 0) warp_red[warp] = m;
-  }
-  __syncthreads();
-  if (p.amax != nullptr && threadIdx.x == 0) {
-    for (int w = 1; w < kWarps; ++w) m = max(m, warp_red[w]);
-    atomicMax(p.amax, m);
-  }
+  cta_amax_record(m, warp_red, p.amax);  // also the barrier before the staged bytes are read
   if (p.qt == nullptr) return;
   const bool full = p.qt_vec && r0 + kBlock <= rows;
 #pragma unroll
@@ -493,8 +502,8 @@ void launch_swiglu_fp8(const Tensor& y, const Tensor& dy, const Tensor& q, const
 // of d, and the bias gradient's partial row of the tile: each thread sums its 16 rows in row order,
 // the 8 row lanes are added in order through shared memory, one fp32 row per tile into `part`
 // (add_column_partials adds the tiles after). kGeluRows = 2 rows are loaded before either is computed:
-// fp8_gemm_bench at 8192 x 8192 (H200, 2026-11-29; the forward then also added the bias in place,
-// the backward with the bias gradient) ran kGeluRows = 1 / 2 / 4 / 8 / 16 in 0.198 / 0.188 / 0.195 / 0.228 / 0.229 ms
+// fp8_gemm_bench at 8192 x 8192 (H200, 2026-11-29; the forward of an earlier version that also added
+// fc1's bias in place, the backward with the bias gradient) ran kGeluRows = 1 / 2 / 4 / 8 / 16 in 0.198 / 0.188 / 0.195 / 0.228 / 0.229 ms
 // (forward) and 0.210 / 0.201 / 0.200 / 0.228 / 0.270 ms (backward; 8 and 16 at 2 CTAs per SM).
 constexpr int kGeluRows = 2;
 
@@ -566,15 +575,7 @@ __global__ void __launch_bounds__(kThreads, 4)
 #pragma unroll
     for (int j = 0; j < 4; ++j) col_red[warp][lane + 32 * j] = acc[j];
   }
-  if (p.amax != nullptr) {
-    m = warp_max(m);
-    if (lane == 0) warp_red[warp] = m;
-  }
-  __syncthreads();
-  if (p.amax != nullptr && threadIdx.x == 0) {
-    for (int w = 1; w < kWarps; ++w) m = max(m, warp_red[w]);
-    atomicMax(p.amax, m);
-  }
+  cta_amax_record(m, warp_red, p.amax);  // also the barrier before the staged bytes are read
   if constexpr (kGrad) {
     if (p.part != nullptr && threadIdx.x < kBlock && c0 + threadIdx.x < f) {
       float sum = 0.f;
@@ -593,7 +594,7 @@ __global__ void __launch_bounds__(kThreads, 4)
 template <bool kGrad>
 void launch_gelu_fp8(const Tensor& out, const Tensor& dy, const Tensor& q, const Tensor& q_t, const Tensor& pre,
                      const Tensor& dbias, const Tensor& scale, const Tensor& amax, const Stream& stream,
-                     const char* fn) {
+                     const char* fn, int64_t max_chunk_tiles = 0) {
   const int64_t f = pre.size(-1), rows = pre.numel() / f;
   if (rows == 0) return;
   const int64_t row_tiles = (rows + kBlock - 1) / kBlock, col_tiles = (f + kBlock - 1) / kBlock;
@@ -601,7 +602,8 @@ void launch_gelu_fp8(const Tensor& out, const Tensor& dy, const Tensor& q, const
   uint8_t* qt = q_t.empty() ? nullptr : q_t.data_as<uint8_t>();
   const bool quant = !q.empty() || qt != nullptr;
   float* part = dbias.empty() ? nullptr : column_partials_scratch(stream, fn);
-  const int64_t chunk = part ? column_partials_rows(row_tiles, f, 1, fn) : row_tiles;
+  int64_t chunk = part ? column_partials_rows(row_tiles, f, 1, fn) : row_tiles;
+  if (max_chunk_tiles > 0) chunk = std::min(chunk, max_chunk_tiles);
   dispatch_float(pre.dtype(), fn, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     GeluFp8Args<T> a{kGrad ? dy.data_as<T>() : nullptr,
@@ -665,6 +667,13 @@ void fp8_gelu_forward(const Tensor& y, const Tensor& q, const Tensor& q_t, const
 void fp8_gelu_backward(const Tensor& dx, const Tensor& dq, const Tensor& dq_t, const Tensor& dbias, const Tensor& dy,
                        const Tensor& pre, const Tensor& scale, const Tensor& amax, const Stream& stream) {
   launch_gelu_fp8<true>(dx, dy, dq, dq_t, pre, dbias, scale, amax, stream, "fp8_gelu_backward");
+}
+
+void fp8_gelu_backward_in_chunks(const Tensor& dx, const Tensor& dq, const Tensor& dq_t, const Tensor& dbias,
+                                 const Tensor& dy, const Tensor& pre, const Tensor& scale, const Tensor& amax,
+                                 int64_t chunk_tiles, const Stream& stream) {
+  MT_CHECK(chunk_tiles >= 1, "fp8_gelu_backward_in_chunks: chunk_tiles={} must be >= 1", chunk_tiles);
+  launch_gelu_fp8<true>(dx, dy, dq, dq_t, pre, dbias, scale, amax, stream, "fp8_gelu_backward", chunk_tiles);
 }
 
 void fp8_amax(const Tensor& amax, const Tensor& x, const Stream& stream) {

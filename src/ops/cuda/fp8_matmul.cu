@@ -22,12 +22,12 @@ void fp8_matmul(const Tensor& d, const Fp8Operand& a, const Fp8Operand& b, bool 
     if (!bias.empty()) cuda::fp8_bias_gelu(d, bias, Tensor(), stream);
     return;
   }
-  if (try_gemm(mt::fp8_gemm_desc(d, a, b, accumulate, fast_accum, c, bias), stream)) return;
-  MT_CHECK(!bias.empty(), "{}: cuBLASLt has no algorithm for this FP8 GEMM",
-           describe_gemm(mt::fp8_gemm_desc(d, a, b, accumulate, fast_accum, c)));
-  // no bias kernel for this problem (e.g. an fp32 d): the product, then the bias in a pass of its own
+  if (fp8_bias_epilogue(d, bias) && try_gemm(mt::fp8_gemm_desc(d, a, b, accumulate, fast_accum, c, bias), stream))
+    return;
+  // no bias, or none in the epilogue (an fp32 d, a misaligned bias, no bias kernel for this
+  // problem): the product, then the bias in a pass of its own
   gemm(mt::fp8_gemm_desc(d, a, b, accumulate, fast_accum, c), stream);
-  cuda::fp8_bias_gelu(d, bias, Tensor(), stream);
+  if (!bias.empty()) cuda::fp8_bias_gelu(d, bias, Tensor(), stream);
 }
 
 }  // namespace mt::cuda
