@@ -133,7 +133,8 @@ void fp8_gelu_backward(const Tensor& dx, const Tensor& dq, const Tensor& dq_t, c
   }
   if (!dbias.empty()) check_stats(dbias, f, fn, "dbias");
   const bool quantised = !dq.empty() || !dq_t.empty();
-  MT_CHECK(quantised || !dx.empty() || !dbias.empty(), "{}: dx, dbias, dq and dq_t are all empty: nothing to write", fn);
+  MT_CHECK(quantised || !dx.empty() || !dbias.empty(), "{}: dx, dbias, dq and dq_t are all empty: nothing to write",
+           fn);
   if (quantised) {
     check_fp8_pair(dq, dq_t, pre.shape(), fn, "dq", "dq_t");
     op_checks::check_fp8_scale_amax(scale, amax, fn);

@@ -173,7 +173,8 @@ TEST(Fp8FusedCuda, GeluBiasGradientInChunks) {
     for (int64_t c = 0; c < f; ++c) {
       double mag = 1.0;
       for (int64_t r = 0; r < rows; ++r) mag += std::fabs(double(ref.dx[static_cast<size_t>(r * f + c)]));
-      worst = std::max(worst, std::fabs(double(o.dbias[static_cast<size_t>(c)]) - ref.dbias[static_cast<size_t>(c)]) / mag);
+      const size_t ci = static_cast<size_t>(c);
+      worst = std::max(worst, std::fabs(double(o.dbias[ci]) - ref.dbias[ci]) / mag);
     }
     EXPECT_LT(worst, 1e-6);
     EXPECT_GT(worst, 0.0) << "the chunked sums should differ somewhere in the last bits: the chunking did not run";

@@ -129,7 +129,8 @@ TEST(Fp8Fused, Errors) {
                "dbias must be a contiguous fp32 tensor of 32 element(s), got fp32[1]");
   expect_error([&] { fp8_gelu_backward(Tensor(), q, qt, db, ys, pre, s, Tensor(), st); },
                "dy fp32[4, 16]@cpu must match pre");
-  expect_error([&] { fp8_gelu_backward(pre, q, qt, db, y, pre, s, Tensor(), st); }, "dx fp32[4, 32]@cpu must not alias pre");
+  expect_error([&] { fp8_gelu_backward(pre, q, qt, db, y, pre, s, Tensor(), st); },
+               "dx fp32[4, 32]@cpu must not alias pre");
   expect_error([&] { fp8_gelu_backward(Tensor(), q, qts, db, y, pre, s, Tensor(), st); },
                "dq_t fp8_e4m3[16, 4]@cpu must be a contiguous [32, 4] (the transpose)");
   expect_error([&] { fp8_gelu_backward(Tensor(), q, qt, db, y, pre, Tensor(), Tensor(), st); },

@@ -1,6 +1,7 @@
 // Helpers of the fused FP8 quantisation tests (fp8_fused_test.cpp, fp8_fused_cuda_test.cpp): one
-// run of RMSNorm, SwiGLU, SwiGLU's backward, GELU or GELU's backward (with the bias gradient) with FP8 output, fused (ops/fp8_fused.h) or unfused (the op, then fp8_quantize of its
-// output), on any device and act dtype, outputs poisoned before the call.
+// run of RMSNorm, SwiGLU, SwiGLU's backward, GELU or GELU's backward (with the bias gradient) with
+// FP8 output, fused (ops/fp8_fused.h) or unfused (the op, then fp8_quantize of its output), on any
+// device and act dtype, outputs poisoned before the call.
 #pragma once
 #include <cstdint>
 #include <vector>

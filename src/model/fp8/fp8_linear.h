@@ -157,8 +157,9 @@ class Fp8Linear {
   /// fprop: y [m, out] = x [m, in] · wᵀ (+ bias [out]); with pre_gelu ([m, out], y's shape):
   /// pre_gelu = x · wᵀ + bias and y = gelu(pre_gelu) (ops/fp8_epilogue.h). The per-tensor recipes
   /// add the bias in the GEMM's epilogue (one rounding: fp8_matmul's bias), blockwise in a pass
-  /// after it. x, y, bias, pre_gelu of the act dtype, 2-D views. slot: the activation area (plan's). Delayed scaling records x's
-  /// amax in training forwards (Fp8Model::training). The three phases below over all m rows.
+  /// after it. x, y, bias, pre_gelu of the act dtype, 2-D views. slot: the activation area
+  /// (plan's). Delayed scaling records x's amax in training forwards (Fp8Model::training). The
+  /// three phases below over all m rows.
   void forward(const Tensor& y, const Tensor& x, const Tensor& bias, const Tensor& pre_gelu, int slot,
                const Stream& stream);
   /// Forward, phase 1: x [rows, in] is the whole input (shard = false) or this rank's

@@ -82,7 +82,8 @@ Fp8Linear::FusedInput ColumnParallelLinear::fp8_input(int64_t rows, int area) {
 Fp8Linear::FusedGrad ColumnParallelLinear::fp8_grad(int64_t rows, bool consumer_sums_bias) {
   MT_CHECK(fuses_fp8_grad(rows, consumer_sums_bias),
            "{}: the consumer cannot write the FP8 output gradient of {} rows{}", role_, rows,
-           has_bias_ && !consumer_sums_bias ? " (the layer has a bias and the consumer does not sum its gradient)" : "");
+           has_bias_ && !consumer_sums_bias ? " (the layer has a bias and the consumer does not sum its gradient)"
+                                            : "");
   fp8_grad_ready_ = true;
   return fp8_->fused_grad(rows);
 }

@@ -501,10 +501,11 @@ void launch_swiglu_fp8(const Tensor& y, const Tensor& dy, const Tensor& q, const
 // dx = d (may alias dy: read and written by the same thread, dy not __restrict__), the FP8 copies
 // of d, and the bias gradient's partial row of the tile: each thread sums its 16 rows in row order,
 // the 8 row lanes are added in order through shared memory, one fp32 row per tile into `part`
-// (add_column_partials adds the tiles after). kGeluRows = 2 rows are loaded before either is computed:
-// fp8_gemm_bench at 8192 x 8192 (H200, 2026-11-29; the forward of an earlier version that also added
-// fc1's bias in place, the backward with the bias gradient) ran kGeluRows = 1 / 2 / 4 / 8 / 16 in 0.198 / 0.188 / 0.195 / 0.228 / 0.229 ms
-// (forward) and 0.210 / 0.201 / 0.200 / 0.228 / 0.270 ms (backward; 8 and 16 at 2 CTAs per SM).
+// (add_column_partials adds the tiles after). kGeluRows = 2 rows are loaded before either is
+// computed: fp8_gemm_bench at 8192 x 8192 (H200, 2026-11-29; the forward of an earlier version that
+// also added fc1's bias in place, the backward with the bias gradient) ran kGeluRows = 1 / 2 / 4 /
+// 8 / 16 in 0.198 / 0.188 / 0.195 / 0.228 / 0.229 ms (forward) and 0.210 / 0.201 / 0.200 / 0.228 /
+// 0.270 ms (backward; 8 and 16 at 2 CTAs per SM).
 constexpr int kGeluRows = 2;
 
 template <typename T>
