@@ -305,6 +305,8 @@ TEST(MoeLayoutsNccl, Bf16LayoutsMatchOneGpu) {
         {"ep2_alltoall", 1, 1, 0, 2, 0, false, true},
         {"ep2_alltoall_gg_static", 1, 1, 0, 2, 0, false, true, true, false, kFits},
         {"ep2_alltoall_gg_static_full_graph", 1, 1, 0, 2, 0, false, true, true, false, kFits, 0, 'f'},
+        // ECHO's used-slot transfers eagerly, then in a full-iteration graph
+        {"ep2_alltoall_gg_static_echo", 1, 1, 0, 2, 0, false, true, true, false, kFits, 1},
         {"ep2_alltoall_gg_static_echo_full_graph", 1, 1, 0, 2, 0, false, true, true, false, kFits, 1, 'f'},
         {"ep2_alltoall_echo", 1, 1, 0, 2, 0, false, true, false, false, 0, 1},
         {"etp2_tp2sp_alltoall", 2, 1, 0, 1, 2, true, true},

@@ -13,6 +13,8 @@
 #include <nccl.h>
 #include <nccl_device.h>
 
+#include <fmt/format.h>
+
 #include <cstring>
 #include <string>
 #include <vector>
@@ -86,6 +88,12 @@ class NcclEchoPeers final : public EchoPeers {
     MT_NCCL_ECHO_CHECK(ncclMemAlloc(&buffer_, bytes_));
     MT_CUDA_CHECK(cudaMemset(buffer_, 0, bytes_));
     MT_NCCL_ECHO_CHECK(ncclCommWindowRegister(comm_, buffer_, bytes_, &window_, NCCL_WIN_COLL_SYMMETRIC));
+    // a communicator without symmetric-memory support registers no window and still succeeds: the
+    // kernel's ncclGetPeerPointer would then read through a null window
+    MT_CHECK(window_ != nullptr,
+             "EchoPeers (NCCL window): ncclCommWindowRegister of {} bytes returned no window (the EP "
+             "communicator has no symmetric-memory support)",
+             bytes_);
     ncclDevCommRequirements reqs;
     std::memset(&reqs, 0, sizeof(reqs));
     reqs.lsaBarrierCount = kBlocks;
@@ -159,6 +167,15 @@ bool nccl_echo_peers_available(const ExpertParallel& ep, std::string* why_not) {
   };
   const auto* nccl = dynamic_cast<const NcclCommunicator*>(ep.ep_group.get());
   if (nccl == nullptr) return no("the EP group is not an NCCL communicator");
+  // the device API's structures (ncclDevComm, the window) are compiled in from the headers: the
+  // library must be the same version, or the kernel reads them wrongly
+  int version = 0;
+  if (ncclGetVersion(&version) != ncclSuccess || version != NCCL_VERSION_CODE) {
+    if (why_not)
+      *why_not = fmt::format("the NCCL library is version {}, its device API was compiled against {}", version,
+                             NCCL_VERSION_CODE);
+    return false;
+  }
   // every rank of the group sees the same: the group lies within its LSA team or it does not
   if (ncclTeamLsa(nccl->raw()).nRanks != nccl->size())
     return no("the EP group spans more than one NVLink domain (NCCL LSA team)");
