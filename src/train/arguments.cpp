@@ -904,8 +904,8 @@ void validate_pretrain_args(PretrainArgs& a) {
              "weights, as in Megatron)");
   MT_REQUIRE(!a.model.fp8_param || a.model.fp8 != Fp8Format::kNone, "--fp8-param-gather needs --fp8-format");
   // Not a flag: delayed scaling's fused FP8 producers (docs/fp8.md "What fuses") for measurements
-  // (bench/fp8_profile.sh): MT_FP8_FUSED_PRODUCERS=1 the norms' and the SwiGLU's, =act the SwiGLU's
-  // (the default), =0 none.
+  // (bench/fp8_profile.sh): MT_FP8_FUSED_PRODUCERS=1 the norms' and the activation's (SwiGLU or
+  // GELU), =act the activation's (the default), =0 none.
   if (const char* e = std::getenv("MT_FP8_FUSED_PRODUCERS")) {
     const std::string v(e);
     MT_REQUIRE(v == "1" || v == "act" || v == "0", "MT_FP8_FUSED_PRODUCERS={}: expected 1, act or 0", v);

@@ -507,12 +507,11 @@ void Fp8Linear::forward(const Tensor& y, const Tensor& x, const Tensor& bias, co
   begin_forward(xin, /*shard=*/false, slot, st);
   if (mp == m) {
     forward_rows(y, xin, 0, bias, pre_gelu, slot, st);
-  } else {  // the GEMM (+ bias) into the padded scratch, its first m rows copied out; the rest after
-    const Tensor rest = model_.settings().blockwise() ? bias : Tensor();
-    forward_rows(v.pad_y, xin, 0, model_.settings().blockwise() ? Tensor() : bias, Tensor(), slot, st);
+  } else {  // the GEMM and its bias (fprop's) into the padded scratch, its first m rows copied out, the GELU after
+    forward_rows(v.pad_y, xin, 0, bias, Tensor(), slot, st);
     const Tensor out = pre_gelu.empty() ? y : pre_gelu;
     copy(out, v.pad_y.slice0(0, m), st);
-    if (!rest.empty() || !pre_gelu.empty()) fp8_bias_gelu(out, rest, pre_gelu.empty() ? Tensor() : y, st);
+    if (!pre_gelu.empty()) fp8_bias_gelu(out, Tensor(), y, st);
   }
 }
 

@@ -171,19 +171,9 @@ class Fp8Model {
   /// Rows of a state block: history rows + amax + scale + scale_inv.
   int64_t state_rows() const { return history_rows() + 3; }
   /// Forwards of this rank's FP8 linears that took a fused producer's input (Fp8Linear::fused_inputs).
-  int64_t fused_inputs() const {
-    int64_t n = 0;
-    for (const LayerEntry& e : layers_)
-      for (const Fp8Linear* l : e.linears) n += l->fused_inputs();
-    return n;
-  }
+  int64_t fused_inputs() const { return sum_over_linears(&Fp8Linear::fused_inputs); }
   /// Backwards of this rank's FP8 linears that took a fused producer's dy (Fp8Linear::fused_grads).
-  int64_t fused_grads() const {
-    int64_t n = 0;
-    for (const LayerEntry& e : layers_)
-      for (const Fp8Linear* l : e.linears) n += l->fused_grads();
-    return n;
-  }
+  int64_t fused_grads() const { return sum_over_linears(&Fp8Linear::fused_grads); }
   /// fp32 elements from one column of the live state to the next (16 bytes: cuBLASLt's alignment
   /// of scale pointers).
   static constexpr int64_t kStateStride = 4;
@@ -202,6 +192,13 @@ class Fp8Model {
   };
   LayerEntry& entry(int64_t layer);
   const LayerEntry* find(int64_t layer) const;
+  // Σ over this rank's registered linears of (linear->*count)().
+  int64_t sum_over_linears(int64_t (Fp8Linear::*count)() const) const {
+    int64_t n = 0;
+    for (const LayerEntry& e : layers_)
+      for (const Fp8Linear* l : e.linears) n += (l->*count)();
+    return n;
+  }
   Fp8TensorState tensor_state(const Tensor& block, int64_t column) const;
   // Copies the live state into the packed blocks (pack) or back (!pack), through the host.
   void repack(bool pack, const Stream& stream) const;

@@ -81,18 +81,19 @@ void MLP::forward_fc1(const StepContext& ctx, bool gather) {
 Tensor MLP::forward(const StepContext& ctx, const ResidualAdd* add) {
   const Tensor& pre = pre_.at(static_cast<size_t>(ctx.slot));
   const int64_t m = pre.numel() / pre.size(-1);
-  if (act_.kind == MlpActivation::kSwiGLU && linear_fc2_.fuses_fp8_input(m)) {
-    // the SwiGLU writes fc2's FP8 input and its saved transpose in one pass, and no bf16 output:
-    // fc2 multiplies the bytes, and where it saves no FP8 input (mlp / mlp_act recompute) the
-    // backward writes the activation again before fc2's weight gradient reads it
+  const bool swiglu = act_.kind == MlpActivation::kSwiGLU;
+  if ((swiglu || act_.gelu_epilogue) && linear_fc2_.fuses_fp8_input(m)) {
+    // the SwiGLU (or the GELU, from fc1's output with its bias added in fc1's GEMM epilogue) writes
+    // fc2's FP8 input and its saved transpose in one pass, and no bf16 output: fc2 multiplies the
+    // bytes, and where it saves no FP8 input (mlp / mlp_act recompute) the backward writes the
+    // activation again before fc2's weight gradient reads it
     linear_fc1_.forward(pre, ctx);
     const Fp8Linear::FusedInput q = linear_fc2_.fp8_input(m, ctx.slot);
-    fp8_swiglu_forward(Tensor(), q.xq, q.x_t, rows(pre), q.scale, q.record, ctx.stream);
-  } else if (act_.gelu_epilogue && linear_fc2_.fuses_fp8_input(m)) {
-    // likewise the GELU, from fc1's output (its bias added in fc1's GEMM epilogue)
-    linear_fc1_.forward(pre, ctx);
-    const Fp8Linear::FusedInput q = linear_fc2_.fp8_input(m, ctx.slot);
-    fp8_gelu_forward(Tensor(), q.xq, q.x_t, rows(pre), q.scale, q.record, ctx.stream);
+    if (swiglu) {
+      fp8_swiglu_forward(Tensor(), q.xq, q.x_t, rows(pre), q.scale, q.record, ctx.stream);
+    } else {
+      fp8_gelu_forward(Tensor(), q.xq, q.x_t, rows(pre), q.scale, q.record, ctx.stream);
+    }
   } else {
     forward_fc1(ctx, /*gather=*/true);
   }
@@ -111,29 +112,28 @@ Tensor MLP::backward(const Tensor& dy, const StepContext& ctx, WgradDeferral* de
     act_.forward(linear_fc2_.input(ctx.slot), pre, ctx.stream);
   }
   const int64_t m = pre.numel() / pre.size(-1);
-  if (act_.gelu_epilogue && linear_fc1_.fuses_fp8_grad(m, /*consumer_sums_bias=*/true)) {
-    // the GELU's backward writes fc1's FP8 output gradient (and its transpose) and fc1's bias
-    // gradient in one pass, no bf16 gradient (d_act gives fc1's backward the shape only)
+  const bool gelu = act_.gelu_epilogue, swiglu = act_.kind == MlpActivation::kSwiGLU;
+  if ((swiglu || gelu) && linear_fc1_.fuses_fp8_grad(m, /*consumer_sums_bias=*/gelu)) {
+    // the SwiGLU's (or the GELU's, with fc1's bias gradient) backward writes fc1's FP8 output
+    // gradient and its transpose in one pass, no bf16 gradient (fc1's backward takes its argument
+    // for the shape only: d_pre_, or the GELU's d_act of the same shape)
     const Tensor d_act = linear_fc2_.backward(dy, ctx);
-    const Fp8Linear::FusedGrad g = linear_fc1_.fp8_grad(m, /*consumer_sums_bias=*/true);
-    fp8_gelu_backward(Tensor(), g.dyq, g.dyq_t, grad_or_empty(linear_fc1_.bias()), rows(d_act), rows(pre), g.scale,
-                      g.record, ctx.stream);
-    return linear_fc1_.backward(d_act, ctx, defer, /*bias_grad_done=*/true);
+    const Fp8Linear::FusedGrad g = linear_fc1_.fp8_grad(m, /*consumer_sums_bias=*/gelu);
+    if (gelu) {
+      fp8_gelu_backward(Tensor(), g.dyq, g.dyq_t, grad_or_empty(linear_fc1_.bias()), rows(d_act), rows(pre), g.scale,
+                        g.record, ctx.stream);
+    } else {
+      fp8_swiglu_backward(g.dyq, g.dyq_t, rows(d_act), rows(pre), g.scale, g.record, ctx.stream);
+    }
+    return linear_fc1_.backward(gelu ? d_act : d_pre_, ctx, defer, /*bias_grad_done=*/gelu);
   }
-  if (act_.gelu_epilogue) {
+  if (gelu) {
     // fc2's dgrad applies the GELU backward and takes fc1's bias gradient (one fused GEMM on CUDA)
     const RowParallelLinear::GeluInput gelu{pre, grad_or_empty(linear_fc1_.bias())};
     const Tensor d_pre = linear_fc2_.backward(dy, ctx, nullptr, &gelu);
     return linear_fc1_.backward(d_pre, ctx, defer, /*bias_grad_done=*/true);
   }
   const Tensor d_act = linear_fc2_.backward(dy, ctx);
-  if (act_.kind == MlpActivation::kSwiGLU && linear_fc1_.fuses_fp8_grad(m)) {
-    // the SwiGLU's backward writes fc1's FP8 output gradient (and its transpose) in one pass; no
-    // bf16 gradient (d_pre_ gives fc1's backward the shape only)
-    const Fp8Linear::FusedGrad g = linear_fc1_.fp8_grad(m);
-    fp8_swiglu_backward(g.dyq, g.dyq_t, rows(d_act), rows(pre), g.scale, g.record, ctx.stream);
-    return linear_fc1_.backward(d_pre_, ctx, defer);
-  }
   act_.backward(d_pre_, d_act, pre, ctx.stream);
   return linear_fc1_.backward(d_pre_, ctx, defer);
 }

@@ -189,6 +189,21 @@ __device__ __forceinline__ void cta_amax_record(uint32_t m, uint32_t* warp_red, 
   }
 }
 
+/// The 128 x 128 tiles of a [rows, cols] activation (grid.x: column tiles, grid.y: row tiles).
+/// Errors: mt::Error naming `fn` beyond 65535 row tiles (the grid's y limit).
+struct TileGrid {
+  int64_t row_tiles, col_tiles;
+};
+TileGrid tile_grid(int64_t rows, int64_t cols, const char* fn) {
+  const TileGrid g{(rows + kBlock - 1) / kBlock, (cols + kBlock - 1) / kBlock};
+  MT_CHECK(g.row_tiles <= 65535, "{}: {} rows exceed the CUDA kernel's 65535 x 128", fn, rows);
+  return g;
+}
+/// Whether q_t [cols, rows] takes store_transposed_tile's 4-byte stores.
+bool qt_vectorised(const uint8_t* qt, int64_t rows) {
+  return qt != nullptr && rows % 4 == 0 && reinterpret_cast<uintptr_t>(qt) % 4 == 0;
+}
+
 struct TileArgs {
   const void* x;
   int64_t rows, cols;
@@ -338,10 +353,9 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(TileArgs p) {
 /// The cast + transpose kernel for x's dtype and `fp8`; round_bf16: fp32 x rounded to bf16 on load.
 template <Fp8Scaling kMode>
 void launch_tile(const Tensor& x, TileArgs p, DType fp8, const Stream& stream, bool round_bf16 = false) {
-  const int64_t row_tiles = (p.rows + kBlock - 1) / kBlock, col_tiles = (p.cols + kBlock - 1) / kBlock;
-  MT_CHECK(row_tiles <= 65535, "fp8 quantize: {} rows exceed the CUDA kernel's 65535 x 128", p.rows);
-  p.qt_vec = p.qt && p.rows % 4 == 0 && reinterpret_cast<uintptr_t>(p.qt) % 4 == 0;
-  const dim3 grid(static_cast<unsigned>(col_tiles), static_cast<unsigned>(row_tiles));
+  const TileGrid tg = tile_grid(p.rows, p.cols, "fp8 quantize");
+  p.qt_vec = qt_vectorised(p.qt, p.rows);
+  const dim3 grid(static_cast<unsigned>(tg.col_tiles), static_cast<unsigned>(tg.row_tiles));
   if (round_bf16) {
     MT_CHECK(x.dtype() == DType::kF32, "fp8 quantize: bf16 rounding of {} (fp32 only)", x.str());
     dispatch_fp8(fp8, [&](auto e4m3) {
@@ -470,9 +484,8 @@ void launch_swiglu_fp8(const Tensor& y, const Tensor& dy, const Tensor& q, const
                        const Tensor& scale, const Tensor& amax, const Stream& stream, const char* fn) {
   const int64_t f = x.size(-1) / 2, rows = x.numel() / x.size(-1);
   if (rows == 0) return;
-  const int64_t row_tiles = (rows + kBlock - 1) / kBlock, col_tiles = (f + kBlock - 1) / kBlock;
-  MT_CHECK(row_tiles <= 65535, "{}: {} rows exceed the CUDA kernel's 65535 x 128", fn, rows);
-  const dim3 grid(static_cast<unsigned>(col_tiles), static_cast<unsigned>(row_tiles));
+  const TileGrid tg = tile_grid(rows, f, fn);
+  const dim3 grid(static_cast<unsigned>(tg.col_tiles), static_cast<unsigned>(tg.row_tiles));
   uint8_t* qt = q_t.empty() ? nullptr : q_t.data_as<uint8_t>();
   dispatch_float(x.dtype(), fn, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
@@ -485,7 +498,7 @@ void launch_swiglu_fp8(const Tensor& y, const Tensor& dy, const Tensor& q, const
                        amax.empty() ? nullptr : amax.data_as<uint32_t>(),
                        rows,
                        f,
-                       qt != nullptr && rows % 4 == 0 && reinterpret_cast<uintptr_t>(qt) % 4 == 0};
+                       qt_vectorised(qt, rows)};
     dispatch_fp8(q.empty() ? q_t.dtype() : q.dtype(), [&](auto e4m3) {
       swiglu_fp8_tile_kernel<T, decltype(e4m3)::value, kGrad>
           <<<grid, kThreads, 0, cu(stream)>>>(a, a.x, a.dy, a.y, a.q);
@@ -598,8 +611,8 @@ void launch_gelu_fp8(const Tensor& out, const Tensor& dy, const Tensor& q, const
                      const char* fn, int64_t max_chunk_tiles = 0) {
   const int64_t f = pre.size(-1), rows = pre.numel() / f;
   if (rows == 0) return;
-  const int64_t row_tiles = (rows + kBlock - 1) / kBlock, col_tiles = (f + kBlock - 1) / kBlock;
-  MT_CHECK(row_tiles <= 65535, "{}: {} rows exceed the CUDA kernel's 65535 x 128", fn, rows);
+  const TileGrid tg = tile_grid(rows, f, fn);
+  const int64_t row_tiles = tg.row_tiles;
   uint8_t* qt = q_t.empty() ? nullptr : q_t.data_as<uint8_t>();
   const bool quant = !q.empty() || qt != nullptr;
   float* part = dbias.empty() ? nullptr : column_partials_scratch(stream, fn);
@@ -616,13 +629,13 @@ void launch_gelu_fp8(const Tensor& out, const Tensor& dy, const Tensor& q, const
                      rows,
                      f,
                      0,
-                     qt != nullptr && rows % 4 == 0 && reinterpret_cast<uintptr_t>(qt) % 4 == 0};
+                     qt_vectorised(qt, rows)};
     uint8_t* qp = q.empty() ? nullptr : q.data_as<uint8_t>();
     dispatch_fp8(quant ? (q.empty() ? q_t.dtype() : q.dtype()) : DType::kF8E4M3, [&](auto e4m3) {
       for (int64_t t0 = 0; t0 < row_tiles; t0 += chunk) {
         const int64_t tiles = std::min(chunk, row_tiles - t0);
         a.tile0 = t0;
-        const dim3 grid(static_cast<unsigned>(col_tiles), static_cast<unsigned>(tiles));
+        const dim3 grid(static_cast<unsigned>(tg.col_tiles), static_cast<unsigned>(tiles));
         gelu_fp8_tile_kernel<T, decltype(e4m3)::value, kGrad>
             <<<grid, kThreads, 0, cu(stream)>>>(a, pre.data_as<T>(), qp);
         MT_CUDA_CHECK_LAUNCH();
