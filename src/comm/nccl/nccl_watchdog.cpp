@@ -167,17 +167,21 @@ void Watchdog::host_end(uint64_t id) {
 }
 
 void Watchdog::State::loop() {
-  {
-    std::lock_guard<std::mutex> lk(mu);
-    if (first_device >= 0) cudaSetDevice(first_device);
-  }
-  // Event queries from this thread must never invalidate a graph capture on another thread.
-  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
-  cudaThreadExchangeStreamCaptureMode(&mode);
+  // No CUDA call before a communicator names the device: the thread can start for a host call (the
+  // NCCL bootstrap's) before any communicator exists, and a CUDA call on a new thread goes to device
+  // 0 and makes a context there (seen on 2 x H200: 518 MiB of every other rank on GPU 0).
+  bool cuda_ready = false;
   std::unique_lock<std::mutex> lk(mu);
   while (!stop) {
     cv.wait_for(lk, std::chrono::duration<double>(period_s));
     if (stop) break;
+    if (!cuda_ready && first_device >= 0) {
+      cudaSetDevice(first_device);
+      // Event queries from this thread must never invalidate a graph capture on another thread.
+      cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+      cudaThreadExchangeStreamCaptureMode(&mode);
+      cuda_ready = true;
+    }
     for (const auto& [id, hc] : host_calls) {
       const double t = seconds_since(hc.start);
       if (t > hc.timeout_s) {
@@ -195,7 +199,8 @@ void Watchdog::State::loop() {
                             info.desc, ncclGetErrorString(err), ncclGetLastError(comm)));
       }
     }
-    for (auto it = entries.begin(); it != entries.end();) {
+    // (entries exist only once a communicator is registered, which sets first_device)
+    for (auto it = entries.begin(); cuda_ready && it != entries.end();) {
       cudaError_t q = cudaEventQuery(it->event);
       if (q == cudaErrorNotReady) {
         auto ci = comms.find(it->comm);
