@@ -183,6 +183,10 @@ bool nccl_echo_peers_available(const ExpertParallel&, std::string* why_not) {
   if (why_not) *why_not = "this build has no NCCL";
   return false;
 }
+bool nccl_device_api_matches(std::string* why_not) {
+  if (why_not) *why_not = "this build has no NCCL";
+  return false;
+}
 std::unique_ptr<EchoPeers> make_nccl_echo_peers(const ExpertParallel&, Device, const EchoPeers::Sizes&) {
   MT_FAIL("EchoPeers: this build has no NCCL");
 }

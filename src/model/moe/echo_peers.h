@@ -125,6 +125,11 @@ namespace echo_detail {
 /// The NCCL backend (model/moe/echo_peers_nccl.cu; CUDA builds with NCCL): whether the group is an
 /// NCCL communicator within one LSA team, and the window over it.
 bool nccl_echo_peers_available(const ExpertParallel& ep, std::string* why_not);
+/// Whether the NCCL library loaded at run time is the version whose headers compiled the device API
+/// in (ncclGetVersion == NCCL_VERSION_CODE): the kernels read ncclDevComm and the window through
+/// those headers' layouts, so a different library leaves the used-slot transfers off. False in a
+/// build without NCCL; why_not names both versions (or the missing NCCL).
+bool nccl_device_api_matches(std::string* why_not);
 std::unique_ptr<EchoPeers> make_nccl_echo_peers(const ExpertParallel& ep, Device device,
                                                 const EchoPeers::Sizes& sizes);
 }  // namespace echo_detail

@@ -160,6 +160,15 @@ class NcclEchoPeers final : public EchoPeers {
 
 namespace echo_detail {
 
+bool nccl_device_api_matches(std::string* why_not) {
+  int version = 0;
+  if (ncclGetVersion(&version) == ncclSuccess && version == NCCL_VERSION_CODE) return true;
+  if (why_not)
+    *why_not = fmt::format("the NCCL library is version {}, its device API was compiled against {}", version,
+                           NCCL_VERSION_CODE);
+  return false;
+}
+
 bool nccl_echo_peers_available(const ExpertParallel& ep, std::string* why_not) {
   auto no = [&](const char* why) {
     if (why_not) *why_not = why;
@@ -168,14 +177,9 @@ bool nccl_echo_peers_available(const ExpertParallel& ep, std::string* why_not) {
   const auto* nccl = dynamic_cast<const NcclCommunicator*>(ep.ep_group.get());
   if (nccl == nullptr) return no("the EP group is not an NCCL communicator");
   // the device API's structures (ncclDevComm, the window) are compiled in from the headers: the
-  // library must be the same version, or the kernel reads them wrongly
-  int version = 0;
-  if (ncclGetVersion(&version) != ncclSuccess || version != NCCL_VERSION_CODE) {
-    if (why_not)
-      *why_not = fmt::format("the NCCL library is version {}, its device API was compiled against {}", version,
-                             NCCL_VERSION_CODE);
-    return false;
-  }
+  // library must be the same version, or the kernel reads them wrongly (on 2 x H200 a 2.28.3 library
+  // under 2.28.9 headers faulted with an illegal address inside the used-slot transfers)
+  if (!nccl_device_api_matches(why_not)) return false;
   // every rank of the group sees the same: the group lies within its LSA team or it does not
   if (ncclTeamLsa(nccl->raw()).nRanks != nccl->size())
     return no("the EP group spans more than one NVLink domain (NCCL LSA team)");
