@@ -21,7 +21,8 @@
 # usage: bench/muon.sh [build] [step|step7b|conv-adam|conv-muon|conv (default: step)]
 # PLAN=1: instead of training, `megatron plan --gpu h200` of every run (checks that the flags parse
 # and validate, and prints the predicted step time; runs on a CPU-only machine).
-# Environment: ITERS, SKIP (step parts), STEP_GB (1.18B global batch, default 64), LAYERS (7B,
+# Environment: ITERS, SKIP (step parts), STEP_GB (1.18B global batch, default 64), STEP7B_GB (7B
+# global batch, default 16), LAYERS (7B,
 # default 32), STEPS (default 600), EVAL (default 50), GB (global batch of the convergence runs,
 # default 32), ADAM_LRS (default "6e-4 1.2e-3"), MUON_LRS (default "1.2e-3 2.4e-3").
 set -uo pipefail
@@ -104,7 +105,7 @@ if [ "$PART" = step7b ]; then
   [ "${LAYOUT:-dp2}" = tp2 ] && layout=(--tensor-model-parallel-size 2 --sequence-parallel)
   step_share llama7b 2 --num-layers "${LAYERS:-32}" --hidden-size 4096 --num-attention-heads 32 \
     --ffn-hidden-size 11008 --swiglu --normalization RMSNorm --position-embedding-type rope --disable-bias-linear \
-    --untie-embeddings-and-output-weights --micro-batch-size 1 --global-batch-size 16 \
+    --untie-embeddings-and-output-weights --micro-batch-size 1 --global-batch-size "${STEP7B_GB:-16}" \
     --use-distributed-optimizer "${layout[@]}" "${bench_train[@]}" --seq-length 4096 --max-position-embeddings 4096
 fi
 
