@@ -21,14 +21,17 @@ GpuSpec gpu_spec(const std::string& name) {
   GpuSpec g;
   g.name = name;
   if (name == "h100" || name == "h200") {
-    // docs/plan.md "Cost model": capacities as cudaMemGetInfo reports them; the reserve measured
-    // (docs/benchmarks.md: the CUDA context ~0.6 GiB alone, 5.1-7.6 GiB more in use than the
-    // buffers with NCCL on 4 ranks); the compute efficiency calibrated on GPT 1.3B at micro-batch
-    // 8 on one GPU; the NCCL bus bandwidth measured on 4 H200 (NVLink NV18).
+    // docs/plan.md "Cost model": capacities as cudaMemGetInfo reports them; the reserve = memory
+    // in use beyond the buffers, measured (docs/plan.md "Memory": 0.60 GiB on one H200; on 2 H200,
+    // the same on every rank since the watchdog fix: 5.83 GiB at TP 2, 6.6-7.0 GiB with PP / DP /
+    // EP 2, +0.47 GiB with --tp-comm-overlap); the compute efficiency calibrated on GPT 1.3B at
+    // micro-batch 8 on one GPU; the NCCL bus bandwidth measured on 4 H200 (NVLink NV18).
     const bool h200 = name == "h200";
     g.memory_gib = h200 ? 140.4 : 79.6;
-    g.reserved_gib = 0.7;
-    g.reserved_nccl_gib = 8.0;
+    g.reserved_gib = 0.6;
+    g.reserved_nccl_gib = 5.25;
+    g.reserved_nccl_group_gib = 1.0;
+    g.reserved_tp_overlap_gib = 0.5;
     g.peak_tflops = kMfuPeakTflops;
     g.compute_efficiency = h200 ? 0.594 : 0.566;
     g.hbm_gbps = h200 ? 4800 : 3350;
@@ -396,8 +399,13 @@ TrainingPlan plan_training(const PlanRequest& req) {
   // every stage: ranks, memory (its first rank's: the TP / CP / DP / EP ranks of a stage hold the
   // same sizes), its layers for the cost model
   const RankGroups pp_groups = ParallelGroups(pc).groups(GroupKind::kPp);
+  const bool other_groups = pc.pp > 1 || pc.dp > 1 || pc.cp > 1 || pc.ep > 1;
   const double reserved =
-      (p.gpu.reserved_gib + (pc.world > 1 ? p.gpu.reserved_nccl_gib : 0)) * kGiB;
+      (p.gpu.reserved_gib +
+       (pc.world > 1 ? p.gpu.reserved_nccl_gib + (other_groups ? p.gpu.reserved_nccl_group_gib : 0) +
+                           (a.model.tp_comm_overlap && pc.tp > 1 ? p.gpu.reserved_tp_overlap_gib : 0)
+                     : 0)) *
+      kGiB;
   const double capacity = p.gpu.memory_gib * kGiB / (p.gpu.is_cuda() ? 1 : pc.world);
   std::vector<StageWork> work;
   p.fits = true;

@@ -38,7 +38,9 @@ struct GpuSpec {
   std::string name;              ///< "h100", "h200", "cpu"
   double memory_gib = 0;         ///< device memory a process can allocate, GiB
   double reserved_gib = 0;       ///< one rank alone: CUDA context + cuBLASLt workspaces, GiB
-  double reserved_nccl_gib = 0;  ///< added with several ranks: NCCL's buffers and streams, GiB
+  double reserved_nccl_gib = 0;  ///< added with several ranks (tensor parallel only): NCCL, GiB
+  double reserved_nccl_group_gib = 0;    ///< more when PP, DP, CP or EP spans ranks (their communicators)
+  double reserved_tp_overlap_gib = 0;    ///< more with --tp-comm-overlap (its communicators and buffers)
   double peak_tflops = 0;        ///< dense bf16 TFLOP/s (kMfuPeakTflops for H100/H200)
   double compute_efficiency = 0; ///< fraction of the peak the model FLOPs run at (whole step, one GPU)
   double hbm_gbps = 0;           ///< device memory bandwidth, GB/s (the optimizer step)

@@ -464,6 +464,23 @@ TEST(PlanRates, ExpertMlpRateInterpolatesInLogFfn) {
   EXPECT_NEAR(expert_mlp_tflops(std::sqrt(512.0 * 1408.0)), (422.7 + 467.3) / 2, 1e-9);
 }
 
+// The reserve beyond the buffers (memory in use that no buffer holds), as measured on H200s
+// (docs/plan.md "Memory"): the context and workspaces alone; NCCL with tensor parallelism only; more
+// when another dimension spans ranks; more with --tp-comm-overlap. The same on every stage.
+TEST_F(Plan, ReserveFollowsTheMeasuredLayouts) {
+  const auto reserve_gib = [&](const std::string& extra, int world) {
+    const TrainingPlan p = plan_training(request("--bf16 --train-iters 2 " + extra, world, "h200"));
+    for (const auto& k : p.stages) EXPECT_EQ(k.reserved_bytes, p.stages.front().reserved_bytes) << extra;
+    return p.stages.front().reserved_bytes / kGiB;
+  };
+  EXPECT_NEAR(reserve_gib("", 1), 0.6, 1e-12);
+  EXPECT_NEAR(reserve_gib("--tensor-model-parallel-size 2 --sequence-parallel", 2), 5.85, 1e-12);
+  EXPECT_NEAR(reserve_gib("--tensor-model-parallel-size 2 --sequence-parallel --tp-comm-overlap", 2), 6.35, 1e-12);
+  EXPECT_NEAR(reserve_gib("--pipeline-model-parallel-size 2", 2), 6.85, 1e-12);
+  EXPECT_NEAR(reserve_gib("", 2), 6.85, 1e-12);  // DP 2
+  EXPECT_NEAR(reserve_gib("--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2", 4), 6.85, 1e-12);
+}
+
 // A layout that does not fit says so and names its largest consumer; the JSON has every stage.
 TEST_F(Plan, DoesNotFitNamesTheLargestConsumer) {
   PlanRequest r = request("--bf16 --train-iters 2", 1, "h200");
