@@ -18,7 +18,7 @@
 #            LLAMA_LAYERS sets the layer count and turns the fallback off).
 # TFLOP/s and MFU are the log line's (Megatron-Core's current formula, causal attention counting half
 # of the s² term; MFU against 989.4 TFLOP/s, docs/flags.md). ms/iter is the mean of the log windows
-# after the first WARM iterations.
+# that start after the first WARM iterations, weighted by their length.
 #   llama7b4 the same model on 4 GPUs (issue 46): TP 2 + SP × PP 2, TP 4 + SP, PP 4 + VPP 2, each
 #            with and without the communication overlaps (--tp-comm-overlap, --overlap-p2p-communication).
 # Usage: bench/tp_scaling.sh [weak] [heads] [llama7b] [llama7b4]   (default: all three; needs 2 GPUs for the
@@ -59,12 +59,19 @@ log, warm = open(sys.argv[1]).read(), int(sys.argv[2])
 rows = [(int(i), float(ms), float(tf), float(m) if m else float("nan")) for i, ms, tf, m in re.findall(
     r"iteration +(\d+)/ *\d+ .*?elapsed time per iteration \(ms\): ([0-9.]+) \| throughput per GPU \(TFLOP/s/GPU\): "
     r"([0-9.]+) \|(?: MFU: ([0-9.]+)% \|)?", log)]
-rows = [r for r in rows if r[0] > warm]
-if not rows:
+# a log line averages the iterations since the previous one: keep the windows that start after the
+# warm-up, weighted by their length
+kept, prev = [], 0
+for r in rows:
+    if prev >= warm:
+        kept.append((r[0] - prev, r))
+    prev = r[0]
+if not kept:
     print("NA NA NA")
 else:
-    k = len(rows)
-    print(f"{sum(r[1] for r in rows) / k:.1f} {sum(r[2] for r in rows) / k:.1f} {sum(r[3] for r in rows) / k:.1f}")
+    w = sum(k for k, _ in kept)
+    mean = lambda j: sum(k * r[j] for k, r in kept) / w
+    print(f"{mean(1):.1f} {mean(2):.1f} {mean(3):.1f}")
 EOF
 )"
   # the largest "in use" of the ranks (MiB, "rK: buffers/in_use" pairs), in GiB
