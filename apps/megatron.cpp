@@ -134,6 +134,14 @@ int main(int argc, char** argv) {
   } catch (const CLI::ConversionError& e) {
     // the syntax was checked (strict_numbers): an integer too large for a flag held in an int
     return app.exit(CLI::ConversionError(mt::conversion_error_message(e.what())));
+  } catch (const CLI::ExtrasError& e) {
+    // an unknown flag: say where the handled Megatron-LM flags are listed
+    std::fprintf(stderr,
+                 "error: %s\n(megatron.cpp takes Megatron-LM's flags as docs/flags.md \"Megatron-LM flags\" lists them: "
+                 "implemented, accepted without effect, or refused with the reason; `megatron pretrain --help` lists "
+                 "every flag)\n",
+                 e.what());
+    return e.get_exit_code();
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   } catch (const mt::Error& e) {

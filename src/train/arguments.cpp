@@ -497,6 +497,9 @@ void add_checkpoint_options(CLI::App& app, PretrainArgs& a) {
   app.add_flag("--no-save-optim", a.no_save_optim, "Save checkpoints without the optimizer state");
   app.add_flag("--no-load-rng", a.no_load_rng,
                "Do not take the random state (the seed) from the checkpoint: --seed may differ from it");
+  app.add_flag("--exit-on-missing-checkpoint", a.exit_on_missing_checkpoint,
+               "With --load: stop with an error when the directory holds no checkpoint, also when --load == --save "
+               "(which otherwise starts from scratch)");
   app.add_flag("--fallback-to-previous-checkpoint", a.fallback_to_previous_checkpoint,
                "If the latest checkpoint of --load is incomplete or corrupt, load the newest earlier one that "
                "verifies (warning) instead of stopping with an error");

@@ -109,6 +109,7 @@ struct PretrainArgs {
   bool no_save_optim = false;      ///< --no-save-optim: checkpoints without optimizer state
   bool no_load_rng = false;        ///< --no-load-rng: the checkpoint's seed is not imposed (a new --seed is allowed)
   bool fallback_to_previous_checkpoint = false;  ///< --fallback-to-previous-checkpoint (LoadOptions)
+  bool exit_on_missing_checkpoint = false;  ///< --exit-on-missing-checkpoint: --load == --save with no checkpoint is an error
   bool check_for_nan_in_loss_and_grad = true;    ///< --check-for-nan-in-loss-and-grad (default on)
   // observability
   std::string tensorboard_dir;               ///< --tensorboard-dir (rank 0 writes event files)

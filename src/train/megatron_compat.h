@@ -3,8 +3,8 @@
 // flags), --profile, and the flags that only select an implementation in Megatron-LM (accepted
 // without effect) or a feature not built here (refused with the reason). One table of the
 // latter, megatron_compat_flags(), is what docs/flags.md "Megatron-LM flags" lists: a Megatron-LM
-// launch script (pretrain_gpt.py's arguments) runs as it is, or stops before training with a
-// message naming the feature, never with "unknown flag".
+// launch script (pretrain_gpt.py's arguments: the examples' flags and the common ones of
+// arguments.py) runs as it is, or stops before training with a message naming the feature.
 #pragma once
 #include <cstdint>
 #include <span>

@@ -357,6 +357,8 @@ void TrainingSetup::resolve_arguments() {
   if (!args.load.empty()) {
     const bool autoresume = args.load == args.save;
     if (autoresume && !latest_checkpoint_iteration(args.load).has_value()) {
+      MT_REQUIRE(!args.exit_on_missing_checkpoint,
+                 "--load directory '{}' holds no checkpoint and --exit-on-missing-checkpoint is given", args.load);
       log_info("> no checkpoint in {} yet (--load == --save): starting from scratch", args.load);
     } else {
       resume_ = read_checkpoint_state(args.load, {args.fallback_to_previous_checkpoint, std::nullopt});

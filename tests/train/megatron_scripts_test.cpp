@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <filesystem>
 #include <sstream>
 #include <vector>
 
@@ -49,8 +50,8 @@ constexpr const char* kGpt3Script =
     "--log-interval 100 --save-interval 10000 --eval-interval 1000 --save $CKPT --load $CKPT --eval-iters 10 "
     "--tensorboard-dir $TB";
 
-// examples/llama/train_llama3_8b_h100_fp8.sh with its MOCK data branch. DTYPE_ARGS (the FP8 flags,
-// built by the FP8 work) are left out: the script's own non-fp8 DTYPE gives this list. The
+// examples/llama/train_llama3_8b_h100_fp8.sh with its MOCK data branch. DTYPE_ARGS (the FP8 flags)
+// are left out: the script's own non-fp8 DTYPE gives this list (Llama3_8bParsesAsItIs adds them). The
 // "--split '99,1,0'" array element keeps its quotes after word splitting.
 constexpr const char* kLlama3Script =
     "--use-mcore-models --num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32 "
@@ -193,6 +194,16 @@ TEST(MegatronScripts, Llama3_8bParsesAsItIs) {
   EXPECT_EQ(d.min_lr, 4.5e-5);
   EXPECT_EQ(d.decay_steps, s.decay_steps);
   EXPECT_EQ(d.warmup_steps, s.warmup_steps);
+  // the script's FP8 branch (DTYPE=fp8: its DTYPE_ARGS) parses and validates too
+  const PretrainArgs fp8 = parse_words(words(std::string(kLlama3Script) +
+                                             " --fp8-format hybrid --fp8-amax-history-len 1024 "
+                                             "--fp8-amax-compute-algo max --fp8-param-gather",
+                                             kPaths));
+  EXPECT_EQ(compat_error(fp8), "");
+  const PretrainArgs f = validated(fp8, 8);
+  EXPECT_EQ(f.model.fp8, Fp8Format::kHybrid);
+  EXPECT_EQ(f.model.fp8_amax_history_len, 1024);
+  EXPECT_TRUE(f.model.fp8_param);
 }
 
 // "--split '99,1,0'" inside a bash array keeps its quotes (the Llama 3 script): read as Megatron
@@ -397,6 +408,36 @@ TEST(MegatronScripts, TheBinaryTakesTheScriptsWords) {
   EXPECT_EQ(r.out.find("not supported"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("Megatron-LM flags accepted without effect here"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("world size 1 is not divisible by tp (1) x cp (1) x pp (4)"), std::string::npos) << r.out;
+  // a flag in no table: CLI11's message, pointing at the list of Megatron-LM flags, and a failing exit
+  r = testing::run_megatron("pretrain --device cpu --train-iters 2 --lr 1e-3 --mock-data --no-such-megatron-flag");
+  EXPECT_NE(r.rc, 0);
+  EXPECT_NE(r.out.find("The following argument was not expected: --no-such-megatron-flag"), std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("docs/flags.md"), std::string::npos) << r.out;
+  // a no-op flag that takes only the value describing this implementation: another value is an error
+  r = testing::run_megatron("pretrain --device cpu --train-iters 2 --lr 1e-3 --mock-data --main-grads-dtype bf16");
+  EXPECT_NE(r.rc, 0);
+  EXPECT_NE(r.out.find("--main-grads-dtype"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("fp32"), std::string::npos) << r.out;
+}
+
+// --exit-on-missing-checkpoint: with --load == --save and no checkpoint there, an error (without the
+// flag the run starts from scratch, as Megatron-LM does).
+TEST(MegatronScripts, ExitOnMissingCheckpoint) {
+  const std::string d = ::testing::TempDir() + "mt_exit_on_missing_ckpt";
+  std::filesystem::remove_all(d);
+  std::filesystem::create_directories(d);
+  const std::string base = "pretrain --device cpu --num-layers 1 --hidden-size 16 --num-attention-heads 2 "
+                           "--seq-length 16 --max-position-embeddings 16 --micro-batch-size 1 --global-batch-size 1 "
+                           "--train-iters 1 --lr 1e-3 --mock-data --tokenizer-type NullTokenizer --vocab-size 64 "
+                           "--eval-iters 0 --no-progress --load " + d + " --save " + d;
+  testing::RunResult r = testing::run_megatron(base + " --exit-on-missing-checkpoint");
+  EXPECT_NE(r.rc, 0);
+  EXPECT_NE(r.out.find("holds no checkpoint and --exit-on-missing-checkpoint is given"), std::string::npos) << r.out;
+  r = testing::run_megatron(base);
+  EXPECT_EQ(r.rc, 0) << r.out;
+  EXPECT_NE(r.out.find("starting from scratch"), std::string::npos) << r.out;
+  std::filesystem::remove_all(d);
 }
 
 // The scripts train, shrunk by appended overrides (a flag given again takes the last value), on
