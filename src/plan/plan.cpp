@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <fstream>
+#include <nlohmann/json.hpp>
 #include <span>
 
 #include "core/check.h"
@@ -43,6 +45,7 @@ GpuSpec gpu_spec(const std::string& name) {
   }
   if (name == "cpu") {
     // CPU ranks share the host: each gets its share of the available memory; no cost model.
+    g.cuda = false;
     g.memory_gib = static_cast<double>(available_host_memory_bytes()) / kGiB;
     g.gpus_per_node = 1 << 20;
     return g;
@@ -372,9 +375,60 @@ StepPrediction predict_step(const TrainingPlan& p, const PretrainArgs& a, const 
 
 }  // namespace
 
+GpuSpec apply_gpu_profile(GpuSpec g, const std::string& path) {
+  std::ifstream in(path);
+  MT_REQUIRE(in.good(), "--gpu-profile {}: cannot read the file", path);
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(in);
+  } catch (const nlohmann::json::exception& e) {
+    MT_FAIL("--gpu-profile {}: not valid JSON ({})", path, e.what());
+  }
+  MT_REQUIRE(j.is_object(), "--gpu-profile {}: expected a JSON object of machine figures, got {}", path,
+             j.type_name());
+  struct Field {
+    const char* key;
+    double* value;
+    double min;  // the value must be > min (or >= 0 for the reserves)
+    bool zero_ok;
+  };
+  const Field fields[] = {{"memory_gib", &g.memory_gib, 0, false},
+                          {"reserved_gib", &g.reserved_gib, 0, true},
+                          {"reserved_nccl_gib", &g.reserved_nccl_gib, 0, true},
+                          {"reserved_nccl_group_gib", &g.reserved_nccl_group_gib, 0, true},
+                          {"reserved_tp_overlap_gib", &g.reserved_tp_overlap_gib, 0, true},
+                          {"peak_tflops", &g.peak_tflops, 0, false},
+                          {"compute_efficiency", &g.compute_efficiency, 0, false},
+                          {"hbm_gbps", &g.hbm_gbps, 0, false},
+                          {"intra_bus_gbps", &g.intra_bus_gbps, 0, false},
+                          {"inter_bus_gbps", &g.inter_bus_gbps, 0, false},
+                          {"collective_latency_us", &g.collective_latency_us, 0, true}};
+  std::string known = "gpus_per_node";
+  for (const Field& f : fields) known += std::string(", ") + f.key;
+  for (const auto& [key, v] : j.items()) {
+    if (key == "gpus_per_node") {
+      MT_REQUIRE(v.is_number_integer() && v.get<int64_t>() >= 1 && v.get<int64_t>() <= (1 << 20),
+                 "--gpu-profile {}: gpus_per_node must be an integer >= 1, got {}", path, v.dump());
+      g.gpus_per_node = v.get<int>();
+      continue;
+    }
+    const Field* f = nullptr;
+    for (const Field& c : fields)
+      if (key == c.key) f = &c;
+    MT_REQUIRE(f != nullptr, "--gpu-profile {}: unknown key '{}' (expected any of: {})", path, key, known);
+    MT_REQUIRE(v.is_number() && std::isfinite(v.get<double>()) &&
+                   (f->zero_ok ? v.get<double>() >= 0 : v.get<double>() > 0),
+               "--gpu-profile {}: {} must be a number {} 0, got {}", path, key, f->zero_ok ? ">=" : ">", v.dump());
+    *f->value = v.get<double>();
+  }
+  g.name += " + " + path;
+  return g;
+}
+
 TrainingPlan plan_training(const PlanRequest& req) {
   TrainingPlan p;
   p.gpu = gpu_spec(req.gpu);
+  if (!req.gpu_profile.empty()) p.gpu = apply_gpu_profile(p.gpu, req.gpu_profile);
   if (req.memory_gib > 0) p.gpu.memory_gib = req.memory_gib;
   const Resolved r = resolve(req, p.gpu);
   const PretrainArgs& a = r.args;
@@ -458,7 +512,7 @@ std::vector<int> divisors(int n) {
 }  // namespace
 
 std::vector<TrainingPlan> search_layouts(const PlanRequest& req, int* refused) {
-  const GpuSpec gpu = gpu_spec(req.gpu);
+  const GpuSpec gpu = req.gpu_profile.empty() ? gpu_spec(req.gpu) : apply_gpu_profile(gpu_spec(req.gpu), req.gpu_profile);
   const TransformerConfig& c = req.args.model;
   std::vector<TrainingPlan> plans;
   int skipped = 0;

@@ -48,11 +48,21 @@ struct GpuSpec {
   double inter_bus_gbps = 0;     ///< NCCL bus bandwidth between nodes (InfiniBand, per GPU), GB/s
   double collective_latency_us = 0;  ///< fixed cost of one collective, µs
   int gpus_per_node = 8;
-  bool is_cuda() const { return name != "cpu"; }
+  bool cuda = true;              ///< false for "cpu" (CPU ranks share the host)
+  bool is_cuda() const { return cuda; }
 };
 
 /// The GpuSpec of `name` (h100, h200, cpu). Errors: any other name, naming it and the known ones.
 GpuSpec gpu_spec(const std::string& name);
+
+/// A measured machine profile (--gpu-profile FILE): a JSON object whose keys override `base`'s
+/// fields of the same names — memory_gib, reserved_gib, reserved_nccl_gib, reserved_nccl_group_gib,
+/// reserved_tp_overlap_gib, peak_tflops, compute_efficiency, hbm_gbps, intra_bus_gbps,
+/// inter_bus_gbps, collective_latency_us (numbers; the reserves >= 0, the rest > 0) and
+/// gpus_per_node (an integer >= 1); the name becomes "NAME + FILE". Errors (mt::Error naming the
+/// file and the key): unreadable file, invalid JSON, not an object, an unknown key, a value of the
+/// wrong type or range.
+GpuSpec apply_gpu_profile(GpuSpec base, const std::string& path);
 
 /// One measured rate of an MoE layer's expert MLPs: fc1 + fc2 (SwiGLU's fc1 2·ffn wide), forward +
 /// dgrad + wgrad, bf16, --moe-grouped-gemm, in TFLOP/s, at an intermediate size `ffn` per GPU.
@@ -163,6 +173,7 @@ struct PlanRequest {
   int world_size = 1;      ///< --world-size
   std::string gpu = "h100";  ///< --gpu
   double memory_gib = 0;   ///< --gpu-memory-gib: overrides the GpuSpec's memory (0 = keep)
+  std::string gpu_profile;  ///< --gpu-profile: a measured profile over --gpu's spec (apply_gpu_profile)
 };
 
 /// The memory of one kind of rank (one pipeline stage).
@@ -242,7 +253,7 @@ std::string format_search(const std::vector<TrainingPlan>& plans, int refused, s
 std::string plan_json(const TrainingPlan& plan);
 
 /// Options and run of the `megatron plan` subcommand (apps/megatron.cpp): the pretrain flags plus
-/// --world-size, --gpu, --gpu-memory-gib, --search, --json.
+/// --world-size, --gpu, --gpu-profile, --gpu-memory-gib, --search, --json.
 struct PlanCommandArgs {
   PlanRequest request;
   bool search = false;

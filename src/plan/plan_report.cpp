@@ -155,6 +155,10 @@ void add_plan_options(CLI::App& app, PlanCommandArgs& args) {
       ->check(positive_integer())
       ->capture_default_str();
   app.add_option("--gpu", args.request.gpu, "Machine kind: h100, h200 or cpu")->capture_default_str();
+  app.add_option("--gpu-profile", args.request.gpu_profile,
+                 "A measured machine profile: a JSON object overriding --gpu's figures (memory_gib, "
+                 "compute_efficiency, hbm_gbps, intra_bus_gbps, inter_bus_gbps, collective_latency_us, "
+                 "peak_tflops, gpus_per_node, reserved_*; docs/plan.md)");
   app.add_option("--gpu-memory-gib", args.request.memory_gib, "Device memory per GPU in GiB (default: the --gpu's)")
       ->check(number_range(0, kNoMax, true));
   app.add_flag("--search", args.search, "Rank every TP/PP/VPP/CP/EP layout of --world-size GPUs that passes the checks");

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <fstream>
 #include <mutex>
 #include <tuple>
 
@@ -479,6 +480,51 @@ TEST_F(Plan, ReserveFollowsTheMeasuredLayouts) {
   EXPECT_NEAR(reserve_gib("--pipeline-model-parallel-size 2", 2), 6.85, 1e-12);
   EXPECT_NEAR(reserve_gib("", 2), 6.85, 1e-12);  // DP 2
   EXPECT_NEAR(reserve_gib("--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2", 4), 6.85, 1e-12);
+}
+
+// --gpu-profile: a measured machine's figures over --gpu's. The compute term scales with
+// 1 / compute_efficiency, the TP collectives with their latency and 1 / intra_bus_gbps, the reserve and the capacity
+// follow the file; everything else is unchanged. Bad files name the file and the key.
+TEST_F(Plan, GpuProfileOverridesTheMachine) {
+  const std::string dir = ::testing::TempDir();
+  const auto write = [&](const std::string& name, const std::string& text) {
+    const std::string path = dir + name;
+    std::ofstream(path) << text;
+    return path;
+  };
+  const std::string flags = "--bf16 --train-iters 2 --tensor-model-parallel-size 2 --sequence-parallel";
+  PlanRequest r = request(flags, 2, "h200");
+  const TrainingPlan base = plan_training(r);
+  r.gpu_profile = write("mt_profile.json", R"({"compute_efficiency": 0.297, "intra_bus_gbps": 160,
+      "collective_latency_us": 20, "reserved_nccl_gib": 7.25, "memory_gib": 96, "gpus_per_node": 4})");
+  const TrainingPlan prof = plan_training(r);
+  ASSERT_TRUE(base.step.available && prof.step.available);
+  EXPECT_NEAR(prof.step.compute_s, 2 * base.step.compute_s, 1e-9 * base.step.compute_s);
+  EXPECT_GT(base.step.tp_comm_s, 0);
+  EXPECT_NEAR(prof.step.tp_comm_s, 2 * base.step.tp_comm_s, 1e-9);  // bandwidth halved, latency doubled
+  EXPECT_NEAR(prof.stages.front().reserved_bytes - base.stages.front().reserved_bytes, 2.0 * kGiB, 1e-6 * kGiB);
+  EXPECT_EQ(prof.stages.front().memory.total(), base.stages.front().memory.total());
+  EXPECT_EQ(prof.gpu.memory_gib, 96);
+  EXPECT_EQ(prof.gpu.gpus_per_node, 4);
+  EXPECT_NE(format_plan(prof).find("h200 + " + r.gpu_profile), std::string::npos);
+  // a layout that fits 140 GiB does not fit a profile of 1 GiB
+  r.gpu_profile = write("mt_profile_small.json", R"({"memory_gib": 1})");
+  EXPECT_FALSE(plan_training(r).fits);
+  // errors
+  r.gpu_profile = dir + "mt_no_such_profile.json";
+  expect_error_text([&] { plan_training(r); }, "cannot read the file", "missing file");
+  r.gpu_profile = write("mt_profile_bad.json", "{\"hbm_gbps\": ");
+  expect_error_text([&] { plan_training(r); }, "not valid JSON", "invalid json");
+  r.gpu_profile = write("mt_profile_list.json", "[1, 2]");
+  expect_error_text([&] { plan_training(r); }, "expected a JSON object", "not an object");
+  r.gpu_profile = write("mt_profile_key.json", R"({"hbm_gbs": 3000})");
+  expect_error_text([&] { plan_training(r); }, "unknown key 'hbm_gbs'", "unknown key");
+  r.gpu_profile = write("mt_profile_neg.json", R"({"compute_efficiency": -0.5})");
+  expect_error_text([&] { plan_training(r); }, "compute_efficiency must be a number > 0, got -0.5", "negative");
+  r.gpu_profile = write("mt_profile_str.json", R"({"memory_gib": "80"})");
+  expect_error_text([&] { plan_training(r); }, "memory_gib must be a number > 0", "string");
+  r.gpu_profile = write("mt_profile_nodes.json", R"({"gpus_per_node": 2.5})");
+  expect_error_text([&] { plan_training(r); }, "gpus_per_node must be an integer >= 1", "fractional");
 }
 
 // A layout that does not fit says so and names its largest consumer; the JSON has every stage.
