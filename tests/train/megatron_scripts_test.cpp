@@ -530,6 +530,39 @@ TEST_F(MegatronScriptsRun, PerTokenLoss) {
             losses("--eod-mask-loss --global-batch-size 2"));
 }
 
+// --calculate-per-token-loss across ranks: the token count is the global batch's, so DP 2 and PP 2
+// (thread ranks) give the one-rank per-token losses, within fp32 rounding. A corpus of 1- to
+// 5-token documents puts several masked EODs into every sequence, in different numbers per
+// micro-batch, so the per-micro-batch means (what a count per rank or per micro-batch would give)
+// differ from the per-token ones by ten times the bound or more.
+TEST_F(MegatronScriptsRun, PerTokenLossAcrossRanks) {
+  const std::string prefix = dir("short_docs");
+  {
+    data::IndexedDatasetBuilder b(prefix, data::IndexDType::kUInt16);
+    std::mt19937_64 rng(20261129);
+    for (int d = 0; d < 3000; ++d) {
+      std::vector<int32_t> doc(1 + rng() % 5);
+      for (auto& x : doc) x = static_cast<int32_t>(rng() % (kCorpusVocab - 1));
+      doc.push_back(kCorpusVocab - 1);  // EOD
+      b.add_document(doc);
+    }
+    b.finalize();
+  }
+  const std::string base = std::string(kSmall) + "--data-path " + prefix +
+                           " --split 90,8,2 --max-position-embeddings 32 --train-iters 3 --lr 3e-3 --eod-mask-loss ";
+  const auto losses = [&](const std::string& extra) { return train_in_process(base + extra).losses; };
+  const auto per_token = losses("--calculate-per-token-loss"), per_mb = losses("");
+  for (const char* layout : {"--nproc-per-node 2", "--nproc-per-node 2 --pipeline-model-parallel-size 2"}) {
+    const auto par = losses(std::string("--calculate-per-token-loss ") + layout);
+    ASSERT_EQ(par.size(), per_token.size()) << layout;
+    for (const auto& [i, l] : per_token) {
+      // measured: ranks vs one rank <= 1.1e-7 relative; per-micro-batch vs per-token >= 3.6e-5
+      EXPECT_NEAR(par.at(i), l, 2e-6 * l) << layout << " iteration " << i;
+      EXPECT_GT(std::abs(per_mb.at(i) - l), 2e-5 * l) << "iteration " << i << ": the masks did not make the two differ";
+    }
+  }
+}
+
 
 // The TikTokenizer vocabulary of tests/data/fixtures/tiktoken_ref (Megatron's JSON format).
 std::string tiktoken_fixture_vocab() {
