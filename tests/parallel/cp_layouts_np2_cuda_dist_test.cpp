@@ -4,8 +4,11 @@
 // p2p ring overlapped on its own stream, gives the losses and gradients of one GPU in bf16, for
 // --cp-comm-type p2p, a2a and allgather, causal attention with grouped queries (GQA) and without
 // (MHA), document masks (--reset-attention-mask, the kernels' fallback) and attention dropout
-// (the fallback too). A two-layer Llama-style model (RMSNorm, RoPE, SwiGLU; GQA: 16 heads of 64 in 4
-// query groups; MHA: 4 heads), sequence 1024,
+// (the fallback too), and multi-latent attention (MLA, docs/mla.md: DeepSeek-V3's head dims, queries
+// and keys 128 + 64 rotated channels and values 128 padded to the packed head dim 192, which cuDNN
+// takes on Hopper; YaRN; the flash runs on the kernels' CUDA-core path). A two-layer Llama-style
+// model (RMSNorm, RoPE, SwiGLU; GQA: 16 heads of 64 in 4 query groups; MHA: 4 heads; MLA: 8 heads),
+// sequence 1024,
 // micro-batch 2, 2 micro-batches, 2 iterations; the one-GPU reference is computed on every rank
 // with the same --attention-backend (fused: cuDNN's one-GPU attention), the data broadcast from
 // rank 0.
@@ -17,7 +20,7 @@
 // attending to the wrong keys, a missing dK/dV transfer or a wrong merge is off by O(1).
 // cuDNN's execution count proves which path ran: in a fused run every block of the ring (forward
 // and backward) runs on cuDNN where it applies (2 · iterations · micro-batches · layers · ring
-// steps executions), in the fallback cases none.
+// steps executions; MLA's head dim 192 on Hopper and newer only), in the fallback cases none.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 #include <mpi.h>
@@ -25,6 +28,7 @@
 #include <map>
 
 #include "comm/bootstrap.h"
+#include "core/device.h"
 #include "model/gpt_model.h"
 #include "ops/cuda/cudnn_attention.h"
 #include "ops/elementwise.h"
@@ -49,20 +53,40 @@ struct Case {
   bool gqa = true;           // 16 heads in 4 query groups (else 4 heads, MHA)
   bool docs = false;         // --reset-attention-mask + --reset-position-ids
   float dropout = 0.f;       // --attention-dropout
+  bool mla = false;          // --multi-latent-attention (with gqa false: MLA gives every head its keys)
   bool cudnn_blocks() const { return fused && type != "allgather" && !docs && dropout == 0.f; }
-  std::string reference_key() const { return fmt::format("{}{}{}{}", fused, gqa, docs, dropout); }
+  std::string reference_key() const { return fmt::format("{}{}{}{}{}", fused, gqa, docs, dropout, mla); }
   std::string name() const {
-    return fmt::format("{}_{}{}{}{}", type, fused ? "fused" : "flash", gqa ? "_gqa" : "_mha", docs ? "_docs" : "",
-                       dropout > 0.f ? "_dropout" : "");
+    return fmt::format("{}_{}{}{}{}", type, fused ? "fused" : "flash", gqa ? "_gqa" : mla ? "_mla" : "_mha",
+                       docs ? "_docs" : "", dropout > 0.f ? "_dropout" : "");
   }
 };
+
+// A multi-latent attention case (causal, no dropout) of `type` on cuDNN (fused) or the kernels.
+Case mla_case(const char* type, bool fused) {
+  Case z{type, fused, false};
+  z.mla = true;
+  return z;
+}
 
 TransformerConfig config(const Case& z) {
   TransformerConfig c;
   c.num_layers = 2;
-  c.hidden_size = z.gqa ? 1024 : 256;
-  c.num_attention_heads = z.gqa ? 16 : 4;  // head dim 64; GQA as the Llama-style 1.18B (4 queries per group)
+  c.hidden_size = z.gqa || z.mla ? 1024 : 256;
+  // head dim 64; GQA as the Llama-style 1.18B (4 queries per group); MLA: 8 heads of 192 (packed)
+  c.num_attention_heads = z.gqa ? 16 : z.mla ? 8 : 4;
   c.num_query_groups = z.gqa ? 4 : 0;
+  if (z.mla) {  // DeepSeek-V3's latents and head dims; YaRN x4 beyond 256 original positions
+    c.multi_latent_attention = true;
+    c.q_lora_rank = 512;
+    c.kv_lora_rank = 512;
+    c.qk_head_dim = 128;
+    c.qk_pos_emb_head_dim = 64;
+    c.v_head_dim = 128;
+    c.rotary_scaling_factor = 4.f;
+    c.original_max_position_embeddings = 256;
+    c.mscale_all_dim = 1.f;
+  }
   c.ffn_hidden_size = 2 * c.hidden_size;
   c.gated_linear_unit = true;
   c.normalization = Normalization::kRMSNorm;
@@ -196,6 +220,7 @@ TEST(ContextParallelNccl, Bf16LayoutsMatchOneGpu) {
   auto world = init_world(dev, env, 5.0);
   const int cp = world->size();
   const bool cudnn = flash_attention_cudnn_available();
+  const bool hopper = compute_capability(dev) >= 90;  // cuDNN's head dims above 128 (MLA's 192)
   if (!cudnn && world->rank() == 0) std::printf("NOTE: this build has no cuDNN: the fused cases run the kernels\n");
   std::vector<Case> cases;
   for (const char* type : {"p2p", "a2a"})
@@ -208,6 +233,8 @@ TEST(ContextParallelNccl, Bf16LayoutsMatchOneGpu) {
   cases.push_back(Case{"p2p", false, true, true});
   cases.push_back(Case{"p2p", true, true, false, 0.1f});     // attention dropout: the kernels
   cases.push_back(Case{"a2a", true, true, false, 0.1f});
+  for (const char* type : {"p2p", "a2a"})  // multi-latent attention: flash first, fused compared with it
+    for (bool fused : {false, true}) cases.push_back(mla_case(type, fused));
   const auto one = std::make_shared<SingleRankCommunicator>("one");
   std::map<std::string, Data> data;
   struct Reference {
@@ -246,7 +273,7 @@ TEST(ContextParallelNccl, Bf16LayoutsMatchOneGpu) {
     EXPECT_LT(eg, std::max(2e-2, 3 * ref.noise_all)) << name << " (bf16 noise " << ref.noise_all << ")";
     // Which path ran: every block of every ring step on cuDNN, or none.
     const int64_t steps = z.type == "p2p" ? cp : 1;
-    const int64_t want = z.cudnn_blocks() && cudnn ? 2 * kIters * kMicro * 2 * steps : 0;
+    const int64_t want = z.cudnn_blocks() && cudnn && (hopper || !z.mla) ? 2 * kIters * kMicro * 2 * steps : 0;
     EXPECT_EQ(par.cudnn_executions, want) << name;
     std::printf("[%s] rank %d: loss %.6f vs one GPU %.6f, all gradients rel err %.2e (bf16 noise %.2e), cuDNN "
                 "executions %lld\n",

@@ -7,9 +7,10 @@
 // distributed optimizer, Megatron-FSDP's optim_grads / optim_grads_params with the experts sharded
 // over the expert-data-parallel group (4 MoE layers in 2 expert slots: the slots' reuse ordered on
 // the GPU's streams), full-iteration CUDA graphs and per-layer graph capture under pipeline
-// parallelism — each layout against a single-GPU run of the same model and data computed on every
-// rank (allgather dispatcher, dropless, no graphs). Each rank compares its own shards (its expert
-// and TP slices of its stage's parameters) with the matching slices of the reference.
+// parallelism, and DeepSeek-V3's multi-latent attention with one multi-token prediction depth
+// (issue 43) at EP 2 — each layout against a single-GPU run of the same model and data computed on
+// every rank (allgather dispatcher, dropless, no graphs). Each rank compares its own shards (its
+// expert and TP slices of its stage's parameters) with the matching slices of the reference.
 //
 // Tolerance: measured, as in the dense test. The one-GPU bf16 run is compared with a one-GPU fp32
 // run; a layout may differ from the bf16 run by at most max(2e-2, 3 × that difference) per weight
@@ -55,6 +56,7 @@
 
 #include "comm/bootstrap.h"
 #include "model/gpt_model.h"
+#include "model/layers/multi_token_prediction.h"
 #include "model/moe/echo_peers.h"
 #include "ops/elementwise.h"
 #include "optim/grad_sync.h"
@@ -75,7 +77,10 @@ constexpr int64_t kMicroBatch = 2, kNumMicro = 8;
 constexpr int64_t kFits = -1;  // --moe-received-token-capacity that holds every slot
 constexpr double kExpertGradBound = 0.25, kExpertParamBound = 0.1;  // one expert's tensors (see above)
 
-TransformerConfig config() {
+/// mla: multi-latent attention instead of GQA (query latent 24, key/value latent 16, d_n 24, d_r 8,
+/// d_v 16: the value heads padded to 32; YaRN x4 beyond 8 original positions), as
+/// parallel_layouts_cuda_dist_test.cpp's.
+TransformerConfig config(bool mla = false) {
   TransformerConfig c;
   c.num_layers = 4;
   c.hidden_size = 64;
@@ -98,6 +103,18 @@ TransformerConfig config() {
   c.moe_aux_loss_coeff = {1e-2f};
   c.moe_z_loss_coeff = 1e-3f;
   c.moe_shared_expert_intermediate_size = 32;
+  if (mla) {
+    c.num_query_groups = 0;
+    c.multi_latent_attention = true;
+    c.q_lora_rank = 24;
+    c.kv_lora_rank = 16;
+    c.qk_head_dim = 24;
+    c.qk_pos_emb_head_dim = 8;
+    c.v_head_dim = 16;
+    c.rotary_scaling_factor = 4.f;
+    c.original_max_position_embeddings = 8;
+    c.mscale_all_dim = 0.7f;
+  }
   return c;
 }
 
@@ -113,6 +130,10 @@ struct Layout {
   // Megatron-FSDP (with zero): optim_grads (ZeRO-2) and optim_grads_params (ZeRO-3); the experts
   // sharded over the expert-data-parallel group in expert slots that MoE layers k and k + 2 share
   bool shard_grads = false, shard_params = false;
+  // the model (the reference is run with the same): multi-latent attention, --mtp-num-layers (the
+  // MTP layer a MoE layer like the last decoder layer, loss scaling 0.5)
+  bool mla = false;
+  int mtp = 0;
 };
 
 struct RunResult {
@@ -126,7 +147,9 @@ struct RunResult {
 
 RunResult train(const std::shared_ptr<Communicator>& world, const Layout& L, DType dtype, Device dev,
                 const std::vector<int32_t>& tokens, const std::vector<int32_t>& labels) {
-  TransformerConfig c = config();
+  TransformerConfig c = config(L.mla);
+  c.mtp_num_layers = L.mtp;
+  c.mtp_loss_scaling_factor = 0.5f;  // large enough that the MTP gradients matter
   const int64_t S = c.seq_length, mb = kMicroBatch;
   if (L.a2a) c.moe_token_dispatcher_type = MoeDispatcher::kAllToAll;
   c.moe_grouped_gemm = L.grouped;
@@ -173,7 +196,7 @@ RunResult train(const std::shared_ptr<Communicator>& world, const Layout& L, DTy
     graphs.scope = {"attn", "moe"};
   }
   StepRunner runner(setup, graphs, 99, nullptr, st);
-  std::vector<OwnedTensor> tok, lab;
+  std::vector<OwnedTensor> tok, lab, mtp_tok, mtp_lab, mtp_mask;
   std::vector<MicroBatch> mbs;
   for (int m = 0; m < M; ++m) {
     const int64_t gm = static_cast<int64_t>(m) * dp + d;  // Megatron's sampler order
@@ -181,11 +204,22 @@ RunResult train(const std::shared_ptr<Communicator>& world, const Layout& L, DTy
     const std::vector<int32_t> l(labels.begin() + gm * S * mb, labels.begin() + (gm + 1) * S * mb);
     tok.push_back(testing::make_int_tensor(t, dev, {S, mb}, st));
     lab.push_back(testing::make_int_tensor(l, dev, {S, mb}, st));
+    if (L.mtp > 0) {
+      const MtpInputs in = make_mtp_inputs(L.mtp, S, mb, t.data(), l.data(), nullptr);
+      mtp_tok.push_back(testing::make_int_tensor(in.tokens, dev, {L.mtp, S, mb}, st));
+      mtp_lab.push_back(testing::make_int_tensor(in.labels, dev, {L.mtp, S, mb}, st));
+      mtp_mask.push_back(testing::make_tensor(in.loss_mask, DType::kF32, dev, {L.mtp, S, mb}, st));
+    }
   }
   for (int m = 0; m < M; ++m) {
     MicroBatch b{tok[m].t, lab[m].t, Tensor()};
     b.loss_weight = 1.0f / static_cast<float>(S * mb * M * dp);
     b.aux_loss_weight = 1.0f / static_cast<float>(M * dp);
+    if (L.mtp > 0) {
+      b.mtp_tokens = mtp_tok[m].t;
+      b.mtp_labels = mtp_lab[m].t;
+      b.mtp_loss_mask = mtp_mask[m].t;
+    }
     mbs.push_back(b);
   }
   OwnedTensor loss(DType::kF32, dev, {1});
@@ -279,26 +313,45 @@ const Environment& setup_environment(const LaunchEnv& env) {
   return e;
 }
 
+// The one-GPU reference of `model`'s model (its mla and mtp): bf16, and the bf16 rounding noise per
+// tensor and overall against the fp32 run.
+struct Reference {
+  RunResult bf16;
+  std::vector<double> noise;
+  double noise_all = 0;
+  std::map<std::string, size_t> index;  // parameter name -> position in bf16
+};
+
+Reference one_gpu_reference(const Environment& e, const Layout& model) {
+  const auto one = std::make_shared<SingleRankCommunicator>("one");
+  Layout L{"one_gpu"};
+  L.mla = model.mla;
+  L.mtp = model.mtp;
+  Reference r;
+  r.bf16 = train(one, L, DType::kBF16, e.dev, e.tokens, e.labels);
+  L.name = "one_gpu_fp32";
+  const RunResult ref32 = train(one, L, DType::kF32, e.dev, e.tokens, e.labels);
+  const RunResult& ref = r.bf16;
+  r.noise.resize(ref.infos.size());
+  std::vector<float> all16, all32;
+  for (size_t j = 0; j < ref.infos.size(); ++j) {
+    r.noise[j] = testing::rel_err(ref.grads[j], ref32.grads[j]);
+    all16.insert(all16.end(), ref.grads[j].begin(), ref.grads[j].end());
+    all32.insert(all32.end(), ref32.grads[j].begin(), ref32.grads[j].end());
+    r.index[ref.infos[j].name] = j;
+  }
+  r.noise_all = testing::rel_err(all16, all32);
+  if (e.world->rank() == 0)
+    std::printf("[MoE%s%s bf16 vs fp32, one GPU] all gradients rel err %.2e\n", model.mla ? " MLA" : "",
+                model.mtp > 0 ? fmt::format(" MTP {}", model.mtp).c_str() : "", r.noise_all);
+  return r;
+}
+
 TEST(MoeLayoutsNccl, Bf16LayoutsMatchOneGpu) {
   MT_REQUIRE_CUDA();
   const LaunchEnv env = read_launch_env();
   if (const std::string why = cannot_run(env); !why.empty()) GTEST_SKIP() << why;
   const Environment& e = setup_environment(env);
-  const auto one = std::make_shared<SingleRankCommunicator>("one");
-  const RunResult ref = train(one, Layout{"one_gpu"}, DType::kBF16, e.dev, e.tokens, e.labels);
-  const RunResult ref32 = train(one, Layout{"one_gpu_fp32"}, DType::kF32, e.dev, e.tokens, e.labels);
-  // bf16 rounding noise per tensor and overall (one GPU, bf16 against fp32)
-  std::vector<double> noise(ref.infos.size());
-  std::vector<float> all16, all32;
-  for (size_t j = 0; j < ref.infos.size(); ++j) {
-    noise[j] = testing::rel_err(ref.grads[j], ref32.grads[j]);
-    all16.insert(all16.end(), ref.grads[j].begin(), ref.grads[j].end());
-    all32.insert(all32.end(), ref32.grads[j].begin(), ref32.grads[j].end());
-  }
-  const double noise_all = testing::rel_err(all16, all32);
-  if (e.world->rank() == 0) std::printf("[MoE bf16 vs fp32, one GPU] all gradients rel err %.2e\n", noise_all);
-  std::map<std::string, size_t> ref_index;
-  for (size_t i = 0; i < ref.infos.size(); ++i) ref_index[ref.infos[i].name] = i;
   std::vector<Layout> layouts;
   if (e.world->size() == 2) {
     layouts = {
@@ -317,6 +370,12 @@ TEST(MoeLayoutsNccl, Bf16LayoutsMatchOneGpu) {
         {"pp2_gg_per_layer_graphs", 1, 2, 0, 1, 0, false, false, true, false, 0, 0, 'l'},
         {"pp2_vpp2_gg_full_graph", 1, 2, 2, 1, 0, false, false, true, false, 0, 0, 'f'},
     };
+    // DeepSeek-V3's attention and multi-token prediction (docs/mla.md): MLA in every layer and one
+    // MTP depth whose MoE layer's experts are split over EP like the decoder's
+    Layout mla{"ep2_alltoall_gg_mla_mtp1", 1, 1, 0, 2, 0, false, true, true};
+    mla.mla = true;
+    mla.mtp = 1;
+    layouts.push_back(mla);
     // Megatron-FSDP: EP 1 x DP 2, the 4 MoE layers' experts sharded over EDP 2 in 2 slots
     for (const bool grouped : {false, true})
       for (const bool params : {false, true}) {
@@ -346,7 +405,15 @@ TEST(MoeLayoutsNccl, Bf16LayoutsMatchOneGpu) {
       layouts.push_back(z);
     }
   }
+  std::map<std::pair<bool, int>, Reference> refs;  // by model: (mla, mtp)
   for (const Layout& L : selected(layouts)) {
+    const std::pair<bool, int> model{L.mla, L.mtp};
+    if (!refs.count(model)) refs.emplace(model, one_gpu_reference(e, L));
+    const Reference& R = refs.at(model);
+    const RunResult& ref = R.bf16;
+    const std::vector<double>& noise = R.noise;
+    const double noise_all = R.noise_all;
+    const std::map<std::string, size_t>& ref_index = R.index;
     const RunResult par = train(e.world, L, DType::kBF16, e.dev, e.tokens, e.labels);
     for (int it = 0; it < kIters; ++it)
       EXPECT_NEAR(par.losses[it], ref.losses[it], 2e-3 * ref.losses[it]) << L.name << " iteration " << it;

@@ -358,8 +358,9 @@ TEST(ParallelLayoutsNccl, Bf16LayoutsMatchOneGpu) {
 
 // Multi-latent attention with multi-token prediction (DeepSeek-V3's attention and MTP, issue 43)
 // over NCCL against one GPU: on 2 GPUs TP 2 (heads split), TP 2 + SP, DP 2 with the distributed
-// optimizer and overlapped reduction, PP 2 (the MTP layer on the last stage); on 4 GPUs TP 2 + SP ×
-// DP 2, PP 2 × DP 2 and TP 2 + SP × PP 2.
+// optimizer and overlapped reduction, PP 2 (the MTP layer on the last stage), PP 2 × VPP 2 (the
+// interleaved schedule: one layer per model chunk, the MTP layer after the last chunk); on 4 GPUs
+// TP 2 + SP × DP 2, PP 2 × DP 2 and TP 2 + SP × PP 2.
 TEST(ParallelLayoutsNccl, MlaMtpLayoutsMatchOneGpu) {
   MT_REQUIRE_CUDA();
   if (!gpu_world().comm) GTEST_SKIP() << gpu_world().skip;
@@ -369,7 +370,7 @@ TEST(ParallelLayoutsNccl, MlaMtpLayoutsMatchOneGpu) {
   base.mtp = 1;
   std::vector<Layout> layouts;
   if (gpu_world().comm->size() == 2) {
-    layouts = {{2, 1, 0, false}, {2, 1, 0, true}, {1, 1, 0, false, true, true}, {1, 2, 0}};
+    layouts = {{2, 1, 0, false}, {2, 1, 0, true}, {1, 1, 0, false, true, true}, {1, 2, 0}, {1, 2, 2}};
   } else {
     layouts = {{2, 1, 0, true}, {1, 2, 0}, {2, 2, 0, true}};
   }

@@ -4,9 +4,10 @@
 // data every step, so a value baked into the graph at capture would show.
 // Under --deterministic-mode (the *Bitwise tests: GPT-2 style with flash attention, the
 // distributed optimizer, per-layer attn/mlp graphs, MoE with the grouped GEMM; and the Llama-style,
-// MoE, static-alltoall, moe_router / moe_preprocess and --async-save runs) the CUDA step has no
-// float atomics, so per iteration the loss, the gradient norm (full precision, --metrics-file)
-// and the validation losses of two eager runs and of the graph run must be equal, bit for bit.
+// MoE, static-alltoall, moe_router / moe_preprocess, multi-latent attention with multi-token
+// prediction, and --async-save runs) the CUDA step has no float atomics, so per iteration the loss,
+// the gradient norm (full precision, --metrics-file), the validation losses (and the logged MTP
+// losses) of two eager runs and of the graph run must be equal, bit for bit.
 // Without it (FullIterationFollowsEagerWithoutDeterministicMode) the embedding and flash-attention
 // dq gradients use float atomics, so the reference is two eager runs: the graph run must be as close
 // to the first eager run as the second one is (times 10, floor 2e-4 relative: two eager runs may
@@ -21,6 +22,8 @@
 #include <fstream>
 #include <iterator>
 #include <map>
+#include <string>
+#include <vector>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -47,6 +50,16 @@ std::map<std::pair<std::string, int>, std::pair<double, double>> metrics(const f
                                                type == "train" ? j.at("grad_norm").get<double>() : 0.0};
   }
   return m;
+}
+
+// The multi-token prediction losses of a run's log lines (" mtp_1 loss: 1.234567E+01 |", one per
+// logged iteration; they are not in --metrics-file), in order.
+std::vector<std::string> mtp_losses(const std::string& out) {
+  const std::string key = "mtp_1 loss: ";
+  std::vector<std::string> v;
+  for (size_t at = out.find(key); at != std::string::npos; at = out.find(key, at + 1))
+    v.push_back(out.substr(at, out.find('|', at) - at));
+  return v;
 }
 
 class CudaGraphTraining : public ::testing::Test {
@@ -77,14 +90,17 @@ class CudaGraphTraining : public ::testing::Test {
   }
   // Two eager runs and the graph run with `graph_flags`: the graph run is within the eager runs'
   // own run-to-run spread of the first one; with `bitwise`, every run has --deterministic-mode and
-  // all three must agree exactly.
+  // all three must agree exactly. With --mtp-num-layers 1, also the logged MTP losses (exactly, as
+  // printed, with `bitwise`).
   void expect_same(const std::string& model_flags, const std::string& graph_flags, bool bitwise = false) {
     const std::string model = bitwise ? model_flags + " --deterministic-mode" : model_flags;
+    std::map<std::string, std::vector<std::string>> mtp;  // per run tag
     auto run_metrics = [&](const std::string& tag, const std::string& extra) {
       const fs::path mf = dir_ / (tag + ".jsonl");
       fs::remove(mf);
       const RunResult r = run_megatron(flags(model + " --metrics-file " + mf.string() + " " + extra));
       EXPECT_EQ(r.rc, 0) << r.out;
+      mtp[tag] = mtp_losses(r.out);
       if (!extra.empty() && extra.find("full_iteration") != std::string::npos) {
         EXPECT_NE(r.out.find("CUDA graph: training step"), std::string::npos) << r.out;
         EXPECT_NE(r.out.find("CUDA graph: the validation forward captured"), std::string::npos) << r.out;
@@ -97,6 +113,15 @@ class CudaGraphTraining : public ::testing::Test {
     ASSERT_EQ(a.size(), 8u + 3u);  // 8 iterations, validation at 0, 4, 8
     ASSERT_EQ(b.size(), a.size());
     ASSERT_EQ(g.size(), a.size());
+    if (model_flags.find("--mtp-num-layers 1") != std::string::npos) {
+      EXPECT_EQ(mtp["eager_a"].size(), 8u);  // one per iteration (--log-interval 1)
+      EXPECT_EQ(mtp["eager_b"].size(), mtp["eager_a"].size());
+      EXPECT_EQ(mtp["graph"].size(), mtp["eager_a"].size());
+      if (bitwise) {
+        EXPECT_EQ(mtp["eager_b"], mtp["eager_a"]) << "eager runs: MTP losses";
+        EXPECT_EQ(mtp["graph"], mtp["eager_a"]) << "graph vs eager: MTP losses";
+      }
+    }
     if (bitwise) {
       for (const auto& [k, v] : a) {
         SCOPED_TRACE(k.first + " " + std::to_string(k.second));
@@ -159,6 +184,26 @@ TEST_F(CudaGraphTraining, LlamaStyleFullIterationFollowsEager) {
   expect_same("--normalization RMSNorm --swiglu --position-embedding-type rope --disable-bias-linear "
               "--untie-embeddings-and-output-weights --group-query-attention --num-query-groups 2",
               "--cuda-graph-impl full_iteration --cuda-graph-warmup-steps 3 --cuda-graph-include-optimizer", true);
+}
+
+// DeepSeek-V3-style attention and multi-token prediction (docs/mla.md): multi-latent attention
+// with a query latent, decoupled RoPE (YaRN, the default with MLA) and padded heads (qk 48 + 16, v
+// 32: the core attention's head dim 64, the FlashAttention-2 tensor-core kernels with dropout), and
+// one MTP depth (its embedding, projection, transformer layer and the shared output head in the step).
+const char* const kMlaMtpModel =
+    "--normalization RMSNorm --swiglu --position-embedding-type rope --disable-bias-linear "
+    "--untie-embeddings-and-output-weights --multi-latent-attention --q-lora-rank 64 --kv-lora-rank 32 "
+    "--qk-head-dim 48 --qk-pos-emb-head-dim 16 --v-head-dim 32 --mtp-num-layers 1";
+
+TEST_F(CudaGraphTraining, MlaMtpFullIterationEqualsEagerBitwise) {
+  expect_same(kMlaMtpModel,
+              "--cuda-graph-impl full_iteration --cuda-graph-warmup-steps 2 --cuda-graph-include-optimizer", true);
+}
+
+TEST_F(CudaGraphTraining, MlaMtpPerLayerAttnMlpEqualsEagerBitwise) {
+  // Each decoder layer's MLA block and MLP captured per activation slot; the MTP depth runs eagerly
+  // between the replays and the head.
+  expect_same(kMlaMtpModel, "--cuda-graph-impl local --cuda-graph-scope attn mlp --cuda-graph-warmup-steps 2", true);
 }
 
 TEST_F(CudaGraphTraining, MixtureOfExpertsFullIterationEqualsEagerBitwise) {
