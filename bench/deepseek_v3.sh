@@ -21,7 +21,8 @@
 #   ep2    the same model (with MTP) at expert parallel 2 on 2 GPUs (alltoall dispatcher)
 #   ref    transformers' DeepseekV3ForCausalLM, the same configuration without MTP
 #          (bench/hf_deepseek_train.py: torch.compile, bf16 autocast, fused AdamW; REF_ITERS steps,
-#          torch.compile's warm-up limited to 120 s, else eager, said in its output)
+#          torch.compile's warm-up limited to 120 s; if the whole model does not compile, regional
+#          compilation with the MoE routing eager, else eager — said in its output)
 #   all    1gpu ref ep2
 # After the steps a table: per run tokens/s, TFLOP/s per GPU (Megatron's formula; the reference
 # is given the FLOPs per step of our no-MTP run, the same model), step ms (median after WARMUP),

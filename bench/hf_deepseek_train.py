@@ -19,8 +19,12 @@ comparable in trend only.
 Training: fp32 parameters, bf16 autocast, torch.compile (default mode) of the forward + cross
 entropy, AdamW (fused, lr 3e-4 constant after a 10-step linear warm-up, weight decay 0.1, betas
 0.9/0.95 as ours), gradient clipping 1.0, global batch = micro-batch x accumulation steps as ours.
-torch.compile is given --compile-budget-s seconds for its warm-up steps; if it fails or runs over,
-the run falls back to eager and says so (the "compile" line, and "eager" in the result line).
+torch.compile is given --compile-budget-s seconds for its warm-up steps. If the whole model fails or
+runs over (transformers' MoE block, with its data-dependent expert counts, does not compile as a
+whole), the run compiles by region instead, under the same budget: every decoder layer's attention
+and norms, the dense layers' MLP and the MoE layers' shared expert, and the final norm (nn.Module.compile
+of each), the routed experts and the router eager; if that fails too, eager. The "compile" lines
+say which; the result line ends in "compiled", "regional" or "eager".
 transformers' MoE block is its own expert implementation (a Python loop over the experts hit, or
 what the installed version's default is): the reference as users run it.
 
@@ -30,7 +34,7 @@ of seq + 1 tokens, in order. megatron.cpp trains on Megatron's shuffled samples 
 documents: the same data, not the same order.
 
 Prints "step N loss L ms T" per step, then
-  reference: <median ms/step> ms/step, <tok/s> tok/s, peak mem <GiB> GiB, loss <first> -> <last>, <compiled|eager>
+  reference: <median ms/step> ms/step, <tok/s> tok/s, peak mem <GiB> GiB, loss <first> -> <last>, <compiled|regional|eager>
 (the median over the steps after --warmup). Exit status 1 on failure.
 
 usage: python3 bench/hf_deepseek_train.py --data data/demo_text_document [--layers 16 --hidden 2048 ...]
@@ -145,6 +149,21 @@ def main():
 
     compiled = not a.no_compile
     step_fn = torch.compile(forward_loss) if compiled else forward_loss
+    mode = "compiled" if compiled else "eager"
+
+    def regions():
+        # the modules regional compilation compiles: attention and norms of every layer, the dense
+        # MLPs and the shared experts, the final norm (the routed experts and the router stay eager)
+        out = [model.model.norm]
+        for layer in model.model.layers:
+            out += [layer.self_attn, layer.input_layernorm, layer.post_attention_layernorm]
+            mlp = layer.mlp
+            if hasattr(mlp, "experts"):
+                if getattr(mlp, "shared_experts", None) is not None:
+                    out.append(mlp.shared_experts)
+            else:
+                out.append(mlp)
+        return out
 
     def batch(step, micro):
         rows = []
@@ -173,7 +192,11 @@ def main():
 
     times, losses = [], []
     step = 0
-    if compiled:  # the compiled warm-up steps under the budget
+
+    def warm_up(what):
+        # the warm-up steps (those not yet run) under the compile budget; True when they ran, else the
+        # caller falls back (steps that ran count: the model and optimizer have taken them)
+        nonlocal step
         signal.signal(signal.SIGALRM, on_alarm)
         signal.alarm(max(1, int(a.compile_budget_s)))
         t0 = time.perf_counter()
@@ -186,16 +209,30 @@ def main():
                 print(f"step {step + 1} loss {losses[-1]:.4f} ms {(time.perf_counter() - t1) * 1e3:.1f}", flush=True)
                 step += 1
             signal.alarm(0)
-            print(f"compile: torch.compile warm-up ({step} steps) took {time.perf_counter() - t0:.1f} s")
-        except Exception as e:  # noqa: BLE001 - any compile failure falls back to eager
+            print(f"compile: {what} warm-up ({step} steps) took {time.perf_counter() - t0:.1f} s")
+            return True
+        except Exception as e:  # noqa: BLE001 - any compile failure falls back
             signal.alarm(0)
             why = f"over its budget of {a.compile_budget_s:.0f} s" if isinstance(e, CompileBudget) else \
                 f"failed ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})"
-            print(f"compile: torch.compile {why} after {time.perf_counter() - t0:.1f} s: FALLING BACK TO EAGER")
+            print(f"compile: {what} {why} after {time.perf_counter() - t0:.1f} s")
             torch._dynamo.reset()
             opt.zero_grad(set_to_none=True)
-            compiled = False
-            step_fn = forward_loss
+            return False
+
+    if compiled and not warm_up("torch.compile of the whole model"):
+        step_fn = forward_loss
+        compiled_regions = regions()
+        for m in compiled_regions:
+            m.compile()
+        mode = "regional"
+        print(f"compile: trying regional compilation ({len(compiled_regions)} modules: attention, norms, dense MLPs, "
+              "shared experts; the routed experts and the router eager)")
+        if not warm_up("regional torch.compile"):
+            for m in compiled_regions:
+                m._compiled_call_impl = None  # nn.Module.compile's hook: back to the eager forward
+            mode = "eager"
+            print("compile: FALLING BACK TO EAGER")
     while step < a.steps:
         torch.cuda.synchronize()
         t1 = time.perf_counter()
@@ -214,7 +251,7 @@ def main():
     tok = a.global_batch_size * a.seq / (med / 1e3)
     print("step times ms: " + " ".join(f"{t:.1f}" for t in times))
     print(f"reference: {med:.1f} ms/step, {tok:.0f} tok/s, peak mem {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB, "
-          f"loss {losses[0]:.4f} -> {losses[-1]:.4f}, {'compiled' if compiled else 'eager'}")
+          f"loss {losses[0]:.4f} -> {losses[-1]:.4f}, {mode}")
     sys.exit(0)
 
 
