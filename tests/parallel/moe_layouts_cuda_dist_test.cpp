@@ -77,9 +77,8 @@ constexpr int64_t kMicroBatch = 2, kNumMicro = 8;
 constexpr int64_t kFits = -1;  // --moe-received-token-capacity that holds every slot
 constexpr double kExpertGradBound = 0.25, kExpertParamBound = 0.1;  // one expert's tensors (see above)
 
-/// mla: multi-latent attention instead of GQA (query latent 24, key/value latent 16, d_n 24, d_r 8,
-/// d_v 16: the value heads padded to 32; YaRN x4 beyond 8 original positions), as
-/// parallel_layouts_cuda_dist_test.cpp's.
+/// mla: multi-latent attention instead of GQA (testing::use_small_mla, as
+/// parallel_layouts_cuda_dist_test.cpp's).
 TransformerConfig config(bool mla = false) {
   TransformerConfig c;
   c.num_layers = 4;
@@ -103,18 +102,7 @@ TransformerConfig config(bool mla = false) {
   c.moe_aux_loss_coeff = {1e-2f};
   c.moe_z_loss_coeff = 1e-3f;
   c.moe_shared_expert_intermediate_size = 32;
-  if (mla) {
-    c.num_query_groups = 0;
-    c.multi_latent_attention = true;
-    c.q_lora_rank = 24;
-    c.kv_lora_rank = 16;
-    c.qk_head_dim = 24;
-    c.qk_pos_emb_head_dim = 8;
-    c.v_head_dim = 16;
-    c.rotary_scaling_factor = 4.f;
-    c.original_max_position_embeddings = 8;
-    c.mscale_all_dim = 0.7f;
-  }
+  if (mla) testing::use_small_mla(c);
   return c;
 }
 

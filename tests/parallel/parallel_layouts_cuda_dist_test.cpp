@@ -71,18 +71,7 @@ TransformerConfig config(bool llama = false, bool mla = false) {
     c.untie_embeddings_and_output_weights = true;
     c.add_bias_linear = false;
   }
-  if (mla) {
-    c.num_query_groups = 0;
-    c.multi_latent_attention = true;
-    c.q_lora_rank = 24;
-    c.kv_lora_rank = 16;
-    c.qk_head_dim = 24;
-    c.qk_pos_emb_head_dim = 8;
-    c.v_head_dim = 16;
-    c.rotary_scaling_factor = 4.f;
-    c.original_max_position_embeddings = 8;
-    c.mscale_all_dim = 0.7f;
-  }
+  if (mla) testing::use_small_mla(c);
   return c;
 }
 

@@ -273,4 +273,17 @@ RunResult run_megatron(const std::string& args) {
   return run_command(std::string(bin ? bin : "megatron") + " " + args);
 }
 
+void use_small_mla(TransformerConfig& c) {
+  c.num_query_groups = 0;
+  c.multi_latent_attention = true;
+  c.q_lora_rank = 24;
+  c.kv_lora_rank = 16;
+  c.qk_head_dim = 24;
+  c.qk_pos_emb_head_dim = 8;
+  c.v_head_dim = 16;
+  c.rotary_scaling_factor = 4.f;
+  c.original_max_position_embeddings = 8;
+  c.mscale_all_dim = 0.7f;
+}
+
 }  // namespace mt::testing

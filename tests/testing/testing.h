@@ -15,6 +15,7 @@
 #include "core/stream.h"
 #include "core/tensor.h"
 #include "model/params.h"
+#include "model/transformer_config.h"
 
 namespace mt::testing {
 
@@ -103,6 +104,11 @@ inline void expect_error(const std::function<void()>& f, const std::string& need
     EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
   }
 }
+
+/// The small multi-latent attention of the GPU layout tests (parallel_layouts / moe_layouts
+/// cuda_dist_test): query latent 24, key/value latent 16, d_n 24, d_r 8, d_v 16 (the value heads
+/// padded to 32), YaRN x4 beyond 8 original positions (mscale_all_dim 0.7). Needs RoPE.
+void use_small_mla(TransformerConfig& c);
 
 /// Skips the current test unless a CUDA device is available.
 #define MT_REQUIRE_CUDA()                                                \
