@@ -135,13 +135,17 @@ int main(int argc, char** argv) {
     // the syntax was checked (strict_numbers): an integer too large for a flag held in an int
     return app.exit(CLI::ConversionError(mt::conversion_error_message(e.what())));
   } catch (const CLI::ExtrasError& e) {
-    // an unknown flag: say where the handled Megatron-LM flags are listed
-    std::fprintf(stderr,
-                 "error: %s\n(megatron.cpp takes Megatron-LM's flags as docs/flags.md \"Megatron-LM flags\" lists them: "
-                 "implemented, accepted without effect, or refused with the reason; `megatron pretrain --help` lists "
-                 "every flag)\n",
-                 e.what());
-    return e.get_exit_code();
+    // an unknown flag: for pretrain / plan (a Megatron-LM script's flags), where the handled ones are
+    // listed; for the others, their --help
+    if (pretrain->parsed() || plan->parsed()) {
+      std::fprintf(stderr,
+                   "error: %s\n(megatron.cpp takes Megatron-LM's flags as docs/flags.md \"Megatron-LM flags\" lists "
+                   "them: implemented, accepted without effect, or refused with the reason; `megatron %s --help` "
+                   "lists every flag)\n",
+                   e.what(), pretrain->parsed() ? "pretrain" : "plan");
+      return e.get_exit_code();
+    }
+    return app.exit(e);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   } catch (const mt::Error& e) {

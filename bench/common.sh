@@ -15,3 +15,27 @@ bench_build() {
   cmake --build build -j 16 --target "$@" > "$OUT/build.log" 2>&1 ||
     { grep -E "error" -A5 "$OUT/build.log" | head -60; return 1; }
 }
+# log_means LOG WARM: "ms tflops mfu" of `megatron pretrain`'s log lines, the means over the log
+# windows that start after the first WARM iterations, weighted by their length (a log line
+# averages the iterations since the previous one); "NA NA NA" when no window qualifies; mfu "nan"
+# when the line has none (CPU runs).
+log_means() {
+  python3 - "$1" "$2" <<'PY'
+import re, sys
+log, warm = open(sys.argv[1]).read(), int(sys.argv[2])
+rows = [(int(i), float(ms), float(tf), float(m) if m else float("nan")) for i, ms, tf, m in re.findall(
+    r"iteration +(\d+)/ *\d+ .*?elapsed time per iteration \(ms\): ([0-9.]+) \| throughput per GPU \(TFLOP/s/GPU\): "
+    r"([0-9.]+) \|(?: MFU: ([0-9.]+)% \|)?", log)]
+kept, prev = [], 0
+for r in rows:
+    if prev >= warm:
+        kept.append((r[0] - prev, r))
+    prev = r[0]
+if not kept:
+    print("NA NA NA")
+else:
+    w = sum(k for k, _ in kept)
+    mean = lambda j: sum(k * r[j] for k, r in kept) / w
+    print(f"{mean(1):.1f} {mean(2):.1f} {mean(3):.1f}")
+PY
+}

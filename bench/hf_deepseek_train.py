@@ -21,7 +21,7 @@ entropy, AdamW (fused, lr 3e-4 constant after a 10-step linear warm-up, weight d
 0.9/0.95 as ours), gradient clipping 1.0, global batch = micro-batch x accumulation steps as ours.
 torch.compile is given --compile-budget-s seconds for its warm-up steps. If the whole model fails or
 runs over (transformers' MoE block, with its data-dependent expert counts, does not compile as a
-whole), the run compiles by region instead, under the same budget: every decoder layer's attention
+whole), the run compiles by region instead, in what is left of the budget: every decoder layer's attention
 and norms, the dense layers' MLP and the MoE layers' shared expert, and the final norm (nn.Module.compile
 of each), the routed experts and the router eager; if that fails too, eager. The "compile" lines
 say which; the result line ends in "compiled", "regional" or "eager".
@@ -193,12 +193,12 @@ def main():
     times, losses = [], []
     step = 0
 
-    def warm_up(what):
+    def warm_up(what, budget_s):
         # the warm-up steps (those not yet run) under the compile budget; True when they ran, else the
         # caller falls back (steps that ran count: the model and optimizer have taken them)
         nonlocal step
         signal.signal(signal.SIGALRM, on_alarm)
-        signal.alarm(max(1, int(a.compile_budget_s)))
+        signal.alarm(max(1, int(budget_s)))
         t0 = time.perf_counter()
         try:
             while step < max(1, min(a.warmup, a.steps)):
@@ -213,14 +213,15 @@ def main():
             return True
         except Exception as e:  # noqa: BLE001 - any compile failure falls back
             signal.alarm(0)
-            why = f"over its budget of {a.compile_budget_s:.0f} s" if isinstance(e, CompileBudget) else \
+            why = f"over its budget of {budget_s:.0f} s" if isinstance(e, CompileBudget) else \
                 f"failed ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})"
             print(f"compile: {what} {why} after {time.perf_counter() - t0:.1f} s")
             torch._dynamo.reset()
             opt.zero_grad(set_to_none=True)
             return False
 
-    if compiled and not warm_up("torch.compile of the whole model"):
+    t_compile = time.perf_counter()
+    if compiled and not warm_up("torch.compile of the whole model", a.compile_budget_s):
         step_fn = forward_loss
         compiled_regions = regions()
         for m in compiled_regions:
@@ -228,7 +229,8 @@ def main():
         mode = "regional"
         print(f"compile: trying regional compilation ({len(compiled_regions)} modules: attention, norms, dense MLPs, "
               "shared experts; the routed experts and the router eager)")
-        if not warm_up("regional torch.compile"):
+        left = a.compile_budget_s - (time.perf_counter() - t_compile)  # the two attempts share the budget
+        if left < 10 or not warm_up("regional torch.compile", left):
             for m in compiled_regions:
                 m._compiled_call_impl = None  # nn.Module.compile's hook: back to the eager forward
             mode = "eager"

@@ -2,7 +2,8 @@
 # `megatron plan` against measured runs (issue 42): each configuration is trained on its GPUs and
 # planned with the same flags (`megatron plan --world-size N --gpu h200`), and one markdown row per
 # configuration sets them side by side:
-#   time    the mean iteration time after WARM iterations against the plan's "predicted step";
+#   time    the mean iteration time of the log windows after WARM iterations (log_means,
+#           bench/common.sh) against the plan's "predicted step";
 #   memory  each pipeline stage's static buffers as the trainer measured them (the largest rank of
 #           the stage, "device memory per rank" buffers) against the plan's stage total (the same
 #           estimate the trainer prints); and the largest rank's memory in use against the plan's
@@ -65,22 +66,19 @@ for c in "${configs[@]}"; do
   fi
   "$bin" pretrain --nproc-per-node "$n" "${common[@]}" "${flags[@]}" > "$OUT/run_$c.log" 2>&1
   rc=$?
-  read -r ms stage_mib in_use <<< "$(python3 - "$OUT/run_$c.log" "$OUT/plan_$c.log" "$WARM" <<'EOF'
+  read -r ms _ _ <<< "$(log_means "$OUT/run_$c.log" "$WARM")"
+  read -r stage_mib in_use <<< "$(python3 - "$OUT/run_$c.log" "$OUT/plan_$c.log" <<'EOF'
 import re, sys
-log, plan, warm = open(sys.argv[1]).read(), open(sys.argv[2]).read(), int(sys.argv[3])
-rows = [(int(i), float(ms)) for i, ms in re.findall(
-    r"iteration +(\d+)/ *\d+ .*?elapsed time per iteration \(ms\): ([0-9.]+)", log)]
-rows = [ms for i, ms in rows if i > warm]
-ms = f"{sum(rows) / len(rows):.1f}" if rows else "NA"
+log, plan = open(sys.argv[1]).read(), open(sys.argv[2]).read()
 # ranks of each stage from the plan's "stage K (ranks a,b)" lines
 stages = [[int(r) for r in m.split(",")] for m in re.findall(r"stage \d+ \(ranks? ([0-9,]+)\)", plan)]
 per_rank = {int(r): (float(b), float(u)) for r, b, u in re.findall(r" r(\d+): ([0-9.]+)/([0-9.]+)", log)}
-if per_rank and stages:
+if per_rank and stages and all(any(r in per_rank for r in s) for s in stages):
     stage_mib = " / ".join(f"{max(per_rank[r][0] for r in s if r in per_rank):.0f}" for s in stages)
     in_use = f"{max(u for b, u in per_rank.values()):.0f}"
 else:
     stage_mib = in_use = "NA"
-print(ms, stage_mib.replace(" ", "_"), in_use)
+print(stage_mib.replace(" ", "_"), in_use)
 EOF
 )"
   stage_mib=${stage_mib//_/ }

@@ -53,27 +53,7 @@ run() {
   if [ "$n" -gt "$ngpu" ]; then ms=NA; tflops=NA; mfu=NA; mem=NA; err="needs $n GPUs"; return; fi
   # shellcheck disable=SC2086
   "$bin" pretrain --nproc-per-node "$n" "$@" ${MT_EXTRA:-} > "$OUT/$name.log" 2>&1
-  read -r ms tflops mfu <<< "$(python3 - "$OUT/$name.log" "$WARM" <<'EOF'
-import re, sys
-log, warm = open(sys.argv[1]).read(), int(sys.argv[2])
-rows = [(int(i), float(ms), float(tf), float(m) if m else float("nan")) for i, ms, tf, m in re.findall(
-    r"iteration +(\d+)/ *\d+ .*?elapsed time per iteration \(ms\): ([0-9.]+) \| throughput per GPU \(TFLOP/s/GPU\): "
-    r"([0-9.]+) \|(?: MFU: ([0-9.]+)% \|)?", log)]
-# a log line averages the iterations since the previous one: keep the windows that start after the
-# warm-up, weighted by their length
-kept, prev = [], 0
-for r in rows:
-    if prev >= warm:
-        kept.append((r[0] - prev, r))
-    prev = r[0]
-if not kept:
-    print("NA NA NA")
-else:
-    w = sum(k for k, _ in kept)
-    mean = lambda j: sum(k * r[j] for k, r in kept) / w
-    print(f"{mean(1):.1f} {mean(2):.1f} {mean(3):.1f}")
-EOF
-)"
+  read -r ms tflops mfu <<< "$(log_means "$OUT/$name.log" "$WARM")"
   # the largest "in use" of the ranks (MiB, "rK: buffers/in_use" pairs), in GiB
   mem=$(grep -m1 "device memory per rank" "$OUT/$name.log" | grep -oE "[0-9.]+/[0-9.]+" |
         awk -F/ '$2 > m { m = $2 } END { if (m) printf "%.1f", m / 1024 }')

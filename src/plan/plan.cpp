@@ -389,26 +389,25 @@ GpuSpec apply_gpu_profile(GpuSpec g, const std::string& path) {
   struct Field {
     const char* key;
     double* value;
-    double min;  // the value must be > min (or >= 0 for the reserves)
-    bool zero_ok;
+    bool zero_ok;  // >= 0 (else > 0)
   };
-  const Field fields[] = {{"memory_gib", &g.memory_gib, 0, false},
-                          {"reserved_gib", &g.reserved_gib, 0, true},
-                          {"reserved_nccl_gib", &g.reserved_nccl_gib, 0, true},
-                          {"reserved_nccl_group_gib", &g.reserved_nccl_group_gib, 0, true},
-                          {"reserved_tp_overlap_gib", &g.reserved_tp_overlap_gib, 0, true},
-                          {"peak_tflops", &g.peak_tflops, 0, false},
-                          {"compute_efficiency", &g.compute_efficiency, 0, false},
-                          {"hbm_gbps", &g.hbm_gbps, 0, false},
-                          {"intra_bus_gbps", &g.intra_bus_gbps, 0, false},
-                          {"inter_bus_gbps", &g.inter_bus_gbps, 0, false},
-                          {"collective_latency_us", &g.collective_latency_us, 0, true}};
+  const Field fields[] = {{"memory_gib", &g.memory_gib, false},
+                          {"reserved_gib", &g.reserved_gib, true},
+                          {"reserved_nccl_gib", &g.reserved_nccl_gib, true},
+                          {"reserved_nccl_group_gib", &g.reserved_nccl_group_gib, true},
+                          {"reserved_tp_overlap_gib", &g.reserved_tp_overlap_gib, true},
+                          {"peak_tflops", &g.peak_tflops, false},
+                          {"compute_efficiency", &g.compute_efficiency, false},
+                          {"hbm_gbps", &g.hbm_gbps, false},
+                          {"intra_bus_gbps", &g.intra_bus_gbps, false},
+                          {"inter_bus_gbps", &g.inter_bus_gbps, false},
+                          {"collective_latency_us", &g.collective_latency_us, true}};
   std::string known = "gpus_per_node";
   for (const Field& f : fields) known += std::string(", ") + f.key;
   for (const auto& [key, v] : j.items()) {
     if (key == "gpus_per_node") {
       MT_REQUIRE(v.is_number_integer() && v.get<int64_t>() >= 1 && v.get<int64_t>() <= (1 << 20),
-                 "--gpu-profile {}: gpus_per_node must be an integer >= 1, got {}", path, v.dump());
+                 "--gpu-profile {}: gpus_per_node must be an integer in [1, 1048576], got {}", path, v.dump());
       g.gpus_per_node = v.get<int>();
       continue;
     }
@@ -419,17 +418,26 @@ GpuSpec apply_gpu_profile(GpuSpec g, const std::string& path) {
     MT_REQUIRE(v.is_number() && std::isfinite(v.get<double>()) &&
                    (f->zero_ok ? v.get<double>() >= 0 : v.get<double>() > 0),
                "--gpu-profile {}: {} must be a number {} 0, got {}", path, key, f->zero_ok ? ">=" : ">", v.dump());
+    MT_REQUIRE(key != std::string("compute_efficiency") || v.get<double>() <= 1,
+               "--gpu-profile {}: compute_efficiency is a fraction of peak_tflops, at most 1, got {}", path, v.dump());
     *f->value = v.get<double>();
   }
   g.name += " + " + path;
   return g;
 }
 
-TrainingPlan plan_training(const PlanRequest& req) {
+GpuSpec machine_of(const PlanRequest& req) {
+  GpuSpec g = gpu_spec(req.gpu);
+  if (!req.gpu_profile.empty()) g = apply_gpu_profile(g, req.gpu_profile);
+  if (req.memory_gib > 0) g.memory_gib = req.memory_gib;
+  return g;
+}
+
+TrainingPlan plan_training(const PlanRequest& req) { return plan_training(req, machine_of(req)); }
+
+TrainingPlan plan_training(const PlanRequest& req, const GpuSpec& machine) {
   TrainingPlan p;
-  p.gpu = gpu_spec(req.gpu);
-  if (!req.gpu_profile.empty()) p.gpu = apply_gpu_profile(p.gpu, req.gpu_profile);
-  if (req.memory_gib > 0) p.gpu.memory_gib = req.memory_gib;
+  p.gpu = machine;
   const Resolved r = resolve(req, p.gpu);
   const PretrainArgs& a = r.args;
   const ParallelConfig& pc = r.layout.parallel;
@@ -512,7 +520,7 @@ std::vector<int> divisors(int n) {
 }  // namespace
 
 std::vector<TrainingPlan> search_layouts(const PlanRequest& req, int* refused) {
-  const GpuSpec gpu = req.gpu_profile.empty() ? gpu_spec(req.gpu) : apply_gpu_profile(gpu_spec(req.gpu), req.gpu_profile);
+  const GpuSpec gpu = machine_of(req);
   const TransformerConfig& c = req.args.model;
   std::vector<TrainingPlan> plans;
   int skipped = 0;
@@ -540,7 +548,7 @@ std::vector<TrainingPlan> search_layouts(const PlanRequest& req, int* refused) {
             a.decoder_first_pipeline_num_layers = -1;
             a.decoder_last_pipeline_num_layers = -1;
             try {
-              plans.push_back(plan_training(r));
+              plans.push_back(plan_training(r, gpu));
             } catch (const Error&) {
               ++skipped;  // a layout the checks refuse (batch split, heads, experts, ...)
             }

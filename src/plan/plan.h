@@ -58,8 +58,9 @@ GpuSpec gpu_spec(const std::string& name);
 /// A measured machine profile (--gpu-profile FILE): a JSON object whose keys override `base`'s
 /// fields of the same names — memory_gib, reserved_gib, reserved_nccl_gib, reserved_nccl_group_gib,
 /// reserved_tp_overlap_gib, peak_tflops, compute_efficiency, hbm_gbps, intra_bus_gbps,
-/// inter_bus_gbps, collective_latency_us (numbers; the reserves >= 0, the rest > 0) and
-/// gpus_per_node (an integer >= 1); the name becomes "NAME + FILE". Errors (mt::Error naming the
+/// inter_bus_gbps, collective_latency_us (numbers; the reserves and the latency >= 0, the rest > 0,
+/// compute_efficiency at most 1) and gpus_per_node (an integer in [1, 2^20]); the name becomes
+/// "NAME + FILE". Errors (mt::Error naming the
 /// file and the key): unreadable file, invalid JSON, not an object, an unknown key, a value of the
 /// wrong type or range.
 GpuSpec apply_gpu_profile(GpuSpec base, const std::string& path);
@@ -238,6 +239,10 @@ struct TrainingPlan {
 /// refuse it, plus --world-size < 1 and an unknown --gpu). The vocabulary comes from the tokenizer
 /// flags (its files must exist) unless --vocab-size gives it.
 TrainingPlan plan_training(const PlanRequest& request);
+/// The same on a machine already built (machine_of(request): --search plans every layout on one).
+TrainingPlan plan_training(const PlanRequest& request, const GpuSpec& machine);
+/// The machine of a request: gpu_spec(--gpu), then --gpu-profile, then --gpu-memory-gib.
+GpuSpec machine_of(const PlanRequest& request);
 
 /// One row per layout of request.world_size GPUs (TP ≤ GPUs per node, dividing the heads; PP
 /// dividing the layers, with and without interleaving; CP and EP as the model allows; DP the

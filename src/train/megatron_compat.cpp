@@ -33,6 +33,22 @@ constexpr const char* kFusion =
 constexpr const char* kWandb =
     "Weights & Biases logging is not built; use --tensorboard-dir (TensorBoard event files) or --metrics-file (JSON "
     "lines)";
+constexpr const char* kStraggler = "the straggler detector is not built";
+constexpr const char* kFaultTolerance = "the fault-tolerance package (nvidia-resiliency-ext) is not built";
+constexpr const char* kSharp = "SHARP in-network reductions are not built";
+constexpr const char* kOffload =
+    "optimizer offload to the host is not built (--use-precision-aware-optimizer shrinks the main parameters)";
+constexpr const char* kNonPersistent = "non-persistent checkpoints are not built";
+constexpr const char* kWeightDecayIncr =
+    "the weight decay is constant (--weight-decay); the linear / cosine increments are not built";
+constexpr const char* kRopeScaling =
+    "RoPE frequency scaling (Llama 3.1's, position interpolation) is not built; YaRN is, with "
+    "--multi-latent-attention (--rope-type yarn, docs/mla.md)";
+constexpr const char* kAdamMoments = "Adam's moments are fp32 (the only choice here)";
+constexpr const char* kParallelSave = "every rank always writes its own shards in parallel (docs/checkpoints.md)";
+constexpr const char* kTeBulk =
+    "Transformer Engine userbuffers' bulk overlaps do not exist here: --tp-comm-overlap pipelines its collectives "
+    "with the GEMM chunks in one fixed way (docs/parallelism.md)";
 constexpr const char* kFsdp =
     "PyTorch FSDP2 is not built; --use-megatron-fsdp --data-parallel-sharding-strategy optim (or "
     "--use-distributed-optimizer) shards the optimizer state over data-parallel ranks (ZeRO-1), docs/fsdp.md";
@@ -88,7 +104,8 @@ const CompatFlag kFlags[] = {
      "there is no generator state: random numbers are a pure function of the seed, the element and the iteration "
      "(the checkpoint records the seed; --no-load-rng takes the command line's)"},
     {"--use-cpu-initialization", kSwitch, nullptr, kNoOp,
-     "initial weights are a pure function of the seed and the element index, bit-identical on the host and the GPU"},
+     "initial weights are a pure function of the seed and the element index, from the same generator (Philox) on "
+     "the host and the GPU"},
     {"--init-model-with-meta-device", kSwitch, nullptr, kNoOp,
      "device memory is planned once and the weights are initialised in place (no second copy to avoid)"},
     {"--dataloader-type", kChoice, "single", kNoOp,
@@ -101,47 +118,45 @@ const CompatFlag kFlags[] = {
      "the rerun state machine (re-running a step to tell a transient fault from a bug) is not built; only "
      "'disabled' is accepted"},
     {"--weight-decay-incr-style", kChoice, "constant", kNoOp,
-     "the weight decay is constant (--weight-decay); the linear / cosine increments are not built"},
+     kWeightDecayIncr},
     {"--main-grads-dtype", kChoice, "fp32", kNoOp,
      "the main gradients are fp32 (the only choice here; --grad-reduce-in-bf16 makes the reduction bf16)"},
     {"--main-params-dtype", kChoice, "fp32", kNoOp,
      "the main parameters are fp32 (the only choice here; --use-precision-aware-optimizer stores them as the bf16 "
      "weights plus 16-bit remainders, bitwise the fp32 values)"},
-    {"--exp-avg-dtype", kChoice, "fp32", kNoOp, "Adam's moments are fp32 (the only choice here)"},
-    {"--exp-avg-sq-dtype", kChoice, "fp32", kNoOp, "Adam's moments are fp32 (the only choice here)"},
+    {"--exp-avg-dtype", kChoice, "fp32", kNoOp, kAdamMoments},
+    {"--exp-avg-sq-dtype", kChoice, "fp32", kNoOp, kAdamMoments},
     {"--fp8-interval", kNonNegative, nullptr, kNoOp,
      "deprecated in Megatron-LM: the FP8 scaling factors are updated every step"},
-    {"--fp8-wgrad", kSwitch, nullptr, kNoOp, "the weight-gradient GEMM runs in FP8 with the other two (docs/fp8.md)"},
     {"--te-rng-tracker", kSwitch, nullptr, kNoOp,
      "Transformer Engine is not used; dropout masks come from the stateless generator (the same under any layout)"},
     {"--no-async-tensor-model-parallel-allreduce", kSwitch, nullptr, kNoOp,
      "deprecated in Megatron-LM: tensor-parallel collectives are issued as the layers need them"},
-    {"--ckpt-fully-parallel-save", kSwitch, nullptr, kNoOp,
-     "every rank always writes its own shards in parallel (docs/checkpoints.md)"},
-    {"--no-ckpt-fully-parallel-save", kSwitch, nullptr, kNoOp,
-     "every rank always writes its own shards in parallel (docs/checkpoints.md)"},
+    {"--ckpt-fully-parallel-save", kSwitch, nullptr, kNoOp, kParallelSave},
+    {"--no-ckpt-fully-parallel-save", kSwitch, nullptr, kNoOp, kParallelSave},
     {"--ckpt-fully-parallel-load", kSwitch, nullptr, kNoOp,
-     "every rank always reads only the shards it needs (docs/checkpoints.md)"},
+     "every rank reads the files of the shards it needs itself, in parallel (docs/checkpoints.md)"},
     {"--ckpt-assume-constant-structure", kSwitch, nullptr, kNoOp,
      "the checkpoint's layout is computed once per run (there is no per-save planning to cache)"},
     {"--dist-ckpt-strictness", kChoice,
      "assume_ok_unexpected|log_unexpected|log_all|raise_unexpected|raise_all|return_unexpected|return_all|ignore_all",
-     kNoOp, "a checkpoint loads only when every tensor the layout needs is present and matches (always strict)"},
+     kNoOp,
+     "the loader's rules are fixed (docs/checkpoints.md): every model tensor the layout needs must be present and "
+     "match; a missing optimizer state is a warning"},
     {"--use-dist-ckpt", kSwitch, nullptr, kNoOp, "checkpoints are always sharded (docs/checkpoints.md)"},
     {"--apply-query-key-layer-scaling", kSwitch, nullptr, kNoOp,
-     "the attention softmax is computed in fp32, where this fp16 overflow guard changes nothing"},
+     "the same attention mathematically; the fp16 overflow guard it adds is not implemented, which matters only for "
+     "--fp16 with --attention-backend local (the fused and flash kernels keep the scores in fp32)"},
     {"--moe-router-fusion", kSwitch, nullptr, kNoOp, kFusion},
     {"--moe-use-legacy-grouped-gemm", kSwitch, nullptr, kNoOp,
      "there is one grouped GEMM (--moe-grouped-gemm; docs/moe.md)"},
     {"--tensorboard-queue-size", kNonNegative, nullptr, kNoOp,
      "TensorBoard events are written as they are logged (no queue to size)"},
-    {"--tp-comm-bulk-wgrad", kSwitch, nullptr, kNoOp,
-     "Transformer Engine userbuffers settings: --tp-comm-overlap pipelines its collectives with the GEMM chunks in "
-     "one fixed way (docs/parallelism.md)"},
-    {"--tp-comm-bulk-dgrad", kSwitch, nullptr, kNoOp,
-     "Transformer Engine userbuffers settings: --tp-comm-overlap pipelines its collectives with the GEMM chunks in "
-     "one fixed way (docs/parallelism.md)"},
-    {"--onnx-safe", kSwitch, nullptr, kNoOp, "there is no ONNX export"},
+    {"--disable-tp-comm-bulk-wgrad", kSwitch, nullptr, kNoOp, kTeBulk},
+    {"--disable-tp-comm-bulk-dgrad", kSwitch, nullptr, kNoOp, kTeBulk},
+    {"--onnx-safe", kText, nullptr, kNoOp, "there is no ONNX export"},
+    {"--openai-gelu", kSwitch, nullptr, kNoOp,
+     "the GELU is always the tanh approximation, the form --openai-gelu selects in Megatron-LM (ops/gelu.h)"},
     {"--log-world-size-to-tensorboard", kSwitch, nullptr, kNoOp,
      "the world size is always written to TensorBoard (with --tensorboard-dir)"},
     {"--log-batch-size-to-tensorboard", kSwitch, nullptr, kNoOp,
@@ -168,22 +183,20 @@ const CompatFlag kFlags[] = {
     {"--wandb-entity", kText, nullptr, kRefused, kWandb},
     {"--log-progress", kSwitch, nullptr, kRefused,
      "the progress.txt job-throughput file is not written; the log line and --metrics-file have the throughput"},
-    {"--log-straggler", kSwitch, nullptr, kRefused, "the straggler detector is not built"},
-    {"--disable-straggler-on-startup", kSwitch, nullptr, kRefused, "the straggler detector is not built"},
-    {"--straggler-ctrlr-port", kNonNegative, nullptr, kRefused, "the straggler detector is not built"},
+    {"--log-straggler", kSwitch, nullptr, kRefused, kStraggler},
+    {"--disable-straggler-on-startup", kSwitch, nullptr, kRefused, kStraggler},
+    {"--straggler-ctrlr-port", kNonNegative, nullptr, kRefused, kStraggler},
     {"--log-energy", kSwitch, nullptr, kRefused, "energy logging is not built"},
-    {"--enable-ft-package", kSwitch, nullptr, kRefused, "the fault-tolerance package (nvidia-resiliency-ext) is not built"},
-    {"--calc-ft-timeouts", kSwitch, nullptr, kRefused, "the fault-tolerance package (nvidia-resiliency-ext) is not built"},
+    {"--enable-ft-package", kSwitch, nullptr, kRefused, kFaultTolerance},
+    {"--calc-ft-timeouts", kSwitch, nullptr, kRefused, kFaultTolerance},
     {"--check-for-spiky-loss", kSwitch, nullptr, kRefused,
-     "the spiky-loss check (part of the rerun state machine) is not built; NaN / Inf losses are always checked"},
+     "the spiky-loss check (part of the rerun state machine) is not built; NaN / Inf losses and gradients are checked "
+     "by default (--check-for-nan-in-loss-and-grad)"},
     {"--use-legacy-models", kSwitch, nullptr, kRefused,
      "there are no legacy models: the model is Megatron-Core's GPT built from layer specs"},
-    {"--use-rope-scaling", kSwitch, nullptr, kRefused,
-     "Llama 3.1's RoPE frequency scaling is not built (YaRN is: --rope-type yarn, docs/mla.md)"},
-    {"--rope-scaling-factor", kNumber, nullptr, kRefused,
-     "Llama 3.1's RoPE frequency scaling is not built (YaRN is: --rope-type yarn, docs/mla.md)"},
-    {"--rotary-seq-len-interpolation-factor", kNumber, nullptr, kRefused,
-     "RoPE position interpolation is not built (YaRN is: --rope-type yarn, docs/mla.md)"},
+    {"--use-rope-scaling", kSwitch, nullptr, kRefused, kRopeScaling},
+    {"--rope-scaling-factor", kNumber, nullptr, kRefused, kRopeScaling},
+    {"--rotary-seq-len-interpolation-factor", kNumber, nullptr, kRefused, kRopeScaling},
     {"--moe-enable-deepep", kSwitch, nullptr, kRefused,
      "DeepEP is not built: --moe-token-dispatcher-type alltoall (or allgather) dispatches the tokens (docs/moe.md)"},
     {"--moe-input-jitter-eps", kNumber, nullptr, kRefused, "the router's input jitter is not built"},
@@ -198,7 +211,8 @@ const CompatFlag kFlags[] = {
     {"--defer-embedding-wgrad-compute", kSwitch, nullptr, kRefused,
      "deferring the output layer's weight gradient into the pipeline bubble is not built"},
     {"--ddp-average-in-collective", kSwitch, nullptr, kRefused,
-     "averaging inside the collective is not built: gradients are summed, then scaled by 1 / data-parallel size"},
+     "averaging inside the collective is not built: the loss is scaled by 1 / (micro-batches x data-parallel size) "
+     "before the backward, and the reduction sums"},
     {"--ddp-num-buckets", kNonNegative, nullptr, kRefused, "bucket counts are not built: --ddp-bucket-size sizes them"},
     {"--ddp-pad-buckets-for-high-nccl-busbw", kSwitch, nullptr, kRefused,
      "padding buckets for NCCL's bus bandwidth is not built"},
@@ -215,8 +229,8 @@ const CompatFlag kFlags[] = {
      "the ring-exchange pipeline send/receive is not built (NCCL send/recv pairs are used)"},
     {"--high-priority-stream-groups", kList, nullptr, kRefused,
      "per-group stream priorities are not configurable (the CP ring's stream has the highest priority already)"},
-    {"--use-sharp", kSwitch, nullptr, kRefused, "SHARP in-network reductions are not built"},
-    {"--sharp-enabled-group", kText, nullptr, kRefused, "SHARP in-network reductions are not built"},
+    {"--use-sharp", kSwitch, nullptr, kRefused, kSharp},
+    {"--sharp-enabled-group", kText, nullptr, kRefused, kSharp},
     {"--data-args-path", kText, nullptr, kRefused,
      "data paths from a file are not built: give --data-path (or --train-data-path / --valid-data-path)"},
     {"--per-split-data-args-path", kText, nullptr, kRefused,
@@ -229,19 +243,17 @@ const CompatFlag kFlags[] = {
      "loading an older iteration than the latest is not built (--load reads the directory's latest)"},
     {"--pretrained-checkpoint", kText, nullptr, kRefused,
      "use --load with --finetune to start from a pretrained checkpoint"},
-    {"--non-persistent-save-interval", kNonNegative, nullptr, kRefused, "non-persistent checkpoints are not built"},
-    {"--non-persistent-ckpt-type", kChoice, "global|local|in_memory", kRefused, "non-persistent checkpoints are not built"},
-    {"--optimizer-cpu-offload", kSwitch, nullptr, kRefused,
-     "optimizer offload to the host is not built (--use-precision-aware-optimizer shrinks the main parameters)"},
-    {"--overlap-cpu-optimizer-d2h-h2d", kSwitch, nullptr, kRefused, "optimizer offload to the host is not built"},
-    {"--use-torch-optimizer-for-cpu-offload", kSwitch, nullptr, kRefused, "optimizer offload to the host is not built"},
+    {"--non-persistent-save-interval", kNonNegative, nullptr, kRefused, kNonPersistent},
+    {"--non-persistent-ckpt-type", kChoice, "global|local|in_memory", kRefused, kNonPersistent},
+    {"--optimizer-cpu-offload", kSwitch, nullptr, kRefused, kOffload},
+    {"--overlap-cpu-optimizer-d2h-h2d", kSwitch, nullptr, kRefused, kOffload},
+    {"--use-torch-optimizer-for-cpu-offload", kSwitch, nullptr, kRefused, kOffload},
     {"--no-fp8-wgrad", kSwitch, nullptr, kRefused,
      "a bf16 weight-gradient GEMM beside FP8 forward and data-gradient GEMMs is not built"},
     {"--sgd-momentum", kNumber, nullptr, kRefused, "SGD is not built (--optimizer adam or muon)"},
     {"--fp32-residual-connection", kSwitch, nullptr, kRefused, "an fp32 residual stream is not built"},
     {"--apply-residual-connection-post-layernorm", kSwitch, nullptr, kRefused,
      "the residual from after the norm (BERT's) is not built"},
-    {"--openai-gelu", kSwitch, nullptr, kRefused, "OpenAI's GELU variant is not built (the GELU is the tanh form)"},
     {"--squared-relu", kSwitch, nullptr, kRefused, "squared ReLU is not built (--swiglu or the GELU)"},
     {"--bert-no-binary-head", kSwitch, nullptr, kRefused, "BERT is not built (GPT models only)"},
     {"--encoder-num-layers", kNonNegative, nullptr, kRefused, "encoder models are not built (GPT decoders only)"},
@@ -268,10 +280,8 @@ const CompatFlag kFlags[] = {
      "use megatron evaluate for evaluation without training (docs/evaluation.md)"},
     {"--full-validation", kSwitch, nullptr, kRefused,
      "a validation pass over the whole validation set is not built (--eval-iters sets its length)"},
-    {"--start-weight-decay", kNumber, nullptr, kRefused,
-     "the weight decay is constant (--weight-decay); the linear / cosine increments are not built"},
-    {"--end-weight-decay", kNumber, nullptr, kRefused,
-     "the weight decay is constant (--weight-decay); the linear / cosine increments are not built"},
+    {"--start-weight-decay", kNumber, nullptr, kRefused, kWeightDecayIncr},
+    {"--end-weight-decay", kNumber, nullptr, kRefused, kWeightDecayIncr},
     {"--head-lr-mult", kNumber, nullptr, kRefused,
      "a separate learning rate for the output layer is not built (--decoupled-lr sets the embedding and output "
      "layer's)"},

@@ -480,6 +480,9 @@ TEST_F(Plan, ReserveFollowsTheMeasuredLayouts) {
   EXPECT_NEAR(reserve_gib("--pipeline-model-parallel-size 2", 2), 6.85, 1e-12);
   EXPECT_NEAR(reserve_gib("", 2), 6.85, 1e-12);  // DP 2
   EXPECT_NEAR(reserve_gib("--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2", 4), 6.85, 1e-12);
+  EXPECT_NEAR(reserve_gib("--context-parallel-size 2 --seq-length 128 --max-position-embeddings 128", 2), 6.85,
+              1e-12);
+  EXPECT_NEAR(reserve_gib("--num-experts 2 --expert-model-parallel-size 2 --disable-bias-linear", 2), 6.85, 1e-12);
 }
 
 // --gpu-profile: a measured machine's figures over --gpu's. The compute term scales with
@@ -523,8 +526,11 @@ TEST_F(Plan, GpuProfileOverridesTheMachine) {
   expect_error_text([&] { plan_training(r); }, "compute_efficiency must be a number > 0, got -0.5", "negative");
   r.gpu_profile = write("mt_profile_str.json", R"({"memory_gib": "80"})");
   expect_error_text([&] { plan_training(r); }, "memory_gib must be a number > 0", "string");
+  r.gpu_profile = write("mt_profile_eff.json", R"({"compute_efficiency": 55})");  // a percentage by mistake
+  expect_error_text([&] { plan_training(r); }, "compute_efficiency is a fraction of peak_tflops, at most 1, got 55",
+                    "percent");
   r.gpu_profile = write("mt_profile_nodes.json", R"({"gpus_per_node": 2.5})");
-  expect_error_text([&] { plan_training(r); }, "gpus_per_node must be an integer >= 1", "fractional");
+  expect_error_text([&] { plan_training(r); }, "gpus_per_node must be an integer in [1, 1048576]", "fractional");
 }
 
 // A layout that does not fit says so and names its largest consumer; the JSON has every stage.

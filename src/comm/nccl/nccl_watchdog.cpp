@@ -176,11 +176,14 @@ void Watchdog::State::loop() {
     cv.wait_for(lk, std::chrono::duration<double>(period_s));
     if (stop) break;
     if (!cuda_ready && first_device >= 0) {
-      cudaSetDevice(first_device);
-      // Event queries from this thread must never invalidate a graph capture on another thread.
-      cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
-      cudaThreadExchangeStreamCaptureMode(&mode);
-      cuda_ready = true;
+      if (cudaSetDevice(first_device) == cudaSuccess) {
+        // Event queries from this thread must never invalidate a graph capture on another thread.
+        cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+        cudaThreadExchangeStreamCaptureMode(&mode);
+        cuda_ready = true;
+      } else {
+        cudaGetLastError();  // tried again at the next wake-up; no event is queried until then
+      }
     }
     for (const auto& [id, hc] : host_calls) {
       const double t = seconds_since(hc.start);
