@@ -14,7 +14,11 @@ int64_t MoEAllGatherTokenDispatcher::plan(BufferPlanner& p, int64_t tokens, int6
   const int64_t k = s_.topk;
   tokens_ = tokens;
   gathered_ = tokens * size();
-  const int64_t max_rows = gathered_ * std::min(k, s_.num_local);
+  int64_t max_rows = gathered_ * std::min(k, s_.num_local);
+  // with an expert capacity C: at most C rows per local expert from each of the size() sources
+  if (s_.capacity_factor > 0)
+    max_rows = std::min(max_rows, size() * s_.num_local *
+                                      moe_expert_capacity(tokens, k, s_.num_experts, s_.capacity_factor));
   const size_t a = static_cast<size_t>(p.area());
   if (saved_.size() <= a) saved_.resize(a + 1);
   Saved& sv = saved_[a];

@@ -35,7 +35,11 @@ int64_t MoEAlltoAllTokenDispatcher::plan(BufferPlanner& p, int64_t tokens, int64
   hidden_ = h;
   // Dropless bounds: each source token brings at most min(k, E_l (+ S)) rows to this rank's
   // expert slots (a token's slots name distinct experts, and distinct experts' clones are distinct).
+  // With an expert capacity C each source sends at most C rows per expert slot (a clone's rows are
+  // its home expert's, which the source kept at most C of).
   max_ep_rows_ = P_ * tokens * std::min(k, Lv_);
+  if (s_.capacity_factor > 0)
+    max_ep_rows_ = std::min(max_ep_rows_, P_ * Lv_ * moe_expert_capacity(tokens, k, s_.num_experts, s_.capacity_factor));
   const int64_t max_rows = Q_ * max_ep_rows_;
   const size_t a = static_cast<size_t>(p.area());
   if (saved_.size() <= a) saved_.resize(a + 1);

@@ -82,6 +82,7 @@ class MoEAlltoAllTokenDispatcher final : public MoEAlltoAllDispatcherBase {
   void combine(const Tensor& y, const Tensor& out, int slot, const Stream& stream) override;
   void combine_backward(const Tensor& d_out, const Tensor& d_probs, const Tensor& dy, const Tensor& out, int slot,
                         const Stream& stream) override;
+  bool combine_backward_reads_output() const override { return false; }  // the returned rows (back)
   void dispatch_backward(const Tensor& dx, const Tensor& d_xp, int slot, const Stream& stream) override;
   void preprocess_backward(const Tensor& dx, int slot, const Stream& stream) override;
 
@@ -221,6 +222,7 @@ class MoEStaticAlltoAllTokenDispatcher final : public MoEAlltoAllDispatcherBase 
   void combine(const Tensor& y, const Tensor& out, int slot, const Stream& stream) override;
   void combine_backward(const Tensor& d_out, const Tensor& d_probs, const Tensor& dy, const Tensor& out, int slot,
                         const Stream& stream) override;
+  bool combine_backward_reads_output() const override { return false; }  // the returned rows (back)
   void dispatch_backward(const Tensor& dx, const Tensor& d_xp, int slot, const Stream& stream) override;
   void preprocess_backward(const Tensor& dx, int slot, const Stream& stream) override;
 

@@ -66,7 +66,7 @@ void MoeExperts::plan_fp8(BufferPlanner& p, int64_t max_rows) {
       l->plan(p, max_rows, /*save_input=*/false, /*variable_rows=*/true);
 }
 
-void MoeExperts::plan(BufferPlanner& p, int64_t max_rows) {
+void MoeExperts::plan(BufferPlanner& p, int64_t max_rows, bool save_output) {
   const DType t = p.act_dtype();
   const int64_t h = hidden_, f1 = (gated_ ? 2 : 1) * local_ffn_, f2 = local_ffn_;
   max_rows_ = max_rows;
@@ -77,7 +77,8 @@ void MoeExperts::plan(BufferPlanner& p, int64_t max_rows) {
   sv.pre = p.saved(t, {max_rows, f1}, "expert fc1 outputs");
   // --recompute-modules moe_act: one scratch, the activation again in the backward
   sv.act = recompute_act_ ? p.scratch("moe.act", t, {max_rows, f2}) : p.saved(t, {max_rows, f2}, "expert activations");
-  sv.out = p.saved(t, {max_rows, h}, "expert outputs");
+  // kept for the backward only where the dispatcher's combine_backward reads them (allgather)
+  sv.out = save_output ? p.saved(t, {max_rows, h}, "expert outputs") : p.scratch("moe.out", t, {max_rows, h});
   if (clones_) clones_->plan(p, f1, f2, h);  // the clones' weights and gradients: fetched per use (scratch)
   if (fp8_model_) plan_fp8(p, max_rows);
   d_out_ = p.scratch("moe.d_out", t, {max_rows, h});

@@ -70,7 +70,9 @@ class MoeExperts {
   MoeExperts& operator=(const MoeExperts&) = delete;
 
   /// Plans the open area's saved tensors and the scratch for up to `max_rows` = R_max rows.
-  void plan(BufferPlanner& planner, int64_t max_rows);
+  /// save_output: whether the output rows (output()) are kept until the backward (the dispatcher's
+  /// combine_backward reads them); else they are scratch, valid until the next layer's forward.
+  void plan(BufferPlanner& planner, int64_t max_rows, bool save_output = true);
   /// The expert-input rows xp [R_max, h] of area `slot`, which the dispatcher's dispatch() fills.
   Tensor input(int slot) const { return saved_.at(static_cast<size_t>(slot)).xp; }
   /// Runs the experts on the rows of `counts` (from dispatch(); with ECHO the clones' weights are

@@ -41,6 +41,7 @@ MoELayer::MoELayer(const TransformerConfig& c, int64_t layer, const TensorParall
                          c.moe_grouped_gemm, num_echo,           c.moe_received_token_capacity};
   sizes.chunks = c.overlap_moe_expert_parallel_comm ? kOverlapChunks : 1;
   sizes.permute_fusion = c.moe_permute_fusion;
+  if (c.moe_expert_capacity_set) sizes.capacity_factor = c.moe_expert_capacity_factor;
   dispatcher_ = make_moe_token_dispatcher(c.moe_token_dispatcher_type, ep, sizes);
   if (c.overlap_moe_expert_parallel_comm) {
     chunked_ = dynamic_cast<MoEAlltoAllTokenDispatcher*>(dispatcher_.get());
@@ -70,7 +71,8 @@ void MoELayer::plan(BufferPlanner& p, int64_t s, int64_t b) {
   if (x_.size() <= a) x_.resize(a + 1);
   x_[a] = p.saved(t, {sl, b, h}, "MoE input");
   router_->plan(p, tokens, b);
-  experts_->plan(p, dispatcher_->plan(p, tokens, h));  // R_max expert rows, the dispatcher's bound
+  // R_max expert rows, the dispatcher's bound; the output rows saved only if its backward reads them
+  experts_->plan(p, dispatcher_->plan(p, tokens, h), dispatcher_->combine_backward_reads_output());
   if (shared_) shared_->plan(p, s, b);
   y_ = p.scratch("moe.y", t, {sl, b, h});
   dx_ = p.scratch("moe.dx", t, {sl, b, h});

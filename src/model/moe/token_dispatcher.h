@@ -97,6 +97,11 @@ struct MoeDispatchSizes {
   /// nothing read on the host: CUDA-graph capturable); the slots beyond a block are dropped and
   /// counted (MoeDispatchStats::overflowed). 0 = off (the host-synchronised dropless dispatch).
   int64_t received_capacity = 0;
+  /// --moe-expert-capacity-factor (0 = dropless): the router keeps at most C = moe_expert_capacity(T,
+  /// k, E, factor) slots per expert on every source rank (moe/capacity.h), so a rank receives at
+  /// most C rows per local expert slot from each source: the dispatchers bound their expert rows
+  /// (plan()'s R_max) by sources · local slots · C where that is below the dropless bound.
+  double capacity_factor = 0;
   /// --overlap-moe-expert-parallel-comm (the dropless alltoall dispatcher): the local expert slots
   /// are exchanged in this many chunks (MoEAlltoAllTokenDispatcher::chunk), so that the experts of
   /// one chunk compute while the next chunk's rows travel; 1 = one exchange.
@@ -165,9 +170,15 @@ class MoeTokenDispatcher {
   virtual void combine(const Tensor& y, const Tensor& out, int slot, const Stream& stream) = 0;
   /// Backward of combine from dy [T, h]: d_out [≥ R, h] (rows [0, R) overwritten, the others
   /// untouched), the gradient of the local experts' output rows, and d_probs fp32 [T, k]
-  /// (overwritten), the gradient of this rank's probs. out: the forward's expert output rows.
+  /// (overwritten), the gradient of this rank's probs. out: the forward's expert output rows —
+  /// read only where combine_backward_reads_output() (else what it holds is not defined).
   virtual void combine_backward(const Tensor& d_out, const Tensor& d_probs, const Tensor& dy, const Tensor& out,
                                 int slot, const Stream& stream) = 0;
+  /// Whether combine_backward() reads `out`, the forward's expert output rows (the probs' gradient
+  /// from them): the experts then keep them until the backward (saved per activation slot); else
+  /// they are a temporary of the forward (scratch shared by the layers). The alltoall dispatchers
+  /// take the probs' gradient from the rows returned to this rank instead.
+  virtual bool combine_backward_reads_output() const { return true; }
   /// Backward of dispatch from d_xp [≥ R, h], the gradient of the expert input rows (rows beyond R
   /// not read): the allgather dispatcher writes dx [T, h] (overwritten); the alltoall ones return
   /// the rows to this rank's send layout (scratch) and leave dx to preprocess_backward().

@@ -171,6 +171,38 @@ std::vector<RankResult> run(int64_t num_echo, int64_t received = 0,
   return out;
 }
 
+// --moe-expert-capacity-factor bounds the expert rows a rank plans for (R_max): each source keeps
+// at most C = ceil(T·k/E · factor) slots per expert, so a rank receives at most sources · local
+// experts · C rows; a factor large enough leaves the dropless bound. Both dispatchers, EP 2.
+TEST(MoeDispatchers, ExpertCapacityBoundsThePlannedRows) {
+  constexpr int kRanks = 2;
+  constexpr int64_t L = kExperts / kRanks, kCap1 = (kTokens * kTopk + kExperts - 1) / kExperts;  // factor 1: 16
+  for (const MoeDispatcher type : {MoeDispatcher::kAllToAll, MoeDispatcher::kAllGather})
+    for (const double factor : {0.0, 1.0, 1.5, 4.0}) {
+      std::vector<int64_t> planned(kRanks);
+      run_thread_ranks(kRanks, [&](int rank, std::shared_ptr<Communicator> world) {
+        ExpertParallel ep;
+        ep.ep_size = kRanks;
+        ep.ep_rank = rank;
+        ep.dispatch = ep.ep_group = world;
+        MoeDispatchSizes sizes{kExperts, kTopk, L, rank * L};
+        sizes.capacity_factor = factor;
+        auto disp = make_moe_token_dispatcher(type, ep, sizes);
+        BufferPlanner planner(Device::cpu(), DType::kF32);
+        planner.begin_pass();
+        planner.open_area(BufferPlanner::Family::kActivations, 0);
+        planned[static_cast<size_t>(rank)] = disp->plan(planner, kTokens, kHidden);
+        planner.close_area();
+      });
+      const int64_t dropless = kRanks * kTokens * std::min(kTopk, L);
+      const int64_t cap = factor > 0 ? static_cast<int64_t>(std::ceil(kTokens * kTopk / double(kExperts) * factor)) : 0;
+      const int64_t expect = factor > 0 ? std::min(dropless, kRanks * L * cap) : dropless;
+      for (int64_t p : planned) EXPECT_EQ(p, expect) << "factor " << factor << " type " << static_cast<int>(type);
+      if (factor == 1.0) EXPECT_EQ(expect, kRanks * L * kCap1);  // 128 rows, half the dropless 256
+      if (factor == 4.0) EXPECT_EQ(expect, dropless);
+    }
+}
+
 TEST(MoeAllToAllDispatcher, SkewedRoutingWithoutEcho) {
   const std::vector<RankResult> r = run(0);
   const int64_t avg = kTokens * kTopk;  // slots per rank = the average load per EP rank
