@@ -109,7 +109,11 @@ MemoryEstimate estimate_training_memory(const MemoryEstimateInputs& in) {
                        "a larger --tensor-model-parallel-size with --muon-tp-mode distributed"});
   e.parts.push_back({fmt::format("activations ({} slot{} of {:.3f} GiB)", m.activation_slots,
                                  m.activation_slots == 1 ? "" : "s", gib(m.activation_slot_bytes)),
-                     m.activation_slot_bytes * static_cast<size_t>(m.activation_slots), kActivationRemedy});
+                     m.activation_slot_bytes * static_cast<size_t>(m.activation_slots),
+                     in.dropless_moe ? std::string(kActivationRemedy) + "; MoE: --moe-expert-capacity-factor or "
+                                                                        "--moe-received-token-capacity (the dropless "
+                                                                        "expert buffers are sized for the worst case)"
+                                     : std::string(kActivationRemedy)});
   e.parts.push_back({"recompute area", m.recompute_bytes, "a smaller --recompute-num-layers"});
   e.parts.push_back({"loss head", m.head_slot_bytes * static_cast<size_t>(m.head_slots),
                      "a smaller --micro-batch-size or a larger --tensor-model-parallel-size"});

@@ -49,6 +49,9 @@ struct MemoryEstimateInputs {
   bool muon = false;
   int64_t muon_dense_elements = 0, muon_expert_elements = 0;
   size_t muon_workspace_bytes = 0;
+  /// Dropless MoE layers (no --moe-expert-capacity-factor nor --moe-received-token-capacity): their
+  /// expert buffers are sized for the worst case; the activations' remedies then name the capacities.
+  bool dropless_moe = false;
 };
 
 /// One consumer: name, bytes and the flags that shrink it (empty: none).

@@ -119,6 +119,8 @@ MemoryEstimate estimate_rank_memory(const ModelSetupOptions& o, const ProcessGro
   for (const PipelinePlan* p : all_plans(s)) grad_buffers = std::max(grad_buffers, p->grad_buffers);
   in.pipeline_grad_bytes = static_cast<size_t>(grad_buffers) * in.model.boundary_bytes;
   in.batch_bytes = o.batch_bytes;
+  in.dropless_moe = o.model.num_moe_experts > 0 && !o.model.moe_expert_capacity_set &&
+                    o.model.moe_received_token_capacity == 0;
   if (o.model.fp8 != Fp8Format::kNone && o.model.fp8_param && o.ddp.use_distributed_optimizer) {
     const int ep = groups.ep ? groups.ep->size() : 1, ep_rank = groups.ep ? groups.ep->rank() : 0;
     const auto store = ParamStore::laid_out(

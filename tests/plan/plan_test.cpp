@@ -549,6 +549,30 @@ TEST_F(Plan, DoesNotFitNamesTheLargestConsumer) {
   EXPECT_TRUE(plan_training(r).fits);
 }
 
+// A dropless MoE's activations (expert buffers for the worst case) name the capacities among their
+// remedies; with a capacity they do not, and the activations shrink.
+TEST_F(Plan, DroplessMoeNamesTheCapacities) {
+  const std::string moe = "--bf16 --train-iters 2 --num-experts 8 --moe-router-topk 2 --disable-bias-linear "
+                          "--moe-token-dispatcher-type alltoall --expert-model-parallel-size 8 --seq-length 1024 "
+                          "--max-position-embeddings 1024 --micro-batch-size 1 --global-batch-size 8 ";
+  PlanRequest r = request(moe, 8, "h200");
+  r.memory_gib = 0.5;
+  const TrainingPlan dropless = plan_training(r);
+  EXPECT_FALSE(dropless.fits);
+  const std::string needle = "MoE: --moe-expert-capacity-factor or --moe-received-token-capacity";
+  EXPECT_NE(format_plan(dropless).find(needle), std::string::npos) << format_plan(dropless);
+  r = request(moe + "--moe-expert-capacity-factor 1.0", 8, "h200");
+  r.memory_gib = 0.5;
+  const TrainingPlan capped = plan_training(r);
+  EXPECT_EQ(format_plan(capped).find(needle), std::string::npos);
+  const auto activations = [](const TrainingPlan& p) {
+    for (const MemoryPart& part : p.stages.front().memory.parts)
+      if (part.name.starts_with("activations")) return part.bytes;
+    return size_t{0};
+  };
+  EXPECT_LT(activations(capped), activations(dropless));  // R_max 8 * 1 * C = 2048 rows instead of 8 * 1024 * 1
+}
+
 // Refusals name the value: the machine, the world, and the layout checks `megatron pretrain` makes.
 TEST_F(Plan, RefusalsNameTheValue) {
   expect_error_text([&] { plan_training(request("--train-iters 2", 1, "a100")); }, "--gpu a100: expected h100, h200 or cpu",
