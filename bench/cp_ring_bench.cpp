@@ -29,6 +29,7 @@
 
 #include <fmt/format.h>
 
+#include "bench_dist.h"
 #include "bench_util.h"
 #include "comm/bootstrap.h"
 #include "core/buffer.h"
@@ -43,7 +44,10 @@
 namespace {
 
 using namespace mt;
+using bench::max_over;
 using bench::parse_list;
+using bench::randomize;
+using bench::timed;
 
 struct Options {
   std::vector<int64_t> seqs{32768, 65536, 131072};
@@ -53,33 +57,6 @@ struct Options {
   double min_hidden = 0.5;
   int64_t heads = 32, groups = 8, dim = 64;
 };
-
-/// A bf16 tensor of `shape` with N(0, 1) values (seeded by id).
-void randomize(const Tensor& t, uint32_t id, const Stream& st) {
-  Buffer tmp(t.device(), static_cast<size_t>(t.numel()) * 4);
-  const Tensor f = tmp.as(DType::kF32, {t.numel()});
-  init_normal(f, 1.f, 20261128, id, ShardBox::whole({t.numel()}), st);
-  cast(t.view({t.numel()}), f, st);
-  st.synchronize();
-}
-
-/// The max over the ranks of `world` of a host value.
-float max_over(Communicator& world, float v, const Stream& st) {
-  Buffer b(st.device(), sizeof(float));
-  const Tensor t = b.as(DType::kF32, {1});
-  copy_bytes(t.data(), t.device(), &v, Device::cpu(), sizeof(float), st);
-  world.all_reduce(t, ReduceOp::kMax, st);
-  float out = 0;
-  copy_bytes(&out, Device::cpu(), t.data(), t.device(), sizeof(float), st);
-  st.synchronize();
-  return out;
-}
-
-/// bench::time_ms (median of iters runs after 3 warm-ups), the max over the ranks.
-template <typename F>
-double timed(Communicator& world, const Stream& st, int iters, F&& f) {
-  return max_over(world, static_cast<float>(bench::time_ms(st, iters, std::forward<F>(f))), st);
-}
 
 struct Row {
   double fwd = 0, bwd = 0, compute = 0, exposed = 0, alone = 0, one_gpu = 0;
