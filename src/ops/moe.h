@@ -150,8 +150,9 @@ std::vector<int64_t> moe_routing_map(const Tensor& row_index, const Tensor& slot
 /// [num_local] on the device, and row_index[r] = -1 for the rows R <= r < row_index.numel()
 /// beyond the routed ones (moe_permute skips them). Consumers read R = Σ counts on the device
 /// (ops/grouped_matmul.h). Σ counts must not exceed row_index.numel() (the dispatchers plan the
-/// dropless bound): no error can be raised without reading the counts, so on CUDA the rows beyond
-/// it are not placed (their slots get slot_row -1); the CPU raises mt::Error.
+/// dropless bound, or with an expert capacity the capacity's): no error can be raised without
+/// reading the counts, so on CUDA the rows beyond it are not placed (their slots get slot_row -1);
+/// the CPU raises mt::Error.
 void moe_routing_map_device(const Tensor& row_index, const Tensor& slot_row, const Tensor& counts, const Tensor& top,
                             int64_t first_expert, int64_t num_local, const Stream& stream);
 
@@ -184,11 +185,12 @@ int64_t moe_expert_capacity(int64_t tokens, int64_t topk, int64_t num_experts, d
 /// Token dropping at an expert capacity (Megatron's apply_router_token_dropping, without padding):
 /// of the slots of top int32 [T, k] routed to expert e, at most `capacity` are kept — by_probs
 /// (--moe-token-drop-policy probs): those of the highest probs (fp32 [T, k]; ties: the earlier
-/// slot), else (position): those of the earliest tokens — and the others dropped:
+/// slot; a NaN ranks below every number, so never more than `capacity` are kept), else (position):
+/// those of the earliest tokens — and the others dropped:
 /// kept[t, j] = top[t, j], or -1 for a dropped slot (the dispatchers skip it: its output and its
 /// probability's gradient are zero). kept_counts fp32 [E] (overwritten): the kept slots of each
 /// expert. A token selects an expert at most once. kept int32 [T, k] must not alias top.
-/// Errors: mt::Error on shapes/dtypes, capacity < 0, or CUDA tensors (no kernel yet).
+/// Errors: mt::Error on shapes/dtypes or capacity < 0.
 void moe_capacity_drop(const Tensor& kept, const Tensor& kept_counts, const Tensor& top, const Tensor& probs,
                        int64_t capacity, bool by_probs, const Stream& stream);
 

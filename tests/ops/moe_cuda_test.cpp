@@ -924,7 +924,7 @@ TEST(MoeCuda, SortChunksMatchesCpu) {
 }
 
 // Token dropping (ops/cuda/moe_capacity.cu): both policies, probabilities with exact ties (the
-// earlier slot wins), capacities of 0, below and above the loads: the kept selection and counts
+// earlier slot wins) and NaNs (ranked last: never more than the capacity kept), capacities of 0, below and above the loads: the kept selection and counts
 // identical to the CPU's, and the number kept is Σ_e min(capacity, load_e).
 TEST(MoeCuda, CapacityDropMatchesCpu) {
   const Stream& cs = testing::cpu_stream();
@@ -933,6 +933,7 @@ TEST(MoeCuda, CapacityDropMatchesCpu) {
   const std::vector<int32_t> top = random_top(T, k, E);
   auto probs = testing::randu(T * k, 0.f, 1.f);
   for (int64_t i = 0; i < T * k; i += 7) probs[i] = 0.5f;
+  for (int64_t i = 3; i < T * k; i += 11) probs[i] = std::nanf("");  // NaN ranks last (as the CPU's)
   auto ct = make_int_tensor(top, kCpu, {T, k}, cs);
   auto gt = make_int_tensor(top, Device::cuda(), {T, k}, gs);
   auto cp = make_tensor(probs, DType::kF32, kCpu, {T, k}, cs);

@@ -623,6 +623,7 @@ TEST(MoeCapacity, DropMatchesReference) {
   }
   auto pv = testing::randu(T * k, 0.f, 1.f);
   pv[3] = pv[7] = pv[11] = 0.5f;  // ties
+  pv[5] = pv[9] = pv[20] = pv[33] = std::nanf("");  // a NaN ranks below every number (never over capacity)
   auto topt = testing::make_int_tensor(top, kCpu, {T, k}, st);
   auto probs = testing::make_tensor(pv, DType::kF32, kCpu, {T, k}, st);
   for (bool by_probs : {true, false}) {
@@ -636,7 +637,8 @@ TEST(MoeCapacity, DropMatchesReference) {
           if (top[i] == e) slots.push_back(i);
         if (by_probs)
           std::sort(slots.begin(), slots.end(), [&](int64_t a, int64_t b) {
-            return static_cast<double>(pv[a]) > pv[b] || (pv[a] == pv[b] && a < b);
+            const double ka = std::isnan(pv[a]) ? -1e300 : pv[a], kb = std::isnan(pv[b]) ? -1e300 : pv[b];
+            return ka > kb || (ka == kb && a < b);
           });
         const int64_t keep = std::min<int64_t>(cap, static_cast<int64_t>(slots.size()));
         for (int64_t r = 0; r < keep; ++r) want[slots[r]] = static_cast<int32_t>(e);

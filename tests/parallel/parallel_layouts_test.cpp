@@ -821,7 +821,10 @@ std::vector<Layout> layouts() {
         std::tuple{Arch::kMoeSigmoid, 1, 1, 4, 4, 0, false, true, false, 0.0},
         std::tuple{Arch::kMoe, 2, 1, 2, 2, 2, true, false, true, 0.0},
         std::tuple{Arch::kMoe, 1, 1, 4, 4, 0, false, false, false, 0.75},
-        std::tuple{Arch::kMoe, 1, 1, 2, 2, 0, false, false, true, 0.5}}) {
+        std::tuple{Arch::kMoe, 1, 1, 2, 2, 0, false, false, true, 0.5},
+        // the capacity-bounded expert rows under expert TP 2 (each ETP rank's sources capped alone;
+        // TP 1: under SP a rank's router sees s / tp tokens, so its capacity is not the reference's)
+        std::tuple{Arch::kMoe, 1, 1, 4, 2, 2, false, false, true, 0.5}}) {
     add(arch, tp, pp, dp, 0, sp, zero, false, ep, etp, a2a);
     v.back().capacity = capacity;
     v.back().grouped = true;
@@ -840,7 +843,8 @@ std::vector<Layout> layouts() {
         std::tuple{Arch::kMoe, 1, 2, 2, 2, 2, false, true, 1, true, 0.0},
         std::tuple{Arch::kMoe, 2, 1, 2, 0, 4, true, false, 1, false, 0.0},
         std::tuple{Arch::kMoeSigmoid, 1, 1, 4, 0, 4, false, false, 1, true, 0.0},
-        std::tuple{Arch::kMoe, 1, 1, 2, 0, 2, false, false, 1, false, 0.75}}) {
+        std::tuple{Arch::kMoe, 1, 1, 2, 0, 2, false, false, 1, false, 0.75},
+        std::tuple{Arch::kMoe, 1, 1, 4, 0, 4, false, false, 1, false, 0.5}}) {
     add(arch, tp, pp, dp, vpp, sp, zero, false, ep, tp > 1 ? 1 : 0, /*a2a=*/true);
     v.back().echo = echo;
     v.back().grouped = grouped;

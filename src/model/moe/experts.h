@@ -71,7 +71,8 @@ class MoeExperts {
 
   /// Plans the open area's saved tensors and the scratch for up to `max_rows` = R_max rows.
   /// save_output: whether the output rows (output()) are kept until the backward (the dispatcher's
-  /// combine_backward reads them); else they are scratch, valid until the next layer's forward.
+  /// combine_backward reads them); else they are scratch, valid until the layer's forward ends (the
+  /// combine's read).
   void plan(BufferPlanner& planner, int64_t max_rows, bool save_output = true);
   /// The expert-input rows xp [R_max, h] of area `slot`, which the dispatcher's dispatch() fills.
   Tensor input(int slot) const { return saved_.at(static_cast<size_t>(slot)).xp; }

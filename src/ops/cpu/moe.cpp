@@ -474,8 +474,10 @@ void moe_capacity_drop(const Tensor& kept, const Tensor& kept_counts, const Tens
     std::vector<int64_t> slots;  // flat slots routed to e, in token order
     for (int64_t i = 0; i < n; ++i)
       if (I[i] == e) slots.push_back(i);
+    // a NaN probability ranks last (as −inf; the CUDA kernel's order): a strict weak order
+    const auto key = [&](int64_t s) { return std::isnan(P[s]) ? -std::numeric_limits<float>::infinity() : P[s]; };
     if (by_probs && static_cast<int64_t>(slots.size()) > capacity)
-      std::stable_sort(slots.begin(), slots.end(), [&](int64_t a, int64_t b) { return P[a] > P[b]; });
+      std::stable_sort(slots.begin(), slots.end(), [&](int64_t a, int64_t b) { return key(a) > key(b); });
     const int64_t keep = std::min<int64_t>(capacity, static_cast<int64_t>(slots.size()));
     for (int64_t r = 0; r < keep; ++r) K[slots[static_cast<size_t>(r)]] = static_cast<int32_t>(e);
     C[e] = static_cast<float>(keep);

@@ -26,12 +26,15 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ float s_p[kThreads];
   const int64_t i = blockIdx.x * int64_t(kThreads) + threadIdx.x;
   const int32_t e = i < n ? top[i] : -1;
-  const float p = i < n ? probs[i] : 0.f;
+  // a NaN probability ranks last (as −inf): the ranks stay a total order, so at most `capacity`
+  // slots per expert are kept whatever the probabilities (the dispatchers' buffers rely on it)
+  const auto key = [](float x) { return isnan(x) ? -INFINITY : x; };
+  const float p = i < n ? key(probs[i]) : 0.f;
   int64_t rank = 0;
   for (int64_t base = 0; base < n; base += kThreads) {
     const int64_t j = base + threadIdx.x;
     s_top[threadIdx.x] = j < n ? top[j] : -1;
-    s_p[threadIdx.x] = j < n ? probs[j] : 0.f;
+    s_p[threadIdx.x] = j < n ? key(probs[j]) : 0.f;
     __syncthreads();
     if (e >= 0) {
       const int64_t m = n - base < kThreads ? n - base : int64_t{kThreads};
