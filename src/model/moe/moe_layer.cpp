@@ -209,8 +209,9 @@ Tensor MoELayer::backward(const Tensor& dy, const StepContext& ctx, WgradDeferra
     Tensor d_xp;
     {
       const auto t = timing.phase(MoePhase::kCombine);
-      dispatcher_->combine_backward(experts_->output_grad(slot), router_->d_probs(), rows(dy),
-                                    experts_->output(slot), slot, st);
+      // the output rows only where the dispatcher reads them (elsewhere they are scratch, long gone)
+      const Tensor out = dispatcher_->combine_backward_reads_output() ? experts_->output(slot) : Tensor();
+      dispatcher_->combine_backward(experts_->output_grad(slot), router_->d_probs(), rows(dy), out, slot, st);
     }
     {
       const auto t = timing.phase(MoePhase::kExperts);

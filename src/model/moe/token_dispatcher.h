@@ -170,8 +170,8 @@ class MoeTokenDispatcher {
   virtual void combine(const Tensor& y, const Tensor& out, int slot, const Stream& stream) = 0;
   /// Backward of combine from dy [T, h]: d_out [≥ R, h] (rows [0, R) overwritten, the others
   /// untouched), the gradient of the local experts' output rows, and d_probs fp32 [T, k]
-  /// (overwritten), the gradient of this rank's probs. out: the forward's expert output rows —
-  /// read only where combine_backward_reads_output() (else what it holds is not defined).
+  /// (overwritten), the gradient of this rank's probs. out: the forward's expert output rows where
+  /// combine_backward_reads_output(), else an empty tensor (the MoE layer passes none).
   virtual void combine_backward(const Tensor& d_out, const Tensor& d_probs, const Tensor& dy, const Tensor& out,
                                 int slot, const Stream& stream) = 0;
   /// Whether combine_backward() reads `out`, the forward's expert output rows (the probs' gradient
