@@ -4,6 +4,9 @@
 #   bench_train: sequence 1024, bf16, dropout 0, lr 3e-4 cosine, seed 1234, $ITERS iterations logged
 #                every 10, no evaluation
 #   bench_build TARGET...: configure (preset default) and build the targets into build/, logs in $OUT
+#   megatron_bin NAME: bin=$MT_BUILD_DIR/megatron (default build/), or exit 2 naming NAME when it is
+#                not built
+#   log_means LOG WARM, largest_rank_mem LOG: figures from a `megatron pretrain` log (below)
 demo_data=(--data-path data/demo_text_document --split 98,2,0 --vocab-file data/gpt2/encoder.json
            --merge-file data/gpt2/vocab.bpe)
 bench_train=(--seq-length 1024 --max-position-embeddings 1024 --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine
@@ -38,4 +41,14 @@ else:
     mean = lambda j: sum(k * r[j] for k, r in kept) / w
     print(f"{mean(1):.1f} {mean(2):.1f} {mean(3):.1f}")
 PY
+}
+# largest_rank_mem LOG: "buffers in_use" (GiB, one decimal) of the rank with the most memory in use,
+# from the log's "device memory per rank" line (several ranks); nothing when the line is missing.
+largest_rank_mem() {
+  grep -m1 "device memory per rank" "$1" | grep -oE "[0-9.]+/[0-9.]+" |
+    awk -F/ '$2 > u { u = $2; b = $1 } END { if (u) printf "%.1f %.1f", b / 1024, u / 1024 }'
+}
+megatron_bin() {
+  bin=${MT_BUILD_DIR:-build}/megatron
+  [ -x "$bin" ] || { echo "$1: $bin is not built (set MT_BUILD_DIR)"; exit 2; }
 }

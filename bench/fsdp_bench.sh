@@ -17,9 +17,8 @@ cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0  # no NVLink multicast on these machines
 source bench/common.sh
-bin=${MT_BUILD_DIR:-build}/megatron
+megatron_bin fsdp_bench
 ITERS=${ITERS:-10}; WARM=${WARM:-4}; PLAN_ONLY=${PLAN_ONLY:-0}
-[ -x "$bin" ] || { echo "fsdp_bench: $bin is not built (set MT_BUILD_DIR)"; exit 2; }
 steps=("$@"); [ ${#steps[@]} -gt 0 ] || steps=(llama8b gpt1p3b)
 common=(--bf16 --lr 1e-4 --min-lr 1e-5 --lr-warmup-iters 2 --hidden-dropout 0 --attention-dropout 0 --mock-data
         --tokenizer-type NullTokenizer --seed 1234 --train-iters "$ITERS" --log-interval 2 --eval-iters 0
@@ -42,9 +41,8 @@ row() {
   local rc=$?
   read -r ms tf mfu <<< "$(log_means "$OUT/fsdp_$name.log" "$WARM")"
   tok=$(grep -oE "tokens per second: [0-9]+" "$OUT/fsdp_$name.log" | tail -1 | grep -oE "[0-9]+")
-  # the largest rank's buffers / memory in use (MiB)
-  mem=$(grep -m1 "device memory per rank" "$OUT/fsdp_$name.log" | grep -oE "[0-9.]+/[0-9.]+" |
-        awk -F/ '$2 > u { u = $2; b = $1 } END { if (u) printf "%.1f / %.1f", b / 1024, u / 1024 }')
+  # the largest rank's buffers / memory in use (GiB)
+  mem=$(largest_rank_mem "$OUT/fsdp_$name.log" | sed 's| | / |')
   local err=""
   [ $rc -eq 0 ] || err=" (exit $rc: $(grep -m1 -iE "error|out of memory" "$OUT/fsdp_$name.log" | cut -c1-120))"
   echo "| $label$err | $ms | ${tok:+$((tok / 2))} | $tf | $mfu% | $mem | plan: $plan |"

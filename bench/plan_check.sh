@@ -20,9 +20,8 @@ cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0  # no NVLink multicast on these machines
 source bench/common.sh
-bin=${MT_BUILD_DIR:-build}/megatron
+megatron_bin plan_check
 ITERS=${ITERS:-15}; WARM=${WARM:-5}; PLAN_ONLY=${PLAN_ONLY:-0}
-[ -x "$bin" ] || { echo "plan_check: $bin is not built (set MT_BUILD_DIR)"; exit 2; }
 configs=("$@"); [ ${#configs[@]} -gt 0 ] || configs=(gpt1p3b_tp2sp gpt1p3b_pp2 gpt7b_tp2sp gpt7b_pp2)
 
 common=(--lr 1e-4 --min-lr 1e-5 --lr-warmup-iters 2 --bf16 --device cuda --no-progress "${demo_data[@]}"

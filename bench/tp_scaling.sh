@@ -55,8 +55,7 @@ run() {
   "$bin" pretrain --nproc-per-node "$n" "$@" ${MT_EXTRA:-} > "$OUT/$name.log" 2>&1
   read -r ms tflops mfu <<< "$(log_means "$OUT/$name.log" "$WARM")"
   # the largest "in use" of the ranks (MiB, "rK: buffers/in_use" pairs), in GiB
-  mem=$(grep -m1 "device memory per rank" "$OUT/$name.log" | grep -oE "[0-9.]+/[0-9.]+" |
-        awk -F/ '$2 > m { m = $2 } END { if (m) printf "%.1f", m / 1024 }')
+  mem=$(largest_rank_mem "$OUT/$name.log" | cut -d' ' -f2)
   [ -n "$mem" ] || mem=$(grep -oE "[0-9.]+ MiB in use on" "$OUT/$name.log" | head -1 | awk '{printf "%.1f", $1 / 1024}')
   err=$(grep -m1 -E "error|out of memory" "$OUT/$name.log" | cut -c1-160)
 }
