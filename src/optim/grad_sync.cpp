@@ -156,6 +156,11 @@ GradSync::GradSync(ParamStore& params, std::shared_ptr<Communicator> dp, const D
   }
   setup_copy_engine();
   for (size_t b = 0; b < bks.size(); ++b) gathered_.push_back(std::make_unique<Event>(params.device()));
+  if (grads_overlapped()) {
+    for (size_t b = 0; b < bks.size(); ++b) released_.push_back(std::make_unique<Event>(params.device()));
+    bracketed_.assign(params.size(), 0);
+    grad_writers_.assign(bks.size(), 0);
+  }
   ready_.assign(params.size(), 0);
   waiting_.assign(bks.size(), 0);
   launched_.assign(bks.size(), 0);
@@ -267,11 +272,97 @@ void GradSync::reduce_into_shard(size_t b, const Stream& stream) {
   const Tensor dst = grad_shard().flat_range(shard_offset_[b], n);
   add(dst, dst, g.flat_range(o, n), stream);
   memset_tensor(g, 0, stream);  // a free slot holds zeros
-  params_.release_grad_slot(b);
+  if (&stream == &comm_) {  // overlapped: the slot stays bound until retired (retire_grad_slots)
+    MT_CHECK(std::find(in_flight_.begin(), in_flight_.end(), b) == in_flight_.end(),
+             "bucket {} reduced into the shard again while its last reduction is in flight", b);
+    released_[b]->record(comm_);
+    in_flight_.push_back(b);
+  } else {
+    params_.release_grad_slot(b);
+  }
   for (size_t i = bk.param_begin; i < bk.param_end; ++i) ready_[i] = 0;
   waiting_[b] = bk.param_end - bk.param_begin;
   if (!launched_[b]) ++n_launched_;
   launched_[b] = 1;
+}
+
+const Stream& GradSync::reduce_stream(const Stream& stream, bool& recorded) {
+  if (!config_.overlap_grad_reduce) return stream;
+  if (!recorded) {  // the gradients reported so far are complete once the compute stream gets here
+    comm_after(stream);
+    recorded = true;
+  }
+  comm_used_ = true;
+  return comm_;
+}
+
+void GradSync::comm_after(const Stream& stream) {
+  compute_ready_.record(stream);
+  compute_ready_.wait(comm_);
+}
+
+void GradSync::wait_for_comm(const Stream& stream) {
+  comm_done_.record(comm_);
+  comm_done_.wait(stream);
+}
+
+void GradSync::reduce_complete_buckets(size_t lo, size_t hi, const Stream& stream) {
+  bool recorded = false;
+  for (size_t b = lo; b <= hi; ++b)
+    if (waiting_[b] == 0) reduce_into_shard(b, reduce_stream(stream, recorded));
+  if (!grads_overlapped()) return;
+  // A bucket some writer fills without a backward bracket (which would retire it first) goes
+  // back now; then room for the binds before the next hook.
+  retire_through_last([&](size_t b) { return holds_unbracketed(b); }, stream);
+  make_room_for_grads(stream);
+}
+
+void GradSync::retire_grad_slots(size_t n, const Stream& stream) {
+  if (n == 0) return;
+  released_[in_flight_[n - 1]]->wait(stream);  // comm_ is in order: the older ones are done too
+  for (size_t k = 0; k < n; ++k) params_.release_grad_slot(in_flight_[k]);
+  in_flight_.erase(in_flight_.begin(), in_flight_.begin() + static_cast<std::ptrdiff_t>(n));
+}
+
+template <class Pick>
+void GradSync::retire_through_last(Pick pick, const Stream& stream) {
+  size_t n = 0;
+  for (size_t k = 0; k < in_flight_.size(); ++k)
+    if (pick(in_flight_[k])) n = k + 1;
+  retire_grad_slots(n, stream);
+}
+
+bool GradSync::holds_unbracketed(size_t b) const {
+  const ParamBucket& bk = params_.buckets()[b];
+  for (size_t i = bk.param_begin; i < bk.param_end; ++i)
+    if (!bracketed_[i]) return true;
+  return false;
+}
+
+void GradSync::make_room_for_grads(const Stream& stream) {
+  if (in_flight_.empty()) return;
+  // What may be bound before the next hook: the unbound buckets of the open brackets,
+  // and those holding parameters whose writers have no bracket. (Retiring changes neither set: an
+  // in-flight bucket is bound, and one of either kind is retired before it could be in flight.)
+  const auto& bks = params_.buckets();
+  int64_t dense_needed = 0, dense_bound = 0;
+  bool expert_needed = false;
+  for (size_t b = 0; b < bks.size(); ++b) {
+    if (params_.grad_bound(b)) {
+      dense_bound += bks[b].expert ? 0 : 1;
+      continue;
+    }
+    if (grad_writers_[b] == 0 && !holds_unbracketed(b)) continue;
+    if (bks[b].expert) expert_needed = true;
+    else ++dense_needed;
+  }
+  // One expert slot (ParamStore::expert_grad_slots_needed): no expert bucket in flight when one
+  // will be bound.
+  if (expert_needed) retire_through_last([&](size_t b) { return bks[b].expert; }, stream);
+  int64_t short_by = dense_needed - (params_.grad_slots() - dense_bound);
+  size_t n = 0;
+  for (; n < in_flight_.size() && short_by > 0; ++n) short_by -= bks[in_flight_[n]].expert ? 0 : 1;
+  retire_grad_slots(n, stream);
 }
 
 void GradSync::all_reduce_shard_over_instances(const Stream& stream) {
@@ -361,10 +452,8 @@ void GradSync::launch_model_gather(size_t b, const Stream& stream) {
 }
 
 void GradSync::zero_grad_buffer(const Stream& stream) {
-  if (comm_used_ && !finished_) {  // an abandoned step: its reductions still write the gradients
-    comm_done_.record(comm_);
-    comm_done_.wait(stream);
-  }
+  if (comm_used_ && !finished_) wait_for_comm(stream);  // an abandoned step: its reductions still write the gradients
+  retire_grad_slots(in_flight_.size(), stream);
   params_.zero_grads(stream);
   if (config_.shard_grads) memset_tensor(grad_shard(), 0, stream);
   reset_grad_state();
@@ -386,22 +475,16 @@ void GradSync::grads_ready(size_t first, size_t end, const Stream& stream) {
   }
   const auto [lo, hi] = bucket_span(first, end);
   if (config_.shard_grads) {
-    for (size_t b = lo; b <= hi; ++b)
-      if (waiting_[b] == 0) reduce_into_shard(b, stream);
+    reduce_complete_buckets(lo, hi, stream);
     return;
   }
   if (!config_.overlap_grad_reduce) return;
   bool recorded = false;
   for (size_t b = lo; b <= hi; ++b) {
     if (waiting_[b] != 0 || launched_[b]) continue;
-    if (!recorded) {  // the bucket's gradients are complete once the compute stream gets here
-      compute_ready_.record(stream);
-      compute_ready_.wait(comm_);
-      recorded = true;
-    }
     // The bucket that completes the backward's reductions is on the critical path.
-    launch_grad_reduce(b, comm_, grad_reductions_launched() + 1 == launched_.size());
-    comm_used_ = true;
+    const bool exposed = grad_reductions_launched() + 1 == launched_.size();
+    launch_grad_reduce(b, reduce_stream(stream, recorded), exposed);
   }
 }
 
@@ -424,32 +507,21 @@ void GradSync::finish_grad_sync(const Stream& stream) {
                  "finish_grad_sync: bucket {} is partly reported ('{}' reported, not all of [{}, {})): its gradients "
                  "were never reduced into the shard",
                  b, params_.info(i).name, bk.param_begin, bk.param_end);
-      if (!launched_[b]) reduce_into_shard(b, stream);  // nothing reported (no backward): zeros, collectives matched
+      if (launched_[b]) continue;
+      // Nothing reported (no backward): zeros, collectives matched; retired at once (binds a slot).
+      bool recorded = false;
+      reduce_into_shard(b, reduce_stream(stream, recorded));
+      retire_grad_slots(in_flight_.size(), stream);
     }
+    retire_grad_slots(in_flight_.size(), stream);  // the shard is complete after this
     all_reduce_shard_over_instances(stream);
     finished_ = true;
     return;
   }
-  if (config_.overlap_grad_reduce) {
-    bool recorded = false;
-    for (size_t b = 0; b < nb; ++b) {
-      if (launched_[b]) continue;
-      if (!recorded) {
-        compute_ready_.record(stream);
-        compute_ready_.wait(comm_);
-        recorded = true;
-      }
-      launch_grad_reduce(b, comm_, true);
-      comm_used_ = true;
-    }
-    if (comm_used_) {
-      comm_done_.record(comm_);
-      comm_done_.wait(stream);
-    }
-  } else {
-    for (size_t b = 0; b < nb; ++b)
-      if (!launched_[b]) launch_grad_reduce(b, stream, true);
-  }
+  bool recorded = false;
+  for (size_t b = 0; b < nb; ++b)
+    if (!launched_[b]) launch_grad_reduce(b, reduce_stream(stream, recorded), true);
+  if (comm_used_) wait_for_comm(stream);
   finished_ = true;
 }
 
@@ -467,8 +539,7 @@ void GradSync::gather_into_slot(size_t b, const Stream& stream) {
   const Tensor slot = params_.bind_param_slot(b), shard = params_.bucket_param_shard(b);
   // After every kernel enqueued so far: the readers of the slot's previous binding, the
   // optimizer's writes of the shard.
-  compute_ready_.record(stream);
-  compute_ready_.wait(comm_);
+  comm_after(stream);
   Communicator& g = params_.buckets()[b].expert ? *gather_edp_ : *gather_dp_;
   if (distributed_ && g.size() > 1) {
     g.all_gather(slot, shard, comm_);
@@ -491,12 +562,30 @@ void GradSync::release_idle_params(size_t keep_lo, size_t keep_hi, size_t keep_l
   }
 }
 
+void GradSync::begin_grad_writes(size_t first, size_t end, bool backward, const Stream& stream) {
+  const auto [lo, hi] = bucket_span(first, end);
+  // Only a backward bracket marks its parameters: the embedding's forward is bracketed, its
+  // backward is not.
+  if (backward)
+    for (size_t i = first; i < end; ++i) bracketed_[i] = 1;
+  for (size_t b = lo; b <= hi; ++b) ++grad_writers_[b];
+  // The use may write these buckets again (a backward; a forward too: the output layer's fused
+  // loss writes its weight gradient): their last reductions must be done with the slots.
+  retire_through_last([&](size_t b) { return b >= lo && b <= hi; }, stream);
+  make_room_for_grads(stream);
+}
+
 void GradSync::params_begin(size_t first, size_t end, bool backward, size_t next_first, size_t next_end,
                             const Stream& stream) {
   MT_REQUIRE(first <= end && end <= params_.size() && next_first <= next_end && next_end <= params_.size(),
              "params_begin: parameter ranges [{}, {}) and next [{}, {}) outside [0, {})", first, end, next_first,
              next_end, params_.size());
-  if (!config_.shard_params || first == end) return;
+  if (first == end) return;
+  if (grads_overlapped()) {
+    begin_grad_writes(first, end, backward, stream);
+    if (!config_.shard_params) params_needed(first, end, stream);  // called instead of params_needed
+  }
+  if (!config_.shard_params) return;
   const auto [lo, hi] = bucket_span(first, end);
   const bool prefetch = next_first < next_end;
   const auto [plo, phi] = prefetch ? bucket_span(next_first, next_end) : std::pair{prefetch_lo_, prefetch_hi_};
@@ -547,7 +636,15 @@ void GradSync::free_expert_slot(size_t b) {
 void GradSync::params_end(size_t first, size_t end, bool backward, const Stream& /*stream*/) {
   MT_REQUIRE(first <= end && end <= params_.size(), "params_end: parameter range [{}, {}) outside [0, {})", first, end,
              params_.size());
-  if (!config_.shard_params || first == end) return;
+  if (first == end) return;
+  if (grads_overlapped()) {
+    const auto [glo, ghi] = bucket_span(first, end);
+    for (size_t b = glo; b <= ghi; ++b) {
+      MT_REQUIRE(grad_writers_[b] > 0, "params_end({}, {}): bucket {} was not begun (params_begin)", first, end, b);
+      --grad_writers_[b];
+    }
+  }
+  if (!config_.shard_params) return;
   const auto [lo, hi] = bucket_span(first, end);
   // The bucket this unit may share with the next unit of the pass: forward, the one holding its
   // last parameters (lowest index); backward, its first parameters (highest index).
@@ -580,8 +677,7 @@ void GradSync::start_param_sync(const Stream& stream) {
     model_params_stale_ = true;
   }
   if (config_.overlap_param_gather) {
-    compute_ready_.record(stream);  // the optimizer's updates of the owned slices
-    compute_ready_.wait(comm_);
+    comm_after(stream);  // the optimizer's updates of the owned slices
     for (size_t b = nb; b-- > 0;) {  // forward order: the last bucket holds the first parameters
       launch_param_gather(b, comm_, b + 1 == nb);  // the forward waits for the first bucket at once
       gathered_[b]->record(comm_);
@@ -606,8 +702,7 @@ void GradSync::params_needed(size_t first, size_t end, const Stream& stream) {
 
 void GradSync::finish_param_sync(const Stream& stream) {
   if (param_comm_used_) {  // parameter gathers (prefetches) still in flight on comm_
-    comm_done_.record(comm_);
-    comm_done_.wait(stream);
+    wait_for_comm(stream);
     param_comm_used_ = false;
   }
   for (size_t b = 0; b < gather_pending_.size(); ++b) {

@@ -67,10 +67,34 @@
 // parameter in every backward (grads_every_backward); when a bucket's parameters are all reported
 // its slot is reduce-scattered over the bucket's group (in bf16 with grad_reduce_in_bf16), the
 // owned slice is ADDED into the shard (accumulation over micro-batches), the slot is re-zeroed
-// and unbound. All on the compute stream: the reduce-scatter does not overlap the backward yet
-// (overlap_grad_reduce only splits the communicator). With one micro-batch the shard is bitwise
-// the owned gradient of the distributed optimizer; with several, the sum over micro-batches of
-// DP sums instead of the DP sum of micro-batch sums (same values up to fp32 rounding).
+// and unbound. Without overlap_grad_reduce all of it runs on the compute stream. With one
+// micro-batch the shard is bitwise the owned gradient of the distributed optimizer; with several,
+// the sum over micro-batches of DP sums instead of the DP sum of micro-batch sums (same values up
+// to fp32 rounding).
+//
+// Sharded gradients overlapped (shard_grads with overlap_grad_reduce; docs/fsdp.md "Overlapped
+// reduce-scatter"): the reduce-scatter, the add into the shard and the slot's re-zeroing run on
+// the communication stream after an event recorded on the compute stream when the bucket
+// completes (the ZeRO-1 path's machinery), and an event recorded on the communication stream
+// after them releases the slot. The slot stays bound on the host while the bucket is in flight,
+// so nothing else binds it; the compute stream waits for the release event (and the slot is
+// unbound) — "retired" — at the first hook that has to: (1) before a use that may write the
+// bucket again: the model brackets every use of a unit's parameters (params_every_use() is true
+// here too), and params_begin retires the in-flight buckets of the unit's range (a backward; also
+// a forward: the output layer's fused loss writes its weight gradient there); a bucket holding a
+// parameter no backward bracket has ever covered (the embedding, whose backward is not
+// bracketed; the multi-token prediction; any caller without brackets) is retired at the report
+// that completes it; (2) when slots run short: after every report and bracket, in-flight
+// buckets are retired oldest first until the free non-expert slots cover the unbound buckets of
+// the open brackets plus the unbound buckets holding never-bracketed
+// parameters (their writers bind without a hook), and no expert bucket stays in flight while an
+// expert bucket the backward will bind is unbound (one expert slot). So a bind never finds the
+// slots full and the slot count is unchanged (grad_slots_needed; the memory estimate is exact):
+// fewer free slots mean less overlap, never an error. The first backward of each model chunk
+// overlaps little (its lower parameters are not yet known to be bracketed). finish_grad_sync
+// retires everything; the gradient shard is written only by the communication stream during the
+// backward and read after finish_grad_sync. With shard_params the parameter all-gathers share
+// the communication stream (their own communicator, issued in the same order on every rank).
 //
 // Sharded parameters (DdpConfig::shard_params, --data-parallel-sharding-strategy
 // optim_grads_params, Megatron-FSDP's ZeRO-3; docs/fsdp.md): on top of the sharded gradients the
@@ -105,6 +129,7 @@
 // in finish_grad_sync (the sum is linear: the same sum as per micro-batch, one all-reduce per
 // bucket and step instead of one per micro-batch; not overlapped with the backward). The layout must be ParamLayout::data_parallel_size = D/k (edp: EDP/k).
 #pragma once
+#include <deque>
 #include <memory>
 #include <string>
 #include <vector>
@@ -290,16 +315,28 @@ class GradSync final : public ParamGradHooks {
   /// (shard_grads), else the store's whole buffer.
   int64_t grad_bytes() const;
   bool grads_every_backward() const override { return config_.shard_grads; }
+  /// Sharded gradients whose reduce-scatters overlap the backward (shard_grads and
+  /// overlap_grad_reduce; see "Sharded gradients overlapped" above).
+  bool grads_overlapped() const { return config_.shard_grads && config_.overlap_grad_reduce; }
+  /// Buckets whose reduce-scatter into the shard is in flight on the communication stream, their
+  /// slots still bound (tests).
+  size_t grad_slots_in_flight() const { return in_flight_.size(); }
 
   /// Sharded parameters (DdpConfig::shard_params): see "Sharded parameters" above.
   bool params_sharded() const { return config_.shard_params; }
-  bool params_every_use() const override { return config_.shard_params; }
+  /// The model brackets every use of a unit (params_begin / params_end): sharded parameters, and
+  /// overlapped sharded gradients (whose slots are retired at the backward brackets).
+  bool params_every_use() const override { return config_.shard_params || grads_overlapped(); }
   /// ParamGradHooks: gathers the staged buckets holding parameters [first, end) (bound buckets
   /// are reused), makes `stream` wait for them, then (prefetch) starts the gathers of the buckets
   /// holding [next_first, next_end) in the pass's order, which the compute stream waits for at
   /// their own params_begin. First returns the slots of idle buckets neither range reads (a nested
-  /// use without a next range keeps the current prefetch). No-op without shard_params. Errors: a
-  /// range outside [0, params.size()); more buckets in use than slots (ParamStore::bind_param_slot).
+  /// use without a next range keeps the current prefetch). With grads_overlapped(): a backward use
+  /// first retires the in-flight gradient slots it needs (see "Sharded gradients overlapped"), and
+  /// without shard_params every use waits for the parameter all-gathers of its range as
+  /// params_needed does (the model calls params_begin instead). Nothing else without
+  /// shard_params. Errors: a range outside [0, params.size()); more buckets in use than slots
+  /// (ParamStore::bind_param_slot).
   void params_begin(size_t first, size_t end, bool backward, size_t next_first, size_t next_end,
                     const Stream& stream) override;
   /// ParamGradHooks: the end of a params_begin's use (same range and direction). Errors: a range
@@ -315,9 +352,33 @@ class GradSync final : public ParamGradHooks {
   // NCCL, which has the higher bandwidth, runs it even when the copy engine is active.
   void launch_grad_reduce(size_t b, const Stream& stream, bool exposed);
   void launch_param_gather(size_t b, const Stream& stream, bool exposed);
+  // The stream a bucket reduction launched now runs on: comm_ with overlap_grad_reduce (made to
+  // wait, once per `recorded`, for the work enqueued on `stream` so far), else `stream`.
+  const Stream& reduce_stream(const Stream& stream, bool& recorded);
+  // comm_ waits for the work enqueued on `stream` so far; `stream` waits for comm_'s.
+  void comm_after(const Stream& stream);
+  void wait_for_comm(const Stream& stream);
   // shard_grads: reduce-scatter bucket b's slot, add the owned slice into the shard, re-zero
-  // and release the slot, and make its parameters reportable again.
+  // the slot, and make its parameters reportable again; the slot is released now (`stream` is
+  // the compute stream) or, on comm_, after release_[b] (in flight until retired).
   void reduce_into_shard(size_t b, const Stream& stream);
+  // shard_grads: reduces into the shard every bucket of [lo, hi] whose parameters are all
+  // reported, then retires what must be (grads_overlapped()).
+  void reduce_complete_buckets(size_t lo, size_t hi, const Stream& stream);
+  // grads_overlapped(): `stream` waits for the release of the n oldest in-flight buckets (the
+  // n-th's event: comm_ runs in order) and their slots are unbound.
+  void retire_grad_slots(size_t n, const Stream& stream);
+  // Retires through the newest in-flight bucket `pick` selects (nothing when none does).
+  template <class Pick>
+  void retire_through_last(Pick pick, const Stream& stream);
+  // grads_overlapped(): retires in-flight buckets until every bind possible before the next hook
+  // finds a free slot (see "Sharded gradients overlapped").
+  void make_room_for_grads(const Stream& stream);
+  // grads_overlapped(), a params_begin of [first, end): a backward one marks the parameters
+  // bracketed; retires the in-flight buckets of the range (they may be written now), makes room.
+  void begin_grad_writes(size_t first, size_t end, bool backward, const Stream& stream);
+  // Whether bucket b holds a parameter no backward params_begin has covered.
+  bool holds_unbracketed(size_t b) const;
   // Hybrid sharding: all-reduces each bucket's slice of the gradient shard over replicas().
   void all_reduce_shard_over_instances(const Stream& stream);
   void reset_grad_state();
@@ -399,6 +460,14 @@ class GradSync final : public ParamGradHooks {
   std::shared_ptr<Communicator> gather_dp_, gather_edp_;
   size_t param_gathers_ = 0;
   bool param_comm_used_ = false;
+  // grads_overlapped(): per bucket, the event comm_ records after its reduce-scatter into the
+  // shard and the re-zeroing of its slot; the buckets in flight (slots still bound), oldest first;
+  // per parameter, whether a backward params_begin has ever covered it; per bucket, the
+  // params_begin without params_end covering it (its gradients may be written).
+  std::vector<std::unique_ptr<Event>> released_;
+  std::deque<size_t> in_flight_;
+  std::vector<uint8_t> bracketed_;
+  std::vector<int> grad_writers_;
 };
 
 }  // namespace mt
