@@ -133,7 +133,8 @@ RunResult train(const std::shared_ptr<Communicator>& world, const Layout& L, DTy
   o.dtype = dtype;
   o.device = dev;
   o.param_layout.bucket_size = L.overlap || L.shard_grads ? 30000 : 0;
-  o.ddp = DdpConfig{L.overlap, L.overlap && L.zero, L.zero};
+  // (optim_grads_params gathers per unit instead of after the step: no --overlap-param-gather)
+  o.ddp = DdpConfig{L.overlap, L.overlap && L.zero && !L.shard_params, L.zero};
   o.ddp.shard_grads = L.shard_grads;
   o.ddp.shard_params = L.shard_params;
   o.ddp.num_distributed_optimizer_instances = L.instances;
@@ -313,32 +314,35 @@ TEST(ParallelLayoutsNccl, Bf16LayoutsMatchOneGpu) {
                {1, 1, 0, false, true, true}};
   }
   // optim_grads (ZeRO-2) and optim_grads_params (ZeRO-3): DP over every rank, and TP 2 + SP x DP 2
-  // on 4 GPUs; ZeRO-3 also PP 2 (x DP 2 on 4 GPUs)
+  // on 4 GPUs; ZeRO-3 also PP 2 (x DP 2 on 4 GPUs); each also with --overlap-grad-reduce (the
+  // reduce-scatters into the shard on the communication stream beside the backward, docs/fsdp.md
+  // "Overlapped reduce-scatter"; ZeRO-2 with --overlap-param-gather too)
   for (const bool params : {false, true}) {
-    Layout z;
-    z.zero = z.shard_grads = true;
-    z.shard_params = params;
-    layouts.push_back(z);
-    if (world->size() == 4) {
-      Layout t = z;
-      t.tp = 2;
-      t.sp = true;
-      layouts.push_back(t);
-    }
-    if (params) {
-      z.pp = 2;
+    for (const bool overlap : {false, true}) {
+      Layout z;
+      z.zero = z.shard_grads = true;
+      z.shard_params = params;
+      z.overlap = overlap;
       layouts.push_back(z);
+      if (world->size() == 4) {
+        Layout t = z;
+        t.tp = 2;
+        t.sp = true;
+        layouts.push_back(t);
+      }
+      z.pp = 2;
+      if (params || overlap) layouts.push_back(z);
     }
   }
   // Hybrid sharding (--num-distributed-optimizer-instances 2): on 2 GPUs two instances of one rank
   // (the cross-instance all-reduce alone), on 4 GPUs two of 2 ranks; the distributed optimizer
-  // with overlapped reduction, optim_grads and optim_grads_params.
-  for (int s = 0; s < 3; ++s) {
+  // with overlapped reduction, optim_grads and optim_grads_params, both also overlapped.
+  for (int s = 0; s < 5; ++s) {
     Layout h;
     h.zero = true;
-    h.overlap = s == 0;
+    h.overlap = s == 0 || s > 2;
     h.shard_grads = s > 0;
-    h.shard_params = s == 2;
+    h.shard_params = s == 2 || s == 4;
     h.instances = 2;
     layouts.push_back(h);
   }

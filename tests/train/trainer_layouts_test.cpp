@@ -1050,5 +1050,47 @@ TEST_F(TrainerLayouts, MegatronFsdpHybridSharding) {
     expect_error_text([&] { train("--train-iters 1" + bad); }, msg, bad);
 }
 
+// --overlap-grad-reduce under optim_grads and optim_grads_params (docs/fsdp.md "Overlapped
+// reduce-scatter"): the reduce-scatters into the shard run on the communication stream, slots
+// retired at the brackets of the next uses and when they run short, with the default (minimum)
+// slot count. On CPU ranks the runs are bitwise the non-overlapped ones (losses, gradient norms,
+// validation) with several micro-batches per rank: DP 2, PP 2 x DP 2 (the tied embedding across
+// stages), the interleaved schedule with Llama (untied output layer, whose gradient the loss
+// chunk's forward writes) and full recompute, hybrid sharding (2 instances), the tiny MoE at EP 2 x
+// DP 4 (expert slot), and multi-token prediction (optim_grads; unbracketed writers).
+TEST_F(TrainerLayouts, MegatronFsdpOverlappedReduceScatter) {
+  const std::string fsdp = " --use-megatron-fsdp --ddp-bucket-size 3000 --data-parallel-sharding-strategy ";
+  const std::string llama = " --swiglu --ffn-hidden-size 64 --normalization RMSNorm --position-embedding-type rope "
+                            "--disable-bias-linear --untie-embeddings-and-output-weights";
+  const std::string recompute = " --recompute-granularity full --recompute-method uniform --recompute-num-layers 1";
+  const std::string gbs16 = " --global-batch-size 16";
+  for (const std::string strategy : {"optim_grads", "optim_grads_params"}) {
+    for (const std::string layout :
+         {std::string("--nproc-per-node 2"), std::string("--nproc-per-node 4 --pipeline-model-parallel-size 2"),
+          "--nproc-per-node 4 --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1" + llama +
+              recompute,
+          "--nproc-per-node 4 --num-distributed-optimizer-instances 2" + gbs16,
+          "--nproc-per-node 4 --expert-model-parallel-size 2" + gbs16 + kTinyMoe,
+          "--nproc-per-node 2 --mtp-num-layers 1" + llama}) {
+      if (strategy == "optim_grads_params" && layout.find("--mtp") != std::string::npos) continue;  // refused
+      SCOPED_TRACE(strategy + ", " + layout);
+      const std::string f = "--train-iters 4 " + layout + fsdp + strategy;
+      expect_identical_runs(train(f + " --overlap-grad-reduce"), train(f), layout);
+    }
+  }
+  // The slot count and the memory estimate are those of the non-overlapped run.
+  const std::string f = flags("--train-iters 1 --num-layers 8 --nproc-per-node 4" + fsdp + "optim_grads --overlap-grad-reduce");
+  run_thread_ranks(4, [&](int, std::shared_ptr<Communicator> world) {
+    TrainingSetup setup(testing::parse_pretrain_args(f), std::move(world), Device::cpu());
+    const GradSync& gs = setup.model_setup().grad_sync();
+    EXPECT_TRUE(gs.grads_overlapped());
+    EXPECT_EQ(gs.params().grad_slots(), gs.params().grad_slots_needed());
+    size_t estimated = 0;
+    for (const MemoryPart& p : setup.model_setup().memory_estimate().parts)
+      if (p.name.rfind("gradients", 0) == 0) estimated = p.bytes;
+    EXPECT_EQ(estimated, static_cast<size_t>(gs.grad_bytes()));
+  });
+}
+
 }  // namespace
 }  // namespace mt
