@@ -756,7 +756,7 @@ bool cudnn_context_applies(const ContextAttentionConfig& c, DType dtype, int64_t
   if (c.block == ContextBlockMask::kCausal && sq != sk) return false;
   if (dtype != DType::kBF16 && dtype != DType::kF16) return false;
   if (!c.doc_start.empty() || c.dropout_p > 0 || c.deterministic) return false;
-  if (c.head_dim % 8 != 0 || c.head_dim > 128) return false;
+  if (c.head_dim % 8 != 0 || c.head_dim > 256 || (c.head_dim > 128 && !sm90_or_newer())) return false;
   for (const void* q : ptrs)
     if (reinterpret_cast<uintptr_t>(q) % 16 != 0) return false;
   return true;
