@@ -168,8 +168,9 @@ class ContextParallelRegion {
   /// compute stream within the attention call, so the pattern is capturable in a CUDA graph. On
   /// the CPU streams run inline and events are no-ops: the ring is sequential, the results the
   /// same. One per region, used by the layers in turn. Errors: mt::Error when p2p_size() == 1.
-  /// The ring stream has the device's greatest priority (StreamPriority::kHigh): NCCL's kernels
-  /// start beside a long attention kernel instead of after all of its queued blocks.
+  /// The ring stream has the device's greatest priority (StreamPriority::kHigh), so that NCCL's
+  /// kernels get SMs as blocks of the attention retire; measured on H200 the exchange is still not
+  /// hidden (docs/benchmarks.md "Context parallelism at long sequences").
   struct Ring {
     Stream stream;
     Event ready, done;

@@ -254,10 +254,13 @@ TEST(ContextAttentionCuda, Errors) {
   st.synchronize();
 }
 
+// d = 8, 2, 1 fp32 values per block: the copy kernels' 16-, 8- and 4-byte words.
 TEST(ContextAttentionCuda, PackUnpackTransposeExact) {
-  const int64_t R = 37, qpg = 3, d = 8;
-  const auto h = testing::randn(R * (qpg + 2) * d);
+  const int64_t R = 37, qpg = 3;
+  for (const int64_t d : {8, 2, 1})
   for (Device dev : {Device::cpu(), Device::cuda(0)}) {
+    SCOPED_TRACE("d " + std::to_string(d) + (dev.is_cpu() ? " on cpu" : " on cuda"));
+    const auto h = testing::randn(R * (qpg + 2) * d);
     const Stream& st = dev.is_cpu() ? testing::cpu_stream() : testing::cuda_stream();
     OwnedTensor qkv = testing::make_tensor(h, DType::kF32, dev, {R, qpg + 2, d}, st);
     OwnedTensor kv(DType::kF32, dev, {R, 2, d}), back = testing::make_tensor(h, DType::kF32, dev, {R, qpg + 2, d}, st);
