@@ -30,7 +30,9 @@
 # training loss of its first and last steps). Exit status 1 when a run fails or our validation
 # loss does not fall.
 # Environment: ITERS (default 30), WARMUP (steps left out of the medians, default 5), REF_ITERS /
-# REF_WARMUP (the reference's, default 12 / 3: transformers' expert loop makes its steps slow), GROUPED
+# REF_WARMUP (the reference's, default 12 / 3: transformers' expert loop makes its steps slow), REF_COMPILE
+# (auto: the whole model, then by region; regional: by region from the start) and REF_COMPILE_S (the
+# compile budget, default 120 s), GROUPED
 # (1: --moe-grouped-gemm, the default; 0: the per-expert cuBLASLt loop), MEGATRON (build/megatron),
 # and for small runs (a CPU check: DEVICE=cpu) LAYERS HIDDEN HEADS FFN MOE_FFN EXPERTS TOPK
 # KV_LORA QK_HEAD QK_POS V_HEAD SEQ MB GB EVAL_ITERS.
@@ -99,7 +101,7 @@ for step in "${steps[@]}"; do
         --heads "$HEADS" --ffn "$FFN" --moe-ffn "$MOE_FFN" --experts "$EXPERTS" --topk "$TOPK" --kv-lora "$KV_LORA" \
         --qk-head "$QK_HEAD" --qk-pos "$QK_POS" --v-head "$V_HEAD" --seq "$SEQ" --micro-batch-size "$MB" \
         --global-batch-size "$GB" --steps "$REF_ITERS" --warmup "$REF_WARMUP" --data data/demo_text_document \
-        --compile-budget-s 120 > "$OUT/dsv3_ref.log" 2>&1
+        --compile "${REF_COMPILE:-auto}" --compile-budget-s "${REF_COMPILE_S:-120}" > "$OUT/dsv3_ref.log" 2>&1
       rc=$?
       grep -E "^(config|data|parameters|compile|reference|step 1 |step $REF_ITERS |FAIL|note)|rror" "$OUT/dsv3_ref.log" |
         cut -c1-300

@@ -106,6 +106,9 @@ def main():
     ap.add_argument("--data", required=True, help="the indexed dataset's prefix (data/demo_text_document)")
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--no-compile", action="store_true", help="eager from the start")
+    ap.add_argument("--compile", choices=("auto", "regional"), default="auto",
+                    help="auto: the whole model first, then by region; regional: by region from the start (the "
+                         "whole model does not compile with transformers 5.17's grouped_mm experts)")
     ap.add_argument("--compile-budget-s", type=float, default=150.0,
                     help="seconds torch.compile may take for the warm-up steps before the run falls back to eager")
     a = ap.parse_args()
@@ -148,7 +151,8 @@ def main():
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
 
     compiled = not a.no_compile
-    step_fn = torch.compile(forward_loss) if compiled else forward_loss
+    whole = compiled and a.compile == "auto"
+    step_fn = torch.compile(forward_loss) if whole else forward_loss
     mode = "compiled" if compiled else "eager"
 
     def regions():
@@ -221,7 +225,7 @@ def main():
             return False
 
     t_compile = time.perf_counter()
-    if compiled and not warm_up("torch.compile of the whole model", a.compile_budget_s):
+    if compiled and not (whole and warm_up("torch.compile of the whole model", a.compile_budget_s)):
         step_fn = forward_loss
         compiled_regions = regions()
         for m in compiled_regions:
