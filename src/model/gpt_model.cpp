@@ -354,6 +354,9 @@ GPTModel::GPTModel(const TransformerConfig& config, int64_t micro_batch, DType d
                      : std::make_shared<ParamStore>(parts_->registry.specs(), dtype, device, param_layout);
     parts_->registry.bind(*params_);
   }
+  if (parts_->mtp)  // sharded parameters: the MTP's uses bracketed as the model's units
+    parts_->mtp->set_use_hook([this](int64_t d, MultiTokenPrediction::Use u, bool backward, bool begin,
+                                     const Stream& st) { mtp_use(d, static_cast<int>(u), backward, begin, st); });
   if (word_embedding_on_last_stage(config_)) {
     word_embedding_index_ = parts_->embedding ? parts_->embedding->word_embeddings().index
                             : parts_->mtp     ? parts_->mtp->word_embedding().index
@@ -536,6 +539,49 @@ void GPTModel::params_end(size_t group, bool head, bool backward, const Stream& 
   hooks_->params_end(first, end, backward, st);
 }
 
+std::pair<size_t, size_t> GPTModel::mtp_depth_range(int64_t d) const {
+  auto [first, end] = parts_->registry.group_range(parts_->mtp->param_group(d));
+  while (first < end && params_->info(first).shared_embedding_copy) ++first;  // read by the embedding use only
+  while (end > first && params_->info(end - 1).shared_embedding_copy) --end;
+  for (size_t i = first; i < end; ++i)
+    MT_CHECK(!params_->info(i).shared_embedding_copy, "MTP depth {}: the word embedding copy '{}' inside its group", d,
+             params_->info(i).name);
+  return {first, end};
+}
+
+void GPTModel::mtp_use(int64_t d, int use, bool backward, bool begin, const Stream& st) {
+  if (hooks_ == nullptr || !hooks_->params_every_use()) return;
+  using Use = MultiTokenPrediction::Use;
+  const MultiTokenPrediction& m = *parts_->mtp;
+  auto one = [](size_t i) { return std::pair<size_t, size_t>{i, i + 1}; };
+  // The ranges of the use, the outer first (the head's shared output layer nested in the depth's
+  // norms, as the main head's tied word embedding).
+  std::pair<size_t, size_t> r[2];
+  size_t n = 1;
+  switch (static_cast<Use>(use)) {
+    case Use::kEmbedding:  // the embedding's, the output layer's (tied, last stage) or the MTP's copy
+      r[0] = one(m.word_embedding().index);
+      break;
+    case Use::kInput:
+      r[0] = mtp_depth_range(d);
+      break;
+    case Use::kLayer:
+      r[0] = parts_->registry.group_range(m.layer(d).param_group());
+      break;
+    case Use::kHead:
+      r[0] = mtp_depth_range(d);
+      r[1] = one(parts_->head->output_weight().index);
+      n = 2;
+      break;
+  }
+  // No next range: the MTP names no prefetch (GradSync keeps the pass's last one, e.g. the head's).
+  if (begin) {
+    for (size_t k = 0; k < n; ++k) hooks_->params_begin(r[k].first, r[k].second, backward, 0, 0, st);
+  } else {
+    for (size_t k = n; k-- > 0;) hooks_->params_end(r[k].first, r[k].second, backward, st);
+  }
+}
+
 Tensor GPTModel::logits(int head) const {
   return parts_->head ? parts_->head->logits(head) : Tensor();
 }
@@ -643,7 +689,7 @@ Tensor GPTModel::forward_chunk(int c, const ChunkBuffers& buf, const MicroBatch&
   mtp_forwarded_.resize(static_cast<size_t>(chunk(c).loss_slots));
   mtp_forwarded_[static_cast<size_t>(buf.head)] = parts_->mtp && dc.training && compute_loss;
   if (!mtp_forwarded_[static_cast<size_t>(buf.head)]) return Tensor();
-  for (int64_t d = 0; d < parts_->mtp->depths(); ++d) {
+  for (int64_t d = 0; d < parts_->mtp->depths(); ++d) {  // (sharded parameters: each use bracketed instead)
     needed(parts_->mtp->param_group(d));
     needed(parts_->mtp->layer(d).param_group());
   }

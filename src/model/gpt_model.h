@@ -201,6 +201,14 @@ class GPTModel final : public LanguageModel {
   static constexpr size_t kNoGroup = SIZE_MAX;
   void params_begin(size_t group, size_t next, bool head, bool backward, const Stream& stream);
   void params_end(size_t group, bool head, bool backward, const Stream& stream);
+  // The multi-token prediction's uses (MultiTokenPrediction::UseHook): params_begin (begin) or
+  // params_end of the parameters depth d's use reads, without a next range; nothing unless the
+  // hooks bracket every use.
+  void mtp_use(int64_t d, int use, bool backward, bool begin, const Stream& stream);
+  // Depth d's group without the last stage's copy of the word embedding it may hold (depth 0 of
+  // an untied model's last stage, first in the group): the input part's and the head's norms and
+  // eh_proj.
+  std::pair<size_t, size_t> mtp_depth_range(int64_t d) const;
   // The " mtp_<k> loss: ... |" part of log_statistics (collective over the world; restarts the sums).
   std::string mtp_statistics(Communicator& world, int64_t iterations, const Stream& stream);
   // Full recompute: the output of layer i of a chunk for activation slot `slot` (its own saved

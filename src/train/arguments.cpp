@@ -838,10 +838,6 @@ void resolve_megatron_fsdp(PretrainArgs& a) {
     MT_REQUIRE(a.model.fp8 == Fp8Format::kNone,
                "--data-parallel-sharding-strategy optim_grads_params with --fp8-format is not built (the FP8 weights "
                "are quantised from whole parameters once per step; docs/fsdp.md)");
-    MT_REQUIRE(a.model.mtp_num_layers == 0,
-               "--data-parallel-sharding-strategy optim_grads_params with --mtp-num-layers {} is not built (the "
-               "multi-token prediction reads the embedding and output layer outside their units)",
-               a.model.mtp_num_layers);
     MT_REQUIRE(!a.use_precision_aware_optimizer,
                "--data-parallel-sharding-strategy optim_grads_params with --use-precision-aware-optimizer is not built "
                "(the int16 remainders split whole bf16 parameters)");

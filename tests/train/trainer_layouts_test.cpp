@@ -776,12 +776,73 @@ TEST_F(TrainerLayouts, MegatronFsdpOptimGradsParams) {
   for (const auto& [bad, msg] : std::vector<std::pair<std::string, std::string>>{
            {" --optimizer muon", "--optimizer muon with --data-parallel-sharding-strategy optim_grads_params"},
            {" --fp8-format hybrid", "optim_grads_params with --fp8-format is not built"},
-           {" --mtp-num-layers 1", "optim_grads_params with --mtp-num-layers 1 is not built"},
            {" --use-precision-aware-optimizer", "with --use-precision-aware-optimizer is not built"},
            {" --overlap-grad-reduce --overlap-param-gather", "drop the flag"},
            {" --cuda-graph-impl full_iteration", "optim_grads_params with --cuda-graph-impl"},
            {" --ddp-copy-engine", "optim_grads_params with --ddp-copy-engine is not built"}})
     expect_error_text([&] { train("--train-iters 1 --nproc-per-node 2" + ogp + bad); }, msg, bad);
+}
+
+// Multi-token prediction under optim_grads_params (docs/fsdp.md "optim_grads_params (ZeRO-3): as
+// built"): the MTP brackets each use of the parameters it reads (the word embedding for its
+// embedding, its norms and eh_proj, its layer, its head with the shared output layer), so a
+// parameter read outside them is an error (ParamStore::param). With one micro-batch per rank the
+// losses, the logged MTP losses, gradient norms and validation losses are bitwise those of optim
+// (DP 4, PP 2 x DP 2 with the MTP on the last stage; tied and untied embeddings: the word embedding
+// is the embedding's, the last stage's copy of the tied one in the head, or the copy the MTP
+// declares; full recompute; two depths; --overlap-grad-reduce); with accumulation (DP 2, PP 2 x
+// DP 2 over 2 micro-batches) within fp32 rounding; checkpoints load across optim and back.
+TEST_F(TrainerLayouts, MegatronFsdpOptimGradsParamsMtp) {
+  const std::string ogp =
+      " --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --ddp-bucket-size 3000";
+  const std::string optim = " --use-distributed-optimizer --overlap-grad-reduce --ddp-bucket-size 3000";
+  const std::string mtp1 = " --position-embedding-type rope --mtp-num-layers 1";
+  const std::string untied = " --untie-embeddings-and-output-weights";
+  const std::string pp2 = " --nproc-per-node 4 --pipeline-model-parallel-size 2";
+  const std::string recompute = " --recompute-granularity full --recompute-method uniform --recompute-num-layers 2";
+  auto expect_same_mtp_losses = [](const TrainingResult& a, const TrainingResult& b, const std::string& what,
+                                   int depths, double rel) {
+    ASSERT_EQ(a.log.size(), b.log.size()) << what;
+    for (size_t i = 0; i < b.log.size(); ++i)
+      for (int k = 1; k <= depths; ++k) {
+        const std::string key = "mtp_" + std::to_string(k) + " loss";
+        const std::string x = testing::logged(a.log[i].line, key), y = testing::logged(b.log[i].line, key);
+        ASSERT_NE(y, "") << what << ": " << b.log[i].line;
+        if (rel == 0)
+          EXPECT_EQ(x, y) << what << " " << key << " at log point " << i;
+        else
+          EXPECT_NEAR(std::stod(x), std::stod(y), rel * std::stod(y)) << what << " " << key << " at log point " << i;
+      }
+  };
+  // One micro-batch per rank: bitwise optim.
+  for (const std::string layout :
+       {"--nproc-per-node 4" + mtp1, "--nproc-per-node 4" + mtp1 + untied,
+        "--nproc-per-node 4" + mtp1 + recompute, std::string("--nproc-per-node 4 --mtp-num-layers 2 --position-embedding-type rope"),
+        "--nproc-per-node 4 --overlap-grad-reduce" + mtp1 + untied,
+        pp2 + " --global-batch-size 4" + mtp1, pp2 + " --global-batch-size 4" + mtp1 + untied,
+        pp2 + " --global-batch-size 4 --overlap-grad-reduce" + mtp1 + untied + recompute}) {
+    SCOPED_TRACE(layout);
+    const TrainingResult a = train("--train-iters 4 " + layout + ogp), b = train("--train-iters 4 " + layout + optim);
+    expect_identical_runs(a, b, layout);
+    expect_same_mtp_losses(a, b, layout, layout.find("--mtp-num-layers 2") != std::string::npos ? 2 : 1, 0);
+  }
+  // Gradient accumulation (2 micro-batches per rank): optim within fp32 rounding, and the
+  // overlapped reduce-scatter bitwise the non-overlapped one.
+  for (const std::string layout : {"--nproc-per-node 2" + mtp1, "--nproc-per-node 2" + mtp1 + untied,
+                                   pp2 + mtp1, pp2 + mtp1 + untied}) {
+    SCOPED_TRACE(layout);
+    const TrainingResult a = train("--train-iters 4 " + layout + ogp);
+    const TrainingResult b = train("--train-iters 4 " + layout + optim);
+    expect_near_one_rank(a, b, layout);
+    expect_same_mtp_losses(a, b, layout, 1, 2e-5);
+    const TrainingResult o = train("--train-iters 4 --overlap-grad-reduce " + layout + ogp);
+    expect_identical_runs(o, a, layout + " overlapped");
+    expect_same_mtp_losses(o, a, layout + " overlapped", 1, 0);
+  }
+  // Checkpoints: optim_grads_params -> optim and optim -> optim_grads_params (untied: the last
+  // stage's copy of the word embedding is not saved).
+  expect_checkpoints_cross_load(mtp1 + untied + ogp, mtp1 + untied + optim, "ogp_mtp");
+  expect_checkpoints_cross_load(mtp1 + ogp, mtp1 + optim, "ogp_mtp_pp2", pp2 + " --global-batch-size 4");
 }
 
 // The interleaved pipeline schedule (--num-layers-per-virtual-pipeline-stage, docs/fsdp.md
@@ -826,13 +887,12 @@ TEST_F(TrainerLayouts, MegatronFsdpInterleavedPipeline) {
     // Llama (an untied output layer, in the loss chunk's bucket) with micro-batch groups of 3 over 5
     // micro-batches per rank: the loss chunk's forward writes the output layer's gradient, and its
     // bucket stays bound across the other chunk's actions until that micro-batch's backward
-    // (docs/fsdp.md "Interleaved pipeline schedule"); under optim_grads also with multi-token
-    // prediction in that chunk (optim_grads_params refuses MTP).
+    // (docs/fsdp.md "Interleaved pipeline schedule"); also with multi-token prediction in that
+    // chunk.
     const std::string groups = " --global-batch-size 20 --microbatch-group-size-per-virtual-pipeline-stage 3";
     for (const std::string mtp : {std::string(), std::string(" --mtp-num-layers 1")}) {
       const TrainingResult ref_l = train("--train-iters 4 --global-batch-size 20" + llama + mtp);
       for (const std::string strategy : {"optim_grads", "optim_grads_params"}) {
-        if (!mtp.empty() && strategy == "optim_grads_params") continue;
         expect_near_one_rank(train("--train-iters 4 " + vpp + llama + mtp + groups + big + strategy), ref_l,
                              strategy + " llama, groups of 3" + mtp);
       }
@@ -1057,7 +1117,8 @@ TEST_F(TrainerLayouts, MegatronFsdpHybridSharding) {
 // validation) with several micro-batches per rank: DP 2, PP 2 x DP 2 (the tied embedding across
 // stages), the interleaved schedule with Llama (untied output layer, whose gradient the loss
 // chunk's forward writes) and full recompute, hybrid sharding (2 instances), the tiny MoE at EP 2 x
-// DP 4 (expert slot), and multi-token prediction (optim_grads; unbracketed writers).
+// DP 4 (expert slot), and multi-token prediction (its uses bracketed; its embedding's backward, an
+// unbracketed writer of the word embedding's gradient).
 TEST_F(TrainerLayouts, MegatronFsdpOverlappedReduceScatter) {
   const std::string fsdp = " --use-megatron-fsdp --ddp-bucket-size 3000 --data-parallel-sharding-strategy ";
   const std::string llama = " --swiglu --ffn-hidden-size 64 --normalization RMSNorm --position-embedding-type rope "
@@ -1072,7 +1133,6 @@ TEST_F(TrainerLayouts, MegatronFsdpOverlappedReduceScatter) {
           "--nproc-per-node 4 --num-distributed-optimizer-instances 2" + gbs16,
           "--nproc-per-node 4 --expert-model-parallel-size 2" + gbs16 + kTinyMoe,
           "--nproc-per-node 2 --mtp-num-layers 1" + llama}) {
-      if (strategy == "optim_grads_params" && layout.find("--mtp") != std::string::npos) continue;  // refused
       SCOPED_TRACE(strategy + ", " + layout);
       const std::string f = "--train-iters 4 " + layout + fsdp + strategy;
       expect_identical_runs(train(f + " --overlap-grad-reduce"), train(f), layout);

@@ -178,7 +178,10 @@ void MultiTokenPrediction::forward(const Tensor& h0, const Tensor& losses, float
     const MicroBatch mb = depth_batch(ctx.batch, d);
     StepContext dctx{mb, ctx.dropout, ctx.slot, ctx.stream, ctx.loss_scale, nullptr};
     dctx.recompute = ctx.recompute;
+    use(d, Use::kEmbedding, false, true, ctx.stream);
     embed(dp, mb, d, S.embedding, dctx);
+    use(d, Use::kEmbedding, false, false, ctx.stream);
+    use(d, Use::kInput, false, true, ctx.stream);
     dp.enorm->forward(norm_e_, rows(S.embedding), dctx);
     dp.hnorm->forward(norm_h_, hidden, dctx);
     const Tensor in = rows(dp.eh_proj->input(ctx.slot));  // [s_l·b, 2h]: [enorm(e); hnorm(h)]
@@ -194,9 +197,14 @@ void MultiTokenPrediction::forward(const Tensor& h0, const Tensor& losses, float
       copy_rows(full.slice(1, tp_.rank() * w, (tp_.rank() + 1) * w), proj_out_, ctx.stream);
       tp_.exit_forward(S.layer_in, full.view({seq_, batch_, h}), ctx.stream);  // without SP: in place
     }
+    use(d, Use::kInput, false, false, ctx.stream);
+    use(d, Use::kLayer, false, true, ctx.stream);
     const Tensor out = dp.layer->forward(S.layer_in, dctx);
+    use(d, Use::kLayer, false, false, ctx.stream);
     const HeadGrad g = grad ? HeadGrad{grad->grad_scale * scale, grad->loss_scale} : HeadGrad{};
+    use(d, Use::kHead, false, true, ctx.stream);
     dp.head->forward(out, losses.flat_range(d, 1), loss_weight, /*compute_loss=*/true, grad ? &g : nullptr, dctx);
+    use(d, Use::kHead, false, false, ctx.stream);
     hidden = dp.head->norm_output(ctx.slot);
   }
 }
@@ -211,8 +219,13 @@ Tensor MultiTokenPrediction::backward(const Tensor& h0, float grad_scale, const 
     const Saved& S = saved_.at(static_cast<size_t>(ctx.slot)).at(static_cast<size_t>(d));
     const MicroBatch mb = depth_batch(ctx.batch, d);
     StepContext dctx{mb, ctx.dropout, ctx.slot, ctx.stream, loss_scale, nullptr};
+    use(d, Use::kHead, true, true, ctx.stream);
     dp.head->backward(grad_, dp.layer->output(ctx.slot), grad_scale * scale, loss_scale, dctx, next);
+    use(d, Use::kHead, true, false, ctx.stream);
+    use(d, Use::kLayer, true, true, ctx.stream);
     dp.layer->backward(S.layer_in, grad_, dctx);  // grad_: dL/d(layer input)
+    use(d, Use::kLayer, true, false, ctx.stream);
+    use(d, Use::kInput, true, true, ctx.stream);
     Tensor dy = grad_;
     if (tp_.size() > 1) {  // the gather's backward: this rank's column block of the full gradient
       const Tensor full = tp_.sequence_parallel() ? proj_full_ : rows(grad_);
@@ -226,9 +239,10 @@ Tensor MultiTokenPrediction::backward(const Tensor& h0, float grad_scale, const 
     copy_rows(norm_e_, dx.slice(1, 0, h), ctx.stream);
     copy_rows(norm_h_, dx.slice(1, h, 2 * h), ctx.stream);
     dp.enorm->backward(rows(embed_grad_), norm_e_, rows(S.embedding), /*accumulate_dx=*/false, dctx);
-    embed_backward(d, mb, embed_grad_, dctx);
     const Tensor hidden = d == 0 ? h0 : depth_[static_cast<size_t>(d - 1)]->head->norm_output(ctx.slot);
     dp.hnorm->backward(rows(hidden_grad_), norm_h_, hidden, /*accumulate_dx=*/false, dctx);
+    use(d, Use::kInput, true, false, ctx.stream);
+    embed_backward(d, mb, embed_grad_, dctx);  // reads no parameter: no use
     next = hidden_grad_;
     done(dp.group);
     done(dp.layer->param_group());

@@ -65,6 +65,18 @@ class MultiTokenPrediction {
   MultiTokenPrediction& operator=(const MultiTokenPrediction&) = delete;
 
   int64_t depths() const { return static_cast<int64_t>(depth_.size()); }
+  /// The parameter uses of a depth, in the order of its forward (the backward runs them in
+  /// reverse): the embedding's lookup of the rolled tokens (reads the word embedding), the input
+  /// part (enorm, hnorm, eh_proj: the depth's group), the transformer layer (its group), the head
+  /// (final_layernorm in the depth's group and the shared output layer). The embedding's backward
+  /// reads no parameter (it only accumulates the word embedding's gradient) and is no use.
+  enum class Use { kEmbedding, kInput, kLayer, kHead };
+  /// Called with begin = true before a use's first kernel is enqueued on `stream` and with begin =
+  /// false after its last (backward: in the backward pass), so that sharded parameters
+  /// (model/param_hooks.h params_every_use) can be gathered for exactly these uses. Uses do not
+  /// nest. Default: none.
+  using UseHook = std::function<void(int64_t depth, Use use, bool backward, bool begin, const Stream& stream)>;
+  void set_use_hook(UseHook hook) { use_hook_ = std::move(hook); }
   /// The word embedding the depths embed with (the one given, or the copy declared).
   const ParamRef& word_embedding() const { return *word_; }
   /// The registry groups of depth d: its norms, eh_proj and final norm; its transformer layer.
@@ -95,8 +107,12 @@ class MultiTokenPrediction {
   MicroBatch depth_batch(const MicroBatch& mb, int64_t d) const;
   void embed(const Depth& dp, const MicroBatch& mb, int64_t d, const Tensor& out, const StepContext& ctx);
   void embed_backward(int64_t d, const MicroBatch& mb, const Tensor& d_out, const StepContext& ctx);
+  void use(int64_t d, Use u, bool backward, bool begin, const Stream& stream) const {
+    if (use_hook_) use_hook_(d, u, backward, begin, stream);
+  }
   const TransformerConfig& config_;
   const TensorParallelRegion& tp_;
+  UseHook use_hook_;
   ParamRef word_copy_;     // declared when no word embedding is given (untied, last stage)
   const ParamRef* word_;   // the given word embedding or word_copy_
   int64_t vocab_start_;
