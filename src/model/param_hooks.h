@@ -24,16 +24,23 @@
 //    implementation reduces each micro-batch's gradients and frees their staging buffers. The tied
 //    word embedding shared across stages is still reported once per step, by the step executor.
 //  * params_every_use() true (sharded parameters, --data-parallel-sharding-strategy
-//    optim_grads_params): every use of a unit's parameters is bracketed by params_begin(first,
-//    end, backward, next_first, next_end) before its first kernel and params_end(first, end,
-//    backward) after its last: a layer's forward, its recomputed forward (backward = true), its
-//    backward; the embedding's forward; the head's forward and backward (with the tied word
-//    embedding's range, no next range, when the head reads it). Between them the parameters are
-//    readable; outside, a staged parameter is not (ParamStore::param raises). Ranges may nest
-//    (the tied embedding inside the head's) but each params_end matches a params_begin.
-//    [next_first, next_end): the parameters the next use of the pass reads (empty: none, or
-//    unknown), which the implementation may start gathering now (prefetch). params_needed is not
-//    called then.
+//    optim_grads_params; and sharded gradients with overlapped reduction, optim_grads or
+//    optim_grads_params with --overlap-grad-reduce, where the brackets tell the implementation
+//    which uses may write a bucket whose reduce-scatter is in flight: GradSync::params_every_use):
+//    every use of a unit's parameters is bracketed by params_begin(first, end, backward,
+//    next_first, next_end) before its first kernel and params_end(first, end, backward) after its
+//    last: a layer's forward, its recomputed forward (backward = true), its backward; the
+//    embedding's forward; the head's forward and backward (with the tied word embedding's range,
+//    no next range, when the head reads it); each multi-token prediction depth's embedding lookup
+//    (the word embedding), its input part (norms, eh_proj), its layer and its head (its final norm
+//    with the shared output layer's weight nested), forward and backward, without next ranges.
+//    The backward brackets cover every gradient write of the parameters they name except those
+//    of the embeddings' backwards (the embedding's, an MTP depth's), which read no parameter and
+//    are not bracketed. Between them the parameters are readable; outside, a staged parameter is
+//    not (ParamStore::param raises). Ranges may nest (the tied embedding inside the head's) but
+//    each params_end matches a params_begin. [next_first, next_end): the parameters the next use
+//    of the pass reads (empty: none, or unknown), which the implementation may start gathering
+//    now (prefetch). params_needed is not called then.
 #pragma once
 #include <cstddef>
 

@@ -82,9 +82,10 @@
 // bucket again: the model brackets every use of a unit's parameters (params_every_use() is true
 // here too), and params_begin retires the in-flight buckets of the unit's range (a backward; also
 // a forward: the output layer's fused loss writes its weight gradient there); a bucket holding a
-// parameter no backward bracket has ever covered (the embedding, whose backward is not
-// bracketed; the multi-token prediction; any caller without brackets) is retired at the report
-// that completes it; (2) when slots run short: after every report and bracket, in-flight
+// parameter no backward bracket has ever covered (the embedding's, whose backward is not
+// bracketed — the word embedding too unless a tied head reads it; the last stage's copy of an untied word embedding, written only by the multi-token
+// prediction's unbracketed embedding backward; any caller without brackets) is retired at the
+// report that completes it; (2) when slots run short: after every report and bracket, in-flight
 // buckets are retired oldest first until the free non-expert slots cover the unbound buckets of
 // the open brackets plus the unbound buckets holding never-bracketed
 // parameters (their writers bind without a hook), and no expert bucket stays in flight while an
