@@ -791,7 +791,8 @@ TEST_F(TrainerLayouts, MegatronFsdpOptimGradsParams) {
 // (DP 4, PP 2 x DP 2 with the MTP on the last stage; tied and untied embeddings: the word embedding
 // is the embedding's, the last stage's copy of the tied one in the head, or the copy the MTP
 // declares; full recompute; two depths; --overlap-grad-reduce); with accumulation (DP 2, PP 2 x
-// DP 2 over 2 micro-batches) within fp32 rounding; checkpoints load across optim and back.
+// DP 2 over 2 micro-batches) within fp32 rounding; checkpoints load across optim and back; the
+// memory estimate counts the allocated gradient and parameter bytes.
 TEST_F(TrainerLayouts, MegatronFsdpOptimGradsParamsMtp) {
   const std::string ogp =
       " --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --ddp-bucket-size 3000";
@@ -843,6 +844,16 @@ TEST_F(TrainerLayouts, MegatronFsdpOptimGradsParamsMtp) {
   // stage's copy of the word embedding is not saved).
   expect_checkpoints_cross_load(mtp1 + untied + ogp, mtp1 + untied + optim, "ogp_mtp");
   expect_checkpoints_cross_load(mtp1 + ogp, mtp1 + optim, "ogp_mtp_pp2", pp2 + " --global-batch-size 4");
+  // Memory: the slot counts need no MTP term; the estimate == the allocated bytes (PP 2, untied:
+  // the last stage holds the MTP's copy of the word embedding).
+  const std::string f = flags("--train-iters 1 --num-layers 8" + pp2 + mtp1 + untied + ogp);
+  run_thread_ranks(4, [&](int, std::shared_ptr<Communicator> world) {
+    TrainingSetup setup(testing::parse_pretrain_args(f), std::move(world), Device::cpu());
+    const GradSync& gs = setup.model_setup().grad_sync();
+    EXPECT_TRUE(gs.params_sharded());
+    EXPECT_EQ(gs.params().param_slots(), gs.params().param_slots_needed());
+    expect_estimate_matches_sync(setup.model_setup().memory_estimate(), gs);
+  });
 }
 
 // The interleaved pipeline schedule (--num-layers-per-virtual-pipeline-stage, docs/fsdp.md
