@@ -353,7 +353,8 @@ TEST(ParallelLayoutsNccl, Bf16LayoutsMatchOneGpu) {
 // over NCCL against one GPU: on 2 GPUs TP 2 (heads split), TP 2 + SP, DP 2 with the distributed
 // optimizer and overlapped reduction, PP 2 (the MTP layer on the last stage), PP 2 × VPP 2 (the
 // interleaved schedule: one layer per model chunk, the MTP layer after the last chunk); on 4 GPUs
-// TP 2 + SP × DP 2, PP 2 × DP 2 and TP 2 + SP × PP 2.
+// TP 2 + SP × DP 2, PP 2 × DP 2 and TP 2 + SP × PP 2; on both, ZeRO-3 over every rank (± the
+// overlapped reduce-scatter).
 TEST(ParallelLayoutsNccl, MlaMtpLayoutsMatchOneGpu) {
   MT_REQUIRE_CUDA();
   if (!gpu_world().comm) GTEST_SKIP() << gpu_world().skip;
@@ -366,6 +367,14 @@ TEST(ParallelLayoutsNccl, MlaMtpLayoutsMatchOneGpu) {
     layouts = {{2, 1, 0, false}, {2, 1, 0, true}, {1, 1, 0, false, true, true}, {1, 2, 0}, {1, 2, 2}};
   } else {
     layouts = {{2, 1, 0, true}, {1, 2, 0}, {2, 2, 0, true}};
+  }
+  // optim_grads_params (ZeRO-3) over every rank, plain and with the reduce-scatter overlapped: the
+  // MTP block brackets the shared embedding and output layer (docs/fsdp.md)
+  for (const bool overlap : {false, true}) {
+    Layout z;
+    z.zero = z.shard_grads = z.shard_params = true;
+    z.overlap = overlap;
+    layouts.push_back(z);
   }
   expect_layouts_match_one_gpu(base, layouts);
 }
