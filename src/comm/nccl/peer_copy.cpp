@@ -1,6 +1,5 @@
 #include "comm/nccl/peer_copy.h"
 
-#include <cuda.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -11,60 +10,9 @@
 
 namespace mt {
 
-namespace {
-
-using WaitValue32 = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
-using WriteValue32 = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
-
-// The stream memory operations are driver API; take them through the runtime's entry-point query
-// so that no binary links libcuda (the CPU-only machines have none).
-struct StreamMemOps {
-  WaitValue32 wait = nullptr;
-  WriteValue32 write = nullptr;
-  static const StreamMemOps& get() {
-    static const StreamMemOps ops = [] {
-      StreamMemOps o;
-      cudaDriverEntryPointQueryResult q1 = cudaDriverEntryPointSuccess, q2 = cudaDriverEntryPointSuccess;
-      MT_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuStreamWaitValue32", reinterpret_cast<void**>(&o.wait), 12000,
-                                                     cudaEnableDefault, &q1));
-      MT_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuStreamWriteValue32", reinterpret_cast<void**>(&o.write),
-                                                     12000, cudaEnableDefault, &q2));
-      MT_REQUIRE(q1 == cudaDriverEntryPointSuccess && q2 == cudaDriverEntryPointSuccess && o.wait && o.write,
-                 "the CUDA driver has no cuStreamWaitValue32 / cuStreamWriteValue32");
-      return o;
-    }();
-    return ops;
-  }
-};
-
-void check_cu(CUresult r, const char* what) {
-  MT_REQUIRE(r == CUDA_SUCCESS, "CUDA driver error {} in {}", static_cast<int>(r), what);
-}
-
-void wait_flag(cudaStream_t s, const uint32_t* flag, uint32_t value) {
-  check_cu(StreamMemOps::get().wait(reinterpret_cast<CUstream>(s), reinterpret_cast<CUdeviceptr>(flag), value,
-                                    CU_STREAM_WAIT_VALUE_GEQ),
-           "cuStreamWaitValue32");
-}
-
-// The write is preceded by a memory fence (no CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER), so a peer
-// that sees the flag also sees the copies enqueued before it on this stream.
-void write_flag(cudaStream_t s, uint32_t* flag, uint32_t value) {
-  check_cu(StreamMemOps::get().write(reinterpret_cast<CUstream>(s), reinterpret_cast<CUdeviceptr>(flag), value,
-                                     CU_STREAM_WRITE_VALUE_DEFAULT),
-           "cuStreamWriteValue32");
-}
-
-// Whether every rank passes ok (an all-gather of one byte each; collective).
-bool all_ok(NcclCommunicator& comm, bool ok, const Stream& stream) {
-  const char mine = ok ? 1 : 0;
-  const std::vector<char> all = all_gather_host(comm, &mine, 1, stream);
-  for (char c : all)
-    if (!c) return false;
-  return true;
-}
-
-}  // namespace
+using peer_ipc::all_ok;
+using peer_ipc::wait_flag;
+using peer_ipc::write_flag;
 
 std::unique_ptr<PeerCopyGroup> PeerCopyGroup::create(const std::shared_ptr<NcclCommunicator>& comm,
                                                      const std::vector<Region>& regions, size_t stage_elems,
@@ -125,52 +73,18 @@ std::unique_ptr<PeerCopyGroup> PeerCopyGroup::create(const std::shared_ptr<NcclC
   MT_CUDA_CHECK(cudaMalloc(&g->own_staging_, 2 * n * stage_elems * sizeof(float)));
   MT_CUDA_CHECK(cudaDeviceSynchronize());
 
-  // Export: flags, staging, then the regions.
+  // Export: flags, staging, then the regions; map every peer's.
   std::vector<void*> exported = {g->own_flags_, g->own_staging_};
   for (const Region& rg : regions) exported.push_back(rg.base);
-  std::vector<cudaIpcMemHandle_t> handles(exported.size());
-  bool ok = true;
   std::string why;
-  for (size_t k = 0; k < exported.size() && ok; ++k) {
-    if (cudaIpcGetMemHandle(&handles[k], exported[k]) != cudaSuccess) {
-      why = fmt::format("cudaIpcGetMemHandle refused: {}", cudaGetErrorString(cudaGetLastError()));
-      ok = false;
-    }
-  }
-  if (!all_ok(*comm, ok, setup)) return refuse(why.empty() ? "a peer could not export its memory" : why);
-  const std::vector<char> all =
-      all_gather_host(*comm, handles.data(), handles.size() * sizeof(cudaIpcMemHandle_t), setup);
-
-  // Map every peer's memory (peer access over NVLink; refused without it).
+  if (!g->mappings_.map(*comm, exported, setup, &why)) return refuse(why);
   g->peer_base_.assign(regions.size(), {});
-  for (int r = 0; r < n && ok; ++r) {
-    for (size_t k = 0; k < exported.size(); ++k) {
-      void* p = exported[k];
-      if (r != g->rank_) {
-        cudaIpcMemHandle_t h;
-        std::memcpy(&h, all.data() + (r * exported.size() + k) * sizeof(cudaIpcMemHandle_t), sizeof(h));
-        if (cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess) != cudaSuccess) {
-          why = fmt::format("cudaIpcOpenMemHandle of rank {}'s memory refused: {}", r,
-                            cudaGetErrorString(cudaGetLastError()));
-          ok = false;
-          break;
-        }
-        g->opened_.push_back(p);
-      }
-      if (k == 0) g->flags_[r] = static_cast<Flags*>(p);
-      else if (k == 1) g->staging_[r] = static_cast<float*>(p);
-      else g->peer_base_[k - 2][r] = p;
-    }
+  for (int r = 0; r < n; ++r) {
+    g->flags_[r] = static_cast<Flags*>(g->mappings_.at(0, r));
+    g->staging_[r] = static_cast<float*>(g->mappings_.at(1, r));
+    for (size_t k = 0; k < regions.size(); ++k) g->peer_base_[k][r] = g->mappings_.at(k + 2, r);
   }
-  if (!all_ok(*comm, ok, setup)) return refuse(why.empty() ? "a peer could not map this rank's memory" : why);
-  if (ok) {
-    try {
-      StreamMemOps::get();
-    } catch (const Error& e) {
-      why = e.what();
-      ok = false;
-    }
-  }
+  const bool ok = peer_ipc::stream_mem_ops_available(&why);
   if (!all_ok(*comm, ok, setup)) return refuse(why.empty() ? "a peer has no stream memory operations" : why);
 
   for (int r = 0; r < n; ++r) {
@@ -200,7 +114,7 @@ PeerCopyGroup::~PeerCopyGroup() {
       if (!quiet) usleep(500);
     }
   }
-  for (void* p : opened_) cudaIpcCloseMemHandle(p);
+  mappings_.close();
   for (cudaStream_t s : peer_streams_)
     if (s) cudaStreamDestroy(s);
   for (cudaEvent_t e : join_ev_)
@@ -233,12 +147,7 @@ void PeerCopyGroup::push(int j, void* dst, const void* src, size_t bytes, uint32
 }
 
 void PeerCopyGroup::check_stream(cudaStream_t s, const char* op) const {
-  cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
-  MT_CUDA_CHECK(cudaStreamIsCapturing(s, &cs));
-  MT_REQUIRE(cs == cudaStreamCaptureStatusNone,
-             "PeerCopyGroup::{} on a stream being captured into a CUDA graph: the flag values are sequence "
-             "numbers counted on the host, so a replayed graph would wait for values already seen",
-             op);
+  peer_ipc::require_not_capturing(s, fmt::format("PeerCopyGroup::{}", op).c_str());
 }
 
 void PeerCopyGroup::check_range(int region, size_t offset_bytes, size_t bytes, const char* op) const {

@@ -27,6 +27,8 @@
 // forked from and joined back into the caller's stream. Each operation is handed to the NCCL
 // watchdog under `watch` (the NCCL communicator of the same group): a peer that dies leaves the
 // flag waits unsatisfied, and the watchdog ends the process after the timeout, naming the group.
+// The IPC mappings and flag operations are comm/nccl/peer_ipc.h's, shared with the
+// context-parallel ring exchange (comm/nccl/peer_ring.h).
 #pragma once
 #include <cuda_runtime.h>
 
@@ -36,6 +38,7 @@
 #include <vector>
 
 #include "comm/nccl/nccl_communicator.h"
+#include "comm/nccl/peer_ipc.h"
 #include "core/dtype.h"
 #include "core/stream.h"
 
@@ -43,7 +46,7 @@ namespace mt {
 
 class PeerCopyGroup {
  public:
-  static constexpr int kMaxRanks = 8;
+  static constexpr int kMaxRanks = peer_ipc::kMaxRanks;
   /// A registered buffer: the base of a cudaMalloc allocation (CUDA IPC exports whole
   /// allocations) and its size in bytes; every rank registers buffers of the same sizes.
   struct Region {
@@ -116,7 +119,7 @@ class PeerCopyGroup {
   std::array<float*, kMaxRanks> staging_{};  // staging_[r]: rank r's staging, mapped here (slots of stage_elems_ fp32)
   void* own_flags_ = nullptr;                // cudaMalloc'd here (Flags)
   void* own_staging_ = nullptr;              // cudaMalloc'd here (2 · N · stage_elems fp32)
-  std::vector<void*> opened_;                // IPC mappings to close
+  peer_ipc::PeerMappings mappings_;          // flags, staging, then the regions of every rank
   std::array<cudaStream_t, kMaxRanks> peer_streams_{};
   cudaEvent_t fork_ev_ = nullptr;
   std::array<cudaEvent_t, kMaxRanks> join_ev_{};
