@@ -6,15 +6,27 @@
 // back without host synchronisation, and the untouched parts of the region must stay untouched.
 // A second group moves chunks of several MiB with each copy split over 3 streams per peer; bf16
 // reduce-scatters must equal bf16(rank-order fp32 sums) bitwise.
+// The ring exchange (comm/nccl/peer_ring.h) is run as the CP attention runs it: a compute stream
+// writes the outgoing blocks and reads what arrived, the ring stream exchanges between a `ready`
+// and a `done` event, two alternating receive buffers (and, every other step, a second transfer
+// into two more), for many consecutive steps with ranks delayed at random (host delays before
+// issuing a step, and host callbacks that stall the compute stream before it reads a received
+// block or writes an outgoing one): every step must receive exactly the previous rank's block of
+// that step, which fails if a sender overwrote a buffer its next rank still read (the "free" flag)
+// or a reader read before the data arrived (the "arrived" flag).
 #include <gtest/gtest.h>
 #include <cuda_runtime.h>
 #include <mpi.h>
 
+#include <unistd.h>
+
+#include <bit>
 #include <cstring>
 #include <random>
 
 #include "comm/bootstrap.h"
 #include "comm/nccl/peer_copy.h"
+#include "comm/nccl/peer_ring.h"
 #include "core/buffer.h"
 #include "testing/testing.h"
 
@@ -212,6 +224,140 @@ TEST(PeerCopy, ReduceScatterAndAllGatherMatchHostBitwise) {
   // bf16: pieces of 2 x 1000 elements, then whole chunks.
   check_bf16(f, 1000);
   check_bf16(f, size_t{1} << 20);
+}
+
+// The stream callback of a delay: sleeps *static_cast<int*>(us) microseconds (the stream stalls).
+void CUDART_CB sleep_us(void* us) { usleep(static_cast<useconds_t>(*static_cast<int*>(us))); }
+
+// `steps` ring steps as the CP attention runs them (see the file comment); pool slices of
+// `bytes_a` (and `bytes_b` for the second transfer) bytes, distinct per rank and slice.
+void check_ring(const Fixture& f, int steps, size_t bytes_a, size_t bytes_b, uint32_t seed) {
+  const int n = f.comm->size(), me = f.comm->rank(), prev = (me + n - 1) % n;
+  SCOPED_TRACE(::testing::Message() << "ring of " << n << ", " << steps << " steps, " << bytes_a << " + " << bytes_b
+                                    << " bytes");
+  constexpr int kSlices = 16;
+  auto slice_byte = [](int r, int slice, int which, size_t k) {
+    return static_cast<char>(std::bit_cast<uint32_t>(value(1000 + 2 * slice + which, r, k)) >> 7);
+  };
+  // The outgoing pools (device) and what every step must receive (host, from prev's pools).
+  Buffer pool_a(f.dev, kSlices * bytes_a), pool_b(f.dev, kSlices * bytes_b);
+  {
+    std::vector<char> ha(kSlices * bytes_a), hb(kSlices * bytes_b);
+    for (int sl = 0; sl < kSlices; ++sl) {
+      for (size_t k = 0; k < bytes_a; ++k) ha[sl * bytes_a + k] = slice_byte(me, sl, 0, k);
+      for (size_t k = 0; k < bytes_b; ++k) hb[sl * bytes_b + k] = slice_byte(me, sl, 1, k);
+    }
+    Stream up(f.dev);
+    copy_bytes(pool_a.data(), f.dev, ha.data(), Device::cpu(), ha.size(), up);
+    copy_bytes(pool_b.data(), f.dev, hb.data(), Device::cpu(), hb.size(), up);
+    up.synchronize();
+  }
+  // Receive buffers: A and B in one allocation (the second at an odd offset, as the planner's
+  // scratch shares one), C and D in another; outgoing buffers alternate too.
+  const size_t off_b = bytes_a + 259;
+  Buffer recv_ab(f.dev, off_b + bytes_a + 64), recv_cd(f.dev, 2 * bytes_b + 512);
+  char* recv_a[2] = {static_cast<char*>(recv_ab.data()), static_cast<char*>(recv_ab.data()) + off_b};
+  char* recv_b[2] = {static_cast<char*>(recv_cd.data()), static_cast<char*>(recv_cd.data()) + bytes_b + 256};
+  Buffer send_a(f.dev, 2 * bytes_a), send_b(f.dev, 2 * bytes_b);
+  Buffer log_a(f.dev, steps * bytes_a), log_b(f.dev, steps * bytes_b);
+  std::string why;
+  auto x = PeerRingExchange::create(f.comm, {recv_a[0], recv_a[1], recv_b[0], recv_b[1]}, &why);
+  ASSERT_TRUE(x) << "copy-engine ring refused: " << why;
+  EXPECT_EQ(x->size(), n);
+  EXPECT_EQ(x->rank(), me);
+
+  // Random delays, fixed before the loop (the callbacks read them while it runs).
+  std::mt19937 rng(seed + 7919u * static_cast<uint32_t>(me));
+  std::vector<int> host_us(steps), read_us(steps), write_us(steps);
+  for (int k = 0; k < steps; ++k) {
+    host_us[k] = rng() % 4 == 0 ? static_cast<int>(rng() % 400) : 0;
+    read_us[k] = rng() % 3 == 0 ? static_cast<int>(rng() % 300) : 0;
+    write_us[k] = rng() % 5 == 0 ? static_cast<int>(rng() % 300) : 0;
+  }
+  Stream cs(f.dev), rs(f.dev, StreamPriority::kHigh);
+  Event ready(f.dev), done(f.dev);
+  const cudaStream_t ccs = static_cast<cudaStream_t>(cs.cuda_stream());
+  f.comm->barrier();
+  for (int k = 0; k < steps; ++k) {
+    const bool two = k % 3 != 0;
+    if (host_us[k] > 0) usleep(static_cast<useconds_t>(host_us[k]));  // this rank issues late
+    // The compute stream writes the outgoing blocks (after the exchange that sent them last: `done`).
+    if (write_us[k] > 0) ASSERT_EQ(cudaLaunchHostFunc(ccs, sleep_us, &write_us[k]), cudaSuccess);
+    char* sa = static_cast<char*>(send_a.data()) + (k % 2) * bytes_a;
+    char* sb = static_cast<char*>(send_b.data()) + (k % 2) * bytes_b;
+    copy_bytes(sa, f.dev, static_cast<char*>(pool_a.data()) + (k % kSlices) * bytes_a, f.dev, bytes_a, cs);
+    if (two) copy_bytes(sb, f.dev, static_cast<char*>(pool_b.data()) + (k % kSlices) * bytes_b, f.dev, bytes_b, cs);
+    ready.record(cs);
+    ready.wait(rs);
+    const PeerRingExchange::Transfer t[2] = {{sa, recv_a[k % 2], bytes_a}, {sb, recv_b[k % 2], bytes_b}};
+    x->exchange(std::span<const PeerRingExchange::Transfer>(t, two ? 2 : 1),
+                static_cast<cudaStream_t>(rs.cuda_stream()));
+    done.record(rs);
+    done.wait(cs);
+    // A slow reader of what arrived: the next step into this buffer must wait for it.
+    if (read_us[k] > 0) ASSERT_EQ(cudaLaunchHostFunc(ccs, sleep_us, &read_us[k]), cudaSuccess);
+    copy_bytes(static_cast<char*>(log_a.data()) + k * bytes_a, f.dev, recv_a[k % 2], f.dev, bytes_a, cs);
+    if (two) copy_bytes(static_cast<char*>(log_b.data()) + k * bytes_b, f.dev, recv_b[k % 2], f.dev, bytes_b, cs);
+  }
+  cs.synchronize();
+  rs.synchronize();
+  EXPECT_EQ(x->exchanges(), static_cast<uint32_t>(steps));
+  std::vector<char> got_a(steps * bytes_a), got_b(steps * bytes_b);
+  copy_bytes(got_a.data(), Device::cpu(), log_a.data(), f.dev, got_a.size(), cs);
+  copy_bytes(got_b.data(), Device::cpu(), log_b.data(), f.dev, got_b.size(), cs);
+  cs.synchronize();
+  int bad_steps = 0;
+  for (int k = 0; k < steps; ++k) {
+    const int sl = k % kSlices;
+    size_t bad = 0;
+    for (size_t i = 0; i < bytes_a; ++i) bad += got_a[k * bytes_a + i] != slice_byte(prev, sl, 0, i);
+    if (k % 3 != 0)
+      for (size_t i = 0; i < bytes_b; ++i) bad += got_b[k * bytes_b + i] != slice_byte(prev, sl, 1, i);
+    if (bad > 0 && bad_steps++ < 5)
+      ADD_FAILURE() << "rank " << me << " step " << k << ": " << bad << " bytes differ from rank " << prev
+                    << "'s block of that step";
+  }
+  EXPECT_EQ(bad_steps, 0) << "rank " << me;
+
+  // Errors, before anything is issued (the sequence numbers stay in step on every rank): a
+  // receive buffer outside the registered allocations, a capturing stream.
+  const PeerRingExchange::Transfer outside[1] = {{recv_a[0], send_a.data(), 16}};
+  EXPECT_THROW(x->exchange(outside, static_cast<cudaStream_t>(rs.cuda_stream())), Error);
+  Stream cap(f.dev);
+  const cudaStream_t ccap = static_cast<cudaStream_t>(cap.cuda_stream());
+  ASSERT_EQ(cudaStreamBeginCapture(ccap, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  const PeerRingExchange::Transfer inside[1] = {{send_a.data(), recv_a[0], 16}};
+  EXPECT_THROW(x->exchange(inside, ccap), Error);
+  cudaGraph_t graph = nullptr;
+  ASSERT_EQ(cudaStreamEndCapture(ccap, &graph), cudaSuccess);
+  if (graph) cudaGraphDestroy(graph);
+  EXPECT_EQ(x->exchanges(), static_cast<uint32_t>(steps));
+  f.comm->barrier();
+}
+
+TEST(PeerCopy, RingExchangeDeliversThePreviousRanksBlocks) {
+  MT_REQUIRE_CUDA();
+  const LaunchEnv env = read_launch_env();
+  if (env.world_size < 2 || env.launcher != LaunchEnv::kMpirun) GTEST_SKIP() << "run under mpiexec -np 2 or 4";
+  int gpus = 0;
+  cudaGetDeviceCount(&gpus);
+  if (gpus < env.world_size) GTEST_SKIP() << "needs " << env.world_size << " GPUs, found " << gpus;
+  Fixture f = setup();
+  ASSERT_TRUE(f.comm) << "the world communicator is not NCCL";
+  uint32_t seed = 12345;
+  if (f.comm->rank() == 0) seed = std::random_device{}();
+  MPI_Bcast(&seed, 1, MPI_UINT32_T, 0, MPI_COMM_WORLD);
+  if (f.comm->rank() == 0) std::printf("ring exchange delays seed %u\n", seed);
+  check_ring(f, 200, 4096 * 3 + 1, 777, seed);                    // small blocks: many steps in flight
+  check_ring(f, 40, size_t{3} << 20, size_t{1} << 20, seed + 1);  // MiB blocks: the copies take a while
+
+  // Receive buffers at different offsets on different ranks: refused on every rank.
+  Buffer r(f.dev, 1 << 16);
+  std::string why;
+  auto x = PeerRingExchange::create(f.comm, {static_cast<char*>(r.data()) + (f.comm->rank() == 0 ? 256 : 0)}, &why);
+  EXPECT_FALSE(x);
+  EXPECT_NE(why.find("different offsets"), std::string::npos) << why;
+  f.comm->barrier();
 }
 
 }  // namespace
