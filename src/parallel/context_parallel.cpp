@@ -1,11 +1,19 @@
 #include "parallel/context_parallel.h"
 
 #include <algorithm>
+#include <array>
+#include <cstdlib>
 
 #include <fmt/ranges.h>
 
 #include "core/check.h"
+#include "core/logging.h"
 #include "core/stream.h"
+
+#ifdef MT_WITH_NCCL
+#include "comm/nccl/nccl_communicator.h"
+#include "comm/nccl/peer_ring.h"
+#endif
 
 namespace mt {
 
@@ -111,6 +119,12 @@ ContextParallelRegion::ContextParallelRegion(std::shared_ptr<Communicator> cp, c
                                              int64_t seq, Device device)
     : cp_(std::move(cp)), opts_(opts), size_(cp_->size()), rank_(cp_->rank()), seq_(seq), device_(device) {
   MT_REQUIRE(opts.size == size_, "--context-parallel-size {} but the CP group has {} ranks", opts.size, size_);
+  if (const char* e = std::getenv("MT_CP_RING"); e != nullptr && *e != '\0') {
+    const std::string v = e;
+    MT_REQUIRE(v == "ce" || v == "nccl",
+               "MT_CP_RING={}: expected ce (the p2p ring's exchanges by copy engines) or nccl (NCCL's send/recv)", v);
+    opts_.ring_copy_engine = v == "ce";
+  }
   const auto [a, p] = opts_.levels();
   if (a == size_) {
     a2a_ = cp_;
@@ -127,7 +141,7 @@ ContextParallelRegion::ContextParallelRegion(std::shared_ptr<Communicator> cp, c
     p2p_ = cp_->split(rank_ % a, rank_ / a, "cp-p2p");
   }
   if (p > 1 && opts_.comm_type != CpCommType::kAllGather)
-    ring_.reset(new Ring{Stream(device, StreamPriority::kHigh), Event(device), Event(device)});
+    ring_.reset(new Ring{Stream(device, StreamPriority::kHigh), Event(device), Event(device), nullptr, false, {}});
   std::vector<int32_t> all;
   for (int r = 0; r < size_; ++r) {
     const auto pr = cp_positions(seq, size_, r);
@@ -149,6 +163,84 @@ ContextParallelRegion::ContextParallelRegion(std::shared_ptr<Communicator> cp, c
 ContextParallelRegion::Ring& ContextParallelRegion::ring() const {
   MT_CHECK(ring_ != nullptr, "the p2p ring of a CP region with p2p size {}", p2p_size());
   return *ring_;
+}
+
+bool ContextParallelRegion::ring_copy_engine_requested() const {
+  return opts_.ring_copy_engine && device_.is_cuda() && ring_ != nullptr;
+}
+
+void ContextParallelRegion::ring_register(const std::vector<Tensor>& recv) const {
+  if (!ring_copy_engine_requested()) return;
+  Ring& r = *ring_;
+  if (r.registered) {
+#ifdef MT_WITH_NCCL
+    if (r.copy_engine)
+      for (const Tensor& t : recv)
+        MT_REQUIRE(t.empty() || r.copy_engine->registered(t.data(), t.nbytes()),
+                   "the CP ring's copy-engine exchange: a receive buffer of {} bytes outside the allocations "
+                   "registered by the first layer (layers of one CP region planned in different planners?)",
+                   t.nbytes());
+#endif
+    return;
+  }
+  r.registered = true;  // collective below: once per region
+#ifdef MT_WITH_NCCL
+  auto nccl = std::dynamic_pointer_cast<NcclCommunicator>(p2p_);
+  if (!nccl) {
+    r.why_not = "the p2p ring is not an NCCL group";
+  } else {
+    std::vector<const void*> ptrs;
+    for (const Tensor& t : recv)
+      if (!t.empty()) ptrs.push_back(t.data());
+    r.copy_engine = PeerRingExchange::create(nccl, ptrs, &r.why_not);
+  }
+#else
+  r.why_not = "built without NCCL";
+#endif
+  if (rank_ == 0) {
+    if (r.copy_engine)
+      log_info("> context parallel: the p2p ring's exchanges by copy-engine transfers ({} ranks)", p2p_size());
+    else
+      log_warn("context parallel: the p2p ring's exchanges stay on NCCL (copy engines asked for): {}", r.why_not);
+  }
+}
+
+bool ContextParallelRegion::ring_uses_copy_engine(const Stream& st) const {
+#ifdef MT_WITH_NCCL
+  return ring_ && ring_->copy_engine && !peer_ipc::is_capturing(static_cast<cudaStream_t>(st.cuda_stream()));
+#else
+  (void)st;
+  return false;
+#endif
+}
+
+void ContextParallelRegion::ring_copy_exchange(std::span<const std::pair<Tensor, Tensor>> send_recv) const {
+#ifdef MT_WITH_NCCL
+  MT_CHECK(ring_ && ring_->copy_engine, "ring_copy_exchange without a copy-engine ring ({})",
+           ring_ ? ring_->why_not : std::string("no p2p ring"));
+  std::array<PeerRingExchange::Transfer, 4> t{};
+  size_t n = 0;
+  for (const auto& [send, recv] : send_recv) {
+    if (send.empty() && recv.empty()) continue;
+    MT_CHECK(send.nbytes() == recv.nbytes(), "ring_copy_exchange: send {} bytes, receive {} bytes", send.nbytes(),
+             recv.nbytes());
+    MT_CHECK(n < t.size(), "ring_copy_exchange: more than {} transfers", t.size());
+    t[n++] = {send.data(), recv.data(), static_cast<size_t>(recv.nbytes())};
+  }
+  ring_->copy_engine->exchange(std::span<const PeerRingExchange::Transfer>(t.data(), n),
+                               static_cast<cudaStream_t>(ring_->stream.cuda_stream()));
+#else
+  (void)send_recv;
+  MT_FAIL("ring_copy_exchange: built without NCCL");
+#endif
+}
+
+int64_t cp_ring_copy_engine_exchanges() {
+#ifdef MT_WITH_NCCL
+  return PeerRingExchange::issued_total();
+#else
+  return 0;
+#endif
 }
 
 Tensor ContextParallelRegion::positions(int first, int count) const {

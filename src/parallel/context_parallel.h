@@ -11,7 +11,9 @@
 // sub-groups and the global positions of every rank's tokens on the device).
 #pragma once
 #include <memory>
+#include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "comm/communicator.h"
@@ -20,6 +22,8 @@
 #include "core/tensor.h"
 
 namespace mt {
+
+class PeerRingExchange;  // comm/nccl/peer_ring.h (CUDA + NCCL builds)
 
 /// --cp-comm-type (Megatron's spellings "p2p", "allgather", "a2a", "a2a+p2p").
 enum class CpCommType : uint8_t {
@@ -38,6 +42,15 @@ struct ContextParallelOptions {
   /// --hierarchical-context-parallel-sizes [a2a, p2p] (a2a+p2p only): a2a · p2p = N; the a2a
   /// groups are a2a consecutive CP ranks, the p2p rings the ranks with the same index in them.
   std::vector<int> hierarchical_sizes;
+  /// The p2p ring's exchanges (p2p and the p2p level of a2a+p2p) by copy-engine transfers between
+  /// the GPUs of one host (comm/nccl/peer_ring.h: cudaMemcpyAsync over NVLink plus flags, no SMs)
+  /// instead of NCCL's send/recv kernels. Megatron has no such flag, so there is no CLI flag:
+  /// benchmarks and tests set it, and the environment variable MT_CP_RING=ce (or =nccl) overrides
+  /// it in every region (ContextParallelRegion's constructor). Where the ring cannot use copy
+  /// engines (other hosts, no peer access, not NCCL, CPU) the region logs why and keeps NCCL;
+  /// exchanges issued while the compute stream is captured into a CUDA graph use NCCL too.
+  /// Default off: built, not yet run on GPUs (docs/parallelism.md "Overlap of the ring").
+  bool ring_copy_engine = false;
   /// Sizes of the two levels: {a2a, p2p} ({1, N} for p2p, {N, 1} for a2a; {1, N} for allgather).
   std::pair<int, int> levels() const;
 };
@@ -121,6 +134,9 @@ class CpRingTrace {
   int used_ = 0;
 };
 
+/// Copy-engine ring exchanges issued by every CP region of the process (tests: which path ran).
+int64_t cp_ring_copy_engine_exchanges();
+
 /// What a trace says about the overlap (pure; tests/parallel/context_parallel_test.cpp):
 /// exchange_ms and compute_ms sum the spans of each kind; exposed_ms is the exchange time outside
 /// every compute span (exchange spans minus the union of compute spans): the time the ring's
@@ -170,12 +186,42 @@ class ContextParallelRegion {
   /// same. One per region, used by the layers in turn. Errors: mt::Error when p2p_size() == 1.
   /// The ring stream has the device's greatest priority (StreamPriority::kHigh), so that NCCL's
   /// kernels get SMs as blocks of the attention retire; measured on H200 the exchange is still not
-  /// hidden (docs/benchmarks.md "Context parallelism at long sequences").
+  /// hidden (docs/benchmarks.md "Context parallelism at long sequences"). With
+  /// ContextParallelOptions::ring_copy_engine the exchanges run as copy-engine transfers on the
+  /// same stream between the same events (ring_register, ring_copy_exchange below).
   struct Ring {
     Stream stream;
     Event ready, done;
+    std::shared_ptr<PeerRingExchange> copy_engine;  // ring_register: created (null: NCCL)
+    bool registered = false;                        // ring_register ran (collectively) once
+    std::string why_not;                            // why copy_engine is null after ring_register
   };
   Ring& ring() const;
+  /// Whether the copy-engine exchange was asked for (ContextParallelOptions::ring_copy_engine or
+  /// MT_CP_RING=ce) on a CUDA device with a p2p ring of more than one rank.
+  bool ring_copy_engine_requested() const;
+  /// The copy-engine exchange's setup: this rank's receive buffers of the ring (a layer's K/V and
+  /// dK/dV receive tensors). With ring_copy_engine_requested(), the first call is collective over
+  /// the p2p ring: it registers the cudaMalloc allocations holding them (PeerRingExchange::create;
+  /// the CP attention calls it from its placing plan(), which every ring rank runs in the same
+  /// order, with buffers at the same offsets of the BufferPlanner's allocation), or logs why it
+  /// cannot (then every exchange stays on NCCL). Later calls check, locally, that the buffers lie in
+  /// the registered allocations. Nothing when not requested. Errors (mt::Error): a later buffer
+  /// outside the registered allocations (layers planned in different planners).
+  void ring_register(const std::vector<Tensor>& recv) const;
+  /// Whether the exchange issued next beside compute stream `st` runs on copy engines: registered
+  /// and `st` not being captured into a CUDA graph (captured exchanges use NCCL: the copy-engine
+  /// flags carry sequence numbers counted on the host, which a replay would repeat). Every ring rank
+  /// gets the same answer as long as all capture the same steps.
+  bool ring_uses_copy_engine(const Stream& st) const;
+  /// One ring step by copy engines on ring().stream (after the caller's `ready` wait, before its
+  /// `done` record): every `send` (any tensor) goes into the next ring rank's tensor corresponding
+  /// to this rank's `recv` (same bytes; registered), and `recv` receives the previous rank's.
+  /// Empty pairs are skipped. Errors (mt::Error): ring_uses_copy_engine() false; send and recv of
+  /// different byte sizes; a recv outside the registered allocations.
+  void ring_copy_exchange(std::span<const std::pair<Tensor, Tensor>> send_recv) const;
+  /// Why the copy-engine exchange is not in use after ring_register (empty: in use, or not asked).
+  std::string ring_copy_engine_why_not() const { return ring_ ? ring_->why_not : std::string(); }
   /// Benchmarks: the trace the layers record into (nullptr: none, the default).
   void set_trace(CpRingTrace* trace) { trace_ = trace; }
   CpRingTrace* trace() const { return trace_; }

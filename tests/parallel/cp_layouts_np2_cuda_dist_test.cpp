@@ -21,10 +21,25 @@
 // cuDNN's execution count proves which path ran: in a fused run every block of the ring (forward
 // and backward) runs on cuDNN where it applies (2 · iterations · micro-batches · layers · ring
 // steps executions; MLA's head dim 192 on Hopper and newer only), in the fallback cases none.
+//
+// CopyEngineRingMatchesNcclRing: the p2p ring with its exchanges by copy-engine transfers
+// (ContextParallelOptions::ring_copy_engine, selected here through MT_CP_RING=ce since the model
+// builds its region from the configuration) against the same layout on NCCL's send/recv
+// (MT_CP_RING=nccl): the exchange only moves bytes, so where the NCCL ring reproduces itself
+// bitwise run to run (always under --deterministic-mode; cuDNN's and the kernels' default
+// backwards and the embedding's atomics may not) the copy-engine run must equal it bitwise, losses
+// and every gradient; otherwise the first iteration's loss (forward only) must, and the gradients
+// agree within the bf16 bound. Both are also compared with one GPU as above. The process-wide
+// count of copy-engine exchanges proves which path ran: 2P per layer and micro-batch (P − 1
+// forward, P + 1 backward) for the copy-engine runs, none for the NCCL ones. The cases cover
+// flash and fused blocks, GQA and MHA, documents, four layers (the protocol's acknowledgements
+// across layers, micro-batches and two iterations) and, under -np 4, a2a+p2p (2 x 2).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 #include <mpi.h>
 
+#include <cstdlib>
+#include <cstring>
 #include <map>
 
 #include "comm/bootstrap.h"
@@ -54,11 +69,17 @@ struct Case {
   bool docs = false;         // --reset-attention-mask + --reset-position-ids
   float dropout = 0.f;       // --attention-dropout
   bool mla = false;          // --multi-latent-attention (with gqa false: MLA gives every head its keys)
-  bool cudnn_blocks() const { return fused && type != "allgather" && !docs && dropout == 0.f; }
-  std::string reference_key() const { return fmt::format("{}{}{}{}{}", fused, gqa, docs, dropout, mla); }
+  int64_t layers = 2;        // --num-layers
+  bool deterministic = false;    // --deterministic-mode (the blocks then run on the kernels)
+  std::vector<int> hierarchical; // --hierarchical-context-parallel-sizes (a2a+p2p)
+  bool cudnn_blocks() const { return fused && type != "allgather" && !docs && dropout == 0.f && !deterministic; }
+  std::string reference_key() const {
+    return fmt::format("{}{}{}{}{}{}{}", fused, gqa, docs, dropout, mla, layers, deterministic);
+  }
   std::string name() const {
-    return fmt::format("{}_{}{}{}{}", type, fused ? "fused" : "flash", gqa ? "_gqa" : mla ? "_mla" : "_mha",
-                       docs ? "_docs" : "", dropout > 0.f ? "_dropout" : "");
+    return fmt::format("{}_{}{}{}{}{}{}", type, fused ? "fused" : "flash", gqa ? "_gqa" : mla ? "_mla" : "_mha",
+                       docs ? "_docs" : "", dropout > 0.f ? "_dropout" : "",
+                       layers != 2 ? fmt::format("_{}layers", layers) : "", deterministic ? "_deterministic" : "");
   }
 };
 
@@ -71,7 +92,9 @@ Case mla_case(const char* type, bool fused) {
 
 TransformerConfig config(const Case& z) {
   TransformerConfig c;
-  c.num_layers = 2;
+  c.num_layers = z.layers;
+  c.deterministic_mode = z.deterministic;
+  c.hierarchical_context_parallel_sizes = z.hierarchical;
   c.hidden_size = z.gqa || z.mla ? 1024 : 256;
   // head dim 64; GQA as the Llama-style 1.18B (4 queries per group); MLA: 8 heads of 192 (packed)
   c.num_attention_heads = z.gqa ? 16 : z.mla ? 8 : 4;
@@ -131,6 +154,7 @@ struct RunResult {
   std::vector<double> losses;
   std::map<std::string, std::vector<float>> grads;
   int64_t cudnn_executions = 0;
+  int64_t ring_copy_engine_exchanges = 0;
 };
 
 // `world` of size CP (or one GPU): 2 iterations of the model on this rank's share of the data.
@@ -139,6 +163,10 @@ RunResult train(const std::shared_ptr<Communicator>& world, const Case& z, DType
   const int64_t sl = kSeq / cp;
   ModelSetupOptions o;
   o.model = config(z);
+  if (cp == 1) {  // the one-GPU reference: no CP levels
+    o.model.cp_comm_type = "p2p";
+    o.model.hierarchical_context_parallel_sizes.clear();
+  }
   if (dtype == DType::kF32) o.model.attention_backend = AttentionBackend::kFlash;  // cuDNN has no fp32
   o.parallel.cp = cp;
   o.num_microbatches = kMicro;
@@ -175,7 +203,7 @@ RunResult train(const std::shared_ptr<Communicator>& world, const Case& z, DType
   OwnedTensor loss(DType::kF32, dev, {1});
   RunResult res;
   st.synchronize();
-  const int64_t before = cuda::cudnn_attention_executions();
+  const int64_t before = cuda::cudnn_attention_executions(), ce_before = cp_ring_copy_engine_exchanges();
   for (int it = 0; it < kIters; ++it) {
     fill(loss, 0.f, st);
     train_step(model, setup.executor(), setup.train_plan(), setup.optimizer(), mbs, {99, it, 1e-3f, 0, 1}, loss, st);
@@ -184,6 +212,7 @@ RunResult train(const std::shared_ptr<Communicator>& world, const Case& z, DType
   }
   st.synchronize();
   res.cudnn_executions = cuda::cudnn_attention_executions() - before;
+  res.ring_copy_engine_exchanges = cp_ring_copy_engine_exchanges() - ce_before;
   const ParamStore& P = model.params();
   for (size_t i = 0; i < P.size(); ++i) {
     if (P.info(i).shape.size() != 2) continue;  // weight matrices (norm weights: within "all")
@@ -288,6 +317,123 @@ TEST(ContextParallelNccl, Bf16LayoutsMatchOneGpu) {
         EXPECT_LT(e, std::max(2e-2, 3 * ref.noise_all)) << name << " against the flash CP run";
       }
     }
+  }
+}
+
+// MT_CP_RING=value while in scope (the CP region reads it at construction), then as before.
+class RingEnv {
+ public:
+  explicit RingEnv(const char* value) {
+    if (const char* v = std::getenv("MT_CP_RING")) old_ = v, had_ = true;
+    setenv("MT_CP_RING", value, 1);
+  }
+  ~RingEnv() {
+    if (had_) setenv("MT_CP_RING", old_.c_str(), 1);
+    else unsetenv("MT_CP_RING");
+  }
+
+ private:
+  std::string old_;
+  bool had_ = false;
+};
+
+bool bitwise_equal(const RunResult& a, const RunResult& b, std::string* first_difference) {
+  for (size_t i = 0; i < a.losses.size(); ++i)
+    if (std::memcmp(&a.losses[i], &b.losses[i], sizeof(double)) != 0) {
+      *first_difference = fmt::format("loss of iteration {}: {:.9g} vs {:.9g}", i, a.losses[i], b.losses[i]);
+      return false;
+    }
+  for (const auto& [name, g] : a.grads) {
+    const std::vector<float>& h = b.grads.at(name);
+    if (g.size() != h.size() || std::memcmp(g.data(), h.data(), g.size() * sizeof(float)) != 0) {
+      *first_difference = fmt::format("gradient {} (rel err {:.2e})", name, testing::rel_err(g, h));
+      return false;
+    }
+  }
+  return true;
+}
+
+TEST(ContextParallelNccl, CopyEngineRingMatchesNcclRing) {
+  MT_REQUIRE_CUDA();
+  const LaunchEnv env = read_launch_env();
+  if ((env.world_size != 2 && env.world_size != 4) || env.launcher != LaunchEnv::kMpirun) {
+    std::fprintf(stderr, "SKIPPED: cp_layouts_np2_cuda_dist_test runs under mpiexec -np 2 (or 4), one rank per GPU\n");
+    GTEST_SKIP() << "run under mpiexec -np 2 or -np 4";
+  }
+  int gpus = 0;
+  cudaGetDeviceCount(&gpus);
+  if (gpus < env.world_size) GTEST_SKIP() << "needs " << env.world_size << " GPUs, found " << gpus;
+  const Device dev = local_device(DeviceType::kCUDA, env);
+  set_current_device(dev);
+  auto world = init_world(dev, env, 5.0);
+  const int cp = world->size();
+  std::vector<Case> cases;
+  {
+    Case z{"p2p", false, true, true};  // flash blocks, GQA, documents, deterministic, four layers
+    z.deterministic = true;
+    z.layers = 4;
+    cases.push_back(z);
+  }
+  cases.push_back(Case{"p2p", true});          // cuDNN blocks, GQA
+  cases.push_back(Case{"p2p", true, true, true});  // documents: the kernels' default backward
+  {
+    Case z{"p2p", false, false};  // MHA, flash, deterministic
+    z.deterministic = true;
+    cases.push_back(z);
+  }
+  if (cp == 4) {  // a2a+p2p: all-to-alls in pairs, the copy-engine ring across them
+    Case z{"a2a+p2p", false, true, true};
+    z.deterministic = true;
+    z.hierarchical = {2, 2};
+    cases.push_back(z);
+    Case f{"a2a+p2p", true};
+    f.hierarchical = {2, 2};
+    cases.push_back(f);
+  }
+  const auto one = std::make_shared<SingleRankCommunicator>("one");
+  for (const Case& z : cases) {
+    Data D = make_data(z.docs);
+    for (auto* v : {&D.tokens, &D.labels})
+      MPI_Bcast(v->data(), static_cast<int>(v->size()), MPI_INT32_T, 0, MPI_COMM_WORLD);
+    const RunResult ref = train(one, z, DType::kBF16, dev, D), ref32 = train(one, z, DType::kF32, dev, D);
+    const double noise = all_rel_err(ref.grads, ref32.grads), bound = std::max(2e-2, 3 * noise);
+    RunResult nccl[2], ce;
+    for (RunResult& r : nccl) {
+      RingEnv e("nccl");
+      r = train(world, z, DType::kBF16, dev, D);
+    }
+    {
+      RingEnv e("ce");
+      ce = train(world, z, DType::kBF16, dev, D);
+    }
+    const std::string name = fmt::format("cp{}_{}{}_ce", cp, z.name(), z.hierarchical.empty() ? "" : "_2x2");
+    const int p = z.hierarchical.empty() ? cp : z.hierarchical[1];
+    const int64_t want = int64_t{kIters} * kMicro * z.layers * 2 * p;
+    EXPECT_EQ(ce.ring_copy_engine_exchanges, want) << name << ": copy-engine exchanges (0: refused, see the log)";
+    EXPECT_EQ(nccl[0].ring_copy_engine_exchanges, 0) << name;
+    // Against one GPU, as the layouts above.
+    for (int it = 0; it < kIters; ++it)
+      EXPECT_NEAR(ce.losses[it], ref.losses[it], 2e-3 * ref.losses[it]) << name << " iteration " << it;
+    const double eg = all_rel_err(ce.grads, ref.grads);
+    EXPECT_LT(eg, bound) << name << " against one GPU (bf16 noise " << noise << ")";
+    // Against the NCCL ring: bitwise where that reproduces itself.
+    std::string diff;
+    const bool reproducible = bitwise_equal(nccl[0], nccl[1], &diff);
+    if (z.deterministic) EXPECT_TRUE(reproducible) << name << ": --deterministic-mode runs differ: " << diff;
+    if (reproducible) {
+      EXPECT_TRUE(bitwise_equal(ce, nccl[0], &diff)) << name << ": the copy-engine ring differs from NCCL's: " << diff;
+    } else {
+      std::printf("[%s] NOTE: the NCCL ring is not reproducible run to run (%s): compared within the bf16 bound\n",
+                  name.c_str(), diff.c_str());
+      EXPECT_EQ(std::memcmp(&ce.losses[0], &nccl[0].losses[0], sizeof(double)), 0)
+          << name << ": first loss " << ce.losses[0] << " vs NCCL ring " << nccl[0].losses[0];
+      EXPECT_LT(all_rel_err(ce.grads, nccl[0].grads), bound) << name << " against the NCCL ring";
+    }
+    std::printf("[%s] rank %d: loss %.6f vs NCCL ring %.6f vs one GPU %.6f, gradients rel err %.2e to one GPU, %s, "
+                "%lld copy-engine exchanges\n",
+                name.c_str(), world->rank(), ce.losses.back(), nccl[0].losses.back(), ref.losses.back(), eg,
+                reproducible ? "bitwise checked" : "NCCL not reproducible",
+                static_cast<long long>(ce.ring_copy_engine_exchanges));
   }
 }
 

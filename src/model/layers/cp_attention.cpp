@@ -70,7 +70,12 @@ void ContextParallelAttention::plan(BufferPlanner& p, int64_t s, int64_t b) {
     kv_[k] = p.scratch(fmt::format("cp_attention.kv{}", k), t, {rows, b, groups_a_, 2, d_});
     dkv_[k] = p.scratch(fmt::format("cp_attention.dkv{}", k), t, {rows, b, groups_a_, 2, d_});
   }
-  if (!all && p2p_ > 1) dkv_recv_ = p.scratch("cp_attention.dkv_recv", t, {sa, b, groups_a_, 2, d_});
+  if (!all && p2p_ > 1) {
+    dkv_recv_ = p.scratch("cp_attention.dkv_recv", t, {sa, b, groups_a_, 2, d_});
+    // The ring's receive buffers (kv_ alternate as send and receive buffers): registered for the
+    // copy-engine exchange where asked for (collective over the ring on the region's first call).
+    if (p.placing()) cp_.ring_register({kv_[0], kv_[1], dkv_recv_});
+  }
 }
 
 ContextAttentionConfig ContextParallelAttention::op_config(const Tensor& q_pos, const Tensor& k_pos,
@@ -169,17 +174,23 @@ void ContextParallelAttention::exchange(const Tensor& send, const Tensor& recv, 
   ContextParallelRegion::Ring& ring = cp_.ring();
   Communicator& group = cp_.p2p_group();
   const int n = group.size(), r = group.rank();
+  const bool copy_engine = cp_.ring_uses_copy_engine(st);  // not while `st` is captured
   ring.ready.record(st);
   ring.ready.wait(ring.stream);
   CpRingTrace* trace = cp_.trace();
   const int span = trace ? trace->begin(CpRingTrace::Kind::kExchange, ring.stream) : -1;
-  group.group_start();
-  for (const auto& [out, in] : {std::pair{send, recv}, std::pair{dsend, drecv}}) {
-    if (out.empty()) continue;
-    group.send(out, (r + 1) % n, ring.stream);
-    group.recv(in, (r + n - 1) % n, ring.stream);
+  const std::pair<Tensor, Tensor> pairs[2] = {{send, recv}, {dsend, drecv}};
+  if (copy_engine) {
+    cp_.ring_copy_exchange(pairs);
+  } else {
+    group.group_start();
+    for (const auto& [out, in] : pairs) {
+      if (out.empty()) continue;
+      group.send(out, (r + 1) % n, ring.stream);
+      group.recv(in, (r + n - 1) % n, ring.stream);
+    }
+    group.group_end();
   }
-  group.group_end();
   if (trace) trace->end(span, ring.stream);
   ring.done.record(ring.stream);
 }

@@ -10,7 +10,9 @@
 //              the second local chunk sees it (all of it): half a block each. Backward: the same
 //              ring, dK/dV travel with their block and arrive back at the owner after N steps; a
 //              block's sum so far is received while this rank computes its part, and sent on during
-//              the next step, so only the last exchange is not overlapped.
+//              the next step, so only the last exchange is not overlapped. The exchanges are NCCL
+//              send/recv, or copy-engine transfers with ContextParallelOptions::ring_copy_engine
+//              (comm/nccl/peer_ring.h; kv_ and dkv_recv_ registered at plan(); not while captured).
 //   allgather  K/V all-gathered (rank order), one attention call; dK/dV reduce-scattered.
 //   a2a        Ulysses (Jacobs et al. 2023): all-to-all from [s/N, b, g_l] to [s, b, g_l/N] query
 //              groups (qkv), full-sequence attention over the local heads, all-to-all back.
@@ -73,7 +75,9 @@ class ContextParallelAttention final : public CoreAttention {
   void ring_backward(const Saved& sv, const Tensor& out, const Tensor& dout, const Tensor& dq, const Tensor& doc,
                      const StepContext& ctx);
   /// One ring step on the p2p ring's stream (ContextParallelRegion::Ring), after the work queued
-  /// on `st`: send → next rank and recv ← previous rank, for each pair given (empty = skipped).
+  /// on `st`: send → next rank and recv ← previous rank, for each pair given (empty = skipped); by
+  /// NCCL send/recv, or by copy engines where the region has them (ring_uses_copy_engine: the
+  /// receive buffers kv_ and dkv_recv_ were registered by plan(); the same bytes arrive).
   void exchange(const Tensor& send, const Tensor& recv, const Tensor& dsend, const Tensor& drecv,
                 const Stream& st) const;
   void exchange_wait(const Stream& st) const;  ///< `st` waits for the last exchange
