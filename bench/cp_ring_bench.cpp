@@ -2,8 +2,13 @@
 // bf16, micro-batch 1, the attention of the Llama-style 1.18B model (32 heads of 64 in 8 query
 // groups; --heads/--groups/--dim to change):
 //   mpiexec --allow-run-as-root -np 2 build/cp_ring_bench [--seqs 32768,65536,131072]
-//       [--types p2p,a2a] [--backend fused|flash] [--iters 5] [--min-hidden 0.5]
-// Per (sequence, comm type), as ContextParallelAttention runs in training (model/layers/cp_attention.h):
+//       [--types p2p,a2a] [--ring nccl,ce] [--backend fused|flash] [--iters 5] [--min-hidden 0.5]
+// --ring: how the p2p ring exchanges its blocks, a row for each value given (a2a rows have no ring):
+//   nccl  NCCL's send/recv kernels on the ring stream;
+//   ce    copy-engine transfers (ContextParallelOptions::ring_copy_engine, comm/nccl/peer_ring.h);
+//         where the region cannot use them (no peer access, ...) the row says so and is skipped.
+// (The environment variable MT_CP_RING overrides the option in every region: leave it unset.)
+// Per (sequence, comm type, ring), as ContextParallelAttention runs in training (model/layers/cp_attention.h):
 //   fwd / bwd ms   the layer's forward and backward (median of --iters after 3 warm-ups, CUDA
 //                  events on the compute stream, max over ranks);
 //   compute ms     the block attention alone (CpRingTrace: events around every ring step's blocks);
@@ -11,7 +16,9 @@
 //   other ms       fwd + bwd − compute − exposed: packing, merges and, for a2a, the all-to-alls;
 //   alone ms       the same communication timed without compute: the ring's schedule of
 //                  sends/receives (p2p: P−1 K/V exchanges forward; backward P−1 K/V, P−1 dK/dV and
-//                  the final dK/dV home), or the a2a's four all-to-alls;
+//                  the final dK/dV home) by the row's mechanism (NCCL send/recv, or a
+//                  PeerRingExchange of its own on buffers of the same sizes), or the a2a's four
+//                  all-to-alls;
 //   hidden         p2p: 1 − exposed / alone, the fraction of the ring's communication the overlap
 //                  hides. Serialised with the compute it is ~0; overlapped, everything but the final
 //                  dK/dV exchange home is hidden: (3P − 3)/(3P − 2) of the exchanges, 3/4 at CP 2;
@@ -32,6 +39,8 @@
 #include "bench_dist.h"
 #include "bench_util.h"
 #include "comm/bootstrap.h"
+#include "comm/nccl/nccl_communicator.h"
+#include "comm/nccl/peer_ring.h"
 #include "core/buffer.h"
 #include "model/gpt_model.h"
 #include "model/layers/cp_attention.h"
@@ -52,6 +61,7 @@ using bench::timed;
 struct Options {
   std::vector<int64_t> seqs{32768, 65536, 131072};
   std::vector<std::string> types{"p2p", "a2a"};
+  std::vector<std::string> rings{"nccl", "ce"};
   bool fused = true;
   int iters = 5;
   double min_hidden = 0.5;
@@ -60,10 +70,21 @@ struct Options {
 
 struct Row {
   double fwd = 0, bwd = 0, compute = 0, exposed = 0, alone = 0, one_gpu = 0;
+  std::string skipped;  // why the row was not run (copy engines refused)
 };
 
+std::vector<std::string> split_list(const std::string& list) {
+  std::vector<std::string> out;
+  for (std::string t = list; !t.empty();) {
+    const size_t k = t.find(',');
+    out.push_back(t.substr(0, k));
+    t = k == std::string::npos ? "" : t.substr(k + 1);
+  }
+  return out;
+}
+
 Row bench_one(const Options& opt, const std::shared_ptr<Communicator>& world, Device dev, int64_t s,
-              const std::string& type) {
+              const std::string& type, const std::string& ring_kind) {
   const int cp = world->size();
   const int64_t sl = s / cp, d = opt.dim, n = opt.heads, g = opt.groups, qpg = n / g;
   TransformerConfig c;
@@ -75,7 +96,9 @@ Row bench_one(const Options& opt, const std::shared_ptr<Communicator>& world, De
   c.attention_dropout = 0.f;
   const bool cudnn = opt.fused && flash_attention_cudnn_available();
   Stream st(dev);
-  const ContextParallelOptions o = GPTModel::validate_context_parallel(c, cp, 1);
+  ContextParallelOptions o = GPTModel::validate_context_parallel(c, cp, 1);
+  const bool ce = ring_kind == "ce";
+  o.ring_copy_engine = ce;
   ContextParallelRegion region(world, o, s, dev);
   TensorParallelRegion tp(std::make_shared<SingleRankCommunicator>("tp"), false);
   ContextParallelAttention attn(c, 0, tp, region, cudnn);
@@ -87,6 +110,12 @@ Row bench_one(const Options& opt, const std::shared_ptr<Communicator>& world, De
     planner.close_area();
     if (pass == 0) planner.materialize();
   }
+  Row r;
+  if (ce && region.p2p_size() > 1 && !region.ring_uses_copy_engine(st)) {  // refused (agreed over the ring)
+    r.skipped = region.ring_copy_engine_why_not();
+    return r;
+  }
+  const int64_t ce_before = cp_ring_copy_engine_exchanges();
   const int64_t width = g * (qpg + 2) * d;
   Buffer bx(dev, sl * width * 2), bdx(dev, sl * width * 2), bo(dev, sl * n * d * 2), bdo(dev, sl * n * d * 2);
   const Tensor x = bx.as(DType::kBF16, {sl, 1, g, qpg + 2, d}), dx = bdx.as(DType::kBF16, {sl, 1, g, qpg + 2, d});
@@ -97,7 +126,6 @@ Row bench_one(const Options& opt, const std::shared_ptr<Communicator>& world, De
   DropoutContext dc;
   dc.training = false;
   const StepContext ctx{mb, dc, 0, st};
-  Row r;
   r.fwd = timed(*world, st, opt.iters, [&] { attn.forward(out, x, ctx); });
   r.bwd = timed(*world, st, opt.iters, [&] { attn.backward(dx, dout, out, x, ctx); });
   // One traced iteration: block compute and exposed exchange time (max over ranks).
@@ -115,6 +143,8 @@ Row bench_one(const Options& opt, const std::shared_ptr<Communicator>& world, De
     exposed += ov.exposed_ms;
   }
   region.set_trace(nullptr);
+  if (ce && region.p2p_size() > 1)
+    MT_REQUIRE(cp_ring_copy_engine_exchanges() > ce_before, "cp_ring_bench: --ring ce ran no copy-engine exchange");
   r.compute = max_over(*world, static_cast<float>(compute), st);
   r.exposed = max_over(*world, static_cast<float>(exposed), st);
   // The communication alone, same sizes and schedule.
@@ -126,7 +156,26 @@ Row bench_one(const Options& opt, const std::shared_ptr<Communicator>& world, De
     const Tensor k0 = b0.as(DType::kBF16, {kv_elems}), k1 = b1.as(DType::kBF16, {kv_elems}),
                  k2 = b2.as(DType::kBF16, {kv_elems}), k3 = b3.as(DType::kBF16, {kv_elems});
     const int next = (ring.rank() + 1) % p, prev = (ring.rank() + p - 1) % p;
+    // --ring ce: the same protocol on the same sizes, by an exchange of its own (p2p: the ring is
+    // the whole CP group, `world`).
+    std::unique_ptr<PeerRingExchange> x;
+    if (ce) {
+      auto nccl = std::dynamic_pointer_cast<NcclCommunicator>(world);
+      MT_REQUIRE(nccl && p == cp, "cp_ring_bench: --ring ce times the ring of --types p2p over NCCL");
+      std::string why;
+      x = PeerRingExchange::create(nccl, {b1.data(), b3.data()}, &why);
+      MT_REQUIRE(x != nullptr, "cp_ring_bench: the copy-engine exchange alone was refused: {}", why);
+    }
     auto step = [&](bool kv, bool dkv) {
+      if (x) {
+        const size_t bytes = static_cast<size_t>(kv_elems) * 2;
+        PeerRingExchange::Transfer t[2];
+        size_t n = 0;
+        if (kv) t[n++] = {b0.data(), b1.data(), bytes};
+        if (dkv) t[n++] = {b2.data(), b3.data(), bytes};
+        x->exchange(std::span<const PeerRingExchange::Transfer>(t, n), static_cast<cudaStream_t>(st.cuda_stream()));
+        return;
+      }
       ring.group_start();
       if (kv) {
         ring.send(k0, next, st);
@@ -188,13 +237,11 @@ int bench_main(int argc, char** argv) {
     const std::string a = argv[i];
     const char* v = argv[i + 1];
     if (a == "--seqs") opt.seqs = parse_list(v);
-    else if (a == "--types") {
-      opt.types.clear();
-      for (std::string t = v; !t.empty();) {
-        const size_t k = t.find(',');
-        opt.types.push_back(t.substr(0, k));
-        t = k == std::string::npos ? "" : t.substr(k + 1);
-      }
+    else if (a == "--types") opt.types = split_list(v);
+    else if (a == "--ring") {
+      opt.rings = split_list(v);
+      for (const std::string& k : opt.rings)
+        MT_REQUIRE(k == "nccl" || k == "ce", "--ring {}: expected nccl or ce (comma-separated)", k);
     } else if (a == "--backend") {
       MT_REQUIRE(std::string(v) == "fused" || std::string(v) == "flash", "--backend {}: expected fused or flash", v);
       opt.fused = std::string(v) == "fused";
@@ -217,34 +264,42 @@ int bench_main(int argc, char** argv) {
     fmt::print("CP {} attention layer, bf16, b = 1, {} heads of {} in {} groups, blocks on {}\n", cp, opt.heads,
                opt.dim, opt.groups,
                opt.fused && flash_attention_cudnn_available() ? "cuDNN (fused)" : "the FlashAttention-2 kernels");
-    fmt::print("{:>7} {:>5} | {:>8} {:>8} {:>8} | {:>9} {:>9} {:>8} {:>8} {:>7} | {:>9} {:>7}\n", "seq", "type",
-               "fwd ms", "bwd ms", "TF/s/GPU", "compute", "exposed", "other", "alone", "hidden", "1 GPU ms",
-               "speedup");
+    fmt::print("{:>7} {:>5} {:>4} | {:>8} {:>8} {:>8} | {:>9} {:>9} {:>8} {:>8} {:>7} | {:>9} {:>7}\n", "seq",
+               "type", "ring", "fwd ms", "bwd ms", "TF/s/GPU", "compute", "exposed", "other", "alone", "hidden",
+               "1 GPU ms", "speedup");
   }
   bool ok = true;
   for (const int64_t s : opt.seqs)
-    for (const std::string& type : opt.types) {
-      const Row r = bench_one(opt, world, dev, s, type);
-      const double total = r.fwd + r.bwd;
-      const double flops = 2.0 * opt.heads * static_cast<double>(s) * s * opt.dim * 3.5 / cp;
-      const double other = total - r.compute - r.exposed;
-      const bool ring = type == "p2p";
-      const double hidden = ring && r.alone > 0 ? 1.0 - r.exposed / r.alone : NAN;
-      if (root) {
-        fmt::print("{:>7} {:>5} | {:>8.2f} {:>8.2f} {:>8.1f} | {:>9.2f} {:>9.3f} {:>8.2f} {:>8.3f} {:>6.0f}% | {:>9.2f} "
-                   "{:>6.2f}x\n",
-                   s, type, r.fwd, r.bwd, flops / total * 1e-9, r.compute, r.exposed, other, r.alone,
-                   ring ? 100 * hidden : NAN, r.one_gpu, r.one_gpu / total);
-        std::fflush(stdout);
+    for (const std::string& type : opt.types)
+      for (const std::string& ring_kind : opt.rings) {
+        const bool ring = type == "p2p";
+        if (!ring && ring_kind != opt.rings.front()) continue;  // no ring: one row
+        const Row r = bench_one(opt, world, dev, s, type, ring ? ring_kind : "nccl");
+        if (!r.skipped.empty()) {
+          if (root)
+            fmt::print("{:>7} {:>5} {:>4} | skipped: the copy-engine ring was refused: {}\n", s, type, ring_kind,
+                       r.skipped);
+          continue;
+        }
+        const double total = r.fwd + r.bwd;
+        const double flops = 2.0 * opt.heads * static_cast<double>(s) * s * opt.dim * 3.5 / cp;
+        const double other = total - r.compute - r.exposed;
+        const double hidden = ring && r.alone > 0 ? 1.0 - r.exposed / r.alone : NAN;
+        if (root) {
+          fmt::print("{:>7} {:>5} {:>4} | {:>8.2f} {:>8.2f} {:>8.1f} | {:>9.2f} {:>9.3f} {:>8.2f} {:>8.3f} {:>6.0f}% | "
+                     "{:>9.2f} {:>6.2f}x\n",
+                     s, type, ring ? ring_kind : "-", r.fwd, r.bwd, flops / total * 1e-9, r.compute, r.exposed, other,
+                     r.alone, ring ? 100 * hidden : NAN, r.one_gpu, r.one_gpu / total);
+          std::fflush(stdout);
+        }
+        if (ring && !(hidden >= opt.min_hidden)) {
+          ok = false;
+          if (root)
+            fmt::print("FAIL: seq {} p2p ({}) hides {:.0f}% of its ring communication (exposed {:.3f} ms of {:.3f} ms "
+                       "alone), below --min-hidden {:.0f}%: the ring is serialised with the compute\n",
+                       s, ring_kind, 100 * hidden, r.exposed, r.alone, 100 * opt.min_hidden);
+        }
       }
-      if (ring && !(hidden >= opt.min_hidden)) {
-        ok = false;
-        if (root)
-          fmt::print("FAIL: seq {} p2p hides {:.0f}% of its ring communication (exposed {:.3f} ms of {:.3f} ms "
-                     "alone), below --min-hidden {:.0f}%: the ring is serialised with the compute\n",
-                     s, 100 * hidden, r.exposed, r.alone, 100 * opt.min_hidden);
-      }
-    }
   if (root && ok) fmt::print("overlap check passed: every p2p row hides >= {:.0f}% of its ring communication\n",
                              100 * opt.min_hidden);
   return ok ? 0 : 1;
