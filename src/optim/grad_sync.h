@@ -222,6 +222,12 @@ class GradSync final : public ParamGradHooks {
   ParamStore::Range owned_range(size_t bucket) const;
   /// Sum of the owned ranges' lengths (total / DP with the distributed optimizer).
   int64_t owned_elements() const { return owned_elements_; }
+  /// The communication stream (inline on CPU), for the optimizer step's own collectives between
+  /// finish_grad_sync and start_param_sync (MuonStep's all-gathers and broadcasts over group()):
+  /// nothing of this object's is in flight then, and what the caller enqueues here runs before
+  /// the overlapped parameter all-gathers, which start_param_sync enqueues after it. The caller
+  /// orders it against its own stream with events and makes its stream wait before returning.
+  const Stream& comm_stream() const { return comm_; }
 
   /// Start of a step (Megatron's DistributedDataParallel.zero_grad_buffer): zeroes the fp32
   /// gradients on `stream` (ParamStore::zero_grads: the grad_overwrite parameters' first writes

@@ -4,6 +4,7 @@
 #include <array>
 #include <cmath>
 #include <numeric>
+#include <tuple>
 
 #include <fmt/ranges.h>
 
@@ -261,16 +262,6 @@ MuonStep::MuonStep(ParamStore& params, GradSync& sync, const MuonConfig& config,
   }
   for (size_t i : muon_params_)
     if (owner_[i] == (params_.info(i).expert ? my_expert : my_dense)) mine_.push_back(i);
-  if (sync_.distributed()) {
-    for (size_t b = 0; b < params_.buckets().size(); ++b) {
-      const ParamBucket& bk = params_.buckets()[b];
-      for (size_t i = bk.param_begin; i < bk.param_end; ++i)
-        if (owner_[i] >= 0) {
-          gather_buckets_.push_back(b);
-          break;
-        }
-    }
-  }
   // Units of the owned matrices and the workspace sizes.
   MuonWorkspace ws;
   for (size_t i : mine_) {
@@ -281,6 +272,7 @@ MuonStep::MuonStep(ParamStore& params, GradSync& sync, const MuonConfig& config,
     for (size_t k = first; k < units_.size(); ++k) units_[k].tp = units_[k].split_dim >= 0 ? group : nullptr;
   }
   batches_ = plan_batches(units_, ws);
+  plan_pipeline(my_dense, my_expert);
   const Device dev = params_.device();
   ns_ = std::make_unique<NewtonSchulz>(dev, dev.is_cuda() ? DType::kBF16 : DType::kF32, ws.ns, ws.gram, stream);
   auto f32 = [&](int64_t n) { return Buffer(dev, static_cast<size_t>(std::max<int64_t>(n, 1)) * 4); };
@@ -403,6 +395,125 @@ MuonMemory muon_memory(const std::vector<ParamSpec>& specs, const MuonConfig& co
   return m;
 }
 
+int MuonStep::last_gather(const std::vector<size_t>& batch, const std::vector<Unit>& units,
+                          const std::vector<int>& param_pos) {
+  int last = -1;
+  for (size_t j : batch) last = std::max(last, param_pos[units[j].param]);
+  return last;
+}
+
+std::vector<std::vector<size_t>> MuonStep::order_batches(std::vector<std::vector<size_t>> batches,
+                                                         const std::vector<Unit>& units,
+                                                         const std::vector<int>& param_pos) {
+  std::stable_sort(batches.begin(), batches.end(), [&](const auto& x, const auto& y) {
+    return last_gather(x, units, param_pos) < last_gather(y, units, param_pos);
+  });
+  return batches;
+}
+
+void MuonStep::plan_pipeline(int my_dense, int my_expert) {
+  if (!sync_.distributed()) {  // no traffic of Muon's own: the batches on the compute stream
+    for (size_t k = 0; k < batches_.size(); ++k) program_.push_back({Op::kBatch, k});
+    return;
+  }
+  const auto& bks = params_.buckets();
+  const Device dev = params_.device();
+  // All-gather order: the buckets holding Muon matrices over groups of 2+ ranks, ascending
+  // parameters (the last bucket first), the order plan_batches meets them in.
+  gather_pos_.assign(bks.size(), -1);
+  std::vector<int> param_pos(params_.size(), -1);
+  for (size_t b = bks.size(); b-- > 0;) {
+    const ParamBucket& bk = bks[b];
+    bool muon = false;
+    for (size_t i = bk.param_begin; i < bk.param_end; ++i) muon = muon || owner_[i] >= 0;
+    if (!muon || sync_.group(bk).size() < 2) continue;
+    gather_pos_[b] = static_cast<int>(gather_buckets_.size());
+    for (size_t i = bk.param_begin; i < bk.param_end; ++i) param_pos[i] = gather_pos_[b];
+    gather_buckets_.push_back(b);
+    gathered_.push_back(std::make_unique<Event>(dev));
+  }
+  batches_ = order_batches(std::move(batches_), units_, param_pos);
+  // Estimated finish time of every matrix on its owner (cumulated NS FLOPs of the owner's
+  // batches in run order), from global shapes only: the same on every rank. (A rank owning
+  // dense and expert matrices runs both in one plan; the estimate plans each kind alone.)
+  std::vector<double> finish(params_.size(), 0.0);
+  for (const bool expert : {false, true}) {
+    Communicator* tp = expert ? etp_.get() : tp_.get();
+    const int tp_size = tp ? tp->size() : 1;
+    const int owners = (expert ? sync_.edp() : sync_.dp())->size();
+    for (int o = 0; o < owners; ++o) {
+      std::vector<Unit> units;
+      MuonWorkspace ws;
+      for (size_t i : muon_params_)
+        if (params_.info(i).expert == expert && owner_[i] == o)
+          plan_units(params_.info(i), i, config_, tp_size, units, ws);
+      double t = 0;
+      for (const auto& batch : order_batches(plan_batches(units, ws), units, param_pos)) {
+        for (size_t j : batch) t += ns_step_flops(units[j], config_, tp_size);
+        for (size_t j : batch) finish[units[j].param] = t;
+      }
+    }
+  }
+  // Broadcasts in one global order; a run of one owner's matrices finishing together is a group.
+  std::vector<size_t> bc;
+  for (size_t i : muon_params_)
+    if (sync_.group(bks[params_.bucket_of(i)]).size() > 1) bc.push_back(i);
+  auto key = [&](size_t i) { return std::tuple(finish[i], params_.info(i).expert, owner_[i]); };
+  std::sort(bc.begin(), bc.end(), [&](size_t x, size_t y) { return std::tuple(key(x), x) < std::tuple(key(y), y); });
+  for (size_t n = 0; n < bc.size(); ++n) {
+    if (n == 0 || key(bc[n]) != key(bc[n - 1])) bcasts_.push_back({params_.info(bc[n]).expert, owner_[bc[n]], {}});
+    bcasts_.back().params.push_back(bc[n]);
+  }
+  // The program: every all-gather first (they depend on the momentum only), then the batches,
+  // each broadcast issued as soon as its matrices' batches are (this rank's) or at once (others').
+  std::vector<int> done_at(params_.size(), -1);  // the batch completing each own matrix
+  for (size_t k = 0; k < batches_.size(); ++k)
+    for (size_t j : batches_[k]) done_at[units_[j].param] = static_cast<int>(k);
+  batch_done_.resize(batches_.size());
+  for (size_t b : gather_buckets_) program_.push_back({Op::kAllGather, b});
+  size_t next = 0;
+  int gather_waited = -1, batch_waited = -1;
+  auto issue_broadcasts = [&](int done) {  // batches [0, done] issued
+    for (; next < bcasts_.size(); ++next) {
+      const Broadcast& g = bcasts_[next];
+      if (g.root == (g.expert ? my_expert : my_dense)) {
+        int need = -1;
+        for (size_t i : g.params) need = std::max(need, done_at[i]);
+        MT_CHECK(need >= 0, "MuonStep: broadcast of parameter {} from this rank, which orthogonalises it in no batch",
+                 g.params[0]);
+        if (need > done) return;
+        if (need > batch_waited) {
+          program_.push_back({Op::kCommWaitsBatch, static_cast<size_t>(need)});
+          if (!batch_done_[need]) batch_done_[need] = std::make_unique<Event>(dev);
+          batch_waited = need;
+        }
+      }
+      program_.push_back({Op::kBroadcast, next});
+    }
+  };
+  issue_broadcasts(-1);
+  for (size_t k = 0; k < batches_.size(); ++k) {
+    const int last = last_gather(batches_[k], units_, param_pos);
+    if (last > gather_waited) {
+      program_.push_back({Op::kComputeWaitsGather, gather_buckets_[static_cast<size_t>(last)]});
+      gather_waited = last;
+    }
+    program_.push_back({Op::kBatch, k});
+    issue_broadcasts(static_cast<int>(k));
+  }
+  issue_broadcasts(static_cast<int>(batches_.size()));
+  MT_CHECK(next == bcasts_.size(), "MuonStep: {} of {} broadcasts planned", next, bcasts_.size());
+  start_ = std::make_unique<Event>(dev);
+  end_ = std::make_unique<Event>(dev);
+}
+
+std::vector<size_t> MuonStep::batch_params(size_t k) const {
+  MT_REQUIRE(k < batches_.size(), "MuonStep::batch_params: batch {} of {}", k, batches_.size());
+  std::vector<size_t> out;
+  for (size_t j : batches_[k]) out.push_back(units_[j].param);
+  return out;
+}
+
 int MuonStep::owner_of(size_t i) const {
   MT_REQUIRE(i < owner_.size() && owner_[i] >= 0, "MuonStep::owner_of: parameter {} is not a Muon parameter", i);
   return owner_[i];
@@ -485,28 +596,56 @@ void MuonStep::step(const Tensor& grads, const Tensor& momentum, const Tensor& s
     const Tensor g = grads.flat_range(pc.begin, pc.n);
     muon_momentum(g, g, momentum.flat_range(pc.state, pc.n), config_.momentum, config_.nesterov, scalars, stream);
   }
-  // Distributed optimizer: every rank's owned U slices to every rank of the bucket's group.
+  // The program (plan_pipeline): with the distributed optimizer every rank's owned U slices go
+  // to every rank of the bucket's group and each orthogonalised matrix from its owner back to
+  // the group, on the communication stream beside the batches (CPU: inline, in program order).
+  const bool piped = start_ != nullptr;
+  const Stream& comm = piped ? sync_.comm_stream() : stream;
+  if (piped) {
+    start_->record(stream);
+    start_->wait(comm);
+  }
   const auto& bks = params_.buckets();
-  for (size_t b : gather_buckets_) {
-    Communicator& g = sync_.group(bks[b]);
-    if (g.size() < 2) continue;
-    const ParamStore::Range own = sync_.owned_range(b);
-    g.all_gather(grads.flat_range(bks[b].begin, bks[b].numel()), grads.flat_range(own.begin, own.end - own.begin),
-                 stream);
-  }
-  for (const auto& batch : batches_) {
-    if (batch.size() == 1) {
-      orthogonalise(units_[batch[0]], grads, stream);
-    } else {
-      orthogonalise_batch(batch, grads, stream);
+  for (const Op& op : program_) {
+    switch (op.kind) {
+      case Op::kAllGather: {
+        const ParamBucket& bk = bks[op.index];
+        const ParamStore::Range own = sync_.owned_range(op.index);
+        sync_.group(bk).all_gather(grads.flat_range(bk.begin, bk.numel()),
+                                   grads.flat_range(own.begin, own.end - own.begin), comm);
+        gathered_[static_cast<size_t>(gather_pos_[op.index])]->record(comm);
+        break;
+      }
+      case Op::kComputeWaitsGather:
+        gathered_[static_cast<size_t>(gather_pos_[op.index])]->wait(stream);
+        break;
+      case Op::kBatch: {
+        const auto& batch = batches_[op.index];
+        if (batch.size() == 1) {
+          orthogonalise(units_[batch[0]], grads, stream);
+        } else {
+          orthogonalise_batch(batch, grads, stream);
+        }
+        if (piped && batch_done_[op.index]) batch_done_[op.index]->record(stream);
+        break;
+      }
+      case Op::kCommWaitsBatch:
+        batch_done_[op.index]->wait(comm);
+        break;
+      case Op::kBroadcast: {
+        const Broadcast& g = bcasts_[op.index];
+        Communicator& c = sync_.group(bks[params_.bucket_of(g.params[0])]);
+        if (g.params.size() > 1) c.group_start();
+        for (size_t i : g.params)
+          c.broadcast(grads.flat_range(params_.info(i).offset, params_.info(i).numel), g.root, comm);
+        if (g.params.size() > 1) c.group_end();
+        break;
+      }
     }
   }
-  // ... and each orthogonalised matrix from its owner back to the group.
-  if (sync_.distributed()) {
-    for (size_t i : muon_params_) {
-      Communicator& g = sync_.group(bks[params_.bucket_of(i)]);
-      if (g.size() > 1) g.broadcast(grads.flat_range(params_.info(i).offset, params_.info(i).numel), owner_[i], stream);
-    }
+  if (piped) {  // the update reads the broadcast gradients
+    end_->record(comm);
+    end_->wait(stream);
   }
 }
 

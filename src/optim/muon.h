@@ -18,6 +18,7 @@
 
 #include "comm/communicator.h"
 #include "core/buffer.h"
+#include "core/stream.h"
 #include "model/params.h"
 
 namespace mt {
@@ -149,6 +150,27 @@ struct MuonPiece {
 /// --muon-tp-mode; with the distributed optimizer each whole Muon matrix is orthogonalised by one
 /// data-parallel rank (greedy balance of the NS FLOPs) after the momentum of the owned slices
 /// is all-gathered, and broadcast from it. Statically planned at construction.
+///
+/// Pipelining (distributed optimizer; docs/optimizer.md "Pipelining Muon's traffic"): the
+/// all-gathers of U and the broadcasts run on GradSync's communication stream beside the
+/// Newton-Schulz batches on the compute stream, in a program planned once (program()):
+///   1. the communication stream waits for the momentum (an event on the compute stream), then
+///      all-gathers the Muon buckets in the order the batches read them (ascending parameters:
+///      descending bucket index), an event after each;
+///   2. the batches run in that order too (plan_batches' batches stably sorted by the last
+///      bucket they read; each matrix's iteration is independent, so no value changes), each
+///      after the compute stream waited for the all-gather of the last bucket it reads;
+///   3. the broadcasts are issued in one order on every rank (by the estimated finish time of
+///      the matrix on its owner: the cumulated NS FLOPs of the owner's batches, computed from
+///      global shapes; then expert, owner, parameter), one NCCL group per run of matrices of one
+///      owner finishing together, each after an event of the batch that completed its matrices
+///      on the owner, as soon as the host has issued that batch;
+///   4. the compute stream waits for the communication stream before step() returns (the
+///      update reads the broadcast gradients; start_param_sync follows on either stream).
+/// The order of the collectives on every communicator is therefore the same on every rank (a
+/// total order of all ranks' collectives: no deadlock, also on CPU ranks where collectives
+/// block). Without the distributed optimizer everything runs on the compute stream in
+/// plan_batches' order.
 class MuonStep {
  public:
   /// tp, etp: the tensor-parallel groups of the dense and the expert parameters (nullptr = size
@@ -178,9 +200,44 @@ class MuonStep {
   /// ws's staging for the batches' QKV components.
   static std::vector<std::vector<size_t>> plan_batches(const std::vector<Unit>& units, MuonWorkspace& ws);
 
+  /// One instruction of the step's program (see "Pipelining" above), in host issue order.
+  struct Op {
+    enum Kind : uint8_t {
+      kAllGather,           ///< communication stream: all-gather of U over bucket `index`, then an event
+      kComputeWaitsGather,  ///< compute stream waits for the all-gather of bucket `index`
+      kBatch,               ///< compute stream: Newton-Schulz batch `index` (batches()), then an event
+      kCommWaitsBatch,      ///< communication stream waits for batch `index`
+      kBroadcast,           ///< communication stream: broadcast group `index` (broadcasts())
+    };
+    Kind kind;
+    size_t index;
+  };
+  /// Matrices broadcast together (one NCCL group) from data-parallel rank `root` of the group of
+  /// their buckets (GradSync::group: the expert-data-parallel group when `expert`).
+  struct Broadcast {
+    bool expert = false;
+    int root = 0;
+    std::vector<size_t> params;  ///< ParamStore indices
+  };
+  /// The program step() runs after the momentum (tests; planned at construction).
+  const std::vector<Op>& program() const { return program_; }
+  const std::vector<Broadcast>& broadcasts() const { return bcasts_; }
+  /// Parameters whose matrices (or QKV components) Newton-Schulz batch k computes, in run order.
+  std::vector<size_t> batch_params(size_t k) const;
+
  private:
   void orthogonalise(const Unit& u, const Tensor& grads, const Stream& stream);
   void orthogonalise_batch(const std::vector<size_t>& batch, const Tensor& grads, const Stream& stream);
+  // Orders the batches, plans the broadcasts and the program (distributed optimizer; else the
+  // batches alone); my_dense / my_expert: this rank in the DP / EDP group.
+  void plan_pipeline(int my_dense, int my_expert);
+  // The batches in run order: stably sorted by the all-gather position (param_pos, per
+  // parameter; -1 not gathered) of the last bucket each reads.
+  static std::vector<std::vector<size_t>> order_batches(std::vector<std::vector<size_t>> batches,
+                                                        const std::vector<Unit>& units,
+                                                        const std::vector<int>& param_pos);
+  static int last_gather(const std::vector<size_t>& batch, const std::vector<Unit>& units,
+                         const std::vector<int>& param_pos);
 
   ParamStore& params_;
   GradSync& sync_;
@@ -192,7 +249,12 @@ class MuonStep {
   std::vector<std::vector<size_t>> batches_;  // units_ indices orthogonalised together (equal shapes)
   std::vector<size_t> muon_params_, mine_;  // every Muon parameter; those this rank orthogonalises
   std::vector<int> owner_;                  // per ParamStore index: owning DP rank, -1 = not Muon
-  std::vector<size_t> gather_buckets_;      // buckets holding Muon parameters (distributed)
+  std::vector<size_t> gather_buckets_;      // buckets holding Muon parameters over 2+ ranks, in all-gather order
+  std::vector<int> gather_pos_;             // per bucket: its position in gather_buckets_, -1 none
+  std::vector<Op> program_;
+  std::vector<Broadcast> bcasts_;
+  std::vector<std::unique_ptr<Event>> gathered_, batch_done_;  // per gather position; per batch (or null)
+  std::unique_ptr<Event> start_, end_;      // momentum done (compute); broadcasts done (communication)
   std::unique_ptr<NewtonSchulz> ns_;
   Buffer stage_, gather_, full_;
 };

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <mutex>
 #include <regex>
 #include <sstream>
 #include <unistd.h>
@@ -449,6 +450,165 @@ TEST(MuonDataParallel, DistributedOptimizerMatchesOneRank) {
   });
 }
 
+
+// `layers` decoder layers of layer_specs (the embedding first, the output layer last), with or
+// without the experts.
+std::vector<ParamSpec> multi_layer_specs(int layers, bool experts) {
+  const std::vector<ParamSpec> one = layer_specs(1, 0);
+  std::vector<ParamSpec> s{one.front()};
+  for (int l = 0; l < layers; ++l)
+    for (size_t i = 1; i + 1 < one.size(); ++i) {
+      ParamSpec p = one[i];
+      if (p.expert && !experts) continue;
+      p.name = "decoder.layers." + std::to_string(l) + p.name.substr(std::string("decoder.layers.0").size());
+      s.push_back(p);
+    }
+  s.push_back(one.back());
+  return s;
+}
+
+// The checks of PipelinedProgram (below) on one parameter list.
+void expect_pipelined_program(const std::vector<ParamSpec>& specs) {
+  const OptimizerConfig oc = opt_config();
+  std::vector<std::vector<float>> ref;
+  {
+    const Stream& st = testing::cpu_stream();
+    ParamStore P(specs, DType::kF32, Device::cpu());
+    P.initialize(11, st);
+    AdamWOptimizer opt(P, oc, st);
+    for (int s = 0; s < 2; ++s) {
+      set_grads(P, s, 1.f, st);
+      opt.step(0.02f, st);
+    }
+    ref = global_params(P, st);
+  }
+  for (const int dp : {2, 4}) {
+    SCOPED_TRACE("DP " + std::to_string(dp));
+    std::vector<std::vector<std::string>> collectives(static_cast<size_t>(dp));
+    std::vector<size_t> computed(specs.size(), 0);
+    std::mutex mu;
+    run_thread_ranks(dp, [&](int rank, std::shared_ptr<Communicator> world) {
+      Stream st;
+      ParamStore P(specs, DType::kF32, Device::cpu(), ParamLayout{dp, 400});
+      P.initialize(11, st);
+      DdpConfig dc;
+      dc.use_distributed_optimizer = true;
+      dc.overlap_grad_reduce = true;
+      GradSync sync(P, world, dc);
+      AdamWOptimizer opt(sync, oc, st, {});
+      const MuonStep& m = *opt.muon();
+      const auto& bks = P.buckets();
+      std::vector<int> gather_pos(bks.size(), -1), done_at(P.size(), -1);
+      std::vector<std::string>& seq = collectives[static_cast<size_t>(rank)];
+      int gathered = 0, gather_waited = -1, batch_waited = -1, batches = 0, last_batch_op = -1, first_bcast_op = -1;
+      int last_read_prev = -1, first_wait = -1;
+      size_t prev_bucket = 0;
+      for (size_t n = 0; n < m.program().size(); ++n) {
+        const MuonStep::Op& op = m.program()[n];
+        switch (op.kind) {
+          case MuonStep::Op::kAllGather: {
+            EXPECT_EQ(batches, 0) << "all-gather after a batch";
+            if (gathered > 0) EXPECT_LT(op.index, prev_bucket) << "all-gathers not in descending bucket order";
+            prev_bucket = op.index;
+            bool muon = false;
+            for (size_t i = bks[op.index].param_begin; i < bks[op.index].param_end; ++i)
+              muon = muon || is_muon_parameter(P.info(i));
+            EXPECT_TRUE(muon) << "bucket " << op.index;
+            gather_pos[op.index] = gathered++;
+            seq.push_back("ag " + std::to_string(op.index));
+            break;
+          }
+          case MuonStep::Op::kComputeWaitsGather:
+            ASSERT_GE(gather_pos[op.index], 0);
+            EXPECT_GT(gather_pos[op.index], gather_waited);
+            gather_waited = gather_pos[op.index];
+            if (first_wait < 0) first_wait = gather_waited;
+            break;
+          case MuonStep::Op::kBatch: {
+            EXPECT_EQ(static_cast<int>(op.index), batches) << "batches out of order";
+            int last_read = -1;
+            for (size_t i : m.batch_params(op.index)) {
+              const int pos = gather_pos[P.bucket_of(i)];
+              EXPECT_LE(pos, gather_waited) << P.info(i).name << ": batch before its all-gather was waited for";
+              last_read = std::max(last_read, pos);
+              done_at[i] = batches;
+              std::lock_guard<std::mutex> lock(mu);
+              ++computed[i];  // once per unit: Q, K and V of linear_qkv
+            }
+            EXPECT_GE(last_read, last_read_prev) << "batch " << op.index;
+            last_read_prev = last_read;
+            last_batch_op = static_cast<int>(n);
+            ++batches;
+            break;
+          }
+          case MuonStep::Op::kCommWaitsBatch:
+            EXPECT_LT(static_cast<int>(op.index), batches) << "waits for a batch not issued";
+            EXPECT_GT(static_cast<int>(op.index), batch_waited);
+            batch_waited = static_cast<int>(op.index);
+            break;
+          case MuonStep::Op::kBroadcast: {
+            const MuonStep::Broadcast& g = m.broadcasts()[op.index];
+            std::string s = fmt::format("bc {} {}", g.expert, g.root);
+            for (size_t i : g.params) {
+              EXPECT_EQ(m.owner_of(i), g.root);
+              EXPECT_EQ(P.info(i).expert, g.expert);
+              if (g.root == (g.expert ? sync.edp() : sync.dp())->rank()) {
+                EXPECT_GE(done_at[i], 0) << P.info(i).name << " broadcast before its batch";
+                EXPECT_LE(done_at[i], batch_waited) << P.info(i).name << " broadcast before waiting for its batch";
+              }
+              s += " " + std::to_string(i);
+            }
+            if (first_bcast_op < 0) first_bcast_op = static_cast<int>(n);
+            seq.push_back(s);
+            break;
+          }
+        }
+      }
+      EXPECT_GT(gathered, 2);
+      EXPECT_GT(batches, 1);
+      EXPECT_LT(first_wait, gathered - 1) << "the first batch waits for every all-gather";
+      EXPECT_LT(first_bcast_op, last_batch_op) << "no broadcast issued before the last batch";
+      for (int s = 0; s < 2; ++s) {
+        set_grads(P, s, 1.f / static_cast<float>(dp), st);
+        opt.step(0.02f, st);
+      }
+      sync.finish_param_sync(st);
+      for (size_t i = 0; i < P.size(); ++i)
+        EXPECT_LT(testing::rel_err(to_host(P.param(i), st), ref[i]), 1e-6) << P.info(i).name << " rank " << rank;
+    });
+    for (int r = 1; r < dp; ++r) EXPECT_EQ(collectives[static_cast<size_t>(r)], collectives[0]) << "rank " << r;
+    // every Muon matrix broadcast once, computed in one rank's batches (linear_qkv as Q, K and V)
+    size_t broadcast = 0;
+    for (const std::string& c : collectives[0])
+      if (c.rfind("bc", 0) == 0) broadcast += static_cast<size_t>(std::count(c.begin(), c.end(), ' ') - 2);
+    size_t muon = 0;
+    for (size_t i = 0; i < specs.size(); ++i) {
+      ParamInfo p;
+      static_cast<ParamSpec&>(p) = specs[i];
+      if (!is_muon_parameter(p)) continue;
+      ++muon;
+      EXPECT_EQ(computed[i], specs[i].name.find("linear_qkv") == std::string::npos ? 1u : 3u) << specs[i].name;
+    }
+    EXPECT_EQ(broadcast, muon);
+  }
+}
+
+// The pipelined program of the distributed optimizer (MuonStep::program, docs/optimizer.md
+// "Pipelining Muon's traffic") over DP 2 and DP 4, four layers in many buckets, with experts
+// (dense and expert buckets) and without:
+// every all-gather first, in descending bucket order, each bucket holding a Muon matrix; each batch
+// after the compute stream waited for the all-gather of every bucket it reads (the last one read
+// non-decreasing along the batches); each broadcast of this rank's matrices after the
+// communication stream waited for the batches computing them; every Muon matrix orthogonalised
+// once over the group and broadcast once; the collectives in the same order on every rank; and
+// the pipeline overlaps (the first batch waits for fewer than all all-gathers, broadcasts are
+// issued between batches). The parameters equal one rank's (the same bound as above).
+TEST(MuonDataParallel, PipelinedProgram) {
+  for (const bool experts : {true, false}) {
+    SCOPED_TRACE(experts ? "experts" : "dense");
+    expect_pipelined_program(multi_layer_specs(4, experts));
+  }
+}
 
 // ---- The binary: resume, optimizer switch, bad flags -------------------------------------------
 
