@@ -28,6 +28,7 @@
 #include "comm/nccl/peer_copy.h"
 #include "comm/nccl/peer_ring.h"
 #include "core/buffer.h"
+#include "testing/gpu_world.h"
 #include "testing/testing.h"
 
 namespace mt {
@@ -50,13 +51,12 @@ struct Fixture {
   Device dev;
 };
 
-Fixture setup() {
-  const LaunchEnv env = read_launch_env();
-  Fixture f;
-  f.dev = local_device(DeviceType::kCUDA, env);
-  set_current_device(f.dev);
-  f.comm = std::dynamic_pointer_cast<NcclCommunicator>(init_world(f.dev, env, 5.0));
-  return f;
+// The world of the mpiexec ranks (made once per process: testing/gpu_world.h); comm null when the
+// test skips (*skip says why) or when the world is not NCCL.
+Fixture setup(std::string* skip) {
+  const testing::GpuWorld& w = testing::gpu_world({2, 3, 4, 5, 6, 7, 8});
+  *skip = w.skip;
+  return Fixture{std::dynamic_pointer_cast<NcclCommunicator>(w.comm), w.dev};
 }
 
 struct Op {
@@ -206,12 +206,9 @@ void check_bf16(const Fixture& f, size_t stage_elems) {
 
 TEST(PeerCopy, ReduceScatterAndAllGatherMatchHostBitwise) {
   MT_REQUIRE_CUDA();
-  const LaunchEnv env = read_launch_env();
-  if (env.world_size < 2 || env.launcher != LaunchEnv::kMpirun) GTEST_SKIP() << "run under mpiexec -np 2 or 4";
-  int gpus = 0;
-  cudaGetDeviceCount(&gpus);
-  if (gpus < env.world_size) GTEST_SKIP() << "needs " << env.world_size << " GPUs, found " << gpus;
-  Fixture f = setup();
+  std::string skip;
+  Fixture f = setup(&skip);
+  if (!skip.empty()) GTEST_SKIP() << skip;
   ASSERT_TRUE(f.comm) << "the world communicator is not NCCL";
   const size_t n = static_cast<size_t>(f.comm->size());
   // Small chunks through a 1000-element staging slot: pieces and both generations reused.
@@ -337,12 +334,9 @@ void check_ring(const Fixture& f, int steps, size_t bytes_a, size_t bytes_b, uin
 
 TEST(PeerCopy, RingExchangeDeliversThePreviousRanksBlocks) {
   MT_REQUIRE_CUDA();
-  const LaunchEnv env = read_launch_env();
-  if (env.world_size < 2 || env.launcher != LaunchEnv::kMpirun) GTEST_SKIP() << "run under mpiexec -np 2 or 4";
-  int gpus = 0;
-  cudaGetDeviceCount(&gpus);
-  if (gpus < env.world_size) GTEST_SKIP() << "needs " << env.world_size << " GPUs, found " << gpus;
-  Fixture f = setup();
+  std::string skip;
+  Fixture f = setup(&skip);
+  if (!skip.empty()) GTEST_SKIP() << skip;
   ASSERT_TRUE(f.comm) << "the world communicator is not NCCL";
   uint32_t seed = 12345;
   if (f.comm->rank() == 0) seed = std::random_device{}();

@@ -50,6 +50,7 @@
 #include "ops/flash_attention.h"
 #include "parallel/context_parallel.h"
 #include "parallel/process_groups.h"
+#include "testing/gpu_world.h"
 #include "testing/testing.h"
 #include "train/train_step.h"
 #include "train/training_setup.h"
@@ -233,20 +234,13 @@ double all_rel_err(const std::map<std::string, std::vector<float>>& a,
 
 TEST(ContextParallelNccl, Bf16LayoutsMatchOneGpu) {
   MT_REQUIRE_CUDA();
-  const LaunchEnv env = read_launch_env();
-  if ((env.world_size != 2 && env.world_size != 4) || env.launcher != LaunchEnv::kMpirun) {
-    std::fprintf(stderr, "SKIPPED: cp_layouts_np2_cuda_dist_test runs under mpiexec -np 2 (or 4), one rank per GPU\n");
-    GTEST_SKIP() << "run under mpiexec -np 2 or -np 4";
+  const testing::GpuWorld& w = testing::gpu_world({2, 4});
+  if (!w.comm) {
+    std::fprintf(stderr, "SKIPPED: cp_layouts_np2_cuda_dist_test: %s\n", w.skip.c_str());
+    GTEST_SKIP() << w.skip;
   }
-  int gpus = 0;
-  cudaGetDeviceCount(&gpus);
-  if (gpus < env.world_size) {
-    std::fprintf(stderr, "SKIPPED: cp_layouts_np2_cuda_dist_test needs %d GPUs, found %d\n", env.world_size, gpus);
-    GTEST_SKIP() << "needs " << env.world_size << " GPUs, found " << gpus;
-  }
-  const Device dev = local_device(DeviceType::kCUDA, env);
-  set_current_device(dev);
-  auto world = init_world(dev, env, 5.0);
+  const Device dev = w.dev;
+  const std::shared_ptr<Communicator>& world = w.comm;
   const int cp = world->size();
   const bool cudnn = flash_attention_cudnn_available();
   const bool hopper = compute_capability(dev) >= 90;  // cuDNN's head dims above 128 (MLA's 192)
@@ -355,17 +349,10 @@ bool bitwise_equal(const RunResult& a, const RunResult& b, std::string* first_di
 
 TEST(ContextParallelNccl, CopyEngineRingMatchesNcclRing) {
   MT_REQUIRE_CUDA();
-  const LaunchEnv env = read_launch_env();
-  if ((env.world_size != 2 && env.world_size != 4) || env.launcher != LaunchEnv::kMpirun) {
-    std::fprintf(stderr, "SKIPPED: cp_layouts_np2_cuda_dist_test runs under mpiexec -np 2 (or 4), one rank per GPU\n");
-    GTEST_SKIP() << "run under mpiexec -np 2 or -np 4";
-  }
-  int gpus = 0;
-  cudaGetDeviceCount(&gpus);
-  if (gpus < env.world_size) GTEST_SKIP() << "needs " << env.world_size << " GPUs, found " << gpus;
-  const Device dev = local_device(DeviceType::kCUDA, env);
-  set_current_device(dev);
-  auto world = init_world(dev, env, 5.0);
+  const testing::GpuWorld& w = testing::gpu_world({2, 4});
+  if (!w.comm) GTEST_SKIP() << w.skip;
+  const Device dev = w.dev;
+  const std::shared_ptr<Communicator>& world = w.comm;
   const int cp = world->size();
   std::vector<Case> cases;
   {

@@ -35,6 +35,7 @@
 #include "ops/elementwise.h"
 #include "optim/grad_sync.h"
 #include "parallel/process_groups.h"
+#include "testing/gpu_world.h"
 #include "testing/testing.h"
 #include "train/pipeline.h"
 #include "train/step_runner.h"
@@ -205,33 +206,8 @@ RunResult train(const std::shared_ptr<Communicator>& world, const Layout& L, DTy
   return r;
 }
 
-/// The world of the mpiexec ranks, one GPU each (made once per process), or why the tests skip.
-struct GpuWorld {
-  std::shared_ptr<Communicator> comm;
-  Device dev;
-  std::string skip;
-};
-const GpuWorld& gpu_world() {
-  static const GpuWorld w = [] {
-    GpuWorld r;
-    const LaunchEnv env = read_launch_env();
-    if ((env.world_size != 2 && env.world_size != 4) || env.launcher != LaunchEnv::kMpirun) {
-      r.skip = "run under mpiexec -np 2 or -np 4";
-      return r;
-    }
-    int gpus = 0;
-    cudaGetDeviceCount(&gpus);
-    if (gpus < env.world_size) {
-      r.skip = fmt::format("needs {} GPUs, found {}", env.world_size, gpus);
-      return r;
-    }
-    r.dev = local_device(DeviceType::kCUDA, env);
-    set_current_device(r.dev);
-    r.comm = init_world(r.dev, env, 5.0);
-    return r;
-  }();
-  return w;
-}
+/// The world of the mpiexec ranks (2 or 4), one GPU each, or why the tests skip.
+const testing::GpuWorld& gpu_world() { return testing::gpu_world({2, 4}); }
 
 // Random tokens and labels of `n` positions, the same on every rank (rank 0's, broadcast).
 std::pair<std::vector<int32_t>, std::vector<int32_t>> shared_random_batch(int64_t n) {
