@@ -321,6 +321,9 @@ class ParamStore {
   void release_grad_slot(size_t b);
   /// Whether bucket b is bound to a slot now (staged), or always (whole buffer).
   bool grad_bound(size_t b) const { return !grads_staged() || slot_of_bucket_.at(b) >= 0; }
+  /// Staged: the slot bucket b is bound to (an expert bucket: its expert slot), -1 when unbound
+  /// (tests, GradSync::host_state: the bindings of two steps compared).
+  int grad_slot_of(size_t b) const { return grads_staged() ? slot_of_bucket_.at(b) : -1; }
   /// Staging slots the model's backward needs (DdpConfig::grad_slots' default): the most buckets
   /// one reported unit of the backward writes before it is reported (a layer: the name up to
   /// 'layers.<i>'; else the first name component, e.g. 'embedding', 'output_layer'), plus one for
@@ -388,6 +391,9 @@ class ParamStore {
   /// the slot after the readers of this binding.
   void release_param_slot(size_t b);
   bool param_bound(size_t b) const { return param_resident(b) || slot_of_param_bucket_.at(b) >= 0; }
+  /// Staged: the parameter slot bucket b is bound to (an expert bucket: its expert slot), -1 when
+  /// unbound or resident (tests, GradSync::host_state).
+  int param_slot_of(size_t b) const { return params_staged_ ? slot_of_param_bucket_.at(b) : -1; }
   /// Staged expert bucket b: the MoE layer (moe_layer_of) holding the expert parameter slot b binds
   /// to, -1 when free.
   int expert_param_slot_holder(size_t b) const;

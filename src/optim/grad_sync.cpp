@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include <fmt/ranges.h>
+
 #include "model/fp8/fp8_model.h"
 #include "ops/elementwise.h"
 
@@ -454,7 +456,11 @@ void GradSync::launch_model_gather(size_t b, const Stream& stream) {
 void GradSync::zero_grad_buffer(const Stream& stream) {
   if (comm_used_ && !finished_) wait_for_comm(stream);  // an abandoned step: its reductions still write the gradients
   retire_grad_slots(in_flight_.size(), stream);
-  params_.zero_grads(stream);
+  // Every step starts with nothing bound (CUDA graphs: the step a graph captured and every step it
+  // replays for take the same binding decisions): a use since start_param_sync (a validation
+  // forward not ended with end_param_use) may have left parameter slots gathered.
+  release_param_slots();
+  params_.zero_grads(stream);  // (staged gradients: every slot zeroed and unbound)
   if (config_.shard_grads) memset_tensor(grad_shard(), 0, stream);
   reset_grad_state();
 }
@@ -515,6 +521,9 @@ void GradSync::finish_grad_sync(const Stream& stream) {
     }
     retire_grad_slots(in_flight_.size(), stream);  // the shard is complete after this
     all_reduce_shard_over_instances(stream);
+    // The step's parameter uses are over (the gathers were joined above; the optimizer writes the
+    // owned slices, start_param_sync would return the slots): the step ends with nothing bound.
+    release_param_slots();
     finished_ = true;
     return;
   }
@@ -526,12 +535,91 @@ void GradSync::finish_grad_sync(const Stream& stream) {
 }
 
 void GradSync::mark_replayed_grad_sync() {
-  MT_REQUIRE(!config_.shard_grads, "CUDA graphs of the whole step with sharded gradients (optim_grads) are not built");
-  std::fill(ready_.begin(), ready_.end(), 1);
-  std::fill(waiting_.begin(), waiting_.end(), 0);
+  // A replay runs no host code: the state before it is the one the previous step (or the capture)
+  // ended in, which must be a step boundary's for the replayed bindings to be the captured ones.
+  const std::string live = live_host_state();
+  MT_CHECK(live.empty(), "mark_replayed_grad_sync: the host state before the replayed step is not a step boundary's "
+                         "({}): the graph's bindings would not be the host's",
+           live);
+  const auto& bks = params_.buckets();
+  if (config_.shard_grads) {  // as reduce_into_shard leaves every bucket: reportable again
+    std::fill(ready_.begin(), ready_.end(), 0);
+    for (size_t b = 0; b < bks.size(); ++b) waiting_[b] = bks[b].param_end - bks[b].param_begin;
+  } else {
+    std::fill(ready_.begin(), ready_.end(), 1);
+    std::fill(waiting_.begin(), waiting_.end(), 0);
+  }
   std::fill(launched_.begin(), launched_.end(), 1);
   n_launched_ = launched_.size();
+  comm_used_ = config_.overlap_grad_reduce && !bks.empty();  // every reduction went through reduce_stream
   finished_ = true;
+}
+
+void GradSync::mark_replayed_param_sync() {
+  MT_CHECK(finished_, "mark_replayed_param_sync before mark_replayed_grad_sync");
+  reset_grad_state();
+  release_param_slots();
+  if (fp8_param_gather_active()) {  // start_param_sync's host flags (its gathers were in the graph)
+    fp8_->set_weights_gathered(true);
+    model_params_stale_ = true;
+  }
+}
+
+void GradSync::release_param_slots() {
+  if (!config_.shard_params) return;
+  prefetch_lo_ = prefetch_hi_ = kNone;
+  release_idle_params(kNone, kNone, kNone, kNone);
+}
+
+void GradSync::end_param_use(const Stream& stream) {
+  finish_param_sync(stream);  // the gathers (prefetches too) joined before the slots go back
+  release_param_slots();
+}
+
+std::string GradSync::live_host_state() const {
+  std::string out;
+  const auto note = [&out](const std::string& what, const std::vector<size_t>& buckets) {
+    if (buckets.empty()) return;
+    out += fmt::format("{}{} (buckets {})", out.empty() ? "" : "; ", what, fmt::join(buckets, ", "));
+  };
+  const auto pick = [this](auto pred) {
+    std::vector<size_t> v;
+    for (size_t b = 0; b < params_.buckets().size(); ++b)
+      if (pred(b)) v.push_back(b);
+    return v;
+  };
+  if (params_.grads_staged()) note("gradient slots bound", pick([&](size_t b) { return params_.grad_bound(b); }));
+  note("reduce-scatters in flight", std::vector<size_t>(in_flight_.begin(), in_flight_.end()));
+  if (!grad_writers_.empty()) note("backward brackets open", pick([&](size_t b) { return grad_writers_[b] > 0; }));
+  if (config_.shard_params) {
+    note("parameter slots bound", pick([&](size_t b) { return params_.param_bound(b); }));
+    note("units open", pick([&](size_t b) { return param_refs_[b] > 0; }));
+    note("gathers not waited for", pick([&](size_t b) { return param_pending_[b] != 0; }));
+  }
+  note("all-gathers not waited for", pick([&](size_t b) { return gather_pending_[b] != 0; }));
+  if (param_comm_used_) out += std::string(out.empty() ? "" : "; ") + "parameter gathers not joined back";
+  return out;
+}
+
+std::string GradSync::host_state() const {
+  const auto bits = [](const auto& v) {
+    std::string s;
+    for (const auto x : v) s += x ? '1' : '0';
+    return s;
+  };
+  const auto& bks = params_.buckets();
+  std::string slots;
+  for (size_t b = 0; b < bks.size(); ++b)
+    slots += fmt::format("{}{}/{}", b ? " " : "", params_.grads_staged() ? params_.grad_slot_of(b) : -1,
+                         config_.shard_params ? params_.param_slot_of(b) : -1);
+  return fmt::format("finished {} comm_used {} launched {} ({}) ready {} waiting {} in_flight [{}] writers [{}] "
+                     "refs [{}] pending {} prefetch {}..{} param_comm {} gather_pending {} bracketed {} "
+                     "slots (grad/param) [{}] live '{}'",
+                     finished_, comm_used_, n_launched_, bits(launched_), bits(ready_), fmt::join(waiting_, ","),
+                     fmt::join(in_flight_, ","), fmt::join(grad_writers_, ","), fmt::join(param_refs_, ","),
+                     bits(param_pending_), prefetch_lo_ == kNone ? -1 : static_cast<int64_t>(prefetch_lo_),
+                     prefetch_hi_ == kNone ? -1 : static_cast<int64_t>(prefetch_hi_), param_comm_used_,
+                     bits(gather_pending_), bits(bracketed_), slots, live_host_state());
 }
 
 void GradSync::gather_into_slot(size_t b, const Stream& stream) {

@@ -248,11 +248,38 @@ class GradSync final : public ParamGradHooks {
   /// (ParamStore::untaken_first_write: it would hold the last step's values).
   void finish_grad_sync(const Stream& stream);
   /// The host-side state of a step whose zero_grad_buffer ... finish_grad_sync ran inside a CUDA
-  /// graph just replayed (StepRunner, full-iteration graph without the optimizer): the replay did
-  /// the reductions, so this marks every bucket reduced and the step finished without launching
+  /// graph just replayed (StepRunner's full-iteration graph): the replay did the reductions, so
+  /// this sets the state finish_grad_sync leaves — every bucket reduced, the step finished, and
+  /// (the step-boundary rule below) nothing bound, gathered or in flight — without launching
   /// anything. Without it the optimizer step's finish_grad_sync would reduce every bucket a
-  /// second time (the replay does not run the host code that records what was launched).
+  /// second time (the replay does not run the host code that records what was launched). Host
+  /// only. Errors: mt::Error when a slot is bound, a bucket in flight or a unit open (the state
+  /// before the replay was not a step boundary's).
   void mark_replayed_grad_sync();
+  /// The host-side state start_param_sync leaves, after a replayed graph that held the optimizer
+  /// step too (--cuda-graph-include-optimizer; call after mark_replayed_grad_sync): the step's
+  /// gradient phase ended, every parameter slot free, and with --fp8-param-gather the model
+  /// parameters marked stale as start_param_sync marks them. Host only; launches nothing.
+  void mark_replayed_param_sync();
+  /// What this object holds live on the host between hooks (CUDA graphs, docs/fsdp.md "CUDA graphs
+  /// of the whole step"): gradient or parameter slots bound, buckets whose reduce-scatter is in
+  /// flight, units open (params_begin without params_end), gathers whose events the compute stream
+  /// still owes a wait, communication-stream work not joined back. Empty at every step boundary:
+  /// after finish_grad_sync, after start_param_sync (except --overlap-param-gather's all-gathers,
+  /// which CUDA graphs refuse) and after end_param_use — the state a captured
+  /// step starts from and ends in, so that a replay needs no host bookkeeping but
+  /// mark_replayed_*, and so that no event recorded inside a capture is waited for outside it
+  /// (nor one recorded outside inside it).
+  std::string live_host_state() const;
+  /// The per-step host state in words (tests: the state a simulated replay leaves equals the
+  /// eager step's; two steps after the warm-up take the same decisions): the live state above plus
+  /// the reduction bookkeeping and each bucket's slots.
+  std::string host_state() const;
+  /// End of a use of the parameters outside a training step (a validation forward): makes `stream`
+  /// wait for the parameter gathers still on the communication stream and returns every parameter
+  /// slot no unit uses, so that the next step (or a captured validation forward) starts from the
+  /// step-boundary state. Nothing without sharded parameters beyond finish_param_sync.
+  void end_param_use(const Stream& stream);
   /// After the optimizer updated the owned parameters on `stream`: with the distributed
   /// optimizer, all-gathers each bucket's model-dtype parameters from the owned slices, in
   /// forward bucket order (on the communication stream with overlap_param_gather, else on
@@ -389,6 +416,9 @@ class GradSync final : public ParamGradHooks {
   // Hybrid sharding: all-reduces each bucket's slice of the gradient shard over replicas().
   void all_reduce_shard_over_instances(const Stream& stream);
   void reset_grad_state();
+  // shard_params: returns every parameter slot no unit uses and forgets the prefetch (host only;
+  // the next gather into a slot is ordered after its readers on comm_, see gather_into_slot).
+  void release_param_slots();
   // shard_params: binds staged bucket b to a slot and all-gathers its owned slices into it on
   // comm_ (nothing when bound); releases every bound bucket no unit uses.
   void gather_into_slot(size_t b, const Stream& stream);

@@ -827,10 +827,18 @@ void resolve_megatron_fsdp(PretrainArgs& a) {
   if (s == "optim_grads" || s == "optim_grads_params") {
     // What the gradient (and parameter) staging (docs/fsdp.md) does not support yet. (The
     // interleaved schedule is built: buckets per model chunk, ParamLayout::split_model_chunks.)
-    MT_REQUIRE(!a.cuda_graph.enabled(),
-               "--data-parallel-sharding-strategy {} with --cuda-graph-impl {} is not built (the staging "
-               "slots are bound on the host per backward; docs/fsdp.md)",
-               s, a.cuda_graph.impl);
+    // The full-iteration graph is built (docs/fsdp.md "CUDA graphs of the whole step"): every step
+    // starts and ends with nothing bound, so a replay takes the captured step's bindings. Per-layer
+    // graphs are not: they replay one captured layer region for other micro-batches and passes.
+    MT_REQUIRE(!a.cuda_graph.enabled() || a.cuda_graph.full_iteration(),
+               "--data-parallel-sharding-strategy {} with per-layer CUDA graphs (--cuda-graph-impl {}{}{}) is not "
+               "built: a captured layer region holds the addresses of the staging slots its buckets had at the "
+               "capture (the gradient slot, bound by the host inside the layer's backward, which a replay skips; "
+               "under optim_grads_params also the parameter slot its weights were gathered into), while a "
+               "layer's slots depend on what else is bound or in flight when it runs, which can differ between "
+               "micro-batches, passes and steps; use --cuda-graph-impl full_iteration (docs/fsdp.md)",
+               s, a.cuda_graph.impl, a.cuda_graph.scope.empty() ? "" : " --cuda-graph-scope ",
+               fmt::join(a.cuda_graph.scope, " "));
     MT_REQUIRE(!a.ddp_copy_engine, "--data-parallel-sharding-strategy {} with --ddp-copy-engine is not built", s);
   }
   if (s == "optim_grads_params") {

@@ -95,20 +95,32 @@ void StepRunner::step_full_iteration(const std::vector<MicroBatch>& micro_batche
                             so, step_loss, stream_);
     }
   };
+  GradSync& sync = setup_.grad_sync();
   if (steps_run_ >= graphs_.warmup_steps && !train_graph_.captured()) {
+    // The captured step must start and end at a step boundary (GradSync::live_host_state: nothing
+    // bound, gathered or in flight; docs/fsdp.md "CUDA graphs of the whole step"), so that every
+    // replay takes the captured binding decisions and no event crosses the capture's edge.
+    // Communication-stream work issued eagerly before (a validation forward's gathers) is joined
+    // here, outside the capture, so that the replays are ordered after it.
+    sync.finish_param_sync(stream_);
+    check_step_boundary("before the captured training step");
     const uint64_t allocs = buffer_allocation_count(), syncs = host_sync_count();
     train_graph_.capture(stream_, body);
     MT_CHECK(buffer_allocation_count() == allocs && host_sync_count() == syncs,
              "the captured training step allocated ({}) or synchronised ({})", buffer_allocation_count() - allocs,
              host_sync_count() - syncs);
+    check_step_boundary("after the captured training step");
     log_info("> CUDA graph: training step{} captured after {} warmup steps ({} nodes; no memory of its own: "
              "it replays on the model's static buffers)",
              graphs_.include_optimizer ? " with the optimizer" : "", steps_run_, train_graph_.num_nodes());
   }
   if (train_graph_.captured()) {
     train_graph_.launch(stream_);
-    // the replay reduced the gradients; the optimizer step below must not reduce them again
-    if (!graphs_.include_optimizer) setup_.optimizer().grad_sync().mark_replayed_grad_sync();
+    // The host state the replayed step leaves (a replay runs no host code): the gradients reduced,
+    // so the optimizer step below must not reduce them again; with the optimizer in the graph, the
+    // parameter phase's too. Right after the capture this is the state its host code left.
+    sync.mark_replayed_grad_sync();
+    if (graphs_.include_optimizer) sync.mark_replayed_param_sync();
   } else {
     body();
   }
@@ -123,15 +135,34 @@ const uint64_t* StepRunner::begin_validation(int64_t iteration) {
 }
 
 void StepRunner::validation_forward(const std::function<void()>& forward) {
-  if (!graphs_.full_iteration() || steps_run_ < graphs_.warmup_steps) {
+  GradSync& sync = setup_.grad_sync();
+  // Every validation forward ends at a step boundary (sharded parameters: the gathers joined, the
+  // slots returned), eager or captured, so the next step or forward starts from the state the
+  // graphs were captured in.
+  const auto body = [&] {
     forward();
+    sync.end_param_use(stream_);
+  };
+  if (!graphs_.full_iteration() || steps_run_ < graphs_.warmup_steps) {
+    body();
     return;
   }
   if (!eval_graph_.captured()) {
-    eval_graph_.capture(stream_, forward);
+    sync.finish_param_sync(stream_);  // eager work of ours on the communication stream: before the graph
+    check_step_boundary("before the captured validation forward");
+    eval_graph_.capture(stream_, body);
+    check_step_boundary("after the captured validation forward");
     log_info("> CUDA graph: the validation forward captured ({} nodes)", eval_graph_.num_nodes());
   }
   eval_graph_.launch(stream_);
+}
+
+void StepRunner::check_step_boundary(const char* where) const {
+  const std::string live = setup_.grad_sync().live_host_state();
+  MT_CHECK(live.empty(),
+           "CUDA graph: the data-parallel state {} is not a step boundary's ({}): a replay would not repeat the host "
+           "bookkeeping that binds and releases it (docs/fsdp.md \"CUDA graphs of the whole step\")",
+           where, live);
 }
 
 double StepRunner::take_host_issue_ms() {

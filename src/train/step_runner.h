@@ -63,6 +63,9 @@ class StepRunner {
   void step_full_iteration(const std::vector<MicroBatch>& micro_batches, const StepOptions& so,
                            const Tensor& loss_slot, const Event* snapshot_pending);
   std::string per_layer_scopes() const;
+  // mt::Error unless GradSync holds nothing live on the host (GradSync::live_host_state): the state
+  // a captured region starts and ends in. where: e.g. "before the captured training step".
+  void check_step_boundary(const char* where) const;
 
   ModelSetup& setup_;
   CudaGraphOptions graphs_;
