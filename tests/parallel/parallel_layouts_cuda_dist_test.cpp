@@ -84,7 +84,8 @@ struct Layout {
   bool mla = false;            // multi-latent attention (config(): the Llama style with MLA)
   int mtp = 0;                 // --mtp-num-layers (on the last stage; loss scaling 0.5)
   bool p2p_overlap = false;    // --overlap-p2p-communication
-  bool graph = false;          // the full-iteration CUDA graph (optimizer included), captured after one step
+  bool graph = false;          // the full-iteration CUDA graph, captured after one step
+  bool graph_optimizer = true;  // with graph: the optimizer step inside the graph (else eager after each replay)
   bool deterministic = false;  // --deterministic-mode (no float atomics: two runs can agree bit for bit)
   bool shard_grads = false;    // optim_grads (ZeRO-2; with zero): gradients reduce-scattered per micro-batch
   bool shard_params = false;   // optim_grads_params (ZeRO-3; with shard_grads): parameters gathered per layer
@@ -98,7 +99,7 @@ struct Layout {
     if (overlap) s += "_overlap";
     if (tp_overlap) s += "_tpoverlap";
     if (p2p_overlap) s += "_p2poverlap";
-    if (graph) s += "_graph";
+    if (graph) s += graph_optimizer ? "_graph" : "_graph_nooptimizer";
     if (shard_grads) s += shard_params ? "_optim_grads_params" : "_optim_grads";
     if (instances > 1) s += fmt::format("_instances{}", instances);
     return s;
@@ -134,6 +135,10 @@ RunResult train(const std::shared_ptr<Communicator>& world, const Layout& L, DTy
   o.dtype = dtype;
   o.device = dev;
   o.param_layout.bucket_size = L.overlap || L.shard_grads ? 30000 : 0;
+  // as PretrainArgs::param_layout: under PP the tied word embedding, reported once per step after
+  // the embedding-group all-reduce, needs a bucket of its own with sharded gradients (docs/fsdp.md)
+  o.param_layout.isolate_word_embedding = L.shard_grads && L.pp > 1;
+  o.param_layout.split_model_chunks = L.shard_grads;
   // (optim_grads_params gathers per unit instead of after the step: no --overlap-param-gather)
   o.ddp = DdpConfig{L.overlap, L.overlap && L.zero && !L.shard_params, L.zero};
   o.ddp.shard_grads = L.shard_grads;
@@ -177,7 +182,7 @@ RunResult train(const std::shared_ptr<Communicator>& world, const Layout& L, DTy
   graphs.impl = "local";
   graphs.scope = {"full_iteration"};
   graphs.warmup_steps = 1;
-  graphs.include_optimizer = true;
+  graphs.include_optimizer = L.graph_optimizer;
   std::unique_ptr<StepRunner> runner;
   if (L.graph) runner = std::make_unique<StepRunner>(setup, graphs, 99, nullptr, st);
   for (int it = 0; it < iters; ++it) {
@@ -310,6 +315,18 @@ TEST(ParallelLayoutsNccl, Bf16LayoutsMatchOneGpu) {
       if (params || overlap) layouts.push_back(z);
     }
   }
+  // ... and as the full-iteration CUDA graph (docs/fsdp.md "CUDA graphs of the whole step"; captured
+  // after one eager step, so the second iteration is the first replay): ZeRO-2 overlapped with the
+  // optimizer in the graph, ZeRO-3 plain with the optimizer after the replay
+  for (const bool params : {false, true}) {
+    Layout z;
+    z.zero = z.shard_grads = true;
+    z.shard_params = params;
+    z.overlap = !params;
+    z.graph = true;
+    z.graph_optimizer = !params;
+    layouts.push_back(z);
+  }
   // Hybrid sharding (--num-distributed-optimizer-instances 2): on 2 GPUs two instances of one rank
   // (the cross-instance all-reduce alone), on 4 GPUs two of 2 ranks; the distributed optimizer
   // with overlapped reduction, optim_grads and optim_grads_params, both also overlapped.
@@ -382,6 +399,48 @@ size_t expect_bitwise(const RunResult& over, const RunResult& plain, const Layou
     }
   }
   return differing;
+}
+
+// Megatron-FSDP as a full-iteration CUDA graph (docs/fsdp.md "CUDA graphs of the whole step"):
+// under --deterministic-mode the graph run (captured after one eager step, then replayed for three
+// iterations) gives the losses and parameters of the eager run bit for bit: optim_grads (ZeRO-2) and
+// optim_grads_params (ZeRO-3) with DP over every rank, each plain and with --overlap-grad-reduce, the
+// optimizer inside the graph or run eagerly after each replay (both placements for each strategy);
+// ZeRO-3 overlapped also under PP 2 (1F1B; x DP 2 on 4 GPUs) with the optimizer in the graph. The
+// parameters are read after the replays through eager params_begin (ZeRO-3: the host's bindings
+// must be a step boundary's). Not yet run on GPUs.
+TEST(ParallelLayoutsNccl, ShardedFullIterationGraphBitwise) {
+  MT_REQUIRE_CUDA();
+  if (!gpu_world().comm) GTEST_SKIP() << gpu_world().skip;
+  const Device dev = gpu_world().dev;
+  const std::shared_ptr<Communicator>& world = gpu_world().comm;
+  const int64_t mb = 2, num_micro = 8, S = config().seq_length;
+  const auto [tokens, labels] = shared_random_batch(num_micro * mb * S);
+  std::vector<Layout> layouts;
+  for (const bool params : {false, true})
+    for (const bool overlap : {false, true}) {
+      Layout L;
+      L.zero = L.shard_grads = true;
+      L.shard_params = params;
+      L.overlap = overlap;
+      L.graph_optimizer = overlap != params;  // each strategy: the optimizer in and outside the graph
+      layouts.push_back(L);
+    }
+  Layout p = layouts.back();  // ZeRO-3 overlapped
+  p.pp = 2;
+  p.graph_optimizer = true;
+  layouts.push_back(p);
+  for (Layout L : layouts) {
+    L.deterministic = true;
+    constexpr int kGraphIters = 4;
+    L.graph = false;
+    const RunResult eager = train(world, L, DType::kBF16, dev, tokens, labels, mb, num_micro, kGraphIters);
+    L.graph = true;
+    const RunResult graph = train(world, L, DType::kBF16, dev, tokens, labels, mb, num_micro, kGraphIters);
+    const size_t differing = expect_bitwise(graph, eager, L, world->rank());
+    std::printf("[%s] rank %d: %zu elements differ from the eager run, loss %.8f vs %.8f\n", L.name().c_str(),
+                world->rank(), differing, graph.losses.back(), eager.losses.back());
+  }
 }
 
 // --tp-comm-overlap changes no bit at TP 2 + SP (docs/parallelism.md "Tensor-parallel communication

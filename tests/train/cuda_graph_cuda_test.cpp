@@ -92,13 +92,20 @@ class CudaGraphTraining : public ::testing::Test {
   // own run-to-run spread of the first one; with `bitwise`, every run has --deterministic-mode and
   // all three must agree exactly. With --mtp-num-layers 1, also the logged MTP losses (exactly, as
   // printed, with `bitwise`).
-  void expect_same(const std::string& model_flags, const std::string& graph_flags, bool bitwise = false) {
+  // With `checkpoints` (and `bitwise`), every run saves a checkpoint after its last iteration and
+  // the parameters and optimizer state it holds (rank_00000.bin) must be equal byte for byte.
+  void expect_same(const std::string& model_flags, const std::string& graph_flags, bool bitwise = false,
+                   bool checkpoints = false) {
     const std::string model = bitwise ? model_flags + " --deterministic-mode" : model_flags;
     std::map<std::string, std::vector<std::string>> mtp;  // per run tag
+    auto saved = [&](const std::string& tag) { return dir_ / ("ck_" + tag) / "iter_0000008" / "rank_00000.bin"; };
     auto run_metrics = [&](const std::string& tag, const std::string& extra) {
       const fs::path mf = dir_ / (tag + ".jsonl");
       fs::remove(mf);
-      const RunResult r = run_megatron(flags(model + " --metrics-file " + mf.string() + " " + extra));
+      fs::remove_all(dir_ / ("ck_" + tag));
+      const std::string save =
+          checkpoints ? " --save " + (dir_ / ("ck_" + tag)).string() + " --save-interval 8" : std::string();
+      const RunResult r = run_megatron(flags(model + " --metrics-file " + mf.string() + save + " " + extra));
       EXPECT_EQ(r.rc, 0) << r.out;
       mtp[tag] = mtp_losses(r.out);
       if (!extra.empty() && extra.find("full_iteration") != std::string::npos) {
@@ -121,6 +128,17 @@ class CudaGraphTraining : public ::testing::Test {
         EXPECT_EQ(mtp["eager_b"], mtp["eager_a"]) << "eager runs: MTP losses";
         EXPECT_EQ(mtp["graph"], mtp["eager_a"]) << "graph vs eager: MTP losses";
       }
+    }
+    if (checkpoints) {
+      auto bytes = [](const fs::path& f) {
+        std::ifstream in(f, std::ios::binary);
+        EXPECT_TRUE(in.good()) << f;
+        return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+      };
+      const std::string ca = bytes(saved("eager_a")), cb = bytes(saved("eager_b")), cg = bytes(saved("graph"));
+      EXPECT_FALSE(ca.empty());
+      EXPECT_TRUE(cb == ca) << "eager runs: the saved parameters and optimizer state differ";
+      EXPECT_TRUE(cg == ca) << "graph vs eager: the saved parameters and optimizer state differ";
     }
     if (bitwise) {
       for (const auto& [k, v] : a) {
@@ -178,6 +196,38 @@ TEST_F(CudaGraphTraining, FullIterationWithOptimizerEqualsEagerBitwise) {
               "--cuda-graph-impl local --cuda-graph-scope full_iteration --cuda-graph-warmup-steps 1 "
               "--cuda-graph-include-optimizer",
               true);
+}
+
+// Megatron-FSDP's optim_grads (ZeRO-2) and optim_grads_params (ZeRO-3) (docs/fsdp.md "CUDA graphs
+// of the whole step") at DP 1: the single-rank world still runs the staging machinery — every
+// gradient bucket bound to a slot in the backward, added into the gradient shard and released;
+// under ZeRO-3 every parameter bucket gathered (copied from the owned slice) into a slot on
+// GradSync's communication stream with the next unit prefetched; with --overlap-grad-reduce the
+// add into the shard on that stream too — so the graph holds the forked stream, its events and the
+// slot bindings of the captured step. Several buckets (a layer spans about three). Per strategy: no
+// overlap with the optimizer outside the graph (replays followed by mark_replayed_grad_sync and the
+// eager optimizer step), and overlapped with the optimizer inside (mark_replayed_param_sync).
+// Losses, gradient norms, validation losses and the saved parameters and optimizer state after 8
+// iterations bitwise equal to eager. Not yet run on a GPU.
+const char* const kFsdpModel = "--hidden-size 128 --num-attention-heads 2 --attention-backend flash --use-megatron-fsdp "
+                               "--ddp-bucket-size 100000 --data-parallel-sharding-strategy ";
+
+TEST_F(CudaGraphTraining, MegatronFsdpOptimGradsFullIterationEqualsEagerBitwise) {
+  const std::string model = std::string(kFsdpModel) + "optim_grads";
+  expect_same(model, "--cuda-graph-impl full_iteration --cuda-graph-warmup-steps 2", true, true);
+  expect_same(model + " --overlap-grad-reduce",
+              "--cuda-graph-impl local --cuda-graph-scope full_iteration --cuda-graph-warmup-steps 1 "
+              "--cuda-graph-include-optimizer",
+              true, true);
+}
+
+TEST_F(CudaGraphTraining, MegatronFsdpOptimGradsParamsFullIterationEqualsEagerBitwise) {
+  const std::string model = std::string(kFsdpModel) + "optim_grads_params";
+  expect_same(model, "--cuda-graph-impl full_iteration --cuda-graph-warmup-steps 2", true, true);
+  expect_same(model + " --overlap-grad-reduce",
+              "--cuda-graph-impl local --cuda-graph-scope full_iteration --cuda-graph-warmup-steps 1 "
+              "--cuda-graph-include-optimizer",
+              true, true);
 }
 
 TEST_F(CudaGraphTraining, LlamaStyleFullIterationFollowsEager) {
@@ -372,6 +422,11 @@ TEST_F(CudaGraphTraining, RefusedCombinationsNameTheFlag) {
   r = run_megatron(flags("--cuda-graph-impl local --num-experts 4 --cuda-graph-scope attn moe_preprocess"));
   EXPECT_NE(r.rc, 0);
   EXPECT_NE(r.out.find("moe_preprocess needs moe_router"), std::string::npos) << r.out;
+  // Megatron-FSDP's staging slots with per-layer graphs (the full-iteration graph is built)
+  r = run_megatron(flags("--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params "
+                         "--cuda-graph-impl local --cuda-graph-scope attn mlp"));
+  EXPECT_NE(r.rc, 0);
+  EXPECT_NE(r.out.find("optim_grads_params with per-layer CUDA graphs"), std::string::npos) << r.out;
 }
 
 }  // namespace
