@@ -252,12 +252,8 @@ int bench_main(int argc, char** argv) {
     else if (a == "--dim") opt.dim = std::atoll(v);
     else MT_FAIL("cp_ring_bench: unknown argument {}", a);
   }
-  const LaunchEnv env = read_launch_env();
-  MT_REQUIRE(env.world_size >= 2,
-             "cp_ring_bench needs several ranks, one per GPU: mpiexec --allow-run-as-root -np 2 build/cp_ring_bench");
-  const Device dev = local_device(DeviceType::kCUDA, env);
-  set_current_device(dev);
-  auto world = init_world(dev, env, 10.0);
+  Device dev;
+  const auto world = bench::gpu_world("cp_ring_bench", dev);
   const int cp = world->size();
   const bool root = world->rank() == 0;
   if (root) {

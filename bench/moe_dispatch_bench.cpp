@@ -28,6 +28,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_dist.h"
 #include "bench_util.h"
 #include "comm/bootstrap.h"
 #include "comm/nccl/nccl_communicator.h"
@@ -69,11 +70,8 @@ int bench_main(int argc, char** argv) {
     else if (std::strcmp(argv[i], "--topk") == 0) o.topk = std::atoll(argv[++i]);
     else if (std::strcmp(argv[i], "--iters") == 0) o.iters = std::atoi(argv[++i]);
   }
-  const LaunchEnv env = read_launch_env();
-  MT_REQUIRE(env.world_size >= 2, "moe_dispatch_bench: needs several ranks, one per GPU (mpiexec -np 2 ...)");
-  const Device dev = local_device(DeviceType::kCUDA, env);
-  set_current_device(dev);
-  auto world = init_world(dev, env, 10.0);
+  Device dev;
+  const auto world = bench::gpu_world("moe_dispatch_bench", dev);
   auto* nccl = dynamic_cast<NcclCommunicator*>(world.get());
   MT_REQUIRE(nccl != nullptr, "moe_dispatch_bench: the world communicator is not NCCL");
   const int P = world->size(), me = world->rank();

@@ -73,12 +73,8 @@ int bench_main(int argc, char** argv) {
     else if (a == "--layers") layers = std::atoll(v);
     else MT_FAIL("tp_overlap_bench: unknown argument {} (expected --hidden, --ffn, --seq, --iters, --layers)", a);
   }
-  const LaunchEnv env = read_launch_env();
-  MT_REQUIRE(env.world_size >= 2,
-             "tp_overlap_bench needs several ranks, one per GPU: mpiexec --allow-run-as-root -np 2 build/tp_overlap_bench");
-  const Device dev = local_device(DeviceType::kCUDA, env);
-  set_current_device(dev);
-  auto world = init_world(dev, env, 10.0);
+  Device dev;
+  const auto world = bench::gpu_world("tp_overlap_bench", dev);
   const int tp = world->size();
   MT_REQUIRE(seq % tp == 0 && ffn % tp == 0, "tp_overlap_bench: --seq {} and --ffn {} must divide by TP {}", seq, ffn,
              tp);

@@ -556,6 +556,9 @@ bool sm90_or_newer() {
   return compute_capability(Device::cuda(device)) >= 90;
 }
 
+/// cuDNN's head dims (its support matrix): a multiple of 8 up to 128, up to 256 on Hopper and newer.
+bool head_dim_supported(int64_t d) { return d % 8 == 0 && d <= 256 && (d <= 128 || sm90_or_newer()); }
+
 /// Grouped queries: the qpg query slots of each (position, sample, group) of qkv [s, b, g, qpg + 2,
 /// d] to or from [s, b, g·qpg, d], 16 bytes per thread (d % 8 == 0, 16-byte aligned pointers).
 template <bool kGather>
@@ -686,8 +689,7 @@ Shape context_shape(const ContextAttentionConfig& c, DType dtype, int64_t sq, in
 bool cudnn_attention_applies(const FlashAttentionConfig& cfg, DType dtype, std::initializer_list<const void*> ptrs) {
   if (dtype != DType::kBF16 && dtype != DType::kF16) return false;
   if (!cfg.doc_start.empty() || cfg.dropout_p > 0 || cfg.deterministic) return false;
-  if (cfg.head_dim % 8 != 0 || cfg.v_dim() % 8 != 0 || cfg.v_dim() > cfg.head_dim || cfg.head_dim > 256) return false;
-  if (cfg.head_dim > 128 && !sm90_or_newer()) return false;
+  if (!head_dim_supported(cfg.head_dim) || cfg.v_dim() % 8 != 0 || cfg.v_dim() > cfg.head_dim) return false;
   for (const void* q : ptrs)
     if (reinterpret_cast<uintptr_t>(q) % 16 != 0) return false;
   return true;
@@ -756,7 +758,7 @@ bool cudnn_context_applies(const ContextAttentionConfig& c, DType dtype, int64_t
   if (c.block == ContextBlockMask::kCausal && sq != sk) return false;
   if (dtype != DType::kBF16 && dtype != DType::kF16) return false;
   if (!c.doc_start.empty() || c.dropout_p > 0 || c.deterministic) return false;
-  if (c.head_dim % 8 != 0 || c.head_dim > 256 || (c.head_dim > 128 && !sm90_or_newer())) return false;
+  if (!head_dim_supported(c.head_dim)) return false;
   for (const void* q : ptrs)
     if (reinterpret_cast<uintptr_t>(q) % 16 != 0) return false;
   return true;
