@@ -251,9 +251,15 @@ TEST(MuonNccl, LayoutsMatchOneGpu) {
       all_par.insert(all_par.end(), par.params[i].begin(), par.params[i].end());
       all_ref.insert(all_ref.end(), rp.begin(), rp.end());
       if (info.shape.size() != 2) continue;
-      EXPECT_LT(testing::rel_err(par.params[i], rp), 2e-2) << name << " param " << info.name;
-      if (!is_muon_parameter(info)) continue;
-      // the Muon update over the run against one GPU's, within the bf16 noise of that update
+      if (!is_muon_parameter(info)) {
+        EXPECT_LT(testing::rel_err(par.params[i], rp), 2e-2) << name << " param " << info.name;
+        continue;
+      }
+      // A Muon parameter is its (shared) initial value plus the Muon update: checked as the update
+      // over the run against one GPU's, within the bf16 noise of that update measured as one GPU's
+      // bf16 against its fp32 run. (A fixed bound on the parameter instead failed at TP 2 for the
+      // scaled-init linear_proj, whose update is ~30% of its norm: 2.03e-2 with an update error of
+      // 7.2e-2, on 2 H200s, 2026-11-29.)
       const auto rd = testing::shard_slice(ref.main_delta[j], info);
       const double noise = testing::rel_err(ref.main_delta[j], ref32.main_delta[j]);
       const double err = testing::rel_err(par.main_delta[i], rd);

@@ -139,8 +139,9 @@ RunResult train(const std::shared_ptr<Communicator>& world, const Layout& L, DTy
   // the embedding-group all-reduce, needs a bucket of its own with sharded gradients (docs/fsdp.md)
   o.param_layout.isolate_word_embedding = L.shard_grads && L.pp > 1;
   o.param_layout.split_model_chunks = L.shard_grads;
-  // (optim_grads_params gathers per unit instead of after the step: no --overlap-param-gather)
-  o.ddp = DdpConfig{L.overlap, L.overlap && L.zero && !L.shard_params, L.zero};
+  // (optim_grads_params gathers per unit instead of after the step: no --overlap-param-gather; nor
+  // with CUDA graphs, as PretrainArgs refuses: the next forward would wait on a gather of the last)
+  o.ddp = DdpConfig{L.overlap, L.overlap && L.zero && !L.shard_params && !L.graph, L.zero};
   o.ddp.shard_grads = L.shard_grads;
   o.ddp.shard_params = L.shard_params;
   o.ddp.num_distributed_optimizer_instances = L.instances;
