@@ -22,10 +22,13 @@ ITERS=${ITERS:-10}; WARM=${WARM:-4}; PLAN_ONLY=${PLAN_ONLY:-0}
 steps=("$@"); [ ${#steps[@]} -gt 0 ] || steps=(llama8b gpt1p3b)
 common=(--bf16 --lr 1e-4 --min-lr 1e-5 --lr-warmup-iters 2 --hidden-dropout 0 --attention-dropout 0 --mock-data
         --tokenizer-type NullTokenizer --seed 1234 --train-iters "$ITERS" --log-interval 2 --eval-iters 0
-        --eval-interval 100000 --no-progress --device cuda)
+        --eval-interval 100000 --no-progress --device cuda --overlap-grad-reduce)
+# Every row overlaps its gradient reduction with the backward (Megatron-FSDP always does) and, where
+# the layout gathers the parameters after the optimizer step, that gather with the next forward
+# (optim_grads_params gathers per layer before use, prefetched, and refuses the flag).
 zero3=(--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params)
-zero2=(--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads)
-zero1=(--use-megatron-fsdp --data-parallel-sharding-strategy optim)
+zero2=(--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads --overlap-param-gather)
+zero1=(--use-megatron-fsdp --data-parallel-sharding-strategy optim --overlap-param-gather)
 
 # row NAME LABEL FLAGS...: one 2-GPU run (or its plan), one markdown row
 row() {
@@ -61,10 +64,15 @@ for step in "${steps[@]}"; do
       echo "| layout | ms/iter | tokens/s per GPU | TFLOP/s per GPU | MFU | buffers / in use GiB (largest rank) | plan: GiB with reserve (per stage), ms |"
       echo "|---|---|---|---|---|---|---|"
       row l8_zero3 "DP 2, optim_grads_params (ZeRO-3)" "${m[@]}" "${zero3[@]}"
+      # Megatron-FSDP's user guide recommends reducing the gradients in bf16
+      row l8_zero3_bf16 "DP 2, optim_grads_params (ZeRO-3), --grad-reduce-in-bf16" "${m[@]}" "${zero3[@]}" \
+        --grad-reduce-in-bf16
       row l8_zero2 "DP 2, optim_grads (ZeRO-2)" "${m[@]}" "${zero2[@]}"
       row l8_zero1 "DP 2, optim (ZeRO-1)" "${m[@]}" "${zero1[@]}"
-      row l8_tp2 "TP 2 + SP, distopt" "${m[@]}" --tensor-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer
-      row l8_pp2 "PP 2, distopt" "${m[@]}" --pipeline-model-parallel-size 2 --use-distributed-optimizer ;;
+      row l8_tp2 "TP 2 + SP, distopt" "${m[@]}" --tensor-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer \
+        --overlap-param-gather
+      row l8_pp2 "PP 2, distopt" "${m[@]}" --pipeline-model-parallel-size 2 --use-distributed-optimizer \
+        --overlap-param-gather ;;
     gpt1p3b)
       m=(--num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048 --max-position-embeddings 2048
          --vocab-size 50257 --micro-batch-size 4 --global-batch-size 32)
