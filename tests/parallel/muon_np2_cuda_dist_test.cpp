@@ -25,8 +25,6 @@
 // communication stream forks from and joins the captured stream; without --overlap-grad-reduce,
 // so that Muon is the only user of that stream, and without --overlap-param-gather, which CUDA
 // graphs refuse): the three runs' losses and parameters are bitwise equal.
-//
-// Not yet run on GPUs (written 2026-11-29 with the pipelined step; the next GPU session runs it).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 #include <mpi.h>

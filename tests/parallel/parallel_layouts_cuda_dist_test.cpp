@@ -409,7 +409,7 @@ size_t expect_bitwise(const RunResult& over, const RunResult& plain, const Layou
 // optimizer inside the graph or run eagerly after each replay (both placements for each strategy);
 // ZeRO-3 overlapped also under PP 2 (1F1B; x DP 2 on 4 GPUs) with the optimizer in the graph. The
 // parameters are read after the replays through eager params_begin (ZeRO-3: the host's bindings
-// must be a step boundary's). Not yet run on GPUs.
+// must be a step boundary's).
 TEST(ParallelLayoutsNccl, ShardedFullIterationGraphBitwise) {
   MT_REQUIRE_CUDA();
   if (!gpu_world().comm) GTEST_SKIP() << gpu_world().skip;

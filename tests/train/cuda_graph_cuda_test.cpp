@@ -208,7 +208,7 @@ TEST_F(CudaGraphTraining, FullIterationWithOptimizerEqualsEagerBitwise) {
 // overlap with the optimizer outside the graph (replays followed by mark_replayed_grad_sync and the
 // eager optimizer step), and overlapped with the optimizer inside (mark_replayed_param_sync).
 // Losses, gradient norms, validation losses and the saved parameters and optimizer state after 8
-// iterations bitwise equal to eager. Not yet run on a GPU.
+// iterations bitwise equal to eager.
 const char* const kFsdpModel = "--hidden-size 128 --num-attention-heads 2 --attention-backend flash --use-megatron-fsdp "
                                "--ddp-bucket-size 100000 --data-parallel-sharding-strategy ";
 
