@@ -11,22 +11,34 @@
 // Per (sequence, comm type, ring), as ContextParallelAttention runs in training (model/layers/cp_attention.h):
 //   fwd / bwd ms   the layer's forward and backward (median of --iters after 3 warm-ups, CUDA
 //                  events on the compute stream, max over ranks);
-//   compute ms     the block attention alone (CpRingTrace: events around every ring step's blocks);
-//   exposed ms     ring exchange time outside every block computation (cp_overlap), fwd + bwd;
+//   compute ms     the block attention alone (CpRingTrace: events around every ring step's blocks;
+//                  median of --iters traced iterations);
+//   exposed ms     ring exchange time outside every block computation (cp_overlap), fwd + bwd
+//                  (median of the same traced iterations); an exchange span runs from the ring
+//                  stream's start to the transfers' end, so it also counts waiting for the peer;
 //   other ms       fwd + bwd − compute − exposed: packing, merges and, for a2a, the all-to-alls;
 //   alone ms       the same communication timed without compute: the ring's schedule of
 //                  sends/receives (p2p: P−1 K/V exchanges forward; backward P−1 K/V, P−1 dK/dV and
 //                  the final dK/dV home) by the row's mechanism (NCCL send/recv, or a
 //                  PeerRingExchange of its own on buffers of the same sizes), or the a2a's four
 //                  all-to-alls;
-//   hidden         p2p: 1 − exposed / alone, the fraction of the ring's communication the overlap
-//                  hides. Serialised with the compute it is ~0; overlapped, everything but the final
-//                  dK/dV exchange home is hidden: (3P − 3)/(3P − 2) of the exchanges, 3/4 at CP 2;
+//   hidden         p2p: 1 − exposed / alone, the fraction of the ring's communication the traced
+//                  iterations show hidden (information; skew between the ranks counts as exposed);
+//   serial ms      p2p: fwd + bwd with the ring serialised (ContextParallelRegion::
+//                  set_ring_serialised: the compute waits for each exchange before its blocks —
+//                  the same exchanges and blocks, the negative control), medians as fwd / bwd;
+//   vs serial      p2p: (serial − fwd − bwd) / hideable, where hideable = alone · (3P − 3)/(3P − 2)
+//                  (everything but the final dK/dV exchange home, 3/4 at CP 2): the share of the
+//                  hideable communication the overlap saves against the serialised ring. ~0 when
+//                  the ring is serialised; the overlap check gates on it;
 //   1 GPU ms       rank 0: the whole sequence's attention on one GPU (flash_attention_forward +
 //                  _backward, cuDNN with --backend fused), and the speed-up of the CP layer over it.
 // TF/s per GPU: FlashAttention's count (causal forward 2·b·n·s²·d, backward 2.5×) / CP / time.
-// Exits 1 (FAIL line) when a p2p row hides less than --min-hidden: the ring is serialised with the
-// compute. Timings never gate CI; this bench is run by bench/cp_bench.sh on a 2-GPU machine.
+// Exits 1 (FAIL line) when a p2p row's "vs serial" is below --min-hidden: the overlapped layer is
+// not faster than the serialised one by that share of the hideable communication. The share is
+// measurable only where the exchanges are not lost in the timing noise of the blocks (at CP 2 on
+// NVLink they are 2–4% of the layer at 32K–64K): --heads 8 --groups 8 at 8K–16K makes them ~1/3. Timings never gate CI; this bench is run by bench/cp_bench.sh on a 2-GPU machine.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -69,7 +81,7 @@ struct Options {
 };
 
 struct Row {
-  double fwd = 0, bwd = 0, compute = 0, exposed = 0, alone = 0, one_gpu = 0;
+  double fwd = 0, bwd = 0, compute = 0, exposed = 0, alone = 0, one_gpu = 0, serial = 0;
   std::string skipped;  // why the row was not run (copy engines refused)
 };
 
@@ -128,21 +140,49 @@ Row bench_one(const Options& opt, const std::shared_ptr<Communicator>& world, De
   const StepContext ctx{mb, dc, 0, st};
   r.fwd = timed(*world, st, opt.iters, [&] { attn.forward(out, x, ctx); });
   r.bwd = timed(*world, st, opt.iters, [&] { attn.backward(dx, dout, out, x, ctx); });
-  // One traced iteration: block compute and exposed exchange time (max over ranks).
+  if (region.p2p_size() > 1) {  // the negative control: the same layer with the ring serialised
+    const auto host = [&](const Tensor& t) {
+      std::vector<uint8_t> h(static_cast<size_t>(t.nbytes()));
+      copy_bytes(h.data(), Device::cpu(), t.data(), dev, h.size(), st);
+      st.synchronize();
+      return h;
+    };
+    attn.forward(out, x, ctx);
+    const std::vector<uint8_t> out_ovl = host(out);
+    region.set_ring_serialised(true);
+    r.serial = timed(*world, st, opt.iters, [&] { attn.forward(out, x, ctx); }) +
+               timed(*world, st, opt.iters, [&] { attn.backward(dx, dout, out, x, ctx); });
+    // the control adds waits only: the forward's output is the same bytes (the backward's dQ may
+    // differ in its last bits: cuDNN accumulates it with atomics)
+    attn.forward(out, x, ctx);
+    MT_REQUIRE(host(out) == out_ovl, "cp_ring_bench: the serialised ring's output differs from the overlapped one's");
+    region.set_ring_serialised(false);
+  }
+  // Traced iterations: block compute and exposed exchange time, the median of --iters (max over ranks).
   CpRingTrace trace(dev);
   region.set_trace(&trace);
-  double compute = 0, exposed = 0;
-  for (int phase = 0; phase < 2; ++phase) {
-    trace.clear();
-    if (phase == 0) attn.forward(out, x, ctx);
-    else attn.backward(dx, dout, out, x, ctx);
-    st.synchronize();
-    if (region.p2p_size() > 1) region.ring().stream.synchronize();
-    const CpOverlap ov = cp_overlap(trace.spans_ms());
-    compute += ov.compute_ms;
-    exposed += ov.exposed_ms;
+  std::vector<double> computes, exposeds;
+  for (int it = 0; it < std::max(1, opt.iters); ++it) {
+    double compute = 0, exposed = 0;
+    for (int phase = 0; phase < 2; ++phase) {
+      trace.clear();
+      if (phase == 0) attn.forward(out, x, ctx);
+      else attn.backward(dx, dout, out, x, ctx);
+      st.synchronize();
+      if (region.p2p_size() > 1) region.ring().stream.synchronize();
+      const CpOverlap ov = cp_overlap(trace.spans_ms());
+      compute += ov.compute_ms;
+      exposed += ov.exposed_ms;
+    }
+    computes.push_back(compute);
+    exposeds.push_back(exposed);
   }
   region.set_trace(nullptr);
+  const auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  const double compute = median(computes), exposed = median(exposeds);
   if (ce && region.p2p_size() > 1)
     MT_REQUIRE(cp_ring_copy_engine_exchanges() > ce_before, "cp_ring_bench: --ring ce ran no copy-engine exchange");
   r.compute = max_over(*world, static_cast<float>(compute), st);
@@ -260,9 +300,9 @@ int bench_main(int argc, char** argv) {
     fmt::print("CP {} attention layer, bf16, b = 1, {} heads of {} in {} groups, blocks on {}\n", cp, opt.heads,
                opt.dim, opt.groups,
                opt.fused && flash_attention_cudnn_available() ? "cuDNN (fused)" : "the FlashAttention-2 kernels");
-    fmt::print("{:>7} {:>5} {:>4} | {:>8} {:>8} {:>8} | {:>9} {:>9} {:>8} {:>8} {:>7} | {:>9} {:>7}\n", "seq",
-               "type", "ring", "fwd ms", "bwd ms", "TF/s/GPU", "compute", "exposed", "other", "alone", "hidden",
-               "1 GPU ms", "speedup");
+    fmt::print("{:>7} {:>5} {:>4} | {:>8} {:>8} {:>8} | {:>9} {:>9} {:>8} {:>8} {:>7} | {:>9} {:>9} | {:>9} {:>7}\n",
+               "seq", "type", "ring", "fwd ms", "bwd ms", "TF/s/GPU", "compute", "exposed", "other", "alone", "hidden",
+               "serial ms", "vs serial", "1 GPU ms", "speedup");
   }
   bool ok = true;
   for (const int64_t s : opt.seqs)
@@ -281,23 +321,30 @@ int bench_main(int argc, char** argv) {
         const double flops = 2.0 * opt.heads * static_cast<double>(s) * s * opt.dim * 3.5 / cp;
         const double other = total - r.compute - r.exposed;
         const double hidden = ring && r.alone > 0 ? 1.0 - r.exposed / r.alone : NAN;
+        const double hideable = r.alone * (3.0 * cp - 3) / (3.0 * cp - 2);
+        const double saved = ring && hideable > 0 ? (r.serial - total) / hideable : NAN;
         if (root) {
           fmt::print("{:>7} {:>5} {:>4} | {:>8.2f} {:>8.2f} {:>8.1f} | {:>9.2f} {:>9.3f} {:>8.2f} {:>8.3f} {:>6.0f}% | "
-                     "{:>9.2f} {:>6.2f}x\n",
+                     "{:>9.2f} {:>8.0f}% | {:>9.2f} {:>6.2f}x\n",
                      s, type, ring ? ring_kind : "-", r.fwd, r.bwd, flops / total * 1e-9, r.compute, r.exposed, other,
-                     r.alone, ring ? 100 * hidden : NAN, r.one_gpu, r.one_gpu / total);
+                     r.alone, ring ? 100 * hidden : NAN, ring ? r.serial : NAN, ring ? 100 * saved : NAN, r.one_gpu,
+                     r.one_gpu / total);
           std::fflush(stdout);
         }
-        if (ring && !(hidden >= opt.min_hidden)) {
+        if (ring && !(saved >= opt.min_hidden)) {
           ok = false;
           if (root)
-            fmt::print("FAIL: seq {} p2p ({}) hides {:.0f}% of its ring communication (exposed {:.3f} ms of {:.3f} ms "
-                       "alone), below --min-hidden {:.0f}%: the ring is serialised with the compute\n",
-                       s, ring_kind, 100 * hidden, r.exposed, r.alone, 100 * opt.min_hidden);
+            fmt::print("FAIL: seq {} p2p ({}): the overlapped layer ({:.3f} ms) saves {:.0f}% of the hideable ring "
+                       "communication ({:.3f} ms) against the serialised ring ({:.3f} ms), below --min-hidden {:.0f}%: "
+                       "the ring is serialised with the compute, or its exchanges are lost in the noise (see the "
+                       "header)\n",
+                       s, ring_kind, total, 100 * saved, hideable, r.serial, 100 * opt.min_hidden);
         }
       }
-  if (root && ok) fmt::print("overlap check passed: every p2p row hides >= {:.0f}% of its ring communication\n",
-                             100 * opt.min_hidden);
+  if (root && ok)
+    fmt::print("overlap check passed: every p2p row saves >= {:.0f}% of its hideable ring communication against the "
+               "serialised ring\n",
+               100 * opt.min_hidden);
   return ok ? 0 : 1;
 }
 

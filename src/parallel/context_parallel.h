@@ -226,11 +226,18 @@ class ContextParallelRegion {
   /// Benchmarks: the trace the layers record into (nullptr: none, the default).
   void set_trace(CpRingTrace* trace) { trace_ = trace; }
   CpRingTrace* trace() const { return trace_; }
+  /// Benchmarks: the negative control of the ring's overlap (bench/cp_ring_bench.cpp). When set,
+  /// the compute stream waits for each ring exchange right after issuing it, before the blocks it
+  /// would overlap, so the ring runs serialised with the compute; the values are unchanged (the
+  /// same exchanges and blocks in the same order). Default off.
+  void set_ring_serialised(bool serialised) { ring_serialised_ = serialised; }
+  bool ring_serialised() const { return ring_serialised_; }
 
  private:
   std::shared_ptr<Communicator> cp_, a2a_, p2p_;
   std::unique_ptr<Ring> ring_;
   CpRingTrace* trace_ = nullptr;
+  bool ring_serialised_ = false;
   ContextParallelOptions opts_;
   int size_, rank_;
   int64_t seq_;
