@@ -19,6 +19,9 @@
 # validation loss (target <= 0.8 x STEPS), in $OUT/muon_convergence.md; the step parts write
 # $OUT/muon_llama1b.md and $OUT/muon_llama7b.md.
 # usage: bench/muon.sh [build] [step|step7b|conv-adam|conv-muon|conv (default: step)]
+# ORDER="muon adam" runs Muon first (default "adam muon"). Each step run logs nvidia-smi's SM clock,
+# power and temperature every 500 ms ($OUT/muon_NAME_OPT.smi); the table gives their medians over the
+# run's second half (clocks under the power limit depend on what the GEMMs compute).
 # PLAN=1: instead of training, `megatron plan --gpu h200` of every run (checks that the flags parse
 # and validate, and prints the predicted step time; runs on a CPU-only machine).
 # Environment: ITERS, SKIP (step parts), STEP_GB (1.18B global batch, default 64), STEP7B_GB (7B
@@ -49,22 +52,31 @@ plan_of() {
 # step_share NAME NPROC FLAGS...: AdamW and Muon runs of the model, the table in $OUT/muon_NAME.md
 step_share() {
   local name=$1 n=$2; shift 2
-  for opt in adam muon; do
+  for opt in ${ORDER:-adam muon}; do
+    [ "$opt" = adam ] || [ "$opt" = muon ] || { echo "ORDER: '$opt' is not adam or muon"; return 1; }
     f=(); [ $opt = muon ] && f=("${muon[@]}")
     if [ "$PLAN" = 1 ]; then
       echo "$name $opt: $(plan_of "$n" "$@" "${f[@]}" --train-iters "$ITERS")"; continue
     fi
+    local smi=""
+    if command -v nvidia-smi > /dev/null; then
+      nvidia-smi --query-gpu=index,clocks.sm,power.draw,temperature.gpu --format=csv,noheader,nounits -lms 500 \
+        > "$OUT/muon_${name}_$opt.smi" 2>/dev/null &
+      smi=$!
+    fi
     timeout 600 build/megatron pretrain --nproc-per-node "$n" "$@" "${f[@]}" --train-iters "$ITERS" \
       --log-interval 1 --timing-log-level 1 > "$OUT/muon_${name}_$opt.log" 2>&1 ||
       { echo "$name $opt failed:"; tail -5 "$OUT/muon_${name}_$opt.log"; }
+    [ -n "$smi" ] && { kill "$smi" 2>/dev/null; wait "$smi" 2>/dev/null; }
   done
   [ "$PLAN" = 1 ] && return
   python3 - "$OUT" "$name" "$SKIP" <<'PY' | tee "$OUT/muon_$name.md"
 import re, statistics, sys
 out, name, skip = sys.argv[1], sys.argv[2], int(sys.argv[3])
 print(f"{name}:\n")
-print("| optimizer | step ms | optimizer ms | share | optimizer-inner-step ms | tokens/s | estimated memory |")
-print("|---|---|---|---|---|---|---|")
+print("| optimizer | step ms | optimizer ms | share | optimizer-inner-step ms | tokens/s | estimated memory "
+      "| SM MHz / W / °C (GPU 0, 2nd half) |")
+print("|---|---|---|---|---|---|---|---|")
 rows = {}
 for opt in ("adam", "muon"):
     log = open(f"{out}/muon_{name}_{opt}.log").read()
@@ -77,8 +89,18 @@ for opt in ("adam", "muon"):
         print(f"| {opt} | (no timings in the log) | | | | | |"); continue
     s, o = statistics.median(step), statistics.median(optim)
     rows[opt] = s
+    smi = "-"
+    try:
+        samples = [l.split(",") for l in open(f"{out}/muon_{name}_{opt}.smi") if l.strip()]
+        g0 = [[float(v) for v in x[1:4]] for x in samples if len(x) >= 4 and x[0].strip() == "0"]
+        g0 = g0[len(g0) // 2:]
+        if g0:
+            smi = " / ".join(f"{statistics.median(c):.0f}" for c in zip(*g0))
+    except (OSError, ValueError):
+        pass
     print(f"| {opt} | {s:.1f} | {o:.1f} | {100 * o / s:.1f}% | {statistics.median(inner):.1f} | "
-          f"{statistics.median(tok)} | {mem[-1] if mem else '-'} |")
+          f"{statistics.median(tok)} | {mem[-1] if mem else '-'} | {smi} |")
+    print(f"|   (steps {', '.join(f'{x:.0f}' for x in step)}) | | | | | | | |")
 if len(rows) == 2:
     print(f"\nMuon's step is {100 * (rows['muon'] / rows['adam'] - 1):+.1f}% vs AdamW end to end.\n")
 PY
