@@ -571,14 +571,26 @@ void ParamStore::store_main_as_remainders(const Stream& stream) {
              "--use-precision-aware-optimizer stores the fp32 main parameters as int16 remainders beside bf16 "
              "parameters: it needs --bf16 (the parameters are {})",
              dtype_name(model_dtype_));
-  MT_REQUIRE(!params_staged_,
-             "--use-precision-aware-optimizer with --data-parallel-sharding-strategy optim_grads_params is not built "
-             "(the remainders split whole bf16 parameters)");
   MT_REQUIRE(!main_sharded_,
              "ParamStore::store_main_as_remainders: the main parameters are already sharded (call it before "
              "shard_main, while every rank holds the whole fp32 copy)");
   Buffer rem(device_, static_cast<size_t>(total_) * 2);
-  split_param_remainders(main_flat(), params_flat(), rem.as(DType::kI16, {total_}), stream);
+  const Tensor rem_flat = rem.as(DType::kI16, {total_});
+  if (params_staged_) {
+    // optim_grads_params: only the owned slices have bf16 parameters here (param_shard); split
+    // those, each rank its own (every rank holds the same fp32 copy, so the slices agree with the
+    // split of the whole). The other remainders are zero and dropped by shard_main.
+    memset_tensor(rem_flat, 0, stream);
+    const Tensor whole = main_flat();
+    for (size_t b = 0; b < buckets_.size(); ++b) {
+      const Range r = param_owned_[b];
+      if (r.end > r.begin)
+        split_param_remainders(whole.flat_range(r.begin, r.end - r.begin), bucket_param_shard(b),
+                               rem_flat.flat_range(r.begin, r.end - r.begin), stream);
+    }
+  } else {
+    split_param_remainders(main_flat(), params_flat(), rem_flat, stream);
+  }
   stream.synchronize();  // the fp32 buffer is freed next
   main_ = std::move(rem);
   main_remainders_ = true;
@@ -606,6 +618,22 @@ void ParamStore::set_stored_params(const Tensor& full, const Stream& stream) {
 void ParamStore::set_main_from_full(const Tensor& full, const Stream& stream) {
   MT_REQUIRE(full.dtype() == DType::kF32 && full.numel() == total_ && full.device() == device_,
              "set_main_from_full: expected fp32 [{}] on {}, got {}", total_, device_.str(), full.str());
+  if (params_staged_ && main_remainders_) {
+    // The owned slices split into their bf16 halves (the parameter shard) and remainders (the
+    // remainder shard holds the same ranges in the same ascending order, or is flat-indexed
+    // before shard_main).
+    MT_CHECK(!main_sharded_ || main_shard_n_ == param_shard_n_,
+             "set_main_from_full: {} stored remainders for {} owned parameter elements", main_shard_n_, param_shard_n_);
+    const Tensor rem = main_remainders();
+    for (size_t b = 0; b < buckets_.size(); ++b) {
+      const Range r = param_owned_[b];
+      const int64_t n = r.end - r.begin;
+      if (n > 0)
+        split_param_remainders(full.flat_range(r.begin, n), bucket_param_shard(b),
+                               rem.flat_range(main_sharded_ ? param_shard_off_[b] : r.begin, n), stream);
+    }
+    return;
+  }
   if (params_staged_) {  // the owned slices (fp32: the main shard itself)
     set_stored_params(full, stream);
     if (!has_separate_main()) return;

@@ -242,8 +242,11 @@ class ParamStore {
   /// exactly inside the AdamW step: 2 bytes per element instead of 4. Splits the whole fp32 copy
   /// into the model parameters (all elements, so every data-parallel rank keeps identical bf16
   /// parameters; they differ from the round-to-nearest-even cast only at exact ties) and an int16
-  /// [total] remainder buffer, and frees the fp32 one. Call before shard_main (which then keeps
-  /// the owned remainders), outside a training step. Afterwards main(), main_flat(),
+  /// [total] remainder buffer, and frees the fp32 one. With staged parameters (use_param_slots,
+  /// optim_grads_params) only the owned slices exist: each rank splits its owned elements into
+  /// param_shard() and the remainders beside them (the others zero, dropped by shard_main), so the
+  /// AdamW step updates the pair (owned bf16 slice, owned remainder) by state index, with no fp32
+  /// copy. Call before shard_main (which then keeps the owned remainders), outside a training step. Afterwards main(), main_flat(),
   /// main_shard() and sync_model_from_main() are errors; initialize() and set_main_from_full()
   /// write both halves. A repeated call does nothing. Errors: mt::Error naming the flag when the
   /// model dtype is not bf16, or when the main parameters are already sharded.
@@ -366,8 +369,9 @@ class ParamStore {
   /// use_grad_slots); binding one whose slot another MoE layer holds is an mt::Error naming both.
   /// Afterwards param(i) of a staged
   /// bucket is a view into the slot it is bound to (bind_param_slot) and an mt::Error naming the
-  /// parameter when it is not bound; params_flat(), sync_model_from_main and
-  /// store_main_as_remainders are errors. Outside a training step, before shard_main. Errors:
+  /// parameter when it is not bound; params_flat() and sync_model_from_main are errors
+  /// (store_main_as_remainders then splits the owned slices). Outside a training step, before
+  /// shard_main and store_main_as_remainders. Errors:
   /// slots < 1, called twice, owned not one range per bucket inside it, or the main parameters
   /// already sharded or stored as remainders.
   void use_param_slots(const std::vector<Range>& owned, int slots, const Stream& stream);

@@ -296,12 +296,15 @@ void AdamWOptimizer::gather_main(const Tensor& full, const Stream& stream) const
     MT_REQUIRE(full.dtype() == DType::kF32 && full.numel() == params_.total_elements(),
                "optimizer gather: expected fp32 [{}], got {}", params_.total_elements(), full.str());
     sync_->finish_param_sync(stream);  // the bf16 parameters are final; no collective in flight
-    const Tensor rem = params_.main_remainders(), params = params_.params_flat();
+    // The bf16 parameters: the owned slices by state index with sharded parameters
+    // (optim_grads_params), else the whole buffer by flat index.
+    const bool staged = sync_->params_sharded();
+    const Tensor rem = params_.main_remainders(), params = staged ? params_.param_shard() : params_.params_flat();
     const bool sharded = params_.main_sharded();  // remainders by state index, else by flat index
     int64_t state = 0;
     for (const auto& o : sync_->owned_ranges()) {
       const int64_t n = o.end - o.begin;
-      merge_param_remainders(full.flat_range(o.begin, n), params.flat_range(o.begin, n),
+      merge_param_remainders(full.flat_range(o.begin, n), params.flat_range(staged ? state : o.begin, n),
                              rem.flat_range(sharded ? state : o.begin, n), stream);
       state += n;
     }

@@ -846,9 +846,6 @@ void resolve_megatron_fsdp(PretrainArgs& a) {
     MT_REQUIRE(a.model.fp8 == Fp8Format::kNone,
                "--data-parallel-sharding-strategy optim_grads_params with --fp8-format is not built (the FP8 weights "
                "are quantised from whole parameters once per step; docs/fsdp.md)");
-    MT_REQUIRE(!a.use_precision_aware_optimizer,
-               "--data-parallel-sharding-strategy optim_grads_params with --use-precision-aware-optimizer is not built "
-               "(the int16 remainders split whole bf16 parameters)");
     MT_REQUIRE(!a.overlap_param_gather,
                "--overlap-param-gather with --data-parallel-sharding-strategy optim_grads_params: the parameters are "
                "all-gathered per layer before use (prefetched), not after the optimizer step; drop the flag");

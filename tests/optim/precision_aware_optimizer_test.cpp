@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <bit>
 #include <cstring>
 #include <filesystem>
 #include <mutex>
@@ -67,9 +68,26 @@ struct State {
   std::vector<uint32_t> main, m, v;
   std::vector<uint16_t> param;
   int32_t step = 0;
+  float grad_norm = 0.f;  // the last step's
 };
 
-State capture(const ParamStore& P, const AdamWOptimizer& opt, const Stream& st) {
+/// The whole bf16 parameters: the buffer, or with staged parameters (optim_grads_params) each
+/// unit's buckets gathered as a forward pass does.
+std::vector<uint16_t> whole_params(const Model& model, const ParamStore& P, GradSync& sync, const Stream& st) {
+  if (!P.params_staged()) return raw_host<uint16_t>(P.params_flat(), st);
+  std::vector<uint16_t> out(static_cast<size_t>(P.total_elements()), 0);
+  ddp_test::for_each_unit(model, false, [&](size_t, ddp_test::LayerRange r, ddp_test::LayerRange next) {
+    sync.params_begin(r.first, r.end, false, next.first, next.end, st);
+    for (size_t i = r.first; i < r.end; ++i) {
+      const std::vector<uint16_t> v = raw_host<uint16_t>(P.param(i), st);
+      std::copy(v.begin(), v.end(), out.begin() + P.info(i).offset);
+    }
+    sync.params_end(r.first, r.end, false, st);
+  });
+  return out;
+}
+
+State capture(const Model& model, const ParamStore& P, GradSync& sync, const AdamWOptimizer& opt, const Stream& st) {
   const int64_t total = P.total_elements();
   OwnedTensor main(DType::kF32, Device::cpu(), {total}), m(DType::kF32, Device::cpu(), {total}),
       v(DType::kF32, Device::cpu(), {total});
@@ -85,8 +103,10 @@ State capture(const ParamStore& P, const AdamWOptimizer& opt, const Stream& st) 
   s.main = params_only(raw_host<uint32_t>(main, st));
   s.m = params_only(raw_host<uint32_t>(m, st));
   s.v = params_only(raw_host<uint32_t>(v, st));
-  s.param = params_only(raw_host<uint16_t>(P.params_flat(), st));
-  s.step = opt.read_scalars_sync(st).step;
+  s.param = params_only(whole_params(model, P, sync, st));
+  const OptimizerScalars sc = opt.read_scalars_sync(st);
+  s.step = sc.step;
+  s.grad_norm = sc.grad_norm;
   return s;
 }
 
@@ -110,10 +130,14 @@ struct Layout {
   int dp = 1;
   bool distributed = false;
   bool remainders = false;
+  bool zero3 = false;  // optim_grads_params: gradients and bf16 parameters sharded too (with distributed)
+  int instances = 1;   // --num-distributed-optimizer-instances (hybrid sharding; with distributed)
 };
 
 std::string describe(const Layout& r) {
-  return fmt::format("dp {}{}{}", r.dp, r.distributed ? " distopt" : "", r.remainders ? " remainders" : " fp32-main");
+  return fmt::format("dp {}{}{}{}{}", r.dp, r.distributed ? " distopt" : "", r.zero3 ? " optim_grads_params" : "",
+                     r.instances > 1 ? fmt::format(" instances {}", r.instances) : "",
+                     r.remainders ? " remainders" : " fp32-main");
 }
 
 /// `steps` steps (global step numbers [first_step, first_step + steps)) of gpt_like(3) in bf16 under
@@ -128,15 +152,18 @@ State run(const Model& model, const Layout& r, int first_step, int steps, const 
   std::mutex mu;
   run_thread_ranks(r.dp, [&](int rank, std::shared_ptr<Communicator> world) {
     Stream st;
-    ParamStore P(model.specs, DType::kBF16, Device::cpu(), ParamLayout{r.dp, 600});
+    const int shard = r.dp / r.instances;  // the ranks of one instance: the shard group
+    ParamStore P(model.specs, DType::kBF16, Device::cpu(), ParamLayout{shard, 600});
     DdpConfig dc;
     dc.overlap_grad_reduce = true;
     dc.use_distributed_optimizer = r.distributed;
-    dc.overlap_param_gather = r.distributed;
+    dc.overlap_param_gather = r.distributed && !r.zero3;  // (optim_grads_params gathers per unit)
+    dc.shard_grads = dc.shard_params = r.zero3;
+    dc.num_distributed_optimizer_instances = r.instances;
     GradSync sync(P, world, dc);
     AdamWOptimizer opt(sync, config(r.remainders), st);  // before initialize, as the trainer does
     const int64_t total = P.total_elements();
-    const int64_t stored = r.distributed ? total / r.dp : total;
+    const int64_t stored = r.distributed ? total / shard : total;
     EXPECT_EQ(P.main_remainders_stored(), r.remainders);
     EXPECT_EQ(P.has_main_flat(), !r.remainders && !r.distributed);
     EXPECT_EQ(P.main_storage_elements(), stored);
@@ -144,7 +171,37 @@ State run(const Model& model, const Layout& r, int first_step, int steps, const 
     // Memory: 8 bytes of moments per owned element plus 4 (fp32) or 2 (remainders) per stored main
     // element: 12 or 10 bytes per parameter, / DP with the distributed optimizer.
     EXPECT_EQ(P.main_storage_bytes(), stored * (r.remainders ? 2 : 4));
-    EXPECT_EQ(opt.state_bytes() * (r.distributed ? r.dp : 1), total * (r.remainders ? 10 : 12));
+    EXPECT_EQ(opt.state_bytes() * (r.distributed ? shard : 1), total * (r.remainders ? 10 : 12));
+    EXPECT_EQ(P.params_staged(), r.zero3);
+    if (r.zero3) {
+      // The bf16 parameters: the owned slices (the remainders' elements) plus the staging slots.
+      EXPECT_EQ(sync.owned_elements(), stored);
+      EXPECT_EQ(sync.param_bytes(), (stored + P.param_slots() * P.largest_dense_bucket()) * 2);
+      // The memory estimate of this store counts exactly what is allocated: the parameters, the
+      // main parameters (2 or 4 bytes per owned element), the gradients and the moments.
+      MemoryEstimateInputs in;
+      in.model.params = ParamStore::plan(model.specs, ParamLayout{shard, 600});  // as GPTModel::memory_plan
+      in.dtype = DType::kBF16;
+      in.distributed_optimizer = true;
+      in.data_parallel = shard;
+      in.param_slots = in.model.params.param_slots;  // as estimate_rank_memory
+      in.grad_slots = in.model.params.grad_slots;
+      EXPECT_EQ(in.param_slots, P.param_slots());
+      EXPECT_EQ(in.grad_slots, P.grad_slots());
+      in.store_param_remainders = r.remainders;
+      const MemoryEstimate e = estimate_training_memory(in);
+      auto part = [&](const std::string& prefix) {
+        size_t n = 0, hits = 0;
+        for (const MemoryPart& p : e.parts)
+          if (p.name.rfind(prefix, 0) == 0) n += p.bytes, ++hits;
+        EXPECT_EQ(hits, 1u) << prefix << " in " << e.summary();
+        return n;
+      };
+      EXPECT_EQ(part("model parameters (bf16; owned slices"), static_cast<size_t>(sync.param_bytes()));
+      EXPECT_EQ(part(r.remainders ? "main parameters (int16 remainders of fp32)" : "main parameters (fp32)"),
+                static_cast<size_t>(P.main_storage_bytes()));
+      EXPECT_EQ(part("gradients (fp32 shard"), static_cast<size_t>(sync.grad_bytes()));
+    }
     if (r.remainders) {
       EXPECT_EQ(P.main_remainders().dtype(), DType::kI16);
       EXPECT_EQ(P.main_remainders().numel(), stored);
@@ -173,7 +230,7 @@ State run(const Model& model, const Layout& r, int first_step, int steps, const 
       const CheckpointWriter w{.world = world, .dp_rank = rank, .edp_rank = rank};
       save_checkpoint(save.string(), cs, P, &opt, w, st);
     }
-    State s = capture(P, opt, st);
+    State s = capture(model, P, sync, opt, st);
     std::lock_guard<std::mutex> lock(mu);
     states[static_cast<size_t>(rank)] = std::move(s);
   });
@@ -189,6 +246,7 @@ State run(const Model& model, const Layout& r, int first_step, int steps, const 
 
 void expect_same(const State& a, const State& b, bool same_params, const std::string& what) {
   EXPECT_EQ(a.step, b.step) << what;
+  EXPECT_EQ(std::bit_cast<uint32_t>(a.grad_norm), std::bit_cast<uint32_t>(b.grad_norm)) << what << ": gradient norm";
   EXPECT_TRUE(a.main == b.main) << what << ": fp32 main parameters differ";
   EXPECT_TRUE(a.m == b.m) << what << ": exp_avg differs";
   EXPECT_TRUE(a.v == b.v) << what << ": exp_avg_sq differs";
@@ -224,10 +282,33 @@ TEST_P(PrecisionAware, MatchesFp32MainRunBitwise) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, PrecisionAware,
-                         ::testing::Values(Layout{1, false}, Layout{2, false}, Layout{2, true}),
+                         ::testing::Values(Layout{1, false}, Layout{2, false}, Layout{2, true},
+                                           Layout{.dp = 2, .distributed = true, .zero3 = true},
+                                           Layout{.dp = 4, .distributed = true, .zero3 = true},
+                                           Layout{.dp = 4, .distributed = true, .zero3 = true, .instances = 2}),
                          [](const auto& info) {
-                           return fmt::format("dp{}{}", info.param.dp, info.param.distributed ? "_distopt" : "");
+                           const Layout& l = info.param;
+                           return fmt::format("dp{}{}{}{}", l.dp, l.distributed ? "_distopt" : "",
+                                              l.zero3 ? "_optim_grads_params" : "",
+                                              l.instances > 1 ? fmt::format("_instances{}", l.instances) : "");
                          });
+
+// optim_grads_params (ZeRO-3) with remainders: each rank's remainders cover its owned slices of
+// the bf16 parameter shard, reconstructed and written back by the AdamW step; the same training
+// as the distributed optimizer (ZeRO-1) with remainders bit for bit (main parameters, moments, bf16
+// parameters, gradient norm), at DP 2, DP 4 and DP 4 in 2 instances (hybrid sharding), the
+// gradient reduction overlapped.
+TEST(PrecisionAware, OptimGradsParamsMatchesDistributedOptimizerBitwise) {
+  const Model model = ddp_test::gpt_like(3);
+  for (const auto& [dp, instances] : std::vector<std::pair<int, int>>{{2, 1}, {4, 1}, {4, 2}}) {
+    const Layout zero1{.dp = dp, .distributed = true, .remainders = true, .instances = instances};
+    Layout zero3 = zero1;
+    zero3.zero3 = true;
+    const State a = run(model, zero3, 0, 3), b = run(model, zero1, 0, 3);
+    ASSERT_EQ(a.step, 3);
+    expect_same(a, b, /*same_params=*/true, describe(zero3) + " vs " + describe(zero1));
+  }
+}
 
 // Checkpoints hold the fp32 main parameters (merged from the remainders): they load bit-exactly
 // under another layout, into a plain fp32-main run and back, and resuming is exact.
@@ -249,6 +330,32 @@ TEST(PrecisionAware, CheckpointRoundTripIsExact) {
   expect_same(run(model, dist_rem, 2, 1, a), run(model, dist_rem, 0, 3), true, "resumed vs uninterrupted");
   fs::remove_all(a);
   fs::remove_all(b);
+}
+
+// Checkpoints written under optim_grads_params with remainders hold the fp32 main parameters: they
+// load under the distributed optimizer (ZeRO-1) with and without remainders, and what those save
+// loads back under optim_grads_params; resuming under optim_grads_params is exact.
+TEST(PrecisionAware, OptimGradsParamsCheckpointsCrossLoad) {
+  const Model model = ddp_test::gpt_like(3);
+  const fs::path a = temp_dir("z3a"), b = temp_dir("z3b"), c = temp_dir("z3c");
+  const Layout z3_rem{.dp = 2, .distributed = true, .remainders = true, .zero3 = true};
+  const Layout z3_plain{.dp = 4, .distributed = true, .zero3 = true};
+  const Layout z1_rem{.dp = 2, .distributed = true, .remainders = true};
+  const Layout z1_plain{.dp = 4, .distributed = true};
+  const State saved = run(model, z3_rem, 0, 2, {}, a);
+  ASSERT_EQ(saved.step, 2);
+  expect_same(run(model, z3_rem, 2, 0, a), saved, true, "ZeRO-3 remainders -> same");
+  expect_same(run(model, z1_rem, 2, 0, a), saved, true, "ZeRO-3 remainders -> ZeRO-1 remainders");
+  expect_same(run(model, z1_plain, 2, 0, a), saved, false, "ZeRO-3 remainders -> ZeRO-1 fp32 main (DP 4)");
+  expect_same(run(model, z3_plain, 2, 0, a), saved, false, "ZeRO-3 remainders -> ZeRO-3 fp32 main (DP 4)");
+  // ... and back: what ZeRO-1 saves (with and without remainders) loads into ZeRO-3 remainders.
+  run(model, z1_plain, 2, 0, a, b);
+  expect_same(run(model, z3_rem, 2, 0, b), saved, true, "-> ZeRO-1 fp32 main -> ZeRO-3 remainders");
+  run(model, z1_rem, 2, 0, a, c);
+  expect_same(run(model, z3_rem, 2, 0, c), saved, true, "-> ZeRO-1 remainders -> ZeRO-3 remainders");
+  // Resuming is exact: 2 steps + save + load + 1 step == 3 steps without stopping.
+  expect_same(run(model, z3_rem, 2, 1, a), run(model, z3_rem, 0, 3), true, "resumed vs uninterrupted");
+  for (const fs::path& d : {a, b, c}) fs::remove_all(d);
 }
 
 // set_main_from_full and gather_main directly: every element's bf16 parameter from the split, the
@@ -320,6 +427,14 @@ TEST(PrecisionAware, FlagAndMemoryEstimate) {
   expect_error([] { parse("--use-precision-aware-optimizer"); }, "--use-precision-aware-optimizer needs --bf16");
   expect_error([] { parse("--use-precision-aware-optimizer"); }, "fp32");
   expect_error([] { parse("--fp16 --use-precision-aware-optimizer"); }, "fp16");
+  // optim_grads_params (ZeRO-3) takes the flag, also with the full-iteration CUDA graph and with
+  // hybrid sharding (remainders of the owned slices: OptimGradsParams* below).
+  for (const std::string extra : {"", " --cuda-graph-impl full_iteration", " --num-distributed-optimizer-instances 2"})
+    EXPECT_TRUE(parse("--bf16 --use-precision-aware-optimizer --use-megatron-fsdp --data-parallel-sharding-strategy "
+                      "optim_grads_params" +
+                      extra)
+                    .optim.store_param_remainders)
+        << extra;
   // The memory estimate counts 2 bytes per stored main element instead of 4.
   MemoryEstimateInputs in;
   in.model.params.total = 1 << 20;

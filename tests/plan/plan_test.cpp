@@ -231,6 +231,32 @@ TEST_F(Plan, HybridShardingReducesWithinTheInstanceThenAcrossInstances) {
                     "k 3");
 }
 
+// --use-precision-aware-optimizer under optim_grads_params (ZeRO-3) on 4 H200s: the plan keeps the
+// main parameters as int16 remainders of the owned slices, 2 bytes per owned element instead of 4
+// (the parameter slices, staging slots, gradients and moments unchanged); the same under the
+// distributed optimizer (ZeRO-1). (The CPU trains in fp32 only: the allocated bytes of this layout
+// are checked at the optimizer level, precision_aware_optimizer_test.)
+TEST_F(Plan, PrecisionAwareOptimizerHalvesTheOwnedMainParameters) {
+  for (const std::string strategy :
+       {"--use-distributed-optimizer", "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params"}) {
+    SCOPED_TRACE(strategy);
+    const std::string base = "--bf16 --train-iters 2 --micro-batch-size 1 --global-batch-size 4 --hidden-size 1024 "
+                             "--num-attention-heads 16 --num-layers 8 " + strategy;
+    const TrainingPlan plain = plan_training(request(base, 4, "h200"));
+    const TrainingPlan rem = plan_training(request(base + " --use-precision-aware-optimizer", 4, "h200"));
+    ASSERT_EQ(plain.stages.size(), 1u);
+    ASSERT_EQ(rem.stages.size(), 1u);
+    size_t main_plain = 0, main_rem = 0;
+    for (const MemoryPart& p : plain.stages[0].memory.parts)
+      if (p.name == "main parameters (fp32)") main_plain = p.bytes;
+    for (const MemoryPart& p : rem.stages[0].memory.parts)
+      if (p.name == "main parameters (int16 remainders of fp32)") main_rem = p.bytes;
+    ASSERT_GT(main_rem, 0u) << rem.stages[0].memory.summary();
+    EXPECT_EQ(main_plain, 2 * main_rem);
+    EXPECT_EQ(plain.stages[0].memory.total() - rem.stages[0].memory.total(), main_rem);
+  }
+}
+
 // --optimizer muon adds the Newton-Schulz GEMMs to the step, at the compute rate, by hand: 4
 // layers of Q, K, V, proj [32, 32] (4 k^2 n + 2 k^3 = 6 * 32^3 each) and fc1 [128, 32], fc2
 // [32, 128] (k 32, n 128: 4 * 32^2 * 128 + 2 * 32^3), 5 steps; half of it per rank with the

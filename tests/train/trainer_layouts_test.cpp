@@ -776,7 +776,6 @@ TEST_F(TrainerLayouts, MegatronFsdpOptimGradsParams) {
   for (const auto& [bad, msg] : std::vector<std::pair<std::string, std::string>>{
            {" --optimizer muon", "--optimizer muon with --data-parallel-sharding-strategy optim_grads_params"},
            {" --fp8-format hybrid", "optim_grads_params with --fp8-format is not built"},
-           {" --use-precision-aware-optimizer", "with --use-precision-aware-optimizer is not built"},
            {" --overlap-grad-reduce --overlap-param-gather", "drop the flag"},
            {" --cuda-graph-impl local --cuda-graph-scope attn mlp", "optim_grads_params with per-layer CUDA graphs"},
            // (the full-iteration graph is built: refused on the CPU only, docs/fsdp.md)
