@@ -90,6 +90,7 @@ struct Layout {
   bool shard_grads = false;    // optim_grads (ZeRO-2; with zero): gradients reduce-scattered per micro-batch
   bool shard_params = false;   // optim_grads_params (ZeRO-3; with shard_grads): parameters gathered per layer
   int instances = 1;           // --num-distributed-optimizer-instances (hybrid sharding; with zero)
+  bool remainders = false;     // --use-precision-aware-optimizer (int16 remainders beside the bf16 parameters)
   std::string name() const {
     std::string s = fmt::format("{}tp{}_pp{}", mla ? "mla_" : llama ? "llama_" : "", tp, pp);
     if (mtp > 0) s += fmt::format("_mtp{}", mtp);
@@ -102,6 +103,7 @@ struct Layout {
     if (graph) s += graph_optimizer ? "_graph" : "_graph_nooptimizer";
     if (shard_grads) s += shard_params ? "_optim_grads_params" : "_optim_grads";
     if (instances > 1) s += fmt::format("_instances{}", instances);
+    if (remainders) s += "_remainders";
     return s;
   }
 };
@@ -146,6 +148,7 @@ RunResult train(const std::shared_ptr<Communicator>& world, const Layout& L, DTy
   o.ddp.shard_params = L.shard_params;
   o.ddp.num_distributed_optimizer_instances = L.instances;
   o.optim.eps = 1e-5f;
+  o.optim.store_param_remainders = L.remainders;
   Stream st(dev);
   ModelSetup setup(world, o, st);
   const ProcessGroups& g = setup.groups();
@@ -339,6 +342,21 @@ TEST(ParallelLayoutsNccl, Bf16LayoutsMatchOneGpu) {
     h.shard_params = s == 2 || s == 4;
     h.instances = 2;
     layouts.push_back(h);
+  }
+  // --use-precision-aware-optimizer (int16 remainders of the owned slices; the same fp32 main
+  // parameters, bf16 ties rounded away from zero): with the distributed optimizer, and under
+  // optim_grads_params overlapped and as the full-iteration graph with the optimizer after the replay
+  for (int s = 0; s < 3; ++s) {
+    Layout r;
+    r.zero = r.overlap = true;
+    r.remainders = true;
+    r.shard_grads = r.shard_params = s > 0;
+    if (s == 2) {
+      r.overlap = false;
+      r.graph = true;
+      r.graph_optimizer = false;
+    }
+    layouts.push_back(r);
   }
   expect_layouts_match_one_gpu(Layout{}, layouts);
 }
