@@ -178,11 +178,7 @@ Row bench_one(const Options& opt, const std::shared_ptr<Communicator>& world, De
     exposeds.push_back(exposed);
   }
   region.set_trace(nullptr);
-  const auto median = [](std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v[v.size() / 2];
-  };
-  const double compute = median(computes), exposed = median(exposeds);
+  const double compute = bench::median(computes), exposed = bench::median(exposeds);
   if (ce && region.p2p_size() > 1)
     MT_REQUIRE(cp_ring_copy_engine_exchanges() > ce_before, "cp_ring_bench: --ring ce ran no copy-engine exchange");
   r.compute = max_over(*world, static_cast<float>(compute), st);

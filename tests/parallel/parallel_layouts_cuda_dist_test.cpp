@@ -420,6 +420,20 @@ size_t expect_bitwise(const RunResult& over, const RunResult& plain, const Layou
   return differing;
 }
 
+// Trains `plain` and `over` (the same layout with the feature under test) on the shared batch and
+// expects `over` bit for bit `plain`'s (expect_bitwise), printing the count of differing elements.
+void expect_variant_bitwise(const Layout& over, const Layout& plain, const char* against,
+                            const std::vector<int32_t>& tokens, const std::vector<int32_t>& labels, int64_t mb,
+                            int64_t num_micro, int iters) {
+  const std::shared_ptr<Communicator>& world = gpu_world().comm;
+  const Device dev = gpu_world().dev;
+  const RunResult p = train(world, plain, DType::kBF16, dev, tokens, labels, mb, num_micro, iters);
+  const RunResult o = train(world, over, DType::kBF16, dev, tokens, labels, mb, num_micro, iters);
+  const size_t differing = expect_bitwise(o, p, over, world->rank());
+  std::printf("[%s] rank %d: %zu elements differ from %s, loss %.8f vs %.8f\n", over.name().c_str(), world->rank(),
+              differing, against, o.losses.back(), p.losses.back());
+}
+
 // Megatron-FSDP as a full-iteration CUDA graph (docs/fsdp.md "CUDA graphs of the whole step"):
 // under --deterministic-mode the graph run (captured after one eager step, then replayed for three
 // iterations) gives the losses and parameters of the eager run bit for bit: optim_grads (ZeRO-2) and
@@ -431,8 +445,6 @@ size_t expect_bitwise(const RunResult& over, const RunResult& plain, const Layou
 TEST(ParallelLayoutsNccl, ShardedFullIterationGraphBitwise) {
   MT_REQUIRE_CUDA();
   if (!gpu_world().comm) GTEST_SKIP() << gpu_world().skip;
-  const Device dev = gpu_world().dev;
-  const std::shared_ptr<Communicator>& world = gpu_world().comm;
   const int64_t mb = 2, num_micro = 8, S = config().seq_length;
   const auto [tokens, labels] = shared_random_batch(num_micro * mb * S);
   std::vector<Layout> layouts;
@@ -451,14 +463,9 @@ TEST(ParallelLayoutsNccl, ShardedFullIterationGraphBitwise) {
   layouts.push_back(p);
   for (Layout L : layouts) {
     L.deterministic = true;
-    constexpr int kGraphIters = 4;
-    L.graph = false;
-    const RunResult eager = train(world, L, DType::kBF16, dev, tokens, labels, mb, num_micro, kGraphIters);
+    Layout eager = L;
     L.graph = true;
-    const RunResult graph = train(world, L, DType::kBF16, dev, tokens, labels, mb, num_micro, kGraphIters);
-    const size_t differing = expect_bitwise(graph, eager, L, world->rank());
-    std::printf("[%s] rank %d: %zu elements differ from the eager run, loss %.8f vs %.8f\n", L.name().c_str(),
-                world->rank(), differing, graph.losses.back(), eager.losses.back());
+    expect_variant_bitwise(L, eager, "the eager run", tokens, labels, mb, num_micro, /*iters=*/4);
   }
 }
 
@@ -472,7 +479,6 @@ TEST(ParallelLayoutsNccl, ShardedFullIterationGraphBitwise) {
 TEST(ParallelLayoutsNccl, TpCommOverlapBitwise) {
   MT_REQUIRE_CUDA();
   if (!gpu_world().comm) GTEST_SKIP() << gpu_world().skip;
-  const Device dev = gpu_world().dev;
   const std::shared_ptr<Communicator>& world = gpu_world().comm;
   const int64_t mb = 2, num_micro = 8, S = config().seq_length;
   const auto [tokens, labels] = shared_random_batch(num_micro * mb * S);
@@ -483,14 +489,9 @@ TEST(ParallelLayoutsNccl, TpCommOverlapBitwise) {
     L.llama = llama;
     L.zero = L.overlap = world->size() == 4;
     L.deterministic = true;
-    L.tp_overlap = true;
-    const RunResult over = train(world, L, DType::kBF16, dev, tokens, labels, mb, num_micro);
-    L.tp_overlap = false;
-    const RunResult plain = train(world, L, DType::kBF16, dev, tokens, labels, mb, num_micro);
-    const std::string name = L.name();
-    const size_t differing = expect_bitwise(over, plain, L, world->rank());
-    std::printf("[%s] rank %d: %zu elements differ from the run without --tp-comm-overlap, loss %.8f vs %.8f\n",
-                name.c_str(), world->rank(), differing, over.losses.back(), plain.losses.back());
+    Layout over = L;
+    over.tp_overlap = true;
+    expect_variant_bitwise(over, L, "the run without --tp-comm-overlap", tokens, labels, mb, num_micro, kIters);
   }
 }
 
@@ -506,7 +507,6 @@ TEST(ParallelLayoutsNccl, TpCommOverlapBitwise) {
 TEST(ParallelLayoutsNccl, PipelineP2pOverlapBitwise) {
   MT_REQUIRE_CUDA();
   if (!gpu_world().comm) GTEST_SKIP() << gpu_world().skip;
-  const Device dev = gpu_world().dev;
   const std::shared_ptr<Communicator>& world = gpu_world().comm;
   const int64_t mb = 2, num_micro = 8, S = config().seq_length;
   const auto [tokens, labels] = shared_random_batch(num_micro * mb * S);
@@ -534,17 +534,11 @@ TEST(ParallelLayoutsNccl, PipelineP2pOverlapBitwise) {
   for (Layout L : layouts) {
     L.deterministic = true;
     for (const bool graph : {false, true}) {
-      const int iters = graph ? 3 : kIters;
-      L.p2p_overlap = false;
-      L.graph = false;
-      const RunResult plain = train(world, L, DType::kBF16, dev, tokens, labels, mb, num_micro, iters);
-      L.p2p_overlap = true;
-      L.graph = graph;
-      const RunResult over = train(world, L, DType::kBF16, dev, tokens, labels, mb, num_micro, iters);
-      const size_t differing = expect_bitwise(over, plain, L, world->rank());
-      std::printf("[%s] rank %d: %zu elements differ from the eager run without --overlap-p2p-communication, loss "
-                  "%.8f vs %.8f\n",
-                  L.name().c_str(), world->rank(), differing, over.losses.back(), plain.losses.back());
+      Layout over = L;
+      over.p2p_overlap = true;
+      over.graph = graph;
+      expect_variant_bitwise(over, L, "the eager run without --overlap-p2p-communication", tokens, labels, mb,
+                             num_micro, graph ? 3 : kIters);
     }
   }
 }

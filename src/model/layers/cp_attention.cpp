@@ -193,6 +193,7 @@ void ContextParallelAttention::exchange(const Tensor& send, const Tensor& recv, 
   }
   if (trace) trace->end(span, ring.stream);
   ring.done.record(ring.stream);
+  if (cp_.ring_serialised()) ring.done.wait(st);  // the benchmarks' negative control: before the blocks
 }
 
 void ContextParallelAttention::exchange_wait(const Stream& st) const { cp_.ring().done.wait(st); }
@@ -227,7 +228,6 @@ void ContextParallelAttention::ring_forward(const Saved& sv, const Tensor& out, 
   for (int i = 0; i < p2p_; ++i) {
     const bool pass = i + 1 < p2p_;
     if (pass) exchange(cur, nxt, Tensor(), Tensor(), st);
-    if (pass && cp_.ring_serialised()) exchange_wait(st);  // the benchmarks' negative control
     const int span = trace ? trace->begin(CpRingTrace::Kind::kCompute, st) : -1;
     block_forward(cp_ring_step(p2p_, outer_, i), sv, out, cur, doc, i > 0, ctx);
     if (trace) trace->end(span, st);
@@ -253,7 +253,6 @@ void ContextParallelAttention::ring_backward(const Saved& sv, const Tensor& out,
     if (pass_kv || pass_dkv)
       exchange(pass_kv ? cur : Tensor(), pass_kv ? nxt : Tensor(), pass_dkv ? dkv_[(i + 1) % 2] : Tensor(),
                pass_dkv ? dkv_recv_ : Tensor(), st);
-    if ((pass_kv || pass_dkv) && cp_.ring_serialised()) exchange_wait(st);  // the benchmarks' negative control
     fill(dpart, 0.f, st);
     const int span = trace ? trace->begin(CpRingTrace::Kind::kCompute, st) : -1;
     block_backward(cp_ring_step(p2p_, outer_, i), sv, out, dout, dq, cur, dpart, doc, ctx);
